@@ -1,0 +1,106 @@
+// Context, queues and buffers.
+#include "ferry/cl/context.hpp"
+
+#include <fmt/format.h>
+
+#include "ferry/cl/error.hpp"
+
+namespace ferry::cl {
+
+const char* queue_name(QueueKind q) {
+  switch (q) {
+    case QueueKind::compute:
+      return "compute";
+    case QueueKind::h2d:
+      return "copy in";
+    case QueueKind::d2h:
+      return "copy out";
+  }
+  return "?";
+}
+
+Context::Context(const DeviceInfo& device, ContextOptions options) : device_(device), options_(options) {
+  cl_int status = CL_SUCCESS;
+  cl_context_properties props[] = {CL_CONTEXT_PLATFORM, reinterpret_cast<cl_context_properties>(device.platform), 0};
+  context_ = ContextHandle(clCreateContext(props, 1, &device_.id, nullptr, nullptr, &status));
+  check(status, "clCreateContext");
+  const cl_command_queue_properties qprops = options.profiling ? CL_QUEUE_PROFILING_ENABLE : 0;
+  for (auto& q : queues_) {
+    q = QueueHandle(clCreateCommandQueue(context_.get(), device_.id, qprops, &status));
+    check(status, "clCreateCommandQueue");
+  }
+}
+
+Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags) const {
+  if (bytes > device_.max_alloc_bytes) {
+    throw std::runtime_error(fmt::format("buffer '{}' of {} bytes exceeds the device's largest allocation ({} bytes) "
+                                         "on {}: split it or lower the device budget",
+                                         what, bytes, device_.max_alloc_bytes, device_.name));
+  }
+  cl_int status = CL_SUCCESS;
+  Mem mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, nullptr, &status));
+  if (status != CL_SUCCESS) {
+    throw Error(fmt::format("clCreateBuffer({} bytes for '{}')", bytes, what), status, std::string(OpScope::current()));
+  }
+  return mem;
+}
+
+PinnedBuffer Context::create_pinned(std::size_t bytes, std::string_view what) const {
+  Mem mem = create_buffer(bytes, what, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR);
+  cl_int status = CL_SUCCESS;
+  void* host = clEnqueueMapBuffer(compute(), mem.get(), CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes == 0 ? 4 : bytes,
+                                  0, nullptr, nullptr, &status);
+  check(status, "clEnqueueMapBuffer(pinned host buffer)");
+  return PinnedBuffer(std::move(mem), compute(), host, bytes);
+}
+
+void Context::write(cl_mem dst, std::size_t offset_bytes, const void* src, std::size_t bytes) const {
+  if (bytes == 0) return;
+  FERRY_CL(clEnqueueWriteBuffer(compute(), dst, CL_TRUE, offset_bytes, bytes, src, 0, nullptr, nullptr));
+}
+
+void Context::read(cl_mem src, std::size_t offset_bytes, void* dst, std::size_t bytes) const {
+  if (bytes == 0) return;
+  FERRY_CL(clEnqueueReadBuffer(compute(), src, CL_TRUE, offset_bytes, bytes, dst, 0, nullptr, nullptr));
+}
+
+void Context::finish_all() const {
+  for (const auto& q : queues_) FERRY_CL(clFinish(q.get()));
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& o) noexcept
+    : mem_(std::move(o.mem_)),
+      queue_(std::exchange(o.queue_, nullptr)),
+      host_(std::exchange(o.host_, nullptr)),
+      bytes_(std::exchange(o.bytes_, 0)) {}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    mem_ = std::move(o.mem_);
+    queue_ = std::exchange(o.queue_, nullptr);
+    host_ = std::exchange(o.host_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() { release(); }
+
+void PinnedBuffer::release() noexcept {
+  if (host_ && mem_) {
+    cl_event done = nullptr;
+    if (clEnqueueUnmapMemObject(queue_, mem_.get(), host_, 0, nullptr, &done) == CL_SUCCESS && done) {
+      clWaitForEvents(1, &done);
+      clReleaseEvent(done);
+    }
+  }
+  host_ = nullptr;
+  mem_ = Mem();
+}
+
+void wait(std::span<const cl_event> events) {
+  if (!events.empty()) FERRY_CL(clWaitForEvents(static_cast<cl_uint>(events.size()), events.data()));
+}
+
+}  // namespace ferry::cl

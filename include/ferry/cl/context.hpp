@@ -1,0 +1,76 @@
+// An OpenCL context on one device with ferry's three in-order queues and buffer factories.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+#include "ferry/cl/device.hpp"
+#include "ferry/cl/handle.hpp"
+
+namespace ferry::cl {
+
+// Which queue a command goes to. Compute kernels, host-to-device and device-to-host copies each
+// have their own in-order queue so that transfers can overlap compute; events order them.
+enum class QueueKind : std::uint8_t { compute, h2d, d2h };
+const char* queue_name(QueueKind q);
+
+struct ContextOptions {
+  bool profiling = false;  // CL_QUEUE_PROFILING_ENABLE on all queues (needed for traces)
+};
+
+// Host memory the device can copy from asynchronously (CL_MEM_ALLOC_HOST_PTR, mapped for the
+// life of the object). Only such memory lets a copy overlap compute on discrete GPUs.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(Mem mem, cl_command_queue queue, void* host, std::size_t bytes)
+      : mem_(std::move(mem)), queue_(queue), host_(host), bytes_(bytes) {}
+  PinnedBuffer(PinnedBuffer&& o) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  ~PinnedBuffer();
+  void* data() const noexcept { return host_; }
+  float* floats() const noexcept { return static_cast<float*>(host_); }
+  std::size_t bytes() const noexcept { return bytes_; }
+  cl_mem mem() const noexcept { return mem_.get(); }
+
+ private:
+  void release() noexcept;
+  Mem mem_;
+  cl_command_queue queue_ = nullptr;
+  void* host_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class Context {
+ public:
+  explicit Context(const DeviceInfo& device, ContextOptions options = {});
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  const DeviceInfo& device() const noexcept { return device_; }
+  cl_context get() const noexcept { return context_.get(); }
+  cl_command_queue queue(QueueKind q) const noexcept { return queues_[static_cast<int>(q)].get(); }
+  cl_command_queue compute() const noexcept { return queue(QueueKind::compute); }
+  bool profiling() const noexcept { return options_.profiling; }
+
+  // Device buffer; `what` names it in the error if the allocation fails.
+  Mem create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags = CL_MEM_READ_WRITE) const;
+  PinnedBuffer create_pinned(std::size_t bytes, std::string_view what) const;
+
+  // Blocking helpers for set-up, tests and tools; never used inside a compiled step.
+  void write(cl_mem dst, std::size_t offset_bytes, const void* src, std::size_t bytes) const;
+  void read(cl_mem src, std::size_t offset_bytes, void* dst, std::size_t bytes) const;
+  void finish_all() const;
+
+ private:
+  DeviceInfo device_;
+  ContextOptions options_;
+  ContextHandle context_;
+  QueueHandle queues_[3];
+};
+
+// Waits for events on the calling thread. For set-up and tests only.
+void wait(std::span<const cl_event> events);
+
+}  // namespace ferry::cl

@@ -1,0 +1,76 @@
+// Programs built from kernels embedded at build time, with an on-disk binary cache.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/error.hpp"
+#include "ferry/cl/handle.hpp"
+
+namespace ferry::cl {
+
+// The embedded kernel files (ops/kernels/*.cl), keyed by file stem.
+const std::vector<std::pair<std::string_view, std::string_view>>& embedded_kernel_sources();
+std::string_view kernel_source(std::string_view file);
+
+struct ProgramCacheOptions {
+  bool enabled = true;
+  std::filesystem::path dir;
+  // FERRY_PROGRAM_CACHE=0 disables the cache (for drivers that cache themselves);
+  // FERRY_CACHE_DIR sets the folder, else $XDG_CACHE_HOME/ferry, else ~/.cache/ferry.
+  static ProgramCacheOptions from_env();
+};
+
+struct ProgramCacheStats {
+  std::uint64_t memory_hits = 0, disk_hits = 0, source_builds = 0, corrupt_entries = 0;
+};
+
+// Builds and memoises programs per (file, options). A program binary is cached on disk under a
+// key of device name, driver version, platform version, source and options, so a new driver or
+// an edited kernel never loads a stale binary. Thread-safe.
+class KernelLibrary {
+ public:
+  explicit KernelLibrary(const Context& context, ProgramCacheOptions cache = ProgramCacheOptions::from_env());
+
+  cl_program program(std::string_view file, std::string_view options = {});
+  Kernel kernel(std::string_view file, std::string_view kernel_name, std::string_view options = {});
+  const Context& context() const noexcept { return context_; }
+  ProgramCacheStats stats() const;
+  const ProgramCacheOptions& cache_options() const noexcept { return cache_; }
+
+ private:
+  Program build(std::string_view file, std::string_view source, const std::string& options);
+  const Context& context_;
+  ProgramCacheOptions cache_;
+  mutable std::mutex mutex_;
+  std::map<std::string, Program, std::less<>> programs_;
+  ProgramCacheStats stats_;
+};
+
+// Sets kernel arguments in order: cl_mem handles, Mem handles and trivially copyable scalars.
+namespace detail {
+inline void set_arg(cl_kernel k, cl_uint i, const Mem& m) {
+  cl_mem raw = m.get();
+  FERRY_CL(clSetKernelArg(k, i, sizeof(cl_mem), &raw));
+}
+template <class T>
+void set_arg(cl_kernel k, cl_uint i, const T& v) {
+  static_assert(std::is_trivially_copyable_v<T>, "kernel arguments are scalars or buffers");
+  FERRY_CL(clSetKernelArg(k, i, sizeof(T), &v));
+}
+}  // namespace detail
+
+template <class... Args>
+void set_args(cl_kernel k, const Args&... args) {
+  cl_uint i = 0;
+  (detail::set_arg(k, i++, args), ...);
+}
+
+}  // namespace ferry::cl

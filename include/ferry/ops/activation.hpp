@@ -1,0 +1,42 @@
+// Elementwise activations: ReLU and GELU (exact, erf form).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+
+#include "ferry/ops/launch.hpp"
+
+namespace ferry::ops {
+
+enum class Activation : std::uint8_t { relu, gelu };
+
+LaunchList activation_forward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan y, std::size_t n);
+LaunchList activation_backward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan dy, DeviceSpan dx, std::size_t n);
+
+namespace ref {
+
+template <class T>
+void activation_forward(Activation a, std::span<const T> x, std::span<T> y) {
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const T v = x[i];
+    y[i] = a == Activation::relu ? (v > T(0) ? v : T(0)) : T(0.5) * v * (T(1) + std::erf(v / std::sqrt(T(2))));
+  }
+}
+
+template <class T>
+void activation_backward(Activation a, std::span<const T> x, std::span<const T> dy, std::span<T> dx) {
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const T v = x[i];
+    if (a == Activation::relu) {
+      dx[i] = v > T(0) ? dy[i] : T(0);
+    } else {
+      const T cdf = T(0.5) * (T(1) + std::erf(v / std::sqrt(T(2))));
+      const T pdf = std::exp(-T(0.5) * v * v) / std::sqrt(T(2) * T(M_PI));
+      dx[i] = dy[i] * (cdf + v * pdf);
+    }
+  }
+}
+
+}  // namespace ref
+}  // namespace ferry::ops

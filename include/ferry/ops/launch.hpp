@@ -1,0 +1,65 @@
+// The contract between ops and whoever runs them (the step graph, tests, benchmarks).
+//
+// An op is "bound" once: its kernels are created and their arguments set for fixed operand
+// locations (the memory plan fixes every offset before the step runs). Each step then only
+// enqueues the recorded launches with a wait list, so a launch costs one clEnqueueNDRangeKernel
+// and no two threads ever set arguments on the same cl_kernel.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/handle.hpp"
+#include "ferry/cl/program.hpp"
+
+namespace ferry::ops {
+
+// A float operand on the device: a buffer of the arena and an offset in elements.
+struct DeviceSpan {
+  cl_mem buffer = nullptr;
+  std::uint64_t offset = 0;
+};
+
+// Values that change from step to step and that some kernels read (optimizer step, learning rate).
+struct StepInfo {
+  std::uint64_t step = 1;  // 1-based count of optimizer updates (Adam bias correction)
+  float lr = 0.0f;
+};
+
+struct KernelLaunch {
+  cl::Kernel kernel;
+  cl_uint dims = 1;
+  std::array<std::size_t, 3> global{1, 1, 1};
+  std::array<std::size_t, 3> local{0, 0, 0};  // all zero: the driver chooses
+  // Sets the arguments that vary per step just before the enqueue; empty for most kernels.
+  std::function<void(cl_kernel, const StepInfo&)> per_step;
+};
+
+using LaunchList = std::vector<KernelLaunch>;
+
+// Enqueues the launches in order on `queue`; the first waits on `wait`. Returns the event of the
+// last launch (null if the list is empty; the caller then forwards its wait list).
+cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<const cl_event> wait,
+                  const StepInfo& step = {});
+
+// Enqueue and wait: for tests and benchmarks, never inside a compiled step.
+void run_blocking(cl_command_queue queue, const LaunchList& launches, const StepInfo& step = {});
+
+// What an op needs to bind its kernels.
+struct OpEnv {
+  cl::KernelLibrary& kernels;
+  const cl::DeviceInfo& device() const { return kernels.context().device(); }
+};
+
+// Global size rounded up to a multiple of `multiple`.
+inline std::size_t round_up(std::size_t n, std::size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// A one-dimensional launch over n elements with the library's default work-group size.
+KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n);
+
+}  // namespace ferry::ops

@@ -1,0 +1,115 @@
+// Shared helpers for op tests: one device per test binary, host<->device tensors, random data,
+// and a double-precision finite-difference check of CPU reference backward rules.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/program.hpp"
+#include "ferry/ops/launch.hpp"
+
+namespace ferry::test {
+
+// The device every test in this binary uses (FERRY_DEVICE selects it, as for the CLI).
+struct TestDevice {
+  cl::Context context;
+  cl::KernelLibrary kernels;
+  ops::OpEnv env;
+  TestDevice() : context(cl::select_device()), kernels(context), env{kernels} {}
+  static TestDevice& get() {
+    static auto* device = new TestDevice();  // leaked on purpose: outlives all static test state
+    return *device;
+  }
+};
+
+// A float buffer on the test device, optionally placed at a nonzero element offset to check
+// that kernels honour operand offsets.
+class DeviceTensor {
+ public:
+  explicit DeviceTensor(std::size_t n, std::uint64_t offset = 7) : n_(n), offset_(offset) {
+    auto& dev = TestDevice::get();
+    mem_ = dev.context.create_buffer((n + offset) * sizeof(float), "test tensor");
+    std::vector<float> poison(n + offset, std::nanf(""));
+    dev.context.write(mem_.get(), 0, poison.data(), poison.size() * sizeof(float));
+  }
+  explicit DeviceTensor(const std::vector<float>& values, std::uint64_t offset = 7) : DeviceTensor(values.size(), offset) {
+    upload(values);
+  }
+  void upload(const std::vector<float>& values) {
+    TestDevice::get().context.write(mem_.get(), offset_ * sizeof(float), values.data(), values.size() * sizeof(float));
+  }
+  std::vector<float> download() const {
+    std::vector<float> out(n_);
+    TestDevice::get().context.read(mem_.get(), offset_ * sizeof(float), out.data(), n_ * sizeof(float));
+    return out;
+  }
+  ops::DeviceSpan span() const { return {mem_.get(), offset_}; }
+  std::size_t size() const { return n_; }
+
+ private:
+  std::size_t n_;
+  std::uint64_t offset_;
+  cl::Mem mem_;
+};
+
+inline std::vector<float> random_vector(std::size_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+inline std::vector<float> to_float(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+// Asserts |a - b| <= atol + rtol * |b| elementwise, reporting the first few mismatches.
+inline void expect_near(const std::vector<float>& actual, const std::vector<float>& expected, float atol, float rtol,
+                        const char* what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  int reported = 0;
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    const float tol = atol + rtol * std::abs(expected[i]);
+    if (!(std::abs(actual[i] - expected[i]) <= tol)) {  // also catches NaN
+      ADD_FAILURE() << what << "[" << i << "]: got " << actual[i] << ", expected " << expected[i];
+      if (++reported == 5) return;
+    }
+  }
+}
+
+// Checks a backward rule against central finite differences in double precision.
+// `loss(x)` is a scalar function of the flat input (usually sum(r * forward(x)) for random r);
+// `grad` is the analytic gradient at x. Checks every element up to `max_checks`, spread evenly.
+inline void expect_gradient_matches_finite_differences(const std::function<double(const std::vector<double>&)>& loss,
+                                                       std::vector<double> x, const std::vector<double>& grad,
+                                                       const char* what, double eps = 1e-6, double tol = 1e-5,
+                                                       std::size_t max_checks = 64) {
+  ASSERT_EQ(x.size(), grad.size()) << what;
+  const std::size_t stride = std::max<std::size_t>(1, x.size() / max_checks);
+  for (std::size_t i = 0; i < x.size(); i += stride) {
+    const double saved = x[i];
+    x[i] = saved + eps;
+    const double up = loss(x);
+    x[i] = saved - eps;
+    const double down = loss(x);
+    x[i] = saved;
+    const double numeric = (up - down) / (2 * eps);
+    EXPECT_NEAR(grad[i], numeric, tol * std::max(1.0, std::abs(numeric))) << what << " element " << i;
+  }
+}
+
+// sum_i r_i * y_i: a scalar loss whose gradient with respect to y is r.
+inline double weighted_sum(const std::vector<double>& y, const std::vector<double>& r) {
+  double s = 0;
+  for (std::size_t i = 0; i < y.size(); ++i) s += y[i] * r[i];
+  return s;
+}
+
+}  // namespace ferry::test
