@@ -1,0 +1,58 @@
+// GEMM: C[M,N] = alpha * op(A) * op(B) + beta * C (+ bias broadcast over rows), row-major.
+// op(A) is A stored [M,K], or A^T with A stored [K,M]; op(B) is B stored [K,N], or B^T with B
+// stored [N,K]. This is the workhorse of Linear and Conv2d (through im2col).
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+#include "ferry/ops/launch.hpp"
+
+namespace ferry::ops {
+
+struct GemmShape {
+  std::size_t M = 0, N = 0, K = 0;
+  bool trans_a = false, trans_b = false;
+};
+
+// Which implementation runs a GEMM. `automatic` follows the per-device tuning data.
+enum class GemmBackend : std::uint8_t { automatic, ferry, clblast };
+
+struct GemmOptions {
+  GemmBackend backend = GemmBackend::automatic;
+  DeviceSpan bias{};  // optional: length N, added to every row of C after the product
+};
+
+// Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller
+// (the memory planner) provides it; it is only used during the launches.
+std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& shape, const GemmOptions& options = {});
+
+LaunchList gemm(OpEnv& env, const GemmShape& shape, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
+                DeviceSpan scratch, const GemmOptions& options = {});
+
+// Describes the kernel and parameters gemm() picks on this device, for logs and benchmarks.
+std::string gemm_kernel_description(OpEnv& env, const GemmShape& shape, const GemmOptions& options = {});
+
+namespace ref {
+
+template <class T>
+void gemm(const GemmShape& s, T alpha, std::span<const T> a, std::span<const T> b, T beta, std::span<T> c,
+          std::span<const T> bias = {}) {
+  for (std::size_t i = 0; i < s.M; ++i) {
+    for (std::size_t j = 0; j < s.N; ++j) {
+      T acc = 0;
+      for (std::size_t k = 0; k < s.K; ++k) {
+        const T av = s.trans_a ? a[k * s.M + i] : a[i * s.K + k];
+        const T bv = s.trans_b ? b[j * s.K + k] : b[k * s.N + j];
+        acc += av * bv;
+      }
+      T out = alpha * acc + (beta == T(0) ? T(0) : beta * c[i * s.N + j]);
+      if (!bias.empty()) out += bias[j];
+      c[i * s.N + j] = out;
+    }
+  }
+}
+
+}  // namespace ref
+}  // namespace ferry::ops
