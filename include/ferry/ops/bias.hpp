@@ -2,12 +2,34 @@
 // backward sums the rows of dy into db.
 #pragma once
 
+#include <cstddef>
+#include <span>
+
 #include "ferry/ops/launch.hpp"
 
 namespace ferry::ops {
 
 LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows, std::size_t cols);
-// db = sum over rows of dy (overwrites db).
+// db = sum over rows of dy (overwrites db). Deterministic: the same inputs give the same bits on
+// every run (a fixed summation order, no atomics).
 LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols);
 
+namespace ref {
+
+// y[r, c] += b[c] for y of [rows, cols], row-major.
+template <class T>
+void bias_forward(std::span<T> y, std::span<const T> b, std::size_t rows, std::size_t cols) {
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c) y[r * cols + c] += b[c];
+}
+
+// db[c] = sum over r of dy[r, c].
+template <class T>
+void bias_backward(std::span<const T> dy, std::span<T> db, std::size_t rows, std::size_t cols) {
+  for (std::size_t c = 0; c < cols; ++c) db[c] = T(0);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c) db[c] += dy[r * cols + c];
+}
+
+}  // namespace ref
 }  // namespace ferry::ops

@@ -2,6 +2,10 @@
 // fills (zeroing accumulators) and copies.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
+#include <span>
+
 #include "ferry/ops/launch.hpp"
 
 namespace ferry::ops {
@@ -13,4 +17,23 @@ LaunchList fill(OpEnv& env, DeviceSpan out, float value, std::size_t n);
 // out = in.
 LaunchList copy(OpEnv& env, DeviceSpan in, DeviceSpan out, std::size_t n);
 
+namespace ref {
+
+// The gradient of add with respect to either input is dy, so add needs no backward rule.
+template <class T>
+void add(std::span<const T> a, std::span<const T> b, std::span<T> out) {
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = a[i] + b[i];
+}
+
+template <class T>
+void fill(std::span<T> out, T value) {
+  std::fill(out.begin(), out.end(), value);
+}
+
+template <class T>
+void copy(std::span<const T> in, std::span<T> out) {
+  std::copy(in.begin(), in.end(), out.begin());
+}
+
+}  // namespace ref
 }  // namespace ferry::ops

@@ -1,0 +1,52 @@
+// Binding of the bias kernels (ops/kernels/bias.cl).
+#include "ferry/ops/bias.hpp"
+
+#include <limits>
+#include <stdexcept>
+
+#include "ferry/cl/error.hpp"
+
+namespace ferry::ops {
+namespace {
+void check_shape(std::size_t rows, std::size_t cols) {
+  if (rows * cols > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("bias: more than 2^32-1 elements");
+}
+
+// Largest work-group the compiled kernel allows on this device.
+std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device) {
+  std::size_t limit = 0;
+  FERRY_CL(clGetKernelWorkGroupInfo(k.get(), device.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit), &limit, nullptr));
+  return limit == 0 ? 1 : limit;
+}
+}  // namespace
+
+LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows, std::size_t cols) {
+  check_shape(rows, cols);
+  cl::Kernel k = env.kernels.kernel("bias", "bias_forward");
+  cl::set_args(k.get(), y.buffer, y.offset, b.buffer, b.offset, cl_uint(rows), cl_uint(cols));
+  LaunchList list;
+  list.push_back(elementwise_launch(std::move(k), rows * cols));
+  return list;
+}
+
+LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols) {
+  check_shape(rows, cols);
+  cl::Kernel k = env.kernels.kernel("bias", "bias_backward");
+  // 16 columns by 16 row lanes per work-group, fewer lanes where the kernel allows less.
+  std::size_t tc = 16, tr = 16;
+  const std::size_t limit = kernel_group_limit(k, env.device());
+  while (tc * tr > limit && tr > 1) tr /= 2;
+  while (tc * tr > limit && tc > 1) tc /= 2;
+  cl::set_args(k.get(), dy.buffer, dy.offset, db.buffer, db.offset, cl_uint(rows), cl_uint(cols));
+  FERRY_CL(clSetKernelArg(k.get(), 6, tc * tr * sizeof(float), nullptr));
+  KernelLaunch l;
+  l.kernel = std::move(k);
+  l.dims = 2;
+  l.global = {round_up(cols == 0 ? 1 : cols, tc), tr, 1};
+  l.local = {tc, tr, 1};
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
+}  // namespace ferry::ops

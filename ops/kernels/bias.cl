@@ -1,0 +1,30 @@
+// Bias over the rows of a row-major [rows, cols] matrix.
+
+// y[r, c] += b[c], one work-item per element.
+__kernel void bias_forward(__global float* y, ulong y_off, __global const float* b, ulong b_off, uint rows, uint cols) {
+  const size_t i = get_global_id(0);
+  if (i >= (size_t)rows * cols) return;
+  y[y_off + i] += b[b_off + i % cols];
+}
+
+// db[c] = sum over r of dy[r, c], deterministic: work-group (TC, TR) owns TC columns; row lane
+// j sums rows j, j + TR, j + 2 TR, ... in order, then the TR partial sums are combined by a
+// fixed tree in local memory (TR a power of two). Neighbouring work-items read neighbouring
+// columns, so the reads are coalesced.
+__kernel void bias_backward(__global const float* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
+                            uint cols, __local float* partial) {
+  const uint lc = get_local_id(0), lr = get_local_id(1);
+  const uint tc = get_local_size(0), tr = get_local_size(1);
+  const uint c = get_global_id(0);
+  float s = 0.0f;
+  if (c < cols) {
+    for (uint r = lr; r < rows; r += tr) s += dy[dy_off + (ulong)r * cols + c];
+  }
+  partial[lr * tc + lc] = s;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint step = tr / 2; step > 0; step /= 2) {
+    if (lr < step) partial[lr * tc + lc] += partial[(lr + step) * tc + lc];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lr == 0 && c < cols) db[db_off + c] = partial[lc];
+}
