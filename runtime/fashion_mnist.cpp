@@ -1,0 +1,209 @@
+// Fashion-MNIST loader: gzipped IDX files (big-endian header, then unsigned bytes) read with zlib.
+#include "ferry/runtime/fashion_mnist.hpp"
+
+#include <fmt/format.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
+namespace ferry {
+namespace {
+
+constexpr std::uint32_t kImagesMagic = 0x00000803;  // IDX, unsigned byte, 3 dimensions
+constexpr std::uint32_t kLabelsMagic = 0x00000801;  // IDX, unsigned byte, 1 dimension
+constexpr std::size_t kClasses = 10;
+// Sanity bounds on header fields, so a corrupt header cannot make us allocate gigabytes.
+constexpr std::uint32_t kMaxSide = 4096;
+constexpr std::uint64_t kMaxPayloadBytes = std::uint64_t{1} << 32;
+
+constexpr std::string_view kInstallHint =
+    "install it with `apt-get install dataset-fashion-mnist`, or set FERRY_DATA_DIR to a folder holding the four "
+    "Fashion-MNIST .gz files";
+constexpr std::string_view kReinstallHint =
+    "reinstall the data set (`apt-get install --reinstall dataset-fashion-mnist`) or point FERRY_DATA_DIR at a "
+    "folder with intact copies of the original files";
+
+[[noreturn]] void fail(const std::filesystem::path& file, std::string_view problem, std::string_view what_to_do) {
+  throw std::runtime_error(fmt::format("Fashion-MNIST file {}: {}; {}", file.string(), problem, what_to_do));
+}
+
+std::string describe_magic(std::uint32_t magic) {
+  switch (magic) {
+    case kImagesMagic:
+      return "0x00000803 (an image file)";
+    case kLabelsMagic:
+      return "0x00000801 (a label file)";
+    default:
+      return fmt::format("{:#010x}", magic);
+  }
+}
+
+// A gzip file opened for reading, with every zlib failure turned into an exception naming the file.
+class GzInput {
+ public:
+  explicit GzInput(std::filesystem::path path) : path_(std::move(path)) {
+    std::error_code ec;
+    const auto status = std::filesystem::status(path_, ec);
+    if (!std::filesystem::exists(status)) {
+      const auto dir = path_.parent_path();
+      if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
+        fail(path_, fmt::format("not found (the folder {} does not exist)", dir.string()), kInstallHint);
+      }
+      fail(path_, "not found", kInstallHint);
+    }
+    if (!std::filesystem::is_regular_file(status)) fail(path_, "is not a regular file", kInstallHint);
+    file_.reset(gzopen(path_.c_str(), "rb"));
+    if (!file_) fail(path_, fmt::format("cannot be opened ({})", std::generic_category().message(errno)), kInstallHint);
+    gzbuffer(file_.get(), 1u << 20);
+  }
+
+  // Reads up to n bytes; returns how many were read (fewer only at the end of the data).
+  std::size_t read(void* dst, std::size_t n) {
+    auto* out = static_cast<unsigned char*>(dst);
+    std::size_t done = 0;
+    while (done < n) {
+      const auto chunk = static_cast<unsigned>(std::min<std::size_t>(n - done, 1u << 30));
+      const int got = gzread(file_.get(), out + done, chunk);
+      if (!checked_gzip_) {
+        checked_gzip_ = true;
+        // zlib reads a file without the gzip header "transparently"; we want the real .gz files.
+        if (gzdirect(file_.get())) {
+          fail(path_, "is not gzip-compressed (expected the .gz file as distributed)", kReinstallHint);
+        }
+      }
+      int err = Z_OK;
+      const char* message = gzerror(file_.get(), &err);
+      if (err == Z_BUF_ERROR) {
+        fail(path_, "is truncated (the gzip stream ends early)", kReinstallHint);
+      }
+      if (got < 0 || (err != Z_OK && err != Z_STREAM_END)) {
+        fail(path_, fmt::format("is corrupt (zlib: {})", message ? message : "unknown error"), kReinstallHint);
+      }
+      if (got == 0) break;
+      done += static_cast<std::size_t>(got);
+    }
+    return done;
+  }
+
+  std::uint32_t read_be32(std::string_view field) {
+    std::array<unsigned char, 4> b{};
+    const std::size_t got = read(b.data(), b.size());
+    if (got != b.size()) {
+      fail(path_, fmt::format("is truncated (the IDX header ends before the {} field)", field), kReinstallHint);
+    }
+    return (std::uint32_t{b[0]} << 24) | (std::uint32_t{b[1]} << 16) | (std::uint32_t{b[2]} << 8) | b[3];
+  }
+
+  // Reads exactly n payload bytes, then checks that nothing follows them.
+  std::vector<unsigned char> read_payload(std::size_t n, std::string_view what) {
+    std::vector<unsigned char> bytes(n);
+    const std::size_t got = read(bytes.data(), n);
+    if (got != n) {
+      fail(path_, fmt::format("is truncated: its header promises {} bytes of {} but only {} follow", n, what, got),
+           kReinstallHint);
+    }
+    unsigned char extra = 0;
+    if (read(&extra, 1) != 0) {
+      fail(path_, fmt::format("has data after the {} bytes of {} its header declares", n, what), kReinstallHint);
+    }
+    return bytes;
+  }
+
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  struct Closer {
+    void operator()(gzFile f) const { gzclose(f); }
+  };
+  std::filesystem::path path_;
+  std::unique_ptr<gzFile_s, Closer> file_;
+  bool checked_gzip_ = false;
+};
+
+void expect_magic(GzInput& in, std::uint32_t expected) {
+  const std::uint32_t magic = in.read_be32("magic number");
+  if (magic != expected) {
+    std::string hint = std::string(kReinstallHint);
+    if (magic == kImagesMagic || magic == kLabelsMagic) {
+      hint = "the image and label files look swapped; " + hint;
+    }
+    fail(in.path(),
+         fmt::format("bad IDX magic number {}, expected {}", describe_magic(magic), describe_magic(expected)), hint);
+  }
+}
+
+std::filesystem::path split_file(const std::filesystem::path& dir, Split split, std::string_view kind) {
+  const std::string_view prefix = split == Split::train ? "train" : "t10k";
+  return dir / fmt::format("{}-{}-ubyte.gz", prefix, kind);
+}
+
+}  // namespace
+
+std::filesystem::path default_fashion_mnist_dir() {
+  if (const char* dir = std::getenv("FERRY_DATA_DIR"); dir && *dir) return dir;
+  return "/usr/share/datasets/fashion-mnist";
+}
+
+Dataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
+  const auto images_path = split_file(dir, split, "images-idx3");
+  const auto labels_path = split_file(dir, split, "labels-idx1");
+
+  // Open both before reading either, so a missing label file is reported without decoding images.
+  GzInput images(images_path);
+  GzInput labels(labels_path);
+
+  expect_magic(images, kImagesMagic);
+  const std::uint32_t count = images.read_be32("image count");
+  const std::uint32_t rows = images.read_be32("row count");
+  const std::uint32_t cols = images.read_be32("column count");
+  if (rows == 0 || cols == 0 || rows > kMaxSide || cols > kMaxSide) {
+    fail(images_path, fmt::format("has implausible image size {}x{} in its header", rows, cols), kReinstallHint);
+  }
+  if (count == 0) fail(images_path, "holds no images (count 0 in its header)", kReinstallHint);
+  const std::uint64_t pixels = std::uint64_t{count} * rows * cols;
+  if (pixels > kMaxPayloadBytes) {
+    fail(images_path, fmt::format("declares {} images of {}x{}, which is implausibly large", count, rows, cols),
+         kReinstallHint);
+  }
+
+  expect_magic(labels, kLabelsMagic);
+  const std::uint32_t label_count = labels.read_be32("label count");
+  if (label_count != count) {
+    fail(labels_path,
+         fmt::format("holds {} labels but {} holds {} images", label_count, images_path.filename().string(), count),
+         "the two files must come from the same split; " + std::string(kReinstallHint));
+  }
+
+  Dataset ds;
+  ds.count = count;
+  ds.rows = rows;
+  ds.cols = cols;
+
+  const auto raw_labels = labels.read_payload(count, "labels");
+  ds.labels.resize(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    if (raw_labels[i] >= kClasses) {
+      fail(labels_path,
+           fmt::format("label {} of sample {} is out of range (Fashion-MNIST has classes 0 to {})", raw_labels[i], i,
+                       kClasses - 1),
+           kReinstallHint);
+    }
+    ds.labels[i] = raw_labels[i];
+  }
+
+  const auto raw_pixels = images.read_payload(static_cast<std::size_t>(pixels), "pixels");
+  std::array<float, 256> scale{};
+  for (std::size_t v = 0; v < scale.size(); ++v) scale[v] = static_cast<float>(v) / 255.0f;
+  ds.images.resize(raw_pixels.size());
+  std::transform(raw_pixels.begin(), raw_pixels.end(), ds.images.begin(), [&](unsigned char p) { return scale[p]; });
+  return ds;
+}
+
+}  // namespace ferry
