@@ -1,16 +1,67 @@
 // LayerNorm over the last dimension of [rows, cols]: y = (x - mean) * rstd * gamma + beta.
 #pragma once
 
+#include <cmath>
+#include <cstddef>
+#include <span>
+
 #include "ferry/ops/launch.hpp"
 
 namespace ferry::ops {
 
-// Writes y and the per-row mean and rstd = 1/sqrt(var + eps) that backward reuses.
-LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan beta, DeviceSpan y,
-                             DeviceSpan mean, DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps = 1e-5f);
-// Writes dx, dgamma, dbeta (all overwritten).
+// Writes y and the per-row mean and rstd = 1/sqrt(var + eps) that backward reuses. The variance
+// is the biased one (divided by cols), computed in two passes (mean, then centred squares).
+LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan beta, DeviceSpan y, DeviceSpan mean,
+                             DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps = 1e-5f);
+// Writes dx, dgamma, dbeta (all overwritten). All reductions are deterministic (fixed order).
 LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan mean, DeviceSpan rstd,
                               DeviceSpan dy, DeviceSpan dx, DeviceSpan dgamma, DeviceSpan dbeta, std::size_t rows,
                               std::size_t cols);
 
+namespace ref {
+
+template <class T>
+void layernorm_forward(std::span<const T> x, std::span<const T> gamma, std::span<const T> beta, std::span<T> y,
+                       std::span<T> mean, std::span<T> rstd, std::size_t rows, std::size_t cols, T eps = T(1e-5)) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    const T* xr = x.data() + r * cols;
+    T s = T(0);
+    for (std::size_t c = 0; c < cols; ++c) s += xr[c];
+    const T mu = s / T(cols);
+    T q = T(0);
+    for (std::size_t c = 0; c < cols; ++c) q += (xr[c] - mu) * (xr[c] - mu);
+    const T rs = T(1) / std::sqrt(q / T(cols) + eps);
+    for (std::size_t c = 0; c < cols; ++c) y[r * cols + c] = (xr[c] - mu) * rs * gamma[c] + beta[c];
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+}
+
+// With xhat = (x - mean) rstd and g = dy gamma: dx = rstd (g - mean(g) - xhat mean(g xhat)),
+// dgamma = sum over rows of dy xhat, dbeta = sum over rows of dy.
+template <class T>
+void layernorm_backward(std::span<const T> x, std::span<const T> gamma, std::span<const T> mean,
+                        std::span<const T> rstd, std::span<const T> dy, std::span<T> dx, std::span<T> dgamma,
+                        std::span<T> dbeta, std::size_t rows, std::size_t cols) {
+  for (std::size_t c = 0; c < cols; ++c) dgamma[c] = dbeta[c] = T(0);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t o = r * cols;
+    T sg = T(0), sgx = T(0);
+    for (std::size_t c = 0; c < cols; ++c) {
+      const T xhat = (x[o + c] - mean[r]) * rstd[r];
+      const T g = dy[o + c] * gamma[c];
+      sg += g;
+      sgx += g * xhat;
+      dgamma[c] += dy[o + c] * xhat;
+      dbeta[c] += dy[o + c];
+    }
+    const T mean_g = sg / T(cols), mean_gx = sgx / T(cols);
+    for (std::size_t c = 0; c < cols; ++c) {
+      const T xhat = (x[o + c] - mean[r]) * rstd[r];
+      dx[o + c] = rstd[r] * (dy[o + c] * gamma[c] - mean_g - xhat * mean_gx);
+    }
+  }
+}
+
+}  // namespace ref
 }  // namespace ferry::ops

@@ -1,0 +1,108 @@
+// LayerNorm over the last dimension of a row-major [rows, cols] matrix. Operands are
+// (buffer, element offset) pairs.
+//
+// Reductions are deterministic: fixed strided partial sums per work-item, then a fixed tree in
+// local memory (power-of-two local sizes), no atomics.
+
+float group_sum(float v, __local float* scratch) {
+  const uint lid = get_local_id(0);
+  scratch[lid] = v;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
+    if (lid < s) scratch[lid] += scratch[lid + s];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  const float r = scratch[0];
+  barrier(CLK_LOCAL_MEM_FENCE);  // the scratch is reused by the next reduction
+  return r;
+}
+
+// One work-group per row. Two passes over the row (mean, then the centred variance), which is
+// stable where E[x^2] - E[x]^2 would cancel.
+__kernel void layernorm_forward(__global const float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
+                                __global const float* beta, ulong beta_off, __global float* y, ulong y_off,
+                                __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off, uint cols,
+                                float eps, __local float* scratch) {
+  const ulong row = get_group_id(0);
+  const uint lid = get_local_id(0), ls = get_local_size(0);
+  __global const float* xr = x + x_off + row * cols;
+  __global float* yr = y + y_off + row * cols;
+  float s = 0.0f;
+  for (uint c = lid; c < cols; c += ls) s += xr[c];
+  const float mu = group_sum(s, scratch) / (float)cols;
+  float q = 0.0f;
+  for (uint c = lid; c < cols; c += ls) {
+    const float d = xr[c] - mu;
+    q = fma(d, d, q);
+  }
+  const float var = group_sum(q, scratch) / (float)cols;
+  const float rs = 1.0f / sqrt(var + eps);
+  for (uint c = lid; c < cols; c += ls) yr[c] = fma((xr[c] - mu) * rs, gamma[gamma_off + c], beta[beta_off + c]);
+  if (lid == 0) {
+    mean[mean_off + row] = mu;
+    rstd[rstd_off + row] = rs;
+  }
+}
+
+// dx for one row per work-group: with xhat = (x - mean) rstd and g = dy gamma,
+// dx = rstd (g - mean(g) - xhat mean(g xhat)).
+__kernel void layernorm_backward_dx(__global const float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
+                                    __global const float* mean, ulong mean_off, __global const float* rstd,
+                                    ulong rstd_off, __global const float* dy, ulong dy_off, __global float* dx,
+                                    ulong dx_off, uint cols, __local float* scratch) {
+  const ulong row = get_group_id(0);
+  const uint lid = get_local_id(0), ls = get_local_size(0);
+  __global const float* xr = x + x_off + row * cols;
+  __global const float* dyr = dy + dy_off + row * cols;
+  __global float* dxr = dx + dx_off + row * cols;
+  const float mu = mean[mean_off + row], rs = rstd[rstd_off + row];
+  float sg = 0.0f, sgx = 0.0f;
+  for (uint c = lid; c < cols; c += ls) {
+    const float g = dyr[c] * gamma[gamma_off + c];
+    sg += g;
+    sgx = fma(g, (xr[c] - mu) * rs, sgx);
+  }
+  const float mean_g = group_sum(sg, scratch) / (float)cols;
+  const float mean_gx = group_sum(sgx, scratch) / (float)cols;
+  for (uint c = lid; c < cols; c += ls) {
+    const float xhat = (xr[c] - mu) * rs;
+    const float g = dyr[c] * gamma[gamma_off + c];
+    dxr[c] = rs * (g - mean_g - xhat * mean_gx);
+  }
+}
+
+// dgamma[c] = sum_r dy[r, c] xhat[r, c], dbeta[c] = sum_r dy[r, c]. Work-group (TC, TR) owns TC
+// columns; row lane j sums rows j, j + TR, ... in order, then a fixed tree over the TR lanes
+// (TR a power of two). Neighbouring work-items read neighbouring columns (coalesced).
+__kernel void layernorm_backward_params(__global const float* x, ulong x_off, __global const float* mean,
+                                        ulong mean_off, __global const float* rstd, ulong rstd_off,
+                                        __global const float* dy, ulong dy_off, __global float* dgamma,
+                                        ulong dgamma_off, __global float* dbeta, ulong dbeta_off, uint rows, uint cols,
+                                        __local float* partial_gamma, __local float* partial_beta) {
+  const uint lc = get_local_id(0), lr = get_local_id(1);
+  const uint tc = get_local_size(0), tr = get_local_size(1);
+  const uint c = get_global_id(0);
+  float sg = 0.0f, sb = 0.0f;
+  if (c < cols) {
+    for (uint r = lr; r < rows; r += tr) {
+      const ulong i = (ulong)r * cols + c;
+      const float d = dy[dy_off + i];
+      sg = fma(d, (x[x_off + i] - mean[mean_off + r]) * rstd[rstd_off + r], sg);
+      sb += d;
+    }
+  }
+  partial_gamma[lr * tc + lc] = sg;
+  partial_beta[lr * tc + lc] = sb;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint step = tr / 2; step > 0; step /= 2) {
+    if (lr < step) {
+      partial_gamma[lr * tc + lc] += partial_gamma[(lr + step) * tc + lc];
+      partial_beta[lr * tc + lc] += partial_beta[(lr + step) * tc + lc];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lr == 0 && c < cols) {
+    dgamma[dgamma_off + c] = partial_gamma[lc];
+    dbeta[dbeta_off + c] = partial_beta[lc];
+  }
+}

@@ -1,0 +1,32 @@
+// Optimizer updates, one work-item per parameter, one pass over (w, g, state). Arguments after
+// `n` that change per step (learning rate, bias corrections) are set just before each enqueue.
+
+// SGD with momentum: g' = g + wd w; v = momentum v + g'; w -= lr (nesterov ? g' + momentum v : v).
+__kernel void sgd_update(__global float* w, ulong w_off, __global const float* g, ulong g_off, __global float* velocity,
+                         ulong velocity_off, uint n, float momentum, float weight_decay, uint nesterov, float lr) {
+  const size_t i = get_global_id(0);
+  if (i >= n) return;
+  const float wi = w[w_off + i];
+  const float gi = fma(weight_decay, wi, g[g_off + i]);
+  const float vi = fma(momentum, velocity[velocity_off + i], gi);
+  velocity[velocity_off + i] = vi;
+  const float step = nesterov ? fma(momentum, vi, gi) : vi;
+  w[w_off + i] = fma(-lr, step, wi);
+}
+
+// Adam with L2 (l2 > 0: g' = g + l2 w) or AdamW (decoupled > 0: w -= lr decoupled w, from the
+// weight before this update). inv_bc1 = 1 / (1 - beta1^t), inv_bc2 = 1 / (1 - beta2^t).
+__kernel void adam_update(__global float* w, ulong w_off, __global const float* g, ulong g_off, __global float* m,
+                          ulong m_off, __global float* v, ulong v_off, uint n, float beta1, float beta2, float eps,
+                          float l2, float decoupled, float lr, float inv_bc1, float inv_bc2) {
+  const size_t i = get_global_id(0);
+  if (i >= n) return;
+  const float wi = w[w_off + i];
+  const float gi = fma(l2, wi, g[g_off + i]);
+  const float mi = fma(beta1, m[m_off + i], (1.0f - beta1) * gi);
+  const float vi = fma(beta2, v[v_off + i], (1.0f - beta2) * gi * gi);
+  m[m_off + i] = mi;
+  v[v_off + i] = vi;
+  const float update = (mi * inv_bc1) / (sqrt(vi * inv_bc2) + eps);
+  w[w_off + i] = wi - lr * fma(decoupled, wi, update);
+}

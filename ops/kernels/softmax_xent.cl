@@ -1,0 +1,98 @@
+// Fused softmax + cross-entropy over logits [rows, classes] with int32 labels. Operands are
+// (buffer, element offset) pairs; the label offset counts int32 elements.
+//
+// Reductions are deterministic: each work-item accumulates a fixed strided subset in order, then
+// the work-group combines the partial results with a fixed tree in local memory (the local size
+// is a power of two). No atomics, so every run gives the same bits.
+
+float group_max(float v, __local float* scratch) {
+  const uint lid = get_local_id(0);
+  scratch[lid] = v;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
+    if (lid < s) scratch[lid] = fmax(scratch[lid], scratch[lid + s]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  const float r = scratch[0];
+  barrier(CLK_LOCAL_MEM_FENCE);  // the scratch is reused by the next reduction
+  return r;
+}
+
+float group_sum(float v, __local float* scratch) {
+  const uint lid = get_local_id(0);
+  scratch[lid] = v;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
+    if (lid < s) scratch[lid] += scratch[lid + s];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  const float r = scratch[0];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  return r;
+}
+
+// probs[r, :] = softmax(logits[r, :]), one work-group per row, max-subtracted.
+__kernel void softmax_xent_probs(__global const float* logits, ulong logits_off, __global float* probs, ulong probs_off,
+                                 uint classes, __local float* scratch) {
+  const ulong row = get_group_id(0);
+  const uint lid = get_local_id(0), ls = get_local_size(0);
+  __global const float* x = logits + logits_off + row * classes;
+  __global float* p = probs + probs_off + row * classes;
+  float m = -INFINITY;
+  for (uint c = lid; c < classes; c += ls) m = fmax(m, x[c]);
+  m = group_max(m, scratch);
+  float s = 0.0f;
+  for (uint c = lid; c < classes; c += ls) s += exp(x[c] - m);
+  s = group_sum(s, scratch);
+  const float inv = 1.0f / s;
+  for (uint c = lid; c < classes; c += ls) p[c] = exp(x[c] - m) * inv;
+}
+
+// stats[0] = mean over rows of -log softmax(logits)[label], stats[1] = rows whose argmax (first
+// index on ties) equals the label; one work-group, a work-item per row (strided). With a the
+// argmax, probs[a] = 1 / sum exp(x - x[a]), so -log p[label] = (x[a] - x[label]) - log(probs[a]),
+// which stays finite where probs[label] underflows. A label outside [0, classes) gives NaN.
+__kernel void softmax_xent_stats(__global const float* logits, ulong logits_off, __global const float* probs,
+                                 ulong probs_off, __global const int* labels, ulong labels_off, __global float* stats,
+                                 ulong stats_off, uint rows, uint classes, __local float* scratch) {
+  const uint lid = get_local_id(0), ls = get_local_size(0);
+  float loss = 0.0f, correct = 0.0f;
+  for (uint r = lid; r < rows; r += ls) {
+    __global const float* x = logits + logits_off + (ulong)r * classes;
+    uint best = 0;
+    float best_value = x[0];
+    for (uint c = 1; c < classes; ++c) {
+      const float v = x[c];
+      if (v > best_value) {
+        best_value = v;
+        best = c;
+      }
+    }
+    const int label = labels[labels_off + r];
+    if (label < 0 || (uint)label >= classes) {
+      loss += NAN;
+      continue;
+    }
+    loss += (best_value - x[label]) - log(probs[probs_off + (ulong)r * classes + best]);
+    correct += (uint)label == best ? 1.0f : 0.0f;
+  }
+  loss = group_sum(loss, scratch);
+  correct = group_sum(correct, scratch);
+  if (lid == 0) {
+    stats[stats_off] = loss / (float)rows;
+    stats[stats_off + 1] = correct;
+  }
+}
+
+// dlogits = coef * (probs - onehot(label)), coef = scale / rows; NaN for rows with a bad label.
+__kernel void softmax_xent_backward(__global const float* probs, ulong probs_off, __global const int* labels,
+                                    ulong labels_off, __global float* dlogits, ulong dlogits_off, uint rows,
+                                    uint classes, float coef) {
+  const size_t i = get_global_id(0);
+  if (i >= (size_t)rows * classes) return;
+  const uint r = (uint)(i / classes), c = (uint)(i - (size_t)r * classes);
+  const int label = labels[labels_off + r];
+  float g = probs[probs_off + i] - ((uint)label == c ? 1.0f : 0.0f);
+  if (label < 0 || (uint)label >= classes) g = NAN;
+  dlogits[dlogits_off + i] = coef * g;
+}

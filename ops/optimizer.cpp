@@ -1,0 +1,57 @@
+// Binding of the optimizer kernels (ops/kernels/optimizer.cl). Per-step scalars (learning rate,
+// Adam bias corrections) are set by KernelLaunch::per_step just before each enqueue.
+#include "ferry/ops/optimizer.hpp"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "ferry/cl/error.hpp"
+
+namespace ferry::ops {
+namespace {
+cl_uint checked_count(std::size_t n) {
+  if (n > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("optimizer: more than 2^32-1 parameters");
+  return static_cast<cl_uint>(n);
+}
+
+constexpr cl_uint kSgdLrArg = 10;
+constexpr cl_uint kAdamLrArg = 14;  // followed by inv_bc1, inv_bc2
+}  // namespace
+
+LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n) {
+  cl::Kernel k = env.kernels.kernel("optimizer", "sgd_update");
+  cl::set_args(k.get(), w.buffer, w.offset, g.buffer, g.offset, velocity.buffer, velocity.offset, checked_count(n),
+               c.momentum, c.weight_decay, cl_uint(c.nesterov ? 1 : 0), 0.0f);
+  KernelLaunch l = elementwise_launch(std::move(k), n);
+  l.per_step = [](cl_kernel kernel, const StepInfo& s) {
+    FERRY_CL(clSetKernelArg(kernel, kSgdLrArg, sizeof(float), &s.lr));
+  };
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
+LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan m, DeviceSpan v,
+                       std::size_t n) {
+  cl::Kernel k = env.kernels.kernel("optimizer", "adam_update");
+  const float l2 = c.decoupled_weight_decay ? 0.0f : c.weight_decay;
+  const float decoupled = c.decoupled_weight_decay ? c.weight_decay : 0.0f;
+  cl::set_args(k.get(), w.buffer, w.offset, g.buffer, g.offset, m.buffer, m.offset, v.buffer, v.offset,
+               checked_count(n), c.beta1, c.beta2, c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f);
+  KernelLaunch l = elementwise_launch(std::move(k), n);
+  l.per_step = [beta1 = double(c.beta1), beta2 = double(c.beta2)](cl_kernel kernel, const StepInfo& s) {
+    if (s.step == 0) throw std::invalid_argument("adam_update: StepInfo::step is 1-based, got 0");
+    const double t = static_cast<double>(s.step);
+    const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, t)));
+    const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(beta2, t)));
+    FERRY_CL(clSetKernelArg(kernel, kAdamLrArg, sizeof(float), &s.lr));
+    FERRY_CL(clSetKernelArg(kernel, kAdamLrArg + 1, sizeof(float), &inv_bc1));
+    FERRY_CL(clSetKernelArg(kernel, kAdamLrArg + 2, sizeof(float), &inv_bc2));
+  };
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
+}  // namespace ferry::ops

@@ -1,0 +1,72 @@
+// Binding of the fused softmax + cross-entropy kernels (ops/kernels/softmax_xent.cl).
+#include "ferry/ops/softmax_xent.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+#include "ferry/cl/error.hpp"
+
+namespace ferry::ops {
+namespace {
+void check_shape(std::size_t rows, std::size_t classes) {
+  if (rows == 0 || classes == 0) throw std::invalid_argument("softmax_xent: rows and classes must be positive");
+  if (rows * classes > std::numeric_limits<cl_uint>::max() ||
+      classes > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+    throw std::invalid_argument("softmax_xent: more than 2^32-1 elements");
+}
+
+// A power-of-two work-group size for a reduction over `extent` elements: no larger than the
+// extent needs, 256 at most, and within what the compiled kernel allows on this device.
+std::size_t reduction_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent) {
+  std::size_t limit = 0;
+  FERRY_CL(clGetKernelWorkGroupInfo(k.get(), device.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit), &limit, nullptr));
+  limit = std::min<std::size_t>(
+      {limit == 0 ? 1 : limit, 256, device.max_work_group_size == 0 ? 1 : device.max_work_group_size});
+  std::size_t size = 1;
+  while (size * 2 <= limit && size < extent) size *= 2;
+  return size;
+}
+}  // namespace
+
+LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels, DeviceSpan probs, DeviceSpan stats,
+                                std::size_t rows, std::size_t classes) {
+  check_shape(rows, classes);
+  LaunchList list;
+
+  cl::Kernel kp = env.kernels.kernel("softmax_xent", "softmax_xent_probs");
+  const std::size_t lp = reduction_group_size(kp, env.device(), classes);
+  cl::set_args(kp.get(), logits.buffer, logits.offset, probs.buffer, probs.offset, cl_uint(classes));
+  FERRY_CL(clSetKernelArg(kp.get(), 5, lp * sizeof(float), nullptr));
+  KernelLaunch probs_launch;
+  probs_launch.kernel = std::move(kp);
+  probs_launch.global[0] = rows * lp;
+  probs_launch.local[0] = lp;
+  list.push_back(std::move(probs_launch));
+
+  cl::Kernel ks = env.kernels.kernel("softmax_xent", "softmax_xent_stats");
+  const std::size_t ls = reduction_group_size(ks, env.device(), rows);
+  cl::set_args(ks.get(), logits.buffer, logits.offset, probs.buffer, probs.offset, labels.buffer, labels.offset,
+               stats.buffer, stats.offset, cl_uint(rows), cl_uint(classes));
+  FERRY_CL(clSetKernelArg(ks.get(), 10, ls * sizeof(float), nullptr));
+  KernelLaunch stats_launch;
+  stats_launch.kernel = std::move(ks);
+  stats_launch.global[0] = ls;
+  stats_launch.local[0] = ls;
+  list.push_back(std::move(stats_launch));
+  return list;
+}
+
+LaunchList softmax_xent_backward(OpEnv& env, DeviceSpan probs, DeviceSpan labels, DeviceSpan dlogits, std::size_t rows,
+                                 std::size_t classes, float scale) {
+  check_shape(rows, classes);
+  cl::Kernel k = env.kernels.kernel("softmax_xent", "softmax_xent_backward");
+  const float coef = static_cast<float>(static_cast<double>(scale) / static_cast<double>(rows));
+  cl::set_args(k.get(), probs.buffer, probs.offset, labels.buffer, labels.offset, dlogits.buffer, dlogits.offset,
+               cl_uint(rows), cl_uint(classes), coef);
+  LaunchList list;
+  list.push_back(elementwise_launch(std::move(k), rows * classes));
+  return list;
+}
+
+}  // namespace ferry::ops

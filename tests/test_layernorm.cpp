@@ -1,0 +1,117 @@
+// LayerNorm: device forward (y, mean, rstd) and backward (dx, dgamma, dbeta) against the CPU
+// reference over shapes that are not multiples of the work-group size, determinism, stability
+// for rows with a large common offset, and the reference backward against double-precision
+// finite differences for x, gamma and beta.
+#include <cstring>
+
+#include "ferry/ops/layernorm.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+struct Inputs {
+  std::vector<float> x, gamma, beta, dy;
+};
+
+Inputs make_inputs(std::size_t rows, std::size_t cols, std::uint32_t seed, float offset = 0.0f) {
+  Inputs in{random_vector(rows * cols, seed, -2.0f, 2.0f), random_vector(cols, seed + 1, 0.5f, 1.5f),
+            random_vector(cols, seed + 2), random_vector(rows * cols, seed + 3)};
+  for (auto& v : in.x) v += offset;
+  return in;
+}
+
+struct DeviceRun {
+  std::vector<float> y, mean, rstd, dx, dgamma, dbeta;
+};
+
+DeviceRun run_device(const Inputs& in, std::size_t rows, std::size_t cols, float eps) {
+  auto& dev = TestDevice::get();
+  DeviceTensor dx_in(in.x, 3), dgamma_in(in.gamma, 5), dbeta_in(in.beta, 1), dy_in(in.dy, 2);
+  DeviceTensor y(rows * cols, 4), mean(rows, 6), rstd(rows, 8), dx(rows * cols, 10), dgamma(cols, 12), dbeta(cols, 14);
+  ops::run_blocking(dev.context.compute(),
+                    ops::layernorm_forward(dev.env, dx_in.span(), dgamma_in.span(), dbeta_in.span(), y.span(),
+                                           mean.span(), rstd.span(), rows, cols, eps));
+  ops::run_blocking(dev.context.compute(),
+                    ops::layernorm_backward(dev.env, dx_in.span(), dgamma_in.span(), mean.span(), rstd.span(),
+                                            dy_in.span(), dx.span(), dgamma.span(), dbeta.span(), rows, cols));
+  return {y.download(), mean.download(), rstd.download(), dx.download(), dgamma.download(), dbeta.download()};
+}
+
+class LayerNormTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t>> {};
+
+TEST_P(LayerNormTest, ForwardAndBackwardMatchReference) {
+  auto [rows, cols] = GetParam();
+  const float eps = 1e-5f;
+  const Inputs in = make_inputs(rows, cols, 1);
+  const DeviceRun got = run_device(in, rows, cols, eps);
+
+  std::vector<double> y(rows * cols), mean(rows), rstd(rows), dx(rows * cols), dgamma(cols), dbeta(cols);
+  ops::ref::layernorm_forward<double>(to_double(in.x), to_double(in.gamma), to_double(in.beta), y, mean, rstd, rows,
+                                      cols, eps);
+  ops::ref::layernorm_backward<double>(to_double(in.x), to_double(in.gamma), mean, rstd, to_double(in.dy), dx, dgamma,
+                                       dbeta, rows, cols);
+  // cols == 1 normalises to 0 with rstd = 1/sqrt(eps): outputs are beta, dx is 0.
+  const float rs_tol = cols == 1 ? 1e-3f : 1e-5f;
+  expect_near(got.mean, to_float(mean), 1e-6f, 1e-5f, "mean");
+  expect_near(got.rstd, to_float(rstd), 1e-5f, rs_tol, "rstd");
+  expect_near(got.y, to_float(y), 2e-5f, 1e-4f, "y");
+  expect_near(got.dx, to_float(dx), 1e-4f, 1e-3f, "dx");
+  const float sum_tol = 1e-5f * float(std::sqrt(double(rows)) + 1);
+  expect_near(got.dgamma, to_float(dgamma), sum_tol, 1e-4f, "dgamma");
+  expect_near(got.dbeta, to_float(dbeta), sum_tol, 1e-4f, "dbeta");
+}
+
+TEST_P(LayerNormTest, IsDeterministic) {
+  auto [rows, cols] = GetParam();
+  const Inputs in = make_inputs(rows, cols, 7);
+  const DeviceRun a = run_device(in, rows, cols, 1e-5f), b = run_device(in, rows, cols, 1e-5f);
+  auto same = [](const std::vector<float>& u, const std::vector<float>& v) {
+    return u.size() == v.size() && std::memcmp(u.data(), v.data(), u.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same(a.y, b.y));
+  EXPECT_TRUE(same(a.dx, b.dx));
+  EXPECT_TRUE(same(a.dgamma, b.dgamma));
+  EXPECT_TRUE(same(a.dbeta, b.dbeta));
+}
+
+TEST_P(LayerNormTest, ReferenceBackwardMatchesFiniteDifferences) {
+  auto [rows, cols] = GetParam();
+  if (rows * cols > 20000) GTEST_SKIP() << "covered by the smaller shapes; the check costs rows*cols per probe";
+  const Inputs in = make_inputs(rows, cols, 11);
+  auto x = to_double(in.x), gamma = to_double(in.gamma), beta = to_double(in.beta), r = to_double(in.dy);
+  const double eps = 1e-5;
+  auto loss = [&](const std::vector<double>& xv, const std::vector<double>& gv, const std::vector<double>& bv) {
+    std::vector<double> y(rows * cols), mean(rows), rstd(rows);
+    ops::ref::layernorm_forward<double>(xv, gv, bv, y, mean, rstd, rows, cols, eps);
+    return weighted_sum(y, r);
+  };
+  std::vector<double> y(rows * cols), mean(rows), rstd(rows), dx(rows * cols), dgamma(cols), dbeta(cols);
+  ops::ref::layernorm_forward<double>(x, gamma, beta, y, mean, rstd, rows, cols, eps);
+  ops::ref::layernorm_backward<double>(x, gamma, mean, rstd, r, dx, dgamma, dbeta, rows, cols);
+  expect_gradient_matches_finite_differences([&](const std::vector<double>& v) { return loss(v, gamma, beta); }, x, dx,
+                                             "dx");
+  expect_gradient_matches_finite_differences([&](const std::vector<double>& v) { return loss(x, v, beta); }, gamma,
+                                             dgamma, "dgamma");
+  expect_gradient_matches_finite_differences([&](const std::vector<double>& v) { return loss(x, gamma, v); }, beta,
+                                             dbeta, "dbeta");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
+                         ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 17, 1000)));
+
+TEST(LayerNorm, LargeOffsetDoesNotCancel) {
+  // Rows centred at 1000 with unit spread: E[x^2] - E[x]^2 would lose most digits in float.
+  const std::size_t rows = 5, cols = 300;
+  const Inputs in = make_inputs(rows, cols, 21, 1000.0f);
+  const DeviceRun got = run_device(in, rows, cols, 1e-5f);
+  std::vector<double> y(rows * cols), mean(rows), rstd(rows);
+  ops::ref::layernorm_forward<double>(to_double(in.x), to_double(in.gamma), to_double(in.beta), y, mean, rstd, rows,
+                                      cols, 1e-5);
+  expect_near(got.rstd, to_float(rstd), 0.0f, 1e-4f, "rstd");
+  // x itself is only float-accurate to 1000 * 2^-24 ~ 6e-5, which rstd ~ 1.7 and gamma amplify.
+  expect_near(got.y, to_float(y), 5e-4f, 1e-4f, "y");
+}
+
+}  // namespace
+}  // namespace ferry::test

@@ -1,0 +1,126 @@
+// Optimizers (SGD with momentum / Nesterov / L2, Adam / AdamW): the device update against the CPU
+// reference over several steps with the learning rate changing between steps, per-step arguments
+// taken from StepInfo at enqueue time, and Adam converging on a quadratic.
+#include "ferry/ops/optimizer.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+constexpr float kLrs[] = {0.1f, 0.05f, 0.2f, 0.01f, 0.07f};
+
+class SgdTest : public ::testing::TestWithParam<std::tuple<std::size_t, bool, float, int>> {};
+
+TEST_P(SgdTest, StepsMatchReference) {
+  auto [n, nesterov, wd, steps] = GetParam();
+  auto& dev = TestDevice::get();
+  const ops::SgdConfig c{0.9f, wd, nesterov};
+  auto w = random_vector(n, 1), vel = std::vector<float>(n, 0.0f);
+  DeviceTensor dw(w, 3), dg(n, 5), dvel(vel, 11);
+  // Bound once; only the gradient and StepInfo change between steps.
+  const ops::LaunchList update = ops::sgd_update(dev.env, c, dw.span(), dg.span(), dvel.span(), n);
+  auto w_ref = to_double(w), vel_ref = to_double(vel);
+  for (int s = 0; s < steps; ++s) {
+    const auto g = random_vector(n, 100 + s);
+    dg.upload(g);
+    const ops::StepInfo info{std::uint64_t(s + 1), kLrs[s]};
+    ops::run_blocking(dev.context.compute(), update, info);
+    ops::ref::sgd_update<double>(c, info, w_ref, to_double(g), vel_ref);
+  }
+  expect_near(dvel.download(), to_float(vel_ref), 1e-6f, 1e-5f, "velocity");
+  expect_near(dw.download(), to_float(w_ref), 1e-6f, 1e-5f, "w");
+  // The update must have moved w (guards against a zero learning rate reaching the kernel).
+  EXPECT_GT(std::abs(dw.download()[0] - w[0]), 1e-4f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, SgdTest,
+                         ::testing::Combine(::testing::Values(1, 257, 1000), ::testing::Bool(),
+                                            ::testing::Values(0.0f, 0.01f), ::testing::Values(1, 2, 5)));
+
+class AdamTest : public ::testing::TestWithParam<std::tuple<std::size_t, bool, float, int>> {};
+
+TEST_P(AdamTest, StepsMatchReference) {
+  auto [n, decoupled, wd, steps] = GetParam();
+  auto& dev = TestDevice::get();
+  const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, wd, decoupled};
+  auto w = random_vector(n, 2);
+  std::vector<float> zeros(n, 0.0f);
+  DeviceTensor dw(w, 1), dg(n, 2), dm(zeros, 3), dv(zeros, 4);
+  const ops::LaunchList update = ops::adam_update(dev.env, c, dw.span(), dg.span(), dm.span(), dv.span(), n);
+  auto w_ref = to_double(w), m_ref = to_double(zeros), v_ref = to_double(zeros);
+  for (int s = 0; s < steps; ++s) {
+    const auto g = random_vector(n, 200 + s);
+    dg.upload(g);
+    const ops::StepInfo info{std::uint64_t(s + 1), kLrs[s]};
+    ops::run_blocking(dev.context.compute(), update, info);
+    ops::ref::adam_update<double>(c, info, w_ref, to_double(g), m_ref, v_ref);
+  }
+  expect_near(dm.download(), to_float(m_ref), 1e-7f, 1e-5f, "m");
+  expect_near(dv.download(), to_float(v_ref), 1e-8f, 1e-5f, "v");
+  // Adam's step is about lr per element: relative error of the update, not of w, is what counts.
+  expect_near(dw.download(), to_float(w_ref), 1e-5f, 1e-5f, "w");
+  EXPECT_GT(std::abs(dw.download()[0] - w[0]), 1e-3f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, AdamTest,
+                         ::testing::Combine(::testing::Values(1, 257, 1000), ::testing::Bool(),
+                                            ::testing::Values(0.0f, 0.1f), ::testing::Values(1, 3, 5)));
+
+TEST(Optimizer, AdamWAndL2Differ) {
+  // With the same weight decay, decoupled decay and L2 give different weights: the flag is used.
+  auto& dev = TestDevice::get();
+  const std::size_t n = 100;
+  const auto w0 = random_vector(n, 5), g = random_vector(n, 6);
+  std::vector<float> zeros(n, 0.0f);
+  std::vector<std::vector<float>> results;
+  for (bool decoupled : {false, true}) {
+    DeviceTensor dw(w0), dg(g), dm(zeros), dv(zeros);
+    const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, 0.5f, decoupled};
+    ops::run_blocking(dev.context.compute(),
+                      ops::adam_update(dev.env, c, dw.span(), dg.span(), dm.span(), dv.span(), n), {1, 0.1f});
+    results.push_back(dw.download());
+  }
+  double diff = 0;
+  for (std::size_t i = 0; i < n; ++i) diff += std::abs(results[0][i] - results[1][i]);
+  EXPECT_GT(diff / n, 1e-3);
+}
+
+TEST(Optimizer, AdamStepZeroThrows) {
+  auto& dev = TestDevice::get();
+  DeviceTensor dw(4), dg(4), dm(4), dv(4);
+  const auto update = ops::adam_update(dev.env, {}, dw.span(), dg.span(), dm.span(), dv.span(), 4);
+  EXPECT_THROW(ops::run_blocking(dev.context.compute(), update, {0, 0.1f}), std::invalid_argument);
+}
+
+TEST(Optimizer, AdamConvergesOnQuadratic) {
+  // f(w) = 0.5 sum a_i (w_i - t_i)^2 with curvatures a_i spread over two orders of magnitude.
+  auto& dev = TestDevice::get();
+  const std::size_t n = 300;
+  const auto t = random_vector(n, 7, -2.0f, 2.0f), a = random_vector(n, 8, 0.05f, 5.0f);
+  std::vector<float> w(n, 0.0f), zeros(n, 0.0f);
+  DeviceTensor dw(w), dg(n), dm(zeros), dv(zeros);
+  const ops::AdamConfig c{};
+  const auto update = ops::adam_update(dev.env, c, dw.span(), dg.span(), dm.span(), dv.span(), n);
+  auto objective = [&](const std::vector<float>& x) {
+    double f = 0;
+    for (std::size_t i = 0; i < n; ++i) f += 0.5 * a[i] * (x[i] - t[i]) * (x[i] - t[i]);
+    return f;
+  };
+  const double f0 = objective(w);
+  std::vector<float> g(n);
+  for (std::uint64_t step = 1; step <= 400; ++step) {
+    w = dw.download();
+    for (std::size_t i = 0; i < n; ++i) g[i] = a[i] * (w[i] - t[i]);
+    dg.upload(g);
+    // Step decay: 0.1 for the first half, 0.01 after.
+    ops::run_blocking(dev.context.compute(), update, {step, step <= 200 ? 0.1f : 0.01f});
+  }
+  w = dw.download();
+  EXPECT_LT(objective(w), 1e-4 * f0);
+  double max_err = 0;
+  for (std::size_t i = 0; i < n; ++i) max_err = std::max(max_err, double(std::abs(w[i] - t[i])));
+  EXPECT_LT(max_err, 0.02);
+}
+
+}  // namespace
+}  // namespace ferry::test
