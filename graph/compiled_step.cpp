@@ -1,0 +1,330 @@
+// Lowering of a planned step graph to tbb::flow::graph, and running it.
+#include "ferry/graph/compiled_step.hpp"
+
+#include <fmt/format.h>
+#include <tbb/flow_graph.h>
+
+#include <atomic>
+#include <stdexcept>
+
+#include "ferry/cl/error.hpp"
+#include "ferry/graph/bind.hpp"
+
+namespace ferry::graph {
+
+using tbb::flow::continue_msg;
+using DoneNode = tbb::flow::async_node<continue_msg, continue_msg>;
+
+std::optional<Placement> PersistentArena::find(const std::string& name) const {
+  for (const auto& [n, p] : placements) {
+    if (n == name) return p;
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+struct ByteRange {
+  Pool pool;
+  std::uint32_t buffer;
+  std::uint64_t begin, end;
+  bool write;
+  bool overlaps(const ByteRange& o) const {
+    return pool == o.pool && buffer == o.buffer && begin < o.end && o.begin < end;
+  }
+};
+
+cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
+  switch (lane) {
+    case Lane::h2d: return ctx.queue(cl::QueueKind::h2d);
+    case Lane::d2h: return ctx.queue(cl::QueueKind::d2h);
+    default: return ctx.queue(cl::QueueKind::compute);
+  }
+}
+
+}  // namespace
+
+struct CompiledStep::Impl {
+  const cl::Context& ctx;
+  std::vector<cl::Mem> transient;
+  std::vector<ops::LaunchList> launches;             // per node
+  std::vector<std::vector<NodeId>> waits;            // cross-lane predecessors, per node
+  std::vector<cl::Event> events;                     // per node: its last command, this step
+  cl::PinnedBuffer input_host, labels_host, stats_host;
+  TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
+  ops::StepInfo step;
+
+  tbb::flow::graph flow;
+  tbb::flow::broadcast_node<continue_msg> start{flow};
+  std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> nodes;
+  std::unique_ptr<tbb::flow::continue_node<continue_msg>> finish;
+  std::unique_ptr<DoneNode> done;
+  cl::Event finish_marker;
+  DoneNode::gateway_type* gateway = nullptr;
+  std::atomic<cl_int> device_status{CL_COMPLETE};
+
+  explicit Impl(const cl::Context& c) : ctx(c) {}
+
+  static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user) {
+    // Runs on a driver thread (or inline if the marker already completed): hand over, never wait.
+    auto* self = static_cast<Impl*>(user);
+    if (status < 0) self->device_status = status;
+    self->gateway->try_put(continue_msg{});
+    self->gateway->release_wait();
+  }
+};
+
+CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
+                           std::shared_ptr<PersistentArena> shared)
+    : graph_(std::move(graph)), impl_(std::make_unique<Impl>(context)) {
+  auto& t = graph_.tensors;
+  auto& n = graph_.nodes;
+  const auto& device = context.device();
+
+  // 1. Scratch, then the memory plan (persistent placements come from `shared` if given).
+  assign_scratch(graph_, env);
+  MemoryPlanOptions mopt;
+  mopt.max_buffer_bytes = device.max_alloc_bytes;
+  mopt.alignment = std::max<std::uint32_t>(256, device.base_align_bytes);
+  mopt.plan_persistent = shared == nullptr;
+  if (shared) {
+    for (TensorId id = 0; id < t.size(); ++id) {
+      if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
+      auto p = shared->find(t.name[id]);
+      if (!p) throw std::logic_error(fmt::format("variant uses weight '{}' that the model does not have", t.name[id]));
+      t.placement[id] = *p;
+    }
+  }
+  plan_ = plan_memory(graph_, mopt);
+
+  // 2. Arena buffers.
+  if (shared) {
+    persistent_ = std::move(shared);
+  } else {
+    persistent_ = std::make_shared<PersistentArena>();
+    for (std::size_t b = 0; b < plan_.persistent_buffers.size(); ++b) {
+      persistent_->buffers.push_back(
+          context.create_buffer(plan_.persistent_buffers[b], fmt::format("persistent arena buffer {}", b)));
+    }
+    persistent_->buffer_bytes = plan_.persistent_buffers;
+    persistent_->bytes = plan_.persistent_bytes;
+    for (TensorId id = 0; id < t.size(); ++id) {
+      if (is_persistent(t.role[id]) && t.alias_of[id] == no_tensor) persistent_->placements.emplace_back(t.name[id], t.placement[id]);
+    }
+  }
+  for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
+    impl_->transient.push_back(context.create_buffer(plan_.transient_buffers[b], fmt::format("step arena buffer {}", b)));
+  }
+
+  // 3. Host staging for upload and download.
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == Role::input) impl_->input = id;
+    if (t.role[id] == Role::label) impl_->labels = id;
+    if (t.role[id] == Role::stats) impl_->stats = id;
+  }
+  if (impl_->input == no_tensor || impl_->labels == no_tensor || impl_->stats == no_tensor) {
+    throw std::logic_error("a step graph needs input, label and stats tensors");
+  }
+  impl_->input_host = context.create_pinned(t.bytes(impl_->input), "input staging");
+  impl_->labels_host = context.create_pinned(t.bytes(impl_->labels), "label staging");
+  impl_->stats_host = context.create_pinned(t.bytes(impl_->stats), "stats staging");
+
+  // 4. Bind kernels.
+  TensorResolver at = [this](TensorId id) { return span(id); };
+  impl_->launches.resize(n.size());
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (n.lane[id] != Lane::compute) continue;
+    cl::OpScope scope(n.name[id]);
+    impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
+  }
+
+  // 5. Dependencies: same lane -> chain; other lanes -> edge + event wait where bytes overlap.
+  std::vector<std::vector<ByteRange>> ranges(n.size());
+  for (NodeId id = 0; id < n.size(); ++id) {
+    auto add = [&](TensorId tid, bool write) {
+      if (tid == no_tensor) return;
+      const TensorId s = t.storage(tid);
+      const Placement& p = t.placement[s];
+      ranges[id].push_back({plan_.pool[s], p.buffer, p.offset_bytes, p.offset_bytes + t.bytes(tid), write});
+    };
+    for (TensorId tid : n.inputs(id)) add(tid, false);
+    for (TensorId tid : n.outputs(id)) add(tid, true);
+    add(n.scratch[id], true);
+  }
+  impl_->waits.resize(n.size());
+  constexpr int lanes = 4;
+  std::array<NodeId, lanes> last_on_lane;
+  last_on_lane.fill(static_cast<NodeId>(-1));
+  std::vector<std::vector<NodeId>> preds(n.size());
+  for (NodeId id = 0; id < n.size(); ++id) {
+    const int lane = static_cast<int>(n.lane[id]);
+    if (last_on_lane[lane] != static_cast<NodeId>(-1)) preds[id].push_back(last_on_lane[lane]);
+    for (int other = 0; other < lanes; ++other) {
+      if (other == lane) continue;
+      // The latest conflicting node of that lane suffices: its lane runs in order.
+      for (NodeId m = id; m-- > 0;) {
+        if (static_cast<int>(n.lane[m]) != other) continue;
+        bool conflict = false;
+        for (const auto& a : ranges[id]) {
+          for (const auto& b : ranges[m]) conflict = conflict || (a.overlaps(b) && (a.write || b.write));
+        }
+        if (conflict) {
+          preds[id].push_back(m);
+          impl_->waits[id].push_back(m);
+          break;
+        }
+      }
+    }
+    last_on_lane[lane] = id;
+  }
+
+  // 6. The flow graph.
+  impl_->events.resize(n.size());
+  Impl* im = impl_.get();
+  for (NodeId id = 0; id < n.size(); ++id) {
+    impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
+        impl_->flow, [this, im, id](const continue_msg&) {
+          const auto& nodes = graph_.nodes;
+          cl::OpScope scope(nodes.name[id]);
+          try {
+            if (fail_node_ == id) {
+              fail_node_ = static_cast<NodeId>(-1);
+              throw std::runtime_error("injected failure");
+            }
+            std::vector<cl_event> wait;
+            for (NodeId m : im->waits[id]) {
+              if (im->events[m]) wait.push_back(im->events[m].get());
+            }
+            const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
+            cl::Event ev;
+            const auto& tt = graph_.tensors;
+            switch (nodes.kind[id]) {
+              case OpKind::upload: {
+                const ops::DeviceSpan in = span(im->input), lab = span(im->labels);
+                FERRY_CL(clEnqueueWriteBuffer(q, in.buffer, CL_FALSE, in.offset * 4, tt.bytes(im->input),
+                                              im->input_host.data(), static_cast<cl_uint>(wait.size()),
+                                              wait.empty() ? nullptr : wait.data(), nullptr));
+                FERRY_CL(clEnqueueWriteBuffer(q, lab.buffer, CL_FALSE, lab.offset * 4, tt.bytes(im->labels),
+                                              im->labels_host.data(), 0, nullptr, ev.out()));
+                break;
+              }
+              case OpKind::download: {
+                const ops::DeviceSpan s = span(im->stats);
+                FERRY_CL(clEnqueueReadBuffer(q, s.buffer, CL_FALSE, s.offset * 4, tt.bytes(im->stats),
+                                             im->stats_host.data(), static_cast<cl_uint>(wait.size()),
+                                             wait.empty() ? nullptr : wait.data(), ev.out()));
+                break;
+              }
+              default:
+                ev = ops::enqueue(q, im->launches[id], wait, im->step);
+                if (!ev) {
+                  FERRY_CL(clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(wait.size()),
+                                                       wait.empty() ? nullptr : wait.data(), ev.out()));
+                }
+            }
+            im->events[id] = std::move(ev);
+            // Flush so that commands on other queues waiting on this one can start.
+            FERRY_CL(clFlush(q));
+          } catch (const cl::Error&) {
+            throw;  // already names the op through OpScope
+          } catch (const std::exception& e) {
+            throw std::runtime_error(fmt::format("step node '{}' ({}): {}", nodes.name[id], op_name(nodes.kind[id]), e.what()));
+          }
+        }));
+  }
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (preds[id].empty()) tbb::flow::make_edge(impl_->start, *impl_->nodes[id]);
+    for (NodeId m : preds[id]) tbb::flow::make_edge(*impl_->nodes[m], *impl_->nodes[id]);
+  }
+
+  // Finish: a marker on the compute queue after every lane's last command; its completion
+  // callback releases the async gateway.
+  std::vector<NodeId> lane_tails;
+  for (NodeId tail : last_on_lane) {
+    if (tail != static_cast<NodeId>(-1)) lane_tails.push_back(tail);
+  }
+  impl_->finish = std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im, lane_tails](const continue_msg&) {
+    std::vector<cl_event> wait;
+    for (NodeId tail : lane_tails) {
+      if (im->events[tail]) wait.push_back(im->events[tail].get());
+    }
+    cl::Event marker;
+    FERRY_CL(clEnqueueMarkerWithWaitList(im->ctx.compute(), static_cast<cl_uint>(wait.size()),
+                                         wait.empty() ? nullptr : wait.data(), marker.out()));
+    im->finish_marker = std::move(marker);
+  });
+  for (NodeId tail : lane_tails) tbb::flow::make_edge(*impl_->nodes[tail], *impl_->finish);
+  impl_->done = std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
+                                           [im](const continue_msg&, DoneNode::gateway_type& gw) {
+                                             im->gateway = &gw;
+                                             gw.reserve_wait();
+                                             cl_int status = clSetEventCallback(im->finish_marker.get(), CL_COMPLETE,
+                                                                                &Impl::on_complete, im);
+                                             if (status != CL_SUCCESS) {
+                                               gw.release_wait();
+                                               cl::check(status, "clSetEventCallback(step finish)");
+                                             }
+                                             FERRY_CL(clFlush(im->ctx.compute()));
+                                           });
+  tbb::flow::make_edge(*impl_->finish, *impl_->done);
+}
+
+CompiledStep::~CompiledStep() {
+  if (impl_) {
+    impl_->flow.wait_for_all();
+    try {
+      impl_->ctx.finish_all();
+    } catch (...) {
+      // Destructors must not throw; the queues are being torn down anyway.
+    }
+  }
+}
+
+ops::DeviceSpan CompiledStep::span(TensorId id) const {
+  const TensorId s = graph_.tensors.storage(id);
+  const Placement& p = graph_.tensors.placement[s];
+  const auto& buffers = plan_.pool[s] == Pool::persistent ? persistent_->buffers : impl_->transient;
+  return {buffers.at(p.buffer).get(), p.offset_bytes / 4};
+}
+
+float* CompiledStep::input_host() const { return impl_->input_host.floats(); }
+std::int32_t* CompiledStep::labels_host() const { return static_cast<std::int32_t*>(impl_->labels_host.data()); }
+const float* CompiledStep::stats_host() const { return impl_->stats_host.floats(); }
+
+void CompiledStep::run(const ops::StepInfo& step) {
+  impl_->step = step;
+  impl_->device_status = CL_COMPLETE;
+  impl_->start.try_put(continue_msg{});
+  try {
+    impl_->flow.wait_for_all();
+  } catch (...) {
+    // Commands already enqueued still use the arena: let them finish before anyone reuses it.
+    try {
+      impl_->ctx.finish_all();
+    } catch (...) {
+    }
+    impl_->flow.reset();
+    for (auto& e : impl_->events) e = cl::Event();
+    throw;
+  }
+  if (impl_->device_status < 0) {
+    throw cl::Error("a command of the step (reported by its completion event)", impl_->device_status, "step");
+  }
+}
+
+std::vector<TimelineEntry> CompiledStep::timeline() const {
+  std::vector<TimelineEntry> out;
+  if (!impl_->ctx.profiling()) return out;
+  for (NodeId id = 0; id < graph_.nodes.size(); ++id) {
+    const cl::Event& ev = impl_->events[id];
+    if (!ev) continue;
+    TimelineEntry e{graph_.nodes.name[id], graph_.nodes.lane[id], 0, 0, 0};
+    clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_QUEUED, sizeof(cl_ulong), &e.queued_ns, nullptr);
+    clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_START, sizeof(cl_ulong), &e.start_ns, nullptr);
+    clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_END, sizeof(cl_ulong), &e.end_ns, nullptr);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+}  // namespace ferry::graph

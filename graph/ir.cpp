@@ -1,0 +1,125 @@
+// Step IR tables.
+#include "ferry/graph/ir.hpp"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace ferry::graph {
+
+Shape::Shape(std::initializer_list<std::uint32_t> d) {
+  if (d.size() > dims.size()) throw std::invalid_argument("tensor rank above 4 is not supported");
+  rank = static_cast<std::uint8_t>(d.size());
+  std::size_t i = 0;
+  for (auto v : d) dims[i++] = v;
+}
+
+std::size_t Shape::elems() const {
+  std::size_t n = 1;
+  for (std::size_t i = 0; i < rank; ++i) n *= dims[i];
+  return n;
+}
+
+std::string Shape::str() const {
+  std::string s = "[";
+  for (std::size_t i = 0; i < rank; ++i) s += fmt::format("{}{}", i ? ", " : "", dims[i]);
+  return s + "]";
+}
+
+std::size_t dtype_bytes(DType t) {
+  switch (t) {
+    case DType::f32:
+    case DType::i32:
+      return 4;
+  }
+  return 4;
+}
+
+const char* role_name(Role r) {
+  switch (r) {
+    case Role::input: return "input";
+    case Role::label: return "label";
+    case Role::weight: return "weight";
+    case Role::optimizer_state: return "optimizer state";
+    case Role::gradient: return "gradient";
+    case Role::activation: return "activation";
+    case Role::scratch: return "scratch";
+    case Role::stats: return "stats";
+  }
+  return "?";
+}
+
+bool is_persistent(Role r) { return r == Role::weight || r == Role::optimizer_state; }
+
+TensorId TensorTable::add(std::string n, Shape s, DType t, Role r, TensorId alias) {
+  const auto id = static_cast<TensorId>(name.size());
+  name.push_back(std::move(n));
+  shape.push_back(s);
+  dtype.push_back(t);
+  role.push_back(r);
+  alias_of.push_back(alias);
+  grad.push_back(no_tensor);
+  home.push_back(Residency::device);
+  placement.push_back({});
+  init.push_back({});
+  return id;
+}
+
+TensorId TensorTable::storage(TensorId t) const {
+  while (alias_of[t] != no_tensor) t = alias_of[t];
+  return t;
+}
+
+const char* op_name(OpKind k) {
+  switch (k) {
+    case OpKind::upload: return "upload";
+    case OpKind::linear: return "linear";
+    case OpKind::linear_grad_input: return "linear_grad_input";
+    case OpKind::linear_grad_param: return "linear_grad_param";
+    case OpKind::activation: return "activation";
+    case OpKind::activation_grad: return "activation_grad";
+    case OpKind::add: return "add";
+    case OpKind::layernorm: return "layernorm";
+    case OpKind::layernorm_grad: return "layernorm_grad";
+    case OpKind::conv2d: return "conv2d";
+    case OpKind::conv2d_grad_input: return "conv2d_grad_input";
+    case OpKind::conv2d_grad_param: return "conv2d_grad_param";
+    case OpKind::maxpool2d: return "maxpool2d";
+    case OpKind::maxpool2d_grad: return "maxpool2d_grad";
+    case OpKind::softmax_xent: return "softmax_xent";
+    case OpKind::softmax_xent_grad: return "softmax_xent_grad";
+    case OpKind::sgd_update: return "sgd_update";
+    case OpKind::adam_update: return "adam_update";
+    case OpKind::download: return "download";
+  }
+  return "?";
+}
+
+const char* lane_name(Lane l) {
+  switch (l) {
+    case Lane::compute: return "compute";
+    case Lane::h2d: return "copy in";
+    case Lane::d2h: return "copy out";
+    case Lane::host: return "host";
+  }
+  return "?";
+}
+
+NodeId NodeTable::add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out,
+                      NodeAttrs a, Lane l) {
+  const auto id = static_cast<NodeId>(kind.size());
+  kind.push_back(k);
+  name.push_back(std::move(n));
+  in_begin.push_back(static_cast<std::uint32_t>(operands.size()));
+  in_count.push_back(static_cast<std::uint32_t>(in.size()));
+  operands.insert(operands.end(), in.begin(), in.end());
+  out_begin.push_back(static_cast<std::uint32_t>(operands.size()));
+  out_count.push_back(static_cast<std::uint32_t>(out.size()));
+  operands.insert(operands.end(), out.begin(), out.end());
+  attrs.push_back(a);
+  lane.push_back(l);
+  scratch.push_back(no_tensor);
+  return id;
+}
+
+}  // namespace ferry::graph

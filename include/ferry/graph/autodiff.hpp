@@ -1,0 +1,29 @@
+// Reverse-mode autodiff and optimizer updates, as passes that append nodes to a step graph.
+#pragma once
+
+#include "ferry/graph/ir.hpp"
+#include "ferry/ops/optimizer.hpp"
+
+namespace ferry::graph {
+
+struct OptimizerSpec {
+  enum class Kind : std::uint8_t { sgd, adam, adamw } kind = Kind::adam;
+  ops::SgdConfig sgd;
+  ops::AdamConfig adam;
+};
+const char* optimizer_name(OptimizerSpec::Kind k);
+
+// Appends the backward nodes of every forward node, in reverse order, from the loss
+// (softmax_xent) back to the weights. Gradients of tensors used more than once are summed;
+// gradients nothing needs (of the input, of paths without weights) are not computed.
+// Sets tensors.grad for every tensor that gets one.
+void append_backward(Graph& g);
+
+// Appends one update node per weight that has a gradient, creating its optimizer state tensors
+// (role optimizer_state, zero-initialised).
+void append_optimizer(Graph& g, const OptimizerSpec& spec);
+
+// Appends the node that copies the loss statistics to the host at the end of the step.
+void append_stats_download(Graph& g);
+
+}  // namespace ferry::graph

@@ -1,0 +1,62 @@
+// Builds the forward part of a step graph, layer by layer, checking shapes as it goes.
+//
+// Weights are created by the layer helpers with names derived from the layer's position
+// ("linear3.w"), so rebuilding the same model for another batch size or phase yields the same
+// parameter names, which is how variants of one model share their weights.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "ferry/graph/ir.hpp"
+#include "ferry/ops/activation.hpp"
+
+namespace ferry::graph {
+
+// Thrown for a model that cannot be built (wrong shapes, bad attributes). The message names the
+// layer and the shapes involved.
+class BuildError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+class Builder {
+ public:
+  // A classifier over samples of `sample_shape` (e.g. {1, 28, 28}) into `classes` classes, for
+  // batches of `batch`. Creates the input and label tensors and the upload node.
+  Builder(Graph& g, std::uint32_t batch, Shape sample_shape, std::uint32_t classes);
+
+  TensorId input() const { return input_; }
+  TensorId labels() const { return labels_; }
+  std::uint32_t batch() const { return batch_; }
+  const Graph& graph() const { return g_; }
+
+  // Layers. Each returns the output tensor; names are "<kind><index>".
+  TensorId linear(TensorId x, std::uint32_t out_features, bool bias = true);
+  TensorId relu(TensorId x) { return activation(x, ops::Activation::relu); }
+  TensorId gelu(TensorId x) { return activation(x, ops::Activation::gelu); }
+  TensorId activation(TensorId x, ops::Activation a);
+  TensorId layernorm(TensorId x, float eps = 1e-5f);
+  TensorId conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t kernel, std::uint32_t stride = 1,
+                  std::uint32_t pad = 0);
+  TensorId maxpool2d(TensorId x, std::uint32_t window = 2, std::uint32_t stride = 2);
+  TensorId flatten(TensorId x);
+  TensorId add(TensorId a, TensorId b);
+
+  // Ends the forward pass: softmax cross-entropy of `logits` [batch, classes] against the labels.
+  // Returns the stats tensor ([2]: mean loss, correct count).
+  TensorId softmax_xent(TensorId logits);
+
+ private:
+  std::string next_name(std::string_view kind);
+  TensorId weight(std::string name, Shape s, WeightInit init);
+  TensorId activation_tensor(std::string name, Shape s);
+  const Shape& shape(TensorId t) const { return g_.tensors.shape[t]; }
+
+  Graph& g_;
+  std::uint32_t batch_, classes_;
+  TensorId input_, labels_;
+  std::uint32_t layer_count_ = 0;
+};
+
+}  // namespace ferry::graph

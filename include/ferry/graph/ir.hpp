@@ -1,0 +1,136 @@
+// The step IR: flat tables of tensors and nodes, indexed by small integers.
+//
+// A tensor is an index into struct-of-arrays columns (shape, dtype, role, where it lives, where
+// the memory plan put it); a node is an index into columns of op kind, operand ranges,
+// attributes and queue. Passes (autodiff, residency, memory plan) read and extend these tables;
+// lowering turns the ordered node list into a tbb::flow::graph.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace ferry::graph {
+
+using TensorId = std::uint32_t;
+using NodeId = std::uint32_t;
+inline constexpr TensorId no_tensor = std::numeric_limits<TensorId>::max();
+
+struct Shape {
+  std::array<std::uint32_t, 4> dims{};
+  std::uint8_t rank = 0;
+  Shape() = default;
+  Shape(std::initializer_list<std::uint32_t> d);
+  std::uint32_t operator[](std::size_t i) const { return dims[i]; }
+  std::size_t elems() const;
+  std::string str() const;  // "[256, 784]"
+  bool operator==(const Shape&) const = default;
+};
+
+enum class DType : std::uint8_t { f32, i32 };  // f16 / bf16 / i8 storage come with the precision pass
+std::size_t dtype_bytes(DType t);
+
+// What a tensor is for; decides its lifetime in the memory plan and its home under streaming.
+enum class Role : std::uint8_t {
+  input,            // batch data, written by the upload node each step
+  label,            // int32 class labels, uploaded with the batch
+  weight,           // trained parameter: persistent
+  optimizer_state,  // momentum / Adam moments: persistent
+  gradient,         // of a weight or an activation: lives within a step
+  activation,       // forward intermediate: lives within a step
+  scratch,          // an op's temporary (packed GEMM panels, im2col columns)
+  stats,            // small results the host reads after the step (loss, correct count)
+};
+const char* role_name(Role r);
+bool is_persistent(Role r);
+
+// Where a tensor's bytes live between uses. Only `device` exists until the residency pass.
+enum class Residency : std::uint8_t { device, host_pinned, host_mapped, host_compressed, host_int8, dropped };
+
+// How the runtime fills a weight before the first step.
+struct WeightInit {
+  enum class Kind : std::uint8_t { none, zeros, ones, uniform } kind = Kind::none;
+  float bound = 0.0f;  // uniform(-bound, bound)
+};
+
+// A placement from the memory plan: which arena buffer and the byte offset inside it.
+struct Placement {
+  std::uint32_t buffer = 0;
+  std::uint64_t offset_bytes = 0;
+};
+
+struct TensorTable {
+  std::vector<std::string> name;
+  std::vector<Shape> shape;
+  std::vector<DType> dtype;
+  std::vector<Role> role;
+  std::vector<TensorId> alias_of;  // views (reshape) share storage with this tensor
+  std::vector<TensorId> grad;      // gradient of this tensor, set by autodiff
+  std::vector<Residency> home;
+  std::vector<Placement> placement;  // set by the memory plan
+  std::vector<WeightInit> init;      // weights and optimizer state only
+
+  TensorId add(std::string n, Shape s, DType t, Role r, TensorId alias = no_tensor);
+  std::size_t size() const { return name.size(); }
+  std::size_t bytes(TensorId t) const { return shape[t].elems() * dtype_bytes(dtype[t]); }
+  // The tensor that owns the storage of t (t itself unless t is a view).
+  TensorId storage(TensorId t) const;
+};
+
+enum class OpKind : std::uint8_t {
+  upload,             // host batch -> input/label tensors (h2d queue)
+  linear,             // y[B,out] = x[B,in] w[in,out] + b[out]        in: x w b   out: y scratch
+  linear_grad_input,  // dx = dy w^T                                  in: dy w    out: dx scratch
+  linear_grad_param,  // dw = x^T dy, db = colsum(dy)                 in: x dy    out: dw db scratch
+  activation,         // i[0] = ops::Activation                       in: x       out: y
+  activation_grad,    //                                              in: x dy    out: dx
+  add,                // y = a + b                                    in: a b     out: y
+  layernorm,          // f[0] = eps                                   in: x g b   out: y mean rstd
+  layernorm_grad,     //                                  in: x g mean rstd dy    out: dx dg db
+  conv2d,             // i[0] stride, i[1] pad                        in: x w b   out: y scratch
+  conv2d_grad_input,  //                                              in: dy w    out: dx scratch
+  conv2d_grad_param,  //                                              in: x dy    out: dw db scratch
+  maxpool2d,          // i[0] window, i[1] stride                     in: x       out: y argmax
+  maxpool2d_grad,     //                                              in: dy argmax out: dx
+  softmax_xent,       //                                        in: logits labels out: probs stats
+  softmax_xent_grad,  //                                        in: probs labels  out: dlogits
+  sgd_update,         // in: w g v   out: w v (in place)
+  adam_update,        // in: w g m v out: w m v (in place)
+  download,           // stats -> host (d2h queue)
+};
+const char* op_name(OpKind k);
+
+// Which engine runs a node. Device queues run in order; events order them against each other.
+enum class Lane : std::uint8_t { compute, h2d, d2h, host };
+const char* lane_name(Lane l);
+
+struct NodeAttrs {
+  std::array<std::int32_t, 4> i{};
+  std::array<float, 2> f{};
+};
+
+struct NodeTable {
+  std::vector<OpKind> kind;
+  std::vector<std::string> name;
+  std::vector<std::uint32_t> in_begin, in_count, out_begin, out_count;  // ranges of `operands`
+  std::vector<TensorId> operands;
+  std::vector<NodeAttrs> attrs;
+  std::vector<Lane> lane;
+  std::vector<TensorId> scratch;  // the op's temporary, set by the scratch pass (no_tensor if none)
+
+  NodeId add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out,
+             NodeAttrs a = {}, Lane l = Lane::compute);
+  std::size_t size() const { return kind.size(); }
+  std::span<const TensorId> inputs(NodeId n) const { return {operands.data() + in_begin[n], in_count[n]}; }
+  std::span<const TensorId> outputs(NodeId n) const { return {operands.data() + out_begin[n], out_count[n]}; }
+};
+
+struct Graph {
+  TensorTable tensors;
+  NodeTable nodes;
+};
+
+}  // namespace ferry::graph

@@ -1,0 +1,39 @@
+// Static memory plan: every device tensor of a step gets (pool, buffer, offset) before the step
+// runs, so the step's peak device bytes are known at compile time and nothing is allocated
+// inside a step.
+//
+// Two pools: `persistent` holds weights and optimizer state for the life of the trainer (shared
+// by all variants of a model: training, evaluation); `transient` holds everything that lives
+// within one step, packed by liveness over the static node order. Each pool is a list of
+// buffers no larger than the device's largest allocation.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ferry/graph/ir.hpp"
+
+namespace ferry::graph {
+
+enum class Pool : std::uint8_t { persistent, transient };
+
+struct MemoryPlanOptions {
+  std::uint64_t max_buffer_bytes = 1ull << 30;  // CL_DEVICE_MAX_MEM_ALLOC_SIZE of the device
+  std::uint32_t alignment = 256;                // bytes; at least the device's base address alignment
+  bool plan_persistent = true;                  // false: persistent tensors are placed already (shared)
+};
+
+struct MemoryPlan {
+  std::vector<Pool> pool;  // per tensor (storage owners only; views take their base's)
+  std::vector<std::uint64_t> persistent_buffers, transient_buffers;  // sizes in bytes
+  std::uint64_t persistent_bytes = 0, transient_bytes = 0;
+  // Sum of the transient tensors' sizes: what the step would need without reuse.
+  std::uint64_t transient_unshared_bytes = 0;
+  std::uint64_t peak_bytes() const { return persistent_bytes + transient_bytes; }
+};
+
+// Assigns tensors.placement for every tensor that nodes touch and returns the pools' sizes.
+// Throws std::runtime_error if one tensor is larger than max_buffer_bytes.
+MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options);
+
+}  // namespace ferry::graph

@@ -1,0 +1,39 @@
+// What a trainer links first: the device, its context and queues, and the kernel library.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/program.hpp"
+#include "ferry/ops/launch.hpp"
+
+namespace ferry {
+
+struct RuntimeOptions {
+  // Device index or name substring; empty: $FERRY_DEVICE, else the first GPU, else the first device.
+  std::string device;
+  // Record device timestamps of every command (for traces and the timeline); costs a little.
+  bool profiling = false;
+};
+
+class Runtime {
+ public:
+  explicit Runtime(RuntimeOptions options = {});
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  const cl::DeviceInfo& device() const noexcept { return context_->device(); }
+  const cl::Context& context() const noexcept { return *context_; }
+  cl::KernelLibrary& kernels() noexcept { return *kernels_; }
+  ops::OpEnv& env() noexcept { return env_; }
+  const RuntimeOptions& options() const noexcept { return options_; }
+
+ private:
+  RuntimeOptions options_;
+  std::unique_ptr<cl::Context> context_;
+  std::unique_ptr<cl::KernelLibrary> kernels_;
+  ops::OpEnv env_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,86 @@
+// Trainer: compiles a model's training step once and runs it batch by batch.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/graph/autodiff.hpp"
+#include "ferry/graph/compiled_step.hpp"
+#include "ferry/runtime/fashion_mnist.hpp"
+#include "ferry/runtime/model.hpp"
+#include "ferry/runtime/runtime.hpp"
+
+namespace ferry {
+
+struct TrainerOptions {
+  std::uint32_t batch = 256;
+  graph::OptimizerSpec optimizer;  // default: Adam
+  float lr = 1e-3f;
+  std::uint64_t seed = 1;  // weight initialisation
+};
+
+struct StepResult {
+  float loss = 0;             // mean cross-entropy of the batch
+  std::uint32_t correct = 0;  // samples whose argmax is the label
+  double step_ms = 0;         // wall time of the step, enqueue to device completion
+  std::uint64_t device_peak_bytes = 0;
+};
+
+struct EvalResult {
+  double accuracy = 0, loss = 0;
+  std::size_t samples = 0;
+};
+
+class Trainer {
+ public:
+  Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options = {});
+  ~Trainer();
+
+  // One optimizer step on a batch of exactly options().batch samples (images: batch x sample
+  // floats, labels in [0, classes)). Throws std::invalid_argument for a batch of the wrong size,
+  // a label out of range or a non-finite input, before anything runs. Throws std::runtime_error
+  // naming the op if the step fails; the trainer stays usable.
+  StepResult step(std::span<const float> images, std::span<const std::int32_t> labels);
+
+  // Forward-only pass over the whole dataset (any size), batched, no weight change.
+  EvalResult evaluate(const Dataset& data);
+
+  float lr() const noexcept { return lr_; }
+  void set_lr(float lr) noexcept { lr_ = lr; }
+  std::uint64_t steps_done() const noexcept { return steps_; }
+  const TrainerOptions& options() const noexcept { return options_; }
+  const ModelSpec& model() const noexcept { return model_; }
+  const graph::CompiledStep& train_step() const noexcept { return *train_; }
+
+  // Sizes of the training state (fp32): weights, their gradients, and optimizer state.
+  std::uint64_t weight_bytes() const;
+  std::uint64_t optimizer_state_bytes() const;
+  std::uint64_t training_state_bytes() const;
+  std::uint64_t parameter_count() const;
+  // Peak device bytes of the training step, known from the memory plan before it runs.
+  std::uint64_t device_peak_bytes() const { return train_->device_bytes(); }
+
+  // A parameter's values (for tests, checkpoints and inspection). Throws for an unknown name.
+  std::vector<float> read_parameter(const std::string& name) const;
+  std::vector<std::string> parameter_names() const;
+
+ private:
+  graph::Graph build_graph(std::uint32_t batch, bool training) const;
+  void initialise_parameters();
+  graph::CompiledStep& eval_variant(std::uint32_t batch);
+  void validate_batch(std::span<const float> images, std::span<const std::int32_t> labels, std::uint32_t batch) const;
+
+  Runtime& runtime_;
+  ModelSpec model_;
+  TrainerOptions options_;
+  float lr_;
+  std::uint64_t steps_ = 0;
+  std::unique_ptr<graph::CompiledStep> train_;
+  std::map<std::uint32_t, std::unique_ptr<graph::CompiledStep>> eval_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,202 @@
+// Trainer: graph construction per variant, parameter initialisation, step and evaluation.
+#include "ferry/runtime/trainer.hpp"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <stdexcept>
+
+namespace ferry {
+namespace {
+
+std::uint64_t name_hash(const std::string& s) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+}  // namespace
+
+Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
+    : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr) {
+  if (!model_.forward) throw std::invalid_argument("model has no forward function");
+  if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
+    throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
+  }
+  train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer,
+                                                 runtime_.env(), runtime_.context());
+  initialise_parameters();
+}
+
+Trainer::~Trainer() = default;
+
+graph::Graph Trainer::build_graph(std::uint32_t batch, bool training) const {
+  graph::Graph g;
+  graph::Builder b(g, batch, model_.sample_shape, model_.classes);
+  TensorId logits = model_.forward(b, b.input());
+  b.softmax_xent(logits);
+  if (training) {
+    graph::append_backward(g);
+    graph::append_optimizer(g, options_.optimizer);
+  }
+  graph::append_stats_download(g);
+  return g;
+}
+
+void Trainer::initialise_parameters() {
+  const auto& g = train_->graph();
+  const auto& t = g.tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor) continue;
+    std::vector<float> values(t.shape[id].elems());
+    const graph::WeightInit init = t.init[id];
+    switch (init.kind) {
+      case graph::WeightInit::Kind::ones:
+        std::fill(values.begin(), values.end(), 1.0f);
+        break;
+      case graph::WeightInit::Kind::uniform: {
+        // Seeded per tensor name, so values do not depend on the order tensors were created.
+        std::mt19937_64 rng(options_.seed ^ name_hash(t.name[id]));
+        std::uniform_real_distribution<float> dist(-init.bound, init.bound);
+        for (auto& v : values) v = dist(rng);
+        break;
+      }
+      default:
+        break;  // zeros
+    }
+    const ops::DeviceSpan at = train_->span(id);
+    runtime_.context().write(at.buffer, at.offset * 4, values.data(), values.size() * 4);
+  }
+}
+
+void Trainer::validate_batch(std::span<const float> images, std::span<const std::int32_t> labels,
+                             std::uint32_t batch) const {
+  const std::size_t sample = model_.sample_shape.elems();
+  if (labels.size() != batch || images.size() != batch * sample) {
+    throw std::invalid_argument(fmt::format(
+        "batch has {} labels and {} image values; this step was compiled for batches of {} samples of {} values "
+        "({} in all): pass full batches (drop or pad the last one)",
+        labels.size(), images.size(), batch, sample, batch * sample));
+  }
+  for (std::size_t i = 0; i < labels.size(); ++i) {
+    if (labels[i] < 0 || static_cast<std::uint32_t>(labels[i]) >= model_.classes) {
+      throw std::invalid_argument(
+          fmt::format("label {} of sample {} is outside [0, {})", labels[i], i, model_.classes));
+    }
+  }
+  for (std::size_t i = 0; i < images.size(); ++i) {
+    if (!std::isfinite(images[i])) {
+      throw std::invalid_argument(fmt::format("input value {} of sample {} is not finite ({}): fix the data",
+                                              i % sample, i / sample, images[i]));
+    }
+  }
+}
+
+StepResult Trainer::step(std::span<const float> images, std::span<const std::int32_t> labels) {
+  validate_batch(images, labels, options_.batch);
+  std::copy(images.begin(), images.end(), train_->input_host());
+  std::copy(labels.begin(), labels.end(), train_->labels_host());
+  const auto t0 = std::chrono::steady_clock::now();
+  train_->run(ops::StepInfo{steps_ + 1, lr_});
+  const auto t1 = std::chrono::steady_clock::now();
+  ++steps_;
+  StepResult r;
+  r.loss = train_->stats_host()[0];
+  r.correct = static_cast<std::uint32_t>(train_->stats_host()[1]);
+  r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  r.device_peak_bytes = train_->device_bytes();
+  if (!std::isfinite(r.loss)) {
+    throw std::runtime_error(fmt::format(
+        "training diverged at step {}: the loss is {} (learning rate {}): lower the learning rate or check the data",
+        steps_, r.loss, lr_));
+  }
+  return r;
+}
+
+graph::CompiledStep& Trainer::eval_variant(std::uint32_t batch) {
+  auto it = eval_.find(batch);
+  if (it == eval_.end()) {
+    auto step = std::make_unique<graph::CompiledStep>(build_graph(batch, false), options_.optimizer, runtime_.env(),
+                                                      runtime_.context(), train_->persistent());
+    it = eval_.emplace(batch, std::move(step)).first;
+  }
+  return *it->second;
+}
+
+EvalResult Trainer::evaluate(const Dataset& data) {
+  const std::size_t sample = model_.sample_shape.elems();
+  if (data.sample_elems() != sample) {
+    throw std::invalid_argument(fmt::format("dataset samples have {} values, the model takes {}", data.sample_elems(), sample));
+  }
+  EvalResult r;
+  double loss_sum = 0, correct = 0;
+  for (std::size_t begin = 0; begin < data.count; begin += options_.batch) {
+    const auto batch = static_cast<std::uint32_t>(std::min<std::size_t>(options_.batch, data.count - begin));
+    auto& step = eval_variant(batch);
+    std::span<const float> images(data.images.data() + begin * sample, batch * sample);
+    std::span<const std::int32_t> labels(data.labels.data() + begin, batch);
+    validate_batch(images, labels, batch);
+    std::copy(images.begin(), images.end(), step.input_host());
+    std::copy(labels.begin(), labels.end(), step.labels_host());
+    step.run(ops::StepInfo{steps_ + 1, lr_});
+    loss_sum += static_cast<double>(step.stats_host()[0]) * batch;
+    correct += step.stats_host()[1];
+  }
+  r.samples = data.count;
+  if (data.count) {
+    r.accuracy = correct / static_cast<double>(data.count);
+    r.loss = loss_sum / static_cast<double>(data.count);
+  }
+  return r;
+}
+
+std::uint64_t Trainer::weight_bytes() const {
+  std::uint64_t bytes = 0;
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::weight) bytes += t.bytes(id);
+  }
+  return bytes;
+}
+
+std::uint64_t Trainer::parameter_count() const { return weight_bytes() / 4; }
+
+std::uint64_t Trainer::optimizer_state_bytes() const {
+  std::uint64_t bytes = 0;
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::optimizer_state) bytes += t.bytes(id);
+  }
+  return bytes;
+}
+
+std::uint64_t Trainer::training_state_bytes() const {
+  // Weights, one gradient per weight, optimizer state.
+  return 2 * weight_bytes() + optimizer_state_bytes();
+}
+
+std::vector<std::string> Trainer::parameter_names() const {
+  std::vector<std::string> names;
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::weight) names.push_back(t.name[id]);
+  }
+  return names;
+}
+
+std::vector<float> Trainer::read_parameter(const std::string& name) const {
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (graph::is_persistent(t.role[id]) && t.name[id] == name) {
+      std::vector<float> out(t.shape[id].elems());
+      const ops::DeviceSpan at = train_->span(id);
+      runtime_.context().read(at.buffer, at.offset * 4, out.data(), out.size() * 4);
+      return out;
+    }
+  }
+  throw std::invalid_argument(fmt::format("model '{}' has no parameter named '{}'", model_.name, name));
+}
+
+}  // namespace ferry
