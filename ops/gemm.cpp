@@ -1,22 +1,141 @@
-// GEMM binding. Interim: the naive kernel for every shape (tuned kernels replace it).
+// GEMM binding: picks the backend and ferry's kernel from the per-device tuning data and binds
+// the launches (B packing + register-blocked kernel on CPUs, local-memory tiles on GPUs, or CLBlast).
 #include "ferry/ops/gemm.hpp"
 
 #include <fmt/format.h>
 
+#include <cstdlib>
+#include <stdexcept>
+
+#include "ferry/cl/error.hpp"
+#include "gemm_clblast.hpp"
+#include "gemm_tuning.hpp"
+
 namespace ferry::ops {
+namespace {
 
-std::size_t gemm_scratch_elems(OpEnv&, const GemmShape&, const GemmOptions&) { return 0; }
+struct GemmPlan {
+  GemmBackend backend = GemmBackend::ferry;
+  GemmKernelConfig config;
+  std::string origin;  // where the choice came from, for the description
+};
 
-std::string gemm_kernel_description(OpEnv&, const GemmShape&, const GemmOptions&) { return "naive"; }
+GemmBackend backend_from_env() {
+  const char* v = std::getenv("FERRY_GEMM_BACKEND");
+  if (!v || !*v) return GemmBackend::automatic;
+  const std::string_view s(v);
+  if (s == "ferry") return GemmBackend::ferry;
+  if (s == "clblast") return GemmBackend::clblast;
+  if (s == "auto" || s == "automatic") return GemmBackend::automatic;
+  throw std::runtime_error(fmt::format("FERRY_GEMM_BACKEND='{}': expected ferry, clblast or automatic", s));
+}
 
-LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
-                DeviceSpan, const GemmOptions& options) {
-  const std::string defines = fmt::format("-DTRANS_A={} -DTRANS_B={}", int(s.trans_a), int(s.trans_b));
-  cl::Kernel k = env.kernels.kernel("gemm_naive", "gemm_naive", defines);
+GemmPlan plan(OpEnv& env, const GemmOptions& options) {
+  GemmPlan p;
+  if (!options.kernel.empty()) {
+    const std::string_view spec = options.kernel;
+    const std::size_t space = spec.find(' ');
+    p.config = parse_gemm_kernel_config(spec.substr(0, space),
+                                        space == std::string_view::npos ? std::string_view{} : spec.substr(space + 1),
+                                        "GemmOptions::kernel");
+    p.origin = "GemmOptions::kernel";
+    p.backend = options.backend == GemmBackend::clblast ? GemmBackend::clblast : GemmBackend::ferry;
+  } else {
+    GemmTuningRow row = gemm_tuning_for(env.device());
+    p.config = std::move(row.config);
+    p.origin = fmt::format("{}:{}", row.source, row.line);
+    p.backend = options.backend;
+    if (p.backend == GemmBackend::automatic) p.backend = backend_from_env();
+    if (p.backend == GemmBackend::automatic) {
+      p.backend = row.backend;
+      // The tuning data may prefer CLBlast for a device; without it, ferry's kernel runs.
+      if (p.backend == GemmBackend::clblast && !gemm_have_clblast()) p.backend = GemmBackend::ferry;
+    }
+  }
+  if (p.backend == GemmBackend::clblast && !gemm_have_clblast()) {
+    throw std::runtime_error(
+        "gemm: the CLBlast backend was asked for, but this ferry was built without CLBlast "
+        "(install libclblast-dev and reconfigure with -DFERRY_WITH_CLBLAST=ON)");
+  }
+  return p;
+}
+
+std::size_t panel_width(const GemmKernelConfig& c) {
+  return 16 * static_cast<std::size_t>(c.param("NV"));
+}
+
+std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c) {
+  const std::size_t nb = panel_width(c);
+  return (s.N + nb - 1) / nb * nb * s.K;
+}
+
+std::string transpose_defines(const GemmShape& s) {
+  return fmt::format("-DTRANS_A={} -DTRANS_B={}", int(s.trans_a), int(s.trans_b));
+}
+
+LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
+                       DeviceSpan b, float beta, DeviceSpan c, DeviceSpan scratch, const GemmOptions& options) {
+  const std::size_t nb = panel_width(cfg);
+  const std::size_t rb = static_cast<std::size_t>(cfg.param("RB"));
+  const std::size_t panels = (s.N + nb - 1) / nb;
+  const std::string defines = fmt::format("{} {}", cfg.defines(), transpose_defines(s));
+  LaunchList list;
+  if (s.K > 0) {
+    if (scratch.buffer == nullptr) {
+      throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch for packed B, got none",
+                                              s.M, s.N, s.K, cfg.text(), packed_elems(s, cfg)));
+    }
+    cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
+    cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b.offset, scratch.buffer, scratch.offset);
+    KernelLaunch l;
+    l.kernel = std::move(pack);
+    l.dims = 2;
+    l.global = {panels * nb / 16, s.K, 1};
+    list.push_back(std::move(l));
+  }
+  cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", defines);
   const cl_uint has_bias = options.bias.buffer != nullptr;
-  cl_mem bias_buf = has_bias ? options.bias.buffer : c.buffer;
+  cl_mem packed = s.K > 0 ? scratch.buffer : c.buffer;  // with K = 0 the panels are never read
+  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.offset, packed, scratch.offset,
+               beta, c.buffer, c.offset, has_bias ? options.bias.buffer : c.buffer, options.bias.offset, has_bias);
+  KernelLaunch l;
+  l.kernel = std::move(k);
+  l.dims = 2;
+  l.global = {(s.M + rb - 1) / rb, panels, 1};  // row blocks on dimension 0: neighbours share a B panel
+  l.local = {1, 1, 1};
+  list.push_back(std::move(l));
+  return list;
+}
+
+LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
+                      DeviceSpan b, float beta, DeviceSpan c, const GemmOptions& options) {
+  const std::size_t tsm = cfg.param("TSM"), tsn = cfg.param("TSN");
+  const std::size_t rtsm = tsm / cfg.param("WPTM"), rtsn = tsn / cfg.param("WPTN");
+  if (rtsm * rtsn > env.device().max_work_group_size) {
+    throw std::runtime_error(fmt::format("gemm {}: work-group {}x{} exceeds the device maximum {}", cfg.text(), rtsn,
+                                         rtsm, env.device().max_work_group_size));
+  }
+  cl::Kernel k =
+      env.kernels.kernel("gemm_tiled", "gemm_tiled", fmt::format("{} {}", cfg.defines(), transpose_defines(s)));
+  const cl_uint has_bias = options.bias.buffer != nullptr;
   cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.offset, b.buffer, b.offset, beta,
-               c.buffer, c.offset, bias_buf, options.bias.offset, has_bias);
+               c.buffer, c.offset, has_bias ? options.bias.buffer : c.buffer, options.bias.offset, has_bias);
+  KernelLaunch l;
+  l.kernel = std::move(k);
+  l.dims = 2;
+  l.global = {(s.N + tsn - 1) / tsn * rtsn, (s.M + tsm - 1) / tsm * rtsm, 1};
+  l.local = {rtsn, rtsm, 1};
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
+LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
+                      const GemmOptions& options) {
+  cl::Kernel k = env.kernels.kernel("gemm_naive", "gemm_naive", transpose_defines(s));
+  const cl_uint has_bias = options.bias.buffer != nullptr;
+  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.offset, b.buffer, b.offset, beta,
+               c.buffer, c.offset, has_bias ? options.bias.buffer : c.buffer, options.bias.offset, has_bias);
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;
@@ -25,6 +144,40 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   LaunchList list;
   list.push_back(std::move(l));
   return list;
+}
+
+}  // namespace
+
+std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
+  const GemmPlan p = plan(env, options);
+  if (p.backend != GemmBackend::ferry || p.config.kernel != GemmKernel::packed) return 0;
+  return packed_elems(s, p.config);
+}
+
+std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
+  const GemmPlan p = plan(env, options);
+  const std::string trans = fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N");
+  if (p.backend == GemmBackend::clblast) return fmt::format("clblast {}", trans);
+  return fmt::format("ferry {} {} ({})", p.config.text(), trans, p.origin);
+}
+
+LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
+                DeviceSpan scratch, const GemmOptions& options) {
+  cl::OpScope scope("gemm");
+  if (s.M == 0 || s.N == 0) return {};
+  const GemmPlan p = plan(env, options);
+  // CLBlast rejects K = 0 (C = beta * C + bias): ferry's kernel handles that edge.
+  if (p.backend == GemmBackend::clblast && s.K > 0)
+    return bind_clblast_gemm(env, s, alpha, a, b, beta, c, options.bias);
+  switch (p.config.kernel) {
+    case GemmKernel::packed:
+      return bind_packed(env, s, p.config, alpha, a, b, beta, c, scratch, options);
+    case GemmKernel::tiled:
+      return bind_tiled(env, s, p.config, alpha, a, b, beta, c, options);
+    case GemmKernel::naive:
+      return bind_naive(env, s, alpha, a, b, beta, c, options);
+  }
+  return {};
 }
 
 }  // namespace ferry::ops

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 
@@ -22,6 +23,10 @@ enum class GemmBackend : std::uint8_t { automatic, ferry, clblast };
 struct GemmOptions {
   GemmBackend backend = GemmBackend::automatic;
   DeviceSpan bias{};  // optional: length N, added to every row of C after the product
+  // Optional: runs ferry's kernel with these parameters instead of what the tuning data says,
+  // written as in the tuning file's kernel and params columns, e.g. "packed RB=4 NV=4" or
+  // "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2". For tests and the tuner (`ferry-bench gemm --tune`).
+  std::string kernel{};
 };
 
 // Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller
@@ -33,6 +38,13 @@ LaunchList gemm(OpEnv& env, const GemmShape& shape, float alpha, DeviceSpan a, D
 
 // Describes the kernel and parameters gemm() picks on this device, for logs and benchmarks.
 std::string gemm_kernel_description(OpEnv& env, const GemmShape& shape, const GemmOptions& options = {});
+
+// Per-device tuning data (ops/tuning/gemm.tsv, embedded; FERRY_GEMM_TUNING=path replaces it) picks
+// the backend that `automatic` means and ferry's kernel and parameters; FERRY_GEMM_BACKEND=ferry|clblast
+// overrides `automatic`. A malformed file or row throws std::runtime_error naming file and line.
+
+// Whether this build can run GemmBackend::clblast.
+bool gemm_have_clblast();
 
 namespace ref {
 

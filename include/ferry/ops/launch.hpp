@@ -38,6 +38,10 @@ struct KernelLaunch {
   std::array<std::size_t, 3> local{0, 0, 0};  // all zero: the driver chooses
   // Sets the arguments that vary per step just before the enqueue; empty for most kernels.
   std::function<void(cl_kernel, const StepInfo&)> per_step;
+  // Optional: a deferred call of a library that enqueues its own work (CLBlast). When set,
+  // enqueue() calls it instead of clEnqueueNDRangeKernel with the wait list of this launch (empty
+  // for all but the first) and takes the event it returns; `kernel` and the sizes are unused.
+  std::function<cl::Event(cl_command_queue, std::span<const cl_event>)> custom;
 };
 
 using LaunchList = std::vector<KernelLaunch>;
@@ -57,7 +61,9 @@ struct OpEnv {
 };
 
 // Global size rounded up to a multiple of `multiple`.
-inline std::size_t round_up(std::size_t n, std::size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+inline std::size_t round_up(std::size_t n, std::size_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
 
 // A one-dimensional launch over n elements with the library's default work-group size.
 KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n);

@@ -1,0 +1,67 @@
+// ferry-bench: a registry of benchmarks, one per question (`ferry-bench gemm`, ...).
+//
+// A benchmark file registers itself with FERRY_BENCH(name, help, setup): `setup` receives its
+// CLI11 subcommand, adds its own options there and returns the function that runs it. Options
+// every benchmark shares (--device, --trace, --repeat) live in BenchCommon. Each result is one
+// JSON line on stdout (emit_json); warnings and progress go to stderr.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace ferry::bench {
+
+struct BenchCommon {
+  std::string device;  // index or name substring for ferry::cl::select_device; empty: default
+  std::string trace;   // Chrome trace file to write, for benchmarks that trace (others ignore it)
+  int repeat = 5;      // timed repetitions after the warm-up; results report the median
+};
+
+using BenchRun = std::function<int()>;
+// Adds the benchmark's options to its subcommand and returns the function that runs it; the
+// common options are filled in by the time that function is called.
+using BenchSetup = std::function<BenchRun(CLI::App& sub, const BenchCommon& common)>;
+
+struct BenchInfo {
+  std::string name, help;
+  BenchSetup setup;
+};
+
+std::vector<BenchInfo>& registry();
+
+struct BenchRegistrar {
+  BenchRegistrar(std::string name, std::string help, BenchSetup setup) {
+    registry().push_back({std::move(name), std::move(help), std::move(setup)});
+  }
+};
+
+#define FERRY_BENCH_CONCAT2(a, b) a##b
+#define FERRY_BENCH_CONCAT(a, b) FERRY_BENCH_CONCAT2(a, b)
+#define FERRY_BENCH(name, help, setup) \
+  static const ::ferry::bench::BenchRegistrar FERRY_BENCH_CONCAT(ferry_bench_registrar_, __LINE__)(name, help, setup)
+
+// Prints one result as a single JSON line on stdout and flushes.
+void emit_json(const nlohmann::json& result);
+
+// Median of a sample (copies; samples are small).
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Milliseconds taken by fn().
+template <class F>
+double time_ms(F&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace ferry::bench

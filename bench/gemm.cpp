@@ -1,0 +1,252 @@
+// ferry-bench gemm: is ferry's GEMM as fast as the best alternatives on this device?
+// ferry's kernel (as the tuning data picks it, packing included), CLBlast on the same device and
+// OpenBLAS's cblas_sgemm on the host, in one run, square sizes; GFLOPS of the median repeat.
+// --tune measures candidate parameters of the CPU kernel and prints the best as a tuning row.
+#include "ferry/ops/gemm.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "bench.hpp"
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/program.hpp"
+
+#ifdef FERRY_HAVE_OPENBLAS
+#include <cblas.h>
+extern "C" char* openblas_get_corename(void);
+extern "C" int openblas_get_num_threads(void);
+#endif
+
+namespace ferry::bench {
+namespace {
+
+struct GemmBenchOptions {
+  std::vector<std::size_t> sizes{1024, 2048, 1000};
+  std::vector<std::string> impls{"ferry", "clblast", "openblas"};
+  bool trans_a = false, trans_b = false;
+  std::string kernel;  // GemmOptions::kernel for ferry
+  bool tune = false;
+};
+
+std::vector<float> random_matrix(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+bool wants(const GemmBenchOptions& o, std::string_view impl) {
+  return std::find(o.impls.begin(), o.impls.end(), impl) != o.impls.end();
+}
+
+// Device operands for one shape, filled with random data.
+struct DeviceOperands {
+  cl::Mem a, b, c, scratch;
+  DeviceOperands(const cl::Context& ctx, const ops::GemmShape& s, const std::vector<float>& ha,
+                 const std::vector<float>& hb, std::size_t scratch_elems) {
+    a = ctx.create_buffer(ha.size() * sizeof(float), "gemm bench A");
+    b = ctx.create_buffer(hb.size() * sizeof(float), "gemm bench B");
+    c = ctx.create_buffer(s.M * s.N * sizeof(float), "gemm bench C");
+    ctx.write(a.get(), 0, ha.data(), ha.size() * sizeof(float));
+    ctx.write(b.get(), 0, hb.data(), hb.size() * sizeof(float));
+    if (scratch_elems) scratch = ctx.create_buffer(scratch_elems * sizeof(float), "gemm bench scratch");
+  }
+};
+
+struct Measured {
+  double ms = 0;
+  std::string kernel;
+  std::vector<float> c;  // the result, to compare implementations
+};
+
+// Binds once, runs once to warm up (program builds, CLBlast's compile), then times `repeat` runs.
+Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::GemmShape& s, const std::vector<float>& ha,
+                        const std::vector<float>& hb, const ops::GemmOptions& options, int repeat, bool keep_c) {
+  DeviceOperands d(ctx, s, ha, hb, ops::gemm_scratch_elems(env, s, options));
+  Measured m;
+  m.kernel = ops::gemm_kernel_description(env, s, options);
+  auto launches =
+      ops::gemm(env, s, 1.0f, {d.a.get(), 0}, {d.b.get(), 0}, 0.0f, {d.c.get(), 0}, {d.scratch.get(), 0}, options);
+  ops::run_blocking(ctx.compute(), launches);
+  std::vector<double> times;
+  for (int r = 0; r < repeat; ++r) times.push_back(time_ms([&] { ops::run_blocking(ctx.compute(), launches); }));
+  m.ms = median(times);
+  if (keep_c) {
+    m.c.resize(s.M * s.N);
+    ctx.read(d.c.get(), 0, m.c.data(), m.c.size() * sizeof(float));
+  }
+  return m;
+}
+
+#ifdef FERRY_HAVE_OPENBLAS
+Measured measure_openblas(const ops::GemmShape& s, const std::vector<float>& ha, const std::vector<float>& hb,
+                          int repeat) {
+  Measured m;
+  m.c.assign(s.M * s.N, 0.0f);
+  const int M = static_cast<int>(s.M), N = static_cast<int>(s.N), K = static_cast<int>(s.K);
+  auto run = [&] {
+    cblas_sgemm(CblasRowMajor, s.trans_a ? CblasTrans : CblasNoTrans, s.trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+                1.0f, ha.data(), s.trans_a ? M : K, hb.data(), s.trans_b ? K : N, 0.0f, m.c.data(), N);
+  };
+  run();
+  std::vector<double> times;
+  for (int r = 0; r < repeat; ++r) times.push_back(time_ms(run));
+  m.ms = median(times);
+  m.kernel = fmt::format("cblas_sgemm, core {}, {} threads", openblas_get_corename(), openblas_get_num_threads());
+  // OpenBLAS's threads spin for a while after a call; let them sleep before the device runs again.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  return m;
+}
+#endif
+
+double max_rel_diff(const std::vector<float>& x, const std::vector<float>& ref) {
+  double worst = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    worst = std::max(worst, std::abs(double(x[i]) - ref[i]) / (1.0 + std::abs(double(ref[i]))));
+  }
+  return worst;
+}
+
+double gflops(const ops::GemmShape& s, double ms) {
+  return 2.0 * double(s.M) * s.N * s.K / (ms * 1e6);
+}
+
+int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
+  const cl::DeviceInfo device = cl::select_device(common.device);
+  cl::Context ctx(device);
+  cl::KernelLibrary lib(ctx);
+  ops::OpEnv env{lib};
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+#ifdef FERRY_HAVE_OPENBLAS
+  const bool have_openblas = true;
+  if (wants(o, "openblas") && !coretype) {
+    fmt::print(stderr,
+               "warning: OPENBLAS_CORETYPE is not set; Debian's OpenBLAS misdetects some CPUs and runs ~4x slower "
+               "(on this machine run with OPENBLAS_CORETYPE=Cooperlake)\n");
+  }
+#else
+  const bool have_openblas = false;
+#endif
+  if (wants(o, "clblast") && !ops::gemm_have_clblast()) fmt::print(stderr, "note: built without CLBlast; skipped\n");
+  if (wants(o, "openblas") && !have_openblas) fmt::print(stderr, "note: built without OpenBLAS; skipped\n");
+
+  for (std::size_t n : o.sizes) {
+    const ops::GemmShape s{n, n, n, o.trans_a, o.trans_b};
+    const auto ha = random_matrix(n * n, 1), hb = random_matrix(n * n, 2);
+    std::optional<Measured> ferry_m, clblast_m, openblas_m;
+    if (wants(o, "ferry")) {
+      ops::GemmOptions opt;
+      opt.backend = ops::GemmBackend::ferry;
+      opt.kernel = o.kernel;
+      ferry_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true);
+    }
+    if (wants(o, "clblast") && ops::gemm_have_clblast()) {
+      ops::GemmOptions opt;
+      opt.backend = ops::GemmBackend::clblast;
+      clblast_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, false);
+    }
+#ifdef FERRY_HAVE_OPENBLAS
+    if (wants(o, "openblas")) openblas_m = measure_openblas(s, ha, hb, common.repeat);
+#endif
+    auto line = [&](const char* impl, const Measured& m) {
+      nlohmann::json j{{"bench", "gemm"},
+                       {"impl", impl},
+                       {"m", s.M},
+                       {"n", s.N},
+                       {"k", s.K},
+                       {"trans", fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N")},
+                       {"gflops", gflops(s, m.ms)},
+                       {"ms", m.ms},
+                       {"repeat", common.repeat},
+                       {"device", std::string(impl) == "openblas" ? "host CPU" : device.name},
+                       {"kernel", m.kernel}};
+      if (openblas_m) {
+        j["ratio_vs_openblas"] = openblas_m->ms / m.ms;
+        j["openblas_coretype"] = coretype ? nlohmann::json(coretype) : nlohmann::json(nullptr);
+      }
+      if (clblast_m) j["ratio_vs_clblast"] = clblast_m->ms / m.ms;
+      if (std::string(impl) == "ferry" && openblas_m) j["max_rel_diff_vs_openblas"] = max_rel_diff(m.c, openblas_m->c);
+      emit_json(j);
+    };
+    if (ferry_m) line("ferry", *ferry_m);
+    if (clblast_m) line("clblast", *clblast_m);
+    if (openblas_m) line("openblas", *openblas_m);
+  }
+  return 0;
+}
+
+// Candidate register blocks of the packed kernel: RB rows x NV float16, kept within 32 vector registers.
+std::vector<std::string> packed_candidates() {
+  std::vector<std::string> out;
+  for (int nv : {4, 3, 2}) {
+    for (int rb = 2; rb <= 12; ++rb) {
+      if (rb * nv + nv + 1 <= 32 && (nv != 2 || rb % 2 == 0)) out.push_back(fmt::format("packed RB={} NV={}", rb, nv));
+    }
+  }
+  return out;
+}
+
+int run_tune(const BenchCommon& common, const GemmBenchOptions& o) {
+  const cl::DeviceInfo device = cl::select_device(common.device);
+  cl::Context ctx(device);
+  cl::KernelLibrary lib(ctx);
+  ops::OpEnv env{lib};
+  std::string best;
+  double best_score = 0;
+  for (const std::string& cand : packed_candidates()) {
+    // Score: geometric mean of GFLOPS over the sizes.
+    double log_sum = 0;
+    for (std::size_t n : o.sizes) {
+      const ops::GemmShape s{n, n, n, o.trans_a, o.trans_b};
+      const auto ha = random_matrix(n * n, 1), hb = random_matrix(n * n, 2);
+      ops::GemmOptions opt;
+      opt.backend = ops::GemmBackend::ferry;
+      opt.kernel = cand;
+      const Measured m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, false);
+      emit_json({{"bench", "gemm-tune"},
+                 {"kernel", cand},
+                 {"m", n},
+                 {"n", n},
+                 {"k", n},
+                 {"gflops", gflops(s, m.ms)},
+                 {"ms", m.ms},
+                 {"device", device.name}});
+      log_sum += std::log(gflops(s, m.ms));
+    }
+    const double score = std::exp(log_sum / double(o.sizes.size()));
+    if (score > best_score) best_score = score, best = cand;
+  }
+  const std::size_t space = best.find(' ');
+  const std::string row = fmt::format("{}\t*\t{}\tferry\t{}\t{}", device.is_gpu() ? "gpu" : "cpu", device.name,
+                                      best.substr(0, space), best.substr(space + 1));
+  emit_json({{"bench", "gemm-tune"},
+             {"best", best},
+             {"gflops_geomean", best_score},
+             {"device", device.name},
+             {"tuning_row", row}});
+  fmt::print(stderr, "tuning row for ops/tuning/gemm.tsv:\n{}\n", row);
+  return 0;
+}
+
+BenchRun setup(CLI::App& sub, const BenchCommon& common) {
+  auto o = std::make_shared<GemmBenchOptions>();
+  sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',');
+  sub.add_option("--impls", o->impls, "implementations to run: ferry, clblast, openblas")->delimiter(',');
+  sub.add_flag("--trans-a", o->trans_a, "A stored [K, M]");
+  sub.add_flag("--trans-b", o->trans_b, "B stored [N, K]");
+  sub.add_option("--kernel", o->kernel,
+                 "ferry kernel and parameters, e.g. \"packed RB=4 NV=4\" (default: tuning data)");
+  sub.add_flag("--tune", o->tune, "measure candidate blocks of the CPU kernel and print the best as a tuning row");
+  return [o, &common] { return o->tune ? run_tune(common, *o) : run_compare(common, *o); };
+}
+
+FERRY_BENCH("gemm", "SGEMM: ferry's kernel vs CLBlast vs OpenBLAS (GFLOPS, ratios)", setup);
+
+}  // namespace
+}  // namespace ferry::bench

@@ -1,0 +1,59 @@
+// ferry-bench entry point: `ferry-bench <name> [options]`; with no name, lists the benchmarks.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <memory>
+
+#include "bench.hpp"
+
+namespace ferry::bench {
+
+std::vector<BenchInfo>& registry() {
+  static std::vector<BenchInfo> benches;
+  return benches;
+}
+
+void emit_json(const nlohmann::json& result) {
+  std::cout << result.dump() << std::endl;
+}
+
+}  // namespace ferry::bench
+
+int main(int argc, char** argv) {
+  using namespace ferry::bench;
+  CLI::App app{"ferry-bench: ferry beside its baselines, one JSON line per result"};
+  app.fallthrough();  // common options may follow the benchmark name
+  BenchCommon common;
+  app.add_option("--device", common.device, "OpenCL device: index or name substring (default: FERRY_DEVICE, a GPU)");
+  app.add_option("--trace", common.trace, "write a Chrome trace to this file (benchmarks that trace)");
+  app.add_option("--repeat", common.repeat, "timed repetitions; results report the median")->check(CLI::PositiveNumber);
+  auto& benches = registry();
+  std::sort(benches.begin(), benches.end(), [](const BenchInfo& a, const BenchInfo& b) { return a.name < b.name; });
+  std::vector<BenchRun> runs(benches.size());
+  std::vector<CLI::App*> subs;
+  for (std::size_t i = 0; i < benches.size(); ++i) {
+    CLI::App* sub = app.add_subcommand(benches[i].name, benches[i].help);
+    runs[i] = benches[i].setup(*sub, common);
+    subs.push_back(sub);
+  }
+  app.require_subcommand(0, 1);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  for (std::size_t i = 0; i < subs.size(); ++i) {
+    if (!subs[i]->parsed()) continue;
+    try {
+      return runs[i]();
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "ferry-bench {}: {}\n", benches[i].name, e.what());
+      return 1;
+    }
+  }
+  fmt::print("benchmarks (ferry-bench <name> --help for options):\n");
+  for (const BenchInfo& b : benches) fmt::print("  {:<12} {}\n", b.name, b.help);
+  return 0;
+}

@@ -1,0 +1,271 @@
+// GEMM: every kernel (packed for CPUs, tiled for GPUs, naive, CLBlast when compiled in) against
+// the CPU reference over awkward shapes, both transposes, alpha/beta/bias and operand offsets;
+// the tuning data's error reporting; and the reference's gradients against finite differences.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+
+#include "ferry/ops/gemm.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+struct Case {
+  std::size_t M, N, K;
+};
+
+// Shapes that are multiples of nothing, degenerate ones, and wide small-K ones (Linear layers).
+const Case kShapes[] = {{1, 1, 1},        {7, 13, 5},      {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},
+                        {1000, 1000, 16}, {128, 1000, 64}, {3, 200, 300},   {200, 3, 1},  {5, 9, 0}};
+
+// The configurations the tests force: ferry's CPU kernel in two block shapes, the GPU kernel in
+// two tile shapes (also on PoCL, where it is slow but must be correct), and the naive fallback.
+const char* const kKernels[] = {"packed RB=6 NV=4", "packed RB=3 NV=2", "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2",
+                                "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1", "naive"};
+
+// Reference in double precision from float inputs.
+std::vector<float> reference(const ops::GemmShape& s, float alpha, const std::vector<float>& a,
+                             const std::vector<float>& b, float beta, const std::vector<float>& c,
+                             const std::vector<float>& bias) {
+  auto cd = to_double(c);
+  auto ad = to_double(a), bd = to_double(b), biasd = to_double(bias);
+  ops::ref::gemm<double>(s, alpha, ad, bd, beta, cd, biasd);
+  return to_float(cd);
+}
+
+// Runs one GEMM on the device with C preloaded with `c0` and compares with the reference.
+void check_gemm(const ops::GemmShape& s, const ops::GemmOptions& base, float alpha, float beta, bool with_bias,
+                const std::string& what) {
+  auto& dev = TestDevice::get();
+  const auto a = random_vector(s.M * s.K, 11);
+  const auto b = random_vector(s.K * s.N, 12);
+  const auto bias = with_bias ? random_vector(s.N, 13) : std::vector<float>{};
+  // beta = 0: C is all NaN and must not be read.
+  const auto c0 = beta == 0.0f ? std::vector<float>(s.M * s.N, std::nanf("")) : random_vector(s.M * s.N, 14);
+  DeviceTensor da(a, 3), db(b, 5), dc(c0, 9), dbias(with_bias ? bias : std::vector<float>{0.0f}, 17);
+  ops::GemmOptions options = base;
+  if (with_bias) options.bias = dbias.span();
+  const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
+  DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 21);
+  auto launches = ops::gemm(dev.env, s, alpha, da.span(), db.span(), beta, dc.span(),
+                            scratch_elems ? scratch.span() : ops::DeviceSpan{}, options);
+  ops::run_blocking(dev.context.compute(), launches);
+  const float atol = 2e-6f * static_cast<float>(s.K) + 1e-5f;
+  expect_near(dc.download(), reference(s, alpha, a, b, beta, c0, bias), atol, 1e-4f, what.c_str());
+  // Bound once, enqueued again: the same result (the launches own no per-run state).
+  if (beta == 0.0f) {
+    ops::run_blocking(dev.context.compute(), launches);
+    expect_near(dc.download(), reference(s, alpha, a, b, beta, c0, bias), atol, 1e-4f, (what + " rerun").c_str());
+  }
+}
+
+using KernelParam = std::tuple<const char*, Case, bool, bool>;
+class GemmKernelTest : public ::testing::TestWithParam<KernelParam> {};
+
+TEST_P(GemmKernelTest, MatchesReference) {
+  const auto& [kernel, shape, ta, tb] = GetParam();
+  const ops::GemmShape s{shape.M, shape.N, shape.K, ta, tb};
+  ops::GemmOptions options;
+  options.backend = ops::GemmBackend::ferry;
+  options.kernel = kernel;
+  const std::string name = fmt::format("{} {}x{}x{} {}{}", kernel, s.M, s.N, s.K, ta ? "T" : "N", tb ? "T" : "N");
+  check_gemm(s, options, 0.75f, -0.5f, true, name + " alpha/beta/bias");
+  check_gemm(s, options, 1.0f, 0.0f, false, name + " beta=0 NaN C");
+}
+
+INSTANTIATE_TEST_SUITE_P(AllKernels, GemmKernelTest,
+                         ::testing::Combine(::testing::ValuesIn(kKernels), ::testing::ValuesIn(kShapes),
+                                            ::testing::Bool(), ::testing::Bool()));
+
+TEST(Gemm, AutomaticFollowsTuningData) {
+  auto& dev = TestDevice::get();
+  const ops::GemmShape s{37, 1000, 129};
+  const std::string desc = ops::gemm_kernel_description(dev.env, s);
+  EXPECT_NE(desc.find("gemm.tsv"), std::string::npos) << desc;
+  if (dev.context.device().is_cpu()) {
+    EXPECT_NE(desc.find("packed"), std::string::npos) << desc;
+    EXPECT_EQ(ops::gemm_scratch_elems(dev.env, s), 1024u * 129u);
+  }
+  check_gemm(s, {}, 1.0f, 1.0f, true, "automatic");
+}
+
+TEST(Gemm, PackedScratchCoversPaddedPanels) {
+  auto& dev = TestDevice::get();
+  ops::GemmOptions o;
+  o.kernel = "packed RB=4 NV=2";
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 64u * 7u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 32, 7}, o), 32u * 7u);
+  o.kernel = "tiled TSM=16 TSN=16 TSK=4 WPTM=2 WPTN=2";
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 0u);
+}
+
+TEST(Gemm, BadKernelOptionIsRejected) {
+  auto& dev = TestDevice::get();
+  ops::GemmOptions o;
+  o.kernel = "packed RB=6";  // NV missing
+  EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+  o.kernel = "blocked RB=6 NV=4";
+  EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+  o.kernel = "tiled TSM=30 TSN=32 TSK=8 WPTM=4 WPTN=4";  // 30 % 4 != 0
+  EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+}
+
+// Sets an environment variable for the life of the object.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) { setenv(name, value.c_str(), 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+std::string write_temp(const std::string& stem, const std::string& text) {
+  const auto path = std::filesystem::temp_directory_path() / fmt::format("ferry_{}_{}.tsv", stem, ::getpid());
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+TEST(GemmTuning, OverrideFileSelectsKernel) {
+  auto& dev = TestDevice::get();
+  const std::string path = write_temp("tuning_ok", "# a comment\n\n*\t*\t*\t\tferry\tnaive\t-\n");
+  ScopedEnv env("FERRY_GEMM_TUNING", path);
+  const ops::GemmShape s{9, 70, 3, true, false};
+  const std::string desc = ops::gemm_kernel_description(dev.env, s);
+  EXPECT_NE(desc.find("naive"), std::string::npos) << desc;
+  EXPECT_NE(desc.find(path + ":3"), std::string::npos) << desc;
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, s), 0u);
+  check_gemm(s, {}, 2.0f, 0.0f, true, "override naive");
+  std::filesystem::remove(path);
+}
+
+TEST(GemmTuning, BadRowsNameFileAndLine) {
+  auto& dev = TestDevice::get();
+  const struct {
+    const char* text;
+    const char* expect;
+  } bad[] = {
+      {"# ok\ncpu\t*\t*\tferry\tpacked\tRB=6 NV=4 XX=1\n", ":2: kernel packed has no parameter 'XX'"},
+      {"gpu\t*\t*\tferry\ttiled\tTSM=64\n", ":1: kernel tiled needs parameter"},
+      {"\n\ncpu\t*\t*\tferry\tpacked\n", ":3: expected 6 tab-separated fields"},
+      {"phone\t*\t*\tferry\tnaive\t-\n", ":1: device type 'phone'"},
+      {"*\t*\t*\tcublas\tnaive\t-\n", ":1: backend 'cublas'"},
+      {"*\t*\t*\tferry\tpacked\tRB=0 NV=4\n", ":1: RB=0 is not an integer"},
+      {"gpu\t*\t*\tferry\tnaive\t-\n", "has no row for device"},  // valid, but matches no CPU
+  };
+  int i = 0;
+  for (const auto& b : bad) {
+    const std::string path = write_temp(fmt::format("tuning_bad{}", i++), b.text);
+    ScopedEnv env("FERRY_GEMM_TUNING", path);
+    if (std::string(b.expect) == "has no row for device" && !dev.context.device().is_cpu()) continue;
+    try {
+      ops::gemm_kernel_description(dev.env, {4, 4, 4});
+      ADD_FAILURE() << "no error for " << b.text;
+    } catch (const std::runtime_error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(path), std::string::npos) << msg;
+      EXPECT_NE(msg.find(b.expect), std::string::npos) << msg;
+    }
+    std::filesystem::remove(path);
+  }
+  ScopedEnv env("FERRY_GEMM_TUNING", "/nonexistent/ferry_gemm.tsv");
+  EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}), std::runtime_error);
+}
+
+TEST(GemmBackend, EnvironmentOverridesAutomatic) {
+  auto& dev = TestDevice::get();
+  {
+    ScopedEnv env("FERRY_GEMM_BACKEND", "ferry");
+    EXPECT_EQ(ops::gemm_kernel_description(dev.env, {4, 4, 4}).rfind("ferry", 0), 0u);
+  }
+  {
+    ScopedEnv env("FERRY_GEMM_BACKEND", "cuda");
+    EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}), std::runtime_error);
+  }
+  if (!ops::gemm_have_clblast()) {
+    ScopedEnv env("FERRY_GEMM_BACKEND", "clblast");
+    EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}), std::runtime_error);
+    ops::GemmOptions o;
+    o.backend = ops::GemmBackend::clblast;
+    EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+  }
+}
+
+TEST(GemmBackend, ClblastMatchesReference) {
+  if (!ops::gemm_have_clblast()) GTEST_SKIP() << "built without CLBlast";
+  auto& dev = TestDevice::get();
+  ops::GemmOptions o;
+  o.backend = ops::GemmBackend::clblast;
+  EXPECT_EQ(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o).rfind("clblast", 0), 0u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {4, 4, 4}, o), 0u);
+  for (const Case& c : {Case{7, 13, 5}, Case{37, 100, 29}}) {
+    for (bool t : {false, true}) {
+      const ops::GemmShape s{c.M, c.N, c.K, t, t};
+      const std::string name = fmt::format("clblast {}x{}x{} {}", c.M, c.N, c.K, t ? "TT" : "NN");
+      check_gemm(s, o, 0.75f, -0.5f, true, name + " alpha/beta/bias");
+      check_gemm(s, o, 1.0f, 0.0f, false, name + " beta=0 NaN C");
+    }
+  }
+}
+
+// The launch list honours a wait list for the deferred CLBlast call as for kernels: a GEMM that
+// waits on a user event does not run before the event completes.
+TEST(GemmBackend, ClblastWaitsForItsInputs) {
+  if (!ops::gemm_have_clblast()) GTEST_SKIP() << "built without CLBlast";
+  auto& dev = TestDevice::get();
+  const ops::GemmShape s{8, 8, 8};
+  const auto a = random_vector(64, 1), b = random_vector(64, 2);
+  DeviceTensor da(a), db(b), dc(64);
+  ops::GemmOptions o;
+  o.backend = ops::GemmBackend::clblast;
+  auto launches = ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, dc.span(), {}, o);
+  cl_int err = CL_SUCCESS;
+  cl::Event gate(clCreateUserEvent(dev.context.get(), &err));
+  ASSERT_EQ(err, CL_SUCCESS);
+  cl_event raw = gate.get();
+  cl::Event done = ops::enqueue(dev.context.compute(), launches, std::span<const cl_event>(&raw, 1));
+  cl_int state = 0;
+  clFlush(dev.context.compute());
+  clGetEventInfo(done.get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof(state), &state, nullptr);
+  EXPECT_NE(state, CL_COMPLETE);
+  clSetUserEventStatus(gate.get(), CL_COMPLETE);
+  clFinish(dev.context.compute());
+  expect_near(dc.download(), reference(s, 1.0f, a, b, 0.0f, std::vector<float>(64, 0.0f), {}), 1e-5f, 1e-5f,
+              "gated clblast");
+}
+
+// The reference's gradients (the GEMMs Linear's backward uses) against finite differences:
+// for L = sum(R * C), C = op(A) op(B): dL/dop(A) = R op(B)^T and dL/dop(B) = op(A)^T R.
+TEST(GemmReference, GradientsMatchFiniteDifferences) {
+  const std::size_t M = 5, N = 4, K = 3;
+  const auto a = to_double(random_vector(M * K, 31));
+  const auto b = to_double(random_vector(K * N, 32));
+  const auto r = to_double(random_vector(M * N, 33));
+  const ops::GemmShape fwd{M, N, K};
+  auto loss_a = [&](const std::vector<double>& x) {
+    std::vector<double> c(M * N);
+    ops::ref::gemm<double>(fwd, 1.0, x, b, 0.0, c);
+    return weighted_sum(c, r);
+  };
+  auto loss_b = [&](const std::vector<double>& x) {
+    std::vector<double> c(M * N);
+    ops::ref::gemm<double>(fwd, 1.0, a, x, 0.0, c);
+    return weighted_sum(c, r);
+  };
+  std::vector<double> da(M * K), db(K * N);
+  ops::ref::gemm<double>({M, K, N, false, true}, 1.0, r, b, 0.0, da);  // dA[M,K] = R[M,N] B^T
+  ops::ref::gemm<double>({K, N, M, true, false}, 1.0, a, r, 0.0, db);  // dB[K,N] = A^T R[M,N]
+  expect_gradient_matches_finite_differences(loss_a, a, da, "dA");
+  expect_gradient_matches_finite_differences(loss_b, b, db, "dB");
+}
+
+}  // namespace
+}  // namespace ferry::test
