@@ -1,5 +1,18 @@
 // 2-D convolution, NCHW activations and KCRS weights, square stride and zero padding.
+//
+// Implementation (ops/conv2d.cpp, ops/kernels/conv2d.cl): im2col + one GEMM per group of images.
+// The batch is split into groups of G images (conv2d_images_per_gemm) so that the column matrix
+// stays within a fixed budget; each group does im2col over all its images into one column matrix
+// [C*R*S, G*P*Q], so the GEMM is as large as the budget allows (few big GEMMs run far better on
+// PoCL than N small ones). The GEMM result is [K, G*P*Q]; a permute kernel writes it to NCHW and
+// adds the bias. Backward data: dy is permuted to [K, G*P*Q], GEMM w^T * dy gives the column
+// gradients and col2im gathers them per input element (deterministic, no atomics). Backward
+// weights: GEMM dy * cols^T accumulated over the groups (beta = 1 after the first) and dbias as a
+// fixed-order reduction over N, P, Q.
 #pragma once
+
+#include <cstddef>
+#include <span>
 
 #include "ferry/ops/launch.hpp"
 
@@ -16,6 +29,11 @@ struct Conv2dShape {
 // Scratch in floats needed by the forward and both backward launches (the max of the three).
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s);
 
+// The most images one GEMM covers: the batch runs as balanced groups of at most this many images
+// (column matrix plus GEMM output within a fixed 16 MiB budget). Depends only on the shape, so
+// scratch sizing and binding always agree.
+std::size_t conv2d_images_per_gemm(const Conv2dShape& s);
+
 // y[N,K,P,Q] = conv(x, w) + bias[K] (bias optional: buffer null).
 LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
                           DeviceSpan scratch);
@@ -26,4 +44,95 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
 LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan dy, DeviceSpan dw,
                                    DeviceSpan dbias, DeviceSpan scratch);
 
+// CPU references (direct loops, no im2col), for tests; T is float or double.
+namespace ref {
+
+template <class T>
+void conv2d_forward(const Conv2dShape& s, std::span<const T> x, std::span<const T> w, std::span<const T> bias,
+                    std::span<T> y) {
+  const std::size_t P = s.P(), Q = s.Q();
+  for (std::size_t n = 0; n < s.N; ++n) {
+    for (std::size_t k = 0; k < s.K; ++k) {
+      for (std::size_t p = 0; p < P; ++p) {
+        for (std::size_t q = 0; q < Q; ++q) {
+          T acc = bias.empty() ? T(0) : bias[k];
+          for (std::size_t c = 0; c < s.C; ++c) {
+            for (std::size_t r = 0; r < s.R; ++r) {
+              const std::ptrdiff_t h = std::ptrdiff_t(p * s.stride + r) - std::ptrdiff_t(s.pad);
+              if (h < 0 || h >= std::ptrdiff_t(s.H)) continue;
+              for (std::size_t t = 0; t < s.S; ++t) {
+                const std::ptrdiff_t v = std::ptrdiff_t(q * s.stride + t) - std::ptrdiff_t(s.pad);
+                if (v < 0 || v >= std::ptrdiff_t(s.W)) continue;
+                acc += x[((n * s.C + c) * s.H + std::size_t(h)) * s.W + std::size_t(v)] *
+                       w[((k * s.C + c) * s.R + r) * s.S + t];
+              }
+            }
+          }
+          y[((n * s.K + k) * P + p) * Q + q] = acc;
+        }
+      }
+    }
+  }
+}
+
+// dx = d(sum dy * y) / dx for y = conv2d_forward(x, w).
+template <class T>
+void conv2d_backward_data(const Conv2dShape& s, std::span<const T> dy, std::span<const T> w, std::span<T> dx) {
+  const std::size_t P = s.P(), Q = s.Q();
+  for (auto& v : dx) v = T(0);
+  for (std::size_t n = 0; n < s.N; ++n) {
+    for (std::size_t k = 0; k < s.K; ++k) {
+      for (std::size_t p = 0; p < P; ++p) {
+        for (std::size_t q = 0; q < Q; ++q) {
+          const T g = dy[((n * s.K + k) * P + p) * Q + q];
+          for (std::size_t c = 0; c < s.C; ++c) {
+            for (std::size_t r = 0; r < s.R; ++r) {
+              const std::ptrdiff_t h = std::ptrdiff_t(p * s.stride + r) - std::ptrdiff_t(s.pad);
+              if (h < 0 || h >= std::ptrdiff_t(s.H)) continue;
+              for (std::size_t t = 0; t < s.S; ++t) {
+                const std::ptrdiff_t v = std::ptrdiff_t(q * s.stride + t) - std::ptrdiff_t(s.pad);
+                if (v < 0 || v >= std::ptrdiff_t(s.W)) continue;
+                dx[((n * s.C + c) * s.H + std::size_t(h)) * s.W + std::size_t(v)] +=
+                    g * w[((k * s.C + c) * s.R + r) * s.S + t];
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// dw and (if not empty) dbias for y = conv2d_forward(x, w, bias) and upstream gradient dy.
+template <class T>
+void conv2d_backward_weights(const Conv2dShape& s, std::span<const T> x, std::span<const T> dy, std::span<T> dw,
+                             std::span<T> dbias) {
+  const std::size_t P = s.P(), Q = s.Q();
+  for (auto& v : dw) v = T(0);
+  for (auto& v : dbias) v = T(0);
+  for (std::size_t n = 0; n < s.N; ++n) {
+    for (std::size_t k = 0; k < s.K; ++k) {
+      for (std::size_t p = 0; p < P; ++p) {
+        for (std::size_t q = 0; q < Q; ++q) {
+          const T g = dy[((n * s.K + k) * P + p) * Q + q];
+          if (!dbias.empty()) dbias[k] += g;
+          for (std::size_t c = 0; c < s.C; ++c) {
+            for (std::size_t r = 0; r < s.R; ++r) {
+              const std::ptrdiff_t h = std::ptrdiff_t(p * s.stride + r) - std::ptrdiff_t(s.pad);
+              if (h < 0 || h >= std::ptrdiff_t(s.H)) continue;
+              for (std::size_t t = 0; t < s.S; ++t) {
+                const std::ptrdiff_t v = std::ptrdiff_t(q * s.stride + t) - std::ptrdiff_t(s.pad);
+                if (v < 0 || v >= std::ptrdiff_t(s.W)) continue;
+                dw[((k * s.C + c) * s.R + r) * s.S + t] +=
+                    g * x[((n * s.C + c) * s.H + std::size_t(h)) * s.W + std::size_t(v)];
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ref
 }  // namespace ferry::ops

@@ -1,0 +1,238 @@
+// Conv2d binding: im2col + GEMM over groups of images (ops/kernels/conv2d.cl, ops::gemm).
+//
+// Scratch layout (element offsets inside the one scratch span, each region 16-float aligned):
+//   [0, A)        column matrix [C*R*S, G*P*Q]: im2col of x (forward, backward weights) or the
+//                 column gradients w^T * dy (backward data)
+//   [A, A+B)      [K, G*P*Q]: the forward GEMM result before the NCHW permute, or dy permuted
+//                 into the GEMM layout (both backward launches)
+//   [A+B, ...)    the scratch of whichever GEMM runs (the max over all of them)
+// with G the largest group (conv2d_images_per_gemm). Groups run one after another on the in-order
+// queue, so every group reuses the same regions.
+#include "ferry/ops/conv2d.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+#include "ferry/ops/gemm.hpp"
+
+namespace ferry::ops {
+namespace {
+
+// Floats the column matrix plus the GEMM output of one group may take (16 MiB). Big enough that
+// each GEMM has thousands of columns (the CNN's layers run in 1-3 groups at batch 64), small
+// enough that the scratch stays a modest part of a device's memory at any batch size.
+constexpr std::size_t kGroupBudgetElems = std::size_t{4} << 20;
+constexpr std::size_t kAlignElems = 16;
+constexpr std::size_t kBiasWorkGroup = 64;
+constexpr std::size_t kLocalSize = 256;
+
+// One work-item per element in work-groups of kLocalSize along the contiguous dimension (PoCL
+// runs a work-group as one vectorised loop; fewer, longer groups cost less to schedule).
+std::size_t local_size(OpEnv& env) {
+  return std::min(kLocalSize, env.device().max_work_group_size);
+}
+
+KernelLaunch launch_1d(OpEnv& env, cl::Kernel kernel, std::size_t n) {
+  const std::size_t local = local_size(env);
+  KernelLaunch l;
+  l.kernel = std::move(kernel);
+  l.global[0] = round_up(std::max<std::size_t>(n, 1), local);
+  l.local[0] = local;
+  return l;
+}
+
+std::size_t align_up(std::size_t n) {
+  return round_up(n, kAlignElems);
+}
+
+// The most images whose column matrix and GEMM output fit kGroupBudgetElems (at least one).
+std::size_t max_images_per_group(const Conv2dShape& s) {
+  const std::size_t per_image = (s.C * s.R * s.S + s.K) * s.P() * s.Q();
+  const std::size_t fit = per_image == 0 ? 1 : kGroupBudgetElems / per_image;
+  return std::clamp<std::size_t>(fit, 1, std::max<std::size_t>(s.N, 1));
+}
+
+void validate(const Conv2dShape& s) {
+  if (s.N == 0 || s.C == 0 || s.H == 0 || s.W == 0 || s.K == 0 || s.R == 0 || s.S == 0 || s.stride == 0) {
+    throw std::invalid_argument(fmt::format("conv2d: zero dimension in N={} C={} H={} W={} K={} R={} S={} stride={}",
+                                            s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride));
+  }
+  if (s.R > s.H + 2 * s.pad || s.S > s.W + 2 * s.pad) {
+    throw std::invalid_argument(fmt::format("conv2d: kernel {}x{} larger than the padded input {}x{}", s.R, s.S,
+                                            s.H + 2 * s.pad, s.W + 2 * s.pad));
+  }
+}
+
+// The batch split into balanced groups of at most max_images_per_group() images.
+struct Groups {
+  std::size_t count = 1, base = 0, extra = 0;  // group i has base + (i < extra) images
+  explicit Groups(const Conv2dShape& s) {
+    const std::size_t max_g = max_images_per_group(s);
+    count = std::max<std::size_t>(1, (s.N + max_g - 1) / max_g);
+    base = s.N / count;
+    extra = s.N % count;
+  }
+  std::size_t size(std::size_t i) const { return base + (i < extra ? 1 : 0); }
+  std::size_t first(std::size_t i) const { return i * base + std::min(i, extra); }
+  std::size_t largest() const { return base + (extra > 0 ? 1 : 0); }
+};
+
+struct Layout {
+  std::size_t cols = 0, tmp = 0, gemm = 0;  // region offsets
+  std::size_t total = 0;
+};
+
+GemmShape forward_gemm(const Conv2dShape& s, std::size_t g) {
+  return {s.K, g * s.P() * s.Q(), s.C * s.R * s.S};
+}
+GemmShape data_gemm(const Conv2dShape& s, std::size_t g) {
+  return {s.C * s.R * s.S, g * s.P() * s.Q(), s.K, /*trans_a=*/true, false};
+}
+GemmShape weights_gemm(const Conv2dShape& s, std::size_t g) {
+  return {s.K, s.C * s.R * s.S, g * s.P() * s.Q(), false, /*trans_b=*/true};
+}
+
+Layout layout(OpEnv& env, const Conv2dShape& s) {
+  validate(s);
+  const Groups groups(s);
+  const std::size_t g = groups.largest();
+  const std::size_t ncols = g * s.P() * s.Q();
+  const std::size_t crs = s.C * s.R * s.S;
+  // Every index the kernels compute within a group is 32-bit.
+  const std::size_t biggest = std::max({crs * ncols, s.K * ncols, g * s.C * s.H * s.W});
+  if (biggest > std::numeric_limits<std::uint32_t>::max()) {
+    throw std::invalid_argument(
+        fmt::format("conv2d: one image needs {} column elements, over the 32-bit limit", biggest));
+  }
+  std::size_t gemm_elems = 0;
+  for (std::size_t size : {groups.base, groups.largest()}) {
+    if (size == 0) continue;
+    gemm_elems =
+        std::max({gemm_elems, gemm_scratch_elems(env, forward_gemm(s, size)),
+                  gemm_scratch_elems(env, data_gemm(s, size)), gemm_scratch_elems(env, weights_gemm(s, size))});
+  }
+  Layout l;
+  l.cols = 0;
+  l.tmp = align_up(crs * ncols);
+  l.gemm = l.tmp + align_up(s.K * ncols);
+  l.total = l.gemm + gemm_elems;
+  return l;
+}
+
+DeviceSpan at(DeviceSpan span, std::size_t elems) {
+  return {span.buffer, span.offset + elems};
+}
+
+std::string defines(const Conv2dShape& s) {
+  return fmt::format(
+      "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
+      "-DCONV_STRIDE={} -DCONV_PAD={} -DBIAS_WG={}",
+      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup);
+}
+
+KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan cols, std::size_t ncols) {
+  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_im2col", defines(s));
+  cl::set_args(k.get(), x.buffer, x.offset, cols.buffer, cols.offset, static_cast<cl_uint>(ncols));
+  KernelLaunch l;
+  l.kernel = std::move(k);
+  l.dims = 2;
+  const std::size_t local = local_size(env);
+  l.global = {round_up(ncols, local), s.C * s.R * s.S, 1};
+  l.local = {local, 1, 1};
+  return l;
+}
+
+KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSpan t, std::size_t ncols) {
+  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_from_nchw", defines(s));
+  const std::size_t count = s.K * ncols;
+  cl::set_args(k.get(), dy.buffer, dy.offset, t.buffer, t.offset, static_cast<cl_uint>(ncols),
+               static_cast<cl_uint>(count));
+  return launch_1d(env, std::move(k), count);
+}
+
+void append(LaunchList& list, LaunchList more) {
+  for (auto& l : more) list.push_back(std::move(l));
+}
+
+}  // namespace
+
+std::size_t conv2d_images_per_gemm(const Conv2dShape& s) {
+  return Groups(s).largest();
+}
+
+std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
+  return layout(env, s).total;
+}
+
+LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
+                          DeviceSpan scratch) {
+  const Layout lay = layout(env, s);
+  const Groups groups(s);
+  const std::size_t PQ = s.P() * s.Q();
+  const DeviceSpan cols = at(scratch, lay.cols), tmp = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
+  const cl_uint has_bias = bias.buffer != nullptr;
+  LaunchList list;
+  for (std::size_t i = 0; i < groups.count; ++i) {
+    const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
+    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W), cols, ncols));
+    append(list, gemm(env, forward_gemm(s, g), 1.0f, w, cols, 0.0f, tmp, gscratch));
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
+    const DeviceSpan yg = at(y, n0 * s.K * PQ);
+    const std::size_t count = g * s.K * PQ;
+    cl::set_args(k.get(), tmp.buffer, tmp.offset, has_bias ? bias.buffer : tmp.buffer, bias.offset, has_bias, yg.buffer,
+                 yg.offset, static_cast<cl_uint>(ncols), static_cast<cl_uint>(count));
+    list.push_back(launch_1d(env, std::move(k), count));
+  }
+  return list;
+}
+
+LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSpan w, DeviceSpan dx,
+                                DeviceSpan scratch) {
+  const Layout lay = layout(env, s);
+  const Groups groups(s);
+  const std::size_t PQ = s.P() * s.Q();
+  const DeviceSpan dcols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
+  LaunchList list;
+  for (std::size_t i = 0; i < groups.count; ++i) {
+    const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
+    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ), dyt, ncols));
+    append(list, gemm(env, data_gemm(s, g), 1.0f, w, dyt, 0.0f, dcols, gscratch));
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_col2im", defines(s));
+    const DeviceSpan dxg = at(dx, n0 * s.C * s.H * s.W);
+    const std::size_t count = g * s.C * s.H * s.W;
+    cl::set_args(k.get(), dcols.buffer, dcols.offset, dxg.buffer, dxg.offset, static_cast<cl_uint>(ncols),
+                 static_cast<cl_uint>(count));
+    list.push_back(launch_1d(env, std::move(k), count));
+  }
+  return list;
+}
+
+LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan dy, DeviceSpan dw,
+                                   DeviceSpan dbias, DeviceSpan scratch) {
+  const Layout lay = layout(env, s);
+  const Groups groups(s);
+  const std::size_t PQ = s.P() * s.Q();
+  const DeviceSpan cols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
+  LaunchList list;
+  for (std::size_t i = 0; i < groups.count; ++i) {
+    const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
+    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W), cols, ncols));
+    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ), dyt, ncols));
+    append(list, gemm(env, weights_gemm(s, g), 1.0f, dyt, cols, i == 0 ? 0.0f : 1.0f, dw, gscratch));
+  }
+  if (dbias.buffer != nullptr) {
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_grad", defines(s));
+    cl::set_args(k.get(), dy.buffer, dy.offset, dbias.buffer, dbias.offset, static_cast<cl_uint>(s.N));
+    KernelLaunch l;
+    l.kernel = std::move(k);
+    l.global = {s.K * kBiasWorkGroup, 1, 1};
+    l.local = {kBiasWorkGroup, 1, 1};
+    list.push_back(std::move(l));
+  }
+  return list;
+}
+
+}  // namespace ferry::ops

@@ -1,0 +1,119 @@
+// Conv2d helpers around the GEMM: im2col, col2im (a gather, so deterministic without atomics),
+// the permutes between NCHW and the GEMM's [K, G*P*Q] layout, and the bias gradient.
+//
+// The layer geometry is compiled in (-D CONV_C, CONV_H, CONV_W, CONV_K, CONV_R, CONV_S, CONV_P,
+// CONV_Q, CONV_STRIDE, CONV_PAD) so that the index divisions become multiplies and PoCL can
+// vectorise across work-items. The number of images G in a group varies and is an argument;
+// `ncols` = G * P * Q is the width of the column matrix. Every kernel handles one group of G
+// consecutive images: the host offsets x, y, dx, dy to the group's first image.
+
+#define CONV_PQ (CONV_P * CONV_Q)
+#define CONV_RS (CONV_R * CONV_S)
+#define CONV_HW (CONV_H * CONV_W)
+
+// cols[(c*R + r)*S + s, g*PQ + p*Q + q] = x[g, c, p*stride + r - pad, q*stride + s - pad] (0 if
+// outside). Global (ncols rounded up, C*R*S): one work-item per column-matrix element, with
+// consecutive work-items on consecutive columns (output pixels), so writes are contiguous and
+// reads are contiguous for stride 1.
+__kernel void conv2d_im2col(__global const float* x, ulong x_off, __global float* cols, ulong cols_off, uint ncols) {
+  const uint j = get_global_id(0);
+  const uint row = get_global_id(1);
+  if (j >= ncols) return;
+  const uint g = j / CONV_PQ;
+  const uint pq = j - g * CONV_PQ;
+  const uint p = pq / CONV_Q;
+  const uint q = pq - p * CONV_Q;
+  const uint c = row / CONV_RS;
+  const uint rs = row - c * CONV_RS;
+  const uint r = rs / CONV_S;
+  const uint s = rs - r * CONV_S;
+  const int h = (int)(p * CONV_STRIDE + r) - CONV_PAD;
+  const int w = (int)(q * CONV_STRIDE + s) - CONV_PAD;
+  float v = 0.0f;
+  if (h >= 0 && h < CONV_H && w >= 0 && w < CONV_W) {
+    v = x[x_off + (ulong)(g * CONV_C + c) * CONV_HW + (uint)h * CONV_W + (uint)w];
+  }
+  cols[cols_off + (ulong)row * ncols + j] = v;
+}
+
+// dx[g, c, h, w] = sum over (r, s) of dcols[(c*R + r)*S + s, g*PQ + p*Q + q] for every output
+// pixel (p, q) whose window covers (h, w). One work-item per input element, fixed summation
+// order. Global: G*C*H*W rounded up.
+__kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __global float* dx, ulong dx_off, uint ncols,
+                            uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint gc = i / CONV_HW;
+  const uint hw = i - gc * CONV_HW;
+  const uint g = gc / CONV_C;
+  const uint c = gc - g * CONV_C;
+  const int h = (int)(hw / CONV_W);
+  const int w = (int)(hw - (uint)h * CONV_W);
+  __global const float* base = dcols + dcols_off + (ulong)c * CONV_RS * ncols + g * CONV_PQ;
+  float acc = 0.0f;
+  for (int r = 0; r < CONV_R; ++r) {
+    const int hp = h + CONV_PAD - r;
+    if (hp < 0) break;
+    if (hp % CONV_STRIDE != 0) continue;
+    const int p = hp / CONV_STRIDE;
+    if (p >= CONV_P) continue;
+    for (int s = 0; s < CONV_S; ++s) {
+      const int wq = w + CONV_PAD - s;
+      if (wq < 0) break;
+      if (wq % CONV_STRIDE != 0) continue;
+      const int q = wq / CONV_STRIDE;
+      if (q >= CONV_Q) continue;
+      acc += base[(ulong)(r * CONV_S + s) * ncols + (uint)(p * CONV_Q + q)];
+    }
+  }
+  dx[dx_off + i] = acc;
+}
+
+// y[g, k, pq] = t[k, g*PQ + pq] + bias[k]: the GEMM result [K, ncols] to NCHW. One work-item per
+// element of y (contiguous writes; reads contiguous within each pq run). Global: G*K*PQ.
+__kernel void conv2d_to_nchw(__global const float* t, ulong t_off, __global const float* bias, ulong bias_off,
+                             uint has_bias, __global float* y, ulong y_off, uint ncols, uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint gk = i / CONV_PQ;
+  const uint pq = i - gk * CONV_PQ;
+  const uint g = gk / CONV_K;
+  const uint k = gk - g * CONV_K;
+  float v = t[t_off + (ulong)k * ncols + g * CONV_PQ + pq];
+  if (has_bias) v += bias[bias_off + k];
+  y[y_off + i] = v;
+}
+
+// t[k, g*PQ + pq] = dy[g, k, pq]: NCHW gradients to the GEMM layout [K, ncols]. One work-item per
+// element of t. Global: K*ncols.
+__kernel void conv2d_from_nchw(__global const float* dy, ulong dy_off, __global float* t, ulong t_off, uint ncols,
+                               uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint k = i / ncols;
+  const uint j = i - k * ncols;
+  const uint g = j / CONV_PQ;
+  const uint pq = j - g * CONV_PQ;
+  t[t_off + i] = dy[dy_off + (ulong)(g * CONV_K + k) * CONV_PQ + pq];
+}
+
+// dbias[k] = sum over n, pq of dy[n, k, pq]. One work-group of BIAS_WG work-items per k: each
+// work-item sums a fixed strided subset, then a fixed tree in local memory (deterministic).
+__kernel void conv2d_bias_grad(__global const float* dy, ulong dy_off, __global float* dbias, ulong dbias_off,
+                               uint batch) {
+  __local float part[BIAS_WG];
+  const uint k = get_group_id(0);
+  const uint t = get_local_id(0);
+  float acc = 0.0f;
+  for (uint n = 0; n < batch; ++n) {
+    __global const float* plane = dy + dy_off + (ulong)(n * CONV_K + k) * CONV_PQ;
+    for (uint pq = t; pq < CONV_PQ; pq += BIAS_WG) acc += plane[pq];
+  }
+  part[t] = acc;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint span = BIAS_WG / 2; span > 0; span >>= 1) {
+    if (t < span) part[t] += part[t + span];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (t == 0) dbias[dbias_off + k] = part[0];
+}

@@ -1,0 +1,58 @@
+// Max pooling over NCHW planes, square window and stride, no padding. The geometry is compiled
+// in (-D POOL_H, POOL_W, POOL_P, POOL_Q, POOL_WINDOW, POOL_STRIDE) so index divisions become
+// multiplies. argmax holds the index of each maximum within its (n, c) plane.
+
+#define POOL_HW (POOL_H * POOL_W)
+#define POOL_PQ (POOL_P * POOL_Q)
+
+// One work-item per output element; ties go to the first maximum in row-major window order.
+__kernel void maxpool2d_forward(__global const float* x, ulong x_off, __global float* y, ulong y_off,
+                                __global int* argmax, ulong argmax_off, uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint nc = i / POOL_PQ;
+  const uint pq = i - nc * POOL_PQ;
+  const uint p = pq / POOL_Q;
+  const uint q = pq - p * POOL_Q;
+  __global const float* plane = x + x_off + (ulong)nc * POOL_HW;
+  uint best = p * POOL_STRIDE * POOL_W + q * POOL_STRIDE;
+  float best_v = plane[best];
+  for (uint a = 0; a < POOL_WINDOW; ++a) {
+    for (uint b = 0; b < POOL_WINDOW; ++b) {
+      const uint idx = (p * POOL_STRIDE + a) * POOL_W + q * POOL_STRIDE + b;
+      const float v = plane[idx];
+      if (v > best_v) {
+        best_v = v;
+        best = idx;
+      }
+    }
+  }
+  y[y_off + i] = best_v;
+  argmax[argmax_off + i] = (int)best;
+}
+
+// One work-item per input element: the sum of dy over the windows that contain it and chose it
+// as their maximum, in ascending (p, q) order. No atomics; deterministic for overlapping windows.
+__kernel void maxpool2d_backward(__global const float* dy, ulong dy_off, __global const int* argmax, ulong argmax_off,
+                                 __global float* dx, ulong dx_off, uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint nc = i / POOL_HW;
+  const uint hw = i - nc * POOL_HW;
+  const int h = (int)(hw / POOL_W);
+  const int w = (int)(hw - (uint)h * POOL_W);
+  // Windows p with p*stride <= h < p*stride + window.
+  const int p_lo = max(0, (h - POOL_WINDOW + POOL_STRIDE) / POOL_STRIDE);
+  const int p_hi = min(POOL_P - 1, h / POOL_STRIDE);
+  const int q_lo = max(0, (w - POOL_WINDOW + POOL_STRIDE) / POOL_STRIDE);
+  const int q_hi = min(POOL_Q - 1, w / POOL_STRIDE);
+  const ulong plane = (ulong)nc * POOL_PQ;
+  float acc = 0.0f;
+  for (int p = p_lo; p <= p_hi; ++p) {
+    for (int q = q_lo; q <= q_hi; ++q) {
+      const ulong o = plane + (uint)(p * POOL_Q + q);
+      if (argmax[argmax_off + o] == (int)hw) acc += dy[dy_off + o];
+    }
+  }
+  dx[dx_off + i] = acc;
+}

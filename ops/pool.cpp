@@ -1,0 +1,51 @@
+// MaxPool2d binding (ops/kernels/pool.cl).
+#include "ferry/ops/pool.hpp"
+
+#include <fmt/format.h>
+
+#include <limits>
+#include <stdexcept>
+
+namespace ferry::ops {
+namespace {
+
+void validate(const Pool2dShape& s) {
+  if (s.window == 0 || s.stride == 0 || s.H < s.window || s.W < s.window) {
+    throw std::invalid_argument(
+        fmt::format("maxpool2d: window {} stride {} does not fit the input {}x{}", s.window, s.stride, s.H, s.W));
+  }
+  if (s.N * s.C * s.H * s.W > std::numeric_limits<std::uint32_t>::max()) {
+    throw std::invalid_argument("maxpool2d: input over the 32-bit index limit");
+  }
+}
+
+std::string defines(const Pool2dShape& s) {
+  return fmt::format("-DPOOL_H={} -DPOOL_W={} -DPOOL_P={} -DPOOL_Q={} -DPOOL_WINDOW={} -DPOOL_STRIDE={}", s.H, s.W,
+                     s.P(), s.Q(), s.window, s.stride);
+}
+
+}  // namespace
+
+LaunchList maxpool2d_forward(OpEnv& env, const Pool2dShape& s, DeviceSpan x, DeviceSpan y, DeviceSpan argmax) {
+  validate(s);
+  const std::size_t count = s.N * s.C * s.P() * s.Q();
+  cl::Kernel k = env.kernels.kernel("pool", "maxpool2d_forward", defines(s));
+  cl::set_args(k.get(), x.buffer, x.offset, y.buffer, y.offset, argmax.buffer, argmax.offset,
+               static_cast<cl_uint>(count));
+  LaunchList list;
+  list.push_back(elementwise_launch(std::move(k), count));
+  return list;
+}
+
+LaunchList maxpool2d_backward(OpEnv& env, const Pool2dShape& s, DeviceSpan dy, DeviceSpan argmax, DeviceSpan dx) {
+  validate(s);
+  const std::size_t count = s.N * s.C * s.H * s.W;
+  cl::Kernel k = env.kernels.kernel("pool", "maxpool2d_backward", defines(s));
+  cl::set_args(k.get(), dy.buffer, dy.offset, argmax.buffer, argmax.offset, dx.buffer, dx.offset,
+               static_cast<cl_uint>(count));
+  LaunchList list;
+  list.push_back(elementwise_launch(std::move(k), count));
+  return list;
+}
+
+}  // namespace ferry::ops

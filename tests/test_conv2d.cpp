@@ -1,0 +1,192 @@
+// Conv2d: device (im2col + GEMM) against the direct-loop CPU reference for forward and both
+// backward launches over odd, strided, 1x1 and the CNN's real shapes (including batches split
+// into several GEMM groups), and the reference backward against double finite differences.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "ferry/ops/conv2d.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+struct ConvCase {
+  std::string name;
+  ops::Conv2dShape shape;
+  bool bias = true;
+};
+
+std::ostream& operator<<(std::ostream& os, const ConvCase& c) {
+  return os << c.name;
+}
+
+std::size_t x_elems(const ops::Conv2dShape& s) {
+  return s.N * s.C * s.H * s.W;
+}
+std::size_t w_elems(const ops::Conv2dShape& s) {
+  return s.K * s.C * s.R * s.S;
+}
+std::size_t y_elems(const ops::Conv2dShape& s) {
+  return s.N * s.K * s.P() * s.Q();
+}
+
+class Conv2dTest : public ::testing::TestWithParam<ConvCase> {};
+
+TEST_P(Conv2dTest, DeviceMatchesReference) {
+  const ConvCase& tc = GetParam();
+  const ops::Conv2dShape& s = tc.shape;
+  auto& dev = TestDevice::get();
+  const auto x = random_vector(x_elems(s), 11);
+  const auto w = random_vector(w_elems(s), 12);
+  const auto b = random_vector(s.K, 13);
+  const auto dy = random_vector(y_elems(s), 14);
+
+  DeviceTensor dx_in(x, 7), dw_in(w, 3), db_in(b, 5), ddy(dy, 9);
+  DeviceTensor dyo(y_elems(s), 11), ddx(x_elems(s), 1), ddw(w_elems(s), 13), ddb(s.K, 2);
+  DeviceTensor scratch(ops::conv2d_scratch_elems(dev.env, s), 17);
+  const ops::DeviceSpan bias = tc.bias ? db_in.span() : ops::DeviceSpan{};
+  const ops::DeviceSpan dbias = tc.bias ? ddb.span() : ops::DeviceSpan{};
+
+  ops::run_blocking(dev.context.compute(),
+                    ops::conv2d_forward(dev.env, s, dx_in.span(), dw_in.span(), bias, dyo.span(), scratch.span()));
+  ops::run_blocking(dev.context.compute(),
+                    ops::conv2d_backward_data(dev.env, s, ddy.span(), dw_in.span(), ddx.span(), scratch.span()));
+  ops::run_blocking(dev.context.compute(), ops::conv2d_backward_weights(dev.env, s, dx_in.span(), ddy.span(),
+                                                                        ddw.span(), dbias, scratch.span()));
+
+  const auto xd = to_double(x), wd = to_double(w), bd = to_double(b), dyd = to_double(dy);
+  std::vector<double> y_ref(y_elems(s)), dx_ref(x_elems(s)), dw_ref(w_elems(s)), db_ref(s.K);
+  ops::ref::conv2d_forward<double>(s, xd, wd, tc.bias ? std::span<const double>(bd) : std::span<const double>{}, y_ref);
+  ops::ref::conv2d_backward_data<double>(s, dyd, wd, dx_ref);
+  ops::ref::conv2d_backward_weights<double>(s, xd, dyd, dw_ref, db_ref);
+
+  // Float sums of L terms of size ~1 (their magnitude ~sqrt(L)): the rounding error of a running
+  // sum grows about like L * eps.
+  const auto tol = [](std::size_t terms) { return 5e-7f * float(terms) + 1e-5f; };
+  const std::size_t npq = s.N * s.P() * s.Q();
+  expect_near(dyo.download(), to_float(y_ref), tol(s.C * s.R * s.S), 1e-5f, "y");
+  expect_near(ddx.download(), to_float(dx_ref), tol(s.K * s.R * s.S), 1e-5f, "dx");
+  expect_near(ddw.download(), to_float(dw_ref), tol(npq), 1e-5f, "dw");
+  if (tc.bias) expect_near(ddb.download(), to_float(db_ref), tol(npq), 1e-5f, "dbias");
+}
+
+TEST_P(Conv2dTest, BackwardIsDeterministic) {
+  const ConvCase& tc = GetParam();
+  const ops::Conv2dShape& s = tc.shape;
+  if (y_elems(s) * s.C * s.R * s.S > (std::size_t{1} << 24)) GTEST_SKIP() << "large shape: covered by the small ones";
+  auto& dev = TestDevice::get();
+  DeviceTensor dx_in(random_vector(x_elems(s), 21)), dw_in(random_vector(w_elems(s), 22));
+  DeviceTensor ddy(random_vector(y_elems(s), 23));
+  DeviceTensor ddx(x_elems(s)), ddw(w_elems(s)), ddb(s.K);
+  DeviceTensor scratch(ops::conv2d_scratch_elems(dev.env, s));
+  auto data = ops::conv2d_backward_data(dev.env, s, ddy.span(), dw_in.span(), ddx.span(), scratch.span());
+  auto weights =
+      ops::conv2d_backward_weights(dev.env, s, dx_in.span(), ddy.span(), ddw.span(), ddb.span(), scratch.span());
+  ops::run_blocking(dev.context.compute(), data);
+  ops::run_blocking(dev.context.compute(), weights);
+  const auto dx1 = ddx.download(), dw1 = ddw.download(), db1 = ddb.download();
+  ops::run_blocking(dev.context.compute(), data);
+  ops::run_blocking(dev.context.compute(), weights);
+  EXPECT_EQ(ddx.download(), dx1);
+  EXPECT_EQ(ddw.download(), dw1);
+  EXPECT_EQ(ddb.download(), db1);
+}
+
+ops::Conv2dShape shape(std::size_t N, std::size_t C, std::size_t H, std::size_t W, std::size_t K, std::size_t R,
+                       std::size_t S, std::size_t pad, std::size_t stride) {
+  ops::Conv2dShape s;
+  s.N = N, s.C = C, s.H = H, s.W = W, s.K = K, s.R = R, s.S = S, s.pad = pad, s.stride = stride;
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTest,
+                         ::testing::Values(ConvCase{"odd_3x3_pad1_stride1", shape(3, 2, 7, 7, 5, 3, 3, 1, 1)},
+                                           ConvCase{"odd_3x3_pad1_stride2", shape(3, 2, 7, 7, 5, 3, 3, 1, 2)},
+                                           ConvCase{"rect_5x4_pad2_stride3_nobias", shape(2, 3, 9, 6, 4, 5, 4, 2, 3),
+                                                    false},
+                                           ConvCase{"1x1", shape(3, 8, 5, 5, 6, 1, 1, 0, 1)},
+                                           ConvCase{"cnn_layer1", shape(64, 1, 28, 28, 32, 5, 5, 2, 1)},
+                                           ConvCase{"cnn_layer2_three_groups", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(Conv2dGroups, LargeBatchesSplitIntoBalancedGroups) {
+  // The CNN's first layer fits one GEMM; the second splits into 3 groups (22 + 21 + 21 images),
+  // which the cnn_layer2 case above checks against the reference.
+  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(64, 1, 28, 28, 32, 5, 5, 2, 1)), 64u);
+  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(64, 32, 14, 14, 64, 5, 5, 2, 1)), 22u);
+  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(1, 512, 64, 64, 512, 3, 3, 1, 1)), 1u);
+  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(3, 2, 7, 7, 5, 3, 3, 1, 1)), 3u);
+}
+
+// The reference backward rules against central differences of the reference forward, in double.
+class Conv2dGradTest : public ::testing::TestWithParam<ops::Conv2dShape> {};
+
+TEST_P(Conv2dGradTest, ReferenceBackwardMatchesFiniteDifferences) {
+  const ops::Conv2dShape s = GetParam();
+  const auto x = to_double(random_vector(x_elems(s), 31));
+  const auto w = to_double(random_vector(w_elems(s), 32));
+  const auto b = to_double(random_vector(s.K, 33));
+  const auto r = to_double(random_vector(y_elems(s), 34));
+  const auto loss = [&](const std::vector<double>& xv, const std::vector<double>& wv, const std::vector<double>& bv) {
+    std::vector<double> y(y_elems(s));
+    ops::ref::conv2d_forward<double>(s, xv, wv, bv, y);
+    return weighted_sum(y, r);
+  };
+  std::vector<double> dx(x.size()), dw(w.size()), db(b.size());
+  ops::ref::conv2d_backward_data<double>(s, r, w, dx);
+  ops::ref::conv2d_backward_weights<double>(s, x, r, dw, db);
+  expect_gradient_matches_finite_differences([&](const auto& v) { return loss(v, w, b); }, x, dx, "dx");
+  expect_gradient_matches_finite_differences([&](const auto& v) { return loss(x, v, b); }, w, dw, "dw");
+  expect_gradient_matches_finite_differences([&](const auto& v) { return loss(x, w, v); }, b, db, "dbias");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dGradTest,
+                         ::testing::Values(shape(2, 2, 5, 5, 3, 3, 3, 1, 1), shape(2, 2, 6, 5, 3, 3, 2, 1, 2),
+                                           shape(1, 3, 4, 4, 2, 1, 1, 0, 1), shape(2, 1, 7, 7, 2, 5, 5, 2, 2)));
+
+}  // namespace
+}  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+// Per-launch times of the CNN's conv layers (each launch enqueued and waited alone, so every
+// figure includes about 0.1 ms of launch overhead). Run with --gtest_also_run_disabled_tests.
+TEST(Conv2dTiming, DISABLED_LaunchTimes) {
+  auto& dev = TestDevice::get();
+  for (const auto& s : {shape(64, 1, 28, 28, 32, 5, 5, 2, 1), shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}) {
+    DeviceTensor x(random_vector(x_elems(s), 1)), w(random_vector(w_elems(s), 2)), b(random_vector(s.K, 3));
+    DeviceTensor y(y_elems(s)), dy(random_vector(y_elems(s), 4)), dx(x_elems(s)), dw(w_elems(s)), db(s.K);
+    DeviceTensor scratch(ops::conv2d_scratch_elems(dev.env, s));
+    const std::pair<const char*, ops::LaunchList> lists[] = {
+        {"forward", ops::conv2d_forward(dev.env, s, x.span(), w.span(), b.span(), y.span(), scratch.span())},
+        {"backward_data", ops::conv2d_backward_data(dev.env, s, dy.span(), w.span(), dx.span(), scratch.span())},
+        {"backward_weights",
+         ops::conv2d_backward_weights(dev.env, s, x.span(), dy.span(), dw.span(), db.span(), scratch.span())}};
+    for (const auto& [what, list] : lists) {
+      ops::run_blocking(dev.context.compute(), list);  // warm up
+      const int reps = 5;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < reps; ++i) ops::run_blocking(dev.context.compute(), list);
+      const double total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("C=%zu K=%zu %s: %.2f ms (%zu launches)\n", s.C, s.K, what, total / reps, list.size());
+      std::map<std::string, double> per_kernel;
+      for (const auto& l : list) {
+        char name[128] = {};
+        clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, sizeof(name), name, nullptr);
+        const ops::LaunchList one{l};
+        const auto k0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < reps; ++i) ops::run_blocking(dev.context.compute(), one);
+        per_kernel[name] +=
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - k0).count() / reps;
+      }
+      for (const auto& [name, ms] : per_kernel) std::printf("    %-20s %.2f ms\n", name.c_str(), ms);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry::test

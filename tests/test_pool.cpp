@@ -1,0 +1,126 @@
+// MaxPool2d: device against the CPU reference (values, argmax and the backward gather) for
+// non-overlapping and overlapping windows, odd sizes and ties, and the reference backward against
+// double finite differences.
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "ferry/ops/pool.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+struct PoolCase {
+  std::string name;
+  ops::Pool2dShape shape;
+  bool ties = false;  // inputs drawn from a few integers, so most windows hold equal maxima
+};
+
+std::ostream& operator<<(std::ostream& os, const PoolCase& c) {
+  return os << c.name;
+}
+
+ops::Pool2dShape shape(std::size_t N, std::size_t C, std::size_t H, std::size_t W, std::size_t window,
+                       std::size_t stride) {
+  ops::Pool2dShape s;
+  s.N = N, s.C = C, s.H = H, s.W = W, s.window = window, s.stride = stride;
+  return s;
+}
+
+std::size_t x_elems(const ops::Pool2dShape& s) {
+  return s.N * s.C * s.H * s.W;
+}
+std::size_t y_elems(const ops::Pool2dShape& s) {
+  return s.N * s.C * s.P() * s.Q();
+}
+
+std::vector<float> input(const PoolCase& tc, std::uint32_t seed) {
+  auto x = random_vector(x_elems(tc.shape), seed, -2.0f, 2.0f);
+  if (tc.ties) {
+    for (auto& v : x) v = std::round(v);
+  }
+  return x;
+}
+
+// argmax lives in a float tensor's storage (int32 and float are both 4 bytes).
+std::vector<std::int32_t> as_ints(const std::vector<float>& v) {
+  std::vector<std::int32_t> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = std::bit_cast<std::int32_t>(v[i]);
+  return out;
+}
+
+class MaxPoolTest : public ::testing::TestWithParam<PoolCase> {};
+
+TEST_P(MaxPoolTest, DeviceMatchesReference) {
+  const PoolCase& tc = GetParam();
+  const ops::Pool2dShape& s = tc.shape;
+  auto& dev = TestDevice::get();
+  const auto x = input(tc, 1);
+  const auto dy = random_vector(y_elems(s), 2);
+  DeviceTensor dx_in(x, 7), dyo(y_elems(s), 3), darg(y_elems(s), 5), ddy(dy, 11), ddx(x_elems(s), 13);
+
+  ops::run_blocking(dev.context.compute(), ops::maxpool2d_forward(dev.env, s, dx_in.span(), dyo.span(), darg.span()));
+  ops::run_blocking(dev.context.compute(), ops::maxpool2d_backward(dev.env, s, ddy.span(), darg.span(), ddx.span()));
+
+  std::vector<float> y_ref(y_elems(s)), dx_ref(x_elems(s));
+  std::vector<std::int32_t> arg_ref(y_elems(s));
+  ops::ref::maxpool2d_forward<float>(s, x, y_ref, arg_ref);
+  ops::ref::maxpool2d_backward<float>(s, dy, arg_ref, dx_ref);
+
+  // Max and the gather are exact: the device sums contributions in the reference's order.
+  EXPECT_EQ(dyo.download(), y_ref);
+  EXPECT_EQ(as_ints(darg.download()), arg_ref);
+  EXPECT_EQ(ddx.download(), dx_ref);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MaxPoolTest,
+                         ::testing::Values(PoolCase{"2x2s2_even", shape(2, 3, 8, 8, 2, 2)},
+                                           PoolCase{"2x2s2_odd", shape(3, 2, 7, 9, 2, 2)},
+                                           PoolCase{"3x3s2_overlapping", shape(3, 2, 7, 7, 3, 2)},
+                                           PoolCase{"3x3s2_overlapping_ties", shape(2, 3, 9, 8, 3, 2), true},
+                                           PoolCase{"2x2s2_ties", shape(2, 2, 6, 7, 2, 2), true},
+                                           PoolCase{"3x3s1", shape(1, 2, 6, 6, 3, 1)},
+                                           PoolCase{"cnn_pool1", shape(64, 32, 28, 28, 2, 2)},
+                                           PoolCase{"cnn_pool2", shape(64, 64, 14, 14, 2, 2)}),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(MaxPoolRef, TiesGoToTheFirstMaximum) {
+  const auto s = shape(1, 1, 3, 3, 2, 1);
+  const std::vector<float> x{1, 1, 0,  //
+                             1, 1, 2,  //
+                             0, 2, 2};
+  std::vector<float> y(4);
+  std::vector<std::int32_t> arg(4);
+  ops::ref::maxpool2d_forward<float>(s, x, y, arg);
+  EXPECT_EQ(arg, (std::vector<std::int32_t>{0, 5, 7, 5}));
+}
+
+class MaxPoolGradTest : public ::testing::TestWithParam<ops::Pool2dShape> {};
+
+TEST_P(MaxPoolGradTest, ReferenceBackwardMatchesFiniteDifferences) {
+  const ops::Pool2dShape s = GetParam();
+  // Distinct values (a shuffled ramp with spacing 1e-2), so every max is isolated by far more
+  // than the finite-difference step.
+  std::vector<double> x(x_elems(s));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = double((i * 7919) % x.size()) * 1e-2;
+  const auto r = to_double(random_vector(y_elems(s), 4));
+  const auto loss = [&](const std::vector<double>& in) {
+    std::vector<double> y(y_elems(s));
+    std::vector<std::int32_t> arg(y_elems(s));
+    ops::ref::maxpool2d_forward<double>(s, in, y, arg);
+    return weighted_sum(y, r);
+  };
+  std::vector<double> y(y_elems(s)), dx(x.size());
+  std::vector<std::int32_t> arg(y_elems(s));
+  ops::ref::maxpool2d_forward<double>(s, x, y, arg);
+  ops::ref::maxpool2d_backward<double>(s, r, arg, dx);
+  expect_gradient_matches_finite_differences(loss, x, dx, "maxpool dx", 1e-6, 1e-5, 1000);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MaxPoolGradTest,
+                         ::testing::Values(shape(2, 2, 6, 6, 2, 2), shape(1, 2, 7, 7, 3, 2), shape(1, 1, 5, 6, 3, 1)));
+
+}  // namespace
+}  // namespace ferry::test
