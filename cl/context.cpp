@@ -33,9 +33,10 @@ Context::Context(const DeviceInfo& device, ContextOptions options) : device_(dev
 
 Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags) const {
   if (bytes > device_.max_alloc_bytes) {
-    throw std::runtime_error(fmt::format("buffer '{}' of {} bytes exceeds the device's largest allocation ({} bytes) "
-                                         "on {}: split it or lower the device budget",
-                                         what, bytes, device_.max_alloc_bytes, device_.name));
+    throw std::runtime_error(
+        fmt::format("buffer '{}' of {} bytes exceeds the device's largest allocation ({} bytes) "
+                    "on {}: split it or lower the device budget",
+                    what, bytes, device_.max_alloc_bytes, device_.name));
   }
   cl_int status = CL_SUCCESS;
   Mem mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, nullptr, &status));
@@ -85,7 +86,9 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
   return *this;
 }
 
-PinnedBuffer::~PinnedBuffer() { release(); }
+PinnedBuffer::~PinnedBuffer() {
+  release();
+}
 
 void PinnedBuffer::release() noexcept {
   if (host_ && mem_) {

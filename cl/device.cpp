@@ -47,7 +47,8 @@ std::string lower(std::string_view s) {
 
 std::string describe_all(const std::vector<DeviceInfo>& devices) {
   std::string out;
-  for (const auto& d : devices) out += fmt::format("\n  [{}] {} / {} ({})", d.index, d.platform_name, d.name, d.type_name());
+  for (const auto& d : devices)
+    out += fmt::format("\n  [{}] {} / {} ({})", d.index, d.platform_name, d.name, d.type_name());
   return out;
 }
 
@@ -124,8 +125,8 @@ DeviceInfo select_device(std::string_view selector) {
   auto [ptr, ec] = std::from_chars(selector.data(), selector.data() + selector.size(), index);
   if (ec == std::errc() && ptr == selector.data() + selector.size()) {
     if (index < devices.size()) return devices[index];
-    throw std::runtime_error(fmt::format("device index {} (from {}) is out of range; devices:{}", index, from,
-                                         describe_all(devices)));
+    throw std::runtime_error(
+        fmt::format("device index {} (from {}) is out of range; devices:{}", index, from, describe_all(devices)));
   }
   const std::string needle = lower(selector);
   for (const auto& d : devices) {

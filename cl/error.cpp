@@ -16,9 +16,15 @@ std::string describe(const std::string& call, cl_int code, const std::string& op
 Error::Error(std::string call, cl_int code, std::string op)
     : std::runtime_error(describe(call, code, op)), call_(std::move(call)), code_(code), op_(std::move(op)) {}
 
-OpScope::OpScope(std::string_view op) noexcept : previous_(current_op) { current_op = op; }
-OpScope::~OpScope() { current_op = previous_; }
-std::string_view OpScope::current() noexcept { return current_op; }
+OpScope::OpScope(std::string_view op) noexcept : previous_(current_op) {
+  current_op = op;
+}
+OpScope::~OpScope() {
+  current_op = previous_;
+}
+std::string_view OpScope::current() noexcept {
+  return current_op;
+}
 
 const char* error_name(cl_int code) {
   switch (code) {

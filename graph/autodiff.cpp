@@ -181,14 +181,19 @@ class Differentiator {
 
 const char* optimizer_name(OptimizerSpec::Kind k) {
   switch (k) {
-    case OptimizerSpec::Kind::sgd: return "sgd";
-    case OptimizerSpec::Kind::adam: return "adam";
-    case OptimizerSpec::Kind::adamw: return "adamw";
+    case OptimizerSpec::Kind::sgd:
+      return "sgd";
+    case OptimizerSpec::Kind::adam:
+      return "adam";
+    case OptimizerSpec::Kind::adamw:
+      return "adamw";
   }
   return "?";
 }
 
-void append_backward(Graph& g) { Differentiator(g).run(); }
+void append_backward(Graph& g) {
+  Differentiator(g).run();
+}
 
 void append_optimizer(Graph& g, const OptimizerSpec& spec) {
   auto& t = g.tensors;

@@ -19,9 +19,29 @@
 namespace ferry::graph {
 namespace {
 
-struct LinearGemms {
-  ops::GemmShape forward, grad_input, grad_param;
-};
+std::size_t scratch_elems(const Graph& g, NodeId n, ops::OpEnv& env) {
+  const auto& shape = g.tensors.shape;
+  const auto in = g.nodes.inputs(n);
+  const auto out = g.nodes.outputs(n);
+  switch (g.nodes.kind[n]) {
+    case OpKind::linear:
+      return ops::gemm_scratch_elems(env, linear_gemms(shape[in[0]], shape[in[1]]).forward);
+    case OpKind::linear_grad_input:  // in: dy w ; out: dx
+      return ops::gemm_scratch_elems(env, linear_gemms(shape[out[0]], shape[in[1]]).grad_input);
+    case OpKind::linear_grad_param:  // in: x dy ; out: dw
+      return ops::gemm_scratch_elems(env, linear_gemms(shape[in[0]], shape[out[0]]).grad_param);
+    case OpKind::conv2d:
+      return ops::conv2d_scratch_elems(env, conv_shape(shape[in[0]], shape[in[1]], g.nodes.attrs[n]));
+    case OpKind::conv2d_grad_input:  // in: dy w ; out: dx
+      return ops::conv2d_scratch_elems(env, conv_shape(shape[out[0]], shape[in[1]], g.nodes.attrs[n]));
+    case OpKind::conv2d_grad_param:  // in: x dy ; out: dw
+      return ops::conv2d_scratch_elems(env, conv_shape(shape[in[0]], shape[out[0]], g.nodes.attrs[n]));
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
 
 // x [B, in], w [in, out]:  y = x w;  dx = dy w^T;  dw = x^T dy.
 LinearGemms linear_gemms(const Shape& x, const Shape& w) {
@@ -54,30 +74,6 @@ ops::Pool2dShape pool_shape(const Shape& x, const NodeAttrs& a) {
   return s;
 }
 
-std::size_t scratch_elems(const Graph& g, NodeId n, ops::OpEnv& env) {
-  const auto& shape = g.tensors.shape;
-  const auto in = g.nodes.inputs(n);
-  const auto out = g.nodes.outputs(n);
-  switch (g.nodes.kind[n]) {
-    case OpKind::linear:
-      return ops::gemm_scratch_elems(env, linear_gemms(shape[in[0]], shape[in[1]]).forward);
-    case OpKind::linear_grad_input:  // in: dy w ; out: dx
-      return ops::gemm_scratch_elems(env, linear_gemms(shape[out[0]], shape[in[1]]).grad_input);
-    case OpKind::linear_grad_param:  // in: x dy ; out: dw
-      return ops::gemm_scratch_elems(env, linear_gemms(shape[in[0]], shape[out[0]]).grad_param);
-    case OpKind::conv2d:
-      return ops::conv2d_scratch_elems(env, conv_shape(shape[in[0]], shape[in[1]], g.nodes.attrs[n]));
-    case OpKind::conv2d_grad_input:  // in: dy w ; out: dx
-      return ops::conv2d_scratch_elems(env, conv_shape(shape[out[0]], shape[in[1]], g.nodes.attrs[n]));
-    case OpKind::conv2d_grad_param:  // in: x dy ; out: dw
-      return ops::conv2d_scratch_elems(env, conv_shape(shape[in[0]], shape[out[0]], g.nodes.attrs[n]));
-    default:
-      return 0;
-  }
-}
-
-}  // namespace
-
 void assign_scratch(Graph& g, ops::OpEnv& env) {
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     const std::size_t elems = scratch_elems(g, n, env);
@@ -109,8 +105,8 @@ ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorResolver& at, op
                        at(out[0]), scratch);
     case OpKind::linear_grad_param: {
       const Shape& dy = shape[in[1]];
-      auto list = ops::gemm(env, linear_gemms(shape[in[0]], shape[out[0]]).grad_param, 1.0f, at(in[0]), at(in[1]),
-                            0.0f, at(out[0]), scratch);
+      auto list = ops::gemm(env, linear_gemms(shape[in[0]], shape[out[0]]).grad_param, 1.0f, at(in[0]), at(in[1]), 0.0f,
+                            at(out[0]), scratch);
       if (out.size() > 1) {
         auto bias = ops::bias_backward(env, at(in[1]), at(out[1]), dy[0], dy[1]);
         std::move(bias.begin(), bias.end(), std::back_inserter(list));
@@ -131,13 +127,13 @@ ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorResolver& at, op
     }
     case OpKind::layernorm_grad: {
       const Shape& x = shape[in[0]];
-      return ops::layernorm_backward(env, at(in[0]), at(in[1]), at(in[2]), at(in[3]), at(in[4]), at(out[0]),
-                                     at(out[1]), at(out[2]), x[0], x[1]);
+      return ops::layernorm_backward(env, at(in[0]), at(in[1]), at(in[2]), at(in[3]), at(in[4]), at(out[0]), at(out[1]),
+                                     at(out[2]), x[0], x[1]);
     }
     case OpKind::conv2d: {
       const ops::DeviceSpan bias = in.size() > 2 ? at(in[2]) : ops::DeviceSpan{};
-      return ops::conv2d_forward(env, conv_shape(shape[in[0]], shape[in[1]], a), at(in[0]), at(in[1]), bias,
-                                 at(out[0]), scratch);
+      return ops::conv2d_forward(env, conv_shape(shape[in[0]], shape[in[1]], a), at(in[0]), at(in[1]), bias, at(out[0]),
+                                 scratch);
     }
     case OpKind::conv2d_grad_input:
       return ops::conv2d_backward_data(env, conv_shape(shape[out[0]], shape[in[1]], a), at(in[0]), at(in[1]),
@@ -170,7 +166,8 @@ ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorResolver& at, op
     case OpKind::download:
       break;
   }
-  throw std::logic_error(fmt::format("node '{}' ({}) has no kernel binding", g.nodes.name[n], op_name(g.nodes.kind[n])));
+  throw std::logic_error(
+      fmt::format("node '{}' ({}) has no kernel binding", g.nodes.name[n], op_name(g.nodes.kind[n])));
 }
 
 }  // namespace ferry::graph

@@ -24,7 +24,9 @@ Builder::Builder(Graph& g, std::uint32_t batch, Shape sample_shape, std::uint32_
   g_.nodes.add(OpKind::upload, "upload", {}, outs, {}, Lane::h2d);
 }
 
-std::string Builder::next_name(std::string_view kind) { return fmt::format("{}{}", kind, layer_count_++); }
+std::string Builder::next_name(std::string_view kind) {
+  return fmt::format("{}{}", kind, layer_count_++);
+}
 
 TensorId Builder::weight(std::string name, Shape s, WeightInit init) {
   TensorId t = g_.tensors.add(std::move(name), s, DType::f32, Role::weight);
@@ -38,7 +40,7 @@ TensorId Builder::activation_tensor(std::string name, Shape s) {
 
 TensorId Builder::linear(TensorId x, std::uint32_t out_features, bool bias) {
   const std::string name = next_name("linear");
-  const Shape& xs = shape(x);
+  const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
   if (xs.rank != 2) {
     throw BuildError(fmt::format("{}: input {} has shape {}; Linear takes [batch, features] (add flatten() first)",
                                  name, g_.tensors.name[x], xs.str()));
@@ -69,8 +71,9 @@ TensorId Builder::activation(TensorId x, ops::Activation a) {
 
 TensorId Builder::layernorm(TensorId x, float eps) {
   const std::string name = next_name("layernorm");
-  const Shape& xs = shape(x);
-  if (xs.rank != 2) throw BuildError(fmt::format("{}: input has shape {}; LayerNorm takes [batch, features]", name, xs.str()));
+  const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
+  if (xs.rank != 2)
+    throw BuildError(fmt::format("{}: input has shape {}; LayerNorm takes [batch, features]", name, xs.str()));
   if (!(eps > 0.0f)) throw BuildError(fmt::format("{}: eps must be positive, got {}", name, eps));
   TensorId gamma = weight(name + ".gamma", Shape{xs[1]}, {WeightInit::Kind::ones, 0});
   TensorId beta = weight(name + ".beta", Shape{xs[1]}, {WeightInit::Kind::zeros, 0});
@@ -88,13 +91,14 @@ TensorId Builder::layernorm(TensorId x, float eps) {
 TensorId Builder::conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t kernel, std::uint32_t stride,
                          std::uint32_t pad) {
   const std::string name = next_name("conv");
-  const Shape& xs = shape(x);
+  const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
   if (xs.rank != 4) throw BuildError(fmt::format("{}: input has shape {}; Conv2d takes [N, C, H, W]", name, xs.str()));
   if (out_channels == 0 || kernel == 0 || stride == 0) {
     throw BuildError(fmt::format("{}: out_channels, kernel and stride must be at least 1", name));
   }
   if (xs[2] + 2 * pad < kernel || xs[3] + 2 * pad < kernel) {
-    throw BuildError(fmt::format("{}: kernel {} is larger than the padded input {} (pad {})", name, kernel, xs.str(), pad));
+    throw BuildError(
+        fmt::format("{}: kernel {} is larger than the padded input {} (pad {})", name, kernel, xs.str(), pad));
   }
   const std::uint32_t c = xs[1];
   const std::uint32_t p = (xs[2] + 2 * pad - kernel) / stride + 1;
@@ -114,8 +118,9 @@ TensorId Builder::conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t k
 
 TensorId Builder::maxpool2d(TensorId x, std::uint32_t window, std::uint32_t stride) {
   const std::string name = next_name("maxpool");
-  const Shape& xs = shape(x);
-  if (xs.rank != 4) throw BuildError(fmt::format("{}: input has shape {}; MaxPool2d takes [N, C, H, W]", name, xs.str()));
+  const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
+  if (xs.rank != 4)
+    throw BuildError(fmt::format("{}: input has shape {}; MaxPool2d takes [N, C, H, W]", name, xs.str()));
   if (window == 0 || stride == 0 || xs[2] < window || xs[3] < window) {
     throw BuildError(fmt::format("{}: window {} / stride {} do not fit input {}", name, window, stride, xs.str()));
   }
@@ -132,7 +137,7 @@ TensorId Builder::maxpool2d(TensorId x, std::uint32_t window, std::uint32_t stri
 }
 
 TensorId Builder::flatten(TensorId x) {
-  const Shape& xs = shape(x);
+  const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
   const auto rest = static_cast<std::uint32_t>(xs.elems() / xs[0]);
   return g_.tensors.add(fmt::format("{}.flat", g_.tensors.name[x]), Shape{xs[0], rest}, g_.tensors.dtype[x],
                         g_.tensors.role[x], x);
@@ -152,10 +157,10 @@ TensorId Builder::add(TensorId a, TensorId b) {
 }
 
 TensorId Builder::softmax_xent(TensorId logits) {
-  const Shape& ls = shape(logits);
+  const Shape ls = shape(logits);
   if (ls.rank != 2 || ls[0] != batch_ || ls[1] != classes_) {
-    throw BuildError(fmt::format("loss: logits have shape {}, expected [{}, {}] (batch, classes)", ls.str(), batch_,
-                                 classes_));
+    throw BuildError(
+        fmt::format("loss: logits have shape {}, expected [{}, {}] (batch, classes)", ls.str(), batch_, classes_));
   }
   TensorId probs = activation_tensor("loss.probs", ls);
   TensorId stats = g_.tensors.add("loss.stats", Shape{2}, DType::f32, Role::stats);

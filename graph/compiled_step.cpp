@@ -36,9 +36,12 @@ struct ByteRange {
 
 cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
   switch (lane) {
-    case Lane::h2d: return ctx.queue(cl::QueueKind::h2d);
-    case Lane::d2h: return ctx.queue(cl::QueueKind::d2h);
-    default: return ctx.queue(cl::QueueKind::compute);
+    case Lane::h2d:
+      return ctx.queue(cl::QueueKind::h2d);
+    case Lane::d2h:
+      return ctx.queue(cl::QueueKind::d2h);
+    default:
+      return ctx.queue(cl::QueueKind::compute);
   }
 }
 
@@ -47,9 +50,9 @@ cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
 struct CompiledStep::Impl {
   const cl::Context& ctx;
   std::vector<cl::Mem> transient;
-  std::vector<ops::LaunchList> launches;             // per node
-  std::vector<std::vector<NodeId>> waits;            // cross-lane predecessors, per node
-  std::vector<cl::Event> events;                     // per node: its last command, this step
+  std::vector<ops::LaunchList> launches;   // per node
+  std::vector<std::vector<NodeId>> waits;  // cross-lane predecessors, per node
+  std::vector<cl::Event> events;           // per node: its last command, this step
   cl::PinnedBuffer input_host, labels_host, stats_host;
   TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
   ops::StepInfo step;
@@ -109,11 +112,13 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     persistent_->buffer_bytes = plan_.persistent_buffers;
     persistent_->bytes = plan_.persistent_bytes;
     for (TensorId id = 0; id < t.size(); ++id) {
-      if (is_persistent(t.role[id]) && t.alias_of[id] == no_tensor) persistent_->placements.emplace_back(t.name[id], t.placement[id]);
+      if (is_persistent(t.role[id]) && t.alias_of[id] == no_tensor)
+        persistent_->placements.emplace_back(t.name[id], t.placement[id]);
     }
   }
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
-    impl_->transient.push_back(context.create_buffer(plan_.transient_buffers[b], fmt::format("step arena buffer {}", b)));
+    impl_->transient.push_back(
+        context.create_buffer(plan_.transient_buffers[b], fmt::format("step arena buffer {}", b)));
   }
 
   // 3. Host staging for upload and download.
@@ -182,8 +187,8 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   impl_->events.resize(n.size());
   Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
-    impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
-        impl_->flow, [this, im, id](const continue_msg&) {
+    impl_->nodes.push_back(
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, id](const continue_msg&) {
           const auto& nodes = graph_.nodes;
           cl::OpScope scope(nodes.name[id]);
           try {
@@ -228,7 +233,8 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
           } catch (const cl::Error&) {
             throw;  // already names the op through OpScope
           } catch (const std::exception& e) {
-            throw std::runtime_error(fmt::format("step node '{}' ({}): {}", nodes.name[id], op_name(nodes.kind[id]), e.what()));
+            throw std::runtime_error(
+                fmt::format("step node '{}' ({}): {}", nodes.name[id], op_name(nodes.kind[id]), e.what()));
           }
         }));
   }
@@ -243,29 +249,29 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   for (NodeId tail : last_on_lane) {
     if (tail != static_cast<NodeId>(-1)) lane_tails.push_back(tail);
   }
-  impl_->finish = std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im, lane_tails](const continue_msg&) {
-    std::vector<cl_event> wait;
-    for (NodeId tail : lane_tails) {
-      if (im->events[tail]) wait.push_back(im->events[tail].get());
-    }
-    cl::Event marker;
-    FERRY_CL(clEnqueueMarkerWithWaitList(im->ctx.compute(), static_cast<cl_uint>(wait.size()),
-                                         wait.empty() ? nullptr : wait.data(), marker.out()));
-    im->finish_marker = std::move(marker);
-  });
+  impl_->finish =
+      std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im, lane_tails](const continue_msg&) {
+        std::vector<cl_event> wait;
+        for (NodeId tail : lane_tails) {
+          if (im->events[tail]) wait.push_back(im->events[tail].get());
+        }
+        cl::Event marker;
+        FERRY_CL(clEnqueueMarkerWithWaitList(im->ctx.compute(), static_cast<cl_uint>(wait.size()),
+                                             wait.empty() ? nullptr : wait.data(), marker.out()));
+        im->finish_marker = std::move(marker);
+      });
   for (NodeId tail : lane_tails) tbb::flow::make_edge(*impl_->nodes[tail], *impl_->finish);
-  impl_->done = std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
-                                           [im](const continue_msg&, DoneNode::gateway_type& gw) {
-                                             im->gateway = &gw;
-                                             gw.reserve_wait();
-                                             cl_int status = clSetEventCallback(im->finish_marker.get(), CL_COMPLETE,
-                                                                                &Impl::on_complete, im);
-                                             if (status != CL_SUCCESS) {
-                                               gw.release_wait();
-                                               cl::check(status, "clSetEventCallback(step finish)");
-                                             }
-                                             FERRY_CL(clFlush(im->ctx.compute()));
-                                           });
+  impl_->done = std::make_unique<DoneNode>(
+      impl_->flow, tbb::flow::unlimited, [im](const continue_msg&, DoneNode::gateway_type& gw) {
+        im->gateway = &gw;
+        gw.reserve_wait();
+        cl_int status = clSetEventCallback(im->finish_marker.get(), CL_COMPLETE, &Impl::on_complete, im);
+        if (status != CL_SUCCESS) {
+          gw.release_wait();
+          cl::check(status, "clSetEventCallback(step finish)");
+        }
+        FERRY_CL(clFlush(im->ctx.compute()));
+      });
   tbb::flow::make_edge(*impl_->finish, *impl_->done);
 }
 
@@ -287,9 +293,15 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
   return {buffers.at(p.buffer).get(), p.offset_bytes / 4};
 }
 
-float* CompiledStep::input_host() const { return impl_->input_host.floats(); }
-std::int32_t* CompiledStep::labels_host() const { return static_cast<std::int32_t*>(impl_->labels_host.data()); }
-const float* CompiledStep::stats_host() const { return impl_->stats_host.floats(); }
+float* CompiledStep::input_host() const {
+  return impl_->input_host.floats();
+}
+std::int32_t* CompiledStep::labels_host() const {
+  return static_cast<std::int32_t*>(impl_->labels_host.data());
+}
+const float* CompiledStep::stats_host() const {
+  return impl_->stats_host.floats();
+}
 
 void CompiledStep::run(const ops::StepInfo& step) {
   impl_->step = step;

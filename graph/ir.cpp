@@ -37,19 +37,29 @@ std::size_t dtype_bytes(DType t) {
 
 const char* role_name(Role r) {
   switch (r) {
-    case Role::input: return "input";
-    case Role::label: return "label";
-    case Role::weight: return "weight";
-    case Role::optimizer_state: return "optimizer state";
-    case Role::gradient: return "gradient";
-    case Role::activation: return "activation";
-    case Role::scratch: return "scratch";
-    case Role::stats: return "stats";
+    case Role::input:
+      return "input";
+    case Role::label:
+      return "label";
+    case Role::weight:
+      return "weight";
+    case Role::optimizer_state:
+      return "optimizer state";
+    case Role::gradient:
+      return "gradient";
+    case Role::activation:
+      return "activation";
+    case Role::scratch:
+      return "scratch";
+    case Role::stats:
+      return "stats";
   }
   return "?";
 }
 
-bool is_persistent(Role r) { return r == Role::weight || r == Role::optimizer_state; }
+bool is_persistent(Role r) {
+  return r == Role::weight || r == Role::optimizer_state;
+}
 
 TensorId TensorTable::add(std::string n, Shape s, DType t, Role r, TensorId alias) {
   const auto id = static_cast<TensorId>(name.size());
@@ -72,41 +82,64 @@ TensorId TensorTable::storage(TensorId t) const {
 
 const char* op_name(OpKind k) {
   switch (k) {
-    case OpKind::upload: return "upload";
-    case OpKind::linear: return "linear";
-    case OpKind::linear_grad_input: return "linear_grad_input";
-    case OpKind::linear_grad_param: return "linear_grad_param";
-    case OpKind::activation: return "activation";
-    case OpKind::activation_grad: return "activation_grad";
-    case OpKind::add: return "add";
-    case OpKind::layernorm: return "layernorm";
-    case OpKind::layernorm_grad: return "layernorm_grad";
-    case OpKind::conv2d: return "conv2d";
-    case OpKind::conv2d_grad_input: return "conv2d_grad_input";
-    case OpKind::conv2d_grad_param: return "conv2d_grad_param";
-    case OpKind::maxpool2d: return "maxpool2d";
-    case OpKind::maxpool2d_grad: return "maxpool2d_grad";
-    case OpKind::softmax_xent: return "softmax_xent";
-    case OpKind::softmax_xent_grad: return "softmax_xent_grad";
-    case OpKind::sgd_update: return "sgd_update";
-    case OpKind::adam_update: return "adam_update";
-    case OpKind::download: return "download";
+    case OpKind::upload:
+      return "upload";
+    case OpKind::linear:
+      return "linear";
+    case OpKind::linear_grad_input:
+      return "linear_grad_input";
+    case OpKind::linear_grad_param:
+      return "linear_grad_param";
+    case OpKind::activation:
+      return "activation";
+    case OpKind::activation_grad:
+      return "activation_grad";
+    case OpKind::add:
+      return "add";
+    case OpKind::layernorm:
+      return "layernorm";
+    case OpKind::layernorm_grad:
+      return "layernorm_grad";
+    case OpKind::conv2d:
+      return "conv2d";
+    case OpKind::conv2d_grad_input:
+      return "conv2d_grad_input";
+    case OpKind::conv2d_grad_param:
+      return "conv2d_grad_param";
+    case OpKind::maxpool2d:
+      return "maxpool2d";
+    case OpKind::maxpool2d_grad:
+      return "maxpool2d_grad";
+    case OpKind::softmax_xent:
+      return "softmax_xent";
+    case OpKind::softmax_xent_grad:
+      return "softmax_xent_grad";
+    case OpKind::sgd_update:
+      return "sgd_update";
+    case OpKind::adam_update:
+      return "adam_update";
+    case OpKind::download:
+      return "download";
   }
   return "?";
 }
 
 const char* lane_name(Lane l) {
   switch (l) {
-    case Lane::compute: return "compute";
-    case Lane::h2d: return "copy in";
-    case Lane::d2h: return "copy out";
-    case Lane::host: return "host";
+    case Lane::compute:
+      return "compute";
+    case Lane::h2d:
+      return "copy in";
+    case Lane::d2h:
+      return "copy out";
+    case Lane::host:
+      return "host";
   }
   return "?";
 }
 
-NodeId NodeTable::add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out,
-                      NodeAttrs a, Lane l) {
+NodeId NodeTable::add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a,
+                      Lane l) {
   const auto id = static_cast<NodeId>(kind.size());
   kind.push_back(k);
   name.push_back(std::move(n));

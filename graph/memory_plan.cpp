@@ -96,10 +96,10 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.alias_of[id] != no_tensor || first[id] == unused) continue;
     if (t.bytes(id) > options.max_buffer_bytes) {
-      throw std::runtime_error(fmt::format(
-          "tensor '{}' ({} bytes, shape {}) is larger than the device's largest buffer ({} bytes): "
-          "use a smaller batch or layer",
-          t.name[id], t.bytes(id), t.shape[id].str(), options.max_buffer_bytes));
+      throw std::runtime_error(
+          fmt::format("tensor '{}' ({} bytes, shape {}) is larger than the device's largest buffer ({} bytes): "
+                      "use a smaller batch or layer",
+                      t.name[id], t.bytes(id), t.shape[id].str(), options.max_buffer_bytes));
     }
     if (is_persistent(t.role[id])) plan.pool[id] = Pool::persistent;
     order.push_back(id);

@@ -25,8 +25,8 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
     throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
   }
-  train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer,
-                                                 runtime_.env(), runtime_.context());
+  train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
+                                                 runtime_.context());
   initialise_parameters();
 }
 
@@ -128,7 +128,8 @@ graph::CompiledStep& Trainer::eval_variant(std::uint32_t batch) {
 EvalResult Trainer::evaluate(const Dataset& data) {
   const std::size_t sample = model_.sample_shape.elems();
   if (data.sample_elems() != sample) {
-    throw std::invalid_argument(fmt::format("dataset samples have {} values, the model takes {}", data.sample_elems(), sample));
+    throw std::invalid_argument(
+        fmt::format("dataset samples have {} values, the model takes {}", data.sample_elems(), sample));
   }
   EvalResult r;
   double loss_sum = 0, correct = 0;
@@ -161,7 +162,9 @@ std::uint64_t Trainer::weight_bytes() const {
   return bytes;
 }
 
-std::uint64_t Trainer::parameter_count() const { return weight_bytes() / 4; }
+std::uint64_t Trainer::parameter_count() const {
+  return weight_bytes() / 4;
+}
 
 std::uint64_t Trainer::optimizer_state_bytes() const {
   std::uint64_t bytes = 0;

@@ -1,13 +1,13 @@
 // The `ferry` command: list devices, train a model on Fashion-MNIST.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 
@@ -116,8 +116,8 @@ int cmd_train(const TrainArgs& a) {
   opt.lr = a.lr;
   opt.seed = a.seed;
   if (a.optimizer == "adam" || a.optimizer == "adamw") {
-    opt.optimizer.kind = a.optimizer == "adam" ? ferry::graph::OptimizerSpec::Kind::adam
-                                               : ferry::graph::OptimizerSpec::Kind::adamw;
+    opt.optimizer.kind =
+        a.optimizer == "adam" ? ferry::graph::OptimizerSpec::Kind::adam : ferry::graph::OptimizerSpec::Kind::adamw;
     opt.optimizer.adam.weight_decay = a.weight_decay;
   } else if (a.optimizer == "sgd") {
     opt.optimizer.kind = ferry::graph::OptimizerSpec::Kind::sgd;
@@ -237,7 +237,9 @@ int main(int argc, char** argv) {
   train->add_option("--model", t.model, "mlp (784-1024-1024-10), cnn (two conv layers) or deep (residual MLP)")
       ->check(CLI::IsMember({"mlp", "cnn", "deep"}))
       ->capture_default_str();
-  train->add_option("--epochs", t.epochs, "Passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--epochs", t.epochs, "Passes over the training set")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   train->add_option("--batch", t.batch, "Samples per step")->check(CLI::PositiveNumber)->capture_default_str();
   train->add_option("--lr", t.lr, "Peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   train->add_option("--optimizer", t.optimizer, "adam, adamw or sgd")->capture_default_str();
@@ -245,10 +247,13 @@ int main(int argc, char** argv) {
   train->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
   train->add_option("--schedule", t.schedule, "Learning rate schedule: cosine or constant")->capture_default_str();
   train->add_option("--width", t.width, "deep model: width")->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--depth", t.depth, "deep model: residual blocks")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--depth", t.depth, "deep model: residual blocks")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   train->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
   train->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();
-  train->add_option("--data", t.data_dir, "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");
+  train->add_option("--data", t.data_dir,
+                    "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");
   train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)");
   train->add_option("--trace", t.trace_path, "Write a Chrome trace of the first steps' device timeline");
   train->add_option("--trace-steps", t.trace_steps, "Steps to trace")->capture_default_str();

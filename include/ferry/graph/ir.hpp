@@ -121,8 +121,8 @@ struct NodeTable {
   std::vector<Lane> lane;
   std::vector<TensorId> scratch;  // the op's temporary, set by the scratch pass (no_tensor if none)
 
-  NodeId add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out,
-             NodeAttrs a = {}, Lane l = Lane::compute);
+  NodeId add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a = {},
+             Lane l = Lane::compute);
   std::size_t size() const { return kind.size(); }
   std::span<const TensorId> inputs(NodeId n) const { return {operands.data() + in_begin[n], in_count[n]}; }
   std::span<const TensorId> outputs(NodeId n) const { return {operands.data() + out_begin[n], out_count[n]}; }

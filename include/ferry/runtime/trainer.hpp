@@ -55,6 +55,7 @@ class Trainer {
   const TrainerOptions& options() const noexcept { return options_; }
   const ModelSpec& model() const noexcept { return model_; }
   const graph::CompiledStep& train_step() const noexcept { return *train_; }
+  graph::CompiledStep& train_step() noexcept { return *train_; }
 
   // Sizes of the training state (fp32): weights, their gradients, and optimizer state.
   std::uint64_t weight_bytes() const;

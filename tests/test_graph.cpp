@@ -1,0 +1,302 @@
+// Graph contracts: memory plan soundness, autodiff against finite differences (on the reference
+// executor, for every op kind), the compiled device step against the reference executor over
+// several optimizer steps, failure cancellation and recovery, and bad input.
+#include <fmt/format.h>
+
+#include <set>
+
+#include "ferry/ferry.hpp"
+#include "ferry/graph/bind.hpp"
+#include "ferry/graph/memory_plan.hpp"
+#include "reference_executor.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+using graph::TensorId;
+
+ModelSpec small_mlp() {
+  return {"small-mlp", graph::Shape{1, 4, 5}, 10, [](graph::Builder& b, TensorId x) {
+            x = b.flatten(x);
+            x = b.relu(b.linear(x, 13));
+            return b.linear(x, 10);
+          }};
+}
+
+ModelSpec small_cnn() {
+  return {"small-cnn", graph::Shape{1, 8, 8}, 10, [](graph::Builder& b, TensorId x) {
+            x = b.maxpool2d(b.relu(b.conv2d(x, 3, 3, 1, 1)));
+            x = b.maxpool2d(b.relu(b.conv2d(x, 4, 3, 1, 1)), 2, 1);
+            return b.linear(b.flatten(x), 10);
+          }};
+}
+
+// Residual blocks, LayerNorm, GELU and a tensor used twice (gradient summation).
+ModelSpec small_residual() {
+  return {"small-residual", graph::Shape{12}, 10, [](graph::Builder& b, TensorId x) {
+            x = b.linear(x, 9);
+            for (int i = 0; i < 2; ++i) x = b.add(x, b.linear(b.gelu(b.linear(b.layernorm(x), 7)), 9));
+            return b.linear(b.layernorm(x), 10);
+          }};
+}
+
+graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerSpec& opt) {
+  graph::Graph g;
+  graph::Builder b(g, batch, m.sample_shape, m.classes);
+  b.softmax_xent(m.forward(b, b.input()));
+  graph::append_backward(g);
+  graph::append_optimizer(g, opt);
+  graph::append_stats_download(g);
+  return g;
+}
+
+std::vector<std::int32_t> random_labels(std::size_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> l(n);
+  for (auto& v : l) v = static_cast<std::int32_t>(rng() % 10);
+  return l;
+}
+
+class ModelTest : public ::testing::TestWithParam<ModelSpec (*)()> {};
+
+TEST_P(ModelTest, MemoryPlanNeverOverlapsLiveTensors) {
+  const ModelSpec m = GetParam()();
+  graph::OptimizerSpec opt;
+  graph::Graph g = training_graph(m, 6, opt);
+  graph::assign_scratch(g, TestDevice::get().env);
+  graph::MemoryPlanOptions mopt;
+  // Cap buffers at the largest tensor (aligned): forces several buffers.
+  std::uint64_t largest = 0;
+  for (TensorId id = 0; id < g.tensors.size(); ++id) largest = std::max<std::uint64_t>(largest, g.tensors.bytes(id));
+  mopt.max_buffer_bytes = (largest + 255) / 256 * 256;
+  const auto plan = graph::plan_memory(g, mopt);
+  const auto& t = g.tensors;
+  // Recompute lifetimes independently of the planner.
+  std::vector<int> first(t.size(), -1), last(t.size(), -1);
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    auto touch = [&](TensorId id) {
+      if (id == graph::no_tensor) return;
+      id = t.storage(id);
+      if (first[id] < 0) first[id] = static_cast<int>(n);
+      last[id] = static_cast<int>(n);
+    };
+    for (TensorId id : g.nodes.inputs(n)) touch(id);
+    for (TensorId id : g.nodes.outputs(n)) touch(id);
+    touch(g.nodes.scratch[n]);
+  }
+  std::size_t checked = 0;
+  for (TensorId a = 0; a < t.size(); ++a) {
+    if (t.alias_of[a] != graph::no_tensor || first[a] < 0) continue;
+    EXPECT_EQ(t.placement[a].offset_bytes % mopt.alignment, 0u) << t.name[a];
+    const auto& buffers = plan.pool[a] == graph::Pool::persistent ? plan.persistent_buffers : plan.transient_buffers;
+    ASSERT_LT(t.placement[a].buffer, buffers.size()) << t.name[a];
+    EXPECT_LE(t.placement[a].offset_bytes + t.bytes(a), buffers[t.placement[a].buffer]) << t.name[a];
+    for (TensorId b = a + 1; b < t.size(); ++b) {
+      if (t.alias_of[b] != graph::no_tensor || first[b] < 0 || plan.pool[a] != plan.pool[b]) continue;
+      if (t.placement[a].buffer != t.placement[b].buffer) continue;
+      const bool persistent = plan.pool[a] == graph::Pool::persistent;
+      const bool live_together = persistent || (first[a] <= last[b] && first[b] <= last[a]);
+      if (!live_together) continue;
+      const auto a0 = t.placement[a].offset_bytes, a1 = a0 + t.bytes(a);
+      const auto b0 = t.placement[b].offset_bytes, b1 = b0 + t.bytes(b);
+      EXPECT_TRUE(a1 <= b0 || b1 <= a0) << t.name[a] << " and " << t.name[b] << " overlap while both live";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 10u);
+  EXPECT_GT(plan.transient_buffers.size(), 1u);
+  // Reuse must make the step smaller than keeping every transient tensor apart.
+  EXPECT_LT(plan.transient_bytes, plan.transient_unshared_bytes);
+}
+
+TEST(MemoryPlan, TensorLargerThanAnyBufferIsAnError) {
+  graph::Graph g = training_graph(small_mlp(), 6, {});
+  graph::MemoryPlanOptions mopt;
+  mopt.max_buffer_bytes = 256;
+  try {
+    graph::plan_memory(g, mopt);
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("largest buffer"), std::string::npos) << e.what();
+  }
+}
+
+TEST_P(ModelTest, AutodiffMatchesFiniteDifferences) {
+  const ModelSpec m = GetParam()();
+  graph::OptimizerSpec opt;
+  opt.kind = graph::OptimizerSpec::Kind::sgd;
+  opt.sgd.momentum = 0;
+  const std::uint32_t batch = 3;
+  graph::Graph g = training_graph(m, batch, opt);
+  ReferenceExecutor<double> ref(g, opt);
+  const auto& t = g.tensors;
+  std::uint32_t seed = 10;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::weight)
+      ref.value(id) = to_double(random_vector(t.shape[id].elems(), seed++, -0.6f, 0.6f));
+  }
+  ref.value(ref.find("input")) = to_double(random_vector(t.shape[ref.find("input")].elems(), 99));
+  ref.ints(ref.find("labels")) = random_labels(batch, 5);
+  ref.run(ops::StepInfo{1, 0.0f});  // lr 0: gradients computed, weights unchanged
+  std::size_t weights_checked = 0;
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] != graph::Role::weight) continue;
+    ASSERT_NE(t.grad[w], graph::no_tensor) << "no gradient for " << t.name[w];
+    const std::vector<double> grad = ref.value(t.grad[w]);
+    const std::vector<double> x = ref.value(w);
+    auto loss = [&](const std::vector<double>& values) {
+      ref.value(w) = values;
+      ref.run(ops::StepInfo{1, 0.0f}, /*forward_only=*/true);
+      return ref.loss();
+    };
+    // Max-pooling is piecewise linear: a step of 1e-6 stays inside one piece for random data.
+    expect_gradient_matches_finite_differences(loss, x, grad, t.name[w].c_str(), 1e-6, 1e-4, 16);
+    ref.value(w) = x;
+    ++weights_checked;
+  }
+  EXPECT_GE(weights_checked, 4u);
+}
+
+TEST_P(ModelTest, DeviceStepsMatchReferenceExecutor) {
+  const ModelSpec m = GetParam()();
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 6;
+  topt.lr = 0.05f;
+  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.sgd.momentum = 0.9f;
+  Trainer trainer(runtime, m, topt);
+  const auto& g = trainer.train_step().graph();
+  ReferenceExecutor<double> ref(g, topt.optimizer);
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+
+  const std::size_t sample = m.sample_shape.elems();
+  for (std::uint32_t s = 0; s < 3; ++s) {
+    auto images = random_vector(topt.batch * sample, 200 + s);
+    auto labels = random_labels(topt.batch, 300 + s);
+    const auto r = trainer.step(images, labels);
+    ref.value(ref.find("input")) = to_double(images);
+    ref.ints(ref.find("labels")) = labels;
+    ref.run(ops::StepInfo{s + 1, topt.lr});
+    EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+  }
+  for (const auto& name : trainer.parameter_names()) {
+    expect_near(trainer.read_parameter(name), to_float(ref.value(ref.find(name))), 2e-5f, 1e-4f, name.c_str());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ModelTest, ::testing::Values(&small_mlp, &small_cnn, &small_residual),
+                         [](const auto& info) {
+                           return info.index == 0 ? "mlp" : info.index == 1 ? "cnn" : "residual";
+                         });
+
+TEST(CompiledStep, FailingNodeCancelsStepNamesItAndTrainerRecovers) {
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 4;
+  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  Trainer trainer(runtime, small_mlp(), topt);
+  const auto& nodes = trainer.train_step().graph().nodes;
+  graph::NodeId victim = 0;
+  for (graph::NodeId n = 0; n < nodes.size(); ++n) {
+    if (nodes.kind[n] == graph::OpKind::linear_grad_param) victim = n;
+  }
+  ASSERT_NE(victim, 0u);
+  const auto before = trainer.read_parameter("linear0.w");
+  auto images = random_vector(4 * 20, 1);
+  auto labels = random_labels(4, 2);
+  trainer.train_step().inject_failure(victim);
+  try {
+    trainer.step(images, labels);
+    FAIL() << "the step should have thrown";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(nodes.name[victim]), std::string::npos) << e.what();
+  }
+  // The failure came before any optimizer update: the weights are untouched.
+  EXPECT_EQ(trainer.read_parameter("linear0.w"), before);
+  // And the trainer still works.
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isfinite(trainer.step(images, labels).loss));
+  EXPECT_NE(trainer.read_parameter("linear0.w"), before);
+}
+
+TEST(Trainer, RejectsBadBatchesBeforeRunning) {
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 4;
+  Trainer trainer(runtime, small_mlp(), topt);
+  auto images = random_vector(4 * 20, 1);
+  auto labels = random_labels(4, 2);
+  const auto before = trainer.read_parameter("linear0.w");
+  auto expect_error = [&](std::span<const float> im, std::span<const std::int32_t> lab, const char* needle) {
+    try {
+      trainer.step(im, lab);
+      ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error(std::span(images).first(3 * 20), std::span(labels).first(3), "compiled for batches of 4");
+  auto bad_labels = labels;
+  bad_labels[2] = 10;
+  expect_error(images, bad_labels, "outside [0, 10)");
+  auto bad_images = images;
+  bad_images[25] = std::nanf("");
+  expect_error(bad_images, labels, "not finite");
+  EXPECT_EQ(trainer.read_parameter("linear0.w"), before);
+  EXPECT_EQ(trainer.steps_done(), 0u);
+}
+
+TEST(Builder, ShapeErrorsNameTheLayer) {
+  graph::Graph g;
+  graph::Builder b(g, 4, graph::Shape{1, 28, 28}, 10);
+  try {
+    b.linear(b.input(), 10);
+    FAIL();
+  } catch (const graph::BuildError& e) {
+    EXPECT_NE(std::string(e.what()).find("linear0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("flatten"), std::string::npos) << e.what();
+  }
+  TensorId x = b.linear(b.flatten(b.input()), 7);
+  EXPECT_THROW(b.softmax_xent(x), graph::BuildError);
+  EXPECT_THROW(b.add(x, b.linear(x, 8)), graph::BuildError);
+  EXPECT_THROW(b.conv2d(x, 4, 3), graph::BuildError);
+}
+
+TEST(Runtime, UnknownDeviceListsTheDevices) {
+  try {
+    Runtime runtime({.device = "no-such-device-xyz"});
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no-such-device-xyz"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("[0]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Runtime({.device = "999"}), std::runtime_error);
+}
+
+TEST(Trainer, EvaluationVariantsShareWeightsAndCoverEverySample) {
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 8;
+  Trainer trainer(runtime, small_mlp(), topt);
+  Dataset d;
+  d.count = 21;  // 8 + 8 + 5: two variants
+  d.rows = 4;
+  d.cols = 5;
+  d.images = random_vector(d.count * 20, 3);
+  d.labels = random_labels(d.count, 4);
+  // Train on the same data until it is memorised, then evaluation must see the learned weights.
+  for (int i = 0; i < 150; ++i) trainer.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
+  Dataset first8 = d;
+  first8.count = 8;
+  first8.images.resize(8 * 20);
+  first8.labels.resize(8);
+  EXPECT_EQ(trainer.evaluate(first8).accuracy, 1.0);
+  const auto all = trainer.evaluate(d);
+  EXPECT_EQ(all.samples, 21u);
+  EXPECT_GE(all.accuracy, 8.0 / 21.0 - 1e-9);
+}
+
+}  // namespace
+}  // namespace ferry::test
