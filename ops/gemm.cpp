@@ -90,7 +90,8 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     KernelLaunch l;
     l.kernel = std::move(pack);
     l.dims = 2;
-    l.global = {panels * nb / 16, s.K, 1};
+    l.global = {(s.K + 15) / 16, 1, 1};  // 16 k rows per work-item (PACK_ROWS in gemm_packed.cl)
+    l.local = {1, 1, 1};
     list.push_back(std::move(l));
   }
   cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", defines);

@@ -19,7 +19,8 @@ cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<
     const bool any_local = l.local[0] != 0;
     cl::Event ev;
     FERRY_CL(clEnqueueNDRangeKernel(queue, l.kernel.get(), l.dims, nullptr, l.global.data(),
-                                    any_local ? l.local.data() : nullptr, first ? static_cast<cl_uint>(wait.size()) : 0,
+                                    any_local ? l.local.data() : nullptr,
+                                    first ? static_cast<cl_uint>(wait.size()) : 0,
                                     first && !wait.empty() ? wait.data() : nullptr, ev.out()));
     last = std::move(ev);
   }

@@ -2,29 +2,103 @@
 //   gemm_pack_b  copies op(B) into k-major panels NB = 16 * NV columns wide, zero-padded past N;
 //   gemm_packed  gives each work-item RB rows x NB columns of C, held in float16 accumulators:
 //                per k step NV vload16 of the B panel, RB scalar broadcasts of A and fma().
-// Launch with local size 1 and the row-block index on dimension 0, so that consecutive
-// work-groups share one B panel. Parameters (-D): RB, NV, TRANS_A, TRANS_B.
+// Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
+// consecutive work-groups share one B panel. Parameters (-D): RB (1..16), NV (1..4), TRANS_A, TRANS_B.
+//
+// The accumulators are named variables, expanded by macros for every row and vector up to the
+// maximum and guarded by compile-time conditions: the compiler drops the unused ones and keeps the
+// rest in registers (arrays indexed in loops ended up on the stack with PoCL's LLVM).
 #define NB (16 * NV)
+#define PACK_ROWS 16  // k rows of op(B) one pack work-item copies
 
-// One work-item packs 16 columns (one float16) of one k row of a panel.
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+
+// One work-item packs PACK_ROWS k rows of op(B), all columns, padding included.
 __kernel void gemm_pack_b(uint N, uint K, __global const float* b, ulong b_off, __global float* packed,
                           ulong packed_off) {
-  const uint col = get_global_id(0) * 16;
-  const uint k = get_global_id(1);
-  __global float* dst = packed + packed_off + ((ulong)(col / NB) * K + k) * NB + col % NB;
+  const uint k0 = get_global_id(0) * PACK_ROWS;
+  const uint k_end = min(k0 + PACK_ROWS, K);
+  const uint n_pad = (N + NB - 1) / NB * NB;
   b += b_off;
+  packed += packed_off;
 #if TRANS_B
-  // B stored [N, K]: column j of op(B) is row j of B.
-  for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? b[(ulong)(col + i) * K + k] : 0.0f;
+  // B stored [N, K]: column j of op(B) is row j of B; its k values are contiguous.
+  for (uint j = 0; j < n_pad; ++j) {
+    __global float* dst = packed + ((ulong)(j / NB) * K) * NB + j % NB;
+    __global const float* src = b + (ulong)j * K;
+    if (j < N && k_end - k0 == PACK_ROWS) {
+      const float16 v = vload16(0, src + k0);
+      float tmp[16];
+      vstore16(v, 0, tmp);
+      for (uint i = 0; i < PACK_ROWS; ++i) dst[(ulong)(k0 + i) * NB] = tmp[i];
+    } else {
+      for (uint k = k0; k < k_end; ++k) dst[(ulong)k * NB] = j < N ? src[k] : 0.0f;
+    }
+  }
 #else
-  __global const float* src = b + (ulong)k * N + col;
-  if (col + 16 <= N) {
-    vstore16(vload16(0, src), 0, dst);
-  } else {
-    for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? src[i] : 0.0f;
+  for (uint k = k0; k < k_end; ++k) {
+    __global const float* src = b + (ulong)k * N;
+    for (uint col = 0; col < n_pad; col += 16) {
+      __global float* dst = packed + ((ulong)(col / NB) * K + k) * NB + col % NB;
+      if (col + 16 <= N) {
+        vstore16(vload16(0, src + col), 0, dst);
+      } else {
+        for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? src[col + i] : 0.0f;
+      }
+    }
   }
 #endif
 }
+
+// out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C.
+inline void store16(float16 acc, __global float* crow, uint col, uint N, float alpha, float beta,
+                    __global const float* bias, uint has_bias) {
+  if (col >= N) return;
+  if (col + 16 <= N) {
+    float16 out = alpha * acc;
+    if (beta != 0.0f) out = fma((float16)(beta), vload16(0, crow + col), out);  // beta = 0: C is not read
+    if (has_bias) out += vload16(0, bias + col);
+    vstore16(out, 0, crow + col);
+  } else {
+    float tmp[16];
+    vstore16(alpha * acc, 0, tmp);
+    for (uint i = 0; col + i < N; ++i) {
+      float out = tmp[i];
+      if (beta != 0.0f) out = fma(beta, crow[col + i], out);
+      if (has_bias) out += bias[col + i];
+      crow[col + i] = out;
+    }
+  }
+}
+
+#if TRANS_A
+// A stored [K, M]: the RB scalars of one k step are contiguous.
+#define A_ROW_DECL(r) const uint ai##r = min(row0 + r, M - 1);
+#define A_AT(r) ak[ai##r]
+#else
+#define A_ROW_DECL(r) __global const float* a##r = a + (ulong)min(row0 + r, M - 1) * K;
+#define A_AT(r) a##r[k]
+#endif
+
+#define ACC_DECL(r) float16 c##r##_0 = 0.0f, c##r##_1 = 0.0f, c##r##_2 = 0.0f, c##r##_3 = 0.0f;
+
+#define ACC_STEP(r)                                     \
+  if (r < RB) {                                         \
+    const float16 x = (float16)(A_AT(r));               \
+    c##r##_0 = fma(x, b0, c##r##_0);                    \
+    if (NV > 1) c##r##_1 = fma(x, b1, c##r##_1);        \
+    if (NV > 2) c##r##_2 = fma(x, b2, c##r##_2);        \
+    if (NV > 3) c##r##_3 = fma(x, b3, c##r##_3);        \
+  }
+
+#define ACC_STORE(r)                                                           \
+  if (r < RB && row0 + r < M) {                                                \
+    __global float* crow = c + (ulong)(row0 + r) * N;                          \
+    store16(c##r##_0, crow, col0, N, alpha, beta, bias, has_bias);             \
+    if (NV > 1) store16(c##r##_1, crow, col0 + 16, N, alpha, beta, bias, has_bias); \
+    if (NV > 2) store16(c##r##_2, crow, col0 + 32, N, alpha, beta, bias, has_bias); \
+    if (NV > 3) store16(c##r##_3, crow, col0 + 48, N, alpha, beta, bias, has_bias); \
+  }
 
 __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const float* a, ulong a_off,
                           __global const float* packed, ulong packed_off, float beta, __global float* c, ulong c_off,
@@ -33,60 +107,24 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const fl
   const uint panel = get_global_id(1);
   __global const float* bp = packed + packed_off + (ulong)panel * K * NB;
   a += a_off;
+  c += c_off;
+  bias += bias_off;
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
-#if TRANS_A
-  uint arow[RB];  // A stored [K, M]: the RB scalars of one k step are contiguous
-  for (uint r = 0; r < RB; ++r) arow[r] = min(row0 + r, M - 1);
-#else
-  __global const float* arow[RB];
-  for (uint r = 0; r < RB; ++r) arow[r] = a + (ulong)min(row0 + r, M - 1) * K;
-#endif
+  FOR_ROWS(A_ROW_DECL)
+  FOR_ROWS(ACC_DECL)
 
-  float16 acc[RB][NV];
-  for (uint r = 0; r < RB; ++r) {
-    for (uint v = 0; v < NV; ++v) acc[r][v] = (float16)(0.0f);
-  }
-
-  for (uint k = 0; k < K; ++k) {
-    float16 bv[NV];
-    for (uint v = 0; v < NV; ++v) bv[v] = vload16(v, bp + (ulong)k * NB);
+  for (uint k = 0; k < K; ++k, bp += NB) {
+    const float16 b0 = vload16(0, bp);
+    const float16 b1 = NV > 1 ? vload16(1, bp) : 0.0f;
+    const float16 b2 = NV > 2 ? vload16(2, bp) : 0.0f;
+    const float16 b3 = NV > 3 ? vload16(3, bp) : 0.0f;
 #if TRANS_A
     __global const float* ak = a + (ulong)k * M;
 #endif
-    for (uint r = 0; r < RB; ++r) {
-#if TRANS_A
-      const float16 x = (float16)(ak[arow[r]]);
-#else
-      const float16 x = (float16)(arow[r][k]);
-#endif
-      for (uint v = 0; v < NV; ++v) acc[r][v] = fma(x, bv[v], acc[r][v]);
-    }
+    FOR_ROWS(ACC_STEP)
   }
 
   const uint col0 = panel * NB;
-  for (uint r = 0; r < RB; ++r) {
-    const uint row = row0 + r;
-    if (row >= M) break;
-    __global float* crow = c + c_off + (ulong)row * N;
-    for (uint v = 0; v < NV; ++v) {
-      const uint col = col0 + v * 16;
-      if (col >= N) break;
-      if (col + 16 <= N) {
-        float16 out = alpha * acc[r][v];
-        if (beta != 0.0f) out = fma((float16)(beta), vload16(0, crow + col), out);  // beta = 0: C is not read
-        if (has_bias) out += vload16(0, bias + bias_off + col);
-        vstore16(out, 0, crow + col);
-      } else {
-        float tmp[16];
-        vstore16(alpha * acc[r][v], 0, tmp);
-        for (uint i = 0; col + i < N; ++i) {
-          float out = tmp[i];
-          if (beta != 0.0f) out = fma(beta, crow[col + i], out);
-          if (has_bias) out += bias[bias_off + col + i];
-          crow[col + i] = out;
-        }
-      }
-    }
-  }
+  FOR_ROWS(ACC_STORE)
 }

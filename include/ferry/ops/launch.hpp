@@ -61,9 +61,7 @@ struct OpEnv {
 };
 
 // Global size rounded up to a multiple of `multiple`.
-inline std::size_t round_up(std::size_t n, std::size_t multiple) {
-  return (n + multiple - 1) / multiple * multiple;
-}
+inline std::size_t round_up(std::size_t n, std::size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 // A one-dimensional launch over n elements with the library's default work-group size.
 KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n);
