@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ferry/ops/conv2d.hpp"
+#include "ferry/ops/elementwise.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -166,6 +167,17 @@ TEST(Conv2dTiming, DISABLED_LaunchTimes) {
         {"backward_data", ops::conv2d_backward_data(dev.env, s, dy.span(), w.span(), dx.span(), scratch.span())},
         {"backward_weights",
          ops::conv2d_backward_weights(dev.env, s, x.span(), dy.span(), dw.span(), db.span(), scratch.span())}};
+    {
+      // Baseline: a plain copy as large as one group's column matrix (what im2col writes).
+      const std::size_t n = s.C * s.R * s.S * ops::conv2d_images_per_gemm(s) * s.P() * s.Q();
+      DeviceTensor src(n), dst(n);
+      const auto list = ops::copy(dev.env, src.span(), dst.span(), n);
+      ops::run_blocking(dev.context.compute(), list);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 5; ++i) ops::run_blocking(dev.context.compute(), list);
+      std::printf("C=%zu K=%zu copy of one column matrix (%zu floats): %.2f ms\n", s.C, s.K, n,
+                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 5);
+    }
     for (const auto& [what, list] : lists) {
       ops::run_blocking(dev.context.compute(), list);  // warm up
       const int reps = 5;

@@ -29,16 +29,19 @@ __kernel void conv2d_im2col(__global const float* x, ulong x_off, __global float
   const uint s = rs - r * CONV_S;
   const int h = (int)(p * CONV_STRIDE + r) - CONV_PAD;
   const int w = (int)(q * CONV_STRIDE + s) - CONV_PAD;
+  __global const float* xg = x + x_off + (ulong)c * CONV_HW;
+  __global float* out = cols + cols_off + (ulong)row * ncols;
   float v = 0.0f;
   if (h >= 0 && h < CONV_H && w >= 0 && w < CONV_W) {
-    v = x[x_off + (ulong)(g * CONV_C + c) * CONV_HW + (uint)h * CONV_W + (uint)w];
+    v = xg[g * (CONV_C * CONV_HW) + (uint)h * CONV_W + (uint)w];
   }
-  cols[cols_off + (ulong)row * ncols + j] = v;
+  out[j] = v;
 }
 
 // dx[g, c, h, w] = sum over (r, s) of dcols[(c*R + r)*S + s, g*PQ + p*Q + q] for every output
 // pixel (p, q) whose window covers (h, w). One work-item per input element, fixed summation
-// order. Global: G*C*H*W rounded up.
+// order. Global: G*C*H*W rounded up. (A branch-free variant that clamps and masks all R*S taps
+// let PoCL vectorise across work-items but measured no faster: it gathers every tap.)
 __kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __global float* dx, ulong dx_off, uint ncols,
                             uint count) {
   const uint i = get_global_id(0);
@@ -49,7 +52,8 @@ __kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __glob
   const uint c = gc - g * CONV_C;
   const int h = (int)(hw / CONV_W);
   const int w = (int)(hw - (uint)h * CONV_W);
-  __global const float* base = dcols + dcols_off + (ulong)c * CONV_RS * ncols + g * CONV_PQ;
+  __global const float* base = dcols + dcols_off + (ulong)c * CONV_RS * ncols;
+  const uint gbase = g * CONV_PQ;
   float acc = 0.0f;
   for (int r = 0; r < CONV_R; ++r) {
     const int hp = h + CONV_PAD - r;
@@ -63,7 +67,7 @@ __kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __glob
       if (wq % CONV_STRIDE != 0) continue;
       const int q = wq / CONV_STRIDE;
       if (q >= CONV_Q) continue;
-      acc += base[(ulong)(r * CONV_S + s) * ncols + (uint)(p * CONV_Q + q)];
+      acc += base[(uint)(r * CONV_S + s) * ncols + gbase + (uint)(p * CONV_Q + q)];
     }
   }
   dx[dx_off + i] = acc;
@@ -107,7 +111,12 @@ __kernel void conv2d_bias_grad(__global const float* dy, ulong dy_off, __global 
   float acc = 0.0f;
   for (uint n = 0; n < batch; ++n) {
     __global const float* plane = dy + dy_off + (ulong)(n * CONV_K + k) * CONV_PQ;
-    for (uint pq = t; pq < CONV_PQ; pq += BIAS_WG) acc += plane[pq];
+    // The same trip count for every work-item (masked tail), so the work-group vectorises.
+    for (uint base = 0; base < CONV_PQ; base += BIAS_WG) {
+      const uint pq = base + t;
+      const float v = plane[min(pq, (uint)CONV_PQ - 1)];
+      acc += pq < CONV_PQ ? v : 0.0f;
+    }
   }
   part[t] = acc;
   barrier(CLK_LOCAL_MEM_FENCE);
