@@ -2,13 +2,27 @@
 // reference over shapes that are not multiples of the work-group size, determinism, stability
 // for rows with a large common offset, and the reference backward against double-precision
 // finite differences for x, gamma and beta.
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "ferry/ops/layernorm.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
 namespace {
+
+// Forces the local size of the per-row reductions while alive (0: the device default, which is a
+// work-item per row on CPUs), so the work-group tree path that GPUs take is tested here too.
+class ScopedRowGroupSize {
+ public:
+  explicit ScopedRowGroupSize(std::size_t size) {
+    if (size != 0) setenv("FERRY_ROW_GROUP_SIZE", std::to_string(size).c_str(), 1);
+  }
+  ~ScopedRowGroupSize() { unsetenv("FERRY_ROW_GROUP_SIZE"); }
+  ScopedRowGroupSize(const ScopedRowGroupSize&) = delete;
+  ScopedRowGroupSize& operator=(const ScopedRowGroupSize&) = delete;
+};
 
 struct Inputs {
   std::vector<float> x, gamma, beta, dy;
@@ -38,10 +52,13 @@ DeviceRun run_device(const Inputs& in, std::size_t rows, std::size_t cols, float
   return {y.download(), mean.download(), rstd.download(), dx.download(), dgamma.download(), dbeta.download()};
 }
 
-class LayerNormTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t>> {};
+// (rows, cols, forced row group size)
+class LayerNormTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t, std::size_t>> {};
+class LayerNormTestReference : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t>> {};
 
 TEST_P(LayerNormTest, ForwardAndBackwardMatchReference) {
-  auto [rows, cols] = GetParam();
+  auto [rows, cols, group] = GetParam();
+  const ScopedRowGroupSize forced(group);
   const float eps = 1e-5f;
   const Inputs in = make_inputs(rows, cols, 1);
   const DeviceRun got = run_device(in, rows, cols, eps);
@@ -63,7 +80,8 @@ TEST_P(LayerNormTest, ForwardAndBackwardMatchReference) {
 }
 
 TEST_P(LayerNormTest, IsDeterministic) {
-  auto [rows, cols] = GetParam();
+  auto [rows, cols, group] = GetParam();
+  const ScopedRowGroupSize forced(group);
   const Inputs in = make_inputs(rows, cols, 7);
   const DeviceRun a = run_device(in, rows, cols, 1e-5f), b = run_device(in, rows, cols, 1e-5f);
   auto same = [](const std::vector<float>& u, const std::vector<float>& v) {
@@ -75,7 +93,7 @@ TEST_P(LayerNormTest, IsDeterministic) {
   EXPECT_TRUE(same(a.dbeta, b.dbeta));
 }
 
-TEST_P(LayerNormTest, ReferenceBackwardMatchesFiniteDifferences) {
+TEST_P(LayerNormTestReference, ReferenceBackwardMatchesFiniteDifferences) {
   auto [rows, cols] = GetParam();
   if (rows * cols > 20000) GTEST_SKIP() << "covered by the smaller shapes; the check costs rows*cols per probe";
   const Inputs in = make_inputs(rows, cols, 11);
@@ -98,6 +116,9 @@ TEST_P(LayerNormTest, ReferenceBackwardMatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
+                         ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 17, 1000),
+                                            ::testing::Values(0, 64)));
+INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTestReference,
                          ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 17, 1000)));
 
 TEST(LayerNorm, LargeOffsetDoesNotCancel) {

@@ -1,13 +1,27 @@
 // Fused softmax + cross-entropy: device forward (probs, mean loss, correct count) and backward
 // against the CPU reference, determinism, stability for large logits, argmax ties, out-of-range
 // labels, and the reference gradient of the loss against double-precision finite differences.
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "ferry/ops/softmax_xent.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
 namespace {
+
+// Forces the local size of the per-row reductions while alive (0: the device default, which is a
+// work-item per row on CPUs), so the work-group tree path that GPUs take is tested here too.
+class ScopedRowGroupSize {
+ public:
+  explicit ScopedRowGroupSize(std::size_t size) {
+    if (size != 0) setenv("FERRY_ROW_GROUP_SIZE", std::to_string(size).c_str(), 1);
+  }
+  ~ScopedRowGroupSize() { unsetenv("FERRY_ROW_GROUP_SIZE"); }
+  ScopedRowGroupSize(const ScopedRowGroupSize&) = delete;
+  ScopedRowGroupSize& operator=(const ScopedRowGroupSize&) = delete;
+};
 
 // An int32 label buffer at a nonzero element offset.
 class DeviceLabels {
@@ -55,10 +69,13 @@ Result run_forward(const std::vector<float>& logits, const std::vector<std::int3
   return {dprobs.download(), dstats.download()};
 }
 
-class SoftmaxXentTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t>> {};
+// (rows, cols, forced row group size)
+class SoftmaxXentTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t, std::size_t>> {};
+class SoftmaxXentTestReference : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t>> {};
 
 TEST_P(SoftmaxXentTest, ForwardAndBackwardMatchReference) {
-  auto [rows, classes] = GetParam();
+  auto [rows, classes, group] = GetParam();
+  const ScopedRowGroupSize forced(group);
   auto& dev = TestDevice::get();
   const auto labels = random_labels(rows, classes, 1);
   const auto logits = logits_for(labels, classes, 2);
@@ -84,7 +101,8 @@ TEST_P(SoftmaxXentTest, ForwardAndBackwardMatchReference) {
 }
 
 TEST_P(SoftmaxXentTest, ForwardIsDeterministic) {
-  auto [rows, classes] = GetParam();
+  auto [rows, classes, group] = GetParam();
+  const ScopedRowGroupSize forced(group);
   const auto labels = random_labels(rows, classes, 3);
   const auto logits = logits_for(labels, classes, 4);
   const Result first = run_forward(logits, labels, classes);
@@ -95,7 +113,7 @@ TEST_P(SoftmaxXentTest, ForwardIsDeterministic) {
   }
 }
 
-TEST_P(SoftmaxXentTest, ReferenceGradientMatchesFiniteDifferences) {
+TEST_P(SoftmaxXentTestReference, ReferenceGradientMatchesFiniteDifferences) {
   auto [rows, classes] = GetParam();
   if (rows * classes > 20000) GTEST_SKIP() << "covered by the smaller shapes; the check costs rows*classes per probe";
   const auto labels = random_labels(rows, classes, 5);
@@ -112,6 +130,9 @@ TEST_P(SoftmaxXentTest, ReferenceGradientMatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SoftmaxXentTest,
+                         ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 1000),
+                                            ::testing::Values(0, 64)));
+INSTANTIATE_TEST_SUITE_P(Shapes, SoftmaxXentTestReference,
                          ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 1000)));
 
 TEST(SoftmaxXent, LargeLogitsStayFinite) {

@@ -41,11 +41,16 @@ __kernel void softmax_xent_probs(__global const float* logits, ulong logits_off,
   float m = -INFINITY;
   for (uint c = lid; c < classes; c += ls) m = fmax(m, x[c]);
   m = group_max(m, scratch);
+  // exp once: stash it in probs, then rescale. Each work-item rereads only what it wrote.
   float s = 0.0f;
-  for (uint c = lid; c < classes; c += ls) s += exp(x[c] - m);
+  for (uint c = lid; c < classes; c += ls) {
+    const float e = exp(x[c] - m);
+    p[c] = e;
+    s += e;
+  }
   s = group_sum(s, scratch);
   const float inv = 1.0f / s;
-  for (uint c = lid; c < classes; c += ls) p[c] = exp(x[c] - m) * inv;
+  for (uint c = lid; c < classes; c += ls) p[c] *= inv;
 }
 
 // stats[0] = mean over rows of -log softmax(logits)[label], stats[1] = rows whose argmax (first

@@ -14,7 +14,7 @@ namespace ferry::ops {
 // probs = softmax(logits) per row (numerically stable, max-subtracted);
 // stats[0] = mean over rows of -log(probs[label]); stats[1] = number of rows whose argmax is the label.
 // `labels` is an int32 buffer (offset in int32 elements). A label outside [0, classes) makes the
-// loss NaN, which the trainer reports as bad input.
+// loss NaN, which the trainer reports as bad input. `probs` must not alias `logits`.
 //
 // The argmax takes the first index among equal maxima. The loss is computed as
 // log(sum exp(x - max)) + max - x[label], so it stays finite where probs[label] underflows to 0.
