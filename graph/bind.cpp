@@ -164,7 +164,9 @@ ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorResolver& at, op
     }
     case OpKind::upload:
     case OpKind::download:
-      break;
+    case OpKind::fetch:
+    case OpKind::write_back:
+      break;  // copies, enqueued by the compiled step itself
   }
   throw std::logic_error(
       fmt::format("node '{}' ({}) has no kernel binding", g.nodes.name[n], op_name(g.nodes.kind[n])));

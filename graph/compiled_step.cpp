@@ -5,10 +5,12 @@
 #include <tbb/flow_graph.h>
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
 #include "ferry/graph/bind.hpp"
+#include "ferry/offload/pinned_host.hpp"
 
 namespace ferry::graph {
 
@@ -20,6 +22,30 @@ std::optional<Placement> PersistentArena::find(const std::string& name) const {
     if (n == name) return p;
   }
   return std::nullopt;
+}
+
+cl_mem PersistentArena::mem(std::uint32_t buffer) const {
+  return on_device() ? device.at(buffer).get() : host[0].at(buffer).mem();
+}
+
+std::byte* PersistentArena::host_ptr(int slot, const Placement& p) const {
+  return static_cast<std::byte*>(host[slot].at(p.buffer).data()) + p.offset_bytes;
+}
+
+void PersistentArena::write(const cl::Context& ctx, const Placement& p, const void* src, std::size_t n) {
+  if (on_device()) {
+    ctx.write(device.at(p.buffer).get(), p.offset_bytes, src, n);
+    return;
+  }
+  for (int slot = 0; slot < slots(); ++slot) std::memcpy(host_ptr(slot, p), src, n);
+}
+
+void PersistentArena::read(const cl::Context& ctx, const Placement& p, void* dst, std::size_t n) const {
+  if (on_device()) {
+    ctx.read(device.at(p.buffer).get(), p.offset_bytes, dst, n);
+    return;
+  }
+  std::memcpy(dst, host_ptr(mode == ResidencyMode::stream ? current : 0, p), n);
 }
 
 namespace {
@@ -78,7 +104,7 @@ struct CompiledStep::Impl {
 };
 
 CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
-                           std::shared_ptr<PersistentArena> shared)
+                           std::shared_ptr<PersistentArena> shared, const ResidencyOptions& residency)
     : graph_(std::move(graph)), impl_(std::make_unique<Impl>(context)) {
   auto& t = graph_.tensors;
   auto& n = graph_.nodes;
@@ -98,16 +124,26 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
       t.placement[id] = *p;
     }
   }
-  plan_ = plan_memory(graph_, mopt);
+  ResidencyOptions ropt = residency;
+  if (shared) ropt.mode = shared->mode;  // a variant lives where the model's weights live
+  plan_ = plan_residency(graph_, ropt, device.host_unified_memory, mopt, residency_);
 
   // 2. Arena buffers.
   if (shared) {
     persistent_ = std::move(shared);
   } else {
     persistent_ = std::make_shared<PersistentArena>();
+    persistent_->mode = residency_.mode;
     for (std::size_t b = 0; b < plan_.persistent_buffers.size(); ++b) {
-      persistent_->buffers.push_back(
-          context.create_buffer(plan_.persistent_buffers[b], fmt::format("persistent arena buffer {}", b)));
+      const std::uint64_t bytes = plan_.persistent_buffers[b];
+      if (persistent_->on_device()) {
+        persistent_->device.push_back(context.create_buffer(bytes, fmt::format("persistent arena buffer {}", b)));
+        continue;
+      }
+      for (int slot = 0; slot < persistent_->slots(); ++slot) {
+        persistent_->host[slot].push_back(offload::allocate_pinned_host(
+            context, bytes, fmt::format("host arena buffer {} (slot {}) of weights and optimizer state", b, slot)));
+      }
     }
     persistent_->buffer_bytes = plan_.persistent_buffers;
     persistent_->bytes = plan_.persistent_bytes;
@@ -213,6 +249,28 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
                                               im->labels_host.data(), 0, nullptr, ev.out()));
                 break;
               }
+              case OpKind::fetch:
+              case OpKind::write_back: {
+                const bool in = nodes.kind[id] == OpKind::fetch;
+                const TensorId host = in ? nodes.inputs(id)[0] : nodes.outputs(id)[0];
+                const TensorId copy = in ? nodes.outputs(id)[0] : nodes.inputs(id)[0];
+                const ops::DeviceSpan dev = span(copy);
+                const PersistentArena& arena = *persistent_;
+                // Fetch from the current slot; write back into the other, which becomes current
+                // only if the whole step succeeds.
+                const int slot = in ? arena.current : 1 - arena.current;
+                std::byte* ptr = arena.host_ptr(slot, tt.placement[tt.storage(host)]);
+                const cl_uint nwait = static_cast<cl_uint>(wait.size());
+                const cl_event* wl = wait.empty() ? nullptr : wait.data();
+                if (in) {
+                  FERRY_CL(clEnqueueWriteBuffer(q, dev.buffer, CL_FALSE, dev.offset * 4, tt.bytes(host), ptr, nwait, wl,
+                                                ev.out()));
+                } else {
+                  FERRY_CL(clEnqueueReadBuffer(q, dev.buffer, CL_FALSE, dev.offset * 4, tt.bytes(host), ptr, nwait, wl,
+                                               ev.out()));
+                }
+                break;
+              }
               case OpKind::download: {
                 const ops::DeviceSpan s = span(im->stats);
                 FERRY_CL(clEnqueueReadBuffer(q, s.buffer, CL_FALSE, s.offset * 4, tt.bytes(im->stats),
@@ -289,8 +347,8 @@ CompiledStep::~CompiledStep() {
 ops::DeviceSpan CompiledStep::span(TensorId id) const {
   const TensorId s = graph_.tensors.storage(id);
   const Placement& p = graph_.tensors.placement[s];
-  const auto& buffers = plan_.pool[s] == Pool::persistent ? persistent_->buffers : impl_->transient;
-  return {buffers.at(p.buffer).get(), p.offset_bytes / 4};
+  if (plan_.pool[s] == Pool::persistent) return {persistent_->mem(p.buffer), p.offset_bytes / 4};
+  return {impl_->transient.at(p.buffer).get(), p.offset_bytes / 4};
 }
 
 float* CompiledStep::input_host() const {
@@ -322,6 +380,8 @@ void CompiledStep::run(const ops::StepInfo& step) {
   if (impl_->device_status < 0) {
     throw cl::Error("a command of the step (reported by its completion event)", impl_->device_status, "step");
   }
+  // Every updated tensor now sits in the other slot: it becomes the current state.
+  if (residency_.write_backs > 0) persistent_->current = 1 - persistent_->current;
 }
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {

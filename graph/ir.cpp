@@ -53,6 +53,8 @@ const char* role_name(Role r) {
       return "scratch";
     case Role::stats:
       return "stats";
+    case Role::staged:
+      return "staged copy";
   }
   return "?";
 }
@@ -120,6 +122,10 @@ const char* op_name(OpKind k) {
       return "adam_update";
     case OpKind::download:
       return "download";
+    case OpKind::fetch:
+      return "fetch";
+    case OpKind::write_back:
+      return "write_back";
   }
   return "?";
 }

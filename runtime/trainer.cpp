@@ -25,8 +25,15 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
     throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
   }
+  budget_ = options_.residency.budget_bytes;
+  if (budget_ == 0) {
+    const std::uint64_t mem = runtime_.device().global_mem_bytes;
+    budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
+  }
+  graph::ResidencyOptions residency = options_.residency;
+  residency.budget_bytes = budget_;
   train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
-                                                 runtime_.context());
+                                                 runtime_.context(), nullptr, residency);
   initialise_parameters();
 }
 
@@ -66,8 +73,7 @@ void Trainer::initialise_parameters() {
       default:
         break;  // zeros
     }
-    const ops::DeviceSpan at = train_->span(id);
-    runtime_.context().write(at.buffer, at.offset * 4, values.data(), values.size() * 4);
+    train_->persistent()->write(runtime_.context(), t.placement[id], values.data(), values.size() * 4);
   }
 }
 
@@ -118,8 +124,10 @@ StepResult Trainer::step(std::span<const float> images, std::span<const std::int
 graph::CompiledStep& Trainer::eval_variant(std::uint32_t batch) {
   auto it = eval_.find(batch);
   if (it == eval_.end()) {
+    graph::ResidencyOptions residency = options_.residency;
+    residency.budget_bytes = budget_;
     auto step = std::make_unique<graph::CompiledStep>(build_graph(batch, false), options_.optimizer, runtime_.env(),
-                                                      runtime_.context(), train_->persistent());
+                                                      runtime_.context(), train_->persistent(), residency);
     it = eval_.emplace(batch, std::move(step)).first;
   }
   return *it->second;
@@ -194,8 +202,7 @@ std::vector<float> Trainer::read_parameter(const std::string& name) const {
   for (TensorId id = 0; id < t.size(); ++id) {
     if (graph::is_persistent(t.role[id]) && t.name[id] == name) {
       std::vector<float> out(t.shape[id].elems());
-      const ops::DeviceSpan at = train_->span(id);
-      runtime_.context().read(at.buffer, at.offset * 4, out.data(), out.size() * 4);
+      train_->persistent()->read(runtime_.context(), t.placement[id], out.data(), out.size() * 4);
       return out;
     }
   }

@@ -83,6 +83,10 @@ class ReferenceExecutor {
       case OpKind::upload:
       case OpKind::download:
         return;
+      case OpKind::fetch:
+      case OpKind::write_back:
+        value(o[0]) = value(i[0]);
+        return;
       case OpKind::linear: {
         std::span<const T> bias = i.size() > 2 ? in(i[2]) : std::span<const T>{};
         ops::ref::gemm<T>(graph::linear_gemms(shape[i[0]], shape[i[1]]).forward, 1, in(i[0]), in(i[1]), 0, out(o[0]),

@@ -18,17 +18,36 @@
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/ir.hpp"
 #include "ferry/graph/memory_plan.hpp"
+#include "ferry/graph/residency.hpp"
 #include "ferry/ops/launch.hpp"
 
 namespace ferry::graph {
 
-// Weights and optimizer state on the device, shared by every variant of one model.
+// Weights and optimizer state, shared by every variant of one model (training, evaluation).
+// Resident: device buffers. Mapped: pinned host buffers that kernels use directly. Stream:
+// pinned host buffers in two slots; a step fetches from the current slot and writes updated
+// tensors back into the other, which becomes current only when the whole step succeeded, so a
+// failed step leaves the training state as it was.
 struct PersistentArena {
-  std::vector<cl::Mem> buffers;
+  ResidencyMode mode = ResidencyMode::resident;
+  std::vector<cl::Mem> device;            // resident
+  std::vector<cl::PinnedBuffer> host[2];  // mapped: slot 0; stream: slots 0 and 1
+  int current = 0;
   std::vector<std::uint64_t> buffer_bytes;
   std::vector<std::pair<std::string, Placement>> placements;  // by tensor name
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = 0;                                    // one slot
+
   std::optional<Placement> find(const std::string& name) const;
+  bool on_device() const noexcept { return mode == ResidencyMode::resident; }
+  int slots() const noexcept { return mode == ResidencyMode::stream ? 2 : 1; }
+  // The buffer kernels address (resident and mapped modes).
+  cl_mem mem(std::uint32_t buffer) const;
+  // Host address of a placement in a slot (mapped and stream modes).
+  std::byte* host_ptr(int slot, const Placement& p) const;
+  // Set-up and inspection, outside any step: write goes to every slot, read from the current one.
+  void write(const cl::Context& ctx, const Placement& p, const void* src, std::size_t bytes);
+  void read(const cl::Context& ctx, const Placement& p, void* dst, std::size_t bytes) const;
+  std::uint64_t host_bytes() const noexcept { return on_device() ? 0 : bytes * static_cast<std::uint64_t>(slots()); }
 };
 
 // One node's span on the device timeline of the last step (needs a profiling context).
@@ -41,9 +60,11 @@ struct TimelineEntry {
 class CompiledStep {
  public:
   // `graph` must be complete (forward, and for training backward, optimizer and download).
-  // With `shared`, persistent tensors are looked up by name there instead of allocated.
+  // With `shared`, persistent tensors are looked up by name there instead of allocated, and the
+  // residency mode is the arena's. `residency` sets the mode and the device budget (see
+  // residency.hpp); a budget the step cannot fit in throws BudgetError naming the minimum.
   CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
-               std::shared_ptr<PersistentArena> shared = nullptr);
+               std::shared_ptr<PersistentArena> shared = nullptr, const ResidencyOptions& residency = {});
   ~CompiledStep();
   CompiledStep(const CompiledStep&) = delete;
   CompiledStep& operator=(const CompiledStep&) = delete;
@@ -61,7 +82,11 @@ class CompiledStep {
 
   const Graph& graph() const noexcept { return graph_; }
   const MemoryPlan& plan() const noexcept { return plan_; }
-  std::uint64_t device_bytes() const noexcept { return persistent_->bytes + plan_.transient_bytes; }
+  // Peak device bytes of the step, from the plan: the step arena, plus the weights when resident.
+  std::uint64_t device_bytes() const noexcept {
+    return plan_.transient_bytes + (persistent_->on_device() ? persistent_->bytes : 0);
+  }
+  const ResidencyReport& residency() const noexcept { return residency_; }
   const std::shared_ptr<PersistentArena>& persistent() const noexcept { return persistent_; }
   ops::DeviceSpan span(TensorId t) const;
   std::size_t node_count() const noexcept { return graph_.nodes.size(); }
@@ -76,6 +101,7 @@ class CompiledStep {
   struct Impl;
   Graph graph_;
   MemoryPlan plan_;
+  ResidencyReport residency_;
   std::shared_ptr<PersistentArena> persistent_;
   std::unique_ptr<Impl> impl_;
   NodeId fail_node_ = static_cast<NodeId>(-1);

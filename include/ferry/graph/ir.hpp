@@ -43,6 +43,7 @@ enum class Role : std::uint8_t {
   activation,       // forward intermediate: lives within a step
   scratch,          // an op's temporary (packed GEMM panels, im2col columns)
   stats,            // small results the host reads after the step (loss, correct count)
+  staged,           // a device copy of a host-resident weight or optimizer state (streaming)
 };
 const char* role_name(Role r);
 bool is_persistent(Role r);
@@ -100,6 +101,8 @@ enum class OpKind : std::uint8_t {
   sgd_update,         // in: w g v   out: w v (in place)
   adam_update,        // in: w g m v out: w m v (in place)
   download,           // stats -> host (d2h queue)
+  fetch,              // host-resident tensor -> its device copy     in: host    out: copy   (h2d)
+  write_back,         // device copy -> host-resident tensor         in: copy    out: host   (d2h)
 };
 const char* op_name(OpKind k);
 

@@ -21,6 +21,9 @@ struct TrainerOptions {
   graph::OptimizerSpec optimizer;  // default: Adam
   float lr = 1e-3f;
   std::uint64_t seed = 1;  // weight initialisation
+  // Where weights and optimizer state live and the device budget (graph/residency.hpp). A
+  // budget of 0 means the device's memory less headroom (10%, at least 256 MiB).
+  graph::ResidencyOptions residency;
 };
 
 struct StepResult {
@@ -64,6 +67,10 @@ class Trainer {
   std::uint64_t parameter_count() const;
   // Peak device bytes of the training step, known from the memory plan before it runs.
   std::uint64_t device_peak_bytes() const { return train_->device_bytes(); }
+  // Device budget the step was planned for, and pinned host bytes holding weights and state.
+  std::uint64_t device_budget_bytes() const noexcept { return budget_; }
+  std::uint64_t host_state_bytes() const { return train_->persistent()->host_bytes(); }
+  const graph::ResidencyReport& residency() const { return train_->residency(); }
 
   // A parameter's values (for tests, checkpoints and inspection). Throws for an unknown name.
   std::vector<float> read_parameter(const std::string& name) const;
@@ -79,6 +86,7 @@ class Trainer {
   ModelSpec model_;
   TrainerOptions options_;
   float lr_;
+  std::uint64_t budget_ = 0;
   std::uint64_t steps_ = 0;
   std::unique_ptr<graph::CompiledStep> train_;
   std::map<std::uint32_t, std::unique_ptr<graph::CompiledStep>> eval_;

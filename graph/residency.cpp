@@ -1,0 +1,341 @@
+// Residency planning: update placement, the furthest-next-use stream transform, budget search.
+#include "ferry/graph/residency.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <stdexcept>
+
+namespace ferry::graph {
+namespace {
+
+constexpr std::uint32_t never = std::numeric_limits<std::uint32_t>::max();
+
+bool is_update(OpKind k) {
+  return k == OpKind::sgd_update || k == OpKind::adam_update;
+}
+
+// A copy of `old` with nodes in `order` (each old id once).
+NodeTable reordered(const NodeTable& old, const std::vector<NodeId>& order) {
+  NodeTable out;
+  for (NodeId n : order) {
+    const NodeId id = out.add(old.kind[n], old.name[n], old.inputs(n), old.outputs(n), old.attrs[n], old.lane[n]);
+    out.scratch[id] = old.scratch[n];
+  }
+  return out;
+}
+
+// Every node touching each storage tensor, in order, with whether it writes.
+struct Use {
+  NodeId node;
+  bool write;
+};
+
+std::vector<std::vector<Use>> uses_by_tensor(const Graph& g) {
+  std::vector<std::vector<Use>> uses(g.tensors.size());
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    auto note = [&](TensorId t, bool write) {
+      if (t == no_tensor) return;
+      auto& u = uses[g.tensors.storage(t)];
+      if (!u.empty() && u.back().node == n) {
+        u.back().write = u.back().write || write;
+      } else {
+        u.push_back({n, write});
+      }
+    };
+    for (TensorId t : g.nodes.inputs(n)) note(t, false);
+    for (TensorId t : g.nodes.outputs(n)) note(t, true);
+  }
+  return uses;
+}
+
+struct Interval {
+  TensorId tensor;
+  NodeId first, last;
+  NodeId last_write = never;
+};
+
+// Splits each persistent tensor's uses into device intervals under `cache_limit` bytes of
+// persistent copies, evicting the copy whose next use is furthest away (Belady).
+std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit) {
+  const auto& t = g.tensors;
+  const auto uses = uses_by_tensor(g);
+  std::vector<std::size_t> cursor(t.size(), 0);  // index of the next use not yet reached
+  std::vector<int> open(t.size(), -1);           // interval index while resident
+  std::vector<Interval> intervals;
+  std::vector<TensorId> resident;
+  std::uint64_t resident_bytes = 0;
+  auto next_use = [&](TensorId id) -> std::uint32_t {
+    return cursor[id] < uses[id].size() ? uses[id][cursor[id]].node : never;
+  };
+  auto close = [&](TensorId id) {
+    open[id] = -1;
+    resident.erase(std::find(resident.begin(), resident.end(), id));
+    resident_bytes -= t.bytes(id);
+  };
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    std::vector<TensorId> needed;
+    auto need = [&](TensorId id) {
+      if (id == no_tensor) return;
+      id = t.storage(id);
+      if (!is_persistent(t.role[id]) || std::find(needed.begin(), needed.end(), id) != needed.end()) return;
+      needed.push_back(id);
+    };
+    for (TensorId id : g.nodes.inputs(n)) need(id);
+    for (TensorId id : g.nodes.outputs(n)) need(id);
+    for (TensorId id : needed) {
+      if (open[id] < 0) {
+        open[id] = static_cast<int>(intervals.size());
+        intervals.push_back({id, n, n});
+        resident.push_back(id);
+        resident_bytes += t.bytes(id);
+      }
+      Interval& iv = intervals[static_cast<std::size_t>(open[id])];
+      iv.last = n;
+      if (uses[id][cursor[id]].write) iv.last_write = n;
+      ++cursor[id];
+    }
+    // Copies with no further use in the step are done.
+    for (TensorId id : needed) {
+      if (next_use(id) == never) close(id);
+    }
+    while (resident_bytes > cache_limit) {
+      TensorId victim = no_tensor;
+      std::uint32_t furthest = 0;
+      for (TensorId id : resident) {
+        if (std::find(needed.begin(), needed.end(), id) != needed.end()) continue;
+        if (victim == no_tensor || next_use(id) > furthest) {
+          victim = id;
+          furthest = next_use(id);
+        }
+      }
+      if (victim == no_tensor) break;  // only this node's own operands are resident
+      close(victim);
+    }
+  }
+  return intervals;
+}
+
+// Rewrites `base` so persistent tensors live on the host and are fetched for each interval.
+Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t lookahead, ResidencyReport& report) {
+  Graph g = base;
+  auto& t = g.tensors;
+  const auto intervals = device_intervals(base, cache_limit);
+  const std::size_t count = base.nodes.size();
+
+  // Where each fetch goes: `lookahead` compute nodes before the first use, but after the
+  // previous interval of the same tensor has ended.
+  std::vector<NodeId> compute_before(count + 1, 0);  // compute nodes in [0, n)
+  std::vector<NodeId> compute_nodes;
+  for (NodeId n = 0; n < count; ++n) {
+    compute_before[n + 1] = compute_before[n] + (base.nodes.lane[n] == Lane::compute ? 1 : 0);
+    if (base.nodes.lane[n] == Lane::compute) compute_nodes.push_back(n);
+  }
+  std::vector<std::vector<std::size_t>> fetch_at(count), write_back_after(count);
+  std::vector<TensorId> copy_of(intervals.size());
+  std::map<TensorId, NodeId> previous_end;
+  for (std::size_t i = 0; i < intervals.size(); ++i) {
+    const Interval& iv = intervals[i];
+    NodeId pos = iv.first;
+    const NodeId ahead = compute_before[iv.first];
+    if (lookahead > 0 && ahead > 0) pos = compute_nodes[ahead - std::min<NodeId>(lookahead, ahead)];
+    pos = std::max<NodeId>(pos, 1);  // after the batch upload
+    if (auto it = previous_end.find(iv.tensor); it != previous_end.end()) pos = std::max<NodeId>(pos, it->second + 1);
+    pos = std::min(pos, iv.first);
+    previous_end[iv.tensor] = iv.last;
+    fetch_at[pos].push_back(i);
+    if (iv.last_write != never) write_back_after[iv.last_write].push_back(i);
+    copy_of[i] =
+        t.add(fmt::format("{}@dev{}", t.name[iv.tensor], i), t.shape[iv.tensor], t.dtype[iv.tensor], Role::staged);
+    t.home[iv.tensor] = Residency::host_pinned;
+  }
+
+  // Which copy each node uses for each persistent tensor.
+  std::vector<std::map<TensorId, TensorId>> rename(count);
+  for (std::size_t i = 0; i < intervals.size(); ++i) {
+    for (NodeId n = intervals[i].first; n <= intervals[i].last; ++n) rename[n][intervals[i].tensor] = copy_of[i];
+  }
+
+  NodeTable out;
+  report.fetches = report.write_backs = 0;
+  report.fetch_bytes = report.write_back_bytes = 0;
+  for (NodeId n = 0; n < count; ++n) {
+    for (std::size_t i : fetch_at[n]) {
+      const TensorId host = intervals[i].tensor, copy = copy_of[i];
+      out.add(OpKind::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::h2d);
+      ++report.fetches;
+      report.fetch_bytes += t.bytes(host);
+    }
+    std::vector<TensorId> ins(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
+    std::vector<TensorId> outs(base.nodes.outputs(n).begin(), base.nodes.outputs(n).end());
+    for (auto* list : {&ins, &outs}) {
+      for (TensorId& id : *list) {
+        if (id == no_tensor) continue;
+        if (auto it = rename[n].find(id); it != rename[n].end()) id = it->second;
+      }
+    }
+    const NodeId id =
+        out.add(base.nodes.kind[n], base.nodes.name[n], ins, outs, base.nodes.attrs[n], base.nodes.lane[n]);
+    out.scratch[id] = base.nodes.scratch[n];
+    for (std::size_t i : write_back_after[n]) {
+      const TensorId host = intervals[i].tensor, copy = copy_of[i];
+      out.add(OpKind::write_back, "write_back." + t.name[host], std::span(&copy, 1), std::span(&host, 1), {},
+              Lane::d2h);
+      ++report.write_backs;
+      report.write_back_bytes += t.bytes(host);
+    }
+  }
+  g.nodes = std::move(out);
+  return g;
+}
+
+std::string mib(std::uint64_t b) {
+  return fmt::format("{:.1f} MiB", b / 1048576.0);
+}
+
+}  // namespace
+
+const char* residency_mode_name(ResidencyMode m) {
+  switch (m) {
+    case ResidencyMode::automatic:
+      return "auto";
+    case ResidencyMode::resident:
+      return "resident";
+    case ResidencyMode::stream:
+      return "stream";
+    case ResidencyMode::mapped:
+      return "mapped";
+  }
+  return "?";
+}
+
+ResidencyMode parse_residency_mode(const std::string& s) {
+  for (auto m : {ResidencyMode::automatic, ResidencyMode::resident, ResidencyMode::stream, ResidencyMode::mapped}) {
+    if (s == residency_mode_name(m)) return m;
+  }
+  throw std::invalid_argument(fmt::format("unknown residency mode '{}': use auto, resident, stream or mapped", s));
+}
+
+std::uint64_t device_bytes(const MemoryPlan& plan, ResidencyMode mode) {
+  return mode == ResidencyMode::resident ? plan.peak_bytes() : plan.transient_bytes;
+}
+
+void place_updates_early(Graph& g) {
+  const auto& n = g.nodes;
+  const auto& t = g.tensors;
+  std::vector<NodeId> last_use(n.size(), 0);
+  std::vector<std::vector<NodeId>> after(n.size());
+  std::vector<NodeId> last_touch(t.size(), 0);
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (is_update(n.kind[id])) continue;
+    for (TensorId x : n.inputs(id)) last_touch[t.storage(x)] = id;
+    for (TensorId x : n.outputs(id)) last_touch[t.storage(x)] = id;
+  }
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (!is_update(n.kind[id])) continue;
+    const auto in = n.inputs(id);
+    const NodeId anchor = std::max(last_touch[t.storage(in[0])], last_touch[t.storage(in[1])]);
+    after[anchor].push_back(id);
+  }
+  std::vector<NodeId> order;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (is_update(n.kind[id])) continue;
+    order.push_back(id);
+    for (NodeId u : after[id]) order.push_back(u);
+  }
+  g.nodes = reordered(n, order);
+}
+
+MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
+                          ResidencyReport& report) {
+  const std::uint64_t budget = options.budget_bytes ? options.budget_bytes : std::numeric_limits<std::uint64_t>::max();
+  ResidencyMode mode = options.mode;
+  report = {};
+  if (mode == ResidencyMode::mapped && !host_unified) {
+    throw std::invalid_argument(
+        "residency mode 'mapped' needs a device whose memory is the host's (CL_DEVICE_HOST_UNIFIED_MEMORY); use "
+        "'stream' on this device");
+  }
+  if (mode == ResidencyMode::resident || mode == ResidencyMode::automatic) {
+    Graph resident = g;
+    MemoryPlan plan = plan_memory(resident, mopt);
+    if (plan.peak_bytes() <= budget || mode == ResidencyMode::resident) {
+      if (plan.peak_bytes() > budget) {
+        throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "
+                                      "of {}: raise the budget or use residency 'stream'",
+                                      mib(plan.peak_bytes()), mib(budget)),
+                          plan.peak_bytes());
+      }
+      g = std::move(resident);
+      report.mode = ResidencyMode::resident;
+      report.min_budget_bytes = plan.peak_bytes();
+      return plan;
+    }
+    mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
+  }
+  if (mode == ResidencyMode::mapped) {
+    MemoryPlan plan = plan_memory(g, mopt);
+    for (TensorId id = 0; id < g.tensors.size(); ++id) {
+      if (is_persistent(g.tensors.role[id])) g.tensors.home[id] = Residency::host_mapped;
+    }
+    report.mode = ResidencyMode::mapped;
+    report.min_budget_bytes = plan.transient_bytes;
+    if (plan.transient_bytes > budget) {
+      throw BudgetError(fmt::format("the step's activations and gradients alone need {} on the device, over the "
+                                    "budget of {}: raise the budget to at least {} or use a smaller batch",
+                                    mib(plan.transient_bytes), mib(budget), mib(plan.transient_bytes)),
+                        plan.transient_bytes);
+    }
+    return plan;
+  }
+
+  // Stream: find the largest cache limit (and the lookahead) whose plan fits the budget.
+  Graph base = g;
+  place_updates_early(base);
+  auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
+    Graph s = stream_graph(base, cache, lookahead, r);
+    MemoryPlan p = plan_memory(s, mopt);
+    r.cache_limit_bytes = cache;
+    r.lookahead = lookahead;
+    return std::make_pair(std::move(s), std::move(p));
+  };
+  ResidencyReport minimal_report;
+  auto minimal = attempt(0, 0, minimal_report);
+  const std::uint64_t min_budget = minimal.second.transient_bytes;
+  if (min_budget > budget) {
+    throw BudgetError(fmt::format("a device budget of {} is too small for this step: even with every layer fetched "
+                                  "just in time it needs {} (its largest layer's weights, gradients and optimizer "
+                                  "state with the activations they meet); raise the budget to at least {}",
+                                  mib(budget), mib(min_budget), mib(min_budget)),
+                      min_budget);
+  }
+  std::uint64_t cache = budget - min_budget;
+  std::uint32_t lookahead = options.lookahead;
+  for (int tries = 0; tries < 24; ++tries) {
+    ResidencyReport r;
+    auto candidate = attempt(cache, lookahead, r);
+    if (candidate.second.transient_bytes <= budget) {
+      g = std::move(candidate.first);
+      report = r;
+      report.mode = ResidencyMode::stream;
+      report.min_budget_bytes = min_budget;
+      return std::move(candidate.second);
+    }
+    const std::uint64_t excess = candidate.second.transient_bytes - budget;
+    if (cache == 0) {
+      if (lookahead == 0) break;
+      --lookahead;  // prefetching further ahead costs memory: give some back
+    } else {
+      cache = cache > excess ? cache - excess : 0;
+    }
+  }
+  g = std::move(minimal.first);
+  report = minimal_report;
+  report.mode = ResidencyMode::stream;
+  report.min_budget_bytes = min_budget;
+  return std::move(minimal.second);
+}
+
+}  // namespace ferry::graph

@@ -1,0 +1,68 @@
+// Residency: where weights and optimizer state live between uses, under a device budget.
+//
+// Modes:
+//   resident  every persistent tensor lives on the device (the budget must hold them all);
+//   stream    persistent tensors live in pinned host memory; the pass inserts fetch nodes
+//             (copy-in lane) before their uses and write-back nodes (copy-out lane) after their
+//             last write, issued `lookahead` compute nodes ahead so copies overlap compute.
+//             Which uses share one fetch follows the furthest-next-use rule over the static
+//             step order (Belady), computed here at compile time.
+//   mapped    persistent tensors live in pinned host memory that kernels read directly
+//             (zero-copy): for devices whose memory is the host's (CL_DEVICE_HOST_UNIFIED_MEMORY).
+//   automatic resident if everything fits the budget, else mapped on unified-memory devices,
+//             else stream.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "ferry/graph/ir.hpp"
+#include "ferry/graph/memory_plan.hpp"
+
+namespace ferry::graph {
+
+enum class ResidencyMode : std::uint8_t { automatic, resident, stream, mapped };
+const char* residency_mode_name(ResidencyMode m);
+ResidencyMode parse_residency_mode(const std::string& s);  // throws std::invalid_argument
+
+struct ResidencyOptions {
+  ResidencyMode mode = ResidencyMode::automatic;
+  std::uint64_t budget_bytes = 0;  // device bytes a step may use; 0: no limit
+  std::uint32_t lookahead = 2;     // compute nodes between a fetch and its first use
+};
+
+struct ResidencyReport {
+  ResidencyMode mode = ResidencyMode::resident;  // the one chosen
+  std::uint32_t fetches = 0, write_backs = 0;    // per step
+  std::uint64_t fetch_bytes = 0, write_back_bytes = 0;
+  std::uint64_t cache_limit_bytes = 0;  // device bytes the eviction rule was allowed for persistent copies
+  std::uint32_t lookahead = 0;
+  std::uint64_t min_budget_bytes = 0;  // the smallest budget this graph can run in (stream mode)
+};
+
+// Thrown when no residency plan fits the budget; says the minimum budget.
+class BudgetError : public std::runtime_error {
+ public:
+  BudgetError(const std::string& what, std::uint64_t min_budget) : std::runtime_error(what), min_budget_(min_budget) {}
+  std::uint64_t min_budget() const noexcept { return min_budget_; }
+
+ private:
+  std::uint64_t min_budget_;
+};
+
+// Moves every optimizer update to right after the last node that uses its weight or gradient, so
+// gradients and fetched copies die early. Does not change any result.
+void place_updates_early(Graph& g);
+
+// Rewrites `g` for the chosen mode, plans its memory and returns the plan. For stream mode it
+// searches the largest cache limit whose planned device peak fits the budget. Throws BudgetError
+// if the budget cannot hold the step even when every layer is fetched just in time.
+// `host_unified`: the device's memory is the host's (mapped mode is possible).
+MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
+                          ResidencyReport& report);
+
+// Device bytes of a plan in a given mode (persistent tensors count only when resident).
+std::uint64_t device_bytes(const MemoryPlan& plan, ResidencyMode mode);
+
+}  // namespace ferry::graph

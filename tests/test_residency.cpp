@@ -1,0 +1,184 @@
+// Residency under a device budget: streamed and mapped training give bit-identical weights to
+// the all-resident run, the planned peak never exceeds the budget, too small a budget is a clear
+// compile-time error naming the minimum, and a step that fails mid-way leaves the state as it was.
+#include <fmt/format.h>
+
+#include "ferry/ferry.hpp"
+#include "test_models.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> l(n);
+  for (auto& v : l) v = static_cast<std::int32_t>(rng() % 10);
+  return l;
+}
+
+TrainerOptions options(graph::ResidencyMode mode, std::uint64_t budget, std::uint32_t lookahead = 2) {
+  TrainerOptions o;
+  o.batch = 8;
+  o.lr = 0.01f;
+  o.residency.mode = mode;
+  o.residency.budget_bytes = budget;
+  o.residency.lookahead = lookahead;
+  return o;
+}
+
+// Trains `steps` steps on fixed random batches and returns every parameter and the losses.
+struct RunResult {
+  std::map<std::string, std::vector<float>> params;
+  std::vector<float> losses;
+};
+
+RunResult train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int steps) {
+  Trainer trainer(rt, m, o);
+  RunResult r;
+  const std::size_t sample = m.sample_shape.elems();
+  for (int s = 0; s < steps; ++s) {
+    auto images = random_vector(o.batch * sample, 50 + s);
+    auto labels = labels_for(o.batch, 70 + s);
+    r.losses.push_back(trainer.step(images, labels).loss);
+  }
+  for (const auto& name : trainer.parameter_names()) r.params[name] = trainer.read_parameter(name);
+  return r;
+}
+
+std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m) {
+  try {
+    Trainer t(rt, m, options(graph::ResidencyMode::stream, 1));
+  } catch (const graph::BudgetError& e) {
+    return e.min_budget();
+  }
+  ADD_FAILURE() << "a 1-byte budget should not fit";
+  return 0;
+}
+
+class ResidencyTest : public ::testing::TestWithParam<ModelSpec (*)()> {};
+
+TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
+  Runtime rt;
+  const ModelSpec m = GetParam()();
+  const int steps = 4;
+  const RunResult resident = train(rt, m, options(graph::ResidencyMode::resident, 0), steps);
+  const std::uint64_t min_budget = min_stream_budget(rt, m);
+  ASSERT_GT(min_budget, 0u);
+
+  struct Case {
+    const char* what;
+    TrainerOptions opt;
+  };
+  std::vector<Case> cases = {
+      {"stream at the minimum budget, no lookahead", options(graph::ResidencyMode::stream, min_budget, 0)},
+      {"stream at 1.5x the minimum, lookahead 2", options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2)},
+      {"stream with room for everything", options(graph::ResidencyMode::stream, 1ull << 30, 3)},
+  };
+  if (rt.device().host_unified_memory) cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    Trainer probe(rt, m, c.opt);
+    EXPECT_LE(probe.device_peak_bytes(), probe.device_budget_bytes());
+    const RunResult r = train(rt, m, c.opt, steps);
+    EXPECT_EQ(r.losses, resident.losses);
+    for (const auto& [name, values] : resident.params) EXPECT_EQ(r.params.at(name), values) << name;
+  }
+}
+
+TEST_P(ResidencyTest, SmallBudgetStreamsMoreAndStaysWithinIt) {
+  Runtime rt;
+  const ModelSpec m = GetParam()();
+  const std::uint64_t min_budget = min_stream_budget(rt, m);
+  Trainer tight(rt, m, options(graph::ResidencyMode::stream, min_budget, 0));
+  Trainer roomy(rt, m, options(graph::ResidencyMode::stream, 1ull << 30, 0));
+  EXPECT_LE(tight.device_peak_bytes(), min_budget);
+  // Every weight and state tensor is fetched at least once and written back once per step.
+  const auto weights = tight.parameter_names().size();
+  EXPECT_GE(roomy.residency().fetches, 3 * weights);  // weight + two Adam moments
+  EXPECT_EQ(roomy.residency().write_backs, 3 * weights);
+  // Under the tight budget weights are evicted between forward and backward and fetched again.
+  EXPECT_GT(tight.residency().fetch_bytes, roomy.residency().fetch_bytes);
+  EXPECT_LT(tight.device_peak_bytes(), roomy.device_peak_bytes());
+  EXPECT_EQ(tight.host_state_bytes(), roomy.host_state_bytes());
+  EXPECT_GT(tight.host_state_bytes(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ResidencyTest, ::testing::Values(&small_mlp, &small_cnn, &small_residual),
+                         [](const auto& info) {
+                           return info.index == 0 ? "mlp" : info.index == 1 ? "cnn" : "residual";
+                         });
+
+TEST(Residency, TooSmallBudgetIsACompileTimeErrorNamingTheMinimum) {
+  Runtime rt;
+  const std::uint64_t min_budget = min_stream_budget(rt, small_residual());
+  try {
+    Trainer t(rt, small_residual(), options(graph::ResidencyMode::stream, min_budget - 1));
+    FAIL() << "should not fit";
+  } catch (const graph::BudgetError& e) {
+    EXPECT_EQ(e.min_budget(), min_budget);
+    EXPECT_NE(std::string(e.what()).find("at least"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(Trainer(rt, small_residual(), options(graph::ResidencyMode::stream, min_budget)));
+  // Resident mode with a budget below the model is an error too, not a silent switch.
+  EXPECT_THROW(Trainer(rt, small_residual(), options(graph::ResidencyMode::resident, 4096)), graph::BudgetError);
+  // Automatic mode picks streaming (or mapping) by itself under the same budget.
+  Trainer automatic(rt, small_residual(), options(graph::ResidencyMode::automatic, min_budget * 2));
+  EXPECT_NE(automatic.residency().mode, graph::ResidencyMode::resident);
+}
+
+TEST(Residency, FailedStreamedStepLeavesTheStateUnchanged) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  const std::uint64_t budget = min_stream_budget(rt, m);
+  Trainer trainer(rt, m, options(graph::ResidencyMode::stream, budget));
+  Trainer reference(rt, m, options(graph::ResidencyMode::resident, 0));
+  const std::size_t sample = m.sample_shape.elems();
+  auto images = random_vector(8 * sample, 5);
+  auto labels = labels_for(8, 6);
+  trainer.step(images, labels);
+  reference.step(images, labels);
+
+  // Fail the last compute node: by then most updated tensors have been written back.
+  const auto& nodes = trainer.train_step().graph().nodes;
+  graph::NodeId victim = 0, write_backs_before = 0;
+  for (graph::NodeId n = 0; n < nodes.size(); ++n) {
+    if (nodes.lane[n] == graph::Lane::compute) victim = n;
+  }
+  for (graph::NodeId n = 0; n < victim; ++n) write_backs_before += nodes.kind[n] == graph::OpKind::write_back;
+  ASSERT_GT(write_backs_before, 3u);
+  std::map<std::string, std::vector<float>> before;
+  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  trainer.train_step().inject_failure(victim);
+  EXPECT_THROW(trainer.step(images, labels), std::runtime_error);
+  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+
+  // The trainer goes on exactly as if the failed step had never been tried.
+  for (int s = 0; s < 2; ++s) EXPECT_EQ(trainer.step(images, labels).loss, reference.step(images, labels).loss);
+  for (const auto& name : trainer.parameter_names()) {
+    EXPECT_EQ(trainer.read_parameter(name), reference.read_parameter(name)) << name;
+  }
+}
+
+TEST(Residency, EvaluationOfAStreamedModelSeesTheTrainedWeights) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  Trainer streamed(rt, m, options(graph::ResidencyMode::stream, min_stream_budget(rt, m)));
+  Trainer resident(rt, m, options(graph::ResidencyMode::resident, 0));
+  Dataset d;
+  d.count = 19;
+  d.rows = 4;
+  d.cols = 5;
+  d.images = random_vector(d.count * 20, 8);
+  d.labels = labels_for(d.count, 9);
+  for (int s = 0; s < 5; ++s) {
+    streamed.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
+    resident.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
+  }
+  const auto a = streamed.evaluate(d), b = resident.evaluate(d);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(a.accuracy, b.accuracy);
+}
+
+}  // namespace
+}  // namespace ferry::test
