@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Package test (CTest: package_install_and_example). Installs a built ferry tree into a temporary
+# prefix and uses it the way a user would:
+#   1. cmake --install <build dir> --prefix <work>/prefix; the installed programs run
+#   2. every installed public header compiles on its own against ferry::ferry
+#   3. examples/ configures out of tree with -DCMAKE_PREFIX_PATH=<prefix> (find_package(ferry CONFIG
+#      REQUIRED) must find the installed package, not another one), builds, and train_mlp trains one
+#      epoch on a slice of Fashion-MNIST and prints its test accuracy.
+#
+#   run.sh --build-dir DIR --source-dir DIR --work-dir DIR [--cmake PATH] [--generator NAME] [--cxx PATH]
+set -Eeuo pipefail
+
+build_dir="" source_dir="" work_dir="" cmake_bin=cmake generator="" cxx=""
+while (($#)); do
+  case "$1" in
+    --build-dir) build_dir=$2 ;;
+    --source-dir) source_dir=$2 ;;
+    --work-dir) work_dir=$2 ;;
+    --cmake) cmake_bin=$2 ;;
+    --generator) generator=$2 ;;
+    --cxx) cxx=$2 ;;
+    *)
+      echo "package test: unknown argument $1" >&2
+      exit 2
+      ;;
+  esac
+  shift 2
+done
+[[ -n $build_dir && -n $source_dir && -n $work_dir ]] || {
+  echo "usage: run.sh --build-dir DIR --source-dir DIR --work-dir DIR [--cmake PATH] [--generator NAME] [--cxx PATH]" >&2
+  exit 2
+}
+
+step="starting"
+trap 'echo "package test: FAILED while ${step}" >&2' ERR
+say() { printf 'package test: %s\n' "$*"; }
+fail() {
+  printf 'package test: FAILED: %s\n' "$*" >&2
+  exit 1
+}
+start=$SECONDS
+
+prefix=$work_dir/prefix
+rm -rf "$work_dir"
+mkdir -p "$work_dir"
+configure_args=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$prefix")
+[[ -n $generator ]] && configure_args+=(-G "$generator")
+[[ -n $cxx ]] && configure_args+=("-DCMAKE_CXX_COMPILER=$cxx")
+
+# 1. Install.
+step="installing $build_dir into $prefix"
+say "$step"
+"$cmake_bin" --install "$build_dir" --prefix "$prefix" >"$work_dir/install.log"
+config=$(find "$prefix" -path '*/cmake/ferry/ferryConfig.cmake' | head -n1)
+[[ -n $config ]] || fail "no ferryConfig.cmake under $prefix"
+config_dir=$(dirname "$config")
+[[ -f $config_dir/ferryConfigVersion.cmake ]] || fail "no ferryConfigVersion.cmake in $config_dir"
+[[ -f $prefix/include/ferry/ferry.hpp ]] || fail "ferry/ferry.hpp was not installed"
+ls "$prefix"/lib*/libferry.so* >/dev/null 2>&1 || fail "libferry.so was not installed"
+# The installed package must not point back into the source or build tree.
+if grep -rlF -e "$source_dir" -e "$build_dir" "$config_dir" >/dev/null; then
+  fail "the installed CMake package refers to the source or build tree: $(grep -rlF -e "$source_dir" -e "$build_dir" "$config_dir" | tr '\n' ' ')"
+fi
+
+# The installed programs must find the installed library (no build-tree RPATH survives install).
+step="running the installed programs"
+if [[ -x $prefix/bin/ferry ]]; then
+  "$prefix/bin/ferry" devices >"$work_dir/ferry-devices.log" || fail "installed 'ferry devices' failed: $(cat "$work_dir/ferry-devices.log")"
+  say "installed 'ferry devices' runs"
+fi
+if [[ -x $prefix/bin/ferry-bench ]]; then
+  "$prefix/bin/ferry-bench" >"$work_dir/ferry-bench.log" || fail "installed 'ferry-bench' failed"
+  say "installed 'ferry-bench' runs"
+fi
+
+# 2. Every installed header compiles on its own (includes what it uses, nothing uninstalled).
+step="compiling each installed header on its own"
+say "$step"
+headers_project=$work_dir/headers
+mkdir -p "$headers_project/src"
+sources=()
+while IFS= read -r header; do
+  rel=${header#"$prefix/include/"}
+  src=$headers_project/src/$(echo "$rel" | tr '/.' '__').cpp
+  printf '#include <%s>\n#include <%s>\n' "$rel" "$rel" >"$src"
+  sources+=("$src")
+done < <(find "$prefix/include/ferry" -name '*.hpp' | sort)
+((${#sources[@]} > 0)) || fail "no headers under $prefix/include/ferry"
+{
+  echo 'cmake_minimum_required(VERSION 3.25)'
+  echo 'project(ferry_header_check LANGUAGES CXX)'
+  # No CMAKE_CXX_STANDARD here: ferry::ferry itself must ask for C++20.
+  echo 'find_package(ferry CONFIG REQUIRED)'
+  echo 'add_library(ferry_header_check OBJECT'
+  printf '  %s\n' "${sources[@]}"
+  echo ')'
+  echo 'target_compile_options(ferry_header_check PRIVATE -Wall -Wextra -Wpedantic -Werror)'
+  echo 'target_link_libraries(ferry_header_check PRIVATE ferry::ferry)'
+} >"$headers_project/CMakeLists.txt"
+"$cmake_bin" -S "$headers_project" -B "$headers_project/build" "${configure_args[@]}" >"$work_dir/headers-configure.log" ||
+  {
+    cat "$work_dir/headers-configure.log" >&2
+    false
+  }
+"$cmake_bin" --build "$headers_project/build" -j2 >"$work_dir/headers-build.log" 2>&1 || {
+  cat "$work_dir/headers-build.log" >&2
+  false
+}
+say "${#sources[@]} headers compile on their own"
+
+# 3. The examples, as a user's project.
+step="configuring examples/ against $prefix"
+say "$step"
+examples_build=$work_dir/examples
+"$cmake_bin" -S "$source_dir/examples" -B "$examples_build" "${configure_args[@]}" >"$work_dir/examples-configure.log" ||
+  {
+    cat "$work_dir/examples-configure.log" >&2
+    false
+  }
+found_dir=$(sed -n 's/^ferry_DIR:PATH=//p' "$examples_build/CMakeCache.txt")
+[[ $(realpath "$found_dir") == $(realpath "$config_dir") ]] ||
+  fail "find_package(ferry) found $found_dir, not the package just installed in $config_dir"
+say "find_package(ferry CONFIG REQUIRED) found $found_dir"
+
+step="building examples/"
+say "$step"
+"$cmake_bin" --build "$examples_build" -j2 >"$work_dir/examples-build.log" 2>&1 || {
+  cat "$work_dir/examples-build.log" >&2
+  false
+}
+# The example must run from the installed library, not the build tree's.
+if command -v ldd >/dev/null; then
+  lib=$(ldd "$examples_build/train_mlp" | awk '/libferry\.so/ {print $3}')
+  [[ $(realpath "$lib") == "$(realpath "$prefix")"/* ]] || fail "train_mlp loads libferry from $lib, not from $prefix"
+fi
+
+step="running train_mlp"
+say "running: train_mlp --epochs 1 --train-limit 2048"
+"$examples_build/train_mlp" --epochs 1 --train-limit 2048 | tee "$work_dir/train_mlp.log"
+accuracy=$(sed -n 's/^test accuracy \([0-9.]*\).*/\1/p' "$work_dir/train_mlp.log")
+[[ -n $accuracy ]] || fail "train_mlp printed no 'test accuracy' line"
+# One epoch on 2048 samples lands near 0.75; 0.5 tells training apart from chance (0.1).
+awk -v a="$accuracy" 'BEGIN { exit !(a > 0.5) }' || fail "test accuracy $accuracy is not above 0.5: the example did not learn"
+
+say "passed in $((SECONDS - start)) s (test accuracy $accuracy)"
