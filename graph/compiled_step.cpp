@@ -82,6 +82,7 @@ struct CompiledStep::Impl {
   cl::PinnedBuffer input_host, labels_host, stats_host;
   TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
   ops::StepInfo step;
+  RunMode mode = RunMode::normal;
 
   tbb::flow::graph flow;
   tbb::flow::broadcast_node<continue_msg> start{flow};
@@ -104,7 +105,7 @@ struct CompiledStep::Impl {
 };
 
 CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
-                           std::shared_ptr<PersistentArena> shared, const ResidencyOptions& residency)
+                           std::shared_ptr<PersistentArena> shared, const ResidencyOptions& residency, bool serial)
     : graph_(std::move(graph)), impl_(std::make_unique<Impl>(context)) {
   auto& t = graph_.tensors;
   auto& n = graph_.nodes;
@@ -200,6 +201,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   for (NodeId id = 0; id < n.size(); ++id) {
     const int lane = static_cast<int>(n.lane[id]);
     if (last_on_lane[lane] != static_cast<NodeId>(-1)) preds[id].push_back(last_on_lane[lane]);
+    if (serial && id > 0 && n.lane[id - 1] != n.lane[id]) preds[id].push_back(id - 1);
     for (int other = 0; other < lanes; ++other) {
       if (other == lane) continue;
       // The latest conflicting node of that lane suffices: its lane runs in order.
@@ -224,7 +226,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
     impl_->nodes.push_back(
-        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, id](const continue_msg&) {
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, id, serial](const continue_msg&) {
           const auto& nodes = graph_.nodes;
           cl::OpScope scope(nodes.name[id]);
           try {
@@ -236,6 +238,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
             for (NodeId m : im->waits[id]) {
               if (im->events[m]) wait.push_back(im->events[m].get());
             }
+            if (serial && id > 0 && im->events[id - 1]) wait.push_back(im->events[id - 1].get());
             const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
             cl::Event ev;
             const auto& tt = graph_.tensors;
@@ -279,7 +282,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
                 break;
               }
               default:
-                ev = ops::enqueue(q, im->launches[id], wait, im->step);
+                if (im->mode != RunMode::transfers_only) ev = ops::enqueue(q, im->launches[id], wait, im->step);
                 if (!ev) {
                   FERRY_CL(clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(wait.size()),
                                                        wait.empty() ? nullptr : wait.data(), ev.out()));
@@ -361,8 +364,9 @@ const float* CompiledStep::stats_host() const {
   return impl_->stats_host.floats();
 }
 
-void CompiledStep::run(const ops::StepInfo& step) {
+void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   impl_->step = step;
+  impl_->mode = mode;
   impl_->device_status = CL_COMPLETE;
   impl_->start.try_put(continue_msg{});
   try {

@@ -33,7 +33,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   graph::ResidencyOptions residency = options_.residency;
   residency.budget_bytes = budget_;
   train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
-                                                 runtime_.context(), nullptr, residency);
+                                                 runtime_.context(), nullptr, residency, options_.serial_schedule);
   initialise_parameters();
 }
 

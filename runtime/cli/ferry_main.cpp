@@ -23,22 +23,13 @@ struct TrainArgs {
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
   std::string optimizer = "adam", schedule = "cosine";
   std::string device, data_dir, trace_path;
+  std::string device_budget, residency = "auto";
+  std::uint32_t lookahead = 2;
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
   std::uint32_t trace_steps = 4;
   bool json = false, quiet = false;
 };
-
-std::string human_bytes(std::uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return fmt::format("{:.1f} {}", v, units[u]);
-}
 
 std::string clock_string(double seconds) {
   const auto s = static_cast<long>(std::max(0.0, seconds));
@@ -84,8 +75,8 @@ int cmd_devices() {
   }
   for (const auto& d : devices) {
     std::cout << fmt::format("[{}] {} / {}  ({}, {} compute units, {} memory, largest buffer {}, {}{})\n", d.index,
-                             d.platform_name, d.name, d.type_name(), d.compute_units, human_bytes(d.global_mem_bytes),
-                             human_bytes(d.max_alloc_bytes), d.version,
+                             d.platform_name, d.name, d.type_name(), d.compute_units,
+                             ferry::format_bytes(d.global_mem_bytes), ferry::format_bytes(d.max_alloc_bytes), d.version,
                              d.host_unified_memory ? ", unified host memory" : "");
   }
   return 0;
@@ -126,6 +117,9 @@ int cmd_train(const TrainArgs& a) {
   } else {
     throw std::invalid_argument(fmt::format("unknown optimizer '{}': use adam, adamw or sgd", a.optimizer));
   }
+  opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
+  opt.residency.lookahead = a.lookahead;
+  if (!a.device_budget.empty()) opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
   if (a.schedule != "cosine" && a.schedule != "constant") {
     throw std::invalid_argument(fmt::format("unknown schedule '{}': use cosine or constant", a.schedule));
   }
@@ -137,10 +131,20 @@ int cmd_train(const TrainArgs& a) {
   ferry::Trainer trainer(runtime, make_model(a), opt);
   const double compile_s = std::chrono::duration<double>(Clock::now() - compile_start).count();
   if (!a.quiet) {
+    std::cerr << fmt::format("ferry: {} on {} ({}); {} parameters; training state {}; compiled in {:.1f} s\n",
+                             trainer.model().name, runtime.device().name, runtime.device().type_name(),
+                             trainer.parameter_count(), ferry::format_bytes(trainer.training_state_bytes()), compile_s);
+    const auto& rr = trainer.residency();
     std::cerr << fmt::format(
-        "ferry: {} on {} ({}); {} parameters; training state {}, device peak {} (planned); compiled in {:.1f} s\n",
-        trainer.model().name, runtime.device().name, runtime.device().type_name(), trainer.parameter_count(),
-        human_bytes(trainer.training_state_bytes()), human_bytes(trainer.device_peak_bytes()), compile_s);
+        "ferry: residency {}: device peak {} of a {} budget (planned){}\n", ferry::graph::residency_mode_name(rr.mode),
+        ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()),
+        rr.mode == ferry::graph::ResidencyMode::resident
+            ? std::string()
+            : fmt::format("; weights and optimizer state in {} of pinned host memory; per step {} fetches ({}), {} "
+                          "write-backs ({}), lookahead {}",
+                          ferry::format_bytes(trainer.host_state_bytes()), rr.fetches,
+                          ferry::format_bytes(rr.fetch_bytes), rr.write_backs, ferry::format_bytes(rr.write_back_bytes),
+                          rr.lookahead));
   }
 
   const std::size_t sample = train.sample_elems();
@@ -201,7 +205,8 @@ int cmd_train(const TrainArgs& a) {
   }
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: test accuracy {:.4f}, {:.0f} samples/s, {:.2f} ms/step, device peak {}\n",
-                             final_eval.accuracy, samples_per_s, step_ms, human_bytes(trainer.device_peak_bytes()));
+                             final_eval.accuracy, samples_per_s, step_ms,
+                             ferry::format_bytes(trainer.device_peak_bytes()));
   }
   if (a.json) {
     nlohmann::json j = {{"model", trainer.model().name},
@@ -220,6 +225,11 @@ int cmd_train(const TrainArgs& a) {
                         {"training_state_bytes", trainer.training_state_bytes()},
                         {"optimizer_state_bytes", trainer.optimizer_state_bytes()},
                         {"parameters", trainer.parameter_count()},
+                        {"residency", ferry::graph::residency_mode_name(trainer.residency().mode)},
+                        {"device_budget_bytes", trainer.device_budget_bytes()},
+                        {"host_state_bytes", trainer.host_state_bytes()},
+                        {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
+                        {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
                         {"compile_s", compile_s}};
     std::cout << j.dump() << std::endl;
   }
@@ -251,6 +261,16 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   train->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
+  train->add_option("--device-budget", t.device_budget,
+                    "Device bytes a step may use, e.g. 64MiB (default: device memory less headroom)");
+  train
+      ->add_option("--residency", t.residency,
+                   "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "
+                   "(zero-copy, unified-memory devices)")
+      ->check(CLI::IsMember({"auto", "resident", "stream", "mapped"}))
+      ->capture_default_str();
+  train->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
+      ->capture_default_str();
   train->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();
   train->add_option("--data", t.data_dir,
                     "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");

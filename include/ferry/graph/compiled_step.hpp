@@ -57,14 +57,23 @@ struct TimelineEntry {
   std::uint64_t queued_ns, start_ns, end_ns;  // device clock
 };
 
+// How run() executes a step. transfers_only exists to measure overlap (bench/overlap.cpp).
+enum class RunMode : std::uint8_t {
+  normal,          // lanes run concurrently, ordered only by real dependencies
+  transfers_only,  // copies only: compute nodes enqueue nothing (results are meaningless)
+};
+
 class CompiledStep {
  public:
   // `graph` must be complete (forward, and for training backward, optimizer and download).
   // With `shared`, persistent tensors are looked up by name there instead of allocated, and the
   // residency mode is the arena's. `residency` sets the mode and the device budget (see
   // residency.hpp); a budget the step cannot fit in throws BudgetError naming the minimum.
+  // `serial` makes every node wait for the one before it in the static order, across lanes: the
+  // step without any overlap, which the overlap benchmark compares against.
   CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
-               std::shared_ptr<PersistentArena> shared = nullptr, const ResidencyOptions& residency = {});
+               std::shared_ptr<PersistentArena> shared = nullptr, const ResidencyOptions& residency = {},
+               bool serial = false);
   ~CompiledStep();
   CompiledStep(const CompiledStep&) = delete;
   CompiledStep& operator=(const CompiledStep&) = delete;
@@ -78,7 +87,7 @@ class CompiledStep {
   // Runs one step: enqueues every node through the flow graph and returns when the device has
   // finished. A failing node cancels the step; the error is rethrown naming the node, all queues
   // are drained and the step can run again.
-  void run(const ops::StepInfo& step);
+  void run(const ops::StepInfo& step, RunMode mode = RunMode::normal);
 
   const Graph& graph() const noexcept { return graph_; }
   const MemoryPlan& plan() const noexcept { return plan_; }

@@ -24,6 +24,8 @@ struct TrainerOptions {
   // Where weights and optimizer state live and the device budget (graph/residency.hpp). A
   // budget of 0 means the device's memory less headroom (10%, at least 256 MiB).
   graph::ResidencyOptions residency;
+  // Measurement only: no overlap between lanes (see graph::CompiledStep).
+  bool serial_schedule = false;
 };
 
 struct StepResult {
