@@ -125,6 +125,11 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     t.placement[id] = t.placement[s];
     plan.pool[id] = plan.pool[s];
   }
+  plan.live_bytes.assign(n.size(), 0);
+  for (TensorId id : order) {
+    if (plan.pool[id] != Pool::transient) continue;
+    for (std::uint32_t node = first[id]; node <= last[id]; ++node) plan.live_bytes[node] += t.bytes(id);
+  }
   plan.persistent_buffers = persistent.sizes();
   plan.transient_buffers = transient.sizes();
   for (auto b : plan.persistent_buffers) plan.persistent_bytes += b;

@@ -9,6 +9,7 @@
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/graph/residency.hpp"
 #include "ferry/runtime/fashion_mnist.hpp"
+#include "ferry/runtime/memory_profile.hpp"
 #include "ferry/runtime/model.hpp"
 #include "ferry/runtime/runtime.hpp"
 #include "ferry/runtime/trace.hpp"

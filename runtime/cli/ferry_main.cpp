@@ -22,7 +22,7 @@ struct TrainArgs {
   std::uint32_t epochs = 10, batch = 256, width = 1024, depth = 16;
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
   std::string optimizer = "adam", schedule = "cosine";
-  std::string device, data_dir, trace_path;
+  std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, residency = "auto";
   std::uint32_t lookahead = 2;
   std::uint64_t seed = 1;
@@ -101,7 +101,7 @@ int cmd_train(const TrainArgs& a) {
   standardise(train, 0.2860f, 0.3530f);
   standardise(test, 0.2860f, 0.3530f);
 
-  ferry::Runtime runtime({.device = a.device, .profiling = !a.trace_path.empty()});
+  ferry::Runtime runtime({.device = a.device, .profiling = !a.trace_path.empty() || !a.profile_path.empty()});
   ferry::TrainerOptions opt;
   opt.batch = a.batch;
   opt.lr = a.lr;
@@ -157,6 +157,8 @@ int cmd_train(const TrainArgs& a) {
   std::vector<std::int32_t> labels(a.batch);
   Progress progress(!a.quiet);
   ferry::ChromeTrace trace;
+  ferry::MemoryProfiler profiler;
+  profiler.add_variant("train", trainer.train_step());
 
   double step_ms_sum = 0, train_seconds = 0, last_epoch_loss = 0;
   std::size_t steps_timed = 0;
@@ -180,8 +182,9 @@ int cmd_train(const TrainArgs& a) {
         step_ms_sum += r.step_ms;
         ++steps_timed;
       }
-      if (!a.trace_path.empty() && global_step >= 1 && global_step <= a.trace_steps) {
-        trace.add_step(trainer.train_step().timeline(), global_step);
+      if (global_step >= 1 && global_step <= a.trace_steps) {
+        if (!a.trace_path.empty()) trace.add_step(trainer.train_step().timeline(), global_step);
+        if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), global_step);
       }
       const double elapsed = std::chrono::duration<double>(Clock::now() - train_start).count();
       const double done = static_cast<double>(global_step + 1);
@@ -203,6 +206,12 @@ int cmd_train(const TrainArgs& a) {
     trace.write(a.trace_path);
     if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", a.trace_steps, a.trace_path);
   }
+  for (const auto& [batch, step] : trainer.eval_steps()) profiler.add_variant(fmt::format("eval{}", batch), *step);
+  if (!a.profile_path.empty()) {
+    profiler.write_csv(a.profile_path);
+    if (!a.quiet) std::cerr << fmt::format("ferry: wrote the memory profile to {}\n", a.profile_path);
+  }
+  if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: test accuracy {:.4f}, {:.0f} samples/s, {:.2f} ms/step, device peak {}\n",
                              final_eval.accuracy, samples_per_s, step_ms,
@@ -276,7 +285,9 @@ int main(int argc, char** argv) {
                     "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");
   train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)");
   train->add_option("--trace", t.trace_path, "Write a Chrome trace of the first steps' device timeline");
-  train->add_option("--trace-steps", t.trace_steps, "Steps to trace")->capture_default_str();
+  train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile)")->capture_default_str();
+  train->add_option("--profile", t.profile_path,
+                    "Write a CSV memory profile: device bytes per node, transfers and their device times");
   train->add_flag("--json", t.json, "End with one JSON line of results on stdout");
   train->add_flag("--quiet", t.quiet, "No progress output");
   CLI11_PARSE(app, argc, argv);

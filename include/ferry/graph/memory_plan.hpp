@@ -29,6 +29,9 @@ struct MemoryPlan {
   std::uint64_t persistent_bytes = 0, transient_bytes = 0;
   // Sum of the transient tensors' sizes: what the step would need without reuse.
   std::uint64_t transient_unshared_bytes = 0;
+  // Bytes of transient tensors live while each node runs (what the memory profiler reports;
+  // the arena can be larger by fragmentation).
+  std::vector<std::uint64_t> live_bytes;
   std::uint64_t peak_bytes() const { return persistent_bytes + transient_bytes; }
 };
 

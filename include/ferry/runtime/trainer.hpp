@@ -61,6 +61,8 @@ class Trainer {
   const ModelSpec& model() const noexcept { return model_; }
   const graph::CompiledStep& train_step() const noexcept { return *train_; }
   graph::CompiledStep& train_step() noexcept { return *train_; }
+  // The evaluation variants compiled so far, by batch size.
+  const std::map<std::uint32_t, std::unique_ptr<graph::CompiledStep>>& eval_steps() const noexcept { return eval_; }
 
   // Sizes of the training state (fp32): weights, their gradients, and optimizer state.
   std::uint64_t weight_bytes() const;

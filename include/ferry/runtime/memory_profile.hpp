@@ -1,0 +1,69 @@
+// Memory profiler: device bytes over the step (per variant and per section of the step), the
+// spikes, and the transfers with their device times.
+//
+// Device bytes come from the memory plan, so they are exact and known before the step runs;
+// transfer times come from the device timeline of recorded steps (a Runtime with profiling).
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "ferry/graph/compiled_step.hpp"
+
+namespace ferry {
+
+enum class StepSection : std::uint8_t { io, forward, backward, update, transfer };
+const char* section_name(StepSection s);
+
+struct MemoryPhaseSummary {
+  std::string variant;  // "train", "eval"
+  std::string section;  // "all", "forward", "backward", "update"
+  std::uint64_t peak_bytes = 0, mean_bytes = 0;
+  std::string peak_node;
+};
+
+struct MemorySpike {
+  std::string variant, node;
+  std::uint64_t bytes = 0;
+  double over_mean = 0;  // bytes / mean of its variant
+};
+
+struct TransferSummary {
+  std::uint64_t fetch_bytes = 0, write_back_bytes = 0;  // per recorded step, summed over steps
+  double fetch_ms = 0, write_back_ms = 0;               // device time, from the timeline
+  std::uint32_t steps = 0;
+  double fetch_gbps() const { return fetch_ms > 0 ? fetch_bytes / fetch_ms / 1e6 : 0; }
+  double write_back_gbps() const { return write_back_ms > 0 ? write_back_bytes / write_back_ms / 1e6 : 0; }
+};
+
+class MemoryProfiler {
+ public:
+  // Adds a compiled variant's static profile (once per variant).
+  void add_variant(const std::string& variant, const graph::CompiledStep& step);
+  // Adds the device timeline of a step just run (no-op without profiling).
+  void add_step(const std::string& variant, const graph::CompiledStep& step, std::uint64_t index);
+
+  std::vector<MemoryPhaseSummary> phases() const;
+  std::vector<MemorySpike> spikes(std::size_t max_count = 5) const;
+  TransferSummary transfers() const { return transfers_; }
+  // One row per node of each variant, then one per node of each recorded step.
+  void write_csv(const std::filesystem::path& path) const;
+  // A few human-readable lines.
+  std::string summary() const;
+
+ private:
+  struct NodeRow {
+    std::string variant, name, kind, lane;
+    StepSection section;
+    std::uint64_t live_bytes, transfer_bytes;
+    std::int64_t step = -1;  // -1: static row
+    double start_us = 0, end_us = 0;
+  };
+  std::vector<NodeRow> rows_;
+  std::vector<std::string> variants_;
+  TransferSummary transfers_;
+  std::uint64_t time_origin_ns_ = 0;
+};
+
+}  // namespace ferry

@@ -1,0 +1,192 @@
+// Memory profiler.
+#include "ferry/runtime/memory_profile.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <stdexcept>
+
+#include "ferry/runtime/units.hpp"
+
+namespace ferry {
+namespace {
+
+using graph::OpKind;
+
+// Which part of the step a node belongs to; backward nodes follow the loss in the static order.
+std::vector<StepSection> sections(const graph::Graph& g) {
+  std::vector<StepSection> out(g.nodes.size(), StepSection::forward);
+  bool after_loss = false;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    const OpKind k = g.nodes.kind[n];
+    if (k == OpKind::upload || k == OpKind::download) {
+      out[n] = StepSection::io;
+    } else if (k == OpKind::fetch || k == OpKind::write_back) {
+      out[n] = StepSection::transfer;
+    } else if (k == OpKind::sgd_update || k == OpKind::adam_update) {
+      out[n] = StepSection::update;
+    } else {
+      out[n] = after_loss ? StepSection::backward : StepSection::forward;
+    }
+    if (k == OpKind::softmax_xent) after_loss = true;
+  }
+  return out;
+}
+
+std::uint64_t transfer_bytes(const graph::Graph& g, graph::NodeId n) {
+  const OpKind k = g.nodes.kind[n];
+  if (k == OpKind::fetch || k == OpKind::upload) {
+    std::uint64_t b = 0;
+    for (auto t : g.nodes.outputs(n)) b += g.tensors.bytes(t);
+    return b;
+  }
+  if (k == OpKind::write_back || k == OpKind::download) {
+    std::uint64_t b = 0;
+    for (auto t : g.nodes.inputs(n)) b += g.tensors.bytes(t);
+    return b;
+  }
+  return 0;
+}
+
+}  // namespace
+
+const char* section_name(StepSection s) {
+  switch (s) {
+    case StepSection::io:
+      return "io";
+    case StepSection::forward:
+      return "forward";
+    case StepSection::backward:
+      return "backward";
+    case StepSection::update:
+      return "update";
+    case StepSection::transfer:
+      return "transfer";
+  }
+  return "?";
+}
+
+void MemoryProfiler::add_variant(const std::string& variant, const graph::CompiledStep& step) {
+  if (std::find(variants_.begin(), variants_.end(), variant) != variants_.end()) return;
+  variants_.push_back(variant);
+  const auto& g = step.graph();
+  const auto sec = sections(g);
+  const std::uint64_t resident = step.persistent()->on_device() ? step.persistent()->bytes : 0;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    rows_.push_back({variant, g.nodes.name[n], graph::op_name(g.nodes.kind[n]), graph::lane_name(g.nodes.lane[n]),
+                     sec[n], resident + step.plan().live_bytes[n], transfer_bytes(g, n)});
+  }
+}
+
+void MemoryProfiler::add_step(const std::string& variant, const graph::CompiledStep& step, std::uint64_t index) {
+  const auto timeline = step.timeline();
+  if (timeline.empty()) return;
+  const auto& g = step.graph();
+  const auto sec = sections(g);
+  const std::uint64_t resident = step.persistent()->on_device() ? step.persistent()->bytes : 0;
+  if (time_origin_ns_ == 0) {
+    time_origin_ns_ = UINT64_MAX;
+    for (const auto& e : timeline) time_origin_ns_ = std::min(time_origin_ns_, e.start_ns);
+  }
+  std::map<std::string, graph::NodeId> by_name;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) by_name[g.nodes.name[n]] = n;
+  bool counted = false;
+  for (const auto& e : timeline) {
+    const graph::NodeId n = by_name.at(e.name);
+    const double ms = (e.end_ns - e.start_ns) / 1e6;
+    const std::uint64_t bytes = transfer_bytes(g, n);
+    if (g.nodes.kind[n] == OpKind::fetch) {
+      transfers_.fetch_bytes += bytes;
+      transfers_.fetch_ms += ms;
+      counted = true;
+    } else if (g.nodes.kind[n] == OpKind::write_back) {
+      transfers_.write_back_bytes += bytes;
+      transfers_.write_back_ms += ms;
+      counted = true;
+    }
+    rows_.push_back({variant, e.name, graph::op_name(g.nodes.kind[n]), graph::lane_name(e.lane), sec[n],
+                     resident + step.plan().live_bytes[n], bytes, static_cast<std::int64_t>(index),
+                     (static_cast<double>(e.start_ns) - time_origin_ns_) / 1e3,
+                     (static_cast<double>(e.end_ns) - time_origin_ns_) / 1e3});
+  }
+  if (counted) ++transfers_.steps;
+}
+
+std::vector<MemoryPhaseSummary> MemoryProfiler::phases() const {
+  std::vector<MemoryPhaseSummary> out;
+  for (const auto& v : variants_) {
+    for (const char* section : {"all", "forward", "backward", "update"}) {
+      MemoryPhaseSummary s{v, section};
+      double sum = 0;
+      std::size_t count = 0;
+      for (const auto& r : rows_) {
+        if (r.step >= 0 || r.variant != v) continue;
+        if (std::string(section) != "all" && section_name(r.section) != std::string(section)) continue;
+        sum += static_cast<double>(r.live_bytes);
+        ++count;
+        if (r.live_bytes > s.peak_bytes) {
+          s.peak_bytes = r.live_bytes;
+          s.peak_node = r.name;
+        }
+      }
+      if (count == 0) continue;
+      s.mean_bytes = static_cast<std::uint64_t>(sum / count);
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
+std::vector<MemorySpike> MemoryProfiler::spikes(std::size_t max_count) const {
+  // A spike: a node whose live bytes stand more than 25% above its variant's mean.
+  std::vector<MemorySpike> out;
+  for (const auto& p : phases()) {
+    if (p.section != "all" || p.mean_bytes == 0) continue;
+    for (const auto& r : rows_) {
+      if (r.step >= 0 || r.variant != p.variant) continue;
+      const double ratio = static_cast<double>(r.live_bytes) / static_cast<double>(p.mean_bytes);
+      if (ratio > 1.25) out.push_back({r.variant, r.name, r.live_bytes, ratio});
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const MemorySpike& a, const MemorySpike& b) { return a.bytes > b.bytes; });
+  if (out.size() > max_count) out.resize(max_count);
+  return out;
+}
+
+void MemoryProfiler::write_csv(const std::filesystem::path& path) const {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error(fmt::format("cannot write the memory profile '{}'", path.string()));
+  out << "variant,step,node,kind,lane,section,live_device_bytes,transfer_bytes,start_us,end_us\n";
+  for (const auto& r : rows_) {
+    out << fmt::format("{},{},{},{},{},{},{},{},", r.variant, r.step < 0 ? std::string("plan") : std::to_string(r.step),
+                       r.name, r.kind, r.lane, section_name(r.section), r.live_bytes, r.transfer_bytes);
+    if (r.step >= 0) out << fmt::format("{:.3f},{:.3f}", r.start_us, r.end_us);
+    out << ",\n";
+  }
+  if (!out) throw std::runtime_error(fmt::format("failed writing the memory profile '{}'", path.string()));
+}
+
+std::string MemoryProfiler::summary() const {
+  std::string s;
+  for (const auto& p : phases()) {
+    s += fmt::format("  {:<5} {:<8} device peak {:>10} (at {}), mean {:>10}\n", p.variant, p.section,
+                     format_bytes(p.peak_bytes), p.peak_node, format_bytes(p.mean_bytes));
+  }
+  for (const auto& sp : spikes(3)) {
+    s += fmt::format("  spike: {} {} holds {} ({:.2f}x the mean)\n", sp.variant, sp.node, format_bytes(sp.bytes),
+                     sp.over_mean);
+  }
+  if (transfers_.steps > 0) {
+    s += fmt::format(
+        "  transfers over {} traced steps: fetched {} in {:.1f} ms ({:.2f} GB/s), wrote back {} in {:.1f} "
+        "ms ({:.2f} GB/s)\n",
+        transfers_.steps, format_bytes(transfers_.fetch_bytes), transfers_.fetch_ms, transfers_.fetch_gbps(),
+        format_bytes(transfers_.write_back_bytes), transfers_.write_back_ms, transfers_.write_back_gbps());
+  }
+  return s;
+}
+
+}  // namespace ferry
