@@ -82,19 +82,19 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
 
 #define ACC_DECL(r) float16 c##r##_0 = 0.0f, c##r##_1 = 0.0f, c##r##_2 = 0.0f, c##r##_3 = 0.0f;
 
-#define ACC_STEP(r)                                     \
-  if (r < RB) {                                         \
-    const float16 x = (float16)(A_AT(r));               \
-    c##r##_0 = fma(x, b0, c##r##_0);                    \
-    if (NV > 1) c##r##_1 = fma(x, b1, c##r##_1);        \
-    if (NV > 2) c##r##_2 = fma(x, b2, c##r##_2);        \
-    if (NV > 3) c##r##_3 = fma(x, b3, c##r##_3);        \
+#define ACC_STEP(r)                              \
+  if (r < RB) {                                  \
+    const float16 x = (float16)(A_AT(r));        \
+    c##r##_0 = fma(x, b0, c##r##_0);             \
+    if (NV > 1) c##r##_1 = fma(x, b1, c##r##_1); \
+    if (NV > 2) c##r##_2 = fma(x, b2, c##r##_2); \
+    if (NV > 3) c##r##_3 = fma(x, b3, c##r##_3); \
   }
 
-#define ACC_STORE(r)                                                           \
-  if (r < RB && row0 + r < M) {                                                \
-    __global float* crow = c + (ulong)(row0 + r) * N;                          \
-    store16(c##r##_0, crow, col0, N, alpha, beta, bias, has_bias);             \
+#define ACC_STORE(r)                                                                \
+  if (r < RB && row0 + r < M) {                                                     \
+    __global float* crow = c + (ulong)(row0 + r) * N;                               \
+    store16(c##r##_0, crow, col0, N, alpha, beta, bias, has_bias);                  \
     if (NV > 1) store16(c##r##_1, crow, col0 + 16, N, alpha, beta, bias, has_bias); \
     if (NV > 2) store16(c##r##_2, crow, col0 + 32, N, alpha, beta, bias, has_bias); \
     if (NV > 3) store16(c##r##_3, crow, col0 + 48, N, alpha, beta, bias, has_bias); \
