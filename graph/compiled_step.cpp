@@ -79,6 +79,7 @@ struct CompiledStep::Impl {
   std::vector<ops::LaunchList> launches;   // per node
   std::vector<std::vector<NodeId>> waits;  // cross-lane predecessors, per node
   std::vector<cl::Event> events;           // per node: its last command, this step
+  std::vector<cl::Event> first_events;     // per node: its first command (profiling only)
   cl::PinnedBuffer input_host, labels_host, stats_host;
   TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
   ops::StepInfo step;
@@ -223,10 +224,11 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
 
   // 6. The flow graph.
   impl_->events.resize(n.size());
+  impl_->first_events.resize(n.size());
   Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
-    impl_->nodes.push_back(
-        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, id, serial](const continue_msg&) {
+    impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
+        impl_->flow, [this, im, id, serial](const continue_msg&) {
           const auto& nodes = graph_.nodes;
           cl::OpScope scope(nodes.name[id]);
           try {
@@ -282,7 +284,10 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
                 break;
               }
               default:
-                if (im->mode != RunMode::transfers_only) ev = ops::enqueue(q, im->launches[id], wait, im->step);
+                if (im->mode != RunMode::transfers_only) {
+                  ev = ops::enqueue(q, im->launches[id], wait, im->step,
+                                    im->ctx.profiling() ? &im->first_events[id] : nullptr);
+                }
                 if (!ev) {
                   FERRY_CL(clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(wait.size()),
                                                        wait.empty() ? nullptr : wait.data(), ev.out()));
@@ -395,8 +400,10 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
     const cl::Event& ev = impl_->events[id];
     if (!ev) continue;
     TimelineEntry e{graph_.nodes.name[id], graph_.nodes.lane[id], 0, 0, 0};
-    clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_QUEUED, sizeof(cl_ulong), &e.queued_ns, nullptr);
-    clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_START, sizeof(cl_ulong), &e.start_ns, nullptr);
+    clGetEventProfilingInfo(impl_->first_events[id] ? impl_->first_events[id].get() : ev.get(),
+                            CL_PROFILING_COMMAND_QUEUED, sizeof(cl_ulong), &e.queued_ns, nullptr);
+    const cl::Event& first = impl_->first_events[id] ? impl_->first_events[id] : ev;
+    clGetEventProfilingInfo(first.get(), CL_PROFILING_COMMAND_START, sizeof(cl_ulong), &e.start_ns, nullptr);
     clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_END, sizeof(cl_ulong), &e.end_ns, nullptr);
     out.push_back(std::move(e));
   }

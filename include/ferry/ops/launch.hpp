@@ -48,8 +48,9 @@ using LaunchList = std::vector<KernelLaunch>;
 
 // Enqueues the launches in order on `queue`; the first waits on `wait`. Returns the event of the
 // last launch (null if the list is empty; the caller then forwards its wait list).
+// With `first`, also returns the event of the first launch (for timelines of multi-kernel ops).
 cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<const cl_event> wait,
-                  const StepInfo& step = {});
+                  const StepInfo& step = {}, cl::Event* first = nullptr);
 
 // Enqueue and wait: for tests and benchmarks, never inside a compiled step.
 void run_blocking(cl_command_queue queue, const LaunchList& launches, const StepInfo& step = {});
@@ -61,7 +62,9 @@ struct OpEnv {
 };
 
 // Global size rounded up to a multiple of `multiple`.
-inline std::size_t round_up(std::size_t n, std::size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+inline std::size_t round_up(std::size_t n, std::size_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
 
 // A one-dimensional launch over n elements with the library's default work-group size.
 KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n);
