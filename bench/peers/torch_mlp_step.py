@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""PyTorch peer of `ferry-bench step`: one training step of the same MLP on the CPU.
+
+MLP 784-1024-1024-10 (nn.Linear + ReLU), CrossEntropyLoss, Adam, fp32, random standardized data.
+Warm-up steps first, then --repeat blocks of --steps steps; the step time reported is the median
+over the blocks of the block's mean step time (the same statistic ferry-bench reports for ferry).
+Prints one JSON line on stdout; on failure (no torch), one JSON line with "error" and exit 1.
+
+Environment knobs such as OPENBLAS_CORETYPE or OMP_WAIT_POLICY are set by the caller before this
+script starts (they must be set before torch is imported); this script only reports them.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ENV_KEYS = ("OPENBLAS_CORETYPE", "OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--hidden", type=str, default="1024,1024")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    ap.add_argument("--repeat", type=int, default=5, help="timed blocks")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+    env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    try:
+        import torch
+        from torch import nn
+    except Exception as e:  # no torch, or a broken install
+        print(json.dumps({"error": f"cannot import torch: {e}", "python": sys.executable, "env": env}))
+        return 1
+
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    torch.manual_seed(1)
+    hidden = [int(h) for h in args.hidden.split(",") if h]
+    layers = []
+    width = 784
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, 10))
+    model = nn.Sequential(*layers)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    # A few distinct batches of standardized random data, cycled.
+    batches = [(torch.randn(args.batch, 784), torch.randint(0, 10, (args.batch,))) for _ in range(4)]
+
+    def step(i: int) -> float:
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for i in range(args.warmup):
+        step(i)
+    block_ms = []
+    last_loss = 0.0
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            last_loss = step(i)
+        block_ms.append((time.perf_counter() - t0) * 1e3 / args.steps)
+    step_ms = statistics.median(block_ms)
+    print(
+        json.dumps(
+            {
+                "impl": f"pytorch-{torch.__version__}",
+                "torch_version": torch.__version__,
+                "python": sys.executable,
+                "torch_file": torch.__file__,
+                "step_ms": step_ms,
+                "samples_per_s": args.batch * 1e3 / step_ms,
+                "block_ms": block_ms,
+                "threads": torch.get_num_threads(),
+                "loss": last_loss,
+                "env": env,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

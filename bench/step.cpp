@@ -1,0 +1,324 @@
+// ferry-bench step: how fast does ferry train the reference MLP next to PyTorch on the same CPU?
+//
+// ferry: Trainer with models::mlp() (784-1024-1024-10), batch 256, fp32, Adam, random
+// standardized data, on the selected OpenCL device. PyTorch: bench/peers/torch_mlp_step.py (the
+// same model, batch, loss and optimizer) run through popen for each configured interpreter, in
+// the same run, so the ratio is taken under the same machine load. Both sides report the median
+// over --repeat blocks of the block's mean step time, after warm-up steps.
+//
+// Debian's OpenBLAS misdetects some CPUs and runs several times slower; the fair configuration
+// of a PyTorch built on it sets OPENBLAS_CORETYPE (chosen from /proc/cpuinfo) and
+// OMP_WAIT_POLICY=PASSIVE before torch is imported. By default each interpreter runs twice, with
+// that environment ("tuned") and without it ("stock"); each JSON line names the environment.
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "bench.hpp"
+#include "ferry/ferry.hpp"
+
+namespace ferry::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct StepBenchOptions {
+  std::uint32_t batch = 256;
+  int warmup = 5;
+  int steps = 20;  // steps per timed block
+  std::vector<std::string> pythons;
+  std::string peer_script;
+  std::string peer_env = "both";  // tuned, stock or both
+  bool ferry = true;
+};
+
+// OPENBLAS_CORETYPE for this CPU: Debian's OpenBLAS (0.3.21) falls back to a slow kernel set on
+// CPUs it does not know, so name the closest one it does from the CPU's flags.
+std::string openblas_coretype() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    std::set<std::string> flags;
+    for (std::string w; words >> w;) flags.insert(w);
+    if (flags.count("avx512_bf16")) return "Cooperlake";
+    if (flags.count("avx512f")) return "SkylakeX";
+    return "Haswell";
+  }
+  return "Haswell";
+}
+
+// `name` as the shell would find it on PATH (names with a slash are returned as they are).
+std::string find_on_path(const std::string& name) {
+  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0 ? name : std::string();
+  const char* path = std::getenv("PATH");
+  if (!path) return {};
+  std::istringstream dirs(path);
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    const fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+  }
+  return {};
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// The peer script next to this source file (its location at build time), else relative to the
+// working directory.
+std::string default_peer_script() {
+  const fs::path here = fs::path(__FILE__).parent_path() / "peers" / "torch_mlp_step.py";
+  if (fs::exists(here)) return here.string();
+  return "bench/peers/torch_mlp_step.py";
+}
+
+struct FerryResult {
+  double step_ms = 0, run_ms = 0;
+  std::vector<double> block_ms;
+  float loss = 0;
+  std::uint64_t device_peak_bytes = 0;
+  std::size_t nodes = 0;
+};
+
+// Per-op-kind device time of one traced step, largest first, on stderr (what the step is made of).
+// A node's event is that of its last command, so a node of several kernels (packing, GEMM, bias)
+// is charged from the end of the previous command on its in-order queue to its own end: the
+// whole lane time, gaps where the queue waited included.
+void print_breakdown(const graph::Graph& g, std::vector<graph::TimelineEntry> timeline) {
+  std::map<std::string, std::string> kind_of;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) kind_of[g.nodes.name[n]] = graph::op_name(g.nodes.kind[n]);
+  std::sort(timeline.begin(), timeline.end(), [](const auto& a, const auto& b) { return a.end_ns < b.end_ns; });
+  std::map<std::string, std::pair<double, int>> by_kind;
+  std::map<graph::Lane, std::uint64_t> lane_end;
+  std::uint64_t first = ~0ull, last = 0;
+  double total = 0;
+  for (const auto& e : timeline) {
+    auto prev = lane_end.find(e.lane);
+    const std::uint64_t begin = prev == lane_end.end() ? e.start_ns : std::min(prev->second, e.start_ns);
+    lane_end[e.lane] = e.end_ns;
+    const double ms = double(e.end_ns - begin) * 1e-6;
+    auto& row = by_kind[kind_of.count(e.name) ? kind_of[e.name] : e.name];
+    row.first += ms;
+    row.second += 1;
+    total += ms;
+    first = std::min(first, e.start_ns);
+    last = std::max(last, e.end_ns);
+  }
+  std::vector<std::pair<std::string, std::pair<double, int>>> rows(by_kind.begin(), by_kind.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+  fmt::print(stderr, "ferry step on the device: {:.2f} ms from first start to last end; per op kind (lane time):\n",
+             double(last - first) * 1e-6);
+  for (const auto& [kind, v] : rows) {
+    fmt::print(stderr, "  {:<22} {:8.3f} ms  {:5.1f}%  ({} nodes)\n", kind, v.first, 100.0 * v.first / total, v.second);
+  }
+}
+
+FerryResult measure_ferry(const BenchCommon& common, const StepBenchOptions& o, nlohmann::json& info) {
+  Runtime runtime({.device = common.device, .profiling = !common.trace.empty()});
+  TrainerOptions topt;
+  topt.batch = o.batch;  // optimizer: Adam by default
+  Trainer trainer(runtime, models::mlp({1024, 1024}), topt);
+  info["device"] = runtime.device().name;
+  info["model"] = trainer.model().name;
+
+  // A few distinct batches of standardized (N(0, 1)) random data, cycled.
+  const std::size_t sample = trainer.model().sample_shape.elems();
+  constexpr int kBatches = 4;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(trainer.model().classes) - 1);
+  std::vector<std::vector<float>> images(kBatches, std::vector<float>(o.batch * sample));
+  std::vector<std::vector<std::int32_t>> labels(kBatches, std::vector<std::int32_t>(o.batch));
+  for (int b = 0; b < kBatches; ++b) {
+    for (float& v : images[b]) v = normal(rng);
+    for (auto& l : labels[b]) l = label(rng);
+  }
+
+  FerryResult r;
+  std::uint64_t i = 0;
+  auto one = [&]() -> double {
+    const StepResult s = trainer.step(images[i % kBatches], labels[i % kBatches]);
+    ++i;
+    r.loss = s.loss;
+    return s.step_ms;
+  };
+  for (int w = 0; w < o.warmup; ++w) one();
+  std::vector<double> run_ms;
+  for (int rep = 0; rep < common.repeat; ++rep) {
+    double run_sum = 0;
+    const double block = time_ms([&] {
+      for (int s = 0; s < o.steps; ++s) run_sum += one();
+    });
+    r.block_ms.push_back(block / o.steps);
+    run_ms.push_back(run_sum / o.steps);
+  }
+  r.step_ms = median(r.block_ms);
+  r.run_ms = median(run_ms);
+  r.device_peak_bytes = trainer.device_peak_bytes();
+  r.nodes = trainer.train_step().node_count();
+
+  if (!common.trace.empty()) {
+    ChromeTrace trace;
+    for (int s = 0; s < 3; ++s) {
+      one();
+      trace.add_step(trainer.train_step().timeline(), trainer.steps_done());
+    }
+    print_breakdown(trainer.train_step().graph(), trainer.train_step().timeline());
+    trace.write(common.trace);
+    fmt::print(stderr, "wrote a trace of 3 steps to {}\n", common.trace);
+  }
+  return r;
+}
+
+struct PeerRun {
+  std::string python, config;
+  nlohmann::json env;  // variables set for the child (null: removed)
+};
+
+// Runs the peer script and returns its JSON line (or a JSON object with "error").
+nlohmann::json run_peer(const PeerRun& p, const StepBenchOptions& o, int repeat) {
+  std::string cmd = "env";
+  for (const auto& [k, v] : p.env.items()) {
+    cmd += v.is_null() ? fmt::format(" -u {}", k) : fmt::format(" {}={}", k, shell_quote(v.get<std::string>()));
+  }
+  cmd += fmt::format(" {} {} --batch {} --warmup {} --steps {} --repeat {}", shell_quote(p.python),
+                     shell_quote(o.peer_script), o.batch, o.warmup, o.steps, repeat);
+  fmt::print(stderr, "running peer: {}\n", cmd);
+  std::FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) return {{"error", fmt::format("popen failed: {}", std::strerror(errno))}};
+  std::string out;
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  const int status = ::pclose(pipe);
+  // The last line that parses as a JSON object is the peer's result.
+  nlohmann::json result;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.is_object()) result = std::move(j);
+  }
+  if (result.is_null()) {
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return {{"error", fmt::format("peer printed no JSON result (exit status {})", code)}};
+  }
+  if (!result.contains("error") && status != 0) result["error"] = fmt::format("peer exit status {}", status);
+  return result;
+}
+
+int run_step(const BenchCommon& common, const StepBenchOptions& o) {
+  if (o.peer_env != "both" && o.peer_env != "tuned" && o.peer_env != "stock") {
+    throw std::invalid_argument(fmt::format("--peer-env must be tuned, stock or both, not '{}'", o.peer_env));
+  }
+  const nlohmann::json base{
+      {"bench", "step"}, {"batch", o.batch}, {"warmup", o.warmup}, {"steps", o.steps}, {"repeat", common.repeat}};
+
+  std::optional<FerryResult> ferry_r;
+  nlohmann::json ferry_info;
+  if (o.ferry) {
+    ferry_r = measure_ferry(common, o, ferry_info);
+    nlohmann::json j = base;
+    j["impl"] = "ferry";
+    j["step_ms"] = ferry_r->step_ms;
+    j["samples_per_s"] = o.batch * 1e3 / ferry_r->step_ms;
+    j["run_ms"] = ferry_r->run_ms;  // CompiledStep::run alone (no batch validation or staging copy)
+    j["block_ms"] = ferry_r->block_ms;
+    j["device"] = ferry_info["device"];
+    j["model"] = ferry_info["model"];
+    j["nodes"] = ferry_r->nodes;
+    j["device_peak_bytes"] = ferry_r->device_peak_bytes;
+    j["loss"] = ferry_r->loss;
+    emit_json(j);
+  }
+
+  // Interpreters: as given, else python3 on PATH and Debian's /usr/bin/python3; each once.
+  std::vector<std::string> pythons;
+  std::vector<std::string> wanted = o.pythons;
+  if (wanted.empty()) wanted = {"python3", "/usr/bin/python3"};
+  for (const std::string& name : wanted) {
+    const std::string path = find_on_path(name);
+    if (path.empty()) {
+      emit_json({{"bench", "step"}, {"impl", "pytorch"}, {"python", name}, {"error", "interpreter not found"}});
+      continue;
+    }
+    const std::string norm = fs::path(path).lexically_normal().string();
+    if (std::find(pythons.begin(), pythons.end(), norm) == pythons.end()) pythons.push_back(norm);
+  }
+
+  const std::string coretype = openblas_coretype();
+  for (const std::string& py : pythons) {
+    std::vector<PeerRun> runs;
+    if (o.peer_env != "stock") {
+      runs.push_back({py, "tuned", {{"OPENBLAS_CORETYPE", coretype}, {"OMP_WAIT_POLICY", "PASSIVE"}}});
+    }
+    if (o.peer_env != "tuned") {
+      runs.push_back({py, "stock", {{"OPENBLAS_CORETYPE", nullptr}, {"OMP_WAIT_POLICY", nullptr}}});
+    }
+    for (const PeerRun& p : runs) {
+      const nlohmann::json r = run_peer(p, o, common.repeat);
+      nlohmann::json j = base;
+      j["impl"] = r.value("impl", std::string("pytorch"));
+      j["python"] = py;
+      j["config"] = p.config;
+      nlohmann::json env = nlohmann::json::object();
+      for (const auto& [k, v] : p.env.items()) env[k] = v.is_null() ? nlohmann::json("(unset)") : v;
+      j["env"] = env;
+      if (r.contains("error")) {
+        j["error"] = r["error"];
+        emit_json(j);
+        continue;
+      }
+      const double peer_ms = r.value("step_ms", 0.0);
+      j["step_ms"] = peer_ms;
+      j["samples_per_s"] = r.value("samples_per_s", 0.0);
+      j["block_ms"] = r.value("block_ms", nlohmann::json::array());
+      j["threads"] = r.value("threads", 0);
+      j["torch_file"] = r.value("torch_file", std::string());
+      j["loss"] = r.value("loss", 0.0);
+      if (ferry_r && peer_ms > 0) j["ratio_ferry_over_peer"] = peer_ms / ferry_r->step_ms;
+      emit_json(j);
+    }
+  }
+  return 0;
+}
+
+BenchRun setup(CLI::App& sub, const BenchCommon& common) {
+  auto o = std::make_shared<StepBenchOptions>();
+  o->peer_script = default_peer_script();
+  sub.add_option("--batch", o->batch, "batch size")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
+  sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub.add_option("--python", o->pythons,
+                 "Python interpreter running the PyTorch peer; repeatable (default: python3 on PATH and "
+                 "/usr/bin/python3)");
+  sub.add_option("--peer-script", o->peer_script, "the PyTorch peer script")->capture_default_str();
+  sub.add_option("--peer-env", o->peer_env,
+                 "peer environment: tuned (OPENBLAS_CORETYPE from the CPU, OMP_WAIT_POLICY=PASSIVE), stock "
+                 "(both unset) or both")
+      ->capture_default_str();
+  sub.add_flag("!--no-ferry", o->ferry, "run only the peers");
+  return [o, &common] { return run_step(common, *o); };
+}
+
+FERRY_BENCH("step", "training step of the MLP 784-1024-1024-10 (batch 256, Adam): ferry vs PyTorch", setup);
+
+}  // namespace
+}  // namespace ferry::bench
