@@ -76,10 +76,11 @@ cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
 struct CompiledStep::Impl {
   const cl::Context& ctx;
   std::vector<cl::Mem> transient;
-  std::vector<ops::LaunchList> launches;   // per node
-  std::vector<std::vector<NodeId>> waits;  // cross-lane predecessors, per node
-  std::vector<cl::Event> events;           // per node: its last command, this step
-  std::vector<cl::Event> first_events;     // per node: its first command (profiling only)
+  std::vector<cl::PinnedBuffer> host_transient;  // mapped mode: weight gradients in host memory
+  std::vector<ops::LaunchList> launches;         // per node
+  std::vector<std::vector<NodeId>> waits;        // cross-lane predecessors, per node
+  std::vector<cl::Event> events;                 // per node: its last command, this step
+  std::vector<cl::Event> first_events;           // per node: its first command (profiling only)
   cl::PinnedBuffer input_host, labels_host, stats_host;
   TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
   ops::StepInfo step;
@@ -157,6 +158,11 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
     impl_->transient.push_back(
         context.create_buffer(plan_.transient_buffers[b], fmt::format("step arena buffer {}", b)));
+  }
+
+  for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
+    impl_->host_transient.push_back(offload::allocate_pinned_host(
+        context, plan_.host_transient_buffers[b], fmt::format("host buffer {} of weight gradients", b)));
   }
 
   // 3. Host staging for upload and download.
@@ -356,6 +362,7 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
   const TensorId s = graph_.tensors.storage(id);
   const Placement& p = graph_.tensors.placement[s];
   if (plan_.pool[s] == Pool::persistent) return {persistent_->mem(p.buffer), p.offset_bytes / 4};
+  if (plan_.pool[s] == Pool::host_transient) return {impl_->host_transient.at(p.buffer).mem(), p.offset_bytes / 4};
   return {impl_->transient.at(p.buffer).get(), p.offset_bytes / 4};
 }
 

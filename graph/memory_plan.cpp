@@ -104,15 +104,23 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     if (is_persistent(t.role[id])) plan.pool[id] = Pool::persistent;
     order.push_back(id);
   }
+  if (options.weight_gradients_on_host) {
+    for (TensorId w = 0; w < t.size(); ++w) {
+      if (t.role[w] == Role::weight && t.grad[w] != no_tensor) plan.pool[t.storage(t.grad[w])] = Pool::host_transient;
+    }
+  }
   // Largest first packs tightest with a greedy lowest-offset fit; ties by id keep it deterministic.
   std::stable_sort(order.begin(), order.end(), [&](TensorId a, TensorId b) { return t.bytes(a) > t.bytes(b); });
 
   Packer persistent(options.max_buffer_bytes, options.alignment);
   Packer transient(options.max_buffer_bytes, options.alignment);
+  Packer host_transient(options.max_buffer_bytes, options.alignment);
   for (TensorId id : order) {
     if (plan.pool[id] == Pool::persistent) {
       // Persistent tensors live through every step: their lifetime is the whole node range.
       if (options.plan_persistent) t.placement[id] = persistent.place(t.bytes(id), 0, unused - 1);
+    } else if (plan.pool[id] == Pool::host_transient) {
+      t.placement[id] = host_transient.place(t.bytes(id), first[id], last[id]);
     } else {
       t.placement[id] = transient.place(t.bytes(id), first[id], last[id]);
       plan.transient_unshared_bytes += t.bytes(id);
@@ -132,6 +140,8 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   }
   plan.persistent_buffers = persistent.sizes();
   plan.transient_buffers = transient.sizes();
+  plan.host_transient_buffers = host_transient.sizes();
+  for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
   for (auto b : plan.persistent_buffers) plan.persistent_bytes += b;
   for (auto b : plan.transient_buffers) plan.transient_bytes += b;
   return plan;

@@ -276,6 +276,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
   }
   if (mode == ResidencyMode::mapped) {
+    mopt.weight_gradients_on_host = true;
     MemoryPlan plan = plan_memory(g, mopt);
     for (TensorId id = 0; id < g.tensors.size(); ++id) {
       if (is_persistent(g.tensors.role[id])) g.tensors.home[id] = Residency::host_mapped;

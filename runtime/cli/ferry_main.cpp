@@ -19,7 +19,7 @@ using Clock = std::chrono::steady_clock;
 
 struct TrainArgs {
   std::string model = "mlp";
-  std::uint32_t epochs = 10, batch = 256, width = 1024, depth = 16;
+  std::uint32_t epochs = 10, batch = 0, width = 1024, depth = 16;  // batch 0: the model's default
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
   std::string optimizer = "adam", schedule = "cosine";
   std::string device, data_dir, trace_path, profile_path;
@@ -82,6 +82,11 @@ int cmd_devices() {
   return 0;
 }
 
+// Batches that train well and fit the models' usual budgets (deep: 64 MiB).
+std::uint32_t default_batch(const std::string& model) {
+  return model == "mlp" ? 256 : model == "cnn" ? 128 : 64;
+}
+
 ferry::ModelSpec make_model(const TrainArgs& a) {
   if (a.model == "mlp") return ferry::models::mlp();
   if (a.model == "cnn") return ferry::models::cnn();
@@ -103,7 +108,8 @@ int cmd_train(const TrainArgs& a) {
 
   ferry::Runtime runtime({.device = a.device, .profiling = !a.trace_path.empty() || !a.profile_path.empty()});
   ferry::TrainerOptions opt;
-  opt.batch = a.batch;
+  opt.batch = a.batch ? a.batch : default_batch(a.model);
+  const std::uint32_t batch = opt.batch;
   opt.lr = a.lr;
   opt.seed = a.seed;
   if (a.optimizer == "adam" || a.optimizer == "adamw") {
@@ -123,8 +129,8 @@ int cmd_train(const TrainArgs& a) {
   if (a.schedule != "cosine" && a.schedule != "constant") {
     throw std::invalid_argument(fmt::format("unknown schedule '{}': use cosine or constant", a.schedule));
   }
-  if (train.count < a.batch) {
-    throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", a.batch, train.count));
+  if (train.count < opt.batch) {
+    throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", opt.batch, train.count));
   }
 
   const auto compile_start = Clock::now();
@@ -148,13 +154,13 @@ int cmd_train(const TrainArgs& a) {
   }
 
   const std::size_t sample = train.sample_elems();
-  const std::size_t steps_per_epoch = train.count / a.batch;
+  const std::size_t steps_per_epoch = train.count / batch;
   const std::size_t total_steps = steps_per_epoch * a.epochs;
   std::vector<std::size_t> order(train.count);
   std::iota(order.begin(), order.end(), 0);
   std::mt19937_64 rng(a.seed);
-  std::vector<float> images(a.batch * sample);
-  std::vector<std::int32_t> labels(a.batch);
+  std::vector<float> images(batch * sample);
+  std::vector<std::int32_t> labels(batch);
   Progress progress(!a.quiet);
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
@@ -167,8 +173,8 @@ int cmd_train(const TrainArgs& a) {
     std::shuffle(order.begin(), order.end(), rng);
     double loss_sum = 0;
     for (std::size_t s = 0; s < steps_per_epoch; ++s) {
-      for (std::uint32_t i = 0; i < a.batch; ++i) {
-        const std::size_t idx = order[s * a.batch + i];
+      for (std::uint32_t i = 0; i < batch; ++i) {
+        const std::size_t idx = order[s * batch + i];
         std::copy_n(train.images.data() + idx * sample, sample, images.data() + i * sample);
         labels[i] = train.labels[idx];
       }
@@ -189,7 +195,7 @@ int cmd_train(const TrainArgs& a) {
       const double elapsed = std::chrono::duration<double>(Clock::now() - train_start).count();
       const double done = static_cast<double>(global_step + 1);
       progress.update(epoch, a.epochs, s + 1, steps_per_epoch, static_cast<float>(loss_sum / (s + 1)),
-                      done * a.batch / elapsed, elapsed / done * (total_steps - done));
+                      done * batch / elapsed, elapsed / done * (total_steps - done));
     }
     last_epoch_loss = loss_sum / steps_per_epoch;
     if (!a.quiet) {
@@ -200,7 +206,7 @@ int cmd_train(const TrainArgs& a) {
   }
   train_seconds = std::chrono::duration<double>(Clock::now() - train_start).count();
   const auto final_eval = trainer.evaluate(test);
-  const double samples_per_s = static_cast<double>(total_steps * a.batch) / train_seconds;
+  const double samples_per_s = static_cast<double>(total_steps * batch) / train_seconds;
   const double step_ms = steps_timed ? step_ms_sum / steps_timed : 0;
   if (!a.trace_path.empty()) {
     trace.write(a.trace_path);
@@ -221,7 +227,7 @@ int cmd_train(const TrainArgs& a) {
     nlohmann::json j = {{"model", trainer.model().name},
                         {"device", runtime.device().name},
                         {"epochs", a.epochs},
-                        {"batch", a.batch},
+                        {"batch", batch},
                         {"optimizer", a.optimizer},
                         {"lr", a.lr},
                         {"seed", a.seed},
@@ -259,7 +265,8 @@ int main(int argc, char** argv) {
   train->add_option("--epochs", t.epochs, "Passes over the training set")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  train->add_option("--batch", t.batch, "Samples per step")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
+      ->check(CLI::PositiveNumber);
   train->add_option("--lr", t.lr, "Peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   train->add_option("--optimizer", t.optimizer, "adam, adamw or sgd")->capture_default_str();
   train->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw)")->capture_default_str();

@@ -96,6 +96,8 @@ class CompiledStep {
     return plan_.transient_bytes + (persistent_->on_device() ? persistent_->bytes : 0);
   }
   const ResidencyReport& residency() const noexcept { return residency_; }
+  // Pinned host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients).
+  std::uint64_t host_step_bytes() const noexcept { return plan_.host_transient_bytes; }
   const std::shared_ptr<PersistentArena>& persistent() const noexcept { return persistent_; }
   ops::DeviceSpan span(TensorId t) const;
   std::size_t node_count() const noexcept { return graph_.nodes.size(); }

@@ -15,18 +15,22 @@
 
 namespace ferry::graph {
 
-enum class Pool : std::uint8_t { persistent, transient };
+// persistent: weights and optimizer state; transient: the step's device arena; host_transient:
+// step-lifetime tensors kept in pinned host memory that kernels use directly (mapped mode puts
+// the weight gradients there, as ZeRO-Offload keeps gradients on the host).
+enum class Pool : std::uint8_t { persistent, transient, host_transient };
 
 struct MemoryPlanOptions {
   std::uint64_t max_buffer_bytes = 1ull << 30;  // CL_DEVICE_MAX_MEM_ALLOC_SIZE of the device
   std::uint32_t alignment = 256;                // bytes; at least the device's base address alignment
   bool plan_persistent = true;                  // false: persistent tensors are placed already (shared)
+  bool weight_gradients_on_host = false;        // final gradients of weights go to Pool::host_transient
 };
 
 struct MemoryPlan {
   std::vector<Pool> pool;  // per tensor (storage owners only; views take their base's)
-  std::vector<std::uint64_t> persistent_buffers, transient_buffers;  // sizes in bytes
-  std::uint64_t persistent_bytes = 0, transient_bytes = 0;
+  std::vector<std::uint64_t> persistent_buffers, transient_buffers, host_transient_buffers;  // sizes in bytes
+  std::uint64_t persistent_bytes = 0, transient_bytes = 0, host_transient_bytes = 0;
   // Sum of the transient tensors' sizes: what the step would need without reuse.
   std::uint64_t transient_unshared_bytes = 0;
   // Bytes of transient tensors live while each node runs (what the memory profiler reports;
