@@ -141,16 +141,28 @@ int cmd_train(const TrainArgs& a) {
                              trainer.model().name, runtime.device().name, runtime.device().type_name(),
                              trainer.parameter_count(), ferry::format_bytes(trainer.training_state_bytes()), compile_s);
     const auto& rr = trainer.residency();
+    std::string where;
+    switch (rr.mode) {
+      case ferry::graph::ResidencyMode::stream:
+        where = fmt::format(
+            "; weights and optimizer state in {} of pinned host memory (two slots); per step {} fetches ({}) and {} "
+            "write-backs ({}), issued {} compute nodes ahead",
+            ferry::format_bytes(trainer.host_state_bytes()), rr.fetches, ferry::format_bytes(rr.fetch_bytes),
+            rr.write_backs, ferry::format_bytes(rr.write_back_bytes), rr.lookahead);
+        break;
+      case ferry::graph::ResidencyMode::mapped:
+        where = fmt::format(
+            "; weights and optimizer state ({}) and weight gradients ({}) in pinned host memory that kernels use in "
+            "place (zero-copy)",
+            ferry::format_bytes(trainer.host_state_bytes()),
+            ferry::format_bytes(trainer.train_step().host_step_bytes()));
+        break;
+      default:
+        break;
+    }
     std::cerr << fmt::format(
         "ferry: residency {}: device peak {} of a {} budget (planned){}\n", ferry::graph::residency_mode_name(rr.mode),
-        ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()),
-        rr.mode == ferry::graph::ResidencyMode::resident
-            ? std::string()
-            : fmt::format("; weights and optimizer state in {} of pinned host memory; per step {} fetches ({}), {} "
-                          "write-backs ({}), lookahead {}",
-                          ferry::format_bytes(trainer.host_state_bytes()), rr.fetches,
-                          ferry::format_bytes(rr.fetch_bytes), rr.write_backs, ferry::format_bytes(rr.write_back_bytes),
-                          rr.lookahead));
+        ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
   }
 
   const std::size_t sample = train.sample_elems();
