@@ -88,6 +88,20 @@ cl_program KernelLibrary::program(std::string_view file, std::string_view option
   return raw;
 }
 
+cl_program KernelLibrary::program_from_source(std::string_view name, std::string_view source,
+                                              std::string_view options) {
+  std::string key = fmt::format("{}|{}|{:016x}", name, options, std::hash<std::string_view>{}(source));
+  std::lock_guard lock(mutex_);
+  if (auto it = programs_.find(key); it != programs_.end()) {
+    ++stats_.memory_hits;
+    return it->second.get();
+  }
+  Program p = build(name, source, std::string(options));
+  cl_program raw = p.get();
+  programs_.emplace(std::move(key), std::move(p));
+  return raw;
+}
+
 Kernel KernelLibrary::kernel(std::string_view file, std::string_view kernel_name, std::string_view options) {
   cl_program p = program(file, options);
   cl_int status = CL_SUCCESS;

@@ -40,6 +40,10 @@ class KernelLibrary {
   explicit KernelLibrary(const Context& context, ProgramCacheOptions cache = ProgramCacheOptions::from_env());
 
   cl_program program(std::string_view file, std::string_view options = {});
+  // A program from source the caller provides (a user's own kernels), cached the same way;
+  // `name` identifies it in errors and cache file names. A build failure throws cl::Error whose
+  // message carries the compiler's build log.
+  cl_program program_from_source(std::string_view name, std::string_view source, std::string_view options = {});
   Kernel kernel(std::string_view file, std::string_view kernel_name, std::string_view options = {});
   const Context& context() const noexcept { return context_; }
   ProgramCacheStats stats() const;
