@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "ferry/ferry.hpp"
+#include "ferry/offload/pinned_host.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 
@@ -209,6 +210,53 @@ TEST(Residency, EvaluationOfAStreamedModelSeesTheTrainedWeights) {
   const auto a = streamed.evaluate(d), b = resident.evaluate(d);
   EXPECT_EQ(a.loss, b.loss);
   EXPECT_EQ(a.accuracy, b.accuracy);
+}
+
+}  // namespace
+}  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+TEST(Residency, TransferFailingMidStepLeavesTheStateUnchanged) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  Trainer trainer(rt, m, options(graph::ResidencyMode::stream, min_stream_budget(rt, m)));
+  const auto& nodes = trainer.train_step().graph().nodes;
+  // A fetch in the second half of the step, after write-backs of updated tensors have started.
+  std::vector<graph::NodeId> fetches;
+  graph::NodeId first_write_back = 0;
+  for (graph::NodeId n = 0; n < nodes.size(); ++n) {
+    if (nodes.kind[n] == graph::OpKind::write_back && first_write_back == 0) first_write_back = n;
+    if (nodes.kind[n] == graph::OpKind::fetch && first_write_back != 0) fetches.push_back(n);
+  }
+  ASSERT_FALSE(fetches.empty());
+  const std::size_t sample = m.sample_shape.elems();
+  auto images = random_vector(8 * sample, 15);
+  auto labels = labels_for(8, 16);
+  std::map<std::string, std::vector<float>> before;
+  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  trainer.train_step().inject_failure(fetches[fetches.size() / 2]);
+  try {
+    trainer.step(images, labels);
+    FAIL() << "the step should fail";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fetch."), std::string::npos) << e.what();
+  }
+  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+  EXPECT_TRUE(std::isfinite(trainer.step(images, labels).loss));
+}
+
+TEST(Residency, FailedHostAllocationIsAClearError) {
+  auto& ctx = TestDevice::get().context;
+  try {
+    offload::allocate_pinned_host(ctx, ctx.device().max_alloc_bytes + 1, "the weights of a huge model");
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("pinned host memory"), std::string::npos) << what;
+    EXPECT_NE(what.find("the weights of a huge model"), std::string::npos) << what;
+  }
 }
 
 }  // namespace
