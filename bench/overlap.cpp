@@ -1,0 +1,474 @@
+// ferry-bench overlap: how well do streamed transfers hide behind compute?
+//
+// For each configuration (a model, a batch and a device budget) it measures, in one run and
+// interleaved repetition by repetition so that the machine's load hits every variant alike:
+//   compute_ms   the step with everything resident (no transfers at all);
+//   transfer_ms  the streamed step run with RunMode::transfers_only (its copies, no kernels);
+//   serial_ms    the streamed step compiled with a serial schedule (each node waits for the
+//                previous one: the copies and the kernels never overlap);
+//   streamed_ms  the streamed step as it normally runs;
+//   mapped_ms    the same step with residency `mapped` (zero-copy), on host-unified devices.
+// and reports
+//   overlap_efficiency = (serial - streamed) / min(compute, transfer)   1: the shorter side is hidden
+//   streamed_over_max  = streamed / max(compute, transfer)              1: perfect overlap
+//   link_gbps          bytes of the streamed step's fetch and write-back nodes over the sum of
+//                      their device durations (profiling timeline): the rate the copies achieved
+//                      while competing with compute;
+//   link_gbps_transfers_only  the same bytes over transfer_ms (wall time, copies alone);
+//   link_peak_gbps     the same byte mix at the peak copy rates: a pinned host buffer
+//                      (offload::allocate_pinned_host) to a device buffer and back on the context's
+//                      h2d / d2h queues (--link-bytes each), device-timed, sampled once per repetition
+//                      in the same rotation as the steps (a line of its own up front, too).
+// Every variant is its own Trainer (same model, seed and batches), so the resident, streamed,
+// serial and mapped trainers must end bit-identical; each line says whether they did. The
+// transfers-only trainer is separate because its runs leave no meaningful state.
+//
+// The Runtime always has profiling on (link_gbps needs device timestamps); every variant pays the
+// same cost. On PoCL (a CPU device) copies are memcpy's on the same cores as the kernels, so
+// overlap is bounded by the cores; each line's "note" says so with the device type and compute
+// units. --trace FILE writes a Chrome trace of three streamed steps per configuration.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+
+#include "bench.hpp"
+#include "ferry/ferry.hpp"
+#include "ferry/offload/pinned_host.hpp"
+
+namespace ferry::bench {
+namespace {
+
+struct OverlapConfig {
+  std::string name;
+  std::string model = "deep";  // deep: models::deep(width, depth); mlp: `depth` hidden layers of `width`
+  std::uint32_t width = 1024, depth = 8, batch = 256;
+  std::string budget = "64MiB";  // device budget of the streamed step
+  std::uint32_t lookahead = 2;
+  std::string optimizer = "adam";  // adam or sgd (plain, no momentum: the least state to stream)
+};
+
+struct OverlapOptions {
+  std::vector<std::string> configs;  // "key=value,..." each; empty: the two defaults
+  std::string link_bytes = "64MiB";
+  bool mapped = true;
+};
+
+// Two configurations of one model (deep 1024x8, 17.6 M parameters, 282 MB of fp32 training state
+// with Adam), so the bytes streamed are alike and only the compute per byte changes: batch 256 is
+// compute-bound everywhere; batch 8 with a tight budget (weights fetched again for the backward
+// pass) is transfer-bound on a discrete GPU. The budgets are below the training state, so both
+// really stream.
+std::vector<OverlapConfig> default_configs() {
+  OverlapConfig compute{.name = "compute-bound", .width = 1024, .depth = 8, .batch = 256, .budget = "192MiB"};
+  OverlapConfig transfer{.name = "transfer-bound", .width = 1024, .depth = 8, .batch = 8, .budget = "40MiB"};
+  return {compute, transfer};
+}
+
+// "name=x,model=deep,width=1024,depth=8,batch=64,budget=64MiB,lookahead=2"; keys left out keep
+// their defaults.
+OverlapConfig parse_config(const std::string& text) {
+  OverlapConfig c;
+  std::istringstream parts(text);
+  for (std::string kv; std::getline(parts, kv, ',');) {
+    const std::size_t eq = kv.find('=');
+    if (eq == std::string::npos) throw std::invalid_argument(fmt::format("--config: '{}' is not key=value", kv));
+    const std::string key = kv.substr(0, eq), value = kv.substr(eq + 1);
+    auto number = [&]() -> std::uint32_t {
+      std::size_t pos = 0;
+      const unsigned long v = std::stoul(value, &pos);
+      if (pos != value.size() || v == 0) {
+        throw std::invalid_argument(fmt::format("--config: {} must be a positive integer, not '{}'", key, value));
+      }
+      return static_cast<std::uint32_t>(v);
+    };
+    if (key == "name") c.name = value;
+    else if (key == "model") c.model = value;
+    else if (key == "width") c.width = number();
+    else if (key == "depth") c.depth = number();
+    else if (key == "batch") c.batch = number();
+    else if (key == "budget") c.budget = value;
+    else if (key == "lookahead") c.lookahead = number();
+    else if (key == "optimizer") c.optimizer = value;
+    else throw std::invalid_argument(fmt::format("--config: unknown key '{}' (name, model, width, depth, batch, budget, lookahead, optimizer)", key));
+  }
+  if (c.model != "deep" && c.model != "mlp") {
+    throw std::invalid_argument(fmt::format("--config: model must be deep or mlp, not '{}'", c.model));
+  }
+  if (c.optimizer != "adam" && c.optimizer != "sgd") {
+    throw std::invalid_argument(fmt::format("--config: optimizer must be adam or sgd, not '{}'", c.optimizer));
+  }
+  if (c.name.empty()) c.name = fmt::format("{}-{}x{}-b{}", c.model, c.width, c.depth, c.batch);
+  return c;
+}
+
+ModelSpec make_model(const OverlapConfig& c) {
+  if (c.model == "mlp") return models::mlp(std::vector<std::uint32_t>(c.depth, c.width));
+  return models::deep(c.width, c.depth);
+}
+
+std::string loadavg() {
+  std::ifstream in("/proc/loadavg");
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return in ? fmt::format("{} {} {}", a, b, c) : std::string("unknown");
+}
+
+std::string device_note(const cl::DeviceInfo& d) {
+  if (d.is_cpu()) {
+    return fmt::format(
+        "{} device '{}' with {} compute units: copies are memcpy's on the same cores as the kernels (a copy beside "
+        "a kernel takes about the serial sum), so overlap is bounded by the cores; the GPU targets (efficiency >= "
+        "0.9, streamed <= 1.1 x max) do not apply here",
+        d.type_name(), d.name, d.compute_units);
+  }
+  return fmt::format("{} device '{}' with {} compute units; targets: overlap efficiency >= 0.9, streamed <= 1.1 x "
+                     "max(compute, transfer)",
+                     d.type_name(), d.name, d.compute_units);
+}
+
+double event_ms(const cl::Event& ev) {
+  cl_ulong start = 0, end = 0;
+  FERRY_CL(clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_START, sizeof start, &start, nullptr));
+  FERRY_CL(clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_END, sizeof end, &end, nullptr));
+  return double(end - start) * 1e-6;
+}
+
+// Copies between a pinned host buffer (offload::allocate_pinned_host) and a device buffer on the
+// context's h2d / d2h queues: the link's peak. Sampled once up front and once per repetition of
+// every configuration (in its rotation, under the same machine load as the steps).
+class LinkProbe {
+ public:
+  LinkProbe(const cl::Context& ctx, std::uint64_t bytes)
+      : ctx_(ctx),
+        bytes_(bytes),
+        host_(offload::allocate_pinned_host(ctx, bytes, "overlap bench link-peak host buffer")),
+        dev_(ctx.create_buffer(bytes, "overlap bench link-peak device buffer")) {
+    std::memset(host_.data(), 1, bytes);
+    sample();  // warm-up: first touch of the device buffer
+    h2d_.clear(), d2h_.clear(), h2d_wall_.clear(), d2h_wall_.clear();
+  }
+
+  // One copy each way; returns the wall time of both.
+  double sample() {
+    double total = 0;
+    for (int dir = 0; dir < 2; ++dir) {
+      const cl_command_queue q = ctx_.queue(dir == 0 ? cl::QueueKind::h2d : cl::QueueKind::d2h);
+      cl::Event ev;
+      const double wall = time_ms([&] {
+        if (dir == 0) {
+          FERRY_CL(clEnqueueWriteBuffer(q, dev_.get(), CL_FALSE, 0, bytes_, host_.data(), 0, nullptr, ev.out()));
+        } else {
+          FERRY_CL(clEnqueueReadBuffer(q, dev_.get(), CL_FALSE, 0, bytes_, host_.data(), 0, nullptr, ev.out()));
+        }
+        FERRY_CL(clFinish(q));
+      });
+      total += wall;
+      const double gbps_wall = double(bytes_) / (wall * 1e6);
+      // Device-timed (the same clock as the step timelines) when profiling is on.
+      const double gbps = ctx_.profiling() ? double(bytes_) / (event_ms(ev) * 1e6) : gbps_wall;
+      (dir == 0 ? h2d_ : d2h_).push_back(gbps);
+      (dir == 0 ? h2d_wall_ : d2h_wall_).push_back(gbps_wall);
+    }
+    return total;
+  }
+  void reset() { h2d_.clear(), d2h_.clear(), h2d_wall_.clear(), d2h_wall_.clear(); }
+  std::uint64_t bytes() const { return bytes_; }
+  double h2d_gbps() const { return median(h2d_); }
+  double d2h_gbps() const { return median(d2h_); }
+  double h2d_wall_gbps() const { return median(h2d_wall_); }
+  double d2h_wall_gbps() const { return median(d2h_wall_); }
+
+ private:
+  const cl::Context& ctx_;
+  std::uint64_t bytes_;
+  cl::PinnedBuffer host_;
+  cl::Mem dev_;
+  std::vector<double> h2d_, d2h_, h2d_wall_, d2h_wall_;
+};
+
+// What one step did on the device (from its profiling timeline).
+struct TimelineStats {
+  std::uint64_t copy_bytes = 0;  // fetch + write-back bytes
+  double copy_ms = 0;            // summed device durations of fetch and write-back nodes
+  double lane_ms[4] = {0, 0, 0, 0};  // summed device durations per lane (compute, copy in, copy out, host)
+  double span_ms = 0;            // first start to last end
+};
+
+TimelineStats timeline_stats(const graph::CompiledStep& step) {
+  const graph::Graph& g = step.graph();
+  std::map<std::string, std::uint64_t> copy_bytes;  // fetch / write-back node name -> bytes
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    const graph::OpKind k = g.nodes.kind[n];
+    if (k != graph::OpKind::fetch && k != graph::OpKind::write_back) continue;
+    copy_bytes[g.nodes.name[n]] = g.tensors.bytes(g.nodes.inputs(n)[0]);
+  }
+  TimelineStats s;
+  std::uint64_t first = UINT64_MAX, last = 0;
+  for (const auto& e : step.timeline()) {
+    const double ms = double(e.end_ns - e.start_ns) * 1e-6;
+    first = std::min(first, e.start_ns);
+    last = std::max(last, e.end_ns);
+    s.lane_ms[static_cast<int>(e.lane)] += ms;
+    auto it = copy_bytes.find(e.name);
+    if (it != copy_bytes.end()) {
+      s.copy_bytes += it->second;
+      s.copy_ms += ms;
+    }
+  }
+  if (last > first) s.span_ms = double(last - first) * 1e-6;
+  return s;
+}
+
+// The batches every trainer of a configuration sees, in the same order.
+struct Batches {
+  std::vector<std::vector<float>> images;
+  std::vector<std::vector<std::int32_t>> labels;
+  Batches(const ModelSpec& m, std::uint32_t batch, int count, unsigned seed) {
+    const std::size_t sample = m.sample_shape.elems();
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);  // standardized inputs
+    std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(m.classes) - 1);
+    for (int b = 0; b < count; ++b) {
+      images.emplace_back(std::size_t(batch) * sample);
+      labels.emplace_back(batch);
+      for (float& v : images.back()) v = normal(rng);
+      for (auto& l : labels.back()) l = label(rng);
+    }
+  }
+};
+
+// A trainer that steps through the shared batches.
+struct Variant {
+  std::string name;
+  std::unique_ptr<Trainer> trainer;
+  std::vector<double> ms;
+  std::vector<TimelineStats> device;  // per timed repetition
+  std::uint64_t next = 0;
+  double step(const Batches& b) {
+    const std::size_t i = next++ % b.images.size();
+    return trainer->step(b.images[i], b.labels[i]).step_ms;
+  }
+};
+
+bool same_parameters(const Trainer& a, const Trainer& b) {
+  for (const std::string& name : a.parameter_names()) {
+    if (a.read_parameter(name) != b.read_parameter(name)) return false;
+  }
+  return true;
+}
+
+nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const OverlapOptions& o,
+                          const OverlapConfig& c, LinkProbe& peak, ChromeTrace* trace) {
+  const cl::DeviceInfo& dev = runtime.device();
+  nlohmann::json j{{"bench", "overlap"},   {"config", c.name},       {"model", c.model},
+                   {"width", c.width},     {"depth", c.depth},       {"batch", c.batch},
+                   {"lookahead", c.lookahead}, {"optimizer", c.optimizer}, {"repeat", common.repeat}, {"device", dev.name},
+                   {"device_type", dev.type_name()}, {"compute_units", dev.compute_units},
+                   {"note", device_note(dev)}, {"loadavg_start", loadavg()}};
+  const ModelSpec model = make_model(c);
+  const Batches batches(model, c.batch, 2, 7);
+
+  TrainerOptions base;
+  base.batch = c.batch;
+  base.seed = 1;
+  base.residency.lookahead = c.lookahead;
+  if (c.optimizer == "sgd") {
+    base.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+    base.optimizer.sgd.momentum = 0.0f;
+    base.lr = 0.01f;
+  }
+  auto make = [&](graph::ResidencyMode mode, bool serial) {
+    TrainerOptions t = base;
+    t.residency.mode = mode;
+    t.residency.budget_bytes = mode == graph::ResidencyMode::resident ? 0 : parse_bytes(c.budget);
+    t.serial_schedule = serial;
+    return std::make_unique<Trainer>(runtime, model, t);
+  };
+  const bool want_mapped = o.mapped && dev.host_unified_memory;
+  std::vector<Variant> v;
+  v.push_back({"compute", make(graph::ResidencyMode::resident, false)});
+  v.push_back({"transfer", make(graph::ResidencyMode::stream, false)});
+  v.push_back({"serial", make(graph::ResidencyMode::stream, true)});
+  v.push_back({"streamed", make(graph::ResidencyMode::stream, false)});
+  if (want_mapped) v.push_back({"mapped", make(graph::ResidencyMode::mapped, false)});
+  Variant& compute = v[0];
+  Variant& transfer = v[1];
+  Variant& serial = v[2];
+  Variant& streamed = v[3];
+
+  std::uint64_t xfer_runs = 0;
+  auto run_transfers = [&] {
+    graph::CompiledStep& s = transfer.trainer->train_step();
+    return time_ms([&] { s.run(ops::StepInfo{++xfer_runs, transfer.trainer->lr()}, graph::RunMode::transfers_only); });
+  };
+  auto run_one = [&](Variant& x) { return &x == &transfer ? run_transfers() : x.step(batches); };
+  peak.reset();
+
+  // Warm-up: one step of each (first launches, first touch of every buffer).
+  for (Variant& x : v) run_one(x);
+  for (int r = 0; r < common.repeat; ++r) {
+    // Rotate the order so that no variant always runs right after the same neighbour.
+    for (std::size_t k = 0; k <= v.size(); ++k) {
+      const std::size_t slot = (k + r) % (v.size() + 1);
+      if (slot == v.size()) {  // the link peak, in the same rotation
+        peak.sample();
+        continue;
+      }
+      Variant& x = v[slot];
+      x.ms.push_back(run_one(x));
+      if (runtime.context().profiling()) x.device.push_back(timeline_stats(x.trainer->train_step()));
+    }
+  }
+
+  const double compute_ms = median(compute.ms), transfer_ms = median(transfer.ms), serial_ms = median(serial.ms),
+               streamed_ms = median(streamed.ms);
+  const auto& rr = streamed.trainer->residency();
+  const std::uint64_t copy_bytes = rr.fetch_bytes + rr.write_back_bytes;
+  j["budget_bytes"] = streamed.trainer->device_budget_bytes();
+  j["device_peak_bytes"] = streamed.trainer->device_peak_bytes();
+  j["resident_device_peak_bytes"] = compute.trainer->device_peak_bytes();
+  j["training_state_bytes"] = streamed.trainer->training_state_bytes();
+  j["parameters"] = streamed.trainer->parameter_count();
+  j["fetches"] = rr.fetches;
+  j["write_backs"] = rr.write_backs;
+  j["fetch_bytes"] = rr.fetch_bytes;
+  j["write_back_bytes"] = rr.write_back_bytes;
+  j["compute_ms"] = compute_ms;
+  j["transfer_ms"] = transfer_ms;
+  j["serial_ms"] = serial_ms;
+  j["streamed_ms"] = streamed_ms;
+  j["bound"] = compute_ms >= transfer_ms ? "compute" : "transfer";
+  j["overlap_efficiency"] = (serial_ms - streamed_ms) / std::min(compute_ms, transfer_ms);
+  j["streamed_over_max"] = streamed_ms / std::max(compute_ms, transfer_ms);
+  j["streamed_over_sum"] = streamed_ms / (compute_ms + transfer_ms);
+  j["serial_over_sum"] = serial_ms / (compute_ms + transfer_ms);
+  // The same byte mix at the measured peak rates, one copy after another.
+  const double peak_ms = double(rr.fetch_bytes) / (peak.h2d_gbps() * 1e6) +
+                         double(rr.write_back_bytes) / (peak.d2h_gbps() * 1e6);
+  j["link_peak_gbps"] = peak_ms > 0 ? double(copy_bytes) / (peak_ms * 1e6) : 0.0;
+  j["link_peak_h2d_gbps"] = peak.h2d_gbps();
+  j["link_peak_d2h_gbps"] = peak.d2h_gbps();
+  j["link_peak_bytes"] = peak.bytes();
+  std::vector<double> link_gbps;
+  bool bytes_match = true;  // the timeline's fetch / write-back nodes carry the bytes the residency plan reports
+  for (const TimelineStats& t : streamed.device) {
+    if (t.copy_ms > 0) link_gbps.push_back(double(t.copy_bytes) / (t.copy_ms * 1e6));
+    bytes_match = bytes_match && t.copy_bytes == copy_bytes;
+  }
+  if (!streamed.device.empty()) j["timeline_bytes_match_plan"] = bytes_match;
+  j["link_gbps"] = link_gbps.empty() ? nlohmann::json(nullptr) : nlohmann::json(median(link_gbps));
+  j["link_gbps_transfers_only"] = double(copy_bytes) / (transfer_ms * 1e6);
+  // Device-side view per variant (medians): summed command durations per lane and the span.
+  nlohmann::json device_ms = nlohmann::json::object();
+  for (const Variant& x : v) {
+    if (x.device.empty()) continue;
+    auto med = [&](auto field) {
+      std::vector<double> xs;
+      for (const TimelineStats& t : x.device) xs.push_back(field(t));
+      return median(xs);
+    };
+    device_ms[x.name] = {{"compute", med([](const TimelineStats& t) { return t.lane_ms[0]; })},
+                         {"copy_in", med([](const TimelineStats& t) { return t.lane_ms[1]; })},
+                         {"copy_out", med([](const TimelineStats& t) { return t.lane_ms[2]; })},
+                         {"fetch_write_back", med([](const TimelineStats& t) { return t.copy_ms; })},
+                         {"span", med([](const TimelineStats& t) { return t.span_ms; })}};
+  }
+  j["device_ms"] = device_ms;
+  j["ms"] = {{"compute", compute.ms}, {"transfer", transfer.ms}, {"serial", serial.ms}, {"streamed", streamed.ms}};
+  if (want_mapped) {
+    Variant& mapped = v[4];
+    const double mapped_ms = median(mapped.ms);
+    j["mapped_ms"] = mapped_ms;
+    j["mapped_over_stream"] = mapped_ms / streamed_ms;
+    j["mapped_over_compute"] = mapped_ms / compute_ms;
+    j["mapped_device_peak_bytes"] = mapped.trainer->device_peak_bytes();
+    j["ms"]["mapped"] = mapped.ms;
+  } else {
+    j["mapped_ms"] = nullptr;
+    j["mapped_skipped"] = o.mapped ? "device memory is not the host's (CL_DEVICE_HOST_UNIFIED_MEMORY false)"
+                                   : "--no-mapped";
+  }
+  // Same seed, same batches, same number of steps: the training state must be identical.
+  j["streamed_matches_resident"] = same_parameters(*compute.trainer, *streamed.trainer);
+  j["serial_matches_resident"] = same_parameters(*compute.trainer, *serial.trainer);
+  if (want_mapped) j["mapped_matches_resident"] = same_parameters(*compute.trainer, *v[4].trainer);
+  j["loadavg_end"] = loadavg();
+
+  if (trace) {
+    for (int s = 0; s < 3; ++s) {
+      streamed.step(batches);
+      trace->add_step(streamed.trainer->train_step().timeline(), streamed.trainer->steps_done());
+    }
+  }
+  return j;
+}
+
+int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
+  std::vector<OverlapConfig> configs;
+  for (const std::string& s : o.configs) configs.push_back(parse_config(s));
+  if (configs.empty()) configs = default_configs();
+
+  Runtime runtime({.device = common.device, .profiling = true});
+  const cl::DeviceInfo& dev = runtime.device();
+  LinkProbe peak(runtime.context(), parse_bytes(o.link_bytes));
+  for (int r = 0; r < std::max(common.repeat, 5); ++r) peak.sample();
+  emit_json({{"bench", "overlap"},
+             {"result", "link_peak"},
+             {"bytes", peak.bytes()},
+             {"h2d_gbps", peak.h2d_gbps()},
+             {"d2h_gbps", peak.d2h_gbps()},
+             {"h2d_wall_gbps", peak.h2d_wall_gbps()},
+             {"d2h_wall_gbps", peak.d2h_wall_gbps()},
+             {"device", dev.name},
+             {"device_type", dev.type_name()},
+             {"compute_units", dev.compute_units},
+             {"host_unified_memory", dev.host_unified_memory},
+             {"note", device_note(dev)}});
+
+  std::optional<ChromeTrace> trace;
+  if (!common.trace.empty()) trace.emplace();
+  int status = 0;
+  for (const OverlapConfig& c : configs) {
+    fmt::print(stderr, "overlap: {} ({} {}x{}, batch {}, budget {})\n", c.name, c.model, c.width, c.depth, c.batch,
+               c.budget);
+    try {
+      emit_json(run_config(runtime, common, o, c, peak, trace ? &*trace : nullptr));
+    } catch (const graph::BudgetError& e) {
+      emit_json({{"bench", "overlap"},
+                 {"config", c.name},
+                 {"error", e.what()},
+                 {"min_budget_bytes", e.min_budget()}});
+      status = 1;
+    }
+  }
+  if (trace) {
+    trace->write(common.trace);
+    fmt::print(stderr, "wrote a trace of 3 streamed steps per configuration to {}\n", common.trace);
+  }
+  return status;
+}
+
+BenchRun setup(CLI::App& sub, const BenchCommon& common) {
+  auto o = std::make_shared<OverlapOptions>();
+  sub.add_option("--config", o->configs,
+                 "a configuration, repeatable: name=..,model=deep|mlp,width=..,depth=..,batch=..,budget=64MiB,"
+                 "lookahead=2 optimizer=adam|sgd (default: compute-bound deep 1024x8 batch 256 budget "
+                 "192MiB, and transfer-bound deep 1024x8 batch 8 budget 40MiB)");
+  sub.add_option("--link-bytes", o->link_bytes, "size of the link-peak copies")->capture_default_str();
+  sub.add_flag("!--no-mapped", o->mapped, "skip the mapped (zero-copy) variant");
+  return [o, &common] { return run_overlap(common, *o); };
+}
+
+FERRY_BENCH("overlap",
+            "streaming: compute-only, transfer-only, serial and overlapped step times, overlap efficiency, link "
+            "bandwidth vs peak, mapped vs stream",
+            setup);
+
+}  // namespace
+}  // namespace ferry::bench
