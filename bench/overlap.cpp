@@ -59,15 +59,20 @@ struct OverlapOptions {
   bool mapped = true;
 };
 
-// Two configurations of one model (deep 1024x8, 17.6 M parameters, 282 MB of fp32 training state
-// with Adam), so the bytes streamed are alike and only the compute per byte changes: batch 256 is
-// compute-bound everywhere; batch 8 with a tight budget (weights fetched again for the backward
-// pass) is transfer-bound on a discrete GPU. The budgets are below the training state, so both
-// really stream.
+// Defaults, all Adam:
+//   compute-bound     deep 1024x8 (17.6 M parameters, 282 MB of training state), batch 256, under a
+//                     192 MiB budget (below the state, so it really streams);
+//   transfer-bound    mlp with one hidden layer of 8192 (6.5 M parameters), batch 8: the big layer
+//                     is the first one, which needs no input gradient, so per streamed byte the
+//                     step does the least compute there is (forward, weight gradient, update);
+//   deep-small-batch  the compute-bound model at batch 8 under a 40 MiB budget (weights fetched
+//                     again for the backward pass): transfer-bound on a discrete GPU.
 std::vector<OverlapConfig> default_configs() {
-  OverlapConfig compute{.name = "compute-bound", .width = 1024, .depth = 8, .batch = 256, .budget = "192MiB"};
-  OverlapConfig transfer{.name = "transfer-bound", .width = 1024, .depth = 8, .batch = 8, .budget = "40MiB"};
-  return {compute, transfer};
+  return {
+      {.name = "compute-bound", .model = "deep", .width = 1024, .depth = 8, .batch = 256, .budget = "192MiB"},
+      {.name = "transfer-bound", .model = "mlp", .width = 8192, .depth = 1, .batch = 8, .budget = "128MiB"},
+      {.name = "deep-small-batch", .model = "deep", .width = 1024, .depth = 8, .batch = 8, .budget = "40MiB"},
+  };
 }
 
 // "name=x,model=deep,width=1024,depth=8,batch=64,budget=64MiB,lookahead=2"; keys left out keep
@@ -458,8 +463,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<OverlapOptions>();
   sub.add_option("--config", o->configs,
                  "a configuration, repeatable: name=..,model=deep|mlp,width=..,depth=..,batch=..,budget=64MiB,"
-                 "lookahead=2 optimizer=adam|sgd (default: compute-bound deep 1024x8 batch 256 budget "
-                 "192MiB, and transfer-bound deep 1024x8 batch 8 budget 40MiB)");
+                 "lookahead=2,optimizer=adam|sgd (default: compute-bound deep 1024x8 batch 256 budget "
+                 "192MiB; transfer-bound mlp 8192x1 batch 8 budget 128MiB; deep-small-batch deep 1024x8 batch 8 "
+                 "budget 40MiB)");
   sub.add_option("--link-bytes", o->link_bytes, "size of the link-peak copies")->capture_default_str();
   sub.add_flag("!--no-mapped", o->mapped, "skip the mapped (zero-copy) variant");
   return [o, &common] { return run_overlap(common, *o); };
