@@ -86,21 +86,36 @@ OverlapConfig parse_config(const std::string& text) {
     const std::string key = kv.substr(0, eq), value = kv.substr(eq + 1);
     auto number = [&]() -> std::uint32_t {
       std::size_t pos = 0;
-      const unsigned long v = std::stoul(value, &pos);
-      if (pos != value.size() || v == 0) {
+      unsigned long v = 0;
+      try {
+        v = std::stoul(value, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      if (pos == 0 || pos != value.size() || v == 0) {
         throw std::invalid_argument(fmt::format("--config: {} must be a positive integer, not '{}'", key, value));
       }
       return static_cast<std::uint32_t>(v);
     };
-    if (key == "name") c.name = value;
-    else if (key == "model") c.model = value;
-    else if (key == "width") c.width = number();
-    else if (key == "depth") c.depth = number();
-    else if (key == "batch") c.batch = number();
-    else if (key == "budget") c.budget = value;
-    else if (key == "lookahead") c.lookahead = number();
-    else if (key == "optimizer") c.optimizer = value;
-    else throw std::invalid_argument(fmt::format("--config: unknown key '{}' (name, model, width, depth, batch, budget, lookahead, optimizer)", key));
+    if (key == "name")
+      c.name = value;
+    else if (key == "model")
+      c.model = value;
+    else if (key == "width")
+      c.width = number();
+    else if (key == "depth")
+      c.depth = number();
+    else if (key == "batch")
+      c.batch = number();
+    else if (key == "budget")
+      c.budget = value;
+    else if (key == "lookahead")
+      c.lookahead = number();
+    else if (key == "optimizer")
+      c.optimizer = value;
+    else
+      throw std::invalid_argument(fmt::format(
+          "--config: unknown key '{}' (name, model, width, depth, batch, budget, lookahead, optimizer)", key));
   }
   if (c.model != "deep" && c.model != "mlp") {
     throw std::invalid_argument(fmt::format("--config: model must be deep or mlp, not '{}'", c.model));
@@ -132,9 +147,10 @@ std::string device_note(const cl::DeviceInfo& d) {
         "0.9, streamed <= 1.1 x max) do not apply here",
         d.type_name(), d.name, d.compute_units);
   }
-  return fmt::format("{} device '{}' with {} compute units; targets: overlap efficiency >= 0.9, streamed <= 1.1 x "
-                     "max(compute, transfer)",
-                     d.type_name(), d.name, d.compute_units);
+  return fmt::format(
+      "{} device '{}' with {} compute units; targets: overlap efficiency >= 0.9, streamed <= 1.1 x "
+      "max(compute, transfer)",
+      d.type_name(), d.name, d.compute_units);
 }
 
 double event_ms(const cl::Event& ev) {
@@ -199,10 +215,10 @@ class LinkProbe {
 
 // What one step did on the device (from its profiling timeline).
 struct TimelineStats {
-  std::uint64_t copy_bytes = 0;  // fetch + write-back bytes
-  double copy_ms = 0;            // summed device durations of fetch and write-back nodes
+  std::uint64_t copy_bytes = 0;      // fetch + write-back bytes
+  double copy_ms = 0;                // summed device durations of fetch and write-back nodes
   double lane_ms[4] = {0, 0, 0, 0};  // summed device durations per lane (compute, copy in, copy out, host)
-  double span_ms = 0;            // first start to last end
+  double span_ms = 0;                // first start to last end
 };
 
 TimelineStats timeline_stats(const graph::CompiledStep& step) {
@@ -268,14 +284,23 @@ bool same_parameters(const Trainer& a, const Trainer& b) {
   return true;
 }
 
-nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const OverlapOptions& o,
-                          const OverlapConfig& c, LinkProbe& peak, ChromeTrace* trace) {
+nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const OverlapOptions& o, const OverlapConfig& c,
+                          LinkProbe& peak, ChromeTrace* trace) {
   const cl::DeviceInfo& dev = runtime.device();
-  nlohmann::json j{{"bench", "overlap"},   {"config", c.name},       {"model", c.model},
-                   {"width", c.width},     {"depth", c.depth},       {"batch", c.batch},
-                   {"lookahead", c.lookahead}, {"optimizer", c.optimizer}, {"repeat", common.repeat}, {"device", dev.name},
-                   {"device_type", dev.type_name()}, {"compute_units", dev.compute_units},
-                   {"note", device_note(dev)}, {"loadavg_start", loadavg()}};
+  nlohmann::json j{{"bench", "overlap"},
+                   {"config", c.name},
+                   {"model", c.model},
+                   {"width", c.width},
+                   {"depth", c.depth},
+                   {"batch", c.batch},
+                   {"lookahead", c.lookahead},
+                   {"optimizer", c.optimizer},
+                   {"repeat", common.repeat},
+                   {"device", dev.name},
+                   {"device_type", dev.type_name()},
+                   {"compute_units", dev.compute_units},
+                   {"note", device_note(dev)},
+                   {"loadavg_start", loadavg()}};
   const ModelSpec model = make_model(c);
   const Batches batches(model, c.batch, 2, 7);
 
@@ -354,8 +379,8 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   j["streamed_over_sum"] = streamed_ms / (compute_ms + transfer_ms);
   j["serial_over_sum"] = serial_ms / (compute_ms + transfer_ms);
   // The same byte mix at the measured peak rates, one copy after another.
-  const double peak_ms = double(rr.fetch_bytes) / (peak.h2d_gbps() * 1e6) +
-                         double(rr.write_back_bytes) / (peak.d2h_gbps() * 1e6);
+  const double peak_ms =
+      double(rr.fetch_bytes) / (peak.h2d_gbps() * 1e6) + double(rr.write_back_bytes) / (peak.d2h_gbps() * 1e6);
   j["link_peak_gbps"] = peak_ms > 0 ? double(copy_bytes) / (peak_ms * 1e6) : 0.0;
   j["link_peak_h2d_gbps"] = peak.h2d_gbps();
   j["link_peak_d2h_gbps"] = peak.d2h_gbps();
@@ -396,8 +421,8 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
     j["ms"]["mapped"] = mapped.ms;
   } else {
     j["mapped_ms"] = nullptr;
-    j["mapped_skipped"] = o.mapped ? "device memory is not the host's (CL_DEVICE_HOST_UNIFIED_MEMORY false)"
-                                   : "--no-mapped";
+    j["mapped_skipped"] =
+        o.mapped ? "device memory is not the host's (CL_DEVICE_HOST_UNIFIED_MEMORY false)" : "--no-mapped";
   }
   // Same seed, same batches, same number of steps: the training state must be identical.
   j["streamed_matches_resident"] = same_parameters(*compute.trainer, *streamed.trainer);
@@ -445,10 +470,7 @@ int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
     try {
       emit_json(run_config(runtime, common, o, c, peak, trace ? &*trace : nullptr));
     } catch (const graph::BudgetError& e) {
-      emit_json({{"bench", "overlap"},
-                 {"config", c.name},
-                 {"error", e.what()},
-                 {"min_budget_bytes", e.min_budget()}});
+      emit_json({{"bench", "overlap"}, {"config", c.name}, {"error", e.what()}, {"min_budget_bytes", e.min_budget()}});
       status = 1;
     }
   }
