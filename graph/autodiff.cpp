@@ -95,7 +95,7 @@ class Differentiator {
   void emit(NodeId n) {
     const auto in = std::vector<TensorId>(n_.inputs(n).begin(), n_.inputs(n).end());
     const auto out = std::vector<TensorId>(n_.outputs(n).begin(), n_.outputs(n).end());
-    const std::string& name = n_.name[n];
+    const std::string name = n_.name[n];  // a copy: adding nodes below reallocates the names
     const NodeAttrs attrs = n_.attrs[n];
     switch (n_.kind[n]) {
       case OpKind::upload:

@@ -397,7 +397,8 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
     throw cl::Error("a command of the step (reported by its completion event)", impl_->device_status, "step");
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
-  if (residency_.write_backs > 0) persistent_->current = 1 - persistent_->current;
+  // (A transfers-only run computed nothing: its write-backs are not a new state.)
+  if (residency_.write_backs > 0 && mode == RunMode::normal) persistent_->current = 1 - persistent_->current;
 }
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {
