@@ -3,8 +3,10 @@
 // ferry: Trainer with models::mlp() (784-1024-1024-10), batch 256, fp32, Adam, random
 // standardized data, on the selected OpenCL device. PyTorch: bench/peers/torch_mlp_step.py (the
 // same model, batch, loss and optimizer) run through popen for each configured interpreter, in
-// the same run, so the ratio is taken under the same machine load. Both sides report the median
-// over --repeat blocks of the block's mean step time, after warm-up steps.
+// the same run, so the ratio is taken under the same machine load: ferry is measured before and
+// after the peers and its figure is the median over both sets of blocks. Both sides report the
+// median over blocks of the block's mean step time (--repeat blocks of --steps steps each side),
+// after warm-up steps. Ratios are peer step time / ferry step time (> 1: ferry is faster).
 //
 // Debian's OpenBLAS misdetects some CPUs and runs several times slower; the fair configuration
 // of a PyTorch built on it sets OPENBLAS_CORETYPE (chosen from /proc/cpuinfo) and
@@ -22,7 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
+#include <memory>
 #include <random>
 #include <set>
 #include <sstream>
@@ -89,14 +91,6 @@ std::string default_peer_script() {
   return "bench/peers/torch_mlp_step.py";
 }
 
-struct FerryResult {
-  double step_ms = 0, run_ms = 0;
-  std::vector<double> block_ms;
-  float loss = 0;
-  std::uint64_t device_peak_bytes = 0;
-  std::size_t nodes = 0;
-};
-
 // Per-op-kind device time of one traced step, largest first, on stderr (what the step is made of).
 // A node's event is that of its last command, so a node of several kernels (packing, GEMM, bias)
 // is charged from the end of the previous command on its in-order queue to its own end: the
@@ -130,62 +124,86 @@ void print_breakdown(const graph::Graph& g, std::vector<graph::TimelineEntry> ti
   }
 }
 
-FerryResult measure_ferry(const BenchCommon& common, const StepBenchOptions& o, nlohmann::json& info) {
-  Runtime runtime({.device = common.device, .profiling = !common.trace.empty()});
-  TrainerOptions topt;
-  topt.batch = o.batch;  // optimizer: Adam by default
-  Trainer trainer(runtime, models::mlp({1024, 1024}), topt);
-  info["device"] = runtime.device().name;
-  info["model"] = trainer.model().name;
-
-  // A few distinct batches of standardized (N(0, 1)) random data, cycled.
-  const std::size_t sample = trainer.model().sample_shape.elems();
-  constexpr int kBatches = 4;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(trainer.model().classes) - 1);
-  std::vector<std::vector<float>> images(kBatches, std::vector<float>(o.batch * sample));
-  std::vector<std::vector<std::int32_t>> labels(kBatches, std::vector<std::int32_t>(o.batch));
-  for (int b = 0; b < kBatches; ++b) {
-    for (float& v : images[b]) v = normal(rng);
-    for (auto& l : labels[b]) l = label(rng);
+// ferry's side: the trainer and its data, kept alive so that it can be measured before and after
+// the peers (the machine's load drifts; the ratio uses blocks from both sides of the peers).
+class FerrySession {
+ public:
+  FerrySession(const BenchCommon& common, const StepBenchOptions& o)
+      : common_(common),
+        o_(o),
+        runtime_({.device = common.device, .profiling = !common.trace.empty()}),
+        trainer_(runtime_, models::mlp({1024, 1024}), trainer_options(o)) {
+    // A few distinct batches of standardized (N(0, 1)) random data, cycled.
+    const std::size_t sample = trainer_.model().sample_shape.elems();
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(trainer_.model().classes) - 1);
+    images_.assign(kBatches, std::vector<float>(o.batch * sample));
+    labels_.assign(kBatches, std::vector<std::int32_t>(o.batch));
+    for (int b = 0; b < kBatches; ++b) {
+      for (float& v : images_[b]) v = normal(rng);
+      for (auto& l : labels_[b]) l = label(rng);
+    }
+    for (int w = 0; w < o.warmup; ++w) one();
   }
 
-  FerryResult r;
-  std::uint64_t i = 0;
-  auto one = [&]() -> double {
-    const StepResult s = trainer.step(images[i % kBatches], labels[i % kBatches]);
-    ++i;
-    r.loss = s.loss;
-    return s.step_ms;
-  };
-  for (int w = 0; w < o.warmup; ++w) one();
-  std::vector<double> run_ms;
-  for (int rep = 0; rep < common.repeat; ++rep) {
-    double run_sum = 0;
-    const double block = time_ms([&] {
-      for (int s = 0; s < o.steps; ++s) run_sum += one();
-    });
-    r.block_ms.push_back(block / o.steps);
-    run_ms.push_back(run_sum / o.steps);
+  // Times --repeat blocks of --steps steps; returns the block means (ms per step).
+  std::vector<double> measure() {
+    std::vector<double> blocks;
+    for (int rep = 0; rep < common_.repeat; ++rep) {
+      double run_sum = 0;
+      const double block = time_ms([&] {
+        for (int s = 0; s < o_.steps; ++s) run_sum += one();
+      });
+      blocks.push_back(block / o_.steps);
+      run_ms_.push_back(run_sum / o_.steps);
+    }
+    return blocks;
   }
-  r.step_ms = median(r.block_ms);
-  r.run_ms = median(run_ms);
-  r.device_peak_bytes = trainer.device_peak_bytes();
-  r.nodes = trainer.train_step().node_count();
 
-  if (!common.trace.empty()) {
+  // Median of CompiledStep::run alone over every block measured so far.
+  double run_ms() const { return median(run_ms_); }
+  float loss() const { return loss_; }
+  const Trainer& trainer() const { return trainer_; }
+  const Runtime& runtime() const { return runtime_; }
+
+  // With --trace: three more steps into a Chrome trace, and the op breakdown of the last on stderr.
+  void trace() {
+    if (common_.trace.empty()) return;
     ChromeTrace trace;
     for (int s = 0; s < 3; ++s) {
       one();
-      trace.add_step(trainer.train_step().timeline(), trainer.steps_done());
+      trace.add_step(trainer_.train_step().timeline(), trainer_.steps_done());
     }
-    print_breakdown(trainer.train_step().graph(), trainer.train_step().timeline());
-    trace.write(common.trace);
-    fmt::print(stderr, "wrote a trace of 3 steps to {}\n", common.trace);
+    print_breakdown(trainer_.train_step().graph(), trainer_.train_step().timeline());
+    trace.write(common_.trace);
+    fmt::print(stderr, "wrote a trace of 3 steps to {}\n", common_.trace);
   }
-  return r;
-}
+
+ private:
+  static constexpr int kBatches = 4;
+  static TrainerOptions trainer_options(const StepBenchOptions& o) {
+    TrainerOptions t;
+    t.batch = o.batch;  // optimizer: Adam (the default), lr 1e-3
+    return t;
+  }
+  double one() {
+    const StepResult s = trainer_.step(images_[i_ % kBatches], labels_[i_ % kBatches]);
+    ++i_;
+    loss_ = s.loss;
+    return s.step_ms;
+  }
+
+  const BenchCommon& common_;
+  const StepBenchOptions& o_;
+  Runtime runtime_;
+  Trainer trainer_;
+  std::vector<std::vector<float>> images_;
+  std::vector<std::vector<std::int32_t>> labels_;
+  std::vector<double> run_ms_;
+  std::uint64_t i_ = 0;
+  float loss_ = 0;
+};
 
 struct PeerRun {
   std::string python, config;
@@ -229,23 +247,13 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
   const nlohmann::json base{
       {"bench", "step"}, {"batch", o.batch}, {"warmup", o.warmup}, {"steps", o.steps}, {"repeat", common.repeat}};
 
-  std::optional<FerryResult> ferry_r;
-  nlohmann::json ferry_info;
+  std::unique_ptr<FerrySession> ferry;
+  std::vector<double> before, after;
   if (o.ferry) {
-    ferry_r = measure_ferry(common, o, ferry_info);
-    nlohmann::json j = base;
-    j["impl"] = "ferry";
-    j["step_ms"] = ferry_r->step_ms;
-    j["samples_per_s"] = o.batch * 1e3 / ferry_r->step_ms;
-    j["run_ms"] = ferry_r->run_ms;  // CompiledStep::run alone (no batch validation or staging copy)
-    j["block_ms"] = ferry_r->block_ms;
-    j["device"] = ferry_info["device"];
-    j["model"] = ferry_info["model"];
-    j["nodes"] = ferry_r->nodes;
-    j["device_peak_bytes"] = ferry_r->device_peak_bytes;
-    j["loss"] = ferry_r->loss;
-    emit_json(j);
+    ferry = std::make_unique<FerrySession>(common, o);
+    before = ferry->measure();
   }
+  std::vector<nlohmann::json> peer_lines;
 
   // Interpreters: as given, else python3 on PATH and Debian's /usr/bin/python3; each once.
   std::vector<std::string> pythons;
@@ -254,7 +262,8 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
   for (const std::string& name : wanted) {
     const std::string path = find_on_path(name);
     if (path.empty()) {
-      emit_json({{"bench", "step"}, {"impl", "pytorch"}, {"python", name}, {"error", "interpreter not found"}});
+      peer_lines.push_back(
+          {{"bench", "step"}, {"impl", "pytorch"}, {"python", name}, {"error", "interpreter not found"}});
       continue;
     }
     const std::string norm = fs::path(path).lexically_normal().string();
@@ -281,7 +290,7 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
       j["env"] = env;
       if (r.contains("error")) {
         j["error"] = r["error"];
-        emit_json(j);
+        peer_lines.push_back(j);
         continue;
       }
       const double peer_ms = r.value("step_ms", 0.0);
@@ -291,10 +300,38 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
       j["threads"] = r.value("threads", 0);
       j["torch_file"] = r.value("torch_file", std::string());
       j["loss"] = r.value("loss", 0.0);
-      if (ferry_r && peer_ms > 0) j["ratio_ferry_over_peer"] = peer_ms / ferry_r->step_ms;
-      emit_json(j);
+      peer_lines.push_back(j);
     }
   }
+
+  // ferry again after the peers; its figure is the median over the blocks on both sides.
+  double ferry_ms = 0;
+  if (ferry) {
+    after = ferry->measure();
+    std::vector<double> all = before;
+    all.insert(all.end(), after.begin(), after.end());
+    ferry_ms = median(all);
+    nlohmann::json j = base;
+    j["impl"] = "ferry";
+    j["step_ms"] = ferry_ms;
+    j["samples_per_s"] = o.batch * 1e3 / ferry_ms;
+    j["step_ms_before_peers"] = median(before);
+    j["step_ms_after_peers"] = median(after);
+    j["run_ms"] = ferry->run_ms();  // CompiledStep::run alone (no batch validation or staging copy)
+    j["block_ms"] = all;
+    j["device"] = ferry->runtime().device().name;
+    j["model"] = ferry->trainer().model().name;
+    j["nodes"] = ferry->trainer().train_step().node_count();
+    j["device_peak_bytes"] = ferry->trainer().device_peak_bytes();
+    j["loss"] = ferry->loss();
+    emit_json(j);
+  }
+  for (nlohmann::json& j : peer_lines) {
+    const double peer_ms = j.value("step_ms", 0.0);
+    if (ferry && peer_ms > 0) j["ratio_ferry_over_peer"] = peer_ms / ferry_ms;
+    emit_json(j);
+  }
+  if (ferry) ferry->trace();
   return 0;
 }
 
