@@ -10,6 +10,7 @@
 
 #include "ferry/cl/error.hpp"
 #include "ferry/graph/bind.hpp"
+#include "ferry/offload/host_optimizer.hpp"
 #include "ferry/offload/pinned_host.hpp"
 
 namespace ferry::graph {
@@ -93,6 +94,28 @@ struct CompiledStep::Impl {
   std::unique_ptr<DoneNode> done;
   cl::Event finish_marker;
   DoneNode::gateway_type* gateway = nullptr;
+  OptimizerSpec optimizer;
+  bool commits_other_slot = false;  // the step writes the next state into the other host slot
+
+  // A host-lane node waits for its device inputs through a marker whose completion callback
+  // opens an async_node gateway; its work then runs on a TBB worker.
+  struct HostGate {
+    Impl* im = nullptr;
+    DoneNode::gateway_type* gateway = nullptr;
+    std::vector<cl_event> wait;
+    cl::Event marker;
+    std::atomic<cl_int> status{CL_COMPLETE};
+  };
+  std::vector<std::unique_ptr<HostGate>> gates;  // per node; null for device nodes
+  std::vector<std::unique_ptr<DoneNode>> gate_nodes;
+  std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> host_work;
+
+  static void CL_CALLBACK on_inputs_ready(cl_event, cl_int status, void* user) {
+    auto* gate = static_cast<HostGate*>(user);
+    if (status < 0) gate->status = status;
+    gate->gateway->try_put(continue_msg{});
+    gate->gateway->release_wait();
+  }
   std::atomic<cl_int> device_status{CL_COMPLETE};
 
   explicit Impl(const cl::Context& c) : ctx(c) {}
@@ -228,8 +251,19 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     last_on_lane[lane] = id;
   }
 
+  impl_->optimizer = optimizer;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    const bool writes_state_on_host =
+        n.lane[id] == Lane::host ||
+        (n.kind[id] == OpKind::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent);
+    impl_->commits_other_slot = impl_->commits_other_slot || writes_state_on_host;
+  }
+
   // 6. The flow graph.
   impl_->events.resize(n.size());
+  impl_->gates.resize(n.size());
+  impl_->gate_nodes.resize(n.size());
+  impl_->host_work.resize(n.size());
   impl_->first_events.resize(n.size());
   Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
@@ -247,6 +281,10 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
               if (im->events[m]) wait.push_back(im->events[m].get());
             }
             if (serial && id > 0 && im->events[id - 1]) wait.push_back(im->events[id - 1].get());
+            if (nodes.lane[id] == Lane::host) {
+              im->gates[id]->wait = std::move(wait);  // the gate waits for these, then the work runs
+              return;
+            }
             const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
             cl::Event ev;
             const auto& tt = graph_.tensors;
@@ -266,11 +304,10 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
                 const TensorId host = in ? nodes.inputs(id)[0] : nodes.outputs(id)[0];
                 const TensorId copy = in ? nodes.outputs(id)[0] : nodes.inputs(id)[0];
                 const ops::DeviceSpan dev = span(copy);
-                const PersistentArena& arena = *persistent_;
                 // Fetch from the current slot; write back into the other, which becomes current
-                // only if the whole step succeeds.
-                const int slot = in ? arena.current : 1 - arena.current;
-                std::byte* ptr = arena.host_ptr(slot, tt.placement[tt.storage(host)]);
+                // only if the whole step succeeds. (Step tensors on the host have one place.)
+                const int current = persistent_->current;
+                std::byte* ptr = host_address(host, in ? current : 1 - current);
                 const cl_uint nwait = static_cast<cl_uint>(wait.size());
                 const cl_event* wl = wait.empty() ? nullptr : wait.data();
                 if (in) {
@@ -311,8 +348,51 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
         }));
   }
   for (NodeId id = 0; id < n.size(); ++id) {
+    if (n.lane[id] != Lane::host) continue;
+    auto gate = std::make_unique<Impl::HostGate>();
+    gate->im = im;
+    Impl::HostGate* g = gate.get();
+    impl_->gates[id] = std::move(gate);
+    impl_->gate_nodes[id] = std::make_unique<DoneNode>(
+        impl_->flow, tbb::flow::unlimited, [g](const continue_msg&, DoneNode::gateway_type& gw) {
+          if (g->wait.empty()) {
+            gw.try_put(continue_msg{});
+            return;
+          }
+          g->gateway = &gw;
+          gw.reserve_wait();
+          const cl_command_queue q = g->im->ctx.queue(cl::QueueKind::d2h);
+          cl::Event marker;
+          cl_int status =
+              clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(g->wait.size()), g->wait.data(), marker.out());
+          if (status == CL_SUCCESS) status = clSetEventCallback(marker.get(), CL_COMPLETE, &Impl::on_inputs_ready, g);
+          if (status != CL_SUCCESS) {
+            gw.release_wait();
+            cl::check(status, "clSetEventCallback(host node inputs)");
+          }
+          g->marker = std::move(marker);
+          FERRY_CL(clFlush(q));
+        });
+    impl_->host_work[id] =
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, g, id](const continue_msg&) {
+          const auto& nodes = graph_.nodes;
+          if (g->status < 0) {
+            throw cl::Error(fmt::format("a device command host node '{}' waited for", nodes.name[id]), g->status,
+                            nodes.name[id]);
+          }
+          if (im->mode == RunMode::transfers_only) return;
+          run_host_node(id);
+        });
+    tbb::flow::make_edge(*impl_->nodes[id], *impl_->gate_nodes[id]);
+    tbb::flow::make_edge(*impl_->gate_nodes[id], *impl_->host_work[id]);
+  }
+  auto exit_of = [&](NodeId id) -> tbb::flow::sender<continue_msg>& {
+    if (impl_->host_work[id]) return *impl_->host_work[id];
+    return *impl_->nodes[id];
+  };
+  for (NodeId id = 0; id < n.size(); ++id) {
     if (preds[id].empty()) tbb::flow::make_edge(impl_->start, *impl_->nodes[id]);
-    for (NodeId m : preds[id]) tbb::flow::make_edge(*impl_->nodes[m], *impl_->nodes[id]);
+    for (NodeId m : preds[id]) tbb::flow::make_edge(exit_of(m), *impl_->nodes[id]);
   }
 
   // Finish: a marker on the compute queue after every lane's last command; its completion
@@ -332,7 +412,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
                                              wait.empty() ? nullptr : wait.data(), marker.out()));
         im->finish_marker = std::move(marker);
       });
-  for (NodeId tail : lane_tails) tbb::flow::make_edge(*impl_->nodes[tail], *impl_->finish);
+  for (NodeId tail : lane_tails) tbb::flow::make_edge(exit_of(tail), *impl_->finish);
   impl_->done = std::make_unique<DoneNode>(
       impl_->flow, tbb::flow::unlimited, [im](const continue_msg&, DoneNode::gateway_type& gw) {
         im->gateway = &gw;
@@ -356,6 +436,49 @@ CompiledStep::~CompiledStep() {
       // Destructors must not throw; the queues are being torn down anyway.
     }
   }
+}
+
+void CompiledStep::run_host_node(NodeId id) {
+  const auto& nodes = graph_.nodes;
+  const auto& t = graph_.tensors;
+  cl::OpScope scope(nodes.name[id]);
+  if (fail_node_ == id) {
+    fail_node_ = static_cast<NodeId>(-1);
+    throw std::runtime_error(
+        fmt::format("step node '{}' (host {}): injected failure", nodes.name[id], op_name(nodes.kind[id])));
+  }
+  const auto in = nodes.inputs(id);
+  const int current = persistent_->current;
+  auto from = [&](TensorId x) { return reinterpret_cast<const float*>(host_address(x, current)); };
+  auto to = [&](TensorId x) { return reinterpret_cast<float*>(host_address(x, 1 - current)); };
+  const std::size_t count = t.shape[in[0]].elems();
+  const float* grad = reinterpret_cast<const float*>(host_address(in[1], 0));
+  switch (nodes.kind[id]) {
+    case OpKind::adam_update: {
+      ops::AdamConfig c = impl_->optimizer.adam;
+      c.decoupled_weight_decay = impl_->optimizer.kind == OptimizerSpec::Kind::adamw;
+      offload::host_adam_update(c, impl_->step, grad,
+                                {from(in[0]), from(in[2]), from(in[3]), to(in[0]), to(in[2]), to(in[3])}, count);
+      return;
+    }
+    case OpKind::sgd_update:
+      offload::host_sgd_update(impl_->optimizer.sgd, impl_->step, grad,
+                               {from(in[0]), from(in[2]), to(in[0]), to(in[2])}, count);
+      return;
+    default:
+      throw std::logic_error(
+          fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], op_name(nodes.kind[id])));
+  }
+}
+
+std::byte* CompiledStep::host_address(TensorId id, int slot) const {
+  const TensorId s = graph_.tensors.storage(id);
+  const Placement& p = graph_.tensors.placement[s];
+  if (plan_.pool[s] == Pool::persistent) return persistent_->host_ptr(slot, p);
+  if (plan_.pool[s] == Pool::host_transient) {
+    return static_cast<std::byte*>(impl_->host_transient.at(p.buffer).data()) + p.offset_bytes;
+  }
+  throw std::logic_error(fmt::format("tensor '{}' has no host memory", graph_.tensors.name[id]));
 }
 
 ops::DeviceSpan CompiledStep::span(TensorId id) const {
@@ -398,7 +521,7 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
-  if (residency_.write_backs > 0 && mode == RunMode::normal) persistent_->current = 1 - persistent_->current;
+  if (impl_->commits_other_slot && mode == RunMode::normal) persistent_->current = 1 - persistent_->current;
 }
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {

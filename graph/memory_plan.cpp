@@ -104,10 +104,8 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     if (is_persistent(t.role[id])) plan.pool[id] = Pool::persistent;
     order.push_back(id);
   }
-  if (options.weight_gradients_on_host) {
-    for (TensorId w = 0; w < t.size(); ++w) {
-      if (t.role[w] == Role::weight && t.grad[w] != no_tensor) plan.pool[t.storage(t.grad[w])] = Pool::host_transient;
-    }
+  for (TensorId id : order) {
+    if (plan.pool[id] == Pool::transient && t.home[id] != Residency::device) plan.pool[id] = Pool::host_transient;
   }
   // Largest first packs tightest with a greedy lowest-offset fit; ties by id keep it deterministic.
   std::stable_sort(order.begin(), order.end(), [&](TensorId a, TensorId b) { return t.bytes(a) > t.bytes(b); });

@@ -36,6 +36,7 @@ struct Use {
 std::vector<std::vector<Use>> uses_by_tensor(const Graph& g) {
   std::vector<std::vector<Use>> uses(g.tensors.size());
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.lane[n] == Lane::host) continue;  // host nodes use host memory, not device copies
     auto note = [&](TensorId t, bool write) {
       if (t == no_tensor) return;
       auto& u = uses[g.tensors.storage(t)];
@@ -76,6 +77,7 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
     resident_bytes -= t.bytes(id);
   };
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.lane[n] == Lane::host) continue;
     std::vector<TensorId> needed;
     auto need = [&](TensorId id) {
       if (id == no_tensor) return;
@@ -119,7 +121,7 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
 }
 
 // Rewrites `base` so persistent tensors live on the host and are fetched for each interval.
-Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t lookahead, ResidencyReport& report) {
+Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t lookahead) {
   Graph g = base;
   auto& t = g.tensors;
   const auto intervals = device_intervals(base, cache_limit);
@@ -155,18 +157,16 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   // Which copy each node uses for each persistent tensor.
   std::vector<std::map<TensorId, TensorId>> rename(count);
   for (std::size_t i = 0; i < intervals.size(); ++i) {
-    for (NodeId n = intervals[i].first; n <= intervals[i].last; ++n) rename[n][intervals[i].tensor] = copy_of[i];
+    for (NodeId n = intervals[i].first; n <= intervals[i].last; ++n) {
+      if (base.nodes.lane[n] != Lane::host) rename[n][intervals[i].tensor] = copy_of[i];
+    }
   }
 
   NodeTable out;
-  report.fetches = report.write_backs = 0;
-  report.fetch_bytes = report.write_back_bytes = 0;
   for (NodeId n = 0; n < count; ++n) {
     for (std::size_t i : fetch_at[n]) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
       out.add(OpKind::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::h2d);
-      ++report.fetches;
-      report.fetch_bytes += t.bytes(host);
     }
     std::vector<TensorId> ins(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
     std::vector<TensorId> outs(base.nodes.outputs(n).begin(), base.nodes.outputs(n).end());
@@ -183,12 +183,51 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
       out.add(OpKind::write_back, "write_back." + t.name[host], std::span(&copy, 1), std::span(&host, 1), {},
               Lane::d2h);
-      ++report.write_backs;
-      report.write_back_bytes += t.bytes(host);
     }
   }
   g.nodes = std::move(out);
   return g;
+}
+
+// Fetch / write-back counts and bytes of a graph, and its host updates.
+void count_transfers(const Graph& g, ResidencyReport& r) {
+  r.fetches = r.write_backs = r.host_updates = 0;
+  r.fetch_bytes = r.write_back_bytes = 0;
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.kind[n] == OpKind::fetch) {
+      ++r.fetches;
+      r.fetch_bytes += g.tensors.bytes(g.nodes.inputs(n)[0]);
+    } else if (g.nodes.kind[n] == OpKind::write_back) {
+      ++r.write_backs;
+      r.write_back_bytes += g.tensors.bytes(g.nodes.inputs(n)[0]);
+    } else if (g.nodes.lane[n] == Lane::host) {
+      ++r.host_updates;
+    }
+  }
+}
+
+// Moves every optimizer update to the host lane: its gradient is written back into pinned host
+// memory just before it, and it reads and writes the host-resident weight and state directly.
+void move_updates_to_host(Graph& g) {
+  auto& t = g.tensors;
+  const NodeTable old = g.nodes;
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (!is_update(old.kind[n])) {
+      const NodeId id = out.add(old.kind[n], old.name[n], old.inputs(n), old.outputs(n), old.attrs[n], old.lane[n]);
+      out.scratch[id] = old.scratch[n];
+      continue;
+    }
+    std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
+    const TensorId grad = ins[1];
+    const TensorId grad_host = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
+    t.home[grad_host] = Residency::host_pinned;
+    out.add(OpKind::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host, 1), {},
+            Lane::d2h);
+    ins[1] = grad_host;
+    out.add(old.kind[n], old.name[n], ins, old.outputs(n), old.attrs[n], Lane::host);
+  }
+  g.nodes = std::move(out);
 }
 
 std::string mib(std::uint64_t b) {
@@ -258,6 +297,14 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
         "residency mode 'mapped' needs a device whose memory is the host's (CL_DEVICE_HOST_UNIFIED_MEMORY); use "
         "'stream' on this device");
   }
+  if (options.host_optimizer) {
+    // Updates on the host need the state in host memory and copies to and from the device.
+    if (mode == ResidencyMode::resident || mode == ResidencyMode::mapped) {
+      throw std::invalid_argument(fmt::format("the host optimizer runs with residency 'stream' (or 'auto'), not '{}'",
+                                              residency_mode_name(mode)));
+    }
+    mode = ResidencyMode::stream;
+  }
   if (mode == ResidencyMode::resident || mode == ResidencyMode::automatic) {
     Graph resident = g;
     MemoryPlan plan = plan_memory(resident, mopt);
@@ -276,7 +323,13 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
   }
   if (mode == ResidencyMode::mapped) {
-    mopt.weight_gradients_on_host = true;
+    // The weights' gradients live on the host too (kernels write them in place), so the device
+    // holds only activations; updates stay at the end of the step.
+    for (TensorId w = 0; w < g.tensors.size(); ++w) {
+      if (g.tensors.role[w] == Role::weight && g.tensors.grad[w] != no_tensor) {
+        g.tensors.home[g.tensors.storage(g.tensors.grad[w])] = Residency::host_mapped;
+      }
+    }
     MemoryPlan plan = plan_memory(g, mopt);
     for (TensorId id = 0; id < g.tensors.size(); ++id) {
       if (is_persistent(g.tensors.role[id])) g.tensors.home[id] = Residency::host_mapped;
@@ -295,8 +348,10 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   // Stream: find the largest cache limit (and the lookahead) whose plan fits the budget.
   Graph base = g;
   place_updates_early(base);
+  if (options.host_optimizer) move_updates_to_host(base);
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
-    Graph s = stream_graph(base, cache, lookahead, r);
+    Graph s = stream_graph(base, cache, lookahead);
+    count_transfers(s, r);
     MemoryPlan p = plan_memory(s, mopt);
     r.cache_limit_bytes = cache;
     r.lookahead = lookahead;

@@ -261,3 +261,91 @@ TEST(Residency, FailedHostAllocationIsAClearError) {
 
 }  // namespace
 }  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+TrainerOptions host_optimizer_options(std::uint64_t budget, graph::OptimizerSpec::Kind kind) {
+  TrainerOptions o = options(graph::ResidencyMode::stream, budget);
+  o.residency.host_optimizer = true;
+  o.optimizer.kind = kind;
+  o.optimizer.sgd.momentum = 0.9f;
+  o.optimizer.adam.weight_decay = 0.01f;
+  return o;
+}
+
+class HostOptimizerTest : public ::testing::TestWithParam<graph::OptimizerSpec::Kind> {};
+
+TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  const std::uint64_t budget = min_stream_budget(rt, m) * 2;
+  TrainerOptions device_opt = options(graph::ResidencyMode::resident, 0);
+  device_opt.optimizer = host_optimizer_options(budget, GetParam()).optimizer;
+  const RunResult reference = train(rt, m, device_opt, 4);
+  const TrainerOptions host_opt = host_optimizer_options(budget, GetParam());
+  const RunResult host = train(rt, m, host_opt, 4);
+  // The same arithmetic in another rounding order: equal to float precision, not bit for bit.
+  for (std::size_t s = 0; s < host.losses.size(); ++s) EXPECT_NEAR(host.losses[s], reference.losses[s], 1e-5f);
+  for (const auto& [name, values] : reference.params)
+    expect_near(host.params.at(name), values, 1e-5f, 1e-4f, name.c_str());
+
+  Trainer t(rt, m, host_opt);
+  const auto& r = t.residency();
+  const auto weights = t.parameter_names().size();
+  EXPECT_EQ(r.host_updates, weights);
+  // Only gradients come back (one write-back per weight); weights are fetched, optimizer state never.
+  EXPECT_EQ(r.write_backs, weights);
+  EXPECT_EQ(r.write_back_bytes, t.weight_bytes());
+  for (graph::NodeId n = 0; n < t.train_step().graph().nodes.size(); ++n) {
+    const auto& nodes = t.train_step().graph().nodes;
+    if (nodes.kind[n] != graph::OpKind::fetch) continue;
+    const auto role = t.train_step().graph().tensors.role[nodes.inputs(n)[0]];
+    EXPECT_EQ(role, graph::Role::weight) << nodes.name[n];
+  }
+  Trainer device_updates(rt, m, options(graph::ResidencyMode::stream, budget));
+  EXPECT_LT(r.fetch_bytes + r.write_back_bytes,
+            (device_updates.residency().fetch_bytes + device_updates.residency().write_back_bytes) / 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
+                         ::testing::Values(graph::OptimizerSpec::Kind::adam, graph::OptimizerSpec::Kind::adamw,
+                                           graph::OptimizerSpec::Kind::sgd),
+                         [](const auto& info) { return std::string(graph::optimizer_name(info.param)); });
+
+TEST(HostOptimizer, FailingHostUpdateLeavesTheStateUnchanged) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, graph::OptimizerSpec::Kind::adam));
+  const auto& nodes = trainer.train_step().graph().nodes;
+  std::vector<graph::NodeId> host_nodes;
+  for (graph::NodeId n = 0; n < nodes.size(); ++n) {
+    if (nodes.lane[n] == graph::Lane::host) host_nodes.push_back(n);
+  }
+  ASSERT_GT(host_nodes.size(), 2u);
+  const std::size_t sample = m.sample_shape.elems();
+  auto images = random_vector(8 * sample, 25);
+  auto labels = labels_for(8, 26);
+  trainer.step(images, labels);
+  std::map<std::string, std::vector<float>> before;
+  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  trainer.train_step().inject_failure(host_nodes[host_nodes.size() / 2]);
+  try {
+    trainer.step(images, labels);
+    FAIL() << "the step should fail";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(nodes.name[host_nodes[host_nodes.size() / 2]]), std::string::npos) << e.what();
+  }
+  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+  EXPECT_TRUE(std::isfinite(trainer.step(images, labels).loss));
+  EXPECT_THROW(Trainer(rt, m,
+                       [] {
+                         TrainerOptions o = options(graph::ResidencyMode::resident, 0);
+                         o.residency.host_optimizer = true;
+                         return o;
+                       }()),
+               std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ferry::test

@@ -25,6 +25,7 @@ struct TrainArgs {
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, residency = "auto";
   std::uint32_t lookahead = 2;
+  bool host_optimizer = false;
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
   std::uint32_t trace_steps = 4;
@@ -125,6 +126,7 @@ int cmd_train(const TrainArgs& a) {
   }
   opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
   opt.residency.lookahead = a.lookahead;
+  opt.residency.host_optimizer = a.host_optimizer;
   if (!a.device_budget.empty()) opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
   if (a.schedule != "cosine" && a.schedule != "constant") {
     throw std::invalid_argument(fmt::format("unknown schedule '{}': use cosine or constant", a.schedule));
@@ -146,9 +148,10 @@ int cmd_train(const TrainArgs& a) {
       case ferry::graph::ResidencyMode::stream:
         where = fmt::format(
             "; weights and optimizer state in {} of pinned host memory (two slots); per step {} fetches ({}) and {} "
-            "write-backs ({}), issued {} compute nodes ahead",
+            "write-backs ({}), issued {} compute nodes ahead{}",
             ferry::format_bytes(trainer.host_state_bytes()), rr.fetches, ferry::format_bytes(rr.fetch_bytes),
-            rr.write_backs, ferry::format_bytes(rr.write_back_bytes), rr.lookahead);
+            rr.write_backs, ferry::format_bytes(rr.write_back_bytes), rr.lookahead,
+            rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
         break;
       case ferry::graph::ResidencyMode::mapped:
         where = fmt::format(
@@ -257,6 +260,7 @@ int cmd_train(const TrainArgs& a) {
                         {"host_state_bytes", trainer.host_state_bytes()},
                         {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
                         {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
+                        {"host_updates_per_step", trainer.residency().host_updates},
                         {"compile_s", compile_s}};
     std::cout << j.dump() << std::endl;
   }
@@ -297,6 +301,9 @@ int main(int argc, char** argv) {
                    "(zero-copy, unified-memory devices)")
       ->check(CLI::IsMember({"auto", "resident", "stream", "mapped"}))
       ->capture_default_str();
+  train->add_flag("--host-optimizer", t.host_optimizer,
+                  "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
+                  "come back");
   train->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
       ->capture_default_str();
   train->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();

@@ -110,6 +110,10 @@ class CompiledStep {
 
  private:
   struct Impl;
+  // Host memory of a host-resident tensor (slot: which copy of the persistent state).
+  std::byte* host_address(TensorId id, int slot) const;
+  // Runs a host-lane node (an optimizer update on the host) on the calling TBB worker.
+  void run_host_node(NodeId id);
   Graph graph_;
   MemoryPlan plan_;
   ResidencyReport residency_;

@@ -16,15 +16,14 @@
 namespace ferry::graph {
 
 // persistent: weights and optimizer state; transient: the step's device arena; host_transient:
-// step-lifetime tensors kept in pinned host memory that kernels use directly (mapped mode puts
-// the weight gradients there, as ZeRO-Offload keeps gradients on the host).
+// step-lifetime tensors whose home is the host (TensorTable::home not device): pinned host
+// memory, e.g. weight gradients that mapped mode or the host optimizer keep on the host.
 enum class Pool : std::uint8_t { persistent, transient, host_transient };
 
 struct MemoryPlanOptions {
   std::uint64_t max_buffer_bytes = 1ull << 30;  // CL_DEVICE_MAX_MEM_ALLOC_SIZE of the device
   std::uint32_t alignment = 256;                // bytes; at least the device's base address alignment
   bool plan_persistent = true;                  // false: persistent tensors are placed already (shared)
-  bool weight_gradients_on_host = false;        // final gradients of weights go to Pool::host_transient
 };
 
 struct MemoryPlan {

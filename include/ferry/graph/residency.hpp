@@ -30,12 +30,16 @@ struct ResidencyOptions {
   ResidencyMode mode = ResidencyMode::automatic;
   std::uint64_t budget_bytes = 0;  // device bytes a step may use; 0: no limit
   std::uint32_t lookahead = 2;     // compute nodes between a fetch and its first use
+  // Stream mode: run optimizer updates on the host (TBB workers) instead of the device. Only the
+  // weights are fetched and only their gradients written back; optimizer state stays on the host.
+  bool host_optimizer = false;
 };
 
 struct ResidencyReport {
   ResidencyMode mode = ResidencyMode::resident;  // the one chosen
   std::uint32_t fetches = 0, write_backs = 0;    // per step
   std::uint64_t fetch_bytes = 0, write_back_bytes = 0;
+  std::uint32_t host_updates = 0;       // optimizer updates run on the host
   std::uint64_t cache_limit_bytes = 0;  // device bytes the eviction rule was allowed for persistent copies
   std::uint32_t lookahead = 0;
   std::uint64_t min_budget_bytes = 0;  // the smallest budget this graph can run in (stream mode)

@@ -1,0 +1,37 @@
+// Optimizer updates on the host, for weights whose home is host memory (ZeRO-Offload's CPU Adam
+// idea): only the weights go to the device and only their gradients come back; the optimizer
+// state never crosses the link.
+//
+// Out of place: the update reads weights and state from one slot and writes the new values into
+// another, so a step that fails before it commits leaves the current slot as it was. Runs in
+// parallel over chunks on TBB workers; the same arithmetic as the device kernels, in fp32 (not
+// bit-identical to them: the order of rounding differs).
+#pragma once
+
+#include <cstddef>
+
+#include "ferry/ops/optimizer.hpp"
+
+namespace ferry::offload {
+
+struct AdamSlots {
+  const float* w_in;
+  const float* m_in;
+  const float* v_in;
+  float* w_out;
+  float* m_out;
+  float* v_out;
+};
+
+struct SgdSlots {
+  const float* w_in;
+  const float* velocity_in;
+  float* w_out;
+  float* velocity_out;
+};
+
+void host_adam_update(const ops::AdamConfig& c, const ops::StepInfo& step, const float* grad, AdamSlots s,
+                      std::size_t n);
+void host_sgd_update(const ops::SgdConfig& c, const ops::StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
+
+}  // namespace ferry::offload
