@@ -12,12 +12,6 @@ void check_shape(std::size_t rows, std::size_t cols) {
   if (rows * cols > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("bias: more than 2^32-1 elements");
 }
 
-// Largest work-group the compiled kernel allows on this device.
-std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device) {
-  std::size_t limit = 0;
-  FERRY_CL(clGetKernelWorkGroupInfo(k.get(), device.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit), &limit, nullptr));
-  return limit == 0 ? 1 : limit;
-}
 }  // namespace
 
 LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows, std::size_t cols) {

@@ -1,6 +1,9 @@
 // Enqueueing bound kernel launches.
 #include "ferry/ops/launch.hpp"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "ferry/cl/error.hpp"
 
 namespace ferry::ops {
@@ -39,6 +42,25 @@ KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n) {
   l.global[0] = round_up(n == 0 ? 1 : n, 64);
   l.local[0] = 64;
   return l;
+}
+
+std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device) {
+  std::size_t limit = 0;
+  FERRY_CL(clGetKernelWorkGroupInfo(k.get(), device.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit), &limit, nullptr));
+  if (device.max_work_group_size != 0) limit = std::min(limit, device.max_work_group_size);
+  return std::max<std::size_t>(1, limit);
+}
+
+std::size_t row_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent) {
+  // The smallest power of two covering `want`, within `cap` and the kernel's limit.
+  std::size_t want = device.is_cpu() ? 1 : extent, cap = 256;
+  if (const char* forced = std::getenv("FERRY_ROW_GROUP_SIZE"); forced && *forced) {
+    want = cap = std::strtoull(forced, nullptr, 10);
+  }
+  cap = std::min(cap, kernel_group_limit(k, device));
+  std::size_t size = 1;
+  while (size * 2 <= cap && size < want) size *= 2;
+  return size;
 }
 
 }  // namespace ferry::ops

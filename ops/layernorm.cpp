@@ -16,30 +16,6 @@ void check_shape(std::size_t rows, std::size_t cols) {
     throw std::invalid_argument("layernorm: more than 2^32-1 elements");
 }
 
-std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device) {
-  std::size_t limit = 0;
-  FERRY_CL(clGetKernelWorkGroupInfo(k.get(), device.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit), &limit, nullptr));
-  return std::max<std::size_t>(1,
-                               std::min(limit, device.max_work_group_size == 0 ? limit : device.max_work_group_size));
-}
-
-// Local size for a per-row reduction over `extent` elements (a power of two). FERRY_ROW_GROUP_SIZE
-// forces one (tests use it to cover the work-group path on any device). Otherwise: on CPU devices
-// a work-item per row (local size 1), which is 3-6x faster on PoCL than a work-group per row
-// whose barriers become loops over the work-items; on GPUs a work-group per row, no larger than
-// the row needs and at most 256. Always within what the compiled kernel allows.
-std::size_t row_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent) {
-  const std::size_t limit = kernel_group_limit(k, device);
-  // The smallest power of two covering `want`, within `cap` and the kernel's limit.
-  std::size_t want = device.is_cpu() ? 1 : extent, cap = 256;
-  if (const char* forced = std::getenv("FERRY_ROW_GROUP_SIZE"); forced && *forced)
-    want = cap = std::strtoull(forced, nullptr, 10);
-  cap = std::min(cap, limit);
-  std::size_t size = 1;
-  while (size * 2 <= cap && size < want) size *= 2;
-  return size;
-}
-
 KernelLaunch per_row_launch(cl::Kernel k, std::size_t rows, std::size_t local) {
   KernelLaunch l;
   l.kernel = std::move(k);

@@ -161,13 +161,17 @@ EvalResult Trainer::evaluate(const Dataset& data) {
   return r;
 }
 
-std::uint64_t Trainer::weight_bytes() const {
+std::uint64_t Trainer::bytes_of(graph::Role role) const {
   std::uint64_t bytes = 0;
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
-    if (t.role[id] == graph::Role::weight) bytes += t.bytes(id);
+    if (t.role[id] == role) bytes += t.bytes(id);
   }
   return bytes;
+}
+
+std::uint64_t Trainer::weight_bytes() const {
+  return bytes_of(graph::Role::weight);
 }
 
 std::uint64_t Trainer::parameter_count() const {
@@ -175,12 +179,7 @@ std::uint64_t Trainer::parameter_count() const {
 }
 
 std::uint64_t Trainer::optimizer_state_bytes() const {
-  std::uint64_t bytes = 0;
-  const auto& t = train_->graph().tensors;
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (t.role[id] == graph::Role::optimizer_state) bytes += t.bytes(id);
-  }
-  return bytes;
+  return bytes_of(graph::Role::optimizer_state);
 }
 
 std::uint64_t Trainer::training_state_bytes() const {

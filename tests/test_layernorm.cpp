@@ -12,18 +12,6 @@
 namespace ferry::test {
 namespace {
 
-// Forces the local size of the per-row reductions while alive (0: the device default, which is a
-// work-item per row on CPUs), so the work-group tree path that GPUs take is tested here too.
-class ScopedRowGroupSize {
- public:
-  explicit ScopedRowGroupSize(std::size_t size) {
-    if (size != 0) setenv("FERRY_ROW_GROUP_SIZE", std::to_string(size).c_str(), 1);
-  }
-  ~ScopedRowGroupSize() { unsetenv("FERRY_ROW_GROUP_SIZE"); }
-  ScopedRowGroupSize(const ScopedRowGroupSize&) = delete;
-  ScopedRowGroupSize& operator=(const ScopedRowGroupSize&) = delete;
-};
-
 struct Inputs {
   std::vector<float> x, gamma, beta, dy;
 };

@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "ferry/cl/context.hpp"
@@ -39,7 +41,8 @@ class DeviceTensor {
     std::vector<float> poison(n + offset, std::nanf(""));
     dev.context.write(mem_.get(), 0, poison.data(), poison.size() * sizeof(float));
   }
-  explicit DeviceTensor(const std::vector<float>& values, std::uint64_t offset = 7) : DeviceTensor(values.size(), offset) {
+  explicit DeviceTensor(const std::vector<float>& values, std::uint64_t offset = 7)
+      : DeviceTensor(values.size(), offset) {
     upload(values);
   }
   void upload(const std::vector<float>& values) {
@@ -67,8 +70,12 @@ inline std::vector<float> random_vector(std::size_t n, std::uint32_t seed, float
   return v;
 }
 
-inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
-inline std::vector<float> to_float(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+inline std::vector<double> to_double(const std::vector<float>& v) {
+  return {v.begin(), v.end()};
+}
+inline std::vector<float> to_float(const std::vector<double>& v) {
+  return {v.begin(), v.end()};
+}
 
 // Asserts |a - b| <= atol + rtol * |b| elementwise, reporting the first few mismatches.
 inline void expect_near(const std::vector<float>& actual, const std::vector<float>& expected, float atol, float rtol,
@@ -104,6 +111,18 @@ inline void expect_gradient_matches_finite_differences(const std::function<doubl
     EXPECT_NEAR(grad[i], numeric, tol * std::max(1.0, std::abs(numeric))) << what << " element " << i;
   }
 }
+
+// Forces the local size of the per-row reductions while alive (0: the device default, which is a
+// work-item per row on CPUs), so the work-group tree path that GPUs take is tested here too.
+class ScopedRowGroupSize {
+ public:
+  explicit ScopedRowGroupSize(std::size_t size) {
+    if (size != 0) setenv("FERRY_ROW_GROUP_SIZE", std::to_string(size).c_str(), 1);
+  }
+  ~ScopedRowGroupSize() { unsetenv("FERRY_ROW_GROUP_SIZE"); }
+  ScopedRowGroupSize(const ScopedRowGroupSize&) = delete;
+  ScopedRowGroupSize& operator=(const ScopedRowGroupSize&) = delete;
+};
 
 // sum_i r_i * y_i: a scalar loss whose gradient with respect to y is r.
 inline double weighted_sum(const std::vector<double>& y, const std::vector<double>& r) {

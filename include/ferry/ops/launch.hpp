@@ -66,6 +66,16 @@ inline std::size_t round_up(std::size_t n, std::size_t multiple) {
   return (n + multiple - 1) / multiple * multiple;
 }
 
+// The largest work-group `k` may run with on `device` (the kernel's and the device's limits).
+std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device);
+
+// Local size for a per-row reduction over `extent` elements (a power of two). FERRY_ROW_GROUP_SIZE
+// forces one (tests use it to cover the work-group path on any device). Otherwise: on CPU devices
+// a work-item per row (local size 1), which is 3-6x faster on PoCL than a work-group per row
+// whose barriers become loops over the work-items; on GPUs a work-group per row, no larger than
+// the row needs and at most 256. Always within what the compiled kernel allows.
+std::size_t row_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent);
+
 // A one-dimensional launch over n elements with the library's default work-group size.
 KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n);
 
