@@ -203,20 +203,25 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec) {
     t.init[s] = {WeightInit::Kind::zeros, 0};
     return s;
   };
+  // Every update reads the step's loss statistics and skips itself when the loss is not finite.
+  TensorId stats = no_tensor;
+  for (TensorId id = 0; id < count; ++id) {
+    if (t.role[id] == Role::stats) stats = id;
+  }
   for (TensorId w = 0; w < count; ++w) {
     if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
     const TensorId grad = t.grad[w];
     if (spec.kind == OptimizerSpec::Kind::sgd) {
       TensorId v = state(w, ".momentum");
-      const TensorId ins[] = {w, grad, v};
+      const TensorId ins[] = {w, grad, v, stats};
       const TensorId outs[] = {w, v};
-      g.nodes.add(OpKind::sgd_update, t.name[w] + ".update", ins, outs);
+      g.nodes.add(OpKind::sgd_update, t.name[w] + ".update", std::span(ins, stats == no_tensor ? 3 : 4), outs);
     } else {
       TensorId m = state(w, ".adam_m");
       TensorId v = state(w, ".adam_v");
-      const TensorId ins[] = {w, grad, m, v};
+      const TensorId ins[] = {w, grad, m, v, stats};
       const TensorId outs[] = {w, m, v};
-      g.nodes.add(OpKind::adam_update, t.name[w] + ".update", ins, outs);
+      g.nodes.add(OpKind::adam_update, t.name[w] + ".update", std::span(ins, stats == no_tensor ? 4 : 5), outs);
     }
   }
 }

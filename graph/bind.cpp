@@ -156,11 +156,13 @@ ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorResolver& at, op
       return ops::softmax_xent_backward(env, at(in[0]), at(in[1]), at(out[0]), l[0], l[1]);
     }
     case OpKind::sgd_update:
-      return ops::sgd_update(env, optimizer.sgd, at(in[0]), at(in[1]), at(in[2]), elems(in[0]));
+      return ops::sgd_update(env, optimizer.sgd, at(in[0]), at(in[1]), at(in[2]), elems(in[0]),
+                             in.size() > 3 ? at(in[3]) : ops::DeviceSpan{});
     case OpKind::adam_update: {
       ops::AdamConfig c = optimizer.adam;
       c.decoupled_weight_decay = optimizer.kind == OptimizerSpec::Kind::adamw;
-      return ops::adam_update(env, c, at(in[0]), at(in[1]), at(in[2]), at(in[3]), elems(in[0]));
+      return ops::adam_update(env, c, at(in[0]), at(in[1]), at(in[2]), at(in[3]), elems(in[0]),
+                              in.size() > 4 ? at(in[4]) : ops::DeviceSpan{});
     }
     case OpKind::upload:
     case OpKind::download:

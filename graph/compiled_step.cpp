@@ -5,6 +5,7 @@
 #include <tbb/flow_graph.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -521,7 +522,11 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
-  if (impl_->commits_other_slot && mode == RunMode::normal) persistent_->current = 1 - persistent_->current;
+  // A step whose loss is not finite skipped its updates (host updates are not guarded on the
+  // device, so their slot is simply not committed).
+  if (impl_->commits_other_slot && mode == RunMode::normal && std::isfinite(stats_host()[0])) {
+    persistent_->current = 1 - persistent_->current;
+  }
 }
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {

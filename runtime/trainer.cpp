@@ -107,17 +107,19 @@ StepResult Trainer::step(std::span<const float> images, std::span<const std::int
   const auto t0 = std::chrono::steady_clock::now();
   train_->run(ops::StepInfo{steps_ + 1, lr_});
   const auto t1 = std::chrono::steady_clock::now();
-  ++steps_;
   StepResult r;
   r.loss = train_->stats_host()[0];
   r.correct = static_cast<std::uint32_t>(train_->stats_host()[1]);
   r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
   r.device_peak_bytes = train_->device_bytes();
   if (!std::isfinite(r.loss)) {
+    // The optimizer updates check the loss on the device and did nothing: the state is as it was.
     throw std::runtime_error(fmt::format(
-        "training diverged at step {}: the loss is {} (learning rate {}): lower the learning rate or check the data",
-        steps_, r.loss, lr_));
+        "training diverged at step {}: the loss is {} (learning rate {}); the update was skipped, so the weights and "
+        "optimizer state are those from before this step: lower the learning rate or check the data",
+        steps_ + 1, r.loss, lr_));
   }
+  ++steps_;
   return r;
 }
 

@@ -349,3 +349,57 @@ TEST(HostOptimizer, FailingHostUpdateLeavesTheStateUnchanged) {
 
 }  // namespace
 }  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+struct DivergeCase {
+  const char* name;
+  graph::ResidencyMode mode;
+  bool host_optimizer;
+};
+
+class DivergedStepTest : public ::testing::TestWithParam<DivergeCase> {};
+
+TEST_P(DivergedStepTest, SkipsTheUpdateAndKeepsTheState) {
+  Runtime rt;
+  const DivergeCase c = GetParam();
+  if (c.mode == graph::ResidencyMode::mapped && !rt.device().host_unified_memory) GTEST_SKIP();
+  const ModelSpec m = small_mlp();
+  TrainerOptions o = options(c.mode, c.mode == graph::ResidencyMode::stream ? min_stream_budget(rt, m) * 2 : 0);
+  o.residency.host_optimizer = c.host_optimizer;
+  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.sgd.momentum = 0;
+  o.lr = 1e30f;  // the first step blows the weights up; the next loss is not finite
+  Trainer trainer(rt, m, o);
+  const std::size_t sample = m.sample_shape.elems();
+  auto images = random_vector(8 * sample, 35);
+  auto labels = labels_for(8, 36);
+  trainer.step(images, labels);
+  std::map<std::string, std::vector<float>> before;
+  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  const auto steps = trainer.steps_done();
+  bool diverged = false;
+  for (int s = 0; s < 3 && !diverged; ++s) {
+    try {
+      trainer.step(images, labels);
+      for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+    } catch (const std::runtime_error& e) {
+      diverged = true;
+      EXPECT_NE(std::string(e.what()).find("update was skipped"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_TRUE(diverged) << "a learning rate of 1e30 should make the loss non-finite";
+  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+  EXPECT_LE(trainer.steps_done(), steps + 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DivergedStepTest,
+                         ::testing::Values(DivergeCase{"resident", graph::ResidencyMode::resident, false},
+                                           DivergeCase{"mapped", graph::ResidencyMode::mapped, false},
+                                           DivergeCase{"stream", graph::ResidencyMode::stream, false},
+                                           DivergeCase{"stream_host_optimizer", graph::ResidencyMode::stream, true}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace ferry::test

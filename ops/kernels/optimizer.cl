@@ -1,11 +1,15 @@
 // Optimizer updates, one work-item per parameter, one pass over (w, g, state). Arguments after
 // `n` that change per step (learning rate, bias corrections) are set just before each enqueue.
+// With has_guard, the update is skipped when guard[0] (the step's loss) is not finite, so a
+// diverged step leaves weights and state as they were.
 
 // SGD with momentum: g' = g + wd w; v = momentum v + g'; w -= lr (nesterov ? g' + momentum v : v).
 __kernel void sgd_update(__global float* w, ulong w_off, __global const float* g, ulong g_off, __global float* velocity,
-                         ulong velocity_off, uint n, float momentum, float weight_decay, uint nesterov, float lr) {
+                         ulong velocity_off, uint n, float momentum, float weight_decay, uint nesterov, float lr,
+                         __global const float* guard, ulong guard_off, uint has_guard) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
+  if (has_guard && !isfinite(guard[guard_off])) return;
   const float wi = w[w_off + i];
   const float gi = fma(weight_decay, wi, g[g_off + i]);
   const float vi = fma(momentum, velocity[velocity_off + i], gi);
@@ -18,9 +22,11 @@ __kernel void sgd_update(__global float* w, ulong w_off, __global const float* g
 // weight before this update). inv_bc1 = 1 / (1 - beta1^t), inv_bc2 = 1 / (1 - beta2^t).
 __kernel void adam_update(__global float* w, ulong w_off, __global const float* g, ulong g_off, __global float* m,
                           ulong m_off, __global float* v, ulong v_off, uint n, float beta1, float beta2, float eps,
-                          float l2, float decoupled, float lr, float inv_bc1, float inv_bc2) {
+                          float l2, float decoupled, float lr, float inv_bc1, float inv_bc2,
+                          __global const float* guard, ulong guard_off, uint has_guard) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
+  if (has_guard && !isfinite(guard[guard_off])) return;
   const float wi = w[w_off + i];
   const float gi = fma(l2, wi, g[g_off + i]);
   const float mi = fma(beta1, m[m_off + i], (1.0f - beta1) * gi);

@@ -23,13 +23,16 @@ struct AdamConfig {
 };
 
 // velocity = momentum * velocity + (g + wd * w); w -= lr * (nesterov ? g' + momentum * velocity : velocity)
-LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n);
+// `guard` (optional): a float on the device, the step's loss; when it is not finite the update
+// does nothing, so a diverged step leaves weights and state as they were.
+LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n,
+                      DeviceSpan guard = {});
 // Adam / AdamW with bias correction by StepInfo::step.
 // g' = g + wd w (L2 only); m = beta1 m + (1 - beta1) g'; v = beta2 v + (1 - beta2) g'^2;
 // w -= lr (m / (1 - beta1^t) / (sqrt(v / (1 - beta2^t)) + eps) + wd w (AdamW only)), t = step.
 // Enqueueing with StepInfo::step == 0 throws std::invalid_argument (the correction is undefined).
 LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan m, DeviceSpan v,
-                       std::size_t n);
+                       std::size_t n, DeviceSpan guard = {});
 
 namespace ref {
 
