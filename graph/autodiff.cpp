@@ -212,7 +212,9 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec) {
     if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
     const TensorId grad = t.grad[w];
     if (spec.kind == OptimizerSpec::Kind::sgd) {
-      TensorId v = state(w, ".momentum");
+      // Without momentum the velocity is the gradient itself, which dies at this update: use its
+      // buffer rather than keeping (and, when streaming, moving) a state tensor.
+      TensorId v = spec.sgd.momentum == 0.0f ? grad : state(w, ".momentum");
       const TensorId ins[] = {w, grad, v, stats};
       const TensorId outs[] = {w, v};
       g.nodes.add(OpKind::sgd_update, t.name[w] + ".update", std::span(ins, stats == no_tensor ? 3 : 4), outs);

@@ -224,8 +224,10 @@ void move_updates_to_host(Graph& g) {
     t.home[grad_host] = Residency::host_pinned;
     out.add(OpKind::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host, 1), {},
             Lane::d2h);
-    ins[1] = grad_host;
-    out.add(old.kind[n], old.name[n], ins, old.outputs(n), old.attrs[n], Lane::host);
+    std::replace(ins.begin(), ins.end(), grad, grad_host);  // the gradient, and SGD's velocity if it is one
+    std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
+    std::replace(outs.begin(), outs.end(), grad, grad_host);
+    out.add(old.kind[n], old.name[n], ins, outs, old.attrs[n], Lane::host);
   }
   g.nodes = std::move(out);
 }

@@ -403,3 +403,28 @@ INSTANTIATE_TEST_SUITE_P(Modes, DivergedStepTest,
 
 }  // namespace
 }  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+TEST(Optimizer, SgdWithoutMomentumKeepsNoStateAndMatchesTheReference) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  TrainerOptions o = options(graph::ResidencyMode::resident, 0);
+  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.sgd.momentum = 0;
+  Trainer plain(rt, m, o);
+  EXPECT_EQ(plain.optimizer_state_bytes(), 0u);
+  const RunResult resident = train(rt, m, o, 3);
+  TrainerOptions streamed = o;
+  streamed.residency.mode = graph::ResidencyMode::stream;
+  streamed.residency.budget_bytes = min_stream_budget(rt, m) * 2;
+  EXPECT_EQ(train(rt, m, streamed, 3).params, resident.params);
+  streamed.residency.host_optimizer = true;
+  const RunResult host = train(rt, m, streamed, 3);
+  for (const auto& [name, values] : resident.params)
+    expect_near(host.params.at(name), values, 1e-6f, 1e-5f, name.c_str());
+}
+
+}  // namespace
+}  // namespace ferry::test
