@@ -143,6 +143,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   mopt.max_buffer_bytes = device.max_alloc_bytes;
   mopt.alignment = std::max<std::uint32_t>(256, device.base_align_bytes);
   mopt.plan_persistent = shared == nullptr;
+  if (shared) mopt.existing_transient_buffers = shared->step_buffer_bytes;
   if (shared) {
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
@@ -180,10 +181,17 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     }
   }
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
+    if (b < persistent_->step_buffers.size()) {
+      impl_->transient.push_back(persistent_->step_buffers[b]);  // another variant's, large enough by plan
+      continue;
+    }
     impl_->transient.push_back(
         context.create_buffer(plan_.transient_buffers[b], fmt::format("step arena buffer {}", b)));
   }
-
+  if (persistent_->step_buffers.empty()) {
+    persistent_->step_buffers = impl_->transient;
+    persistent_->step_buffer_bytes = plan_.transient_buffers;
+  }
   for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
     impl_->host_transient.push_back(offload::allocate_pinned_host(
         context, plan_.host_transient_buffers[b], fmt::format("host buffer {} of weight gradients", b)));

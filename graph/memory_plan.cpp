@@ -23,18 +23,21 @@ struct PlacedTensor {
 // if their node-index lifetimes [first, last] do not overlap.
 class Packer {
  public:
-  Packer(std::uint64_t cap, std::uint32_t align) : cap_(cap), align_(align) {}
+  // `existing`: buffers that already exist, packed first and never grown (their sizes are caps).
+  Packer(std::uint64_t cap, std::uint32_t align, const std::vector<std::uint64_t>& existing = {})
+      : cap_(cap), align_(align), buffers_(existing.size()), sizes_(existing.size(), 0), caps_(existing) {}
 
   Placement place(std::uint64_t bytes, std::uint32_t first, std::uint32_t last) {
     const std::uint64_t size = align_up(std::max<std::uint64_t>(bytes, 1));
     for (std::uint32_t b = 0; b < buffers_.size(); ++b) {
-      if (auto off = fit(b, size, first, last); off + size <= cap_) {
+      if (auto off = fit(b, size, first, last); off + size <= caps_[b]) {
         commit(b, {first, last, off, size});
         return {b, off};
       }
     }
     buffers_.emplace_back();
     sizes_.push_back(0);
+    caps_.push_back(cap_);
     const auto b = static_cast<std::uint32_t>(buffers_.size() - 1);
     commit(b, {first, last, 0, size});
     return {b, 0};
@@ -68,7 +71,7 @@ class Packer {
   std::uint64_t cap_;
   std::uint32_t align_;
   std::vector<std::vector<PlacedTensor>> buffers_;
-  std::vector<std::uint64_t> sizes_;
+  std::vector<std::uint64_t> sizes_, caps_;
 };
 
 }  // namespace
@@ -111,7 +114,7 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   std::stable_sort(order.begin(), order.end(), [&](TensorId a, TensorId b) { return t.bytes(a) > t.bytes(b); });
 
   Packer persistent(options.max_buffer_bytes, options.alignment);
-  Packer transient(options.max_buffer_bytes, options.alignment);
+  Packer transient(options.max_buffer_bytes, options.alignment, options.existing_transient_buffers);
   Packer host_transient(options.max_buffer_bytes, options.alignment);
   for (TensorId id : order) {
     if (plan.pool[id] == Pool::persistent) {
@@ -141,7 +144,14 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   plan.host_transient_buffers = host_transient.sizes();
   for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
   for (auto b : plan.persistent_buffers) plan.persistent_bytes += b;
-  for (auto b : plan.transient_buffers) plan.transient_bytes += b;
+  for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {
+    const bool existing = b < options.existing_transient_buffers.size();
+    // A reused buffer occupies its full size on the device whatever part of it this plan uses.
+    if (existing)
+      plan.transient_buffers[b] = std::max(plan.transient_buffers[b], options.existing_transient_buffers[b]);
+    plan.transient_bytes += plan.transient_buffers[b];
+    if (!existing) plan.new_transient_bytes += plan.transient_buffers[b];
+  }
   return plan;
 }
 

@@ -36,6 +36,11 @@ struct PersistentArena {
   std::vector<std::uint64_t> buffer_bytes;
   std::vector<std::pair<std::string, Placement>> placements;  // by tensor name
   std::uint64_t bytes = 0;                                    // one slot
+  // The step buffers of the model's first compiled variant (training). Later variants
+  // (evaluation) pack their transient tensors into them first: variants never run at the same
+  // time, so they share device memory instead of adding to it.
+  std::vector<cl::Mem> step_buffers;
+  std::vector<std::uint64_t> step_buffer_bytes;
 
   std::optional<Placement> find(const std::string& name) const;
   bool on_device() const noexcept { return mode == ResidencyMode::resident; }

@@ -24,12 +24,17 @@ struct MemoryPlanOptions {
   std::uint64_t max_buffer_bytes = 1ull << 30;  // CL_DEVICE_MAX_MEM_ALLOC_SIZE of the device
   std::uint32_t alignment = 256;                // bytes; at least the device's base address alignment
   bool plan_persistent = true;                  // false: persistent tensors are placed already (shared)
+  // Step buffers that already exist (another variant's, which never runs at the same time): the
+  // transient pool is packed into them first, up to their sizes, before any new buffer.
+  std::vector<std::uint64_t> existing_transient_buffers;
 };
 
 struct MemoryPlan {
   std::vector<Pool> pool;  // per tensor (storage owners only; views take their base's)
   std::vector<std::uint64_t> persistent_buffers, transient_buffers, host_transient_buffers;  // sizes in bytes
   std::uint64_t persistent_bytes = 0, transient_bytes = 0, host_transient_bytes = 0;
+  // Transient bytes in buffers beyond the existing ones (what this variant adds to the device).
+  std::uint64_t new_transient_bytes = 0;
   // Sum of the transient tensors' sizes: what the step would need without reuse.
   std::uint64_t transient_unshared_bytes = 0;
   // Bytes of transient tensors live while each node runs (what the memory profiler reports;
