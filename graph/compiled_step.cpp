@@ -93,41 +93,51 @@ struct CompiledStep::Impl {
   std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> nodes;
   std::unique_ptr<tbb::flow::continue_node<continue_msg>> finish;
   std::unique_ptr<DoneNode> done;
-  cl::Event finish_marker;
-  DoneNode::gateway_type* gateway = nullptr;
   OptimizerSpec optimizer;
   bool commits_other_slot = false;  // the step writes the next state into the other host slot
 
-  // A host-lane node waits for its device inputs through a marker whose completion callback
-  // opens an async_node gateway; its work then runs on a TBB worker.
-  struct HostGate {
-    Impl* im = nullptr;
-    DoneNode::gateway_type* gateway = nullptr;
+  // Waits for OpenCL events without blocking a thread: a marker on `queue` with the events as its
+  // wait list, whose completion callback opens an async_node gateway. Used before each host-lane
+  // node and once at the end of the step.
+  struct EventGate {
+    cl_command_queue queue = nullptr;
     std::vector<cl_event> wait;
     cl::Event marker;
+    DoneNode::gateway_type* gateway = nullptr;
     std::atomic<cl_int> status{CL_COMPLETE};
+
+    // The async_node's body: hand the wait over to the driver and return.
+    void open(DoneNode::gateway_type& gw) {
+      if (wait.empty()) {
+        gw.try_put(continue_msg{});
+        return;
+      }
+      gateway = &gw;
+      gw.reserve_wait();  // reserve before the callback can fire (it may fire inside the call)
+      cl::Event m;
+      cl_int rc = clEnqueueMarkerWithWaitList(queue, static_cast<cl_uint>(wait.size()), wait.data(), m.out());
+      if (rc == CL_SUCCESS) rc = clSetEventCallback(m.get(), CL_COMPLETE, &EventGate::on_complete, this);
+      if (rc != CL_SUCCESS) {
+        gw.release_wait();
+        cl::check(rc, "clSetEventCallback(event gate)");
+      }
+      marker = std::move(m);
+      FERRY_CL(clFlush(queue));
+    }
+    // Runs on a driver thread, or inline if the marker already completed: hand over, never wait.
+    static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user) {
+      auto* gate = static_cast<EventGate*>(user);
+      if (status < 0) gate->status = status;
+      gate->gateway->try_put(continue_msg{});
+      gate->gateway->release_wait();
+    }
   };
-  std::vector<std::unique_ptr<HostGate>> gates;  // per node; null for device nodes
+  std::vector<std::unique_ptr<EventGate>> gates;  // per host-lane node; null for device nodes
   std::vector<std::unique_ptr<DoneNode>> gate_nodes;
   std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> host_work;
-
-  static void CL_CALLBACK on_inputs_ready(cl_event, cl_int status, void* user) {
-    auto* gate = static_cast<HostGate*>(user);
-    if (status < 0) gate->status = status;
-    gate->gateway->try_put(continue_msg{});
-    gate->gateway->release_wait();
-  }
-  std::atomic<cl_int> device_status{CL_COMPLETE};
+  EventGate finish_gate;  // the end of the step
 
   explicit Impl(const cl::Context& c) : ctx(c) {}
-
-  static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user) {
-    // Runs on a driver thread (or inline if the marker already completed): hand over, never wait.
-    auto* self = static_cast<Impl*>(user);
-    if (status < 0) self->device_status = status;
-    self->gateway->try_put(continue_msg{});
-    self->gateway->release_wait();
-  }
 };
 
 CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
@@ -358,30 +368,12 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   }
   for (NodeId id = 0; id < n.size(); ++id) {
     if (n.lane[id] != Lane::host) continue;
-    auto gate = std::make_unique<Impl::HostGate>();
-    gate->im = im;
-    Impl::HostGate* g = gate.get();
+    auto gate = std::make_unique<Impl::EventGate>();
+    gate->queue = context.queue(cl::QueueKind::d2h);
+    Impl::EventGate* g = gate.get();
     impl_->gates[id] = std::move(gate);
     impl_->gate_nodes[id] = std::make_unique<DoneNode>(
-        impl_->flow, tbb::flow::unlimited, [g](const continue_msg&, DoneNode::gateway_type& gw) {
-          if (g->wait.empty()) {
-            gw.try_put(continue_msg{});
-            return;
-          }
-          g->gateway = &gw;
-          gw.reserve_wait();
-          const cl_command_queue q = g->im->ctx.queue(cl::QueueKind::d2h);
-          cl::Event marker;
-          cl_int status =
-              clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(g->wait.size()), g->wait.data(), marker.out());
-          if (status == CL_SUCCESS) status = clSetEventCallback(marker.get(), CL_COMPLETE, &Impl::on_inputs_ready, g);
-          if (status != CL_SUCCESS) {
-            gw.release_wait();
-            cl::check(status, "clSetEventCallback(host node inputs)");
-          }
-          g->marker = std::move(marker);
-          FERRY_CL(clFlush(q));
-        });
+        impl_->flow, tbb::flow::unlimited, [g](const continue_msg&, DoneNode::gateway_type& gw) { g->open(gw); });
     impl_->host_work[id] =
         std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, g, id](const continue_msg&) {
           const auto& nodes = graph_.nodes;
@@ -404,35 +396,23 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     for (NodeId m : preds[id]) tbb::flow::make_edge(exit_of(m), *impl_->nodes[id]);
   }
 
-  // Finish: a marker on the compute queue after every lane's last command; its completion
-  // callback releases the async gateway.
+  // Finish: an event gate after every lane's last command; its opening ends wait_for_all().
   std::vector<NodeId> lane_tails;
   for (NodeId tail : last_on_lane) {
     if (tail != static_cast<NodeId>(-1)) lane_tails.push_back(tail);
   }
+  impl_->finish_gate.queue = context.compute();
   impl_->finish =
       std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im, lane_tails](const continue_msg&) {
-        std::vector<cl_event> wait;
+        im->finish_gate.wait.clear();
         for (NodeId tail : lane_tails) {
-          if (im->events[tail]) wait.push_back(im->events[tail].get());
+          if (im->events[tail]) im->finish_gate.wait.push_back(im->events[tail].get());
         }
-        cl::Event marker;
-        FERRY_CL(clEnqueueMarkerWithWaitList(im->ctx.compute(), static_cast<cl_uint>(wait.size()),
-                                             wait.empty() ? nullptr : wait.data(), marker.out()));
-        im->finish_marker = std::move(marker);
       });
   for (NodeId tail : lane_tails) tbb::flow::make_edge(exit_of(tail), *impl_->finish);
-  impl_->done = std::make_unique<DoneNode>(
-      impl_->flow, tbb::flow::unlimited, [im](const continue_msg&, DoneNode::gateway_type& gw) {
-        im->gateway = &gw;
-        gw.reserve_wait();
-        cl_int status = clSetEventCallback(im->finish_marker.get(), CL_COMPLETE, &Impl::on_complete, im);
-        if (status != CL_SUCCESS) {
-          gw.release_wait();
-          cl::check(status, "clSetEventCallback(step finish)");
-        }
-        FERRY_CL(clFlush(im->ctx.compute()));
-      });
+  impl_->done =
+      std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
+                                 [im](const continue_msg&, DoneNode::gateway_type& gw) { im->finish_gate.open(gw); });
   tbb::flow::make_edge(*impl_->finish, *impl_->done);
 }
 
@@ -511,7 +491,10 @@ const float* CompiledStep::stats_host() const {
 void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   impl_->step = step;
   impl_->mode = mode;
-  impl_->device_status = CL_COMPLETE;
+  impl_->finish_gate.status = CL_COMPLETE;
+  for (auto& gate : impl_->gates) {
+    if (gate) gate->status = CL_COMPLETE;
+  }
   impl_->start.try_put(continue_msg{});
   try {
     impl_->flow.wait_for_all();
@@ -525,8 +508,8 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
     for (auto& e : impl_->events) e = cl::Event();
     throw;
   }
-  if (impl_->device_status < 0) {
-    throw cl::Error("a command of the step (reported by its completion event)", impl_->device_status, "step");
+  if (impl_->finish_gate.status < 0) {
+    throw cl::Error("a command of the step (reported by its completion event)", impl_->finish_gate.status, "step");
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
