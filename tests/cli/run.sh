@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The `ferry` command as a user runs it: the JSON fields the docs promise, the trace and profile
+# files, and clear failures (a non-zero exit status and a message naming the problem) for bad input.
+# usage: run.sh <path to the ferry binary> <scratch folder>
+set -uo pipefail
+ferry=$1
+work=$2
+rm -rf "$work" && mkdir -p "$work"
+failures=0
+check() {  # check <description> <command...>: the command must succeed
+  local what=$1
+  shift
+  if "$@"; then echo "ok: $what"; else echo "FAILED: $what"; failures=$((failures + 1)); fi
+}
+expect_error() {  # expect_error <description> <text the message must contain> <ferry args...>
+  local what=$1 needle=$2
+  shift 2
+  local out status
+  out=$("$ferry" "$@" 2>&1)
+  status=$?
+  if [ "$status" -ne 0 ] && grep -qF -- "$needle" <<<"$out"; then
+    echo "ok: $what"
+  else
+    echo "FAILED: $what (exit $status, wanted a message containing '$needle'):"
+    echo "$out" | tail -5
+    failures=$((failures + 1))
+  fi
+}
+
+check "ferry devices lists a device" bash -c "'$ferry' devices | grep -q '^\[0\]'"
+
+json=$("$ferry" train --model mlp --epochs 1 --train-limit 1024 --quiet --json \
+  --trace "$work/trace.json" --profile "$work/profile.csv" --trace-steps 2)
+status=$?
+check "ferry train exits 0" test "$status" -eq 0
+for key in test_accuracy train_loss samples_per_s step_ms device_peak_bytes training_state_bytes \
+  optimizer_state_bytes device_budget_bytes residency host_state_bytes fetch_bytes_per_step; do
+  check "JSON has $key" grep -q "\"$key\":" <<<"$json"
+done
+check "the JSON is one line" test "$(wc -l <<<"$json")" -eq 1
+check "the trace is a Chrome trace with lanes" bash -c "head -c 40 '$work/trace.json' | grep -q traceEvents && grep -q '\"compute\"' '$work/trace.json'"
+check "the profile is CSV with per-node device bytes" bash -c "head -1 '$work/profile.csv' | grep -q '^variant,step,node,kind,lane,section,live_device_bytes' && [ \$(wc -l < '$work/profile.csv') -gt 20 ]"
+
+streamed=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --residency stream --device-budget 24MiB)
+check "streaming under a budget reports fetches" bash -c "grep -q '\"residency\":\"stream\"' <<<'$streamed' && ! grep -q '\"fetch_bytes_per_step\":0,' <<<'$streamed'"
+
+expect_error "unknown device" "no OpenCL device matches 'no-such-device'" train --device no-such-device --epochs 1
+expect_error "missing data set" "$work/nowhere" train --data "$work/nowhere" --epochs 1
+expect_error "budget below one layer" "raise the budget to at least" \
+  train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB --epochs 1
+expect_error "bad size unit" "unknown unit" train --device-budget 64XB --epochs 1
+expect_error "an unknown residency mode" "--residency: sideways not in" train --residency sideways
+
+echo "$failures failed"
+[ "$failures" -eq 0 ]
