@@ -1,7 +1,6 @@
 // Activations (ReLU, GELU): device against the CPU reference, forward and backward, and the
 // reference backward against double-precision finite differences.
 #include "ferry/ops/activation.hpp"
-
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -32,7 +31,8 @@ TEST_P(ActivationTest, ReferenceBackwardMatchesFiniteDifferences) {
   auto [act, n] = GetParam();
   // Keep ReLU inputs away from the kink at 0, where the derivative is undefined.
   auto xf = random_vector(n, 3, -3.0f, 3.0f);
-  for (auto& v : xf) if (std::abs(v) < 0.05f) v += 0.1f;
+  for (auto& v : xf)
+    if (std::abs(v) < 0.05f) v += 0.1f;
   auto x = to_double(xf);
   auto r = to_double(random_vector(n, 4));
   auto loss = [&](const std::vector<double>& in) {
