@@ -90,7 +90,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     KernelLaunch l;
     l.kernel = std::move(pack);
     l.dims = 2;
-    l.global = {(s.K + 15) / 16, 1, 1};  // 16 k rows per work-item (PACK_ROWS in gemm_packed.cl)
+    // 16 k rows per work-item (PACK_ROWS in gemm_packed.cl); transposed B also splits the padded
+    // columns into blocks of 16, one per work-item.
+    l.global = {(s.K + 15) / 16, s.trans_b ? panels * nb / 16 : 1, 1};
     l.local = {1, 1, 1};
     list.push_back(std::move(l));
   }

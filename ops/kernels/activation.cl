@@ -14,12 +14,24 @@ __kernel void relu_backward(__global const float* x, ulong x_off, __global const
   dx[dx_off + i] = x[x_off + i] > 0.0f ? dy[dy_off + i] : 0.0f;
 }
 
+// The standard normal CDF, Phi(x) = (1 + erf(x / sqrt 2)) / 2, with erf from Abramowitz & Stegun
+// 7.1.26 (absolute error below 1.5e-7, under float rounding of the result): one exp and a
+// division, which vectorise, where the library erf made GELU ten times the cost of ReLU on PoCL.
+inline float normal_cdf(float x) {
+  const float z = fabs(x) * M_SQRT1_2_F;
+  const float t = 1.0f / fma(0.3275911f, z, 1.0f);
+  const float poly =
+      t * fma(t, fma(t, fma(t, fma(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f), 0.254829592f);
+  const float erf_abs = 1.0f - poly * exp(-z * z);
+  return 0.5f * (1.0f + copysign(erf_abs, x));
+}
+
 // GELU, exact form: x * Phi(x) with Phi the standard normal CDF.
 __kernel void gelu_forward(__global const float* x, ulong x_off, __global float* y, ulong y_off, uint n) {
   const uint i = get_global_id(0);
   if (i >= n) return;
   const float v = x[x_off + i];
-  y[y_off + i] = 0.5f * v * (1.0f + erf(v * M_SQRT1_2_F));
+  y[y_off + i] = v * normal_cdf(v);
 }
 
 // d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density.
@@ -28,7 +40,7 @@ __kernel void gelu_backward(__global const float* x, ulong x_off, __global const
   const uint i = get_global_id(0);
   if (i >= n) return;
   const float v = x[x_off + i];
-  const float cdf = 0.5f * (1.0f + erf(v * M_SQRT1_2_F));
+  const float cdf = normal_cdf(v);
   const float pdf = 0.3989422804014327f * exp(-0.5f * v * v);
   dx[dx_off + i] = dy[dy_off + i] * (cdf + v * pdf);
 }

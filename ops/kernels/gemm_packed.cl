@@ -13,7 +13,8 @@
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
-// One work-item packs PACK_ROWS k rows of op(B), all columns, padding included.
+// One work-item packs PACK_ROWS k rows of op(B): all columns, padding included (transposed B: a
+// block of 16 columns, see below).
 __kernel void gemm_pack_b(uint N, uint K, __global const float* b, ulong b_off, __global float* packed,
                           ulong packed_off) {
   const uint k0 = get_global_id(0) * PACK_ROWS;
@@ -22,17 +23,21 @@ __kernel void gemm_pack_b(uint N, uint K, __global const float* b, ulong b_off, 
   b += b_off;
   packed += packed_off;
 #if TRANS_B
-  // B stored [N, K]: column j of op(B) is row j of B; its k values are contiguous.
-  for (uint j = 0; j < n_pad; ++j) {
-    __global float* dst = packed + ((ulong)(j / NB) * K) * NB + j % NB;
-    __global const float* src = b + (ulong)j * K;
-    if (j < N && k_end - k0 == PACK_ROWS) {
-      const float16 v = vload16(0, src + k0);
-      float tmp[16];
-      vstore16(v, 0, tmp);
-      for (uint i = 0; i < PACK_ROWS; ++i) dst[(ulong)(k0 + i) * NB] = tmp[i];
-    } else {
-      for (uint k = k0; k < k_end; ++k) dst[(ulong)k * NB] = j < N ? src[k] : 0.0f;
+  // B stored [N, K]: op(B)[k][j] = B[j][k]. A work-item transposes one block of 16 columns j by
+  // PACK_ROWS k rows in registers, so it reads 16 contiguous runs of B and writes 16 contiguous
+  // runs of the panel (scattering single floats with a stride of NB was 2x slower end to end).
+  const uint j0 = get_global_id(1) * 16;
+  if (j0 >= n_pad) return;
+  __global float* dst = packed + ((ulong)(j0 / NB) * K) * NB + j0 % NB;  // op(B) row k at dst + k NB
+  if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
+    float rows[16][PACK_ROWS];
+    for (uint r = 0; r < 16; ++r) vstore16(vload16(0, b + (ulong)(j0 + r) * K + k0), 0, rows[r]);
+    for (uint i = 0; i < PACK_ROWS; ++i) {
+      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB);
+    }
+  } else {
+    for (uint k = k0; k < k_end; ++k) {
+      for (uint r = 0; r < 16; ++r) dst[(ulong)k * NB + r] = j0 + r < N ? b[(ulong)(j0 + r) * K + k] : 0.0f;
     }
   }
 #else
