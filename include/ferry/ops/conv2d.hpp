@@ -47,15 +47,17 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
 // CPU references (direct loops, no im2col), for tests; T is float or double.
 namespace ref {
 
-template <class T>
-void conv2d_forward(const Conv2dShape& s, std::span<const T> x, std::span<const T> w, std::span<const T> bias,
-                    std::span<T> y) {
+// Calls fn(y_index, x_index, w_index) for every output element and every kernel tap that falls
+// inside the (unpadded) input, in the order n, k, p, q, c, r, t. The three rules below differ only
+// in what they accumulate.
+template <class Fn>
+void for_each_tap(const Conv2dShape& s, Fn&& fn) {
   const std::size_t P = s.P(), Q = s.Q();
   for (std::size_t n = 0; n < s.N; ++n) {
     for (std::size_t k = 0; k < s.K; ++k) {
       for (std::size_t p = 0; p < P; ++p) {
         for (std::size_t q = 0; q < Q; ++q) {
-          T acc = bias.empty() ? T(0) : bias[k];
+          const std::size_t yi = ((n * s.K + k) * P + p) * Q + q;
           for (std::size_t c = 0; c < s.C; ++c) {
             for (std::size_t r = 0; r < s.R; ++r) {
               const std::ptrdiff_t h = std::ptrdiff_t(p * s.stride + r) - std::ptrdiff_t(s.pad);
@@ -63,75 +65,46 @@ void conv2d_forward(const Conv2dShape& s, std::span<const T> x, std::span<const 
               for (std::size_t t = 0; t < s.S; ++t) {
                 const std::ptrdiff_t v = std::ptrdiff_t(q * s.stride + t) - std::ptrdiff_t(s.pad);
                 if (v < 0 || v >= std::ptrdiff_t(s.W)) continue;
-                acc += x[((n * s.C + c) * s.H + std::size_t(h)) * s.W + std::size_t(v)] *
-                       w[((k * s.C + c) * s.R + r) * s.S + t];
+                fn(yi, ((n * s.C + c) * s.H + std::size_t(h)) * s.W + std::size_t(v),
+                   ((k * s.C + c) * s.R + r) * s.S + t);
               }
             }
           }
-          y[((n * s.K + k) * P + p) * Q + q] = acc;
         }
       }
     }
   }
 }
 
+// Index of the output channel of output element yi.
+inline std::size_t output_channel(const Conv2dShape& s, std::size_t yi) {
+  return yi / (s.P() * s.Q()) % s.K;
+}
+
+template <class T>
+void conv2d_forward(const Conv2dShape& s, std::span<const T> x, std::span<const T> w, std::span<const T> bias,
+                    std::span<T> y) {
+  for (std::size_t yi = 0; yi < y.size(); ++yi) y[yi] = bias.empty() ? T(0) : bias[output_channel(s, yi)];
+  for_each_tap(s, [&](std::size_t yi, std::size_t xi, std::size_t wi) { y[yi] += x[xi] * w[wi]; });
+}
+
 // dx = d(sum dy * y) / dx for y = conv2d_forward(x, w).
 template <class T>
 void conv2d_backward_data(const Conv2dShape& s, std::span<const T> dy, std::span<const T> w, std::span<T> dx) {
-  const std::size_t P = s.P(), Q = s.Q();
   for (auto& v : dx) v = T(0);
-  for (std::size_t n = 0; n < s.N; ++n) {
-    for (std::size_t k = 0; k < s.K; ++k) {
-      for (std::size_t p = 0; p < P; ++p) {
-        for (std::size_t q = 0; q < Q; ++q) {
-          const T g = dy[((n * s.K + k) * P + p) * Q + q];
-          for (std::size_t c = 0; c < s.C; ++c) {
-            for (std::size_t r = 0; r < s.R; ++r) {
-              const std::ptrdiff_t h = std::ptrdiff_t(p * s.stride + r) - std::ptrdiff_t(s.pad);
-              if (h < 0 || h >= std::ptrdiff_t(s.H)) continue;
-              for (std::size_t t = 0; t < s.S; ++t) {
-                const std::ptrdiff_t v = std::ptrdiff_t(q * s.stride + t) - std::ptrdiff_t(s.pad);
-                if (v < 0 || v >= std::ptrdiff_t(s.W)) continue;
-                dx[((n * s.C + c) * s.H + std::size_t(h)) * s.W + std::size_t(v)] +=
-                    g * w[((k * s.C + c) * s.R + r) * s.S + t];
-              }
-            }
-          }
-        }
-      }
-    }
-  }
+  for_each_tap(s, [&](std::size_t yi, std::size_t xi, std::size_t wi) { dx[xi] += dy[yi] * w[wi]; });
 }
 
 // dw and (if not empty) dbias for y = conv2d_forward(x, w, bias) and upstream gradient dy.
 template <class T>
 void conv2d_backward_weights(const Conv2dShape& s, std::span<const T> x, std::span<const T> dy, std::span<T> dw,
                              std::span<T> dbias) {
-  const std::size_t P = s.P(), Q = s.Q();
   for (auto& v : dw) v = T(0);
   for (auto& v : dbias) v = T(0);
-  for (std::size_t n = 0; n < s.N; ++n) {
-    for (std::size_t k = 0; k < s.K; ++k) {
-      for (std::size_t p = 0; p < P; ++p) {
-        for (std::size_t q = 0; q < Q; ++q) {
-          const T g = dy[((n * s.K + k) * P + p) * Q + q];
-          if (!dbias.empty()) dbias[k] += g;
-          for (std::size_t c = 0; c < s.C; ++c) {
-            for (std::size_t r = 0; r < s.R; ++r) {
-              const std::ptrdiff_t h = std::ptrdiff_t(p * s.stride + r) - std::ptrdiff_t(s.pad);
-              if (h < 0 || h >= std::ptrdiff_t(s.H)) continue;
-              for (std::size_t t = 0; t < s.S; ++t) {
-                const std::ptrdiff_t v = std::ptrdiff_t(q * s.stride + t) - std::ptrdiff_t(s.pad);
-                if (v < 0 || v >= std::ptrdiff_t(s.W)) continue;
-                dw[((k * s.C + c) * s.R + r) * s.S + t] +=
-                    g * x[((n * s.C + c) * s.H + std::size_t(h)) * s.W + std::size_t(v)];
-              }
-            }
-          }
-        }
-      }
-    }
+  if (!dbias.empty()) {
+    for (std::size_t yi = 0; yi < s.N * s.K * s.P() * s.Q(); ++yi) dbias[output_channel(s, yi)] += dy[yi];
   }
+  for_each_tap(s, [&](std::size_t yi, std::size_t xi, std::size_t wi) { dw[wi] += dy[yi] * x[xi]; });
 }
 
 }  // namespace ref
