@@ -161,4 +161,15 @@ NodeId NodeTable::add(OpKind k, std::string n, std::span<const TensorId> in, std
   return id;
 }
 
+NodeId NodeTable::add_copy(const NodeTable& from, NodeId n) {
+  return add_copy(from, n, from.inputs(n), from.outputs(n), from.lane[n]);
+}
+
+NodeId NodeTable::add_copy(const NodeTable& from, NodeId n, std::span<const TensorId> in, std::span<const TensorId> out,
+                           Lane l) {
+  const NodeId id = add(from.kind[n], from.name[n], in, out, from.attrs[n], l);
+  scratch[id] = from.scratch[n];
+  return id;
+}
+
 }  // namespace ferry::graph

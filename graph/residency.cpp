@@ -20,10 +20,7 @@ bool is_update(OpKind k) {
 // A copy of `old` with nodes in `order` (each old id once).
 NodeTable reordered(const NodeTable& old, const std::vector<NodeId>& order) {
   NodeTable out;
-  for (NodeId n : order) {
-    const NodeId id = out.add(old.kind[n], old.name[n], old.inputs(n), old.outputs(n), old.attrs[n], old.lane[n]);
-    out.scratch[id] = old.scratch[n];
-  }
+  for (NodeId n : order) out.add_copy(old, n);
   return out;
 }
 
@@ -176,9 +173,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
         if (auto it = rename[n].find(id); it != rename[n].end()) id = it->second;
       }
     }
-    const NodeId id =
-        out.add(base.nodes.kind[n], base.nodes.name[n], ins, outs, base.nodes.attrs[n], base.nodes.lane[n]);
-    out.scratch[id] = base.nodes.scratch[n];
+    out.add_copy(base.nodes, n, ins, outs, base.nodes.lane[n]);
     for (std::size_t i : write_back_after[n]) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
       out.add(OpKind::write_back, "write_back." + t.name[host], std::span(&copy, 1), std::span(&host, 1), {},
@@ -214,8 +209,7 @@ void move_updates_to_host(Graph& g) {
   NodeTable out;
   for (NodeId n = 0; n < old.size(); ++n) {
     if (!is_update(old.kind[n])) {
-      const NodeId id = out.add(old.kind[n], old.name[n], old.inputs(n), old.outputs(n), old.attrs[n], old.lane[n]);
-      out.scratch[id] = old.scratch[n];
+      out.add_copy(old, n);
       continue;
     }
     std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
@@ -227,7 +221,7 @@ void move_updates_to_host(Graph& g) {
     std::replace(ins.begin(), ins.end(), grad, grad_host);  // the gradient, and SGD's velocity if it is one
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     std::replace(outs.begin(), outs.end(), grad, grad_host);
-    out.add(old.kind[n], old.name[n], ins, outs, old.attrs[n], Lane::host);
+    out.add_copy(old, n, ins, outs, Lane::host);
   }
   g.nodes = std::move(out);
 }

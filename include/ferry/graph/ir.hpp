@@ -126,6 +126,10 @@ struct NodeTable {
 
   NodeId add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a = {},
              Lane l = Lane::compute);
+  // Appends a copy of node n of `from` (kind, name, attributes, scratch; passes that rebuild the
+  // node order use it), optionally with other operands or on another lane.
+  NodeId add_copy(const NodeTable& from, NodeId n);
+  NodeId add_copy(const NodeTable& from, NodeId n, std::span<const TensorId> in, std::span<const TensorId> out, Lane l);
   std::size_t size() const { return kind.size(); }
   std::span<const TensorId> inputs(NodeId n) const { return {operands.data() + in_begin[n], in_count[n]}; }
   std::span<const TensorId> outputs(NodeId n) const { return {operands.data() + out_begin[n], out_count[n]}; }
