@@ -78,11 +78,12 @@ cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
 struct CompiledStep::Impl {
   const cl::Context& ctx;
   std::vector<cl::Mem> transient;
-  std::vector<cl::PinnedBuffer> host_transient;  // mapped mode: weight gradients in host memory
-  std::vector<ops::LaunchList> launches;         // per node
-  std::vector<std::vector<NodeId>> waits;        // cross-lane predecessors, per node
-  std::vector<cl::Event> events;                 // per node: its last command, this step
-  std::vector<cl::Event> first_events;           // per node: its first command (profiling only)
+  std::vector<cl::PinnedBuffer> host_transient;   // mapped mode: weight gradients in host memory
+  std::vector<ops::LaunchList> launches;          // per node
+  std::vector<std::vector<NodeId>> waits;         // cross-lane predecessors, per node
+  std::vector<std::vector<cl_event>> wait_lists;  // per node: the events it waits on this step
+  std::vector<cl::Event> events;                  // per node: its last command, this step
+  std::vector<cl::Event> first_events;            // per node: its first command (profiling only)
   cl::PinnedBuffer input_host, labels_host, stats_host;
   TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
   ops::StepInfo step;
@@ -280,6 +281,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
 
   // 6. The flow graph.
   impl_->events.resize(n.size());
+  impl_->wait_lists.resize(n.size());
   impl_->gates.resize(n.size());
   impl_->gate_nodes.resize(n.size());
   impl_->host_work.resize(n.size());
@@ -295,13 +297,15 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
               fail_node_ = static_cast<NodeId>(-1);
               throw std::runtime_error("injected failure");
             }
-            std::vector<cl_event> wait;
+            // Reused every step: its capacity stays, so building a wait list allocates nothing.
+            std::vector<cl_event>& wait = im->wait_lists[id];
+            wait.clear();
             for (NodeId m : im->waits[id]) {
               if (im->events[m]) wait.push_back(im->events[m].get());
             }
             if (serial && id > 0 && im->events[id - 1]) wait.push_back(im->events[id - 1].get());
             if (nodes.lane[id] == Lane::host) {
-              im->gates[id]->wait = std::move(wait);  // the gate waits for these, then the work runs
+              im->gates[id]->wait.assign(wait.begin(), wait.end());  // the gate waits for these, then the work runs
               return;
             }
             const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
