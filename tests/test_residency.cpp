@@ -28,11 +28,24 @@ TrainerOptions options(graph::ResidencyMode mode, std::uint64_t budget, std::uin
   return o;
 }
 
+using Parameters = std::map<std::string, std::vector<float>>;
+
 // Trains `steps` steps on fixed random batches and returns every parameter and the losses.
 struct RunResult {
-  std::map<std::string, std::vector<float>> params;
+  Parameters params;
   std::vector<float> losses;
 };
+
+Parameters parameters_of(const Trainer& t) {
+  Parameters p;
+  for (const auto& name : t.parameter_names()) p[name] = t.read_parameter(name);
+  return p;
+}
+
+// Every parameter of `t` equals `expected` bit for bit.
+void expect_parameters(const Trainer& t, const Parameters& expected) {
+  for (const auto& [name, values] : expected) EXPECT_EQ(t.read_parameter(name), values) << name;
+}
 
 RunResult train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int steps) {
   Trainer trainer(rt, m, o);
@@ -43,7 +56,7 @@ RunResult train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int st
     auto labels = labels_for(o.batch, 70 + s);
     r.losses.push_back(trainer.step(images, labels).loss);
   }
-  for (const auto& name : trainer.parameter_names()) r.params[name] = trainer.read_parameter(name);
+  r.params = parameters_of(trainer);
   return r;
 }
 
@@ -159,11 +172,10 @@ TEST_P(FailedStepTest, LeavesTheStateUnchanged) {
   if (mode == graph::ResidencyMode::stream) {
     ASSERT_GT(write_backs_before, 3u);
   }
-  std::map<std::string, std::vector<float>> before;
-  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  auto before = parameters_of(trainer);
   trainer.train_step().inject_failure(victim);
   EXPECT_THROW(trainer.step(images, labels), std::runtime_error);
-  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+  expect_parameters(trainer, before);
 
   // The trainer goes on exactly as if the failed step had never been tried.
   for (int s = 0; s < 2; ++s) EXPECT_EQ(trainer.step(images, labels).loss, reference.step(images, labels).loss);
@@ -234,8 +246,7 @@ TEST(Residency, TransferFailingMidStepLeavesTheStateUnchanged) {
   const std::size_t sample = m.sample_shape.elems();
   auto images = random_vector(8 * sample, 15);
   auto labels = labels_for(8, 16);
-  std::map<std::string, std::vector<float>> before;
-  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  auto before = parameters_of(trainer);
   trainer.train_step().inject_failure(fetches[fetches.size() / 2]);
   try {
     trainer.step(images, labels);
@@ -243,7 +254,7 @@ TEST(Residency, TransferFailingMidStepLeavesTheStateUnchanged) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("fetch."), std::string::npos) << e.what();
   }
-  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+  expect_parameters(trainer, before);
   EXPECT_TRUE(std::isfinite(trainer.step(images, labels).loss));
 }
 
@@ -327,8 +338,7 @@ TEST(HostOptimizer, FailingHostUpdateLeavesTheStateUnchanged) {
   auto images = random_vector(8 * sample, 25);
   auto labels = labels_for(8, 26);
   trainer.step(images, labels);
-  std::map<std::string, std::vector<float>> before;
-  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  auto before = parameters_of(trainer);
   trainer.train_step().inject_failure(host_nodes[host_nodes.size() / 2]);
   try {
     trainer.step(images, labels);
@@ -336,7 +346,7 @@ TEST(HostOptimizer, FailingHostUpdateLeavesTheStateUnchanged) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find(nodes.name[host_nodes[host_nodes.size() / 2]]), std::string::npos) << e.what();
   }
-  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+  expect_parameters(trainer, before);
   EXPECT_TRUE(std::isfinite(trainer.step(images, labels).loss));
   EXPECT_THROW(Trainer(rt, m,
                        [] {
@@ -376,21 +386,20 @@ TEST_P(DivergedStepTest, SkipsTheUpdateAndKeepsTheState) {
   auto images = random_vector(8 * sample, 35);
   auto labels = labels_for(8, 36);
   trainer.step(images, labels);
-  std::map<std::string, std::vector<float>> before;
-  for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+  auto before = parameters_of(trainer);
   const auto steps = trainer.steps_done();
   bool diverged = false;
   for (int s = 0; s < 3 && !diverged; ++s) {
     try {
       trainer.step(images, labels);
-      for (const auto& name : trainer.parameter_names()) before[name] = trainer.read_parameter(name);
+      before = parameters_of(trainer);
     } catch (const std::runtime_error& e) {
       diverged = true;
       EXPECT_NE(std::string(e.what()).find("update was skipped"), std::string::npos) << e.what();
     }
   }
   ASSERT_TRUE(diverged) << "a learning rate of 1e30 should make the loss non-finite";
-  for (const auto& [name, values] : before) EXPECT_EQ(trainer.read_parameter(name), values) << name;
+  expect_parameters(trainer, before);
   EXPECT_LE(trainer.steps_done(), steps + 2);
 }
 
