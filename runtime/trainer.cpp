@@ -30,14 +30,19 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     const std::uint64_t mem = runtime_.device().global_mem_bytes;
     budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
   }
-  graph::ResidencyOptions residency = options_.residency;
-  residency.budget_bytes = budget_;
-  train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
-                                                 runtime_.context(), nullptr, residency, options_.serial_schedule);
+  train_ =
+      std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
+                                            runtime_.context(), nullptr, residency_options(), options_.serial_schedule);
   initialise_parameters();
 }
 
 Trainer::~Trainer() = default;
+
+graph::ResidencyOptions Trainer::residency_options() const {
+  graph::ResidencyOptions r = options_.residency;
+  r.budget_bytes = budget_;  // the resolved budget (0 in the options means "device memory less headroom")
+  return r;
+}
 
 graph::Graph Trainer::build_graph(std::uint32_t batch, bool training) const {
   graph::Graph g;
@@ -126,10 +131,8 @@ StepResult Trainer::step(std::span<const float> images, std::span<const std::int
 graph::CompiledStep& Trainer::eval_variant(std::uint32_t batch) {
   auto it = eval_.find(batch);
   if (it == eval_.end()) {
-    graph::ResidencyOptions residency = options_.residency;
-    residency.budget_bytes = budget_;
     auto step = std::make_unique<graph::CompiledStep>(build_graph(batch, false), options_.optimizer, runtime_.env(),
-                                                      runtime_.context(), train_->persistent(), residency);
+                                                      runtime_.context(), train_->persistent(), residency_options());
     it = eval_.emplace(batch, std::move(step)).first;
   }
   return *it->second;

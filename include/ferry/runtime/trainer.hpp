@@ -83,6 +83,7 @@ class Trainer {
  private:
   graph::Graph build_graph(std::uint32_t batch, bool training) const;
   std::uint64_t bytes_of(graph::Role role) const;
+  graph::ResidencyOptions residency_options() const;
   void initialise_parameters();
   graph::CompiledStep& eval_variant(std::uint32_t batch);
   void validate_batch(std::span<const float> images, std::span<const std::int32_t> labels, std::uint32_t batch) const;
