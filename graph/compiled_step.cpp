@@ -142,8 +142,10 @@ struct CompiledStep::Impl {
 };
 
 CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
-                           std::shared_ptr<PersistentArena> shared, const ResidencyOptions& residency, bool serial)
+                           std::shared_ptr<PersistentArena> shared, const StepOptions& options)
     : graph_(std::move(graph)), impl_(std::make_unique<Impl>(context)) {
+  const ResidencyOptions& residency = options.residency;
+  const bool serial = options.serial;
   auto& t = graph_.tensors;
   auto& n = graph_.nodes;
   const auto& device = context.device();
@@ -225,7 +227,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   TensorResolver at = [this](TensorId id) { return span(id); };
   impl_->launches.resize(n.size());
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (n.lane[id] != Lane::compute) continue;
+    if (n.lane[id] != Lane::compute || !options.bind_kernels) continue;
     cl::OpScope scope(n.name[id]);
     impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
   }
@@ -314,10 +316,10 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
             switch (nodes.kind[id]) {
               case OpKind::upload: {
                 const ops::DeviceSpan in = span(im->input), lab = span(im->labels);
-                FERRY_CL(clEnqueueWriteBuffer(q, in.buffer, CL_FALSE, in.offset * 4, tt.bytes(im->input),
+                FERRY_CL(clEnqueueWriteBuffer(q, in.buffer, CL_FALSE, in.offset_bytes, tt.bytes(im->input),
                                               im->input_host.data(), static_cast<cl_uint>(wait.size()),
                                               wait.empty() ? nullptr : wait.data(), nullptr));
-                FERRY_CL(clEnqueueWriteBuffer(q, lab.buffer, CL_FALSE, lab.offset * 4, tt.bytes(im->labels),
+                FERRY_CL(clEnqueueWriteBuffer(q, lab.buffer, CL_FALSE, lab.offset_bytes, tt.bytes(im->labels),
                                               im->labels_host.data(), 0, nullptr, ev.out()));
                 break;
               }
@@ -334,17 +336,17 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
                 const cl_uint nwait = static_cast<cl_uint>(wait.size());
                 const cl_event* wl = wait.empty() ? nullptr : wait.data();
                 if (in) {
-                  FERRY_CL(clEnqueueWriteBuffer(q, dev.buffer, CL_FALSE, dev.offset * 4, tt.bytes(host), ptr, nwait, wl,
-                                                ev.out()));
+                  FERRY_CL(clEnqueueWriteBuffer(q, dev.buffer, CL_FALSE, dev.offset_bytes, tt.bytes(host), ptr, nwait,
+                                                wl, ev.out()));
                 } else {
-                  FERRY_CL(clEnqueueReadBuffer(q, dev.buffer, CL_FALSE, dev.offset * 4, tt.bytes(host), ptr, nwait, wl,
-                                               ev.out()));
+                  FERRY_CL(clEnqueueReadBuffer(q, dev.buffer, CL_FALSE, dev.offset_bytes, tt.bytes(host), ptr, nwait,
+                                               wl, ev.out()));
                 }
                 break;
               }
               case OpKind::download: {
                 const ops::DeviceSpan s = span(im->stats);
-                FERRY_CL(clEnqueueReadBuffer(q, s.buffer, CL_FALSE, s.offset * 4, tt.bytes(im->stats),
+                FERRY_CL(clEnqueueReadBuffer(q, s.buffer, CL_FALSE, s.offset_bytes, tt.bytes(im->stats),
                                              im->stats_host.data(), static_cast<cl_uint>(wait.size()),
                                              wait.empty() ? nullptr : wait.data(), ev.out()));
                 break;
@@ -477,9 +479,9 @@ std::byte* CompiledStep::host_address(TensorId id, int slot) const {
 ops::DeviceSpan CompiledStep::span(TensorId id) const {
   const TensorId s = graph_.tensors.storage(id);
   const Placement& p = graph_.tensors.placement[s];
-  if (plan_.pool[s] == Pool::persistent) return {persistent_->mem(p.buffer), p.offset_bytes / 4};
-  if (plan_.pool[s] == Pool::host_transient) return {impl_->host_transient.at(p.buffer).mem(), p.offset_bytes / 4};
-  return {impl_->transient.at(p.buffer).get(), p.offset_bytes / 4};
+  if (plan_.pool[s] == Pool::persistent) return {persistent_->mem(p.buffer), p.offset_bytes};
+  if (plan_.pool[s] == Pool::host_transient) return {impl_->host_transient.at(p.buffer).mem(), p.offset_bytes};
+  return {impl_->transient.at(p.buffer).get(), p.offset_bytes};
 }
 
 float* CompiledStep::input_host() const {

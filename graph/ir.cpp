@@ -7,34 +7,6 @@
 
 namespace ferry::graph {
 
-Shape::Shape(std::initializer_list<std::uint32_t> d) {
-  if (d.size() > dims.size()) throw std::invalid_argument("tensor rank above 4 is not supported");
-  rank = static_cast<std::uint8_t>(d.size());
-  std::size_t i = 0;
-  for (auto v : d) dims[i++] = v;
-}
-
-std::size_t Shape::elems() const {
-  std::size_t n = 1;
-  for (std::size_t i = 0; i < rank; ++i) n *= dims[i];
-  return n;
-}
-
-std::string Shape::str() const {
-  std::string s = "[";
-  for (std::size_t i = 0; i < rank; ++i) s += fmt::format("{}{}", i ? ", " : "", dims[i]);
-  return s + "]";
-}
-
-std::size_t dtype_bytes(DType t) {
-  switch (t) {
-    case DType::f32:
-    case DType::i32:
-      return 4;
-  }
-  return 4;
-}
-
 const char* role_name(Role r) {
   switch (r) {
     case Role::input:
@@ -126,20 +98,6 @@ const char* op_name(OpKind k) {
       return "fetch";
     case OpKind::write_back:
       return "write_back";
-  }
-  return "?";
-}
-
-const char* lane_name(Lane l) {
-  switch (l) {
-    case Lane::compute:
-      return "compute";
-    case Lane::h2d:
-      return "copy in";
-    case Lane::d2h:
-      return "copy out";
-    case Lane::host:
-      return "host";
   }
   return "?";
 }

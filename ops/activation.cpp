@@ -18,7 +18,7 @@ const char* kernel_name(Activation a, bool backward) {
 
 LaunchList activation_forward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan y, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("activation", kernel_name(a, false));
-  cl::set_args(k.get(), x.buffer, x.offset, y.buffer, y.offset, static_cast<cl_uint>(n));
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), static_cast<cl_uint>(n));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), n));
   return list;
@@ -26,7 +26,8 @@ LaunchList activation_forward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan
 
 LaunchList activation_backward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan dy, DeviceSpan dx, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("activation", kernel_name(a, true));
-  cl::set_args(k.get(), x.buffer, x.offset, dy.buffer, dy.offset, dx.buffer, dx.offset, static_cast<cl_uint>(n));
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), dy.buffer, dy.elem_offset(), dx.buffer, dx.elem_offset(),
+               static_cast<cl_uint>(n));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), n));
   return list;

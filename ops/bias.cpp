@@ -17,7 +17,7 @@ void check_shape(std::size_t rows, std::size_t cols) {
 LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows, std::size_t cols) {
   check_shape(rows, cols);
   cl::Kernel k = env.kernels.kernel("bias", "bias_forward");
-  cl::set_args(k.get(), y.buffer, y.offset, b.buffer, b.offset, cl_uint(rows), cl_uint(cols));
+  cl::set_args(k.get(), y.buffer, y.elem_offset(), b.buffer, b.elem_offset(), cl_uint(rows), cl_uint(cols));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), rows * cols));
   return list;
@@ -31,7 +31,7 @@ LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t r
   const std::size_t limit = kernel_group_limit(k, env.device());
   while (tc * tr > limit && tr > 1) tr /= 2;
   while (tc * tr > limit && tc > 1) tc /= 2;
-  cl::set_args(k.get(), dy.buffer, dy.offset, db.buffer, db.offset, cl_uint(rows), cl_uint(cols));
+  cl::set_args(k.get(), dy.buffer, dy.elem_offset(), db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
   FERRY_CL(clSetKernelArg(k.get(), 6, tc * tr * sizeof(float), nullptr));
   KernelLaunch l;
   l.kernel = std::move(k);

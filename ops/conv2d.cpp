@@ -123,7 +123,7 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
 }
 
 DeviceSpan at(DeviceSpan span, std::size_t elems) {
-  return {span.buffer, span.offset + elems};
+  return span.advanced(elems * sizeof(float));
 }
 
 std::string defines(const Conv2dShape& s) {
@@ -135,7 +135,7 @@ std::string defines(const Conv2dShape& s) {
 
 KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan cols, std::size_t ncols) {
   cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_im2col", defines(s));
-  cl::set_args(k.get(), x.buffer, x.offset, cols.buffer, cols.offset, static_cast<cl_uint>(ncols));
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), cols.buffer, cols.elem_offset(), static_cast<cl_uint>(ncols));
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;
@@ -148,7 +148,7 @@ KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan c
 KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSpan t, std::size_t ncols) {
   cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_from_nchw", defines(s));
   const std::size_t count = s.K * ncols;
-  cl::set_args(k.get(), dy.buffer, dy.offset, t.buffer, t.offset, static_cast<cl_uint>(ncols),
+  cl::set_args(k.get(), dy.buffer, dy.elem_offset(), t.buffer, t.elem_offset(), static_cast<cl_uint>(ncols),
                static_cast<cl_uint>(count));
   return launch_1d(env, std::move(k), count);
 }
@@ -182,8 +182,8 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
     const DeviceSpan yg = at(y, n0 * s.K * PQ);
     const std::size_t count = g * s.K * PQ;
-    cl::set_args(k.get(), tmp.buffer, tmp.offset, has_bias ? bias.buffer : tmp.buffer, bias.offset, has_bias, yg.buffer,
-                 yg.offset, static_cast<cl_uint>(ncols), static_cast<cl_uint>(count));
+    cl::set_args(k.get(), tmp.buffer, tmp.elem_offset(), has_bias ? bias.buffer : tmp.buffer, bias.elem_offset(),
+                 has_bias, yg.buffer, yg.elem_offset(), static_cast<cl_uint>(ncols), static_cast<cl_uint>(count));
     list.push_back(launch_1d(env, std::move(k), count));
   }
   return list;
@@ -203,7 +203,7 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_col2im", defines(s));
     const DeviceSpan dxg = at(dx, n0 * s.C * s.H * s.W);
     const std::size_t count = g * s.C * s.H * s.W;
-    cl::set_args(k.get(), dcols.buffer, dcols.offset, dxg.buffer, dxg.offset, static_cast<cl_uint>(ncols),
+    cl::set_args(k.get(), dcols.buffer, dcols.elem_offset(), dxg.buffer, dxg.elem_offset(), static_cast<cl_uint>(ncols),
                  static_cast<cl_uint>(count));
     list.push_back(launch_1d(env, std::move(k), count));
   }
@@ -225,7 +225,7 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   }
   if (dbias.buffer != nullptr) {
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_grad", defines(s));
-    cl::set_args(k.get(), dy.buffer, dy.offset, dbias.buffer, dbias.offset, static_cast<cl_uint>(s.N));
+    cl::set_args(k.get(), dy.buffer, dy.elem_offset(), dbias.buffer, dbias.elem_offset(), static_cast<cl_uint>(s.N));
     KernelLaunch l;
     l.kernel = std::move(k);
     l.global = {s.K * kBiasWorkGroup, 1, 1};

@@ -20,19 +20,20 @@ LaunchList single(cl::Kernel k, std::size_t n) {
 
 LaunchList add(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("elementwise", "add");
-  cl::set_args(k.get(), a.buffer, a.offset, b.buffer, b.offset, out.buffer, out.offset, checked_count(n));
+  cl::set_args(k.get(), a.buffer, a.elem_offset(), b.buffer, b.elem_offset(), out.buffer, out.elem_offset(),
+               checked_count(n));
   return single(std::move(k), n);
 }
 
 LaunchList fill(OpEnv& env, DeviceSpan out, float value, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("elementwise", "fill");
-  cl::set_args(k.get(), out.buffer, out.offset, value, checked_count(n));
+  cl::set_args(k.get(), out.buffer, out.elem_offset(), value, checked_count(n));
   return single(std::move(k), n);
 }
 
 LaunchList copy(OpEnv& env, DeviceSpan in, DeviceSpan out, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("elementwise", "copy");
-  cl::set_args(k.get(), in.buffer, in.offset, out.buffer, out.offset, checked_count(n));
+  cl::set_args(k.get(), in.buffer, in.elem_offset(), out.buffer, out.elem_offset(), checked_count(n));
   return single(std::move(k), n);
 }
 

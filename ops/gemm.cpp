@@ -86,7 +86,8 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
                                               s.M, s.N, s.K, cfg.text(), packed_elems(s, cfg)));
     }
     cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
-    cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b.offset, scratch.buffer, scratch.offset);
+    cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b.elem_offset(), scratch.buffer,
+                 scratch.elem_offset());
     KernelLaunch l;
     l.kernel = std::move(pack);
     l.dims = 2;
@@ -99,8 +100,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", defines);
   const cl_uint has_bias = options.bias.buffer != nullptr;
   cl_mem packed = s.K > 0 ? scratch.buffer : c.buffer;  // with K = 0 the panels are never read
-  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.offset, packed, scratch.offset,
-               beta, c.buffer, c.offset, has_bias ? options.bias.buffer : c.buffer, options.bias.offset, has_bias);
+  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), packed,
+               scratch.elem_offset(), beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
+               options.bias.elem_offset(), has_bias);
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;
@@ -121,8 +123,9 @@ LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cf
   cl::Kernel k =
       env.kernels.kernel("gemm_tiled", "gemm_tiled", fmt::format("{} {}", cfg.defines(), transpose_defines(s)));
   const cl_uint has_bias = options.bias.buffer != nullptr;
-  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.offset, b.buffer, b.offset, beta,
-               c.buffer, c.offset, has_bias ? options.bias.buffer : c.buffer, options.bias.offset, has_bias);
+  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), b.buffer,
+               b.elem_offset(), beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
+               options.bias.elem_offset(), has_bias);
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;
@@ -137,8 +140,9 @@ LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a,
                       const GemmOptions& options) {
   cl::Kernel k = env.kernels.kernel("gemm_naive", "gemm_naive", transpose_defines(s));
   const cl_uint has_bias = options.bias.buffer != nullptr;
-  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.offset, b.buffer, b.offset, beta,
-               c.buffer, c.offset, has_bias ? options.bias.buffer : c.buffer, options.bias.offset, has_bias);
+  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), b.buffer,
+               b.elem_offset(), beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
+               options.bias.elem_offset(), has_bias);
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;

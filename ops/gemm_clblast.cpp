@@ -40,8 +40,8 @@ LaunchList bind_clblast_gemm(OpEnv& env, const GemmShape& s, float alpha, Device
     cl_command_queue q = queue;
     const clblast::StatusCode status = clblast::Gemm<float>(
         clblast::Layout::kRowMajor, s.trans_a ? clblast::Transpose::kYes : clblast::Transpose::kNo,
-        s.trans_b ? clblast::Transpose::kYes : clblast::Transpose::kNo, s.M, s.N, s.K, alpha, a.buffer, a.offset, lda,
-        b.buffer, b.offset, ldb, beta, c.buffer, c.offset, ldc, &q, ev.out());
+        s.trans_b ? clblast::Transpose::kYes : clblast::Transpose::kNo, s.M, s.N, s.K, alpha, a.buffer, a.elem_offset(),
+        lda, b.buffer, b.elem_offset(), ldb, beta, c.buffer, c.elem_offset(), ldc, &q, ev.out());
     if (status != clblast::StatusCode::kSuccess) {
       throw std::runtime_error(
           fmt::format("clblast::Gemm {}x{}x{} failed with status {}", s.M, s.N, s.K, static_cast<int>(status)));
@@ -51,7 +51,7 @@ LaunchList bind_clblast_gemm(OpEnv& env, const GemmShape& s, float alpha, Device
   list.push_back(std::move(l));
   if (bias.buffer != nullptr) {
     cl::Kernel k = env.kernels.kernel("gemm_bias", "gemm_add_bias");
-    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), c.buffer, c.offset, bias.buffer, bias.offset);
+    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), c.buffer, c.elem_offset(), bias.buffer, bias.elem_offset());
     KernelLaunch add;
     add.kernel = std::move(k);
     add.dims = 2;

@@ -3,10 +3,20 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 #include "ferry/cl/error.hpp"
 
 namespace ferry::ops {
+
+std::uint64_t DeviceSpan::elem_offset(std::size_t elem_bytes) const {
+  if (offset_bytes % elem_bytes != 0) {
+    throw std::logic_error("device operand at byte offset " + std::to_string(offset_bytes) +
+                           " is not aligned to its element size " + std::to_string(elem_bytes));
+  }
+  return offset_bytes / elem_bytes;
+}
 
 cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<const cl_event> wait,
                   const StepInfo& step, cl::Event* first_event) {

@@ -32,8 +32,9 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
   if (rows == 0) return list;
   cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward");
   const std::size_t local = row_group_size(k, env.device(), cols);
-  cl::set_args(k.get(), x.buffer, x.offset, gamma.buffer, gamma.offset, beta.buffer, beta.offset, y.buffer, y.offset,
-               mean.buffer, mean.offset, rstd.buffer, rstd.offset, cl_uint(cols), eps);
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
+               y.buffer, y.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
+               cl_uint(cols), eps);
   FERRY_CL(clSetKernelArg(k.get(), 14, local * sizeof(float), nullptr));
   list.push_back(per_row_launch(std::move(k), rows, local));
   return list;
@@ -47,8 +48,9 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
   if (rows > 0) {
     cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_backward_dx");
     const std::size_t local = row_group_size(k, env.device(), cols);
-    cl::set_args(k.get(), x.buffer, x.offset, gamma.buffer, gamma.offset, mean.buffer, mean.offset, rstd.buffer,
-                 rstd.offset, dy.buffer, dy.offset, dx.buffer, dx.offset, cl_uint(cols));
+    cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), mean.buffer, mean.elem_offset(),
+                 rstd.buffer, rstd.elem_offset(), dy.buffer, dy.elem_offset(), dx.buffer, dx.elem_offset(),
+                 cl_uint(cols));
     FERRY_CL(clSetKernelArg(k.get(), 13, local * sizeof(float), nullptr));
     list.push_back(per_row_launch(std::move(k), rows, local));
   }
@@ -59,8 +61,9 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
   const std::size_t limit = kernel_group_limit(kp, env.device());
   while (tc * tr > limit && tr > 1) tr /= 2;
   while (tc * tr > limit && tc > 1) tc /= 2;
-  cl::set_args(kp.get(), x.buffer, x.offset, mean.buffer, mean.offset, rstd.buffer, rstd.offset, dy.buffer, dy.offset,
-               dgamma.buffer, dgamma.offset, dbeta.buffer, dbeta.offset, cl_uint(rows), cl_uint(cols));
+  cl::set_args(kp.get(), x.buffer, x.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
+               dy.buffer, dy.elem_offset(), dgamma.buffer, dgamma.elem_offset(), dbeta.buffer, dbeta.elem_offset(),
+               cl_uint(rows), cl_uint(cols));
   FERRY_CL(clSetKernelArg(kp.get(), 14, tc * tr * sizeof(float), nullptr));
   FERRY_CL(clSetKernelArg(kp.get(), 15, tc * tr * sizeof(float), nullptr));
   KernelLaunch l;

@@ -22,9 +22,9 @@ constexpr cl_uint kAdamLrArg = 14;  // followed by inv_bc1, inv_bc2
 LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n,
                       DeviceSpan guard) {
   cl::Kernel k = env.kernels.kernel("optimizer", "sgd_update");
-  cl::set_args(k.get(), w.buffer, w.offset, g.buffer, g.offset, velocity.buffer, velocity.offset, checked_count(n),
-               c.momentum, c.weight_decay, cl_uint(c.nesterov ? 1 : 0), 0.0f, guard.buffer ? guard.buffer : w.buffer,
-               guard.offset, cl_uint(guard.buffer ? 1 : 0));
+  cl::set_args(k.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), velocity.buffer, velocity.elem_offset(),
+               checked_count(n), c.momentum, c.weight_decay, cl_uint(c.nesterov ? 1 : 0), 0.0f,
+               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0));
   KernelLaunch l = elementwise_launch(std::move(k), n);
   l.per_step = [](cl_kernel kernel, const StepInfo& s) {
     FERRY_CL(clSetKernelArg(kernel, kSgdLrArg, sizeof(float), &s.lr));
@@ -39,9 +39,9 @@ LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan
   cl::Kernel k = env.kernels.kernel("optimizer", "adam_update");
   const float l2 = c.decoupled_weight_decay ? 0.0f : c.weight_decay;
   const float decoupled = c.decoupled_weight_decay ? c.weight_decay : 0.0f;
-  cl::set_args(k.get(), w.buffer, w.offset, g.buffer, g.offset, m.buffer, m.offset, v.buffer, v.offset,
-               checked_count(n), c.beta1, c.beta2, c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f,
-               guard.buffer ? guard.buffer : w.buffer, guard.offset, cl_uint(guard.buffer ? 1 : 0));
+  cl::set_args(k.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), m.buffer, m.elem_offset(), v.buffer,
+               v.elem_offset(), checked_count(n), c.beta1, c.beta2, c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f,
+               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0));
   KernelLaunch l = elementwise_launch(std::move(k), n);
   l.per_step = [beta1 = double(c.beta1), beta2 = double(c.beta2)](cl_kernel kernel, const StepInfo& s) {
     if (s.step == 0) throw std::invalid_argument("adam_update: StepInfo::step is 1-based, got 0");

@@ -30,7 +30,7 @@ LaunchList maxpool2d_forward(OpEnv& env, const Pool2dShape& s, DeviceSpan x, Dev
   validate(s);
   const std::size_t count = s.N * s.C * s.P() * s.Q();
   cl::Kernel k = env.kernels.kernel("pool", "maxpool2d_forward", defines(s));
-  cl::set_args(k.get(), x.buffer, x.offset, y.buffer, y.offset, argmax.buffer, argmax.offset,
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), argmax.buffer, argmax.elem_offset(),
                static_cast<cl_uint>(count));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), count));
@@ -41,7 +41,7 @@ LaunchList maxpool2d_backward(OpEnv& env, const Pool2dShape& s, DeviceSpan dy, D
   validate(s);
   const std::size_t count = s.N * s.C * s.H * s.W;
   cl::Kernel k = env.kernels.kernel("pool", "maxpool2d_backward", defines(s));
-  cl::set_args(k.get(), dy.buffer, dy.offset, argmax.buffer, argmax.offset, dx.buffer, dx.offset,
+  cl::set_args(k.get(), dy.buffer, dy.elem_offset(), argmax.buffer, argmax.elem_offset(), dx.buffer, dx.elem_offset(),
                static_cast<cl_uint>(count));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), count));

@@ -26,7 +26,7 @@ LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels
 
   cl::Kernel kp = env.kernels.kernel("softmax_xent", "softmax_xent_probs");
   const std::size_t lp = row_group_size(kp, env.device(), classes);
-  cl::set_args(kp.get(), logits.buffer, logits.offset, probs.buffer, probs.offset, cl_uint(classes));
+  cl::set_args(kp.get(), logits.buffer, logits.elem_offset(), probs.buffer, probs.elem_offset(), cl_uint(classes));
   FERRY_CL(clSetKernelArg(kp.get(), 5, lp * sizeof(float), nullptr));
   KernelLaunch probs_launch;
   probs_launch.kernel = std::move(kp);
@@ -36,8 +36,8 @@ LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels
 
   cl::Kernel ks = env.kernels.kernel("softmax_xent", "softmax_xent_stats");
   const std::size_t ls = row_group_size(ks, env.device(), rows);
-  cl::set_args(ks.get(), logits.buffer, logits.offset, probs.buffer, probs.offset, labels.buffer, labels.offset,
-               stats.buffer, stats.offset, cl_uint(rows), cl_uint(classes));
+  cl::set_args(ks.get(), logits.buffer, logits.elem_offset(), probs.buffer, probs.elem_offset(), labels.buffer,
+               labels.elem_offset(), stats.buffer, stats.elem_offset(), cl_uint(rows), cl_uint(classes));
   FERRY_CL(clSetKernelArg(ks.get(), 10, ls * sizeof(float), nullptr));
   KernelLaunch stats_launch;
   stats_launch.kernel = std::move(ks);
@@ -52,8 +52,8 @@ LaunchList softmax_xent_backward(OpEnv& env, DeviceSpan probs, DeviceSpan labels
   check_shape(rows, classes);
   cl::Kernel k = env.kernels.kernel("softmax_xent", "softmax_xent_backward");
   const float coef = static_cast<float>(static_cast<double>(scale) / static_cast<double>(rows));
-  cl::set_args(k.get(), probs.buffer, probs.offset, labels.buffer, labels.offset, dlogits.buffer, dlogits.offset,
-               cl_uint(rows), cl_uint(classes), coef);
+  cl::set_args(k.get(), probs.buffer, probs.elem_offset(), labels.buffer, labels.elem_offset(), dlogits.buffer,
+               dlogits.elem_offset(), cl_uint(rows), cl_uint(classes), coef);
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), rows * classes));
   return list;

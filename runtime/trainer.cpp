@@ -30,9 +30,9 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     const std::uint64_t mem = runtime_.device().global_mem_bytes;
     budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
   }
-  train_ =
-      std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
-                                            runtime_.context(), nullptr, residency_options(), options_.serial_schedule);
+  train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
+                                                 runtime_.context(), nullptr,
+                                                 graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
 }
 
@@ -132,7 +132,8 @@ graph::CompiledStep& Trainer::eval_variant(std::uint32_t batch) {
   auto it = eval_.find(batch);
   if (it == eval_.end()) {
     auto step = std::make_unique<graph::CompiledStep>(build_graph(batch, false), options_.optimizer, runtime_.env(),
-                                                      runtime_.context(), train_->persistent(), residency_options());
+                                                      runtime_.context(), train_->persistent(),
+                                                      graph::StepOptions{residency_options()});
     it = eval_.emplace(batch, std::move(step)).first;
   }
   return *it->second;

@@ -57,7 +57,7 @@ TEST(Elementwise, WritesNothingOutsideItsRange) {
   DeviceTensor dt(guard, 4);
   // Fill the middle n - 2 elements only; both neighbours must keep their value.
   ops::DeviceSpan mid = dt.span();
-  mid.offset += 1;
+  mid.offset_bytes += sizeof(float);
   ops::run_blocking(dev.context.compute(), ops::fill(dev.env, mid, 0.0f, n));
   auto got = dt.download();
   EXPECT_EQ(got.front(), 42.0f);

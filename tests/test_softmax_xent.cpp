@@ -21,7 +21,7 @@ class DeviceLabels {
     padded.insert(padded.end(), labels.begin(), labels.end());
     dev.context.write(mem_.get(), 0, padded.data(), padded.size() * sizeof(std::int32_t));
   }
-  ops::DeviceSpan span() const { return {mem_.get(), offset_}; }
+  ops::DeviceSpan span() const { return {mem_.get(), offset_ * sizeof(float)}; }
 
  private:
   std::uint64_t offset_;

@@ -53,7 +53,7 @@ class DeviceTensor {
     TestDevice::get().context.read(mem_.get(), offset_ * sizeof(float), out.data(), n_ * sizeof(float));
     return out;
   }
-  ops::DeviceSpan span() const { return {mem_.get(), offset_}; }
+  ops::DeviceSpan span() const { return {mem_.get(), offset_ * sizeof(float)}; }
   std::size_t size() const { return n_; }
 
  private:

@@ -68,17 +68,26 @@ enum class RunMode : std::uint8_t {
   transfers_only,  // copies only: compute nodes enqueue nothing (results are meaningless)
 };
 
+// How a step is compiled.
+struct StepOptions {
+  // Where weights and optimizer state live and the device budget (see residency.hpp); a budget
+  // the step cannot fit in throws BudgetError naming the minimum.
+  ResidencyOptions residency;
+  // Every node waits for the one before it in the static order, across lanes: the step without
+  // any overlap, which the overlap benchmark compares against.
+  bool serial = false;
+  // false: plan and lower without building or binding any kernel (the step cannot run; for
+  // measuring compile time, `ferry-bench compile`).
+  bool bind_kernels = true;
+};
+
 class CompiledStep {
  public:
   // `graph` must be complete (forward, and for training backward, optimizer and download).
   // With `shared`, persistent tensors are looked up by name there instead of allocated, and the
-  // residency mode is the arena's. `residency` sets the mode and the device budget (see
-  // residency.hpp); a budget the step cannot fit in throws BudgetError naming the minimum.
-  // `serial` makes every node wait for the one before it in the static order, across lanes: the
-  // step without any overlap, which the overlap benchmark compares against.
+  // residency mode is the arena's.
   CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
-               std::shared_ptr<PersistentArena> shared = nullptr, const ResidencyOptions& residency = {},
-               bool serial = false);
+               std::shared_ptr<PersistentArena> shared = nullptr, const StepOptions& options = {});
   ~CompiledStep();
   CompiledStep(const CompiledStep&) = delete;
   CompiledStep& operator=(const CompiledStep&) = delete;

@@ -13,25 +13,22 @@
 #include <string>
 #include <vector>
 
+#include "ferry/ops/types.hpp"
+
 namespace ferry::graph {
 
 using TensorId = std::uint32_t;
 using NodeId = std::uint32_t;
 inline constexpr TensorId no_tensor = std::numeric_limits<TensorId>::max();
 
-struct Shape {
-  std::array<std::uint32_t, 4> dims{};
-  std::uint8_t rank = 0;
-  Shape() = default;
-  Shape(std::initializer_list<std::uint32_t> d);
-  std::uint32_t operator[](std::size_t i) const { return dims[i]; }
-  std::size_t elems() const;
-  std::string str() const;  // "[256, 784]"
-  bool operator==(const Shape&) const = default;
-};
-
-enum class DType : std::uint8_t { f32, i32 };  // f16 / bf16 / i8 storage come with the precision pass
-std::size_t dtype_bytes(DType t);
+// Shared with ops/ (the op table speaks them): see ferry/ops/types.hpp.
+using ops::DType;
+using ops::dtype_bytes;
+using ops::dtype_name;
+using ops::Lane;
+using ops::lane_name;
+using ops::NodeAttrs;
+using ops::Shape;
 
 // What a tensor is for; decides its lifetime in the memory plan and its home under streaming.
 enum class Role : std::uint8_t {
@@ -105,15 +102,6 @@ enum class OpKind : std::uint8_t {
   write_back,         // device copy -> host-resident tensor         in: copy    out: host   (d2h)
 };
 const char* op_name(OpKind k);
-
-// Which engine runs a node. Device queues run in order; events order them against each other.
-enum class Lane : std::uint8_t { compute, h2d, d2h, host };
-const char* lane_name(Lane l);
-
-struct NodeAttrs {
-  std::array<std::int32_t, 4> i{};
-  std::array<float, 2> f{};
-};
 
 struct NodeTable {
   std::vector<OpKind> kind;

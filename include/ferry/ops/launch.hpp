@@ -19,10 +19,18 @@
 
 namespace ferry::ops {
 
-// A float operand on the device: a buffer of the arena and an offset in elements.
+// An operand on the device: a buffer of the arena and a byte offset into it. Kernels index typed
+// pointers, so launch code passes elem_offset(bytes per element); the memory plan aligns every
+// tensor to at least 256 bytes, so the division is exact (checked).
 struct DeviceSpan {
   cl_mem buffer = nullptr;
-  std::uint64_t offset = 0;
+  std::uint64_t offset_bytes = 0;
+
+  // The offset in elements of `elem_bytes` bytes (fp32 and i32: 4). Throws std::logic_error if
+  // the byte offset is not a multiple of the element size.
+  std::uint64_t elem_offset(std::size_t elem_bytes = 4) const;
+  // The span `bytes` further into the same buffer.
+  DeviceSpan advanced(std::uint64_t bytes) const { return {buffer, offset_bytes + bytes}; }
 };
 
 // Values that change from step to step and that some kernels read (optimizer step, learning rate).
