@@ -97,7 +97,7 @@ std::string default_peer_script() {
 // whole lane time, gaps where the queue waited included.
 void print_breakdown(const graph::Graph& g, std::vector<graph::TimelineEntry> timeline) {
   std::map<std::string, std::string> kind_of;
-  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) kind_of[g.nodes.name[n]] = graph::op_name(g.nodes.kind[n]);
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) kind_of[g.nodes.name[n]] = graph::op_name(g.nodes.op[n]);
   std::sort(timeline.begin(), timeline.end(), [](const auto& a, const auto& b) { return a.end_ns < b.end_ns; });
   std::map<std::string, std::pair<double, int>> by_kind;
   std::map<graph::Lane, std::uint64_t> lane_end;

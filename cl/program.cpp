@@ -3,10 +3,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <optional>
+#include <set>
 
 namespace ferry::cl {
 namespace {
@@ -43,13 +46,104 @@ std::vector<unsigned char> program_binary(cl_program program) {
   return binary;
 }
 
+bool is_header_name(std::string_view name) {
+  return name.size() > 4 && name.substr(name.size() - 4) == ".clh";
+}
+
+// The header named by a line `#include "name"` (whitespace allowed around '#' and 'include'),
+// or nullopt for any other line (including #include <...>, which is left to the compiler).
+std::optional<std::string_view> quoted_include(std::string_view line) {
+  auto skip_space = [&] {
+    while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.remove_prefix(1);
+  };
+  skip_space();
+  if (line.empty() || line.front() != '#') return std::nullopt;
+  line.remove_prefix(1);
+  skip_space();
+  if (line.substr(0, 7) != "include") return std::nullopt;
+  line.remove_prefix(7);
+  skip_space();
+  if (line.empty() || line.front() != '"') return std::nullopt;
+  line.remove_prefix(1);
+  const std::size_t close = line.find('"');
+  if (close == std::string_view::npos) return std::nullopt;
+  return line.substr(0, close);
+}
+
+// A file name as it may appear inside the quotes of a #line directive.
+std::string line_directive_name(std::string_view name) {
+  std::string s(name);
+  for (char& c : s) {
+    if (c == '"' || c == '\\' || c == '\n') c = '_';
+  }
+  return s;
+}
+
+std::string embedded_header_list() {
+  std::string list;
+  for (const auto& [name, text] : embedded_kernel_sources()) {
+    if (is_header_name(name)) list += fmt::format("{}{}", list.empty() ? "" : ", ", name);
+  }
+  return list.empty() ? "none" : list;
+}
+
+void expand_into(std::string_view display, std::string_view source, std::set<std::string, std::less<>>& seen,
+                 std::string& out) {
+  std::size_t line_no = 0;
+  while (!source.empty()) {
+    const std::size_t eol = source.find('\n');
+    const std::string_view line = source.substr(0, eol);
+    source.remove_prefix(eol == std::string_view::npos ? source.size() : eol + 1);
+    ++line_no;
+    const auto header = quoted_include(line);
+    if (!header) {
+      out.append(line);
+      out.push_back('\n');
+      continue;
+    }
+    if (!is_header_name(*header) || !std::any_of(embedded_kernel_sources().begin(), embedded_kernel_sources().end(),
+                                                 [&](const auto& e) { return e.first == *header; })) {
+      throw std::invalid_argument(fmt::format(
+          "OpenCL kernel file '{}' includes \"{}\", which is not an embedded kernel header (ops/kernels/*.clh: {})",
+          display, *header, embedded_header_list()));
+    }
+    if (seen.emplace(*header).second) {  // each header once per program, as if it had #pragma once
+      out += fmt::format("#line 1 \"{}\"\n", line_directive_name(*header));
+      expand_into(*header, kernel_header(*header), seen, out);
+    }
+    out += fmt::format("#line {} \"{}\"\n", line_no + 1, line_directive_name(display));
+  }
+}
+
 }  // namespace
 
 std::string_view kernel_source(std::string_view file) {
-  for (const auto& [name, source] : embedded_kernel_sources()) {
-    if (name == file) return source;
+  if (!is_header_name(file)) {
+    for (const auto& [name, source] : embedded_kernel_sources()) {
+      if (name == file) return source;
+    }
   }
   throw std::invalid_argument(fmt::format("no embedded OpenCL kernel file '{}.cl' (is it in ops/kernels/?)", file));
+}
+
+std::string_view kernel_header(std::string_view header) {
+  if (is_header_name(header)) {
+    for (const auto& [name, source] : embedded_kernel_sources()) {
+      if (name == header) return source;
+    }
+  }
+  throw std::invalid_argument(
+      fmt::format("no embedded OpenCL kernel header '{}' (ops/kernels/*.clh: {})", header, embedded_header_list()));
+}
+
+std::string expand_kernel_includes(std::string_view file, std::string_view source) {
+  std::set<std::string, std::less<>> seen;
+  std::string out;
+  out.reserve(source.size());
+  expand_into(file, source, seen, out);
+  // A source without includes is returned unchanged (same bytes, same cache key as before).
+  if (seen.empty()) return std::string(source);
+  return out;
 }
 
 ProgramCacheOptions ProgramCacheOptions::from_env() {
@@ -82,7 +176,8 @@ cl_program KernelLibrary::program(std::string_view file, std::string_view option
     ++stats_.memory_hits;
     return it->second.get();
   }
-  Program p = build(file, kernel_source(file), std::string(options));
+  const std::string source = expand_kernel_includes(fmt::format("{}.cl", file), kernel_source(file));
+  Program p = build(file, source, std::string(options));
   cl_program raw = p.get();
   programs_.emplace(std::move(key), std::move(p));
   return raw;
@@ -96,7 +191,8 @@ cl_program KernelLibrary::program_from_source(std::string_view name, std::string
     ++stats_.memory_hits;
     return it->second.get();
   }
-  Program p = build(name, source, std::string(options));
+  const std::string expanded = expand_kernel_includes(name, source);
+  Program p = build(name, expanded, std::string(options));
   cl_program raw = p.get();
   programs_.emplace(std::move(key), std::move(p));
   return raw;

@@ -1,5 +1,5 @@
-# Embeds OpenCL kernel files into a C++ source as raw string literals, keyed by file stem,
-# so kernels stay real, lintable .cl files while the library ships as one binary.
+# Embeds OpenCL kernel files into a C++ source as raw string literals, keyed by file stem (headers,
+# .clh, by file name), so kernels stay real, lintable .cl files while the library ships as one binary.
 function(ferry_embed_kernels output)
   set(inputs ${ARGN})
   # A ';' list would be split into separate shell words; pass the files '|'-separated instead.

@@ -1,4 +1,4 @@
-// Forward graph construction with shape checking.
+// Forward graph construction: weights and names here, shapes from the op table's rows.
 #include "ferry/graph/builder.hpp"
 
 #include <fmt/format.h>
@@ -6,6 +6,30 @@
 #include <cmath>
 
 namespace ferry::graph {
+namespace {
+
+// The operands of a node being built, for a row's shape rule.
+class PendingNode final : public ops::ShapeView {
+ public:
+  PendingNode(const Graph& g, std::string_view name, std::span<const TensorId> in, const NodeAttrs& attrs)
+      : g_(g), name_(name), in_(in), attrs_(attrs) {}
+  std::string_view name() const override { return name_; }
+  const NodeAttrs& attrs() const override { return attrs_; }
+  std::size_t input_count() const override { return in_.size(); }
+  std::size_t output_count() const override { return 0; }
+  ops::TensorDesc input(std::size_t i) const override { return {g_.tensors.shape[in_[i]], g_.tensors.dtype[in_[i]]}; }
+  ops::TensorDesc output(std::size_t) const override {
+    throw std::logic_error("a shape rule asked for an output of a node being built");
+  }
+
+ private:
+  const Graph& g_;
+  std::string_view name_;
+  std::span<const TensorId> in_;
+  const NodeAttrs& attrs_;
+};
+
+}  // namespace
 
 Builder::Builder(Graph& g, std::uint32_t batch, Shape sample_shape, std::uint32_t classes)
     : g_(g), batch_(batch), classes_(classes) {
@@ -18,10 +42,15 @@ Builder::Builder(Graph& g, std::uint32_t batch, Shape sample_shape, std::uint32_
   in.rank = static_cast<std::uint8_t>(sample_shape.rank + 1);
   in.dims[0] = batch;
   for (std::size_t i = 0; i < sample_shape.rank; ++i) in.dims[i + 1] = sample_shape[i];
+  // The batch arrives in host mirrors (pinned staging the caller fills) and the upload node
+  // copies them to the device.
   input_ = g_.tensors.add("input", in, DType::f32, Role::input);
   labels_ = g_.tensors.add("labels", Shape{batch}, DType::i32, Role::label);
+  const TensorId host[] = {g_.tensors.add("input@host", in, DType::f32, Role::input),
+                           g_.tensors.add("labels@host", Shape{batch}, DType::i32, Role::label)};
+  for (TensorId h : host) g_.tensors.home[h] = Residency::host_pinned;
   const TensorId outs[] = {input_, labels_};
-  g_.nodes.add(OpKind::upload, "upload", {}, outs, {}, Lane::h2d);
+  g_.nodes.add(builtin::upload, "upload", host, outs, {}, Lane::h2d);
 }
 
 std::string Builder::next_name(std::string_view kind) {
@@ -34,8 +63,31 @@ TensorId Builder::weight(std::string name, Shape s, WeightInit init) {
   return t;
 }
 
-TensorId Builder::activation_tensor(std::string name, Shape s) {
-  return g_.tensors.add(std::move(name), s, DType::f32, Role::activation);
+std::vector<TensorId> Builder::emit(ops::OpId op, const std::string& name, std::span<const TensorId> inputs,
+                                    const NodeAttrs& attrs, std::initializer_list<const char*> suffixes) {
+  const ops::OpInfo& row = ops::op_info(op);
+  if (!row.infer)
+    throw BuildError(fmt::format("{}: op '{}' has no shape rule, so it cannot be applied", name, row.name));
+  for (TensorId t : inputs) {
+    if (t >= g_.tensors.size()) throw BuildError(fmt::format("{}: input tensor id {} does not exist", name, t));
+  }
+  std::vector<ops::TensorDesc> outs;
+  try {
+    outs = row.infer(PendingNode(g_, name, inputs, attrs));
+  } catch (const ops::ShapeError& e) {
+    throw BuildError(e.what());
+  }
+  std::vector<TensorId> ids;
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    const std::string suffix = i < suffixes.size() ? std::data(suffixes)[i] : fmt::format(".out{}", i);
+    ids.push_back(g_.tensors.add(name + suffix, outs[i].shape, outs[i].dtype, Role::activation));
+  }
+  g_.nodes.add(op, name, inputs, ids, attrs, row.lane);
+  return ids;
+}
+
+std::vector<TensorId> Builder::apply(ops::OpId op, std::span<const TensorId> inputs, const NodeAttrs& attrs) {
+  return emit(op, next_name(ops::op_info(op).name), inputs, attrs, {".y"});
 }
 
 TensorId Builder::linear(TensorId x, std::uint32_t out_features, bool bias) {
@@ -51,22 +103,15 @@ TensorId Builder::linear(TensorId x, std::uint32_t out_features, bool bias) {
   const float bound = 1.0f / std::sqrt(static_cast<float>(in));
   TensorId w = weight(name + ".w", Shape{in, out_features}, {WeightInit::Kind::uniform, bound});
   TensorId b = bias ? weight(name + ".b", Shape{out_features}, {WeightInit::Kind::uniform, bound}) : no_tensor;
-  TensorId y = activation_tensor(name + ".y", Shape{xs[0], out_features});
   const TensorId ins[] = {x, w, b};
-  const TensorId outs[] = {y};
-  g_.nodes.add(OpKind::linear, name, std::span(ins, bias ? 3 : 2), outs);
-  return y;
+  return emit(builtin::linear, name, std::span(ins, bias ? 3 : 2), {}, {".y"})[0];
 }
 
 TensorId Builder::activation(TensorId x, ops::Activation a) {
-  const std::string name = next_name(a == ops::Activation::relu ? "relu" : "gelu");
-  TensorId y = activation_tensor(name + ".y", shape(x));
   NodeAttrs attrs;
   attrs.i[0] = static_cast<std::int32_t>(a);
   const TensorId ins[] = {x};
-  const TensorId outs[] = {y};
-  g_.nodes.add(OpKind::activation, name, ins, outs, attrs);
-  return y;
+  return emit(builtin::activation, next_name(a == ops::Activation::relu ? "relu" : "gelu"), ins, attrs, {".y"})[0];
 }
 
 TensorId Builder::layernorm(TensorId x, float eps) {
@@ -74,18 +119,12 @@ TensorId Builder::layernorm(TensorId x, float eps) {
   const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
   if (xs.rank != 2)
     throw BuildError(fmt::format("{}: input has shape {}; LayerNorm takes [batch, features]", name, xs.str()));
-  if (!(eps > 0.0f)) throw BuildError(fmt::format("{}: eps must be positive, got {}", name, eps));
   TensorId gamma = weight(name + ".gamma", Shape{xs[1]}, {WeightInit::Kind::ones, 0});
   TensorId beta = weight(name + ".beta", Shape{xs[1]}, {WeightInit::Kind::zeros, 0});
-  TensorId y = activation_tensor(name + ".y", xs);
-  TensorId mean = activation_tensor(name + ".mean", Shape{xs[0]});
-  TensorId rstd = activation_tensor(name + ".rstd", Shape{xs[0]});
   NodeAttrs attrs;
   attrs.f[0] = eps;
   const TensorId ins[] = {x, gamma, beta};
-  const TensorId outs[] = {y, mean, rstd};
-  g_.nodes.add(OpKind::layernorm, name, ins, outs, attrs);
-  return y;
+  return emit(builtin::layernorm, name, ins, attrs, {".y", ".mean", ".rstd"})[0];
 }
 
 TensorId Builder::conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t kernel, std::uint32_t stride,
@@ -101,39 +140,22 @@ TensorId Builder::conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t k
         fmt::format("{}: kernel {} is larger than the padded input {} (pad {})", name, kernel, xs.str(), pad));
   }
   const std::uint32_t c = xs[1];
-  const std::uint32_t p = (xs[2] + 2 * pad - kernel) / stride + 1;
-  const std::uint32_t q = (xs[3] + 2 * pad - kernel) / stride + 1;
   const float bound = 1.0f / std::sqrt(static_cast<float>(c * kernel * kernel));
   TensorId w = weight(name + ".w", Shape{out_channels, c, kernel, kernel}, {WeightInit::Kind::uniform, bound});
   TensorId b = weight(name + ".b", Shape{out_channels}, {WeightInit::Kind::uniform, bound});
-  TensorId y = activation_tensor(name + ".y", Shape{xs[0], out_channels, p, q});
   NodeAttrs attrs;
   attrs.i[0] = static_cast<std::int32_t>(stride);
   attrs.i[1] = static_cast<std::int32_t>(pad);
   const TensorId ins[] = {x, w, b};
-  const TensorId outs[] = {y};
-  g_.nodes.add(OpKind::conv2d, name, ins, outs, attrs);
-  return y;
+  return emit(builtin::conv2d, name, ins, attrs, {".y"})[0];
 }
 
 TensorId Builder::maxpool2d(TensorId x, std::uint32_t window, std::uint32_t stride) {
-  const std::string name = next_name("maxpool");
-  const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
-  if (xs.rank != 4)
-    throw BuildError(fmt::format("{}: input has shape {}; MaxPool2d takes [N, C, H, W]", name, xs.str()));
-  if (window == 0 || stride == 0 || xs[2] < window || xs[3] < window) {
-    throw BuildError(fmt::format("{}: window {} / stride {} do not fit input {}", name, window, stride, xs.str()));
-  }
-  const Shape ys{xs[0], xs[1], (xs[2] - window) / stride + 1, (xs[3] - window) / stride + 1};
-  TensorId y = activation_tensor(name + ".y", ys);
-  TensorId argmax = g_.tensors.add(name + ".argmax", ys, DType::i32, Role::activation);
   NodeAttrs attrs;
   attrs.i[0] = static_cast<std::int32_t>(window);
   attrs.i[1] = static_cast<std::int32_t>(stride);
   const TensorId ins[] = {x};
-  const TensorId outs[] = {y, argmax};
-  g_.nodes.add(OpKind::maxpool2d, name, ins, outs, attrs);
-  return y;
+  return emit(builtin::maxpool2d, next_name("maxpool"), ins, attrs, {".y", ".argmax"})[0];
 }
 
 TensorId Builder::flatten(TensorId x) {
@@ -144,16 +166,8 @@ TensorId Builder::flatten(TensorId x) {
 }
 
 TensorId Builder::add(TensorId a, TensorId b) {
-  const std::string name = next_name("add");
-  if (!(shape(a) == shape(b))) {
-    throw BuildError(fmt::format("{}: shapes differ: {} is {}, {} is {}", name, g_.tensors.name[a], shape(a).str(),
-                                 g_.tensors.name[b], shape(b).str()));
-  }
-  TensorId y = activation_tensor(name + ".y", shape(a));
   const TensorId ins[] = {a, b};
-  const TensorId outs[] = {y};
-  g_.nodes.add(OpKind::add, name, ins, outs);
-  return y;
+  return emit(builtin::add, next_name("add"), ins, {}, {".y"})[0];
 }
 
 TensorId Builder::softmax_xent(TensorId logits) {
@@ -162,12 +176,11 @@ TensorId Builder::softmax_xent(TensorId logits) {
     throw BuildError(
         fmt::format("loss: logits have shape {}, expected [{}, {}] (batch, classes)", ls.str(), batch_, classes_));
   }
-  TensorId probs = activation_tensor("loss.probs", ls);
-  TensorId stats = g_.tensors.add("loss.stats", Shape{2}, DType::f32, Role::stats);
   const TensorId ins[] = {logits, labels_};
-  const TensorId outs[] = {probs, stats};
-  g_.nodes.add(OpKind::softmax_xent, "loss", ins, outs);
-  return stats;
+  const auto outs = emit(builtin::softmax_xent, "loss", ins, {}, {".probs", ".stats"});
+  g_.tensors.role[outs[1]] = Role::stats;
+  g_.loss = outs[1];
+  return outs[1];
 }
 
 }  // namespace ferry::graph

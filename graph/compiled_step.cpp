@@ -5,13 +5,15 @@
 #include <tbb/flow_graph.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
 #include "ferry/graph/bind.hpp"
-#include "ferry/offload/host_optimizer.hpp"
+#include "ferry/graph/dependencies.hpp"
+#include "ferry/graph/node_view.hpp"
 #include "ferry/offload/pinned_host.hpp"
 
 namespace ferry::graph {
@@ -20,9 +22,7 @@ using tbb::flow::continue_msg;
 using DoneNode = tbb::flow::async_node<continue_msg, continue_msg>;
 
 std::optional<Placement> PersistentArena::find(const std::string& name) const {
-  for (const auto& [n, p] : placements) {
-    if (n == name) return p;
-  }
+  if (auto it = placements.find(name); it != placements.end()) return it->second;
   return std::nullopt;
 }
 
@@ -52,16 +52,6 @@ void PersistentArena::read(const cl::Context& ctx, const Placement& p, void* dst
 
 namespace {
 
-struct ByteRange {
-  Pool pool;
-  std::uint32_t buffer;
-  std::uint64_t begin, end;
-  bool write;
-  bool overlaps(const ByteRange& o) const {
-    return pool == o.pool && buffer == o.buffer && begin < o.end && o.begin < end;
-  }
-};
-
 cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
   switch (lane) {
     case Lane::h2d:
@@ -84,10 +74,10 @@ struct CompiledStep::Impl {
   std::vector<std::vector<cl_event>> wait_lists;  // per node: the events it waits on this step
   std::vector<cl::Event> events;                  // per node: its last command, this step
   std::vector<cl::Event> first_events;            // per node: its first command (profiling only)
-  cl::PinnedBuffer input_host, labels_host, stats_host;
   TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
   ops::StepInfo step;
   RunMode mode = RunMode::normal;
+  bool bound = true;  // kernels bound: the step can run
 
   tbb::flow::graph flow;
   tbb::flow::broadcast_node<continue_msg> start{flow};
@@ -150,8 +140,20 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   auto& n = graph_.nodes;
   const auto& device = context.device();
 
-  // 1. Scratch, then the memory plan (persistent placements come from `shared` if given).
+  // The device passes, in order; each one's wall time goes into pass_timings().
+  auto clock = std::chrono::steady_clock::now();
+  auto done = [&](const char* pass) {
+    const auto now = std::chrono::steady_clock::now();
+    pass_timings_.push_back({pass, std::chrono::duration<double, std::milli>(now - clock).count()});
+    clock = now;
+  };
+
+  // 1. Dtypes every row accepts, scratch, then residency and the memory plan (persistent
+  // placements come from `shared` if given).
+  check_dtypes(graph_);
+  done("check dtypes");
   assign_scratch(graph_, env);
+  done("scratch");
   MemoryPlanOptions mopt;
   mopt.max_buffer_bytes = device.max_alloc_bytes;
   mopt.alignment = std::max<std::uint32_t>(256, device.base_align_bytes);
@@ -168,6 +170,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   ResidencyOptions ropt = residency;
   if (shared) ropt.mode = shared->mode;  // a variant lives where the model's weights live
   plan_ = plan_residency(graph_, ropt, device.host_unified_memory, mopt, residency_);
+  done("residency and memory plan");
 
   // 2. Arena buffers.
   if (shared) {
@@ -190,7 +193,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     persistent_->bytes = plan_.persistent_bytes;
     for (TensorId id = 0; id < t.size(); ++id) {
       if (is_persistent(t.role[id]) && t.alias_of[id] == no_tensor)
-        persistent_->placements.emplace_back(t.name[id], t.placement[id]);
+        persistent_->placements.emplace(t.name[id], t.placement[id]);
     }
   }
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
@@ -210,42 +213,63 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
         context, plan_.host_transient_buffers[b], fmt::format("host buffer {} of weight gradients", b)));
   }
 
-  // 3. Host staging for upload and download.
+  // 3. The batch and the results cross the link through host mirrors (pinned, from the plan's
+  // host pool): the caller fills the input ones before run() and reads the results after.
   for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.home[id] == Residency::device || is_persistent(t.role[id])) continue;
     if (t.role[id] == Role::input) impl_->input = id;
     if (t.role[id] == Role::label) impl_->labels = id;
     if (t.role[id] == Role::stats) impl_->stats = id;
   }
   if (impl_->input == no_tensor || impl_->labels == no_tensor || impl_->stats == no_tensor) {
-    throw std::logic_error("a step graph needs input, label and stats tensors");
+    throw std::logic_error("a step graph needs host mirrors of its input, labels and stats (upload and download)");
   }
-  impl_->input_host = context.create_pinned(t.bytes(impl_->input), "input staging");
-  impl_->labels_host = context.create_pinned(t.bytes(impl_->labels), "label staging");
-  impl_->stats_host = context.create_pinned(t.bytes(impl_->stats), "stats staging");
 
-  // 4. Bind kernels.
-  TensorResolver at = [this](TensorId id) { return span(id); };
+  done("arena");
+
+  // 4. Bind every device-lane node through its row.
+  TensorLocator at;
+  at.device = [this](TensorId id) { return span(id); };
+  at.host = [this](TensorId id, bool write) -> ops::HostAddress {
+    const TensorId s = graph_.tensors.storage(id);
+    if (plan_.pool[s] == Pool::persistent) {
+      // Streamed state: read the current slot, write the other (committed when the step succeeds).
+      PersistentArena* arena = persistent_.get();
+      const Placement p = graph_.tensors.placement[s];
+      return [arena, p, write] {
+        const int slot = write && arena->slots() == 2 ? 1 - arena->current : arena->current;
+        return static_cast<void*>(arena->host_ptr(slot, p));
+      };
+    }
+    std::byte* fixed = host_address(id, 0);
+    return [fixed] { return static_cast<void*>(fixed); };
+  };
   impl_->launches.resize(n.size());
+  impl_->bound = options.bind_kernels;
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (n.lane[id] != Lane::compute || !options.bind_kernels) continue;
+    if (n.lane[id] == Lane::host || !options.bind_kernels) continue;
     cl::OpScope scope(n.name[id]);
     impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
   }
 
+  done("bind");
+
   // 5. Dependencies: same lane -> chain; other lanes -> edge + event wait where bytes overlap.
-  std::vector<std::vector<ByteRange>> ranges(n.size());
+  std::vector<std::vector<ByteAccess>> accesses(n.size());
   for (NodeId id = 0; id < n.size(); ++id) {
     auto add = [&](TensorId tid, bool write) {
       if (tid == no_tensor) return;
       const TensorId s = t.storage(tid);
       const Placement& p = t.placement[s];
-      ranges[id].push_back({plan_.pool[s], p.buffer, p.offset_bytes, p.offset_bytes + t.bytes(tid), write});
+      const std::uint32_t space = p.buffer * 4u + static_cast<std::uint32_t>(plan_.pool[s]);  // (pool, buffer)
+      accesses[id].push_back({space, p.offset_bytes, p.offset_bytes + t.bytes(tid), write});
     };
     for (TensorId tid : n.inputs(id)) add(tid, false);
     for (TensorId tid : n.outputs(id)) add(tid, true);
     add(n.scratch[id], true);
   }
-  impl_->waits.resize(n.size());
+  // Per other lane, the latest conflicting node suffices: its lane runs in order.
+  impl_->waits = cross_lane_dependencies(n.lane, accesses);
   constexpr int lanes = 4;
   std::array<NodeId, lanes> last_on_lane;
   last_on_lane.fill(static_cast<NodeId>(-1));
@@ -254,22 +278,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     const int lane = static_cast<int>(n.lane[id]);
     if (last_on_lane[lane] != static_cast<NodeId>(-1)) preds[id].push_back(last_on_lane[lane]);
     if (serial && id > 0 && n.lane[id - 1] != n.lane[id]) preds[id].push_back(id - 1);
-    for (int other = 0; other < lanes; ++other) {
-      if (other == lane) continue;
-      // The latest conflicting node of that lane suffices: its lane runs in order.
-      for (NodeId m = id; m-- > 0;) {
-        if (static_cast<int>(n.lane[m]) != other) continue;
-        bool conflict = false;
-        for (const auto& a : ranges[id]) {
-          for (const auto& b : ranges[m]) conflict = conflict || (a.overlaps(b) && (a.write || b.write));
-        }
-        if (conflict) {
-          preds[id].push_back(m);
-          impl_->waits[id].push_back(m);
-          break;
-        }
-      }
-    }
+    preds[id].insert(preds[id].end(), impl_->waits[id].begin(), impl_->waits[id].end());
     last_on_lane[lane] = id;
   }
 
@@ -277,7 +286,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   for (NodeId id = 0; id < n.size(); ++id) {
     const bool writes_state_on_host =
         n.lane[id] == Lane::host ||
-        (n.kind[id] == OpKind::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent);
+        (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent);
     impl_->commits_other_slot = impl_->commits_other_slot || writes_state_on_host;
   }
 
@@ -312,54 +321,14 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
             }
             const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
             cl::Event ev;
-            const auto& tt = graph_.tensors;
-            switch (nodes.kind[id]) {
-              case OpKind::upload: {
-                const ops::DeviceSpan in = span(im->input), lab = span(im->labels);
-                FERRY_CL(clEnqueueWriteBuffer(q, in.buffer, CL_FALSE, in.offset_bytes, tt.bytes(im->input),
-                                              im->input_host.data(), static_cast<cl_uint>(wait.size()),
-                                              wait.empty() ? nullptr : wait.data(), nullptr));
-                FERRY_CL(clEnqueueWriteBuffer(q, lab.buffer, CL_FALSE, lab.offset_bytes, tt.bytes(im->labels),
-                                              im->labels_host.data(), 0, nullptr, ev.out()));
-                break;
-              }
-              case OpKind::fetch:
-              case OpKind::write_back: {
-                const bool in = nodes.kind[id] == OpKind::fetch;
-                const TensorId host = in ? nodes.inputs(id)[0] : nodes.outputs(id)[0];
-                const TensorId copy = in ? nodes.outputs(id)[0] : nodes.inputs(id)[0];
-                const ops::DeviceSpan dev = span(copy);
-                // Fetch from the current slot; write back into the other, which becomes current
-                // only if the whole step succeeds. (Step tensors on the host have one place.)
-                const int current = persistent_->current;
-                std::byte* ptr = host_address(host, in ? current : 1 - current);
-                const cl_uint nwait = static_cast<cl_uint>(wait.size());
-                const cl_event* wl = wait.empty() ? nullptr : wait.data();
-                if (in) {
-                  FERRY_CL(clEnqueueWriteBuffer(q, dev.buffer, CL_FALSE, dev.offset_bytes, tt.bytes(host), ptr, nwait,
-                                                wl, ev.out()));
-                } else {
-                  FERRY_CL(clEnqueueReadBuffer(q, dev.buffer, CL_FALSE, dev.offset_bytes, tt.bytes(host), ptr, nwait,
-                                               wl, ev.out()));
-                }
-                break;
-              }
-              case OpKind::download: {
-                const ops::DeviceSpan s = span(im->stats);
-                FERRY_CL(clEnqueueReadBuffer(q, s.buffer, CL_FALSE, s.offset_bytes, tt.bytes(im->stats),
-                                             im->stats_host.data(), static_cast<cl_uint>(wait.size()),
-                                             wait.empty() ? nullptr : wait.data(), ev.out()));
-                break;
-              }
-              default:
-                if (im->mode != RunMode::transfers_only) {
-                  ev = ops::enqueue(q, im->launches[id], wait, im->step,
-                                    im->ctx.profiling() ? &im->first_events[id] : nullptr);
-                }
-                if (!ev) {
-                  FERRY_CL(clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(wait.size()),
-                                                       wait.empty() ? nullptr : wait.data(), ev.out()));
-                }
+            // Transfers-only runs (overlap measurement) enqueue the copies but no compute.
+            if (im->mode != RunMode::transfers_only || nodes.lane[id] != Lane::compute) {
+              ev = ops::enqueue(q, im->launches[id], wait, im->step,
+                                im->ctx.profiling() ? &im->first_events[id] : nullptr);
+            }
+            if (!ev) {
+              FERRY_CL(clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(wait.size()),
+                                                   wait.empty() ? nullptr : wait.data(), ev.out()));
             }
             im->events[id] = std::move(ev);
             // Flush so that commands on other queues waiting on this one can start.
@@ -368,7 +337,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
             throw;  // already names the op through OpScope
           } catch (const std::exception& e) {
             throw std::runtime_error(
-                fmt::format("step node '{}' ({}): {}", nodes.name[id], op_name(nodes.kind[id]), e.what()));
+                fmt::format("step node '{}' ({}): {}", nodes.name[id], op_name(nodes.op[id]), e.what()));
           }
         }));
   }
@@ -420,6 +389,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
       std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
                                  [im](const continue_msg&, DoneNode::gateway_type& gw) { im->finish_gate.open(gw); });
   tbb::flow::make_edge(*impl_->finish, *impl_->done);
+  done("lower");
 }
 
 CompiledStep::~CompiledStep() {
@@ -433,37 +403,46 @@ CompiledStep::~CompiledStep() {
   }
 }
 
+namespace {
+
+// A host-lane node's operands in host memory: persistent tensors read from the current slot and
+// written into the other; step tensors (a gradient written back for the host) have one place.
+class HostNode final : public NodeView<ops::HostContext> {
+ public:
+  HostNode(const Graph& g, NodeId n, std::function<std::byte*(TensorId, bool)> at, const ops::StepInfo& step,
+           const OptimizerSpec& optimizer)
+      : NodeView(g, n), at_(std::move(at)), step_(step), optimizer_(optimizer) {}
+  const std::byte* in(std::size_t i) const override { return at_(in_ids()[i], false); }
+  std::byte* out(std::size_t i) const override { return at_(out_ids()[i], true); }
+  const ops::StepInfo& step() const override { return step_; }
+  const OptimizerSpec& optimizer() const override { return optimizer_; }
+
+ private:
+  std::function<std::byte*(TensorId, bool)> at_;
+  const ops::StepInfo& step_;
+  const OptimizerSpec& optimizer_;
+};
+
+}  // namespace
+
 void CompiledStep::run_host_node(NodeId id) {
   const auto& nodes = graph_.nodes;
-  const auto& t = graph_.tensors;
   cl::OpScope scope(nodes.name[id]);
   if (fail_node_ == id) {
     fail_node_ = static_cast<NodeId>(-1);
     throw std::runtime_error(
-        fmt::format("step node '{}' (host {}): injected failure", nodes.name[id], op_name(nodes.kind[id])));
+        fmt::format("step node '{}' (host {}): injected failure", nodes.name[id], op_name(nodes.op[id])));
   }
-  const auto in = nodes.inputs(id);
+  const ops::OpInfo& row = ops::op_info(nodes.op[id]);
+  if (!row.host) {
+    throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
+  }
   const int current = persistent_->current;
-  auto from = [&](TensorId x) { return reinterpret_cast<const float*>(host_address(x, current)); };
-  auto to = [&](TensorId x) { return reinterpret_cast<float*>(host_address(x, 1 - current)); };
-  const std::size_t count = t.shape[in[0]].elems();
-  const float* grad = reinterpret_cast<const float*>(host_address(in[1], 0));
-  switch (nodes.kind[id]) {
-    case OpKind::adam_update: {
-      ops::AdamConfig c = impl_->optimizer.adam;
-      c.decoupled_weight_decay = impl_->optimizer.kind == OptimizerSpec::Kind::adamw;
-      offload::host_adam_update(c, impl_->step, grad,
-                                {from(in[0]), from(in[2]), from(in[3]), to(in[0]), to(in[2]), to(in[3])}, count);
-      return;
-    }
-    case OpKind::sgd_update:
-      offload::host_sgd_update(impl_->optimizer.sgd, impl_->step, grad,
-                               {from(in[0]), from(in[2]), to(in[0]), to(in[2])}, count);
-      return;
-    default:
-      throw std::logic_error(
-          fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], op_name(nodes.kind[id])));
-  }
+  auto at = [this, current](TensorId x, bool write) {
+    const bool persistent = plan_.pool[graph_.tensors.storage(x)] == Pool::persistent;
+    return host_address(x, persistent && write ? 1 - current : current);
+  };
+  row.host(HostNode(graph_, id, at, impl_->step, impl_->optimizer));
 }
 
 std::byte* CompiledStep::host_address(TensorId id, int slot) const {
@@ -485,16 +464,18 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
 }
 
 float* CompiledStep::input_host() const {
-  return impl_->input_host.floats();
+  return reinterpret_cast<float*>(host_address(impl_->input, 0));
 }
 std::int32_t* CompiledStep::labels_host() const {
-  return static_cast<std::int32_t*>(impl_->labels_host.data());
+  return reinterpret_cast<std::int32_t*>(host_address(impl_->labels, 0));
 }
 const float* CompiledStep::stats_host() const {
-  return impl_->stats_host.floats();
+  return reinterpret_cast<const float*>(host_address(impl_->stats, 0));
 }
 
 void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
+  if (!impl_->bound)
+    throw std::logic_error("this step was compiled without kernels (bind_kernels = false): it cannot run");
   impl_->step = step;
   impl_->mode = mode;
   impl_->finish_gate.status = CL_COMPLETE;

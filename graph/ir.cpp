@@ -54,58 +54,14 @@ TensorId TensorTable::storage(TensorId t) const {
   return t;
 }
 
-const char* op_name(OpKind k) {
-  switch (k) {
-    case OpKind::upload:
-      return "upload";
-    case OpKind::linear:
-      return "linear";
-    case OpKind::linear_grad_input:
-      return "linear_grad_input";
-    case OpKind::linear_grad_param:
-      return "linear_grad_param";
-    case OpKind::activation:
-      return "activation";
-    case OpKind::activation_grad:
-      return "activation_grad";
-    case OpKind::add:
-      return "add";
-    case OpKind::layernorm:
-      return "layernorm";
-    case OpKind::layernorm_grad:
-      return "layernorm_grad";
-    case OpKind::conv2d:
-      return "conv2d";
-    case OpKind::conv2d_grad_input:
-      return "conv2d_grad_input";
-    case OpKind::conv2d_grad_param:
-      return "conv2d_grad_param";
-    case OpKind::maxpool2d:
-      return "maxpool2d";
-    case OpKind::maxpool2d_grad:
-      return "maxpool2d_grad";
-    case OpKind::softmax_xent:
-      return "softmax_xent";
-    case OpKind::softmax_xent_grad:
-      return "softmax_xent_grad";
-    case OpKind::sgd_update:
-      return "sgd_update";
-    case OpKind::adam_update:
-      return "adam_update";
-    case OpKind::download:
-      return "download";
-    case OpKind::fetch:
-      return "fetch";
-    case OpKind::write_back:
-      return "write_back";
-  }
-  return "?";
+const char* op_name(OpId op) {
+  return ops::op_info(op).name.c_str();
 }
 
-NodeId NodeTable::add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a,
+NodeId NodeTable::add(OpId k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a,
                       Lane l) {
-  const auto id = static_cast<NodeId>(kind.size());
-  kind.push_back(k);
+  const auto id = static_cast<NodeId>(op.size());
+  op.push_back(k);
   name.push_back(std::move(n));
   in_begin.push_back(static_cast<std::uint32_t>(operands.size()));
   in_count.push_back(static_cast<std::uint32_t>(in.size()));
@@ -125,7 +81,7 @@ NodeId NodeTable::add_copy(const NodeTable& from, NodeId n) {
 
 NodeId NodeTable::add_copy(const NodeTable& from, NodeId n, std::span<const TensorId> in, std::span<const TensorId> out,
                            Lane l) {
-  const NodeId id = add(from.kind[n], from.name[n], in, out, from.attrs[n], l);
+  const NodeId id = add(from.op[n], from.name[n], in, out, from.attrs[n], l);
   scratch[id] = from.scratch[n];
   return id;
 }

@@ -13,8 +13,9 @@ namespace {
 
 constexpr std::uint32_t never = std::numeric_limits<std::uint32_t>::max();
 
-bool is_update(OpKind k) {
-  return k == OpKind::sgd_update || k == OpKind::adam_update;
+// Optimizer updates: the rows of class `update` (they may move early, or to the host lane).
+bool is_update(OpId op) {
+  return ops::op_info(op).op_class == ops::OpClass::update;
 }
 
 // A copy of `old` with nodes in `order` (each old id once).
@@ -163,7 +164,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   for (NodeId n = 0; n < count; ++n) {
     for (std::size_t i : fetch_at[n]) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
-      out.add(OpKind::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::h2d);
+      out.add(builtin::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::h2d);
     }
     std::vector<TensorId> ins(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
     std::vector<TensorId> outs(base.nodes.outputs(n).begin(), base.nodes.outputs(n).end());
@@ -176,7 +177,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     out.add_copy(base.nodes, n, ins, outs, base.nodes.lane[n]);
     for (std::size_t i : write_back_after[n]) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
-      out.add(OpKind::write_back, "write_back." + t.name[host], std::span(&copy, 1), std::span(&host, 1), {},
+      out.add(builtin::write_back, "write_back." + t.name[host], std::span(&copy, 1), std::span(&host, 1), {},
               Lane::d2h);
     }
   }
@@ -189,10 +190,10 @@ void count_transfers(const Graph& g, ResidencyReport& r) {
   r.fetches = r.write_backs = r.host_updates = 0;
   r.fetch_bytes = r.write_back_bytes = 0;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    if (g.nodes.kind[n] == OpKind::fetch) {
+    if (g.nodes.op[n] == builtin::fetch) {
       ++r.fetches;
       r.fetch_bytes += g.tensors.bytes(g.nodes.inputs(n)[0]);
-    } else if (g.nodes.kind[n] == OpKind::write_back) {
+    } else if (g.nodes.op[n] == builtin::write_back) {
       ++r.write_backs;
       r.write_back_bytes += g.tensors.bytes(g.nodes.inputs(n)[0]);
     } else if (g.nodes.lane[n] == Lane::host) {
@@ -208,7 +209,7 @@ void move_updates_to_host(Graph& g) {
   const NodeTable old = g.nodes;
   NodeTable out;
   for (NodeId n = 0; n < old.size(); ++n) {
-    if (!is_update(old.kind[n])) {
+    if (!is_update(old.op[n])) {
       out.add_copy(old, n);
       continue;
     }
@@ -216,7 +217,7 @@ void move_updates_to_host(Graph& g) {
     const TensorId grad = ins[1];
     const TensorId grad_host = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
     t.home[grad_host] = Residency::host_pinned;
-    out.add(OpKind::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host, 1), {},
+    out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host, 1), {},
             Lane::d2h);
     std::replace(ins.begin(), ins.end(), grad, grad_host);  // the gradient, and SGD's velocity if it is one
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
@@ -264,19 +265,19 @@ void place_updates_early(Graph& g) {
   std::vector<std::vector<NodeId>> after(n.size());
   std::vector<NodeId> last_touch(t.size(), 0);
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (is_update(n.kind[id])) continue;
+    if (is_update(n.op[id])) continue;
     for (TensorId x : n.inputs(id)) last_touch[t.storage(x)] = id;
     for (TensorId x : n.outputs(id)) last_touch[t.storage(x)] = id;
   }
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (!is_update(n.kind[id])) continue;
+    if (!is_update(n.op[id])) continue;
     const auto in = n.inputs(id);
     const NodeId anchor = std::max(last_touch[t.storage(in[0])], last_touch[t.storage(in[1])]);
     after[anchor].push_back(id);
   }
   std::vector<NodeId> order;
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (is_update(n.kind[id])) continue;
+    if (is_update(n.op[id])) continue;
     order.push_back(id);
     for (NodeId u : after[id]) order.push_back(u);
   }

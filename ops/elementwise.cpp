@@ -1,6 +1,8 @@
 // Binding of the elementwise utility kernels (ops/kernels/elementwise.cl).
 #include "ferry/ops/elementwise.hpp"
 
+#include <fmt/format.h>
+
 #include <limits>
 #include <stdexcept>
 
@@ -18,21 +20,27 @@ LaunchList single(cl::Kernel k, std::size_t n) {
 }
 }  // namespace
 
-LaunchList add(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size_t n) {
-  cl::Kernel k = env.kernels.kernel("elementwise", "add");
-  cl::set_args(k.get(), a.buffer, a.elem_offset(), b.buffer, b.elem_offset(), out.buffer, out.elem_offset(),
-               checked_count(n));
+LaunchList add(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size_t n, DType dtype) {
+  if (!add_dtypes.contains(dtype)) {
+    throw std::invalid_argument(
+        fmt::format("add: dtype {} is not supported (add takes {})", dtype_name(dtype), add_dtypes.str()));
+  }
+  const std::size_t bytes = dtype_bytes(dtype);
+  cl::Kernel k = env.kernels.kernel("elementwise", "add", dtype_define(dtype));
+  cl::set_args(k.get(), a.buffer, a.elem_offset(bytes), b.buffer, b.elem_offset(bytes), out.buffer,
+               out.elem_offset(bytes), checked_count(n));
   return single(std::move(k), n);
 }
 
+// fill and copy are fp32 kernels; they come from the f32 build of the file, which add shares.
 LaunchList fill(OpEnv& env, DeviceSpan out, float value, std::size_t n) {
-  cl::Kernel k = env.kernels.kernel("elementwise", "fill");
+  cl::Kernel k = env.kernels.kernel("elementwise", "fill", dtype_define(DType::f32));
   cl::set_args(k.get(), out.buffer, out.elem_offset(), value, checked_count(n));
   return single(std::move(k), n);
 }
 
 LaunchList copy(OpEnv& env, DeviceSpan in, DeviceSpan out, std::size_t n) {
-  cl::Kernel k = env.kernels.kernel("elementwise", "copy");
+  cl::Kernel k = env.kernels.kernel("elementwise", "copy", dtype_define(DType::f32));
   cl::set_args(k.get(), in.buffer, in.elem_offset(), out.buffer, out.elem_offset(), checked_count(n));
   return single(std::move(k), n);
 }

@@ -9,6 +9,18 @@
 #include "ferry/cl/error.hpp"
 
 namespace ferry::ops {
+
+const char* optimizer_name(OptimizerConfig::Kind k) {
+  switch (k) {
+    case OptimizerConfig::Kind::sgd:
+      return "sgd";
+    case OptimizerConfig::Kind::adam:
+      return "adam";
+    case OptimizerConfig::Kind::adamw:
+      return "adamw";
+  }
+  return "?";
+}
 namespace {
 cl_uint checked_count(std::size_t n) {
   if (n > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("optimizer: more than 2^32-1 parameters");

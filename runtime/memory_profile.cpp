@@ -14,41 +14,51 @@
 namespace ferry {
 namespace {
 
-using graph::OpKind;
+using ops::OpClass;
 
-// Which part of the step a node belongs to; backward nodes follow the loss in the static order.
+OpClass class_of(const graph::Graph& g, graph::NodeId n) {
+  return ops::op_info(g.nodes.op[n]).op_class;
+}
+
+// Which part of the step a node belongs to, from its row's class; gradient-summing adds and
+// anything else after the loss count as backward.
 std::vector<StepSection> sections(const graph::Graph& g) {
   std::vector<StepSection> out(g.nodes.size(), StepSection::forward);
   bool after_loss = false;
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
-    const OpKind k = g.nodes.kind[n];
-    if (k == OpKind::upload || k == OpKind::download) {
-      out[n] = StepSection::io;
-    } else if (k == OpKind::fetch || k == OpKind::write_back) {
-      out[n] = StepSection::transfer;
-    } else if (k == OpKind::sgd_update || k == OpKind::adam_update) {
-      out[n] = StepSection::update;
-    } else {
-      out[n] = after_loss ? StepSection::backward : StepSection::forward;
+    switch (class_of(g, n)) {
+      case OpClass::batch_transfer:
+        out[n] = StepSection::io;
+        break;
+      case OpClass::state_transfer:
+        out[n] = StepSection::transfer;
+        break;
+      case OpClass::update:
+        out[n] = StepSection::update;
+        break;
+      case OpClass::loss:
+        out[n] = StepSection::forward;
+        after_loss = true;
+        break;
+      case OpClass::backward:
+        out[n] = StepSection::backward;
+        break;
+      case OpClass::forward:
+      case OpClass::cast:
+        out[n] = after_loss ? StepSection::backward : StepSection::forward;
+        break;
     }
-    if (k == OpKind::softmax_xent) after_loss = true;
   }
   return out;
 }
 
+// Bytes a transfer node moves (its inputs' bytes: a copy's input and output have one size).
 std::uint64_t transfer_bytes(const graph::Graph& g, graph::NodeId n) {
-  const OpKind k = g.nodes.kind[n];
-  if (k == OpKind::fetch || k == OpKind::upload) {
-    std::uint64_t b = 0;
-    for (auto t : g.nodes.outputs(n)) b += g.tensors.bytes(t);
-    return b;
-  }
-  if (k == OpKind::write_back || k == OpKind::download) {
-    std::uint64_t b = 0;
-    for (auto t : g.nodes.inputs(n)) b += g.tensors.bytes(t);
-    return b;
-  }
-  return 0;
+  const OpClass c = class_of(g, n);
+  if (c != OpClass::batch_transfer && c != OpClass::state_transfer) return 0;
+  std::uint64_t b = 0;
+  for (auto t : g.nodes.inputs(n)) b += g.tensors.bytes(t);
+  return b;
 }
 
 }  // namespace
@@ -76,8 +86,8 @@ void MemoryProfiler::add_variant(const std::string& variant, const graph::Compil
   const auto sec = sections(g);
   const std::uint64_t resident = step.persistent()->on_device() ? step.persistent()->bytes : 0;
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
-    rows_.push_back({variant, g.nodes.name[n], graph::op_name(g.nodes.kind[n]), graph::lane_name(g.nodes.lane[n]),
-                     sec[n], resident + step.plan().live_bytes[n], transfer_bytes(g, n)});
+    rows_.push_back({variant, g.nodes.name[n], graph::op_name(g.nodes.op[n]), graph::lane_name(g.nodes.lane[n]), sec[n],
+                     resident + step.plan().live_bytes[n], transfer_bytes(g, n)});
   }
 }
 
@@ -98,16 +108,16 @@ void MemoryProfiler::add_step(const std::string& variant, const graph::CompiledS
     const graph::NodeId n = by_name.at(e.name);
     const double ms = (e.end_ns - e.start_ns) / 1e6;
     const std::uint64_t bytes = transfer_bytes(g, n);
-    if (g.nodes.kind[n] == OpKind::fetch) {
+    if (g.nodes.op[n] == graph::builtin::fetch) {
       transfers_.fetch_bytes += bytes;
       transfers_.fetch_ms += ms;
       counted = true;
-    } else if (g.nodes.kind[n] == OpKind::write_back) {
+    } else if (g.nodes.op[n] == graph::builtin::write_back) {
       transfers_.write_back_bytes += bytes;
       transfers_.write_back_ms += ms;
       counted = true;
     }
-    rows_.push_back({variant, e.name, graph::op_name(g.nodes.kind[n]), graph::lane_name(e.lane), sec[n],
+    rows_.push_back({variant, e.name, graph::op_name(g.nodes.op[n]), graph::lane_name(e.lane), sec[n],
                      resident + step.plan().live_bytes[n], bytes, static_cast<std::int64_t>(index),
                      (static_cast<double>(e.start_ns) - time_origin_ns_) / 1e3,
                      (static_cast<double>(e.end_ns) - time_origin_ns_) / 1e3});

@@ -8,6 +8,8 @@
 #include <random>
 #include <stdexcept>
 
+#include "ferry/graph/pipeline.hpp"
+
 namespace ferry {
 namespace {
 
@@ -49,12 +51,7 @@ graph::Graph Trainer::build_graph(std::uint32_t batch, bool training) const {
   graph::Builder b(g, batch, model_.sample_shape, model_.classes);
   TensorId logits = model_.forward(b, b.input());
   b.softmax_xent(logits);
-  if (training) {
-    graph::append_backward(g);
-    graph::append_optimizer(g, options_.optimizer);
-  }
-  graph::append_stats_download(g);
-  return g;
+  return graph::prepare_step_graph(std::move(g), graph::VariantKey{batch, training}, options_.optimizer);
 }
 
 void Trainer::initialise_parameters() {
@@ -78,7 +75,11 @@ void Trainer::initialise_parameters() {
       default:
         break;  // zeros
     }
-    train_->persistent()->write(runtime_.context(), t.placement[id], values.data(), values.size() * 4);
+    if (t.dtype[id] != graph::DType::f32) {
+      throw std::logic_error(fmt::format("cannot initialise '{}': weights are initialised in f32, it is {}", t.name[id],
+                                         graph::dtype_name(t.dtype[id])));
+    }
+    train_->persistent()->write(runtime_.context(), t.placement[id], values.data(), t.bytes(id));
   }
 }
 
@@ -181,7 +182,12 @@ std::uint64_t Trainer::weight_bytes() const {
 }
 
 std::uint64_t Trainer::parameter_count() const {
-  return weight_bytes() / 4;
+  std::uint64_t count = 0;
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::weight) count += t.shape[id].elems();
+  }
+  return count;
 }
 
 std::uint64_t Trainer::optimizer_state_bytes() const {
@@ -202,12 +208,28 @@ std::vector<std::string> Trainer::parameter_names() const {
   return names;
 }
 
+Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor && t.name[id] == name) {
+      HostTensor out{t.dtype[id], t.shape[id], std::vector<std::byte>(t.bytes(id))};
+      train_->persistent()->read(runtime_.context(), t.placement[id], out.bytes.data(), out.bytes.size());
+      return out;
+    }
+  }
+  throw std::invalid_argument(fmt::format("model '{}' has no weight or optimizer state named '{}'", model_.name, name));
+}
+
 std::vector<float> Trainer::read_parameter(const std::string& name) const {
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (graph::is_persistent(t.role[id]) && t.name[id] == name) {
+      if (t.dtype[id] != graph::DType::f32) {
+        throw std::invalid_argument(fmt::format("parameter '{}' is stored as {}, not f32: read it with read_tensor",
+                                                name, graph::dtype_name(t.dtype[id])));
+      }
       std::vector<float> out(t.shape[id].elems());
-      train_->persistent()->read(runtime_.context(), t.placement[id], out.data(), out.size() * 4);
+      train_->persistent()->read(runtime_.context(), t.placement[id], out.data(), t.bytes(id));
       return out;
     }
   }

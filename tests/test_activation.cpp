@@ -1,5 +1,8 @@
 // Activations (ReLU, GELU): device against the CPU reference, forward and backward, and the
 // reference backward against double-precision finite differences.
+#include <stdexcept>
+#include <string>
+
 #include "ferry/ops/activation.hpp"
 #include "test_support.hpp"
 
@@ -43,6 +46,24 @@ TEST_P(ActivationTest, ReferenceBackwardMatchesFiniteDifferences) {
   std::vector<double> grad(n);
   ops::ref::activation_backward<double>(act, x, r, grad);
   expect_gradient_matches_finite_differences(loss, x, grad, "activation");
+}
+
+TEST(Activation, RejectsDtypesItHasNoKernelFor) {
+  auto& dev = TestDevice::get();
+  DeviceTensor t(8);
+  for (ops::DType bad : {ops::DType::i8, ops::DType::u8, ops::DType::i32}) {
+    for (bool backward : {false, true}) {
+      try {
+        (void)(backward ? ops::activation_backward(dev.env, ops::Activation::gelu, t.span(), t.span(), t.span(), 8, bad)
+                        : ops::activation_forward(dev.env, ops::Activation::relu, t.span(), t.span(), 8, bad));
+        ADD_FAILURE() << "no exception for " << ops::dtype_name(bad);
+      } catch (const std::invalid_argument& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(backward ? "gelu_backward" : "relu_forward"), std::string::npos) << msg;
+        EXPECT_NE(msg.find(ops::dtype_name(bad)), std::string::npos) << msg;
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ActivationTest,

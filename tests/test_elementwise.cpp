@@ -1,5 +1,9 @@
 // Elementwise utilities (add, fill, copy): device against the CPU reference, including aliased
 // operands and nonzero operand offsets, and the gradient of add against finite differences.
+#include <bit>
+#include <stdexcept>
+#include <string>
+
 #include "ferry/ops/elementwise.hpp"
 #include "test_support.hpp"
 
@@ -75,6 +79,35 @@ TEST(Elementwise, AddGradientMatchesFiniteDifferences) {
     return weighted_sum(y, r);
   };
   expect_gradient_matches_finite_differences(loss, a, r, "add");
+}
+
+TEST(Elementwise, AddRejectsDtypesItHasNoKernelFor) {
+  auto& dev = TestDevice::get();
+  DeviceTensor t(8);
+  for (ops::DType bad : {ops::DType::i8, ops::DType::u8, ops::DType::i32}) {
+    try {
+      (void)ops::add(dev.env, t.span(), t.span(), t.span(), 8, bad);
+      ADD_FAILURE() << "no exception for " << ops::dtype_name(bad);
+    } catch (const std::invalid_argument& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("add"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(ops::dtype_name(bad)), std::string::npos) << msg;
+    }
+  }
+}
+
+TEST(Elementwise, AddInF32IsTheDefault) {
+  // The f32 build of the typed kernel: bit for bit what the default call computes.
+  auto& dev = TestDevice::get();
+  const std::size_t n = 1000;
+  auto a = random_vector(n, 9, -1e3f, 1e3f), b = random_vector(n, 10, -1e-3f, 1e-3f);
+  DeviceTensor da(a), db(b), d1(n), d2(n);
+  ops::run_blocking(dev.context.compute(), ops::add(dev.env, da.span(), db.span(), d1.span(), n));
+  ops::run_blocking(dev.context.compute(), ops::add(dev.env, da.span(), db.span(), d2.span(), n, ops::DType::f32));
+  const auto r1 = d1.download(), r2 = d2.download();
+  for (std::size_t i = 0; i < n; ++i)
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(r1[i]), std::bit_cast<std::uint32_t>(a[i] + b[i])) << i;
+  EXPECT_EQ(r1, r2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, ElementwiseTest, ::testing::Values(1, 3, 63, 64, 257, 1000, 4097));

@@ -105,7 +105,7 @@ TEST_P(ModelTest, AutodiffMatchesFiniteDifferences) {
   opt.sgd.momentum = 0;
   const std::uint32_t batch = 3;
   graph::Graph g = training_graph(m, batch, opt);
-  ReferenceExecutor<double> ref(g, opt);
+  ReferenceExecutor ref(g, opt);
   const auto& t = g.tensors;
   std::uint32_t seed = 10;
   for (TensorId id = 0; id < t.size(); ++id) {
@@ -144,7 +144,7 @@ TEST_P(ModelTest, DeviceStepsMatchReferenceExecutor) {
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, m, topt);
   const auto& g = trainer.train_step().graph();
-  ReferenceExecutor<double> ref(g, topt.optimizer);
+  ReferenceExecutor ref(g, topt.optimizer);
   for (const auto& name : trainer.parameter_names())
     ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
 
@@ -177,7 +177,7 @@ TEST(CompiledStep, FailingNodeCancelsStepNamesItAndTrainerRecovers) {
   const auto& nodes = trainer.train_step().graph().nodes;
   graph::NodeId victim = 0;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
-    if (nodes.kind[n] == graph::OpKind::linear_grad_param) victim = n;
+    if (nodes.op[n] == graph::builtin::linear_grad_param) victim = n;
   }
   ASSERT_NE(victim, 0u);
   const auto before = trainer.read_parameter("linear0.w");

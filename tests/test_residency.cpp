@@ -165,10 +165,10 @@ TEST_P(FailedStepTest, LeavesTheStateUnchanged) {
   const auto& nodes = trainer.train_step().graph().nodes;
   graph::NodeId victim = 0, write_backs_before = 0;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
-    const bool update = nodes.kind[n] == graph::OpKind::adam_update || nodes.kind[n] == graph::OpKind::sgd_update;
+    const bool update = nodes.op[n] == graph::builtin::adam_update || nodes.op[n] == graph::builtin::sgd_update;
     if (nodes.lane[n] == graph::Lane::compute && !update) victim = n;
   }
-  for (graph::NodeId n = 0; n < victim; ++n) write_backs_before += nodes.kind[n] == graph::OpKind::write_back;
+  for (graph::NodeId n = 0; n < victim; ++n) write_backs_before += nodes.op[n] == graph::builtin::write_back;
   if (mode == graph::ResidencyMode::stream) {
     ASSERT_GT(write_backs_before, 3u);
   }
@@ -239,8 +239,8 @@ TEST(Residency, TransferFailingMidStepLeavesTheStateUnchanged) {
   std::vector<graph::NodeId> fetches;
   graph::NodeId first_write_back = 0;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
-    if (nodes.kind[n] == graph::OpKind::write_back && first_write_back == 0) first_write_back = n;
-    if (nodes.kind[n] == graph::OpKind::fetch && first_write_back != 0) fetches.push_back(n);
+    if (nodes.op[n] == graph::builtin::write_back && first_write_back == 0) first_write_back = n;
+    if (nodes.op[n] == graph::builtin::fetch && first_write_back != 0) fetches.push_back(n);
   }
   ASSERT_FALSE(fetches.empty());
   const std::size_t sample = m.sample_shape.elems();
@@ -310,7 +310,7 @@ TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
   EXPECT_EQ(r.write_back_bytes, t.weight_bytes());
   for (graph::NodeId n = 0; n < t.train_step().graph().nodes.size(); ++n) {
     const auto& nodes = t.train_step().graph().nodes;
-    if (nodes.kind[n] != graph::OpKind::fetch) continue;
+    if (nodes.op[n] != graph::builtin::fetch) continue;
     const auto role = t.train_step().graph().tensors.role[nodes.inputs(n)[0]];
     EXPECT_EQ(role, graph::Role::weight) << nodes.name[n];
   }

@@ -1,17 +1,19 @@
 // Elementwise activations, forward and backward. Operands are (buffer, element offset) pairs
-// because tensors live at planned offsets inside a few large arena buffers.
+// because tensors live at planned offsets inside a few large arena buffers. Built per storage type
+// (-DT_F32|-DT_F16|-DT_BF16, see dtype.clh): x, y, dy and dx are stored as T, arithmetic is fp32.
+#include "dtype.clh"
 
-__kernel void relu_forward(__global const float* x, ulong x_off, __global float* y, ulong y_off, uint n) {
+__kernel void relu_forward(__global const T_STORAGE* x, ulong x_off, __global T_STORAGE* y, ulong y_off, uint n) {
   const uint i = get_global_id(0);
   if (i >= n) return;
-  y[y_off + i] = fmax(x[x_off + i], 0.0f);
+  STORE_T(fmax(LOAD_T(x, x_off + i), 0.0f), y, y_off + i);
 }
 
-__kernel void relu_backward(__global const float* x, ulong x_off, __global const float* dy, ulong dy_off,
-                            __global float* dx, ulong dx_off, uint n) {
+__kernel void relu_backward(__global const T_STORAGE* x, ulong x_off, __global const T_STORAGE* dy, ulong dy_off,
+                            __global T_STORAGE* dx, ulong dx_off, uint n) {
   const uint i = get_global_id(0);
   if (i >= n) return;
-  dx[dx_off + i] = x[x_off + i] > 0.0f ? dy[dy_off + i] : 0.0f;
+  STORE_T(LOAD_T(x, x_off + i) > 0.0f ? LOAD_T(dy, dy_off + i) : 0.0f, dx, dx_off + i);
 }
 
 // The standard normal CDF, Phi(x) = (1 + erf(x / sqrt 2)) / 2, with erf from Abramowitz & Stegun
@@ -27,20 +29,20 @@ inline float normal_cdf(float x) {
 }
 
 // GELU, exact form: x * Phi(x) with Phi the standard normal CDF.
-__kernel void gelu_forward(__global const float* x, ulong x_off, __global float* y, ulong y_off, uint n) {
+__kernel void gelu_forward(__global const T_STORAGE* x, ulong x_off, __global T_STORAGE* y, ulong y_off, uint n) {
   const uint i = get_global_id(0);
   if (i >= n) return;
-  const float v = x[x_off + i];
-  y[y_off + i] = v * normal_cdf(v);
+  const float v = LOAD_T(x, x_off + i);
+  STORE_T(v * normal_cdf(v), y, y_off + i);
 }
 
 // d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density.
-__kernel void gelu_backward(__global const float* x, ulong x_off, __global const float* dy, ulong dy_off,
-                            __global float* dx, ulong dx_off, uint n) {
+__kernel void gelu_backward(__global const T_STORAGE* x, ulong x_off, __global const T_STORAGE* dy, ulong dy_off,
+                            __global T_STORAGE* dx, ulong dx_off, uint n) {
   const uint i = get_global_id(0);
   if (i >= n) return;
-  const float v = x[x_off + i];
+  const float v = LOAD_T(x, x_off + i);
   const float cdf = normal_cdf(v);
   const float pdf = 0.3989422804014327f * exp(-0.5f * v * v);
-  dx[dx_off + i] = dy[dy_off + i] * (cdf + v * pdf);
+  STORE_T(LOAD_T(dy, dy_off + i) * (cdf + v * pdf), dx, dx_off + i);
 }

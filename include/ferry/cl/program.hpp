@@ -16,9 +16,19 @@
 
 namespace ferry::cl {
 
-// The embedded kernel files (ops/kernels/*.cl), keyed by file stem.
+// The embedded kernel files (ops/kernels/*.cl), keyed by file stem, and headers
+// (ops/kernels/*.clh), keyed by file name ("dtype.clh").
 const std::vector<std::pair<std::string_view, std::string_view>>& embedded_kernel_sources();
+// The kernel file `file` ("elementwise") as embedded, before its includes are inlined.
 std::string_view kernel_source(std::string_view file);
+// The embedded header `name` ("dtype.clh"); throws std::invalid_argument if there is none.
+std::string_view kernel_header(std::string_view name);
+// `source` with every line `#include "<name>.clh"` replaced by that embedded header's text
+// (recursively; each header at most once per program), framed by #line directives so build
+// logs name the right file and line. This is the text that is built and hashed for the program
+// cache. An include of a header that is not embedded throws std::invalid_argument naming `file`
+// (the including kernel file or program name) and the header.
+std::string expand_kernel_includes(std::string_view file, std::string_view source);
 
 struct ProgramCacheOptions {
   bool enabled = true;
@@ -33,16 +43,18 @@ struct ProgramCacheStats {
 };
 
 // Builds and memoises programs per (file, options). A program binary is cached on disk under a
-// key of device name, driver version, platform version, source and options, so a new driver or
-// an edited kernel never loads a stale binary. Thread-safe.
+// key of device name, driver version, platform version, source (with its headers inlined) and
+// options, so a new driver, an edited kernel or an edited header never loads a stale binary.
+// Thread-safe.
 class KernelLibrary {
  public:
   explicit KernelLibrary(const Context& context, ProgramCacheOptions cache = ProgramCacheOptions::from_env());
 
   cl_program program(std::string_view file, std::string_view options = {});
   // A program from source the caller provides (a user's own kernels), cached the same way;
-  // `name` identifies it in errors and cache file names. A build failure throws cl::Error whose
-  // message carries the compiler's build log.
+  // `name` identifies it in errors and cache file names. It may include the embedded headers
+  // (#include "dtype.clh"). A build failure throws cl::Error whose message carries the
+  // compiler's build log.
   cl_program program_from_source(std::string_view name, std::string_view source, std::string_view options = {});
   Kernel kernel(std::string_view file, std::string_view kernel_name, std::string_view options = {});
   const Context& context() const noexcept { return context_; }

@@ -6,12 +6,8 @@
 
 namespace ferry::graph {
 
-struct OptimizerSpec {
-  enum class Kind : std::uint8_t { sgd, adam, adamw } kind = Kind::adam;
-  ops::SgdConfig sgd;
-  ops::AdamConfig adam;
-};
-const char* optimizer_name(OptimizerSpec::Kind k);
+using OptimizerSpec = ops::OptimizerConfig;
+using ops::optimizer_name;
 
 // Appends the backward nodes of every forward node, in reverse order, from the loss
 // (softmax_xent) back to the weights. Gradients of tensors used more than once are summed;

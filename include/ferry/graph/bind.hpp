@@ -1,36 +1,34 @@
-// Binds graph nodes to op kernels: the one place that knows how each OpKind maps onto ops/.
+// Binding: the passes that read the op table's rows for a device (scratch, dtype checks) and the
+// binding of each node's kernels to its planned operands.
 #pragma once
 
 #include <functional>
 
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/ir.hpp"
-#include "ferry/ops/conv2d.hpp"
-#include "ferry/ops/gemm.hpp"
 #include "ferry/ops/launch.hpp"
-#include "ferry/ops/pool.hpp"
+#include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
 
-// The three GEMMs of a Linear layer with input x [B, in] and weight w [in, out]:
-// y = x w;  dx = dy w^T;  dw = x^T dy.
-struct LinearGemms {
-  ops::GemmShape forward, grad_input, grad_param;
+// Where each tensor is, once the memory plan and the arena exist.
+struct TensorLocator {
+  std::function<ops::DeviceSpan(TensorId)> device;
+  // Host memory of a tensor whose home is the host: `write` selects where a new value goes (the
+  // next copy of a streamed tensor) rather than where the current value is.
+  std::function<ops::HostAddress(TensorId, bool write)> host;
 };
-LinearGemms linear_gemms(const Shape& x, const Shape& w);
-// Op shapes from tensor shapes and node attributes.
-ops::Conv2dShape conv_shape(const Shape& x, const Shape& w, const NodeAttrs& a);
-ops::Pool2dShape pool_shape(const Shape& x, const NodeAttrs& a);
 
-// Where a tensor is on the device (from the memory plan and the arena buffers).
-using TensorResolver = std::function<ops::DeviceSpan(TensorId)>;
+// Checks every node's float operands against the dtypes its row accepts. Throws
+// std::invalid_argument naming the node, the op, the tensor and its dtype, and what the op takes.
+void check_dtypes(const Graph& g);
 
-// Gives every node that needs a temporary (GEMM panels, im2col columns) a scratch tensor sized
-// for this device's kernels.
+// Gives every node whose row asks for scratch bytes on this device (GEMM panels, im2col columns)
+// a scratch tensor of that size.
 void assign_scratch(Graph& g, ops::OpEnv& env);
 
-// The kernel launches of a compute node, arguments bound to the planned locations.
-ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorResolver& at, ops::OpEnv& env,
+// The launches of a device-lane node, arguments bound to the planned locations.
+ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorLocator& at, ops::OpEnv& env,
                           const OptimizerSpec& optimizer);
 
 }  // namespace ferry::graph

@@ -7,6 +7,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/graph/ir.hpp"
 #include "ferry/ops/activation.hpp"
@@ -44,13 +45,21 @@ class Builder {
   TensorId add(TensorId a, TensorId b);
 
   // Ends the forward pass: softmax cross-entropy of `logits` [batch, classes] against the labels.
-  // Returns the stats tensor ([2]: mean loss, correct count).
+  // Returns the stats tensor ([2]: mean loss, correct count), which becomes the graph's loss.
   TensorId softmax_xent(TensorId logits);
 
+  // Any op of the table (a user's row included) on existing tensors: the row's shape rule makes
+  // the outputs, named "<name>.y", "<name>.out1", ... after the node "<row name><index>".
+  // Throws BuildError naming the node when the shape rule rejects the operands.
+  std::vector<TensorId> apply(ops::OpId op, std::span<const TensorId> inputs, const NodeAttrs& attrs = {});
+
  private:
+  // Adds node `name` running `op` on `inputs`, with outputs from the row's shape rule named
+  // "<name><suffix>" (suffixes beyond the list: ".out<i>").
+  std::vector<TensorId> emit(ops::OpId op, const std::string& name, std::span<const TensorId> inputs,
+                             const NodeAttrs& attrs, std::initializer_list<const char*> suffixes);
   std::string next_name(std::string_view kind);
   TensorId weight(std::string name, Shape s, WeightInit init);
-  TensorId activation_tensor(std::string name, Shape s);
   const Shape& shape(TensorId t) const { return g_.tensors.shape[t]; }
 
   Graph& g_;

@@ -12,12 +12,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ferry/cl/context.hpp"
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/ir.hpp"
 #include "ferry/graph/memory_plan.hpp"
+#include "ferry/graph/pipeline.hpp"
 #include "ferry/graph/residency.hpp"
 #include "ferry/ops/launch.hpp"
 
@@ -34,7 +36,7 @@ struct PersistentArena {
   std::vector<cl::PinnedBuffer> host[2];  // mapped: slot 0; stream: slots 0 and 1
   int current = 0;
   std::vector<std::uint64_t> buffer_bytes;
-  std::vector<std::pair<std::string, Placement>> placements;  // by tensor name
+  std::unordered_map<std::string, Placement> placements;  // by tensor name
   std::uint64_t bytes = 0;                                    // one slot
   // The step buffers of the model's first compiled variant (training). Later variants
   // (evaluation) pack their transient tensors into them first: variants never run at the same
@@ -116,6 +118,9 @@ class CompiledStep {
   ops::DeviceSpan span(TensorId t) const;
   std::size_t node_count() const noexcept { return graph_.nodes.size(); }
 
+  // Wall time of each device pass of this compile, in pipeline order (graph/pipeline.hpp).
+  const std::vector<PassTiming>& pass_timings() const noexcept { return pass_timings_; }
+
   // Per-node device times of the last step; empty unless the context has profiling enabled.
   std::vector<TimelineEntry> timeline() const;
 
@@ -134,6 +139,7 @@ class CompiledStep {
   std::shared_ptr<PersistentArena> persistent_;
   std::unique_ptr<Impl> impl_;
   NodeId fail_node_ = static_cast<NodeId>(-1);
+  std::vector<PassTiming> pass_timings_;
 };
 
 }  // namespace ferry::graph

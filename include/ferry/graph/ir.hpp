@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/ops/op_table.hpp"
 #include "ferry/ops/types.hpp"
 
 namespace ferry::graph {
@@ -78,33 +79,14 @@ struct TensorTable {
   TensorId storage(TensorId t) const;
 };
 
-enum class OpKind : std::uint8_t {
-  upload,             // host batch -> input/label tensors (h2d queue)
-  linear,             // y[B,out] = x[B,in] w[in,out] + b[out]        in: x w b   out: y scratch
-  linear_grad_input,  // dx = dy w^T                                  in: dy w    out: dx scratch
-  linear_grad_param,  // dw = x^T dy, db = colsum(dy)                 in: x dy    out: dw db scratch
-  activation,         // i[0] = ops::Activation                       in: x       out: y
-  activation_grad,    //                                              in: x dy    out: dx
-  add,                // y = a + b                                    in: a b     out: y
-  layernorm,          // f[0] = eps                                   in: x g b   out: y mean rstd
-  layernorm_grad,     //                                  in: x g mean rstd dy    out: dx dg db
-  conv2d,             // i[0] stride, i[1] pad                        in: x w b   out: y scratch
-  conv2d_grad_input,  //                                              in: dy w    out: dx scratch
-  conv2d_grad_param,  //                                              in: x dy    out: dw db scratch
-  maxpool2d,          // i[0] window, i[1] stride                     in: x       out: y argmax
-  maxpool2d_grad,     //                                              in: dy argmax out: dx
-  softmax_xent,       //                                        in: logits labels out: probs stats
-  softmax_xent_grad,  //                                        in: probs labels  out: dlogits
-  sgd_update,         // in: w g v   out: w v (in place)
-  adam_update,        // in: w g m v out: w m v (in place)
-  download,           // stats -> host (d2h queue)
-  fetch,              // host-resident tensor -> its device copy     in: host    out: copy   (h2d)
-  write_back,         // device copy -> host-resident tensor         in: copy    out: host   (d2h)
-};
-const char* op_name(OpKind k);
+// Op kinds are rows of the op table (ferry/ops/op_table.hpp); built-in ids are ops::builtin.
+using ops::OpId;
+namespace builtin = ops::builtin;
+// The row's name ("linear", "fetch", ...).
+const char* op_name(OpId op);
 
 struct NodeTable {
-  std::vector<OpKind> kind;
+  std::vector<OpId> op;
   std::vector<std::string> name;
   std::vector<std::uint32_t> in_begin, in_count, out_begin, out_count;  // ranges of `operands`
   std::vector<TensorId> operands;
@@ -112,13 +94,13 @@ struct NodeTable {
   std::vector<Lane> lane;
   std::vector<TensorId> scratch;  // the op's temporary, set by the scratch pass (no_tensor if none)
 
-  NodeId add(OpKind k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a = {},
+  NodeId add(OpId k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a = {},
              Lane l = Lane::compute);
   // Appends a copy of node n of `from` (kind, name, attributes, scratch; passes that rebuild the
   // node order use it), optionally with other operands or on another lane.
   NodeId add_copy(const NodeTable& from, NodeId n);
   NodeId add_copy(const NodeTable& from, NodeId n, std::span<const TensorId> in, std::span<const TensorId> out, Lane l);
-  std::size_t size() const { return kind.size(); }
+  std::size_t size() const { return op.size(); }
   std::span<const TensorId> inputs(NodeId n) const { return {operands.data() + in_begin[n], in_count[n]}; }
   std::span<const TensorId> outputs(NodeId n) const { return {operands.data() + out_begin[n], out_count[n]}; }
 };
@@ -126,6 +108,7 @@ struct NodeTable {
 struct Graph {
   TensorTable tensors;
   NodeTable nodes;
+  TensorId loss = no_tensor;  // what training minimises (set by the builder's loss layer)
 };
 
 }  // namespace ferry::graph

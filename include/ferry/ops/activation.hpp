@@ -7,13 +7,22 @@
 #include <span>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 
 enum class Activation : std::uint8_t { relu, gelu };
 
-LaunchList activation_forward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan y, std::size_t n);
-LaunchList activation_backward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan dy, DeviceSpan dx, std::size_t n);
+// The storage types the activation kernels accept (all operands share one); arithmetic is fp32,
+// results are rounded to nearest even into f16 or bf16.
+inline constexpr DTypeSet activation_dtypes{DType::f32, DType::f16, DType::bf16};
+
+// y = act(x) and dx = dy * act'(x), every operand of storage type `dtype`; throws
+// std::invalid_argument for a dtype outside activation_dtypes.
+LaunchList activation_forward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan y, std::size_t n,
+                              DType dtype = DType::f32);
+LaunchList activation_backward(OpEnv& env, Activation a, DeviceSpan x, DeviceSpan dy, DeviceSpan dx, std::size_t n,
+                               DType dtype = DType::f32);
 
 namespace ref {
 

@@ -7,11 +7,17 @@
 #include <span>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 
-// out = a + b (out may alias a or b).
-LaunchList add(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size_t n);
+// The storage types add accepts (all three operands share one): the sum is fp32, rounded to
+// nearest even into f16 or bf16.
+inline constexpr DTypeSet add_dtypes{DType::f32, DType::f16, DType::bf16};
+
+// out = a + b (out may alias a or b), every operand of storage type `dtype`; throws
+// std::invalid_argument for a dtype outside add_dtypes.
+LaunchList add(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size_t n, DType dtype = DType::f32);
 // out = value.
 LaunchList fill(OpEnv& env, DeviceSpan out, float value, std::size_t n);
 // out = in.

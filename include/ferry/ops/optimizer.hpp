@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <cstddef>
 #include <span>
 
@@ -21,6 +22,20 @@ struct AdamConfig {
   float weight_decay = 0.0f;
   bool decoupled_weight_decay = false;  // true: AdamW (w -= lr * wd * w), false: L2 into the gradient
 };
+
+// Which optimizer a step's update nodes run, with its settings (read by the update rows).
+struct OptimizerConfig {
+  enum class Kind : std::uint8_t { sgd, adam, adamw } kind = Kind::adam;
+  SgdConfig sgd;
+  AdamConfig adam;
+  // `adam` with decoupled weight decay set for AdamW.
+  AdamConfig adam_config() const {
+    AdamConfig c = adam;
+    c.decoupled_weight_decay = kind == Kind::adamw;
+    return c;
+  }
+};
+const char* optimizer_name(OptimizerConfig::Kind k);
 
 // velocity = momentum * velocity + (g + wd * w); w -= lr * (nesterov ? g' + momentum * velocity : velocity)
 // `guard` (optional): a float on the device, the step's loss; when it is not finite the update

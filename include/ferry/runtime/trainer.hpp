@@ -76,7 +76,15 @@ class Trainer {
   std::uint64_t host_state_bytes() const { return train_->persistent()->host_bytes(); }
   const graph::ResidencyReport& residency() const { return train_->residency(); }
 
-  // A parameter's values (for tests, checkpoints and inspection). Throws for an unknown name.
+  // A persistent tensor (weight or optimizer state) as stored: its dtype, shape and raw bytes.
+  struct HostTensor {
+    graph::DType dtype = graph::DType::f32;
+    graph::Shape shape;
+    std::vector<std::byte> bytes;
+  };
+  HostTensor read_tensor(const std::string& name) const;
+  // An f32 parameter's values (for tests, checkpoints and inspection). Throws for an unknown name
+  // or a tensor stored in another dtype.
   std::vector<float> read_parameter(const std::string& name) const;
   std::vector<std::string> parameter_names() const;
 

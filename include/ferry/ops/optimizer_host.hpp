@@ -12,7 +12,7 @@
 
 #include "ferry/ops/optimizer.hpp"
 
-namespace ferry::offload {
+namespace ferry::ops {
 
 struct AdamSlots {
   const float* w_in;
@@ -30,8 +30,8 @@ struct SgdSlots {
   float* velocity_out;
 };
 
-void host_adam_update(const ops::AdamConfig& c, const ops::StepInfo& step, const float* grad, AdamSlots s,
+void host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s,
                       std::size_t n);
-void host_sgd_update(const ops::SgdConfig& c, const ops::StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
+void host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
 
-}  // namespace ferry::offload
+}  // namespace ferry::ops

@@ -1,5 +1,5 @@
 // Host optimizer updates: one pass per chunk, vectorised by the compiler, chunks on TBB workers.
-#include "ferry/offload/host_optimizer.hpp"
+#include "ferry/ops/optimizer_host.hpp"
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -7,13 +7,13 @@
 #include <cmath>
 #include <stdexcept>
 
-namespace ferry::offload {
+namespace ferry::ops {
 namespace {
 // Large enough to amortise scheduling, small enough to spread a 1M-element tensor over workers.
 constexpr std::size_t chunk = 1 << 14;
 }  // namespace
 
-void host_adam_update(const ops::AdamConfig& c, const ops::StepInfo& step, const float* grad, AdamSlots s,
+void host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s,
                       std::size_t n) {
   if (step.step == 0) throw std::invalid_argument("host Adam update: step must start at 1 (bias correction)");
   const float lr = step.lr, b1 = c.beta1, b2 = c.beta2, eps = c.eps, wd = c.weight_decay;
@@ -34,7 +34,7 @@ void host_adam_update(const ops::AdamConfig& c, const ops::StepInfo& step, const
   });
 }
 
-void host_sgd_update(const ops::SgdConfig& c, const ops::StepInfo& step, const float* grad, SgdSlots s, std::size_t n) {
+void host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n) {
   const float lr = step.lr, momentum = c.momentum, wd = c.weight_decay;
   const bool nesterov = c.nesterov;
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, chunk), [&](const tbb::blocked_range<std::size_t>& r) {
@@ -48,4 +48,4 @@ void host_sgd_update(const ops::SgdConfig& c, const ops::StepInfo& step, const f
   });
 }
 
-}  // namespace ferry::offload
+}  // namespace ferry::ops

@@ -1,0 +1,208 @@
+// Cross-lane dependencies by byte range: one sweep over the nodes in their static order.
+//
+// Per space, an ordered map partitions the touched bytes into segments; each segment remembers,
+// per lane, the latest node that wrote it and the latest node that accessed it (read or write).
+// A node's access [begin, end) conflicts, on another lane, with the latest writer of any segment
+// it overlaps, and if it writes, with the latest accessor. Taking the latest over the overlapped
+// segments gives the latest conflicting node of that lane: any later node of that lane recorded
+// at the same bytes conflicts too. Then the node records itself on its own lane over its ranges.
+// Segments are split at range boundaries and adjacent segments with the same contents are merged
+// again, so their count stays near the number of distinct live ranges. Accesses to bytes that no
+// other lane touches anywhere in the step are left out of the sweep altogether.
+#include "ferry/graph/dependencies.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <iterator>
+#include <map>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace ferry::graph {
+namespace {
+
+constexpr int lanes_max = ops::lane_count;
+
+// Node ids are stored plus one, so that 0 means "none" and the latest is the maximum.
+struct Segment {
+  std::uint64_t end = 0;
+  std::array<std::uint32_t, lanes_max> writer{};    // latest writing node + 1, per lane
+  std::array<std::uint32_t, lanes_max> accessor{};  // latest reading or writing node + 1, per lane
+  bool same_marks(const Segment& o) const { return writer == o.writer && accessor == o.accessor; }
+};
+
+class Space {
+ public:
+  // Raises latest[lane] to the latest conflicting node (+1) of each lane over [begin, end).
+  void query(std::uint64_t begin, std::uint64_t end, bool write, std::array<std::uint32_t, lanes_max>& latest) const {
+    for (auto it = first_overlapping(begin); it != segments_.end() && it->first < end; ++it) {
+      const auto& marks = write ? it->second.accessor : it->second.writer;
+      for (int l = 0; l < lanes_max; ++l) latest[l] = std::max(latest[l], marks[l]);
+    }
+  }
+
+  // Records node (+1) `mark` on `lane` as the latest accessor (and writer if `write`) of [begin, end).
+  void record(std::uint64_t begin, std::uint64_t end, bool write, int lane, std::uint32_t mark) {
+    split_at(begin);
+    split_at(end);
+    auto it = segments_.lower_bound(begin);
+    std::uint64_t pos = begin;
+    while (pos < end) {
+      if (it == segments_.end() || it->first > pos) {
+        // Untouched bytes: a new segment up to the next one (or the end of the range).
+        const std::uint64_t stop = it == segments_.end() ? end : std::min(end, it->first);
+        Segment s;
+        s.end = stop;
+        it = segments_.emplace_hint(it, pos, s);
+      }
+      Segment& s = it->second;
+      s.accessor[lane] = mark;
+      if (write) s.writer[lane] = mark;
+      pos = s.end;
+      ++it;
+    }
+    merge_around(begin, end);
+  }
+
+ private:
+  using Map = std::map<std::uint64_t, Segment>;
+
+  // The first segment that ends after `pos`: the one containing it, or the next one.
+  Map::const_iterator first_overlapping(std::uint64_t pos) const {
+    auto it = segments_.upper_bound(pos);
+    if (it != segments_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->second.end > pos) return prev;
+    }
+    return it;
+  }
+
+  // Splits the segment strictly containing `pos` (begin < pos < end) into two.
+  void split_at(std::uint64_t pos) {
+    auto it = segments_.upper_bound(pos);
+    if (it == segments_.begin()) return;
+    --it;
+    if (it->first == pos || it->second.end <= pos) return;
+    Segment tail = it->second;
+    it->second.end = pos;
+    segments_.emplace_hint(std::next(it), pos, tail);
+  }
+
+  // Merges adjacent segments with the same marks from the one before `begin` to the one at `end`.
+  void merge_around(std::uint64_t begin, std::uint64_t end) {
+    auto it = segments_.lower_bound(begin);
+    if (it != segments_.begin()) --it;
+    while (it != segments_.end() && it->first <= end) {
+      auto next = std::next(it);
+      if (next == segments_.end()) break;
+      if (it->second.end == next->first && it->second.same_marks(next->second)) {
+        it->second.end = next->second.end;
+        segments_.erase(next);
+      } else {
+        it = next;
+      }
+    }
+  }
+
+  Map segments_;
+};
+
+// Merged [begin, end) blocks, sorted: the bytes one lane touches in one space over the step.
+class ByteUnion {
+ public:
+  void add(std::uint64_t begin, std::uint64_t end) { blocks_.push_back({begin, end}); }
+  void finish() {
+    std::sort(blocks_.begin(), blocks_.end());
+    std::size_t out = 0;
+    for (const auto& b : blocks_) {
+      if (out > 0 && b.first <= blocks_[out - 1].second) {
+        blocks_[out - 1].second = std::max(blocks_[out - 1].second, b.second);
+      } else {
+        blocks_[out++] = b;
+      }
+    }
+    blocks_.resize(out);
+  }
+  bool overlaps(std::uint64_t begin, std::uint64_t end) const {
+    // The last block starting before `end` is the only candidate (blocks are disjoint).
+    auto it =
+        std::lower_bound(blocks_.begin(), blocks_.end(), end,
+                         [](const std::pair<std::uint64_t, std::uint64_t>& b, std::uint64_t x) { return b.first < x; });
+    return it != blocks_.begin() && std::prev(it)->second > begin;
+  }
+
+ private:
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> blocks_;
+};
+
+}  // namespace
+
+std::vector<std::vector<NodeId>> cross_lane_dependencies(std::span<const Lane> lanes,
+                                                         const std::vector<std::vector<ByteAccess>>& accesses) {
+  if (accesses.size() != lanes.size()) {
+    throw std::invalid_argument(
+        fmt::format("cross_lane_dependencies: {} nodes but {} access lists", lanes.size(), accesses.size()));
+  }
+  for (Lane l : lanes) {
+    if (static_cast<int>(l) >= lanes_max) {
+      throw std::invalid_argument("cross_lane_dependencies: unknown lane");
+    }
+  }
+  // First pass: the bytes each lane touches in each space over the whole step. An access that no
+  // other lane's bytes overlap can neither conflict nor be conflicted with, so the sweep skips it
+  // (in a resident step that is nearly every access: only the batch, the statistics and what
+  // reuses their bytes meet the copy lanes).
+  std::unordered_map<std::uint32_t, std::uint32_t> dense;  // space -> index
+  std::vector<std::array<ByteUnion, lanes_max>> touched;
+  std::vector<std::vector<std::uint32_t>> index(accesses.size());
+  for (std::size_t id = 0; id < accesses.size(); ++id) {
+    const int lane = static_cast<int>(lanes[id]);
+    for (const ByteAccess& a : accesses[id]) {
+      auto [it, fresh] = dense.try_emplace(a.space, static_cast<std::uint32_t>(touched.size()));
+      if (fresh) touched.emplace_back();
+      index[id].push_back(it->second);
+      if (a.begin < a.end) touched[it->second][lane].add(a.begin, a.end);
+    }
+  }
+  for (auto& space : touched) {
+    for (auto& u : space) u.finish();
+  }
+  auto shared = [&](std::uint32_t space, int lane, const ByteAccess& a) {
+    if (a.begin >= a.end) return false;
+    for (int other = 0; other < lanes_max; ++other) {
+      if (other != lane && touched[space][other].overlaps(a.begin, a.end)) return true;
+    }
+    return false;
+  };
+
+  std::vector<Space> spaces(touched.size());
+  std::vector<std::vector<NodeId>> deps(lanes.size());
+  std::vector<std::uint8_t> relevant;
+  for (std::size_t id = 0; id < lanes.size(); ++id) {
+    const int lane = static_cast<int>(lanes[id]);
+    const auto& acc = accesses[id];
+    relevant.assign(acc.size(), 0);
+    bool any = false;
+    for (std::size_t k = 0; k < acc.size(); ++k) {
+      relevant[k] = shared(index[id][k], lane, acc[k]) ? 1 : 0;
+      any = any || relevant[k];
+    }
+    if (!any) continue;
+    std::array<std::uint32_t, lanes_max> latest{};
+    for (std::size_t k = 0; k < acc.size(); ++k) {
+      if (relevant[k]) spaces[index[id][k]].query(acc[k].begin, acc[k].end, acc[k].write, latest);
+    }
+    for (int other = 0; other < lanes_max; ++other) {
+      if (other != lane && latest[other] != 0) deps[id].push_back(latest[other] - 1);
+    }
+    const auto mark = static_cast<std::uint32_t>(id + 1);
+    for (std::size_t k = 0; k < acc.size(); ++k) {
+      if (relevant[k]) spaces[index[id][k]].record(acc[k].begin, acc[k].end, acc[k].write, lane, mark);
+    }
+  }
+  return deps;
+}
+
+}  // namespace ferry::graph

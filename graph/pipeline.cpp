@@ -1,0 +1,26 @@
+// The model passes of the compile pipeline, in order.
+#include "ferry/graph/pipeline.hpp"
+
+namespace ferry::graph {
+
+const std::vector<ModelPass>& model_passes() {
+  static const std::vector<ModelPass> passes = {
+      {"autodiff",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.training) append_backward(g);
+       }},
+      {"optimizer",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
+         if (key.training) append_optimizer(g, optimizer);
+       }},
+      {"download", [](Graph& g, const VariantKey&, const OptimizerSpec&) { append_stats_download(g); }},
+  };
+  return passes;
+}
+
+Graph prepare_step_graph(Graph forward, const VariantKey& key, const OptimizerSpec& optimizer) {
+  for (const ModelPass& pass : model_passes()) pass.run(forward, key, optimizer);
+  return forward;
+}
+
+}  // namespace ferry::graph

@@ -1,0 +1,46 @@
+// Compiling a step is an ordered list of passes over the IR.
+//
+//   model passes (device-independent, here):    autodiff -> optimizer -> download
+//   device passes (graph::CompiledStep, in order): check dtypes -> scratch -> residency and memory
+//                                                  plan -> arena -> bind -> lower
+//
+// Each pass is a plain function of the graph, tested on its own (tests/test_pipeline.cpp). A
+// compiled variant of a model is keyed by what differs between variants (VariantKey); the
+// precision and recompute passes of the phase work slot in before residency.
+#pragma once
+
+#include <compare>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ferry/graph/autodiff.hpp"
+#include "ferry/graph/ir.hpp"
+
+namespace ferry::graph {
+
+// What differs between the compiled variants of one model.
+struct VariantKey {
+  std::uint32_t batch = 0;
+  bool training = true;  // false: forward, loss and download only (evaluation, prediction)
+  auto operator<=>(const VariantKey&) const = default;
+};
+
+struct ModelPass {
+  const char* name;
+  void (*run)(Graph&, const VariantKey&, const OptimizerSpec&);
+};
+
+// autodiff (training only), optimizer (training only), download: in this order.
+const std::vector<ModelPass>& model_passes();
+
+// Runs the model passes on a forward graph (built with graph::Builder up to its loss).
+Graph prepare_step_graph(Graph forward, const VariantKey& key, const OptimizerSpec& optimizer);
+
+// Wall time of one pass of a compile, for compile-time reports.
+struct PassTiming {
+  std::string name;
+  double ms = 0;
+};
+
+}  // namespace ferry::graph

@@ -1,0 +1,186 @@
+// The op table: one row per op kind, the only place that knows what an op is.
+//
+// A row says everything the rest of ferry needs about an op: its name, the lane it runs on, the
+// dtypes it accepts, its shape and dtype rule, its scratch bytes, how to bind its kernels to
+// planned operands, its backward rule, its host implementation (for host-lane nodes), its CPU
+// reference and its class in the memory profile. Passes, binding, lowering, the profiler and the
+// test reference executor read rows; nothing switches on an op id.
+//
+// The rows speak through small context interfaces (ShapeView, GradContext, BindContext,
+// HostContext, RefContext) that graph/ implements, so ops/ stays below graph/ and a user's op is
+// a row added from outside with register_op().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/ops/launch.hpp"
+#include "ferry/ops/optimizer.hpp"
+#include "ferry/ops/types.hpp"
+
+namespace ferry::ops {
+
+using OpId = std::uint16_t;
+// A tensor of the step graph (graph::TensorId), as rows see it.
+using TensorRef = std::uint32_t;
+inline constexpr TensorRef no_ref = 0xffffffffu;
+
+struct TensorDesc {
+  Shape shape;
+  DType dtype = DType::f32;
+};
+
+// Thrown by a shape rule for operands it cannot take; the builder adds the layer's name.
+class ShapeError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// What part of a step a node belongs to (memory profile sections, transfer accounting).
+enum class OpClass : std::uint8_t {
+  batch_transfer,  // host batch in, results out (upload, download)
+  state_transfer,  // a persistent tensor's fetch or write-back (streaming)
+  forward,
+  loss,      // the op that produces the loss; the backward section starts after it
+  backward,  // gradient ops
+  update,    // optimizer updates: the residency pass may move them early or to the host
+  cast,      // precision changes
+};
+const char* op_class_name(OpClass c);
+
+// The operands of a node as descriptors, and its attributes: what shape rules and scratch rules
+// read.
+class ShapeView {
+ public:
+  virtual ~ShapeView() = default;
+  virtual std::string_view name() const = 0;  // the node's name, for messages
+  virtual const NodeAttrs& attrs() const = 0;
+  virtual std::size_t input_count() const = 0;
+  virtual std::size_t output_count() const = 0;
+  virtual TensorDesc input(std::size_t i) const = 0;
+  virtual TensorDesc output(std::size_t i) const = 0;
+};
+
+// Shape and dtype inference: the output descriptors for the given inputs (the node has no
+// outputs yet, so output_count() is 0). Throws ShapeError for operands the op cannot take.
+using InferFn = std::function<std::vector<TensorDesc>(const ShapeView&)>;
+
+// Reverse mode: a forward node appends the nodes that compute its inputs' gradients.
+class GradContext {
+ public:
+  virtual ~GradContext() = default;
+  virtual std::string_view name() const = 0;  // the forward node's
+  virtual const NodeAttrs& attrs() const = 0;
+  virtual std::span<const TensorRef> inputs() const = 0;
+  virtual std::span<const TensorRef> outputs() const = 0;
+  // Does anything need d(loss)/d(t)? (false for inputs, labels, paths without weights)
+  virtual bool needs_grad(TensorRef t) const = 0;
+  // The gradient flowing into tensor t (an output of this node), or no_ref if none does.
+  virtual TensorRef grad(TensorRef t) const = 0;
+  // t is the step's loss: its gradient is the implicit seed d(loss)/d(loss) = 1.
+  virtual bool is_loss(TensorRef t) const = 0;
+  // A new gradient tensor shaped like `of`.
+  virtual TensorRef new_grad(TensorRef of) = 0;
+  // Appends a backward node named "<forward name><suffix>".
+  virtual void emit(OpId op, std::string_view suffix, std::span<const TensorRef> in, std::span<const TensorRef> out,
+                    const NodeAttrs& attrs) = 0;
+  // g is (a contribution to) t's gradient; contributions to one tensor are summed.
+  virtual void contribute(TensorRef t, TensorRef g) = 0;
+};
+
+// Host memory of a tensor that crosses the link, resolved when the copy is enqueued (a home may
+// switch between two host copies from step to step).
+using HostAddress = std::function<void*()>;
+
+// Binding: a device-lane node's kernels (or copies) for its planned operands.
+class BindContext : public ShapeView {
+ public:
+  virtual DeviceSpan in(std::size_t i) const = 0;
+  virtual DeviceSpan out(std::size_t i) const = 0;
+  virtual DeviceSpan scratch() const = 0;  // empty unless the row asked for scratch bytes
+  virtual OpEnv& env() const = 0;
+  virtual const OptimizerConfig& optimizer() const = 0;
+  // Transfer rows: where input i's current value is in host memory, and where output i's new
+  // value goes. Throws for a tensor without host memory.
+  virtual HostAddress host_in(std::size_t i) const = 0;
+  virtual HostAddress host_out(std::size_t i) const = 0;
+};
+
+// A host-lane node: runs on a TBB worker once its device inputs are complete.
+class HostContext : public ShapeView {
+ public:
+  virtual const std::byte* in(std::size_t i) const = 0;  // input i's current value
+  virtual std::byte* out(std::size_t i) const = 0;       // where output i's new value goes
+  virtual const StepInfo& step() const = 0;
+  virtual const OptimizerConfig& optimizer() const = 0;
+};
+
+// The CPU reference: float operands as double, int32 operands as they are.
+class RefContext : public ShapeView {
+ public:
+  virtual std::span<double> real(TensorRef t) = 0;
+  virtual std::span<std::int32_t> ints(TensorRef t) = 0;
+  virtual std::span<const TensorRef> inputs() const = 0;
+  virtual std::span<const TensorRef> outputs() const = 0;
+  virtual const StepInfo& step() const = 0;
+  virtual const OptimizerConfig& optimizer() const = 0;
+};
+
+struct OpInfo {
+  std::string name;
+  Lane lane = Lane::compute;
+  OpClass op_class = OpClass::forward;
+  // Storage dtypes this op's float operands may have (integer operands, e.g. labels, are the
+  // row's own business). Checked for every node at compile time.
+  DTypeSet float_dtypes{DType::f32};
+  InferFn infer;  // null for ops only passes create (gradients, transfers): their outputs exist
+  std::function<std::size_t(const ShapeView&, OpEnv&)> scratch_bytes;  // null: no scratch
+  std::function<LaunchList(const BindContext&)> bind;                  // device lanes
+  std::function<void(GradContext&)> backward;                          // null: not differentiable
+  std::function<void(const HostContext&)> host;                        // null: cannot run on the host lane
+  std::function<void(RefContext&)> reference;                          // null only for ops a test cannot run on the CPU
+};
+
+// Adds a row; returns its id. Throws std::invalid_argument for an empty or taken name, or a row
+// without a way to run (no bind and no host function).
+OpId register_op(OpInfo row);
+const OpInfo& op_info(OpId id);
+// The id of the row named `name`; throws std::invalid_argument listing the known ops.
+OpId find_op(std::string_view name);
+std::size_t op_count();
+
+// The rows ferry ships, registered in this order before any user row (ops/op_table.cpp).
+namespace builtin {
+enum : OpId {
+  upload,             // host batch -> device inputs (h2d)                 in: host mirrors   out: device tensors
+  download,           // device results -> host (d2h)                      in: device tensors  out: host mirrors
+  fetch,              // a host-resident tensor -> its device copy (h2d)    in: host   out: copy
+  write_back,         // a device copy -> the host-resident tensor (d2h)    in: copy   out: host
+  linear,             // y[B,out] = x[B,in] w[in,out] + b[out]             in: x w [b]  out: y
+  linear_grad_input,  // dx = dy w^T                               in: dy w     out: dx
+  linear_grad_param,  // dw = x^T dy, db = colsum(dy)               in: x dy     out: dw [db]
+  activation,         // attrs.i[0] = ops::Activation               in: x        out: y
+  activation_grad,    //                                            in: x dy     out: dx
+  add,                // y = a + b                                  in: a b      out: y
+  layernorm,          // attrs.f[0] = eps                           in: x g b    out: y mean rstd
+  layernorm_grad,     //                                  in: x g mean rstd dy   out: dx dg db
+  conv2d,             // attrs.i[0] stride, i[1] pad                in: x w [b]  out: y
+  conv2d_grad_input,  //                                            in: dy w     out: dx
+  conv2d_grad_param,  //                                            in: x dy     out: dw [db]
+  maxpool2d,          // attrs.i[0] window, i[1] stride             in: x        out: y argmax
+  maxpool2d_grad,     //                                            in: dy argmax out: dx
+  softmax_xent,       //                                       in: logits labels out: probs stats
+  softmax_xent_grad,  //                                       in: probs labels  out: dlogits
+  sgd_update,         // in: w g v [loss]   out: w v (in place)
+  adam_update,        // in: w g m v [loss] out: w m v (in place)
+  count_
+};
+}  // namespace builtin
+
+}  // namespace ferry::ops

@@ -1,0 +1,183 @@
+// Binding of the conversion and int8 quantization kernels (ops/kernels/cast.cl), and their CPU
+// references.
+#include "ferry/ops/cast.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+namespace ferry::ops {
+namespace {
+
+constexpr DTypeSet cast_types{DType::f32, DType::f16, DType::bf16};
+
+void check_cast(DType from, DType to) {
+  if (!cast_supported(from, to)) {
+    throw std::invalid_argument(fmt::format("cast {} -> {} is not supported: cast converts between {} (any pair)",
+                                            dtype_name(from), dtype_name(to), cast_types.str()));
+  }
+}
+
+cl_uint checked_count(const char* op, std::size_t n) {
+  if (n > std::numeric_limits<cl_uint>::max()) {
+    throw std::invalid_argument(fmt::format("{}: {} elements, more than 2^32-1", op, n));
+  }
+  return static_cast<cl_uint>(n);
+}
+
+void check_layout(const char* op, QuantLayout l) {
+  if (l.channels != 0 &&
+      (l.outer > std::numeric_limits<cl_uint>::max() / l.channels ||
+       l.outer * l.channels > std::numeric_limits<cl_uint>::max() / std::max<std::size_t>(1, l.inner))) {
+    throw std::invalid_argument(
+        fmt::format("{}: layout [{}, {}, {}] has more than 2^32-1 elements", op, l.outer, l.channels, l.inner));
+  }
+  checked_count(op, l.channels);
+  checked_count(op, l.inner);
+}
+
+// The reference quantization follows cast.cl step for step (absmax on the bits, NaN skipped; then
+// the host's IEEE division, which the kernel's div_rn reproduces; nearbyint: ties to even).
+bool finite_bits(float v) {
+  return (std::bit_cast<std::uint32_t>(v) & 0x7fffffffu) < 0x7f800000u;
+}
+
+}  // namespace
+
+bool cast_supported(DType from, DType to) {
+  return cast_types.contains(from) && cast_types.contains(to);
+}
+
+LaunchList cast(OpEnv& env, DType from, DType to, DeviceSpan in, DeviceSpan out, std::size_t n) {
+  check_cast(from, to);
+  const cl_uint count = checked_count("cast", n);
+  cl::Kernel k = from == to ? env.kernels.kernel("cast", "cast_identity", dtype_define(from, "S"))
+                            : env.kernels.kernel("cast", "cast",
+                                                 fmt::format("{} {}", dtype_define(from, "S"), dtype_define(to, "D")));
+  cl::set_args(k.get(), in.buffer, in.elem_offset(dtype_bytes(from)), out.buffer, out.elem_offset(dtype_bytes(to)),
+               count);
+  LaunchList list;
+  list.push_back(elementwise_launch(std::move(k), n));
+  return list;
+}
+
+LaunchList quantize_i8(OpEnv& env, DeviceSpan x, DeviceSpan q, DeviceSpan scales, QuantLayout layout) {
+  check_layout("quantize_i8", layout);
+  const std::size_t n = layout.elems();
+  cl::Kernel ks = env.kernels.kernel("cast", "quantize_i8_scales");
+  cl::set_args(ks.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4),
+               static_cast<cl_uint>(layout.outer), static_cast<cl_uint>(layout.channels),
+               static_cast<cl_uint>(layout.inner));
+  cl::Kernel kq = env.kernels.kernel("cast", "quantize_i8");
+  cl::set_args(kq.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4), q.buffer, q.elem_offset(1),
+               static_cast<cl_uint>(layout.channels), static_cast<cl_uint>(std::max<std::size_t>(1, layout.inner)),
+               static_cast<cl_uint>(n));
+  LaunchList list;
+  list.push_back(elementwise_launch(std::move(ks), layout.channels));
+  list.push_back(elementwise_launch(std::move(kq), n));
+  return list;
+}
+
+LaunchList dequantize_i8(OpEnv& env, DeviceSpan q, DeviceSpan scales, DeviceSpan x, QuantLayout layout) {
+  check_layout("dequantize_i8", layout);
+  const std::size_t n = layout.elems();
+  cl::Kernel k = env.kernels.kernel("cast", "dequantize_i8");
+  cl::set_args(k.get(), q.buffer, q.elem_offset(1), scales.buffer, scales.elem_offset(4), x.buffer, x.elem_offset(4),
+               static_cast<cl_uint>(layout.channels), static_cast<cl_uint>(std::max<std::size_t>(1, layout.inner)),
+               static_cast<cl_uint>(n));
+  LaunchList list;
+  list.push_back(elementwise_launch(std::move(k), n));
+  return list;
+}
+
+namespace ref {
+
+float load_float(DType t, const void* p, std::size_t i) {
+  switch (t) {
+    case DType::f32: {
+      float v;
+      std::memcpy(&v, static_cast<const char*>(p) + i * 4, 4);
+      return v;
+    }
+    case DType::f16:
+    case DType::bf16: {
+      std::uint16_t h;
+      std::memcpy(&h, static_cast<const char*>(p) + i * 2, 2);
+      return t == DType::f16 ? half_to_float(h) : bf16_to_float(h);
+    }
+    default:
+      throw std::invalid_argument(
+          fmt::format("ref::load_float: {} is not a float storage type (use {})", dtype_name(t), cast_types.str()));
+  }
+}
+
+void store_float(DType t, float v, void* p, std::size_t i) {
+  switch (t) {
+    case DType::f32:
+      std::memcpy(static_cast<char*>(p) + i * 4, &v, 4);
+      return;
+    case DType::f16:
+    case DType::bf16: {
+      const std::uint16_t h = t == DType::f16 ? float_to_half(v) : float_to_bf16(v);
+      std::memcpy(static_cast<char*>(p) + i * 2, &h, 2);
+      return;
+    }
+    default:
+      throw std::invalid_argument(
+          fmt::format("ref::store_float: {} is not a float storage type (use {})", dtype_name(t), cast_types.str()));
+  }
+}
+
+void cast(DType from, DType to, const void* in, void* out, std::size_t n) {
+  check_cast(from, to);
+  if (from == to) {
+    std::memmove(out, in, n * dtype_bytes(from));
+    return;
+  }
+  for (std::size_t i = 0; i < n; ++i) store_float(to, load_float(from, in, i), out, i);
+}
+
+void quantize_i8(std::span<const float> x, QuantLayout l, std::span<std::int8_t> q, std::span<float> scales) {
+  if (x.size() != l.elems() || q.size() != l.elems() || scales.size() != l.channels) {
+    throw std::invalid_argument(fmt::format("ref::quantize_i8: x {}, q {}, scales {} elements for layout [{}, {}, {}]",
+                                            x.size(), q.size(), scales.size(), l.outer, l.channels, l.inner));
+  }
+  for (std::size_t c = 0; c < l.channels; ++c) {
+    std::uint32_t amax = 0;
+    for (std::size_t o = 0; o < l.outer; ++o) {
+      for (std::size_t i = 0; i < l.inner; ++i) {
+        const std::uint32_t a = std::bit_cast<std::uint32_t>(x[(o * l.channels + c) * l.inner + i]) & 0x7fffffffu;
+        if (a <= 0x7f800000u && a > amax) amax = a;
+      }
+    }
+    const float absmax = std::bit_cast<float>(amax);
+    scales[c] = absmax / 127.0f;
+  }
+  for (std::size_t idx = 0; idx < x.size(); ++idx) {
+    const float s = scales[(idx / std::max<std::size_t>(1, l.inner)) % l.channels];
+    const float v = x[idx];
+    float t = 0.0f;
+    if (std::bit_cast<std::uint32_t>(s) != 0 && finite_bits(s) && finite_bits(v)) {
+      t = std::clamp(std::nearbyint(v / s), -127.0f, 127.0f);
+    }
+    q[idx] = static_cast<std::int8_t>(t);
+  }
+}
+
+void dequantize_i8(std::span<const std::int8_t> q, std::span<const float> scales, QuantLayout l, std::span<float> x) {
+  if (x.size() != l.elems() || q.size() != l.elems() || scales.size() != l.channels) {
+    throw std::invalid_argument(
+        fmt::format("ref::dequantize_i8: q {}, scales {}, x {} elements for layout [{}, {}, {}]", q.size(),
+                    scales.size(), x.size(), l.outer, l.channels, l.inner));
+  }
+  for (std::size_t idx = 0; idx < x.size(); ++idx) {
+    x[idx] = static_cast<float>(q[idx]) * scales[(idx / std::max<std::size_t>(1, l.inner)) % l.channels];
+  }
+}
+
+}  // namespace ref
+}  // namespace ferry::ops

@@ -1,0 +1,97 @@
+// Rows of the pointwise activations (attrs.i[0] = ops::Activation) and their gradient, and of
+// the elementwise sum.
+#include "ferry/ops/activation.hpp"
+
+#include <fmt/format.h>
+
+#include "ferry/ops/elementwise.hpp"
+#include "rows.hpp"
+
+namespace ferry::ops::table {
+namespace {
+
+Activation kind_of(const NodeAttrs& a) {
+  return static_cast<Activation>(a.i[0]);
+}
+
+OpInfo activation_row() {
+  OpInfo r;
+  r.name = "activation";
+  r.infer = [](const ShapeView& v) {
+    const int k = v.attrs().i[0];
+    if (k != static_cast<int>(Activation::relu) && k != static_cast<int>(Activation::gelu)) {
+      shape_error(v, fmt::format("unknown activation {}", k));
+    }
+    return std::vector<TensorDesc>{v.input(0)};
+  };
+  r.bind = [](const BindContext& c) {
+    return activation_forward(c.env(), kind_of(c.attrs()), c.in(0), c.out(0), in_elems(c, 0));
+  };
+  r.backward = [](GradContext& g) {
+    const TensorRef x = g.inputs()[0];
+    const TensorRef dy = g.grad(g.outputs()[0]);
+    if (dy == no_ref || !g.needs_grad(x)) return;
+    const TensorRef dx = g.new_grad(x);
+    const TensorRef ins[] = {x, dy};
+    const TensorRef outs[] = {dx};
+    g.emit(builtin::activation_grad, ".grad", ins, outs, g.attrs());
+    g.contribute(x, dx);
+  };
+  r.reference = [](RefContext& c) {
+    ref::activation_forward<double>(kind_of(c.attrs()), c.real(c.inputs()[0]), c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+OpInfo activation_grad_row() {  // in: x dy  out: dx
+  OpInfo r;
+  r.name = "activation_grad";
+  r.op_class = OpClass::backward;
+  r.bind = [](const BindContext& c) {
+    return activation_backward(c.env(), kind_of(c.attrs()), c.in(0), c.in(1), c.out(0), in_elems(c, 0));
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::activation_backward<double>(kind_of(c.attrs()), c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+OpInfo add_row() {
+  OpInfo r;
+  r.name = "add";
+  r.infer = [](const ShapeView& v) {
+    const TensorDesc a = v.input(0), b = v.input(1);
+    if (!(a.shape == b.shape)) shape_error(v, fmt::format("shapes differ: {} and {}", a.shape.str(), b.shape.str()));
+    if (a.dtype != b.dtype)
+      shape_error(v, fmt::format("dtypes differ: {} and {}", dtype_name(a.dtype), dtype_name(b.dtype)));
+    return std::vector<TensorDesc>{a};
+  };
+  r.bind = [](const BindContext& c) { return add(c.env(), c.in(0), c.in(1), c.out(0), out_elems(c, 0)); };
+  // Both inputs receive the output's gradient: no node needed. (Autodiff also uses this row to
+  // sum the contributions to a tensor used more than once.)
+  r.backward = [](GradContext& g) {
+    const TensorRef dy = g.grad(g.outputs()[0]);
+    if (dy == no_ref) return;
+    g.contribute(g.inputs()[0], dy);
+    g.contribute(g.inputs()[1], dy);
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::add<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+}  // namespace
+
+void register_activation_rows(const AddRow& add) {
+  add(activation_row(), builtin::activation);
+  add(activation_grad_row(), builtin::activation_grad);
+}
+
+void register_add_row(const AddRow& add) {
+  add(add_row(), builtin::add);
+}
+
+}  // namespace ferry::ops::table

@@ -1,0 +1,135 @@
+// Rows of Conv2d over [N, C, H, W] with weights [K, C, R, S] (attrs.i[0] stride, i[1] pad) and
+// its two gradients.
+#include "ferry/ops/conv2d.hpp"
+
+#include <fmt/format.h>
+
+#include "rows.hpp"
+
+namespace ferry::ops::table {
+namespace {
+
+Conv2dShape conv_shape(const Shape& x, const Shape& w, const NodeAttrs& a) {
+  Conv2dShape s;
+  s.N = x[0];
+  s.C = x[1];
+  s.H = x[2];
+  s.W = x[3];
+  s.K = w[0];
+  s.R = w[2];
+  s.S = w[3];
+  s.stride = static_cast<std::size_t>(a.i[0]);
+  s.pad = static_cast<std::size_t>(a.i[1]);
+  return s;
+}
+
+OpInfo conv2d_row() {  // in: x w [b]  out: y
+  OpInfo r;
+  r.name = "conv2d";
+  r.infer = [](const ShapeView& v) {
+    const Shape x = v.input(0).shape, w = v.input(1).shape;
+    const auto stride = static_cast<std::uint32_t>(v.attrs().i[0]), pad = static_cast<std::uint32_t>(v.attrs().i[1]);
+    if (x.rank != 4) shape_error(v, fmt::format("input has shape {}; Conv2d takes [N, C, H, W]", x.str()));
+    if (w.rank != 4 || w[1] != x[1] || w[0] == 0 || w[2] == 0 || w[3] == 0) {
+      shape_error(v,
+                  fmt::format("weight {} does not take input {} ([K, C, R, S] with C = {})", w.str(), x.str(), x[1]));
+    }
+    if (stride == 0) shape_error(v, "stride must be at least 1");
+    if (x[2] + 2 * pad < w[2] || x[3] + 2 * pad < w[3]) {
+      shape_error(v, fmt::format("kernel {}x{} is larger than the padded input {} (pad {})", w[2], w[3], x.str(), pad));
+    }
+    if (v.input_count() > 2 && !(v.input(2).shape == Shape{w[0]})) {
+      shape_error(v, fmt::format("bias {} does not match {} output channels", v.input(2).shape.str(), w[0]));
+    }
+    const Conv2dShape s = conv_shape(x, w, v.attrs());
+    return std::vector<TensorDesc>{
+        {Shape{x[0], w[0], static_cast<std::uint32_t>(s.P()), static_cast<std::uint32_t>(s.Q())}, v.input(0).dtype}};
+  };
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return conv2d_scratch_elems(env, conv_shape(v.input(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    const DeviceSpan bias = c.input_count() > 2 ? c.in(2) : DeviceSpan{};
+    return conv2d_forward(c.env(), conv_shape(c.input(0).shape, c.input(1).shape, c.attrs()), c.in(0), c.in(1), bias,
+                          c.out(0), c.scratch());
+  };
+  r.backward = [](GradContext& g) {
+    const auto in = g.inputs();
+    const TensorRef dy = g.grad(g.outputs()[0]);
+    if (dy == no_ref) return;
+    const TensorRef x = in[0], w = in[1];
+    const bool has_bias = in.size() > 2;
+    if (g.needs_grad(x)) {
+      const TensorRef dx = g.new_grad(x);
+      const TensorRef ins[] = {dy, w};
+      const TensorRef outs[] = {dx};
+      g.emit(builtin::conv2d_grad_input, ".grad_input", ins, outs, g.attrs());
+      g.contribute(x, dx);
+    }
+    const TensorRef dw = g.new_grad(w);
+    const TensorRef db = has_bias ? g.new_grad(in[2]) : no_ref;
+    const TensorRef ins[] = {x, dy};
+    const TensorRef outs[] = {dw, db};
+    g.emit(builtin::conv2d_grad_param, ".grad_param", ins, std::span(outs, has_bias ? 2 : 1), g.attrs());
+    g.contribute(w, dw);
+    if (has_bias) g.contribute(in[2], db);
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    std::span<const double> bias = in.size() > 2 ? std::span<const double>(c.real(in[2])) : std::span<const double>{};
+    ref::conv2d_forward<double>(conv_shape(c.input(0).shape, c.input(1).shape, c.attrs()), c.real(in[0]), c.real(in[1]),
+                                bias, c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+OpInfo conv2d_grad_input_row() {  // in: dy w  out: dx
+  OpInfo r;
+  r.name = "conv2d_grad_input";
+  r.op_class = OpClass::backward;
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return conv2d_scratch_elems(env, conv_shape(v.output(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    return conv2d_backward_data(c.env(), conv_shape(c.output(0).shape, c.input(1).shape, c.attrs()), c.in(0), c.in(1),
+                                c.out(0), c.scratch());
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::conv2d_backward_data<double>(conv_shape(c.output(0).shape, c.input(1).shape, c.attrs()), c.real(in[0]),
+                                      c.real(in[1]), c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+OpInfo conv2d_grad_param_row() {  // in: x dy  out: dw [db]
+  OpInfo r;
+  r.name = "conv2d_grad_param";
+  r.op_class = OpClass::backward;
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return conv2d_scratch_elems(env, conv_shape(v.input(0).shape, v.output(0).shape, v.attrs())) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    const DeviceSpan dbias = c.output_count() > 1 ? c.out(1) : DeviceSpan{};
+    return conv2d_backward_weights(c.env(), conv_shape(c.input(0).shape, c.output(0).shape, c.attrs()), c.in(0),
+                                   c.in(1), c.out(0), dbias, c.scratch());
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    const auto out = c.outputs();
+    std::span<double> dbias = out.size() > 1 ? c.real(out[1]) : std::span<double>{};
+    ref::conv2d_backward_weights<double>(conv_shape(c.input(0).shape, c.output(0).shape, c.attrs()), c.real(in[0]),
+                                         c.real(in[1]), c.real(out[0]), dbias);
+  };
+  return r;
+}
+
+}  // namespace
+
+void register_conv2d_rows(const AddRow& add) {
+  add(conv2d_row(), builtin::conv2d);
+  add(conv2d_grad_input_row(), builtin::conv2d_grad_input);
+  add(conv2d_grad_param_row(), builtin::conv2d_grad_param);
+}
+
+}  // namespace ferry::ops::table

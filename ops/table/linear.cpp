@@ -1,0 +1,134 @@
+// Rows of Linear: y = x w + b with x [B, in], w [in, out], b [out]; and its two gradients.
+#include <fmt/format.h>
+
+#include "ferry/ops/bias.hpp"
+#include "ferry/ops/gemm.hpp"
+#include "rows.hpp"
+
+namespace ferry::ops::table {
+namespace {
+
+// The three GEMMs of x [B, in] and w [in, out]: y = x w;  dx = dy w^T;  dw = x^T dy.
+struct LinearGemms {
+  GemmShape forward, grad_input, grad_param;
+};
+LinearGemms linear_gemms(const Shape& x, const Shape& w) {
+  const std::size_t batch = x[0], in = w[0], out = w[1];
+  return {{batch, out, in, false, false}, {batch, in, out, false, true}, {in, out, batch, true, false}};
+}
+
+std::span<const double> maybe(RefContext& c, std::size_t i) {
+  return i < c.inputs().size() ? std::span<const double>(c.real(c.inputs()[i])) : std::span<const double>{};
+}
+
+OpInfo linear_row() {
+  OpInfo r;
+  r.name = "linear";
+  r.infer = [](const ShapeView& v) {
+    const Shape x = v.input(0).shape, w = v.input(1).shape;
+    if (x.rank != 2) {
+      shape_error(v, fmt::format("input has shape {}; Linear takes [batch, features] (add flatten() first)", x.str()));
+    }
+    if (w.rank != 2 || w[0] != x[1]) {
+      shape_error(v, fmt::format("weight {} does not take input {}", w.str(), x.str()));
+    }
+    if (v.input_count() > 2 && !(v.input(2).shape == Shape{w[1]})) {
+      shape_error(v, fmt::format("bias {} does not match {} outputs", v.input(2).shape.str(), w[1]));
+    }
+    return std::vector<TensorDesc>{{Shape{x[0], w[1]}, v.input(0).dtype}};
+  };
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return gemm_scratch_elems(env, linear_gemms(v.input(0).shape, v.input(1).shape).forward) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    GemmOptions opt;
+    if (c.input_count() > 2) opt.bias = c.in(2);
+    return gemm(c.env(), linear_gemms(c.input(0).shape, c.input(1).shape).forward, 1.0f, c.in(0), c.in(1), 0.0f,
+                c.out(0), c.scratch(), opt);
+  };
+  r.backward = [](GradContext& g) {
+    const auto in = g.inputs();
+    const TensorRef dy = g.grad(g.outputs()[0]);
+    if (dy == no_ref) return;
+    const TensorRef x = in[0], w = in[1];
+    const bool has_bias = in.size() > 2;
+    if (g.needs_grad(x)) {
+      const TensorRef dx = g.new_grad(x);
+      const TensorRef ins[] = {dy, w};
+      const TensorRef outs[] = {dx};
+      g.emit(builtin::linear_grad_input, ".grad_input", ins, outs, g.attrs());
+      g.contribute(x, dx);
+    }
+    const TensorRef dw = g.new_grad(w);
+    const TensorRef db = has_bias ? g.new_grad(in[2]) : no_ref;
+    const TensorRef ins[] = {x, dy};
+    const TensorRef outs[] = {dw, db};
+    g.emit(builtin::linear_grad_param, ".grad_param", ins, std::span(outs, has_bias ? 2 : 1), g.attrs());
+    g.contribute(w, dw);
+    if (has_bias) g.contribute(in[2], db);
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::gemm<double>(linear_gemms(c.input(0).shape, c.input(1).shape).forward, 1, c.real(in[0]), c.real(in[1]), 0,
+                      c.real(c.outputs()[0]), maybe(c, 2));
+  };
+  return r;
+}
+
+OpInfo linear_grad_input_row() {  // in: dy w  out: dx
+  OpInfo r;
+  r.name = "linear_grad_input";
+  r.op_class = OpClass::backward;
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return gemm_scratch_elems(env, linear_gemms(v.output(0).shape, v.input(1).shape).grad_input) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    return gemm(c.env(), linear_gemms(c.output(0).shape, c.input(1).shape).grad_input, 1.0f, c.in(0), c.in(1), 0.0f,
+                c.out(0), c.scratch());
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::gemm<double>(linear_gemms(c.output(0).shape, c.input(1).shape).grad_input, 1, c.real(in[0]), c.real(in[1]), 0,
+                      c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
+  OpInfo r;
+  r.name = "linear_grad_param";
+  r.op_class = OpClass::backward;
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return gemm_scratch_elems(env, linear_gemms(v.input(0).shape, v.output(0).shape).grad_param) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    const Shape dy = c.input(1).shape;
+    auto list = gemm(c.env(), linear_gemms(c.input(0).shape, c.output(0).shape).grad_param, 1.0f, c.in(0), c.in(1),
+                     0.0f, c.out(0), c.scratch());
+    if (c.output_count() > 1) {
+      auto bias = bias_backward(c.env(), c.in(1), c.out(1), dy[0], dy[1]);
+      std::move(bias.begin(), bias.end(), std::back_inserter(list));
+    }
+    return list;
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    const auto out = c.outputs();
+    ref::gemm<double>(linear_gemms(c.input(0).shape, c.output(0).shape).grad_param, 1, c.real(in[0]), c.real(in[1]), 0,
+                      c.real(out[0]));
+    if (out.size() > 1) {
+      ref::bias_backward<double>(c.real(in[1]), c.real(out[1]), c.input(1).shape[0], c.input(1).shape[1]);
+    }
+  };
+  return r;
+}
+
+}  // namespace
+
+void register_linear_rows(const AddRow& add) {
+  add(linear_row(), builtin::linear);
+  add(linear_grad_input_row(), builtin::linear_grad_input);
+  add(linear_grad_param_row(), builtin::linear_grad_param);
+}
+
+}  // namespace ferry::ops::table

@@ -1,0 +1,66 @@
+// Rows of the optimizer updates. In place: the outputs are the weight and state inputs. The
+// optional last input is the step's loss statistics: the update skips itself when the loss is
+// not finite. Each runs on the device, or on the host lane (TBB workers) for host-resident
+// state, where it reads the current copy and writes the next.
+#include "ferry/ops/optimizer_host.hpp"
+#include "rows.hpp"
+
+namespace ferry::ops::table {
+namespace {
+
+const float* floats(const std::byte* p) {
+  return reinterpret_cast<const float*>(p);
+}
+float* floats(std::byte* p) {
+  return reinterpret_cast<float*>(p);
+}
+
+OpInfo sgd_row() {  // in: w g v [loss]  out: w v
+  OpInfo r;
+  r.name = "sgd_update";
+  r.op_class = OpClass::update;
+  r.bind = [](const BindContext& c) {
+    return sgd_update(c.env(), c.optimizer().sgd, c.in(0), c.in(1), c.in(2), in_elems(c, 0),
+                      c.input_count() > 3 ? c.in(3) : DeviceSpan{});
+  };
+  r.host = [](const HostContext& c) {
+    host_sgd_update(c.optimizer().sgd, c.step(), floats(c.in(1)),
+                    {floats(c.in(0)), floats(c.in(2)), floats(c.out(0)), floats(c.out(1))}, in_elems(c, 0));
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::sgd_update<double>(c.optimizer().sgd, c.step(), c.real(in[0]), c.real(in[1]), c.real(in[2]));
+  };
+  return r;
+}
+
+OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
+  OpInfo r;
+  r.name = "adam_update";
+  r.op_class = OpClass::update;
+  r.bind = [](const BindContext& c) {
+    return adam_update(c.env(), c.optimizer().adam_config(), c.in(0), c.in(1), c.in(2), c.in(3), in_elems(c, 0),
+                       c.input_count() > 4 ? c.in(4) : DeviceSpan{});
+  };
+  r.host = [](const HostContext& c) {
+    host_adam_update(
+        c.optimizer().adam_config(), c.step(), floats(c.in(1)),
+        {floats(c.in(0)), floats(c.in(2)), floats(c.in(3)), floats(c.out(0)), floats(c.out(1)), floats(c.out(2))},
+        in_elems(c, 0));
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::adam_update<double>(c.optimizer().adam_config(), c.step(), c.real(in[0]), c.real(in[1]), c.real(in[2]),
+                             c.real(in[3]));
+  };
+  return r;
+}
+
+}  // namespace
+
+void register_optimizer_rows(const AddRow& add) {
+  add(sgd_row(), builtin::sgd_update);
+  add(adam_row(), builtin::adam_update);
+}
+
+}  // namespace ferry::ops::table

@@ -1,0 +1,78 @@
+// Rows of MaxPool2d over [N, C, H, W] (attrs.i[0] window, i[1] stride) and its gradient.
+#include "ferry/ops/pool.hpp"
+
+#include <fmt/format.h>
+
+#include "rows.hpp"
+
+namespace ferry::ops::table {
+namespace {
+
+Pool2dShape pool_shape(const Shape& x, const NodeAttrs& a) {
+  Pool2dShape s;
+  s.N = x[0];
+  s.C = x[1];
+  s.H = x[2];
+  s.W = x[3];
+  s.window = static_cast<std::size_t>(a.i[0]);
+  s.stride = static_cast<std::size_t>(a.i[1]);
+  return s;
+}
+
+OpInfo maxpool2d_row() {  // in: x  out: y argmax
+  OpInfo r;
+  r.name = "maxpool2d";
+  r.infer = [](const ShapeView& v) {
+    const Shape x = v.input(0).shape;
+    const auto window = static_cast<std::uint32_t>(v.attrs().i[0]), stride = static_cast<std::uint32_t>(v.attrs().i[1]);
+    if (x.rank != 4) shape_error(v, fmt::format("input has shape {}; MaxPool2d takes [N, C, H, W]", x.str()));
+    if (window == 0 || stride == 0 || x[2] < window || x[3] < window) {
+      shape_error(v, fmt::format("window {} / stride {} do not fit input {}", window, stride, x.str()));
+    }
+    const Shape y{x[0], x[1], (x[2] - window) / stride + 1, (x[3] - window) / stride + 1};
+    return std::vector<TensorDesc>{{y, v.input(0).dtype}, {y, DType::i32}};
+  };
+  r.bind = [](const BindContext& c) {
+    return maxpool2d_forward(c.env(), pool_shape(c.input(0).shape, c.attrs()), c.in(0), c.out(0), c.out(1));
+  };
+  r.backward = [](GradContext& g) {
+    const TensorRef x = g.inputs()[0];
+    const TensorRef dy = g.grad(g.outputs()[0]);
+    if (dy == no_ref || !g.needs_grad(x)) return;
+    const TensorRef dx = g.new_grad(x);
+    const TensorRef ins[] = {dy, g.outputs()[1]};
+    const TensorRef outs[] = {dx};
+    g.emit(builtin::maxpool2d_grad, ".grad", ins, outs, g.attrs());
+    g.contribute(x, dx);
+  };
+  r.reference = [](RefContext& c) {
+    const auto out = c.outputs();
+    ref::maxpool2d_forward<double>(pool_shape(c.input(0).shape, c.attrs()), c.real(c.inputs()[0]), c.real(out[0]),
+                                   c.ints(out[1]));
+  };
+  return r;
+}
+
+OpInfo maxpool2d_grad_row() {  // in: dy argmax  out: dx
+  OpInfo r;
+  r.name = "maxpool2d_grad";
+  r.op_class = OpClass::backward;
+  r.bind = [](const BindContext& c) {
+    return maxpool2d_backward(c.env(), pool_shape(c.output(0).shape, c.attrs()), c.in(0), c.in(1), c.out(0));
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::maxpool2d_backward<double>(pool_shape(c.output(0).shape, c.attrs()), c.real(in[0]), c.ints(in[1]),
+                                    c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+}  // namespace
+
+void register_pool_rows(const AddRow& add) {
+  add(maxpool2d_row(), builtin::maxpool2d);
+  add(maxpool2d_grad_row(), builtin::maxpool2d_grad);
+}
+
+}  // namespace ferry::ops::table

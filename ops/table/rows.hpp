@@ -1,0 +1,38 @@
+// The built-in rows of the op table, one function per op family (ops/table/<family>.cpp).
+// Private to the library.
+#pragma once
+
+#include <functional>
+
+#include "ferry/ops/op_table.hpp"
+
+namespace ferry::ops::table {
+
+// Registers a row and checks that it got the id ops::builtin names for it.
+using AddRow = std::function<void(OpInfo, OpId expected)>;
+
+void register_transfer_rows(const AddRow& add);  // upload, download, fetch, write_back
+void register_linear_rows(const AddRow& add);    // linear and its two gradients
+void register_activation_rows(const AddRow& add);
+void register_add_row(const AddRow& add);
+void register_layernorm_rows(const AddRow& add);
+void register_conv2d_rows(const AddRow& add);
+void register_pool_rows(const AddRow& add);
+void register_softmax_xent_rows(const AddRow& add);
+void register_optimizer_rows(const AddRow& add);
+
+// All of the above, in the order of ops::builtin.
+void register_builtin_rows(const AddRow& add);
+
+// Helpers the rows share.
+// A shape error that names the node: "<node>: <what>".
+[[noreturn]] void shape_error(const ShapeView& v, const std::string& what);
+// Elements of input i / output i.
+inline std::size_t in_elems(const ShapeView& v, std::size_t i) {
+  return v.input(i).shape.elems();
+}
+inline std::size_t out_elems(const ShapeView& v, std::size_t i) {
+  return v.output(i).shape.elems();
+}
+
+}  // namespace ferry::ops::table

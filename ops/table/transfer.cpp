@@ -1,0 +1,83 @@
+// Rows of the copies between host memory and the device: the batch upload and the results
+// download (one node each, all pairs at once), and a persistent tensor's fetch and write-back
+// (streaming). Each copies input i to output i; the host side comes from the tensor's home.
+#include "ferry/cl/error.hpp"
+#include "rows.hpp"
+
+namespace ferry::ops::table {
+namespace {
+
+// One launch that enqueues a copy per (input, output) pair on the node's queue.
+LaunchList copies(const BindContext& c, bool to_device) {
+  if (c.input_count() != c.output_count()) shape_error(c, "a copy node needs as many outputs as inputs");
+  struct Pair {
+    DeviceSpan device;
+    HostAddress host;
+    std::size_t bytes;
+  };
+  std::vector<Pair> pairs;
+  for (std::size_t i = 0; i < c.input_count(); ++i) {
+    const std::size_t bytes = c.input(i).shape.elems() * dtype_bytes(c.input(i).dtype);
+    pairs.push_back(to_device ? Pair{c.out(i), c.host_in(i), bytes} : Pair{c.in(i), c.host_out(i), bytes});
+  }
+  KernelLaunch l;
+  l.custom = [pairs = std::move(pairs), to_device](cl_command_queue q, std::span<const cl_event> wait) {
+    cl::Event last;
+    for (std::size_t i = 0; i < pairs.size(); ++i) {
+      const Pair& p = pairs[i];
+      const auto nwait = static_cast<cl_uint>(i == 0 ? wait.size() : 0);
+      const cl_event* wl = i == 0 && !wait.empty() ? wait.data() : nullptr;
+      cl::Event ev;
+      if (to_device) {
+        FERRY_CL(clEnqueueWriteBuffer(q, p.device.buffer, CL_FALSE, p.device.offset_bytes, p.bytes, p.host(), nwait, wl,
+                                      ev.out()));
+      } else {
+        FERRY_CL(clEnqueueReadBuffer(q, p.device.buffer, CL_FALSE, p.device.offset_bytes, p.bytes, p.host(), nwait, wl,
+                                     ev.out()));
+      }
+      last = std::move(ev);
+    }
+    return last;
+  };
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
+void copy_reference(RefContext& c) {
+  const auto in = c.inputs();
+  const auto out = c.outputs();
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    if (c.input(i).dtype == DType::i32) {
+      auto src = c.ints(in[i]);
+      auto dst = c.ints(out[i]);
+      std::copy(src.begin(), src.end(), dst.begin());
+    } else {
+      auto src = c.real(in[i]);
+      auto dst = c.real(out[i]);
+      std::copy(src.begin(), src.end(), dst.begin());
+    }
+  }
+}
+
+OpInfo copy_row(const char* name, bool to_device, OpClass op_class) {
+  OpInfo r;
+  r.name = name;
+  r.lane = to_device ? Lane::h2d : Lane::d2h;
+  r.op_class = op_class;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16, DType::i8, DType::u8};  // bytes are bytes
+  r.bind = [to_device](const BindContext& c) { return copies(c, to_device); };
+  r.reference = copy_reference;
+  return r;
+}
+
+}  // namespace
+
+void register_transfer_rows(const AddRow& add) {
+  add(copy_row("upload", true, OpClass::batch_transfer), builtin::upload);
+  add(copy_row("download", false, OpClass::batch_transfer), builtin::download);
+  add(copy_row("fetch", true, OpClass::state_transfer), builtin::fetch);
+  add(copy_row("write_back", false, OpClass::state_transfer), builtin::write_back);
+}
+
+}  // namespace ferry::ops::table
