@@ -21,33 +21,41 @@ namespace ferry::graph {
 using tbb::flow::continue_msg;
 using DoneNode = tbb::flow::async_node<continue_msg, continue_msg>;
 
-std::optional<Placement> PersistentArena::find(const std::string& name) const {
+std::optional<PersistentArena::Entry> PersistentArena::find(const std::string& name) const {
   if (auto it = placements.find(name); it != placements.end()) return it->second;
   return std::nullopt;
 }
 
-cl_mem PersistentArena::mem(std::uint32_t buffer) const {
-  return on_device() ? device.at(buffer).get() : host[0].at(buffer).mem();
+offload::HomeStore& PersistentArena::store(Residency home) const {
+  const auto& s = homes[static_cast<int>(home)];
+  if (!s) throw std::logic_error(fmt::format("no tensor of this model lives in home '{}'", offload::home_name(home)));
+  return *s;
 }
 
-std::byte* PersistentArena::host_ptr(int slot, const Placement& p) const {
-  return static_cast<std::byte*>(host[slot].at(p.buffer).data()) + p.offset_bytes;
-}
-
-void PersistentArena::write(const cl::Context& ctx, const Placement& p, const void* src, std::size_t n) {
-  if (on_device()) {
-    ctx.write(device.at(p.buffer).get(), p.offset_bytes, src, n);
-    return;
+void PersistentArena::commit() {
+  for (auto& s : homes) {
+    if (s) s->commit();
   }
-  for (int slot = 0; slot < slots(); ++slot) std::memcpy(host_ptr(slot, p), src, n);
 }
 
-void PersistentArena::read(const cl::Context& ctx, const Placement& p, void* dst, std::size_t n) const {
-  if (on_device()) {
-    ctx.read(device.at(p.buffer).get(), p.offset_bytes, dst, n);
-    return;
-  }
-  std::memcpy(dst, host_ptr(mode == ResidencyMode::stream ? current : 0, p), n);
+void PersistentArena::write(Residency home, const Placement& p, const void* src, std::size_t n) {
+  store(home).write({p.buffer, p.offset_bytes}, src, n);
+}
+
+void PersistentArena::read(Residency home, const Placement& p, void* dst, std::size_t n) const {
+  store(home).read({p.buffer, p.offset_bytes}, dst, n);
+}
+
+std::uint64_t PersistentArena::host_bytes() const {
+  std::uint64_t b = 0;
+  for (const auto& s : homes) b += s ? s->host_bytes() : 0;
+  return b;
+}
+
+std::uint64_t PersistentArena::device_bytes() const {
+  std::uint64_t b = 0;
+  for (const auto& s : homes) b += s ? s->device_bytes() : 0;
+  return b;
 }
 
 namespace {
@@ -162,9 +170,10 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   if (shared) {
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
-      auto p = shared->find(t.name[id]);
-      if (!p) throw std::logic_error(fmt::format("variant uses weight '{}' that the model does not have", t.name[id]));
-      t.placement[id] = *p;
+      auto e = shared->find(t.name[id]);
+      if (!e) throw std::logic_error(fmt::format("variant uses weight '{}' that the model does not have", t.name[id]));
+      t.placement[id] = e->place;
+      t.home[id] = e->home;
     }
   }
   ResidencyOptions ropt = residency;
@@ -178,23 +187,38 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   } else {
     persistent_ = std::make_shared<PersistentArena>();
     persistent_->mode = residency_.mode;
-    for (std::size_t b = 0; b < plan_.persistent_buffers.size(); ++b) {
-      const std::uint64_t bytes = plan_.persistent_buffers[b];
-      if (persistent_->on_device()) {
-        persistent_->device.push_back(context.create_buffer(bytes, fmt::format("persistent arena buffer {}", b)));
-        continue;
-      }
-      for (int slot = 0; slot < persistent_->slots(); ++slot) {
-        persistent_->host[slot].push_back(offload::allocate_pinned_host(
-            context, bytes, fmt::format("host arena buffer {} (slot {}) of weights and optimizer state", b, slot)));
-      }
-    }
-    persistent_->buffer_bytes = plan_.persistent_buffers;
-    persistent_->bytes = plan_.persistent_bytes;
+    // Each home gets its own buffers: persistent tensors are packed per home, in the plan's
+    // order, each buffer no larger than the device's largest allocation.
+    std::array<std::vector<std::uint64_t>, offload::home_count> sizes;
+    std::array<std::string, offload::home_count> names;
     for (TensorId id = 0; id < t.size(); ++id) {
-      if (is_persistent(t.role[id]) && t.alias_of[id] == no_tensor)
-        persistent_->placements.emplace(t.name[id], t.placement[id]);
+      if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
+      const int h = static_cast<int>(t.home[id]);
+      if (!offload::home_available(t.home[id])) {
+        throw std::invalid_argument(
+            fmt::format("tensor '{}' has home '{}', which has no storage strategy yet: use "
+                        "device, host_pinned or host_mapped",
+                        t.name[id], offload::home_name(t.home[id])));
+      }
+      auto& buffers = sizes[h];
+      const std::uint64_t bytes = (t.bytes(id) + mopt.alignment - 1) / mopt.alignment * mopt.alignment;
+      if (buffers.empty() || buffers.back() + bytes > mopt.max_buffer_bytes) buffers.push_back(0);
+      t.placement[id] = {static_cast<std::uint32_t>(buffers.size() - 1), buffers.back()};
+      buffers.back() += bytes;
+      if (names[h].empty()) names[h] = fmt::format("{} ({}...)", role_name(t.role[id]), t.name[id]);
+      persistent_->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id]});
     }
+    for (int h = 0; h < offload::home_count; ++h) {
+      if (sizes[h].empty()) continue;
+      persistent_->homes[h] =
+          offload::make_home_store(static_cast<Residency>(h), context, sizes[h],
+                                   fmt::format("the weights and optimizer state, first {}", names[h]));
+    }
+  }
+  // Views sit at their base's (re-)placement.
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.alias_of[id] != no_tensor && is_persistent(t.role[t.storage(id)]))
+      t.placement[id] = t.placement[t.storage(id)];
   }
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
     if (b < persistent_->step_buffers.size()) {
@@ -233,15 +257,12 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   at.host = [this](TensorId id, bool write) -> ops::HostAddress {
     const TensorId s = graph_.tensors.storage(id);
     if (plan_.pool[s] == Pool::persistent) {
-      // Streamed state: read the current slot, write the other (committed when the step succeeds).
-      PersistentArena* arena = persistent_.get();
-      const Placement p = graph_.tensors.placement[s];
-      return [arena, p, write] {
-        const int slot = write && arena->slots() == 2 ? 1 - arena->current : arena->current;
-        return static_cast<void*>(arena->host_ptr(slot, p));
-      };
+      // Streamed state: read the current copy, write the next (committed when the step succeeds).
+      offload::HomeStore* store = &persistent_->store(graph_.tensors.home[s]);
+      const offload::HomePlace p{graph_.tensors.placement[s].buffer, graph_.tensors.placement[s].offset_bytes};
+      return [store, p, write] { return static_cast<void*>(write ? store->next(p) : store->current(p)); };
     }
-    std::byte* fixed = host_address(id, 0);
+    std::byte* fixed = host_address(id, false);
     return [fixed] { return static_cast<void*>(fixed); };
   };
   impl_->launches.resize(n.size());
@@ -261,7 +282,10 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
       if (tid == no_tensor) return;
       const TensorId s = t.storage(tid);
       const Placement& p = t.placement[s];
-      const std::uint32_t space = p.buffer * 4u + static_cast<std::uint32_t>(plan_.pool[s]);  // (pool, buffer)
+      // One space per (pool, home, buffer): persistent tensors of different homes never share bytes.
+      const std::uint32_t home = plan_.pool[s] == Pool::persistent ? static_cast<std::uint32_t>(t.home[s]) : 0;
+      const std::uint32_t space =
+          (p.buffer * 4u + static_cast<std::uint32_t>(plan_.pool[s])) * offload::home_count + home;
       accesses[id].push_back({space, p.offset_bytes, p.offset_bytes + t.bytes(tid), write});
     };
     for (TensorId tid : n.inputs(id)) add(tid, false);
@@ -437,18 +461,17 @@ void CompiledStep::run_host_node(NodeId id) {
   if (!row.host) {
     throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
   }
-  const int current = persistent_->current;
-  auto at = [this, current](TensorId x, bool write) {
-    const bool persistent = plan_.pool[graph_.tensors.storage(x)] == Pool::persistent;
-    return host_address(x, persistent && write ? 1 - current : current);
-  };
+  auto at = [this](TensorId x, bool write) { return host_address(x, write); };
   row.host(HostNode(graph_, id, at, impl_->step, impl_->optimizer));
 }
 
-std::byte* CompiledStep::host_address(TensorId id, int slot) const {
+std::byte* CompiledStep::host_address(TensorId id, bool next) const {
   const TensorId s = graph_.tensors.storage(id);
   const Placement& p = graph_.tensors.placement[s];
-  if (plan_.pool[s] == Pool::persistent) return persistent_->host_ptr(slot, p);
+  if (plan_.pool[s] == Pool::persistent) {
+    const offload::HomeStore& store = persistent_->store(graph_.tensors.home[s]);
+    return next ? store.next({p.buffer, p.offset_bytes}) : store.current({p.buffer, p.offset_bytes});
+  }
   if (plan_.pool[s] == Pool::host_transient) {
     return static_cast<std::byte*>(impl_->host_transient.at(p.buffer).data()) + p.offset_bytes;
   }
@@ -458,19 +481,21 @@ std::byte* CompiledStep::host_address(TensorId id, int slot) const {
 ops::DeviceSpan CompiledStep::span(TensorId id) const {
   const TensorId s = graph_.tensors.storage(id);
   const Placement& p = graph_.tensors.placement[s];
-  if (plan_.pool[s] == Pool::persistent) return {persistent_->mem(p.buffer), p.offset_bytes};
+  if (plan_.pool[s] == Pool::persistent) {
+    return {persistent_->store(graph_.tensors.home[s]).device_buffer(p.buffer), p.offset_bytes};
+  }
   if (plan_.pool[s] == Pool::host_transient) return {impl_->host_transient.at(p.buffer).mem(), p.offset_bytes};
   return {impl_->transient.at(p.buffer).get(), p.offset_bytes};
 }
 
 float* CompiledStep::input_host() const {
-  return reinterpret_cast<float*>(host_address(impl_->input, 0));
+  return reinterpret_cast<float*>(host_address(impl_->input, false));
 }
 std::int32_t* CompiledStep::labels_host() const {
-  return reinterpret_cast<std::int32_t*>(host_address(impl_->labels, 0));
+  return reinterpret_cast<std::int32_t*>(host_address(impl_->labels, false));
 }
 const float* CompiledStep::stats_host() const {
-  return reinterpret_cast<const float*>(host_address(impl_->stats, 0));
+  return reinterpret_cast<const float*>(host_address(impl_->stats, false));
 }
 
 void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
@@ -503,7 +528,7 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   // A step whose loss is not finite skipped its updates (host updates are not guarded on the
   // device, so their slot is simply not committed).
   if (impl_->commits_other_slot && mode == RunMode::normal && std::isfinite(stats_host()[0])) {
-    persistent_->current = 1 - persistent_->current;
+    persistent_->commit();
   }
 }
 

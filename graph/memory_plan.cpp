@@ -1,77 +1,337 @@
-// Liveness-based offset assignment (greedy, largest first, lowest free offset).
+// Liveness-based offset assignment, O(n log n) for the steps the models build.
+//
+// Persistent tensors live through every step: each goes at the end of the first buffer with room
+// (a bump allocation per buffer).
+//
+// Step tensors (each of the transient and host_transient pools) are packed two ways:
+//   - heap simulation: a sweep over the node order that allocates the tensors first used at a
+//     node (largest first) into the smallest free block that holds them (lowest offset among
+//     equals), else at the top of the buffer, and frees each tensor after its last node,
+//     coalescing free blocks. O(n log n).
+//   - greedy by size: largest tensor first, each at the lowest offset free for its whole
+//     lifetime, in the first buffer where it fits. Its lifetime query runs on a segment tree over
+//     the node order whose nodes keep merged byte blocks, so it costs O(log^2 n) set lookups
+//     rather than a scan of every placed tensor.
+// No plan can be smaller than the most bytes live at one node (aligned, and at least the existing
+// buffers' sizes). The heap simulation reaches that bound on the chain-like steps of deep models;
+// when it does not, the greedy plan is computed too and the smaller one is kept (the greedy one on
+// a tie), so a plan is never larger than greedy by size alone would make it.
 #include "ferry/graph/memory_plan.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
+#include <map>
+#include <optional>
+#include <set>
 #include <stdexcept>
 
 namespace ferry::graph {
 namespace {
 
-struct Interval {
-  std::uint64_t begin, end;  // byte range [begin, end)
+std::uint64_t align_up(std::uint64_t v, std::uint32_t align) {
+  return (v + align - 1) / align * align;
+}
+
+// The step tensors of one pool, with their lifetimes and aligned sizes, largest first.
+struct PoolTensors {
+  std::vector<TensorId> ids;
+  std::vector<std::uint32_t> first, last;  // node indices of first and last use
+  std::vector<std::uint64_t> size;         // aligned bytes
 };
 
-struct PlacedTensor {
-  std::uint32_t first, last;  // node indices of first and last use
-  std::uint64_t offset, bytes;
+struct PoolResult {
+  std::vector<Placement> placement;  // per entry of PoolTensors
+  std::vector<std::uint64_t> sizes;  // per buffer: the bytes it needs
 };
 
-// Packs tensors into buffers of at most `cap` bytes. A tensor may share bytes with another only
-// if their node-index lifetimes [first, last] do not overlap.
-class Packer {
+// Device bytes a pool's buffers occupy: an existing buffer counts with its full size.
+std::uint64_t occupied(const std::vector<std::uint64_t>& sizes, const std::vector<std::uint64_t>& existing) {
+  std::uint64_t total = 0;
+  for (std::size_t b = 0; b < sizes.size(); ++b)
+    total += b < existing.size() ? std::max(sizes[b], existing[b]) : sizes[b];
+  for (std::size_t b = sizes.size(); b < existing.size(); ++b) total += existing[b];
+  return total;
+}
+
+// ---- Heap simulation -------------------------------------------------------------------------
+
+class HeapBuffer {
  public:
-  // `existing`: buffers that already exist, packed first and never grown (their sizes are caps).
-  Packer(std::uint64_t cap, std::uint32_t align, const std::vector<std::uint64_t>& existing = {})
-      : cap_(cap), align_(align), buffers_(existing.size()), sizes_(existing.size(), 0), caps_(existing) {}
+  explicit HeapBuffer(std::uint64_t cap) : cap_(cap) {}
 
-  Placement place(std::uint64_t bytes, std::uint32_t first, std::uint32_t last) {
-    const std::uint64_t size = align_up(std::max<std::uint64_t>(bytes, 1));
-    for (std::uint32_t b = 0; b < buffers_.size(); ++b) {
-      if (auto off = fit(b, size, first, last); off + size <= caps_[b]) {
-        commit(b, {first, last, off, size});
-        return {b, off};
+  // Best fit among the free blocks, else the top; nothing if the cap does not allow it.
+  std::optional<std::uint64_t> allocate(std::uint64_t size) {
+    if (auto it = by_size_.lower_bound({size, 0}); it != by_size_.end()) {
+      const auto [block, off] = *it;
+      by_size_.erase(it);
+      by_offset_.erase(off);
+      if (block > size) insert(off + size, block - size);
+      return off;
+    }
+    if (top_ + size > cap_) return std::nullopt;
+    const std::uint64_t off = top_;
+    top_ += size;
+    high_ = std::max(high_, top_);
+    return off;
+  }
+
+  void release(std::uint64_t off, std::uint64_t size) {
+    auto next = by_offset_.lower_bound(off);
+    if (next != by_offset_.end() && next->first == off + size) {
+      size += next->second;
+      by_size_.erase({next->second, next->first});
+      next = by_offset_.erase(next);
+    }
+    if (next != by_offset_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        off = prev->first;
+        size += prev->second;
+        by_size_.erase({prev->second, prev->first});
+        by_offset_.erase(prev);
       }
     }
-    buffers_.emplace_back();
-    sizes_.push_back(0);
-    caps_.push_back(cap_);
-    const auto b = static_cast<std::uint32_t>(buffers_.size() - 1);
-    commit(b, {first, last, 0, size});
-    return {b, 0};
+    if (off + size == top_) {
+      top_ = off;  // the free space at the top is not a block: the top comes down
+    } else {
+      insert(off, size);
+    }
   }
 
-  const std::vector<std::uint64_t>& sizes() const { return sizes_; }
+  std::uint64_t high() const { return high_; }
 
  private:
-  std::uint64_t align_up(std::uint64_t v) const { return (v + align_ - 1) / align_ * align_; }
-
-  // Lowest offset in buffer b where `size` bytes are free during [first, last].
-  std::uint64_t fit(std::uint32_t b, std::uint64_t size, std::uint32_t first, std::uint32_t last) const {
-    std::vector<Interval> busy;
-    for (const auto& p : buffers_[b]) {
-      if (p.first <= last && first <= p.last) busy.push_back({p.offset, p.offset + p.bytes});
-    }
-    std::sort(busy.begin(), busy.end(), [](const Interval& a, const Interval& c) { return a.begin < c.begin; });
-    std::uint64_t candidate = 0;
-    for (const auto& iv : busy) {
-      if (candidate + size <= iv.begin) break;
-      candidate = std::max(candidate, iv.end);
-    }
-    return candidate;
-  }
-
-  void commit(std::uint32_t b, PlacedTensor p) {
-    sizes_[b] = std::max(sizes_[b], p.offset + p.bytes);
-    buffers_[b].push_back(p);
+  void insert(std::uint64_t off, std::uint64_t size) {
+    by_offset_.emplace(off, size);
+    by_size_.insert({size, off});
   }
 
   std::uint64_t cap_;
+  std::uint64_t top_ = 0;                                      // everything from here up is free
+  std::uint64_t high_ = 0;                                     // the highest top: the buffer's size
+  std::map<std::uint64_t, std::uint64_t> by_offset_;           // free blocks below the top: offset -> size
+  std::set<std::pair<std::uint64_t, std::uint64_t>> by_size_;  // the same blocks as (size, offset)
+};
+
+PoolResult heap_plan(const PoolTensors& p, std::size_t nodes, std::uint64_t cap,
+                     const std::vector<std::uint64_t>& existing) {
+  std::vector<HeapBuffer> buffers;
+  for (std::uint64_t e : existing) buffers.emplace_back(e);
+  // Entries are largest first, so each node's list of starting tensors is too.
+  std::vector<std::vector<std::uint32_t>> starts(nodes), ends(nodes);
+  for (std::uint32_t i = 0; i < p.ids.size(); ++i) {
+    starts[p.first[i]].push_back(i);
+    ends[p.last[i]].push_back(i);
+  }
+  PoolResult r;
+  r.placement.resize(p.ids.size());
+  for (std::size_t node = 0; node < nodes; ++node) {
+    for (std::uint32_t i : starts[node]) {
+      bool placed = false;
+      for (std::uint32_t b = 0; b < buffers.size() && !placed; ++b) {
+        if (auto off = buffers[b].allocate(p.size[i])) {
+          r.placement[i] = {b, *off};
+          placed = true;
+        }
+      }
+      if (!placed) {
+        buffers.emplace_back(std::max(cap, p.size[i]));
+        buffers.back().allocate(p.size[i]);
+        r.placement[i] = {static_cast<std::uint32_t>(buffers.size() - 1), 0};
+      }
+    }
+    for (std::uint32_t i : ends[node]) buffers[r.placement[i].buffer].release(r.placement[i].offset_bytes, p.size[i]);
+  }
+  for (const auto& b : buffers) r.sizes.push_back(b.high());
+  return r;
+}
+
+// ---- Greedy by size --------------------------------------------------------------------------
+
+// Disjoint byte blocks [begin, end), sorted and merged (touching blocks merge too).
+class BlockSet {
+ public:
+  bool empty() const { return blocks_.empty(); }
+
+  // The end of the block with the largest begin below `limit`, or 0. Blocks are disjoint, so it
+  // is the furthest end among the blocks that start below `limit`.
+  std::uint64_t end_before(std::uint64_t limit) const {
+    auto it = std::lower_bound(blocks_.begin(), blocks_.end(), limit,
+                               [](const Block& b, std::uint64_t x) { return b.first < x; });
+    return it == blocks_.begin() ? 0 : std::prev(it)->second;
+  }
+
+  void add(std::uint64_t begin, std::uint64_t end) {
+    auto it = std::lower_bound(blocks_.begin(), blocks_.end(), begin,
+                               [](const Block& b, std::uint64_t x) { return b.first < x; });
+    if (it != blocks_.begin() && std::prev(it)->second >= begin) {
+      --it;
+      begin = it->first;
+      end = std::max(end, it->second);
+    }
+    auto stop = it;
+    while (stop != blocks_.end() && stop->first <= end) {
+      end = std::max(end, stop->second);
+      ++stop;
+    }
+    if (stop == it) {
+      blocks_.insert(it, {begin, end});
+    } else {
+      *it = {begin, end};
+      blocks_.erase(std::next(it), stop);
+    }
+  }
+
+ private:
+  using Block = std::pair<std::uint64_t, std::uint64_t>;
+  std::vector<Block> blocks_;
+};
+
+// The bytes of one buffer that placed tensors occupy, by node range. A segment tree over the node
+// indices: a tensor's lifetime splits into O(log n) canonical tree nodes; `cover` of a tree node
+// holds the tensors stored there (their lifetimes cover its whole range), `below` the union of
+// `cover` over its subtree. The bytes busy somewhere in [first, last] are then `below` of the
+// range's canonical nodes plus `cover` of their ancestors (two tree nodes' ranges meet only if one
+// is an ancestor of the other).
+class LifetimeTree {
+ public:
+  explicit LifetimeTree(std::size_t nodes) {
+    while (leaves_ < nodes) leaves_ *= 2;
+    cover_.resize(2 * leaves_);
+    below_.resize(2 * leaves_);
+    seen_.assign(2 * leaves_, 0);
+  }
+
+  // The lowest offset where `size` bytes are free during [first, last].
+  std::uint64_t lowest_fit(std::uint32_t first, std::uint32_t last, std::uint64_t size) {
+    ++visit_;
+    sets_.clear();
+    canonical(first, last, [&](std::size_t c) {
+      if (!below_[c].empty()) sets_.push_back(&below_[c]);
+      for (std::size_t a = c >> 1; a >= 1 && seen_[a] != visit_; a >>= 1) {
+        seen_[a] = visit_;
+        if (!cover_[a].empty()) sets_.push_back(&cover_[a]);
+      }
+    });
+    // Move past every busy block that [y, y + size) meets until none does: a block met at y is
+    // met from every offset up to its end, so no lower offset is skipped.
+    std::uint64_t y = 0;
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (const BlockSet* s : sets_) {
+        if (const std::uint64_t e = s->end_before(y + size); e > y) {
+          y = e;
+          moved = true;
+        }
+      }
+    }
+    return y;
+  }
+
+  void insert(std::uint32_t first, std::uint32_t last, std::uint64_t begin, std::uint64_t end) {
+    ++visit_;
+    canonical(first, last, [&](std::size_t c) {
+      cover_[c].add(begin, end);
+      for (std::size_t a = c; a >= 1 && seen_[a] != visit_; a >>= 1) {
+        seen_[a] = visit_;
+        below_[a].add(begin, end);
+      }
+    });
+  }
+
+ private:
+  template <class F>
+  void canonical(std::uint32_t first, std::uint32_t last, F&& f) {
+    for (std::size_t lo = first + leaves_, hi = last + leaves_ + 1; lo < hi; lo >>= 1, hi >>= 1) {
+      if (lo & 1) f(lo++);
+      if (hi & 1) f(--hi);
+    }
+  }
+
+  std::size_t leaves_ = 1;
+  std::vector<BlockSet> cover_, below_;
+  std::vector<std::uint64_t> seen_;  // visit_ stamp: ancestors already taken in this walk
+  std::uint64_t visit_ = 0;
+  std::vector<const BlockSet*> sets_;
+};
+
+PoolResult greedy_plan(const PoolTensors& p, std::size_t nodes, std::uint64_t cap,
+                       const std::vector<std::uint64_t>& existing) {
+  struct Buffer {
+    std::uint64_t cap, size;
+    LifetimeTree busy;
+  };
+  std::vector<Buffer> buffers;
+  for (std::uint64_t e : existing) buffers.push_back({e, 0, LifetimeTree(nodes)});
+  PoolResult r;
+  r.placement.resize(p.ids.size());
+  for (std::uint32_t i = 0; i < p.ids.size(); ++i) {
+    const std::uint64_t size = p.size[i];
+    std::uint32_t b = 0;
+    std::uint64_t off = 0;
+    for (; b < buffers.size(); ++b) {
+      off = buffers[b].busy.lowest_fit(p.first[i], p.last[i], size);
+      if (off + size <= buffers[b].cap) break;
+    }
+    if (b == buffers.size()) {
+      buffers.push_back({cap, 0, LifetimeTree(nodes)});
+      off = 0;
+    }
+    buffers[b].size = std::max(buffers[b].size, off + size);
+    buffers[b].busy.insert(p.first[i], p.last[i], off, off + size);
+    r.placement[i] = {b, off};
+  }
+  for (const auto& buf : buffers) r.sizes.push_back(buf.size);
+  return r;
+}
+
+// ---- One pool ----------------------------------------------------------------------------------
+
+PoolResult plan_pool(const PoolTensors& p, std::size_t nodes, std::uint64_t cap,
+                     const std::vector<std::uint64_t>& existing) {
+  PoolResult heap = heap_plan(p, nodes, cap, existing);
+  // Lower bound: the aligned bytes live at the busiest node, and the existing buffers in full.
+  std::vector<std::int64_t> delta(nodes + 1, 0);
+  for (std::size_t i = 0; i < p.ids.size(); ++i) {
+    delta[p.first[i]] += static_cast<std::int64_t>(p.size[i]);
+    delta[p.last[i] + 1] -= static_cast<std::int64_t>(p.size[i]);
+  }
+  std::int64_t live = 0, peak = 0;
+  for (std::size_t node = 0; node < nodes; ++node) peak = std::max(peak, live += delta[node]);
+  std::uint64_t bound = static_cast<std::uint64_t>(peak), existing_bytes = 0;
+  for (std::uint64_t e : existing) existing_bytes += e;
+  bound = std::max(bound, existing_bytes);
+  const std::uint64_t heap_bytes = occupied(heap.sizes, existing);
+  if (heap_bytes <= bound) return heap;
+  PoolResult greedy = greedy_plan(p, nodes, cap, existing);
+  return occupied(greedy.sizes, existing) <= heap_bytes ? greedy : heap;
+}
+
+// Persistent tensors: the end of the first buffer with room, else a new buffer.
+class BumpPacker {
+ public:
+  BumpPacker(std::uint64_t cap, std::uint32_t align) : cap_(cap), align_(align) {}
+  Placement place(std::uint64_t bytes) {
+    const std::uint64_t size = align_up(std::max<std::uint64_t>(bytes, 1), align_);
+    for (std::uint32_t b = 0; b < sizes_.size(); ++b) {
+      if (sizes_[b] + size <= cap_) {
+        const std::uint64_t off = sizes_[b];
+        sizes_[b] += size;
+        return {b, off};
+      }
+    }
+    sizes_.push_back(size);
+    return {static_cast<std::uint32_t>(sizes_.size() - 1), 0};
+  }
+  const std::vector<std::uint64_t>& sizes() const { return sizes_; }
+
+ private:
+  std::uint64_t cap_;
   std::uint32_t align_;
-  std::vector<std::vector<PlacedTensor>> buffers_;
-  std::vector<std::uint64_t> sizes_, caps_;
+  std::vector<std::uint64_t> sizes_;
 };
 
 }  // namespace
@@ -96,9 +356,11 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   MemoryPlan plan;
   plan.pool.assign(t.size(), Pool::transient);
   std::vector<TensorId> order;
+  std::vector<std::uint64_t> bytes(t.size(), 0);
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.alias_of[id] != no_tensor || first[id] == unused) continue;
-    if (t.bytes(id) > options.max_buffer_bytes) {
+    bytes[id] = t.bytes(id);
+    if (bytes[id] > options.max_buffer_bytes) {
       throw std::runtime_error(
           fmt::format("tensor '{}' ({} bytes, shape {}) is larger than the device's largest buffer ({} bytes): "
                       "use a smaller batch or layer",
@@ -110,22 +372,30 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   for (TensorId id : order) {
     if (plan.pool[id] == Pool::transient && t.home[id] != Residency::device) plan.pool[id] = Pool::host_transient;
   }
-  // Largest first packs tightest with a greedy lowest-offset fit; ties by id keep it deterministic.
-  std::stable_sort(order.begin(), order.end(), [&](TensorId a, TensorId b) { return t.bytes(a) > t.bytes(b); });
+  // Largest first; ties by id keep it deterministic.
+  std::sort(order.begin(), order.end(),
+            [&](TensorId a, TensorId b) { return bytes[a] != bytes[b] ? bytes[a] > bytes[b] : a < b; });
 
-  Packer persistent(options.max_buffer_bytes, options.alignment);
-  Packer transient(options.max_buffer_bytes, options.alignment, options.existing_transient_buffers);
-  Packer host_transient(options.max_buffer_bytes, options.alignment);
+  BumpPacker persistent(options.max_buffer_bytes, options.alignment);
+  PoolTensors transient, host_transient;
   for (TensorId id : order) {
     if (plan.pool[id] == Pool::persistent) {
-      // Persistent tensors live through every step: their lifetime is the whole node range.
-      if (options.plan_persistent) t.placement[id] = persistent.place(t.bytes(id), 0, unused - 1);
-    } else if (plan.pool[id] == Pool::host_transient) {
-      t.placement[id] = host_transient.place(t.bytes(id), first[id], last[id]);
-    } else {
-      t.placement[id] = transient.place(t.bytes(id), first[id], last[id]);
-      plan.transient_unshared_bytes += t.bytes(id);
+      if (options.plan_persistent) t.placement[id] = persistent.place(bytes[id]);
+      continue;
     }
+    PoolTensors& p = plan.pool[id] == Pool::host_transient ? host_transient : transient;
+    p.ids.push_back(id);
+    p.first.push_back(first[id]);
+    p.last.push_back(last[id]);
+    p.size.push_back(align_up(std::max<std::uint64_t>(bytes[id], 1), options.alignment));
+    if (plan.pool[id] == Pool::transient) plan.transient_unshared_bytes += bytes[id];
+  }
+  const PoolResult transient_plan =
+      plan_pool(transient, n.size(), options.max_buffer_bytes, options.existing_transient_buffers);
+  const PoolResult host_plan = plan_pool(host_transient, n.size(), options.max_buffer_bytes, {});
+  for (std::size_t i = 0; i < transient.ids.size(); ++i) t.placement[transient.ids[i]] = transient_plan.placement[i];
+  for (std::size_t i = 0; i < host_transient.ids.size(); ++i) {
+    t.placement[host_transient.ids[i]] = host_plan.placement[i];
   }
   // Views sit at their base's placement.
   for (TensorId id = 0; id < t.size(); ++id) {
@@ -134,14 +404,20 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     t.placement[id] = t.placement[s];
     plan.pool[id] = plan.pool[s];
   }
-  plan.live_bytes.assign(n.size(), 0);
-  for (TensorId id : order) {
-    if (plan.pool[id] != Pool::transient) continue;
-    for (std::uint32_t node = first[id]; node <= last[id]; ++node) plan.live_bytes[node] += t.bytes(id);
+  // Live bytes per node: a difference array over the transient lifetimes.
+  std::vector<std::int64_t> delta(n.size() + 1, 0);
+  for (TensorId id : transient.ids) {
+    delta[first[id]] += static_cast<std::int64_t>(bytes[id]);
+    delta[last[id] + 1] -= static_cast<std::int64_t>(bytes[id]);
   }
+  plan.live_bytes.assign(n.size(), 0);
+  std::int64_t live = 0;
+  for (NodeId node = 0; node < n.size(); ++node)
+    plan.live_bytes[node] = static_cast<std::uint64_t>(live += delta[node]);
+
   plan.persistent_buffers = persistent.sizes();
-  plan.transient_buffers = transient.sizes();
-  plan.host_transient_buffers = host_transient.sizes();
+  plan.transient_buffers = transient_plan.sizes;
+  plan.host_transient_buffers = host_plan.sizes;
   for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
   for (auto b : plan.persistent_buffers) plan.persistent_bytes += b;
   for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {

@@ -342,7 +342,11 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     return plan;
   }
 
-  // Stream: find the largest cache limit (and the lookahead) whose plan fits the budget.
+  // Stream: every persistent tensor's home is pinned host memory (those only host nodes touch
+  // included). Find the largest cache limit (and the lookahead) whose plan fits the budget.
+  for (TensorId id = 0; id < g.tensors.size(); ++id) {
+    if (is_persistent(g.tensors.role[id])) g.tensors.home[id] = Residency::host_pinned;
+  }
   Graph base = g;
   place_updates_early(base);
   if (options.host_optimizer) move_updates_to_host(base);

@@ -84,7 +84,7 @@ void MemoryProfiler::add_variant(const std::string& variant, const graph::Compil
   variants_.push_back(variant);
   const auto& g = step.graph();
   const auto sec = sections(g);
-  const std::uint64_t resident = step.persistent()->on_device() ? step.persistent()->bytes : 0;
+  const std::uint64_t resident = step.persistent()->device_bytes();
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
     rows_.push_back({variant, g.nodes.name[n], graph::op_name(g.nodes.op[n]), graph::lane_name(g.nodes.lane[n]), sec[n],
                      resident + step.plan().live_bytes[n], transfer_bytes(g, n)});
@@ -96,7 +96,7 @@ void MemoryProfiler::add_step(const std::string& variant, const graph::CompiledS
   if (timeline.empty()) return;
   const auto& g = step.graph();
   const auto sec = sections(g);
-  const std::uint64_t resident = step.persistent()->on_device() ? step.persistent()->bytes : 0;
+  const std::uint64_t resident = step.persistent()->device_bytes();
   if (time_origin_ns_ == 0) {
     time_origin_ns_ = UINT64_MAX;
     for (const auto& e : timeline) time_origin_ns_ = std::min(time_origin_ns_, e.start_ns);

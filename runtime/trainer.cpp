@@ -79,7 +79,7 @@ void Trainer::initialise_parameters() {
       throw std::logic_error(fmt::format("cannot initialise '{}': weights are initialised in f32, it is {}", t.name[id],
                                          graph::dtype_name(t.dtype[id])));
     }
-    train_->persistent()->write(runtime_.context(), t.placement[id], values.data(), t.bytes(id));
+    train_->persistent()->write(t.home[id], t.placement[id], values.data(), t.bytes(id));
   }
 }
 
@@ -213,7 +213,7 @@ Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
   for (TensorId id = 0; id < t.size(); ++id) {
     if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor && t.name[id] == name) {
       HostTensor out{t.dtype[id], t.shape[id], std::vector<std::byte>(t.bytes(id))};
-      train_->persistent()->read(runtime_.context(), t.placement[id], out.bytes.data(), out.bytes.size());
+      train_->persistent()->read(t.home[id], t.placement[id], out.bytes.data(), out.bytes.size());
       return out;
     }
   }
@@ -229,7 +229,7 @@ std::vector<float> Trainer::read_parameter(const std::string& name) const {
                                                 name, graph::dtype_name(t.dtype[id])));
       }
       std::vector<float> out(t.shape[id].elems());
-      train_->persistent()->read(runtime_.context(), t.placement[id], out.data(), t.bytes(id));
+      train_->persistent()->read(t.home[id], t.placement[id], out.data(), t.bytes(id));
       return out;
     }
   }

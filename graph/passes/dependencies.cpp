@@ -7,8 +7,8 @@
 // segments gives the latest conflicting node of that lane: any later node of that lane recorded
 // at the same bytes conflicts too. Then the node records itself on its own lane over its ranges.
 // Segments are split at range boundaries and adjacent segments with the same contents are merged
-// again, so their count stays near the number of distinct live ranges. Accesses to bytes that no
-// other lane touches anywhere in the step are left out of the sweep altogether.
+// again, so their count stays near the number of distinct live ranges. Accesses of the busiest
+// lane to bytes that no other lane touches anywhere in the step are left out of the sweep.
 #include "ferry/graph/dependencies.hpp"
 
 #include <fmt/format.h>
@@ -109,7 +109,7 @@ class Space {
   Map segments_;
 };
 
-// Merged [begin, end) blocks, sorted: the bytes one lane touches in one space over the step.
+// Merged [begin, end) blocks, sorted: bytes touched in one space over the whole step.
 class ByteUnion {
  public:
   void add(std::uint64_t begin, std::uint64_t end) { blocks_.push_back({begin, end}); }
@@ -150,56 +150,67 @@ std::vector<std::vector<NodeId>> cross_lane_dependencies(std::span<const Lane> l
       throw std::invalid_argument("cross_lane_dependencies: unknown lane");
     }
   }
-  // First pass: the bytes each lane touches in each space over the whole step. An access that no
-  // other lane's bytes overlap can neither conflict nor be conflicted with, so the sweep skips it
-  // (in a resident step that is nearly every access: only the batch, the statistics and what
-  // reuses their bytes meet the copy lanes).
+  // Only accesses that can meet another lane's take part in the sweep. Every access of a lane
+  // other than the busiest one does; an access of the busiest lane (compute) does only if its
+  // bytes overlap what some other lane touches anywhere in the step. In a resident step that
+  // leaves out nearly everything: only the batch, the statistics and what reuses their bytes
+  // meet the copy lanes. (Sweeping more accesses than needed would give the same result.)
+  std::array<std::size_t, lanes_max> per_lane{};
+  for (std::size_t id = 0; id < lanes.size(); ++id) per_lane[static_cast<int>(lanes[id])] += accesses[id].size();
+  const int busiest = static_cast<int>(std::max_element(per_lane.begin(), per_lane.end()) - per_lane.begin());
   std::unordered_map<std::uint32_t, std::uint32_t> dense;  // space -> index
-  std::vector<std::array<ByteUnion, lanes_max>> touched;
-  std::vector<std::vector<std::uint32_t>> index(accesses.size());
-  for (std::size_t id = 0; id < accesses.size(); ++id) {
-    const int lane = static_cast<int>(lanes[id]);
+  std::uint32_t last_space = 0, last_index = 0;
+  bool cached = false;
+  auto index_of = [&](std::uint32_t space) {
+    if (cached && space == last_space) return last_index;
+    auto [it, fresh] = dense.try_emplace(space, static_cast<std::uint32_t>(dense.size()));
+    cached = true;
+    last_space = space;
+    last_index = it->second;
+    return last_index;
+  };
+  std::vector<ByteUnion> others;  // per space: the bytes the lanes other than the busiest touch
+  for (std::size_t id = 0; id < lanes.size(); ++id) {
+    if (static_cast<int>(lanes[id]) == busiest) continue;
     for (const ByteAccess& a : accesses[id]) {
-      auto [it, fresh] = dense.try_emplace(a.space, static_cast<std::uint32_t>(touched.size()));
-      if (fresh) touched.emplace_back();
-      index[id].push_back(it->second);
-      if (a.begin < a.end) touched[it->second][lane].add(a.begin, a.end);
+      const std::uint32_t s = index_of(a.space);
+      if (s >= others.size()) others.resize(s + 1);
+      if (a.begin < a.end) others[s].add(a.begin, a.end);
     }
   }
-  for (auto& space : touched) {
-    for (auto& u : space) u.finish();
-  }
-  auto shared = [&](std::uint32_t space, int lane, const ByteAccess& a) {
+  for (auto& u : others) u.finish();
+  auto takes_part = [&](int lane, std::uint32_t s, const ByteAccess& a) {
     if (a.begin >= a.end) return false;
-    for (int other = 0; other < lanes_max; ++other) {
-      if (other != lane && touched[space][other].overlaps(a.begin, a.end)) return true;
-    }
-    return false;
+    return lane != busiest || (s < others.size() && others[s].overlaps(a.begin, a.end));
   };
 
-  std::vector<Space> spaces(touched.size());
+  std::vector<Space> spaces;
   std::vector<std::vector<NodeId>> deps(lanes.size());
-  std::vector<std::uint8_t> relevant;
+  std::vector<std::uint32_t> part;  // this node's accesses that take part, as (space index, access index)
   for (std::size_t id = 0; id < lanes.size(); ++id) {
     const int lane = static_cast<int>(lanes[id]);
     const auto& acc = accesses[id];
-    relevant.assign(acc.size(), 0);
-    bool any = false;
+    part.clear();
     for (std::size_t k = 0; k < acc.size(); ++k) {
-      relevant[k] = shared(index[id][k], lane, acc[k]) ? 1 : 0;
-      any = any || relevant[k];
+      const std::uint32_t s = index_of(acc[k].space);
+      if (!takes_part(lane, s, acc[k])) continue;
+      if (s >= spaces.size()) spaces.resize(s + 1);
+      part.push_back(s);
+      part.push_back(static_cast<std::uint32_t>(k));
     }
-    if (!any) continue;
+    if (part.empty()) continue;
     std::array<std::uint32_t, lanes_max> latest{};
-    for (std::size_t k = 0; k < acc.size(); ++k) {
-      if (relevant[k]) spaces[index[id][k]].query(acc[k].begin, acc[k].end, acc[k].write, latest);
+    for (std::size_t j = 0; j < part.size(); j += 2) {
+      const ByteAccess& a = acc[part[j + 1]];
+      spaces[part[j]].query(a.begin, a.end, a.write, latest);
     }
     for (int other = 0; other < lanes_max; ++other) {
       if (other != lane && latest[other] != 0) deps[id].push_back(latest[other] - 1);
     }
     const auto mark = static_cast<std::uint32_t>(id + 1);
-    for (std::size_t k = 0; k < acc.size(); ++k) {
-      if (relevant[k]) spaces[index[id][k]].record(acc[k].begin, acc[k].end, acc[k].write, lane, mark);
+    for (std::size_t j = 0; j < part.size(); j += 2) {
+      const ByteAccess& a = acc[part[j + 1]];
+      spaces[part[j]].record(a.begin, a.end, a.write, lane, mark);
     }
   }
   return deps;

@@ -9,6 +9,7 @@
 // on the device.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,40 +22,40 @@
 #include "ferry/graph/memory_plan.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/graph/residency.hpp"
+#include "ferry/offload/home.hpp"
 #include "ferry/ops/launch.hpp"
 
 namespace ferry::graph {
 
-// Weights and optimizer state, shared by every variant of one model (training, evaluation).
-// Resident: device buffers. Mapped: pinned host buffers that kernels use directly. Stream:
-// pinned host buffers in two slots; a step fetches from the current slot and writes updated
-// tensors back into the other, which becomes current only when the whole step succeeded, so a
-// failed step leaves the training state as it was.
+// Weights and optimizer state, shared by every variant of one model (training, evaluation): one
+// home store per home in use (ferry/offload/home.hpp), and where each tensor sits in its home.
+// A streamed (host_pinned) tensor is fetched from its current copy and written back into the
+// next, which becomes current only when the whole step succeeded (commit), so a failed step leaves
+// the training state as it was.
 struct PersistentArena {
-  ResidencyMode mode = ResidencyMode::resident;
-  std::vector<cl::Mem> device;            // resident
-  std::vector<cl::PinnedBuffer> host[2];  // mapped: slot 0; stream: slots 0 and 1
-  int current = 0;
-  std::vector<std::uint64_t> buffer_bytes;
-  std::unordered_map<std::string, Placement> placements;  // by tensor name
-  std::uint64_t bytes = 0;                                    // one slot
+  ResidencyMode mode = ResidencyMode::resident;  // the preset the model's homes came from
+  std::array<std::unique_ptr<offload::HomeStore>, offload::home_count> homes;
+  struct Entry {
+    Residency home = Residency::device;
+    Placement place;
+  };
+  std::unordered_map<std::string, Entry> placements;  // by tensor name
   // The step buffers of the model's first compiled variant (training). Later variants
   // (evaluation) pack their transient tensors into them first: variants never run at the same
   // time, so they share device memory instead of adding to it.
   std::vector<cl::Mem> step_buffers;
   std::vector<std::uint64_t> step_buffer_bytes;
 
-  std::optional<Placement> find(const std::string& name) const;
-  bool on_device() const noexcept { return mode == ResidencyMode::resident; }
-  int slots() const noexcept { return mode == ResidencyMode::stream ? 2 : 1; }
-  // The buffer kernels address (resident and mapped modes).
-  cl_mem mem(std::uint32_t buffer) const;
-  // Host address of a placement in a slot (mapped and stream modes).
-  std::byte* host_ptr(int slot, const Placement& p) const;
-  // Set-up and inspection, outside any step: write goes to every slot, read from the current one.
-  void write(const cl::Context& ctx, const Placement& p, const void* src, std::size_t bytes);
-  void read(const cl::Context& ctx, const Placement& p, void* dst, std::size_t bytes) const;
-  std::uint64_t host_bytes() const noexcept { return on_device() ? 0 : bytes * static_cast<std::uint64_t>(slots()); }
+  std::optional<Entry> find(const std::string& name) const;
+  // The store of `home`; throws std::logic_error if no tensor lives there.
+  offload::HomeStore& store(Residency home) const;
+  // The step succeeded: every home's next copies become current.
+  void commit();
+  // Set-up and inspection, outside any step: write sets every copy, read reads the current one.
+  void write(Residency home, const Placement& p, const void* src, std::size_t bytes);
+  void read(Residency home, const Placement& p, void* dst, std::size_t bytes) const;
+  std::uint64_t host_bytes() const;    // pinned host bytes of every home (both copies when streamed)
+  std::uint64_t device_bytes() const;  // device bytes of the device home
 };
 
 // One node's span on the device timeline of the last step (needs a profiling context).
@@ -108,9 +109,7 @@ class CompiledStep {
   const Graph& graph() const noexcept { return graph_; }
   const MemoryPlan& plan() const noexcept { return plan_; }
   // Peak device bytes of the step, from the plan: the step arena, plus the weights when resident.
-  std::uint64_t device_bytes() const noexcept {
-    return plan_.transient_bytes + (persistent_->on_device() ? persistent_->bytes : 0);
-  }
+  std::uint64_t device_bytes() const noexcept { return plan_.transient_bytes + persistent_->device_bytes(); }
   const ResidencyReport& residency() const noexcept { return residency_; }
   // Pinned host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients).
   std::uint64_t host_step_bytes() const noexcept { return plan_.host_transient_bytes; }
@@ -129,8 +128,8 @@ class CompiledStep {
 
  private:
   struct Impl;
-  // Host memory of a host-resident tensor (slot: which copy of the persistent state).
-  std::byte* host_address(TensorId id, int slot) const;
+  // Host memory of a host-resident tensor: its current value, or where its next value goes.
+  std::byte* host_address(TensorId id, bool next) const;
   // Runs a host-lane node (an optimizer update on the host) on the calling TBB worker.
   void run_host_node(NodeId id);
   Graph graph_;

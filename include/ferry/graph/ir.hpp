@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/offload/home.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ferry/ops/types.hpp"
 
@@ -46,8 +47,9 @@ enum class Role : std::uint8_t {
 const char* role_name(Role r);
 bool is_persistent(Role r);
 
-// Where a tensor's bytes live between uses. Only `device` exists until the residency pass.
-enum class Residency : std::uint8_t { device, host_pinned, host_mapped, host_compressed, host_int8, dropped };
+// Where a persistent tensor lives between uses: its home (ferry/offload/home.hpp). Step tensors
+// are `device` except host mirrors (batch staging) and gradients kept on the host.
+using Residency = offload::Home;
 
 // How the runtime fills a weight before the first step.
 struct WeightInit {

@@ -1,0 +1,69 @@
+// Homes: where a persistent tensor (weight, optimizer state) lives between its uses, each home
+// one storage strategy. The residency pass (graph/residency.cpp) gives every persistent tensor a
+// home per role; a home store owns the memory of all tensors living there.
+//
+//   device           device buffers; kernels use them in place.
+//   host_pinned      pinned host memory in two copies: a step fetches from the current copy and
+//                    writes updated tensors into the other, which becomes current only when the
+//                    whole step succeeded (commit), so a failed step leaves the state as it was.
+//   host_mapped      one copy of pinned host memory that kernels use directly (zero-copy), on
+//                    devices whose memory is the host's.
+//   host_compressed  byte-plane shuffled, zstd-compressed chunks (the optimizer-state issue);
+//   host_int8        block-quantized int8 with fp32 scales (the phases issue);
+//   dropped          not kept: re-initialised when needed. These three have no store yet:
+//                    asking for one is a clear error at compile time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/cl/context.hpp"
+
+namespace ferry::offload {
+
+enum class Home : std::uint8_t { device, host_pinned, host_mapped, host_compressed, host_int8, dropped };
+inline constexpr int home_count = 6;
+const char* home_name(Home h);
+Home parse_home(std::string_view s);  // throws std::invalid_argument listing the homes
+// Whether a store exists for `h` in this build.
+bool home_available(Home h);
+
+// Where a tensor sits inside its home's store.
+struct HomePlace {
+  std::uint32_t buffer = 0;
+  std::uint64_t offset_bytes = 0;
+};
+
+class HomeStore {
+ public:
+  virtual ~HomeStore() = default;
+  virtual Home home() const = 0;
+  // Kernels reach the tensors in place (device, mapped): no fetch or write-back nodes.
+  virtual bool kernels_address_directly() const = 0;
+  // The buffer kernels address, for homes they address directly.
+  virtual cl_mem device_buffer(std::uint32_t buffer) const = 0;
+  // Host memory of a tensor's current value, and of where its next value goes (the same place
+  // for homes with one copy). Throws std::logic_error for homes without host memory.
+  virtual std::byte* current(const HomePlace& p) const = 0;
+  virtual std::byte* next(const HomePlace& p) const = 0;
+  // A step that wrote next values succeeded: they become current.
+  virtual void commit() {}
+  // Set-up and inspection outside any step: write sets every copy, read reads the current one.
+  virtual void write(const HomePlace& p, const void* src, std::size_t bytes) = 0;
+  virtual void read(const HomePlace& p, void* dst, std::size_t bytes) const = 0;
+  // What the home holds, for the memory profiler and reports.
+  virtual std::uint64_t device_bytes() const = 0;
+  virtual std::uint64_t host_bytes() const = 0;
+};
+
+// Allocates the store of `home` with buffers of the given sizes. `what` names the tensors it
+// holds in allocation errors. Throws std::invalid_argument for a home with no store, or one the
+// device cannot serve (host_mapped on a device without unified memory), saying what to use.
+std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context,
+                                           std::span<const std::uint64_t> buffer_bytes, std::string_view what);
+
+}  // namespace ferry::offload

@@ -1,0 +1,68 @@
+// Home names and the factory of home stores.
+#include "ferry/offload/home.hpp"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "homes/stores.hpp"
+
+namespace ferry::offload {
+
+const char* home_name(Home h) {
+  switch (h) {
+    case Home::device:
+      return "device";
+    case Home::host_pinned:
+      return "host_pinned";
+    case Home::host_mapped:
+      return "host_mapped";
+    case Home::host_compressed:
+      return "host_compressed";
+    case Home::host_int8:
+      return "host_int8";
+    case Home::dropped:
+      return "dropped";
+  }
+  return "?";
+}
+
+Home parse_home(std::string_view s) {
+  for (int i = 0; i < home_count; ++i) {
+    if (s == home_name(static_cast<Home>(i))) return static_cast<Home>(i);
+  }
+  throw std::invalid_argument(
+      fmt::format("unknown home '{}': use device, host_pinned, host_mapped, host_compressed, host_int8 or dropped", s));
+}
+
+bool home_available(Home h) {
+  return h == Home::device || h == Home::host_pinned || h == Home::host_mapped;
+}
+
+std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context,
+                                           std::span<const std::uint64_t> buffer_bytes, std::string_view what) {
+  switch (home) {
+    case Home::device:
+      return homes::make_device_store(context, buffer_bytes, what);
+    case Home::host_pinned:
+      return homes::make_pinned_store(context, buffer_bytes, what);
+    case Home::host_mapped:
+      if (!context.device().host_unified_memory) {
+        throw std::invalid_argument(fmt::format(
+            "home 'host_mapped' for {} needs a device whose memory is the host's (CL_DEVICE_HOST_UNIFIED_MEMORY); "
+            "this device ({}) is discrete: use host_pinned (streamed) instead",
+            what, context.device().name));
+      }
+      return homes::make_mapped_store(context, buffer_bytes, what);
+    case Home::host_compressed:
+    case Home::host_int8:
+    case Home::dropped:
+      break;
+  }
+  throw std::invalid_argument(
+      fmt::format("home '{}' for {} has no storage strategy in this version of ferry: use "
+                  "device, host_pinned or host_mapped",
+                  home_name(home), what));
+}
+
+}  // namespace ferry::offload

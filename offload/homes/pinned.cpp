@@ -1,0 +1,68 @@
+// The host_pinned home (streaming) and the host_mapped home (zero-copy): pinned, NUMA-bound host
+// memory. Pinned keeps two copies so that a step's updates become current only when it succeeds;
+// mapped keeps one, which kernels use directly.
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "ferry/offload/pinned_host.hpp"
+#include "stores.hpp"
+
+namespace ferry::offload::homes {
+namespace {
+
+class HostStore final : public HomeStore {
+ public:
+  HostStore(Home home, const cl::Context& context, std::span<const std::uint64_t> sizes, std::string_view what)
+      : home_(home) {
+    const int copies = home == Home::host_pinned ? 2 : 1;
+    for (int c = 0; c < copies; ++c) {
+      for (std::size_t b = 0; b < sizes.size(); ++b) {
+        copies_[c].push_back(allocate_pinned_host(
+            context, sizes[b], fmt::format("host buffer {} (copy {}) of {} ({})", b, c, what, home_name(home))));
+        bytes_ += sizes[b];
+      }
+    }
+  }
+  Home home() const override { return home_; }
+  bool kernels_address_directly() const override { return home_ == Home::host_mapped; }
+  cl_mem device_buffer(std::uint32_t b) const override {
+    if (home_ != Home::host_mapped) throw std::logic_error("kernels reach streamed tensors through fetched copies");
+    return copies_[0].at(b).mem();
+  }
+  std::byte* current(const HomePlace& p) const override { return at(current_, p); }
+  std::byte* next(const HomePlace& p) const override { return at(two() ? 1 - current_ : current_, p); }
+  void commit() override {
+    if (two()) current_ = 1 - current_;
+  }
+  void write(const HomePlace& p, const void* src, std::size_t n) override {
+    for (int c = 0; c < (two() ? 2 : 1); ++c) std::memcpy(at(c, p), src, n);
+  }
+  void read(const HomePlace& p, void* dst, std::size_t n) const override { std::memcpy(dst, current(p), n); }
+  std::uint64_t device_bytes() const override { return 0; }
+  std::uint64_t host_bytes() const override { return bytes_; }
+
+ private:
+  bool two() const { return home_ == Home::host_pinned; }
+  std::byte* at(int copy, const HomePlace& p) const {
+    return static_cast<std::byte*>(copies_[copy].at(p.buffer).data()) + p.offset_bytes;
+  }
+  Home home_;
+  std::vector<cl::PinnedBuffer> copies_[2];
+  int current_ = 0;
+  std::uint64_t bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<HomeStore> make_pinned_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
+                                             std::string_view what) {
+  return std::make_unique<HostStore>(Home::host_pinned, context, buffer_bytes, what);
+}
+
+std::unique_ptr<HomeStore> make_mapped_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
+                                             std::string_view what) {
+  return std::make_unique<HostStore>(Home::host_mapped, context, buffer_bytes, what);
+}
+
+}  // namespace ferry::offload::homes

@@ -1,0 +1,15 @@
+// The home stores ferry ships, one file each (private to the library).
+#pragma once
+
+#include "ferry/offload/home.hpp"
+
+namespace ferry::offload::homes {
+
+std::unique_ptr<HomeStore> make_device_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
+                                             std::string_view what);
+std::unique_ptr<HomeStore> make_pinned_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
+                                             std::string_view what);
+std::unique_ptr<HomeStore> make_mapped_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
+                                             std::string_view what);
+
+}  // namespace ferry::offload::homes
