@@ -13,9 +13,11 @@
 //     the node order whose nodes keep merged byte blocks, so it costs O(log^2 n) set lookups
 //     rather than a scan of every placed tensor.
 // No plan can be smaller than the most bytes live at one node (aligned, and at least the existing
-// buffers' sizes). The heap simulation reaches that bound on the chain-like steps of deep models;
-// when it does not, the greedy plan is computed too and the smaller one is kept (the greedy one on
-// a tie), so a plan is never larger than greedy by size alone would make it.
+// buffers' sizes). The heap simulation comes within 0.1% of that bound on the chain-like steps of
+// deep models (often beating greedy by size there) and is kept; otherwise the greedy plan is
+// computed too and the smaller one is kept (the greedy one on a tie). So a plan is never more than
+// 0.1% larger than greedy by size alone would make it, and only where both are within 0.1% of the
+// bound.
 #include "ferry/graph/memory_plan.hpp"
 
 #include <fmt/format.h>
@@ -305,7 +307,7 @@ PoolResult plan_pool(const PoolTensors& p, std::size_t nodes, std::uint64_t cap,
   for (std::uint64_t e : existing) existing_bytes += e;
   bound = std::max(bound, existing_bytes);
   const std::uint64_t heap_bytes = occupied(heap.sizes, existing);
-  if (heap_bytes <= bound) return heap;
+  if (heap_bytes <= bound + bound / 1024) return heap;  // within 0.1% of the bound: of any plan
   PoolResult greedy = greedy_plan(p, nodes, cap, existing);
   return occupied(greedy.sizes, existing) <= heap_bytes ? greedy : heap;
 }

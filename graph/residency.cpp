@@ -57,26 +57,27 @@ struct Interval {
 };
 
 // Splits each persistent tensor's uses into device intervals under `cache_limit` bytes of
-// persistent copies, evicting the copy whose next use is furthest away (Belady).
+// persistent copies, evicting the copy whose next use is furthest away (Belady; among equally far
+// ones, the copy made first).
 std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit) {
   const auto& t = g.tensors;
   const auto uses = uses_by_tensor(g);
   std::vector<std::size_t> cursor(t.size(), 0);  // index of the next use not yet reached
   std::vector<int> open(t.size(), -1);           // interval index while resident
   std::vector<Interval> intervals;
-  std::vector<TensorId> resident;
+  std::vector<std::uint64_t> opened(t.size(), 0);  // order in which resident copies were made
+  std::uint64_t copies = 0;
+  // Resident copies by eviction preference: furthest next use first, then the earliest copy.
+  std::map<std::pair<std::uint32_t, std::uint64_t>, TensorId> by_next_use;
   std::uint64_t resident_bytes = 0;
   auto next_use = [&](TensorId id) -> std::uint32_t {
     return cursor[id] < uses[id].size() ? uses[id][cursor[id]].node : never;
   };
-  auto close = [&](TensorId id) {
-    open[id] = -1;
-    resident.erase(std::find(resident.begin(), resident.end(), id));
-    resident_bytes -= t.bytes(id);
-  };
+  auto key = [&](TensorId id) { return std::make_pair(never - next_use(id), opened[id]); };
+  std::vector<TensorId> needed;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     if (g.nodes.lane[n] == Lane::host) continue;
-    std::vector<TensorId> needed;
+    needed.clear();
     auto need = [&](TensorId id) {
       if (id == no_tensor) return;
       id = t.storage(id);
@@ -89,8 +90,10 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
       if (open[id] < 0) {
         open[id] = static_cast<int>(intervals.size());
         intervals.push_back({id, n, n});
-        resident.push_back(id);
+        opened[id] = copies++;
         resident_bytes += t.bytes(id);
+      } else {
+        by_next_use.erase(key(id));  // its next use moves on
       }
       Interval& iv = intervals[static_cast<std::size_t>(open[id])];
       iv.last = n;
@@ -99,20 +102,23 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
     }
     // Copies with no further use in the step are done.
     for (TensorId id : needed) {
-      if (next_use(id) == never) close(id);
+      if (next_use(id) == never) {
+        open[id] = -1;
+        resident_bytes -= t.bytes(id);
+      } else {
+        by_next_use.emplace(key(id), id);
+      }
     }
     while (resident_bytes > cache_limit) {
-      TensorId victim = no_tensor;
-      std::uint32_t furthest = 0;
-      for (TensorId id : resident) {
-        if (std::find(needed.begin(), needed.end(), id) != needed.end()) continue;
-        if (victim == no_tensor || next_use(id) > furthest) {
-          victim = id;
-          furthest = next_use(id);
-        }
+      auto victim = by_next_use.begin();
+      while (victim != by_next_use.end() && std::find(needed.begin(), needed.end(), victim->second) != needed.end()) {
+        ++victim;
       }
-      if (victim == no_tensor) break;  // only this node's own operands are resident
-      close(victim);
+      if (victim == by_next_use.end()) break;  // only this node's own operands are resident
+      const TensorId id = victim->second;
+      by_next_use.erase(victim);
+      open[id] = -1;
+      resident_bytes -= t.bytes(id);
     }
   }
   return intervals;
@@ -152,13 +158,20 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     t.home[iv.tensor] = Residency::host_pinned;
   }
 
-  // Which copy each node uses for each persistent tensor.
-  std::vector<std::map<TensorId, TensorId>> rename(count);
-  for (std::size_t i = 0; i < intervals.size(); ++i) {
-    for (NodeId n = intervals[i].first; n <= intervals[i].last; ++n) {
-      if (base.nodes.lane[n] != Lane::host) rename[n][intervals[i].tensor] = copy_of[i];
-    }
-  }
+  // Which copy each node uses for each persistent tensor: the interval of that tensor that covers
+  // the node (a tensor's intervals are disjoint and in node order; host nodes keep the host tensor).
+  std::vector<std::vector<std::size_t>> intervals_of(t.size());
+  for (std::size_t i = 0; i < intervals.size(); ++i) intervals_of[intervals[i].tensor].push_back(i);
+  auto renamed = [&](TensorId id, NodeId n) -> TensorId {
+    if (id == no_tensor || id >= intervals_of.size() || base.nodes.lane[n] == Lane::host) return id;
+    const auto& list = intervals_of[id];
+    // The last interval that starts at or before n.
+    auto it = std::upper_bound(list.begin(), list.end(), n,
+                               [&](NodeId node, std::size_t i) { return node < intervals[i].first; });
+    if (it == list.begin()) return id;
+    const std::size_t i = *std::prev(it);
+    return n <= intervals[i].last ? copy_of[i] : id;
+  };
 
   NodeTable out;
   for (NodeId n = 0; n < count; ++n) {
@@ -169,10 +182,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     std::vector<TensorId> ins(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
     std::vector<TensorId> outs(base.nodes.outputs(n).begin(), base.nodes.outputs(n).end());
     for (auto* list : {&ins, &outs}) {
-      for (TensorId& id : *list) {
-        if (id == no_tensor) continue;
-        if (auto it = rename[n].find(id); it != rename[n].end()) id = it->second;
-      }
+      for (TensorId& id : *list) id = renamed(id, n);
     }
     out.add_copy(base.nodes, n, ins, outs, base.nodes.lane[n]);
     for (std::size_t i : write_back_after[n]) {

@@ -17,6 +17,7 @@ Activation kind_of(const NodeAttrs& a) {
 OpInfo activation_row() {
   OpInfo r;
   r.name = "activation";
+  r.float_dtypes = activation_dtypes;
   r.infer = [](const ShapeView& v) {
     const int k = v.attrs().i[0];
     if (k != static_cast<int>(Activation::relu) && k != static_cast<int>(Activation::gelu)) {
@@ -25,7 +26,7 @@ OpInfo activation_row() {
     return std::vector<TensorDesc>{v.input(0)};
   };
   r.bind = [](const BindContext& c) {
-    return activation_forward(c.env(), kind_of(c.attrs()), c.in(0), c.out(0), in_elems(c, 0));
+    return activation_forward(c.env(), kind_of(c.attrs()), c.in(0), c.out(0), in_elems(c, 0), c.input(0).dtype);
   };
   r.backward = [](GradContext& g) {
     const TensorRef x = g.inputs()[0];
@@ -48,7 +49,8 @@ OpInfo activation_grad_row() {  // in: x dy  out: dx
   r.name = "activation_grad";
   r.op_class = OpClass::backward;
   r.bind = [](const BindContext& c) {
-    return activation_backward(c.env(), kind_of(c.attrs()), c.in(0), c.in(1), c.out(0), in_elems(c, 0));
+    return activation_backward(c.env(), kind_of(c.attrs()), c.in(0), c.in(1), c.out(0), in_elems(c, 0),
+                               c.input(0).dtype);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
@@ -67,7 +69,10 @@ OpInfo add_row() {
       shape_error(v, fmt::format("dtypes differ: {} and {}", dtype_name(a.dtype), dtype_name(b.dtype)));
     return std::vector<TensorDesc>{a};
   };
-  r.bind = [](const BindContext& c) { return add(c.env(), c.in(0), c.in(1), c.out(0), out_elems(c, 0)); };
+  r.float_dtypes = add_dtypes;
+  r.bind = [](const BindContext& c) {
+    return add(c.env(), c.in(0), c.in(1), c.out(0), out_elems(c, 0), c.output(0).dtype);
+  };
   // Both inputs receive the output's gradient: no node needed. (Autodiff also uses this row to
   // sum the contributions to a tensor used more than once.)
   r.backward = [](GradContext& g) {

@@ -19,6 +19,7 @@ void register_builtin_rows(const AddRow& add) {
   register_pool_rows(add);
   register_softmax_xent_rows(add);
   register_optimizer_rows(add);
+  register_cast_rows(add);
 }
 
 }  // namespace ferry::ops::table

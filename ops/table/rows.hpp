@@ -20,6 +20,7 @@ void register_conv2d_rows(const AddRow& add);
 void register_pool_rows(const AddRow& add);
 void register_softmax_xent_rows(const AddRow& add);
 void register_optimizer_rows(const AddRow& add);
+void register_cast_rows(const AddRow& add);  // cast, quantize_i8, dequantize_i8
 
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);

@@ -179,6 +179,9 @@ enum : OpId {
   softmax_xent_grad,  //                                       in: probs labels  out: dlogits
   sgd_update,         // in: w g v [loss]   out: w v (in place)
   adam_update,        // in: w g m v [loss] out: w m v (in place)
+  cast,               // attrs.i[0] = target DType (f32, f16, bf16)          in: x   out: y
+  quantize_i8,        // attrs.i[0..2] = outer, channels, inner (QuantLayout) in: x   out: q scales
+  dequantize_i8,      // attrs.i[0..2] as quantize_i8                         in: q scales  out: x
   count_
 };
 }  // namespace builtin

@@ -1,0 +1,312 @@
+// The op table as a contract: every built-in row is complete, a user's op is a row added from
+// outside (kernels from source, shape rule, backward, CPU reference) that trains like a built-in
+// one, and the rows' dtype sets are enforced at compile time.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "ferry/ferry.hpp"
+#include "ferry/graph/bind.hpp"
+#include "ferry/graph/pipeline.hpp"
+#include "ferry/ops/op_table.hpp"
+#include "reference_executor.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+TEST(OpTable, EveryBuiltinRowCanRunAndHasAReference) {
+  ASSERT_GE(ops::op_count(), static_cast<std::size_t>(ops::builtin::count_));
+  for (ops::OpId id = 0; id < ops::builtin::count_; ++id) {
+    const ops::OpInfo& row = ops::op_info(id);
+    SCOPED_TRACE(row.name);
+    EXPECT_EQ(ops::find_op(row.name), id);
+    EXPECT_TRUE(row.reference) << "no CPU reference";
+    if (row.lane != ops::Lane::host) {
+      EXPECT_TRUE(row.bind) << "a device-lane row without a binding";
+    }
+    // Forward rows that users apply have a shape rule; their gradients come from a backward rule.
+    if (row.op_class == ops::OpClass::forward || row.op_class == ops::OpClass::loss) {
+      EXPECT_TRUE(row.infer);
+      EXPECT_TRUE(row.backward);
+    }
+  }
+}
+
+TEST(OpTable, RejectsDuplicateAndInertRowsAndUnknownNames) {
+  ops::OpInfo dup;
+  dup.name = "linear";
+  dup.bind = [](const ops::BindContext&) { return ops::LaunchList{}; };
+  EXPECT_THROW(ops::register_op(dup), std::invalid_argument);
+  ops::OpInfo inert;
+  inert.name = "does_nothing";
+  EXPECT_THROW(ops::register_op(inert), std::invalid_argument);
+  try {
+    ops::find_op("no_such_op");
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("softmax_xent"), std::string::npos) << "should list known ops: " << e.what();
+  }
+}
+
+// SiLU, y = x * sigmoid(x), as a user would add it: its own OpenCL source, nothing in ferry's tree.
+constexpr const char* silu_source = R"CL(
+__kernel void silu(__global const float* x, ulong xo, __global float* y, ulong yo, uint n) {
+  const size_t i = get_global_id(0);
+  if (i >= n) return;
+  const float v = x[xo + i];
+  y[yo + i] = v / (1.0f + exp(-v));
+}
+__kernel void silu_grad(__global const float* x, ulong xo, __global const float* dy, ulong dyo,
+                        __global float* dx, ulong dxo, uint n) {
+  const size_t i = get_global_id(0);
+  if (i >= n) return;
+  const float v = x[xo + i];
+  const float s = 1.0f / (1.0f + exp(-v));
+  dx[dxo + i] = dy[dyo + i] * (s + v * s * (1.0f - s));
+}
+)CL";
+
+ops::LaunchList silu_launch(ops::OpEnv& env, const char* kernel, std::initializer_list<ops::DeviceSpan> spans,
+                            std::size_t n) {
+  cl_program program = env.kernels.program_from_source("user_silu", silu_source);
+  cl_int rc = CL_SUCCESS;
+  cl::Kernel k(clCreateKernel(program, kernel, &rc));
+  cl::check(rc, "clCreateKernel(user silu)");
+  cl_uint arg = 0;
+  for (const ops::DeviceSpan& s : spans) {
+    const std::uint64_t off = s.elem_offset();
+    FERRY_CL(clSetKernelArg(k.get(), arg++, sizeof(cl_mem), &s.buffer));
+    FERRY_CL(clSetKernelArg(k.get(), arg++, sizeof(off), &off));
+  }
+  const auto count = static_cast<cl_uint>(n);
+  FERRY_CL(clSetKernelArg(k.get(), arg, sizeof(count), &count));
+  ops::LaunchList list;
+  list.push_back(ops::elementwise_launch(std::move(k), n));
+  return list;
+}
+
+double sigmoid(double v) {
+  return 1.0 / (1.0 + std::exp(-v));
+}
+
+// Registers the two rows once per test binary and returns the forward op's id.
+ops::OpId user_silu() {
+  static const ops::OpId id = [] {
+    ops::OpInfo grad;
+    grad.name = "user_silu_grad";
+    grad.op_class = ops::OpClass::backward;
+    grad.bind = [](const ops::BindContext& c) {
+      return silu_launch(c.env(), "silu_grad", {c.in(0), c.in(1), c.out(0)}, c.input(0).shape.elems());
+    };
+    grad.reference = [](ops::RefContext& c) {
+      auto x = c.real(c.inputs()[0]), dy = c.real(c.inputs()[1]), dx = c.real(c.outputs()[0]);
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        const double s = sigmoid(x[i]);
+        dx[i] = dy[i] * (s + x[i] * s * (1 - s));
+      }
+    };
+    const ops::OpId grad_id = ops::register_op(grad);
+
+    ops::OpInfo row;
+    row.name = "user_silu";
+    row.infer = [](const ops::ShapeView& v) {
+      if (v.input_count() != 1) throw ops::ShapeError(std::string(v.name()) + ": SiLU takes one input");
+      return std::vector<ops::TensorDesc>{v.input(0)};
+    };
+    row.bind = [](const ops::BindContext& c) {
+      return silu_launch(c.env(), "silu", {c.in(0), c.out(0)}, c.input(0).shape.elems());
+    };
+    row.backward = [grad_id](ops::GradContext& g) {
+      const ops::TensorRef x = g.inputs()[0], dy = g.grad(g.outputs()[0]);
+      if (dy == ops::no_ref || !g.needs_grad(x)) return;
+      const ops::TensorRef dx = g.new_grad(x);
+      const ops::TensorRef ins[] = {x, dy};
+      const ops::TensorRef outs[] = {dx};
+      g.emit(grad_id, ".grad", ins, outs, g.attrs());
+      g.contribute(x, dx);
+    };
+    row.reference = [](ops::RefContext& c) {
+      auto x = c.real(c.inputs()[0]), y = c.real(c.outputs()[0]);
+      for (std::size_t i = 0; i < x.size(); ++i) y[i] = x[i] * sigmoid(x[i]);
+    };
+    return ops::register_op(row);
+  }();
+  return id;
+}
+
+ModelSpec silu_model() {
+  return {"silu-mlp", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) {
+            const TensorId h = b.linear(x, 16);
+            const TensorId in[] = {h};
+            return b.linear(b.apply(user_silu(), in)[0], 4);
+          }};
+}
+
+TEST(OpTable, UserOpTrainsOnTheDeviceLikeItsReference) {
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 8;
+  topt.lr = 0.05f;
+  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.sgd.momentum = 0.9f;
+  Trainer trainer(runtime, silu_model(), topt);
+  const auto& g = trainer.train_step().graph();
+  std::size_t user_nodes = 0;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    const std::string& name = ops::op_info(g.nodes.op[n]).name;
+    user_nodes += name == "user_silu" || name == "user_silu_grad";
+  }
+  EXPECT_EQ(user_nodes, 2u) << "the user op and its backward rule's node";
+
+  ReferenceExecutor ref(g, topt.optimizer);
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  for (std::uint32_t s = 0; s < 4; ++s) {
+    const auto images = random_vector(topt.batch * 12, 40 + s);
+    std::vector<std::int32_t> labels(topt.batch);
+    for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>((i * 7 + s) % 4);
+    const auto r = trainer.step(images, labels);
+    ref.value(ref.find("input")) = to_double(images);
+    ref.ints(ref.find("labels")) = labels;
+    ref.run(ops::StepInfo{s + 1, topt.lr});
+    EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+  }
+  for (const auto& name : trainer.parameter_names()) {
+    const auto device = trainer.read_parameter(name);
+    const auto& host = ref.value(ref.find(name));
+    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-4) << name << "[" << i << "]";
+  }
+}
+
+TEST(OpTable, UserOpBackwardMatchesFiniteDifferences) {
+  graph::Graph g;
+  graph::Builder b(g, 3, graph::Shape{12}, 4);
+  b.softmax_xent(silu_model().forward(b, b.input()));
+  graph::OptimizerSpec opt;
+  opt.kind = graph::OptimizerSpec::Kind::sgd;
+  opt.sgd.momentum = 0;
+  g = graph::prepare_step_graph(std::move(g), graph::VariantKey{3, true}, opt);
+  ReferenceExecutor ref(g, opt);
+  const auto& t = g.tensors;
+  std::uint32_t seed = 5;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::weight) ref.value(id) = to_double(random_vector(t.shape[id].elems(), seed++));
+  }
+  ref.value(ref.find("input")) = to_double(random_vector(36, 77, -2.0f, 2.0f));
+  ref.ints(ref.find("labels")) = {0, 3, 1};
+  ref.run(ops::StepInfo{1, 0.0f});
+  const TensorId w = ref.find("linear0.w");
+  const std::vector<double> grad = ref.value(t.grad[w]), x = ref.value(w);
+  auto loss = [&](const std::vector<double>& values) {
+    ref.value(w) = values;
+    ref.run(ops::StepInfo{1, 0.0f}, true);
+    return ref.loss();
+  };
+  expect_gradient_matches_finite_differences(loss, x, grad, "linear0.w through user_silu", 1e-6, 1e-4, 24);
+}
+
+TEST(OpTable, UserOpShapeRuleErrorNamesTheNode) {
+  graph::Graph g;
+  graph::Builder b(g, 2, graph::Shape{4}, 2);
+  const TensorId two[] = {b.input(), b.input()};
+  try {
+    b.apply(user_silu(), two);
+    FAIL();
+  } catch (const graph::BuildError& e) {
+    EXPECT_NE(std::string(e.what()).find("user_silu"), std::string::npos) << e.what();
+  }
+}
+
+TEST(OpTable, DtypeTheOpDoesNotTakeIsACompileTimeErrorNamingOpAndTensor) {
+  Runtime runtime;
+  graph::Graph g;
+  graph::Builder b(g, 4, graph::Shape{8}, 3);
+  // A bf16 activation fed to Linear, whose kernels are f32 only.
+  const TensorId half = g.tensors.add("x.bf16", graph::Shape{4, 8}, graph::DType::bf16, graph::Role::activation);
+  b.softmax_xent(b.linear(half, 3));
+  g = graph::prepare_step_graph(std::move(g), graph::VariantKey{4, false}, {});
+  try {
+    graph::CompiledStep step(std::move(g), {}, runtime.env(), runtime.context());
+    FAIL() << "compiled a bf16 operand into an f32-only op";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'linear'"), std::string::npos) << what;
+    EXPECT_NE(what.find("bf16"), std::string::npos) << what;
+    EXPECT_NE(what.find("x.bf16"), std::string::npos) << what;
+  }
+}
+
+// A forward pass through cast and int8 nodes: activations in bf16 between casts, and a weight
+// quantized to int8 per output channel and dequantized before its Linear (what the Predict
+// phase will do), on the device and through the rows' references.
+TEST(OpTable, CastAndInt8NodesRunOnTheDeviceLikeTheirReferences) {
+  Runtime runtime;
+  graph::Graph g;
+  graph::Builder b(g, 8, graph::Shape{12}, 4);
+  graph::NodeAttrs to_bf16, to_f32, layout;
+  to_bf16.i[0] = static_cast<int>(graph::DType::bf16);
+  to_f32.i[0] = static_cast<int>(graph::DType::f32);
+  layout.i = {16, 4, 1, 0};  // a Linear weight [in, out]: channels are the 4 outputs
+  TensorId h = b.linear(b.input(), 16);
+  const TensorId h_in[] = {h};
+  h = b.apply(graph::builtin::cast, h_in, to_bf16)[0];
+  EXPECT_EQ(g.tensors.dtype[h], graph::DType::bf16);
+  h = b.relu(h);  // in bf16
+  const TensorId r_in[] = {h};
+  h = b.apply(graph::builtin::cast, r_in, to_f32)[0];
+  const TensorId w = g.tensors.add("head.w", graph::Shape{16, 4}, graph::DType::f32, graph::Role::weight);
+  g.tensors.init[w] = {graph::WeightInit::Kind::uniform, 0.5f};
+  const TensorId w_in[] = {w};
+  const auto q = b.apply(graph::builtin::quantize_i8, w_in, layout);
+  EXPECT_EQ(g.tensors.dtype[q[0]], graph::DType::i8);
+  const TensorId dq_in[] = {q[0], q[1]};
+  const TensorId w8 = b.apply(graph::builtin::dequantize_i8, dq_in, layout)[0];
+  const TensorId lin_in[] = {h, w8};
+  b.softmax_xent(b.apply(graph::builtin::linear, lin_in)[0]);
+  g = graph::prepare_step_graph(std::move(g), graph::VariantKey{8, false}, {});
+
+  graph::CompiledStep step(g, {}, runtime.env(), runtime.context());
+  ReferenceExecutor ref(g, {});
+  const auto& t = step.graph().tensors;
+  std::uint32_t seed = 11;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] != graph::Role::weight) continue;
+    const auto v = random_vector(t.shape[id].elems(), seed++);
+    step.persistent()->write(t.home[id], t.placement[id], v.data(), t.bytes(id));
+    ref.value(id) = to_double(v);
+  }
+  const auto images = random_vector(8 * 12, 5, -2.0f, 2.0f);
+  const std::vector<std::int32_t> labels = {0, 1, 2, 3, 3, 2, 1, 0};
+  std::copy(images.begin(), images.end(), step.input_host());
+  std::copy(labels.begin(), labels.end(), step.labels_host());
+  step.run(ops::StepInfo{1, 0.0f});
+  ref.value(ref.find("input")) = to_double(images);
+  ref.ints(ref.find("labels")) = labels;
+  ref.run(ops::StepInfo{1, 0.0f}, true);
+  EXPECT_NEAR(step.stats_host()[0], ref.loss(), 1e-5 * std::max(1.0, std::abs(ref.loss())));
+  EXPECT_EQ(step.stats_host()[1], ref.value(g.loss)[1]) << "correct count";
+  // The int8 path changed the weight (quantization is lossy) and the reference saw the same.
+  const auto& wd = ref.value(w8);
+  const auto& wf = ref.value(w);
+  double max_err = 0, max_abs = 0;
+  for (std::size_t i = 0; i < wd.size(); ++i) {
+    max_err = std::max(max_err, std::abs(wd[i] - wf[i]));
+    max_abs = std::max(max_abs, std::abs(wf[i]));
+  }
+  EXPECT_GT(max_err, 0.0);
+  EXPECT_LE(max_err, max_abs / 127 / 2 * 1.0001) << "int8 error beyond half a quantization step";
+}
+
+TEST(OpTable, CastToAnIntegerTypeIsABuildError) {
+  graph::Graph g;
+  graph::Builder b(g, 2, graph::Shape{4}, 2);
+  graph::NodeAttrs to_i32;
+  to_i32.i[0] = static_cast<int>(graph::DType::i32);
+  const TensorId in[] = {b.input()};
+  EXPECT_THROW(b.apply(graph::builtin::cast, in, to_i32), graph::BuildError);
+}
+
+}  // namespace
+}  // namespace ferry::test

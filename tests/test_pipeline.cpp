@@ -1,0 +1,97 @@
+// The compile pipeline: its model passes in order, each on its own, and the device passes a
+// compiled step reports.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "ferry/ferry.hpp"
+#include "ferry/graph/pipeline.hpp"
+#include "test_models.hpp"
+
+namespace ferry::test {
+namespace {
+
+graph::Graph forward_graph(std::uint32_t batch) {
+  graph::Graph g;
+  graph::Builder b(g, batch, graph::Shape{1, 28, 28}, 10);
+  b.softmax_xent(models::mlp({32}).forward(b, b.input()));
+  return g;
+}
+
+std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
+  std::size_t n = 0;
+  for (graph::NodeId id = 0; id < g.nodes.size(); ++id) n += ops::op_info(g.nodes.op[id]).op_class == c;
+  return n;
+}
+
+TEST(Pipeline, ModelPassesAreAutodiffOptimizerDownloadInThatOrder) {
+  const auto& passes = graph::model_passes();
+  ASSERT_EQ(passes.size(), 3u);
+  EXPECT_STREQ(passes[0].name, "autodiff");
+  EXPECT_STREQ(passes[1].name, "optimizer");
+  EXPECT_STREQ(passes[2].name, "download");
+}
+
+TEST(Pipeline, EachModelPassAlone) {
+  const graph::VariantKey train{16, true};
+  graph::OptimizerSpec adam;
+  graph::Graph g = forward_graph(16);
+  const std::size_t forward_nodes = g.nodes.size();
+  ASSERT_EQ(count_class(g, ops::OpClass::backward), 0u);
+
+  graph::model_passes()[0].run(g, train, adam);  // autodiff
+  EXPECT_GT(count_class(g, ops::OpClass::backward), 0u);
+  EXPECT_EQ(count_class(g, ops::OpClass::update), 0u);
+  for (TensorId w = 0; w < g.tensors.size(); ++w) {
+    if (g.tensors.role[w] == graph::Role::weight) {
+      EXPECT_NE(g.tensors.grad[w], graph::no_tensor) << g.tensors.name[w];
+    }
+  }
+
+  graph::model_passes()[1].run(g, train, adam);  // optimizer: one Adam update per weight
+  EXPECT_EQ(count_class(g, ops::OpClass::update), 4u);
+  std::size_t state = 0;
+  for (TensorId t = 0; t < g.tensors.size(); ++t) state += g.tensors.role[t] == graph::Role::optimizer_state;
+  EXPECT_EQ(state, 8u);
+
+  const std::size_t before = g.nodes.size();
+  graph::model_passes()[2].run(g, train, adam);  // download: one node, into a host mirror
+  ASSERT_EQ(g.nodes.size(), before + 1);
+  EXPECT_EQ(g.nodes.op.back(), graph::builtin::download);
+  EXPECT_NE(g.tensors.home[g.nodes.outputs(static_cast<graph::NodeId>(before))[0]], graph::Residency::device);
+
+  // A forward-only key skips autodiff and the optimizer.
+  graph::Graph eval = graph::prepare_step_graph(forward_graph(16), graph::VariantKey{16, false}, adam);
+  EXPECT_EQ(eval.nodes.size(), forward_nodes + 1);
+  EXPECT_EQ(count_class(eval, ops::OpClass::backward), 0u);
+}
+
+TEST(Pipeline, AutodiffWithoutALossIsAClearError) {
+  graph::Graph g;
+  graph::Builder b(g, 2, graph::Shape{4}, 2);
+  b.linear(b.input(), 2);
+  try {
+    graph::append_backward(g);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("no loss"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Pipeline, CompiledStepReportsItsDevicePassesInOrder) {
+  Runtime runtime;
+  graph::OptimizerSpec adam;
+  graph::CompiledStep step(graph::prepare_step_graph(forward_graph(8), graph::VariantKey{8, true}, adam), adam,
+                           runtime.env(), runtime.context(), nullptr, graph::StepOptions{{}, false, false});
+  std::string order;
+  for (const auto& p : step.pass_timings()) {
+    order += p.name + ";";
+    EXPECT_GE(p.ms, 0.0);
+  }
+  EXPECT_EQ(order, "check dtypes;scratch;residency and memory plan;arena;bind;lower;");
+  // Compiled without kernels: it cannot run, and says so.
+  EXPECT_THROW(step.run(ops::StepInfo{1, 0.1f}), std::logic_error);
+}
+
+}  // namespace
+}  // namespace ferry::test
