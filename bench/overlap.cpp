@@ -225,8 +225,7 @@ TimelineStats timeline_stats(const graph::CompiledStep& step) {
   const graph::Graph& g = step.graph();
   std::map<std::string, std::uint64_t> copy_bytes;  // fetch / write-back node name -> bytes
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
-    const graph::OpId k = g.nodes.op[n];
-    if (k != graph::builtin::fetch && k != graph::builtin::write_back) continue;
+    if (ops::op_info(g.nodes.op[n]).op_class != ops::OpClass::state_transfer) continue;
     copy_bytes[g.nodes.name[n]] = g.tensors.bytes(g.nodes.inputs(n)[0]);
   }
   TimelineStats s;

@@ -142,26 +142,32 @@ struct CompiledStep::Impl {
 CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
                            std::shared_ptr<PersistentArena> shared, const StepOptions& options)
     : graph_(std::move(graph)), impl_(std::make_unique<Impl>(context)) {
-  const ResidencyOptions& residency = options.residency;
-  const bool serial = options.serial;
-  auto& t = graph_.tensors;
-  auto& n = graph_.nodes;
-  const auto& device = context.device();
-
-  // The device passes, in order; each one's wall time goes into pass_timings().
+  // The device passes, in order (graph/pipeline.hpp); each one's wall time goes into
+  // pass_timings().
   auto clock = std::chrono::steady_clock::now();
   auto done = [&](const char* pass) {
     const auto now = std::chrono::steady_clock::now();
     pass_timings_.push_back({pass, std::chrono::duration<double, std::milli>(now - clock).count()});
     clock = now;
   };
-
-  // 1. Dtypes every row accepts, scratch, then residency and the memory plan (persistent
-  // placements come from `shared` if given).
   check_dtypes(graph_);
   done("check dtypes");
   assign_scratch(graph_, env);
   done("scratch");
+  const MemoryPlanOptions mopt = plan(context.device(), shared.get(), options.residency);
+  done("residency and memory plan");
+  allocate(context, std::move(shared), mopt);
+  done("arena");
+  bind(env, optimizer, options.bind_kernels);
+  done("bind");
+  lower(context, options.serial);
+  done("lower");
+}
+
+// Residency and the memory plan; persistent placements come from `shared` if given.
+MemoryPlanOptions CompiledStep::plan(const cl::DeviceInfo& device, const PersistentArena* shared,
+                                     const ResidencyOptions& residency) {
+  auto& t = graph_.tensors;
   MemoryPlanOptions mopt;
   mopt.max_buffer_bytes = device.max_alloc_bytes;
   mopt.alignment = std::max<std::uint32_t>(256, device.base_align_bytes);
@@ -179,8 +185,14 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   ResidencyOptions ropt = residency;
   if (shared) ropt.mode = shared->mode;  // a variant lives where the model's weights live
   plan_ = plan_residency(graph_, ropt, device.host_unified_memory, mopt, residency_);
-  done("residency and memory plan");
+  return mopt;
+}
 
+// The persistent arena (a store per home in use, unless a variant shares its model's), the step
+// buffers, and the host buffers of step tensors whose home is the host.
+void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
+                            const MemoryPlanOptions& mopt) {
+  auto& t = graph_.tensors;
   // 2. Arena buffers.
   if (shared) {
     persistent_ = std::move(shared);
@@ -248,10 +260,11 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   if (impl_->input == no_tensor || impl_->labels == no_tensor || impl_->stats == no_tensor) {
     throw std::logic_error("a step graph needs host mirrors of its input, labels and stats (upload and download)");
   }
+}
 
-  done("arena");
-
-  // 4. Bind every device-lane node through its row.
+// Binds every device-lane node through its row.
+void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels) {
+  const auto& n = graph_.nodes;
   TensorLocator at;
   at.device = [this](TensorId id) { return span(id); };
   at.host = [this](TensorId id, bool write) -> ops::HostAddress {
@@ -266,15 +279,20 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     return [fixed] { return static_cast<void*>(fixed); };
   };
   impl_->launches.resize(n.size());
-  impl_->bound = options.bind_kernels;
+  impl_->bound = bind_kernels;
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (n.lane[id] == Lane::host || !options.bind_kernels) continue;
+    if (n.lane[id] == Lane::host || !bind_kernels) continue;
     cl::OpScope scope(n.name[id]);
     impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
   }
 
-  done("bind");
+  impl_->optimizer = optimizer;
+}
 
+// Lowering: dependencies between lanes, then the flow graph.
+void CompiledStep::lower(const cl::Context& context, bool serial) {
+  auto& t = graph_.tensors;
+  auto& n = graph_.nodes;
   // 5. Dependencies: same lane -> chain; other lanes -> edge + event wait where bytes overlap.
   std::vector<std::vector<ByteAccess>> accesses(n.size());
   for (NodeId id = 0; id < n.size(); ++id) {
@@ -306,7 +324,6 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     last_on_lane[lane] = id;
   }
 
-  impl_->optimizer = optimizer;
   for (NodeId id = 0; id < n.size(); ++id) {
     const bool writes_state_on_host =
         n.lane[id] == Lane::host ||
@@ -413,7 +430,6 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
       std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
                                  [im](const continue_msg&, DoneNode::gateway_type& gw) { im->finish_gate.open(gw); });
   tbb::flow::make_edge(*impl_->finish, *impl_->done);
-  done("lower");
 }
 
 CompiledStep::~CompiledStep() {

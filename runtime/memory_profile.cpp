@@ -108,11 +108,12 @@ void MemoryProfiler::add_step(const std::string& variant, const graph::CompiledS
     const graph::NodeId n = by_name.at(e.name);
     const double ms = (e.end_ns - e.start_ns) / 1e6;
     const std::uint64_t bytes = transfer_bytes(g, n);
-    if (g.nodes.op[n] == graph::builtin::fetch) {
+    const bool state = class_of(g, n) == OpClass::state_transfer;
+    if (state && g.nodes.lane[n] == graph::Lane::h2d) {
       transfers_.fetch_bytes += bytes;
       transfers_.fetch_ms += ms;
       counted = true;
-    } else if (g.nodes.op[n] == graph::builtin::write_back) {
+    } else if (state) {
       transfers_.write_back_bytes += bytes;
       transfers_.write_back_ms += ms;
       counted = true;

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <array>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <unordered_map>
@@ -150,9 +151,28 @@ std::vector<std::vector<NodeId>> cross_lane_dependencies(std::span<const Lane> l
       throw std::invalid_argument("cross_lane_dependencies: unknown lane");
     }
   }
+  // Positions are doubled so that empty ranges behave as in the scan this replaced: a range
+  // [b, e) becomes [2b + 1, 2e) and an empty range [x, x) the unit [2x, 2x + 1), which meets a
+  // range exactly when b < x < e. Two empty ranges never conflict, so they are recorded apart
+  // (`points`), where only non-empty ranges look.
+  struct Span {
+    std::uint64_t lo, hi;
+    bool point;
+  };
+  auto span_of = [](const ByteAccess& a) {
+    return a.begin < a.end ? Span{2 * a.begin + 1, 2 * a.end, false} : Span{2 * a.begin, 2 * a.begin + 1, true};
+  };
+  for (const auto& acc : accesses) {
+    for (const ByteAccess& a : acc) {
+      if (a.begin > a.end || a.end > std::numeric_limits<std::uint64_t>::max() / 2 - 1) {
+        throw std::invalid_argument(fmt::format("cross_lane_dependencies: bad byte range [{}, {})", a.begin, a.end));
+      }
+    }
+  }
+
   // Only accesses that can meet another lane's take part in the sweep. Every access of a lane
   // other than the busiest one does; an access of the busiest lane (compute) does only if its
-  // bytes overlap what some other lane touches anywhere in the step. In a resident step that
+  // bytes meet what some other lane touches anywhere in the step. In a resident step that
   // leaves out nearly everything: only the batch, the statistics and what reuses their bytes
   // meet the copy lanes. (Sweeping more accesses than needed would give the same result.)
   std::array<std::size_t, lanes_max> per_lane{};
@@ -169,48 +189,55 @@ std::vector<std::vector<NodeId>> cross_lane_dependencies(std::span<const Lane> l
     last_index = it->second;
     return last_index;
   };
-  std::vector<ByteUnion> others;  // per space: the bytes the lanes other than the busiest touch
+  std::vector<ByteUnion> others;  // per space: what the lanes other than the busiest touch
   for (std::size_t id = 0; id < lanes.size(); ++id) {
     if (static_cast<int>(lanes[id]) == busiest) continue;
     for (const ByteAccess& a : accesses[id]) {
       const std::uint32_t s = index_of(a.space);
       if (s >= others.size()) others.resize(s + 1);
-      if (a.begin < a.end) others[s].add(a.begin, a.end);
+      const Span x = span_of(a);
+      others[s].add(x.lo, x.hi);
     }
   }
   for (auto& u : others) u.finish();
-  auto takes_part = [&](int lane, std::uint32_t s, const ByteAccess& a) {
-    if (a.begin >= a.end) return false;
-    return lane != busiest || (s < others.size() && others[s].overlaps(a.begin, a.end));
+  auto takes_part = [&](int lane, std::uint32_t s, const Span& x) {
+    return lane != busiest || (s < others.size() && others[s].overlaps(x.lo, x.hi));
   };
 
-  std::vector<Space> spaces;
+  struct Marks {
+    Space ranges, points;
+  };
+  std::vector<Marks> spaces;
   std::vector<std::vector<NodeId>> deps(lanes.size());
-  std::vector<std::uint32_t> part;  // this node's accesses that take part, as (space index, access index)
+  struct Part {
+    std::uint32_t space;
+    Span span;
+    bool write;
+  };
+  std::vector<Part> part;  // this node's accesses that take part
   for (std::size_t id = 0; id < lanes.size(); ++id) {
     const int lane = static_cast<int>(lanes[id]);
-    const auto& acc = accesses[id];
     part.clear();
-    for (std::size_t k = 0; k < acc.size(); ++k) {
-      const std::uint32_t s = index_of(acc[k].space);
-      if (!takes_part(lane, s, acc[k])) continue;
+    for (const ByteAccess& a : accesses[id]) {
+      const std::uint32_t s = index_of(a.space);
+      const Span x = span_of(a);
+      if (!takes_part(lane, s, x)) continue;
       if (s >= spaces.size()) spaces.resize(s + 1);
-      part.push_back(s);
-      part.push_back(static_cast<std::uint32_t>(k));
+      part.push_back({s, x, a.write});
     }
     if (part.empty()) continue;
     std::array<std::uint32_t, lanes_max> latest{};
-    for (std::size_t j = 0; j < part.size(); j += 2) {
-      const ByteAccess& a = acc[part[j + 1]];
-      spaces[part[j]].query(a.begin, a.end, a.write, latest);
+    for (const Part& p : part) {
+      spaces[p.space].ranges.query(p.span.lo, p.span.hi, p.write, latest);
+      if (!p.span.point) spaces[p.space].points.query(p.span.lo, p.span.hi, p.write, latest);
     }
     for (int other = 0; other < lanes_max; ++other) {
       if (other != lane && latest[other] != 0) deps[id].push_back(latest[other] - 1);
     }
     const auto mark = static_cast<std::uint32_t>(id + 1);
-    for (std::size_t j = 0; j < part.size(); j += 2) {
-      const ByteAccess& a = acc[part[j + 1]];
-      spaces[part[j]].record(a.begin, a.end, a.write, lane, mark);
+    for (const Part& p : part) {
+      Marks& m = spaces[p.space];
+      (p.span.point ? m.points : m.ranges).record(p.span.lo, p.span.hi, p.write, lane, mark);
     }
   }
   return deps;

@@ -128,6 +128,12 @@ class CompiledStep {
 
  private:
   struct Impl;
+  // The device passes after check dtypes and scratch, in order.
+  MemoryPlanOptions plan(const cl::DeviceInfo& device, const PersistentArena* shared,
+                         const ResidencyOptions& residency);
+  void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared, const MemoryPlanOptions& mopt);
+  void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);
+  void lower(const cl::Context& context, bool serial);
   // Host memory of a host-resident tensor: its current value, or where its next value goes.
   std::byte* host_address(TensorId id, bool next) const;
   // Runs a host-lane node (an optimizer update on the host) on the calling TBB worker.

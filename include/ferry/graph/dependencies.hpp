@@ -26,9 +26,11 @@ struct ByteAccess {
 // For each node (in the static order given by `lanes`, one entry per node), and for every lane
 // other than its own in increasing lane order: the latest earlier node of that lane whose
 // accesses conflict with this node's. Same-lane order is not included (lanes are in-order
-// queues). Empty ranges conflict with nothing. O((nodes + accesses) log segments) for the access
-// patterns of a step (a sweep over the nodes keeping, per space, an ordered map of byte segments
-// with each lane's latest writer and latest accessor).
+// queues). Ranges [b, e) and [c, f) meet when b < f and c < e, so an empty range [x, x) meets the
+// ranges that hold x strictly inside and never another empty range. Needs begin <= end (else
+// std::invalid_argument). O((nodes + accesses) log segments) for the access patterns of a step
+// (a sweep over the nodes keeping, per space, an ordered map of byte segments with each lane's
+// latest writer and latest accessor).
 std::vector<std::vector<NodeId>> cross_lane_dependencies(std::span<const Lane> lanes,
                                                          const std::vector<std::vector<ByteAccess>>& accesses);
 
