@@ -1,4 +1,4 @@
-// The rows' bind and scratch rules applied to the nodes of a planned graph.
+// The bind pass: each device-lane node's row bound to its planned operands.
 #include "ferry/graph/bind.hpp"
 
 #include <fmt/format.h>
@@ -32,35 +32,6 @@ class NodeBinding final : public NodeView<ops::BindContext> {
 };
 
 }  // namespace
-
-void check_dtypes(const Graph& g) {
-  const auto& t = g.tensors;
-  for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
-    auto check = [&](TensorId id) {
-      if (id == no_tensor || !ops::dtype_is_float(t.dtype[id]) || row.float_dtypes.contains(t.dtype[id])) return;
-      throw std::invalid_argument(
-          fmt::format("node '{}': op '{}' does not support dtype {} (tensor '{}'); it takes {}: cast the tensor first "
-                      "or keep it in "
-                      "a dtype the op supports",
-                      g.nodes.name[n], row.name, ops::dtype_name(t.dtype[id]), t.name[id], row.float_dtypes.str()));
-    };
-    for (TensorId id : g.nodes.inputs(n)) check(id);
-    for (TensorId id : g.nodes.outputs(n)) check(id);
-  }
-}
-
-void assign_scratch(Graph& g, ops::OpEnv& env) {
-  for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
-    if (!row.scratch_bytes) continue;
-    const std::size_t bytes = row.scratch_bytes(NodeView<ops::ShapeView>(g, n), env);
-    if (bytes == 0) continue;
-    // Stored as bytes: the memory plan only needs the size.
-    g.nodes.scratch[n] =
-        g.tensors.add(g.nodes.name[n] + ".scratch", Shape{static_cast<std::uint32_t>(bytes)}, DType::u8, Role::scratch);
-  }
-}
 
 ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorLocator& at, ops::OpEnv& env,
                           const OptimizerSpec& optimizer) {

@@ -1,4 +1,5 @@
-// Reverse-mode autodiff over the step IR.
+// The autodiff pass: reverse mode over the step IR, each forward node through its row's backward
+// rule.
 #include "ferry/graph/autodiff.hpp"
 
 #include <fmt/format.h>
@@ -116,50 +117,6 @@ class Differentiator final : public ops::GradContext {
 
 void append_backward(Graph& g) {
   Differentiator(g).run();
-}
-
-void append_optimizer(Graph& g, const OptimizerSpec& spec) {
-  auto& t = g.tensors;
-  const std::size_t count = t.size();
-  auto state = [&](TensorId w, const char* suffix) {
-    TensorId s = t.add(t.name[w] + suffix, t.shape[w], DType::f32, Role::optimizer_state);
-    t.init[s] = {WeightInit::Kind::zeros, 0};
-    return s;
-  };
-  // Every update reads the step's loss and skips itself when the loss is not finite.
-  const TensorId stats = g.loss;
-  for (TensorId w = 0; w < count; ++w) {
-    if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
-    const TensorId grad = t.grad[w];
-    if (spec.kind == OptimizerSpec::Kind::sgd) {
-      // Without momentum the velocity is the gradient itself, which dies at this update: use its
-      // buffer rather than keeping (and, when streaming, moving) a state tensor.
-      TensorId v = spec.sgd.momentum == 0.0f ? grad : state(w, ".momentum");
-      const TensorId ins[] = {w, grad, v, stats};
-      const TensorId outs[] = {w, v};
-      g.nodes.add(builtin::sgd_update, t.name[w] + ".update", std::span(ins, stats == no_tensor ? 3 : 4), outs);
-    } else {
-      TensorId m = state(w, ".adam_m");
-      TensorId v = state(w, ".adam_v");
-      const TensorId ins[] = {w, grad, m, v, stats};
-      const TensorId outs[] = {w, m, v};
-      g.nodes.add(builtin::adam_update, t.name[w] + ".update", std::span(ins, stats == no_tensor ? 4 : 5), outs);
-    }
-  }
-}
-
-void append_stats_download(Graph& g) {
-  auto& t = g.tensors;
-  const std::size_t count = t.size();
-  for (TensorId s = 0; s < count; ++s) {
-    if (t.role[s] != Role::stats) continue;
-    // The host mirror the caller reads after the step.
-    const TensorId host = t.add(t.name[s] + "@host", t.shape[s], t.dtype[s], Role::stats);
-    t.home[host] = Residency::host_pinned;
-    const TensorId ins[] = {s};
-    const TensorId outs[] = {host};
-    g.nodes.add(builtin::download, "download." + t.name[s], ins, outs, {}, Lane::d2h);
-  }
 }
 
 }  // namespace ferry::graph
