@@ -3,16 +3,18 @@
 // For each depth, the deep residual MLP (models::deep(width, depth)) is built the way the
 // trainer builds its training step (Builder, forward, softmax_xent, append_backward,
 // append_optimizer with Adam, append_stats_download), then compiled with graph::CompiledStep
-// without building any kernel (StepOptions::bind_kernels = false): scratch, residency plan,
-// memory plan, arena allocation and lowering to the flow graph. Build and compile are timed
-// separately, --repeat times each; each line reports the medians and the compile time per node of
-// the compiled step. A last line compares the per-node time at the largest depth with the
-// smallest: about 1 when compile time grows linearly (or n log n) with the node count. One untimed
-// compile first warms the process up. A depth whose step does not fit --device-budget gets an
-// "error" line with the minimum budget.
+// without building any kernel (StepOptions::bind_kernels = false, unless --bind-kernels): scratch,
+// residency plan, memory plan, arena allocation and lowering to the flow graph. Build and compile are timed
+// separately, --repeat times each; each line reports the medians, the compile time per node of
+// the compiled step and the median time of each device pass of the compile ("pass_ms"). A last
+// line compares the per-node time at the largest depth with the smallest: about 1 when compile
+// time grows linearly (or n log n) with the node count. One untimed compile first warms the
+// process up. A depth whose step does not fit --device-budget gets an "error" line with the
+// minimum budget.
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <map>
 
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
@@ -24,7 +26,8 @@ struct CompileBenchOptions {
   std::vector<std::uint32_t> depths{100, 250, 500, 1000, 2000, 4000};
   std::uint32_t width = 64, batch = 64;
   std::string residency = "resident";
-  std::string budget;  // device budget, e.g. 64MiB; empty: no limit beyond the device's
+  std::string budget;         // device budget, e.g. 64MiB; empty: no limit beyond the device's
+  bool bind_kernels = false;  // also build and bind every kernel (what the trainer's compile does)
 };
 
 graph::Graph build_deep(const ModelSpec& model, std::uint32_t batch, const graph::OptimizerSpec& optimizer) {
@@ -46,7 +49,7 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
   if (!o.budget.empty()) residency.budget_bytes = parse_bytes(o.budget);
   graph::OptimizerSpec optimizer;
   optimizer.kind = graph::OptimizerSpec::Kind::adam;
-  const graph::StepOptions step_options{residency, false, /*bind_kernels=*/false};
+  const graph::StepOptions step_options{residency, false, o.bind_kernels};
 
   struct PerDepth {
     std::uint32_t depth;
@@ -73,6 +76,7 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
       std::vector<double> build_ms, compile_ms;
       std::size_t nodes = 0, tensors = 0;
       nlohmann::json plan;
+      std::map<std::string, std::vector<double>> pass_ms;  // per device pass of the compile
       for (int r = 0; r < common.repeat; ++r) {
         fmt::print(stderr, "compile: depth {} width {} batch {}: repetition {}/{}\n", depth, o.width, o.batch, r + 1,
                    common.repeat);
@@ -84,6 +88,7 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
                                                        nullptr, step_options);
         }));
         nodes = step->node_count();
+        for (const auto& pass : step->pass_timings()) pass_ms[pass.name].push_back(pass.ms);
         tensors = step->graph().tensors.size();
         const graph::MemoryPlan& p = step->plan();
         plan = {{"residency_chosen", graph::residency_mode_name(step->residency().mode)},
@@ -114,6 +119,9 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
                           {"runs_compile_ms", compile_ms},
                           {"device", runtime.device().name}};
       j.update(plan);
+      nlohmann::json passes = nlohmann::json::object();
+      for (const auto& [name, ms] : pass_ms) passes[name] = median(ms);
+      j["pass_ms"] = passes;
       emit_json(j);
     } catch (const graph::BudgetError& e) {
       emit_json({{"bench", "compile"},
@@ -150,6 +158,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "resident", "stream", "mapped"}));
   sub.add_option("--device-budget", o->budget, "device bytes a step may use, e.g. 64MiB (default: no limit)");
+  sub.add_flag("--bind-kernels", o->bind_kernels,
+               "also create and bind every node's kernels, as the trainer does (default: plan and lower only)");
   return [o, &common] { return run_compile(common, *o); };
 }
 

@@ -307,7 +307,7 @@ PoolResult plan_pool(const PoolTensors& p, std::size_t nodes, std::uint64_t cap,
   for (std::uint64_t e : existing) existing_bytes += e;
   bound = std::max(bound, existing_bytes);
   const std::uint64_t heap_bytes = occupied(heap.sizes, existing);
-  if (heap_bytes <= bound + bound / 1024) return heap;  // within 0.1% of the bound: of any plan
+  if (heap_bytes <= bound + bound / 1024) return heap;  // within 0.1% of the bound, so of any plan
   PoolResult greedy = greedy_plan(p, nodes, cap, existing);
   return occupied(greedy.sizes, existing) <= heap_bytes ? greedy : heap;
 }

@@ -25,29 +25,49 @@ NodeTable reordered(const NodeTable& old, const std::vector<NodeId>& order) {
   return out;
 }
 
-// Every node touching each storage tensor, in order, with whether it writes.
+// Every node touching each storage tensor, in order, with whether it writes (one flat list,
+// tensor by tensor).
 struct Use {
   NodeId node;
   bool write;
 };
 
-std::vector<std::vector<Use>> uses_by_tensor(const Graph& g) {
-  std::vector<std::vector<Use>> uses(g.tensors.size());
-  for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    if (g.nodes.lane[n] == Lane::host) continue;  // host nodes use host memory, not device copies
-    auto note = [&](TensorId t, bool write) {
-      if (t == no_tensor) return;
-      auto& u = uses[g.tensors.storage(t)];
-      if (!u.empty() && u.back().node == n) {
-        u.back().write = u.back().write || write;
-      } else {
-        u.push_back({n, write});
+struct Uses {
+  std::vector<std::uint32_t> begin, count;  // per tensor: its uses are list[begin, begin + count)
+  std::vector<Use> list;
+  std::size_t size(TensorId t) const { return count[t]; }
+  const Use& at(TensorId t, std::size_t k) const { return list[begin[t] + k]; }
+};
+
+Uses uses_by_tensor(const Graph& g) {
+  const auto& t = g.tensors;
+  const auto& n = g.nodes;
+  Uses u;
+  u.begin.assign(t.size() + 1, 0);
+  u.count.assign(t.size(), 0);
+  auto each = [&](auto&& f) {
+    for (NodeId node = 0; node < n.size(); ++node) {
+      if (n.lane[node] == Lane::host) continue;  // host nodes use host memory, not device copies
+      for (TensorId id : n.inputs(node)) {
+        if (id != no_tensor) f(node, t.storage(id), false);
       }
-    };
-    for (TensorId t : g.nodes.inputs(n)) note(t, false);
-    for (TensorId t : g.nodes.outputs(n)) note(t, true);
-  }
-  return uses;
+      for (TensorId id : n.outputs(node)) {
+        if (id != no_tensor) f(node, t.storage(id), true);
+      }
+    }
+  };
+  // Room for one use per operand, then the uses, a node's operands of one tensor merged.
+  each([&](NodeId, TensorId s, bool) { ++u.begin[s + 1]; });
+  for (std::size_t i = 0; i < t.size(); ++i) u.begin[i + 1] += u.begin[i];
+  u.list.resize(u.begin[t.size()]);
+  each([&](NodeId node, TensorId s, bool write) {
+    if (u.count[s] > 0 && u.at(s, u.count[s] - 1).node == node) {
+      u.list[u.begin[s] + u.count[s] - 1].write = u.at(s, u.count[s] - 1).write || write;
+    } else {
+      u.list[u.begin[s] + u.count[s]++] = {node, write};
+    }
+  });
+  return u;
 }
 
 struct Interval {
@@ -71,7 +91,7 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
   std::map<std::pair<std::uint32_t, std::uint64_t>, TensorId> by_next_use;
   std::uint64_t resident_bytes = 0;
   auto next_use = [&](TensorId id) -> std::uint32_t {
-    return cursor[id] < uses[id].size() ? uses[id][cursor[id]].node : never;
+    return cursor[id] < uses.size(id) ? uses.at(id, cursor[id]).node : never;
   };
   auto key = [&](TensorId id) { return std::make_pair(never - next_use(id), opened[id]); };
   std::vector<TensorId> needed;
@@ -97,7 +117,7 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
       }
       Interval& iv = intervals[static_cast<std::size_t>(open[id])];
       iv.last = n;
-      if (uses[id][cursor[id]].write) iv.last_write = n;
+      if (uses.at(id, cursor[id]).write) iv.last_write = n;
       ++cursor[id];
     }
     // Copies with no further use in the step are done.
@@ -139,32 +159,56 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     compute_before[n + 1] = compute_before[n] + (base.nodes.lane[n] == Lane::compute ? 1 : 0);
     if (base.nodes.lane[n] == Lane::compute) compute_nodes.push_back(n);
   }
-  std::vector<std::vector<std::size_t>> fetch_at(count), write_back_after(count);
+  // Lists per node and per tensor, flat: `start[k]..start[k + 1]` indexes `items` for key k.
+  struct Lists {
+    std::vector<std::uint32_t> start;
+    std::vector<std::size_t> items;
+    std::span<const std::size_t> of(std::size_t k) const { return {items.data() + start[k], start[k + 1] - start[k]}; }
+  };
+  // Items in increasing order within each key: i goes to keys[i] (no key: skipped).
+  auto group = [](const std::vector<std::size_t>& keys, std::size_t key_count) {
+    Lists l;
+    l.start.assign(key_count + 1, 0);
+    for (std::size_t k : keys) {
+      if (k < key_count) ++l.start[k + 1];
+    }
+    for (std::size_t k = 0; k < key_count; ++k) l.start[k + 1] += l.start[k];
+    l.items.resize(l.start[key_count]);
+    std::vector<std::uint32_t> fill(l.start.begin(), l.start.end() - 1);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i] < key_count) l.items[fill[keys[i]]++] = i;
+    }
+    return l;
+  };
+  constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
+  std::vector<std::size_t> fetch_pos(intervals.size()), write_back_pos(intervals.size(), none),
+      tensor_of(intervals.size());
   std::vector<TensorId> copy_of(intervals.size());
-  std::map<TensorId, NodeId> previous_end;
+  std::vector<NodeId> previous_end(base.tensors.size(), never);
   for (std::size_t i = 0; i < intervals.size(); ++i) {
     const Interval& iv = intervals[i];
     NodeId pos = iv.first;
     const NodeId ahead = compute_before[iv.first];
     if (lookahead > 0 && ahead > 0) pos = compute_nodes[ahead - std::min<NodeId>(lookahead, ahead)];
     pos = std::max<NodeId>(pos, 1);  // after the batch upload
-    if (auto it = previous_end.find(iv.tensor); it != previous_end.end()) pos = std::max<NodeId>(pos, it->second + 1);
+    if (previous_end[iv.tensor] != never) pos = std::max<NodeId>(pos, previous_end[iv.tensor] + 1);
     pos = std::min(pos, iv.first);
     previous_end[iv.tensor] = iv.last;
-    fetch_at[pos].push_back(i);
-    if (iv.last_write != never) write_back_after[iv.last_write].push_back(i);
+    fetch_pos[i] = pos;
+    if (iv.last_write != never) write_back_pos[i] = iv.last_write;
+    tensor_of[i] = iv.tensor;
     copy_of[i] =
         t.add(fmt::format("{}@dev{}", t.name[iv.tensor], i), t.shape[iv.tensor], t.dtype[iv.tensor], Role::staged);
     t.home[iv.tensor] = Residency::host_pinned;
   }
+  const Lists fetch_at = group(fetch_pos, count), write_back_after = group(write_back_pos, count);
 
   // Which copy each node uses for each persistent tensor: the interval of that tensor that covers
   // the node (a tensor's intervals are disjoint and in node order; host nodes keep the host tensor).
-  std::vector<std::vector<std::size_t>> intervals_of(t.size());
-  for (std::size_t i = 0; i < intervals.size(); ++i) intervals_of[intervals[i].tensor].push_back(i);
+  const Lists intervals_of = group(tensor_of, base.tensors.size());
   auto renamed = [&](TensorId id, NodeId n) -> TensorId {
-    if (id == no_tensor || id >= intervals_of.size() || base.nodes.lane[n] == Lane::host) return id;
-    const auto& list = intervals_of[id];
+    if (id == no_tensor || id >= base.tensors.size() || base.nodes.lane[n] == Lane::host) return id;
+    const auto list = intervals_of.of(id);
     // The last interval that starts at or before n.
     auto it = std::upper_bound(list.begin(), list.end(), n,
                                [&](NodeId node, std::size_t i) { return node < intervals[i].first; });
@@ -174,18 +218,19 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   };
 
   NodeTable out;
+  std::vector<TensorId> ins, outs;
   for (NodeId n = 0; n < count; ++n) {
-    for (std::size_t i : fetch_at[n]) {
+    for (std::size_t i : fetch_at.of(n)) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
       out.add(builtin::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::h2d);
     }
-    std::vector<TensorId> ins(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
-    std::vector<TensorId> outs(base.nodes.outputs(n).begin(), base.nodes.outputs(n).end());
+    ins.assign(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
+    outs.assign(base.nodes.outputs(n).begin(), base.nodes.outputs(n).end());
     for (auto* list : {&ins, &outs}) {
       for (TensorId& id : *list) id = renamed(id, n);
     }
     out.add_copy(base.nodes, n, ins, outs, base.nodes.lane[n]);
-    for (std::size_t i : write_back_after[n]) {
+    for (std::size_t i : write_back_after.of(n)) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
       out.add(builtin::write_back, "write_back." + t.name[host], std::span(&copy, 1), std::span(&host, 1), {},
               Lane::d2h);

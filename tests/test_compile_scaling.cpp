@@ -127,6 +127,24 @@ TEST(CrossLaneDependencies, ReadAfterWriteButNotReadAfterReadOrDisjointBytes) {
   EXPECT_TRUE(deps[4].empty());
 }
 
+TEST(CrossLaneDependencies, EmptyRangesMeetOnlyRangesHoldingThemStrictlyInside) {
+  // As in the scan this replaced: [x, x) meets [b, e) when b < x < e, never another empty range.
+  const std::vector<Lane> lanes{Lane::compute, Lane::h2d, Lane::h2d, Lane::d2h, Lane::compute};
+  const std::vector<std::vector<ByteAccess>> acc{
+      {{0, 0, 8, true}},   // 0: compute writes [0, 8)
+      {{0, 8, 8, false}},  // 1: empty at its end: no conflict
+      {{0, 3, 3, false}},  // 2: empty inside: after 0
+      {{0, 3, 3, true}},   // 3: empty write at the same place as 2: still only after 0
+      {{0, 2, 4, false}},  // 4: compute reads around 3's empty write: after 3 (and 2 reads)
+  };
+  const auto deps = graph::cross_lane_dependencies(lanes, acc);
+  EXPECT_EQ(deps, all_pairs_dependencies(lanes, acc));
+  EXPECT_TRUE(deps[1].empty());
+  EXPECT_EQ(deps[2], (std::vector<NodeId>{0}));
+  EXPECT_EQ(deps[3], (std::vector<NodeId>{0}));
+  EXPECT_EQ(deps[4], (std::vector<NodeId>{3}));
+}
+
 TEST(CrossLaneDependencies, RejectsMismatchedSizes) {
   const std::vector<Lane> lanes{Lane::compute};
   EXPECT_THROW(graph::cross_lane_dependencies(lanes, {}), std::invalid_argument);

@@ -8,7 +8,9 @@
 // at the same bytes conflicts too. Then the node records itself on its own lane over its ranges.
 // Segments are split at range boundaries and adjacent segments with the same contents are merged
 // again, so their count stays near the number of distinct live ranges. Accesses of the busiest
-// lane to bytes that no other lane touches anywhere in the step are left out of the sweep.
+// lane to bytes that no other lane touches anywhere in the step are left out of the sweep. (The
+// sweep works on doubled positions so that empty ranges conflict exactly as in the all-pairs scan
+// it replaced; see cross_lane_dependencies.)
 #include "ferry/graph/dependencies.hpp"
 
 #include <fmt/format.h>
