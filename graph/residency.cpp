@@ -101,7 +101,12 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
     auto need = [&](TensorId id) {
       if (id == no_tensor) return;
       id = t.storage(id);
-      if (!is_persistent(t.role[id]) || std::find(needed.begin(), needed.end(), id) != needed.end()) return;
+      // Only tensors whose home is pinned host memory are streamed; device-home and mapped ones
+      // are addressed where they live.
+      if (!is_persistent(t.role[id]) || t.home[id] != Residency::host_pinned ||
+          std::find(needed.begin(), needed.end(), id) != needed.end()) {
+        return;
+      }
       needed.push_back(id);
     };
     for (TensorId id : g.nodes.inputs(n)) need(id);
@@ -339,6 +344,59 @@ void place_updates_early(Graph& g) {
   g.nodes = reordered(n, order);
 }
 
+namespace {
+
+Residency preset_home(ResidencyMode mode) {
+  switch (mode) {
+    case ResidencyMode::stream:
+      return Residency::host_pinned;
+    case ResidencyMode::mapped:
+      return Residency::host_mapped;
+    default:
+      return Residency::device;
+  }
+}
+
+// Gives every persistent tensor its home: the preset's, unless its role's home is set.
+void assign_homes(Graph& g, ResidencyMode preset, const ResidencyOptions& options) {
+  auto& t = g.tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (!is_persistent(t.role[id])) continue;
+    const auto& role_home = t.role[id] == Role::weight ? options.weights_home : options.state_home;
+    t.home[id] = role_home.value_or(preset_home(preset));
+  }
+}
+
+// Device bytes of persistent tensors whose home is the device, as the arena packs them.
+std::uint64_t device_home_bytes(const Graph& g, const MemoryPlanOptions& mopt) {
+  std::uint64_t b = 0;
+  const auto& t = g.tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (is_persistent(t.role[id]) && t.alias_of[id] == no_tensor && t.home[id] == Residency::device) {
+      b += (t.bytes(id) + mopt.alignment - 1) / mopt.alignment * mopt.alignment;
+    }
+  }
+  return b;
+}
+
+void check_role_home(const char* role, const std::optional<Residency>& home, bool host_unified) {
+  if (!home) return;
+  if (!offload::home_available(*home)) {
+    throw std::invalid_argument(
+        fmt::format("{} home '{}' has no storage strategy in this version: use device, "
+                    "host_pinned (streamed) or host_mapped",
+                    role, offload::home_name(*home)));
+  }
+  if (*home == Residency::host_mapped && !host_unified) {
+    throw std::invalid_argument(
+        fmt::format("{} home 'host_mapped' needs a device whose memory is the host's "
+                    "(CL_DEVICE_HOST_UNIFIED_MEMORY); use host_pinned (streamed) on this device",
+                    role));
+  }
+}
+
+}  // namespace
+
 MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
                           ResidencyReport& report) {
   const std::uint64_t budget = options.budget_bytes ? options.budget_bytes : std::numeric_limits<std::uint64_t>::max();
@@ -349,59 +407,74 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
         "residency mode 'mapped' needs a device whose memory is the host's (CL_DEVICE_HOST_UNIFIED_MEMORY); use "
         "'stream' on this device");
   }
+  check_role_home("weights", options.weights_home, host_unified);
+  check_role_home("optimizer state", options.state_home, host_unified);
   if (options.host_optimizer) {
     // Updates on the host need the state in host memory and copies to and from the device.
     if (mode == ResidencyMode::resident || mode == ResidencyMode::mapped) {
       throw std::invalid_argument(fmt::format("the host optimizer runs with residency 'stream' (or 'auto'), not '{}'",
                                               residency_mode_name(mode)));
     }
+    for (const auto* h : {&options.weights_home, &options.state_home}) {
+      if (h->has_value() && **h != Residency::host_pinned) {
+        throw std::invalid_argument(fmt::format(
+            "the host optimizer needs weights and optimizer state in host_pinned, not '{}'", offload::home_name(**h)));
+      }
+    }
     mode = ResidencyMode::stream;
   }
-  if (mode == ResidencyMode::resident || mode == ResidencyMode::automatic) {
+  if (mode == ResidencyMode::automatic) {
     Graph resident = g;
-    MemoryPlan plan = plan_memory(resident, mopt);
-    if (plan.peak_bytes() <= budget || mode == ResidencyMode::resident) {
-      if (plan.peak_bytes() > budget) {
-        throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "
-                                      "of {}: raise the budget or use residency 'stream'",
-                                      mib(plan.peak_bytes()), mib(budget)),
-                          plan.peak_bytes());
-      }
-      g = std::move(resident);
-      report.mode = ResidencyMode::resident;
-      report.min_budget_bytes = plan.peak_bytes();
-      return plan;
-    }
-    mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
+    assign_homes(resident, ResidencyMode::resident, {});
+    mode = plan_memory(resident, mopt).peak_bytes() <= budget ? ResidencyMode::resident
+           : host_unified                                     ? ResidencyMode::mapped
+                                                              : ResidencyMode::stream;
   }
-  if (mode == ResidencyMode::mapped) {
-    // The weights' gradients live on the host too (kernels write them in place), so the device
-    // holds only activations; updates stay at the end of the step.
+  // Homes per role: the preset's, or the role's own.
+  assign_homes(g, mode, options);
+  bool any_pinned = false, any_mapped = false;
+  for (TensorId id = 0; id < g.tensors.size(); ++id) {
+    if (!is_persistent(g.tensors.role[id])) continue;
+    any_pinned = any_pinned || g.tensors.home[id] == Residency::host_pinned;
+    any_mapped = any_mapped || g.tensors.home[id] == Residency::host_mapped;
+  }
+  const std::uint64_t on_device = device_home_bytes(g, mopt);
+  if (!any_pinned && !any_mapped) {
+    MemoryPlan plan = plan_memory(g, mopt);
+    if (plan.peak_bytes() > budget) {
+      throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "
+                                    "of {}: raise the budget or use residency 'stream'",
+                                    mib(plan.peak_bytes()), mib(budget)),
+                        plan.peak_bytes());
+    }
+    report.mode = mode;
+    report.min_budget_bytes = plan.peak_bytes();
+    return plan;
+  }
+  report.mode = mode;
+  if (!any_pinned) {
+    // The mapped weights' gradients live on the host too (kernels write them in place), so the
+    // device holds only activations and device-home tensors; updates stay at the end of the step.
     for (TensorId w = 0; w < g.tensors.size(); ++w) {
-      if (g.tensors.role[w] == Role::weight && g.tensors.grad[w] != no_tensor) {
+      if (g.tensors.role[w] == Role::weight && g.tensors.grad[w] != no_tensor &&
+          g.tensors.home[w] == Residency::host_mapped) {
         g.tensors.home[g.tensors.storage(g.tensors.grad[w])] = Residency::host_mapped;
       }
     }
     MemoryPlan plan = plan_memory(g, mopt);
-    for (TensorId id = 0; id < g.tensors.size(); ++id) {
-      if (is_persistent(g.tensors.role[id])) g.tensors.home[id] = Residency::host_mapped;
-    }
-    report.mode = ResidencyMode::mapped;
-    report.min_budget_bytes = plan.transient_bytes;
-    if (plan.transient_bytes > budget) {
-      throw BudgetError(fmt::format("the step's activations and gradients alone need {} on the device, over the "
-                                    "budget of {}: raise the budget to at least {} or use a smaller batch",
-                                    mib(plan.transient_bytes), mib(budget), mib(plan.transient_bytes)),
-                        plan.transient_bytes);
+    report.min_budget_bytes = plan.transient_bytes + on_device;
+    if (report.min_budget_bytes > budget) {
+      throw BudgetError(fmt::format("the step's activations and gradients (and device-home tensors) need {} on the "
+                                    "device, over the budget of {}: raise the budget to at least {} or use a smaller "
+                                    "batch",
+                                    mib(report.min_budget_bytes), mib(budget), mib(report.min_budget_bytes)),
+                        report.min_budget_bytes);
     }
     return plan;
   }
-
-  // Stream: every persistent tensor's home is pinned host memory (those only host nodes touch
-  // included). Find the largest cache limit (and the lookahead) whose plan fits the budget.
-  for (TensorId id = 0; id < g.tensors.size(); ++id) {
-    if (is_persistent(g.tensors.role[id])) g.tensors.home[id] = Residency::host_pinned;
-  }
+  // Stream the tensors whose home is pinned host memory: find the largest cache limit (and the
+  // lookahead) whose plan, with the device-home tensors, fits the budget.
+  const std::uint64_t stream_budget = budget > on_device ? budget - on_device : 0;
   Graph base = g;
   place_updates_early(base);
   if (options.host_optimizer) move_updates_to_host(base);
@@ -416,26 +489,28 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   ResidencyReport minimal_report;
   auto minimal = attempt(0, 0, minimal_report);
   const std::uint64_t min_budget = minimal.second.transient_bytes;
-  if (min_budget > budget) {
-    throw BudgetError(fmt::format("a device budget of {} is too small for this step: even with every layer fetched "
-                                  "just in time it needs {} (its largest layer's weights, gradients and optimizer "
-                                  "state with the activations they meet); raise the budget to at least {}",
-                                  mib(budget), mib(min_budget), mib(min_budget)),
-                      min_budget);
+  if (min_budget > stream_budget) {
+    throw BudgetError(
+        fmt::format("a device budget of {} is too small for this step: even with every layer fetched "
+                    "just in time it needs {} (its largest layer's weights, gradients and optimizer "
+                    "state with the activations they meet, and {} of device-home tensors); raise the "
+                    "budget to at least {}",
+                    mib(budget), mib(min_budget + on_device), mib(on_device), mib(min_budget + on_device)),
+        min_budget + on_device);
   }
-  std::uint64_t cache = budget - min_budget;
+  std::uint64_t cache = stream_budget - min_budget;
   std::uint32_t lookahead = options.lookahead;
   for (int tries = 0; tries < 24; ++tries) {
     ResidencyReport r;
     auto candidate = attempt(cache, lookahead, r);
-    if (candidate.second.transient_bytes <= budget) {
+    if (candidate.second.transient_bytes <= stream_budget) {
       g = std::move(candidate.first);
       report = r;
-      report.mode = ResidencyMode::stream;
-      report.min_budget_bytes = min_budget;
+      report.mode = mode;
+      report.min_budget_bytes = min_budget + on_device;
       return std::move(candidate.second);
     }
-    const std::uint64_t excess = candidate.second.transient_bytes - budget;
+    const std::uint64_t excess = candidate.second.transient_bytes - stream_budget;
     if (cache == 0) {
       if (lookahead == 0) break;
       --lookahead;  // prefetching further ahead costs memory: give some back
@@ -445,8 +520,8 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   }
   g = std::move(minimal.first);
   report = minimal_report;
-  report.mode = ResidencyMode::stream;
-  report.min_budget_bytes = min_budget;
+  report.mode = mode;
+  report.min_budget_bytes = min_budget + on_device;
   return std::move(minimal.second);
 }
 

@@ -208,6 +208,14 @@ std::vector<std::string> Trainer::parameter_names() const {
   return names;
 }
 
+graph::Residency Trainer::home_of(graph::Role role) const {
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == role && t.alias_of[id] == graph::no_tensor) return t.home[id];
+  }
+  return graph::Residency::device;
+}
+
 Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {

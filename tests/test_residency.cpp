@@ -89,7 +89,23 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
       {"stream at 1.5x the minimum, lookahead 2", options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2)},
       {"stream with room for everything", options(graph::ResidencyMode::stream, 1ull << 30, 3)},
   };
-  if (rt.device().host_unified_memory) cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
+  // Homes per role: one role on the device, the other streamed (or mapped).
+  auto homes = [](graph::ResidencyMode mode, std::optional<graph::Residency> weights,
+                  std::optional<graph::Residency> state) {
+    TrainerOptions o = options(mode, 0);
+    o.residency.weights_home = weights;
+    o.residency.state_home = state;
+    return o;
+  };
+  cases.push_back({"weights on the device, optimizer state streamed",
+                   homes(graph::ResidencyMode::resident, std::nullopt, graph::Residency::host_pinned)});
+  cases.push_back({"weights streamed, optimizer state on the device",
+                   homes(graph::ResidencyMode::stream, std::nullopt, graph::Residency::device)});
+  if (rt.device().host_unified_memory) {
+    cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
+    cases.push_back({"weights mapped, optimizer state streamed",
+                     homes(graph::ResidencyMode::mapped, std::nullopt, graph::Residency::host_pinned)});
+  }
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
     Trainer probe(rt, m, c.opt);
@@ -433,6 +449,48 @@ TEST(Optimizer, SgdWithoutMomentumKeepsNoStateAndMatchesTheReference) {
   const RunResult host = train(rt, m, streamed, 3);
   for (const auto& [name, values] : resident.params)
     expect_near(host.params.at(name), values, 1e-6f, 1e-5f, name.c_str());
+}
+
+// Optimizer state streamed from pinned host memory while the weights stay on the device: the
+// device holds no state, the host holds two copies of it, only the state crosses the link.
+TEST(ResidencyHomes, StreamingOnlyTheOptimizerStateMovesOnlyTheState) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions all = options(graph::ResidencyMode::resident, 0);
+  TrainerOptions state = all;
+  state.residency.state_home = graph::Residency::host_pinned;
+  Trainer resident(rt, m, all), streamed(rt, m, state);
+  EXPECT_EQ(resident.host_state_bytes(), 0u);
+  EXPECT_GE(streamed.host_state_bytes(), 2 * streamed.optimizer_state_bytes());
+  EXPECT_LE(streamed.host_state_bytes(), 2 * (streamed.optimizer_state_bytes() + 256 * 16));
+  EXPECT_LT(streamed.device_peak_bytes(), resident.device_peak_bytes());
+  // Each state tensor is fetched once and written back once per step; no weight crosses.
+  EXPECT_EQ(streamed.residency().fetch_bytes, streamed.optimizer_state_bytes());
+  EXPECT_EQ(streamed.residency().write_back_bytes, streamed.optimizer_state_bytes());
+}
+
+TEST(ResidencyHomes, HomesWithoutAStoreOrThatConflictAreClearErrors) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  for (auto home : {graph::Residency::host_compressed, graph::Residency::host_int8, graph::Residency::dropped}) {
+    TrainerOptions o = options(graph::ResidencyMode::resident, 0);
+    o.residency.state_home = home;
+    try {
+      Trainer t(rt, m, o);
+      FAIL() << offload::home_name(home);
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(offload::home_name(home)), std::string::npos) << e.what();
+    }
+  }
+  TrainerOptions host_opt = options(graph::ResidencyMode::stream, 0);
+  host_opt.residency.host_optimizer = true;
+  host_opt.residency.weights_home = graph::Residency::device;
+  EXPECT_THROW(Trainer(rt, m, host_opt), std::invalid_argument);
+  if (!rt.device().host_unified_memory) {
+    TrainerOptions mapped = options(graph::ResidencyMode::resident, 0);
+    mapped.residency.weights_home = graph::Residency::host_mapped;
+    EXPECT_THROW(Trainer(rt, m, mapped), std::invalid_argument);
+  }
 }
 
 }  // namespace

@@ -17,6 +17,19 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The CLI's names of homes: device, host (pinned, streamed), mapped, compressed, int8, dropped.
+ferry::graph::Residency cli_home(const std::string& s) {
+  using ferry::graph::Residency;
+  if (s == "device") return Residency::device;
+  if (s == "host") return Residency::host_pinned;
+  if (s == "mapped") return Residency::host_mapped;
+  if (s == "compressed") return Residency::host_compressed;
+  if (s == "int8") return Residency::host_int8;
+  if (s == "dropped") return Residency::dropped;
+  throw std::invalid_argument(
+      fmt::format("unknown home '{}': use device, host, mapped, compressed, int8 or dropped", s));
+}
+
 struct TrainArgs {
   std::string model = "mlp";
   std::uint32_t epochs = 10, batch = 0, width = 1024, depth = 16;  // batch 0: the model's default
@@ -24,6 +37,7 @@ struct TrainArgs {
   std::string optimizer = "adam", schedule = "cosine";
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, residency = "auto";
+  std::string weights_home, state_home;  // empty: the residency mode's preset
   std::uint32_t lookahead = 2;
   bool host_optimizer = false;
   std::uint64_t seed = 1;
@@ -127,6 +141,8 @@ int cmd_train(const TrainArgs& a) {
   opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
   opt.residency.lookahead = a.lookahead;
   opt.residency.host_optimizer = a.host_optimizer;
+  if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
+  if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
   if (!a.device_budget.empty()) opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
   if (a.schedule != "cosine" && a.schedule != "constant") {
     throw std::invalid_argument(fmt::format("unknown schedule '{}': use cosine or constant", a.schedule));
@@ -164,7 +180,10 @@ int cmd_train(const TrainArgs& a) {
         break;
     }
     std::cerr << fmt::format(
-        "ferry: residency {}: device peak {} of a {} budget (planned){}\n", ferry::graph::residency_mode_name(rr.mode),
+        "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}\n",
+        ferry::graph::residency_mode_name(rr.mode),
+        ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight)),
+        ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state)),
         ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
   }
 
@@ -256,6 +275,8 @@ int cmd_train(const TrainArgs& a) {
                         {"optimizer_state_bytes", trainer.optimizer_state_bytes()},
                         {"parameters", trainer.parameter_count()},
                         {"residency", ferry::graph::residency_mode_name(trainer.residency().mode)},
+                        {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
+                        {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
                         {"device_budget_bytes", trainer.device_budget_bytes()},
                         {"host_state_bytes", trainer.host_state_bytes()},
                         {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
@@ -304,6 +325,16 @@ int main(int argc, char** argv) {
   train->add_flag("--host-optimizer", t.host_optimizer,
                   "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
                   "come back");
+  const auto homes = CLI::IsMember({"device", "host", "mapped", "compressed", "int8", "dropped"});
+  train
+      ->add_option("--weights-home", t.weights_home,
+                   "Home of the weights, replacing the residency mode's: device, host (pinned, streamed), mapped "
+                   "(zero-copy); compressed, int8 and dropped are not available yet")
+      ->check(homes);
+  train
+      ->add_option("--state-home", t.state_home,
+                   "Home of the optimizer state, replacing the residency mode's (same choices as --weights-home)")
+      ->check(homes);
   train->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
       ->capture_default_str();
   train->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -33,6 +34,11 @@ struct ResidencyOptions {
   // Stream mode: run optimizer updates on the host (TBB workers) instead of the device. Only the
   // weights are fetched and only their gradients written back; optimizer state stays on the host.
   bool host_optimizer = false;
+  // Per role, a home replacing the mode's preset (resident: device, stream: host_pinned,
+  // mapped: host_mapped), e.g. weights on the device with their optimizer state streamed from
+  // pinned host memory. Homes without a store (host_compressed, host_int8, dropped) and
+  // host_mapped on a discrete device are errors at compile time.
+  std::optional<Residency> weights_home, state_home;
 };
 
 struct ResidencyReport {

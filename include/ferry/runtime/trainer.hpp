@@ -75,6 +75,8 @@ class Trainer {
   std::uint64_t device_budget_bytes() const noexcept { return budget_; }
   std::uint64_t host_state_bytes() const { return train_->persistent()->host_bytes(); }
   const graph::ResidencyReport& residency() const { return train_->residency(); }
+  // The home of the tensors of a persistent role (the first one's: all of a role share a home).
+  graph::Residency home_of(graph::Role role) const;
 
   // A persistent tensor (weight or optimizer state) as stored: its dtype, shape and raw bytes.
   struct HostTensor {
