@@ -9,6 +9,28 @@ void shape_error(const ShapeView& v, const std::string& what) {
   throw ShapeError(fmt::format("{}: {}", v.name(), what));
 }
 
+void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param) {
+  const auto in = g.inputs();
+  const TensorRef dy = g.grad(g.outputs()[0]);
+  if (dy == no_ref) return;
+  const TensorRef x = in[0], w = in[1];
+  const bool has_bias = in.size() > 2;
+  if (g.needs_grad(x)) {
+    const TensorRef dx = g.new_grad(x);
+    const TensorRef ins[] = {dy, w};
+    const TensorRef outs[] = {dx};
+    g.emit(grad_input, ".grad_input", ins, outs, g.attrs());
+    g.contribute(x, dx);
+  }
+  const TensorRef dw = g.new_grad(w);
+  const TensorRef db = has_bias ? g.new_grad(in[2]) : no_ref;
+  const TensorRef ins[] = {x, dy};
+  const TensorRef outs[] = {dw, db};
+  g.emit(grad_param, ".grad_param", ins, std::span(outs, has_bias ? 2 : 1), g.attrs());
+  g.contribute(w, dw);
+  if (has_bias) g.contribute(in[2], db);
+}
+
 void register_builtin_rows(const AddRow& add) {
   register_transfer_rows(add);
   register_linear_rows(add);

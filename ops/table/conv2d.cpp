@@ -53,27 +53,7 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
     return conv2d_forward(c.env(), conv_shape(c.input(0).shape, c.input(1).shape, c.attrs()), c.in(0), c.in(1), bias,
                           c.out(0), c.scratch());
   };
-  r.backward = [](GradContext& g) {
-    const auto in = g.inputs();
-    const TensorRef dy = g.grad(g.outputs()[0]);
-    if (dy == no_ref) return;
-    const TensorRef x = in[0], w = in[1];
-    const bool has_bias = in.size() > 2;
-    if (g.needs_grad(x)) {
-      const TensorRef dx = g.new_grad(x);
-      const TensorRef ins[] = {dy, w};
-      const TensorRef outs[] = {dx};
-      g.emit(builtin::conv2d_grad_input, ".grad_input", ins, outs, g.attrs());
-      g.contribute(x, dx);
-    }
-    const TensorRef dw = g.new_grad(w);
-    const TensorRef db = has_bias ? g.new_grad(in[2]) : no_ref;
-    const TensorRef ins[] = {x, dy};
-    const TensorRef outs[] = {dw, db};
-    g.emit(builtin::conv2d_grad_param, ".grad_param", ins, std::span(outs, has_bias ? 2 : 1), g.attrs());
-    g.contribute(w, dw);
-    if (has_bias) g.contribute(in[2], db);
-  };
+  r.backward = [](GradContext& g) { weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param); };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     std::span<const double> bias = in.size() > 2 ? std::span<const double>(c.real(in[2])) : std::span<const double>{};

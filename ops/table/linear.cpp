@@ -46,27 +46,7 @@ OpInfo linear_row() {
     return gemm(c.env(), linear_gemms(c.input(0).shape, c.input(1).shape).forward, 1.0f, c.in(0), c.in(1), 0.0f,
                 c.out(0), c.scratch(), opt);
   };
-  r.backward = [](GradContext& g) {
-    const auto in = g.inputs();
-    const TensorRef dy = g.grad(g.outputs()[0]);
-    if (dy == no_ref) return;
-    const TensorRef x = in[0], w = in[1];
-    const bool has_bias = in.size() > 2;
-    if (g.needs_grad(x)) {
-      const TensorRef dx = g.new_grad(x);
-      const TensorRef ins[] = {dy, w};
-      const TensorRef outs[] = {dx};
-      g.emit(builtin::linear_grad_input, ".grad_input", ins, outs, g.attrs());
-      g.contribute(x, dx);
-    }
-    const TensorRef dw = g.new_grad(w);
-    const TensorRef db = has_bias ? g.new_grad(in[2]) : no_ref;
-    const TensorRef ins[] = {x, dy};
-    const TensorRef outs[] = {dw, db};
-    g.emit(builtin::linear_grad_param, ".grad_param", ins, std::span(outs, has_bias ? 2 : 1), g.attrs());
-    g.contribute(w, dw);
-    if (has_bias) g.contribute(in[2], db);
-  };
+  r.backward = [](GradContext& g) { weight_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param); };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     ref::gemm<double>(linear_gemms(c.input(0).shape, c.input(1).shape).forward, 1, c.real(in[0]), c.real(in[1]), 0,

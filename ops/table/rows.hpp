@@ -26,6 +26,9 @@ void register_cast_rows(const AddRow& add);  // cast, quantize_i8, dequantize_i8
 void register_builtin_rows(const AddRow& add);
 
 // Helpers the rows share.
+// The backward rule of a layer y = f(x, w) [+ b] (Linear, Conv2d): `grad_input` (dy, w) -> dx when
+// x needs a gradient, and `grad_param` (x, dy) -> dw [db].
+void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param);
 // A shape error that names the node: "<node>: <what>".
 [[noreturn]] void shape_error(const ShapeView& v, const std::string& what);
 // Elements of input i / output i.
