@@ -129,13 +129,13 @@ StepResult Trainer::step(std::span<const float> images, std::span<const std::int
   return r;
 }
 
-graph::CompiledStep& Trainer::eval_variant(std::uint32_t batch) {
-  auto it = eval_.find(batch);
-  if (it == eval_.end()) {
-    auto step = std::make_unique<graph::CompiledStep>(build_graph(batch, false), options_.optimizer, runtime_.env(),
-                                                      runtime_.context(), train_->persistent(),
+graph::CompiledStep& Trainer::variant(const graph::VariantKey& key) {
+  auto it = variants_.find(key);
+  if (it == variants_.end()) {
+    auto step = std::make_unique<graph::CompiledStep>(build_graph(key.batch, key.training), options_.optimizer,
+                                                      runtime_.env(), runtime_.context(), train_->persistent(),
                                                       graph::StepOptions{residency_options()});
-    it = eval_.emplace(batch, std::move(step)).first;
+    it = variants_.emplace(key, std::move(step)).first;
   }
   return *it->second;
 }
@@ -150,7 +150,7 @@ EvalResult Trainer::evaluate(const Dataset& data) {
   double loss_sum = 0, correct = 0;
   for (std::size_t begin = 0; begin < data.count; begin += options_.batch) {
     const auto batch = static_cast<std::uint32_t>(std::min<std::size_t>(options_.batch, data.count - begin));
-    auto& step = eval_variant(batch);
+    auto& step = variant(graph::VariantKey{batch, false});
     std::span<const float> images(data.images.data() + begin * sample, batch * sample);
     std::span<const std::int32_t> labels(data.labels.data() + begin, batch);
     validate_batch(images, labels, batch);

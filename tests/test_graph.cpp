@@ -272,9 +272,10 @@ TEST(Trainer, EvaluationVariantsShareWeightsAndCoverEverySample) {
   const auto all = trainer.evaluate(d);
   EXPECT_EQ(all.samples, 21u);
   // Evaluation runs in the training step's buffers: its variants add no device memory.
-  ASSERT_EQ(trainer.eval_steps().size(), 2u);
-  for (const auto& [batch, step] : trainer.eval_steps()) {
-    EXPECT_EQ(step->plan().new_transient_bytes, 0u) << "eval batch " << batch;
+  ASSERT_EQ(trainer.variants().size(), 2u);
+  for (const auto& [key, step] : trainer.variants()) {
+    EXPECT_FALSE(key.training);
+    EXPECT_EQ(step->plan().new_transient_bytes, 0u) << "eval batch " << key.batch;
   }
   EXPECT_GE(all.accuracy, 8.0 / 21.0 - 1e-9);
 }

@@ -246,7 +246,9 @@ int cmd_train(const TrainArgs& a) {
     trace.write(a.trace_path);
     if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", a.trace_steps, a.trace_path);
   }
-  for (const auto& [batch, step] : trainer.eval_steps()) profiler.add_variant(fmt::format("eval{}", batch), *step);
+  for (const auto& [key, step] : trainer.variants()) {
+    profiler.add_variant(fmt::format("{}{}", key.training ? "train" : "eval", key.batch), *step);
+  }
   if (!a.profile_path.empty()) {
     profiler.write_csv(a.profile_path);
     if (!a.quiet) std::cerr << fmt::format("ferry: wrote the memory profile to {}\n", a.profile_path);

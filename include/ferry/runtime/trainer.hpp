@@ -10,6 +10,7 @@
 
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/compiled_step.hpp"
+#include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/fashion_mnist.hpp"
 #include "ferry/runtime/model.hpp"
 #include "ferry/runtime/runtime.hpp"
@@ -61,8 +62,11 @@ class Trainer {
   const ModelSpec& model() const noexcept { return model_; }
   const graph::CompiledStep& train_step() const noexcept { return *train_; }
   graph::CompiledStep& train_step() noexcept { return *train_; }
-  // The evaluation variants compiled so far, by batch size.
-  const std::map<std::uint32_t, std::unique_ptr<graph::CompiledStep>>& eval_steps() const noexcept { return eval_; }
+  // The variants compiled besides the training step so far (evaluation at each batch size it
+  // met), by what differs between them.
+  const std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>>& variants() const noexcept {
+    return variants_;
+  }
 
   // Sizes of the training state (fp32): weights, their gradients, and optimizer state.
   std::uint64_t weight_bytes() const;
@@ -95,7 +99,7 @@ class Trainer {
   std::uint64_t bytes_of(graph::Role role) const;
   graph::ResidencyOptions residency_options() const;
   void initialise_parameters();
-  graph::CompiledStep& eval_variant(std::uint32_t batch);
+  graph::CompiledStep& variant(const graph::VariantKey& key);
   void validate_batch(std::span<const float> images, std::span<const std::int32_t> labels, std::uint32_t batch) const;
 
   Runtime& runtime_;
@@ -105,7 +109,7 @@ class Trainer {
   std::uint64_t budget_ = 0;
   std::uint64_t steps_ = 0;
   std::unique_ptr<graph::CompiledStep> train_;
-  std::map<std::uint32_t, std::unique_ptr<graph::CompiledStep>> eval_;
+  std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>> variants_;
 };
 
 }  // namespace ferry
