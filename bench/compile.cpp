@@ -1,8 +1,8 @@
 // ferry-bench compile: how does compile time grow with the model's depth?
 //
 // For each depth, the deep residual MLP (models::deep(width, depth)) is built the way the
-// trainer builds its training step (Builder, forward, softmax_xent, append_backward,
-// append_optimizer with Adam, append_stats_download), then compiled with graph::CompiledStep
+// trainer builds its training step (Builder, forward, softmax_xent, then the model passes:
+// autodiff, the optimizer with Adam, download), then compiled with graph::CompiledStep
 // without building any kernel (StepOptions::bind_kernels = false, unless --bind-kernels): scratch,
 // residency plan, memory plan, arena allocation and lowering to the flow graph. Build and compile are timed
 // separately, --repeat times each; each line reports the medians, the compile time per node of
@@ -18,6 +18,7 @@
 
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
+#include "ferry/graph/pipeline.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -35,10 +36,7 @@ graph::Graph build_deep(const ModelSpec& model, std::uint32_t batch, const graph
   graph::Builder b(g, batch, model.sample_shape, model.classes);
   const TensorId logits = model.forward(b, b.input());
   b.softmax_xent(logits);
-  graph::append_backward(g);
-  graph::append_optimizer(g, optimizer);
-  graph::append_stats_download(g);
-  return g;
+  return graph::prepare_step_graph(std::move(g), graph::VariantKey{batch, true}, optimizer);
 }
 
 int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
