@@ -103,7 +103,7 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
       id = t.storage(id);
       // Only tensors whose home is pinned host memory are streamed; device-home and mapped ones
       // are addressed where they live.
-      if (!is_persistent(t.role[id]) || t.home[id] != Residency::host_pinned ||
+      if (!is_persistent(t.role[id]) || !offload::home_traits(t.home[id]).needs_transfers ||
           std::find(needed.begin(), needed.end(), id) != needed.end()) {
         return;
       }
@@ -387,7 +387,7 @@ void check_role_home(const char* role, const std::optional<Residency>& home, boo
                     "host_pinned (streamed) or host_mapped",
                     role, offload::home_name(*home)));
   }
-  if (*home == Residency::host_mapped && !host_unified) {
+  if (offload::home_traits(*home).needs_unified_memory && !host_unified) {
     throw std::invalid_argument(
         fmt::format("{} home 'host_mapped' needs a device whose memory is the host's "
                     "(CL_DEVICE_HOST_UNIFIED_MEMORY); use host_pinned (streamed) on this device",
@@ -432,14 +432,15 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   }
   // Homes per role: the preset's, or the role's own.
   assign_homes(g, mode, options);
-  bool any_pinned = false, any_mapped = false;
+  bool any_streamed = false, any_mapped = false;
   for (TensorId id = 0; id < g.tensors.size(); ++id) {
     if (!is_persistent(g.tensors.role[id])) continue;
-    any_pinned = any_pinned || g.tensors.home[id] == Residency::host_pinned;
-    any_mapped = any_mapped || g.tensors.home[id] == Residency::host_mapped;
+    const offload::HomeTraits traits = offload::home_traits(g.tensors.home[id]);
+    any_streamed = any_streamed || traits.needs_transfers;
+    any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Residency::device);
   }
   const std::uint64_t on_device = device_home_bytes(g, mopt);
-  if (!any_pinned && !any_mapped) {
+  if (!any_streamed && !any_mapped) {
     MemoryPlan plan = plan_memory(g, mopt);
     if (plan.peak_bytes() > budget) {
       throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "
@@ -452,7 +453,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     return plan;
   }
   report.mode = mode;
-  if (!any_pinned) {
+  if (!any_streamed) {
     // The mapped weights' gradients live on the host too (kernels write them in place), so the
     // device holds only activations and device-home tensors; updates stay at the end of the step.
     for (TensorId w = 0; w < g.tensors.size(); ++w) {

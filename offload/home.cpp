@@ -35,8 +35,21 @@ Home parse_home(std::string_view s) {
       fmt::format("unknown home '{}': use device, host_pinned, host_mapped, host_compressed, host_int8 or dropped", s));
 }
 
-bool home_available(Home h) {
-  return h == Home::device || h == Home::host_pinned || h == Home::host_mapped;
+HomeTraits home_traits(Home h) {
+  switch (h) {
+    case Home::device:
+      return {.available = true, .addressed_in_place = true};
+    case Home::host_pinned:
+      return {.available = true, .needs_transfers = true, .commits = true};
+    case Home::host_mapped:
+      return {.available = true, .addressed_in_place = true, .needs_unified_memory = true};
+    case Home::host_compressed:
+    case Home::host_int8:
+      return {.needs_transfers = true, .commits = true};  // planned: fetched through decompress/dequantize
+    case Home::dropped:
+      return {};
+  }
+  return {};
 }
 
 std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context,
@@ -47,7 +60,7 @@ std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context
     case Home::host_pinned:
       return homes::make_pinned_store(context, buffer_bytes, what);
     case Home::host_mapped:
-      if (!context.device().host_unified_memory) {
+      if (home_traits(home).needs_unified_memory && !context.device().host_unified_memory) {
         throw std::invalid_argument(fmt::format(
             "home 'host_mapped' for {} needs a device whose memory is the host's (CL_DEVICE_HOST_UNIFIED_MEMORY); "
             "this device ({}) is discrete: use host_pinned (streamed) instead",

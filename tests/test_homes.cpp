@@ -21,6 +21,17 @@ TEST(Homes, NamesRoundTripAndUnknownNamesAreErrors) {
   EXPECT_THROW(offload::parse_home("gpu"), std::invalid_argument);
 }
 
+TEST(Homes, TraitsSayWhatEachHomeAsksOfTheGraph) {
+  using offload::home_traits;
+  EXPECT_TRUE(home_traits(Home::device).addressed_in_place);
+  EXPECT_FALSE(home_traits(Home::device).needs_transfers);
+  EXPECT_TRUE(home_traits(Home::host_pinned).needs_transfers);
+  EXPECT_TRUE(home_traits(Home::host_pinned).commits);
+  EXPECT_TRUE(home_traits(Home::host_mapped).addressed_in_place);
+  EXPECT_TRUE(home_traits(Home::host_mapped).needs_unified_memory);
+  for (Home h : {Home::host_compressed, Home::host_int8, Home::dropped}) EXPECT_FALSE(home_traits(h).available);
+}
+
 TEST(Homes, PinnedKeepsTwoCopiesAndCommitMakesTheNextCurrent) {
   auto& dev = TestDevice::get();
   const std::array<std::uint64_t, 2> sizes{1024, 512};

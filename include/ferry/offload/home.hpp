@@ -29,8 +29,20 @@ enum class Home : std::uint8_t { device, host_pinned, host_mapped, host_compress
 inline constexpr int home_count = 6;
 const char* home_name(Home h);
 Home parse_home(std::string_view s);  // throws std::invalid_argument listing the homes
+// What a home asks of the step graph, known before any store exists: the residency pass reads
+// these to decide which nodes a tensor living there needs.
+struct HomeTraits {
+  bool available = false;             // a store exists in this build
+  bool addressed_in_place = false;    // kernels use the tensor where it lives (no fetch)
+  bool needs_transfers = false;       // fetched before its uses, written back after its last write
+  bool needs_unified_memory = false;  // only on devices whose memory is the host's
+  bool commits = false;               // keeps a next copy that a successful step makes current
+};
+HomeTraits home_traits(Home h);
 // Whether a store exists for `h` in this build.
-bool home_available(Home h);
+inline bool home_available(Home h) {
+  return home_traits(h).available;
+}
 
 // Where a tensor sits inside its home's store.
 struct HomePlace {
