@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <random>
 #include <stdexcept>
 
@@ -57,29 +58,39 @@ graph::Graph Trainer::build_graph(std::uint32_t batch, bool training) const {
 void Trainer::initialise_parameters() {
   const auto& g = train_->graph();
   const auto& t = g.tensors;
+  // One host image per (home, buffer), written with one copy each: a deep model has thousands of
+  // small tensors, and a blocking write per tensor dominated its compile time.
+  std::map<std::pair<int, std::uint32_t>, std::vector<std::byte>> images;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor) continue;
-    std::vector<float> values(t.shape[id].elems());
+    if (t.dtype[id] != graph::DType::f32) {
+      throw std::logic_error(fmt::format("cannot initialise '{}': weights are initialised in f32, it is {}", t.name[id],
+                                         graph::dtype_name(t.dtype[id])));
+    }
+    auto& image = images[{static_cast<int>(t.home[id]), t.placement[id].buffer}];
+    const std::uint64_t end = t.placement[id].offset_bytes + t.bytes(id);
+    if (image.size() < end) image.resize(end);
+    float* values = reinterpret_cast<float*>(image.data() + t.placement[id].offset_bytes);
+    const std::size_t n = t.shape[id].elems();
     const graph::WeightInit init = t.init[id];
     switch (init.kind) {
       case graph::WeightInit::Kind::ones:
-        std::fill(values.begin(), values.end(), 1.0f);
+        std::fill(values, values + n, 1.0f);
         break;
       case graph::WeightInit::Kind::uniform: {
         // Seeded per tensor name, so values do not depend on the order tensors were created.
         std::mt19937_64 rng(options_.seed ^ name_hash(t.name[id]));
         std::uniform_real_distribution<float> dist(-init.bound, init.bound);
-        for (auto& v : values) v = dist(rng);
+        for (std::size_t i = 0; i < n; ++i) values[i] = dist(rng);
         break;
       }
       default:
-        break;  // zeros
+        std::fill(values, values + n, 0.0f);  // zeros
     }
-    if (t.dtype[id] != graph::DType::f32) {
-      throw std::logic_error(fmt::format("cannot initialise '{}': weights are initialised in f32, it is {}", t.name[id],
-                                         graph::dtype_name(t.dtype[id])));
-    }
-    train_->persistent()->write(t.home[id], t.placement[id], values.data(), t.bytes(id));
+  }
+  for (const auto& [where, image] : images) {
+    train_->persistent()->write(static_cast<graph::Residency>(where.first), graph::Placement{where.second, 0},
+                                image.data(), image.size());
   }
 }
 
