@@ -34,7 +34,8 @@ json=$("$ferry" train --model mlp --epochs 1 --train-limit 1024 --quiet --json \
 status=$?
 check "ferry train exits 0" test "$status" -eq 0
 for key in test_accuracy train_loss samples_per_s step_ms device_peak_bytes training_state_bytes \
-  optimizer_state_bytes device_budget_bytes residency host_state_bytes fetch_bytes_per_step; do
+  optimizer_state_bytes device_budget_bytes residency host_state_bytes fetch_bytes_per_step weights_home \
+  state_home; do
   check "JSON has $key" grep -q "\"$key\":" <<<"$json"
 done
 check "the JSON is one line" test "$(wc -l <<<"$json")" -eq 1
@@ -44,12 +45,17 @@ check "the profile is CSV with per-node device bytes" bash -c "head -1 '$work/pr
 streamed=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --residency stream --device-budget 24MiB)
 check "streaming under a budget reports fetches" bash -c "grep -q '\"residency\":\"stream\"' <<<'$streamed' && ! grep -q '\"fetch_bytes_per_step\":0,' <<<'$streamed'"
 
+state=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --state-home host)
+check "--state-home host streams only the optimizer state" bash -c "grep -q '\"state_home\":\"host_pinned\"' <<<'$state' && grep -q '\"weights_home\":\"device\"' <<<'$state' && ! grep -q '\"fetch_bytes_per_step\":0,' <<<'$state'"
+
 expect_error "unknown device" "no OpenCL device matches 'no-such-device'" train --device no-such-device --epochs 1
 expect_error "missing data set" "$work/nowhere" train --data "$work/nowhere" --epochs 1
 expect_error "budget below one layer" "raise the budget to at least" \
   train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB --epochs 1
 expect_error "bad size unit" "unknown unit" train --device-budget 64XB --epochs 1
 expect_error "an unknown residency mode" "--residency: sideways not in" train --residency sideways
+expect_error "a home with no store yet" "home 'host_compressed' has no storage strategy" \
+  train --state-home compressed --epochs 1
 
 echo "$failures failed"
 [ "$failures" -eq 0 ]
