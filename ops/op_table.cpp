@@ -49,6 +49,10 @@ Registry& registry() {
       const OpId id = reg->push(std::move(row));
       if (id != expected) throw std::logic_error("op table: built-in rows registered out of order");
     });
+    const table::AddNamedRow named = [reg](OpInfo row) { return reg->push(std::move(row)); };
+    table::register_matmul_rows(named);
+    table::register_layout_rows(named);
+    table::register_sequence_rows(named);
     return reg;
   }();
   return *r;

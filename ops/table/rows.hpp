@@ -22,6 +22,12 @@ void register_softmax_xent_rows(const AddRow& add);
 void register_optimizer_rows(const AddRow& add);
 void register_cast_rows(const AddRow& add);  // cast, quantize_i8, dequantize_i8
 
+// Rows beyond ops::builtin (found by name with ops::find_op), registered after the built-in ones.
+using AddNamedRow = std::function<OpId(OpInfo)>;
+void register_matmul_rows(const AddNamedRow& add);    // ops/table/matmul.cpp: batched matmul, softmax
+void register_layout_rows(const AddNamedRow& add);    // ops/table/layout.cpp: permute, mul, scale
+void register_sequence_rows(const AddNamedRow& add);  // ops/table/sequence.cpp: embedding, causal mask, dropout
+
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);
 
