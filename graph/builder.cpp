@@ -93,12 +93,12 @@ std::vector<TensorId> Builder::apply(ops::OpId op, std::span<const TensorId> inp
 TensorId Builder::linear(TensorId x, std::uint32_t out_features, bool bias) {
   const std::string name = next_name("linear");
   const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
-  if (xs.rank != 2) {
-    throw BuildError(fmt::format("{}: input {} has shape {}; Linear takes [batch, features] (add flatten() first)",
-                                 name, g_.tensors.name[x], xs.str()));
+  if (xs.rank < 2) {
+    throw BuildError(fmt::format("{}: input {} has shape {}; Linear takes [..., features] of rank 2 to 4", name,
+                                 g_.tensors.name[x], xs.str()));
   }
   if (out_features == 0) throw BuildError(fmt::format("{}: out_features must be at least 1", name));
-  const std::uint32_t in = xs[1];
+  const std::uint32_t in = xs[xs.rank - 1u];
   // PyTorch's default for Linear: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
   const float bound = 1.0f / std::sqrt(static_cast<float>(in));
   TensorId w = weight(name + ".w", Shape{in, out_features}, {WeightInit::Kind::uniform, bound});
@@ -117,10 +117,10 @@ TensorId Builder::activation(TensorId x, ops::Activation a) {
 TensorId Builder::layernorm(TensorId x, float eps) {
   const std::string name = next_name("layernorm");
   const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
-  if (xs.rank != 2)
-    throw BuildError(fmt::format("{}: input has shape {}; LayerNorm takes [batch, features]", name, xs.str()));
-  TensorId gamma = weight(name + ".gamma", Shape{xs[1]}, {WeightInit::Kind::ones, 0});
-  TensorId beta = weight(name + ".beta", Shape{xs[1]}, {WeightInit::Kind::zeros, 0});
+  if (xs.rank < 1) throw BuildError(fmt::format("{}: LayerNorm takes a tensor of rank 1 to 4", name));
+  const std::uint32_t features = xs[xs.rank - 1u];
+  TensorId gamma = weight(name + ".gamma", Shape{features}, {WeightInit::Kind::ones, 0});
+  TensorId beta = weight(name + ".beta", Shape{features}, {WeightInit::Kind::zeros, 0});
   NodeAttrs attrs;
   attrs.f[0] = eps;
   const TensorId ins[] = {x, gamma, beta};
@@ -162,6 +162,16 @@ TensorId Builder::flatten(TensorId x) {
   const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
   const auto rest = static_cast<std::uint32_t>(xs.elems() / xs[0]);
   return g_.tensors.add(fmt::format("{}.flat", g_.tensors.name[x]), Shape{xs[0], rest}, g_.tensors.dtype[x],
+                        g_.tensors.role[x], x);
+}
+
+TensorId Builder::reshape(TensorId x, Shape to) {
+  const Shape xs = shape(x);  // a copy: adding tensors below reallocates the table
+  if (to.elems() != xs.elems()) {
+    throw BuildError(fmt::format("reshape of {}: {} has {} elements, {} has {}", g_.tensors.name[x], xs.str(),
+                                 xs.elems(), to.str(), to.elems()));
+  }
+  return g_.tensors.add(fmt::format("{}.as{}", g_.tensors.name[x], to.str()), to, g_.tensors.dtype[x],
                         g_.tensors.role[x], x);
 }
 

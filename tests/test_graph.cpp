@@ -228,12 +228,14 @@ TEST(Builder, ShapeErrorsNameTheLayer) {
   graph::Graph g;
   graph::Builder b(g, 4, graph::Shape{1, 28, 28}, 10);
   try {
-    b.linear(b.input(), 10);
+    b.linear(b.reshape(b.input(), graph::Shape{4 * 28 * 28}), 10);  // rank 1: no rows
     FAIL();
   } catch (const graph::BuildError& e) {
     EXPECT_NE(std::string(e.what()).find("linear0"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("flatten"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 2 to 4"), std::string::npos) << e.what();
   }
+  // Linear applies to the last axis of any rank.
+  EXPECT_EQ(g.tensors.shape[b.linear(b.input(), 10)], (graph::Shape{4, 1, 28, 10}));
   TensorId x = b.linear(b.flatten(b.input()), 7);
   EXPECT_THROW(b.softmax_xent(x), graph::BuildError);
   EXPECT_THROW(b.add(x, b.linear(x, 8)), graph::BuildError);

@@ -300,6 +300,73 @@ TEST(OpTable, CastAndInt8NodesRunOnTheDeviceLikeTheirReferences) {
   EXPECT_LE(max_err, max_abs / 127 / 2 * 1.0001) << "int8 error beyond half a quantization step";
 }
 
+// Linear and LayerNorm over the last axis of rank-3 tensors, between reshapes (views), trained on
+// the device against the reference executor and checked by finite differences.
+ModelSpec rank3_model() {
+  return {"rank3", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) {
+            const std::uint32_t batch = b.batch();
+            x = b.reshape(x, graph::Shape{batch, 3, 4});
+            x = b.gelu(b.linear(b.layernorm(x), 5));  // [batch, 3, 5]
+            return b.linear(b.reshape(x, graph::Shape{batch, 15}), 4);
+          }};
+}
+
+TEST(OpTable, LinearAndLayerNormTakeAnyRank) {
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 6;
+  topt.lr = 0.05f;
+  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  Trainer trainer(runtime, rank3_model(), topt);
+  const auto& g = trainer.train_step().graph();
+  ReferenceExecutor ref(g, topt.optimizer);
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  for (std::uint32_t s = 0; s < 3; ++s) {
+    const auto images = random_vector(topt.batch * 12, 60 + s);
+    const std::vector<std::int32_t> labels = {0, 1, 2, 3, 2, 1};
+    const auto r = trainer.step(images, labels);
+    ref.value(ref.find("input")) = to_double(images);
+    ref.ints(ref.find("labels")) = labels;
+    ref.run(ops::StepInfo{s + 1, topt.lr});
+    EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+  }
+  const auto w = trainer.read_parameter("linear1.w");
+  EXPECT_EQ(w.size(), 4u * 5u);
+
+  // Gradients of the rank-3 path by finite differences on the reference.
+  graph::Graph fd;
+  graph::Builder b(fd, 2, graph::Shape{12}, 4);
+  b.softmax_xent(rank3_model().forward(b, b.input()));
+  fd = graph::prepare_step_graph(std::move(fd), graph::VariantKey{2, true}, topt.optimizer);
+  ReferenceExecutor x(fd, topt.optimizer);
+  std::uint32_t seed = 90;
+  for (TensorId id = 0; id < fd.tensors.size(); ++id) {
+    if (fd.tensors.role[id] == graph::Role::weight)
+      x.value(id) = to_double(random_vector(fd.tensors.shape[id].elems(), seed++));
+  }
+  x.value(x.find("input")) = to_double(random_vector(24, 7));
+  x.ints(x.find("labels")) = {1, 3};
+  x.run(ops::StepInfo{1, 0.0f});
+  for (const char* name : {"layernorm0.gamma", "linear1.w", "linear3.w"}) {
+    const TensorId t = x.find(name);
+    const std::vector<double> grad = x.value(fd.tensors.grad[t]), v = x.value(t);
+    auto loss = [&](const std::vector<double>& values) {
+      x.value(t) = values;
+      x.run(ops::StepInfo{1, 0.0f}, true);
+      return x.loss();
+    };
+    expect_gradient_matches_finite_differences(loss, v, grad, name, 1e-6, 1e-4, 20);
+    x.value(t) = v;
+  }
+}
+
+TEST(OpTable, ReshapeToAnotherElementCountIsABuildError) {
+  graph::Graph g;
+  graph::Builder b(g, 2, graph::Shape{12}, 4);
+  EXPECT_THROW(b.reshape(b.input(), graph::Shape{2, 5}), graph::BuildError);
+}
+
 TEST(OpTable, CastToAnIntegerTypeIsABuildError) {
   graph::Graph g;
   graph::Builder b(g, 2, graph::Shape{4}, 2);

@@ -1,4 +1,5 @@
-// Rows of LayerNorm over the last axis of [rows, features] (attrs.f[0] = eps) and its gradient.
+// Rows of LayerNorm over the last axis of [..., features] (rank 1 to 4; attrs.f[0] = eps) and its
+// gradient. mean and rstd are [rows], one per position of the leading axes.
 #include "ferry/ops/layernorm.hpp"
 
 #include <fmt/format.h>
@@ -13,19 +14,21 @@ OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
   r.name = "layernorm";
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape;
-    if (x.rank != 2) shape_error(v, fmt::format("input has shape {}; LayerNorm takes [batch, features]", x.str()));
+    if (x.rank < 1) shape_error(v, "LayerNorm takes a tensor of rank 1 to 4");
+    const std::uint32_t features = x[x.rank - 1u], rows = static_cast<std::uint32_t>(x.elems() / features);
     if (!(v.attrs().f[0] > 0.0f)) shape_error(v, fmt::format("eps must be positive, got {}", v.attrs().f[0]));
     for (std::size_t i = 1; i < 3; ++i) {
-      if (!(v.input(i).shape == Shape{x[1]})) {
-        shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), x[1]));
+      if (!(v.input(i).shape == Shape{features})) {
+        shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), features));
       }
     }
     const DType t = v.input(0).dtype;
-    return std::vector<TensorDesc>{{x, t}, {Shape{x[0]}, DType::f32}, {Shape{x[0]}, DType::f32}};
+    return std::vector<TensorDesc>{{x, t}, {Shape{rows}, DType::f32}, {Shape{rows}, DType::f32}};
   };
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;
-    return layernorm_forward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), c.out(1), c.out(2), x[0], x[1],
+    const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
+    return layernorm_forward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), c.out(1), c.out(2), rows, cols,
                              c.attrs().f[0]);
   };
   r.backward = [](GradContext& g) {
@@ -45,8 +48,9 @@ OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
     const auto in = c.inputs();
     const auto out = c.outputs();
     const Shape x = c.input(0).shape;
+    const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     ref::layernorm_forward<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(out[0]), c.real(out[1]),
-                                   c.real(out[2]), x[0], x[1], double(c.attrs().f[0]));
+                                   c.real(out[2]), rows, cols, double(c.attrs().f[0]));
   };
   return r;
 }
@@ -57,15 +61,17 @@ OpInfo layernorm_grad_row() {  // in: x gamma mean rstd dy  out: dx dgamma dbeta
   r.op_class = OpClass::backward;
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;
-    return layernorm_backward(c.env(), c.in(0), c.in(1), c.in(2), c.in(3), c.in(4), c.out(0), c.out(1), c.out(2), x[0],
-                              x[1]);
+    const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
+    return layernorm_backward(c.env(), c.in(0), c.in(1), c.in(2), c.in(3), c.in(4), c.out(0), c.out(1), c.out(2), rows,
+                              cols);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const auto out = c.outputs();
     const Shape x = c.input(0).shape;
+    const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     ref::layernorm_backward<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(in[3]), c.real(in[4]),
-                                    c.real(out[0]), c.real(out[1]), c.real(out[2]), x[0], x[1]);
+                                    c.real(out[0]), c.real(out[1]), c.real(out[2]), rows, cols);
   };
   return r;
 }

@@ -1,4 +1,5 @@
-// Rows of Linear: y = x w + b with x [B, in], w [in, out], b [out]; and its two gradients.
+// Rows of Linear over the last axis: y = x w + b with x [..., in] (rank 2 to 4; the leading axes
+// are rows), w [in, out], b [out]; and its two gradients.
 #include <fmt/format.h>
 
 #include "ferry/ops/bias.hpp"
@@ -8,12 +9,12 @@
 namespace ferry::ops::table {
 namespace {
 
-// The three GEMMs of x [B, in] and w [in, out]: y = x w;  dx = dy w^T;  dw = x^T dy.
+// The three GEMMs of x [rows, in] and w [in, out]: y = x w;  dx = dy w^T;  dw = x^T dy.
 struct LinearGemms {
   GemmShape forward, grad_input, grad_param;
 };
 LinearGemms linear_gemms(const Shape& x, const Shape& w) {
-  const std::size_t batch = x[0], in = w[0], out = w[1];
+  const std::size_t in = w[0], out = w[1], batch = x.elems() / in;
   return {{batch, out, in, false, false}, {batch, in, out, false, true}, {in, out, batch, true, false}};
 }
 
@@ -26,16 +27,20 @@ OpInfo linear_row() {
   r.name = "linear";
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape, w = v.input(1).shape;
-    if (x.rank != 2) {
-      shape_error(v, fmt::format("input has shape {}; Linear takes [batch, features] (add flatten() first)", x.str()));
+    if (x.rank < 2) {
+      shape_error(v, fmt::format("input has shape {}; Linear takes [..., features] of rank 2 to 4", x.str()));
     }
-    if (w.rank != 2 || w[0] != x[1]) {
-      shape_error(v, fmt::format("weight {} does not take input {}", w.str(), x.str()));
+    const std::uint32_t features = x[x.rank - 1u];
+    if (w.rank != 2 || w[0] != features) {
+      shape_error(
+          v, fmt::format("weight {} does not take input {} (its last axis, {} features)", w.str(), x.str(), features));
     }
     if (v.input_count() > 2 && !(v.input(2).shape == Shape{w[1]})) {
       shape_error(v, fmt::format("bias {} does not match {} outputs", v.input(2).shape.str(), w[1]));
     }
-    return std::vector<TensorDesc>{{Shape{x[0], w[1]}, v.input(0).dtype}};
+    Shape y = x;
+    y.dims[x.rank - 1u] = w[1];
+    return std::vector<TensorDesc>{{y, v.input(0).dtype}};
   };
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return gemm_scratch_elems(env, linear_gemms(v.input(0).shape, v.input(1).shape).forward) * sizeof(float);
@@ -82,11 +87,11 @@ OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
     return gemm_scratch_elems(env, linear_gemms(v.input(0).shape, v.output(0).shape).grad_param) * sizeof(float);
   };
   r.bind = [](const BindContext& c) {
-    const Shape dy = c.input(1).shape;
+    const std::size_t cols = c.output(0).shape[1], rows = c.input(1).shape.elems() / cols;
     auto list = gemm(c.env(), linear_gemms(c.input(0).shape, c.output(0).shape).grad_param, 1.0f, c.in(0), c.in(1),
                      0.0f, c.out(0), c.scratch());
     if (c.output_count() > 1) {
-      auto bias = bias_backward(c.env(), c.in(1), c.out(1), dy[0], dy[1]);
+      auto bias = bias_backward(c.env(), c.in(1), c.out(1), rows, cols);
       std::move(bias.begin(), bias.end(), std::back_inserter(list));
     }
     return list;
@@ -97,7 +102,8 @@ OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
     ref::gemm<double>(linear_gemms(c.input(0).shape, c.output(0).shape).grad_param, 1, c.real(in[0]), c.real(in[1]), 0,
                       c.real(out[0]));
     if (out.size() > 1) {
-      ref::bias_backward<double>(c.real(in[1]), c.real(out[1]), c.input(1).shape[0], c.input(1).shape[1]);
+      const std::size_t cols = c.output(0).shape[1];
+      ref::bias_backward<double>(c.real(in[1]), c.real(out[1]), c.input(1).shape.elems() / cols, cols);
     }
   };
   return r;

@@ -33,15 +33,19 @@ class Builder {
   const Graph& graph() const { return g_; }
 
   // Layers. Each returns the output tensor; names are "<kind><index>".
+  // Linear over the last axis: x [..., in] (rank 2 to 4) -> [..., out_features].
   TensorId linear(TensorId x, std::uint32_t out_features, bool bias = true);
   TensorId relu(TensorId x) { return activation(x, ops::Activation::relu); }
   TensorId gelu(TensorId x) { return activation(x, ops::Activation::gelu); }
   TensorId activation(TensorId x, ops::Activation a);
+  // LayerNorm over the last axis of a tensor of any rank.
   TensorId layernorm(TensorId x, float eps = 1e-5f);
   TensorId conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t kernel, std::uint32_t stride = 1,
                   std::uint32_t pad = 0);
   TensorId maxpool2d(TensorId x, std::uint32_t window = 2, std::uint32_t stride = 2);
   TensorId flatten(TensorId x);
+  // A view of x with another shape of the same element count (no node, no copy).
+  TensorId reshape(TensorId x, Shape to);
   TensorId add(TensorId a, TensorId b);
 
   // Ends the forward pass: softmax cross-entropy of `logits` [batch, classes] against the labels.

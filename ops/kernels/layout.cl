@@ -1,0 +1,36 @@
+// Layout and elementwise kernels for transformers: permute (a transpose copy of up to four axes),
+// elementwise product and scaling. Operands are (buffer, element offset) pairs. permute is built
+// per storage type (-DT_F32|-DT_F16|-DT_BF16, see dtype.clh) and copies bits; mul and scale are
+// fp32 (they come from the f32 build).
+#include "dtype.clh"
+
+// y = x with its axes reordered, both padded to four axes with leading extents of 1. Work-item i
+// writes element i of y (consecutive work-items write consecutive elements: coalesced writes),
+// whose multi-index (c0, c1, c2, c3) over y's extents (_, d1, d2, d3) reads x at
+// c0*s0 + c1*s1 + c2*s2 + c3*s3, where s_k is the stride in x of the axis y's axis k comes from.
+__kernel void permute(__global const T_RAW* x, ulong x_off, __global T_RAW* y, ulong y_off, uint n, uint d1, uint d2,
+                      uint d3, ulong s0, ulong s1, ulong s2, ulong s3) {
+  const uint i = get_global_id(0);
+  if (i >= n) return;
+  uint t = i;
+  const uint c3 = t % d3;
+  t /= d3;
+  const uint c2 = t % d2;
+  t /= d2;
+  const uint c1 = t % d1;
+  const uint c0 = t / d1;
+  y[y_off + i] = x[x_off + c0 * s0 + c1 * s1 + c2 * s2 + c3 * s3];
+}
+
+__kernel void mul(__global const float* a, ulong a_off, __global const float* b, ulong b_off, __global float* out,
+                  ulong out_off, uint n) {
+  const size_t i = get_global_id(0);
+  if (i >= n) return;
+  out[out_off + i] = a[a_off + i] * b[b_off + i];
+}
+
+__kernel void scale(__global const float* x, ulong x_off, __global float* y, ulong y_off, float factor, uint n) {
+  const size_t i = get_global_id(0);
+  if (i >= n) return;
+  y[y_off + i] = x[x_off + i] * factor;
+}
