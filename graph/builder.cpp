@@ -175,6 +175,36 @@ TensorId Builder::reshape(TensorId x, Shape to) {
                         g_.tensors.role[x], x);
 }
 
+namespace {
+// A named row's id, looked up once.
+ops::OpId named(const char* name) {
+  return ops::find_op(name);
+}
+}  // namespace
+
+TensorId Builder::permute(TensorId x, std::initializer_list<std::int32_t> perm) {
+  static const ops::OpId op = named("permute");
+  NodeAttrs attrs;
+  if (perm.size() > attrs.i.size()) throw BuildError("permute: at most 4 axes");
+  std::copy(perm.begin(), perm.end(), attrs.i.begin());
+  const TensorId ins[] = {x};
+  return emit(op, next_name("permute"), ins, attrs, {".y"})[0];
+}
+
+TensorId Builder::mul(TensorId a, TensorId b) {
+  static const ops::OpId op = named("mul");
+  const TensorId ins[] = {a, b};
+  return emit(op, next_name("mul"), ins, {}, {".y"})[0];
+}
+
+TensorId Builder::scale(TensorId x, float factor) {
+  static const ops::OpId op = named("scale");
+  NodeAttrs attrs;
+  attrs.f[0] = factor;
+  const TensorId ins[] = {x};
+  return emit(op, next_name("scale"), ins, attrs, {".y"})[0];
+}
+
 TensorId Builder::add(TensorId a, TensorId b) {
   const TensorId ins[] = {a, b};
   return emit(builtin::add, next_name("add"), ins, {}, {".y"})[0];

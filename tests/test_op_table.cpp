@@ -361,6 +361,21 @@ TEST(OpTable, LinearAndLayerNormTakeAnyRank) {
   }
 }
 
+TEST(OpTable, BuilderLayoutMethodsUseTheirRows) {
+  graph::Graph g;
+  graph::Builder b(g, 2, graph::Shape{12}, 4);
+  const TensorId x = b.reshape(b.input(), graph::Shape{2, 3, 4});
+  const TensorId p = b.permute(x, {0, 2, 1});
+  EXPECT_EQ(g.tensors.shape[p], (graph::Shape{2, 4, 3}));
+  EXPECT_EQ(g.tensors.shape[b.mul(p, p)], (graph::Shape{2, 4, 3}));
+  const TensorId s = b.scale(x, 0.25f);
+  EXPECT_EQ(ops::op_info(g.nodes.op.back()).name, "scale");
+  EXPECT_EQ(g.nodes.attrs.back().f[0], 0.25f);
+  EXPECT_EQ(g.tensors.shape[s], g.tensors.shape[x]);
+  EXPECT_THROW(b.permute(x, {0, 1, 1}), graph::BuildError);
+  EXPECT_THROW(b.mul(x, p), graph::BuildError);
+}
+
 TEST(OpTable, ReshapeToAnotherElementCountIsABuildError) {
   graph::Graph g;
   graph::Builder b(g, 2, graph::Shape{12}, 4);

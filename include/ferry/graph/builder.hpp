@@ -47,6 +47,11 @@ class Builder {
   // A view of x with another shape of the same element count (no node, no copy).
   TensorId reshape(TensorId x, Shape to);
   TensorId add(TensorId a, TensorId b);
+  // Layout and elementwise ops (named rows of the op table).
+  // y with x's axes reordered: y.shape[k] = x.shape[perm[k]] (a copy; rank 2 to 4).
+  TensorId permute(TensorId x, std::initializer_list<std::int32_t> perm);
+  TensorId mul(TensorId a, TensorId b);      // elementwise product, same shapes
+  TensorId scale(TensorId x, float factor);  // x * factor
 
   // Ends the forward pass: softmax cross-entropy of `logits` [batch, classes] against the labels.
   // Returns the stats tensor ([2]: mean loss, correct count), which becomes the graph's loss.
