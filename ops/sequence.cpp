@@ -1,0 +1,93 @@
+// Binding of the sequence kernels (ops/kernels/sequence.cl): embedding, causal mask, dropout.
+#include "ferry/ops/sequence.hpp"
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "ferry/cl/error.hpp"
+
+namespace ferry::ops {
+namespace {
+
+cl_uint checked(std::size_t n, const char* what) {
+  if (n > std::numeric_limits<cl_uint>::max()) {
+    throw std::invalid_argument(std::string(what) + ": more than 2^32-1 elements");
+  }
+  return static_cast<cl_uint>(n);
+}
+
+LaunchList one(KernelLaunch l) {
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
+LaunchList causal_mask_launch(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t matrices, std::size_t t, float fill) {
+  if (t == 0) throw std::invalid_argument("causal_mask: matrices must be at least 1 x 1");
+  const std::size_t n = matrices * t * t;
+  cl::Kernel k = env.kernels.kernel("sequence", "causal_mask");
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), checked(n, "causal_mask"), cl_uint(t),
+               fill);
+  return one(elementwise_launch(std::move(k), n));
+}
+
+constexpr cl_uint kDropoutStepArg = 8;  // step_lo, then step_hi
+
+LaunchList dropout_launch(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t n, float p, std::uint32_t seed) {
+  const std::uint32_t threshold = dropout_threshold(p);  // throws for p outside [0, 1)
+  const auto scale = static_cast<float>(1.0 / (1.0 - double(p)));
+  cl::Kernel k = env.kernels.kernel("sequence", "dropout");
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), checked(n, "dropout"), cl_uint(seed),
+               cl_uint(threshold), scale, cl_uint(0), cl_uint(0));
+  KernelLaunch l = elementwise_launch(std::move(k), n);
+  l.per_step = [](cl_kernel kernel, const StepInfo& s) {
+    const auto lo = static_cast<cl_uint>(s.step), hi = static_cast<cl_uint>(s.step >> 32);
+    FERRY_CL(clSetKernelArg(kernel, kDropoutStepArg, sizeof(cl_uint), &lo));
+    FERRY_CL(clSetKernelArg(kernel, kDropoutStepArg + 1, sizeof(cl_uint), &hi));
+  };
+  return one(std::move(l));
+}
+
+}  // namespace
+
+LaunchList embedding_forward(OpEnv& env, DeviceSpan ids, DeviceSpan table, DeviceSpan y, std::size_t positions,
+                             std::size_t vocab, std::size_t dim) {
+  if (vocab == 0 || dim == 0) throw std::invalid_argument("embedding: the table must have at least one row and column");
+  checked(vocab * dim, "embedding table");
+  const std::size_t n = positions * dim;
+  checked(n, "embedding");
+  cl::Kernel k = env.kernels.kernel("sequence", "embedding_forward");
+  cl::set_args(k.get(), ids.buffer, ids.elem_offset(), table.buffer, table.elem_offset(), y.buffer, y.elem_offset(),
+               cl_uint(positions), cl_uint(vocab), cl_uint(dim));
+  return one(elementwise_launch(std::move(k), n));
+}
+
+LaunchList embedding_backward(OpEnv& env, DeviceSpan ids, DeviceSpan dy, DeviceSpan dtable, std::size_t positions,
+                              std::size_t vocab, std::size_t dim) {
+  if (vocab == 0 || dim == 0) throw std::invalid_argument("embedding: the table must have at least one row and column");
+  checked(positions * dim, "embedding");
+  const std::size_t n = vocab * dim;
+  cl::Kernel k = env.kernels.kernel("sequence", "embedding_backward");
+  cl::set_args(k.get(), ids.buffer, ids.elem_offset(), dy.buffer, dy.elem_offset(), dtable.buffer, dtable.elem_offset(),
+               cl_uint(positions), cl_uint(vocab), cl_uint(dim));
+  return one(elementwise_launch(std::move(k), n));
+}
+
+LaunchList causal_mask_forward(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t matrices, std::size_t t) {
+  return causal_mask_launch(env, x, y, matrices, t, -std::numeric_limits<float>::infinity());
+}
+
+LaunchList causal_mask_backward(OpEnv& env, DeviceSpan dy, DeviceSpan dx, std::size_t matrices, std::size_t t) {
+  return causal_mask_launch(env, dy, dx, matrices, t, 0.0f);
+}
+
+LaunchList dropout_forward(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t n, float p, std::uint32_t seed) {
+  return dropout_launch(env, x, y, n, p, seed);
+}
+
+LaunchList dropout_backward(OpEnv& env, DeviceSpan dy, DeviceSpan dx, std::size_t n, float p, std::uint32_t seed) {
+  return dropout_launch(env, dy, dx, n, p, seed);
+}
+
+}  // namespace ferry::ops
