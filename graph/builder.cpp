@@ -205,6 +205,35 @@ TensorId Builder::scale(TensorId x, float factor) {
   return emit(op, next_name("scale"), ins, attrs, {".y"})[0];
 }
 
+TensorId Builder::embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim) {
+  static const ops::OpId op = named("embedding");
+  const std::string name = next_name("embedding");
+  if (vocab == 0 || dim == 0) throw BuildError(fmt::format("{}: vocab and dim must be at least 1", name));
+  const TensorId table = weight(name + ".table", Shape{vocab, dim},
+                                {WeightInit::Kind::uniform, 1.0f / std::sqrt(static_cast<float>(dim))});
+  const TensorId ins[] = {ids, table};
+  return emit(op, name, ins, {}, {".y"})[0];
+}
+
+TensorId Builder::causal_mask(TensorId scores) {
+  static const ops::OpId op = named("causal_mask");
+  const TensorId ins[] = {scores};
+  return emit(op, next_name("causal_mask"), ins, {}, {".y"})[0];
+}
+
+TensorId Builder::dropout(TensorId x, float p, std::uint32_t seed) {
+  static const ops::OpId op = named("dropout");
+  // The name is taken either way, so later layers (and their weights) are named the same in the
+  // training and evaluation variants.
+  const std::string name = next_name("dropout");
+  if (!training_ || p == 0.0f) return x;
+  NodeAttrs attrs;
+  attrs.f[0] = p;
+  attrs.i[0] = static_cast<std::int32_t>(seed);
+  const TensorId ins[] = {x};
+  return emit(op, name, ins, attrs, {".y"})[0];
+}
+
 TensorId Builder::add(TensorId a, TensorId b) {
   const TensorId ins[] = {a, b};
   return emit(builtin::add, next_name("add"), ins, {}, {".y"})[0];

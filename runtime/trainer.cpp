@@ -50,6 +50,7 @@ graph::ResidencyOptions Trainer::residency_options() const {
 graph::Graph Trainer::build_graph(std::uint32_t batch, bool training) const {
   graph::Graph g;
   graph::Builder b(g, batch, model_.sample_shape, model_.classes);
+  b.set_training(training);
   TensorId logits = model_.forward(b, b.input());
   b.softmax_xent(logits);
   return graph::prepare_step_graph(std::move(g), graph::VariantKey{batch, training}, options_.optimizer);

@@ -376,6 +376,24 @@ TEST(OpTable, BuilderLayoutMethodsUseTheirRows) {
   EXPECT_THROW(b.mul(x, p), graph::BuildError);
 }
 
+TEST(OpTable, BuilderSequenceMethodsAndDropoutOnlyWhenTraining) {
+  for (bool training : {true, false}) {
+    graph::Graph g;
+    graph::Builder b(g, 2, graph::Shape{5}, 4);
+    b.set_training(training);
+    g.tensors.dtype[b.input()] = graph::DType::i32;  // token ids
+    const TensorId e = b.embedding(b.input(), 11, 6);
+    EXPECT_EQ(g.tensors.shape[e], (graph::Shape{2, 5, 6}));
+    EXPECT_EQ(g.tensors.shape[g.tensors.size() - 2], (graph::Shape{11, 6})) << "the table";
+    const TensorId d = b.dropout(e, 0.25f, 7);
+    EXPECT_EQ(d == e, !training) << "dropout is the identity when not training";
+    const TensorId w = b.linear(d, 3);
+    EXPECT_EQ(g.tensors.name[w], "linear2.y") << "layer names do not depend on training";
+    const TensorId sq = b.reshape(b.linear(w, 5), graph::Shape{2, 5, 5});
+    EXPECT_EQ(g.tensors.shape[b.causal_mask(sq)], (graph::Shape{2, 5, 5}));
+  }
+}
+
 TEST(OpTable, ReshapeToAnotherElementCountIsABuildError) {
   graph::Graph g;
   graph::Builder b(g, 2, graph::Shape{12}, 4);

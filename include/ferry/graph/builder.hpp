@@ -53,6 +53,18 @@ class Builder {
   TensorId mul(TensorId a, TensorId b);      // elementwise product, same shapes
   TensorId scale(TensorId x, float factor);  // x * factor
 
+  // Sequence ops (named rows). A table [vocab, dim] looked up by i32 ids [...] -> [..., dim];
+  // ids outside [0, vocab) read zeros on the device (validate them where the batch is staged).
+  TensorId embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim);
+  // scores [..., T, T] with every (i, j > i) set to -inf, for a following softmax.
+  TensorId causal_mask(TensorId scores);
+  // x * m / (1 - p), m drawn per step and element from `seed`; the identity in graphs built
+  // with training(false) (evaluation) and for p = 0.
+  TensorId dropout(TensorId x, float p, std::uint32_t seed);
+  // Whether the graph being built trains (dropout is active); true unless set.
+  void set_training(bool training) { training_ = training; }
+  bool training() const { return training_; }
+
   // Ends the forward pass: softmax cross-entropy of `logits` [batch, classes] against the labels.
   // Returns the stats tensor ([2]: mean loss, correct count), which becomes the graph's loss.
   TensorId softmax_xent(TensorId logits);
@@ -75,6 +87,7 @@ class Builder {
   std::uint32_t batch_, classes_;
   TensorId input_, labels_;
   std::uint32_t layer_count_ = 0;
+  bool training_ = true;
 };
 
 }  // namespace ferry::graph
