@@ -1,8 +1,194 @@
 // Rows of batched matmul of two activations and softmax over the last axis.
+//
+//   matmul         c = alpha op(a) op(b)          in: a b     out: c
+//                  attrs.i[0] = 1: a is stored transposed ([..., K, M]); i[1] = 1: b is ([..., N, K]);
+//                  attrs.f[0] = alpha, the scale of the product (0, the default, means 1).
+//   matmul_grad_a  da = alpha dy op(b)^T, stored like a   in: dy b    out: da   (the forward's attrs)
+//   matmul_grad_b  db = alpha op(a)^T dy, stored like b   in: a dy    out: db   (the forward's attrs)
+//   softmax        y = softmax(x) over the last axis      in: x       out: y
+//   softmax_grad   dx = y (dy - sum(dy y, last axis))     in: y dy    out: dx
+#include "ferry/ops/matmul.hpp"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "ferry/ops/softmax.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
+namespace {
 
-void register_matmul_rows(const AddNamedRow&) {}
+bool flag(const NodeAttrs& a, std::size_t i) {
+  return a.i[i] != 0;
+}
+float alpha(const NodeAttrs& a) {
+  return a.f[0] == 0.0f ? 1.0f : a.f[0];
+}
+MatmulShape product(const Shape& a, const Shape& b, const NodeAttrs& attrs) {
+  return matmul_shape(a, b, flag(attrs, 0), flag(attrs, 1));
+}
+
+// The forward product of a gradient node: grad_a knows a's shape from its output da, grad_b knows
+// b's from its output db.
+MatmulShape forward_of_grad_a(const ShapeView& v) {  // in: dy b  out: da
+  return product(v.output(0).shape, v.input(1).shape, v.attrs());
+}
+MatmulShape forward_of_grad_b(const ShapeView& v) {  // in: a dy  out: db
+  return product(v.input(0).shape, v.output(0).shape, v.attrs());
+}
+
+OpInfo matmul_row(OpId grad_a, OpId grad_b) {  // in: a b  out: c
+  OpInfo r;
+  r.name = "matmul";
+  r.infer = [](const ShapeView& v) {
+    if (v.input_count() != 2) shape_error(v, fmt::format("matmul takes two inputs (a, b), got {}", v.input_count()));
+    const NodeAttrs& at = v.attrs();
+    for (std::size_t i = 0; i < 2; ++i) {
+      if (at.i[i] != 0 && at.i[i] != 1) {
+        shape_error(v, fmt::format("attrs.i[{}] (transpose {}) must be 0 or 1, got {}", i, i ? "b" : "a", at.i[i]));
+      }
+    }
+    try {
+      const Shape out = matmul_output_shape(v.input(0).shape, v.input(1).shape, flag(at, 0), flag(at, 1));
+      return std::vector<TensorDesc>{{out, v.input(0).dtype}};
+    } catch (const std::invalid_argument& e) {
+      shape_error(v, e.what());
+    }
+  };
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return matmul_scratch_elems(env, product(v.input(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    return matmul(c.env(), product(c.input(0).shape, c.input(1).shape, c.attrs()), alpha(c.attrs()), c.in(0), c.in(1),
+                  c.out(0), c.scratch());
+  };
+  r.backward = [grad_a, grad_b](GradContext& g) {
+    const auto in = g.inputs();
+    const TensorRef dy = g.grad(g.outputs()[0]);
+    if (dy == no_ref) return;
+    const TensorRef a = in[0], b = in[1];
+    if (g.needs_grad(a)) {
+      const TensorRef da = g.new_grad(a);
+      const TensorRef ins[] = {dy, b};
+      const TensorRef outs[] = {da};
+      g.emit(grad_a, ".grad_a", ins, outs, g.attrs());
+      g.contribute(a, da);
+    }
+    if (g.needs_grad(b)) {
+      const TensorRef db = g.new_grad(b);
+      const TensorRef ins[] = {a, dy};
+      const TensorRef outs[] = {db};
+      g.emit(grad_b, ".grad_b", ins, outs, g.attrs());
+      g.contribute(b, db);
+    }
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::matmul<double>(product(c.input(0).shape, c.input(1).shape, c.attrs()), alpha(c.attrs()), c.real(in[0]),
+                        c.real(in[1]), c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+OpInfo matmul_grad_a_row() {  // in: dy b  out: da
+  OpInfo r;
+  r.name = "matmul_grad_a";
+  r.op_class = OpClass::backward;
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return matmul_grad_a_scratch_elems(env, forward_of_grad_a(v)) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    return matmul_grad_a(c.env(), forward_of_grad_a(c), alpha(c.attrs()), c.in(0), c.in(1), c.out(0), c.scratch());
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::matmul_grad_a<double>(forward_of_grad_a(c), alpha(c.attrs()), c.real(in[0]), c.real(in[1]),
+                               c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+OpInfo matmul_grad_b_row() {  // in: a dy  out: db
+  OpInfo r;
+  r.name = "matmul_grad_b";
+  r.op_class = OpClass::backward;
+  r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
+    return matmul_grad_b_scratch_elems(env, forward_of_grad_b(v)) * sizeof(float);
+  };
+  r.bind = [](const BindContext& c) {
+    return matmul_grad_b(c.env(), forward_of_grad_b(c), alpha(c.attrs()), c.in(0), c.in(1), c.out(0), c.scratch());
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    ref::matmul_grad_b<double>(forward_of_grad_b(c), alpha(c.attrs()), c.real(in[0]), c.real(in[1]),
+                               c.real(c.outputs()[0]));
+  };
+  return r;
+}
+
+// [rows, cols] of a tensor seen as rows of its last axis.
+std::pair<std::size_t, std::size_t> rows_cols(const Shape& s) {
+  const std::size_t cols = s[s.rank - 1];
+  return {cols == 0 ? 0 : s.elems() / cols, cols};
+}
+
+OpInfo softmax_row(OpId grad) {  // in: x  out: y
+  OpInfo r;
+  r.name = "softmax";
+  r.infer = [](const ShapeView& v) {
+    if (v.input_count() != 1) shape_error(v, fmt::format("softmax takes one input, got {}", v.input_count()));
+    const Shape x = v.input(0).shape;
+    if (x.rank == 0 || x[x.rank - 1] == 0) {
+      shape_error(v, fmt::format("input has shape {}; softmax needs a non-empty last axis", x.str()));
+    }
+    return std::vector<TensorDesc>{{x, v.input(0).dtype}};
+  };
+  r.bind = [](const BindContext& c) {
+    const auto [rows, cols] = rows_cols(c.input(0).shape);
+    return softmax_forward(c.env(), c.in(0), c.out(0), rows, cols);
+  };
+  r.backward = [grad](GradContext& g) {
+    const TensorRef x = g.inputs()[0], y = g.outputs()[0];
+    const TensorRef dy = g.grad(y);
+    if (dy == no_ref || !g.needs_grad(x)) return;
+    const TensorRef dx = g.new_grad(x);
+    const TensorRef ins[] = {y, dy};
+    const TensorRef outs[] = {dx};
+    g.emit(grad, ".grad", ins, outs, g.attrs());
+    g.contribute(x, dx);
+  };
+  r.reference = [](RefContext& c) {
+    const auto [rows, cols] = rows_cols(c.input(0).shape);
+    ref::softmax_forward<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), rows, cols);
+  };
+  return r;
+}
+
+OpInfo softmax_grad_row() {  // in: y dy  out: dx
+  OpInfo r;
+  r.name = "softmax_grad";
+  r.op_class = OpClass::backward;
+  r.bind = [](const BindContext& c) {
+    const auto [rows, cols] = rows_cols(c.input(0).shape);
+    return softmax_backward(c.env(), c.in(0), c.in(1), c.out(0), rows, cols);
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    const auto [rows, cols] = rows_cols(c.input(0).shape);
+    ref::softmax_backward<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]), rows, cols);
+  };
+  return r;
+}
+
+}  // namespace
+
+void register_matmul_rows(const AddNamedRow& add) {
+  const OpId grad_a = add(matmul_grad_a_row());
+  const OpId grad_b = add(matmul_grad_b_row());
+  add(matmul_row(grad_a, grad_b));
+  const OpId softmax_grad = add(softmax_grad_row());
+  add(softmax_row(softmax_grad));
+}
 
 }  // namespace ferry::ops::table
