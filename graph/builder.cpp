@@ -205,6 +205,22 @@ TensorId Builder::scale(TensorId x, float factor) {
   return emit(op, next_name("scale"), ins, attrs, {".y"})[0];
 }
 
+TensorId Builder::matmul(TensorId a, TensorId b, bool transpose_a, bool transpose_b, float scale) {
+  static const ops::OpId op = named("matmul");
+  NodeAttrs attrs;
+  attrs.i[0] = transpose_a ? 1 : 0;
+  attrs.i[1] = transpose_b ? 1 : 0;
+  attrs.f[0] = scale;
+  const TensorId ins[] = {a, b};
+  return emit(op, next_name("matmul"), ins, attrs, {".y"})[0];
+}
+
+TensorId Builder::softmax(TensorId x) {
+  static const ops::OpId op = named("softmax");
+  const TensorId ins[] = {x};
+  return emit(op, next_name("softmax"), ins, {}, {".y"})[0];
+}
+
 TensorId Builder::embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim) {
   static const ops::OpId op = named("embedding");
   const std::string name = next_name("embedding");

@@ -390,7 +390,15 @@ TEST(OpTable, BuilderSequenceMethodsAndDropoutOnlyWhenTraining) {
     const TensorId w = b.linear(d, 3);
     EXPECT_EQ(g.tensors.name[w], "linear2.y") << "layer names do not depend on training";
     const TensorId sq = b.reshape(b.linear(w, 5), graph::Shape{2, 5, 5});
-    EXPECT_EQ(g.tensors.shape[b.causal_mask(sq)], (graph::Shape{2, 5, 5}));
+    const TensorId masked = b.causal_mask(sq);
+    EXPECT_EQ(g.tensors.shape[masked], (graph::Shape{2, 5, 5}));
+    // Attention's shape: softmax(q kᵀ / sqrt(d)) v.
+    const TensorId q = b.linear(w, 4), k = b.linear(w, 4), v = b.linear(w, 4);
+    const TensorId scores = b.matmul(q, k, false, true, 0.5f);
+    EXPECT_EQ(g.tensors.shape[scores], (graph::Shape{2, 5, 5}));
+    EXPECT_EQ(g.nodes.attrs.back().f[0], 0.5f);
+    EXPECT_EQ(g.tensors.shape[b.matmul(b.softmax(b.causal_mask(scores)), v)], (graph::Shape{2, 5, 4}));
+    EXPECT_THROW(b.matmul(q, v), graph::BuildError) << "[2,5,4] x [2,5,4] does not multiply";
   }
 }
 

@@ -52,6 +52,11 @@ class Builder {
   TensorId permute(TensorId x, std::initializer_list<std::int32_t> perm);
   TensorId mul(TensorId a, TensorId b);      // elementwise product, same shapes
   TensorId scale(TensorId x, float factor);  // x * factor
+  // Batched product of two activations: a [..., M, K] x b [..., K, N] -> [..., M, N] (same
+  // leading axes; rank 2 to 4), either operand transposed, times `scale` (attention's 1/sqrt(d)).
+  TensorId matmul(TensorId a, TensorId b, bool transpose_a = false, bool transpose_b = false, float scale = 1.0f);
+  // Softmax over the last axis.
+  TensorId softmax(TensorId x);
 
   // Sequence ops (named rows). A table [vocab, dim] looked up by i32 ids [...] -> [..., dim];
   // ids outside [0, vocab) read zeros on the device (validate them where the batch is staged).
