@@ -291,9 +291,15 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
 
 // Lowering: dependencies between lanes, then the flow graph.
 void CompiledStep::lower(const cl::Context& context, bool serial) {
+  build_flow_graph(context, serial, order_nodes(serial));
+}
+
+// Each node's predecessors: the node before it on its lane (in-order queues keep that order),
+// the latest conflicting node of every other lane (also its OpenCL wait list), and with `serial`
+// the node before it in the static order.
+std::vector<std::vector<NodeId>> CompiledStep::order_nodes(bool serial) {
   auto& t = graph_.tensors;
   auto& n = graph_.nodes;
-  // 5. Dependencies: same lane -> chain; other lanes -> edge + event wait where bytes overlap.
   std::vector<std::vector<ByteAccess>> accesses(n.size());
   for (NodeId id = 0; id < n.size(); ++id) {
     auto add = [&](TensorId tid, bool write) {
@@ -330,8 +336,17 @@ void CompiledStep::lower(const cl::Context& context, bool serial) {
         (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent);
     impl_->commits_other_slot = impl_->commits_other_slot || writes_state_on_host;
   }
+  return preds;
+}
 
-  // 6. The flow graph.
+// The flow graph: a node per step node (plus an event gate and a worker node for host-lane
+// nodes), edges from the predecessors, and the finish gate after every lane's last node.
+void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
+                                    const std::vector<std::vector<NodeId>>& preds) {
+  auto& n = graph_.nodes;
+  std::array<NodeId, 4> last_on_lane;
+  last_on_lane.fill(static_cast<NodeId>(-1));
+  for (NodeId id = 0; id < n.size(); ++id) last_on_lane[static_cast<int>(n.lane[id])] = id;
   impl_->events.resize(n.size());
   impl_->wait_lists.resize(n.size());
   impl_->gates.resize(n.size());

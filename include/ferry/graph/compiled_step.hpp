@@ -134,6 +134,8 @@ class CompiledStep {
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared, const MemoryPlanOptions& mopt);
   void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);
   void lower(const cl::Context& context, bool serial);
+  std::vector<std::vector<NodeId>> order_nodes(bool serial);
+  void build_flow_graph(const cl::Context& context, bool serial, const std::vector<std::vector<NodeId>>& preds);
   // Host memory of a host-resident tensor: its current value, or where its next value goes.
   std::byte* host_address(TensorId id, bool next) const;
   // Runs a host-lane node (an optimizer update on the host) on the calling TBB worker.
