@@ -360,8 +360,8 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
           const auto& nodes = graph_.nodes;
           cl::OpScope scope(nodes.name[id]);
           try {
-            if (fail_node_ == id) {
-              fail_node_ = static_cast<NodeId>(-1);
+            // A host-lane node's failure is injected where its work runs (run_host_node).
+            if (nodes.lane[id] != Lane::host && take_injected_failure(id)) {
               throw std::runtime_error("injected failure");
             }
             // Reused every step: its capacity stays, so building a wait list allocates nothing.
@@ -483,8 +483,7 @@ class HostNode final : public NodeView<ops::HostContext> {
 void CompiledStep::run_host_node(NodeId id) {
   const auto& nodes = graph_.nodes;
   cl::OpScope scope(nodes.name[id]);
-  if (fail_node_ == id) {
-    fail_node_ = static_cast<NodeId>(-1);
+  if (take_injected_failure(id)) {
     throw std::runtime_error(
         fmt::format("step node '{}' (host {}): injected failure", nodes.name[id], op_name(nodes.op[id])));
   }

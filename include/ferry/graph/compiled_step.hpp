@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -124,7 +125,7 @@ class CompiledStep {
   std::vector<TimelineEntry> timeline() const;
 
   // Test hook: node `n` throws when it next runs (to check cancellation and recovery).
-  void inject_failure(NodeId n) { fail_node_ = n; }
+  void inject_failure(NodeId n) { fail_node_.store(n); }
 
  private:
   struct Impl;
@@ -145,7 +146,13 @@ class CompiledStep {
   ResidencyReport residency_;
   std::shared_ptr<PersistentArena> persistent_;
   std::unique_ptr<Impl> impl_;
-  NodeId fail_node_ = static_cast<NodeId>(-1);
+  // The node inject_failure() named; nodes run concurrently, so the one that takes it does so
+  // with a compare-exchange.
+  std::atomic<NodeId> fail_node_{static_cast<NodeId>(-1)};
+  bool take_injected_failure(NodeId id) {
+    NodeId expected = id;
+    return fail_node_.compare_exchange_strong(expected, static_cast<NodeId>(-1));
+  }
   std::vector<PassTiming> pass_timings_;
 };
 
