@@ -220,6 +220,14 @@ std::vector<std::string> Trainer::parameter_names() const {
   return names;
 }
 
+void Trainer::set_lr(float lr) {
+  if (!std::isfinite(lr) || lr < 0.0f) {
+    throw std::invalid_argument(fmt::format(
+        "learning rate must be a finite number >= 0, got {}: the trainer keeps {} (step {})", lr, lr_, steps_ + 1));
+  }
+  lr_ = lr;
+}
+
 graph::Residency Trainer::home_of(graph::Role role) const {
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {

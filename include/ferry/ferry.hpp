@@ -14,6 +14,7 @@
 #include "ferry/ops/op_table.hpp"
 #include "ferry/ops/types.hpp"
 #include "ferry/runtime/fashion_mnist.hpp"
+#include "ferry/runtime/lr_schedule.hpp"
 #include "ferry/runtime/memory_profile.hpp"
 #include "ferry/runtime/model.hpp"
 #include "ferry/runtime/runtime.hpp"

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "ferry/ferry.hpp"
+#include "ferry/runtime/lr_schedule.hpp"
 
 namespace {
 
@@ -144,9 +145,7 @@ int cmd_train(const TrainArgs& a) {
   if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
   if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
   if (!a.device_budget.empty()) opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
-  if (a.schedule != "cosine" && a.schedule != "constant") {
-    throw std::invalid_argument(fmt::format("unknown schedule '{}': use cosine or constant", a.schedule));
-  }
+  const ferry::LrSchedule::Kind schedule_kind = ferry::parse_schedule(a.schedule);
   if (train.count < opt.batch) {
     throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", opt.batch, train.count));
   }
@@ -190,6 +189,11 @@ int cmd_train(const TrainArgs& a) {
   const std::size_t sample = train.sample_elems();
   const std::size_t steps_per_epoch = train.count / batch;
   const std::size_t total_steps = steps_per_epoch * a.epochs;
+  ferry::LrSchedule schedule;
+  schedule.kind = schedule_kind;
+  schedule.peak = a.lr;
+  schedule.total_steps = total_steps;
+  schedule.validate();
   std::vector<std::size_t> order(train.count);
   std::iota(order.begin(), order.end(), 0);
   std::mt19937_64 rng(a.seed);
@@ -213,9 +217,7 @@ int cmd_train(const TrainArgs& a) {
         labels[i] = train.labels[idx];
       }
       const std::size_t global_step = (epoch - 1) * steps_per_epoch + s;
-      if (a.schedule == "cosine") {
-        trainer.set_lr(a.lr * 0.5f * (1.0f + std::cos(static_cast<float>(M_PI) * global_step / total_steps)));
-      }
+      trainer.set_lr(schedule.at(global_step));
       const auto r = trainer.step(images, labels);
       loss_sum += r.loss;
       if (global_step > 0) {  // the first step includes one-off costs

@@ -56,7 +56,8 @@ class Trainer {
   EvalResult evaluate(const Dataset& data);
 
   float lr() const noexcept { return lr_; }
-  void set_lr(float lr) noexcept { lr_ = lr; }
+  // Throws std::invalid_argument for a learning rate that is negative or not finite.
+  void set_lr(float lr);
   std::uint64_t steps_done() const noexcept { return steps_; }
   const TrainerOptions& options() const noexcept { return options_; }
   const ModelSpec& model() const noexcept { return model_; }
