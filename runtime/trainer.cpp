@@ -248,6 +248,39 @@ Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
   throw std::invalid_argument(fmt::format("model '{}' has no weight or optimizer state named '{}'", model_.name, name));
 }
 
+std::vector<std::string> Trainer::tensor_names() const {
+  std::vector<std::string> names = parameter_names();
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::optimizer_state && t.alias_of[id] == graph::no_tensor) names.push_back(t.name[id]);
+  }
+  return names;
+}
+
+void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
+  const auto& t = train_->graph().tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor || t.name[id] != name) continue;
+    if (value.dtype != t.dtype[id] || !(value.shape == t.shape[id]) || value.bytes.size() != t.bytes(id)) {
+      throw std::invalid_argument(fmt::format("cannot write '{}': it is {} {}, the value is {} {} ({} bytes)", name,
+                                              graph::dtype_name(t.dtype[id]), t.shape[id].str(),
+                                              graph::dtype_name(value.dtype), value.shape.str(), value.bytes.size()));
+    }
+    if (value.dtype == graph::DType::f32) {
+      const auto* f = reinterpret_cast<const float*>(value.bytes.data());
+      for (std::size_t i = 0; i < t.shape[id].elems(); ++i) {
+        if (!std::isfinite(f[i])) {
+          throw std::invalid_argument(
+              fmt::format("cannot write '{}': element {} is not finite ({}); nothing was written", name, i, f[i]));
+        }
+      }
+    }
+    train_->persistent()->write(t.home[id], t.placement[id], value.bytes.data(), value.bytes.size());
+    return;
+  }
+  throw std::invalid_argument(fmt::format("model '{}' has no weight or optimizer state named '{}'", model_.name, name));
+}
+
 std::vector<float> Trainer::read_parameter(const std::string& name) const {
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {

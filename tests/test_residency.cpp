@@ -497,3 +497,38 @@ TEST(ResidencyHomes, HomesWithoutAStoreOrThatConflictAreClearErrors) {
 
 }  // namespace
 }  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+// Every persistent tensor is listed, read and written by name, in every home, and bad writes
+// change nothing.
+TEST(ResidencyHomes, PersistentTensorsAreReadAndWrittenByNameInEveryHome) {
+  Runtime rt;
+  std::vector<TrainerOptions> configs = {options(graph::ResidencyMode::resident, 0),
+                                         options(graph::ResidencyMode::stream, 0)};
+  if (rt.device().host_unified_memory) configs.push_back(options(graph::ResidencyMode::mapped, 0));
+  for (const auto& o : configs) {
+    Trainer t(rt, small_mlp(), o);
+    const auto names = t.tensor_names();
+    ASSERT_EQ(names.size(), 3 * t.parameter_names().size()) << "Adam keeps two moments per weight";
+    for (const auto& name : names) {
+      Trainer::HostTensor v = t.read_tensor(name);
+      auto* f = reinterpret_cast<float*>(v.bytes.data());
+      for (std::size_t i = 0; i < v.shape.elems(); ++i) f[i] = 0.5f + static_cast<float>(i % 7);
+      t.write_tensor(name, v);
+      EXPECT_EQ(t.read_tensor(name).bytes, v.bytes) << name;
+    }
+    Trainer::HostTensor w = t.read_tensor(names[0]);
+    const auto before = w.bytes;
+    reinterpret_cast<float*>(w.bytes.data())[3] = std::nanf("");
+    EXPECT_THROW(t.write_tensor(names[0], w), std::invalid_argument);
+    w.shape = graph::Shape{1};
+    EXPECT_THROW(t.write_tensor(names[0], w), std::invalid_argument);
+    EXPECT_THROW(t.write_tensor("no.such.tensor", w), std::invalid_argument);
+    EXPECT_EQ(t.read_tensor(names[0]).bytes, before) << "a refused write changes nothing";
+  }
+}
+
+}  // namespace
+}  // namespace ferry::test

@@ -94,6 +94,12 @@ class Trainer {
   // or a tensor stored in another dtype.
   std::vector<float> read_parameter(const std::string& name) const;
   std::vector<std::string> parameter_names() const;
+  // Every persistent tensor: the weights, then the optimizer state, in creation order.
+  std::vector<std::string> tensor_names() const;
+  // Replaces a persistent tensor's value (between steps; e.g. to load weights). Throws
+  // std::invalid_argument for an unknown name, another dtype or shape, or a non-finite f32 value,
+  // and then changes nothing.
+  void write_tensor(const std::string& name, const HostTensor& value);
 
  private:
   graph::Graph build_graph(std::uint32_t batch, bool training) const;
