@@ -2,20 +2,9 @@
 // (buffer, element offset) pairs.
 //
 // Reductions are deterministic: fixed strided partial sums per work-item, then a fixed tree in
-// local memory (power-of-two local sizes), no atomics.
+// local memory (reduce.clh), no atomics.
 
-float group_sum(float v, __local float* scratch) {
-  const uint lid = get_local_id(0);
-  scratch[lid] = v;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
-    if (lid < s) scratch[lid] += scratch[lid + s];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-  const float r = scratch[0];
-  barrier(CLK_LOCAL_MEM_FENCE);  // the scratch is reused by the next reduction
-  return r;
-}
+#include "reduce.clh"
 
 // One work-group per row. Two passes over the row (mean, then the centred variance), which is
 // stable where E[x^2] - E[x]^2 would cancel.

@@ -10,31 +10,7 @@
 // order, then the work-group combines the partial results with a fixed tree in local memory. No
 // atomics, so every run gives the same bits.
 
-float softmax_group_max(float v, __local float* scratch) {
-  const uint lid = get_local_id(0);
-  scratch[lid] = v;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
-    if (lid < s) scratch[lid] = fmax(scratch[lid], scratch[lid + s]);
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-  const float r = scratch[0];
-  barrier(CLK_LOCAL_MEM_FENCE);  // the scratch is reused by the next reduction
-  return r;
-}
-
-float softmax_group_sum(float v, __local float* scratch) {
-  const uint lid = get_local_id(0);
-  scratch[lid] = v;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
-    if (lid < s) scratch[lid] += scratch[lid + s];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-  const float r = scratch[0];
-  barrier(CLK_LOCAL_MEM_FENCE);
-  return r;
-}
+#include "reduce.clh"
 
 #if VW == 16
 #define VCOLS(cols) ((cols) / 16 * 16)  // columns taken in float16 chunks
@@ -70,7 +46,7 @@ __kernel void softmax_forward(__global const float* x, ulong x_off, __global flo
   for (uint c = lid * 16; c < vcols; c += ls * 16) mv = fmax(mv, vload16(0, xr + c));
   float m = fold_max16(mv);
   for (uint c = vcols + lid; c < cols; c += ls) m = fmax(m, xr[c]);
-  m = softmax_group_max(m, scratch);
+  m = group_max(m, scratch);
 
   float16 sv = 0.0f;
   for (uint c = lid * 16; c < vcols; c += ls * 16) {
@@ -84,7 +60,7 @@ __kernel void softmax_forward(__global const float* x, ulong x_off, __global flo
     yr[c] = e;
     s += e;
   }
-  s = softmax_group_sum(s, scratch);
+  s = group_sum(s, scratch);
 
   const float inv = 1.0f / s;
   for (uint c = lid * 16; c < vcols; c += ls * 16) vstore16(vload16(0, yr + c) * inv, 0, yr + c);
@@ -106,7 +82,7 @@ __kernel void softmax_backward(__global const float* y, ulong y_off, __global co
   for (uint c = lid * 16; c < vcols; c += ls * 16) sv = fma(vload16(0, dyr + c), vload16(0, yr + c), sv);
   float s = fold_sum16(sv);
   for (uint c = vcols + lid; c < cols; c += ls) s = fma(dyr[c], yr[c], s);
-  s = softmax_group_sum(s, scratch);
+  s = group_sum(s, scratch);
 
   for (uint c = lid * 16; c < vcols; c += ls * 16) {
     const float16 yv = vload16(0, yr + c);

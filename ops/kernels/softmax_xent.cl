@@ -2,34 +2,9 @@
 // (buffer, element offset) pairs; the label offset counts int32 elements.
 //
 // Reductions are deterministic: each work-item accumulates a fixed strided subset in order, then
-// the work-group combines the partial results with a fixed tree in local memory (the local size
-// is a power of two). No atomics, so every run gives the same bits.
+// the work-group combines the partial results (reduce.clh).
 
-float group_max(float v, __local float* scratch) {
-  const uint lid = get_local_id(0);
-  scratch[lid] = v;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
-    if (lid < s) scratch[lid] = fmax(scratch[lid], scratch[lid + s]);
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-  const float r = scratch[0];
-  barrier(CLK_LOCAL_MEM_FENCE);  // the scratch is reused by the next reduction
-  return r;
-}
-
-float group_sum(float v, __local float* scratch) {
-  const uint lid = get_local_id(0);
-  scratch[lid] = v;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint s = get_local_size(0) / 2; s > 0; s /= 2) {
-    if (lid < s) scratch[lid] += scratch[lid + s];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-  const float r = scratch[0];
-  barrier(CLK_LOCAL_MEM_FENCE);
-  return r;
-}
+#include "reduce.clh"
 
 // probs[r, :] = softmax(logits[r, :]), one work-group per row, max-subtracted.
 __kernel void softmax_xent_probs(__global const float* logits, ulong logits_off, __global float* probs, ulong probs_off,
