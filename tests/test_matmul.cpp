@@ -18,6 +18,7 @@
 #include "ferry/ops/op_table.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
+#include "train_check.hpp"
 
 namespace ferry::test {
 namespace {
@@ -247,24 +248,7 @@ TEST(MatmulRows, AttentionModelTrainsOnTheDeviceLikeItsReference) {
   EXPECT_EQ(kinds["softmax"], 2);
   EXPECT_EQ(kinds["softmax_grad"], 2);
 
-  ReferenceExecutor ref(g, topt.optimizer);
-  for (const auto& name : trainer.parameter_names())
-    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
-  for (std::uint32_t s = 0; s < 4; ++s) {
-    const auto images = random_vector(topt.batch * 36, 50 + s);
-    std::vector<std::int32_t> labels(topt.batch);
-    for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>((i * 3 + s) % 5);
-    const auto r = trainer.step(images, labels);
-    ref.value(ref.find("input")) = to_double(images);
-    ref.ints(ref.find("labels")) = labels;
-    ref.run(ops::StepInfo{s + 1, topt.lr});
-    EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
-  }
-  for (const auto& name : trainer.parameter_names()) {
-    const auto device = trainer.read_parameter(name);
-    const auto& host = ref.value(ref.find(name));
-    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-4) << name << "[" << i << "]";
-  }
+  expect_training_matches_reference(trainer, 4, 50, 3);
 }
 
 TEST(MatmulRows, GradientsThroughTheGraphMatchFiniteDifferences) {

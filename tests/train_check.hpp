@@ -1,0 +1,45 @@
+// One check many suites share: a trainer's steps on the device against the same steps on the CPU
+// reference executor, from the same initial weights.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "ferry/ferry.hpp"
+#include "reference_executor.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+
+// Runs `steps` steps of random inputs in [lo, hi) (seeded from `seed`) and labels
+// (i * label_stride + step) % classes on `trainer` and on the reference executor; expects the
+// losses to agree to 1e-4 (relative) and every parameter afterwards to 1e-4.
+inline void expect_training_matches_reference(Trainer& trainer, std::uint32_t steps, std::uint32_t seed,
+                                              std::uint32_t label_stride = 7, float lo = -1.0f, float hi = 1.0f) {
+  const auto& topt = trainer.options();
+  const std::size_t sample = trainer.model().sample_shape.elems();
+  const std::uint32_t classes = trainer.model().classes;
+  ReferenceExecutor ref(trainer.train_step().graph(), topt.optimizer);
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  for (std::uint32_t s = 0; s < steps; ++s) {
+    const auto images = random_vector(topt.batch * sample, seed + s, lo, hi);
+    std::vector<std::int32_t> labels(topt.batch);
+    for (std::size_t i = 0; i < labels.size(); ++i)
+      labels[i] = static_cast<std::int32_t>((i * label_stride + s) % classes);
+    const auto r = trainer.step(images, labels);
+    ref.value(ref.find("input")) = to_double(images);
+    ref.ints(ref.find("labels")) = labels;
+    ref.run(ops::StepInfo{s + 1, trainer.lr()});
+    EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+  }
+  for (const auto& name : trainer.parameter_names()) {
+    const auto device = trainer.read_parameter(name);
+    const auto& host = ref.value(ref.find(name));
+    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-4) << name << "[" << i << "]";
+  }
+}
+
+}  // namespace ferry::test
