@@ -13,8 +13,7 @@ namespace {
 constexpr std::size_t chunk = 1 << 14;
 }  // namespace
 
-void host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s,
-                      std::size_t n) {
+void host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n) {
   if (step.step == 0) throw std::invalid_argument("host Adam update: step must start at 1 (bias correction)");
   const float lr = step.lr, b1 = c.beta1, b2 = c.beta2, eps = c.eps, wd = c.weight_decay;
   const float bc1 = 1.0f - std::pow(b1, static_cast<float>(step.step));

@@ -3,8 +3,8 @@
 #pragma once
 
 #include <cmath>
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include "ferry/ops/launch.hpp"

@@ -30,8 +30,7 @@ struct SgdSlots {
   float* velocity_out;
 };
 
-void host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s,
-                      std::size_t n);
+void host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n);
 void host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
 
 }  // namespace ferry::ops
