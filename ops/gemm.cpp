@@ -33,11 +33,7 @@ GemmBackend backend_from_env() {
 GemmPlan plan(OpEnv& env, const GemmOptions& options) {
   GemmPlan p;
   if (!options.kernel.empty()) {
-    const std::string_view spec = options.kernel;
-    const std::size_t space = spec.find(' ');
-    p.config = parse_gemm_kernel_config(spec.substr(0, space),
-                                        space == std::string_view::npos ? std::string_view{} : spec.substr(space + 1),
-                                        "GemmOptions::kernel");
+    p.config = parse_gemm_kernel_spec(options.kernel, "GemmOptions::kernel");
     p.origin = "GemmOptions::kernel";
     p.backend = options.backend == GemmBackend::clblast ? GemmBackend::clblast : GemmBackend::ferry;
   } else {

@@ -101,6 +101,12 @@ std::string GemmKernelConfig::text() const {
   return out;
 }
 
+GemmKernelConfig parse_gemm_kernel_spec(std::string_view spec, const std::string& where) {
+  const std::size_t space = spec.find(' ');
+  return parse_gemm_kernel_config(spec.substr(0, space),
+                                  space == std::string_view::npos ? std::string_view{} : spec.substr(space + 1), where);
+}
+
 GemmKernelConfig parse_gemm_kernel_config(std::string_view kernel, std::string_view params, const std::string& where) {
   GemmKernelConfig c;
   if (kernel == "packed") {

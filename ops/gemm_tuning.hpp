@@ -42,6 +42,8 @@ std::vector<GemmTuningRow> parse_gemm_tuning(std::string_view text, const std::s
 
 // Parses "kernel KEY=VALUE ..."; `where` prefixes error messages.
 GemmKernelConfig parse_gemm_kernel_config(std::string_view kernel, std::string_view params, const std::string& where);
+// Parses one spec string "kernel KEY=VALUE ..." (GemmOptions::kernel, MatmulOptions::kernel).
+GemmKernelConfig parse_gemm_kernel_spec(std::string_view spec, const std::string& where);
 
 // The first row of the active tuning data matching the device; throws if none matches.
 GemmTuningRow gemm_tuning_for(const cl::DeviceInfo& device);

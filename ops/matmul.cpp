@@ -21,11 +21,7 @@ struct MatmulPlan {
 MatmulPlan plan(OpEnv& env, const MatmulOptions& options) {
   MatmulPlan p;
   if (!options.kernel.empty()) {
-    const std::string_view spec = options.kernel;
-    const std::size_t space = spec.find(' ');
-    p.config = parse_gemm_kernel_config(spec.substr(0, space),
-                                        space == std::string_view::npos ? std::string_view{} : spec.substr(space + 1),
-                                        "MatmulOptions::kernel");
+    p.config = parse_gemm_kernel_spec(options.kernel, "MatmulOptions::kernel");
     p.origin = "MatmulOptions::kernel";
   } else {
     // The GEMM row's ferry kernel, whatever backend it names: CLBlast's batched GEMM is not bound.
