@@ -154,9 +154,9 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   done("check dtypes");
   assign_scratch(graph_, env);
   done("scratch");
-  const MemoryPlanOptions mopt = plan(context.device(), shared.get(), options.residency);
+  plan(context.device(), shared.get(), options.residency);
   done("residency and memory plan");
-  allocate(context, std::move(shared), mopt);
+  allocate(context, std::move(shared));
   done("arena");
   bind(env, optimizer, options.bind_kernels);
   done("bind");
@@ -165,8 +165,8 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
 }
 
 // Residency and the memory plan; persistent placements come from `shared` if given.
-MemoryPlanOptions CompiledStep::plan(const cl::DeviceInfo& device, const PersistentArena* shared,
-                                     const ResidencyOptions& residency) {
+void CompiledStep::plan(const cl::DeviceInfo& device, const PersistentArena* shared,
+                        const ResidencyOptions& residency) {
   auto& t = graph_.tensors;
   MemoryPlanOptions mopt;
   mopt.max_buffer_bytes = device.max_alloc_bytes;
@@ -185,13 +185,11 @@ MemoryPlanOptions CompiledStep::plan(const cl::DeviceInfo& device, const Persist
   ResidencyOptions ropt = residency;
   if (shared) ropt.mode = shared->mode;  // a variant lives where the model's weights live
   plan_ = plan_residency(graph_, ropt, device.host_unified_memory, mopt, residency_);
-  return mopt;
 }
 
 // The persistent arena (a store per home in use, unless a variant shares its model's), the step
 // buffers, and the host buffers of step tensors whose home is the host.
-void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
-                            const MemoryPlanOptions& mopt) {
+void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared) {
   auto& t = graph_.tensors;
   // 2. Arena buffers.
   if (shared) {
@@ -199,38 +197,20 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   } else {
     persistent_ = std::make_shared<PersistentArena>();
     persistent_->mode = residency_.mode;
-    // Each home gets its own buffers: persistent tensors are packed per home, in the plan's
-    // order, each buffer no larger than the device's largest allocation.
-    std::array<std::vector<std::uint64_t>, offload::home_count> sizes;
-    std::array<std::string, offload::home_count> names;
+    // A store per home in use, with the buffers the memory plan packed that home's tensors into.
+    std::array<std::string, offload::home_count> first_of;  // a tensor living there, for errors
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
-      const int h = static_cast<int>(t.home[id]);
-      if (!offload::home_available(t.home[id])) {
-        throw std::invalid_argument(
-            fmt::format("tensor '{}' has home '{}', which has no storage strategy yet: use "
-                        "device, host_pinned or host_mapped",
-                        t.name[id], offload::home_name(t.home[id])));
-      }
-      auto& buffers = sizes[h];
-      const std::uint64_t bytes = (t.bytes(id) + mopt.alignment - 1) / mopt.alignment * mopt.alignment;
-      if (buffers.empty() || buffers.back() + bytes > mopt.max_buffer_bytes) buffers.push_back(0);
-      t.placement[id] = {static_cast<std::uint32_t>(buffers.size() - 1), buffers.back()};
-      buffers.back() += bytes;
-      if (names[h].empty()) names[h] = fmt::format("{} ({}...)", role_name(t.role[id]), t.name[id]);
+      std::string& first = first_of[static_cast<int>(t.home[id])];
+      if (first.empty()) first = fmt::format("{} ({}...)", role_name(t.role[id]), t.name[id]);
       persistent_->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id]});
     }
     for (int h = 0; h < offload::home_count; ++h) {
-      if (sizes[h].empty()) continue;
+      if (plan_.persistent_buffers[h].empty()) continue;
       persistent_->homes[h] =
-          offload::make_home_store(static_cast<Residency>(h), context, sizes[h],
-                                   fmt::format("the weights and optimizer state, first {}", names[h]));
+          offload::make_home_store(static_cast<Residency>(h), context, plan_.persistent_buffers[h],
+                                   fmt::format("the weights and optimizer state, first {}", first_of[h]));
     }
-  }
-  // Views sit at their base's (re-)placement.
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (t.alias_of[id] != no_tensor && is_persistent(t.role[t.storage(id)]))
-      t.placement[id] = t.placement[t.storage(id)];
   }
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
     if (b < persistent_->step_buffers.size()) {

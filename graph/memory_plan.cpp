@@ -1,7 +1,7 @@
 // Liveness-based offset assignment, O(n log n) for the steps the models build.
 //
-// Persistent tensors live through every step: each goes at the end of the first buffer with room
-// (a bump allocation per buffer).
+// Persistent tensors live through every step: each goes at the end of the first buffer of its
+// home with room (a bump allocation per buffer).
 //
 // Step tensors (each of the transient and host_transient pools) are packed two ways:
 //   - heap simulation: a sweep over the node order that allocates the tensors first used at a
@@ -378,11 +378,11 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   std::sort(order.begin(), order.end(),
             [&](TensorId a, TensorId b) { return bytes[a] != bytes[b] ? bytes[a] > bytes[b] : a < b; });
 
-  BumpPacker persistent(options.max_buffer_bytes, options.alignment);
+  std::vector<BumpPacker> persistent(offload::home_count, BumpPacker(options.max_buffer_bytes, options.alignment));
   PoolTensors transient, host_transient;
   for (TensorId id : order) {
     if (plan.pool[id] == Pool::persistent) {
-      if (options.plan_persistent) t.placement[id] = persistent.place(bytes[id]);
+      if (options.plan_persistent) t.placement[id] = persistent[static_cast<int>(t.home[id])].place(bytes[id]);
       continue;
     }
     PoolTensors& p = plan.pool[id] == Pool::host_transient ? host_transient : transient;
@@ -417,11 +417,16 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   for (NodeId node = 0; node < n.size(); ++node)
     plan.live_bytes[node] = static_cast<std::uint64_t>(live += delta[node]);
 
-  plan.persistent_buffers = persistent.sizes();
+  for (int h = 0; h < offload::home_count; ++h) {
+    plan.persistent_buffers[h] = persistent[h].sizes();
+    for (auto b : plan.persistent_buffers[h]) {
+      plan.persistent_bytes += b;
+      if (static_cast<Residency>(h) == Residency::device) plan.persistent_device_bytes += b;
+    }
+  }
   plan.transient_buffers = transient_plan.sizes;
   plan.host_transient_buffers = host_plan.sizes;
   for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
-  for (auto b : plan.persistent_buffers) plan.persistent_bytes += b;
   for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {
     const bool existing = b < options.existing_transient_buffers.size();
     // A reused buffer occupies its full size on the device whatever part of it this plan uses.

@@ -314,10 +314,6 @@ ResidencyMode parse_residency_mode(const std::string& s) {
   throw std::invalid_argument(fmt::format("unknown residency mode '{}': use auto, resident, stream or mapped", s));
 }
 
-std::uint64_t device_bytes(const MemoryPlan& plan, ResidencyMode mode) {
-  return mode == ResidencyMode::resident ? plan.peak_bytes() : plan.transient_bytes;
-}
-
 void place_updates_early(Graph& g) {
   const auto& n = g.nodes;
   const auto& t = g.tensors;
@@ -365,18 +361,6 @@ void assign_homes(Graph& g, ResidencyMode preset, const ResidencyOptions& option
     const auto& role_home = t.role[id] == Role::weight ? options.weights_home : options.state_home;
     t.home[id] = role_home.value_or(preset_home(preset));
   }
-}
-
-// Device bytes of persistent tensors whose home is the device, as the arena packs them.
-std::uint64_t device_home_bytes(const Graph& g, const MemoryPlanOptions& mopt) {
-  std::uint64_t b = 0;
-  const auto& t = g.tensors;
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (is_persistent(t.role[id]) && t.alias_of[id] == no_tensor && t.home[id] == Residency::device) {
-      b += (t.bytes(id) + mopt.alignment - 1) / mopt.alignment * mopt.alignment;
-    }
-  }
-  return b;
 }
 
 void check_role_home(const char* role, const std::optional<Residency>& home, bool host_unified) {
@@ -439,7 +423,6 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     any_streamed = any_streamed || traits.needs_transfers;
     any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Residency::device);
   }
-  const std::uint64_t on_device = device_home_bytes(g, mopt);
   if (!any_streamed && !any_mapped) {
     MemoryPlan plan = plan_memory(g, mopt);
     if (plan.peak_bytes() > budget) {
@@ -463,7 +446,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
       }
     }
     MemoryPlan plan = plan_memory(g, mopt);
-    report.min_budget_bytes = plan.transient_bytes + on_device;
+    report.min_budget_bytes = plan.peak_bytes();
     if (report.min_budget_bytes > budget) {
       throw BudgetError(fmt::format("the step's activations and gradients (and device-home tensors) need {} on the "
                                     "device, over the budget of {}: raise the budget to at least {} or use a smaller "
@@ -474,8 +457,8 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     return plan;
   }
   // Stream the tensors whose home is pinned host memory: find the largest cache limit (and the
-  // lookahead) whose plan, with the device-home tensors, fits the budget.
-  const std::uint64_t stream_budget = budget > on_device ? budget - on_device : 0;
+  // lookahead) whose plan, with the device-home tensors (plan.peak_bytes() counts them), fits the
+  // budget.
   Graph base = g;
   place_updates_early(base);
   if (options.host_optimizer) move_updates_to_host(base);
@@ -489,29 +472,29 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   };
   ResidencyReport minimal_report;
   auto minimal = attempt(0, 0, minimal_report);
-  const std::uint64_t min_budget = minimal.second.transient_bytes;
-  if (min_budget > stream_budget) {
+  const std::uint64_t min_budget = minimal.second.peak_bytes();
+  if (min_budget > budget) {
     throw BudgetError(
         fmt::format("a device budget of {} is too small for this step: even with every layer fetched "
                     "just in time it needs {} (its largest layer's weights, gradients and optimizer "
                     "state with the activations they meet, and {} of device-home tensors); raise the "
                     "budget to at least {}",
-                    mib(budget), mib(min_budget + on_device), mib(on_device), mib(min_budget + on_device)),
-        min_budget + on_device);
+                    mib(budget), mib(min_budget), mib(minimal.second.persistent_device_bytes), mib(min_budget)),
+        min_budget);
   }
-  std::uint64_t cache = stream_budget - min_budget;
+  std::uint64_t cache = budget - min_budget;
   std::uint32_t lookahead = options.lookahead;
   for (int tries = 0; tries < 24; ++tries) {
     ResidencyReport r;
     auto candidate = attempt(cache, lookahead, r);
-    if (candidate.second.transient_bytes <= stream_budget) {
+    if (candidate.second.peak_bytes() <= budget) {
       g = std::move(candidate.first);
       report = r;
       report.mode = mode;
-      report.min_budget_bytes = min_budget + on_device;
+      report.min_budget_bytes = min_budget;
       return std::move(candidate.second);
     }
-    const std::uint64_t excess = candidate.second.transient_bytes - stream_budget;
+    const std::uint64_t excess = candidate.second.peak_bytes() - budget;
     if (cache == 0) {
       if (lookahead == 0) break;
       --lookahead;  // prefetching further ahead costs memory: give some back
@@ -522,7 +505,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   g = std::move(minimal.first);
   report = minimal_report;
   report.mode = mode;
-  report.min_budget_bytes = min_budget + on_device;
+  report.min_budget_bytes = min_budget;
   return std::move(minimal.second);
 }
 

@@ -227,9 +227,12 @@ void check_plan(const graph::Graph& g, const graph::MemoryPlan& plan, const grap
     return (std::max<std::uint64_t>(t.bytes(id), 1) + o.alignment - 1) / o.alignment * o.alignment;
   };
   for (graph::Pool pool : {graph::Pool::persistent, graph::Pool::transient, graph::Pool::host_transient}) {
-    const auto& buffer_sizes = pool == graph::Pool::persistent  ? plan.persistent_buffers
-                               : pool == graph::Pool::transient ? plan.transient_buffers
-                                                                : plan.host_transient_buffers;
+    // Persistent tensors are packed per home: a placement's buffer counts within its home.
+    auto sizes_of = [&](TensorId id) -> const std::vector<std::uint64_t>& {
+      return pool == graph::Pool::persistent  ? plan.persistent_buffers[static_cast<int>(t.home[id])]
+             : pool == graph::Pool::transient ? plan.transient_buffers
+                                              : plan.host_transient_buffers;
+    };
     std::vector<TensorId> ids;
     for (TensorId id = 0; id < t.size(); ++id) {
       if (t.alias_of[id] == graph::no_tensor && first[id] != unused && plan.pool[id] == pool) ids.push_back(id);
@@ -237,6 +240,7 @@ void check_plan(const graph::Graph& g, const graph::MemoryPlan& plan, const grap
     if (pool == graph::Pool::persistent && !o.plan_persistent) continue;
     for (TensorId id : ids) {
       const auto& p = t.placement[id];
+      const auto& buffer_sizes = sizes_of(id);
       ASSERT_LT(p.buffer, buffer_sizes.size()) << t.name[id];
       EXPECT_EQ(p.offset_bytes % o.alignment, 0u) << t.name[id];
       EXPECT_LE(p.offset_bytes + t.bytes(id), buffer_sizes[p.buffer]) << t.name[id];
@@ -248,7 +252,7 @@ void check_plan(const graph::Graph& g, const graph::MemoryPlan& plan, const grap
         const TensorId a = ids[i], b = ids[j];
         const bool live_together = pool == graph::Pool::persistent || (first[a] <= last[b] && first[b] <= last[a]);
         const auto &pa = t.placement[a], &pb = t.placement[b];
-        if (!live_together || pa.buffer != pb.buffer) continue;
+        if (!live_together || pa.buffer != pb.buffer || t.home[a] != t.home[b]) continue;
         const bool overlap =
             pa.offset_bytes < pb.offset_bytes + t.bytes(b) && pb.offset_bytes < pa.offset_bytes + t.bytes(a);
         ASSERT_FALSE(overlap) << t.name[a] << " and " << t.name[b] << " share bytes while both live";
@@ -268,6 +272,7 @@ void check_plan(const graph::Graph& g, const graph::MemoryPlan& plan, const grap
     }
     const auto& existing = pool == graph::Pool::transient ? o.existing_transient_buffers : std::vector<std::uint64_t>{};
     const OldPlacement old = old_greedy(size, f, l, o.max_buffer_bytes, existing);
+    const auto& buffer_sizes = pool == graph::Pool::transient ? plan.transient_buffers : plan.host_transient_buffers;
     const std::uint64_t now = occupied(buffer_sizes, existing), before = occupied(old.sizes, existing);
     EXPECT_LE(now, before + before / 1024) << "pool " << static_cast<int>(pool);
   }

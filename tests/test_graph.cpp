@@ -65,12 +65,14 @@ TEST_P(ModelTest, MemoryPlanNeverOverlapsLiveTensors) {
   for (TensorId a = 0; a < t.size(); ++a) {
     if (t.alias_of[a] != graph::no_tensor || first[a] < 0) continue;
     EXPECT_EQ(t.placement[a].offset_bytes % mopt.alignment, 0u) << t.name[a];
-    const auto& buffers = plan.pool[a] == graph::Pool::persistent ? plan.persistent_buffers : plan.transient_buffers;
+    // Persistent tensors are packed per home: a placement's buffer counts within its home.
+    const auto& buffers = plan.pool[a] == graph::Pool::persistent ? plan.persistent_buffers[static_cast<int>(t.home[a])]
+                                                                  : plan.transient_buffers;
     ASSERT_LT(t.placement[a].buffer, buffers.size()) << t.name[a];
     EXPECT_LE(t.placement[a].offset_bytes + t.bytes(a), buffers[t.placement[a].buffer]) << t.name[a];
     for (TensorId b = a + 1; b < t.size(); ++b) {
       if (t.alias_of[b] != graph::no_tensor || first[b] < 0 || plan.pool[a] != plan.pool[b]) continue;
-      if (t.placement[a].buffer != t.placement[b].buffer) continue;
+      if (t.placement[a].buffer != t.placement[b].buffer || t.home[a] != t.home[b]) continue;
       const bool persistent = plan.pool[a] == graph::Pool::persistent;
       const bool live_together = persistent || (first[a] <= last[b] && first[b] <= last[a]);
       if (!live_together) continue;

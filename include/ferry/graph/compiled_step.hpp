@@ -130,9 +130,8 @@ class CompiledStep {
  private:
   struct Impl;
   // The device passes after check dtypes and scratch, in order.
-  MemoryPlanOptions plan(const cl::DeviceInfo& device, const PersistentArena* shared,
-                         const ResidencyOptions& residency);
-  void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared, const MemoryPlanOptions& mopt);
+  void plan(const cl::DeviceInfo& device, const PersistentArena* shared, const ResidencyOptions& residency);
+  void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared);
   void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);
   void lower(const cl::Context& context, bool serial);
   std::vector<std::vector<NodeId>> order_nodes(bool serial);

@@ -2,12 +2,14 @@
 // runs, so the step's peak device bytes are known at compile time and nothing is allocated
 // inside a step.
 //
-// Two pools: `persistent` holds weights and optimizer state for the life of the trainer (shared
-// by all variants of a model: training, evaluation); `transient` holds everything that lives
-// within one step, packed by liveness over the static node order. Each pool is a list of
-// buffers no larger than the device's largest allocation.
+// Pools: `persistent` holds weights and optimizer state for the life of the trainer (shared by all
+// variants of a model: training, evaluation), packed per home (each home's store has its own
+// buffers); `transient` holds everything that lives within one step, packed by liveness over the
+// static node order. Each pool is a list of buffers no larger than the device's largest
+// allocation.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -31,8 +33,13 @@ struct MemoryPlanOptions {
 
 struct MemoryPlan {
   std::vector<Pool> pool;  // per tensor (storage owners only; views take their base's)
-  std::vector<std::uint64_t> persistent_buffers, transient_buffers, host_transient_buffers;  // sizes in bytes
-  std::uint64_t persistent_bytes = 0, transient_bytes = 0, host_transient_bytes = 0;
+  // Buffer sizes in bytes. Persistent tensors are packed per home (index: offload::Home), so a
+  // persistent placement's buffer counts within its home.
+  std::array<std::vector<std::uint64_t>, offload::home_count> persistent_buffers;
+  std::vector<std::uint64_t> transient_buffers, host_transient_buffers;
+  std::uint64_t persistent_bytes = 0;         // all homes
+  std::uint64_t persistent_device_bytes = 0;  // the device home's: what the device holds
+  std::uint64_t transient_bytes = 0, host_transient_bytes = 0;
   // Transient bytes in buffers beyond the existing ones (what this variant adds to the device).
   std::uint64_t new_transient_bytes = 0;
   // Sum of the transient tensors' sizes: what the step would need without reuse.
@@ -40,7 +47,8 @@ struct MemoryPlan {
   // Bytes of transient tensors live while each node runs (what the memory profiler reports;
   // the arena can be larger by fragmentation).
   std::vector<std::uint64_t> live_bytes;
-  std::uint64_t peak_bytes() const { return persistent_bytes + transient_bytes; }
+  // Device bytes of the step: the device home's persistent tensors and the transient pool.
+  std::uint64_t peak_bytes() const { return persistent_device_bytes + transient_bytes; }
 };
 
 // Assigns tensors.placement for every tensor that nodes touch and returns the pools' sizes.

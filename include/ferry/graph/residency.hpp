@@ -72,7 +72,4 @@ void place_updates_early(Graph& g);
 MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
                           ResidencyReport& report);
 
-// Device bytes of a plan in a given mode (persistent tensors count only when resident).
-std::uint64_t device_bytes(const MemoryPlan& plan, ResidencyMode mode);
-
 }  // namespace ferry::graph
