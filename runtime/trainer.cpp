@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <random>
 #include <stdexcept>
@@ -236,16 +237,20 @@ graph::Residency Trainer::home_of(graph::Role role) const {
   return graph::Residency::device;
 }
 
-Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
+TensorId Trainer::persistent_tensor(const std::string& name) const {
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
-    if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor && t.name[id] == name) {
-      HostTensor out{t.dtype[id], t.shape[id], std::vector<std::byte>(t.bytes(id))};
-      train_->persistent()->read(t.home[id], t.placement[id], out.bytes.data(), out.bytes.size());
-      return out;
-    }
+    if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor && t.name[id] == name) return id;
   }
   throw std::invalid_argument(fmt::format("model '{}' has no weight or optimizer state named '{}'", model_.name, name));
+}
+
+Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
+  const auto& t = train_->graph().tensors;
+  const TensorId id = persistent_tensor(name);
+  HostTensor out{t.dtype[id], t.shape[id], std::vector<std::byte>(t.bytes(id))};
+  train_->persistent()->read(t.home[id], t.placement[id], out.bytes.data(), out.bytes.size());
+  return out;
 }
 
 std::vector<std::string> Trainer::tensor_names() const {
@@ -259,42 +264,33 @@ std::vector<std::string> Trainer::tensor_names() const {
 
 void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
   const auto& t = train_->graph().tensors;
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor || t.name[id] != name) continue;
-    if (value.dtype != t.dtype[id] || !(value.shape == t.shape[id]) || value.bytes.size() != t.bytes(id)) {
-      throw std::invalid_argument(fmt::format("cannot write '{}': it is {} {}, the value is {} {} ({} bytes)", name,
-                                              graph::dtype_name(t.dtype[id]), t.shape[id].str(),
-                                              graph::dtype_name(value.dtype), value.shape.str(), value.bytes.size()));
-    }
-    if (value.dtype == graph::DType::f32) {
-      const auto* f = reinterpret_cast<const float*>(value.bytes.data());
-      for (std::size_t i = 0; i < t.shape[id].elems(); ++i) {
-        if (!std::isfinite(f[i])) {
-          throw std::invalid_argument(
-              fmt::format("cannot write '{}': element {} is not finite ({}); nothing was written", name, i, f[i]));
-        }
+  const TensorId id = persistent_tensor(name);
+  if (value.dtype != t.dtype[id] || !(value.shape == t.shape[id]) || value.bytes.size() != t.bytes(id)) {
+    throw std::invalid_argument(fmt::format("cannot write '{}': it is {} {}, the value is {} {} ({} bytes)", name,
+                                            graph::dtype_name(t.dtype[id]), t.shape[id].str(),
+                                            graph::dtype_name(value.dtype), value.shape.str(), value.bytes.size()));
+  }
+  if (value.dtype == graph::DType::f32) {
+    const auto* f = reinterpret_cast<const float*>(value.bytes.data());
+    for (std::size_t i = 0; i < t.shape[id].elems(); ++i) {
+      if (!std::isfinite(f[i])) {
+        throw std::invalid_argument(
+            fmt::format("cannot write '{}': element {} is not finite ({}); nothing was written", name, i, f[i]));
       }
     }
-    train_->persistent()->write(t.home[id], t.placement[id], value.bytes.data(), value.bytes.size());
-    return;
   }
-  throw std::invalid_argument(fmt::format("model '{}' has no weight or optimizer state named '{}'", model_.name, name));
+  train_->persistent()->write(t.home[id], t.placement[id], value.bytes.data(), value.bytes.size());
 }
 
 std::vector<float> Trainer::read_parameter(const std::string& name) const {
-  const auto& t = train_->graph().tensors;
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (graph::is_persistent(t.role[id]) && t.name[id] == name) {
-      if (t.dtype[id] != graph::DType::f32) {
-        throw std::invalid_argument(fmt::format("parameter '{}' is stored as {}, not f32: read it with read_tensor",
-                                                name, graph::dtype_name(t.dtype[id])));
-      }
-      std::vector<float> out(t.shape[id].elems());
-      train_->persistent()->read(t.home[id], t.placement[id], out.data(), t.bytes(id));
-      return out;
-    }
+  const HostTensor v = read_tensor(name);
+  if (v.dtype != graph::DType::f32) {
+    throw std::invalid_argument(fmt::format("parameter '{}' is stored as {}, not f32: read it with read_tensor", name,
+                                            graph::dtype_name(v.dtype)));
   }
-  throw std::invalid_argument(fmt::format("model '{}' has no parameter named '{}'", model_.name, name));
+  std::vector<float> out(v.shape.elems());
+  std::memcpy(out.data(), v.bytes.data(), v.bytes.size());
+  return out;
 }
 
 }  // namespace ferry

@@ -105,6 +105,8 @@ class Trainer {
   graph::Graph build_graph(std::uint32_t batch, bool training) const;
   std::uint64_t bytes_of(graph::Role role) const;
   graph::ResidencyOptions residency_options() const;
+  // The weight or optimizer-state tensor named `name`; throws std::invalid_argument if none.
+  TensorId persistent_tensor(const std::string& name) const;
   void initialise_parameters();
   graph::CompiledStep& variant(const graph::VariantKey& key);
   void validate_batch(std::span<const float> images, std::span<const std::int32_t> labels, std::uint32_t batch) const;
