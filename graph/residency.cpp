@@ -204,7 +204,6 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     tensor_of[i] = iv.tensor;
     copy_of[i] =
         t.add(fmt::format("{}@dev{}", t.name[iv.tensor], i), t.shape[iv.tensor], t.dtype[iv.tensor], Role::staged);
-    t.home[iv.tensor] = Residency::host_pinned;
   }
   const Lists fetch_at = group(fetch_pos, count), write_back_after = group(write_back_pos, count);
 
@@ -410,9 +409,17 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   if (mode == ResidencyMode::automatic) {
     Graph resident = g;
     assign_homes(resident, ResidencyMode::resident, {});
-    mode = plan_memory(resident, mopt).peak_bytes() <= budget ? ResidencyMode::resident
-           : host_unified                                     ? ResidencyMode::mapped
-                                                              : ResidencyMode::stream;
+    MemoryPlan plan = plan_memory(resident, mopt);
+    if (plan.peak_bytes() > budget) {
+      mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
+    } else if (options.weights_home || options.state_home) {
+      mode = ResidencyMode::resident;  // the roles' own homes apply below
+    } else {
+      g = std::move(resident);  // everything fits on the device: this plan is the answer
+      report.mode = ResidencyMode::resident;
+      report.min_budget_bytes = plan.peak_bytes();
+      return plan;
+    }
   }
   // Homes per role: the preset's, or the role's own.
   assign_homes(g, mode, options);
