@@ -28,16 +28,7 @@ OpInfo activation_row() {
   r.bind = [](const BindContext& c) {
     return activation_forward(c.env(), kind_of(c.attrs()), c.in(0), c.out(0), in_elems(c, 0), c.input(0).dtype);
   };
-  r.backward = [](GradContext& g) {
-    const TensorRef x = g.inputs()[0];
-    const TensorRef dy = g.grad(g.outputs()[0]);
-    if (dy == no_ref || !g.needs_grad(x)) return;
-    const TensorRef dx = g.new_grad(x);
-    const TensorRef ins[] = {x, dy};
-    const TensorRef outs[] = {dx};
-    g.emit(builtin::activation_grad, ".grad", ins, outs, g.attrs());
-    g.contribute(x, dx);
-  };
+  r.backward = [](GradContext& g) { unary_backward(g, builtin::activation_grad, g.inputs()[0]); };
   r.reference = [](RefContext& c) {
     ref::activation_forward<double>(kind_of(c.attrs()), c.real(c.inputs()[0]), c.real(c.outputs()[0]));
   };

@@ -31,6 +31,21 @@ void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param) {
   if (has_bias) g.contribute(in[2], db);
 }
 
+void unary_backward(GradContext& g, OpId grad_op, TensorRef saved, const NodeAttrs& attrs) {
+  const TensorRef x = g.inputs()[0];
+  const TensorRef dy = g.grad(g.outputs()[0]);
+  if (dy == no_ref || !g.needs_grad(x)) return;
+  const TensorRef dx = g.new_grad(x);
+  const TensorRef ins[] = {saved, dy};
+  const TensorRef outs[] = {dx};
+  g.emit(grad_op, ".grad", saved == no_ref ? std::span(ins).last(1) : std::span(ins), outs, attrs);
+  g.contribute(x, dx);
+}
+
+void unary_backward(GradContext& g, OpId grad_op, TensorRef saved) {
+  unary_backward(g, grad_op, saved, g.attrs());
+}
+
 void register_builtin_rows(const AddRow& add) {
   register_transfer_rows(add);
   register_linear_rows(add);

@@ -56,16 +56,9 @@ OpInfo permute_row(SelfId self) {  // attrs.i[0..rank-1] = perm   in: x  out: y
     return permute(c.env(), c.in(0), c.out(0), c.input(0).shape, perm_of(c.attrs()), c.input(0).dtype);
   };
   r.backward = [self](GradContext& g) {
-    const TensorRef x = g.inputs()[0];
-    const TensorRef dy = g.grad(g.outputs()[0]);
-    if (dy == no_ref || !g.needs_grad(x)) return;
-    const TensorRef dx = g.new_grad(x);
     NodeAttrs inv;
     inv.i = inverse_permutation(perm_of(g.attrs()), permuted_prefix(g.attrs()));
-    const TensorRef ins[] = {dy};
-    const TensorRef outs[] = {dx};
-    g.emit(*self, ".grad", ins, outs, inv);
-    g.contribute(x, dx);
+    unary_backward(g, *self, no_ref, inv);
   };
   r.reference = [](RefContext& c) {
     ref::permute<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), c.input(0).shape, perm_of(c.attrs()));
@@ -120,16 +113,7 @@ OpInfo scale_row(SelfId self) {  // attrs.f[0] = factor   in: x  out: y = x * fa
     return std::vector<TensorDesc>{v.input(0)};
   };
   r.bind = [](const BindContext& c) { return scale(c.env(), c.in(0), c.out(0), c.attrs().f[0], out_elems(c, 0)); };
-  r.backward = [self](GradContext& g) {
-    const TensorRef x = g.inputs()[0];
-    const TensorRef dy = g.grad(g.outputs()[0]);
-    if (dy == no_ref || !g.needs_grad(x)) return;
-    const TensorRef dx = g.new_grad(x);
-    const TensorRef ins[] = {dy};
-    const TensorRef outs[] = {dx};
-    g.emit(*self, ".grad", ins, outs, g.attrs());
-    g.contribute(x, dx);
-  };
+  r.backward = [self](GradContext& g) { unary_backward(g, *self); };
   r.reference = [](RefContext& c) {
     ref::scale<double>(c.real(c.inputs()[0]), double(c.attrs().f[0]), c.real(c.outputs()[0]));
   };

@@ -148,16 +148,7 @@ OpInfo softmax_row(OpId grad) {  // in: x  out: y
     const auto [rows, cols] = rows_cols(c.input(0).shape);
     return softmax_forward(c.env(), c.in(0), c.out(0), rows, cols);
   };
-  r.backward = [grad](GradContext& g) {
-    const TensorRef x = g.inputs()[0], y = g.outputs()[0];
-    const TensorRef dy = g.grad(y);
-    if (dy == no_ref || !g.needs_grad(x)) return;
-    const TensorRef dx = g.new_grad(x);
-    const TensorRef ins[] = {y, dy};
-    const TensorRef outs[] = {dx};
-    g.emit(grad, ".grad", ins, outs, g.attrs());
-    g.contribute(x, dx);
-  };
+  r.backward = [grad](GradContext& g) { unary_backward(g, grad, g.outputs()[0]); };  // (y, dy) -> dx
   r.reference = [](RefContext& c) {
     const auto [rows, cols] = rows_cols(c.input(0).shape);
     ref::softmax_forward<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), rows, cols);

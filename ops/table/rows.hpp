@@ -35,6 +35,11 @@ void register_builtin_rows(const AddRow& add);
 // The backward rule of a layer y = f(x, w) [+ b] (Linear, Conv2d): `grad_input` (dy, w) -> dx when
 // x needs a gradient, and `grad_param` (x, dy) -> dw [db].
 void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param);
+// The backward rule of a one-input op y = f(x): when dy flows and x needs a gradient, one node of
+// `grad_op` takes (saved, dy), or (dy) alone when `saved` is no_ref, and gives dx; its attributes
+// are the forward node's unless given.
+void unary_backward(GradContext& g, OpId grad_op, TensorRef saved = no_ref);
+void unary_backward(GradContext& g, OpId grad_op, TensorRef saved, const NodeAttrs& attrs);
 // A shape error that names the node: "<node>: <what>".
 [[noreturn]] void shape_error(const ShapeView& v, const std::string& what);
 // Elements of input i / output i.

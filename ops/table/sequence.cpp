@@ -17,18 +17,6 @@
 namespace ferry::ops::table {
 namespace {
 
-// The gradient rule of a one-input, one-output op whose gradient row maps dy to dx.
-void unary_backward(GradContext& g, OpId grad_op) {
-  const TensorRef x = g.inputs()[0];
-  const TensorRef dy = g.grad(g.outputs()[0]);
-  if (dy == no_ref || !g.needs_grad(x)) return;
-  const TensorRef dx = g.new_grad(x);
-  const TensorRef ins[] = {dy};
-  const TensorRef outs[] = {dx};
-  g.emit(grad_op, ".grad", ins, outs, g.attrs());
-  g.contribute(x, dx);
-}
-
 // ----- embedding -----
 
 // Positions of the ids tensor and the table's rows and columns.
