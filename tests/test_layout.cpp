@@ -16,6 +16,7 @@
 #include "ferry/ops/layout.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
+#include "train_check.hpp"
 
 namespace ferry::test {
 namespace {
@@ -342,14 +343,7 @@ TEST(LayoutRows, BackwardThroughTheGraphMatchesFiniteDifferences) {
   for (TensorId w = 0; w < t.size(); ++w) {
     if (t.role[w] != graph::Role::weight) continue;
     ASSERT_NE(t.grad[w], graph::no_tensor) << t.name[w];
-    const std::vector<double> grad = ref.value(t.grad[w]), x = ref.value(w);
-    auto loss = [&](const std::vector<double>& values) {
-      ref.value(w) = values;
-      ref.run(ops::StepInfo{1, 0.0f}, true);
-      return ref.loss();
-    };
-    expect_gradient_matches_finite_differences(loss, x, grad, t.name[w].c_str(), 1e-6, 1e-4, 24);
-    ref.value(w) = x;
+    expect_reference_gradient_matches_finite_differences(ref, w, t.grad[w], t.name[w], 24);
     ++checked;
   }
   EXPECT_EQ(checked, 4u);

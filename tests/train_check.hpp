@@ -42,4 +42,20 @@ inline void expect_training_matches_reference(Trainer& trainer, std::uint32_t st
   }
 }
 
+// After ref.run(...) computed `grad` = d(loss)/d(t): checks it against finite differences of the
+// forward pass in t's values (up to `checks` of them), then restores t.
+inline void expect_reference_gradient_matches_finite_differences(ReferenceExecutor& ref, TensorId t, TensorId grad,
+                                                                 const std::string& what, std::size_t checks,
+                                                                 const ops::StepInfo& step = {1, 0.0f},
+                                                                 double eps = 1e-6, double tol = 1e-4) {
+  const std::vector<double> g = ref.value(grad), x = ref.value(t);
+  auto loss = [&](const std::vector<double>& values) {
+    ref.value(t) = values;
+    ref.run(step, /*forward_only=*/true);
+    return ref.loss();
+  };
+  expect_gradient_matches_finite_differences(loss, x, g, what.c_str(), eps, tol, checks);
+  ref.value(t) = x;
+}
+
 }  // namespace ferry::test
