@@ -18,6 +18,7 @@
 #include "ferry/graph/memory_plan.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "test_models.hpp"
+#include "train_check.hpp"
 
 namespace ferry::test {
 namespace {
@@ -26,16 +27,6 @@ using graph::ByteAccess;
 using graph::Lane;
 using graph::NodeId;
 using graph::TensorId;
-
-graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerSpec& opt) {
-  graph::Graph g;
-  graph::Builder b(g, batch, m.sample_shape, m.classes);
-  b.softmax_xent(m.forward(b, b.input()));
-  graph::append_backward(g);
-  graph::append_optimizer(g, opt);
-  graph::append_stats_download(g);
-  return g;
-}
 
 graph::Graph forward_graph(const ModelSpec& m, std::uint32_t batch) {
   graph::Graph g;

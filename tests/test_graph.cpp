@@ -18,16 +18,6 @@ namespace {
 
 using graph::TensorId;
 
-graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerSpec& opt) {
-  graph::Graph g;
-  graph::Builder b(g, batch, m.sample_shape, m.classes);
-  b.softmax_xent(m.forward(b, b.input()));
-  graph::append_backward(g);
-  graph::append_optimizer(g, opt);
-  graph::append_stats_download(g);
-  return g;
-}
-
 std::vector<std::int32_t> random_labels(std::size_t n, std::uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<std::int32_t> l(n);
@@ -110,11 +100,7 @@ TEST_P(ModelTest, AutodiffMatchesFiniteDifferences) {
   graph::Graph g = training_graph(m, batch, opt);
   ReferenceExecutor ref(g, opt);
   const auto& t = g.tensors;
-  std::uint32_t seed = 10;
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (t.role[id] == graph::Role::weight)
-      ref.value(id) = to_double(random_vector(t.shape[id].elems(), seed++, -0.6f, 0.6f));
-  }
+  randomize_weights(ref, g, 10, -0.6f, 0.6f);
   ref.value(ref.find("input")) = to_double(random_vector(t.shape[ref.find("input")].elems(), 99));
   ref.ints(ref.find("labels")) = random_labels(batch, 5);
   ref.run(ops::StepInfo{1, 0.0f});  // lr 0: gradients computed, weights unchanged

@@ -261,10 +261,7 @@ TEST(MatmulRows, GradientsThroughTheGraphMatchFiniteDifferences) {
   g = graph::prepare_step_graph(std::move(g), graph::VariantKey{3, true}, opt);
   ReferenceExecutor ref(g, opt);
   const auto& t = g.tensors;
-  std::uint32_t seed = 5;
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (t.role[id] == graph::Role::weight) ref.value(id) = to_double(random_vector(t.shape[id].elems(), seed++));
-  }
+  randomize_weights(ref, g, 5);
   ref.value(ref.find("input")) = to_double(random_vector(3 * 36, 77, -1.0f, 1.0f));
   ref.ints(ref.find("labels")) = {0, 3, 1};
   ref.run(ops::StepInfo{1, 0.0f});

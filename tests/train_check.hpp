@@ -13,6 +13,26 @@
 
 namespace ferry::test {
 
+// A model's training step graph as the trainer builds it (builder, loss, the model passes), with
+// no device.
+inline graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerSpec& opt) {
+  graph::Graph g;
+  graph::Builder b(g, batch, m.sample_shape, m.classes);
+  b.softmax_xent(m.forward(b, b.input()));
+  return graph::prepare_step_graph(std::move(g), graph::VariantKey{batch, true}, opt);
+}
+
+// Gives every weight of the executor's graph values uniform in [lo, hi), seeded per weight from
+// `seed` upwards in creation order.
+inline void randomize_weights(ReferenceExecutor& ref, const graph::Graph& g, std::uint32_t seed, float lo = -1.0f,
+                              float hi = 1.0f) {
+  for (TensorId id = 0; id < g.tensors.size(); ++id) {
+    if (g.tensors.role[id] == graph::Role::weight) {
+      ref.value(id) = to_double(random_vector(g.tensors.shape[id].elems(), seed++, lo, hi));
+    }
+  }
+}
+
 // Runs `steps` steps of random inputs in [lo, hi) (seeded from `seed`) and labels
 // (i * label_stride + step) % classes on `trainer` and on the reference executor; expects the
 // losses to agree to 1e-4 (relative) and every parameter afterwards to 1e-4.
