@@ -32,11 +32,8 @@ struct CompileBenchOptions {
 };
 
 graph::Graph build_deep(const ModelSpec& model, std::uint32_t batch, const graph::OptimizerSpec& optimizer) {
-  graph::Graph g;
-  graph::Builder b(g, batch, model.sample_shape, model.classes);
-  const TensorId logits = model.forward(b, b.input());
-  b.softmax_xent(logits);
-  return graph::prepare_step_graph(std::move(g), graph::VariantKey{batch, true}, optimizer);
+  const graph::VariantKey key{batch, true};
+  return graph::prepare_step_graph(forward_graph(model, key), key, optimizer);
 }
 
 int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {

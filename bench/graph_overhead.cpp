@@ -31,10 +31,11 @@ struct GraphBenchOptions {
 
 graph::Graph relu_chain(std::uint32_t n, std::uint32_t batch, std::uint32_t classes) {
   graph::Graph g;
-  graph::Builder b(g, batch, graph::Shape{classes}, classes);
-  TensorId x = b.input();
+  graph::Builder b(g, batch);
+  TensorId x = b.input("input", graph::Shape{classes});
+  const TensorId labels = b.input("labels", graph::Shape{}, graph::DType::i32, graph::Role::label);
   for (std::uint32_t i = 0; i < n; ++i) x = b.relu(x);
-  b.softmax_xent(x);
+  b.softmax_xent(x, labels);
   graph::append_stats_download(g);
   return g;
 }
@@ -56,8 +57,8 @@ int run_graph(const BenchCommon& common, const GraphBenchOptions& o) {
     if (n == 0) throw std::invalid_argument("--sizes: a chain needs at least one ReLU");
     // The compiled step.
     graph::CompiledStep step(relu_chain(n, o.batch, o.classes), graph::OptimizerSpec{}, runtime.env(), ctx);
-    std::copy(input.begin(), input.end(), step.input_host());
-    std::copy(labels.begin(), labels.end(), step.labels_host());
+    std::ranges::copy(input, step.host_input_as<float>("input").begin());
+    std::ranges::copy(labels, step.host_input_as<std::int32_t>("labels").begin());
     const std::size_t nodes = step.node_count();
 
     // The plain loop: the same commands on the compute queue, one clFinish.

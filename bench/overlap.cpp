@@ -250,10 +250,10 @@ struct Batches {
   std::vector<std::vector<float>> images;
   std::vector<std::vector<std::int32_t>> labels;
   Batches(const ModelSpec& m, std::uint32_t batch, int count, unsigned seed) {
-    const std::size_t sample = m.sample_shape.elems();
+    const std::size_t sample = m.inputs.at(0).sample.elems();
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);  // standardized inputs
-    std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(m.classes) - 1);
+    std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(m.targets.at(0).id_limit) - 1);
     for (int b = 0; b < count; ++b) {
       images.emplace_back(std::size_t(batch) * sample);
       labels.emplace_back(batch);

@@ -134,10 +134,11 @@ class FerrySession {
         runtime_({.device = common.device, .profiling = !common.trace.empty()}),
         trainer_(runtime_, models::mlp({1024, 1024}), trainer_options(o)) {
     // A few distinct batches of standardized (N(0, 1)) random data, cycled.
-    const std::size_t sample = trainer_.model().sample_shape.elems();
+    const std::size_t sample = trainer_.model().inputs.at(0).sample.elems();
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(trainer_.model().classes) - 1);
+    std::uniform_int_distribution<std::int32_t> label(
+        0, static_cast<std::int32_t>(trainer_.model().targets.at(0).id_limit) - 1);
     images_.assign(kBatches, std::vector<float>(o.batch * sample));
     labels_.assign(kBatches, std::vector<std::int32_t>(o.batch));
     for (int b = 0; b < kBatches; ++b) {

@@ -95,17 +95,15 @@ Args parse_args(int argc, char** argv) {
 // (training at the batch size, evaluation at other sizes), so it must build the same layers each
 // time. Autodiff and the optimizer updates are added by the Trainer.
 ferry::ModelSpec small_residual_mlp() {
-  ferry::ModelSpec spec;
-  spec.name = "small-residual-mlp";
-  spec.sample_shape = ferry::graph::Shape{1, 28, 28};
-  spec.classes = 10;
-  spec.forward = [](ferry::graph::Builder& b, ferry::TensorId x) {
-    x = b.relu(b.linear(b.flatten(x), 256));                    // [batch, 784] -> [batch, 256]
-    ferry::TensorId h = b.gelu(b.linear(b.layernorm(x), 256));  // a residual block
-    x = b.add(x, b.linear(h, 256));
-    return b.linear(b.layernorm(x), 10);  // logits [batch, 10]
-  };
-  return spec;
+  // A classifier: input "input" [1, 28, 28] f32, target "labels" i32 in [0, 10), softmax
+  // cross-entropy of the logits the function returns.
+  return ferry::models::classifier("small-residual-mlp", ferry::graph::Shape{1, 28, 28}, 10,
+                                   [](ferry::graph::Builder& b, ferry::TensorId x) {
+                                     x = b.relu(b.linear(b.flatten(x), 256));  // [batch, 784] -> [batch, 256]
+                                     ferry::TensorId h = b.gelu(b.linear(b.layernorm(x), 256));  // a residual block
+                                     x = b.add(x, b.linear(h, 256));
+                                     return b.linear(b.layernorm(x), 10);  // logits [batch, 10]
+                                   });
 }
 
 // Standardise pixels with the training set's statistics (Fashion-MNIST: mean 0.286, std 0.353).

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace ferry::graph {
@@ -31,26 +32,46 @@ class PendingNode final : public ops::ShapeView {
 
 }  // namespace
 
-Builder::Builder(Graph& g, std::uint32_t batch, Shape sample_shape, std::uint32_t classes)
-    : g_(g), batch_(batch), classes_(classes) {
+Builder::Builder(Graph& g, std::uint32_t batch) : g_(g), batch_(batch) {
   if (batch == 0) throw BuildError("batch size must be at least 1");
-  if (classes < 2) throw BuildError(fmt::format("a classifier needs at least 2 classes, got {}", classes));
-  if (sample_shape.rank == 0 || sample_shape.rank > 3) {
-    throw BuildError(fmt::format("sample shape {} must have 1 to 3 dimensions", sample_shape.str()));
+}
+
+TensorId Builder::input(std::string name, Shape sample, DType dtype, Role role) {
+  if (role != Role::input && role != Role::label) {
+    throw BuildError(fmt::format("input '{}': role must be input or label, got {}", name, role_name(role)));
   }
-  Shape in;
-  in.rank = static_cast<std::uint8_t>(sample_shape.rank + 1);
-  in.dims[0] = batch;
-  for (std::size_t i = 0; i < sample_shape.rank; ++i) in.dims[i + 1] = sample_shape[i];
-  // The batch arrives in host mirrors (pinned staging the caller fills) and the upload node
-  // copies them to the device.
-  input_ = g_.tensors.add("input", in, DType::f32, Role::input);
-  labels_ = g_.tensors.add("labels", Shape{batch}, DType::i32, Role::label);
-  const TensorId host[] = {g_.tensors.add("input@host", in, DType::f32, Role::input),
-                           g_.tensors.add("labels@host", Shape{batch}, DType::i32, Role::label)};
-  for (TensorId h : host) g_.tensors.home[h] = Residency::host_pinned;
-  const TensorId outs[] = {input_, labels_};
-  g_.nodes.add(builtin::upload, "upload", host, outs, {}, Lane::h2d);
+  if (sample.rank > 3) {
+    throw BuildError(fmt::format("input '{}': sample shape {} has more than 3 axes", name, sample.str()));
+  }
+  for (std::size_t i = 0; i < sample.rank; ++i) {
+    if (sample[i] == 0)
+      throw BuildError(fmt::format("input '{}': sample shape {} has an empty axis", name, sample.str()));
+  }
+  for (TensorId t = 0; t < g_.tensors.size(); ++t) {
+    if (g_.tensors.name[t] == name) throw BuildError(fmt::format("input '{}': a tensor of that name exists", name));
+  }
+  Shape full;
+  full.rank = static_cast<std::uint8_t>(sample.rank + 1);
+  full.dims[0] = batch_;
+  for (std::size_t i = 0; i < sample.rank; ++i) full.dims[i + 1] = sample[i];
+  // The batch arrives in a host mirror (pinned staging the caller fills) and an upload node
+  // copies it to the device.
+  const TensorId device = g_.tensors.add(name, full, dtype, role);
+  const TensorId host = g_.tensors.add(name + "@host", full, dtype, role);
+  g_.tensors.home[host] = Residency::host_pinned;
+  const TensorId ins[] = {host};
+  const TensorId outs[] = {device};
+  g_.nodes.add(builtin::upload, "upload." + name, ins, outs, {}, Lane::h2d);
+  return device;
+}
+
+void Builder::output(TensorId t, std::string name) {
+  if (t >= g_.tensors.size()) throw BuildError(fmt::format("output '{}': tensor id {} does not exist", name, t));
+  const TensorId host = g_.tensors.add(name + "@host", g_.tensors.shape[t], g_.tensors.dtype[t], Role::output);
+  g_.tensors.home[host] = Residency::host_pinned;
+  const TensorId ins[] = {t};
+  const TensorId outs[] = {host};
+  g_.nodes.add(builtin::download, "download." + name, ins, outs, {}, Lane::d2h);
 }
 
 std::string Builder::next_name(std::string_view kind) {
@@ -255,17 +276,66 @@ TensorId Builder::add(TensorId a, TensorId b) {
   return emit(builtin::add, next_name("add"), ins, {}, {".y"})[0];
 }
 
-TensorId Builder::softmax_xent(TensorId logits) {
-  const Shape ls = shape(logits);
-  if (ls.rank != 2 || ls[0] != batch_ || ls[1] != classes_) {
-    throw BuildError(
-        fmt::format("loss: logits have shape {}, expected [{}, {}] (batch, classes)", ls.str(), batch_, classes_));
+TensorId Builder::add_parameter(TensorId x, Shape trailing, float init_bound) {
+  static const ops::OpId op = named("add_bias");
+  const std::string name = next_name("param");
+  const TensorId p = weight(
+      name + ".p", trailing,
+      init_bound > 0 ? WeightInit{WeightInit::Kind::uniform, init_bound} : WeightInit{WeightInit::Kind::zeros, 0});
+  const TensorId ins[] = {x, p};
+  return emit(op, name, ins, {}, {".y"})[0];
+}
+
+TensorId Builder::softmax_xent(TensorId logits, TensorId labels) {
+  const Shape ls = shape(logits), ys = shape(labels);  // copies: views added below reallocate
+  bool leading_match = ls.rank == ys.rank + 1;
+  for (std::size_t i = 0; leading_match && i < ys.rank; ++i) leading_match = ls[i] == ys[i];
+  if (!leading_match || g_.tensors.dtype[labels] != DType::i32) {
+    throw BuildError(fmt::format(
+        "loss: logits {} need i32 labels of shape {} (one per row of classes), got {} {} ('{}')", ls.str(),
+        [&] {
+          Shape want = ls;
+          want.rank = static_cast<std::uint8_t>(ls.rank - 1);
+          return want.str();
+        }(),
+        dtype_name(g_.tensors.dtype[labels]), ys.str(), g_.tensors.name[labels]));
   }
-  const TensorId ins[] = {logits, labels_};
+  // Rows of classes: the op takes [rows, classes] and [rows]; views, not copies.
+  const std::uint32_t classes = ls[ls.rank - 1u];
+  const auto rows = static_cast<std::uint32_t>(ls.elems() / classes);
+  const TensorId logits2 = ls.rank == 2 ? logits : reshape(logits, Shape{rows, classes});
+  const TensorId labels1 = ys.rank == 1 ? labels : reshape(labels, Shape{rows});
+  const TensorId ins[] = {logits2, labels1};
   const auto outs = emit(builtin::softmax_xent, "loss", ins, {}, {".probs", ".stats"});
-  g_.tensors.role[outs[1]] = Role::stats;
-  g_.loss = outs[1];
+  set_loss(outs[1]);
   return outs[1];
+}
+
+TensorId Builder::mse(TensorId prediction, TensorId target) {
+  static const ops::OpId op = named("mse");
+  const TensorId ins[] = {prediction, target};
+  const TensorId stats = emit(op, "loss", ins, {}, {".stats"})[0];
+  set_loss(stats);
+  return stats;
+}
+
+void Builder::set_loss(TensorId loss) {
+  if (loss >= g_.tensors.size()) throw BuildError(fmt::format("set_loss: tensor id {} does not exist", loss));
+  // The producer must be a loss row: their stats carry the loss in element 0 and their backward
+  // rules seed the gradient.
+  for (NodeId n = 0; n < g_.nodes.size(); ++n) {
+    const auto outs = g_.nodes.outputs(n);
+    if (std::find(outs.begin(), outs.end(), loss) == outs.end()) continue;
+    const ops::OpInfo& row = ops::op_info(g_.nodes.op[n]);
+    if (row.op_class != ops::OpClass::loss || g_.tensors.dtype[loss] != DType::f32) break;
+    g_.tensors.role[loss] = Role::stats;
+    g_.loss = loss;
+    return;
+  }
+  throw BuildError(fmt::format(
+      "set_loss: '{}' ({} {}) is not the output of a loss op; a step's loss is a scalar: end the forward pass with "
+      "softmax_xent, mse or a user loss row (OpClass::loss)",
+      g_.tensors.name[loss], dtype_name(g_.tensors.dtype[loss]), g_.tensors.shape[loss].str()));
 }
 
 }  // namespace ferry::graph

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
@@ -82,7 +83,9 @@ struct CompiledStep::Impl {
   std::vector<std::vector<cl_event>> wait_lists;  // per node: the events it waits on this step
   std::vector<cl::Event> events;                  // per node: its last command, this step
   std::vector<cl::Event> first_events;            // per node: its first command (profiling only)
-  TensorId input = no_tensor, labels = no_tensor, stats = no_tensor;
+  // Host mirrors by name without "@host": what the caller fills (uploads) and reads (downloads).
+  std::map<std::string, TensorId, std::less<>> uploads, downloads;
+  TensorId stats = no_tensor;  // the loss's host mirror, if the graph has a loss
   ops::StepInfo step;
   RunMode mode = RunMode::normal;
   bool bound = true;  // kernels bound: the step can run
@@ -231,14 +234,18 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
 
   // 3. The batch and the results cross the link through host mirrors (pinned, from the plan's
   // host pool): the caller fills the input ones before run() and reads the results after.
-  for (TensorId id = 0; id < t.size(); ++id) {
-    if (t.home[id] == Residency::device || is_persistent(t.role[id])) continue;
-    if (t.role[id] == Role::input) impl_->input = id;
-    if (t.role[id] == Role::label) impl_->labels = id;
-    if (t.role[id] == Role::stats) impl_->stats = id;
-  }
-  if (impl_->input == no_tensor || impl_->labels == no_tensor || impl_->stats == no_tensor) {
-    throw std::logic_error("a step graph needs host mirrors of its input, labels and stats (upload and download)");
+  const auto& n = graph_.nodes;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    const ops::OpClass kind = ops::op_info(n.op[id]).op_class;
+    if (kind != ops::OpClass::batch_transfer) continue;
+    // Uploads read a host mirror, downloads write one; either is named "<name>@host".
+    const bool upload = n.lane[id] == Lane::h2d;
+    for (TensorId host : upload ? n.inputs(id) : n.outputs(id)) {
+      std::string name = t.name[host];
+      if (name.ends_with("@host")) name.resize(name.size() - 5);
+      (upload ? impl_->uploads : impl_->downloads)[name] = host;
+      if (graph_.loss != no_tensor && t.role[host] == Role::stats && name == t.name[graph_.loss]) impl_->stats = host;
+    }
   }
 }
 
@@ -498,14 +505,40 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
   return {impl_->transient.at(p.buffer).get(), p.offset_bytes};
 }
 
-float* CompiledStep::input_host() const {
-  return reinterpret_cast<float*>(host_address(impl_->input, false));
+namespace {
+std::string names_of(const std::map<std::string, TensorId, std::less<>>& m) {
+  std::string out;
+  for (const auto& [name, id] : m) out += (out.empty() ? "'" : ", '") + name + "'";
+  return out.empty() ? "none" : out;
 }
-std::int32_t* CompiledStep::labels_host() const {
-  return reinterpret_cast<std::int32_t*>(host_address(impl_->labels, false));
+}  // namespace
+
+std::span<std::byte> CompiledStep::host_input(std::string_view name) const {
+  const auto it = impl_->uploads.find(name);
+  if (it == impl_->uploads.end()) {
+    throw std::invalid_argument(
+        fmt::format("this step has no batch tensor '{}'; it uploads: {}", name, names_of(impl_->uploads)));
+  }
+  return {host_address(it->second, false), graph_.tensors.bytes(it->second)};
 }
+
+std::span<const std::byte> CompiledStep::host_output(std::string_view name) const {
+  const auto it = impl_->downloads.find(name);
+  if (it == impl_->downloads.end()) {
+    throw std::invalid_argument(
+        fmt::format("this step has no result '{}'; it downloads: {}", name, names_of(impl_->downloads)));
+  }
+  return {host_address(it->second, false), graph_.tensors.bytes(it->second)};
+}
+
+std::vector<std::string> CompiledStep::host_input_names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, id] : impl_->uploads) out.push_back(name);
+  return out;
+}
+
 const float* CompiledStep::stats_host() const {
-  return reinterpret_cast<const float*>(host_address(impl_->stats, false));
+  return impl_->stats == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(impl_->stats, false));
 }
 
 void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
@@ -537,7 +570,8 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
   // A step whose loss is not finite skipped its updates (host updates are not guarded on the
   // device, so their slot is simply not committed).
-  if (impl_->commits_other_slot && mode == RunMode::normal && std::isfinite(stats_host()[0])) {
+  if (impl_->commits_other_slot && mode == RunMode::normal &&
+      (stats_host() == nullptr || std::isfinite(stats_host()[0]))) {
     persistent_->commit();
   }
 }

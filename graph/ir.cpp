@@ -27,6 +27,8 @@ const char* role_name(Role r) {
       return "stats";
     case Role::staged:
       return "staged copy";
+    case Role::output:
+      return "output";
   }
   return "?";
 }

@@ -354,6 +354,15 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     for (TensorId id : n.outputs(node)) touch(id, node);
     touch(n.scratch[node], node);
   }
+  // The caller fills the batch's host mirrors before the step and reads the results' after it:
+  // they are live for the whole step, wherever their upload or download node sits.
+  for (NodeId node = 0; node < n.size(); ++node) {
+    if (ops::op_info(n.op[node]).op_class != ops::OpClass::batch_transfer) continue;
+    for (TensorId id : n.lane[node] == Lane::h2d ? n.inputs(node) : n.outputs(node)) {
+      touch(id, 0);
+      touch(id, static_cast<NodeId>(n.size() - 1));
+    }
+  }
 
   MemoryPlan plan;
   plan.pool.assign(t.size(), Pool::transient);

@@ -53,6 +53,8 @@ Registry& registry() {
     table::register_matmul_rows(named);
     table::register_layout_rows(named);
     table::register_sequence_rows(named);
+    table::register_add_bias_rows(named);
+    table::register_mse_rows(named);
     return reg;
   }();
   return *r;

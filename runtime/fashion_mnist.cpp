@@ -8,6 +8,7 @@
 #include <array>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -204,6 +205,27 @@ Dataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
   ds.images.resize(raw_pixels.size());
   std::transform(raw_pixels.begin(), raw_pixels.end(), ds.images.begin(), [&](unsigned char p) { return scale[p]; });
   return ds;
+}
+
+void Dataset::read(std::string_view name, std::size_t first, std::size_t n, std::span<std::byte> out) const {
+  if (first + n > count) {
+    throw std::invalid_argument(fmt::format("dataset: samples [{}, {}) requested of {}", first, first + n, count));
+  }
+  std::span<const std::byte> src;
+  if (name == "input") {
+    src = std::as_bytes(std::span(images).subspan(first * sample_elems(), n * sample_elems()));
+  } else if (name == "labels") {
+    src = std::as_bytes(std::span(labels).subspan(first, n));
+  } else {
+    throw std::invalid_argument(fmt::format(
+        "a Fashion-MNIST dataset provides 'input' and 'labels', not '{}' (is the model a classifier?)", name));
+  }
+  if (out.size() != src.size()) {
+    throw std::invalid_argument(fmt::format("dataset: '{}' samples are {} bytes each, the model's are {}", name,
+                                            src.size() / std::max<std::size_t>(n, 1),
+                                            out.size() / std::max<std::size_t>(n, 1)));
+  }
+  std::memcpy(out.data(), src.data(), src.size());
 }
 
 }  // namespace ferry

@@ -2,7 +2,9 @@
 #include "ferry/runtime/trainer.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -34,8 +36,8 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     const std::uint64_t mem = runtime_.device().global_mem_bytes;
     budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
   }
-  train_ = std::make_unique<graph::CompiledStep>(build_graph(options_.batch, true), options_.optimizer, runtime_.env(),
-                                                 runtime_.context(), nullptr,
+  train_ = std::make_unique<graph::CompiledStep>(build_graph(graph::VariantKey{options_.batch, true}),
+                                                 options_.optimizer, runtime_.env(), runtime_.context(), nullptr,
                                                  graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
 }
@@ -48,13 +50,8 @@ graph::ResidencyOptions Trainer::residency_options() const {
   return r;
 }
 
-graph::Graph Trainer::build_graph(std::uint32_t batch, bool training) const {
-  graph::Graph g;
-  graph::Builder b(g, batch, model_.sample_shape, model_.classes);
-  b.set_training(training);
-  TensorId logits = model_.forward(b, b.input());
-  b.softmax_xent(logits);
-  return graph::prepare_step_graph(std::move(g), graph::VariantKey{batch, training}, options_.optimizer);
+graph::Graph Trainer::build_graph(const graph::VariantKey& key) const {
+  return graph::prepare_step_graph(forward_graph(model_, key), key, options_.optimizer);
 }
 
 void Trainer::initialise_parameters() {
@@ -96,39 +93,71 @@ void Trainer::initialise_parameters() {
   }
 }
 
-void Trainer::validate_batch(std::span<const float> images, std::span<const std::int32_t> labels,
-                             std::uint32_t batch) const {
-  const std::size_t sample = model_.sample_shape.elems();
-  if (labels.size() != batch || images.size() != batch * sample) {
-    throw std::invalid_argument(fmt::format(
-        "batch has {} labels and {} image values; this step was compiled for batches of {} samples of {} values "
-        "({} in all): pass full batches (drop or pad the last one)",
-        labels.size(), images.size(), batch, sample, batch * sample));
-  }
-  for (std::size_t i = 0; i < labels.size(); ++i) {
-    if (labels[i] < 0 || static_cast<std::uint32_t>(labels[i]) >= model_.classes) {
-      throw std::invalid_argument(
-          fmt::format("label {} of sample {} is outside [0, {})", labels[i], i, model_.classes));
-    }
-  }
-  for (std::size_t i = 0; i < images.size(); ++i) {
-    if (!std::isfinite(images[i])) {
-      throw std::invalid_argument(fmt::format("input value {} of sample {} is not finite ({}): fix the data",
-                                              i % sample, i / sample, images[i]));
+void Trainer::validate_staged(const graph::CompiledStep& step, std::span<const TensorSpec> specs,
+                              std::size_t first) const {
+  for (const TensorSpec& spec : specs) {
+    const auto bytes = step.host_input(spec.name);
+    const std::size_t per_sample = spec.sample.elems();
+    if (spec.dtype == graph::DType::i32 && spec.id_limit > 0) {
+      const auto* v = reinterpret_cast<const std::int32_t*>(bytes.data());
+      for (std::size_t i = 0; i < bytes.size() / 4; ++i) {
+        if (v[i] < 0 || static_cast<std::uint32_t>(v[i]) >= spec.id_limit) {
+          throw std::invalid_argument(fmt::format(
+              "'{}' value {} (element {} of sample {}) is outside [0, {}): {} must be ids below {} (check the data or "
+              "the vocabulary size the model was built with)",
+              spec.name, v[i], i % per_sample, first + i / per_sample, spec.id_limit, spec.name, spec.id_limit));
+        }
+      }
+    } else if (spec.dtype == graph::DType::f32) {
+      const auto* v = reinterpret_cast<const float*>(bytes.data());
+      for (std::size_t i = 0; i < bytes.size() / 4; ++i) {
+        if (!std::isfinite(v[i])) {
+          throw std::invalid_argument(fmt::format("'{}' value {} of sample {} is not finite ({}): fix the data",
+                                                  spec.name, i % per_sample, first + i / per_sample, v[i]));
+        }
+      }
     }
   }
 }
 
-StepResult Trainer::step(std::span<const float> images, std::span<const std::int32_t> labels) {
-  validate_batch(images, labels, options_.batch);
-  std::copy(images.begin(), images.end(), train_->input_host());
-  std::copy(labels.begin(), labels.end(), train_->labels_host());
+StepResult Trainer::step(const Batch& batch) {
+  const std::uint32_t samples = options_.batch;
+  for (const auto& [name, view] : batch) {
+    const auto known = [&](const TensorSpec& s) { return s.name == name; };
+    if (std::none_of(model_.inputs.begin(), model_.inputs.end(), known) &&
+        std::none_of(model_.targets.begin(), model_.targets.end(), known)) {
+      throw std::invalid_argument(fmt::format("batch has a tensor '{}' that model '{}' does not take (it takes: {})",
+                                              name, model_.name, fmt::join(train_->host_input_names(), ", ")));
+    }
+  }
+  for (const auto* specs : {&model_.inputs, &model_.targets}) {
+    for (const TensorSpec& spec : *specs) {
+      const auto it = batch.find(spec.name);
+      if (it == batch.end()) {
+        throw std::invalid_argument(fmt::format("batch has no '{}' ({} {} per sample), which model '{}' needs",
+                                                spec.name, graph::dtype_name(spec.dtype), spec.sample.str(),
+                                                model_.name));
+      }
+      const HostView& v = it->second;
+      if (v.dtype != spec.dtype || v.bytes.size() != samples * spec.sample_bytes()) {
+        throw std::invalid_argument(fmt::format(
+            "batch tensor '{}' is {} with {} bytes; this step was compiled for {} samples of {} {} ({} bytes): pass "
+            "full batches (drop or pad the last one)",
+            spec.name, graph::dtype_name(v.dtype), v.bytes.size(), samples, graph::dtype_name(spec.dtype),
+            spec.sample.str(), samples * spec.sample_bytes()));
+      }
+      std::memcpy(train_->host_input(spec.name).data(), v.bytes.data(), v.bytes.size());
+    }
+  }
+  validate_staged(*train_, model_.inputs, 0);
+  validate_staged(*train_, model_.targets, 0);
   const auto t0 = std::chrono::steady_clock::now();
   train_->run(ops::StepInfo{steps_ + 1, lr_});
   const auto t1 = std::chrono::steady_clock::now();
   StepResult r;
-  r.loss = train_->stats_host()[0];
-  r.correct = static_cast<std::uint32_t>(train_->stats_host()[1]);
+  const float* stats = train_->stats_host();
+  r.loss = stats[0];
+  if (train_->graph().tensors.shape[train_->graph().loss].elems() > 1) r.correct = static_cast<std::uint32_t>(stats[1]);
   r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
   r.device_peak_bytes = train_->device_bytes();
   if (!std::isfinite(r.loss)) {
@@ -142,43 +171,78 @@ StepResult Trainer::step(std::span<const float> images, std::span<const std::int
   return r;
 }
 
+StepResult Trainer::step(std::span<const float> images, std::span<const std::int32_t> labels) {
+  return step(Batch{{"input", HostView(images)}, {"labels", HostView(labels)}});
+}
+
 graph::CompiledStep& Trainer::variant(const graph::VariantKey& key) {
   auto it = variants_.find(key);
   if (it == variants_.end()) {
-    auto step = std::make_unique<graph::CompiledStep>(build_graph(key.batch, key.training), options_.optimizer,
-                                                      runtime_.env(), runtime_.context(), train_->persistent(),
-                                                      graph::StepOptions{residency_options()});
+    auto step =
+        std::make_unique<graph::CompiledStep>(build_graph(key), options_.optimizer, runtime_.env(), runtime_.context(),
+                                              train_->persistent(), graph::StepOptions{residency_options()});
     it = variants_.emplace(key, std::move(step)).first;
   }
   return *it->second;
 }
 
-EvalResult Trainer::evaluate(const Dataset& data) {
-  const std::size_t sample = model_.sample_shape.elems();
-  if (data.sample_elems() != sample) {
-    throw std::invalid_argument(
-        fmt::format("dataset samples have {} values, the model takes {}", data.sample_elems(), sample));
+template <class After>
+void Trainer::for_each_chunk(const DataSource& data, bool predict, After after) {
+  const std::size_t n = data.size();
+  for (std::size_t first = 0; first < n;) {
+    // A full batch, or the largest power of two that fits in what is left.
+    std::uint32_t count = options_.batch;
+    while (count > n - first) count /= 2;
+    graph::CompiledStep& step = variant(graph::VariantKey{count, false, predict});
+    for (const auto* specs : {&model_.inputs, &model_.targets}) {
+      if (predict && specs == &model_.targets) break;
+      for (const TensorSpec& spec : *specs) data.read(spec.name, first, count, step.host_input(spec.name));
+      validate_staged(step, *specs, first);
+    }
+    step.run(ops::StepInfo{steps_ + 1, lr_});
+    after(step, first, count);
+    first += count;
   }
+}
+
+EvalResult Trainer::evaluate(const DataSource& data) {
   EvalResult r;
   double loss_sum = 0, correct = 0;
-  for (std::size_t begin = 0; begin < data.count; begin += options_.batch) {
-    const auto batch = static_cast<std::uint32_t>(std::min<std::size_t>(options_.batch, data.count - begin));
-    auto& step = variant(graph::VariantKey{batch, false});
-    std::span<const float> images(data.images.data() + begin * sample, batch * sample);
-    std::span<const std::int32_t> labels(data.labels.data() + begin, batch);
-    validate_batch(images, labels, batch);
-    std::copy(images.begin(), images.end(), step.input_host());
-    std::copy(labels.begin(), labels.end(), step.labels_host());
-    step.run(ops::StepInfo{steps_ + 1, lr_});
-    loss_sum += static_cast<double>(step.stats_host()[0]) * batch;
-    correct += step.stats_host()[1];
-  }
-  r.samples = data.count;
-  if (data.count) {
-    r.accuracy = correct / static_cast<double>(data.count);
-    r.loss = loss_sum / static_cast<double>(data.count);
+  std::size_t labels_per_sample = 0;
+  for_each_chunk(data, false, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
+    const float* stats = step.stats_host();
+    loss_sum += static_cast<double>(stats[0]) * count;
+    if (step.graph().tensors.shape[step.graph().loss].elems() > 1) {
+      correct += stats[1];
+      labels_per_sample = model_.targets.empty() ? 1 : model_.targets[0].sample.elems();
+    }
+  });
+  r.samples = data.size();
+  if (r.samples) {
+    r.loss = loss_sum / static_cast<double>(r.samples);
+    if (labels_per_sample) r.accuracy = correct / static_cast<double>(r.samples * labels_per_sample);
   }
   return r;
+}
+
+Trainer::HostTensor Trainer::predict(const DataSource& inputs) {
+  HostTensor out;
+  for_each_chunk(inputs, true, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
+    const auto bytes = step.host_output("prediction");
+    if (out.bytes.empty()) {
+      const auto& t = step.graph().tensors;
+      for (TensorId id = 0; id < t.size(); ++id) {
+        if (t.name[id] == "prediction@host") {
+          out.dtype = t.dtype[id];
+          out.shape = t.shape[id];
+        }
+      }
+      out.shape.dims[0] = static_cast<std::uint32_t>(inputs.size());
+      out.bytes.reserve(bytes.size() / count * inputs.size());
+    }
+    out.bytes.insert(out.bytes.end(), bytes.begin(), bytes.end());
+  });
+  return out;
 }
 
 std::uint64_t Trainer::bytes_of(graph::Role role) const {

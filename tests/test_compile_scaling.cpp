@@ -13,6 +13,7 @@
 #include <map>
 #include <random>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/dependencies.hpp"
 #include "ferry/graph/memory_plan.hpp"
@@ -29,9 +30,7 @@ using graph::NodeId;
 using graph::TensorId;
 
 graph::Graph forward_graph(const ModelSpec& m, std::uint32_t batch) {
-  graph::Graph g;
-  graph::Builder b(g, batch, m.sample_shape, m.classes);
-  b.softmax_xent(m.forward(b, b.input()));
+  graph::Graph g = ferry::forward_graph(m, graph::VariantKey{batch, true});
   graph::append_stats_download(g);
   return g;
 }
@@ -213,6 +212,14 @@ void check_plan(const graph::Graph& g, const graph::MemoryPlan& plan, const grap
     for (TensorId id : n.inputs(node)) touch(id, node);
     for (TensorId id : n.outputs(node)) touch(id, node);
     touch(n.scratch[node], node);
+  }
+  // The batch's host mirrors are the caller's before and after the step: live throughout.
+  for (NodeId node = 0; node < n.size(); ++node) {
+    if (ops::op_info(n.op[node]).op_class != ops::OpClass::batch_transfer) continue;
+    for (TensorId id : n.lane[node] == ops::Lane::h2d ? n.inputs(node) : n.outputs(node)) {
+      touch(id, 0);
+      touch(id, static_cast<NodeId>(n.size() - 1));
+    }
   }
   auto aligned = [&](TensorId id) {
     return (std::max<std::uint64_t>(t.bytes(id), 1) + o.alignment - 1) / o.alignment * o.alignment;

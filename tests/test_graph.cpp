@@ -5,6 +5,7 @@
 
 #include <set>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/bind.hpp"
 #include "ferry/graph/memory_plan.hpp"
@@ -129,7 +130,7 @@ TEST_P(ModelTest, DeviceStepsMatchReferenceExecutor) {
   for (const auto& name : trainer.parameter_names())
     ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
 
-  const std::size_t sample = m.sample_shape.elems();
+  const std::size_t sample = sample_elems(m);
   for (std::uint32_t s = 0; s < 3; ++s) {
     auto images = random_vector(topt.batch * sample, 200 + s);
     auto labels = random_labels(topt.batch, 300 + s);
@@ -194,7 +195,7 @@ TEST(Trainer, RejectsBadBatchesBeforeRunning) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  expect_error(std::span(images).first(3 * 20), std::span(labels).first(3), "compiled for batches of 4");
+  expect_error(std::span(images).first(3 * 20), std::span(labels).first(3), "compiled for 4 samples");
   auto bad_labels = labels;
   bad_labels[2] = 10;
   expect_error(images, bad_labels, "outside [0, 10)");
@@ -207,7 +208,7 @@ TEST(Trainer, RejectsBadBatchesBeforeRunning) {
 
 TEST(Builder, ShapeErrorsNameTheLayer) {
   graph::Graph g;
-  graph::Builder b(g, 4, graph::Shape{1, 28, 28}, 10);
+  ClassifierBuilder b(g, 4, graph::Shape{1, 28, 28}, 10);
   try {
     b.linear(b.reshape(b.input(), graph::Shape{4 * 28 * 28}), 10);  // rank 1: no rows
     FAIL();
@@ -218,7 +219,7 @@ TEST(Builder, ShapeErrorsNameTheLayer) {
   // Linear applies to the last axis of any rank.
   EXPECT_EQ(g.tensors.shape[b.linear(b.input(), 10)], (graph::Shape{4, 1, 28, 10}));
   TensorId x = b.linear(b.flatten(b.input()), 7);
-  EXPECT_THROW(b.softmax_xent(x), graph::BuildError);
+  EXPECT_THROW(b.softmax_xent(b.linear(b.input(), 10)), graph::BuildError);  // [4, 1, 28, 10]: one label per row
   EXPECT_THROW(b.add(x, b.linear(x, 8)), graph::BuildError);
   EXPECT_THROW(b.conv2d(x, 4, 3), graph::BuildError);
 }
@@ -240,7 +241,7 @@ TEST(Trainer, EvaluationVariantsShareWeightsAndCoverEverySample) {
   topt.batch = 8;
   Trainer trainer(runtime, small_mlp(), topt);
   Dataset d;
-  d.count = 21;  // 8 + 8 + 5: two variants
+  d.count = 21;  // 8 + 8 + 4 + 1: three variants
   d.rows = 4;
   d.cols = 5;
   d.images = random_vector(d.count * 20, 3);
@@ -255,12 +256,63 @@ TEST(Trainer, EvaluationVariantsShareWeightsAndCoverEverySample) {
   const auto all = trainer.evaluate(d);
   EXPECT_EQ(all.samples, 21u);
   // Evaluation runs in the training step's buffers: its variants add no device memory.
-  ASSERT_EQ(trainer.variants().size(), 2u);
+  ASSERT_EQ(trainer.variants().size(), 3u);
   for (const auto& [key, step] : trainer.variants()) {
     EXPECT_FALSE(key.training);
     EXPECT_EQ(step->plan().new_transient_bytes, 0u) << "eval batch " << key.batch;
   }
   EXPECT_GE(all.accuracy, 8.0 / 21.0 - 1e-9);
+  // Every dataset size from 1 to 20 reuses power-of-two variants: batch 8 gives at most 8, 4, 2, 1.
+  double loss_of_21 = all.loss;
+  for (std::size_t count = 1; count <= 20; ++count) {
+    Dataset part = d;
+    part.count = count;
+    const auto r = trainer.evaluate(part);
+    EXPECT_EQ(r.samples, count);
+    EXPECT_TRUE(std::isfinite(r.loss));
+  }
+  EXPECT_EQ(trainer.variants().size(), 4u);
+  EXPECT_EQ(trainer.evaluate(d).loss, loss_of_21) << "evaluation is deterministic";
+}
+
+// Prediction returns the model's logits for any number of samples, the same as a batch of one.
+TEST(Trainer, PredictReturnsTheLogitsOfEverySample) {
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 4;
+  Trainer trainer(runtime, small_mlp(), topt);
+  Dataset d;
+  d.count = 7;
+  d.rows = 4;
+  d.cols = 5;
+  d.images = random_vector(d.count * 20, 5);
+  d.labels = random_labels(d.count, 6);
+  const Trainer::HostTensor all = trainer.predict(d);
+  EXPECT_EQ(all.dtype, graph::DType::f32);
+  EXPECT_EQ(all.shape, (graph::Shape{7, 10}));
+  ASSERT_EQ(all.bytes.size(), 7u * 10u * 4u);
+  const auto* logits = reinterpret_cast<const float*>(all.bytes.data());
+  // The logits against a hand computation from the weights: relu(x W0 + b0) W1 + b1.
+  const auto w0 = trainer.read_parameter("linear0.w"), b0 = trainer.read_parameter("linear0.b");
+  const auto w1 = trainer.read_parameter("linear2.w"), b1 = trainer.read_parameter("linear2.b");
+  for (std::size_t s = 0; s < 7; ++s) {
+    std::vector<double> h(13);
+    for (std::size_t j = 0; j < 13; ++j) {
+      double acc = b0[j];
+      for (std::size_t i = 0; i < 20; ++i) acc += double(d.images[s * 20 + i]) * w0[i * 13 + j];
+      h[j] = std::max(acc, 0.0);
+    }
+    for (std::size_t k = 0; k < 10; ++k) {
+      double acc = b1[k];
+      for (std::size_t j = 0; j < 13; ++j) acc += h[j] * w1[j * 10 + k];
+      EXPECT_NEAR(logits[s * 10 + k], acc, 1e-4) << "sample " << s << " class " << k;
+    }
+  }
+  // Prediction variants read only the inputs: no labels are staged or checked.
+  for (const auto& [key, step] : trainer.variants()) {
+    EXPECT_TRUE(key.predict);
+    EXPECT_THROW(step->host_input("labels"), std::invalid_argument);
+  }
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <ostream>
 #include <string>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/ops/layout.hpp"
 #include "reference_executor.hpp"
@@ -249,7 +250,7 @@ void expect_build_error(graph::Builder& b, ops::OpId id, std::span<const TensorI
 
 TEST(LayoutRows, ShapeRulesMakeOutputsAndRejectBadOperandsNamingTheNode) {
   graph::Graph g;
-  graph::Builder b(g, 4, graph::Shape{3, 5}, 2);  // input [4, 3, 5]
+  ClassifierBuilder b(g, 4, graph::Shape{3, 5}, 2);  // input [4, 3, 5]
   const TensorId x = b.input();
   const TensorId xs[] = {x};
   const TensorId y = b.apply(op("permute"), xs, perm_attrs({2, 0, 1, 0}))[0];  // permute0
@@ -281,7 +282,7 @@ TEST(LayoutRows, ShapeRulesMakeOutputsAndRejectBadOperandsNamingTheNode) {
 // back, -> linear(., 4) -> loss. h feeds both views, so its gradient is a sum.
 graph::Graph layout_model(std::uint32_t batch) {
   graph::Graph g;
-  graph::Builder b(g, batch, graph::Shape{12}, 4);
+  ClassifierBuilder b(g, batch, graph::Shape{12}, 4);
   const TensorId h = b.linear(b.input(), 24);
   auto view = [&](TensorId t, graph::Shape s) {
     return g.tensors.add(g.tensors.name[t] + ".view", s, g.tensors.dtype[t], g.tensors.role[t], t);
@@ -369,8 +370,8 @@ TEST(LayoutRows, ModelTrainsOnTheDeviceLikeTheReference) {
     const auto images = random_vector(batch * 12, 40 + s, -2.0f, 2.0f);
     std::vector<std::int32_t> labels(batch);
     for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>((i * 3 + s) % 4);
-    std::copy(images.begin(), images.end(), step.input_host());
-    std::copy(labels.begin(), labels.end(), step.labels_host());
+    std::copy(images.begin(), images.end(), step.host_input_as<float>("input").begin());
+    std::copy(labels.begin(), labels.end(), step.host_input_as<std::int32_t>("labels").begin());
     step.run(ops::StepInfo{s + 1, lr});
     ref.value(ref.find("input")) = to_double(images);
     ref.ints(ref.find("labels")) = labels;

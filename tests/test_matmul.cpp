@@ -11,6 +11,7 @@
 #include <string>
 #include <tuple>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/ops/gemm.hpp"
@@ -198,22 +199,22 @@ TensorId apply1(graph::Builder& b, const char* op, std::initializer_list<TensorI
 // scores = y yᵀ / 4, p = softmax(scores), o = p y + yᵀ p (the second product transposes a); y is
 // used four times, so its gradient is a sum.
 ModelSpec attention_model() {
-  return {"tiny-attention", graph::Shape{1, 6, 6}, 5, [](graph::Builder& b, TensorId x) {
-            const TensorId y = b.conv2d(x, 2, 3, 1, 1);
-            const TensorId scores = apply1(b, "matmul", {y, y}, transposes(false, true, 0.25f));
-            const TensorId p = apply1(b, "softmax", {scores});
-            const TensorId o1 = apply1(b, "matmul", {p, y});
-            const TensorId o2 = apply1(b, "matmul", {y, p}, transposes(true, false));
-            const TensorId h = b.linear(b.flatten(b.add(o1, o2)), 12);
-            // rank 2: a [batch, 12] matrix times its own transpose, then back to 12 features.
-            const TensorId g = apply1(b, "softmax", {apply1(b, "matmul", {h, h}, transposes(false, true))});
-            return b.linear(apply1(b, "matmul", {g, h}), 5);
-          }};
+  return models::classifier("tiny-attention", graph::Shape{1, 6, 6}, 5, [](graph::Builder& b, TensorId x) {
+    const TensorId y = b.conv2d(x, 2, 3, 1, 1);
+    const TensorId scores = apply1(b, "matmul", {y, y}, transposes(false, true, 0.25f));
+    const TensorId p = apply1(b, "softmax", {scores});
+    const TensorId o1 = apply1(b, "matmul", {p, y});
+    const TensorId o2 = apply1(b, "matmul", {y, p}, transposes(true, false));
+    const TensorId h = b.linear(b.flatten(b.add(o1, o2)), 12);
+    // rank 2: a [batch, 12] matrix times its own transpose, then back to 12 features.
+    const TensorId g = apply1(b, "softmax", {apply1(b, "matmul", {h, h}, transposes(false, true))});
+    return b.linear(apply1(b, "matmul", {g, h}), 5);
+  });
 }
 
 TEST(MatmulRows, ShapeRuleErrorsNameTheNode) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{3, 4}, 2);
+  ClassifierBuilder b(g, 2, graph::Shape{3, 4}, 2);
   const TensorId x = b.input();  // [2, 3, 4]
   EXPECT_EQ(g.tensors.shape[apply1(b, "matmul", {x, x}, transposes(false, true))], (graph::Shape{2, 3, 3}));
   EXPECT_EQ(g.tensors.shape[apply1(b, "matmul", {x, x}, transposes(true, false))], (graph::Shape{2, 4, 4}));
@@ -252,9 +253,7 @@ TEST(MatmulRows, AttentionModelTrainsOnTheDeviceLikeItsReference) {
 }
 
 TEST(MatmulRows, GradientsThroughTheGraphMatchFiniteDifferences) {
-  graph::Graph g;
-  graph::Builder b(g, 3, graph::Shape{1, 6, 6}, 5);
-  b.softmax_xent(attention_model().forward(b, b.input()));
+  graph::Graph g = forward_graph(attention_model(), graph::VariantKey{3, true});
   graph::OptimizerSpec opt;
   opt.kind = graph::OptimizerSpec::Kind::sgd;
   opt.sgd.momentum = 0;

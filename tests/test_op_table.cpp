@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/bind.hpp"
 #include "ferry/graph/pipeline.hpp"
@@ -139,11 +140,11 @@ ops::OpId user_silu() {
 }
 
 ModelSpec silu_model() {
-  return {"silu-mlp", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) {
-            const TensorId h = b.linear(x, 16);
-            const TensorId in[] = {h};
-            return b.linear(b.apply(user_silu(), in)[0], 4);
-          }};
+  return models::classifier("silu-mlp", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) {
+    const TensorId h = b.linear(x, 16);
+    const TensorId in[] = {h};
+    return b.linear(b.apply(user_silu(), in)[0], 4);
+  });
 }
 
 TEST(OpTable, UserOpTrainsOnTheDeviceLikeItsReference) {
@@ -166,9 +167,7 @@ TEST(OpTable, UserOpTrainsOnTheDeviceLikeItsReference) {
 }
 
 TEST(OpTable, UserOpBackwardMatchesFiniteDifferences) {
-  graph::Graph g;
-  graph::Builder b(g, 3, graph::Shape{12}, 4);
-  b.softmax_xent(silu_model().forward(b, b.input()));
+  graph::Graph g = forward_graph(silu_model(), graph::VariantKey{3, true});
   graph::OptimizerSpec opt;
   opt.kind = graph::OptimizerSpec::Kind::sgd;
   opt.sgd.momentum = 0;
@@ -185,7 +184,7 @@ TEST(OpTable, UserOpBackwardMatchesFiniteDifferences) {
 
 TEST(OpTable, UserOpShapeRuleErrorNamesTheNode) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{4}, 2);
+  ClassifierBuilder b(g, 2, graph::Shape{4}, 2);
   const TensorId two[] = {b.input(), b.input()};
   try {
     b.apply(user_silu(), two);
@@ -198,7 +197,7 @@ TEST(OpTable, UserOpShapeRuleErrorNamesTheNode) {
 TEST(OpTable, DtypeTheOpDoesNotTakeIsACompileTimeErrorNamingOpAndTensor) {
   Runtime runtime;
   graph::Graph g;
-  graph::Builder b(g, 4, graph::Shape{8}, 3);
+  ClassifierBuilder b(g, 4, graph::Shape{8}, 3);
   // A bf16 activation fed to Linear, whose kernels are f32 only.
   const TensorId half = g.tensors.add("x.bf16", graph::Shape{4, 8}, graph::DType::bf16, graph::Role::activation);
   b.softmax_xent(b.linear(half, 3));
@@ -220,7 +219,7 @@ TEST(OpTable, DtypeTheOpDoesNotTakeIsACompileTimeErrorNamingOpAndTensor) {
 TEST(OpTable, CastAndInt8NodesRunOnTheDeviceLikeTheirReferences) {
   Runtime runtime;
   graph::Graph g;
-  graph::Builder b(g, 8, graph::Shape{12}, 4);
+  ClassifierBuilder b(g, 8, graph::Shape{12}, 4);
   graph::NodeAttrs to_bf16, to_f32, layout;
   to_bf16.i[0] = static_cast<int>(graph::DType::bf16);
   to_f32.i[0] = static_cast<int>(graph::DType::f32);
@@ -255,8 +254,8 @@ TEST(OpTable, CastAndInt8NodesRunOnTheDeviceLikeTheirReferences) {
   }
   const auto images = random_vector(8 * 12, 5, -2.0f, 2.0f);
   const std::vector<std::int32_t> labels = {0, 1, 2, 3, 3, 2, 1, 0};
-  std::copy(images.begin(), images.end(), step.input_host());
-  std::copy(labels.begin(), labels.end(), step.labels_host());
+  std::copy(images.begin(), images.end(), step.host_input_as<float>("input").begin());
+  std::copy(labels.begin(), labels.end(), step.host_input_as<std::int32_t>("labels").begin());
   step.run(ops::StepInfo{1, 0.0f});
   ref.value(ref.find("input")) = to_double(images);
   ref.ints(ref.find("labels")) = labels;
@@ -278,12 +277,12 @@ TEST(OpTable, CastAndInt8NodesRunOnTheDeviceLikeTheirReferences) {
 // Linear and LayerNorm over the last axis of rank-3 tensors, between reshapes (views), trained on
 // the device against the reference executor and checked by finite differences.
 ModelSpec rank3_model() {
-  return {"rank3", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) {
-            const std::uint32_t batch = b.batch();
-            x = b.reshape(x, graph::Shape{batch, 3, 4});
-            x = b.gelu(b.linear(b.layernorm(x), 5));  // [batch, 3, 5]
-            return b.linear(b.reshape(x, graph::Shape{batch, 15}), 4);
-          }};
+  return models::classifier("rank3", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) {
+    const std::uint32_t batch = b.batch();
+    x = b.reshape(x, graph::Shape{batch, 3, 4});
+    x = b.gelu(b.linear(b.layernorm(x), 5));  // [batch, 3, 5]
+    return b.linear(b.reshape(x, graph::Shape{batch, 15}), 4);
+  });
 }
 
 TEST(OpTable, LinearAndLayerNormTakeAnyRank) {
@@ -310,10 +309,8 @@ TEST(OpTable, LinearAndLayerNormTakeAnyRank) {
   EXPECT_EQ(w.size(), 4u * 5u);
 
   // Gradients of the rank-3 path by finite differences on the reference.
-  graph::Graph fd;
-  graph::Builder b(fd, 2, graph::Shape{12}, 4);
-  b.softmax_xent(rank3_model().forward(b, b.input()));
-  fd = graph::prepare_step_graph(std::move(fd), graph::VariantKey{2, true}, topt.optimizer);
+  graph::Graph fd = graph::prepare_step_graph(forward_graph(rank3_model(), graph::VariantKey{2, true}),
+                                              graph::VariantKey{2, true}, topt.optimizer);
   ReferenceExecutor x(fd, topt.optimizer);
   std::uint32_t seed = 90;
   for (TensorId id = 0; id < fd.tensors.size(); ++id) {
@@ -331,7 +328,7 @@ TEST(OpTable, LinearAndLayerNormTakeAnyRank) {
 
 TEST(OpTable, BuilderLayoutMethodsUseTheirRows) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{12}, 4);
+  ClassifierBuilder b(g, 2, graph::Shape{12}, 4);
   const TensorId x = b.reshape(b.input(), graph::Shape{2, 3, 4});
   const TensorId p = b.permute(x, {0, 2, 1});
   EXPECT_EQ(g.tensors.shape[p], (graph::Shape{2, 4, 3}));
@@ -347,7 +344,7 @@ TEST(OpTable, BuilderLayoutMethodsUseTheirRows) {
 TEST(OpTable, BuilderSequenceMethodsAndDropoutOnlyWhenTraining) {
   for (bool training : {true, false}) {
     graph::Graph g;
-    graph::Builder b(g, 2, graph::Shape{5}, 4);
+    ClassifierBuilder b(g, 2, graph::Shape{5}, 4);
     b.set_training(training);
     g.tensors.dtype[b.input()] = graph::DType::i32;  // token ids
     const TensorId e = b.embedding(b.input(), 11, 6);
@@ -372,13 +369,13 @@ TEST(OpTable, BuilderSequenceMethodsAndDropoutOnlyWhenTraining) {
 
 TEST(OpTable, ReshapeToAnotherElementCountIsABuildError) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{12}, 4);
+  ClassifierBuilder b(g, 2, graph::Shape{12}, 4);
   EXPECT_THROW(b.reshape(b.input(), graph::Shape{2, 5}), graph::BuildError);
 }
 
 TEST(OpTable, CastToAnIntegerTypeIsABuildError) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{4}, 2);
+  ClassifierBuilder b(g, 2, graph::Shape{4}, 2);
   graph::NodeAttrs to_i32;
   to_i32.i[0] = static_cast<int>(graph::DType::i32);
   const TensorId in[] = {b.input()};

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "test_models.hpp"
@@ -11,11 +12,8 @@
 namespace ferry::test {
 namespace {
 
-graph::Graph forward_graph(std::uint32_t batch) {
-  graph::Graph g;
-  graph::Builder b(g, batch, graph::Shape{1, 28, 28}, 10);
-  b.softmax_xent(models::mlp({32}).forward(b, b.input()));
-  return g;
+graph::Graph mlp_forward(std::uint32_t batch) {
+  return forward_graph(models::mlp({32}), graph::VariantKey{batch, true});
 }
 
 std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
@@ -35,7 +33,7 @@ TEST(Pipeline, ModelPassesAreAutodiffOptimizerDownloadInThatOrder) {
 TEST(Pipeline, EachModelPassAlone) {
   const graph::VariantKey train{16, true};
   graph::OptimizerSpec adam;
-  graph::Graph g = forward_graph(16);
+  graph::Graph g = mlp_forward(16);
   const std::size_t forward_nodes = g.nodes.size();
   ASSERT_EQ(count_class(g, ops::OpClass::backward), 0u);
 
@@ -61,14 +59,14 @@ TEST(Pipeline, EachModelPassAlone) {
   EXPECT_NE(g.tensors.home[g.nodes.outputs(static_cast<graph::NodeId>(before))[0]], graph::Residency::device);
 
   // A forward-only key skips autodiff and the optimizer.
-  graph::Graph eval = graph::prepare_step_graph(forward_graph(16), graph::VariantKey{16, false}, adam);
+  graph::Graph eval = graph::prepare_step_graph(mlp_forward(16), graph::VariantKey{16, false}, adam);
   EXPECT_EQ(eval.nodes.size(), forward_nodes + 1);
   EXPECT_EQ(count_class(eval, ops::OpClass::backward), 0u);
 }
 
 TEST(Pipeline, AutodiffWithoutALossIsAClearError) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{4}, 2);
+  ClassifierBuilder b(g, 2, graph::Shape{4}, 2);
   b.linear(b.input(), 2);
   try {
     graph::append_backward(g);
@@ -81,7 +79,7 @@ TEST(Pipeline, AutodiffWithoutALossIsAClearError) {
 TEST(Pipeline, CompiledStepReportsItsDevicePassesInOrder) {
   Runtime runtime;
   graph::OptimizerSpec adam;
-  graph::CompiledStep step(graph::prepare_step_graph(forward_graph(8), graph::VariantKey{8, true}, adam), adam,
+  graph::CompiledStep step(graph::prepare_step_graph(mlp_forward(8), graph::VariantKey{8, true}, adam), adam,
                            runtime.env(), runtime.context(), nullptr, graph::StepOptions{{}, false, false});
   std::string order;
   for (const auto& p : step.pass_timings()) {

@@ -3,6 +3,7 @@
 // compile-time error naming the minimum, and a step that fails mid-way leaves the state as it was.
 #include <fmt/format.h>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/offload/pinned_host.hpp"
 #include "test_models.hpp"
@@ -50,7 +51,7 @@ void expect_parameters(const Trainer& t, const Parameters& expected) {
 RunResult train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int steps) {
   Trainer trainer(rt, m, o);
   RunResult r;
-  const std::size_t sample = m.sample_shape.elems();
+  const std::size_t sample = sample_elems(m);
   for (int s = 0; s < steps; ++s) {
     auto images = random_vector(o.batch * sample, 50 + s);
     auto labels = labels_for(o.batch, 70 + s);
@@ -170,7 +171,7 @@ TEST_P(FailedStepTest, LeavesTheStateUnchanged) {
   Trainer trainer(rt, m, options(mode, budget));
   ASSERT_EQ(trainer.residency().mode, mode);
   Trainer reference(rt, m, options(graph::ResidencyMode::resident, 0));
-  const std::size_t sample = m.sample_shape.elems();
+  const std::size_t sample = sample_elems(m);
   auto images = random_vector(8 * sample, 5);
   auto labels = labels_for(8, 6);
   trainer.step(images, labels);
@@ -259,7 +260,7 @@ TEST(Residency, TransferFailingMidStepLeavesTheStateUnchanged) {
     if (nodes.op[n] == graph::builtin::fetch && first_write_back != 0) fetches.push_back(n);
   }
   ASSERT_FALSE(fetches.empty());
-  const std::size_t sample = m.sample_shape.elems();
+  const std::size_t sample = sample_elems(m);
   auto images = random_vector(8 * sample, 15);
   auto labels = labels_for(8, 16);
   auto before = parameters_of(trainer);
@@ -350,7 +351,7 @@ TEST(HostOptimizer, FailingHostUpdateLeavesTheStateUnchanged) {
     if (nodes.lane[n] == graph::Lane::host) host_nodes.push_back(n);
   }
   ASSERT_GT(host_nodes.size(), 2u);
-  const std::size_t sample = m.sample_shape.elems();
+  const std::size_t sample = sample_elems(m);
   auto images = random_vector(8 * sample, 25);
   auto labels = labels_for(8, 26);
   trainer.step(images, labels);
@@ -400,7 +401,7 @@ TEST_P(DivergedStepTest, SkipsTheUpdateAndKeepsTheState) {
   o.optimizer.sgd.momentum = 0;
   o.lr = 1e30f;  // the first step blows the weights up; the next loss is not finite
   Trainer trainer(rt, m, o);
-  const std::size_t sample = m.sample_shape.elems();
+  const std::size_t sample = sample_elems(m);
   auto images = random_vector(8 * sample, 35);
   auto labels = labels_for(8, 36);
   trainer.step(images, labels);

@@ -14,6 +14,7 @@
 #include <random>
 #include <string>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/ops/op_table.hpp"
@@ -330,7 +331,7 @@ TEST(Dropout, ReferenceBackwardMatchesFiniteDifferences) {
 
 // A classifier over `t` character ids per sample: embedding (table [vocab, t], so each sample
 // gives a [t, t] "score" matrix), causal mask, ReLU (0 where masked), dropout, then Linear to the
-// classes. The builder's input becomes i32 ids.
+// classes. The input is i32 ids.
 struct SequenceModel {
   static constexpr std::uint32_t batch = 6, t = 5, vocab = 11, classes = 4;
   graph::Graph g;
@@ -339,15 +340,14 @@ struct SequenceModel {
 
 SequenceModel sequence_model(float p = 0.25f) {
   SequenceModel m;
-  graph::Builder b(m.g, SequenceModel::batch, graph::Shape{SequenceModel::t}, SequenceModel::classes);
+  graph::Builder b(m.g, SequenceModel::batch);
+  const TensorId ids = b.input("input", graph::Shape{SequenceModel::t}, graph::DType::i32);
+  const TensorId labels = b.input("labels", graph::Shape{}, graph::DType::i32, graph::Role::label);
   auto& tensors = m.g.tensors;
-  for (TensorId id = 0; id < tensors.size(); ++id) {
-    if (tensors.name[id] == "input" || tensors.name[id] == "input@host") tensors.dtype[id] = graph::DType::i32;
-  }
   m.table = tensors.add("embed.table", graph::Shape{SequenceModel::vocab, SequenceModel::t}, graph::DType::f32,
                         graph::Role::weight);
   tensors.init[m.table] = {graph::WeightInit::Kind::uniform, 1.0f};
-  const TensorId e_in[] = {b.input(), m.table};
+  const TensorId e_in[] = {ids, m.table};
   const TensorId e = b.apply(ops::find_op("embedding"), e_in)[0];
   const TensorId c_in[] = {e};
   const TensorId masked = b.apply(ops::find_op("causal_mask"), c_in)[0];
@@ -356,7 +356,7 @@ SequenceModel sequence_model(float p = 0.25f) {
   drop.i[0] = 7;
   const TensorId d_in[] = {b.relu(masked)};
   const TensorId dropped = b.apply(ops::find_op("dropout"), d_in, drop)[0];
-  b.softmax_xent(b.linear(b.flatten(dropped), SequenceModel::classes));
+  b.softmax_xent(b.linear(b.flatten(dropped), SequenceModel::classes), labels);
   return m;
 }
 
@@ -401,8 +401,8 @@ TEST(SequenceRows, TinyModelTrainsOnTheDeviceLikeTheReference) {
   for (std::uint32_t s = 1; s <= 6; ++s) {
     const auto ids = batch_ids(s % 2);  // two batches in turn: the loss should fall
     const auto labels = batch_labels(ids);
-    std::memcpy(step.input_host(), ids.data(), ids.size() * sizeof(std::int32_t));
-    std::copy(labels.begin(), labels.end(), step.labels_host());
+    std::ranges::copy(ids, step.host_input_as<std::int32_t>("input").begin());
+    std::copy(labels.begin(), labels.end(), step.host_input_as<std::int32_t>("labels").begin());
     step.run(ops::StepInfo{s, lr});
     ref.ints(ref.find("input")) = ids;
     ref.ints(ref.find("labels")) = labels;
@@ -463,7 +463,7 @@ void expect_build_error(F&& f, const std::string& node, const std::string& words
 
 TEST(SequenceRows, BadOperandsAreBuildErrorsNamingTheNode) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{3, 4}, 2);
+  ClassifierBuilder b(g, 2, graph::Shape{3, 4}, 2);
   const TensorId table = g.tensors.add("table", graph::Shape{10, 4}, graph::DType::f32, graph::Role::weight);
   const TensorId flat = g.tensors.add("flat", graph::Shape{40}, graph::DType::f32, graph::Role::weight);
   const TensorId ids = g.tensors.add("ids", graph::Shape{2, 3}, graph::DType::i32, graph::Role::input);

@@ -10,6 +10,7 @@
 #include <limits>
 #include <tuple>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ferry/ops/softmax.hpp"
@@ -157,11 +158,11 @@ TEST(Softmax, ReferenceBackwardMatchesFiniteDifferences) {
 
 // linear -> softmax -> linear: the softmax rows in a compiled step against the reference executor.
 ModelSpec softmax_model() {
-  return {"softmax-mlp", graph::Shape{10}, 3, [](graph::Builder& b, TensorId x) {
-            const TensorId h = b.linear(x, 19);
-            const TensorId ins[] = {h};
-            return b.linear(b.apply(ops::find_op("softmax"), ins)[0], 3);
-          }};
+  return models::classifier("softmax-mlp", graph::Shape{10}, 3, [](graph::Builder& b, TensorId x) {
+    const TensorId h = b.linear(x, 19);
+    const TensorId ins[] = {h};
+    return b.linear(b.apply(ops::find_op("softmax"), ins)[0], 3);
+  });
 }
 
 TEST(SoftmaxRows, ModelTrainsOnTheDeviceLikeItsReference) {
@@ -177,7 +178,7 @@ TEST(SoftmaxRows, ModelTrainsOnTheDeviceLikeItsReference) {
 
 TEST(SoftmaxRows, ShapeRuleKeepsTheShapeAndRejectsAnEmptyAxis) {
   graph::Graph g;
-  graph::Builder b(g, 2, graph::Shape{3, 4}, 2);
+  ClassifierBuilder b(g, 2, graph::Shape{3, 4}, 2);
   const TensorId x[] = {b.input()};
   const TensorId y = b.apply(ops::find_op("softmax"), x)[0];
   EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 3, 4}));

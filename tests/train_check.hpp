@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
@@ -16,10 +17,8 @@ namespace ferry::test {
 // A model's training step graph as the trainer builds it (builder, loss, the model passes), with
 // no device.
 inline graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerSpec& opt) {
-  graph::Graph g;
-  graph::Builder b(g, batch, m.sample_shape, m.classes);
-  b.softmax_xent(m.forward(b, b.input()));
-  return graph::prepare_step_graph(std::move(g), graph::VariantKey{batch, true}, opt);
+  const graph::VariantKey key{batch, true};
+  return graph::prepare_step_graph(forward_graph(m, key), key, opt);
 }
 
 // Gives every weight of the executor's graph values uniform in [lo, hi), seeded per weight from
@@ -39,8 +38,8 @@ inline void randomize_weights(ReferenceExecutor& ref, const graph::Graph& g, std
 inline void expect_training_matches_reference(Trainer& trainer, std::uint32_t steps, std::uint32_t seed,
                                               std::uint32_t label_stride = 7, float lo = -1.0f, float hi = 1.0f) {
   const auto& topt = trainer.options();
-  const std::size_t sample = trainer.model().sample_shape.elems();
-  const std::uint32_t classes = trainer.model().classes;
+  const std::size_t sample = sample_elems(trainer.model());
+  const std::uint32_t classes = classes_of(trainer.model());
   ReferenceExecutor ref(trainer.train_step().graph(), topt.optimizer);
   for (const auto& name : trainer.parameter_names())
     ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));

@@ -27,6 +27,8 @@ using AddNamedRow = std::function<OpId(OpInfo)>;
 void register_matmul_rows(const AddNamedRow& add);    // ops/table/matmul.cpp: batched matmul, softmax
 void register_layout_rows(const AddNamedRow& add);    // ops/table/layout.cpp: permute, mul, scale
 void register_sequence_rows(const AddNamedRow& add);  // ops/table/sequence.cpp: embedding, causal mask, dropout
+void register_add_bias_rows(const AddNamedRow& add);  // ops/table/add_bias.cpp: bias broadcast over leading axes
+void register_mse_rows(const AddNamedRow& add);       // ops/table/mse.cpp: mean squared error loss
 
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);

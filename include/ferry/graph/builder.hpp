@@ -23,12 +23,18 @@ class BuildError : public std::invalid_argument {
 
 class Builder {
  public:
-  // A classifier over samples of `sample_shape` (e.g. {1, 28, 28}) into `classes` classes, for
-  // batches of `batch`. Creates the input and label tensors and the upload node.
-  Builder(Graph& g, std::uint32_t batch, Shape sample_shape, std::uint32_t classes);
+  // A graph over batches of `batch` samples; inputs are declared with input().
+  explicit Builder(Graph& g, std::uint32_t batch);
 
-  TensorId input() const { return input_; }
-  TensorId labels() const { return labels_; }
+  // A batch tensor the caller supplies each step: [batch, sample...] of `dtype` on the device,
+  // filled from the host mirror "<name>@host" by an upload node (graph::CompiledStep::host_input).
+  // `role` is Role::input for model inputs and Role::label for loss targets (not uploaded when a
+  // variant only predicts). `sample` may be rank 0 (one value per sample) to 3.
+  TensorId input(std::string name, Shape sample, DType dtype = DType::f32, Role role = Role::input);
+  // Marks `t` as a result the host reads after the step: a download node copies it into the host
+  // mirror "<name>@host" (graph::CompiledStep::host_output).
+  void output(TensorId t, std::string name);
+
   std::uint32_t batch() const { return batch_; }
   const Graph& graph() const { return g_; }
 
@@ -47,6 +53,10 @@ class Builder {
   // A view of x with another shape of the same element count (no node, no copy).
   TensorId reshape(TensorId x, Shape to);
   TensorId add(TensorId a, TensorId b);
+  // x plus a learned tensor of shape `trailing` (x's last axes) broadcast over x's leading axes:
+  // a learned positional embedding [T, W] on activations [B, T, W]. Initialised to zeros unless
+  // `init_bound` > 0 (uniform in +-init_bound). The weight is "<name>.p".
+  TensorId add_parameter(TensorId x, Shape trailing, float init_bound = 0.0f);
   // Layout and elementwise ops (named rows of the op table).
   // y with x's axes reordered: y.shape[k] = x.shape[perm[k]] (a copy; rank 2 to 4).
   TensorId permute(TensorId x, std::initializer_list<std::int32_t> perm);
@@ -70,9 +80,17 @@ class Builder {
   void set_training(bool training) { training_ = training; }
   bool training() const { return training_; }
 
-  // Ends the forward pass: softmax cross-entropy of `logits` [batch, classes] against the labels.
-  // Returns the stats tensor ([2]: mean loss, correct count), which becomes the graph's loss.
-  TensorId softmax_xent(TensorId logits);
+  // Losses. Each returns its stats tensor, whose element 0 is the loss, and makes it the graph's
+  // loss (the last one built wins; see set_loss).
+  // Softmax cross-entropy of logits [..., classes] against i32 labels [...] (the same leading
+  // axes: one label per sample, or per position of a sequence), averaged over every label.
+  // Stats [2]: mean loss, count of argmax hits.
+  TensorId softmax_xent(TensorId logits, TensorId labels);
+  // Mean squared error of a prediction against a target of the same shape. Stats [1].
+  TensorId mse(TensorId prediction, TensorId target);
+  // The tensor autodiff differentiates: a loss's stats. Throws BuildError for anything else
+  // (a tensor that is not the stats of a loss op: reduce it with a loss first).
+  void set_loss(TensorId loss);
 
   // Any op of the table (a user's row included) on existing tensors: the row's shape rule makes
   // the outputs, named "<name>.y", "<name>.out1", ... after the node "<row name><index>".
@@ -89,8 +107,7 @@ class Builder {
   const Shape& shape(TensorId t) const { return g_.tensors.shape[t]; }
 
   Graph& g_;
-  std::uint32_t batch_, classes_;
-  TensorId input_, labels_;
+  std::uint32_t batch_;
   std::uint32_t layer_count_ = 0;
   bool training_ = true;
 };

@@ -13,7 +13,9 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -96,10 +98,20 @@ class CompiledStep {
   CompiledStep(const CompiledStep&) = delete;
   CompiledStep& operator=(const CompiledStep&) = delete;
 
-  // Host staging the upload node copies from: fill before run().
-  float* input_host() const;
-  std::int32_t* labels_host() const;
-  // Filled by the download node when run() returns: [mean loss, correct count].
+  // The host staging of batch tensor `name` (Builder::input) that its upload node copies from:
+  // fill it before run(). Throws std::invalid_argument naming the batch tensors there are.
+  std::span<std::byte> host_input(std::string_view name) const;
+  template <class T>
+  std::span<T> host_input_as(std::string_view name) const {
+    const auto b = host_input(name);
+    return {reinterpret_cast<T*>(b.data()), b.size() / sizeof(T)};
+  }
+  std::vector<std::string> host_input_names() const;
+  // A result filled by its download node when run() returns: an output (Builder::output) or a
+  // loss's stats ("loss.stats"). Throws std::invalid_argument naming the results there are.
+  std::span<const std::byte> host_output(std::string_view name) const;
+  // The loss's stats (element 0: the loss; softmax_xent adds the argmax-hit count); nullptr in
+  // a graph without a loss (prediction).
   const float* stats_host() const;
 
   // Runs one step: enqueues every node through the flow graph and returns when the device has

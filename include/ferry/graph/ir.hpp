@@ -35,7 +35,7 @@ using ops::Shape;
 // What a tensor is for; decides its lifetime in the memory plan and its home under streaming.
 enum class Role : std::uint8_t {
   input,            // batch data, written by the upload node each step
-  label,            // int32 class labels, uploaded with the batch
+  label,            // a loss's targets (class labels, regression targets), uploaded with the batch
   weight,           // trained parameter: persistent
   optimizer_state,  // momentum / Adam moments: persistent
   gradient,         // of a weight or an activation: lives within a step
@@ -43,6 +43,7 @@ enum class Role : std::uint8_t {
   scratch,          // an op's temporary (packed GEMM panels, im2col columns)
   stats,            // small results the host reads after the step (loss, correct count)
   staged,           // a device copy of a host-resident weight or optimizer state (streaming)
+  output,           // the host mirror of a result the caller reads (Builder::output)
 };
 const char* role_name(Role r);
 bool is_persistent(Role r);

@@ -23,6 +23,7 @@ namespace ferry::graph {
 struct VariantKey {
   std::uint32_t batch = 0;
   bool training = true;  // false: forward, loss and download only (evaluation, prediction)
+  bool predict = false;  // forward only, the prediction downloaded, no targets or loss
   auto operator<=>(const VariantKey&) const = default;
 };
 

@@ -5,13 +5,20 @@
 #include <filesystem>
 #include <vector>
 
+#include "ferry/runtime/data_source.hpp"
+
 namespace ferry {
 
-struct Dataset {
+// Images and their class labels in memory. As a DataSource it provides "input" (f32, one image
+// per sample) and "labels" (i32), the batch tensors of models::classifier.
+struct Dataset final : DataSource {
   std::vector<float> images;         // count * rows * cols, pixel / 255 in [0, 1], row-major per image
   std::vector<std::int32_t> labels;  // count, in [0, 10)
   std::size_t count = 0, rows = 0, cols = 0;
   std::size_t sample_elems() const { return rows * cols; }
+
+  std::size_t size() const override { return count; }
+  void read(std::string_view name, std::size_t first, std::size_t n, std::span<std::byte> out) const override;
 };
 
 enum class Split : std::uint8_t { train, test };

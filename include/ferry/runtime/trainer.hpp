@@ -11,7 +11,7 @@
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/graph/pipeline.hpp"
-#include "ferry/runtime/fashion_mnist.hpp"
+#include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/model.hpp"
 #include "ferry/runtime/runtime.hpp"
 
@@ -30,14 +30,15 @@ struct TrainerOptions {
 };
 
 struct StepResult {
-  float loss = 0;             // mean cross-entropy of the batch
-  std::uint32_t correct = 0;  // samples whose argmax is the label
+  float loss = 0;             // the batch's loss (mean cross-entropy, mean squared error, ...)
+  std::uint32_t correct = 0;  // softmax cross-entropy: rows whose argmax is the label; else 0
   double step_ms = 0;         // wall time of the step, enqueue to device completion
   std::uint64_t device_peak_bytes = 0;
 };
 
 struct EvalResult {
-  double accuracy = 0, loss = 0;
+  double loss = 0;      // mean over samples
+  double accuracy = 0;  // softmax cross-entropy: argmax hits over labels; else 0
   std::size_t samples = 0;
 };
 
@@ -46,14 +47,24 @@ class Trainer {
   Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options = {});
   ~Trainer();
 
-  // One optimizer step on a batch of exactly options().batch samples (images: batch x sample
-  // floats, labels in [0, classes)). Throws std::invalid_argument for a batch of the wrong size,
-  // a label out of range or a non-finite input, before anything runs. Throws std::runtime_error
-  // naming the op if the step fails; the trainer stays usable.
+  // One optimizer step on a batch of exactly options().batch samples: a view per input and
+  // target of the model, by name. Throws std::invalid_argument for a missing or unknown tensor, a
+  // wrong dtype or size, an id out of its range (labels, tokens) or a non-finite f32 value, before
+  // anything runs. Throws std::runtime_error naming the op if the step fails, and when the loss is
+  // not finite (the update was skipped); the trainer stays usable.
+  StepResult step(const Batch& batch);
+  // A classifier's step (models::classifier): "input" and "labels".
   StepResult step(std::span<const float> images, std::span<const std::int32_t> labels);
 
-  // Forward-only pass over the whole dataset (any size), batched, no weight change.
-  EvalResult evaluate(const Dataset& data);
+  // Forward and loss over every sample of `data` (any count), batched, no weight change. The last
+  // partial batch runs through variants of power-of-two batch sizes, so any number of dataset
+  // sizes compiles at most log2(batch) + 1 evaluation variants.
+  EvalResult evaluate(const DataSource& data);
+
+  // The model's prediction (its forward's result, e.g. logits) for every sample of `inputs`
+  // (only the model's inputs are read), as [samples, ...] f32 on the host. No weight change.
+  struct HostTensor;
+  HostTensor predict(const DataSource& inputs);
 
   float lr() const noexcept { return lr_; }
   // Throws std::invalid_argument for a learning rate that is negative or not finite.
@@ -83,7 +94,7 @@ class Trainer {
   // The home of the tensors of a persistent role (the first one's: all of a role share a home).
   graph::Residency home_of(graph::Role role) const;
 
-  // A persistent tensor (weight or optimizer state) as stored: its dtype, shape and raw bytes.
+  // A tensor on the host: its dtype, shape and raw bytes (persistent tensors as stored).
   struct HostTensor {
     graph::DType dtype = graph::DType::f32;
     graph::Shape shape;
@@ -102,14 +113,20 @@ class Trainer {
   void write_tensor(const std::string& name, const HostTensor& value);
 
  private:
-  graph::Graph build_graph(std::uint32_t batch, bool training) const;
+  graph::Graph build_graph(const graph::VariantKey& key) const;
   std::uint64_t bytes_of(graph::Role role) const;
   graph::ResidencyOptions residency_options() const;
   // The weight or optimizer-state tensor named `name`; throws std::invalid_argument if none.
   TensorId persistent_tensor(const std::string& name) const;
   void initialise_parameters();
   graph::CompiledStep& variant(const graph::VariantKey& key);
-  void validate_batch(std::span<const float> images, std::span<const std::int32_t> labels, std::uint32_t batch) const;
+  // Checks the host mirrors `step` will upload (dtype ranges, finiteness) for `count` samples
+  // starting at sample `first` of the caller's data (for messages).
+  void validate_staged(const graph::CompiledStep& step, std::span<const TensorSpec> specs, std::size_t first) const;
+  // Runs `step` over data in chunks: full batches through `variant(full)`, the rest through
+  // power-of-two variants; `after` reads each chunk's results.
+  template <class After>
+  void for_each_chunk(const DataSource& data, bool predict, After after);
 
   Runtime& runtime_;
   ModelSpec model_;
