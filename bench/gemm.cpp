@@ -27,6 +27,7 @@ namespace {
 
 struct GemmBenchOptions {
   std::vector<std::size_t> sizes{1024, 2048, 1000};
+  std::vector<std::size_t> shape;  // M, N, K: one non-square shape instead of --sizes
   std::vector<std::string> impls{"ferry", "clblast", "openblas"};
   bool trans_a = false, trans_b = false;
   std::string kernel;  // GemmOptions::kernel for ferry
@@ -139,9 +140,15 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   if (wants(o, "clblast") && !ops::gemm_have_clblast()) fmt::print(stderr, "note: built without CLBlast; skipped\n");
   if (wants(o, "openblas") && !have_openblas) fmt::print(stderr, "note: built without OpenBLAS; skipped\n");
 
-  for (std::size_t n : o.sizes) {
-    const ops::GemmShape s{n, n, n, o.trans_a, o.trans_b};
-    const auto ha = random_matrix(n * n, 1), hb = random_matrix(n * n, 2);
+  std::vector<ops::GemmShape> shapes;
+  if (!o.shape.empty()) {
+    if (o.shape.size() != 3) throw std::invalid_argument("--shape takes M,N,K");
+    shapes.push_back({o.shape[0], o.shape[1], o.shape[2], o.trans_a, o.trans_b});
+  } else {
+    for (std::size_t n : o.sizes) shapes.push_back({n, n, n, o.trans_a, o.trans_b});
+  }
+  for (const ops::GemmShape& s : shapes) {
+    const auto ha = random_matrix(s.M * s.K, 1), hb = random_matrix(s.K * s.N, 2);
     std::optional<Measured> ferry_m, clblast_m, openblas_m;
     if (wants(o, "ferry")) {
       ops::GemmOptions opt;
@@ -241,6 +248,7 @@ int run_tune(const BenchCommon& common, const GemmBenchOptions& o) {
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<GemmBenchOptions>();
   sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',');
+  sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes")->delimiter(',');
   sub.add_option("--impls", o->impls, "implementations to run: ferry, clblast, openblas")->delimiter(',');
   sub.add_flag("--trans-a", o->trans_a, "A stored [K, M]");
   sub.add_flag("--trans-b", o->trans_b, "B stored [N, K]");

@@ -236,10 +236,12 @@ TensorId Builder::matmul(TensorId a, TensorId b, bool transpose_a, bool transpos
   return emit(op, next_name("matmul"), ins, attrs, {".y"})[0];
 }
 
-TensorId Builder::softmax(TensorId x) {
+TensorId Builder::softmax(TensorId x, bool causal) {
   static const ops::OpId op = named("softmax");
+  NodeAttrs attrs;
+  attrs.i[0] = causal ? 1 : 0;
   const TensorId ins[] = {x};
-  return emit(op, next_name("softmax"), ins, {}, {".y"})[0];
+  return emit(op, next_name("softmax"), ins, attrs, {".y"})[0];
 }
 
 TensorId Builder::embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim) {

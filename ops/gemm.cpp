@@ -60,9 +60,28 @@ std::size_t panel_width(const GemmKernelConfig& c) {
   return 16 * static_cast<std::size_t>(c.param("NV"));
 }
 
-std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c) {
+// K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of 256
+// x NB floats (64 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over it.
+constexpr std::size_t split_rows = 256;
+
+// Splits of K: only where K is long next to M and N (weight gradients: K is the batch's rows) and
+// the partial products stay small (at most 16 MiB).
+std::size_t k_splits(const GemmShape& s) {
+  if (s.K < 4 * split_rows || s.K < 4 * std::max(s.M, s.N)) return 1;
+  const std::size_t splits = (s.K + split_rows - 1) / split_rows;
+  if (splits * s.M * s.N * sizeof(float) > (16u << 20)) return 1;
+  return splits;
+}
+
+std::size_t packed_panel_elems(const GemmShape& s, const GemmKernelConfig& c) {
   const std::size_t nb = panel_width(c);
   return (s.N + nb - 1) / nb * nb * s.K;
+}
+
+// Packed B, then the splits' partial products when K is split.
+std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c) {
+  const std::size_t splits = k_splits(s);
+  return packed_panel_elems(s, c) + (splits > 1 ? splits * s.M * s.N : 0);
 }
 
 std::string transpose_defines(const GemmShape& s) {
@@ -96,15 +115,31 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", defines);
   const cl_uint has_bias = options.bias.buffer != nullptr;
   cl_mem packed = s.K > 0 ? scratch.buffer : c.buffer;  // with K = 0 the panels are never read
-  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), packed,
-               scratch.elem_offset(), beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
-               options.bias.elem_offset(), has_bias);
+  const std::size_t splits = k_splits(s);
+  if (splits == 1) {
+    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), packed,
+                 scratch.elem_offset(), beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
+                 options.bias.elem_offset(), has_bias, cl_uint(s.K));
+  } else {
+    // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
+    const std::uint64_t parts = scratch.elem_offset() + packed_panel_elems(s, cfg);
+    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a.elem_offset(), packed,
+                 scratch.elem_offset(), 0.0f, scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0),
+                 cl_uint(split_rows));
+  }
   KernelLaunch l;
   l.kernel = std::move(k);
-  l.dims = 2;
-  l.global = {(s.M + rb - 1) / rb, panels, 1};  // row blocks on dimension 0: neighbours share a B panel
+  l.dims = splits == 1 ? 2 : 3;
+  l.global = {(s.M + rb - 1) / rb, panels, splits};  // row blocks on dimension 0: neighbours share a B panel
   l.local = {1, 1, 1};
   list.push_back(std::move(l));
+  if (splits > 1) {
+    cl::Kernel sum = env.kernels.kernel("gemm_packed", "gemm_sum_splits", defines);
+    cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), scratch.buffer,
+                 scratch.elem_offset() + packed_panel_elems(s, cfg), alpha, beta, c.buffer, c.elem_offset(),
+                 has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias);
+    list.push_back(elementwise_launch(std::move(sum), s.M * s.N));
+  }
   return list;
 }
 

@@ -79,6 +79,16 @@ LaunchList permute(OpEnv& env, DeviceSpan x, DeviceSpan y, const Shape& x_shape,
     st[4 - r + k] = xstride[static_cast<std::size_t>(perm[k])];
   }
   const std::size_t bytes = dtype_bytes(dtype);
+  if (st[3] == 1 && d[3] > 1 && n > 0) {
+    // The last axis stays last: copy whole rows.
+    const cl_uint rows = n / d[3];
+    cl::Kernel k = env.kernels.kernel("layout", "permute_rows", dtype_define(dtype));
+    cl::set_args(k.get(), x.buffer, x.elem_offset(bytes), y.buffer, y.elem_offset(bytes), rows, d[1], d[2], d[3], st[0],
+                 st[1], st[2]);
+    LaunchList list;
+    list.push_back(elementwise_launch(std::move(k), rows));
+    return list;
+  }
   cl::Kernel k = env.kernels.kernel("layout", "permute", dtype_define(dtype));
   // An extent of 0 (no element to write) is passed as 1 so that no work-item divides by zero.
   cl::set_args(k.get(), x.buffer, x.elem_offset(bytes), y.buffer, y.elem_offset(bytes), n, std::max<cl_uint>(d[1], 1),

@@ -42,14 +42,15 @@ KernelLaunch per_row_launch(cl::Kernel k, std::size_t rows, std::size_t local) {
 
 }  // namespace
 
-LaunchList softmax_forward(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t rows, std::size_t cols) {
+LaunchList softmax_forward(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t rows, std::size_t cols, bool causal) {
   cl::OpScope scope("softmax");
   check_shape("softmax", cols);
   LaunchList list;
   if (rows == 0) return list;
   auto [k, local] = row_kernel(env, "softmax_forward", cols);
-  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), cl_uint(cols));
-  FERRY_CL(clSetKernelArg(k.get(), 5, local * sizeof(float), nullptr));
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), cl_uint(cols),
+               cl_uint(causal ? cols : 0));
+  FERRY_CL(clSetKernelArg(k.get(), 6, local * sizeof(float), nullptr));
   list.push_back(per_row_launch(std::move(k), rows, local));
   return list;
 }

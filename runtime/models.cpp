@@ -91,7 +91,7 @@ TensorId attention(graph::Builder& b, TensorId x, const GptConfig& c, std::uint3
   const TensorId q = split(b.linear(x, w));
   const TensorId k = split(b.linear(x, w));
   const TensorId v = split(b.linear(x, w));
-  TensorId p = b.softmax(b.causal_mask(b.matmul(q, k, false, true, 1.0f / std::sqrt(static_cast<float>(d)))));
+  TensorId p = b.softmax(b.matmul(q, k, false, true, 1.0f / std::sqrt(static_cast<float>(d))), /*causal=*/true);
   p = b.dropout(p, c.dropout, seed);
   const TensorId o = b.permute(b.matmul(p, v), {0, 2, 1, 3});  // [B, T, H, D]
   return b.linear(b.reshape(o, graph::Shape{batch, t, w}), w);

@@ -13,6 +13,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "ferry/ops/sequence.hpp"
 #include "ferry/ops/softmax.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
@@ -45,6 +46,27 @@ RefRun run_reference(const std::vector<float>& x, const std::vector<float>& dy, 
   const std::vector<double> yf = to_double(to_float(y));
   ops::ref::softmax_backward<double>(yf, to_double(dy), dx, rows, cols);
   return {to_float(y), to_float(dx)};
+}
+
+// The causal softmax equals softmax(causal_mask(x)) (the reference of each), over several
+// matrices, with the row group size forced small and large, T including sizes past a float16 chunk.
+TEST(Softmax, CausalEqualsSoftmaxOfTheMaskedScores) {
+  auto& dev = TestDevice::get();
+  for (const std::size_t t : {1u, 5u, 17u, 40u}) {
+    for (const std::size_t group : {1u, 64u}) {
+      const ScopedRowGroupSize forced(group);
+      const std::size_t matrices = 3, rows = matrices * t;
+      const auto x = random_vector(rows * t, 7 + t, -4.0f, 4.0f);
+      DeviceTensor tx(x, 3), ty(rows * t, 2);
+      ops::run_blocking(dev.context.compute(), ops::softmax_forward(dev.env, tx.span(), ty.span(), rows, t, true));
+      std::vector<double> masked(rows * t), want(rows * t), fused(rows * t);
+      ops::ref::causal_mask_forward<double>(to_double(x), masked, t);
+      ops::ref::softmax_forward<double>(masked, want, rows, t);
+      ops::ref::softmax_forward<double>(to_double(x), fused, rows, t, true);
+      for (std::size_t i = 0; i < fused.size(); ++i) ASSERT_NEAR(fused[i], want[i], 1e-12) << "reference, t " << t;
+      expect_near(ty.download(), to_float(want), 1e-7f, 1e-5f, "causal y");
+    }
+  }
 }
 
 // (rows, cols, forced row group size)

@@ -105,21 +105,26 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
     if (NV > 3) store16(c##r##_3, crow, col0 + 48, N, alpha, beta, bias, has_bias); \
   }
 
+// Dimension 2 splits K (k_chunk rows each; one split: k_chunk = K): split s sums k in
+// [s k_chunk, (s + 1) k_chunk) into its own M x N block of c, gemm_sum_splits adds the blocks.
+// Neighbouring work-items then share a B sub-panel that stays in cache, where a long K (a weight
+// gradient over many rows) streams the whole panel from memory for every row block.
 __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const float* a, ulong a_off,
                           __global const float* packed, ulong packed_off, float beta, __global float* c, ulong c_off,
-                          __global const float* bias, ulong bias_off, uint has_bias) {
+                          __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk) {
   const uint row0 = get_global_id(0) * RB;
   const uint panel = get_global_id(1);
-  __global const float* bp = packed + packed_off + (ulong)panel * K * NB;
+  const uint k_begin = get_global_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);
+  __global const float* bp = packed + packed_off + ((ulong)panel * K + k_begin) * NB;
   a += a_off;
-  c += c_off;
+  c += c_off + (ulong)get_global_id(2) * M * N;
   bias += bias_off;
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
   FOR_ROWS(A_ROW_DECL)
   FOR_ROWS(ACC_DECL)
 
-  for (uint k = 0; k < K; ++k, bp += NB) {
+  for (uint k = k_begin; k < k_end; ++k, bp += NB) {
     const float16 b0 = vload16(0, bp);
     const float16 b1 = NV > 1 ? vload16(1, bp) : 0.0f;
     const float16 b2 = NV > 2 ? vload16(2, bp) : 0.0f;
@@ -132,4 +137,21 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const fl
 
   const uint col0 = panel * NB;
   FOR_ROWS(ACC_STORE)
+}
+
+// c = alpha * (sum over the splits s of part[s]) + beta * c + bias, the splits added in order
+// (deterministic). One work-item per element of c.
+__kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float* part, ulong part_off, float alpha,
+                              float beta, __global float* c, ulong c_off, __global const float* bias, ulong bias_off,
+                              uint has_bias) {
+  const size_t i = get_global_id(0);
+  const size_t mn = (size_t)M * N;
+  if (i >= mn) return;
+  __global const float* p = part + part_off + i;
+  float acc = 0.0f;
+  for (uint s = 0; s < splits; ++s) acc += p[s * mn];
+  float out = alpha * acc;
+  if (beta != 0.0f) out = fma(beta, c[c_off + i], out);
+  if (has_bias) out += bias[bias_off + i % N];
+  c[c_off + i] = out;
 }

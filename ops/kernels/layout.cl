@@ -22,6 +22,21 @@ __kernel void permute(__global const T_RAW* x, ulong x_off, __global T_RAW* y, u
   y[y_off + i] = x[x_off + c0 * s0 + c1 * s1 + c2 * s2 + c3 * s3];
 }
 
+// permute when the last axis stays last (st3 = 1): work-item r copies row r of y, d3 contiguous
+// elements, from one contiguous row of x. One index computation per row instead of per element,
+// and a plain copy loop the compiler vectorises: splitting attention heads moves rows of D.
+__kernel void permute_rows(__global const T_RAW* x, ulong x_off, __global T_RAW* y, ulong y_off, uint rows, uint d1,
+                           uint d2, uint d3, ulong s0, ulong s1, ulong s2) {
+  const uint r = get_global_id(0);
+  if (r >= rows) return;
+  const uint c2 = r % d2;
+  const uint c1 = (r / d2) % d1;
+  const uint c0 = r / d2 / d1;
+  __global const T_RAW* src = x + x_off + c0 * s0 + c1 * s1 + c2 * s2;
+  __global T_RAW* dst = y + y_off + (ulong)r * d3;
+  for (uint i = 0; i < d3; ++i) dst[i] = src[i];
+}
+
 __kernel void mul(__global const float* a, ulong a_off, __global const float* b, ulong b_off, __global float* out,
                   ulong out_off, uint n) {
   const size_t i = get_global_id(0);

@@ -34,12 +34,16 @@ float fold_sum16(float16 v) {
 
 // y[r, :] = exp(x[r, :] - max) / sum exp(x[r, :] - max). The exponentials are stashed in y and
 // rescaled; each work-item rereads only what it wrote, so x and y may be the same memory.
-__kernel void softmax_forward(__global const float* x, ulong x_off, __global float* y, ulong y_off, uint cols,
-                              __local float* scratch) {
+// causal_period > 0: causal attention scores, rows of [.., T, T] matrices (T = causal_period): row
+// r keeps columns 0..(r mod T) and its later columns get 0, as if they were -inf (a causal mask
+// fused in; the backward is the same, since masked entries of y are 0).
+__kernel void softmax_forward(__global const float* x, ulong x_off, __global float* y, ulong y_off, uint all_cols,
+                              uint causal_period, __local float* scratch) {
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0), ls = get_local_size(0);
-  __global const float* xr = x + x_off + row * cols;
-  __global float* yr = y + y_off + row * cols;
+  __global const float* xr = x + x_off + row * all_cols;
+  __global float* yr = y + y_off + row * all_cols;
+  const uint cols = causal_period ? min(all_cols, (uint)(row % causal_period) + 1u) : all_cols;
   const uint vcols = VCOLS(cols);
 
   float16 mv = -INFINITY;
@@ -65,6 +69,7 @@ __kernel void softmax_forward(__global const float* x, ulong x_off, __global flo
   const float inv = 1.0f / s;
   for (uint c = lid * 16; c < vcols; c += ls * 16) vstore16(vload16(0, yr + c) * inv, 0, yr + c);
   for (uint c = vcols + lid; c < cols; c += ls) yr[c] *= inv;
+  for (uint c = cols + lid; c < all_cols; c += ls) yr[c] = 0.0f;
 }
 
 // dx[r, :] = y[r, :] (dy[r, :] - sum_c dy[r, c] y[r, c]). dx may be dy's or y's memory: every

@@ -11,72 +11,14 @@
 #include <numeric>
 #include <random>
 
+#include "cli.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/lr_schedule.hpp"
 
 namespace {
 
+using namespace ferry::cli;
 using Clock = std::chrono::steady_clock;
-
-// The CLI's names of homes: device, host (pinned, streamed), mapped, compressed, int8, dropped.
-ferry::graph::Residency cli_home(const std::string& s) {
-  using ferry::graph::Residency;
-  if (s == "device") return Residency::device;
-  if (s == "host") return Residency::host_pinned;
-  if (s == "mapped") return Residency::host_mapped;
-  if (s == "compressed") return Residency::host_compressed;
-  if (s == "int8") return Residency::host_int8;
-  if (s == "dropped") return Residency::dropped;
-  throw std::invalid_argument(
-      fmt::format("unknown home '{}': use device, host, mapped, compressed, int8 or dropped", s));
-}
-
-struct TrainArgs {
-  std::string model = "mlp";
-  std::uint32_t epochs = 10, batch = 0, width = 1024, depth = 16;  // batch 0: the model's default
-  float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
-  std::string optimizer = "adam", schedule = "cosine";
-  std::string device, data_dir, trace_path, profile_path;
-  std::string device_budget, residency = "auto";
-  std::string weights_home, state_home;  // empty: the residency mode's preset
-  std::uint32_t lookahead = 2;
-  bool host_optimizer = false;
-  std::uint64_t seed = 1;
-  std::size_t train_limit = 0;
-  std::uint32_t trace_steps = 4;
-  bool json = false, quiet = false;
-};
-
-std::string clock_string(double seconds) {
-  const auto s = static_cast<long>(std::max(0.0, seconds));
-  return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
-}
-
-// A progress line on stderr: redrawn in place on a terminal, a line every 10% otherwise.
-class Progress {
- public:
-  Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO) != 0) {}
-  void update(std::uint32_t epoch, std::uint32_t epochs, std::size_t done, std::size_t total, float loss,
-              double samples_per_s, double eta_s) {
-    if (!enabled_) return;
-    const double frac = total ? static_cast<double>(done) / total : 1.0;
-    const int decile = static_cast<int>(frac * 10);
-    if (!tty_ && decile == last_decile_ && done != total) return;
-    last_decile_ = decile;
-    constexpr int width = 24;
-    const int filled = static_cast<int>(frac * width);
-    std::string bar(filled, '#');
-    bar += std::string(width - filled, '.');
-    std::cerr << fmt::format("{}epoch {}/{} [{}] {:3.0f}%  loss {:.4f}  {:.0f} samples/s  ETA {}{}", tty_ ? "\r" : "",
-                             epoch, epochs, bar, frac * 100, loss, samples_per_s, clock_string(eta_s),
-                             tty_ ? "\033[K" : "\n");
-    if (tty_ && done == total) std::cerr << "\n";
-  }
-
- private:
-  bool enabled_, tty_;
-  int last_decile_ = -1;
-};
 
 // Standardise pixels with the training set's statistics (Fashion-MNIST: mean 0.286, std 0.353).
 void standardise(ferry::Dataset& d, float mean, float stddev) {
@@ -106,7 +48,7 @@ std::uint32_t default_batch(const std::string& model) {
 ferry::ModelSpec make_model(const TrainArgs& a) {
   if (a.model == "mlp") return ferry::models::mlp();
   if (a.model == "cnn") return ferry::models::cnn();
-  if (a.model == "deep") return ferry::models::deep(a.width, a.depth);
+  if (a.model == "deep") return ferry::models::deep(a.width ? a.width : 1024, a.depth ? a.depth : 16);
   throw std::invalid_argument(fmt::format("unknown model '{}': use mlp, cnn or deep", a.model));
 }
 
@@ -126,25 +68,7 @@ int cmd_train(const TrainArgs& a) {
   ferry::TrainerOptions opt;
   opt.batch = a.batch ? a.batch : default_batch(a.model);
   const std::uint32_t batch = opt.batch;
-  opt.lr = a.lr;
-  opt.seed = a.seed;
-  if (a.optimizer == "adam" || a.optimizer == "adamw") {
-    opt.optimizer.kind =
-        a.optimizer == "adam" ? ferry::graph::OptimizerSpec::Kind::adam : ferry::graph::OptimizerSpec::Kind::adamw;
-    opt.optimizer.adam.weight_decay = a.weight_decay;
-  } else if (a.optimizer == "sgd") {
-    opt.optimizer.kind = ferry::graph::OptimizerSpec::Kind::sgd;
-    opt.optimizer.sgd.momentum = a.momentum;
-    opt.optimizer.sgd.weight_decay = a.weight_decay;
-  } else {
-    throw std::invalid_argument(fmt::format("unknown optimizer '{}': use adam, adamw or sgd", a.optimizer));
-  }
-  opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
-  opt.residency.lookahead = a.lookahead;
-  opt.residency.host_optimizer = a.host_optimizer;
-  if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
-  if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
-  if (!a.device_budget.empty()) opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
+  configure_trainer(a, opt);
   const ferry::LrSchedule::Kind schedule_kind = ferry::parse_schedule(a.schedule);
   if (train.count < opt.batch) {
     throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", opt.batch, train.count));
@@ -230,8 +154,9 @@ int cmd_train(const TrainArgs& a) {
       }
       const double elapsed = std::chrono::duration<double>(Clock::now() - train_start).count();
       const double done = static_cast<double>(global_step + 1);
-      progress.update(epoch, a.epochs, s + 1, steps_per_epoch, static_cast<float>(loss_sum / (s + 1)),
-                      done * batch / elapsed, elapsed / done * (total_steps - done));
+      progress.update(fmt::format("epoch {}/{}", epoch, a.epochs), s + 1, steps_per_epoch,
+                      static_cast<float>(loss_sum / (s + 1)), done * batch / elapsed, "samples",
+                      elapsed / done * (total_steps - done));
     }
     last_epoch_loss = loss_sum / steps_per_epoch;
     if (!a.quiet) {
@@ -300,10 +225,13 @@ int main(int argc, char** argv) {
   auto* devices = app.add_subcommand("devices", "List OpenCL devices (index, platform, name)");
   TrainArgs t;
   auto* train = app.add_subcommand("train", "Train a model on Fashion-MNIST and report test accuracy");
-  train->add_option("--model", t.model, "mlp (784-1024-1024-10), cnn (two conv layers) or deep (residual MLP)")
-      ->check(CLI::IsMember({"mlp", "cnn", "deep"}))
+  train
+      ->add_option("--model", t.model,
+                   "mlp (784-1024-1024-10), cnn (two conv layers), deep (residual MLP): Fashion-MNIST; gpt: a "
+                   "character-level GPT on the fortune files")
+      ->check(CLI::IsMember({"mlp", "cnn", "deep", "gpt"}))
       ->capture_default_str();
-  train->add_option("--epochs", t.epochs, "Passes over the training set")
+  train->add_option("--epochs", t.epochs, "Passes over the training set (Fashion-MNIST models)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   train->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
@@ -313,10 +241,23 @@ int main(int argc, char** argv) {
   train->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw)")->capture_default_str();
   train->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
   train->add_option("--schedule", t.schedule, "Learning rate schedule: cosine or constant")->capture_default_str();
-  train->add_option("--width", t.width, "deep model: width")->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--depth", t.depth, "deep model: residual blocks")
+  train->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(CLI::PositiveNumber);
+  train->add_option("--depth", t.depth, "deep: residual blocks (default 16); gpt: decoder blocks (default 4)")
+      ->check(CLI::PositiveNumber);
+  train->add_option("--heads", t.heads, "gpt: attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--context", t.context, "gpt: characters per window")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  train->add_option("--dropout", t.dropout, "gpt: dropout probability")->check(CLI::Range(0.0, 0.95));
+  train->add_option("--steps", t.steps, "gpt: optimizer steps (default 3000)")->check(CLI::PositiveNumber);
+  train->add_option("--max-minutes", t.max_minutes, "gpt: stop training after this many minutes")
+      ->check(CLI::PositiveNumber);
+  train->add_option("--eval-every", t.eval_every, "gpt: steps between validation losses (default 250)")
+      ->check(CLI::PositiveNumber);
+  train->add_option("--sample", t.sample, "gpt: characters of text to generate after training");
+  train->add_option("--prompt", t.prompt, "gpt: text the sample continues (default: a newline)");
+  train->add_option("--temperature", t.temperature, "gpt: sampling temperature")->capture_default_str();
+  train->add_option("--text", t.text_dir, "gpt: folder of text files (default: $FERRY_TEXT_DIR or Debian's fortunes)");
   train->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
   train->add_option("--device-budget", t.device_budget,
                     "Device bytes a step may use, e.g. 64MiB (default: device memory less headroom)");
@@ -354,7 +295,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (devices->parsed()) return cmd_devices();
-    if (train->parsed()) return cmd_train(t);
+    if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
   } catch (const std::exception& e) {
     std::cerr << "ferry: error: " << e.what() << "\n";
     return 1;

@@ -65,8 +65,9 @@ class Builder {
   // Batched product of two activations: a [..., M, K] x b [..., K, N] -> [..., M, N] (same
   // leading axes; rank 2 to 4), either operand transposed, times `scale` (attention's 1/sqrt(d)).
   TensorId matmul(TensorId a, TensorId b, bool transpose_a = false, bool transpose_b = false, float scale = 1.0f);
-  // Softmax over the last axis.
-  TensorId softmax(TensorId x);
+  // Softmax over the last axis. causal: of square scores [..., T, T], row i over columns 0..i
+  // only (the rest 0): softmax(causal_mask(x)) in one op.
+  TensorId softmax(TensorId x, bool causal = false);
 
   // Sequence ops (named rows). A table [vocab, dim] looked up by i32 ids [...] -> [..., dim];
   // ids outside [0, vocab) read zeros on the device (validate them where the batch is staged).

@@ -1,0 +1,79 @@
+// Pieces the `ferry` subcommands share: the train arguments, trainer options from them, and a
+// progress line.
+#pragma once
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <iostream>
+#include <string>
+
+#include "ferry/ferry.hpp"
+
+namespace ferry::cli {
+
+// The CLI's names of homes: device, host (pinned, streamed), mapped, compressed, int8, dropped.
+ferry::graph::Residency cli_home(const std::string& s);
+
+struct TrainArgs {
+  std::string model = "mlp";
+  std::uint32_t epochs = 10, batch = 0;    // batch 0: the model's default
+  std::uint32_t width = 0, depth = 0;      // 0: the model's default (deep: 1024 x 16; gpt: 192 x 4)
+  std::uint32_t heads = 4, context = 128;  // gpt
+  std::uint32_t steps = 0;                 // gpt: optimizer steps (0: the default)
+  double max_minutes = 0;                  // gpt: stop training after this long (0: no limit)
+  std::uint32_t eval_every = 0;            // gpt: steps between validation reports (0: the default)
+  std::uint32_t sample = 0;                // gpt: characters to generate after training
+  std::string prompt = "\n";               // gpt: text the sample continues
+  float temperature = 0.8f, dropout = 0.0f;
+  std::string text_dir;  // gpt: folder of text files (default: the fortunes)
+  float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
+  std::string optimizer = "adam", schedule = "cosine";
+  std::string device, data_dir, trace_path, profile_path;
+  std::string device_budget, residency = "auto";
+  std::string weights_home, state_home;  // empty: the residency mode's preset
+  std::uint32_t lookahead = 2;
+  bool host_optimizer = false;
+  std::uint64_t seed = 1;
+  std::size_t train_limit = 0;
+  std::uint32_t trace_steps = 4;
+  bool json = false, quiet = false;
+};
+
+// The optimizer, learning rate, seed and residency options of `a` into `opt` (batch aside).
+// Throws std::invalid_argument for an unknown optimizer or home.
+void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt);
+
+// "h:mm:ss".
+std::string clock_string(double seconds);
+
+// A progress line on stderr: redrawn in place on a terminal, a line every 10% otherwise.
+class Progress {
+ public:
+  explicit Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO) != 0) {}
+  // `what` leads the line ("epoch 2/10", "steps"); `rate` is in `unit`s per second.
+  void update(const std::string& what, std::size_t done, std::size_t total, float loss, double rate, const char* unit,
+              double eta_s) {
+    if (!enabled_) return;
+    const double frac = total ? static_cast<double>(done) / total : 1.0;
+    const int decile = static_cast<int>(frac * 10);
+    if (!tty_ && decile == last_decile_ && done != total) return;
+    last_decile_ = decile;
+    constexpr int width = 24;
+    const int filled = static_cast<int>(frac * width);
+    std::string bar(filled, '#');
+    bar += std::string(width - filled, '.');
+    std::cerr << fmt::format("{}{} [{}] {:3.0f}%  loss {:.4f}  {:.0f} {}/s  ETA {}{}", tty_ ? "\r" : "", what, bar,
+                             frac * 100, loss, rate, unit, clock_string(eta_s), tty_ ? "\033[K" : "\n");
+    if (tty_ && done == total) std::cerr << "\n";
+  }
+
+ private:
+  bool enabled_, tty_;
+  int last_decile_ = -1;
+};
+
+int cmd_train_gpt(const TrainArgs& a);
+
+}  // namespace ferry::cli

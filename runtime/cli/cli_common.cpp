@@ -1,0 +1,50 @@
+// Shared pieces of the `ferry` subcommands.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "cli.hpp"
+
+namespace ferry::cli {
+
+ferry::graph::Residency cli_home(const std::string& s) {
+  using ferry::graph::Residency;
+  if (s == "device") return Residency::device;
+  if (s == "host") return Residency::host_pinned;
+  if (s == "mapped") return Residency::host_mapped;
+  if (s == "compressed") return Residency::host_compressed;
+  if (s == "int8") return Residency::host_int8;
+  if (s == "dropped") return Residency::dropped;
+  throw std::invalid_argument(
+      fmt::format("unknown home '{}': use device, host, mapped, compressed, int8 or dropped", s));
+}
+
+void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
+  opt.lr = a.lr;
+  opt.seed = a.seed;
+  if (a.optimizer == "adam" || a.optimizer == "adamw") {
+    opt.optimizer.kind =
+        a.optimizer == "adam" ? ferry::graph::OptimizerSpec::Kind::adam : ferry::graph::OptimizerSpec::Kind::adamw;
+    opt.optimizer.adam.weight_decay = a.weight_decay;
+  } else if (a.optimizer == "sgd") {
+    opt.optimizer.kind = ferry::graph::OptimizerSpec::Kind::sgd;
+    opt.optimizer.sgd.momentum = a.momentum;
+    opt.optimizer.sgd.weight_decay = a.weight_decay;
+  } else {
+    throw std::invalid_argument(fmt::format("unknown optimizer '{}': use adam, adamw or sgd", a.optimizer));
+  }
+  opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
+  opt.residency.lookahead = a.lookahead;
+  opt.residency.host_optimizer = a.host_optimizer;
+  if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
+  if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
+  if (!a.device_budget.empty()) opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
+}
+
+std::string clock_string(double seconds) {
+  const auto s = static_cast<long>(std::max(0.0, seconds));
+  return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,147 @@
+// Character corpora: the fortune files, their byte vocabulary and windows as batches.
+#include "ferry/runtime/text_corpus.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <stdexcept>
+
+namespace ferry {
+namespace fs = std::filesystem;
+
+std::vector<fs::path> fortune_files(fs::path dir) {
+  if (dir.empty()) {
+    const char* env = std::getenv("FERRY_TEXT_DIR");
+    dir = env && *env ? fs::path(env) : fs::path("/usr/share/games/fortunes");
+  }
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    throw std::runtime_error(
+        fmt::format("no text corpus: {} is not a folder; install Debian's fortunes (apt-get install fortunes) or set "
+                    "FERRY_TEXT_DIR to a folder of text files",
+                    dir.string()));
+  }
+  std::set<fs::path> unique;  // resolved paths: several names link to one file
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.ends_with(".dat") || name.ends_with(".u8") || name.starts_with(".")) continue;
+    const fs::path real = fs::canonical(entry.path(), ec);
+    if (ec || !fs::is_regular_file(real, ec)) continue;
+    unique.insert(real);
+  }
+  if (unique.empty()) {
+    throw std::runtime_error(
+        fmt::format("no text files in {}: install Debian's fortunes (apt-get install fortunes) or set FERRY_TEXT_DIR",
+                    dir.string()));
+  }
+  return {unique.begin(), unique.end()};
+}
+
+TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) {
+  if (!(holdout > 0.0 && holdout < 1.0)) {
+    throw std::invalid_argument(fmt::format("held-out fraction must be in (0, 1), got {}", holdout));
+  }
+  if (files.empty()) throw std::runtime_error("text corpus: no files given");
+  std::string text;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    if (!in) throw std::runtime_error(fmt::format("text corpus: cannot open {}", f.string()));
+    const std::size_t before = text.size();
+    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (in.bad()) throw std::runtime_error(fmt::format("text corpus: error reading {}", f.string()));
+    if (text.size() == before) throw std::runtime_error(fmt::format("text corpus: {} is empty", f.string()));
+  }
+  TextCorpus c;
+  c.files = files.size();
+  std::array<bool, 256> present{};
+  for (unsigned char ch : text) present[ch] = true;
+  c.id_of.fill(-1);
+  for (int b = 0; b < 256; ++b) {
+    if (!present[b]) continue;
+    c.id_of[b] = static_cast<std::int16_t>(c.vocab.size());
+    c.vocab.push_back(static_cast<std::uint8_t>(b));
+  }
+  c.ids.resize(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) c.ids[i] = c.id_of[static_cast<unsigned char>(text[i])];
+  // Integer arithmetic for the usual tenths, so the split does not depend on rounding.
+  const auto tenths = static_cast<std::size_t>(holdout * 10.0 + 0.5);
+  c.train_end = std::abs(holdout * 10.0 - static_cast<double>(tenths)) < 1e-9
+                    ? text.size() * (10 - tenths) / 10
+                    : static_cast<std::size_t>(static_cast<double>(text.size()) * (1.0 - holdout));
+  return c;
+}
+
+std::string TextCorpus::decode(std::span<const std::int32_t> tokens) const {
+  std::string out;
+  out.reserve(tokens.size());
+  for (std::int32_t t : tokens) {
+    if (t < 0 || static_cast<std::size_t>(t) >= vocab.size()) {
+      throw std::invalid_argument(fmt::format("token id {} is outside the vocabulary of {}", t, vocab.size()));
+    }
+    out.push_back(static_cast<char>(vocab[t]));
+  }
+  return out;
+}
+
+std::vector<std::int32_t> TextCorpus::encode(std::string_view text) const {
+  std::vector<std::int32_t> out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const std::int16_t id = id_of[static_cast<unsigned char>(text[i])];
+    if (id < 0) {
+      throw std::invalid_argument(
+          fmt::format("character {} (byte 0x{:02x}) at position {} of the text is not in the "
+                      "corpus's vocabulary of {} characters",
+                      i, static_cast<unsigned char>(text[i]), i, vocab.size()));
+    }
+    out.push_back(id);
+  }
+  return out;
+}
+
+TextWindows::TextWindows(const TextCorpus& corpus, std::uint32_t context, std::vector<std::size_t> starts)
+    : corpus_(corpus), context_(context), starts_(std::move(starts)) {
+  if (context == 0) throw std::invalid_argument("text windows: context must be at least 1");
+  for (std::size_t s : starts_) {
+    if (s + context + 1 > corpus.ids.size()) {
+      throw std::invalid_argument(fmt::format("text window at {} (+{} tokens) runs past the corpus's {} tokens", s,
+                                              context + 1, corpus.ids.size()));
+    }
+  }
+}
+
+TextWindows TextWindows::held_out(const TextCorpus& corpus, std::uint32_t context, std::size_t max_windows) {
+  const std::size_t tail = corpus.ids.size() - corpus.train_end;
+  if (tail < context + 1u) {
+    throw std::invalid_argument(fmt::format(
+        "the held-out text has {} characters, fewer than one window of {} + 1: use a shorter context or more text",
+        tail, context));
+  }
+  const std::size_t all = (tail - 1) / context;  // windows with start + context + 1 <= tail
+  const std::size_t n = max_windows ? std::min(all, max_windows) : all;
+  std::vector<std::size_t> starts(n);
+  for (std::size_t i = 0; i < n; ++i) starts[i] = corpus.train_end + (i * all / n) * context;
+  return TextWindows(corpus, context, std::move(starts));
+}
+
+void TextWindows::read(std::string_view name, std::size_t first, std::size_t count, std::span<std::byte> out) const {
+  const std::size_t shift = name == "tokens" ? 0 : name == "next" ? 1 : 2;
+  if (shift == 2) {
+    throw std::invalid_argument(fmt::format("text windows provide 'tokens' and 'next', not '{}'", name));
+  }
+  if (first + count > starts_.size() || out.size() != count * context_ * sizeof(std::int32_t)) {
+    throw std::invalid_argument(fmt::format("text windows: samples [{}, {}) of {} into {} bytes (windows of {})", first,
+                                            first + count, starts_.size(), out.size(), context_));
+  }
+  auto* dst = reinterpret_cast<std::int32_t*>(out.data());
+  for (std::size_t i = 0; i < count; ++i) {
+    std::memcpy(dst + i * context_, corpus_.ids.data() + starts_[first + i] + shift, context_ * sizeof(std::int32_t));
+  }
+}
+
+}  // namespace ferry
