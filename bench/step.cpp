@@ -31,6 +31,7 @@
 
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
+#include "peer.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -62,33 +63,6 @@ std::string openblas_coretype() {
     return "Haswell";
   }
   return "Haswell";
-}
-
-// `name` as the shell would find it on PATH (names with a slash are returned as they are).
-std::string find_on_path(const std::string& name) {
-  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0 ? name : std::string();
-  const char* path = std::getenv("PATH");
-  if (!path) return {};
-  std::istringstream dirs(path);
-  for (std::string dir; std::getline(dirs, dir, ':');) {
-    const fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
-    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
-  }
-  return {};
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-// The peer script next to this source file (its location at build time), else relative to the
-// working directory.
-std::string default_peer_script() {
-  const fs::path here = fs::path(__FILE__).parent_path() / "peers" / "torch_mlp_step.py";
-  if (fs::exists(here)) return here.string();
-  return "bench/peers/torch_mlp_step.py";
 }
 
 // Per-op-kind device time of one traced step, largest first, on stderr (what the step is made of).
@@ -219,26 +193,7 @@ nlohmann::json run_peer(const PeerRun& p, const StepBenchOptions& o, int repeat)
   }
   cmd += fmt::format(" {} {} --batch {} --warmup {} --steps {} --repeat {}", shell_quote(p.python),
                      shell_quote(o.peer_script), o.batch, o.warmup, o.steps, repeat);
-  fmt::print(stderr, "running peer: {}\n", cmd);
-  std::FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) return {{"error", fmt::format("popen failed: {}", std::strerror(errno))}};
-  std::string out;
-  char buf[4096];
-  while (std::size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
-  const int status = ::pclose(pipe);
-  // The last line that parses as a JSON object is the peer's result.
-  nlohmann::json result;
-  std::istringstream lines(out);
-  for (std::string line; std::getline(lines, line);) {
-    auto j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.is_object()) result = std::move(j);
-  }
-  if (result.is_null()) {
-    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    return {{"error", fmt::format("peer printed no JSON result (exit status {})", code)}};
-  }
-  if (!result.contains("error") && status != 0) result["error"] = fmt::format("peer exit status {}", status);
-  return result;
+  return run_json_command(cmd).back();  // the last line is the peer's result
 }
 
 int run_step(const BenchCommon& common, const StepBenchOptions& o) {
@@ -338,7 +293,7 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<StepBenchOptions>();
-  o->peer_script = default_peer_script();
+  o->peer_script = peer_script_path("torch_mlp_step.py");
   sub.add_option("--batch", o->batch, "batch size")->capture_default_str()->check(CLI::PositiveNumber);
   sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
   sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")

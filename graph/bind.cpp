@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "ferry/cl/error.hpp"
 #include "ferry/graph/node_view.hpp"
 
 namespace ferry::graph {
@@ -40,6 +41,8 @@ ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorLocator& at, ops
     throw std::logic_error(
         fmt::format("node '{}' ({}) has no device binding (host-only op on a device lane)", g.nodes.name[n], row.name));
   }
+  // OpenCL errors while binding (a kernel that does not build, with its build log) name the node.
+  const cl::OpScope scope(g.nodes.name[n]);
   return row.bind(NodeBinding(g, n, at, env, optimizer));
 }
 

@@ -97,6 +97,9 @@ std::vector<TensorId> Builder::emit(ops::OpId op, const std::string& name, std::
     outs = row.infer(PendingNode(g_, name, inputs, attrs));
   } catch (const ops::ShapeError& e) {
     throw BuildError(e.what());
+  } catch (const std::exception& e) {
+    // A user's shape rule that failed some other way: still an error naming the node.
+    throw BuildError(fmt::format("{}: the shape rule of op '{}' failed: {}", name, row.name, e.what()));
   }
   std::vector<TensorId> ids;
   for (std::size_t i = 0; i < outs.size(); ++i) {

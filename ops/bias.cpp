@@ -25,6 +25,13 @@ LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows
 
 LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols) {
   check_shape(rows, cols);
+  if (env.device().is_cpu()) {  // 16 columns per work-item (bias_backward16)
+    cl::Kernel k = env.kernels.kernel("bias", "bias_backward16");
+    cl::set_args(k.get(), dy.buffer, dy.elem_offset(), db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
+    LaunchList list;
+    list.push_back(elementwise_launch(std::move(k), (cols + 15) / 16));
+    return list;
+  }
   cl::Kernel k = env.kernels.kernel("bias", "bias_backward");
   // 16 columns by 16 row lanes per work-group, fewer lanes where the kernel allows less.
   std::size_t tc = 16, tr = 16;

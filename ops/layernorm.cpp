@@ -30,6 +30,14 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
   check_shape(rows, cols);
   LaunchList list;
   if (rows == 0) return list;
+  if (env.device().is_cpu()) {  // a work-item per row, in float16 chunks (layernorm_forward16)
+    cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward16");
+    cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
+                 y.buffer, y.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
+                 cl_uint(rows), cl_uint(cols), eps);
+    list.push_back(elementwise_launch(std::move(k), rows));
+    return list;
+  }
   cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward");
   const std::size_t local = row_group_size(k, env.device(), cols);
   cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
@@ -45,6 +53,21 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
                               std::size_t cols) {
   check_shape(rows, cols);
   LaunchList list;
+  if (env.device().is_cpu()) {  // float16 chunks: a work-item per row (dx), per 16 columns (params)
+    if (rows > 0) {
+      cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_backward_dx16");
+      cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), mean.buffer,
+                   mean.elem_offset(), rstd.buffer, rstd.elem_offset(), dy.buffer, dy.elem_offset(), dx.buffer,
+                   dx.elem_offset(), cl_uint(rows), cl_uint(cols));
+      list.push_back(elementwise_launch(std::move(k), rows));
+    }
+    cl::Kernel kp = env.kernels.kernel("layernorm", "layernorm_backward_params16");
+    cl::set_args(kp.get(), x.buffer, x.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
+                 dy.buffer, dy.elem_offset(), dgamma.buffer, dgamma.elem_offset(), dbeta.buffer, dbeta.elem_offset(),
+                 cl_uint(rows), cl_uint(cols));
+    list.push_back(elementwise_launch(std::move(kp), (cols + 15) / 16));
+    return list;
+  }
   if (rows > 0) {
     cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_backward_dx");
     const std::size_t local = row_group_size(k, env.device(), cols);

@@ -67,6 +67,12 @@ LaunchList embedding_backward(OpEnv& env, DeviceSpan ids, DeviceSpan dy, DeviceS
                               std::size_t vocab, std::size_t dim) {
   if (vocab == 0 || dim == 0) throw std::invalid_argument("embedding: the table must have at least one row and column");
   checked(positions * dim, "embedding");
+  if (env.device().is_cpu()) {
+    cl::Kernel k = env.kernels.kernel("sequence", "embedding_backward16");
+    cl::set_args(k.get(), ids.buffer, ids.elem_offset(), dy.buffer, dy.elem_offset(), dtable.buffer,
+                 dtable.elem_offset(), cl_uint(positions), cl_uint(vocab), cl_uint(dim));
+    return one(elementwise_launch(std::move(k), vocab * ((dim + 15) / 16)));
+  }
   const std::size_t n = vocab * dim;
   cl::Kernel k = env.kernels.kernel("sequence", "embedding_backward");
   cl::set_args(k.get(), ids.buffer, ids.elem_offset(), dy.buffer, dy.elem_offset(), dtable.buffer, dtable.elem_offset(),

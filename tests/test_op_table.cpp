@@ -194,6 +194,54 @@ TEST(OpTable, UserOpShapeRuleErrorNamesTheNode) {
   }
 }
 
+// A user's shape rule that throws something other than ShapeError, and a user's kernel that does
+// not compile: errors naming the node (and, for the kernel, carrying the compiler's log).
+TEST(OpTable, BrokenUserOpsAreErrorsNamingTheNode) {
+  ops::OpInfo throwing;
+  throwing.name = "user_throwing_rule";
+  throwing.infer = [](const ops::ShapeView&) -> std::vector<ops::TensorDesc> {
+    throw std::runtime_error("no shapes today");
+  };
+  throwing.bind = [](const ops::BindContext&) { return ops::LaunchList{}; };
+  throwing.reference = [](ops::RefContext&) {};
+  const ops::OpId throwing_id = ops::register_op(throwing);
+  {
+    graph::Graph g;
+    ClassifierBuilder b(g, 2, graph::Shape{4}, 2);
+    const TensorId in[] = {b.input()};
+    try {
+      b.apply(throwing_id, in);
+      FAIL();
+    } catch (const graph::BuildError& e) {
+      EXPECT_NE(std::string(e.what()).find("user_throwing_rule0"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("no shapes today"), std::string::npos) << e.what();
+    }
+  }
+
+  ops::OpInfo broken;
+  broken.name = "user_broken_kernel";
+  broken.infer = [](const ops::ShapeView& v) { return std::vector<ops::TensorDesc>{v.input(0)}; };
+  broken.bind = [](const ops::BindContext& c) {
+    c.env().kernels.program_from_source("user_broken", "__kernel void k(__global float* x) { x[0] = undeclared; }");
+    return ops::LaunchList{};
+  };
+  broken.backward = [](ops::GradContext&) {};
+  broken.reference = [](ops::RefContext&) {};
+  const ops::OpId broken_id = ops::register_op(broken);
+  const ModelSpec m = models::classifier("broken", graph::Shape{4}, 2, [broken_id](graph::Builder& b, TensorId x) {
+    const TensorId in[] = {b.linear(x, 2)};
+    return b.apply(broken_id, in)[0];
+  });
+  Runtime rt;
+  try {
+    Trainer t(rt, m, TrainerOptions{});
+    FAIL() << "a kernel that does not compile must fail the compile";
+  } catch (const cl::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("user_broken_kernel1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("undeclared"), std::string::npos) << "the build log: " << e.what();
+  }
+}
+
 TEST(OpTable, DtypeTheOpDoesNotTakeIsACompileTimeErrorNamingOpAndTensor) {
   Runtime runtime;
   graph::Graph g;

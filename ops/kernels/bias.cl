@@ -28,3 +28,22 @@ __kernel void bias_backward(__global const float* dy, ulong dy_off, __global flo
   }
   if (lr == 0 && c < cols) db[db_off + c] = partial[lc];
 }
+
+// db on CPU devices: a work-item sums the rows of 16 columns as one float16, in order (a last
+// partial chunk column by column). The work-group version above runs scalar code there.
+__kernel void bias_backward16(__global const float* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
+                              uint cols) {
+  const uint c0 = get_global_id(0) * 16;
+  if (c0 >= cols) return;
+  if (c0 + 16 <= cols) {
+    float16 s = 0.0f;
+    for (uint r = 0; r < rows; ++r) s += vload16(0, dy + dy_off + (ulong)r * cols + c0);
+    vstore16(s, 0, db + db_off + c0);
+    return;
+  }
+  for (uint c = c0; c < cols; ++c) {
+    float s = 0.0f;
+    for (uint r = 0; r < rows; ++r) s += dy[dy_off + (ulong)r * cols + c];
+    db[db_off + c] = s;
+  }
+}

@@ -95,3 +95,113 @@ __kernel void layernorm_backward_params(__global const float* x, ulong x_off, __
     dbeta[dbeta_off + c] = partial_beta[lc];
   }
 }
+
+// CPU devices: one work-item per row (forward, dx) or per 16 columns (gamma, beta), the row taken
+// as float16 chunks and the columns past the last whole chunk one by one; PoCL runs float16
+// arithmetic about as fast as scalar, where a work-group per row ran scalar code. Same formulas
+// and fixed summation orders within a work-item (not the same bits as the kernels above: the
+// partial sums are grouped differently).
+__kernel void layernorm_forward16(__global const float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
+                                  __global const float* beta, ulong beta_off, __global float* y, ulong y_off,
+                                  __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off,
+                                  uint rows, uint cols, float eps) {
+  const uint row = get_global_id(0);
+  if (row >= rows) return;
+  __global const float* xr = x + x_off + (ulong)row * cols;
+  __global float* yr = y + y_off + (ulong)row * cols;
+  __global const float* g = gamma + gamma_off;
+  __global const float* b = beta + beta_off;
+  const uint vcols = cols / 16 * 16;
+  float16 s16 = 0.0f;
+  for (uint c = 0; c < vcols; c += 16) s16 += vload16(0, xr + c);
+  float s = fold_sum16(s16);
+  for (uint c = vcols; c < cols; ++c) s += xr[c];
+  const float mu = s / (float)cols;
+  float16 q16 = 0.0f;
+  for (uint c = 0; c < vcols; c += 16) {
+    const float16 d = vload16(0, xr + c) - mu;
+    q16 = fma(d, d, q16);
+  }
+  float q = fold_sum16(q16);
+  for (uint c = vcols; c < cols; ++c) {
+    const float d = xr[c] - mu;
+    q = fma(d, d, q);
+  }
+  const float rs = 1.0f / sqrt(q / (float)cols + eps);
+  for (uint c = 0; c < vcols; c += 16) {
+    vstore16(fma((vload16(0, xr + c) - mu) * rs, vload16(0, g + c), vload16(0, b + c)), 0, yr + c);
+  }
+  for (uint c = vcols; c < cols; ++c) yr[c] = fma((xr[c] - mu) * rs, g[c], b[c]);
+  mean[mean_off + row] = mu;
+  rstd[rstd_off + row] = rs;
+}
+
+__kernel void layernorm_backward_dx16(__global const float* x, ulong x_off, __global const float* gamma,
+                                      ulong gamma_off, __global const float* mean, ulong mean_off,
+                                      __global const float* rstd, ulong rstd_off, __global const float* dy,
+                                      ulong dy_off, __global float* dx, ulong dx_off, uint rows, uint cols) {
+  const uint row = get_global_id(0);
+  if (row >= rows) return;
+  __global const float* xr = x + x_off + (ulong)row * cols;
+  __global const float* dyr = dy + dy_off + (ulong)row * cols;
+  __global float* dxr = dx + dx_off + (ulong)row * cols;
+  __global const float* gm = gamma + gamma_off;
+  const float mu = mean[mean_off + row], rs = rstd[rstd_off + row];
+  const uint vcols = cols / 16 * 16;
+  float16 sg16 = 0.0f, sgx16 = 0.0f;
+  for (uint c = 0; c < vcols; c += 16) {
+    const float16 g = vload16(0, dyr + c) * vload16(0, gm + c);
+    sg16 += g;
+    sgx16 = fma(g, (vload16(0, xr + c) - mu) * rs, sgx16);
+  }
+  float sg = fold_sum16(sg16), sgx = fold_sum16(sgx16);
+  for (uint c = vcols; c < cols; ++c) {
+    const float g = dyr[c] * gm[c];
+    sg += g;
+    sgx = fma(g, (xr[c] - mu) * rs, sgx);
+  }
+  const float mean_g = sg / (float)cols, mean_gx = sgx / (float)cols;
+  for (uint c = 0; c < vcols; c += 16) {
+    const float16 xhat = (vload16(0, xr + c) - mu) * rs;
+    const float16 g = vload16(0, dyr + c) * vload16(0, gm + c);
+    vstore16(rs * (g - mean_g - xhat * mean_gx), 0, dxr + c);
+  }
+  for (uint c = vcols; c < cols; ++c) {
+    const float xhat = (xr[c] - mu) * rs;
+    dxr[c] = rs * (dyr[c] * gm[c] - mean_g - xhat * mean_gx);
+  }
+}
+
+// dgamma and dbeta for 16 columns per work-item (rows summed in order); a last partial chunk
+// column by column.
+__kernel void layernorm_backward_params16(__global const float* x, ulong x_off, __global const float* mean,
+                                          ulong mean_off, __global const float* rstd, ulong rstd_off,
+                                          __global const float* dy, ulong dy_off, __global float* dgamma,
+                                          ulong dgamma_off, __global float* dbeta, ulong dbeta_off, uint rows,
+                                          uint cols) {
+  const uint c0 = get_global_id(0) * 16;
+  if (c0 >= cols) return;
+  if (c0 + 16 <= cols) {
+    float16 sg = 0.0f, sb = 0.0f;
+    for (uint r = 0; r < rows; ++r) {
+      const ulong i = (ulong)r * cols + c0;
+      const float16 d = vload16(0, dy + dy_off + i);
+      sg = fma(d, (vload16(0, x + x_off + i) - mean[mean_off + r]) * rstd[rstd_off + r], sg);
+      sb += d;
+    }
+    vstore16(sg, 0, dgamma + dgamma_off + c0);
+    vstore16(sb, 0, dbeta + dbeta_off + c0);
+    return;
+  }
+  for (uint c = c0; c < cols; ++c) {
+    float sg = 0.0f, sb = 0.0f;
+    for (uint r = 0; r < rows; ++r) {
+      const ulong i = (ulong)r * cols + c;
+      const float d = dy[dy_off + i];
+      sg = fma(d, (x[x_off + i] - mean[mean_off + r]) * rstd[rstd_off + r], sg);
+      sb += d;
+    }
+    dgamma[dgamma_off + c] = sg;
+    dbeta[dbeta_off + c] = sb;
+  }
+}

@@ -18,20 +18,6 @@
 #define VCOLS(cols) 0u
 #endif
 
-float fold_max16(float16 v) {
-  const float8 a = fmax(v.lo, v.hi);
-  const float4 b = fmax(a.lo, a.hi);
-  const float2 c = fmax(b.lo, b.hi);
-  return fmax(c.lo, c.hi);
-}
-
-float fold_sum16(float16 v) {
-  const float8 a = v.lo + v.hi;
-  const float4 b = a.lo + a.hi;
-  const float2 c = b.lo + b.hi;
-  return c.lo + c.hi;
-}
-
 // y[r, :] = exp(x[r, :] - max) / sum exp(x[r, :] - max). The exponentials are stashed in y and
 // rescaled; each work-item rereads only what it wrote, so x and y may be the same memory.
 // causal_period > 0: causal attention scores, rows of [.., T, T] matrices (T = causal_period): row

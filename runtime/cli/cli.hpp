@@ -29,6 +29,7 @@ struct TrainArgs {
   float temperature = 0.8f, dropout = 0.0f;
   std::string text_dir;  // gpt: folder of text files (default: the fortunes)
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
+  bool lr_given = false;  // --lr on the command line (gpt's default peak is 2e-3)
   std::string optimizer = "adam", schedule = "cosine";
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, residency = "auto";

@@ -236,7 +236,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
       ->check(CLI::PositiveNumber);
-  train->add_option("--lr", t.lr, "Peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--lr", t.lr, "Peak learning rate (gpt: 0.002)")->check(CLI::PositiveNumber)->capture_default_str();
   train->add_option("--optimizer", t.optimizer, "adam, adamw or sgd")->capture_default_str();
   train->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw)")->capture_default_str();
   train->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
@@ -249,7 +249,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   train->add_option("--dropout", t.dropout, "gpt: dropout probability")->check(CLI::Range(0.0, 0.95));
-  train->add_option("--steps", t.steps, "gpt: optimizer steps (default 3000)")->check(CLI::PositiveNumber);
+  train->add_option("--steps", t.steps, "gpt: optimizer steps (default 2000)")->check(CLI::PositiveNumber);
   train->add_option("--max-minutes", t.max_minutes, "gpt: stop training after this many minutes")
       ->check(CLI::PositiveNumber);
   train->add_option("--eval-every", t.eval_every, "gpt: steps between validation losses (default 250)")
@@ -293,6 +293,7 @@ int main(int argc, char** argv) {
   train->add_flag("--json", t.json, "End with one JSON line of results on stdout");
   train->add_flag("--quiet", t.quiet, "No progress output");
   CLI11_PARSE(app, argc, argv);
+  t.lr_given = train->count("--lr") > 0;
   try {
     if (devices->parsed()) return cmd_devices();
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);

@@ -57,5 +57,24 @@ expect_error "an unknown residency mode" "--residency: sideways not in" train --
 expect_error "a home with no store yet" "home 'host_compressed' has no storage strategy" \
   train --state-home compressed --epochs 1
 
+# The GPT on a small text this test writes (no package needed): JSON fields, a sample, errors.
+mkdir -p "$work/text"
+for i in $(seq 1 60); do echo "The quick brown fox $i jumps over the lazy dog; a stitch in time saves nine."; done >"$work/text/a"
+gpt=$("$ferry" train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 \
+  --steps 6 --eval-every 3 --sample 20 --quiet --json)
+check "ferry train --model gpt exits 0" test $? -eq 0
+for key in train_loss val_loss tokens_per_s parameters curve sample; do
+  check "GPT JSON has $key" grep -q "\"$key\":" <<<"$gpt"
+done
+check "the GPT curve has a point per validation (steps 3 and 6)" test "$(grep -o '"step":[0-9]*' <<<"$gpt" | tr '\n' ' ')" = '"step":3 "step":6 ' 
+expect_error "a missing text folder" "apt-get install fortunes" train --model gpt --text "$work/no-text" --steps 1
+mkdir -p "$work/empty-text" && : >"$work/empty-text/a"
+expect_error "an empty text file" "is empty" train --model gpt --text "$work/empty-text" --steps 1
+expect_error "width not a multiple of heads" "multiple of heads" \
+  train --model gpt --text "$work/text" --width 10 --heads 3 --steps 1
+expect_error "a sample prompt outside the vocabulary" "not in the corpus's vocabulary" \
+  train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 \
+  --sample 5 --prompt "Zebra!"
+
 echo "$failures failed"
 [ "$failures" -eq 0 ]

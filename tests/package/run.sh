@@ -5,7 +5,9 @@
 #   2. every installed public header compiles on its own against ferry::ferry
 #   3. examples/ configures out of tree with -DCMAKE_PREFIX_PATH=<prefix> (find_package(ferry CONFIG
 #      REQUIRED) must find the installed package, not another one), builds, and train_mlp trains one
-#      epoch on a slice of Fashion-MNIST and prints its test accuracy.
+#      epoch on a slice of Fashion-MNIST and prints its test accuracy; custom_op registers its own
+#      op (SiLU) from outside ferry's tree, trains a regression model with it and checks its
+#      predictions against a CPU forward pass (it exits non-zero otherwise).
 #
 #   run.sh --build-dir DIR --source-dir DIR --work-dir DIR [--cmake PATH] [--generator NAME] [--cxx PATH]
 set -Eeuo pipefail
@@ -142,4 +144,11 @@ accuracy=$(sed -n 's/^test accuracy \([0-9.]*\).*/\1/p' "$work_dir/train_mlp.log
 # One epoch on 2048 samples lands near 0.75; 0.5 tells training apart from chance (0.1).
 awk -v a="$accuracy" 'BEGIN { exit !(a > 0.5) }' || fail "test accuracy $accuracy is not above 0.5: the example did not learn"
 
-say "passed in $((SECONDS - start)) s (test accuracy $accuracy)"
+
+# A user's op from outside ferry's tree: registered, trained, checked against its CPU reference.
+step="running custom_op"
+say "running: custom_op"
+"$examples_build/custom_op" | tee "$work_dir/custom_op.log"
+grep -q '^predictions: ' "$work_dir/custom_op.log" || fail "custom_op printed no 'predictions' line"
+
+say "passed in $((SECONDS - start)) s (test accuracy $accuracy; custom_op trained and matched its reference)"

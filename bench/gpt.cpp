@@ -1,0 +1,192 @@
+// ferry-bench gpt: how fast does ferry train the character-level GPT next to PyTorch (eager and
+// torch.compile) on the same machine, in one run?
+//
+// ferry: Trainer with models::gpt on the fortune files (the model `ferry train --model gpt`
+// trains), batches of random windows, Adam, fp32. PyTorch: bench/peers/torch_gpt.py, the same
+// model, data, batch and optimizer, run through the shell for each mode. ferry is measured before
+// and after the peers and its figure is the median over both sets of blocks, so the ratio is
+// taken under the same machine load. Results are tokens per second of training steps (evaluation
+// excluded); ratios are ferry / peer (> 1: ferry is faster).
+#include <fmt/format.h>
+
+#include <random>
+
+#include "bench.hpp"
+#include "ferry/ferry.hpp"
+#include "ferry/runtime/text_corpus.hpp"
+#include "peer.hpp"
+
+namespace ferry::bench {
+namespace {
+
+struct GptBenchOptions {
+  std::uint32_t width = 192, depth = 4, heads = 4, context = 128, batch = 32;
+  float lr = 1e-3f;
+  int warmup = 3;
+  int steps = 10;  // steps per timed block
+  std::string python = "python3";
+  std::string peer_script;
+  std::vector<std::string> modes{"eager", "compile"};
+  bool ferry = true;
+};
+
+class GptSession {
+ public:
+  GptSession(const BenchCommon& common, const GptBenchOptions& o)
+      : common_(common),
+        o_(o),
+        corpus_(load_text_corpus(fortune_files(), 0.1)),
+        runtime_({.device = common.device}),
+        trainer_(runtime_, models::gpt(config(o, corpus_)), options(o)),
+        tokens_(std::size_t(o.batch) * o.context),
+        next_(tokens_.size()),
+        pick_(0, corpus_.train_end - o.context - 1) {
+    for (int w = 0; w < o.warmup; ++w) one();
+  }
+
+  // --repeat blocks of --steps steps: the block means (ms per step).
+  std::vector<double> measure() {
+    std::vector<double> blocks;
+    for (int rep = 0; rep < common_.repeat; ++rep) {
+      double ms = 0;
+      for (int s = 0; s < o_.steps; ++s) ms += one();
+      blocks.push_back(ms / o_.steps);
+    }
+    return blocks;
+  }
+  const Trainer& trainer() const { return trainer_; }
+  const Runtime& runtime() const { return runtime_; }
+  float loss() const { return loss_; }
+
+ private:
+  static models::GptConfig config(const GptBenchOptions& o, const TextCorpus& c) {
+    models::GptConfig g;
+    g.vocab = c.vocab_size();
+    g.width = o.width;
+    g.depth = o.depth;
+    g.heads = o.heads;
+    g.context = o.context;
+    return g;
+  }
+  static TrainerOptions options(const GptBenchOptions& o) {
+    TrainerOptions t;
+    t.batch = o.batch;
+    t.lr = o.lr;
+    return t;
+  }
+  // One step on fresh random windows; its time (batch staging and validation included).
+  double one() {
+    const std::uint32_t t = o_.context;
+    for (std::uint32_t i = 0; i < o_.batch; ++i) {
+      const std::size_t s = pick_(rng_);
+      std::copy_n(corpus_.ids.data() + s, t, tokens_.data() + std::size_t(i) * t);
+      std::copy_n(corpus_.ids.data() + s + 1, t, next_.data() + std::size_t(i) * t);
+    }
+    const double ms = time_ms([&] {
+      loss_ = trainer_
+                  .step(Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens_))},
+                              {"next", HostView(std::span<const std::int32_t>(next_))}})
+                  .loss;
+    });
+    return ms;
+  }
+
+  const BenchCommon& common_;
+  const GptBenchOptions& o_;
+  TextCorpus corpus_;
+  Runtime runtime_;
+  Trainer trainer_;
+  std::vector<std::int32_t> tokens_, next_;
+  std::mt19937_64 rng_{1};
+  std::uniform_int_distribution<std::size_t> pick_;
+  float loss_ = 0;
+};
+
+int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
+  const nlohmann::json base{{"bench", "gpt"},       {"width", o.width}, {"depth", o.depth}, {"heads", o.heads},
+                            {"context", o.context}, {"batch", o.batch}, {"steps", o.steps}, {"repeat", common.repeat}};
+  std::unique_ptr<GptSession> ferry;
+  std::vector<double> before, after;
+  if (o.ferry) {
+    ferry = std::make_unique<GptSession>(common, o);
+    before = ferry->measure();
+  }
+  std::vector<nlohmann::json> peers;
+  const std::string python = find_on_path(o.python);
+  for (const std::string& mode : o.modes) {
+    nlohmann::json j = base;
+    j["impl"] = "torch-" + mode;
+    j["python"] = o.python;
+    if (python.empty()) {
+      j["error"] = "interpreter not found (give one with torch: --python)";
+      peers.push_back(j);
+      continue;
+    }
+    const std::string cmd = fmt::format(
+        "{} {} --mode {} --width {} --depth {} --heads {} --context {} --batch {} --lr {} --warmup {} --steps {}",
+        shell_quote(python), shell_quote(o.peer_script), shell_quote(mode), o.width, o.depth, o.heads, o.context,
+        o.batch, o.lr, o.warmup, o.steps * common.repeat);
+    const nlohmann::json r = run_json_command(cmd).back();
+    for (const char* key : {"error", "torch_version", "threads", "parameters", "steps", "seconds", "tokens_per_s",
+                            "train_loss", "compile_s"}) {
+      if (r.contains(key)) j[key] = r[key];
+    }
+    if (j.contains("tokens_per_s")) j["step_ms"] = 1e3 * o.batch * o.context / j["tokens_per_s"].get<double>();
+    peers.push_back(j);
+  }
+  double ferry_tokens_per_s = 0;
+  if (ferry) {
+    after = ferry->measure();
+    std::vector<double> all = before;
+    all.insert(all.end(), after.begin(), after.end());
+    const double ms = median(all);
+    ferry_tokens_per_s = 1e3 * o.batch * o.context / ms;
+    nlohmann::json j = base;
+    j["impl"] = "ferry";
+    j["step_ms"] = ms;
+    j["tokens_per_s"] = ferry_tokens_per_s;
+    j["step_ms_before_peers"] = median(before);
+    j["step_ms_after_peers"] = median(after);
+    j["block_ms"] = all;
+    j["device"] = ferry->runtime().device().name;
+    j["model"] = ferry->trainer().model().name;
+    j["parameters"] = ferry->trainer().parameter_count();
+    j["nodes"] = ferry->trainer().train_step().node_count();
+    j["device_peak_bytes"] = ferry->trainer().device_peak_bytes();
+    j["train_loss"] = ferry->loss();
+    emit_json(j);
+  }
+  for (nlohmann::json& j : peers) {
+    const double peer = j.value("tokens_per_s", 0.0);
+    if (ferry && peer > 0) j["ratio_ferry_over_peer"] = ferry_tokens_per_s / peer;
+    emit_json(j);
+  }
+  return 0;
+}
+
+BenchRun setup(CLI::App& sub, const BenchCommon& common) {
+  auto o = std::make_shared<GptBenchOptions>();
+  o->peer_script = peer_script_path("torch_gpt.py");
+  sub.add_option("--width", o->width, "model width")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--depth", o->depth, "decoder blocks")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--heads", o->heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--context", o->context, "characters per window")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--batch", o->batch, "windows per step")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--lr", o->lr, "Adam learning rate")->capture_default_str();
+  sub.add_option("--warmup", o->warmup, "untimed steps first (each side)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub.add_option("--python", o->python, "Python interpreter with torch for the peers")->capture_default_str();
+  sub.add_option("--peer-script", o->peer_script, "the PyTorch peer script")->capture_default_str();
+  sub.add_option("--modes", o->modes, "peer modes: eager, compile (none: --modes '')")->delimiter(',');
+  sub.add_flag("!--no-ferry", o->ferry, "run only the peers");
+  return [o, &common] { return run_gpt(common, *o); };
+}
+
+FERRY_BENCH("gpt", "training step of the character-level GPT (tokens/s): ferry vs PyTorch eager and compile", setup);
+
+}  // namespace
+}  // namespace ferry::bench

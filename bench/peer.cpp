@@ -1,0 +1,67 @@
+// Peers run from benchmarks (see peer.hpp).
+#include "peer.hpp"
+
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+
+namespace ferry::bench {
+
+namespace fs = std::filesystem;
+
+std::string find_on_path(const std::string& name) {
+  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0 ? name : std::string();
+  const char* path = std::getenv("PATH");
+  if (!path) return {};
+  std::istringstream dirs(path);
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    const fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+  }
+  return {};
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::vector<nlohmann::json> run_json_command(const std::string& command) {
+  fmt::print(stderr, "running peer: {}\n", command);
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  if (!pipe) return {{{"error", fmt::format("popen failed: {}", std::strerror(errno))}}};
+  std::string out;
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  const int status = ::pclose(pipe);
+  std::vector<nlohmann::json> results;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.is_object()) results.push_back(std::move(j));
+  }
+  if (results.empty()) {
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return {{{"error", fmt::format("peer printed no JSON result (exit status {})", code)}}};
+  }
+  if (!results.back().contains("error") && status != 0) {
+    results.back()["error"] = fmt::format("peer exit status {}", status);
+  }
+  return results;
+}
+
+std::string peer_script_path(const std::string& file) {
+  const fs::path here = fs::path(__FILE__).parent_path() / "peers" / file;
+  if (fs::exists(here)) return here.string();
+  return "bench/peers/" + file;
+}
+
+}  // namespace ferry::bench

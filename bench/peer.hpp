@@ -1,0 +1,27 @@
+// Running a peer (a PyTorch script) from a benchmark: finding the interpreter, quoting, and
+// reading the JSON lines the peer prints.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace ferry::bench {
+
+// `name` as the shell would find it on PATH (names with a slash are returned as they are if
+// executable); empty if not found.
+std::string find_on_path(const std::string& name);
+
+// `s` quoted for /bin/sh.
+std::string shell_quote(const std::string& s);
+
+// Runs `command` through the shell and returns every stdout line that parses as a JSON object,
+// in order. If there is none, one object with "error" (and the exit status); if the command
+// failed, the last object gets an "error" unless it has one.
+std::vector<nlohmann::json> run_json_command(const std::string& command);
+
+// The peer script `file` under bench/peers next to the benchmark sources (their location at
+// build time), else relative to the working directory.
+std::string peer_script_path(const std::string& file);
+
+}  // namespace ferry::bench

@@ -1,0 +1,331 @@
+// The character-level GPT (models::gpt) and its data: the model trains on the device like the
+// reference executor, its gradients match finite differences, streamed training is bit-identical
+// to resident, prediction is causal, and bad input (token ids, shapes, corpora) is a clear error.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+
+#include "ferry/ferry.hpp"
+#include "ferry/runtime/text_corpus.hpp"
+#include "reference_executor.hpp"
+#include "test_support.hpp"
+#include "train_check.hpp"
+
+namespace ferry::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+models::GptConfig tiny_config() {
+  models::GptConfig c;
+  c.vocab = 11;
+  c.width = 8;
+  c.depth = 2;
+  c.heads = 2;
+  c.context = 6;
+  return c;
+}
+
+std::vector<std::int32_t> random_ids(std::size_t n, std::uint32_t vocab, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> v(n);
+  for (auto& x : v) x = static_cast<std::int32_t>(rng() % vocab);
+  return v;
+}
+
+Batch token_batch(const std::vector<std::int32_t>& tokens, const std::vector<std::int32_t>& next) {
+  return Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens))},
+               {"next", HostView(std::span<const std::int32_t>(next))}};
+}
+
+TrainerOptions gpt_options(std::uint32_t batch) {
+  TrainerOptions o;
+  o.batch = batch;
+  o.lr = 0.01f;
+  return o;
+}
+
+// SGD: the key projection's bias has a zero gradient (softmax ignores a constant added to a row of
+// scores), and Adam would turn the rounding noise there into full-size steps.
+TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
+  Runtime rt;
+  const auto c = tiny_config();
+  const std::uint32_t batch = 3;
+  TrainerOptions o = gpt_options(batch);
+  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.lr = 0.1f;
+  Trainer trainer(rt, models::gpt(c), o);
+  ReferenceExecutor ref(trainer.train_step().graph(), trainer.options().optimizer);
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  for (std::uint32_t s = 0; s < 4; ++s) {
+    const auto tokens = random_ids(batch * c.context, c.vocab, 10 + s),
+               next = random_ids(batch * c.context, c.vocab, 20 + s);
+    const StepResult r = trainer.step(token_batch(tokens, next));
+    ref.ints(ref.find("tokens")) = tokens;
+    ref.ints(ref.find("next")) = next;
+    ref.run(ops::StepInfo{s + 1, trainer.lr()});
+    EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+  }
+  for (const auto& name : trainer.parameter_names()) {
+    const auto device = trainer.read_parameter(name);
+    const auto& host = ref.value(ref.find(name));
+    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-4) << name << "[" << i << "]";
+  }
+}
+
+TEST(Gpt, ReferenceGradientsMatchFiniteDifferences) {
+  const auto c = tiny_config();
+  const std::uint32_t batch = 2;
+  graph::OptimizerSpec sgd;
+  sgd.kind = graph::OptimizerSpec::Kind::sgd;
+  const graph::Graph g = training_graph(models::gpt(c), batch, sgd);
+  ReferenceExecutor ref(g, sgd);
+  randomize_weights(ref, g, 3, -0.5f, 0.5f);
+  ref.ints(ref.find("tokens")) = random_ids(batch * c.context, c.vocab, 1);
+  ref.ints(ref.find("next")) = random_ids(batch * c.context, c.vocab, 2);
+  ref.run(ops::StepInfo{1, 0.0f});
+  // Every weight: embeddings, positions, LayerNorms, attention and MLP projections, the head.
+  std::size_t checked = 0;
+  for (TensorId w = 0; w < g.tensors.size(); ++w) {
+    if (g.tensors.role[w] != graph::Role::weight) continue;
+    ASSERT_NE(g.tensors.grad[w], graph::no_tensor) << g.tensors.name[w];
+    expect_reference_gradient_matches_finite_differences(ref, w, g.tensors.grad[w], g.tensors.name[w], 4);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2u + 2 * (4 + 4 + 2 * 2 + 2 * 2) + 2 + 2);  // embeddings, 2 blocks, final LayerNorm, head
+}
+
+// Streamed under the smallest budget it fits: bit-identical weights and losses to resident.
+TEST(Gpt, StreamedTrainingIsBitIdenticalToResident) {
+  Runtime rt;
+  const auto c = tiny_config();
+  const std::uint32_t batch = 2;
+  auto run = [&](const TrainerOptions& o) {
+    Trainer t(rt, models::gpt(c), o);
+    std::vector<float> losses;
+    for (std::uint32_t s = 0; s < 3; ++s) {
+      losses.push_back(t.step(token_batch(random_ids(batch * c.context, c.vocab, 30 + s),
+                                          random_ids(batch * c.context, c.vocab, 40 + s)))
+                           .loss);
+    }
+    std::map<std::string, std::vector<float>> params;
+    for (const auto& name : t.parameter_names()) params[name] = t.read_parameter(name);
+    return std::make_tuple(losses, params, t.residency().mode, t.residency().fetches);
+  };
+  TrainerOptions resident = gpt_options(batch);
+  resident.residency.mode = graph::ResidencyMode::resident;
+  TrainerOptions streamed = gpt_options(batch);
+  streamed.residency.mode = graph::ResidencyMode::stream;
+  streamed.residency.budget_bytes = 1;
+  std::uint64_t min_budget = 0;
+  try {
+    Trainer probe(rt, models::gpt(c), streamed);
+  } catch (const graph::BudgetError& e) {
+    min_budget = e.min_budget();
+  }
+  ASSERT_GT(min_budget, 0u) << "a 1-byte budget must not fit";
+  streamed.residency.budget_bytes = min_budget;
+  const auto [rl, rp, rmode, rfetches] = run(resident);
+  const auto [sl, sp, smode, sfetches] = run(streamed);
+  EXPECT_EQ(smode, graph::ResidencyMode::stream);
+  EXPECT_GT(sfetches, 0u);
+  EXPECT_EQ(sl, rl);
+  for (const auto& [name, values] : rp) EXPECT_EQ(sp.at(name), values) << name;
+}
+
+// The logits at position p depend on tokens 0..p only; prediction gives [samples, T, vocab].
+TEST(Gpt, PredictionIsCausal) {
+  Runtime rt;
+  const auto c = tiny_config();
+  Trainer trainer(rt, models::gpt(c), gpt_options(2));
+  class Windows final : public DataSource {
+   public:
+    std::vector<std::int32_t> ids;
+    std::size_t size() const override { return ids.size() / 6; }
+    void read(std::string_view, std::size_t first, std::size_t count, std::span<std::byte> out) const override {
+      std::memcpy(out.data(), ids.data() + first * 6, count * 6 * sizeof(std::int32_t));
+    }
+  } a, b;
+  a.ids = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 2, 3, 4};  // not a whole window at the end: 2 samples
+  a.ids.resize(12);
+  b.ids = a.ids;
+  b.ids[4] = 9;  // sample 0 differs from position 4 on
+  const auto pa = trainer.predict(a), pb = trainer.predict(b);
+  EXPECT_EQ(pa.shape, (graph::Shape{2, 6, 11}));
+  const auto* la = reinterpret_cast<const float*>(pa.bytes.data());
+  const auto* lb = reinterpret_cast<const float*>(pb.bytes.data());
+  for (std::size_t p = 0; p < 6; ++p) {
+    bool same = true;
+    for (std::size_t v = 0; v < 11; ++v) same = same && la[p * 11 + v] == lb[p * 11 + v];
+    EXPECT_EQ(same, p < 4) << "position " << p;
+  }
+  for (std::size_t i = 66; i < 132; ++i) EXPECT_EQ(la[i], lb[i]) << "sample 1 is the same";
+}
+
+TEST(Gpt, BadInputIsAClearError) {
+  Runtime rt;
+  const auto c = tiny_config();
+  Trainer trainer(rt, models::gpt(c), gpt_options(2));
+  auto tokens = random_ids(12, c.vocab, 1), next = random_ids(12, c.vocab, 2);
+  const auto before = trainer.read_parameter("embedding0.table");
+  auto expect_error = [&](const Batch& b, const char* needle) {
+    try {
+      trainer.step(b);
+      ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto bad = tokens;
+  bad[7] = 11;  // the vocabulary is [0, 11)
+  expect_error(token_batch(bad, next), "'tokens' value 11 (element 1 of sample 1) is outside [0, 11)");
+  bad[7] = -1;
+  expect_error(token_batch(bad, next), "outside [0, 11)");
+  expect_error(Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens))}}, "no 'next'");
+  const std::vector<float> floats(12);
+  expect_error(Batch{{"tokens", HostView(std::span<const float>(floats))},
+                     {"next", HostView(std::span<const std::int32_t>(next))}},
+               "'tokens' is f32");
+  auto extra = token_batch(tokens, next);
+  extra.emplace("labels", HostView(std::span<const std::int32_t>(next)));
+  expect_error(extra, "does not take");
+  EXPECT_EQ(trainer.read_parameter("embedding0.table"), before);
+  EXPECT_EQ(trainer.steps_done(), 0u);
+  // Model configurations that cannot work are build errors naming the setting.
+  auto odd = c;
+  odd.heads = 3;  // 8 is not a multiple of 3
+  try {
+    Trainer t(rt, models::gpt(odd), gpt_options(2));
+    ADD_FAILURE() << "width 8 with 3 heads must not build";
+  } catch (const graph::BuildError& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of heads"), std::string::npos) << e.what();
+  }
+  odd = c;
+  odd.vocab = 1;
+  EXPECT_THROW(models::gpt(odd), graph::BuildError);
+}
+
+// A loss must be the stats of a loss op, and losses check their operands.
+TEST(Losses, SequenceCrossEntropyAndMseCheckTheirOperands) {
+  graph::Graph g;
+  graph::Builder b(g, 2);
+  const TensorId x = b.input("x", graph::Shape{3, 4});
+  const TensorId labels = b.input("labels", graph::Shape{3}, graph::DType::i32, graph::Role::label);
+  const TensorId wrong = b.input("wrong", graph::Shape{4}, graph::DType::i32, graph::Role::label);
+  const TensorId target = b.input("target", graph::Shape{3, 4}, graph::DType::f32, graph::Role::label);
+  EXPECT_THROW(b.softmax_xent(x, wrong), graph::BuildError);
+  EXPECT_THROW(b.softmax_xent(x, target), graph::BuildError);  // f32 labels
+  EXPECT_THROW(b.set_loss(x), graph::BuildError);              // not a loss's stats
+  const TensorId stats = b.softmax_xent(x, labels);            // over [2, 3] positions
+  EXPECT_EQ(g.loss, stats);
+  EXPECT_EQ(g.tensors.shape[stats], (graph::Shape{2}));
+  const TensorId mse = b.mse(b.linear(x, 4), target);
+  EXPECT_EQ(g.loss, mse);
+  EXPECT_EQ(g.tensors.shape[mse], (graph::Shape{1}));
+  EXPECT_THROW(b.mse(x, labels), graph::BuildError);
+}
+
+// A regression model with an MSE loss trains on the device like the reference and learns.
+TEST(Losses, MseRegressionTrainsLikeTheReference) {
+  Runtime rt;
+  ModelSpec m;
+  m.name = "regression";
+  m.inputs = {TensorSpec{"x", graph::Shape{5}}};
+  m.targets = {TensorSpec{"y", graph::Shape{2}}};
+  m.forward = [](graph::Builder& b, std::span<const TensorId> in) { return b.linear(b.gelu(b.linear(in[0], 16)), 2); };
+  m.loss = [](graph::Builder& b, TensorId p, std::span<const TensorId> t) { return b.mse(p, t[0]); };
+  TrainerOptions o;
+  o.batch = 8;
+  o.lr = 0.01f;
+  Trainer trainer(rt, m, o);
+  ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  const auto x = random_vector(8 * 5, 1);
+  std::vector<float> y(8 * 2);
+  for (std::size_t i = 0; i < 8; ++i) {  // a smooth target of x
+    y[i * 2] = 0.5f * x[i * 5] - x[i * 5 + 1];
+    y[i * 2 + 1] = x[i * 5 + 2] * x[i * 5 + 3];
+  }
+  const Batch batch{{"x", HostView(std::span<const float>(x))}, {"y", HostView(std::span<const float>(y))}};
+  float first = 0, last = 0;
+  for (std::uint32_t s = 0; s < 60; ++s) {
+    const StepResult r = trainer.step(batch);
+    EXPECT_EQ(r.correct, 0u);
+    if (s < 3) {
+      ref.value(ref.find("x")) = to_double(x);
+      ref.value(ref.find("y")) = to_double(y);
+      ref.run(ops::StepInfo{s + 1, o.lr});
+      EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+    }
+    if (s == 0) first = r.loss;
+    last = r.loss;
+  }
+  EXPECT_LT(last, 0.2f * first) << "the regression learns its batch";
+}
+
+fs::path temp_dir(const char* name) {
+  const fs::path d = fs::temp_directory_path() / fmt::format("ferry_text_{}_{}", name, ::getpid());
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+TEST(TextCorpus, ReadsFilesVocabularySplitAndWindows) {
+  const fs::path d = temp_dir("ok");
+  std::ofstream(d / "b") << "hello world\n";
+  std::ofstream(d / "a") << "abc\n";
+  std::ofstream(d / "a.dat") << "index, skipped";
+  fs::create_symlink(d / "a", d / "link-to-a");  // the same file twice: read once
+  const auto files = fortune_files(d);
+  ASSERT_EQ(files.size(), 2u);
+  const TextCorpus c = load_text_corpus(files, 0.25);
+  EXPECT_EQ(c.decode(c.ids), "abc\nhello world\n");
+  EXPECT_EQ(c.vocab_size(), 12u);  // \n, space, a b c d e h l o r w
+  EXPECT_EQ(c.vocab[0], '\n');
+  EXPECT_EQ(c.train_end, 12u);  // 16 characters, a quarter held out: "rld\n"
+  EXPECT_EQ(c.encode("hello"), std::vector<std::int32_t>(c.ids.begin() + 4, c.ids.begin() + 9));
+  EXPECT_THROW(c.encode("xyz"), std::invalid_argument);
+  const TextWindows val = TextWindows::held_out(c, 1, 0);  // windows of 1 + 1 at 12, 13, 14
+  EXPECT_EQ(val.size(), 3u);
+  EXPECT_EQ(TextWindows::held_out(c, 1, 2).starts(), (std::vector<std::size_t>{12, 13}));
+  EXPECT_THROW(TextWindows::held_out(c, 4, 0), std::invalid_argument);  // 4 + 1 > 4 held out
+  std::vector<std::int32_t> t(3), n(3);
+  val.read("tokens", 0, 3, std::as_writable_bytes(std::span(t)));
+  val.read("next", 0, 3, std::as_writable_bytes(std::span(n)));
+  EXPECT_EQ(c.decode(t), "rld");
+  EXPECT_EQ(c.decode(n), "ld\n");
+  EXPECT_THROW(val.read("labels", 0, 1, std::as_writable_bytes(std::span(t).first(1))), std::invalid_argument);
+  fs::remove_all(d);
+}
+
+TEST(TextCorpus, MissingOrEmptyTextIsAClearError) {
+  const fs::path d = temp_dir("bad");
+  try {
+    fortune_files(d / "nowhere");
+    ADD_FAILURE();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("apt-get install fortunes"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(fortune_files(d), std::runtime_error);  // a folder without text
+  std::ofstream(d / "empty");
+  try {
+    load_text_corpus({d / "empty"});
+    ADD_FAILURE();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is empty"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(load_text_corpus({d / "missing"}), std::runtime_error);
+  EXPECT_THROW(load_text_corpus({d / "empty"}, 1.5), std::invalid_argument);
+  fs::remove_all(d);
+}
+
+}  // namespace
+}  // namespace ferry::test
