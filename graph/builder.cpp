@@ -311,7 +311,7 @@ TensorId Builder::softmax_xent(TensorId logits, TensorId labels) {
   const TensorId logits2 = ls.rank == 2 ? logits : reshape(logits, Shape{rows, classes});
   const TensorId labels1 = ys.rank == 1 ? labels : reshape(labels, Shape{rows});
   const TensorId ins[] = {logits2, labels1};
-  const auto outs = emit(builtin::softmax_xent, "loss", ins, {}, {".probs", ".stats"});
+  const auto outs = emit(builtin::softmax_xent, loss_name(), ins, {}, {".probs", ".stats"});
   set_loss(outs[1]);
   return outs[1];
 }
@@ -319,20 +319,53 @@ TensorId Builder::softmax_xent(TensorId logits, TensorId labels) {
 TensorId Builder::mse(TensorId prediction, TensorId target) {
   static const ops::OpId op = named("mse");
   const TensorId ins[] = {prediction, target};
-  const TensorId stats = emit(op, "loss", ins, {}, {".stats"})[0];
+  const TensorId stats = emit(op, loss_name(), ins, {}, {".stats"})[0];
   set_loss(stats);
   return stats;
+}
+
+TensorId Builder::loss_sum(TensorId a, TensorId b, float wa, float wb) {
+  static const ops::OpId op = named("loss_sum");
+  for (TensorId t : {a, b}) {
+    if (!is_loss_stats(t)) {
+      throw BuildError(fmt::format("loss_sum: '{}' is not the output of a loss op (softmax_xent, mse, loss_sum, ...)",
+                                   t < g_.tensors.size() ? g_.tensors.name[t] : std::string("?")));
+    }
+  }
+  NodeAttrs attrs;
+  attrs.f[0] = wa;
+  attrs.f[1] = wb;
+  const TensorId ins[] = {a, b};
+  const TensorId sum = emit(op, next_name("loss_sum"), ins, attrs, {".y"})[0];
+  set_loss(sum);
+  return sum;
+}
+
+std::string Builder::loss_name() {
+  // The first loss is "loss" (its stats "loss.stats"); more losses (terms of a loss_sum) are
+  // numbered like layers, so every tensor name stays unique.
+  for (TensorId t = 0; t < g_.tensors.size(); ++t) {
+    if (g_.tensors.name[t] == "loss.stats") return next_name("loss");
+  }
+  return "loss";
+}
+
+bool Builder::is_loss_stats(TensorId t) const {
+  if (t >= g_.tensors.size() || g_.tensors.dtype[t] != DType::f32) return false;
+  for (NodeId n = 0; n < g_.nodes.size(); ++n) {
+    const auto outs = g_.nodes.outputs(n);
+    if (std::find(outs.begin(), outs.end(), t) != outs.end()) {
+      return ops::op_info(g_.nodes.op[n]).op_class == ops::OpClass::loss;
+    }
+  }
+  return false;
 }
 
 void Builder::set_loss(TensorId loss) {
   if (loss >= g_.tensors.size()) throw BuildError(fmt::format("set_loss: tensor id {} does not exist", loss));
   // The producer must be a loss row: their stats carry the loss in element 0 and their backward
   // rules seed the gradient.
-  for (NodeId n = 0; n < g_.nodes.size(); ++n) {
-    const auto outs = g_.nodes.outputs(n);
-    if (std::find(outs.begin(), outs.end(), loss) == outs.end()) continue;
-    const ops::OpInfo& row = ops::op_info(g_.nodes.op[n]);
-    if (row.op_class != ops::OpClass::loss || g_.tensors.dtype[loss] != DType::f32) break;
+  if (is_loss_stats(loss)) {
     g_.tensors.role[loss] = Role::stats;
     g_.loss = loss;
     return;

@@ -78,10 +78,17 @@ std::size_t packed_panel_elems(const GemmShape& s, const GemmKernelConfig& c) {
   return (s.N + nb - 1) / nb * nb * s.K;
 }
 
-// Packed B, then the splits' partial products when K is split.
+// A split product over a row-major B whose columns fill whole panels reads B in place: its panel
+// rows are already contiguous, and packing a long B (the output gradient of a weight gradient) cost
+// a copy of all of it per product.
+bool direct_b(const GemmShape& s, const GemmKernelConfig& c) {
+  return !s.trans_b && s.N % panel_width(c) == 0 && k_splits(s) > 1;
+}
+
+// Packed B (unless read in place), then the splits' partial products when K is split.
 std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c) {
   const std::size_t splits = k_splits(s);
-  return packed_panel_elems(s, c) + (splits > 1 ? splits * s.M * s.N : 0);
+  return (direct_b(s, c) ? 0 : packed_panel_elems(s, c)) + (splits > 1 ? splits * s.M * s.N : 0);
 }
 
 std::string transpose_defines(const GemmShape& s) {
@@ -93,13 +100,15 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::size_t nb = panel_width(cfg);
   const std::size_t rb = static_cast<std::size_t>(cfg.param("RB"));
   const std::size_t panels = (s.N + nb - 1) / nb;
-  const std::string defines = fmt::format("{} {}", cfg.defines(), transpose_defines(s));
+  const bool direct = direct_b(s, cfg);
+  const std::string defines = fmt::format("{} {} -DDIRECT_B={}", cfg.defines(), transpose_defines(s), int(direct));
+  const std::uint64_t panels_elems = direct ? 0 : packed_panel_elems(s, cfg);
   LaunchList list;
-  if (s.K > 0) {
-    if (scratch.buffer == nullptr) {
-      throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch for packed B, got none",
-                                              s.M, s.N, s.K, cfg.text(), packed_elems(s, cfg)));
-    }
+  if (s.K > 0 && scratch.buffer == nullptr) {
+    throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch, got none", s.M, s.N, s.K,
+                                            cfg.text(), packed_elems(s, cfg)));
+  }
+  if (s.K > 0 && !direct) {
     cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
     cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b.elem_offset(), scratch.buffer,
                  scratch.elem_offset());
@@ -115,17 +124,21 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", defines);
   const cl_uint has_bias = options.bias.buffer != nullptr;
   cl_mem packed = s.K > 0 ? scratch.buffer : c.buffer;  // with K = 0 the panels are never read
+  std::uint64_t packed_off = scratch.elem_offset();
+  if (direct) {
+    packed = b.buffer;
+    packed_off = b.elem_offset();
+  }
   const std::size_t splits = k_splits(s);
   if (splits == 1) {
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), packed,
-                 scratch.elem_offset(), beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
+                 packed_off, beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
                  options.bias.elem_offset(), has_bias, cl_uint(s.K));
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
-    const std::uint64_t parts = scratch.elem_offset() + packed_panel_elems(s, cfg);
-    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a.elem_offset(), packed,
-                 scratch.elem_offset(), 0.0f, scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0),
-                 cl_uint(split_rows));
+    const std::uint64_t parts = scratch.elem_offset() + panels_elems;
+    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a.elem_offset(), packed, packed_off,
+                 0.0f, scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows));
   }
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -136,7 +149,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   if (splits > 1) {
     cl::Kernel sum = env.kernels.kernel("gemm_packed", "gemm_sum_splits", defines);
     cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), scratch.buffer,
-                 scratch.elem_offset() + packed_panel_elems(s, cfg), alpha, beta, c.buffer, c.elem_offset(),
+                 scratch.elem_offset() + panels_elems, alpha, beta, c.buffer, c.elem_offset(),
                  has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias);
     list.push_back(elementwise_launch(std::move(sum), s.M * s.N));
   }

@@ -31,11 +31,11 @@ LaunchList mse_forward(OpEnv& env, DeviceSpan p, DeviceSpan t, DeviceSpan stats,
   return list;
 }
 
-LaunchList mse_backward(OpEnv& env, DeviceSpan p, DeviceSpan t, DeviceSpan dp, std::size_t n) {
+LaunchList mse_backward(OpEnv& env, DeviceSpan p, DeviceSpan t, DeviceSpan dp, std::size_t n, float scale) {
   check_count(n);
   cl::Kernel k = env.kernels.kernel("mse", "mse_backward");
-  // 2 / n rounded once, from double.
-  const auto coef = static_cast<float>(2.0 / static_cast<double>(n));
+  // scale 2 / n rounded once, from double.
+  const auto coef = static_cast<float>(2.0 * static_cast<double>(scale) / static_cast<double>(n));
   cl::set_args(k.get(), p.buffer, p.elem_offset(), t.buffer, t.elem_offset(), dp.buffer, dp.elem_offset(), cl_uint(n),
                coef);
   LaunchList list;

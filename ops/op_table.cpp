@@ -55,6 +55,7 @@ Registry& registry() {
     table::register_sequence_rows(named);
     table::register_add_bias_rows(named);
     table::register_mse_rows(named);
+    table::register_loss_sum_rows(named);
     return reg;
   }();
   return *r;

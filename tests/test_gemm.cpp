@@ -21,9 +21,10 @@ struct Case {
 };
 
 // Shapes that are multiples of nothing, degenerate ones, wide small-K ones (Linear layers), and a
-// long-K one (weight gradients), which the CPU kernel splits along K (five splits, the last short).
-const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},  {1000, 1000, 16},
-                        {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {13, 21, 1100}};
+// long-K ones (weight gradients), which the CPU kernel splits along K (five splits, the last short;
+// with N a multiple of the panel width it reads a row-major B in place).
+const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},   {1000, 1000, 16},
+                        {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {13, 21, 1100}, {13, 64, 1100}};
 
 // The configurations the tests force: ferry's CPU kernel in two block shapes, the GPU kernel in
 // two tile shapes (also on PoCL, where it is slow but must be correct). The naive fallback is

@@ -271,6 +271,86 @@ TEST(Losses, MseRegressionTrainsLikeTheReference) {
   EXPECT_LT(last, 0.2f * first) << "the regression learns its batch";
 }
 
+// A sum of two weighted losses: classes by cross-entropy and a regression head by MSE from one
+// trunk. Each term's gradient carries its weight (finite differences of the summed loss), and the
+// device trains like the reference.
+ModelSpec two_headed() {
+  ModelSpec m;
+  m.name = "two-heads";
+  m.inputs = {TensorSpec{"x", graph::Shape{6}}};
+  m.targets = {TensorSpec{"labels", graph::Shape{}, graph::DType::i32, 3}, TensorSpec{"y", graph::Shape{2}}};
+  m.forward = [](graph::Builder& b, std::span<const TensorId> in) { return b.gelu(b.linear(in[0], 8)); };
+  m.loss = [](graph::Builder& b, TensorId trunk, std::span<const TensorId> t) {
+    const TensorId xent = b.softmax_xent(b.linear(trunk, 3), t[0]);
+    const TensorId mse = b.mse(b.linear(trunk, 2), t[1]);
+    return b.loss_sum(xent, mse, 1.0f, 0.5f);
+  };
+  return m;
+}
+
+TEST(Losses, WeightedSumOfTwoLossesHasTheGradientsOfTheSum) {
+  graph::OptimizerSpec sgd;
+  sgd.kind = graph::OptimizerSpec::Kind::sgd;
+  const graph::Graph g = training_graph(two_headed(), 4, sgd);
+  ReferenceExecutor ref(g, sgd);
+  randomize_weights(ref, g, 5, -0.7f, 0.7f);
+  ref.value(ref.find("x")) = to_double(random_vector(4 * 6, 1));
+  ref.ints(ref.find("labels")) = {0, 2, 1, 2};
+  ref.value(ref.find("y")) = to_double(random_vector(4 * 2, 2));
+  ref.run(ops::StepInfo{1, 0.0f});
+  for (TensorId w = 0; w < g.tensors.size(); ++w) {
+    if (g.tensors.role[w] != graph::Role::weight) continue;
+    ASSERT_NE(g.tensors.grad[w], graph::no_tensor) << g.tensors.name[w];
+    expect_reference_gradient_matches_finite_differences(ref, w, g.tensors.grad[w], g.tensors.name[w], 6);
+  }
+}
+
+TEST(Losses, WeightedSumTrainsOnTheDeviceLikeTheReference) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 4;
+  o.lr = 0.05f;
+  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  Trainer trainer(rt, two_headed(), o);
+  ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  for (std::uint32_t s = 0; s < 3; ++s) {
+    const auto x = random_vector(4 * 6, 10 + s), y = random_vector(4 * 2, 20 + s);
+    const std::vector<std::int32_t> labels = {static_cast<std::int32_t>(s % 3), 1, 2, 0};
+    const StepResult r = trainer.step(Batch{{"x", HostView(std::span<const float>(x))},
+                                            {"labels", HostView(std::span<const std::int32_t>(labels))},
+                                            {"y", HostView(std::span<const float>(y))}});
+    ref.value(ref.find("x")) = to_double(x);
+    ref.ints(ref.find("labels")) = labels;
+    ref.value(ref.find("y")) = to_double(y);
+    ref.run(ops::StepInfo{s + 1, o.lr});
+    EXPECT_NEAR(r.loss, ref.loss(), 1e-5 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+  }
+  for (const auto& name : trainer.parameter_names()) {
+    const auto device = trainer.read_parameter(name);
+    const auto& host = ref.value(ref.find(name));
+    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-5) << name << "[" << i << "]";
+  }
+  // Both losses' statistics are results the host can read, under distinct names.
+  EXPECT_NO_THROW(trainer.train_step().host_output("loss.stats"));
+  EXPECT_NO_THROW(trainer.train_step().host_output("loss4.stats"));
+}
+
+TEST(Losses, LossSumTakesOnlyLosses) {
+  graph::Graph g;
+  graph::Builder b(g, 2);
+  const TensorId x = b.input("x", graph::Shape{4});
+  const TensorId y = b.input("y", graph::Shape{4}, graph::DType::f32, graph::Role::label);
+  const TensorId l = b.mse(x, y);
+  try {
+    b.loss_sum(l, x);
+    FAIL();
+  } catch (const graph::BuildError& e) {
+    EXPECT_NE(std::string(e.what()).find("'x' is not the output of a loss op"), std::string::npos) << e.what();
+  }
+}
+
 fs::path temp_dir(const char* name) {
   const fs::path d = fs::temp_directory_path() / fmt::format("ferry_text_{}_{}", name, ::getpid());
   fs::remove_all(d);

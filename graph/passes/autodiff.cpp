@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <stdexcept>
+#include <unordered_map>
 
 namespace ferry::graph {
 namespace {
@@ -58,7 +59,12 @@ class Differentiator final : public ops::GradContext {
     return t_.alias_of[t] != no_tensor && needs_grad(t_.alias_of[t]);
   }
   ops::TensorRef grad(ops::TensorRef t) const override { return t == no_tensor ? no_tensor : t_.grad[t]; }
-  bool is_loss(ops::TensorRef t) const override { return t == g_.loss; }
+  float loss_weight(ops::TensorRef t) const override {
+    if (t == g_.loss) return 1.0f;
+    const auto it = loss_terms_.find(t);
+    return it == loss_terms_.end() ? 0.0f : it->second;
+  }
+  void add_loss_term(ops::TensorRef t, float weight) override { loss_terms_[t] += weight; }
   ops::TensorRef new_grad(ops::TensorRef of) override {
     TensorId g = t_.add("d" + t_.name[of], t_.shape[of], DType::f32, Role::gradient);
     needs_.push_back(false);
@@ -108,6 +114,7 @@ class Differentiator final : public ops::GradContext {
   TensorTable& t_;
   NodeTable& n_;
   std::vector<bool> needs_;
+  std::unordered_map<TensorId, float> loss_terms_;  // terms of a loss_sum and their weights
   std::vector<TensorId> in_, out_;
   std::string name_;
   NodeAttrs attrs_;

@@ -9,6 +9,9 @@
 // maximum and guarded by compile-time conditions: the compiler drops the unused ones and keeps the
 // rest in registers (arrays indexed in loops ended up on the stack with PoCL's LLVM).
 #define NB (16 * NV)
+#ifndef DIRECT_B
+#define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] with N a multiple of NB (not packed)
+#endif
 #define PACK_ROWS 16  // k rows of op(B) one pack work-item copies
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
@@ -115,7 +118,14 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const fl
   const uint row0 = get_global_id(0) * RB;
   const uint panel = get_global_id(1);
   const uint k_begin = get_global_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);
+#if DIRECT_B
+  // B in place: panel row k is B's row k from column panel NB on (contiguous), rows N apart.
+  __global const float* bp = packed + packed_off + (ulong)k_begin * N + (ulong)panel * NB;
+  const uint b_step = N;
+#else
   __global const float* bp = packed + packed_off + ((ulong)panel * K + k_begin) * NB;
+  const uint b_step = NB;
+#endif
   a += a_off;
   c += c_off + (ulong)get_global_id(2) * M * N;
   bias += bias_off;
@@ -124,7 +134,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const fl
   FOR_ROWS(A_ROW_DECL)
   FOR_ROWS(ACC_DECL)
 
-  for (uint k = k_begin; k < k_end; ++k, bp += NB) {
+  for (uint k = k_begin; k < k_end; ++k, bp += b_step) {
     const float16 b0 = vload16(0, bp);
     const float16 b1 = NV > 1 ? vload16(1, bp) : 0.0f;
     const float16 b2 = NV > 2 ? vload16(2, bp) : 0.0f;

@@ -2,7 +2,7 @@
 // the step's loss.
 //
 //   mse       in: p t (f32, one shape)   out: stats [1]
-//   mse_grad  in: p t                    out: dp = 2 (p - t) / n
+//   mse_grad  in: p t                    out: dp = w 2 (p - t) / n, w the loss's weight (attrs f1)
 #include "ferry/ops/mse.hpp"
 
 #include <fmt/format.h>
@@ -12,14 +12,16 @@
 namespace ferry::ops::table {
 namespace {
 
-OpInfo mse_grad_row() {  // in: p t  out: dp
+OpInfo mse_grad_row() {  // in: p t  out: dp  attrs: f1 the loss's weight
   OpInfo r;
   r.name = "mse_grad";
   r.op_class = OpClass::backward;
-  r.bind = [](const BindContext& c) { return mse_backward(c.env(), c.in(0), c.in(1), c.out(0), in_elems(c, 0)); };
+  r.bind = [](const BindContext& c) {
+    return mse_backward(c.env(), c.in(0), c.in(1), c.out(0), in_elems(c, 0), c.attrs().f[1]);
+  };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::mse_backward<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]));
+    ref::mse_backward<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]), c.attrs().f[1]);
   };
   return r;
 }
@@ -64,7 +66,9 @@ OpInfo mse_row(OpId grad_op) {  // in: p t  out: stats
     const TensorRef dp = g.new_grad(p);
     const TensorRef ins[] = {p, t};
     const TensorRef outs[] = {dp};
-    g.emit(grad_op, ".grad", ins, outs, g.attrs());
+    NodeAttrs weighted = g.attrs();
+    weighted.f[1] = g.loss_weight(stats);  // d(step loss)/d(this loss): 1, or a loss_sum's weight
+    g.emit(grad_op, ".grad", ins, outs, weighted);
     g.contribute(p, dp);
   };
   r.reference = [](RefContext& c) {

@@ -29,6 +29,7 @@ void register_layout_rows(const AddNamedRow& add);    // ops/table/layout.cpp: p
 void register_sequence_rows(const AddNamedRow& add);  // ops/table/sequence.cpp: embedding, causal mask, dropout
 void register_add_bias_rows(const AddNamedRow& add);  // ops/table/add_bias.cpp: bias broadcast over leading axes
 void register_mse_rows(const AddNamedRow& add);       // ops/table/mse.cpp: mean squared error loss
+void register_loss_sum_rows(const AddNamedRow& add);  // ops/table/loss_sum.cpp: two weighted losses
 
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);

@@ -42,7 +42,9 @@ OpInfo softmax_xent_row() {  // in: logits labels  out: probs stats
     const TensorRef dl = g.new_grad(logits);
     const TensorRef ins[] = {out[0], in[1]};
     const TensorRef outs[] = {dl};
-    g.emit(builtin::softmax_xent_grad, ".grad", ins, outs, g.attrs());
+    NodeAttrs weighted = g.attrs();
+    weighted.f[1] = g.loss_weight(out[1]);  // d(step loss)/d(this loss): 1, or a loss_sum's weight
+    g.emit(builtin::softmax_xent_grad, ".grad", ins, outs, weighted);
     g.contribute(logits, dl);
   };
   r.reference = [](RefContext& c) {
@@ -54,18 +56,19 @@ OpInfo softmax_xent_row() {  // in: logits labels  out: probs stats
   return r;
 }
 
-OpInfo softmax_xent_grad_row() {  // in: probs labels  out: dlogits
+OpInfo softmax_xent_grad_row() {  // in: probs labels  out: dlogits  attrs: f1 the loss's weight
   OpInfo r;
   r.name = "softmax_xent_grad";
   r.op_class = OpClass::backward;
   r.bind = [](const BindContext& c) {
     const Shape l = c.input(0).shape;
-    return softmax_xent_backward(c.env(), c.in(0), c.in(1), c.out(0), l[0], l[1]);
+    return softmax_xent_backward(c.env(), c.in(0), c.in(1), c.out(0), l[0], l[1], c.attrs().f[1]);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const Shape l = c.input(0).shape;
-    ref::softmax_xent_backward<double>(c.real(in[0]), c.ints(in[1]), c.real(c.outputs()[0]), l[0], l[1]);
+    ref::softmax_xent_backward<double>(c.real(in[0]), c.ints(in[1]), c.real(c.outputs()[0]), l[0], l[1],
+                                       c.attrs().f[1]);
   };
   return r;
 }

@@ -89,6 +89,10 @@ class Builder {
   TensorId softmax_xent(TensorId logits, TensorId labels);
   // Mean squared error of a prediction against a target of the same shape. Stats [1].
   TensorId mse(TensorId prediction, TensorId target);
+  // wa a + wb b of two losses built above (their stats), e.g. a main and an auxiliary loss; each
+  // term's gradient is scaled by its weight. Sums nest. Stats [1]. Throws BuildError if a or b is
+  // not a loss's stats.
+  TensorId loss_sum(TensorId a, TensorId b, float wa = 1.0f, float wb = 1.0f);
   // The tensor autodiff differentiates: a loss's stats. Throws BuildError for anything else
   // (a tensor that is not the stats of a loss op: reduce it with a loss first).
   void set_loss(TensorId loss);
@@ -104,6 +108,8 @@ class Builder {
   std::vector<TensorId> emit(ops::OpId op, const std::string& name, std::span<const TensorId> inputs,
                              const NodeAttrs& attrs, std::initializer_list<const char*> suffixes);
   std::string next_name(std::string_view kind);
+  bool is_loss_stats(TensorId t) const;  // t is an f32 output of a loss-class row
+  std::string loss_name();               // "loss", then "loss<n>"
   TensorId weight(std::string name, Shape s, WeightInit init);
   const Shape& shape(TensorId t) const { return g_.tensors.shape[t]; }
 

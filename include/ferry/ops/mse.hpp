@@ -14,9 +14,9 @@ namespace ferry::ops {
 // statistics, one work-group is cheap next to the model that produced p. Throws
 // std::invalid_argument for n = 0 or n >= 2^32.
 LaunchList mse_forward(OpEnv& env, DeviceSpan p, DeviceSpan t, DeviceSpan stats, std::size_t n);
-// dp = 2 (p - t) / n: the gradient of the mean. MSE does not differentiate its target (which would
-// be -dp).
-LaunchList mse_backward(OpEnv& env, DeviceSpan p, DeviceSpan t, DeviceSpan dp, std::size_t n);
+// dp = scale 2 (p - t) / n: the gradient of the mean, times the loss's weight in the step's loss.
+// MSE does not differentiate its target (which would be -dp).
+LaunchList mse_backward(OpEnv& env, DeviceSpan p, DeviceSpan t, DeviceSpan dp, std::size_t n, float scale = 1.0f);
 
 namespace ref {
 
@@ -32,8 +32,8 @@ void mse_forward(std::span<const T> p, std::span<const T> t, std::span<T> stats)
 }
 
 template <class T>
-void mse_backward(std::span<const T> p, std::span<const T> t, std::span<T> dp) {
-  const T coef = T(2) / T(p.size());
+void mse_backward(std::span<const T> p, std::span<const T> t, std::span<T> dp, T scale = T(1)) {
+  const T coef = T(2) * scale / T(p.size());
   for (std::size_t i = 0; i < p.size(); ++i) dp[i] = coef * (p[i] - t[i]);
 }
 

@@ -83,8 +83,13 @@ class GradContext {
   virtual bool needs_grad(TensorRef t) const = 0;
   // The gradient flowing into tensor t (an output of this node), or no_ref if none does.
   virtual TensorRef grad(TensorRef t) const = 0;
-  // t is the step's loss: its gradient is the implicit seed d(loss)/d(loss) = 1.
-  virtual bool is_loss(TensorRef t) const = 0;
+  // t is the step's loss or a weighted term of it (loss_sum): its gradient is the implicit seed,
+  // d(loss)/d(t) = loss_weight(t) (1 for the step's loss; 0 for a tensor that is neither).
+  bool is_loss(TensorRef t) const { return loss_weight(t) != 0.0f; }
+  virtual float loss_weight(TensorRef t) const = 0;
+  // Makes t (the stats of a loss row, an input of this loss-combining node) a term of the loss with
+  // d(loss)/d(t) = weight; the term's own backward rule, visited later, seeds from it.
+  virtual void add_loss_term(TensorRef t, float weight) = 0;
   // A new gradient tensor shaped like `of`.
   virtual TensorRef new_grad(TensorRef of) = 0;
   // Appends a backward node named "<forward name><suffix>".
