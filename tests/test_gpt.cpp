@@ -62,8 +62,7 @@ TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
   o.lr = 0.1f;
   Trainer trainer(rt, models::gpt(c), o);
   ReferenceExecutor ref(trainer.train_step().graph(), trainer.options().optimizer);
-  for (const auto& name : trainer.parameter_names())
-    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  load_parameters(ref, trainer);
   for (std::uint32_t s = 0; s < 4; ++s) {
     const auto tokens = random_ids(batch * c.context, c.vocab, 10 + s),
                next = random_ids(batch * c.context, c.vocab, 20 + s);
@@ -73,11 +72,7 @@ TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
     ref.run(ops::StepInfo{s + 1, trainer.lr()});
     EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
   }
-  for (const auto& name : trainer.parameter_names()) {
-    const auto device = trainer.read_parameter(name);
-    const auto& host = ref.value(ref.find(name));
-    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-4) << name << "[" << i << "]";
-  }
+  expect_parameters_match(trainer, ref, 1e-4);
 }
 
 TEST(Gpt, ReferenceGradientsMatchFiniteDifferences) {
@@ -246,8 +241,7 @@ TEST(Losses, MseRegressionTrainsLikeTheReference) {
   o.lr = 0.01f;
   Trainer trainer(rt, m, o);
   ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
-  for (const auto& name : trainer.parameter_names())
-    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  load_parameters(ref, trainer);
   const auto x = random_vector(8 * 5, 1);
   std::vector<float> y(8 * 2);
   for (std::size_t i = 0; i < 8; ++i) {  // a smooth target of x
@@ -313,8 +307,7 @@ TEST(Losses, WeightedSumTrainsOnTheDeviceLikeTheReference) {
   o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
   Trainer trainer(rt, two_headed(), o);
   ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
-  for (const auto& name : trainer.parameter_names())
-    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  load_parameters(ref, trainer);
   for (std::uint32_t s = 0; s < 3; ++s) {
     const auto x = random_vector(4 * 6, 10 + s), y = random_vector(4 * 2, 20 + s);
     const std::vector<std::int32_t> labels = {static_cast<std::int32_t>(s % 3), 1, 2, 0};
@@ -327,11 +320,7 @@ TEST(Losses, WeightedSumTrainsOnTheDeviceLikeTheReference) {
     ref.run(ops::StepInfo{s + 1, o.lr});
     EXPECT_NEAR(r.loss, ref.loss(), 1e-5 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
   }
-  for (const auto& name : trainer.parameter_names()) {
-    const auto device = trainer.read_parameter(name);
-    const auto& host = ref.value(ref.find(name));
-    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-5) << name << "[" << i << "]";
-  }
+  expect_parameters_match(trainer, ref, 1e-5);
   // Both losses' statistics are results the host can read, under distinct names.
   EXPECT_NO_THROW(trainer.train_step().host_output("loss.stats"));
   EXPECT_NO_THROW(trainer.train_step().host_output("loss4.stats"));

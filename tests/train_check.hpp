@@ -35,14 +35,28 @@ inline void randomize_weights(ReferenceExecutor& ref, const graph::Graph& g, std
 // Runs `steps` steps of random inputs in [lo, hi) (seeded from `seed`) and labels
 // (i * label_stride + step) % classes on `trainer` and on the reference executor; expects the
 // losses to agree to 1e-4 (relative) and every parameter afterwards to 1e-4.
+// The trainer's parameters, as the reference executor's starting values.
+inline void load_parameters(ReferenceExecutor& ref, const Trainer& trainer) {
+  for (const auto& name : trainer.parameter_names())
+    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+}
+
+// Every parameter of the trainer equals the reference's to `tol`.
+inline void expect_parameters_match(const Trainer& trainer, ReferenceExecutor& ref, double tol) {
+  for (const auto& name : trainer.parameter_names()) {
+    const auto device = trainer.read_parameter(name);
+    const auto& host = ref.value(ref.find(name));
+    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], tol) << name << "[" << i << "]";
+  }
+}
+
 inline void expect_training_matches_reference(Trainer& trainer, std::uint32_t steps, std::uint32_t seed,
                                               std::uint32_t label_stride = 7, float lo = -1.0f, float hi = 1.0f) {
   const auto& topt = trainer.options();
   const std::size_t sample = sample_elems(trainer.model());
   const std::uint32_t classes = classes_of(trainer.model());
   ReferenceExecutor ref(trainer.train_step().graph(), topt.optimizer);
-  for (const auto& name : trainer.parameter_names())
-    ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
+  load_parameters(ref, trainer);
   for (std::uint32_t s = 0; s < steps; ++s) {
     const auto images = random_vector(topt.batch * sample, seed + s, lo, hi);
     std::vector<std::int32_t> labels(topt.batch);
@@ -54,11 +68,7 @@ inline void expect_training_matches_reference(Trainer& trainer, std::uint32_t st
     ref.run(ops::StepInfo{s + 1, trainer.lr()});
     EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
   }
-  for (const auto& name : trainer.parameter_names()) {
-    const auto device = trainer.read_parameter(name);
-    const auto& host = ref.value(ref.find(name));
-    for (std::size_t i = 0; i < device.size(); ++i) ASSERT_NEAR(device[i], host[i], 1e-4) << name << "[" << i << "]";
-  }
+  expect_parameters_match(trainer, ref, 1e-4);
 }
 
 // After ref.run(...) computed `grad` = d(loss)/d(t): checks it against finite differences of the
