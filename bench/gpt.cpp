@@ -9,7 +9,6 @@
 // excluded); ratios are ferry / peer (> 1: ferry is faster).
 #include <fmt/format.h>
 
-#include <random>
 
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
@@ -38,9 +37,7 @@ class GptSession {
         corpus_(load_text_corpus(fortune_files(), 0.1)),
         runtime_({.device = common.device}),
         trainer_(runtime_, models::gpt(config(o, corpus_)), options(o)),
-        tokens_(std::size_t(o.batch) * o.context),
-        next_(tokens_.size()),
-        pick_(0, corpus_.train_end - o.context - 1) {
+        windows_(corpus_, o.context, o.batch, 1) {
     for (int w = 0; w < o.warmup; ++w) one();
   }
 
@@ -76,19 +73,8 @@ class GptSession {
   }
   // One step on fresh random windows; its time (batch staging and validation included).
   double one() {
-    const std::uint32_t t = o_.context;
-    for (std::uint32_t i = 0; i < o_.batch; ++i) {
-      const std::size_t s = pick_(rng_);
-      std::copy_n(corpus_.ids.data() + s, t, tokens_.data() + std::size_t(i) * t);
-      std::copy_n(corpus_.ids.data() + s + 1, t, next_.data() + std::size_t(i) * t);
-    }
-    const double ms = time_ms([&] {
-      loss_ = trainer_
-                  .step(Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens_))},
-                              {"next", HostView(std::span<const std::int32_t>(next_))}})
-                  .loss;
-    });
-    return ms;
+    const Batch batch = windows_.next();
+    return time_ms([&] { loss_ = trainer_.step(batch).loss; });
   }
 
   const BenchCommon& common_;
@@ -96,9 +82,7 @@ class GptSession {
   TextCorpus corpus_;
   Runtime runtime_;
   Trainer trainer_;
-  std::vector<std::int32_t> tokens_, next_;
-  std::mt19937_64 rng_{1};
-  std::uniform_int_distribution<std::size_t> pick_;
+  RandomWindows windows_;
   float loss_ = 0;
 };
 

@@ -23,6 +23,11 @@ std::uint64_t name_hash(const std::string& s) {
   return h;
 }
 
+// The loss's stats carry an argmax-hit count after the loss (softmax cross-entropy's [loss, hits]).
+bool counts_hits(const graph::CompiledStep& step) {
+  return step.graph().tensors.shape[step.graph().loss].elems() > 1;
+}
+
 }  // namespace
 
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
@@ -157,7 +162,7 @@ StepResult Trainer::step(const Batch& batch) {
   StepResult r;
   const float* stats = train_->stats_host();
   r.loss = stats[0];
-  if (train_->graph().tensors.shape[train_->graph().loss].elems() > 1) r.correct = static_cast<std::uint32_t>(stats[1]);
+  if (counts_hits(*train_)) r.correct = static_cast<std::uint32_t>(stats[1]);
   r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
   r.device_peak_bytes = train_->device_bytes();
   if (!std::isfinite(r.loss)) {
@@ -212,7 +217,7 @@ EvalResult Trainer::evaluate(const DataSource& data) {
   for_each_chunk(data, false, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
     const float* stats = step.stats_host();
     loss_sum += static_cast<double>(stats[0]) * count;
-    if (step.graph().tensors.shape[step.graph().loss].elems() > 1) {
+    if (counts_hits(step)) {
       correct += stats[1];
       labels_per_sample = model_.targets.empty() ? 1 : model_.targets[0].sample.elems();
     }

@@ -113,9 +113,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   }
 
   const std::uint32_t batch = opt.batch, t = c.context;
-  std::vector<std::int32_t> tokens(std::size_t(batch) * t), next(std::size_t(batch) * t);
-  std::mt19937_64 rng(a.seed);
-  std::uniform_int_distribution<std::size_t> start(0, corpus.train_end - t - 1);
+  RandomWindows windows(corpus, t, batch, a.seed);
   const std::uint32_t eval_every = a.eval_every ? a.eval_every : 250;
   nlohmann::json curve = nlohmann::json::array();
   std::deque<float> recent;  // the last 20 steps' losses
@@ -133,15 +131,10 @@ int cmd_train_gpt(const TrainArgs& args) {
   ChromeTrace trace;
   double val_loss = 0;
   for (; done < steps;) {
-    for (std::uint32_t i = 0; i < batch; ++i) {
-      const std::size_t s = start(rng);
-      std::copy_n(corpus.ids.data() + s, t, tokens.data() + std::size_t(i) * t);
-      std::copy_n(corpus.ids.data() + s + 1, t, next.data() + std::size_t(i) * t);
-    }
+    const Batch batch_views = windows.next();
     trainer.set_lr(schedule.at(done));
     const auto s0 = Clock::now();
-    const StepResult r = trainer.step(Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens))},
-                                            {"next", HostView(std::span<const std::int32_t>(next))}});
+    const StepResult r = trainer.step(batch_views);
     train_seconds += seconds_since(s0);
     ++done;
     if (!a.trace_path.empty() && done >= 2 && done <= a.trace_steps + 1) {

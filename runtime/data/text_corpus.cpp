@@ -144,4 +144,29 @@ void TextWindows::read(std::string_view name, std::size_t first, std::size_t cou
   }
 }
 
+RandomWindows::RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed)
+    : corpus_(corpus),
+      context_(context),
+      batch_(batch),
+      tokens_(std::size_t(batch) * context),
+      next_(tokens_.size()),
+      rng_(seed) {
+  if (context == 0 || batch == 0) throw std::invalid_argument("random windows: context and batch must be at least 1");
+  if (corpus.train_end < context + 1u) {
+    throw std::invalid_argument(
+        fmt::format("the training text has {} characters, fewer than one window of {} + 1", corpus.train_end, context));
+  }
+  start_ = std::uniform_int_distribution<std::size_t>(0, corpus.train_end - context - 1);
+}
+
+Batch RandomWindows::next() {
+  for (std::uint32_t i = 0; i < batch_; ++i) {
+    const std::size_t s = start_(rng_);
+    std::copy_n(corpus_.ids.data() + s, context_, tokens_.data() + std::size_t(i) * context_);
+    std::copy_n(corpus_.ids.data() + s + 1, context_, next_.data() + std::size_t(i) * context_);
+  }
+  return Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens_))},
+               {"next", HostView(std::span<const std::int32_t>(next_))}};
+}
+
 }  // namespace ferry

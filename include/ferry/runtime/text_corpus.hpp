@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -54,6 +55,22 @@ class TextWindows final : public DataSource {
   const TextCorpus& corpus_;
   std::uint32_t context_;
   std::vector<std::size_t> starts_;
+};
+
+// Training batches: `batch` windows of `context` + 1 tokens at uniformly random starts in the
+// training part of a corpus, drawn from `seed`. next() returns "tokens" and "next" (the same
+// windows one position later) as views of buffers this object owns, valid until the next call.
+class RandomWindows {
+ public:
+  RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed);
+  Batch next();
+
+ private:
+  const TextCorpus& corpus_;
+  std::uint32_t context_, batch_;
+  std::vector<std::int32_t> tokens_, next_;
+  std::mt19937_64 rng_;
+  std::uniform_int_distribution<std::size_t> start_;
 };
 
 }  // namespace ferry
