@@ -1,6 +1,8 @@
 // Registration of the built-in rows, in the order of ops::builtin, and helpers the rows share.
 #include <fmt/format.h>
 
+#include <stdexcept>
+
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -40,6 +42,16 @@ void unary_backward(GradContext& g, OpId grad_op, TensorRef saved, const NodeAtt
   const TensorRef outs[] = {dx};
   g.emit(grad_op, ".grad", saved == no_ref ? std::span(ins).last(1) : std::span(ins), outs, attrs);
   g.contribute(x, dx);
+}
+
+bool loss_backward_applies(GradContext& g, TensorRef stats) {
+  if (g.is_loss(stats)) return true;
+  if (g.grad(stats) != no_ref) {
+    throw std::invalid_argument(fmt::format(
+        "{}: a loss differentiates only as the step's loss (or a term of a loss_sum), not as an input of another op",
+        g.name()));
+  }
+  return false;
 }
 
 void unary_backward(GradContext& g, OpId grad_op, TensorRef saved) {

@@ -38,13 +38,7 @@ OpInfo loss_sum_row() {
   };
   r.backward = [](GradContext& g) {
     const TensorRef out = g.outputs()[0];
-    if (!g.is_loss(out)) {
-      if (g.grad(out) != no_ref) {
-        throw std::invalid_argument(
-            fmt::format("{}: loss_sum differentiates only as (a term of) the step's loss", g.name()));
-      }
-      return;
-    }
+    if (!loss_backward_applies(g, out)) return;
     const float w = g.loss_weight(out);
     g.add_loss_term(g.inputs()[0], w * g.attrs().f[0]);
     g.add_loss_term(g.inputs()[1], w * g.attrs().f[1]);

@@ -49,13 +49,7 @@ OpInfo mse_row(OpId grad_op) {  // in: p t  out: stats
   r.backward = [grad_op](GradContext& g) {
     const TensorRef p = g.inputs()[0], t = g.inputs()[1];
     const TensorRef stats = g.outputs()[0];
-    if (!g.is_loss(stats)) {
-      if (g.grad(stats) != no_ref) {
-        throw std::invalid_argument(
-            fmt::format("{}: mse differentiates only as the step's loss, not as an input of another op", g.name()));
-      }
-      return;
-    }
+    if (!loss_backward_applies(g, stats)) return;
     if (g.needs_grad(t)) {
       throw std::invalid_argument(fmt::format(
           "{}: MSE does not differentiate its target (input 1), but the target depends on a weight; compare the "

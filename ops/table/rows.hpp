@@ -43,6 +43,10 @@ void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param);
 // are the forward node's unless given.
 void unary_backward(GradContext& g, OpId grad_op, TensorRef saved = no_ref);
 void unary_backward(GradContext& g, OpId grad_op, TensorRef saved, const NodeAttrs& attrs);
+// The start of a loss row's backward rule: true when `stats` is the step's loss or a term of it
+// (g.loss_weight(stats) is then its weight). False when it is not, so the rule does nothing; a
+// gradient flowing into it from another op is an error, since a loss's backward is only its seed.
+bool loss_backward_applies(GradContext& g, TensorRef stats);
 // A shape error that names the node: "<node>: <what>".
 [[noreturn]] void shape_error(const ShapeView& v, const std::string& what);
 // Elements of input i / output i.

@@ -30,13 +30,7 @@ OpInfo softmax_xent_row() {  // in: logits labels  out: probs stats
   r.backward = [](GradContext& g) {
     const auto in = g.inputs();
     const auto out = g.outputs();
-    if (!g.is_loss(out[1])) {
-      if (g.grad(out[1]) != no_ref) {
-        throw std::invalid_argument(fmt::format(
-            "{}: softmax_xent differentiates only as the step's loss, not as an input of another op", g.name()));
-      }
-      return;
-    }
+    if (!loss_backward_applies(g, out[1])) return;
     const TensorRef logits = in[0];
     if (!g.needs_grad(logits)) return;
     const TensorRef dl = g.new_grad(logits);
