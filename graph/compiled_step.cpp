@@ -39,6 +39,12 @@ void PersistentArena::commit() {
   }
 }
 
+void PersistentArena::abort() {
+  for (auto& s : homes) {
+    if (s) s->abort();
+  }
+}
+
 void PersistentArena::write(Residency home, const Placement& p, const void* src, std::size_t n) {
   store(home).write({p.buffer, p.offset_bytes}, src, n);
 }
@@ -159,7 +165,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
   done("scratch");
   plan(context.device(), shared.get(), options.residency);
   done("residency and memory plan");
-  allocate(context, std::move(shared));
+  allocate(context, std::move(shared), options.residency.homes);
   done("arena");
   bind(env, optimizer, options.bind_kernels);
   done("bind");
@@ -192,7 +198,8 @@ void CompiledStep::plan(const cl::DeviceInfo& device, const PersistentArena* sha
 
 // The persistent arena (a store per home in use, unless a variant shares its model's), the step
 // buffers, and the host buffers of step tensors whose home is the host.
-void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared) {
+void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
+                            const offload::HomeStoreOptions& homes) {
   auto& t = graph_.tensors;
   // 2. Arena buffers.
   if (shared) {
@@ -208,11 +215,20 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
       if (first.empty()) first = fmt::format("{} ({}...)", role_name(t.role[id]), t.name[id]);
       persistent_->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id]});
     }
+    // Every tensor of each home, for stores that keep tensors apart (compressed, dropped).
+    std::array<std::vector<offload::HomeTensor>, offload::home_count> tensors_of;
+    for (TensorId id = 0; id < t.size(); ++id) {
+      if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
+      tensors_of[static_cast<int>(t.home[id])].push_back({{t.placement[id].buffer, t.placement[id].offset_bytes},
+                                                          t.bytes(id),
+                                                          static_cast<std::uint32_t>(dtype_bytes(t.dtype[id])),
+                                                          t.name[id]});
+    }
     for (int h = 0; h < offload::home_count; ++h) {
       if (plan_.persistent_buffers[h].empty()) continue;
       persistent_->homes[h] =
-          offload::make_home_store(static_cast<Residency>(h), context, plan_.persistent_buffers[h],
-                                   fmt::format("the weights and optimizer state, first {}", first_of[h]));
+          offload::make_home_store(static_cast<Residency>(h), context, plan_.persistent_buffers[h], tensors_of[h],
+                                   homes, fmt::format("the weights and optimizer state, first {}", first_of[h]));
     }
   }
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
@@ -268,7 +284,7 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
   impl_->launches.resize(n.size());
   impl_->bound = bind_kernels;
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (n.lane[id] == Lane::host || !bind_kernels) continue;
+    if (is_host_lane(n.lane[id]) || !bind_kernels) continue;
     cl::OpScope scope(n.name[id]);
     impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
   }
@@ -305,8 +321,7 @@ std::vector<std::vector<NodeId>> CompiledStep::order_nodes(bool serial) {
   }
   // Per other lane, the latest conflicting node suffices: its lane runs in order.
   impl_->waits = cross_lane_dependencies(n.lane, accesses);
-  constexpr int lanes = 4;
-  std::array<NodeId, lanes> last_on_lane;
+  std::array<NodeId, lane_count> last_on_lane;
   last_on_lane.fill(static_cast<NodeId>(-1));
   std::vector<std::vector<NodeId>> preds(n.size());
   for (NodeId id = 0; id < n.size(); ++id) {
@@ -331,7 +346,7 @@ std::vector<std::vector<NodeId>> CompiledStep::order_nodes(bool serial) {
 void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
                                     const std::vector<std::vector<NodeId>>& preds) {
   auto& n = graph_.nodes;
-  std::array<NodeId, 4> last_on_lane;
+  std::array<NodeId, lane_count> last_on_lane;
   last_on_lane.fill(static_cast<NodeId>(-1));
   for (NodeId id = 0; id < n.size(); ++id) last_on_lane[static_cast<int>(n.lane[id])] = id;
   impl_->events.resize(n.size());
@@ -348,7 +363,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
           cl::OpScope scope(nodes.name[id]);
           try {
             // A host-lane node's failure is injected where its work runs (run_host_node).
-            if (nodes.lane[id] != Lane::host && take_injected_failure(id)) {
+            if (!is_host_lane(nodes.lane[id]) && take_injected_failure(id)) {
               throw std::runtime_error("injected failure");
             }
             // Reused every step: its capacity stays, so building a wait list allocates nothing.
@@ -358,7 +373,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
               if (im->events[m]) wait.push_back(im->events[m].get());
             }
             if (serial && id > 0 && im->events[id - 1]) wait.push_back(im->events[id - 1].get());
-            if (nodes.lane[id] == Lane::host) {
+            if (is_host_lane(nodes.lane[id])) {
               im->gates[id]->wait.assign(wait.begin(), wait.end());  // the gate waits for these, then the work runs
               return;
             }
@@ -385,7 +400,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
         }));
   }
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (n.lane[id] != Lane::host) continue;
+    if (!is_host_lane(n.lane[id])) continue;
     auto gate = std::make_unique<Impl::EventGate>();
     gate->queue = context.queue(cl::QueueKind::d2h);
     Impl::EventGate* g = gate.get();
@@ -451,15 +466,29 @@ namespace {
 // written into the other; step tensors (a gradient written back for the host) have one place.
 class HostNode final : public NodeView<ops::HostContext> {
  public:
-  HostNode(const Graph& g, NodeId n, std::function<std::byte*(TensorId, bool)> at, const ops::StepInfo& step,
-           const OptimizerSpec& optimizer)
-      : NodeView(g, n), at_(std::move(at)), step_(step), optimizer_(optimizer) {}
+  HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
+           const ops::StepInfo& step, const OptimizerSpec& optimizer)
+      : NodeView(g, n), arena_(arena), at_(std::move(at)), step_(step), optimizer_(optimizer) {}
   const std::byte* in(std::size_t i) const override { return at_(in_ids()[i], false); }
   std::byte* out(std::size_t i) const override { return at_(out_ids()[i], true); }
   const ops::StepInfo& step() const override { return step_; }
   const OptimizerSpec& optimizer() const override { return optimizer_; }
+  void unpack_home(std::size_t i, std::byte* dst) const override {
+    const TensorId id = graph_.tensors.storage(in_ids()[i]);
+    store_of(id).unpack(place_of(id), dst, graph_.tensors.bytes(id));
+  }
+  void pack_home(std::size_t i, const std::byte* src) const override {
+    const TensorId id = graph_.tensors.storage(out_ids()[i]);
+    store_of(id).pack(place_of(id), src, graph_.tensors.bytes(id));
+  }
 
  private:
+  offload::HomeStore& store_of(TensorId id) const { return arena_.store(graph_.tensors.home[id]); }
+  offload::HomePlace place_of(TensorId id) const {
+    const Placement& p = graph_.tensors.placement[id];
+    return {p.buffer, p.offset_bytes};
+  }
+  const PersistentArena& arena_;
   std::function<std::byte*(TensorId, bool)> at_;
   const ops::StepInfo& step_;
   const OptimizerSpec& optimizer_;
@@ -479,7 +508,7 @@ void CompiledStep::run_host_node(NodeId id) {
     throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
   }
   auto at = [this](TensorId x, bool write) { return host_address(x, write); };
-  row.host(HostNode(graph_, id, at, impl_->step, impl_->optimizer));
+  row.host(HostNode(graph_, id, *persistent_, at, impl_->step, impl_->optimizer));
 }
 
 std::byte* CompiledStep::host_address(TensorId id, bool next) const {
@@ -561,6 +590,7 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
     }
     impl_->flow.reset();
     for (auto& e : impl_->events) e = cl::Event();
+    persistent_->abort();  // next values this step wrote are not the state
     throw;
   }
   if (impl_->finish_gate.status < 0) {
@@ -570,9 +600,12 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
   // A step whose loss is not finite skipped its updates (host updates are not guarded on the
   // device, so their slot is simply not committed).
-  if (impl_->commits_other_slot && mode == RunMode::normal &&
-      (stats_host() == nullptr || std::isfinite(stats_host()[0]))) {
-    persistent_->commit();
+  if (impl_->commits_other_slot) {
+    if (mode == RunMode::normal && (stats_host() == nullptr || std::isfinite(stats_host()[0]))) {
+      persistent_->commit();
+    } else {
+      persistent_->abort();
+    }
   }
 }
 

@@ -47,7 +47,7 @@ Uses uses_by_tensor(const Graph& g) {
   u.count.assign(t.size(), 0);
   auto each = [&](auto&& f) {
     for (NodeId node = 0; node < n.size(); ++node) {
-      if (n.lane[node] == Lane::host) continue;  // host nodes use host memory, not device copies
+      if (is_host_lane(n.lane[node])) continue;  // host nodes use host memory, not device copies
       for (TensorId id : n.inputs(node)) {
         if (id != no_tensor) f(node, t.storage(id), false);
       }
@@ -96,7 +96,7 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
   auto key = [&](TensorId id) { return std::make_pair(never - next_use(id), opened[id]); };
   std::vector<TensorId> needed;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    if (g.nodes.lane[n] == Lane::host) continue;
+    if (is_host_lane(g.nodes.lane[n])) continue;
     needed.clear();
     auto need = [&](TensorId id) {
       if (id == no_tensor) return;
@@ -211,7 +211,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   // the node (a tensor's intervals are disjoint and in node order; host nodes keep the host tensor).
   const Lists intervals_of = group(tensor_of, base.tensors.size());
   auto renamed = [&](TensorId id, NodeId n) -> TensorId {
-    if (id == no_tensor || id >= base.tensors.size() || base.nodes.lane[n] == Lane::host) return id;
+    if (id == no_tensor || id >= base.tensors.size() || is_host_lane(base.nodes.lane[n])) return id;
     const auto list = intervals_of.of(id);
     // The last interval that starts at or before n.
     auto it = std::upper_bound(list.begin(), list.end(), n,
@@ -246,7 +246,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
 
 // Fetch / write-back counts and bytes of a graph, and its host updates.
 void count_transfers(const Graph& g, ResidencyReport& r) {
-  r.fetches = r.write_backs = r.host_updates = 0;
+  r.fetches = r.write_backs = r.host_updates = r.unpacks = r.packs = 0;
   r.fetch_bytes = r.write_back_bytes = 0;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     if (g.nodes.op[n] == builtin::fetch) {
@@ -255,6 +255,10 @@ void count_transfers(const Graph& g, ResidencyReport& r) {
     } else if (g.nodes.op[n] == builtin::write_back) {
       ++r.write_backs;
       r.write_back_bytes += g.tensors.bytes(g.nodes.inputs(n)[0]);
+    } else if (g.nodes.op[n] == builtin::unpack) {
+      ++r.unpacks;
+    } else if (g.nodes.op[n] == builtin::pack) {
+      ++r.packs;
     } else if (g.nodes.lane[n] == Lane::host) {
       ++r.host_updates;
     }
@@ -271,6 +275,13 @@ void move_updates_to_host(Graph& g) {
     if (!is_update(old.op[n])) {
       out.add_copy(old, n);
       continue;
+    }
+    if (!ops::op_info(old.op[n]).host) {
+      throw std::invalid_argument(
+          fmt::format("the host optimizer cannot run '{}' ({}): it has no host version; run "
+                      "the updates on the device (leave out --host-optimizer) or use adam, "
+                      "adamw or sgd",
+                      old.name[n], op_name(old.op[n])));
     }
     std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
     const TensorId grad = ins[1];
@@ -367,8 +378,13 @@ void check_role_home(const char* role, const std::optional<Residency>& home, boo
   if (!offload::home_available(*home)) {
     throw std::invalid_argument(
         fmt::format("{} home '{}' has no storage strategy in this version: use device, "
-                    "host_pinned (streamed) or host_mapped",
+                    "host_pinned (streamed), host_mapped, host_compressed or dropped (optimizer state only)",
                     role, offload::home_name(*home)));
+  }
+  if (!offload::home_traits(*home).keeps_value && std::string_view(role) == "weights") {
+    throw std::invalid_argument(
+        fmt::format("weights cannot live in home '{}': they would be lost; only optimizer state can be dropped",
+                    offload::home_name(*home)));
   }
   if (offload::home_traits(*home).needs_unified_memory && !host_unified) {
     throw std::invalid_argument(
@@ -471,6 +487,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   if (options.host_optimizer) move_updates_to_host(base);
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
     Graph s = stream_graph(base, cache, lookahead);
+    stage_home_transfers(s, host_unified && options.zero_copy_staging);
     count_transfers(s, r);
     MemoryPlan p = plan_memory(s, mopt);
     r.cache_limit_bytes = cache;

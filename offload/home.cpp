@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
 #include <stdexcept>
 
 #include "homes/stores.hpp"
@@ -44,16 +45,27 @@ HomeTraits home_traits(Home h) {
     case Home::host_mapped:
       return {.available = true, .addressed_in_place = true, .needs_unified_memory = true};
     case Home::host_compressed:
+      return {.available = true, .needs_transfers = true, .commits = true, .staged = true};
     case Home::host_int8:
-      return {.needs_transfers = true, .commits = true};  // planned: fetched through decompress/dequantize
+      return {.needs_transfers = true, .commits = true, .staged = true};  // planned: the phases issue
     case Home::dropped:
-      return {};
+      return {.available = true, .needs_transfers = true, .staged = true, .keeps_value = false};
   }
   return {};
 }
 
+void HomeStore::unpack(const HomePlace& p, void* dst, std::size_t bytes) const {
+  read(p, dst, bytes);
+}
+
+void HomeStore::pack(const HomePlace& p, const void* src, std::size_t bytes) {
+  std::memcpy(next(p), src, bytes);
+}
+
 std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context,
-                                           std::span<const std::uint64_t> buffer_bytes, std::string_view what) {
+                                           std::span<const std::uint64_t> buffer_bytes,
+                                           std::span<const HomeTensor> tensors, const HomeStoreOptions& options,
+                                           std::string_view what) {
   switch (home) {
     case Home::device:
       return homes::make_device_store(context, buffer_bytes, what);
@@ -68,13 +80,15 @@ std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context
       }
       return homes::make_mapped_store(context, buffer_bytes, what);
     case Home::host_compressed:
-    case Home::host_int8:
+      return homes::make_compressed_store(tensors, options.codec, what);
     case Home::dropped:
+      return homes::make_dropped_store(tensors);
+    case Home::host_int8:
       break;
   }
   throw std::invalid_argument(
       fmt::format("home '{}' for {} has no storage strategy in this version of ferry: use "
-                  "device, host_pinned or host_mapped",
+                  "device, host_pinned, host_mapped, host_compressed or dropped",
                   home_name(home), what));
 }
 

@@ -94,6 +94,8 @@ const char* lane_name(Lane l) {
       return "copy out";
     case Lane::host:
       return "host";
+    case Lane::unpack:
+      return "host unpack";
   }
   return "?";
 }

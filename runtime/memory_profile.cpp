@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -79,7 +80,25 @@ const char* section_name(StepSection s) {
   return "?";
 }
 
+void MemoryProfiler::record_homes(const graph::CompiledStep& step) {
+  const auto& t = step.graph().tensors;
+  std::array<std::uint64_t, offload::home_count> logical{};
+  for (graph::TensorId id = 0; id < t.size(); ++id) {
+    if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor) {
+      logical[static_cast<int>(t.home[id])] += t.bytes(id);
+    }
+  }
+  homes_.clear();
+  for (int h = 0; h < offload::home_count; ++h) {
+    const auto& store = step.persistent()->homes[h];
+    if (!store) continue;
+    homes_.push_back(
+        {offload::home_name(static_cast<offload::Home>(h)), logical[h], store->device_bytes(), store->host_bytes()});
+  }
+}
+
 void MemoryProfiler::add_variant(const std::string& variant, const graph::CompiledStep& step) {
+  record_homes(step);
   if (std::find(variants_.begin(), variants_.end(), variant) != variants_.end()) return;
   variants_.push_back(variant);
   const auto& g = step.graph();
@@ -92,6 +111,7 @@ void MemoryProfiler::add_variant(const std::string& variant, const graph::Compil
 }
 
 void MemoryProfiler::add_step(const std::string& variant, const graph::CompiledStep& step, std::uint64_t index) {
+  record_homes(step);
   const auto timeline = step.timeline();
   if (timeline.empty()) return;
   const auto& g = step.graph();
@@ -189,6 +209,10 @@ std::string MemoryProfiler::summary() const {
   for (const auto& sp : spikes(3)) {
     s += fmt::format("  spike: {} {} holds {} ({:.2f}x the mean)\n", sp.variant, sp.node, format_bytes(sp.bytes),
                      sp.over_mean);
+  }
+  for (const auto& h : homes_) {
+    s += fmt::format("  home {:<15} holds {:>10} of tensors in {:>10} of device and {:>10} of host memory\n", h.home,
+                     format_bytes(h.tensor_bytes), format_bytes(h.device_bytes), format_bytes(h.host_bytes));
   }
   if (transfers_.steps > 0) {
     s += fmt::format(

@@ -34,7 +34,7 @@ void ChromeTrace::write(const std::filesystem::path& path) const {
   for (const auto& e : events_) origin = std::min(origin, e.start_ns);
   out << "{\"traceEvents\":[\n";
   // Lane names as thread names, so the viewer shows compute / copy in / copy out / host rows.
-  for (int lane = 0; lane < 4; ++lane) {
+  for (int lane = 0; lane < graph::lane_count; ++lane) {
     out << fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_name","args":{{"name":"{}"}}}},)", lane,
                        graph::lane_name(static_cast<graph::Lane>(lane)))
         << "\n";

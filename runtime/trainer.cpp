@@ -63,20 +63,30 @@ void Trainer::initialise_parameters() {
   const auto& g = train_->graph();
   const auto& t = g.tensors;
   // One host image per (home, buffer), written with one copy each: a deep model has thousands of
-  // small tensors, and a blocking write per tensor dominated its compile time.
+  // small tensors, and a blocking write per tensor dominated its compile time. Staged homes
+  // (compressed, dropped) keep tensors apart: each is written on its own.
   std::map<std::pair<int, std::uint32_t>, std::vector<std::byte>> images;
+  std::vector<std::byte> single;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor) continue;
-    if (t.dtype[id] != graph::DType::f32) {
-      throw std::logic_error(fmt::format("cannot initialise '{}': weights are initialised in f32, it is {}", t.name[id],
+    const graph::WeightInit init = t.init[id];
+    if (t.dtype[id] != graph::DType::f32 && init.kind != graph::WeightInit::Kind::zeros) {
+      throw std::logic_error(fmt::format("cannot initialise '{}': only zeros are defined for {} tensors", t.name[id],
                                          graph::dtype_name(t.dtype[id])));
     }
-    auto& image = images[{static_cast<int>(t.home[id]), t.placement[id].buffer}];
-    const std::uint64_t end = t.placement[id].offset_bytes + t.bytes(id);
-    if (image.size() < end) image.resize(end);
-    float* values = reinterpret_cast<float*>(image.data() + t.placement[id].offset_bytes);
+    const bool apart = offload::home_traits(t.home[id]).staged;
+    std::byte* base = nullptr;
+    if (apart) {
+      single.assign(t.bytes(id), std::byte{0});
+      base = single.data();
+    } else {
+      auto& image = images[{static_cast<int>(t.home[id]), t.placement[id].buffer}];
+      const std::uint64_t end = t.placement[id].offset_bytes + t.bytes(id);
+      if (image.size() < end) image.resize(end);
+      base = image.data() + t.placement[id].offset_bytes;
+    }
+    float* values = reinterpret_cast<float*>(base);
     const std::size_t n = t.shape[id].elems();
-    const graph::WeightInit init = t.init[id];
     switch (init.kind) {
       case graph::WeightInit::Kind::ones:
         std::fill(values, values + n, 1.0f);
@@ -89,8 +99,9 @@ void Trainer::initialise_parameters() {
         break;
       }
       default:
-        std::fill(values, values + n, 0.0f);  // zeros
+        std::fill(base, base + t.bytes(id), std::byte{0});  // zeros, in any dtype
     }
+    if (apart) train_->persistent()->write(t.home[id], t.placement[id], single.data(), single.size());
   }
   for (const auto& [where, image] : images) {
     train_->persistent()->write(static_cast<graph::Residency>(where.first), graph::Placement{where.second, 0},

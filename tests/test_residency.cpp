@@ -475,7 +475,7 @@ TEST(ResidencyHomes, StreamingOnlyTheOptimizerStateMovesOnlyTheState) {
 TEST(ResidencyHomes, HomesWithoutAStoreOrThatConflictAreClearErrors) {
   Runtime rt;
   const ModelSpec m = small_mlp();
-  for (auto home : {graph::Residency::host_compressed, graph::Residency::host_int8, graph::Residency::dropped}) {
+  for (auto home : {graph::Residency::host_int8}) {
     TrainerOptions o = options(graph::ResidencyMode::resident, 0);
     o.residency.state_home = home;
     try {

@@ -12,4 +12,8 @@ std::unique_ptr<HomeStore> make_pinned_store(const cl::Context& context, std::sp
 std::unique_ptr<HomeStore> make_mapped_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
                                              std::string_view what);
 
+std::unique_ptr<HomeStore> make_compressed_store(std::span<const HomeTensor> tensors, const CodecOptions& codec,
+                                                 std::string_view what);
+std::unique_ptr<HomeStore> make_dropped_store(std::span<const HomeTensor> tensors);
+
 }  // namespace ferry::offload::homes

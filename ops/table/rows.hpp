@@ -11,7 +11,7 @@ namespace ferry::ops::table {
 // Registers a row and checks that it got the id ops::builtin names for it.
 using AddRow = std::function<void(OpInfo, OpId expected)>;
 
-void register_transfer_rows(const AddRow& add);  // upload, download, fetch, write_back
+void register_transfer_rows(const AddRow& add);  // upload, download, fetch, write_back, unpack, pack
 void register_linear_rows(const AddRow& add);    // linear and its two gradients
 void register_activation_rows(const AddRow& add);
 void register_add_row(const AddRow& add);
@@ -30,6 +30,8 @@ void register_sequence_rows(const AddNamedRow& add);  // ops/table/sequence.cpp:
 void register_add_bias_rows(const AddNamedRow& add);  // ops/table/add_bias.cpp: bias broadcast over leading axes
 void register_mse_rows(const AddNamedRow& add);       // ops/table/mse.cpp: mean squared error loss
 void register_loss_sum_rows(const AddNamedRow& add);  // ops/table/loss_sum.cpp: two weighted losses
+// ops/table/optimizer.cpp: 8-bit block-wise Adam/AdamW (adam8bit_update), on the device only.
+void register_optimizer8bit_rows(const AddNamedRow& add);
 
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);

@@ -1,6 +1,7 @@
 // Rows of the copies between host memory and the device: the batch upload and the results
-// download (one node each, all pairs at once), and a persistent tensor's fetch and write-back
-// (streaming). Each copies input i to output i; the host side comes from the tensor's home.
+// download (one node each, all pairs at once), a persistent tensor's fetch and write-back
+// (streaming), and for staged homes the unpack and pack between the home and pinned staging.
+// Each copies input i to output i; the host side comes from the tensor's home.
 #include "ferry/cl/error.hpp"
 #include "rows.hpp"
 
@@ -71,6 +72,25 @@ OpInfo copy_row(const char* name, bool to_device, OpClass op_class) {
   return r;
 }
 
+// Unpack and pack: a staged home (compressed, dropped) and pinned staging memory, on the host
+// lanes; the work (decompressing, compressing) is the home store's, in parallel over chunks.
+OpInfo home_row(const char* name, bool unpack) {
+  OpInfo r;
+  r.name = name;
+  r.lane = unpack ? Lane::unpack : Lane::host;
+  r.op_class = OpClass::state_transfer;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16, DType::i8, DType::u8};
+  r.host = [unpack](const HostContext& c) {
+    if (unpack) {
+      c.unpack_home(0, c.out(0));
+    } else {
+      c.pack_home(0, c.in(0));
+    }
+  };
+  r.reference = copy_reference;
+  return r;
+}
+
 }  // namespace
 
 void register_transfer_rows(const AddRow& add) {
@@ -78,6 +98,8 @@ void register_transfer_rows(const AddRow& add) {
   add(copy_row("download", false, OpClass::batch_transfer), builtin::download);
   add(copy_row("fetch", true, OpClass::state_transfer), builtin::fetch);
   add(copy_row("write_back", false, OpClass::state_transfer), builtin::write_back);
+  add(home_row("unpack", true), builtin::unpack);
+  add(home_row("pack", false), builtin::pack);
 }
 
 }  // namespace ferry::ops::table

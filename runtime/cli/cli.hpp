@@ -34,6 +34,9 @@ struct TrainArgs {
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, residency = "auto";
   std::string weights_home, state_home;  // empty: the residency mode's preset
+  std::string compress_chunk = "1MiB";   // the compressed home's codec
+  int compress_level = 1;
+  unsigned compress_workers = 0;
   std::uint32_t lookahead = 2;
   bool host_optimizer = false;
   std::uint64_t seed = 1;

@@ -86,11 +86,15 @@ int cmd_train(const TrainArgs& a) {
     switch (rr.mode) {
       case ferry::graph::ResidencyMode::stream:
         where = fmt::format(
-            "; weights and optimizer state in {} of pinned host memory (two slots); per step {} fetches ({}) and {} "
-            "write-backs ({}), issued {} compute nodes ahead{}",
+            "; weights and optimizer state in {} of host memory; per step {} fetches ({}) and {} "
+            "write-backs ({}), issued {} compute nodes ahead{}{}",
             ferry::format_bytes(trainer.host_state_bytes()), rr.fetches, ferry::format_bytes(rr.fetch_bytes),
             rr.write_backs, ferry::format_bytes(rr.write_back_bytes), rr.lookahead,
-            rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
+            rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string(),
+            rr.unpacks + rr.packs
+                ? fmt::format("; {} unpacks and {} packs on host workers through {} of pinned staging", rr.unpacks,
+                              rr.packs, ferry::format_bytes(trainer.train_step().host_step_bytes()))
+                : std::string());
         break;
       case ferry::graph::ResidencyMode::mapped:
         where = fmt::format(
@@ -208,6 +212,9 @@ int cmd_train(const TrainArgs& a) {
                         {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
                         {"device_budget_bytes", trainer.device_budget_bytes()},
                         {"host_state_bytes", trainer.host_state_bytes()},
+                        {"host_staging_bytes", trainer.train_step().host_step_bytes()},
+                        {"unpacks_per_step", trainer.residency().unpacks},
+                        {"packs_per_step", trainer.residency().packs},
                         {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
                         {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
                         {"host_updates_per_step", trainer.residency().host_updates},
@@ -274,12 +281,22 @@ int main(int argc, char** argv) {
   train
       ->add_option("--weights-home", t.weights_home,
                    "Home of the weights, replacing the residency mode's: device, host (pinned, streamed), mapped "
-                   "(zero-copy); compressed, int8 and dropped are not available yet")
+                   "(zero-copy), compressed (zstd chunks in host memory, streamed); int8 is not available yet")
       ->check(homes);
   train
       ->add_option("--state-home", t.state_home,
-                   "Home of the optimizer state, replacing the residency mode's (same choices as --weights-home)")
+                   "Home of the optimizer state, replacing the residency mode's: as --weights-home, and dropped "
+                   "(not kept: re-initialised to zeros before every update)")
       ->check(homes);
+  train
+      ->add_option("--compress-chunk", t.compress_chunk,
+                   "Compressed home: uncompressed bytes per chunk (e.g. 256KiB, 1MiB)")
+      ->capture_default_str();
+  train->add_option("--compress-level", t.compress_level, "Compressed home: zstd level")->capture_default_str();
+  train
+      ->add_option("--compress-workers", t.compress_workers,
+                   "Compressed home: TBB workers (de)compressing one tensor's chunks (0: all)")
+      ->capture_default_str();
   train->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
       ->capture_default_str();
   train->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();

@@ -54,6 +54,8 @@ struct PersistentArena {
   offload::HomeStore& store(Residency home) const;
   // The step succeeded: every home's next copies become current.
   void commit();
+  // The step failed: next values written into homes that keep them apart are discarded.
+  void abort();
   // Set-up and inspection, outside any step: write sets every copy, read reads the current one.
   void write(Residency home, const Placement& p, const void* src, std::size_t bytes);
   void read(Residency home, const Placement& p, void* dst, std::size_t bytes) const;
@@ -143,7 +145,8 @@ class CompiledStep {
   struct Impl;
   // The device passes after check dtypes and scratch, in order.
   void plan(const cl::DeviceInfo& device, const PersistentArena* shared, const ResidencyOptions& residency);
-  void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared);
+  void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
+                const offload::HomeStoreOptions& homes);
   void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);
   void lower(const cl::Context& context, bool serial);
   std::vector<std::vector<NodeId>> order_nodes(bool serial);

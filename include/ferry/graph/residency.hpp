@@ -20,6 +20,7 @@
 
 #include "ferry/graph/ir.hpp"
 #include "ferry/graph/memory_plan.hpp"
+#include "ferry/offload/home.hpp"
 
 namespace ferry::graph {
 
@@ -36,17 +37,24 @@ struct ResidencyOptions {
   bool host_optimizer = false;
   // Per role, a home replacing the mode's preset (resident: device, stream: host_pinned,
   // mapped: host_mapped), e.g. weights on the device with their optimizer state streamed from
-  // pinned host memory. Homes without a store (host_compressed, host_int8, dropped) and
-  // host_mapped on a discrete device are errors at compile time.
+  // pinned host memory, or compressed state. Homes without a store (host_int8), weights
+  // dropped, and host_mapped on a discrete device are errors at compile time.
   std::optional<Residency> weights_home, state_home;
+  // Settings of the home stores: the compressed home's chunk size, zstd level and workers.
+  offload::HomeStoreOptions homes;
+  // Staged homes (compressed, dropped) on a device whose memory is the host's: unpack straight
+  // into pinned memory the kernels read (no fetch or write-back copies). false: stage and copy as
+  // on a discrete device (for tests and measurements).
+  bool zero_copy_staging = true;
 };
 
 struct ResidencyReport {
   ResidencyMode mode = ResidencyMode::resident;  // the one chosen
   std::uint32_t fetches = 0, write_backs = 0;    // per step
   std::uint64_t fetch_bytes = 0, write_back_bytes = 0;
-  std::uint32_t host_updates = 0;       // optimizer updates run on the host
-  std::uint64_t cache_limit_bytes = 0;  // device bytes the eviction rule was allowed for persistent copies
+  std::uint32_t host_updates = 0;        // optimizer updates run on the host
+  std::uint32_t unpacks = 0, packs = 0;  // staged homes' host-lane nodes (stage_home_transfers)
+  std::uint64_t cache_limit_bytes = 0;   // device bytes the eviction rule was allowed for persistent copies
   std::uint32_t lookahead = 0;
   std::uint64_t min_budget_bytes = 0;  // the smallest budget this graph can run in (stream mode)
 };
@@ -64,6 +72,11 @@ class BudgetError : public std::runtime_error {
 // Moves every optimizer update to right after the last node that uses its weight or gradient, so
 // gradients and fetched copies die early. Does not change any result.
 void place_updates_early(Graph& g);
+
+// Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
+// pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
+// `host_unified`, the device copies themselves are the staging.
+void stage_home_transfers(Graph& g, bool host_unified);
 
 // Rewrites `g` for the chosen mode, plans its memory and returns the plan. For stream mode it
 // searches the largest cache limit whose planned device peak fits the budget. Throws BudgetError

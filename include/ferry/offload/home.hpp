@@ -8,10 +8,17 @@
 //                    whole step succeeded (commit), so a failed step leaves the state as it was.
 //   host_mapped      one copy of pinned host memory that kernels use directly (zero-copy), on
 //                    devices whose memory is the host's.
-//   host_compressed  byte-plane shuffled, zstd-compressed chunks (the optimizer-state issue);
-//   host_int8        block-quantized int8 with fp32 scales (the phases issue);
-//   dropped          not kept: re-initialised when needed. These three have no store yet:
-//                    asking for one is a clear error at compile time.
+//   host_compressed  host memory as byte-plane shuffled, zstd-compressed chunks with checksums
+//                    (offload/chunk_codec.hpp), in place of an uncompressed copy. A step unpacks a
+//                    tensor into pinned staging on a host lane before its fetch and packs the
+//                    written-back value after; the new chunks become current only at commit.
+//   dropped          not kept: every fetch re-initialises the tensor (zeros) and nothing is written
+//                    back. For optimizer state only.
+//   host_int8        block-quantized int8 with fp32 scales (the phases issue): no store yet, a
+//                    clear error at compile time.
+//
+// Homes whose tensors kernels cannot address and that keep no plain host copy (compressed,
+// dropped) are "staged": their bytes pass through step-lifetime pinned staging buffers.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +29,7 @@
 #include <vector>
 
 #include "ferry/cl/context.hpp"
+#include "ferry/offload/chunk_codec.hpp"
 
 namespace ferry::offload {
 
@@ -37,6 +45,8 @@ struct HomeTraits {
   bool needs_transfers = false;       // fetched before its uses, written back after its last write
   bool needs_unified_memory = false;  // only on devices whose memory is the host's
   bool commits = false;               // keeps a next copy that a successful step makes current
+  bool staged = false;                // unpacked into / packed from pinned staging by host-lane nodes
+  bool keeps_value = true;            // false: dropped (what is written back is discarded)
 };
 HomeTraits home_traits(Home h);
 // Whether a store exists for `h` in this build.
@@ -48,6 +58,20 @@ inline bool home_available(Home h) {
 struct HomePlace {
   std::uint32_t buffer = 0;
   std::uint64_t offset_bytes = 0;
+};
+
+// A persistent tensor a home store holds: where, how large, its element size (the compressed
+// home shuffles byte planes by it) and its name (for errors).
+struct HomeTensor {
+  HomePlace place;
+  std::uint64_t bytes = 0;
+  std::uint32_t elem_bytes = 4;
+  std::string name;
+};
+
+// Settings of the stores (the compressed home's codec).
+struct HomeStoreOptions {
+  CodecOptions codec;
 };
 
 class HomeStore {
@@ -64,18 +88,31 @@ class HomeStore {
   virtual std::byte* next(const HomePlace& p) const = 0;
   // A step that wrote next values succeeded: they become current.
   virtual void commit() {}
+  // A step failed (or its loss was not finite): next values it wrote are discarded.
+  virtual void abort() {}
+  // Inside a step, for staged homes (host-lane nodes): the tensor's value as the step sees it
+  // (what it wrote earlier in this step, else the current value) into `dst`, and its next value
+  // from `src`. Default: read() and a copy into next().
+  virtual void unpack(const HomePlace& p, void* dst, std::size_t bytes) const;
+  virtual void pack(const HomePlace& p, const void* src, std::size_t bytes);
   // Set-up and inspection outside any step: write sets every copy, read reads the current one.
   virtual void write(const HomePlace& p, const void* src, std::size_t bytes) = 0;
   virtual void read(const HomePlace& p, void* dst, std::size_t bytes) const = 0;
+  // The compressed home's chunks of the tensor at `p` (inspection, tests); nullptr in other
+  // homes and for a tensor never written.
+  virtual CompressedTensor* chunks(const HomePlace&) { return nullptr; }
   // What the home holds, for the memory profiler and reports.
   virtual std::uint64_t device_bytes() const = 0;
   virtual std::uint64_t host_bytes() const = 0;
 };
 
-// Allocates the store of `home` with buffers of the given sizes. `what` names the tensors it
-// holds in allocation errors. Throws std::invalid_argument for a home with no store, or one the
-// device cannot serve (host_mapped on a device without unified memory), saying what to use.
+// Allocates the store of `home` with buffers of the given sizes holding `tensors`. `what` names
+// the tensors it holds in allocation errors. Throws std::invalid_argument for a home with no
+// store, or one the device cannot serve (host_mapped on a device without unified memory), saying
+// what to use.
 std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context,
-                                           std::span<const std::uint64_t> buffer_bytes, std::string_view what);
+                                           std::span<const std::uint64_t> buffer_bytes,
+                                           std::span<const HomeTensor> tensors, const HomeStoreOptions& options,
+                                           std::string_view what);
 
 }  // namespace ferry::offload

@@ -124,6 +124,11 @@ class HostContext : public ShapeView {
   virtual std::byte* out(std::size_t i) const = 0;       // where output i's new value goes
   virtual const StepInfo& step() const = 0;
   virtual const OptimizerConfig& optimizer() const = 0;
+  // For nodes that move a persistent tensor between its home and staging memory (unpack, pack):
+  // input i's value as its home gives it to this step, into `dst` (its size in bytes); output
+  // i's next value, from `src`, into its home (current once the step succeeds).
+  virtual void unpack_home(std::size_t input, std::byte* dst) const = 0;
+  virtual void pack_home(std::size_t output, const std::byte* src) const = 0;
 };
 
 // The CPU reference: float operands as double, int32 operands as they are.
@@ -167,6 +172,8 @@ enum : OpId {
   download,           // device results -> host (d2h)                      in: device tensors  out: host mirrors
   fetch,              // a host-resident tensor -> its device copy (h2d)    in: host   out: copy
   write_back,         // a device copy -> the host-resident tensor (d2h)    in: copy   out: host
+  unpack,             // a staged home's tensor -> pinned staging (host)     in: home   out: staging
+  pack,               // pinned staging -> the tensor's next value in its home (host)  in: staging  out: home
   linear,             // y[B,out] = x[B,in] w[in,out] + b[out]             in: x w [b]  out: y
   linear_grad_input,  // dx = dy w^T                               in: dy w     out: dx
   linear_grad_param,  // dw = x^T dy, db = colsum(dy)               in: x dy     out: dw [db]

@@ -60,8 +60,15 @@ struct NodeAttrs {
 };
 
 // Which engine runs a node. Device queues run in order; events order them against each other.
-enum class Lane : std::uint8_t { compute, h2d, d2h, host };
-inline constexpr int lane_count = 4;
+// Two host lanes run on TBB workers: `host` (optimizer updates on the host, packing written-back
+// state into its home) and `unpack` (unpacking state from its home into staging ahead of its
+// fetch), so that unpacking the next layer never waits behind packing the last one.
+enum class Lane : std::uint8_t { compute, h2d, d2h, host, unpack };
+inline constexpr int lane_count = 5;
 const char* lane_name(Lane l);
+// Whether nodes of `l` run on the host (TBB workers) rather than as device commands.
+constexpr bool is_host_lane(Lane l) {
+  return l == Lane::host || l == Lane::unpack;
+}
 
 }  // namespace ferry::ops

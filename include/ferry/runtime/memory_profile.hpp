@@ -37,6 +37,13 @@ struct TransferSummary {
   double write_back_gbps() const { return write_back_ms > 0 ? write_back_bytes / write_back_ms / 1e6 : 0; }
 };
 
+// What one home holds: its tensors' logical size, and the device and host bytes its store keeps
+// for them (compressed chunks, two slots when streamed, nothing when dropped).
+struct HomeSummary {
+  std::string home;
+  std::uint64_t tensor_bytes = 0, device_bytes = 0, host_bytes = 0;
+};
+
 class MemoryProfiler {
  public:
   // Adds a compiled variant's static profile (once per variant).
@@ -47,6 +54,8 @@ class MemoryProfiler {
   std::vector<MemoryPhaseSummary> phases() const;
   std::vector<MemorySpike> spikes(std::size_t max_count = 5) const;
   TransferSummary transfers() const { return transfers_; }
+  // Per home in use, as of the last variant or step added.
+  const std::vector<HomeSummary>& homes() const { return homes_; }
   // One row per node of each variant, then one per node of each recorded step.
   void write_csv(const std::filesystem::path& path) const;
   // A few human-readable lines.
@@ -60,7 +69,9 @@ class MemoryProfiler {
     std::int64_t step = -1;  // -1: static row
     double start_us = 0, end_us = 0;
   };
+  void record_homes(const graph::CompiledStep& step);
   std::vector<NodeRow> rows_;
+  std::vector<HomeSummary> homes_;
   std::vector<std::string> variants_;
   TransferSummary transfers_;
   std::uint64_t time_origin_ns_ = 0;

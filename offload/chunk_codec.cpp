@@ -1,0 +1,235 @@
+// Byte-plane shuffle + zstd per chunk, chunks in parallel on TBB workers. Each worker thread
+// keeps its zstd contexts and scratch buffers for its life, so a chunk allocates only its
+// exact-size result.
+#include "ferry/offload/chunk_codec.hpp"
+
+#include <fmt/format.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+namespace ferry::offload {
+
+void validate(const CodecOptions& o) {
+  if (o.chunk_bytes == 0) {
+    throw std::invalid_argument("compressed home: chunk size 0: use a positive size such as 1 MiB");
+  }
+  if (o.level < ZSTD_minCLevel() || o.level > ZSTD_maxCLevel()) {
+    throw std::invalid_argument(fmt::format("compressed home: zstd level {} is outside {}..{}: use 1 (fast) to 19",
+                                            o.level, ZSTD_minCLevel(), ZSTD_maxCLevel()));
+  }
+}
+
+std::uint64_t CompressedTensor::compressed_bytes() const noexcept {
+  std::uint64_t b = 0;
+  for (const Chunk& c : chunks_) b += c.size;
+  return b;
+}
+
+std::span<std::byte> CompressedTensor::chunk_data(std::size_t i) {
+  Chunk& c = chunks_.at(i);
+  return {c.data.get(), c.size};
+}
+
+void CompressedTensor::truncate_chunk(std::size_t i, std::size_t new_size) {
+  Chunk& c = chunks_.at(i);
+  c.size = std::min(c.size, new_size);
+}
+
+namespace {
+
+template <std::size_t E>
+void shuffle_fixed(const std::byte* src, std::byte* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t b = 0; b < E; ++b) dst[b * n + i] = src[i * E + b];
+  }
+}
+
+template <std::size_t E>
+void unshuffle_fixed(const std::byte* src, std::byte* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t b = 0; b < E; ++b) dst[i * E + b] = src[b * n + i];
+  }
+}
+
+// Per worker thread: zstd contexts and scratch, kept for the thread's life.
+struct Scratch {
+  ZSTD_CCtx* cctx = nullptr;
+  ZSTD_DCtx* dctx = nullptr;
+  std::vector<std::byte> planes, out;
+  ~Scratch() {
+    ZSTD_freeCCtx(cctx);
+    ZSTD_freeDCtx(dctx);
+  }
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+std::string where(std::string_view tensor, std::size_t chunk, std::size_t count) {
+  return fmt::format("tensor '{}', chunk {} of {}", tensor, chunk, count);
+}
+
+}  // namespace
+
+void shuffle_planes(const std::byte* src, std::byte* dst, std::size_t elems, std::size_t elem_bytes) {
+  switch (elem_bytes) {
+    case 1:
+      std::memcpy(dst, src, elems);
+      return;
+    case 2:
+      return shuffle_fixed<2>(src, dst, elems);
+    case 4:
+      return shuffle_fixed<4>(src, dst, elems);
+    case 8:
+      return shuffle_fixed<8>(src, dst, elems);
+  }
+  for (std::size_t i = 0; i < elems; ++i) {
+    for (std::size_t b = 0; b < elem_bytes; ++b) dst[b * elems + i] = src[i * elem_bytes + b];
+  }
+}
+
+void unshuffle_planes(const std::byte* src, std::byte* dst, std::size_t elems, std::size_t elem_bytes) {
+  switch (elem_bytes) {
+    case 1:
+      std::memcpy(dst, src, elems);
+      return;
+    case 2:
+      return unshuffle_fixed<2>(src, dst, elems);
+    case 4:
+      return unshuffle_fixed<4>(src, dst, elems);
+    case 8:
+      return unshuffle_fixed<8>(src, dst, elems);
+  }
+  for (std::size_t i = 0; i < elems; ++i) {
+    for (std::size_t b = 0; b < elem_bytes; ++b) dst[i * elem_bytes + b] = src[b * elems + i];
+  }
+}
+
+struct ChunkCodec::Arena {
+  tbb::task_arena arena;
+  explicit Arena(unsigned workers) : arena(static_cast<int>(workers)) {}
+};
+
+ChunkCodec::ChunkCodec(CodecOptions o) : options_(o) {
+  validate(options_);
+  if (options_.workers > 0) arena_ = std::make_unique<Arena>(options_.workers);
+}
+
+ChunkCodec::~ChunkCodec() = default;
+
+namespace {
+
+// Runs body(i) for every chunk i, in parallel, inside `arena` when there is one.
+template <class Body>
+void for_each_chunk(tbb::task_arena* arena, std::size_t count, const Body& body) {
+  auto loop = [&] {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, count, 1), [&](const tbb::blocked_range<std::size_t>& r) {
+      for (std::size_t i = r.begin(); i != r.end(); ++i) body(i);
+    });
+  };
+  if (count <= 1) {
+    if (count == 1) body(0);
+  } else if (arena) {
+    arena->execute(loop);
+  } else {
+    loop();
+  }
+}
+
+}  // namespace
+
+CompressedTensor ChunkCodec::compress(std::span<const std::byte> src, std::size_t elem_bytes,
+                                      std::string_view what) const {
+  if (elem_bytes == 0 || src.size() % elem_bytes != 0) {
+    throw std::invalid_argument(
+        fmt::format("compressing '{}': {} bytes are not whole elements of {} bytes", what, src.size(), elem_bytes));
+  }
+  CompressedTensor t;
+  t.raw_bytes_ = src.size();
+  t.elem_bytes_ = elem_bytes;
+  t.chunk_raw_bytes_ = std::max<std::size_t>(1, options_.chunk_bytes / elem_bytes) * elem_bytes;
+  const std::size_t count = (src.size() + t.chunk_raw_bytes_ - 1) / t.chunk_raw_bytes_;
+  try {
+    t.chunks_.resize(count);
+    for_each_chunk(arena_ ? &arena_->arena : nullptr, count, [&](std::size_t i) {
+      const std::size_t begin = i * t.chunk_raw_bytes_;
+      const std::size_t raw = std::min(t.chunk_raw_bytes_, src.size() - begin);
+      Scratch& s = scratch();
+      if (!s.cctx) {
+        s.cctx = ZSTD_createCCtx();
+        if (!s.cctx) throw std::bad_alloc();
+      }
+      ZSTD_CCtx_setParameter(s.cctx, ZSTD_c_compressionLevel, options_.level);
+      ZSTD_CCtx_setParameter(s.cctx, ZSTD_c_checksumFlag, 1);
+      const std::byte* in = src.data() + begin;
+      if (elem_bytes > 1) {
+        s.planes.resize(raw);
+        shuffle_planes(in, s.planes.data(), raw / elem_bytes, elem_bytes);
+        in = s.planes.data();
+      }
+      s.out.resize(ZSTD_compressBound(raw));
+      const std::size_t n = ZSTD_compress2(s.cctx, s.out.data(), s.out.size(), in, raw);
+      if (ZSTD_isError(n)) {
+        throw ChunkError(fmt::format("compressing {}: zstd: {}", where(what, i, count), ZSTD_getErrorName(n)),
+                         std::string(what), i);
+      }
+      auto& chunk = t.chunks_[i];
+      chunk.data = std::make_unique_for_overwrite<std::byte[]>(n);
+      std::memcpy(chunk.data.get(), s.out.data(), n);
+      chunk.size = n;
+    });
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error(fmt::format(
+        "out of host memory compressing '{}' ({} bytes): its previous value is kept; free host memory or use a "
+        "home that needs less",
+        what, src.size()));
+  }
+  return t;
+}
+
+void ChunkCodec::decompress(const CompressedTensor& t, std::span<std::byte> dst, std::string_view what) const {
+  if (dst.size() != t.raw_bytes_) {
+    throw std::invalid_argument(
+        fmt::format("decompressing '{}': {} bytes asked for a tensor of {}", what, dst.size(), t.raw_bytes_));
+  }
+  const std::size_t count = t.chunks_.size();
+  for_each_chunk(arena_ ? &arena_->arena : nullptr, count, [&](std::size_t i) {
+    const std::size_t begin = i * t.chunk_raw_bytes_;
+    const std::size_t raw = std::min<std::size_t>(t.chunk_raw_bytes_, t.raw_bytes_ - begin);
+    const auto& chunk = t.chunks_[i];
+    auto fail = [&](const std::string& why) -> ChunkError {
+      return ChunkError(fmt::format("the compressed state is corrupt: {}: {}; restore it from a checkpoint",
+                                    where(what, i, count), why),
+                        std::string(what), i);
+    };
+    const unsigned long long declared = ZSTD_getFrameContentSize(chunk.data.get(), chunk.size);
+    if (declared == ZSTD_CONTENTSIZE_ERROR || declared == ZSTD_CONTENTSIZE_UNKNOWN) {
+      throw fail("its zstd frame header is unreadable");
+    }
+    if (declared != raw) throw fail(fmt::format("its header says {} bytes, the chunk holds {}", declared, raw));
+    Scratch& s = scratch();
+    if (!s.dctx) {
+      s.dctx = ZSTD_createDCtx();
+      if (!s.dctx) throw std::bad_alloc();
+    }
+    std::byte* out = dst.data() + begin;
+    if (t.elem_bytes_ > 1) {
+      s.planes.resize(raw);
+      out = s.planes.data();
+    }
+    const std::size_t n = ZSTD_decompressDCtx(s.dctx, out, raw, chunk.data.get(), chunk.size);
+    if (ZSTD_isError(n)) throw fail(fmt::format("zstd: {}", ZSTD_getErrorName(n)));
+    if (n != raw) throw fail(fmt::format("it decompressed to {} bytes, not {}", n, raw));
+    if (t.elem_bytes_ > 1) unshuffle_planes(out, dst.data() + begin, raw / t.elem_bytes_, t.elem_bytes_);
+  });
+}
+
+}  // namespace ferry::offload
