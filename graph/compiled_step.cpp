@@ -213,7 +213,7 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
       std::string& first = first_of[static_cast<int>(t.home[id])];
       if (first.empty()) first = fmt::format("{} ({}...)", role_name(t.role[id]), t.name[id]);
-      persistent_->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id]});
+      persistent_->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id], t.bytes(id)});
     }
     // Every tensor of each home, for stores that keep tensors apart (compressed, dropped).
     std::array<std::vector<offload::HomeTensor>, offload::home_count> tensors_of;

@@ -81,13 +81,9 @@ const char* section_name(StepSection s) {
 }
 
 void MemoryProfiler::record_homes(const graph::CompiledStep& step) {
-  const auto& t = step.graph().tensors;
+  // From the arena, which every variant shares (an evaluation graph has no optimizer state).
   std::array<std::uint64_t, offload::home_count> logical{};
-  for (graph::TensorId id = 0; id < t.size(); ++id) {
-    if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor) {
-      logical[static_cast<int>(t.home[id])] += t.bytes(id);
-    }
-  }
+  for (const auto& [name, e] : step.persistent()->placements) logical[static_cast<int>(e.home)] += e.bytes;
   homes_.clear();
   for (int h = 0; h < offload::home_count; ++h) {
     const auto& store = step.persistent()->homes[h];

@@ -41,6 +41,7 @@ struct PersistentArena {
   struct Entry {
     Residency home = Residency::device;
     Placement place;
+    std::uint64_t bytes = 0;
   };
   std::unordered_map<std::string, Entry> placements;  // by tensor name
   // The step buffers of the model's first compiled variant (training). Later variants
