@@ -9,7 +9,6 @@
 // excluded); ratios are ferry / peer (> 1: ferry is faster).
 #include <fmt/format.h>
 
-
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"

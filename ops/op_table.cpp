@@ -56,6 +56,7 @@ Registry& registry() {
     table::register_add_bias_rows(named);
     table::register_mse_rows(named);
     table::register_loss_sum_rows(named);
+    table::register_optimizer8bit_rows(named);
     return reg;
   }();
   return *r;

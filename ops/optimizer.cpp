@@ -18,6 +18,8 @@ const char* optimizer_name(OptimizerConfig::Kind k) {
       return "adam";
     case OptimizerConfig::Kind::adamw:
       return "adamw";
+    case OptimizerConfig::Kind::adamw8bit:
+      return "adamw8bit";
   }
   return "?";
 }

@@ -1,8 +1,10 @@
 // The compressed home's codec: bit-exact round trips for every element size, chunk sizes that do
-// not divide the tensor, empty and single-element tensors and any worker count; corrupt,
+// not divide the tensor or are smaller than one element, empty and single-element tensors, any
+// worker count and fast to strong levels; corrupt,
 // re-checksummed and truncated chunks are errors naming the tensor and the chunk.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -24,6 +26,14 @@ std::vector<std::byte> data_of(std::size_t bytes, int kind, std::uint32_t seed) 
     case 1:  // incompressible
       for (auto& b : out) b = static_cast<std::byte>(rng());
       break;
+    case 3: {  // random floats of every magnitude and sign, as raw bytes of whatever element size
+      std::normal_distribution<float> d(0.0f, 1.0f);
+      for (std::size_t i = 0; i + 4 <= bytes; i += 4) {
+        const float f = d(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
+        std::memcpy(out.data() + i, &f, 4);
+      }
+      break;
+    }
     default: {  // small floats like Adam moments, as raw bytes of whatever element size
       std::normal_distribution<float> d(0.0f, 1e-3f);
       for (std::size_t i = 0; i + 4 <= bytes; i += 4) {
@@ -50,7 +60,7 @@ TEST(ChunkCodec, RoundTripsBitExactForEveryElementSizeChunkSizeAndWorkerCount) {
       const ChunkCodec codec(options(chunk, workers));
       for (std::size_t elem : {1, 2, 4, 8}) {
         for (std::size_t elems : {0, 1, 7, 1000, 12345}) {
-          for (int kind : {0, 1, 2}) {
+          for (int kind : {0, 1, 2, 3}) {
             if (chunk < 64 && elems > 1000) continue;  // a chunk per element: slow, nothing new
             SCOPED_TRACE(::testing::Message() << "workers " << workers << ", chunk " << chunk << ", elem " << elem
                                               << ", elems " << elems << ", kind " << kind);
@@ -70,6 +80,26 @@ TEST(ChunkCodec, RoundTripsBitExactForEveryElementSizeChunkSizeAndWorkerCount) {
   }
 }
 
+TEST(ChunkCodec, RoundTripsAtFastAndStrongLevelsAndForDoubles) {
+  std::vector<double> values(3000);
+  std::mt19937 rng(5);
+  std::normal_distribution<double> d(0.0, 1e-4);
+  for (double& v : values) v = d(rng);
+  const auto raw = std::as_bytes(std::span(values));
+  for (int level : {-5, 1, 9, 19}) {
+    SCOPED_TRACE(::testing::Message() << "level " << level);
+    const ChunkCodec codec(options(5000, 2, level));  // 625 doubles a chunk: 5 chunks, the last short
+    const auto t = codec.compress(raw, 8, "w.adam_m");
+    EXPECT_EQ(t.chunk_count(), 5u);
+    if (level >= 1) {  // negative levels store literals as they are
+      EXPECT_LT(t.compressed_bytes(), t.raw_bytes()) << "the exponent planes of doubles compress";
+    }
+    std::vector<std::byte> back(raw.size());
+    codec.decompress(t, back, "w.adam_m");
+    EXPECT_TRUE(std::equal(back.begin(), back.end(), raw.begin()));
+  }
+}
+
 TEST(ChunkCodec, ShuffledPlanesCompressSmallFloatsBetterThanZerosNeedAlmostNothing) {
   const ChunkCodec codec(options(1 << 16, 0));
   const auto zeros = data_of(1 << 20, 0, 1);
@@ -83,12 +113,14 @@ TEST(ChunkCodec, ShuffledPlanesCompressSmallFloatsBetterThanZerosNeedAlmostNothi
 
 TEST(ChunkCodec, PlaneShuffleIsItsOwnInverse) {
   for (std::size_t elem : {1, 2, 3, 4, 8}) {
-    const auto raw = data_of(999 * elem, 1, 9);
+    const auto raw = data_of(999 * elem, 1, 9);  // 999: whole blocks of 256 elements and a tail
     std::vector<std::byte> planes(raw.size()), back(raw.size());
     offload::shuffle_planes(raw.data(), planes.data(), 999, elem);
-    if (elem == 4) {
-      EXPECT_EQ(planes[1], raw[4]) << "plane 0 holds the first byte of each element";
-      EXPECT_EQ(planes[999], raw[1]) << "plane 1 starts with the second byte of element 0";
+    for (std::size_t i = 0; i < 999; ++i) {
+      for (std::size_t b = 0; b < elem; ++b) {
+        ASSERT_EQ(planes[b * 999 + i], raw[i * elem + b])
+            << "plane " << b << " holds byte " << b << " of element " << i << " (element size " << elem << ")";
+      }
     }
     offload::unshuffle_planes(planes.data(), back.data(), 999, elem);
     EXPECT_EQ(back, raw) << elem;
@@ -111,6 +143,7 @@ TEST(ChunkCodec, CorruptChunksAreErrorsNamingTensorAndChunk) {
       const std::string what = e.what();
       EXPECT_NE(what.find("layer3.w.adam_v"), std::string::npos) << what;
       EXPECT_NE(what.find("chunk " + std::to_string(chunk) + " of 5"), std::string::npos) << what;
+      EXPECT_NE(what.find("checkpoint"), std::string::npos) << "says what to do: " << what;
     }
   };
   {
@@ -118,6 +151,9 @@ TEST(ChunkCodec, CorruptChunksAreErrorsNamingTensorAndChunk) {
     auto b = t.chunk_data(2);
     b[b.size() / 2] ^= std::byte{0x10};
     expect_error(t, 2);
+    b[b.size() / 2] ^= std::byte{0x10};  // the failed decompression left the chunks as they were
+    codec.decompress(t, out, "x");
+    EXPECT_EQ(out, raw);
   }
   {
     auto t = codec.compress(raw, 4, "x");
@@ -143,9 +179,16 @@ TEST(ChunkCodec, CorruptChunksAreErrorsNamingTensorAndChunk) {
 TEST(ChunkCodec, BadSettingsAndSizesAreClearErrors) {
   EXPECT_THROW(ChunkCodec(options(0, 0)), std::invalid_argument);
   EXPECT_THROW(ChunkCodec(options(4096, 0, 1000)), std::invalid_argument);
+  try {
+    offload::validate(options(0, 0));
+    FAIL() << "chunk size 0 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("chunk size 0"), std::string::npos) << e.what();
+  }
   const ChunkCodec codec(options(4096, 0));
   const auto raw = data_of(10, 1, 4);
   EXPECT_THROW(codec.compress(raw, 4, "x"), std::invalid_argument) << "10 bytes are not whole 4-byte elements";
+  EXPECT_THROW(codec.compress(raw, 0, "x"), std::invalid_argument) << "elements of no bytes";
   const auto t = codec.compress(std::span(raw).first(8), 4, "x");
   std::vector<std::byte> wrong(12);
   EXPECT_THROW(codec.decompress(t, wrong, "x"), std::invalid_argument);

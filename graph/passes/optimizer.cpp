@@ -1,16 +1,20 @@
 // The optimizer pass: one in-place update node per weight that has a gradient, with its state.
+#include <optional>
+
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
 
 void append_optimizer(Graph& g, const OptimizerSpec& spec) {
   auto& t = g.tensors;
   const std::size_t count = t.size();
-  auto state = [&](TensorId w, const char* suffix) {
-    TensorId s = t.add(t.name[w] + suffix, t.shape[w], DType::f32, Role::optimizer_state);
+  auto state = [&](TensorId w, const char* suffix, std::optional<Shape> shape = {}, DType dtype = DType::f32) {
+    TensorId s = t.add(t.name[w] + suffix, shape.value_or(t.shape[w]), dtype, Role::optimizer_state);
     t.init[s] = {WeightInit::Kind::zeros, 0};
     return s;
   };
+  const ops::OpId adam8bit_op = spec.kind == OptimizerSpec::Kind::adamw8bit ? ops::find_op("adam8bit_update") : 0;
   // Every update reads the step's loss and skips itself when the loss is not finite.
   const TensorId stats = g.loss;
   for (TensorId w = 0; w < count; ++w) {
@@ -23,6 +27,18 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec) {
       const TensorId ins[] = {w, grad, v, stats};
       const TensorId outs[] = {w, v};
       g.nodes.add(builtin::sgd_update, t.name[w] + ".update", std::span(ins, stats == no_tensor ? 3 : 4), outs);
+    } else if (spec.kind == OptimizerSpec::Kind::adamw8bit) {
+      // 8-bit moments (u8 codes) and their block scales [2, blocks]; zero scales make every code 0.
+      ops::check_adam8bit_block(spec.block8bit);
+      const auto blocks = static_cast<std::uint32_t>(ops::adam8bit_blocks(t.shape[w].elems(), spec.block8bit));
+      const TensorId m = state(w, ".adam8_m", t.shape[w], DType::u8);
+      const TensorId v = state(w, ".adam8_v", t.shape[w], DType::u8);
+      const TensorId scales = state(w, ".adam8_scales", Shape{2, blocks}, DType::f32);
+      NodeAttrs attrs;
+      attrs.i[0] = static_cast<std::int32_t>(spec.block8bit);
+      const TensorId ins[] = {w, grad, m, v, scales, stats};
+      const TensorId outs[] = {w, m, v, scales};
+      g.nodes.add(adam8bit_op, t.name[w] + ".update", std::span(ins, stats == no_tensor ? 5 : 6), outs, attrs);
     } else {
       TensorId m = state(w, ".adam_m");
       TensorId v = state(w, ".adam_v");

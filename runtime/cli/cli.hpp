@@ -31,6 +31,7 @@ struct TrainArgs {
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
   bool lr_given = false;  // --lr on the command line (gpt's default peak is 2e-3)
   std::string optimizer = "adam", schedule = "cosine";
+  std::uint32_t optimizer_block = 2048;  // adamw8bit: elements per quantization block
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, residency = "auto";
   std::string weights_home, state_home;  // empty: the residency mode's preset

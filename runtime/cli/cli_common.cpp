@@ -27,12 +27,17 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
     opt.optimizer.kind =
         a.optimizer == "adam" ? ferry::graph::OptimizerSpec::Kind::adam : ferry::graph::OptimizerSpec::Kind::adamw;
     opt.optimizer.adam.weight_decay = a.weight_decay;
+  } else if (a.optimizer == "adamw8bit") {
+    ferry::ops::check_adam8bit_block(a.optimizer_block);
+    opt.optimizer.kind = ferry::graph::OptimizerSpec::Kind::adamw8bit;
+    opt.optimizer.adam.weight_decay = a.weight_decay;
+    opt.optimizer.block8bit = a.optimizer_block;
   } else if (a.optimizer == "sgd") {
     opt.optimizer.kind = ferry::graph::OptimizerSpec::Kind::sgd;
     opt.optimizer.sgd.momentum = a.momentum;
     opt.optimizer.sgd.weight_decay = a.weight_decay;
   } else {
-    throw std::invalid_argument(fmt::format("unknown optimizer '{}': use adam, adamw or sgd", a.optimizer));
+    throw std::invalid_argument(fmt::format("unknown optimizer '{}': use adam, adamw, adamw8bit or sgd", a.optimizer));
   }
   opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
   opt.residency.lookahead = a.lookahead;

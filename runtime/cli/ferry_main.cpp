@@ -87,24 +87,24 @@ int cmd_train(const TrainArgs& a) {
       case ferry::graph::ResidencyMode::stream:
         where = fmt::format(
             "; weights and optimizer state in {} of host memory; per step {} fetches ({}) and {} "
-            "write-backs ({}), issued {} compute nodes ahead{}{}",
+            "write-backs ({}), issued {} compute nodes ahead{}",
             ferry::format_bytes(trainer.host_state_bytes()), rr.fetches, ferry::format_bytes(rr.fetch_bytes),
             rr.write_backs, ferry::format_bytes(rr.write_back_bytes), rr.lookahead,
-            rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string(),
-            rr.unpacks + rr.packs
-                ? fmt::format("; {} unpacks and {} packs on host workers through {} of pinned staging", rr.unpacks,
-                              rr.packs, ferry::format_bytes(trainer.train_step().host_step_bytes()))
-                : std::string());
+            rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
         break;
       case ferry::graph::ResidencyMode::mapped:
         where = fmt::format(
-            "; weights and optimizer state ({}) and weight gradients ({}) in pinned host memory that kernels use in "
-            "place (zero-copy)",
+            "; weights and optimizer state in {} of host memory, the mapped ones used by kernels in place "
+            "(zero-copy); {} of step tensors (their gradients, staging) in pinned host memory",
             ferry::format_bytes(trainer.host_state_bytes()),
             ferry::format_bytes(trainer.train_step().host_step_bytes()));
         break;
       default:
         break;
+    }
+    if (rr.unpacks + rr.packs > 0) {
+      where += fmt::format("; staged homes: {} unpacks and {} packs per step on host workers, {} of pinned staging",
+                           rr.unpacks, rr.packs, ferry::format_bytes(trainer.train_step().host_step_bytes()));
     }
     std::cerr << fmt::format(
         "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}\n",
@@ -244,8 +244,16 @@ int main(int argc, char** argv) {
   train->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
       ->check(CLI::PositiveNumber);
   train->add_option("--lr", t.lr, "Peak learning rate (gpt: 0.002)")->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--optimizer", t.optimizer, "adam, adamw or sgd")->capture_default_str();
-  train->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw)")->capture_default_str();
+  train
+      ->add_option("--optimizer", t.optimizer,
+                   "adam, adamw, adamw8bit (AdamW with 8-bit block-wise quantized moments) or sgd")
+      ->capture_default_str();
+  train
+      ->add_option("--optimizer-block", t.optimizer_block,
+                   "adamw8bit: elements sharing one scale per moment (a multiple of 256)")
+      ->capture_default_str();
+  train->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw, adamw8bit)")
+      ->capture_default_str();
   train->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
   train->add_option("--schedule", t.schedule, "Learning rate schedule: cosine or constant")->capture_default_str();
   train->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(CLI::PositiveNumber);

@@ -48,14 +48,20 @@ check "streaming under a budget reports fetches" bash -c "grep -q '\"residency\"
 state=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --state-home host)
 check "--state-home host streams only the optimizer state" bash -c "grep -q '\"state_home\":\"host_pinned\"' <<<'$state' && grep -q '\"weights_home\":\"device\"' <<<'$state' && ! grep -q '\"fetch_bytes_per_step\":0,' <<<'$state'"
 
+small=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --optimizer adamw8bit --state-home compressed)
+check "adamw8bit with compressed state reports its state home and unpacks" bash -c "grep -q '\"state_home\":\"host_compressed\"' <<<'$small' && grep -q '\"optimizer\":\"adamw8bit\"' <<<'$small' && ! grep -q '\"unpacks_per_step\":0,' <<<'$small'"
+
 expect_error "unknown device" "no OpenCL device matches 'no-such-device'" train --device no-such-device --epochs 1
 expect_error "missing data set" "$work/nowhere" train --data "$work/nowhere" --epochs 1
 expect_error "budget below one layer" "raise the budget to at least" \
   train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB --epochs 1
 expect_error "bad size unit" "unknown unit" train --device-budget 64XB --epochs 1
 expect_error "an unknown residency mode" "--residency: sideways not in" train --residency sideways
-expect_error "a home with no store yet" "home 'host_compressed' has no storage strategy" \
-  train --state-home compressed --epochs 1
+expect_error "a home with no store yet" "home 'host_int8' has no storage strategy" \
+  train --state-home int8 --epochs 1
+expect_error "dropped weights" "only optimizer state can be dropped" train --weights-home dropped --epochs 1
+expect_error "a bad zstd level" "zstd level 99" train --state-home compressed --compress-level 99 --epochs 1
+expect_error "a bad 8-bit block" "2000" train --optimizer adamw8bit --optimizer-block 2000 --epochs 1
 
 # The GPT on a small text this test writes (no package needed): JSON fields, a sample, errors.
 mkdir -p "$work/text"

@@ -2,12 +2,15 @@
 // the step count come from StepInfo at enqueue time, so schedules need no re-binding.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/quant_map.hpp"
 
 namespace ferry::ops {
 
@@ -24,14 +27,17 @@ struct AdamConfig {
 };
 
 // Which optimizer a step's update nodes run, with its settings (read by the update rows).
+// adamw8bit: AdamW whose moments are kept as 8-bit codes (ops/quant_map.hpp), block8bit elements
+// sharing one fp32 scale per moment (see adam8bit_update).
 struct OptimizerConfig {
-  enum class Kind : std::uint8_t { sgd, adam, adamw } kind = Kind::adam;
+  enum class Kind : std::uint8_t { sgd, adam, adamw, adamw8bit } kind = Kind::adam;
   SgdConfig sgd;
   AdamConfig adam;
-  // `adam` with decoupled weight decay set for AdamW.
+  std::uint32_t block8bit = 2048;
+  // `adam` with decoupled weight decay set for AdamW (adamw, adamw8bit).
   AdamConfig adam_config() const {
     AdamConfig c = adam;
-    c.decoupled_weight_decay = kind == Kind::adamw;
+    c.decoupled_weight_decay = kind == Kind::adamw || kind == Kind::adamw8bit;
     return c;
   }
 };
@@ -48,6 +54,32 @@ LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g
 // Enqueueing with StepInfo::step == 0 throws std::invalid_argument (the correction is undefined).
 LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan m, DeviceSpan v,
                        std::size_t n, DeviceSpan guard = {});
+
+// 8-bit block-wise Adam / AdamW (ops/kernels/optimizer8bit.cl), one work-group per block of
+// `block` elements (the last block may be partial). m and v are u8 codes (m: signed map, v:
+// unsigned map); `scales` is f32 [2, blocks]: row 0 the m scales, row 1 the v scales, a block's
+// absmax. Per element: dequantize (code value * old scale), the update of adam_update in fp32,
+// then the block's new absmax becomes its scale and m, v are requantized to the nearest code.
+// Zero scales make every code 0, so zero-initialised state is a valid start.
+// Throws std::invalid_argument (check_adam8bit_block) for a block the device cannot run.
+// `group` (tests): a work-group size to use instead of the device's (a power of two <= 256).
+LaunchList adam8bit_update(OpEnv& env, const AdamConfig& c, std::uint32_t block, DeviceSpan w, DeviceSpan g,
+                           DeviceSpan m, DeviceSpan v, DeviceSpan scales, std::size_t n, DeviceSpan guard = {},
+                           std::uint32_t group = 0);
+
+// The work-group adam8bit_update runs with is a power of two of at most adam8bit_max_group (on
+// CPU devices 32, whose smaller groups PoCL runs faster), so a block size that is a multiple of
+// adam8bit_max_group, at most adam8bit_max_block, suits every device.
+inline constexpr std::uint32_t adam8bit_max_group = 256;
+inline constexpr std::uint32_t adam8bit_max_block = 16384;  // a work-item holds block / group elements
+// Throws std::invalid_argument saying what to use unless `block` is a positive multiple of
+// `group` (the work-group size the kernel runs with) of at most adam8bit_max_block. Config
+// parsing calls it with adam8bit_max_group.
+void check_adam8bit_block(std::uint32_t block, std::uint32_t group = adam8bit_max_group);
+// Blocks (scales per moment) of a tensor of n elements.
+inline std::size_t adam8bit_blocks(std::size_t n, std::uint32_t block) {
+  return (n + block - 1) / block;
+}
 
 namespace ref {
 
@@ -72,6 +104,38 @@ void adam_update(const AdamConfig& c, const StepInfo& s, std::span<T> w, std::sp
     v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
     const T update = (m[i] / bc1) / (std::sqrt(v[i] / bc2) + eps);
     w[i] -= lr * (update + (c.decoupled_weight_decay ? wd * w[i] : T(0)));
+  }
+}
+
+// adam8bit_update in T: m and v hold codes (0..255) as T, scales is [2, blocks] (m, v).
+template <class T>
+void adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepInfo& s, std::span<T> w, std::span<const T> g,
+                     std::span<T> m, std::span<T> v, std::span<T> scales) {
+  const T lr = T(s.lr), b1 = T(c.beta1), b2 = T(c.beta2), eps = T(c.eps), wd = T(c.weight_decay);
+  const T bc1 = T(1) - std::pow(b1, T(s.step)), bc2 = T(1) - std::pow(b2, T(s.step));
+  const std::size_t n = w.size(), blocks = adam8bit_blocks(n, block);
+  std::vector<T> m_new(block), v_new(block);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const std::size_t start = b * block, len = std::min<std::size_t>(block, n - start);
+    T m_max = 0, v_max = 0;
+    for (std::size_t k = 0; k < len; ++k) {
+      const std::size_t i = start + k;
+      const T gi = c.decoupled_weight_decay ? g[i] : g[i] + wd * w[i];
+      const T m0 = T(dynamic_value(static_cast<std::uint8_t>(m[i]), true)) * scales[b];
+      const T v0 = T(dynamic_value(static_cast<std::uint8_t>(v[i]), false)) * scales[blocks + b];
+      m_new[k] = b1 * m0 + (T(1) - b1) * gi;
+      v_new[k] = b2 * v0 + (T(1) - b2) * gi * gi;
+      const T update = (m_new[k] / bc1) / (std::sqrt(v_new[k] / bc2) + eps);
+      w[i] -= lr * (update + (c.decoupled_weight_decay ? wd * w[i] : T(0)));
+      m_max = std::max(m_max, std::abs(m_new[k]));
+      v_max = std::max(v_max, v_new[k]);
+    }
+    for (std::size_t k = 0; k < len; ++k) {
+      m[start + k] = T(dynamic_quantize(m_max > 0 ? static_cast<float>(m_new[k] / m_max) : 0.0f, true));
+      v[start + k] = T(dynamic_quantize(v_max > 0 ? static_cast<float>(v_new[k] / v_max) : 0.0f, false));
+    }
+    scales[b] = m_max;
+    scales[blocks + b] = v_max;
   }
 }
 

@@ -80,7 +80,8 @@ class Trainer {
     return variants_;
   }
 
-  // Sizes of the training state (fp32): weights, their gradients, and optimizer state.
+  // Bytes of the training state as stored: weights and their gradients (fp32), and optimizer state
+  // (fp32; adamw8bit: u8 codes and fp32 block scales).
   std::uint64_t weight_bytes() const;
   std::uint64_t optimizer_state_bytes() const;
   std::uint64_t training_state_bytes() const;

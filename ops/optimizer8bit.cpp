@@ -1,0 +1,98 @@
+// Binding of the 8-bit block-wise Adam kernel (ops/kernels/optimizer8bit.cl). The work-group size
+// and the elements per work-item are -D parameters, so a work-item's share of its block lives in
+// private memory of a fixed size; the learning rate and bias corrections are set per step.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "ferry/cl/error.hpp"
+#include "ferry/ops/optimizer.hpp"
+
+namespace ferry::ops {
+namespace {
+
+constexpr cl_uint kLrArg = 17;  // followed by inv_bc1, inv_bc2
+
+// The largest power of two <= min(the preferred size, the device's work-group limit): on CPU
+// devices 32 (PoCL runs a work-group's barriers as loops over its work-items, and a kernel with
+// 32 work-items of 64 elements each took 0.6x the time of 256 work-items of 8), elsewhere
+// adam8bit_max_group.
+std::uint32_t device_group(const cl::DeviceInfo& device) {
+  std::size_t cap = device.is_cpu() ? 32 : adam8bit_max_group;
+  if (device.max_work_group_size != 0) cap = std::min(cap, device.max_work_group_size);
+  std::uint32_t group = 1;
+  while (group * 2 <= cap) group *= 2;
+  return group;
+}
+
+}  // namespace
+
+void check_adam8bit_block(std::uint32_t block, std::uint32_t group) {
+  const std::uint32_t example = std::max<std::uint32_t>(2048, group);
+  if (block == 0) {
+    throw std::invalid_argument(
+        fmt::format("adamw8bit: block size 0: use a positive multiple of {}, e.g. {}", group, example));
+  }
+  if (block % group != 0) {
+    throw std::invalid_argument(fmt::format(
+        "adamw8bit: block size {} is not a multiple of the work-group size {} of this device: use a multiple of {}, "
+        "e.g. {}",
+        block, group, group, example));
+  }
+  if (block > adam8bit_max_block) {
+    throw std::invalid_argument(
+        fmt::format("adamw8bit: block size {} is larger than {}: use a multiple of {} up to {}, e.g. {}", block,
+                    adam8bit_max_block, group, adam8bit_max_block, example));
+  }
+}
+
+LaunchList adam8bit_update(OpEnv& env, const AdamConfig& c, std::uint32_t block, DeviceSpan w, DeviceSpan g,
+                           DeviceSpan m, DeviceSpan v, DeviceSpan scales, std::size_t n, DeviceSpan guard,
+                           std::uint32_t group) {
+  if (n > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("adamw8bit: more than 2^32-1 parameters");
+  // The device's group size; smaller while the compiled kernel allows less (each size is its own
+  // program; a block that suits one power of two suits the smaller ones).
+  if (group == 0) {
+    group = device_group(env.device());
+  } else if (group > adam8bit_max_group || (group & (group - 1)) != 0) {
+    throw std::invalid_argument(
+        fmt::format("adamw8bit: work-group size {} is not a power of two up to {}", group, adam8bit_max_group));
+  }
+  cl::Kernel k;
+  for (;;) {
+    check_adam8bit_block(block, group);
+    k = env.kernels.kernel("optimizer8bit", "adam8bit_update", fmt::format("-DWG={} -DPER={}", group, block / group));
+    if (kernel_group_limit(k, env.device()) >= group || group == 1) break;
+    group /= 2;
+  }
+  LaunchList list;
+  if (n == 0) return list;
+  const std::size_t blocks = adam8bit_blocks(n, block);
+  if (blocks > std::numeric_limits<cl_uint>::max() / group) throw std::invalid_argument("adamw8bit: too many blocks");
+  const float l2 = c.decoupled_weight_decay ? 0.0f : c.weight_decay;
+  const float decoupled = c.decoupled_weight_decay ? c.weight_decay : 0.0f;
+  cl::set_args(k.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), m.buffer, m.elem_offset(1), v.buffer,
+               v.elem_offset(1), scales.buffer, scales.elem_offset(), cl_uint(n), cl_uint(blocks), c.beta1, c.beta2,
+               c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f, guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(),
+               cl_uint(guard.buffer ? 1 : 0));
+  KernelLaunch l;
+  l.kernel = std::move(k);
+  l.global[0] = blocks * group;
+  l.local[0] = group;
+  l.per_step = [beta1 = double(c.beta1), beta2 = double(c.beta2)](cl_kernel kernel, const StepInfo& s) {
+    if (s.step == 0) throw std::invalid_argument("adam8bit_update: StepInfo::step is 1-based, got 0");
+    const double t = static_cast<double>(s.step);
+    const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, t)));
+    const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(beta2, t)));
+    FERRY_CL(clSetKernelArg(kernel, kLrArg, sizeof(float), &s.lr));
+    FERRY_CL(clSetKernelArg(kernel, kLrArg + 1, sizeof(float), &inv_bc1));
+    FERRY_CL(clSetKernelArg(kernel, kLrArg + 2, sizeof(float), &inv_bc2));
+  };
+  list.push_back(std::move(l));
+  return list;
+}
+
+}  // namespace ferry::ops
