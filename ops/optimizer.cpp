@@ -2,6 +2,8 @@
 // Adam bias corrections) are set by KernelLaunch::per_step just before each enqueue.
 #include "ferry/ops/optimizer.hpp"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -33,6 +35,18 @@ constexpr cl_uint kSgdLrArg = 10;
 constexpr cl_uint kAdamLrArg = 14;  // followed by inv_bc1, inv_bc2
 }  // namespace
 
+std::function<void(cl_kernel, const StepInfo&)> adam_step_args(const char* op, const AdamConfig& c, cl_uint lr_arg) {
+  return [op, lr_arg, beta1 = double(c.beta1), beta2 = double(c.beta2)](cl_kernel kernel, const StepInfo& s) {
+    if (s.step == 0) throw std::invalid_argument(fmt::format("{}: StepInfo::step is 1-based, got 0", op));
+    const double t = static_cast<double>(s.step);
+    const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, t)));
+    const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(beta2, t)));
+    FERRY_CL(clSetKernelArg(kernel, lr_arg, sizeof(float), &s.lr));
+    FERRY_CL(clSetKernelArg(kernel, lr_arg + 1, sizeof(float), &inv_bc1));
+    FERRY_CL(clSetKernelArg(kernel, lr_arg + 2, sizeof(float), &inv_bc2));
+  };
+}
+
 LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n,
                       DeviceSpan guard) {
   cl::Kernel k = env.kernels.kernel("optimizer", "sgd_update");
@@ -57,15 +71,7 @@ LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan
                v.elem_offset(), checked_count(n), c.beta1, c.beta2, c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f,
                guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0));
   KernelLaunch l = elementwise_launch(std::move(k), n);
-  l.per_step = [beta1 = double(c.beta1), beta2 = double(c.beta2)](cl_kernel kernel, const StepInfo& s) {
-    if (s.step == 0) throw std::invalid_argument("adam_update: StepInfo::step is 1-based, got 0");
-    const double t = static_cast<double>(s.step);
-    const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, t)));
-    const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(beta2, t)));
-    FERRY_CL(clSetKernelArg(kernel, kAdamLrArg, sizeof(float), &s.lr));
-    FERRY_CL(clSetKernelArg(kernel, kAdamLrArg + 1, sizeof(float), &inv_bc1));
-    FERRY_CL(clSetKernelArg(kernel, kAdamLrArg + 2, sizeof(float), &inv_bc2));
-  };
+  l.per_step = adam_step_args("adam_update", c, kAdamLrArg);
   LaunchList list;
   list.push_back(std::move(l));
   return list;

@@ -82,15 +82,7 @@ LaunchList adam8bit_update(OpEnv& env, const AdamConfig& c, std::uint32_t block,
   l.kernel = std::move(k);
   l.global[0] = blocks * group;
   l.local[0] = group;
-  l.per_step = [beta1 = double(c.beta1), beta2 = double(c.beta2)](cl_kernel kernel, const StepInfo& s) {
-    if (s.step == 0) throw std::invalid_argument("adam8bit_update: StepInfo::step is 1-based, got 0");
-    const double t = static_cast<double>(s.step);
-    const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, t)));
-    const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(beta2, t)));
-    FERRY_CL(clSetKernelArg(kernel, kLrArg, sizeof(float), &s.lr));
-    FERRY_CL(clSetKernelArg(kernel, kLrArg + 1, sizeof(float), &inv_bc1));
-    FERRY_CL(clSetKernelArg(kernel, kLrArg + 2, sizeof(float), &inv_bc2));
-  };
+  l.per_step = adam_step_args("adam8bit_update", c, kLrArg);
   list.push_back(std::move(l));
   return list;
 }

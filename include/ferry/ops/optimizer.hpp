@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -80,6 +81,10 @@ void check_adam8bit_block(std::uint32_t block, std::uint32_t group = adam8bit_ma
 inline std::size_t adam8bit_blocks(std::size_t n, std::uint32_t block) {
   return (n + block - 1) / block;
 }
+
+// Sets the per-step arguments of an Adam-family kernel: the learning rate at `lr_arg`, then
+// 1 / (1 - beta1^t) and 1 / (1 - beta2^t). Throws std::invalid_argument naming `op` for step 0.
+std::function<void(cl_kernel, const StepInfo&)> adam_step_args(const char* op, const AdamConfig& c, cl_uint lr_arg);
 
 namespace ref {
 
