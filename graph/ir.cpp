@@ -17,6 +17,8 @@ const char* role_name(Role r) {
       return "weight";
     case Role::optimizer_state:
       return "optimizer state";
+    case Role::predictor_state:
+      return "predictor state";
     case Role::gradient:
       return "gradient";
     case Role::activation:
@@ -34,7 +36,7 @@ const char* role_name(Role r) {
 }
 
 bool is_persistent(Role r) {
-  return r == Role::weight || r == Role::optimizer_state;
+  return r == Role::weight || r == Role::optimizer_state || r == Role::predictor_state;
 }
 
 TensorId TensorTable::add(std::string n, Shape s, DType t, Role r, TensorId alias) {

@@ -13,6 +13,11 @@ const std::vector<ModelPass>& model_passes() {
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
          if (key.training) append_optimizer(g, optimizer);
        }},
+      {"predictor",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
+         if (key.training && key.fit_predictor) append_predictor_fit(g, optimizer.predictor);
+         if (!key.training && key.apply_predictor) append_predictor_apply(g);
+       }},
       {"download", [](Graph& g, const VariantKey&, const OptimizerSpec&) { append_stats_download(g); }},
   };
   return passes;

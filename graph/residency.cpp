@@ -17,6 +17,9 @@ constexpr std::uint32_t never = std::numeric_limits<std::uint32_t>::max();
 bool is_update(OpId op) {
   return ops::op_info(op).op_class == ops::OpClass::update;
 }
+bool is_predictor(OpId op) {
+  return ops::op_info(op).op_class == ops::OpClass::predictor;
+}
 
 // A copy of `old` with nodes in `order` (each old id once).
 NodeTable reordered(const NodeTable& old, const std::vector<NodeId>& order) {
@@ -327,23 +330,37 @@ ResidencyMode parse_residency_mode(const std::string& s) {
 void place_updates_early(Graph& g) {
   const auto& n = g.nodes;
   const auto& t = g.tensors;
-  std::vector<NodeId> last_use(n.size(), 0);
+  // Updates and predictor nodes move; each goes right after the last other node that touches one
+  // of its tensors, and after any earlier moving node that writes one (a predictor's snapshot,
+  // the update, then its fit keep their order). A moving node that reads what a later one writes
+  // (the snapshot, the weight) anchors no later than it, and equal anchors keep the node order.
+  const auto moves = [&](NodeId id) { return is_update(n.op[id]) || is_predictor(n.op[id]); };
   std::vector<std::vector<NodeId>> after(n.size());
   std::vector<NodeId> last_touch(t.size(), 0);
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (is_update(n.op[id])) continue;
+    if (moves(id)) continue;
     for (TensorId x : n.inputs(id)) last_touch[t.storage(x)] = id;
     for (TensorId x : n.outputs(id)) last_touch[t.storage(x)] = id;
   }
+  std::vector<NodeId> written_at(t.size(), 0);  // by storage: the anchor of the last moving node writing it
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (!is_update(n.op[id])) continue;
-    const auto in = n.inputs(id);
-    const NodeId anchor = std::max(last_touch[t.storage(in[0])], last_touch[t.storage(in[1])]);
+    if (!moves(id)) continue;
+    NodeId anchor = 0;
+    if (is_update(n.op[id])) {
+      // An update waits for its weight's last use and its gradient (inputs 0 and 1).
+      const auto in = n.inputs(id);
+      anchor = std::max(last_touch[t.storage(in[0])], last_touch[t.storage(in[1])]);
+    } else {
+      for (TensorId x : n.inputs(id)) anchor = std::max(anchor, last_touch[t.storage(x)]);
+    }
+    for (TensorId x : n.inputs(id)) anchor = std::max(anchor, written_at[t.storage(x)]);
+    for (TensorId x : n.outputs(id)) anchor = std::max(anchor, written_at[t.storage(x)]);
+    for (TensorId x : n.outputs(id)) written_at[t.storage(x)] = anchor;
     after[anchor].push_back(id);
   }
   std::vector<NodeId> order;
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (is_update(n.op[id])) continue;
+    if (moves(id)) continue;
     order.push_back(id);
     for (NodeId u : after[id]) order.push_back(u);
   }
@@ -368,7 +385,8 @@ void assign_homes(Graph& g, ResidencyMode preset, const ResidencyOptions& option
   auto& t = g.tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (!is_persistent(t.role[id])) continue;
-    const auto& role_home = t.role[id] == Role::weight ? options.weights_home : options.state_home;
+    // The predictor's state goes where the weights go: Predict reads it with them.
+    const auto& role_home = t.role[id] == Role::optimizer_state ? options.state_home : options.weights_home;
     t.home[id] = role_home.value_or(preset_home(preset));
   }
 }

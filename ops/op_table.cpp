@@ -57,6 +57,7 @@ Registry& registry() {
     table::register_mse_rows(named);
     table::register_loss_sum_rows(named);
     table::register_optimizer8bit_rows(named);
+    table::register_predictor_rows(named);
     return reg;
   }();
   return *r;
@@ -80,6 +81,8 @@ const char* op_class_name(OpClass c) {
       return "update";
     case OpClass::cast:
       return "cast";
+    case OpClass::predictor:
+      return "predictor";
   }
   return "?";
 }

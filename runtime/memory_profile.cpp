@@ -35,6 +35,7 @@ std::vector<StepSection> sections(const graph::Graph& g) {
         out[n] = StepSection::transfer;
         break;
       case OpClass::update:
+      case OpClass::predictor:
         out[n] = StepSection::update;
         break;
       case OpClass::loss:

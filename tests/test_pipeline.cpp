@@ -22,12 +22,13 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
   return n;
 }
 
-TEST(Pipeline, ModelPassesAreAutodiffOptimizerDownloadInThatOrder) {
+TEST(Pipeline, ModelPassesAreAutodiffOptimizerPredictorDownloadInThatOrder) {
   const auto& passes = graph::model_passes();
-  ASSERT_EQ(passes.size(), 3u);
+  ASSERT_EQ(passes.size(), 4u);
   EXPECT_STREQ(passes[0].name, "autodiff");
   EXPECT_STREQ(passes[1].name, "optimizer");
-  EXPECT_STREQ(passes[2].name, "download");
+  EXPECT_STREQ(passes[2].name, "predictor");
+  EXPECT_STREQ(passes[3].name, "download");
 }
 
 TEST(Pipeline, EachModelPassAlone) {
@@ -52,8 +53,12 @@ TEST(Pipeline, EachModelPassAlone) {
   for (TensorId t = 0; t < g.tensors.size(); ++t) state += g.tensors.role[t] == graph::Role::optimizer_state;
   EXPECT_EQ(state, 8u);
 
-  const std::size_t before = g.nodes.size();
-  graph::model_passes()[2].run(g, train, adam);  // download: one node, into a host mirror
+  std::size_t before = g.nodes.size();
+  graph::model_passes()[2].run(g, train, adam);  // predictor: nothing unless the key asks for it
+  EXPECT_EQ(g.nodes.size(), before);
+
+  before = g.nodes.size();
+  graph::model_passes()[3].run(g, train, adam);  // download: one node, into a host mirror
   ASSERT_EQ(g.nodes.size(), before + 1);
   EXPECT_EQ(g.nodes.op.back(), graph::builtin::download);
   EXPECT_NE(g.tensors.home[g.nodes.outputs(static_cast<graph::NodeId>(before))[0]], graph::Residency::device);
@@ -62,6 +67,39 @@ TEST(Pipeline, EachModelPassAlone) {
   graph::Graph eval = graph::prepare_step_graph(mlp_forward(16), graph::VariantKey{16, false}, adam);
   EXPECT_EQ(eval.nodes.size(), forward_nodes + 1);
   EXPECT_EQ(count_class(eval, ops::OpClass::backward), 0u);
+}
+
+std::size_t count_role(const graph::Graph& g, graph::Role r) {
+  std::size_t n = 0;
+  for (TensorId t = 0; t < g.tensors.size(); ++t) n += g.tensors.role[t] == r;
+  return n;
+}
+
+TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
+  graph::OptimizerSpec adam;
+  graph::VariantKey fit{16, true};
+  fit.fit_predictor = true;
+  const graph::Graph g = graph::prepare_step_graph(mlp_forward(16), fit, adam);
+  EXPECT_EQ(count_class(g, ops::OpClass::predictor), 8u);  // a snapshot and a fit per weight
+  EXPECT_EQ(count_role(g, graph::Role::predictor_state), 8u);
+  // Each weight's snapshot comes before its update, and its fit after.
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.op[n] != graph::builtin::adam_update) continue;
+    EXPECT_EQ(g.nodes.op[n - 1], ops::find_op("predictor_snapshot"));
+    EXPECT_EQ(g.nodes.op[n + 1], ops::find_op("predictor_fit"));
+  }
+
+  graph::VariantKey predict{16, false};
+  predict.apply_predictor = true;
+  const graph::Graph p = graph::prepare_step_graph(mlp_forward(16), predict, adam);
+  EXPECT_EQ(count_class(p, ops::OpClass::backward), 0u);
+  EXPECT_EQ(count_class(p, ops::OpClass::update), 0u);
+  EXPECT_EQ(count_class(p, ops::OpClass::predictor), 4u);  // one apply per weight
+  EXPECT_EQ(count_role(p, graph::Role::optimizer_state), 0u);
+
+  graph::OptimizerSpec bad = adam;
+  bad.predictor.beta = 1.0f;
+  EXPECT_THROW(graph::prepare_step_graph(mlp_forward(16), fit, bad), std::invalid_argument);
 }
 
 TEST(Pipeline, AutodiffWithoutALossIsAClearError) {

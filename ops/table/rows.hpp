@@ -32,6 +32,8 @@ void register_mse_rows(const AddNamedRow& add);       // ops/table/mse.cpp: mean
 void register_loss_sum_rows(const AddNamedRow& add);  // ops/table/loss_sum.cpp: two weighted losses
 // ops/table/optimizer.cpp: 8-bit block-wise Adam/AdamW (adam8bit_update), on the device only.
 void register_optimizer8bit_rows(const AddNamedRow& add);
+// ops/table/predictor.cpp: the weight-update predictor's snapshot, fit and apply.
+void register_predictor_rows(const AddNamedRow& add);
 
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);

@@ -19,6 +19,13 @@ void append_backward(Graph& g);
 // (role optimizer_state, zero-initialised).
 void append_optimizer(Graph& g, const OptimizerSpec& spec);
 
+// The weight-update predictor (ops/predictor.hpp). append_predictor_fit puts a snapshot of each
+// weight before its optimizer update and a fit after it; append_predictor_apply adds one apply
+// node per weight (a Predict step). Both create the predictor state of every weight they touch
+// (role predictor_state): "<w>.pred_d" shaped like w and "<w>.pred_stats" [4], zero-initialised.
+void append_predictor_fit(Graph& g, const ops::PredictorConfig& c);
+void append_predictor_apply(Graph& g);
+
 // Appends the node that copies the loss statistics to the host at the end of the step.
 void append_stats_download(Graph& g);
 

@@ -24,6 +24,11 @@ struct VariantKey {
   std::uint32_t batch = 0;
   bool training = true;  // false: forward, loss and download only (evaluation, prediction)
   bool predict = false;  // forward only, the prediction downloaded, no targets or loss
+  // Hybrid phases (runtime/phases/): a training variant that also fits the weight-update
+  // predictor after each update (Warmup, Full, Correct), or a forward-and-loss variant that
+  // advances the weights by the predictor instead of an optimizer (Predict).
+  bool fit_predictor = false;
+  bool apply_predictor = false;
   auto operator<=>(const VariantKey&) const = default;
 };
 

@@ -51,6 +51,9 @@ enum class OpClass : std::uint8_t {
   backward,  // gradient ops
   update,    // optimizer updates: the residency pass may move them early or to the host
   cast,      // precision changes
+  // the weight-update predictor (ops/predictor.hpp): placed with the updates (moved early with
+  // them, in their order), always on the device
+  predictor,
 };
 const char* op_class_name(OpClass c);
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/predictor.hpp"
 #include "ferry/ops/quant_map.hpp"
 
 namespace ferry::ops {
@@ -35,6 +36,9 @@ struct OptimizerConfig {
   SgdConfig sgd;
   AdamConfig adam;
   std::uint32_t block8bit = 2048;
+  // The weight-update predictor of the hybrid phases: read only by the variants that fit or
+  // apply it (graph::VariantKey).
+  PredictorConfig predictor;
   // `adam` with decoupled weight decay set for AdamW (adamw, adamw8bit).
   AdamConfig adam_config() const {
     AdamConfig c = adam;

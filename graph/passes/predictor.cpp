@@ -1,0 +1,78 @@
+// The predictor pass: snapshot and fit around every optimizer update (training variants of the
+// hybrid phases), or one apply node per weight (Predict).
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/op_table.hpp"
+
+namespace ferry::graph {
+namespace {
+
+struct PredictorState {
+  TensorId d, stats;
+};
+
+PredictorState predictor_state(TensorTable& t, TensorId w) {
+  const TensorId d = t.add(t.name[w] + ".pred_d", t.shape[w], DType::f32, Role::predictor_state);
+  const TensorId stats = t.add(t.name[w] + ".pred_stats", Shape{static_cast<std::uint32_t>(ops::predictor_stat_count)},
+                               DType::f32, Role::predictor_state);
+  t.init[d] = t.init[stats] = {WeightInit::Kind::zeros, 0};
+  return {d, stats};
+}
+
+void check_f32(const TensorTable& t, TensorId w) {
+  if (t.dtype[w] != DType::f32) {
+    throw std::invalid_argument(
+        fmt::format("the weight-update predictor needs f32 weights; '{}' is {}: train it with --phases full", t.name[w],
+                    dtype_name(t.dtype[w])));
+  }
+}
+
+}  // namespace
+
+void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
+  ops::check_predictor(c);
+  auto& t = g.tensors;
+  const ops::OpId snapshot = ops::find_op("predictor_snapshot");
+  const ops::OpId fit = ops::find_op("predictor_fit");
+  NodeAttrs attrs;
+  attrs.i[0] = static_cast<std::int32_t>(c.kind);
+  attrs.f[0] = c.beta;
+  attrs.f[1] = c.max_gain;
+  const NodeTable old = g.nodes;
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    const bool update = ops::op_info(old.op[n]).op_class == ops::OpClass::update;
+    const TensorId w = update ? old.outputs(n)[0] : no_tensor;
+    if (!update || t.role[w] != Role::weight) {
+      out.add_copy(old, n);
+      continue;
+    }
+    check_f32(t, w);
+    const PredictorState s = predictor_state(t, w);
+    const TensorId before = t.add(t.name[w] + ".before", t.shape[w], DType::f32, Role::activation);
+    out.add(snapshot, t.name[w] + ".snapshot", std::span(&w, 1), std::span(&before, 1));
+    out.add_copy(old, n);
+    const TensorId ins[] = {w, before, s.d, s.stats, g.loss};
+    const TensorId outs[] = {s.d, s.stats};
+    out.add(fit, t.name[w] + ".fit", std::span(ins, g.loss == no_tensor ? 4 : 5), outs, attrs);
+  }
+  g.nodes = std::move(out);
+}
+
+void append_predictor_apply(Graph& g) {
+  auto& t = g.tensors;
+  const ops::OpId apply = ops::find_op("predictor_apply");
+  const std::size_t count = t.size();
+  for (TensorId w = 0; w < count; ++w) {
+    if (t.role[w] != Role::weight || t.alias_of[w] != no_tensor) continue;
+    check_f32(t, w);
+    const PredictorState s = predictor_state(t, w);
+    const TensorId ins[] = {w, s.d, s.stats, g.loss};
+    g.nodes.add(apply, t.name[w] + ".predict", std::span(ins, g.loss == no_tensor ? 3 : 4), std::span(&w, 1));
+  }
+}
+
+}  // namespace ferry::graph
