@@ -36,15 +36,26 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
     throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
   }
+  validate(options_.phases);
+  graph::VariantKey train_key{options_.batch, true};
+  if (options_.phases.hybrid) {
+    options_.optimizer.predictor = options_.phases.predictor;
+    train_key.fit_predictor = true;
+    phases_ = std::make_unique<PhaseController>(options_.phases);
+  }
   budget_ = options_.residency.budget_bytes;
   if (budget_ == 0) {
     const std::uint64_t mem = runtime_.device().global_mem_bytes;
     budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
   }
-  train_ = std::make_unique<graph::CompiledStep>(build_graph(graph::VariantKey{options_.batch, true}),
+  train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key),
                                                  options_.optimizer, runtime_.env(), runtime_.context(), nullptr,
                                                  graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
+  if (phases_) {
+    for (const auto& name : parameter_names()) fit_stats_.push_back(name + ".pred_stats");
+    gains_.assign(fit_stats_.size(), 0.0f);
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -136,14 +147,14 @@ void Trainer::validate_staged(const graph::CompiledStep& step, std::span<const T
   }
 }
 
-StepResult Trainer::step(const Batch& batch) {
+void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
   const std::uint32_t samples = options_.batch;
   for (const auto& [name, view] : batch) {
     const auto known = [&](const TensorSpec& s) { return s.name == name; };
     if (std::none_of(model_.inputs.begin(), model_.inputs.end(), known) &&
         std::none_of(model_.targets.begin(), model_.targets.end(), known)) {
       throw std::invalid_argument(fmt::format("batch has a tensor '{}' that model '{}' does not take (it takes: {})",
-                                              name, model_.name, fmt::join(train_->host_input_names(), ", ")));
+                                              name, model_.name, fmt::join(step.host_input_names(), ", ")));
     }
   }
   for (const auto* specs : {&model_.inputs, &model_.targets}) {
@@ -162,11 +173,17 @@ StepResult Trainer::step(const Batch& batch) {
             spec.name, graph::dtype_name(v.dtype), v.bytes.size(), samples, graph::dtype_name(spec.dtype),
             spec.sample.str(), samples * spec.sample_bytes()));
       }
-      std::memcpy(train_->host_input(spec.name).data(), v.bytes.data(), v.bytes.size());
+      std::memcpy(step.host_input(spec.name).data(), v.bytes.data(), v.bytes.size());
     }
   }
-  validate_staged(*train_, model_.inputs, 0);
-  validate_staged(*train_, model_.targets, 0);
+  validate_staged(step, model_.inputs, 0);
+  validate_staged(step, model_.targets, 0);
+}
+
+StepResult Trainer::step(const Batch& batch) {
+  if (phases_ && phases_->next() == Phase::predict) return predict_step(batch);
+  const Phase phase = phases_ ? phases_->next() : Phase::full;
+  stage_batch(*train_, batch);
   const auto t0 = std::chrono::steady_clock::now();
   train_->run(ops::StepInfo{steps_ + 1, lr_});
   const auto t1 = std::chrono::steady_clock::now();
@@ -184,7 +201,74 @@ StepResult Trainer::step(const Batch& batch) {
         steps_ + 1, r.loss, lr_));
   }
   ++steps_;
+  r.phase = phase;
+  phase_ms_[static_cast<int>(phase)] += r.step_ms;
+  ++phase_steps_[static_cast<int>(phase)];
+  if (phases_) phases_->record_full(r.loss, read_fit());
   return r;
+}
+
+FitStats Trainer::read_fit() {
+  FitStats f;
+  const auto& arena = *train_->persistent();
+  for (std::size_t i = 0; i < fit_stats_.size(); ++i) {
+    const auto entry = arena.find(fit_stats_[i]);
+    if (!entry) throw std::logic_error(fmt::format("no predictor state '{}'", fit_stats_[i]));
+    float st[ops::predictor_stat_count];
+    arena.read(entry->home, entry->place, st, sizeof st);
+    const double g = gains_[i];  // the gain the prediction this fit judged was made with
+    f.delta_pred += g * st[ops::predictor_stat_delta_d];
+    f.pred_pred += g * g * st[ops::predictor_stat_d_d];
+    f.delta_delta += st[ops::predictor_stat_delta_delta];
+    gains_[i] = st[ops::predictor_stat_gain];
+  }
+  return f;
+}
+
+StepResult Trainer::predict_step(const Batch& batch) {
+  graph::VariantKey key{options_.batch, false};
+  key.apply_predictor = true;
+  graph::CompiledStep& step = variant(key);
+  stage_batch(step, batch);
+  if (!in_predict_run_) {
+    // The weights of the last Full step, put back if the run diverges.
+    restore_point_.clear();
+    for (const auto& name : parameter_names()) restore_point_.push_back(read_tensor(name));
+    in_predict_run_ = true;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  step.run(ops::StepInfo{steps_ + 1, lr_});
+  const auto t1 = std::chrono::steady_clock::now();
+  StepResult r;
+  r.phase = Phase::predict;
+  const float* stats = step.stats_host();
+  r.loss = stats[0];
+  if (counts_hits(step)) r.correct = static_cast<std::uint32_t>(stats[1]);
+  r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  r.device_peak_bytes = step.device_bytes();
+  phase_ms_[static_cast<int>(Phase::predict)] += r.step_ms;
+  ++phase_steps_[static_cast<int>(Phase::predict)];
+  r.verdict = phases_->record_predict(r.loss);
+  if (r.verdict == PhaseController::Verdict::restore) {
+    const auto names = parameter_names();
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      const auto& t = train_->graph().tensors;
+      const TensorId id = persistent_tensor(names[i]);
+      train_->persistent()->write(t.home[id], t.placement[id], restore_point_[i].bytes.data(),
+                                  restore_point_[i].bytes.size());
+    }
+  }
+  if (phases_->next() != Phase::predict) in_predict_run_ = false;
+  return r;
+}
+
+double Trainer::phase_step_ms(Phase p) const {
+  const auto i = static_cast<int>(p);
+  return phase_steps_[i] ? phase_ms_[i] / static_cast<double>(phase_steps_[i]) : 0.0;
+}
+
+std::uint64_t Trainer::predictor_state_bytes() const {
+  return bytes_of(graph::Role::predictor_state);
 }
 
 StepResult Trainer::step(std::span<const float> images, std::span<const std::int32_t> labels) {
@@ -338,6 +422,9 @@ std::vector<std::string> Trainer::tensor_names() const {
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == graph::Role::optimizer_state && t.alias_of[id] == graph::no_tensor) names.push_back(t.name[id]);
+  }
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.role[id] == graph::Role::predictor_state && t.alias_of[id] == graph::no_tensor) names.push_back(t.name[id]);
   }
   return names;
 }

@@ -18,6 +18,7 @@
 #include "ferry/runtime/lr_schedule.hpp"
 #include "ferry/runtime/memory_profile.hpp"
 #include "ferry/runtime/model.hpp"
+#include "ferry/runtime/phases.hpp"
 #include "ferry/runtime/runtime.hpp"
 #include "ferry/runtime/trace.hpp"
 #include "ferry/runtime/trainer.hpp"

@@ -44,6 +44,9 @@ struct TrainArgs {
   std::size_t train_limit = 0;
   std::uint32_t trace_steps = 4;
   bool json = false, quiet = false;
+  // Hybrid phases (ferry/runtime/phases.hpp): the defaults are PhaseConfig's.
+  std::string phases = "full", predictor = "linear";
+  ferry::PhaseConfig phase_config;
 };
 
 // The optimizer, learning rate, seed and residency options of `a` into `opt` (batch aside).

@@ -165,8 +165,14 @@ int cmd_train(const TrainArgs& a) {
     last_epoch_loss = loss_sum / steps_per_epoch;
     if (!a.quiet) {
       const auto eval = trainer.evaluate(test);
-      std::cerr << fmt::format("epoch {}/{}: train loss {:.4f}, test accuracy {:.4f}\n", epoch, a.epochs,
-                               last_epoch_loss, eval.accuracy);
+      std::string phase_note;
+      if (const auto* pc = trainer.phases()) {
+        phase_note = fmt::format(" ({:.0f}% of steps predicted so far, {} runs, {} ended, {} restored)",
+                                 100 * pc->predict_fraction(), pc->counts().runs, pc->counts().ended,
+                                 pc->counts().restores);
+      }
+      std::cerr << fmt::format("epoch {}/{}: train loss {:.4f}, test accuracy {:.4f}{}\n", epoch, a.epochs,
+                               last_epoch_loss, eval.accuracy, phase_note);
     }
   }
   train_seconds = std::chrono::duration<double>(Clock::now() - train_start).count();
@@ -219,6 +225,21 @@ int cmd_train(const TrainArgs& a) {
                         {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
                         {"host_updates_per_step", trainer.residency().host_updates},
                         {"compile_s", compile_s}};
+    j["phases"] = ferry::phases_name(opt.phases.hybrid);
+    if (const auto* pc = trainer.phases()) {
+      const auto& c = pc->counts();
+      j["predictor"] = ferry::ops::predictor_name(opt.phases.predictor.kind);
+      j["predict_fraction"] = pc->predict_fraction();
+      nlohmann::json steps;
+      for (std::size_t p = 0; p < ferry::phase_count; ++p) steps[ferry::phase_name(ferry::Phase(p))] = c.steps[p];
+      j["phase_steps"] = steps;
+      j["predict_runs"] = c.runs;
+      j["predict_ended"] = c.ended;
+      j["predict_restores"] = c.restores;
+      j["full_step_ms"] = trainer.phase_step_ms(ferry::Phase::full);
+      j["predict_step_ms"] = trainer.phase_step_ms(ferry::Phase::predict);
+      j["predictor_state_bytes"] = trainer.predictor_state_bytes();
+    }
     std::cout << j.dump() << std::endl;
   }
   return 0;
@@ -315,6 +336,31 @@ int main(int argc, char** argv) {
   train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile)")->capture_default_str();
   train->add_option("--profile", t.profile_path,
                     "Write a CSV memory profile: device bytes per node, transfers and their device times");
+  auto& pc = t.phase_config;
+  train
+      ->add_option("--phases", t.phases,
+                   "full (every step trains) or hybrid (Warmup/Full/Predict/Correct: some steps run forward only and "
+                   "advance the weights by a predicted update; see docs/phases.md)")
+      ->capture_default_str();
+  train
+      ->add_option("--predictor", t.predictor,
+                   "hybrid: linear (smoothed recent updates) or lsq (with a least-squares gain per tensor)")
+      ->capture_default_str();
+  train->add_option("--predictor-beta", pc.predictor.beta, "hybrid: smoothing of the recent updates, in [0, 1)")
+      ->capture_default_str();
+  train->add_option("--warmup-steps", pc.warmup_steps, "hybrid: Full steps before anything is predicted")
+      ->capture_default_str();
+  train->add_option("--min-full-steps", pc.min_full_steps, "hybrid: Full steps between Predict runs")
+      ->capture_default_str();
+  train->add_option("--max-predict", pc.max_predict_steps, "hybrid: the longest Predict run")->capture_default_str();
+  train
+      ->add_option("--confidence", pc.confidence,
+                   "hybrid: prediction quality (cosine of predicted and true update) needed to predict, in (0, 1]")
+      ->capture_default_str();
+  train
+      ->add_option("--max-loss-gap", pc.max_loss_gap,
+                   "hybrid: a Predict loss this far above the recent Full mean restores the last Full weights")
+      ->capture_default_str();
   train->add_flag("--json", t.json, "End with one JSON line of results on stdout");
   train->add_flag("--quiet", t.quiet, "No progress output");
   CLI11_PARSE(app, argc, argv);

@@ -13,6 +13,7 @@
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/model.hpp"
+#include "ferry/runtime/phases.hpp"
 #include "ferry/runtime/runtime.hpp"
 
 namespace ferry {
@@ -27,6 +28,9 @@ struct TrainerOptions {
   graph::ResidencyOptions residency;
   // Measurement only: no overlap between lanes (see graph::CompiledStep).
   bool serial_schedule = false;
+  // Hybrid phases (Warmup/Full/Predict/Correct, ferry/runtime/phases.hpp); off by default. With
+  // them on, optimizer.predictor is set from phases.predictor.
+  PhaseConfig phases;
 };
 
 struct StepResult {
@@ -34,6 +38,10 @@ struct StepResult {
   std::uint32_t correct = 0;  // softmax cross-entropy: rows whose argmax is the label; else 0
   double step_ms = 0;         // wall time of the step, enqueue to device completion
   std::uint64_t device_peak_bytes = 0;
+  Phase phase = Phase::full;  // what the step was (hybrid phases); Predict: no optimizer update
+  // Predict: the divergence monitor ended the run (end) or put back the weights from before it
+  // (restore, after which the weights are those of the last Full step).
+  PhaseController::Verdict verdict = PhaseController::Verdict::go_on;
 };
 
 struct EvalResult {
@@ -47,7 +55,9 @@ class Trainer {
   Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options = {});
   ~Trainer();
 
-  // One optimizer step on a batch of exactly options().batch samples: a view per input and
+  // One step on a batch of exactly options().batch samples: an optimizer step, or with hybrid
+  // phases whatever phase the controller chose (StepResult::phase). Details of the training step:
+  // one optimizer step on a batch of exactly options().batch samples: a view per input and
   // target of the model, by name. Throws std::invalid_argument for a missing or unknown tensor, a
   // wrong dtype or size, an id out of its range (labels, tokens) or a non-finite f32 value, before
   // anything runs. Throws std::runtime_error naming the op if the step fails, and when the loss is
@@ -69,7 +79,14 @@ class Trainer {
   float lr() const noexcept { return lr_; }
   // Throws std::invalid_argument for a learning rate that is negative or not finite.
   void set_lr(float lr);
+  // Optimizer updates so far (Predict steps are not updates).
   std::uint64_t steps_done() const noexcept { return steps_; }
+  // The phase controller with hybrid phases, else nullptr.
+  const PhaseController* phases() const noexcept { return phases_.get(); }
+  // Mean wall time of the steps of each phase so far (ms; 0 where none ran), and the predictor's
+  // state bytes (0 without hybrid phases).
+  double phase_step_ms(Phase p) const;
+  std::uint64_t predictor_state_bytes() const;
   const TrainerOptions& options() const noexcept { return options_; }
   const ModelSpec& model() const noexcept { return model_; }
   const graph::CompiledStep& train_step() const noexcept { return *train_; }
@@ -106,7 +123,8 @@ class Trainer {
   // or a tensor stored in another dtype.
   std::vector<float> read_parameter(const std::string& name) const;
   std::vector<std::string> parameter_names() const;
-  // Every persistent tensor: the weights, then the optimizer state, in creation order.
+  // Every persistent tensor: the weights, the optimizer state, then the predictor state (hybrid
+  // phases), each in creation order.
   std::vector<std::string> tensor_names() const;
   // Replaces a persistent tensor's value (between steps; e.g. to load weights). Throws
   // std::invalid_argument for an unknown name, another dtype or shape, or a non-finite f32 value,
@@ -120,6 +138,11 @@ class Trainer {
   // The weight or optimizer-state tensor named `name`; throws std::invalid_argument if none.
   TensorId persistent_tensor(const std::string& name) const;
   void initialise_parameters();
+  // Copies a batch into `step`'s host inputs after checking it against the model.
+  void stage_batch(graph::CompiledStep& step, const Batch& batch) const;
+  StepResult predict_step(const Batch& batch);
+  // The fits of the last training step, summed over weights with the gains they predicted with.
+  FitStats read_fit();
   graph::CompiledStep& variant(const graph::VariantKey& key);
   // Checks the host mirrors `step` will upload (dtype ranges, finiteness) for `count` samples
   // starting at sample `first` of the caller's data (for messages).
@@ -137,6 +160,13 @@ class Trainer {
   std::uint64_t steps_ = 0;
   std::unique_ptr<graph::CompiledStep> train_;
   std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>> variants_;
+  std::unique_ptr<PhaseController> phases_;
+  std::vector<std::string> fit_stats_;  // "<w>.pred_stats" of every weight
+  std::vector<float> gains_;            // the gain each weight's last prediction used
+  std::vector<HostTensor> restore_point_;  // the weights before the Predict run in flight
+  bool in_predict_run_ = false;
+  double phase_ms_[phase_count] = {};
+  std::uint64_t phase_steps_[phase_count] = {};
 };
 
 }  // namespace ferry

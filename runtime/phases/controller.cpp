@@ -1,0 +1,167 @@
+// The phase controller's rules (include/ferry/runtime/phases.hpp, docs/phases.md).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+#include "ferry/runtime/phases.hpp"
+
+namespace ferry {
+
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::warmup:
+      return "warmup";
+    case Phase::full:
+      return "full";
+    case Phase::predict:
+      return "predict";
+    case Phase::correct:
+      return "correct";
+  }
+  return "?";
+}
+
+const char* phases_name(bool hybrid) {
+  return hybrid ? "hybrid" : "full";
+}
+
+bool parse_phases(const std::string& s) {
+  if (s == "full") return false;
+  if (s == "hybrid") return true;
+  throw std::invalid_argument(fmt::format(
+      "unknown phases '{}': use full (every step trains) or hybrid (Warmup/Full/Predict/Correct)", s));
+}
+
+void validate(const PhaseConfig& c) {
+  ops::check_predictor(c.predictor);
+  if (!c.hybrid) return;
+  if (c.max_predict_steps == 0) {
+    throw std::invalid_argument(
+        "hybrid phases with a maximum predict length of 0 never predict: use a length of at least 1, or phases full");
+  }
+  if (c.min_full_steps == 0) {
+    throw std::invalid_argument("hybrid phases need at least 1 Full step between Predict runs (min full steps 0)");
+  }
+  if (!(c.confidence > 0.0f && c.confidence <= 1.0f)) {
+    throw std::invalid_argument(fmt::format("phase confidence must be in (0, 1], got {}", c.confidence));
+  }
+  if (!(c.max_loss_gap > 0.0f) || !std::isfinite(c.max_loss_gap)) {
+    throw std::invalid_argument(fmt::format("maximum loss gap must be positive and finite, got {}", c.max_loss_gap));
+  }
+  if (!(c.sigma_limit > 0.0f) || !std::isfinite(c.sigma_limit)) {
+    throw std::invalid_argument(fmt::format("divergence sigma limit must be positive and finite, got {}", c.sigma_limit));
+  }
+  if (c.loss_window < 2) {
+    throw std::invalid_argument(fmt::format("the loss window must hold at least 2 losses, got {}", c.loss_window));
+  }
+}
+
+double FitStats::quality() const {
+  if (!(pred_pred > 0) || !(delta_delta > 0)) return 0;
+  const double q = delta_pred / std::sqrt(pred_pred * delta_delta);
+  return std::isfinite(q) ? q : 0;
+}
+
+PhaseController::PhaseController(PhaseConfig config)
+    : config_(config), next_(Phase::full), length_(std::max<std::uint32_t>(1, config.max_predict_steps / 4)) {
+  validate(config_);
+  next_ = config_.hybrid && config_.warmup_steps > 0 ? Phase::warmup : Phase::full;
+}
+
+double PhaseController::loss_mean() const {
+  if (losses_.empty()) return 0;
+  return std::accumulate(losses_.begin(), losses_.end(), 0.0) / static_cast<double>(losses_.size());
+}
+
+double PhaseController::loss_sd() const {
+  if (losses_.size() < 2) return 0;
+  const double mean = loss_mean();
+  double ss = 0;
+  for (double l : losses_) ss += (l - mean) * (l - mean);
+  return std::sqrt(ss / static_cast<double>(losses_.size() - 1));
+}
+
+double PhaseController::predict_fraction() const {
+  std::uint64_t total = 0;
+  for (auto s : counts_.steps) total += s;
+  return total ? static_cast<double>(counts_.steps[static_cast<int>(Phase::predict)]) / static_cast<double>(total) : 0;
+}
+
+void PhaseController::start_full() {
+  next_ = Phase::full;
+  in_phase_ = 0;
+  qualities_.clear();  // the fits before a Predict run say nothing about the next one
+}
+
+void PhaseController::record_full(float loss, const FitStats& fit) {
+  const Phase was = next_;
+  ++counts_.steps[static_cast<int>(was)];
+  last_quality_ = fit.quality();
+  if (std::isfinite(loss)) {
+    losses_.push_back(loss);
+    if (losses_.size() > config_.loss_window) losses_.pop_front();
+  }
+  if (!config_.hybrid) return;
+  switch (was) {
+    case Phase::warmup:
+      if (++in_phase_ >= config_.warmup_steps) start_full();
+      return;
+    case Phase::correct: {
+      // How well the frozen prediction matched: the run's length follows.
+      const bool good = last_quality_ >= config_.confidence && !cut_short_;
+      length_ = good ? std::min(config_.max_predict_steps, length_ * 2) : std::max<std::uint32_t>(1, length_ / 2);
+      start_full();
+      return;
+    }
+    default:
+      break;
+  }
+  qualities_.push_back(last_quality_);
+  if (qualities_.size() > config_.min_full_steps) qualities_.pop_front();
+  ++in_phase_;
+  const double mean_quality =
+      std::accumulate(qualities_.begin(), qualities_.end(), 0.0) / static_cast<double>(qualities_.size());
+  if (in_phase_ >= config_.min_full_steps && mean_quality >= config_.confidence) {
+    next_ = Phase::predict;
+    in_phase_ = 0;
+    cut_short_ = false;
+    predict_losses_.clear();
+    ++counts_.runs;
+  }
+}
+
+PhaseController::Verdict PhaseController::record_predict(float loss) {
+  ++counts_.steps[static_cast<int>(Phase::predict)];
+  ++in_phase_;
+  const double mean = loss_mean(), sd = loss_sd();
+  if (!std::isfinite(loss) || loss - mean > config_.max_loss_gap) {
+    ++counts_.restores;
+    ++counts_.ended;
+    length_ = 1;
+    start_full();
+    return Verdict::restore;
+  }
+  predict_losses_.push_back(loss);
+  // Oscillation: the last four losses alternate up and down with each swing larger.
+  bool oscillating = false;
+  if (predict_losses_.size() >= 4) {
+    const auto n = predict_losses_.size();
+    const double d1 = predict_losses_[n - 3] - predict_losses_[n - 4];
+    const double d2 = predict_losses_[n - 2] - predict_losses_[n - 3];
+    const double d3 = predict_losses_[n - 1] - predict_losses_[n - 2];
+    oscillating = d1 * d2 < 0 && d2 * d3 < 0 && std::abs(d3) > std::abs(d2) && std::abs(d2) > std::abs(d1);
+  }
+  if (loss > mean + config_.sigma_limit * sd || oscillating) {
+    ++counts_.ended;
+    cut_short_ = true;
+    next_ = Phase::correct;
+    return Verdict::end;
+  }
+  if (in_phase_ >= length_) next_ = Phase::correct;
+  return Verdict::go_on;
+}
+
+}  // namespace ferry
