@@ -23,7 +23,12 @@ class NodeBinding final : public NodeView<ops::BindContext> {
   }
   ops::OpEnv& env() const override { return env_; }
   const OptimizerSpec& optimizer() const override { return optimizer_; }
-  ops::HostAddress host_in(std::size_t i) const override { return at_.host(in_ids()[i], false); }
+  // A fetch marked by the stream transform (attrs.i[0] = 1) follows this step's write-back of its
+  // tensor and reads the value written: the next copy.
+  ops::HostAddress host_in(std::size_t i) const override {
+    const bool written_this_step = graph_.nodes.op[node_] == builtin::fetch && graph_.nodes.attrs[node_].i[0] == 1;
+    return at_.host(in_ids()[i], written_this_step);
+  }
   ops::HostAddress host_out(std::size_t i) const override { return at_.host(out_ids()[i], true); }
 
  private:

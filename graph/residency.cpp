@@ -193,6 +193,9 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
       tensor_of(intervals.size());
   std::vector<TensorId> copy_of(intervals.size());
   std::vector<NodeId> previous_end(base.tensors.size(), never);
+  // A fetch after a write-back of the same tensor in this step (a predictor's fit reads a weight
+  // its update wrote) reads the value written, the next copy: attrs.i[0] = 1.
+  std::vector<char> written(base.tensors.size(), 0), reads_next(intervals.size(), 0);
   for (std::size_t i = 0; i < intervals.size(); ++i) {
     const Interval& iv = intervals[i];
     NodeId pos = iv.first;
@@ -203,7 +206,11 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     pos = std::min(pos, iv.first);
     previous_end[iv.tensor] = iv.last;
     fetch_pos[i] = pos;
-    if (iv.last_write != never) write_back_pos[i] = iv.last_write;
+    reads_next[i] = written[iv.tensor];
+    if (iv.last_write != never) {
+      write_back_pos[i] = iv.last_write;
+      written[iv.tensor] = 1;
+    }
     tensor_of[i] = iv.tensor;
     copy_of[i] =
         t.add(fmt::format("{}@dev{}", t.name[iv.tensor], i), t.shape[iv.tensor], t.dtype[iv.tensor], Role::staged);
@@ -229,7 +236,9 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   for (NodeId n = 0; n < count; ++n) {
     for (std::size_t i : fetch_at.of(n)) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
-      out.add(builtin::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::h2d);
+      NodeAttrs attrs;
+      attrs.i[0] = reads_next[i];
+      out.add(builtin::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), attrs, Lane::h2d);
     }
     ins.assign(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
     outs.assign(base.nodes.outputs(n).begin(), base.nodes.outputs(n).end());
@@ -336,11 +345,11 @@ void place_updates_early(Graph& g) {
   // (the snapshot, the weight) anchors no later than it, and equal anchors keep the node order.
   const auto moves = [&](NodeId id) { return is_update(n.op[id]) || is_predictor(n.op[id]); };
   std::vector<std::vector<NodeId>> after(n.size());
-  std::vector<NodeId> last_touch(t.size(), 0);
+  std::vector<NodeId> last_touch(t.size(), 0), last_write(t.size(), 0);
   for (NodeId id = 0; id < n.size(); ++id) {
     if (moves(id)) continue;
     for (TensorId x : n.inputs(id)) last_touch[t.storage(x)] = id;
-    for (TensorId x : n.outputs(id)) last_touch[t.storage(x)] = id;
+    for (TensorId x : n.outputs(id)) last_touch[t.storage(x)] = last_write[t.storage(x)] = id;
   }
   std::vector<NodeId> written_at(t.size(), 0);  // by storage: the anchor of the last moving node writing it
   for (NodeId id = 0; id < n.size(); ++id) {
@@ -351,7 +360,13 @@ void place_updates_early(Graph& g) {
       const auto in = n.inputs(id);
       anchor = std::max(last_touch[t.storage(in[0])], last_touch[t.storage(in[1])]);
     } else {
-      for (TensorId x : n.inputs(id)) anchor = std::max(anchor, last_touch[t.storage(x)]);
+      // After the last use of what it reads, except the loss statistics (their guard), which the
+      // step downloads at its very end: after their producer there.
+      for (TensorId x : n.inputs(id)) {
+        const TensorId s = t.storage(x);
+        anchor = std::max(anchor, t.role[s] == Role::stats ? last_write[s] : last_touch[s]);
+      }
+      for (TensorId x : n.outputs(id)) anchor = std::max(anchor, last_touch[t.storage(x)]);
     }
     for (TensorId x : n.inputs(id)) anchor = std::max(anchor, written_at[t.storage(x)]);
     for (TensorId x : n.outputs(id)) anchor = std::max(anchor, written_at[t.storage(x)]);

@@ -66,13 +66,13 @@ LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, Dev
   const Guard gd = guard_of(guard, w);
   LaunchList list;
   {
-    cl::Kernel k = env.kernels.kernel("predictor", "predictor_dots");
+    cl::Kernel k = env.kernels.kernel("predictor", "predictor_fit_pass");
     // A power-of-two work-group (group_sum's tree): 1 on CPU devices, where a work-item walks
     // memory in order, else up to 256.
     const std::size_t local = row_group_size(k, env.device(), 256);
     cl::set_args(k.get(), w.buffer, w.elem_offset(), before.buffer, before.elem_offset(), d.buffer, d.elem_offset(),
-                 count(n), scratch.buffer, scratch.elem_offset());
-    cl::check(clSetKernelArg(k.get(), 9, local * sizeof(float), nullptr), "clSetKernelArg(predictor_dots scratch)");
+                 count(n), c.beta, scratch.buffer, scratch.elem_offset(), gd.buffer, gd.offset, gd.has);
+    cl::check(clSetKernelArg(k.get(), 13, local * sizeof(float), nullptr), "clSetKernelArg(predictor_fit_pass)");
     KernelLaunch l;
     l.kernel = std::move(k);
     l.global[0] = local * predictor_fit_groups;
@@ -90,12 +90,6 @@ LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, Dev
     l.local[0] = 1;
     list.push_back(std::move(l));
   }
-  {
-    cl::Kernel k = env.kernels.kernel("predictor", "predictor_smooth");
-    cl::set_args(k.get(), w.buffer, w.elem_offset(), before.buffer, before.elem_offset(), d.buffer, d.elem_offset(),
-                 count(n), c.beta, gd.buffer, gd.offset, gd.has);
-    list.push_back(elementwise_launch(std::move(k), n));
-  }
   return list;
 }
 
@@ -103,9 +97,13 @@ LaunchList predictor_apply(OpEnv& env, DeviceSpan w, DeviceSpan d, DeviceSpan st
   const Guard gd = guard_of(guard, w);
   cl::Kernel k = env.kernels.kernel("predictor", "predictor_apply");
   cl::set_args(k.get(), w.buffer, w.elem_offset(), d.buffer, d.elem_offset(), st.buffer, st.elem_offset(), count(n),
-               gd.buffer, gd.offset, gd.has);
+               gd.buffer, gd.offset, gd.has, 1.0f);
+  KernelLaunch l = elementwise_launch(std::move(k), n);
+  l.per_step = [](cl_kernel kernel, const StepInfo& s) {
+    cl::check(clSetKernelArg(kernel, 10, sizeof(float), &s.predict_scale), "clSetKernelArg(predictor_apply scale)");
+  };
   LaunchList list;
-  list.push_back(elementwise_launch(std::move(k), n));
+  list.push_back(std::move(l));
   return list;
 }
 

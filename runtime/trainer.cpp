@@ -48,8 +48,8 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     const std::uint64_t mem = runtime_.device().global_mem_bytes;
     budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
   }
-  train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key),
-                                                 options_.optimizer, runtime_.env(), runtime_.context(), nullptr,
+  train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key), options_.optimizer, runtime_.env(),
+                                                 runtime_.context(), nullptr,
                                                  graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
   if (phases_) {
@@ -237,7 +237,7 @@ StepResult Trainer::predict_step(const Batch& batch) {
     in_predict_run_ = true;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  step.run(ops::StepInfo{steps_ + 1, lr_});
+  step.run(ops::StepInfo{steps_ + 1, lr_, phases_->predict_scale()});
   const auto t1 = std::chrono::steady_clock::now();
   StepResult r;
   r.phase = Phase::predict;

@@ -118,6 +118,40 @@ TEST(Homes, PinnedKeepsTwoCopiesAndCommitMakesTheNextCurrent) {
   store->read(p, out, sizeof(out));
   EXPECT_EQ(std::memcmp(out, after, sizeof(out)), 0);
   EXPECT_NE(store->current(p), store->next(p));
+  store->abort();  // next() above asked for a write that never came
+}
+
+// A step that writes one tensor and not another (a Predict step: weights, not optimizer state)
+// flips only the one it wrote; a failed step flips none.
+TEST(Homes, PinnedCommitFlipsOnlyTheTensorsTheStepWrote) {
+  auto& dev = TestDevice::get();
+  const std::array<std::uint64_t, 1> sizes{1024};
+  auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, {}, "test tensors");
+  const offload::HomePlace a{0, 0}, b{0, 256};
+  const float a0 = 1, b0 = 2, a1 = 3, b1 = 4, a2 = 5;
+  store->write(a, &a0, 4);
+  store->write(b, &b0, 4);
+  // Step 1 writes both.
+  std::memcpy(store->next(a), &a1, 4);
+  std::memcpy(store->next(b), &b1, 4);
+  store->commit();
+  // Step 2 writes only a.
+  std::memcpy(store->next(a), &a2, 4);
+  store->commit();
+  float out = 0;
+  store->read(a, &out, 4);
+  EXPECT_EQ(out, a2);
+  store->read(b, &out, 4);
+  EXPECT_EQ(out, b1) << "b was not written by step 2: its value must stay";
+  // A failed step that wrote b: nothing flips.
+  const float b_bad = 99;
+  std::memcpy(store->next(b), &b_bad, 4);
+  store->abort();
+  store->read(b, &out, 4);
+  EXPECT_EQ(out, b1);
+  store->commit();  // a later success with no writes changes nothing
+  store->read(b, &out, 4);
+  EXPECT_EQ(out, b1);
 }
 
 TEST(Homes, DeviceStoreRoundTripsThroughTheDevice) {

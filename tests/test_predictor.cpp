@@ -125,9 +125,10 @@ TEST(PredictorApply, MatchesReferenceAndHonoursTheGuard) {
     ops::run_blocking(dev.context.compute(),
                       ops::predictor_apply(dev.env, w.span(), d.span(), st.span(), n, inf.span()));
     EXPECT_EQ(w.download(), w0) << "a NaN loss skips the prediction";
-    ops::run_blocking(dev.context.compute(), ops::predictor_apply(dev.env, w.span(), d.span(), st.span(), n));
+    ops::run_blocking(dev.context.compute(), ops::predictor_apply(dev.env, w.span(), d.span(), st.span(), n),
+                      ops::StepInfo{1, 0.0f, 0.25f});
     auto want = to_double(w0);
-    ops::ref::predictor_apply<double>(want, to_double(d0), to_double(st0));
+    ops::ref::predictor_apply<double>(want, to_double(d0), to_double(st0), 0.25);
     expect_near_all(w.download(), want, 1e-6, "w");
   }
 }

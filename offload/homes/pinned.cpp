@@ -1,9 +1,16 @@
 // The host_pinned home (streaming) and the host_mapped home (zero-copy): pinned, NUMA-bound host
 // memory. Pinned keeps two copies so that a step's updates become current only when it succeeds;
 // mapped keeps one, which kernels use directly.
+//
+// Which copy is current is kept per tensor: a step flips only the tensors it wrote (asked for
+// their next copy), so a step that writes some tensors and not others (a Predict step writes the
+// weights, not the optimizer state) leaves the others as they were.
 #include <fmt/format.h>
 
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "ferry/offload/pinned_host.hpp"
 #include "stores.hpp"
@@ -30,10 +37,28 @@ class HostStore final : public HomeStore {
     if (home_ != Home::host_mapped) throw std::logic_error("kernels reach streamed tensors through fetched copies");
     return copies_[0].at(b).mem();
   }
-  std::byte* current(const HomePlace& p) const override { return at(current_, p); }
-  std::byte* next(const HomePlace& p) const override { return at(two() ? 1 - current_ : current_, p); }
+  std::byte* current(const HomePlace& p) const override {
+    if (!two()) return at(0, p);
+    const std::lock_guard lock(mutex_);
+    const auto it = slot_.find(key(p));
+    return at(it == slot_.end() ? 0 : it->second, p);
+  }
+  // Asked for when a step writes the tensor at p (write-backs enqueue with it): p flips at commit.
+  std::byte* next(const HomePlace& p) const override {
+    if (!two()) return at(0, p);
+    const std::lock_guard lock(mutex_);
+    written_.insert(key(p));
+    const auto it = slot_.find(key(p));
+    return at(1 - (it == slot_.end() ? 0 : it->second), p);
+  }
   void commit() override {
-    if (two()) current_ = 1 - current_;
+    const std::lock_guard lock(mutex_);
+    for (const std::uint64_t k : written_) slot_[k] ^= 1;
+    written_.clear();
+  }
+  void abort() override {
+    const std::lock_guard lock(mutex_);
+    written_.clear();
   }
   void write(const HomePlace& p, const void* src, std::size_t n) override {
     for (int c = 0; c < (two() ? 2 : 1); ++c) std::memcpy(at(c, p), src, n);
@@ -44,12 +69,15 @@ class HostStore final : public HomeStore {
 
  private:
   bool two() const { return home_ == Home::host_pinned; }
+  static std::uint64_t key(const HomePlace& p) { return (std::uint64_t{p.buffer} << 40) | p.offset_bytes; }
   std::byte* at(int copy, const HomePlace& p) const {
     return static_cast<std::byte*>(copies_[copy].at(p.buffer).data()) + p.offset_bytes;
   }
   Home home_;
   std::vector<cl::PinnedBuffer> copies_[2];
-  int current_ = 0;
+  mutable std::mutex mutex_;
+  std::unordered_map<std::uint64_t, int> slot_;        // the current copy of a tensor, by place; absent: 0
+  mutable std::unordered_set<std::uint64_t> written_;  // places this step wrote
   std::uint64_t bytes_ = 0;
 };
 

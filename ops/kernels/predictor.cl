@@ -15,12 +15,15 @@ __kernel void predictor_copy(__global const float* src, ulong src_off, __global 
   if (i < n) dst[dst_off + i] = src[src_off + i];
 }
 
-// Stage 1: partial[3 g + k] for work-group g: sums of delta.d, d.d and delta.delta over its share.
-__kernel void predictor_dots(__global const float* w, ulong w_off, __global const float* before, ulong before_off,
-                             __global const float* d, ulong d_off, uint n, __global float* partial, ulong partial_off,
-                             __local float* scratch) {
+// Stage 1, one pass over the tensor: partial[3 g + k] for work-group g = its share's sums of
+// delta.d, d.d and delta.delta with d as it was, and d = beta d + (1 - beta) delta written back.
+__kernel void predictor_fit_pass(__global const float* w, ulong w_off, __global const float* before, ulong before_off,
+                                 __global float* d, ulong d_off, uint n, float beta, __global float* partial,
+                                 ulong partial_off, __global const float* guard, ulong guard_off, uint has_guard,
+                                 __local float* scratch) {
   const uint group = get_group_id(0), groups = get_num_groups(0);
   const uint lid = get_local_id(0), local_size = get_local_size(0);
+  const bool skip = has_guard && !isfinite(guard[guard_off]);
   float dd_sum = 0.0f, d2 = 0.0f, dl2 = 0.0f;
   const uint chunk = (n + groups - 1) / groups;  // a contiguous share per work-group
   const uint end = min(n, (group + 1) * chunk);
@@ -30,6 +33,7 @@ __kernel void predictor_dots(__global const float* w, ulong w_off, __global cons
     dd_sum = fma(delta, di, dd_sum);
     d2 = fma(di, di, d2);
     dl2 = fma(delta, delta, dl2);
+    if (!skip) d[d_off + i] = fma(beta, di, (1.0f - beta) * delta);
   }
   const float a = group_sum(dd_sum, scratch);
   const float b = group_sum(d2, scratch);
@@ -66,23 +70,12 @@ __kernel void predictor_stats(__global const float* partial, ulong partial_off, 
   st[st_off + 3] = gain;
 }
 
-// Stage 3: d = beta d + (1 - beta) delta.
-__kernel void predictor_smooth(__global const float* w, ulong w_off, __global const float* before, ulong before_off,
-                               __global float* d, ulong d_off, uint n, float beta, __global const float* guard,
-                               ulong guard_off, uint has_guard) {
-  const size_t i = get_global_id(0);
-  if (i >= n) return;
-  if (has_guard && !isfinite(guard[guard_off])) return;
-  const float delta = w[w_off + i] - before[before_off + i];
-  d[d_off + i] = fma(beta, d[d_off + i], (1.0f - beta) * delta);
-}
-
-// Predict: w += gain d, gain = st[3]; skipped when the loss is not finite.
+// Predict: w += scale gain d, gain = st[3], scale set per step; skipped when the loss is not finite.
 __kernel void predictor_apply(__global float* w, ulong w_off, __global const float* d, ulong d_off,
                               __global const float* st, ulong st_off, uint n, __global const float* guard,
-                              ulong guard_off, uint has_guard) {
+                              ulong guard_off, uint has_guard, float scale) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
   if (has_guard && !isfinite(guard[guard_off])) return;
-  w[w_off + i] = fma(st[st_off + 3], d[d_off + i], w[w_off + i]);
+  w[w_off + i] = fma(scale * st[st_off + 3], d[d_off + i], w[w_off + i]);
 }

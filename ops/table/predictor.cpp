@@ -61,7 +61,7 @@ OpInfo apply_row() {
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     if (in.size() > 3 && !std::isfinite(c.real(in[3])[0])) return;
-    ref::predictor_apply<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]));
+    ref::predictor_apply<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]), c.step().predict_scale);
   };
   return r;
 }

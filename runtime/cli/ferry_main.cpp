@@ -167,9 +167,9 @@ int cmd_train(const TrainArgs& a) {
       const auto eval = trainer.evaluate(test);
       std::string phase_note;
       if (const auto* pc = trainer.phases()) {
-        phase_note = fmt::format(" ({:.0f}% of steps predicted so far, {} runs, {} ended, {} restored)",
-                                 100 * pc->predict_fraction(), pc->counts().runs, pc->counts().ended,
-                                 pc->counts().restores);
+        phase_note =
+            fmt::format(" ({:.0f}% of steps predicted so far, {} runs, {} ended, {} restored)",
+                        100 * pc->predict_fraction(), pc->counts().runs, pc->counts().ended, pc->counts().restores);
       }
       std::cerr << fmt::format("epoch {}/{}: train loss {:.4f}, test accuracy {:.4f}{}\n", epoch, a.epochs,
                                last_epoch_loss, eval.accuracy, phase_note);
@@ -356,6 +356,9 @@ int main(int argc, char** argv) {
   train
       ->add_option("--confidence", pc.confidence,
                    "hybrid: prediction quality (cosine of predicted and true update) needed to predict, in (0, 1]")
+      ->capture_default_str();
+  train
+      ->add_option("--predict-decay", pc.predict_decay, "hybrid: step k of a Predict run applies decay^k of the update")
       ->capture_default_str();
   train
       ->add_option("--max-loss-gap", pc.max_loss_gap,

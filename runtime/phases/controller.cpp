@@ -31,8 +31,8 @@ const char* phases_name(bool hybrid) {
 bool parse_phases(const std::string& s) {
   if (s == "full") return false;
   if (s == "hybrid") return true;
-  throw std::invalid_argument(fmt::format(
-      "unknown phases '{}': use full (every step trains) or hybrid (Warmup/Full/Predict/Correct)", s));
+  throw std::invalid_argument(
+      fmt::format("unknown phases '{}': use full (every step trains) or hybrid (Warmup/Full/Predict/Correct)", s));
 }
 
 void validate(const PhaseConfig& c) {
@@ -52,7 +52,11 @@ void validate(const PhaseConfig& c) {
     throw std::invalid_argument(fmt::format("maximum loss gap must be positive and finite, got {}", c.max_loss_gap));
   }
   if (!(c.sigma_limit > 0.0f) || !std::isfinite(c.sigma_limit)) {
-    throw std::invalid_argument(fmt::format("divergence sigma limit must be positive and finite, got {}", c.sigma_limit));
+    throw std::invalid_argument(
+        fmt::format("divergence sigma limit must be positive and finite, got {}", c.sigma_limit));
+  }
+  if (!(c.predict_decay > 0.0f && c.predict_decay <= 1.0f)) {
+    throw std::invalid_argument(fmt::format("predict decay must be in (0, 1], got {}", c.predict_decay));
   }
   if (c.loss_window < 2) {
     throw std::invalid_argument(fmt::format("the loss window must hold at least 2 losses, got {}", c.loss_window));
@@ -71,6 +75,15 @@ PhaseController::PhaseController(PhaseConfig config)
   next_ = config_.hybrid && config_.warmup_steps > 0 ? Phase::warmup : Phase::full;
 }
 
+void PhaseController::set_config(const PhaseConfig& config) {
+  validate(config);
+  if (config.hybrid != config_.hybrid) {
+    throw std::invalid_argument("the phases (full or hybrid) are fixed when the trainer is built");
+  }
+  config_ = config;
+  length_ = std::min(length_, config_.max_predict_steps);
+}
+
 double PhaseController::loss_mean() const {
   if (losses_.empty()) return 0;
   return std::accumulate(losses_.begin(), losses_.end(), 0.0) / static_cast<double>(losses_.size());
@@ -82,6 +95,10 @@ double PhaseController::loss_sd() const {
   double ss = 0;
   for (double l : losses_) ss += (l - mean) * (l - mean);
   return std::sqrt(ss / static_cast<double>(losses_.size() - 1));
+}
+
+float PhaseController::predict_scale() const {
+  return next_ == Phase::predict ? static_cast<float>(std::pow(config_.predict_decay, in_phase_)) : 1.0f;
 }
 
 double PhaseController::predict_fraction() const {

@@ -83,10 +83,12 @@ class HomeStore {
   // The buffer kernels address, for homes they address directly.
   virtual cl_mem device_buffer(std::uint32_t buffer) const = 0;
   // Host memory of a tensor's current value, and of where its next value goes (the same place
-  // for homes with one copy). Throws std::logic_error for homes without host memory.
+  // for homes with one copy). Asking for next() means the step writes the tensor. Throws
+  // std::logic_error for homes without host memory.
   virtual std::byte* current(const HomePlace& p) const = 0;
   virtual std::byte* next(const HomePlace& p) const = 0;
-  // A step that wrote next values succeeded: they become current.
+  // A step that wrote next values succeeded: they become current (only the tensors it wrote;
+  // the others keep their current value).
   virtual void commit() {}
   // A step failed (or its loss was not finite): next values it wrote are discarded.
   virtual void abort() {}

@@ -37,6 +37,7 @@ struct DeviceSpan {
 struct StepInfo {
   std::uint64_t step = 1;  // 1-based count of optimizer updates (Adam bias correction)
   float lr = 0.0f;
+  float predict_scale = 1.0f;  // hybrid phases: the factor of this Predict step's update
 };
 
 struct KernelLaunch {

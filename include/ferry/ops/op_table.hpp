@@ -174,6 +174,7 @@ enum : OpId {
   upload,             // host batch -> device inputs (h2d)                 in: host mirrors   out: device tensors
   download,           // device results -> host (d2h)                      in: device tensors  out: host mirrors
   fetch,              // a host-resident tensor -> its device copy (h2d)    in: host   out: copy
+                      //   attrs.i[0] = 1: after this step's write-back of it (reads the value written)
   write_back,         // a device copy -> the host-resident tensor (d2h)    in: copy   out: host
   unpack,             // a staged home's tensor -> pinned staging (host)     in: home   out: staging
   pack,               // pinned staging -> the tensor's next value in its home (host)  in: staging  out: home

@@ -48,7 +48,7 @@ LaunchList predictor_snapshot(OpEnv& env, DeviceSpan src, DeviceSpan dst, std::s
 // predictor_fit_scratch_bytes. With `guard` (the step's loss) not finite, nothing changes.
 LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, DeviceSpan before, DeviceSpan d,
                          DeviceSpan st, DeviceSpan scratch, std::size_t n, DeviceSpan guard = {});
-// Predict: w += st[gain] d; nothing when `guard` is not finite.
+// Predict: w += StepInfo::predict_scale * st[gain] d; nothing when `guard` is not finite.
 LaunchList predictor_apply(OpEnv& env, DeviceSpan w, DeviceSpan d, DeviceSpan st, std::size_t n, DeviceSpan guard = {});
 
 namespace ref {
@@ -76,8 +76,8 @@ void predictor_fit(const PredictorConfig& c, std::span<const T> w, std::span<con
 }
 
 template <class T>
-void predictor_apply(std::span<T> w, std::span<const T> d, std::span<const T> st) {
-  for (std::size_t i = 0; i < w.size(); ++i) w[i] += st[predictor_stat_gain] * d[i];
+void predictor_apply(std::span<T> w, std::span<const T> d, std::span<const T> st, T scale = 1) {
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] += scale * st[predictor_stat_gain] * d[i];
 }
 
 }  // namespace ref

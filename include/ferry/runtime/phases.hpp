@@ -15,6 +15,7 @@
 //   - a Predict run lasts `predict_length` steps; after its Correct step, the length doubles (up
 //     to max_predict_steps) when the Correct quality reached `confidence` and the run was not cut
 //     short, and halves (down to 1) otherwise;
+//   - step k of a Predict run applies predict_decay^k times the predicted update;
 //   - divergence in Predict: a loss above mean + sigma_limit * sd of the recent Full losses, a
 //     loss that oscillates with growing amplitude, or a non-finite loss ends the run at once
 //     (the next step is Correct); a loss more than max_loss_gap above that mean, or non-finite,
@@ -39,10 +40,13 @@ struct PhaseConfig {
   std::uint32_t warmup_steps = 20;
   std::uint32_t min_full_steps = 2;
   std::uint32_t max_predict_steps = 8;
-  float confidence = 0.3f;     // the prediction quality (a cosine) needed to predict, in (0, 1]
-  float max_loss_gap = 0.25f;  // Predict loss above the recent Full mean by more than this: restore
-  float sigma_limit = 4.0f;    // Predict loss above mean + sigma_limit * sd: end the run
+  float confidence = 0.3f;         // the prediction quality (a cosine) needed to predict, in (0, 1]
+  float max_loss_gap = 0.25f;      // Predict loss above the recent Full mean by more than this: restore
+  float sigma_limit = 4.0f;        // Predict loss above mean + sigma_limit * sd: end the run
   std::uint32_t loss_window = 32;  // recent Full losses the mean and sd are taken over
+  // Step k of a Predict run (from 0) applies predict_decay^k times the prediction: the way an
+  // update carried by momentum alone fades. In (0, 1].
+  float predict_decay = 0.9f;
 };
 const char* phases_name(bool hybrid);  // "hybrid" or "full"
 // "full" or "hybrid"; throws std::invalid_argument naming the choices.
@@ -63,6 +67,8 @@ class PhaseController {
 
   // The phase of the next step.
   Phase next() const noexcept { return next_; }
+  // The factor of the next Predict step's update (predict_decay^k at step k of the run).
+  float predict_scale() const;
 
   // After a Warmup, Full or Correct step.
   void record_full(float loss, const FitStats& fit);
@@ -89,6 +95,8 @@ class PhaseController {
   double loss_mean() const;
   double loss_sd() const;
   const PhaseConfig& config() const noexcept { return config_; }
+  // New settings from the next step on (validated first; hybrid cannot be switched).
+  void set_config(const PhaseConfig& config);
 
  private:
   void start_full();

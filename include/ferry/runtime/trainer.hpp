@@ -83,6 +83,7 @@ class Trainer {
   std::uint64_t steps_done() const noexcept { return steps_; }
   // The phase controller with hybrid phases, else nullptr.
   const PhaseController* phases() const noexcept { return phases_.get(); }
+  PhaseController* phases() noexcept { return phases_.get(); }
   // Mean wall time of the steps of each phase so far (ms; 0 where none ran), and the predictor's
   // state bytes (0 without hybrid phases).
   double phase_step_ms(Phase p) const;
@@ -161,8 +162,8 @@ class Trainer {
   std::unique_ptr<graph::CompiledStep> train_;
   std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>> variants_;
   std::unique_ptr<PhaseController> phases_;
-  std::vector<std::string> fit_stats_;  // "<w>.pred_stats" of every weight
-  std::vector<float> gains_;            // the gain each weight's last prediction used
+  std::vector<std::string> fit_stats_;     // "<w>.pred_stats" of every weight
+  std::vector<float> gains_;               // the gain each weight's last prediction used
   std::vector<HostTensor> restore_point_;  // the weights before the Predict run in flight
   bool in_predict_run_ = false;
   double phase_ms_[phase_count] = {};

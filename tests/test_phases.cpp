@@ -1,0 +1,302 @@
+// Hybrid phases: the controller's rules on made-up measurements (transitions, run lengths, the
+// divergence monitor, bad settings), and the trainer's hybrid steps on a small model: a Full
+// step's fit measures the true update, a Predict step moves the weights by exactly the predicted
+// update and leaves the optimizer state alone, a restore puts back the weights bit for bit, and
+// streamed hybrid training is bit-identical to resident.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <random>
+
+#include "classifier.hpp"
+#include "ferry/ferry.hpp"
+#include "test_models.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+using Verdict = PhaseController::Verdict;
+
+PhaseConfig hybrid(std::uint32_t warmup = 3, std::uint32_t min_full = 2, std::uint32_t max_predict = 8) {
+  PhaseConfig c;
+  c.hybrid = true;
+  c.warmup_steps = warmup;
+  c.min_full_steps = min_full;
+  c.max_predict_steps = max_predict;
+  c.confidence = 0.5f;
+  c.max_loss_gap = 0.5f;
+  c.sigma_limit = 3.0f;
+  return c;
+}
+
+// A fit whose quality (cosine) is q: |delta| = |pred| = 1.
+FitStats fit_of(double q) {
+  return {q, 1.0, 1.0};
+}
+
+// Losses around 1.0 with a spread of about 0.1 (alternating), so the monitor has a mean and sd.
+float full_loss(int i) {
+  return i % 2 ? 1.1f : 0.9f;
+}
+
+TEST(PhaseController, FullOnlyNeverPredicts) {
+  PhaseController c(PhaseConfig{});
+  for (int i = 0; i < 50; ++i) {
+    ASSERT_EQ(c.next(), Phase::full);
+    c.record_full(1.0f, fit_of(1.0));
+  }
+  EXPECT_EQ(c.predict_fraction(), 0.0);
+}
+
+TEST(PhaseController, WarmupFullPredictCorrectCycleWithAdaptiveLength) {
+  PhaseController c(hybrid());
+  int i = 0;
+  for (; i < 3; ++i) {
+    ASSERT_EQ(c.next(), Phase::warmup);
+    c.record_full(full_loss(i), fit_of(0.9));
+  }
+  // Full steps until min_full_steps fits reach the confidence.
+  ASSERT_EQ(c.next(), Phase::full);
+  c.record_full(full_loss(i++), fit_of(0.9));
+  ASSERT_EQ(c.next(), Phase::full);
+  c.record_full(full_loss(i++), fit_of(0.9));
+  // The first run: max_predict / 4 = 2 steps, scaled 1, then decay.
+  ASSERT_EQ(c.next(), Phase::predict);
+  EXPECT_EQ(c.predict_length(), 2u);
+  EXPECT_FLOAT_EQ(c.predict_scale(), 1.0f);
+  EXPECT_EQ(c.record_predict(1.0f), Verdict::go_on);
+  ASSERT_EQ(c.next(), Phase::predict);
+  EXPECT_FLOAT_EQ(c.predict_scale(), c.config().predict_decay);
+  EXPECT_EQ(c.record_predict(1.0f), Verdict::go_on);
+  ASSERT_EQ(c.next(), Phase::correct);
+  // A good Correct doubles the length (2 -> 4), a poor one halves it.
+  c.record_full(full_loss(i++), fit_of(0.8));
+  EXPECT_EQ(c.predict_length(), 4u);
+  ASSERT_EQ(c.next(), Phase::full);
+  c.record_full(full_loss(i++), fit_of(0.9));
+  c.record_full(full_loss(i++), fit_of(0.9));
+  ASSERT_EQ(c.next(), Phase::predict);
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(c.record_predict(1.0f), Verdict::go_on);
+  ASSERT_EQ(c.next(), Phase::correct);
+  c.record_full(full_loss(i++), fit_of(0.1));
+  EXPECT_EQ(c.predict_length(), 2u);
+  // Poor fits keep it in Full.
+  for (int k = 0; k < 10; ++k) {
+    c.record_full(full_loss(i++), fit_of(0.2));
+    ASSERT_EQ(c.next(), Phase::full);
+  }
+  EXPECT_EQ(c.counts().runs, 2u);
+  EXPECT_EQ(c.counts().steps[static_cast<int>(Phase::predict)], 6u);
+  EXPECT_EQ(c.counts().steps[static_cast<int>(Phase::correct)], 2u);
+  EXPECT_NEAR(c.predict_fraction(), 6.0 / (3 + 2 + 2 + 10 + 6 + 2), 1e-12);
+}
+
+// Drives a controller into its first Predict step.
+PhaseController predicting(PhaseConfig cfg = hybrid()) {
+  PhaseController c(cfg);
+  for (int i = 0; c.next() != Phase::predict; ++i) {
+    if (i > 100) throw std::logic_error("never predicts");
+    c.record_full(full_loss(i), fit_of(0.9));
+  }
+  return c;
+}
+
+TEST(PhaseController, LossBeyondSigmaEndsTheRunAndNoLongerGrowsIt) {
+  PhaseController c = predicting(hybrid(3, 2, 16));
+  const double limit = c.loss_mean() + 3.0 * c.loss_sd();
+  EXPECT_EQ(c.record_predict(static_cast<float>(limit + 0.01)), Verdict::end);  // within the gap of 0.5
+  EXPECT_EQ(c.next(), Phase::correct);
+  EXPECT_EQ(c.counts().ended, 1u);
+  const auto before = c.predict_length();
+  c.record_full(1.0f, fit_of(0.9));  // a good Correct after a run cut short: halved, not doubled
+  EXPECT_EQ(c.predict_length(), std::max(1u, before / 2));
+}
+
+TEST(PhaseController, LossGapOrNonFiniteLossRestores) {
+  for (float loss : {2.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    PhaseController c = predicting();
+    EXPECT_EQ(c.record_predict(loss), Verdict::restore) << loss;
+    EXPECT_EQ(c.next(), Phase::full);
+    EXPECT_EQ(c.predict_length(), 1u);
+    EXPECT_EQ(c.counts().restores, 1u);
+  }
+}
+
+TEST(PhaseController, GrowingOscillationEndsTheRun) {
+  PhaseConfig cfg = hybrid(3, 2, 32);
+  cfg.sigma_limit = 100.0f;
+  PhaseController c = predicting(cfg);
+  for (int k = 0; k < 8; ++k) c.record_full(1.0f, fit_of(0.9));  // nothing: c is predicting
+  PhaseController d = predicting(cfg);
+  // 1.0, 0.95, 1.05, 0.88: alternating, each swing larger.
+  EXPECT_EQ(d.record_predict(1.0f), Verdict::go_on);
+  EXPECT_EQ(d.record_predict(0.95f), Verdict::go_on);
+  EXPECT_EQ(d.record_predict(1.05f), Verdict::go_on);
+  EXPECT_EQ(d.record_predict(0.88f), Verdict::end);
+}
+
+TEST(PhaseController, BadSettingsAreClearErrors) {
+  const auto rejects = [](auto change, const char* what) {
+    PhaseConfig c = hybrid();
+    change(c);
+    try {
+      validate(c);
+      ADD_FAILURE() << "accepted " << what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  rejects([](PhaseConfig& c) { c.max_predict_steps = 0; }, "maximum predict length of 0");
+  rejects([](PhaseConfig& c) { c.confidence = 0.0f; }, "confidence must be in (0, 1]");
+  rejects([](PhaseConfig& c) { c.confidence = 1.5f; }, "confidence must be in (0, 1]");
+  rejects([](PhaseConfig& c) { c.confidence = std::nanf(""); }, "confidence must be in (0, 1]");
+  rejects([](PhaseConfig& c) { c.min_full_steps = 0; }, "min full steps 0");
+  rejects([](PhaseConfig& c) { c.max_loss_gap = -1.0f; }, "loss gap");
+  rejects([](PhaseConfig& c) { c.predict_decay = 0.0f; }, "predict decay");
+  rejects([](PhaseConfig& c) { c.predictor.beta = 1.0f; }, "smoothing");
+  EXPECT_THROW(parse_phases("sometimes"), std::invalid_argument);
+  // Full-only training ignores the hybrid settings.
+  PhaseConfig off;
+  off.max_predict_steps = 0;
+  EXPECT_NO_THROW(validate(off));
+}
+
+// ---- The trainer's hybrid steps ----
+
+std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> l(n);
+  for (auto& v : l) v = static_cast<std::int32_t>(rng() % 10);
+  return l;
+}
+
+TrainerOptions hybrid_options(graph::ResidencyMode mode = graph::ResidencyMode::resident, std::uint64_t budget = 0) {
+  TrainerOptions o;
+  o.batch = 8;
+  o.lr = 0.01f;
+  o.residency.mode = mode;
+  o.residency.budget_bytes = budget;
+  o.phases = hybrid(2, 1, 4);
+  o.phases.confidence = 0.01f;  // predict as soon as allowed
+  o.phases.max_loss_gap = 1e6f;
+  o.phases.sigma_limit = 1e6f;
+  return o;
+}
+
+std::vector<float> values(const Trainer& t, const std::string& name) {
+  const auto v = t.read_tensor(name);
+  std::vector<float> out(v.bytes.size() / 4);
+  std::memcpy(out.data(), v.bytes.data(), v.bytes.size());
+  return out;
+}
+
+struct Batches {
+  std::size_t sample;
+  StepResult step(Trainer& t, int s) const {
+    return t.step(random_vector(8 * sample, 300 + s), labels_for(8, 400 + s));
+  }
+};
+
+TEST(HybridTrainer, FitMeasuresTheTrueUpdateAndPredictAppliesExactlyThePrediction) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  Trainer t(rt, m, hybrid_options());
+  const Batches b{sample_elems(m)};
+  const auto names = t.parameter_names();
+  int s = 0;
+  // Warmup: each fit's delta.delta is |w after - w before|^2 of this very step.
+  for (; t.phases()->next() == Phase::warmup; ++s) {
+    std::map<std::string, std::vector<float>> before;
+    for (const auto& n : names) before[n] = values(t, n);
+    EXPECT_EQ(b.step(t, s).phase, Phase::warmup);
+    for (const auto& n : names) {
+      const auto after = values(t, n);
+      double dd = 0;
+      for (std::size_t i = 0; i < after.size(); ++i) dd += double(after[i] - before[n][i]) * (after[i] - before[n][i]);
+      ASSERT_GT(dd, 0) << n;
+      EXPECT_NEAR(values(t, n + ".pred_stats")[ops::predictor_stat_delta_delta], dd, 1e-4 * dd + 1e-12) << n;
+    }
+  }
+  while (t.phases()->next() != Phase::predict) b.step(t, s++);
+  // A Predict step: w += scale * gain * d, optimizer state and the predictor untouched.
+  std::map<std::string, std::vector<float>> before;
+  for (const auto& n : t.tensor_names()) before[n] = values(t, n);
+  const float scale = t.phases()->predict_scale();
+  const auto updates = t.steps_done();
+  EXPECT_EQ(b.step(t, s++).phase, Phase::predict);
+  EXPECT_EQ(t.steps_done(), updates);
+  for (const auto& n : t.tensor_names()) {
+    const auto now = values(t, n);
+    if (std::find(names.begin(), names.end(), n) == names.end()) {
+      EXPECT_EQ(now, before[n]) << n << " changed in a Predict step";
+      continue;
+    }
+    const auto& d = before[n + ".pred_d"];
+    const float gain = before[n + ".pred_stats"][ops::predictor_stat_gain];
+    EXPECT_EQ(gain, 1.0f) << "linear";
+    for (std::size_t i = 0; i < now.size(); ++i) {
+      ASSERT_FLOAT_EQ(now[i], std::fma(scale * gain, d[i], before[n][i])) << n << "[" << i << "]";
+    }
+  }
+}
+
+TEST(HybridTrainer, RestoreBringsBackTheLastFullWeightsBitForBit) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions o = hybrid_options();
+  o.phases.max_predict_steps = 8;  // runs of 2 steps
+  Trainer t(rt, m, o);
+  const Batches b{sample_elems(m)};
+  int s = 0;
+  while (t.phases()->next() != Phase::predict) b.step(t, s++);
+  std::map<std::string, std::vector<float>> full;
+  for (const auto& n : t.parameter_names()) full[n] = values(t, n);
+  EXPECT_EQ(b.step(t, s++).verdict, Verdict::go_on);
+  // The next Predict step sees inputs 100x larger: its loss is far above the Full losses, beyond
+  // a gap of 1, and the run is undone.
+  PhaseConfig tight = t.phases()->config();
+  tight.max_loss_gap = 1.0f;
+  t.phases()->set_config(tight);
+  auto wild = random_vector(8 * sample_elems(m), 999, -100.0f, 100.0f);
+  const auto r = t.step(wild, labels_for(8, 998));
+  EXPECT_GT(r.loss, t.phases()->loss_mean() + 1.0);
+  EXPECT_EQ(r.phase, Phase::predict);
+  EXPECT_EQ(r.verdict, Verdict::restore);
+  for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
+  EXPECT_EQ(t.phases()->next(), Phase::full);
+}
+
+std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m) {
+  try {
+    Trainer t(rt, m, hybrid_options(graph::ResidencyMode::stream, 1));
+  } catch (const graph::BudgetError& e) {
+    return e.min_budget();
+  }
+  ADD_FAILURE() << "a 1-byte budget should not fit";
+  return 0;
+}
+
+TEST(HybridTrainer, StreamedIsBitIdenticalToResident) {
+  Runtime rt;
+  for (const ModelSpec& m : {small_mlp(), small_cnn()}) {
+    SCOPED_TRACE(m.name);
+    Trainer resident(rt, m, hybrid_options());
+    Trainer streamed(rt, m, hybrid_options(graph::ResidencyMode::stream, min_stream_budget(rt, m)));
+    ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
+    const Batches b{sample_elems(m)};
+    std::uint64_t predicted = 0;
+    for (int s = 0; s < 16; ++s) {
+      const auto a = b.step(resident, s), c = b.step(streamed, s);
+      ASSERT_EQ(a.phase, c.phase) << s;
+      ASSERT_EQ(a.loss, c.loss) << s;
+      predicted += a.phase == Phase::predict;
+    }
+    EXPECT_GT(predicted, 0u);
+    for (const auto& n : resident.tensor_names()) EXPECT_EQ(values(resident, n), values(streamed, n)) << n;
+  }
+}
+
+}  // namespace
+}  // namespace ferry::test
