@@ -19,6 +19,8 @@ const char* role_name(Role r) {
       return "optimizer state";
     case Role::predictor_state:
       return "predictor state";
+    case Role::gradient_sum:
+      return "gradient sum";
     case Role::gradient:
       return "gradient";
     case Role::activation:
@@ -36,7 +38,7 @@ const char* role_name(Role r) {
 }
 
 bool is_persistent(Role r) {
-  return r == Role::weight || r == Role::optimizer_state || r == Role::predictor_state;
+  return r == Role::weight || r == Role::optimizer_state || r == Role::predictor_state || r == Role::gradient_sum;
 }
 
 TensorId TensorTable::add(std::string n, Shape s, DType t, Role r, TensorId alias) {

@@ -9,13 +9,17 @@ const std::vector<ModelPass>& model_passes() {
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training) append_backward(g);
        }},
+      {"accumulate",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.training && key.accumulate > 1) append_accumulation(g, key.accumulate, key.micro);
+       }},
       {"optimizer",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
-         if (key.training) append_optimizer(g, optimizer);
+         if (key.training && !key.micro) append_optimizer(g, optimizer);
        }},
       {"predictor",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
-         if (key.training && key.fit_predictor) append_predictor_fit(g, optimizer.predictor);
+         if (key.training && !key.micro && key.fit_predictor) append_predictor_fit(g, optimizer.predictor);
          if (!key.training && key.apply_predictor) append_predictor_apply(g);
        }},
       {"download", [](Graph& g, const VariantKey&, const OptimizerSpec&) { append_stats_download(g); }},

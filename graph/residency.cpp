@@ -17,8 +17,10 @@ constexpr std::uint32_t never = std::numeric_limits<std::uint32_t>::max();
 bool is_update(OpId op) {
   return ops::op_info(op).op_class == ops::OpClass::update;
 }
-bool is_predictor(OpId op) {
-  return ops::op_info(op).op_class == ops::OpClass::predictor;
+// Other updates of persistent state (predictor, gradient accumulation): they move with the
+// updates, never to the host.
+bool is_state_update(OpId op) {
+  return ops::op_info(op).op_class == ops::OpClass::state_update;
 }
 
 // A copy of `old` with nodes in `order` (each old id once).
@@ -339,11 +341,11 @@ ResidencyMode parse_residency_mode(const std::string& s) {
 void place_updates_early(Graph& g) {
   const auto& n = g.nodes;
   const auto& t = g.tensors;
-  // Updates and predictor nodes move; each goes right after the last other node that touches one
-  // of its tensors, and after any earlier moving node that writes one (a predictor's snapshot,
-  // the update, then its fit keep their order). A moving node that reads what a later one writes
-  // (the snapshot, the weight) anchors no later than it, and equal anchors keep the node order.
-  const auto moves = [&](NodeId id) { return is_update(n.op[id]) || is_predictor(n.op[id]); };
+  // Updates and state updates (predictor, gradient accumulation) move; each goes right after the last other node that
+  // touches one of its tensors, and after any earlier moving node that writes one (a predictor's snapshot, the update,
+  // then its fit keep their order). A moving node that reads what a later one writes (the snapshot, the weight) anchors
+  // no later than it, and equal anchors keep the node order.
+  const auto moves = [&](NodeId id) { return is_update(n.op[id]) || is_state_update(n.op[id]); };
   std::vector<std::vector<NodeId>> after(n.size());
   std::vector<NodeId> last_touch(t.size(), 0), last_write(t.size(), 0);
   for (NodeId id = 0; id < n.size(); ++id) {
@@ -400,7 +402,7 @@ void assign_homes(Graph& g, ResidencyMode preset, const ResidencyOptions& option
   auto& t = g.tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (!is_persistent(t.role[id])) continue;
-    // The predictor's state goes where the weights go: Predict reads it with them.
+    // The predictor's state and gradient sums go where the weights go: they are used with them.
     const auto& role_home = t.role[id] == Role::optimizer_state ? options.state_home : options.weights_home;
     t.home[id] = role_home.value_or(preset_home(preset));
   }

@@ -58,6 +58,7 @@ Registry& registry() {
     table::register_loss_sum_rows(named);
     table::register_optimizer8bit_rows(named);
     table::register_predictor_rows(named);
+    table::register_accumulate_rows(named);
     return reg;
   }();
   return *r;
@@ -81,8 +82,8 @@ const char* op_class_name(OpClass c) {
       return "update";
     case OpClass::cast:
       return "cast";
-    case OpClass::predictor:
-      return "predictor";
+    case OpClass::state_update:
+      return "state update";
   }
   return "?";
 }

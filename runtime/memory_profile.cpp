@@ -35,7 +35,7 @@ std::vector<StepSection> sections(const graph::Graph& g) {
         out[n] = StepSection::transfer;
         break;
       case OpClass::update:
-      case OpClass::predictor:
+      case OpClass::state_update:
         out[n] = StepSection::update;
         break;
       case OpClass::loss:

@@ -37,10 +37,19 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
   }
   validate(options_.phases);
-  graph::VariantKey train_key{options_.batch, true};
+  if (options_.accumulate == 0) {
+    throw std::invalid_argument("gradient accumulation over 0 micro-batches: use 1 (no accumulation) or more");
+  }
+  if (options_.accumulate > 1 && options_.phases.hybrid) {
+    throw std::invalid_argument(
+        "hybrid phases with gradient accumulation are not supported yet: use one of them (phases full, or "
+        "accumulation 1)");
+  }
+  train_key_ = graph::VariantKey{options_.batch, true};
+  train_key_.accumulate = options_.accumulate;
   if (options_.phases.hybrid) {
     options_.optimizer.predictor = options_.phases.predictor;
-    train_key.fit_predictor = true;
+    train_key_.fit_predictor = true;
     phases_ = std::make_unique<PhaseController>(options_.phases);
   }
   budget_ = options_.residency.budget_bytes;
@@ -48,11 +57,20 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     const std::uint64_t mem = runtime_.device().global_mem_bytes;
     budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
   }
-  train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key), options_.optimizer, runtime_.env(),
+  train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key_), options_.optimizer, runtime_.env(),
                                                  runtime_.context(), nullptr,
                                                  graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
+  // The other training variants now, so a budget they do not fit in fails here, not mid-run.
+  if (options_.accumulate > 1) {
+    graph::VariantKey key = train_key_;
+    key.micro = true;
+    variant(key);
+  }
   if (phases_) {
+    graph::VariantKey key{options_.batch, false};
+    key.apply_predictor = true;
+    variant(key);
     for (const auto& name : parameter_names()) fit_stats_.push_back(name + ".pred_stats");
     gains_.assign(fit_stats_.size(), 0.0f);
   }
@@ -183,16 +201,36 @@ void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
 StepResult Trainer::step(const Batch& batch) {
   if (phases_ && phases_->next() == Phase::predict) return predict_step(batch);
   const Phase phase = phases_ ? phases_->next() : Phase::full;
-  stage_batch(*train_, batch);
+  const bool micro = micro_ + 1 < options_.accumulate;
+  graph::CompiledStep* step = train_.get();
+  if (micro) {
+    graph::VariantKey key = train_key_;
+    key.micro = true;
+    step = &variant(key);
+  }
+  stage_batch(*step, batch);
   const auto t0 = std::chrono::steady_clock::now();
-  train_->run(ops::StepInfo{steps_ + 1, lr_});
+  ops::StepInfo info{steps_ + 1, lr_};
+  info.accumulate_keep = micro_ == 0 ? 0.0f : 1.0f;
+  step->run(info);
   const auto t1 = std::chrono::steady_clock::now();
   StepResult r;
-  const float* stats = train_->stats_host();
+  const float* stats = step->stats_host();
   r.loss = stats[0];
-  if (counts_hits(*train_)) r.correct = static_cast<std::uint32_t>(stats[1]);
+  if (counts_hits(*step)) r.correct = static_cast<std::uint32_t>(stats[1]);
   r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  r.device_peak_bytes = train_->device_bytes();
+  r.device_peak_bytes = step->device_bytes();
+  if (micro) {
+    if (!std::isfinite(r.loss)) {
+      throw std::runtime_error(fmt::format(
+          "training diverged at micro-batch {} of {} (update {}): the loss is {}; its gradient was not added, so the "
+          "accumulated sum is as it was: lower the learning rate or check the data",
+          micro_ + 1, options_.accumulate, steps_ + 1, r.loss));
+    }
+    ++micro_;
+    r.updated = false;
+    return r;
+  }
   if (!std::isfinite(r.loss)) {
     // The optimizer updates check the loss on the device and did nothing: the state is as it was.
     throw std::runtime_error(fmt::format(
@@ -201,6 +239,7 @@ StepResult Trainer::step(const Batch& batch) {
         steps_ + 1, r.loss, lr_));
   }
   ++steps_;
+  micro_ = 0;  // (after a diverged last micro-batch the group waits for another one)
   r.phase = phase;
   phase_ms_[static_cast<int>(phase)] += r.step_ms;
   ++phase_steps_[static_cast<int>(phase)];

@@ -28,6 +28,7 @@ PhaseConfig hybrid(std::uint32_t warmup = 3, std::uint32_t min_full = 2, std::ui
   c.confidence = 0.5f;
   c.max_loss_gap = 0.5f;
   c.sigma_limit = 3.0f;
+  c.predict_decay = 0.9f;
   return c;
 }
 
@@ -68,7 +69,7 @@ TEST(PhaseController, WarmupFullPredictCorrectCycleWithAdaptiveLength) {
   EXPECT_FLOAT_EQ(c.predict_scale(), 1.0f);
   EXPECT_EQ(c.record_predict(1.0f), Verdict::go_on);
   ASSERT_EQ(c.next(), Phase::predict);
-  EXPECT_FLOAT_EQ(c.predict_scale(), c.config().predict_decay);
+  EXPECT_FLOAT_EQ(c.predict_scale(), 0.9f);
   EXPECT_EQ(c.record_predict(1.0f), Verdict::go_on);
   ASSERT_EQ(c.next(), Phase::correct);
   // A good Correct doubles the length (2 -> 4), a poor one halves it.

@@ -22,13 +22,14 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
   return n;
 }
 
-TEST(Pipeline, ModelPassesAreAutodiffOptimizerPredictorDownloadInThatOrder) {
+TEST(Pipeline, ModelPassesAreAutodiffAccumulateOptimizerPredictorDownloadInThatOrder) {
   const auto& passes = graph::model_passes();
-  ASSERT_EQ(passes.size(), 4u);
+  ASSERT_EQ(passes.size(), 5u);
   EXPECT_STREQ(passes[0].name, "autodiff");
-  EXPECT_STREQ(passes[1].name, "optimizer");
-  EXPECT_STREQ(passes[2].name, "predictor");
-  EXPECT_STREQ(passes[3].name, "download");
+  EXPECT_STREQ(passes[1].name, "accumulate");
+  EXPECT_STREQ(passes[2].name, "optimizer");
+  EXPECT_STREQ(passes[3].name, "predictor");
+  EXPECT_STREQ(passes[4].name, "download");
 }
 
 TEST(Pipeline, EachModelPassAlone) {
@@ -47,18 +48,22 @@ TEST(Pipeline, EachModelPassAlone) {
     }
   }
 
-  graph::model_passes()[1].run(g, train, adam);  // optimizer: one Adam update per weight
+  std::size_t before = g.nodes.size();
+  graph::model_passes()[1].run(g, train, adam);  // accumulate: nothing without accumulation
+  EXPECT_EQ(g.nodes.size(), before);
+
+  graph::model_passes()[2].run(g, train, adam);  // optimizer: one Adam update per weight
   EXPECT_EQ(count_class(g, ops::OpClass::update), 4u);
   std::size_t state = 0;
   for (TensorId t = 0; t < g.tensors.size(); ++t) state += g.tensors.role[t] == graph::Role::optimizer_state;
   EXPECT_EQ(state, 8u);
 
-  std::size_t before = g.nodes.size();
-  graph::model_passes()[2].run(g, train, adam);  // predictor: nothing unless the key asks for it
+  before = g.nodes.size();
+  graph::model_passes()[3].run(g, train, adam);  // predictor: nothing unless the key asks for it
   EXPECT_EQ(g.nodes.size(), before);
 
   before = g.nodes.size();
-  graph::model_passes()[3].run(g, train, adam);  // download: one node, into a host mirror
+  graph::model_passes()[4].run(g, train, adam);  // download: one node, into a host mirror
   ASSERT_EQ(g.nodes.size(), before + 1);
   EXPECT_EQ(g.nodes.op.back(), graph::builtin::download);
   EXPECT_NE(g.tensors.home[g.nodes.outputs(static_cast<graph::NodeId>(before))[0]], graph::Residency::device);
@@ -80,7 +85,7 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   graph::VariantKey fit{16, true};
   fit.fit_predictor = true;
   const graph::Graph g = graph::prepare_step_graph(mlp_forward(16), fit, adam);
-  EXPECT_EQ(count_class(g, ops::OpClass::predictor), 8u);  // a snapshot and a fit per weight
+  EXPECT_EQ(count_class(g, ops::OpClass::state_update), 8u);  // a snapshot and a fit per weight
   EXPECT_EQ(count_role(g, graph::Role::predictor_state), 8u);
   // Each weight's snapshot comes before its update, and its fit after.
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
@@ -94,8 +99,24 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   const graph::Graph p = graph::prepare_step_graph(mlp_forward(16), predict, adam);
   EXPECT_EQ(count_class(p, ops::OpClass::backward), 0u);
   EXPECT_EQ(count_class(p, ops::OpClass::update), 0u);
-  EXPECT_EQ(count_class(p, ops::OpClass::predictor), 4u);  // one apply per weight
+  EXPECT_EQ(count_class(p, ops::OpClass::state_update), 4u);  // one apply per weight
   EXPECT_EQ(count_role(p, graph::Role::optimizer_state), 0u);
+
+  // Accumulation: a micro variant sums gradients and has no optimizer or predictor; the last one
+  // takes the mean before the updates.
+  graph::VariantKey micro{16, true};
+  micro.accumulate = 4;
+  micro.micro = true;
+  micro.fit_predictor = true;
+  const graph::Graph mg = graph::prepare_step_graph(mlp_forward(16), micro, adam);
+  EXPECT_EQ(count_class(mg, ops::OpClass::update), 0u);
+  EXPECT_EQ(count_class(mg, ops::OpClass::state_update), 4u);  // grad_accumulate per weight
+  EXPECT_EQ(count_role(mg, graph::Role::gradient_sum), 4u);
+  micro.micro = false;
+  micro.fit_predictor = false;
+  const graph::Graph last = graph::prepare_step_graph(mlp_forward(16), micro, adam);
+  EXPECT_EQ(count_class(last, ops::OpClass::update), 4u);
+  EXPECT_EQ(count_class(last, ops::OpClass::state_update), 4u);  // grad_mean per weight
 
   graph::OptimizerSpec bad = adam;
   bad.predictor.beta = 1.0f;

@@ -1,4 +1,4 @@
-// Rows of the weight-update predictor (ops/predictor.hpp), class `predictor`: the residency pass
+// Rows of the weight-update predictor (ops/predictor.hpp), class `state_update`: the residency pass
 // moves them early with the optimizer updates, in their order, and never to the host lane.
 //
 //   predictor_snapshot  in: w                      out: before (w as it was before the update)
@@ -22,7 +22,7 @@ PredictorConfig config_of(const NodeAttrs& a) {
 OpInfo snapshot_row() {
   OpInfo r;
   r.name = "predictor_snapshot";
-  r.op_class = OpClass::predictor;
+  r.op_class = OpClass::state_update;
   r.bind = [](const BindContext& c) { return predictor_snapshot(c.env(), c.in(0), c.out(0), in_elems(c, 0)); };
   r.reference = [](RefContext& c) {
     const auto src = c.real(c.inputs()[0]);
@@ -35,7 +35,7 @@ OpInfo snapshot_row() {
 OpInfo fit_row() {
   OpInfo r;
   r.name = "predictor_fit";
-  r.op_class = OpClass::predictor;
+  r.op_class = OpClass::state_update;
   r.scratch_bytes = [](const ShapeView&, OpEnv&) { return predictor_fit_scratch_bytes; };
   r.bind = [](const BindContext& c) {
     return predictor_fit(c.env(), config_of(c.attrs()), c.in(0), c.in(1), c.in(2), c.in(3), c.scratch(), in_elems(c, 0),
@@ -53,7 +53,7 @@ OpInfo fit_row() {
 OpInfo apply_row() {
   OpInfo r;
   r.name = "predictor_apply";
-  r.op_class = OpClass::predictor;
+  r.op_class = OpClass::state_update;
   r.bind = [](const BindContext& c) {
     return predictor_apply(c.env(), c.in(0), c.in(1), c.in(2), in_elems(c, 0),
                            c.input_count() > 3 ? c.in(3) : DeviceSpan{});

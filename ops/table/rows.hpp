@@ -34,6 +34,8 @@ void register_loss_sum_rows(const AddNamedRow& add);  // ops/table/loss_sum.cpp:
 void register_optimizer8bit_rows(const AddNamedRow& add);
 // ops/table/predictor.cpp: the weight-update predictor's snapshot, fit and apply.
 void register_predictor_rows(const AddNamedRow& add);
+// ops/table/accumulate.cpp: gradient accumulation's sum and mean.
+void register_accumulate_rows(const AddNamedRow& add);
 
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);

@@ -46,6 +46,7 @@ struct TrainArgs {
   bool json = false, quiet = false;
   // Hybrid phases (ferry/runtime/phases.hpp): the defaults are PhaseConfig's.
   std::string phases = "full", predictor = "linear";
+  std::uint32_t accumulate = 1;  // micro-batches per optimizer update
   ferry::PhaseConfig phase_config;
 };
 

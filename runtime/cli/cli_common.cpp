@@ -49,6 +49,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.homes.codec.level = a.compress_level;
   opt.residency.homes.codec.workers = a.compress_workers;
   ferry::offload::validate(opt.residency.homes.codec);
+  opt.accumulate = a.accumulate;
   opt.phases = a.phase_config;
   opt.phases.hybrid = ferry::parse_phases(a.phases);
   opt.phases.predictor.kind = ferry::ops::parse_predictor(a.predictor);

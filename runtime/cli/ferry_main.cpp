@@ -226,6 +226,8 @@ int cmd_train(const TrainArgs& a) {
                         {"host_updates_per_step", trainer.residency().host_updates},
                         {"compile_s", compile_s}};
     j["phases"] = ferry::phases_name(opt.phases.hybrid);
+    j["accumulate"] = opt.accumulate;
+    j["optimizer_updates"] = trainer.steps_done();
     if (const auto* pc = trainer.phases()) {
       const auto& c = pc->counts();
       j["predictor"] = ferry::ops::predictor_name(opt.phases.predictor.kind);
@@ -336,6 +338,10 @@ int main(int argc, char** argv) {
   train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile)")->capture_default_str();
   train->add_option("--profile", t.profile_path,
                     "Write a CSV memory profile: device bytes per node, transfers and their device times");
+  train
+      ->add_option("--accumulate", t.accumulate,
+                   "Micro-batches of --batch samples whose mean gradient makes one optimizer update")
+      ->capture_default_str();
   auto& pc = t.phase_config;
   train
       ->add_option("--phases", t.phases,

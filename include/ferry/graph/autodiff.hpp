@@ -26,6 +26,12 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec);
 void append_predictor_fit(Graph& g, const ops::PredictorConfig& c);
 void append_predictor_apply(Graph& g);
 
+// Gradient accumulation over key.accumulate > 1 micro-batches: with micro, one grad_accumulate
+// node per weight gradient into "<w>.grad_sum" (role gradient_sum, zero-initialised); without,
+// one grad_mean node per weight gradient (the gradient becomes the group's mean). Before the
+// optimizer pass.
+void append_accumulation(Graph& g, std::uint32_t accumulate, bool micro);
+
 // Appends the node that copies the loss statistics to the host at the end of the step.
 void append_stats_download(Graph& g);
 

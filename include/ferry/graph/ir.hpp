@@ -41,6 +41,8 @@ enum class Role : std::uint8_t {
   weight,           // trained parameter: persistent
   optimizer_state,  // momentum / Adam moments: persistent
   predictor_state,  // the weight-update predictor's (ops/predictor.hpp): persistent, homed with the weights
+  gradient_sum,     // gradient accumulation's sum over micro-batches (ops/accumulate.hpp): persistent, homed with the
+                    // weights
   gradient,         // of a weight or an activation: lives within a step
   activation,       // forward intermediate: lives within a step
   scratch,          // an op's temporary (packed GEMM panels, im2col columns)

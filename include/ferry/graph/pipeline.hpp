@@ -29,6 +29,11 @@ struct VariantKey {
   // advances the weights by the predictor instead of an optimizer (Predict).
   bool fit_predictor = false;
   bool apply_predictor = false;
+  // Gradient accumulation over `accumulate` micro-batches (ops/accumulate.hpp): a micro variant
+  // adds the gradients into their sums and has no optimizer; the other training variant takes
+  // the mean of the sums and updates.
+  std::uint32_t accumulate = 1;
+  bool micro = false;
   auto operator<=>(const VariantKey&) const = default;
 };
 

@@ -38,6 +38,8 @@ struct StepInfo {
   std::uint64_t step = 1;  // 1-based count of optimizer updates (Adam bias correction)
   float lr = 0.0f;
   float predict_scale = 1.0f;  // hybrid phases: the factor of this Predict step's update
+  // Gradient accumulation: 0 on the first micro-batch of a group (the sum restarts), else 1.
+  float accumulate_keep = 1.0f;
 };
 
 struct KernelLaunch {

@@ -51,9 +51,10 @@ enum class OpClass : std::uint8_t {
   backward,  // gradient ops
   update,    // optimizer updates: the residency pass may move them early or to the host
   cast,      // precision changes
-  // the weight-update predictor (ops/predictor.hpp): placed with the updates (moved early with
-  // them, in their order), always on the device
-  predictor,
+  // other updates of persistent state: the weight-update predictor (ops/predictor.hpp), gradient
+  // accumulation (ops/accumulate.hpp); placed with the updates (moved early with them, in their
+  // order), always on the device
+  state_update,
 };
 const char* op_class_name(OpClass c);
 

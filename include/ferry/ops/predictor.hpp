@@ -25,7 +25,7 @@ namespace ferry::ops {
 
 struct PredictorConfig {
   enum class Kind : std::uint8_t { linear, least_squares } kind = Kind::linear;
-  float beta = 0.9f;      // smoothing of d (and of the least-squares gain), in [0, 1)
+  float beta = 0.97f;     // smoothing of d (and of the least-squares gain), in [0, 1)
   float max_gain = 4.0f;  // least squares: the largest gain
 };
 const char* predictor_name(PredictorConfig::Kind k);

@@ -39,14 +39,14 @@ struct PhaseConfig {
   ops::PredictorConfig predictor;
   std::uint32_t warmup_steps = 20;
   std::uint32_t min_full_steps = 2;
-  std::uint32_t max_predict_steps = 8;
+  std::uint32_t max_predict_steps = 4;
   float confidence = 0.3f;         // the prediction quality (a cosine) needed to predict, in (0, 1]
   float max_loss_gap = 0.25f;      // Predict loss above the recent Full mean by more than this: restore
   float sigma_limit = 4.0f;        // Predict loss above mean + sigma_limit * sd: end the run
   std::uint32_t loss_window = 32;  // recent Full losses the mean and sd are taken over
   // Step k of a Predict run (from 0) applies predict_decay^k times the prediction: the way an
   // update carried by momentum alone fades. In (0, 1].
-  float predict_decay = 0.9f;
+  float predict_decay = 1.0f;
 };
 const char* phases_name(bool hybrid);  // "hybrid" or "full"
 // "full" or "hybrid"; throws std::invalid_argument naming the choices.

@@ -31,6 +31,10 @@ struct TrainerOptions {
   // Hybrid phases (Warmup/Full/Predict/Correct, ferry/runtime/phases.hpp); off by default. With
   // them on, optimizer.predictor is set from phases.predictor.
   PhaseConfig phases;
+  // Gradient accumulation: each step() is one micro-batch of `batch` samples and the optimizer
+  // updates every `accumulate` micro-batches with their mean gradient (ops/accumulate.hpp): the
+  // same update as one batch of accumulate * batch samples. At least 1.
+  std::uint32_t accumulate = 1;
 };
 
 struct StepResult {
@@ -39,6 +43,7 @@ struct StepResult {
   double step_ms = 0;         // wall time of the step, enqueue to device completion
   std::uint64_t device_peak_bytes = 0;
   Phase phase = Phase::full;  // what the step was (hybrid phases); Predict: no optimizer update
+  bool updated = true;        // the optimizer ran (false: a Predict step, or a micro-batch before the last)
   // Predict: the divergence monitor ended the run (end) or put back the weights from before it
   // (restore, after which the weights are those of the last Full step).
   PhaseController::Verdict verdict = PhaseController::Verdict::go_on;
@@ -161,6 +166,8 @@ class Trainer {
   std::uint64_t steps_ = 0;
   std::unique_ptr<graph::CompiledStep> train_;
   std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>> variants_;
+  graph::VariantKey train_key_;
+  std::uint32_t micro_ = 0;  // micro-batches of the current accumulation group done
   std::unique_ptr<PhaseController> phases_;
   std::vector<std::string> fit_stats_;     // "<w>.pred_stats" of every weight
   std::vector<float> gains_;               // the gain each weight's last prediction used
