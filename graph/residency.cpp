@@ -311,6 +311,38 @@ void move_updates_to_host(Graph& g) {
   g.nodes = std::move(out);
 }
 
+// Moves state updates that can run on the host (a row with a host version) and whose persistent
+// operands all stream from pinned host memory to the host lane, without their loss guard: a
+// Predict step advances streamed weights in host memory, so they are fetched for the forward and
+// never written back. (A step whose loss is not finite does not commit their new values.)
+void move_state_updates_to_host(Graph& g) {
+  const auto& t = g.tensors;
+  const auto streamed = [&](TensorId x) {
+    const TensorId s = t.storage(x);
+    const auto traits = offload::home_traits(t.home[s]);
+    return is_persistent(t.role[s]) && traits.needs_transfers && !traits.staged;
+  };
+  NodeTable out;
+  std::vector<TensorId> ins, outs;
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    bool host = is_state_update(g.nodes.op[n]) && ops::op_info(g.nodes.op[n]).host;
+    ins.clear();
+    for (TensorId x : g.nodes.inputs(n)) {
+      if (t.role[t.storage(x)] == Role::stats) continue;
+      host = host && streamed(x);
+      ins.push_back(x);
+    }
+    outs.assign(g.nodes.outputs(n).begin(), g.nodes.outputs(n).end());
+    for (TensorId x : outs) host = host && streamed(x);
+    if (host) {
+      out.add_copy(g.nodes, n, ins, outs, Lane::host);
+    } else {
+      out.add_copy(g.nodes, n);
+    }
+  }
+  g.nodes = std::move(out);
+}
+
 std::string mib(std::uint64_t b) {
   return fmt::format("{:.1f} MiB", b / 1048576.0);
 }
@@ -520,6 +552,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   Graph base = g;
   place_updates_early(base);
   if (options.host_optimizer) move_updates_to_host(base);
+  move_state_updates_to_host(base);
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
     Graph s = stream_graph(base, cache, lookahead);
     stage_home_transfers(s, host_unified && options.zero_copy_staging);

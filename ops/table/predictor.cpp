@@ -3,8 +3,12 @@
 //
 //   predictor_snapshot  in: w                      out: before (w as it was before the update)
 //   predictor_fit       in: w before d st [loss]   out: d st (in place)   attrs: f0 beta, f1 max gain, i0 kind
-//   predictor_apply     in: w d st [loss]          out: w (in place)
+//   predictor_apply     in: w d st [loss]          out: w (in place); also on the host lane, where
+//                       streamed weights are advanced in host memory (no guard: a step whose loss
+//                       is not finite does not commit what it wrote)
 #include "ferry/ops/predictor.hpp"
+
+#include <cmath>
 
 #include "rows.hpp"
 
@@ -57,6 +61,15 @@ OpInfo apply_row() {
   r.bind = [](const BindContext& c) {
     return predictor_apply(c.env(), c.in(0), c.in(1), c.in(2), in_elems(c, 0),
                            c.input_count() > 3 ? c.in(3) : DeviceSpan{});
+  };
+  r.host = [](const HostContext& c) {
+    const auto* w = reinterpret_cast<const float*>(c.in(0));
+    const auto* d = reinterpret_cast<const float*>(c.in(1));
+    const auto* st = reinterpret_cast<const float*>(c.in(2));
+    auto* out = reinterpret_cast<float*>(c.out(0));
+    // As the kernel rounds: one product, then a fused multiply-add per element.
+    const float s = c.step().predict_scale * st[predictor_stat_gain];
+    for (std::size_t i = 0, n = in_elems(c, 0); i < n; ++i) out[i] = std::fma(s, d[i], w[i]);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();

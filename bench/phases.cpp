@@ -1,0 +1,216 @@
+// ferry-bench phases: hybrid phases (Warmup/Full/Predict/Correct) against Full-only training of
+// the same model, seed and data order, in one run: test accuracy after every epoch, training time
+// (evaluation excluded), the fraction of steps predicted, the time each needs to come within one
+// point of Full-only's final accuracy, and, streamed under a device budget, the bytes a Predict
+// step moves over the link against a Full step's.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <numeric>
+#include <optional>
+#include <random>
+
+#include "bench.hpp"
+#include "ferry/ferry.hpp"
+#include "ferry/runtime/lr_schedule.hpp"
+
+namespace ferry::bench {
+namespace {
+
+struct PhasesOptions {
+  std::string model = "mlp";
+  std::uint32_t epochs = 10, batch = 0;
+  std::string predictor = "linear";
+  std::uint64_t seed = 1;
+  std::size_t train_limit = 0;
+  std::string budget = "32MiB";     // the streamed part's device budget (mlp, deep: layers stream)
+  std::uint32_t stream_steps = 60;  // streamed steps timed
+};
+
+ModelSpec make_model(const std::string& name) {
+  if (name == "mlp") return models::mlp();
+  if (name == "cnn") return models::cnn();
+  if (name == "deep") return models::deep(1024, 16);
+  throw std::invalid_argument(fmt::format("--model: unknown '{}': use mlp, cnn or deep", name));
+}
+
+std::uint32_t default_batch(const std::string& model) {
+  return model == "mlp" ? 256 : model == "cnn" ? 128 : 64;
+}
+
+void standardise(Dataset& d) {
+  for (auto& v : d.images) v = (v - 0.2860f) / 0.3530f;
+}
+
+TrainerOptions trainer_options(const PhasesOptions& po, bool hybrid) {
+  TrainerOptions o;
+  o.batch = po.batch ? po.batch : default_batch(po.model);
+  o.lr = 1e-3f;
+  o.seed = po.seed;
+  o.phases.hybrid = hybrid;
+  o.phases.predictor.kind = ops::parse_predictor(po.predictor);
+  return o;
+}
+
+struct Curve {
+  std::vector<double> accuracy, seconds;  // after each epoch; seconds of training steps only
+  double predict_fraction = 0, full_step_ms = 0, predict_step_ms = 0;
+  std::uint64_t updates = 0;
+};
+
+// Trains like `ferry train` (shuffled epochs, cosine schedule) and evaluates after every epoch.
+Curve train(Runtime& rt, const Dataset& data, const Dataset& test, const PhasesOptions& po, bool hybrid) {
+  Trainer t(rt, make_model(po.model), trainer_options(po, hybrid));
+  const std::uint32_t batch = t.options().batch;
+  const std::size_t sample = data.sample_elems(), per_epoch = data.count / batch;
+  LrSchedule schedule;
+  schedule.peak = t.options().lr;
+  schedule.total_steps = per_epoch * po.epochs;
+  schedule.validate();
+  std::vector<std::size_t> order(data.count);
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(po.seed);
+  std::vector<float> images(batch * sample);
+  std::vector<std::int32_t> labels(batch);
+  Curve c;
+  double seconds = 0;
+  for (std::uint32_t e = 0; e < po.epochs; ++e) {
+    std::shuffle(order.begin(), order.end(), rng);
+    const auto start = std::chrono::steady_clock::now();
+    for (std::size_t s = 0; s < per_epoch; ++s) {
+      for (std::uint32_t i = 0; i < batch; ++i) {
+        const std::size_t k = order[s * batch + i];
+        std::copy_n(data.images.begin() + k * sample, sample, images.begin() + i * sample);
+        labels[i] = data.labels[k];
+      }
+      t.set_lr(schedule.at(e * per_epoch + s));
+      t.step(images, labels);
+    }
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    c.seconds.push_back(seconds);
+    c.accuracy.push_back(t.evaluate(test).accuracy);
+    std::cerr << fmt::format("ferry-bench phases: {} epoch {}/{}: test accuracy {:.4f} after {:.1f} s{}\n",
+                             hybrid ? "hybrid" : "full", e + 1, po.epochs, c.accuracy.back(), seconds,
+                             hybrid ? fmt::format(" ({:.0f}% predicted)", 100 * t.phases()->predict_fraction()) : "");
+  }
+  if (t.phases()) c.predict_fraction = t.phases()->predict_fraction();
+  c.full_step_ms = t.phase_step_ms(Phase::full);
+  c.predict_step_ms = t.phase_step_ms(Phase::predict);
+  c.updates = t.steps_done();
+  return c;
+}
+
+// The first epoch-end time at which accuracy reached `target`, if any.
+std::optional<double> time_to(const Curve& c, double target) {
+  for (std::size_t e = 0; e < c.accuracy.size(); ++e) {
+    if (c.accuracy[e] >= target) return c.seconds[e];
+  }
+  return std::nullopt;
+}
+
+nlohmann::json or_null(std::optional<double> v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+// The link bytes of a streamed Full and Predict step, and their median times.
+nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& po) {
+  TrainerOptions o = trainer_options(po, true);
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.budget_bytes = parse_bytes(po.budget);
+  Trainer t(rt, make_model(po.model), o);
+  graph::VariantKey key{o.batch, false};
+  key.apply_predictor = true;
+  const graph::ResidencyReport& full = t.residency();
+  const graph::ResidencyReport& predict = t.variants().at(key)->residency();
+  const auto link = [](const graph::ResidencyReport& r) { return r.fetch_bytes + r.write_back_bytes; };
+  const std::size_t sample = data.sample_elems();
+  std::vector<float> images(o.batch * sample);
+  std::vector<std::int32_t> labels(o.batch);
+  std::mt19937_64 rng(po.seed);
+  std::vector<double> full_ms, predict_ms;
+  for (std::uint32_t s = 0; s < po.stream_steps; ++s) {
+    for (std::uint32_t i = 0; i < o.batch; ++i) {
+      const std::size_t k = rng() % data.count;
+      std::copy_n(data.images.begin() + k * sample, sample, images.begin() + i * sample);
+      labels[i] = data.labels[k];
+    }
+    const StepResult r = t.step(images, labels);
+    if (s < 5) continue;  // one-off costs
+    (r.phase == Phase::predict ? predict_ms : full_ms).push_back(r.step_ms);
+  }
+  return {{"device_budget", po.budget},
+          {"full_link_bytes", link(full)},
+          {"predict_link_bytes", link(predict)},
+          {"predict_over_full_link_bytes", double(link(predict)) / double(link(full))},
+          {"full_step_ms", median(full_ms)},
+          {"predict_step_ms", median(predict_ms)},
+          {"predict_over_full_step_time", predict_ms.empty() ? 0.0 : median(predict_ms) / median(full_ms)}};
+}
+
+int run_phases(const BenchCommon& common, const PhasesOptions& po) {
+  Runtime rt({.device = common.device});
+  Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
+  Dataset test = load_fashion_mnist(default_fashion_mnist_dir(), Split::test);
+  if (po.train_limit && po.train_limit < data.count) {
+    data.count = po.train_limit;
+    data.images.resize(data.count * data.sample_elems());
+    data.labels.resize(data.count);
+  }
+  standardise(data);
+  standardise(test);
+  const Curve full = train(rt, data, test, po, false);
+  const Curve hybrid = train(rt, data, test, po, true);
+  const double target = full.accuracy.back() - 0.01;
+  const auto full_time = time_to(full, target), hybrid_time = time_to(hybrid, target);
+  nlohmann::json result = {
+      {"name", "phases"},
+      {"device", rt.device().name},
+      {"model", po.model},
+      {"epochs", po.epochs},
+      {"batch", po.batch ? po.batch : default_batch(po.model)},
+      {"predictor", po.predictor},
+      {"full_accuracy", full.accuracy},
+      {"hybrid_accuracy", hybrid.accuracy},
+      {"full_train_s", full.seconds},
+      {"hybrid_train_s", hybrid.seconds},
+      {"full_final_accuracy", full.accuracy.back()},
+      {"hybrid_final_accuracy", hybrid.accuracy.back()},
+      {"accuracy_gap_points", 100 * (full.accuracy.back() - hybrid.accuracy.back())},
+      {"predict_fraction", hybrid.predict_fraction},
+      {"full_updates", full.updates},
+      {"hybrid_updates", hybrid.updates},
+      {"full_only_step_ms", full.full_step_ms},
+      {"hybrid_full_step_ms", hybrid.full_step_ms},
+      {"hybrid_predict_step_ms", hybrid.predict_step_ms},
+      {"target_accuracy", target},
+      {"full_time_to_target_s", or_null(full_time)},
+      {"hybrid_time_to_target_s", or_null(hybrid_time)},
+      {"hybrid_over_full_time_to_target",
+       full_time && hybrid_time ? nlohmann::json(*hybrid_time / *full_time) : nlohmann::json(nullptr)},
+      {"hybrid_over_full_train_time", hybrid.seconds.back() / full.seconds.back()}};
+  std::cerr << "ferry-bench phases: streamed steps...\n";
+  result["streamed"] = streamed(rt, data, po);
+  emit_json(result);
+  return 0;
+}
+
+BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
+  auto po = std::make_shared<PhasesOptions>();
+  sub.add_option("--model", po->model, "mlp, cnn or deep")->capture_default_str();
+  sub.add_option("--epochs", po->epochs, "epochs of each training run")->capture_default_str();
+  sub.add_option("--batch", po->batch, "samples per step (default: the model's, as ferry train)");
+  sub.add_option("--predictor", po->predictor, "linear or lsq")->capture_default_str();
+  sub.add_option("--seed", po->seed, "initialisation and data order")->capture_default_str();
+  sub.add_option("--train-limit", po->train_limit, "use only the first N training samples");
+  sub.add_option("--device-budget", po->budget, "device budget of the streamed part")->capture_default_str();
+  sub.add_option("--stream-steps", po->stream_steps, "steps of the streamed part")->capture_default_str();
+  return [&common, po] { return run_phases(common, *po); };
+}
+
+FERRY_BENCH("phases",
+            "hybrid phases against Full-only training: accuracy per epoch, time to accuracy, predicted fraction, "
+            "streamed Predict link bytes",
+            setup_phases);
+
+}  // namespace
+}  // namespace ferry::bench
