@@ -54,6 +54,16 @@ struct TrainArgs {
 // Throws std::invalid_argument for an unknown optimizer or home.
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt);
 
+// Batches that train well and fit the models' usual budgets (deep: 64 MiB): mlp 256, cnn 128,
+// gpt 32, deep 64.
+std::uint32_t default_batch(const std::string& model);
+// The Fashion-MNIST models (mlp, cnn, deep) as `a` sizes them; throws std::invalid_argument for
+// another name.
+ferry::ModelSpec make_model(const TrainArgs& a);
+
+// `ferry plan` (runtime/cli/plan.cpp).
+int cmd_plan(const TrainArgs& a);
+
 // "h:mm:ss".
 std::string clock_string(double seconds);
 

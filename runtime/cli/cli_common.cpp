@@ -56,6 +56,17 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   ferry::validate(opt.phases);
 }
 
+std::uint32_t default_batch(const std::string& model) {
+  return model == "mlp" ? 256 : model == "cnn" ? 128 : model == "gpt" ? 32 : 64;
+}
+
+ferry::ModelSpec make_model(const TrainArgs& a) {
+  if (a.model == "mlp") return ferry::models::mlp();
+  if (a.model == "cnn") return ferry::models::cnn();
+  if (a.model == "deep") return ferry::models::deep(a.width ? a.width : 1024, a.depth ? a.depth : 16);
+  throw std::invalid_argument(fmt::format("unknown model '{}': use mlp, cnn or deep", a.model));
+}
+
 std::string clock_string(double seconds) {
   const auto s = static_cast<long>(std::max(0.0, seconds));
   return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);

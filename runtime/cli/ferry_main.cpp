@@ -40,18 +40,6 @@ int cmd_devices() {
   return 0;
 }
 
-// Batches that train well and fit the models' usual budgets (deep: 64 MiB).
-std::uint32_t default_batch(const std::string& model) {
-  return model == "mlp" ? 256 : model == "cnn" ? 128 : 64;
-}
-
-ferry::ModelSpec make_model(const TrainArgs& a) {
-  if (a.model == "mlp") return ferry::models::mlp();
-  if (a.model == "cnn") return ferry::models::cnn();
-  if (a.model == "deep") return ferry::models::deep(a.width ? a.width : 1024, a.depth ? a.depth : 16);
-  throw std::invalid_argument(fmt::format("unknown model '{}': use mlp, cnn or deep", a.model));
-}
-
 int cmd_train(const TrainArgs& a) {
   const auto data_dir = a.data_dir.empty() ? ferry::default_fashion_mnist_dir() : std::filesystem::path(a.data_dir);
   ferry::Dataset train = ferry::load_fashion_mnist(data_dir, ferry::Split::train);
@@ -249,43 +237,103 @@ int cmd_train(const TrainArgs& a) {
 
 }  // namespace
 
+// Options `train` and `plan` share: the model, the optimizer, where state lives, phases,
+// accumulation, the device and its budget, JSON output.
+void add_model_options(CLI::App* app, TrainArgs& t) {
+  app->add_option("--model", t.model,
+                  "mlp (784-1024-1024-10), cnn (two conv layers), deep (residual MLP): Fashion-MNIST; gpt: a "
+                  "character-level GPT on the fortune files")
+      ->check(CLI::IsMember({"mlp", "cnn", "deep", "gpt"}))
+      ->capture_default_str();
+  app->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
+      ->check(CLI::PositiveNumber);
+  app->add_option("--optimizer", t.optimizer,
+                  "adam, adamw, adamw8bit (AdamW with 8-bit block-wise quantized moments) or sgd")
+      ->capture_default_str();
+  app->add_option("--optimizer-block", t.optimizer_block,
+                  "adamw8bit: elements sharing one scale per moment (a multiple of 256)")
+      ->capture_default_str();
+  app->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw, adamw8bit)")
+      ->capture_default_str();
+  app->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
+  app->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(CLI::PositiveNumber);
+  app->add_option("--depth", t.depth, "deep: residual blocks (default 16); gpt: decoder blocks (default 4)")
+      ->check(CLI::PositiveNumber);
+  app->add_option("--heads", t.heads, "gpt: attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--context", t.context, "gpt: characters per window")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
+  app->add_option("--device-budget", t.device_budget,
+                  "Device bytes a step may use, e.g. 64MiB (default: device memory less headroom)");
+  app->add_option("--residency", t.residency,
+                  "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "
+                  "(zero-copy, unified-memory devices)")
+      ->check(CLI::IsMember({"auto", "resident", "stream", "mapped"}))
+      ->capture_default_str();
+  app->add_flag("--host-optimizer", t.host_optimizer,
+                "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
+                "come back");
+  const auto homes = CLI::IsMember({"device", "host", "mapped", "compressed", "int8", "dropped"});
+  app->add_option("--weights-home", t.weights_home,
+                  "Home of the weights, replacing the residency mode's: device, host (pinned, streamed), mapped "
+                  "(zero-copy), compressed (zstd chunks in host memory, streamed); int8 is not available yet")
+      ->check(homes);
+  app->add_option("--state-home", t.state_home,
+                  "Home of the optimizer state, replacing the residency mode's: as --weights-home, and dropped "
+                  "(not kept: re-initialised to zeros before every update)")
+      ->check(homes);
+  app->add_option("--compress-chunk", t.compress_chunk,
+                  "Compressed home: uncompressed bytes per chunk (e.g. 256KiB, 1MiB)")
+      ->capture_default_str();
+  app->add_option("--compress-level", t.compress_level, "Compressed home: zstd level")->capture_default_str();
+  app->add_option("--compress-workers", t.compress_workers,
+                  "Compressed home: TBB workers (de)compressing one tensor's chunks (0: all)")
+      ->capture_default_str();
+  app->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
+      ->capture_default_str();
+  app->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();
+  app->add_option("--accumulate", t.accumulate,
+                  "Micro-batches of --batch samples whose mean gradient makes one optimizer update")
+      ->capture_default_str();
+  auto& pc = t.phase_config;
+  app->add_option("--phases", t.phases,
+                  "full (every step trains) or hybrid (Warmup/Full/Predict/Correct: some steps run forward only and "
+                  "advance the weights by a predicted update; see docs/phases.md)")
+      ->capture_default_str();
+  app->add_option("--predictor", t.predictor,
+                  "hybrid: linear (smoothed recent updates) or lsq (with a least-squares gain per tensor)")
+      ->capture_default_str();
+  app->add_option("--predictor-beta", pc.predictor.beta, "hybrid: smoothing of the recent updates, in [0, 1)")
+      ->capture_default_str();
+  app->add_option("--warmup-steps", pc.warmup_steps, "hybrid: Full steps before anything is predicted")
+      ->capture_default_str();
+  app->add_option("--min-full-steps", pc.min_full_steps, "hybrid: Full steps between Predict runs")
+      ->capture_default_str();
+  app->add_option("--max-predict", pc.max_predict_steps, "hybrid: the longest Predict run")->capture_default_str();
+  app->add_option("--confidence", pc.confidence,
+                  "hybrid: prediction quality (cosine of predicted and true update) needed to predict, in (0, 1]")
+      ->capture_default_str();
+  app->add_option("--predict-decay", pc.predict_decay, "hybrid: step k of a Predict run applies decay^k of the update")
+      ->capture_default_str();
+  app->add_option("--max-loss-gap", pc.max_loss_gap,
+                  "hybrid: a Predict loss this far above the recent Full mean restores the last Full weights")
+      ->capture_default_str();
+  app->add_flag("--json", t.json, "End with one JSON line of results on stdout");
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"ferry: train neural networks on any OpenCL device"};
   app.require_subcommand(1);
   auto* devices = app.add_subcommand("devices", "List OpenCL devices (index, platform, name)");
   TrainArgs t;
   auto* train = app.add_subcommand("train", "Train a model on Fashion-MNIST and report test accuracy");
-  train
-      ->add_option("--model", t.model,
-                   "mlp (784-1024-1024-10), cnn (two conv layers), deep (residual MLP): Fashion-MNIST; gpt: a "
-                   "character-level GPT on the fortune files")
-      ->check(CLI::IsMember({"mlp", "cnn", "deep", "gpt"}))
-      ->capture_default_str();
+  add_model_options(train, t);
   train->add_option("--epochs", t.epochs, "Passes over the training set (Fashion-MNIST models)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  train->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
-      ->check(CLI::PositiveNumber);
   train->add_option("--lr", t.lr, "Peak learning rate (gpt: 0.002)")->check(CLI::PositiveNumber)->capture_default_str();
-  train
-      ->add_option("--optimizer", t.optimizer,
-                   "adam, adamw, adamw8bit (AdamW with 8-bit block-wise quantized moments) or sgd")
-      ->capture_default_str();
-  train
-      ->add_option("--optimizer-block", t.optimizer_block,
-                   "adamw8bit: elements sharing one scale per moment (a multiple of 256)")
-      ->capture_default_str();
-  train->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw, adamw8bit)")
-      ->capture_default_str();
-  train->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
   train->add_option("--schedule", t.schedule, "Learning rate schedule: cosine or constant")->capture_default_str();
-  train->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(CLI::PositiveNumber);
-  train->add_option("--depth", t.depth, "deep: residual blocks (default 16); gpt: decoder blocks (default 4)")
-      ->check(CLI::PositiveNumber);
-  train->add_option("--heads", t.heads, "gpt: attention heads")->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--context", t.context, "gpt: characters per window")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
   train->add_option("--dropout", t.dropout, "gpt: dropout probability")->check(CLI::Range(0.0, 0.95));
   train->add_option("--steps", t.steps, "gpt: optimizer steps (default 2000)")->check(CLI::PositiveNumber);
   train->add_option("--max-minutes", t.max_minutes, "gpt: stop training after this many minutes")
@@ -296,41 +344,6 @@ int main(int argc, char** argv) {
   train->add_option("--prompt", t.prompt, "gpt: text the sample continues (default: a newline)");
   train->add_option("--temperature", t.temperature, "gpt: sampling temperature")->capture_default_str();
   train->add_option("--text", t.text_dir, "gpt: folder of text files (default: $FERRY_TEXT_DIR or Debian's fortunes)");
-  train->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
-  train->add_option("--device-budget", t.device_budget,
-                    "Device bytes a step may use, e.g. 64MiB (default: device memory less headroom)");
-  train
-      ->add_option("--residency", t.residency,
-                   "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "
-                   "(zero-copy, unified-memory devices)")
-      ->check(CLI::IsMember({"auto", "resident", "stream", "mapped"}))
-      ->capture_default_str();
-  train->add_flag("--host-optimizer", t.host_optimizer,
-                  "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
-                  "come back");
-  const auto homes = CLI::IsMember({"device", "host", "mapped", "compressed", "int8", "dropped"});
-  train
-      ->add_option("--weights-home", t.weights_home,
-                   "Home of the weights, replacing the residency mode's: device, host (pinned, streamed), mapped "
-                   "(zero-copy), compressed (zstd chunks in host memory, streamed); int8 is not available yet")
-      ->check(homes);
-  train
-      ->add_option("--state-home", t.state_home,
-                   "Home of the optimizer state, replacing the residency mode's: as --weights-home, and dropped "
-                   "(not kept: re-initialised to zeros before every update)")
-      ->check(homes);
-  train
-      ->add_option("--compress-chunk", t.compress_chunk,
-                   "Compressed home: uncompressed bytes per chunk (e.g. 256KiB, 1MiB)")
-      ->capture_default_str();
-  train->add_option("--compress-level", t.compress_level, "Compressed home: zstd level")->capture_default_str();
-  train
-      ->add_option("--compress-workers", t.compress_workers,
-                   "Compressed home: TBB workers (de)compressing one tensor's chunks (0: all)")
-      ->capture_default_str();
-  train->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
-      ->capture_default_str();
-  train->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();
   train->add_option("--data", t.data_dir,
                     "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");
   train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)");
@@ -338,45 +351,18 @@ int main(int argc, char** argv) {
   train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile)")->capture_default_str();
   train->add_option("--profile", t.profile_path,
                     "Write a CSV memory profile: device bytes per node, transfers and their device times");
-  train
-      ->add_option("--accumulate", t.accumulate,
-                   "Micro-batches of --batch samples whose mean gradient makes one optimizer update")
-      ->capture_default_str();
-  auto& pc = t.phase_config;
-  train
-      ->add_option("--phases", t.phases,
-                   "full (every step trains) or hybrid (Warmup/Full/Predict/Correct: some steps run forward only and "
-                   "advance the weights by a predicted update; see docs/phases.md)")
-      ->capture_default_str();
-  train
-      ->add_option("--predictor", t.predictor,
-                   "hybrid: linear (smoothed recent updates) or lsq (with a least-squares gain per tensor)")
-      ->capture_default_str();
-  train->add_option("--predictor-beta", pc.predictor.beta, "hybrid: smoothing of the recent updates, in [0, 1)")
-      ->capture_default_str();
-  train->add_option("--warmup-steps", pc.warmup_steps, "hybrid: Full steps before anything is predicted")
-      ->capture_default_str();
-  train->add_option("--min-full-steps", pc.min_full_steps, "hybrid: Full steps between Predict runs")
-      ->capture_default_str();
-  train->add_option("--max-predict", pc.max_predict_steps, "hybrid: the longest Predict run")->capture_default_str();
-  train
-      ->add_option("--confidence", pc.confidence,
-                   "hybrid: prediction quality (cosine of predicted and true update) needed to predict, in (0, 1]")
-      ->capture_default_str();
-  train
-      ->add_option("--predict-decay", pc.predict_decay, "hybrid: step k of a Predict run applies decay^k of the update")
-      ->capture_default_str();
-  train
-      ->add_option("--max-loss-gap", pc.max_loss_gap,
-                   "hybrid: a Predict loss this far above the recent Full mean restores the last Full weights")
-      ->capture_default_str();
-  train->add_flag("--json", t.json, "End with one JSON line of results on stdout");
   train->add_flag("--quiet", t.quiet, "No progress output");
+  auto* plan = app.add_subcommand(
+      "plan",
+      "Print the device bytes of each phase of a model's step (weights, gradients, optimizer state, activations), "
+      "the smallest budget it runs in, and the configuration to use for --device-budget");
+  add_model_options(plan, t);
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;
   try {
     if (devices->parsed()) return cmd_devices();
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
+    if (plan->parsed()) return cmd_plan(t);
   } catch (const std::exception& e) {
     std::cerr << "ferry: error: " << e.what() << "\n";
     return 1;

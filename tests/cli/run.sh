@@ -51,6 +51,14 @@ check "--state-home host streams only the optimizer state" bash -c "grep -q '\"s
 small=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --optimizer adamw8bit --state-home compressed)
 check "adamw8bit with compressed state reports its state home and unpacks" bash -c "grep -q '\"state_home\":\"host_compressed\"' <<<'$small' && grep -q '\"optimizer\":\"adamw8bit\"' <<<'$small' && ! grep -q '\"unpacks_per_step\":0,' <<<'$small'"
 
+hybrid=$("$ferry" train --model mlp --epochs 1 --train-limit 2048 --quiet --json --phases hybrid --warmup-steps 2 --confidence 0.05)
+check "hybrid phases report the predicted fraction and the steps per phase" bash -c "grep -q '\"phases\":\"hybrid\"' <<<'$hybrid' && grep -q '\"predict_fraction\":0\.[0-9]*[1-9]' <<<'$hybrid' && grep -q '\"phase_steps\":{\"correct\"' <<<'$hybrid'"
+accumulated=$("$ferry" train --model mlp --epochs 1 --train-limit 1024 --batch 64 --accumulate 4 --quiet --json)
+check "--accumulate 4 makes one update per 4 micro-batches" bash -c "grep -q '\"optimizer_updates\":4,' <<<'$accumulated' && grep -q '\"accumulate\":4' <<<'$accumulated'"
+plan=$("$ferry" plan --model mlp --phases hybrid --device-budget 24MiB --json)
+check "ferry plan --json has each phase's bytes and a recommendation" bash -c "grep -q '\"predict\":{' <<<'$plan' && grep -q '\"min_budget_streamed_bytes\":[1-9]' <<<'$plan' && grep -q '\"recommended\":{\"device_bytes\":[1-9][0-9]*,\"flags\":\"--' <<<'$plan'"
+check "ferry plan prints a table" bash -c "'$ferry' plan --model cnn | grep -q 'minimum budget'"
+
 expect_error "unknown device" "no OpenCL device matches 'no-such-device'" train --device no-such-device --epochs 1
 expect_error "missing data set" "$work/nowhere" train --data "$work/nowhere" --epochs 1
 expect_error "budget below one layer" "raise the budget to at least" \
@@ -62,6 +70,10 @@ expect_error "a home with no store yet" "home 'host_int8' has no storage strateg
 expect_error "dropped weights" "only optimizer state can be dropped" train --weights-home dropped --epochs 1
 expect_error "a bad zstd level" "zstd level 99" train --state-home compressed --compress-level 99 --epochs 1
 expect_error "a bad 8-bit block" "2000" train --optimizer adamw8bit --optimizer-block 2000 --epochs 1
+expect_error "hybrid phases that never predict" "maximum predict length of 0" train --phases hybrid --max-predict 0 --epochs 1
+expect_error "a confidence outside (0, 1]" "confidence must be in (0, 1]" train --phases hybrid --confidence 1.5 --epochs 1
+expect_error "accumulation over 0 micro-batches" "0 micro-batches" train --accumulate 0 --epochs 1
+expect_error "an unknown predictor" "unknown predictor 'cubic'" train --phases hybrid --predictor cubic --epochs 1
 
 # The GPT on a small text this test writes (no package needed): JSON fields, a sample, errors.
 mkdir -p "$work/text"
