@@ -9,6 +9,10 @@ const std::vector<ModelPass>& model_passes() {
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training) append_backward(g);
        }},
+      {"recompute",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.training && key.recompute > 0) apply_recompute(g, key.recompute);
+       }},
       {"accumulate",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training && key.accumulate > 1) append_accumulation(g, key.accumulate, key.micro);

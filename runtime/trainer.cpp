@@ -47,6 +47,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   }
   train_key_ = graph::VariantKey{options_.batch, true};
   train_key_.accumulate = options_.accumulate;
+  train_key_.recompute = options_.recompute;
   if (options_.phases.hybrid) {
     options_.optimizer.predictor = options_.phases.predictor;
     train_key_.fit_predictor = true;

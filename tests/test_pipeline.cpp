@@ -22,14 +22,15 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
   return n;
 }
 
-TEST(Pipeline, ModelPassesAreAutodiffAccumulateOptimizerPredictorDownloadInThatOrder) {
+TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
-  ASSERT_EQ(passes.size(), 5u);
+  ASSERT_EQ(passes.size(), 6u);
   EXPECT_STREQ(passes[0].name, "autodiff");
-  EXPECT_STREQ(passes[1].name, "accumulate");
-  EXPECT_STREQ(passes[2].name, "optimizer");
-  EXPECT_STREQ(passes[3].name, "predictor");
-  EXPECT_STREQ(passes[4].name, "download");
+  EXPECT_STREQ(passes[1].name, "recompute");
+  EXPECT_STREQ(passes[2].name, "accumulate");
+  EXPECT_STREQ(passes[3].name, "optimizer");
+  EXPECT_STREQ(passes[4].name, "predictor");
+  EXPECT_STREQ(passes[5].name, "download");
 }
 
 TEST(Pipeline, EachModelPassAlone) {
@@ -49,21 +50,22 @@ TEST(Pipeline, EachModelPassAlone) {
   }
 
   std::size_t before = g.nodes.size();
-  graph::model_passes()[1].run(g, train, adam);  // accumulate: nothing without accumulation
+  graph::model_passes()[1].run(g, train, adam);  // recompute: nothing unless asked
+  graph::model_passes()[2].run(g, train, adam);  // accumulate: nothing without accumulation
   EXPECT_EQ(g.nodes.size(), before);
 
-  graph::model_passes()[2].run(g, train, adam);  // optimizer: one Adam update per weight
+  graph::model_passes()[3].run(g, train, adam);  // optimizer: one Adam update per weight
   EXPECT_EQ(count_class(g, ops::OpClass::update), 4u);
   std::size_t state = 0;
   for (TensorId t = 0; t < g.tensors.size(); ++t) state += g.tensors.role[t] == graph::Role::optimizer_state;
   EXPECT_EQ(state, 8u);
 
   before = g.nodes.size();
-  graph::model_passes()[3].run(g, train, adam);  // predictor: nothing unless the key asks for it
+  graph::model_passes()[4].run(g, train, adam);  // predictor: nothing unless the key asks for it
   EXPECT_EQ(g.nodes.size(), before);
 
   before = g.nodes.size();
-  graph::model_passes()[4].run(g, train, adam);  // download: one node, into a host mirror
+  graph::model_passes()[5].run(g, train, adam);  // download: one node, into a host mirror
   ASSERT_EQ(g.nodes.size(), before + 1);
   EXPECT_EQ(g.nodes.op.back(), graph::builtin::download);
   EXPECT_NE(g.tensors.home[g.nodes.outputs(static_cast<graph::NodeId>(before))[0]], graph::Residency::device);

@@ -47,6 +47,7 @@ struct TrainArgs {
   // Hybrid phases (ferry/runtime/phases.hpp): the defaults are PhaseConfig's.
   std::string phases = "full", predictor = "linear";
   std::uint32_t accumulate = 1;  // micro-batches per optimizer update
+  std::uint32_t recompute = 0;   // layers per recomputed segment (0: none)
   ferry::PhaseConfig phase_config;
 };
 

@@ -50,6 +50,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.homes.codec.workers = a.compress_workers;
   ferry::offload::validate(opt.residency.homes.codec);
   opt.accumulate = a.accumulate;
+  opt.recompute = a.recompute;
   opt.phases = a.phase_config;
   opt.phases.hybrid = ferry::parse_phases(a.phases);
   opt.phases.predictor.kind = ferry::ops::parse_predictor(a.predictor);

@@ -215,6 +215,7 @@ int cmd_train(const TrainArgs& a) {
                         {"compile_s", compile_s}};
     j["phases"] = ferry::phases_name(opt.phases.hybrid);
     j["accumulate"] = opt.accumulate;
+    j["recompute"] = opt.recompute;
     j["optimizer_updates"] = trainer.steps_done();
     if (const auto* pc = trainer.phases()) {
       const auto& c = pc->counts();
@@ -295,6 +296,9 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();
   app->add_option("--accumulate", t.accumulate,
                   "Micro-batches of --batch samples whose mean gradient makes one optimizer update")
+      ->capture_default_str();
+  app->add_option("--recompute", t.recompute,
+                  "Recompute activations in backward for segments of N layers instead of keeping them (0: off)")
       ->capture_default_str();
   auto& pc = t.phase_config;
   app->add_option("--phases", t.phases,

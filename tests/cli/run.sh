@@ -73,6 +73,8 @@ expect_error "a bad 8-bit block" "2000" train --optimizer adamw8bit --optimizer-
 expect_error "hybrid phases that never predict" "maximum predict length of 0" train --phases hybrid --max-predict 0 --epochs 1
 expect_error "a confidence outside (0, 1]" "confidence must be in (0, 1]" train --phases hybrid --confidence 1.5 --epochs 1
 expect_error "accumulation over 0 micro-batches" "0 micro-batches" train --accumulate 0 --epochs 1
+expect_error "a recompute interval beyond the depth" "nothing to recompute" \
+  train --model deep --width 64 --depth 2 --recompute 50 --epochs 1
 expect_error "an unknown predictor" "unknown predictor 'cubic'" train --phases hybrid --predictor cubic --epochs 1
 
 # The GPT on a small text this test writes (no package needed): JSON fields, a sample, errors.

@@ -26,6 +26,12 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec);
 void append_predictor_fit(Graph& g, const ops::PredictorConfig& c);
 void append_predictor_apply(Graph& g);
 
+// Recomputation (gradient checkpointing), after autodiff: the forward nodes are cut into segments
+// of `every` layers (nodes that read a weight); the activations backward reads from a segment
+// other than the last come from copies of the segment's nodes placed just before its backward.
+// Throws std::invalid_argument when `every` is 0 or leaves one segment (at least the layer count).
+void apply_recompute(Graph& g, std::uint32_t every);
+
 // Gradient accumulation over key.accumulate > 1 micro-batches: with micro, one grad_accumulate
 // node per weight gradient into "<w>.grad_sum" (role gradient_sum, zero-initialised); without,
 // one grad_mean node per weight gradient (the gradient becomes the group's mean). Before the

@@ -34,6 +34,8 @@ struct VariantKey {
   // the mean of the sums and updates.
   std::uint32_t accumulate = 1;
   bool micro = false;
+  // Recompute the activations of segments of this many layers in backward (0: keep them all).
+  std::uint32_t recompute = 0;
   auto operator<=>(const VariantKey&) const = default;
 };
 

@@ -35,6 +35,10 @@ struct TrainerOptions {
   // updates every `accumulate` micro-batches with their mean gradient (ops/accumulate.hpp): the
   // same update as one batch of accumulate * batch samples. At least 1.
   std::uint32_t accumulate = 1;
+  // Recomputation (gradient checkpointing): backward recomputes the activations of segments of
+  // this many layers (nodes with weights) instead of keeping them; 0 keeps them all. Gradients are
+  // bit-identical; the step costs about one more forward pass.
+  std::uint32_t recompute = 0;
 };
 
 struct StepResult {
