@@ -25,6 +25,7 @@ struct PhasesOptions {
   std::size_t train_limit = 0;
   std::string budget = "32MiB";     // the streamed part's device budget (mlp, deep: layers stream)
   std::uint32_t stream_steps = 60;  // streamed steps timed
+  bool predict_int8 = false;
 };
 
 ModelSpec make_model(const std::string& name) {
@@ -49,11 +50,13 @@ TrainerOptions trainer_options(const PhasesOptions& po, bool hybrid) {
   o.seed = po.seed;
   o.phases.hybrid = hybrid;
   o.phases.predictor.kind = ops::parse_predictor(po.predictor);
+  o.phases.predict_int8 = po.predict_int8;
   return o;
 }
 
 struct Curve {
   std::vector<double> accuracy, seconds;  // after each epoch; seconds of training steps only
+  double int8_accuracy = 0;               // the final weights, every layer but the head read as int8
   double predict_fraction = 0, full_step_ms = 0, predict_step_ms = 0;
   std::uint64_t updates = 0;
 };
@@ -93,6 +96,7 @@ Curve train(Runtime& rt, const Dataset& data, const Dataset& test, const PhasesO
                              hybrid ? "hybrid" : "full", e + 1, po.epochs, c.accuracy.back(), seconds,
                              hybrid ? fmt::format(" ({:.0f}% predicted)", 100 * t.phases()->predict_fraction()) : "");
   }
+  c.int8_accuracy = t.evaluate(test, true).accuracy;
   if (t.phases()) c.predict_fraction = t.phases()->predict_fraction();
   c.full_step_ms = t.phase_step_ms(Phase::full);
   c.predict_step_ms = t.phase_step_ms(Phase::predict);
@@ -118,10 +122,8 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
   o.residency.mode = graph::ResidencyMode::stream;
   o.residency.budget_bytes = parse_bytes(po.budget);
   Trainer t(rt, make_model(po.model), o);
-  graph::VariantKey key{o.batch, false};
-  key.apply_predictor = true;
   const graph::ResidencyReport& full = t.residency();
-  const graph::ResidencyReport& predict = t.variants().at(key)->residency();
+  const graph::ResidencyReport& predict = t.predict_variant()->residency();
   const auto link = [](const graph::ResidencyReport& r) { return r.fetch_bytes + r.write_back_bytes; };
   const std::size_t sample = data.sample_elems();
   std::vector<float> images(o.batch * sample);
@@ -176,6 +178,9 @@ int run_phases(const BenchCommon& common, const PhasesOptions& po) {
       {"full_final_accuracy", full.accuracy.back()},
       {"hybrid_final_accuracy", hybrid.accuracy.back()},
       {"accuracy_gap_points", 100 * (full.accuracy.back() - hybrid.accuracy.back())},
+      {"predict_int8", po.predict_int8},
+      {"full_int8_forward_accuracy", full.int8_accuracy},
+      {"int8_forward_gap_points", 100 * (full.accuracy.back() - full.int8_accuracy)},
       {"predict_fraction", hybrid.predict_fraction},
       {"full_updates", full.updates},
       {"hybrid_updates", hybrid.updates},
@@ -204,6 +209,7 @@ BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--train-limit", po->train_limit, "use only the first N training samples");
   sub.add_option("--device-budget", po->budget, "device budget of the streamed part")->capture_default_str();
   sub.add_option("--stream-steps", po->stream_steps, "steps of the streamed part")->capture_default_str();
+  sub.add_flag("--predict-int8", po->predict_int8, "Predict's forward reads int8 weights (all layers but the head)");
   return [&common, po] { return run_phases(common, *po); };
 }
 

@@ -343,6 +343,41 @@ void move_state_updates_to_host(Graph& g) {
   g.nodes = std::move(out);
 }
 
+// Quantizes streamed weights in host memory: a quantize_i8 node whose input streams from pinned
+// host memory runs on the host lane into pinned host staging, and fetch nodes bring the int8
+// values and their scales to the device, so the weight crosses the link at a quarter of its bytes
+// (and the fp32 weight is not fetched for it).
+void move_quantize_to_host(Graph& g) {
+  auto& t = g.tensors;
+  NodeTable out;
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    const auto in = g.nodes.inputs(n);
+    bool host = g.nodes.op[n] == builtin::quantize_i8 && ops::op_info(builtin::quantize_i8).host;
+    if (host) {
+      const TensorId s = t.storage(in[0]);
+      const auto traits = offload::home_traits(t.home[s]);
+      host = is_persistent(t.role[s]) && traits.needs_transfers && !traits.staged;
+    }
+    if (!host) {
+      out.add_copy(g.nodes, n);
+      continue;
+    }
+    const std::vector<TensorId> device_outs(g.nodes.outputs(n).begin(), g.nodes.outputs(n).end());
+    std::vector<TensorId> host_outs;
+    for (TensorId x : device_outs) {
+      const TensorId h = t.add(t.name[x] + "@host", t.shape[x], t.dtype[x], t.role[x]);
+      t.home[h] = Residency::host_pinned;
+      host_outs.push_back(h);
+    }
+    out.add_copy(g.nodes, n, in, host_outs, Lane::host);
+    for (std::size_t i = 0; i < device_outs.size(); ++i) {
+      out.add(builtin::fetch, "fetch." + t.name[device_outs[i]], std::span(&host_outs[i], 1),
+              std::span(&device_outs[i], 1), {}, Lane::h2d);
+    }
+  }
+  g.nodes = std::move(out);
+}
+
 std::string mib(std::uint64_t b) {
   return fmt::format("{:.1f} MiB", b / 1048576.0);
 }
@@ -553,6 +588,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   place_updates_early(base);
   if (options.host_optimizer) move_updates_to_host(base);
   move_state_updates_to_host(base);
+  move_quantize_to_host(base);
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
     Graph s = stream_graph(base, cache, lookahead);
     stage_home_transfers(s, host_unified && options.zero_copy_staging);

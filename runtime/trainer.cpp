@@ -71,6 +71,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   if (phases_) {
     graph::VariantKey key{options_.batch, false};
     key.apply_predictor = true;
+    key.int8_weights = options_.phases.predict_int8;
     variant(key);
     for (const auto& name : parameter_names()) fit_stats_.push_back(name + ".pred_stats");
     gains_.assign(fit_stats_.size(), 0.0f);
@@ -268,6 +269,7 @@ FitStats Trainer::read_fit() {
 StepResult Trainer::predict_step(const Batch& batch) {
   graph::VariantKey key{options_.batch, false};
   key.apply_predictor = true;
+  key.int8_weights = options_.phases.predict_int8;
   graph::CompiledStep& step = variant(key);
   stage_batch(step, batch);
   if (!in_predict_run_) {
@@ -302,6 +304,13 @@ StepResult Trainer::predict_step(const Batch& batch) {
   return r;
 }
 
+const graph::CompiledStep* Trainer::predict_variant() const {
+  for (const auto& [key, step] : variants_) {
+    if (key.apply_predictor) return step.get();
+  }
+  return nullptr;
+}
+
 double Trainer::phase_step_ms(Phase p) const {
   const auto i = static_cast<int>(p);
   return phase_steps_[i] ? phase_ms_[i] / static_cast<double>(phase_steps_[i]) : 0.0;
@@ -327,13 +336,15 @@ graph::CompiledStep& Trainer::variant(const graph::VariantKey& key) {
 }
 
 template <class After>
-void Trainer::for_each_chunk(const DataSource& data, bool predict, After after) {
+void Trainer::for_each_chunk(const DataSource& data, bool predict, bool int8_weights, After after) {
   const std::size_t n = data.size();
   for (std::size_t first = 0; first < n;) {
     // A full batch, or the largest power of two that fits in what is left.
     std::uint32_t count = options_.batch;
     while (count > n - first) count /= 2;
-    graph::CompiledStep& step = variant(graph::VariantKey{count, false, predict});
+    graph::VariantKey key{count, false, predict};
+    key.int8_weights = int8_weights;
+    graph::CompiledStep& step = variant(key);
     for (const auto* specs : {&model_.inputs, &model_.targets}) {
       if (predict && specs == &model_.targets) break;
       for (const TensorSpec& spec : *specs) data.read(spec.name, first, count, step.host_input(spec.name));
@@ -345,11 +356,11 @@ void Trainer::for_each_chunk(const DataSource& data, bool predict, After after) 
   }
 }
 
-EvalResult Trainer::evaluate(const DataSource& data) {
+EvalResult Trainer::evaluate(const DataSource& data, bool int8_weights) {
   EvalResult r;
   double loss_sum = 0, correct = 0;
   std::size_t labels_per_sample = 0;
-  for_each_chunk(data, false, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
+  for_each_chunk(data, false, int8_weights, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
     const float* stats = step.stats_host();
     loss_sum += static_cast<double>(stats[0]) * count;
     if (counts_hits(step)) {
@@ -367,7 +378,7 @@ EvalResult Trainer::evaluate(const DataSource& data) {
 
 Trainer::HostTensor Trainer::predict(const DataSource& inputs) {
   HostTensor out;
-  for_each_chunk(inputs, true, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
+  for_each_chunk(inputs, true, false, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
     const auto bytes = step.host_output("prediction");
     if (out.bytes.empty()) {
       const auto& t = step.graph().tensors;

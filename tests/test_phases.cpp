@@ -281,22 +281,65 @@ std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m) {
 
 TEST(HybridTrainer, StreamedIsBitIdenticalToResident) {
   Runtime rt;
-  for (const ModelSpec& m : {small_mlp(), small_cnn()}) {
-    SCOPED_TRACE(m.name);
-    Trainer resident(rt, m, hybrid_options());
-    Trainer streamed(rt, m, hybrid_options(graph::ResidencyMode::stream, min_stream_budget(rt, m)));
-    ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
-    const Batches b{sample_elems(m)};
-    std::uint64_t predicted = 0;
-    for (int s = 0; s < 16; ++s) {
-      const auto a = b.step(resident, s), c = b.step(streamed, s);
-      ASSERT_EQ(a.phase, c.phase) << s;
-      ASSERT_EQ(a.loss, c.loss) << s;
-      predicted += a.phase == Phase::predict;
+  for (const bool int8 : {false, true})
+    for (const ModelSpec& m : {small_mlp(), small_cnn()}) {
+      SCOPED_TRACE(m.name + (int8 ? " int8" : ""));
+      TrainerOptions ro = hybrid_options();
+      TrainerOptions so = hybrid_options(graph::ResidencyMode::stream, min_stream_budget(rt, m));
+      ro.phases.predict_int8 = so.phases.predict_int8 = int8;
+      Trainer resident(rt, m, ro);
+      Trainer streamed(rt, m, so);
+      ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
+      const Batches b{sample_elems(m)};
+      std::uint64_t predicted = 0;
+      for (int s = 0; s < 16; ++s) {
+        const auto a = b.step(resident, s), c = b.step(streamed, s);
+        ASSERT_EQ(a.phase, c.phase) << s;
+        ASSERT_EQ(a.loss, c.loss) << s;
+        predicted += a.phase == Phase::predict;
+      }
+      EXPECT_GT(predicted, 0u);
+      for (const auto& n : resident.tensor_names()) EXPECT_EQ(values(resident, n), values(streamed, n)) << n;
     }
-    EXPECT_GT(predicted, 0u);
-    for (const auto& n : resident.tensor_names()) EXPECT_EQ(values(resident, n), values(streamed, n)) << n;
-  }
+}
+
+// A Predict step with int8 weights computes the loss an int8 evaluation of its batch gives, before
+// the step moves the weights.
+TEST(HybridTrainer, Int8PredictForwardIsTheInt8Evaluation) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions o = hybrid_options();
+  o.phases.predict_int8 = true;
+  Trainer t(rt, m, o);
+  const Batches b{sample_elems(m)};
+  int s = 0;
+  while (t.phases()->next() != Phase::predict) b.step(t, s++);
+  Dataset batch;
+  batch.images = random_vector(8 * b.sample, 300 + s);
+  batch.labels = labels_for(8, 400 + s);
+  batch.count = 8;
+  batch.rows = 1;
+  batch.cols = b.sample;
+  const auto int8 = t.evaluate(batch, true), fp32 = t.evaluate(batch, false);
+  const auto r = b.step(t, s);
+  EXPECT_EQ(r.phase, Phase::predict);
+  EXPECT_EQ(r.loss, static_cast<float>(int8.loss));
+  EXPECT_NE(int8.loss, fp32.loss) << "the int8 forward should differ from fp32 in its last bits at least";
+}
+
+// Streamed, a Predict step with int8 weights fetches each quantized layer's int8 values and
+// scales (and the fp32 head and biases) and writes nothing back.
+TEST(HybridTrainer, StreamedInt8PredictMovesAQuarterOfTheWeights) {
+  Runtime rt;
+  const ModelSpec m = models::mlp({256});
+  TrainerOptions o = hybrid_options(graph::ResidencyMode::stream, 16ull << 20);
+  o.phases.predict_int8 = true;
+  Trainer t(rt, m, o);
+  const auto& full = t.residency();
+  const auto& predict = t.predict_variant()->residency();
+  EXPECT_EQ(predict.write_back_bytes, 0u);
+  EXPECT_LT(predict.fetch_bytes, t.weight_bytes() * 3 / 10) << predict.fetch_bytes << " of " << t.weight_bytes();
+  EXPECT_LT(double(predict.fetch_bytes), 0.05 * double(full.fetch_bytes + full.write_back_bytes));
 }
 
 }  // namespace

@@ -24,13 +24,14 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
 
 TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
-  ASSERT_EQ(passes.size(), 6u);
+  ASSERT_EQ(passes.size(), 7u);
   EXPECT_STREQ(passes[0].name, "autodiff");
   EXPECT_STREQ(passes[1].name, "recompute");
   EXPECT_STREQ(passes[2].name, "accumulate");
   EXPECT_STREQ(passes[3].name, "optimizer");
   EXPECT_STREQ(passes[4].name, "predictor");
-  EXPECT_STREQ(passes[5].name, "download");
+  EXPECT_STREQ(passes[5].name, "precision");
+  EXPECT_STREQ(passes[6].name, "download");
 }
 
 TEST(Pipeline, EachModelPassAlone) {
@@ -65,7 +66,9 @@ TEST(Pipeline, EachModelPassAlone) {
   EXPECT_EQ(g.nodes.size(), before);
 
   before = g.nodes.size();
-  graph::model_passes()[5].run(g, train, adam);  // download: one node, into a host mirror
+  graph::model_passes()[5].run(g, train, adam);  // precision: nothing in a training variant
+  EXPECT_EQ(g.nodes.size(), before);
+  graph::model_passes()[6].run(g, train, adam);  // download: one node, into a host mirror
   ASSERT_EQ(g.nodes.size(), before + 1);
   EXPECT_EQ(g.nodes.op.back(), graph::builtin::download);
   EXPECT_NE(g.tensors.home[g.nodes.outputs(static_cast<graph::NodeId>(before))[0]], graph::Residency::device);
@@ -103,6 +106,21 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   EXPECT_EQ(count_class(p, ops::OpClass::update), 0u);
   EXPECT_EQ(count_class(p, ops::OpClass::state_update), 4u);  // one apply per weight
   EXPECT_EQ(count_role(p, graph::Role::optimizer_state), 0u);
+
+  // int8 weights: every layer but the head reads its weight through quantize -> dequantize.
+  predict.int8_weights = true;
+  const graph::Graph p8 = graph::prepare_step_graph(mlp_forward(16), predict, adam);
+  std::size_t quantized = 0;
+  std::vector<graph::NodeId> layers;
+  for (graph::NodeId n = 0; n < p8.nodes.size(); ++n) {
+    quantized += p8.nodes.op[n] == graph::builtin::quantize_i8;
+    if (p8.nodes.op[n] == graph::builtin::linear) layers.push_back(n);
+  }
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(quantized, 1u) << "all layers but the head";
+  EXPECT_EQ(p8.tensors.dtype[p8.nodes.inputs(layers[0])[1]], graph::DType::f32);
+  EXPECT_NE(p8.tensors.role[p8.nodes.inputs(layers[0])[1]], graph::Role::weight) << "reads the dequantized copy";
+  EXPECT_EQ(p8.tensors.role[p8.nodes.inputs(layers[1])[1]], graph::Role::weight) << "the head reads its fp32 weight";
 
   // Accumulation: a micro variant sums gradients and has no optimizer or predictor; the last one
   // takes the mean before the updates.

@@ -33,10 +33,8 @@ TEST(Plan, PredictHoldsNoGradientsAndStreamingMovesWeightsOff) {
   o.batch = 16;
   o.phases.hybrid = true;
   Trainer t(rt, small_mlp(), o);
-  graph::VariantKey key{16, false};
-  key.apply_predictor = true;
   const DeviceBreakdown full = device_breakdown(t.train_step(), t.train_step());
-  const DeviceBreakdown predict = device_breakdown(*t.variants().at(key), t.train_step());
+  const DeviceBreakdown predict = device_breakdown(*t.predict_variant(), t.train_step());
   EXPECT_EQ(predict.gradients, 0u);
   EXPECT_GT(full.gradients, 0u);
   EXPECT_EQ(full.other_state, t.predictor_state_bytes());  // resident predictor state

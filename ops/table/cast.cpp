@@ -72,6 +72,14 @@ OpInfo quantize_row() {  // in: x (f32)  out: q (i8), scales (f32, one per chann
     return std::vector<TensorDesc>{{v.input(0).shape, DType::i8}, {Shape{channels}, DType::f32}};
   };
   r.bind = [](const BindContext& c) { return quantize_i8(c.env(), c.in(0), c.out(0), c.out(1), layout_of(c.attrs())); };
+  // On the host lane (a streamed weight quantized in host memory before it crosses the link):
+  // the same bits as the kernel (ref::quantize_i8 is its bit-exact twin).
+  r.host = [](const HostContext& c) {
+    const QuantLayout l = layout_of(c.attrs());
+    ref::quantize_i8({reinterpret_cast<const float*>(c.in(0)), l.elems()}, l,
+                     {reinterpret_cast<std::int8_t*>(c.out(0)), l.elems()},
+                     {reinterpret_cast<float*>(c.out(1)), l.channels});
+  };
   r.reference = [](RefContext& c) {
     auto x = c.real(c.inputs()[0]);
     std::vector<float> xf(x.begin(), x.end()), scales(layout_of(c.attrs()).channels);

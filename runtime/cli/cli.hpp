@@ -48,6 +48,7 @@ struct TrainArgs {
   std::string phases = "full", predictor = "linear";
   std::uint32_t accumulate = 1;  // micro-batches per optimizer update
   std::uint32_t recompute = 0;   // layers per recomputed segment (0: none)
+  bool eval_int8 = false;        // also evaluate the final model with int8 weights
   ferry::PhaseConfig phase_config;
 };
 

@@ -214,6 +214,7 @@ int cmd_train(const TrainArgs& a) {
                         {"host_updates_per_step", trainer.residency().host_updates},
                         {"compile_s", compile_s}};
     j["phases"] = ferry::phases_name(opt.phases.hybrid);
+    if (a.eval_int8) j["test_accuracy_int8"] = trainer.evaluate(test, true).accuracy;
     j["accumulate"] = opt.accumulate;
     j["recompute"] = opt.recompute;
     j["optimizer_updates"] = trainer.steps_done();
@@ -230,6 +231,9 @@ int cmd_train(const TrainArgs& a) {
       j["full_step_ms"] = trainer.phase_step_ms(ferry::Phase::full);
       j["predict_step_ms"] = trainer.phase_step_ms(ferry::Phase::predict);
       j["predictor_state_bytes"] = trainer.predictor_state_bytes();
+      j["predict_int8"] = opt.phases.predict_int8;
+      j["predict_fetch_bytes_per_step"] = trainer.predict_variant()->residency().fetch_bytes;
+      j["predict_write_back_bytes_per_step"] = trainer.predict_variant()->residency().write_back_bytes;
     }
     std::cout << j.dump() << std::endl;
   }
@@ -318,6 +322,9 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--confidence", pc.confidence,
                   "hybrid: prediction quality (cosine of predicted and true update) needed to predict, in (0, 1]")
       ->capture_default_str();
+  app->add_flag("--predict-int8", pc.predict_int8,
+                "hybrid: Predict's forward reads every layer's weight but the head's as int8 (per output channel); "
+                "streamed weights cross the link as int8");
   app->add_option("--predict-decay", pc.predict_decay, "hybrid: step k of a Predict run applies decay^k of the update")
       ->capture_default_str();
   app->add_option("--max-loss-gap", pc.max_loss_gap,
@@ -356,6 +363,9 @@ int main(int argc, char** argv) {
   train->add_option("--profile", t.profile_path,
                     "Write a CSV memory profile: device bytes per node, transfers and their device times");
   train->add_flag("--quiet", t.quiet, "No progress output");
+  train->add_flag("--eval-int8", t.eval_int8,
+                  "Also evaluate the final model with every layer's weight but the head's read as int8 "
+                  "(JSON: test_accuracy_int8)");
   auto* plan = app.add_subcommand(
       "plan",
       "Print the device bytes of each phase of a model's step (weights, gradients, optimizer state, activations), "

@@ -32,6 +32,10 @@ void append_predictor_apply(Graph& g);
 // Throws std::invalid_argument when `every` is 0 or leaves one segment (at least the layer count).
 void apply_recompute(Graph& g, std::uint32_t every);
 
+// int8 weights in a forward-only variant (Predict, int8 evaluation): every Linear and Conv2d layer
+// but the head reads its weight through quantize_i8 -> dequantize_i8 (per output channel).
+void apply_int8_weights(Graph& g);
+
 // Gradient accumulation over key.accumulate > 1 micro-batches: with micro, one grad_accumulate
 // node per weight gradient into "<w>.grad_sum" (role gradient_sum, zero-initialised); without,
 // one grad_mean node per weight gradient (the gradient becomes the group's mean). Before the

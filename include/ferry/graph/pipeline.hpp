@@ -36,6 +36,8 @@ struct VariantKey {
   bool micro = false;
   // Recompute the activations of segments of this many layers in backward (0: keep them all).
   std::uint32_t recompute = 0;
+  // Forward-only variants: the layers (all but the head) read int8 weights (apply_int8_weights).
+  bool int8_weights = false;
   auto operator<=>(const VariantKey&) const = default;
 };
 

@@ -47,6 +47,9 @@ struct PhaseConfig {
   // Step k of a Predict run (from 0) applies predict_decay^k times the prediction: the way an
   // update carried by momentum alone fades. In (0, 1].
   float predict_decay = 1.0f;
+  // Predict's forward reads every Linear and Conv2d weight but the head's as int8 (per output
+  // channel); streamed weights then cross the link as int8.
+  bool predict_int8 = false;
 };
 const char* phases_name(bool hybrid);  // "hybrid" or "full"
 // "full" or "hybrid"; throws std::invalid_argument naming the choices.

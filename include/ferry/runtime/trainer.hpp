@@ -78,7 +78,9 @@ class Trainer {
   // Forward and loss over every sample of `data` (any count), batched, no weight change. The last
   // partial batch runs through variants of power-of-two batch sizes, so any number of dataset
   // sizes compiles at most log2(batch) + 1 evaluation variants.
-  EvalResult evaluate(const DataSource& data);
+  // With int8_weights, every Linear and Conv2d layer but the head reads its weight quantized to
+  // int8 per output channel, as a Predict step with PhaseConfig::predict_int8 does.
+  EvalResult evaluate(const DataSource& data, bool int8_weights = false);
 
   // The model's prediction (its forward's result, e.g. logits) for every sample of `inputs`
   // (only the model's inputs are read), as [samples, ...] f32 on the host. No weight change.
@@ -90,6 +92,8 @@ class Trainer {
   void set_lr(float lr);
   // Optimizer updates so far (Predict steps are not updates).
   std::uint64_t steps_done() const noexcept { return steps_; }
+  // The compiled Predict step with hybrid phases, else nullptr.
+  const graph::CompiledStep* predict_variant() const;
   // The phase controller with hybrid phases, else nullptr.
   const PhaseController* phases() const noexcept { return phases_.get(); }
   PhaseController* phases() noexcept { return phases_.get(); }
@@ -160,7 +164,7 @@ class Trainer {
   // Runs `step` over data in chunks: full batches through `variant(full)`, the rest through
   // power-of-two variants; `after` reads each chunk's results.
   template <class After>
-  void for_each_chunk(const DataSource& data, bool predict, After after);
+  void for_each_chunk(const DataSource& data, bool predict, bool int8_weights, After after);
 
   Runtime& runtime_;
   ModelSpec model_;
