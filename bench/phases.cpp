@@ -23,7 +23,7 @@ struct PhasesOptions {
   std::string predictor = "linear";
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
-  std::string budget = "32MiB";     // the streamed part's device budget (mlp, deep: layers stream)
+  std::string budget;               // the streamed part's device budget (empty: 1.25x the smallest streamed budget)
   std::uint32_t stream_steps = 60;  // streamed steps timed
   bool predict_int8 = false;
 };
@@ -120,7 +120,16 @@ nlohmann::json or_null(std::optional<double> v) {
 nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& po) {
   TrainerOptions o = trainer_options(po, true);
   o.residency.mode = graph::ResidencyMode::stream;
-  o.residency.budget_bytes = parse_bytes(po.budget);
+  if (po.budget.empty()) {
+    o.residency.budget_bytes = 1;
+    try {
+      Trainer probe(rt, make_model(po.model), o);
+    } catch (const graph::BudgetError& e) {
+      o.residency.budget_bytes = e.min_budget() + e.min_budget() / 4;
+    }
+  } else {
+    o.residency.budget_bytes = parse_bytes(po.budget);
+  }
   Trainer t(rt, make_model(po.model), o);
   const graph::ResidencyReport& full = t.residency();
   const graph::ResidencyReport& predict = t.predict_variant()->residency();
@@ -140,7 +149,7 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
     if (s < 5) continue;  // one-off costs
     (r.phase == Phase::predict ? predict_ms : full_ms).push_back(r.step_ms);
   }
-  return {{"device_budget", po.budget},
+  return {{"device_budget_bytes", o.residency.budget_bytes},
           {"full_link_bytes", link(full)},
           {"predict_link_bytes", link(predict)},
           {"predict_over_full_link_bytes", double(link(predict)) / double(link(full))},
@@ -194,7 +203,13 @@ int run_phases(const BenchCommon& common, const PhasesOptions& po) {
        full_time && hybrid_time ? nlohmann::json(*hybrid_time / *full_time) : nlohmann::json(nullptr)},
       {"hybrid_over_full_train_time", hybrid.seconds.back() / full.seconds.back()}};
   std::cerr << "ferry-bench phases: streamed steps...\n";
-  result["streamed"] = streamed(rt, data, po);
+  try {
+    result["streamed"] = streamed(rt, data, po);
+  } catch (const std::exception& e) {
+    // The training results above stand on their own: report them with the error.
+    result["streamed"] = {{"error", e.what()}};
+    std::cerr << "ferry-bench phases: the streamed part failed: " << e.what() << "\n";
+  }
   emit_json(result);
   return 0;
 }
@@ -207,7 +222,8 @@ BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--predictor", po->predictor, "linear or lsq")->capture_default_str();
   sub.add_option("--seed", po->seed, "initialisation and data order")->capture_default_str();
   sub.add_option("--train-limit", po->train_limit, "use only the first N training samples");
-  sub.add_option("--device-budget", po->budget, "device budget of the streamed part")->capture_default_str();
+  sub.add_option("--device-budget", po->budget,
+                 "device budget of the streamed part (default: 1.25x the smallest streamed budget)");
   sub.add_option("--stream-steps", po->stream_steps, "steps of the streamed part")->capture_default_str();
   sub.add_flag("--predict-int8", po->predict_int8, "Predict's forward reads int8 weights (all layers but the head)");
   return [&common, po] { return run_phases(common, *po); };

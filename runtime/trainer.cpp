@@ -73,6 +73,11 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     key.apply_predictor = true;
     key.int8_weights = options_.phases.predict_int8;
     variant(key);
+    if (options_.phases.fit_every > 1) {
+      graph::VariantKey plain = train_key_;
+      plain.fit_predictor = false;
+      variant(plain);
+    }
     for (const auto& name : parameter_names()) fit_stats_.push_back(name + ".pred_stats");
     gains_.assign(fit_stats_.size(), 0.0f);
   }
@@ -204,10 +209,15 @@ StepResult Trainer::step(const Batch& batch) {
   if (phases_ && phases_->next() == Phase::predict) return predict_step(batch);
   const Phase phase = phases_ ? phases_->next() : Phase::full;
   const bool micro = micro_ + 1 < options_.accumulate;
+  const bool fit = phases_ && phases_->fits_next();
   graph::CompiledStep* step = train_.get();
   if (micro) {
     graph::VariantKey key = train_key_;
     key.micro = true;
+    step = &variant(key);
+  } else if (phases_ && !fit) {
+    graph::VariantKey key = train_key_;
+    key.fit_predictor = false;
     step = &variant(key);
   }
   stage_batch(*step, batch);
@@ -245,7 +255,14 @@ StepResult Trainer::step(const Batch& batch) {
   r.phase = phase;
   phase_ms_[static_cast<int>(phase)] += r.step_ms;
   ++phase_steps_[static_cast<int>(phase)];
-  if (phases_) phases_->record_full(r.loss, read_fit());
+  if (phases_) {
+    if (fit) {
+      const FitStats f = read_fit();
+      phases_->record_full(r.loss, &f);
+    } else {
+      phases_->record_full(r.loss, nullptr);
+    }
+  }
   return r;
 }
 

@@ -138,6 +138,30 @@ TEST(PhaseController, GrowingOscillationEndsTheRun) {
   EXPECT_EQ(d.record_predict(0.88f), Verdict::end);
 }
 
+// With fit_every 3, only every third training step fits (Correct steps always), Predict starts
+// only after a fit, and steps without a fit leave the quality as it was.
+TEST(PhaseController, FitEveryKFitsOnlyThoseSteps) {
+  PhaseConfig cfg = hybrid(3, 2, 8);
+  cfg.fit_every = 3;
+  PhaseController c(cfg);
+  std::vector<bool> fitted;
+  int i = 0;
+  while (c.next() != Phase::predict && i < 40) {
+    const bool fit = c.fits_next();
+    fitted.push_back(fit);
+    const FitStats f = fit_of(0.9);
+    c.record_full(full_loss(i++), fit ? &f : nullptr);
+  }
+  ASSERT_EQ(c.next(), Phase::predict);
+  // Steps 3, 6, 9, ... (1-based) fit; the switch comes right after a fit.
+  for (std::size_t k = 0; k < fitted.size(); ++k) EXPECT_EQ(fitted[k], (k + 1) % 3 == 0) << k;
+  EXPECT_TRUE(fitted.back());
+  EXPECT_FALSE(c.fits_next()) << "Predict steps do not fit";
+  while (c.next() == Phase::predict) c.record_predict(1.0f);
+  ASSERT_EQ(c.next(), Phase::correct);
+  EXPECT_TRUE(c.fits_next()) << "Correct always fits";
+}
+
 TEST(PhaseController, BadSettingsAreClearErrors) {
   const auto rejects = [](auto change, const char* what) {
     PhaseConfig c = hybrid();
@@ -156,6 +180,7 @@ TEST(PhaseController, BadSettingsAreClearErrors) {
   rejects([](PhaseConfig& c) { c.min_full_steps = 0; }, "min full steps 0");
   rejects([](PhaseConfig& c) { c.max_loss_gap = -1.0f; }, "loss gap");
   rejects([](PhaseConfig& c) { c.predict_decay = 0.0f; }, "predict decay");
+  rejects([](PhaseConfig& c) { c.fit_every = 0; }, "fit every 0");
   rejects([](PhaseConfig& c) { c.predictor.beta = 1.0f; }, "smoothing");
   EXPECT_THROW(parse_phases("sometimes"), std::invalid_argument);
   // Full-only training ignores the hybrid settings.
@@ -267,6 +292,27 @@ TEST(HybridTrainer, RestoreBringsBackTheLastFullWeightsBitForBit) {
   EXPECT_EQ(r.verdict, Verdict::restore);
   for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
   EXPECT_EQ(t.phases()->next(), Phase::full);
+}
+
+TEST(HybridTrainer, StepsWithoutAFitLeaveThePredictorAlone) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions o = hybrid_options();
+  o.phases.fit_every = 2;
+  Trainer t(rt, m, o);
+  const Batches b{sample_elems(m)};
+  const std::string stats = t.parameter_names()[0] + ".pred_stats";
+  std::uint64_t predicted = 0;
+  for (int s = 0; s < 24; ++s) {
+    const bool fit = t.phases()->fits_next();
+    const auto before = values(t, stats);
+    const auto r = b.step(t, s);
+    predicted += r.phase == Phase::predict;
+    if (r.phase != Phase::predict) {
+      EXPECT_EQ(values(t, stats) != before, fit) << "step " << s;
+    }
+  }
+  EXPECT_GT(predicted, 0u);
 }
 
 std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m) {

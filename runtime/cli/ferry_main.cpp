@@ -232,6 +232,7 @@ int cmd_train(const TrainArgs& a) {
       j["predict_step_ms"] = trainer.phase_step_ms(ferry::Phase::predict);
       j["predictor_state_bytes"] = trainer.predictor_state_bytes();
       j["predict_int8"] = opt.phases.predict_int8;
+      j["fit_every"] = opt.phases.fit_every;
       j["predict_fetch_bytes_per_step"] = trainer.predict_variant()->residency().fetch_bytes;
       j["predict_write_back_bytes_per_step"] = trainer.predict_variant()->residency().write_back_bytes;
     }
@@ -325,6 +326,9 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_flag("--predict-int8", pc.predict_int8,
                 "hybrid: Predict's forward reads every layer's weight but the head's as int8 (per output channel); "
                 "streamed weights cross the link as int8");
+  app->add_option("--fit-every", pc.fit_every,
+                  "hybrid: fit the predictor on every K-th training step only (and on Correct steps)")
+      ->capture_default_str();
   app->add_option("--predict-decay", pc.predict_decay, "hybrid: step k of a Predict run applies decay^k of the update")
       ->capture_default_str();
   app->add_option("--max-loss-gap", pc.max_loss_gap,

@@ -55,6 +55,7 @@ void validate(const PhaseConfig& c) {
     throw std::invalid_argument(
         fmt::format("divergence sigma limit must be positive and finite, got {}", c.sigma_limit));
   }
+  if (c.fit_every == 0) throw std::invalid_argument("fit every 0 steps: use 1 (every training step) or more");
   if (!(c.predict_decay > 0.0f && c.predict_decay <= 1.0f)) {
     throw std::invalid_argument(fmt::format("predict decay must be in (0, 1], got {}", c.predict_decay));
   }
@@ -113,15 +114,31 @@ void PhaseController::start_full() {
   qualities_.clear();  // the fits before a Predict run say nothing about the next one
 }
 
-void PhaseController::record_full(float loss, const FitStats& fit) {
+bool PhaseController::fits_next() const noexcept {
+  if (!config_.hybrid || next_ == Phase::predict) return false;
+  return next_ == Phase::correct || since_fit_ + 1 >= config_.fit_every;
+}
+
+void PhaseController::record_full(float loss, const FitStats* fit) {
   const Phase was = next_;
   ++counts_.steps[static_cast<int>(was)];
-  last_quality_ = fit.quality();
   if (std::isfinite(loss)) {
     losses_.push_back(loss);
     if (losses_.size() > config_.loss_window) losses_.pop_front();
   }
   if (!config_.hybrid) return;
+  if (!fit) {
+    // No fit this step: nothing to judge; the stretch goes on.
+    ++since_fit_;
+    if (was == Phase::warmup) {
+      if (++in_phase_ >= config_.warmup_steps) start_full();
+    } else {
+      ++in_phase_;
+    }
+    return;
+  }
+  since_fit_ = 0;
+  last_quality_ = fit->quality();
   switch (was) {
     case Phase::warmup:
       if (++in_phase_ >= config_.warmup_steps) start_full();

@@ -50,6 +50,10 @@ struct PhaseConfig {
   // Predict's forward reads every Linear and Conv2d weight but the head's as int8 (per output
   // channel); streamed weights then cross the link as int8.
   bool predict_int8 = false;
+  // Fit the predictor on every fit_every-th training step only (and always on Correct): the fit
+  // costs a snapshot and a pass over every weight. d then smooths over fit_every / (1 - beta)
+  // steps. At least 1.
+  std::uint32_t fit_every = 1;
 };
 const char* phases_name(bool hybrid);  // "hybrid" or "full"
 // "full" or "hybrid"; throws std::invalid_argument naming the choices.
@@ -73,8 +77,11 @@ class PhaseController {
   // The factor of the next Predict step's update (predict_decay^k at step k of the run).
   float predict_scale() const;
 
-  // After a Warmup, Full or Correct step.
-  void record_full(float loss, const FitStats& fit);
+  // Whether the next step (a training step) fits the predictor.
+  bool fits_next() const noexcept;
+  // After a Warmup, Full or Correct step, with what its fit measured (nullptr: it did not fit).
+  void record_full(float loss, const FitStats* fit);
+  void record_full(float loss, const FitStats& fit) { record_full(loss, &fit); }
 
   enum class Verdict : std::uint8_t {
     go_on,    // keep predicting (or the run reached its length: next is Correct)
@@ -106,9 +113,10 @@ class PhaseController {
   PhaseConfig config_;
   Phase next_;
   Counts counts_;
-  std::uint32_t length_;        // the next Predict run's length
-  std::uint32_t in_phase_ = 0;  // steps done in the current Full stretch or Predict run
-  bool cut_short_ = false;      // the Predict run just ended by the monitor
+  std::uint32_t length_;         // the next Predict run's length
+  std::uint32_t in_phase_ = 0;   // steps done in the current Full stretch or Predict run
+  std::uint32_t since_fit_ = 0;  // training steps since the last fit
+  bool cut_short_ = false;       // the Predict run just ended by the monitor
   double last_quality_ = 0;
   std::deque<double> losses_;     // recent Full losses
   std::deque<double> qualities_;  // recent Full fit qualities
