@@ -26,6 +26,7 @@ struct PhasesOptions {
   std::string budget;               // the streamed part's device budget (empty: 1.25x the smallest streamed budget)
   std::uint32_t stream_steps = 60;  // streamed steps timed
   bool predict_int8 = false;
+  std::uint32_t fit_every = 1;
 };
 
 ModelSpec make_model(const std::string& name) {
@@ -51,6 +52,7 @@ TrainerOptions trainer_options(const PhasesOptions& po, bool hybrid) {
   o.phases.hybrid = hybrid;
   o.phases.predictor.kind = ops::parse_predictor(po.predictor);
   o.phases.predict_int8 = po.predict_int8;
+  o.phases.fit_every = po.fit_every;
   return o;
 }
 
@@ -188,6 +190,7 @@ int run_phases(const BenchCommon& common, const PhasesOptions& po) {
       {"hybrid_final_accuracy", hybrid.accuracy.back()},
       {"accuracy_gap_points", 100 * (full.accuracy.back() - hybrid.accuracy.back())},
       {"predict_int8", po.predict_int8},
+      {"fit_every", po.fit_every},
       {"full_int8_forward_accuracy", full.int8_accuracy},
       {"int8_forward_gap_points", 100 * (full.accuracy.back() - full.int8_accuracy)},
       {"predict_fraction", hybrid.predict_fraction},
@@ -225,6 +228,7 @@ BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--device-budget", po->budget,
                  "device budget of the streamed part (default: 1.25x the smallest streamed budget)");
   sub.add_option("--stream-steps", po->stream_steps, "steps of the streamed part")->capture_default_str();
+  sub.add_option("--fit-every", po->fit_every, "fit the predictor on every K-th training step")->capture_default_str();
   sub.add_flag("--predict-int8", po->predict_int8, "Predict's forward reads int8 weights (all layers but the head)");
   return [&common, po] { return run_phases(common, *po); };
 }

@@ -22,13 +22,6 @@ void check_cast(DType from, DType to) {
   }
 }
 
-cl_uint checked_count(const char* op, std::size_t n) {
-  if (n > std::numeric_limits<cl_uint>::max()) {
-    throw std::invalid_argument(fmt::format("{}: {} elements, more than 2^32-1", op, n));
-  }
-  return static_cast<cl_uint>(n);
-}
-
 void check_layout(const char* op, QuantLayout l) {
   if (l.channels != 0 &&
       (l.outer > std::numeric_limits<cl_uint>::max() / l.channels ||
@@ -36,8 +29,8 @@ void check_layout(const char* op, QuantLayout l) {
     throw std::invalid_argument(
         fmt::format("{}: layout [{}, {}, {}] has more than 2^32-1 elements", op, l.outer, l.channels, l.inner));
   }
-  checked_count(op, l.channels);
-  checked_count(op, l.inner);
+  element_count(op, l.channels);
+  element_count(op, l.inner);
 }
 
 // The reference quantization follows cast.cl step for step (absmax on the bits, NaN skipped; then
@@ -54,7 +47,7 @@ bool cast_supported(DType from, DType to) {
 
 LaunchList cast(OpEnv& env, DType from, DType to, DeviceSpan in, DeviceSpan out, std::size_t n) {
   check_cast(from, to);
-  const cl_uint count = checked_count("cast", n);
+  const cl_uint count = element_count("cast", n);
   cl::Kernel k = from == to ? env.kernels.kernel("cast", "cast_identity", dtype_define(from, "S"))
                             : env.kernels.kernel("cast", "cast",
                                                  fmt::format("{} {}", dtype_define(from, "S"), dtype_define(to, "D")));

@@ -1,8 +1,11 @@
 // Enqueueing bound kernel launches.
 #include "ferry/ops/launch.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -44,6 +47,13 @@ cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<
 void run_blocking(cl_command_queue queue, const LaunchList& launches, const StepInfo& step) {
   cl::Event ev = enqueue(queue, launches, {}, step);
   FERRY_CL(clFinish(queue));
+}
+
+cl_uint element_count(const char* op, std::size_t n) {
+  if (n > std::numeric_limits<cl_uint>::max()) {
+    throw std::invalid_argument(fmt::format("{}: {} elements, more than 2^32-1", op, n));
+  }
+  return static_cast<cl_uint>(n);
 }
 
 KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n) {

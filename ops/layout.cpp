@@ -9,12 +9,6 @@
 
 namespace ferry::ops {
 namespace {
-cl_uint checked_count(const char* op, std::size_t n) {
-  if (n > std::numeric_limits<cl_uint>::max())
-    throw std::invalid_argument(fmt::format("{}: more than 2^32-1 elements", op));
-  return static_cast<cl_uint>(n);
-}
-
 std::string perm_str(std::span<const std::int32_t> perm, std::size_t rank) {
   std::string s = "[";
   for (std::size_t k = 0; k < rank; ++k) s += fmt::format("{}{}", k ? ", " : "", perm[k]);
@@ -64,7 +58,7 @@ LaunchList permute(OpEnv& env, DeviceSpan x, DeviceSpan y, const Shape& x_shape,
   }
   const Shape ys = permuted_shape(x_shape, perm);
   const std::size_t r = x_shape.rank;
-  const cl_uint n = checked_count("permute", x_shape.elems());
+  const cl_uint n = element_count("permute", x_shape.elems());
   // x's strides, then y's extents and the x strides of y's axes, padded to four leading axes.
   std::array<std::uint64_t, 4> xstride{};
   std::uint64_t s = 1;
@@ -101,7 +95,7 @@ LaunchList permute(OpEnv& env, DeviceSpan x, DeviceSpan y, const Shape& x_shape,
 LaunchList mul(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("layout", "mul", dtype_define(DType::f32));
   cl::set_args(k.get(), a.buffer, a.elem_offset(), b.buffer, b.elem_offset(), out.buffer, out.elem_offset(),
-               checked_count("mul", n));
+               element_count("mul", n));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), n));
   return list;
@@ -109,7 +103,7 @@ LaunchList mul(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size
 
 LaunchList scale(OpEnv& env, DeviceSpan x, DeviceSpan y, float factor, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("layout", "scale", dtype_define(DType::f32));
-  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), factor, checked_count("scale", n));
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), factor, element_count("scale", n));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), n));
   return list;

@@ -12,13 +12,6 @@
 namespace ferry::ops {
 namespace {
 
-cl_uint count(std::size_t n) {
-  if (n > std::numeric_limits<cl_uint>::max()) {
-    throw std::invalid_argument(fmt::format("predictor: a tensor of {} elements is over 2^32-1", n));
-  }
-  return static_cast<cl_uint>(n);
-}
-
 // The guard operand: the loss when there is one, else any valid buffer with has_guard 0.
 struct Guard {
   cl_mem buffer;
@@ -54,7 +47,7 @@ void check_predictor(const PredictorConfig& c) {
 
 LaunchList predictor_snapshot(OpEnv& env, DeviceSpan src, DeviceSpan dst, std::size_t n) {
   cl::Kernel k = env.kernels.kernel("predictor", "predictor_copy");
-  cl::set_args(k.get(), src.buffer, src.elem_offset(), dst.buffer, dst.elem_offset(), count(n));
+  cl::set_args(k.get(), src.buffer, src.elem_offset(), dst.buffer, dst.elem_offset(), element_count("predictor", n));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), n));
   return list;
@@ -71,7 +64,8 @@ LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, Dev
     // memory in order, else up to 256.
     const std::size_t local = row_group_size(k, env.device(), 256);
     cl::set_args(k.get(), w.buffer, w.elem_offset(), before.buffer, before.elem_offset(), d.buffer, d.elem_offset(),
-                 count(n), c.beta, scratch.buffer, scratch.elem_offset(), gd.buffer, gd.offset, gd.has);
+                 element_count("predictor", n), c.beta, scratch.buffer, scratch.elem_offset(), gd.buffer, gd.offset,
+                 gd.has);
     cl::check(clSetKernelArg(k.get(), 13, local * sizeof(float), nullptr), "clSetKernelArg(predictor_fit_pass)");
     KernelLaunch l;
     l.kernel = std::move(k);
@@ -96,8 +90,8 @@ LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, Dev
 LaunchList predictor_apply(OpEnv& env, DeviceSpan w, DeviceSpan d, DeviceSpan st, std::size_t n, DeviceSpan guard) {
   const Guard gd = guard_of(guard, w);
   cl::Kernel k = env.kernels.kernel("predictor", "predictor_apply");
-  cl::set_args(k.get(), w.buffer, w.elem_offset(), d.buffer, d.elem_offset(), st.buffer, st.elem_offset(), count(n),
-               gd.buffer, gd.offset, gd.has, 1.0f);
+  cl::set_args(k.get(), w.buffer, w.elem_offset(), d.buffer, d.elem_offset(), st.buffer, st.elem_offset(),
+               element_count("predictor", n), gd.buffer, gd.offset, gd.has, 1.0f);
   KernelLaunch l = elementwise_launch(std::move(k), n);
   l.per_step = [](cl_kernel kernel, const StepInfo& s) {
     cl::check(clSetKernelArg(kernel, 10, sizeof(float), &s.predict_scale), "clSetKernelArg(predictor_apply scale)");

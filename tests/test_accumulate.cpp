@@ -13,6 +13,7 @@
 #include "ferry/ops/accumulate.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "train_check.hpp"
 
 namespace ferry::test {
 namespace {
@@ -42,13 +43,6 @@ TEST(GradAccumulate, KernelsMatchReferences) {
     ops::ref::grad_mean<double>(to_double(before), mean, 1.0 / 3);
     for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(g.download()[i], mean[i], 1e-6);
   }
-}
-
-std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> l(n);
-  for (auto& v : l) v = static_cast<std::int32_t>(rng() % 10);
-  return l;
 }
 
 TrainerOptions options(std::uint32_t batch, std::uint32_t accumulate, graph::OptimizerSpec::Kind kind) {
@@ -91,18 +85,6 @@ TEST(GradAccumulate, EqualsOneLargerBatch) {
       }
     }
   }
-}
-
-std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m, TrainerOptions o) {
-  o.residency.mode = graph::ResidencyMode::stream;
-  o.residency.budget_bytes = 1;
-  try {
-    Trainer t(rt, m, o);
-  } catch (const graph::BudgetError& e) {
-    return e.min_budget();
-  }
-  ADD_FAILURE() << "a 1-byte budget should not fit";
-  return 0;
 }
 
 TEST(GradAccumulate, StreamedIsBitIdenticalToResident) {

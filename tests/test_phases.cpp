@@ -13,6 +13,7 @@
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "train_check.hpp"
 
 namespace ferry::test {
 namespace {
@@ -191,13 +192,6 @@ TEST(PhaseController, BadSettingsAreClearErrors) {
 
 // ---- The trainer's hybrid steps ----
 
-std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> l(n);
-  for (auto& v : l) v = static_cast<std::int32_t>(rng() % 10);
-  return l;
-}
-
 TrainerOptions hybrid_options(graph::ResidencyMode mode = graph::ResidencyMode::resident, std::uint64_t budget = 0) {
   TrainerOptions o;
   o.batch = 8;
@@ -315,23 +309,13 @@ TEST(HybridTrainer, StepsWithoutAFitLeaveThePredictorAlone) {
   EXPECT_GT(predicted, 0u);
 }
 
-std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m) {
-  try {
-    Trainer t(rt, m, hybrid_options(graph::ResidencyMode::stream, 1));
-  } catch (const graph::BudgetError& e) {
-    return e.min_budget();
-  }
-  ADD_FAILURE() << "a 1-byte budget should not fit";
-  return 0;
-}
-
 TEST(HybridTrainer, StreamedIsBitIdenticalToResident) {
   Runtime rt;
   for (const bool int8 : {false, true})
     for (const ModelSpec& m : {small_mlp(), small_cnn()}) {
       SCOPED_TRACE(m.name + (int8 ? " int8" : ""));
       TrainerOptions ro = hybrid_options();
-      TrainerOptions so = hybrid_options(graph::ResidencyMode::stream, min_stream_budget(rt, m));
+      TrainerOptions so = hybrid_options(graph::ResidencyMode::stream, min_stream_budget(rt, m, hybrid_options()));
       ro.phases.predict_int8 = so.phases.predict_int8 = int8;
       Trainer resident(rt, m, ro);
       Trainer streamed(rt, m, so);

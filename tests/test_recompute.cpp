@@ -12,13 +12,6 @@
 namespace ferry::test {
 namespace {
 
-std::vector<std::int32_t> ids(std::size_t n, std::uint32_t limit, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> v(n);
-  for (auto& x : v) x = static_cast<std::int32_t>(rng() % limit);
-  return v;
-}
-
 // Steps both trainers on the same batches and expects every loss and persistent tensor equal.
 void expect_bit_identical(
     Trainer& a, Trainer& b,
@@ -48,7 +41,7 @@ TEST(Recompute, ClassifiersTrainBitIdentically) {
     const std::size_t sample = sample_elems(m);
     expect_bit_identical(kept, recomputed, [&](int s, auto& floats, auto& ints) {
       floats.push_back(random_vector(8 * sample, 30 + s));
-      ints.push_back(ids(8, 10, 40 + s));
+      ints.push_back(labels_for(8, 40 + s));
       return Batch{{"input", HostView(floats.back())}, {"labels", HostView(ints.back())}};
     });
     EXPECT_GT(recomputed.train_step().node_count(), kept.train_step().node_count());
@@ -67,8 +60,8 @@ TEST(Recompute, GptWithDropoutTrainsBitIdentically) {
   const ModelSpec m = models::gpt(c);
   Trainer kept(rt, m, with_recompute(4, 0)), recomputed(rt, m, with_recompute(4, 3));
   expect_bit_identical(kept, recomputed, [&](int s, auto&, auto& ints) {
-    ints.push_back(ids(4 * c.context, c.vocab, 50 + s));
-    ints.push_back(ids(4 * c.context, c.vocab, 60 + s));
+    ints.push_back(labels_for(4 * c.context, 50 + s, c.vocab));
+    ints.push_back(labels_for(4 * c.context, 60 + s, c.vocab));
     return Batch{{"tokens", HostView(ints[0])}, {"next", HostView(ints[1])}};
   });
 }

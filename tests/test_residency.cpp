@@ -12,13 +12,6 @@
 namespace ferry::test {
 namespace {
 
-std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> l(n);
-  for (auto& v : l) v = static_cast<std::int32_t>(rng() % 10);
-  return l;
-}
-
 TrainerOptions options(graph::ResidencyMode mode, std::uint64_t budget, std::uint32_t lookahead = 2) {
   TrainerOptions o;
   o.batch = 8;

@@ -10,18 +10,12 @@
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "train_check.hpp"
 
 namespace ferry::test {
 namespace {
 
 using Tensors = std::map<std::string, std::vector<std::byte>>;
-
-std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> l(n);
-  for (auto& v : l) v = static_cast<std::int32_t>(rng() % 10);
-  return l;
-}
 
 TrainerOptions options(graph::ResidencyMode mode = graph::ResidencyMode::resident, std::uint64_t budget = 0) {
   TrainerOptions o;
@@ -60,19 +54,6 @@ TrainRun train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int ste
   }
   r.state = tensors_of(trainer);
   return r;
-}
-
-std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m, const TrainerOptions& base) {
-  TrainerOptions o = base;
-  o.residency.mode = graph::ResidencyMode::stream;
-  o.residency.budget_bytes = 1;
-  try {
-    Trainer t(rt, m, o);
-  } catch (const graph::BudgetError& e) {
-    return e.min_budget();
-  }
-  ADD_FAILURE() << "a 1-byte budget should not fit";
-  return 0;
 }
 
 TrainerOptions compressed(TrainerOptions o, bool weights_too, std::size_t chunk, unsigned workers, bool zero_copy) {

@@ -62,6 +62,14 @@ class DeviceTensor {
   cl::Mem mem_;
 };
 
+// Class labels in [0, classes), seeded.
+inline std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed, std::uint32_t classes = 10) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> l(n);
+  for (auto& v : l) v = static_cast<std::int32_t>(rng() % classes);
+  return l;
+}
+
 inline std::vector<float> random_vector(std::size_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> dist(lo, hi);

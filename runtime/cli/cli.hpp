@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "ferry/ferry.hpp"
@@ -62,6 +63,9 @@ std::uint32_t default_batch(const std::string& model);
 // The Fashion-MNIST models (mlp, cnn, deep) as `a` sizes them; throws std::invalid_argument for
 // another name.
 ferry::ModelSpec make_model(const TrainArgs& a);
+
+// The JSON fields of phases, accumulation and recomputation (docs/phases.md) into `j`.
+void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 
 // `ferry plan` (runtime/cli/plan.cpp).
 int cmd_plan(const TrainArgs& a);

@@ -57,6 +57,32 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   ferry::validate(opt.phases);
 }
 
+void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {
+  const auto& opt = trainer.options();
+  j["phases"] = ferry::phases_name(opt.phases.hybrid);
+  j["accumulate"] = opt.accumulate;
+  j["recompute"] = opt.recompute;
+  j["optimizer_updates"] = trainer.steps_done();
+  const auto* pc = trainer.phases();
+  if (!pc) return;
+  const auto& c = pc->counts();
+  j["predictor"] = ferry::ops::predictor_name(opt.phases.predictor.kind);
+  j["predict_fraction"] = pc->predict_fraction();
+  nlohmann::json steps;
+  for (std::size_t p = 0; p < ferry::phase_count; ++p) steps[ferry::phase_name(ferry::Phase(p))] = c.steps[p];
+  j["phase_steps"] = steps;
+  j["predict_runs"] = c.runs;
+  j["predict_ended"] = c.ended;
+  j["predict_restores"] = c.restores;
+  j["full_step_ms"] = trainer.phase_step_ms(ferry::Phase::full);
+  j["predict_step_ms"] = trainer.phase_step_ms(ferry::Phase::predict);
+  j["predictor_state_bytes"] = trainer.predictor_state_bytes();
+  j["predict_int8"] = opt.phases.predict_int8;
+  j["fit_every"] = opt.phases.fit_every;
+  j["predict_fetch_bytes_per_step"] = trainer.predict_variant()->residency().fetch_bytes;
+  j["predict_write_back_bytes_per_step"] = trainer.predict_variant()->residency().write_back_bytes;
+}
+
 std::uint32_t default_batch(const std::string& model) {
   return model == "mlp" ? 256 : model == "cnn" ? 128 : model == "gpt" ? 32 : 64;
 }

@@ -213,29 +213,8 @@ int cmd_train(const TrainArgs& a) {
                         {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
                         {"host_updates_per_step", trainer.residency().host_updates},
                         {"compile_s", compile_s}};
-    j["phases"] = ferry::phases_name(opt.phases.hybrid);
     if (a.eval_int8) j["test_accuracy_int8"] = trainer.evaluate(test, true).accuracy;
-    j["accumulate"] = opt.accumulate;
-    j["recompute"] = opt.recompute;
-    j["optimizer_updates"] = trainer.steps_done();
-    if (const auto* pc = trainer.phases()) {
-      const auto& c = pc->counts();
-      j["predictor"] = ferry::ops::predictor_name(opt.phases.predictor.kind);
-      j["predict_fraction"] = pc->predict_fraction();
-      nlohmann::json steps;
-      for (std::size_t p = 0; p < ferry::phase_count; ++p) steps[ferry::phase_name(ferry::Phase(p))] = c.steps[p];
-      j["phase_steps"] = steps;
-      j["predict_runs"] = c.runs;
-      j["predict_ended"] = c.ended;
-      j["predict_restores"] = c.restores;
-      j["full_step_ms"] = trainer.phase_step_ms(ferry::Phase::full);
-      j["predict_step_ms"] = trainer.phase_step_ms(ferry::Phase::predict);
-      j["predictor_state_bytes"] = trainer.predictor_state_bytes();
-      j["predict_int8"] = opt.phases.predict_int8;
-      j["fit_every"] = opt.phases.fit_every;
-      j["predict_fetch_bytes_per_step"] = trainer.predict_variant()->residency().fetch_bytes;
-      j["predict_write_back_bytes_per_step"] = trainer.predict_variant()->residency().write_back_bytes;
-    }
+    add_phase_fields(j, trainer);
     std::cout << j.dump() << std::endl;
   }
   return 0;

@@ -201,6 +201,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                         {"host_state_bytes", trainer.host_state_bytes()},
                         {"curve", curve}};
     if (a.sample) j["sample"] = sample;
+    add_phase_fields(j, trainer);
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   }

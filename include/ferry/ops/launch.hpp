@@ -72,6 +72,10 @@ struct OpEnv {
   const cl::DeviceInfo& device() const { return kernels.context().device(); }
 };
 
+// `n` as a kernel's element count; throws std::invalid_argument naming `op` when it is over
+// 2^32-1 (kernels index with uint).
+cl_uint element_count(const char* op, std::size_t n);
+
 // Global size rounded up to a multiple of `multiple`.
 inline std::size_t round_up(std::size_t n, std::size_t multiple) {
   return (n + multiple - 1) / multiple * multiple;
