@@ -148,6 +148,7 @@ std::vector<MemoryPhaseSummary> MemoryProfiler::phases() const {
   for (const auto& v : variants_) {
     for (const char* section : {"all", "forward", "backward", "update"}) {
       MemoryPhaseSummary s{v, section};
+      s.min_bytes = ~std::uint64_t{0};
       double sum = 0;
       std::size_t count = 0;
       for (const auto& r : rows_) {
@@ -155,6 +156,7 @@ std::vector<MemoryPhaseSummary> MemoryProfiler::phases() const {
         if (std::string(section) != "all" && section_name(r.section) != std::string(section)) continue;
         sum += static_cast<double>(r.live_bytes);
         ++count;
+        s.min_bytes = std::min(s.min_bytes, r.live_bytes);
         if (r.live_bytes > s.peak_bytes) {
           s.peak_bytes = r.live_bytes;
           s.peak_node = r.name;
@@ -162,6 +164,11 @@ std::vector<MemoryPhaseSummary> MemoryProfiler::phases() const {
       }
       if (count == 0) continue;
       s.mean_bytes = static_cast<std::uint64_t>(sum / count);
+      for (const auto& r : rows_) {
+        if (r.step >= 0 || r.variant != v) continue;
+        if (std::string(section) != "all" && section_name(r.section) != std::string(section)) continue;
+        s.spikes += static_cast<double>(r.live_bytes) > 1.25 * static_cast<double>(s.mean_bytes);
+      }
       out.push_back(std::move(s));
     }
   }
@@ -195,6 +202,17 @@ void MemoryProfiler::write_csv(const std::filesystem::path& path) const {
     out << ",\n";
   }
   if (!out) throw std::runtime_error(fmt::format("failed writing the memory profile '{}'", path.string()));
+}
+
+void MemoryProfiler::write_phase_csv(const std::filesystem::path& path) const {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error(fmt::format("cannot write the phase memory profile '{}'", path.string()));
+  out << "variant,section,peak_device_bytes,peak_node,mean_device_bytes,min_device_bytes,spikes\n";
+  for (const auto& p : phases()) {
+    out << fmt::format("{},{},{},{},{},{},{}\n", p.variant, p.section, p.peak_bytes, p.peak_node, p.mean_bytes,
+                       p.min_bytes, p.spikes);
+  }
+  if (!out) throw std::runtime_error(fmt::format("failed writing the phase memory profile '{}'", path.string()));
 }
 
 std::string MemoryProfiler::summary() const {

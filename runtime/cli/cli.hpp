@@ -50,6 +50,7 @@ struct TrainArgs {
   std::uint32_t accumulate = 1;  // micro-batches per optimizer update
   std::uint32_t recompute = 0;   // layers per recomputed segment (0: none)
   bool eval_int8 = false;        // also evaluate the final model with int8 weights
+  std::string profile_phases_path;
   ferry::PhaseConfig phase_config;
 };
 

@@ -172,7 +172,17 @@ int cmd_train(const TrainArgs& a) {
     if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", a.trace_steps, a.trace_path);
   }
   for (const auto& [key, step] : trainer.variants()) {
-    profiler.add_variant(fmt::format("{}{}", key.training ? "train" : "eval", key.batch), *step);
+    // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
+    // the training step without a fit have their own profiles.
+    std::string name = fmt::format("{}{}", key.training ? "train" : "eval", key.batch);
+    if (key.apply_predictor) name = "predict";
+    if (key.micro) name = "micro";
+    if (key.training && !key.micro && !key.fit_predictor) name = "train-nofit";
+    profiler.add_variant(name, *step);
+  }
+  if (!a.profile_phases_path.empty()) {
+    profiler.write_phase_csv(a.profile_phases_path);
+    if (!a.quiet) std::cerr << fmt::format("ferry: wrote the per-phase memory profile to {}\n", a.profile_phases_path);
   }
   if (!a.profile_path.empty()) {
     profiler.write_csv(a.profile_path);
@@ -346,6 +356,8 @@ int main(int argc, char** argv) {
   train->add_option("--profile", t.profile_path,
                     "Write a CSV memory profile: device bytes per node, transfers and their device times");
   train->add_flag("--quiet", t.quiet, "No progress output");
+  train->add_option("--profile-phases", t.profile_phases_path,
+                    "Write a CSV of device bytes per phase's step and section: peak (and where), mean, min, spikes");
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "
                   "(JSON: test_accuracy_int8)");

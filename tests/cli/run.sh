@@ -51,7 +51,8 @@ check "--state-home host streams only the optimizer state" bash -c "grep -q '\"s
 small=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --optimizer adamw8bit --state-home compressed)
 check "adamw8bit with compressed state reports its state home and unpacks" bash -c "grep -q '\"state_home\":\"host_compressed\"' <<<'$small' && grep -q '\"optimizer\":\"adamw8bit\"' <<<'$small' && ! grep -q '\"unpacks_per_step\":0,' <<<'$small'"
 
-hybrid=$("$ferry" train --model mlp --epochs 1 --train-limit 2048 --quiet --json --phases hybrid --warmup-steps 2 --confidence 0.05)
+hybrid=$("$ferry" train --model mlp --epochs 1 --train-limit 2048 --quiet --json --phases hybrid --warmup-steps 2 --confidence 0.05 --profile-phases "$work/phases.csv")
+check "the per-phase memory CSV has 7 fields on every line and a predict row" bash -c "head -1 '$work/phases.csv' | grep -q '^variant,section,peak_device_bytes,peak_node,mean_device_bytes,min_device_bytes,spikes$' && awk -F, 'NF != 7 { bad = 1 } END { exit bad }' '$work/phases.csv' && grep -q '^predict,all,[1-9]' '$work/phases.csv'"
 check "hybrid phases report the predicted fraction and the steps per phase" bash -c "grep -q '\"phases\":\"hybrid\"' <<<'$hybrid' && grep -q '\"predict_fraction\":0\.[0-9]*[1-9]' <<<'$hybrid' && grep -q '\"phase_steps\":{\"correct\"' <<<'$hybrid'"
 accumulated=$("$ferry" train --model mlp --epochs 1 --train-limit 1024 --batch 64 --accumulate 4 --quiet --json)
 check "--accumulate 4 makes one update per 4 micro-batches" bash -c "grep -q '\"optimizer_updates\":4,' <<<'$accumulated' && grep -q '\"accumulate\":4' <<<'$accumulated'"

@@ -17,10 +17,11 @@ enum class StepSection : std::uint8_t { io, forward, backward, update, transfer 
 const char* section_name(StepSection s);
 
 struct MemoryPhaseSummary {
-  std::string variant;  // "train", "eval"
+  std::string variant;  // "train", "eval256", with hybrid phases "predict", ...
   std::string section;  // "all", "forward", "backward", "update"
-  std::uint64_t peak_bytes = 0, mean_bytes = 0;
+  std::uint64_t peak_bytes = 0, mean_bytes = 0, min_bytes = 0;
   std::string peak_node;
+  std::size_t spikes = 0;  // nodes holding more than 1.25x the mean of their variant
 };
 
 struct MemorySpike {
@@ -58,6 +59,9 @@ class MemoryProfiler {
   const std::vector<HomeSummary>& homes() const { return homes_; }
   // One row per node of each variant, then one per node of each recorded step.
   void write_csv(const std::filesystem::path& path) const;
+  // One row per variant (each phase's compiled step) and section: variant, section,
+  // peak_device_bytes, peak_node, mean_device_bytes, min_device_bytes, spikes.
+  void write_phase_csv(const std::filesystem::path& path) const;
   // A few human-readable lines.
   std::string summary() const;
 
