@@ -101,7 +101,19 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
   auto key = [&](TensorId id) { return std::make_pair(never - next_use(id), opened[id]); };
   std::vector<TensorId> needed;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    if (is_host_lane(g.nodes.lane[n])) continue;
+    if (is_host_lane(g.nodes.lane[n])) {
+      // A host node that writes a tensor (the host optimizer's update) makes its device copy
+      // stale: a later device use fetches it again (stream_graph marks that fetch to read the
+      // value written).
+      for (TensorId x : g.nodes.outputs(n)) {
+        const TensorId s = t.storage(x);
+        if (open[s] < 0) continue;
+        by_next_use.erase(key(s));
+        open[s] = -1;
+        resident_bytes -= t.bytes(s);
+      }
+      continue;
+    }
     needed.clear();
     auto need = [&](TensorId id) {
       if (id == no_tensor) return;
@@ -196,8 +208,17 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   std::vector<TensorId> copy_of(intervals.size());
   std::vector<NodeId> previous_end(base.tensors.size(), never);
   // A fetch after a write-back of the same tensor in this step (a predictor's fit reads a weight
-  // its update wrote) reads the value written, the next copy: attrs.i[0] = 1.
+  // its update wrote), or after a host-lane node wrote it (the host optimizer's update), reads the
+  // value written, the next copy: attrs.i[0] = 1; it goes after that host node.
   std::vector<char> written(base.tensors.size(), 0), reads_next(intervals.size(), 0);
+  std::vector<NodeId> host_written_at(base.tensors.size(), never);
+  for (NodeId n = 0; n < count; ++n) {
+    if (!is_host_lane(base.nodes.lane[n])) continue;
+    for (TensorId x : base.nodes.outputs(n)) {
+      const TensorId s = base.tensors.storage(x);
+      host_written_at[s] = std::min(host_written_at[s], n);
+    }
+  }
   for (std::size_t i = 0; i < intervals.size(); ++i) {
     const Interval& iv = intervals[i];
     NodeId pos = iv.first;
@@ -205,10 +226,12 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     if (lookahead > 0 && ahead > 0) pos = compute_nodes[ahead - std::min<NodeId>(lookahead, ahead)];
     pos = std::max<NodeId>(pos, 1);  // after the batch upload
     if (previous_end[iv.tensor] != never) pos = std::max<NodeId>(pos, previous_end[iv.tensor] + 1);
+    const bool after_host_write = host_written_at[iv.tensor] < iv.first;
+    if (after_host_write) pos = std::max<NodeId>(pos, host_written_at[iv.tensor] + 1);
     pos = std::min(pos, iv.first);
     previous_end[iv.tensor] = iv.last;
     fetch_pos[i] = pos;
-    reads_next[i] = written[iv.tensor];
+    reads_next[i] = written[iv.tensor] || after_host_write;
     if (iv.last_write != never) {
       write_back_pos[i] = iv.last_write;
       written[iv.tensor] = 1;

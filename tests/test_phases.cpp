@@ -262,6 +262,30 @@ TEST(HybridTrainer, FitMeasuresTheTrueUpdateAndPredictAppliesExactlyThePredictio
   }
 }
 
+// With the optimizer on the host, the update writes the weight's next host copy directly; the fit,
+// on the device after it, must fetch that value (not the step's starting one) to see the update.
+TEST(HybridTrainer, FitSeesHostOptimizerUpdates) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions o = hybrid_options(graph::ResidencyMode::stream, 64ull << 20);
+  o.residency.host_optimizer = true;
+  Trainer t(rt, m, o);
+  ASSERT_GT(t.residency().host_updates, 0u);
+  const Batches b{sample_elems(m)};
+  for (int s = 0; s < 3; ++s) {
+    std::map<std::string, std::vector<float>> before;
+    for (const auto& n : t.parameter_names()) before[n] = values(t, n);
+    b.step(t, s);
+    for (const auto& n : t.parameter_names()) {
+      const auto after = values(t, n);
+      double dd = 0;
+      for (std::size_t i = 0; i < after.size(); ++i) dd += double(after[i] - before[n][i]) * (after[i] - before[n][i]);
+      ASSERT_GT(dd, 0) << n;
+      EXPECT_NEAR(values(t, n + ".pred_stats")[ops::predictor_stat_delta_delta], dd, 1e-4 * dd + 1e-12) << n;
+    }
+  }
+}
+
 TEST(HybridTrainer, RestoreBringsBackTheLastFullWeightsBitForBit) {
   Runtime rt;
   const ModelSpec m = small_mlp();
