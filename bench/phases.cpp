@@ -123,12 +123,9 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
   TrainerOptions o = trainer_options(po, true);
   o.residency.mode = graph::ResidencyMode::stream;
   if (po.budget.empty()) {
-    o.residency.budget_bytes = 1;
-    try {
-      Trainer probe(rt, make_model(po.model), o);
-    } catch (const graph::BudgetError& e) {
-      o.residency.budget_bytes = e.min_budget() + e.min_budget() / 4;
-    }
+    const auto smallest = min_stream_budget(rt, make_model(po.model), o);
+    if (!smallest) throw std::runtime_error("nothing of this model streams: there is no streamed step to measure");
+    o.residency.budget_bytes = *smallest + *smallest / 4;
   } else {
     o.residency.budget_bytes = parse_bytes(po.budget);
   }

@@ -23,6 +23,14 @@ bool is_state_update(OpId op) {
   return ops::op_info(op).op_class == ops::OpClass::state_update;
 }
 
+// A persistent tensor streamed from pinned host memory (fetched and written back, not staged
+// through another home): host-lane nodes can read and write it in place.
+bool streams_from_pinned(const TensorTable& t, TensorId x) {
+  const TensorId s = t.storage(x);
+  const auto traits = offload::home_traits(t.home[s]);
+  return is_persistent(t.role[s]) && traits.needs_transfers && !traits.staged;
+}
+
 // A copy of `old` with nodes in `order` (each old id once).
 NodeTable reordered(const NodeTable& old, const std::vector<NodeId>& order) {
   NodeTable out;
@@ -340,11 +348,7 @@ void move_updates_to_host(Graph& g) {
 // never written back. (A step whose loss is not finite does not commit their new values.)
 void move_state_updates_to_host(Graph& g) {
   const auto& t = g.tensors;
-  const auto streamed = [&](TensorId x) {
-    const TensorId s = t.storage(x);
-    const auto traits = offload::home_traits(t.home[s]);
-    return is_persistent(t.role[s]) && traits.needs_transfers && !traits.staged;
-  };
+  const auto streamed = [&](TensorId x) { return streams_from_pinned(t, x); };
   NodeTable out;
   std::vector<TensorId> ins, outs;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
@@ -375,12 +379,8 @@ void move_quantize_to_host(Graph& g) {
   NodeTable out;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     const auto in = g.nodes.inputs(n);
-    bool host = g.nodes.op[n] == builtin::quantize_i8 && ops::op_info(builtin::quantize_i8).host;
-    if (host) {
-      const TensorId s = t.storage(in[0]);
-      const auto traits = offload::home_traits(t.home[s]);
-      host = is_persistent(t.role[s]) && traits.needs_transfers && !traits.staged;
-    }
+    const bool host = g.nodes.op[n] == builtin::quantize_i8 && ops::op_info(builtin::quantize_i8).host &&
+                      streams_from_pinned(t, in[0]);
     if (!host) {
       out.add_copy(g.nodes, n);
       continue;

@@ -63,24 +63,47 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
                                                  graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
   // The other training variants now, so a budget they do not fit in fails here, not mid-run.
-  if (options_.accumulate > 1) {
-    graph::VariantKey key = train_key_;
-    key.micro = true;
-    variant(key);
-  }
+  if (options_.accumulate > 1) training_variant(true, true);
   if (phases_) {
-    graph::VariantKey key{options_.batch, false};
-    key.apply_predictor = true;
-    key.int8_weights = options_.phases.predict_int8;
-    variant(key);
-    if (options_.phases.fit_every > 1) {
-      graph::VariantKey plain = train_key_;
-      plain.fit_predictor = false;
-      variant(plain);
+    predict_variant_mutable();
+    if (options_.phases.fit_every > 1) training_variant(false, false);
+    const auto& arena = *train_->persistent();
+    for (const auto& name : parameter_names()) {
+      weights_.push_back(*arena.find(name));
+      const auto stats = arena.find(name + ".pred_stats");
+      if (!stats) throw std::logic_error(fmt::format("no predictor state for '{}'", name));
+      fit_stats_.push_back(*stats);
     }
-    for (const auto& name : parameter_names()) fit_stats_.push_back(name + ".pred_stats");
     gains_.assign(fit_stats_.size(), 0.0f);
   }
+}
+
+graph::CompiledStep& Trainer::training_variant(bool micro, bool fit) {
+  if (!micro && (fit || !phases_)) return *train_;
+  graph::VariantKey key = train_key_;
+  key.micro = micro;
+  key.fit_predictor = phases_ && fit && !micro;
+  return variant(key);
+}
+
+graph::CompiledStep& Trainer::predict_variant_mutable() {
+  graph::VariantKey key{options_.batch, false};
+  key.apply_predictor = true;
+  key.int8_weights = options_.phases.predict_int8;
+  return variant(key);
+}
+
+StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& info) {
+  const auto t0 = std::chrono::steady_clock::now();
+  step.run(info);
+  const auto t1 = std::chrono::steady_clock::now();
+  StepResult r;
+  const float* stats = step.stats_host();
+  r.loss = stats[0];
+  if (counts_hits(step)) r.correct = static_cast<std::uint32_t>(stats[1]);
+  r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  r.device_peak_bytes = step.device_bytes();
+  return r;
 }
 
 Trainer::~Trainer() = default;
@@ -210,28 +233,11 @@ StepResult Trainer::step(const Batch& batch) {
   const Phase phase = phases_ ? phases_->next() : Phase::full;
   const bool micro = micro_ + 1 < options_.accumulate;
   const bool fit = phases_ && phases_->fits_next();
-  graph::CompiledStep* step = train_.get();
-  if (micro) {
-    graph::VariantKey key = train_key_;
-    key.micro = true;
-    step = &variant(key);
-  } else if (phases_ && !fit) {
-    graph::VariantKey key = train_key_;
-    key.fit_predictor = false;
-    step = &variant(key);
-  }
-  stage_batch(*step, batch);
-  const auto t0 = std::chrono::steady_clock::now();
+  graph::CompiledStep& step = training_variant(micro, fit);
+  stage_batch(step, batch);
   ops::StepInfo info{steps_ + 1, lr_};
   info.accumulate_keep = micro_ == 0 ? 0.0f : 1.0f;
-  step->run(info);
-  const auto t1 = std::chrono::steady_clock::now();
-  StepResult r;
-  const float* stats = step->stats_host();
-  r.loss = stats[0];
-  if (counts_hits(*step)) r.correct = static_cast<std::uint32_t>(stats[1]);
-  r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  r.device_peak_bytes = step->device_bytes();
+  StepResult r = run_step(step, info);
   if (micro) {
     if (!std::isfinite(r.loss)) {
       throw std::runtime_error(fmt::format(
@@ -270,10 +276,8 @@ FitStats Trainer::read_fit() {
   FitStats f;
   const auto& arena = *train_->persistent();
   for (std::size_t i = 0; i < fit_stats_.size(); ++i) {
-    const auto entry = arena.find(fit_stats_[i]);
-    if (!entry) throw std::logic_error(fmt::format("no predictor state '{}'", fit_stats_[i]));
     float st[ops::predictor_stat_count];
-    arena.read(entry->home, entry->place, st, sizeof st);
+    arena.read(fit_stats_[i].home, fit_stats_[i].place, st, sizeof st);
     const double g = gains_[i];  // the gain the prediction this fit judged was made with
     f.delta_pred += g * st[ops::predictor_stat_delta_d];
     f.pred_pred += g * g * st[ops::predictor_stat_d_d];
@@ -284,37 +288,27 @@ FitStats Trainer::read_fit() {
 }
 
 StepResult Trainer::predict_step(const Batch& batch) {
-  graph::VariantKey key{options_.batch, false};
-  key.apply_predictor = true;
-  key.int8_weights = options_.phases.predict_int8;
-  graph::CompiledStep& step = variant(key);
+  graph::CompiledStep& step = predict_variant_mutable();
   stage_batch(step, batch);
+  auto& arena = *train_->persistent();
   if (!in_predict_run_) {
     // The weights of the last Full step, put back if the run diverges.
-    restore_point_.clear();
-    for (const auto& name : parameter_names()) restore_point_.push_back(read_tensor(name));
+    restore_point_.resize(weights_.size());
+    for (std::size_t i = 0; i < weights_.size(); ++i) {
+      restore_point_[i].resize(weights_[i].bytes);
+      arena.read(weights_[i].home, weights_[i].place, restore_point_[i].data(), weights_[i].bytes);
+    }
     in_predict_run_ = true;
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  step.run(ops::StepInfo{steps_ + 1, lr_, phases_->predict_scale()});
-  const auto t1 = std::chrono::steady_clock::now();
-  StepResult r;
+  StepResult r = run_step(step, ops::StepInfo{steps_ + 1, lr_, phases_->predict_scale()});
   r.phase = Phase::predict;
-  const float* stats = step.stats_host();
-  r.loss = stats[0];
-  if (counts_hits(step)) r.correct = static_cast<std::uint32_t>(stats[1]);
-  r.step_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  r.device_peak_bytes = step.device_bytes();
+  r.updated = false;
   phase_ms_[static_cast<int>(Phase::predict)] += r.step_ms;
   ++phase_steps_[static_cast<int>(Phase::predict)];
   r.verdict = phases_->record_predict(r.loss);
   if (r.verdict == PhaseController::Verdict::restore) {
-    const auto names = parameter_names();
-    for (std::size_t i = 0; i < names.size(); ++i) {
-      const auto& t = train_->graph().tensors;
-      const TensorId id = persistent_tensor(names[i]);
-      train_->persistent()->write(t.home[id], t.placement[id], restore_point_[i].bytes.data(),
-                                  restore_point_[i].bytes.size());
+    for (std::size_t i = 0; i < weights_.size(); ++i) {
+      arena.write(weights_[i].home, weights_[i].place, restore_point_[i].data(), restore_point_[i].size());
     }
   }
   if (phases_->next() != Phase::predict) in_predict_run_ = false;
@@ -526,6 +520,17 @@ std::vector<float> Trainer::read_parameter(const std::string& name) const {
   std::vector<float> out(v.shape.elems());
   std::memcpy(out.data(), v.bytes.data(), v.bytes.size());
   return out;
+}
+
+std::optional<std::uint64_t> min_stream_budget(Runtime& runtime, const ModelSpec& model, TrainerOptions options) {
+  options.residency.mode = graph::ResidencyMode::stream;
+  options.residency.budget_bytes = 1;
+  try {
+    Trainer probe(runtime, model, options);
+  } catch (const graph::BudgetError& e) {
+    return e.min_budget();
+  }
+  return std::nullopt;
 }
 
 }  // namespace ferry

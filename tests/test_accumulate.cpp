@@ -93,7 +93,7 @@ TEST(GradAccumulate, StreamedIsBitIdenticalToResident) {
   const TrainerOptions resident_opt = options(4, 3, graph::OptimizerSpec::Kind::adam);
   TrainerOptions stream_opt = resident_opt;
   stream_opt.residency.mode = graph::ResidencyMode::stream;
-  stream_opt.residency.budget_bytes = 2 * min_stream_budget(rt, m, resident_opt);
+  stream_opt.residency.budget_bytes = 2 * stream_budget(rt, m, resident_opt);
   Trainer resident(rt, m, resident_opt), streamed(rt, m, stream_opt);
   ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
   const std::size_t sample = sample_elems(m);

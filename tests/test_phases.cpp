@@ -339,7 +339,7 @@ TEST(HybridTrainer, StreamedIsBitIdenticalToResident) {
     for (const ModelSpec& m : {small_mlp(), small_cnn()}) {
       SCOPED_TRACE(m.name + (int8 ? " int8" : ""));
       TrainerOptions ro = hybrid_options();
-      TrainerOptions so = hybrid_options(graph::ResidencyMode::stream, min_stream_budget(rt, m, hybrid_options()));
+      TrainerOptions so = hybrid_options(graph::ResidencyMode::stream, stream_budget(rt, m, hybrid_options()));
       ro.phases.predict_int8 = so.phases.predict_int8 = int8;
       Trainer resident(rt, m, ro);
       Trainer streamed(rt, m, so);

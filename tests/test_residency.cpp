@@ -55,13 +55,9 @@ RunResult train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int st
 }
 
 std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m) {
-  try {
-    Trainer t(rt, m, options(graph::ResidencyMode::stream, 1));
-  } catch (const graph::BudgetError& e) {
-    return e.min_budget();
-  }
-  ADD_FAILURE() << "a 1-byte budget should not fit";
-  return 0;
+  const auto budget = ferry::min_stream_budget(rt, m, options(graph::ResidencyMode::stream, 1));
+  if (!budget) ADD_FAILURE() << "a 1-byte budget should not fit";
+  return budget.value_or(0);
 }
 
 class ResidencyTest : public ::testing::TestWithParam<ModelSpec (*)()> {};

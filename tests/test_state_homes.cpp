@@ -75,7 +75,7 @@ TEST_P(CompressedStateTest, TrainingIsBitIdenticalToUncompressed) {
   const ModelSpec m = GetParam()();
   const int steps = 3;
   const TrainRun plain = train(rt, m, options(), steps);
-  const std::uint64_t min_budget = min_stream_budget(rt, m, compressed(options(), true, 4096, 0, false));
+  const std::uint64_t min_budget = stream_budget(rt, m, compressed(options(), true, 4096, 0, false));
   ASSERT_GT(min_budget, 0u);
   struct Case {
     std::string what;

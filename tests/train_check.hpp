@@ -21,17 +21,11 @@ inline graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, cons
   return graph::prepare_step_graph(forward_graph(m, key), key, opt);
 }
 
-// The smallest device budget `base` streams in (stream mode, every layer fetched just in time).
-inline std::uint64_t min_stream_budget(Runtime& rt, const ModelSpec& m, TrainerOptions base) {
-  base.residency.mode = graph::ResidencyMode::stream;
-  base.residency.budget_bytes = 1;
-  try {
-    Trainer t(rt, m, base);
-  } catch (const graph::BudgetError& e) {
-    return e.min_budget();
-  }
-  ADD_FAILURE() << "a 1-byte budget should not fit";
-  return 0;
+// ferry::min_stream_budget, which must exist for the test's model.
+inline std::uint64_t stream_budget(Runtime& rt, const ModelSpec& m, const TrainerOptions& base) {
+  const auto budget = min_stream_budget(rt, m, base);
+  if (!budget) ADD_FAILURE() << "a 1-byte budget should not fit";
+  return budget.value_or(0);
 }
 
 // Gives every weight of the executor's graph values uniform in [lo, hi), seeded per weight from

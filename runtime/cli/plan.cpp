@@ -101,19 +101,6 @@ std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, 
   return out;
 }
 
-// The smallest streamed budget of `o` (stream mode, every layer fetched just in time).
-std::optional<std::uint64_t> min_streamed_budget(ferry::Runtime& rt, const ferry::ModelSpec& m,
-                                                 ferry::TrainerOptions o) {
-  o.residency.mode = ferry::graph::ResidencyMode::stream;
-  o.residency.budget_bytes = 1;
-  try {
-    ferry::Trainer t(rt, m, o);
-  } catch (const ferry::graph::BudgetError& e) {
-    return e.min_budget();
-  }
-  return std::nullopt;
-}
-
 }  // namespace
 
 int cmd_plan(const TrainArgs& a) {
@@ -141,7 +128,7 @@ int cmd_plan(const TrainArgs& a) {
     ferry::Trainer t(runtime, model, resident);
     for (const auto& p : phases_of(t)) min_resident = std::max(min_resident, p.bytes.total);
   }
-  const auto min_streamed = min_streamed_budget(runtime, model, base);
+  const auto min_streamed = ferry::min_stream_budget(runtime, model, base);
   const std::uint64_t budget =
       configured ? configured->device_budget_bytes()
                  : (base.residency.budget_bytes ? base.residency.budget_bytes : runtime.device().global_mem_bytes);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -155,6 +156,12 @@ class Trainer {
   // Copies a batch into `step`'s host inputs after checking it against the model.
   void stage_batch(graph::CompiledStep& step, const Batch& batch) const;
   StepResult predict_step(const Batch& batch);
+  // The training variant for a micro-batch before a group's last (micro) and with or without the
+  // predictor's fit; train_ for the group's last micro-batch with the fit (or without phases).
+  graph::CompiledStep& training_variant(bool micro, bool fit);
+  graph::CompiledStep& predict_variant_mutable();
+  // Runs `step` and reads what it measured: loss, hits, wall time, planned peak.
+  StepResult run_step(graph::CompiledStep& step, const ops::StepInfo& info);
   // The fits of the last training step, summed over weights with the gains they predicted with.
   FitStats read_fit();
   graph::CompiledStep& variant(const graph::VariantKey& key);
@@ -177,12 +184,18 @@ class Trainer {
   graph::VariantKey train_key_;
   std::uint32_t micro_ = 0;  // micro-batches of the current accumulation group done
   std::unique_ptr<PhaseController> phases_;
-  std::vector<std::string> fit_stats_;     // "<w>.pred_stats" of every weight
-  std::vector<float> gains_;               // the gain each weight's last prediction used
-  std::vector<HostTensor> restore_point_;  // the weights before the Predict run in flight
+  // Resolved once: where each weight's predictor statistics and each weight live.
+  std::vector<graph::PersistentArena::Entry> fit_stats_, weights_;
+  std::vector<float> gains_;                           // the gain each weight's last prediction used
+  std::vector<std::vector<std::byte>> restore_point_;  // the weights before the Predict run in flight
   bool in_predict_run_ = false;
   double phase_ms_[phase_count] = {};
   std::uint64_t phase_steps_[phase_count] = {};
 };
+
+// The smallest device budget `options` trains in when streamed (residency stream, every layer
+// fetched just in time), found by compiling against a one-byte budget; nullopt if that compile
+// fits (nothing to stream).
+std::optional<std::uint64_t> min_stream_budget(Runtime& runtime, const ModelSpec& model, TrainerOptions options);
 
 }  // namespace ferry
