@@ -1,15 +1,22 @@
 // Program building and the on-disk binary cache.
 #include "ferry/cl/program.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <iterator>
 #include <optional>
 #include <set>
+#include <system_error>
+#include <thread>
 
 namespace ferry::cl {
 namespace {
@@ -26,6 +33,139 @@ std::uint64_t hash_parts(std::initializer_list<std::string_view> parts) {
     h *= 0x100000001b3ull;
   }
   return h;
+}
+
+constexpr std::uint64_t fnv_offset = 0xcbf29ce484222325ull;
+constexpr std::uint64_t fnv_prime = 0x100000001b3ull;
+constexpr unsigned char entry_magic[8] = {'F', 'E', 'R', 'R', 'Y', 'P', 'C', 'B'};
+// Larger files are not program binaries we wrote; they are not read into memory.
+constexpr std::uintmax_t max_entry_bytes = std::uintmax_t{1} << 30;
+
+// 64-bit FNV-1a: every step is a bijection of the state, so any single changed byte changes it.
+std::uint64_t fnv1a(std::uint64_t h, std::span<const unsigned char> bytes) {
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= fnv_prime;
+  }
+  return h;
+}
+
+void put_le(unsigned char* p, std::uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+std::uint64_t get_le(const unsigned char* p, int bytes) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= std::uint64_t{p[i]} << (8 * i);
+  return v;
+}
+
+std::string errno_text(int e) {
+  return std::error_code(e, std::generic_category()).message();
+}
+
+// The whole file, nullopt if it does not exist (a cache miss); `problem` says why an existing
+// file could not be read.
+std::optional<std::vector<unsigned char>> read_entry(const std::filesystem::path& path, std::string& problem) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) {
+    if (ec == std::errc::no_such_file_or_directory || ec == std::errc::not_a_directory) return std::nullopt;
+    problem = fmt::format("cannot be read: {}", ec.message());
+    return std::vector<unsigned char>{};
+  }
+  if (size > max_entry_bytes) {
+    problem = fmt::format("{} bytes, larger than any program binary", size);
+    return std::vector<unsigned char>{};
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    if (!std::filesystem::exists(path, ec)) return std::nullopt;  // removed meanwhile
+    problem = "cannot be opened";
+    return std::vector<unsigned char>{};
+  }
+  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) problem = "read error";
+  return bytes;
+}
+
+// Writes `bytes` to a temporary file unique to this process, thread and call, in the entry's
+// folder, syncs it and renames it over `entry` (atomic on POSIX file systems). Returns what
+// failed, with the errno of the failing call, or an empty string.
+std::string write_entry_atomically(const std::filesystem::path& entry, std::span<const unsigned char> bytes) {
+  int error = 0;
+  static std::atomic<std::uint64_t> counter{0};
+  std::filesystem::path tmp = entry;
+  tmp += fmt::format(".{}-{:x}-{}.tmp", ::getpid(), std::hash<std::thread::id>{}(std::this_thread::get_id()),
+                     counter.fetch_add(1, std::memory_order_relaxed));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    error = errno;
+    return fmt::format("cannot create files in it: {}", errno_text(error));
+  }
+  std::string failed;
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      error = n < 0 ? errno : EIO;
+      failed = fmt::format("cannot write {}: {}", entry.filename().string(), errno_text(error));
+      break;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (failed.empty() && ::fsync(fd) != 0) {
+    error = errno;
+    failed = fmt::format("cannot sync {}: {}", entry.filename().string(), errno_text(error));
+  }
+  if (::close(fd) != 0 && failed.empty()) {
+    error = errno;
+    failed = fmt::format("cannot close {}: {}", entry.filename().string(), errno_text(error));
+  }
+  if (failed.empty() && ::rename(tmp.c_str(), entry.c_str()) != 0) {
+    error = errno;
+    failed = fmt::format("cannot rename a temporary file to {}: {}", entry.filename().string(), errno_text(error));
+  }
+  if (!failed.empty()) {
+    ::unlink(tmp.c_str());
+    return failed;
+  }
+  // Make the rename itself durable; best effort (not every file system syncs folders).
+  const int dir = ::open(entry.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+  return {};
+}
+
+// Cache folders this process found unusable: each is reported once, then no longer written.
+struct UnusableFolders {
+  std::mutex mutex;
+  std::set<std::filesystem::path> folders;
+  static UnusableFolders& get() {
+    static auto* f = new UnusableFolders();  // leaked: used by libraries that outlive statics
+    return *f;
+  }
+  bool contains(const std::filesystem::path& dir) {
+    std::lock_guard lock(mutex);
+    return folders.count(dir) != 0;
+  }
+  void report(const std::filesystem::path& dir, std::string_view why) {
+    std::lock_guard lock(mutex);
+    if (!folders.insert(dir).second) return;
+    std::cerr << fmt::format(
+        "ferry: program cache folder {} is not usable ({}); continuing without caching compiled programs "
+        "(set FERRY_CACHE_DIR to a writable folder, or FERRY_PROGRAM_CACHE=0 to turn the cache off)\n",
+        dir.string(), why);
+  }
+};
+
+void warn_bad_entry(const std::filesystem::path& entry, std::string_view problem) {
+  std::cerr << fmt::format(
+      "ferry: program cache entry {} is invalid ({}); it will be rebuilt from source and replaced\n", entry.string(),
+      problem);
 }
 
 std::string build_log(cl_program program, cl_device_id device) {
@@ -146,6 +286,63 @@ std::string expand_kernel_includes(std::string_view file, std::string_view sourc
   return out;
 }
 
+std::vector<unsigned char> encode_cache_entry(std::uint64_t key, std::span<const unsigned char> binary) {
+  std::vector<unsigned char> out(program_cache_header_bytes + binary.size());
+  unsigned char* h = out.data();
+  std::copy(std::begin(entry_magic), std::end(entry_magic), h);
+  put_le(h + 8, program_cache_format, 4);
+  put_le(h + 12, program_cache_header_bytes, 4);
+  put_le(h + 16, key, 8);
+  put_le(h + 24, binary.size(), 8);
+  std::copy(binary.begin(), binary.end(), out.begin() + program_cache_header_bytes);
+  const std::uint64_t sum = fnv1a(fnv1a(fnv_offset, {h, 32}), binary);
+  put_le(h + 32, sum, 8);
+  return out;
+}
+
+CacheEntryView decode_cache_entry(std::span<const unsigned char> entry, std::optional<std::uint64_t> key) {
+  CacheEntryView v;
+  const std::size_t n = entry.size();
+  if (n < program_cache_header_bytes) {
+    v.problem = fmt::format("truncated: {} bytes, shorter than the {}-byte header", n, program_cache_header_bytes);
+    return v;
+  }
+  const unsigned char* h = entry.data();
+  if (!std::equal(std::begin(entry_magic), std::end(entry_magic), h)) {
+    v.problem = "no ferry program cache header: written by an older ferry or overwritten";
+    return v;
+  }
+  if (const auto format = get_le(h + 8, 4); format != program_cache_format) {
+    v.problem = fmt::format("format version {}, this ferry reads version {}", format, program_cache_format);
+    return v;
+  }
+  if (const auto header = get_le(h + 12, 4); header != program_cache_header_bytes) {
+    v.problem = fmt::format("header size {}, expected {}", header, program_cache_header_bytes);
+    return v;
+  }
+  if (const auto payload = get_le(h + 24, 8); payload != n - program_cache_header_bytes) {
+    v.problem = fmt::format("{}: {} bytes after the header, which announces a {}-byte program binary",
+                            payload > n - program_cache_header_bytes ? "truncated" : "wrong size",
+                            n - program_cache_header_bytes, payload);
+    return v;
+  }
+  const std::span<const unsigned char> binary = entry.subspan(program_cache_header_bytes);
+  if (fnv1a(fnv1a(fnv_offset, entry.first(32)), binary) != get_le(h + 32, 8)) {
+    v.problem = "checksum mismatch: the file was damaged";
+    return v;
+  }
+  if (key && get_le(h + 16, 8) != *key) {
+    v.problem = fmt::format("it holds the program of key {:016x}, not {:016x}", get_le(h + 16, 8), *key);
+    return v;
+  }
+  if (binary.empty()) {
+    v.problem = "empty program binary";
+    return v;
+  }
+  v.binary = binary;
+  return v;
+}
+
 ProgramCacheOptions ProgramCacheOptions::from_env() {
   ProgramCacheOptions o;
   if (const char* v = std::getenv("FERRY_PROGRAM_CACHE"); v && std::string_view(v) == "0") o.enabled = false;
@@ -215,25 +412,39 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
   const DeviceInfo& dev = context_.device();
   cl_device_id device = dev.id;
   std::filesystem::path cached;
+  std::uint64_t key = 0;
   if (cache_.enabled) {
-    std::uint64_t h = hash_parts({dev.name, dev.driver, dev.platform_version, source, options});
-    cached = cache_.dir / fmt::format("{}-{:016x}.bin", file, h);
-    std::ifstream in(cached, std::ios::binary);
-    if (in) {
-      std::vector<unsigned char> bin((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      const unsigned char* ptr = bin.data();
-      std::size_t size = bin.size();
-      cl_int bin_status = CL_SUCCESS, status = CL_SUCCESS;
-      Program p(clCreateProgramWithBinary(context_.get(), 1, &device, &size, &ptr, &bin_status, &status));
-      if (status == CL_SUCCESS && bin_status == CL_SUCCESS &&
-          clBuildProgram(p.get(), 1, &device, options.c_str(), nullptr, nullptr) == CL_SUCCESS) {
-        ++stats_.disk_hits;
-        return p;
+    key = hash_parts({dev.name, dev.driver, dev.platform_version, source, options});
+    cached = cache_.dir / fmt::format("{}-{:016x}.bin", file, key);
+    std::string problem;
+    if (auto bytes = read_entry(cached, problem)) {
+      // Only an entry whose header, size and checksum are right reaches the driver.
+      CacheEntryView entry;
+      if (problem.empty()) {
+        entry = decode_cache_entry(*bytes, key);
+        problem = entry.problem;
       }
-      // A truncated or foreign binary is not fatal: rebuild from source and overwrite it.
+      if (problem.empty()) {
+        const unsigned char* ptr = entry.binary.data();
+        std::size_t size = entry.binary.size();
+        cl_int bin_status = CL_SUCCESS, status = CL_SUCCESS;
+        Program p(clCreateProgramWithBinary(context_.get(), 1, &device, &size, &ptr, &bin_status, &status));
+        if (status == CL_SUCCESS && bin_status != CL_SUCCESS) status = bin_status;
+        if (status == CL_SUCCESS) {
+          status = clBuildProgram(p.get(), 1, &device, options.c_str(), nullptr, nullptr);
+          if (status == CL_SUCCESS) {
+            ++stats_.disk_hits;
+            return p;
+          }
+          problem = fmt::format("the OpenCL driver refused it: clBuildProgram returned {}", error_name(status));
+        } else {
+          problem =
+              fmt::format("the OpenCL driver refused it: clCreateProgramWithBinary returned {}", error_name(status));
+        }
+        ++stats_.rejected_by_driver;
+      }
       ++stats_.corrupt_entries;
-      std::cerr << fmt::format("ferry: ignoring unusable cached program {} (rebuilding from source)\n",
-                               cached.string());
+      warn_bad_entry(cached, problem);
     }
   }
   cl_int status = CL_SUCCESS;
@@ -248,19 +459,36 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
                 status, std::string(OpScope::current()));
   }
   ++stats_.source_builds;
-  if (cache_.enabled) {
-    std::error_code ec;
-    std::filesystem::create_directories(cache_.dir, ec);
-    auto bin = program_binary(p.get());
-    auto tmp = cached;
-    tmp += ".tmp";
-    std::ofstream out(tmp, std::ios::binary);
-    if (out.write(reinterpret_cast<const char*>(bin.data()), static_cast<std::streamsize>(bin.size()))) {
-      out.close();
-      std::filesystem::rename(tmp, cached, ec);  // atomic publish; concurrent writers are harmless
-    }
-  }
+  if (cache_.enabled) store(cached, key, p.get());
   return p;
+}
+
+// Called with mutex_ held. A failure to write is never fatal: the program is already built.
+void KernelLibrary::store(const std::filesystem::path& entry, std::uint64_t key, cl_program program) {
+  auto& unusable = UnusableFolders::get();
+  if (unusable.contains(cache_.dir)) return;
+  std::error_code ec;
+  std::filesystem::create_directories(cache_.dir, ec);
+  if (ec || !std::filesystem::is_directory(cache_.dir, ec)) {
+    unusable.report(cache_.dir, fmt::format("cannot create it: {}", ec ? ec.message() : "not a folder"));
+    return;
+  }
+  std::vector<unsigned char> binary;
+  try {
+    binary = program_binary(program);
+  } catch (const Error& e) {
+    std::cerr << fmt::format("ferry: not caching {}: the driver gave no program binary ({})\n", entry.string(),
+                             e.what());
+    return;
+  }
+  if (binary.empty()) return;  // nothing the driver could load back
+  const std::string failed = write_entry_atomically(entry, encode_cache_entry(key, binary));
+  if (failed.empty()) {
+    ++stats_.entries_written;
+    return;
+  }
+  // A folder-wide condition (read-only, no space, no permission) stops writing for the run.
+  unusable.report(cache_.dir, failed);
 }
 
 }  // namespace ferry::cl

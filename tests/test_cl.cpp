@@ -1,11 +1,15 @@
-// cl/ contracts: device selection, OpenCL errors that name the call, the error and the op,
+// cl/ contracts: device selection (names, aliases, the default choice, the error when the ICD
+// loader finds nothing), OpenCL errors that name the call, the error and the op,
 // the on-disk program cache (hits, disabling, corrupt entries) and build failures with their log.
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 
 #include "ferry/cl/device.hpp"
 #include "ferry/cl/error.hpp"
@@ -45,6 +49,159 @@ TEST(Devices, SelectByIndexNameAndEnvironment) {
   EXPECT_GT(devices[0].global_mem_bytes, 0u);
   EXPECT_GT(devices[0].max_alloc_bytes, 0u);
   EXPECT_GT(devices[0].compute_units, 0u);
+}
+
+TEST(Devices, PoclAliasSelectsThePoclDevice) {
+  const auto devices = cl::list_devices();
+  const auto pocl = std::find_if(devices.begin(), devices.end(),
+                                 [](const auto& d) { return d.platform_name == "Portable Computing Language"; });
+  if (pocl == devices.end()) GTEST_SKIP() << "no PoCL device here";
+  for (const char* name : {"pocl", "POCL", "PoCL", "portable computing", "the pocl project"}) {
+    ::setenv("FERRY_DEVICE", name, 1);
+    const auto chosen = cl::select_device();
+    EXPECT_EQ(chosen.platform_name, "Portable Computing Language") << name;
+    EXPECT_EQ(chosen.platform, pocl->platform) << name;
+  }
+  ::unsetenv("FERRY_DEVICE");
+  EXPECT_EQ(cl::select_device("pocl").platform, pocl->platform);
+}
+
+TEST(Devices, UnknownNameListsTheDevicesSeen) {
+  const auto devices = cl::list_devices();
+  ASSERT_FALSE(devices.empty());
+  ::setenv("FERRY_DEVICE", "no-such-device-anywhere", 1);
+  try {
+    cl::select_device();
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'no-such-device-anywhere' (from FERRY_DEVICE)"), std::string::npos) << what;
+    for (const auto& d : devices) {
+      EXPECT_NE(what.find(fmt::format("[{}] {} / {}", d.index, d.platform_name, d.name)), std::string::npos) << what;
+    }
+    EXPECT_NE(what.find("pocl, nvidia, intel, amd, oclgrind"), std::string::npos) << what;
+  }
+  ::unsetenv("FERRY_DEVICE");
+}
+
+constexpr cl_device_type all_types = CL_DEVICE_TYPE_CPU | CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR;
+const cl::DeviceFacts oclgrind{"Oclgrind", "University of Bristol", "Oclgrind Simulator", "University of Bristol",
+                               all_types};
+const cl::DeviceFacts pocl_cpu{"Portable Computing Language", "The pocl project", "pthread-haswell-Intel(R) Core",
+                               "GenuineIntel", CL_DEVICE_TYPE_CPU};
+const cl::DeviceFacts nvidia_gpu{"NVIDIA CUDA", "NVIDIA Corporation", "NVIDIA GeForce RTX 4090", "NVIDIA Corporation",
+                                 CL_DEVICE_TYPE_GPU};
+const cl::DeviceFacts amd_gpu{"AMD Accelerated Parallel Processing", "Advanced Micro Devices, Inc.", "gfx1100",
+                              "Advanced Micro Devices, Inc.", CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_DEFAULT};
+const cl::DeviceFacts fpga{"Intel(R) FPGA Emulation Platform", "Intel(R) Corporation", "Intel(R) FPGA Emulation Device",
+                           "Intel(R) Corporation", CL_DEVICE_TYPE_ACCELERATOR};
+
+TEST(Devices, DefaultChoicePrefersGpusThenCpusAndNeverASimulator) {
+  using Facts = std::vector<cl::DeviceFacts>;
+  EXPECT_TRUE(cl::is_simulator(oclgrind));
+  EXPECT_FALSE(cl::is_simulator(pocl_cpu));
+  EXPECT_FALSE(cl::is_simulator(nvidia_gpu));
+  // A device claiming to be CPU, GPU and accelerator at once is a simulator whatever its name.
+  EXPECT_TRUE(cl::is_simulator({"Some Platform", "Someone", "dev", "Someone", all_types}));
+  EXPECT_EQ(cl::default_device_index(Facts{oclgrind, pocl_cpu, nvidia_gpu}), 2u);
+  EXPECT_EQ(cl::default_device_index(Facts{oclgrind, pocl_cpu}), 1u);             // Oclgrind also says "GPU"
+  EXPECT_EQ(cl::default_device_index(Facts{pocl_cpu, amd_gpu, nvidia_gpu}), 1u);  // the first GPU
+  EXPECT_EQ(cl::default_device_index(Facts{fpga, pocl_cpu}), 0u);                 // CPUs and accelerators rank alike
+  EXPECT_EQ(cl::default_device_index(Facts{oclgrind}), std::nullopt);
+  EXPECT_EQ(cl::default_device_index(Facts{}), std::nullopt);
+}
+
+TEST(Devices, NamesAndAliasesMatchPlatformVendorAndDevice) {
+  EXPECT_TRUE(cl::matches_selector(pocl_cpu, "pocl"));
+  EXPECT_TRUE(cl::matches_selector(pocl_cpu, "PORTABLE"));
+  EXPECT_TRUE(cl::matches_selector(pocl_cpu, "haswell"));
+  EXPECT_TRUE(cl::matches_selector(pocl_cpu, "genuineintel"));
+  EXPECT_TRUE(cl::matches_selector(pocl_cpu, "Portable Computing Language pthread"));
+  EXPECT_FALSE(cl::matches_selector(pocl_cpu, "nvidia"));
+  EXPECT_FALSE(cl::matches_selector(pocl_cpu, "oclgrind"));
+  EXPECT_FALSE(cl::matches_selector(pocl_cpu, ""));
+  EXPECT_TRUE(cl::matches_selector(nvidia_gpu, "NVIDIA"));
+  EXPECT_TRUE(cl::matches_selector(nvidia_gpu, "rtx"));
+  EXPECT_TRUE(cl::matches_selector(amd_gpu, "amd"));
+  EXPECT_TRUE(cl::matches_selector(amd_gpu, "gfx11"));
+  EXPECT_TRUE(cl::matches_selector(
+      {"Some Platform", "Advanced Micro Devices, Inc.", "gfx90a", "Advanced Micro Devices, Inc.", CL_DEVICE_TYPE_GPU},
+      "amd"));  // the alias: AMD's vendor string does not say "amd"
+  EXPECT_TRUE(cl::matches_selector(fpga, "intel"));
+  EXPECT_TRUE(cl::matches_selector(oclgrind, "oclgrind"));
+  EXPECT_TRUE(cl::matches_selector(oclgrind, "bristol"));
+}
+
+// An ICD folder holding one .icd file that names a library that does not exist.
+std::filesystem::path broken_icd_folder() {
+  auto dir = fresh_dir("icd");
+  std::ofstream(dir / "broken-vendor.icd") << "libferry-no-such-opencl-driver.so\n";
+  return dir;
+}
+
+TEST(Devices, NoDeviceErrorNamesTheIcdsThatFailedToLoad) {
+  const auto dir = broken_icd_folder();
+  // Only the registration is read here: the loader of this process is not involved.
+  ::setenv("OCL_ICD_VENDORS", dir.c_str(), 1);
+  auto icds = cl::registered_icds();
+  ASSERT_EQ(icds.size(), 1u);
+  EXPECT_EQ(icds[0].source, (dir / "broken-vendor.icd").string());
+  EXPECT_EQ(icds[0].library, "libferry-no-such-opencl-driver.so");
+  cl::diagnose_icds(icds);
+  EXPECT_NE(icds[0].load_problem.find("failed to load"), std::string::npos) << icds[0].load_problem;
+  const std::string what = cl::no_device_message(icds);
+  ::unsetenv("OCL_ICD_VENDORS");
+  for (const std::string& part :
+       {(dir / "broken-vendor.icd").string(), std::string("libferry-no-such-opencl-driver.so"),
+        std::string("failed to load"), std::string("OCL_ICD_DEBUG=7"), std::string("clinfo")}) {
+    EXPECT_NE(what.find(part), std::string::npos) << part << " in: " << what;
+  }
+  EXPECT_EQ(what.find("apt-get install"), std::string::npos) << "drivers are registered: " << what;
+  // With nothing registered, the advice is to install a driver.
+  EXPECT_NE(cl::no_device_message({}).find("apt-get install pocl-opencl-icd"), std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+// Run only in a child process (below), whose ICD loader starts with the environment it is given.
+TEST(Devices, DISABLED_SelectDeviceInThisProcess) {
+  try {
+    const auto d = cl::select_device();
+    std::cout << "SELECTED " << d.platform_name << "\n";
+  } catch (const std::exception& e) {
+    std::cout << "SELECT ERROR: " << e.what() << "\n";
+  }
+}
+
+// The output of this test binary running DISABLED_SelectDeviceInThisProcess with OCL_ICD_VENDORS=dir.
+std::string select_in_child(const std::filesystem::path& dir) {
+  const auto self = std::filesystem::read_symlink("/proc/self/exe");
+  const std::string command = fmt::format(
+      "env -u FERRY_DEVICE -u OCL_ICD_FILENAMES OCL_ICD_VENDORS='{}' '{}' "
+      "--gtest_filter=Devices.DISABLED_SelectDeviceInThisProcess --gtest_also_run_disabled_tests 2>&1",
+      dir.string(), self.string());
+  std::string out;
+  if (FILE* pipe = ::popen(command.c_str(), "r")) {
+    std::array<char, 4096> buf{};
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+    ::pclose(pipe);
+  }
+  return out;
+}
+
+TEST(Devices, NoDeviceInAFreshProcessNamesTheBrokenIcd) {
+  const auto dir = broken_icd_folder();
+  const std::string out = select_in_child(dir);
+  EXPECT_NE(out.find("SELECT ERROR: no OpenCL device found"), std::string::npos) << out;
+  EXPECT_NE(out.find((dir / "broken-vendor.icd").string()), std::string::npos) << out;
+  EXPECT_NE(out.find("failed to load"), std::string::npos) << out;
+  EXPECT_NE(out.find("OCL_ICD_DEBUG=7"), std::string::npos) << out;
+  std::filesystem::remove_all(dir);
+
+  const auto empty = fresh_dir("no-icd");
+  const std::string none = select_in_child(empty);
+  EXPECT_NE(none.find("no OpenCL driver is registered"), std::string::npos) << none;
+  EXPECT_NE(none.find("apt-get install pocl-opencl-icd"), std::string::npos) << none;
+  std::filesystem::remove_all(empty);
 }
 
 TEST(Errors, NameTheCallTheErrorAndTheOp) {

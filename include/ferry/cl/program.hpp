@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -39,12 +41,37 @@ struct ProgramCacheOptions {
 };
 
 struct ProgramCacheStats {
-  std::uint64_t memory_hits = 0, disk_hits = 0, source_builds = 0, corrupt_entries = 0;
+  std::uint64_t memory_hits = 0, disk_hits = 0, source_builds = 0;
+  std::uint64_t corrupt_entries = 0;     // entries found unusable, each rebuilt and replaced
+  std::uint64_t rejected_by_driver = 0;  // of those, entries that passed the header check but the driver refused
+  std::uint64_t entries_written = 0;
 };
+
+// One program cache entry on disk: a header, then the program binary (the payload).
+// Header, 40 bytes, integers little-endian:
+//   0  magic "FERRYPCB"      8  format version (u32)   12  header size (u32, 40)
+//   16 cache key (u64)       24 payload size (u64)     32  checksum (u64)
+// The checksum is 64-bit FNV-1a over header bytes 0..31 and the payload, so a change to any
+// single byte of the file is detected before the payload reaches the OpenCL driver.
+inline constexpr std::uint32_t program_cache_format = 1;
+inline constexpr std::size_t program_cache_header_bytes = 40;
+std::vector<unsigned char> encode_cache_entry(std::uint64_t key, std::span<const unsigned char> binary);
+struct CacheEntryView {
+  std::span<const unsigned char> binary;  // the payload, inside the decoded bytes
+  std::string problem;                    // why the entry is unusable; empty when it is valid
+};
+// Checks magic, format version, sizes, checksum and (if given) the key.
+CacheEntryView decode_cache_entry(std::span<const unsigned char> entry,
+                                  std::optional<std::uint64_t> key = std::nullopt);
 
 // Builds and memoises programs per (file, options). A program binary is cached on disk under a
 // key of device name, driver version, platform version, source (with its headers inlined) and
 // options, so a new driver, an edited kernel or an edited header never loads a stale binary.
+// An entry that is truncated, damaged, from another format or refused by the driver prints one
+// warning naming its file and is rebuilt from source and replaced. Entries are written to a
+// unique temporary file, synced and renamed into place, so concurrent writers (threads or
+// processes) never see each other's partial files. A cache folder that cannot be created or
+// written prints one warning per process and the run goes on without writing the cache.
 // Thread-safe.
 class KernelLibrary {
  public:
@@ -63,6 +90,7 @@ class KernelLibrary {
 
  private:
   Program build(std::string_view file, std::string_view source, const std::string& options);
+  void store(const std::filesystem::path& entry, std::uint64_t key, cl_program program);
   const Context& context_;
   ProgramCacheOptions cache_;
   mutable std::mutex mutex_;
