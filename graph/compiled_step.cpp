@@ -92,6 +92,7 @@ struct CompiledStep::Impl {
   // Host mirrors by name without "@host": what the caller fills (uploads) and reads (downloads).
   std::map<std::string, TensorId, std::less<>> uploads, downloads;
   TensorId stats = no_tensor;  // the loss's host mirror, if the graph has a loss
+  TensorId guard = no_tensor;  // the host mirror of what the updates check, if not the loss
   ops::StepInfo step;
   RunMode mode = RunMode::normal;
   bool bound = true;  // kernels bound: the step can run
@@ -261,6 +262,7 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
       if (name.ends_with("@host")) name.resize(name.size() - 5);
       (upload ? impl_->uploads : impl_->downloads)[name] = host;
       if (graph_.loss != no_tensor && t.role[host] == Role::stats && name == t.name[graph_.loss]) impl_->stats = host;
+      if (graph_.guard != no_tensor && t.role[host] == Role::stats && name == t.name[graph_.guard]) impl_->guard = host;
     }
   }
 }
@@ -598,10 +600,12 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
-  // A step whose loss is not finite skipped its updates (host updates are not guarded on the
-  // device, so their slot is simply not committed).
+  // A step whose loss (or overflow guard) is not finite skipped its updates (host updates are not
+  // guarded on the device, so their slot is simply not committed).
   if (impl_->commits_other_slot) {
-    if (mode == RunMode::normal && (stats_host() == nullptr || std::isfinite(stats_host()[0]))) {
+    const TensorId guard = impl_->guard != no_tensor ? impl_->guard : impl_->stats;
+    const float* checked = guard == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(guard, false));
+    if (mode == RunMode::normal && (checked == nullptr || std::isfinite(checked[0]))) {
       persistent_->commit();
     } else {
       persistent_->abort();

@@ -5,6 +5,10 @@ namespace ferry::graph {
 
 const std::vector<ModelPass>& model_passes() {
   static const std::vector<ModelPass> passes = {
+      {"mixed precision",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.precision != DType::f32 && !key.int8_weights) apply_mixed_precision(g, key.precision);
+       }},
       {"autodiff",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training) append_backward(g);
@@ -16,6 +20,10 @@ const std::vector<ModelPass>& model_passes() {
       {"accumulate",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training && key.accumulate > 1) append_accumulation(g, key.accumulate, key.micro);
+       }},
+      {"overflow guard",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.training && !key.micro && key.loss_scaling) append_overflow_guard(g);
        }},
       {"optimizer",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {

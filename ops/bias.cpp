@@ -1,6 +1,8 @@
 // Binding of the bias kernels (ops/kernels/bias.cl).
 #include "ferry/ops/bias.hpp"
 
+#include <fmt/format.h>
+
 #include <limits>
 #include <stdexcept>
 
@@ -23,22 +25,28 @@ LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows
   return list;
 }
 
-LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols) {
+LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols, DType dy_type) {
   check_shape(rows, cols);
+  if (!dtype_is_float(dy_type)) {
+    throw std::invalid_argument(
+        fmt::format("bias_backward: dy of dtype {}, expected f32, f16 or bf16", dtype_name(dy_type)));
+  }
+  const std::string defines = dtype_define(dy_type);
+  const std::uint64_t dy_off = dy.elem_offset(dtype_bytes(dy_type));
   if (env.device().is_cpu()) {  // 16 columns per work-item (bias_backward16)
-    cl::Kernel k = env.kernels.kernel("bias", "bias_backward16");
-    cl::set_args(k.get(), dy.buffer, dy.elem_offset(), db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
+    cl::Kernel k = env.kernels.kernel("bias", "bias_backward16", defines);
+    cl::set_args(k.get(), dy.buffer, dy_off, db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
     LaunchList list;
     list.push_back(elementwise_launch(std::move(k), (cols + 15) / 16));
     return list;
   }
-  cl::Kernel k = env.kernels.kernel("bias", "bias_backward");
+  cl::Kernel k = env.kernels.kernel("bias", "bias_backward", defines);
   // 16 columns by 16 row lanes per work-group, fewer lanes where the kernel allows less.
   std::size_t tc = 16, tr = 16;
   const std::size_t limit = kernel_group_limit(k, env.device());
   while (tc * tr > limit && tr > 1) tr /= 2;
   while (tc * tr > limit && tc > 1) tc /= 2;
-  cl::set_args(k.get(), dy.buffer, dy.elem_offset(), db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
+  cl::set_args(k.get(), dy.buffer, dy_off, db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
   FERRY_CL(clSetKernelArg(k.get(), 6, tc * tr * sizeof(float), nullptr));
   KernelLaunch l;
   l.kernel = std::move(k);

@@ -10,6 +10,8 @@
 #include <limits>
 #include <stdexcept>
 
+#include "ferry/cl/error.hpp"
+
 namespace ferry::ops {
 namespace {
 
@@ -45,9 +47,35 @@ bool cast_supported(DType from, DType to) {
   return cast_types.contains(from) && cast_types.contains(to);
 }
 
-LaunchList cast(OpEnv& env, DType from, DType to, DeviceSpan in, DeviceSpan out, std::size_t n) {
+float cast_factor(CastScale scale, const StepInfo& step) {
+  switch (scale) {
+    case CastScale::none:
+      return 1.0f;
+    case CastScale::loss_scale:
+      return step.loss_scale;
+    case CastScale::inverse_loss_scale:
+      return 1.0f / step.loss_scale;
+  }
+  return 1.0f;
+}
+
+LaunchList cast(OpEnv& env, DType from, DType to, DeviceSpan in, DeviceSpan out, std::size_t n, CastScale scale) {
   check_cast(from, to);
   const cl_uint count = element_count("cast", n);
+  if (scale != CastScale::none) {
+    cl::Kernel k =
+        env.kernels.kernel("cast", "cast_scaled", fmt::format("{} {}", dtype_define(from, "S"), dtype_define(to, "D")));
+    cl::set_args(k.get(), in.buffer, in.elem_offset(dtype_bytes(from)), out.buffer, out.elem_offset(dtype_bytes(to)),
+                 count, 1.0f);
+    KernelLaunch l = elementwise_launch(std::move(k), n);
+    l.per_step = [scale](cl_kernel kernel, const StepInfo& step) {
+      const float f = cast_factor(scale, step);
+      cl::check(clSetKernelArg(kernel, 5, sizeof(float), &f), "clSetKernelArg(cast_scaled scale)");
+    };
+    LaunchList list;
+    list.push_back(std::move(l));
+    return list;
+  }
   cl::Kernel k = from == to ? env.kernels.kernel("cast", "cast_identity", dtype_define(from, "S"))
                             : env.kernels.kernel("cast", "cast",
                                                  fmt::format("{} {}", dtype_define(from, "S"), dtype_define(to, "D")));
@@ -125,8 +153,12 @@ void store_float(DType t, float v, void* p, std::size_t i) {
   }
 }
 
-void cast(DType from, DType to, const void* in, void* out, std::size_t n) {
+void cast(DType from, DType to, const void* in, void* out, std::size_t n, float factor) {
   check_cast(from, to);
+  if (factor != 1.0f) {
+    for (std::size_t i = 0; i < n; ++i) store_float(to, load_float(from, in, i) * factor, out, i);
+    return;
+  }
   if (from == to) {
     std::memmove(out, in, n * dtype_bytes(from));
     return;

@@ -5,7 +5,9 @@
 //                 column gradients w^T * dy (backward data)
 //   [A, A+B)      [K, G*P*Q]: the forward GEMM result before the NCHW permute, or dy permuted
 //                 into the GEMM layout (both backward launches)
-//   [A+B, ...)    the scratch of whichever GEMM runs (the max over all of them)
+//   [A+B, C)      with a narrow weight, the fp32 weight gradient summed over the groups, rounded
+//                 once at the end (absent for an f32 weight)
+//   [C, ...)      the scratch of whichever GEMM runs (the max over all of them)
 // with G the largest group (conv2d_images_per_gemm). Groups run one after another on the in-order
 // queue, so every group reuses the same regions.
 #include "ferry/ops/conv2d.hpp"
@@ -16,6 +18,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "ferry/ops/cast.hpp"
 #include "ferry/ops/gemm.hpp"
 
 namespace ferry::ops {
@@ -56,6 +59,11 @@ std::size_t max_images_per_group(const Conv2dShape& s) {
 }
 
 void validate(const Conv2dShape& s) {
+  if (!dtype_is_float(s.act) || !dtype_is_float(s.weight)) {
+    throw std::invalid_argument(
+        fmt::format("conv2d: dtypes {} (activations) and {} (weight); both must be f32, f16 or bf16", dtype_name(s.act),
+                    dtype_name(s.weight)));
+  }
   if (s.N == 0 || s.C == 0 || s.H == 0 || s.W == 0 || s.K == 0 || s.R == 0 || s.S == 0 || s.stride == 0) {
     throw std::invalid_argument(fmt::format("conv2d: zero dimension in N={} C={} H={} W={} K={} R={} S={} stride={}",
                                             s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride));
@@ -81,15 +89,17 @@ struct Groups {
 };
 
 struct Layout {
-  std::size_t cols = 0, tmp = 0, gemm = 0;  // region offsets
+  std::size_t cols = 0, tmp = 0, dw32 = 0, gemm = 0;  // region offsets
   std::size_t total = 0;
 };
 
+// The weight is the only operand of the GEMMs that may be narrow (A of the first two); the weight
+// gradient is computed in f32 (summed over the groups) and rounded after.
 GemmShape forward_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.K, g * s.P() * s.Q(), s.C * s.R * s.S};
+  return {s.K, g * s.P() * s.Q(), s.C * s.R * s.S, false, false, s.weight};
 }
 GemmShape data_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.C * s.R * s.S, g * s.P() * s.Q(), s.K, /*trans_a=*/true, false};
+  return {s.C * s.R * s.S, g * s.P() * s.Q(), s.K, /*trans_a=*/true, false, s.weight};
 }
 GemmShape weights_gemm(const Conv2dShape& s, std::size_t g) {
   return {s.K, s.C * s.R * s.S, g * s.P() * s.Q(), false, /*trans_b=*/true};
@@ -117,25 +127,27 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
   Layout l;
   l.cols = 0;
   l.tmp = align_up(crs * ncols);
-  l.gemm = l.tmp + align_up(s.K * ncols);
+  l.dw32 = l.tmp + align_up(s.K * ncols);
+  l.gemm = l.dw32 + (s.weight == DType::f32 ? 0 : align_up(s.K * crs));
   l.total = l.gemm + gemm_elems;
   return l;
 }
 
-DeviceSpan at(DeviceSpan span, std::size_t elems) {
-  return span.advanced(elems * sizeof(float));
+DeviceSpan at(DeviceSpan span, std::size_t elems, DType t = DType::f32) {
+  return span.advanced(elems * dtype_bytes(t));
 }
 
 std::string defines(const Conv2dShape& s) {
   return fmt::format(
       "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
-      "-DCONV_STRIDE={} -DCONV_PAD={} -DBIAS_WG={}",
-      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup);
+      "-DCONV_STRIDE={} -DCONV_PAD={} -DBIAS_WG={} {}",
+      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup, dtype_define(s.act));
 }
 
 KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan cols, std::size_t ncols) {
   cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_im2col", defines(s));
-  cl::set_args(k.get(), x.buffer, x.elem_offset(), cols.buffer, cols.elem_offset(), static_cast<cl_uint>(ncols));
+  cl::set_args(k.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), cols.buffer, cols.elem_offset(),
+               static_cast<cl_uint>(ncols));
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;
@@ -148,8 +160,8 @@ KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan c
 KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSpan t, std::size_t ncols) {
   cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_from_nchw", defines(s));
   const std::size_t count = s.K * ncols;
-  cl::set_args(k.get(), dy.buffer, dy.elem_offset(), t.buffer, t.elem_offset(), static_cast<cl_uint>(ncols),
-               static_cast<cl_uint>(count));
+  cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), t.buffer, t.elem_offset(),
+               static_cast<cl_uint>(ncols), static_cast<cl_uint>(count));
   return launch_1d(env, std::move(k), count);
 }
 
@@ -177,13 +189,14 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W), cols, ncols));
+    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
     append(list, gemm(env, forward_gemm(s, g), 1.0f, w, cols, 0.0f, tmp, gscratch));
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
-    const DeviceSpan yg = at(y, n0 * s.K * PQ);
+    const DeviceSpan yg = at(y, n0 * s.K * PQ, s.act);
     const std::size_t count = g * s.K * PQ;
     cl::set_args(k.get(), tmp.buffer, tmp.elem_offset(), has_bias ? bias.buffer : tmp.buffer, bias.elem_offset(),
-                 has_bias, yg.buffer, yg.elem_offset(), static_cast<cl_uint>(ncols), static_cast<cl_uint>(count));
+                 has_bias, yg.buffer, yg.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(ncols),
+                 static_cast<cl_uint>(count));
     list.push_back(launch_1d(env, std::move(k), count));
   }
   return list;
@@ -198,13 +211,13 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ), dyt, ncols));
+    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ, s.act), dyt, ncols));
     append(list, gemm(env, data_gemm(s, g), 1.0f, w, dyt, 0.0f, dcols, gscratch));
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_col2im", defines(s));
-    const DeviceSpan dxg = at(dx, n0 * s.C * s.H * s.W);
+    const DeviceSpan dxg = at(dx, n0 * s.C * s.H * s.W, s.act);
     const std::size_t count = g * s.C * s.H * s.W;
-    cl::set_args(k.get(), dcols.buffer, dcols.elem_offset(), dxg.buffer, dxg.elem_offset(), static_cast<cl_uint>(ncols),
-                 static_cast<cl_uint>(count));
+    cl::set_args(k.get(), dcols.buffer, dcols.elem_offset(), dxg.buffer, dxg.elem_offset(dtype_bytes(s.act)),
+                 static_cast<cl_uint>(ncols), static_cast<cl_uint>(count));
     list.push_back(launch_1d(env, std::move(k), count));
   }
   return list;
@@ -216,16 +229,19 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   const Groups groups(s);
   const std::size_t PQ = s.P() * s.Q();
   const DeviceSpan cols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
+  const DeviceSpan dw32 = s.weight == DType::f32 ? dw : at(scratch, lay.dw32);
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W), cols, ncols));
-    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ), dyt, ncols));
-    append(list, gemm(env, weights_gemm(s, g), 1.0f, dyt, cols, i == 0 ? 0.0f : 1.0f, dw, gscratch));
+    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
+    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ, s.act), dyt, ncols));
+    append(list, gemm(env, weights_gemm(s, g), 1.0f, dyt, cols, i == 0 ? 0.0f : 1.0f, dw32, gscratch));
   }
+  if (s.weight != DType::f32) append(list, cast(env, DType::f32, s.weight, dw32, dw, s.K * s.C * s.R * s.S));
   if (dbias.buffer != nullptr) {
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_grad", defines(s));
-    cl::set_args(k.get(), dy.buffer, dy.elem_offset(), dbias.buffer, dbias.elem_offset(), static_cast<cl_uint>(s.N));
+    cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), dbias.buffer, dbias.elem_offset(),
+                 static_cast<cl_uint>(s.N));
     KernelLaunch l;
     l.kernel = std::move(k);
     l.global = {s.K * kBiasWorkGroup, 1, 1};

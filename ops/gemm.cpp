@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
+#include "ferry/ops/cast.hpp"
 #include "gemm_clblast.hpp"
 #include "gemm_tuning.hpp"
 
@@ -82,7 +83,7 @@ std::size_t packed_panel_elems(const GemmShape& s, const GemmKernelConfig& c) {
 // rows are already contiguous, and packing a long B (the output gradient of a weight gradient) cost
 // a copy of all of it per product.
 bool direct_b(const GemmShape& s, const GemmKernelConfig& c) {
-  return !s.trans_b && s.N % panel_width(c) == 0 && k_splits(s) > 1;
+  return s.b == DType::f32 && !s.trans_b && s.N % panel_width(c) == 0 && k_splits(s) > 1;
 }
 
 // Packed B (unless read in place), then the splits' partial products when K is split.
@@ -95,13 +96,60 @@ std::string transpose_defines(const GemmShape& s) {
   return fmt::format("-DTRANS_A={} -DTRANS_B={}", int(s.trans_a), int(s.trans_b));
 }
 
+// The storage types of the packed kernel's operands (see gemm_packed.cl).
+std::string dtype_defines(DType a, DType b, DType c) {
+  auto one = [](char x, DType t) {
+    return fmt::format("-D{0}_NAME={1} -D{0}_IS_F32={2}", x,
+                       t == DType::f32   ? "F32"
+                       : t == DType::f16 ? "F16"
+                                         : "BF16",
+                       int(t == DType::f32));
+  };
+  return fmt::format("{} {} {}", one('A', a), one('B', b), one('C', c));
+}
+
+void check_dtypes(const GemmShape& s) {
+  for (DType t : {s.a, s.b, s.c}) {
+    if (!dtype_is_float(t)) {
+      throw std::invalid_argument(fmt::format("gemm {}x{}x{}: operand dtype {} is not a float type (f32, f16, bf16)",
+                                              s.M, s.N, s.K, dtype_name(t)));
+    }
+  }
+}
+
+// Kernels that take only f32 (tiled, naive, CLBlast) run narrow operands through f32 copies in
+// scratch: A and B widened before the product, C (when narrow) computed in f32 and rounded after.
+struct StagedLayout {
+  std::size_t a = 0, b = 0, c = 0, total = 0;  // offsets in floats; a copy is absent when its operand is f32
+};
+StagedLayout staged_layout(const GemmShape& s) {
+  StagedLayout l;
+  std::size_t at = 0;
+  auto take = [&](bool needed, std::size_t elems) {
+    const std::size_t here = at;
+    if (needed) at += elems;
+    return here;
+  };
+  l.a = take(s.a != DType::f32, s.M * s.K);
+  l.b = take(s.b != DType::f32, s.K * s.N);
+  l.c = take(s.c != DType::f32, s.M * s.N);
+  l.total = at;
+  return l;
+}
+
 LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
                        DeviceSpan b, float beta, DeviceSpan c, DeviceSpan scratch, const GemmOptions& options) {
   const std::size_t nb = panel_width(cfg);
   const std::size_t rb = static_cast<std::size_t>(cfg.param("RB"));
   const std::size_t panels = (s.N + nb - 1) / nb;
   const bool direct = direct_b(s, cfg);
-  const std::string defines = fmt::format("{} {} -DDIRECT_B={}", cfg.defines(), transpose_defines(s), int(direct));
+  const std::size_t splits = k_splits(s);
+  const std::string base = fmt::format("{} {} -DDIRECT_B={}", cfg.defines(), transpose_defines(s), int(direct));
+  // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C.
+  const std::string defines = fmt::format("{} {}", base, dtype_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c));
+  const std::string sum_defines = fmt::format("{} {}", base, dtype_defines(s.a, s.b, s.c));
+  const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
+                      c_off = c.elem_offset(dtype_bytes(s.c));
   const std::uint64_t panels_elems = direct ? 0 : packed_panel_elems(s, cfg);
   LaunchList list;
   if (s.K > 0 && scratch.buffer == nullptr) {
@@ -110,8 +158,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   }
   if (s.K > 0 && !direct) {
     cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
-    cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b.elem_offset(), scratch.buffer,
-                 scratch.elem_offset());
+    cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b_off, scratch.buffer, scratch.elem_offset());
     KernelLaunch l;
     l.kernel = std::move(pack);
     l.dims = 2;
@@ -129,16 +176,15 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     packed = b.buffer;
     packed_off = b.elem_offset();
   }
-  const std::size_t splits = k_splits(s);
   if (splits == 1) {
-    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), packed,
-                 packed_off, beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
-                 options.bias.elem_offset(), has_bias, cl_uint(s.K));
+    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
+                 c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
+                 cl_uint(s.K));
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     const std::uint64_t parts = scratch.elem_offset() + panels_elems;
-    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a.elem_offset(), packed, packed_off,
-                 0.0f, scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows));
+    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
+                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows));
   }
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -147,9 +193,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   l.local = {1, 1, 1};
   list.push_back(std::move(l));
   if (splits > 1) {
-    cl::Kernel sum = env.kernels.kernel("gemm_packed", "gemm_sum_splits", defines);
+    cl::Kernel sum = env.kernels.kernel("gemm_packed", "gemm_sum_splits", sum_defines);
     cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), scratch.buffer,
-                 scratch.elem_offset() + panels_elems, alpha, beta, c.buffer, c.elem_offset(),
+                 scratch.elem_offset() + panels_elems, alpha, beta, c.buffer, c_off,
                  has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias);
     list.push_back(elementwise_launch(std::move(sum), s.M * s.N));
   }
@@ -197,12 +243,17 @@ LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a,
   return list;
 }
 
+bool native_dtypes(const GemmPlan& p) {
+  return p.backend == GemmBackend::ferry && p.config.kernel == GemmKernel::packed;
+}
+
 }  // namespace
 
 std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
+  check_dtypes(s);
   const GemmPlan p = plan(env, options);
-  if (p.backend != GemmBackend::ferry || p.config.kernel != GemmKernel::packed) return 0;
-  return packed_elems(s, p.config);
+  if (native_dtypes(p)) return packed_elems(s, p.config);
+  return staged_layout(s).total;
 }
 
 std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
@@ -215,8 +266,33 @@ std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOp
 LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
                 DeviceSpan scratch, const GemmOptions& options) {
   cl::OpScope scope("gemm");
+  check_dtypes(s);
   if (s.M == 0 || s.N == 0) return {};
   const GemmPlan p = plan(env, options);
+  if (!s.all_f32() && !native_dtypes(p)) {
+    // Widen A and B into scratch, multiply in f32, round C back.
+    const StagedLayout l = staged_layout(s);
+    if (l.total > 0 && scratch.buffer == nullptr) {
+      throw std::invalid_argument(fmt::format("gemm {}x{}x{} with {} x {} -> {}: needs {} floats of scratch, got none",
+                                              s.M, s.N, s.K, dtype_name(s.a), dtype_name(s.b), dtype_name(s.c),
+                                              l.total));
+    }
+    auto at = [&](std::size_t elems) { return scratch.advanced(elems * sizeof(float)); };
+    GemmShape f = s;
+    f.a = f.b = f.c = DType::f32;
+    LaunchList list;
+    auto add = [&](LaunchList more) {
+      for (auto& x : more) list.push_back(std::move(x));
+    };
+    const DeviceSpan a32 = s.a == DType::f32 ? a : at(l.a), b32 = s.b == DType::f32 ? b : at(l.b),
+                     c32 = s.c == DType::f32 ? c : at(l.c);
+    if (s.a != DType::f32) add(cast(env, s.a, DType::f32, a, a32, s.M * s.K));
+    if (s.b != DType::f32) add(cast(env, s.b, DType::f32, b, b32, s.K * s.N));
+    if (s.c != DType::f32 && beta != 0.0f) add(cast(env, s.c, DType::f32, c, c32, s.M * s.N));
+    add(gemm(env, f, alpha, a32, b32, beta, c32, {}, options));
+    if (s.c != DType::f32) add(cast(env, DType::f32, s.c, c32, c, s.M * s.N));
+    return list;
+  }
   // CLBlast rejects K = 0 (C = beta * C + bias): ferry's kernel handles that edge.
   if (p.backend == GemmBackend::clblast && s.K > 0)
     return bind_clblast_gemm(env, s, alpha, a, b, beta, c, options.bias);

@@ -14,14 +14,17 @@ void validate(const Pool2dShape& s) {
     throw std::invalid_argument(
         fmt::format("maxpool2d: window {} stride {} does not fit the input {}x{}", s.window, s.stride, s.H, s.W));
   }
+  if (!dtype_is_float(s.dtype)) {
+    throw std::invalid_argument(fmt::format("maxpool2d: dtype {}, expected f32, f16 or bf16", dtype_name(s.dtype)));
+  }
   if (s.N * s.C * s.H * s.W > std::numeric_limits<std::uint32_t>::max()) {
     throw std::invalid_argument("maxpool2d: input over the 32-bit index limit");
   }
 }
 
 std::string defines(const Pool2dShape& s) {
-  return fmt::format("-DPOOL_H={} -DPOOL_W={} -DPOOL_P={} -DPOOL_Q={} -DPOOL_WINDOW={} -DPOOL_STRIDE={}", s.H, s.W,
-                     s.P(), s.Q(), s.window, s.stride);
+  return fmt::format("-DPOOL_H={} -DPOOL_W={} -DPOOL_P={} -DPOOL_Q={} -DPOOL_WINDOW={} -DPOOL_STRIDE={} {}", s.H, s.W,
+                     s.P(), s.Q(), s.window, s.stride, dtype_define(s.dtype));
 }
 
 }  // namespace
@@ -30,7 +33,8 @@ LaunchList maxpool2d_forward(OpEnv& env, const Pool2dShape& s, DeviceSpan x, Dev
   validate(s);
   const std::size_t count = s.N * s.C * s.P() * s.Q();
   cl::Kernel k = env.kernels.kernel("pool", "maxpool2d_forward", defines(s));
-  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), argmax.buffer, argmax.elem_offset(),
+  const std::size_t t = dtype_bytes(s.dtype);
+  cl::set_args(k.get(), x.buffer, x.elem_offset(t), y.buffer, y.elem_offset(t), argmax.buffer, argmax.elem_offset(),
                static_cast<cl_uint>(count));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), count));
@@ -41,7 +45,8 @@ LaunchList maxpool2d_backward(OpEnv& env, const Pool2dShape& s, DeviceSpan dy, D
   validate(s);
   const std::size_t count = s.N * s.C * s.H * s.W;
   cl::Kernel k = env.kernels.kernel("pool", "maxpool2d_backward", defines(s));
-  cl::set_args(k.get(), dy.buffer, dy.elem_offset(), argmax.buffer, argmax.elem_offset(), dx.buffer, dx.elem_offset(),
+  const std::size_t t = dtype_bytes(s.dtype);
+  cl::set_args(k.get(), dy.buffer, dy.elem_offset(t), argmax.buffer, argmax.elem_offset(), dx.buffer, dx.elem_offset(t),
                static_cast<cl_uint>(count));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), count));

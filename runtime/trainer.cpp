@@ -31,7 +31,7 @@ bool counts_hits(const graph::CompiledStep& step) {
 }  // namespace
 
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
-    : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr) {
+    : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr), scaler_(options.precision) {
   if (!model_.forward) throw std::invalid_argument("model has no forward function");
   if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
     throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
@@ -45,7 +45,15 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
         "hybrid phases with gradient accumulation are not supported yet: use one of them (phases full, or "
         "accumulation 1)");
   }
+  validate(options_.precision);
+  if (options_.precision.scaled() && (options_.phases.hybrid || options_.accumulate > 1)) {
+    throw std::invalid_argument(
+        "loss scaling (fp16 mixed precision) with hybrid phases or gradient accumulation is not supported yet: use "
+        "bf16, which needs no loss scaling, or fp32");
+  }
   train_key_ = graph::VariantKey{options_.batch, true};
+  train_key_.precision = options_.precision.compute;
+  train_key_.loss_scaling = options_.precision.scaled();
   train_key_.accumulate = options_.accumulate;
   train_key_.recompute = options_.recompute;
   if (options_.phases.hybrid) {
@@ -88,6 +96,7 @@ graph::CompiledStep& Trainer::training_variant(bool micro, bool fit) {
 
 graph::CompiledStep& Trainer::predict_variant_mutable() {
   graph::VariantKey key{options_.batch, false};
+  key.precision = options_.precision.compute;
   key.apply_predictor = true;
   key.int8_weights = options_.phases.predict_int8;
   return variant(key);
@@ -237,7 +246,9 @@ StepResult Trainer::step(const Batch& batch) {
   stage_batch(step, batch);
   ops::StepInfo info{steps_ + 1, lr_};
   info.accumulate_keep = micro_ == 0 ? 0.0f : 1.0f;
+  info.loss_scale = scaler_.scale();
   StepResult r = run_step(step, info);
+  r.loss_scale = info.loss_scale;
   if (micro) {
     if (!std::isfinite(r.loss)) {
       throw std::runtime_error(fmt::format(
@@ -255,6 +266,18 @@ StepResult Trainer::step(const Batch& batch) {
         "training diverged at step {}: the loss is {} (learning rate {}); the update was skipped, so the weights and "
         "optimizer state are those from before this step: lower the learning rate or check the data",
         steps_ + 1, r.loss, lr_));
+  }
+  if (options_.precision.scaled()) {
+    // The updates checked the overflow guard on the device: a non-finite one with a finite loss
+    // means the scaled gradients overflowed, and nothing was updated.
+    float guard = 0;
+    std::memcpy(&guard, step.host_output(graph::overflow_guard_name).data(), sizeof guard);
+    r.overflow = !std::isfinite(guard);
+    scaler_.record(r.overflow);
+    if (r.overflow) {
+      r.updated = false;
+      return r;
+    }
   }
   ++steps_;
   micro_ = 0;  // (after a diverged last micro-batch the group waits for another one)
@@ -354,6 +377,7 @@ void Trainer::for_each_chunk(const DataSource& data, bool predict, bool int8_wei
     std::uint32_t count = options_.batch;
     while (count > n - first) count /= 2;
     graph::VariantKey key{count, false, predict};
+    key.precision = options_.precision.compute;
     key.int8_weights = int8_weights;
     graph::CompiledStep& step = variant(key);
     for (const auto* specs : {&model_.inputs, &model_.targets}) {

@@ -23,49 +23,6 @@ namespace {
 
 using ops::DType;
 
-// A device buffer of raw storage placed `offset_elems` elements into its cl_mem (so kernels must
-// honour operand offsets), poisoned around and under the data.
-class DeviceBytes {
- public:
-  DeviceBytes(std::size_t n, std::size_t elem_bytes, std::size_t offset_elems = 7)
-      : n_(n), elem_(elem_bytes), offset_(offset_elems * elem_bytes) {
-    auto& dev = TestDevice::get();
-    const std::size_t total = offset_ + (n + 5) * elem_;
-    mem_ = dev.context.create_buffer(total, "dtype test tensor");
-    std::vector<unsigned char> poison(total, 0xA5);
-    dev.context.write(mem_.get(), 0, poison.data(), total);
-  }
-  template <class T>
-  static DeviceBytes from(const std::vector<T>& v, std::size_t offset_elems = 7) {
-    DeviceBytes d(v.size(), sizeof(T), offset_elems);
-    d.upload(v);
-    return d;
-  }
-  template <class T>
-  void upload(const std::vector<T>& v) {
-    ASSERT_EQ(sizeof(T), elem_);
-    TestDevice::get().context.write(mem_.get(), offset_, v.data(), v.size() * sizeof(T));
-  }
-  template <class T>
-  std::vector<T> download() const {
-    EXPECT_EQ(sizeof(T), elem_);
-    std::vector<T> out(n_);
-    TestDevice::get().context.read(mem_.get(), offset_, out.data(), n_ * sizeof(T));
-    return out;
-  }
-  // The bytes just past the data: still poison unless a kernel wrote out of range.
-  std::vector<unsigned char> tail() const {
-    std::vector<unsigned char> out(5 * elem_);
-    TestDevice::get().context.read(mem_.get(), offset_ + n_ * elem_, out.data(), out.size());
-    return out;
-  }
-  ops::DeviceSpan span() const { return {mem_.get(), offset_}; }
-
- private:
-  std::size_t n_, elem_, offset_;
-  cl::Mem mem_;
-};
-
 void run(const ops::LaunchList& l) {
   ops::run_blocking(TestDevice::get().context.compute(), l);
 }

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ferry/ops/cast.hpp"
 #include "ferry/ops/gemm.hpp"
 #include "test_support.hpp"
 
@@ -85,6 +86,104 @@ TEST_P(GemmKernelTest, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(AllKernels, GemmKernelTest,
                          ::testing::Combine(::testing::ValuesIn(kKernels), ::testing::ValuesIn(kShapes),
                                             ::testing::Bool(), ::testing::Bool()));
+
+// Narrow operands (mixed precision): A, B and C each f32, f16 or bf16. The reference multiplies
+// the stored (rounded) inputs in double and rounds once into C's type, as the kernels promise;
+// the tolerance is C's rounding (half an ulp of its type) plus fp32 accumulation. Both kernel
+// families: packed reads the narrow types itself (including the split-K and in-place-B shapes),
+// tiled runs them through f32 copies in scratch.
+using ops::DType;
+struct DtypeCase {
+  const char* kernel;
+  DType a, b, c;
+  bool trans_a, trans_b;
+  float beta;
+};
+// Each case is one or two program builds (about 3 s each on PoCL), so they are few and each covers
+// something: every dtype in every operand position, every transpose, beta, and (for packed) the
+// split-K and in-place-B paths of the long-K shapes.
+constexpr const char* kPacked = "packed RB=6 NV=4";
+constexpr const char* kTiled = "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1";
+const DtypeCase kDtypeCases[] = {
+    {kPacked, DType::bf16, DType::bf16, DType::bf16, false, false, 0.0f},
+    {kPacked, DType::f16, DType::f16, DType::f16, true, true, 0.5f},
+    {kPacked, DType::bf16, DType::f32, DType::f32, false, true, 0.0f},
+    {kPacked, DType::f32, DType::f16, DType::bf16, true, false, 0.5f},
+    {kTiled, DType::f32, DType::f16, DType::bf16, false, false, 0.5f},
+    {kTiled, DType::bf16, DType::f32, DType::f16, true, true, 0.0f},
+};
+
+std::vector<std::uint16_t> narrow(DType t, const std::vector<float>& v) {
+  std::vector<std::uint16_t> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) ops::ref::store_float(t, v[i], out.data(), i);
+  return out;
+}
+
+std::vector<float> widen(DType t, const std::vector<std::uint16_t>& v) {
+  std::vector<float> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = ops::ref::load_float(t, v.data(), i);
+  return out;
+}
+
+// A device operand of dtype t holding `values` rounded to t; `stored` gets what was stored.
+DeviceBytes operand(DType t, const std::vector<float>& values, std::vector<float>& stored, std::size_t offset) {
+  if (t == DType::f32) {
+    stored = values;
+    return DeviceBytes::from(values, offset);
+  }
+  auto n = narrow(t, values);
+  stored = widen(t, n);
+  return DeviceBytes::from(n, offset);
+}
+
+std::vector<float> result(DType t, const DeviceBytes& d) {
+  return t == DType::f32 ? d.download<float>() : widen(t, d.download<std::uint16_t>());
+}
+
+float half_ulp(DType t) {
+  return t == DType::bf16 ? 1.0f / 256 : t == DType::f16 ? 1.0f / 2048 : 0.0f;
+}
+
+TEST(GemmDtypes, NarrowOperandsMatchReference) {
+  auto& dev = TestDevice::get();
+  const Case shapes[] = {{7, 13, 5}, {65, 63, 17}, {13, 21, 1100}, {13, 64, 1100}};
+  for (const DtypeCase& d : kDtypeCases) {
+    for (const Case& shape : shapes) {
+      const ops::GemmShape s{shape.M, shape.N, shape.K, d.trans_a, d.trans_b, d.a, d.b, d.c};
+      const std::string what =
+          fmt::format("{} {}x{}x{} {}{} {}*{}->{} beta {}", d.kernel, s.M, s.N, s.K, s.trans_a ? "T" : "N",
+                      s.trans_b ? "T" : "N", ops::dtype_name(d.a), ops::dtype_name(d.b), ops::dtype_name(d.c), d.beta);
+      std::vector<float> a, b, c0;
+      DeviceBytes da = operand(d.a, random_vector(s.M * s.K, 31), a, 3);
+      DeviceBytes db = operand(d.b, random_vector(s.K * s.N, 32), b, 5);
+      DeviceBytes dc = operand(d.c, random_vector(s.M * s.N, 33), c0, 9);
+      const auto bias = random_vector(s.N, 34);
+      DeviceTensor dbias(bias, 2);
+      ops::GemmOptions options;
+      options.backend = ops::GemmBackend::ferry;
+      options.kernel = d.kernel;
+      options.bias = dbias.span();
+      const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
+      DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 4);
+      ops::run_blocking(dev.context.compute(), ops::gemm(dev.env, s, 0.75f, da.span(), db.span(), d.beta, dc.span(),
+                                                         scratch_elems ? scratch.span() : ops::DeviceSpan{}, options));
+      const auto want = reference(s, 0.75f, a, b, d.beta, c0, bias);
+      expect_near(result(d.c, dc), want, 2e-6f * static_cast<float>(s.K) + 1e-5f, half_ulp(d.c) + 1e-4f, what.c_str());
+      for (unsigned char byte : dc.tail()) ASSERT_EQ(byte, 0xA5) << what << ": written past C";
+    }
+  }
+}
+
+TEST(GemmDtypes, NonFloatOperandIsRejected) {
+  auto& dev = TestDevice::get();
+  const ops::GemmShape s{4, 4, 4, false, false, DType::i8, DType::f32, DType::f32};
+  try {
+    (void)ops::gemm_scratch_elems(dev.env, s);
+    FAIL() << "an i8 operand was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("i8"), std::string::npos) << e.what();
+  }
+}
 
 TEST(Gemm, AutomaticFollowsTuningData) {
   auto& dev = TestDevice::get();

@@ -248,16 +248,16 @@ TEST(OpTable, DtypeTheOpDoesNotTakeIsACompileTimeErrorNamingOpAndTensor) {
   Runtime runtime;
   graph::Graph g;
   ClassifierBuilder b(g, 4, graph::Shape{8}, 3);
-  // A bf16 activation fed to Linear, whose kernels are f32 only.
-  const TensorId half = g.tensors.add("x.bf16", graph::Shape{4, 8}, graph::DType::bf16, graph::Role::activation);
-  b.softmax_xent(b.linear(half, 3));
+  // A bf16 activation fed to the loss, whose kernels are f32 only.
+  const TensorId half = g.tensors.add("x.bf16", graph::Shape{4, 3}, graph::DType::bf16, graph::Role::activation);
+  b.softmax_xent(half);
   g = graph::prepare_step_graph(std::move(g), graph::VariantKey{4, false}, {});
   try {
     graph::CompiledStep step(std::move(g), {}, runtime.env(), runtime.context());
     FAIL() << "compiled a bf16 operand into an f32-only op";
   } catch (const std::invalid_argument& e) {
     const std::string what = e.what();
-    EXPECT_NE(what.find("'linear'"), std::string::npos) << what;
+    EXPECT_NE(what.find("'softmax_xent'"), std::string::npos) << what;
     EXPECT_NE(what.find("bf16"), std::string::npos) << what;
     EXPECT_NE(what.find("x.bf16"), std::string::npos) << what;
   }

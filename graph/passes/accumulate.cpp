@@ -26,8 +26,9 @@ void append_accumulation(Graph& g, std::uint32_t accumulate, bool micro) {
     const TensorId sum = t.add(t.name[w] + ".grad_sum", t.shape[w], DType::f32, Role::gradient_sum);
     t.init[sum] = {WeightInit::Kind::zeros, 0};
     if (micro) {
-      const TensorId ins[] = {sum, grad, g.loss};
-      g.nodes.add(op, t.name[w] + ".accumulate", std::span(ins, g.loss == no_tensor ? 2 : 3), std::span(&sum, 1));
+      const TensorId ins[] = {sum, grad, g.update_guard()};
+      g.nodes.add(op, t.name[w] + ".accumulate", std::span(ins, g.update_guard() == no_tensor ? 2 : 3),
+                  std::span(&sum, 1));
     } else {
       const TensorId ins[] = {sum, grad};
       g.nodes.add(op, t.name[w] + ".grad_mean", ins, std::span(&grad, 1), attrs);

@@ -65,8 +65,9 @@ class Differentiator final : public ops::GradContext {
     return it == loss_terms_.end() ? 0.0f : it->second;
   }
   void add_loss_term(ops::TensorRef t, float weight) override { loss_terms_[t] += weight; }
+  ops::DType dtype(ops::TensorRef t) const override { return t_.dtype[t]; }
   ops::TensorRef new_grad(ops::TensorRef of) override {
-    TensorId g = t_.add("d" + t_.name[of], t_.shape[of], DType::f32, Role::gradient);
+    TensorId g = t_.add("d" + t_.name[of], t_.shape[of], t_.dtype[of], Role::gradient);
     needs_.push_back(false);
     return g;
   }
@@ -79,7 +80,7 @@ class Differentiator final : public ops::GradContext {
     if (!needs_grad(t)) return;
     if (TensorId base = t_.alias_of[t]; base != no_tensor) {
       // The gradient of a view is a view of the base's gradient.
-      TensorId gv = t_.add(t_.name[g] + ".view", t_.shape[base], DType::f32, Role::gradient, g);
+      TensorId gv = t_.add(t_.name[g] + ".view", t_.shape[base], t_.dtype[base], Role::gradient, g);
       needs_.push_back(false);
       contribute(base, gv);
       return;

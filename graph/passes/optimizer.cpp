@@ -15,8 +15,9 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec) {
     return s;
   };
   const ops::OpId adam8bit_op = spec.kind == OptimizerSpec::Kind::adamw8bit ? ops::find_op("adam8bit_update") : 0;
-  // Every update reads the step's loss and skips itself when the loss is not finite.
-  const TensorId stats = g.loss;
+  // Every update reads the step's loss (or the overflow guard) and skips itself when it is not
+  // finite.
+  const TensorId stats = g.update_guard();
   for (TensorId w = 0; w < count; ++w) {
     if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
     const TensorId grad = t.grad[w];

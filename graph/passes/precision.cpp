@@ -29,16 +29,7 @@ std::optional<ops::QuantLayout> layout_of(OpId op, const Shape& w) {
 void apply_int8_weights(Graph& g) {
   auto& t = g.tensors;
   const NodeTable old = g.nodes;
-  // The head: the last layer before the loss that reads a weight.
-  NodeId head = static_cast<NodeId>(old.size());
-  for (NodeId n = 0; n < old.size(); ++n) {
-    bool loss = false;
-    for (TensorId x : old.outputs(n)) loss = loss || x == g.loss;
-    if (loss) break;
-    for (TensorId x : old.inputs(n)) {
-      if (t.role[t.storage(x)] == Role::weight) head = n;
-    }
-  }
+  const NodeId head = head_layer(g);
   std::unordered_map<TensorId, TensorId> int8_of;  // weight -> its dequantized copy
   NodeTable out;
   std::vector<TensorId> ins;

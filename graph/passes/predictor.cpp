@@ -55,9 +55,9 @@ void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
     const TensorId before = t.add(t.name[w] + ".before", t.shape[w], DType::f32, Role::activation);
     out.add(snapshot, t.name[w] + ".snapshot", std::span(&w, 1), std::span(&before, 1));
     out.add_copy(old, n);
-    const TensorId ins[] = {w, before, s.d, s.stats, g.loss};
+    const TensorId ins[] = {w, before, s.d, s.stats, g.update_guard()};
     const TensorId outs[] = {s.d, s.stats};
-    out.add(fit, t.name[w] + ".fit", std::span(ins, g.loss == no_tensor ? 4 : 5), outs, attrs);
+    out.add(fit, t.name[w] + ".fit", std::span(ins, g.update_guard() == no_tensor ? 4 : 5), outs, attrs);
   }
   g.nodes = std::move(out);
 }
@@ -70,8 +70,8 @@ void append_predictor_apply(Graph& g) {
     if (t.role[w] != Role::weight || t.alias_of[w] != no_tensor) continue;
     check_f32(t, w);
     const PredictorState s = predictor_state(t, w);
-    const TensorId ins[] = {w, s.d, s.stats, g.loss};
-    g.nodes.add(apply, t.name[w] + ".predict", std::span(ins, g.loss == no_tensor ? 3 : 4), std::span(&w, 1));
+    const TensorId ins[] = {w, s.d, s.stats, g.update_guard()};
+    g.nodes.add(apply, t.name[w] + ".predict", std::span(ins, g.update_guard() == no_tensor ? 3 : 4), std::span(&w, 1));
   }
 }
 

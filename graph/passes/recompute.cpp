@@ -31,10 +31,19 @@ void apply_recompute(Graph& g, std::uint32_t every) {
   std::vector<int> segment(old.size(), -1);
   std::uint32_t layers = 0;
   int current = 0;
+  // A layer reads a weight, directly or through casts of it (mixed precision): the casts
+  // themselves are not layers.
+  std::vector<bool> from_weight(t.size(), false);
+  for (TensorId x = 0; x < t.size(); ++x) from_weight[x] = t.role[t.storage(x)] == Role::weight;
   for (NodeId n = 0; n < loss_node; ++n) {
-    if (ops::op_info(old.op[n]).op_class == ops::OpClass::batch_transfer) continue;
+    const ops::OpClass op_class = ops::op_info(old.op[n]).op_class;
+    if (op_class == ops::OpClass::batch_transfer) continue;
     bool layer = false;
-    for (TensorId x : old.inputs(n)) layer = layer || t.role[t.storage(x)] == Role::weight;
+    for (TensorId x : old.inputs(n)) layer = layer || from_weight[t.storage(x)];
+    if (op_class == ops::OpClass::cast) {
+      for (TensorId y : old.outputs(n)) from_weight[y] = layer;
+      layer = false;
+    }
     if (layer) {
       if (layers > 0 && layers % every == 0) ++current;
       ++layers;

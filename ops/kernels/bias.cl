@@ -1,4 +1,6 @@
-// Bias over the rows of a row-major [rows, cols] matrix.
+// Bias over the rows of a row-major [rows, cols] matrix. The bias and its gradient are f32; dy of
+// the backward kernels is stored as T (-DT_F16 / -DT_BF16, see dtype.clh; f32 without).
+#include "dtype.clh"
 
 // y[r, c] += b[c], one work-item per element.
 __kernel void bias_forward(__global float* y, ulong y_off, __global const float* b, ulong b_off, uint rows, uint cols) {
@@ -11,14 +13,14 @@ __kernel void bias_forward(__global float* y, ulong y_off, __global const float*
 // j sums rows j, j + TR, j + 2 TR, ... in order, then the TR partial sums are combined by a
 // fixed tree in local memory (TR a power of two). Neighbouring work-items read neighbouring
 // columns, so the reads are coalesced.
-__kernel void bias_backward(__global const float* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
+__kernel void bias_backward(__global const T_STORAGE* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
                             uint cols, __local float* partial) {
   const uint lc = get_local_id(0), lr = get_local_id(1);
   const uint tc = get_local_size(0), tr = get_local_size(1);
   const uint c = get_global_id(0);
   float s = 0.0f;
   if (c < cols) {
-    for (uint r = lr; r < rows; r += tr) s += dy[dy_off + (ulong)r * cols + c];
+    for (uint r = lr; r < rows; r += tr) s += LOAD_T(dy, dy_off + (ulong)r * cols + c);
   }
   partial[lr * tc + lc] = s;
   barrier(CLK_LOCAL_MEM_FENCE);
@@ -31,10 +33,18 @@ __kernel void bias_backward(__global const float* dy, ulong dy_off, __global flo
 
 // db on CPU devices: a work-item sums the rows of 16 columns as one float16, in order (a last
 // partial chunk column by column). The work-group version above runs scalar code there.
-__kernel void bias_backward16(__global const float* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
+__kernel void bias_backward16(__global const T_STORAGE* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
                               uint cols) {
   const uint c0 = get_global_id(0) * 16;
   if (c0 >= cols) return;
+#if !T_IS_F32
+  // A narrow dy: the same sums in the same order, one element at a time.
+  for (uint c = c0; c < min(c0 + 16u, cols); ++c) {
+    float s = 0.0f;
+    for (uint r = 0; r < rows; ++r) s += LOAD_T(dy, dy_off + (ulong)r * cols + c);
+    db[db_off + c] = s;
+  }
+#else
   if (c0 + 16 <= cols) {
     float16 s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += vload16(0, dy + dy_off + (ulong)r * cols + c0);
@@ -46,4 +56,5 @@ __kernel void bias_backward16(__global const float* dy, ulong dy_off, __global f
     for (uint r = 0; r < rows; ++r) s += dy[dy_off + (ulong)r * cols + c];
     db[db_off + c] = s;
   }
+#endif
 }

@@ -12,6 +12,16 @@ __kernel void cast(__global const S_STORAGE* in, ulong in_off, __global D_STORAG
   STORE_D(LOAD_S(in, in_off + i), out, out_off + i);
 }
 
+// A gradient crossing a precision boundary under loss scaling (fp16 mixed precision): out[i] =
+// in[i] * scale, converted. scale is the loss scale (into the narrow type) or its inverse (back to
+// f32), a power of two, so the product itself is exact unless it overflows.
+__kernel void cast_scaled(__global const S_STORAGE* in, ulong in_off, __global D_STORAGE* out, ulong out_off, uint n,
+                          float scale) {
+  const size_t i = get_global_id(0);
+  if (i >= n) return;
+  STORE_D(LOAD_S(in, in_off + i) * scale, out, out_off + i);
+}
+
 // from == to: a bit copy (a NaN keeps its payload, which a round trip through fp32 might not).
 __kernel void cast_identity(__global const S_RAW* in, ulong in_off, __global S_RAW* out, ulong out_off, uint n) {
   const size_t i = get_global_id(0);

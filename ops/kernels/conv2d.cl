@@ -6,6 +6,10 @@
 // vectorise across work-items. The number of images G in a group varies and is an argument;
 // `ncols` = G * P * Q is the width of the column matrix. Every kernel handles one group of G
 // consecutive images: the host offsets x, y, dx, dy to the group's first image.
+//
+// x, y and their gradients are stored as T (-DT_F16 / -DT_BF16, f32 without: dtype.clh); the
+// column matrix, the GEMM results and the bias are f32.
+#include "dtype.clh"
 
 #define CONV_PQ (CONV_P * CONV_Q)
 #define CONV_RS (CONV_R * CONV_S)
@@ -15,7 +19,7 @@
 // outside). Global (ncols rounded up, C*R*S): one work-item per column-matrix element, with
 // consecutive work-items on consecutive columns (output pixels), so writes are contiguous and
 // reads are contiguous for stride 1.
-__kernel void conv2d_im2col(__global const float* x, ulong x_off, __global float* cols, ulong cols_off, uint ncols) {
+__kernel void conv2d_im2col(__global const T_STORAGE* x, ulong x_off, __global float* cols, ulong cols_off, uint ncols) {
   const uint j = get_global_id(0);
   const uint row = get_global_id(1);
   if (j >= ncols) return;
@@ -29,11 +33,11 @@ __kernel void conv2d_im2col(__global const float* x, ulong x_off, __global float
   const uint s = rs - r * CONV_S;
   const int h = (int)(p * CONV_STRIDE + r) - CONV_PAD;
   const int w = (int)(q * CONV_STRIDE + s) - CONV_PAD;
-  __global const float* xg = x + x_off + (ulong)c * CONV_HW;
+  const ulong xg = x_off + (ulong)c * CONV_HW;
   __global float* out = cols + cols_off + (ulong)row * ncols;
   float v = 0.0f;
   if (h >= 0 && h < CONV_H && w >= 0 && w < CONV_W) {
-    v = xg[g * (CONV_C * CONV_HW) + (uint)h * CONV_W + (uint)w];
+    v = LOAD_T(x, xg + g * (CONV_C * CONV_HW) + (uint)h * CONV_W + (uint)w);
   }
   out[j] = v;
 }
@@ -42,7 +46,7 @@ __kernel void conv2d_im2col(__global const float* x, ulong x_off, __global float
 // pixel (p, q) whose window covers (h, w). One work-item per input element, fixed summation
 // order. Global: G*C*H*W rounded up. (A branch-free variant that clamps and masks all R*S taps
 // let PoCL vectorise across work-items but measured no faster: it gathers every tap.)
-__kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __global float* dx, ulong dx_off, uint ncols,
+__kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __global T_STORAGE* dx, ulong dx_off, uint ncols,
                             uint count) {
   const uint i = get_global_id(0);
   if (i >= count) return;
@@ -70,13 +74,13 @@ __kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __glob
       acc += base[(uint)(r * CONV_S + s) * ncols + gbase + (uint)(p * CONV_Q + q)];
     }
   }
-  dx[dx_off + i] = acc;
+  STORE_T(acc, dx, dx_off + i);
 }
 
 // y[g, k, pq] = t[k, g*PQ + pq] + bias[k]: the GEMM result [K, ncols] to NCHW. One work-item per
 // element of y (contiguous writes; reads contiguous within each pq run). Global: G*K*PQ.
 __kernel void conv2d_to_nchw(__global const float* t, ulong t_off, __global const float* bias, ulong bias_off,
-                             uint has_bias, __global float* y, ulong y_off, uint ncols, uint count) {
+                             uint has_bias, __global T_STORAGE* y, ulong y_off, uint ncols, uint count) {
   const uint i = get_global_id(0);
   if (i >= count) return;
   const uint gk = i / CONV_PQ;
@@ -85,12 +89,12 @@ __kernel void conv2d_to_nchw(__global const float* t, ulong t_off, __global cons
   const uint k = gk - g * CONV_K;
   float v = t[t_off + (ulong)k * ncols + g * CONV_PQ + pq];
   if (has_bias) v += bias[bias_off + k];
-  y[y_off + i] = v;
+  STORE_T(v, y, y_off + i);
 }
 
 // t[k, g*PQ + pq] = dy[g, k, pq]: NCHW gradients to the GEMM layout [K, ncols]. One work-item per
 // element of t. Global: K*ncols.
-__kernel void conv2d_from_nchw(__global const float* dy, ulong dy_off, __global float* t, ulong t_off, uint ncols,
+__kernel void conv2d_from_nchw(__global const T_STORAGE* dy, ulong dy_off, __global float* t, ulong t_off, uint ncols,
                                uint count) {
   const uint i = get_global_id(0);
   if (i >= count) return;
@@ -98,23 +102,23 @@ __kernel void conv2d_from_nchw(__global const float* dy, ulong dy_off, __global 
   const uint j = i - k * ncols;
   const uint g = j / CONV_PQ;
   const uint pq = j - g * CONV_PQ;
-  t[t_off + i] = dy[dy_off + (ulong)(g * CONV_K + k) * CONV_PQ + pq];
+  t[t_off + i] = LOAD_T(dy, dy_off + (ulong)(g * CONV_K + k) * CONV_PQ + pq);
 }
 
 // dbias[k] = sum over n, pq of dy[n, k, pq]. One work-group of BIAS_WG work-items per k: each
 // work-item sums a fixed strided subset, then a fixed tree in local memory (deterministic).
-__kernel void conv2d_bias_grad(__global const float* dy, ulong dy_off, __global float* dbias, ulong dbias_off,
+__kernel void conv2d_bias_grad(__global const T_STORAGE* dy, ulong dy_off, __global float* dbias, ulong dbias_off,
                                uint batch) {
   __local float part[BIAS_WG];
   const uint k = get_group_id(0);
   const uint t = get_local_id(0);
   float acc = 0.0f;
   for (uint n = 0; n < batch; ++n) {
-    __global const float* plane = dy + dy_off + (ulong)(n * CONV_K + k) * CONV_PQ;
+    const ulong plane = dy_off + (ulong)(n * CONV_K + k) * CONV_PQ;
     // The same trip count for every work-item (masked tail), so the work-group vectorises.
     for (uint base = 0; base < CONV_PQ; base += BIAS_WG) {
       const uint pq = base + t;
-      const float v = plane[min(pq, (uint)CONV_PQ - 1)];
+      const float v = LOAD_T(dy, plane + min(pq, (uint)CONV_PQ - 1));
       acc += pq < CONV_PQ ? v : 0.0f;
     }
   }

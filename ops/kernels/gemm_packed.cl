@@ -8,6 +8,25 @@
 // The accumulators are named variables, expanded by macros for every row and vector up to the
 // maximum and guarded by compile-time conditions: the compiler drops the unused ones and keeps the
 // rest in registers (arrays indexed in loops ended up on the stack with PoCL's LLVM).
+// Storage types (dtype.clh): -DA_NAME / -DB_NAME / -DC_NAME = F32 | F16 | BF16 with
+// -DA_IS_F32 etc. saying whether it is F32. Products and sums are fp32; B is widened while it is
+// packed, A when it is read, C rounded once when it is stored. The F32 paths are the original code
+// (pointer arithmetic, vector loads); the narrow ones index whole elements, since pointer
+// arithmetic on half* needs cl_khr_fp16.
+#include "dtype.clh"
+#ifndef A_NAME
+#define A_NAME F32
+#define A_IS_F32 1
+#endif
+#ifndef B_NAME
+#define B_NAME F32
+#define B_IS_F32 1
+#endif
+#ifndef C_NAME
+#define C_NAME F32
+#define C_IS_F32 1
+#endif
+
 #define NB (16 * NV)
 #ifndef DIRECT_B
 #define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] with N a multiple of NB (not packed)
@@ -18,13 +37,33 @@
 
 // One work-item packs PACK_ROWS k rows of op(B): all columns, padding included (transposed B: a
 // block of 16 columns, see below).
-__kernel void gemm_pack_b(uint N, uint K, __global const float* b, ulong b_off, __global float* packed,
+__kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* packed,
                           ulong packed_off) {
   const uint k0 = get_global_id(0) * PACK_ROWS;
   const uint k_end = min(k0 + PACK_ROWS, K);
   const uint n_pad = (N + NB - 1) / NB * NB;
-  b += b_off;
   packed += packed_off;
+#if !B_IS_F32
+  // A narrow B: one element at a time, widened (B is a weight or an output gradient, read once).
+  for (uint k = k0; k < k_end; ++k) {
+#if TRANS_B
+    const uint j0 = get_global_id(1) * 16;
+    const uint j_end = min(j0 + 16u, n_pad);
+#else
+    const uint j0 = 0, j_end = n_pad;
+#endif
+    for (uint j = j0; j < j_end; ++j) {
+#if TRANS_B
+      const ulong at = b_off + (ulong)j * K + k;
+#else
+      const ulong at = b_off + (ulong)k * N + j;
+#endif
+      packed[((ulong)(j / NB) * K + k) * NB + j % NB] = j < N ? LOAD(B_NAME, b, at) : 0.0f;
+    }
+  }
+}
+#else
+  b += b_off;
 #if TRANS_B
   // B stored [N, K]: op(B)[k][j] = B[j][k]. A work-item transposes one block of 16 columns j by
   // PACK_ROWS k rows in registers, so it reads 16 contiguous runs of B and writes 16 contiguous
@@ -57,8 +96,10 @@ __kernel void gemm_pack_b(uint N, uint K, __global const float* b, ulong b_off, 
   }
 #endif
 }
+#endif  // B_IS_F32
 
 // out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C.
+#if C_IS_F32
 inline void store16(float16 acc, __global float* crow, uint col, uint N, float alpha, float beta,
                     __global const float* bias, uint has_bias) {
   if (col >= N) return;
@@ -78,14 +119,36 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
     }
   }
 }
+#else
+// A narrow C: `crow` is the element index of the row's first element in c.
+inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint col, uint N, float alpha, float beta,
+                    __global const float* bias, uint has_bias) {
+  if (col >= N) return;
+  float tmp[16];
+  vstore16(alpha * acc, 0, tmp);
+  for (uint i = 0; i < 16 && col + i < N; ++i) {
+    float out = tmp[i];
+    if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, crow + col + i), out);
+    if (has_bias) out += bias[col + i];
+    STORE(C_NAME, out, c, crow + col + i);
+  }
+}
+#endif
 
 #if TRANS_A
 // A stored [K, M]: the RB scalars of one k step are contiguous.
 #define A_ROW_DECL(r) const uint ai##r = min(row0 + r, M - 1);
+#if A_IS_F32
 #define A_AT(r) ak[ai##r]
 #else
+#define A_AT(r) LOAD(A_NAME, a, ak + ai##r)
+#endif
+#elif A_IS_F32
 #define A_ROW_DECL(r) __global const float* a##r = a + (ulong)min(row0 + r, M - 1) * K;
 #define A_AT(r) a##r[k]
+#else
+#define A_ROW_DECL(r) const ulong a##r = a_off + (ulong)min(row0 + r, M - 1) * K;
+#define A_AT(r) LOAD(A_NAME, a, a##r + k)
 #endif
 
 #define ACC_DECL(r) float16 c##r##_0 = 0.0f, c##r##_1 = 0.0f, c##r##_2 = 0.0f, c##r##_3 = 0.0f;
@@ -99,22 +162,29 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
     if (NV > 3) c##r##_3 = fma(x, b3, c##r##_3); \
   }
 
+#if C_IS_F32
+#define C_ROW(r) __global float* crow = c + (ulong)(row0 + r) * N;
+#define C_AT crow
+#else
+#define C_ROW(r) const ulong crow = c_base + (ulong)(row0 + r) * N;
+#define C_AT c, crow
+#endif
 #define ACC_STORE(r)                                                                \
   if (r < RB && row0 + r < M) {                                                     \
-    __global float* crow = c + (ulong)(row0 + r) * N;                               \
-    store16(c##r##_0, crow, col0, N, alpha, beta, bias, has_bias);                  \
-    if (NV > 1) store16(c##r##_1, crow, col0 + 16, N, alpha, beta, bias, has_bias); \
-    if (NV > 2) store16(c##r##_2, crow, col0 + 32, N, alpha, beta, bias, has_bias); \
-    if (NV > 3) store16(c##r##_3, crow, col0 + 48, N, alpha, beta, bias, has_bias); \
+    C_ROW(r)                                                                        \
+    store16(c##r##_0, C_AT, col0, N, alpha, beta, bias, has_bias);                  \
+    if (NV > 1) store16(c##r##_1, C_AT, col0 + 16, N, alpha, beta, bias, has_bias); \
+    if (NV > 2) store16(c##r##_2, C_AT, col0 + 32, N, alpha, beta, bias, has_bias); \
+    if (NV > 3) store16(c##r##_3, C_AT, col0 + 48, N, alpha, beta, bias, has_bias); \
   }
 
 // Dimension 2 splits K (k_chunk rows each; one split: k_chunk = K): split s sums k in
 // [s k_chunk, (s + 1) k_chunk) into its own M x N block of c, gemm_sum_splits adds the blocks.
 // Neighbouring work-items then share a B sub-panel that stays in cache, where a long K (a weight
 // gradient over many rows) streams the whole panel from memory for every row block.
-__kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const float* a, ulong a_off,
-                          __global const float* packed, ulong packed_off, float beta, __global float* c, ulong c_off,
-                          __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk) {
+__kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
+                          __global const float* packed, ulong packed_off, float beta, __global STORAGE(C_NAME)* c,
+                          ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk) {
   const uint row0 = get_global_id(0) * RB;
   const uint panel = get_global_id(1);
   const uint k_begin = get_global_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);
@@ -126,8 +196,14 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const fl
   __global const float* bp = packed + packed_off + ((ulong)panel * K + k_begin) * NB;
   const uint b_step = NB;
 #endif
+#if A_IS_F32
   a += a_off;
+#endif
+#if C_IS_F32
   c += c_off + (ulong)get_global_id(2) * M * N;
+#else
+  const ulong c_base = c_off + (ulong)get_global_id(2) * M * N;
+#endif
   bias += bias_off;
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
@@ -139,8 +215,10 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const fl
     const float16 b1 = NV > 1 ? vload16(1, bp) : 0.0f;
     const float16 b2 = NV > 2 ? vload16(2, bp) : 0.0f;
     const float16 b3 = NV > 3 ? vload16(3, bp) : 0.0f;
-#if TRANS_A
+#if TRANS_A && A_IS_F32
     __global const float* ak = a + (ulong)k * M;
+#elif TRANS_A
+    const ulong ak = a_off + (ulong)k * M;
 #endif
     FOR_ROWS(ACC_STEP)
   }
@@ -152,8 +230,8 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const fl
 // c = alpha * (sum over the splits s of part[s]) + beta * c + bias, the splits added in order
 // (deterministic). One work-item per element of c.
 __kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float* part, ulong part_off, float alpha,
-                              float beta, __global float* c, ulong c_off, __global const float* bias, ulong bias_off,
-                              uint has_bias) {
+                              float beta, __global STORAGE(C_NAME)* c, ulong c_off, __global const float* bias,
+                              ulong bias_off, uint has_bias) {
   const size_t i = get_global_id(0);
   const size_t mn = (size_t)M * N;
   if (i >= mn) return;
@@ -161,7 +239,7 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float*
   float acc = 0.0f;
   for (uint s = 0; s < splits; ++s) acc += p[s * mn];
   float out = alpha * acc;
-  if (beta != 0.0f) out = fma(beta, c[c_off + i], out);
+  if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, c_off + i), out);
   if (has_bias) out += bias[bias_off + i % N];
-  c[c_off + i] = out;
+  STORE(C_NAME, out, c, c_off + i);
 }

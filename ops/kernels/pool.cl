@@ -1,12 +1,14 @@
 // Max pooling over NCHW planes, square window and stride, no padding. The geometry is compiled
 // in (-D POOL_H, POOL_W, POOL_P, POOL_Q, POOL_WINDOW, POOL_STRIDE) so index divisions become
-// multiplies. argmax holds the index of each maximum within its (n, c) plane.
+// multiplies. argmax holds the index of each maximum within its (n, c) plane. x, y, dx and dy are
+// stored as T (-DT_F16 / -DT_BF16, f32 without: dtype.clh).
+#include "dtype.clh"
 
 #define POOL_HW (POOL_H * POOL_W)
 #define POOL_PQ (POOL_P * POOL_Q)
 
 // One work-item per output element; ties go to the first maximum in row-major window order.
-__kernel void maxpool2d_forward(__global const float* x, ulong x_off, __global float* y, ulong y_off,
+__kernel void maxpool2d_forward(__global const T_STORAGE* x, ulong x_off, __global T_STORAGE* y, ulong y_off,
                                 __global int* argmax, ulong argmax_off, uint count) {
   const uint i = get_global_id(0);
   if (i >= count) return;
@@ -14,27 +16,27 @@ __kernel void maxpool2d_forward(__global const float* x, ulong x_off, __global f
   const uint pq = i - nc * POOL_PQ;
   const uint p = pq / POOL_Q;
   const uint q = pq - p * POOL_Q;
-  __global const float* plane = x + x_off + (ulong)nc * POOL_HW;
+  const ulong plane = x_off + (ulong)nc * POOL_HW;
   uint best = p * POOL_STRIDE * POOL_W + q * POOL_STRIDE;
-  float best_v = plane[best];
+  float best_v = LOAD_T(x, plane + best);
   for (uint a = 0; a < POOL_WINDOW; ++a) {
     for (uint b = 0; b < POOL_WINDOW; ++b) {
       const uint idx = (p * POOL_STRIDE + a) * POOL_W + q * POOL_STRIDE + b;
-      const float v = plane[idx];
+      const float v = LOAD_T(x, plane + idx);
       if (v > best_v) {
         best_v = v;
         best = idx;
       }
     }
   }
-  y[y_off + i] = best_v;
+  STORE_T(best_v, y, y_off + i);
   argmax[argmax_off + i] = (int)best;
 }
 
 // One work-item per input element: the sum of dy over the windows that contain it and chose it
 // as their maximum, in ascending (p, q) order. No atomics; deterministic for overlapping windows.
-__kernel void maxpool2d_backward(__global const float* dy, ulong dy_off, __global const int* argmax, ulong argmax_off,
-                                 __global float* dx, ulong dx_off, uint count) {
+__kernel void maxpool2d_backward(__global const T_STORAGE* dy, ulong dy_off, __global const int* argmax,
+                                 ulong argmax_off, __global T_STORAGE* dx, ulong dx_off, uint count) {
   const uint i = get_global_id(0);
   if (i >= count) return;
   const uint nc = i / POOL_HW;
@@ -51,8 +53,8 @@ __kernel void maxpool2d_backward(__global const float* dy, ulong dy_off, __globa
   for (int p = p_lo; p <= p_hi; ++p) {
     for (int q = q_lo; q <= q_hi; ++q) {
       const ulong o = plane + (uint)(p * POOL_Q + q);
-      if (argmax[argmax_off + o] == (int)hw) acc += dy[dy_off + o];
+      if (argmax[argmax_off + o] == (int)hw) acc += LOAD_T(dy, dy_off + o);
     }
   }
-  dx[dx_off + i] = acc;
+  STORE_T(acc, dx, dx_off + i);
 }

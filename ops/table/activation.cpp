@@ -38,6 +38,7 @@ OpInfo activation_row() {
 OpInfo activation_grad_row() {  // in: x dy  out: dx
   OpInfo r;
   r.name = "activation_grad";
+  r.float_dtypes = activation_dtypes;
   r.op_class = OpClass::backward;
   r.bind = [](const BindContext& c) {
     return activation_backward(c.env(), kind_of(c.attrs()), c.in(0), c.in(1), c.out(0), in_elems(c, 0),

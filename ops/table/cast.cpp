@@ -15,6 +15,10 @@ QuantLayout layout_of(const NodeAttrs& a) {
   return {static_cast<std::size_t>(a.i[0]), static_cast<std::size_t>(a.i[1]), static_cast<std::size_t>(a.i[2])};
 }
 
+CastScale scale_of(const NodeAttrs& a) {
+  return static_cast<CastScale>(a.i[1]);
+}
+
 // Double values through a float store of dtype t and back: what the device's cast keeps.
 double through(DType t, double v) {
   std::uint32_t storage = 0;
@@ -33,22 +37,48 @@ OpInfo cast_row() {  // in: x  out: y
       shape_error(v, fmt::format("no cast kernel from {} to dtype #{}: casts convert between f32, f16 and bf16",
                                  dtype_name(v.input(0).dtype), v.attrs().i[0]));
     }
+    if (v.attrs().i[1] < 0 || v.attrs().i[1] > static_cast<int>(CastScale::inverse_loss_scale)) {
+      shape_error(
+          v, fmt::format("cast scale mode #{} is not one of none (0), loss scale (1), inverse (2)", v.attrs().i[1]));
+    }
     return std::vector<TensorDesc>{{v.input(0).shape, to}};
   };
   r.bind = [](const BindContext& c) {
-    return cast(c.env(), c.input(0).dtype, c.output(0).dtype, c.in(0), c.out(0), in_elems(c, 0));
+    return cast(c.env(), c.input(0).dtype, c.output(0).dtype, c.in(0), c.out(0), in_elems(c, 0), scale_of(c.attrs()));
   };
-  // The gradient of a cast is the output's gradient cast back to the input's dtype.
+  r.host = [](const HostContext& c) {
+    ref::cast(c.input(0).dtype, c.output(0).dtype, c.in(0), c.out(0), c.input(0).shape.elems(),
+              cast_factor(scale_of(c.attrs()), c.step()));
+  };
+  // The gradient of a cast is the output's gradient cast back to the input's dtype (a tensor's
+  // gradient has its dtype). Gradients in a narrow type are loss-scaled (StepInfo::loss_scale):
+  // the cast into one multiplies by the scale, the cast back to f32 divides by it, so f32
+  // gradients (the loss's, the master weights') are always the true ones.
   r.backward = [](GradContext& g) {
     const TensorRef x = g.inputs()[0], dy = g.grad(g.outputs()[0]);
     if (dy == no_ref || !g.needs_grad(x)) return;
-    g.contribute(x, dy);  // gradients are f32 whatever the forward dtype
+    const DType to = g.dtype(x), from = g.dtype(dy);
+    if (to == from) {
+      g.contribute(x, dy);
+      return;
+    }
+    NodeAttrs a;
+    a.i[0] = static_cast<std::int32_t>(to);
+    const CastScale scale = from == DType::f32 ? CastScale::loss_scale
+                            : to == DType::f32 ? CastScale::inverse_loss_scale
+                                               : CastScale::none;
+    a.i[1] = static_cast<std::int32_t>(scale);
+    const TensorRef dx = g.new_grad(x);
+    const TensorRef in[] = {dy}, out[] = {dx};
+    g.emit(builtin::cast, ".grad", in, out, a);
+    g.contribute(x, dx);
   };
   r.reference = [](RefContext& c) {
     const DType to = c.output(0).dtype;
+    const double factor = cast_factor(scale_of(c.attrs()), c.step());
     auto x = c.real(c.inputs()[0]);
     auto y = c.real(c.outputs()[0]);
-    for (std::size_t i = 0; i < x.size(); ++i) y[i] = through(to, x[i]);
+    for (std::size_t i = 0; i < x.size(); ++i) y[i] = through(to, x[i] * factor);
   };
   return r;
 }

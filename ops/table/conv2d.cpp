@@ -9,8 +9,11 @@
 namespace ferry::ops::table {
 namespace {
 
-Conv2dShape conv_shape(const Shape& x, const Shape& w, const NodeAttrs& a) {
+Conv2dShape conv_shape(const TensorDesc& xd, const TensorDesc& wd, const NodeAttrs& a) {
+  const Shape &x = xd.shape, &w = wd.shape;
   Conv2dShape s;
+  s.act = xd.dtype;
+  s.weight = wd.dtype;
   s.N = x[0];
   s.C = x[1];
   s.H = x[2];
@@ -26,6 +29,7 @@ Conv2dShape conv_shape(const Shape& x, const Shape& w, const NodeAttrs& a) {
 OpInfo conv2d_row() {  // in: x w [b]  out: y
   OpInfo r;
   r.name = "conv2d";
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape, w = v.input(1).shape;
     const auto stride = static_cast<std::uint32_t>(v.attrs().i[0]), pad = static_cast<std::uint32_t>(v.attrs().i[1]);
@@ -41,24 +45,27 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
     if (v.input_count() > 2 && !(v.input(2).shape == Shape{w[0]})) {
       shape_error(v, fmt::format("bias {} does not match {} output channels", v.input(2).shape.str(), w[0]));
     }
-    const Conv2dShape s = conv_shape(x, w, v.attrs());
+    if (v.input_count() > 2 && v.input(2).dtype != DType::f32) {
+      shape_error(v, fmt::format("bias of dtype {}: biases are f32", dtype_name(v.input(2).dtype)));
+    }
+    const Conv2dShape s = conv_shape(v.input(0), v.input(1), v.attrs());
     return std::vector<TensorDesc>{
         {Shape{x[0], w[0], static_cast<std::uint32_t>(s.P()), static_cast<std::uint32_t>(s.Q())}, v.input(0).dtype}};
   };
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
-    return conv2d_scratch_elems(env, conv_shape(v.input(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
+    return conv2d_scratch_elems(env, conv_shape(v.input(0), v.input(1), v.attrs())) * sizeof(float);
   };
   r.bind = [](const BindContext& c) {
     const DeviceSpan bias = c.input_count() > 2 ? c.in(2) : DeviceSpan{};
-    return conv2d_forward(c.env(), conv_shape(c.input(0).shape, c.input(1).shape, c.attrs()), c.in(0), c.in(1), bias,
-                          c.out(0), c.scratch());
+    return conv2d_forward(c.env(), conv_shape(c.input(0), c.input(1), c.attrs()), c.in(0), c.in(1), bias, c.out(0),
+                          c.scratch());
   };
   r.backward = [](GradContext& g) { weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param); };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     std::span<const double> bias = in.size() > 2 ? std::span<const double>(c.real(in[2])) : std::span<const double>{};
-    ref::conv2d_forward<double>(conv_shape(c.input(0).shape, c.input(1).shape, c.attrs()), c.real(in[0]), c.real(in[1]),
-                                bias, c.real(c.outputs()[0]));
+    ref::conv2d_forward<double>(conv_shape(c.input(0), c.input(1), c.attrs()), c.real(in[0]), c.real(in[1]), bias,
+                                c.real(c.outputs()[0]));
   };
   return r;
 }
@@ -66,18 +73,19 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
 OpInfo conv2d_grad_input_row() {  // in: dy w  out: dx
   OpInfo r;
   r.name = "conv2d_grad_input";
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.op_class = OpClass::backward;
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
-    return conv2d_scratch_elems(env, conv_shape(v.output(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
+    return conv2d_scratch_elems(env, conv_shape(v.output(0), v.input(1), v.attrs())) * sizeof(float);
   };
   r.bind = [](const BindContext& c) {
-    return conv2d_backward_data(c.env(), conv_shape(c.output(0).shape, c.input(1).shape, c.attrs()), c.in(0), c.in(1),
-                                c.out(0), c.scratch());
+    return conv2d_backward_data(c.env(), conv_shape(c.output(0), c.input(1), c.attrs()), c.in(0), c.in(1), c.out(0),
+                                c.scratch());
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::conv2d_backward_data<double>(conv_shape(c.output(0).shape, c.input(1).shape, c.attrs()), c.real(in[0]),
-                                      c.real(in[1]), c.real(c.outputs()[0]));
+    ref::conv2d_backward_data<double>(conv_shape(c.output(0), c.input(1), c.attrs()), c.real(in[0]), c.real(in[1]),
+                                      c.real(c.outputs()[0]));
   };
   return r;
 }
@@ -85,21 +93,22 @@ OpInfo conv2d_grad_input_row() {  // in: dy w  out: dx
 OpInfo conv2d_grad_param_row() {  // in: x dy  out: dw [db]
   OpInfo r;
   r.name = "conv2d_grad_param";
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.op_class = OpClass::backward;
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
-    return conv2d_scratch_elems(env, conv_shape(v.input(0).shape, v.output(0).shape, v.attrs())) * sizeof(float);
+    return conv2d_scratch_elems(env, conv_shape(v.input(0), v.output(0), v.attrs())) * sizeof(float);
   };
   r.bind = [](const BindContext& c) {
     const DeviceSpan dbias = c.output_count() > 1 ? c.out(1) : DeviceSpan{};
-    return conv2d_backward_weights(c.env(), conv_shape(c.input(0).shape, c.output(0).shape, c.attrs()), c.in(0),
-                                   c.in(1), c.out(0), dbias, c.scratch());
+    return conv2d_backward_weights(c.env(), conv_shape(c.input(0), c.output(0), c.attrs()), c.in(0), c.in(1), c.out(0),
+                                   dbias, c.scratch());
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const auto out = c.outputs();
     std::span<double> dbias = out.size() > 1 ? c.real(out[1]) : std::span<double>{};
-    ref::conv2d_backward_weights<double>(conv_shape(c.input(0).shape, c.output(0).shape, c.attrs()), c.real(in[0]),
-                                         c.real(in[1]), c.real(out[0]), dbias);
+    ref::conv2d_backward_weights<double>(conv_shape(c.input(0), c.output(0), c.attrs()), c.real(in[0]), c.real(in[1]),
+                                         c.real(out[0]), dbias);
   };
   return r;
 }

@@ -9,13 +9,18 @@
 namespace ferry::ops::table {
 namespace {
 
-// The three GEMMs of x [rows, in] and w [in, out]: y = x w;  dx = dy w^T;  dw = x^T dy.
+// The three GEMMs of x [rows, in] and w [in, out]: y = x w;  dx = dy w^T;  dw = x^T dy. The
+// activations x, y and their gradients share one storage type (f32, f16 or bf16: `act`), the
+// weight and its gradient another (`weight`); the bias and its gradient are f32.
 struct LinearGemms {
   GemmShape forward, grad_input, grad_param;
 };
-LinearGemms linear_gemms(const Shape& x, const Shape& w) {
-  const std::size_t in = w[0], out = w[1], batch = x.elems() / in;
-  return {{batch, out, in, false, false}, {batch, in, out, false, true}, {in, out, batch, true, false}};
+LinearGemms linear_gemms(const TensorDesc& x, const TensorDesc& w) {
+  const std::size_t in = w.shape[0], out = w.shape[1], batch = x.shape.elems() / in;
+  const DType a = x.dtype, p = w.dtype;
+  return {{batch, out, in, false, false, a, p, a},
+          {batch, in, out, false, true, a, p, a},
+          {in, out, batch, true, false, a, a, p}};
 }
 
 std::span<const double> maybe(RefContext& c, std::size_t i) {
@@ -25,6 +30,7 @@ std::span<const double> maybe(RefContext& c, std::size_t i) {
 OpInfo linear_row() {
   OpInfo r;
   r.name = "linear";
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape, w = v.input(1).shape;
     if (x.rank < 2) {
@@ -38,23 +44,27 @@ OpInfo linear_row() {
     if (v.input_count() > 2 && !(v.input(2).shape == Shape{w[1]})) {
       shape_error(v, fmt::format("bias {} does not match {} outputs", v.input(2).shape.str(), w[1]));
     }
+    if (v.input_count() > 2 && v.input(2).dtype != DType::f32) {
+      shape_error(v, fmt::format("bias of dtype {}: biases are f32 (cast the inputs and weight, not the bias)",
+                                 dtype_name(v.input(2).dtype)));
+    }
     Shape y = x;
     y.dims[x.rank - 1u] = w[1];
     return std::vector<TensorDesc>{{y, v.input(0).dtype}};
   };
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
-    return gemm_scratch_elems(env, linear_gemms(v.input(0).shape, v.input(1).shape).forward) * sizeof(float);
+    return gemm_scratch_elems(env, linear_gemms(v.input(0), v.input(1)).forward) * sizeof(float);
   };
   r.bind = [](const BindContext& c) {
     GemmOptions opt;
     if (c.input_count() > 2) opt.bias = c.in(2);
-    return gemm(c.env(), linear_gemms(c.input(0).shape, c.input(1).shape).forward, 1.0f, c.in(0), c.in(1), 0.0f,
-                c.out(0), c.scratch(), opt);
+    return gemm(c.env(), linear_gemms(c.input(0), c.input(1)).forward, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
+                c.scratch(), opt);
   };
   r.backward = [](GradContext& g) { weight_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param); };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::gemm<double>(linear_gemms(c.input(0).shape, c.input(1).shape).forward, 1, c.real(in[0]), c.real(in[1]), 0,
+    ref::gemm<double>(linear_gemms(c.input(0), c.input(1)).forward, 1, c.real(in[0]), c.real(in[1]), 0,
                       c.real(c.outputs()[0]), maybe(c, 2));
   };
   return r;
@@ -64,16 +74,17 @@ OpInfo linear_grad_input_row() {  // in: dy w  out: dx
   OpInfo r;
   r.name = "linear_grad_input";
   r.op_class = OpClass::backward;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
-    return gemm_scratch_elems(env, linear_gemms(v.output(0).shape, v.input(1).shape).grad_input) * sizeof(float);
+    return gemm_scratch_elems(env, linear_gemms(v.output(0), v.input(1)).grad_input) * sizeof(float);
   };
   r.bind = [](const BindContext& c) {
-    return gemm(c.env(), linear_gemms(c.output(0).shape, c.input(1).shape).grad_input, 1.0f, c.in(0), c.in(1), 0.0f,
-                c.out(0), c.scratch());
+    return gemm(c.env(), linear_gemms(c.output(0), c.input(1)).grad_input, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
+                c.scratch());
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::gemm<double>(linear_gemms(c.output(0).shape, c.input(1).shape).grad_input, 1, c.real(in[0]), c.real(in[1]), 0,
+    ref::gemm<double>(linear_gemms(c.output(0), c.input(1)).grad_input, 1, c.real(in[0]), c.real(in[1]), 0,
                       c.real(c.outputs()[0]));
   };
   return r;
@@ -83,15 +94,16 @@ OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
   OpInfo r;
   r.name = "linear_grad_param";
   r.op_class = OpClass::backward;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
-    return gemm_scratch_elems(env, linear_gemms(v.input(0).shape, v.output(0).shape).grad_param) * sizeof(float);
+    return gemm_scratch_elems(env, linear_gemms(v.input(0), v.output(0)).grad_param) * sizeof(float);
   };
   r.bind = [](const BindContext& c) {
     const std::size_t cols = c.output(0).shape[1], rows = c.input(1).shape.elems() / cols;
-    auto list = gemm(c.env(), linear_gemms(c.input(0).shape, c.output(0).shape).grad_param, 1.0f, c.in(0), c.in(1),
-                     0.0f, c.out(0), c.scratch());
+    auto list = gemm(c.env(), linear_gemms(c.input(0), c.output(0)).grad_param, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
+                     c.scratch());
     if (c.output_count() > 1) {
-      auto bias = bias_backward(c.env(), c.in(1), c.out(1), rows, cols);
+      auto bias = bias_backward(c.env(), c.in(1), c.out(1), rows, cols, c.input(1).dtype);
       std::move(bias.begin(), bias.end(), std::back_inserter(list));
     }
     return list;
@@ -99,7 +111,7 @@ OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const auto out = c.outputs();
-    ref::gemm<double>(linear_gemms(c.input(0).shape, c.output(0).shape).grad_param, 1, c.real(in[0]), c.real(in[1]), 0,
+    ref::gemm<double>(linear_gemms(c.input(0), c.output(0)).grad_param, 1, c.real(in[0]), c.real(in[1]), 0,
                       c.real(out[0]));
     if (out.size() > 1) {
       const std::size_t cols = c.output(0).shape[1];

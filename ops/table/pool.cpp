@@ -8,8 +8,10 @@
 namespace ferry::ops::table {
 namespace {
 
-Pool2dShape pool_shape(const Shape& x, const NodeAttrs& a) {
+Pool2dShape pool_shape(const TensorDesc& xd, const NodeAttrs& a) {
+  const Shape& x = xd.shape;
   Pool2dShape s;
+  s.dtype = xd.dtype;
   s.N = x[0];
   s.C = x[1];
   s.H = x[2];
@@ -22,6 +24,7 @@ Pool2dShape pool_shape(const Shape& x, const NodeAttrs& a) {
 OpInfo maxpool2d_row() {  // in: x  out: y argmax
   OpInfo r;
   r.name = "maxpool2d";
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape;
     const auto window = static_cast<std::uint32_t>(v.attrs().i[0]), stride = static_cast<std::uint32_t>(v.attrs().i[1]);
@@ -33,7 +36,7 @@ OpInfo maxpool2d_row() {  // in: x  out: y argmax
     return std::vector<TensorDesc>{{y, v.input(0).dtype}, {y, DType::i32}};
   };
   r.bind = [](const BindContext& c) {
-    return maxpool2d_forward(c.env(), pool_shape(c.input(0).shape, c.attrs()), c.in(0), c.out(0), c.out(1));
+    return maxpool2d_forward(c.env(), pool_shape(c.input(0), c.attrs()), c.in(0), c.out(0), c.out(1));
   };
   r.backward = [](GradContext& g) {
     const TensorRef x = g.inputs()[0];
@@ -47,7 +50,7 @@ OpInfo maxpool2d_row() {  // in: x  out: y argmax
   };
   r.reference = [](RefContext& c) {
     const auto out = c.outputs();
-    ref::maxpool2d_forward<double>(pool_shape(c.input(0).shape, c.attrs()), c.real(c.inputs()[0]), c.real(out[0]),
+    ref::maxpool2d_forward<double>(pool_shape(c.input(0), c.attrs()), c.real(c.inputs()[0]), c.real(out[0]),
                                    c.ints(out[1]));
   };
   return r;
@@ -57,12 +60,13 @@ OpInfo maxpool2d_grad_row() {  // in: dy argmax  out: dx
   OpInfo r;
   r.name = "maxpool2d_grad";
   r.op_class = OpClass::backward;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.bind = [](const BindContext& c) {
-    return maxpool2d_backward(c.env(), pool_shape(c.output(0).shape, c.attrs()), c.in(0), c.in(1), c.out(0));
+    return maxpool2d_backward(c.env(), pool_shape(c.output(0), c.attrs()), c.in(0), c.in(1), c.out(0));
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::maxpool2d_backward<double>(pool_shape(c.output(0).shape, c.attrs()), c.real(in[0]), c.ints(in[1]),
+    ref::maxpool2d_backward<double>(pool_shape(c.output(0), c.attrs()), c.real(in[0]), c.ints(in[1]),
                                     c.real(c.outputs()[0]));
   };
   return r;

@@ -47,9 +47,13 @@ struct TrainArgs {
   bool json = false, quiet = false;
   // Hybrid phases (ferry/runtime/phases.hpp): the defaults are PhaseConfig's.
   std::string phases = "full", predictor = "linear";
-  std::uint32_t accumulate = 1;  // micro-batches per optimizer update
-  std::uint32_t recompute = 0;   // layers per recomputed segment (0: none)
-  bool eval_int8 = false;        // also evaluate the final model with int8 weights
+  std::uint32_t accumulate = 1;    // micro-batches per optimizer update
+  std::uint32_t recompute = 0;     // layers per recomputed segment (0: none)
+  std::string precision = "fp32";  // fp32, fp16 or bf16 (mixed precision)
+  std::string loss_scaling = "auto";
+  float initial_loss_scale = 65536.0f;
+  std::uint32_t loss_scale_interval = 2000;
+  bool eval_int8 = false;  // also evaluate the final model with int8 weights
   std::string profile_phases_path;
   ferry::PhaseConfig phase_config;
 };
@@ -58,6 +62,11 @@ struct TrainArgs {
 // Throws std::invalid_argument for an unknown optimizer or home.
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt);
 
+// "fp32" / "fp16" / "bf16" (also "f32", "f16") and back; throws std::invalid_argument naming the
+// choices.
+ferry::ops::DType parse_precision(const std::string& s);
+std::string precision_name(ferry::ops::DType t);
+
 // Batches that train well and fit the models' usual budgets (deep: 64 MiB): mlp 256, cnn 128,
 // gpt 32, deep 64.
 std::uint32_t default_batch(const std::string& model);
@@ -65,7 +74,7 @@ std::uint32_t default_batch(const std::string& model);
 // another name.
 ferry::ModelSpec make_model(const TrainArgs& a);
 
-// The JSON fields of phases, accumulation and recomputation (docs/phases.md) into `j`.
+// The JSON fields of phases, accumulation, recomputation and precision (docs/phases.md) into `j`.
 void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 
 // `ferry plan` (runtime/cli/plan.cpp).

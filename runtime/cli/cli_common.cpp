@@ -20,6 +20,17 @@ ferry::graph::Residency cli_home(const std::string& s) {
       fmt::format("unknown home '{}': use device, host, mapped, compressed, int8 or dropped", s));
 }
 
+ferry::ops::DType parse_precision(const std::string& s) {
+  if (s == "fp32" || s == "f32") return ferry::ops::DType::f32;
+  if (s == "fp16" || s == "f16") return ferry::ops::DType::f16;
+  if (s == "bf16") return ferry::ops::DType::bf16;
+  throw std::invalid_argument(fmt::format("unknown precision '{}': use fp32, fp16 or bf16", s));
+}
+
+std::string precision_name(ferry::ops::DType t) {
+  return t == ferry::ops::DType::f16 ? "fp16" : t == ferry::ops::DType::bf16 ? "bf16" : "fp32";
+}
+
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.lr = a.lr;
   opt.seed = a.seed;
@@ -51,6 +62,13 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   ferry::offload::validate(opt.residency.homes.codec);
   opt.accumulate = a.accumulate;
   opt.recompute = a.recompute;
+  opt.precision.compute = parse_precision(a.precision);
+  opt.precision.scaling = a.loss_scaling == "on"    ? ferry::PrecisionConfig::Scaling::on
+                          : a.loss_scaling == "off" ? ferry::PrecisionConfig::Scaling::off
+                                                    : ferry::PrecisionConfig::Scaling::automatic;
+  opt.precision.initial_scale = a.initial_loss_scale;
+  opt.precision.growth_interval = a.loss_scale_interval;
+  ferry::validate(opt.precision);
   opt.phases = a.phase_config;
   opt.phases.hybrid = ferry::parse_phases(a.phases);
   opt.phases.predictor.kind = ferry::ops::parse_predictor(a.predictor);
@@ -63,6 +81,10 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {
   j["accumulate"] = opt.accumulate;
   j["recompute"] = opt.recompute;
   j["optimizer_updates"] = trainer.steps_done();
+  j["precision"] = precision_name(opt.precision.compute);
+  j["loss_scaling"] = opt.precision.scaled();
+  j["loss_scale"] = trainer.loss_scale();
+  j["overflow_steps"] = trainer.overflow_steps();
   const auto* pc = trainer.phases();
   if (!pc) return;
   const auto& c = pc->counts();

@@ -294,6 +294,19 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--recompute", t.recompute,
                   "Recompute activations in backward for segments of N layers instead of keeping them (0: off)")
       ->capture_default_str();
+  app->add_option("--precision", t.precision,
+                  "Mixed precision: fp32 (none), bf16 or fp16 layers over fp32 master weights (docs/phases.md)")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}))
+      ->capture_default_str();
+  app->add_option("--loss-scaling", t.loss_scaling, "Dynamic loss scaling: auto (on with fp16), on, off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app->add_option("--initial-loss-scale", t.initial_loss_scale,
+                  "Loss scaling: the first scale, a power of two from 1 to 2^24")
+      ->capture_default_str();
+  app->add_option("--loss-scale-interval", t.loss_scale_interval,
+                  "Loss scaling: steps without overflow before the scale doubles")
+      ->capture_default_str();
   auto& pc = t.phase_config;
   app->add_option("--phases", t.phases,
                   "full (every step trains) or hybrid (Warmup/Full/Predict/Correct: some steps run forward only and "

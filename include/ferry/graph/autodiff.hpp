@@ -1,6 +1,8 @@
 // Reverse-mode autodiff and optimizer updates, as passes that append nodes to a step graph.
 #pragma once
 
+#include <string_view>
+
 #include "ferry/graph/ir.hpp"
 #include "ferry/ops/optimizer.hpp"
 
@@ -31,6 +33,21 @@ void append_predictor_apply(Graph& g);
 // other than the last come from copies of the segment's nodes placed just before its backward.
 // Throws std::invalid_argument when `every` is 0 or leaves one segment (at least the layer count).
 void apply_recompute(Graph& g, std::uint32_t every);
+
+// The head: the last node before the loss that reads a weight (precision passes keep it f32).
+NodeId head_layer(const Graph& g);
+
+// Mixed precision, before autodiff: Linear, Conv2d, activation and max-pool nodes but the head
+// compute from and store `narrow` (f16 or bf16), reading narrow casts of their float inputs
+// (weights cast from their f32 masters once per step; biases stay f32); every other node reads
+// f32 (casts back where needed). See graph/passes/mixed_precision.cpp.
+void apply_mixed_precision(Graph& g, DType narrow);
+
+// Loss scaling, after autodiff and before the optimizer: a node "overflow_guard" over the loss
+// and every weight gradient makes g.guard (role stats, downloaded as overflow_guard_name), which
+// the updates then check in place of the loss (ops/overflow_guard.hpp).
+inline constexpr std::string_view overflow_guard_name = "overflow_guard";
+void append_overflow_guard(Graph& g);
 
 // int8 weights in a forward-only variant (Predict, int8 evaluation): every Linear and Conv2d layer
 // but the head reads its weight through quantize_i8 -> dequantize_i8 (per output channel).

@@ -1,6 +1,8 @@
 // Compiling a step is an ordered list of passes over the IR.
 //
-//   model passes (device-independent, here):    autodiff -> optimizer -> download
+//   model passes (device-independent, here):    mixed precision -> autodiff -> recompute ->
+//                                               accumulate -> overflow guard -> optimizer ->
+//                                               predictor -> int8 precision -> download
 //   device passes (graph::CompiledStep, in order): check dtypes -> scratch -> residency and memory
 //                                                  plan -> arena -> bind -> lower
 //
@@ -38,6 +40,11 @@ struct VariantKey {
   std::uint32_t recompute = 0;
   // Forward-only variants: the layers (all but the head) read int8 weights (apply_int8_weights).
   bool int8_weights = false;
+  // Mixed precision (apply_mixed_precision): f16 or bf16 layers over f32 master weights; f32
+  // is none. Ignored in int8 variants.
+  DType precision = DType::f32;
+  // Loss scaling (training variants that update): the updates check the overflow guard.
+  bool loss_scaling = false;
   auto operator<=>(const VariantKey&) const = default;
 };
 
@@ -46,7 +53,7 @@ struct ModelPass {
   void (*run)(Graph&, const VariantKey&, const OptimizerSpec&);
 };
 
-// autodiff (training only), optimizer (training only), download: in this order.
+// The model passes in the order above; each does nothing in variants it does not apply to.
 const std::vector<ModelPass>& model_passes();
 
 // Runs the model passes on a forward graph (built with graph::Builder up to its loss).

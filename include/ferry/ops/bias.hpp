@@ -6,13 +6,16 @@
 #include <span>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 
 LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows, std::size_t cols);
-// db = sum over rows of dy (overwrites db). Deterministic: the same inputs give the same bits on
+// db = sum over rows of dy (overwrites db); dy stored as dy_type (f32, f16, bf16), db f32, sums in
+// fp32. Deterministic: the same inputs give the same bits on
 // every run (a fixed summation order, no atomics).
-LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols);
+LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols,
+                         DType dy_type = DType::f32);
 
 namespace ref {
 

@@ -20,11 +20,19 @@ namespace ferry::ops {
 // Whether cast() converts `from` to `to`: every pair among f32, f16 and bf16, identity included.
 bool cast_supported(DType from, DType to);
 
-// out[i] = in[i] converted from `from` to `to`, n elements; in and out are in elements of their
-// own dtype (DeviceSpan offsets in bytes, aligned to the element size). Throws
-// std::invalid_argument naming the pair when !cast_supported(from, to). in and out must not overlap
-// unless they are the same span of an identity cast.
-LaunchList cast(OpEnv& env, DType from, DType to, DeviceSpan in, DeviceSpan out, std::size_t n);
+// Loss scaling at a precision boundary (mixed precision with fp16): a gradient cast into a narrow
+// type is multiplied by StepInfo::loss_scale, one cast back to f32 by its inverse, read when the
+// launch is enqueued. With a scale of 1 both are plain casts.
+enum class CastScale : std::uint8_t { none, loss_scale, inverse_loss_scale };
+
+// out[i] = in[i] converted from `from` to `to` (times the loss scale or its inverse, `scale`), n
+// elements; in and out are in elements of their own dtype (DeviceSpan offsets in bytes, aligned to
+// the element size). Throws std::invalid_argument naming the pair when !cast_supported(from, to).
+// in and out must not overlap unless they are the same span of an identity cast.
+LaunchList cast(OpEnv& env, DType from, DType to, DeviceSpan in, DeviceSpan out, std::size_t n,
+                CastScale scale = CastScale::none);
+// The factor `scale` stands for in this step.
+float cast_factor(CastScale scale, const StepInfo& step);
 
 // How a tensor splits into channels for per-channel quantization: it is viewed as
 // [outer, channels, inner], so element (o, c, i) is at flat index (o * channels + c) * inner + i
@@ -106,8 +114,9 @@ inline std::uint16_t float_to_bf16(float f) {
 float load_float(DType t, const void* p, std::size_t i);
 void store_float(DType t, float v, void* p, std::size_t i);
 
-// cast() on host memory: n elements of `from` at `in` to `to` at `out`. Throws like cast().
-void cast(DType from, DType to, const void* in, void* out, std::size_t n);
+// cast() on host memory: n elements of `from` at `in` to `to` at `out`, each times `factor`.
+// Throws like cast().
+void cast(DType from, DType to, const void* in, void* out, std::size_t n, float factor = 1.0f);
 
 // quantize_i8() / dequantize_i8() on host memory. Throws std::invalid_argument when a span's size
 // does not match the layout.

@@ -15,6 +15,7 @@
 #include <span>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 
@@ -22,6 +23,9 @@ struct Conv2dShape {
   std::size_t N = 0, C = 0, H = 0, W = 0;  // input
   std::size_t K = 0, R = 0, S = 0;         // output channels, kernel height and width
   std::size_t stride = 1, pad = 0;
+  // Storage types (f32, f16, bf16): of x, y and their gradients, and of the weight and its
+  // gradient. Bias and its gradient are f32; the column matrices and products are fp32.
+  DType act = DType::f32, weight = DType::f32;
   std::size_t P() const { return (H + 2 * pad - R) / stride + 1; }  // output height
   std::size_t Q() const { return (W + 2 * pad - S) / stride + 1; }  // output width
 };

@@ -1,6 +1,11 @@
 // GEMM: C[M,N] = alpha * op(A) * op(B) + beta * C (+ bias broadcast over rows), row-major.
 // op(A) is A stored [M,K], or A^T with A stored [K,M]; op(B) is B stored [K,N], or B^T with B
 // stored [N,K]. This is the workhorse of Linear and Conv2d (through im2col).
+//
+// A, B and C may each be stored as f32, f16 or bf16 (GemmShape::a, b, c); products and sums are
+// always fp32 and C is rounded to its storage type once, at the end (the bias is f32). ferry's
+// packed kernel reads and writes the narrow types itself; the other kernels and CLBlast work on
+// f32 copies in scratch, converted before and after.
 #pragma once
 
 #include <cstddef>
@@ -9,12 +14,15 @@
 #include <string>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 
 struct GemmShape {
   std::size_t M = 0, N = 0, K = 0;
   bool trans_a = false, trans_b = false;
+  DType a = DType::f32, b = DType::f32, c = DType::f32;  // storage types (f32, f16, bf16)
+  bool all_f32() const { return a == DType::f32 && b == DType::f32 && c == DType::f32; }
 };
 
 // Which implementation runs a GEMM. `automatic` follows the per-device tuning data.

@@ -40,6 +40,9 @@ struct StepInfo {
   float predict_scale = 1.0f;  // hybrid phases: the factor of this Predict step's update
   // Gradient accumulation: 0 on the first micro-batch of a group (the sum restarts), else 1.
   float accumulate_keep = 1.0f;
+  // Mixed precision with fp16: gradients in narrow types are this many times the true ones (a
+  // power of two; 1 without loss scaling). See ops::CastScale.
+  float loss_scale = 1.0f;
 };
 
 struct KernelLaunch {

@@ -94,8 +94,9 @@ class GradContext {
   // Makes t (the stats of a loss row, an input of this loss-combining node) a term of the loss with
   // d(loss)/d(t) = weight; the term's own backward rule, visited later, seeds from it.
   virtual void add_loss_term(TensorRef t, float weight) = 0;
-  // A new gradient tensor shaped like `of`.
+  // A new gradient tensor shaped and typed like `of` (a tensor's gradient has its storage type).
   virtual TensorRef new_grad(TensorRef of) = 0;
+  virtual DType dtype(TensorRef t) const = 0;
   // Appends a backward node named "<forward name><suffix>".
   virtual void emit(OpId op, std::string_view suffix, std::span<const TensorRef> in, std::span<const TensorRef> out,
                     const NodeAttrs& attrs) = 0;
@@ -196,7 +197,7 @@ enum : OpId {
   softmax_xent_grad,  //                                       in: probs labels  out: dlogits
   sgd_update,         // in: w g v [loss]   out: w v (in place)
   adam_update,        // in: w g m v [loss] out: w m v (in place)
-  cast,               // attrs.i[0] = target DType (f32, f16, bf16)          in: x   out: y
+  cast,               // attrs.i[0] = target DType (f32, f16, bf16), i[1] = ops::CastScale  in: x  out: y
   quantize_i8,        // attrs.i[0..2] = outer, channels, inner (QuantLayout) in: x   out: q scales
   dequantize_i8,      // attrs.i[0..2] as quantize_i8                         in: q scales  out: x
   count_

@@ -10,12 +10,14 @@
 #include <span>
 
 #include "ferry/ops/launch.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 
 struct Pool2dShape {
   std::size_t N = 0, C = 0, H = 0, W = 0;
   std::size_t window = 2, stride = 2;
+  DType dtype = DType::f32;  // of x, y and their gradients (f32, f16, bf16)
   std::size_t P() const { return (H - window) / stride + 1; }
   std::size_t Q() const { return (W - window) / stride + 1; }
 };

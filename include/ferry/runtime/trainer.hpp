@@ -13,6 +13,7 @@
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/data_source.hpp"
+#include "ferry/runtime/loss_scale.hpp"
 #include "ferry/runtime/model.hpp"
 #include "ferry/runtime/phases.hpp"
 #include "ferry/runtime/runtime.hpp"
@@ -40,6 +41,9 @@ struct TrainerOptions {
   // this many layers (nodes with weights) instead of keeping them; 0 keeps them all. Gradients are
   // bit-identical; the step costs about one more forward pass.
   std::uint32_t recompute = 0;
+  // Mixed precision (ferry/runtime/loss_scale.hpp): f16 or bf16 layers over f32 master weights,
+  // with dynamic loss scaling for f16. Training, evaluation and Predict steps all run in it.
+  PrecisionConfig precision;
 };
 
 struct StepResult {
@@ -52,6 +56,10 @@ struct StepResult {
   // Predict: the divergence monitor ended the run (end) or put back the weights from before it
   // (restore, after which the weights are those of the last Full step).
   PhaseController::Verdict verdict = PhaseController::Verdict::go_on;
+  // Loss scaling: the gradients overflowed at this step's scale, so nothing was updated and the
+  // scale was halved (updated is false); loss_scale is the scale the step ran with.
+  bool overflow = false;
+  float loss_scale = 1.0f;
 };
 
 struct EvalResult {
@@ -101,6 +109,10 @@ class Trainer {
   // Mean wall time of the steps of each phase so far (ms; 0 where none ran), and the predictor's
   // state bytes (0 without hybrid phases).
   double phase_step_ms(Phase p) const;
+  // Loss scaling: the scale the next step runs with (1 without scaling), and the steps skipped
+  // because their gradients overflowed.
+  float loss_scale() const noexcept { return scaler_.scale(); }
+  std::uint64_t overflow_steps() const noexcept { return scaler_.overflows(); }
   std::uint64_t predictor_state_bytes() const;
   const TrainerOptions& options() const noexcept { return options_; }
   const ModelSpec& model() const noexcept { return model_; }
@@ -189,6 +201,7 @@ class Trainer {
   std::vector<float> gains_;                           // the gain each weight's last prediction used
   std::vector<std::vector<std::byte>> restore_point_;  // the weights before the Predict run in flight
   bool in_predict_run_ = false;
+  LossScaler scaler_;
   double phase_ms_[phase_count] = {};
   std::uint64_t phase_steps_[phase_count] = {};
 };

@@ -1,0 +1,108 @@
+// The precision pass, mixed-precision part (before autodiff), and the overflow guard of loss
+// scaling (after autodiff, before the optimizer).
+//
+// Mixed precision: the layers that gain from narrow storage (Linear, Conv2d, activations,
+// max-pooling) compute from and store f16 or bf16; the rest (LayerNorm, the losses, softmax,
+// sequence ops, the head) stay f32. A narrow node reads narrow copies of its float inputs: a
+// weight is cast once per step from its f32 master (biases and other rank-1 weights stay f32, as
+// the kernels want), an activation once per dtype it is wanted in. Autodiff then gives every
+// tensor a gradient of its own dtype and every cast a cast back; the casts of gradients into a
+// narrow type apply the loss scale and those back to f32 remove it (ops::CastScale), so the
+// optimizer sees true f32 gradients of f32 master weights.
+#include <fmt/format.h>
+
+#include <map>
+#include <stdexcept>
+#include <vector>
+
+#include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/op_table.hpp"
+
+namespace ferry::graph {
+namespace {
+
+bool computes_narrow(OpId op) {
+  return op == builtin::linear || op == builtin::conv2d || op == builtin::activation || op == builtin::maxpool2d;
+}
+
+}  // namespace
+
+NodeId head_layer(const Graph& g) {
+  const auto& t = g.tensors;
+  NodeId head = static_cast<NodeId>(g.nodes.size());
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    bool loss = false;
+    for (TensorId x : g.nodes.outputs(n)) loss = loss || x == g.loss;
+    if (loss) break;
+    for (TensorId x : g.nodes.inputs(n)) {
+      if (t.role[t.storage(x)] == Role::weight) head = n;
+    }
+  }
+  return head;
+}
+
+void apply_mixed_precision(Graph& g, DType narrow) {
+  if (narrow != DType::f16 && narrow != DType::bf16) {
+    throw std::invalid_argument(
+        fmt::format("mixed precision in {}: the compute dtype must be f16 or bf16", dtype_name(narrow)));
+  }
+  auto& t = g.tensors;
+  const NodeTable old = g.nodes;
+  const NodeId head = head_layer(g);
+  NodeTable out;
+  std::map<std::pair<TensorId, DType>, TensorId> copies;  // (tensor, dtype) -> its cast
+  auto as = [&](TensorId x, DType to) {
+    if (t.dtype[x] == to) return x;
+    auto [it, fresh] = copies.try_emplace({x, to}, no_tensor);
+    if (fresh) {
+      it->second = t.add(fmt::format("{}.{}", t.name[x], dtype_name(to)), t.shape[x], to, Role::activation);
+      NodeAttrs a;
+      a.i[0] = static_cast<std::int32_t>(to);
+      out.add(builtin::cast, fmt::format("{}.to_{}", t.name[x], dtype_name(to)), std::span(&x, 1),
+              std::span(&it->second, 1), a);
+    }
+    return it->second;
+  };
+  // Views share their base's storage, so they take its dtype when it changes.
+  std::vector<std::vector<TensorId>> views(t.size());
+  for (TensorId v = 0; v < t.size(); ++v) {
+    if (t.alias_of[v] != no_tensor) views[t.storage(v)].push_back(v);
+  }
+  std::vector<TensorId> ins;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    const ops::OpInfo& row = ops::op_info(old.op[n]);
+    if (row.op_class != ops::OpClass::forward && row.op_class != ops::OpClass::loss) {
+      out.add_copy(old, n);
+      continue;
+    }
+    const bool low = n != head && computes_narrow(old.op[n]) && row.float_dtypes.contains(narrow);
+    ins.assign(old.inputs(n).begin(), old.inputs(n).end());
+    for (TensorId& x : ins) {
+      if (!ops::dtype_is_float(t.dtype[x])) continue;
+      const bool stays_f32 = t.role[t.storage(x)] == Role::weight && t.shape[x].rank < 2;  // biases, gains
+      x = as(x, low && !stays_f32 ? narrow : DType::f32);
+    }
+    const std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
+    out.add_copy(old, n, ins, outs, old.lane[n]);
+    if (!low) continue;
+    for (TensorId y : outs) {
+      if (!ops::dtype_is_float(t.dtype[y])) continue;
+      t.dtype[y] = narrow;
+      for (TensorId v : views[y]) t.dtype[v] = narrow;
+    }
+  }
+  g.nodes = std::move(out);
+}
+
+void append_overflow_guard(Graph& g) {
+  auto& t = g.tensors;
+  if (g.loss == no_tensor) throw std::logic_error("overflow guard: the graph has no loss");
+  std::vector<TensorId> ins{g.loss};
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] == Role::weight && t.grad[w] != no_tensor) ins.push_back(t.grad[w]);
+  }
+  g.guard = t.add(std::string(overflow_guard_name), Shape{1}, DType::f32, Role::stats);
+  g.nodes.add(ops::find_op("overflow_guard"), "overflow_guard", ins, std::span(&g.guard, 1));
+}
+
+}  // namespace ferry::graph

@@ -1,0 +1,50 @@
+// Mixed precision settings and dynamic loss scaling.
+//
+// With fp16 gradients, small values underflow to zero: the gradient of the loss is multiplied by
+// a scale before it enters the narrow layers and divided out again where gradients return to f32
+// (ops::CastScale). A step whose scaled gradients overflowed (the overflow guard, ops/
+// overflow_guard.hpp) updates nothing; the scale is then halved. After `growth_interval` steps
+// in a row without overflow it is doubled, so it stays near the largest scale that does not
+// overflow. bf16 has f32's exponent range and needs no scaling.
+#pragma once
+
+#include <cstdint>
+
+#include "ferry/ops/types.hpp"
+
+namespace ferry {
+
+struct PrecisionConfig {
+  // The layers' compute and storage dtype: f32 (no mixed precision), f16 or bf16. Master weights,
+  // optimizer state, biases, LayerNorm, the head and the loss stay f32.
+  ops::DType compute = ops::DType::f32;
+  // Dynamic loss scaling: on by default with f16, off with bf16 (where it may be turned on).
+  enum class Scaling : std::uint8_t { automatic, on, off } scaling = Scaling::automatic;
+  float initial_scale = 65536.0f;        // a power of two in [1, 2^24]
+  std::uint32_t growth_interval = 2000;  // clean steps before the scale doubles (>= 1)
+  bool scaled() const {
+    return scaling == Scaling::on || (scaling == Scaling::automatic && compute == ops::DType::f16);
+  }
+};
+
+// Throws std::invalid_argument naming the setting for an unsupported dtype, a scale that is not a
+// power of two in [1, 2^24], or a growth interval of 0.
+void validate(const PrecisionConfig& c);
+
+class LossScaler {
+ public:
+  explicit LossScaler(const PrecisionConfig& c);
+  float scale() const noexcept { return scale_; }
+  // After a step: an overflow halves the scale (not below 1) and restarts the count of clean
+  // steps; the growth_interval-th clean step in a row doubles it (not above 2^24).
+  void record(bool overflow);
+  std::uint64_t overflows() const noexcept { return overflows_; }
+
+ private:
+  float scale_;
+  std::uint32_t interval_;
+  std::uint32_t clean_ = 0;
+  std::uint64_t overflows_ = 0;
+};
+
+}  // namespace ferry
