@@ -1,0 +1,229 @@
+// Mixed precision: the pass's dtypes, device steps against the CPU reference (which rounds every
+// narrow tensor as the device stores it), streamed against resident, activation memory, and
+// dynamic loss scaling (an overflow skips the update and halves the scale).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "ferry/runtime/trainer.hpp"
+#include "reference_executor.hpp"
+#include "test_models.hpp"
+#include "test_support.hpp"
+#include "train_check.hpp"
+
+namespace ferry::test {
+namespace {
+
+using graph::DType;
+using graph::Role;
+
+TrainerOptions options(DType compute, std::uint32_t batch = 6) {
+  TrainerOptions o;
+  o.batch = batch;
+  o.lr = 0.05f;
+  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.sgd.momentum = 0.9f;
+  o.precision.compute = compute;
+  return o;
+}
+
+graph::VariantKey key_for(DType compute, bool scaling) {
+  graph::VariantKey k{4, true};
+  k.precision = compute;
+  k.loss_scaling = scaling;
+  return k;
+}
+
+TEST(MixedPrecision, PassKeepsMastersHeadAndLossInF32) {
+  graph::OptimizerSpec opt;
+  const auto key = key_for(DType::bf16, false);
+  const graph::Graph g = graph::prepare_step_graph(forward_graph(small_cnn(), key), key, opt);
+  const auto& t = g.tensors;
+  std::size_t narrow_layers = 0, casts = 0;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    const auto op = g.nodes.op[n];
+    if (op == graph::builtin::cast) ++casts;
+    if (op == graph::builtin::conv2d || op == graph::builtin::maxpool2d) {
+      EXPECT_EQ(t.dtype[g.nodes.outputs(n)[0]], DType::bf16) << g.nodes.name[n];
+      ++narrow_layers;
+    }
+  }
+  EXPECT_EQ(narrow_layers, 4u);
+  EXPECT_GE(casts, 3u);  // the input and two conv weights, at least (and the casts of their gradients)
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] != Role::weight) continue;
+    EXPECT_EQ(t.dtype[w], DType::f32) << t.name[w];
+    ASSERT_NE(t.grad[w], graph::no_tensor) << t.name[w];
+    EXPECT_EQ(t.dtype[t.grad[w]], DType::f32) << "the optimizer reads an f32 gradient of " << t.name[w];
+  }
+  EXPECT_EQ(t.dtype[g.loss], DType::f32);
+  // The head (the last Linear) computes in f32 from a cast of its input.
+  for (graph::NodeId n = g.nodes.size(); n-- > 0;) {
+    if (g.nodes.op[n] != graph::builtin::linear) continue;
+    EXPECT_EQ(t.dtype[g.nodes.outputs(n)[0]], DType::f32);
+    EXPECT_EQ(t.dtype[g.nodes.inputs(n)[0]], DType::f32);
+    break;
+  }
+}
+
+TEST(MixedPrecision, InvalidSettingsAreRefused) {
+  Runtime rt;
+  auto expect_refused = [&](TrainerOptions o, const char* what) {
+    try {
+      Trainer t(rt, small_mlp(), o);
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      SUCCEED() << e.what();
+    }
+  };
+  auto o = options(DType::i8);
+  expect_refused(o, "precision i8");
+  o = options(DType::f16);
+  o.precision.initial_scale = 1000.0f;
+  expect_refused(o, "a scale that is not a power of two");
+  o = options(DType::f16);
+  o.precision.growth_interval = 0;
+  expect_refused(o, "growth interval 0");
+  o = options(DType::f16);
+  o.accumulate = 2;
+  expect_refused(o, "fp16 loss scaling with accumulation");
+}
+
+class MixedPrecisionModels : public ::testing::TestWithParam<std::tuple<ModelSpec (*)(), DType>> {};
+
+// Three SGD steps on the device against the reference: the same narrow roundings, so the only
+// differences are fp32 against double sums (a narrow rounding may flip by one ulp).
+TEST_P(MixedPrecisionModels, DeviceStepsMatchReference) {
+  const auto [make, compute] = GetParam();
+  const ModelSpec m = make();
+  Runtime rt;
+  auto o = options(compute);
+  o.precision.initial_scale = 1024.0f;
+  Trainer trainer(rt, m, o);
+  ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
+  load_parameters(ref, trainer);
+  const std::size_t sample = sample_elems(m);
+  for (std::uint32_t s = 0; s < 3; ++s) {
+    const auto images = random_vector(o.batch * sample, 500 + s);
+    const auto labels = labels_for(o.batch, 600 + s);
+    const auto r = trainer.step(images, labels);
+    ASSERT_FALSE(r.overflow) << "step " << s;
+    ref.value(ref.find("input")) = to_double(images);
+    ref.ints(ref.find("labels")) = labels;
+    ops::StepInfo info{s + 1, o.lr};
+    info.loss_scale = r.loss_scale;
+    ref.run(info);
+    EXPECT_NEAR(r.loss, ref.loss(), 2e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+  }
+  expect_parameters_match(trainer, ref, 5e-5);  // measured: at most 6e-6
+}
+
+std::string case_name(std::size_t index) {
+  const char* const models[] = {"mlp", "cnn", "residual"};
+  return std::string(models[index / 2]) + (index % 2 ? "_f16" : "_bf16");
+}
+
+INSTANTIATE_TEST_SUITE_P(All, MixedPrecisionModels,
+                         ::testing::Combine(::testing::Values(&small_mlp, &small_cnn, &small_residual),
+                                            ::testing::Values(DType::bf16, DType::f16)),
+                         [](const auto& info) { return case_name(info.index); });
+
+// A streamed step runs the same kernels on the same values: bit-identical weights.
+TEST(MixedPrecision, StreamedMatchesResidentBitForBit) {
+  Runtime rt;
+  auto resident = options(DType::bf16);
+  auto streamed = resident;
+  streamed.residency.mode = graph::ResidencyMode::stream;
+  streamed.residency.budget_bytes = stream_budget(rt, small_cnn(), streamed);
+  Trainer a(rt, small_cnn(), resident), b(rt, small_cnn(), streamed);
+  ASSERT_GT(b.residency().fetch_bytes, 0u) << "the budget should make layers stream";
+  const std::size_t sample = sample_elems(small_cnn());
+  for (std::uint32_t s = 0; s < 3; ++s) {
+    const auto images = random_vector(resident.batch * sample, 700 + s);
+    const auto labels = labels_for(resident.batch, 800 + s);
+    EXPECT_EQ(a.step(images, labels).loss, b.step(images, labels).loss) << "step " << s;
+  }
+  for (const auto& name : a.parameter_names()) EXPECT_EQ(a.read_parameter(name), b.read_parameter(name)) << name;
+}
+
+// Narrow activations halve what backward keeps: the planned step peak drops.
+TEST(MixedPrecision, NarrowActivationsLowerThePeak) {
+  Runtime rt;
+  const auto mlp = models::mlp();
+  Trainer f32(rt, mlp, options(DType::f32, 512)), bf16(rt, mlp, options(DType::bf16, 512));
+  EXPECT_LT(static_cast<double>(bf16.device_peak_bytes()), 0.85 * static_cast<double>(f32.device_peak_bytes()))
+      << "bf16 " << bf16.device_peak_bytes() << " bytes, f32 " << f32.device_peak_bytes();
+}
+
+// With a scale far too large the fp16 gradients overflow: the step updates nothing and the scale
+// halves until the gradients fit; then training goes on.
+TEST(MixedPrecision, OverflowSkipsTheUpdateAndHalvesTheScale) {
+  Runtime rt;
+  auto o = options(DType::f16);
+  o.precision.initial_scale = 16777216.0f;  // 2^24
+  o.precision.growth_interval = 3;
+  Trainer trainer(rt, small_mlp(), o);
+  const std::size_t sample = sample_elems(small_mlp());
+  const auto images = random_vector(o.batch * sample, 900, -4.0f, 4.0f);
+  const auto labels = labels_for(o.batch, 901);
+  const auto before = trainer.read_parameter("linear0.w");
+  const auto first = trainer.step(images, labels);
+  ASSERT_TRUE(first.overflow) << "2^24 times these gradients should overflow fp16";
+  EXPECT_FALSE(first.updated);
+  EXPECT_TRUE(std::isfinite(first.loss));
+  EXPECT_EQ(first.loss_scale, 16777216.0f);
+  EXPECT_EQ(trainer.loss_scale(), 8388608.0f);
+  EXPECT_EQ(trainer.steps_done(), 0u);
+  EXPECT_EQ(trainer.read_parameter("linear0.w"), before) << "an overflowed step must not update";
+  std::uint32_t steps = 1;
+  while (trainer.step(images, labels).overflow) {
+    ASSERT_LT(++steps, 30u) << "the scale never came down";
+  }
+  EXPECT_EQ(trainer.overflow_steps(), steps);
+  EXPECT_EQ(trainer.steps_done(), 1u);
+  EXPECT_NE(trainer.read_parameter("linear0.w"), before);
+  // From here each step either overflows (the scale halves) or is clean, and every third clean
+  // step in a row doubles the scale; the step that ended the loop above was the first clean one.
+  float scale = trainer.loss_scale();
+  std::uint32_t clean = 1;
+  bool grew = false;
+  for (int i = 0; i < 12; ++i) {
+    const auto r = trainer.step(images, labels);
+    ASSERT_EQ(r.loss_scale, scale);
+    if (r.overflow) {
+      clean = 0;
+      EXPECT_EQ(trainer.loss_scale(), scale / 2) << "step " << i;
+    } else if (++clean == 3) {
+      clean = 0;
+      grew = true;
+      EXPECT_EQ(trainer.loss_scale(), scale * 2) << "step " << i;
+    } else {
+      EXPECT_EQ(trainer.loss_scale(), scale) << "step " << i;
+    }
+    scale = trainer.loss_scale();
+  }
+  EXPECT_TRUE(grew) << "the scale never grew";
+}
+
+TEST(LossScaler, HalvesOnOverflowAndGrowsAfterTheInterval) {
+  PrecisionConfig c;
+  c.compute = DType::f16;
+  c.initial_scale = 4.0f;
+  c.growth_interval = 2;
+  LossScaler s(c);
+  EXPECT_EQ(s.scale(), 4.0f);
+  s.record(true);
+  EXPECT_EQ(s.scale(), 2.0f);
+  s.record(false);
+  EXPECT_EQ(s.scale(), 2.0f);
+  s.record(false);
+  EXPECT_EQ(s.scale(), 4.0f);
+  for (int i = 0; i < 5; ++i) s.record(true);
+  EXPECT_EQ(s.scale(), 1.0f) << "never below 1";
+  EXPECT_EQ(s.overflows(), 6u);
+  c.compute = DType::bf16;
+  EXPECT_EQ(LossScaler(c).scale(), 1.0f) << "bf16 is not scaled unless asked";
+}
+
+}  // namespace
+}  // namespace ferry::test
