@@ -370,17 +370,25 @@ void move_state_updates_to_host(Graph& g) {
   g.nodes = std::move(out);
 }
 
-// Quantizes streamed weights in host memory: a quantize_i8 node whose input streams from pinned
-// host memory runs on the host lane into pinned host staging, and fetch nodes bring the int8
-// values and their scales to the device, so the weight crosses the link at a quarter of its bytes
-// (and the fp32 weight is not fetched for it).
-void move_quantize_to_host(Graph& g) {
+// Narrows streamed weights in host memory: a quantize_i8 node (int8 Predict) or a cast (mixed
+// precision) whose input streams from pinned host memory runs on the host lane into pinned host
+// staging, and fetch nodes bring the narrow values (and int8's scales) to the device, so the
+// weight crosses the link at a quarter (int8) or half (f16, bf16) of its bytes instead of whole.
+// Only where nothing else on the device reads the fp32 weight (a forward-only step, or updates on
+// the host): a device update fetches it anyway, and the narrowing then stays on the device.
+void move_weight_narrowing_to_host(Graph& g) {
   auto& t = g.tensors;
+  std::vector<std::uint32_t> device_readers(t.size(), 0);
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.lane[n] == Lane::host) continue;
+    for (TensorId x : g.nodes.inputs(n)) ++device_readers[t.storage(x)];
+  }
   NodeTable out;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     const auto in = g.nodes.inputs(n);
-    const bool host = g.nodes.op[n] == builtin::quantize_i8 && ops::op_info(builtin::quantize_i8).host &&
-                      streams_from_pinned(t, in[0]);
+    const OpId op = g.nodes.op[n];
+    const bool host = (op == builtin::quantize_i8 || op == builtin::cast) && ops::op_info(op).host &&
+                      streams_from_pinned(t, in[0]) && device_readers[t.storage(in[0])] == 1;
     if (!host) {
       out.add_copy(g.nodes, n);
       continue;
@@ -611,7 +619,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   place_updates_early(base);
   if (options.host_optimizer) move_updates_to_host(base);
   move_state_updates_to_host(base);
-  move_quantize_to_host(base);
+  move_weight_narrowing_to_host(base);
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
     Graph s = stream_graph(base, cache, lookahead);
     stage_home_transfers(s, host_unified && options.zero_copy_staging);

@@ -146,6 +146,31 @@ TEST(MixedPrecision, StreamedMatchesResidentBitForBit) {
   for (const auto& name : a.parameter_names()) EXPECT_EQ(a.read_parameter(name), b.read_parameter(name)) << name;
 }
 
+// With the updates on the host nothing on the device reads an f32 weight: the cast runs on the
+// host and the weights cross the link as bf16 (the biases and the head stay f32).
+TEST(MixedPrecision, HostUpdatesFetchNarrowWeights) {
+  Runtime rt;
+  auto f32 = options(DType::f32, 64);
+  f32.residency.mode = graph::ResidencyMode::stream;
+  f32.residency.host_optimizer = true;
+  auto bf16 = f32;
+  bf16.precision.compute = DType::bf16;
+  const auto mlp = models::mlp();
+  // Each at its own smallest budget, so that every layer streams (at one budget, the narrow
+  // weights would leave room to keep more of them).
+  f32.residency.budget_bytes = stream_budget(rt, mlp, f32);
+  bf16.residency.budget_bytes = stream_budget(rt, mlp, bf16);
+  Trainer a(rt, mlp, f32), b(rt, mlp, bf16);
+  const double ratio = static_cast<double>(b.residency().fetch_bytes) / static_cast<double>(a.residency().fetch_bytes);
+  // At most half: fp32 also fetches a layer's weight twice (forward, then backward's data
+  // gradient), where the bf16 copy made in forward stays on the device until backward.
+  EXPECT_LT(ratio, 0.55) << "bf16 fetches " << b.residency().fetch_bytes << " bytes, f32 " << a.residency().fetch_bytes;
+  const std::size_t sample = sample_elems(mlp);
+  const auto r = b.step(random_vector(64 * sample, 1, 0.0f, 1.0f), labels_for(64, 2));
+  EXPECT_TRUE(std::isfinite(r.loss));
+  EXPECT_TRUE(r.updated);
+}
+
 // Narrow activations halve what backward keeps: the planned step peak drops.
 TEST(MixedPrecision, NarrowActivationsLowerThePeak) {
   Runtime rt;
