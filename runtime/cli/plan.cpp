@@ -7,6 +7,7 @@
 
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <array>
 #include <optional>
 
 #include "cli.hpp"
@@ -62,17 +63,26 @@ struct Candidate {
 };
 
 // Fastest first: everything resident, mapped (unified-memory devices: no copies), streamed, then
-// streamed with leaner state; each with the batch split into micro-batches when that is needed.
+// streamed with leaner state; each as configured and then with bf16 layers (half the activation
+// bytes) unless already narrow, and with the batch split into micro-batches when that is needed.
 std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, bool unified) {
   using ferry::graph::Residency;
   using ferry::graph::ResidencyMode;
   std::vector<Candidate> out;
   for (std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
     if (base.batch % split != 0 || (split > 1 && base.phases.hybrid)) continue;
-    for (int lean : {0, -1, 1, 2, 3, 4}) {  // -1: mapped
+    for (int level = 0; level < 12; ++level) {
+      const int lean = std::array{0, -1, 1, 2, 3, 4}[level / 2];  // -1: mapped
+      const bool narrow = level % 2 == 1;
       if (lean == -1 && !unified) continue;
+      if (narrow && base.precision.compute != ferry::ops::DType::f32) continue;
       ferry::TrainerOptions o = base;
       std::string flags;
+      if (narrow) {
+        o.precision.compute = ferry::ops::DType::bf16;
+        o.precision.scaling = ferry::PrecisionConfig::Scaling::automatic;
+        flags += " --precision bf16";
+      }
       o.batch = base.batch / split;
       o.accumulate = base.accumulate * split;
       if (split > 1) flags += fmt::format(" --batch {} --accumulate {}", o.batch, o.accumulate);
@@ -161,6 +171,7 @@ int cmd_plan(const TrainArgs& a) {
         {"optimizer", a.optimizer},
         {"phases_mode", ferry::phases_name(base.phases.hybrid)},
         {"accumulate", base.accumulate},
+        {"precision", precision_name(base.precision.compute)},
         {"device_budget_bytes", budget},
         {"fits", configured.has_value()},
         {"phases", phases},
@@ -172,8 +183,9 @@ int cmd_plan(const TrainArgs& a) {
     return 0;
   }
   const auto mib = [](std::uint64_t b) { return fmt::format("{:.1f}", b / 1048576.0); };
-  std::cout << fmt::format("ferry plan: {}, batch {}, {}, phases {}{}, device budget {} on {}\n", model.name,
-                           base.batch, a.optimizer, ferry::phases_name(base.phases.hybrid),
+  std::cout << fmt::format("ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {} on {}\n", model.name,
+                           base.batch, a.optimizer, precision_name(base.precision.compute),
+                           ferry::phases_name(base.phases.hybrid),
                            base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "",
                            ferry::format_bytes(budget), runtime.device().name);
   if (configured) {
