@@ -34,7 +34,7 @@ const std::vector<ModelPass>& model_passes() {
          if (key.training && !key.micro && key.fit_predictor) append_predictor_fit(g, optimizer.predictor);
          if (!key.training && key.apply_predictor) append_predictor_apply(g);
        }},
-      {"precision",
+      {"int8 weights",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (!key.training && key.int8_weights) apply_int8_weights(g);
        }},

@@ -25,6 +25,26 @@ const char* optimizer_name(OptimizerConfig::Kind k) {
   }
   return "?";
 }
+
+void validate(const OptimizerConfig& c) {
+  auto fail = [&](const char* what, float v, const char* range) {
+    throw std::invalid_argument(fmt::format("{} {} {} = {}: it must be {}", optimizer_name(c.kind),
+                                            c.kind == OptimizerConfig::Kind::sgd ? "SGD" : "Adam", what, v, range));
+  };
+  if (c.kind == OptimizerConfig::Kind::sgd) {
+    if (!(c.sgd.momentum >= 0.0f && c.sgd.momentum < 1.0f)) fail("momentum", c.sgd.momentum, "in [0, 1)");
+    if (!(c.sgd.weight_decay >= 0.0f && std::isfinite(c.sgd.weight_decay)))
+      fail("weight decay", c.sgd.weight_decay, "a finite number >= 0");
+    return;
+  }
+  if (!(c.adam.beta1 >= 0.0f && c.adam.beta1 < 1.0f)) fail("beta1", c.adam.beta1, "in [0, 1)");
+  if (!(c.adam.beta2 >= 0.0f && c.adam.beta2 < 1.0f)) fail("beta2", c.adam.beta2, "in [0, 1)");
+  if (!(c.adam.eps > 0.0f && std::isfinite(c.adam.eps))) fail("eps", c.adam.eps, "a finite number > 0");
+  if (!(c.adam.weight_decay >= 0.0f && std::isfinite(c.adam.weight_decay)))
+    fail("weight decay", c.adam.weight_decay, "a finite number >= 0");
+  if (c.kind == OptimizerConfig::Kind::adamw8bit) check_adam8bit_block(c.block8bit);
+}
+
 namespace {
 cl_uint checked_count(std::size_t n) {
   if (n > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("optimizer: more than 2^32-1 parameters");

@@ -207,7 +207,17 @@ Dataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
   return ds;
 }
 
+void Dataset::validate() const {
+  if (images.size() != count * sample_elems() || labels.size() != count) {
+    throw std::invalid_argument(fmt::format(
+        "dataset: count {} of {}x{} images needs {} pixels and {} labels, but it holds {} and {}: set count to the "
+        "samples the vectors hold",
+        count, rows, cols, count * sample_elems(), count, images.size(), labels.size()));
+  }
+}
+
 void Dataset::read(std::string_view name, std::size_t first, std::size_t n, std::span<std::byte> out) const {
+  validate();
   if (first + n > count) {
     throw std::invalid_argument(fmt::format("dataset: samples [{}, {}) requested of {}", first, first + n, count));
   }

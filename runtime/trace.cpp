@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <fstream>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace ferry {
 namespace {
@@ -32,20 +34,21 @@ void ChromeTrace::write(const std::filesystem::path& path) const {
   if (!out) throw std::runtime_error(fmt::format("cannot write trace file '{}'", path.string()));
   std::uint64_t origin = UINT64_MAX;
   for (const auto& e : events_) origin = std::min(origin, e.start_ns);
-  out << "{\"traceEvents\":[\n";
-  // Lane names as thread names, so the viewer shows compute / copy in / copy out / host rows.
+  // Lane names as thread names, so the viewer shows compute / copy in / copy out / host rows;
+  // then the events. Entries are joined with commas, so any number of events (none included)
+  // makes valid JSON.
+  std::vector<std::string> entries;
   for (int lane = 0; lane < graph::lane_count; ++lane) {
-    out << fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_name","args":{{"name":"{}"}}}},)", lane,
-                       graph::lane_name(static_cast<graph::Lane>(lane)))
-        << "\n";
+    entries.push_back(fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_name","args":{{"name":"{}"}}}})", lane,
+                                  graph::lane_name(static_cast<graph::Lane>(lane))));
   }
-  for (std::size_t i = 0; i < events_.size(); ++i) {
-    const auto& e = events_[i];
-    out << fmt::format(R"({{"ph":"X","pid":1,"tid":{},"name":"{}","ts":{:.3f},"dur":{:.3f}}})",
-                       static_cast<int>(e.lane), json_escape(e.name), (e.start_ns - origin) / 1e3,
-                       (e.end_ns - e.start_ns) / 1e3)
-        << (i + 1 < events_.size() ? ",\n" : "\n");
+  for (const auto& e : events_) {
+    entries.push_back(fmt::format(R"({{"ph":"X","pid":1,"tid":{},"name":"{}","ts":{:.3f},"dur":{:.3f}}})",
+                                  static_cast<int>(e.lane), json_escape(e.name), (e.start_ns - origin) / 1e3,
+                                  (e.end_ns - e.start_ns) / 1e3));
   }
+  out << "{\"traceEvents\":[\n";
+  for (std::size_t i = 0; i < entries.size(); ++i) out << entries[i] << (i + 1 < entries.size() ? ",\n" : "\n");
   out << "]}\n";
   if (!out) throw std::runtime_error(fmt::format("failed writing trace file '{}'", path.string()));
 }

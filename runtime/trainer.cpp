@@ -36,6 +36,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
     throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
   }
+  ops::validate(options_.optimizer);
   validate(options_.phases);
   if (options_.accumulate == 0) {
     throw std::invalid_argument("gradient accumulation over 0 micro-batches: use 1 (no accumulation) or more");

@@ -2,7 +2,7 @@
 //
 //   model passes (device-independent, here):    mixed precision -> autodiff -> recompute ->
 //                                               accumulate -> overflow guard -> optimizer ->
-//                                               predictor -> int8 precision -> download
+//                                               predictor -> int8 weights -> download
 //   device passes (graph::CompiledStep, in order): check dtypes -> scratch -> residency and memory
 //                                                  plan -> arena -> bind -> lower
 //

@@ -47,6 +47,10 @@ struct OptimizerConfig {
   }
 };
 const char* optimizer_name(OptimizerConfig::Kind k);
+// Throws std::invalid_argument naming the setting for a momentum or beta outside [0, 1), a
+// negative or non-finite weight decay, an eps that is not a positive number, or (adamw8bit) a
+// block the device kernels cannot run. NaN fails every check.
+void validate(const OptimizerConfig& c);
 
 // velocity = momentum * velocity + (g + wd * w); w -= lr * (nesterov ? g' + momentum * velocity : velocity)
 // `guard` (optional): a float on the device, the step's loss; when it is not finite the update
