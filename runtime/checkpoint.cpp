@@ -197,9 +197,9 @@ class AtomicFile {
       fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
       if (fd_ >= 0) break;
       if (errno != EEXIST || attempt > 100) {
-        throw std::runtime_error(fmt::format(
-            "cannot write checkpoint '{}': creating a file in '{}' failed ({}): choose a writable folder",
-            path_.string(), folder.string(), errno_text(errno)));
+        throw std::runtime_error(
+            fmt::format("cannot write checkpoint '{}': creating a file in '{}' failed ({}): choose a writable folder",
+                        path_.string(), folder.string(), errno_text(errno)));
       }
     }
     buffer_.reserve(io_chunk);
@@ -317,8 +317,8 @@ class Reader {
   explicit Reader(const std::filesystem::path& path) : path_(path) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) {
-      throw std::runtime_error(fmt::format("cannot open checkpoint '{}': {}: check the path", path.string(),
-                                           errno_text(errno)));
+      throw std::runtime_error(
+          fmt::format("cannot open checkpoint '{}': {}: check the path", path.string(), errno_text(errno)));
     }
     struct stat st {};
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -442,10 +442,10 @@ void read_header(const Reader& r) {
   r.read(0, h, have);
   if (have < 8 || std::memcmp(h, checkpoint_magic, 8) != 0) {
     if (have < 8 && std::memcmp(h, checkpoint_magic, have) == 0) throw r.truncated(0, "the header");
-    throw std::runtime_error(fmt::format(
-        "'{}' is not a ferry checkpoint (it does not start with {}): pass a file written by ferry train "
-        "--checkpoint or Trainer::save_checkpoint",
-        r.path().string(), checkpoint_magic));
+    throw std::runtime_error(
+        fmt::format("'{}' is not a ferry checkpoint (it does not start with {}): pass a file written by ferry train "
+                    "--checkpoint or Trainer::save_checkpoint",
+                    r.path().string(), checkpoint_magic));
   }
   if (have < header_bytes) throw r.truncated(have, "the header");
   std::uint64_t sum = 0;
@@ -469,15 +469,15 @@ void read_header(const Reader& r) {
 void check_checkpoint_path(const std::filesystem::path& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
-    throw std::runtime_error(fmt::format(
-        "cannot write checkpoints to '{}': it is a folder; give a file name in it, e.g. '{}'", path.string(),
-        (path / "run.ckpt").string()));
+    throw std::runtime_error(
+        fmt::format("cannot write checkpoints to '{}': it is a folder; give a file name in it, e.g. '{}'",
+                    path.string(), (path / "run.ckpt").string()));
   }
   const auto folder = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
   if (!std::filesystem::is_directory(folder, ec)) {
-    throw std::runtime_error(fmt::format(
-        "cannot write checkpoints to '{}': the folder '{}' does not exist: create it first (mkdir -p {})",
-        path.string(), folder.string(), folder.string()));
+    throw std::runtime_error(
+        fmt::format("cannot write checkpoints to '{}': the folder '{}' does not exist: create it first (mkdir -p {})",
+                    path.string(), folder.string(), folder.string()));
   }
   AtomicFile probe(path);  // created, then removed by its destructor: the folder is writable
   probe.put(std::uint64_t{0});
@@ -486,8 +486,8 @@ void check_checkpoint_path(const std::filesystem::path& path) {
 std::vector<TensorId> Trainer::checkpoint_tensors() const {
   const auto& t = train_->graph().tensors;
   std::vector<TensorId> ids;
-  for (const graph::Role role : {graph::Role::weight, graph::Role::optimizer_state, graph::Role::predictor_state,
-                                 graph::Role::gradient_sum}) {
+  for (const graph::Role role :
+       {graph::Role::weight, graph::Role::optimizer_state, graph::Role::predictor_state, graph::Role::gradient_sum}) {
     for (TensorId id = 0; id < t.size(); ++id) {
       if (t.role[id] == role && t.alias_of[id] == graph::no_tensor) ids.push_back(id);
     }
@@ -563,9 +563,9 @@ std::string tensor_text(const Fingerprint::Tensor& t) {
 // and this trainer's.
 void compare(const Fingerprint& file, const Fingerprint& here, const std::filesystem::path& path) {
   const auto mismatch = [&](const std::string& what, const std::string& todo) {
-    return std::invalid_argument(fmt::format(
-        "checkpoint '{}' was written for another training setup: {}; the trainer was not changed: {}",
-        path.string(), what, todo));
+    return std::invalid_argument(
+        fmt::format("checkpoint '{}' was written for another training setup: {}; the trainer was not changed: {}",
+                    path.string(), what, todo));
   };
   if (file.model != here.model) {
     throw mismatch(fmt::format("its model is '{}', this trainer's is '{}'", file.model, here.model),
@@ -580,9 +580,9 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
                    fmt::format("use --batch {}", file.batch));
   }
   if (file.accumulate != here.accumulate) {
-    throw mismatch(fmt::format("it accumulates {} micro-batches per update, this trainer {}", file.accumulate,
-                               here.accumulate),
-                   fmt::format("use --accumulate {}", file.accumulate));
+    throw mismatch(
+        fmt::format("it accumulates {} micro-batches per update, this trainer {}", file.accumulate, here.accumulate),
+        fmt::format("use --accumulate {}", file.accumulate));
   }
   if (file.precision != here.precision || file.scaled != here.scaled) {
     const auto name = [](const Fingerprint& f) {
@@ -593,9 +593,9 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
                    "use the --precision and --loss-scaling it was written with");
   }
   if (file.hybrid != here.hybrid) {
-    throw mismatch(fmt::format("its phases are {}, this trainer's are {}", phases_name(file.hybrid),
-                               phases_name(here.hybrid)),
-                   fmt::format("use --phases {}", phases_name(file.hybrid)));
+    throw mismatch(
+        fmt::format("its phases are {}, this trainer's are {}", phases_name(file.hybrid), phases_name(here.hybrid)),
+        fmt::format("use --phases {}", phases_name(file.hybrid)));
   }
   for (std::size_t i = 0; i < std::max(file.tensors.size(), here.tensors.size()); ++i) {
     if (i >= file.tensors.size()) {
@@ -799,8 +799,8 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
       if (len != ft.name.size() || name != ft.name) {
         // Either damage or sections out of order: the checksum tells which.
         read_section(r, at, tg, what);
-        throw r.corrupt(fmt::format("at byte {} the file holds another tensor than '{}', which belongs there", at,
-                                    ft.name));
+        throw r.corrupt(
+            fmt::format("at byte {} the file holds another tensor than '{}', which belongs there", at, ft.name));
       }
     }
     const Section sec = read_section(r, at, tg, what, 4 + ft.name.size() + ft.bytes);
@@ -826,18 +826,20 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
                                 end_sections, end_offset, sections, at));
   }
   if (s.end() != r.size()) {
-    throw r.corrupt(fmt::format("{} bytes follow the END! section, which ends at byte {}", r.size() - s.end(),
-                                s.end()));
+    throw r.corrupt(
+        fmt::format("{} bytes follow the END! section, which ends at byte {}", r.size() - s.end(), s.end()));
   }
 
   // The file is whole: now does it fit this trainer?
   compare(file, here, path);
-  if (micro >= options_.accumulate) throw r.corrupt(fmt::format("{} micro-batches done of {}", micro, options_.accumulate));
+  if (micro >= options_.accumulate)
+    throw r.corrupt(fmt::format("{} micro-batches done of {}", micro, options_.accumulate));
   if (!std::isfinite(lr) || lr < 0) throw r.corrupt(fmt::format("the learning rate is {}", lr));
   if (phases_ ? gains.size() != weights_.size() : !gains.empty()) {
     throw r.corrupt(fmt::format("{} predictor gains for {} weights", gains.size(), weights_.size()));
   }
-  if (phase_state.has_value() != (phases_ != nullptr)) throw r.corrupt("the phase section disagrees with the fingerprint");
+  if (phase_state.has_value() != (phases_ != nullptr))
+    throw r.corrupt("the phase section disagrees with the fingerprint");
   LossScaler scaler = scaler_;
   std::optional<PhaseController> controller;
   try {
@@ -847,10 +849,10 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
       controller->restore(*phase_state);
     }
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format(
-        "checkpoint '{}' does not fit this trainer's settings: {}; the trainer was not changed: use the "
-        "--loss-scale-interval and phase settings it was written with",
-        path.string(), e.what()));
+    throw std::invalid_argument(
+        fmt::format("checkpoint '{}' does not fit this trainer's settings: {}; the trainer was not changed: use the "
+                    "--loss-scale-interval and phase settings it was written with",
+                    path.string(), e.what()));
   }
 
   // Pass 2: the tensors, one at a time, each checked again against pass 1's checksum (the file

@@ -106,8 +106,8 @@ void PhaseController::restore(const State& s) {
                                             static_cast<int>(s.next), phases_name(config_.hybrid)));
   }
   if (config_.hybrid && (s.length == 0 || s.length > config_.max_predict_steps)) {
-    throw std::invalid_argument(fmt::format("phase state: a Predict run length of {} is outside [1, {}]", s.length,
-                                            config_.max_predict_steps));
+    throw std::invalid_argument(
+        fmt::format("phase state: a Predict run length of {} is outside [1, {}]", s.length, config_.max_predict_steps));
   }
   if (s.losses.size() > config_.loss_window || s.qualities.size() > config_.min_full_steps) {
     throw std::invalid_argument(
