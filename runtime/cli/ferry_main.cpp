@@ -287,12 +287,15 @@ int cmd_train(const TrainArgs& a) {
   std::size_t steps_timed = 0, steps_run = 0;
   RunPosition start;
   if (!a.resume_path.empty()) {
+    const auto load_start = Clock::now();
     const auto caller = trainer.load_checkpoint(a.resume_path);
+    const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
     decode_position(caller, a, train.count, steps_per_epoch, start, rng, order);
     last_epoch_loss = start.last_epoch_loss;
     if (!a.quiet) {
-      std::cerr << fmt::format("ferry: resumed from {} at epoch {}, step {} of {} ({} updates done)\n", a.resume_path,
-                               start.epochs_done + 1, start.step_in_epoch, steps_per_epoch, trainer.steps_done());
+      std::cerr << fmt::format(
+          "ferry: resumed from {} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
+          start.epochs_done + 1, start.step_in_epoch, steps_per_epoch, trainer.steps_done(), load_ms);
     }
   }
   const auto save = [&](const RunPosition& p) {
