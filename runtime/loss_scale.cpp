@@ -50,4 +50,17 @@ void LossScaler::record(bool overflow) {
   }
 }
 
+void LossScaler::restore(float scale, std::uint32_t clean_steps, std::uint64_t overflows) {
+  if (!power_of_two_in_range(scale)) {
+    throw std::invalid_argument(fmt::format("loss scale {}: it must be a power of two from 1 to 2^24", scale));
+  }
+  if (clean_steps >= interval_) {
+    throw std::invalid_argument(
+        fmt::format("loss scaler: {} clean steps in a row, but the scale grows after {}", clean_steps, interval_));
+  }
+  scale_ = scale;
+  clean_ = clean_steps;
+  overflows_ = overflows;
+}
+
 }  // namespace ferry

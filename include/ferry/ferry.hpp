@@ -13,6 +13,7 @@
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ferry/ops/types.hpp"
+#include "ferry/runtime/checkpoint.hpp"
 #include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/fashion_mnist.hpp"
 #include "ferry/runtime/lr_schedule.hpp"

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "ferry/ferry.hpp"
 
@@ -56,6 +57,9 @@ struct TrainArgs {
   bool eval_int8 = false;  // also evaluate the final model with int8 weights
   std::string profile_phases_path;
   ferry::PhaseConfig phase_config;
+  // Checkpoints (docs/checkpoints.md): written after every epoch and on SIGINT/SIGTERM; resumed from.
+  std::string checkpoint_path, resume_path;
+  std::vector<std::string> argv;  // the command line, for the resume command printed on a signal
 };
 
 // The optimizer, learning rate, seed and residency options of `a` into `opt` (batch aside).

@@ -4,12 +4,16 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstring>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <sstream>
 
 #include "cli.hpp"
 #include "ferry/ferry.hpp"
@@ -40,7 +44,166 @@ int cmd_devices() {
   return 0;
 }
 
+// SIGINT / SIGTERM during training: the handler only records the signal; the training loop
+// checks it between steps, so the step in flight finishes. A second signal ends the process at
+// once (the handler is reset to the default when it runs).
+volatile std::sig_atomic_t stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  stop_signal = sig;
+}
+
+class StopSignals {
+ public:
+  StopSignals() {
+    stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | SA_RESETHAND;
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+  }
+  ~StopSignals() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction old_int_ {
+  }, old_term_{};
+};
+
+// `s` quoted for a POSIX shell where it needs quoting.
+std::string shell_quote(const std::string& s) {
+  const bool plain = !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("_-./=:,+@%").find(c) != std::string::npos;
+  });
+  if (plain) return s;
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// The command line that continues this run from `checkpoint`: the same arguments, any --resume
+// replaced.
+std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {
+  std::string cmd;
+  for (std::size_t i = 0; i < a.argv.size(); ++i) {
+    const std::string& arg = a.argv[i];
+    if (arg == "--resume") {
+      ++i;
+      continue;
+    }
+    if (arg.rfind("--resume=", 0) == 0) continue;
+    cmd += (cmd.empty() ? "" : " ") + shell_quote(arg);
+  }
+  return cmd + " --resume " + shell_quote(checkpoint);
+}
+
+// What `ferry train` keeps in a checkpoint's caller section besides the trainer's state: where it
+// is in which epoch, the data order and its RNG, the schedule, and the sums its output needs.
+struct RunPosition {
+  std::uint32_t epochs_done = 0;
+  std::size_t step_in_epoch = 0;  // steps of epoch epochs_done + 1 done (its order already shuffled)
+  double loss_sum = 0, last_epoch_loss = 0;
+};
+
+std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p, std::size_t samples,
+                                       const std::mt19937_64& rng, const std::vector<std::size_t>& order,
+                                       std::size_t total_steps) {
+  std::ostringstream rng_state;
+  rng_state << rng;
+  std::vector<std::uint8_t> order_bytes(order.size() * 4);
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    const auto v = static_cast<std::uint32_t>(order[i]);
+    std::memcpy(order_bytes.data() + 4 * i, &v, 4);
+  }
+  const nlohmann::json j = {{"kind", "ferry train"},
+                            {"version", 1},
+                            {"model", a.model},
+                            {"seed", a.seed},
+                            {"train_samples", samples},
+                            {"epochs", a.epochs},
+                            {"epochs_done", p.epochs_done},
+                            {"step_in_epoch", p.step_in_epoch},
+                            {"loss_sum", p.loss_sum},
+                            {"last_epoch_loss", p.last_epoch_loss},
+                            {"schedule", a.schedule},
+                            {"lr", a.lr},
+                            {"total_steps", total_steps},
+                            {"rng", rng_state.str()},
+                            {"order", nlohmann::json::binary(std::move(order_bytes))}};
+  const auto cbor = nlohmann::json::to_cbor(j);
+  std::vector<std::byte> out(cbor.size());
+  std::memcpy(out.data(), cbor.data(), cbor.size());
+  return out;
+}
+
+// Reads the caller section `ferry train` wrote back into p, rng and order, after checking it
+// belongs to this command line; throws std::invalid_argument naming what differs.
+void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
+                     std::size_t steps_per_epoch, RunPosition& p, std::mt19937_64& rng,
+                     std::vector<std::size_t>& order) {
+  const auto fail = [&](const std::string& what) {
+    return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::from_cbor(reinterpret_cast<const std::uint8_t*>(bytes.data()),
+                                  reinterpret_cast<const std::uint8_t*>(bytes.data()) + bytes.size());
+  } catch (const std::exception&) {
+    throw fail("it was not written by ferry train (its caller section is not ferry train's)");
+  }
+  if (!j.is_object() || j.value("kind", "") != "ferry train") {
+    throw fail("it was not written by ferry train (its caller section is not ferry train's)");
+  }
+  if (j.at("version").get<int>() != 1) throw fail("its ferry train section has another version");
+  if (j.at("seed").get<std::uint64_t>() != a.seed) {
+    throw fail(fmt::format("it was trained with --seed {}, not {}: resume with --seed {}",
+                           j.at("seed").get<std::uint64_t>(), a.seed, j.at("seed").get<std::uint64_t>()));
+  }
+  if (j.at("train_samples").get<std::size_t>() != samples) {
+    throw fail(fmt::format("it was trained on {} samples, this run has {}: resume with the same --train-limit and data",
+                           j.at("train_samples").get<std::size_t>(), samples));
+  }
+  if (j.at("schedule").get<std::string>() != a.schedule || j.at("lr").get<float>() != a.lr) {
+    throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
+                           j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
+  }
+  p.epochs_done = j.at("epochs_done").get<std::uint32_t>();
+  p.step_in_epoch = j.at("step_in_epoch").get<std::size_t>();
+  p.loss_sum = j.at("loss_sum").get<double>();
+  p.last_epoch_loss = j.at("last_epoch_loss").get<double>();
+  if (p.step_in_epoch >= steps_per_epoch) throw fail("its position in the epoch is past the epoch's end");
+  if (p.epochs_done > a.epochs || (p.epochs_done == a.epochs && p.step_in_epoch > 0)) {
+    throw fail(fmt::format("it is past epoch {} already (at epoch {}, step {}): give --epochs {} or more", a.epochs,
+                           p.epochs_done + (p.step_in_epoch > 0), p.step_in_epoch,
+                           p.epochs_done + (p.step_in_epoch > 0)));
+  }
+  std::istringstream rng_state(j.at("rng").get<std::string>());
+  rng_state >> rng;
+  if (!rng_state) throw fail("its shuffle RNG state does not parse");
+  const auto& bin = j.at("order").get_binary();
+  if (bin.size() != samples * 4) throw fail("its data order has another length");
+  for (std::size_t i = 0; i < samples; ++i) {
+    std::uint32_t v;
+    std::memcpy(&v, bin.data() + 4 * i, 4);
+    if (v >= samples) throw fail("its data order names a sample out of range");
+    order[i] = v;
+  }
+  if (const auto was = j.at("epochs").get<std::uint32_t>(); was != a.epochs && a.schedule != "constant") {
+    std::cerr << fmt::format(
+        "ferry: note: the checkpoint's run had --epochs {}; its {} schedule now spans {} epochs, so the learning "
+        "rates from here differ from that run's\n",
+        was, a.schedule, a.epochs);
+  }
+}
+
 int cmd_train(const TrainArgs& a) {
+  if (!a.checkpoint_path.empty()) ferry::check_checkpoint_path(a.checkpoint_path);  // before any training
   const auto data_dir = a.data_dir.empty() ? ferry::default_fashion_mnist_dir() : std::filesystem::path(a.data_dir);
   ferry::Dataset train = ferry::load_fashion_mnist(data_dir, ferry::Split::train);
   ferry::Dataset test = ferry::load_fashion_mnist(data_dir, ferry::Split::test);
@@ -121,12 +284,55 @@ int cmd_train(const TrainArgs& a) {
   profiler.add_variant("train", trainer.train_step());
 
   double step_ms_sum = 0, train_seconds = 0, last_epoch_loss = 0;
-  std::size_t steps_timed = 0;
+  std::size_t steps_timed = 0, steps_run = 0;
+  RunPosition start;
+  if (!a.resume_path.empty()) {
+    const auto load_start = Clock::now();
+    const auto caller = trainer.load_checkpoint(a.resume_path);
+    const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
+    decode_position(caller, a, train.count, steps_per_epoch, start, rng, order);
+    last_epoch_loss = start.last_epoch_loss;
+    if (!a.quiet) {
+      std::cerr << fmt::format(
+          "ferry: resumed from {} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
+          start.epochs_done + 1, start.step_in_epoch, steps_per_epoch, trainer.steps_done(), load_ms);
+    }
+  }
+  const auto save = [&](const RunPosition& p) {
+    const auto t0 = Clock::now();
+    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, p, train.count, rng, order, total_steps));
+    if (!a.quiet) {
+      std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", a.checkpoint_path,
+                               ferry::format_bytes(std::filesystem::file_size(a.checkpoint_path)),
+                               std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+  };
+  // Stops between steps after a signal: a checkpoint at `p` if asked for, and how to go on.
+  const auto stop = [&](const RunPosition& p) {
+    const int sig = stop_signal;
+    const std::string where = fmt::format("epoch {}/{}, step {}/{} ({} optimizer updates done)", p.epochs_done + 1,
+                                          a.epochs, p.step_in_epoch, steps_per_epoch, trainer.steps_done());
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    if (!a.checkpoint_path.empty()) {
+      save(p);
+      std::cerr << fmt::format("ferry: stopped by {} at {}; wrote checkpoint {}\nferry: resume with: {}\n", name, where,
+                               a.checkpoint_path, resume_command(a, a.checkpoint_path));
+    } else {
+      std::cerr << fmt::format(
+          "ferry: stopped by {} at {}; no checkpoint written (run with --checkpoint FILE to be able to resume)\n", name,
+          where);
+    }
+    return 128 + sig;
+  };
+  const StopSignals signals;
   const auto train_start = Clock::now();
-  for (std::uint32_t epoch = 1; epoch <= a.epochs; ++epoch) {
-    std::shuffle(order.begin(), order.end(), rng);
-    double loss_sum = 0;
-    for (std::size_t s = 0; s < steps_per_epoch; ++s) {
+  for (std::uint32_t epoch = start.epochs_done + 1; epoch <= a.epochs; ++epoch) {
+    const bool resumed_mid_epoch = epoch == start.epochs_done + 1 && start.step_in_epoch > 0;
+    if (!resumed_mid_epoch && stop_signal) return stop(RunPosition{epoch - 1, 0, 0, last_epoch_loss});
+    if (!resumed_mid_epoch) std::shuffle(order.begin(), order.end(), rng);
+    double loss_sum = resumed_mid_epoch ? start.loss_sum : 0;
+    for (std::size_t s = resumed_mid_epoch ? start.step_in_epoch : 0; s < steps_per_epoch; ++s) {
+      if (s > 0 && stop_signal) return stop(RunPosition{epoch - 1, s, loss_sum, last_epoch_loss});
       for (std::uint32_t i = 0; i < batch; ++i) {
         const std::size_t idx = order[s * batch + i];
         std::copy_n(train.images.data() + idx * sample, sample, images.data() + i * sample);
@@ -136,7 +342,8 @@ int cmd_train(const TrainArgs& a) {
       trainer.set_lr(schedule.at(global_step));
       const auto r = trainer.step(images, labels);
       loss_sum += r.loss;
-      if (global_step > 0) {  // the first step includes one-off costs
+      ++steps_run;
+      if (steps_run > 1) {  // the first step includes one-off costs
         step_ms_sum += r.step_ms;
         ++steps_timed;
       }
@@ -145,10 +352,10 @@ int cmd_train(const TrainArgs& a) {
         if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), global_step);
       }
       const double elapsed = std::chrono::duration<double>(Clock::now() - train_start).count();
-      const double done = static_cast<double>(global_step + 1);
+      const double done = static_cast<double>(steps_run);
       progress.update(fmt::format("epoch {}/{}", epoch, a.epochs), s + 1, steps_per_epoch,
                       static_cast<float>(loss_sum / (s + 1)), done * batch / elapsed, "samples",
-                      elapsed / done * (total_steps - done));
+                      elapsed / done * static_cast<double>(total_steps - global_step - 1));
     }
     last_epoch_loss = loss_sum / steps_per_epoch;
     if (!a.quiet) {
@@ -162,10 +369,11 @@ int cmd_train(const TrainArgs& a) {
       std::cerr << fmt::format("epoch {}/{}: train loss {:.4f}, test accuracy {:.4f}{}\n", epoch, a.epochs,
                                last_epoch_loss, eval.accuracy, phase_note);
     }
+    if (!a.checkpoint_path.empty()) save(RunPosition{epoch, 0, 0, last_epoch_loss});
   }
   train_seconds = std::chrono::duration<double>(Clock::now() - train_start).count();
   const auto final_eval = trainer.evaluate(test);
-  const double samples_per_s = static_cast<double>(total_steps * batch) / train_seconds;
+  const double samples_per_s = train_seconds > 0 ? static_cast<double>(steps_run * batch) / train_seconds : 0;
   const double step_ms = steps_timed ? step_ms_sum / steps_timed : 0;
   if (!a.trace_path.empty()) {
     trace.write(a.trace_path);
@@ -371,6 +579,12 @@ int main(int argc, char** argv) {
   train->add_flag("--quiet", t.quiet, "No progress output");
   train->add_option("--profile-phases", t.profile_phases_path,
                     "Write a CSV of device bytes per phase's step and section: peak (and where), mean, min, spikes");
+  train->add_option("--checkpoint", t.checkpoint_path,
+                    "Write the whole training state to this file after every epoch and when stopped by SIGINT or "
+                    "SIGTERM (atomically; docs/checkpoints.md)");
+  train->add_option("--resume", t.resume_path,
+                    "Continue the run a --checkpoint file holds, up to --epochs, exactly as if it had not stopped "
+                    "(give the same options)");
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "
                   "(JSON: test_accuracy_int8)");
@@ -381,8 +595,12 @@ int main(int argc, char** argv) {
   add_model_options(plan, t);
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;
+  t.argv.assign(argv, argv + argc);
   try {
     if (devices->parsed()) return cmd_devices();
+    if (train->parsed() && t.model == "gpt" && !(t.checkpoint_path.empty() && t.resume_path.empty())) {
+      throw std::invalid_argument("--checkpoint and --resume are not available for --model gpt yet");
+    }
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);
   } catch (const std::exception& e) {

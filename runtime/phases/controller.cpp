@@ -85,6 +85,47 @@ void PhaseController::set_config(const PhaseConfig& config) {
   length_ = std::min(length_, config_.max_predict_steps);
 }
 
+PhaseController::State PhaseController::state() const {
+  State s;
+  s.next = next_;
+  s.counts = counts_;
+  s.length = length_;
+  s.in_phase = in_phase_;
+  s.since_fit = since_fit_;
+  s.cut_short = cut_short_;
+  s.last_quality = last_quality_;
+  s.losses.assign(losses_.begin(), losses_.end());
+  s.qualities.assign(qualities_.begin(), qualities_.end());
+  s.predict_losses.assign(predict_losses_.begin(), predict_losses_.end());
+  return s;
+}
+
+void PhaseController::restore(const State& s) {
+  if (static_cast<std::size_t>(s.next) >= phase_count || (!config_.hybrid && s.next != Phase::full)) {
+    throw std::invalid_argument(fmt::format("phase state: next phase {} is not possible with phases {}",
+                                            static_cast<int>(s.next), phases_name(config_.hybrid)));
+  }
+  if (config_.hybrid && (s.length == 0 || s.length > config_.max_predict_steps)) {
+    throw std::invalid_argument(
+        fmt::format("phase state: a Predict run length of {} is outside [1, {}]", s.length, config_.max_predict_steps));
+  }
+  if (s.losses.size() > config_.loss_window || s.qualities.size() > config_.min_full_steps) {
+    throw std::invalid_argument(
+        fmt::format("phase state: {} recent losses and {} qualities, more than the window of {} and {}",
+                    s.losses.size(), s.qualities.size(), config_.loss_window, config_.min_full_steps));
+  }
+  next_ = s.next;
+  counts_ = s.counts;
+  length_ = s.length;
+  in_phase_ = s.in_phase;
+  since_fit_ = s.since_fit;
+  cut_short_ = s.cut_short;
+  last_quality_ = s.last_quality;
+  losses_.assign(s.losses.begin(), s.losses.end());
+  qualities_.assign(s.qualities.begin(), s.qualities.end());
+  predict_losses_.assign(s.predict_losses.begin(), s.predict_losses.end());
+}
+
 double PhaseController::loss_mean() const {
   if (losses_.empty()) return 0;
   return std::accumulate(losses_.begin(), losses_.end(), 0.0) / static_cast<double>(losses_.size());

@@ -78,6 +78,57 @@ expect_error "a recompute interval beyond the depth" "nothing to recompute" \
   train --model deep --width 64 --depth 2 --recompute 50 --epochs 1
 expect_error "an unknown predictor" "unknown predictor 'cubic'" train --phases hybrid --predictor cubic --epochs 1
 
+# Checkpoints (docs/checkpoints.md): 1 epoch then --resume to 2 gives the 2-epoch run's results;
+# SIGINT and SIGTERM stop between steps, write a checkpoint and print the command that resumes.
+results() {  # the fields of a JSON line that must not depend on timing
+  grep -o '"\(test_accuracy\|test_loss\|train_loss\|optimizer_updates\)":[^,}]*' <<<"$1" | tr '\n' ' '
+}
+ck=(--model mlp --train-limit 2048 --schedule constant --quiet --json)
+two=$("$ferry" train "${ck[@]}" --epochs 2 --checkpoint "$work/two.ckpt")
+check "--checkpoint writes a checkpoint" test -s "$work/two.ckpt"
+check "--checkpoint leaves no temporary file" test "$(ls -A "$work" | grep -c '\.tmp-')" -eq 0
+one=$("$ferry" train "${ck[@]}" --epochs 1 --checkpoint "$work/one.ckpt")
+resumed=$("$ferry" train "${ck[@]}" --epochs 2 --resume "$work/one.ckpt")
+check "1 epoch + --resume to 2 epochs gives the 2-epoch results" test "$(results "$resumed")" = "$(results "$two")"
+check "... which differ from 1 epoch's" test "$(results "$one")" != "$(results "$two")"
+check "the results to compare are there" grep -q '"test_loss":' <<<"$two"
+again=$("$ferry" train "${ck[@]}" --epochs 2 --resume "$work/two.ckpt")
+check "resuming a finished run reports it without training" test "$(results "$again")" = "$(results "$two")"
+
+# SIGINT after the first progress line (mid-epoch, cosine schedule), then the printed command.
+sig=(train --model mlp --epochs 2 --train-limit 8192 --json --checkpoint "$work/sig.ckpt")
+uninterrupted=$("$ferry" "${sig[@]}" --quiet)
+for signal in INT TERM; do
+  rm -f "$work/sig.ckpt"
+  "$ferry" "${sig[@]}" >"$work/sig.out" 2>"$work/sig.err" &
+  pid=$!
+  for _ in $(seq 1 1200); do grep -q 'epoch 1/2 \[' "$work/sig.err" && break; sleep 0.05; done
+  kill -"$signal" "$pid"
+  wait "$pid"
+  status=$?
+  want=$([ "$signal" = INT ] && echo 130 || echo 143)
+  check "SIG$signal during training exits $want" test "$status" -eq "$want"
+  check "SIG$signal says where training stopped" grep -q "stopped by SIG$signal at epoch 1/2, step [0-9]*/32" "$work/sig.err"
+  check "SIG$signal writes the checkpoint" test -s "$work/sig.ckpt"
+  cmd=$(sed -n 's/^ferry: resume with: //p' "$work/sig.err")
+  check "SIG$signal prints a resume command" grep -q -- "--resume $work/sig.ckpt" <<<"$cmd"
+  after=$(bash -c "$cmd --quiet")
+  check "the printed command (SIG$signal) finishes the run as if uninterrupted" \
+    test "$(results "$after")" = "$(results "$uninterrupted")"
+done
+
+expect_error "a checkpoint folder that does not exist (before training)" "does not exist" \
+  train --epochs 1 --checkpoint "$work/no-such-folder/x.ckpt"
+expect_error "resuming a missing file" "cannot open checkpoint" train --epochs 1 --resume "$work/none.ckpt"
+expect_error "resuming another model" "its model is 'mlp-784-1024-1024-10'" \
+  train --model cnn --epochs 1 --train-limit 512 --resume "$work/one.ckpt"
+expect_error "resuming with another seed" "resume with --seed 1" \
+  train "${ck[@]}" --epochs 2 --seed 5 --resume "$work/one.ckpt"
+expect_error "resuming to fewer epochs than done" "give --epochs 2 or more" \
+  train "${ck[@]}" --epochs 1 --resume "$work/two.ckpt"
+head -c 1000 "$work/one.ckpt" >"$work/cut.ckpt"
+expect_error "resuming a truncated checkpoint" "truncated" train "${ck[@]}" --epochs 2 --resume "$work/cut.ckpt"
+
 # The GPT on a small text this test writes (no package needed): JSON fields, a sample, errors.
 mkdir -p "$work/text"
 for i in $(seq 1 60); do echo "The quick brown fox $i jumps over the lazy dog; a stitch in time saves nine."; done >"$work/text/a"

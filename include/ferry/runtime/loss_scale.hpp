@@ -39,6 +39,12 @@ class LossScaler {
   // steps; the growth_interval-th clean step in a row doubles it (not above 2^24).
   void record(bool overflow);
   std::uint64_t overflows() const noexcept { return overflows_; }
+  // Clean steps in a row since the scale last changed.
+  std::uint32_t clean_steps() const noexcept { return clean_; }
+  // Puts back a state read from scale(), clean_steps() and overflows() (checkpoints). Throws
+  // std::invalid_argument, changing nothing, for a scale that is not a power of two in [1, 2^24]
+  // or a clean count at or above the growth interval.
+  void restore(float scale, std::uint32_t clean_steps, std::uint64_t overflows);
 
  private:
   float scale_;

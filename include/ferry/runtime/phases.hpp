@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <vector>
 
 #include "ferry/ops/predictor.hpp"
 
@@ -107,6 +108,22 @@ class PhaseController {
   const PhaseConfig& config() const noexcept { return config_; }
   // New settings from the next step on (validated first; hybrid cannot be switched).
   void set_config(const PhaseConfig& config);
+
+  // Everything the controller has learnt, for checkpoints (ferry/runtime/checkpoint.hpp): with
+  // the same config, a controller given another's state() makes the same decisions from then on.
+  struct State {
+    Phase next = Phase::full;
+    Counts counts;
+    std::uint32_t length = 1, in_phase = 0, since_fit = 0;
+    bool cut_short = false;
+    double last_quality = 0;
+    std::vector<double> losses, qualities, predict_losses;
+  };
+  State state() const;
+  // Throws std::invalid_argument, changing nothing, for a state this config cannot have reached
+  // (a Predict phase without hybrid phases, a run length above max_predict_steps, more losses
+  // than the window holds).
+  void restore(const State& s);
 
  private:
   void start_full();

@@ -1,7 +1,9 @@
 // Trainer: compiles a model's training step once and runs it batch by batch.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -158,6 +160,21 @@ class Trainer {
   // and then changes nothing.
   void write_tensor(const std::string& name, const HostTensor& value);
 
+  // Checkpoints (ferry/runtime/checkpoint.hpp, docs/checkpoints.md), between steps.
+  // save_checkpoint writes the whole training state and `caller` (opaque bytes: the caller's own
+  // position, RNG state...) to `path` atomically: into a new file beside it, synced, then renamed
+  // over `path`, so an earlier checkpoint there survives a crash mid-write. Tensors are written
+  // one at a time. Throws std::runtime_error naming the path when it cannot be written.
+  void save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller = {}) const;
+  // Reads and verifies every byte of `path` (header, checksums, that it was written for this
+  // model, optimizer and batch) before it changes anything, then replaces the training state
+  // and returns the caller's bytes. A trainer built like the one that saved, given this, then
+  // trains exactly as that one would have. Throws std::runtime_error for a missing, foreign,
+  // newer, truncated or corrupt file and std::invalid_argument for one written for another
+  // model, optimizer or batch; the message names the file, the problem and what to do, and the
+  // trainer is unchanged.
+  std::vector<std::byte> load_checkpoint(const std::filesystem::path& path);
+
  private:
   graph::Graph build_graph(const graph::VariantKey& key) const;
   std::uint64_t bytes_of(graph::Role role) const;
@@ -177,6 +194,8 @@ class Trainer {
   // The fits of the last training step, summed over weights with the gains they predicted with.
   FitStats read_fit();
   graph::CompiledStep& variant(const graph::VariantKey& key);
+  // Every persistent tensor a checkpoint holds: tensor_names(), then the gradient sums.
+  std::vector<TensorId> checkpoint_tensors() const;
   // Checks the host mirrors `step` will upload (dtype ranges, finiteness) for `count` samples
   // starting at sample `first` of the caller's data (for messages).
   void validate_staged(const graph::CompiledStep& step, std::span<const TensorSpec> specs, std::size_t first) const;

@@ -1,0 +1,519 @@
+// Checkpoints (ferry/runtime/checkpoint.hpp, docs/checkpoints.md): 2N steps against N steps, a
+// save, a load into a new trainer and N more steps give bit-identical losses and state, in every
+// home, optimizer, precision and phase mode; a damaged, truncated, foreign, newer or mismatched
+// file is refused with a clear error and the trainer keeps its state; writes are atomic.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "ferry/ferry.hpp"
+#include "test_models.hpp"
+#include "test_support.hpp"
+#include "train_check.hpp"
+
+namespace ferry::test {
+namespace {
+
+namespace fs = std::filesystem;
+using Tensors = std::map<std::string, std::vector<std::byte>>;
+
+// A folder of its own per test, removed afterwards.
+class Scratch {
+ public:
+  Scratch() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = fmt::format("ferry-ckpt-{}-{}-{}", getpid(), info->test_suite_name(), info->name());
+    for (char& c : name) {
+      if (c == '/') c = '_';
+    }
+    dir_ = fs::temp_directory_path() / name;
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  ~Scratch() { fs::remove_all(dir_); }
+  fs::path operator/(const std::string& f) const { return dir_ / f; }
+  const fs::path& dir() const { return dir_; }
+
+ private:
+  fs::path dir_;
+};
+
+std::vector<std::byte> read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(c.size());
+  std::memcpy(out.data(), c.data(), c.size());
+  return out;
+}
+
+void write_file(const fs::path& p, std::span<const std::byte> bytes) {
+  fs::remove(p);  // a new file, not a truncated one (ext4 flushes a truncated file when it is closed)
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Everything a resume must reproduce: every persistent tensor as stored and the counters.
+struct State {
+  Tensors tensors;
+  std::uint64_t steps = 0, overflows = 0;
+  float lr = 0, scale = 0;
+  PhaseController::Counts counts;
+  Phase next = Phase::full;
+};
+
+State state_of(const Trainer& t) {
+  State s;
+  for (const auto& name : t.tensor_names()) s.tensors[name] = t.read_tensor(name).bytes;
+  s.steps = t.steps_done();
+  s.overflows = t.overflow_steps();
+  s.lr = t.lr();
+  s.scale = t.loss_scale();
+  if (t.phases()) {
+    s.counts = t.phases()->counts();
+    s.next = t.phases()->next();
+  }
+  return s;
+}
+
+void expect_same_state(const State& a, const State& b, const std::string& what) {
+  EXPECT_EQ(a.steps, b.steps) << what;
+  EXPECT_EQ(a.overflows, b.overflows) << what;
+  EXPECT_EQ(a.lr, b.lr) << what;
+  EXPECT_EQ(a.scale, b.scale) << what;
+  EXPECT_EQ(a.next, b.next) << what;
+  for (std::size_t i = 0; i < phase_count; ++i) EXPECT_EQ(a.counts.steps[i], b.counts.steps[i]) << what;
+  EXPECT_EQ(a.counts.runs, b.counts.runs) << what;
+  EXPECT_EQ(a.counts.restores, b.counts.restores) << what;
+  ASSERT_EQ(a.tensors.size(), b.tensors.size()) << what;
+  for (const auto& [name, bytes] : a.tensors) {
+    EXPECT_TRUE(b.tensors.at(name) == bytes) << what << ": tensor " << name << " differs";
+  }
+}
+
+// Step s of every run: its own batch, and a learning rate that changes (a schedule).
+struct Stepped {
+  std::uint32_t loss_bits;
+  Phase phase;
+  bool updated, overflow;
+  bool operator==(const Stepped&) const = default;
+};
+
+Stepped do_step(Trainer& t, int s) {
+  const auto& o = t.options();
+  const auto images = random_vector(o.batch * sample_elems(t.model()), 300 + s);
+  const auto labels = labels_for(o.batch, 500 + s);
+  t.set_lr(o.lr / (1.0f + 0.05f * static_cast<float>(s)));
+  const auto r = t.step(images, labels);
+  std::uint32_t bits;
+  std::memcpy(&bits, &r.loss, 4);
+  return {bits, r.phase, r.updated, r.overflow};
+}
+
+struct Case {
+  std::string name;
+  ModelSpec (*model)();
+  TrainerOptions (*options)(Runtime&, const ModelSpec&);
+  int total = 8;
+  std::vector<int> splits{4};
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
+
+TrainerOptions base() {
+  TrainerOptions o;
+  o.batch = 8;
+  o.lr = 0.01f;
+  return o;
+}
+
+PhaseConfig hybrid_config() {
+  PhaseConfig p;
+  p.hybrid = true;
+  p.warmup_steps = 2;
+  p.min_full_steps = 1;
+  p.max_predict_steps = 4;
+  p.confidence = 0.01f;  // predict as soon as allowed
+  p.max_loss_gap = 1e6f;
+  p.sigma_limit = 1e6f;
+  return p;
+}
+
+const Case cases[] = {
+    {"resident", small_mlp, [](Runtime&, const ModelSpec&) { return base(); }},
+    {"streamed", small_mlp,
+     [](Runtime& rt, const ModelSpec& m) {
+       auto o = base();
+       o.residency.mode = graph::ResidencyMode::stream;
+       o.residency.budget_bytes = stream_budget(rt, m, o);
+       return o;
+     }},
+    {"compressed_state_and_weights", small_cnn,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.residency.state_home = graph::Residency::host_compressed;
+       o.residency.weights_home = graph::Residency::host_compressed;
+       o.residency.homes.codec.chunk_bytes = 4096;
+       return o;
+     }},
+    {"adamw8bit", small_mlp,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.optimizer.kind = graph::OptimizerSpec::Kind::adamw8bit;
+       o.optimizer.block8bit = 256;
+       o.optimizer.adam.weight_decay = 0.01f;
+       return o;
+     }},
+    {"adamw8bit_compressed", small_mlp,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.optimizer.kind = graph::OptimizerSpec::Kind::adamw8bit;
+       o.optimizer.block8bit = 256;
+       o.residency.state_home = graph::Residency::host_compressed;
+       return o;
+     }},
+    {"sgd_mapped", small_cnn,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+       o.residency.mode = graph::ResidencyMode::mapped;
+       return o;
+     }},
+    {"bf16", small_residual,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.precision.compute = graph::DType::bf16;
+       return o;
+     }},
+    // A scale far too large: the first steps overflow and halve it, then it grows every 3 clean
+    // steps; the splits land in both stretches.
+    {"fp16_loss_scaling",
+     small_mlp,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.precision.compute = graph::DType::f16;
+       o.precision.initial_scale = 16777216.0f;
+       o.precision.growth_interval = 3;
+       return o;
+     },
+     14,
+     {2, 5, 9, 12}},
+    {"hybrid",
+     small_mlp,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.phases = hybrid_config();
+       return o;
+     },
+     12,
+     {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}},
+    // Predict runs that diverge at once: the weights are put back from the restore point, which a
+    // checkpoint inside a run must carry.
+    {"hybrid_restores_streamed",
+     small_mlp,
+     [](Runtime& rt, const ModelSpec& m) {
+       auto o = base();
+       o.phases = hybrid_config();
+       o.phases.max_predict_steps = 8;
+       o.phases.max_loss_gap = 1e-3f;
+       o.residency.mode = graph::ResidencyMode::stream;
+       o.residency.budget_bytes = stream_budget(rt, m, o);
+       return o;
+     },
+     12,
+     {3, 4, 5, 6, 7, 8, 9}},
+    // A save in the middle of an accumulation group carries the gradient sums.
+    {"accumulate",
+     small_mlp,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.accumulate = 3;
+       return o;
+     },
+     9,
+     {1, 3, 4, 5}},
+};
+
+class CheckpointResume : public ::testing::TestWithParam<Case> {};
+
+// The uninterrupted run against, for each split k, k steps + save + load into a new trainer
+// (built with another seed, so its own weights differ) + the rest.
+TEST_P(CheckpointResume, IsBitIdenticalToAnUninterruptedRun) {
+  const Case& c = GetParam();
+  Runtime rt;
+  Scratch dir;
+  const ModelSpec m = c.model();
+  const TrainerOptions o = c.options(rt, m);
+  std::vector<Stepped> steps;
+  State full;
+  {
+    Trainer t(rt, m, o);
+    for (int s = 0; s < c.total; ++s) steps.push_back(do_step(t, s));
+    full = state_of(t);
+  }
+  if (o.phases.hybrid) {
+    int predicted = 0;
+    for (const auto& s : steps) predicted += s.phase == Phase::predict;
+    EXPECT_GT(predicted, 0) << "the hybrid case should predict some steps";
+    if (o.phases.max_loss_gap < 1) {
+      EXPECT_GT(full.counts.restores, 0u) << "this case should restore weights";
+    }
+  }
+  if (o.residency.mode == graph::ResidencyMode::stream) {
+    Trainer probe(rt, m, o);
+    EXPECT_GT(probe.residency().fetches, 0u) << "the streamed case should stream";
+  }
+  if (o.precision.scaled()) {
+    EXPECT_GT(full.overflows, 0u) << "the fp16 case should overflow at first";
+  }
+  for (const int k : c.splits) {
+    const std::string what = fmt::format("{}: split after {} of {} steps", c.name, k, c.total);
+    const auto path = dir / fmt::format("split{}.ckpt", k);
+    const std::vector<std::byte> caller{std::byte{1}, std::byte{2}, static_cast<std::byte>(k)};
+    {
+      Trainer first(rt, m, o);
+      for (int s = 0; s < k; ++s) ASSERT_EQ(do_step(first, s), steps[s]) << what << ", step " << s;
+      first.save_checkpoint(path, caller);
+    }
+    TrainerOptions other = o;
+    other.seed = 99;
+    Trainer second(rt, m, other);
+    do_step(second, 40);  // its own state, replaced by the load
+    EXPECT_EQ(second.load_checkpoint(path), caller) << what;
+    for (int s = k; s < c.total; ++s) {
+      const Stepped got = do_step(second, s);
+      EXPECT_EQ(got.loss_bits, steps[s].loss_bits) << what << ", step " << s;
+      EXPECT_EQ(got.phase, steps[s].phase) << what << ", step " << s;
+      EXPECT_EQ(got.overflow, steps[s].overflow) << what << ", step " << s;
+    }
+    expect_same_state(full, state_of(second), what);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CheckpointResume, ::testing::ValuesIn(cases),
+                         [](const auto& info) { return info.param.name; });
+
+// A trained trainer's checkpoint, and a second trainer whose state differs, to load it into.
+struct Fixture {
+  Runtime rt;
+  Scratch dir;
+  TrainerOptions o = [] {
+    auto o = base();
+    o.phases = hybrid_config();
+    o.phases.max_predict_steps = 8;
+    return o;
+  }();
+  fs::path path = dir / "good.ckpt";
+  std::vector<std::byte> bytes;
+  State saved;
+
+  Fixture() {
+    Trainer t(rt, small_mlp(), o);
+    // Save inside a Predict run, so every kind of section is there.
+    for (int s = 0; s < 30; ++s) {
+      const auto r = do_step(t, s);
+      if (r.phase == Phase::predict && t.phases()->next() == Phase::predict) break;
+    }
+    saved = state_of(t);
+    t.save_checkpoint(path, std::vector<std::byte>(100, std::byte{7}));
+    bytes = read_file(path);
+  }
+};
+
+// Loading `file` into `t` throws E with every `needles` in its message, and t keeps its state.
+template <class E>
+void expect_refused(Trainer& t, const fs::path& file, std::initializer_list<std::string> needles,
+                    const std::string& what) {
+  const State before = state_of(t);
+  try {
+    t.load_checkpoint(file);
+    ADD_FAILURE() << what << ": loaded without an error";
+  } catch (const E& e) {
+    const std::string msg = e.what();
+    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << what << ": '" << msg << "' lacks " << n;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << what << ": the wrong kind of error: " << e.what();
+  }
+  expect_same_state(before, state_of(t), what + " (the trainer must keep its state)");
+}
+
+// Every byte of the file flipped in turn, one at a time: each is detected, and the trainer keeps
+// its weights; then the intact file still loads.
+TEST(Checkpoint, EveryFlippedByteIsDetected) {
+  Fixture f;
+  ASSERT_GT(f.bytes.size(), 2000u);
+  Trainer t(f.rt, small_mlp(), f.o);
+  do_step(t, 77);
+  const State before = state_of(t);
+  const auto bad = f.dir / "bad.ckpt";
+  std::size_t refused = 0;
+  for (std::size_t i = 0; i < f.bytes.size(); ++i) {
+    for (const auto flip : {std::byte{0xff}, std::byte{0x01}}) {
+      auto copy = f.bytes;
+      copy[i] ^= flip;
+      write_file(bad, copy);
+      try {
+        t.load_checkpoint(bad);
+        ADD_FAILURE() << "byte " << i << " flipped by " << int(flip) << " was not detected";
+      } catch (const std::runtime_error& e) {
+        ++refused;
+        const std::string msg = e.what();
+        if (msg.find(bad.string()) == std::string::npos) ADD_FAILURE() << "byte " << i << ": " << msg;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "byte " << i << ": not a runtime_error: " << e.what();
+      }
+    }
+    if (i % 1009 == 0) expect_same_state(before, state_of(t), fmt::format("after byte {}", i));
+  }
+  EXPECT_EQ(refused, 2 * f.bytes.size());
+  expect_same_state(before, state_of(t), "after every flip");
+  EXPECT_EQ(t.load_checkpoint(f.path), std::vector<std::byte>(100, std::byte{7}));
+  expect_same_state(f.saved, state_of(t), "the intact file");
+}
+
+TEST(Checkpoint, TruncatedOrExtendedFilesAreRefused) {
+  Fixture f;
+  Trainer t(f.rt, small_mlp(), f.o);
+  const auto bad = f.dir / "short.ckpt";
+  const std::size_t n = f.bytes.size();
+  for (const std::size_t keep : {std::size_t{0}, std::size_t{5}, std::size_t{8}, std::size_t{39}, std::size_t{40},
+                                 std::size_t{50}, n / 3, n / 2, n - 25, n - 8, n - 1}) {
+    write_file(bad, std::span(f.bytes).first(keep));
+    expect_refused<std::runtime_error>(t, bad, {bad.string()}, fmt::format("{} of {} bytes", keep, n));
+  }
+  auto longer = f.bytes;
+  longer.push_back(std::byte{0});
+  write_file(bad, longer);
+  expect_refused<std::runtime_error>(t, bad, {"corrupt", "follow"}, "a byte appended");
+}
+
+TEST(Checkpoint, ForeignMissingAndNewerFilesAreRefused) {
+  Fixture f;
+  Trainer t(f.rt, small_mlp(), f.o);
+  const auto foreign = f.dir / "notes.txt";
+  const std::string text = "these are not the weights you are looking for\n";
+  write_file(foreign, std::as_bytes(std::span(text)));
+  expect_refused<std::runtime_error>(t, foreign, {"not a ferry checkpoint", "notes.txt"}, "a text file");
+  expect_refused<std::runtime_error>(t, f.dir / "nowhere.ckpt", {"cannot open", "nowhere.ckpt"}, "a missing file");
+  expect_refused<std::runtime_error>(t, f.dir.dir(), {"not a regular file"}, "a folder");
+
+  // Format version 2 with a valid header checksum (64-bit FNV-1a over the first 32 bytes, as
+  // 8-byte little-endian words).
+  auto newer = f.bytes;
+  const std::uint32_t v2 = 2;
+  std::memcpy(newer.data() + 8, &v2, 4);
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (int w = 0; w < 4; ++w) {
+    std::uint64_t word;
+    std::memcpy(&word, newer.data() + 8 * w, 8);
+    h = (h ^ word) * 0x100000001b3ull;
+  }
+  EXPECT_EQ(h, checkpoint_checksum(newer.data(), 32));
+  std::memcpy(newer.data() + 32, &h, 8);
+  const auto newer_path = f.dir / "newer.ckpt";
+  write_file(newer_path, newer);
+  expect_refused<std::runtime_error>(t, newer_path, {"format version 2", "newer", "newer.ckpt"}, "a newer format");
+}
+
+TEST(Checkpoint, AnotherModelOptimizerOrBatchIsRefused) {
+  Fixture f;
+  {
+    Trainer cnn(f.rt, small_cnn(), f.o);
+    expect_refused<std::invalid_argument>(cnn, f.path, {"model is 'small-mlp'", "'small-cnn'", "good.ckpt"},
+                                          "another model");
+  }
+  {
+    auto o = f.o;
+    o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+    Trainer sgd(f.rt, small_mlp(), o);
+    expect_refused<std::invalid_argument>(sgd, f.path, {"optimizer is adam", "sgd", "--optimizer adam"},
+                                          "another optimizer");
+  }
+  {
+    auto o = f.o;
+    o.batch = 16;
+    Trainer b16(f.rt, small_mlp(), o);
+    expect_refused<std::invalid_argument>(b16, f.path, {"batch is 8", "--batch 8"}, "another batch");
+  }
+  {
+    auto o = f.o;
+    o.phases = PhaseConfig{};
+    Trainer full(f.rt, small_mlp(), o);
+    expect_refused<std::invalid_argument>(full, f.path, {"phases are hybrid"}, "no hybrid phases");
+  }
+  {
+    // The same model name with another width: the tensors differ.
+    const auto wider = [] {
+      return models::classifier("small-mlp", graph::Shape{1, 4, 5}, 10, [](graph::Builder& b, TensorId x) {
+        x = b.flatten(x);
+        x = b.relu(b.linear(x, 14));
+        return b.linear(x, 10);
+      });
+    };
+    Trainer w(f.rt, wider(), f.o);
+    expect_refused<std::invalid_argument>(w, f.path, {"tensor 'linear0.w'"}, "another width");
+  }
+}
+
+// A save replaces the file whole and leaves nothing else in its folder; a save that cannot be
+// written names the path, and the probe refuses bad paths before any training.
+TEST(Checkpoint, WritesAreAtomicAndBadPathsAreRefusedEarly) {
+  Fixture f;
+  Trainer t(f.rt, small_mlp(), f.o);
+  t.save_checkpoint(f.path);  // over the fixture's file
+  EXPECT_NE(read_file(f.path), f.bytes);
+  std::size_t files = 0;
+  for (const auto& e : fs::directory_iterator(f.dir.dir())) {
+    ++files;
+    EXPECT_EQ(e.path().filename(), "good.ckpt") << "a temporary file was left behind";
+  }
+  EXPECT_EQ(files, 1u);
+  EXPECT_TRUE(t.load_checkpoint(f.path).empty());
+
+  const auto missing = f.dir / "no-such-folder" / "x.ckpt";
+  try {
+    t.save_checkpoint(missing);
+    ADD_FAILURE() << "saved into a missing folder";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no-such-folder"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(check_checkpoint_path(missing), std::runtime_error);
+  try {
+    check_checkpoint_path(missing);
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not exist"), std::string::npos) << e.what();
+  }
+  try {
+    check_checkpoint_path(f.dir.dir());
+    ADD_FAILURE() << "a folder as the checkpoint path";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is a folder"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(check_checkpoint_path(f.dir / "later.ckpt"));
+  EXPECT_FALSE(fs::exists(f.dir / "later.ckpt"));
+  files = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(f.dir.dir())) ++files;
+  EXPECT_EQ(files, 1u) << "the probe left a file behind";
+}
+
+// The header names the format and the ferry version; the checksum is the documented one.
+TEST(Checkpoint, HeaderLayout) {
+  Fixture f;
+  ASSERT_GE(f.bytes.size(), 40u);
+  EXPECT_EQ(std::memcmp(f.bytes.data(), "FERRYCKP", 8), 0);
+  std::uint32_t version = 0;
+  std::memcpy(&version, f.bytes.data() + 8, 4);
+  EXPECT_EQ(version, checkpoint_format_version);
+  EXPECT_STREQ(reinterpret_cast<const char*>(f.bytes.data() + 16), ferry_version());
+  std::uint64_t sum = 0;
+  std::memcpy(&sum, f.bytes.data() + 32, 8);
+  EXPECT_EQ(sum, checkpoint_checksum(f.bytes.data(), 32));
+  EXPECT_EQ(std::memcmp(f.bytes.data() + 40, "MODL", 4), 0);
+}
+
+}  // namespace
+}  // namespace ferry::test
