@@ -391,7 +391,9 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
                                                    wait.empty() ? nullptr : wait.data(), ev.out()));
             }
             im->events[id] = std::move(ev);
-            // Flush so that commands on other queues waiting on this one can start.
+            // Flush so that commands on other queues waiting on this one can start. clFlush may
+            // also run the queue to completion before it returns (Oclgrind does): that is safe
+            // because every event this node waits for was enqueued and flushed before it.
             FERRY_CL(clFlush(q));
           } catch (const cl::Error&) {
             throw;  // already names the op through OpScope

@@ -102,10 +102,21 @@ class GzInput {
     return (std::uint32_t{b[0]} << 24) | (std::uint32_t{b[1]} << 16) | (std::uint32_t{b[2]} << 8) | b[3];
   }
 
-  // Reads exactly n payload bytes, then checks that nothing follows them.
+  // Reads exactly n payload bytes, then checks that nothing follows them. The buffer grows as
+  // data arrives, so a header that promises gigabytes of a short file is reported as truncated
+  // instead of allocating what it promises (fuzz/corpus/fashion_mnist/promises_1gib).
   std::vector<unsigned char> read_payload(std::size_t n, std::string_view what) {
-    std::vector<unsigned char> bytes(n);
-    const std::size_t got = read(bytes.data(), n);
+    constexpr std::size_t step = std::size_t{16} << 20;
+    std::vector<unsigned char> bytes;
+    std::size_t got = 0;
+    while (got < n) {
+      const std::size_t want = std::min(step, n - got);
+      bytes.resize(got + want);
+      const std::size_t chunk = read(bytes.data() + got, want);
+      got += chunk;
+      if (chunk < want) break;
+    }
+    bytes.resize(got);
     if (got != n) {
       fail(path_, fmt::format("is truncated: its header promises {} bytes of {} but only {} follow", n, what, got),
            kReinstallHint);

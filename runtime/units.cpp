@@ -42,11 +42,13 @@ std::uint64_t parse_bytes(std::string_view text) {
                                    {"tb", 1e12}};
   for (const auto& u : units) {
     if (unit == u.name) {
-      const double bytes = value * u.factor;
-      if (!(bytes >= 0) || !std::isfinite(bytes) || bytes > 1.8e19) {
+      // Rounded first, then compared with 2^64 (exact in a double): std::llround stops at 2^63
+      // and converting a double at or above 2^64 to uint64_t is undefined (found by fuzz/units.cpp: "14444444444.5 G").
+      const double bytes = std::round(value * u.factor);
+      if (!(bytes >= 0) || !(bytes < 18446744073709551616.0)) {
         throw std::invalid_argument(fmt::format("size '{}' is out of range", text));
       }
-      return static_cast<std::uint64_t>(std::llround(bytes));
+      return static_cast<std::uint64_t>(bytes);
     }
   }
   throw std::invalid_argument(
