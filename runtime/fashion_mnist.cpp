@@ -219,10 +219,10 @@ Dataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
 }
 
 void Dataset::validate() const {
-  if (images.size() != count * sample_elems() || labels.size() != count) {
+  if (images.size() < count * sample_elems() || labels.size() < count) {
     throw std::invalid_argument(fmt::format(
-        "dataset: count {} of {}x{} images needs {} pixels and {} labels, but it holds {} and {}: set count to the "
-        "samples the vectors hold",
+        "dataset: count {} of {}x{} images needs {} pixels and {} labels, but it holds {} and {}: set count to at "
+        "most the samples the vectors hold",
         count, rows, cols, count * sample_elems(), count, images.size(), labels.size()));
   }
 }

@@ -337,5 +337,21 @@ TEST_F(FashionMnistBadInput, LabelOutOfRange) {
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-labels-idx1-ubyte.gz", "label 10", "sample 1", "out of range");
 }
 
+// A count above what the vectors hold is an error before anything is read, never a read past
+// their end; a smaller count uses the first samples.
+TEST(Dataset, CountBeyondTheVectorsIsRefused) {
+  Dataset d;
+  d.rows = d.cols = 2;
+  d.count = 3;
+  d.images.assign(2 * 4, 0.5f);
+  d.labels.assign(2, 1);
+  std::vector<std::byte> out(4 * sizeof(float));
+  EXPECT_THROW(d.read("input", 0, 1, out), std::invalid_argument);
+  d.count = 2;
+  EXPECT_NO_THROW(d.read("input", 1, 1, out));
+  d.count = 1;
+  EXPECT_NO_THROW(d.validate());
+}
+
 }  // namespace
 }  // namespace ferry::test

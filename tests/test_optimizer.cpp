@@ -122,5 +122,43 @@ TEST(Optimizer, AdamConvergesOnQuadratic) {
   EXPECT_LT(max_err, 0.02);
 }
 
+// Settings that would turn every weight into NaN (or grow without bound) are refused up front.
+TEST(Optimizer, ValidateRefusesBadSettings) {
+  const float nan = std::nanf("");
+  auto refused = [](ops::OptimizerConfig c) {
+    try {
+      ops::validate(c);
+      return false;
+    } catch (const std::invalid_argument&) {
+      return true;
+    }
+  };
+  ops::OptimizerConfig ok;
+  EXPECT_FALSE(refused(ok));
+  for (float bad : {nan, -0.1f, 1.0f}) {
+    ops::OptimizerConfig c;
+    c.adam.beta1 = bad;
+    EXPECT_TRUE(refused(c)) << "beta1 " << bad;
+    c = {};
+    c.adam.beta2 = bad;
+    EXPECT_TRUE(refused(c)) << "beta2 " << bad;
+    c = {};
+    c.kind = ops::OptimizerConfig::Kind::sgd;
+    c.sgd.momentum = bad;
+    EXPECT_TRUE(refused(c)) << "momentum " << bad;
+  }
+  for (float bad : {nan, -1.0f, INFINITY}) {
+    ops::OptimizerConfig c;
+    c.adam.weight_decay = bad;
+    EXPECT_TRUE(refused(c)) << "weight decay " << bad;
+    c = {};
+    c.adam.eps = bad;
+    EXPECT_TRUE(refused(c)) << "eps " << bad;
+  }
+  ops::OptimizerConfig zero_eps;
+  zero_eps.adam.eps = 0.0f;
+  EXPECT_TRUE(refused(zero_eps));
+}
+
 }  // namespace
 }  // namespace ferry::test

@@ -18,8 +18,9 @@ struct Dataset final : DataSource {
   std::size_t sample_elems() const { return rows * cols; }
 
   std::size_t size() const override { return count; }
-  // Throws std::invalid_argument when the vectors do not hold `count` samples of rows x cols
-  // (read() checks it first, so a wrong count is an error, never a read past the end).
+  // Throws std::invalid_argument when the vectors hold fewer than `count` samples of rows x cols
+  // (read() checks it first, so a wrong count is an error, never a read past the end; a count
+  // below what they hold uses the first `count` samples).
   void validate() const;
   void read(std::string_view name, std::size_t first, std::size_t n, std::span<std::byte> out) const override;
 };
