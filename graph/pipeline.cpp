@@ -32,7 +32,7 @@ const std::vector<ModelPass>& model_passes() {
       {"predictor",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
          if (key.training && !key.micro && key.fit_predictor) append_predictor_fit(g, optimizer.predictor);
-         if (!key.training && key.apply_predictor) append_predictor_apply(g);
+         if (!key.training && key.apply_predictor) append_predictor_apply(g, optimizer.predictor);
        }},
       {"int8 weights",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {

@@ -54,9 +54,11 @@ LaunchList predictor_snapshot(OpEnv& env, DeviceSpan src, DeviceSpan dst, std::s
 }
 
 LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, DeviceSpan before, DeviceSpan d,
-                         DeviceSpan st, DeviceSpan scratch, std::size_t n, DeviceSpan guard) {
+                         DeviceSpan st, DeviceSpan scratch, std::size_t n, DeviceSpan guard, DeviceSpan r) {
   check_predictor(c);
   const Guard gd = guard_of(guard, w);
+  const cl_uint has_r = r.buffer != nullptr;
+  const DeviceSpan rs = has_r ? r : d;  // any valid buffer when there is no residual state
   LaunchList list;
   {
     cl::Kernel k = env.kernels.kernel("predictor", "predictor_fit_pass");
@@ -65,8 +67,8 @@ LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, Dev
     const std::size_t local = row_group_size(k, env.device(), 256);
     cl::set_args(k.get(), w.buffer, w.elem_offset(), before.buffer, before.elem_offset(), d.buffer, d.elem_offset(),
                  element_count("predictor", n), c.beta, scratch.buffer, scratch.elem_offset(), gd.buffer, gd.offset,
-                 gd.has);
-    cl::check(clSetKernelArg(k.get(), 13, local * sizeof(float), nullptr), "clSetKernelArg(predictor_fit_pass)");
+                 gd.has, rs.buffer, rs.elem_offset(), has_r, st.buffer, st.elem_offset());
+    cl::check(clSetKernelArg(k.get(), 18, local * sizeof(float), nullptr), "clSetKernelArg(predictor_fit_pass)");
     KernelLaunch l;
     l.kernel = std::move(k);
     l.global[0] = local * predictor_fit_groups;
@@ -77,7 +79,7 @@ LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, Dev
     cl::Kernel k = env.kernels.kernel("predictor", "predictor_stats");
     cl::set_args(k.get(), scratch.buffer, scratch.elem_offset(), cl_uint(predictor_fit_groups), st.buffer,
                  st.elem_offset(), cl_uint(c.kind == PredictorConfig::Kind::least_squares ? 1 : 0), c.beta, c.max_gain,
-                 gd.buffer, gd.offset, gd.has);
+                 gd.buffer, gd.offset, gd.has, has_r);
     KernelLaunch l;
     l.kernel = std::move(k);
     l.global[0] = 1;
@@ -87,11 +89,14 @@ LaunchList predictor_fit(OpEnv& env, const PredictorConfig& c, DeviceSpan w, Dev
   return list;
 }
 
-LaunchList predictor_apply(OpEnv& env, DeviceSpan w, DeviceSpan d, DeviceSpan st, std::size_t n, DeviceSpan guard) {
+LaunchList predictor_apply(OpEnv& env, DeviceSpan w, DeviceSpan d, DeviceSpan st, std::size_t n, DeviceSpan guard,
+                           DeviceSpan r) {
   const Guard gd = guard_of(guard, w);
+  const cl_uint has_r = r.buffer != nullptr;
+  const DeviceSpan rs = has_r ? r : d;
   cl::Kernel k = env.kernels.kernel("predictor", "predictor_apply");
   cl::set_args(k.get(), w.buffer, w.elem_offset(), d.buffer, d.elem_offset(), st.buffer, st.elem_offset(),
-               element_count("predictor", n), gd.buffer, gd.offset, gd.has, 1.0f);
+               element_count("predictor", n), gd.buffer, gd.offset, gd.has, 1.0f, rs.buffer, rs.elem_offset(), has_r);
   KernelLaunch l = elementwise_launch(std::move(k), n);
   l.per_step = [](cl_kernel kernel, const StepInfo& s) {
     cl::check(clSetKernelArg(kernel, 10, sizeof(float), &s.predict_scale), "clSetKernelArg(predictor_apply scale)");

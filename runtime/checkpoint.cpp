@@ -811,8 +811,11 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
   std::vector<Section> tensor_sections, restore_sections;
   for (const auto& ft : file.tensors) tensor_sections.push_back(tensor_section(tag_tensor, ft, "(a tensor)"));
   if (in_predict_run) {
-    if (gains.size() > file.tensors.size()) throw r.corrupt("section TRNR holds more gains than there are weights");
-    for (std::size_t i = 0; i < gains.size(); ++i) {
+    // Two gains per weight (ops/predictor.hpp: the gain of d and the weight of r), so the weights
+    // are the first gains.size() / 2 tensors.
+    if (gains.size() % 2 != 0 || gains.size() / 2 > file.tensors.size())
+      throw r.corrupt("section TRNR holds an odd number of gains, or more than two per weight");
+    for (std::size_t i = 0; i < gains.size() / 2; ++i) {
       restore_sections.push_back(tensor_section(tag_restore, file.tensors[i], "(the weight before a Predict run)"));
     }
   }
@@ -835,8 +838,8 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
   if (micro >= options_.accumulate)
     throw r.corrupt(fmt::format("{} micro-batches done of {}", micro, options_.accumulate));
   if (!std::isfinite(lr) || lr < 0) throw r.corrupt(fmt::format("the learning rate is {}", lr));
-  if (phases_ ? gains.size() != weights_.size() : !gains.empty()) {
-    throw r.corrupt(fmt::format("{} predictor gains for {} weights", gains.size(), weights_.size()));
+  if (phases_ ? gains.size() != 2 * weights_.size() : !gains.empty()) {
+    throw r.corrupt(fmt::format("{} predictor gains for {} weights (two each)", gains.size(), weights_.size()));
   }
   if (phase_state.has_value() != (phases_ != nullptr))
     throw r.corrupt("the phase section disagrees with the fingerprint");

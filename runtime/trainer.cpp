@@ -83,7 +83,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
       if (!stats) throw std::logic_error(fmt::format("no predictor state for '{}'", name));
       fit_stats_.push_back(*stats);
     }
-    gains_.assign(fit_stats_.size(), 0.0f);
+    gains_.assign(2 * fit_stats_.size(), 0.0f);  // per weight: the gain of d, the weight of r
   }
 }
 
@@ -302,11 +302,14 @@ FitStats Trainer::read_fit() {
   for (std::size_t i = 0; i < fit_stats_.size(); ++i) {
     float st[ops::predictor_stat_count];
     arena.read(fit_stats_[i].home, fit_stats_[i].place, st, sizeof st);
-    const double g = gains_[i];  // the gain the prediction this fit judged was made with
-    f.delta_pred += g * st[ops::predictor_stat_delta_d];
-    f.pred_pred += g * g * st[ops::predictor_stat_d_d];
+    // The prediction this fit judged was g d + rg r, with the gains it was made with.
+    const double g = gains_[2 * i], rg = gains_[2 * i + 1];
+    f.delta_pred += g * st[ops::predictor_stat_delta_d] + rg * st[ops::predictor_stat_delta_r];
+    f.pred_pred += g * g * st[ops::predictor_stat_d_d] + 2 * g * rg * st[ops::predictor_stat_d_r] +
+                   rg * rg * st[ops::predictor_stat_r_r];
     f.delta_delta += st[ops::predictor_stat_delta_delta];
-    gains_[i] = st[ops::predictor_stat_gain];
+    gains_[2 * i] = st[ops::predictor_stat_gain];
+    gains_[2 * i + 1] = st[ops::predictor_stat_rgain];
   }
   return f;
 }

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <random>
 
 #include "classifier.hpp"
@@ -259,6 +260,40 @@ TEST(HybridTrainer, FitMeasuresTheTrueUpdateAndPredictAppliesExactlyThePredictio
     for (std::size_t i = 0; i < now.size(); ++i) {
       ASSERT_FLOAT_EQ(now[i], std::fma(scale * gain, d[i], before[n][i])) << n << "[" << i << "]";
     }
+  }
+}
+
+// Residual correction: a Predict step adds rgain r to gain d, where r holds the smoothed
+// residuals the fits measured; resident and streamed (apply on the host) alike.
+TEST(HybridTrainer, ResidualCorrectionEntersThePrediction) {
+  for (bool streamed : {false, true}) {
+    Runtime rt;
+    const ModelSpec m = small_mlp();
+    TrainerOptions o = streamed ? hybrid_options(graph::ResidencyMode::stream, 64ull << 20) : hybrid_options();
+    o.phases.predictor.residual = true;
+    Trainer t(rt, m, o);
+    const Batches b{sample_elems(m)};
+    int s = 0;
+    while (t.phases()->next() != Phase::predict) b.step(t, s++);
+    std::map<std::string, std::vector<float>> before;
+    for (const auto& n : t.tensor_names()) before[n] = values(t, n);
+    const float scale = t.phases()->predict_scale();
+    EXPECT_EQ(b.step(t, s++).phase, Phase::predict);
+    double rgains = 0;
+    for (const auto& n : t.parameter_names()) {
+      const auto now = values(t, n);
+      const auto& d = before[n + ".pred_d"];
+      const auto& r = before.at(n + ".pred_r");
+      const auto& st = before[n + ".pred_stats"];
+      const float gain = st[ops::predictor_stat_gain], rgain = st[ops::predictor_stat_rgain];
+      rgains += rgain;
+      EXPECT_GT(std::inner_product(r.begin(), r.end(), r.begin(), 0.0), 0.0) << n << ": the fits left no residual";
+      for (std::size_t i = 0; i < now.size(); ++i) {
+        const float step = std::fma(rgain, r[i], gain * d[i]);
+        ASSERT_FLOAT_EQ(now[i], std::fma(scale, step, before[n][i])) << n << "[" << i << "] streamed " << streamed;
+      }
+    }
+    EXPECT_GT(rgains, 0.0) << "some residuals should have resembled the ones before";
   }
 }
 

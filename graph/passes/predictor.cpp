@@ -2,7 +2,9 @@
 // hybrid phases), or one apply node per weight (Predict).
 #include <fmt/format.h>
 
+#include <initializer_list>
 #include <stdexcept>
+#include <vector>
 
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/ops/op_table.hpp"
@@ -11,15 +13,28 @@ namespace ferry::graph {
 namespace {
 
 struct PredictorState {
-  TensorId d, stats;
+  TensorId d, stats, r = no_tensor;
 };
 
-PredictorState predictor_state(TensorTable& t, TensorId w) {
+PredictorState predictor_state(TensorTable& t, TensorId w, bool residual) {
   const TensorId d = t.add(t.name[w] + ".pred_d", t.shape[w], DType::f32, Role::predictor_state);
   const TensorId stats = t.add(t.name[w] + ".pred_stats", Shape{static_cast<std::uint32_t>(ops::predictor_stat_count)},
                                DType::f32, Role::predictor_state);
   t.init[d] = t.init[stats] = {WeightInit::Kind::zeros, 0};
-  return {d, stats};
+  PredictorState s{d, stats};
+  if (residual) {
+    s.r = t.add(t.name[w] + ".pred_r", t.shape[w], DType::f32, Role::predictor_state);
+    t.init[s.r] = {WeightInit::Kind::zeros, 0};
+  }
+  return s;
+}
+
+// in: fixed..., [r], [guard]
+std::vector<TensorId> with_optional(std::initializer_list<TensorId> fixed, TensorId r, TensorId guard) {
+  std::vector<TensorId> v(fixed);
+  if (r != no_tensor) v.push_back(r);
+  if (guard != no_tensor) v.push_back(guard);
+  return v;
 }
 
 void check_f32(const TensorTable& t, TensorId w) {
@@ -41,6 +56,7 @@ void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
   attrs.i[0] = static_cast<std::int32_t>(c.kind);
   attrs.f[0] = c.beta;
   attrs.f[1] = c.max_gain;
+  attrs.i[1] = c.residual ? 1 : 0;
   const NodeTable old = g.nodes;
   NodeTable out;
   for (NodeId n = 0; n < old.size(); ++n) {
@@ -51,27 +67,29 @@ void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
       continue;
     }
     check_f32(t, w);
-    const PredictorState s = predictor_state(t, w);
+    const PredictorState s = predictor_state(t, w, c.residual);
     const TensorId before = t.add(t.name[w] + ".before", t.shape[w], DType::f32, Role::activation);
     out.add(snapshot, t.name[w] + ".snapshot", std::span(&w, 1), std::span(&before, 1));
     out.add_copy(old, n);
-    const TensorId ins[] = {w, before, s.d, s.stats, g.update_guard()};
-    const TensorId outs[] = {s.d, s.stats};
-    out.add(fit, t.name[w] + ".fit", std::span(ins, g.update_guard() == no_tensor ? 4 : 5), outs, attrs);
+    const auto ins = with_optional({w, before, s.d, s.stats}, s.r, g.update_guard());
+    const auto outs = with_optional({s.d, s.stats}, s.r, no_tensor);
+    out.add(fit, t.name[w] + ".fit", ins, outs, attrs);
   }
   g.nodes = std::move(out);
 }
 
-void append_predictor_apply(Graph& g) {
+void append_predictor_apply(Graph& g, const ops::PredictorConfig& c) {
   auto& t = g.tensors;
   const ops::OpId apply = ops::find_op("predictor_apply");
+  NodeAttrs attrs;
+  attrs.i[1] = c.residual ? 1 : 0;
   const std::size_t count = t.size();
   for (TensorId w = 0; w < count; ++w) {
     if (t.role[w] != Role::weight || t.alias_of[w] != no_tensor) continue;
     check_f32(t, w);
-    const PredictorState s = predictor_state(t, w);
-    const TensorId ins[] = {w, s.d, s.stats, g.update_guard()};
-    g.nodes.add(apply, t.name[w] + ".predict", std::span(ins, g.update_guard() == no_tensor ? 3 : 4), std::span(&w, 1));
+    const PredictorState s = predictor_state(t, w, c.residual);
+    const auto ins = with_optional({w, s.d, s.stats}, s.r, g.update_guard());
+    g.nodes.add(apply, t.name[w] + ".predict", ins, std::span(&w, 1), attrs);
   }
 }
 

@@ -2,8 +2,10 @@
 // moves them early with the optimizer updates, in their order, and never to the host lane.
 //
 //   predictor_snapshot  in: w                      out: before (w as it was before the update)
-//   predictor_fit       in: w before d st [loss]   out: d st (in place)   attrs: f0 beta, f1 max gain, i0 kind
-//   predictor_apply     in: w d st [loss]          out: w (in place); also on the host lane, where
+//   predictor_fit       in: w before d st [r] [loss]   out: d st [r] (in place)
+//                       attrs: f0 beta, f1 max gain, i0 kind, i1 residual correction (r present)
+//   predictor_apply     in: w d st [r] [loss]      out: w (in place)   attrs: i1 residual correction;
+//                       also on the host lane, where
 //                       streamed weights are advanced in host memory (no guard: a step whose loss
 //                       is not finite does not commit what it wrote)
 #include "ferry/ops/predictor.hpp"
@@ -20,7 +22,16 @@ PredictorConfig config_of(const NodeAttrs& a) {
   c.kind = static_cast<PredictorConfig::Kind>(a.i[0]);
   c.beta = a.f[0];
   c.max_gain = a.f[1];
+  c.residual = a.i[1] != 0;
   return c;
+}
+
+// Where the optional operands are: r right after the fixed ones when present, then the guard.
+struct Optional {
+  std::size_t r, guard;  // input indices; r == fixed when absent (and unused)
+};
+Optional optional_inputs(const NodeAttrs& a, std::size_t fixed) {
+  return {fixed, fixed + (a.i[1] != 0 ? 1 : 0)};
 }
 
 OpInfo snapshot_row() {
@@ -42,14 +53,20 @@ OpInfo fit_row() {
   r.op_class = OpClass::state_update;
   r.scratch_bytes = [](const ShapeView&, OpEnv&) { return predictor_fit_scratch_bytes; };
   r.bind = [](const BindContext& c) {
-    return predictor_fit(c.env(), config_of(c.attrs()), c.in(0), c.in(1), c.in(2), c.in(3), c.scratch(), in_elems(c, 0),
-                         c.input_count() > 4 ? c.in(4) : DeviceSpan{});
+    const PredictorConfig cfg = config_of(c.attrs());
+    const Optional o = optional_inputs(c.attrs(), 4);
+    return predictor_fit(c.env(), cfg, c.in(0), c.in(1), c.in(2), c.in(3), c.scratch(), in_elems(c, 0),
+                         c.input_count() > o.guard ? c.in(o.guard) : DeviceSpan{},
+                         cfg.residual ? c.in(o.r) : DeviceSpan{});
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
+    const PredictorConfig cfg = config_of(c.attrs());
+    const Optional o = optional_inputs(c.attrs(), 4);
     // Skipped like the update it follows when the loss is not finite.
-    if (in.size() > 4 && !std::isfinite(c.real(in[4])[0])) return;
-    ref::predictor_fit<double>(config_of(c.attrs()), c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(in[3]));
+    if (in.size() > o.guard && !std::isfinite(c.real(in[o.guard])[0])) return;
+    ref::predictor_fit<double>(cfg, c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(in[3]),
+                               cfg.residual ? c.real(in[o.r]) : std::span<double>{});
   };
   return r;
 }
@@ -59,22 +76,34 @@ OpInfo apply_row() {
   r.name = "predictor_apply";
   r.op_class = OpClass::state_update;
   r.bind = [](const BindContext& c) {
+    const Optional o = optional_inputs(c.attrs(), 3);
     return predictor_apply(c.env(), c.in(0), c.in(1), c.in(2), in_elems(c, 0),
-                           c.input_count() > 3 ? c.in(3) : DeviceSpan{});
+                           c.input_count() > o.guard ? c.in(o.guard) : DeviceSpan{},
+                           c.attrs().i[1] != 0 ? c.in(o.r) : DeviceSpan{});
   };
   r.host = [](const HostContext& c) {
     const auto* w = reinterpret_cast<const float*>(c.in(0));
     const auto* d = reinterpret_cast<const float*>(c.in(1));
     const auto* st = reinterpret_cast<const float*>(c.in(2));
+    const bool residual = c.attrs().i[1] != 0;
+    const auto* rs = residual ? reinterpret_cast<const float*>(c.in(3)) : nullptr;
     auto* out = reinterpret_cast<float*>(c.out(0));
-    // As the kernel rounds: one product, then a fused multiply-add per element.
-    const float s = c.step().predict_scale * st[predictor_stat_gain];
-    for (std::size_t i = 0, n = in_elems(c, 0); i < n; ++i) out[i] = std::fma(s, d[i], w[i]);
+    // As the kernel rounds: the step (a product, then a fused multiply-add for the residual), then
+    // a fused multiply-add per element.
+    const float scale = c.step().predict_scale, gain = st[predictor_stat_gain], rgain = st[predictor_stat_rgain];
+    for (std::size_t i = 0, n = in_elems(c, 0); i < n; ++i) {
+      float step = gain * d[i];
+      if (residual) step = std::fma(rgain, rs[i], step);
+      out[i] = std::fma(scale, step, w[i]);
+    }
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    if (in.size() > 3 && !std::isfinite(c.real(in[3])[0])) return;
-    ref::predictor_apply<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]), c.step().predict_scale);
+    const Optional o = optional_inputs(c.attrs(), 3);
+    if (in.size() > o.guard && !std::isfinite(c.real(in[o.guard])[0])) return;
+    ref::predictor_apply<double>(
+        c.real(in[0]), c.real(in[1]), c.real(in[2]), c.step().predict_scale,
+        c.attrs().i[1] != 0 ? std::span<const double>(c.real(in[o.r])) : std::span<const double>{});
   };
   return r;
 }

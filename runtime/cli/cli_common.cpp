@@ -100,6 +100,7 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {
   j["predict_step_ms"] = trainer.phase_step_ms(ferry::Phase::predict);
   j["predictor_state_bytes"] = trainer.predictor_state_bytes();
   j["predict_int8"] = opt.phases.predict_int8;
+  j["predictor_residual"] = opt.phases.predictor.residual;
   j["fit_every"] = opt.phases.fit_every;
   j["predict_fetch_bytes_per_step"] = trainer.predict_variant()->residency().fetch_bytes;
   j["predict_write_back_bytes_per_step"] = trainer.predict_variant()->residency().write_back_bytes;

@@ -533,6 +533,9 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--confidence", pc.confidence,
                   "hybrid: prediction quality (cosine of predicted and true update) needed to predict, in (0, 1]")
       ->capture_default_str();
+  app->add_flag("--predictor-residual", pc.predictor.residual,
+                "hybrid: add residual correction, the smoothed past prediction errors weighted by how similar each "
+                "new one is to them");
   app->add_flag("--predict-int8", pc.predict_int8,
                 "hybrid: Predict's forward reads every layer's weight but the head's as int8 (per output channel); "
                 "streamed weights cross the link as int8");

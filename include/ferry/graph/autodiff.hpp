@@ -24,9 +24,10 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec);
 // The weight-update predictor (ops/predictor.hpp). append_predictor_fit puts a snapshot of each
 // weight before its optimizer update and a fit after it; append_predictor_apply adds one apply
 // node per weight (a Predict step). Both create the predictor state of every weight they touch
-// (role predictor_state): "<w>.pred_d" shaped like w and "<w>.pred_stats" [4], zero-initialised.
+// (role predictor_state): "<w>.pred_d" shaped like w, "<w>.pred_stats" [8] and, with residual
+// correction, "<w>.pred_r" shaped like w, zero-initialised.
 void append_predictor_fit(Graph& g, const ops::PredictorConfig& c);
-void append_predictor_apply(Graph& g);
+void append_predictor_apply(Graph& g, const ops::PredictorConfig& c);
 
 // Recomputation (gradient checkpointing), after autodiff: the forward nodes are cut into segments
 // of `every` layers (nodes that read a weight); the activations backward reads from a segment
