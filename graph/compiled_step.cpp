@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <tbb/flow_graph.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -246,7 +247,8 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   }
   for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
     impl_->host_transient.push_back(offload::allocate_pinned_host(
-        context, plan_.host_transient_buffers[b], fmt::format("host buffer {} of weight gradients", b)));
+        context, plan_.host_transient_buffers[b],
+        fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b)));
   }
 
   // 3. The batch and the results cross the link through host mirrors (pinned, from the plan's
@@ -382,14 +384,20 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
             }
             const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
             if (fault == Fault::enqueue_error) {
-              // A real command the driver must refuse: a launch without a kernel, a copy without buffers.
-              if (nodes.lane[id] == Lane::compute) {
-                const std::size_t one = 1;
-                FERRY_CL(clEnqueueNDRangeKernel(q, nullptr, 1, nullptr, &one, nullptr, 0, nullptr, nullptr));
+              // A real command the driver must refuse: the node's kernel launched with 0 dimensions,
+              // or a copy far past the end of a step buffer.
+              const std::size_t one = 1;
+              const auto kernel = std::find_if(im->launches[id].begin(), im->launches[id].end(),
+                                               [](const ops::KernelLaunch& l) { return l.kernel.get() != nullptr; });
+              if (nodes.lane[id] == Lane::compute && kernel != im->launches[id].end()) {
+                FERRY_CL(
+                    clEnqueueNDRangeKernel(q, kernel->kernel.get(), 0, nullptr, &one, nullptr, 0, nullptr, nullptr));
               } else {
-                FERRY_CL(clEnqueueCopyBuffer(q, nullptr, nullptr, 0, 0, 4, 0, nullptr, nullptr));
+                const cl_mem b = im->transient.at(0).get();
+                FERRY_CL(
+                    clEnqueueCopyBuffer(q, b, b, 0, std::size_t{1} << 40, std::size_t{1} << 40, 0, nullptr, nullptr));
               }
-              throw std::logic_error("the driver accepted a command without a kernel or buffers");
+              throw std::logic_error("the driver accepted a command it must refuse");
             }
             cl::Event failing;  // Fault::device_error: a user event the command waits on, then set to an error
             if (fault == Fault::device_error) {

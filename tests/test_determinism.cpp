@@ -12,14 +12,14 @@
 namespace ferry::test {
 namespace {
 
-struct Run {
+struct TrainingRun {
   std::vector<std::uint32_t> loss_bits;
   std::map<std::string, std::vector<std::byte>> state;  // every persistent tensor, as stored
 };
 
-Run train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int steps) {
+TrainingRun train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int steps) {
   Trainer t(rt, m, o);
-  Run r;
+  TrainingRun r;
   const std::size_t sample = sample_elems(m);
   for (int s = 0; s < steps; ++s) {
     auto images = random_vector(o.batch * sample, 100 + s);
@@ -55,7 +55,7 @@ TEST_P(DeterminismTest, TwoFreshTrainersGiveTheSameLossesAndStateBitForBit) {
       o.residency.budget_bytes = ferry::min_stream_budget(rt, m, o).value_or(0);
       ASSERT_GT(o.residency.budget_bytes, 0u);
     }
-    const Run a = train(rt, m, o, 6), b = train(rt, m, o, 6);
+    const TrainingRun a = train(rt, m, o, 6), b = train(rt, m, o, 6);
     EXPECT_EQ(a.loss_bits, b.loss_bits) << m.name;
     ASSERT_EQ(a.state.size(), b.state.size());
     for (const auto& [name, bytes] : a.state) EXPECT_EQ(bytes, b.state.at(name)) << m.name << " " << name;

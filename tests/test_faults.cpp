@@ -56,7 +56,7 @@ TrainerOptions streamed(Runtime& rt, const ModelSpec& m, TrainerOptions o) {
 
 struct FaultCase {
   const char* name;
-  enum Config { resident, stream, host_optimizer, compressed_state } config;
+  enum Config { resident, stream, host_optimizer, compressed_state, streamed_compressed_state } config;
   // Which node fails: the last compute node before the updates (a gradient kernel), a fetch or a
   // write-back in the second half of the step, a host update, an unpack of compressed state.
   enum Victim { kernel, fetch, write_back, host_update, unpack } victim;
@@ -79,6 +79,9 @@ TrainerOptions options_for(Runtime& rt, const ModelSpec& m, FaultCase::Config c)
     case FaultCase::compressed_state:
       o.residency.state_home = graph::Residency::host_compressed;
       return o;
+    case FaultCase::streamed_compressed_state:
+      o.residency.state_home = graph::Residency::host_compressed;
+      return streamed(rt, m, o);
   }
   return o;
 }
@@ -121,6 +124,11 @@ class FaultTest : public ::testing::TestWithParam<FaultCase> {};
 TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNeverRan) {
   const FaultCase c = GetParam();
   Runtime rt;
+  if (c.fault == graph::Fault::device_error && rt.device().platform_name.find("Portable") != std::string::npos) {
+    // PoCL (5.0, Debian 12's pocl 3.1 too) fails inside pocl_update_event_failed ("PTHREAD ERROR ...
+    // Invalid argument") and ends the process when a command waits on a user event set to an error.
+    GTEST_SKIP() << "PoCL aborts on a user event set to an error status";
+  }
   const ModelSpec m = small_residual();
   const TrainerOptions o = options_for(rt, m, c.config);
   Trainer trainer(rt, m, o), reference(rt, m, o);
@@ -173,7 +181,9 @@ INSTANTIATE_TEST_SUITE_P(
         FaultCase{"write_back_refused", FaultCase::stream, FaultCase::write_back, graph::Fault::enqueue_error},
         FaultCase{"write_back_fails_on_device", FaultCase::stream, FaultCase::write_back, graph::Fault::device_error},
         FaultCase{"host_update_throws", FaultCase::host_optimizer, FaultCase::host_update, graph::Fault::host_throw},
-        FaultCase{"compressed_unpack_throws", FaultCase::compressed_state, FaultCase::unpack,
+        // (Streamed weights: with device-resident weights, updates that ran before the failure
+        // stay applied; see docs/bad_input.md.)
+        FaultCase{"compressed_unpack_throws", FaultCase::streamed_compressed_state, FaultCase::unpack,
                   graph::Fault::host_throw}),
     [](const auto& info) { return std::string(info.param.name); });
 
