@@ -28,20 +28,21 @@ row() {
   fi
   status=$?
   local msg
-  msg=$(grep -m1 -- "$needle" <<<"$out" || tail -1 <<<"$out")
+  msg=$(grep -m1 -F -- "$needle" <<<"$out" || grep -m1 . <<<"$out")
+  [ ${#msg} -gt 330 ] && msg="${msg:0:330}..."
   if [ -n "$markdown" ]; then
     local cmd="ferry $*"
     cmd=${cmd//$work/\$WORK}
     [ "$envs" != - ] && cmd="${envs//$work/\$WORK} $cmd"
     msg=${msg//$work/\$WORK}
-    printf '| %s | `%s` | %s | %s |\n' "$what" "$cmd" "$status" "${msg//|/\\|}"
+    printf '| %s | `%s` | %s | %s | `%s` |\n' "$what" "$cmd" "$status" "${msg//|/\\|}" "${needle//$work/\$WORK}"
     return
   fi
   local ok=1
   if [ "$kind" = error ] && [ "$status" -eq 0 ]; then ok=0; fi
   if [ "$kind" = warning ] && [ "$status" -ne 0 ]; then ok=0; fi
   grep -qF -- "$needle" <<<"$out" || ok=0
-  grep -qF -- "$needle" "$doc" || {
+  grep -qF -- "${needle//$work/\$WORK}" "$doc" || {
     echo "FAILED: $what: docs/bad_input.md no longer shows '$needle'"
     failures=$((failures + 1))
   }
@@ -57,16 +58,16 @@ row() {
 quick=(--epochs 1 --train-limit 512 --quiet)
 
 # Flags and values.
-row "learning rate NaN" "--lr: Value nan not in range" error - train --lr nan "${quick[@]}"
+row "learning rate NaN" "learning rate must be a positive number, got nan" error - train --lr nan "${quick[@]}"
 row "learning rate negative" "--lr: Value -1 not in range" error - train --lr -1 "${quick[@]}"
-row "momentum 1" "momentum must be in [0, 1)" error - train --optimizer sgd --momentum 1 "${quick[@]}"
-row "weight decay NaN" "weight decay must be" error - train --weight-decay nan "${quick[@]}"
+row "momentum 1" "SGD momentum = 1: it must be in [0, 1)" error - train --optimizer sgd --momentum 1 "${quick[@]}"
+row "weight decay NaN" "weight decay = nan: it must be a finite number >= 0" error - train --weight-decay nan "${quick[@]}"
 row "batch 0" "--batch: Value 0 not in range" error - train --batch 0 "${quick[@]}"
 row "batch above the training samples" "batch 1024 is larger than the 512 training samples" error - \
   train --batch 1024 "${quick[@]}"
 row "unknown optimizer" "unknown optimizer 'rmsprop'" error - train --optimizer rmsprop "${quick[@]}"
 row "unknown model" "--model: resnet not in" error - train --model resnet "${quick[@]}"
-row "unknown precision" "unknown precision 'fp8'" error - train --precision fp8 "${quick[@]}"
+row "unknown precision" "--precision: fp8 not in {fp32,fp16,bf16}" error - train --precision fp8 "${quick[@]}"
 row "fp16 with hybrid phases" "loss scaling (fp16 mixed precision) with hybrid phases" error - \
   train --precision fp16 --phases hybrid "${quick[@]}"
 row "budget too small for one layer" "raise the budget to at least" error - \
@@ -104,7 +105,7 @@ ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$w
 idx "$work/labels/t10k-images-idx3-ubyte" 3 1 28 28 && head -c 784 /dev/zero >>"$work/labels/t10k-images-idx3-ubyte"
 idx "$work/labels/t10k-labels-idx1-ubyte" 1 1 && printf '\x0c' >>"$work/labels/t10k-labels-idx1-ubyte"
 gzip -f "$work/labels/t10k-images-idx3-ubyte" "$work/labels/t10k-labels-idx1-ubyte"
-row "test split with a label outside the classes" "label 12 of sample 0 is outside [0, 10)" error - \
+row "test split with a label outside the classes" "label 12 of sample 0 is out of range" error - \
   train --data "$work/labels" "${quick[@]}"
 row "missing data set" "$work/nowhere" error - train --data "$work/nowhere" "${quick[@]}"
 
@@ -130,7 +131,7 @@ fi
 row "corrupt program cache entry (a warning; rebuilt)" "is invalid" warning - train "${quick[@]}"
 
 # Training that diverges.
-row "an update that makes weights inf" "this step's update made weight" error - \
+row "learning rate 1e37 (the loss turns NaN)" "training diverged at step 2" error - \
   train --optimizer sgd --momentum 0 --lr 1e37 "${quick[@]}"
 
 [ -n "$markdown" ] && exit 0
