@@ -39,7 +39,13 @@ Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flag
                     what, bytes, device_.max_alloc_bytes, device_.name));
   }
   cl_int status = CL_SUCCESS;
-  Mem mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, nullptr, &status));
+  Mem mem;
+  // inject_allocation_failure(): count down to the allocation that fails.
+  if (int n = fail_allocation_in_.load(); n >= 0 && fail_allocation_in_.compare_exchange_strong(n, n - 1) && n == 0) {
+    status = CL_MEM_OBJECT_ALLOCATION_FAILURE;
+  } else {
+    mem = Mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, nullptr, &status));
+  }
   if (status != CL_SUCCESS) {
     throw Error(fmt::format("clCreateBuffer({} bytes for '{}')", bytes, what), status, std::string(OpScope::current()));
   }

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <tbb/flow_graph.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -246,7 +247,8 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   }
   for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
     impl_->host_transient.push_back(offload::allocate_pinned_host(
-        context, plan_.host_transient_buffers[b], fmt::format("host buffer {} of weight gradients", b)));
+        context, plan_.host_transient_buffers[b],
+        fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b)));
   }
 
   // 3. The batch and the results cross the link through host mirrors (pinned, from the plan's
@@ -365,7 +367,8 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
           cl::OpScope scope(nodes.name[id]);
           try {
             // A host-lane node's failure is injected where its work runs (run_host_node).
-            if (!is_host_lane(nodes.lane[id]) && take_injected_failure(id)) {
+            const std::optional<Fault> fault = is_host_lane(nodes.lane[id]) ? std::nullopt : take_injected_failure(id);
+            if (fault == Fault::exception || fault == Fault::host_throw) {
               throw std::runtime_error("injected failure");
             }
             // Reused every step: its capacity stays, so building a wait list allocates nothing.
@@ -380,6 +383,29 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
               return;
             }
             const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
+            if (fault == Fault::enqueue_error) {
+              // A real command the driver must refuse: the node's kernel launched with 0 dimensions,
+              // or a copy far past the end of a step buffer.
+              const std::size_t one = 1;
+              const auto kernel = std::find_if(im->launches[id].begin(), im->launches[id].end(),
+                                               [](const ops::KernelLaunch& l) { return l.kernel.get() != nullptr; });
+              if (nodes.lane[id] == Lane::compute && kernel != im->launches[id].end()) {
+                FERRY_CL(
+                    clEnqueueNDRangeKernel(q, kernel->kernel.get(), 0, nullptr, &one, nullptr, 0, nullptr, nullptr));
+              } else {
+                const cl_mem b = im->transient.at(0).get();
+                FERRY_CL(
+                    clEnqueueCopyBuffer(q, b, b, 0, std::size_t{1} << 40, std::size_t{1} << 40, 0, nullptr, nullptr));
+              }
+              throw std::logic_error("the driver accepted a command it must refuse");
+            }
+            cl::Event failing;  // Fault::device_error: a user event the command waits on, then set to an error
+            if (fault == Fault::device_error) {
+              cl_int rc = CL_SUCCESS;
+              failing = cl::Event(clCreateUserEvent(im->ctx.get(), &rc));
+              cl::check(rc, "clCreateUserEvent(injected failure)");
+              wait.push_back(failing.get());
+            }
             cl::Event ev;
             // Transfers-only runs (overlap measurement) enqueue the copies but no compute.
             if (im->mode != RunMode::transfers_only || nodes.lane[id] != Lane::compute) {
@@ -391,6 +417,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
                                                    wait.empty() ? nullptr : wait.data(), ev.out()));
             }
             im->events[id] = std::move(ev);
+            if (failing) FERRY_CL(clSetUserEventStatus(failing.get(), CL_OUT_OF_RESOURCES));
             // Flush so that commands on other queues waiting on this one can start. clFlush may
             // also run the queue to completion before it returns (Oclgrind does): that is safe
             // because every event this node waits for was enqueued and flushed before it.
@@ -473,14 +500,20 @@ class HostNode final : public NodeView<ops::HostContext> {
   HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
            const ops::StepInfo& step, const OptimizerSpec& optimizer)
       : NodeView(g, n), arena_(arena), at_(std::move(at)), step_(step), optimizer_(optimizer) {}
-  const std::byte* in(std::size_t i) const override { return at_(in_ids()[i], false); }
+  const std::byte* in(std::size_t i) const override {
+    if (fail_) throw std::runtime_error(fmt::format("injected failure reading input {} in the host work", i));
+    return at_(in_ids()[i], false);
+  }
   std::byte* out(std::size_t i) const override { return at_(out_ids()[i], true); }
-  const ops::StepInfo& step() const override { return step_; }
-  const OptimizerSpec& optimizer() const override { return optimizer_; }
   void unpack_home(std::size_t i, std::byte* dst) const override {
+    if (fail_) throw std::runtime_error(fmt::format("injected failure unpacking input {} in the host work", i));
     const TensorId id = graph_.tensors.storage(in_ids()[i]);
     store_of(id).unpack(place_of(id), dst, graph_.tensors.bytes(id));
   }
+  // Fault::host_throw: reading an operand throws, from inside the op's host function.
+  void fail() { fail_ = true; }
+  const ops::StepInfo& step() const override { return step_; }
+  const OptimizerSpec& optimizer() const override { return optimizer_; }
   void pack_home(std::size_t i, const std::byte* src) const override {
     const TensorId id = graph_.tensors.storage(out_ids()[i]);
     store_of(id).pack(place_of(id), src, graph_.tensors.bytes(id));
@@ -496,6 +529,7 @@ class HostNode final : public NodeView<ops::HostContext> {
   std::function<std::byte*(TensorId, bool)> at_;
   const ops::StepInfo& step_;
   const OptimizerSpec& optimizer_;
+  bool fail_ = false;
 };
 
 }  // namespace
@@ -503,7 +537,8 @@ class HostNode final : public NodeView<ops::HostContext> {
 void CompiledStep::run_host_node(NodeId id) {
   const auto& nodes = graph_.nodes;
   cl::OpScope scope(nodes.name[id]);
-  if (take_injected_failure(id)) {
+  const std::optional<Fault> fault = take_injected_failure(id);
+  if (fault == Fault::exception) {
     throw std::runtime_error(
         fmt::format("step node '{}' (host {}): injected failure", nodes.name[id], op_name(nodes.op[id])));
   }
@@ -512,7 +547,15 @@ void CompiledStep::run_host_node(NodeId id) {
     throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
   }
   auto at = [this](TensorId x, bool write) { return host_address(x, write); };
-  row.host(HostNode(graph_, id, *persistent_, at, impl_->step, impl_->optimizer));
+  HostNode node(graph_, id, *persistent_, at, impl_->step, impl_->optimizer);
+  if (fault) node.fail();
+  try {
+    row.host(node);
+  } catch (const cl::Error&) {
+    throw;  // names the op through OpScope
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("step node '{}' (host {}): {}", nodes.name[id], row.name, e.what()));
+  }
 }
 
 std::byte* CompiledStep::host_address(TensorId id, bool next) const {
@@ -598,7 +641,29 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
     throw;
   }
   if (impl_->finish_gate.status < 0) {
-    throw cl::Error("a command of the step (reported by its completion event)", impl_->finish_gate.status, "step");
+    // A command failed on the device. Its node is the first whose event says so: a failure
+    // reaches only commands after it (its queue's, and those waiting on it).
+    const cl_int status = impl_->finish_gate.status;
+    std::string culprit = "step";
+    for (NodeId id = 0; id < graph_.nodes.size() && culprit == "step"; ++id) {
+      cl_int st = CL_COMPLETE;
+      if (impl_->events[id] &&
+          clGetEventInfo(impl_->events[id].get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, nullptr) ==
+              CL_SUCCESS &&
+          st < 0) {
+        culprit = graph_.nodes.name[id];
+      }
+    }
+    try {
+      impl_->ctx.finish_all();
+    } catch (...) {
+    }
+    for (auto& e : impl_->events) e = cl::Event();
+    persistent_->abort();  // next values this step wrote are not the state
+    throw cl::Error(culprit == "step"
+                        ? std::string("a command of the step (reported by its completion event)")
+                        : fmt::format("the device command of step node '{}' (reported by its event)", culprit),
+                    status, culprit);
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)

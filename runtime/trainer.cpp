@@ -263,6 +263,18 @@ StepResult Trainer::step(const Batch& batch) {
   }
   if (!std::isfinite(r.loss)) {
     // The optimizer updates check the loss on the device and did nothing: the state is as it was.
+    // That state is only worth keeping if its weights are finite: a loss turns non-finite also
+    // because an earlier update (with a finite loss) broke the weights, unseen between checks.
+    if (const std::string bad = non_finite_weight(); !bad.empty()) {
+      throw std::runtime_error(fmt::format(
+          "training diverged before step {}: the loss is {} because weight {} was already not finite before this "
+          "step ({}; learning rate {}): the update was skipped, but the weights are not usable: go back to a "
+          "checkpoint from before the divergence and lower the learning rate",
+          steps_ + 1, r.loss, bad,
+          weights_checked_at_ > 0 ? fmt::format("they were last checked finite after update {}", weights_checked_at_)
+                                  : std::string("they were not checked finite after any update"),
+          lr_));
+    }
     throw std::runtime_error(fmt::format(
         "training diverged at step {}: the loss is {} (learning rate {}); the update was skipped, so the weights and "
         "optimizer state are those from before this step: lower the learning rate or check the data",
@@ -293,7 +305,32 @@ StepResult Trainer::step(const Batch& batch) {
       phases_->record_full(r.loss, nullptr);
     }
   }
+  if (options_.check_weights_every > 0 && steps_ % options_.check_weights_every == 0) {
+    if (const std::string bad = non_finite_weight(); !bad.empty()) {
+      throw std::runtime_error(fmt::format(
+          "training diverged at step {}: the loss ({}) was finite, but this step's update made weight {} not finite "
+          "(learning rate {}): the weights are NOT those from before this step and are not usable: go back to a "
+          "checkpoint from before this step and lower the learning rate",
+          steps_, r.loss, bad, lr_));
+    }
+    weights_checked_at_ = steps_;
+  }
   return r;
+}
+
+std::string Trainer::non_finite_weight() const {
+  const auto& t = train_->graph().tensors;
+  std::vector<float> values;
+  for (const auto& name : parameter_names()) {
+    const TensorId id = persistent_tensor(name);
+    if (t.dtype[id] != graph::DType::f32) continue;  // (only f32 master weights can be inf or NaN here)
+    values.resize(t.shape[id].elems());
+    train_->persistent()->read(t.home[id], t.placement[id], values.data(), values.size() * sizeof(float));
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if (!std::isfinite(values[i])) return fmt::format("'{}' (element {} is {})", name, i, values[i]);
+    }
+  }
+  return {};
 }
 
 FitStats Trainer::read_fit() {

@@ -45,6 +45,7 @@ struct TrainArgs {
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
   std::uint32_t trace_steps = 4;
+  std::uint32_t check_weights_every = 1;  // TrainerOptions::check_weights_every
   bool json = false, quiet = false;
   // Hybrid phases (ferry/runtime/phases.hpp): the defaults are PhaseConfig's.
   std::string phases = "full", predictor = "linear";
@@ -61,6 +62,15 @@ struct TrainArgs {
   std::string checkpoint_path, resume_path;
   std::vector<std::string> argv;  // the command line, for the resume command printed on a signal
 };
+
+// Before any work (data, compile): every output file's folder exists and takes a new file, an
+// existing file there is writable, and --trace-steps is at least 1. Throws std::invalid_argument
+// naming the flag and the path; writes nothing (the probe file is removed).
+void check_outputs(const TrainArgs& a);
+// Before any work: a split's images have the size `model` takes and its labels lie in its
+// classes. Throws std::invalid_argument naming the split, the folder and both sizes.
+void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, const char* split,
+                 const std::filesystem::path& folder);
 
 // The optimizer, learning rate, seed and residency options of `a` into `opt` (batch aside).
 // Throws std::invalid_argument for an unknown optimizer or home.

@@ -1,7 +1,13 @@
 // Shared pieces of the `ferry` subcommands.
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <random>
 #include <stdexcept>
 
 #include "cli.hpp"
@@ -31,9 +37,75 @@ std::string precision_name(ferry::ops::DType t) {
   return t == ferry::ops::DType::f16 ? "fp16" : t == ferry::ops::DType::bf16 ? "bf16" : "fp32";
 }
 
+namespace {
+
+void check_output(const char* flag, const std::string& path) {
+  if (path.empty()) return;
+  namespace fs = std::filesystem;
+  const auto refuse = [&](const std::string& why) {
+    return std::invalid_argument(
+        fmt::format("{} {}: {} (checked before training, so nothing is lost)", flag, path, why));
+  };
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::is_directory(p, ec))
+    throw refuse(fmt::format("it is a folder; give a file name in it, e.g. '{}'", (p / "out").string()));
+  const fs::path folder = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  if (!fs::is_directory(folder, ec)) {
+    throw refuse(
+        fmt::format("the folder '{}' does not exist: create it first (mkdir -p {})", folder.string(), folder.string()));
+  }
+  if (fs::exists(p, ec)) {
+    if (access(p.c_str(), W_OK) != 0)
+      throw refuse(fmt::format("the file exists and cannot be written: {}", std::strerror(errno)));
+    return;
+  }
+  // A new file must be creatable there: create and remove a probe of a name nobody uses.
+  const fs::path probe = folder / fmt::format(".ferry-probe-{}-{:x}", getpid(), std::random_device{}());
+  const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) throw refuse(fmt::format("cannot create a file in '{}': {}", folder.string(), std::strerror(errno)));
+  close(fd);
+  fs::remove(probe, ec);
+}
+
+}  // namespace
+
+void check_outputs(const TrainArgs& a) {
+  if (a.trace_steps == 0) {
+    throw std::invalid_argument("--trace-steps 0 traces and profiles no step: give 1 or more (the default is 4)");
+  }
+  check_output("--trace", a.trace_path);
+  check_output("--profile", a.profile_path);
+  check_output("--profile-phases", a.profile_phases_path);
+}
+
+void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, const char* split,
+                 const std::filesystem::path& folder) {
+  if (model.inputs.empty()) return;
+  const ferry::TensorSpec& in = model.inputs.front();
+  if (data.sample_elems() != in.sample.elems()) {
+    throw std::invalid_argument(fmt::format(
+        "the {} split in '{}' has {}x{} images ({} values per sample), but model '{}' takes {} values per sample "
+        "('{}' of shape {}): give --data a folder whose train and test splits both hold images of that size",
+        split, folder.string(), data.rows, data.cols, data.sample_elems(), model.name, in.sample.elems(), in.name,
+        in.sample.str()));
+  }
+  for (const ferry::TensorSpec& target : model.targets) {
+    if (target.dtype != ferry::graph::DType::i32 || target.id_limit == 0) continue;
+    for (std::size_t i = 0; i < data.count && i < data.labels.size(); ++i) {
+      if (data.labels[i] < 0 || static_cast<std::uint32_t>(data.labels[i]) >= target.id_limit) {
+        throw std::invalid_argument(fmt::format(
+            "the {} split in '{}': label {} of sample {} is outside [0, {}), the classes model '{}' has: fix the data",
+            split, folder.string(), data.labels[i], i, target.id_limit, model.name));
+      }
+    }
+  }
+}
+
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.lr = a.lr;
   opt.seed = a.seed;
+  opt.check_weights_every = a.check_weights_every;
   if (a.optimizer == "adam" || a.optimizer == "adamw") {
     opt.optimizer.kind =
         a.optimizer == "adam" ? ferry::graph::OptimizerSpec::Kind::adam : ferry::graph::OptimizerSpec::Kind::adamw;

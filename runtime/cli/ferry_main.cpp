@@ -204,9 +204,15 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, st
 
 int cmd_train(const TrainArgs& a) {
   if (!a.checkpoint_path.empty()) ferry::check_checkpoint_path(a.checkpoint_path);  // before any training
+  check_outputs(a);
   const auto data_dir = a.data_dir.empty() ? ferry::default_fashion_mnist_dir() : std::filesystem::path(a.data_dir);
   ferry::Dataset train = ferry::load_fashion_mnist(data_dir, ferry::Split::train);
   ferry::Dataset test = ferry::load_fashion_mnist(data_dir, ferry::Split::test);
+  {
+    const ferry::ModelSpec model = make_model(a);  // every split against the model, before any step
+    check_split(model, train, "train", data_dir);
+    check_split(model, test, "test", data_dir);
+  }
   if (a.train_limit && a.train_limit < train.count) {
     train.count = a.train_limit;
     train.images.resize(train.count * train.sample_elems());
@@ -577,6 +583,11 @@ int main(int argc, char** argv) {
   train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)");
   train->add_option("--trace", t.trace_path, "Write a Chrome trace of the first steps' device timeline");
   train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile)")->capture_default_str();
+  train
+      ->add_option("--check-weights-every", t.check_weights_every,
+                   "Check that the weights are finite after every N optimizer updates (0: never; a non-finite loss "
+                   "always checks them)")
+      ->capture_default_str();
   train->add_option("--profile", t.profile_path,
                     "Write a CSV memory profile: device bytes per node, transfers and their device times");
   train->add_flag("--quiet", t.quiet, "No progress output");

@@ -68,6 +68,7 @@ std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_
 
 int cmd_train_gpt(const TrainArgs& args) {
   TrainArgs a = args;
+  check_outputs(a);               // before any work
   if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
   const auto files = fortune_files(a.text_dir);
   const TextCorpus corpus = load_text_corpus(files, 0.1);

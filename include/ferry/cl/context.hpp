@@ -1,6 +1,7 @@
 // An OpenCL context on one device with ferry's three in-order queues and buffer factories.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <span>
 #include <string>
@@ -57,6 +58,10 @@ class Context {
   // Device buffer; `what` names it in the error if the allocation fails.
   Mem create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags = CL_MEM_READ_WRITE) const;
   PinnedBuffer create_pinned(std::size_t bytes, std::string_view what) const;
+  // Test hook (tests/test_faults.cpp): allocation number `nth` from now (0: the next
+  // create_buffer or create_pinned) fails as if the driver had refused it, with
+  // CL_MEM_OBJECT_ALLOCATION_FAILURE and the usual message naming the buffer; -1 clears it.
+  void inject_allocation_failure(int nth) const noexcept { fail_allocation_in_.store(nth); }
 
   // Blocking helpers for set-up, tests and tools; never used inside a compiled step.
   void write(cl_mem dst, std::size_t offset_bytes, const void* src, std::size_t bytes) const;
@@ -68,6 +73,7 @@ class Context {
   ContextOptions options_;
   ContextHandle context_;
   QueueHandle queues_[3];
+  mutable std::atomic<int> fail_allocation_in_{-1};  // inject_allocation_failure()
 };
 
 // Waits for events on the calling thread. For set-up and tests only.

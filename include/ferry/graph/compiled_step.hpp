@@ -90,6 +90,22 @@ struct StepOptions {
   bool bind_kernels = true;
 };
 
+// How an injected failure (CompiledStep::inject_failure) makes a node fail.
+enum class Fault : std::uint8_t {
+  // The node's body throws before it enqueues anything (a host-lane node: before its work).
+  exception,
+  // The driver refuses the node's command: a device-lane node enqueues a real command with an
+  // invalid object (a kernel launch without a kernel on the compute lane, a copy without buffers
+  // on the transfer lanes), so the OpenCL call itself returns an error.
+  enqueue_error,
+  // The command is accepted but fails on the device: the node's command waits on a user event
+  // that is then set to an error status, so its event (and the step's completion) reports it.
+  device_error,
+  // A host-lane node's own work throws from inside the op's host function, after its event gate
+  // opened (on other nodes: as exception).
+  host_throw,
+};
+
 class CompiledStep {
  public:
   // `graph` must be complete (forward, and for training backward, optimizer and download).
@@ -139,8 +155,12 @@ class CompiledStep {
   // Per-node device times of the last step; empty unless the context has profiling enabled.
   std::vector<TimelineEntry> timeline() const;
 
-  // Test hook: node `n` throws when it next runs (to check cancellation and recovery).
-  void inject_failure(NodeId n) { fail_node_.store(n); }
+  // Test hook: node `n` fails, the way `kind` says, when it next runs (to check cancellation and
+  // recovery; tests/test_faults.cpp). One injection at a time; it is used up by the failure.
+  void inject_failure(NodeId n, Fault kind = Fault::exception) {
+    fail_kind_.store(kind);
+    fail_node_.store(n);
+  }
 
  private:
   struct Impl;
@@ -164,9 +184,11 @@ class CompiledStep {
   // The node inject_failure() named; nodes run concurrently, so the one that takes it does so
   // with a compare-exchange.
   std::atomic<NodeId> fail_node_{static_cast<NodeId>(-1)};
-  bool take_injected_failure(NodeId id) {
+  std::atomic<Fault> fail_kind_{Fault::exception};
+  std::optional<Fault> take_injected_failure(NodeId id) {
     NodeId expected = id;
-    return fail_node_.compare_exchange_strong(expected, static_cast<NodeId>(-1));
+    if (!fail_node_.compare_exchange_strong(expected, static_cast<NodeId>(-1))) return std::nullopt;
+    return fail_kind_.load();
   }
   std::vector<PassTiming> pass_timings_;
 };

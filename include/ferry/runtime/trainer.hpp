@@ -46,6 +46,14 @@ struct TrainerOptions {
   // Mixed precision (ferry/runtime/loss_scale.hpp): f16 or bf16 layers over f32 master weights,
   // with dynamic loss scaling for f16. Training, evaluation and Predict steps all run in it.
   PrecisionConfig precision;
+  // Divergence guard beyond the loss: after every this many optimizer updates the trainer reads
+  // the weights back and checks that they are finite, so an update that made a weight inf or
+  // NaN while its loss was finite fails that step (0: never). A step whose loss is not finite
+  // always checks them, so its message never claims non-finite weights are good ones. The cost is
+  // one read of every weight: a device-to-host copy of them when they live on the device, a scan
+  // of host memory when streamed or mapped, an unpack when compressed (measured in
+  // docs/bad_input.md).
+  std::uint32_t check_weights_every = 1;
 };
 
 struct StepResult {
@@ -191,6 +199,8 @@ class Trainer {
   graph::CompiledStep& predict_variant_mutable();
   // Runs `step` and reads what it measured: loss, hits, wall time, planned peak.
   StepResult run_step(graph::CompiledStep& step, const ops::StepInfo& info);
+  // The first weight with a non-finite element, as "'name' (element i is v)"; empty if none.
+  std::string non_finite_weight() const;
   // The fits of the last training step, summed over weights with the gains they predicted with.
   FitStats read_fit();
   graph::CompiledStep& variant(const graph::VariantKey& key);
@@ -210,6 +220,7 @@ class Trainer {
   float lr_;
   std::uint64_t budget_ = 0;
   std::uint64_t steps_ = 0;
+  std::uint64_t weights_checked_at_ = 0;  // the last update after which the weights were checked finite
   std::unique_ptr<graph::CompiledStep> train_;
   std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>> variants_;
   graph::VariantKey train_key_;

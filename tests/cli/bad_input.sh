@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Every bad input of docs/bad_input.md, given to the `ferry` command: each must fail (or warn,
+# where the table says so) with a message holding the row's key phrase, and that phrase must
+# still be in docs/bad_input.md, so the table and the messages cannot drift apart.
+# usage: bad_input.sh <ferry binary> <scratch folder> [--markdown]
+#   --markdown: print the table's rows (case, command, exit status, message) instead of checking.
+set -uo pipefail
+ferry=$1
+work=$2
+markdown=${3:-}
+doc="$(cd "$(dirname "$0")/../.." && pwd)/docs/bad_input.md"
+rm -rf "$work" && mkdir -p "$work"
+# A private program cache (one entry of it is corrupted below), started from the shared one.
+mkdir -p "$work/cache"
+[ -n "${FERRY_CACHE_DIR:-}" ] && [ -d "$FERRY_CACHE_DIR" ] && cp -r "$FERRY_CACHE_DIR/." "$work/cache/" 2>/dev/null
+export FERRY_CACHE_DIR=$work/cache
+failures=0
+
+# row <what> <key phrase> <expected: error|warning> <env assignments or -> <ferry args...>
+row() {
+  local what=$1 needle=$2 kind=$3 envs=$4
+  shift 4
+  local out status
+  if [ "$envs" = - ]; then
+    out=$("$ferry" "$@" 2>&1 >/dev/null)
+  else
+    out=$(env $envs "$ferry" "$@" 2>&1 >/dev/null)
+  fi
+  status=$?
+  local msg
+  msg=$(grep -m1 -F -- "$needle" <<<"$out" || grep -m1 . <<<"$out")
+  [ ${#msg} -gt 330 ] && msg="${msg:0:330}..."
+  if [ -n "$markdown" ]; then
+    local cmd="ferry $*"
+    cmd=${cmd//$work/\$WORK}
+    [ "$envs" != - ] && cmd="${envs//$work/\$WORK} $cmd"
+    msg=${msg//$work/\$WORK}
+    printf '| %s | `%s` | %s | %s | `%s` |\n' "$what" "$cmd" "$status" "${msg//|/\\|}" "${needle//$work/\$WORK}"
+    return
+  fi
+  local ok=1
+  if [ "$kind" = error ] && [ "$status" -eq 0 ]; then ok=0; fi
+  if [ "$kind" = warning ] && [ "$status" -ne 0 ]; then ok=0; fi
+  grep -qF -- "$needle" <<<"$out" || ok=0
+  grep -qF -- "${needle//$work/\$WORK}" "$doc" || {
+    echo "FAILED: $what: docs/bad_input.md no longer shows '$needle'"
+    failures=$((failures + 1))
+  }
+  if [ "$ok" = 1 ]; then
+    echo "ok: $what"
+  else
+    echo "FAILED: $what (exit $status, wanted a $kind with '$needle'):"
+    tail -5 <<<"$out"
+    failures=$((failures + 1))
+  fi
+}
+
+quick=(--epochs 1 --train-limit 512 --quiet)
+
+# Flags and values.
+row "learning rate NaN" "learning rate must be a positive number, got nan" error - train --lr nan "${quick[@]}"
+row "learning rate negative" "--lr: Value -1 not in range" error - train --lr -1 "${quick[@]}"
+row "momentum 1" "SGD momentum = 1: it must be in [0, 1)" error - train --optimizer sgd --momentum 1 "${quick[@]}"
+row "weight decay NaN" "weight decay = nan: it must be a finite number >= 0" error - train --weight-decay nan "${quick[@]}"
+row "batch 0" "--batch: Value 0 not in range" error - train --batch 0 "${quick[@]}"
+row "batch above the training samples" "batch 1024 is larger than the 512 training samples" error - \
+  train --batch 1024 "${quick[@]}"
+row "unknown optimizer" "unknown optimizer 'rmsprop'" error - train --optimizer rmsprop "${quick[@]}"
+row "unknown model" "--model: resnet not in" error - train --model resnet "${quick[@]}"
+row "unknown precision" "--precision: fp8 not in {fp32,fp16,bf16}" error - train --precision fp8 "${quick[@]}"
+row "fp16 with hybrid phases" "loss scaling (fp16 mixed precision) with hybrid phases" error - \
+  train --precision fp16 --phases hybrid "${quick[@]}"
+row "budget too small for one layer" "raise the budget to at least" error - \
+  train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB "${quick[@]}"
+row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - train --trace-steps 0 "${quick[@]}"
+
+# Output files, probed before any work.
+row "--trace in a missing folder" "--trace $work/no-such-folder/t.json: the folder" error - \
+  train --trace "$work/no-such-folder/t.json" "${quick[@]}"
+row "--trace where no file can be created" "--trace /proc/ferry-trace.json: cannot create a file in '/proc'" \
+  error - train --trace /proc/ferry-trace.json "${quick[@]}"
+row "--profile is a folder" "--profile $work: it is a folder" error - train --profile "$work" "${quick[@]}"
+row "--profile-phases in a missing folder" "--profile-phases $work/none/p.csv: the folder" error - \
+  train --profile-phases "$work/none/p.csv" "${quick[@]}"
+row "--checkpoint in a missing folder" "does not exist: create it first" error - \
+  train --checkpoint "$work/none/run.ckpt" "${quick[@]}"
+
+# Data.
+data=/usr/share/datasets/fashion-mnist
+idx() {  # idx <file> <magic> <dims...>: an IDX header, big endian
+  local f=$1 magic=$2
+  shift 2
+  printf "\\x00\\x00\\x08\\x$(printf %02x "$magic")" >"$f"
+  for d in "$@"; do printf "\\x$(printf %02x $((d >> 24 & 255)))\\x$(printf %02x $((d >> 16 & 255)))\\x$(printf %02x $((d >> 8 & 255)))\\x$(printf %02x $((d & 255)))" >>"$f"; done
+}
+mkdir -p "$work/data32"
+ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$work/data32/"
+idx "$work/data32/t10k-images-idx3-ubyte" 3 4 32 32 && head -c $((4 * 32 * 32)) /dev/zero >>"$work/data32/t10k-images-idx3-ubyte"
+idx "$work/data32/t10k-labels-idx1-ubyte" 1 4 && printf '\x01\x02\x03\x04' >>"$work/data32/t10k-labels-idx1-ubyte"
+gzip -f "$work/data32/t10k-images-idx3-ubyte" "$work/data32/t10k-labels-idx1-ubyte"
+row "test split of another image size" "the test split in '$work/data32' has 32x32 images" error - \
+  train --data "$work/data32" "${quick[@]}"
+mkdir -p "$work/labels"
+ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$work/labels/"
+idx "$work/labels/t10k-images-idx3-ubyte" 3 1 28 28 && head -c 784 /dev/zero >>"$work/labels/t10k-images-idx3-ubyte"
+idx "$work/labels/t10k-labels-idx1-ubyte" 1 1 && printf '\x0c' >>"$work/labels/t10k-labels-idx1-ubyte"
+gzip -f "$work/labels/t10k-images-idx3-ubyte" "$work/labels/t10k-labels-idx1-ubyte"
+row "test split with a label outside the classes" "label 12 of sample 0 is out of range" error - \
+  train --data "$work/labels" "${quick[@]}"
+row "missing data set" "$work/nowhere" error - train --data "$work/nowhere" "${quick[@]}"
+
+# Devices.
+mkdir -p "$work/no-icd"
+row "no OpenCL device" "no OpenCL device" error "OCL_ICD_VENDORS=$work/no-icd OCL_ICD_FILENAMES=" \
+  train "${quick[@]}"
+row "wrong FERRY_DEVICE" "no OpenCL device matches 'no-such-gpu'" error "FERRY_DEVICE=no-such-gpu" train "${quick[@]}"
+
+# Checkpoints and the program cache.
+"$ferry" train "${quick[@]}" --checkpoint "$work/good.ckpt" >/dev/null 2>&1
+cp "$work/good.ckpt" "$work/flipped.ckpt"
+printf '\xff' | dd of="$work/flipped.ckpt" bs=1 seek=5000 conv=notrunc status=none
+row "corrupt checkpoint (one byte flipped)" "fails its checksum" error - train "${quick[@]}" --resume "$work/flipped.ckpt"
+head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
+row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
+row "checkpoint of another model" "its model is 'mlp-784-1024-1024-10'" error - \
+  train --model cnn "${quick[@]}" --resume "$work/good.ckpt"
+entry=$(find "$FERRY_CACHE_DIR" -type f -name '*.bin' | head -1)
+if [ -n "$entry" ]; then
+  printf '\x00\x00\x00\x00' | dd of="$entry" bs=1 seek=100 conv=notrunc status=none
+fi
+row "corrupt program cache entry (a warning; rebuilt)" "is invalid" warning - train "${quick[@]}"
+
+# Training that diverges.
+row "learning rate 1e37 (the loss turns NaN)" "training diverged at step 2" error - \
+  train --optimizer sgd --momentum 0 --lr 1e37 "${quick[@]}"
+
+[ -n "$markdown" ] && exit 0
+echo "$failures failed"
+[ "$failures" -eq 0 ]
