@@ -222,8 +222,8 @@ void MemoryProfiler::write_phase_csv(const std::filesystem::path& path) const {
   if (!out) throw std::runtime_error(fmt::format("cannot write the phase memory profile '{}'", path.string()));
   out << "variant,section,peak_device_bytes,peak_node,mean_device_bytes,min_device_bytes,spikes\n";
   for (const auto& p : phases()) {
-    out << fmt::format("{},{},{},{},{},{},{}\n", csv_field(p.variant), p.section, p.peak_bytes,
-                       csv_field(p.peak_node), p.mean_bytes, p.min_bytes, p.spikes);
+    out << fmt::format("{},{},{},{},{},{},{}\n", csv_field(p.variant), p.section, p.peak_bytes, csv_field(p.peak_node),
+                       p.mean_bytes, p.min_bytes, p.spikes);
   }
   if (!out) throw std::runtime_error(fmt::format("failed writing the phase memory profile '{}'", path.string()));
 }

@@ -70,9 +70,8 @@ void ChromeTrace::write(const std::filesystem::path& path) const {
     const char* name = lane == step_row ? "steps" : graph::lane_name(static_cast<graph::Lane>(lane));
     entries.push_back(
         fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_name","args":{{"name":"{}"}}}})", lane, name));
-    entries.push_back(
-        fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_sort_index","args":{{"sort_index":{}}}}})", lane,
-                    lane));
+    entries.push_back(fmt::format(
+        R"({{"ph":"M","pid":1,"tid":{},"name":"thread_sort_index","args":{{"sort_index":{}}}}})", lane, lane));
   }
   for (const auto& e : events_) {
     const std::uint64_t end = std::max(e.end_ns, e.start_ns);

@@ -123,8 +123,8 @@ void expect_documented(const json& j, const std::string& section) {
   const std::set<std::string>* names = nullptr;
   for (const auto& [heading, n] : doc) {
     if (heading == section || heading.find(section + " ") != std::string::npos ||
-        (heading.size() >= section.size() && heading.compare(heading.size() - section.size(), section.size(),
-                                                             section) == 0)) {
+        (heading.size() >= section.size() &&
+         heading.compare(heading.size() - section.size(), section.size(), section) == 0)) {
       names = &n;
       break;
     }
@@ -192,10 +192,11 @@ void expect_rectangular(const fs::path& p) {
 TEST(Outputs, TrainJsonProfileAndTrace) {
   const fs::path d = scratch();
   // Streamed with optimizer updates on the host: every lane, host nodes included, has nodes.
-  const Run r = run(FERRY_CLI, "train --model mlp --epochs 1 --train-limit 768 --lr 0.001 --residency stream "
-                               "--host-optimizer --json --trace '" +
-                                   (d / "t.json").string() + "' --trace-steps 2 --profile '" +
-                                   (d / "p.csv").string() + "' --profile-phases '" + (d / "pp.csv").string() + "'");
+  const Run r = run(FERRY_CLI,
+                    "train --model mlp --epochs 1 --train-limit 768 --lr 0.001 --residency stream "
+                    "--host-optimizer --json --trace '" +
+                        (d / "t.json").string() + "' --trace-steps 2 --profile '" + (d / "p.csv").string() +
+                        "' --profile-phases '" + (d / "pp.csv").string() + "'");
   ASSERT_EQ(r.status, 0) << r.err;
   ASSERT_EQ(r.lines.size(), 1u) << r.out;
   const json& j = r.lines[0];
@@ -284,9 +285,10 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       {"graph", "graph --sizes 16 --runs 2 --repeat 1"},
       {"compile", "compile --depth 2 --depth 4 --width 16 --repeat 1"},
       {"gemm", "gemm --sizes 64 --repeat 1"},
-      {"overlap", "overlap --repeat 1 --link-bytes 1MiB --config name=small,model=mlp,width=256,depth=1,batch=8,"
-                  "budget=2MiB --config name=toosmall,model=mlp,width=256,depth=1,batch=8,budget=4KiB --trace '" +
-                      (d / "overlap.json").string() + "'"},
+      {"overlap",
+       "overlap --repeat 1 --link-bytes 1MiB --config name=small,model=mlp,width=256,depth=1,batch=8,"
+       "budget=2MiB --config name=toosmall,model=mlp,width=256,depth=1,batch=8,budget=4KiB --trace '" +
+           (d / "overlap.json").string() + "'"},
       {"state", "state --width 64 --depth 2 --batch 8 --warmup 1 --steps 1 --device-budget 1MiB"},
       {"step", "step --batch 16 --warmup 1 --steps 2 --repeat 1 --python /nonexistent/python3"},
   };

@@ -109,6 +109,10 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 // `ferry plan` (runtime/cli/plan.cpp).
 int cmd_plan(const TrainArgs& a);
 
+// --trace, --profile and --profile-phases can be written (their folder exists and is writable):
+// checked before any training; throws std::invalid_argument naming the flag.
+void check_output_paths(const TrainArgs& a);
+
 // "h:mm:ss".
 std::string clock_string(double seconds);
 

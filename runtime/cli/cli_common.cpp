@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <stdexcept>
 
 #include "cli.hpp"
@@ -114,6 +115,24 @@ ferry::ModelSpec make_model(const TrainArgs& a) {
   if (a.model == "cnn") return ferry::models::cnn();
   if (a.model == "deep") return ferry::models::deep(a.width ? a.width : 1024, a.depth ? a.depth : 16);
   throw std::invalid_argument(fmt::format("unknown model '{}': use mlp, cnn or deep", a.model));
+}
+
+void check_output_paths(const TrainArgs& a) {
+  const std::pair<const char*, const std::string*> outputs[] = {
+      {"--trace", &a.trace_path}, {"--profile", &a.profile_path}, {"--profile-phases", &a.profile_phases_path}};
+  for (const auto& [flag, path] : outputs) {
+    if (path->empty()) continue;
+    const std::filesystem::path p(*path);
+    const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) {
+      throw std::invalid_argument(fmt::format("{} {}: the folder '{}' does not exist", flag, *path, dir.string()));
+    }
+    if (std::filesystem::is_directory(p, ec) || ::access(dir.c_str(), W_OK) != 0 ||
+        (std::filesystem::exists(p, ec) && ::access(p.c_str(), W_OK) != 0)) {
+      throw std::invalid_argument(fmt::format("{} {}: cannot write there", flag, *path));
+    }
+  }
 }
 
 std::string clock_string(double seconds) {

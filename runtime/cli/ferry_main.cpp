@@ -567,8 +567,9 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
 int main(int argc, char** argv) {
   CLI::App app{"ferry: train neural networks on any OpenCL device"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", [] { return ferry::version_text("ferry"); },
-                       "Print the version, git commit and the OpenCL devices seen, and exit");
+  app.set_version_flag(
+      "--version", [] { return ferry::version_text("ferry"); },
+      "Print the version, git commit and the OpenCL devices seen, and exit");
   auto* devices = app.add_subcommand("devices", "List OpenCL devices (index, platform, name)");
   TrainArgs t;
   auto* train = app.add_subcommand("train", "Train a model on Fashion-MNIST and report test accuracy");
@@ -622,6 +623,7 @@ int main(int argc, char** argv) {
     if (train->parsed() && t.model == "gpt" && !(t.checkpoint_path.empty() && t.resume_path.empty())) {
       throw std::invalid_argument("--checkpoint and --resume are not available for --model gpt yet");
     }
+    if (train->parsed()) check_output_paths(t);  // before any data is loaded or step run
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);
   } catch (const std::exception& e) {

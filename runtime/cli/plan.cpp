@@ -5,9 +5,9 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <array>
 #include <optional>
 
 #include "cli.hpp"
