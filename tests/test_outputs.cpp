@@ -24,7 +24,7 @@ using nlohmann::json;
 
 #if defined(FERRY_CLI) && defined(FERRY_BENCH) && defined(FERRY_OUTPUTS_DOC)
 
-struct Run {
+struct Outcome {
   int status = -1;
   std::string out, err;
   std::vector<json> lines;  // stdout lines that are JSON objects
@@ -43,11 +43,11 @@ fs::path scratch() {
   return d;
 }
 
-Run run(const std::string& program, const std::string& args) {
+Outcome run_program(const std::string& program, const std::string& args) {
   const fs::path out = scratch() / "stdout", err = scratch() / "stderr";
   const std::string cmd = "'" + program + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
   const int rc = std::system(cmd.c_str());
-  Run r;
+  Outcome r;
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   r.out = slurp(out);
   r.err = slurp(err);
@@ -192,11 +192,11 @@ void expect_rectangular(const fs::path& p) {
 TEST(Outputs, TrainJsonProfileAndTrace) {
   const fs::path d = scratch();
   // Streamed with optimizer updates on the host: every lane, host nodes included, has nodes.
-  const Run r = run(FERRY_CLI,
-                    "train --model mlp --epochs 1 --train-limit 768 --lr 0.001 --residency stream "
-                    "--host-optimizer --json --trace '" +
-                        (d / "t.json").string() + "' --trace-steps 2 --profile '" + (d / "p.csv").string() +
-                        "' --profile-phases '" + (d / "pp.csv").string() + "'");
+  const Outcome r = run_program(FERRY_CLI,
+                                "train --model mlp --epochs 1 --train-limit 768 --lr 0.001 --residency stream "
+                                "--host-optimizer --json --trace '" +
+                                    (d / "t.json").string() + "' --trace-steps 2 --profile '" + (d / "p.csv").string() +
+                                    "' --profile-phases '" + (d / "pp.csv").string() + "'");
   ASSERT_EQ(r.status, 0) << r.err;
   ASSERT_EQ(r.lines.size(), 1u) << r.out;
   const json& j = r.lines[0];
@@ -215,12 +215,13 @@ TEST(Outputs, TrainJsonProfileAndTrace) {
   std::size_t markers = 0, host = 0;
   std::map<int, std::string> lanes;
   for (const auto& e : t.at("traceEvents")) {
-    if (e.at("ph") == "M" && e.at("name") == "thread_name") lanes[e.at("tid")] = e.at("args").at("name");
+    if (e.at("ph") == "M" && e.at("name") == "thread_name")
+      lanes[e.at("tid").get<int>()] = e.at("args").at("name").get<std::string>();
   }
   for (const auto& e : t.at("traceEvents")) {
     if (e.at("ph") != "X") continue;
     ASSERT_TRUE(e.contains("args")) << e.dump();
-    const std::string lane = lanes.at(e.at("tid"));
+    const std::string lane = lanes.at(e.at("tid").get<int>());
     if (lane == "steps") {
       ++markers;
       continue;
@@ -243,14 +244,16 @@ TEST(Outputs, TrainJsonProfileAndTrace) {
   const std::regex variant("train|train-nofit|eval[0-9]+|predict|micro");
   for (std::size_t i = 1; i < rows.size(); ++i) {
     EXPECT_TRUE(std::regex_match(rows[i][0], variant)) << "variant '" << rows[i][0] << "'";
-    if (rows[i][1] != "plan") EXPECT_LT(std::stoi(rows[i][1]), 2);
+    if (rows[i][1] != "plan") {
+      EXPECT_LT(std::stoi(rows[i][1]), 2);
+    }
   }
 }
 
 TEST(Outputs, OneStepRunAndTraceStepErrors) {
   const fs::path d = scratch();
-  const Run r = run(FERRY_CLI, "train --model mlp --epochs 1 --train-limit 256 --json --quiet --trace '" +
-                                   (d / "one.json").string() + "'");
+  const Outcome r = run_program(FERRY_CLI, "train --model mlp --epochs 1 --train-limit 256 --json --quiet --trace '" +
+                                               (d / "one.json").string() + "'");
   ASSERT_EQ(r.status, 0) << r.err;
   ASSERT_EQ(r.lines.size(), 1u);
   EXPECT_EQ(r.lines[0].at("steps"), 1);
@@ -258,20 +261,21 @@ TEST(Outputs, OneStepRunAndTraceStepErrors) {
   const json t = json::parse(slurp(d / "one.json"));
   EXPECT_GT(t.at("traceEvents").size(), 6u);
   for (const char* bad : {"0", "-2", "x"}) {
-    const Run e = run(FERRY_CLI, std::string("train --model mlp --epochs 1 --train-limit 256 --trace-steps ") + bad);
+    const Outcome e =
+        run_program(FERRY_CLI, std::string("train --model mlp --epochs 1 --train-limit 256 --trace-steps ") + bad);
     EXPECT_NE(e.status, 0) << bad;
     EXPECT_NE(e.err.find("--trace-steps"), std::string::npos) << e.err;
   }
 }
 
 TEST(Outputs, PlanAndVersion) {
-  const Run r = run(FERRY_CLI, "plan --model deep --width 64 --depth 2 --device-budget 64MiB --json");
+  const Outcome r = run_program(FERRY_CLI, "plan --model deep --width 64 --depth 2 --device-budget 64MiB --json");
   ASSERT_EQ(r.status, 0) << r.err;
   ASSERT_EQ(r.lines.size(), 1u);
   EXPECT_EQ(r.lines[0].at("schema"), 1);
   expect_documented(r.lines[0], "ferry plan");
   for (const char* program : {FERRY_CLI, FERRY_BENCH}) {
-    const Run v = run(program, "--version");
+    const Outcome v = run_program(program, "--version");
     EXPECT_EQ(v.status, 0) << v.err;
     EXPECT_NE(v.out.find(" (git "), std::string::npos) << v.out;
     EXPECT_NE(v.out.find("OpenCL devices"), std::string::npos) << v.out;
@@ -287,13 +291,13 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       {"gemm", "gemm --sizes 64 --repeat 1"},
       {"overlap",
        "overlap --repeat 1 --link-bytes 1MiB --config name=small,model=mlp,width=256,depth=1,batch=8,"
-       "budget=2MiB --config name=toosmall,model=mlp,width=256,depth=1,batch=8,budget=4KiB --trace '" +
+       "budget=4MiB --config name=toosmall,model=mlp,width=256,depth=1,batch=8,budget=4KiB --trace '" +
            (d / "overlap.json").string() + "'"},
       {"state", "state --width 64 --depth 2 --batch 8 --warmup 1 --steps 1 --device-budget 1MiB"},
       {"step", "step --batch 16 --warmup 1 --steps 2 --repeat 1 --python /nonexistent/python3"},
   };
   for (const auto& [name, args] : benches) {
-    const Run r = run(FERRY_BENCH, args);
+    const Outcome r = run_program(FERRY_BENCH, args);
     EXPECT_FALSE(r.lines.empty()) << name << ": " << r.err;
     for (const json& j : r.lines) {
       EXPECT_EQ(j.value("schema", 0), 1) << name << ": " << j.dump();
@@ -301,7 +305,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
     }
     if (name == "overlap") {
       EXPECT_NE(r.err.find("wrote a trace of 3 streamed steps (1 of 2 configurations)"), std::string::npos) << r.err;
-      EXPECT_NO_THROW((void)json::parse(slurp(d / "overlap.json")));
+      EXPECT_FALSE(json::parse(slurp(d / "overlap.json"), nullptr, false).is_discarded());
     }
   }
 }
