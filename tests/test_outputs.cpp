@@ -269,6 +269,17 @@ TEST(Outputs, OneStepRunAndTraceStepErrors) {
   }
 }
 
+TEST(Outputs, UnwritableOutputsAreRefusedBeforeTraining) {
+  for (const char* flag : {"--trace", "--profile", "--profile-phases"}) {
+    const Outcome e = run_program(
+        FERRY_CLI, std::string("train --model mlp --epochs 1 --train-limit 256 ") + flag + " /nonexistent/folder/out");
+    EXPECT_NE(e.status, 0) << flag;
+    EXPECT_NE(e.err.find(std::string("ferry: error: ") + flag + " /nonexistent/folder/out"), std::string::npos)
+        << e.err;
+    EXPECT_EQ(e.err.find("epoch 1/1"), std::string::npos) << flag << ": training ran first:\n" << e.err;
+  }
+}
+
 TEST(Outputs, GptJson) {
   const char* text = std::getenv("FERRY_TEXT_DIR");
   if (!fs::is_directory(text ? text : "/usr/share/games/fortunes")) GTEST_SKIP() << "no fortunes text to train on";

@@ -34,7 +34,7 @@ inline const CLI::Validator positive_steps(
       char* end = nullptr;
       const long long v = std::strtoll(s.c_str(), &end, 10);
       if (s.empty() || *end != '\0' || v < 1) {
-        return fmt::format("--trace-steps takes the number of steps to trace, 1 or more (got '{}')", s);
+        return fmt::format("the number of steps to trace must be 1 or more (got '{}')", s);
       }
       return {};
     },
