@@ -45,7 +45,11 @@ struct BenchRegistrar {
 #define FERRY_BENCH(name, help, setup) \
   static const ::ferry::bench::BenchRegistrar FERRY_BENCH_CONCAT(ferry_bench_registrar_, __LINE__)(name, help, setup)
 
-// Prints one result as a single JSON line on stdout and flushes.
+// The version of the JSON lines' layout (docs/outputs.md); every line carries it as "schema".
+inline constexpr int bench_json_schema = 1;
+
+// Prints one result as a single JSON line on stdout, with "schema": bench_json_schema added, and
+// flushes.
 void emit_json(const nlohmann::json& result);
 
 // Median of a sample (copies; samples are small).

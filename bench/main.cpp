@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "bench.hpp"
+#include "ferry/runtime/version.hpp"
 
 namespace ferry::bench {
 
@@ -16,7 +17,9 @@ std::vector<BenchInfo>& registry() {
 }
 
 void emit_json(const nlohmann::json& result) {
-  std::cout << result.dump() << std::endl;
+  nlohmann::json line = result;
+  line["schema"] = bench_json_schema;
+  std::cout << line.dump() << std::endl;
 }
 
 }  // namespace ferry::bench
@@ -25,6 +28,9 @@ int main(int argc, char** argv) {
   using namespace ferry::bench;
   CLI::App app{"ferry-bench: ferry beside its baselines, one JSON line per result"};
   app.fallthrough();  // common options may follow the benchmark name
+  app.set_version_flag(
+      "--version", [] { return ferry::version_text("ferry-bench"); },
+      "Print the version, git commit and the OpenCL devices seen, and exit");
   BenchCommon common;
   app.add_option("--device", common.device, "OpenCL device: index or name substring (default: FERRY_DEVICE, a GPU)");
   app.add_option("--trace", common.trace, "write a Chrome trace to this file (benchmarks that trace)");

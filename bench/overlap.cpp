@@ -466,19 +466,25 @@ int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
   std::optional<ChromeTrace> trace;
   if (!common.trace.empty()) trace.emplace();
   int status = 0;
+  std::size_t traced = 0;  // configurations whose steps are in the trace
   for (const OverlapConfig& c : configs) {
     fmt::print(stderr, "overlap: {} ({} {}x{}, batch {}, budget {})\n", c.name, c.model, c.width, c.depth, c.batch,
                c.budget);
     try {
       emit_json(run_config(runtime, common, o, c, peak, trace ? &*trace : nullptr));
+      ++traced;
     } catch (const graph::BudgetError& e) {
       emit_json({{"bench", "overlap"}, {"config", c.name}, {"error", e.what()}, {"min_budget_bytes", e.min_budget()}});
       status = 1;
     }
   }
-  if (trace) {
+  // A failed configuration adds no steps; with none traced, no file is written.
+  if (trace && trace->steps() > 0) {
     trace->write(common.trace);
-    fmt::print(stderr, "wrote a trace of 3 streamed steps per configuration to {}\n", common.trace);
+    fmt::print(stderr, "wrote a trace of {} streamed steps ({} of {} configurations) to {}\n", trace->steps(), traced,
+               configs.size(), common.trace);
+  } else if (trace) {
+    fmt::print(stderr, "no trace written: no configuration ran\n");
   }
   return status;
 }

@@ -59,8 +59,16 @@ std::vector<nlohmann::json> run_json_command(const std::string& command) {
 }
 
 std::string peer_script_path(const std::string& file) {
-  const fs::path here = fs::path(__FILE__).parent_path() / "peers" / file;
-  if (fs::exists(here)) return here.string();
+  // Installed: <prefix>/bin/ferry-bench finds <prefix>/share/ferry/peers/<file>.
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path installed = exe.parent_path() / ".." / "share" / "ferry" / "peers" / file;
+    if (fs::exists(installed, ec)) return fs::weakly_canonical(installed, ec).string();
+  }
+  // In the build tree: the sources' bench/peers.
+  const fs::path here = fs::path(FERRY_BENCH_SOURCE_DIR) / "peers" / file;
+  if (fs::exists(here, ec)) return here.string();
   return "bench/peers/" + file;
 }
 

@@ -20,8 +20,9 @@ std::string shell_quote(const std::string& s);
 // failed, the last object gets an "error" unless it has one.
 std::vector<nlohmann::json> run_json_command(const std::string& command);
 
-// The peer script `file` under bench/peers next to the benchmark sources (their location at
-// build time), else relative to the working directory.
+// The peer script `file`: installed, <bin>/../share/ferry/peers/<file> next to the running
+// ferry-bench; in the build tree, bench/peers of the sources it was built from; else relative to
+// the working directory.
 std::string peer_script_path(const std::string& file);
 
 }  // namespace ferry::bench

@@ -68,6 +68,13 @@ std::uint64_t PersistentArena::device_bytes() const {
 
 namespace {
 
+// The host's steady clock in nanoseconds (host-lane spans of the timeline).
+std::uint64_t steady_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+
 cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
   switch (lane) {
     case Lane::h2d:
@@ -90,6 +97,9 @@ struct CompiledStep::Impl {
   std::vector<std::vector<cl_event>> wait_lists;  // per node: the events it waits on this step
   std::vector<cl::Event> events;                  // per node: its last command, this step
   std::vector<cl::Event> first_events;            // per node: its first command (profiling only)
+  // Profiling only, host steady clock in ns: when each device node was enqueued (to relate the
+  // host clock to the device clock) and when each host-lane node's work ran, this step.
+  std::vector<std::uint64_t> host_enqueue_ns, host_start_ns, host_end_ns;
   // Host mirrors by name without "@host": what the caller fills (uploads) and reads (downloads).
   std::map<std::string, TensorId, std::less<>> uploads, downloads;
   TensorId stats = no_tensor;  // the loss's host mirror, if the graph has a loss
@@ -359,6 +369,9 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
   impl_->gate_nodes.resize(n.size());
   impl_->host_work.resize(n.size());
   impl_->first_events.resize(n.size());
+  impl_->host_enqueue_ns.assign(n.size(), 0);
+  impl_->host_start_ns.assign(n.size(), 0);
+  impl_->host_end_ns.assign(n.size(), 0);
   Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
     impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
@@ -409,6 +422,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
             cl::Event ev;
             // Transfers-only runs (overlap measurement) enqueue the copies but no compute.
             if (im->mode != RunMode::transfers_only || nodes.lane[id] != Lane::compute) {
+              if (im->ctx.profiling()) im->host_enqueue_ns[id] = steady_ns();
               ev = ops::enqueue(q, im->launches[id], wait, im->step,
                                 im->ctx.profiling() ? &im->first_events[id] : nullptr);
             }
@@ -446,7 +460,9 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
                             nodes.name[id]);
           }
           if (im->mode == RunMode::transfers_only) return;
+          if (im->ctx.profiling()) im->host_start_ns[id] = steady_ns();
           run_host_node(id);
+          if (im->ctx.profiling()) im->host_end_ns[id] = steady_ns();
         });
     tbb::flow::make_edge(*impl_->nodes[id], *impl_->gate_nodes[id]);
     tbb::flow::make_edge(*impl_->gate_nodes[id], *impl_->host_work[id]);
@@ -623,6 +639,11 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   impl_->step = step;
   impl_->mode = mode;
   impl_->finish_gate.status = CL_COMPLETE;
+  if (impl_->ctx.profiling()) {
+    std::fill(impl_->host_enqueue_ns.begin(), impl_->host_enqueue_ns.end(), 0);
+    std::fill(impl_->host_start_ns.begin(), impl_->host_start_ns.end(), 0);
+    std::fill(impl_->host_end_ns.begin(), impl_->host_end_ns.end(), 0);
+  }
   for (auto& gate : impl_->gates) {
     if (gate) gate->status = CL_COMPLETE;
   }
@@ -683,16 +704,53 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
 std::vector<TimelineEntry> CompiledStep::timeline() const {
   std::vector<TimelineEntry> out;
   if (!impl_->ctx.profiling()) return out;
-  for (NodeId id = 0; id < graph_.nodes.size(); ++id) {
+  const auto& nodes = graph_.nodes;
+  const auto describe = [&](NodeId id) {
+    TimelineEntry e{nodes.name[id], nodes.lane[id], 0, 0, 0};
+    e.op = std::string(op_name(nodes.op[id]));
+    for (TensorId t : nodes.inputs(id)) {
+      e.inputs.push_back(graph_.tensors.name[t]);
+      e.bytes += graph_.tensors.bytes(t);
+    }
+    for (TensorId t : nodes.outputs(id)) {
+      e.outputs.push_back(graph_.tensors.name[t]);
+      e.bytes += graph_.tensors.bytes(t);
+    }
+    return e;
+  };
+  // Host clock to device clock: the driver stamps a command's QUEUED time just after the host
+  // stamped its enqueue, so the smallest difference is the closest estimate of the offset.
+  bool have_offset = false;
+  std::int64_t offset = 0;
+  for (NodeId id = 0; id < nodes.size(); ++id) {
     const cl::Event& ev = impl_->events[id];
+    if (is_host_lane(nodes.lane[id])) {
+      if (impl_->host_end_ns[id] == 0) continue;
+      TimelineEntry e = describe(id);
+      e.queued_ns = e.start_ns = impl_->host_start_ns[id];
+      e.end_ns = impl_->host_end_ns[id];
+      out.push_back(std::move(e));
+      continue;
+    }
     if (!ev) continue;
-    TimelineEntry e{graph_.nodes.name[id], graph_.nodes.lane[id], 0, 0, 0};
+    TimelineEntry e = describe(id);
     clGetEventProfilingInfo(impl_->first_events[id] ? impl_->first_events[id].get() : ev.get(),
                             CL_PROFILING_COMMAND_QUEUED, sizeof(cl_ulong), &e.queued_ns, nullptr);
     const cl::Event& first = impl_->first_events[id] ? impl_->first_events[id] : ev;
     clGetEventProfilingInfo(first.get(), CL_PROFILING_COMMAND_START, sizeof(cl_ulong), &e.start_ns, nullptr);
     clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_END, sizeof(cl_ulong), &e.end_ns, nullptr);
+    if (impl_->host_enqueue_ns[id] != 0 && e.queued_ns != 0) {
+      const auto d = static_cast<std::int64_t>(e.queued_ns) - static_cast<std::int64_t>(impl_->host_enqueue_ns[id]);
+      if (!have_offset || d < offset) offset = d;
+      have_offset = true;
+    }
     out.push_back(std::move(e));
+  }
+  for (auto& e : out) {
+    if (!is_host_lane(e.lane)) continue;
+    e.queued_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(e.queued_ns) + offset);
+    e.start_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(e.start_ns) + offset);
+    e.end_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(e.end_ns) + offset);
   }
   return out;
 }

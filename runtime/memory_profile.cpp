@@ -63,6 +63,14 @@ std::uint64_t transfer_bytes(const graph::Graph& g, graph::NodeId n) {
   return b;
 }
 
+// A CSV field (RFC 4180): quoted, with quotes doubled, when it holds a comma, quote or newline.
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+
 }  // namespace
 
 const char* section_name(StepSection s) {
@@ -194,12 +202,17 @@ std::vector<MemorySpike> MemoryProfiler::spikes(std::size_t max_count) const {
 void MemoryProfiler::write_csv(const std::filesystem::path& path) const {
   std::ofstream out(path);
   if (!out) throw std::runtime_error(fmt::format("cannot write the memory profile '{}'", path.string()));
+  // RFC 4180: every row has the header's ten fields; plan rows leave start_us and end_us empty.
   out << "variant,step,node,kind,lane,section,live_device_bytes,transfer_bytes,start_us,end_us\n";
   for (const auto& r : rows_) {
-    out << fmt::format("{},{},{},{},{},{},{},{},", r.variant, r.step < 0 ? std::string("plan") : std::to_string(r.step),
-                       r.name, r.kind, r.lane, section_name(r.section), r.live_bytes, r.transfer_bytes);
-    if (r.step >= 0) out << fmt::format("{:.3f},{:.3f}", r.start_us, r.end_us);
-    out << ",\n";
+    out << fmt::format("{},{},{},{},{},{},{},{},", csv_field(r.variant),
+                       r.step < 0 ? std::string("plan") : std::to_string(r.step), csv_field(r.name), csv_field(r.kind),
+                       csv_field(r.lane), section_name(r.section), r.live_bytes, r.transfer_bytes);
+    if (r.step >= 0) {
+      out << fmt::format("{:.3f},{:.3f}\n", r.start_us, r.end_us);
+    } else {
+      out << ",\n";
+    }
   }
   if (!out) throw std::runtime_error(fmt::format("failed writing the memory profile '{}'", path.string()));
 }
@@ -209,8 +222,8 @@ void MemoryProfiler::write_phase_csv(const std::filesystem::path& path) const {
   if (!out) throw std::runtime_error(fmt::format("cannot write the phase memory profile '{}'", path.string()));
   out << "variant,section,peak_device_bytes,peak_node,mean_device_bytes,min_device_bytes,spikes\n";
   for (const auto& p : phases()) {
-    out << fmt::format("{},{},{},{},{},{},{}\n", p.variant, p.section, p.peak_bytes, p.peak_node, p.mean_bytes,
-                       p.min_bytes, p.spikes);
+    out << fmt::format("{},{},{},{},{},{},{}\n", csv_field(p.variant), p.section, p.peak_bytes, csv_field(p.peak_node),
+                       p.mean_bytes, p.min_bytes, p.spikes);
   }
   if (!out) throw std::runtime_error(fmt::format("failed writing the phase memory profile '{}'", path.string()));
 }

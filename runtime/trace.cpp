@@ -1,4 +1,4 @@
-// Chrome trace writer.
+// Chrome trace writer (the format: docs/outputs.md).
 #include "ferry/runtime/trace.hpp"
 
 #include <fmt/format.h>
@@ -11,22 +11,50 @@
 
 namespace ferry {
 namespace {
+
+// The row of step markers, below the lanes.
+constexpr int step_row = graph::lane_count;
+
 std::string json_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
+    } else {
+      out += c;
+    }
   }
   return out;
 }
+
+std::string json_strings(const std::vector<std::string>& v) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) out += fmt::format("{}\"{}\"", i ? "," : "", json_escape(v[i]));
+  return out + "]";
+}
+
 }  // namespace
 
 void ChromeTrace::add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step) {
-  for (const auto& e : timeline) events_.push_back({fmt::format("{} #{}", e.name, step), e.lane, e.start_ns, e.end_ns});
+  if (timeline.empty()) return;
+  std::uint64_t first = UINT64_MAX, last = 0;
+  for (const auto& e : timeline) {
+    events_.push_back({fmt::format("{} #{}", e.name, step), static_cast<int>(e.lane), e.start_ns, e.end_ns,
+                       fmt::format(R"("step":{},"op":"{}","bytes":{},"inputs":{},"outputs":{})", step,
+                                   json_escape(e.op), e.bytes, json_strings(e.inputs), json_strings(e.outputs))});
+    first = std::min(first, e.start_ns);
+    last = std::max(last, e.end_ns);
+  }
+  events_.push_back({fmt::format("step {}", step), step_row, first, last,
+                     fmt::format(R"("step":{},"nodes":{})", step, timeline.size())});
+  ++steps_;
 }
 
 void ChromeTrace::add(std::string name, graph::Lane lane, std::uint64_t start_ns, std::uint64_t end_ns) {
-  events_.push_back({std::move(name), lane, start_ns, end_ns});
+  events_.push_back({std::move(name), static_cast<int>(lane), start_ns, end_ns, {}});
 }
 
 void ChromeTrace::write(const std::filesystem::path& path) const {
@@ -34,22 +62,26 @@ void ChromeTrace::write(const std::filesystem::path& path) const {
   if (!out) throw std::runtime_error(fmt::format("cannot write trace file '{}'", path.string()));
   std::uint64_t origin = UINT64_MAX;
   for (const auto& e : events_) origin = std::min(origin, e.start_ns);
-  // Lane names as thread names, so the viewer shows compute / copy in / copy out / host rows;
-  // then the events. Entries are joined with commas, so any number of events (none included)
-  // makes valid JSON.
+  // Lane names as thread names, so the viewer shows compute / copy in / copy out / host / unpack
+  // rows and the step markers; then the events. Entries are joined with commas, so any number of
+  // events (none included) makes valid JSON.
   std::vector<std::string> entries;
-  for (int lane = 0; lane < graph::lane_count; ++lane) {
-    entries.push_back(fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_name","args":{{"name":"{}"}}}})", lane,
-                                  graph::lane_name(static_cast<graph::Lane>(lane))));
+  for (int lane = 0; lane <= step_row; ++lane) {
+    const char* name = lane == step_row ? "steps" : graph::lane_name(static_cast<graph::Lane>(lane));
+    entries.push_back(
+        fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_name","args":{{"name":"{}"}}}})", lane, name));
+    entries.push_back(fmt::format(
+        R"({{"ph":"M","pid":1,"tid":{},"name":"thread_sort_index","args":{{"sort_index":{}}}}})", lane, lane));
   }
   for (const auto& e : events_) {
-    entries.push_back(fmt::format(R"({{"ph":"X","pid":1,"tid":{},"name":"{}","ts":{:.3f},"dur":{:.3f}}})",
-                                  static_cast<int>(e.lane), json_escape(e.name), (e.start_ns - origin) / 1e3,
-                                  (e.end_ns - e.start_ns) / 1e3));
+    const std::uint64_t end = std::max(e.end_ns, e.start_ns);
+    entries.push_back(fmt::format(R"({{"ph":"X","pid":1,"tid":{},"name":"{}","ts":{:.3f},"dur":{:.3f},"args":{{{}}}}})",
+                                  e.tid, json_escape(e.name), (e.start_ns - origin) / 1e3, (end - e.start_ns) / 1e3,
+                                  e.args));
   }
   out << "{\"traceEvents\":[\n";
   for (std::size_t i = 0; i < entries.size(); ++i) out << entries[i] << (i + 1 < entries.size() ? ",\n" : "\n");
-  out << "]}\n";
+  out << "],\"displayTimeUnit\":\"ms\",\"otherData\":{\"schema\":1,\"clock\":\"device\"}}\n";
   if (!out) throw std::runtime_error(fmt::format("failed writing trace file '{}'", path.string()));
 }
 

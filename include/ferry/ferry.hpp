@@ -24,3 +24,4 @@
 #include "ferry/runtime/trace.hpp"
 #include "ferry/runtime/trainer.hpp"
 #include "ferry/runtime/units.hpp"
+#include "ferry/runtime/version.hpp"

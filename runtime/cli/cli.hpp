@@ -5,7 +5,9 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
+#include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -14,6 +16,17 @@
 #include "ferry/ferry.hpp"
 
 namespace ferry::cli {
+
+// The versions of the JSON lines' layouts (docs/outputs.md): each line carries its own as
+// "schema"; a field removed or changed in meaning raises it, a field added does not.
+inline constexpr int train_json_schema = 1;  // ferry train (every model)
+inline constexpr int plan_json_schema = 1;   // ferry plan
+
+// A float as the double of its shortest decimal, so JSON shows what was given (0.001, not
+// 0.0010000000474974513).
+inline double shortest(float f) {
+  return std::strtod(fmt::format("{}", f).c_str(), nullptr);
+}
 
 // The CLI's names of homes: device, host (pinned, streamed), mapped, compressed, int8, dropped.
 ferry::graph::Residency cli_home(const std::string& s);

@@ -204,7 +204,6 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, st
 
 int cmd_train(const TrainArgs& a) {
   if (!a.checkpoint_path.empty()) ferry::check_checkpoint_path(a.checkpoint_path);  // before any training
-  check_outputs(a);
   const auto data_dir = a.data_dir.empty() ? ferry::default_fashion_mnist_dir() : std::filesystem::path(a.data_dir);
   ferry::Dataset train = ferry::load_fashion_mnist(data_dir, ferry::Split::train);
   ferry::Dataset test = ferry::load_fashion_mnist(data_dir, ferry::Split::test);
@@ -289,7 +288,10 @@ int cmd_train(const TrainArgs& a) {
   ferry::MemoryProfiler profiler;
   profiler.add_variant("train", trainer.train_step());
 
-  double step_ms_sum = 0, train_seconds = 0, last_epoch_loss = 0;
+  double step_ms_sum = 0, train_seconds = 0, last_epoch_loss = 0, first_step_ms = 0;
+  // Time spent outside training steps between the first and the last: evaluation after each
+  // epoch and checkpoints. samples_per_s leaves both out.
+  double eval_seconds = 0, checkpoint_seconds = 0;
   std::size_t steps_timed = 0, steps_run = 0;
   RunPosition start;
   if (!a.resume_path.empty()) {
@@ -307,10 +309,11 @@ int cmd_train(const TrainArgs& a) {
   const auto save = [&](const RunPosition& p) {
     const auto t0 = Clock::now();
     trainer.save_checkpoint(a.checkpoint_path, encode_position(a, p, train.count, rng, order, total_steps));
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    checkpoint_seconds += seconds;
     if (!a.quiet) {
       std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", a.checkpoint_path,
-                               ferry::format_bytes(std::filesystem::file_size(a.checkpoint_path)),
-                               std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+                               ferry::format_bytes(std::filesystem::file_size(a.checkpoint_path)), seconds * 1e3);
     }
   };
   // Stops between steps after a signal: a checkpoint at `p` if asked for, and how to go on.
@@ -352,12 +355,15 @@ int cmd_train(const TrainArgs& a) {
       if (steps_run > 1) {  // the first step includes one-off costs
         step_ms_sum += r.step_ms;
         ++steps_timed;
+      } else {
+        first_step_ms = r.step_ms;
       }
-      if (global_step >= 1 && global_step <= a.trace_steps) {
+      if (steps_run <= a.trace_steps) {  // the first --trace-steps steps of this run
         if (!a.trace_path.empty()) trace.add_step(trainer.train_step().timeline(), global_step);
         if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), global_step);
       }
-      const double elapsed = std::chrono::duration<double>(Clock::now() - train_start).count();
+      const double elapsed =
+          std::chrono::duration<double>(Clock::now() - train_start).count() - eval_seconds - checkpoint_seconds;
       const double done = static_cast<double>(steps_run);
       progress.update(fmt::format("epoch {}/{}", epoch, a.epochs), s + 1, steps_per_epoch,
                       static_cast<float>(loss_sum / (s + 1)), done * batch / elapsed, "samples",
@@ -365,7 +371,9 @@ int cmd_train(const TrainArgs& a) {
     }
     last_epoch_loss = loss_sum / steps_per_epoch;
     if (!a.quiet) {
+      const auto eval_start = Clock::now();
       const auto eval = trainer.evaluate(test);
+      eval_seconds += std::chrono::duration<double>(Clock::now() - eval_start).count();
       std::string phase_note;
       if (const auto* pc = trainer.phases()) {
         phase_note =
@@ -377,13 +385,16 @@ int cmd_train(const TrainArgs& a) {
     }
     if (!a.checkpoint_path.empty()) save(RunPosition{epoch, 0, 0, last_epoch_loss});
   }
-  train_seconds = std::chrono::duration<double>(Clock::now() - train_start).count();
+  train_seconds = std::chrono::duration<double>(Clock::now() - train_start).count() - eval_seconds - checkpoint_seconds;
+  const auto final_eval_start = Clock::now();
   const auto final_eval = trainer.evaluate(test);
+  eval_seconds += std::chrono::duration<double>(Clock::now() - final_eval_start).count();
   const double samples_per_s = train_seconds > 0 ? static_cast<double>(steps_run * batch) / train_seconds : 0;
-  const double step_ms = steps_timed ? step_ms_sum / steps_timed : 0;
+  // One step only: its own time (one-off costs included) rather than none.
+  const double step_ms = steps_timed ? step_ms_sum / steps_timed : first_step_ms;
   if (!a.trace_path.empty()) {
     trace.write(a.trace_path);
-    if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", a.trace_steps, a.trace_path);
+    if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", trace.steps(), a.trace_path);
   }
   for (const auto& [key, step] : trainer.variants()) {
     // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
@@ -409,17 +420,22 @@ int cmd_train(const TrainArgs& a) {
                              ferry::format_bytes(trainer.device_peak_bytes()));
   }
   if (a.json) {
-    nlohmann::json j = {{"model", trainer.model().name},
+    nlohmann::json j = {{"schema", train_json_schema},
+                        {"model", trainer.model().name},
                         {"device", runtime.device().name},
                         {"epochs", a.epochs},
                         {"batch", batch},
                         {"optimizer", a.optimizer},
-                        {"lr", a.lr},
+                        {"lr", shortest(a.lr)},
                         {"seed", a.seed},
                         {"test_accuracy", final_eval.accuracy},
                         {"test_loss", final_eval.loss},
                         {"train_loss", last_epoch_loss},
                         {"samples_per_s", samples_per_s},
+                        {"train_seconds", train_seconds},
+                        {"eval_seconds", eval_seconds},
+                        {"checkpoint_seconds", checkpoint_seconds},
+                        {"steps", steps_run},
                         {"step_ms", step_ms},
                         {"device_peak_bytes", trainer.device_peak_bytes()},
                         {"training_state_bytes", trainer.training_state_bytes()},
@@ -559,6 +575,9 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
 int main(int argc, char** argv) {
   CLI::App app{"ferry: train neural networks on any OpenCL device"};
   app.require_subcommand(1);
+  app.set_version_flag(
+      "--version", [] { return ferry::version_text("ferry"); },
+      "Print the version, git commit and the OpenCL devices seen, and exit");
   auto* devices = app.add_subcommand("devices", "List OpenCL devices (index, platform, name)");
   TrainArgs t;
   auto* train = app.add_subcommand("train", "Train a model on Fashion-MNIST and report test accuracy");
@@ -582,7 +601,8 @@ int main(int argc, char** argv) {
                     "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");
   train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)");
   train->add_option("--trace", t.trace_path, "Write a Chrome trace of the first steps' device timeline");
-  train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile)")->capture_default_str();
+  train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile), from the first (1 or more)")
+      ->capture_default_str();
   train
       ->add_option("--check-weights-every", t.check_weights_every,
                    "Check that the weights are finite after every N optimizer updates (0: never; a non-finite loss "
@@ -615,6 +635,7 @@ int main(int argc, char** argv) {
     if (train->parsed() && t.model == "gpt" && !(t.checkpoint_path.empty() && t.resume_path.empty())) {
       throw std::invalid_argument("--checkpoint and --resume are not available for --model gpt yet");
     }
+    if (train->parsed()) check_outputs(t);  // before any data is loaded or step run
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);
   } catch (const std::exception& e) {

@@ -165,7 +165,7 @@ int cmd_plan(const TrainArgs& a) {
       for (const auto& p : phases_of(*configured)) phases[p.name] = to_json(p.bytes);
     }
     nlohmann::json j = {
-        {"schema", 1},
+        {"schema", plan_json_schema},
         {"model", model.name},
         {"batch", base.batch},
         {"optimizer", a.optimizer},

@@ -68,7 +68,6 @@ std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_
 
 int cmd_train_gpt(const TrainArgs& args) {
   TrainArgs a = args;
-  check_outputs(a);               // before any work
   if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
   const auto files = fortune_files(a.text_dir);
   const TextCorpus corpus = load_text_corpus(files, 0.1);
@@ -138,10 +137,7 @@ int cmd_train_gpt(const TrainArgs& args) {
     const StepResult r = trainer.step(batch_views);
     train_seconds += seconds_since(s0);
     ++done;
-    if (!a.trace_path.empty() && done >= 2 && done <= a.trace_steps + 1) {
-      trace.add_step(trainer.train_step().timeline(), done);
-      if (done == a.trace_steps + 1) trace.write(a.trace_path);
-    }
+    if (!a.trace_path.empty() && done <= a.trace_steps) trace.add_step(trainer.train_step().timeline(), done - 1);
     recent.push_back(r.loss);
     if (recent.size() > 20) recent.pop_front();
     const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / recent.size();
@@ -161,6 +157,10 @@ int cmd_train_gpt(const TrainArgs& args) {
       break;
     }
   }
+  if (!a.trace_path.empty()) {
+    trace.write(a.trace_path);
+    if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", trace.steps(), a.trace_path);
+  }
   const double train_loss =
       std::accumulate(recent.begin(), recent.end(), 0.0) / std::max<std::size_t>(recent.size(), 1);
   const double tokens_per_s = done * double(batch) * t / train_seconds;
@@ -174,7 +174,8 @@ int cmd_train_gpt(const TrainArgs& args) {
                              val_loss, done, tokens_per_s, 1e3 * train_seconds / done);
   }
   if (a.json) {
-    nlohmann::json j = {{"model", trainer.model().name},
+    nlohmann::json j = {{"schema", train_json_schema},
+                        {"model", trainer.model().name},
                         {"device", runtime.device().name},
                         {"parameters", trainer.parameter_count()},
                         {"vocab", c.vocab},
@@ -185,7 +186,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                         {"batch", batch},
                         {"steps", done},
                         {"optimizer", a.optimizer},
-                        {"lr", a.lr},
+                        {"lr", shortest(a.lr)},
                         {"seed", a.seed},
                         {"train_loss", train_loss},
                         {"val_loss", val_loss},

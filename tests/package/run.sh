@@ -45,7 +45,12 @@ start=$SECONDS
 prefix=$work_dir/prefix
 rm -rf "$work_dir"
 mkdir -p "$work_dir"
-configure_args=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$prefix")
+# A consumer needs only the OpenCL development package besides ferry's own: find_package of
+# ferry's private dependencies is disabled in every consumer project below.
+configure_args=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$prefix"
+  -DCMAKE_DISABLE_FIND_PACKAGE_TBB=ON -DCMAKE_DISABLE_FIND_PACKAGE_fmt=ON -DCMAKE_DISABLE_FIND_PACKAGE_ZLIB=ON
+  -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=ON -DCMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=ON
+  -DCMAKE_DISABLE_FIND_PACKAGE_CLI11=ON)
 [[ -n $generator ]] && configure_args+=(-G "$generator")
 [[ -n $cxx ]] && configure_args+=("-DCMAKE_CXX_COMPILER=$cxx")
 
@@ -64,6 +69,16 @@ if grep -rlF -e "$source_dir" -e "$build_dir" "$config_dir" >/dev/null; then
   fail "the installed CMake package refers to the source or build tree: $(grep -rlF -e "$source_dir" -e "$build_dir" "$config_dir" | tr '\n' ' ')"
 fi
 
+# The exported target's link interface names only OpenCL: no oneTBB, fmt, zlib, hwloc or zstd
+# (private to libferry.so), and no public header includes them.
+if grep -nE 'TBB|fmt::|ZLIB|HWLOC|ZSTD|hwloc|zstd' "$config_dir"/ferryTargets*.cmake; then
+  fail "the exported ferry::ferry target names a private dependency (above) in its interface"
+fi
+if grep -rnE '#include *[<"](fmt|tbb|oneapi|nlohmann|CLI|zstd|hwloc|zlib)' "$prefix/include/ferry"; then
+  fail "an installed public header includes a private dependency (above)"
+fi
+say "ferry::ferry's link interface is OpenCL only"
+
 # The installed programs must find the installed library (no build-tree RPATH survives install).
 step="running the installed programs"
 if [[ -x $prefix/bin/ferry ]]; then
@@ -72,7 +87,13 @@ if [[ -x $prefix/bin/ferry ]]; then
 fi
 if [[ -x $prefix/bin/ferry-bench ]]; then
   "$prefix/bin/ferry-bench" >"$work_dir/ferry-bench.log" || fail "installed 'ferry-bench' failed"
+  "$prefix/bin/ferry-bench" --version >>"$work_dir/ferry-bench.log" || fail "installed 'ferry-bench --version' failed"
   say "installed 'ferry-bench' runs"
+  # Its PyTorch peers are installed beside it and found there, not in the source tree.
+  [[ -f $prefix/share/ferry/peers/torch_mlp_step.py ]] || fail "the peer script was not installed in share/ferry/peers"
+  "$prefix/bin/ferry-bench" step --help >"$work_dir/ferry-bench-step.log" 2>&1 || true
+  grep -qF "$(realpath "$prefix")/share/ferry/peers/torch_mlp_step.py" "$work_dir/ferry-bench-step.log" ||
+    fail "installed 'ferry-bench step' does not default to its installed peer script: $(grep -i peer "$work_dir/ferry-bench-step.log")"
 fi
 
 # 2. Every installed header compiles on its own (includes what it uses, nothing uninstalled).

@@ -65,10 +65,17 @@ struct PersistentArena {
 };
 
 // One node's span on the device timeline of the last step (needs a profiling context).
+// Device-lane nodes carry their commands' OpenCL profiling times. Host-lane nodes (optimizer
+// updates on the host) are timed with the host's steady clock and shifted onto the device
+// clock by the offset between the host's and the driver's time of enqueueing the step's device
+// commands (the smallest one seen), so both share one time base.
 struct TimelineEntry {
   std::string name;
   Lane lane;
-  std::uint64_t queued_ns, start_ns, end_ns;  // device clock
+  std::uint64_t queued_ns, start_ns, end_ns;  // device clock, nanoseconds
+  std::string op;                             // the op kind (ops/op_table)
+  std::uint64_t bytes = 0;                    // bytes of the tensors it reads and writes
+  std::vector<std::string> inputs, outputs;   // the names of those tensors
 };
 
 // How run() executes a step. transfers_only exists to measure overlap (bench/overlap.cpp).

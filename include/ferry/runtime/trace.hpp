@@ -1,6 +1,8 @@
-// Chrome trace (Perfetto / chrome://tracing) of step timelines: one lane per queue.
+// Chrome trace (Perfetto / chrome://tracing) of step timelines: one lane per queue, a row of
+// step markers; fields documented in docs/outputs.md.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -11,21 +13,26 @@ namespace ferry {
 
 class ChromeTrace {
  public:
-  // Adds one step's timeline (device clock); steps are laid out in the order added.
+  // Adds one step's timeline (device clock) and a marker spanning it; steps are laid out in the
+  // order added. An empty timeline adds nothing.
   void add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step);
   // Adds a span measured elsewhere (e.g. a benchmark's copy), times in device nanoseconds.
   void add(std::string name, graph::Lane lane, std::uint64_t start_ns, std::uint64_t end_ns);
   std::size_t size() const noexcept { return events_.size(); }
+  // Steps added with add_step.
+  std::size_t steps() const noexcept { return steps_; }
   // Writes {"traceEvents": [...]}; throws std::runtime_error naming the path if it cannot.
   void write(const std::filesystem::path& path) const;
 
  private:
   struct Event {
     std::string name;
-    graph::Lane lane;
+    int tid;  // a lane, or the step-marker row
     std::uint64_t start_ns, end_ns;
+    std::string args;  // a JSON object's members, or empty
   };
   std::vector<Event> events_;
+  std::size_t steps_ = 0;
 };
 
 }  // namespace ferry
