@@ -124,11 +124,16 @@ head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
 row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
 row "checkpoint of another model" "its model is 'mlp-784-1024-1024-10'" error - \
   train --model cnn "${quick[@]}" --resume "$work/good.ckpt"
-entry=$(find "$FERRY_CACHE_DIR" -type f -name '*.bin' | head -1)
+# A cache of its own, filled by the same command, so the damaged entry is one the run loads (the
+# shared test cache holds entries of other tests, which other tests may rewrite meanwhile).
+rm -rf "$work/own-cache"
+FERRY_CACHE_DIR="$work/own-cache" "$ferry" train "${quick[@]}" >/dev/null 2>&1
+entry=$(find "$work/own-cache" -type f -name '*.bin' | head -1)
 if [ -n "$entry" ]; then
   printf '\x00\x00\x00\x00' | dd of="$entry" bs=1 seek=100 conv=notrunc status=none
 fi
-row "corrupt program cache entry (a warning; rebuilt)" "is invalid" warning - train "${quick[@]}"
+row "corrupt program cache entry (a warning; rebuilt)" "is invalid" warning "FERRY_CACHE_DIR=$work/own-cache" \
+  train "${quick[@]}"
 
 # Training that diverges.
 row "learning rate 1e37 (the loss turns NaN)" "training diverged at step 2" error - \
