@@ -89,20 +89,34 @@ struct Groups {
 };
 
 struct Layout {
+  bool planes = false;  // GEMMs read and write NCHW directly (gemm_takes_planes): no permutes
   std::size_t cols = 0, tmp = 0, dw32 = 0, gemm = 0;  // region offsets
   std::size_t total = 0;
 };
 
-// The weight is the only operand of the GEMMs that may be narrow (A of the first two); the weight
-// gradient is computed in f32 (summed over the groups) and rounded after.
-GemmShape forward_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.K, g * s.P() * s.Q(), s.C * s.R * s.S, false, false, s.weight};
+// The GEMMs, in two orientations. With NCHW planes (ferry's packed kernel, CPUs) the long
+// dimension of each product is M, the operand read in place (the column matrix, or the weight)
+// is A and the one packed is small: forward y^T[G*PQ, K] = cols^T w^T written to NCHW with the
+// bias; data dcols[CRS, G*PQ] = w^T dy with dy packed straight from NCHW; weights
+// dw^T[CRS, K] = cols dy^T, dy again packed from NCHW, stored transposed into dw. Elsewhere
+// (tiled kernels, CLBlast): forward w cols and data w^T dy through the [K, G*PQ] permutes,
+// weights dy cols^T. The weight is the only operand that may be narrow besides the activations
+// the planes read; the weight gradient is computed in f32 (summed over the groups) and rounded
+// after.
+GemmShape forward_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
+  const std::size_t ncols = g * s.P() * s.Q(), crs = s.C * s.R * s.S;
+  if (planes) return {ncols, s.K, crs, /*trans_a=*/true, /*trans_b=*/true, DType::f32, s.weight, s.act};
+  return {s.K, ncols, crs, false, false, s.weight};
 }
-GemmShape data_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.C * s.R * s.S, g * s.P() * s.Q(), s.K, /*trans_a=*/true, false, s.weight};
+GemmShape data_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
+  GemmShape shape{s.C * s.R * s.S, g * s.P() * s.Q(), s.K, /*trans_a=*/true, false, s.weight};
+  if (planes) shape.b = s.act;
+  return shape;
 }
-GemmShape weights_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.K, s.C * s.R * s.S, g * s.P() * s.Q(), false, /*trans_b=*/true};
+GemmShape weights_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
+  const std::size_t ncols = g * s.P() * s.Q(), crs = s.C * s.R * s.S;
+  if (planes) return {crs, s.K, ncols, false, /*trans_b=*/true, DType::f32, s.act};
+  return {s.K, crs, ncols, false, /*trans_b=*/true};
 }
 
 Layout layout(OpEnv& env, const Conv2dShape& s) {
@@ -117,17 +131,18 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
     throw std::invalid_argument(
         fmt::format("conv2d: one image needs {} column elements, over the 32-bit limit", biggest));
   }
+  Layout l;
+  l.planes = gemm_takes_planes(env);
   std::size_t gemm_elems = 0;
   for (std::size_t size : {groups.base, groups.largest()}) {
     if (size == 0) continue;
-    gemm_elems =
-        std::max({gemm_elems, gemm_scratch_elems(env, forward_gemm(s, size)),
-                  gemm_scratch_elems(env, data_gemm(s, size)), gemm_scratch_elems(env, weights_gemm(s, size))});
+    gemm_elems = std::max({gemm_elems, gemm_scratch_elems(env, forward_gemm(s, size, l.planes)),
+                           gemm_scratch_elems(env, data_gemm(s, size, l.planes)),
+                           gemm_scratch_elems(env, weights_gemm(s, size, l.planes))});
   }
-  Layout l;
   l.cols = 0;
   l.tmp = align_up(crs * ncols);
-  l.dw32 = l.tmp + align_up(s.K * ncols);
+  l.dw32 = l.tmp + (l.planes ? 0 : align_up(s.K * ncols));
   l.gemm = l.dw32 + (s.weight == DType::f32 ? 0 : align_up(s.K * crs));
   l.total = l.gemm + gemm_elems;
   return l;
@@ -190,9 +205,16 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
     list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
-    append(list, gemm(env, forward_gemm(s, g), 1.0f, w, cols, 0.0f, tmp, gscratch));
-    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
     const DeviceSpan yg = at(y, n0 * s.K * PQ, s.act);
+    if (lay.planes) {
+      GemmOptions o;
+      o.bias = bias;
+      o.c_planes = PQ;
+      append(list, gemm(env, forward_gemm(s, g, true), 1.0f, cols, w, 0.0f, yg, gscratch, o));
+      continue;
+    }
+    append(list, gemm(env, forward_gemm(s, g, false), 1.0f, w, cols, 0.0f, tmp, gscratch));
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
     const std::size_t count = g * s.K * PQ;
     cl::set_args(k.get(), tmp.buffer, tmp.elem_offset(), has_bias ? bias.buffer : tmp.buffer, bias.elem_offset(),
                  has_bias, yg.buffer, yg.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(ncols),
@@ -211,8 +233,15 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ, s.act), dyt, ncols));
-    append(list, gemm(env, data_gemm(s, g), 1.0f, w, dyt, 0.0f, dcols, gscratch));
+    const DeviceSpan dyg = at(dy, n0 * s.K * PQ, s.act);
+    if (lay.planes) {
+      GemmOptions o;
+      o.b_planes = PQ;
+      append(list, gemm(env, data_gemm(s, g, true), 1.0f, w, dyg, 0.0f, dcols, gscratch, o));
+    } else {
+      list.push_back(from_nchw(env, s, dyg, dyt, ncols));
+      append(list, gemm(env, data_gemm(s, g, false), 1.0f, w, dyt, 0.0f, dcols, gscratch));
+    }
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_col2im", defines(s));
     const DeviceSpan dxg = at(dx, n0 * s.C * s.H * s.W, s.act);
     const std::size_t count = g * s.C * s.H * s.W;
@@ -234,8 +263,17 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
     list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
-    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ, s.act), dyt, ncols));
-    append(list, gemm(env, weights_gemm(s, g), 1.0f, dyt, cols, i == 0 ? 0.0f : 1.0f, dw32, gscratch));
+    const DeviceSpan dyg = at(dy, n0 * s.K * PQ, s.act);
+    const float beta = i == 0 ? 0.0f : 1.0f;
+    if (lay.planes) {
+      GemmOptions o;
+      o.b_planes = PQ;
+      o.c_planes = s.C * s.R * s.S;  // dw^T [CRS, K] stored as dw [K, CRS]
+      append(list, gemm(env, weights_gemm(s, g, true), 1.0f, cols, dyg, beta, dw32, gscratch, o));
+    } else {
+      list.push_back(from_nchw(env, s, dyg, dyt, ncols));
+      append(list, gemm(env, weights_gemm(s, g, false), 1.0f, dyt, cols, beta, dw32, gscratch));
+    }
   }
   if (s.weight != DType::f32) append(list, cast(env, DType::f32, s.weight, dw32, dw, s.K * s.C * s.R * s.S));
   if (dbias.buffer != nullptr) {

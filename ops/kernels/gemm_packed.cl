@@ -32,6 +32,15 @@
 #define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] with N a multiple of NB (not packed)
 #endif
 #define PACK_ROWS 16  // k rows of op(B) one pack work-item copies
+#ifndef B_PLANES
+#define B_PLANES 0  // > 0: B's stored matrix is NCHW planes of B_PLANES columns (GemmOptions::b_planes)
+#endif
+#ifndef C_PLANES
+#define C_PLANES 0  // > 0: C element (m, n) at ((m / C_PLANES) * N + n) * C_PLANES + m % C_PLANES
+#endif
+#ifndef C_RELU
+#define C_RELU 0
+#endif
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
@@ -43,7 +52,24 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   const uint k_end = min(k0 + PACK_ROWS, K);
   const uint n_pad = (N + NB - 1) / NB * NB;
   packed += packed_off;
-#if !B_IS_F32
+#if B_PLANES
+  // B an NCHW view: element (i, j) of the stored matrix [rows, cols] at ((j / P) * rows + i) * P
+  // + j % P. A work-item fills 16 columns of its PACK_ROWS panel rows (contiguous writes; the reads
+  // run along a plane for a row-major B, across channels for a transposed one).
+  const uint j0 = get_global_id(1) * 16;
+  if (j0 >= n_pad) return;
+  const uint rows = TRANS_B ? N : K;
+  for (uint k = k0; k < k_end; ++k) {
+    __global float* dst = packed + ((ulong)(j0 / NB) * K + k) * NB + j0 % NB;
+    for (uint r = 0; r < 16; ++r) {
+      const uint j = j0 + r;
+      const uint si = TRANS_B ? j : k, sj = TRANS_B ? k : j;  // stored row and column
+      const ulong at = b_off + ((ulong)(sj / B_PLANES) * rows + si) * B_PLANES + sj % B_PLANES;
+      dst[r] = j < N ? LOAD(B_NAME, b, at) : 0.0f;
+    }
+  }
+}
+#elif !B_IS_F32
   // A narrow B: one element at a time, widened (B is a weight or an output gradient, read once).
   for (uint k = k0; k < k_end; ++k) {
 #if TRANS_B
@@ -96,10 +122,34 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   }
 #endif
 }
-#endif  // B_IS_F32
+#endif  // B_PLANES, B_IS_F32
+
+inline float epilogue(float v) {
+#if C_RELU
+  return fmax(v, 0.0f);
+#else
+  return v;
+#endif
+}
 
 // out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C.
-#if C_IS_F32
+#if C_PLANES
+// C as NCHW planes: `row` is m; the 16 columns are channels, C_PLANES apart.
+inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint row, uint col, uint N, float alpha,
+                    float beta, __global const float* bias, uint has_bias) {
+  if (col >= N) return;
+  float tmp[16];
+  vstore16(alpha * acc, 0, tmp);
+  const ulong base = c_base + (ulong)(row / C_PLANES) * N * C_PLANES + row % C_PLANES;
+  for (uint i = 0; i < 16 && col + i < N; ++i) {
+    const ulong at = base + (ulong)(col + i) * C_PLANES;
+    float out = tmp[i];
+    if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
+    if (has_bias) out += bias[col + i];
+    STORE(C_NAME, epilogue(out), c, at);
+  }
+}
+#elif C_IS_F32
 inline void store16(float16 acc, __global float* crow, uint col, uint N, float alpha, float beta,
                     __global const float* bias, uint has_bias) {
   if (col >= N) return;
@@ -107,6 +157,9 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
     float16 out = alpha * acc;
     if (beta != 0.0f) out = fma((float16)(beta), vload16(0, crow + col), out);  // beta = 0: C is not read
     if (has_bias) out += vload16(0, bias + col);
+#if C_RELU
+    out = fmax(out, (float16)(0.0f));
+#endif
     vstore16(out, 0, crow + col);
   } else {
     float tmp[16];
@@ -115,7 +168,7 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
       float out = tmp[i];
       if (beta != 0.0f) out = fma(beta, crow[col + i], out);
       if (has_bias) out += bias[col + i];
-      crow[col + i] = out;
+      crow[col + i] = epilogue(out);
     }
   }
 }
@@ -130,7 +183,7 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     float out = tmp[i];
     if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, crow + col + i), out);
     if (has_bias) out += bias[col + i];
-    STORE(C_NAME, out, c, crow + col + i);
+    STORE(C_NAME, epilogue(out), c, crow + col + i);
   }
 }
 #endif
@@ -162,7 +215,10 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     if (NV > 3) c##r##_3 = fma(x, b3, c##r##_3); \
   }
 
-#if C_IS_F32
+#if C_PLANES
+#define C_ROW(r) const uint crow = row0 + r;
+#define C_AT c, c_base, crow
+#elif C_IS_F32
 #define C_ROW(r) __global float* crow = c + (ulong)(row0 + r) * N;
 #define C_AT crow
 #else
@@ -199,7 +255,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if A_IS_F32
   a += a_off;
 #endif
-#if C_IS_F32
+#if C_IS_F32 && !C_PLANES
   c += c_off + (ulong)get_global_id(2) * M * N;
 #else
   const ulong c_base = c_off + (ulong)get_global_id(2) * M * N;
@@ -239,7 +295,13 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float*
   float acc = 0.0f;
   for (uint s = 0; s < splits; ++s) acc += p[s * mn];
   float out = alpha * acc;
-  if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, c_off + i), out);
+#if C_PLANES
+  const size_t m = i / N, n = i % N;
+  const ulong at = c_off + (ulong)(m / C_PLANES) * N * C_PLANES + (ulong)n * C_PLANES + m % C_PLANES;
+#else
+  const ulong at = c_off + i;
+#endif
+  if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
   if (has_bias) out += bias[bias_off + i % N];
-  STORE(C_NAME, out, c, c_off + i);
+  STORE(C_NAME, epilogue(out), c, at);
 }
