@@ -91,6 +91,7 @@ struct Groups {
 struct Layout {
   bool planes = false;  // GEMMs read and write NCHW directly (gemm_takes_planes): no permutes
   std::size_t cols = 0, tmp = 0, dw32 = 0, gemm = 0;  // region offsets
+  std::size_t xpad = 0, pixels = 0, taps = 0;         // with planes: padded x, offset tables (int32)
   std::size_t total = 0;
 };
 
@@ -105,7 +106,7 @@ struct Layout {
 // after.
 GemmShape forward_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
   const std::size_t ncols = g * s.P() * s.Q(), crs = s.C * s.R * s.S;
-  if (planes) return {ncols, s.K, crs, /*trans_a=*/true, /*trans_b=*/true, DType::f32, s.weight, s.act};
+  if (planes) return {ncols, s.K, crs, false, /*trans_b=*/true, DType::f32, s.weight, s.act};
   return {s.K, ncols, crs, false, false, s.weight};
 }
 GemmShape data_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
@@ -145,6 +146,16 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
   l.dw32 = l.tmp + (l.planes ? 0 : align_up(s.K * ncols));
   l.gemm = l.dw32 + (s.weight == DType::f32 ? 0 : align_up(s.K * crs));
   l.total = l.gemm + gemm_elems;
+  if (l.planes) {
+    const std::size_t xpad = s.N * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad);
+    if (xpad > std::size_t(std::numeric_limits<std::int32_t>::max())) {
+      throw std::invalid_argument(fmt::format("conv2d: the padded input has {} elements, over the 31-bit limit", xpad));
+    }
+    l.xpad = align_up(l.total);
+    l.pixels = l.xpad + align_up(xpad);
+    l.taps = l.pixels + align_up(ncols);
+    l.total = l.taps + align_up(crs);
+  }
   return l;
 }
 
@@ -180,6 +191,22 @@ KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSp
   return launch_1d(env, std::move(k), count);
 }
 
+// The padded input (all N images, f32) and the offset tables of the implicit column matrix
+// (conv2d_pad, conv2d_tables): what the forward and weight-gradient GEMMs read in place of im2col.
+void pad_and_tables(OpEnv& env, const Conv2dShape& s, const Layout& lay, std::size_t npix, DeviceSpan x,
+                    DeviceSpan scratch, LaunchList& list) {
+  const DeviceSpan xp = at(scratch, lay.xpad), pixels = at(scratch, lay.pixels), taps = at(scratch, lay.taps);
+  const std::size_t count = s.N * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad);
+  cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", defines(s));
+  cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xp.buffer, xp.elem_offset(),
+               static_cast<cl_uint>(count));
+  list.push_back(launch_1d(env, std::move(pad), count));
+  cl::Kernel tables = env.kernels.kernel("conv2d", "conv2d_tables", defines(s));
+  cl::set_args(tables.get(), pixels.buffer, pixels.elem_offset(4), static_cast<cl_uint>(npix), taps.buffer,
+               taps.elem_offset(4));
+  list.push_back(launch_1d(env, std::move(tables), std::max(npix, s.C * s.R * s.S)));
+}
+
 void append(LaunchList& list, LaunchList more) {
   for (auto& l : more) list.push_back(std::move(l));
 }
@@ -204,15 +231,19 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
     const DeviceSpan yg = at(y, n0 * s.K * PQ, s.act);
     if (lay.planes) {
+      if (i == 0) pad_and_tables(env, s, lay, groups.largest() * PQ, x, scratch, list);
       GemmOptions o;
       o.bias = bias;
       o.c_planes = PQ;
-      append(list, gemm(env, forward_gemm(s, g, true), 1.0f, cols, w, 0.0f, yg, gscratch, o));
+      o.a_gather_rows = at(scratch, lay.pixels);
+      o.a_gather_cols = at(scratch, lay.taps);
+      const DeviceSpan xp = at(scratch, lay.xpad + n0 * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad));
+      append(list, gemm(env, forward_gemm(s, g, true), 1.0f, xp, w, 0.0f, yg, gscratch, o));
       continue;
     }
+    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
     append(list, gemm(env, forward_gemm(s, g, false), 1.0f, w, cols, 0.0f, tmp, gscratch));
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
     const std::size_t count = g * s.K * PQ;
@@ -262,15 +293,19 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
     const DeviceSpan dyg = at(dy, n0 * s.K * PQ, s.act);
     const float beta = i == 0 ? 0.0f : 1.0f;
     if (lay.planes) {
+      if (i == 0) pad_and_tables(env, s, lay, groups.largest() * PQ, x, scratch, list);
       GemmOptions o;
       o.b_planes = PQ;
       o.c_planes = s.C * s.R * s.S;  // dw^T [CRS, K] stored as dw [K, CRS]
-      append(list, gemm(env, weights_gemm(s, g, true), 1.0f, cols, dyg, beta, dw32, gscratch, o));
+      o.a_gather_rows = at(scratch, lay.taps);
+      o.a_gather_cols = at(scratch, lay.pixels);
+      const DeviceSpan xp = at(scratch, lay.xpad + n0 * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad));
+      append(list, gemm(env, weights_gemm(s, g, true), 1.0f, xp, dyg, beta, dw32, gscratch, o));
     } else {
+      list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
       list.push_back(from_nchw(env, s, dyg, dyt, ncols));
       append(list, gemm(env, weights_gemm(s, g, false), 1.0f, dyt, cols, beta, dw32, gscratch));
     }

@@ -161,8 +161,15 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::size_t panels = (s.N + nb - 1) / nb;
   const bool direct = direct_b(s, cfg, options);
   const std::size_t splits = k_splits(s);
-  const std::string base = fmt::format("{} {} -DDIRECT_B={} -DB_PLANES={}", cfg.defines(), transpose_defines(s),
-                                       int(direct), options.b_planes);
+  const bool gather = options.a_gather_rows.buffer != nullptr;
+  if (gather && (s.trans_a || s.a != DType::f32)) {
+    throw std::invalid_argument(fmt::format("gemm {}x{}x{}: a gathered A is f32 and not transposed", s.M, s.N, s.K));
+  }
+  const std::string base = fmt::format("{} {} -DDIRECT_B={} -DB_PLANES={} -DA_GATHER={}", cfg.defines(),
+                                       transpose_defines(s), int(direct), options.b_planes, int(gather));
+  const cl_mem rows = gather ? options.a_gather_rows.buffer : a.buffer,
+               cols = gather ? options.a_gather_cols.buffer : a.buffer;
+  const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
   // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
   // layout, with the ReLU).
   const std::string epilogue = fmt::format("-DC_PLANES={} -DC_RELU={}", options.c_planes, int(options.relu));
@@ -200,12 +207,13 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   if (splits == 1) {
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
                  c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
-                 cl_uint(s.K));
+                 cl_uint(s.K), rows, rows_off, cols, cols_off);
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     const std::uint64_t parts = scratch.elem_offset() + panels_elems;
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
-                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows));
+                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows), rows,
+                 rows_off, cols, cols_off);
   }
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -294,7 +302,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   check_dtypes(s);
   if (s.M == 0 || s.N == 0) return {};
   const GemmPlan p = plan(env, options);
-  if ((options.b_planes || options.c_planes || options.relu) && !native_dtypes(p)) {
+  if ((options.b_planes || options.c_planes || options.relu || options.a_gather_rows.buffer) && !native_dtypes(p)) {
     throw std::invalid_argument(
         fmt::format("gemm {}x{}x{}: NCHW planes and the ReLU epilogue need ferry's packed kernel", s.M, s.N, s.K));
   }

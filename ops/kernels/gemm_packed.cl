@@ -188,7 +188,14 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 }
 #endif
 
-#if TRANS_A
+#ifndef A_GATHER
+#define A_GATHER 0  // 1: A(m, k) = a[arows[m] + acols[k]] (GemmOptions::a_gather; f32 A, not transposed)
+#endif
+
+#if A_GATHER
+#define A_ROW_DECL(r) const int ar##r = arows[min(row0 + r, M - 1)];
+#define A_AT(r) a[ar##r + kc]
+#elif TRANS_A
 // A stored [K, M]: the RB scalars of one k step are contiguous.
 #define A_ROW_DECL(r) const uint ai##r = min(row0 + r, M - 1);
 #if A_IS_F32
@@ -240,7 +247,8 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 // gradient over many rows) streams the whole panel from memory for every row block.
 __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
                           __global const float* packed, ulong packed_off, float beta, __global STORAGE(C_NAME)* c,
-                          ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk) {
+                          ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk,
+                          __global const int* arows, ulong arows_off, __global const int* acols, ulong acols_off) {
   const uint row0 = get_global_id(0) * RB;
   const uint panel = get_global_id(1);
   const uint k_begin = get_global_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);
@@ -261,6 +269,8 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   const ulong c_base = c_off + (ulong)get_global_id(2) * M * N;
 #endif
   bias += bias_off;
+  arows += arows_off;
+  acols += acols_off;
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
   FOR_ROWS(A_ROW_DECL)
@@ -271,7 +281,9 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     const float16 b1 = NV > 1 ? vload16(1, bp) : 0.0f;
     const float16 b2 = NV > 2 ? vload16(2, bp) : 0.0f;
     const float16 b3 = NV > 3 ? vload16(3, bp) : 0.0f;
-#if TRANS_A && A_IS_F32
+#if A_GATHER
+    const int kc = acols[k];
+#elif TRANS_A && A_IS_F32
     __global const float* ak = a + (ulong)k * M;
 #elif TRANS_A
     const ulong ak = a_off + (ulong)k * M;

@@ -41,6 +41,9 @@ struct GemmOptions {
   // view of an NCHW tensor, read without a permute. With c_planes = P, C element (m, n) is at
   // ((m / P) * N + n) * P + m % P: rows m = g*PQ + pq written straight to NCHW (P = M: C^T).
   std::size_t b_planes = 0, c_planes = 0;
+  // Optional implicit A (f32, not transposed): A(m, k) = a[rows[m] + cols[k]] with two int32
+  // tables, M and K long: a convolution's column matrix read straight from a padded input.
+  DeviceSpan a_gather_rows{}, a_gather_cols{};
   bool relu = false;  // C = max(C, 0) after alpha, beta and the bias (only where gemm_takes_planes())
 };
 
