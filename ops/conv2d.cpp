@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "ferry/ops/cast.hpp"
@@ -163,11 +164,30 @@ DeviceSpan at(DeviceSpan span, std::size_t elems, DType t = DType::f32) {
   return span.advanced(elems * dtype_bytes(t));
 }
 
-std::string defines(const Conv2dShape& s) {
+// T is the activations' storage type unless `t` names another (the weight's, for flipping it).
+std::string defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt) {
   return fmt::format(
       "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
       "-DCONV_STRIDE={} -DCONV_PAD={} -DBIAS_WG={} {}",
-      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup, dtype_define(s.act));
+      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup, dtype_define(t.value_or(s.act)));
+}
+
+// A stride-1 square kernel's data gradient is itself a convolution, of dy padded by R-1-pad with
+// the weight flipped and its channels swapped: dx[n, c] = sum over k, r, s of
+// dy_pad[n, k, h + r, w + s] w[k, c, R-1-r, S-1-s]. Where the GEMM gathers its A (the packed
+// kernel) that runs through the forward path, with no column matrix and no col2im.
+bool data_as_forward(OpEnv& env, const Conv2dShape& s) {
+  return s.stride == 1 && s.R == s.S && s.pad < s.R && gemm_takes_planes(env);
+}
+Conv2dShape data_shape(const Conv2dShape& s) {
+  Conv2dShape t = s;
+  t.C = s.K;
+  t.H = s.P();
+  t.W = s.Q();
+  t.K = s.C;
+  t.pad = s.R - 1 - s.pad;
+  t.weight = DType::f32;  // the flipped copy
+  return t;
 }
 
 KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan cols, std::size_t ncols) {
@@ -218,7 +238,11 @@ std::size_t conv2d_images_per_gemm(const Conv2dShape& s) {
 }
 
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
-  return layout(env, s).total;
+  std::size_t total = layout(env, s).total;
+  if (data_as_forward(env, s)) {
+    total = std::max(total, align_up(s.K * s.C * s.R * s.S) + layout(env, data_shape(s)).total);
+  }
+  return total;
 }
 
 LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
@@ -257,6 +281,17 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
 
 LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSpan w, DeviceSpan dx,
                                 DeviceSpan scratch) {
+  if (data_as_forward(env, s)) {
+    validate(s);
+    const std::size_t count = s.K * s.C * s.R * s.S;
+    cl::Kernel flip = env.kernels.kernel("conv2d", "conv2d_flip_weights", defines(s, s.weight));
+    cl::set_args(flip.get(), w.buffer, w.elem_offset(dtype_bytes(s.weight)), scratch.buffer, scratch.elem_offset(),
+                 static_cast<cl_uint>(count));
+    LaunchList list;
+    list.push_back(launch_1d(env, std::move(flip), count));
+    append(list, conv2d_forward(env, data_shape(s), dy, scratch, {}, dx, at(scratch, align_up(count))));
+    return list;
+  }
   const Layout lay = layout(env, s);
   const Groups groups(s);
   const std::size_t PQ = s.P() * s.Q();

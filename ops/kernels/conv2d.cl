@@ -171,3 +171,19 @@ __kernel void conv2d_tables(__global int* pixels, ulong pixels_off, uint npix, _
     taps[taps_off + i] = (int)(c * (CONV_HP * CONV_WP) + r * CONV_WP + s);
   }
 }
+
+// wt[c, k, r, s] = w[k, c, R-1-r, S-1-s] widened to f32 (T is the weight's storage type here):
+// the weight of the stride-1 data gradient computed as a convolution of dy (see conv2d.cpp).
+// One work-item per element. Global: K*C*R*S rounded up.
+__kernel void conv2d_flip_weights(__global const T_STORAGE* w, ulong w_off, __global float* wt, ulong wt_off,
+                                  uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint ck = i / CONV_RS;
+  const uint rs = i - ck * CONV_RS;
+  const uint c = ck / CONV_K;
+  const uint k = ck - c * CONV_K;
+  const uint r = rs / CONV_S;
+  const uint s = rs - r * CONV_S;
+  wt[wt_off + i] = LOAD_T(w, w_off + ((k * CONV_C + c) * CONV_R + (CONV_R - 1 - r)) * CONV_S + (CONV_S - 1 - s));
+}
