@@ -177,7 +177,8 @@ std::string defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt)
 // dy_pad[n, k, h + r, w + s] w[k, c, R-1-r, S-1-s]. Where the GEMM gathers its A (the packed
 // kernel) that runs through the forward path, with no column matrix and no col2im.
 bool data_as_forward(OpEnv& env, const Conv2dShape& s) {
-  return s.stride == 1 && s.R == s.S && s.pad < s.R && gemm_takes_planes(env);
+  // Its GEMM's N is C: below 16 channels the register block is mostly padding (col2im wins).
+  return s.stride == 1 && s.R == s.S && s.pad < s.R && s.C >= 16 && gemm_takes_planes(env);
 }
 Conv2dShape data_shape(const Conv2dShape& s) {
   Conv2dShape t = s;
