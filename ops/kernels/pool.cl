@@ -23,10 +23,10 @@ __kernel void maxpool2d_forward(__global const T_STORAGE* x, ulong x_off, __glob
     for (uint b = 0; b < POOL_WINDOW; ++b) {
       const uint idx = (p * POOL_STRIDE + a) * POOL_W + q * POOL_STRIDE + b;
       const float v = LOAD_T(x, plane + idx);
-      if (v > best_v) {
-        best_v = v;
-        best = idx;
-      }
+      // Selects, not a branch, so that PoCL vectorises across work-items.
+      const int gt = v > best_v;
+      best = gt ? idx : best;
+      best_v = gt ? v : best_v;
     }
   }
   STORE_T(best_v, y, y_off + i);
