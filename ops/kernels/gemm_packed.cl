@@ -38,9 +38,6 @@
 #ifndef C_PLANES
 #define C_PLANES 0  // > 0: C element (m, n) at ((m / C_PLANES) * N + n) * C_PLANES + m % C_PLANES
 #endif
-#ifndef C_RELU
-#define C_RELU 0
-#endif
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
@@ -124,14 +121,6 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
 }
 #endif  // B_PLANES, B_IS_F32
 
-inline float epilogue(float v) {
-#if C_RELU
-  return fmax(v, 0.0f);
-#else
-  return v;
-#endif
-}
-
 // out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C.
 #if C_PLANES
 // C as NCHW planes: `row` is m; the 16 columns are channels, C_PLANES apart.
@@ -146,7 +135,7 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint
     float out = tmp[i];
     if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
     if (has_bias) out += bias[col + i];
-    STORE(C_NAME, epilogue(out), c, at);
+    STORE(C_NAME, out, c, at);
   }
 }
 #elif C_IS_F32
@@ -157,9 +146,6 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
     float16 out = alpha * acc;
     if (beta != 0.0f) out = fma((float16)(beta), vload16(0, crow + col), out);  // beta = 0: C is not read
     if (has_bias) out += vload16(0, bias + col);
-#if C_RELU
-    out = fmax(out, (float16)(0.0f));
-#endif
     vstore16(out, 0, crow + col);
   } else {
     float tmp[16];
@@ -168,7 +154,7 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
       float out = tmp[i];
       if (beta != 0.0f) out = fma(beta, crow[col + i], out);
       if (has_bias) out += bias[col + i];
-      crow[col + i] = epilogue(out);
+      crow[col + i] = out;
     }
   }
 }
@@ -183,7 +169,7 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     float out = tmp[i];
     if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, crow + col + i), out);
     if (has_bias) out += bias[col + i];
-    STORE(C_NAME, epilogue(out), c, crow + col + i);
+    STORE(C_NAME, out, c, crow + col + i);
   }
 }
 #endif
@@ -315,5 +301,5 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float*
 #endif
   if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
   if (has_bias) out += bias[bias_off + i % N];
-  STORE(C_NAME, epilogue(out), c, at);
+  STORE(C_NAME, out, c, at);
 }

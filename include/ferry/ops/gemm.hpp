@@ -44,7 +44,6 @@ struct GemmOptions {
   // Optional implicit A (f32, not transposed): A(m, k) = a[rows[m] + cols[k]] with two int32
   // tables, M and K long: a convolution's column matrix read straight from a padded input.
   DeviceSpan a_gather_rows{}, a_gather_cols{};
-  bool relu = false;  // C = max(C, 0) after alpha, beta and the bias (only where gemm_takes_planes())
 };
 
 // Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller
@@ -54,7 +53,7 @@ std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& shape, const GemmOpt
 LaunchList gemm(OpEnv& env, const GemmShape& shape, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
                 DeviceSpan scratch, const GemmOptions& options = {});
 
-// Whether gemm() on this device honours GemmOptions::b_planes, c_planes and relu (ferry's packed
+// Whether gemm() on this device honours GemmOptions::b_planes, c_planes and a_gather_* (ferry's packed
 // kernel with native dtypes); elsewhere those options must stay unset.
 bool gemm_takes_planes(OpEnv& env);
 
