@@ -1,8 +1,10 @@
-// ferry-bench step: how fast does ferry train the reference MLP next to PyTorch on the same CPU?
+// ferry-bench step: how fast does ferry train the reference MLP or CNN next to PyTorch on the same
+// CPU?
 //
-// ferry: Trainer with models::mlp() (784-1024-1024-10), batch 256, fp32, Adam, random
-// standardized data, on the selected OpenCL device. PyTorch: bench/peers/torch_mlp_step.py (the
-// same model, batch, loss and optimizer) run through popen for each configured interpreter, in
+// ferry: Trainer with models::mlp() (784-1024-1024-10, batch 256) or models::cnn() (--model cnn,
+// batch 128), fp32, Adam, random standardized data, on the selected OpenCL device. PyTorch:
+// bench/peers/torch_step.py (the same model, batch, loss and optimizer; eager and torch.compile,
+// both with fused Adam where the build has it) run through popen for each configured interpreter, in
 // the same run, so the ratio is taken under the same machine load: ferry is measured before and
 // after the peers and its figure is the median over both sets of blocks. Both sides report the
 // median over blocks of the block's mean step time (--repeat blocks of --steps steps each side),
@@ -39,12 +41,14 @@ namespace {
 namespace fs = std::filesystem;
 
 struct StepBenchOptions {
-  std::uint32_t batch = 256;
+  std::string model = "mlp";  // mlp (784-1024-1024-10, batch 256) or cnn (models::cnn(), batch 128)
+  std::uint32_t batch = 0;    // 0: the model's default
   int warmup = 5;
   int steps = 20;  // steps per timed block
   std::vector<std::string> pythons;
   std::string peer_script;
-  std::string peer_env = "both";  // tuned, stock or both
+  std::string peer_env = "both";                            // tuned, stock or both
+  std::vector<std::string> peer_modes{"eager", "compile"};  // PyTorch eager and torch.compile, fused Adam
   bool ferry = true;
 };
 
@@ -106,7 +110,7 @@ class FerrySession {
       : common_(common),
         o_(o),
         runtime_({.device = common.device, .profiling = !common.trace.empty()}),
-        trainer_(runtime_, models::mlp({1024, 1024}), trainer_options(o)) {
+        trainer_(runtime_, o.model == "cnn" ? models::cnn() : models::mlp({1024, 1024}), trainer_options(o)) {
     // A few distinct batches of standardized (N(0, 1)) random data, cycled.
     const std::size_t sample = trainer_.model().inputs.at(0).sample.elems();
     std::mt19937 rng(7);
@@ -181,7 +185,7 @@ class FerrySession {
 };
 
 struct PeerRun {
-  std::string python, config;
+  std::string python, config, mode;
   nlohmann::json env;  // variables set for the child (null: removed)
 };
 
@@ -191,17 +195,21 @@ nlohmann::json run_peer(const PeerRun& p, const StepBenchOptions& o, int repeat)
   for (const auto& [k, v] : p.env.items()) {
     cmd += v.is_null() ? fmt::format(" -u {}", k) : fmt::format(" {}={}", k, shell_quote(v.get<std::string>()));
   }
-  cmd += fmt::format(" {} {} --batch {} --warmup {} --steps {} --repeat {}", shell_quote(p.python),
-                     shell_quote(o.peer_script), o.batch, o.warmup, o.steps, repeat);
+  cmd += fmt::format(" {} {} --model {} --mode {} --batch {} --warmup {} --steps {} --repeat {}", shell_quote(p.python),
+                     shell_quote(o.peer_script), o.model, p.mode, o.batch, o.warmup, o.steps, repeat);
   return run_json_command(cmd).back();  // the last line is the peer's result
 }
 
-int run_step(const BenchCommon& common, const StepBenchOptions& o) {
+int run_step(const BenchCommon& common, StepBenchOptions o) {
+  if (o.model != "mlp" && o.model != "cnn") {
+    throw std::invalid_argument(fmt::format("--model must be mlp or cnn, not '{}'", o.model));
+  }
+  if (o.batch == 0) o.batch = o.model == "cnn" ? 128 : 256;
   if (o.peer_env != "both" && o.peer_env != "tuned" && o.peer_env != "stock") {
     throw std::invalid_argument(fmt::format("--peer-env must be tuned, stock or both, not '{}'", o.peer_env));
   }
-  const nlohmann::json base{
-      {"bench", "step"}, {"batch", o.batch}, {"warmup", o.warmup}, {"steps", o.steps}, {"repeat", common.repeat}};
+  const nlohmann::json base{{"bench", "step"},    {"model_kind", o.model}, {"batch", o.batch},
+                            {"warmup", o.warmup}, {"steps", o.steps},      {"repeat", common.repeat}};
 
   std::unique_ptr<FerrySession> ferry;
   std::vector<double> before, after;
@@ -229,11 +237,13 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
   const std::string coretype = openblas_coretype();
   for (const std::string& py : pythons) {
     std::vector<PeerRun> runs;
-    if (o.peer_env != "stock") {
-      runs.push_back({py, "tuned", {{"OPENBLAS_CORETYPE", coretype}, {"OMP_WAIT_POLICY", "PASSIVE"}}});
-    }
-    if (o.peer_env != "tuned") {
-      runs.push_back({py, "stock", {{"OPENBLAS_CORETYPE", nullptr}, {"OMP_WAIT_POLICY", nullptr}}});
+    for (const std::string& mode : o.peer_modes) {
+      if (o.peer_env != "stock") {
+        runs.push_back({py, "tuned", mode, {{"OPENBLAS_CORETYPE", coretype}, {"OMP_WAIT_POLICY", "PASSIVE"}}});
+      }
+      if (o.peer_env != "tuned") {
+        runs.push_back({py, "stock", mode, {{"OPENBLAS_CORETYPE", nullptr}, {"OMP_WAIT_POLICY", nullptr}}});
+      }
     }
     for (const PeerRun& p : runs) {
       const nlohmann::json r = run_peer(p, o, common.repeat);
@@ -241,6 +251,7 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
       j["impl"] = r.value("impl", std::string("pytorch"));
       j["python"] = py;
       j["config"] = p.config;
+      j["mode"] = r.value("mode", p.mode);
       nlohmann::json env = nlohmann::json::object();
       for (const auto& [k, v] : p.env.items()) env[k] = v.is_null() ? nlohmann::json("(unset)") : v;
       j["env"] = env;
@@ -293,8 +304,11 @@ int run_step(const BenchCommon& common, const StepBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<StepBenchOptions>();
-  o->peer_script = peer_script_path("torch_mlp_step.py");
-  sub.add_option("--batch", o->batch, "batch size")->capture_default_str()->check(CLI::PositiveNumber);
+  o->peer_script = peer_script_path("torch_step.py");
+  sub.add_option("--model", o->model, "mlp (784-1024-1024-10) or cnn (models::cnn())")->capture_default_str();
+  sub.add_option("--batch", o->batch, "batch size (default: 256 for mlp, 128 for cnn)");
+  sub.add_option("--peer-mode", o->peer_modes, "PyTorch modes to run: eager, compile; repeatable")
+      ->capture_default_str();
   sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
   sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")
       ->capture_default_str()
@@ -311,7 +325,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   return [o, &common] { return run_step(common, *o); };
 }
 
-FERRY_BENCH("step", "training step of the MLP 784-1024-1024-10 (batch 256, Adam): ferry vs PyTorch", setup);
+FERRY_BENCH("step", "training step of the MLP (batch 256) or the CNN (batch 128), Adam: ferry vs PyTorch", setup);
 
 }  // namespace
 }  // namespace ferry::bench

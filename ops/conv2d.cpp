@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "ferry/ops/cast.hpp"
@@ -89,20 +90,35 @@ struct Groups {
 };
 
 struct Layout {
+  bool planes = false;  // GEMMs read and write NCHW directly (gemm_takes_planes): no permutes
   std::size_t cols = 0, tmp = 0, dw32 = 0, gemm = 0;  // region offsets
+  std::size_t xpad = 0, pixels = 0, taps = 0;         // with planes: padded x, offset tables (int32)
   std::size_t total = 0;
 };
 
-// The weight is the only operand of the GEMMs that may be narrow (A of the first two); the weight
-// gradient is computed in f32 (summed over the groups) and rounded after.
-GemmShape forward_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.K, g * s.P() * s.Q(), s.C * s.R * s.S, false, false, s.weight};
+// The GEMMs, in two orientations. With NCHW planes (ferry's packed kernel, CPUs) the long
+// dimension of each product is M, the operand read in place (the column matrix, or the weight)
+// is A and the one packed is small: forward y^T[G*PQ, K] = cols^T w^T written to NCHW with the
+// bias; data dcols[CRS, G*PQ] = w^T dy with dy packed straight from NCHW; weights
+// dw^T[CRS, K] = cols dy^T, dy again packed from NCHW, stored transposed into dw. Elsewhere
+// (tiled kernels, CLBlast): forward w cols and data w^T dy through the [K, G*PQ] permutes,
+// weights dy cols^T. The weight is the only operand that may be narrow besides the activations
+// the planes read; the weight gradient is computed in f32 (summed over the groups) and rounded
+// after.
+GemmShape forward_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
+  const std::size_t ncols = g * s.P() * s.Q(), crs = s.C * s.R * s.S;
+  if (planes) return {ncols, s.K, crs, false, /*trans_b=*/true, DType::f32, s.weight, s.act};
+  return {s.K, ncols, crs, false, false, s.weight};
 }
-GemmShape data_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.C * s.R * s.S, g * s.P() * s.Q(), s.K, /*trans_a=*/true, false, s.weight};
+GemmShape data_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
+  GemmShape shape{s.C * s.R * s.S, g * s.P() * s.Q(), s.K, /*trans_a=*/true, false, s.weight};
+  if (planes) shape.b = s.act;
+  return shape;
 }
-GemmShape weights_gemm(const Conv2dShape& s, std::size_t g) {
-  return {s.K, s.C * s.R * s.S, g * s.P() * s.Q(), false, /*trans_b=*/true};
+GemmShape weights_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
+  const std::size_t ncols = g * s.P() * s.Q(), crs = s.C * s.R * s.S;
+  if (planes) return {crs, s.K, ncols, false, /*trans_b=*/true, DType::f32, s.act};
+  return {s.K, crs, ncols, false, /*trans_b=*/true};
 }
 
 Layout layout(OpEnv& env, const Conv2dShape& s) {
@@ -117,19 +133,30 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
     throw std::invalid_argument(
         fmt::format("conv2d: one image needs {} column elements, over the 32-bit limit", biggest));
   }
+  Layout l;
+  l.planes = gemm_takes_planes(env);
   std::size_t gemm_elems = 0;
   for (std::size_t size : {groups.base, groups.largest()}) {
     if (size == 0) continue;
-    gemm_elems =
-        std::max({gemm_elems, gemm_scratch_elems(env, forward_gemm(s, size)),
-                  gemm_scratch_elems(env, data_gemm(s, size)), gemm_scratch_elems(env, weights_gemm(s, size))});
+    gemm_elems = std::max({gemm_elems, gemm_scratch_elems(env, forward_gemm(s, size, l.planes)),
+                           gemm_scratch_elems(env, data_gemm(s, size, l.planes)),
+                           gemm_scratch_elems(env, weights_gemm(s, size, l.planes))});
   }
-  Layout l;
   l.cols = 0;
   l.tmp = align_up(crs * ncols);
-  l.dw32 = l.tmp + align_up(s.K * ncols);
+  l.dw32 = l.tmp + (l.planes ? 0 : align_up(s.K * ncols));
   l.gemm = l.dw32 + (s.weight == DType::f32 ? 0 : align_up(s.K * crs));
   l.total = l.gemm + gemm_elems;
+  if (l.planes) {
+    const std::size_t xpad = s.N * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad);
+    if (xpad > std::size_t(std::numeric_limits<std::int32_t>::max())) {
+      throw std::invalid_argument(fmt::format("conv2d: the padded input has {} elements, over the 31-bit limit", xpad));
+    }
+    l.xpad = align_up(l.total);
+    l.pixels = l.xpad + align_up(xpad);
+    l.taps = l.pixels + align_up(ncols);
+    l.total = l.taps + align_up(crs);
+  }
   return l;
 }
 
@@ -137,11 +164,31 @@ DeviceSpan at(DeviceSpan span, std::size_t elems, DType t = DType::f32) {
   return span.advanced(elems * dtype_bytes(t));
 }
 
-std::string defines(const Conv2dShape& s) {
+// T is the activations' storage type unless `t` names another (the weight's, for flipping it).
+std::string defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt) {
   return fmt::format(
       "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
       "-DCONV_STRIDE={} -DCONV_PAD={} -DBIAS_WG={} {}",
-      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup, dtype_define(s.act));
+      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup, dtype_define(t.value_or(s.act)));
+}
+
+// A stride-1 square kernel's data gradient is itself a convolution, of dy padded by R-1-pad with
+// the weight flipped and its channels swapped: dx[n, c] = sum over k, r, s of
+// dy_pad[n, k, h + r, w + s] w[k, c, R-1-r, S-1-s]. Where the GEMM gathers its A (the packed
+// kernel) that runs through the forward path, with no column matrix and no col2im.
+bool data_as_forward(OpEnv& env, const Conv2dShape& s) {
+  // Its GEMM's N is C: below 16 channels the register block is mostly padding (col2im wins).
+  return s.stride == 1 && s.R == s.S && s.pad < s.R && s.C >= 16 && gemm_takes_planes(env);
+}
+Conv2dShape data_shape(const Conv2dShape& s) {
+  Conv2dShape t = s;
+  t.C = s.K;
+  t.H = s.P();
+  t.W = s.Q();
+  t.K = s.C;
+  t.pad = s.R - 1 - s.pad;
+  t.weight = DType::f32;  // the flipped copy
+  return t;
 }
 
 KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan cols, std::size_t ncols) {
@@ -165,6 +212,22 @@ KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSp
   return launch_1d(env, std::move(k), count);
 }
 
+// The padded input (all N images, f32) and the offset tables of the implicit column matrix
+// (conv2d_pad, conv2d_tables): what the forward and weight-gradient GEMMs read in place of im2col.
+void pad_and_tables(OpEnv& env, const Conv2dShape& s, const Layout& lay, std::size_t npix, DeviceSpan x,
+                    DeviceSpan scratch, LaunchList& list) {
+  const DeviceSpan xp = at(scratch, lay.xpad), pixels = at(scratch, lay.pixels), taps = at(scratch, lay.taps);
+  const std::size_t count = s.N * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad);
+  cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", defines(s));
+  cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xp.buffer, xp.elem_offset(),
+               static_cast<cl_uint>(count));
+  list.push_back(launch_1d(env, std::move(pad), count));
+  cl::Kernel tables = env.kernels.kernel("conv2d", "conv2d_tables", defines(s));
+  cl::set_args(tables.get(), pixels.buffer, pixels.elem_offset(4), static_cast<cl_uint>(npix), taps.buffer,
+               taps.elem_offset(4));
+  list.push_back(launch_1d(env, std::move(tables), std::max(npix, s.C * s.R * s.S)));
+}
+
 void append(LaunchList& list, LaunchList more) {
   for (auto& l : more) list.push_back(std::move(l));
 }
@@ -176,7 +239,11 @@ std::size_t conv2d_images_per_gemm(const Conv2dShape& s) {
 }
 
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
-  return layout(env, s).total;
+  std::size_t total = layout(env, s).total;
+  if (data_as_forward(env, s)) {
+    total = std::max(total, align_up(s.K * s.C * s.R * s.S) + layout(env, data_shape(s)).total);
+  }
+  return total;
 }
 
 LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
@@ -189,10 +256,21 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
-    append(list, gemm(env, forward_gemm(s, g), 1.0f, w, cols, 0.0f, tmp, gscratch));
-    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
     const DeviceSpan yg = at(y, n0 * s.K * PQ, s.act);
+    if (lay.planes) {
+      if (i == 0) pad_and_tables(env, s, lay, groups.largest() * PQ, x, scratch, list);
+      GemmOptions o;
+      o.bias = bias;
+      o.c_planes = PQ;
+      o.a_gather_rows = at(scratch, lay.pixels);
+      o.a_gather_cols = at(scratch, lay.taps);
+      const DeviceSpan xp = at(scratch, lay.xpad + n0 * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad));
+      append(list, gemm(env, forward_gemm(s, g, true), 1.0f, xp, w, 0.0f, yg, gscratch, o));
+      continue;
+    }
+    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
+    append(list, gemm(env, forward_gemm(s, g, false), 1.0f, w, cols, 0.0f, tmp, gscratch));
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
     const std::size_t count = g * s.K * PQ;
     cl::set_args(k.get(), tmp.buffer, tmp.elem_offset(), has_bias ? bias.buffer : tmp.buffer, bias.elem_offset(),
                  has_bias, yg.buffer, yg.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(ncols),
@@ -204,6 +282,17 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
 
 LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSpan w, DeviceSpan dx,
                                 DeviceSpan scratch) {
+  if (data_as_forward(env, s)) {
+    validate(s);
+    const std::size_t count = s.K * s.C * s.R * s.S;
+    cl::Kernel flip = env.kernels.kernel("conv2d", "conv2d_flip_weights", defines(s, s.weight));
+    cl::set_args(flip.get(), w.buffer, w.elem_offset(dtype_bytes(s.weight)), scratch.buffer, scratch.elem_offset(),
+                 static_cast<cl_uint>(count));
+    LaunchList list;
+    list.push_back(launch_1d(env, std::move(flip), count));
+    append(list, conv2d_forward(env, data_shape(s), dy, scratch, {}, dx, at(scratch, align_up(count))));
+    return list;
+  }
   const Layout lay = layout(env, s);
   const Groups groups(s);
   const std::size_t PQ = s.P() * s.Q();
@@ -211,8 +300,15 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ, s.act), dyt, ncols));
-    append(list, gemm(env, data_gemm(s, g), 1.0f, w, dyt, 0.0f, dcols, gscratch));
+    const DeviceSpan dyg = at(dy, n0 * s.K * PQ, s.act);
+    if (lay.planes) {
+      GemmOptions o;
+      o.b_planes = PQ;
+      append(list, gemm(env, data_gemm(s, g, true), 1.0f, w, dyg, 0.0f, dcols, gscratch, o));
+    } else {
+      list.push_back(from_nchw(env, s, dyg, dyt, ncols));
+      append(list, gemm(env, data_gemm(s, g, false), 1.0f, w, dyt, 0.0f, dcols, gscratch));
+    }
     cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_col2im", defines(s));
     const DeviceSpan dxg = at(dx, n0 * s.C * s.H * s.W, s.act);
     const std::size_t count = g * s.C * s.H * s.W;
@@ -233,9 +329,22 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   LaunchList list;
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
-    list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
-    list.push_back(from_nchw(env, s, at(dy, n0 * s.K * PQ, s.act), dyt, ncols));
-    append(list, gemm(env, weights_gemm(s, g), 1.0f, dyt, cols, i == 0 ? 0.0f : 1.0f, dw32, gscratch));
+    const DeviceSpan dyg = at(dy, n0 * s.K * PQ, s.act);
+    const float beta = i == 0 ? 0.0f : 1.0f;
+    if (lay.planes) {
+      if (i == 0) pad_and_tables(env, s, lay, groups.largest() * PQ, x, scratch, list);
+      GemmOptions o;
+      o.b_planes = PQ;
+      o.c_planes = s.C * s.R * s.S;  // dw^T [CRS, K] stored as dw [K, CRS]
+      o.a_gather_rows = at(scratch, lay.taps);
+      o.a_gather_cols = at(scratch, lay.pixels);
+      const DeviceSpan xp = at(scratch, lay.xpad + n0 * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad));
+      append(list, gemm(env, weights_gemm(s, g, true), 1.0f, xp, dyg, beta, dw32, gscratch, o));
+    } else {
+      list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
+      list.push_back(from_nchw(env, s, dyg, dyt, ncols));
+      append(list, gemm(env, weights_gemm(s, g, false), 1.0f, dyt, cols, beta, dw32, gscratch));
+    }
   }
   if (s.weight != DType::f32) append(list, cast(env, DType::f32, s.weight, dw32, dw, s.K * s.C * s.R * s.S));
   if (dbias.buffer != nullptr) {

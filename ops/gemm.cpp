@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -61,6 +62,22 @@ std::size_t panel_width(const GemmKernelConfig& c) {
   return 16 * static_cast<std::size_t>(c.param("NV"));
 }
 
+// The packed parameters for this shape: a panel no wider than N needs (rounded up to 16), with
+// the register block's rows raised by as much as the panel narrowed (at most 16). N = 32 (the
+// output channels of a small convolution) then runs 12 x 32 blocks, not 6 x 64 of which half are
+// padding.
+GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c) {
+  if (c.kernel != GemmKernel::packed) return c;
+  const int nv = c.param("NV"), rb = c.param("RB");
+  const int need = static_cast<int>(std::max<std::size_t>(1, (s.N + 15) / 16));
+  if (need >= nv) return c;
+  for (auto& [key, value] : c.params) {
+    if (key == "NV") value = need;
+    if (key == "RB") value = std::min(16, rb * nv / need);
+  }
+  return c;
+}
+
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of 256
 // x NB floats (64 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over it.
 constexpr std::size_t split_rows = 256;
@@ -82,14 +99,14 @@ std::size_t packed_panel_elems(const GemmShape& s, const GemmKernelConfig& c) {
 // A split product over a row-major B whose columns fill whole panels reads B in place: its panel
 // rows are already contiguous, and packing a long B (the output gradient of a weight gradient) cost
 // a copy of all of it per product.
-bool direct_b(const GemmShape& s, const GemmKernelConfig& c) {
-  return s.b == DType::f32 && !s.trans_b && s.N % panel_width(c) == 0 && k_splits(s) > 1;
+bool direct_b(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
+  return s.b == DType::f32 && !s.trans_b && o.b_planes == 0 && s.N % panel_width(c) == 0 && k_splits(s) > 1;
 }
 
 // Packed B (unless read in place), then the splits' partial products when K is split.
-std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c) {
+std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
   const std::size_t splits = k_splits(s);
-  return (direct_b(s, c) ? 0 : packed_panel_elems(s, c)) + (splits > 1 ? splits * s.M * s.N : 0);
+  return (direct_b(s, c, o) ? 0 : packed_panel_elems(s, c)) + (splits > 1 ? splits * s.M * s.N : 0);
 }
 
 std::string transpose_defines(const GemmShape& s) {
@@ -142,19 +159,30 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::size_t nb = panel_width(cfg);
   const std::size_t rb = static_cast<std::size_t>(cfg.param("RB"));
   const std::size_t panels = (s.N + nb - 1) / nb;
-  const bool direct = direct_b(s, cfg);
+  const bool direct = direct_b(s, cfg, options);
   const std::size_t splits = k_splits(s);
-  const std::string base = fmt::format("{} {} -DDIRECT_B={}", cfg.defines(), transpose_defines(s), int(direct));
-  // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C.
-  const std::string defines = fmt::format("{} {}", base, dtype_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c));
-  const std::string sum_defines = fmt::format("{} {}", base, dtype_defines(s.a, s.b, s.c));
+  const bool gather = options.a_gather_rows.buffer != nullptr;
+  if (gather && (s.trans_a || s.a != DType::f32)) {
+    throw std::invalid_argument(fmt::format("gemm {}x{}x{}: a gathered A is f32 and not transposed", s.M, s.N, s.K));
+  }
+  const std::string base = fmt::format("{} {} -DDIRECT_B={} -DB_PLANES={} -DA_GATHER={}", cfg.defines(),
+                                       transpose_defines(s), int(direct), options.b_planes, int(gather));
+  const cl_mem rows = gather ? options.a_gather_rows.buffer : a.buffer,
+               cols = gather ? options.a_gather_cols.buffer : a.buffer;
+  const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
+  // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
+  // layout).
+  const std::string epilogue = fmt::format("-DC_PLANES={}", options.c_planes);
+  const std::string defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+                                          splits > 1 ? "-DC_PLANES=0" : epilogue);
+  const std::string sum_defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, s.c), epilogue);
   const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
                       c_off = c.elem_offset(dtype_bytes(s.c));
   const std::uint64_t panels_elems = direct ? 0 : packed_panel_elems(s, cfg);
   LaunchList list;
   if (s.K > 0 && scratch.buffer == nullptr) {
     throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch, got none", s.M, s.N, s.K,
-                                            cfg.text(), packed_elems(s, cfg)));
+                                            cfg.text(), packed_elems(s, cfg, options)));
   }
   if (s.K > 0 && !direct) {
     cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
@@ -162,9 +190,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     KernelLaunch l;
     l.kernel = std::move(pack);
     l.dims = 2;
-    // 16 k rows per work-item (PACK_ROWS in gemm_packed.cl); transposed B also splits the padded
-    // columns into blocks of 16, one per work-item.
-    l.global = {(s.K + 15) / 16, s.trans_b ? panels * nb / 16 : 1, 1};
+    // 16 k rows per work-item (PACK_ROWS in gemm_packed.cl); transposed or NCHW B also splits the
+    // padded columns into blocks of 16, one per work-item.
+    l.global = {(s.K + 15) / 16, s.trans_b || options.b_planes ? panels * nb / 16 : 1, 1};
     l.local = {1, 1, 1};
     list.push_back(std::move(l));
   }
@@ -179,12 +207,13 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   if (splits == 1) {
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
                  c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
-                 cl_uint(s.K));
+                 cl_uint(s.K), rows, rows_off, cols, cols_off);
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     const std::uint64_t parts = scratch.elem_offset() + panels_elems;
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
-                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows));
+                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows), rows,
+                 rows_off, cols, cols_off);
   }
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -252,15 +281,19 @@ bool native_dtypes(const GemmPlan& p) {
 std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
   check_dtypes(s);
   const GemmPlan p = plan(env, options);
-  if (native_dtypes(p)) return packed_elems(s, p.config);
+  if (native_dtypes(p)) return packed_elems(s, fit_packed(s, p.config), options);
   return staged_layout(s).total;
+}
+
+bool gemm_takes_planes(OpEnv& env) {
+  return native_dtypes(plan(env, {}));
 }
 
 std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
   const GemmPlan p = plan(env, options);
   const std::string trans = fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N");
   if (p.backend == GemmBackend::clblast) return fmt::format("clblast {}", trans);
-  return fmt::format("ferry {} {} ({})", p.config.text(), trans, p.origin);
+  return fmt::format("ferry {} {} ({})", fit_packed(s, p.config).text(), trans, p.origin);
 }
 
 LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
@@ -269,6 +302,10 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   check_dtypes(s);
   if (s.M == 0 || s.N == 0) return {};
   const GemmPlan p = plan(env, options);
+  if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer) && !native_dtypes(p)) {
+    throw std::invalid_argument(
+        fmt::format("gemm {}x{}x{}: NCHW planes and the ReLU epilogue need ferry's packed kernel", s.M, s.N, s.K));
+  }
   if (!s.all_f32() && !native_dtypes(p)) {
     // Widen A and B into scratch, multiply in f32, round C back.
     const StagedLayout l = staged_layout(s);
@@ -298,7 +335,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     return bind_clblast_gemm(env, s, alpha, a, b, beta, c, options.bias);
   switch (p.config.kernel) {
     case GemmKernel::packed:
-      return bind_packed(env, s, p.config, alpha, a, b, beta, c, scratch, options);
+      return bind_packed(env, s, fit_packed(s, p.config), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
       return bind_tiled(env, s, p.config, alpha, a, b, beta, c, options);
     case GemmKernel::naive:

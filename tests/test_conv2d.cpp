@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <string>
 
@@ -36,8 +38,7 @@ std::size_t y_elems(const ops::Conv2dShape& s) {
 
 class Conv2dTest : public ::testing::TestWithParam<ConvCase> {};
 
-TEST_P(Conv2dTest, DeviceMatchesReference) {
-  const ConvCase& tc = GetParam();
+void check_against_reference(const ConvCase& tc) {
   const ops::Conv2dShape& s = tc.shape;
   auto& dev = TestDevice::get();
   const auto x = random_vector(x_elems(s), 11);
@@ -74,6 +75,10 @@ TEST_P(Conv2dTest, DeviceMatchesReference) {
   if (tc.bias) expect_near(ddb.download(), to_float(db_ref), tol(npq), 1e-5f, "dbias");
 }
 
+TEST_P(Conv2dTest, DeviceMatchesReference) {
+  check_against_reference(GetParam());
+}
+
 TEST_P(Conv2dTest, BackwardIsDeterministic) {
   const ConvCase& tc = GetParam();
   const ops::Conv2dShape& s = tc.shape;
@@ -103,15 +108,40 @@ ops::Conv2dShape shape(std::size_t N, std::size_t C, std::size_t H, std::size_t 
   return s;
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTest,
-                         ::testing::Values(ConvCase{"odd_3x3_pad1_stride1", shape(3, 2, 7, 7, 5, 3, 3, 1, 1)},
-                                           ConvCase{"odd_3x3_pad1_stride2", shape(3, 2, 7, 7, 5, 3, 3, 1, 2)},
-                                           ConvCase{"rect_5x4_pad2_stride3_nobias", shape(2, 3, 9, 6, 4, 5, 4, 2, 3),
-                                                    false},
-                                           ConvCase{"1x1", shape(3, 8, 5, 5, 6, 1, 1, 0, 1)},
-                                           ConvCase{"cnn_layer1", shape(64, 1, 28, 28, 32, 5, 5, 2, 1)},
-                                           ConvCase{"cnn_layer2_three_groups", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Conv2dTest,
+    ::testing::Values(ConvCase{"odd_3x3_pad1_stride1", shape(3, 2, 7, 7, 5, 3, 3, 1, 1)},
+                      ConvCase{"odd_3x3_pad1_stride2", shape(3, 2, 7, 7, 5, 3, 3, 1, 2)},
+                      ConvCase{"rect_5x4_pad2_stride3_nobias", shape(2, 3, 9, 6, 4, 5, 4, 2, 3), false},
+                      ConvCase{"1x1", shape(3, 8, 5, 5, 6, 1, 1, 0, 1)},
+                      ConvCase{"k1_stride2_odd", shape(3, 5, 9, 7, 17, 1, 1, 0, 2)},
+                      ConvCase{"k3_pad0_stride1_odd", shape(5, 3, 11, 9, 33, 3, 3, 0, 1)},
+                      ConvCase{"k3_pad1_stride3", shape(2, 4, 10, 13, 7, 3, 3, 1, 3)},
+                      ConvCase{"k5_pad1_stride2_c1", shape(3, 1, 13, 12, 19, 5, 5, 1, 2)},
+                      ConvCase{"k7_pad3_stride1", shape(2, 3, 11, 10, 70, 7, 7, 3, 1)},
+                      ConvCase{"k7_pad2_stride2_nobias", shape(3, 2, 15, 16, 9, 7, 7, 2, 2), false},
+                      ConvCase{"k7_equals_input", shape(2, 3, 7, 7, 5, 7, 7, 0, 1)},
+                      ConvCase{"cnn_layer1", shape(64, 1, 28, 28, 32, 5, 5, 2, 1)},
+                      ConvCase{"cnn_layer2_three_groups", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
+    [](const auto& info) { return info.param.name; });
+
+// The path GPUs take (local-memory tiled GEMM, with the permutes to and from the GEMM layout),
+// forced on this device through the tuning override.
+TEST(Conv2dTiledPath, MatchesReference) {
+  const std::string path = ::testing::TempDir() + "ferry_conv_tiled.tsv";
+  {
+    std::ofstream out(path);
+    out << "*\t*\t*\tferry\ttiled\tTSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2\n";
+  }
+  ::setenv("FERRY_GEMM_TUNING", path.c_str(), 1);
+  for (const ConvCase& tc : {ConvCase{"tiled_k3_pad1_stride2", shape(3, 2, 7, 7, 5, 3, 3, 1, 2)},
+                             ConvCase{"tiled_k7_pad3", shape(2, 3, 11, 10, 9, 7, 7, 3, 1), false},
+                             ConvCase{"tiled_cnn_layer2", shape(4, 32, 14, 14, 64, 5, 5, 2, 1)}}) {
+    SCOPED_TRACE(tc.name);
+    check_against_reference(tc);
+  }
+  ::unsetenv("FERRY_GEMM_TUNING");
+}
 
 TEST(Conv2dGroups, LargeBatchesSplitIntoBalancedGroups) {
   // The CNN's first layer fits one GEMM; the second splits into 3 groups (22 + 21 + 21 images),
@@ -146,7 +176,9 @@ TEST_P(Conv2dGradTest, ReferenceBackwardMatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dGradTest,
                          ::testing::Values(shape(2, 2, 5, 5, 3, 3, 3, 1, 1), shape(2, 2, 6, 5, 3, 3, 2, 1, 2),
-                                           shape(1, 3, 4, 4, 2, 1, 1, 0, 1), shape(2, 1, 7, 7, 2, 5, 5, 2, 2)));
+                                           shape(1, 3, 4, 4, 2, 1, 1, 0, 1), shape(2, 1, 7, 7, 2, 5, 5, 2, 2),
+                                           shape(1, 2, 9, 8, 2, 7, 7, 3, 2), shape(1, 2, 5, 6, 3, 1, 1, 0, 2),
+                                           shape(1, 1, 8, 9, 2, 7, 7, 0, 1)));
 
 }  // namespace
 }  // namespace ferry::test

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <bit>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -382,6 +383,60 @@ TEST(GemmReference, GradientsMatchFiniteDifferences) {
   ops::ref::gemm<double>({K, N, M, true, false}, 1.0, a, r, 0.0, db);  // dB[K,N] = A^T R[M,N]
   expect_gradient_matches_finite_differences(loss_a, a, da, "dA");
   expect_gradient_matches_finite_differences(loss_b, b, db, "dB");
+}
+
+// The layouts convolutions use (packed kernel only): B read as NCHW planes, C written as planes,
+// A gathered through offset tables; against the reference on the plain layouts, with K split
+// (long K) and not, B transposed and not, and shapes that do not fill the register blocks.
+TEST(GemmLayouts, PlanesAndGatherMatchTheReference) {
+  auto& dev = TestDevice::get();
+  if (!ops::gemm_takes_planes(dev.env)) GTEST_SKIP() << "the device's GEMM does not take planes";
+  struct Case {
+    std::size_t M, N, K, planes_b, planes_c;
+    bool trans_b;
+  };
+  for (const Case& c : {Case{35, 21, 19, 7, 7, false}, Case{35, 21, 19, 19, 5, true}, Case{26, 40, 4800, 96, 13, true},
+                        Case{49, 66, 3000, 11, 49, false}}) {
+    SCOPED_TRACE(fmt::format("M={} N={} K={} trans_b={}", c.M, c.N, c.K, c.trans_b));
+    const ops::GemmShape s{c.M, c.N, c.K, false, c.trans_b};
+    const auto a = random_vector(c.M * c.K, 41), b = random_vector(c.K * c.N, 42), bias = random_vector(c.N, 43);
+    // B's stored matrix [rows, cols] laid out as planes of planes_b columns.
+    const std::size_t rows = c.trans_b ? c.N : c.K, cols = c.trans_b ? c.K : c.N;
+    ASSERT_EQ(cols % c.planes_b, 0u);
+    std::vector<float> b_planes(b.size());
+    for (std::size_t i = 0; i < rows; ++i) {
+      for (std::size_t j = 0; j < cols; ++j) {
+        b_planes[((j / c.planes_b) * rows + i) * c.planes_b + j % c.planes_b] = b[i * cols + j];
+      }
+    }
+    // A gathered: a stored with a gap of 3 floats after each row, rows[m] = m (K + 3), cols[k] = k.
+    std::vector<float> a_gapped(c.M * (c.K + 3), 0.0f), rows_t(c.M), cols_t(c.K);
+    for (std::size_t m = 0; m < c.M; ++m) {
+      for (std::size_t k = 0; k < c.K; ++k) a_gapped[m * (c.K + 3) + k] = a[m * c.K + k];
+      rows_t[m] = std::bit_cast<float>(static_cast<std::int32_t>(m * (c.K + 3)));
+    }
+    for (std::size_t k = 0; k < c.K; ++k) cols_t[k] = std::bit_cast<float>(static_cast<std::int32_t>(k));
+    DeviceTensor da(a_gapped), db(b_planes), dbias(bias), drows(rows_t), dcols(cols_t), dc(c.M * c.N);
+    ops::GemmOptions o;
+    o.bias = dbias.span();
+    o.b_planes = c.planes_b;
+    o.c_planes = c.planes_c;
+    o.a_gather_rows = drows.span();
+    o.a_gather_cols = dcols.span();
+    DeviceTensor scratch(std::max<std::size_t>(ops::gemm_scratch_elems(dev.env, s, o), 1));
+    ops::run_blocking(dev.context.compute(),
+                      ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, dc.span(), scratch.span(), o));
+    const auto ad = to_double(a), bd = to_double(b), biasd = to_double(bias);
+    std::vector<double> ref(c.M * c.N);
+    ops::ref::gemm<double>(s, 1.0, ad, bd, 0.0, ref, biasd);
+    std::vector<float> expected(ref.size());
+    for (std::size_t m = 0; m < c.M; ++m) {
+      for (std::size_t n = 0; n < c.N; ++n) {
+        expected[((m / c.planes_c) * c.N + n) * c.planes_c + m % c.planes_c] = float(ref[m * c.N + n]);
+      }
+    }
+    expect_near(dc.download(), expected, 5e-7f * float(c.K) + 1e-5f, 1e-5f, "C");
+  }
 }
 
 }  // namespace

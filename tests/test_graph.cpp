@@ -222,6 +222,21 @@ TEST(Builder, ShapeErrorsNameTheLayer) {
   EXPECT_THROW(b.softmax_xent(b.linear(b.input(), 10)), graph::BuildError);  // [4, 1, 28, 10]: one label per row
   EXPECT_THROW(b.add(x, b.linear(x, 8)), graph::BuildError);
   EXPECT_THROW(b.conv2d(x, 4, 3), graph::BuildError);
+  // Convolutions: a kernel larger than the padded input, a padding past half the kernel.
+  const auto expect_conv_error = [&](TensorId in, std::uint32_t kernel, std::uint32_t stride, std::uint32_t pad,
+                                     const std::string& needle) {
+    try {
+      b.conv2d(in, 4, kernel, stride, pad);
+      FAIL() << "kernel " << kernel << " pad " << pad;
+    } catch (const graph::BuildError& e) {
+      EXPECT_NE(std::string(e.what()).find("conv"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const TensorId small = b.reshape(b.linear(x, 16), graph::Shape{4, 1, 4, 4});
+  expect_conv_error(small, 7, 1, 0, "larger than the padded input");
+  expect_conv_error(small, 3, 1, 2, "more than half the kernel");
+  EXPECT_EQ(g.tensors.shape[b.conv2d(small, 4, 7, 1, 3)], (graph::Shape{4, 4, 4, 4}));
 }
 
 TEST(Runtime, UnknownDeviceListsTheDevices) {

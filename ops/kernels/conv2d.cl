@@ -130,3 +130,60 @@ __kernel void conv2d_bias_grad(__global const T_STORAGE* dy, ulong dy_off, __glo
   }
   if (t == 0) dbias[dbias_off + k] = part[0];
 }
+
+#define CONV_HP (CONV_H + 2 * CONV_PAD)
+#define CONV_WP (CONV_W + 2 * CONV_PAD)
+
+// xp[n, c, hp, wp] = x[n, c, hp - pad, wp - pad], 0 in the border, widened to f32: the input the
+// implicit column matrix of the packed GEMM reads (A(m, k) = xp[rows[m] + cols[k]], no im2col).
+// One work-item per element of xp. Global: N*C*HP*WP rounded up.
+__kernel void conv2d_pad(__global const T_STORAGE* x, ulong x_off, __global float* xp, ulong xp_off, uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint nc = i / (CONV_HP * CONV_WP);
+  const uint hw = i - nc * (CONV_HP * CONV_WP);
+  const uint hp = hw / CONV_WP;
+  const uint wp = hw - hp * CONV_WP;
+  const int h = (int)hp - CONV_PAD, w = (int)wp - CONV_PAD;
+  const int inside = h >= 0 && h < CONV_H && w >= 0 && w < CONV_W;
+  const uint at = nc * CONV_HW + (uint)clamp(h, 0, CONV_H - 1) * CONV_W + (uint)clamp(w, 0, CONV_W - 1);
+  const float v = LOAD_T(x, x_off + at);
+  xp[xp_off + i] = inside ? v : 0.0f;
+}
+
+// The offset tables of the implicit column matrix over xp: pixels[m] for output pixel
+// m = g*PQ + p*Q + q is where its window starts (g*C*HP*WP + p*stride*WP + q*stride), taps[k] for
+// k = (c*R + r)*S + s the tap's offset within a window (c*HP*WP + r*WP + s). Global: max(npix, CRS).
+__kernel void conv2d_tables(__global int* pixels, ulong pixels_off, uint npix, __global int* taps, ulong taps_off) {
+  const uint i = get_global_id(0);
+  if (i < npix) {
+    const uint g = i / CONV_PQ;
+    const uint pq = i - g * CONV_PQ;
+    const uint p = pq / CONV_Q;
+    const uint q = pq - p * CONV_Q;
+    pixels[pixels_off + i] = (int)(g * (CONV_C * CONV_HP * CONV_WP) + p * CONV_STRIDE * CONV_WP + q * CONV_STRIDE);
+  }
+  if (i < CONV_C * CONV_RS) {
+    const uint c = i / CONV_RS;
+    const uint rs = i - c * CONV_RS;
+    const uint r = rs / CONV_S;
+    const uint s = rs - r * CONV_S;
+    taps[taps_off + i] = (int)(c * (CONV_HP * CONV_WP) + r * CONV_WP + s);
+  }
+}
+
+// wt[c, k, r, s] = w[k, c, R-1-r, S-1-s] widened to f32 (T is the weight's storage type here):
+// the weight of the stride-1 data gradient computed as a convolution of dy (see conv2d.cpp).
+// One work-item per element. Global: K*C*R*S rounded up.
+__kernel void conv2d_flip_weights(__global const T_STORAGE* w, ulong w_off, __global float* wt, ulong wt_off,
+                                  uint count) {
+  const uint i = get_global_id(0);
+  if (i >= count) return;
+  const uint ck = i / CONV_RS;
+  const uint rs = i - ck * CONV_RS;
+  const uint c = ck / CONV_K;
+  const uint k = ck - c * CONV_K;
+  const uint r = rs / CONV_S;
+  const uint s = rs - r * CONV_S;
+  wt[wt_off + i] = LOAD_T(w, w_off + ((k * CONV_C + c) * CONV_R + (CONV_R - 1 - r)) * CONV_S + (CONV_S - 1 - s));
+}

@@ -32,6 +32,12 @@
 #define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] with N a multiple of NB (not packed)
 #endif
 #define PACK_ROWS 16  // k rows of op(B) one pack work-item copies
+#ifndef B_PLANES
+#define B_PLANES 0  // > 0: B's stored matrix is NCHW planes of B_PLANES columns (GemmOptions::b_planes)
+#endif
+#ifndef C_PLANES
+#define C_PLANES 0  // > 0: C element (m, n) at ((m / C_PLANES) * N + n) * C_PLANES + m % C_PLANES
+#endif
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
@@ -43,7 +49,24 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   const uint k_end = min(k0 + PACK_ROWS, K);
   const uint n_pad = (N + NB - 1) / NB * NB;
   packed += packed_off;
-#if !B_IS_F32
+#if B_PLANES
+  // B an NCHW view: element (i, j) of the stored matrix [rows, cols] at ((j / P) * rows + i) * P
+  // + j % P. A work-item fills 16 columns of its PACK_ROWS panel rows (contiguous writes; the reads
+  // run along a plane for a row-major B, across channels for a transposed one).
+  const uint j0 = get_global_id(1) * 16;
+  if (j0 >= n_pad) return;
+  const uint rows = TRANS_B ? N : K;
+  for (uint k = k0; k < k_end; ++k) {
+    __global float* dst = packed + ((ulong)(j0 / NB) * K + k) * NB + j0 % NB;
+    for (uint r = 0; r < 16; ++r) {
+      const uint j = j0 + r;
+      const uint si = TRANS_B ? j : k, sj = TRANS_B ? k : j;  // stored row and column
+      const ulong at = b_off + ((ulong)(sj / B_PLANES) * rows + si) * B_PLANES + sj % B_PLANES;
+      dst[r] = j < N ? LOAD(B_NAME, b, at) : 0.0f;
+    }
+  }
+}
+#elif !B_IS_F32
   // A narrow B: one element at a time, widened (B is a weight or an output gradient, read once).
   for (uint k = k0; k < k_end; ++k) {
 #if TRANS_B
@@ -96,10 +119,26 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   }
 #endif
 }
-#endif  // B_IS_F32
+#endif  // B_PLANES, B_IS_F32
 
 // out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C.
-#if C_IS_F32
+#if C_PLANES
+// C as NCHW planes: `row` is m; the 16 columns are channels, C_PLANES apart.
+inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint row, uint col, uint N, float alpha,
+                    float beta, __global const float* bias, uint has_bias) {
+  if (col >= N) return;
+  float tmp[16];
+  vstore16(alpha * acc, 0, tmp);
+  const ulong base = c_base + (ulong)(row / C_PLANES) * N * C_PLANES + row % C_PLANES;
+  for (uint i = 0; i < 16 && col + i < N; ++i) {
+    const ulong at = base + (ulong)(col + i) * C_PLANES;
+    float out = tmp[i];
+    if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
+    if (has_bias) out += bias[col + i];
+    STORE(C_NAME, out, c, at);
+  }
+}
+#elif C_IS_F32
 inline void store16(float16 acc, __global float* crow, uint col, uint N, float alpha, float beta,
                     __global const float* bias, uint has_bias) {
   if (col >= N) return;
@@ -135,7 +174,14 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 }
 #endif
 
-#if TRANS_A
+#ifndef A_GATHER
+#define A_GATHER 0  // 1: A(m, k) = a[arows[m] + acols[k]] (GemmOptions::a_gather; f32 A, not transposed)
+#endif
+
+#if A_GATHER
+#define A_ROW_DECL(r) const int ar##r = arows[min(row0 + r, M - 1)];
+#define A_AT(r) a[ar##r + kc]
+#elif TRANS_A
 // A stored [K, M]: the RB scalars of one k step are contiguous.
 #define A_ROW_DECL(r) const uint ai##r = min(row0 + r, M - 1);
 #if A_IS_F32
@@ -162,7 +208,10 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     if (NV > 3) c##r##_3 = fma(x, b3, c##r##_3); \
   }
 
-#if C_IS_F32
+#if C_PLANES
+#define C_ROW(r) const uint crow = row0 + r;
+#define C_AT c, c_base, crow
+#elif C_IS_F32
 #define C_ROW(r) __global float* crow = c + (ulong)(row0 + r) * N;
 #define C_AT crow
 #else
@@ -184,7 +233,8 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 // gradient over many rows) streams the whole panel from memory for every row block.
 __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
                           __global const float* packed, ulong packed_off, float beta, __global STORAGE(C_NAME)* c,
-                          ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk) {
+                          ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk,
+                          __global const int* arows, ulong arows_off, __global const int* acols, ulong acols_off) {
   const uint row0 = get_global_id(0) * RB;
   const uint panel = get_global_id(1);
   const uint k_begin = get_global_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);
@@ -199,12 +249,14 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if A_IS_F32
   a += a_off;
 #endif
-#if C_IS_F32
+#if C_IS_F32 && !C_PLANES
   c += c_off + (ulong)get_global_id(2) * M * N;
 #else
   const ulong c_base = c_off + (ulong)get_global_id(2) * M * N;
 #endif
   bias += bias_off;
+  arows += arows_off;
+  acols += acols_off;
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
   FOR_ROWS(A_ROW_DECL)
@@ -215,7 +267,9 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     const float16 b1 = NV > 1 ? vload16(1, bp) : 0.0f;
     const float16 b2 = NV > 2 ? vload16(2, bp) : 0.0f;
     const float16 b3 = NV > 3 ? vload16(3, bp) : 0.0f;
-#if TRANS_A && A_IS_F32
+#if A_GATHER
+    const int kc = acols[k];
+#elif TRANS_A && A_IS_F32
     __global const float* ak = a + (ulong)k * M;
 #elif TRANS_A
     const ulong ak = a_off + (ulong)k * M;
@@ -239,7 +293,13 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float*
   float acc = 0.0f;
   for (uint s = 0; s < splits; ++s) acc += p[s * mn];
   float out = alpha * acc;
-  if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, c_off + i), out);
+#if C_PLANES
+  const size_t m = i / N, n = i % N;
+  const ulong at = c_off + (ulong)(m / C_PLANES) * N * C_PLANES + (ulong)n * C_PLANES + m % C_PLANES;
+#else
+  const ulong at = c_off + i;
+#endif
+  if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
   if (has_bias) out += bias[bias_off + i % N];
-  STORE(C_NAME, out, c, c_off + i);
+  STORE(C_NAME, out, c, at);
 }

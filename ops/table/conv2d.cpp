@@ -39,6 +39,10 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
                   fmt::format("weight {} does not take input {} ([K, C, R, S] with C = {})", w.str(), x.str(), x[1]));
     }
     if (stride == 0) shape_error(v, "stride must be at least 1");
+    // A pad past half the kernel makes outputs that see only padding (PyTorch rejects it too).
+    if (2 * pad > w[2] || 2 * pad > w[3]) {
+      shape_error(v, fmt::format("padding {} is more than half the kernel {}x{}", pad, w[2], w[3]));
+    }
     if (x[2] + 2 * pad < w[2] || x[3] + 2 * pad < w[3]) {
       shape_error(v, fmt::format("kernel {}x{} is larger than the padded input {} (pad {})", w[2], w[3], x.str(), pad));
     }

@@ -4,11 +4,17 @@
 // The batch is split into groups of G images (conv2d_images_per_gemm) so that the column matrix
 // stays within a fixed budget; each group does im2col over all its images into one column matrix
 // [C*R*S, G*P*Q], so the GEMM is as large as the budget allows (few big GEMMs run far better on
-// PoCL than N small ones). The GEMM result is [K, G*P*Q]; a permute kernel writes it to NCHW and
-// adds the bias. Backward data: dy is permuted to [K, G*P*Q], GEMM w^T * dy gives the column
-// gradients and col2im gathers them per input element (deterministic, no atomics). Backward
-// weights: GEMM dy * cols^T accumulated over the groups (beta = 1 after the first) and dbias as a
-// fixed-order reduction over N, P, Q.
+// PoCL than N small ones). Where the GEMM reads and writes NCHW itself (ferry's packed kernel,
+// gemm_takes_planes) the long dimension G*P*Q or C*R*S is the GEMM's M, nothing is permuted and
+// no column matrix is written for the forward and weight products: their A is gathered from a
+// zero-padded copy of x through offset tables. Forward y^T = cols^T w^T stored straight to NCHW
+// with the bias; backward weights dw^T = cols dy^T (dy packed from NCHW) stored transposed into
+// dw, accumulated over the groups (beta = 1 after the first); backward data, for stride 1, a
+// square kernel and at least 16 input channels, the forward of dy (padded by R-1-pad) with the
+// flipped weight, otherwise dcols = w^T dy with dy packed from NCHW, then col2im gathers the
+// column gradients per input element (deterministic, no atomics). Elsewhere (GPU kernels, CLBlast) the
+// GEMM result [K, G*P*Q] is permuted to NCHW with the bias, and dy permuted to it for both
+// backward products. dbias is a fixed-order reduction over N, P, Q.
 #pragma once
 
 #include <cstddef>

@@ -35,6 +35,15 @@ struct GemmOptions {
   // written as in the tuning file's kernel and params columns, e.g. "packed RB=4 NV=4" or
   // "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2". For tests and the tuner (`ferry-bench gemm --tune`).
   std::string kernel{};
+  // Optional NCHW views of B and C for convolutions (only where gemm_takes_planes() says so):
+  // with b_planes = P, B's stored matrix [rows, cols] ([K, N], or [N, K] transposed) is a batch of
+  // planes of P columns, element (i, j) at ((j / P) * rows + i) * P + j % P: the [channels, G*PQ]
+  // view of an NCHW tensor, read without a permute. With c_planes = P, C element (m, n) is at
+  // ((m / P) * N + n) * P + m % P: rows m = g*PQ + pq written straight to NCHW (P = M: C^T).
+  std::size_t b_planes = 0, c_planes = 0;
+  // Optional implicit A (f32, not transposed): A(m, k) = a[rows[m] + cols[k]] with two int32
+  // tables, M and K long: a convolution's column matrix read straight from a padded input.
+  DeviceSpan a_gather_rows{}, a_gather_cols{};
 };
 
 // Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller
@@ -43,6 +52,10 @@ std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& shape, const GemmOpt
 
 LaunchList gemm(OpEnv& env, const GemmShape& shape, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
                 DeviceSpan scratch, const GemmOptions& options = {});
+
+// Whether gemm() on this device honours GemmOptions::b_planes, c_planes and a_gather_* (ferry's packed
+// kernel with native dtypes); elsewhere those options must stay unset.
+bool gemm_takes_planes(OpEnv& env);
 
 // Describes the kernel and parameters gemm() picks on this device, for logs and benchmarks.
 std::string gemm_kernel_description(OpEnv& env, const GemmShape& shape, const GemmOptions& options = {});

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""PyTorch peer of `ferry-bench step`: one training step of the same MLP on the CPU.
+"""PyTorch peer of `ferry-bench step`: one training step of the same MLP or CNN on the CPU.
 
-MLP 784-1024-1024-10 (nn.Linear + ReLU), CrossEntropyLoss, Adam, fp32, random standardized data.
+--model mlp: MLP 784-1024-1024-10 (nn.Linear + ReLU); --model cnn: ferry's models::cnn(),
+conv5x5(32)-ReLU-maxpool2-conv5x5(64)-ReLU-maxpool2-fc256-ReLU-fc10 on 1x28x28 (padding 2).
+CrossEntropyLoss, Adam (fused=True where this torch has it), fp32, random standardized data.
+--mode eager runs the module as is; --mode compile wraps the forward and loss in torch.compile.
 Warm-up steps first, then --repeat blocks of --steps steps; the step time reported is the median
 over the blocks of the block's mean step time (the same statistic ferry-bench reports for ferry).
 Prints one JSON line on stdout; on failure (no torch), one JSON line with "error" and exit 1.
@@ -21,6 +24,8 @@ ENV_KEYS = ("OPENBLAS_CORETYPE", "OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("mlp", "cnn"), default="mlp")
+    ap.add_argument("--mode", choices=("eager", "compile"), default="eager")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--hidden", type=str, default="1024,1024")
     ap.add_argument("--warmup", type=int, default=5)
@@ -39,24 +44,47 @@ def main() -> int:
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     torch.manual_seed(1)
-    hidden = [int(h) for h in args.hidden.split(",") if h]
-    layers = []
-    width = 784
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, 10))
-    model = nn.Sequential(*layers)
+    if args.model == "cnn":
+        model = nn.Sequential(
+            nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 7 * 7, 256), nn.ReLU(), nn.Linear(256, 10))
+        sample = (1, 28, 28)
+    else:
+        hidden = [int(h) for h in args.hidden.split(",") if h]
+        layers = []
+        width = 784
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 10))
+        model = nn.Sequential(*layers)
+        sample = (784,)
     loss_fn = nn.CrossEntropyLoss()
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    fused = True
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
+    except Exception:  # a torch without fused CPU Adam
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        fused = False
+
+    def forward_loss(x, y):
+        return loss_fn(model(x), y)
+
+    if args.mode == "compile":
+        try:
+            forward_loss = torch.compile(forward_loss)
+        except Exception as e:
+            print(json.dumps({"error": f"torch.compile failed: {e}", "python": sys.executable, "env": env}))
+            return 1
 
     # A few distinct batches of standardized random data, cycled.
-    batches = [(torch.randn(args.batch, 784), torch.randint(0, 10, (args.batch,))) for _ in range(4)]
+    batches = [(torch.randn(args.batch, *sample), torch.randint(0, 10, (args.batch,))) for _ in range(4)]
 
     def step(i: int) -> float:
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        loss = forward_loss(x, y)
         loss.backward()
         opt.step()
         return loss.item()
@@ -75,6 +103,9 @@ def main() -> int:
         json.dumps(
             {
                 "impl": f"pytorch-{torch.__version__}",
+                "model": args.model,
+                "mode": args.mode,
+                "fused_adam": fused,
                 "torch_version": torch.__version__,
                 "python": sys.executable,
                 "torch_file": torch.__file__,
