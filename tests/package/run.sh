@@ -90,9 +90,9 @@ if [[ -x $prefix/bin/ferry-bench ]]; then
   "$prefix/bin/ferry-bench" --version >>"$work_dir/ferry-bench.log" || fail "installed 'ferry-bench --version' failed"
   say "installed 'ferry-bench' runs"
   # Its PyTorch peers are installed beside it and found there, not in the source tree.
-  [[ -f $prefix/share/ferry/peers/torch_mlp_step.py ]] || fail "the peer script was not installed in share/ferry/peers"
+  [[ -f $prefix/share/ferry/peers/torch_step.py ]] || fail "the peer script was not installed in share/ferry/peers"
   "$prefix/bin/ferry-bench" step --help >"$work_dir/ferry-bench-step.log" 2>&1 || true
-  grep -qF "$(realpath "$prefix")/share/ferry/peers/torch_mlp_step.py" "$work_dir/ferry-bench-step.log" ||
+  grep -qF "$(realpath "$prefix")/share/ferry/peers/torch_step.py" "$work_dir/ferry-bench-step.log" ||
     fail "installed 'ferry-bench step' does not default to its installed peer script: $(grep -i peer "$work_dir/ferry-bench-step.log")"
 fi
 
