@@ -614,6 +614,23 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
   }
 }
 
+// The fingerprint of a trainer of `model` with `options` whose checkpointed tensors are `ids`.
+Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options, bool hybrid,
+                           const graph::TensorTable& t, const std::vector<TensorId>& ids) {
+  Fingerprint fp;
+  fp.model = model.name;
+  fp.optimizer = optimizer_name(options.optimizer.kind);
+  fp.batch = options.batch;
+  fp.accumulate = options.accumulate;
+  fp.precision = static_cast<std::uint8_t>(options.precision.compute);
+  fp.scaled = options.precision.scaled();
+  fp.hybrid = hybrid;
+  for (const TensorId id : ids) {
+    fp.tensors.push_back({t.name[id], static_cast<std::uint8_t>(t.dtype[id]), t.shape[id], t.bytes(id)});
+  }
+  return fp;
+}
+
 }  // namespace
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller) const {
@@ -621,17 +638,7 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
   const auto ids = checkpoint_tensors();
   const auto& arena = *train_->persistent();
 
-  Fingerprint fp;
-  fp.model = model_.name;
-  fp.optimizer = optimizer_name(options_.optimizer.kind);
-  fp.batch = options_.batch;
-  fp.accumulate = options_.accumulate;
-  fp.precision = static_cast<std::uint8_t>(options_.precision.compute);
-  fp.scaled = options_.precision.scaled();
-  fp.hybrid = phases_ != nullptr;
-  for (const TensorId id : ids) {
-    fp.tensors.push_back({t.name[id], static_cast<std::uint8_t>(t.dtype[id]), t.shape[id], t.bytes(id)});
-  }
+  const Fingerprint fp = fingerprint_of(model_, options_, phases_ != nullptr, t, ids);
 
   AtomicFile f(path);
   std::uint64_t sections = 0;
@@ -722,17 +729,7 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
   ++sections;
   const auto& t = train_->graph().tensors;
   const auto ids = checkpoint_tensors();
-  Fingerprint here;
-  here.model = model_.name;
-  here.optimizer = optimizer_name(options_.optimizer.kind);
-  here.batch = options_.batch;
-  here.accumulate = options_.accumulate;
-  here.precision = static_cast<std::uint8_t>(options_.precision.compute);
-  here.scaled = options_.precision.scaled();
-  here.hybrid = phases_ != nullptr;
-  for (const TensorId id : ids) {
-    here.tensors.push_back({t.name[id], static_cast<std::uint8_t>(t.dtype[id]), t.shape[id], t.bytes(id)});
-  }
+  const Fingerprint here = fingerprint_of(model_, options_, phases_ != nullptr, t, ids);
   // The rest is verified before the fingerprint is compared: a damaged file is reported as
   // damaged, not as another model's.
   std::vector<std::byte> trainer_bytes, phase_bytes, caller;

@@ -73,12 +73,14 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   initialise_parameters();
   // The other training variants now, so a budget they do not fit in fails here, not mid-run.
   if (options_.accumulate > 1) training_variant(true, true);
+  // Where each weight lives, resolved once (the weight check and the restore point read them).
+  const auto& arena = *train_->persistent();
+  weight_names_ = parameter_names();
+  for (const auto& name : weight_names_) weights_.push_back(*arena.find(name));
   if (phases_) {
     predict_variant_mutable();
     if (options_.phases.fit_every > 1) training_variant(false, false);
-    const auto& arena = *train_->persistent();
-    for (const auto& name : parameter_names()) {
-      weights_.push_back(*arena.find(name));
+    for (const auto& name : weight_names_) {
       const auto stats = arena.find(name + ".pred_stats");
       if (!stats) throw std::logic_error(fmt::format("no predictor state for '{}'", name));
       fit_stats_.push_back(*stats);
@@ -319,15 +321,14 @@ StepResult Trainer::step(const Batch& batch) {
 }
 
 std::string Trainer::non_finite_weight() const {
-  const auto& t = train_->graph().tensors;
+  // Weights are f32 masters (mixed precision casts copies of them), read where they live.
+  const auto& arena = *train_->persistent();
   std::vector<float> values;
-  for (const auto& name : parameter_names()) {
-    const TensorId id = persistent_tensor(name);
-    if (t.dtype[id] != graph::DType::f32) continue;  // (only f32 master weights can be inf or NaN here)
-    values.resize(t.shape[id].elems());
-    train_->persistent()->read(t.home[id], t.placement[id], values.data(), values.size() * sizeof(float));
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    values.resize(weights_[w].bytes / sizeof(float));
+    arena.read(weights_[w].home, weights_[w].place, values.data(), weights_[w].bytes);
     for (std::size_t i = 0; i < values.size(); ++i) {
-      if (!std::isfinite(values[i])) return fmt::format("'{}' (element {} is {})", name, i, values[i]);
+      if (!std::isfinite(values[i])) return fmt::format("'{}' (element {} is {})", weight_names_[w], i, values[i]);
     }
   }
   return {};

@@ -228,7 +228,8 @@ class Trainer {
   std::unique_ptr<PhaseController> phases_;
   // Resolved once: where each weight's predictor statistics and each weight live.
   std::vector<graph::PersistentArena::Entry> fit_stats_, weights_;
-  std::vector<float> gains_;  // per weight, the gain of d and the weight of r its last prediction used
+  std::vector<std::string> weight_names_;  // parallel to weights_ (parameter_names())
+  std::vector<float> gains_;               // per weight, the gain of d and the weight of r its last prediction used
   std::vector<std::vector<std::byte>> restore_point_;  // the weights before the Predict run in flight
   bool in_predict_run_ = false;
   LossScaler scaler_;
