@@ -7,10 +7,12 @@
 // needs it (its input is the data). Medians of --repeat runs after a warm-up.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <random>
 
 #include "bench.hpp"
 #include "ferry/cl/context.hpp"
+#include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
 #include "ferry/ops/conv2d.hpp"
 #include "ferry/ops/gemm.hpp"
@@ -21,7 +23,18 @@ namespace {
 struct ConvBenchOptions {
   std::size_t batch = 128;
   std::size_t gemm_n = 1024;
+  bool breakdown = false;  // also time every launch of a pass alone
 };
+
+std::string kernel_name(const ops::KernelLaunch& l) {
+  if (l.custom) return "library call";
+  std::size_t size = 0;
+  FERRY_CL(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size));
+  std::string name(size, '\0');
+  FERRY_CL(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, size, name.data(), nullptr));
+  while (!name.empty() && name.back() == '\0') name.pop_back();
+  return name;
+}
 
 cl::Mem random_buffer(const cl::Context& ctx, std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
@@ -101,6 +114,30 @@ int run(const BenchCommon& common, const ConvBenchOptions& o) {
                  {"gflops", gf},
                  {"gemm_peak_gflops", peak},
                  {"fraction_of_peak", gf / peak}});
+      if (!o.breakdown) continue;
+      // Each launch alone (the pass ran whole above, so its inputs are in place), summed by kernel.
+      std::vector<std::pair<std::string, double>> by_kernel;
+      for (const ops::KernelLaunch& l : launches) {
+        ops::LaunchList one;
+        one.push_back(l);
+        const double t = time_launches(ctx, one, common.repeat);
+        const std::string name = kernel_name(l);
+        auto it = std::find_if(by_kernel.begin(), by_kernel.end(), [&](const auto& e) { return e.first == name; });
+        if (it == by_kernel.end()) {
+          by_kernel.emplace_back(name, t);
+        } else {
+          it->second += t;
+        }
+      }
+      for (const auto& [name, t] : by_kernel) {
+        emit_json({{"bench", "conv"},
+                   {"what", "launch_breakdown"},
+                   {"pass", pass},
+                   {"layer", layer.name},
+                   {"kernel", name},
+                   {"ms", t},
+                   {"share_of_pass", t / ms}});
+      }
     }
   }
   return 0;
@@ -110,6 +147,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<ConvBenchOptions>();
   sub.add_option("--batch", o->batch, "images per convolution")->capture_default_str()->check(CLI::PositiveNumber);
   sub.add_option("--gemm-n", o->gemm_n, "size of the square GEMM measured as the peak")->capture_default_str();
+  sub.add_flag("--breakdown", o->breakdown,
+               "also time each launch of a pass alone and print the milliseconds per kernel (what=launch_breakdown)");
   return [o, &common] { return run(common, *o); };
 }
 

@@ -30,13 +30,21 @@ namespace {
 // enough that the scratch stays a modest part of a device's memory at any batch size.
 constexpr std::size_t kGroupBudgetElems = std::size_t{4} << 20;
 constexpr std::size_t kAlignElems = 16;
-constexpr std::size_t kBiasWorkGroup = 64;
 constexpr std::size_t kLocalSize = 256;
 
 // One work-item per element in work-groups of kLocalSize along the contiguous dimension (PoCL
 // runs a work-group as one vectorised loop; fewer, longer groups cost less to schedule).
 std::size_t local_size(OpEnv& env) {
   return std::min(kLocalSize, env.device().max_work_group_size);
+}
+
+// One work-item per work-group: for kernels whose work-items each loop over a long run of memory.
+KernelLaunch launch_per_item(cl::Kernel kernel, std::size_t n) {
+  KernelLaunch l;
+  l.kernel = std::move(kernel);
+  l.global[0] = std::max<std::size_t>(n, 1);
+  l.local[0] = 1;
+  return l;
 }
 
 KernelLaunch launch_1d(OpEnv& env, cl::Kernel kernel, std::size_t n) {
@@ -52,9 +60,26 @@ std::size_t align_up(std::size_t n) {
   return round_up(n, kAlignElems);
 }
 
-// The most images whose column matrix and GEMM output fit kGroupBudgetElems (at least one).
-std::size_t max_images_per_group(const Conv2dShape& s) {
-  const std::size_t per_image = (s.C * s.R * s.S + s.K) * s.P() * s.Q();
+// A stride-1 square kernel's data gradient is itself a convolution, of dy padded by R-1-pad with
+// the weight flipped and its channels swapped: dx[n, c] = sum over k, r, s of
+// dy_pad[n, k, h + r, w + s] w[k, c, R-1-r, S-1-s]. Where the GEMM gathers its A (the packed
+// kernel) that runs through the forward path, with no column matrix and no col2im.
+bool data_as_forward(OpEnv& env, const Conv2dShape& s) {
+  // Its GEMM's N is C: below 16 channels the register block is mostly padding (col2im wins).
+  return s.stride == 1 && s.R == s.S && s.pad < s.R && s.C >= 16 && gemm_takes_planes(env);
+}
+// Whether some pass writes a column matrix: everything but the packed kernel's planes, and there
+// the data gradient unless it runs as a forward convolution.
+bool writes_columns(OpEnv& env, const Conv2dShape& s) {
+  return !gemm_takes_planes(env) || !data_as_forward(env, s);
+}
+
+// The most images per group (at least one): those whose column matrix and GEMM output fit
+// kGroupBudgetElems. With planes and no column matrix nothing per image is materialised but the
+// packed output gradient of the weight product and the pixel table, so the whole batch usually
+// runs as one GEMM (fewer, longer products; one pass of the K-split sums instead of one per group).
+std::size_t max_images_per_group(const Conv2dShape& s, bool columns) {
+  const std::size_t per_image = (columns ? s.C * s.R * s.S + s.K : s.K + 1) * s.P() * s.Q();
   const std::size_t fit = per_image == 0 ? 1 : kGroupBudgetElems / per_image;
   return std::clamp<std::size_t>(fit, 1, std::max<std::size_t>(s.N, 1));
 }
@@ -78,8 +103,8 @@ void validate(const Conv2dShape& s) {
 // The batch split into balanced groups of at most max_images_per_group() images.
 struct Groups {
   std::size_t count = 1, base = 0, extra = 0;  // group i has base + (i < extra) images
-  explicit Groups(const Conv2dShape& s) {
-    const std::size_t max_g = max_images_per_group(s);
+  Groups(const Conv2dShape& s, bool columns) {
+    const std::size_t max_g = max_images_per_group(s, columns);
     count = std::max<std::size_t>(1, (s.N + max_g - 1) / max_g);
     base = s.N / count;
     extra = s.N % count;
@@ -90,9 +115,11 @@ struct Groups {
 };
 
 struct Layout {
-  bool planes = false;  // GEMMs read and write NCHW directly (gemm_takes_planes): no permutes
+  bool planes = false;   // GEMMs read and write NCHW directly (gemm_takes_planes): no permutes
+  bool columns = false;  // some pass writes a column matrix (writes_columns)
   std::size_t cols = 0, tmp = 0, dw32 = 0, gemm = 0;  // region offsets
   std::size_t xpad = 0, pixels = 0, taps = 0;         // with planes: padded x, offset tables (int32)
+  std::size_t bias_part = 0;                          // per-image bias gradient sums [N, K]
   std::size_t total = 0;
 };
 
@@ -123,7 +150,8 @@ GemmShape weights_gemm(const Conv2dShape& s, std::size_t g, bool planes) {
 
 Layout layout(OpEnv& env, const Conv2dShape& s) {
   validate(s);
-  const Groups groups(s);
+  const bool columns = writes_columns(env, s);
+  const Groups groups(s, columns);
   const std::size_t g = groups.largest();
   const std::size_t ncols = g * s.P() * s.Q();
   const std::size_t crs = s.C * s.R * s.S;
@@ -135,6 +163,7 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
   }
   Layout l;
   l.planes = gemm_takes_planes(env);
+  l.columns = columns;
   std::size_t gemm_elems = 0;
   for (std::size_t size : {groups.base, groups.largest()}) {
     if (size == 0) continue;
@@ -143,7 +172,7 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
                            gemm_scratch_elems(env, weights_gemm(s, size, l.planes))});
   }
   l.cols = 0;
-  l.tmp = align_up(crs * ncols);
+  l.tmp = columns ? align_up(crs * ncols) : 0;
   l.dw32 = l.tmp + (l.planes ? 0 : align_up(s.K * ncols));
   l.gemm = l.dw32 + (s.weight == DType::f32 ? 0 : align_up(s.K * crs));
   l.total = l.gemm + gemm_elems;
@@ -157,6 +186,8 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
     l.taps = l.pixels + align_up(ncols);
     l.total = l.taps + align_up(crs);
   }
+  l.bias_part = l.total;
+  l.total += align_up(s.N * s.K);
   return l;
 }
 
@@ -168,18 +199,10 @@ DeviceSpan at(DeviceSpan span, std::size_t elems, DType t = DType::f32) {
 std::string defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt) {
   return fmt::format(
       "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
-      "-DCONV_STRIDE={} -DCONV_PAD={} -DBIAS_WG={} {}",
-      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, kBiasWorkGroup, dtype_define(t.value_or(s.act)));
+      "-DCONV_STRIDE={} -DCONV_PAD={} {}",
+      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, dtype_define(t.value_or(s.act)));
 }
 
-// A stride-1 square kernel's data gradient is itself a convolution, of dy padded by R-1-pad with
-// the weight flipped and its channels swapped: dx[n, c] = sum over k, r, s of
-// dy_pad[n, k, h + r, w + s] w[k, c, R-1-r, S-1-s]. Where the GEMM gathers its A (the packed
-// kernel) that runs through the forward path, with no column matrix and no col2im.
-bool data_as_forward(OpEnv& env, const Conv2dShape& s) {
-  // Its GEMM's N is C: below 16 channels the register block is mostly padding (col2im wins).
-  return s.stride == 1 && s.R == s.S && s.pad < s.R && s.C >= 16 && gemm_takes_planes(env);
-}
 Conv2dShape data_shape(const Conv2dShape& s) {
   Conv2dShape t = s;
   t.C = s.K;
@@ -234,8 +257,8 @@ void append(LaunchList& list, LaunchList more) {
 
 }  // namespace
 
-std::size_t conv2d_images_per_gemm(const Conv2dShape& s) {
-  return Groups(s).largest();
+std::size_t conv2d_images_per_gemm(OpEnv& env, const Conv2dShape& s) {
+  return Groups(s, writes_columns(env, s)).largest();
 }
 
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
@@ -249,7 +272,7 @@ std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
 LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
                           DeviceSpan scratch) {
   const Layout lay = layout(env, s);
-  const Groups groups(s);
+  const Groups groups(s, lay.columns);
   const std::size_t PQ = s.P() * s.Q();
   const DeviceSpan cols = at(scratch, lay.cols), tmp = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   const cl_uint has_bias = bias.buffer != nullptr;
@@ -294,7 +317,7 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
     return list;
   }
   const Layout lay = layout(env, s);
-  const Groups groups(s);
+  const Groups groups(s, lay.columns);
   const std::size_t PQ = s.P() * s.Q();
   const DeviceSpan dcols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   LaunchList list;
@@ -322,7 +345,7 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
 LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan dy, DeviceSpan dw,
                                    DeviceSpan dbias, DeviceSpan scratch) {
   const Layout lay = layout(env, s);
-  const Groups groups(s);
+  const Groups groups(s, lay.columns);
   const std::size_t PQ = s.P() * s.Q();
   const DeviceSpan cols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   const DeviceSpan dw32 = s.weight == DType::f32 ? dw : at(scratch, lay.dw32);
@@ -348,14 +371,15 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   }
   if (s.weight != DType::f32) append(list, cast(env, DType::f32, s.weight, dw32, dw, s.K * s.C * s.R * s.S));
   if (dbias.buffer != nullptr) {
-    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_grad", defines(s));
-    cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), dbias.buffer, dbias.elem_offset(),
+    const DeviceSpan part = at(scratch, lay.bias_part);
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_partial", defines(s));
+    cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), part.buffer, part.elem_offset(),
                  static_cast<cl_uint>(s.N));
-    KernelLaunch l;
-    l.kernel = std::move(k);
-    l.global = {s.K * kBiasWorkGroup, 1, 1};
-    l.local = {kBiasWorkGroup, 1, 1};
-    list.push_back(std::move(l));
+    list.push_back(launch_per_item(std::move(k), s.N));
+    cl::Kernel sum = env.kernels.kernel("conv2d", "conv2d_bias_sum", defines(s));
+    cl::set_args(sum.get(), part.buffer, part.elem_offset(), dbias.buffer, dbias.elem_offset(),
+                 static_cast<cl_uint>(s.N));
+    list.push_back(launch_per_item(std::move(sum), s.K));
   }
   return list;
 }

@@ -78,17 +78,33 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c) {
   return c;
 }
 
-// K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of 256
-// x NB floats (64 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over it.
-constexpr std::size_t split_rows = 256;
+// K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of at
+// least 256 x NB floats (64 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over it.
+constexpr std::size_t min_split_rows = 256;
+// The partial products of all splits together: at most this many bytes. Past it the splits grow
+// longer (fewer of them) rather than stop: a long K unsplit streams its whole B panel from memory
+// for every row block.
+constexpr std::size_t max_split_bytes = std::size_t{16} << 20;
 
-// Splits of K: only where K is long next to M and N (weight gradients: K is the batch's rows) and
-// the partial products stay small (at most 16 MiB).
+// Splits wanted at most: enough work-items beside the row blocks and panels, and few partial
+// products for gemm_sum_splits to read back (with 49 splits of a CNN weight gradient the sum took
+// a fifth of the product's time; with 13, a twentieth).
+constexpr std::size_t max_splits = 16;
+
+// K rows per split: only where K is long next to M and N (weight gradients: K is the batch's
+// rows); 0 means K runs unsplit. The rows double from min_split_rows until both limits hold.
+std::size_t split_rows(const GemmShape& s) {
+  if (s.K < 4 * min_split_rows || s.K < 4 * std::max(s.M, s.N)) return 0;
+  const std::size_t block = s.M * s.N * sizeof(float);
+  std::size_t rows = min_split_rows;
+  auto splits = [&] { return (s.K + rows - 1) / rows; };
+  while ((splits() > max_splits || splits() * block > max_split_bytes) && rows < s.K) rows *= 2;
+  return splits() > 1 ? rows : 0;
+}
+
 std::size_t k_splits(const GemmShape& s) {
-  if (s.K < 4 * split_rows || s.K < 4 * std::max(s.M, s.N)) return 1;
-  const std::size_t splits = (s.K + split_rows - 1) / split_rows;
-  if (splits * s.M * s.N * sizeof(float) > (16u << 20)) return 1;
-  return splits;
+  const std::size_t rows = split_rows(s);
+  return rows == 0 ? 1 : (s.K + rows - 1) / rows;
 }
 
 std::size_t packed_panel_elems(const GemmShape& s, const GemmKernelConfig& c) {
@@ -186,13 +202,14 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   }
   if (s.K > 0 && !direct) {
     cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
+    const std::size_t pack_rows = options.b_planes ? 128 : 16;  // PACK_ROWS in gemm_packed.cl
     cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b_off, scratch.buffer, scratch.elem_offset());
     KernelLaunch l;
     l.kernel = std::move(pack);
     l.dims = 2;
-    // 16 k rows per work-item (PACK_ROWS in gemm_packed.cl); transposed or NCHW B also splits the
-    // padded columns into blocks of 16, one per work-item.
-    l.global = {(s.K + 15) / 16, s.trans_b || options.b_planes ? panels * nb / 16 : 1, 1};
+    // pack_rows k rows per work-item; transposed or NCHW B also splits the padded columns into
+    // blocks of 16, one per work-item.
+    l.global = {(s.K + pack_rows - 1) / pack_rows, s.trans_b || options.b_planes ? panels * nb / 16 : 1, 1};
     l.local = {1, 1, 1};
     list.push_back(std::move(l));
   }
@@ -212,7 +229,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     const std::uint64_t parts = scratch.elem_offset() + panels_elems;
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
-                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows), rows,
+                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s)), rows,
                  rows_off, cols, cols_off);
   }
   KernelLaunch l;

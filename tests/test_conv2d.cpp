@@ -11,6 +11,7 @@
 
 #include "ferry/ops/conv2d.hpp"
 #include "ferry/ops/elementwise.hpp"
+#include "ferry/ops/gemm.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -121,8 +122,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ConvCase{"k7_pad3_stride1", shape(2, 3, 11, 10, 70, 7, 7, 3, 1)},
                       ConvCase{"k7_pad2_stride2_nobias", shape(3, 2, 15, 16, 9, 7, 7, 2, 2), false},
                       ConvCase{"k7_equals_input", shape(2, 3, 7, 7, 5, 7, 7, 0, 1)},
-                      ConvCase{"cnn_layer1", shape(64, 1, 28, 28, 32, 5, 5, 2, 1)},
-                      ConvCase{"cnn_layer2_three_groups", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
+                      ConvCase{"cnn_layer1_two_groups", shape(128, 1, 28, 28, 32, 5, 5, 2, 1)},
+                      ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
     [](const auto& info) { return info.param.name; });
 
 // The path GPUs take (local-memory tiled GEMM, with the permutes to and from the GEMM layout),
@@ -144,12 +145,17 @@ TEST(Conv2dTiledPath, MatchesReference) {
 }
 
 TEST(Conv2dGroups, LargeBatchesSplitIntoBalancedGroups) {
-  // The CNN's first layer fits one GEMM; the second splits into 3 groups (22 + 21 + 21 images),
-  // which the cnn_layer2 case above checks against the reference.
-  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(64, 1, 28, 28, 32, 5, 5, 2, 1)), 64u);
-  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(64, 32, 14, 14, 64, 5, 5, 2, 1)), 22u);
-  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(1, 512, 64, 64, 512, 3, 3, 1, 1)), 1u);
-  EXPECT_EQ(ops::conv2d_images_per_gemm(shape(3, 2, 7, 7, 5, 3, 3, 1, 1)), 3u);
+  auto& env = TestDevice::get().env;
+  // The CNN's first layer at batch 128 writes a column matrix (its data gradient, C = 1, goes
+  // through col2im) and splits into 2 groups of 64, which the cnn_layer1_two_groups case checks
+  // against the reference. The second layer at batch 64 splits into 3 groups (22 + 21 + 21) where
+  // it writes column matrices; with planes and its data gradient as a forward convolution
+  // nothing per image is large and the batch is one group.
+  EXPECT_EQ(ops::conv2d_images_per_gemm(env, shape(128, 1, 28, 28, 32, 5, 5, 2, 1)), 64u);
+  EXPECT_EQ(ops::conv2d_images_per_gemm(env, shape(64, 32, 14, 14, 64, 5, 5, 2, 1)),
+            ops::gemm_takes_planes(env) ? 64u : 22u);
+  EXPECT_EQ(ops::conv2d_images_per_gemm(env, shape(1, 512, 64, 64, 512, 3, 3, 1, 1)), 1u);
+  EXPECT_EQ(ops::conv2d_images_per_gemm(env, shape(3, 2, 7, 7, 5, 3, 3, 1, 1)), 3u);
 }
 
 // The reference backward rules against central differences of the reference forward, in double.
@@ -201,7 +207,7 @@ TEST(Conv2dTiming, DISABLED_LaunchTimes) {
          ops::conv2d_backward_weights(dev.env, s, x.span(), dy.span(), dw.span(), db.span(), scratch.span())}};
     {
       // Baseline: a plain copy as large as one group's column matrix (what im2col writes).
-      const std::size_t n = s.C * s.R * s.S * ops::conv2d_images_per_gemm(s) * s.P() * s.Q();
+      const std::size_t n = s.C * s.R * s.S * ops::conv2d_images_per_gemm(dev.env, s) * s.P() * s.Q();
       DeviceTensor src(n), dst(n);
       const auto list = ops::copy(dev.env, src.span(), dst.span(), n);
       ops::run_blocking(dev.context.compute(), list);

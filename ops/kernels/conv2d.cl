@@ -105,30 +105,37 @@ __kernel void conv2d_from_nchw(__global const T_STORAGE* dy, ulong dy_off, __glo
   t[t_off + i] = LOAD_T(dy, dy_off + (ulong)(g * CONV_K + k) * CONV_PQ + pq);
 }
 
-// dbias[k] = sum over n, pq of dy[n, k, pq]. One work-group of BIAS_WG work-items per k: each
-// work-item sums a fixed strided subset, then a fixed tree in local memory (deterministic).
-__kernel void conv2d_bias_grad(__global const T_STORAGE* dy, ulong dy_off, __global float* dbias, ulong dbias_off,
-                               uint batch) {
-  __local float part[BIAS_WG];
-  const uint k = get_group_id(0);
-  const uint t = get_local_id(0);
-  float acc = 0.0f;
-  for (uint n = 0; n < batch; ++n) {
+// dbias[k] = sum over n, pq of dy[n, k, pq], in two fixed-order passes (deterministic):
+// conv2d_bias_partial sums each image's planes, part[n, k] = sum over pq of dy[n, k, pq], one
+// work-item per image reading its K planes front to back (contiguous, vector loads for f32);
+// conv2d_bias_sum adds the images in order, one work-item per channel. (One work-group per
+// channel striding over the batch ran at 2 GB/s: PoCL's work-group loops gathered across planes.)
+__kernel void conv2d_bias_partial(__global const T_STORAGE* dy, ulong dy_off, __global float* part, ulong part_off,
+                                  uint batch) {
+  const uint n = get_global_id(0);
+  if (n >= batch) return;
+  for (uint k = 0; k < CONV_K; ++k) {
     const ulong plane = dy_off + (ulong)(n * CONV_K + k) * CONV_PQ;
-    // The same trip count for every work-item (masked tail), so the work-group vectorises.
-    for (uint base = 0; base < CONV_PQ; base += BIAS_WG) {
-      const uint pq = base + t;
-      const float v = LOAD_T(dy, plane + min(pq, (uint)CONV_PQ - 1));
-      acc += pq < CONV_PQ ? v : 0.0f;
-    }
+    float acc = 0.0f;
+    uint pq = 0;
+#if T_IS_F32
+    float16 v = 0.0f;
+    for (; pq + 16 <= CONV_PQ; pq += 16) v += vload16(0, dy + plane + pq);
+    acc = ((v.s0 + v.s1) + (v.s2 + v.s3)) + ((v.s4 + v.s5) + (v.s6 + v.s7)) + ((v.s8 + v.s9) + (v.sa + v.sb)) +
+          ((v.sc + v.sd) + (v.se + v.sf));
+#endif
+    for (; pq < CONV_PQ; ++pq) acc += LOAD_T(dy, plane + pq);
+    part[part_off + (ulong)n * CONV_K + k] = acc;
   }
-  part[t] = acc;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (uint span = BIAS_WG / 2; span > 0; span >>= 1) {
-    if (t < span) part[t] += part[t + span];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-  if (t == 0) dbias[dbias_off + k] = part[0];
+}
+
+__kernel void conv2d_bias_sum(__global const float* part, ulong part_off, __global float* dbias, ulong dbias_off,
+                              uint batch) {
+  const uint k = get_global_id(0);
+  if (k >= CONV_K) return;
+  float acc = 0.0f;
+  for (uint n = 0; n < batch; ++n) acc += part[part_off + (ulong)n * CONV_K + k];
+  dbias[dbias_off + k] = acc;
 }
 
 #define CONV_HP (CONV_H + 2 * CONV_PAD)

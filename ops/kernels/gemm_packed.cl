@@ -31,7 +31,13 @@
 #ifndef DIRECT_B
 #define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] with N a multiple of NB (not packed)
 #endif
-#define PACK_ROWS 16  // k rows of op(B) one pack work-item copies
+// k rows of op(B) one pack work-item copies: more for NCHW planes, whose packs are long (an output
+// gradient over a whole batch) and whose work-items are cheap next to PoCL's per-group cost.
+#if B_PLANES
+#define PACK_ROWS 128
+#else
+#define PACK_ROWS 16
+#endif
 #ifndef B_PLANES
 #define B_PLANES 0  // > 0: B's stored matrix is NCHW planes of B_PLANES columns (GemmOptions::b_planes)
 #endif

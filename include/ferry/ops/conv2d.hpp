@@ -40,9 +40,10 @@ struct Conv2dShape {
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s);
 
 // The most images one GEMM covers: the batch runs as balanced groups of at most this many images
-// (column matrix plus GEMM output within a fixed 16 MiB budget). Depends only on the shape, so
-// scratch sizing and binding always agree.
-std::size_t conv2d_images_per_gemm(const Conv2dShape& s);
+// (through im2col: column matrix plus GEMM output within a fixed 16 MiB budget; with NCHW planes,
+// where no column matrix exists, the packed output gradient within it). Depends only on the shape
+// and the device's GEMM, so scratch sizing and binding always agree.
+std::size_t conv2d_images_per_gemm(OpEnv& env, const Conv2dShape& s);
 
 // y[N,K,P,Q] = conv(x, w) + bias[K] (bias optional: buffer null).
 LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
