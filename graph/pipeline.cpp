@@ -5,6 +5,10 @@ namespace ferry::graph {
 
 const std::vector<ModelPass>& model_passes() {
   static const std::vector<ModelPass> passes = {
+      {"fusion",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.fuse) fuse_relu_maxpool(g);
+       }},
       {"mixed precision",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.precision != DType::f32 && !key.int8_weights) apply_mixed_precision(g, key.precision);

@@ -23,8 +23,9 @@ void validate(const Pool2dShape& s) {
 }
 
 std::string defines(const Pool2dShape& s) {
-  return fmt::format("-DPOOL_H={} -DPOOL_W={} -DPOOL_P={} -DPOOL_Q={} -DPOOL_WINDOW={} -DPOOL_STRIDE={} {}", s.H, s.W,
-                     s.P(), s.Q(), s.window, s.stride, dtype_define(s.dtype));
+  return fmt::format(
+      "-DPOOL_H={} -DPOOL_W={} -DPOOL_P={} -DPOOL_Q={} -DPOOL_WINDOW={} -DPOOL_STRIDE={} -DPOOL_RELU={} {}", s.H, s.W,
+      s.P(), s.Q(), s.window, s.stride, int(s.relu), dtype_define(s.dtype));
 }
 
 }  // namespace

@@ -57,6 +57,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   train_key_.loss_scaling = options_.precision.scaled();
   train_key_.accumulate = options_.accumulate;
   train_key_.recompute = options_.recompute;
+  train_key_.fuse = options_.fuse;
   if (options_.phases.hybrid) {
     options_.optimizer.predictor = options_.phases.predictor;
     train_key_.fit_predictor = true;
@@ -100,6 +101,7 @@ graph::CompiledStep& Trainer::training_variant(bool micro, bool fit) {
 graph::CompiledStep& Trainer::predict_variant_mutable() {
   graph::VariantKey key{options_.batch, false};
   key.precision = options_.precision.compute;
+  key.fuse = options_.fuse;
   key.apply_predictor = true;
   key.int8_weights = options_.phases.predict_int8;
   return variant(key);
@@ -420,6 +422,7 @@ void Trainer::for_each_chunk(const DataSource& data, bool predict, bool int8_wei
     while (count > n - first) count /= 2;
     graph::VariantKey key{count, false, predict};
     key.precision = options_.precision.compute;
+    key.fuse = options_.fuse;
     key.int8_weights = int8_weights;
     graph::CompiledStep& step = variant(key);
     for (const auto* specs : {&model_.inputs, &model_.targets}) {

@@ -65,6 +65,35 @@ TEST_P(DeterminismTest, TwoFreshTrainersGiveTheSameLossesAndStateBitForBit) {
   }
 }
 
+// Fusing each ReLU into the max-pool that reads it (TrainerOptions::fuse) is exact: the same
+// losses and state, bit for bit, as the unfused graph, resident and streamed, with non-overlapping
+// and overlapping (window 2, stride 1) pools.
+TEST(Fusion, ReluIntoMaxPoolIsBitIdenticalToTheUnfusedGraph) {
+  Runtime rt;
+  const ModelSpec m = small_cnn();
+  for (const auto mode : {graph::ResidencyMode::resident, graph::ResidencyMode::stream}) {
+    TrainerOptions o;
+    o.batch = 8;
+    o.lr = 0.05f;
+    o.seed = 3;
+    o.residency.mode = mode;
+    if (mode == graph::ResidencyMode::stream) {
+      // The unfused graph's budget: it keeps the ReLUs' outputs and needs a little more.
+      o.fuse = false;
+      o.residency.budget_bytes = 1;
+      o.residency.budget_bytes = ferry::min_stream_budget(rt, m, o).value_or(0);
+      ASSERT_GT(o.residency.budget_bytes, 0u);
+      o.fuse = true;
+    }
+    const TrainingRun fused = train(rt, m, o, 6);
+    o.fuse = false;
+    const TrainingRun unfused = train(rt, m, o, 6);
+    EXPECT_EQ(fused.loss_bits, unfused.loss_bits);
+    ASSERT_EQ(fused.state.size(), unfused.state.size());
+    for (const auto& [name, bytes] : fused.state) EXPECT_EQ(bytes, unfused.state.at(name)) << name;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Homes, DeterminismTest,
                          ::testing::Values(Config{"resident", graph::ResidencyMode::resident, std::nullopt},
                                            Config{"stream", graph::ResidencyMode::stream, std::nullopt},

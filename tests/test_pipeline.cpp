@@ -27,8 +27,8 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
 
 TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
-  const char* const names[] = {"mixed precision", "autodiff",  "recompute",    "accumulate", "overflow guard",
-                               "optimizer",       "predictor", "int8 weights", "download"};
+  const char* const names[] = {"fusion",         "mixed precision", "autodiff",  "recompute",    "accumulate",
+                               "overflow guard", "optimizer",       "predictor", "int8 weights", "download"};
   ASSERT_EQ(passes.size(), std::size(names));
   for (std::size_t i = 0; i < passes.size(); ++i) EXPECT_STREQ(passes[i].name, names[i]) << "pass " << i;
 }
@@ -47,6 +47,8 @@ TEST(Pipeline, EachModelPassAlone) {
     throw std::logic_error(std::string("no pass ") + name);
   };
   std::size_t before = g.nodes.size();
+  pass("fusion")(g, train, adam);  // nothing to fuse in an MLP
+  EXPECT_EQ(g.nodes.size(), before);
   pass("mixed precision")(g, train, adam);  // nothing without a narrow precision
   EXPECT_EQ(g.nodes.size(), before);
 
@@ -88,6 +90,50 @@ TEST(Pipeline, EachModelPassAlone) {
   graph::Graph eval = graph::prepare_step_graph(mlp_forward(16), graph::VariantKey{16, false}, adam);
   EXPECT_EQ(eval.nodes.size(), forward_nodes + 1);
   EXPECT_EQ(count_class(eval, ops::OpClass::backward), 0u);
+}
+
+std::size_t count_op(const graph::Graph& g, graph::OpId op) {
+  std::size_t n = 0;
+  for (graph::NodeId id = 0; id < g.nodes.size(); ++id) n += g.nodes.op[id] == op;
+  return n;
+}
+
+// Each ReLU that only a max-pool reads joins that pool (attrs.i[2] = 1, reading the ReLU's input);
+// a ReLU read by anything else stays. Autodiff then emits no ReLU backward for the fused pairs.
+TEST(Pipeline, FusionTakesEachReluIntoTheMaxPoolThatAloneReadsIt) {
+  const ModelSpec cnn = models::classifier("fusion-cnn", graph::Shape{1, 8, 8}, 10, [](graph::Builder& b, TensorId x) {
+    x = b.maxpool2d(b.relu(b.conv2d(x, 3, 3, 1, 1)));  // fused
+    const TensorId r = b.relu(b.conv2d(x, 4, 3, 1, 1));
+    x = b.add(b.maxpool2d(r, 2, 1), b.maxpool2d(r, 2, 1));  // two readers: stays
+    return b.linear(b.relu(b.flatten(x)), 10);              // no pool: stays
+  });
+  const graph::Graph g = forward_graph(cnn, graph::VariantKey{4, true});
+  graph::Graph fused = g;
+  graph::fuse_relu_maxpool(fused);
+  EXPECT_EQ(count_op(g, graph::builtin::activation), 3u);
+  EXPECT_EQ(count_op(fused, graph::builtin::activation), 2u);
+  EXPECT_EQ(fused.nodes.size(), g.nodes.size() - 1);
+  std::size_t relu_pools = 0;
+  for (graph::NodeId n = 0; n < fused.nodes.size(); ++n) {
+    if (fused.nodes.op[n] != graph::builtin::maxpool2d || fused.nodes.attrs[n].i[2] == 0) continue;
+    ++relu_pools;
+    // It reads the convolution's output directly.
+    const TensorId x = fused.nodes.inputs(n)[0];
+    bool from_conv = false;
+    for (graph::NodeId m = 0; m < fused.nodes.size(); ++m) {
+      for (TensorId y : fused.nodes.outputs(m))
+        from_conv = from_conv || (y == x && fused.nodes.op[m] == graph::builtin::conv2d);
+    }
+    EXPECT_TRUE(from_conv);
+  }
+  EXPECT_EQ(relu_pools, 1u);
+  graph::OptimizerSpec adam;
+  graph::VariantKey off{4, true};
+  off.fuse = false;
+  const graph::Graph with = graph::prepare_step_graph(forward_graph(cnn, graph::VariantKey{4, true}), {4, true}, adam);
+  const graph::Graph without = graph::prepare_step_graph(forward_graph(cnn, off), off, adam);
+  EXPECT_EQ(count_op(with, graph::builtin::activation_grad), 2u);
+  EXPECT_EQ(count_op(without, graph::builtin::activation_grad), 3u);
 }
 
 std::size_t count_role(const graph::Graph& g, graph::Role r) {

@@ -18,6 +18,11 @@ struct PoolCase {
   bool ties = false;  // inputs drawn from a few integers, so most windows hold equal maxima
 };
 
+ops::Pool2dShape with_relu(ops::Pool2dShape s) {
+  s.relu = true;
+  return s;
+}
+
 std::ostream& operator<<(std::ostream& os, const PoolCase& c) {
   return os << c.name;
 }
@@ -75,16 +80,19 @@ TEST_P(MaxPoolTest, DeviceMatchesReference) {
   EXPECT_EQ(ddx.download(), dx_ref);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, MaxPoolTest,
-                         ::testing::Values(PoolCase{"2x2s2_even", shape(2, 3, 8, 8, 2, 2)},
-                                           PoolCase{"2x2s2_odd", shape(3, 2, 7, 9, 2, 2)},
-                                           PoolCase{"3x3s2_overlapping", shape(3, 2, 7, 7, 3, 2)},
-                                           PoolCase{"3x3s2_overlapping_ties", shape(2, 3, 9, 8, 3, 2), true},
-                                           PoolCase{"2x2s2_ties", shape(2, 2, 6, 7, 2, 2), true},
-                                           PoolCase{"3x3s1", shape(1, 2, 6, 6, 3, 1)},
-                                           PoolCase{"cnn_pool1", shape(64, 32, 28, 28, 2, 2)},
-                                           PoolCase{"cnn_pool2", shape(64, 64, 14, 14, 2, 2)}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MaxPoolTest,
+    ::testing::Values(PoolCase{"2x2s2_even", shape(2, 3, 8, 8, 2, 2)}, PoolCase{"2x2s2_odd", shape(3, 2, 7, 9, 2, 2)},
+                      PoolCase{"3x3s2_overlapping", shape(3, 2, 7, 7, 3, 2)},
+                      PoolCase{"3x3s2_overlapping_ties", shape(2, 3, 9, 8, 3, 2), true},
+                      PoolCase{"2x2s2_ties", shape(2, 2, 6, 7, 2, 2), true}, PoolCase{"3x3s1", shape(1, 2, 6, 6, 3, 1)},
+                      PoolCase{"cnn_pool1", shape(64, 32, 28, 28, 2, 2)},
+                      PoolCase{"relu_2x2s2_odd", with_relu(shape(3, 2, 7, 9, 2, 2))},
+                      PoolCase{"relu_2x2s2_ties", with_relu(shape(2, 2, 6, 7, 2, 2)), true},
+                      PoolCase{"relu_3x3s2_overlapping_ties", with_relu(shape(2, 3, 9, 8, 3, 2)), true},
+                      PoolCase{"relu_cnn_pool1", with_relu(shape(16, 32, 28, 28, 2, 2))},
+                      PoolCase{"cnn_pool2", shape(64, 64, 14, 14, 2, 2)}),
+    [](const auto& info) { return info.param.name; });
 
 TEST(MaxPoolRef, TiesGoToTheFirstMaximum) {
   const auto s = shape(1, 1, 3, 3, 2, 1);
@@ -97,14 +105,41 @@ TEST(MaxPoolRef, TiesGoToTheFirstMaximum) {
   EXPECT_EQ(arg, (std::vector<std::int32_t>{0, 5, 7, 5}));
 }
 
+// The fused pool (Pool2dShape::relu) against the pair it replaces, relu then max-pool, in the
+// reference: the same outputs, and the same input gradient once the ReLU's mask is applied, on
+// inputs with ties, zeros and windows that are all negative.
+TEST(MaxPoolRef, FusedReluEqualsReluThenPool) {
+  for (const auto& base : {shape(2, 3, 6, 7, 2, 2), shape(2, 2, 9, 8, 3, 2), shape(1, 2, 6, 6, 3, 1)}) {
+    const ops::Pool2dShape fused = with_relu(base);
+    auto x = random_vector(x_elems(base), 5, -3.0f, 1.0f);
+    for (auto& v : x) v = std::round(v);  // ties, exact zeros and many all-negative windows
+    const auto dy = random_vector(y_elems(base), 6);
+    std::vector<float> relu(x.size()), y_pair(y_elems(base)), y_fused(y_elems(base));
+    std::vector<std::int32_t> arg_pair(y_elems(base)), arg_fused(y_elems(base));
+    for (std::size_t i = 0; i < x.size(); ++i) relu[i] = x[i] > 0.0f ? x[i] : 0.0f;
+    ops::ref::maxpool2d_forward<float>(base, relu, y_pair, arg_pair);
+    ops::ref::maxpool2d_forward<float>(fused, x, y_fused, arg_fused);
+    EXPECT_EQ(y_fused, y_pair);
+    std::vector<float> dx_pair(x.size()), dx_fused(x.size());
+    ops::ref::maxpool2d_backward<float>(base, dy, arg_pair, dx_pair);
+    for (std::size_t i = 0; i < x.size(); ++i) dx_pair[i] = x[i] > 0.0f ? dx_pair[i] : 0.0f;  // the ReLU's mask
+    ops::ref::maxpool2d_backward<float>(fused, dy, arg_fused, dx_fused);
+    EXPECT_EQ(dx_fused, dx_pair);
+    std::size_t none = 0;
+    for (std::int32_t a : arg_fused) none += a < 0;
+    EXPECT_GT(none, 0u) << "no window without a positive value: the case tests nothing of the ReLU";
+  }
+}
+
 class MaxPoolGradTest : public ::testing::TestWithParam<ops::Pool2dShape> {};
 
 TEST_P(MaxPoolGradTest, ReferenceBackwardMatchesFiniteDifferences) {
   const ops::Pool2dShape s = GetParam();
-  // Distinct values (a shuffled ramp with spacing 1e-2), so every max is isolated by far more
-  // than the finite-difference step.
+  // Distinct values (a shuffled ramp with spacing 1e-2, centred on 0 and kept 5e-3 off it), so
+  // every max, and with a fused ReLU every sign, is isolated by far more than the step.
   std::vector<double> x(x_elems(s));
-  for (std::size_t i = 0; i < x.size(); ++i) x[i] = double((i * 7919) % x.size()) * 1e-2;
+  const double half = double(x.size() / 2);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = (double((i * 7919) % x.size()) - half + 0.5) * 1e-2;
   const auto r = to_double(random_vector(y_elems(s), 4));
   const auto loss = [&](const std::vector<double>& in) {
     std::vector<double> y(y_elems(s));
@@ -120,7 +155,8 @@ TEST_P(MaxPoolGradTest, ReferenceBackwardMatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MaxPoolGradTest,
-                         ::testing::Values(shape(2, 2, 6, 6, 2, 2), shape(1, 2, 7, 7, 3, 2), shape(1, 1, 5, 6, 3, 1)));
+                         ::testing::Values(shape(2, 2, 6, 6, 2, 2), shape(1, 2, 7, 7, 3, 2), shape(1, 1, 5, 6, 3, 1),
+                                           with_relu(shape(2, 2, 6, 6, 2, 2)), with_relu(shape(1, 2, 7, 7, 3, 2))));
 
 }  // namespace
 }  // namespace ferry::test

@@ -1,6 +1,7 @@
 // Max pooling over NCHW planes, square window and stride, no padding. The geometry is compiled
 // in (-D POOL_H, POOL_W, POOL_P, POOL_Q, POOL_WINDOW, POOL_STRIDE) so index divisions become
-// multiplies. argmax holds the index of each maximum within its (n, c) plane. x, y, dx and dy are
+// multiplies. argmax holds the index of each maximum within its (n, c) plane (-1 for none: with
+// -DPOOL_RELU=1, a fused ReLU, windows whose maximum is not positive). x, y, dx and dy are
 // stored as T (-DT_F16 / -DT_BF16, f32 without: dtype.clh).
 #include "dtype.clh"
 
@@ -29,8 +30,16 @@ __kernel void maxpool2d_forward(__global const T_STORAGE* x, ulong x_off, __glob
       best_v = gt ? v : best_v;
     }
   }
+#if POOL_RELU
+  // ReLU fused: a window whose maximum is not positive (or is NaN) outputs 0 and routes no
+  // gradient (argmax -1 matches no element in backward).
+  const int positive = best_v > 0.0f;
+  STORE_T(positive ? best_v : 0.0f, y, y_off + i);
+  argmax[argmax_off + i] = positive ? (int)best : -1;
+#else
   STORE_T(best_v, y, y_off + i);
   argmax[argmax_off + i] = (int)best;
+#endif
 }
 
 // One work-item per input element: the sum of dy over the windows that contain it and chose it

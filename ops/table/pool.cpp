@@ -1,4 +1,5 @@
-// Rows of MaxPool2d over [N, C, H, W] (attrs.i[0] window, i[1] stride) and its gradient.
+// Rows of MaxPool2d over [N, C, H, W] (attrs.i[0] window, i[1] stride, i[2] 1: ReLU fused in,
+// see graph/passes/fusion.cpp) and its gradient.
 #include "ferry/ops/pool.hpp"
 
 #include <fmt/format.h>
@@ -18,6 +19,7 @@ Pool2dShape pool_shape(const TensorDesc& xd, const NodeAttrs& a) {
   s.W = x[3];
   s.window = static_cast<std::size_t>(a.i[0]);
   s.stride = static_cast<std::size_t>(a.i[1]);
+  s.relu = a.i[2] != 0;
   return s;
 }
 

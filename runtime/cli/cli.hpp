@@ -64,6 +64,7 @@ struct TrainArgs {
   std::string phases = "full", predictor = "linear";
   std::uint32_t accumulate = 1;    // micro-batches per optimizer update
   std::uint32_t recompute = 0;     // layers per recomputed segment (0: none)
+  bool no_fuse = false;            // TrainerOptions::fuse off
   std::string precision = "fp32";  // fp32, fp16 or bf16 (mixed precision)
   std::string loss_scaling = "auto";
   float initial_loss_scale = 65536.0f;

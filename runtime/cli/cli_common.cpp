@@ -134,6 +134,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   ferry::offload::validate(opt.residency.homes.codec);
   opt.accumulate = a.accumulate;
   opt.recompute = a.recompute;
+  opt.fuse = !a.no_fuse;
   opt.precision.compute = parse_precision(a.precision);
   opt.precision.scaling = a.loss_scaling == "on"    ? ferry::PrecisionConfig::Scaling::on
                           : a.loss_scaling == "off" ? ferry::PrecisionConfig::Scaling::off

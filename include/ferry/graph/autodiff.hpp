@@ -38,6 +38,13 @@ void apply_recompute(Graph& g, std::uint32_t every);
 // The head: the last node before the loss that reads a weight (precision passes keep it f32).
 NodeId head_layer(const Graph& g);
 
+// Fusion, first of the model passes: a ReLU whose output only a max-pool reads becomes part of
+// that pool (ops::Pool2dShape::relu: max(0, max over the window), argmax -1 where that is 0), so
+// the ReLU's forward pass and its backward mask disappear and the pool's backward routes gradient
+// only where the ReLU let it through. Exact: max and ReLU commute, values and gradients are
+// bit-identical to the unfused graph. See graph/passes/fusion.cpp.
+void fuse_relu_maxpool(Graph& g);
+
 // Mixed precision, before autodiff: Linear, Conv2d, activation and max-pool nodes but the head
 // compute from and store `narrow` (f16 or bf16), reading narrow casts of their float inputs
 // (weights cast from their f32 masters once per step; biases stay f32); every other node reads

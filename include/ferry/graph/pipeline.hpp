@@ -1,6 +1,6 @@
 // Compiling a step is an ordered list of passes over the IR.
 //
-//   model passes (device-independent, here):    mixed precision -> autodiff -> recompute ->
+//   model passes (device-independent, here):    fusion -> mixed precision -> autodiff -> recompute ->
 //                                               accumulate -> overflow guard -> optimizer ->
 //                                               predictor -> int8 weights -> download
 //   device passes (graph::CompiledStep, in order): check dtypes -> scratch -> residency and memory
@@ -45,6 +45,8 @@ struct VariantKey {
   DType precision = DType::f32;
   // Loss scaling (training variants that update): the updates check the overflow guard.
   bool loss_scaling = false;
+  // Fuse layer pairs (fuse_relu_maxpool); off only to compare against the unfused graph.
+  bool fuse = true;
   auto operator<=>(const VariantKey&) const = default;
 };
 

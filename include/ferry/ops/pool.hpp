@@ -18,12 +18,16 @@ struct Pool2dShape {
   std::size_t N = 0, C = 0, H = 0, W = 0;
   std::size_t window = 2, stride = 2;
   DType dtype = DType::f32;  // of x, y and their gradients (f32, f16, bf16)
+  // ReLU fused in (a graph pass rewrites relu -> maxpool into this): y = max(0, max over the
+  // window), equal to the max of the ReLU'd window. A window whose maximum is not positive gets
+  // argmax -1, so backward routes it nothing: the ReLU's mask and the pool's backward in one pass.
+  bool relu = false;
   std::size_t P() const { return (H - window) / stride + 1; }
   std::size_t Q() const { return (W - window) / stride + 1; }
 };
 
 // y[N,C,P,Q] = max over each window; argmax (int32, same shape as y) records the flat input
-// index (within the N,C plane) of each maximum for backward.
+// index (within the N,C plane) of each maximum for backward (-1: none, with relu).
 LaunchList maxpool2d_forward(OpEnv& env, const Pool2dShape& s, DeviceSpan x, DeviceSpan y, DeviceSpan argmax);
 // dx[N,C,H,W] (overwritten) from dy and argmax; correct for overlapping windows too.
 LaunchList maxpool2d_backward(OpEnv& env, const Pool2dShape& s, DeviceSpan dy, DeviceSpan argmax, DeviceSpan dx);
@@ -46,8 +50,9 @@ void maxpool2d_forward(const Pool2dShape& s, std::span<const T> x, std::span<T> 
             if (plane[idx] > plane[best]) best = idx;
           }
         }
-        y[(nc * P + p) * Q + q] = plane[best];
-        argmax[(nc * P + p) * Q + q] = static_cast<std::int32_t>(best);
+        const bool positive = plane[best] > T(0);  // false for NaN, as the ReLU's x > 0
+        y[(nc * P + p) * Q + q] = s.relu && !positive ? T(0) : plane[best];
+        argmax[(nc * P + p) * Q + q] = s.relu && !positive ? -1 : static_cast<std::int32_t>(best);
       }
     }
   }
@@ -60,7 +65,8 @@ void maxpool2d_backward(const Pool2dShape& s, std::span<const T> dy, std::span<c
   for (auto& v : dx) v = T(0);
   for (std::size_t nc = 0; nc < s.N * s.C; ++nc) {
     for (std::size_t pq = 0; pq < P * Q; ++pq) {
-      dx[nc * s.H * s.W + static_cast<std::size_t>(argmax[nc * P * Q + pq])] += dy[nc * P * Q + pq];
+      const std::int32_t at = argmax[nc * P * Q + pq];
+      if (at >= 0) dx[nc * s.H * s.W + static_cast<std::size_t>(at)] += dy[nc * P * Q + pq];
     }
   }
 }
