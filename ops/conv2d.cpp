@@ -30,6 +30,10 @@ namespace {
 // enough that the scratch stays a modest part of a device's memory at any batch size.
 constexpr std::size_t kGroupBudgetElems = std::size_t{4} << 20;
 constexpr std::size_t kAlignElems = 16;
+// Floats after the padded input that conv2d_direct_forward's last vector loads may read.
+constexpr std::size_t kDirectSlack = 32;
+constexpr std::size_t kDirectChannels = 8;  // DIRECT_KB in conv2d_direct.cl
+constexpr std::size_t kDirectColumns = 32;  // outputs of a row per work-item
 constexpr std::size_t kLocalSize = 256;
 
 // One work-item per element in work-groups of kLocalSize along the contiguous dimension (PoCL
@@ -68,6 +72,13 @@ bool data_as_forward(OpEnv& env, const Conv2dShape& s) {
   // Its GEMM's N is C: below 16 channels the register block is mostly padding (col2im wins).
   return s.stride == 1 && s.R == s.S && s.pad < s.R && s.C >= 16 && gemm_takes_planes(env);
 }
+// The first layer of an image model (few input channels, stride 1, f32 weight) runs forward as
+// a direct convolution (conv2d_direct.cl): with K = C*R*S a few dozen, the implicit GEMM's time
+// went to its scattered NCHW stores.
+bool direct_forward(OpEnv& env, const Conv2dShape& s) {
+  return gemm_takes_planes(env) && s.C <= 4 && s.stride == 1 && s.weight == DType::f32;
+}
+
 // Whether some pass writes a column matrix: everything but the packed kernel's planes, and there
 // the data gradient unless it runs as a forward convolution.
 bool writes_columns(OpEnv& env, const Conv2dShape& s) {
@@ -182,7 +193,7 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
       throw std::invalid_argument(fmt::format("conv2d: the padded input has {} elements, over the 31-bit limit", xpad));
     }
     l.xpad = align_up(l.total);
-    l.pixels = l.xpad + align_up(xpad);
+    l.pixels = l.xpad + align_up(xpad + kDirectSlack);
     l.taps = l.pixels + align_up(ncols);
     l.total = l.taps + align_up(crs);
   }
@@ -235,11 +246,10 @@ KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSp
   return launch_1d(env, std::move(k), count);
 }
 
-// The padded input (all N images, f32) and the offset tables of the implicit column matrix
-// (conv2d_pad, conv2d_tables): what the forward and weight-gradient GEMMs read in place of im2col.
-void pad_and_tables(OpEnv& env, const Conv2dShape& s, const Layout& lay, std::size_t npix, DeviceSpan x,
-                    DeviceSpan scratch, LaunchList& list) {
-  const DeviceSpan xp = at(scratch, lay.xpad), pixels = at(scratch, lay.pixels), taps = at(scratch, lay.taps);
+// The padded input (all N images, f32; conv2d_pad).
+void pad_input(OpEnv& env, const Conv2dShape& s, const Layout& lay, DeviceSpan x, DeviceSpan scratch,
+               LaunchList& list) {
+  const DeviceSpan xp = at(scratch, lay.xpad);
   const std::size_t rows = s.N * s.C * (s.H + 2 * s.pad);
   cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", defines(s));
   cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xp.buffer, xp.elem_offset(),
@@ -249,6 +259,14 @@ void pad_and_tables(OpEnv& env, const Conv2dShape& s, const Layout& lay, std::si
   l.global[0] = round_up(rows, 64);
   l.local[0] = 64;
   list.push_back(std::move(l));
+}
+
+// The padded input and the offset tables of the implicit column matrix (conv2d_tables): what the
+// forward and weight-gradient GEMMs read in place of im2col.
+void pad_and_tables(OpEnv& env, const Conv2dShape& s, const Layout& lay, std::size_t npix, DeviceSpan x,
+                    DeviceSpan scratch, LaunchList& list) {
+  pad_input(env, s, lay, x, scratch, list);
+  const DeviceSpan pixels = at(scratch, lay.pixels), taps = at(scratch, lay.taps);
   cl::Kernel tables = env.kernels.kernel("conv2d", "conv2d_tables", defines(s));
   cl::set_args(tables.get(), pixels.buffer, pixels.elem_offset(4), static_cast<cl_uint>(npix), taps.buffer,
                taps.elem_offset(4));
@@ -281,6 +299,21 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
   const DeviceSpan cols = at(scratch, lay.cols), tmp = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   const cl_uint has_bias = bias.buffer != nullptr;
   LaunchList list;
+  if (direct_forward(env, s)) {
+    pad_input(env, s, lay, x, scratch, list);
+    cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_forward", defines(s));
+    const DeviceSpan xp = at(scratch, lay.xpad);
+    const std::size_t rows = s.N * s.P();
+    cl::set_args(k.get(), xp.buffer, xp.elem_offset(), w.buffer, w.elem_offset(), has_bias ? bias.buffer : w.buffer,
+                 bias.elem_offset(), has_bias, y.buffer, y.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(rows));
+    KernelLaunch l;
+    l.kernel = std::move(k);
+    l.dims = 3;
+    l.global = {rows, (s.K + kDirectChannels - 1) / kDirectChannels, (s.Q() + kDirectColumns - 1) / kDirectColumns};
+    l.local = {1, 1, 1};
+    list.push_back(std::move(l));
+    return list;
+  }
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
     const DeviceSpan yg = at(y, n0 * s.K * PQ, s.act);
