@@ -72,6 +72,17 @@ bool data_as_forward(OpEnv& env, const Conv2dShape& s) {
   // Its GEMM's N is C: below 16 channels the register block is mostly padding (col2im wins).
   return s.stride == 1 && s.R == s.S && s.pad < s.R && s.C >= 16 && gemm_takes_planes(env);
 }
+// Rows of the forward GEMM's register block taken as one run of an output row (GemmOptions::
+// a_gather_run), or 0 for a table entry per row: the largest divisor of Q that fits the registers
+// beside the block's columns (runs of 8 or more rows only; below that the tuned block wins).
+std::size_t gather_run(const Conv2dShape& s) {
+  const std::size_t nv = std::min<std::size_t>(4, (s.K + 15) / 16);
+  for (std::size_t d = 16; d >= 8; --d) {
+    if (s.Q() % d == 0 && (d + 1) * nv <= 32) return d;
+  }
+  return 0;
+}
+
 // The first layer of an image model (few input channels, stride 1, f32 weight) runs forward as
 // a direct convolution (conv2d_direct.cl): with K = C*R*S a few dozen, the implicit GEMM's time
 // went to its scattered NCHW stores.
@@ -324,6 +335,8 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
       o.c_planes = PQ;
       o.a_gather_rows = at(scratch, lay.pixels);
       o.a_gather_cols = at(scratch, lay.taps);
+      o.a_gather_run = gather_run(s);
+      o.a_gather_step = s.stride;
       const DeviceSpan xp = at(scratch, lay.xpad + n0 * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad));
       append(list, gemm(env, forward_gemm(s, g, true), 1.0f, xp, w, 0.0f, yg, gscratch, o));
       continue;

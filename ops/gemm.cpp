@@ -66,8 +66,15 @@ std::size_t panel_width(const GemmKernelConfig& c) {
 // the register block's rows raised by as much as the panel narrowed (at most 16). N = 32 (the
 // output channels of a small convolution) then runs 12 x 32 blocks, not 6 x 64 of which half are
 // padding.
-GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c) {
+GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOptions& o = {}) {
   if (c.kernel != GemmKernel::packed) return c;
+  if (o.a_gather_run > 0) {
+    for (auto& [key, value] : c.params) {
+      if (key == "NV") value = static_cast<int>(std::clamp<std::size_t>((s.N + 15) / 16, 1, 4));
+      if (key == "RB") value = static_cast<int>(o.a_gather_run);
+    }
+    return c;
+  }
   const int nv = c.param("NV"), rb = c.param("RB");
   const int need = static_cast<int>(std::max<std::size_t>(1, (s.N + 15) / 16));
   if (need >= nv) return c;
@@ -181,8 +188,16 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   if (gather && (s.trans_a || s.a != DType::f32)) {
     throw std::invalid_argument(fmt::format("gemm {}x{}x{}: a gathered A is f32 and not transposed", s.M, s.N, s.K));
   }
-  const std::string base = fmt::format("{} {} -DDIRECT_B={} -DB_PLANES={} -DA_GATHER={}", cfg.defines(),
-                                       transpose_defines(s), int(direct), options.b_planes, int(gather));
+  const bool runs = options.a_gather_run > 0;
+  if (runs && (!gather || options.a_gather_run > 16 || s.M % options.a_gather_run != 0 || options.a_gather_step == 0)) {
+    throw std::invalid_argument(
+        fmt::format("gemm {}x{}x{}: a_gather_run {} (step {}) needs a gathered A, at most 16 rows, a step and M a "
+                    "multiple of the run",
+                    s.M, s.N, s.K, options.a_gather_run, options.a_gather_step));
+  }
+  const std::string base =
+      fmt::format("{} {} -DDIRECT_B={} -DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={}", cfg.defines(),
+                  transpose_defines(s), int(direct), options.b_planes, int(gather), runs ? options.a_gather_step : 0);
   const cl_mem rows = gather ? options.a_gather_rows.buffer : a.buffer,
                cols = gather ? options.a_gather_cols.buffer : a.buffer;
   const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
@@ -298,7 +313,7 @@ bool native_dtypes(const GemmPlan& p) {
 std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
   check_dtypes(s);
   const GemmPlan p = plan(env, options);
-  if (native_dtypes(p)) return packed_elems(s, fit_packed(s, p.config), options);
+  if (native_dtypes(p)) return packed_elems(s, fit_packed(s, p.config, options), options);
   return staged_layout(s).total;
 }
 
@@ -310,7 +325,7 @@ std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOp
   const GemmPlan p = plan(env, options);
   const std::string trans = fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N");
   if (p.backend == GemmBackend::clblast) return fmt::format("clblast {}", trans);
-  return fmt::format("ferry {} {} ({})", fit_packed(s, p.config).text(), trans, p.origin);
+  return fmt::format("ferry {} {} ({})", fit_packed(s, p.config, options).text(), trans, p.origin);
 }
 
 LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
@@ -352,7 +367,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     return bind_clblast_gemm(env, s, alpha, a, b, beta, c, options.bias);
   switch (p.config.kernel) {
     case GemmKernel::packed:
-      return bind_packed(env, s, fit_packed(s, p.config), alpha, a, b, beta, c, scratch, options);
+      return bind_packed(env, s, fit_packed(s, p.config, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
       return bind_tiled(env, s, p.config, alpha, a, b, beta, c, options);
     case GemmKernel::naive:

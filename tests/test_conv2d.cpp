@@ -123,6 +123,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ConvCase{"k7_pad2_stride2_nobias", shape(3, 2, 15, 16, 9, 7, 7, 2, 2), false},
                       ConvCase{"k7_equals_input", shape(2, 3, 7, 7, 5, 7, 7, 0, 1)},
                       ConvCase{"direct_wide_rows_q40", shape(2, 2, 9, 40, 13, 3, 3, 1, 1)},
+                      ConvCase{"gather_runs_q12", shape(2, 6, 12, 12, 20, 3, 3, 1, 1)},
+                      ConvCase{"gather_runs_q12_stride2", shape(2, 6, 24, 23, 20, 3, 3, 1, 2)},
                       ConvCase{"cnn_layer1_two_groups", shape(128, 1, 28, 28, 32, 5, 5, 2, 1)},
                       ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
     [](const auto& info) { return info.param.name; });

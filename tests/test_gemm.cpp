@@ -394,10 +394,13 @@ TEST(GemmLayouts, PlanesAndGatherMatchTheReference) {
   struct Case {
     std::size_t M, N, K, planes_b, planes_c;
     bool trans_b;
+    std::size_t run = 0;  // GemmOptions::a_gather_run (the gapped rows below are K + 3 apart)
   };
-  for (const Case& c : {Case{35, 21, 19, 7, 7, false}, Case{35, 21, 19, 19, 5, true}, Case{26, 40, 4800, 96, 13, true},
-                        Case{49, 66, 3000, 11, 49, false}}) {
-    SCOPED_TRACE(fmt::format("M={} N={} K={} trans_b={}", c.M, c.N, c.K, c.trans_b));
+  for (const Case& c :
+       {Case{35, 21, 19, 7, 7, false}, Case{35, 21, 19, 19, 5, true}, Case{26, 40, 4800, 96, 13, true},
+        Case{49, 66, 3000, 11, 49, false}, Case{35, 21, 19, 7, 7, false, 7}, Case{35, 21, 19, 19, 5, true, 5},
+        Case{42, 70, 300, 7, 42, false, 14}, Case{48, 9, 3000, 3, 6, false, 16}}) {
+    SCOPED_TRACE(fmt::format("M={} N={} K={} trans_b={} run={}", c.M, c.N, c.K, c.trans_b, c.run));
     const ops::GemmShape s{c.M, c.N, c.K, false, c.trans_b};
     const auto a = random_vector(c.M * c.K, 41), b = random_vector(c.K * c.N, 42), bias = random_vector(c.N, 43);
     // B's stored matrix [rows, cols] laid out as planes of planes_b columns.
@@ -423,6 +426,8 @@ TEST(GemmLayouts, PlanesAndGatherMatchTheReference) {
     o.c_planes = c.planes_c;
     o.a_gather_rows = drows.span();
     o.a_gather_cols = dcols.span();
+    o.a_gather_run = c.run;
+    o.a_gather_step = c.run > 0 ? c.K + 3 : 0;
     DeviceTensor scratch(std::max<std::size_t>(ops::gemm_scratch_elems(dev.env, s, o), 1));
     ops::run_blocking(dev.context.compute(),
                       ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, dc.span(), scratch.span(), o));
@@ -437,6 +442,22 @@ TEST(GemmLayouts, PlanesAndGatherMatchTheReference) {
     }
     expect_near(dc.download(), expected, 5e-7f * float(c.K) + 1e-5f, 1e-5f, "C");
   }
+}
+
+TEST(GemmLayouts, GatherRunsAreChecked) {
+  auto& dev = TestDevice::get();
+  if (!ops::gemm_takes_planes(dev.env)) GTEST_SKIP() << "the device's GEMM does not take planes";
+  DeviceTensor a(64), b(64), c(64), t(16), scratch(4096);
+  ops::GemmOptions o;
+  o.a_gather_rows = t.span();
+  o.a_gather_cols = t.span();
+  o.a_gather_run = 5;  // M = 8 is no multiple of 5
+  o.a_gather_step = 1;
+  EXPECT_THROW(ops::gemm(dev.env, {8, 8, 8}, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), o),
+               std::invalid_argument);
+  o.a_gather_run = 17;  // more than a register block holds
+  EXPECT_THROW(ops::gemm(dev.env, {17, 8, 8}, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), o),
+               std::invalid_argument);
 }
 
 }  // namespace

@@ -184,7 +184,16 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 #define A_GATHER 0  // 1: A(m, k) = a[arows[m] + acols[k]] (GemmOptions::a_gather; f32 A, not transposed)
 #endif
 
-#if A_GATHER
+#ifndef A_GATHER_STEP
+#define A_GATHER_STEP 0  // > 0: rows of a block are A_GATHER_STEP apart (GemmOptions::a_gather_run)
+#endif
+
+#if A_GATHER && A_GATHER_STEP
+// One table entry per block; M is a multiple of RB, so every row of the block exists.
+#define A_ROW_DECL(r) \
+  if (r == 0) ar0 = arows[row0];
+#define A_AT(r) a[ar0 + kc + r * A_GATHER_STEP]
+#elif A_GATHER
 #define A_ROW_DECL(r) const int ar##r = arows[min(row0 + r, M - 1)];
 #define A_AT(r) a[ar##r + kc]
 #elif TRANS_A
@@ -265,6 +274,9 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   acols += acols_off;
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
+#if A_GATHER && A_GATHER_STEP
+  int ar0 = 0;
+#endif
   FOR_ROWS(A_ROW_DECL)
   FOR_ROWS(ACC_DECL)
 

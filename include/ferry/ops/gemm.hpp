@@ -44,6 +44,13 @@ struct GemmOptions {
   // Optional implicit A (f32, not transposed): A(m, k) = a[rows[m] + cols[k]] with two int32
   // tables, M and K long: a convolution's column matrix read straight from a padded input.
   DeviceSpan a_gather_rows{}, a_gather_cols{};
+  // Optional, with a gathered A: rows come in runs of a_gather_run consecutive rows whose offsets
+  // are a_gather_step apart (rows[m + i] = rows[m] + i * step for m a multiple of the run; M a
+  // multiple of it): the kernel's register block then takes exactly a_gather_run rows (at most 16)
+  // and reads one table entry per block, addressing the others by constant offsets. For a
+  // stride-1 convolution whose output rows are the run, a block of 14 rows x 32 columns needs two
+  // general registers where a table entry per row needed 14 (and spilled).
+  std::size_t a_gather_run = 0, a_gather_step = 0;
 };
 
 // Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller
