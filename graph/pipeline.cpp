@@ -7,7 +7,7 @@ const std::vector<ModelPass>& model_passes() {
   static const std::vector<ModelPass> passes = {
       {"fusion",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
-         if (key.fuse) fuse_relu_maxpool(g);
+         if (key.fuse) fuse_layers(g);
        }},
       {"mixed precision",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {

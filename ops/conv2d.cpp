@@ -221,8 +221,8 @@ DeviceSpan at(DeviceSpan span, std::size_t elems, DType t = DType::f32) {
 std::string defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt) {
   return fmt::format(
       "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
-      "-DCONV_STRIDE={} -DCONV_PAD={} {}",
-      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, dtype_define(t.value_or(s.act)));
+      "-DCONV_STRIDE={} -DCONV_PAD={} -DCONV_RELU={} {}",
+      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, int(s.relu), dtype_define(t.value_or(s.act)));
 }
 
 Conv2dShape data_shape(const Conv2dShape& s) {
@@ -233,6 +233,7 @@ Conv2dShape data_shape(const Conv2dShape& s) {
   t.K = s.C;
   t.pad = s.R - 1 - s.pad;
   t.weight = DType::f32;  // the flipped copy
+  t.relu = false;
   return t;
 }
 
@@ -337,6 +338,7 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
       o.a_gather_cols = at(scratch, lay.taps);
       o.a_gather_run = gather_run(s);
       o.a_gather_step = s.stride;
+      o.relu = s.relu;
       const DeviceSpan xp = at(scratch, lay.xpad + n0 * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad));
       append(list, gemm(env, forward_gemm(s, g, true), 1.0f, xp, w, 0.0f, yg, gscratch, o));
       continue;

@@ -203,9 +203,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
   // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
   // layout).
-  const std::string epilogue = fmt::format("-DC_PLANES={}", options.c_planes);
+  const std::string epilogue = fmt::format("-DC_PLANES={} -DC_RELU={}", options.c_planes, int(options.relu));
   const std::string defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
-                                          splits > 1 ? "-DC_PLANES=0" : epilogue);
+                                          splits > 1 ? "-DC_PLANES=0 -DC_RELU=0" : epilogue);
   const std::string sum_defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, s.c), epilogue);
   const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
                       c_off = c.elem_offset(dtype_bytes(s.c));
@@ -334,7 +334,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   check_dtypes(s);
   if (s.M == 0 || s.N == 0) return {};
   const GemmPlan p = plan(env, options);
-  if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer) && !native_dtypes(p)) {
+  if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer || options.relu) && !native_dtypes(p)) {
     throw std::invalid_argument(
         fmt::format("gemm {}x{}x{}: NCHW planes and the ReLU epilogue need ferry's packed kernel", s.M, s.N, s.K));
   }

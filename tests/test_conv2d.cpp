@@ -23,6 +23,11 @@ struct ConvCase {
   bool bias = true;
 };
 
+ops::Conv2dShape with_relu(ops::Conv2dShape s) {
+  s.relu = true;
+  return s;
+}
+
 std::ostream& operator<<(std::ostream& os, const ConvCase& c) {
   return os << c.name;
 }
@@ -63,6 +68,9 @@ void check_against_reference(const ConvCase& tc) {
   const auto xd = to_double(x), wd = to_double(w), bd = to_double(b), dyd = to_double(dy);
   std::vector<double> y_ref(y_elems(s)), dx_ref(x_elems(s)), dw_ref(w_elems(s)), db_ref(s.K);
   ops::ref::conv2d_forward<double>(s, xd, wd, tc.bias ? std::span<const double>(bd) : std::span<const double>{}, y_ref);
+  if (s.relu) {
+    for (double& v : y_ref) v = v > 0.0 ? v : 0.0;
+  }
   ops::ref::conv2d_backward_data<double>(s, dyd, wd, dx_ref);
   ops::ref::conv2d_backward_weights<double>(s, xd, dyd, dw_ref, db_ref);
 
@@ -124,6 +132,9 @@ INSTANTIATE_TEST_SUITE_P(
                       ConvCase{"k7_equals_input", shape(2, 3, 7, 7, 5, 7, 7, 0, 1)},
                       ConvCase{"direct_wide_rows_q40", shape(2, 2, 9, 40, 13, 3, 3, 1, 1)},
                       ConvCase{"gather_runs_q12", shape(2, 6, 12, 12, 20, 3, 3, 1, 1)},
+                      ConvCase{"relu_gather_runs_q12", with_relu(shape(2, 6, 12, 12, 20, 3, 3, 1, 1))},
+                      ConvCase{"relu_direct_c1", with_relu(shape(3, 1, 13, 12, 19, 5, 5, 2, 1))},
+                      ConvCase{"relu_k3_pad1_stride2_nobias", with_relu(shape(3, 5, 9, 9, 40, 3, 3, 1, 2)), false},
                       ConvCase{"gather_runs_q12_stride2", shape(2, 6, 24, 23, 20, 3, 3, 1, 2)},
                       ConvCase{"cnn_layer1_two_groups", shape(128, 1, 28, 28, 32, 5, 5, 2, 1)},
                       ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
@@ -140,6 +151,7 @@ TEST(Conv2dTiledPath, MatchesReference) {
   ::setenv("FERRY_GEMM_TUNING", path.c_str(), 1);
   for (const ConvCase& tc : {ConvCase{"tiled_k3_pad1_stride2", shape(3, 2, 7, 7, 5, 3, 3, 1, 2)},
                              ConvCase{"tiled_k7_pad3", shape(2, 3, 11, 10, 9, 7, 7, 3, 1), false},
+                             ConvCase{"tiled_relu_k3", with_relu(shape(2, 3, 8, 9, 9, 3, 3, 1, 1))},
                              ConvCase{"tiled_cnn_layer2", shape(4, 32, 14, 14, 64, 5, 5, 2, 1)}}) {
     SCOPED_TRACE(tc.name);
     check_against_reference(tc);

@@ -65,18 +65,37 @@ TEST_P(DeterminismTest, TwoFreshTrainersGiveTheSameLossesAndStateBitForBit) {
   }
 }
 
-// Fusing each ReLU into the max-pool that reads it (TrainerOptions::fuse) is exact: the same
-// losses and state, bit for bit, as the unfused graph, resident and streamed, with non-overlapping
-// and overlapping (window 2, stride 1) pools.
-TEST(Fusion, ReluIntoMaxPoolIsBitIdenticalToTheUnfusedGraph) {
+// Fusing ReLUs into the max-pools and convolutions around them (TrainerOptions::fuse) is exact:
+// the same losses and state, bit for bit, as the unfused graph, resident and streamed, with
+// non-overlapping and overlapping (window 2, stride 1) pools, a ReLU in a convolution's epilogue
+// (the direct first-layer kernel and the GEMM's), and in bf16 mixed precision.
+TEST(Fusion, FusedReluIsBitIdenticalToTheUnfusedGraph) {
   Runtime rt;
-  const ModelSpec m = small_cnn();
-  for (const auto mode : {graph::ResidencyMode::resident, graph::ResidencyMode::stream}) {
+  const ModelSpec conv_relu =
+      models::classifier("conv-relu-cnn", graph::Shape{1, 8, 8}, 10, [](graph::Builder& b, TensorId x) {
+        x = b.relu(b.conv2d(x, 4, 3, 1, 1));                // direct kernel + ReLU epilogue
+        x = b.maxpool2d(b.relu(b.conv2d(x, 24, 3, 1, 1)));  // ReLU into the pool
+        x = b.relu(b.conv2d(x, 16, 3, 1, 1));               // GEMM + ReLU epilogue
+        return b.linear(b.flatten(x), 10);
+      });
+  struct Run {
+    ModelSpec model;
+    graph::ResidencyMode mode;
+    ops::DType precision;
+  };
+  for (const Run& run : {Run{small_cnn(), graph::ResidencyMode::resident, ops::DType::f32},
+                         Run{small_cnn(), graph::ResidencyMode::stream, ops::DType::f32},
+                         Run{conv_relu, graph::ResidencyMode::resident, ops::DType::f32},
+                         Run{conv_relu, graph::ResidencyMode::resident, ops::DType::bf16}}) {
+    SCOPED_TRACE(fmt::format("{} {}", run.model.name, ops::dtype_name(run.precision)));
+    const ModelSpec& m = run.model;
+    const auto mode = run.mode;
     TrainerOptions o;
     o.batch = 8;
     o.lr = 0.05f;
     o.seed = 3;
     o.residency.mode = mode;
+    o.precision.compute = run.precision;
     if (mode == graph::ResidencyMode::stream) {
       // The unfused graph's budget: it keeps the ReLUs' outputs and needs a little more.
       o.fuse = false;

@@ -99,40 +99,58 @@ std::size_t count_op(const graph::Graph& g, graph::OpId op) {
 }
 
 // Each ReLU that only a max-pool reads joins that pool (attrs.i[2] = 1, reading the ReLU's input);
-// a ReLU read by anything else stays. Autodiff then emits no ReLU backward for the fused pairs.
-TEST(Pipeline, FusionTakesEachReluIntoTheMaxPoolThatAloneReadsIt) {
+// then each remaining ReLU of a convolution's output that nothing else reads joins the
+// convolution's epilogue (attrs.i[2] = 1, writing the ReLU's output); any other ReLU stays.
+// Autodiff emits no ReLU backward for a pool's ReLU and a mask (".relu_grad") for a convolution's.
+TEST(Pipeline, FusionTakesReluIntoPoolsThenIntoConvolutions) {
   const ModelSpec cnn = models::classifier("fusion-cnn", graph::Shape{1, 8, 8}, 10, [](graph::Builder& b, TensorId x) {
-    x = b.maxpool2d(b.relu(b.conv2d(x, 3, 3, 1, 1)));  // fused
-    const TensorId r = b.relu(b.conv2d(x, 4, 3, 1, 1));
-    x = b.add(b.maxpool2d(r, 2, 1), b.maxpool2d(r, 2, 1));  // two readers: stays
-    return b.linear(b.relu(b.flatten(x)), 10);              // no pool: stays
+    x = b.maxpool2d(b.relu(b.conv2d(x, 3, 3, 1, 1)));    // into the pool
+    const TensorId r = b.relu(b.conv2d(x, 4, 3, 1, 1));  // two pools read it: into the convolution
+    x = b.add(b.maxpool2d(r, 2, 1), b.maxpool2d(r, 2, 1));
+    return b.linear(b.relu(b.flatten(x)), 10);  // neither: stays
   });
   const graph::Graph g = forward_graph(cnn, graph::VariantKey{4, true});
-  graph::Graph fused = g;
-  graph::fuse_relu_maxpool(fused);
+  graph::Graph pools = g, both = g;
+  graph::fuse_relu_maxpool(pools);
+  graph::fuse_layers(both);
   EXPECT_EQ(count_op(g, graph::builtin::activation), 3u);
-  EXPECT_EQ(count_op(fused, graph::builtin::activation), 2u);
-  EXPECT_EQ(fused.nodes.size(), g.nodes.size() - 1);
-  std::size_t relu_pools = 0;
-  for (graph::NodeId n = 0; n < fused.nodes.size(); ++n) {
-    if (fused.nodes.op[n] != graph::builtin::maxpool2d || fused.nodes.attrs[n].i[2] == 0) continue;
-    ++relu_pools;
-    // It reads the convolution's output directly.
-    const TensorId x = fused.nodes.inputs(n)[0];
-    bool from_conv = false;
-    for (graph::NodeId m = 0; m < fused.nodes.size(); ++m) {
-      for (TensorId y : fused.nodes.outputs(m))
-        from_conv = from_conv || (y == x && fused.nodes.op[m] == graph::builtin::conv2d);
+  EXPECT_EQ(count_op(pools, graph::builtin::activation), 2u);
+  EXPECT_EQ(count_op(both, graph::builtin::activation), 1u);
+  EXPECT_EQ(both.nodes.size(), g.nodes.size() - 2);
+  const auto producer_op = [&](const graph::Graph& h, TensorId x) {
+    for (graph::NodeId m = 0; m < h.nodes.size(); ++m) {
+      for (TensorId y : h.nodes.outputs(m)) {
+        if (y == x) return h.nodes.op[m];
+      }
     }
-    EXPECT_TRUE(from_conv);
+    return graph::OpId{};
+  };
+  std::size_t relu_pools = 0, relu_convs = 0;
+  for (graph::NodeId n = 0; n < both.nodes.size(); ++n) {
+    if (both.nodes.attrs[n].i[2] == 0) continue;
+    if (both.nodes.op[n] == graph::builtin::maxpool2d) {
+      ++relu_pools;
+      EXPECT_EQ(producer_op(both, both.nodes.inputs(n)[0]), graph::builtin::conv2d);  // reads the convolution
+    }
+    if (both.nodes.op[n] == graph::builtin::conv2d) {
+      ++relu_convs;
+      // Writes what the ReLU wrote: the tensor both pools read.
+      std::size_t pool_readers = 0;
+      for (graph::NodeId m = 0; m < both.nodes.size(); ++m) {
+        pool_readers +=
+            both.nodes.op[m] == graph::builtin::maxpool2d && both.nodes.inputs(m)[0] == both.nodes.outputs(n)[0];
+      }
+      EXPECT_EQ(pool_readers, 2u);
+    }
   }
   EXPECT_EQ(relu_pools, 1u);
+  EXPECT_EQ(relu_convs, 1u);
   graph::OptimizerSpec adam;
   graph::VariantKey off{4, true};
   off.fuse = false;
   const graph::Graph with = graph::prepare_step_graph(forward_graph(cnn, graph::VariantKey{4, true}), {4, true}, adam);
   const graph::Graph without = graph::prepare_step_graph(forward_graph(cnn, off), off, adam);
-  EXPECT_EQ(count_op(with, graph::builtin::activation_grad), 2u);
+  EXPECT_EQ(count_op(with, graph::builtin::activation_grad), 2u);  // the convolution's mask and the last ReLU's
   EXPECT_EQ(count_op(without, graph::builtin::activation_grad), 3u);
 }
 

@@ -1,10 +1,13 @@
-// The fusion pass (before mixed precision and autodiff): relu -> maxpool2d becomes one maxpool2d
-// with the ReLU fused in (attrs.i[2] = 1).
-//
-// max over a window of relu(x) = relu(max over the window of x), and the ReLU's gradient mask at
-// the window's argmax is whether that maximum is positive, so the fused pool computes the same
-// values and routes the same gradients as the pair while reading x once and writing a quarter of
-// what the ReLU wrote (a 2x2 pool), and autodiff emits no ReLU backward node at all.
+// The fusion pass (before mixed precision and autodiff), in two rewrites:
+//   relu -> maxpool2d becomes one maxpool2d with the ReLU fused in (attrs.i[2] = 1). max over a
+//     window of relu(x) = relu(max over the window of x), and the ReLU's gradient mask at the
+//     window's argmax is whether that maximum is positive, so the fused pool computes the same
+//     values and routes the same gradients as the pair while reading x once and writing a quarter
+//     of what the ReLU wrote (a 2x2 pool), and autodiff emits no ReLU backward node at all.
+//   conv2d -> relu (a ReLU no pool took) becomes one conv2d with the ReLU in its epilogue (attrs.i[2]
+//     = 1): no pass over the activations to apply it; backward masks dy with y > 0, which is where
+//     conv + bias > 0, so the gradients are those of the pair.
+// Both are exact: values and gradients are bit-identical to the unfused graph.
 #include <vector>
 
 #include "ferry/graph/autodiff.hpp"
@@ -20,30 +23,43 @@ bool is_relu(const NodeTable& nodes, NodeId n) {
 
 }  // namespace
 
-void fuse_relu_maxpool(Graph& g) {
-  const auto& t = g.tensors;
+namespace {
+
+// Readers of each tensor's storage (views count as readers of their base), producers, and which
+// tensors have views.
+struct Uses {
+  std::vector<std::uint32_t> readers;
+  std::vector<NodeId> producer;
+  std::vector<bool> has_view;
+  Uses(const Graph& g)
+      : readers(g.tensors.size(), 0), producer(g.tensors.size(), no_node(g)), has_view(g.tensors.size()) {
+    const auto& t = g.tensors;
+    for (NodeId n = 0; n < g.nodes.size(); ++n) {
+      for (TensorId x : g.nodes.inputs(n)) ++readers[t.storage(x)];
+      for (TensorId y : g.nodes.outputs(n)) producer[y] = n;
+    }
+    for (TensorId v = 0; v < t.size(); ++v) {
+      if (t.alias_of[v] != no_tensor) has_view[t.storage(v)] = true;
+    }
+  }
+  static NodeId no_node(const Graph& g) { return static_cast<NodeId>(g.nodes.size()); }
+  // y is a plain activation that one node alone reads (no view of it, not the loss).
+  bool read_once(const Graph& g, TensorId y) const {
+    return readers[y] == 1 && !has_view[y] && y != g.loss && g.tensors.role[y] == Role::activation;
+  }
+};
+
+// relu -> maxpool2d: the pool reads the ReLU's input and applies it.
+void fuse_into_pools(Graph& g) {
   const NodeTable old = g.nodes;
-  // Readers of each tensor's storage (views count as readers of their base) and the producers.
-  std::vector<std::uint32_t> readers(t.size(), 0);
-  std::vector<NodeId> producer(t.size(), static_cast<NodeId>(old.size()));
-  for (NodeId n = 0; n < old.size(); ++n) {
-    for (TensorId x : old.inputs(n)) ++readers[t.storage(x)];
-    for (TensorId y : old.outputs(n)) producer[y] = n;
-  }
-  std::vector<bool> has_view(t.size(), false);
-  for (TensorId v = 0; v < t.size(); ++v) {
-    if (t.alias_of[v] != no_tensor) has_view[t.storage(v)] = true;
-  }
-  // The ReLUs to drop and the pools that take them in.
+  const Uses uses(g);
   std::vector<bool> dropped(old.size(), false);
-  std::vector<NodeId> fused_relu(old.size(), static_cast<NodeId>(old.size()));
+  std::vector<NodeId> fused_relu(old.size(), Uses::no_node(g));
   for (NodeId n = 0; n < old.size(); ++n) {
     if (old.op[n] != builtin::maxpool2d || old.attrs[n].i[2] != 0) continue;
     const TensorId y = old.inputs(n)[0];
-    const NodeId r = producer[y];
-    if (r == old.size() || !is_relu(old, r)) continue;
-    // Only a plain activation that nothing else reads (no other consumer, no view, not the loss).
-    if (readers[y] != 1 || has_view[y] || y == g.loss || t.role[y] != Role::activation) continue;
+    const NodeId r = uses.producer[y];
+    if (r == old.size() || !is_relu(old, r) || !uses.read_once(g, y)) continue;
     dropped[r] = true;
     fused_relu[n] = r;
   }
@@ -60,6 +76,46 @@ void fuse_relu_maxpool(Graph& g) {
     out.attrs[m].i[2] = 1;
   }
   g.nodes = std::move(out);
+}
+
+// conv2d -> relu: the convolution writes the ReLU's output with the ReLU applied.
+void fuse_into_convolutions(Graph& g) {
+  const NodeTable old = g.nodes;
+  const Uses uses(g);
+  std::vector<NodeId> relu_of(old.size(), Uses::no_node(g));  // conv node -> the ReLU it takes in
+  std::vector<bool> dropped(old.size(), false);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (!is_relu(old, n)) continue;
+    const TensorId y = old.inputs(n)[0];
+    const NodeId c = uses.producer[y];
+    if (c == old.size() || old.op[c] != builtin::conv2d || old.attrs[c].i[2] != 0 || !uses.read_once(g, y)) continue;
+    relu_of[c] = n;
+    dropped[n] = true;
+  }
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (dropped[n]) continue;
+    if (relu_of[n] == old.size()) {
+      out.add_copy(old, n);
+      continue;
+    }
+    const TensorId y = old.outputs(relu_of[n])[0];
+    const std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
+    const NodeId m = out.add_copy(old, n, ins, std::span(&y, 1), old.lane[n]);
+    out.attrs[m].i[2] = 1;
+  }
+  g.nodes = std::move(out);
+}
+
+}  // namespace
+
+void fuse_relu_maxpool(Graph& g) {
+  fuse_into_pools(g);
+}
+
+void fuse_layers(Graph& g) {
+  fuse_into_pools(g);  // first: a ReLU a pool reads is cheaper there than in the convolution
+  fuse_into_convolutions(g);
 }
 
 }  // namespace ferry::graph

@@ -11,6 +11,10 @@
 // column matrix, the GEMM results and the bias are f32.
 #include "dtype.clh"
 
+#ifndef CONV_RELU
+#define CONV_RELU 0  // 1: a ReLU fused into the forward epilogue (Conv2dShape::relu)
+#endif
+
 #define CONV_PQ (CONV_P * CONV_Q)
 #define CONV_RS (CONV_R * CONV_S)
 #define CONV_HW (CONV_H * CONV_W)
@@ -77,7 +81,7 @@ __kernel void conv2d_col2im(__global const float* dcols, ulong dcols_off, __glob
   STORE_T(acc, dx, dx_off + i);
 }
 
-// y[g, k, pq] = t[k, g*PQ + pq] + bias[k]: the GEMM result [K, ncols] to NCHW. One work-item per
+// y[g, k, pq] = t[k, g*PQ + pq] + bias[k] (then ReLU with -DCONV_RELU=1): the GEMM result [K, ncols] to NCHW. One work-item per
 // element of y (contiguous writes; reads contiguous within each pq run). Global: G*K*PQ.
 __kernel void conv2d_to_nchw(__global const float* t, ulong t_off, __global const float* bias, ulong bias_off,
                              uint has_bias, __global T_STORAGE* y, ulong y_off, uint ncols, uint count) {
@@ -89,6 +93,9 @@ __kernel void conv2d_to_nchw(__global const float* t, ulong t_off, __global cons
   const uint k = gk - g * CONV_K;
   float v = t[t_off + (ulong)k * ncols + g * CONV_PQ + pq];
   if (has_bias) v += bias[bias_off + k];
+#if CONV_RELU
+  v = v > 0.0f ? v : 0.0f;  // the ReLU fused in (NaN -> 0, as ops::Activation::relu)
+#endif
   STORE_T(v, y, y_off + i);
 }
 

@@ -27,9 +27,12 @@
     hi##j = fma(b, x_hi, hi##j);    \
   }
 
-// Stores `count` (<= 16) lanes of v + bias at y[at...].
+// Stores `count` (<= 16) lanes of v + bias (ReLU'd with -DCONV_RELU=1) at y[at...].
 inline void store_run(float16 v, float bias, __global T_STORAGE* y, ulong at, uint count) {
   v += bias;
+#if CONV_RELU
+  v = select((float16)(0.0f), v, isgreater(v, (float16)(0.0f)));  // NaN -> 0, as the ReLU
+#endif
 #if T_IS_F32
   if (count == 16) {
     vstore16(v, 0, y + at);

@@ -45,6 +45,17 @@
 #define C_PLANES 0  // > 0: C element (m, n) at ((m / C_PLANES) * N + n) * C_PLANES + m % C_PLANES
 #endif
 
+#ifndef C_RELU
+#define C_RELU 0  // 1: C = max(0, ...) after the bias (GemmOptions::relu; NaN -> 0 as a ReLU)
+#endif
+#if C_RELU
+#define RELU(v) ((v) > 0.0f ? (v) : 0.0f)
+#define RELU16(v) select((float16)(0.0f), (v), isgreater((v), (float16)(0.0f)))
+#else
+#define RELU(v) (v)
+#define RELU16(v) (v)
+#endif
+
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
 // One work-item packs PACK_ROWS k rows of op(B): all columns, padding included (transposed B: a
@@ -141,7 +152,7 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint
     float out = tmp[i];
     if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
     if (has_bias) out += bias[col + i];
-    STORE(C_NAME, out, c, at);
+    STORE(C_NAME, RELU(out), c, at);
   }
 }
 #elif C_IS_F32
@@ -152,7 +163,7 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
     float16 out = alpha * acc;
     if (beta != 0.0f) out = fma((float16)(beta), vload16(0, crow + col), out);  // beta = 0: C is not read
     if (has_bias) out += vload16(0, bias + col);
-    vstore16(out, 0, crow + col);
+    vstore16(RELU16(out), 0, crow + col);
   } else {
     float tmp[16];
     vstore16(alpha * acc, 0, tmp);
@@ -160,7 +171,7 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
       float out = tmp[i];
       if (beta != 0.0f) out = fma(beta, crow[col + i], out);
       if (has_bias) out += bias[col + i];
-      crow[col + i] = out;
+      crow[col + i] = RELU(out);
     }
   }
 }
@@ -175,7 +186,7 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     float out = tmp[i];
     if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, crow + col + i), out);
     if (has_bias) out += bias[col + i];
-    STORE(C_NAME, out, c, crow + col + i);
+    STORE(C_NAME, RELU(out), c, crow + col + i);
   }
 }
 #endif
@@ -319,5 +330,5 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float*
 #endif
   if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
   if (has_bias) out += bias[bias_off + i % N];
-  STORE(C_NAME, out, c, at);
+  STORE(C_NAME, RELU(out), c, at);
 }

@@ -11,9 +11,9 @@ void shape_error(const ShapeView& v, const std::string& what) {
   throw ShapeError(fmt::format("{}: {}", v.name(), what));
 }
 
-void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param) {
+void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, TensorRef dy) {
   const auto in = g.inputs();
-  const TensorRef dy = g.grad(g.outputs()[0]);
+  if (dy == no_ref) dy = g.grad(g.outputs()[0]);
   if (dy == no_ref) return;
   const TensorRef x = in[0], w = in[1];
   const bool has_bias = in.size() > 2;

@@ -1,9 +1,10 @@
-// Rows of Conv2d over [N, C, H, W] with weights [K, C, R, S] (attrs.i[0] stride, i[1] pad) and
-// its two gradients.
+// Rows of Conv2d over [N, C, H, W] with weights [K, C, R, S] (attrs.i[0] stride, i[1] pad, i[2] 1:
+// a ReLU fused into the epilogue, see graph/passes/fusion.cpp) and its two gradients.
 #include "ferry/ops/conv2d.hpp"
 
 #include <fmt/format.h>
 
+#include "ferry/ops/activation.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -61,15 +62,35 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
   };
   r.bind = [](const BindContext& c) {
     const DeviceSpan bias = c.input_count() > 2 ? c.in(2) : DeviceSpan{};
-    return conv2d_forward(c.env(), conv_shape(c.input(0), c.input(1), c.attrs()), c.in(0), c.in(1), bias, c.out(0),
-                          c.scratch());
+    Conv2dShape s = conv_shape(c.input(0), c.input(1), c.attrs());
+    s.relu = c.attrs().i[2] != 0;
+    return conv2d_forward(c.env(), s, c.in(0), c.in(1), bias, c.out(0), c.scratch());
   };
-  r.backward = [](GradContext& g) { weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param); };
+  r.backward = [](GradContext& g) {
+    if (g.attrs().i[2] == 0) {
+      weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param);
+      return;
+    }
+    // The fused ReLU first: dz = dy where y > 0 (y > 0 exactly where conv + bias > 0), then the
+    // convolution's gradients of dz.
+    const TensorRef y = g.outputs()[0], dy = g.grad(y);
+    if (dy == no_ref) return;
+    const TensorRef dz = g.new_grad(y);
+    NodeAttrs relu;
+    relu.i[0] = static_cast<std::int32_t>(Activation::relu);
+    const TensorRef ins[] = {y, dy};
+    const TensorRef outs[] = {dz};
+    g.emit(builtin::activation_grad, ".relu_grad", ins, outs, relu);
+    weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param, dz);
+  };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     std::span<const double> bias = in.size() > 2 ? std::span<const double>(c.real(in[2])) : std::span<const double>{};
-    ref::conv2d_forward<double>(conv_shape(c.input(0), c.input(1), c.attrs()), c.real(in[0]), c.real(in[1]), bias,
-                                c.real(c.outputs()[0]));
+    const std::span<double> y = c.real(c.outputs()[0]);
+    ref::conv2d_forward<double>(conv_shape(c.input(0), c.input(1), c.attrs()), c.real(in[0]), c.real(in[1]), bias, y);
+    if (c.attrs().i[2] != 0) {
+      for (double& v : y) v = v > 0.0 ? v : 0.0;
+    }
   };
   return r;
 }

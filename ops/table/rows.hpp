@@ -44,8 +44,9 @@ void register_builtin_rows(const AddRow& add);
 
 // Helpers the rows share.
 // The backward rule of a layer y = f(x, w) [+ b] (Linear, Conv2d): `grad_input` (dy, w) -> dx when
-// x needs a gradient, and `grad_param` (x, dy) -> dw [db].
-void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param);
+// x needs a gradient, and `grad_param` (x, dy) -> dw [db]; dy is the output's gradient unless given
+// (a fused epilogue's rule passes its masked one).
+void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, TensorRef dy = no_ref);
 // The backward rule of a one-input op y = f(x): when dy flows and x needs a gradient, one node of
 // `grad_op` takes (saved, dy), or (dy) alone when `saved` is no_ref, and gives dx; its attributes
 // are the forward node's unless given.

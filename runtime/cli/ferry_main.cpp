@@ -525,8 +525,8 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
                   "Recompute activations in backward for segments of N layers instead of keeping them (0: off)")
       ->capture_default_str();
   app->add_flag("--no-fuse", t.no_fuse,
-                "Keep every layer its own kernel (no ReLU fused into a max-pool); results are bit-identical, only "
-                "slower: for measuring what fusion buys");
+                "Keep every layer its own kernel (no ReLU fused into a max-pool or a convolution's epilogue); "
+                "results are bit-identical, only slower: for measuring what fusion buys");
   app->add_option("--precision", t.precision,
                   "Mixed precision: fp32 (none), bf16 or fp16 layers over fp32 master weights (docs/phases.md)")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}))

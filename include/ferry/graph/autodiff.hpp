@@ -44,6 +44,10 @@ NodeId head_layer(const Graph& g);
 // only where the ReLU let it through. Exact: max and ReLU commute, values and gradients are
 // bit-identical to the unfused graph. See graph/passes/fusion.cpp.
 void fuse_relu_maxpool(Graph& g);
+// Both fusions of the pass: fuse_relu_maxpool, then each remaining ReLU whose input only it reads
+// and a convolution makes joins that convolution's epilogue (ops::Conv2dShape::relu; backward masks
+// dy with y > 0 before the convolution's gradients). Also exact.
+void fuse_layers(Graph& g);
 
 // Mixed precision, before autodiff: Linear, Conv2d, activation and max-pool nodes but the head
 // compute from and store `narrow` (f16 or bf16), reading narrow casts of their float inputs

@@ -45,7 +45,7 @@ struct VariantKey {
   DType precision = DType::f32;
   // Loss scaling (training variants that update): the updates check the overflow guard.
   bool loss_scaling = false;
-  // Fuse layer pairs (fuse_relu_maxpool); off only to compare against the unfused graph.
+  // Fuse layer pairs (fuse_layers); off only to compare against the unfused graph.
   bool fuse = true;
   auto operator<=>(const VariantKey&) const = default;
 };

@@ -32,6 +32,10 @@ struct Conv2dShape {
   // Storage types (f32, f16, bf16): of x, y and their gradients, and of the weight and its
   // gradient. Bias and its gradient are f32; the column matrices and products are fp32.
   DType act = DType::f32, weight = DType::f32;
+  // Forward only: y = max(0, conv + bias), a ReLU fused into the epilogue (made by the graph's
+  // fusion pass from conv2d -> relu; backward masks dy with y > 0 first). NaN gives 0, as the
+  // ReLU does.
+  bool relu = false;
   std::size_t P() const { return (H + 2 * pad - R) / stride + 1; }  // output height
   std::size_t Q() const { return (W + 2 * pad - S) / stride + 1; }  // output width
 };

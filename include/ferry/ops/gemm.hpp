@@ -51,6 +51,9 @@ struct GemmOptions {
   // stride-1 convolution whose output rows are the run, a block of 14 rows x 32 columns needs two
   // general registers where a table entry per row needed 14 (and spilled).
   std::size_t a_gather_run = 0, a_gather_step = 0;
+  // Optional (packed kernel only): C = max(0, alpha op(A) op(B) + beta C + bias), a ReLU fused
+  // into the epilogue (a convolution's).
+  bool relu = false;
 };
 
 // Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller

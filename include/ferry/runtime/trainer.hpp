@@ -43,8 +43,8 @@ struct TrainerOptions {
   // this many layers (nodes with weights) instead of keeping them; 0 keeps them all. Gradients are
   // bit-identical; the step costs about one more forward pass.
   std::uint32_t recompute = 0;
-  // Fuse layer pairs the kernels take together (a ReLU into the max-pool that reads it:
-  // graph::fuse_relu_maxpool). Exact: results are bit-identical either way; off only to measure
+  // Fuse layer pairs the kernels take together (a ReLU into the max-pool that reads it or the
+  // convolution that makes it: graph::fuse_layers). Exact: results are bit-identical either way; off only to measure
   // or to compare against the unfused graph.
   bool fuse = true;
   // Mixed precision (ferry/runtime/loss_scale.hpp): f16 or bf16 layers over f32 master weights,
