@@ -90,6 +90,16 @@ bool direct_forward(OpEnv& env, const Conv2dShape& s) {
   return gemm_takes_planes(env) && s.C <= 4 && s.stride == 1 && s.weight == DType::f32;
 }
 
+// The weight gradient of the same layers, direct too (conv2d_direct_weights) when the activations
+// are f32 and the kernel at most 7 wide: there the implicit GEMM packed the whole output gradient.
+bool direct_weights(OpEnv& env, const Conv2dShape& s) {
+  return direct_forward(env, s) && s.act == DType::f32 && s.S <= 7;
+}
+// Image chunks of the direct weight gradient: partial sums per chunk, added in order after.
+std::size_t direct_chunks(const Conv2dShape& s) {
+  return std::clamp<std::size_t>(s.N, 1, 16);
+}
+
 // Whether some pass writes a column matrix: everything but the packed kernel's planes, and there
 // the data gradient unless it runs as a forward convolution.
 bool writes_columns(OpEnv& env, const Conv2dShape& s) {
@@ -142,6 +152,7 @@ struct Layout {
   std::size_t cols = 0, tmp = 0, dw32 = 0, gemm = 0;  // region offsets
   std::size_t xpad = 0, pixels = 0, taps = 0;         // with planes: padded x, offset tables (int32)
   std::size_t bias_part = 0;                          // per-image bias gradient sums [N, K]
+  std::size_t direct_part = 0;                        // the direct weight gradient's partial sums per image chunk
   std::size_t total = 0;
 };
 
@@ -210,6 +221,10 @@ Layout layout(OpEnv& env, const Conv2dShape& s) {
   }
   l.bias_part = l.total;
   l.total += align_up(s.N * s.K);
+  if (direct_weights(env, s)) {
+    l.direct_part = l.total;
+    l.total += align_up(direct_chunks(s) * (s.K * crs + s.K));
+  }
   return l;
 }
 
@@ -402,6 +417,26 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   const DeviceSpan cols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   const DeviceSpan dw32 = s.weight == DType::f32 ? dw : at(scratch, lay.dw32);
   LaunchList list;
+  if (direct_weights(env, s)) {
+    const std::size_t chunks = direct_chunks(s), per_chunk = (s.N + chunks - 1) / chunks;
+    const DeviceSpan xp = at(scratch, lay.xpad), part = at(scratch, lay.direct_part);
+    pad_input(env, s, lay, x, scratch, list);
+    cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights", defines(s));
+    cl::set_args(k.get(), xp.buffer, xp.elem_offset(), dy.buffer, dy.elem_offset(), part.buffer, part.elem_offset(),
+                 static_cast<cl_uint>(s.N), static_cast<cl_uint>(per_chunk));
+    KernelLaunch l;
+    l.kernel = std::move(k);
+    l.dims = 3;
+    l.global = {(s.K + 3) / 4, s.C * s.R, (s.N + per_chunk - 1) / per_chunk};
+    l.local = {1, 1, 1};
+    list.push_back(std::move(l));
+    const cl_uint has_bias = dbias.buffer != nullptr;
+    cl::Kernel sum = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights_sum", defines(s));
+    cl::set_args(sum.get(), part.buffer, part.elem_offset(), static_cast<cl_uint>(l.global[2]), dw.buffer,
+                 dw.elem_offset(), has_bias ? dbias.buffer : dw.buffer, dbias.elem_offset(), has_bias);
+    list.push_back(launch_1d(env, std::move(sum), s.K * s.C * s.R * s.S + s.K));
+    return list;
+  }
   for (std::size_t i = 0; i < groups.count; ++i) {
     const std::size_t g = groups.size(i), n0 = groups.first(i), ncols = g * PQ;
     const DeviceSpan dyg = at(dy, n0 * s.K * PQ, s.act);

@@ -146,6 +146,7 @@ __kernel void conv2d_bias_sum(__global const float* part, ulong part_off, __glob
 }
 
 #define CONV_HP (CONV_H + 2 * CONV_PAD)
+#define PAD_SLACK 32  // floats after xp (kDirectSlack in conv2d.cpp)
 #define CONV_WP (CONV_W + 2 * CONV_PAD)
 
 // xp[n, c, hp, wp] = x[n, c, hp - pad, wp - pad], 0 in the border, widened to f32: the input the
@@ -159,6 +160,11 @@ __kernel void conv2d_pad(__global const T_STORAGE* x, ulong x_off, __global floa
   const uint nc = row / CONV_HP;
   const uint hp = row - nc * CONV_HP;
   __global float* out = xp + xp_off + (ulong)row * CONV_WP;
+  // The slack after xp that the direct kernels' last vector loads reach (conv2d_direct.cl): zeros,
+  // so that lanes a product multiplies by 0 never hold a NaN pattern.
+  if (row == rows - 1) {
+    for (uint w = 0; w < PAD_SLACK; ++w) out[CONV_WP + w] = 0.0f;
+  }
   const int h = (int)hp - CONV_PAD;
   if (h < 0 || h >= CONV_H) {
     for (uint w = 0; w < CONV_WP; ++w) out[w] = 0.0f;

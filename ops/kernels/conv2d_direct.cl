@@ -75,3 +75,89 @@ __kernel void conv2d_direct_forward(__global const float* xp, ulong xp_off, __gl
   }
   FOR_KB(ACC_STORE)
 }
+
+// ---- Weight gradient -------------------------------------------------------------------------
+// dw[k, c, r, s] = sum over n, p, q of dy[n, k, p, q] xp[n, c, p + r, q + s], for the same layers
+// (few input channels, stride 1, f32): the implicit GEMM's K is the batch's pixels and its packed
+// output gradient cost more than the product. Each work-item owns 4 output channels x one kernel
+// row (c, r) x all S taps of it, for one chunk of images, in 4*S float16 accumulators over 16
+// outputs of a row: per 16 outputs, 4 loads of dy, S of the padded input and 4*S fma(). It writes
+// its chunk's partial sums (and, for (c, r) = (0, 0), the bias gradient's); conv2d_direct_weights_sum
+// adds the chunks in order (deterministic). S <= 7. Lanes past a row's end read the next row or the
+// slack after xp (conv2d_pad zeroes it) and meet zeros of dy.
+// Global: (ceil(K / 4), C * R, chunks); part[chunk] holds K*C*R*S weight sums, then K bias sums.
+#define DW_KB 4
+#define FOR_DW_K(X) X(0) X(1) X(2) X(3)
+#define FOR_DW_S(X, j) X(j, 0) X(j, 1) X(j, 2) X(j, 3) X(j, 4) X(j, 5) X(j, 6)
+#define DW_ACC_DECL_S(j, s) float16 a##j##_##s = 0.0f;
+#define DW_ACC_DECL(j) FOR_DW_S(DW_ACC_DECL_S, j) float16 b##j = 0.0f;
+#define DW_STEP_S(j, s) \
+  if (s < CONV_S) a##j##_##s = fma(g##j, x##s, a##j##_##s);
+#define DW_STEP(j) FOR_DW_S(DW_STEP_S, j) b##j += g##j;
+#define DW_X(s) const float16 x##s = s < CONV_S ? vload16(0, in + s) : 0.0f;
+#define DW_X_ALL(j, s) DW_X(s)
+
+inline float sum16(float16 v) {
+  const float8 h = v.lo + v.hi;
+  const float4 f = h.lo + h.hi;
+  return (f.x + f.y) + (f.z + f.w);
+}
+
+// dy[at .. at + 16) with the lanes from `valid` on zero (the tail of a row: no reads past it).
+inline float16 load_dy(__global const float* dy, ulong at, uint valid) {
+  if (valid >= 16) return vload16(0, dy + at);
+  float tmp[16];
+  for (uint i = 0; i < 16; ++i) tmp[i] = i < valid ? dy[at + i] : 0.0f;
+  return vload16(0, tmp);
+}
+
+#define DW_G(j) \
+  const float16 g##j = load_dy(dy, dy_off + ((ulong)(n * CONV_K + min(k0 + j, (uint)CONV_K - 1)) * CONV_P + p) * CONV_Q + q0, valid);
+
+#define DW_STORE_S(j, s)                                                                      \
+  if (s < CONV_S && k0 + j < CONV_K)                                                          \
+    part[part_base + ((ulong)(k0 + j) * CONV_C + c) * CONV_RS + r * CONV_S + s] = sum16(a##j##_##s);
+#define DW_STORE(j)                                                    \
+  FOR_DW_S(DW_STORE_S, j)                                              \
+  if (cr == 0 && k0 + j < CONV_K) part[part_base + (ulong)CONV_K * CONV_C * CONV_RS + k0 + j] = sum16(b##j);
+
+__kernel void conv2d_direct_weights(__global const float* xp, ulong xp_off, __global const float* dy, ulong dy_off,
+                                    __global float* part, ulong part_off, uint batch, uint images_per_chunk) {
+  const uint k0 = get_global_id(0) * DW_KB;
+  const uint cr = get_global_id(1);  // c * R + r
+  const uint c = cr / CONV_R, r = cr - (cr / CONV_R) * CONV_R;
+  const uint chunk = get_global_id(2);
+  const uint n_begin = chunk * images_per_chunk, n_end = min(n_begin + images_per_chunk, batch);
+  const ulong part_base = part_off + (ulong)chunk * (CONV_K * CONV_C * CONV_RS + CONV_K);
+  FOR_DW_K(DW_ACC_DECL)
+  for (uint n = n_begin; n < n_end; ++n) {
+    for (uint p = 0; p < CONV_P; ++p) {
+      __global const float* row = xp + xp_off + ((ulong)(n * CONV_C + c) * CONV_HP + p + r) * CONV_WP;
+      for (uint q0 = 0; q0 < CONV_Q; q0 += 16) {
+        const uint valid = CONV_Q - q0;
+        FOR_DW_K(DW_G)
+        __global const float* in = row + q0;
+        FOR_DW_S(DW_X_ALL, 0)
+        FOR_DW_K(DW_STEP)
+      }
+    }
+  }
+  FOR_DW_K(DW_STORE)
+}
+
+// dw (and dbias) = the chunks' partial sums added in chunk order. One work-item per element of dw
+// then of dbias. Global: K*C*R*S + K rounded up.
+__kernel void conv2d_direct_weights_sum(__global const float* part, ulong part_off, uint chunks,
+                                        __global float* dw, ulong dw_off, __global float* dbias, ulong dbias_off,
+                                        uint has_bias) {
+  const uint i = get_global_id(0);
+  const uint weights = CONV_K * CONV_C * CONV_RS;
+  if (i >= weights + CONV_K || (i >= weights && !has_bias)) return;
+  float acc = 0.0f;
+  for (uint ch = 0; ch < chunks; ++ch) acc += part[part_off + (ulong)ch * (weights + CONV_K) + i];
+  if (i < weights) {
+    dw[dw_off + i] = acc;
+  } else {
+    dbias[dbias_off + i - weights] = acc;
+  }
+}

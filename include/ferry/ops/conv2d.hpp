@@ -14,7 +14,10 @@
 // flipped weight, otherwise dcols = w^T dy with dy packed from NCHW, then col2im gathers the
 // column gradients per input element (deterministic, no atomics). Elsewhere (GPU kernels, CLBlast) the
 // GEMM result [K, G*P*Q] is permuted to NCHW with the bias, and dy permuted to it for both
-// backward products. dbias is a fixed-order reduction over N, P, Q.
+// backward products. dbias is a fixed-order reduction over N, P, Q. The first layer of an image
+// model (at most 4 input channels, stride 1) runs forward and its weight gradient as direct
+// kernels (conv2d_direct.cl) instead: there K = C*R*S is a few dozen, and the implicit GEMM's
+// time went to scattered NCHW stores and to packing the whole output gradient.
 #pragma once
 
 #include <cstddef>
