@@ -9,7 +9,6 @@
 // gradient that is not finite skips the update; an update that makes weights non-finite is
 // reported at that step.
 #include <fmt/format.h>
-#include <tbb/global_control.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -50,14 +49,6 @@ void expect_same_state(const State& actual, const State& expected, const char* w
   for (const auto& [name, bytes] : expected) {
     EXPECT_TRUE(actual.at(name) == bytes) << what << ": tensor '" << name << "' differs";
   }
-}
-
-// Oclgrind's runtime is not thread-safe (jrprice/Oclgrind#28: concurrent enqueues from the flow
-// graph's workers corrupt its command map and crash it now and then), so on Oclgrind the steps
-// run with one TBB thread. Every other implementation gets the concurrent graph.
-std::unique_ptr<tbb::global_control> serial_on_oclgrind(const Runtime& rt) {
-  if (rt.device().platform_name.find("Oclgrind") == std::string::npos) return nullptr;
-  return std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, 1);
 }
 
 bool is_pocl(const Runtime& rt) {
@@ -172,7 +163,6 @@ class FaultTest : public ::testing::TestWithParam<FaultCase> {};
 TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNeverRan) {
   const FaultCase c = GetParam();
   Runtime rt;
-  const auto serial = serial_on_oclgrind(rt);
   if (c.fault == graph::Fault::device_error && is_pocl(rt)) {
     // PoCL (5.0, Debian 12's pocl 3.1 too) fails inside pocl_update_event_failed ("PTHREAD ERROR ...
     // Invalid argument") and ends the process when a command waits on a user event set to an error.
@@ -253,7 +243,6 @@ INSTANTIATE_TEST_SUITE_P(
 // event gate opened, not from the flow-graph node that enqueues the gate.
 TEST(Faults, HostNodeFailureIsThrownByTheHostWorkItself) {
   Runtime rt;
-  const auto serial = serial_on_oclgrind(rt);
   const ModelSpec m = small_residual();
   Trainer trainer(rt, m, options_for(rt, m, FaultCase::host_optimizer));
   const graph::NodeId victim = pick_victim(trainer.train_step(), FaultCase::host_update);
@@ -276,7 +265,6 @@ TEST(Faults, HostNodeFailureIsThrownByTheHostWorkItself) {
 // had happened (under ASan: nothing leaks).
 TEST(Faults, EveryAllocationOfACompileFailingIsAClearError) {
   Runtime rt;
-  const auto serial = serial_on_oclgrind(rt);
   const ModelSpec m = small_residual();
   for (const auto config : {FaultCase::resident, FaultCase::stream, FaultCase::compressed_state}) {
     const TrainerOptions o = options_for(rt, m, config);
@@ -311,7 +299,6 @@ TEST(Faults, EveryAllocationOfACompileFailingIsAClearError) {
 // call only: training goes on unchanged and the evaluation works when tried again.
 TEST(Faults, AllocationFailingMidRunFailsThatCallOnly) {
   Runtime rt;
-  const auto serial = serial_on_oclgrind(rt);
   const ModelSpec m = small_mlp();
   const TrainerOptions o = base_options();
   Trainer trainer(rt, m, o), reference(rt, m, o);
@@ -350,7 +337,6 @@ class DivergenceGuardTest : public ::testing::TestWithParam<FaultCase::Config> {
 
 TEST_P(DivergenceGuardTest, NonFiniteWeightsAfterAFiniteLossAreReportedHonestly) {
   Runtime rt;
-  const auto serial = serial_on_oclgrind(rt);
   const ModelSpec m = small_mlp();
   TrainerOptions o = options_for(rt, m, GetParam());
   o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
@@ -398,7 +384,6 @@ class UpdatePhaseTest : public ::testing::TestWithParam<graph::Fault> {};
 TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForARestore) {
   const graph::Fault fault = GetParam();
   Runtime rt;
-  const auto serial = serial_on_oclgrind(rt);
   if (fault == graph::Fault::device_error && is_pocl(rt)) GTEST_SKIP() << "PoCL aborts (see above)";
   const ModelSpec m = small_residual();
   const TrainerOptions o = options_for(rt, m, FaultCase::resident);
@@ -493,7 +478,6 @@ class NonFiniteGradientTest : public ::testing::TestWithParam<FaultCase::Config>
 
 TEST_P(NonFiniteGradientTest, SkipsTheUpdateAndSaysWhy) {
   Runtime rt;
-  const auto serial = serial_on_oclgrind(rt);
   const ModelSpec m = small_mlp();
   const TrainerOptions o = options_for(rt, m, GetParam());
   Trainer trainer(rt, m, o);
