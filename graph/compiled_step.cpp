@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <stdexcept>
 
@@ -156,6 +157,19 @@ struct CompiledStep::Impl {
   std::vector<std::unique_ptr<DoneNode>> gate_nodes;
   std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> host_work;
   EventGate finish_gate;  // the end of the step
+
+  // The commit point (CompiledStep::find_commit_point). Per node: whether it writes persistent
+  // state that lives in place (device, host_mapped), and whether it did enqueue commands this step
+  // (each node writes only its own element).
+  static constexpr NodeId no_node = static_cast<NodeId>(-1);
+  std::vector<char> in_place, started;
+  NodeId commit = no_node;
+  // The commit node itself and the last node before it on every other lane: the gate waits for
+  // their commands (device lanes) and the flow graph for their bodies.
+  std::vector<NodeId> commit_waits;
+  std::unique_ptr<tbb::flow::continue_node<continue_msg>> commit_join, commit_check;
+  std::unique_ptr<DoneNode> commit_gate_node;
+  EventGate commit_gate;
 
   explicit Impl(const cl::Context& c) : ctx(c) {}
 };
@@ -308,7 +322,89 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
 
 // Lowering: dependencies between lanes, then the flow graph.
 void CompiledStep::lower(const cl::Context& context, bool serial) {
-  build_flow_graph(context, serial, order_nodes(serial));
+  auto preds = order_nodes(serial);
+  find_commit_point();
+  build_flow_graph(context, serial, preds);
+}
+
+void CompiledStep::find_commit_point() {
+  const auto& t = graph_.tensors;
+  const auto& n = graph_.nodes;
+  impl_->in_place.assign(n.size(), 0);
+  impl_->started.assign(n.size(), 0);
+  NodeId first_in_place = Impl::no_node;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (is_host_lane(n.lane[id])) continue;  // host nodes write the next copy of streamed state
+    for (TensorId x : n.outputs(id)) {
+      const TensorId s = t.storage(x);
+      if (plan_.pool[s] == Pool::persistent && offload::home_traits(t.home[s]).addressed_in_place) {
+        impl_->in_place[id] = 1;
+      }
+    }
+    if (impl_->in_place[id] && first_in_place == Impl::no_node) first_in_place = id;
+  }
+  if (first_in_place == Impl::no_node || graph_.guard == no_tensor) return;
+  NodeId commit = Impl::no_node;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    for (TensorId x : n.outputs(id)) {
+      if (t.storage(x) == t.storage(graph_.guard)) commit = id;
+    }
+  }
+  if (commit == Impl::no_node || commit > first_in_place || is_host_lane(n.lane[commit])) {
+    throw std::logic_error(fmt::format(
+        "step node '{}' changes state kept in place before the step's commit point (the overflow guard's last node)",
+        n.name[first_in_place]));
+  }
+  impl_->commit = commit;
+  impl_->commit_waits.push_back(commit);
+  for (int lane = 0; lane < lane_count; ++lane) {
+    if (lane == static_cast<int>(n.lane[commit])) continue;
+    for (NodeId id = commit; id-- > 0;) {
+      if (static_cast<int>(n.lane[id]) == lane) {
+        impl_->commit_waits.push_back(id);
+        break;
+      }
+    }
+  }
+}
+
+std::optional<NodeId> CompiledStep::commit_node() const noexcept {
+  if (impl_->commit == Impl::no_node) return std::nullopt;
+  return impl_->commit;
+}
+
+void CompiledStep::check_device_status(NodeId end, cl_int gate_status, const char* where) const {
+  // A failed command does not always fail the commands after it in its queue (Oclgrind runs them;
+  // only commands that wait on it are failed), so every command's own status is read.
+  for (NodeId id = 0; id < end; ++id) {
+    cl_int st = CL_COMPLETE;
+    if (impl_->events[id] &&
+        clGetEventInfo(impl_->events[id].get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, nullptr) ==
+            CL_SUCCESS &&
+        st < 0) {
+      const std::string& name = graph_.nodes.name[id];
+      throw cl::Error(fmt::format("the device command of step node '{}' (reported by its event)", name), st, name);
+    }
+  }
+  if (gate_status < 0)
+    throw cl::Error(fmt::format("a command of {} (reported by its event)", where), gate_status, "step");
+}
+
+std::vector<std::string> CompiledStep::changed_in_place() const {
+  const auto& t = graph_.tensors;
+  const auto& n = graph_.nodes;
+  std::vector<std::string> names;
+  std::vector<char> seen(t.size(), 0);
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (!impl_->in_place[id] || !impl_->started[id]) continue;
+    for (TensorId x : n.outputs(id)) {
+      const TensorId s = t.storage(x);
+      if (plan_.pool[s] != Pool::persistent || !offload::home_traits(t.home[s]).addressed_in_place || seen[s]) continue;
+      seen[s] = 1;
+      names.push_back(t.name[s]);
+    }
+  }
+  return names;
 }
 
 // Each node's predecessors: the node before it on its lane (in-order queues keep that order),
@@ -423,6 +519,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
             // Transfers-only runs (overlap measurement) enqueue the copies but no compute.
             if (im->mode != RunMode::transfers_only || nodes.lane[id] != Lane::compute) {
               if (im->ctx.profiling()) im->host_enqueue_ns[id] = steady_ns();
+              if (im->in_place[id]) im->started[id] = 1;  // from here its commands may run
               ev = ops::enqueue(q, im->launches[id], wait, im->step,
                                 im->ctx.profiling() ? &im->first_events[id] : nullptr);
             }
@@ -469,8 +566,36 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
   }
   auto exit_of = [&](NodeId id) -> tbb::flow::sender<continue_msg>& {
     if (impl_->host_work[id]) return *impl_->host_work[id];
+    if (id == impl_->commit) return *impl_->commit_check;
     return *impl_->nodes[id];
   };
+  if (impl_->commit != Impl::no_node) {
+    // The commit gate: after the commit node and the last node before it on every other lane, a
+    // marker on the commit node's queue waits for their commands; then every command before the
+    // commit point must have succeeded before anything after it is enqueued.
+    const NodeId commit = impl_->commit;
+    impl_->commit_gate.queue = queue_of(context, n.lane[commit]);
+    impl_->commit_join =
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im](const continue_msg&) {
+          im->commit_gate.wait.clear();
+          for (NodeId m : im->commit_waits) {
+            if (im->events[m]) im->commit_gate.wait.push_back(im->events[m].get());
+          }
+        });
+    impl_->commit_gate_node =
+        std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
+                                   [im](const continue_msg&, DoneNode::gateway_type& gw) { im->commit_gate.open(gw); });
+    impl_->commit_check =
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, commit](const continue_msg&) {
+          check_device_status(commit + 1, im->commit_gate.status, "the step before its commit point");
+        });
+    tbb::flow::make_edge(*impl_->nodes[commit], *impl_->commit_join);
+    for (NodeId m : impl_->commit_waits) {
+      if (m != commit) tbb::flow::make_edge(exit_of(m), *impl_->commit_join);
+    }
+    tbb::flow::make_edge(*impl_->commit_join, *impl_->commit_gate_node);
+    tbb::flow::make_edge(*impl_->commit_gate_node, *impl_->commit_check);
+  }
   for (NodeId id = 0; id < n.size(); ++id) {
     if (preds[id].empty()) tbb::flow::make_edge(impl_->start, *impl_->nodes[id]);
     for (NodeId m : preds[id]) tbb::flow::make_edge(exit_of(m), *impl_->nodes[id]);
@@ -647,49 +772,59 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   for (auto& gate : impl_->gates) {
     if (gate) gate->status = CL_COMPLETE;
   }
+  impl_->commit_gate.status = CL_COMPLETE;
+  std::fill(impl_->started.begin(), impl_->started.end(), 0);
   impl_->start.try_put(continue_msg{});
+  std::exception_ptr failure;
+  bool cancelled = false;
   try {
     impl_->flow.wait_for_all();
   } catch (...) {
+    failure = std::current_exception();
+    cancelled = true;
+  }
+  if (!failure) {
+    // A command failed on the device: its node is the first whose event says so.
+    try {
+      check_device_status(static_cast<NodeId>(graph_.nodes.size()), impl_->finish_gate.status, "the step");
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  if (failure) {
     // Commands already enqueued still use the arena: let them finish before anyone reuses it.
     try {
       impl_->ctx.finish_all();
     } catch (...) {
     }
-    impl_->flow.reset();
+    if (cancelled) impl_->flow.reset();
     for (auto& e : impl_->events) e = cl::Event();
     persistent_->abort();  // next values this step wrote are not the state
-    throw;
-  }
-  if (impl_->finish_gate.status < 0) {
-    // A command failed on the device. Its node is the first whose event says so: a failure
-    // reaches only commands after it (its queue's, and those waiting on it).
-    const cl_int status = impl_->finish_gate.status;
-    std::string culprit = "step";
-    for (NodeId id = 0; id < graph_.nodes.size() && culprit == "step"; ++id) {
-      cl_int st = CL_COMPLETE;
-      if (impl_->events[id] &&
-          clGetEventInfo(impl_->events[id].get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, nullptr) ==
-              CL_SUCCESS &&
-          st < 0) {
-        culprit = graph_.nodes.name[id];
-      }
-    }
+    std::vector<std::string> changed = changed_in_place();
+    if (changed.empty()) std::rethrow_exception(failure);
+    std::string what;
     try {
-      impl_->ctx.finish_all();
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      what = e.what();
     } catch (...) {
+      what = "an unknown failure";
     }
-    for (auto& e : impl_->events) e = cl::Event();
-    persistent_->abort();  // next values this step wrote are not the state
-    throw cl::Error(culprit == "step"
-                        ? std::string("a command of the step (reported by its completion event)")
-                        : fmt::format("the device command of step node '{}' (reported by its event)", culprit),
-                    status, culprit);
+    constexpr std::size_t shown = 8;
+    std::string list;
+    for (std::size_t i = 0; i < changed.size() && i < shown; ++i)
+      list += fmt::format("{}'{}'", i ? ", " : "", changed[i]);
+    if (changed.size() > shown) list += fmt::format(" and {} more", changed.size() - shown);
+    throw PartialUpdateError(
+        fmt::format("{}; this step had begun changing state kept in place (on the device): {} may hold this step's "
+                    "update, while the rest of the training state is as it was before the step",
+                    what, list),
+        std::move(changed), failure);
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
-  // A step whose loss (or overflow guard) is not finite skipped its updates (host updates are not
-  // guarded on the device, so their slot is simply not committed).
+  // A step whose overflow guard is not finite skipped its updates on the device; streamed
+  // updates, which check only the loss, and host updates are undone by not committing their slot.
   if (impl_->commits_other_slot) {
     const TensorId guard = impl_->guard != no_tensor ? impl_->guard : impl_->stats;
     const float* checked = guard == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(guard, false));

@@ -21,13 +21,16 @@ const std::vector<ModelPass>& model_passes() {
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training && key.recompute > 0) apply_recompute(g, key.recompute);
        }},
+      // Every training variant: what its state updates (optimizer, gradient sums, predictor fits)
+      // check, and the point after which a step may change state kept on the device in place
+      // (graph::CompiledStep's commit gate).
+      {"overflow guard",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.training) append_overflow_guard(g);
+       }},
       {"accumulate",
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training && key.accumulate > 1) append_accumulation(g, key.accumulate, key.micro);
-       }},
-      {"overflow guard",
-       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
-         if (key.training && !key.micro && key.loss_scaling) append_overflow_guard(g);
        }},
       {"optimizer",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {

@@ -436,7 +436,28 @@ ResidencyMode parse_residency_mode(const std::string& s) {
   throw std::invalid_argument(fmt::format("unknown residency mode '{}': use auto, resident, stream or mapped", s));
 }
 
+void check_updates_against_the_loss(Graph& g) {
+  if (g.guard == no_tensor || g.loss == no_tensor) return;
+  auto& n = g.nodes;
+  const auto& t = g.tensors;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (!is_update(n.op[id]) && !is_state_update(n.op[id])) continue;
+    bool keep = false;  // writes state in place, or is the guard's own node
+    for (TensorId x : n.outputs(id)) {
+      const TensorId s = t.storage(x);
+      keep = keep || s == t.storage(g.guard) ||
+             (is_persistent(t.role[s]) && offload::home_traits(t.home[s]).addressed_in_place);
+    }
+    if (keep) continue;
+    for (std::uint32_t i = 0; i < n.in_count[id]; ++i) {
+      TensorId& x = n.operands[n.in_begin[id] + i];
+      if (x == g.guard) x = g.loss;
+    }
+  }
+}
+
 void place_updates_early(Graph& g) {
+  check_updates_against_the_loss(g);
   const auto& n = g.nodes;
   const auto& t = g.tensors;
   // Updates and state updates (predictor, gradient accumulation) move; each goes right after the last other node that
@@ -466,7 +487,12 @@ void place_updates_early(Graph& g) {
         const TensorId s = t.storage(x);
         anchor = std::max(anchor, t.role[s] == Role::stats ? last_write[s] : last_touch[s]);
       }
-      for (TensorId x : n.outputs(id)) anchor = std::max(anchor, last_touch[t.storage(x)]);
+      // After the other nodes' uses of what it writes, except its statistics (the overflow
+      // guard), which only the step's final download reads: that read comes after it.
+      for (TensorId x : n.outputs(id)) {
+        const TensorId s = t.storage(x);
+        if (t.role[s] != Role::stats) anchor = std::max(anchor, last_touch[s]);
+      }
     }
     for (TensorId x : n.inputs(id)) anchor = std::max(anchor, written_at[t.storage(x)]);
     for (TensorId x : n.outputs(id)) anchor = std::max(anchor, written_at[t.storage(x)]);

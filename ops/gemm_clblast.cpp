@@ -1,5 +1,8 @@
 // GEMM through CLBlast. CLBlast enqueues its own kernels and takes no wait list, so the launch is
 // a deferred call: a barrier on the (in-order) queue waits for the inputs, then clblast::Gemm.
+// CLBlast enqueues all its kernels (direct and indirect paths, temporaries included) on the queue
+// it is given and never blocks, so the barrier holds them back (GemmBackend.ClblastWaitsForItsInputs,
+// on PoCL and Oclgrind).
 #include "gemm_clblast.hpp"
 
 #include <fmt/format.h>

@@ -24,22 +24,28 @@ std::uint64_t DeviceSpan::elem_offset(std::size_t elem_bytes) const {
 cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<const cl_event> wait,
                   const StepInfo& step, cl::Event* first_event) {
   cl::Event last;
+  cl_event previous = nullptr;
   for (std::size_t i = 0; i < launches.size(); ++i) {
     const KernelLaunch& l = launches[i];
     const bool first = i == 0;
+    // Each launch after the first waits on the one before it, although the queue is in order: a
+    // command that fails on the device does not fail the next one in its queue everywhere
+    // (Oclgrind runs it), only those that wait on it, and the list's last event must report a
+    // failure of any of its commands.
+    const std::span<const cl_event> waits = first ? wait : std::span<const cl_event>(&previous, previous ? 1 : 0);
     if (l.custom) {
-      last = l.custom(queue, first ? wait : std::span<const cl_event>{});
-      if (first && first_event) *first_event = last;
-      continue;
+      last = l.custom(queue, waits);
+    } else {
+      if (l.per_step) l.per_step(l.kernel.get(), step);
+      const bool any_local = l.local[0] != 0;
+      cl::Event ev;
+      FERRY_CL(clEnqueueNDRangeKernel(queue, l.kernel.get(), l.dims, nullptr, l.global.data(),
+                                      any_local ? l.local.data() : nullptr, static_cast<cl_uint>(waits.size()),
+                                      waits.empty() ? nullptr : waits.data(), ev.out()));
+      last = std::move(ev);
     }
-    if (l.per_step) l.per_step(l.kernel.get(), step);
-    const bool any_local = l.local[0] != 0;
-    cl::Event ev;
-    FERRY_CL(clEnqueueNDRangeKernel(queue, l.kernel.get(), l.dims, nullptr, l.global.data(),
-                                    any_local ? l.local.data() : nullptr, first ? static_cast<cl_uint>(wait.size()) : 0,
-                                    first && !wait.empty() ? wait.data() : nullptr, ev.out()));
-    if (first && first_event) *first_event = ev;
-    last = std::move(ev);
+    if (first && first_event) *first_event = last;
+    previous = last.get();
   }
   return last;
 }

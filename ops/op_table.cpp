@@ -59,7 +59,7 @@ Registry& registry() {
     table::register_optimizer8bit_rows(named);
     table::register_predictor_rows(named);
     table::register_accumulate_rows(named);
-    table::register_overflow_guard_row(named);
+    table::register_overflow_guard_rows(named);
     return reg;
   }();
   return *r;

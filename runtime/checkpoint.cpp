@@ -634,6 +634,7 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
 }  // namespace
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller) const {
+  refuse_if_inconsistent("save a checkpoint");
   const auto& t = train_->graph().tensors;
   const auto ids = checkpoint_tensors();
   const auto& arena = *train_->persistent();
@@ -868,6 +869,9 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
     sum.add(&sec.length, 8);
     sum.add(buf.data(), buf.size());
     if (sum.value() != sec.checksum) {
+      inconsistent_ =
+          fmt::format("the load of checkpoint '{}' stopped part-way (tensor '{}' changed while it was read)",
+                      path.string(), ft.name);
       throw std::runtime_error(fmt::format(
           "checkpoint '{}' changed while it was loaded (tensor '{}' no longer matches its checksum): the trainer's "
           "tensors are now partly loaded; load a checkpoint again before training",
@@ -897,6 +901,7 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
   gains_ = std::move(gains);
   in_predict_run_ = in_predict_run;
   restore_point_ = std::move(restore_point);
+  inconsistent_.clear();  // every tensor now holds the checkpoint's value
   return caller;
 }
 

@@ -1,6 +1,8 @@
 // Runtime: device selection and the objects every compiled step shares.
 #include "ferry/runtime/runtime.hpp"
 
+#include <tbb/global_control.h>
+
 namespace ferry {
 
 Runtime::Runtime(RuntimeOptions options)
@@ -8,6 +10,15 @@ Runtime::Runtime(RuntimeOptions options)
       context_(std::make_unique<cl::Context>(cl::select_device(options_.device),
                                              cl::ContextOptions{.profiling = options_.profiling})),
       kernels_(std::make_unique<cl::KernelLibrary>(*context_)),
-      env_{*kernels_} {}
+      env_{*kernels_} {
+  // Oclgrind's OpenCL runtime is not thread-safe (jrprice/Oclgrind#28, open): enqueues from
+  // several flow-graph workers at once corrupt its command bookkeeping and crash it now and then
+  // (seen in asyncQueueRetain). It runs commands inside clFlush and clFinish on the calling
+  // thread, so with one thread every OpenCL call comes from one thread at a time. The limit is
+  // process-wide and lasts as long as this runtime.
+  if (device().platform_name.find("Oclgrind") != std::string::npos) {
+    one_thread_ = std::make_shared<tbb::global_control>(tbb::global_control::max_allowed_parallelism, 1);
+  }
+}
 
 }  // namespace ferry

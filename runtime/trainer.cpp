@@ -109,7 +109,19 @@ graph::CompiledStep& Trainer::predict_variant_mutable() {
 
 StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& info) {
   const auto t0 = std::chrono::steady_clock::now();
-  step.run(info);
+  try {
+    step.run(info);
+  } catch (const graph::PartialUpdateError& e) {
+    inconsistent_ = fmt::format(
+        "step {} failed in its update phase, after its forward and backward had succeeded: {}. The training state "
+        "is therefore inconsistent",
+        steps_ + 1, e.what());
+    throw graph::PartialUpdateError(
+        fmt::format("{}: restore it from a checkpoint (Trainer::load_checkpoint; ferry train --resume) before "
+                    "training on; until then the trainer refuses to step or to save a checkpoint",
+                    inconsistent_),
+        e.tensors(), e.cause());
+  }
   const auto t1 = std::chrono::steady_clock::now();
   StepResult r;
   const float* stats = step.stats_host();
@@ -121,6 +133,13 @@ StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& inf
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::refuse_if_inconsistent(const char* what) const {
+  if (inconsistent_.empty()) return;
+  throw std::runtime_error(fmt::format(
+      "the trainer refuses to {}: {}; restore the training state from a checkpoint first (Trainer::load_checkpoint)",
+      what, inconsistent_));
+}
 
 graph::ResidencyOptions Trainer::residency_options() const {
   graph::ResidencyOptions r = options_.residency;
@@ -243,6 +262,7 @@ void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
 }
 
 StepResult Trainer::step(const Batch& batch) {
+  refuse_if_inconsistent("step");
   if (phases_ && phases_->next() == Phase::predict) return predict_step(batch);
   const Phase phase = phases_ ? phases_->next() : Phase::full;
   const bool micro = micro_ + 1 < options_.accumulate;
@@ -254,12 +274,19 @@ StepResult Trainer::step(const Batch& batch) {
   info.loss_scale = scaler_.scale();
   StepResult r = run_step(step, info);
   r.loss_scale = info.loss_scale;
+  // The state updates checked the overflow guard on the device: not finite with a finite loss
+  // means a weight gradient was not (with loss scaling: the scaled gradients overflowed).
+  float guard = 0;
+  std::memcpy(&guard, step.host_output(graph::overflow_guard_name).data(), sizeof guard);
   if (micro) {
-    if (!std::isfinite(r.loss)) {
-      throw std::runtime_error(fmt::format(
-          "training diverged at micro-batch {} of {} (update {}): the loss is {}; its gradient was not added, so the "
-          "accumulated sum is as it was: lower the learning rate or check the data",
-          micro_ + 1, options_.accumulate, steps_ + 1, r.loss));
+    if (!std::isfinite(r.loss) || !std::isfinite(guard)) {
+      throw std::runtime_error(
+          fmt::format("training diverged at micro-batch {} of {} (update {}): {}; its gradient was not added, so the "
+                      "accumulated sum is as it was: lower the learning rate or check the data",
+                      micro_ + 1, options_.accumulate, steps_ + 1,
+                      std::isfinite(r.loss)
+                          ? fmt::format("the loss ({}) is finite, but a weight gradient is not (inf or NaN)", r.loss)
+                          : fmt::format("the loss is {}", r.loss)));
     }
     ++micro_;
     r.updated = false;
@@ -285,16 +312,19 @@ StepResult Trainer::step(const Batch& batch) {
         steps_ + 1, r.loss, lr_));
   }
   if (options_.precision.scaled()) {
-    // The updates checked the overflow guard on the device: a non-finite one with a finite loss
-    // means the scaled gradients overflowed, and nothing was updated.
-    float guard = 0;
-    std::memcpy(&guard, step.host_output(graph::overflow_guard_name).data(), sizeof guard);
+    // A non-finite guard with a finite loss: the scaled gradients overflowed, nothing was updated.
     r.overflow = !std::isfinite(guard);
     scaler_.record(r.overflow);
     if (r.overflow) {
       r.updated = false;
       return r;
     }
+  } else if (!std::isfinite(guard)) {
+    throw std::runtime_error(fmt::format(
+        "training diverged at step {}: the loss ({}) is finite, but a weight gradient is not (inf or NaN; learning "
+        "rate {}); the update was skipped, so the weights and optimizer state are those from before this step: lower "
+        "the learning rate or check the data",
+        steps_ + 1, r.loss, lr_));
   }
   ++steps_;
   micro_ = 0;  // (after a diverged last micro-batch the group waits for another one)

@@ -42,6 +42,11 @@ std::size_t y_elems(const ops::Conv2dShape& s) {
   return s.N * s.K * s.P() * s.Q();
 }
 
+// Multiply-adds of the forward (each backward launch does as many).
+std::size_t conv_work(const ops::Conv2dShape& s) {
+  return y_elems(s) * s.C * s.R * s.S;
+}
+
 class Conv2dTest : public ::testing::TestWithParam<ConvCase> {};
 
 void check_against_reference(const ConvCase& tc) {
@@ -85,13 +90,15 @@ void check_against_reference(const ConvCase& tc) {
 }
 
 TEST_P(Conv2dTest, DeviceMatchesReference) {
+  if (too_large_for_this_run(conv_work(GetParam().shape))) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
   check_against_reference(GetParam());
 }
 
 TEST_P(Conv2dTest, BackwardIsDeterministic) {
   const ConvCase& tc = GetParam();
   const ops::Conv2dShape& s = tc.shape;
-  if (y_elems(s) * s.C * s.R * s.S > (std::size_t{1} << 24)) GTEST_SKIP() << "large shape: covered by the small ones";
+  if (conv_work(s) > (std::size_t{1} << 24)) GTEST_SKIP() << "large shape: covered by the small ones";
+  if (too_large_for_this_run(conv_work(s))) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
   auto& dev = TestDevice::get();
   DeviceTensor dx_in(random_vector(x_elems(s), 21)), dw_in(random_vector(w_elems(s), 22));
   DeviceTensor ddy(random_vector(y_elems(s), 23));
@@ -155,6 +162,7 @@ TEST(Conv2dTiledPath, MatchesReference) {
                              ConvCase{"tiled_relu_k3", with_relu(shape(2, 3, 8, 9, 9, 3, 3, 1, 1))},
                              ConvCase{"tiled_cnn_layer2", shape(4, 32, 14, 14, 64, 5, 5, 2, 1)}}) {
     SCOPED_TRACE(tc.name);
+    if (too_large_for_this_run(conv_work(tc.shape))) continue;
     check_against_reference(tc);
   }
   ::unsetenv("FERRY_GEMM_TUNING");

@@ -61,6 +61,7 @@ class MatmulTest : public ::testing::TestWithParam<std::tuple<Case, const char*>
 TEST_P(MatmulTest, MatchesReference) {
   const auto [c, kernel] = GetParam();
   const auto [batch, M, N, K, ta, tb] = c;
+  if (too_large_for_this_run(batch * M * N * K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
   const ops::MatmulShape s{batch, M, N, K, ta, tb};
   const auto a = random_vector(batch * M * K, 1), b = random_vector(batch * K * N, 2);
   const ops::MatmulOptions opt{kernel};
@@ -71,6 +72,7 @@ TEST_P(MatmulTest, MatchesReference) {
 TEST_P(MatmulTest, BackwardProductsMatchReference) {
   const auto [c, kernel] = GetParam();
   const auto [batch, M, N, K, ta, tb] = c;
+  if (too_large_for_this_run(batch * M * N * K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
   const ops::MatmulShape f{batch, M, N, K, ta, tb};
   auto& dev = TestDevice::get();
   const ops::MatmulOptions opt{kernel};
@@ -126,7 +128,8 @@ TEST(Matmul, InnerDimZeroWritesZeros) {
 }
 
 TEST(Matmul, IsDeterministic) {
-  const ops::MatmulShape s{6, 40, 36, 300, false, true};
+  const ops::MatmulShape s = small_shapes_only() ? ops::MatmulShape{2, 20, 18, 70, false, true}
+                                                 : ops::MatmulShape{6, 40, 36, 300, false, true};
   const auto a = random_vector(s.batch * s.M * s.K, 8), b = random_vector(s.batch * s.K * s.N, 9);
   for (const char* kernel : kernels) {
     SCOPED_TRACE(kernel);

@@ -181,12 +181,20 @@ TEST(MixedPrecision, NarrowActivationsLowerThePeak) {
 }
 
 // With a scale far too large the fp16 gradients overflow: the step updates nothing and the scale
-// halves until the gradients fit; then training goes on.
-TEST(MixedPrecision, OverflowSkipsTheUpdateAndHalvesTheScale) {
+// halves until the gradients fit; then training goes on. Resident and streamed: a streamed step
+// must see its own guard (its download once came before the guard was made, so the host saw the
+// step before's and the overflow one step late).
+class OverflowTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(OverflowTest, OverflowSkipsTheUpdateAndHalvesTheScale) {
   Runtime rt;
   auto o = options(DType::f16);
   o.precision.initial_scale = 16777216.0f;  // 2^24
   o.precision.growth_interval = 3;
+  if (GetParam()) {
+    o.residency.mode = graph::ResidencyMode::stream;
+    o.residency.budget_bytes = min_stream_budget(rt, small_mlp(), o).value_or(0) * 2;
+  }
   Trainer trainer(rt, small_mlp(), o);
   const std::size_t sample = sample_elems(small_mlp());
   const auto images = random_vector(o.batch * sample, 900, -4.0f, 4.0f);
@@ -229,6 +237,9 @@ TEST(MixedPrecision, OverflowSkipsTheUpdateAndHalvesTheScale) {
   }
   EXPECT_TRUE(grew) << "the scale never grew";
 }
+
+INSTANTIATE_TEST_SUITE_P(Residency, OverflowTest, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "streamed" : "resident"; });
 
 TEST(LossScaler, HalvesOnOverflowAndGrowsAfterTheInterval) {
   PrecisionConfig c;

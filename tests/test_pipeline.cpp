@@ -2,6 +2,7 @@
 // compiled step reports.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <iterator>
 #include <stdexcept>
 #include <string>
@@ -27,8 +28,8 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
 
 TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
-  const char* const names[] = {"fusion",         "mixed precision", "autodiff",  "recompute",    "accumulate",
-                               "overflow guard", "optimizer",       "predictor", "int8 weights", "download"};
+  const char* const names[] = {"fusion",     "mixed precision", "autodiff",  "recompute",    "overflow guard",
+                               "accumulate", "optimizer",       "predictor", "int8 weights", "download"};
   ASSERT_EQ(passes.size(), std::size(names));
   for (std::size_t i = 0; i < passes.size(); ++i) EXPECT_STREQ(passes[i].name, names[i]) << "pass " << i;
 }
@@ -62,11 +63,32 @@ TEST(Pipeline, EachModelPassAlone) {
   }
 
   before = g.nodes.size();
-  pass("recompute")(g, train, adam);       // nothing unless asked
-  pass("accumulate")(g, train, adam);      // nothing without accumulation
-  pass("overflow guard")(g, train, adam);  // nothing without loss scaling
+  pass("recompute")(g, train, adam);  // nothing unless asked
   EXPECT_EQ(g.nodes.size(), before);
-  EXPECT_EQ(g.guard, graph::no_tensor);
+
+  // The guard of every training variant: an init after the loss and a check of each weight
+  // gradient, in the order the gradients are made.
+  pass("overflow guard")(g, train, adam);
+  ASSERT_NE(g.guard, graph::no_tensor);
+  ASSERT_EQ(g.nodes.size(), before + 5);
+  EXPECT_EQ(g.nodes.op[before], ops::find_op("overflow_guard_init"));
+  std::vector<graph::NodeId> made_at;  // per check, the node that made its gradient
+  for (graph::NodeId n = before + 1; n < g.nodes.size(); ++n) {
+    EXPECT_EQ(g.nodes.op[n], ops::find_op("overflow_guard_check"));
+    const TensorId grad = g.nodes.inputs(n)[1];
+    EXPECT_EQ(g.tensors.role[grad], graph::Role::gradient);
+    for (graph::NodeId m = 0; m < before; ++m) {
+      for (TensorId x : g.nodes.outputs(m)) {
+        if (x == grad) made_at.push_back(m);
+      }
+    }
+  }
+  EXPECT_TRUE(std::is_sorted(made_at.begin(), made_at.end()));
+  EXPECT_EQ(g.update_guard(), g.guard);
+
+  before = g.nodes.size();
+  pass("accumulate")(g, train, adam);  // nothing without accumulation
+  EXPECT_EQ(g.nodes.size(), before);
 
   pass("optimizer")(g, train, adam);  // one Adam update per weight
   EXPECT_EQ(count_class(g, ops::OpClass::update), 4u);
@@ -81,10 +103,12 @@ TEST(Pipeline, EachModelPassAlone) {
   before = g.nodes.size();
   pass("int8 weights")(g, train, adam);  // nothing in a training variant
   EXPECT_EQ(g.nodes.size(), before);
-  pass("download")(g, train, adam);  // one node, into a host mirror
-  ASSERT_EQ(g.nodes.size(), before + 1);
-  EXPECT_EQ(g.nodes.op.back(), graph::builtin::download);
-  EXPECT_NE(g.tensors.home[g.nodes.outputs(static_cast<graph::NodeId>(before))[0]], graph::Residency::device);
+  pass("download")(g, train, adam);  // one node per statistics tensor (loss, guard), into a host mirror
+  ASSERT_EQ(g.nodes.size(), before + 2);
+  for (graph::NodeId n = static_cast<graph::NodeId>(before); n < g.nodes.size(); ++n) {
+    EXPECT_EQ(g.nodes.op[n], graph::builtin::download);
+    EXPECT_NE(g.tensors.home[g.nodes.outputs(n)[0]], graph::Residency::device);
+  }
 
   // A forward-only key skips autodiff and the optimizer.
   graph::Graph eval = graph::prepare_step_graph(mlp_forward(16), graph::VariantKey{16, false}, adam);
@@ -165,7 +189,8 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   graph::VariantKey fit{16, true};
   fit.fit_predictor = true;
   const graph::Graph g = graph::prepare_step_graph(mlp_forward(16), fit, adam);
-  EXPECT_EQ(count_class(g, ops::OpClass::state_update), 8u);  // a snapshot and a fit per weight
+  // A snapshot and a fit per weight, and the guard's init and 4 checks.
+  EXPECT_EQ(count_class(g, ops::OpClass::state_update), 13u);
   EXPECT_EQ(count_role(g, graph::Role::predictor_state), 8u);
   // Each weight's snapshot comes before its update, and its fit after.
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
@@ -205,13 +230,13 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   micro.fit_predictor = true;
   const graph::Graph mg = graph::prepare_step_graph(mlp_forward(16), micro, adam);
   EXPECT_EQ(count_class(mg, ops::OpClass::update), 0u);
-  EXPECT_EQ(count_class(mg, ops::OpClass::state_update), 4u);  // grad_accumulate per weight
+  EXPECT_EQ(count_class(mg, ops::OpClass::state_update), 9u);  // grad_accumulate per weight, the guard's 5
   EXPECT_EQ(count_role(mg, graph::Role::gradient_sum), 4u);
   micro.micro = false;
   micro.fit_predictor = false;
   const graph::Graph last = graph::prepare_step_graph(mlp_forward(16), micro, adam);
   EXPECT_EQ(count_class(last, ops::OpClass::update), 4u);
-  EXPECT_EQ(count_class(last, ops::OpClass::state_update), 4u);  // grad_mean per weight
+  EXPECT_EQ(count_class(last, ops::OpClass::state_update), 9u);  // grad_mean per weight, the guard's 5
 
   graph::OptimizerSpec bad = adam;
   bad.predictor.beta = 1.0f;

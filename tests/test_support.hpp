@@ -31,6 +31,22 @@ struct TestDevice {
   }
 };
 
+// Small shapes only: tests/oclgrind/run_test.sh sets FERRY_TEST_SMALL=1, since Oclgrind simulates
+// every work-item and a case of a few million multiply-adds takes it seconds to minutes. Op tests
+// skip their cases whose work (multiply-adds, or elements for elementwise kernels) is above
+// small_work_limit() then, so that each binary's small cases run there in about a minute.
+inline bool small_shapes_only() {
+  const char* v = std::getenv("FERRY_TEST_SMALL");
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+inline constexpr std::size_t small_work_limit() {
+  return 400000;
+}
+// True when a case of `work` should be skipped in this run.
+inline bool too_large_for_this_run(std::size_t work) {
+  return small_shapes_only() && work > small_work_limit();
+}
+
 // A float buffer on the test device, optionally placed at a nonzero element offset to check
 // that kernels honour operand offsets.
 class DeviceTensor {

@@ -1,5 +1,5 @@
-// The precision pass, mixed-precision part (before autodiff), and the overflow guard of loss
-// scaling (after autodiff, before the optimizer).
+// The precision pass, mixed-precision part (before autodiff), and the overflow guard every
+// training variant's state updates check (after autodiff, before accumulation and the optimizer).
 //
 // Mixed precision: the layers that gain from narrow storage (Linear, Conv2d, activations,
 // max-pooling) compute from and store f16 or bf16; the rest (LayerNorm, the losses, softmax,
@@ -11,6 +11,7 @@
 // optimizer sees true f32 gradients of f32 master weights.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <stdexcept>
 #include <vector>
@@ -97,12 +98,26 @@ void apply_mixed_precision(Graph& g, DType narrow) {
 void append_overflow_guard(Graph& g) {
   auto& t = g.tensors;
   if (g.loss == no_tensor) throw std::logic_error("overflow guard: the graph has no loss");
-  std::vector<TensorId> ins{g.loss};
-  for (TensorId w = 0; w < t.size(); ++w) {
-    if (t.role[w] == Role::weight && t.grad[w] != no_tensor) ins.push_back(t.grad[w]);
+  // Each weight gradient with the node that last writes it: the checks follow the order the
+  // gradients are made in, so that each can run right after its gradient when updates move early
+  // (graph::place_updates_early keeps the checks of one guard in order).
+  std::vector<NodeId> last_write(t.size(), 0);
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    for (TensorId x : g.nodes.outputs(n)) last_write[t.storage(x)] = n;
   }
+  std::vector<std::pair<NodeId, TensorId>> grads;
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] == Role::weight && t.grad[w] != no_tensor) grads.emplace_back(last_write[t.storage(t.grad[w])], w);
+  }
+  std::stable_sort(grads.begin(), grads.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   g.guard = t.add(std::string(overflow_guard_name), Shape{1}, DType::f32, Role::stats);
-  g.nodes.add(ops::find_op("overflow_guard"), "overflow_guard", ins, std::span(&g.guard, 1));
+  g.nodes.add(ops::find_op("overflow_guard_init"), std::string(overflow_guard_name), std::span(&g.loss, 1),
+              std::span(&g.guard, 1));
+  const ops::OpId check = ops::find_op("overflow_guard_check");
+  for (const auto& [writer, w] : grads) {
+    const TensorId ins[] = {g.guard, t.grad[w]};
+    g.nodes.add(check, fmt::format("{}.{}", overflow_guard_name, t.name[w]), ins, std::span(&g.guard, 1));
+  }
 }
 
 }  // namespace ferry::graph

@@ -1,42 +1,42 @@
-// The row of the overflow guard (ops/overflow_guard.hpp), class `state_update`, so that it is
-// placed with the updates that read it.
+// The rows of the overflow guard (ops/overflow_guard.hpp), class `state_update`, so that they are
+// placed with the updates that read the guard.
 //
-//   overflow_guard  in: stats g1 .. gk  out: guard [1] (f32)
+//   overflow_guard_init   in: stats        out: guard [1] (f32)
+//   overflow_guard_check  in: guard g      out: guard (in place)
 #include "ferry/ops/overflow_guard.hpp"
-
-#include <vector>
 
 #include "rows.hpp"
 
 namespace ferry::ops::table {
 namespace {
 
-OpInfo overflow_guard_row() {
+OpInfo init_row() {
   OpInfo r;
-  r.name = "overflow_guard";
+  r.name = "overflow_guard_init";
   r.op_class = OpClass::state_update;
-  r.bind = [](const BindContext& c) {
-    std::vector<DeviceSpan> grads;
-    std::vector<std::size_t> elems;
-    for (std::size_t i = 1; i < c.input_count(); ++i) {
-      grads.push_back(c.in(i));
-      elems.push_back(in_elems(c, i));
-    }
-    return overflow_guard(c.env(), c.in(0), grads, elems, c.out(0));
-  };
+  r.bind = [](const BindContext& c) { return overflow_guard_init(c.env(), c.in(0), c.out(0)); };
+  r.reference = [](RefContext& c) { c.real(c.outputs()[0])[0] = c.real(c.inputs()[0])[0]; };
+  return r;
+}
+
+OpInfo check_row() {
+  OpInfo r;
+  r.name = "overflow_guard_check";
+  r.op_class = OpClass::state_update;
+  r.bind = [](const BindContext& c) { return overflow_guard_check(c.env(), c.in(1), in_elems(c, 1), c.out(0)); };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    std::vector<std::span<const double>> grads;
-    for (std::size_t i = 1; i < in.size(); ++i) grads.emplace_back(c.real(in[i]));
-    c.real(c.outputs()[0])[0] = ref::overflow_guard<double>(c.real(in[0])[0], grads);
+    auto guard = c.real(c.outputs()[0]);
+    guard[0] = ref::overflow_guard_check<double>(c.real(in[0])[0], c.real(in[1]));
   };
   return r;
 }
 
 }  // namespace
 
-void register_overflow_guard_row(const AddNamedRow& add) {
-  add(overflow_guard_row());
+void register_overflow_guard_rows(const AddNamedRow& add) {
+  add(init_row());
+  add(check_row());
 }
 
 }  // namespace ferry::ops::table

@@ -36,8 +36,8 @@ void register_optimizer8bit_rows(const AddNamedRow& add);
 void register_predictor_rows(const AddNamedRow& add);
 // ops/table/accumulate.cpp: gradient accumulation's sum and mean.
 void register_accumulate_rows(const AddNamedRow& add);
-// ops/table/overflow_guard.cpp: the loss-scaling overflow guard.
-void register_overflow_guard_row(const AddNamedRow& add);
+// ops/table/overflow_guard.cpp: the overflow guard's init and per-gradient check.
+void register_overflow_guard_rows(const AddNamedRow& add);
 
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);

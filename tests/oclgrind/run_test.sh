@@ -9,8 +9,9 @@
 # FERRY_DEVICE=oclgrind. Checks on: out-of-bounds accesses and API errors (always on), data races
 # (OCLGRIND_DATA_RACES), barrier and work-group function divergence (always on). Off: the
 # uninitialised-value check (OCLGRIND_UNINITIALIZED), which reports false positives for
-# sub-buffer offsets. Every Oclgrind diagnostic goes to a log file (OCLGRIND_LOG); a non-empty
-# log fails the test even when the test's own checks passed.
+# sub-buffer offsets. Oclgrind's kernel diagnostics go to a log file (OCLGRIND_LOG), its API
+# errors ("Oclgrind - OpenCL runtime error detected") to stderr, which is copied to a file too;
+# either fails the test even when the test's own checks passed.
 #
 # Environment: FERRY_OCLGRIND_ICD, the ICD library (default /usr/lib/oclgrind/liboclgrind-rt-icd.so).
 set -uo pipefail
@@ -41,11 +42,16 @@ export OCLGRIND_MAX_ERRORS=${OCLGRIND_MAX_ERRORS:-20}
 # Oclgrind simulates work-items on host threads; the test runs beside others under ctest -j2.
 export OCLGRIND_NUM_THREADS=${OCLGRIND_NUM_THREADS:-1}
 
-"$@"
+# stderr through tee (pipefail keeps the test's exit status); stdout as it is.
+{ "$@" 2>&1 1>&3 3>&- | tee "$work/stderr" >&2; } 3>&1
 rc=$?
 if [[ -s $log ]]; then
   echo "oclgrind: findings while running $*:" >&2
   cat "$log" >&2
+  ((rc == 0)) && rc=1
+fi
+if grep -q "Oclgrind - OpenCL runtime error detected" "$work/stderr"; then
+  echo "oclgrind: OpenCL API errors while running $* (above on stderr)" >&2
   ((rc == 0)) && rc=1
 fi
 exit "$rc"

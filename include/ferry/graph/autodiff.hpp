@@ -55,9 +55,13 @@ void fuse_layers(Graph& g);
 // f32 (casts back where needed). See graph/passes/mixed_precision.cpp.
 void apply_mixed_precision(Graph& g, DType narrow);
 
-// Loss scaling, after autodiff and before the optimizer: a node "overflow_guard" over the loss
-// and every weight gradient makes g.guard (role stats, downloaded as overflow_guard_name), which
-// the updates then check in place of the loss (ops/overflow_guard.hpp).
+// Every training variant, after autodiff and before the state updates: a node "overflow_guard"
+// over the loss and every weight gradient makes g.guard (role stats, downloaded as
+// overflow_guard_name), which the optimizer updates, gradient accumulation and predictor fits
+// check in place of the loss (ops/overflow_guard.hpp): a step whose loss or any gradient is not
+// finite (with fp16 loss scaling: whose scaled gradients overflowed) updates nothing. It is also
+// the step's commit point: nodes that change state homed on the device in place come after it,
+// and graph::CompiledStep enqueues them only once everything before it has succeeded.
 inline constexpr std::string_view overflow_guard_name = "overflow_guard";
 void append_overflow_guard(Graph& g);
 

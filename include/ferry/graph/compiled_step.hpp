@@ -7,13 +7,22 @@
 // done once its command is enqueued, so the graph runs ahead of the device. The host learns that
 // the step finished through an event callback into an async_node gateway: no TBB thread blocks
 // on the device.
+//
+// The commit point: state homed where kernels change it in place (device, host_mapped) has no
+// second copy to roll back to, so in a training step every node that writes such state comes
+// after the overflow guard's last node (graph/autodiff.hpp), and is enqueued only after an event
+// gate has seen every command before that point complete and none of them fail. A step that
+// fails before its commit point therefore leaves all training state as it was; one that fails
+// after it had enqueued such a node throws PartialUpdateError.
 #pragma once
 
 #include <array>
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -76,6 +85,23 @@ struct TimelineEntry {
   std::string op;                             // the op kind (ops/op_table)
   std::uint64_t bytes = 0;                    // bytes of the tensors it reads and writes
   std::vector<std::string> inputs, outputs;   // the names of those tensors
+};
+
+// Thrown by CompiledStep::run when a step failed after it had enqueued nodes that change
+// persistent state in place (device or host_mapped homes): those tensors may hold this step's
+// update, while state in homes that commit (streamed, compressed) was rolled back. what() is the
+// failure's message followed by that; cause() is the original failure.
+class PartialUpdateError : public std::runtime_error {
+ public:
+  PartialUpdateError(const std::string& what, std::vector<std::string> tensors, std::exception_ptr cause)
+      : std::runtime_error(what), tensors_(std::move(tensors)), cause_(std::move(cause)) {}
+  // The persistent tensors that may have been changed, in graph order.
+  const std::vector<std::string>& tensors() const noexcept { return tensors_; }
+  std::exception_ptr cause() const noexcept { return cause_; }
+
+ private:
+  std::vector<std::string> tensors_;
+  std::exception_ptr cause_;
 };
 
 // How run() executes a step. transfers_only exists to measure overlap (bench/overlap.cpp).
@@ -142,7 +168,9 @@ class CompiledStep {
 
   // Runs one step: enqueues every node through the flow graph and returns when the device has
   // finished. A failing node cancels the step; the error is rethrown naming the node, all queues
-  // are drained and the step can run again.
+  // are drained and the step can run again. A failure before the commit point (see above) leaves
+  // every persistent tensor as it was; a later one that may have changed state in place throws
+  // PartialUpdateError naming those tensors.
   void run(const ops::StepInfo& step, RunMode mode = RunMode::normal);
 
   const Graph& graph() const noexcept { return graph_; }
@@ -155,6 +183,9 @@ class CompiledStep {
   const std::shared_ptr<PersistentArena>& persistent() const noexcept { return persistent_; }
   ops::DeviceSpan span(TensorId t) const;
   std::size_t node_count() const noexcept { return graph_.nodes.size(); }
+  // The commit point: the node after which nodes that change state in place may be enqueued
+  // (the overflow guard's last check); nullopt when the step has no such nodes or no guard.
+  std::optional<NodeId> commit_node() const noexcept;
 
   // Wall time of each device pass of this compile, in pipeline order (graph/pipeline.hpp).
   const std::vector<PassTiming>& pass_timings() const noexcept { return pass_timings_; }
@@ -177,6 +208,13 @@ class CompiledStep {
                 const offload::HomeStoreOptions& homes);
   void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);
   void lower(const cl::Context& context, bool serial);
+  // Marks the nodes that change persistent state in place and finds the commit point.
+  void find_commit_point();
+  // Throws, naming the node, if a device command among nodes [0, end) failed this step.
+  void check_device_status(NodeId end, cl_int gate_status, const char* where) const;
+  // The persistent tensors that nodes which change state in place and were enqueued this step
+  // write, in graph order.
+  std::vector<std::string> changed_in_place() const;
   std::vector<std::vector<NodeId>> order_nodes(bool serial);
   void build_flow_graph(const cl::Context& context, bool serial, const std::vector<std::vector<NodeId>>& preds);
   // Host memory of a host-resident tensor: its current value, or where its next value goes.

@@ -117,8 +117,8 @@ struct Graph {
   TensorTable tensors;
   NodeTable nodes;
   TensorId loss = no_tensor;  // what training minimises (set by the builder's loss layer)
-  // What the optimizer updates check (element 0 finite, or they skip): the loss, or with loss
-  // scaling the overflow guard over the loss and all weight gradients (append_overflow_guard).
+  // What the state updates check (element 0 finite, or they skip): in training variants the
+  // overflow guard over the loss and all weight gradients (append_overflow_guard), else the loss.
   TensorId guard = no_tensor;
   TensorId update_guard() const { return guard != no_tensor ? guard : loss; }
 };

@@ -1,7 +1,7 @@
 // Compiling a step is an ordered list of passes over the IR.
 //
 //   model passes (device-independent, here):    fusion -> mixed precision -> autodiff -> recompute ->
-//                                               accumulate -> overflow guard -> optimizer ->
+//                                               overflow guard -> accumulate -> optimizer ->
 //                                               predictor -> int8 weights -> download
 //   device passes (graph::CompiledStep, in order): check dtypes -> scratch -> residency and memory
 //                                                  plan -> arena -> bind -> lower
@@ -43,7 +43,8 @@ struct VariantKey {
   // Mixed precision (apply_mixed_precision): f16 or bf16 layers over f32 master weights; f32
   // is none. Ignored in int8 variants.
   DType precision = DType::f32;
-  // Loss scaling (training variants that update): the updates check the overflow guard.
+  // Loss scaling (training variants that update): the scale multiplies the narrow gradients. (The
+  // updates of every training variant check the overflow guard.)
   bool loss_scaling = false;
   // Fuse layer pairs (fuse_layers); off only to compare against the unfused graph.
   bool fuse = true;

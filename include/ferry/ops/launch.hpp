@@ -53,15 +53,18 @@ struct KernelLaunch {
   // Sets the arguments that vary per step just before the enqueue; empty for most kernels.
   std::function<void(cl_kernel, const StepInfo&)> per_step;
   // Optional: a deferred call of a library that enqueues its own work (CLBlast). When set,
-  // enqueue() calls it instead of clEnqueueNDRangeKernel with the wait list of this launch (empty
-  // for all but the first) and takes the event it returns; `kernel` and the sizes are unused.
+  // enqueue() calls it instead of clEnqueueNDRangeKernel with the wait list of this launch (the
+  // list's for the first, else the launch before it) and takes the event it returns; `kernel` and
+  // the sizes are unused.
   std::function<cl::Event(cl_command_queue, std::span<const cl_event>)> custom;
 };
 
 using LaunchList = std::vector<KernelLaunch>;
 
-// Enqueues the launches in order on `queue`; the first waits on `wait`. Returns the event of the
-// last launch (null if the list is empty; the caller then forwards its wait list).
+// Enqueues the launches in order on `queue`; the first waits on `wait`, each other one on the
+// launch before it (so that the last event reports a failure of any of them on every
+// implementation). Returns the event of the last launch (null if the list is empty; the caller
+// then forwards its wait list).
 // With `first`, also returns the event of the first launch (for timelines of multi-kernel ops).
 cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<const cl_event> wait,
                   const StepInfo& step = {}, cl::Event* first = nullptr);

@@ -1,13 +1,16 @@
-// The overflow guard of loss-scaled mixed precision: one scalar that the optimizer updates check
-// in place of the loss, non-finite when the loss is or when any weight gradient overflowed.
+// The overflow guard: one scalar that a training step's state updates (optimizer, gradient
+// accumulation, predictor fits) check in place of the loss, non-finite when the loss is or when
+// any weight gradient has a non-finite element.
 //
 // With fp16 gradients scaled by StepInfo::loss_scale, a scale too large for this step makes some
-// of them inf or NaN. Every update of the step must then be skipped together (and the scale
-// lowered by the trainer), not only those whose own gradient overflowed: so the guard reads all
-// weight gradients, and the updates wait for it.
+// of them inf or NaN; in any precision a gradient can overflow. Every update of the step must then
+// be skipped together, not only those whose own gradient is not finite: so the guard reads all
+// weight gradients, and the updates wait for it. It is two kinds of node, so that no step needs
+// every gradient alive at once: one init after the loss, then one check per gradient, each right
+// after its gradient is made.
 //
-//   guard = loss (stats[0])  if every element of every gradient is finite
-//           NaN              otherwise
+//   init:   guard = loss (stats[0])
+//   check:  guard = NaN  if an element of the gradient is not finite, else unchanged
 #pragma once
 
 #include <cmath>
@@ -19,21 +22,26 @@
 
 namespace ferry::ops {
 
-// `stats` holds the loss at element 0; `gradients` are f32 spans of the given element counts.
-// Launches: the guard set to the loss, then one pass per gradient that sets it to NaN on a
-// non-finite element (an atomic exchange: every writer writes the same NaN).
-LaunchList overflow_guard(OpEnv& env, DeviceSpan stats, std::span<const DeviceSpan> gradients,
-                          std::span<const std::size_t> elems, DeviceSpan guard);
+// `stats` holds the loss at element 0.
+LaunchList overflow_guard_init(OpEnv& env, DeviceSpan stats, DeviceSpan guard);
+// `gradient` is an f32 span of `elems` elements. Sets the guard to NaN on a non-finite element
+// (an atomic exchange: every writer writes the same NaN).
+LaunchList overflow_guard_check(OpEnv& env, DeviceSpan gradient, std::size_t elems, DeviceSpan guard);
 
 namespace ref {
 
 template <class T>
-T overflow_guard(T loss, std::span<const std::span<const T>> gradients) {
-  for (const auto& g : gradients) {
-    for (T v : g) {
-      if (!std::isfinite(v)) return std::numeric_limits<T>::quiet_NaN();
-    }
+T overflow_guard_check(T guard, std::span<const T> gradient) {
+  for (T v : gradient) {
+    if (!std::isfinite(v)) return std::numeric_limits<T>::quiet_NaN();
   }
+  return guard;
+}
+
+// The guard after the init and a check of each gradient.
+template <class T>
+T overflow_guard(T loss, std::span<const std::span<const T>> gradients) {
+  for (const auto& g : gradients) loss = overflow_guard_check<T>(loss, g);
   return loss;
 }
 

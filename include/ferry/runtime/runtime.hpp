@@ -34,6 +34,9 @@ class Runtime {
   std::unique_ptr<cl::Context> context_;
   std::unique_ptr<cl::KernelLibrary> kernels_;
   ops::OpEnv env_;
+  // On Oclgrind only: a oneTBB global_control limiting the flow graphs to one thread (its OpenCL
+  // runtime is not thread-safe; see runtime.cpp). Opaque here so that this header needs no oneTBB.
+  std::shared_ptr<void> one_thread_;
 };
 
 }  // namespace ferry

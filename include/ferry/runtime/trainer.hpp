@@ -92,8 +92,13 @@ class Trainer {
   // one optimizer step on a batch of exactly options().batch samples: a view per input and
   // target of the model, by name. Throws std::invalid_argument for a missing or unknown tensor, a
   // wrong dtype or size, an id out of its range (labels, tokens) or a non-finite f32 value, before
-  // anything runs. Throws std::runtime_error naming the op if the step fails, and when the loss is
-  // not finite (the update was skipped); the trainer stays usable.
+  // anything runs. Throws std::runtime_error naming the op if the step fails, and when the loss or
+  // a weight gradient is not finite (the update was skipped); the weights and optimizer state are
+  // then those from before the step and the trainer stays usable. The one exception: a failure
+  // after the step had begun updating state kept on the device in place (its update phase; the
+  // forward and backward all succeeded) throws graph::PartialUpdateError naming the tensors that
+  // may hold this step's update. The state is then inconsistent, and step() and save_checkpoint()
+  // refuse to run (saying why) until load_checkpoint() has restored it.
   StepResult step(const Batch& batch);
   // A classifier's step (models::classifier): "input" and "labels".
   StepResult step(std::span<const float> images, std::span<const std::int32_t> labels);
@@ -186,6 +191,9 @@ class Trainer {
   // model, optimizer or batch; the message names the file, the problem and what to do, and the
   // trainer is unchanged.
   std::vector<std::byte> load_checkpoint(const std::filesystem::path& path);
+  // Why the training state is inconsistent (a step failed in its update phase and load_checkpoint
+  // has not restored it since); empty when it is not.
+  const std::string& inconsistent_state() const noexcept { return inconsistent_; }
 
  private:
   graph::Graph build_graph(const graph::VariantKey& key) const;
@@ -201,8 +209,12 @@ class Trainer {
   // predictor's fit; train_ for the group's last micro-batch with the fit (or without phases).
   graph::CompiledStep& training_variant(bool micro, bool fit);
   graph::CompiledStep& predict_variant_mutable();
-  // Runs `step` and reads what it measured: loss, hits, wall time, planned peak.
+  // Runs `step` and reads what it measured: loss, hits, wall time, planned peak. A failure that
+  // changed state in place marks the trainer inconsistent (inconsistent_) and is rethrown saying so.
   StepResult run_step(graph::CompiledStep& step, const ops::StepInfo& info);
+  // Throws std::runtime_error saying why, if the training state is inconsistent; `what` is what
+  // was refused ("step", "save a checkpoint").
+  void refuse_if_inconsistent(const char* what) const;
   // The first weight with a non-finite element, as "'name' (element i is v)"; empty if none.
   std::string non_finite_weight() const;
   // The fits of the last training step, summed over weights with the gains they predicted with.
@@ -236,6 +248,7 @@ class Trainer {
   std::vector<float> gains_;               // per weight, the gain of d and the weight of r its last prediction used
   std::vector<std::vector<std::byte>> restore_point_;  // the weights before the Predict run in flight
   bool in_predict_run_ = false;
+  std::string inconsistent_;  // see inconsistent_state()
   LossScaler scaler_;
   double phase_ms_[phase_count] = {};
   std::uint64_t phase_steps_[phase_count] = {};

@@ -1,0 +1,60 @@
+// Overflow guard: the init and per-gradient check kernels against the CPU reference, with finite
+// gradients, gradients with one or many non-finite elements (every writer racing to store the
+// same NaN), a non-finite loss, and lengths that are not multiples of the work-group size.
+#include <cmath>
+#include <limits>
+
+#include "ferry/ops/overflow_guard.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+struct GuardCase {
+  std::size_t elems;
+  std::size_t bad_every;  // 0: all finite; else every bad_every-th element is inf or NaN
+  float loss;
+};
+
+class OverflowGuardTest : public ::testing::TestWithParam<GuardCase> {};
+
+TEST_P(OverflowGuardTest, InitAndChecksMatchTheReference) {
+  const GuardCase c = GetParam();
+  auto& dev = TestDevice::get();
+  const std::vector<float> stats{c.loss, 3.0f};
+  auto clean = random_vector(c.elems, 1);
+  auto dirty = random_vector(c.elems, 2);
+  for (std::size_t i = 0; c.bad_every && i < c.elems; i += c.bad_every) {
+    dirty[i] = i % 2 ? std::numeric_limits<float>::quiet_NaN() : -std::numeric_limits<float>::infinity();
+  }
+  DeviceTensor dstats(stats), dclean(clean, 5), ddirty(dirty, 9), dguard(1, 3);
+  ops::LaunchList list = ops::overflow_guard_init(dev.env, dstats.span(), dguard.span());
+  for (const DeviceTensor* g : {&dclean, &ddirty}) {
+    for (auto& l : ops::overflow_guard_check(dev.env, g->span(), c.elems, dguard.span())) list.push_back(std::move(l));
+  }
+  ops::run_blocking(dev.context.compute(), list);
+  const std::span<const float> grads[] = {clean, dirty};
+  const float expected = ops::ref::overflow_guard<float>(c.loss, grads);
+  const float got = dguard.download()[0];
+  if (std::isnan(expected)) {
+    EXPECT_TRUE(std::isnan(got)) << got;
+  } else {
+    EXPECT_EQ(got, expected);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, OverflowGuardTest,
+                         ::testing::Values(GuardCase{1, 0, 2.5f}, GuardCase{1000, 0, 0.25f}, GuardCase{1000, 999, 1.0f},
+                                           GuardCase{4099, 1, 1.0f}, GuardCase{65, 7, 1.0f},
+                                           GuardCase{64, 0, std::numeric_limits<float>::infinity()},
+                                           GuardCase{64, 0, std::numeric_limits<float>::quiet_NaN()}));
+
+// An empty gradient needs no check: no launch.
+TEST(OverflowGuard, EmptyGradientIsNoLaunch) {
+  auto& dev = TestDevice::get();
+  DeviceTensor g(1), guard(1);
+  EXPECT_TRUE(ops::overflow_guard_check(dev.env, g.span(), 0, guard.span()).empty());
+}
+
+}  // namespace
+}  // namespace ferry::test
