@@ -8,6 +8,19 @@
 #define POOL_HW (POOL_H * POOL_W)
 #define POOL_PQ (POOL_P * POOL_Q)
 
+// Stores one window's maximum and its argmax. With the ReLU fused, a window whose maximum is not
+// positive (or is NaN) outputs 0 and routes no gradient (argmax -1 matches no element in backward).
+inline void store_pooled(float best_v, uint best, __global T_STORAGE* y, ulong yo, __global int* argmax, ulong ao) {
+#if POOL_RELU
+  const int positive = best_v > 0.0f;
+  STORE_T(positive ? best_v : 0.0f, y, yo);
+  argmax[ao] = positive ? (int)best : -1;
+#else
+  STORE_T(best_v, y, yo);
+  argmax[ao] = (int)best;
+#endif
+}
+
 // One work-item per output element; ties go to the first maximum in row-major window order.
 __kernel void maxpool2d_forward(__global const T_STORAGE* x, ulong x_off, __global T_STORAGE* y, ulong y_off,
                                 __global int* argmax, ulong argmax_off, uint count) {
@@ -30,16 +43,7 @@ __kernel void maxpool2d_forward(__global const T_STORAGE* x, ulong x_off, __glob
       best_v = gt ? v : best_v;
     }
   }
-#if POOL_RELU
-  // ReLU fused: a window whose maximum is not positive (or is NaN) outputs 0 and routes no
-  // gradient (argmax -1 matches no element in backward).
-  const int positive = best_v > 0.0f;
-  STORE_T(positive ? best_v : 0.0f, y, y_off + i);
-  argmax[argmax_off + i] = positive ? (int)best : -1;
-#else
-  STORE_T(best_v, y, y_off + i);
-  argmax[argmax_off + i] = (int)best;
-#endif
+  store_pooled(best_v, best, y, y_off + i, argmax, argmax_off + i);
 }
 
 // One work-item per input element: the sum of dy over the windows that contain it and chose it
@@ -99,14 +103,7 @@ inline void pool2_one(__global const T_STORAGE* x, ulong plane, uint p, uint q, 
       best_v = v;
     }
   }
-#if POOL_RELU
-  const int positive = best_v > 0.0f;
-  STORE_T(positive ? best_v : 0.0f, y, yo);
-  argmax[ao] = positive ? (int)best : -1;
-#else
-  STORE_T(best_v, y, yo);
-  argmax[ao] = (int)best;
-#endif
+  store_pooled(best_v, best, y, yo, argmax, ao);
 }
 
 __kernel void maxpool2x2_forward_rows(__global const T_STORAGE* x, ulong x_off, __global T_STORAGE* y, ulong y_off,
