@@ -85,6 +85,7 @@ std::string tag_text(std::uint32_t t) {
 class Checksum {
  public:
   void add(const void* data, std::size_t n) {
+    if (n == 0) return;  // data may be null then (an empty span), which memcpy must not see
     const auto* p = static_cast<const unsigned char*>(data);
     if (pending_n_) {
       const std::size_t take = std::min(n, 8 - pending_n_);

@@ -10,9 +10,13 @@
 #      predictions against a CPU forward pass (it exits non-zero otherwise).
 #
 #   run.sh --build-dir DIR --source-dir DIR --work-dir DIR [--cmake PATH] [--generator NAME] [--cxx PATH]
+#          [--cxx-flags FLAGS] [--exe-linker-flags FLAGS]
+#
+# The flags are the build tree's own CMAKE_CXX_FLAGS and CMAKE_EXE_LINKER_FLAGS: a sanitized ferry
+# (the asan preset) needs the sanitizer in every program that links it, as a user's would.
 set -Eeuo pipefail
 
-build_dir="" source_dir="" work_dir="" cmake_bin=cmake generator="" cxx=""
+build_dir="" source_dir="" work_dir="" cmake_bin=cmake generator="" cxx="" cxx_flags="" exe_linker_flags=""
 while (($#)); do
   case "$1" in
     --build-dir) build_dir=$2 ;;
@@ -21,6 +25,8 @@ while (($#)); do
     --cmake) cmake_bin=$2 ;;
     --generator) generator=$2 ;;
     --cxx) cxx=$2 ;;
+    --cxx-flags) cxx_flags=$2 ;;
+    --exe-linker-flags) exe_linker_flags=$2 ;;
     *)
       echo "package test: unknown argument $1" >&2
       exit 2
@@ -53,6 +59,8 @@ configure_args=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$prefix"
   -DCMAKE_DISABLE_FIND_PACKAGE_CLI11=ON)
 [[ -n $generator ]] && configure_args+=(-G "$generator")
 [[ -n $cxx ]] && configure_args+=("-DCMAKE_CXX_COMPILER=$cxx")
+[[ -n $cxx_flags ]] && configure_args+=("-DCMAKE_CXX_FLAGS=$cxx_flags")
+[[ -n $exe_linker_flags ]] && configure_args+=("-DCMAKE_EXE_LINKER_FLAGS=$exe_linker_flags")
 
 # 1. Install.
 step="installing $build_dir into $prefix"
