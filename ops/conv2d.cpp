@@ -277,15 +277,11 @@ KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSp
 void pad_input(OpEnv& env, const Conv2dShape& s, const Layout& lay, DeviceSpan x, DeviceSpan scratch,
                LaunchList& list) {
   const DeviceSpan xp = at(scratch, lay.xpad);
-  const std::size_t rows = s.N * s.C * (s.H + 2 * s.pad);
+  const std::size_t count = s.N * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad);
   cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", defines(s));
   cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xp.buffer, xp.elem_offset(),
-               static_cast<cl_uint>(rows));
-  KernelLaunch l;
-  l.kernel = std::move(pad);
-  l.global[0] = round_up(rows, 64);
-  l.local[0] = 64;
-  list.push_back(std::move(l));
+               static_cast<cl_uint>(count));
+  list.push_back(launch_1d(env, std::move(pad), count + kDirectSlack));
 }
 
 // The padded input and the offset tables of the implicit column matrix (conv2d_tables): what the
