@@ -49,62 +49,64 @@ struct Uses {
   }
 };
 
-// relu -> maxpool2d: the pool reads the ReLU's input and applies it.
-void fuse_into_pools(Graph& g) {
-  const NodeTable old = g.nodes;
-  const Uses uses(g);
+// Rebuilds the node table with each host node n that takes in the ReLU absorbed[n] marked fused
+// (attrs.i[2] = 1) and given operands by `rewire(ins, outs, relu)`, and those ReLUs left out.
+template <class Rewire>
+void absorb_relus(Graph& g, const std::vector<NodeId>& absorbed, Rewire rewire) {
+  const NodeTable& old = g.nodes;
+  const NodeId none = Uses::no_node(g);
   std::vector<bool> dropped(old.size(), false);
-  std::vector<NodeId> fused_relu(old.size(), Uses::no_node(g));
-  for (NodeId n = 0; n < old.size(); ++n) {
-    if (old.op[n] != builtin::maxpool2d || old.attrs[n].i[2] != 0) continue;
-    const TensorId y = old.inputs(n)[0];
-    const NodeId r = uses.producer[y];
-    if (r == old.size() || !is_relu(old, r) || !uses.read_once(g, y)) continue;
-    dropped[r] = true;
-    fused_relu[n] = r;
+  for (NodeId r : absorbed) {
+    if (r != none) dropped[r] = true;
   }
   NodeTable out;
   for (NodeId n = 0; n < old.size(); ++n) {
     if (dropped[n]) continue;
-    if (fused_relu[n] == old.size()) {
+    if (absorbed[n] == none) {
       out.add_copy(old, n);
       continue;
     }
-    const TensorId x = old.inputs(fused_relu[n])[0];
-    const std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
-    const NodeId m = out.add_copy(old, n, std::span(&x, 1), outs, old.lane[n]);
+    std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
+    std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
+    rewire(ins, outs, absorbed[n]);
+    const NodeId m = out.add_copy(old, n, ins, outs, old.lane[n]);
     out.attrs[m].i[2] = 1;
   }
   g.nodes = std::move(out);
 }
 
+// relu -> maxpool2d: the pool reads the ReLU's input and applies it.
+void fuse_into_pools(Graph& g) {
+  const NodeTable& old = g.nodes;
+  const Uses uses(g);
+  std::vector<NodeId> relu_of(old.size(), Uses::no_node(g));  // pool node -> the ReLU it takes in
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] != builtin::maxpool2d || old.attrs[n].i[2] != 0) continue;
+    const TensorId y = old.inputs(n)[0];
+    const NodeId r = uses.producer[y];
+    if (r == old.size() || !is_relu(old, r) || !uses.read_once(g, y)) continue;
+    relu_of[n] = r;
+  }
+  absorb_relus(g, relu_of, [&](std::vector<TensorId>& ins, std::vector<TensorId>&, NodeId relu) {
+    ins.assign(1, old.inputs(relu)[0]);
+  });
+}
+
 // conv2d -> relu: the convolution writes the ReLU's output with the ReLU applied.
 void fuse_into_convolutions(Graph& g) {
-  const NodeTable old = g.nodes;
+  const NodeTable& old = g.nodes;
   const Uses uses(g);
   std::vector<NodeId> relu_of(old.size(), Uses::no_node(g));  // conv node -> the ReLU it takes in
-  std::vector<bool> dropped(old.size(), false);
   for (NodeId n = 0; n < old.size(); ++n) {
     if (!is_relu(old, n)) continue;
     const TensorId y = old.inputs(n)[0];
     const NodeId c = uses.producer[y];
     if (c == old.size() || old.op[c] != builtin::conv2d || old.attrs[c].i[2] != 0 || !uses.read_once(g, y)) continue;
     relu_of[c] = n;
-    dropped[n] = true;
   }
-  NodeTable out;
-  for (NodeId n = 0; n < old.size(); ++n) {
-    if (dropped[n]) continue;
-    if (relu_of[n] == old.size()) {
-      out.add_copy(old, n);
-      continue;
-    }
-    const TensorId y = old.outputs(relu_of[n])[0];
-    const std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
-    const NodeId m = out.add_copy(old, n, ins, std::span(&y, 1), old.lane[n]);
-    out.attrs[m].i[2] = 1;
-  }
-  g.nodes = std::move(out);
+  absorb_relus(g, relu_of, [&](std::vector<TensorId>&, std::vector<TensorId>& outs, NodeId relu) {
+    outs.assign(1, old.outputs(relu)[0]);
+  });
 }
 
 }  // namespace
