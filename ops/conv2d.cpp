@@ -280,7 +280,7 @@ void pad_input(OpEnv& env, const Conv2dShape& s, const Layout& lay, DeviceSpan x
   const std::size_t count = s.N * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad);
   cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", defines(s));
   cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xp.buffer, xp.elem_offset(),
-               static_cast<cl_uint>(count));
+               static_cast<cl_uint>(count), static_cast<cl_uint>(count + kDirectSlack));
   list.push_back(launch_1d(env, std::move(pad), count + kDirectSlack));
 }
 

@@ -146,18 +146,18 @@ __kernel void conv2d_bias_sum(__global const float* part, ulong part_off, __glob
 }
 
 #define CONV_HP (CONV_H + 2 * CONV_PAD)
-#define PAD_SLACK 32  // floats after xp (kDirectSlack in conv2d.cpp)
 #define CONV_WP (CONV_W + 2 * CONV_PAD)
 
 // xp[n, c, hp, wp] = x[n, c, hp - pad, wp - pad], 0 in the border, widened to f32: the input the
 // implicit column matrix of the packed GEMM reads (A(m, k) = xp[rows[m] + cols[k]], no im2col).
-// One work-item per element of xp, then PAD_SLACK zeros after it: the direct kernels' last vector
+// One work-item per element of xp, then zeros up to `total` (the slack the host reserves after it): the direct kernels' last vector
 // loads reach there (conv2d_direct.cl), and lanes a product multiplies by 0 must not hold a NaN
-// pattern. Global: N*C*HP*WP + PAD_SLACK rounded up. (A row kernel measured faster on PoCL but
+// pattern. Global: total rounded up. (A row kernel measured faster on PoCL but
 // gave wrong rows past the first image on Oclgrind; not understood yet, so not used.)
-__kernel void conv2d_pad(__global const T_STORAGE* x, ulong x_off, __global float* xp, ulong xp_off, uint count) {
+__kernel void conv2d_pad(__global const T_STORAGE* x, ulong x_off, __global float* xp, ulong xp_off, uint count,
+                         uint total) {
   const uint i = get_global_id(0);
-  if (i >= count + PAD_SLACK) return;
+  if (i >= total) return;
   if (i >= count) {
     xp[xp_off + i] = 0.0f;
     return;
