@@ -1,0 +1,683 @@
+// The checkpoint file format (runtime/checkpoint_format.hpp): writer, reader, sections, records.
+#include "checkpoint_format.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <type_traits>
+
+#ifndef FERRY_VERSION
+#define FERRY_VERSION "unknown"
+#endif
+
+namespace ferry {
+
+static_assert(std::endian::native == std::endian::little, "checkpoints are written little-endian, as the host is");
+
+const char* ferry_version() noexcept {
+  return FERRY_VERSION;
+}
+
+std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes, std::uint64_t seed) noexcept {
+  constexpr std::uint64_t prime = 0x100000001b3ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint64_t h = seed;
+  std::size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * prime;
+  }
+  for (; i < bytes; ++i) h = (h ^ p[i]) * prime;
+  return h;
+}
+
+void check_checkpoint_path(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw std::runtime_error(
+        fmt::format("cannot write checkpoints to '{}': it is a folder; give a file name in it, e.g. '{}'",
+                    path.string(), (path / "run.ckpt").string()));
+  }
+  const auto folder = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
+  if (!std::filesystem::is_directory(folder, ec)) {
+    throw std::runtime_error(
+        fmt::format("cannot write checkpoints to '{}': the folder '{}' does not exist: create it first (mkdir -p {})",
+                    path.string(), folder.string(), folder.string()));
+  }
+  ckpt::AtomicFile probe(path);  // created, then removed by its destructor: the folder is writable
+  probe.put(std::uint64_t{0});
+}
+
+namespace ckpt {
+namespace {
+
+std::string errno_text(int e) {
+  return std::strerror(e);
+}
+
+// A small section's payload, built in memory.
+class Payload {
+ public:
+  template <class T>
+  void put(T v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    bytes_.insert(bytes_.end(), p, p + sizeof v);
+  }
+  void put_string(const std::string& s) {
+    put(static_cast<std::uint32_t>(s.size()));
+    const auto* p = reinterpret_cast<const std::byte*>(s.data());
+    bytes_.insert(bytes_.end(), p, p + s.size());
+  }
+  void put_doubles(const std::vector<double>& v) {
+    put(static_cast<std::uint32_t>(v.size()));
+    for (double d : v) put(d);
+  }
+  const std::vector<std::byte>& bytes() const { return bytes_; }
+
+ private:
+  std::vector<std::byte> bytes_;
+};
+
+// Reads a small section's payload back; running past its end means the writer and reader
+// disagree, which the checksum has already ruled out for damage, so it is reported as corrupt.
+class Cursor {
+ public:
+  Cursor(const std::vector<std::byte>& bytes, const Reader& r) : bytes_(bytes), r_(r) {}
+  template <class T>
+  T get() {
+    T v;
+    need(sizeof v);
+    std::memcpy(&v, bytes_.data() + at_, sizeof v);
+    at_ += sizeof v;
+    return v;
+  }
+  std::string get_string() {
+    const auto n = get<std::uint32_t>();
+    need(n);
+    std::string s(reinterpret_cast<const char*>(bytes_.data() + at_), n);
+    at_ += n;
+    return s;
+  }
+  std::vector<double> get_doubles() {
+    const auto n = get<std::uint32_t>();
+    need(std::uint64_t{n} * sizeof(double));
+    std::vector<double> v(n);
+    for (auto& d : v) d = get<double>();
+    return v;
+  }
+  void finish() const {
+    if (at_ != bytes_.size()) fail();
+  }
+  std::size_t left() const { return bytes_.size() - at_; }
+
+ private:
+  void need(std::uint64_t n) const {
+    if (n > bytes_.size() - at_) fail();
+  }
+  [[noreturn]] void fail() const {
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' is corrupt: a section's contents do not parse although its checksum holds (written by "
+        "another ferry build?); the trainer was not changed: use another checkpoint",
+        r_.path().string()));
+  }
+  const std::vector<std::byte>& bytes_;
+  const Reader& r_;
+  std::size_t at_ = 0;
+};
+
+// Writes one section: its head, then payload pieces adding up to the length announced, then
+// the checksum.
+class SectionWriter {
+ public:
+  SectionWriter(AtomicFile& f, std::uint32_t t, std::uint64_t length) : f_(f), left_(length) {
+    const std::uint32_t reserved = 0;
+    sum_.add(&t, 4);
+    sum_.add(&reserved, 4);
+    sum_.add(&length, 8);
+    f_.put(t);
+    f_.put(reserved);
+    f_.put(length);
+  }
+  void add(const void* data, std::size_t n) {
+    if (n > left_) throw std::logic_error("checkpoint section longer than announced");
+    sum_.add(data, n);
+    f_.write(data, n);
+    left_ -= n;
+  }
+  void end() {
+    if (left_ != 0) throw std::logic_error("checkpoint section shorter than announced");
+    f_.put(sum_.value());
+  }
+
+ private:
+  AtomicFile& f_;
+  std::uint64_t left_;
+  Checksum sum_;
+};
+
+void write_section(AtomicFile& f, std::uint32_t t, const std::vector<std::byte>& payload) {
+  SectionWriter w(f, t, payload.size());
+  w.add(payload.data(), payload.size());
+  w.end();
+}
+
+// Reads the section at `offset`, checks its tag is `expected` and (when given) its length, and
+// verifies its checksum by reading it through; small payloads are kept in `keep`.
+Section read_section(const Reader& r, std::uint64_t offset, std::uint32_t expected, const std::string& what,
+                     std::optional<std::uint64_t> length = std::nullopt, std::vector<std::byte>* keep = nullptr) {
+  if (offset > r.size() || r.size() - offset < section_head_bytes + 8) {
+    throw r.truncated(offset, fmt::format("section {}", what));
+  }
+  unsigned char head[section_head_bytes];
+  r.read(offset, head, sizeof head);
+  Section s;
+  s.offset = offset;
+  std::uint32_t reserved = 0;
+  std::memcpy(&s.tag, head, 4);
+  std::memcpy(&reserved, head + 4, 4);
+  std::memcpy(&s.length, head + 8, 8);
+  Checksum sum;
+  sum.add(head, sizeof head);
+  if (s.tag != expected || reserved != 0) {
+    throw r.corrupt(fmt::format("at byte {} the file has a section '{}' where section {} ('{}') belongs", offset,
+                                tag_text(s.tag), what, tag_text(expected)));
+  }
+  if (s.length > r.size() - offset - section_head_bytes - 8) {
+    throw r.truncated(offset, fmt::format("section {} (at byte {}, {} bytes long)", what, offset, s.length));
+  }
+  if (length && s.length != *length) {
+    throw r.corrupt(fmt::format("section {} at byte {} is {} bytes long, not {}", what, offset, s.length, *length));
+  }
+  std::vector<std::byte> local;
+  std::vector<std::byte>& buf = keep ? *keep : local;
+  if (keep) {
+    buf.resize(s.length);
+    r.read(s.payload(), buf.data(), buf.size());
+    sum.add(buf.data(), buf.size());
+  } else {
+    buf.resize(std::min<std::uint64_t>(s.length, io_chunk));
+    for (std::uint64_t done = 0; done < s.length;) {
+      const std::size_t n = std::min<std::uint64_t>(buf.size(), s.length - done);
+      r.read(s.payload() + done, buf.data(), n);
+      sum.add(buf.data(), n);
+      done += n;
+    }
+  }
+  r.read(s.payload() + s.length, &s.checksum, 8);
+  if (sum.value() != s.checksum) {
+    throw r.corrupt(fmt::format("section {} (bytes {} to {}) fails its checksum", what, offset, s.end()));
+  }
+  return s;
+}
+
+// The header: magic, format version, the writer's ferry version, its checksum.
+void write_header(AtomicFile& f) {
+  unsigned char h[header_bytes] = {};
+  std::memcpy(h, checkpoint_magic, 8);
+  const std::uint32_t version = checkpoint_format_version;
+  std::memcpy(h + 8, &version, 4);
+  std::strncpy(reinterpret_cast<char*>(h + 16), ferry_version(), 15);
+  const std::uint64_t sum = checkpoint_checksum(h, 32);
+  std::memcpy(h + 32, &sum, 8);
+  f.write(h, sizeof h);
+}
+
+void read_header(const Reader& r) {
+  unsigned char h[header_bytes] = {};
+  const std::size_t have = std::min<std::uint64_t>(r.size(), header_bytes);
+  r.read(0, h, have);
+  if (have < 8 || std::memcmp(h, checkpoint_magic, 8) != 0) {
+    if (have < 8 && std::memcmp(h, checkpoint_magic, have) == 0) throw r.truncated(0, "the header");
+    throw std::runtime_error(
+        fmt::format("'{}' is not a ferry checkpoint (it does not start with {}): pass a file written by ferry train "
+                    "--checkpoint or Trainer::save_checkpoint",
+                    r.path().string(), checkpoint_magic));
+  }
+  if (have < header_bytes) throw r.truncated(have, "the header");
+  std::uint64_t sum = 0;
+  std::memcpy(&sum, h + 32, 8);
+  if (checkpoint_checksum(h, 32) != sum) throw r.corrupt("the header (bytes 0 to 40) fails its checksum");
+  std::uint32_t version = 0;
+  std::memcpy(&version, h + 8, 4);
+  char writer[16] = {};
+  std::memcpy(writer, h + 16, 15);
+  if (version > checkpoint_format_version) {
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' has format version {} (written by ferry {}), newer than this ferry {} reads (up to version "
+        "{}): load it with ferry {} or newer",
+        r.path().string(), version, writer, ferry_version(), checkpoint_format_version, writer));
+  }
+  if (version == 0) throw r.corrupt("the header's format version is 0");
+}
+
+std::vector<std::byte> encode_trainer(const TrainerRecord& t) {
+  Payload p;
+  p.put(t.steps);
+  p.put(t.micro);
+  p.put(t.lr);
+  for (std::size_t i = 0; i < phase_count; ++i) {
+    p.put(t.phase_ms[i]);
+    p.put(t.phase_steps[i]);
+  }
+  p.put(t.loss_scale);
+  p.put(t.clean_steps);
+  p.put(t.overflows);
+  p.put(static_cast<std::uint8_t>(t.in_predict_run));
+  p.put(static_cast<std::uint32_t>(t.gains.size()));
+  for (float g : t.gains) p.put(g);
+  return p.bytes();
+}
+
+TrainerRecord decode_trainer(const std::vector<std::byte>& bytes, const Reader& r) {
+  Cursor c(bytes, r);
+  TrainerRecord t;
+  t.steps = c.get<std::uint64_t>();
+  t.micro = c.get<std::uint32_t>();
+  t.lr = c.get<float>();
+  for (std::size_t i = 0; i < phase_count; ++i) {
+    t.phase_ms[i] = c.get<double>();
+    t.phase_steps[i] = c.get<std::uint64_t>();
+  }
+  t.loss_scale = c.get<float>();
+  t.clean_steps = c.get<std::uint32_t>();
+  t.overflows = c.get<std::uint64_t>();
+  t.in_predict_run = c.get<std::uint8_t>() != 0;
+  const auto gains = c.get<std::uint32_t>();
+  if (gains > c.left() / sizeof(float)) throw r.corrupt("section TRNR holds more gains than bytes");
+  t.gains.resize(gains);
+  for (auto& g : t.gains) g = c.get<float>();
+  c.finish();
+  return t;
+}
+
+std::vector<std::byte> encode_phases(const std::optional<PhaseController::State>& phases) {
+  Payload p;
+  p.put(static_cast<std::uint8_t>(phases.has_value()));
+  if (phases) {
+    const PhaseController::State& s = *phases;
+    p.put(static_cast<std::uint8_t>(s.next));
+    for (auto n : s.counts.steps) p.put(n);
+    p.put(s.counts.runs);
+    p.put(s.counts.ended);
+    p.put(s.counts.restores);
+    p.put(s.length);
+    p.put(s.in_phase);
+    p.put(s.since_fit);
+    p.put(static_cast<std::uint8_t>(s.cut_short));
+    p.put(s.last_quality);
+    p.put_doubles(s.losses);
+    p.put_doubles(s.qualities);
+    p.put_doubles(s.predict_losses);
+  }
+  return p.bytes();
+}
+
+std::optional<PhaseController::State> decode_phases(const std::vector<std::byte>& bytes, const Reader& r) {
+  Cursor c(bytes, r);
+  std::optional<PhaseController::State> phases;
+  if (c.get<std::uint8_t>()) {
+    PhaseController::State s;
+    const auto next = c.get<std::uint8_t>();
+    if (next >= phase_count) throw r.corrupt(fmt::format("section PHAS names phase {} of {}", next, phase_count));
+    s.next = static_cast<Phase>(next);
+    for (auto& n : s.counts.steps) n = c.get<std::uint64_t>();
+    s.counts.runs = c.get<std::uint64_t>();
+    s.counts.ended = c.get<std::uint64_t>();
+    s.counts.restores = c.get<std::uint64_t>();
+    s.length = c.get<std::uint32_t>();
+    s.in_phase = c.get<std::uint32_t>();
+    s.since_fit = c.get<std::uint32_t>();
+    s.cut_short = c.get<std::uint8_t>() != 0;
+    s.last_quality = c.get<double>();
+    s.losses = c.get_doubles();
+    s.qualities = c.get_doubles();
+    s.predict_losses = c.get_doubles();
+    phases = std::move(s);
+  }
+  c.finish();
+  return phases;
+}
+
+}  // namespace
+
+std::string tag_text(std::uint32_t t) {
+  std::string s;
+  for (int i = 0; i < 4; ++i) {
+    const char c = static_cast<char>((t >> (8 * i)) & 0xff);
+    s += (c >= 0x20 && c < 0x7f) ? c : '?';
+  }
+  return s;
+}
+
+void Checksum::add(const void* data, std::size_t n) {
+  if (n == 0) return;  // data may be null then (an empty span), which memcpy must not see
+  const auto* p = static_cast<const unsigned char*>(data);
+  if (pending_n_) {
+    const std::size_t take = std::min(n, 8 - pending_n_);
+    std::memcpy(pending_ + pending_n_, p, take);
+    pending_n_ += take;
+    p += take;
+    n -= take;
+    if (pending_n_ < 8) return;
+    h_ = checkpoint_checksum(pending_, 8, h_);
+    pending_n_ = 0;
+  }
+  const std::size_t whole = n & ~std::size_t{7};
+  h_ = checkpoint_checksum(p, whole, h_);
+  std::memcpy(pending_, p + whole, n - whole);
+  pending_n_ = n - whole;
+}
+
+// ---- AtomicFile ----
+
+AtomicFile::AtomicFile(const std::filesystem::path& path) : path_(path) {
+  static std::atomic<std::uint64_t> counter{0};
+  const auto folder = path_.parent_path().empty() ? std::filesystem::path(".") : path_.parent_path();
+  for (int attempt = 0;; ++attempt) {
+    const auto stamp = std::chrono::steady_clock::now().time_since_epoch().count();
+    temp_ = folder / fmt::format(".{}.tmp-{}-{}-{:x}", path_.filename().string(), getpid(), counter++,
+                                 static_cast<std::uint64_t>(stamp) & 0xffffff);
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ >= 0) break;
+    if (errno != EEXIST || attempt > 100) {
+      throw std::runtime_error(
+          fmt::format("cannot write checkpoint '{}': creating a file in '{}' failed ({}): choose a writable folder",
+                      path_.string(), folder.string(), errno_text(errno)));
+    }
+  }
+  buffer_.reserve(io_chunk);
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(temp_.c_str());
+}
+
+void AtomicFile::write(const void* data, std::size_t n) {
+  const auto* p = static_cast<const std::byte*>(data);
+  if (buffer_.size() + n > io_chunk) flush();
+  if (n >= io_chunk) {
+    write_all(p, n);
+  } else {
+    buffer_.insert(buffer_.end(), p, p + n);
+  }
+  offset_ += n;
+}
+
+void AtomicFile::commit() {
+  flush();
+  if (::fsync(fd_) != 0) fail("syncing");
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    fail("closing");
+  }
+  fd_ = -1;
+  if (::rename(temp_.c_str(), path_.c_str()) != 0) fail(fmt::format("renaming it to '{}'", path_.string()));
+  committed_ = true;
+  // The rename is durable once the folder is synced.
+  const auto folder = path_.parent_path().empty() ? std::filesystem::path(".") : path_.parent_path();
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+void AtomicFile::flush() {
+  if (!buffer_.empty()) write_all(buffer_.data(), buffer_.size());
+  buffer_.clear();
+}
+
+void AtomicFile::write_all(const std::byte* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd_, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail("writing");
+    }
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+void AtomicFile::fail(const std::string& doing) const {
+  const int e = errno;
+  throw std::runtime_error(fmt::format(
+      "cannot write checkpoint '{}': {} the temporary file '{}' failed ({}); any earlier checkpoint at that path "
+      "is unchanged: free space or choose another folder",
+      path_.string(), doing, temp_.string(), errno_text(e)));
+}
+
+// ---- Reader ----
+
+Reader::Reader(const std::filesystem::path& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
+    throw std::runtime_error(
+        fmt::format("cannot open checkpoint '{}': {}: check the path", path.string(), errno_text(errno)));
+  }
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is not a regular file: pass the file --checkpoint wrote", path.string()));
+  }
+  size_ = static_cast<std::uint64_t>(st.st_size);
+}
+
+Reader::~Reader() {
+  ::close(fd_);
+}
+
+void Reader::read(std::uint64_t offset, void* dst, std::size_t n) const {
+  auto* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      throw std::runtime_error(fmt::format("cannot read checkpoint '{}' at byte {}: {}; the trainer was not changed",
+                                           path_.string(), offset, errno_text(errno)));
+    }
+    if (r == 0) throw truncated(offset, "the file");
+    p += r;
+    offset += static_cast<std::uint64_t>(r);
+    n -= static_cast<std::size_t>(r);
+  }
+}
+
+std::runtime_error Reader::corrupt(const std::string& what) const {
+  return std::runtime_error(fmt::format(
+      "checkpoint '{}' is corrupt: {}; the trainer was not changed: use another checkpoint (an earlier one, or "
+      "retrain)",
+      path_.string(), what));
+}
+
+std::runtime_error Reader::truncated(std::uint64_t at, const std::string& where) const {
+  return std::runtime_error(fmt::format(
+      "checkpoint '{}' is truncated or corrupt: {} needs bytes past its end ({} bytes, needed at byte {}); the "
+      "writer may have been stopped, or the file damaged in a copy; the trainer was not changed: use another "
+      "checkpoint",
+      path_.string(), where, size_, at));
+}
+
+// ---- Fingerprint ----
+
+std::vector<std::byte> Fingerprint::encode() const {
+  Payload p;
+  p.put_string(model);
+  p.put_string(optimizer);
+  p.put(batch);
+  p.put(accumulate);
+  p.put(precision);
+  p.put(scaled);
+  p.put(hybrid);
+  p.put(static_cast<std::uint32_t>(tensors.size()));
+  for (const auto& t : tensors) {
+    p.put_string(t.name);
+    p.put(t.dtype);
+    p.put(t.shape.rank);
+    for (std::uint8_t i = 0; i < t.shape.rank; ++i) p.put(t.shape.dims[i]);
+    p.put(t.bytes);
+  }
+  return p.bytes();
+}
+
+Fingerprint Fingerprint::decode(const std::vector<std::byte>& bytes, const Reader& r) {
+  Cursor c(bytes, r);
+  Fingerprint f;
+  f.model = c.get_string();
+  f.optimizer = c.get_string();
+  f.batch = c.get<std::uint32_t>();
+  f.accumulate = c.get<std::uint32_t>();
+  f.precision = c.get<std::uint8_t>();
+  f.scaled = c.get<std::uint8_t>();
+  f.hybrid = c.get<std::uint8_t>();
+  const auto n = c.get<std::uint32_t>();
+  for (std::uint32_t i = 0; i < n; ++i) {
+    Tensor t;
+    t.name = c.get_string();
+    t.dtype = c.get<std::uint8_t>();
+    t.shape.rank = c.get<std::uint8_t>();
+    if (t.shape.rank > t.shape.dims.size()) throw r.corrupt("a tensor in the fingerprint has rank above 4");
+    for (std::uint8_t d = 0; d < t.shape.rank; ++d) t.shape.dims[d] = c.get<std::uint32_t>();
+    t.bytes = c.get<std::uint64_t>();
+    f.tensors.push_back(std::move(t));
+  }
+  c.finish();
+  return f;
+}
+
+// ---- Whole files ----
+
+Contents read_contents(const Reader& r) {
+  read_header(r);
+  Contents c;
+  std::uint64_t at = header_bytes, sections = 0;
+  std::vector<std::byte> bytes;
+  const auto next = [&](std::uint32_t tg, const char* what, std::vector<std::byte>* keep) {
+    const Section s = read_section(r, at, tg, what, std::nullopt, keep);
+    at = s.end();
+    ++sections;
+  };
+  next(tag_model, "MODL (the model fingerprint)", &bytes);
+  c.fingerprint = Fingerprint::decode(bytes, r);
+  next(tag_trainer, "TRNR (the trainer's counters)", &bytes);
+  c.trainer = decode_trainer(bytes, r);
+  next(tag_phases, "PHAS (the phase controller)", &bytes);
+  c.phases = decode_phases(bytes, r);
+  next(tag_caller, "CALR (the caller's state)", &c.caller);
+
+  // The tensors: verified by reading them through, their places kept for read_tensor.
+  const auto tensor_section = [&](std::uint32_t tg, const Fingerprint::Tensor& ft, const char* kind) {
+    const std::string what = fmt::format("{} {} of tensor '{}'", tag_text(tg), kind, ft.name);
+    // The name first, so a section of another tensor is named as such.
+    if (at <= r.size() && r.size() - at >= section_head_bytes + 4 + ft.name.size()) {
+      std::uint32_t len = 0;
+      r.read(at + section_head_bytes, &len, 4);
+      std::string name(len == ft.name.size() ? len : 0, '\0');
+      if (len == ft.name.size()) r.read(at + section_head_bytes + 4, name.data(), len);
+      if (len != ft.name.size() || name != ft.name) {
+        // Either damage or sections out of order: the checksum tells which.
+        read_section(r, at, tg, what);
+        throw r.corrupt(
+            fmt::format("at byte {} the file holds another tensor than '{}', which belongs there", at, ft.name));
+      }
+    }
+    if (ft.bytes > r.size()) throw r.truncated(at, what);
+    const Section sec = read_section(r, at, tg, what, 4 + ft.name.size() + ft.bytes);
+    at = sec.end();
+    ++sections;
+    return sec;
+  };
+  for (const auto& ft : c.fingerprint.tensors) c.tensors.push_back(tensor_section(tag_tensor, ft, "(a tensor)"));
+  if (c.trainer.in_predict_run) {
+    // Two gains per weight (ops/predictor.hpp: the gain of d and the weight of r), so the weights
+    // are the first gains.size() / 2 tensors.
+    const std::size_t gains = c.trainer.gains.size();
+    if (gains % 2 != 0 || gains / 2 > c.fingerprint.tensors.size())
+      throw r.corrupt("section TRNR holds an odd number of gains, or more than two per weight");
+    for (std::size_t i = 0; i < gains / 2; ++i) {
+      c.restores.push_back(tensor_section(tag_restore, c.fingerprint.tensors[i], "(the weight before a Predict run)"));
+    }
+  }
+  const Section s = read_section(r, at, tag_end, "END! (the end)", 16, &bytes);
+  Cursor ec(bytes, r);
+  const auto end_sections = ec.get<std::uint64_t>();
+  const auto end_offset = ec.get<std::uint64_t>();
+  if (end_sections != sections || end_offset != at) {
+    throw r.corrupt(fmt::format("the END! section counts {} sections before byte {}, the file has {} before byte {}",
+                                end_sections, end_offset, sections, at));
+  }
+  if (s.end() != r.size()) {
+    throw r.corrupt(
+        fmt::format("{} bytes follow the END! section, which ends at byte {}", r.size() - s.end(), s.end()));
+  }
+  return c;
+}
+
+std::optional<std::span<const std::byte>> read_tensor(const Reader& r, const Section& s, std::size_t name_bytes,
+                                                      std::vector<std::byte>& buf) {
+  buf.resize(s.length);
+  r.read(s.payload(), buf.data(), buf.size());
+  Checksum sum;
+  const std::uint32_t reserved = 0;
+  sum.add(&s.tag, 4);
+  sum.add(&reserved, 4);
+  sum.add(&s.length, 8);
+  sum.add(buf.data(), buf.size());
+  if (sum.value() != s.checksum) return std::nullopt;
+  return std::span<const std::byte>(buf).subspan(4 + name_bytes);
+}
+
+void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
+                      const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
+                      const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
+                      std::span<const std::vector<std::byte>> restores) {
+  AtomicFile f(path);
+  std::uint64_t sections = 0;
+  write_header(f);
+  write_section(f, tag_model, fingerprint.encode());
+  write_section(f, tag_trainer, encode_trainer(trainer));
+  write_section(f, tag_phases, encode_phases(phases));
+  write_section(f, tag_caller, std::vector<std::byte>(caller.begin(), caller.end()));
+  sections += 4;
+
+  // One tensor at a time, through one buffer.
+  const auto write_tensor_section = [&](std::uint32_t tg, const std::string& name, const void* data,
+                                        std::size_t bytes) {
+    const auto name_len = static_cast<std::uint32_t>(name.size());
+    SectionWriter w(f, tg, 4 + name.size() + bytes);
+    w.add(&name_len, 4);
+    w.add(name.data(), name.size());
+    w.add(data, bytes);
+    w.end();
+    ++sections;
+  };
+  std::vector<std::byte> buf;
+  for (std::size_t i = 0; i < fingerprint.tensors.size(); ++i) {
+    buf.resize(fingerprint.tensors[i].bytes);
+    tensor(i, buf);
+    write_tensor_section(tag_tensor, fingerprint.tensors[i].name, buf.data(), buf.size());
+  }
+  for (std::size_t i = 0; i < restores.size(); ++i) {
+    write_tensor_section(tag_restore, fingerprint.tensors[i].name, restores[i].data(), restores[i].size());
+  }
+  Payload end;
+  end.put(sections);
+  end.put(f.offset());
+  write_section(f, tag_end, end.bytes());
+  f.commit();
+}
+
+}  // namespace ckpt
+}  // namespace ferry

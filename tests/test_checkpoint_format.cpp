@@ -1,0 +1,185 @@
+// The checkpoint file format alone (runtime/checkpoint_format.hpp), without a trainer: a written
+// file reads back as written; any one flipped bit and any truncation is refused with
+// std::runtime_error; and the fuzzer's seed corpus (fuzz/corpus/checkpoint/) is still a set of
+// valid files of the current format.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "../runtime/checkpoint_format.hpp"
+
+namespace ferry {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<char> slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void spit(const fs::path& p, const std::vector<char>& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+class CheckpointFormat : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / fmt_dir();
+    fs::create_directories(dir_);
+    fp_.model = "m";
+    fp_.optimizer = "adamw";
+    fp_.batch = 4;
+    fp_.accumulate = 2;
+    fp_.hybrid = 1;
+    fp_.tensors = {{"w", 0, ops::Shape{}, 40}, {"b", 0, ops::Shape{}, 8}, {"w.m", 0, ops::Shape{}, 40}};
+    fp_.tensors[0].shape.rank = 2;
+    fp_.tensors[0].shape.dims = {2, 5, 0, 0};
+    tr_.steps = 123;
+    tr_.micro = 1;
+    tr_.lr = 0.5f;
+    tr_.phase_ms[2] = 7.25;
+    tr_.phase_steps[1] = 99;
+    tr_.loss_scale = 1024;
+    tr_.clean_steps = 3;
+    tr_.overflows = 2;
+    tr_.in_predict_run = true;
+    tr_.gains = {1, 2, 3, 4};
+    ps_.next = Phase::correct;
+    ps_.counts.runs = 5;
+    ps_.length = 8;
+    ps_.cut_short = true;
+    ps_.last_quality = 0.75;
+    ps_.losses = {3, 2, 1};
+    ps_.predict_losses = {0.5};
+    restores_ = {std::vector<std::byte>(40, std::byte{1}), std::vector<std::byte>(8, std::byte{2})};
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  static std::string fmt_dir() {
+    return "ferry-ckpt-format-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "-" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  }
+  static std::byte value(std::size_t tensor, std::size_t k) { return static_cast<std::byte>(tensor * 17 + k * 3); }
+  fs::path write(const std::string& name) {
+    const fs::path p = dir_ / name;
+    const std::byte caller[] = {std::byte{0xca}, std::byte{0xfe}};
+    ckpt::write_checkpoint(
+        p, fp_, tr_, ps_, caller,
+        [](std::size_t i, std::vector<std::byte>& buf) {
+          for (std::size_t k = 0; k < buf.size(); ++k) buf[k] = value(i, k);
+        },
+        restores_);
+    return p;
+  }
+
+  fs::path dir_;
+  ckpt::Fingerprint fp_;
+  ckpt::TrainerRecord tr_;
+  PhaseController::State ps_;
+  std::vector<std::vector<std::byte>> restores_;
+};
+
+TEST_F(CheckpointFormat, ReadsBackWhatWasWritten) {
+  const fs::path p = write("a.ckpt");
+  const ckpt::Reader r(p);
+  const ckpt::Contents c = ckpt::read_contents(r);
+  EXPECT_EQ(c.fingerprint.model, "m");
+  EXPECT_EQ(c.fingerprint.optimizer, "adamw");
+  EXPECT_EQ(c.fingerprint.batch, 4u);
+  EXPECT_EQ(c.fingerprint.accumulate, 2u);
+  ASSERT_EQ(c.fingerprint.tensors.size(), 3u);
+  EXPECT_EQ(c.fingerprint.tensors[0].shape, fp_.tensors[0].shape);
+  EXPECT_EQ(c.fingerprint.tensors[2].name, "w.m");
+  EXPECT_EQ(c.trainer.steps, 123u);
+  EXPECT_EQ(c.trainer.micro, 1u);
+  EXPECT_EQ(c.trainer.lr, 0.5f);
+  EXPECT_EQ(c.trainer.phase_ms[2], 7.25);
+  EXPECT_EQ(c.trainer.phase_steps[1], 99u);
+  EXPECT_EQ(c.trainer.loss_scale, 1024.0f);
+  EXPECT_EQ(c.trainer.clean_steps, 3u);
+  EXPECT_EQ(c.trainer.overflows, 2u);
+  EXPECT_TRUE(c.trainer.in_predict_run);
+  EXPECT_EQ(c.trainer.gains, tr_.gains);
+  ASSERT_TRUE(c.phases.has_value());
+  EXPECT_EQ(c.phases->next, Phase::correct);
+  EXPECT_EQ(c.phases->counts.runs, 5u);
+  EXPECT_EQ(c.phases->length, 8u);
+  EXPECT_TRUE(c.phases->cut_short);
+  EXPECT_EQ(c.phases->last_quality, 0.75);
+  EXPECT_EQ(c.phases->losses, ps_.losses);
+  EXPECT_EQ(c.phases->predict_losses, ps_.predict_losses);
+  EXPECT_EQ(c.caller, (std::vector<std::byte>{std::byte{0xca}, std::byte{0xfe}}));
+  ASSERT_EQ(c.tensors.size(), 3u);
+  ASSERT_EQ(c.restores.size(), 2u);
+  std::vector<std::byte> buf;
+  for (std::size_t i = 0; i < 3; ++i) {
+    const auto v = ckpt::read_tensor(r, c.tensors[i], fp_.tensors[i].name.size(), buf);
+    ASSERT_TRUE(v.has_value());
+    ASSERT_EQ(v->size(), fp_.tensors[i].bytes);
+    for (std::size_t k = 0; k < v->size(); ++k) ASSERT_EQ((*v)[k], value(i, k)) << i << " " << k;
+  }
+  for (std::size_t i = 0; i < 2; ++i) {
+    const auto v = ckpt::read_tensor(r, c.restores[i], fp_.tensors[i].name.size(), buf);
+    ASSERT_TRUE(v.has_value());
+    EXPECT_TRUE(std::equal(v->begin(), v->end(), restores_[i].begin(), restores_[i].end()));
+  }
+}
+
+TEST_F(CheckpointFormat, EveryFlippedBitIsRefused) {
+  const fs::path p = write("a.ckpt");
+  const std::vector<char> good = slurp(p);
+  ASSERT_GT(good.size(), 400u);
+  const fs::path bad = dir_ / "bad.ckpt";
+  for (std::size_t i = 0; i < good.size(); ++i) {
+    std::vector<char> b = good;
+    b[i] = static_cast<char>(b[i] ^ (1 << (i % 8)));
+    spit(bad, b);
+    const ckpt::Reader r(bad);
+    EXPECT_THROW(ckpt::read_contents(r), std::runtime_error) << "bit " << i % 8 << " of byte " << i;
+  }
+}
+
+TEST_F(CheckpointFormat, EveryTruncationIsRefused) {
+  const fs::path p = write("a.ckpt");
+  const std::vector<char> good = slurp(p);
+  const fs::path bad = dir_ / "short.ckpt";
+  for (std::size_t n = 0; n < good.size(); ++n) {
+    spit(bad, std::vector<char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n)));
+    const ckpt::Reader r(bad);
+    EXPECT_THROW(ckpt::read_contents(r), std::runtime_error) << n << " bytes";
+  }
+}
+
+TEST_F(CheckpointFormat, ATensorChangedAfterTheFirstPassIsNoticed) {
+  const fs::path p = write("a.ckpt");
+  const ckpt::Reader r(p);
+  const ckpt::Contents c = ckpt::read_contents(r);
+  std::vector<char> b = slurp(p);
+  b[c.tensors[1].payload() + 4 + 1 + 3] ^= 1;  // after the 4-byte name length and the name "b"
+  spit(p, b);                                  // the same inode: the open reader sees the change
+  std::vector<std::byte> buf;
+  EXPECT_TRUE(ckpt::read_tensor(r, c.tensors[0], 1, buf).has_value());
+  EXPECT_FALSE(ckpt::read_tensor(r, c.tensors[1], 1, buf).has_value());
+}
+
+TEST(CheckpointFormatSeeds, TheFuzzerSeedsAreValidFiles) {
+  const fs::path seeds = fs::path(__FILE__).parent_path().parent_path() / "fuzz" / "corpus" / "checkpoint";
+  ASSERT_TRUE(fs::is_directory(seeds)) << seeds;
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(seeds)) {
+    const ckpt::Reader r(e.path());
+    EXPECT_NO_THROW(ckpt::read_contents(r))
+        << e.path() << ": rewrite the seeds with FERRY_FUZZ_WRITE_SEEDS (fuzz/checkpoint.cpp)";
+    ++n;
+  }
+  EXPECT_GE(n, 3);
+}
+
+}  // namespace
+}  // namespace ferry
