@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
@@ -138,5 +139,25 @@ class Progress {
 };
 
 int cmd_train_gpt(const TrainArgs& a);
+
+// SIGINT / SIGTERM during training: while a StopSignals lives, the handler only records the
+// signal in stop_signal; the training loop checks it between steps, so the step in flight
+// finishes. A second signal ends the process at once (the handler resets to the default).
+extern volatile std::sig_atomic_t stop_signal;
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction old_int_ {
+  }, old_term_{};
+};
+
+// The command line that continues this run from `checkpoint`: the same arguments, any --resume
+// replaced.
+std::string resume_command(const TrainArgs& a, const std::string& checkpoint);
 
 }  // namespace ferry::cli

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -193,6 +195,59 @@ ferry::ModelSpec make_model(const TrainArgs& a) {
 std::string clock_string(double seconds) {
   const auto s = static_cast<long>(std::max(0.0, seconds));
   return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+}
+
+// SIGINT / SIGTERM during training: the handler only records the signal; the training loop
+// checks it between steps, so the step in flight finishes. A second signal ends the process at
+// once (the handler is reset to the default when it runs).
+volatile std::sig_atomic_t stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  stop_signal = sig;
+}
+
+StopSignals::StopSignals() {
+  stop_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART | SA_RESETHAND;
+  sigaction(SIGINT, &sa, &old_int_);
+  sigaction(SIGTERM, &sa, &old_term_);
+}
+
+StopSignals::~StopSignals() {
+  sigaction(SIGINT, &old_int_, nullptr);
+  sigaction(SIGTERM, &old_term_, nullptr);
+}
+
+namespace {
+// `s` quoted for a POSIX shell where it needs quoting.
+std::string shell_quote(const std::string& s) {
+  const bool plain = !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("_-./=:,+@%").find(c) != std::string::npos;
+  });
+  if (plain) return s;
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+}  // namespace
+
+// The command line that continues this run from `checkpoint`: the same arguments, any --resume
+// replaced.
+std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {
+  std::string cmd;
+  for (std::size_t i = 0; i < a.argv.size(); ++i) {
+    const std::string& arg = a.argv[i];
+    if (arg == "--resume") {
+      ++i;
+      continue;
+    }
+    if (arg.rfind("--resume=", 0) == 0) continue;
+    cmd += (cmd.empty() ? "" : " ") + shell_quote(arg);
+  }
+  return cmd + " --resume " + shell_quote(checkpoint);
 }
 
 }  // namespace ferry::cli

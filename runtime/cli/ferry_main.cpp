@@ -44,65 +44,6 @@ int cmd_devices() {
   return 0;
 }
 
-// SIGINT / SIGTERM during training: the handler only records the signal; the training loop
-// checks it between steps, so the step in flight finishes. A second signal ends the process at
-// once (the handler is reset to the default when it runs).
-volatile std::sig_atomic_t stop_signal = 0;
-
-extern "C" void on_stop_signal(int sig) {
-  stop_signal = sig;
-}
-
-class StopSignals {
- public:
-  StopSignals() {
-    stop_signal = 0;
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART | SA_RESETHAND;
-    sigaction(SIGINT, &sa, &old_int_);
-    sigaction(SIGTERM, &sa, &old_term_);
-  }
-  ~StopSignals() {
-    sigaction(SIGINT, &old_int_, nullptr);
-    sigaction(SIGTERM, &old_term_, nullptr);
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-
- private:
-  struct sigaction old_int_ {
-  }, old_term_{};
-};
-
-// `s` quoted for a POSIX shell where it needs quoting.
-std::string shell_quote(const std::string& s) {
-  const bool plain = !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("_-./=:,+@%").find(c) != std::string::npos;
-  });
-  if (plain) return s;
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-// The command line that continues this run from `checkpoint`: the same arguments, any --resume
-// replaced.
-std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {
-  std::string cmd;
-  for (std::size_t i = 0; i < a.argv.size(); ++i) {
-    const std::string& arg = a.argv[i];
-    if (arg == "--resume") {
-      ++i;
-      continue;
-    }
-    if (arg.rfind("--resume=", 0) == 0) continue;
-    cmd += (cmd.empty() ? "" : " ") + shell_quote(arg);
-  }
-  return cmd + " --resume " + shell_quote(checkpoint);
-}
-
 // What `ferry train` keeps in a checkpoint's caller section besides the trainer's state: where it
 // is in which epoch, the data order and its RNG, the schedule, and the sums its output needs.
 struct RunPosition {
@@ -617,11 +558,11 @@ int main(int argc, char** argv) {
   train->add_option("--profile-phases", t.profile_phases_path,
                     "Write a CSV of device bytes per phase's step and section: peak (and where), mean, min, spikes");
   train->add_option("--checkpoint", t.checkpoint_path,
-                    "Write the whole training state to this file after every epoch and when stopped by SIGINT or "
-                    "SIGTERM (atomically; docs/checkpoints.md)");
+                    "Write the whole training state to this file after every epoch (gpt: after every validation), "
+                    "at the end, and when stopped by SIGINT or SIGTERM (atomically; docs/checkpoints.md)");
   train->add_option("--resume", t.resume_path,
-                    "Continue the run a --checkpoint file holds, up to --epochs, exactly as if it had not stopped "
-                    "(give the same options)");
+                    "Continue the run a --checkpoint file holds, up to --epochs (gpt: --steps), exactly as if it had "
+                    "not stopped (give the same options)");
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "
                   "(JSON: test_accuracy_int8)");
@@ -635,9 +576,6 @@ int main(int argc, char** argv) {
   t.argv.assign(argv, argv + argc);
   try {
     if (devices->parsed()) return cmd_devices();
-    if (train->parsed() && t.model == "gpt" && !(t.checkpoint_path.empty() && t.resume_path.empty())) {
-      throw std::invalid_argument("--checkpoint and --resume are not available for --model gpt yet");
-    }
     if (train->parsed()) check_outputs(t);  // before any data is loaded or step run
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);

@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstring>
 #include <deque>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -64,11 +66,100 @@ std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_
   return corpus.decode(std::span(text).subspan(prompt_len));
 }
 
+// What `ferry train --model gpt` keeps in a checkpoint's caller section besides the trainer's
+// state: the steps done, where the draw of windows stands, and what its output sums up.
+struct GptPosition {
+  std::uint32_t done = 0;
+  std::deque<float> recent;  // the last 20 steps' losses
+  nlohmann::json curve = nlohmann::json::array();
+  double train_seconds = 0, eval_seconds = 0, val_loss = 0;
+};
+
+std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& corpus, const RandomWindows& windows,
+                                       std::uint32_t steps, const GptPosition& p) {
+  const nlohmann::json j = {{"kind", "ferry train gpt"},
+                            {"version", 1},
+                            {"seed", a.seed},
+                            {"train_characters", corpus.train_end},
+                            {"vocab", corpus.vocab_size()},
+                            {"schedule", a.schedule},
+                            {"lr", a.lr},
+                            {"steps", steps},
+                            {"done", p.done},
+                            {"windows", windows.state()},
+                            {"recent", std::vector<float>(p.recent.begin(), p.recent.end())},
+                            {"curve", p.curve},
+                            {"train_seconds", p.train_seconds},
+                            {"eval_seconds", p.eval_seconds},
+                            {"val_loss", p.val_loss}};
+  const auto cbor = nlohmann::json::to_cbor(j);
+  std::vector<std::byte> out(cbor.size());
+  std::memcpy(out.data(), cbor.data(), cbor.size());
+  return out;
+}
+
+// Reads back what encode_position wrote into `windows` and `p`, after checking it belongs to this
+// command line; throws std::invalid_argument naming what differs.
+void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, const TextCorpus& corpus,
+                     std::uint32_t steps, RandomWindows& windows, GptPosition& p) {
+  const auto fail = [&](const std::string& what) {
+    return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::from_cbor(reinterpret_cast<const std::uint8_t*>(bytes.data()),
+                                  reinterpret_cast<const std::uint8_t*>(bytes.data()) + bytes.size());
+  } catch (const std::exception&) {
+    j = nullptr;
+  }
+  if (!j.is_object() || j.value("kind", "") != "ferry train gpt") {
+    throw fail("it was not written by ferry train --model gpt (its caller section is not that command's)");
+  }
+  try {
+    if (j.at("version").get<int>() != 1) throw fail("its ferry train --model gpt section has another version");
+    if (j.at("seed").get<std::uint64_t>() != a.seed) {
+      throw fail(fmt::format("it was trained with --seed {}, not {}: resume with --seed {}",
+                             j.at("seed").get<std::uint64_t>(), a.seed, j.at("seed").get<std::uint64_t>()));
+    }
+    if (j.at("train_characters").get<std::size_t>() != corpus.train_end ||
+        j.at("vocab").get<std::uint32_t>() != corpus.vocab_size()) {
+      throw fail(fmt::format(
+          "it was trained on a text of {} characters ({} distinct), this one has {} ({}): resume with the same --text",
+          j.at("train_characters").get<std::size_t>(), j.at("vocab").get<std::uint32_t>(), corpus.train_end,
+          corpus.vocab_size()));
+    }
+    if (j.at("schedule").get<std::string>() != a.schedule || j.at("lr").get<float>() != a.lr) {
+      throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
+                             j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
+    }
+    p.done = j.at("done").get<std::uint32_t>();
+    if (p.done > steps) {
+      throw fail(
+          fmt::format("it is past step {} already (at step {}): give --steps {} or more", steps, p.done, p.done));
+    }
+    windows.restore(j.at("windows").get<std::string>());
+    for (float l : j.at("recent").get<std::vector<float>>()) p.recent.push_back(l);
+    p.curve = j.at("curve");
+    p.train_seconds = j.at("train_seconds").get<double>();
+    p.eval_seconds = j.at("eval_seconds").get<double>();
+    p.val_loss = j.at("val_loss").get<double>();
+    if (const auto was = j.at("steps").get<std::uint32_t>(); was != steps && a.schedule != "constant") {
+      std::cerr << fmt::format(
+          "ferry: note: the checkpoint's run had --steps {}; its {} schedule now spans {} steps, so the learning "
+          "rates from here differ from that run's\n",
+          was, a.schedule, steps);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw fail(fmt::format("its ferry train --model gpt section is incomplete ({})", e.what()));
+  }
+}
+
 }  // namespace
 
 int cmd_train_gpt(const TrainArgs& args) {
   TrainArgs a = args;
   if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
+  if (!a.checkpoint_path.empty()) check_checkpoint_path(a.checkpoint_path);  // before any work
   const auto files = fortune_files(a.text_dir);
   const TextCorpus corpus = load_text_corpus(files, 0.1);
   models::GptConfig c;
@@ -115,29 +206,66 @@ int cmd_train_gpt(const TrainArgs& args) {
   const std::uint32_t batch = opt.batch, t = c.context;
   RandomWindows windows(corpus, t, batch, a.seed);
   const std::uint32_t eval_every = a.eval_every ? a.eval_every : 250;
-  nlohmann::json curve = nlohmann::json::array();
-  std::deque<float> recent;  // the last 20 steps' losses
-  double train_seconds = 0, eval_seconds = 0;
-  std::uint32_t done = 0;
+  GptPosition pos;
+  if (!a.resume_path.empty()) {
+    const auto load_start = Clock::now();
+    const auto caller = trainer.load_checkpoint(a.resume_path);
+    decode_position(caller, a, corpus, steps, windows, pos);
+    if (!a.quiet) {
+      std::cerr << fmt::format("ferry: resumed from {} at step {} of {} (loaded in {:.0f} ms)\n", a.resume_path,
+                               pos.done, steps, 1e3 * seconds_since(load_start));
+    }
+  }
+  std::uint32_t& done = pos.done;
+  double& train_seconds = pos.train_seconds;
+  double checkpoint_seconds = 0;
   const auto run_start = Clock::now();
   auto validate = [&] {
     const auto e0 = Clock::now();
     const EvalResult r = trainer.evaluate(val);
-    eval_seconds += seconds_since(e0);
-    curve.push_back({{"step", done}, {"seconds", seconds_since(run_start)}, {"val_loss", r.loss}});
+    pos.eval_seconds += seconds_since(e0);
+    pos.curve.push_back({{"step", done}, {"seconds", seconds_since(run_start)}, {"val_loss", r.loss}});
     return r.loss;
+  };
+  const auto save = [&] {
+    const auto t0 = Clock::now();
+    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, corpus, windows, steps, pos));
+    checkpoint_seconds += seconds_since(t0);
+    if (!a.quiet) {
+      std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", a.checkpoint_path,
+                               format_bytes(std::filesystem::file_size(a.checkpoint_path)), 1e3 * seconds_since(t0));
+    }
   };
   Progress progress(!a.quiet);
   ChromeTrace trace;
-  double val_loss = 0;
-  for (; done < steps;) {
+  std::deque<float>& recent = pos.recent;
+  const StopSignals signals;
+  for (std::uint32_t steps_run = 0; done < steps; ++steps_run) {
+    if (stop_signal) {
+      // Between steps: the one in flight has finished. A checkpoint if asked for, and how to go on.
+      const char* name = stop_signal == SIGINT ? "SIGINT" : "SIGTERM";
+      const int status = 128 + stop_signal;
+      if (!a.checkpoint_path.empty()) {
+        save();
+        std::cerr << fmt::format("ferry: stopped by {} at step {}/{}; wrote checkpoint {}\nferry: resume with: {}\n",
+                                 name, done, steps, a.checkpoint_path, resume_command(a, a.checkpoint_path));
+      } else {
+        std::cerr << fmt::format(
+            "ferry: stopped by {} at step {}/{}; no checkpoint written (run with --checkpoint FILE to be able to "
+            "resume)\n",
+            name, done, steps);
+      }
+      return status;
+    }
     const Batch batch_views = windows.next();
     trainer.set_lr(schedule.at(done));
     const auto s0 = Clock::now();
     const StepResult r = trainer.step(batch_views);
     train_seconds += seconds_since(s0);
     ++done;
-    if (!a.trace_path.empty() && done <= a.trace_steps) trace.add_step(trainer.train_step().timeline(), done - 1);
+    if (!a.trace_path.empty() && steps_run < a.trace_steps) {
+      trace.add_step(trainer.train_step().timeline(), steps_run);
+    }
     recent.push_back(r.loss);
     if (recent.size() > 20) recent.pop_front();
     const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / recent.size();
@@ -146,17 +274,21 @@ int cmd_train_gpt(const TrainArgs& args) {
                     train_seconds / done * (steps - done));
     const bool out_of_time = a.max_minutes > 0 && seconds_since(run_start) > a.max_minutes * 60;
     if (done % eval_every == 0 || done == steps || out_of_time) {
-      val_loss = validate();
+      pos.val_loss = validate();
       if (!a.quiet) {
         std::cerr << fmt::format("step {}/{}: train loss {:.4f}, val loss {:.4f} nats/char, {:.0f} tokens/s, {}\n",
-                                 done, steps, mean, val_loss, rate, clock_string(seconds_since(run_start)));
+                                 done, steps, mean, pos.val_loss, rate, clock_string(seconds_since(run_start)));
       }
+      if (!a.checkpoint_path.empty()) save();
     }
     if (out_of_time) {
       if (!a.quiet) std::cerr << fmt::format("ferry: stopped after {} minutes (--max-minutes)\n", a.max_minutes);
       break;
     }
   }
+  const double val_loss = pos.val_loss;
+  const double eval_seconds = pos.eval_seconds;
+  const nlohmann::json& curve = pos.curve;
   if (!a.trace_path.empty()) {
     trace.write(a.trace_path);
     if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", trace.steps(), a.trace_path);
@@ -194,6 +326,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                         {"step_ms", 1e3 * train_seconds / done},
                         {"train_seconds", train_seconds},
                         {"eval_seconds", eval_seconds},
+                        {"checkpoint_seconds", checkpoint_seconds},
                         {"compile_s", compile_s},
                         {"device_peak_bytes", trainer.device_peak_bytes()},
                         {"training_state_bytes", trainer.training_state_bytes()},

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 
 namespace ferry {
@@ -167,6 +168,20 @@ Batch RandomWindows::next() {
   }
   return Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens_))},
                {"next", HostView(std::span<const std::int32_t>(next_))}};
+}
+
+std::string RandomWindows::state() const {
+  std::ostringstream out;
+  out << rng_;
+  return out.str();
+}
+
+void RandomWindows::restore(const std::string& state) {
+  std::istringstream in(state);
+  std::mt19937_64 rng;
+  in >> rng;
+  if (!in) throw std::invalid_argument("random windows: the saved state of the window draw does not parse");
+  rng_ = rng;
 }
 
 }  // namespace ferry

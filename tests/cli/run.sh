@@ -148,5 +148,38 @@ expect_error "a sample prompt outside the vocabulary" "not in the corpus's vocab
   train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 \
   --sample 5 --prompt "Zebra!"
 
+# GPT checkpoints: 3 steps + --resume to 6 gives the 6-step run's results bit for bit (losses and
+# validation curve), SIGINT writes a checkpoint and the printed command finishes the run.
+gresults() { grep -o '"\(train_loss\|val_loss\|steps\|optimizer_updates\)":[^,}]*' <<<"$1" | tr '\n' ' '; }
+g=(train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --eval-every 3
+  --schedule constant --dropout 0.1 --quiet --json)
+gpt6=$("$ferry" "${g[@]}" --steps 6 --checkpoint "$work/g6.ckpt")
+gpt3=$("$ferry" "${g[@]}" --steps 3 --checkpoint "$work/g3.ckpt")
+gpt36=$("$ferry" "${g[@]}" --steps 6 --resume "$work/g3.ckpt")
+check "GPT: --checkpoint writes a checkpoint" test -s "$work/g3.ckpt"
+check "GPT: 3 steps + --resume to 6 gives the 6-step results" test "$(gresults "$gpt36")" = "$(gresults "$gpt6")"
+check "GPT: ... which differ from 3 steps'" test "$(gresults "$gpt3")" != "$(gresults "$gpt6")"
+check "GPT: the resumed curve holds both reports" test "$(grep -o '"step":[0-9]*' <<<"$gpt36" | tr '\n' ' ')" = '"step":3 "step":6 '
+expect_error "GPT: resuming with another seed" "resume with --seed 1" "${g[@]}" --steps 6 --seed 2 --resume "$work/g3.ckpt"
+expect_error "GPT: resuming to fewer steps than done" "give --steps 6 or more" "${g[@]}" --steps 4 --resume "$work/g6.ckpt"
+expect_error "GPT: resuming a classifier's checkpoint" "its model is 'mlp-784-1024-1024-10'" \
+  "${g[@]}" --steps 6 --resume "$work/one.ckpt"
+gsig=(train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 300
+  --eval-every 100 --json --checkpoint "$work/gsig.ckpt")
+guninterrupted=$("$ferry" "${gsig[@]}" --quiet)
+"$ferry" "${gsig[@]}" >"$work/gsig.out" 2>"$work/gsig.err" &
+pid=$!
+for _ in $(seq 1 1200); do grep -q '^step [0-9]*/300 \[' "$work/gsig.err" && break; sleep 0.05; done
+kill -INT "$pid"
+wait "$pid"
+status=$?
+check "GPT: SIGINT during training exits 130" test "$status" -eq 130
+check "GPT: SIGINT says where training stopped" grep -q "stopped by SIGINT at step [0-9]*/300" "$work/gsig.err"
+cmd=$(sed -n 's/^ferry: resume with: //p' "$work/gsig.err")
+check "GPT: SIGINT prints a resume command" grep -q -- "--resume $work/gsig.ckpt" <<<"$cmd"
+gafter=$(bash -c "$cmd --quiet")
+check "GPT: the printed command finishes the run as if uninterrupted" \
+  test "$(gresults "$gafter")" = "$(gresults "$guninterrupted")"
+
 echo "$failures failed"
 [ "$failures" -eq 0 ]

@@ -64,6 +64,10 @@ class RandomWindows {
  public:
   RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed);
   Batch next();
+  // Where the draw of windows stands (the generator's state as text), for checkpoints; restore()
+  // puts one back and throws std::invalid_argument for text that is not one.
+  std::string state() const;
+  void restore(const std::string& state);
 
  private:
   const TextCorpus& corpus_;
