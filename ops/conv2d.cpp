@@ -35,6 +35,7 @@ constexpr std::size_t kDirectSlack = 32;
 constexpr std::size_t kDirectChannels = 8;  // DIRECT_KB in conv2d_direct.cl
 constexpr std::size_t kDirectColumns = 32;  // outputs of a row per work-item
 constexpr std::size_t kLocalSize = 256;
+constexpr std::size_t kPadLocalSize = 64;  // conv2d_pad: one work-item per padded row
 
 // One work-item per element in work-groups of kLocalSize along the contiguous dimension (PoCL
 // runs a work-group as one vectorised loop; fewer, longer groups cost less to schedule).
@@ -273,15 +274,20 @@ KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSp
   return launch_1d(env, std::move(k), count);
 }
 
-// The padded input (all N images, f32; conv2d_pad).
+// The padded input (all N images, f32; conv2d_pad), then kDirectSlack zeros.
 void pad_input(OpEnv& env, const Conv2dShape& s, const Layout& lay, DeviceSpan x, DeviceSpan scratch,
                LaunchList& list) {
   const DeviceSpan xp = at(scratch, lay.xpad);
-  const std::size_t count = s.N * s.C * (s.H + 2 * s.pad) * (s.W + 2 * s.pad);
+  const std::size_t rows = s.N * s.C * (s.H + 2 * s.pad);
   cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", defines(s));
   cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xp.buffer, xp.elem_offset(),
-               static_cast<cl_uint>(count), static_cast<cl_uint>(count + kDirectSlack));
-  list.push_back(launch_1d(env, std::move(pad), count + kDirectSlack));
+               static_cast<cl_uint>(rows), static_cast<cl_uint>(kDirectSlack));
+  // One work-item per padded row, in work-groups of 64 rows (what the kernel was timed with).
+  KernelLaunch l;
+  l.kernel = std::move(pad);
+  l.local[0] = std::min<std::size_t>(kPadLocalSize, env.device().max_work_group_size);
+  l.global[0] = round_up(rows, l.local[0]);
+  list.push_back(std::move(l));
 }
 
 // The padded input and the offset tables of the implicit column matrix (conv2d_tables): what the

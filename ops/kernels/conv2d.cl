@@ -150,27 +150,40 @@ __kernel void conv2d_bias_sum(__global const float* part, ulong part_off, __glob
 
 // xp[n, c, hp, wp] = x[n, c, hp - pad, wp - pad], 0 in the border, widened to f32: the input the
 // implicit column matrix of the packed GEMM reads (A(m, k) = xp[rows[m] + cols[k]], no im2col).
-// One work-item per element of xp, then zeros up to `total` (the slack the host reserves after it): the direct kernels' last vector
-// loads reach there (conv2d_direct.cl), and lanes a product multiplies by 0 must not hold a NaN
-// pattern. Global: total rounded up. (A row kernel measured faster on PoCL but
-// gave wrong rows past the first image on Oclgrind; not understood yet, so not used.)
-__kernel void conv2d_pad(__global const T_STORAGE* x, ulong x_off, __global float* xp, ulong xp_off, uint count,
-                         uint total) {
-  const uint i = get_global_id(0);
-  if (i >= total) return;
-  if (i >= count) {
-    xp[xp_off + i] = 0.0f;
+// One work-item per padded row (n, c, hp): zeros, then the row of x (vector copies for f32), then
+// zeros. The last row's work-item also zeroes the `slack` floats after xp (kDirectSlack, reserved
+// by the host): the direct kernels' last vector loads reach there (conv2d_direct.cl), and lanes a
+// product multiplies by 0 must not hold a NaN pattern. (One work-item per element, each clamping
+// and selecting, took about 10 times as long on PoCL.) Global: N*C*HP rounded up.
+//
+// The border test is one unsigned compare on purpose. Written as `h < 0 || h >= CONV_H`, LLVM
+// folds the two compares into `switch (trunc row to iB)` when HP is 2^B (HP = 8, 16, 32 at pad 1),
+// and Oclgrind (21.10) evaluates a trunc to a width that is not whole bytes without clearing the
+// bits above B, so there the border rows of every plane after the first (row >= HP) missed the
+// switch's cases and got a row of x instead of zeros. Correct on PoCL either way.
+__kernel void conv2d_pad(__global const T_STORAGE* x, ulong x_off, __global float* xp, ulong xp_off, uint rows,
+                         uint slack) {
+  const uint row = get_global_id(0);
+  if (row >= rows) return;
+  const uint nc = row / CONV_HP;
+  const uint hp = row - nc * CONV_HP;
+  __global float* out = xp + xp_off + (ulong)row * CONV_WP;
+  if (row == rows - 1) {
+    for (uint w = 0; w < slack; ++w) out[CONV_WP + w] = 0.0f;
+  }
+  const uint h = hp - CONV_PAD;  // hp < pad wraps to a huge value: one compare tests both borders
+  if (h >= (uint)CONV_H) {
+    for (uint w = 0; w < CONV_WP; ++w) out[w] = 0.0f;
     return;
   }
-  const uint nc = i / (CONV_HP * CONV_WP);
-  const uint hw = i - nc * (CONV_HP * CONV_WP);
-  const uint hp = hw / CONV_WP;
-  const uint wp = hw - hp * CONV_WP;
-  const int h = (int)hp - CONV_PAD, w = (int)wp - CONV_PAD;
-  const int inside = h >= 0 && h < CONV_H && w >= 0 && w < CONV_W;
-  const uint at = nc * CONV_HW + (uint)clamp(h, 0, CONV_H - 1) * CONV_W + (uint)clamp(w, 0, CONV_W - 1);
-  const float v = LOAD_T(x, x_off + at);
-  xp[xp_off + i] = inside ? v : 0.0f;
+  for (uint w = 0; w < CONV_PAD; ++w) out[w] = 0.0f;
+  const ulong in = x_off + (ulong)nc * CONV_HW + (ulong)h * CONV_W;
+  uint w = 0;
+#if T_IS_F32
+  for (; w + 4 <= CONV_W; w += 4) vstore4(vload4(0, x + in + w), 0, out + CONV_PAD + w);
+#endif
+  for (; w < CONV_W; ++w) out[CONV_PAD + w] = LOAD_T(x, in + w);
+  for (uint w2 = CONV_PAD + CONV_W; w2 < CONV_WP; ++w2) out[w2] = 0.0f;
 }
 
 // The offset tables of the implicit column matrix over xp: pixels[m] for output pixel
