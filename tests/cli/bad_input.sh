@@ -124,6 +124,16 @@ head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
 row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
 row "checkpoint of another model" "its model is 'mlp-784-1024-1024-10'" error - \
   train --model cnn "${quick[@]}" --resume "$work/good.ckpt"
+# GPT checkpoints: resumed on another text of the same alphabet, and past --steps.
+mkdir -p "$work/text" "$work/text2"
+for i in $(seq 1 40); do echo "the quick brown fox $i jumps over the lazy dog"; done >"$work/text/a"
+cat "$work/text/a" "$work/text/a" >"$work/text2/a"
+gpt=(train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --eval-every 2 --quiet)
+"$ferry" "${gpt[@]}" --text "$work/text" --steps 2 --checkpoint "$work/gpt.ckpt" >/dev/null 2>&1
+row "GPT checkpoint resumed on another text" "resume with the same --text" error - \
+  "${gpt[@]}" --text "$work/text2" --steps 4 --resume "$work/gpt.ckpt"
+row "GPT checkpoint resumed to fewer --steps than done" "give --steps 2 or more" error - \
+  "${gpt[@]}" --text "$work/text" --steps 1 --resume "$work/gpt.ckpt"
 # A cache of its own, filled by the same command, so the damaged entry is one the run loads (the
 # shared test cache holds entries of other tests, which other tests may rewrite meanwhile).
 rm -rf "$work/own-cache"
