@@ -156,6 +156,14 @@ class StopSignals {
   }, old_term_{};
 };
 
+// A command's own section of a checkpoint (the caller section) as CBOR, and back. The reader
+// returns the JSON object whose "kind" is `kind`; anything else throws resume_error's
+// "it was not written by <kind>".
+std::vector<std::byte> caller_section(const nlohmann::json& j);
+nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind);
+// "cannot resume from '<--resume path>': <what>"
+std::invalid_argument resume_error(const TrainArgs& a, const std::string& what);
+
 // The command line that continues this run from `checkpoint`: the same arguments, any --resume
 // replaced.
 std::string resume_command(const TrainArgs& a, const std::string& checkpoint);

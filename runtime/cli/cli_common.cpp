@@ -250,4 +250,29 @@ std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {
   return cmd + " --resume " + shell_quote(checkpoint);
 }
 
+std::vector<std::byte> caller_section(const nlohmann::json& j) {
+  const auto cbor = nlohmann::json::to_cbor(j);
+  std::vector<std::byte> out(cbor.size());
+  std::memcpy(out.data(), cbor.data(), cbor.size());
+  return out;
+}
+
+std::invalid_argument resume_error(const TrainArgs& a, const std::string& what) {
+  return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
+}
+
+nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::from_cbor(reinterpret_cast<const std::uint8_t*>(bytes.data()),
+                                  reinterpret_cast<const std::uint8_t*>(bytes.data()) + bytes.size());
+  } catch (const std::exception&) {
+    j = nullptr;
+  }
+  if (!j.is_object() || j.value("kind", "") != kind) {
+    throw resume_error(a, fmt::format("it was not written by {} (its caller section is not that command's)", kind));
+  }
+  return j;
+}
+
 }  // namespace ferry::cli

@@ -77,10 +77,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p,
                             {"total_steps", total_steps},
                             {"rng", rng_state.str()},
                             {"order", nlohmann::json::binary(std::move(order_bytes))}};
-  const auto cbor = nlohmann::json::to_cbor(j);
-  std::vector<std::byte> out(cbor.size());
-  std::memcpy(out.data(), cbor.data(), cbor.size());
-  return out;
+  return caller_section(j);
 }
 
 // Reads the caller section `ferry train` wrote back into p, rng and order, after checking it
@@ -88,19 +85,8 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p,
 void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
                      std::size_t steps_per_epoch, RunPosition& p, std::mt19937_64& rng,
                      std::vector<std::size_t>& order) {
-  const auto fail = [&](const std::string& what) {
-    return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
-  };
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::from_cbor(reinterpret_cast<const std::uint8_t*>(bytes.data()),
-                                  reinterpret_cast<const std::uint8_t*>(bytes.data()) + bytes.size());
-  } catch (const std::exception&) {
-    throw fail("it was not written by ferry train (its caller section is not ferry train's)");
-  }
-  if (!j.is_object() || j.value("kind", "") != "ferry train") {
-    throw fail("it was not written by ferry train (its caller section is not ferry train's)");
-  }
+  const auto fail = [&](const std::string& what) { return resume_error(a, what); };
+  const nlohmann::json j = read_caller_section(bytes, a, "ferry train");
   if (j.at("version").get<int>() != 1) throw fail("its ferry train section has another version");
   if (j.at("seed").get<std::uint64_t>() != a.seed) {
     throw fail(fmt::format("it was trained with --seed {}, not {}: resume with --seed {}",

@@ -77,7 +77,7 @@ struct GptPosition {
 
 std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& corpus, const RandomWindows& windows,
                                        std::uint32_t steps, const GptPosition& p) {
-  const nlohmann::json j = {{"kind", "ferry train gpt"},
+  const nlohmann::json j = {{"kind", "ferry train --model gpt"},
                             {"version", 1},
                             {"seed", a.seed},
                             {"train_characters", corpus.train_end},
@@ -92,29 +92,15 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& cor
                             {"train_seconds", p.train_seconds},
                             {"eval_seconds", p.eval_seconds},
                             {"val_loss", p.val_loss}};
-  const auto cbor = nlohmann::json::to_cbor(j);
-  std::vector<std::byte> out(cbor.size());
-  std::memcpy(out.data(), cbor.data(), cbor.size());
-  return out;
+  return caller_section(j);
 }
 
 // Reads back what encode_position wrote into `windows` and `p`, after checking it belongs to this
 // command line; throws std::invalid_argument naming what differs.
 void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, const TextCorpus& corpus,
                      std::uint32_t steps, RandomWindows& windows, GptPosition& p) {
-  const auto fail = [&](const std::string& what) {
-    return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
-  };
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::from_cbor(reinterpret_cast<const std::uint8_t*>(bytes.data()),
-                                  reinterpret_cast<const std::uint8_t*>(bytes.data()) + bytes.size());
-  } catch (const std::exception&) {
-    j = nullptr;
-  }
-  if (!j.is_object() || j.value("kind", "") != "ferry train gpt") {
-    throw fail("it was not written by ferry train --model gpt (its caller section is not that command's)");
-  }
+  const auto fail = [&](const std::string& what) { return resume_error(a, what); };
+  const nlohmann::json j = read_caller_section(bytes, a, "ferry train --model gpt");
   try {
     if (j.at("version").get<int>() != 1) throw fail("its ferry train --model gpt section has another version");
     if (j.at("seed").get<std::uint64_t>() != a.seed) {
