@@ -3,7 +3,7 @@
 # runs ctest there (all but the `oclgrind` label and the package test). Not part of CI: with the
 # oneTBB build below it takes longer than CI's budget on two cores.
 #
-#   tests/sanitizers/tsan.sh [ctest options]                          # e.g. -R 'residency|scheduler'
+#   tests/sanitizers/tsan.sh [ctest options]                          # e.g. -R 'residency|graph'
 #   TBB_TSAN_DIR=/opt/onetbb-tsan tests/sanitizers/tsan.sh [ctest options]
 #   FERRY_TSAN_TARGETS='ferry-cli test_residency' tests/sanitizers/tsan.sh -R '^test_residency$'
 #
