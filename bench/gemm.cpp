@@ -192,10 +192,11 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   return 0;
 }
 
-// Candidate register blocks of the packed kernel: RB rows x NV float16, kept within 32 vector registers.
+// Candidate register blocks of the packed kernel: RB rows x NV float16, kept within 32 vector registers
+// (NV=1 for 256-bit vector units, where a float16 takes two of their 16 registers).
 std::vector<std::string> packed_candidates() {
   std::vector<std::string> out;
-  for (int nv : {4, 3, 2}) {
+  for (int nv : {4, 3, 2, 1}) {
     for (int rb = 2; rb <= 12; ++rb) {
       if (rb * nv + nv + 1 <= 32 && (nv != 2 || rb % 2 == 0)) out.push_back(fmt::format("packed RB={} NV={}", rb, nv));
     }

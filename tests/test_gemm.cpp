@@ -33,11 +33,12 @@ struct Case {
 const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},   {1000, 1000, 16},
                         {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {13, 21, 1100}, {13, 64, 1100}};
 
-// The configurations the tests force: ferry's CPU kernel in two block shapes, the GPU kernel in
-// two tile shapes (also on PoCL, where it is slow but must be correct). The naive fallback is
-// checked through a tuning override below (each configuration costs PoCL compiles per transpose).
-const char* const kKernels[] = {"packed RB=6 NV=4", "packed RB=3 NV=2", "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2",
-                                "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1"};
+// The configurations the tests force: ferry's CPU kernel in three block shapes (the AVX-512 and
+// AVX2 rows of the tuning data, and an odd one), the GPU kernel in two tile shapes (also on PoCL,
+// where it is slow but must be correct). The naive fallback is checked through a tuning override
+// below (each configuration costs PoCL compiles per transpose).
+const char* const kKernels[] = {"packed RB=6 NV=4", "packed RB=6 NV=1", "packed RB=3 NV=2",
+                                "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2", "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1"};
 
 // Reference in double precision from float inputs.
 std::vector<float> reference(const ops::GemmShape& s, float alpha, const std::vector<float>& a,
