@@ -135,15 +135,23 @@ class Cursor {
   std::size_t at_ = 0;
 };
 
+// The checksum of a section's head (tag, reserved 0, length), to be continued over its payload.
+Checksum head_checksum(std::uint32_t tag, std::uint64_t length) {
+  const std::uint32_t reserved = 0;
+  Checksum sum;
+  sum.add(&tag, 4);
+  sum.add(&reserved, 4);
+  sum.add(&length, 8);
+  return sum;
+}
+
 // Writes one section: its head, then payload pieces adding up to the length announced, then
 // the checksum.
 class SectionWriter {
  public:
-  SectionWriter(AtomicFile& f, std::uint32_t t, std::uint64_t length) : f_(f), left_(length) {
+  SectionWriter(AtomicFile& f, std::uint32_t t, std::uint64_t length)
+      : f_(f), left_(length), sum_(head_checksum(t, length)) {
     const std::uint32_t reserved = 0;
-    sum_.add(&t, 4);
-    sum_.add(&reserved, 4);
-    sum_.add(&length, 8);
     f_.put(t);
     f_.put(reserved);
     f_.put(length);
@@ -629,11 +637,7 @@ std::optional<std::span<const std::byte>> read_tensor(const Reader& r, const Sec
                                                       std::vector<std::byte>& buf) {
   buf.resize(s.length);
   r.read(s.payload(), buf.data(), buf.size());
-  Checksum sum;
-  const std::uint32_t reserved = 0;
-  sum.add(&s.tag, 4);
-  sum.add(&reserved, 4);
-  sum.add(&s.length, 8);
+  Checksum sum = head_checksum(s.tag, s.length);
   sum.add(buf.data(), buf.size());
   if (sum.value() != s.checksum) return std::nullopt;
   return std::span<const std::byte>(buf).subspan(4 + name_bytes);

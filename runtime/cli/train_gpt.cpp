@@ -216,10 +216,11 @@ int cmd_train_gpt(const TrainArgs& args) {
   const auto save = [&] {
     const auto t0 = Clock::now();
     trainer.save_checkpoint(a.checkpoint_path, encode_position(a, corpus, windows, steps, pos));
-    checkpoint_seconds += seconds_since(t0);
+    const double seconds = seconds_since(t0);
+    checkpoint_seconds += seconds;
     if (!a.quiet) {
       std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", a.checkpoint_path,
-                               format_bytes(std::filesystem::file_size(a.checkpoint_path)), 1e3 * seconds_since(t0));
+                               format_bytes(std::filesystem::file_size(a.checkpoint_path)), 1e3 * seconds);
     }
   };
   Progress progress(!a.quiet);
