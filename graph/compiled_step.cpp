@@ -390,6 +390,28 @@ void CompiledStep::check_device_status(NodeId end, cl_int gate_status, const cha
     throw cl::Error(fmt::format("a command of {} (reported by its event)", where), gate_status, "step");
 }
 
+std::exception_ptr CompiledStep::root_cause(std::exception_ptr failure) const {
+  // Called after the flow graph stopped and the queues drained: the events are settled.
+  std::string refused, refused_op;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const cl::Error& e) {
+    refused = e.what();
+    refused_op = e.op();
+  } catch (...) {
+    return failure;  // not a driver's error: it is its own cause
+  }
+  try {
+    check_device_status(static_cast<NodeId>(graph_.nodes.size()), CL_COMPLETE, "the step");
+  } catch (const cl::Error& device) {
+    if (device.op() == refused_op) return failure;  // the node failed and was refused itself
+    return std::make_exception_ptr(cl::Error(
+        fmt::format("{}; after it the driver refused a later command ({})", device.call(), refused), device.code(),
+        device.op()));
+  }
+  return failure;
+}
+
 std::vector<std::string> CompiledStep::changed_in_place() const {
   const auto& t = graph_.tensors;
   const auto& n = graph_.nodes;
@@ -798,6 +820,7 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
     } catch (...) {
     }
     if (cancelled) impl_->flow.reset();
+    if (cancelled) failure = root_cause(failure);
     for (auto& e : impl_->events) e = cl::Event();
     persistent_->abort();  // next values this step wrote are not the state
     std::vector<std::string> changed = changed_in_place();

@@ -157,7 +157,7 @@ void check_dtypes(const GemmShape& s) {
   }
 }
 
-// Kernels that take only f32 (tiled, naive, CLBlast) run narrow operands through f32 copies in
+// Kernels that take only f32 (naive, CLBlast) run narrow operands through f32 copies in
 // scratch: A and B widened before the product, C (when narrow) computed in f32 and rounded after.
 struct StagedLayout {
   std::size_t a = 0, b = 0, c = 0, total = 0;  // offsets in floats; a copy is absent when its operand is f32
@@ -271,12 +271,13 @@ LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cf
     throw std::runtime_error(fmt::format("gemm {}: work-group {}x{} exceeds the device maximum {}", cfg.text(), rtsn,
                                          rtsm, env.device().max_work_group_size));
   }
-  cl::Kernel k =
-      env.kernels.kernel("gemm_tiled", "gemm_tiled", fmt::format("{} {}", cfg.defines(), transpose_defines(s)));
+  cl::Kernel k = env.kernels.kernel(
+      "gemm_tiled", "gemm_tiled",
+      fmt::format("{} {} {}", cfg.defines(), transpose_defines(s), dtype_defines(s.a, s.b, s.c)));
   const cl_uint has_bias = options.bias.buffer != nullptr;
-  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), b.buffer,
-               b.elem_offset(), beta, c.buffer, c.elem_offset(), has_bias ? options.bias.buffer : c.buffer,
-               options.bias.elem_offset(), has_bias);
+  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(dtype_bytes(s.a)),
+               b.buffer, b.elem_offset(dtype_bytes(s.b)), beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
+               has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias);
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;
@@ -304,8 +305,14 @@ LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a,
   return list;
 }
 
-bool native_dtypes(const GemmPlan& p) {
+// The packed kernel alone takes NCHW planes, gathered rows and the ReLU epilogue.
+bool packed_features(const GemmPlan& p) {
   return p.backend == GemmBackend::ferry && p.config.kernel == GemmKernel::packed;
+}
+// ferry's packed and tiled kernels read and write f16/bf16 themselves; the others take f32 only.
+bool native_dtypes(const GemmPlan& p) {
+  return p.backend == GemmBackend::ferry &&
+         (p.config.kernel == GemmKernel::packed || p.config.kernel == GemmKernel::tiled);
 }
 
 }  // namespace
@@ -313,12 +320,13 @@ bool native_dtypes(const GemmPlan& p) {
 std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
   check_dtypes(s);
   const GemmPlan p = plan(env, options);
-  if (native_dtypes(p)) return packed_elems(s, fit_packed(s, p.config, options), options);
+  if (packed_features(p)) return packed_elems(s, fit_packed(s, p.config, options), options);
+  if (native_dtypes(p)) return 0;
   return staged_layout(s).total;
 }
 
 bool gemm_takes_planes(OpEnv& env) {
-  return native_dtypes(plan(env, {}));
+  return packed_features(plan(env, {}));
 }
 
 std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
@@ -334,7 +342,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   check_dtypes(s);
   if (s.M == 0 || s.N == 0) return {};
   const GemmPlan p = plan(env, options);
-  if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer || options.relu) && !native_dtypes(p)) {
+  if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer || options.relu) && !packed_features(p)) {
     throw std::invalid_argument(
         fmt::format("gemm {}x{}x{}: NCHW planes and the ReLU epilogue need ferry's packed kernel", s.M, s.N, s.K));
   }

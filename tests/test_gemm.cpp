@@ -101,8 +101,8 @@ INSTANTIATE_TEST_SUITE_P(AllKernels, GemmKernelTest,
 // Narrow operands (mixed precision): A, B and C each f32, f16 or bf16. The reference multiplies
 // the stored (rounded) inputs in double and rounds once into C's type, as the kernels promise;
 // the tolerance is C's rounding (half an ulp of its type) plus fp32 accumulation. Both kernel
-// families: packed reads the narrow types itself (including the split-K and in-place-B shapes),
-// tiled runs them through f32 copies in scratch.
+// families read the narrow types themselves (packed including the split-K and in-place-B shapes);
+// the naive kernel runs them through f32 copies in scratch, as CLBlast does.
 using ops::DType;
 struct DtypeCase {
   const char* kernel;
@@ -122,6 +122,7 @@ const DtypeCase kDtypeCases[] = {
     {kPacked, DType::f32, DType::f16, DType::bf16, true, false, 0.5f},
     {kTiled, DType::f32, DType::f16, DType::bf16, false, false, 0.5f},
     {kTiled, DType::bf16, DType::f32, DType::f16, true, true, 0.0f},
+    {"naive", DType::f16, DType::bf16, DType::f16, false, true, 0.5f},
 };
 
 std::vector<std::uint16_t> narrow(DType t, const std::vector<float>& v) {

@@ -171,12 +171,19 @@ TEST(MixedPrecision, HostUpdatesFetchNarrowWeights) {
   EXPECT_TRUE(r.updated);
 }
 
-// Narrow activations halve what backward keeps: the planned step peak drops.
+// Narrow activations halve what backward keeps: the planned step peak drops. Compared without
+// the persistent tensors (f32 master weights and optimizer state, the same in both), whose share
+// of the peak depends on the GEMM kernel's scratch: measured 0.43 (tiled, NVIDIA) to 0.69
+// (packed, PoCL) of the f32 step's bytes.
 TEST(MixedPrecision, NarrowActivationsLowerThePeak) {
   Runtime rt;
   const auto mlp = models::mlp();
   Trainer f32(rt, mlp, options(DType::f32, 512)), bf16(rt, mlp, options(DType::bf16, 512));
-  EXPECT_LT(static_cast<double>(bf16.device_peak_bytes()), 0.85 * static_cast<double>(f32.device_peak_bytes()))
+  auto step_bytes = [](const Trainer& t) {
+    return static_cast<double>(t.device_peak_bytes() - t.train_step().persistent()->device_bytes());
+  };
+  EXPECT_EQ(f32.train_step().persistent()->device_bytes(), bf16.train_step().persistent()->device_bytes());
+  EXPECT_LT(step_bytes(bf16), 0.75 * step_bytes(f32))
       << "bf16 " << bf16.device_peak_bytes() << " bytes, f32 " << f32.device_peak_bytes();
 }
 

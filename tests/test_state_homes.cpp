@@ -119,7 +119,16 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
   EXPECT_EQ(t.residency().unpacks, state_tensors);
   EXPECT_EQ(t.residency().packs, state_tensors);
   EXPECT_GT(t.train_step().host_step_bytes(), 0u) << "staging for the chunks in flight";
-  EXPECT_LE(t.train_step().host_step_bytes(), state) << "staging never needs a second full copy";
+  // Each staged tensor starts on the device's sub-buffer alignment (at least 256 bytes; 512 on
+  // NVIDIA), which at this model's size is most of a tensor: one copy of the state is its tensors
+  // rounded up to it.
+  const std::uint64_t align = std::max<std::uint64_t>(256, rt.device().base_align_bytes);
+  std::uint64_t one_copy = 0;
+  for (const auto& name : t.tensor_names()) {
+    if (name.find(".adam_") != std::string::npos)
+      one_copy += (t.read_tensor(name).bytes.size() + align - 1) / align * align;
+  }
+  EXPECT_LE(t.train_step().host_step_bytes(), one_copy) << "staging never needs a second full copy";
   for (int s = 0; s < 3; ++s) step(t, s);
   EXPECT_GT(t.host_state_bytes(), 0u);
   EXPECT_LT(t.host_state_bytes(), state + state / 10) << "chunks of trained moments";

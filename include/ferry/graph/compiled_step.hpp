@@ -212,6 +212,9 @@ class CompiledStep {
   void find_commit_point();
   // Throws, naming the node, if a device command among nodes [0, end) failed this step.
   void check_device_status(NodeId end, cl_int gate_status, const char* where) const;
+  // A cancelled step's failure, or the device failure behind it: some drivers (NVIDIA's) refuse
+  // later enqueues once a command failed, so the first error thrown can name a bystander.
+  std::exception_ptr root_cause(std::exception_ptr failure) const;
   // The persistent tensors that nodes which change state in place and were enqueued this step
   // write, in graph order.
   std::vector<std::string> changed_in_place() const;
