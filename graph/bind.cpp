@@ -30,6 +30,7 @@ class NodeBinding final : public NodeView<ops::BindContext> {
     return at_.host(in_ids()[i], written_this_step);
   }
   ops::HostAddress host_out(std::size_t i) const override { return at_.host(out_ids()[i], true); }
+  ops::DeviceSpan step_status() const override { return at_.status; }
 
  private:
   const TensorLocator& at_;

@@ -117,6 +117,15 @@ struct CompiledStep::Impl {
   OptimizerSpec optimizer;
   bool commits_other_slot = false;  // the step writes the next state into the other host slot
 
+  // The divergence guard's view of the updates (ops::BindContext::step_status): a device word
+  // the device updates set when they make a weight not finite, cleared at the start of each step
+  // and read back after its last command; host updates set the flag beside it.
+  cl::Mem status;
+  bool status_used = false;  // some device-lane update was bound to it
+  cl_uint status_host = 0;
+  cl::Event status_read;
+  std::atomic<bool> host_non_finite{false};
+
   // Waits for OpenCL events without blocking a thread: a marker on `queue` with the events as its
   // wait list, whose completion callback opens an async_node gateway. Used before each host-lane
   // node and once at the end of the step.
@@ -309,6 +318,14 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
     std::byte* fixed = host_address(id, false);
     return [fixed] { return static_cast<void*>(fixed); };
   };
+  for (NodeId id = 0; id < n.size() && bind_kernels; ++id) {
+    if (!is_host_lane(n.lane[id]) && ops::op_info(n.op[id]).op_class == ops::OpClass::update) {
+      impl_->status = impl_->ctx.create_buffer(sizeof(cl_uint), "the step's status word");
+      impl_->status_used = true;
+      at.status = ops::DeviceSpan{impl_->status.get(), 0};
+      break;
+    }
+  }
   impl_->launches.resize(n.size());
   impl_->bound = bind_kernels;
   for (NodeId id = 0; id < n.size(); ++id) {
@@ -635,6 +652,17 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
         for (NodeId tail : lane_tails) {
           if (im->events[tail]) im->finish_gate.wait.push_back(im->events[tail].get());
         }
+        if (im->status_used) {
+          // The status word after every command of the step; the gate waits for this read.
+          cl::OpScope scope("the step's status word");
+          cl::Event read;
+          auto& wait = im->finish_gate.wait;
+          FERRY_CL(clEnqueueReadBuffer(im->ctx.compute(), im->status.get(), CL_FALSE, 0, sizeof(cl_uint),
+                                       &im->status_host, static_cast<cl_uint>(wait.size()),
+                                       wait.empty() ? nullptr : wait.data(), read.out()));
+          im->status_read = std::move(read);
+          wait.assign(1, im->status_read.get());
+        }
       });
   for (NodeId tail : lane_tails) tbb::flow::make_edge(exit_of(tail), *impl_->finish);
   impl_->done =
@@ -661,8 +689,9 @@ namespace {
 class HostNode final : public NodeView<ops::HostContext> {
  public:
   HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
-           const ops::StepInfo& step, const OptimizerSpec& optimizer)
-      : NodeView(g, n), arena_(arena), at_(std::move(at)), step_(step), optimizer_(optimizer) {}
+           const ops::StepInfo& step, const OptimizerSpec& optimizer, std::atomic<bool>& non_finite)
+      : NodeView(g, n), arena_(arena), at_(std::move(at)), step_(step), optimizer_(optimizer), non_finite_(non_finite) {}
+  void report_non_finite_weight() const override { non_finite_ = true; }
   const std::byte* in(std::size_t i) const override {
     if (fail_) throw std::runtime_error(fmt::format("injected failure reading input {} in the host work", i));
     return at_(in_ids()[i], false);
@@ -692,6 +721,7 @@ class HostNode final : public NodeView<ops::HostContext> {
   std::function<std::byte*(TensorId, bool)> at_;
   const ops::StepInfo& step_;
   const OptimizerSpec& optimizer_;
+  std::atomic<bool>& non_finite_;
   bool fail_ = false;
 };
 
@@ -710,7 +740,7 @@ void CompiledStep::run_host_node(NodeId id) {
     throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
   }
   auto at = [this](TensorId x, bool write) { return host_address(x, write); };
-  HostNode node(graph_, id, *persistent_, at, impl_->step, impl_->optimizer);
+  HostNode node(graph_, id, *persistent_, at, impl_->step, impl_->optimizer, impl_->host_non_finite);
   if (fault) node.fail();
   try {
     row.host(node);
@@ -796,6 +826,15 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   }
   impl_->commit_gate.status = CL_COMPLETE;
   std::fill(impl_->started.begin(), impl_->started.end(), 0);
+  impl_->host_non_finite = false;
+  impl_->status_host = 0;
+  if (impl_->status_used) {
+    // In order on the compute queue, where the device updates run: cleared before any of them.
+    const cl_uint zero = 0;
+    cl::OpScope scope("the step's status word");
+    FERRY_CL(clEnqueueFillBuffer(impl_->ctx.compute(), impl_->status.get(), &zero, sizeof zero, 0, sizeof zero, 0,
+                                 nullptr, nullptr));
+  }
   impl_->start.try_put(continue_msg{});
   std::exception_ptr failure;
   bool cancelled = false;
@@ -857,6 +896,10 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
       persistent_->abort();
     }
   }
+}
+
+bool CompiledStep::wrote_non_finite_weight() const noexcept {
+  return impl_->status_host != 0 || impl_->host_non_finite;
 }
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {

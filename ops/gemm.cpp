@@ -85,6 +85,26 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
   return c;
 }
 
+// The tiled parameters for this shape, when they come from the tuning data: while the product
+// has fewer tiles than the device has compute units, halve the tile and the results per
+// work-item (same group size), down to 2 x 2 per work-item. A row tuned on large squares (128 x
+// 128 tiles: 1.5x the 64 x 64 tiles at n = 2048 on an H100) would leave most of the device idle on
+// a training step's batch-sized products. Kernels asked for by name run as given.
+GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t compute_units,
+                           bool from_tuning_data) {
+  if (c.kernel != GemmKernel::tiled || !from_tuning_data) return c;
+  auto tiles = [&](std::size_t tsm, std::size_t tsn) {
+    return ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn);
+  };
+  for (;;) {
+    const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
+    if (tiles(tsm, tsn) >= compute_units || wm < 4 || wn < 4 || wm % 2 || wn % 2 || tsm % 2 || tsn % 2) return c;
+    for (auto& [key, value] : c.params) {
+      if (key == "TSM" || key == "TSN" || key == "WPTM" || key == "WPTN") value /= 2;
+    }
+  }
+}
+
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of at
 // least 256 x NB floats (64 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over it.
 constexpr std::size_t min_split_rows = 256;
@@ -333,7 +353,9 @@ std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOp
   const GemmPlan p = plan(env, options);
   const std::string trans = fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N");
   if (p.backend == GemmBackend::clblast) return fmt::format("clblast {}", trans);
-  return fmt::format("ferry {} {} ({})", fit_packed(s, p.config, options).text(), trans, p.origin);
+  const GemmKernelConfig fitted = fit_tiled(s, fit_packed(s, p.config, options), env.device().compute_units,
+                                            options.kernel.empty());
+  return fmt::format("ferry {} {} ({})", fitted.text(), trans, p.origin);
 }
 
 LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
@@ -377,7 +399,8 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     case GemmKernel::packed:
       return bind_packed(env, s, fit_packed(s, p.config, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
-      return bind_tiled(env, s, p.config, alpha, a, b, beta, c, options);
+      return bind_tiled(env, s, fit_tiled(s, p.config, env.device().compute_units, options.kernel.empty()), alpha, a,
+                        b, beta, c, options);
     case GemmKernel::naive:
       return bind_naive(env, s, alpha, a, b, beta, c, options);
   }

@@ -68,11 +68,12 @@ std::function<void(cl_kernel, const StepInfo&)> adam_step_args(const char* op, c
 }
 
 LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n,
-                      DeviceSpan guard) {
+                      DeviceSpan guard, DeviceSpan status) {
   cl::Kernel k = env.kernels.kernel("optimizer", "sgd_update");
   cl::set_args(k.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), velocity.buffer, velocity.elem_offset(),
                checked_count(n), c.momentum, c.weight_decay, cl_uint(c.nesterov ? 1 : 0), 0.0f,
-               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0));
+               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0),
+               status.buffer ? status.buffer : w.buffer, status.elem_offset(), cl_uint(status.buffer ? 1 : 0));
   KernelLaunch l = elementwise_launch(std::move(k), n);
   l.per_step = [](cl_kernel kernel, const StepInfo& s) {
     FERRY_CL(clSetKernelArg(kernel, kSgdLrArg, sizeof(float), &s.lr));
@@ -83,13 +84,14 @@ LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g
 }
 
 LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan m, DeviceSpan v,
-                       std::size_t n, DeviceSpan guard) {
+                       std::size_t n, DeviceSpan guard, DeviceSpan status) {
   cl::Kernel k = env.kernels.kernel("optimizer", "adam_update");
   const float l2 = c.decoupled_weight_decay ? 0.0f : c.weight_decay;
   const float decoupled = c.decoupled_weight_decay ? c.weight_decay : 0.0f;
   cl::set_args(k.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), m.buffer, m.elem_offset(), v.buffer,
                v.elem_offset(), checked_count(n), c.beta1, c.beta2, c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f,
-               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0));
+               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0),
+               status.buffer ? status.buffer : w.buffer, status.elem_offset(), cl_uint(status.buffer ? 1 : 0));
   KernelLaunch l = elementwise_launch(std::move(k), n);
   l.per_step = adam_step_args("adam_update", c, kAdamLrArg);
   LaunchList list;

@@ -51,7 +51,7 @@ void check_adam8bit_block(std::uint32_t block, std::uint32_t group) {
 
 LaunchList adam8bit_update(OpEnv& env, const AdamConfig& c, std::uint32_t block, DeviceSpan w, DeviceSpan g,
                            DeviceSpan m, DeviceSpan v, DeviceSpan scales, std::size_t n, DeviceSpan guard,
-                           std::uint32_t group) {
+                           std::uint32_t group, DeviceSpan status) {
   if (n > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("adamw8bit: more than 2^32-1 parameters");
   // The device's group size; smaller while the compiled kernel allows less (each size is its own
   // program; a block that suits one power of two suits the smaller ones).
@@ -77,7 +77,8 @@ LaunchList adam8bit_update(OpEnv& env, const AdamConfig& c, std::uint32_t block,
   cl::set_args(k.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), m.buffer, m.elem_offset(1), v.buffer,
                v.elem_offset(1), scales.buffer, scales.elem_offset(), cl_uint(n), cl_uint(blocks), c.beta1, c.beta2,
                c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f, guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(),
-               cl_uint(guard.buffer ? 1 : 0));
+               cl_uint(guard.buffer ? 1 : 0), status.buffer ? status.buffer : w.buffer, status.elem_offset(),
+               cl_uint(status.buffer ? 1 : 0));
   KernelLaunch l;
   l.kernel = std::move(k);
   l.global[0] = blocks * group;

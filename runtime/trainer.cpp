@@ -339,16 +339,22 @@ StepResult Trainer::step(const Batch& batch) {
       phases_->record_full(r.loss, nullptr);
     }
   }
-  if (options_.check_weights_every > 0 && steps_ % options_.check_weights_every == 0) {
-    if (const std::string bad = non_finite_weight(); !bad.empty()) {
+  // Every update reports a weight it made not finite through the step's status word: the weights
+  // are read back (to name the first such element) only when one did.
+  const bool updates_broke_weights = step.wrote_non_finite_weight();
+  if (updates_broke_weights ||
+      (options_.check_weights_every > 0 && steps_ % options_.check_weights_every == 0)) {
+    std::string bad = non_finite_weight();
+    if (bad.empty() && updates_broke_weights) bad = "(an update reported one; reading the weights back found none)";
+    if (!bad.empty()) {
       throw std::runtime_error(fmt::format(
           "training diverged at step {}: the loss ({}) was finite, but this step's update made weight {} not finite "
           "(learning rate {}): the weights are NOT those from before this step and are not usable: go back to a "
           "checkpoint from before this step and lower the learning rate",
           steps_, r.loss, bad, lr_));
     }
-    weights_checked_at_ = steps_;
   }
+  weights_checked_at_ = steps_;  // every update checked what it wrote
   return r;
 }
 

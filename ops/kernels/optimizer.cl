@@ -2,11 +2,14 @@
 // `n` that change per step (learning rate, bias corrections) are set just before each enqueue.
 // With has_guard, the update is skipped when guard[0] (the step's loss) is not finite, so a
 // diverged step leaves weights and state as they were.
+// With has_status, a weight this update makes not finite sets status[0] to 1 (atomically: every
+// writer stores the same bit), so that the step reports it without reading the weights back.
 
 // SGD with momentum: g' = g + wd w; v = momentum v + g'; w -= lr (nesterov ? g' + momentum v : v).
 __kernel void sgd_update(__global float* w, ulong w_off, __global const float* g, ulong g_off, __global float* velocity,
                          ulong velocity_off, uint n, float momentum, float weight_decay, uint nesterov, float lr,
-                         __global const float* guard, ulong guard_off, uint has_guard) {
+                         __global const float* guard, ulong guard_off, uint has_guard, __global uint* status,
+                         ulong status_off, uint has_status) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
   if (has_guard && !isfinite(guard[guard_off])) return;
@@ -15,7 +18,9 @@ __kernel void sgd_update(__global float* w, ulong w_off, __global const float* g
   const float vi = fma(momentum, velocity[velocity_off + i], gi);
   velocity[velocity_off + i] = vi;
   const float step = nesterov ? fma(momentum, vi, gi) : vi;
-  w[w_off + i] = fma(-lr, step, wi);
+  const float wn = fma(-lr, step, wi);
+  w[w_off + i] = wn;
+  if (has_status && !isfinite(wn)) atomic_or(status + status_off, 1u);
 }
 
 // Adam with L2 (l2 > 0: g' = g + l2 w) or AdamW (decoupled > 0: w -= lr decoupled w, from the
@@ -23,7 +28,8 @@ __kernel void sgd_update(__global float* w, ulong w_off, __global const float* g
 __kernel void adam_update(__global float* w, ulong w_off, __global const float* g, ulong g_off, __global float* m,
                           ulong m_off, __global float* v, ulong v_off, uint n, float beta1, float beta2, float eps,
                           float l2, float decoupled, float lr, float inv_bc1, float inv_bc2,
-                          __global const float* guard, ulong guard_off, uint has_guard) {
+                          __global const float* guard, ulong guard_off, uint has_guard, __global uint* status,
+                          ulong status_off, uint has_status) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
   if (has_guard && !isfinite(guard[guard_off])) return;
@@ -34,5 +40,7 @@ __kernel void adam_update(__global float* w, ulong w_off, __global const float* 
   m[m_off + i] = mi;
   v[v_off + i] = vi;
   const float update = (mi * inv_bc1) / (sqrt(vi * inv_bc2) + eps);
-  w[w_off + i] = wi - lr * fma(decoupled, wi, update);
+  const float wn = wi - lr * fma(decoupled, wi, update);
+  w[w_off + i] = wn;
+  if (has_status && !isfinite(wn)) atomic_or(status + status_off, 1u);
 }

@@ -56,12 +56,14 @@ uchar q_nearest(float x, uint c, __local const float* table) {
 
 // Adam with L2 (l2 > 0) or AdamW (decoupled > 0) as adam_update, on 8-bit state. scales holds
 // [2, blocks] floats: the m scales, then the v scales. inv_bc1 = 1 / (1 - beta1^t), inv_bc2 =
-// 1 / (1 - beta2^t). With has_guard, nothing changes when guard[0] (the step's loss) is not finite.
+// 1 / (1 - beta2^t). With has_guard, nothing changes when guard[0] (the step's loss) is not finite;
+// with has_status, a weight made not finite sets status[0] to 1.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void adam8bit_update(
     __global float* w, ulong w_off, __global const float* g, ulong g_off, __global uchar* m, ulong m_off,
     __global uchar* v, ulong v_off, __global float* scales, ulong scales_off, uint n, uint blocks, float beta1,
     float beta2, float eps, float l2, float decoupled, float lr, float inv_bc1, float inv_bc2,
-    __global const float* guard, ulong guard_off, uint has_guard) {
+    __global const float* guard, ulong guard_off, uint has_guard, __global uint* status, ulong status_off,
+    uint has_status) {
   if (has_guard && !isfinite(guard[guard_off])) return;  // the same for every work-item: no barrier skipped
   __local float scratch[WG];
   __local float table_m[256], table_v[256];
@@ -89,7 +91,9 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void adam8bit_update(
     const float mi = fma(beta1, m0, (1.0f - beta1) * gi);
     const float vi = fma(beta2, v0, (1.0f - beta2) * gi * gi);
     const float update = (mi * inv_bc1) / (sqrt(vi * inv_bc2) + eps);
-    w[w_off + i] = wi - lr * fma(decoupled, wi, update);
+    const float wn = wi - lr * fma(decoupled, wi, update);
+    w[w_off + i] = wn;
+    if (has_status && !isfinite(wn)) atomic_or(status + status_off, 1u);  // as adam_update
     m_new[k] = mi;
     v_new[k] = vi;
     m_max = fmax(m_max, fabs(mi));

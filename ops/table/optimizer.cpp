@@ -1,6 +1,7 @@
 // Rows of the optimizer updates. In place: the outputs are the weight and state inputs. The
 // optional last input is the step's loss statistics: the update skips itself when the loss is
-// not finite. Each runs on the device, or on the host lane (TBB workers) for host-resident
+// not finite. Each reports a weight it makes not finite to the step (step_status on the device,
+// report_non_finite_weight on the host), which checks it after its last command. Each runs on the device, or on the host lane (TBB workers) for host-resident
 // state, where it reads the current copy and writes the next. adam8bit_update (a named row) runs
 // on the device only.
 #include "ferry/ops/optimizer_host.hpp"
@@ -22,11 +23,12 @@ OpInfo sgd_row() {  // in: w g v [loss]  out: w v
   r.op_class = OpClass::update;
   r.bind = [](const BindContext& c) {
     return sgd_update(c.env(), c.optimizer().sgd, c.in(0), c.in(1), c.in(2), in_elems(c, 0),
-                      c.input_count() > 3 ? c.in(3) : DeviceSpan{});
+                      c.input_count() > 3 ? c.in(3) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
-    host_sgd_update(c.optimizer().sgd, c.step(), floats(c.in(1)),
-                    {floats(c.in(0)), floats(c.in(2)), floats(c.out(0)), floats(c.out(1))}, in_elems(c, 0));
+    if (!host_sgd_update(c.optimizer().sgd, c.step(), floats(c.in(1)),
+                         {floats(c.in(0)), floats(c.in(2)), floats(c.out(0)), floats(c.out(1))}, in_elems(c, 0)))
+      c.report_non_finite_weight();
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
@@ -41,13 +43,14 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   r.op_class = OpClass::update;
   r.bind = [](const BindContext& c) {
     return adam_update(c.env(), c.optimizer().adam_config(), c.in(0), c.in(1), c.in(2), c.in(3), in_elems(c, 0),
-                       c.input_count() > 4 ? c.in(4) : DeviceSpan{});
+                       c.input_count() > 4 ? c.in(4) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
-    host_adam_update(
-        c.optimizer().adam_config(), c.step(), floats(c.in(1)),
-        {floats(c.in(0)), floats(c.in(2)), floats(c.in(3)), floats(c.out(0)), floats(c.out(1)), floats(c.out(2))},
-        in_elems(c, 0));
+    if (!host_adam_update(
+            c.optimizer().adam_config(), c.step(), floats(c.in(1)),
+            {floats(c.in(0)), floats(c.in(2)), floats(c.in(3)), floats(c.out(0)), floats(c.out(1)), floats(c.out(2))},
+            in_elems(c, 0)))
+      c.report_non_finite_weight();
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
@@ -66,7 +69,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
   r.bind = [](const BindContext& c) {
     return adam8bit_update(c.env(), c.optimizer().adam_config(), static_cast<std::uint32_t>(c.attrs().i[0]), c.in(0),
                            c.in(1), c.in(2), c.in(3), c.in(4), in_elems(c, 0),
-                           c.input_count() > 5 ? c.in(5) : DeviceSpan{});
+                           c.input_count() > 5 ? c.in(5) : DeviceSpan{}, 0, c.step_status());
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();

@@ -59,7 +59,7 @@ struct TrainArgs {
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
   std::uint32_t trace_steps = 4;
-  std::uint32_t check_weights_every = 1;  // TrainerOptions::check_weights_every
+  std::uint32_t check_weights_every = 0;  // TrainerOptions::check_weights_every
   bool json = false, quiet = false;
   // Hybrid phases (ferry/runtime/phases.hpp): the defaults are PhaseConfig's.
   std::string phases = "full", predictor = "linear";

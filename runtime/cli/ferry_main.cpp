@@ -535,8 +535,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train
       ->add_option("--check-weights-every", t.check_weights_every,
-                   "Check that the weights are finite after every N optimizer updates (0: never; a non-finite loss "
-                   "always checks them)")
+                   "Also read every weight back after every N optimizer updates and check it is finite (0: never; "
+                   "each update already checks the weights it writes on the device, and a non-finite loss always "
+                   "reads them)")
       ->capture_default_str();
   train->add_option("--profile", t.profile_path,
                     "Write a CSV memory profile: device bytes per node, transfers and their device times");

@@ -17,6 +17,7 @@ struct TensorLocator {
   // Host memory of a tensor whose home is the host: `write` selects where a new value goes (the
   // next copy of a streamed tensor) rather than where the current value is.
   std::function<ops::HostAddress(TensorId, bool write)> host;
+  ops::DeviceSpan status;  // the step's status word (BindContext::step_status)
 };
 
 // Checks every node's float operands against the dtypes its row accepts. Throws

@@ -180,6 +180,10 @@ class CompiledStep {
   const ResidencyReport& residency() const noexcept { return residency_; }
   // Pinned host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients).
   std::uint64_t host_step_bytes() const noexcept { return plan_.host_transient_bytes; }
+  // After a run that succeeded: whether an optimizer update (on the device or the host) made a
+  // weight not finite. Read from one status word the step downloads with its last command, so
+  // no weight is read back to check it.
+  bool wrote_non_finite_weight() const noexcept;
   const std::shared_ptr<PersistentArena>& persistent() const noexcept { return persistent_; }
   ops::DeviceSpan span(TensorId t) const;
   std::size_t node_count() const noexcept { return graph_.nodes.size(); }

@@ -120,6 +120,9 @@ class BindContext : public ShapeView {
   // value goes. Throws for a tensor without host memory.
   virtual HostAddress host_in(std::size_t i) const = 0;
   virtual HostAddress host_out(std::size_t i) const = 0;
+  // A u32 on the device that updates set to 1 when they make a weight not finite (the step
+  // clears it before and reads it after its commands); empty outside a compiled step.
+  virtual DeviceSpan step_status() const = 0;
 };
 
 // A host-lane node: runs on a TBB worker once its device inputs are complete.
@@ -134,6 +137,8 @@ class HostContext : public ShapeView {
   // i's next value, from `src`, into its home (current once the step succeeds).
   virtual void unpack_home(std::size_t input, std::byte* dst) const = 0;
   virtual void pack_home(std::size_t output, const std::byte* src) const = 0;
+  // A host update made a weight not finite (the host side of BindContext::step_status).
+  virtual void report_non_finite_weight() const = 0;
 };
 
 // The CPU reference: float operands as double, int32 operands as they are.

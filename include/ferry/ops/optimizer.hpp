@@ -54,15 +54,17 @@ void validate(const OptimizerConfig& c);
 
 // velocity = momentum * velocity + (g + wd * w); w -= lr * (nesterov ? g' + momentum * velocity : velocity)
 // `guard` (optional): a float on the device, the step's loss; when it is not finite the update
-// does nothing, so a diverged step leaves weights and state as they were.
+// does nothing, so a diverged step leaves weights and state as they were. `status` (optional): a
+// u32 on the device that the update sets to 1 when it makes a weight not finite (never cleared
+// by it), for the step's divergence guard.
 LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n,
-                      DeviceSpan guard = {});
+                      DeviceSpan guard = {}, DeviceSpan status = {});
 // Adam / AdamW with bias correction by StepInfo::step.
 // g' = g + wd w (L2 only); m = beta1 m + (1 - beta1) g'; v = beta2 v + (1 - beta2) g'^2;
 // w -= lr (m / (1 - beta1^t) / (sqrt(v / (1 - beta2^t)) + eps) + wd w (AdamW only)), t = step.
 // Enqueueing with StepInfo::step == 0 throws std::invalid_argument (the correction is undefined).
 LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan m, DeviceSpan v,
-                       std::size_t n, DeviceSpan guard = {});
+                       std::size_t n, DeviceSpan guard = {}, DeviceSpan status = {});
 
 // 8-bit block-wise Adam / AdamW (ops/kernels/optimizer8bit.cl), one work-group per block of
 // `block` elements (the last block may be partial). m and v are u8 codes (m: signed map, v:
@@ -74,7 +76,7 @@ LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan
 // `group` (tests): a work-group size to use instead of the device's (a power of two <= 256).
 LaunchList adam8bit_update(OpEnv& env, const AdamConfig& c, std::uint32_t block, DeviceSpan w, DeviceSpan g,
                            DeviceSpan m, DeviceSpan v, DeviceSpan scales, std::size_t n, DeviceSpan guard = {},
-                           std::uint32_t group = 0);
+                           std::uint32_t group = 0, DeviceSpan status = {});
 
 // The work-group adam8bit_update runs with is a power of two of at most adam8bit_max_group (on
 // CPU devices 32, whose smaller groups PoCL runs faster), so a block size that is a multiple of

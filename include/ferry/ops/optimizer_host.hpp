@@ -30,7 +30,8 @@ struct SgdSlots {
   float* velocity_out;
 };
 
-void host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n);
-void host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
+// Each returns whether every weight it wrote is finite (the step's divergence guard).
+bool host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n);
+bool host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
 
 }  // namespace ferry::ops

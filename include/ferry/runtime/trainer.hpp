@@ -50,14 +50,14 @@ struct TrainerOptions {
   // Mixed precision (ferry/runtime/loss_scale.hpp): f16 or bf16 layers over f32 master weights,
   // with dynamic loss scaling for f16. Training, evaluation and Predict steps all run in it.
   PrecisionConfig precision;
-  // Divergence guard beyond the loss: after every this many optimizer updates the trainer reads
-  // the weights back and checks that they are finite, so an update that made a weight inf or
-  // NaN while its loss was finite fails that step (0: never). A step whose loss is not finite
-  // always checks them, so its message never claims non-finite weights are good ones. The cost is
-  // one read of every weight: a device-to-host copy of them when they live on the device, a scan
-  // of host memory when streamed or mapped, an unpack when compressed (measured in
-  // docs/bad_input.md).
-  std::uint32_t check_weights_every = 1;
+  // Divergence guard beyond the loss. Every optimizer update checks each weight it writes (on the
+  // device, in the update kernel; on the host, in the host update) and the step reads one status
+  // word back, so an update that made a weight inf or NaN while its loss was finite fails that
+  // step, always, at no measurable cost. In addition, after every this many updates the trainer
+  // reads every weight back and checks it (0: never, the default): one read of every weight, a
+  // device-to-host copy when they live on the device. A step whose loss is not finite always
+  // reads them, so its message never claims non-finite weights are good ones.
+  std::uint32_t check_weights_every = 0;
 };
 
 struct StepResult {
