@@ -6,11 +6,17 @@
 //   pipelined: all N enqueued, one clFinish at the end (what a compiled step does);
 //   sync:      clFinish after every launch (a launch plus a full host-device round trip);
 //   noevent:   pipelined, but through clEnqueueNDRangeKernel without asking for an event (what
-//              the event object itself costs).
+//              the event object itself costs);
+//   callback:  after every launch, wait for its completion callback (clSetEventCallback waking
+//              the host through a condition variable): what each event gate of a compiled step
+//              (before a host node, the commit point, the end of a step) costs beside clFinish;
+//   wait:      clWaitForEvents on every launch's event.
 // Each figure is the median over --repeat runs of N launches, after one warm-up run.
 #include <fmt/format.h>
 
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 
 #include "bench.hpp"
 #include "ferry/cl/error.hpp"
@@ -62,16 +68,54 @@ int run_launch(const BenchCommon& common, const LaunchBenchOptions& o) {
     FERRY_CL(clFinish(q));
   };
 
+  // The host wakes from the driver's completion callback, as an event gate does.
+  struct Wakeup {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    cl_int status = CL_COMPLETE;
+    static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user) {
+      auto* w = static_cast<Wakeup*>(user);
+      // Notified under the lock: the waiter (and `w` with it) cannot be gone before this returns.
+      std::lock_guard lock(w->m);
+      w->done = true;
+      w->status = status;
+      w->cv.notify_one();
+    }
+  };
+  auto callback = [&] {
+    for (int i = 0; i < o.launches; ++i) {
+      Wakeup w;
+      cl::Event ev = ops::enqueue(q, i % 2 ? ba : ab, {});
+      FERRY_CL(clSetEventCallback(ev.get(), CL_COMPLETE, &Wakeup::on_complete, &w));
+      FERRY_CL(clFlush(q));
+      std::unique_lock lock(w.m);
+      w.cv.wait(lock, [&] { return w.done; });
+      if (w.status < 0) cl::check(w.status, "the relu kernel (reported by its callback)");
+    }
+  };
+  auto wait = [&] {
+    for (int i = 0; i < o.launches; ++i) {
+      cl::Event ev = ops::enqueue(q, i % 2 ? ba : ab, {});
+      const cl_event e = ev.get();
+      FERRY_CL(clWaitForEvents(1, &e));
+    }
+  };
+
   // Warm up (program build, driver threads), then interleave the modes so that load changes on
   // this shared machine hit them alike.
   pipelined();
   sync();
   noevent();
-  std::vector<double> t_pipe, t_sync, t_noevent;
+  callback();
+  wait();
+  std::vector<double> t_pipe, t_sync, t_noevent, t_callback, t_wait;
   for (int r = 0; r < common.repeat; ++r) {
     t_pipe.push_back(time_ms(pipelined) * 1e3 / o.launches);
     t_sync.push_back(time_ms(sync) * 1e3 / o.launches);
     t_noevent.push_back(time_ms(noevent) * 1e3 / o.launches);
+    t_callback.push_back(time_ms(callback) * 1e3 / o.launches);
+    t_wait.push_back(time_ms(wait) * 1e3 / o.launches);
   }
   std::vector<float> out(o.elems);
   ctx.read(a.get(), 0, out.data(), out.size() * sizeof(float));
@@ -79,7 +123,8 @@ int run_launch(const BenchCommon& common, const LaunchBenchOptions& o) {
     if (out[i] != std::max(init[i], 0.0f)) throw std::runtime_error("relu chain produced a wrong value");
   }
 
-  const double pipe = median(t_pipe), syn = median(t_sync), noev = median(t_noevent);
+  const double pipe = median(t_pipe), syn = median(t_sync), noev = median(t_noevent), cb = median(t_callback),
+               wt = median(t_wait);
   const nlohmann::json base{{"bench", "launch"},      {"kernel", "relu"},        {"elems", o.elems},
                             {"launches", o.launches}, {"repeat", common.repeat}, {"device", runtime.device().name}};
   auto line = [&](const char* mode, double us, const std::vector<double>& all) {
@@ -92,10 +137,14 @@ int run_launch(const BenchCommon& common, const LaunchBenchOptions& o) {
   line("pipelined", pipe, t_pipe);
   line("sync", syn, t_sync);
   line("pipelined_noevent", noev, t_noevent);
+  line("callback", cb, t_callback);
+  line("wait", wt, t_wait);
   nlohmann::json j = base;
   j["mode"] = "ratio";
   j["ratio_sync_over_pipelined"] = syn / pipe;
   j["ratio_pipelined_over_noevent"] = pipe / noev;
+  j["ratio_callback_over_sync"] = cb / syn;
+  j["ratio_wait_over_sync"] = wt / syn;
   emit_json(j);
   return 0;
 }
@@ -109,7 +158,10 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   return [o, &common] { return run_launch(common, *o); };
 }
 
-FERRY_BENCH("launch", "cost of one tiny kernel launch: pipelined vs clFinish after each (us per launch)", setup);
+FERRY_BENCH("launch",
+            "cost of one tiny kernel launch: pipelined vs clFinish, a completion callback or clWaitForEvents after "
+            "each (us per launch)",
+            setup);
 
 }  // namespace
 }  // namespace ferry::bench
