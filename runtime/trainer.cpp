@@ -230,7 +230,8 @@ void Trainer::validate_staged(const graph::CompiledStep& step, std::span<const T
 
 void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
   const std::uint32_t samples = options_.batch;
-  for (const auto& [name, view] : batch) {
+  for (const auto& entry : batch) {
+    const std::string& name = entry.first;  // (clang 14 cannot capture a structured binding)
     const auto known = [&](const TensorSpec& s) { return s.name == name; };
     if (std::none_of(model_.inputs.begin(), model_.inputs.end(), known) &&
         std::none_of(model_.targets.begin(), model_.targets.end(), known)) {

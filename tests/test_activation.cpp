@@ -38,7 +38,7 @@ TEST_P(ActivationTest, ReferenceBackwardMatchesFiniteDifferences) {
     if (std::abs(v) < 0.05f) v += 0.1f;
   auto x = to_double(xf);
   auto r = to_double(random_vector(n, 4));
-  auto loss = [&](const std::vector<double>& in) {
+  auto loss = [&, act = act](const std::vector<double>& in) {
     std::vector<double> y(in.size());
     ops::ref::activation_forward<double>(act, in, y);
     return weighted_sum(y, r);

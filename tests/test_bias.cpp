@@ -48,7 +48,7 @@ TEST_P(BiasTest, ReferenceBackwardMatchesFiniteDifferences) {
   if (rows * cols > 20000) GTEST_SKIP() << "the reference is shape-independent; large shapes add only time";
   auto y = to_double(random_vector(rows * cols, 5)), b = to_double(random_vector(cols, 6));
   auto r = to_double(random_vector(rows * cols, 7));
-  auto loss = [&](const std::vector<double>& bias) {
+  auto loss = [&, rows = rows, cols = cols](const std::vector<double>& bias) {
     std::vector<double> out = y;
     ops::ref::bias_forward<double>(out, bias, rows, cols);
     return weighted_sum(out, r);

@@ -694,7 +694,7 @@ TEST_P(TypedOpTest, AddSumsInF32AndRoundsOnce) {
   auto da = DeviceBytes::from(a, 3), db = DeviceBytes::from(b, 8);
   DeviceBytes dout(n, 2, 5);
   run(ops::add(dev.env, da.span(), db.span(), dout.span(), n, t));
-  const auto want = map_reference(t, n, [&](std::size_t i) { return decode(t, a[i]) + decode(t, b[i]); });
+  const auto want = map_reference(t, n, [&, t = t](std::size_t i) { return decode(t, a[i]) + decode(t, b[i]); });
   expect_words<std::uint16_t>(dout.download<std::uint16_t>(), want, widen(a), t == DType::f16 ? half_nan_word : nullptr,
                               "typed add");
   for (unsigned char byte : dout.tail()) EXPECT_EQ(byte, 0xA5) << "add wrote past its range";

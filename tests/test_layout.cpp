@@ -80,7 +80,7 @@ TEST_P(PermuteTest, ReferenceBackwardMatchesFiniteDifferences) {
   const std::size_t n = shape.elems();
   const auto x = to_double(random_vector(n, 21)), r = to_double(random_vector(n, 22));
   const graph::Shape ys = ops::permuted_shape(shape, perm);
-  auto loss = [&](const std::vector<double>& v) {
+  auto loss = [&, shape = shape, perm = perm](const std::vector<double>& v) {
     std::vector<double> y(n);
     ops::ref::permute<double>(v, y, shape, perm);
     return weighted_sum(y, r);

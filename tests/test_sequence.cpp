@@ -269,7 +269,7 @@ TEST_P(DropoutStatsTest, KeptFractionIsOneMinusPAndStepsDrawNewMasks) {
   }
   // Masks of two steps (or two seeds) are independent: they differ in about 2 p (1 - p) of the
   // elements; the same step and seed reproduce the mask.
-  auto differing = [&](const std::vector<float>& u, const std::vector<float>& v) {
+  auto differing = [&, n = n](const std::vector<float>& u, const std::vector<float>& v) {
     std::size_t d = 0;
     for (std::size_t i = 0; i < n; ++i) d += (u[i] == 0.0f) != (v[i] == 0.0f);
     return double(d);

@@ -166,7 +166,7 @@ TEST(Softmax, ReferenceBackwardMatchesFiniteDifferences) {
   for (auto [rows, cols] : {std::pair<std::size_t, std::size_t>{1, 1}, {3, 7}, {4, 33}}) {
     const auto x = to_double(random_vector(rows * cols, 13, -3.0f, 3.0f));
     const auto r = to_double(random_vector(rows * cols, 14));
-    auto loss = [&](const std::vector<double>& xv) {
+    auto loss = [&, rows = rows, cols = cols](const std::vector<double>& xv) {
       std::vector<double> y(xv.size());
       ops::ref::softmax_forward<double>(xv, y, rows, cols);
       return weighted_sum(y, r);

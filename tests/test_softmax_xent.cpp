@@ -106,7 +106,7 @@ TEST_P(SoftmaxXentTestReference, ReferenceGradientMatchesFiniteDifferences) {
   if (rows * classes > 20000) GTEST_SKIP() << "covered by the smaller shapes; the check costs rows*classes per probe";
   const auto labels = random_labels(rows, classes, 5);
   const auto x = to_double(logits_for(labels, classes, 6));
-  auto loss = [&](const std::vector<double>& in) {
+  auto loss = [&, rows = rows, classes = classes](const std::vector<double>& in) {
     std::vector<double> probs(in.size()), stats(2);
     ops::ref::softmax_xent_forward<double>(in, labels, probs, stats, rows, classes);
     return stats[0];
