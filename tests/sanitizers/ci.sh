@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI's sanitizer stage: the library and the GoogleTest binaries built with clang, -O1,
+# CI's sanitizer stage: the library (-O1) and the GoogleTest binaries (-O0) built with clang,
 # AddressSanitizer (with LeakSanitizer) and UBSan (the `asan-ci` preset), then run one by one;
 # any report fails the stage. CI (.ci/quickstart test) runs every test binary with
 # FERRY_TEST_SMALL=1 (the op tests' small shapes: their CPU references in double are most of a
