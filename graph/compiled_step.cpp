@@ -120,8 +120,7 @@ struct CompiledStep::Impl {
   // The divergence guard's view of the updates (ops::BindContext::step_status): a device word
   // the device updates set when they make a weight not finite, cleared at the start of each step
   // and read back after its last command; host updates set the flag beside it.
-  cl::Mem status;
-  bool status_used = false;  // some device-lane update was bound to it
+  cl::Mem status;  // null when no device-lane update was bound
   cl_uint status_host = 0;
   cl::Event status_read;
   std::atomic<bool> host_non_finite{false};
@@ -321,7 +320,6 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
   for (NodeId id = 0; id < n.size() && bind_kernels; ++id) {
     if (!is_host_lane(n.lane[id]) && ops::op_info(n.op[id]).op_class == ops::OpClass::update) {
       impl_->status = impl_->ctx.create_buffer(sizeof(cl_uint), "the step's status word");
-      impl_->status_used = true;
       at.status = ops::DeviceSpan{impl_->status.get(), 0};
       break;
     }
@@ -422,9 +420,9 @@ std::exception_ptr CompiledStep::root_cause(std::exception_ptr failure) const {
     check_device_status(static_cast<NodeId>(graph_.nodes.size()), CL_COMPLETE, "the step");
   } catch (const cl::Error& device) {
     if (device.op() == refused_op) return failure;  // the node failed and was refused itself
-    return std::make_exception_ptr(cl::Error(
-        fmt::format("{}; after it the driver refused a later command ({})", device.call(), refused), device.code(),
-        device.op()));
+    return std::make_exception_ptr(
+        cl::Error(fmt::format("{}; after it the driver refused a later command ({})", device.call(), refused),
+                  device.code(), device.op()));
   }
   return failure;
 }
@@ -652,7 +650,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
         for (NodeId tail : lane_tails) {
           if (im->events[tail]) im->finish_gate.wait.push_back(im->events[tail].get());
         }
-        if (im->status_used) {
+        if (im->status) {
           // The status word after every command of the step; the gate waits for this read.
           cl::OpScope scope("the step's status word");
           cl::Event read;
@@ -690,7 +688,12 @@ class HostNode final : public NodeView<ops::HostContext> {
  public:
   HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
            const ops::StepInfo& step, const OptimizerSpec& optimizer, std::atomic<bool>& non_finite)
-      : NodeView(g, n), arena_(arena), at_(std::move(at)), step_(step), optimizer_(optimizer), non_finite_(non_finite) {}
+      : NodeView(g, n),
+        arena_(arena),
+        at_(std::move(at)),
+        step_(step),
+        optimizer_(optimizer),
+        non_finite_(non_finite) {}
   void report_non_finite_weight() const override { non_finite_ = true; }
   const std::byte* in(std::size_t i) const override {
     if (fail_) throw std::runtime_error(fmt::format("injected failure reading input {} in the host work", i));
@@ -828,7 +831,7 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
   std::fill(impl_->started.begin(), impl_->started.end(), 0);
   impl_->host_non_finite = false;
   impl_->status_host = 0;
-  if (impl_->status_used) {
+  if (impl_->status) {
     // In order on the compute queue, where the device updates run: cleared before any of them.
     const cl_uint zero = 0;
     cl::OpScope scope("the step's status word");

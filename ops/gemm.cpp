@@ -90,12 +90,9 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
 // work-item (same group size), down to 2 x 2 per work-item. A row tuned on large squares (128 x
 // 128 tiles: 1.5x the 64 x 64 tiles at n = 2048 on an H100) would leave most of the device idle on
 // a training step's batch-sized products. Kernels asked for by name run as given.
-GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t compute_units,
-                           bool from_tuning_data) {
+GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t compute_units, bool from_tuning_data) {
   if (c.kernel != GemmKernel::tiled || !from_tuning_data) return c;
-  auto tiles = [&](std::size_t tsm, std::size_t tsn) {
-    return ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn);
-  };
+  auto tiles = [&](std::size_t tsm, std::size_t tsn) { return ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn); };
   for (;;) {
     const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
     if (tiles(tsm, tsn) >= compute_units || wm < 4 || wn < 4 || wm % 2 || wn % 2 || tsm % 2 || tsn % 2) return c;
@@ -103,6 +100,11 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
       if (key == "TSM" || key == "TSN" || key == "WPTM" || key == "WPTN") value /= 2;
     }
   }
+}
+
+// The plan's kernel parameters fitted to this shape (both fits leave the other kernel's alone).
+GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
+  return fit_tiled(s, fit_packed(s, p.config, o), env.device().compute_units, o.kernel.empty());
 }
 
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of at
@@ -291,9 +293,9 @@ LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cf
     throw std::runtime_error(fmt::format("gemm {}: work-group {}x{} exceeds the device maximum {}", cfg.text(), rtsn,
                                          rtsm, env.device().max_work_group_size));
   }
-  cl::Kernel k = env.kernels.kernel(
-      "gemm_tiled", "gemm_tiled",
-      fmt::format("{} {} {}", cfg.defines(), transpose_defines(s), dtype_defines(s.a, s.b, s.c)));
+  cl::Kernel k =
+      env.kernels.kernel("gemm_tiled", "gemm_tiled",
+                         fmt::format("{} {} {}", cfg.defines(), transpose_defines(s), dtype_defines(s.a, s.b, s.c)));
   const cl_uint has_bias = options.bias.buffer != nullptr;
   cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(dtype_bytes(s.a)),
                b.buffer, b.elem_offset(dtype_bytes(s.b)), beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
@@ -353,9 +355,7 @@ std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOp
   const GemmPlan p = plan(env, options);
   const std::string trans = fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N");
   if (p.backend == GemmBackend::clblast) return fmt::format("clblast {}", trans);
-  const GemmKernelConfig fitted = fit_tiled(s, fit_packed(s, p.config, options), env.device().compute_units,
-                                            options.kernel.empty());
-  return fmt::format("ferry {} {} ({})", fitted.text(), trans, p.origin);
+  return fmt::format("ferry {} {} ({})", fitted(env, s, p, options).text(), trans, p.origin);
 }
 
 LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
@@ -397,10 +397,9 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     return bind_clblast_gemm(env, s, alpha, a, b, beta, c, options.bias);
   switch (p.config.kernel) {
     case GemmKernel::packed:
-      return bind_packed(env, s, fit_packed(s, p.config, options), alpha, a, b, beta, c, scratch, options);
+      return bind_packed(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
-      return bind_tiled(env, s, fit_tiled(s, p.config, env.device().compute_units, options.kernel.empty()), alpha, a,
-                        b, beta, c, options);
+      return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, options);
     case GemmKernel::naive:
       return bind_naive(env, s, alpha, a, b, beta, c, options);
   }

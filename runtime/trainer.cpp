@@ -343,8 +343,7 @@ StepResult Trainer::step(const Batch& batch) {
   // Every update reports a weight it made not finite through the step's status word: the weights
   // are read back (to name the first such element) only when one did.
   const bool updates_broke_weights = step.wrote_non_finite_weight();
-  if (updates_broke_weights ||
-      (options_.check_weights_every > 0 && steps_ % options_.check_weights_every == 0)) {
+  if (updates_broke_weights || (options_.check_weights_every > 0 && steps_ % options_.check_weights_every == 0)) {
     std::string bad = non_finite_weight();
     if (bad.empty() && updates_broke_weights) bad = "(an update reported one; reading the weights back found none)";
     if (!bad.empty()) {

@@ -88,7 +88,7 @@ TEST_P(LayerNormTestReference, ReferenceBackwardMatchesFiniteDifferences) {
   auto x = to_double(in.x), gamma = to_double(in.gamma), beta = to_double(in.beta), r = to_double(in.dy);
   const double eps = 1e-5;
   auto loss = [&, rows = rows, cols = cols](const std::vector<double>& xv, const std::vector<double>& gv,
-                                           const std::vector<double>& bv) {
+                                            const std::vector<double>& bv) {
     std::vector<double> y(rows * cols), mean(rows), rstd(rows);
     ops::ref::layernorm_forward<double>(xv, gv, bv, y, mean, rstd, rows, cols, eps);
     return weighted_sum(y, r);

@@ -1,9 +1,9 @@
 // Rows of the optimizer updates. In place: the outputs are the weight and state inputs. The
 // optional last input is the step's loss statistics: the update skips itself when the loss is
-// not finite. Each reports a weight it makes not finite to the step (step_status on the device,
-// report_non_finite_weight on the host), which checks it after its last command. Each runs on the device, or on the host lane (TBB workers) for host-resident
+// not finite. Each runs on the device, or on the host lane (TBB workers) for host-resident
 // state, where it reads the current copy and writes the next. adam8bit_update (a named row) runs
-// on the device only.
+// on the device only. Each reports a weight it makes not finite to the step (step_status on the
+// device, report_non_finite_weight on the host), which checks it after its last command.
 #include "ferry/ops/optimizer_host.hpp"
 #include "rows.hpp"
 
