@@ -102,12 +102,18 @@ int run(const BenchCommon& common, const ConvBenchOptions& o) {
         {"weight_grad",
          ops::conv2d_backward_weights(env, s, {x.get(), 0}, {dy.get(), 0}, {dw.get(), 0}, {db.get(), 0}, sc)},
     };
+    const ops::Conv2dAlgorithms algorithms = ops::conv2d_algorithms(env, s);
     for (const auto& [pass, launches] : passes) {
+      const std::string_view pass_name(pass);
+      const std::string& algorithm = pass_name == "forward"     ? algorithms.forward
+                                     : pass_name == "data_grad" ? algorithms.data_grad
+                                                                : algorithms.weight_grad;
       const double ms = time_launches(ctx, launches, common.repeat);
       const double gf = flop / (ms * 1e6);
       emit_json({{"bench", "conv"},
                  {"what", pass},
                  {"layer", layer.name},
+                 {"algorithm", algorithm},
                  {"batch", s.N},
                  {"launches", launches.size()},
                  {"ms", ms},

@@ -19,6 +19,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "conv2d_internal.hpp"
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/gemm.hpp"
 
@@ -233,12 +234,8 @@ DeviceSpan at(DeviceSpan span, std::size_t elems, DType t = DType::f32) {
   return span.advanced(elems * dtype_bytes(t));
 }
 
-// T is the activations' storage type unless `t` names another (the weight's, for flipping it).
 std::string defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt) {
-  return fmt::format(
-      "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
-      "-DCONV_STRIDE={} -DCONV_PAD={} -DCONV_RELU={} {}",
-      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, int(s.relu), dtype_define(t.value_or(s.act)));
+  return conv2d_defines(s, t);
 }
 
 Conv2dShape data_shape(const Conv2dShape& s) {
@@ -308,20 +305,46 @@ void append(LaunchList& list, LaunchList more) {
 
 }  // namespace
 
+std::string conv2d_defines(const Conv2dShape& s, std::optional<DType> t) {
+  return fmt::format(
+      "-DCONV_C={} -DCONV_H={} -DCONV_W={} -DCONV_K={} -DCONV_R={} -DCONV_S={} -DCONV_P={} -DCONV_Q={} "
+      "-DCONV_STRIDE={} -DCONV_PAD={} -DCONV_RELU={} {}",
+      s.C, s.H, s.W, s.K, s.R, s.S, s.P(), s.Q(), s.stride, s.pad, int(s.relu), dtype_define(t.value_or(s.act)));
+}
+
+Conv2dAlgorithms conv2d_algorithms(OpEnv& env, const Conv2dShape& s) {
+  validate(s);
+  const auto forward = [&](const Conv2dShape& f) -> std::string {
+    if (direct_forward(env, f)) return "direct";
+    if (winograd::applies(env, f)) return winograd::name(f);
+    return gemm_takes_planes(env) ? "implicit GEMM (planes)" : "im2col GEMM";
+  };
+  Conv2dAlgorithms a;
+  a.forward = forward(s);
+  a.data_grad = data_as_forward(env, s) ? "forward of dy: " + forward(data_shape(s)) : "GEMM + col2im";
+  a.weight_grad = direct_weights(env, s) ? "direct" : gemm_takes_planes(env) ? "implicit GEMM (planes)" : "im2col GEMM";
+  return a;
+}
+
 std::size_t conv2d_images_per_gemm(OpEnv& env, const Conv2dShape& s) {
   return Groups(s, writes_columns(env, s)).largest();
 }
 
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
-  std::size_t total = layout(env, s).total;
-  if (data_as_forward(env, s)) {
-    total = std::max(total, align_up(s.K * s.C * s.R * s.S) + layout(env, data_shape(s)).total);
-  }
+  // The forward's own scratch: the GEMM layout, which the weight gradient uses too, or Winograd's.
+  const auto forward_elems = [&](const Conv2dShape& f) {
+    const std::size_t gemm = layout(env, f).total;
+    return winograd::applies(env, f) ? std::max(gemm, winograd::scratch_elems(f)) : gemm;
+  };
+  std::size_t total = forward_elems(s);
+  if (data_as_forward(env, s)) total = std::max(total, align_up(s.K * s.C * s.R * s.S) + forward_elems(data_shape(s)));
   return total;
 }
 
 LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
                           DeviceSpan scratch) {
+  validate(s);
+  if (winograd::applies(env, s)) return winograd::forward(env, s, x, w, bias, y, scratch);
   const Layout lay = layout(env, s);
   const Groups groups(s, lay.columns);
   const std::size_t PQ = s.P() * s.Q();

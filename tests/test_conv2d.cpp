@@ -1,12 +1,14 @@
-// Conv2d: device (im2col + GEMM) against the direct-loop CPU reference for forward and both
-// backward launches over odd, strided, 1x1 and the CNN's real shapes (including batches split
-// into several GEMM groups), and the reference backward against double finite differences.
+// Conv2d: device (im2col + GEMM, direct, Winograd) against the direct-loop CPU reference for
+// forward and both backward launches over odd, strided, 1x1 and the CNN's real shapes (including
+// batches split into several GEMM groups), the Winograd transforms against the direct sum, and the
+// reference backward against double finite differences.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <stdexcept>
 #include <string>
 
 #include "ferry/ops/conv2d.hpp"
@@ -147,6 +149,14 @@ INSTANTIATE_TEST_SUITE_P(
                       ConvCase{"relu_direct_c1", with_relu(shape(3, 1, 13, 12, 19, 5, 5, 2, 1))},
                       ConvCase{"relu_k3_pad1_stride2_nobias", with_relu(shape(3, 5, 9, 9, 40, 3, 3, 1, 2)), false},
                       ConvCase{"gather_runs_q12_stride2", shape(2, 6, 24, 23, 20, 3, 3, 1, 2)},
+                      // Winograd on CPU devices (stride 1, 3x3 or 5x5, >= 16 channels; the data
+                      // gradient too, as a forward): outputs that do not fill the last tile, channels
+                      // past a 16 or 32 block, two channel passes, ReLU, no bias.
+                      ConvCase{"winograd_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)},
+                      ConvCase{"winograd_k5_pad0", shape(2, 16, 12, 12, 16, 5, 5, 0, 1)},
+                      ConvCase{"winograd_k3_pad1_k40", shape(2, 16, 10, 13, 40, 3, 3, 1, 1)},
+                      ConvCase{"winograd_k3_pad2", shape(2, 20, 6, 7, 18, 3, 3, 2, 1)},
+                      ConvCase{"winograd_relu_k3_c33_nobias", with_relu(shape(2, 33, 8, 8, 16, 3, 3, 0, 1)), false},
                       ConvCase{"cnn_layer1_two_groups", shape(128, 1, 28, 28, 32, 5, 5, 2, 1)},
                       ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
     [](const auto& info) { return info.param.name; });
@@ -169,6 +179,87 @@ TEST(Conv2dTiledPath, MatchesReference) {
     check_against_reference(tc);
   }
   ::unsetenv("FERRY_GEMM_TUNING");
+}
+
+// Which algorithm runs where, and the GEMM path of shapes that take Winograd by default
+// (FERRY_CONV_WINOGRAD=0), so both stay covered on CPU devices.
+TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
+  auto& env = TestDevice::get().env;
+  const bool cpu_path = ops::gemm_takes_planes(env);
+  const ops::Conv2dAlgorithms cnn = ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1));
+  EXPECT_EQ(cnn.forward, cpu_path ? "winograd F(2x2,5x5)" : "im2col GEMM");
+  EXPECT_EQ(cnn.data_grad, cpu_path ? "forward of dy: winograd F(2x2,5x5)" : "GEMM + col2im");
+  EXPECT_EQ(cnn.weight_grad, cpu_path ? "implicit GEMM (planes)" : "im2col GEMM");
+  EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 16, 10, 13, 40, 3, 3, 1, 1)).forward,
+            cpu_path ? "winograd F(4x4,3x3)" : "im2col GEMM");
+  // Too few channels, stride 2, 7x7: not Winograd.
+  for (const auto& other : {shape(4, 8, 14, 14, 64, 5, 5, 2, 1), shape(4, 32, 14, 14, 64, 5, 5, 2, 2),
+                            shape(4, 32, 14, 14, 64, 7, 7, 3, 1)}) {
+    EXPECT_EQ(ops::conv2d_algorithms(env, other).forward.rfind("winograd", 0), std::string::npos);
+  }
+
+  ::setenv("FERRY_CONV_WINOGRAD", "0", 1);
+  EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1)).forward,
+            cpu_path ? "implicit GEMM (planes)" : "im2col GEMM");
+  for (const ConvCase& tc : {ConvCase{"gemm_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)},
+                             ConvCase{"gemm_k3_pad1_k40", shape(2, 16, 10, 13, 40, 3, 3, 1, 1)},
+                             ConvCase{"gemm_cnn_layer2", shape(8, 32, 14, 14, 64, 5, 5, 2, 1)}}) {
+    SCOPED_TRACE(tc.name);
+    if (too_large_for_this_run(conv_work(tc.shape))) continue;
+    check_against_reference(tc);
+  }
+  ::setenv("FERRY_CONV_WINOGRAD", "sometimes", 1);
+  try {
+    (void)ops::conv2d_scratch_elems(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1));
+    ADD_FAILURE() << "a bad FERRY_CONV_WINOGRAD was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("FERRY_CONV_WINOGRAD='sometimes'"), std::string::npos) << e.what();
+  }
+  ::unsetenv("FERRY_CONV_WINOGRAD");
+}
+
+// The transforms compute the 1-D and 2-D correlations exactly (in double), B^T is integral, and
+// tiles past alpha = 6 are refused.
+TEST(Conv2dWinograd, TransformComputesTheCorrelation) {
+  const std::pair<std::size_t, std::size_t> sizes[] = {{2, 3}, {2, 5}, {4, 3}, {3, 3}, {2, 4}, {3, 4}, {2, 2}};
+  for (const auto& [m, r] : sizes) {
+    SCOPED_TRACE(testing::Message() << "F(" << m << "," << r << ")");
+    const ops::WinogradTransform t = ops::winograd_transform(m, r);
+    const std::size_t a = t.alpha;
+    ASSERT_EQ(a, m + r - 1);
+    ASSERT_EQ(t.AT.size(), m * a);
+    ASSERT_EQ(t.BT.size(), a * a);
+    ASSERT_EQ(t.G.size(), a * r);
+    for (double v : t.BT) EXPECT_EQ(v, std::round(v));
+    const auto d = to_double(random_vector(a * a, 41)), g = to_double(random_vector(r * r, 42));
+    // 2-D: Y = A^T [(G g G^T) (.) (B^T d B)] A against the direct sum.
+    std::vector<double> U(a * a, 0.0), V(a * a, 0.0);
+    for (std::size_t i = 0; i < a; ++i) {
+      for (std::size_t j = 0; j < a; ++j) {
+        for (std::size_t k = 0; k < r; ++k) {
+          for (std::size_t l = 0; l < r; ++l) U[i * a + j] += t.G[i * r + k] * g[k * r + l] * t.G[j * r + l];
+        }
+        for (std::size_t k = 0; k < a; ++k) {
+          for (std::size_t l = 0; l < a; ++l) V[i * a + j] += t.BT[i * a + k] * d[k * a + l] * t.BT[j * a + l];
+        }
+      }
+    }
+    for (std::size_t i = 0; i < m; ++i) {
+      for (std::size_t j = 0; j < m; ++j) {
+        double y = 0.0, direct = 0.0;
+        for (std::size_t k = 0; k < a; ++k) {
+          for (std::size_t l = 0; l < a; ++l) y += t.AT[i * a + k] * U[k * a + l] * V[k * a + l] * t.AT[j * a + l];
+        }
+        for (std::size_t k = 0; k < r; ++k) {
+          for (std::size_t l = 0; l < r; ++l) direct += d[(i + k) * a + j + l] * g[k * r + l];
+        }
+        EXPECT_NEAR(y, direct, 1e-9 * (1.0 + std::abs(direct))) << "y[" << i << "][" << j << "]";
+      }
+    }
+  }
+  EXPECT_THROW(ops::winograd_transform(4, 5), std::invalid_argument);
+  EXPECT_THROW(ops::winograd_transform(1, 3), std::invalid_argument);
+  EXPECT_THROW(ops::winograd_transform(2, 1), std::invalid_argument);
 }
 
 TEST(Conv2dGroups, LargeBatchesSplitIntoBalancedGroups) {

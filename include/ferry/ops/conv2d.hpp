@@ -22,6 +22,8 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "ferry/ops/launch.hpp"
 #include "ferry/ops/types.hpp"
@@ -45,6 +47,30 @@ struct Conv2dShape {
 
 // Scratch in floats needed by the forward and both backward launches (the max of the three).
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s);
+
+// How each pass computes a shape on this device, for benchmarks and logs. Forward: "direct",
+// "winograd F(2x2,5x5)" (or F(4x4,3x3)), "implicit GEMM (planes)" or "im2col GEMM"; data
+// gradient: "forward of dy: <forward algorithm>" (stride 1, a square kernel, at least 16 input
+// channels, on CPU devices), else "GEMM + col2im"; weight gradient: "direct", "implicit GEMM
+// (planes)" or "im2col GEMM".
+struct Conv2dAlgorithms {
+  std::string forward, data_grad, weight_grad;
+};
+Conv2dAlgorithms conv2d_algorithms(OpEnv& env, const Conv2dShape& s);
+
+// Winograd's minimal filtering F(m, r) with interpolation points 0, 1, -1, 2, -2 (as many as
+// alpha - 1 = m + r - 2 needs) and infinity: the 1-D correlation y[i] = sum_j d[i + j] g[j]
+// (i < m, j < r) is A^T [(G g) (.) (B^T d)], and the 2-D one A^T [(G g G^T) (.) (B^T d B)] A.
+// Row-major, in double; each row of B^T is scaled to small integers (exact in float: the input
+// transform, run on every tile, does not round) and its row of G by the inverse.
+struct WinogradTransform {
+  std::size_t m = 0, r = 0, alpha = 0;
+  std::vector<double> AT;  // m x alpha
+  std::vector<double> BT;  // alpha x alpha
+  std::vector<double> G;   // alpha x r
+};
+// Throws std::invalid_argument unless 2 <= m, 2 <= r and alpha = m + r - 1 <= 6.
+WinogradTransform winograd_transform(std::size_t m, std::size_t r);
 
 // The most images one GEMM covers: the batch runs as balanced groups of at most this many images
 // (through im2col: column matrix plus GEMM output within a fixed 16 MiB budget; with NCHW planes,

@@ -1,0 +1,32 @@
+// What ops/conv2d.cpp and ops/conv2d_winograd.cpp share. Private to ops/conv2d*.cpp.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+#include "ferry/ops/conv2d.hpp"
+
+namespace ferry::ops {
+
+// The layer geometry as kernel build options (-D CONV_C ... CONV_RELU and the storage type T):
+// the activations' type unless `t` names another (the weight's, for kernels that read it).
+std::string conv2d_defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt);
+
+// Winograd F(m x m, r x r) forward (ops/conv2d_winograd.cpp, ops/kernels/conv2d_winograd.cl).
+namespace winograd {
+
+// Whether conv2d_forward runs `s` this way: CPU devices (where the GEMM reads NCHW planes),
+// stride 1, a square 3x3 or 5x5 kernel, at least 16 input and output channels. FERRY_CONV_WINOGRAD=0
+// turns it off (for comparisons); any value but 0, 1 or auto is an error.
+bool applies(OpEnv& env, const Conv2dShape& s);
+// "winograd F(2x2,5x5)" for a shape it applies to.
+std::string name(const Conv2dShape& s);
+// Scratch in floats: the channels-last padded input and the filter transform.
+std::size_t scratch_elems(const Conv2dShape& s);
+// y = conv(x, w) + bias (ReLU'd with s.relu): pad, filter transform, products.
+LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
+                   DeviceSpan scratch);
+
+}  // namespace winograd
+}  // namespace ferry::ops

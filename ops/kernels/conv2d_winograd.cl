@@ -1,0 +1,214 @@
+// Winograd convolution F(m x m, r x r) for stride 1, on CPU devices (ops/conv2d_winograd.cpp).
+//
+// A tile of m x m outputs of one output channel is A^T [ sum_c U_c (.) V_c ] A, where
+// V_c = B^T d_c B is the transform of the tile's (m+r-1)^2 input window in channel c and
+// U_c = G g_c G^T that of the filter. Per output tile the products take alpha^2 multiply-adds per
+// (c, k) where a direct convolution takes m^2 r^2: for F(2x2, 5x5) 36 against 100, for F(4x4, 3x3)
+// 36 against 144. The transforms are compiled in, so zero coefficients cost nothing.
+//
+// Layouts (f32): xt[N][HT][WT][CP] the input zero-padded and channels-last (so a tile's window in
+// 16 channels is one vector load per pixel), U[alpha^2][CP][KP] the filter transform, channels
+// padded to CP and KP with zeros. y and x are NCHW in the activations' storage type T.
+//
+// Compiled with conv2d.cl's geometry (-D CONV_C ... CONV_PAD, CONV_RELU) and
+//   WINO_M, WINO_R, WINO_A    m, r and alpha = m + r - 1
+//   WINO_AT, WINO_BT, WINO_G  {..} initialisers: A^T (m x alpha), B^T (alpha x alpha), G (alpha x r)
+//   WINO_TR, WINO_TQ          tiles per output column and row (ceil(P/m), ceil(Q/m))
+//   WINO_HT, WINO_WT          rows and columns of xt (TR*m + r - 1, TQ*m + r - 1)
+//   WINO_CP, WINO_KP          padded channel counts; WINO_CC channels per pass (a multiple of 16)
+//   WINO_TB, WINO_NVK         tiles per work-item, and float16 of output channels per work-item
+#include "dtype.clh"
+
+#define WINO_AA (WINO_A * WINO_A)
+#define WINO_MM (WINO_M * WINO_M)
+#define WINO_KB (16 * WINO_NVK)
+#define WINO_TILES_PER_IMAGE (WINO_TR * WINO_TQ)
+
+#ifndef CONV_RELU
+#define CONV_RELU 0
+#endif
+
+__constant float kAT[WINO_M * WINO_A] = WINO_AT;
+__constant float kBT[WINO_AA] = WINO_BT;
+__constant float kG[WINO_A * WINO_R] = WINO_G;
+
+// xt from x: element (n, hh, ww, c) is x[n, c, hh - pad, ww - pad], zero outside x and for c >= C.
+// A work-item fills one row hh of xt for 16 channels: blocks of 16 columns read as 16 runs of x
+// (one per channel), transposed in registers and written as 16 runs of 16 channels (one per
+// pixel). Global (CP / 16, HT, N).
+__kernel void winograd_pad(__global const T_STORAGE* x, ulong x_off, __global float* xt, ulong xt_off, uint n_images) {
+  const uint cb = get_global_id(0), hh = get_global_id(1), n = get_global_id(2);
+  if (cb * 16 >= WINO_CP || hh >= WINO_HT || n >= n_images) return;
+  const uint h = hh - (uint)CONV_PAD;  // unsigned: a padding row wraps past H
+  __global float* dst = xt + xt_off + (ulong)(n * WINO_HT + hh) * WINO_WT * WINO_CP + cb * 16;
+  for (uint w0 = 0; w0 < WINO_WT; w0 += 16) {
+    float blk[16][16];
+    for (uint r = 0; r < 16; ++r) {
+      const uint c = cb * 16 + r;
+      const bool row = c < CONV_C && h < CONV_H;
+      const ulong src = x_off + ((ulong)(n * CONV_C + min(c, (uint)CONV_C - 1)) * CONV_H + min(h, (uint)CONV_H - 1)) * CONV_W;
+#if T_IS_F32
+      if (row && w0 >= CONV_PAD && w0 - CONV_PAD + 16 <= CONV_W) {
+        vstore16(vload16(0, x + src + (w0 - CONV_PAD)), 0, blk[r]);
+        continue;
+      }
+#endif
+      for (uint i = 0; i < 16; ++i) {
+        const uint w = w0 + i - (uint)CONV_PAD;
+        blk[r][i] = row && w < CONV_W ? LOAD_T(x, src + w) : 0.0f;
+      }
+    }
+    const uint count = min(16u, (uint)WINO_WT - w0);
+    for (uint i = 0; i < count; ++i) {
+      vstore16((float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i], blk[7][i],
+                         blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i], blk[14][i], blk[15][i]),
+               0, dst + (ulong)(w0 + i) * WINO_CP);
+    }
+  }
+}
+
+// U[xi][c][k] = (G g_kc G^T)[xi] for the filter w[K][C][R][R] (T is the weight's storage type
+// here), zero for c >= C or k >= K. Global (KP, CP).
+__kernel void winograd_filter(__global const T_STORAGE* w, ulong w_off, __global float* u, ulong u_off) {
+  const uint k = get_global_id(0), c = get_global_id(1);
+  if (k >= WINO_KP || c >= WINO_CP) return;
+  float g[WINO_R][WINO_R];
+  const bool inside = k < CONV_K && c < CONV_C;
+  const ulong base = w_off + ((ulong)k * CONV_C + c) * (WINO_R * WINO_R);
+  for (uint i = 0; i < WINO_R; ++i)
+    for (uint j = 0; j < WINO_R; ++j) g[i][j] = inside ? LOAD_T(w, base + i * WINO_R + j) : 0.0f;
+  float t[WINO_A][WINO_R];  // G g
+  for (uint a = 0; a < WINO_A; ++a)
+    for (uint j = 0; j < WINO_R; ++j) {
+      float acc = 0.0f;
+      for (uint i = 0; i < WINO_R; ++i) acc = fma(kG[a * WINO_R + i], g[i][j], acc);
+      t[a][j] = acc;
+    }
+  for (uint a = 0; a < WINO_A; ++a)
+    for (uint b = 0; b < WINO_A; ++b) {
+      float acc = 0.0f;
+      for (uint j = 0; j < WINO_R; ++j) acc = fma(t[a][j], kG[b * WINO_R + j], acc);
+      u[u_off + ((ulong)(a * WINO_A + b) * WINO_CP + c) * WINO_KP + k] = acc;
+    }
+}
+
+// Row i of B^T times the columns of d (or, with the operands' roles swapped, of d times B):
+// terms with a zero coefficient are skipped at compile time once the loops are unrolled.
+#define BT_TERM(i, l, x) \
+  if (kBT[(i) * WINO_A + (l)] != 0.0f) acc = fma((float16)(kBT[(i) * WINO_A + (l)]), (x), acc);
+
+// V = B^T d B for one tile and 16 channels, written as V[xi][tile][16 channels] in `v`. Column
+// by column, then row by row, so that few of the 36 input vectors are live at a time.
+inline void transform_input(__global const float* d, __private float* v, uint t) {
+  float16 rows[WINO_A][WINO_A];  // B^T d
+#pragma unroll
+  for (uint j = 0; j < WINO_A; ++j) {
+    float16 col[WINO_A];
+#pragma unroll
+    for (uint l = 0; l < WINO_A; ++l) col[l] = vload16(0, d + (l * WINO_WT + j) * WINO_CP);
+#pragma unroll
+    for (uint i = 0; i < WINO_A; ++i) {
+      float16 acc = 0.0f;
+#pragma unroll
+      for (uint l = 0; l < WINO_A; ++l) BT_TERM(i, l, col[l])
+      rows[i][j] = acc;
+    }
+  }
+#pragma unroll
+  for (uint i = 0; i < WINO_A; ++i)
+#pragma unroll
+    for (uint j = 0; j < WINO_A; ++j) {
+      float16 acc = 0.0f;
+#pragma unroll
+      for (uint l = 0; l < WINO_A; ++l) BT_TERM(j, l, rows[i][l])
+      vstore16(acc, 0, v + ((i * WINO_A + j) * WINO_TB + t) * WINO_CC);
+    }
+}
+
+// One work-item: WINO_TB consecutive tiles of the batch (n, tile row, tile column, flattened) x
+// WINO_KB output channels. Per pass of WINO_CC channels: transform the tiles' windows into V
+// (private, the pass's only copy), then for each xi the product V[xi] (TB x CC) U[xi] (CC x KB) in
+// TB x NVK float16 accumulators, folded at once into the tiles' outputs through A^T (.) A (the
+// output transform is linear, so the products of every pass add up there).
+// Global (ceil(N*TR*TQ / TB), KP / KB); local size 1.
+__kernel void winograd_forward(__global const float* xt, ulong xt_off, __global const float* u, ulong u_off,
+                               __global const float* bias, ulong bias_off, uint has_bias, __global T_STORAGE* y,
+                               ulong y_off, uint n_tiles) {
+  const uint tile0 = get_global_id(0) * WINO_TB, kc = get_global_id(1);
+  if (tile0 >= n_tiles) return;
+  float v[WINO_AA * WINO_TB * WINO_CC];
+  float16 out[WINO_TB][WINO_MM][WINO_NVK];
+  for (uint t = 0; t < WINO_TB; ++t)
+    for (uint o = 0; o < WINO_MM; ++o)
+      for (uint q = 0; q < WINO_NVK; ++q) out[t][o][q] = 0.0f;
+
+  for (uint c0 = 0; c0 < WINO_CP; c0 += WINO_CC) {
+    for (uint t = 0; t < WINO_TB; ++t) {
+      // Tiles past the last compute the last one again and are never stored.
+      const uint tile = min(tile0 + t, n_tiles - 1);
+      const uint n = tile / WINO_TILES_PER_IMAGE, rest = tile - n * WINO_TILES_PER_IMAGE;
+      const uint tr = rest / WINO_TQ, tq = rest - tr * WINO_TQ;
+      __global const float* d =
+          xt + xt_off + ((ulong)(n * WINO_HT + tr * WINO_M) * WINO_WT + tq * WINO_M) * WINO_CP + c0;
+      for (uint cv = 0; cv < WINO_CC; cv += 16) transform_input(d + cv, v + cv, t);
+    }
+    for (uint xi = 0; xi < WINO_AA; ++xi) {
+      float16 acc[WINO_TB][WINO_NVK];
+#pragma unroll
+      for (uint t = 0; t < WINO_TB; ++t)
+#pragma unroll
+        for (uint q = 0; q < WINO_NVK; ++q) acc[t][q] = 0.0f;
+      __global const float* uc = u + u_off + ((ulong)xi * WINO_CP + c0) * WINO_KP + kc * WINO_KB;
+      const __private float* vx = v + xi * WINO_TB * WINO_CC;
+      for (uint c = 0; c < WINO_CC; ++c) {
+        float16 uv[WINO_NVK];
+#pragma unroll
+        for (uint q = 0; q < WINO_NVK; ++q) uv[q] = vload16(q, uc + c * WINO_KP);
+#pragma unroll
+        for (uint t = 0; t < WINO_TB; ++t) {
+          const float16 vt = (float16)(vx[t * WINO_CC + c]);
+#pragma unroll
+          for (uint q = 0; q < WINO_NVK; ++q) acc[t][q] = fma(vt, uv[q], acc[t][q]);
+        }
+      }
+      const uint a = xi / WINO_A, b = xi - a * WINO_A;
+#pragma unroll
+      for (uint i = 0; i < WINO_M; ++i)
+#pragma unroll
+        for (uint j = 0; j < WINO_M; ++j) {
+          const float coef = kAT[i * WINO_A + a] * kAT[j * WINO_A + b];
+          if (coef != 0.0f) {
+#pragma unroll
+            for (uint t = 0; t < WINO_TB; ++t)
+#pragma unroll
+              for (uint q = 0; q < WINO_NVK; ++q)
+                out[t][i * WINO_M + j][q] = fma((float16)(coef), acc[t][q], out[t][i * WINO_M + j][q]);
+          }
+        }
+    }
+  }
+
+  for (uint t = 0; t < WINO_TB; ++t) {
+    const uint tile = tile0 + t;
+    if (tile >= n_tiles) break;
+    const uint n = tile / WINO_TILES_PER_IMAGE, rest = tile - n * WINO_TILES_PER_IMAGE;
+    const uint tr = rest / WINO_TQ, tq = rest - tr * WINO_TQ;
+    for (uint o = 0; o < WINO_MM; ++o) {
+      const uint p = tr * WINO_M + o / WINO_M, q = tq * WINO_M + o % WINO_M;
+      if (p >= CONV_P || q >= CONV_Q) continue;
+      for (uint vq = 0; vq < WINO_NVK; ++vq) {
+        float lanes[16];
+        vstore16(out[t][o][vq], 0, lanes);
+        for (uint l = 0; l < 16; ++l) {
+          const uint k = kc * WINO_KB + vq * 16 + l;
+          if (k >= CONV_K) break;
+          float r = lanes[l] + (has_bias ? bias[bias_off + k] : 0.0f);
+#if CONV_RELU
+          r = isgreater(r, 0.0f) ? r : 0.0f;  // NaN -> 0, as the ReLU
+#endif
+          STORE_T(r, y, y_off + ((ulong)(n * CONV_K + k) * CONV_P + p) * CONV_Q + q);
+        }
+      }
+    }
+  }
+}
