@@ -97,6 +97,10 @@ constexpr std::size_t kAccumulators = 24;  // at most TB * NVK float16 accumulat
 // At most 6 tiles per work-item: with 12 (for 32 output channels) the tiles' transforms (36 x TB x 32
 // floats) left the L1 cache and the kernel was no faster (`ferry-bench conv --breakdown`).
 constexpr std::size_t kMaxTiles = 6;
+// Input channels per pass: every pass folds its 36 products into the outputs again, and one pass
+// of 64 channels ran the CNN's data gradient (64 -> 32 channels) in 3.5 ms where two of 32 took
+// 4.0-4.4 (its transforms, 36 x 6 x 64 floats, then outgrow the L1 cache, but the fold costs more).
+constexpr std::size_t kMaxPassChannels = 64;
 constexpr std::size_t kAlignElems = 16;
 
 struct Plan {
@@ -116,8 +120,9 @@ Plan plan(const Conv2dShape& s) {
   p.TQ = (s.Q() + p.m - 1) / p.m;
   p.HT = p.TR * p.m + p.r - 1;
   p.WT = p.TQ * p.m + p.r - 1;
-  p.CC = s.C > 16 ? 32 : 16;
-  p.CP = round_up(s.C, p.CC);
+  const std::size_t passes = (s.C + kMaxPassChannels - 1) / kMaxPassChannels;
+  p.CC = round_up((s.C + passes - 1) / passes, 16);
+  p.CP = p.CC * passes;
   p.NVK = std::min<std::size_t>(4, (s.K + 15) / 16);
   p.KB = 16 * p.NVK;
   p.KP = round_up(s.K, p.KB);

@@ -157,6 +157,9 @@ INSTANTIATE_TEST_SUITE_P(
                       ConvCase{"winograd_k3_pad1_k40", shape(2, 16, 10, 13, 40, 3, 3, 1, 1)},
                       ConvCase{"winograd_k3_pad2", shape(2, 20, 6, 7, 18, 3, 3, 2, 1)},
                       ConvCase{"winograd_relu_k3_c33_nobias", with_relu(shape(2, 33, 8, 8, 16, 3, 3, 0, 1)), false},
+                      // Two passes of input channels forward; two blocks of 64 output channels in the
+                      // data gradient.
+                      ConvCase{"winograd_k3_c70_two_passes", shape(1, 70, 6, 6, 16, 3, 3, 1, 1)},
                       ConvCase{"cnn_layer1_two_groups", shape(128, 1, 28, 28, 32, 5, 5, 2, 1)},
                       ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
     [](const auto& info) { return info.param.name; });
