@@ -303,6 +303,23 @@ void append(LaunchList& list, LaunchList more) {
   for (auto& l : more) list.push_back(std::move(l));
 }
 
+// dbias[k] = sum over n, p, q of dy[n, k, p, q]: per-image plane sums, then over the batch, both
+// in a fixed order.
+LaunchList bias_gradient(OpEnv& env, const Conv2dShape& s, const Layout& lay, DeviceSpan dy, DeviceSpan dbias,
+                         DeviceSpan scratch) {
+  const DeviceSpan part = at(scratch, lay.bias_part);
+  LaunchList list;
+  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_partial", defines(s));
+  cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), part.buffer, part.elem_offset(),
+               static_cast<cl_uint>(s.N));
+  list.push_back(launch_per_item(std::move(k), s.N));
+  cl::Kernel sum = env.kernels.kernel("conv2d", "conv2d_bias_sum", defines(s));
+  cl::set_args(sum.get(), part.buffer, part.elem_offset(), dbias.buffer, dbias.elem_offset(),
+               static_cast<cl_uint>(s.N));
+  list.push_back(launch_per_item(std::move(sum), s.K));
+  return list;
+}
+
 }  // namespace
 
 std::string conv2d_defines(const Conv2dShape& s, std::optional<DType> t) {
@@ -322,7 +339,10 @@ Conv2dAlgorithms conv2d_algorithms(OpEnv& env, const Conv2dShape& s) {
   Conv2dAlgorithms a;
   a.forward = forward(s);
   a.data_grad = data_as_forward(env, s) ? "forward of dy: " + forward(data_shape(s)) : "GEMM + col2im";
-  a.weight_grad = direct_weights(env, s) ? "direct" : gemm_takes_planes(env) ? "implicit GEMM (planes)" : "im2col GEMM";
+  a.weight_grad = direct_weights(env, s)      ? "direct"
+                  : winograd::applies(env, s) ? winograd::weights_name(s)
+                  : gemm_takes_planes(env)    ? "implicit GEMM (planes)"
+                                              : "im2col GEMM";
   return a;
 }
 
@@ -334,7 +354,7 @@ std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
   // The forward's own scratch: the GEMM layout, which the weight gradient uses too, or Winograd's.
   const auto forward_elems = [&](const Conv2dShape& f) {
     const std::size_t gemm = layout(env, f).total;
-    return winograd::applies(env, f) ? std::max(gemm, winograd::scratch_elems(f)) : gemm;
+    return winograd::applies(env, f) ? std::max(gemm, winograd::scratch_elems(env, f)) : gemm;
   };
   std::size_t total = forward_elems(s);
   if (data_as_forward(env, s)) total = std::max(total, align_up(s.K * s.C * s.R * s.S) + forward_elems(data_shape(s)));
@@ -442,6 +462,11 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   const DeviceSpan cols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   const DeviceSpan dw32 = s.weight == DType::f32 ? dw : at(scratch, lay.dw32);
   LaunchList list;
+  if (winograd::applies(env, s)) {
+    list = winograd::backward_weights(env, s, x, dy, dw, scratch);
+    if (dbias.buffer != nullptr) append(list, bias_gradient(env, s, lay, dy, dbias, scratch));
+    return list;
+  }
   if (direct_weights(env, s)) {
     const std::size_t chunks = direct_chunks(s), per_chunk = (s.N + chunks - 1) / chunks;
     const DeviceSpan xp = at(scratch, lay.xpad), part = at(scratch, lay.direct_part);
@@ -482,17 +507,7 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
     }
   }
   if (s.weight != DType::f32) append(list, cast(env, DType::f32, s.weight, dw32, dw, s.K * s.C * s.R * s.S));
-  if (dbias.buffer != nullptr) {
-    const DeviceSpan part = at(scratch, lay.bias_part);
-    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_partial", defines(s));
-    cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), part.buffer, part.elem_offset(),
-                 static_cast<cl_uint>(s.N));
-    list.push_back(launch_per_item(std::move(k), s.N));
-    cl::Kernel sum = env.kernels.kernel("conv2d", "conv2d_bias_sum", defines(s));
-    cl::set_args(sum.get(), part.buffer, part.elem_offset(), dbias.buffer, dbias.elem_offset(),
-                 static_cast<cl_uint>(s.N));
-    list.push_back(launch_per_item(std::move(sum), s.K));
-  }
+  if (dbias.buffer != nullptr) append(list, bias_gradient(env, s, lay, dy, dbias, scratch));
   return list;
 }
 

@@ -5,6 +5,9 @@
 // products per tile and channel pair, 2.8x and 4x fewer multiply-adds than the direct sum, with
 // transforms whose entries stay small (points 0, +-1, +-2). The work-item's register block is
 // TB tiles x NVK float16 of output channels, TB * NVK = 24 accumulators as in the packed GEMM.
+// The weight gradient runs on the same tiles: partial sums of the 36 products per chunk of tiles
+// (4 x NVK float16 accumulators over 8 tiles at a time), then one pass adds the chunks in order
+// and applies the output transform.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -103,41 +106,87 @@ constexpr std::size_t kMaxTiles = 6;
 constexpr std::size_t kMaxPassChannels = 64;
 constexpr std::size_t kAlignElems = 16;
 
+// Tiles of the weight gradient per group (its transforms, 36 x TB x (CC + KB) floats, in private
+// memory; 4 and 16 were slower on the CNN's conv2) and work-items per compute unit (each sums a
+// chunk of the tiles into partial sums of its own, added in order afterwards).
+constexpr std::size_t kWeightTiles = 8;
+constexpr std::size_t kWeightChunksPerUnit = 4;
+
+// One program's geometry. Forward: WINO_M = m outputs per tile side, WINO_R = R, the tile step m.
+// Weight gradient: WINO_M = R (the taps it computes), WINO_R = m (the dy block), the same tiles.
 struct Plan {
-  std::size_t m = 0, r = 0;
-  std::size_t TR = 0, TQ = 0, HT = 0, WT = 0;  // tiles per column and row; xt's rows and columns
-  std::size_t CC = 0, CP = 0;                  // channels per pass, padded input channels
-  std::size_t NVK = 0, KB = 0, KP = 0;         // float16 of output channels, their count, padded K
-  std::size_t TB = 0, tiles = 0, blocks = 0;   // tiles per work-item, in all, work-items per K block
-  std::size_t xt_elems = 0, u_offset = 0, u_elems = 0;
+  std::size_t m = 0, r = 0, step = 0;
+  std::size_t TR = 0, TQ = 0, HT = 0, WT = 0;              // tiles per column and row; xt's rows and columns
+  std::size_t CC = 0, CP = 0;                              // input channels per pass (or block), padded count
+  std::size_t NVK = 0, KB = 0, KP = 0;                     // float16 of output channels, their count, padded K
+  std::size_t TB = 0, tiles = 0, blocks = 0;               // tiles per work-item (or group), in all, work-items
+  std::size_t chunks = 0, tiles_per_chunk = 0;             // weight gradient: tile chunks, tiles in each
+  std::size_t DTH = 0, DTW = 0;                            // weight gradient: rows and columns of dy channels-last
+  std::size_t xt_elems = 0, u_offset = 0, u_elems = 0;     // forward: xt, then U
+  std::size_t dyt_offset = 0, part_offset = 0, total = 0;  // weight gradient: after xt; scratch in all
 };
 
-Plan plan(const Conv2dShape& s) {
+void check_limits(const Plan& p, std::size_t largest) {
+  if (largest > std::size_t(std::numeric_limits<std::int32_t>::max()) ||
+      p.tiles > std::numeric_limits<std::uint32_t>::max()) {
+    throw std::invalid_argument(fmt::format(
+        "conv2d: the Winograd layout of this layer ({} elements in one buffer, {} tiles) is over the 31-bit limit",
+        largest, p.tiles));
+  }
+}
+
+// Tiles and the padded input, common to both directions.
+Plan tiles(const Conv2dShape& s, std::size_t step) {
   Plan p;
-  p.r = s.R;
-  p.m = kAlpha + 1 - s.R;
-  p.TR = (s.P() + p.m - 1) / p.m;
-  p.TQ = (s.Q() + p.m - 1) / p.m;
-  p.HT = p.TR * p.m + p.r - 1;
-  p.WT = p.TQ * p.m + p.r - 1;
-  const std::size_t passes = (s.C + kMaxPassChannels - 1) / kMaxPassChannels;
-  p.CC = round_up((s.C + passes - 1) / passes, 16);
-  p.CP = p.CC * passes;
+  p.step = step;
+  p.TR = (s.P() + step - 1) / step;
+  p.TQ = (s.Q() + step - 1) / step;
+  p.HT = p.TR * step + s.R - 1;
+  p.WT = p.TQ * step + s.R - 1;
   p.NVK = std::min<std::size_t>(4, (s.K + 15) / 16);
   p.KB = 16 * p.NVK;
   p.KP = round_up(s.K, p.KB);
   p.tiles = s.N * p.TR * p.TQ;
+  return p;
+}
+
+Plan plan(const Conv2dShape& s) {
+  Plan p = tiles(s, kAlpha + 1 - s.R);
+  p.m = p.step;
+  p.r = s.R;
+  const std::size_t passes = (s.C + kMaxPassChannels - 1) / kMaxPassChannels;
+  p.CC = round_up((s.C + passes - 1) / passes, 16);
+  p.CP = p.CC * passes;
   p.TB = std::clamp<std::size_t>(std::min(kMaxTiles, kAccumulators / p.NVK), 1, p.tiles);
   p.blocks = (p.tiles + p.TB - 1) / p.TB;
   p.xt_elems = s.N * p.HT * p.WT * p.CP;
   p.u_offset = round_up(p.xt_elems, kAlignElems);
   p.u_elems = kAlpha * kAlpha * p.CP * p.KP;
-  if (p.xt_elems > std::size_t(std::numeric_limits<std::int32_t>::max()) ||
-      p.tiles > std::numeric_limits<std::uint32_t>::max()) {
-    throw std::invalid_argument(fmt::format(
-        "conv2d: the Winograd layout of this layer ({} padded input elements, {} tiles) is over the 31-bit limit",
-        p.xt_elems, p.tiles));
-  }
+  p.total = p.u_offset + p.u_elems;
+  check_limits(p, p.xt_elems);
+  return p;
+}
+
+Plan weights_plan(OpEnv& env, const Conv2dShape& s) {
+  Plan p = tiles(s, kAlpha + 1 - s.R);
+  p.m = s.R;
+  p.r = p.step;
+  p.CC = s.C > 16 ? 32 : 16;
+  p.CP = round_up(s.C, p.CC);
+  p.TB = kWeightTiles;
+  const std::size_t groups = (p.tiles + p.TB - 1) / p.TB;
+  p.chunks = std::clamp<std::size_t>(kWeightChunksPerUnit * env.device().compute_units, 1, groups);
+  p.tiles_per_chunk = (groups + p.chunks - 1) / p.chunks * p.TB;
+  p.chunks = (p.tiles + p.tiles_per_chunk - 1) / p.tiles_per_chunk;
+  p.xt_elems = s.N * p.HT * p.WT * p.CP;
+  p.DTH = p.TR * p.step;
+  p.DTW = p.TQ * p.step;
+  const std::size_t dyt_elems = s.N * p.DTH * p.DTW * p.KP;
+  const std::size_t part_elems = p.chunks * kAlpha * kAlpha * p.CP * p.KP;
+  p.dyt_offset = round_up(p.xt_elems, kAlignElems);
+  p.part_offset = p.dyt_offset + round_up(dyt_elems, kAlignElems);
+  p.total = p.part_offset + part_elems;
+  check_limits(p, std::max({p.xt_elems, dyt_elems, part_elems}));
   return p;
 }
 
@@ -150,11 +199,28 @@ std::string initializer(const std::vector<double>& v) {
 
 std::string defines(const Conv2dShape& s, const Plan& p, DType t) {
   const WinogradTransform w = winograd_transform(p.m, p.r);
-  return fmt::format(
+  std::string d = fmt::format(
       "{} -DWINO_M={} -DWINO_R={} -DWINO_A={} -DWINO_AT={} -DWINO_BT={} -DWINO_G={} -DWINO_TR={} -DWINO_TQ={} "
       "-DWINO_HT={} -DWINO_WT={} -DWINO_CP={} -DWINO_KP={} -DWINO_CC={} -DWINO_TB={} -DWINO_NVK={}",
       conv2d_defines(s, t), p.m, p.r, kAlpha, initializer(w.AT), initializer(w.BT), initializer(w.G), p.TR, p.TQ, p.HT,
       p.WT, p.CP, p.KP, p.CC, p.TB, p.NVK);
+  if (p.chunks != 0) d += fmt::format(" -DWINO_WEIGHTS -DWINO_DT_H={} -DWINO_DT_W={}", p.DTH, p.DTW);
+  return d;
+}
+
+// winograd_pad of `src` (NCHW: C x H x W per image, stored as `t`) into `dst`: HT x WT x CP per
+// image, channels-last, `pad` rows and columns of zeros before, zeros after.
+KernelLaunch pad_launch(cl::Kernel kernel, DeviceSpan src, DType t, DeviceSpan dst, std::size_t N, std::size_t C,
+                        std::size_t H, std::size_t W, std::size_t pad, std::size_t HT, std::size_t WT, std::size_t CP) {
+  const auto u = [](std::size_t v) { return static_cast<cl_uint>(v); };
+  cl::set_args(kernel.get(), src.buffer, src.elem_offset(dtype_bytes(t)), dst.buffer, dst.elem_offset(), u(N), u(C),
+               u(H), u(W), u(pad), u(HT), u(WT), u(CP));
+  KernelLaunch l;
+  l.kernel = std::move(kernel);
+  l.dims = 3;
+  l.global = {CP / 16, HT, N};  // CP is a multiple of 16
+  l.local = {1, 1, 1};
+  return l;
 }
 
 DeviceSpan at(DeviceSpan span, std::size_t elems) {
@@ -183,9 +249,13 @@ std::string name(const Conv2dShape& s) {
   return fmt::format("winograd F({}x{},{}x{})", m, m, s.R, s.R);
 }
 
-std::size_t scratch_elems(const Conv2dShape& s) {
-  const Plan p = plan(s);
-  return p.u_offset + p.u_elems;
+std::string weights_name(const Conv2dShape& s) {
+  const std::size_t m = kAlpha + 1 - s.R;
+  return fmt::format("winograd F({}x{},{}x{})", s.R, s.R, m, m);
+}
+
+std::size_t scratch_elems(OpEnv& env, const Conv2dShape& s) {
+  return std::max(plan(s).total, weights_plan(env, s).total);
 }
 
 LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
@@ -194,15 +264,8 @@ LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w,
   const DeviceSpan xt = at(scratch, 0), u = at(scratch, p.u_offset);
   LaunchList list;
 
-  cl::Kernel pad = env.kernels.kernel("conv2d_winograd", "winograd_pad", defines(s, p, s.act));
-  cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xt.buffer, xt.elem_offset(),
-               static_cast<cl_uint>(s.N));
-  KernelLaunch lp;
-  lp.kernel = std::move(pad);
-  lp.dims = 3;
-  lp.global = {p.CP / 16, p.HT, s.N};
-  lp.local = {1, 1, 1};
-  list.push_back(std::move(lp));
+  list.push_back(pad_launch(env.kernels.kernel("conv2d_winograd", "winograd_pad", defines(s, p, s.act)), x, s.act, xt,
+                            s.N, s.C, s.H, s.W, s.pad, p.HT, p.WT, p.CP));
 
   cl::Kernel filter = env.kernels.kernel("conv2d_winograd", "winograd_filter", defines(s, p, s.weight));
   cl::set_args(filter.get(), w.buffer, w.elem_offset(dtype_bytes(s.weight)), u.buffer, u.elem_offset());
@@ -224,6 +287,39 @@ LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w,
   lk.global = {p.blocks, p.KP / p.KB, 1};
   lk.local = {1, 1, 1};
   list.push_back(std::move(lk));
+  return list;
+}
+
+LaunchList backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan dy, DeviceSpan dw,
+                            DeviceSpan scratch) {
+  const Plan p = weights_plan(env, s);
+  const DeviceSpan xt = at(scratch, 0), dyt = at(scratch, p.dyt_offset), part = at(scratch, p.part_offset);
+  const std::string act_defines = defines(s, p, s.act);
+  LaunchList list;
+  list.push_back(pad_launch(env.kernels.kernel("conv2d_winograd", "winograd_pad", act_defines), x, s.act, xt, s.N, s.C,
+                            s.H, s.W, s.pad, p.HT, p.WT, p.CP));
+  list.push_back(pad_launch(env.kernels.kernel("conv2d_winograd", "winograd_pad", act_defines), dy, s.act, dyt, s.N,
+                            s.K, s.P(), s.Q(), 0, p.DTH, p.DTW, p.KP));
+
+  cl::Kernel k = env.kernels.kernel("conv2d_winograd", "winograd_weights", act_defines);
+  cl::set_args(k.get(), xt.buffer, xt.elem_offset(), dyt.buffer, dyt.elem_offset(), part.buffer, part.elem_offset(),
+               static_cast<cl_uint>(p.tiles), static_cast<cl_uint>(p.tiles_per_chunk));
+  KernelLaunch lk;
+  lk.kernel = std::move(k);
+  lk.dims = 3;
+  lk.global = {p.chunks, p.KP / p.KB, p.CP / p.CC};
+  lk.local = {1, 1, 1};
+  list.push_back(std::move(lk));
+
+  cl::Kernel sum = env.kernels.kernel("conv2d_winograd", "winograd_weights_sum", defines(s, p, s.weight));
+  cl::set_args(sum.get(), part.buffer, part.elem_offset(), static_cast<cl_uint>(p.chunks), dw.buffer,
+               dw.elem_offset(dtype_bytes(s.weight)));
+  KernelLaunch ls;
+  ls.kernel = std::move(sum);
+  ls.dims = 2;
+  ls.global = {p.KP / 16, s.C, 1};
+  ls.local = {1, 1, 1};
+  list.push_back(std::move(ls));
   return list;
 }
 

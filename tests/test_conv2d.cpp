@@ -192,7 +192,7 @@ TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
   const ops::Conv2dAlgorithms cnn = ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1));
   EXPECT_EQ(cnn.forward, cpu_path ? "winograd F(2x2,5x5)" : "im2col GEMM");
   EXPECT_EQ(cnn.data_grad, cpu_path ? "forward of dy: winograd F(2x2,5x5)" : "GEMM + col2im");
-  EXPECT_EQ(cnn.weight_grad, cpu_path ? "implicit GEMM (planes)" : "im2col GEMM");
+  EXPECT_EQ(cnn.weight_grad, cpu_path ? "winograd F(5x5,2x2)" : "im2col GEMM");
   EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 16, 10, 13, 40, 3, 3, 1, 1)).forward,
             cpu_path ? "winograd F(4x4,3x3)" : "im2col GEMM");
   // Too few channels, stride 2, 7x7: not Winograd.

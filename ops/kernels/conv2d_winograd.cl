@@ -4,7 +4,8 @@
 // V_c = B^T d_c B is the transform of the tile's (m+r-1)^2 input window in channel c and
 // U_c = G g_c G^T that of the filter. Per output tile the products take alpha^2 multiply-adds per
 // (c, k) where a direct convolution takes m^2 r^2: for F(2x2, 5x5) 36 against 100, for F(4x4, 3x3)
-// 36 against 144. The transforms are compiled in, so zero coefficients cost nothing.
+// 36 against 144. The transforms are compiled in, so zero coefficients cost nothing. The weight
+// gradient is the same algorithm on the same tiles, with the roles turned: F(r x r, m x m) (below).
 //
 // Layouts (f32): xt[N][HT][WT][CP] the input zero-padded and channels-last (so a tile's window in
 // 16 channels is one vector load per pixel), U[alpha^2][CP][KP] the filter transform, channels
@@ -17,6 +18,7 @@
 //   WINO_HT, WINO_WT          rows and columns of xt (TR*m + r - 1, TQ*m + r - 1)
 //   WINO_CP, WINO_KP          padded channel counts; WINO_CC channels per pass (a multiple of 16)
 //   WINO_TB, WINO_NVK         tiles per work-item, and float16 of output channels per work-item
+// (the weight gradient's program adds WINO_WEIGHTS, WINO_DT_H and WINO_DT_W).
 #include "dtype.clh"
 
 #define WINO_AA (WINO_A * WINO_A)
@@ -32,37 +34,48 @@ __constant float kAT[WINO_M * WINO_A] = WINO_AT;
 __constant float kBT[WINO_AA] = WINO_BT;
 __constant float kG[WINO_A * WINO_R] = WINO_G;
 
-// xt from x: element (n, hh, ww, c) is x[n, c, hh - pad, ww - pad], zero outside x and for c >= C.
-// A work-item fills one row hh of xt for 16 channels: blocks of 16 columns read as 16 runs of x
-// (one per channel), transposed in registers and written as 16 runs of 16 channels (one per
-// pixel). Global (CP / 16, HT, N).
-__kernel void winograd_pad(__global const T_STORAGE* x, ulong x_off, __global float* xt, ulong xt_off, uint n_images) {
+// xt from x (NCHW, C x H x W per image): element (n, hh, ww, c) of xt (HT x WT x CP per image) is
+// x[n, c, hh - pad, ww - pad], zero outside x and for c >= C. The geometry is passed, not compiled
+// in: the weight gradient pads dy (K x P x Q, no padding) with the same kernel. A work-item fills
+// one row hh of xt for 16 channels: blocks of 16 columns read as 16 runs of x (one per channel),
+// transposed in registers and written as 16 runs of 16 channels (one per pixel).
+// Global (CP / 16, HT, N).
+__kernel void winograd_pad(__global const T_STORAGE* x, ulong x_off, __global float* xt, ulong xt_off, uint n_images,
+                           uint C, uint H, uint W, uint pad, uint HT, uint WT, uint CP) {
   const uint cb = get_global_id(0), hh = get_global_id(1), n = get_global_id(2);
-  if (cb * 16 >= WINO_CP || hh >= WINO_HT || n >= n_images) return;
-  const uint h = hh - (uint)CONV_PAD;  // unsigned: a padding row wraps past H
-  __global float* dst = xt + xt_off + (ulong)(n * WINO_HT + hh) * WINO_WT * WINO_CP + cb * 16;
-  for (uint w0 = 0; w0 < WINO_WT; w0 += 16) {
+  if (cb * 16 >= CP || hh >= HT || n >= n_images) return;
+  const uint h = hh - pad;  // unsigned: a padding row wraps past H
+  __global float* dst = xt + xt_off + (ulong)(n * HT + hh) * WT * CP + cb * 16;
+  const ulong x_end = x_off + (ulong)n_images * C * H * W;
+  const int16 lane = (int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (uint w0 = 0; w0 < WT; w0 += 16) {
     float blk[16][16];
+    // Lanes of this block that fall inside the row: x columns w0 - pad + lane in [0, W).
+    const int16 col = (int)w0 - (int)pad + lane;
+    const int16 outside = col < 0 || col >= (int)W;
     for (uint r = 0; r < 16; ++r) {
       const uint c = cb * 16 + r;
-      const bool row = c < CONV_C && h < CONV_H;
-      const ulong src = x_off + ((ulong)(n * CONV_C + min(c, (uint)CONV_C - 1)) * CONV_H + min(h, (uint)CONV_H - 1)) * CONV_W;
+      const bool row = c < C && h < H;
+      const ulong src = x_off + ((ulong)(n * C + min(c, C - 1)) * H + min(h, H - 1)) * W;
 #if T_IS_F32
-      if (row && w0 >= CONV_PAD && w0 - CONV_PAD + 16 <= CONV_W) {
-        vstore16(vload16(0, x + src + (w0 - CONV_PAD)), 0, blk[r]);
+      // One vector load of the block's 16 columns, reading past the row's ends into its
+      // neighbours (masked to zero) wherever that stays inside x.
+      const long first = (long)src + (long)w0 - (long)pad;
+      if (row && first >= (long)x_off && first + 16 <= (long)x_end) {
+        vstore16(select(vload16(0, x + first), (float16)(0.0f), outside), 0, blk[r]);
         continue;
       }
 #endif
       for (uint i = 0; i < 16; ++i) {
-        const uint w = w0 + i - (uint)CONV_PAD;
-        blk[r][i] = row && w < CONV_W ? LOAD_T(x, src + w) : 0.0f;
+        const uint w = w0 + i - pad;
+        blk[r][i] = row && w < W ? LOAD_T(x, src + w) : 0.0f;
       }
     }
-    const uint count = min(16u, (uint)WINO_WT - w0);
+    const uint count = min(16u, WT - w0);
     for (uint i = 0; i < count; ++i) {
       vstore16((float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i], blk[7][i],
                          blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i], blk[14][i], blk[15][i]),
-               0, dst + (ulong)(w0 + i) * WINO_CP);
+               0, dst + (ulong)(w0 + i) * CP);
     }
   }
 }
@@ -212,3 +225,129 @@ __kernel void winograd_forward(__global const float* xt, ulong xt_off, __global 
     }
   }
 }
+
+// ---- Weight gradient -------------------------------------------------------------------------
+// dw[k, c] (r x r) = sum over images and output pixels of x_pad[c, p + u, q + v] dy[k, p, q]: per
+// tile of m' x m' output pixels (the tiles of the forward) a correlation of the tile's 6 x 6 input
+// window with its m' x m' block of dy, i.e. F(r x r, m' x m'). Built with WINO_M = r (the outputs
+// of that correlation), WINO_R = m' (its filter: the dy block, also the tile step) and the
+// transforms of winograd_transform(r, m'); WINO_CC input channels and WINO_NVK float16 of output
+// channels per work-item, WINO_TB tiles per group. dyt is dy channels-last, [N][DT_H][DT_W][KP]
+// (winograd_pad with no padding; zero past P, Q and K): reading dy's blocks straight from NCHW
+// (16 planes per vector) cost more than that pad.
+#ifdef WINO_WEIGHTS
+// Per work-item (chunk z of the tiles, block kb of output and cb of input channels): for each
+// group of TB tiles the windows' transforms V (TB x CC per xi) and the dy blocks' W = G g G^T
+// (TB x KB per xi), then for each xi M[xi] (CC x KB) += V^T W, in 4 x NVK float16 accumulators
+// loaded from and stored to the work-item's own partial sums part[z][xi][c][k].
+// Global (chunks, KP / KB, CP / CC); local size 1.
+__kernel void winograd_weights(__global const float* xt, ulong xt_off, __global const float* dyt, ulong dyt_off,
+                               __global float* part, ulong part_off, uint n_tiles, uint tiles_per_chunk) {
+  const uint z = get_global_id(0), kb = get_global_id(1), cb = get_global_id(2);
+  const uint begin = z * tiles_per_chunk;
+  if (begin >= n_tiles) return;
+  const uint end = min(n_tiles, begin + tiles_per_chunk);
+  __global float* m = part + part_off + (ulong)z * WINO_AA * WINO_CP * WINO_KP + cb * WINO_CC * WINO_KP + kb * WINO_KB;
+  for (uint xi = 0; xi < WINO_AA; ++xi)
+    for (uint c = 0; c < WINO_CC; ++c)
+      for (uint q = 0; q < WINO_NVK; ++q) vstore16((float16)(0.0f), q, m + ((ulong)xi * WINO_CP + c) * WINO_KP);
+  float v[WINO_AA * WINO_TB * WINO_CC];
+  float g[WINO_AA * WINO_TB * WINO_KB];
+  for (uint t0 = begin; t0 < end; t0 += WINO_TB) {
+    for (uint t = 0; t < WINO_TB; ++t) {
+      const bool valid = t0 + t < end;
+      const uint tile = valid ? t0 + t : end - 1;
+      const uint n = tile / WINO_TILES_PER_IMAGE, rest = tile - n * WINO_TILES_PER_IMAGE;
+      const uint tr = rest / WINO_TQ, tq = rest - tr * WINO_TQ;
+      __global const float* d =
+          xt + xt_off + ((ulong)(n * WINO_HT + tr * WINO_R) * WINO_WT + tq * WINO_R) * WINO_CP + cb * WINO_CC;
+      for (uint cv = 0; cv < WINO_CC; cv += 16) transform_input(d + cv, v + cv, t);
+      __global const float* e =
+          dyt + dyt_off + ((ulong)(n * WINO_DT_H + tr * WINO_R) * WINO_DT_W + tq * WINO_R) * WINO_KP + kb * WINO_KB;
+      for (uint kv = 0; kv < WINO_NVK; ++kv) {
+        float16 blk[WINO_R][WINO_R];  // the tile's block of dy, 16 output channels (zero for unused tiles)
+        for (uint i = 0; i < WINO_R; ++i)
+          for (uint j = 0; j < WINO_R; ++j)
+            blk[i][j] = valid ? vload16(kv, e + (i * WINO_DT_W + j) * WINO_KP) : (float16)(0.0f);
+        float16 gb[WINO_A][WINO_R];  // G blk
+        for (uint a = 0; a < WINO_A; ++a)
+          for (uint j = 0; j < WINO_R; ++j) {
+            float16 acc = 0.0f;
+            for (uint i = 0; i < WINO_R; ++i) acc = fma((float16)(kG[a * WINO_R + i]), blk[i][j], acc);
+            gb[a][j] = acc;
+          }
+        for (uint a = 0; a < WINO_A; ++a)
+          for (uint b = 0; b < WINO_A; ++b) {
+            float16 acc = 0.0f;
+            for (uint j = 0; j < WINO_R; ++j) acc = fma(gb[a][j], (float16)(kG[b * WINO_R + j]), acc);
+            vstore16(acc, kv, g + ((a * WINO_A + b) * WINO_TB + t) * WINO_KB);
+          }
+      }
+    }
+    for (uint xi = 0; xi < WINO_AA; ++xi) {
+      const __private float* vx = v + xi * WINO_TB * WINO_CC;
+      const __private float* gx = g + xi * WINO_TB * WINO_KB;
+      for (uint c4 = 0; c4 < WINO_CC; c4 += 4) {
+        __global float* mrow = m + ((ulong)xi * WINO_CP + c4) * WINO_KP;
+        float16 acc[4][WINO_NVK];
+#pragma unroll
+        for (uint i = 0; i < 4; ++i)
+#pragma unroll
+          for (uint q = 0; q < WINO_NVK; ++q) acc[i][q] = vload16(q, mrow + i * WINO_KP);
+        for (uint t = 0; t < WINO_TB; ++t) {
+          float16 w[WINO_NVK];
+#pragma unroll
+          for (uint q = 0; q < WINO_NVK; ++q) w[q] = vload16(q, gx + t * WINO_KB);
+#pragma unroll
+          for (uint i = 0; i < 4; ++i) {
+            const float16 b = (float16)(vx[t * WINO_CC + c4 + i]);
+#pragma unroll
+            for (uint q = 0; q < WINO_NVK; ++q) acc[i][q] = fma(b, w[q], acc[i][q]);
+          }
+        }
+#pragma unroll
+        for (uint i = 0; i < 4; ++i)
+#pragma unroll
+          for (uint q = 0; q < WINO_NVK; ++q) vstore16(acc[i][q], q, mrow + i * WINO_KP);
+      }
+    }
+  }
+}
+
+// dw[k, c] = A^T (sum over chunks of M[xi][c][k]) A for 16 output channels k per work-item (one
+// float16 lane each), the chunks added in order (deterministic); stored as T (the weight's storage
+// type in this build). Global (KP / 16, C).
+__kernel void winograd_weights_sum(__global const float* part, ulong part_off, uint chunks, __global T_STORAGE* dw,
+                                   ulong dw_off) {
+  const uint k0 = get_global_id(0) * 16, c = get_global_id(1);
+  if (k0 >= CONV_K || c >= CONV_C) return;
+  float16 s[WINO_AA];
+#pragma unroll
+  for (uint xi = 0; xi < WINO_AA; ++xi) {
+    float16 acc = 0.0f;
+    for (uint z = 0; z < chunks; ++z) acc += vload16(0, part + part_off + (((ulong)z * WINO_AA + xi) * WINO_CP + c) * WINO_KP + k0);
+    s[xi] = acc;
+  }
+#pragma unroll
+  for (uint u = 0; u < WINO_M; ++u) {
+    float16 row[WINO_A];  // (A^T s)[u]
+#pragma unroll
+    for (uint b = 0; b < WINO_A; ++b) {
+      float16 acc = 0.0f;
+#pragma unroll
+      for (uint a = 0; a < WINO_A; ++a) acc = fma((float16)(kAT[u * WINO_A + a]), s[a * WINO_A + b], acc);
+      row[b] = acc;
+    }
+#pragma unroll
+    for (uint w = 0; w < WINO_M; ++w) {
+      float16 acc = 0.0f;
+#pragma unroll
+      for (uint b = 0; b < WINO_A; ++b) acc = fma(row[b], (float16)(kAT[w * WINO_A + b]), acc);
+      float lanes[16];
+      vstore16(acc, 0, lanes);
+      for (uint l = 0; l < 16 && k0 + l < CONV_K; ++l)
+        STORE_T(lanes[l], dw, dw_off + (((ulong)(k0 + l) * CONV_C + c) * WINO_M + u) * WINO_M + w);
+    }
+  }
+}
+#endif  // WINO_WEIGHTS

@@ -17,7 +17,9 @@
 // backward products. dbias is a fixed-order reduction over N, P, Q. The first layer of an image
 // model (at most 4 input channels, stride 1) runs forward and its weight gradient as direct
 // kernels (conv2d_direct.cl) instead: there K = C*R*S is a few dozen, and the implicit GEMM's
-// time went to scattered NCHW stores and to packing the whole output gradient.
+// time went to scattered NCHW stores and to packing the whole output gradient. On CPU devices a
+// stride-1 3x3 or 5x5 layer with at least 16 input and output channels runs all three passes as
+// Winograd convolutions instead (ops/conv2d_winograd.cpp; conv2d_algorithms says which ran).
 #pragma once
 
 #include <cstddef>
@@ -51,8 +53,8 @@ std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s);
 // How each pass computes a shape on this device, for benchmarks and logs. Forward: "direct",
 // "winograd F(2x2,5x5)" (or F(4x4,3x3)), "implicit GEMM (planes)" or "im2col GEMM"; data
 // gradient: "forward of dy: <forward algorithm>" (stride 1, a square kernel, at least 16 input
-// channels, on CPU devices), else "GEMM + col2im"; weight gradient: "direct", "implicit GEMM
-// (planes)" or "im2col GEMM".
+// channels, on CPU devices), else "GEMM + col2im"; weight gradient: "direct", "winograd
+// F(5x5,2x2)" (or F(3x3,4x4)), "implicit GEMM (planes)" or "im2col GEMM".
 struct Conv2dAlgorithms {
   std::string forward, data_grad, weight_grad;
 };
