@@ -17,9 +17,10 @@ std::string conv2d_defines(const Conv2dShape& s, std::optional<DType> t = std::n
 // ops/kernels/conv2d_winograd.cl).
 namespace winograd {
 
-// Whether conv2d_forward runs `s` this way: CPU devices (where the GEMM reads NCHW planes),
-// stride 1, a square 3x3 or 5x5 kernel, at least 16 input and output channels. FERRY_CONV_WINOGRAD=0
-// turns it off (for comparisons); any value but 0, 1 or auto is an error.
+// Whether the conv2d passes run `s` this way: CPU devices (where the GEMM reads NCHW planes) whose
+// GEMM tuning row holds a 6 x 4 float16 block (AVX-512 class), stride 1, a square 3x3 or 5x5
+// kernel, at least 16 input and output channels. FERRY_CONV_WINOGRAD=0 turns it off (for
+// comparisons); any value but 0, 1 or auto is an error.
 bool applies(OpEnv& env, const Conv2dShape& s);
 // "winograd F(2x2,5x5)" for a shape it applies to; its weight gradient "winograd F(5x5,2x2)" (the
 // taps as outputs of a correlation of the inputs with 2x2 blocks of dy).

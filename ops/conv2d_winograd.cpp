@@ -19,6 +19,7 @@
 
 #include "conv2d_internal.hpp"
 #include "ferry/ops/gemm.hpp"
+#include "gemm_tuning.hpp"
 
 namespace ferry::ops {
 
@@ -237,11 +238,24 @@ bool enabled_by_env() {
   throw std::runtime_error(fmt::format("FERRY_CONV_WINOGRAD='{}': expected 0 (off), 1 or auto", s));
 }
 
+// The kernels keep up to 24 float16 accumulators, as the packed GEMM's 6 x 4 block does: a
+// device whose GEMM tuning row holds that block (NV >= 4: AVX-512 class CPUs, and the row
+// tests/oclgrind forces) runs Winograd. The AVX2 row (NV = 1) would spill it; those devices keep
+// the implicit GEMM until Winograd is measured and given a block of their own there.
+bool holds_register_block(OpEnv& env) {
+  const GemmTuningRow row = gemm_tuning_for(env.device());
+  if (row.config.kernel != GemmKernel::packed) return false;
+  for (const auto& [key, value] : row.config.params) {
+    if (key == "NV") return value >= 4;
+  }
+  return false;
+}
+
 }  // namespace
 
 bool applies(OpEnv& env, const Conv2dShape& s) {
   return s.stride == 1 && s.R == s.S && (s.R == 3 || s.R == 5) && s.C >= 16 && s.K >= 16 && enabled_by_env() &&
-         gemm_takes_planes(env);
+         gemm_takes_planes(env) && holds_register_block(env);
 }
 
 std::string name(const Conv2dShape& s) {

@@ -201,6 +201,18 @@ TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
     EXPECT_EQ(ops::conv2d_algorithms(env, other).forward.rfind("winograd", 0), std::string::npos);
   }
 
+  // A GEMM row whose register block is one float16 wide (the AVX2 row) keeps the implicit GEMM.
+  if (cpu_path) {
+    const std::string path = ::testing::TempDir() + "ferry_conv_avx2.tsv";
+    {
+      std::ofstream out(path);
+      out << "*\t*\t*\tferry\tpacked\tRB=6 NV=1\n";
+    }
+    ::setenv("FERRY_GEMM_TUNING", path.c_str(), 1);
+    EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1)).forward, "implicit GEMM (planes)");
+    ::unsetenv("FERRY_GEMM_TUNING");
+  }
+
   ::setenv("FERRY_CONV_WINOGRAD", "0", 1);
   EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1)).forward,
             cpu_path ? "implicit GEMM (planes)" : "im2col GEMM");

@@ -17,9 +17,9 @@
 // backward products. dbias is a fixed-order reduction over N, P, Q. The first layer of an image
 // model (at most 4 input channels, stride 1) runs forward and its weight gradient as direct
 // kernels (conv2d_direct.cl) instead: there K = C*R*S is a few dozen, and the implicit GEMM's
-// time went to scattered NCHW stores and to packing the whole output gradient. On CPU devices a
-// stride-1 3x3 or 5x5 layer with at least 16 input and output channels runs all three passes as
-// Winograd convolutions instead (ops/conv2d_winograd.cpp; conv2d_algorithms says which ran).
+// time went to scattered NCHW stores and to packing the whole output gradient. On AVX-512 class
+// CPU devices a stride-1 3x3 or 5x5 layer with at least 16 input and output channels runs all three
+// passes as Winograd convolutions instead (ops/conv2d_winograd.cpp; conv2d_algorithms says which).
 #pragma once
 
 #include <cstddef>
