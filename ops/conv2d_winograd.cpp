@@ -112,6 +112,10 @@ constexpr std::size_t kAlignElems = 16;
 // chunk of the tiles into partial sums of its own, added in order afterwards).
 constexpr std::size_t kWeightTiles = 8;
 constexpr std::size_t kWeightChunksPerUnit = 4;
+// Floats the weight gradient's partial sums may take (16 MiB): wide layers (36 x C x K floats per
+// chunk, 38 MB for 512 -> 512 channels) run as one chunk, their work-items split by channel
+// blocks instead.
+constexpr std::size_t kPartialBudgetElems = std::size_t{4} << 20;
 
 // One program's geometry. Forward: WINO_M = m outputs per tile side, WINO_R = R, the tile step m.
 // Weight gradient: WINO_M = R (the taps it computes), WINO_R = m (the dy block), the same tiles.
@@ -176,14 +180,17 @@ Plan weights_plan(OpEnv& env, const Conv2dShape& s) {
   p.CP = round_up(s.C, p.CC);
   p.TB = kWeightTiles;
   const std::size_t groups = (p.tiles + p.TB - 1) / p.TB;
-  p.chunks = std::clamp<std::size_t>(kWeightChunksPerUnit * env.device().compute_units, 1, groups);
+  const std::size_t per_chunk = kAlpha * kAlpha * p.CP * p.KP;
+  p.chunks = std::clamp<std::size_t>(
+      std::min<std::size_t>(kWeightChunksPerUnit * env.device().compute_units, kPartialBudgetElems / per_chunk), 1,
+      groups);
   p.tiles_per_chunk = (groups + p.chunks - 1) / p.chunks * p.TB;
   p.chunks = (p.tiles + p.tiles_per_chunk - 1) / p.tiles_per_chunk;
   p.xt_elems = s.N * p.HT * p.WT * p.CP;
   p.DTH = p.TR * p.step;
   p.DTW = p.TQ * p.step;
   const std::size_t dyt_elems = s.N * p.DTH * p.DTW * p.KP;
-  const std::size_t part_elems = p.chunks * kAlpha * kAlpha * p.CP * p.KP;
+  const std::size_t part_elems = p.chunks * per_chunk;
   p.dyt_offset = round_up(p.xt_elems, kAlignElems);
   p.part_offset = p.dyt_offset + round_up(dyt_elems, kAlignElems);
   p.total = p.part_offset + part_elems;

@@ -233,6 +233,17 @@ TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
   ::unsetenv("FERRY_CONV_WINOGRAD");
 }
 
+// A wide layer's weight gradient keeps one chunk of partial sums (36 x C x K floats, 38 MB here)
+// instead of one per work-item (8 here: 300 MB): the scratch stays within twice that chunk (the
+// GEMM path's own scratch for the layer is about 1.3 chunks).
+TEST(Conv2dWinograd, WideLayerScratchStaysBounded) {
+  auto& env = TestDevice::get().env;
+  const ops::Conv2dShape wide = shape(2, 512, 16, 16, 512, 3, 3, 1, 1);
+  if (ops::conv2d_algorithms(env, wide).weight_grad.rfind("winograd", 0) != 0) GTEST_SKIP() << "no Winograd here";
+  const std::size_t one_chunk = 36u * 512 * 512;
+  EXPECT_LT(ops::conv2d_scratch_elems(env, wide), 2 * one_chunk);
+}
+
 // The transforms compute the 1-D and 2-D correlations exactly (in double), B^T is integral, and
 // tiles past alpha = 6 are refused.
 TEST(Conv2dWinograd, TransformComputesTheCorrelation) {
