@@ -96,18 +96,21 @@ int run(const BenchCommon& common, const ConvBenchOptions& o) {
             scratch = ctx.create_buffer(ops::conv2d_scratch_elems(env, s) * sizeof(float), "scratch");
     const ops::DeviceSpan sc{scratch.get(), 0};
     const double flop = 2.0 * double(s.N) * s.K * s.C * s.R * s.S * s.P() * s.Q();
-    const std::pair<const char*, ops::LaunchList> passes[] = {
-        {"forward", ops::conv2d_forward(env, s, {x.get(), 0}, {w.get(), 0}, {b.get(), 0}, {y.get(), 0}, sc)},
-        {"data_grad", ops::conv2d_backward_data(env, s, {dy.get(), 0}, {w.get(), 0}, {dx.get(), 0}, sc)},
-        {"weight_grad",
+    const ops::Conv2dAlgorithms algorithms = ops::conv2d_algorithms(env, s);
+    struct Pass {
+      const char* name;
+      const std::string& algorithm;
+      ops::LaunchList launches;
+    };
+    const Pass passes[] = {
+        {"forward", algorithms.forward,
+         ops::conv2d_forward(env, s, {x.get(), 0}, {w.get(), 0}, {b.get(), 0}, {y.get(), 0}, sc)},
+        {"data_grad", algorithms.data_grad,
+         ops::conv2d_backward_data(env, s, {dy.get(), 0}, {w.get(), 0}, {dx.get(), 0}, sc)},
+        {"weight_grad", algorithms.weight_grad,
          ops::conv2d_backward_weights(env, s, {x.get(), 0}, {dy.get(), 0}, {dw.get(), 0}, {db.get(), 0}, sc)},
     };
-    const ops::Conv2dAlgorithms algorithms = ops::conv2d_algorithms(env, s);
-    for (const auto& [pass, launches] : passes) {
-      const std::string_view pass_name(pass);
-      const std::string& algorithm = pass_name == "forward"     ? algorithms.forward
-                                     : pass_name == "data_grad" ? algorithms.data_grad
-                                                                : algorithms.weight_grad;
+    for (const auto& [pass, algorithm, launches] : passes) {
       const double ms = time_launches(ctx, launches, common.repeat);
       const double gf = flop / (ms * 1e6);
       emit_json({{"bench", "conv"},

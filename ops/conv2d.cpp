@@ -102,6 +102,15 @@ std::size_t direct_chunks(const Conv2dShape& s) {
   return std::clamp<std::size_t>(s.N, 1, 16);
 }
 
+// How conv2d_forward computes a shape (conv2d_algorithms names it): the choice made once, for
+// binding and for the description alike.
+enum class ForwardKind { direct, winograd, planes, columns };
+ForwardKind forward_kind(OpEnv& env, const Conv2dShape& s) {
+  if (direct_forward(env, s)) return ForwardKind::direct;
+  if (winograd::applies(env, s)) return ForwardKind::winograd;
+  return gemm_takes_planes(env) ? ForwardKind::planes : ForwardKind::columns;
+}
+
 // Whether some pass writes a column matrix: everything but the packed kernel's planes, and there
 // the data gradient unless it runs as a forward convolution.
 bool writes_columns(OpEnv& env, const Conv2dShape& s) {
@@ -234,10 +243,6 @@ DeviceSpan at(DeviceSpan span, std::size_t elems, DType t = DType::f32) {
   return span.advanced(elems * dtype_bytes(t));
 }
 
-std::string defines(const Conv2dShape& s, std::optional<DType> t = std::nullopt) {
-  return conv2d_defines(s, t);
-}
-
 Conv2dShape data_shape(const Conv2dShape& s) {
   Conv2dShape t = s;
   t.C = s.K;
@@ -251,7 +256,7 @@ Conv2dShape data_shape(const Conv2dShape& s) {
 }
 
 KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan cols, std::size_t ncols) {
-  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_im2col", defines(s));
+  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_im2col", conv2d_defines(s));
   cl::set_args(k.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), cols.buffer, cols.elem_offset(),
                static_cast<cl_uint>(ncols));
   KernelLaunch l;
@@ -264,7 +269,7 @@ KernelLaunch im2col(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan c
 }
 
 KernelLaunch from_nchw(OpEnv& env, const Conv2dShape& s, DeviceSpan dy, DeviceSpan t, std::size_t ncols) {
-  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_from_nchw", defines(s));
+  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_from_nchw", conv2d_defines(s));
   const std::size_t count = s.K * ncols;
   cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), t.buffer, t.elem_offset(),
                static_cast<cl_uint>(ncols), static_cast<cl_uint>(count));
@@ -276,7 +281,7 @@ void pad_input(OpEnv& env, const Conv2dShape& s, const Layout& lay, DeviceSpan x
                LaunchList& list) {
   const DeviceSpan xp = at(scratch, lay.xpad);
   const std::size_t rows = s.N * s.C * (s.H + 2 * s.pad);
-  cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", defines(s));
+  cl::Kernel pad = env.kernels.kernel("conv2d", "conv2d_pad", conv2d_defines(s));
   cl::set_args(pad.get(), x.buffer, x.elem_offset(dtype_bytes(s.act)), xp.buffer, xp.elem_offset(),
                static_cast<cl_uint>(rows), static_cast<cl_uint>(kDirectSlack));
   // One work-item per padded row, in work-groups of 64 rows (what the kernel was timed with).
@@ -293,7 +298,7 @@ void pad_and_tables(OpEnv& env, const Conv2dShape& s, const Layout& lay, std::si
                     DeviceSpan scratch, LaunchList& list) {
   pad_input(env, s, lay, x, scratch, list);
   const DeviceSpan pixels = at(scratch, lay.pixels), taps = at(scratch, lay.taps);
-  cl::Kernel tables = env.kernels.kernel("conv2d", "conv2d_tables", defines(s));
+  cl::Kernel tables = env.kernels.kernel("conv2d", "conv2d_tables", conv2d_defines(s));
   cl::set_args(tables.get(), pixels.buffer, pixels.elem_offset(4), static_cast<cl_uint>(npix), taps.buffer,
                taps.elem_offset(4));
   list.push_back(launch_1d(env, std::move(tables), std::max(npix, s.C * s.R * s.S)));
@@ -309,11 +314,11 @@ LaunchList bias_gradient(OpEnv& env, const Conv2dShape& s, const Layout& lay, De
                          DeviceSpan scratch) {
   const DeviceSpan part = at(scratch, lay.bias_part);
   LaunchList list;
-  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_partial", defines(s));
+  cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_bias_partial", conv2d_defines(s));
   cl::set_args(k.get(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), part.buffer, part.elem_offset(),
                static_cast<cl_uint>(s.N));
   list.push_back(launch_per_item(std::move(k), s.N));
-  cl::Kernel sum = env.kernels.kernel("conv2d", "conv2d_bias_sum", defines(s));
+  cl::Kernel sum = env.kernels.kernel("conv2d", "conv2d_bias_sum", conv2d_defines(s));
   cl::set_args(sum.get(), part.buffer, part.elem_offset(), dbias.buffer, dbias.elem_offset(),
                static_cast<cl_uint>(s.N));
   list.push_back(launch_per_item(std::move(sum), s.K));
@@ -332,17 +337,36 @@ std::string conv2d_defines(const Conv2dShape& s, std::optional<DType> t) {
 Conv2dAlgorithms conv2d_algorithms(OpEnv& env, const Conv2dShape& s) {
   validate(s);
   const auto forward = [&](const Conv2dShape& f) -> std::string {
-    if (direct_forward(env, f)) return "direct";
-    if (winograd::applies(env, f)) return winograd::name(f);
-    return gemm_takes_planes(env) ? "implicit GEMM (planes)" : "im2col GEMM";
+    switch (forward_kind(env, f)) {
+      case ForwardKind::direct:
+        return "direct";
+      case ForwardKind::winograd:
+        return winograd::name(f);
+      case ForwardKind::planes:
+        return "implicit GEMM (planes)";
+      case ForwardKind::columns:
+        break;
+    }
+    return "im2col GEMM";
   };
   Conv2dAlgorithms a;
   a.forward = forward(s);
   a.data_grad = data_as_forward(env, s) ? "forward of dy: " + forward(data_shape(s)) : "GEMM + col2im";
-  a.weight_grad = direct_weights(env, s)      ? "direct"
-                  : winograd::applies(env, s) ? winograd::weights_name(s)
-                  : gemm_takes_planes(env)    ? "implicit GEMM (planes)"
-                                              : "im2col GEMM";
+  // The weight gradient follows the forward's choice, with its own direct kernel on fewer shapes.
+  switch (forward_kind(env, s)) {
+    case ForwardKind::winograd:
+      a.weight_grad = winograd::weights_name(s);
+      break;
+    case ForwardKind::direct:
+      a.weight_grad = direct_weights(env, s) ? "direct" : "implicit GEMM (planes)";
+      break;
+    case ForwardKind::planes:
+      a.weight_grad = "implicit GEMM (planes)";
+      break;
+    case ForwardKind::columns:
+      a.weight_grad = "im2col GEMM";
+      break;
+  }
   return a;
 }
 
@@ -351,12 +375,14 @@ std::size_t conv2d_images_per_gemm(OpEnv& env, const Conv2dShape& s) {
 }
 
 std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
-  // The forward's own scratch: the GEMM layout, which the weight gradient uses too, or Winograd's.
+  // The GEMM layout (the bias gradient's sums live there on every path), Winograd's forward and
+  // weight gradient where they run, and the data gradient's flipped weight plus its forward.
   const auto forward_elems = [&](const Conv2dShape& f) {
     const std::size_t gemm = layout(env, f).total;
-    return winograd::applies(env, f) ? std::max(gemm, winograd::scratch_elems(env, f)) : gemm;
+    return forward_kind(env, f) == ForwardKind::winograd ? std::max(gemm, winograd::forward_scratch_elems(f)) : gemm;
   };
   std::size_t total = forward_elems(s);
+  if (forward_kind(env, s) == ForwardKind::winograd) total = std::max(total, winograd::weights_scratch_elems(env, s));
   if (data_as_forward(env, s)) total = std::max(total, align_up(s.K * s.C * s.R * s.S) + forward_elems(data_shape(s)));
   return total;
 }
@@ -364,16 +390,17 @@ std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
 LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
                           DeviceSpan scratch) {
   validate(s);
-  if (winograd::applies(env, s)) return winograd::forward(env, s, x, w, bias, y, scratch);
+  const ForwardKind kind = forward_kind(env, s);
+  if (kind == ForwardKind::winograd) return winograd::forward(env, s, x, w, bias, y, scratch);
   const Layout lay = layout(env, s);
   const Groups groups(s, lay.columns);
   const std::size_t PQ = s.P() * s.Q();
   const DeviceSpan cols = at(scratch, lay.cols), tmp = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   const cl_uint has_bias = bias.buffer != nullptr;
   LaunchList list;
-  if (direct_forward(env, s)) {
+  if (kind == ForwardKind::direct) {
     pad_input(env, s, lay, x, scratch, list);
-    cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_forward", defines(s));
+    cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_forward", conv2d_defines(s));
     const DeviceSpan xp = at(scratch, lay.xpad);
     const std::size_t rows = s.N * s.P();
     cl::set_args(k.get(), xp.buffer, xp.elem_offset(), w.buffer, w.elem_offset(), has_bias ? bias.buffer : w.buffer,
@@ -405,7 +432,7 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
     }
     list.push_back(im2col(env, s, at(x, n0 * s.C * s.H * s.W, s.act), cols, ncols));
     append(list, gemm(env, forward_gemm(s, g, false), 1.0f, w, cols, 0.0f, tmp, gscratch));
-    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", defines(s));
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_to_nchw", conv2d_defines(s));
     const std::size_t count = g * s.K * PQ;
     cl::set_args(k.get(), tmp.buffer, tmp.elem_offset(), has_bias ? bias.buffer : tmp.buffer, bias.elem_offset(),
                  has_bias, yg.buffer, yg.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(ncols),
@@ -420,7 +447,7 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
   if (data_as_forward(env, s)) {
     validate(s);
     const std::size_t count = s.K * s.C * s.R * s.S;
-    cl::Kernel flip = env.kernels.kernel("conv2d", "conv2d_flip_weights", defines(s, s.weight));
+    cl::Kernel flip = env.kernels.kernel("conv2d", "conv2d_flip_weights", conv2d_defines(s, s.weight));
     cl::set_args(flip.get(), w.buffer, w.elem_offset(dtype_bytes(s.weight)), scratch.buffer, scratch.elem_offset(),
                  static_cast<cl_uint>(count));
     LaunchList list;
@@ -444,7 +471,7 @@ LaunchList conv2d_backward_data(OpEnv& env, const Conv2dShape& s, DeviceSpan dy,
       list.push_back(from_nchw(env, s, dyg, dyt, ncols));
       append(list, gemm(env, data_gemm(s, g, false), 1.0f, w, dyt, 0.0f, dcols, gscratch));
     }
-    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_col2im", defines(s));
+    cl::Kernel k = env.kernels.kernel("conv2d", "conv2d_col2im", conv2d_defines(s));
     const DeviceSpan dxg = at(dx, n0 * s.C * s.H * s.W, s.act);
     const std::size_t count = g * s.C * s.H * s.W;
     cl::set_args(k.get(), dcols.buffer, dcols.elem_offset(), dxg.buffer, dxg.elem_offset(dtype_bytes(s.act)),
@@ -462,7 +489,7 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
   const DeviceSpan cols = at(scratch, lay.cols), dyt = at(scratch, lay.tmp), gscratch = at(scratch, lay.gemm);
   const DeviceSpan dw32 = s.weight == DType::f32 ? dw : at(scratch, lay.dw32);
   LaunchList list;
-  if (winograd::applies(env, s)) {
+  if (forward_kind(env, s) == ForwardKind::winograd) {
     list = winograd::backward_weights(env, s, x, dy, dw, scratch);
     if (dbias.buffer != nullptr) append(list, bias_gradient(env, s, lay, dy, dbias, scratch));
     return list;
@@ -471,7 +498,7 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
     const std::size_t chunks = direct_chunks(s), per_chunk = (s.N + chunks - 1) / chunks;
     const DeviceSpan xp = at(scratch, lay.xpad), part = at(scratch, lay.direct_part);
     pad_input(env, s, lay, x, scratch, list);
-    cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights", defines(s));
+    cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights", conv2d_defines(s));
     cl::set_args(k.get(), xp.buffer, xp.elem_offset(), dy.buffer, dy.elem_offset(), part.buffer, part.elem_offset(),
                  static_cast<cl_uint>(s.N), static_cast<cl_uint>(per_chunk));
     KernelLaunch l;
@@ -481,7 +508,7 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
     l.local = {1, 1, 1};
     list.push_back(std::move(l));
     const cl_uint has_bias = dbias.buffer != nullptr;
-    cl::Kernel sum = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights_sum", defines(s));
+    cl::Kernel sum = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights_sum", conv2d_defines(s));
     cl::set_args(sum.get(), part.buffer, part.elem_offset(), static_cast<cl_uint>(l.global[2]), dw.buffer,
                  dw.elem_offset(), has_bias ? dbias.buffer : dw.buffer, dbias.elem_offset(), has_bias);
     list.push_back(launch_1d(env, std::move(sum), s.K * s.C * s.R * s.S + s.K));

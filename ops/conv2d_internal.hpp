@@ -26,9 +26,10 @@ bool applies(OpEnv& env, const Conv2dShape& s);
 // taps as outputs of a correlation of the inputs with 2x2 blocks of dy).
 std::string name(const Conv2dShape& s);
 std::string weights_name(const Conv2dShape& s);
-// Scratch in floats of forward() and backward_weights() (the larger): the channels-last padded
-// input and the filter transform; the padded input and dy and the partial sums.
-std::size_t scratch_elems(OpEnv& env, const Conv2dShape& s);
+// Scratch in floats of forward() (the channels-last padded input and the filter transform) and of
+// backward_weights() (the padded input and dy, and the partial sums).
+std::size_t forward_scratch_elems(const Conv2dShape& s);
+std::size_t weights_scratch_elems(OpEnv& env, const Conv2dShape& s);
 // y = conv(x, w) + bias (ReLU'd with s.relu): pad, filter transform, products.
 LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
                    DeviceSpan scratch);

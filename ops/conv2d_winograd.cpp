@@ -251,11 +251,7 @@ bool enabled_by_env() {
 // the implicit GEMM until Winograd is measured and given a block of their own there.
 bool holds_register_block(OpEnv& env) {
   const GemmTuningRow row = gemm_tuning_for(env.device());
-  if (row.config.kernel != GemmKernel::packed) return false;
-  for (const auto& [key, value] : row.config.params) {
-    if (key == "NV") return value >= 4;
-  }
-  return false;
+  return row.config.kernel == GemmKernel::packed && row.config.param("NV") >= 4;
 }
 
 }  // namespace
@@ -275,8 +271,12 @@ std::string weights_name(const Conv2dShape& s) {
   return fmt::format("winograd F({}x{},{}x{})", s.R, s.R, m, m);
 }
 
-std::size_t scratch_elems(OpEnv& env, const Conv2dShape& s) {
-  return std::max(plan(s).total, weights_plan(env, s).total);
+std::size_t forward_scratch_elems(const Conv2dShape& s) {
+  return plan(s).total;
+}
+
+std::size_t weights_scratch_elems(OpEnv& env, const Conv2dShape& s) {
+  return weights_plan(env, s).total;
 }
 
 LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
@@ -285,8 +285,9 @@ LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w,
   const DeviceSpan xt = at(scratch, 0), u = at(scratch, p.u_offset);
   LaunchList list;
 
-  list.push_back(pad_launch(env.kernels.kernel("conv2d_winograd", "winograd_pad", defines(s, p, s.act)), x, s.act, xt,
-                            s.N, s.C, s.H, s.W, s.pad, p.HT, p.WT, p.CP));
+  const std::string act_defines = defines(s, p, s.act);
+  list.push_back(pad_launch(env.kernels.kernel("conv2d_winograd", "winograd_pad", act_defines), x, s.act, xt, s.N, s.C,
+                            s.H, s.W, s.pad, p.HT, p.WT, p.CP));
 
   cl::Kernel filter = env.kernels.kernel("conv2d_winograd", "winograd_filter", defines(s, p, s.weight));
   cl::set_args(filter.get(), w.buffer, w.elem_offset(dtype_bytes(s.weight)), u.buffer, u.elem_offset());
@@ -297,7 +298,7 @@ LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w,
   lf.local = {16, 1, 1};  // KP is a multiple of 16
   list.push_back(std::move(lf));
 
-  cl::Kernel k = env.kernels.kernel("conv2d_winograd", "winograd_forward", defines(s, p, s.act));
+  cl::Kernel k = env.kernels.kernel("conv2d_winograd", "winograd_forward", act_defines);
   const cl_uint has_bias = bias.buffer != nullptr;
   cl::set_args(k.get(), xt.buffer, xt.elem_offset(), u.buffer, u.elem_offset(), has_bias ? bias.buffer : u.buffer,
                bias.elem_offset(), has_bias, y.buffer, y.elem_offset(dtype_bytes(s.act)),

@@ -26,6 +26,13 @@
 #define WINO_KB (16 * WINO_NVK)
 #define WINO_TILES_PER_IMAGE (WINO_TR * WINO_TQ)
 
+// Image, tile row and tile column of a tile of the batch (tiles numbered image by image, row by row).
+inline uint3 tile_at(uint tile) {
+  const uint n = tile / WINO_TILES_PER_IMAGE, rest = tile - n * WINO_TILES_PER_IMAGE;
+  const uint tr = rest / WINO_TQ;
+  return (uint3)(n, tr, rest - tr * WINO_TQ);
+}
+
 #ifndef CONV_RELU
 #define CONV_RELU 0
 #endif
@@ -159,8 +166,8 @@ __kernel void winograd_forward(__global const float* xt, ulong xt_off, __global 
     for (uint t = 0; t < WINO_TB; ++t) {
       // Tiles past the last compute the last one again and are never stored.
       const uint tile = min(tile0 + t, n_tiles - 1);
-      const uint n = tile / WINO_TILES_PER_IMAGE, rest = tile - n * WINO_TILES_PER_IMAGE;
-      const uint tr = rest / WINO_TQ, tq = rest - tr * WINO_TQ;
+      const uint3 at = tile_at(tile);
+      const uint n = at.x, tr = at.y, tq = at.z;
       __global const float* d =
           xt + xt_off + ((ulong)(n * WINO_HT + tr * WINO_M) * WINO_WT + tq * WINO_M) * WINO_CP + c0;
       for (uint cv = 0; cv < WINO_CC; cv += 16) transform_input(d + cv, v + cv, t);
@@ -204,8 +211,8 @@ __kernel void winograd_forward(__global const float* xt, ulong xt_off, __global 
   for (uint t = 0; t < WINO_TB; ++t) {
     const uint tile = tile0 + t;
     if (tile >= n_tiles) break;
-    const uint n = tile / WINO_TILES_PER_IMAGE, rest = tile - n * WINO_TILES_PER_IMAGE;
-    const uint tr = rest / WINO_TQ, tq = rest - tr * WINO_TQ;
+    const uint3 at = tile_at(tile);
+    const uint n = at.x, tr = at.y, tq = at.z;
     for (uint o = 0; o < WINO_MM; ++o) {
       const uint p = tr * WINO_M + o / WINO_M, q = tq * WINO_M + o % WINO_M;
       if (p >= CONV_P || q >= CONV_Q) continue;
@@ -257,8 +264,8 @@ __kernel void winograd_weights(__global const float* xt, ulong xt_off, __global 
     for (uint t = 0; t < WINO_TB; ++t) {
       const bool valid = t0 + t < end;
       const uint tile = valid ? t0 + t : end - 1;
-      const uint n = tile / WINO_TILES_PER_IMAGE, rest = tile - n * WINO_TILES_PER_IMAGE;
-      const uint tr = rest / WINO_TQ, tq = rest - tr * WINO_TQ;
+      const uint3 at = tile_at(tile);
+      const uint n = at.x, tr = at.y, tq = at.z;
       __global const float* d =
           xt + xt_off + ((ulong)(n * WINO_HT + tr * WINO_R) * WINO_WT + tq * WINO_R) * WINO_CP + cb * WINO_CC;
       for (uint cv = 0; cv < WINO_CC; cv += 16) transform_input(d + cv, v + cv, t);
