@@ -99,18 +99,23 @@ check "resuming a finished run reports it without training" test "$(results "$ag
 sig=(train --model mlp --epochs 2 --train-limit 8192 --json --checkpoint "$work/sig.ckpt")
 uninterrupted=$("$ferry" "${sig[@]}" --quiet)
 for signal in INT TERM; do
-  rm -f "$work/sig.ckpt"
-  "$ferry" "${sig[@]}" >"$work/sig.out" 2>"$work/sig.err" &
+  # A log of its own per signal, gone before the run starts: the shell truncates a redirect in
+  # the forked child, so polling a reused name could read the previous run's progress line and
+  # signal the new process before it handles signals.
+  err="$work/sig-$signal.err"
+  rm -f "$work/sig.ckpt" "$err"
+  "$ferry" "${sig[@]}" >"$work/sig.out" 2>"$err" &
   pid=$!
-  for _ in $(seq 1 1200); do grep -q 'epoch 1/2 \[' "$work/sig.err" && break; sleep 0.05; done
+  for _ in $(seq 1 1200); do grep -qs 'epoch 1/2 \[' "$err" && break; sleep 0.05; done
   kill -"$signal" "$pid"
   wait "$pid"
   status=$?
   want=$([ "$signal" = INT ] && echo 130 || echo 143)
   check "SIG$signal during training exits $want" test "$status" -eq "$want"
-  check "SIG$signal says where training stopped" grep -q "stopped by SIG$signal at epoch 1/2, step [0-9]*/32" "$work/sig.err"
+  check "SIG$signal says where training stopped" grep -q "stopped by SIG$signal at epoch 1/2, step [0-9]*/32" "$err"
   check "SIG$signal writes the checkpoint" test -s "$work/sig.ckpt"
-  cmd=$(sed -n 's/^ferry: resume with: //p' "$work/sig.err")
+  [ "$failures" -eq 0 ] || tail -5 "$err"
+  cmd=$(sed -n 's/^ferry: resume with: //p' "$err")
   check "SIG$signal prints a resume command" grep -q -- "--resume $work/sig.ckpt" <<<"$cmd"
   after=$(bash -c "$cmd --quiet")
   check "the printed command (SIG$signal) finishes the run as if uninterrupted" \
@@ -169,7 +174,7 @@ gsig=(train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --con
 guninterrupted=$("$ferry" "${gsig[@]}" --quiet)
 "$ferry" "${gsig[@]}" >"$work/gsig.out" 2>"$work/gsig.err" &
 pid=$!
-for _ in $(seq 1 1200); do grep -q '^step [0-9]*/300 \[' "$work/gsig.err" && break; sleep 0.05; done
+for _ in $(seq 1 1200); do grep -qs '^step [0-9]*/300 \[' "$work/gsig.err" && break; sleep 0.05; done
 kill -INT "$pid"
 wait "$pid"
 status=$?
