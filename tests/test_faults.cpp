@@ -1,7 +1,7 @@
 // Faults injected mid-step (graph::CompiledStep::inject_failure, cl::Context::inject_allocation_failure):
 // a kernel the driver refuses or that fails on the device, a transfer that fails, a host-lane
 // node whose own work throws, an allocation that fails. Each time Trainer::step (or the compile)
-// raises an error naming the node within 10 s, no command is left behind (the next steps give
+// raises an error naming the node within 60 s, no command is left behind (the next steps give
 // exactly what a trainer that never failed gives), and every weight and optimizer-state tensor
 // is bit for bit as before the failed step, also where weights are changed in place on the
 // device. A failure in the update phase itself (after the commit point) is reported as such, and
@@ -55,13 +55,15 @@ bool is_pocl(const Runtime& rt) {
   return rt.device().platform_name.find("Portable") != std::string::npos;
 }
 
-// Runs `f` on another thread and gives it 10 s: a fault must never hang the caller. A hang ends
-// the test binary at once (the thread cannot be cancelled), naming what hung.
+// Runs `f` on another thread and gives it 60 s: a fault must never hang the caller. A hang ends
+// the test binary at once (the thread cannot be cancelled), naming what hung. The bound is far
+// above a step's time here (milliseconds) so that a sanitizer build on a loaded 2-core CI machine,
+// which may also compile kernels inside `f`, cannot trip it; a hang never ends, so it still does.
 template <class F>
-auto within_10s(const char* what, F f) {
+auto within_deadline(const char* what, F f) {
   auto result = std::async(std::launch::async, std::move(f));
-  if (result.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
-    std::fprintf(stderr, "FAILED: %s did not return within 10 s\n", what);
+  if (result.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "FAILED: %s did not return within 60 s\n", what);
     std::fflush(stderr);
     std::_Exit(1);
   }
@@ -186,7 +188,7 @@ TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNev
   }
   const auto before = state_of(trainer);
   trainer.train_step().inject_failure(victim, c.fault);
-  const std::string error = within_10s(c.name, [&]() -> std::string {
+  const std::string error = within_deadline(c.name, [&]() -> std::string {
     try {
       trainer.step(images, labels);
     } catch (const std::runtime_error& e) {
@@ -207,7 +209,7 @@ TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNev
   // failed gives from the same state.
   for (int s = 0; s < 2; ++s) {
     auto more = random_vector(8 * sample, 20 + s);
-    const float a = within_10s("the step after a failure", [&] { return trainer.step(more, labels).loss; });
+    const float a = within_deadline("the step after a failure", [&] { return trainer.step(more, labels).loss; });
     EXPECT_EQ(a, reference.step(more, labels).loss) << "step " << s;
   }
   expect_same_state(state_of(trainer), state_of(reference), "against the trainer that never failed");
@@ -271,7 +273,7 @@ TEST(Faults, EveryAllocationOfACompileFailingIsAClearError) {
     int failed = 0;
     for (int k = 0; k < 200; ++k) {
       rt.context().inject_allocation_failure(k);
-      const std::string error = within_10s("a compile whose allocation fails", [&]() -> std::string {
+      const std::string error = within_deadline("a compile whose allocation fails", [&]() -> std::string {
         try {
           Trainer t(rt, m, o);
         } catch (const std::runtime_error& e) {
@@ -314,7 +316,7 @@ TEST(Faults, AllocationFailingMidRunFailsThatCallOnly) {
   trainer.step(images, labels);
   reference.step(images, labels);
   rt.context().inject_allocation_failure(0);
-  const std::string error = within_10s("an evaluation whose allocation fails", [&]() -> std::string {
+  const std::string error = within_deadline("an evaluation whose allocation fails", [&]() -> std::string {
     try {
       trainer.evaluate(d);
     } catch (const std::runtime_error& e) {
@@ -412,7 +414,7 @@ TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForA
     const auto before = state_of(trainer);
     if (fault != graph::Fault::device_error) {
       trainer.train_step().inject_failure(updates.front(), fault);
-      EXPECT_THROW(within_10s("a failing first update", [&] { return trainer.step(images, labels); }),
+      EXPECT_THROW(within_deadline("a failing first update", [&] { return trainer.step(images, labels); }),
                    std::runtime_error);
       expect_same_state(state_of(trainer), before, "after a failing first update");
       EXPECT_EQ(trainer.inconsistent_state(), "");
@@ -421,7 +423,7 @@ TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForA
     // The last update fails after the others were enqueued.
     trainer.save_checkpoint(path);
     trainer.train_step().inject_failure(updates.back(), fault);
-    const std::string error = within_10s("a failing last update", [&]() -> std::string {
+    const std::string error = within_deadline("a failing last update", [&]() -> std::string {
       try {
         trainer.step(images, labels);
       } catch (const graph::PartialUpdateError& e) {
@@ -457,7 +459,7 @@ TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForA
     expect_same_state(state_of(trainer), before, "after the restore");
     for (int s = 0; s < 2; ++s) {
       auto more = random_vector(8 * sample, 80 + s);
-      EXPECT_EQ(within_10s("a step after the restore", [&] { return trainer.step(more, labels).loss; }),
+      EXPECT_EQ(within_deadline("a step after the restore", [&] { return trainer.step(more, labels).loss; }),
                 reference.step(more, labels).loss);
     }
     expect_same_state(state_of(trainer), state_of(reference), "against the trainer that never failed");
