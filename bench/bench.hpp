@@ -68,4 +68,17 @@ double time_ms(F&& fn) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Runs fn() once (program builds, first touch), then again until `min_ms` of wall time have passed
+// since the start, at most `max_runs` times in all. One run is not enough on PoCL: for its first
+// tens to hundreds of milliseconds a process's two worker threads can share one core, and a
+// sub-millisecond GEMM then measures at half speed (bench/RESULTS.md, "Warm-up by time").
+template <class F>
+void warm_up(F&& fn, double min_ms = 300.0, int max_runs = 2000) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < max_runs; ++r) {
+    fn();
+    if (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() >= min_ms) break;
+  }
+}
+
 }  // namespace ferry::bench

@@ -46,9 +46,9 @@ cl::Mem random_buffer(const cl::Context& ctx, std::size_t n, unsigned seed) {
   return m;
 }
 
-// Median milliseconds of `repeat` runs of the launches, after one warm-up run.
+// Median milliseconds of `repeat` runs of the launches, after warm_up.
 double time_launches(const cl::Context& ctx, const ops::LaunchList& launches, int repeat) {
-  ops::run_blocking(ctx.compute(), launches);
+  warm_up([&] { ops::run_blocking(ctx.compute(), launches); });
   std::vector<double> times;
   for (int r = 0; r < repeat; ++r) times.push_back(time_ms([&] { ops::run_blocking(ctx.compute(), launches); }));
   return median(times);
