@@ -108,8 +108,11 @@ GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const
 }
 
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of at
-// least 256 x NB floats (64 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over it.
-constexpr std::size_t min_split_rows = 256;
+// least 512 x NB floats (128 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over
+// it. 256 rows wrote and re-read twice the partial products for no cache gain: the GPT's weight
+// gradients (K = 4096) ran 380 -> 440 GFLOPS at 192 x 768 and 385 -> 445 at 192 x 192 with 512
+// (bench/RESULTS.md, "Long-K splits of 512 rows").
+constexpr std::size_t min_split_rows = 512;
 // The partial products of all splits together: at most this many bytes. Past it the splits grow
 // longer (fewer of them) rather than stop: a long K unsplit streams its whole B panel from memory
 // for every row block.

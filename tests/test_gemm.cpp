@@ -30,8 +30,8 @@ struct Case {
 // Shapes that are multiples of nothing, degenerate ones, wide small-K ones (Linear layers), and a
 // long-K ones (weight gradients), which the CPU kernel splits along K (five splits, the last short;
 // with N a multiple of the panel width it reads a row-major B in place).
-const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},   {1000, 1000, 16},
-                        {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {13, 21, 1100}, {13, 64, 1100}};
+const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},  {1000, 1000, 16},
+                        {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {7, 21, 2200}, {13, 64, 2200}};
 
 // The configurations the tests force: ferry's CPU kernel in three block shapes (the AVX-512 and
 // AVX2 rows of the tuning data, and an odd one), the GPU kernel in two tile shapes (also on PoCL,
@@ -158,7 +158,7 @@ float half_ulp(DType t) {
 
 TEST(GemmDtypes, NarrowOperandsMatchReference) {
   auto& dev = TestDevice::get();
-  const Case shapes[] = {{7, 13, 5}, {65, 63, 17}, {13, 21, 1100}, {13, 64, 1100}};
+  const Case shapes[] = {{7, 13, 5}, {65, 63, 17}, {7, 21, 2200}, {13, 64, 2200}};
   for (const DtypeCase& d : kDtypeCases) {
     for (const Case& shape : shapes) {
       if (too_large_for_this_run(shape.M * shape.N * shape.K)) continue;
@@ -221,6 +221,12 @@ TEST(Gemm, PackedScratchCoversPaddedPanels) {
   o.kernel = "packed RB=4 NV=2";
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 64u * 7u);
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 32, 7}, o), 32u * 7u);
+  // Long K (>= 2048 and 4 max(M, N)) is split into chunks of 512 rows, here five (the last 152
+  // rows), each with its own M x N partial product after the panels; with N a multiple of the
+  // panel width B is read in place (no panels). The shapes the tests above use for those paths.
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 2200}, o), 32u * 2200u + 5u * 7u * 21u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {13, 64, 2200}, o), 5u * 13u * 64u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 2047}, o), 32u * 2047u);  // short of 2048: one pass
   o.kernel = "tiled TSM=16 TSN=16 TSK=4 WPTM=2 WPTN=2";
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 0u);
 }
@@ -460,11 +466,11 @@ TEST(GemmLayouts, PlanesAndGatherMatchTheReference) {
     bool trans_b;
     std::size_t run = 0;  // GemmOptions::a_gather_run (the gapped rows below are K + 3 apart)
   };
-  // The long-K ones split K (K >= 1024 and 4 max(M, N)); the 5th and 6th are small enough for
+  // The long-K ones split K (K >= 2048 and 4 max(M, N)); the 5th and 6th are small enough for
   // FERRY_TEST_SMALL; the last four read A in runs (a_gather_run).
   for (const Case& c :
        {Case{35, 21, 19, 7, 7, false}, Case{35, 21, 19, 19, 5, true}, Case{26, 40, 4800, 96, 13, true},
-        Case{49, 66, 3000, 11, 49, false}, Case{11, 12, 1100, 100, 11, true}, Case{7, 22, 1100, 11, 7, false},
+        Case{49, 66, 3000, 11, 49, false}, Case{11, 12, 2200, 100, 11, true}, Case{7, 22, 2200, 11, 7, false},
         Case{35, 21, 19, 7, 7, false, 7}, Case{35, 21, 19, 19, 5, true, 5}, Case{42, 70, 300, 7, 42, false, 14},
         Case{48, 9, 3000, 3, 6, false, 16}}) {
     if (too_large_for_this_run(c.M * c.N * c.K)) continue;
