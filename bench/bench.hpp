@@ -69,9 +69,8 @@ double time_ms(F&& fn) {
 }
 
 // Runs fn() once (program builds, first touch), then again until `min_ms` of wall time have passed
-// since the start, at most `max_runs` times in all. One run is not enough on PoCL: for its first
-// tens to hundreds of milliseconds a process's two worker threads can share one core, and a
-// sub-millisecond GEMM then measures at half speed (bench/RESULTS.md, "Warm-up by time").
+// since the start, at most `max_runs` times in all (caches, page faults and the OS's thread
+// placement settle; see time_rounds).
 template <class F>
 void warm_up(F&& fn, double min_ms = 300.0, int max_runs = 2000) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -79,6 +78,30 @@ void warm_up(F&& fn, double min_ms = 300.0, int max_runs = 2000) {
     fn();
     if (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() >= min_ms) break;
   }
+}
+
+// Milliseconds per run of `repeat` rounds, each round `enqueue()` called back to back as many times
+// as fill about `round_ms` (at least once, sized from one timed run) and then `finish()`. Runs are
+// timed the way a training step issues them: queued behind each other, not one wait each. Waiting
+// after every sub-millisecond run on PoCL let the OS wake both worker threads on one core, and a
+// 0.6 ms GEMM measured at half speed in about one process of three (bench/RESULTS.md, "Timing
+// rounds").
+template <class Enqueue, class Finish>
+std::vector<double> time_rounds(Enqueue&& enqueue, Finish&& finish, int repeat, double round_ms = 20.0) {
+  const double one = time_ms([&] {
+    enqueue();
+    finish();
+  });
+  const int per_round = static_cast<int>(std::clamp(round_ms / std::max(one, 1e-3), 1.0, 1000.0));
+  std::vector<double> times;
+  for (int r = 0; r < repeat; ++r) {
+    times.push_back(time_ms([&] {
+                      for (int i = 0; i < per_round; ++i) enqueue();
+                      finish();
+                    }) /
+                    per_round);
+  }
+  return times;
 }
 
 }  // namespace ferry::bench

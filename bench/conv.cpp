@@ -46,12 +46,11 @@ cl::Mem random_buffer(const cl::Context& ctx, std::size_t n, unsigned seed) {
   return m;
 }
 
-// Median milliseconds of `repeat` runs of the launches, after warm_up.
+// Median milliseconds per run of the launches over `repeat` rounds (time_rounds), after warm_up.
 double time_launches(const cl::Context& ctx, const ops::LaunchList& launches, int repeat) {
   warm_up([&] { ops::run_blocking(ctx.compute(), launches); });
-  std::vector<double> times;
-  for (int r = 0; r < repeat; ++r) times.push_back(time_ms([&] { ops::run_blocking(ctx.compute(), launches); }));
-  return median(times);
+  return median(time_rounds([&] { ops::enqueue(ctx.compute(), launches, {}); },
+                            [&] { cl::check(clFinish(ctx.compute()), "clFinish"); }, repeat));
 }
 
 int run(const BenchCommon& common, const ConvBenchOptions& o) {

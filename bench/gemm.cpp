@@ -14,6 +14,7 @@
 
 #include "bench.hpp"
 #include "ferry/cl/context.hpp"
+#include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
 
 #ifdef FERRY_HAVE_OPENBLAS
@@ -68,7 +69,7 @@ struct Measured {
 };
 
 // Binds once, warms up (program builds, CLBlast's compile, then warm_up's 0.3 s), then times
-// `repeat` runs.
+// `repeat` rounds of back-to-back runs (time_rounds).
 Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::GemmShape& s, const std::vector<float>& ha,
                         const std::vector<float>& hb, const ops::GemmOptions& options, int repeat, bool keep_c) {
   DeviceOperands d(ctx, s, ha, hb, ops::gemm_scratch_elems(env, s, options));
@@ -77,8 +78,8 @@ Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::Gemm
   auto launches =
       ops::gemm(env, s, 1.0f, {d.a.get(), 0}, {d.b.get(), 0}, 0.0f, {d.c.get(), 0}, {d.scratch.get(), 0}, options);
   warm_up([&] { ops::run_blocking(ctx.compute(), launches); });
-  std::vector<double> times;
-  for (int r = 0; r < repeat; ++r) times.push_back(time_ms([&] { ops::run_blocking(ctx.compute(), launches); }));
+  const std::vector<double> times = time_rounds([&] { ops::enqueue(ctx.compute(), launches, {}); },
+                                                [&] { cl::check(clFinish(ctx.compute()), "clFinish"); }, repeat);
   m.ms = median(times);
   m.ms_min = *std::min_element(times.begin(), times.end());
   if (keep_c) {
@@ -98,9 +99,9 @@ Measured measure_openblas(const ops::GemmShape& s, const std::vector<float>& ha,
     cblas_sgemm(CblasRowMajor, s.trans_a ? CblasTrans : CblasNoTrans, s.trans_b ? CblasTrans : CblasNoTrans, M, N, K,
                 1.0f, ha.data(), s.trans_a ? M : K, hb.data(), s.trans_b ? K : N, 0.0f, m.c.data(), N);
   };
-  warm_up(run);  // the same warm-up as the device side
-  std::vector<double> times;
-  for (int r = 0; r < repeat; ++r) times.push_back(time_ms(run));
+  warm_up(run);  // the same warm-up and rounds as the device side
+  const std::vector<double> times = time_rounds(
+      run, [] {}, repeat);
   m.ms = median(times);
   m.ms_min = *std::min_element(times.begin(), times.end());
   m.kernel = fmt::format("cblas_sgemm, core {}, {} threads", openblas_get_corename(), openblas_get_num_threads());
