@@ -23,7 +23,13 @@ echo "sanitizers: built ${#tests[@]} tests in $((SECONDS - start)) s"
 
 here=$PWD
 export UBSAN_OPTIONS="suppressions=$here/tests/sanitizers/ubsan.supp:print_stacktrace=1:halt_on_error=1"
-export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0"
+# intercept_tls_get_addr=0: clang 14's (and 15's) runtime records each thread's dynamic TLS blocks
+# in its __tls_get_addr hook, and where a block starts 16 bytes past a page it reads a header of
+# an old glibc (size, start) that Debian 12's glibc does not write: the leak check at exit then
+# scans a garbage range and dies ("Tracer caught signal 11", "DTLS 7 at 0x10a1-0x8000021a3") after
+# every test has passed (docs/testing.md). Unhooked, dynamic TLS is not a root of the leak scan:
+# an object only it points to would be reported, never hidden; static TLS is still scanned.
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:intercept_tls_get_addr=0"
 export LSAN_OPTIONS="suppressions=$here/tests/sanitizers/lsan.supp:print_suppressions=0"
 # Kernels built by an earlier stage are reused (the cache is keyed by device and source).
 export FERRY_CACHE_DIR=${FERRY_CACHE_DIR:-$here/build/asan-ci/program-cache}
