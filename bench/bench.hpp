@@ -68,31 +68,31 @@ double time_ms(F&& fn) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Runs fn() once (program builds, first touch), then again until `min_ms` of wall time have passed
-// since the start, at most `max_runs` times in all (caches, page faults and the OS's thread
-// placement settle; see time_rounds).
-template <class F>
-void warm_up(F&& fn, double min_ms = 300.0, int max_runs = 2000) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int r = 0; r < max_runs; ++r) {
-    fn();
-    if (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() >= min_ms) break;
-  }
-}
-
-// Milliseconds per run of `repeat` rounds, each round `enqueue()` called back to back as many times
-// as fill about `round_ms` (at least once, sized from one timed run) and then `finish()`. Runs are
-// timed the way a training step issues them: queued behind each other, not one wait each. Waiting
-// after every sub-millisecond run on PoCL let the OS wake both worker threads on one core, and a
-// 0.6 ms GEMM measured at half speed in about one process of three (bench/RESULTS.md, "Timing
-// rounds").
+// Milliseconds per run of `repeat` rounds of enqueue() (then finish()). First one untimed run
+// (program builds, first touch), then a warm-up of `warm_ms` (caches, page faults and the OS's
+// thread placement settle), whose runs also size a round: as many enqueue() calls back to back as
+// fill about `round_ms`, then one finish(). Runs are timed the way a training step issues them,
+// queued behind each other, not one wait each: waiting after every sub-millisecond run on PoCL let
+// the OS wake both worker threads on one core, and a 0.6 ms GEMM measured at half speed in about
+// one process of three (bench/RESULTS.md, "Timing rounds").
 template <class Enqueue, class Finish>
-std::vector<double> time_rounds(Enqueue&& enqueue, Finish&& finish, int repeat, double round_ms = 20.0) {
-  const double one = time_ms([&] {
+std::vector<double> time_rounds(Enqueue&& enqueue, Finish&& finish, int repeat, double warm_ms = 300.0,
+                                double round_ms = 20.0) {
+  const auto run_one = [&] {
     enqueue();
     finish();
-  });
-  const int per_round = static_cast<int>(std::clamp(round_ms / std::max(one, 1e-3), 1.0, 1000.0));
+  };
+  run_one();
+  int warm_runs = 0;
+  double warm_elapsed = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (warm_elapsed < warm_ms && warm_runs < 2000) {
+    run_one();
+    ++warm_runs;
+    warm_elapsed = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const double per_run = std::max(warm_elapsed / warm_runs, 1e-3);
+  const int per_round = static_cast<int>(std::clamp(round_ms / per_run, 1.0, 1000.0));
   std::vector<double> times;
   for (int r = 0; r < repeat; ++r) {
     times.push_back(time_ms([&] {

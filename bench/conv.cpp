@@ -46,9 +46,8 @@ cl::Mem random_buffer(const cl::Context& ctx, std::size_t n, unsigned seed) {
   return m;
 }
 
-// Median milliseconds per run of the launches over `repeat` rounds (time_rounds), after warm_up.
+// Median milliseconds per run of the launches over `repeat` rounds (time_rounds).
 double time_launches(const cl::Context& ctx, const ops::LaunchList& launches, int repeat) {
-  warm_up([&] { ops::run_blocking(ctx.compute(), launches); });
   return median(time_rounds([&] { ops::enqueue(ctx.compute(), launches, {}); },
                             [&] { cl::check(clFinish(ctx.compute()), "clFinish"); }, repeat));
 }

@@ -68,8 +68,8 @@ struct Measured {
   std::vector<float> c;  // the result, to compare implementations
 };
 
-// Binds once, warms up (program builds, CLBlast's compile, then warm_up's 0.3 s), then times
-// `repeat` rounds of back-to-back runs (time_rounds).
+// Binds once, then times `repeat` rounds of back-to-back runs after a warm-up (time_rounds; its
+// first run takes the program builds and CLBlast's compile).
 Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::GemmShape& s, const std::vector<float>& ha,
                         const std::vector<float>& hb, const ops::GemmOptions& options, int repeat, bool keep_c) {
   DeviceOperands d(ctx, s, ha, hb, ops::gemm_scratch_elems(env, s, options));
@@ -77,7 +77,6 @@ Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::Gemm
   m.kernel = ops::gemm_kernel_description(env, s, options);
   auto launches =
       ops::gemm(env, s, 1.0f, {d.a.get(), 0}, {d.b.get(), 0}, 0.0f, {d.c.get(), 0}, {d.scratch.get(), 0}, options);
-  warm_up([&] { ops::run_blocking(ctx.compute(), launches); });
   const std::vector<double> times = time_rounds([&] { ops::enqueue(ctx.compute(), launches, {}); },
                                                 [&] { cl::check(clFinish(ctx.compute()), "clFinish"); }, repeat);
   m.ms = median(times);
@@ -99,9 +98,8 @@ Measured measure_openblas(const ops::GemmShape& s, const std::vector<float>& ha,
     cblas_sgemm(CblasRowMajor, s.trans_a ? CblasTrans : CblasNoTrans, s.trans_b ? CblasTrans : CblasNoTrans, M, N, K,
                 1.0f, ha.data(), s.trans_a ? M : K, hb.data(), s.trans_b ? K : N, 0.0f, m.c.data(), N);
   };
-  warm_up(run);  // the same warm-up and rounds as the device side
   const std::vector<double> times = time_rounds(
-      run, [] {}, repeat);
+      run, [] {}, repeat);  // as the device side is timed
   m.ms = median(times);
   m.ms_min = *std::min_element(times.begin(), times.end());
   m.kernel = fmt::format("cblas_sgemm, core {}, {} threads", openblas_get_corename(), openblas_get_num_threads());
