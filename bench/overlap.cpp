@@ -231,6 +231,7 @@ TimelineStats timeline_stats(const graph::CompiledStep& step) {
   TimelineStats s;
   std::uint64_t first = UINT64_MAX, last = 0;
   for (const auto& e : step.timeline()) {
+    if (e.start_ns == 0 || e.end_ns < e.start_ns) continue;  // a command the driver did not time
     const double ms = double(e.end_ns - e.start_ns) * 1e-6;
     first = std::min(first, e.start_ns);
     last = std::max(last, e.end_ns);
@@ -435,7 +436,8 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   if (trace) {
     for (int s = 0; s < 3; ++s) {
       streamed.step(batches);
-      trace->add_step(streamed.trainer->train_step().timeline(), ++trace_steps);
+      trace->add_step(streamed.trainer->train_step().timeline(), ++trace_steps,
+                      streamed.trainer->train_step().host_activity());
     }
   }
   return j;

@@ -1,28 +1,20 @@
-// Lowering of a planned step graph to tbb::flow::graph, and running it.
+// A compiled step: compiling (plan, arena, binding, lowering), submitting and waiting, results.
+// The one-pass form's enqueue is in enqueue.cpp, the flow-graph form in host_lane.cpp.
 #include "ferry/graph/compiled_step.hpp"
 
 #include <fmt/format.h>
-#include <tbb/flow_graph.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <exception>
-#include <map>
 #include <stdexcept>
 
-#include "ferry/cl/error.hpp"
+#include "compiled_step_impl.hpp"
 #include "ferry/graph/bind.hpp"
 #include "ferry/graph/dependencies.hpp"
-#include "ferry/graph/node_view.hpp"
-#include "ferry/offload/pinned_host.hpp"
 
 namespace ferry::graph {
-
-using tbb::flow::continue_msg;
-using DoneNode = tbb::flow::async_node<continue_msg, continue_msg>;
 
 std::optional<PersistentArena::Entry> PersistentArena::find(const std::string& name) const {
   if (auto it = placements.find(name); it != placements.end()) return it->second;
@@ -66,121 +58,6 @@ std::uint64_t PersistentArena::device_bytes() const {
   for (const auto& s : homes) b += s ? s->device_bytes() : 0;
   return b;
 }
-
-namespace {
-
-// The host's steady clock in nanoseconds (host-lane spans of the timeline).
-std::uint64_t steady_ns() {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count());
-}
-
-cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
-  switch (lane) {
-    case Lane::h2d:
-      return ctx.queue(cl::QueueKind::h2d);
-    case Lane::d2h:
-      return ctx.queue(cl::QueueKind::d2h);
-    default:
-      return ctx.queue(cl::QueueKind::compute);
-  }
-}
-
-}  // namespace
-
-struct CompiledStep::Impl {
-  const cl::Context& ctx;
-  std::vector<cl::Mem> transient;
-  std::vector<cl::PinnedBuffer> host_transient;   // mapped mode: weight gradients in host memory
-  std::vector<ops::LaunchList> launches;          // per node
-  std::vector<std::vector<NodeId>> waits;         // cross-lane predecessors, per node
-  std::vector<std::vector<cl_event>> wait_lists;  // per node: the events it waits on this step
-  std::vector<cl::Event> events;                  // per node: its last command, this step
-  std::vector<cl::Event> first_events;            // per node: its first command (profiling only)
-  // Profiling only, host steady clock in ns: when each device node was enqueued (to relate the
-  // host clock to the device clock) and when each host-lane node's work ran, this step.
-  std::vector<std::uint64_t> host_enqueue_ns, host_start_ns, host_end_ns;
-  // Host mirrors by name without "@host": what the caller fills (uploads) and reads (downloads).
-  std::map<std::string, TensorId, std::less<>> uploads, downloads;
-  TensorId stats = no_tensor;  // the loss's host mirror, if the graph has a loss
-  TensorId guard = no_tensor;  // the host mirror of what the updates check, if not the loss
-  ops::StepInfo step;
-  RunMode mode = RunMode::normal;
-  bool bound = true;  // kernels bound: the step can run
-
-  tbb::flow::graph flow;
-  tbb::flow::broadcast_node<continue_msg> start{flow};
-  std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> nodes;
-  std::unique_ptr<tbb::flow::continue_node<continue_msg>> finish;
-  std::unique_ptr<DoneNode> done;
-  OptimizerSpec optimizer;
-  bool commits_other_slot = false;  // the step writes the next state into the other host slot
-
-  // The divergence guard's view of the updates (ops::BindContext::step_status): a device word
-  // the device updates set when they make a weight not finite, cleared at the start of each step
-  // and read back after its last command; host updates set the flag beside it.
-  cl::Mem status;  // null when no device-lane update was bound
-  cl_uint status_host = 0;
-  cl::Event status_read;
-  std::atomic<bool> host_non_finite{false};
-
-  // Waits for OpenCL events without blocking a thread: a marker on `queue` with the events as its
-  // wait list, whose completion callback opens an async_node gateway. Used before each host-lane
-  // node and once at the end of the step.
-  struct EventGate {
-    cl_command_queue queue = nullptr;
-    std::vector<cl_event> wait;
-    cl::Event marker;
-    DoneNode::gateway_type* gateway = nullptr;
-    std::atomic<cl_int> status{CL_COMPLETE};
-
-    // The async_node's body: hand the wait over to the driver and return.
-    void open(DoneNode::gateway_type& gw) {
-      if (wait.empty()) {
-        gw.try_put(continue_msg{});
-        return;
-      }
-      gateway = &gw;
-      gw.reserve_wait();  // reserve before the callback can fire (it may fire inside the call)
-      cl::Event m;
-      cl_int rc = clEnqueueMarkerWithWaitList(queue, static_cast<cl_uint>(wait.size()), wait.data(), m.out());
-      if (rc == CL_SUCCESS) rc = clSetEventCallback(m.get(), CL_COMPLETE, &EventGate::on_complete, this);
-      if (rc != CL_SUCCESS) {
-        gw.release_wait();
-        cl::check(rc, "clSetEventCallback(event gate)");
-      }
-      marker = std::move(m);
-      FERRY_CL(clFlush(queue));
-    }
-    // Runs on a driver thread, or inline if the marker already completed: hand over, never wait.
-    static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user) {
-      auto* gate = static_cast<EventGate*>(user);
-      if (status < 0) gate->status = status;
-      gate->gateway->try_put(continue_msg{});
-      gate->gateway->release_wait();
-    }
-  };
-  std::vector<std::unique_ptr<EventGate>> gates;  // per host-lane node; null for device nodes
-  std::vector<std::unique_ptr<DoneNode>> gate_nodes;
-  std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> host_work;
-  EventGate finish_gate;  // the end of the step
-
-  // The commit point (CompiledStep::find_commit_point). Per node: whether it writes persistent
-  // state that lives in place (device, host_mapped), and whether it did enqueue commands this step
-  // (each node writes only its own element).
-  static constexpr NodeId no_node = static_cast<NodeId>(-1);
-  std::vector<char> in_place, started;
-  NodeId commit = no_node;
-  // The commit node itself and the last node before it on every other lane: the gate waits for
-  // their commands (device lanes) and the flow graph for their bodies.
-  std::vector<NodeId> commit_waits;
-  std::unique_ptr<tbb::flow::continue_node<continue_msg>> commit_join, commit_check;
-  std::unique_ptr<DoneNode> commit_gate_node;
-  EventGate commit_gate;
-
-  explicit Impl(const cl::Context& c) : ctx(c) {}
-};
 
 CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
                            std::shared_ptr<PersistentArena> shared, const StepOptions& options)
@@ -299,6 +176,34 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
       if (graph_.guard != no_tensor && t.role[host] == Role::stats && name == t.name[graph_.guard]) impl_->guard = host;
     }
   }
+
+  // 4. The form the step runs in (see the header), and for a step that can run ahead the batch
+  // mirrors of the other slots: one pinned buffer per mirror, since the plan's host pool may hold
+  // far larger tensors (mapped mode's weight gradients) that need no second copy.
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (is_host_lane(n.lane[id])) impl_->one_pass = false;
+    const bool writes_state_on_host =
+        n.lane[id] == Lane::host ||
+        (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent);
+    impl_->commits_other_slot = impl_->commits_other_slot || writes_state_on_host;
+  }
+  if (can_run_ahead()) {
+    for (const auto* mirrors : {&impl_->uploads, &impl_->downloads}) {
+      for (const auto& entry : *mirrors) {
+        const std::size_t index = impl_->mirror_index.size();
+        impl_->mirror_index.emplace(t.storage(entry.second), index);
+      }
+    }
+    impl_->extra_mirrors.resize(max_in_flight - 1);
+    for (std::size_t slot = 1; slot < max_in_flight; ++slot) {
+      for (const auto& [id, index] : impl_->mirror_index) {
+        impl_->extra_mirrors[slot - 1].push_back(offload::allocate_pinned_host(
+            context, std::max<std::uint64_t>(t.bytes(id), 1),
+            fmt::format("host mirror '{}' of batch slot {} (a step staged while the one before it runs)", t.name[id],
+                        slot)));
+      }
+    }
+  }
 }
 
 // Binds every device-lane node through its row.
@@ -313,6 +218,11 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
       offload::HomeStore* store = &persistent_->store(graph_.tensors.home[s]);
       const offload::HomePlace p{graph_.tensors.placement[s].buffer, graph_.tensors.placement[s].offset_bytes};
       return [store, p, write] { return static_cast<void*>(write ? store->next(p) : store->current(p)); };
+    }
+    if (impl_->mirror_index.count(s)) {
+      // A batch mirror: the slot of the step being enqueued.
+      Impl* im = impl_.get();
+      return [this, im, s] { return static_cast<void*>(host_address(s, false, im->enqueue_slot.load())); };
     }
     std::byte* fixed = host_address(id, false);
     return [fixed] { return static_cast<void*>(fixed); };
@@ -335,18 +245,23 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
   impl_->optimizer = optimizer;
 }
 
-// Lowering: dependencies between lanes, then the flow graph.
+// Lowering: dependencies between lanes, the commit point, and for steps with host-lane nodes
+// the flow graph.
 void CompiledStep::lower(const cl::Context& context, bool serial) {
   auto preds = order_nodes(serial);
   find_commit_point();
-  build_flow_graph(context, serial, preds);
+  impl_->serial = serial;
+  const auto& n = graph_.nodes;
+  for (NodeId id = 0; id < n.size(); ++id) impl_->last_on_lane[static_cast<int>(n.lane[id])] = id;
+  impl_->wait_lists.resize(n.size());
+  for (auto& s : impl_->subs) s.reset(n.size(), impl_->ctx.profiling());
+  if (!impl_->one_pass) build_flow_graph(context, serial, preds);
 }
 
 void CompiledStep::find_commit_point() {
   const auto& t = graph_.tensors;
   const auto& n = graph_.nodes;
   impl_->in_place.assign(n.size(), 0);
-  impl_->started.assign(n.size(), 0);
   NodeId first_in_place = Impl::no_node;
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) continue;  // host nodes write the next copy of streamed state
@@ -388,62 +303,6 @@ std::optional<NodeId> CompiledStep::commit_node() const noexcept {
   return impl_->commit;
 }
 
-void CompiledStep::check_device_status(NodeId end, cl_int gate_status, const char* where) const {
-  // A failed command does not always fail the commands after it in its queue (Oclgrind runs them;
-  // only commands that wait on it are failed), so every command's own status is read.
-  for (NodeId id = 0; id < end; ++id) {
-    cl_int st = CL_COMPLETE;
-    if (impl_->events[id] &&
-        clGetEventInfo(impl_->events[id].get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, nullptr) ==
-            CL_SUCCESS &&
-        st < 0) {
-      const std::string& name = graph_.nodes.name[id];
-      throw cl::Error(fmt::format("the device command of step node '{}' (reported by its event)", name), st, name);
-    }
-  }
-  if (gate_status < 0)
-    throw cl::Error(fmt::format("a command of {} (reported by its event)", where), gate_status, "step");
-}
-
-std::exception_ptr CompiledStep::root_cause(std::exception_ptr failure) const {
-  // Called after the flow graph stopped and the queues drained: the events are settled.
-  std::string refused, refused_op;
-  try {
-    std::rethrow_exception(failure);
-  } catch (const cl::Error& e) {
-    refused = e.what();
-    refused_op = e.op();
-  } catch (...) {
-    return failure;  // not a driver's error: it is its own cause
-  }
-  try {
-    check_device_status(static_cast<NodeId>(graph_.nodes.size()), CL_COMPLETE, "the step");
-  } catch (const cl::Error& device) {
-    if (device.op() == refused_op) return failure;  // the node failed and was refused itself
-    return std::make_exception_ptr(
-        cl::Error(fmt::format("{}; after it the driver refused a later command ({})", device.call(), refused),
-                  device.code(), device.op()));
-  }
-  return failure;
-}
-
-std::vector<std::string> CompiledStep::changed_in_place() const {
-  const auto& t = graph_.tensors;
-  const auto& n = graph_.nodes;
-  std::vector<std::string> names;
-  std::vector<char> seen(t.size(), 0);
-  for (NodeId id = 0; id < n.size(); ++id) {
-    if (!impl_->in_place[id] || !impl_->started[id]) continue;
-    for (TensorId x : n.outputs(id)) {
-      const TensorId s = t.storage(x);
-      if (plan_.pool[s] != Pool::persistent || !offload::home_traits(t.home[s]).addressed_in_place || seen[s]) continue;
-      seen[s] = 1;
-      names.push_back(t.name[s]);
-    }
-  }
-  return names;
-}
-
 // Each node's predecessors: the node before it on its lane (in-order queues keep that order),
 // the latest conflicting node of every other lane (also its OpenCL wait list), and with `serial`
 // the node before it in the static order.
@@ -479,284 +338,17 @@ std::vector<std::vector<NodeId>> CompiledStep::order_nodes(bool serial) {
     last_on_lane[lane] = id;
   }
 
-  for (NodeId id = 0; id < n.size(); ++id) {
-    const bool writes_state_on_host =
-        n.lane[id] == Lane::host ||
-        (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent);
-    impl_->commits_other_slot = impl_->commits_other_slot || writes_state_on_host;
-  }
   return preds;
 }
 
-// The flow graph: a node per step node (plus an event gate and a worker node for host-lane
-// nodes), edges from the predecessors, and the finish gate after every lane's last node.
-void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
-                                    const std::vector<std::vector<NodeId>>& preds) {
-  auto& n = graph_.nodes;
-  std::array<NodeId, lane_count> last_on_lane;
-  last_on_lane.fill(static_cast<NodeId>(-1));
-  for (NodeId id = 0; id < n.size(); ++id) last_on_lane[static_cast<int>(n.lane[id])] = id;
-  impl_->events.resize(n.size());
-  impl_->wait_lists.resize(n.size());
-  impl_->gates.resize(n.size());
-  impl_->gate_nodes.resize(n.size());
-  impl_->host_work.resize(n.size());
-  impl_->first_events.resize(n.size());
-  impl_->host_enqueue_ns.assign(n.size(), 0);
-  impl_->host_start_ns.assign(n.size(), 0);
-  impl_->host_end_ns.assign(n.size(), 0);
-  Impl* im = impl_.get();
-  for (NodeId id = 0; id < n.size(); ++id) {
-    impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
-        impl_->flow, [this, im, id, serial](const continue_msg&) {
-          const auto& nodes = graph_.nodes;
-          cl::OpScope scope(nodes.name[id]);
-          try {
-            // A host-lane node's failure is injected where its work runs (run_host_node).
-            const std::optional<Fault> fault = is_host_lane(nodes.lane[id]) ? std::nullopt : take_injected_failure(id);
-            if (fault == Fault::exception || fault == Fault::host_throw) {
-              throw std::runtime_error("injected failure");
-            }
-            // Reused every step: its capacity stays, so building a wait list allocates nothing.
-            std::vector<cl_event>& wait = im->wait_lists[id];
-            wait.clear();
-            for (NodeId m : im->waits[id]) {
-              if (im->events[m]) wait.push_back(im->events[m].get());
-            }
-            if (serial && id > 0 && im->events[id - 1]) wait.push_back(im->events[id - 1].get());
-            if (is_host_lane(nodes.lane[id])) {
-              im->gates[id]->wait.assign(wait.begin(), wait.end());  // the gate waits for these, then the work runs
-              return;
-            }
-            const cl_command_queue q = queue_of(im->ctx, nodes.lane[id]);
-            if (fault == Fault::enqueue_error) {
-              // A real command the driver must refuse: the node's kernel launched with 0 dimensions,
-              // or a copy far past the end of a step buffer.
-              const std::size_t one = 1;
-              const auto kernel = std::find_if(im->launches[id].begin(), im->launches[id].end(),
-                                               [](const ops::KernelLaunch& l) { return l.kernel.get() != nullptr; });
-              if (nodes.lane[id] == Lane::compute && kernel != im->launches[id].end()) {
-                FERRY_CL(
-                    clEnqueueNDRangeKernel(q, kernel->kernel.get(), 0, nullptr, &one, nullptr, 0, nullptr, nullptr));
-              } else {
-                const cl_mem b = im->transient.at(0).get();
-                FERRY_CL(
-                    clEnqueueCopyBuffer(q, b, b, 0, std::size_t{1} << 40, std::size_t{1} << 40, 0, nullptr, nullptr));
-              }
-              throw std::logic_error("the driver accepted a command it must refuse");
-            }
-            cl::Event failing;  // Fault::device_error: a user event the command waits on, then set to an error
-            if (fault == Fault::device_error) {
-              cl_int rc = CL_SUCCESS;
-              failing = cl::Event(clCreateUserEvent(im->ctx.get(), &rc));
-              cl::check(rc, "clCreateUserEvent(injected failure)");
-              wait.push_back(failing.get());
-            }
-            cl::Event ev;
-            // Transfers-only runs (overlap measurement) enqueue the copies but no compute.
-            if (im->mode != RunMode::transfers_only || nodes.lane[id] != Lane::compute) {
-              if (im->ctx.profiling()) im->host_enqueue_ns[id] = steady_ns();
-              if (im->in_place[id]) im->started[id] = 1;  // from here its commands may run
-              ev = ops::enqueue(q, im->launches[id], wait, im->step,
-                                im->ctx.profiling() ? &im->first_events[id] : nullptr);
-            }
-            if (!ev) {
-              FERRY_CL(clEnqueueMarkerWithWaitList(q, static_cast<cl_uint>(wait.size()),
-                                                   wait.empty() ? nullptr : wait.data(), ev.out()));
-            }
-            im->events[id] = std::move(ev);
-            if (failing) FERRY_CL(clSetUserEventStatus(failing.get(), CL_OUT_OF_RESOURCES));
-            // Flush so that commands on other queues waiting on this one can start. clFlush may
-            // also run the queue to completion before it returns (Oclgrind does): that is safe
-            // because every event this node waits for was enqueued and flushed before it.
-            FERRY_CL(clFlush(q));
-          } catch (const cl::Error&) {
-            throw;  // already names the op through OpScope
-          } catch (const std::exception& e) {
-            throw std::runtime_error(
-                fmt::format("step node '{}' ({}): {}", nodes.name[id], op_name(nodes.op[id]), e.what()));
-          }
-        }));
-  }
-  for (NodeId id = 0; id < n.size(); ++id) {
-    if (!is_host_lane(n.lane[id])) continue;
-    auto gate = std::make_unique<Impl::EventGate>();
-    gate->queue = context.queue(cl::QueueKind::d2h);
-    Impl::EventGate* g = gate.get();
-    impl_->gates[id] = std::move(gate);
-    impl_->gate_nodes[id] = std::make_unique<DoneNode>(
-        impl_->flow, tbb::flow::unlimited, [g](const continue_msg&, DoneNode::gateway_type& gw) { g->open(gw); });
-    impl_->host_work[id] =
-        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, g, id](const continue_msg&) {
-          const auto& nodes = graph_.nodes;
-          if (g->status < 0) {
-            throw cl::Error(fmt::format("a device command host node '{}' waited for", nodes.name[id]), g->status,
-                            nodes.name[id]);
-          }
-          if (im->mode == RunMode::transfers_only) return;
-          if (im->ctx.profiling()) im->host_start_ns[id] = steady_ns();
-          run_host_node(id);
-          if (im->ctx.profiling()) im->host_end_ns[id] = steady_ns();
-        });
-    tbb::flow::make_edge(*impl_->nodes[id], *impl_->gate_nodes[id]);
-    tbb::flow::make_edge(*impl_->gate_nodes[id], *impl_->host_work[id]);
-  }
-  auto exit_of = [&](NodeId id) -> tbb::flow::sender<continue_msg>& {
-    if (impl_->host_work[id]) return *impl_->host_work[id];
-    if (id == impl_->commit) return *impl_->commit_check;
-    return *impl_->nodes[id];
-  };
-  if (impl_->commit != Impl::no_node) {
-    // The commit gate: after the commit node and the last node before it on every other lane, a
-    // marker on the commit node's queue waits for their commands; then every command before the
-    // commit point must have succeeded before anything after it is enqueued.
-    const NodeId commit = impl_->commit;
-    impl_->commit_gate.queue = queue_of(context, n.lane[commit]);
-    impl_->commit_join =
-        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im](const continue_msg&) {
-          im->commit_gate.wait.clear();
-          for (NodeId m : im->commit_waits) {
-            if (im->events[m]) im->commit_gate.wait.push_back(im->events[m].get());
-          }
-        });
-    impl_->commit_gate_node =
-        std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
-                                   [im](const continue_msg&, DoneNode::gateway_type& gw) { im->commit_gate.open(gw); });
-    impl_->commit_check =
-        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, commit](const continue_msg&) {
-          check_device_status(commit + 1, im->commit_gate.status, "the step before its commit point");
-        });
-    tbb::flow::make_edge(*impl_->nodes[commit], *impl_->commit_join);
-    for (NodeId m : impl_->commit_waits) {
-      if (m != commit) tbb::flow::make_edge(exit_of(m), *impl_->commit_join);
-    }
-    tbb::flow::make_edge(*impl_->commit_join, *impl_->commit_gate_node);
-    tbb::flow::make_edge(*impl_->commit_gate_node, *impl_->commit_check);
-  }
-  for (NodeId id = 0; id < n.size(); ++id) {
-    if (preds[id].empty()) tbb::flow::make_edge(impl_->start, *impl_->nodes[id]);
-    for (NodeId m : preds[id]) tbb::flow::make_edge(exit_of(m), *impl_->nodes[id]);
-  }
-
-  // Finish: an event gate after every lane's last command; its opening ends wait_for_all().
-  std::vector<NodeId> lane_tails;
-  for (NodeId tail : last_on_lane) {
-    if (tail != static_cast<NodeId>(-1)) lane_tails.push_back(tail);
-  }
-  impl_->finish_gate.queue = context.compute();
-  impl_->finish =
-      std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im, lane_tails](const continue_msg&) {
-        im->finish_gate.wait.clear();
-        for (NodeId tail : lane_tails) {
-          if (im->events[tail]) im->finish_gate.wait.push_back(im->events[tail].get());
-        }
-        if (im->status) {
-          // The status word after every command of the step; the gate waits for this read.
-          cl::OpScope scope("the step's status word");
-          cl::Event read;
-          auto& wait = im->finish_gate.wait;
-          FERRY_CL(clEnqueueReadBuffer(im->ctx.compute(), im->status.get(), CL_FALSE, 0, sizeof(cl_uint),
-                                       &im->status_host, static_cast<cl_uint>(wait.size()),
-                                       wait.empty() ? nullptr : wait.data(), read.out()));
-          im->status_read = std::move(read);
-          wait.assign(1, im->status_read.get());
-        }
-      });
-  for (NodeId tail : lane_tails) tbb::flow::make_edge(exit_of(tail), *impl_->finish);
-  impl_->done =
-      std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
-                                 [im](const continue_msg&, DoneNode::gateway_type& gw) { im->finish_gate.open(gw); });
-  tbb::flow::make_edge(*impl_->finish, *impl_->done);
-}
-
-CompiledStep::~CompiledStep() {
-  if (impl_) {
-    impl_->flow.wait_for_all();
-    try {
-      impl_->ctx.finish_all();
-    } catch (...) {
-      // Destructors must not throw; the queues are being torn down anyway.
-    }
-  }
-}
-
-namespace {
-
-// A host-lane node's operands in host memory: persistent tensors read from the current slot and
-// written into the other; step tensors (a gradient written back for the host) have one place.
-class HostNode final : public NodeView<ops::HostContext> {
- public:
-  HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
-           const ops::StepInfo& step, const OptimizerSpec& optimizer, std::atomic<bool>& non_finite)
-      : NodeView(g, n),
-        arena_(arena),
-        at_(std::move(at)),
-        step_(step),
-        optimizer_(optimizer),
-        non_finite_(non_finite) {}
-  void report_non_finite_weight() const override { non_finite_ = true; }
-  const std::byte* in(std::size_t i) const override {
-    if (fail_) throw std::runtime_error(fmt::format("injected failure reading input {} in the host work", i));
-    return at_(in_ids()[i], false);
-  }
-  std::byte* out(std::size_t i) const override { return at_(out_ids()[i], true); }
-  void unpack_home(std::size_t i, std::byte* dst) const override {
-    if (fail_) throw std::runtime_error(fmt::format("injected failure unpacking input {} in the host work", i));
-    const TensorId id = graph_.tensors.storage(in_ids()[i]);
-    store_of(id).unpack(place_of(id), dst, graph_.tensors.bytes(id));
-  }
-  // Fault::host_throw: reading an operand throws, from inside the op's host function.
-  void fail() { fail_ = true; }
-  const ops::StepInfo& step() const override { return step_; }
-  const OptimizerSpec& optimizer() const override { return optimizer_; }
-  void pack_home(std::size_t i, const std::byte* src) const override {
-    const TensorId id = graph_.tensors.storage(out_ids()[i]);
-    store_of(id).pack(place_of(id), src, graph_.tensors.bytes(id));
-  }
-
- private:
-  offload::HomeStore& store_of(TensorId id) const { return arena_.store(graph_.tensors.home[id]); }
-  offload::HomePlace place_of(TensorId id) const {
-    const Placement& p = graph_.tensors.placement[id];
-    return {p.buffer, p.offset_bytes};
-  }
-  const PersistentArena& arena_;
-  std::function<std::byte*(TensorId, bool)> at_;
-  const ops::StepInfo& step_;
-  const OptimizerSpec& optimizer_;
-  std::atomic<bool>& non_finite_;
-  bool fail_ = false;
-};
-
-}  // namespace
-
-void CompiledStep::run_host_node(NodeId id) {
-  const auto& nodes = graph_.nodes;
-  cl::OpScope scope(nodes.name[id]);
-  const std::optional<Fault> fault = take_injected_failure(id);
-  if (fault == Fault::exception) {
-    throw std::runtime_error(
-        fmt::format("step node '{}' (host {}): injected failure", nodes.name[id], op_name(nodes.op[id])));
-  }
-  const ops::OpInfo& row = ops::op_info(nodes.op[id]);
-  if (!row.host) {
-    throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
-  }
-  auto at = [this](TensorId x, bool write) { return host_address(x, write); };
-  HostNode node(graph_, id, *persistent_, at, impl_->step, impl_->optimizer, impl_->host_non_finite);
-  if (fault) node.fail();
-  try {
-    row.host(node);
-  } catch (const cl::Error&) {
-    throw;  // names the op through OpScope
-  } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("step node '{}' (host {}): {}", nodes.name[id], row.name, e.what()));
-  }
-}
-
-std::byte* CompiledStep::host_address(TensorId id, bool next) const {
+std::byte* CompiledStep::host_address(TensorId id, bool next, int slot) const {
   const TensorId s = graph_.tensors.storage(id);
   const Placement& p = graph_.tensors.placement[s];
+  if (slot > 0) {
+    if (const auto it = impl_->mirror_index.find(s); it != impl_->mirror_index.end()) {
+      return static_cast<std::byte*>(impl_->extra_mirrors.at(slot - 1).at(it->second).data());
+    }
+  }
   if (plan_.pool[s] == Pool::persistent) {
     const offload::HomeStore& store = persistent_->store(graph_.tensors.home[s]);
     return next ? store.next({p.buffer, p.offset_bytes}) : store.current({p.buffer, p.offset_bytes});
@@ -791,7 +383,7 @@ std::span<std::byte> CompiledStep::host_input(std::string_view name) const {
     throw std::invalid_argument(
         fmt::format("this step has no batch tensor '{}'; it uploads: {}", name, names_of(impl_->uploads)));
   }
-  return {host_address(it->second, false), graph_.tensors.bytes(it->second)};
+  return {host_address(it->second, false, static_cast<int>(impl_->next)), graph_.tensors.bytes(it->second)};
 }
 
 std::span<const std::byte> CompiledStep::host_output(std::string_view name) const {
@@ -800,7 +392,7 @@ std::span<const std::byte> CompiledStep::host_output(std::string_view name) cons
     throw std::invalid_argument(
         fmt::format("this step has no result '{}'; it downloads: {}", name, names_of(impl_->downloads)));
   }
-  return {host_address(it->second, false), graph_.tensors.bytes(it->second)};
+  return {host_address(it->second, false, impl_->result), graph_.tensors.bytes(it->second)};
 }
 
 std::vector<std::string> CompiledStep::host_input_names() const {
@@ -810,90 +402,286 @@ std::vector<std::string> CompiledStep::host_input_names() const {
 }
 
 const float* CompiledStep::stats_host() const {
-  return impl_->stats == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(impl_->stats, false));
+  return impl_->stats == no_tensor ? nullptr
+                                   : reinterpret_cast<const float*>(host_address(impl_->stats, false, impl_->result));
+}
+
+void CompiledStep::Submission::reset(std::size_t nodes, bool profiling) {
+  // assign() keeps each vector's capacity: after the first step, resetting allocates nothing.
+  events.assign(nodes, cl::Event());
+  started.assign(nodes, 0);
+  if (profiling) {
+    first_events.assign(nodes, cl::Event());
+    enqueue_begin_ns.assign(nodes, 0);
+    enqueue_end_ns.assign(nodes, 0);
+    host_start_ns.assign(nodes, 0);
+    host_end_ns.assign(nodes, 0);
+  }
+  waits.clear();
+  done = false;
+  commit_marker = cl::Event();
+  finish = cl::Event();
+  status_host = 0;
+  host_non_finite = false;
+  failure = nullptr;
+  cancelled = false;
+  finish_status = CL_COMPLETE;
+}
+
+CompiledStep::~CompiledStep() {
+  if (impl_) {
+    impl_->flow.wait_for_all();
+    try {
+      impl_->ctx.finish_all();  // steps still in flight use the arena
+    } catch (...) {
+      // Destructors must not throw; the queues are being torn down anyway.
+    }
+  }
+}
+
+const ops::LaunchList& CompiledStep::launches(NodeId n) const {
+  return impl_->launches.at(n);
+}
+
+std::size_t CompiledStep::in_flight() const noexcept {
+  return impl_->count;
+}
+
+bool CompiledStep::can_run_ahead() const noexcept {
+  return impl_->one_pass && !impl_->commits_other_slot;
+}
+
+std::uint64_t CompiledStep::host_waits() const noexcept {
+  return impl_->host_waits.load();
+}
+
+void CompiledStep::check_device_status(const Submission& s, NodeId end, cl_int gate_status, const char* where) const {
+  // A failed command does not always fail the commands after it in its queue (Oclgrind runs them;
+  // only commands that wait on it are failed), so every command's own status is read.
+  for (NodeId id = 0; id < end; ++id) {
+    cl_int st = CL_COMPLETE;
+    if (s.events[id] &&
+        clGetEventInfo(s.events[id].get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, nullptr) == CL_SUCCESS &&
+        st < 0) {
+      const std::string& name = graph_.nodes.name[id];
+      throw cl::Error(fmt::format("the device command of step node '{}' (reported by its event)", name), st, name);
+    }
+  }
+  if (gate_status < 0)
+    throw cl::Error(fmt::format("a command of {} (reported by its event)", where), gate_status, "step");
+}
+
+std::exception_ptr CompiledStep::root_cause(const Submission& s, std::exception_ptr failure) const {
+  // Called after the queues drained: the events are settled.
+  std::string refused, refused_op;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const cl::Error& e) {
+    refused = e.what();
+    refused_op = e.op();
+  } catch (...) {
+    return failure;  // not a driver's error: it is its own cause
+  }
+  try {
+    check_device_status(s, static_cast<NodeId>(graph_.nodes.size()), CL_COMPLETE, "the step");
+  } catch (const cl::Error& device) {
+    if (device.op() == refused_op) return failure;  // the node failed and was refused itself
+    return std::make_exception_ptr(
+        cl::Error(fmt::format("{}; after it the driver refused a later command ({})", device.call(), refused),
+                  device.code(), device.op()));
+  }
+  return failure;
+}
+
+std::vector<std::string> CompiledStep::changed_in_place(const Submission& s) const {
+  const auto& t = graph_.tensors;
+  const auto& n = graph_.nodes;
+  std::vector<std::string> names;
+  if (s.commit_marker) {
+    // Every in-place node waited for this marker: if it failed, none of them ran.
+    cl_int st = CL_COMPLETE;
+    if (clGetEventInfo(s.commit_marker.get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, nullptr) ==
+            CL_SUCCESS &&
+        st < 0)
+      return names;
+  }
+  std::vector<char> seen(t.size(), 0);
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (!impl_->in_place[id] || !s.started[id]) continue;
+    for (TensorId x : n.outputs(id)) {
+      const TensorId st = t.storage(x);
+      if (plan_.pool[st] != Pool::persistent || !offload::home_traits(t.home[st]).addressed_in_place || seen[st])
+        continue;
+      seen[st] = 1;
+      names.push_back(t.name[st]);
+    }
+  }
+  return names;
+}
+
+std::exception_ptr CompiledStep::fail_step(Submission& s, std::exception_ptr failure, bool cancelled) {
+  // Commands already enqueued still use the arena: let them finish before anyone reuses it.
+  try {
+    impl_->ctx.finish_all();
+  } catch (...) {
+  }
+  // clFinish is not always the end of a failed step: Oclgrind runs a queue's commands by pulling
+  // each one's predecessors when something needs it, and a command that fails for a failed event
+  // in its wait list returns without pulling the commands before it in its queue, which then run
+  // later, inside the next step. Each command not done yet is pulled here, one by one, through a
+  // marker that waits for it and a clFinish (on a driver where clFinish drained the queues, this
+  // only reads each status once). Not clWaitForEvents: Oclgrind reports an API error for a
+  // failed event in its list.
+  const cl_command_queue q = impl_->ctx.compute();
+  const auto settle = [q](const cl::Event& e) {
+    cl_int st = CL_COMPLETE;
+    if (!e || clGetEventInfo(e.get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, nullptr) != CL_SUCCESS ||
+        st <= CL_COMPLETE)
+      return;
+    cl_event ev = e.get();
+    cl::Event pull;
+    if (clEnqueueMarkerWithWaitList(q, 1, &ev, pull.out()) == CL_SUCCESS) (void)clFinish(q);
+  };
+  for (const cl::Event& e : s.events) settle(e);
+  settle(s.commit_marker);
+  settle(s.finish);
+  if (cancelled && !impl_->one_pass) impl_->flow.reset();
+  if (cancelled) failure = root_cause(s, failure);
+  persistent_->abort();  // next values this step wrote are not the state
+  std::vector<std::string> changed = changed_in_place(s);
+  if (changed.empty()) return failure;
+  std::string what;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "an unknown failure";
+  }
+  constexpr std::size_t shown = 8;
+  std::string list;
+  for (std::size_t i = 0; i < changed.size() && i < shown; ++i)
+    list += fmt::format("{}'{}'", i ? ", " : "", changed[i]);
+  if (changed.size() > shown) list += fmt::format(" and {} more", changed.size() - shown);
+  return std::make_exception_ptr(PartialUpdateError(
+      fmt::format("{}; this step had begun changing state kept in place (on the device): {} may hold this step's "
+                  "update, while the rest of the training state is as it was before the step",
+                  what, list),
+      std::move(changed), failure));
 }
 
 void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
-  if (!impl_->bound)
-    throw std::logic_error("this step was compiled without kernels (bind_kernels = false): it cannot run");
-  impl_->step = step;
-  impl_->mode = mode;
-  impl_->finish_gate.status = CL_COMPLETE;
-  if (impl_->ctx.profiling()) {
-    std::fill(impl_->host_enqueue_ns.begin(), impl_->host_enqueue_ns.end(), 0);
-    std::fill(impl_->host_start_ns.begin(), impl_->host_start_ns.end(), 0);
-    std::fill(impl_->host_end_ns.begin(), impl_->host_end_ns.end(), 0);
+  submit(step, mode);
+  wait();
+}
+
+void CompiledStep::submit(const ops::StepInfo& step, RunMode mode) {
+  Impl& im = *impl_;
+  if (!im.bound) throw std::logic_error("this step was compiled without kernels (bind_kernels = false): it cannot run");
+  if (im.count == max_in_flight) {
+    throw std::logic_error(
+        fmt::format("{} steps are in flight already: wait() for the oldest before submitting another", max_in_flight));
   }
-  for (auto& gate : impl_->gates) {
-    if (gate) gate->status = CL_COMPLETE;
+  if (im.count > 0 && !can_run_ahead()) {
+    throw std::logic_error(
+        "this step cannot be submitted while the one before it runs (it has host-lane nodes, or its state commits on "
+        "the host when it succeeds): wait() for that one first");
   }
-  impl_->commit_gate.status = CL_COMPLETE;
-  std::fill(impl_->started.begin(), impl_->started.end(), 0);
-  impl_->host_non_finite = false;
-  impl_->status_host = 0;
-  if (impl_->status) {
-    // In order on the compute queue, where the device updates run: cleared before any of them.
-    const cl_uint zero = 0;
-    cl::OpScope scope("the step's status word");
-    FERRY_CL(clEnqueueFillBuffer(impl_->ctx.compute(), impl_->status.get(), &zero, sizeof zero, 0, sizeof zero, 0,
-                                 nullptr, nullptr));
+  const std::size_t index = im.next;
+  Submission& s = im.subs[index];
+  const Submission* previous = im.count > 0 ? &im.subs[(index + max_in_flight - 1) % max_in_flight] : nullptr;
+  s.reset(graph_.nodes.size(), im.ctx.profiling());
+  s.step = step;
+  s.mode = mode;
+  s.slot = static_cast<int>(index);
+  im.enqueue_slot = s.slot;
+  if (!im.one_pass) {
+    // The flow-graph form runs the whole step here; wait() reports what it ended with.
+    run_flow_graph(s);
+  } else {
+    try {
+      enqueue_pass(s, previous);
+    } catch (...) {
+      // Nothing of this step is in flight any more once fail_step has drained the queues; the
+      // steps submitted before it stay valid.
+      std::rethrow_exception(fail_step(s, std::current_exception(), true));
+    }
   }
-  impl_->start.try_put(continue_msg{});
-  std::exception_ptr failure;
-  bool cancelled = false;
-  try {
-    impl_->flow.wait_for_all();
-  } catch (...) {
-    failure = std::current_exception();
-    cancelled = true;
+  s.in_flight = true;
+  ++im.count;
+  im.next = can_run_ahead() ? (index + 1) % max_in_flight : 0;
+}
+
+void CompiledStep::wait() {
+  Impl& im = *impl_;
+  if (im.count == 0) throw std::logic_error("no step is in flight: submit() one before waiting for it");
+  Submission& s = im.subs[im.oldest];
+  im.oldest = can_run_ahead() ? (im.oldest + 1) % max_in_flight : 0;
+  --im.count;
+  s.in_flight = false;
+  im.result = s.slot;
+  std::exception_ptr failure = s.failure;
+  cl_int finish_status = s.finish_status;
+  if (im.one_pass && s.finish) {
+    // The host's one wait of the step: its last command. Its status is read below, node by node.
+    const std::uint64_t begin = steady_ns();
+    cl_event e = s.finish.get();
+    s.done.wait(false);
+    ++im.host_waits;
+    if (im.ctx.profiling()) s.waits.push_back({begin, steady_ns()});
+    if (clGetEventInfo(e, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof finish_status, &finish_status, nullptr) !=
+        CL_SUCCESS)
+      finish_status = CL_COMPLETE;
   }
   if (!failure) {
     // A command failed on the device: its node is the first whose event says so.
     try {
-      check_device_status(static_cast<NodeId>(graph_.nodes.size()), impl_->finish_gate.status, "the step");
+      check_device_status(s, static_cast<NodeId>(graph_.nodes.size()), finish_status, "the step");
     } catch (...) {
       failure = std::current_exception();
     }
   }
   if (failure) {
-    // Commands already enqueued still use the arena: let them finish before anyone reuses it.
-    try {
-      impl_->ctx.finish_all();
-    } catch (...) {
+    // A step submitted after this one waited for it on the device (its first command of every
+    // lane): it is cancelled with it. Drained, it cannot have begun changing state in place
+    // unless this failure did not reach it; then that is said too.
+    std::vector<std::string> also;
+    if (im.count > 0) {
+      Submission& later = im.subs[im.oldest];
+      try {
+        im.ctx.finish_all();
+      } catch (...) {
+      }
+      also = changed_in_place(later);
+      later.in_flight = false;
+      im.count = 0;
+      im.oldest = im.next = 0;
+    } else {
+      im.next = im.oldest;
     }
-    if (cancelled) impl_->flow.reset();
-    if (cancelled) failure = root_cause(failure);
-    for (auto& e : impl_->events) e = cl::Event();
-    persistent_->abort();  // next values this step wrote are not the state
-    std::vector<std::string> changed = changed_in_place();
-    if (changed.empty()) std::rethrow_exception(failure);
+    std::exception_ptr thrown = fail_step(s, failure, s.cancelled);
+    if (also.empty()) std::rethrow_exception(thrown);
     std::string what;
     try {
-      std::rethrow_exception(failure);
+      std::rethrow_exception(thrown);
     } catch (const std::exception& e) {
       what = e.what();
-    } catch (...) {
-      what = "an unknown failure";
     }
-    constexpr std::size_t shown = 8;
-    std::string list;
-    for (std::size_t i = 0; i < changed.size() && i < shown; ++i)
-      list += fmt::format("{}'{}'", i ? ", " : "", changed[i]);
-    if (changed.size() > shown) list += fmt::format(" and {} more", changed.size() - shown);
     throw PartialUpdateError(
-        fmt::format("{}; this step had begun changing state kept in place (on the device): {} may hold this step's "
-                    "update, while the rest of the training state is as it was before the step",
-                    what, list),
-        std::move(changed), failure);
+        fmt::format("{}; the step submitted after it ran its updates of state kept in place before it was cancelled: "
+                    "{} may hold its update",
+                    what, fmt::join(also, ", ")),
+        also, failure);
   }
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
   // A step whose overflow guard is not finite skipped its updates on the device; streamed
   // updates, which check only the loss, and host updates are undone by not committing their slot.
-  if (impl_->commits_other_slot) {
-    const TensorId guard = impl_->guard != no_tensor ? impl_->guard : impl_->stats;
-    const float* checked = guard == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(guard, false));
-    if (mode == RunMode::normal && (checked == nullptr || std::isfinite(checked[0]))) {
+  if (im.commits_other_slot) {
+    const TensorId guard = im.guard != no_tensor ? im.guard : im.stats;
+    const float* checked =
+        guard == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(guard, false, s.slot));
+    if (s.mode == RunMode::normal && (checked == nullptr || std::isfinite(checked[0]))) {
       persistent_->commit();
     } else {
       persistent_->abort();
@@ -902,59 +690,108 @@ void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {
 }
 
 bool CompiledStep::wrote_non_finite_weight() const noexcept {
-  return impl_->status_host != 0 || impl_->host_non_finite;
+  const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
+  return s.status_host != 0 || s.host_non_finite;
 }
+
+namespace {
+
+TimelineEntry describe(const Graph& g, NodeId id) {
+  const auto& nodes = g.nodes;
+  TimelineEntry e{nodes.name[id], nodes.lane[id], 0, 0, 0};
+  e.op = std::string(op_name(nodes.op[id]));
+  for (TensorId t : nodes.inputs(id)) {
+    e.inputs.push_back(g.tensors.name[t]);
+    e.bytes += g.tensors.bytes(t);
+  }
+  for (TensorId t : nodes.outputs(id)) {
+    e.outputs.push_back(g.tensors.name[t]);
+    e.bytes += g.tensors.bytes(t);
+  }
+  return e;
+}
+
+cl_ulong profiling_info(const cl::Event& ev, cl_profiling_info what) {
+  cl_ulong v = 0;
+  clGetEventProfilingInfo(ev.get(), what, sizeof v, &v, nullptr);
+  return v;
+}
+
+// Host clock to device clock: the driver stamps a command's QUEUED time just after the host
+// began its enqueue, so the smallest difference is the closest estimate of the offset.
+std::int64_t host_to_device_offset(const Graph& g, const std::vector<cl::Event>& events,
+                                   const std::vector<cl::Event>& first_events,
+                                   const std::vector<std::uint64_t>& enqueue_ns) {
+  bool have = false;
+  std::int64_t offset = 0;
+  for (NodeId id = 0; id < g.nodes.size(); ++id) {
+    if (is_host_lane(g.nodes.lane[id]) || !events[id] || enqueue_ns[id] == 0) continue;
+    const cl_ulong queued =
+        profiling_info(first_events[id] ? first_events[id] : events[id], CL_PROFILING_COMMAND_QUEUED);
+    if (queued == 0) continue;
+    const auto d = static_cast<std::int64_t>(queued) - static_cast<std::int64_t>(enqueue_ns[id]);
+    if (!have || d < offset) offset = d;
+    have = true;
+  }
+  return offset;
+}
+
+std::uint64_t shifted(std::uint64_t host_ns, std::int64_t offset) {
+  return static_cast<std::uint64_t>(static_cast<std::int64_t>(host_ns) + offset);
+}
+
+}  // namespace
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {
   std::vector<TimelineEntry> out;
   if (!impl_->ctx.profiling()) return out;
+  const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
   const auto& nodes = graph_.nodes;
-  const auto describe = [&](NodeId id) {
-    TimelineEntry e{nodes.name[id], nodes.lane[id], 0, 0, 0};
-    e.op = std::string(op_name(nodes.op[id]));
-    for (TensorId t : nodes.inputs(id)) {
-      e.inputs.push_back(graph_.tensors.name[t]);
-      e.bytes += graph_.tensors.bytes(t);
-    }
-    for (TensorId t : nodes.outputs(id)) {
-      e.outputs.push_back(graph_.tensors.name[t]);
-      e.bytes += graph_.tensors.bytes(t);
-    }
-    return e;
-  };
-  // Host clock to device clock: the driver stamps a command's QUEUED time just after the host
-  // stamped its enqueue, so the smallest difference is the closest estimate of the offset.
-  bool have_offset = false;
-  std::int64_t offset = 0;
+  const std::int64_t offset = host_to_device_offset(graph_, s.events, s.first_events, s.enqueue_begin_ns);
   for (NodeId id = 0; id < nodes.size(); ++id) {
-    const cl::Event& ev = impl_->events[id];
     if (is_host_lane(nodes.lane[id])) {
-      if (impl_->host_end_ns[id] == 0) continue;
-      TimelineEntry e = describe(id);
-      e.queued_ns = e.start_ns = impl_->host_start_ns[id];
-      e.end_ns = impl_->host_end_ns[id];
+      if (s.host_end_ns[id] == 0) continue;
+      TimelineEntry e = describe(graph_, id);
+      e.queued_ns = e.start_ns = shifted(s.host_start_ns[id], offset);
+      e.end_ns = shifted(s.host_end_ns[id], offset);
       out.push_back(std::move(e));
       continue;
     }
+    const cl::Event& ev = s.events[id];
     if (!ev) continue;
-    TimelineEntry e = describe(id);
-    clGetEventProfilingInfo(impl_->first_events[id] ? impl_->first_events[id].get() : ev.get(),
-                            CL_PROFILING_COMMAND_QUEUED, sizeof(cl_ulong), &e.queued_ns, nullptr);
-    const cl::Event& first = impl_->first_events[id] ? impl_->first_events[id] : ev;
-    clGetEventProfilingInfo(first.get(), CL_PROFILING_COMMAND_START, sizeof(cl_ulong), &e.start_ns, nullptr);
-    clGetEventProfilingInfo(ev.get(), CL_PROFILING_COMMAND_END, sizeof(cl_ulong), &e.end_ns, nullptr);
-    if (impl_->host_enqueue_ns[id] != 0 && e.queued_ns != 0) {
-      const auto d = static_cast<std::int64_t>(e.queued_ns) - static_cast<std::int64_t>(impl_->host_enqueue_ns[id]);
-      if (!have_offset || d < offset) offset = d;
-      have_offset = true;
-    }
+    // A transfers-only run enqueued a marker for each compute node: no work, and drivers stamp
+    // markers inconsistently (NVIDIA's can end before they start), so they are not listed.
+    if (s.mode == RunMode::transfers_only && nodes.lane[id] == Lane::compute) continue;
+    TimelineEntry e = describe(graph_, id);
+    const cl::Event& first = s.first_events[id] ? s.first_events[id] : ev;
+    e.queued_ns = profiling_info(first, CL_PROFILING_COMMAND_QUEUED);
+    e.start_ns = profiling_info(first, CL_PROFILING_COMMAND_START);
+    e.end_ns = profiling_info(ev, CL_PROFILING_COMMAND_END);
     out.push_back(std::move(e));
   }
-  for (auto& e : out) {
-    if (!is_host_lane(e.lane)) continue;
-    e.queued_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(e.queued_ns) + offset);
-    e.start_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(e.start_ns) + offset);
-    e.end_ns = static_cast<std::uint64_t>(static_cast<std::int64_t>(e.end_ns) + offset);
+  return out;
+}
+
+std::vector<TimelineEntry> CompiledStep::host_activity() const {
+  std::vector<TimelineEntry> out;
+  if (!impl_->ctx.profiling()) return out;
+  const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
+  const auto& nodes = graph_.nodes;
+  const std::int64_t offset = host_to_device_offset(graph_, s.events, s.first_events, s.enqueue_begin_ns);
+  for (NodeId id = 0; id < nodes.size(); ++id) {
+    if (s.enqueue_begin_ns[id] == 0 || s.enqueue_end_ns[id] == 0) continue;
+    TimelineEntry e{"enqueue " + nodes.name[id], nodes.lane[id], 0, 0, 0};
+    e.op = "enqueue";
+    e.queued_ns = e.start_ns = shifted(s.enqueue_begin_ns[id], offset);
+    e.end_ns = shifted(s.enqueue_end_ns[id], offset);
+    out.push_back(std::move(e));
+  }
+  for (const auto& w : s.waits) {
+    TimelineEntry e{"wait", Lane::compute, 0, 0, 0};
+    e.op = "wait";
+    e.queued_ns = e.start_ns = shifted(w.begin_ns, offset);
+    e.end_ns = shifted(w.end_ns, offset);
+    out.push_back(std::move(e));
   }
   return out;
 }

@@ -112,6 +112,7 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
 }  // namespace
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller) const {
+  require_settled("save a checkpoint");
   refuse_if_inconsistent("save a checkpoint");
   const auto& t = train_->graph().tensors;
   const auto ids = checkpoint_tensors();
@@ -143,6 +144,7 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
 }
 
 std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path) {
+  settle_all();
   // Pass 1: every section read and verified, everything but the tensors decoded. A damaged
   // file is reported as damaged before it is compared: not as another model's.
   const ckpt::Reader r(path);

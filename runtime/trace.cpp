@@ -12,8 +12,9 @@
 namespace ferry {
 namespace {
 
-// The row of step markers, below the lanes.
+// The row of step markers, below the lanes, and the host thread's row below it.
 constexpr int step_row = graph::lane_count;
+constexpr int host_thread_row = graph::lane_count + 1;
 
 std::string json_escape(const std::string& s) {
   std::string out;
@@ -38,8 +39,13 @@ std::string json_strings(const std::vector<std::string>& v) {
 
 }  // namespace
 
-void ChromeTrace::add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step) {
+void ChromeTrace::add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step,
+                           const std::vector<graph::TimelineEntry>& host) {
   if (timeline.empty()) return;
+  for (const auto& e : host) {
+    events_.push_back({fmt::format("{} #{}", e.name, step), host_thread_row, e.start_ns, e.end_ns,
+                       fmt::format(R"("step":{},"host":"{}")", step, json_escape(e.op))});
+  }
   std::uint64_t first = UINT64_MAX, last = 0;
   for (const auto& e : timeline) {
     events_.push_back({fmt::format("{} #{}", e.name, step), static_cast<int>(e.lane), e.start_ns, e.end_ns,
@@ -66,8 +72,10 @@ void ChromeTrace::write(const std::filesystem::path& path) const {
   // rows and the step markers; then the events. Entries are joined with commas, so any number of
   // events (none included) makes valid JSON.
   std::vector<std::string> entries;
-  for (int lane = 0; lane <= step_row; ++lane) {
-    const char* name = lane == step_row ? "steps" : graph::lane_name(static_cast<graph::Lane>(lane));
+  for (int lane = 0; lane <= host_thread_row; ++lane) {
+    const char* name = lane == step_row          ? "steps"
+                       : lane == host_thread_row ? "host thread"
+                                                 : graph::lane_name(static_cast<graph::Lane>(lane));
     entries.push_back(
         fmt::format(R"({{"ph":"M","pid":1,"tid":{},"name":"thread_name","args":{{"name":"{}"}}}})", lane, name));
     entries.push_back(fmt::format(

@@ -107,21 +107,34 @@ graph::CompiledStep& Trainer::predict_variant_mutable() {
   return variant(key);
 }
 
-StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& info) {
-  const auto t0 = std::chrono::steady_clock::now();
+namespace {
+
+// A failure after the step had begun changing state in place: the trainer is inconsistent until
+// a checkpoint restores it.
+[[noreturn]] void throw_inconsistent(const graph::PartialUpdateError& e, std::uint64_t step,
+                                     std::string& inconsistent) {
+  inconsistent = fmt::format(
+      "step {} failed in its update phase, after its forward and backward had succeeded: {}. The training state "
+      "is therefore inconsistent",
+      step, e.what());
+  throw graph::PartialUpdateError(
+      fmt::format("{}: restore it from a checkpoint (Trainer::load_checkpoint; ferry train --resume) before "
+                  "training on; until then the trainer refuses to step or to save a checkpoint",
+                  inconsistent),
+      e.tensors(), e.cause());
+}
+
+}  // namespace
+
+void Trainer::wait_step(graph::CompiledStep& step) {
   try {
-    step.run(info);
+    step.wait();
   } catch (const graph::PartialUpdateError& e) {
-    inconsistent_ = fmt::format(
-        "step {} failed in its update phase, after its forward and backward had succeeded: {}. The training state "
-        "is therefore inconsistent",
-        steps_ + 1, e.what());
-    throw graph::PartialUpdateError(
-        fmt::format("{}: restore it from a checkpoint (Trainer::load_checkpoint; ferry train --resume) before "
-                    "training on; until then the trainer refuses to step or to save a checkpoint",
-                    inconsistent_),
-        e.tensors(), e.cause());
+    throw_inconsistent(e, steps_ + 1, inconsistent_);
   }
+}
+
+StepResult Trainer::after_wait(graph::CompiledStep& step, std::chrono::steady_clock::time_point t0) {
   const auto t1 = std::chrono::steady_clock::now();
   StepResult r;
   const float* stats = step.stats_host();
@@ -132,7 +145,24 @@ StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& inf
   return r;
 }
 
+StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& info) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    step.submit(info);
+  } catch (const graph::PartialUpdateError& e) {
+    throw_inconsistent(e, steps_ + 1, inconsistent_);
+  }
+  wait_step(step);
+  return after_wait(step, t0);
+}
+
 Trainer::~Trainer() = default;
+
+void Trainer::require_settled(const char* what) const {
+  if (std::none_of(pending_.begin(), pending_.end(), [](const Pending& p) { return p.step != nullptr; })) return;
+  throw std::logic_error(
+      fmt::format("the trainer cannot {} while submitted steps are still running: read their result() first", what));
+}
 
 void Trainer::refuse_if_inconsistent(const char* what) const {
   if (inconsistent_.empty()) return;
@@ -263,20 +293,118 @@ void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
 }
 
 StepResult Trainer::step(const Batch& batch) {
+  return result(submit(batch));
+}
+
+bool Trainer::runs_ahead() const {
+  return train_->can_run_ahead() && !phases_ && options_.accumulate <= 1 && !options_.precision.scaled() &&
+         options_.check_weights_every == 0;
+}
+
+StepHandle Trainer::submit(const Batch& batch) {
   refuse_if_inconsistent("step");
-  if (phases_ && phases_->next() == Phase::predict) return predict_step(batch);
-  const Phase phase = phases_ ? phases_->next() : Phase::full;
-  const bool micro = micro_ + 1 < options_.accumulate;
-  const bool fit = phases_ && phases_->fits_next();
-  graph::CompiledStep& step = training_variant(micro, fit);
+  const auto unsettled = [this] {
+    return static_cast<std::size_t>(
+        std::count_if(pending_.begin(), pending_.end(), [](const Pending& p) { return p.step != nullptr; }));
+  };
+  // Settle what this step depends on: everything unless it may run ahead, else enough that no
+  // more than max_in_flight steps are on the device.
+  for (Pending& p : pending_) {
+    if (!p.step) continue;
+    if (runs_ahead() && unsettled() < graph::CompiledStep::max_in_flight) break;
+    settle(p);
+  }
+  refuse_if_inconsistent("step");
+  Pending p;
+  p.id = ++handles_;
+  if (phases_ && phases_->next() == Phase::predict) {
+    try {
+      p.result = predict_step(batch);
+    } catch (const std::invalid_argument&) {
+      throw;  // a bad batch: nothing ran
+    } catch (...) {
+      p.error = std::current_exception();
+    }
+    pending_.push_back(std::move(p));
+    return {pending_.back().id};
+  }
+  p.phase = phases_ ? phases_->next() : Phase::full;
+  p.micro = micro_ + 1 < options_.accumulate;
+  p.fit = phases_ && phases_->fits_next();
+  graph::CompiledStep& step = training_variant(p.micro, p.fit);
   stage_batch(step, batch);
-  ops::StepInfo info{steps_ + 1, lr_};
+  // Steps still in flight are updates this one comes after (only the plain configuration runs
+  // ahead: each of them is one optimizer step).
+  ops::StepInfo info{steps_ + 1 + unsettled(), lr_};
   info.accumulate_keep = micro_ == 0 ? 0.0f : 1.0f;
   info.loss_scale = scaler_.scale();
-  StepResult r = run_step(step, info);
-  r.loss_scale = info.loss_scale;
-  // The state updates checked the overflow guard on the device: not finite with a finite loss
-  // means a weight gradient was not (with loss scaling: the scaled gradients overflowed).
+  p.loss_scale = info.loss_scale;
+  p.submitted = std::chrono::steady_clock::now();
+  try {
+    step.submit(info);
+  } catch (const graph::PartialUpdateError& e) {
+    throw_inconsistent(e, steps_ + 1, inconsistent_);
+  }
+  p.step = &step;
+  pending_.push_back(std::move(p));
+  return {pending_.back().id};
+}
+
+StepResult Trainer::result(StepHandle handle) {
+  const auto it = std::find_if(pending_.begin(), pending_.end(), [&](const Pending& p) { return p.id == handle.id; });
+  if (it == pending_.end()) {
+    throw std::invalid_argument(
+        fmt::format("no submitted step has handle {}: each step's result is read once, by the handle submit() returned",
+                    handle.id));
+  }
+  for (Pending& p : pending_) {
+    if (p.step) settle(p);
+    if (&p == &*it) break;
+  }
+  Pending done = std::move(*it);
+  pending_.erase(it);
+  if (done.error) std::rethrow_exception(done.error);
+  return done.result;
+}
+
+void Trainer::settle(Pending& p) {
+  graph::CompiledStep* step = p.step;
+  try {
+    p.result = finish_training_step(p);
+  } catch (...) {
+    p.error = std::current_exception();
+    // A step that failed on the device cancelled the one submitted after it (graph::CompiledStep::wait).
+    if (step->in_flight() == 0) {
+      for (Pending& q : pending_) {
+        if (!q.step || q.step != step || &q == &p) continue;
+        q.step = nullptr;
+        q.error = std::make_exception_ptr(std::runtime_error(
+            fmt::format("this step was cancelled: the step submitted before it failed, and it was enqueued to run "
+                        "after that one; nothing of it is in the training state")));
+      }
+    }
+  }
+  p.step = nullptr;
+}
+
+void Trainer::settle_all() {
+  for (Pending& p : pending_) {
+    if (p.step) settle(p);
+  }
+}
+
+StepResult Trainer::finish_training_step(Pending& p) {
+  graph::CompiledStep& step = *p.step;
+  p.step = nullptr;
+  const bool micro = p.micro, fit = p.fit;
+  const Phase phase = p.phase;
+  wait_step(step);
+  // Wall time of the step: from its submission, or from the end of the step before it when that
+  // ended later (the device ran them back to back), so a run's steps add up to its wall time.
+  const auto t0 = std::max(p.submitted, last_done_);
+  StepResult r = after_wait(step, t0);
+  last_done_ = std::chrono::steady_clock::now();
+  r.loss_scale = p.loss_scale;
   float guard = 0;
   std::memcpy(&guard, step.host_output(graph::overflow_guard_name).data(), sizeof guard);
   if (micro) {
@@ -473,6 +601,7 @@ void Trainer::for_each_chunk(const DataSource& data, bool predict, bool int8_wei
 }
 
 EvalResult Trainer::evaluate(const DataSource& data, bool int8_weights) {
+  settle_all();  // evaluation variants share the training step's device buffers
   EvalResult r;
   double loss_sum = 0, correct = 0;
   std::size_t labels_per_sample = 0;
@@ -493,6 +622,7 @@ EvalResult Trainer::evaluate(const DataSource& data, bool int8_weights) {
 }
 
 Trainer::HostTensor Trainer::predict(const DataSource& inputs) {
+  settle_all();  // prediction variants share the training step's device buffers
   HostTensor out;
   for_each_chunk(inputs, true, false, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
     const auto bytes = step.host_output("prediction");
@@ -577,6 +707,7 @@ TensorId Trainer::persistent_tensor(const std::string& name) const {
 }
 
 Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
+  require_settled("read a tensor");
   const auto& t = train_->graph().tensors;
   const TensorId id = persistent_tensor(name);
   HostTensor out{t.dtype[id], t.shape[id], std::vector<std::byte>(t.bytes(id))};
@@ -597,6 +728,7 @@ std::vector<std::string> Trainer::tensor_names() const {
 }
 
 void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
+  settle_all();
   const auto& t = train_->graph().tensors;
   const TensorId id = persistent_tensor(name);
   if (value.dtype != t.dtype[id] || !(value.shape == t.shape[id]) || value.bytes.size() != t.bytes(id)) {
@@ -617,6 +749,7 @@ void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
 }
 
 std::vector<float> Trainer::read_parameter(const std::string& name) const {
+  require_settled("read a parameter");
   const HostTensor v = read_tensor(name);
   if (v.dtype != graph::DType::f32) {
     throw std::invalid_argument(fmt::format("parameter '{}' is stored as {}, not f32: read it with read_tensor", name,

@@ -230,7 +230,7 @@ TEST(Outputs, TrainJsonProfileAndTrace) {
   const json t = json::parse(slurp(d / "t.json"));
   expect_documented(t, "--trace FILE (Chrome trace JSON)");
   std::set<std::int64_t> steps;
-  std::size_t markers = 0, host = 0;
+  std::size_t markers = 0, host = 0, host_thread = 0;
   std::map<int, std::string> lanes;
   for (const auto& e : t.at("traceEvents")) {
     if (e.at("ph") == "M" && e.at("name") == "thread_name")
@@ -244,6 +244,13 @@ TEST(Outputs, TrainJsonProfileAndTrace) {
       ++markers;
       continue;
     }
+    if (lane == "host thread") {  // the submitting thread: an enqueue per node, its waits
+      const std::string what = e.at("args").at("host").get<std::string>();
+      EXPECT_TRUE(what == "enqueue" || what == "wait") << e.dump();
+      host_thread += what == "enqueue";
+      steps.insert(e.at("args").at("step").get<std::int64_t>());
+      continue;
+    }
     steps.insert(e.at("args").at("step").get<std::int64_t>());
     EXPECT_FALSE(e.at("args").at("op").get<std::string>().empty());
     EXPECT_TRUE(e.at("args").at("inputs").is_array());
@@ -253,6 +260,7 @@ TEST(Outputs, TrainJsonProfileAndTrace) {
   EXPECT_EQ(steps, (std::set<std::int64_t>{0, 1}));
   EXPECT_EQ(markers, 2u);
   EXPECT_GT(host, 0u) << "no host-lane node in the trace";
+  EXPECT_GT(host_thread, 0u) << "no host-thread enqueue in the trace";
 
   // The CSVs: rectangular under a strict reader; variants named as documented.
   expect_rectangular(d / "p.csv");
@@ -329,6 +337,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
   const std::vector<std::pair<std::string, std::string>> benches = {
       {"launch", "launch -n 20 --elems 1024 --repeat 1"},
       {"graph", "graph --sizes 16 --runs 2 --repeat 1"},
+      {"hostpath", "hostpath --layers 4 --width 8 --steps 3 --warmup 1 --repeat 1"},
       {"compile", "compile --depth 2 --depth 4 --width 16 --repeat 1"},
       {"gemm", "gemm --sizes 64 --repeat 1"},
       {"overlap",

@@ -12,6 +12,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -267,16 +268,17 @@ int cmd_train(const TrainArgs& a) {
     if (!resumed_mid_epoch && stop_signal) return stop(RunPosition{epoch - 1, 0, 0, last_epoch_loss});
     if (!resumed_mid_epoch) std::shuffle(order.begin(), order.end(), rng);
     double loss_sum = resumed_mid_epoch ? start.loss_sum : 0;
-    for (std::size_t s = resumed_mid_epoch ? start.step_in_epoch : 0; s < steps_per_epoch; ++s) {
-      if (s > 0 && stop_signal) return stop(RunPosition{epoch - 1, s, loss_sum, last_epoch_loss});
-      for (std::uint32_t i = 0; i < batch; ++i) {
-        const std::size_t idx = order[s * batch + i];
-        std::copy_n(train.images.data() + idx * sample, sample, images.data() + i * sample);
-        labels[i] = train.labels[idx];
-      }
-      const std::size_t global_step = (epoch - 1) * steps_per_epoch + s;
-      trainer.set_lr(schedule.at(global_step));
-      const auto r = trainer.step(images, labels);
+    // One step in flight: step s is submitted before step s - 1's result is read, so the host
+    // stages and enqueues the next batch while the device runs (Trainer::submit).
+    struct InFlight {
+      ferry::StepHandle handle;
+      std::size_t s, global_step;
+    };
+    std::optional<InFlight> in_flight;
+    const auto read_result = [&] {
+      const InFlight f = *in_flight;
+      in_flight.reset();
+      const auto r = trainer.result(f.handle);
       loss_sum += r.loss;
       ++steps_run;
       if (steps_run > 1) {  // the first step includes one-off costs
@@ -286,16 +288,36 @@ int cmd_train(const TrainArgs& a) {
         first_step_ms = r.step_ms;
       }
       if (steps_run <= a.trace_steps) {  // the first --trace-steps steps of this run
-        if (!a.trace_path.empty()) trace.add_step(trainer.train_step().timeline(), global_step);
-        if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), global_step);
+        if (!a.trace_path.empty()) {
+          trace.add_step(trainer.train_step().timeline(), f.global_step, trainer.train_step().host_activity());
+        }
+        if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), f.global_step);
       }
       const double elapsed =
           std::chrono::duration<double>(Clock::now() - train_start).count() - eval_seconds - checkpoint_seconds;
       const double done = static_cast<double>(steps_run);
-      progress.update(fmt::format("epoch {}/{}", epoch, a.epochs), s + 1, steps_per_epoch,
-                      static_cast<float>(loss_sum / (s + 1)), done * batch / elapsed, "samples",
-                      elapsed / done * static_cast<double>(total_steps - global_step - 1));
+      progress.update(fmt::format("epoch {}/{}", epoch, a.epochs), f.s + 1, steps_per_epoch,
+                      static_cast<float>(loss_sum / (f.s + 1)), done * batch / elapsed, "samples",
+                      elapsed / done * static_cast<double>(total_steps - f.global_step - 1));
+    };
+    for (std::size_t s = resumed_mid_epoch ? start.step_in_epoch : 0; s < steps_per_epoch; ++s) {
+      if (s > 0 && stop_signal) {
+        if (in_flight) read_result();
+        return stop(RunPosition{epoch - 1, s, loss_sum, last_epoch_loss});
+      }
+      for (std::uint32_t i = 0; i < batch; ++i) {
+        const std::size_t idx = order[s * batch + i];
+        std::copy_n(train.images.data() + idx * sample, sample, images.data() + i * sample);
+        labels[i] = train.labels[idx];
+      }
+      const std::size_t global_step = (epoch - 1) * steps_per_epoch + s;
+      trainer.set_lr(schedule.at(global_step));
+      const ferry::StepHandle h =
+          trainer.submit(ferry::Batch{{"input", ferry::HostView(images)}, {"labels", ferry::HostView(labels)}});
+      if (in_flight) read_result();
+      in_flight = InFlight{h, s, global_step};
     }
+    if (in_flight) read_result();
     last_epoch_loss = loss_sum / steps_per_epoch;
     if (!a.quiet) {
       const auto eval_start = Clock::now();

@@ -9,6 +9,7 @@
 #include <deque>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include "cli.hpp"
@@ -227,9 +228,47 @@ int cmd_train_gpt(const TrainArgs& args) {
   ChromeTrace trace;
   std::deque<float>& recent = pos.recent;
   const StopSignals signals;
-  for (std::uint32_t steps_run = 0; done < steps; ++steps_run) {
+  // One step in flight (Trainer::submit): the host draws and stages the next windows while the
+  // device runs the step before. Never across a validation or checkpoint, which see the state of
+  // exactly `done` steps (and the window stream's position after them).
+  std::optional<StepHandle> in_flight;
+  std::uint32_t submitted = done, steps_run = 0;
+  bool out_of_time = false;
+  auto mark = Clock::now();  // training time is wall time between results, less validation and checkpoints
+  const auto time_up = [&] { return a.max_minutes > 0 && seconds_since(run_start) > a.max_minutes * 60; };
+  // Reads the oldest step's result; with no other step in flight, validates and checkpoints where due.
+  const auto read_result = [&](bool another_in_flight) {
+    const StepResult r = trainer.result(*in_flight);
+    in_flight.reset();
+    train_seconds += seconds_since(mark);
+    mark = Clock::now();
+    ++done;
+    if (!a.trace_path.empty() && steps_run < a.trace_steps) {
+      trace.add_step(trainer.train_step().timeline(), steps_run, trainer.train_step().host_activity());
+    }
+    ++steps_run;
+    recent.push_back(r.loss);
+    if (recent.size() > 20) recent.pop_front();
+    const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / recent.size();
+    const double rate = done * double(batch) * t / train_seconds;
+    progress.update(fmt::format("step {}/{}", done, steps), done, steps, static_cast<float>(mean), rate, "tokens",
+                    train_seconds / done * (steps - done));
+    out_of_time = !another_in_flight && time_up();
+    if (done % eval_every == 0 || done == steps || out_of_time) {
+      pos.val_loss = validate();
+      if (!a.quiet) {
+        std::cerr << fmt::format("step {}/{}: train loss {:.4f}, val loss {:.4f} nats/char, {:.0f} tokens/s, {}\n",
+                                 done, steps, mean, pos.val_loss, rate, clock_string(seconds_since(run_start)));
+      }
+      if (!a.checkpoint_path.empty()) save();
+      mark = Clock::now();
+    }
+  };
+  const auto boundary = [&](std::uint32_t n) { return n % eval_every == 0 || n == steps || time_up(); };
+  while (done < steps && !out_of_time) {
     if (stop_signal) {
-      // Between steps: the one in flight has finished. A checkpoint if asked for, and how to go on.
+      if (in_flight) read_result(false);
+      // Between steps, the one in flight read: a checkpoint if asked for, and how to go on.
       const char* name = stop_signal == SIGINT ? "SIGINT" : "SIGTERM";
       const int status = 128 + stop_signal;
       if (!a.checkpoint_path.empty()) {
@@ -244,34 +283,19 @@ int cmd_train_gpt(const TrainArgs& args) {
       }
       return status;
     }
+    if (in_flight && boundary(submitted)) {
+      read_result(false);
+      continue;
+    }
     const Batch batch_views = windows.next();
-    trainer.set_lr(schedule.at(done));
-    const auto s0 = Clock::now();
-    const StepResult r = trainer.step(batch_views);
-    train_seconds += seconds_since(s0);
-    ++done;
-    if (!a.trace_path.empty() && steps_run < a.trace_steps) {
-      trace.add_step(trainer.train_step().timeline(), steps_run);
-    }
-    recent.push_back(r.loss);
-    if (recent.size() > 20) recent.pop_front();
-    const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / recent.size();
-    const double rate = done * double(batch) * t / train_seconds;
-    progress.update(fmt::format("step {}/{}", done, steps), done, steps, static_cast<float>(mean), rate, "tokens",
-                    train_seconds / done * (steps - done));
-    const bool out_of_time = a.max_minutes > 0 && seconds_since(run_start) > a.max_minutes * 60;
-    if (done % eval_every == 0 || done == steps || out_of_time) {
-      pos.val_loss = validate();
-      if (!a.quiet) {
-        std::cerr << fmt::format("step {}/{}: train loss {:.4f}, val loss {:.4f} nats/char, {:.0f} tokens/s, {}\n",
-                                 done, steps, mean, pos.val_loss, rate, clock_string(seconds_since(run_start)));
-      }
-      if (!a.checkpoint_path.empty()) save();
-    }
-    if (out_of_time) {
-      if (!a.quiet) std::cerr << fmt::format("ferry: stopped after {} minutes (--max-minutes)\n", a.max_minutes);
-      break;
-    }
+    trainer.set_lr(schedule.at(submitted));
+    const StepHandle h = trainer.submit(batch_views);
+    ++submitted;
+    if (in_flight) read_result(true);
+    in_flight = h;
+  }
+  if (out_of_time && !a.quiet) {
+    std::cerr << fmt::format("ferry: stopped after {} minutes (--max-minutes)\n", a.max_minutes);
   }
   const double val_loss = pos.val_loss;
   const double eval_seconds = pos.eval_seconds;

@@ -1,19 +1,29 @@
-// A step graph compiled for one device: memory planned, kernels bound, lowered to one
-// tbb::flow::graph that is run once per step.
+// A step graph compiled for one device: memory planned, kernels bound, and run once per step.
 //
-// Lowering: nodes on the same lane (compute, copy in, copy out) are chained in the static order,
-// which the in-order queues then preserve on the device; a node that touches bytes another lane
-// wrote or reads gets a graph edge from that node and waits on its OpenCL event. A device node is
-// done once its command is enqueued, so the graph runs ahead of the device. The host learns that
-// the step finished through an event callback into an async_node gateway: no TBB thread blocks
-// on the device.
+// How a step reaches the device (docs/DESIGN.md, "The host runs ahead"): nodes on the same lane
+// (compute, copy in, copy out) run in the static order on one in-order queue; a node that touches
+// bytes another lane wrote or reads waits on that node's OpenCL event. A step without host-lane
+// nodes (resident, mapped and streamed homes with device optimizers) is enqueued by one pass on
+// the calling thread, in static order, with every dependency on the device: submit() returns
+// without having waited for any device event, and wait() blocks once, on the step's last command.
+// While one step runs, the next can be submitted (can_run_ahead()): its batch goes into the other
+// of two host mirror slots, and its first command on each lane waits for the step before it.
+// A step with host-lane nodes (a host optimizer, compressed or int8 homes) is lowered to a
+// tbb::flow::graph instead: its device nodes are enqueued by graph nodes, and each host-lane node
+// is woken by an event callback into an async_node gateway when the device commands it needs are
+// done; no thread blocks on the device there either.
 //
 // The commit point: state homed where kernels change it in place (device, host_mapped) has no
 // second copy to roll back to, so in a training step every node that writes such state comes
-// after the overflow guard's last node (graph/autodiff.hpp), and is enqueued only after an event
-// gate has seen every command before that point complete and none of them fail. A step that
-// fails before its commit point therefore leaves all training state as it was; one that fails
-// after it had enqueued such a node throws PartialUpdateError.
+// after the overflow guard's last node (graph/autodiff.hpp). Those updates read the guard on the
+// device and skip themselves when it is not finite. Device failures are kept from them on the
+// device too: right after the commit node a marker waits, explicitly, for every command before
+// it, and every in-place node waits for that marker, so a command that failed before the commit
+// point fails the updates instead of letting them run (a failed command does not fail its
+// in-order successors on every driver, only its explicit waiters). In the flow-graph form an event
+// gate on the host plays that role, since a host-lane node's failure must stop them as well. A
+// step that fails before its commit point therefore leaves all training state as it was; one that
+// fails after it had enqueued such a node throws PartialUpdateError.
 #pragma once
 
 #include <array>
@@ -151,7 +161,8 @@ class CompiledStep {
   CompiledStep& operator=(const CompiledStep&) = delete;
 
   // The host staging of batch tensor `name` (Builder::input) that its upload node copies from:
-  // fill it before run(). Throws std::invalid_argument naming the batch tensors there are.
+  // fill it before run() or submit() (with a step in flight, this is the other slot's mirror: the
+  // in-flight step's batch is not touched). Throws std::invalid_argument naming the batch tensors there are.
   std::span<std::byte> host_input(std::string_view name) const;
   template <class T>
   std::span<T> host_input_as(std::string_view name) const {
@@ -159,19 +170,40 @@ class CompiledStep {
     return {reinterpret_cast<T*>(b.data()), b.size() / sizeof(T)};
   }
   std::vector<std::string> host_input_names() const;
-  // A result filled by its download node when run() returns: an output (Builder::output) or a
-  // loss's stats ("loss.stats"). Throws std::invalid_argument naming the results there are.
+  // A result filled by its download node when run() or wait() returns (the step last waited for): an output
+  // (Builder::output) or a loss's stats ("loss.stats"). Throws std::invalid_argument naming the results there are.
   std::span<const std::byte> host_output(std::string_view name) const;
   // The loss's stats (element 0: the loss; softmax_xent adds the argmax-hit count); nullptr in
   // a graph without a loss (prediction).
   const float* stats_host() const;
 
-  // Runs one step: enqueues every node through the flow graph and returns when the device has
-  // finished. A failing node cancels the step; the error is rethrown naming the node, all queues
-  // are drained and the step can run again. A failure before the commit point (see above) leaves
-  // every persistent tensor as it was; a later one that may have changed state in place throws
-  // PartialUpdateError naming those tensors.
+  // Runs one step: submit() then wait(). A failing node cancels the step; the error is rethrown
+  // naming the node, all queues are drained and the step can run again. A failure before the
+  // commit point (see above) leaves every persistent tensor as it was; a later one that may have
+  // changed state in place throws PartialUpdateError naming those tensors.
   void run(const ops::StepInfo& step, RunMode mode = RunMode::normal);
+
+  // Enqueues one step from the batch staged in host_input() and returns. Without host-lane nodes
+  // it returns before the device has run any of it; with them (flow-graph form) it returns when
+  // the step has finished on the device, and wait() only reports. At most max_in_flight steps
+  // may be submitted and not yet waited for, and a second only when can_run_ahead(): otherwise
+  // std::logic_error says what to wait for. An enqueue that fails throws here, after draining
+  // the queues (the steps submitted before it stay valid and are waited for as usual).
+  void submit(const ops::StepInfo& step, RunMode mode = RunMode::normal);
+  // Waits for the oldest submitted step (the host's one wait per step), then makes its results
+  // readable (host_output, stats_host, wrote_non_finite_weight) and commits or rolls back its
+  // state. Throws as run() does; a step that failed also cancels the step submitted after it
+  // (which is drained and rolled back; if it had begun changing state in place, the error is a
+  // PartialUpdateError). std::logic_error when nothing is in flight.
+  void wait();
+  static constexpr std::size_t max_in_flight = 2;
+  std::size_t in_flight() const noexcept;
+  // Whether a step may be submitted while the one before it still runs: every device command is
+  // enqueued by one pass (no host-lane nodes) and no state commits on the host after the step
+  // (no streamed home whose next copy becomes current only when the step succeeded).
+  bool can_run_ahead() const noexcept;
+  // Times the host has blocked on the device so far (waits for a step's end, event gates).
+  std::uint64_t host_waits() const noexcept;
 
   const Graph& graph() const noexcept { return graph_; }
   const MemoryPlan& plan() const noexcept { return plan_; }
@@ -191,11 +223,21 @@ class CompiledStep {
   // (the overflow guard's last check); nullopt when the step has no such nodes or no guard.
   std::optional<NodeId> commit_node() const noexcept;
 
+  // The bound launches of device node `n` (empty for host-lane nodes), for measuring what the
+  // same commands cost enqueued without the step around them (`ferry-bench hostpath`).
+  const ops::LaunchList& launches(NodeId n) const;
+
   // Wall time of each device pass of this compile, in pipeline order (graph/pipeline.hpp).
   const std::vector<PassTiming>& pass_timings() const noexcept { return pass_timings_; }
 
-  // Per-node device times of the last step; empty unless the context has profiling enabled.
+  // Per-node device times of the step last waited for; empty unless the context has profiling
+  // enabled. host_activity() has the host thread's own spans.
   std::vector<TimelineEntry> timeline() const;
+  // What the host thread did for the step last waited for, on the same clock as timeline(): one
+  // span per node it enqueued ("enqueue <node>") and one per wait ("wait"); empty unless
+  // profiling. Any idle stretch on a device lane lines up with one of these or with nothing
+  // (then the device itself, or a host-lane node, is the cause).
+  std::vector<TimelineEntry> host_activity() const;
 
   // Test hook: node `n` fails, the way `kind` says, when it next runs (to check cancellation and
   // recovery; tests/test_faults.cpp). One injection at a time; it is used up by the failure.
@@ -206,6 +248,7 @@ class CompiledStep {
 
  private:
   struct Impl;
+  struct Submission;
   // The device passes after check dtypes and scratch, in order.
   void plan(const cl::DeviceInfo& device, const PersistentArena* shared, const ResidencyOptions& residency);
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
@@ -214,20 +257,30 @@ class CompiledStep {
   void lower(const cl::Context& context, bool serial);
   // Marks the nodes that change persistent state in place and finds the commit point.
   void find_commit_point();
-  // Throws, naming the node, if a device command among nodes [0, end) failed this step.
-  void check_device_status(NodeId end, cl_int gate_status, const char* where) const;
+  // The one-pass form (graph/enqueue.cpp): every device command of the step, in static order.
+  void enqueue_pass(Submission& s, const Submission* previous);
+  // One device node's commands (or the failure injected into it), waiting on `wait`; both forms.
+  void enqueue_device_node(Submission& s, NodeId id, std::vector<cl_event>& wait, std::optional<Fault> fault);
+  // The flow-graph form (graph/host_lane.cpp), for steps with host-lane nodes.
+  void build_flow_graph(const cl::Context& context, bool serial, const std::vector<std::vector<NodeId>>& preds);
+  void run_flow_graph(Submission& s);
+  // After a failure: drains the queues, rolls back what the step wrote into homes that commit,
+  // and returns the exception to throw (PartialUpdateError if it had begun changing state in place).
+  std::exception_ptr fail_step(Submission& s, std::exception_ptr failure, bool cancelled);
+  // Throws, naming the node, if a device command among nodes [0, end) failed in `s`.
+  void check_device_status(const Submission& s, NodeId end, cl_int gate_status, const char* where) const;
   // A cancelled step's failure, or the device failure behind it: some drivers (NVIDIA's) refuse
   // later enqueues once a command failed, so the first error thrown can name a bystander.
-  std::exception_ptr root_cause(std::exception_ptr failure) const;
-  // The persistent tensors that nodes which change state in place and were enqueued this step
-  // write, in graph order.
-  std::vector<std::string> changed_in_place() const;
+  std::exception_ptr root_cause(const Submission& s, std::exception_ptr failure) const;
+  // The persistent tensors that nodes which change state in place and did run in `s` write, in
+  // graph order.
+  std::vector<std::string> changed_in_place(const Submission& s) const;
   std::vector<std::vector<NodeId>> order_nodes(bool serial);
-  void build_flow_graph(const cl::Context& context, bool serial, const std::vector<std::vector<NodeId>>& preds);
-  // Host memory of a host-resident tensor: its current value, or where its next value goes.
-  std::byte* host_address(TensorId id, bool next) const;
+  // Host memory of a host-resident tensor: its current value, or where its next value goes. A
+  // batch mirror is the one of host mirror slot `slot`.
+  std::byte* host_address(TensorId id, bool next, int slot = 0) const;
   // Runs a host-lane node (an optimizer update on the host) on the calling TBB worker.
-  void run_host_node(NodeId id);
+  void run_host_node(NodeId id, Submission& s);
   Graph graph_;
   MemoryPlan plan_;
   ResidencyReport residency_;

@@ -1,5 +1,6 @@
 // Chrome trace (Perfetto / chrome://tracing) of step timelines: one lane per queue, a row of
-// step markers; fields documented in docs/outputs.md.
+// step markers, and a row of the host thread's enqueues and waits; fields documented in
+// docs/outputs.md.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +16,11 @@ class ChromeTrace {
  public:
   // Adds one step's timeline (device clock) and a marker spanning it; steps are laid out in the
   // order added. An empty timeline adds nothing.
-  void add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step);
+  // `host` is what the host thread did for the step (graph::CompiledStep::host_activity): its
+  // enqueues and waits, on a row of their own ("host thread"), so a gap on a device lane can be
+  // laid beside what the host was doing then.
+  void add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step,
+                const std::vector<graph::TimelineEntry>& host = {});
   // Adds a span measured elsewhere (e.g. a benchmark's copy), times in device nanoseconds.
   void add(std::string name, graph::Lane lane, std::uint64_t start_ns, std::uint64_t end_ns);
   std::size_t size() const noexcept { return events_.size(); }

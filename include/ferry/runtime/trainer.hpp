@@ -1,8 +1,11 @@
 // Trainer: compiles a model's training step once and runs it batch by batch.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -76,6 +79,11 @@ struct StepResult {
   float loss_scale = 1.0f;
 };
 
+// A step submitted with Trainer::submit, whose result Trainer::result reads (once).
+struct StepHandle {
+  std::uint64_t id = 0;
+};
+
 struct EvalResult {
   double loss = 0;      // mean over samples
   double accuracy = 0;  // softmax cross-entropy: argmax hits over labels; else 0
@@ -99,7 +107,28 @@ class Trainer {
   // forward and backward all succeeded) throws graph::PartialUpdateError naming the tensors that
   // may hold this step's update. The state is then inconsistent, and step() and save_checkpoint()
   // refuse to run (saying why) until load_checkpoint() has restored it.
+  // step() is result(submit(batch)).
   StepResult step(const Batch& batch);
+  // The same step in two halves, so that the host stages and enqueues the next step while the
+  // device still runs this one: submit() checks and stages the batch and enqueues the step, and
+  // result() waits for it and returns (or throws) what step() would have. Every failure step()
+  // reports is reported by result() of the step it belongs to; a bad batch is thrown by submit().
+  // A step fails the step submitted after it too (result() of that one says so).
+  //   auto h = trainer.submit(b0);
+  //   for (...) { auto next = trainer.submit(b1); use(trainer.result(h)); h = next; }
+  // The device runs step k+1 right after step k when runs_ahead(); otherwise submit() first
+  // completes the step before it (its result is kept for result()), which is step()'s timing.
+  // Methods that read or write the training state (evaluate, predict, checkpoints, tensors)
+  // complete every submitted step first.
+  StepHandle submit(const Batch& batch);
+  StepResult result(StepHandle handle);
+  // Whether submit() enqueues while the step before it runs: the training step runs in one pass
+  // (no host-lane nodes) with its state committed on the device (graph::CompiledStep::
+  // can_run_ahead), and nothing about the next step depends on this one's result (no hybrid
+  // phases, gradient accumulation, loss scaling or --check-weights-every).
+  bool runs_ahead() const;
+  // Steps submitted whose result() has not been read.
+  std::size_t pending() const noexcept { return pending_.size(); }
   // A classifier's step (models::classifier): "input" and "labels".
   StepResult step(std::span<const float> images, std::span<const std::int32_t> labels);
 
@@ -212,9 +241,31 @@ class Trainer {
   // Runs `step` and reads what it measured: loss, hits, wall time, planned peak. A failure that
   // changed state in place marks the trainer inconsistent (inconsistent_) and is rethrown saying so.
   StepResult run_step(graph::CompiledStep& step, const ops::StepInfo& info);
+  // A submitted training step, until result() reads it.
+  struct Pending {
+    std::uint64_t id = 0;
+    graph::CompiledStep* step = nullptr;  // null once settled
+    Phase phase = Phase::full;
+    bool micro = false, fit = false;
+    float loss_scale = 1.0f;
+    std::chrono::steady_clock::time_point submitted;
+    StepResult result;
+    std::exception_ptr error;
+  };
+  // Waits for `p` (the oldest unsettled step) and does what step() does after the device:
+  // checks, counters, the phase controller. Stores the result or the failure in `p`.
+  void settle(Pending& p);
+  // Settles every submitted step (before anything that reads or changes the training state).
+  void settle_all();
+  // wait() of `step`, marking the trainer inconsistent on a PartialUpdateError (as run_step).
+  void wait_step(graph::CompiledStep& step);
+  StepResult after_wait(graph::CompiledStep& step, std::chrono::steady_clock::time_point t0);
+  StepResult finish_training_step(Pending& p);
   // Throws std::runtime_error saying why, if the training state is inconsistent; `what` is what
   // was refused ("step", "save a checkpoint").
   void refuse_if_inconsistent(const char* what) const;
+  // Throws std::logic_error if a submitted step is still running (const readers of the state).
+  void require_settled(const char* what) const;
   // The first weight with a non-finite element, as "'name' (element i is v)"; empty if none.
   std::string non_finite_weight() const;
   // The fits of the last training step, summed over weights with the gains they predicted with.
@@ -248,7 +299,10 @@ class Trainer {
   std::vector<float> gains_;               // per weight, the gain of d and the weight of r its last prediction used
   std::vector<std::vector<std::byte>> restore_point_;  // the weights before the Predict run in flight
   bool in_predict_run_ = false;
-  std::string inconsistent_;  // see inconsistent_state()
+  std::string inconsistent_;     // see inconsistent_state()
+  std::deque<Pending> pending_;  // submitted, in order; settled ones keep their result until read
+  std::uint64_t handles_ = 0;
+  std::chrono::steady_clock::time_point last_done_;  // when the last settled training step ended
   LossScaler scaler_;
   double phase_ms_[phase_count] = {};
   std::uint64_t phase_steps_[phase_count] = {};

@@ -1,0 +1,161 @@
+// The private state of a CompiledStep, shared by its three files: compiled_step.cpp (compiling,
+// submit and wait, results), enqueue.cpp (the one-pass form) and host_lane.cpp (the flow-graph
+// form for steps with host-lane nodes).
+#pragma once
+
+#include <tbb/flow_graph.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/cl/error.hpp"
+#include "ferry/graph/compiled_step.hpp"
+#include "ferry/offload/pinned_host.hpp"
+
+namespace ferry::graph {
+
+using tbb::flow::continue_msg;
+using DoneNode = tbb::flow::async_node<continue_msg, continue_msg>;
+
+// The host's steady clock in nanoseconds (host spans of the timeline).
+inline std::uint64_t steady_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+
+inline cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
+  switch (lane) {
+    case Lane::h2d:
+      return ctx.queue(cl::QueueKind::h2d);
+    case Lane::d2h:
+      return ctx.queue(cl::QueueKind::d2h);
+    default:
+      return ctx.queue(cl::QueueKind::compute);
+  }
+}
+
+// One submitted step: what its commands left behind until wait() has read it. There are
+// max_in_flight of these, used in turn; a step's batch mirrors are those of its slot.
+struct CompiledStep::Submission {
+  int slot = 0;
+  bool in_flight = false;
+  ops::StepInfo step;
+  RunMode mode = RunMode::normal;
+  std::vector<cl::Event> events;        // per node: its last command (host-lane nodes: none)
+  std::vector<cl::Event> first_events;  // per node: its first command (profiling only)
+  std::vector<char> started;            // per node that changes state in place: it was enqueued
+  // The marker after the commit node that every in-place node waits for (one-pass form).
+  cl::Event commit_marker;
+  cl::Event finish;  // the step's last command: every lane's tail, then the status word's read
+  // Set by the finish command's completion callback (one-pass form): wait() sleeps on it rather
+  // than in clWaitForEvents, which some implementations (Oclgrind) report as an API error when the
+  // step failed, and which some drivers answer by spinning.
+  std::atomic<bool> done{false};
+  static void CL_CALLBACK on_finish(cl_event, cl_int, void* user);
+  cl_uint status_host = 0;
+  std::atomic<bool> host_non_finite{false};
+  // The flow-graph form runs to completion in submit(): what it ended with.
+  std::exception_ptr failure;
+  bool cancelled = false;
+  cl_int finish_status = CL_COMPLETE;
+  // Profiling only, host steady clock in ns: when each device node's enqueue began and ended, when
+  // each host-lane node's work ran, and the host thread's waits for this step.
+  std::vector<std::uint64_t> enqueue_begin_ns, enqueue_end_ns, host_start_ns, host_end_ns;
+  struct Wait {
+    std::uint64_t begin_ns, end_ns;
+  };
+  std::vector<Wait> waits;
+
+  void reset(std::size_t nodes, bool profiling);
+};
+
+// Waits for OpenCL events without blocking a thread: a marker on `queue` with the events as its
+// wait list, whose completion callback opens an async_node gateway. Used by the flow-graph form
+// before each host-lane node, at its commit point and at the end of the step.
+struct EventGate {
+  cl_command_queue queue = nullptr;
+  std::vector<cl_event> wait;
+  cl::Event marker;
+  DoneNode::gateway_type* gateway = nullptr;
+  std::atomic<cl_int> status{CL_COMPLETE};
+  std::atomic<std::uint64_t>* opened = nullptr;  // counts the host's waits
+
+  // The async_node's body: hand the wait over to the driver and return.
+  void open(DoneNode::gateway_type& gw);
+  // Runs on a driver thread, or inline if the marker already completed: hand over, never wait.
+  static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user);
+};
+
+struct CompiledStep::Impl {
+  const cl::Context& ctx;
+  std::vector<cl::Mem> transient;
+  std::vector<cl::PinnedBuffer> host_transient;  // mapped mode: weight gradients in host memory
+  // The batch mirrors of host mirror slots 1.. (slot 0's live in host_transient, from the plan):
+  // per slot, one pinned buffer per mirror tensor.
+  std::map<TensorId, std::size_t> mirror_index;              // batch mirror -> index
+  std::vector<std::vector<cl::PinnedBuffer>> extra_mirrors;  // [slot - 1][index]
+  std::vector<ops::LaunchList> launches;                     // per node
+  std::vector<std::vector<NodeId>> waits;                    // cross-lane predecessors, per node
+  std::vector<std::vector<cl_event>> wait_lists;             // per node: the events it waits on this step
+  std::vector<cl_event> commit_wait;                         // the commit marker's and the end's wait lists
+  // Host mirrors by name without "@host": what the caller fills (uploads) and reads (downloads).
+  std::map<std::string, TensorId, std::less<>> uploads, downloads;
+  TensorId stats = no_tensor;  // the loss's host mirror, if the graph has a loss
+  TensorId guard = no_tensor;  // the host mirror of what the updates check, if not the loss
+  bool bound = true;           // kernels bound: the step can run
+  bool serial = false;
+  bool one_pass = true;  // no host-lane node: the one-pass form
+  OptimizerSpec optimizer;
+  bool commits_other_slot = false;  // the step writes the next state into the other host slot
+
+  // The submissions, used in turn; `oldest` is the next one wait() reads, `next` the next one
+  // submit() uses; `result` the slot whose results host_output() shows; `enqueue_slot` the batch
+  // mirror slot whose addresses the bound copies read and write while a pass enqueues them.
+  std::array<Submission, max_in_flight> subs;
+  std::size_t oldest = 0, next = 0, count = 0;
+  int result = 0;
+  std::atomic<int> enqueue_slot{0};
+  Submission* running = nullptr;  // the submission the flow graph is running
+  std::atomic<std::uint64_t> host_waits{0};
+
+  // The divergence guard's view of the updates (ops::BindContext::step_status): a device word
+  // the device updates set when they make a weight not finite, cleared at the start of each step
+  // and read back after its last command; host updates set the flag beside it.
+  cl::Mem status;  // null when no device-lane update was bound
+
+  // The commit point (CompiledStep::find_commit_point). Per node: whether it writes persistent
+  // state that lives in place (device, host_mapped).
+  static constexpr NodeId no_node = static_cast<NodeId>(-1);
+  std::vector<char> in_place;
+  NodeId commit = no_node;
+  // The commit node itself and the last node before it on every other lane: the flow-graph
+  // form's gate waits for their commands and the flow graph for their bodies.
+  std::vector<NodeId> commit_waits;
+  std::array<NodeId, lane_count> last_on_lane;
+
+  // The flow-graph form (steps with host-lane nodes).
+  tbb::flow::graph flow;
+  tbb::flow::broadcast_node<continue_msg> start{flow};
+  std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> nodes;
+  std::unique_ptr<tbb::flow::continue_node<continue_msg>> finish;
+  std::unique_ptr<DoneNode> done;
+  std::vector<std::unique_ptr<EventGate>> gates;  // per host-lane node; null for device nodes
+  std::vector<std::unique_ptr<DoneNode>> gate_nodes;
+  std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> host_work;
+  EventGate finish_gate;  // the end of the step
+  std::unique_ptr<tbb::flow::continue_node<continue_msg>> commit_join, commit_check;
+  std::unique_ptr<DoneNode> commit_gate_node;
+  EventGate commit_gate;
+
+  explicit Impl(const cl::Context& c) : ctx(c) { last_on_lane.fill(no_node); }
+};
+
+}  // namespace ferry::graph

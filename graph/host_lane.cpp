@@ -1,0 +1,283 @@
+// The flow-graph form of a step, for steps with host-lane nodes (a host optimizer, compressed or
+// int8 homes): device nodes are enqueued by graph nodes, and each host-lane node's work runs on a
+// TBB worker once an event callback has opened its gate; a host gate at the commit point keeps
+// the in-place updates from running when anything before it, host work included, failed.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <stdexcept>
+
+#include "compiled_step_impl.hpp"
+#include "ferry/graph/node_view.hpp"
+
+namespace ferry::graph {
+
+// The flow graph: a node per step node (plus an event gate and a worker node for host-lane
+// nodes), edges from the predecessors, and the finish gate after every lane's last node.
+void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
+                                    const std::vector<std::vector<NodeId>>& preds) {
+  auto& n = graph_.nodes;
+  const auto& last_on_lane = impl_->last_on_lane;
+  impl_->gates.resize(n.size());
+  impl_->gate_nodes.resize(n.size());
+  impl_->host_work.resize(n.size());
+  Impl* im = impl_.get();
+  for (NodeId id = 0; id < n.size(); ++id) {
+    impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
+        impl_->flow, [this, im, id, serial](const continue_msg&) {
+          const auto& nodes = graph_.nodes;
+          cl::OpScope scope(nodes.name[id]);
+          try {
+            // A host-lane node's failure is injected where its work runs (run_host_node).
+            const std::optional<Fault> fault = is_host_lane(nodes.lane[id]) ? std::nullopt : take_injected_failure(id);
+            if (fault == Fault::exception || fault == Fault::host_throw) {
+              throw std::runtime_error("injected failure");
+            }
+            Submission& s = *im->running;
+            if (im->ctx.profiling()) s.enqueue_begin_ns[id] = steady_ns();
+            // Reused every step: its capacity stays, so building a wait list allocates nothing.
+            std::vector<cl_event>& wait = im->wait_lists[id];
+            wait.clear();
+            for (NodeId m : im->waits[id]) {
+              if (s.events[m]) wait.push_back(s.events[m].get());
+            }
+            if (serial && id > 0 && s.events[id - 1]) wait.push_back(s.events[id - 1].get());
+            if (is_host_lane(nodes.lane[id])) {
+              im->gates[id]->wait.assign(wait.begin(), wait.end());  // the gate waits for these, then the work runs
+              return;
+            }
+            enqueue_device_node(s, id, wait, fault);
+            // Flush so that commands on other queues waiting on this one can start. clFlush may
+            // also run the queue to completion before it returns (Oclgrind does): that is safe
+            // because every event this node waits for was enqueued and flushed before it.
+            FERRY_CL(clFlush(queue_of(im->ctx, nodes.lane[id])));
+            if (im->ctx.profiling()) s.enqueue_end_ns[id] = steady_ns();
+          } catch (const cl::Error&) {
+            throw;  // already names the op through OpScope
+          } catch (const std::exception& e) {
+            throw std::runtime_error(
+                fmt::format("step node '{}' ({}): {}", nodes.name[id], op_name(nodes.op[id]), e.what()));
+          }
+        }));
+  }
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (!is_host_lane(n.lane[id])) continue;
+    auto gate = std::make_unique<EventGate>();
+    gate->queue = context.queue(cl::QueueKind::d2h);
+    gate->opened = &impl_->host_waits;
+    EventGate* g = gate.get();
+    impl_->gates[id] = std::move(gate);
+    impl_->gate_nodes[id] = std::make_unique<DoneNode>(
+        impl_->flow, tbb::flow::unlimited, [g](const continue_msg&, DoneNode::gateway_type& gw) { g->open(gw); });
+    impl_->host_work[id] =
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, g, id](const continue_msg&) {
+          const auto& nodes = graph_.nodes;
+          if (g->status < 0) {
+            throw cl::Error(fmt::format("a device command host node '{}' waited for", nodes.name[id]), g->status,
+                            nodes.name[id]);
+          }
+          Submission& s = *im->running;
+          if (s.mode == RunMode::transfers_only) return;
+          if (im->ctx.profiling()) s.host_start_ns[id] = steady_ns();
+          run_host_node(id, s);
+          if (im->ctx.profiling()) s.host_end_ns[id] = steady_ns();
+        });
+    tbb::flow::make_edge(*impl_->nodes[id], *impl_->gate_nodes[id]);
+    tbb::flow::make_edge(*impl_->gate_nodes[id], *impl_->host_work[id]);
+  }
+  auto exit_of = [&](NodeId id) -> tbb::flow::sender<continue_msg>& {
+    if (impl_->host_work[id]) return *impl_->host_work[id];
+    if (id == impl_->commit) return *impl_->commit_check;
+    return *impl_->nodes[id];
+  };
+  if (impl_->commit != Impl::no_node) {
+    // The commit gate: after the commit node and the last node before it on every other lane, a
+    // marker on the commit node's queue waits for their commands; then every command before the
+    // commit point must have succeeded before anything after it is enqueued.
+    const NodeId commit = impl_->commit;
+    impl_->commit_gate.queue = queue_of(context, n.lane[commit]);
+    impl_->commit_gate.opened = &impl_->host_waits;
+    impl_->commit_join =
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im](const continue_msg&) {
+          im->commit_gate.wait.clear();
+          for (NodeId m : im->commit_waits) {
+            if (im->running->events[m]) im->commit_gate.wait.push_back(im->running->events[m].get());
+          }
+        });
+    impl_->commit_gate_node =
+        std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
+                                   [im](const continue_msg&, DoneNode::gateway_type& gw) { im->commit_gate.open(gw); });
+    impl_->commit_check =
+        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, commit](const continue_msg&) {
+          check_device_status(*im->running, commit + 1, im->commit_gate.status, "the step before its commit point");
+        });
+    tbb::flow::make_edge(*impl_->nodes[commit], *impl_->commit_join);
+    for (NodeId m : impl_->commit_waits) {
+      if (m != commit) tbb::flow::make_edge(exit_of(m), *impl_->commit_join);
+    }
+    tbb::flow::make_edge(*impl_->commit_join, *impl_->commit_gate_node);
+    tbb::flow::make_edge(*impl_->commit_gate_node, *impl_->commit_check);
+  }
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (preds[id].empty()) tbb::flow::make_edge(impl_->start, *impl_->nodes[id]);
+    for (NodeId m : preds[id]) tbb::flow::make_edge(exit_of(m), *impl_->nodes[id]);
+  }
+
+  // Finish: an event gate after every lane's last command; its opening ends wait_for_all().
+  std::vector<NodeId> lane_tails;
+  for (NodeId tail : last_on_lane) {
+    if (tail != static_cast<NodeId>(-1)) lane_tails.push_back(tail);
+  }
+  impl_->finish_gate.queue = context.compute();
+  impl_->finish_gate.opened = &impl_->host_waits;
+  impl_->finish =
+      std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im, lane_tails](const continue_msg&) {
+        im->finish_gate.wait.clear();
+        Submission& s = *im->running;
+        for (NodeId tail : lane_tails) {
+          if (s.events[tail]) im->finish_gate.wait.push_back(s.events[tail].get());
+        }
+        if (im->status) {
+          // The status word after every command of the step; the gate waits for this read.
+          cl::OpScope scope("the step's status word");
+          auto& wait = im->finish_gate.wait;
+          FERRY_CL(clEnqueueReadBuffer(im->ctx.compute(), im->status.get(), CL_FALSE, 0, sizeof(cl_uint),
+                                       &s.status_host, static_cast<cl_uint>(wait.size()),
+                                       wait.empty() ? nullptr : wait.data(), s.finish.out()));
+          wait.assign(1, s.finish.get());
+        }
+      });
+  for (NodeId tail : lane_tails) tbb::flow::make_edge(exit_of(tail), *impl_->finish);
+  impl_->done =
+      std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
+                                 [im](const continue_msg&, DoneNode::gateway_type& gw) { im->finish_gate.open(gw); });
+  tbb::flow::make_edge(*impl_->finish, *impl_->done);
+}
+
+namespace {
+
+// A host-lane node's operands in host memory: persistent tensors read from the current slot and
+// written into the other; step tensors (a gradient written back for the host) have one place.
+class HostNode final : public NodeView<ops::HostContext> {
+ public:
+  HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
+           const ops::StepInfo& step, const OptimizerSpec& optimizer, std::atomic<bool>& non_finite)
+      : NodeView(g, n),
+        arena_(arena),
+        at_(std::move(at)),
+        step_(step),
+        optimizer_(optimizer),
+        non_finite_(non_finite) {}
+  void report_non_finite_weight() const override { non_finite_ = true; }
+  const std::byte* in(std::size_t i) const override {
+    if (fail_) throw std::runtime_error(fmt::format("injected failure reading input {} in the host work", i));
+    return at_(in_ids()[i], false);
+  }
+  std::byte* out(std::size_t i) const override { return at_(out_ids()[i], true); }
+  void unpack_home(std::size_t i, std::byte* dst) const override {
+    if (fail_) throw std::runtime_error(fmt::format("injected failure unpacking input {} in the host work", i));
+    const TensorId id = graph_.tensors.storage(in_ids()[i]);
+    store_of(id).unpack(place_of(id), dst, graph_.tensors.bytes(id));
+  }
+  // Fault::host_throw: reading an operand throws, from inside the op's host function.
+  void fail() { fail_ = true; }
+  const ops::StepInfo& step() const override { return step_; }
+  const OptimizerSpec& optimizer() const override { return optimizer_; }
+  void pack_home(std::size_t i, const std::byte* src) const override {
+    const TensorId id = graph_.tensors.storage(out_ids()[i]);
+    store_of(id).pack(place_of(id), src, graph_.tensors.bytes(id));
+  }
+
+ private:
+  offload::HomeStore& store_of(TensorId id) const { return arena_.store(graph_.tensors.home[id]); }
+  offload::HomePlace place_of(TensorId id) const {
+    const Placement& p = graph_.tensors.placement[id];
+    return {p.buffer, p.offset_bytes};
+  }
+  const PersistentArena& arena_;
+  std::function<std::byte*(TensorId, bool)> at_;
+  const ops::StepInfo& step_;
+  const OptimizerSpec& optimizer_;
+  std::atomic<bool>& non_finite_;
+  bool fail_ = false;
+};
+
+}  // namespace
+
+void CompiledStep::run_host_node(NodeId id, Submission& s) {
+  const auto& nodes = graph_.nodes;
+  cl::OpScope scope(nodes.name[id]);
+  const std::optional<Fault> fault = take_injected_failure(id);
+  if (fault == Fault::exception) {
+    throw std::runtime_error(
+        fmt::format("step node '{}' (host {}): injected failure", nodes.name[id], op_name(nodes.op[id])));
+  }
+  const ops::OpInfo& row = ops::op_info(nodes.op[id]);
+  if (!row.host) {
+    throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
+  }
+  auto at = [this](TensorId x, bool write) { return host_address(x, write); };
+  HostNode node(graph_, id, *persistent_, at, s.step, impl_->optimizer, s.host_non_finite);
+  if (fault) node.fail();
+  try {
+    row.host(node);
+  } catch (const cl::Error&) {
+    throw;  // names the op through OpScope
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("step node '{}' (host {}): {}", nodes.name[id], row.name, e.what()));
+  }
+}
+
+void CompiledStep::run_flow_graph(Submission& s) {
+  Impl& im = *impl_;
+  im.running = &s;
+  im.finish_gate.status = CL_COMPLETE;
+  for (auto& gate : im.gates) {
+    if (gate) gate->status = CL_COMPLETE;
+  }
+  im.commit_gate.status = CL_COMPLETE;
+  if (im.status) {
+    // In order on the compute queue, where the device updates run: cleared before any of them.
+    const cl_uint zero = 0;
+    cl::OpScope scope("the step's status word");
+    FERRY_CL(clEnqueueFillBuffer(im.ctx.compute(), im.status.get(), &zero, sizeof zero, 0, sizeof zero, 0, nullptr,
+                                 nullptr));
+  }
+  im.start.try_put(continue_msg{});
+  try {
+    im.flow.wait_for_all();
+  } catch (...) {
+    s.failure = std::current_exception();
+    s.cancelled = true;
+  }
+  s.finish_status = im.finish_gate.status;
+}
+
+void EventGate::open(DoneNode::gateway_type& gw) {
+  if (wait.empty()) {
+    gw.try_put(continue_msg{});
+    return;
+  }
+  if (opened) ++*opened;
+  gateway = &gw;
+  gw.reserve_wait();  // reserve before the callback can fire (it may fire inside the call)
+  cl::Event m;
+  cl_int rc = clEnqueueMarkerWithWaitList(queue, static_cast<cl_uint>(wait.size()), wait.data(), m.out());
+  if (rc == CL_SUCCESS) rc = clSetEventCallback(m.get(), CL_COMPLETE, &EventGate::on_complete, this);
+  if (rc != CL_SUCCESS) {
+    gw.release_wait();
+    cl::check(rc, "clSetEventCallback(event gate)");
+  }
+  marker = std::move(m);
+  FERRY_CL(clFlush(queue));
+}
+
+void CL_CALLBACK EventGate::on_complete(cl_event, cl_int status, void* user) {
+  auto* gate = static_cast<EventGate*>(user);
+  if (status < 0) gate->status = status;
+  gate->gateway->try_put(continue_msg{});
+  gate->gateway->release_wait();
+}
+
+}  // namespace ferry::graph

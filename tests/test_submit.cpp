@@ -1,0 +1,173 @@
+// Steps enqueued ahead (Trainer::submit / result, CompiledStep::submit / wait): the same results
+// bit for bit as step(), one host wait per step, and failures that stay with the step they
+// belong to.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/ferry.hpp"
+#include "test_models.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+using State = std::map<std::string, std::vector<std::byte>>;
+State state_of(const Trainer& t) {
+  State s;
+  for (const auto& name : t.tensor_names()) s[name] = t.read_tensor(name).bytes;
+  return s;
+}
+
+TrainerOptions options(graph::ResidencyMode mode) {
+  TrainerOptions o;
+  o.batch = 8;
+  o.lr = 0.01f;
+  o.residency.mode = mode;
+  return o;
+}
+
+struct Batches {
+  std::vector<std::vector<float>> images;
+  std::vector<std::vector<std::int32_t>> labels;
+  Batches(const ModelSpec& m, int n) {
+    const std::size_t sample = m.inputs[0].sample.elems();
+    for (int i = 0; i < n; ++i) {
+      images.push_back(random_vector(8 * sample, 100 + i));
+      labels.push_back(labels_for(8, 200 + i));
+    }
+  }
+  Batch at(int i) const { return Batch{{"input", HostView(images[i])}, {"labels", HostView(labels[i])}}; }
+};
+
+class SubmitAhead : public ::testing::TestWithParam<graph::ResidencyMode> {};
+
+// Submitting step k+1 before reading step k gives the losses, hits and state that step() gives.
+TEST_P(SubmitAhead, GivesWhatStepGivesBitForBit) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  Trainer sync(rt, m, options(GetParam())), ahead(rt, m, options(GetParam()));
+  const int steps = 6;
+  const Batches b(m, steps);
+  std::vector<StepResult> expected;
+  for (int i = 0; i < steps; ++i) expected.push_back(sync.step(b.at(i)));
+
+  std::vector<StepResult> got;
+  std::optional<StepHandle> previous;
+  for (int i = 0; i < steps; ++i) {
+    const StepHandle h = ahead.submit(b.at(i));
+    if (previous) got.push_back(ahead.result(*previous));
+    previous = h;
+    EXPECT_EQ(ahead.pending(), 1u);
+  }
+  got.push_back(ahead.result(*previous));
+  EXPECT_EQ(ahead.pending(), 0u);
+  ASSERT_EQ(got.size(), expected.size());
+  for (int i = 0; i < steps; ++i) {
+    EXPECT_EQ(got[i].loss, expected[i].loss) << "step " << i;
+    EXPECT_EQ(got[i].correct, expected[i].correct) << "step " << i;
+  }
+  EXPECT_EQ(ahead.steps_done(), sync.steps_done());
+  EXPECT_TRUE(state_of(ahead) == state_of(sync)) << "the training state differs";
+}
+
+INSTANTIATE_TEST_SUITE_P(Homes, SubmitAhead,
+                         ::testing::Values(graph::ResidencyMode::resident, graph::ResidencyMode::stream),
+                         [](const auto& info) {
+                           return info.param == graph::ResidencyMode::resident ? std::string("resident")
+                                                                               : std::string("stream");
+                         });
+
+// Resident state commits on the device: the step runs ahead and the host waits once per step.
+// Streamed state commits its next host copy when the step succeeded: submit() completes the step
+// before it first, and says so through runs_ahead().
+TEST(SubmitAhead, RunsAheadOnlyWhereTheStateCommitsOnTheDevice) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  Trainer resident(rt, m, options(graph::ResidencyMode::resident));
+  EXPECT_TRUE(resident.train_step().can_run_ahead());
+  EXPECT_TRUE(resident.runs_ahead());
+  const Batches b(m, 4);
+  const std::uint64_t w0 = resident.train_step().host_waits();
+  const StepHandle h0 = resident.submit(b.at(0));
+  const StepHandle h1 = resident.submit(b.at(1));
+  EXPECT_EQ(resident.train_step().in_flight(), 2u) << "both steps should be on the device at once";
+  resident.result(h0);
+  resident.result(h1);
+  EXPECT_EQ(resident.train_step().host_waits() - w0, 2u) << "one host wait per step";
+
+  TrainerOptions o = options(graph::ResidencyMode::stream);
+  o.residency.budget_bytes = 1;
+  o.residency.budget_bytes = min_stream_budget(rt, m, o).value_or(0);
+  Trainer streamed(rt, m, o);
+  EXPECT_FALSE(streamed.train_step().can_run_ahead());
+  EXPECT_FALSE(streamed.runs_ahead());
+  const StepHandle s0 = streamed.submit(b.at(0));
+  const StepHandle s1 = streamed.submit(b.at(1));
+  EXPECT_LE(streamed.train_step().in_flight(), 1u);
+  EXPECT_TRUE(std::isfinite(streamed.result(s1).loss));  // out of order: the earlier one is kept
+  EXPECT_TRUE(std::isfinite(streamed.result(s0).loss));
+}
+
+TEST(SubmitAhead, MisuseIsAClearError) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  Trainer t(rt, m, options(graph::ResidencyMode::resident));
+  const Batches b(m, 3);
+  const StepHandle h = t.submit(b.at(0));
+  // Reading the state while a step runs is refused, naming what to do.
+  try {
+    t.read_parameter(t.parameter_names().front());
+    ADD_FAILURE() << "reading a parameter with a step in flight should throw";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("result()"), std::string::npos) << e.what();
+  }
+  t.result(h);
+  EXPECT_THROW(t.result(h), std::invalid_argument);  // read once
+  EXPECT_THROW(t.result(StepHandle{12345}), std::invalid_argument);
+
+  // The compiled step: at most max_in_flight, and wait() with nothing in flight.
+  graph::CompiledStep& step = t.train_step();
+  EXPECT_THROW(step.wait(), std::logic_error);
+  step.submit(ops::StepInfo{t.steps_done() + 1, t.lr()});
+  step.submit(ops::StepInfo{t.steps_done() + 2, t.lr()});
+  EXPECT_THROW(step.submit(ops::StepInfo{t.steps_done() + 3, t.lr()}), std::logic_error);
+  step.wait();
+  step.wait();
+}
+
+// A step whose enqueue fails throws from submit(); the step in flight before it is unharmed, and
+// training goes on as if the failed one had never been submitted.
+TEST(SubmitAhead, AnEnqueueFailureStaysWithItsStep) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  Trainer t(rt, m, options(graph::ResidencyMode::resident)), reference(rt, m, options(graph::ResidencyMode::resident));
+  const Batches b(m, 3);
+  const float r0 = reference.step(b.at(0)).loss;
+  const float r1 = reference.step(b.at(2)).loss;
+
+  const StepHandle h0 = t.submit(b.at(0));
+  // A kernel of the backward pass (before the commit point) is refused by the driver.
+  const auto& n = t.train_step().graph().nodes;
+  graph::NodeId victim = 0;
+  for (graph::NodeId id = 0; id < n.size(); ++id) {
+    if (n.lane[id] == graph::Lane::compute && id < *t.train_step().commit_node()) victim = id;
+  }
+  t.train_step().inject_failure(victim, graph::Fault::enqueue_error);
+  try {
+    t.submit(b.at(1));
+    ADD_FAILURE() << "the submit should fail";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(n.name[victim]), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(t.result(h0).loss, r0);
+  EXPECT_EQ(t.step(b.at(2)).loss, r1);
+  EXPECT_TRUE(state_of(t) == state_of(reference)) << "the failed step left something in the state";
+}
+
+}  // namespace
+}  // namespace ferry::test
