@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch peer of `ferry train --model gpt`: the same character-level GPT on the fortunes corpus, on the CPU or a GPU.
 
-Corpus: every regular file directly in /usr/share/games/fortunes (symlinks followed, de-duplicated by
-resolved real path), names ending in .dat or .u8 skipped, sorted by resolved real path as bytes and
+Corpus: every regular file directly in --corpus-dir (default: $FERRY_TEXT_DIR when set, else
+/usr/share/games/fortunes, as ferry) (symlinks followed, de-duplicated by resolved real path), names
+ending in .dat or .u8 or starting with a dot skipped, sorted by resolved real path as bytes and
 concatenated as raw bytes. Vocabulary: the distinct byte values, ascending (token id = index). The first
 floor(0.9 * n) bytes train, the tail validates.
 
@@ -89,7 +90,7 @@ def load_corpus(directory: str) -> bytes:
     """The fortunes corpus as ferry reads it (see the module docstring)."""
     paths = {}
     for name in os.listdir(directory):
-        if name.endswith(".dat") or name.endswith(".u8"):
+        if name.endswith(".dat") or name.endswith(".u8") or name.startswith("."):
             continue
         path = os.path.join(directory, name)
         if not os.path.isfile(path):  # follows symlinks
@@ -317,7 +318,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="train for this many (timed) steps")
     ap.add_argument("--eval-every", type=float, default=None, help="also evaluate every this many training seconds")
     ap.add_argument("--val-windows", type=int, default=256, help="cap on validation windows (0: all)")
-    ap.add_argument("--corpus-dir", default=CORPUS_DIR)
+    ap.add_argument("--corpus-dir", default=os.environ.get("FERRY_TEXT_DIR") or CORPUS_DIR,
+                    help="folder of text files (default: $FERRY_TEXT_DIR, else %(default)s)")
     ap.add_argument("--device", type=device_arg, default="cpu",
                     help="cpu (default), cuda or cuda:N: where the model, data and optimizer live")
     args = ap.parse_args()
