@@ -4,11 +4,14 @@
 // valid files of the current format.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 #include "../runtime/checkpoint_format.hpp"
@@ -168,9 +171,50 @@ TEST_F(CheckpointFormat, ATensorChangedAfterTheFirstPassIsNoticed) {
   EXPECT_FALSE(ckpt::read_tensor(r, c.tensors[1], 1, buf).has_value());
 }
 
+// Where the fuzzer's seed corpus is, relative to a root: the source tree, or the copy the build
+// puts beside this test binary (tests/CMakeLists.txt).
+const fs::path kSeedsUnderRoot = fs::path("fuzz") / "corpus" / "checkpoint";
+
+// The seed directory, and every directory looked in, for the message when none holds it:
+// $FERRY_SOURCE_DIR alone when it is set (an explicit answer is not second-guessed); otherwise
+// the source tree this binary was built from, then this binary's directory (the build's copy) and
+// each directory above it (a build tree inside a checkout that was moved or copied elsewhere: the
+// compiled-in path is then another machine's).
+std::pair<fs::path, std::vector<fs::path>> find_seeds() {
+  std::vector<fs::path> roots;
+  if (const char* env = std::getenv("FERRY_SOURCE_DIR"); env != nullptr && *env != '\0') {
+    roots.emplace_back(env);
+  } else {
+#ifdef FERRY_SOURCE_DIR
+    roots.emplace_back(FERRY_SOURCE_DIR);
+#endif
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    if (!ec) {
+      for (fs::path dir = exe.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+        roots.push_back(dir);
+        if (dir == dir.root_path()) break;
+      }
+    }
+  }
+  std::vector<fs::path> looked;
+  for (const fs::path& root : roots) {
+    looked.push_back(root / kSeedsUnderRoot);
+    std::error_code ec;
+    if (fs::is_directory(looked.back(), ec)) return {looked.back(), looked};
+  }
+  return {fs::path{}, looked};
+}
+
 TEST(CheckpointFormatSeeds, TheFuzzerSeedsAreValidFiles) {
-  const fs::path seeds = fs::path(__FILE__).parent_path().parent_path() / "fuzz" / "corpus" / "checkpoint";
-  ASSERT_TRUE(fs::is_directory(seeds)) << seeds;
+  const auto [seeds, looked] = find_seeds();
+  if (seeds.empty()) {
+    std::string where;
+    for (const fs::path& p : looked) where += "\n  " + p.string();
+    FAIL() << "the fuzzer's checkpoint seeds (" << kSeedsUnderRoot.string() << ") are in none of:" << where
+           << "\nset FERRY_SOURCE_DIR to a ferry source tree, or run the test binary from its build tree";
+  }
+  RecordProperty("seeds", seeds.string());
   int n = 0;
   for (const auto& e : fs::directory_iterator(seeds)) {
     const ckpt::Reader r(e.path());

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -164,15 +165,35 @@ INSTANTIATE_TEST_SUITE_P(
                       ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
     [](const auto& info) { return info.param.name; });
 
+// Sets an environment variable for the life of the object and then restores what was there
+// before (tests/oclgrind's packed run sets FERRY_GEMM_TUNING for the whole binary).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
 // The path GPUs take (local-memory tiled GEMM, with the permutes to and from the GEMM layout),
 // forced on this device through the tuning override.
 TEST(Conv2dTiledPath, MatchesReference) {
   const std::string path = ::testing::TempDir() + "ferry_conv_tiled.tsv";
-  {
-    std::ofstream out(path);
-    out << "*\t*\t*\tferry\ttiled\tTSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2\n";
-  }
-  ::setenv("FERRY_GEMM_TUNING", path.c_str(), 1);
+  std::ofstream(path) << "*\t*\t*\tferry\ttiled\tTSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2\n";
+  ScopedEnv tuning("FERRY_GEMM_TUNING", path);
   for (const ConvCase& tc : {ConvCase{"tiled_k3_pad1_stride2", shape(3, 2, 7, 7, 5, 3, 3, 1, 2)},
                              ConvCase{"tiled_k7_pad3", shape(2, 3, 11, 10, 9, 7, 7, 3, 1), false},
                              ConvCase{"tiled_relu_k3", with_relu(shape(2, 3, 8, 9, 9, 3, 3, 1, 1))},
@@ -181,56 +202,128 @@ TEST(Conv2dTiledPath, MatchesReference) {
     if (too_large_for_this_run(conv_work(tc.shape))) continue;
     check_against_reference(tc);
   }
-  ::unsetenv("FERRY_GEMM_TUNING");
+}
+
+// A GEMM tuning file of one row that matches every device.
+std::string tuning_file(const std::string& stem, const std::string& params) {
+  const std::string path = ::testing::TempDir() + "ferry_conv_" + stem + ".tsv";
+  std::ofstream(path) << "*\t*\t*\tferry\tpacked\t" << params << "\n";
+  return path;
+}
+
+// What gemm() runs on this device for a product wide enough (N = 256) that the packed block is
+// not narrowed to fit it, e.g. "ferry packed RB=6 NV=4 NN (ops/tuning/gemm.tsv (embedded):27)".
+std::string wide_gemm_kernel(ops::OpEnv& env) {
+  ops::GemmShape g;
+  g.M = g.N = g.K = 256;
+  return ops::gemm_kernel_description(env, g);
+}
+
+// Whether that kernel holds Winograd's register block: ferry's packed kernel with NV >= 4 (24
+// float16 accumulators; the AVX-512 rows of ops/tuning/gemm.tsv). The AVX2 row (NV = 1) does not.
+bool holds_winograd_block(const std::string& kernel) {
+  if (kernel.rfind("ferry packed ", 0) != 0) return false;
+  const std::size_t at = kernel.find(" NV=");
+  return at != std::string::npos && std::stoi(kernel.substr(at + 4)) >= 4;
+}
+
+// The three algorithms the CNN's second layer (C = 32, 5x5, stride 1) gets: Winograd, the
+// implicit GEMM over NCHW planes (CPU devices whose GEMM row does not hold the block, or Winograd
+// turned off), or im2col + GEMM (devices whose GEMM does not take planes: GPUs).
+enum class ConvPath { winograd, planes, columns };
+void expect_cnn_layer2_path(ops::OpEnv& env, ConvPath path) {
+  const ops::Conv2dAlgorithms cnn = ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1));
+  const ops::Conv2dAlgorithms k3 = ops::conv2d_algorithms(env, shape(4, 16, 10, 13, 40, 3, 3, 1, 1));
+  switch (path) {
+    case ConvPath::winograd:
+      EXPECT_EQ(cnn.forward, "winograd F(2x2,5x5)");
+      EXPECT_EQ(cnn.data_grad, "forward of dy: winograd F(2x2,5x5)");
+      EXPECT_EQ(cnn.weight_grad, "winograd F(5x5,2x2)");
+      EXPECT_EQ(k3.forward, "winograd F(4x4,3x3)");
+      break;
+    case ConvPath::planes:
+      EXPECT_EQ(cnn.forward, "implicit GEMM (planes)");
+      EXPECT_EQ(cnn.data_grad, "forward of dy: implicit GEMM (planes)");
+      EXPECT_EQ(cnn.weight_grad, "implicit GEMM (planes)");
+      EXPECT_EQ(k3.forward, "implicit GEMM (planes)");
+      break;
+    case ConvPath::columns:
+      EXPECT_EQ(cnn.forward, "im2col GEMM");
+      EXPECT_EQ(cnn.data_grad, "GEMM + col2im");
+      EXPECT_EQ(cnn.weight_grad, "im2col GEMM");
+      EXPECT_EQ(k3.forward, "im2col GEMM");
+      break;
+  }
 }
 
 // Which algorithm runs where, and the GEMM path of shapes that take Winograd by default
-// (FERRY_CONV_WINOGRAD=0), so both stay covered on CPU devices.
+// (FERRY_CONV_WINOGRAD=0), so both stay covered on CPU devices. Winograd runs on the devices whose
+// GEMM takes NCHW planes (ferry's packed kernel) and whose tuning row holds its register block
+// (AVX-512 CPUs); an AVX2 CPU (PoCL's pthread-haswell, the NV = 1 row) keeps the implicit GEMM.
+// Both rows are also forced through FERRY_GEMM_TUNING, so each decision is checked on every CPU
+// device whichever row it really gets.
 TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
   auto& env = TestDevice::get().env;
-  const bool cpu_path = ops::gemm_takes_planes(env);
-  const ops::Conv2dAlgorithms cnn = ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1));
-  EXPECT_EQ(cnn.forward, cpu_path ? "winograd F(2x2,5x5)" : "im2col GEMM");
-  EXPECT_EQ(cnn.data_grad, cpu_path ? "forward of dy: winograd F(2x2,5x5)" : "GEMM + col2im");
-  EXPECT_EQ(cnn.weight_grad, cpu_path ? "winograd F(5x5,2x2)" : "im2col GEMM");
-  EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 16, 10, 13, 40, 3, 3, 1, 1)).forward,
-            cpu_path ? "winograd F(4x4,3x3)" : "im2col GEMM");
+  const bool planes = ops::gemm_takes_planes(env);
+  const std::string kernel = wide_gemm_kernel(env);
+  const bool winograd_here = planes && holds_winograd_block(kernel);
+  SCOPED_TRACE("device '" + TestDevice::get().context.device().name + "', GEMM " + kernel +
+               (winograd_here ? ": Winograd expected" : ": no Winograd expected"));
+  const ConvPath gemm_path = planes ? ConvPath::planes : ConvPath::columns;
+  expect_cnn_layer2_path(env, winograd_here ? ConvPath::winograd : gemm_path);
   // Too few channels, stride 2, 7x7: not Winograd.
   for (const auto& other : {shape(4, 8, 14, 14, 64, 5, 5, 2, 1), shape(4, 32, 14, 14, 64, 5, 5, 2, 2),
                             shape(4, 32, 14, 14, 64, 7, 7, 3, 1)}) {
     EXPECT_EQ(ops::conv2d_algorithms(env, other).forward.rfind("winograd", 0), std::string::npos);
   }
 
-  // A GEMM row whose register block is one float16 wide (the AVX2 row) keeps the implicit GEMM.
-  if (cpu_path) {
-    const std::string path = ::testing::TempDir() + "ferry_conv_avx2.tsv";
+  if (planes) {
+    // A GEMM row whose register block is one float16 wide (the AVX2 row) keeps the implicit GEMM.
     {
-      std::ofstream out(path);
-      out << "*\t*\t*\tferry\tpacked\tRB=6 NV=1\n";
+      ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file("avx2", "RB=6 NV=1"));
+      SCOPED_TRACE("forced row packed RB=6 NV=1");
+      ASSERT_FALSE(holds_winograd_block(wide_gemm_kernel(env))) << wide_gemm_kernel(env);
+      expect_cnn_layer2_path(env, ConvPath::planes);
     }
-    ::setenv("FERRY_GEMM_TUNING", path.c_str(), 1);
-    EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1)).forward, "implicit GEMM (planes)");
-    ::unsetenv("FERRY_GEMM_TUNING");
+    // The AVX-512 row runs Winograd on any CPU device, and FERRY_CONV_WINOGRAD=0 turns it off
+    // there. Where this device's own row is not that one, one Winograd shape (5x5, partial tiles,
+    // channels past a block of 16, bias) runs here against the reference, so the kernels are
+    // checked on this device too; elsewhere the Conv2dTest cases named winograd_* run them. (One
+    // shape only: each is about ten program builds, 15-20 s on a 2-core PoCL machine.)
+    ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file("avx512", "RB=6 NV=4"));
+    SCOPED_TRACE("forced row packed RB=6 NV=4");
+    ASSERT_TRUE(holds_winograd_block(wide_gemm_kernel(env))) << wide_gemm_kernel(env);
+    expect_cnn_layer2_path(env, ConvPath::winograd);
+    const ConvCase forced{"forced_winograd_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)};
+    if (!winograd_here && !too_large_for_this_run(conv_work(forced.shape))) {
+      SCOPED_TRACE(forced.name);
+      ASSERT_EQ(ops::conv2d_algorithms(env, forced.shape).forward, "winograd F(2x2,5x5)");
+      check_against_reference(forced);
+    }
+    ScopedEnv off("FERRY_CONV_WINOGRAD", "0");
+    expect_cnn_layer2_path(env, ConvPath::planes);
   }
 
-  ::setenv("FERRY_CONV_WINOGRAD", "0", 1);
-  EXPECT_EQ(ops::conv2d_algorithms(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1)).forward,
-            cpu_path ? "implicit GEMM (planes)" : "im2col GEMM");
-  for (const ConvCase& tc : {ConvCase{"gemm_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)},
-                             ConvCase{"gemm_k3_pad1_k40", shape(2, 16, 10, 13, 40, 3, 3, 1, 1)},
-                             ConvCase{"gemm_cnn_layer2", shape(8, 32, 14, 14, 64, 5, 5, 2, 1)}}) {
-    SCOPED_TRACE(tc.name);
-    if (too_large_for_this_run(conv_work(tc.shape))) continue;
-    check_against_reference(tc);
+  {
+    // This device's own row with Winograd turned off: the GEMM path, checked against the reference
+    // on the shapes that take Winograd where it is on.
+    ScopedEnv off("FERRY_CONV_WINOGRAD", "0");
+    expect_cnn_layer2_path(env, gemm_path);
+    for (const ConvCase& tc : {ConvCase{"gemm_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)},
+                               ConvCase{"gemm_k3_pad1_k40", shape(2, 16, 10, 13, 40, 3, 3, 1, 1)},
+                               ConvCase{"gemm_cnn_layer2", shape(8, 32, 14, 14, 64, 5, 5, 2, 1)}}) {
+      SCOPED_TRACE(tc.name);
+      if (too_large_for_this_run(conv_work(tc.shape))) continue;
+      check_against_reference(tc);
+    }
   }
-  ::setenv("FERRY_CONV_WINOGRAD", "sometimes", 1);
+  ScopedEnv bad("FERRY_CONV_WINOGRAD", "sometimes");
   try {
     (void)ops::conv2d_scratch_elems(env, shape(4, 32, 14, 14, 64, 5, 5, 2, 1));
     ADD_FAILURE() << "a bad FERRY_CONV_WINOGRAD was accepted";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("FERRY_CONV_WINOGRAD='sometimes'"), std::string::npos) << e.what();
   }
-  ::unsetenv("FERRY_CONV_WINOGRAD");
 }
 
 // A wide layer's weight gradient keeps one chunk of partial sums (36 x C x K floats, 38 MB here)

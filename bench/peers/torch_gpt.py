@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""PyTorch peer of `ferry train --model gpt`: the same character-level GPT on the fortunes corpus, on the CPU.
+"""PyTorch peer of `ferry train --model gpt`: the same character-level GPT on the fortunes corpus, on the CPU or a GPU.
 
-Corpus: every regular file directly in /usr/share/games/fortunes (symlinks followed, de-duplicated by
-resolved real path), names ending in .dat or .u8 skipped, sorted by resolved real path as bytes and
+Corpus: every regular file directly in --corpus-dir (default: $FERRY_TEXT_DIR when set, else
+/usr/share/games/fortunes, as ferry) (symlinks followed, de-duplicated by resolved real path), names
+ending in .dat or .u8 or starting with a dot skipped, sorted by resolved real path as bytes and
 concatenated as raw bytes. Vocabulary: the distinct byte values, ascending (token id = index). The first
 floor(0.9 * n) bytes train, the tail validates.
 
@@ -20,25 +21,76 @@ the validation split starting at 0, context, 2*context, ... (start + context + 1
 Modes: eager, compile (torch.compile of the model, default backend; at least 3 warm-up steps first, timed
 apart and reported as compile_s; --warmup untimed steps in either mode), or both (eager then compile, each from the same seed). Train for --seconds of
 wall time or --steps steps; tokens_per_s counts the timed steps only (evaluation time excluded).
-Prints one JSON line per mode on stdout; on failure to import torch, one JSON line with "error" and exit 1.
+--device cpu (the default) or cuda (cuda:N for another GPU): the model, the token ids and the optimizer state
+live there (the random window offsets are still drawn on the CPU from the seeded generator, so both devices
+train on the same batches); on cuda every timed region (a training step, an evaluation, the compile warm-up)
+starts and ends with torch.cuda.synchronize(), and TF32 matmuls are turned off (fp32 as ferry). Each JSON line
+names the device ("device", plus "device_name" on cuda).
+Prints one JSON line per mode on stdout; on failure to import torch, or --device cuda where torch has no usable
+CUDA device, one JSON line with "error" and exit 1.
 """
 import argparse
 import hashlib
 import json
 import os
 import random
+import re
 import sys
 import time
+import warnings
 
 CORPUS_DIR = "/usr/share/games/fortunes"
 COMPILE_WARMUP_STEPS = 3
+
+
+def device_arg(text: str) -> str:
+    """--device: cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, not '{text}'")
+    return text
+
+
+def open_device(torch, name: str):
+    """The torch.device for --device, or an error message when it cannot be used."""
+    if name == "cpu":
+        return torch.device("cpu"), None
+    if not torch.cuda.is_available():
+        return None, (f"--device {name}: torch {torch.__version__} has no usable CUDA device "
+                      f"(torch.cuda.is_available() is False; built with CUDA {torch.version.cuda})")
+    device = torch.device(name)
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        return None, f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible"
+    return torch.device("cuda", index), None
+
+
+def strict_fp32(torch) -> None:
+    """No TF32 in CUDA matmuls or cuDNN convolutions (fp32, as ferry computes), set through one API
+    only: PyTorch 2.9+ raises on later matmuls when its legacy and new TF32 settings are mixed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 2.9+ warns that the legacy setters will be deprecated
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        except Exception:
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+            torch.backends.cudnn.conv.fp32_precision = "ieee"
+
+
+def device_fields(torch, device) -> dict:
+    """The JSON fields naming the device a mode ran on."""
+    fields = {"device": str(device)}
+    if device.type == "cuda":
+        fields["device_name"] = torch.cuda.get_device_name(device)
+        fields["tf32"] = False
+    return fields
 
 
 def load_corpus(directory: str) -> bytes:
     """The fortunes corpus as ferry reads it (see the module docstring)."""
     paths = {}
     for name in os.listdir(directory):
-        if name.endswith(".dat") or name.endswith(".u8"):
+        if name.endswith(".dat") or name.endswith(".u8") or name.startswith("."):
             continue
         path = os.path.join(directory, name)
         if not os.path.isfile(path):  # follows symlinks
@@ -104,13 +156,21 @@ def build_model(torch, nn, F, vocab: int, width: int, depth: int, heads: int, co
     return GPT()
 
 
-def run_mode(torch, nn, F, args, mode: str, data: dict) -> dict:
+def run_mode(torch, nn, F, args, mode: str, data: dict, device) -> dict:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)  # on the CPU: the same batches on every device
     vocab = data["vocab"]
     ctx = args.context
-    model = build_model(torch, nn, F, vocab, args.width, args.depth, args.heads, ctx)
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    # Built on the CPU from the seed (the same initial weights on every device), then moved, before
+    # the optimizer, whose state follows the parameters.
+    model = build_model(torch, nn, F, vocab, args.width, args.depth, args.heads, ctx).to(device)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     train_ids = data["train"]
@@ -120,7 +180,7 @@ def run_mode(torch, nn, F, args, mode: str, data: dict) -> dict:
 
     def batch():
         offs = torch.randint(0, n_train - ctx, (args.batch,), generator=gen)
-        w = train_ids[offs[:, None] + span]
+        w = train_ids[(offs[:, None] + span).to(device)]
         return w[:, :-1], w[:, 1:]
 
     fwd = model
@@ -155,15 +215,17 @@ def run_mode(torch, nn, F, args, mode: str, data: dict) -> dict:
         model.train()
         return total / count
 
-    result = {"peer": f"torch-{mode}"}
+    result = {"peer": f"torch-{mode}", **device_fields(torch, device)}
     updates = 0
     warmup = max(args.warmup, COMPILE_WARMUP_STEPS) if mode == "compile" else args.warmup
     if warmup:
         # Untimed steps first (one-off allocation and, compiled, the compile itself).
+        sync()
         t0 = time.perf_counter()
         for _ in range(warmup):
             step()
             updates += 1
+        sync()
         if mode == "compile":
             result["compile_s"] = time.perf_counter() - t0
         result["warmup_steps"] = warmup
@@ -175,30 +237,38 @@ def run_mode(torch, nn, F, args, mode: str, data: dict) -> dict:
     steps = 0
     next_eval = args.eval_every if args.eval_every else None
     if next_eval:
+        sync()
         t0 = time.perf_counter()
         curve.append({"seconds": 0.0, "step": updates, "val_loss": evaluate()})
+        sync()
         eval_s += time.perf_counter() - t0
     while True:
         if args.steps is not None and steps >= args.steps:
             break
         if args.steps is None and train_s >= args.seconds:
             break
+        sync()
         t0 = time.perf_counter()
         losses.append(step())
+        sync()
         train_s += time.perf_counter() - t0
         steps += 1
         updates += 1
         if next_eval and train_s >= next_eval:
+            sync()
             t0 = time.perf_counter()
             curve.append({"seconds": train_s, "step": updates, "val_loss": evaluate()})
+            sync()
             eval_s += time.perf_counter() - t0
             while next_eval <= train_s:
                 next_eval += args.eval_every
     if curve and curve[-1]["step"] == updates:
         val_loss = curve[-1]["val_loss"]  # the last periodic evaluation already saw the final weights
     else:
+        sync()
         t0 = time.perf_counter()
         val_loss = evaluate()
+        sync()
         eval_s += time.perf_counter() - t0
         curve.append({"seconds": train_s, "step": updates, "val_loss": val_loss})
 
@@ -248,7 +318,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="train for this many (timed) steps")
     ap.add_argument("--eval-every", type=float, default=None, help="also evaluate every this many training seconds")
     ap.add_argument("--val-windows", type=int, default=256, help="cap on validation windows (0: all)")
-    ap.add_argument("--corpus-dir", default=CORPUS_DIR)
+    ap.add_argument("--corpus-dir", default=os.environ.get("FERRY_TEXT_DIR") or CORPUS_DIR,
+                    help="folder of text files (default: $FERRY_TEXT_DIR, else %(default)s)")
+    ap.add_argument("--device", type=device_arg, default="cpu",
+                    help="cpu (default), cuda or cuda:N: where the model, data and optimizer live")
     args = ap.parse_args()
     if args.seconds is None and args.steps is None:
         args.seconds = 60.0
@@ -259,8 +332,16 @@ def main() -> int:
         import torch.nn.functional as F
         from torch import nn
     except Exception as e:  # no torch, or a broken install
-        print(json.dumps({"error": f"cannot import torch: {e}", "python": sys.executable}))
+        print(json.dumps({"error": f"cannot import torch: {e}", "python": sys.executable, "device": args.device}))
         return 1
+    device, problem = open_device(torch, args.device)
+    if problem:
+        print(problem, file=sys.stderr)
+        print(json.dumps({"error": problem, "python": sys.executable, "device": args.device,
+                          "torch_version": torch.__version__}))
+        return 1
+    if device.type == "cuda":
+        strict_fp32(torch)
 
     torch.set_num_threads(os.cpu_count() or 1)
     try:
@@ -278,8 +359,8 @@ def main() -> int:
     n_train = len(corpus) * 9 // 10  # exact floor(0.9 * n), no float rounding
     data = {
         "vocab": len(symbols),
-        "train": ids[:n_train],
-        "val": ids[n_train:],
+        "train": ids[:n_train].to(device),
+        "val": ids[n_train:].to(device),
         "corpus_bytes": len(corpus),
         "corpus_sha256": hashlib.sha256(corpus).hexdigest(),
     }
@@ -288,9 +369,10 @@ def main() -> int:
     rc = 0
     for mode in modes:
         try:
-            result = run_mode(torch, nn, F, args, mode, data)
+            result = run_mode(torch, nn, F, args, mode, data, device)
         except Exception as e:  # e.g. torch.compile without a working C++ toolchain
-            result = {"peer": f"torch-{mode}", "torch_version": torch.__version__, "error": f"{type(e).__name__}: {e}"}
+            result = {"peer": f"torch-{mode}", "torch_version": torch.__version__, "error": f"{type(e).__name__}: {e}",
+                      **device_fields(torch, device)}
             rc = 1
         print(json.dumps(result), flush=True)
     return rc

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch peer of `ferry-bench step`: one training step of the same MLP or CNN on the CPU.
+"""PyTorch peer of `ferry-bench step`: one training step of the same MLP or CNN on the CPU or a CUDA GPU.
 
 --model mlp: MLP 784-1024-1024-10 (nn.Linear + ReLU); --model cnn: ferry's models::cnn(),
 conv5x5(32)-ReLU-maxpool2-conv5x5(64)-ReLU-maxpool2-fc256-ReLU-fc10 on 1x28x28 (padding 2).
@@ -7,7 +7,12 @@ CrossEntropyLoss, Adam (fused=True where this torch has it), fp32, random standa
 --mode eager runs the module as is; --mode compile wraps the forward and loss in torch.compile.
 Warm-up steps first, then --repeat blocks of --steps steps; the step time reported is the median
 over the blocks of the block's mean step time (the same statistic ferry-bench reports for ferry).
-Prints one JSON line on stdout; on failure (no torch), one JSON line with "error" and exit 1.
+--device cpu (the default) or cuda (cuda:N for another GPU): the model, the data and the optimizer
+state live there; on cuda each timed block starts and ends with torch.cuda.synchronize(), and
+TF32 is turned off (matmuls and cuDNN convolutions), so the step stays fp32 as ferry's is. The
+JSON line names the device ("device", plus "device_name" on cuda).
+Prints one JSON line on stdout; on failure (no torch, or --device cuda where torch has no usable
+CUDA device), one JSON line with "error" and exit 1.
 
 Environment knobs such as OPENBLAS_CORETYPE or OMP_WAIT_POLICY are set by the caller before this
 script starts (they must be set before torch is imported); this script only reports them.
@@ -15,11 +20,48 @@ script starts (they must be set before torch is imported); this script only repo
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
+import warnings
 
-ENV_KEYS = ("OPENBLAS_CORETYPE", "OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+ENV_KEYS = ("OPENBLAS_CORETYPE", "OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES")
+
+
+def device_arg(text: str) -> str:
+    """--device: cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, not '{text}'")
+    return text
+
+
+def open_device(torch, name: str):
+    """The torch.device for --device, or an error message when it cannot be used."""
+    if name == "cpu":
+        return torch.device("cpu"), None
+    if not torch.cuda.is_available():
+        return None, (f"--device {name}: torch {torch.__version__} has no usable CUDA device "
+                      f"(torch.cuda.is_available() is False; built with CUDA {torch.version.cuda})")
+    device = torch.device(name)
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        return None, f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible"
+    return torch.device("cuda", index), None
+
+
+def strict_fp32(torch) -> None:
+    """No TF32 in CUDA matmuls or cuDNN convolutions (fp32, as ferry computes), set through one API
+    only: PyTorch 2.9+ raises on later matmuls when its legacy and new TF32 settings are mixed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 2.9+ warns that the legacy setters will be deprecated
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        except Exception:
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+            torch.backends.cudnn.conv.fp32_precision = "ieee"
 
 
 def main() -> int:
@@ -32,14 +74,30 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per timed block")
     ap.add_argument("--repeat", type=int, default=5, help="timed blocks")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--device", type=device_arg, default="cpu",
+                    help="cpu (default), cuda or cuda:N: where the model, data and optimizer live")
     args = ap.parse_args()
     env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
     try:
         import torch
         from torch import nn
     except Exception as e:  # no torch, or a broken install
-        print(json.dumps({"error": f"cannot import torch: {e}", "python": sys.executable, "env": env}))
+        print(json.dumps({"error": f"cannot import torch: {e}", "python": sys.executable, "env": env,
+                          "device": args.device}))
         return 1
+    device, problem = open_device(torch, args.device)
+    if problem:
+        print(problem, file=sys.stderr)
+        print(json.dumps({"error": problem, "python": sys.executable, "env": env, "device": args.device,
+                          "torch_version": torch.__version__}))
+        return 1
+    cuda = device.type == "cuda"
+    if cuda:
+        strict_fp32(torch)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
 
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -60,11 +118,12 @@ def main() -> int:
         layers.append(nn.Linear(width, 10))
         model = nn.Sequential(*layers)
         sample = (784,)
+    model = model.to(device)  # before the optimizer, whose state follows the parameters
     loss_fn = nn.CrossEntropyLoss()
     fused = True
     try:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
-    except Exception:  # a torch without fused CPU Adam
+    except Exception:  # a torch without fused Adam on this device
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         fused = False
 
@@ -75,11 +134,13 @@ def main() -> int:
         try:
             forward_loss = torch.compile(forward_loss)
         except Exception as e:
-            print(json.dumps({"error": f"torch.compile failed: {e}", "python": sys.executable, "env": env}))
+            print(json.dumps({"error": f"torch.compile failed: {e}", "python": sys.executable, "env": env,
+                              "device": str(device)}))
             return 1
 
     # A few distinct batches of standardized random data, cycled.
-    batches = [(torch.randn(args.batch, *sample), torch.randint(0, 10, (args.batch,))) for _ in range(4)]
+    batches = [(torch.randn(args.batch, *sample).to(device), torch.randint(0, 10, (args.batch,)).to(device))
+               for _ in range(4)]
 
     def step(i: int) -> float:
         x, y = batches[i % len(batches)]
@@ -94,9 +155,11 @@ def main() -> int:
     block_ms = []
     last_loss = 0.0
     for _ in range(args.repeat):
+        sync()
         t0 = time.perf_counter()
         for i in range(args.steps):
             last_loss = step(i)
+        sync()
         block_ms.append((time.perf_counter() - t0) * 1e3 / args.steps)
     step_ms = statistics.median(block_ms)
     print(
@@ -115,6 +178,8 @@ def main() -> int:
                 "threads": torch.get_num_threads(),
                 "loss": last_loss,
                 "env": env,
+                "device": str(device),
+                **({"device_name": torch.cuda.get_device_name(device), "tf32": False} if cuda else {}),
             }
         )
     )
