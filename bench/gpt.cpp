@@ -25,6 +25,7 @@ struct GptBenchOptions {
   std::string python = "python3";
   std::string peer_script;
   std::vector<std::string> modes{"eager", "compile"};
+  std::string peer_device = "cpu";  // where the peer runs: cpu, cuda, cuda:N
   bool ferry = true;
 };
 
@@ -115,14 +116,16 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
       continue;
     }
     const std::string cmd = fmt::format(
-        "{} {} --mode {} --width {} --depth {} --heads {} --context {} --batch {} --lr {} --warmup {} --steps {}",
+        "{} {} --mode {} --width {} --depth {} --heads {} --context {} --batch {} --lr {} --warmup {} --steps {} "
+        "--device {}",
         shell_quote(python), shell_quote(o.peer_script), shell_quote(mode), o.width, o.depth, o.heads, o.context,
-        o.batch, o.lr, o.warmup, o.steps * common.repeat);
+        o.batch, o.lr, o.warmup, o.steps * common.repeat, shell_quote(o.peer_device));
     const nlohmann::json r = run_json_command(cmd).back();
     for (const char* key : {"error", "torch_version", "threads", "parameters", "steps", "seconds", "tokens_per_s",
-                            "train_loss", "compile_s"}) {
+                            "train_loss", "compile_s", "device_name", "tf32"}) {
       if (r.contains(key)) j[key] = r[key];
     }
+    j["peer_device"] = r.value("device", o.peer_device);
     if (j.contains("tokens_per_s")) j["step_ms"] = 1e3 * o.batch * o.context / j["tokens_per_s"].get<double>();
     peers.push_back(j);
   }
@@ -174,6 +177,13 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--python", o->python, "Python interpreter with torch for the peers")->capture_default_str();
   sub.add_option("--peer-script", o->peer_script, "the PyTorch peer script")->capture_default_str();
   sub.add_option("--modes", o->modes, "peer modes: eager, compile (none: --modes '')")->delimiter(',');
+  sub.add_option("--peer-device", o->peer_device, "where the PyTorch peer runs: cpu, cuda or cuda:N")
+      ->capture_default_str()
+      ->check([](const std::string& d) {
+        return d == "cpu" || d == "cuda" || d.starts_with("cuda:")
+                   ? std::string()
+                   : std::string("cpu, cuda or cuda:N, not '" + d + "'");
+      });
   sub.add_flag("!--no-ferry", o->ferry, "run only the peers");
   return [o, &common] { return run_gpt(common, *o); };
 }

@@ -50,6 +50,7 @@ struct StepBenchOptions {
   std::string peer_script;
   std::string peer_env = "both";                            // tuned, stock or both
   std::vector<std::string> peer_modes{"eager", "compile"};  // PyTorch eager and torch.compile, fused Adam
+  std::string peer_device = "cpu";                          // where the peer runs: cpu, cuda, cuda:N
   bool ferry = true;
 };
 
@@ -213,8 +214,9 @@ nlohmann::json run_peer(const PeerRun& p, const StepBenchOptions& o, int repeat)
   for (const auto& [k, v] : p.env.items()) {
     cmd += v.is_null() ? fmt::format(" -u {}", k) : fmt::format(" {}={}", k, shell_quote(v.get<std::string>()));
   }
-  cmd += fmt::format(" {} {} --model {} --mode {} --batch {} --warmup {} --steps {} --repeat {}", shell_quote(p.python),
-                     shell_quote(o.peer_script), o.model, p.mode, o.batch, o.warmup, o.steps, repeat);
+  cmd += fmt::format(" {} {} --model {} --mode {} --batch {} --warmup {} --steps {} --repeat {} --device {}",
+                     shell_quote(p.python), shell_quote(o.peer_script), o.model, p.mode, o.batch, o.warmup, o.steps,
+                     repeat, shell_quote(o.peer_device));
   return run_json_command(cmd).back();  // the last line is the peer's result
 }
 
@@ -285,6 +287,10 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
       j["threads"] = r.value("threads", 0);
       j["torch_file"] = r.value("torch_file", std::string());
       j["loss"] = r.value("loss", 0.0);
+      for (const char* key : {"device_name", "tf32"}) {
+        if (r.contains(key)) j[key] = r[key];
+      }
+      j["peer_device"] = r.value("device", o.peer_device);
       peer_lines.push_back(j);
     }
   }
@@ -327,6 +333,13 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--batch", o->batch, "batch size (default: 256 for mlp, 128 for cnn)");
   sub.add_option("--peer-mode", o->peer_modes, "PyTorch modes to run: eager, compile; repeatable")
       ->capture_default_str();
+  sub.add_option("--peer-device", o->peer_device, "where the PyTorch peer runs: cpu, cuda or cuda:N")
+      ->capture_default_str()
+      ->check([](const std::string& d) {
+        return d == "cpu" || d == "cuda" || d.starts_with("cuda:")
+                   ? std::string()
+                   : std::string("cpu, cuda or cuda:N, not '" + d + "'");
+      });
   sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
   sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")
       ->capture_default_str()
