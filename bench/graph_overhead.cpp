@@ -2,13 +2,13 @@
 //
 // A forward-only step graph of N trivial ops: upload, a chain of N ReLU layers on a tiny input
 // ([4, 16] floats), the softmax cross-entropy loss and the stats download, built through
-// graph::Builder and compiled with graph::CompiledStep (memory plan, bound kernels, lowered to a
-// tbb::flow::graph that passes cl_events and learns of completion through an event callback).
-// Against it, a plain loop that enqueues the same work on one queue (writes, the same ReLU and
-// loss kernels bound through the ops functions, the read) with one clFinish. Both are divided by
-// the graph's node count (N + 3); the difference is what the flow graph, per-node flushes, event
-// bookkeeping and the completion gateway add per node. Medians over --repeat, each the mean of
-// --runs steps, the two interleaved.
+// graph::Builder and compiled with graph::CompiledStep (memory plan, bound kernels; no host-lane
+// node, so it runs in the one-pass form: enqueued in static order with event wait lists, one wait
+// for its end through a completion callback). Against it, a plain loop that enqueues the same
+// work on one queue (writes, the same ReLU and loss kernels bound through the ops functions, the
+// read) with one clFinish. Both are divided by the graph's node count (N + 3); the difference is
+// what the step's wait lists, flushes, cross-queue copies and completion wait add per node.
+// Medians over --repeat, each the mean of --runs steps, the two interleaved.
 #include <fmt/format.h>
 
 #include <cstdio>

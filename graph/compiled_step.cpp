@@ -420,6 +420,7 @@ void CompiledStep::Submission::reset(std::size_t nodes, bool profiling) {
   waits.clear();
   done = false;
   commit_marker = cl::Event();
+  commit_groups.clear();
   finish = cl::Event();
   status_host = 0;
   host_non_finite = false;

@@ -54,6 +54,7 @@ struct CompiledStep::Submission {
   std::vector<char> started;            // per node that changes state in place: it was enqueued
   // The marker after the commit node that every in-place node waits for (one-pass form).
   cl::Event commit_marker;
+  std::vector<cl::Event> commit_groups;  // the markers it waits for (enqueue_commit_markers)
   cl::Event finish;  // the step's last command: every lane's tail, then the status word's read
   // Set by the finish command's completion callback (one-pass form): wait() sleeps on it rather
   // than in clWaitForEvents, which some implementations (Oclgrind) report as an API error when the

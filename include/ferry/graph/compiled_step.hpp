@@ -259,6 +259,8 @@ class CompiledStep {
   void find_commit_point();
   // The one-pass form (graph/enqueue.cpp): every device command of the step, in static order.
   void enqueue_pass(Submission& s, const Submission* previous);
+  // The markers at the commit point (enqueue.cpp), after every lane has been flushed.
+  void enqueue_commit_markers(Submission& s);
   // One device node's commands (or the failure injected into it), waiting on `wait`; both forms.
   void enqueue_device_node(Submission& s, NodeId id, std::vector<cl_event>& wait, std::optional<Fault> fault);
   // The flow-graph form (graph/host_lane.cpp), for steps with host-lane nodes.
