@@ -378,9 +378,9 @@ void Trainer::settle(Pending& p) {
       for (Pending& q : pending_) {
         if (!q.step || q.step != step || &q == &p) continue;
         q.step = nullptr;
-        q.error = std::make_exception_ptr(std::runtime_error(
-            fmt::format("this step was cancelled: the step submitted before it failed, and it was enqueued to run "
-                        "after that one; nothing of it is in the training state")));
+        q.error = std::make_exception_ptr(
+            std::runtime_error("this step was cancelled: the step submitted before it failed, and it was enqueued to "
+                               "run after that one; nothing of it is in the training state"));
       }
     }
   }
