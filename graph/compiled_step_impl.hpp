@@ -1,6 +1,6 @@
-// The private state of a CompiledStep, shared by its three files: compiled_step.cpp (compiling,
-// submit and wait, results), enqueue.cpp (the one-pass form) and host_lane.cpp (the flow-graph
-// form for steps with host-lane nodes).
+// The private state of a CompiledStep, shared by its four files: compiled_step.cpp (compiling),
+// step_run.cpp (submit and wait, failures, results), enqueue.cpp (the one-pass form) and
+// host_lane.cpp (the flow-graph form for steps with host-lane nodes).
 #pragma once
 
 #include <tbb/flow_graph.h>
