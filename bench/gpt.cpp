@@ -177,13 +177,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--python", o->python, "Python interpreter with torch for the peers")->capture_default_str();
   sub.add_option("--peer-script", o->peer_script, "the PyTorch peer script")->capture_default_str();
   sub.add_option("--modes", o->modes, "peer modes: eager, compile (none: --modes '')")->delimiter(',');
-  sub.add_option("--peer-device", o->peer_device, "where the PyTorch peer runs: cpu, cuda or cuda:N")
-      ->capture_default_str()
-      ->check([](const std::string& d) {
-        return d == "cpu" || d == "cuda" || d.starts_with("cuda:")
-                   ? std::string()
-                   : std::string("cpu, cuda or cuda:N, not '" + d + "'");
-      });
+  add_peer_device_option(sub, o->peer_device);
   sub.add_flag("!--no-ferry", o->ferry, "run only the peers");
   return [o, &common] { return run_gpt(common, *o); };
 }

@@ -72,4 +72,14 @@ std::string peer_script_path(const std::string& file) {
   return "bench/peers/" + file;
 }
 
+void add_peer_device_option(CLI::App& sub, std::string& device) {
+  sub.add_option("--peer-device", device, "where the PyTorch peer runs: cpu, cuda or cuda:N")
+      ->capture_default_str()
+      ->check([](const std::string& d) {
+        return d == "cpu" || d == "cuda" || d.starts_with("cuda:")
+                   ? std::string()
+                   : std::string("cpu, cuda or cuda:N, not '" + d + "'");
+      });
+}
+
 }  // namespace ferry::bench

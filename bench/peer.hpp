@@ -2,6 +2,7 @@
 // reading the JSON lines the peer prints.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -24,5 +25,9 @@ std::vector<nlohmann::json> run_json_command(const std::string& command);
 // ferry-bench; in the build tree, bench/peers of the sources it was built from; else relative to
 // the working directory.
 std::string peer_script_path(const std::string& file);
+
+// --peer-device into `device`: where the PyTorch peer runs (cpu, cuda or cuda:N), passed on as
+// the peer script's --device.
+void add_peer_device_option(CLI::App& sub, std::string& device);
 
 }  // namespace ferry::bench

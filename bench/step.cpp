@@ -333,13 +333,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--batch", o->batch, "batch size (default: 256 for mlp, 128 for cnn)");
   sub.add_option("--peer-mode", o->peer_modes, "PyTorch modes to run: eager, compile; repeatable")
       ->capture_default_str();
-  sub.add_option("--peer-device", o->peer_device, "where the PyTorch peer runs: cpu, cuda or cuda:N")
-      ->capture_default_str()
-      ->check([](const std::string& d) {
-        return d == "cpu" || d == "cuda" || d.starts_with("cuda:")
-                   ? std::string()
-                   : std::string("cpu, cuda or cuda:N, not '" + d + "'");
-      });
+  add_peer_device_option(sub, o->peer_device);
   sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
   sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")
       ->capture_default_str()
