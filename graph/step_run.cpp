@@ -343,6 +343,12 @@ std::int64_t host_to_device_offset(const Graph& g, const std::vector<cl::Event>&
   return offset;
 }
 
+// The same for a submission (a template: the submission's type is private to CompiledStep).
+template <class Submission>
+std::int64_t host_to_device_offset(const Graph& g, const Submission& s) {
+  return host_to_device_offset(g, s.events, s.first_events, s.enqueue_begin_ns);
+}
+
 std::uint64_t shifted(std::uint64_t host_ns, std::int64_t offset) {
   return static_cast<std::uint64_t>(static_cast<std::int64_t>(host_ns) + offset);
 }
@@ -353,8 +359,8 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
   std::vector<TimelineEntry> out;
   if (!impl_->ctx.profiling()) return out;
   const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
+  const std::int64_t offset = host_to_device_offset(graph_, s);
   const auto& nodes = graph_.nodes;
-  const std::int64_t offset = host_to_device_offset(graph_, s.events, s.first_events, s.enqueue_begin_ns);
   for (NodeId id = 0; id < nodes.size(); ++id) {
     if (is_host_lane(nodes.lane[id])) {
       if (s.host_end_ns[id] == 0) continue;
@@ -383,8 +389,8 @@ std::vector<TimelineEntry> CompiledStep::host_activity() const {
   std::vector<TimelineEntry> out;
   if (!impl_->ctx.profiling()) return out;
   const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
+  const std::int64_t offset = host_to_device_offset(graph_, s);
   const auto& nodes = graph_.nodes;
-  const std::int64_t offset = host_to_device_offset(graph_, s.events, s.first_events, s.enqueue_begin_ns);
   for (NodeId id = 0; id < nodes.size(); ++id) {
     if (s.enqueue_begin_ns[id] == 0 || s.enqueue_end_ns[id] == 0) continue;
     TimelineEntry e{"enqueue " + nodes.name[id], nodes.lane[id], 0, 0, 0};
