@@ -50,9 +50,10 @@ int run_hostpath(const BenchCommon& common, const HostpathOptions& o) {
     return time_ms([&] {
              std::optional<StepHandle> previous;
              for (int s = 0; s < steps; ++s) {
-               const double t = time_ms([&] { previous.emplace(trainer.submit(batch)); });
-               submit_ms += t;
-               if (s > 0) trainer.result(StepHandle{previous->id - 1});
+               StepHandle h;
+               submit_ms += time_ms([&] { h = trainer.submit(batch); });
+               if (previous) trainer.result(*previous);
+               previous = h;
              }
              trainer.result(*previous);
            }) /

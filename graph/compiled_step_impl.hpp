@@ -46,7 +46,6 @@ inline cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
 // max_in_flight of these, used in turn; a step's batch mirrors are those of its slot.
 struct CompiledStep::Submission {
   int slot = 0;
-  bool in_flight = false;
   ops::StepInfo step;
   RunMode mode = RunMode::normal;
   std::vector<cl::Event> events;        // per node: its last command (host-lane nodes: none)
@@ -55,7 +54,7 @@ struct CompiledStep::Submission {
   // The marker after the commit node that every in-place node waits for (one-pass form).
   cl::Event commit_marker;
   std::vector<cl::Event> commit_groups;  // the markers it waits for (enqueue_commit_markers)
-  cl::Event finish;  // the step's last command: every lane's tail, then the status word's read
+  cl::Event finish;                      // the step's last command: every lane's tail, then the status word's read
   // Set by the finish command's completion callback (one-pass form): wait() sleeps on it rather
   // than in clWaitForEvents, which some implementations (Oclgrind) report as an API error when the
   // step failed, and which some drivers answer by spinning.

@@ -132,14 +132,6 @@ void CompiledStep::enqueue_pass(Submission& s, const Submission* previous) {
   const auto& nodes = graph_.nodes;
   const bool profiling = im.ctx.profiling();
   Flusher flusher(im.ctx);
-  if (im.status) {
-    // In order on the compute queue, where the device updates run: cleared before any of them
-    // (and after the previous step's read of it).
-    const cl_uint zero = 0;
-    cl::OpScope scope("the step's status word");
-    FERRY_CL(clEnqueueFillBuffer(im.ctx.compute(), im.status.get(), &zero, sizeof zero, 0, sizeof zero, 0, nullptr,
-                                 nullptr));
-  }
   // The step before this one, if still in flight, must be done with the arena before this
   // step's commands touch it: each lane's first command waits for its end (the compute lane is
   // in order after it already). The device runs the two back to back; the host waits for neither.

@@ -237,13 +237,6 @@ void CompiledStep::run_flow_graph(Submission& s) {
     if (gate) gate->status = CL_COMPLETE;
   }
   im.commit_gate.status = CL_COMPLETE;
-  if (im.status) {
-    // In order on the compute queue, where the device updates run: cleared before any of them.
-    const cl_uint zero = 0;
-    cl::OpScope scope("the step's status word");
-    FERRY_CL(clEnqueueFillBuffer(im.ctx.compute(), im.status.get(), &zero, sizeof zero, 0, sizeof zero, 0, nullptr,
-                                 nullptr));
-  }
   im.start.try_put(continue_msg{});
   try {
     im.flow.wait_for_all();

@@ -202,6 +202,14 @@ void CompiledStep::submit(const ops::StepInfo& step, RunMode mode) {
   s.mode = mode;
   s.slot = static_cast<int>(index);
   im.enqueue_slot = s.slot;
+  if (im.status) {
+    // The updates' status word, cleared in order on the compute queue, where the device updates
+    // run: before any of them, and after the previous step's read of it.
+    const cl_uint zero = 0;
+    cl::OpScope scope("the step's status word");
+    FERRY_CL(clEnqueueFillBuffer(im.ctx.compute(), im.status.get(), &zero, sizeof zero, 0, sizeof zero, 0, nullptr,
+                                 nullptr));
+  }
   if (!im.one_pass) {
     // The flow-graph form runs the whole step here; wait() reports what it ended with.
     run_flow_graph(s);
@@ -214,7 +222,6 @@ void CompiledStep::submit(const ops::StepInfo& step, RunMode mode) {
       std::rethrow_exception(fail_step(s, std::current_exception(), true));
     }
   }
-  s.in_flight = true;
   ++im.count;
   im.next = can_run_ahead() ? (index + 1) % max_in_flight : 0;
 }
@@ -225,7 +232,6 @@ void CompiledStep::wait() {
   Submission& s = im.subs[im.oldest];
   im.oldest = can_run_ahead() ? (im.oldest + 1) % max_in_flight : 0;
   --im.count;
-  s.in_flight = false;
   im.result = s.slot;
   std::exception_ptr failure = s.failure;
   cl_int finish_status = s.finish_status;
@@ -260,7 +266,6 @@ void CompiledStep::wait() {
       } catch (...) {
       }
       also = changed_in_place(later);
-      later.in_flight = false;
       im.count = 0;
       im.oldest = im.next = 0;
     } else {
