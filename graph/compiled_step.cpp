@@ -185,7 +185,8 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
     if (is_host_lane(n.lane[id])) impl_->one_pass = false;
     const bool writes_state_on_host =
         n.lane[id] == Lane::host ||
-        (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent);
+        (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent &&
+         !changes_in_place(n.outputs(id)[0]));
     impl_->commits_other_slot = impl_->commits_other_slot || writes_state_on_host;
   }
   if (can_run_ahead()) {
@@ -265,12 +266,16 @@ void CompiledStep::find_commit_point() {
   impl_->in_place.assign(n.size(), 0);
   NodeId first_in_place = Impl::no_node;
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (is_host_lane(n.lane[id])) continue;  // host nodes write the next copy of streamed state
     for (TensorId x : n.outputs(id)) {
-      const TensorId s = t.storage(x);
-      if (plan_.pool[s] == Pool::persistent && offload::home_traits(t.home[s]).addressed_in_place) {
-        impl_->in_place[id] = 1;
+      if (!changes_in_place(x)) continue;
+      if (is_host_lane(n.lane[id])) {
+        // Host nodes run as soon as their inputs are ready, not after the step is known good.
+        throw std::logic_error(fmt::format(
+            "host node '{}' writes '{}', which its home updates in place: keep two copies of streamed state "
+            "(ResidencyOptions::homes.pinned_copies = 2) for host-lane updates",
+            n.name[id], t.name[t.storage(x)]));
       }
+      impl_->in_place[id] = 1;
     }
     if (impl_->in_place[id] && first_in_place == Impl::no_node) first_in_place = id;
   }
@@ -340,6 +345,11 @@ std::vector<std::vector<NodeId>> CompiledStep::order_nodes(bool serial) {
   }
 
   return preds;
+}
+
+bool CompiledStep::changes_in_place(TensorId x) const {
+  const TensorId s = graph_.tensors.storage(x);
+  return plan_.pool[s] == Pool::persistent && persistent_->store(graph_.tensors.home[s]).updates_in_place();
 }
 
 std::byte* CompiledStep::host_address(TensorId id, bool next, int slot) const {

@@ -92,7 +92,7 @@ struct Interval {
 // Splits each persistent tensor's uses into device intervals under `cache_limit` bytes of
 // persistent copies, evicting the copy whose next use is furthest away (Belady; among equally far
 // ones, the copy made first).
-std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit) {
+std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit, const std::vector<char>& spilled) {
   const auto& t = g.tensors;
   const auto uses = uses_by_tensor(g);
   std::vector<std::size_t> cursor(t.size(), 0);  // index of the next use not yet reached
@@ -126,10 +126,11 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
     auto need = [&](TensorId id) {
       if (id == no_tensor) return;
       id = t.storage(id);
-      // Only tensors whose home is pinned host memory are streamed; device-home and mapped ones
-      // are addressed where they live.
-      if (!is_persistent(t.role[id]) || !offload::home_traits(t.home[id]).needs_transfers ||
-          std::find(needed.begin(), needed.end(), id) != needed.end()) {
+      // Only tensors whose home is pinned host memory are streamed (and the weight gradients that
+      // may spill there); device-home and mapped ones are addressed where they live.
+      const bool streamed =
+          (is_persistent(t.role[id]) && offload::home_traits(t.home[id]).needs_transfers) || spilled[id];
+      if (!streamed || std::find(needed.begin(), needed.end(), id) != needed.end()) {
         return;
       }
       needed.push_back(id);
@@ -174,11 +175,38 @@ std::vector<Interval> device_intervals(const Graph& g, std::uint64_t cache_limit
   return intervals;
 }
 
+// Weight gradients whose storage the residency pass gave host memory (spill_gradients): step
+// tensors that the eviction rule may write back to pinned host memory and fetch again for their
+// update, as it does persistent tensors, when the device cannot keep them until the update.
+std::vector<char> spilled_gradients(const Graph& g) {
+  const auto& t = g.tensors;
+  std::vector<char> spilled(t.size(), 0);
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
+    const TensorId s = t.storage(t.grad[w]);
+    if (!is_persistent(t.role[s]) && t.home[s] == Residency::host_pinned) spilled[s] = 1;
+  }
+  return spilled;
+}
+
+// With updates after the commit point (one-copy pinned state), every gradient would otherwise
+// stay on the device from its backward node to the update phase: the gradients of streamed
+// weights get a home in pinned host memory (the plan's host step pool) to spill to.
+void spill_gradients(Graph& g) {
+  auto& t = g.tensors;
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] != Role::weight || t.grad[w] == no_tensor || t.home[w] != Residency::host_pinned) continue;
+    const TensorId s = t.storage(t.grad[w]);
+    if (!is_persistent(t.role[s])) t.home[s] = Residency::host_pinned;
+  }
+}
+
 // Rewrites `base` so persistent tensors live on the host and are fetched for each interval.
 Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t lookahead) {
   Graph g = base;
   auto& t = g.tensors;
-  const auto intervals = device_intervals(base, cache_limit);
+  const auto spilled = spilled_gradients(base);
+  const auto intervals = device_intervals(base, cache_limit, spilled);
   const std::size_t count = base.nodes.size();
 
   // Where each fetch goes: `lookahead` compute nodes before the first use, but after the
@@ -227,6 +255,11 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
       host_written_at[s] = std::min(host_written_at[s], n);
     }
   }
+  std::vector<char> fetched_again(intervals.size(), 0), seen(base.tensors.size(), 0);
+  for (std::size_t i = intervals.size(); i-- > 0;) {
+    fetched_again[i] = seen[intervals[i].tensor];
+    seen[intervals[i].tensor] = 1;
+  }
   for (std::size_t i = 0; i < intervals.size(); ++i) {
     const Interval& iv = intervals[i];
     NodeId pos = iv.first;
@@ -237,10 +270,13 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     const bool after_host_write = host_written_at[iv.tensor] < iv.first;
     if (after_host_write) pos = std::max<NodeId>(pos, host_written_at[iv.tensor] + 1);
     pos = std::min(pos, iv.first);
+    // A spilled gradient has no value before the step writes it: its first copy is not fetched.
+    const bool unwritten = spilled[iv.tensor] && previous_end[iv.tensor] == never;
     previous_end[iv.tensor] = iv.last;
-    fetch_pos[i] = pos;
+    fetch_pos[i] = unwritten ? none : pos;
     reads_next[i] = written[iv.tensor] || after_host_write;
-    if (iv.last_write != never) {
+    // A spilled gradient goes to the host only to come back: not after its last interval.
+    if (iv.last_write != never && !(spilled[iv.tensor] && !fetched_again[i])) {
       write_back_pos[i] = iv.last_write;
       written[iv.tensor] = 1;
     }
@@ -436,7 +472,7 @@ ResidencyMode parse_residency_mode(const std::string& s) {
   throw std::invalid_argument(fmt::format("unknown residency mode '{}': use auto, resident, stream or mapped", s));
 }
 
-void check_updates_against_the_loss(Graph& g) {
+void check_updates_against_the_loss(Graph& g, bool pinned_in_place) {
   if (g.guard == no_tensor || g.loss == no_tensor) return;
   auto& n = g.nodes;
   const auto& t = g.tensors;
@@ -446,7 +482,8 @@ void check_updates_against_the_loss(Graph& g) {
     for (TensorId x : n.outputs(id)) {
       const TensorId s = t.storage(x);
       keep = keep || s == t.storage(g.guard) ||
-             (is_persistent(t.role[s]) && offload::home_traits(t.home[s]).addressed_in_place);
+             (is_persistent(t.role[s]) && (offload::home_traits(t.home[s]).addressed_in_place ||
+                                           (pinned_in_place && t.home[s] == Residency::host_pinned)));
     }
     if (keep) continue;
     for (std::uint32_t i = 0; i < n.in_count[id]; ++i) {
@@ -456,8 +493,8 @@ void check_updates_against_the_loss(Graph& g) {
   }
 }
 
-void place_updates_early(Graph& g) {
-  check_updates_against_the_loss(g);
+void place_updates_early(Graph& g, bool pinned_in_place) {
+  check_updates_against_the_loss(g, pinned_in_place);
   const auto& n = g.nodes;
   const auto& t = g.tensors;
   // Updates and state updates (predictor, gradient accumulation) move; each goes right after the last other node that
@@ -642,7 +679,14 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   // lookahead) whose plan, with the device-home tensors (plan.peak_bytes() counts them), fits the
   // budget.
   Graph base = g;
-  place_updates_early(base);
+  const bool pinned_in_place = options.homes.pinned_copies == 1;
+  if (pinned_in_place && options.host_optimizer) {
+    throw std::invalid_argument(
+        "the host optimizer writes updates in host memory before the step is known good, so it needs two "
+        "copies of the streamed state (ResidencyOptions::homes.pinned_copies = 2; the Trainer sets it)");
+  }
+  place_updates_early(base, pinned_in_place);
+  if (pinned_in_place) spill_gradients(base);
   if (options.host_optimizer) move_updates_to_host(base);
   move_state_updates_to_host(base);
   move_weight_narrowing_to_host(base);

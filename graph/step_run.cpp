@@ -117,8 +117,7 @@ std::vector<std::string> CompiledStep::changed_in_place(const Submission& s) con
     if (!impl_->in_place[id] || !s.started[id]) continue;
     for (TensorId x : n.outputs(id)) {
       const TensorId st = t.storage(x);
-      if (plan_.pool[st] != Pool::persistent || !offload::home_traits(t.home[st]).addressed_in_place || seen[st])
-        continue;
+      if (!changes_in_place(st) || seen[st]) continue;
       seen[st] = 1;
       names.push_back(t.name[st]);
     }
@@ -170,11 +169,12 @@ std::exception_ptr CompiledStep::fail_step(Submission& s, std::exception_ptr fai
   for (std::size_t i = 0; i < changed.size() && i < shown; ++i)
     list += fmt::format("{}'{}'", i ? ", " : "", changed[i]);
   if (changed.size() > shown) list += fmt::format(" and {} more", changed.size() - shown);
-  return std::make_exception_ptr(PartialUpdateError(
-      fmt::format("{}; this step had begun changing state kept in place (on the device): {} may hold this step's "
-                  "update, while the rest of the training state is as it was before the step",
-                  what, list),
-      std::move(changed), failure));
+  return std::make_exception_ptr(
+      PartialUpdateError(fmt::format("{}; this step had begun changing state kept in place (on the device, or streamed "
+                                     "state in host memory): {} may hold this step's "
+                                     "update, while the rest of the training state is as it was before the step",
+                                     what, list),
+                         std::move(changed), failure));
 }
 
 void CompiledStep::run(const ops::StepInfo& step, RunMode mode) {

@@ -41,7 +41,7 @@ HomeTraits home_traits(Home h) {
     case Home::device:
       return {.available = true, .addressed_in_place = true};
     case Home::host_pinned:
-      return {.available = true, .needs_transfers = true, .commits = true};
+      return {.available = true, .needs_transfers = true};  // commits only with two copies (pinned_copies)
     case Home::host_mapped:
       return {.available = true, .addressed_in_place = true, .needs_unified_memory = true};
     case Home::host_compressed:
@@ -70,7 +70,7 @@ std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context
     case Home::device:
       return homes::make_device_store(context, buffer_bytes, what);
     case Home::host_pinned:
-      return homes::make_pinned_store(context, buffer_bytes, what);
+      return homes::make_pinned_store(context, buffer_bytes, options.pinned_copies, what);
     case Home::host_mapped:
       if (home_traits(home).needs_unified_memory && !context.device().host_unified_memory) {
         throw std::invalid_argument(fmt::format(

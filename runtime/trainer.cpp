@@ -174,6 +174,10 @@ void Trainer::refuse_if_inconsistent(const char* what) const {
 graph::ResidencyOptions Trainer::residency_options() const {
   graph::ResidencyOptions r = options_.residency;
   r.budget_bytes = budget_;  // the resolved budget (0 in the options means "device memory less headroom")
+  // Host-lane updates (the host optimizer, a Predict step advancing streamed weights) run before
+  // the step is known good: they write a second copy that becomes current at commit. Otherwise
+  // streamed state is one copy, updated after the commit point.
+  if (r.host_optimizer || options_.phases.hybrid) r.homes.pinned_copies = 2;
   return r;
 }
 

@@ -135,6 +135,57 @@ TEST(Gpt, StreamedTrainingIsBitIdenticalToResident) {
   for (const auto& [name, values] : rp) EXPECT_EQ(sp.at(name), values) << name;
 }
 
+// Streamed state is one host copy: the host holds the weights and Adam moments once, plus the
+// step's pinned pool (the gradients spilled there under a tight budget, the batch mirrors), so
+// host memory stays within 1.15x the training state (weights, gradients, moments) at any budget,
+// and the weights are those of the resident run, bit for bit.
+TEST(Gpt, StreamedHostMemoryIsTheStateAndTrainingBitIdentical) {
+  Runtime rt;
+  models::GptConfig c;
+  c.vocab = 64;
+  c.width = 64;
+  c.depth = 2;
+  c.heads = 4;
+  c.context = 16;
+  const std::uint32_t batch = 4;
+  auto run = [&](const TrainerOptions& o, double* host_ratio, std::uint64_t* spilled) {
+    Trainer t(rt, models::gpt(c), o);
+    if (host_ratio) *host_ratio = double(t.host_state_bytes()) / double(t.training_state_bytes());
+    if (spilled) *spilled = t.train_step().plan().host_transient_bytes;
+    for (std::uint32_t s = 0; s < 2; ++s) {
+      t.step(
+          token_batch(random_ids(batch * c.context, c.vocab, 50 + s), random_ids(batch * c.context, c.vocab, 60 + s)));
+    }
+    std::map<std::string, std::vector<float>> params;
+    for (const auto& name : t.parameter_names()) params[name] = t.read_parameter(name);
+    return params;
+  };
+  TrainerOptions resident = gpt_options(batch);
+  resident.residency.mode = graph::ResidencyMode::resident;
+  const auto reference = run(resident, nullptr, nullptr);
+  TrainerOptions streamed = gpt_options(batch);
+  streamed.residency.mode = graph::ResidencyMode::stream;
+  streamed.residency.budget_bytes = 1;
+  std::uint64_t min_budget = 0;
+  try {
+    Trainer probe(rt, models::gpt(c), streamed);
+  } catch (const graph::BudgetError& e) {
+    min_budget = e.min_budget();
+  }
+  ASSERT_GT(min_budget, 0u);
+  std::uint64_t pool_roomy = 0, pool_tight = 0;
+  for (const std::uint64_t budget : {std::uint64_t{1} << 30, min_budget}) {
+    SCOPED_TRACE(fmt::format("budget {}", budget));
+    streamed.residency.budget_bytes = budget;
+    double ratio = 0;
+    const auto params = run(streamed, &ratio, budget == min_budget ? &pool_tight : &pool_roomy);
+    EXPECT_LE(ratio, 1.15);
+    EXPECT_GT(ratio, 0.5);
+    for (const auto& [name, values] : reference) EXPECT_EQ(params.at(name), values) << name;
+  }
+  EXPECT_GT(pool_tight, pool_roomy) << "under the smallest budget gradients should spill to the host";
+}
+
 // The logits at position p depend on tokens 0..p only; prediction gives [samples, T, vocab].
 TEST(Gpt, PredictionIsCausal) {
   Runtime rt;

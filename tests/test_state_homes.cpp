@@ -113,7 +113,7 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
   Runtime rt;
   Trainer t(rt, small_mlp(), compressed(options(), false, 1 << 16, 0, false));
   const std::uint64_t state = t.optimizer_state_bytes();
-  EXPECT_LT(t.host_state_bytes(), state / 10) << "zeros compress to a frame header per chunk";
+  EXPECT_LT(t.train_step().persistent()->host_bytes(), state / 10) << "zeros compress to a frame header per chunk";
   std::uint32_t state_tensors = 0;
   for (const auto& name : t.tensor_names()) state_tensors += name.find(".adam_") != std::string::npos;
   EXPECT_EQ(t.residency().unpacks, state_tensors);
@@ -130,8 +130,8 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
   }
   EXPECT_LE(t.train_step().host_step_bytes(), one_copy) << "staging never needs a second full copy";
   for (int s = 0; s < 3; ++s) step(t, s);
-  EXPECT_GT(t.host_state_bytes(), 0u);
-  EXPECT_LT(t.host_state_bytes(), state + state / 10) << "chunks of trained moments";
+  EXPECT_GT(t.train_step().persistent()->host_bytes(), 0u);
+  EXPECT_LT(t.train_step().persistent()->host_bytes(), state + state / 10) << "chunks of trained moments";
   EXPECT_EQ(t.home_of(graph::Role::optimizer_state), graph::Residency::host_compressed);
 }
 
@@ -221,7 +221,7 @@ TEST(DroppedState, EveryUpdateStartsFromZeroStateAndNothingIsKept) {
     o.residency.zero_copy_staging = zero_copy;
     Trainer dropped(rt, m, o);
     Trainer reference(rt, m, options());
-    EXPECT_EQ(dropped.host_state_bytes(), 0u);
+    EXPECT_EQ(dropped.train_step().persistent()->host_bytes(), 0u);
     EXPECT_EQ(dropped.residency().packs, 0u) << "nothing is written back";
     for (int s = 0; s < 3; ++s) {
       for (const auto& name : reference.tensor_names()) {

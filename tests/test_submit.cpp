@@ -82,35 +82,40 @@ INSTANTIATE_TEST_SUITE_P(Homes, SubmitAhead,
                                                                                : std::string("stream");
                          });
 
-// Resident state commits on the device: the step runs ahead and the host waits once per step.
-// Streamed state commits its next host copy when the step succeeded: submit() completes the step
-// before it first, and says so through runs_ahead().
-TEST(SubmitAhead, RunsAheadOnlyWhereTheStateCommitsOnTheDevice) {
+// Resident state, and streamed state kept as one host copy, change in place after the commit
+// point on the device: the step runs ahead and the host waits once per step. With the host
+// optimizer, streamed state commits its next host copy when the step succeeded: submit()
+// completes the step before it first, and says so through runs_ahead().
+TEST(SubmitAhead, RunsAheadWhereTheStateChangesInPlace) {
   Runtime rt;
   const ModelSpec m = small_residual();
-  Trainer resident(rt, m, options(graph::ResidencyMode::resident));
-  EXPECT_TRUE(resident.train_step().can_run_ahead());
-  EXPECT_TRUE(resident.runs_ahead());
   const Batches b(m, 4);
-  const std::uint64_t w0 = resident.train_step().host_waits();
-  const StepHandle h0 = resident.submit(b.at(0));
-  const StepHandle h1 = resident.submit(b.at(1));
-  EXPECT_EQ(resident.train_step().in_flight(), 2u) << "both steps should be on the device at once";
-  resident.result(h0);
-  resident.result(h1);
-  EXPECT_EQ(resident.train_step().host_waits() - w0, 2u) << "one host wait per step";
-
   TrainerOptions o = options(graph::ResidencyMode::stream);
   o.residency.budget_bytes = 1;
   o.residency.budget_bytes = min_stream_budget(rt, m, o).value_or(0);
-  Trainer streamed(rt, m, o);
-  EXPECT_FALSE(streamed.train_step().can_run_ahead());
-  EXPECT_FALSE(streamed.runs_ahead());
-  const StepHandle s0 = streamed.submit(b.at(0));
-  const StepHandle s1 = streamed.submit(b.at(1));
-  EXPECT_LE(streamed.train_step().in_flight(), 1u);
-  EXPECT_TRUE(std::isfinite(streamed.result(s1).loss));  // out of order: the earlier one is kept
-  EXPECT_TRUE(std::isfinite(streamed.result(s0).loss));
+  for (const bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed" : "resident");
+    Trainer t(rt, m, streamed ? o : options(graph::ResidencyMode::resident));
+    EXPECT_TRUE(t.train_step().can_run_ahead());
+    EXPECT_TRUE(t.runs_ahead());
+    const std::uint64_t w0 = t.train_step().host_waits();
+    const StepHandle h0 = t.submit(b.at(0));
+    const StepHandle h1 = t.submit(b.at(1));
+    EXPECT_EQ(t.train_step().in_flight(), 2u) << "both steps should be on the device at once";
+    t.result(h0);
+    t.result(h1);
+    EXPECT_EQ(t.train_step().host_waits() - w0, 2u) << "one host wait per step";
+  }
+
+  o.residency.host_optimizer = true;
+  Trainer host(rt, m, o);
+  EXPECT_FALSE(host.train_step().can_run_ahead());
+  EXPECT_FALSE(host.runs_ahead());
+  const StepHandle s0 = host.submit(b.at(0));
+  const StepHandle s1 = host.submit(b.at(1));
+  EXPECT_LE(host.train_step().in_flight(), 1u);
+  EXPECT_TRUE(std::isfinite(host.result(s1).loss));  // out of order: the earlier one is kept
+  EXPECT_TRUE(std::isfinite(host.result(s0).loss));
 }
 
 TEST(SubmitAhead, MisuseIsAClearError) {

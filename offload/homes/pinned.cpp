@@ -1,14 +1,17 @@
 // The host_pinned home (streaming) and the host_mapped home (zero-copy): pinned, NUMA-bound host
-// memory. Pinned keeps two copies so that a step's updates become current only when it succeeds;
-// mapped keeps one, which kernels use directly.
+// memory. Mapped keeps one copy, which kernels use directly. Pinned keeps one copy that a step's
+// write-backs update in place after its commit point (host memory equals the state), or two
+// (HomeStoreOptions::pinned_copies) so that updates written by host-lane nodes, which run before
+// the step is known good, become current only when it succeeds.
 //
-// Which copy is current is kept per tensor: a step flips only the tensors it wrote (asked for
-// their next copy), so a step that writes some tensors and not others (a Predict step writes the
-// weights, not the optimizer state) leaves the others as they were.
+// With two, which copy is current is kept per tensor: a step flips only the tensors it wrote
+// (asked for their next copy), so a step that writes some tensors and not others (a Predict step
+// writes the weights, not the optimizer state) leaves the others as they were.
 #include <fmt/format.h>
 
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -20,9 +23,9 @@ namespace {
 
 class HostStore final : public HomeStore {
  public:
-  HostStore(Home home, const cl::Context& context, std::span<const std::uint64_t> sizes, std::string_view what)
-      : home_(home) {
-    const int copies = home == Home::host_pinned ? 2 : 1;
+  HostStore(Home home, int copies, const cl::Context& context, std::span<const std::uint64_t> sizes,
+            std::string_view what)
+      : home_(home), copies_in_use_(copies) {
     for (int c = 0; c < copies; ++c) {
       for (std::size_t b = 0; b < sizes.size(); ++b) {
         copies_[c].push_back(allocate_pinned_host(
@@ -33,6 +36,7 @@ class HostStore final : public HomeStore {
   }
   Home home() const override { return home_; }
   bool kernels_address_directly() const override { return home_ == Home::host_mapped; }
+  bool updates_in_place() const override { return !two(); }
   cl_mem device_buffer(std::uint32_t b) const override {
     if (home_ != Home::host_mapped) throw std::logic_error("kernels reach streamed tensors through fetched copies");
     return copies_[0].at(b).mem();
@@ -68,12 +72,13 @@ class HostStore final : public HomeStore {
   std::uint64_t host_bytes() const override { return bytes_; }
 
  private:
-  bool two() const { return home_ == Home::host_pinned; }
+  bool two() const { return copies_in_use_ == 2; }
   static std::uint64_t key(const HomePlace& p) { return (std::uint64_t{p.buffer} << 40) | p.offset_bytes; }
   std::byte* at(int copy, const HomePlace& p) const {
     return static_cast<std::byte*>(copies_[copy].at(p.buffer).data()) + p.offset_bytes;
   }
   Home home_;
+  int copies_in_use_;
   std::vector<cl::PinnedBuffer> copies_[2];
   mutable std::mutex mutex_;
   std::unordered_map<std::uint64_t, int> slot_;        // the current copy of a tensor, by place; absent: 0
@@ -84,13 +89,17 @@ class HostStore final : public HomeStore {
 }  // namespace
 
 std::unique_ptr<HomeStore> make_pinned_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
-                                             std::string_view what) {
-  return std::make_unique<HostStore>(Home::host_pinned, context, buffer_bytes, what);
+                                             std::uint32_t copies, std::string_view what) {
+  if (copies != 1 && copies != 2) {
+    throw std::invalid_argument(
+        fmt::format("host_pinned keeps 1 or 2 copies of {}, not {} (HomeStoreOptions::pinned_copies)", what, copies));
+  }
+  return std::make_unique<HostStore>(Home::host_pinned, static_cast<int>(copies), context, buffer_bytes, what);
 }
 
 std::unique_ptr<HomeStore> make_mapped_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
                                              std::string_view what) {
-  return std::make_unique<HostStore>(Home::host_mapped, context, buffer_bytes, what);
+  return std::make_unique<HostStore>(Home::host_mapped, 1, context, buffer_bytes, what);
 }
 
 }  // namespace ferry::offload::homes

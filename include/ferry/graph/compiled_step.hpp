@@ -278,6 +278,9 @@ class CompiledStep {
   // graph order.
   std::vector<std::string> changed_in_place(const Submission& s) const;
   std::vector<std::vector<NodeId>> order_nodes(bool serial);
+  // The tensor is persistent and its home store changes it where it lives (device, mapped,
+  // one-copy pinned): the nodes writing it come after the commit point.
+  bool changes_in_place(TensorId id) const;
   // Host memory of a host-resident tensor: its current value, or where its next value goes. A
   // batch mirror is the one of host mirror slot `slot`.
   std::byte* host_address(TensorId id, bool next, int slot = 0) const;

@@ -69,17 +69,17 @@ class BudgetError : public std::runtime_error {
   std::uint64_t min_budget_;
 };
 
-// State updates whose persistent outputs all live in homes that commit (streamed: their new
-// values become state only when the step succeeds, and CompiledStep::run commits only when the
-// overflow guard is finite) check the loss instead of the guard, so they need not wait for the
-// last gradient. Those that write a tensor in place (device, host_mapped) keep checking the guard
-// and so come after it. No-op without a guard.
-void check_updates_against_the_loss(Graph& g);
+// State updates whose persistent outputs all live in homes that commit (their new values become
+// state only when the step succeeds, and CompiledStep::run commits only when the overflow guard is
+// finite) check the loss instead of the guard, so they need not wait for the last gradient. Those
+// that write a tensor in place (device, host_mapped, and host_pinned when `pinned_in_place`: one
+// copy) keep checking the guard and so come after it. No-op without a guard.
+void check_updates_against_the_loss(Graph& g, bool pinned_in_place);
 
 // Moves every optimizer update to right after the last node that uses its weight or gradient, so
 // gradients and fetched copies die early (first check_updates_against_the_loss: an update that
 // checks the guard comes after it). Does not change any result.
-void place_updates_early(Graph& g);
+void place_updates_early(Graph& g, bool pinned_in_place);
 
 // Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
 // pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With

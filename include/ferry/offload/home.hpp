@@ -3,9 +3,11 @@
 // home per role; a home store owns the memory of all tensors living there.
 //
 //   device           device buffers; kernels use them in place.
-//   host_pinned      pinned host memory in two copies: a step fetches from the current copy and
-//                    writes updated tensors into the other, which becomes current only when the
-//                    whole step succeeded (commit), so a failed step leaves the state as it was.
+//   host_pinned      pinned host memory, one copy (HomeStoreOptions::pinned_copies): a step fetches
+//                    from it and writes updated tensors back in place, after its commit point (the
+//                    overflow guard's last check), as the device home is updated. With two copies
+//                    (host-lane updates: the host optimizer, hybrid phases) a step writes the other
+//                    copy, which becomes current only when the whole step succeeded (commit).
 //   host_mapped      one copy of pinned host memory that kernels use directly (zero-copy), on
 //                    devices whose memory is the host's.
 //   host_compressed  host memory as byte-plane shuffled, zstd-compressed chunks with checksums
@@ -45,6 +47,7 @@ struct HomeTraits {
   bool needs_transfers = false;       // fetched before its uses, written back after its last write
   bool needs_unified_memory = false;  // only on devices whose memory is the host's
   bool commits = false;               // keeps a next copy that a successful step makes current
+                                      // (host_pinned: only with two copies, HomeStoreOptions)
   bool staged = false;                // unpacked into / packed from pinned staging by host-lane nodes
   bool keeps_value = true;            // false: dropped (what is written back is discarded)
 };
@@ -69,9 +72,13 @@ struct HomeTensor {
   std::string name;
 };
 
-// Settings of the stores (the compressed home's codec).
+// Settings of the stores.
 struct HomeStoreOptions {
-  CodecOptions codec;
+  CodecOptions codec;  // the compressed home's
+  // Copies of host_pinned memory: 1, written in place after the step's commit point (host memory
+  // equals the state), or 2, written into the other copy and made current at commit (what
+  // host-lane updates need, which cannot yet wait for the guard). Anything else is an error.
+  std::uint32_t pinned_copies = 1;
 };
 
 class HomeStore {
@@ -87,6 +94,10 @@ class HomeStore {
   // std::logic_error for homes without host memory.
   virtual std::byte* current(const HomePlace& p) const = 0;
   virtual std::byte* next(const HomePlace& p) const = 0;
+  // A step changes the tensors of this home where they are (device, mapped, one-copy pinned):
+  // such writes come after the step's commit point, and a failure after them is a partial
+  // update. false: they go into a next value that commit() makes current.
+  virtual bool updates_in_place() const { return kernels_address_directly(); }
   // A step that wrote next values succeeded: they become current (only the tensors it wrote;
   // the others keep their current value).
   virtual void commit() {}

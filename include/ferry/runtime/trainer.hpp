@@ -180,9 +180,13 @@ class Trainer {
   std::uint64_t parameter_count() const;
   // Peak device bytes of the training step, known from the memory plan before it runs.
   std::uint64_t device_peak_bytes() const { return train_->device_bytes(); }
-  // Device budget the step was planned for, and pinned host bytes holding weights and state.
+  // Device budget the step was planned for, and the host bytes the training step holds: the
+  // homes of weights and state, plus the step's pinned host pool (batch mirrors, gradients
+  // spilled to the host or written back for the host optimizer, staging of compressed homes).
   std::uint64_t device_budget_bytes() const noexcept { return budget_; }
-  std::uint64_t host_state_bytes() const { return train_->persistent()->host_bytes(); }
+  std::uint64_t host_state_bytes() const {
+    return train_->persistent()->host_bytes() + train_->plan().host_transient_bytes;
+  }
   const graph::ResidencyReport& residency() const { return train_->residency(); }
   // The home of the tensors of a persistent role (the first one's: all of a role share a home).
   graph::Residency home_of(graph::Role role) const;
