@@ -95,7 +95,8 @@ struct FaultCase {
     streamed_state,  // weights on the device, optimizer state streamed from pinned host memory
   } config;
   // Which node fails: the last backward (gradient) kernel, a fetch or a write-back in the second
-  // half of the step, a host update, an unpack of compressed state.
+  // half of the step before its commit point (streamed: of spilled gradients), a host update, an
+  // unpack of compressed state.
   enum Victim { kernel, fetch, write_back, host_update, unpack } victim;
   graph::Fault fault;
 };
@@ -128,11 +129,15 @@ TrainerOptions options_for(Runtime& rt, const ModelSpec& m, FaultCase::Config c)
   return o;
 }
 
+// Before the commit point where the step has one: after it, state kept in place (on the device,
+// or streamed as one host copy) is being updated, and a failure there is a partial update
+// (test_residency checks that one).
 graph::NodeId pick_victim(const graph::CompiledStep& step, FaultCase::Victim v) {
   const auto& n = step.graph().nodes;
   std::vector<graph::NodeId> found;
   graph::NodeId first_write_back = 0;
-  for (graph::NodeId id = 0; id < n.size(); ++id) {
+  const graph::NodeId end = step.commit_node().value_or(static_cast<graph::NodeId>(n.size()));
+  for (graph::NodeId id = 0; id < end; ++id) {
     if (n.op[id] == graph::builtin::write_back && first_write_back == 0) first_write_back = id;
     switch (v) {
       case FaultCase::kernel:

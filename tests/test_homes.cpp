@@ -26,7 +26,7 @@ TEST(Homes, TraitsSayWhatEachHomeAsksOfTheGraph) {
   EXPECT_TRUE(home_traits(Home::device).addressed_in_place);
   EXPECT_FALSE(home_traits(Home::device).needs_transfers);
   EXPECT_TRUE(home_traits(Home::host_pinned).needs_transfers);
-  EXPECT_TRUE(home_traits(Home::host_pinned).commits);
+  EXPECT_FALSE(home_traits(Home::host_pinned).commits) << "one copy unless the store is asked for two";
   EXPECT_TRUE(home_traits(Home::host_mapped).addressed_in_place);
   EXPECT_TRUE(home_traits(Home::host_mapped).needs_unified_memory);
   for (Home h : {Home::host_compressed, Home::dropped}) {
@@ -100,11 +100,40 @@ TEST(Homes, DroppedKeepsNothing) {
   EXPECT_EQ(store->device_bytes(), 0u);
 }
 
-TEST(Homes, PinnedKeepsTwoCopiesAndCommitMakesTheNextCurrent) {
+offload::HomeStoreOptions two_copies() {
+  offload::HomeStoreOptions o;
+  o.pinned_copies = 2;
+  return o;
+}
+
+// One copy (the default): a step's write-back changes the tensor in place.
+TEST(Homes, PinnedKeepsOneCopyUpdatedInPlace) {
   auto& dev = TestDevice::get();
   const std::array<std::uint64_t, 2> sizes{1024, 512};
   auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, {}, "test tensors");
   EXPECT_FALSE(store->kernels_address_directly());
+  EXPECT_TRUE(store->updates_in_place());
+  EXPECT_EQ(store->host_bytes(), 1024u + 512u);
+  const offload::HomePlace p{1, 256};
+  const float before[4] = {1, 2, 3, 4}, after[4] = {5, 6, 7, 8};
+  store->write(p, before, sizeof(before));
+  EXPECT_EQ(store->current(p), store->next(p));
+  std::memcpy(store->next(p), after, sizeof(after));
+  float out[4];
+  store->read(p, out, sizeof(out));
+  EXPECT_EQ(std::memcmp(out, after, sizeof(out)), 0);
+  offload::HomeStoreOptions three;
+  three.pinned_copies = 3;
+  EXPECT_THROW(offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, three, "test tensors"),
+               std::invalid_argument);
+}
+
+TEST(Homes, PinnedKeepsTwoCopiesAndCommitMakesTheNextCurrent) {
+  auto& dev = TestDevice::get();
+  const std::array<std::uint64_t, 2> sizes{1024, 512};
+  auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, two_copies(), "test tensors");
+  EXPECT_FALSE(store->kernels_address_directly());
+  EXPECT_FALSE(store->updates_in_place());
   EXPECT_EQ(store->host_bytes(), 2u * (1024 + 512));
   EXPECT_EQ(store->device_bytes(), 0u);
   const offload::HomePlace p{1, 256};
@@ -126,7 +155,7 @@ TEST(Homes, PinnedKeepsTwoCopiesAndCommitMakesTheNextCurrent) {
 TEST(Homes, PinnedCommitFlipsOnlyTheTensorsTheStepWrote) {
   auto& dev = TestDevice::get();
   const std::array<std::uint64_t, 1> sizes{1024};
-  auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, {}, "test tensors");
+  auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, two_copies(), "test tensors");
   const offload::HomePlace a{0, 0}, b{0, 256};
   const float a0 = 1, b0 = 2, a1 = 3, b1 = 4, a2 = 5;
   store->write(a, &a0, 4);
