@@ -41,9 +41,9 @@ HomeTraits home_traits(Home h) {
     case Home::device:
       return {.available = true, .addressed_in_place = true};
     case Home::host_pinned:
-      return {.available = true, .needs_transfers = true, .commits = true};
+      return {.available = true, .needs_transfers = true, .commits = true, .host_copies = 2};  // current and next
     case Home::host_mapped:
-      return {.available = true, .addressed_in_place = true, .needs_unified_memory = true};
+      return {.available = true, .addressed_in_place = true, .needs_unified_memory = true, .host_copies = 1};
     case Home::host_compressed:
       return {.available = true, .needs_transfers = true, .commits = true, .staged = true};
     case Home::host_int8:

@@ -47,6 +47,10 @@ struct HomeTraits {
   bool commits = false;               // keeps a next copy that a successful step makes current
   bool staged = false;                // unpacked into / packed from pinned staging by host-lane nodes
   bool keeps_value = true;            // false: dropped (what is written back is discarded)
+  // Full-size pinned host copies the store keeps of each tensor: what the planner counts as the
+  // home's host bytes (runtime/plan.cpp, the host budget). The compressed home's chunks are
+  // ordinary (not pinned) memory whose size depends on the data: 0 here.
+  std::uint32_t host_copies = 0;
 };
 HomeTraits home_traits(Home h);
 // Whether a store exists for `h` in this build.
