@@ -95,8 +95,6 @@ std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, 
   return out;
 }
 
-}  // namespace
-
 // A configuration's plan (none when the device budget cannot hold it: the planner's BudgetError),
 // and why it does not fit (that, or check_host_budget's HostBudgetError; empty when it fits).
 struct Outcome {
