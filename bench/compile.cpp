@@ -11,6 +11,13 @@
 // time grows linearly (or n log n) with the node count. One untimed compile first warms the
 // process up. A depth whose step does not fit --device-budget gets an "error" line with the
 // minimum budget.
+//
+// --model gpt compiles the decoder (models::gpt with a 256-token vocabulary, --width, --heads,
+// --context; each --depth a number of blocks) without allocating it, so models far larger than
+// this machine's memory can be timed: the model passes, then the planning passes of the compile
+// (check dtypes, scratch, residency and memory plan: graph::plan_step); no arena, no binding
+// (without kernels binding only resolves buffers, which a plan-only compile has none of) and no
+// lowering. Its lines say "plan_only": true.
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -19,17 +26,31 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/pipeline.hpp"
+#include "ferry/graph/step_plan.hpp"
 
 namespace ferry::bench {
 namespace {
 
 struct CompileBenchOptions {
+  std::string model = "deep";
   std::vector<std::uint32_t> depths{100, 250, 500, 1000, 2000, 4000};
   std::uint32_t width = 64, batch = 64;
+  std::uint32_t heads = 4, context = 128;  // gpt
   std::string residency = "resident";
   std::string budget;         // device budget, e.g. 64MiB; empty: no limit beyond the device's
   bool bind_kernels = false;  // also build and bind every kernel (what the trainer's compile does)
 };
+
+ModelSpec make_model(const CompileBenchOptions& o, std::uint32_t depth) {
+  if (o.model == "deep") return models::deep(o.width, depth);
+  models::GptConfig c;
+  c.vocab = 256;
+  c.width = o.width;
+  c.depth = depth;
+  c.heads = o.heads;
+  c.context = o.context;
+  return models::gpt(c);
+}
 
 graph::Graph build_deep(const ModelSpec& model, std::uint32_t batch, const graph::OptimizerSpec& optimizer) {
   const graph::VariantKey key{batch, true};
@@ -45,6 +66,38 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
   graph::OptimizerSpec optimizer;
   optimizer.kind = graph::OptimizerSpec::Kind::adam;
   const graph::StepOptions step_options{residency, false, o.bind_kernels};
+  const bool plan_only = o.model == "gpt";
+  // One compile of `g`: a CompiledStep, or for plan-only models the planning passes alone.
+  struct Compiled {
+    std::size_t nodes = 0, tensors = 0;
+    std::vector<graph::PassTiming> passes;
+    nlohmann::json plan;
+  };
+  const auto compile = [&](graph::Graph g, Compiled* out) {
+    if (plan_only) {
+      const graph::StepPlan p = graph::plan_step(g, runtime.env(), runtime.device(), nullptr, residency);
+      if (!out) return;
+      *out = Compiled{g.nodes.size(), g.tensors.size(), p.pass_timings,
+                      nlohmann::json{{"residency_chosen", graph::residency_mode_name(p.residency.mode)},
+                                     {"transient_bytes", p.memory.transient_bytes},
+                                     {"persistent_bytes", p.memory.persistent_bytes},
+                                     {"device_bytes", p.memory.peak_bytes()},
+                                     {"fetches", p.residency.fetches},
+                                     {"fetch_bytes", p.residency.fetch_bytes},
+                                     {"write_backs", p.residency.write_backs}}};
+      return;
+    }
+    graph::CompiledStep step(std::move(g), optimizer, runtime.env(), runtime.context(), nullptr, step_options);
+    if (!out) return;
+    *out = Compiled{step.node_count(), step.graph().tensors.size(), step.pass_timings(),
+                    nlohmann::json{{"residency_chosen", graph::residency_mode_name(step.residency().mode)},
+                                   {"transient_bytes", step.plan().transient_bytes},
+                                   {"persistent_bytes", step.plan().persistent_bytes},
+                                   {"device_bytes", step.device_bytes()},
+                                   {"fetches", step.residency().fetches},
+                                   {"fetch_bytes", step.residency().fetch_bytes},
+                                   {"write_backs", step.residency().write_backs}}};
+  };
 
   struct PerDepth {
     std::uint32_t depth;
@@ -58,15 +111,14 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
   {
     fmt::print(stderr, "compile: warm-up (depth {})\n", o.depths.front());
     try {
-      graph::CompiledStep warm(build_deep(models::deep(o.width, o.depths.front()), o.batch, optimizer), optimizer,
-                               runtime.env(), runtime.context(), nullptr, step_options);
+      compile(build_deep(make_model(o, o.depths.front()), o.batch, optimizer), nullptr);
     } catch (const graph::BudgetError&) {
       // reported below, for that depth
     }
   }
   for (const std::uint32_t depth : o.depths) {
-    if (depth == 0) throw std::invalid_argument("--depth: a deep model needs at least one block");
-    const ModelSpec model = models::deep(o.width, depth);
+    if (depth == 0) throw std::invalid_argument("--depth: a model needs at least one block");
+    const ModelSpec model = make_model(o, depth);
     try {
       std::vector<double> build_ms, compile_ms;
       std::size_t nodes = 0, tensors = 0;
@@ -77,29 +129,23 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
                    common.repeat);
         graph::Graph g;
         build_ms.push_back(time_ms([&] { g = build_deep(model, o.batch, optimizer); }));
-        std::unique_ptr<graph::CompiledStep> step;
-        compile_ms.push_back(time_ms([&] {
-          step = std::make_unique<graph::CompiledStep>(std::move(g), optimizer, runtime.env(), runtime.context(),
-                                                       nullptr, step_options);
-        }));
-        nodes = step->node_count();
-        for (const auto& pass : step->pass_timings()) pass_ms[pass.name].push_back(pass.ms);
-        tensors = step->graph().tensors.size();
-        const graph::MemoryPlan& p = step->plan();
-        plan = {{"residency_chosen", graph::residency_mode_name(step->residency().mode)},
-                {"transient_bytes", p.transient_bytes},
-                {"persistent_bytes", p.persistent_bytes},
-                {"device_bytes", step->device_bytes()},
-                {"fetches", step->residency().fetches},
-                {"fetch_bytes", step->residency().fetch_bytes},
-                {"write_backs", step->residency().write_backs}};
+        Compiled step;
+        compile_ms.push_back(time_ms([&] { compile(std::move(g), &step); }));
+        nodes = step.nodes;
+        for (const auto& pass : step.passes) pass_ms[pass.name].push_back(pass.ms);
+        tensors = step.tensors;
+        plan = step.plan;
       }
       const double b = median(build_ms), c = median(compile_ms);
       const double per_node = c * 1e3 / double(nodes);
       results.push_back({depth, nodes, per_node});
       nlohmann::json j = {{"bench", "compile"},
+                          {"model", o.model},
+                          {"plan_only", plan_only},
                           {"depth", depth},
                           {"width", o.width},
+                          {"heads", o.model == "gpt" ? nlohmann::json(o.heads) : nlohmann::json(nullptr)},
+                          {"context", o.model == "gpt" ? nlohmann::json(o.context) : nlohmann::json(nullptr)},
                           {"batch", o.batch},
                           {"residency", o.residency},
                           {"device_budget", o.budget.empty() ? "none" : o.budget},
@@ -120,6 +166,7 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
       emit_json(j);
     } catch (const graph::BudgetError& e) {
       emit_json({{"bench", "compile"},
+                 {"model", o.model},
                  {"depth", depth},
                  {"width", o.width},
                  {"batch", o.batch},
@@ -145,9 +192,16 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<CompileBenchOptions>();
-  sub.add_option("--depth", o->depths, "residual blocks of the deep model, repeatable (default 100 ... 4000)")
+  sub.add_option("--model", o->model,
+                 "deep (the residual MLP, compiled) or gpt (the decoder, planned only: nothing allocated)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"deep", "gpt"}));
+  sub.add_option("--depth", o->depths,
+                 "residual blocks of the deep model (decoder blocks of gpt), repeatable (default 100 ... 4000)")
       ->check(CLI::PositiveNumber);
-  sub.add_option("--width", o->width, "deep model: width")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--width", o->width, "model width")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--heads", o->heads, "gpt: attention heads")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--context", o->context, "gpt: tokens per window")->capture_default_str()->check(CLI::PositiveNumber);
   sub.add_option("--batch", o->batch, "samples per step")->capture_default_str()->check(CLI::PositiveNumber);
   sub.add_option("--residency", o->residency, "where weights and optimizer state live")
       ->capture_default_str()
@@ -158,8 +212,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   return [o, &common] { return run_compile(common, *o); };
 }
 
-FERRY_BENCH("compile", "compile time of the deep residual model's training step against its depth (plan and lower)",
-            setup);
+FERRY_BENCH("compile",
+            "compile time of a model's training step against its depth (deep: plan and lower; gpt: plan only)", setup);
 
 }  // namespace
 }  // namespace ferry::bench

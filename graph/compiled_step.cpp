@@ -14,6 +14,7 @@
 #include "compiled_step_impl.hpp"
 #include "ferry/graph/bind.hpp"
 #include "ferry/graph/dependencies.hpp"
+#include "ferry/graph/step_plan.hpp"
 
 namespace ferry::graph {
 
@@ -71,41 +72,18 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpE
     pass_timings_.push_back({pass, std::chrono::duration<double, std::milli>(now - clock).count()});
     clock = now;
   };
-  check_dtypes(graph_);
-  done("check dtypes");
-  assign_scratch(graph_, env);
-  done("scratch");
-  plan(context.device(), shared.get(), options.residency);
-  done("residency and memory plan");
+  // check dtypes, scratch, residency and memory plan: the planning passes (graph/step_plan.cpp).
+  StepPlan planned = plan_step(graph_, env, context.device(), shared.get(), options.residency);
+  plan_ = std::move(planned.memory);
+  residency_ = planned.residency;
+  pass_timings_ = std::move(planned.pass_timings);
+  clock = std::chrono::steady_clock::now();
   allocate(context, std::move(shared), options.residency.homes);
   done("arena");
   bind(env, optimizer, options.bind_kernels);
   done("bind");
   lower(context, options.serial);
   done("lower");
-}
-
-// Residency and the memory plan; persistent placements come from `shared` if given.
-void CompiledStep::plan(const cl::DeviceInfo& device, const PersistentArena* shared,
-                        const ResidencyOptions& residency) {
-  auto& t = graph_.tensors;
-  MemoryPlanOptions mopt;
-  mopt.max_buffer_bytes = device.max_alloc_bytes;
-  mopt.alignment = std::max<std::uint32_t>(256, device.base_align_bytes);
-  mopt.plan_persistent = shared == nullptr;
-  if (shared) mopt.existing_transient_buffers = shared->step_buffer_bytes;
-  if (shared) {
-    for (TensorId id = 0; id < t.size(); ++id) {
-      if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
-      auto e = shared->find(t.name[id]);
-      if (!e) throw std::logic_error(fmt::format("variant uses weight '{}' that the model does not have", t.name[id]));
-      t.placement[id] = e->place;
-      t.home[id] = e->home;
-    }
-  }
-  ResidencyOptions ropt = residency;
-  if (shared) ropt.mode = shared->mode;  // a variant lives where the model's weights live
-  plan_ = plan_residency(graph_, ropt, device.host_unified_memory, mopt, residency_);
 }
 
 // The persistent arena (a store per home in use, unless a variant shares its model's), the step

@@ -41,9 +41,10 @@ HomeTraits home_traits(Home h) {
     case Home::device:
       return {.available = true, .addressed_in_place = true};
     case Home::host_pinned:
-      return {.available = true, .needs_transfers = true};  // commits only with two copies (pinned_copies)
+      // commits, and keeps two copies, only when the store is asked for them (pinned_copies)
+      return {.available = true, .needs_transfers = true, .host_copies = 1};
     case Home::host_mapped:
-      return {.available = true, .addressed_in_place = true, .needs_unified_memory = true};
+      return {.available = true, .addressed_in_place = true, .needs_unified_memory = true, .host_copies = 1};
     case Home::host_compressed:
       return {.available = true, .needs_transfers = true, .commits = true, .staged = true};
     case Home::host_int8:
@@ -52,6 +53,10 @@ HomeTraits home_traits(Home h) {
       return {.available = true, .needs_transfers = true, .staged = true, .keeps_value = false};
   }
   return {};
+}
+
+std::uint32_t host_copies(Home h, const HomeStoreOptions& options) {
+  return h == Home::host_pinned ? options.pinned_copies : home_traits(h).host_copies;
 }
 
 void HomeStore::unpack(const HomePlace& p, void* dst, std::size_t bytes) const {

@@ -1,17 +1,31 @@
-// Device bytes of a compiled variant by purpose (include/ferry/runtime/plan.hpp).
+// Planning a training run without allocating it (include/ferry/runtime/plan.hpp).
 #include "ferry/runtime/plan.hpp"
 
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <vector>
+
+#include "ferry/cl/error.hpp"
+#include "ferry/graph/node_view.hpp"
+#include "ferry/graph/step_plan.hpp"
+#include "ferry/offload/pinned_host.hpp"
+#include "ferry/ops/gemm.hpp"
+#include "ferry/runtime/units.hpp"
+#include "trainer_variants.hpp"
 
 namespace ferry {
 
 using graph::TensorId;
 
-DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::CompiledStep& training) {
+DeviceBreakdown device_breakdown(const graph::Graph& g, const graph::MemoryPlan& plan, const graph::Graph& training,
+                                 std::uint64_t persistent_device_bytes) {
   DeviceBreakdown b;
   {
-    const auto& t = training.graph().tensors;
+    const auto& t = training.tensors;
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor) continue;
       if (t.home[id] != graph::Residency::device) continue;
@@ -27,9 +41,7 @@ DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::C
       }
     }
   }
-  const graph::Graph& g = step.graph();
   const auto& t = g.tensors;
-  const auto& plan = step.plan();
   // Each device step tensor's span of nodes, then the node where most bytes are live.
   constexpr graph::NodeId none = ~graph::NodeId{0};
   std::vector<graph::NodeId> first(t.size(), none), last(t.size(), 0);
@@ -76,8 +88,166 @@ DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::C
     }
   }
   b.step_arena = plan.transient_bytes;
-  b.total = step.device_bytes();
+  b.total = plan.transient_bytes + persistent_device_bytes;
   return b;
+}
+
+DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::CompiledStep& training) {
+  return device_breakdown(step.graph(), step.plan(), training.graph(), step.persistent()->device_bytes());
+}
+
+namespace {
+
+// The per-step figures of one planned variant (everything but the device breakdown).
+void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates, PhasePlan& p) {
+  p.nodes = g.nodes.size();
+  p.host_step_bytes = planned.memory.host_transient_bytes;
+  p.fetch_bytes = planned.residency.fetch_bytes;
+  p.write_back_bytes = planned.residency.write_back_bytes;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
+    if (row.op_class == ops::OpClass::batch_transfer) {
+      for (TensorId x : g.nodes.outputs(n)) p.batch_bytes += g.tensors.bytes(x);
+      continue;
+    }
+    if (row.op_class == ops::OpClass::state_transfer || graph::is_host_lane(g.nodes.lane[n])) continue;
+    if (row.flops) {
+      const std::uint64_t f = row.flops(graph::NodeView<ops::ShapeView>(g, n));
+      p.flops += f;
+      p.gemm_flops += f;
+    } else {
+      for (TensorId x : g.nodes.outputs(n)) p.flops += g.tensors.shape[x].elems();
+    }
+  }
+  if (rates.gemm_gflops > 0) p.compute_ms = static_cast<double>(p.flops) / (rates.gemm_gflops * 1e6);
+  if (rates.link_gbps > 0) {
+    p.transfer_ms = static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes) / (rates.link_gbps * 1e6);
+  }
+  p.predicted_step_ms = std::max(p.compute_ms, p.transfer_ms);
+}
+
+}  // namespace
+
+TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const TrainerOptions& given,
+                           const PlanRates& rates) {
+  TrainerOptions options = given;
+  detail::validate_trainer_options(model, options);
+  TrainingPlan out;
+  out.rates = rates;
+  out.device_budget_bytes = detail::resolve_device_budget(options, runtime.device());
+  const graph::ResidencyOptions residency = detail::residency_options(options, out.device_budget_bytes);
+  const auto build = [&](const graph::VariantKey& key) {
+    return graph::prepare_step_graph(forward_graph(model, key), key, options.optimizer);
+  };
+
+  // The training step: it places the persistent tensors every other variant shares.
+  const graph::VariantKey train_key = detail::training_key(options);
+  graph::Graph training = build(train_key);
+  const graph::StepPlan train_plan = graph::plan_step(training, runtime.env(), runtime.device(), nullptr, residency);
+  out.mode = train_plan.residency.mode;
+  out.min_budget_bytes = train_plan.residency.min_budget_bytes;
+  const std::uint64_t persistent_device = train_plan.memory.persistent_device_bytes;
+  {
+    PhasePlan p;
+    p.name = options.phases.hybrid ? "warmup/full/correct" : "full";
+    p.key = train_key;
+    p.device = device_breakdown(training, train_plan.memory, training, persistent_device);
+    count_step(training, train_plan, rates, p);
+    out.phases.push_back(std::move(p));
+  }
+  const auto arena = graph::planned_arena(training, train_plan);
+  for (const auto& v : detail::upfront_variants(options)) {
+    graph::Graph g = build(v.key);
+    const graph::StepPlan planned = graph::plan_step(g, runtime.env(), runtime.device(), arena.get(), residency);
+    PhasePlan p;
+    p.name = v.phase;
+    p.key = v.key;
+    p.device = device_breakdown(g, planned.memory, training, persistent_device);
+    count_step(g, planned, rates, p);
+    out.phases.push_back(std::move(p));
+  }
+
+  for (int h = 0; h < offload::home_count; ++h) {
+    std::uint64_t bytes = 0;
+    for (const std::uint64_t b : train_plan.memory.persistent_buffers[h]) bytes += b;
+    out.host_store_bytes += bytes * offload::host_copies(static_cast<offload::Home>(h), residency.homes);
+  }
+  for (const PhasePlan& p : out.phases) {
+    out.device_peak_bytes = std::max(out.device_peak_bytes, p.device.total);
+    out.host_step_bytes += p.host_step_bytes;
+  }
+  out.host_bytes = out.host_store_bytes + out.host_step_bytes;
+  out.predicted_step_ms = out.phases.front().predicted_step_ms;
+  return out;
+}
+
+double measure_link_gbps(Runtime& runtime) {
+  constexpr std::size_t bytes = 64ull << 20;
+  const cl::Context& ctx = runtime.context();
+  const cl::PinnedBuffer host = offload::allocate_pinned_host(ctx, bytes, "the link measurement's host buffer");
+  std::memset(host.data(), 1, bytes);
+  const cl::Mem device = ctx.create_buffer(bytes, "the link measurement's device buffer");
+  const cl_command_queue queue = ctx.queue(cl::QueueKind::h2d);
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cl::check(clEnqueueWriteBuffer(queue, device.get(), CL_TRUE, 0, bytes, host.data(), 0, nullptr, nullptr),
+              "clEnqueueWriteBuffer (link measurement)");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0 && s > 0) best = std::max(best, static_cast<double>(bytes) / s * 1e-9);
+  }
+  return best;
+}
+
+double measure_gemm_gflops(Runtime& runtime) {
+  constexpr std::size_t n = 1024;
+  const cl::Context& ctx = runtime.context();
+  const ops::GemmShape shape{n, n, n};
+  const std::vector<float> values(n * n, 0.5f);
+  const cl::Mem a = ctx.create_buffer(n * n * sizeof(float), "the GEMM measurement's a");
+  const cl::Mem b = ctx.create_buffer(n * n * sizeof(float), "the GEMM measurement's b");
+  const cl::Mem c = ctx.create_buffer(n * n * sizeof(float), "the GEMM measurement's c");
+  ctx.write(a.get(), 0, values.data(), values.size() * sizeof(float));
+  ctx.write(b.get(), 0, values.data(), values.size() * sizeof(float));
+  const std::size_t scratch_elems = ops::gemm_scratch_elems(runtime.env(), shape);
+  cl::Mem scratch;
+  if (scratch_elems) scratch = ctx.create_buffer(scratch_elems * sizeof(float), "the GEMM measurement's scratch");
+  const ops::LaunchList launches =
+      ops::gemm(runtime.env(), shape, 1.0f, {a.get(), 0}, {b.get(), 0}, 0.0f, {c.get(), 0}, {scratch.get(), 0});
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ops::run_blocking(ctx.compute(), launches);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0 && s > 0) best = std::max(best, 2.0 * n * n * n / s * 1e-9);
+  }
+  return best;
+}
+
+std::uint64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes) {
+  const std::uint64_t physical = physical_memory_bytes();
+  const bool over_budget = host_budget_bytes != 0 && plan.host_bytes > host_budget_bytes;
+  const bool over_memory = physical != 0 && plan.host_bytes > physical;
+  if (!over_budget && !over_memory) return;
+  const std::uint64_t limit =
+      over_budget && (!over_memory || host_budget_bytes < physical) ? host_budget_bytes : physical;
+  const std::string what = limit == host_budget_bytes
+                               ? fmt::format("the host budget of {}", format_bytes(host_budget_bytes))
+                               : fmt::format("this machine's physical memory ({})", format_bytes(physical));
+  throw HostBudgetError(
+      fmt::format("the training state needs {} of pinned host memory ({} for the weights and optimizer state, {} for "
+                  "the steps' host buffers), more than {}: {}use 8-bit optimizer state (--optimizer adamw8bit), "
+                  "compressed state (--state-home compressed), a smaller batch or model, or keep more on the device "
+                  "(a larger --device-budget); `ferry plan` shows what each needs",
+                  format_bytes(plan.host_bytes), format_bytes(plan.host_store_bytes),
+                  format_bytes(plan.host_step_bytes), what,
+                  limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : ""),
+      plan.host_bytes, limit);
 }
 
 }  // namespace ferry

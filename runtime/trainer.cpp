@@ -13,6 +13,8 @@
 #include <stdexcept>
 
 #include "ferry/graph/pipeline.hpp"
+#include "ferry/runtime/plan.hpp"
+#include "trainer_variants.hpp"
 
 namespace ferry {
 namespace {
@@ -30,57 +32,108 @@ bool counts_hits(const graph::CompiledStep& step) {
 
 }  // namespace
 
-Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
-    : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr), scaler_(options.precision) {
-  if (!model_.forward) throw std::invalid_argument("model has no forward function");
-  if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
-    throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options_.lr));
+namespace detail {
+
+void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
+  if (!model.forward) throw std::invalid_argument("model has no forward function");
+  if (!(options.lr > 0) || !std::isfinite(options.lr)) {
+    throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options.lr));
   }
-  ops::validate(options_.optimizer);
-  validate(options_.phases);
-  if (options_.accumulate == 0) {
+  ops::validate(options.optimizer);
+  validate(options.phases);
+  if (options.accumulate == 0) {
     throw std::invalid_argument("gradient accumulation over 0 micro-batches: use 1 (no accumulation) or more");
   }
-  if (options_.accumulate > 1 && options_.phases.hybrid) {
+  if (options.accumulate > 1 && options.phases.hybrid) {
     throw std::invalid_argument(
         "hybrid phases with gradient accumulation are not supported yet: use one of them (phases full, or "
         "accumulation 1)");
   }
-  validate(options_.precision);
-  if (options_.precision.scaled() && (options_.phases.hybrid || options_.accumulate > 1)) {
+  validate(options.precision);
+  if (options.precision.scaled() && (options.phases.hybrid || options.accumulate > 1)) {
     throw std::invalid_argument(
         "loss scaling (fp16 mixed precision) with hybrid phases or gradient accumulation is not supported yet: use "
         "bf16, which needs no loss scaling, or fp32");
   }
-  train_key_ = graph::VariantKey{options_.batch, true};
-  train_key_.precision = options_.precision.compute;
-  train_key_.loss_scaling = options_.precision.scaled();
-  train_key_.accumulate = options_.accumulate;
-  train_key_.recompute = options_.recompute;
-  train_key_.fuse = options_.fuse;
-  if (options_.phases.hybrid) {
-    options_.optimizer.predictor = options_.phases.predictor;
-    train_key_.fit_predictor = true;
-    phases_ = std::make_unique<PhaseController>(options_.phases);
+  if (options.phases.hybrid) options.optimizer.predictor = options.phases.predictor;
+}
+
+graph::VariantKey training_key(const TrainerOptions& options) {
+  graph::VariantKey key{options.batch, true};
+  key.precision = options.precision.compute;
+  key.loss_scaling = options.precision.scaled();
+  key.accumulate = options.accumulate;
+  key.recompute = options.recompute;
+  key.fuse = options.fuse;
+  key.fit_predictor = options.phases.hybrid;
+  return key;
+}
+
+graph::VariantKey training_variant_key(const TrainerOptions& options, bool micro, bool fit) {
+  graph::VariantKey key = training_key(options);
+  key.micro = micro;
+  key.fit_predictor = options.phases.hybrid && fit && !micro;
+  return key;
+}
+
+graph::VariantKey predict_key(const TrainerOptions& options) {
+  graph::VariantKey key{options.batch, false};
+  key.precision = options.precision.compute;
+  key.fuse = options.fuse;
+  key.apply_predictor = true;
+  key.int8_weights = options.phases.predict_int8;
+  return key;
+}
+
+std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device) {
+  if (options.residency.budget_bytes != 0) return options.residency.budget_bytes;
+  const std::uint64_t mem = device.global_mem_bytes;
+  return mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
+}
+
+graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget) {
+  graph::ResidencyOptions r = options.residency;
+  r.budget_bytes = device_budget;
+  // Host-lane updates (the host optimizer, a Predict step advancing streamed weights) run before
+  // the step is known good: they write a second copy that becomes current at commit. Otherwise
+  // streamed state is one copy, updated after the commit point.
+  if (r.host_optimizer || options.phases.hybrid) r.homes.pinned_copies = 2;
+  return r;
+}
+
+std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options) {
+  // So that a budget they do not fit in fails at construction, not mid-run.
+  std::vector<UpfrontVariant> out;
+  if (options.accumulate > 1) out.push_back({"micro-batch", training_variant_key(options, true, true)});
+  if (options.phases.hybrid) {
+    out.push_back({"predict", predict_key(options)});
+    if (options.phases.fit_every > 1) out.push_back({"full (no fit)", training_variant_key(options, false, false)});
   }
-  budget_ = options_.residency.budget_bytes;
-  if (budget_ == 0) {
-    const std::uint64_t mem = runtime_.device().global_mem_bytes;
-    budget_ = mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
-  }
+  return out;
+}
+
+}  // namespace detail
+
+Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
+    : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr), scaler_(options.precision) {
+  detail::validate_trainer_options(model_, options_);
+  train_key_ = detail::training_key(options_);
+  if (options_.phases.hybrid) phases_ = std::make_unique<PhaseController>(options_.phases);
+  budget_ = detail::resolve_device_budget(options_, runtime_.device());
+  // Every step variant compiled below, planned first without allocating anything: the pinned host
+  // bytes they need are checked against the host budget and the machine's memory here, before any
+  // of them is allocated.
+  check_host_budget(plan_training(runtime_, model_, options, {}), options_.residency.host_budget_bytes);
   train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key_), options_.optimizer, runtime_.env(),
                                                  runtime_.context(), nullptr,
                                                  graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
-  // The other training variants now, so a budget they do not fit in fails here, not mid-run.
-  if (options_.accumulate > 1) training_variant(true, true);
+  for (const auto& v : detail::upfront_variants(options_)) variant(v.key);
   // Where each weight lives, resolved once (the weight check and the restore point read them).
   const auto& arena = *train_->persistent();
   weight_names_ = parameter_names();
   for (const auto& name : weight_names_) weights_.push_back(*arena.find(name));
   if (phases_) {
-    predict_variant_mutable();
-    if (options_.phases.fit_every > 1) training_variant(false, false);
     for (const auto& name : weight_names_) {
       const auto stats = arena.find(name + ".pred_stats");
       if (!stats) throw std::logic_error(fmt::format("no predictor state for '{}'", name));
@@ -92,19 +145,11 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
 
 graph::CompiledStep& Trainer::training_variant(bool micro, bool fit) {
   if (!micro && (fit || !phases_)) return *train_;
-  graph::VariantKey key = train_key_;
-  key.micro = micro;
-  key.fit_predictor = phases_ && fit && !micro;
-  return variant(key);
+  return variant(detail::training_variant_key(options_, micro, fit));
 }
 
 graph::CompiledStep& Trainer::predict_variant_mutable() {
-  graph::VariantKey key{options_.batch, false};
-  key.precision = options_.precision.compute;
-  key.fuse = options_.fuse;
-  key.apply_predictor = true;
-  key.int8_weights = options_.phases.predict_int8;
-  return variant(key);
+  return variant(detail::predict_key(options_));
 }
 
 namespace {
@@ -172,13 +217,7 @@ void Trainer::refuse_if_inconsistent(const char* what) const {
 }
 
 graph::ResidencyOptions Trainer::residency_options() const {
-  graph::ResidencyOptions r = options_.residency;
-  r.budget_bytes = budget_;  // the resolved budget (0 in the options means "device memory less headroom")
-  // Host-lane updates (the host optimizer, a Predict step advancing streamed weights) run before
-  // the step is known good: they write a second copy that becomes current at commit. Otherwise
-  // streamed state is one copy, updated after the commit point.
-  if (r.host_optimizer || options_.phases.hybrid) r.homes.pinned_copies = 2;
-  return r;
+  return detail::residency_options(options_, budget_);
 }
 
 graph::Graph Trainer::build_graph(const graph::VariantKey& key) const {
@@ -768,7 +807,7 @@ std::optional<std::uint64_t> min_stream_budget(Runtime& runtime, const ModelSpec
   options.residency.mode = graph::ResidencyMode::stream;
   options.residency.budget_bytes = 1;
   try {
-    Trainer probe(runtime, model, options);
+    plan_training(runtime, model, options, {});  // planned only: nothing is allocated
   } catch (const graph::BudgetError& e) {
     return e.min_budget();
   }

@@ -1,6 +1,10 @@
 // Device bytes by purpose (ferry/runtime/plan.hpp): the persistent parts equal the trainer's own
 // counts, the total is the planned device peak, a Predict variant holds no gradients, and a
-// streamed step keeps its weights off the device but their copies on it.
+// streamed step keeps its weights off the device but their copies on it. The planner
+// (plan_training) gives the figures a Trainer then allocates, and the host budget is checked
+// before anything is allocated.
+#include <algorithm>
+
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/plan.hpp"
@@ -47,6 +51,148 @@ TEST(Plan, PredictHoldsNoGradientsAndStreamingMovesWeightsOff) {
   EXPECT_EQ(streamed.weights, 0u);
   EXPECT_EQ(streamed.optimizer_state, 0u);
   EXPECT_GT(streamed.streamed_copies, 0u);
+}
+
+// The planner's figures against what a Trainer of the same options allocates: every phase's
+// device breakdown, the device peak, the pinned host bytes and the bytes streamed per step.
+void expect_plan_matches_trainer(Runtime& rt, const ModelSpec& model, const TrainerOptions& o) {
+  const TrainingPlan plan = plan_training(rt, model, o);
+  Trainer t(rt, model, o);
+  std::vector<const graph::CompiledStep*> steps{&t.train_step()};
+  for (const auto& [key, step] : t.variants()) steps.push_back(step.get());
+  ASSERT_EQ(plan.phases.size(), steps.size());
+  std::uint64_t peak = 0, host_step = 0;
+  for (const auto* step : steps) {
+    const auto it = std::find_if(plan.phases.begin(), plan.phases.end(), [&](const PhasePlan& p) {
+      if (&p == &plan.phases.front()) return step == &t.train_step();
+      const auto v = t.variants().find(p.key);
+      return v != t.variants().end() && v->second.get() == step;
+    });
+    ASSERT_NE(it, plan.phases.end());
+    const DeviceBreakdown want = device_breakdown(*step, t.train_step()), got = it->device;
+    EXPECT_EQ(got.weights, want.weights) << it->name;
+    EXPECT_EQ(got.optimizer_state, want.optimizer_state) << it->name;
+    EXPECT_EQ(got.other_state, want.other_state) << it->name;
+    EXPECT_EQ(got.gradients, want.gradients) << it->name;
+    EXPECT_EQ(got.activations, want.activations) << it->name;
+    EXPECT_EQ(got.scratch, want.scratch) << it->name;
+    EXPECT_EQ(got.streamed_copies, want.streamed_copies) << it->name;
+    EXPECT_EQ(got.step_arena, want.step_arena) << it->name;
+    EXPECT_EQ(got.total, step->device_bytes()) << it->name;
+    EXPECT_EQ(it->host_step_bytes, step->host_step_bytes()) << it->name;
+    EXPECT_EQ(it->fetch_bytes, step->residency().fetch_bytes) << it->name;
+    EXPECT_EQ(it->write_back_bytes, step->residency().write_back_bytes) << it->name;
+    EXPECT_EQ(it->nodes, step->node_count()) << it->name;
+    peak = std::max(peak, step->device_bytes());
+    host_step += step->host_step_bytes();
+  }
+  EXPECT_EQ(plan.device_peak_bytes, peak);
+  // Pinned host bytes: the stores' but the compressed home's chunks (ordinary memory, sized by the data).
+  const auto& compressed = t.train_step().persistent()->homes[static_cast<int>(graph::Residency::host_compressed)];
+  const std::uint64_t pinned = t.train_step().persistent()->host_bytes() - (compressed ? compressed->host_bytes() : 0);
+  EXPECT_EQ(plan.host_store_bytes, pinned);
+  EXPECT_EQ(plan.host_step_bytes, host_step);
+  EXPECT_EQ(plan.host_bytes, pinned + host_step);
+  EXPECT_EQ(plan.device_budget_bytes, t.device_budget_bytes());
+  EXPECT_EQ(plan.mode, t.residency().mode);
+}
+
+TEST(Plan, PlannerAgreesWithTheTrainerResident) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  expect_plan_matches_trainer(rt, small_cnn(), o);
+}
+
+TEST(Plan, PlannerAgreesWithTheTrainerStreamedHybrid) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.phases.hybrid = true;
+  o.phases.fit_every = 2;  // also the training variant without the predictor fit
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.budget_bytes = 64ull << 20;
+  expect_plan_matches_trainer(rt, small_mlp(), o);
+  const TrainingPlan plan = plan_training(rt, small_mlp(), o);
+  EXPECT_GT(plan.host_store_bytes, 0u) << "streamed state lives in pinned host memory";
+  EXPECT_GT(plan.phases.front().fetch_bytes, 0u);
+}
+
+TEST(Plan, PlannerAgreesWithTheTrainerAccumulatedCompressedState) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 8;
+  o.accumulate = 2;  // the micro-batch variant too
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.state_home = graph::Residency::host_compressed;  // staging in the host step pool
+  o.residency.budget_bytes = 64ull << 20;
+  expect_plan_matches_trainer(rt, small_residual(), o);
+}
+
+// The GEMM work of small_mlp (20 -> 13 -> 10): each Linear's forward and weight gradient, and the
+// input gradient of the second (the first layer's input needs none): 2 B (2 * 20 * 13 + 3 * 13 * 10).
+TEST(Plan, FlopsCountEveryGemmAndTheStepTimeIsTheSlowerOfComputeAndTransfers) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  const TrainingPlan p = plan_training(rt, small_mlp(), o, PlanRates{2.0, 1.0});
+  const PhasePlan& t = p.phases.front();
+  EXPECT_EQ(t.gemm_flops, 2u * 16u * (2u * 20u * 13u + 3u * 13u * 10u));
+  EXPECT_GT(t.flops, t.gemm_flops) << "other compute nodes count one per output element";
+  EXPECT_DOUBLE_EQ(t.compute_ms, static_cast<double>(t.flops) / 1e6);
+  EXPECT_DOUBLE_EQ(t.transfer_ms, static_cast<double>(t.fetch_bytes + t.write_back_bytes + t.batch_bytes) / 2e6);
+  EXPECT_DOUBLE_EQ(p.predicted_step_ms, std::max(t.compute_ms, t.transfer_ms));
+  EXPECT_GT(t.batch_bytes, 16u * 20u * 4u) << "the batch goes up";
+  const TrainingPlan unknown = plan_training(rt, small_mlp(), o);
+  EXPECT_EQ(unknown.predicted_step_ms, 0.0) << "no rates, no prediction";
+}
+
+TEST(Plan, RatesAreMeasuredOnTheDevice) {
+  Runtime rt;
+  EXPECT_GT(measure_link_gbps(rt), 0.0);
+  EXPECT_GT(measure_gemm_gflops(rt), 0.0);
+}
+
+TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.budget_bytes = 64ull << 20;
+  const TrainingPlan plan = plan_training(rt, small_mlp(), o);
+  o.residency.host_budget_bytes = plan.host_bytes - 1;
+  try {
+    Trainer t(rt, small_mlp(), o);
+    FAIL() << "a host budget one byte short was accepted";
+  } catch (const HostBudgetError& e) {
+    EXPECT_EQ(e.needed_bytes(), plan.host_bytes);
+    EXPECT_EQ(e.budget_bytes(), plan.host_bytes - 1);
+    const std::string m = e.what();
+    EXPECT_NE(m.find(format_bytes(plan.host_bytes)), std::string::npos) << m;
+    EXPECT_NE(m.find("--host-budget"), std::string::npos) << m;
+    EXPECT_NE(m.find("--optimizer adamw8bit"), std::string::npos) << m;
+    EXPECT_NE(m.find("--state-home compressed"), std::string::npos) << m;
+  }
+  o.residency.host_budget_bytes = plan.host_bytes;  // exactly enough
+  Trainer fits(rt, small_mlp(), o);
+  EXPECT_EQ(fits.train_step().persistent()->host_bytes(), plan.host_store_bytes);
+  EXPECT_LE(fits.host_state_bytes(), plan.host_bytes);
+}
+
+TEST(Plan, StateLargerThanPhysicalMemoryIsAnError) {
+  TrainingPlan plan;
+  plan.host_store_bytes = physical_memory_bytes() + 1;
+  plan.host_bytes = plan.host_store_bytes;
+  EXPECT_NO_THROW(check_host_budget(TrainingPlan{}, 0));
+  try {
+    check_host_budget(plan, 0);
+    FAIL() << "a state larger than the machine's memory was accepted";
+  } catch (const HostBudgetError& e) {
+    EXPECT_EQ(e.budget_bytes(), physical_memory_bytes());
+    EXPECT_NE(std::string(e.what()).find("physical memory"), std::string::npos) << e.what();
+  }
+  // A budget above physical memory does not lift the machine's limit.
+  EXPECT_THROW(check_host_budget(plan, plan.host_bytes * 2), HostBudgetError);
 }
 
 }  // namespace

@@ -10,6 +10,11 @@
 namespace ferry::ops::table {
 namespace {
 
+// 2 N K C R S P Q: the forward's multiply-adds, and each gradient's (the same products).
+std::uint64_t conv_flops(const Conv2dShape& s) {
+  return 2ull * s.N * s.K * s.C * s.R * s.S * s.P() * s.Q();
+}
+
 Conv2dShape conv_shape(const TensorDesc& xd, const TensorDesc& wd, const NodeAttrs& a) {
   const Shape &x = xd.shape, &w = wd.shape;
   Conv2dShape s;
@@ -60,6 +65,7 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return conv2d_scratch_elems(env, conv_shape(v.input(0), v.input(1), v.attrs())) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return conv_flops(conv_shape(v.input(0), v.input(1), v.attrs())); };
   r.bind = [](const BindContext& c) {
     const DeviceSpan bias = c.input_count() > 2 ? c.in(2) : DeviceSpan{};
     Conv2dShape s = conv_shape(c.input(0), c.input(1), c.attrs());
@@ -103,6 +109,7 @@ OpInfo conv2d_grad_input_row() {  // in: dy w  out: dx
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return conv2d_scratch_elems(env, conv_shape(v.output(0), v.input(1), v.attrs())) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return conv_flops(conv_shape(v.output(0), v.input(1), v.attrs())); };
   r.bind = [](const BindContext& c) {
     return conv2d_backward_data(c.env(), conv_shape(c.output(0), c.input(1), c.attrs()), c.in(0), c.in(1), c.out(0),
                                 c.scratch());
@@ -123,6 +130,7 @@ OpInfo conv2d_grad_param_row() {  // in: x dy  out: dw [db]
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return conv2d_scratch_elems(env, conv_shape(v.input(0), v.output(0), v.attrs())) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return conv_flops(conv_shape(v.input(0), v.output(0), v.attrs())); };
   r.bind = [](const BindContext& c) {
     const DeviceSpan dbias = c.output_count() > 1 ? c.out(1) : DeviceSpan{};
     return conv2d_backward_weights(c.env(), conv_shape(c.input(0), c.output(0), c.attrs()), c.in(0), c.in(1), c.out(0),

@@ -15,6 +15,9 @@ namespace {
 struct LinearGemms {
   GemmShape forward, grad_input, grad_param;
 };
+std::uint64_t flops(const GemmShape& s) {
+  return 2ull * s.M * s.N * s.K;
+}
 LinearGemms linear_gemms(const TensorDesc& x, const TensorDesc& w) {
   const std::size_t in = w.shape[0], out = w.shape[1], batch = x.shape.elems() / in;
   const DType a = x.dtype, p = w.dtype;
@@ -55,6 +58,7 @@ OpInfo linear_row() {
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return gemm_scratch_elems(env, linear_gemms(v.input(0), v.input(1)).forward) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return flops(linear_gemms(v.input(0), v.input(1)).forward); };
   r.bind = [](const BindContext& c) {
     GemmOptions opt;
     if (c.input_count() > 2) opt.bias = c.in(2);
@@ -78,6 +82,7 @@ OpInfo linear_grad_input_row() {  // in: dy w  out: dx
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return gemm_scratch_elems(env, linear_gemms(v.output(0), v.input(1)).grad_input) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return flops(linear_gemms(v.output(0), v.input(1)).grad_input); };
   r.bind = [](const BindContext& c) {
     return gemm(c.env(), linear_gemms(c.output(0), c.input(1)).grad_input, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
                 c.scratch());
@@ -98,6 +103,7 @@ OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return gemm_scratch_elems(env, linear_gemms(v.input(0), v.output(0)).grad_param) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return flops(linear_gemms(v.input(0), v.output(0)).grad_param); };
   r.bind = [](const BindContext& c) {
     const std::size_t cols = c.output(0).shape[1], rows = c.input(1).shape.elems() / cols;
     auto list = gemm(c.env(), linear_gemms(c.input(0), c.output(0)).grad_param, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),

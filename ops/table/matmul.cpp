@@ -59,6 +59,7 @@ OpInfo matmul_row(OpId grad_a, OpId grad_b) {  // in: a b  out: c
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return matmul_scratch_elems(env, product(v.input(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return product(v.input(0).shape, v.input(1).shape, v.attrs()).flops(); };
   r.bind = [](const BindContext& c) {
     return matmul(c.env(), product(c.input(0).shape, c.input(1).shape, c.attrs()), alpha(c.attrs()), c.in(0), c.in(1),
                   c.out(0), c.scratch());
@@ -98,6 +99,7 @@ OpInfo matmul_grad_a_row() {  // in: dy b  out: da
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return matmul_grad_a_scratch_elems(env, forward_of_grad_a(v)) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return forward_of_grad_a(v).flops(); };  // the same M N K
   r.bind = [](const BindContext& c) {
     return matmul_grad_a(c.env(), forward_of_grad_a(c), alpha(c.attrs()), c.in(0), c.in(1), c.out(0), c.scratch());
   };
@@ -116,6 +118,7 @@ OpInfo matmul_grad_b_row() {  // in: a dy  out: db
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return matmul_grad_b_scratch_elems(env, forward_of_grad_b(v)) * sizeof(float);
   };
+  r.flops = [](const ShapeView& v) { return forward_of_grad_b(v).flops(); };
   r.bind = [](const BindContext& c) {
     return matmul_grad_b(c.env(), forward_of_grad_b(c), alpha(c.attrs()), c.in(0), c.in(1), c.out(0), c.scratch());
   };

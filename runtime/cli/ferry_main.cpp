@@ -440,6 +440,9 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
   app->add_option("--device-budget", t.device_budget,
                   "Device bytes a step may use, e.g. 64MiB (default: device memory less headroom)");
+  app->add_option("--host-budget", t.host_budget,
+                  "Pinned host bytes the weights, optimizer state and step buffers may take, e.g. 16GiB, checked "
+                  "before anything is allocated (default: the machine's physical memory)");
   app->add_option("--residency", t.residency,
                   "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "
                   "(zero-copy, unified-memory devices)")
@@ -580,6 +583,12 @@ int main(int argc, char** argv) {
       "Print the device bytes of each phase of a model's step (weights, gradients, optimizer state, activations), "
       "the smallest budget it runs in, and the configuration to use for --device-budget");
   add_model_options(plan, t);
+  plan->add_option("--link-gbps", t.link_gbps,
+                   "Host-device copy rate in GB/s for the step-time prediction (default: measured on the device)")
+      ->check(CLI::PositiveNumber);
+  plan->add_option("--gemm-gflops", t.gemm_gflops,
+                   "GEMM rate in GFLOP/s for the step-time prediction (default: measured on the device)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;
   t.argv.assign(argv, argv + argc);

@@ -1,6 +1,7 @@
-// `ferry plan`: compiles a model's step variants for a configuration (without running them) and
-// prints what each phase holds on the device, the smallest budgets it runs in, and the first
-// configuration, from fastest to leanest, that fits the given budget.
+// `ferry plan`: plans a model's step variants for a configuration (ferry::plan_training: nothing
+// is allocated or run) and prints what each phase holds on the device, the pinned host bytes, the
+// bytes moved and the predicted time per step, the smallest budgets it runs in, and the first
+// configuration, from fastest to leanest, that fits the given device and host budgets.
 #include "ferry/runtime/plan.hpp"
 
 #include <fmt/format.h>
@@ -25,23 +26,6 @@ ferry::ModelSpec plan_model(const TrainArgs& a) {
   c.heads = a.heads;
   c.context = a.context;
   return ferry::models::gpt(c);
-}
-
-struct Phase {
-  std::string name;
-  ferry::DeviceBreakdown bytes;
-};
-
-// The variants a trainer compiles up front, by the phases they serve.
-std::vector<Phase> phases_of(const ferry::Trainer& t) {
-  std::vector<Phase> out;
-  const bool hybrid = t.phases() != nullptr;
-  out.push_back({hybrid ? "warmup/full/correct" : "full", ferry::device_breakdown(t.train_step(), t.train_step())});
-  for (const auto& [key, step] : t.variants()) {
-    if (key.apply_predictor) out.push_back({"predict", ferry::device_breakdown(*step, t.train_step())});
-    if (key.micro) out.push_back({"micro-batch", ferry::device_breakdown(*step, t.train_step())});
-  }
-  return out;
 }
 
 nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
@@ -111,6 +95,27 @@ std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, 
   return out;
 }
 
+// A configuration's plan (none when the device budget cannot hold it: the planner's BudgetError),
+// and why it does not fit (that, or check_host_budget's HostBudgetError; empty when it fits).
+struct Outcome {
+  std::optional<ferry::TrainingPlan> plan;
+  std::string error;
+  bool fits() const { return plan && error.empty(); }
+};
+Outcome try_plan(ferry::Runtime& runtime, const ferry::ModelSpec& model, const ferry::TrainerOptions& o,
+                 const ferry::PlanRates& rates) {
+  Outcome out;
+  try {
+    out.plan = ferry::plan_training(runtime, model, o, rates);
+    ferry::check_host_budget(*out.plan, o.residency.host_budget_bytes);
+  } catch (const ferry::graph::BudgetError& e) {
+    out.error = e.what();
+  } catch (const ferry::HostBudgetError& e) {
+    out.error = e.what();
+  }
+  return out;
+}
+
 }  // namespace
 
 int cmd_plan(const TrainArgs& a) {
@@ -120,103 +125,153 @@ int cmd_plan(const TrainArgs& a) {
   configure_trainer(a, base);
   const ferry::ModelSpec model = plan_model(a);
 
+  // The rates of the step-time prediction: given, or measured here (a copy and a GEMM).
+  ferry::PlanRates rates{a.link_gbps, a.gemm_gflops};
+  const bool link_given = a.link_gbps > 0, gemm_given = a.gemm_gflops > 0;
+  if (!link_given) rates.link_gbps = ferry::measure_link_gbps(runtime);
+  if (!gemm_given) rates.gemm_gflops = ferry::measure_gemm_gflops(runtime);
+
   // As configured: every phase's bytes (with a budget too small, the error says so).
-  std::optional<ferry::Trainer> configured;
-  std::string configured_error;
-  try {
-    configured.emplace(runtime, model, base);
-  } catch (const ferry::graph::BudgetError& e) {
-    configured_error = e.what();
-  }
+  const Outcome configured = try_plan(runtime, model, base, rates);
   // Minimum budgets: everything resident, and streamed.
   ferry::TrainerOptions resident = base;
   resident.residency = {};
   resident.residency.mode = ferry::graph::ResidencyMode::resident;
   resident.residency.budget_bytes = ~std::uint64_t{0} >> 1;
-  std::uint64_t min_resident = 0;
-  {
-    ferry::Trainer t(runtime, model, resident);
-    for (const auto& p : phases_of(t)) min_resident = std::max(min_resident, p.bytes.total);
-  }
+  const std::uint64_t min_resident = ferry::plan_training(runtime, model, resident).device_peak_bytes;
   const auto min_streamed = ferry::min_stream_budget(runtime, model, base);
   const std::uint64_t budget =
-      configured ? configured->device_budget_bytes()
-                 : (base.residency.budget_bytes ? base.residency.budget_bytes : runtime.device().global_mem_bytes);
+      configured.plan ? configured.plan->device_budget_bytes
+                      : (base.residency.budget_bytes ? base.residency.budget_bytes : runtime.device().global_mem_bytes);
+  const std::uint64_t host_budget = base.residency.host_budget_bytes;
+  const std::uint64_t host_limit = host_budget ? host_budget : ferry::physical_memory_bytes();
 
-  // The first candidate, fastest first, that fits the budget.
+  // The first candidate, fastest first, that fits both budgets.
   const bool adam = base.optimizer.kind != ferry::graph::OptimizerSpec::Kind::sgd;
   std::optional<Candidate> chosen;
-  std::uint64_t chosen_total = 0;
+  std::optional<ferry::TrainingPlan> chosen_plan;
   for (const Candidate& c : candidates(base, adam, runtime.device().host_unified_memory)) {
     ferry::TrainerOptions o = c.options;
     o.residency.budget_bytes = budget;
-    try {
-      ferry::Trainer t(runtime, model, o);
-      chosen = c;
-      for (const auto& p : phases_of(t)) chosen_total = std::max(chosen_total, p.bytes.total);
-      break;
-    } catch (const ferry::graph::BudgetError&) {
-    }
+    Outcome r = try_plan(runtime, model, o, rates);
+    if (!r.fits()) continue;
+    chosen = c;
+    chosen_plan = std::move(r.plan);
+    break;
   }
 
+  const auto source = [](bool given) { return given ? "given" : "measured"; };
   if (a.json) {
     nlohmann::json phases = nlohmann::json::object();
-    if (configured) {
-      for (const auto& p : phases_of(*configured)) phases[p.name] = to_json(p.bytes);
+    nlohmann::json j = {{"schema", plan_json_schema},
+                        {"model", model.name},
+                        {"batch", base.batch},
+                        {"optimizer", a.optimizer},
+                        {"phases_mode", ferry::phases_name(base.phases.hybrid)},
+                        {"accumulate", base.accumulate},
+                        {"precision", precision_name(base.precision.compute)},
+                        {"device_budget_bytes", budget},
+                        {"host_budget_bytes", host_limit},
+                        {"host_budget_given", host_budget != 0},
+                        {"fits", configured.fits()},
+                        {"min_budget_resident_bytes", min_resident},
+                        {"min_budget_streamed_bytes", min_streamed ? nlohmann::json(*min_streamed) : nullptr},
+                        {"link_gbps", rates.link_gbps},
+                        {"link_gbps_source", source(link_given)},
+                        {"gemm_gflops", rates.gemm_gflops},
+                        {"gemm_gflops_source", source(gemm_given)},
+                        {"recommended", chosen ? nlohmann::json{{"flags", chosen->flags},
+                                                                {"device_bytes", chosen_plan->device_peak_bytes},
+                                                                {"host_bytes", chosen_plan->host_bytes},
+                                                                {"predicted_step_ms", chosen_plan->predicted_step_ms}}
+                                               : nlohmann::json(nullptr)}};
+    if (const auto& p = configured.plan) {
+      for (const auto& ph : p->phases) {
+        nlohmann::json b = to_json(ph.device);
+        b["host_step_bytes"] = ph.host_step_bytes;
+        b["fetch_bytes"] = ph.fetch_bytes;
+        b["write_back_bytes"] = ph.write_back_bytes;
+        b["batch_bytes"] = ph.batch_bytes;
+        b["flops"] = ph.flops;
+        b["predicted_step_ms"] = ph.predicted_step_ms;
+        phases[ph.name] = b;
+      }
+      const auto& t = p->phases.front();
+      j["residency"] = ferry::graph::residency_mode_name(p->mode);
+      j["device_peak_bytes"] = p->device_peak_bytes;
+      j["host_bytes"] = p->host_bytes;
+      j["host_store_bytes"] = p->host_store_bytes;
+      j["host_step_bytes"] = p->host_step_bytes;
+      j["fetch_bytes"] = t.fetch_bytes;
+      j["write_back_bytes"] = t.write_back_bytes;
+      j["batch_bytes"] = t.batch_bytes;
+      j["moved_bytes"] = t.fetch_bytes + t.write_back_bytes + t.batch_bytes;
+      j["flops"] = t.flops;
+      j["gemm_flops"] = t.gemm_flops;
+      j["compute_ms"] = t.compute_ms;
+      j["transfer_ms"] = t.transfer_ms;
+      j["predicted_step_ms"] = p->predicted_step_ms;
+      if (!configured.error.empty()) j["error"] = configured.error;
+    } else {
+      for (const char* k : {"residency", "device_peak_bytes", "host_bytes", "host_store_bytes", "host_step_bytes",
+                            "fetch_bytes", "write_back_bytes", "batch_bytes", "moved_bytes", "flops", "gemm_flops",
+                            "compute_ms", "transfer_ms", "predicted_step_ms"}) {
+        j[k] = nullptr;
+      }
+      j["error"] = configured.error;
     }
-    nlohmann::json j = {
-        {"schema", plan_json_schema},
-        {"model", model.name},
-        {"batch", base.batch},
-        {"optimizer", a.optimizer},
-        {"phases_mode", ferry::phases_name(base.phases.hybrid)},
-        {"accumulate", base.accumulate},
-        {"precision", precision_name(base.precision.compute)},
-        {"device_budget_bytes", budget},
-        {"fits", configured.has_value()},
-        {"phases", phases},
-        {"min_budget_resident_bytes", min_resident},
-        {"min_budget_streamed_bytes", min_streamed ? nlohmann::json(*min_streamed) : nullptr},
-        {"recommended",
-         chosen ? nlohmann::json{{"flags", chosen->flags}, {"device_bytes", chosen_total}} : nlohmann::json(nullptr)}};
+    j["phases"] = phases;
     std::cout << j.dump() << std::endl;
-    return 0;
+    return configured.fits() || chosen ? 0 : 1;
   }
   const auto mib = [](std::uint64_t b) { return fmt::format("{:.1f}", b / 1048576.0); };
-  std::cout << fmt::format("ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {} on {}\n", model.name,
-                           base.batch, a.optimizer, precision_name(base.precision.compute),
-                           ferry::phases_name(base.phases.hybrid),
-                           base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "",
-                           ferry::format_bytes(budget), runtime.device().name);
-  if (configured) {
+  std::cout << fmt::format(
+      "ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {}, host budget {}{} on {}\n", model.name,
+      base.batch, a.optimizer, precision_name(base.precision.compute), ferry::phases_name(base.phases.hybrid),
+      base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(budget),
+      ferry::format_bytes(host_limit), host_budget ? "" : " (physical memory)", runtime.device().name);
+  std::cout << fmt::format("rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({})\n", rates.link_gbps,
+                           source(link_given), rates.gemm_gflops, source(gemm_given));
+  if (const auto& p = configured.plan) {
     std::cout << fmt::format("device MiB per phase, as configured (residency {}):\n",
-                             ferry::graph::residency_mode_name(configured->residency().mode));
+                             ferry::graph::residency_mode_name(p->mode));
     std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", "phase", "weights",
                              "gradients", "optimizer", "other", "activations", "scratch", "streamed", "total");
-    for (const auto& p : phases_of(*configured)) {
-      const auto& b = p.bytes;
-      std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", p.name, mib(b.weights),
+    for (const auto& ph : p->phases) {
+      const auto& b = ph.device;
+      std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", ph.name, mib(b.weights),
                                mib(b.gradients), mib(b.optimizer_state), mib(b.other_state), mib(b.activations),
                                mib(b.scratch), mib(b.streamed_copies), mib(b.total));
     }
     std::cout << "  (other: predictor state, gradient sums; gradients to streamed: step tensors live at the peak "
                  "node; total: persistent device tensors and the step buffers, which can be larger than what is "
                  "live at once)\n";
-  } else {
-    std::cout << "as configured it does not fit: " << configured_error << "\n";
+    const auto& t = p->phases.front();
+    std::cout << fmt::format(
+        "device peak {}; pinned host {} ({} weights and state, {} step buffers); per step {} fetched, {} written "
+        "back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms)\n",
+        ferry::format_bytes(p->device_peak_bytes), ferry::format_bytes(p->host_bytes),
+        ferry::format_bytes(p->host_store_bytes), ferry::format_bytes(p->host_step_bytes),
+        ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
+        t.flops * 1e-9, p->predicted_step_ms, t.compute_ms, t.transfer_ms);
   }
+  if (!configured.fits()) std::cout << "as configured it does not fit: " << configured.error << "\n";
   std::cout << fmt::format("minimum budget: {} with everything resident, {} streamed\n",
                            ferry::format_bytes(min_resident),
                            min_streamed ? ferry::format_bytes(*min_streamed) : std::string("(nothing to stream)"));
   if (chosen) {
-    std::cout << fmt::format("for a budget of {}: {} (device peak {})\n", ferry::format_bytes(budget), chosen->flags,
-                             ferry::format_bytes(chosen_total));
+    std::cout << fmt::format(
+        "for a budget of {} and {} of host memory: {} (device peak {}, pinned host {}, predicted step {:.1f} ms)\n",
+        ferry::format_bytes(budget), ferry::format_bytes(host_limit), chosen->flags,
+        ferry::format_bytes(chosen_plan->device_peak_bytes), ferry::format_bytes(chosen_plan->host_bytes),
+        chosen_plan->predicted_step_ms);
   } else {
-    std::cout << fmt::format("for a budget of {}: no configuration fits; the smallest is {}\n",
-                             ferry::format_bytes(budget),
-                             min_streamed ? ferry::format_bytes(*min_streamed) : ferry::format_bytes(min_resident));
+    std::cout << fmt::format(
+        "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
+        ferry::format_bytes(budget), ferry::format_bytes(host_limit),
+        min_streamed ? ferry::format_bytes(*min_streamed) : ferry::format_bytes(min_resident));
   }
-  return configured || chosen ? 0 : 1;
+  return configured.fits() || chosen ? 0 : 1;
 }
 
 }  // namespace ferry::cli

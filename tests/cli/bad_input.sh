@@ -72,6 +72,8 @@ row "fp16 with hybrid phases" "loss scaling (fp16 mixed precision) with hybrid p
   train --precision fp16 --phases hybrid "${quick[@]}"
 row "budget too small for one layer" "raise the budget to at least" error - \
   train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB "${quick[@]}"
+row "host budget too small for the streamed state" "more than the host budget of" error - \
+  train --residency stream --host-budget 1MiB "${quick[@]}"
 row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - train --trace-steps 0 "${quick[@]}"
 
 # Output files, probed before any work.

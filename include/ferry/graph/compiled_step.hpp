@@ -249,8 +249,7 @@ class CompiledStep {
  private:
   struct Impl;
   struct Submission;
-  // The device passes after check dtypes and scratch, in order.
-  void plan(const cl::DeviceInfo& device, const PersistentArena* shared, const ResidencyOptions& residency);
+  // The device passes after the planning ones (graph/step_plan.hpp), in order.
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
                 const offload::HomeStoreOptions& homes);
   void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);

@@ -31,7 +31,11 @@ ResidencyMode parse_residency_mode(const std::string& s);  // throws std::invali
 struct ResidencyOptions {
   ResidencyMode mode = ResidencyMode::automatic;
   std::uint64_t budget_bytes = 0;  // device bytes a step may use; 0: no limit
-  std::uint32_t lookahead = 2;     // compute nodes between a fetch and its first use
+  // Pinned host bytes the weights, optimizer state and step host buffers may take (0: no limit
+  // beyond the machine's physical memory). The trainer checks the planned figure against it, and
+  // against physical memory, before it allocates anything (ferry::check_host_budget).
+  std::uint64_t host_budget_bytes = 0;
+  std::uint32_t lookahead = 2;  // compute nodes between a fetch and its first use
   // Stream mode: run optimizer updates on the host (TBB workers) instead of the device. Only the
   // weights are fetched and only their gradients written back; optimizer state stays on the host.
   bool host_optimizer = false;

@@ -50,6 +50,11 @@ struct HomeTraits {
                                       // (host_pinned: only with two copies, HomeStoreOptions)
   bool staged = false;                // unpacked into / packed from pinned staging by host-lane nodes
   bool keeps_value = true;            // false: dropped (what is written back is discarded)
+  // Full-size pinned host copies the store keeps of each tensor by default: what the planner
+  // counts as the home's host bytes (runtime/plan.cpp, the host budget; host_copies() below with
+  // the store's options). The compressed home's chunks are ordinary (not pinned) memory whose size
+  // depends on the data: 0 here.
+  std::uint32_t host_copies = 0;
 };
 HomeTraits home_traits(Home h);
 // Whether a store exists for `h` in this build.
@@ -80,6 +85,9 @@ struct HomeStoreOptions {
   // host-lane updates need, which cannot yet wait for the guard). Anything else is an error.
   std::uint32_t pinned_copies = 1;
 };
+
+// Full-size pinned host copies a store of `h` made with `options` keeps of each tensor.
+std::uint32_t host_copies(Home h, const HomeStoreOptions& options);
 
 class HomeStore {
  public:

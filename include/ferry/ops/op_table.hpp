@@ -165,6 +165,9 @@ struct OpInfo {
   std::function<void(GradContext&)> backward;                          // null: not differentiable
   std::function<void(const HostContext&)> host;                        // null: cannot run on the host lane
   std::function<void(RefContext&)> reference;                          // null only for ops a test cannot run on the CPU
+  // Floating-point operations of one run of the node, for the planner's step-time estimate
+  // (ferry::plan_training): 2 M N K for the GEMM-like rows. Null: one per output element.
+  std::function<std::uint64_t(const ShapeView&)> flops;
 };
 
 // Adds a row; returns its id. Throws std::invalid_argument for an empty or taken name, or a row

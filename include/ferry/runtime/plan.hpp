@@ -1,10 +1,15 @@
-// What a compiled variant holds on the device at its peak, by what the bytes are for: the
-// numbers `ferry plan` prints per phase.
+// Planning a training run without running or allocating it: what each compiled variant holds on
+// the device at its peak (the numbers `ferry plan` prints per phase), the pinned host bytes, the
+// bytes that cross the link per step, the step's floating-point work and a predicted step time.
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "ferry/graph/compiled_step.hpp"
+#include "ferry/runtime/trainer.hpp"
 
 namespace ferry {
 
@@ -20,9 +25,87 @@ struct DeviceBreakdown {
   std::uint64_t total = 0;            // what the variant needs on the device: persistent + step arena
 };
 
-// `step`'s bytes at its peak; the persistent tensors are those of `training` (the model's training
-// variant, which holds them all): a variant that does not use a device-resident tensor (Predict
-// and the optimizer state) still finds it on the device.
+// The bytes at the peak of a step planned as `step` with memory plan `plan`; the persistent
+// tensors are those of `training` (the model's training variant, which holds them all: a variant
+// that does not use a device-resident tensor, Predict and the optimizer state, still finds it on
+// the device), whose device home holds `persistent_device_bytes`.
+DeviceBreakdown device_breakdown(const graph::Graph& step, const graph::MemoryPlan& plan, const graph::Graph& training,
+                                 std::uint64_t persistent_device_bytes);
+// The same for compiled steps.
 DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::CompiledStep& training);
+
+// The rates a step-time prediction uses. 0: unknown (that term is left out).
+struct PlanRates {
+  double link_gbps = 0;    // host <-> device copies, GB/s (1e9 bytes per second)
+  double gemm_gflops = 0;  // the device's GEMM rate, GFLOP/s
+};
+
+// The rates measured on the runtime's device, quickly (well under a second each on a CPU device,
+// a GEMM kernel build aside, which the program cache keeps): the link as the best of three
+// 64 MiB copies from pinned host memory to the device (after one that warms up), the GEMM rate as
+// the best of three 1024 x 1024 x 1024 f32 products of ops::gemm (after one that builds it).
+double measure_link_gbps(Runtime& runtime);
+double measure_gemm_gflops(Runtime& runtime);
+
+// One compiled variant of the plan: the phase it serves and what it costs per step.
+struct PhasePlan {
+  std::string name;  // "full" ("warmup/full/correct" with hybrid phases), "predict", "micro-batch", "full (no fit)"
+  graph::VariantKey key;
+  DeviceBreakdown device;
+  std::uint64_t host_step_bytes = 0;  // the plan's pinned host pool of step tensors (batch mirrors, staging)
+  std::uint64_t fetch_bytes = 0, write_back_bytes = 0;  // persistent tensors over the link, per step
+  std::uint64_t batch_bytes = 0;                        // the batch up and the results down, per step
+  // Floating-point operations per step: 2 M N K for every GEMM-like node (linear, matmul,
+  // convolution and their gradients), one per output element for every other compute node
+  // (ops::OpInfo::flops).
+  std::uint64_t flops = 0, gemm_flops = 0;
+  std::size_t nodes = 0;
+  // With the rates: flops at the GEMM rate, the bytes moved at the link rate, and the step time
+  // predicted as the larger of the two (copies overlap compute; no fixed per-launch term: on the
+  // devices measured the host enqueues ahead of the device). 0 when the rate is unknown.
+  double compute_ms = 0, transfer_ms = 0, predicted_step_ms = 0;
+};
+
+struct TrainingPlan {
+  graph::ResidencyMode mode = graph::ResidencyMode::resident;  // the one the residency pass chose
+  std::uint64_t device_budget_bytes = 0;  // as resolved (0 in the options: the device's less headroom)
+  std::uint64_t min_budget_bytes = 0;     // the training step's smallest (stream mode)
+  std::vector<PhasePlan> phases;          // the training step first
+  std::uint64_t device_peak_bytes = 0;    // the largest phase's device total
+  // Pinned host bytes: the persistent tensors' stores (offload::host_copies() full
+  // copies per home) and every variant's host step pool. Excluded: the compressed home's chunks
+  // (not pinned, their size depends on the data) and the second batch mirrors of a step that runs
+  // ahead (the batch once more).
+  std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
+  PlanRates rates;
+  double predicted_step_ms = 0;  // the training step's (phases[0])
+};
+
+// Plans the step variants a Trainer(runtime, model, options) would compile up front (the same
+// graphs, model passes and planning passes: graph::plan_step), allocating nothing: no weights,
+// optimizer state, step arena or kernels. Throws what the Trainer would for bad options, and
+// graph::BudgetError when the device budget cannot hold the step; it does not check the host
+// budget (check_host_budget does).
+TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
+                           const PlanRates& rates = {});
+
+// The machine's physical memory in bytes (sysconf).
+std::uint64_t physical_memory_bytes();
+
+// A plan's pinned host bytes are more than the host budget, or than the machine's memory.
+class HostBudgetError : public std::runtime_error {
+ public:
+  HostBudgetError(const std::string& what, std::uint64_t needed, std::uint64_t budget)
+      : std::runtime_error(what), needed_(needed), budget_(budget) {}
+  std::uint64_t needed_bytes() const noexcept { return needed_; }
+  std::uint64_t budget_bytes() const noexcept { return budget_; }
+
+ private:
+  std::uint64_t needed_, budget_;
+};
+
+// Throws HostBudgetError when `plan.host_bytes` exceeds `host_budget_bytes` (0: no budget) or the
+// machine's physical memory, naming the figure, the limit and what to change.
+void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes);
 
 }  // namespace ferry

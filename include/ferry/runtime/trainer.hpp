@@ -313,8 +313,8 @@ class Trainer {
 };
 
 // The smallest device budget `options` trains in when streamed (residency stream, every layer
-// fetched just in time), found by compiling against a one-byte budget; nullopt if that compile
-// fits (nothing to stream).
+// fetched just in time), found by planning against a one-byte budget (ferry::plan_training:
+// nothing is allocated); nullopt if that plan fits (nothing to stream).
 std::optional<std::uint64_t> min_stream_budget(Runtime& runtime, const ModelSpec& model, TrainerOptions options);
 
 }  // namespace ferry

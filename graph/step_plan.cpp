@@ -1,0 +1,63 @@
+// The planning passes of a compile (include/ferry/graph/step_plan.hpp), shared by
+// graph::CompiledStep and the planner.
+#include "ferry/graph/step_plan.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+#include "ferry/graph/bind.hpp"
+
+namespace ferry::graph {
+
+StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, const PersistentArena* shared,
+                   const ResidencyOptions& residency) {
+  StepPlan out;
+  auto clock = std::chrono::steady_clock::now();
+  auto done = [&](const char* pass) {
+    const auto now = std::chrono::steady_clock::now();
+    out.pass_timings.push_back({pass, std::chrono::duration<double, std::milli>(now - clock).count()});
+    clock = now;
+  };
+  check_dtypes(g);
+  done("check dtypes");
+  assign_scratch(g, env);
+  done("scratch");
+  // Residency and the memory plan; persistent placements come from `shared` if given.
+  auto& t = g.tensors;
+  MemoryPlanOptions mopt;
+  mopt.max_buffer_bytes = device.max_alloc_bytes;
+  mopt.alignment = std::max<std::uint32_t>(256, device.base_align_bytes);
+  mopt.plan_persistent = shared == nullptr;
+  if (shared) {
+    mopt.existing_transient_buffers = shared->step_buffer_bytes;
+    for (TensorId id = 0; id < t.size(); ++id) {
+      if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
+      auto e = shared->find(t.name[id]);
+      if (!e) throw std::logic_error(fmt::format("variant uses weight '{}' that the model does not have", t.name[id]));
+      t.placement[id] = e->place;
+      t.home[id] = e->home;
+    }
+  }
+  ResidencyOptions ropt = residency;
+  if (shared) ropt.mode = shared->mode;  // a variant lives where the model's weights live
+  out.memory = plan_residency(g, ropt, device.host_unified_memory, mopt, out.residency);
+  done("residency and memory plan");
+  return out;
+}
+
+std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const StepPlan& plan) {
+  auto arena = std::make_shared<PersistentArena>();
+  arena->mode = plan.residency.mode;
+  const auto& t = g.tensors;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
+    arena->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id], t.bytes(id)});
+  }
+  arena->step_buffer_bytes = plan.memory.transient_buffers;
+  return arena;
+}
+
+}  // namespace ferry::graph

@@ -1,0 +1,34 @@
+// What a Trainer compiles, as functions of its options, so that the planner
+// (ferry::plan_training, runtime/plan.cpp) plans exactly the variants a Trainer would compile.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ferry/runtime/trainer.hpp"
+
+namespace ferry::detail {
+
+// Checks the options as the Trainer does (std::invalid_argument saying what to change) and sets
+// what follows from them: with hybrid phases, the optimizer's predictor.
+void validate_trainer_options(const ModelSpec& model, TrainerOptions& options);
+// The training step's key; a training variant's (micro-batch, predictor fit); the Predict step's.
+graph::VariantKey training_key(const TrainerOptions& options);
+graph::VariantKey training_variant_key(const TrainerOptions& options, bool micro, bool fit);
+graph::VariantKey predict_key(const TrainerOptions& options);
+// The device budget a Trainer plans in: the options', or the device's memory less headroom
+// (10%, at least 256 MiB, at most half).
+std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device);
+// The residency options a Trainer compiles with: the budget resolved, and two copies of streamed
+// state where host-lane nodes update it (the host optimizer, hybrid phases' Predict steps).
+graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget);
+
+// The variants a Trainer compiles up front after its training step, with the phase each serves.
+struct UpfrontVariant {
+  std::string phase;
+  graph::VariantKey key;
+};
+std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options);
+
+}  // namespace ferry::detail

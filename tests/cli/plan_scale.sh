@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# `ferry plan` of a 7B-parameter GPT plans without allocating it: it must finish within 10 s and
+# 1 GiB of maximum resident memory on a CPU device (it once constructed Trainers and was killed at
+# 23 GB), and its JSON line must carry the planner's figures.
+# usage: plan_scale.sh <ferry binary> <scratch folder>
+set -uo pipefail
+ferry=$1
+work=$2
+rm -rf "$work" && mkdir -p "$work"
+max_s=10
+max_rss_kib=$((1024 * 1024))
+/usr/bin/time -v -o "$work/time.txt" "$ferry" plan --model gpt --width 4096 --depth 32 --heads 32 --context 256 \
+  --batch 8 --device-budget 24GiB --optimizer adamw8bit --json >"$work/plan.json" 2>"$work/stderr.txt"
+status=$?
+failures=0
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+# ferry plan exits 1 when no configuration fits this machine (the state alone is larger than its
+# memory); anything else is a failure.
+[ $status -le 1 ] || fail "ferry plan exited $status: $(cat "$work/stderr.txt")"
+rss=$(awk -F: '/Maximum resident set size/ {gsub(/ /, "", $2); print $2}' "$work/time.txt")
+wall=$(awk '/Elapsed \(wall clock\)/ {print $NF}' "$work/time.txt")
+seconds=$(awk -v t="$wall" 'BEGIN {n = split(t, p, ":"); s = 0; for (i = 1; i <= n; ++i) s = s * 60 + p[i]; print s}')
+echo "ferry plan (7B GPT): ${seconds} s, maximum RSS ${rss} KiB, exit ${status}"
+awk -v s="$seconds" -v m="$max_s" 'BEGIN {exit !(s <= m)}' || fail "took ${seconds} s (limit ${max_s} s)"
+[ -n "$rss" ] && [ "$rss" -le $max_rss_kib ] || fail "maximum RSS ${rss} KiB (limit ${max_rss_kib} KiB)"
+json=$(cat "$work/plan.json")
+for field in device_peak_bytes host_bytes host_store_bytes fetch_bytes write_back_bytes moved_bytes flops \
+  predicted_step_ms link_gbps gemm_gflops link_gbps_source gemm_gflops_source min_budget_resident_bytes \
+  min_budget_streamed_bytes recommended phases fits; do
+  grep -q "\"$field\":" <<<"$json" || fail "the JSON has no '$field': $json"
+done
+grep -q '"link_gbps_source":"measured"' <<<"$json" || fail "the link rate was not measured: $json"
+grep -q '"device_peak_bytes":[1-9]' <<<"$json" || fail "no device peak: $json"
+grep -q '"predicted_step_ms":[1-9]' <<<"$json" || fail "no predicted step time: $json"
+[ $failures -eq 0 ] && echo "plan_scale: ok"
+exit $((failures > 0))
