@@ -132,7 +132,12 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
                            const PlanRates& rates) {
   TrainerOptions options = given;
   detail::validate_trainer_options(model, options);
+  if (options.recompute_auto) {
+    options.recompute = choose_recompute(runtime, model, options);
+    options.recompute_auto = false;
+  }
   TrainingPlan out;
+  out.recompute = options.recompute;
   out.rates = rates;
   out.device_budget_bytes = detail::resolve_device_budget(options, runtime.device());
   const graph::ResidencyOptions residency = detail::residency_options(options, out.device_budget_bytes);
@@ -227,6 +232,46 @@ double measure_gemm_gflops(Runtime& runtime) {
 std::uint64_t physical_memory_bytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+std::uint32_t choose_recompute(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options) {
+  TrainerOptions o = options;
+  o.recompute_auto = false;
+  o.recompute = 0;
+  std::uint64_t without = 0;
+  try {
+    plan_training(runtime, model, o);
+    return 0;
+  } catch (const graph::BudgetError& e) {
+    without = e.min_budget();
+  }
+  std::uint64_t leanest = without;
+  std::uint32_t leanest_every = 0;
+  for (const std::uint32_t every : {64u, 48u, 32u, 24u, 16u, 12u, 8u, 6u, 4u, 3u, 2u, 1u}) {
+    o.recompute = every;
+    try {
+      plan_training(runtime, model, o);
+      return every;
+    } catch (const graph::BudgetError& e) {
+      if (e.min_budget() < leanest) {
+        leanest = e.min_budget();
+        leanest_every = every;
+      }
+    } catch (const std::invalid_argument&) {
+      // Segments longer than the model: nothing to recompute at this length.
+    }
+  }
+  const std::uint64_t budget = detail::resolve_device_budget(options, runtime.device());
+  throw graph::BudgetError(
+      fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
+                  "needs {}{}; raise the budget to at least {}, or use a smaller batch, bf16 (--precision bf16) or "
+                  "8-bit optimizer state (--optimizer adamw8bit)",
+                  format_bytes(budget), format_bytes(without),
+                  leanest_every ? fmt::format(", recomputing segments of {} layers (the leanest) {}", leanest_every,
+                                              format_bytes(leanest))
+                                : std::string(", and recomputation does not lower that"),
+                  format_bytes(leanest)),
+      leanest);
 }
 
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes) {

@@ -197,3 +197,65 @@ TEST(Plan, StateLargerThanPhysicalMemoryIsAnError) {
 
 }  // namespace
 }  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+// --recompute auto: none when the step fits; under a budget that activations break, the longest
+// recomputed segments that fit, whose training is bit-identical to keeping every activation; below
+// what any segment length needs, a BudgetError naming that figure.
+TEST(Plan, RecomputeAutoChoosesTheSegmentsTheBudgetNeeds) {
+  Runtime rt;
+  const ModelSpec m = models::deep(64, 12);
+  TrainerOptions o;
+  o.batch = 256;  // activations, not weights, set the minimum budget
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.recompute_auto = true;
+  o.residency.budget_bytes = 1ull << 30;
+  EXPECT_EQ(choose_recompute(rt, m, o), 0u) << "room for every activation: no recomputation";
+
+  TrainerOptions keep = o;
+  keep.recompute_auto = false;
+  keep.residency.budget_bytes = 1;
+  std::uint64_t without = 0;
+  try {
+    plan_training(rt, m, keep);
+  } catch (const graph::BudgetError& e) {
+    without = e.min_budget();
+  }
+  ASSERT_GT(without, 0u);
+  o.residency.budget_bytes = without - 1;
+  const std::uint32_t every = choose_recompute(rt, m, o);
+  EXPECT_GT(every, 0u) << "the step does not fit without recomputation";
+  Trainer chosen(rt, m, o);
+  EXPECT_EQ(chosen.options().recompute, every);
+  EXPECT_LE(chosen.device_peak_bytes(), without - 1);
+  EXPECT_EQ(plan_training(rt, m, o).recompute, every);
+
+  // Recomputation changes no result: the same steps as a trainer keeping every activation.
+  keep.residency.budget_bytes = 1ull << 30;
+  Trainer reference(rt, m, keep);
+  const std::size_t sample = sample_elems(m);
+  for (int s = 0; s < 2; ++s) {
+    auto x = random_vector(o.batch * sample, 80 + s);
+    auto y = labels_for(o.batch, 90 + s);
+    EXPECT_EQ(chosen.step(x, y).loss, reference.step(x, y).loss) << s;
+  }
+  for (const auto& name : chosen.parameter_names()) {
+    EXPECT_EQ(chosen.read_parameter(name), reference.read_parameter(name)) << name;
+  }
+
+  o.residency.budget_bytes = 4096;
+  try {
+    choose_recompute(rt, m, o);
+    FAIL() << "a 4 KiB budget should not fit";
+  } catch (const graph::BudgetError& e) {
+    EXPECT_GT(e.min_budget(), 4096u);
+    EXPECT_LT(e.min_budget(), without);
+    EXPECT_NE(std::string(e.what()).find("even with recomputation"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(format_bytes(e.min_budget())), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ferry::test

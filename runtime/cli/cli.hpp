@@ -65,7 +65,7 @@ struct TrainArgs {
   // Hybrid phases (ferry/runtime/phases.hpp): the defaults are PhaseConfig's.
   std::string phases = "full", predictor = "linear";
   std::uint32_t accumulate = 1;    // micro-batches per optimizer update
-  std::uint32_t recompute = 0;     // layers per recomputed segment (0: none)
+  std::string recompute = "auto";  // layers per recomputed segment (0: none; auto: what the budget needs)
   bool no_fuse = false;            // TrainerOptions::fuse off
   std::string precision = "fp32";  // fp32, fp16 or bf16 (mixed precision)
   std::string loss_scaling = "auto";

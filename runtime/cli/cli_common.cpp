@@ -136,7 +136,24 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.homes.codec.workers = a.compress_workers;
   ferry::offload::validate(opt.residency.homes.codec);
   opt.accumulate = a.accumulate;
-  opt.recompute = a.recompute;
+  if (a.recompute == "auto") {
+    opt.recompute_auto = true;
+  } else {
+    std::size_t used = 0;
+    unsigned long every = 0;
+    try {
+      every = std::stoul(a.recompute, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != a.recompute.size() || a.recompute[0] == '-' || every > 1u << 20) {
+      throw std::invalid_argument(fmt::format(
+          "--recompute '{}': give auto (recompute only what the device budget needs), 0 (off) or the layers per "
+          "recomputed segment",
+          a.recompute));
+    }
+    opt.recompute = static_cast<std::uint32_t>(every);
+  }
   opt.fuse = !a.no_fuse;
   opt.precision.compute = parse_precision(a.precision);
   opt.precision.scaling = a.loss_scaling == "on"    ? ferry::PrecisionConfig::Scaling::on

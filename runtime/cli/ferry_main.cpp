@@ -474,7 +474,8 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
                   "Micro-batches of --batch samples whose mean gradient makes one optimizer update")
       ->capture_default_str();
   app->add_option("--recompute", t.recompute,
-                  "Recompute activations in backward for segments of N layers instead of keeping them (0: off)")
+                  "Recompute activations in backward for segments of N layers instead of keeping them (0: off; "
+                  "auto: none if the step fits the device budget, else the longest segments that fit)")
       ->capture_default_str();
   app->add_flag("--no-fuse", t.no_fuse,
                 "Keep every layer its own kernel (no ReLU fused into a max-pool or a convolution's epilogue); "

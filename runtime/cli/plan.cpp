@@ -157,6 +157,9 @@ int cmd_plan(const TrainArgs& a) {
     if (!r.fits()) continue;
     chosen = c;
     chosen_plan = std::move(r.plan);
+    // Recomputation chosen for the budget (--recompute auto) is part of what to run.
+    if (base.recompute_auto && chosen_plan->recompute > 0)
+      chosen->flags += fmt::format(" --recompute {}", chosen_plan->recompute);
     break;
   }
 
@@ -171,6 +174,7 @@ int cmd_plan(const TrainArgs& a) {
                         {"accumulate", base.accumulate},
                         {"precision", precision_name(base.precision.compute)},
                         {"device_budget_bytes", budget},
+                        {"recompute", configured.plan ? nlohmann::json(configured.plan->recompute) : nullptr},
                         {"host_budget_bytes", host_limit},
                         {"host_budget_given", host_budget != 0},
                         {"fits", configured.fits()},
@@ -233,8 +237,10 @@ int cmd_plan(const TrainArgs& a) {
   std::cout << fmt::format("rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({})\n", rates.link_gbps,
                            source(link_given), rates.gemm_gflops, source(gemm_given));
   if (const auto& p = configured.plan) {
-    std::cout << fmt::format("device MiB per phase, as configured (residency {}):\n",
-                             ferry::graph::residency_mode_name(p->mode));
+    std::cout << fmt::format("device MiB per phase, as configured (residency {}, {}):\n",
+                             ferry::graph::residency_mode_name(p->mode),
+                             p->recompute ? fmt::format("recomputing segments of {} layers", p->recompute)
+                                          : std::string("no recomputation"));
     std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", "phase", "weights",
                              "gradients", "optimizer", "other", "activations", "scratch", "streamed", "total");
     for (const auto& ph : p->phases) {

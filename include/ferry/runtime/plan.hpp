@@ -79,6 +79,7 @@ struct TrainingPlan {
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
   PlanRates rates;
   double predicted_step_ms = 0;  // the training step's (phases[0])
+  std::uint32_t recompute = 0;   // layers per recomputed segment planned (chosen when recompute_auto)
 };
 
 // Plans the step variants a Trainer(runtime, model, options) would compile up front (the same
@@ -88,6 +89,12 @@ struct TrainingPlan {
 // budget (check_host_budget does).
 TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
                            const PlanRates& rates = {});
+
+// TrainerOptions::recompute_auto: the recomputation the step needs to fit its device budget. 0
+// when it fits without; else the longest segment (in layers, of 64, 48, 32, 24, 16, 12, 8, 6, 4,
+// 3, 2, 1) whose plan fits: the fewest recomputed layers' checkpoints. Plans only. Throws
+// graph::BudgetError when none fits, naming the smallest budget any of them needs.
+std::uint32_t choose_recompute(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options);
 
 // The machine's physical memory in bytes (sysconf).
 std::uint64_t physical_memory_bytes();

@@ -46,6 +46,9 @@ struct TrainerOptions {
   // this many layers (nodes with weights) instead of keeping them; 0 keeps them all. Gradients are
   // bit-identical; the step costs about one more forward pass.
   std::uint32_t recompute = 0;
+  // Choose `recompute` when the Trainer is made (ferry::choose_recompute): none if the step fits
+  // the device budget, else the longest segments that fit. `ferry train`'s default.
+  bool recompute_auto = false;
   // Fuse layer pairs the kernels take together (a ReLU into the max-pool that reads it or the
   // convolution that makes it: graph::fuse_layers). Exact: results are bit-identical either way; off only to measure
   // or to compare against the unfused graph.
