@@ -230,6 +230,16 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bi
 void CompiledStep::lower(const cl::Context& context, bool serial) {
   auto preds = order_nodes(serial);
   find_commit_point();
+  // Host-lane nodes that change state in place run only after the commit gate (the flow graph's
+  // edge from the commit node leaves its check): not as soon as their own inputs are ready.
+  if (impl_->commit != Impl::no_node) {
+    for (NodeId id = impl_->commit + 1; id < graph_.nodes.size(); ++id) {
+      if (!impl_->in_place[id] || !is_host_lane(graph_.nodes.lane[id])) continue;
+      if (std::find(preds[id].begin(), preds[id].end(), impl_->commit) == preds[id].end()) {
+        preds[id].push_back(impl_->commit);
+      }
+    }
+  }
   impl_->serial = serial;
   const auto& n = graph_.nodes;
   for (NodeId id = 0; id < n.size(); ++id) impl_->last_on_lane[static_cast<int>(n.lane[id])] = id;
@@ -243,17 +253,12 @@ void CompiledStep::find_commit_point() {
   const auto& n = graph_.nodes;
   impl_->in_place.assign(n.size(), 0);
   NodeId first_in_place = Impl::no_node;
+  bool host_in_place = false;
   for (NodeId id = 0; id < n.size(); ++id) {
     for (TensorId x : n.outputs(id)) {
       if (!changes_in_place(x)) continue;
-      if (is_host_lane(n.lane[id])) {
-        // Host nodes run as soon as their inputs are ready, not after the step is known good.
-        throw std::logic_error(fmt::format(
-            "host node '{}' writes '{}', which its home updates in place: keep two copies of streamed state "
-            "(ResidencyOptions::homes.pinned_copies = 2) for host-lane updates",
-            n.name[id], t.name[t.storage(x)]));
-      }
       impl_->in_place[id] = 1;
+      host_in_place = host_in_place || is_host_lane(n.lane[id]);
     }
     if (impl_->in_place[id] && first_in_place == Impl::no_node) first_in_place = id;
   }
@@ -270,6 +275,7 @@ void CompiledStep::find_commit_point() {
         n.name[first_in_place]));
   }
   impl_->commit = commit;
+  if (host_in_place) impl_->guard_span = span(graph_.guard);
   impl_->commit_waits.push_back(commit);
   for (int lane = 0; lane < lane_count; ++lane) {
     if (lane == static_cast<int>(n.lane[commit])) continue;

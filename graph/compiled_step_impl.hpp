@@ -62,6 +62,10 @@ struct CompiledStep::Submission {
   static void CL_CALLBACK on_finish(cl_event, cl_int, void* user);
   cl_uint status_host = 0;
   std::atomic<bool> host_non_finite{false};
+  // Flow-graph form: the overflow guard as the commit gate read it. Not finite: the host-lane
+  // updates after the commit point skip themselves, as the device updates do.
+  float guard_at_commit = 0.0f;
+  bool skip_host_updates = false;
   // The flow-graph form runs to completion in submit(): what it ended with.
   std::exception_ptr failure;
   bool cancelled = false;
@@ -139,6 +143,9 @@ struct CompiledStep::Impl {
   // The commit node itself and the last node before it on every other lane: the flow-graph
   // form's gate waits for their commands and the flow graph for their bodies.
   std::vector<NodeId> commit_waits;
+  // Where the overflow guard lives, when host-lane nodes change state in place after the commit
+  // point (the host optimizer with one copy of streamed state): the commit gate reads it.
+  ops::DeviceSpan guard_span{};
   std::array<NodeId, lane_count> last_on_lane;
 
   // The flow-graph form (steps with host-lane nodes).
@@ -154,6 +161,7 @@ struct CompiledStep::Impl {
   std::unique_ptr<tbb::flow::continue_node<continue_msg>> commit_join, commit_check;
   std::unique_ptr<DoneNode> commit_gate_node;
   EventGate commit_gate;
+  cl::Event guard_read;  // the commit gate's read of the guard (guard_at_commit)
 
   explicit Impl(const cl::Context& c) : ctx(c) { last_on_lane.fill(no_node); }
 };

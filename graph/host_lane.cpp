@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <stdexcept>
 
@@ -79,6 +80,9 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
           }
           Submission& s = *im->running;
           if (s.mode == RunMode::transfers_only) return;
+          // After the commit point, a step whose gradients are not finite changes no state.
+          if (im->in_place[id] && s.skip_host_updates) return;
+          if (im->in_place[id]) s.started[id] = 1;
           if (im->ctx.profiling()) s.host_start_ns[id] = steady_ns();
           run_host_node(id, s);
           if (im->ctx.profiling()) s.host_end_ns[id] = steady_ns();
@@ -104,6 +108,19 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
           for (NodeId m : im->commit_waits) {
             if (im->running->events[m]) im->commit_gate.wait.push_back(im->running->events[m].get());
           }
+          Submission& sub = *im->running;
+          sub.skip_host_updates = false;
+          if (im->guard_span.buffer) {
+            // The guard's value once every command before the commit point is done: host-lane
+            // updates after it apply only if it is finite.
+            cl::OpScope scope("the overflow guard at the commit point");
+            auto& wait = im->commit_gate.wait;
+            FERRY_CL(clEnqueueReadBuffer(im->commit_gate.queue, im->guard_span.buffer, CL_FALSE,
+                                         im->guard_span.offset_bytes, sizeof(float), &sub.guard_at_commit,
+                                         static_cast<cl_uint>(wait.size()), wait.empty() ? nullptr : wait.data(),
+                                         im->guard_read.out()));
+            wait.assign(1, im->guard_read.get());
+          }
         });
     impl_->commit_gate_node =
         std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
@@ -111,6 +128,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
     impl_->commit_check =
         std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, commit](const continue_msg&) {
           check_device_status(*im->running, commit + 1, im->commit_gate.status, "the step before its commit point");
+          if (im->guard_span.buffer) im->running->skip_host_updates = !std::isfinite(im->running->guard_at_commit);
         });
     tbb::flow::make_edge(*impl_->nodes[commit], *impl_->commit_join);
     for (NodeId m : impl_->commit_waits) {

@@ -347,14 +347,42 @@ void count_transfers(const Graph& g, ResidencyReport& r) {
 }
 
 // Moves every optimizer update to the host lane: its gradient is written back into pinned host
-// memory just before it, and it reads and writes the host-resident weight and state directly.
-void move_updates_to_host(Graph& g) {
+// memory and it reads and writes the host-resident weight and state directly. The write-back goes
+// just before the update, or, with `write_back_early` (one-copy state: the updates wait for the
+// commit point), right after the gradient's last use on the device, so it does not stay there
+// until the update phase.
+void move_updates_to_host(Graph& g, bool write_back_early) {
   auto& t = g.tensors;
   const NodeTable old = g.nodes;
+  // Per update: the node after which its gradient's write-back goes (none: just before it).
+  constexpr NodeId none = never;
+  std::vector<NodeId> last_use(t.size(), none), write_back_after(old.size(), none);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (is_update(old.op[n])) {
+      if (write_back_early) write_back_after[n] = last_use[t.storage(old.inputs(n)[1])];
+      continue;
+    }
+    if (is_host_lane(old.lane[n])) continue;
+    for (TensorId x : old.inputs(n)) last_use[t.storage(x)] = n;
+    for (TensorId x : old.outputs(n)) last_use[t.storage(x)] = n;
+  }
+  std::vector<std::vector<NodeId>> after(old.size());  // updates whose write-back follows node n
+  for (NodeId u = 0; u < old.size(); ++u) {
+    if (write_back_after[u] != none) after[write_back_after[u]].push_back(u);
+  }
+  std::vector<TensorId> grad_host(old.size(), no_tensor);  // per update: its gradient's host copy
   NodeTable out;
+  auto write_back = [&](NodeId u) {
+    const TensorId grad = old.inputs(u)[1];
+    grad_host[u] = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
+    t.home[grad_host[u]] = Residency::host_pinned;
+    out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host[u], 1), {},
+            Lane::d2h);
+  };
   for (NodeId n = 0; n < old.size(); ++n) {
     if (!is_update(old.op[n])) {
       out.add_copy(old, n);
+      for (NodeId u : after[n]) write_back(u);
       continue;
     }
     if (!ops::op_info(old.op[n]).host) {
@@ -364,15 +392,12 @@ void move_updates_to_host(Graph& g) {
                       "adamw or sgd",
                       old.name[n], op_name(old.op[n])));
     }
+    if (grad_host[n] == no_tensor) write_back(n);
     std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
     const TensorId grad = ins[1];
-    const TensorId grad_host = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
-    t.home[grad_host] = Residency::host_pinned;
-    out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host, 1), {},
-            Lane::d2h);
-    std::replace(ins.begin(), ins.end(), grad, grad_host);  // the gradient, and SGD's velocity if it is one
+    std::replace(ins.begin(), ins.end(), grad, grad_host[n]);  // the gradient, and SGD's velocity if it is one
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
-    std::replace(outs.begin(), outs.end(), grad, grad_host);
+    std::replace(outs.begin(), outs.end(), grad, grad_host[n]);
     out.add_copy(old, n, ins, outs, Lane::host);
   }
   g.nodes = std::move(out);
@@ -680,14 +705,12 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   // budget.
   Graph base = g;
   const bool pinned_in_place = options.homes.pinned_copies == 1;
-  if (pinned_in_place && options.host_optimizer) {
-    throw std::invalid_argument(
-        "the host optimizer writes updates in host memory before the step is known good, so it needs two "
-        "copies of the streamed state (ResidencyOptions::homes.pinned_copies = 2; the Trainer sets it)");
-  }
   place_updates_early(base, pinned_in_place);
-  if (pinned_in_place) spill_gradients(base);
-  if (options.host_optimizer) move_updates_to_host(base);
+  if (options.host_optimizer) {
+    move_updates_to_host(base, pinned_in_place);
+  } else if (pinned_in_place) {
+    spill_gradients(base);
+  }
   move_state_updates_to_host(base);
   move_weight_narrowing_to_host(base);
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {

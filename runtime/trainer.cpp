@@ -94,10 +94,10 @@ std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::Dev
 graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget) {
   graph::ResidencyOptions r = options.residency;
   r.budget_bytes = device_budget;
-  // Host-lane updates (the host optimizer, a Predict step advancing streamed weights) run before
-  // the step is known good: they write a second copy that becomes current at commit. Otherwise
-  // streamed state is one copy, updated after the commit point.
-  if (r.host_optimizer || options.phases.hybrid) r.homes.pinned_copies = 2;
+  // A Predict step advances streamed weights on the host before its loss is known: with hybrid
+  // phases streamed state keeps a second copy that becomes current at commit. Otherwise it is one
+  // copy, updated after the commit point (by the device, or by the host optimizer).
+  if (options.phases.hybrid) r.homes.pinned_copies = 2;
   return r;
 }
 

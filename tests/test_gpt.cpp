@@ -184,6 +184,12 @@ TEST(Gpt, StreamedHostMemoryIsTheStateAndTrainingBitIdentical) {
     for (const auto& [name, values] : reference) EXPECT_EQ(params.at(name), values) << name;
   }
   EXPECT_GT(pool_tight, pool_roomy) << "under the smallest budget gradients should spill to the host";
+  // The host optimizer updates the same one copy in place (the gradients come to the host pool).
+  streamed.residency.host_optimizer = true;
+  streamed.residency.budget_bytes = 1ull << 30;
+  Trainer host(rt, models::gpt(c), streamed);
+  EXPECT_LE(double(host.host_state_bytes()) / double(host.training_state_bytes()), 1.15);
+  EXPECT_GT(host.residency().host_updates, 0u);
 }
 
 // The logits at position p depend on tokens 0..p only; prediction gives [samples, T, vocab].

@@ -84,8 +84,8 @@ INSTANTIATE_TEST_SUITE_P(Homes, SubmitAhead,
 
 // Resident state, and streamed state kept as one host copy, change in place after the commit
 // point on the device: the step runs ahead and the host waits once per step. With the host
-// optimizer, streamed state commits its next host copy when the step succeeded: submit()
-// completes the step before it first, and says so through runs_ahead().
+// optimizer the step has host-lane nodes (the flow-graph form, which runs a step to its end):
+// submit() completes the step before it first, and says so through runs_ahead().
 TEST(SubmitAhead, RunsAheadWhereTheStateChangesInPlace) {
   Runtime rt;
   const ModelSpec m = small_residual();

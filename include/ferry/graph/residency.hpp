@@ -36,8 +36,9 @@ struct ResidencyOptions {
   // against physical memory, before it allocates anything (ferry::check_host_budget).
   std::uint64_t host_budget_bytes = 0;
   std::uint32_t lookahead = 2;  // compute nodes between a fetch and its first use
-  // Stream mode: run optimizer updates on the host (TBB workers) instead of the device. Only the
-  // weights are fetched and only their gradients written back; optimizer state stays on the host.
+  // Stream mode: run optimizer updates on the host (TBB workers) instead of the device, after the
+  // step's commit point, on the one host copy. Only the weights are fetched and only their
+  // gradients written back; optimizer state stays on the host.
   bool host_optimizer = false;
   // Per role, a home replacing the mode's preset (resident: device, stream: host_pinned,
   // mapped: host_mapped), e.g. weights on the device with their optimizer state streamed from

@@ -2,8 +2,9 @@
 // idea): only the weights go to the device and only their gradients come back; the optimizer
 // state never crosses the link.
 //
-// Out of place: the update reads weights and state from one slot and writes the new values into
-// another, so a step that fails before it commits leaves the current slot as it was. Runs in
+// In place (one host copy of streamed state, after the step's commit point) or out of place (two
+// copies: it reads one slot and writes the other, made current when the step commits): each
+// element is read before it is written, so the slots may be the same memory. Runs in
 // parallel over chunks on TBB workers; the same arithmetic as the device kernels, in fp32 (not
 // bit-identical to them: the order of rounding differs).
 #pragma once
