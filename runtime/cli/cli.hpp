@@ -92,6 +92,12 @@ void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, cons
 // Throws std::invalid_argument for an unknown optimizer or home.
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt);
 
+// Before a large model is allocated: what the plan says it will take (device peak, pinned host
+// bytes, recomputation), on stderr unless --quiet, so a long set-up says what it is doing. Plans
+// only (milliseconds); errors are left to the Trainer, which plans the same way.
+void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                    const ferry::TrainerOptions& opt);
+
 // "fp32" / "fp16" / "bf16" (also "f32", "f16") and back; throws std::invalid_argument naming the
 // choices.
 ferry::ops::DType parse_precision(const std::string& s);

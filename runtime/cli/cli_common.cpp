@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "cli.hpp"
+#include "ferry/runtime/plan.hpp"
 
 namespace ferry::cli {
 
@@ -166,6 +167,24 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.phases.hybrid = ferry::parse_phases(a.phases);
   opt.phases.predictor.kind = ferry::ops::parse_predictor(a.predictor);
   ferry::validate(opt.phases);
+}
+
+void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                    const ferry::TrainerOptions& opt) {
+  if (a.quiet) return;
+  ferry::TrainingPlan plan;
+  try {
+    plan = ferry::plan_training(runtime, model, opt);
+  } catch (const std::exception&) {
+    return;  // the Trainer reports it, with the same words
+  }
+  std::cerr << fmt::format(
+      "ferry: setting up {}: residency {}, device peak {} (planned), pinned host {} ({} weights and state, {} step "
+      "buffers){}\n",
+      model.name, ferry::graph::residency_mode_name(plan.mode), ferry::format_bytes(plan.device_peak_bytes),
+      ferry::format_bytes(plan.host_bytes), ferry::format_bytes(plan.host_store_bytes),
+      ferry::format_bytes(plan.host_step_bytes),
+      plan.recompute ? fmt::format(", recomputing segments of {} layers", plan.recompute) : std::string());
 }
 
 void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {

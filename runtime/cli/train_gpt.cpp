@@ -174,6 +174,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   schedule.min_lr = a.lr / 10;
   schedule.validate();
 
+  announce_setup(a, runtime, models::gpt(c), opt);
   const auto compile_start = Clock::now();
   Trainer trainer(runtime, models::gpt(c), opt);
   const double compile_s = seconds_since(compile_start);
