@@ -118,13 +118,7 @@ TEST(Gpt, StreamedTrainingIsBitIdenticalToResident) {
   resident.residency.mode = graph::ResidencyMode::resident;
   TrainerOptions streamed = gpt_options(batch);
   streamed.residency.mode = graph::ResidencyMode::stream;
-  streamed.residency.budget_bytes = 1;
-  std::uint64_t min_budget = 0;
-  try {
-    Trainer probe(rt, models::gpt(c), streamed);
-  } catch (const graph::BudgetError& e) {
-    min_budget = e.min_budget();
-  }
+  const std::uint64_t min_budget = ferry::min_stream_budget(rt, models::gpt(c), streamed).value_or(0);
   ASSERT_GT(min_budget, 0u) << "a 1-byte budget must not fit";
   streamed.residency.budget_bytes = min_budget;
   const auto [rl, rp, rmode, rfetches] = run(resident);
@@ -165,13 +159,7 @@ TEST(Gpt, StreamedHostMemoryIsTheStateAndTrainingBitIdentical) {
   const auto reference = run(resident, nullptr, nullptr);
   TrainerOptions streamed = gpt_options(batch);
   streamed.residency.mode = graph::ResidencyMode::stream;
-  streamed.residency.budget_bytes = 1;
-  std::uint64_t min_budget = 0;
-  try {
-    Trainer probe(rt, models::gpt(c), streamed);
-  } catch (const graph::BudgetError& e) {
-    min_budget = e.min_budget();
-  }
+  const std::uint64_t min_budget = ferry::min_stream_budget(rt, models::gpt(c), streamed).value_or(0);
   ASSERT_GT(min_budget, 0u);
   std::uint64_t pool_roomy = 0, pool_tight = 0;
   for (const std::uint64_t budget : {std::uint64_t{1} << 30, min_budget}) {
