@@ -138,6 +138,7 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
   }
   TrainingPlan out;
   out.recompute = options.recompute;
+  out.eight_bit_state = options.optimizer.kind == graph::OptimizerSpec::Kind::adamw8bit;
   out.rates = rates;
   out.device_budget_bytes = detail::resolve_device_budget(options, runtime.device());
   const graph::ResidencyOptions residency = detail::residency_options(options, out.device_budget_bytes);
@@ -286,12 +287,13 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
                                : fmt::format("this machine's physical memory ({})", format_bytes(physical));
   throw HostBudgetError(
       fmt::format("the training state needs {} of pinned host memory ({} for the weights and optimizer state, {} for "
-                  "the steps' host buffers), more than {}: {}use 8-bit optimizer state (--optimizer adamw8bit), "
-                  "compressed state (--state-home compressed), a smaller batch or model, or keep more on the device "
-                  "(a larger --device-budget); `ferry plan` shows what each needs",
+                  "the steps' host buffers), more than {}: {}use {}compressed state (--state-home compressed), a "
+                  "smaller batch or model, or keep more on the device (a larger --device-budget); `ferry plan` shows "
+                  "what each needs",
                   format_bytes(plan.host_bytes), format_bytes(plan.host_store_bytes),
                   format_bytes(plan.host_step_bytes), what,
-                  limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : ""),
+                  limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
+                  plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),
       plan.host_bytes, limit);
 }
 

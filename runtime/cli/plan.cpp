@@ -47,16 +47,17 @@ struct Candidate {
 };
 
 // Fastest first: everything resident, mapped (unified-memory devices: no copies), streamed, then
-// streamed with leaner state; each as configured and then with bf16 layers (half the activation
-// bytes) unless already narrow, and with the batch split into micro-batches when that is needed.
+// streamed with leaner state, then streamed with the optimizer on the host; each as configured and then with bf16
+// layers (half the activation bytes) unless already narrow, and with the batch split into micro-batches when that is
+// needed.
 std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, bool unified) {
   using ferry::graph::Residency;
   using ferry::graph::ResidencyMode;
   std::vector<Candidate> out;
   for (std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
     if (base.batch % split != 0 || (split > 1 && base.phases.hybrid)) continue;
-    for (int level = 0; level < 12; ++level) {
-      const int lean = std::array{0, -1, 1, 2, 3, 4}[level / 2];  // -1: mapped
+    for (int level = 0; level < 14; ++level) {
+      const int lean = std::array{0, -1, 1, 2, 3, 4, 5}[level / 2];  // -1: mapped; 5: host optimizer
       const bool narrow = level % 2 == 1;
       if (lean == -1 && !unified) continue;
       if (narrow && base.precision.compute != ferry::ops::DType::f32) continue;
@@ -84,7 +85,13 @@ std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, 
         o.residency.state_home = Residency::host_compressed;
         flags += " --state-home compressed";
       }
-      if (lean >= 3) {
+      if (lean == 5) {
+        // Updates on the host (ZeRO-Offload's way): no optimizer state on the device or the link.
+        if (base.residency.host_optimizer) continue;  // already so from lean 1
+        o.residency.host_optimizer = true;
+        flags += " --host-optimizer";
+      }
+      if (lean == 3 || lean == 4) {
         if (!adam) continue;
         o.optimizer.kind = ferry::graph::OptimizerSpec::Kind::adamw8bit;
         flags += " --optimizer adamw8bit";
@@ -102,8 +109,10 @@ struct Outcome {
   std::string error;
   bool fits() const { return plan && error.empty(); }
 };
+// A candidate that the user's own options rule out (the host optimizer with 8-bit state, or with
+// everything resident) is not a configuration: `candidate` turns that error into a non-fit.
 Outcome try_plan(ferry::Runtime& runtime, const ferry::ModelSpec& model, const ferry::TrainerOptions& o,
-                 const ferry::PlanRates& rates) {
+                 const ferry::PlanRates& rates, bool candidate = false) {
   Outcome out;
   try {
     out.plan = ferry::plan_training(runtime, model, o, rates);
@@ -111,6 +120,10 @@ Outcome try_plan(ferry::Runtime& runtime, const ferry::ModelSpec& model, const f
   } catch (const ferry::graph::BudgetError& e) {
     out.error = e.what();
   } catch (const ferry::HostBudgetError& e) {
+    out.error = e.what();
+  } catch (const std::invalid_argument& e) {
+    if (!candidate) throw;
+    out.plan.reset();
     out.error = e.what();
   }
   return out;
@@ -153,7 +166,7 @@ int cmd_plan(const TrainArgs& a) {
   for (const Candidate& c : candidates(base, adam, runtime.device().host_unified_memory)) {
     ferry::TrainerOptions o = c.options;
     o.residency.budget_bytes = budget;
-    Outcome r = try_plan(runtime, model, o, rates);
+    Outcome r = try_plan(runtime, model, o, rates, true);
     if (!r.fits()) continue;
     chosen = c;
     chosen_plan = std::move(r.plan);

@@ -59,6 +59,7 @@ check "--accumulate 4 makes one update per 4 micro-batches" bash -c "grep -q '\"
 plan=$("$ferry" plan --model mlp --phases hybrid --device-budget 24MiB --json)
 check "ferry plan --json has each phase's bytes and a recommendation" bash -c "grep -q '\"predict\":{' <<<'$plan' && grep -q '\"min_budget_streamed_bytes\":[1-9]' <<<'$plan' && grep -q '\"recommended\":{\"device_bytes\":[1-9][0-9]*,\"flags\":\"--' <<<'$plan'"
 check "ferry plan prints a table" bash -c "'$ferry' plan --model cnn | grep -q 'minimum budget'"
+check "ferry plan with --host-optimizer recommends a streamed configuration" bash -c "'$ferry' plan --model mlp --host-optimizer --device-budget 24MiB --json | grep -q '\"recommended\":{\"device_bytes\":[1-9][0-9]*,\"flags\":\"--residency stream'"
 
 expect_error "unknown device" "no OpenCL device matches 'no-such-device'" train --device no-such-device --epochs 1
 expect_error "missing data set" "$work/nowhere" train --data "$work/nowhere" --epochs 1

@@ -80,6 +80,7 @@ struct TrainingPlan {
   PlanRates rates;
   double predicted_step_ms = 0;  // the training step's (phases[0])
   std::uint32_t recompute = 0;   // layers per recomputed segment planned (chosen when recompute_auto)
+  bool eight_bit_state = false;  // the optimizer keeps 8-bit state already (adamw8bit)
 };
 
 // Plans the step variants a Trainer(runtime, model, options) would compile up front (the same
