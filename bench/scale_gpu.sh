@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# scale_gpu.sh: the scale runs of bench/RESULTS.md's "Host memory equals the state" section on a GPU
+# machine: for each model, the planner's prediction, then training, with the device memory the
+# driver reports (nvidia-smi, sampled every 0.5 s) beside ferry's own device peak.
+#
+# usage: bash bench/scale_gpu.sh [FERRY] [OUT_DIR]
+#   FERRY    the ferry binary (default build/release/ferry; the GPU kit's is .gpu/.../bin/ferry)
+#   OUT_DIR  where each run's JSON, stderr and memory samples go (default scale-gpu)
+# Runs, each under `timeout`:
+#   gpt1b_resident   width 2048, 20 blocks, context 256, batch 8, 4 steps, resident
+#   gpt1b_stream     the same streamed under --device-budget 8GiB (target: >= 0.9x resident tokens/s,
+#                    the driver's memory in use <= 8 GiB plus a fixed overhead)
+#   gpt7b_stream     width 4096, 32 blocks, 32 heads, --device-budget 24GiB --optimizer adamw8bit,
+#                    3 steps (target: trains; needs >= 100 GB of host memory)
+# Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
+# sample, and the planner's predicted step time. SCALE_GPU_ONLY=tiny runs one small streamed GPT
+# instead (a check of the script itself, on any device).
+set -uo pipefail
+
+ferry=${1:-build/release/ferry}
+out=${2:-scale-gpu}
+mkdir -p "$out"
+[[ -x $ferry ]] || {
+  echo "scale_gpu.sh: no ferry binary at '$ferry'" >&2
+  exit 1
+}
+
+gpt1b=(--model gpt --width 2048 --depth 20 --heads 16 --context 256 --batch 8)
+gpt7b=(--model gpt --width 4096 --depth 32 --heads 32 --context 256 --batch 8 --optimizer adamw8bit)
+
+# run NAME SECONDS STEPS ARGS...: plan, then train with the driver's memory sampled.
+run() {
+  local name=$1 limit=$2 steps=$3
+  shift 3
+  timeout 120 "$ferry" plan "$@" --json >"$out/$name.plan.json" 2>"$out/$name.plan.err"
+  local sampler=
+  if command -v nvidia-smi >/dev/null; then
+    (while :; do
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -n 1
+      sleep 0.5
+    done) >"$out/$name.smi" &
+    sampler=$!
+  fi
+  timeout "$limit" "$ferry" train "$@" --steps "$steps" --eval-every "$steps" --json \
+    >"$out/$name.json" 2>"$out/$name.err"
+  local rc=$?
+  [[ -n $sampler ]] && kill "$sampler" 2>/dev/null
+  python3 - "$name" "$rc" "$out" <<'EOF'
+import json, sys
+name, rc, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def last_json(path):
+    try:
+        lines = [l for l in open(path) if l.startswith("{")]
+        return json.loads(lines[-1]) if lines else {}
+    except OSError:
+        return {}
+train, plan = last_json(f"{out}/{name}.json"), last_json(f"{out}/{name}.plan.json")
+try:
+    smi = max(int(x) for x in open(f"{out}/{name}.smi").read().split() if x.isdigit())
+except (OSError, ValueError):
+    smi = None
+print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s"),
+                  "host_state_bytes": train.get("host_state_bytes"),
+                  "training_state_bytes": train.get("training_state_bytes"),
+                  "device_peak_bytes": train.get("device_peak_bytes"),
+                  "driver_memory_used_mib_max": smi,
+                  "predicted_step_ms": plan.get("predicted_step_ms")}))
+EOF
+}
+
+[[ ${SCALE_GPU_ONLY:-} == tiny ]] && { run tiny_stream 300 3 --model gpt --width 64 --depth 2 --heads 4 --context 32 --batch 8 --residency stream; exit; }
+run gpt1b_resident 900 4 "${gpt1b[@]}" --residency resident
+run gpt1b_stream 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
+run gpt7b_stream 1800 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB
