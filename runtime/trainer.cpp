@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <chrono>
@@ -231,50 +232,68 @@ graph::Graph Trainer::build_graph(const graph::VariantKey& key) const {
 void Trainer::initialise_parameters() {
   const auto& g = train_->graph();
   const auto& t = g.tensors;
-  // One host image per (home, buffer), written with one copy each: a deep model has thousands of
-  // small tensors, and a blocking write per tensor dominated its compile time. Staged homes
-  // (compressed, dropped) keep tensors apart: each is written on its own.
-  std::map<std::pair<int, std::uint32_t>, std::vector<std::byte>> images;
-  std::vector<std::byte> single;
+  std::vector<TensorId> tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor) continue;
-    const graph::WeightInit init = t.init[id];
-    if (t.dtype[id] != graph::DType::f32 && init.kind != graph::WeightInit::Kind::zeros) {
+    if (t.dtype[id] != graph::DType::f32 && t.init[id].kind != graph::WeightInit::Kind::zeros) {
       throw std::logic_error(fmt::format("cannot initialise '{}': only zeros are defined for {} tensors", t.name[id],
                                          graph::dtype_name(t.dtype[id])));
     }
-    const bool apart = offload::home_traits(t.home[id]).staged;
-    std::byte* base = nullptr;
-    if (apart) {
-      single.assign(t.bytes(id), std::byte{0});
-      base = single.data();
-    } else {
-      auto& image = images[{static_cast<int>(t.home[id]), t.placement[id].buffer}];
-      const std::uint64_t end = t.placement[id].offset_bytes + t.bytes(id);
-      if (image.size() < end) image.resize(end);
-      base = image.data() + t.placement[id].offset_bytes;
-    }
+    tensors.push_back(id);
+  }
+  // A tensor's initial values, seeded by its name, so they do not depend on the order tensors are
+  // created or filled in.
+  const auto fill = [&](TensorId id, std::byte* base) {
     float* values = reinterpret_cast<float*>(base);
     const std::size_t n = t.shape[id].elems();
-    switch (init.kind) {
+    switch (t.init[id].kind) {
       case graph::WeightInit::Kind::ones:
         std::fill(values, values + n, 1.0f);
         break;
       case graph::WeightInit::Kind::uniform: {
-        // Seeded per tensor name, so values do not depend on the order tensors were created.
         std::mt19937_64 rng(options_.seed ^ name_hash(t.name[id]));
-        std::uniform_real_distribution<float> dist(-init.bound, init.bound);
+        std::uniform_real_distribution<float> dist(-t.init[id].bound, t.init[id].bound);
         for (std::size_t i = 0; i < n; ++i) values[i] = dist(rng);
         break;
       }
       default:
         std::fill(base, base + t.bytes(id), std::byte{0});  // zeros, in any dtype
     }
-    if (apart) train_->persistent()->write(t.home[id], t.placement[id], single.data(), single.size());
+  };
+  graph::PersistentArena& arena = *train_->persistent();
+  // Host memory homes (pinned, mapped): each tensor written where it lives, tensors in parallel, so
+  // set-up never holds a second image of the model (a 7B model's would be tens of GB) and the first
+  // touch of its pinned pages is spread over the cores.
+  const auto plain_host = [&](TensorId id) {
+    return t.home[id] == graph::Residency::host_pinned || t.home[id] == graph::Residency::host_mapped;
+  };
+  tbb::parallel_for(std::size_t{0}, tensors.size(), [&](std::size_t i) {
+    const TensorId id = tensors[i];
+    if (!plain_host(id)) return;
+    std::vector<std::byte> values(t.bytes(id));
+    fill(id, values.data());
+    arena.write(t.home[id], t.placement[id], values.data(), values.size());
+  });
+  // Device buffers: one host image per buffer, written with one copy and freed before the next (a
+  // blocking write per tensor dominated set-up for thousands of small tensors). Staged homes
+  // (compressed, dropped) keep tensors apart: each is written on its own.
+  std::map<std::pair<graph::Residency, std::uint32_t>, std::vector<TensorId>> by_buffer;
+  for (const TensorId id : tensors) {
+    if (plain_host(id)) continue;
+    if (offload::home_traits(t.home[id]).staged) {
+      std::vector<std::byte> values(t.bytes(id));
+      fill(id, values.data());
+      arena.write(t.home[id], t.placement[id], values.data(), values.size());
+      continue;
+    }
+    by_buffer[{t.home[id], t.placement[id].buffer}].push_back(id);
   }
-  for (const auto& [where, image] : images) {
-    train_->persistent()->write(static_cast<graph::Residency>(where.first), graph::Placement{where.second, 0},
-                                image.data(), image.size());
+  for (const auto& [where, ids] : by_buffer) {
+    std::uint64_t end = 0;
+    for (const TensorId id : ids) end = std::max<std::uint64_t>(end, t.placement[id].offset_bytes + t.bytes(id));
+    std::vector<std::byte> image(end);
+    for (const TensorId id : ids) fill(id, image.data() + t.placement[id].offset_bytes);
+    arena.write(where.first, graph::Placement{where.second, 0}, image.data(), image.size());
   }
 }
 
