@@ -95,20 +95,16 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   if (shared) {
     persistent_ = std::move(shared);
   } else {
-    persistent_ = std::make_shared<PersistentArena>();
-    persistent_->mode = residency_.mode;
-    // A store per home in use, with the buffers the memory plan packed that home's tensors into.
-    std::array<std::string, offload::home_count> first_of;  // a tensor living there, for errors
+    persistent_ = planned_arena(graph_, plan_, residency_.mode);
+    // A store per home in use, with the buffers the memory plan packed that home's tensors into;
+    // every tensor of each home, for stores that keep tensors apart (compressed, dropped), and the
+    // first one, for errors.
+    std::array<std::string, offload::home_count> first_of;
+    std::array<std::vector<offload::HomeTensor>, offload::home_count> tensors_of;
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
       std::string& first = first_of[static_cast<int>(t.home[id])];
       if (first.empty()) first = fmt::format("{} ({}...)", role_name(t.role[id]), t.name[id]);
-      persistent_->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id], t.bytes(id)});
-    }
-    // Every tensor of each home, for stores that keep tensors apart (compressed, dropped).
-    std::array<std::vector<offload::HomeTensor>, offload::home_count> tensors_of;
-    for (TensorId id = 0; id < t.size(); ++id) {
-      if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
       tensors_of[static_cast<int>(t.home[id])].push_back({{t.placement[id].buffer, t.placement[id].offset_bytes},
                                                           t.bytes(id),
                                                           static_cast<std::uint32_t>(dtype_bytes(t.dtype[id])),

@@ -48,15 +48,15 @@ StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, cons
   return out;
 }
 
-std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const StepPlan& plan) {
+std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan& plan, ResidencyMode mode) {
   auto arena = std::make_shared<PersistentArena>();
-  arena->mode = plan.residency.mode;
+  arena->mode = mode;
   const auto& t = g.tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
     arena->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id], t.bytes(id)});
   }
-  arena->step_buffer_bytes = plan.memory.transient_buffers;
+  arena->step_buffer_bytes = plan.transient_buffers;
   return arena;
 }
 

@@ -161,7 +161,7 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
     count_step(training, train_plan, rates, p);
     out.phases.push_back(std::move(p));
   }
-  const auto arena = graph::planned_arena(training, train_plan);
+  const auto arena = graph::planned_arena(training, train_plan.memory, train_plan.residency.mode);
   for (const auto& v : detail::upfront_variants(options)) {
     graph::Graph g = build(v.key);
     const graph::StepPlan planned = graph::plan_step(g, runtime.env(), runtime.device(), arena.get(), residency);

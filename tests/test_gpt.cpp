@@ -135,10 +135,8 @@ TEST(Gpt, StreamedTrainingIsBitIdenticalToResident) {
 // and the weights are those of the resident run, bit for bit.
 TEST(Gpt, StreamedHostMemoryIsTheStateAndTrainingBitIdentical) {
   Runtime rt;
-  models::GptConfig c;
-  c.vocab = 64;
-  c.width = 64;
-  c.depth = 2;
+  models::GptConfig c = tiny_config();  // wider, so that alignment padding does not count
+  c.vocab = c.width = 64;
   c.heads = 4;
   c.context = 16;
   const std::uint32_t batch = 4;

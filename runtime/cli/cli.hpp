@@ -94,9 +94,10 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt);
 
 // Before a large model is allocated: what the plan says it will take (device peak, pinned host
 // bytes, recomputation), on stderr unless --quiet, so a long set-up says what it is doing. Plans
-// only (milliseconds); errors are left to the Trainer, which plans the same way.
+// only (milliseconds); errors are left to the Trainer, which plans the same way. The recomputation
+// it chose (--recompute auto) goes into `opt`, so the Trainer does not search for it again.
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
-                    const ferry::TrainerOptions& opt);
+                    ferry::TrainerOptions& opt);
 
 // "fp32" / "fp16" / "bf16" (also "f32", "f16") and back; throws std::invalid_argument naming the
 // choices.

@@ -170,7 +170,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
 }
 
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
-                    const ferry::TrainerOptions& opt) {
+                    ferry::TrainerOptions& opt) {
   if (a.quiet) return;
   ferry::TrainingPlan plan;
   try {
@@ -178,6 +178,8 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
   } catch (const std::exception&) {
     return;  // the Trainer reports it, with the same words
   }
+  opt.recompute = plan.recompute;
+  opt.recompute_auto = false;
   std::cerr << fmt::format(
       "ferry: setting up {}: residency {}, device peak {} (planned), pinned host {} ({} weights and state, {} step "
       "buffers){}\n",

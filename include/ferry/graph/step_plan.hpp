@@ -27,9 +27,10 @@ struct StepPlan {
 StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, const PersistentArena* shared,
                    const ResidencyOptions& residency);
 
-// What a CompiledStep of the planned graph `g` would record in its persistent arena (the mode,
-// every persistent tensor's home and placement, the step buffer sizes), without any home store:
-// nothing is allocated. The `shared` argument of plan_step for the model's other variants.
-std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const StepPlan& plan);
+// What a CompiledStep of the planned graph `g` records in its persistent arena (the mode, every
+// persistent tensor's home and placement, the step buffer sizes), without any home store: nothing
+// is allocated. The `shared` argument of plan_step for the model's other variants, and what
+// CompiledStep adds its stores and buffers to.
+std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan& plan, ResidencyMode mode);
 
 }  // namespace ferry::graph
