@@ -126,16 +126,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.predicted_step_ms = std::max(p.compute_ms, p.transfer_ms);
 }
 
-}  // namespace
-
-TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const TrainerOptions& given,
+// plan_training for validated options with the recomputation fixed.
+TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
                            const PlanRates& rates) {
-  TrainerOptions options = given;
-  detail::validate_trainer_options(model, options);
-  if (options.recompute_auto) {
-    options.recompute = choose_recompute(runtime, model, options);
-    options.recompute_auto = false;
-  }
   TrainingPlan out;
   out.recompute = options.recompute;
   out.eight_bit_state = options.optimizer.kind == graph::OptimizerSpec::Kind::adamw8bit;
@@ -185,6 +178,56 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
   out.host_bytes = out.host_store_bytes + out.host_step_bytes;
   out.predicted_step_ms = out.phases.front().predicted_step_ms;
   return out;
+}
+
+// recompute_auto: none when the step fits the device budget, else the longest segment that fits
+// (the plan that fitted is the answer: nothing is planned twice).
+TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, TrainerOptions o,
+                                     const PlanRates& rates) {
+  o.recompute_auto = false;
+  o.recompute = 0;
+  std::uint64_t without = 0;
+  try {
+    return plan_as_given(runtime, model, o, rates);
+  } catch (const graph::BudgetError& e) {
+    without = e.min_budget();
+  }
+  std::uint64_t leanest = without;
+  std::uint32_t leanest_every = 0;
+  for (const std::uint32_t every : {64u, 48u, 32u, 24u, 16u, 12u, 8u, 6u, 4u, 3u, 2u, 1u}) {
+    o.recompute = every;
+    try {
+      return plan_as_given(runtime, model, o, rates);
+    } catch (const graph::BudgetError& e) {
+      if (e.min_budget() < leanest) {
+        leanest = e.min_budget();
+        leanest_every = every;
+      }
+    } catch (const std::invalid_argument&) {
+      // Segments longer than the model: nothing to recompute at this length.
+    }
+  }
+  const std::uint64_t budget = detail::resolve_device_budget(o, runtime.device());
+  throw graph::BudgetError(
+      fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
+                  "needs {}{}; raise the budget to at least {}, or use a smaller batch, bf16 (--precision bf16) or "
+                  "8-bit optimizer state (--optimizer adamw8bit)",
+                  format_bytes(budget), format_bytes(without),
+                  leanest_every ? fmt::format(", recomputing segments of {} layers (the leanest) {}", leanest_every,
+                                              format_bytes(leanest))
+                                : std::string(", and recomputation does not lower that"),
+                  format_bytes(leanest)),
+      leanest);
+}
+
+}  // namespace
+
+TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const TrainerOptions& given,
+                           const PlanRates& rates) {
+  TrainerOptions options = given;
+  detail::validate_trainer_options(model, options);
+  return options.recompute_auto ? plan_choosing_recompute(runtime, model, options, rates)
+                                : plan_as_given(runtime, model, options, rates);
 }
 
 double measure_link_gbps(Runtime& runtime) {
@@ -237,42 +280,8 @@ std::uint64_t physical_memory_bytes() {
 
 std::uint32_t choose_recompute(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options) {
   TrainerOptions o = options;
-  o.recompute_auto = false;
-  o.recompute = 0;
-  std::uint64_t without = 0;
-  try {
-    plan_training(runtime, model, o);
-    return 0;
-  } catch (const graph::BudgetError& e) {
-    without = e.min_budget();
-  }
-  std::uint64_t leanest = without;
-  std::uint32_t leanest_every = 0;
-  for (const std::uint32_t every : {64u, 48u, 32u, 24u, 16u, 12u, 8u, 6u, 4u, 3u, 2u, 1u}) {
-    o.recompute = every;
-    try {
-      plan_training(runtime, model, o);
-      return every;
-    } catch (const graph::BudgetError& e) {
-      if (e.min_budget() < leanest) {
-        leanest = e.min_budget();
-        leanest_every = every;
-      }
-    } catch (const std::invalid_argument&) {
-      // Segments longer than the model: nothing to recompute at this length.
-    }
-  }
-  const std::uint64_t budget = detail::resolve_device_budget(options, runtime.device());
-  throw graph::BudgetError(
-      fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
-                  "needs {}{}; raise the budget to at least {}, or use a smaller batch, bf16 (--precision bf16) or "
-                  "8-bit optimizer state (--optimizer adamw8bit)",
-                  format_bytes(budget), format_bytes(without),
-                  leanest_every ? fmt::format(", recomputing segments of {} layers (the leanest) {}", leanest_every,
-                                              format_bytes(leanest))
-                                : std::string(", and recomputation does not lower that"),
-                  format_bytes(leanest)),
-      leanest);
+  o.recompute_auto = true;
+  return plan_training(runtime, model, o).recompute;
 }
 
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes) {

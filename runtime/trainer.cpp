@@ -118,17 +118,16 @@ std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options) {
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr), scaler_(options.precision) {
   detail::validate_trainer_options(model_, options_);
-  if (options_.recompute_auto) {
-    options_.recompute = choose_recompute(runtime_, model_, options_);
-    options_.recompute_auto = false;  // chosen: options() says what this trainer runs
-  }
+  // Every step variant compiled below, planned first without allocating anything (choosing the
+  // recomputation with recompute_auto): the pinned host bytes they need are checked against the
+  // host budget and the machine's memory here, before any of them is allocated.
+  const TrainingPlan plan = plan_training(runtime_, model_, options_, {});
+  options_.recompute = plan.recompute;
+  options_.recompute_auto = false;  // chosen: options() says what this trainer runs
+  check_host_budget(plan, options_.residency.host_budget_bytes);
   train_key_ = detail::training_key(options_);
   if (options_.phases.hybrid) phases_ = std::make_unique<PhaseController>(options_.phases);
   budget_ = detail::resolve_device_budget(options_, runtime_.device());
-  // Every step variant compiled below, planned first without allocating anything: the pinned host
-  // bytes they need are checked against the host budget and the machine's memory here, before any
-  // of them is allocated.
-  check_host_budget(plan_training(runtime_, model_, options_, {}), options_.residency.host_budget_bytes);
   train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key_), options_.optimizer, runtime_.env(),
                                                  runtime_.context(), nullptr,
                                                  graph::StepOptions{residency_options(), options_.serial_schedule});
