@@ -247,6 +247,20 @@ TensorId Builder::softmax(TensorId x, bool causal) {
   return emit(op, next_name("softmax"), ins, attrs, {".y"})[0];
 }
 
+TensorId Builder::attention(TensorId q, TensorId k, TensorId v, std::uint32_t heads, float dropout_p,
+                            std::uint32_t seed) {
+  static const ops::OpId op = named("attention");
+  const std::string name = next_name("attention");
+  NodeAttrs attrs;
+  attrs.i[0] = static_cast<std::int32_t>(heads);
+  if (training_ && dropout_p != 0.0f) {
+    attrs.f[1] = dropout_p;
+    attrs.i[1] = static_cast<std::int32_t>(seed);
+  }
+  const TensorId ins[] = {q, k, v};
+  return emit(op, name, ins, attrs, {".y", ".lse"})[0];
+}
+
 TensorId Builder::embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim) {
   static const ops::OpId op = named("embedding");
   const std::string name = next_name("embedding");

@@ -60,6 +60,7 @@ Registry& registry() {
     table::register_predictor_rows(named);
     table::register_accumulate_rows(named);
     table::register_overflow_guard_rows(named);
+    table::register_attention_rows(named);
     return reg;
   }();
   return *r;

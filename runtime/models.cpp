@@ -83,11 +83,16 @@ ModelSpec deep(std::uint32_t width, std::uint32_t depth) {
 
 namespace {
 
-// Causal multi-head self-attention over x [B, T, W]: separate q, k, v projections, heads split
-// as [B, H, T, D] by a view and a permute, scores scaled by 1/sqrt(D).
+// Causal multi-head self-attention over x [B, T, W]: separate q, k, v projections, then either the
+// fused op on [B, T, W] (heads side by side) or the unfused path: heads split as [B, H, T, D] by a
+// view and a permute, scores scaled by 1/sqrt(D), causal softmax, dropout, the value product.
 TensorId attention(graph::Builder& b, TensorId x, const GptConfig& c, std::uint32_t seed) {
   const std::uint32_t batch = b.batch(), t = c.context, w = c.width, h = c.heads, d = w / h;
   auto split = [&](TensorId y) { return b.permute(b.reshape(y, graph::Shape{batch, t, h, d}), {0, 2, 1, 3}); };
+  if (c.fused_attention) {
+    const TensorId q = b.linear(x, w), k = b.linear(x, w), v = b.linear(x, w);
+    return b.linear(b.attention(q, k, v, h, c.dropout, seed), w);
+  }
   const TensorId q = split(b.linear(x, w));
   const TensorId k = split(b.linear(x, w));
   const TensorId v = split(b.linear(x, w));

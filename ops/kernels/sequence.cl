@@ -1,6 +1,8 @@
 // Embedding lookup and its gradient, the causal mask and dropout. Operands are
 // (buffer, element offset) pairs. No atomics: every output element is written by one work-item.
 
+#include "philox.clh"
+
 // y[n, d] = table[ids[n], d]; zeros for an id outside [0, vocab) (the host validates ids).
 __kernel void embedding_forward(__global const int* ids, ulong ids_off, __global const float* table, ulong table_off,
                                 __global float* y, ulong y_off, uint positions, uint vocab, uint dim) {
@@ -63,18 +65,6 @@ __kernel void causal_mask(__global const float* x, ulong x_off, __global float* 
   if (k >= n) return;
   const uint j = k % t, i = (k / t) % t;
   y[y_off + k] = j > i ? fill : x[x_off + k];
-}
-
-// Philox4x32-10; ferry::ops::philox4x32_10 on the host is the same function.
-uint philox_first(uint4 c, uint2 key) {
-  const uint m0 = 0xD2511F53u, m1 = 0xCD9E8D57u;
-  for (int round = 0; round < 10; ++round) {
-    const uint hi0 = mul_hi(m0, c.x), lo0 = m0 * c.x;
-    const uint hi1 = mul_hi(m1, c.z), lo1 = m1 * c.z;
-    c = (uint4)(hi1 ^ c.y ^ key.x, lo1, hi0 ^ c.w ^ key.y, lo0);
-    key += (uint2)(0x9E3779B9u, 0xBB67AE85u);
-  }
-  return c.x;
 }
 
 // y = x * m * scale with m = (draw >= threshold) for the draw of (index, step) under seed.

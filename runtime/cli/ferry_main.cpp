@@ -434,6 +434,11 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--depth", t.depth, "deep: residual blocks (default 16); gpt: decoder blocks (default 4)")
       ->check(CLI::PositiveNumber);
   app->add_option("--heads", t.heads, "gpt: attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--attention", t.attention,
+                  "gpt: fused (one op per block, no context x context tensors; head dimension up to 128) or "
+                  "unfused (batched matmuls, causal softmax, dropout: the reference path)")
+      ->check(CLI::IsMember({"fused", "unfused"}))
+      ->capture_default_str();
   app->add_option("--context", t.context, "gpt: characters per window")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

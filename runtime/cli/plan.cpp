@@ -24,6 +24,7 @@ ferry::ModelSpec plan_model(const TrainArgs& a) {
   c.width = a.width ? a.width : 192;
   c.depth = a.depth ? a.depth : 4;
   c.heads = a.heads;
+  c.fused_attention = a.attention != "unfused";
   c.context = a.context;
   return ferry::models::gpt(c);
 }

@@ -154,6 +154,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   c.width = a.width ? a.width : 192;
   c.depth = a.depth ? a.depth : 4;
   c.heads = a.heads;
+  c.fused_attention = a.attention != "unfused";
   c.context = a.context;
   c.dropout = a.dropout;
   if (corpus.train_end < c.context + 1u) {
@@ -327,6 +328,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                         {"depth", c.depth},
                         {"heads", c.heads},
                         {"context", c.context},
+                        {"attention", a.attention},
                         {"batch", batch},
                         {"steps", done},
                         {"optimizer", a.optimizer},

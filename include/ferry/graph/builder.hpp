@@ -68,6 +68,12 @@ class Builder {
   // Softmax over the last axis. causal: of square scores [..., T, T], row i over columns 0..i
   // only (the rest 0): softmax(causal_mask(x)) in one op.
   TensorId softmax(TensorId x, bool causal = false);
+  // Fused causal multi-head attention (the op table's "attention" row): q, k, v [B, T, heads x d]
+  // (heads side by side in the last axis, as linear layers give them) -> [B, T, heads x d], the
+  // same as softmax(causal, q kᵀ / sqrt(d)) v per head, with dropout p on the probabilities
+  // (seeded like dropout(); none in evaluation graphs), without a [T, T] tensor in memory.
+  TensorId attention(TensorId q, TensorId k, TensorId v, std::uint32_t heads, float dropout_p = 0.0f,
+                     std::uint32_t seed = 0);
 
   // Sequence ops (named rows). A table [vocab, dim] looked up by i32 ids [...] -> [..., dim];
   // ids outside [0, vocab) read zeros on the device (validate them where the batch is staged).

@@ -69,6 +69,10 @@ struct GptConfig {
   std::uint32_t vocab = 0;
   std::uint32_t width = 192, depth = 4, heads = 4, context = 128;
   float dropout = 0.0f;
+  // Attention as one fused op (Builder::attention: no [T, T] tensors, head dimension up to 128)
+  // or as the unfused reference path (batched matmuls, causal softmax, dropout). The parameters
+  // are the same either way, so checkpoints move between the two.
+  bool fused_attention = true;
 };
 ModelSpec gpt(const GptConfig& config);
 

@@ -1,0 +1,456 @@
+// Fused causal multi-head attention, forward and backward (ferry/ops/attention.hpp). Operands are
+// (buffer, element offset) pairs; q, k, v, o and their gradients are [B, T, H HEAD_DIM] in the
+// storage type T (dtype.clh), lse and delta are [B H, T] in f32. Arithmetic is f32.
+//
+// Built with -DHEAD_DIM=D -DDP=(D rounded up to 16) and one family's parameters:
+//   RB        CPU devices: a work-item (local size 1) takes RB query rows and walks the keys in
+//             blocks of 16 held as float16 (scores of 16 keys in one vector). k and v are first
+//             staged into f32 scratch per head (attention_stage): transposed [D, Tp] for the score
+//             products and row-major [Tp, DP] (zero padded) for the value products, so the hot
+//             loops read contiguous f32 only, whatever the storage type.
+//   BQ, BK    other devices: a work-group of BQ work-items, one query (or key) each, with tiles of
+//             BK keys (or queries) in local memory, read straight from the tensors.
+// The backward runs three kernels: delta = rowsum(do o); dk and dv per key block (recomputing
+// the probabilities from lse); dq per query block. No atomics: every output element has one
+// writer and a fixed summation order, so runs give the same bits.
+//
+// Dropout (threshold > 0): the probability (b, h, i, j) is kept with the draw of ops::dropout for
+// flat index ((b H + h) T + i) T + j of the [B, H, T, T] probabilities, scaled by inv_keep =
+// 1 / (1 - p); step_lo and step_hi are set per step. The fused op and the unfused softmax +
+// dropout therefore draw the same mask.
+
+#include "dtype.clh"
+#include "philox.clh"
+#include "reduce.clh"
+
+#define D HEAD_DIM
+#define DV (DP / 16)
+
+inline float attention_keep(ulong index, uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
+  const uint r = philox_first((uint4)((uint)index, (uint)(index >> 32), step_lo, step_hi), (uint2)(seed, 0u));
+  return r >= threshold ? inv_keep : 0.0f;
+}
+
+// The dropout factors of keys j0 .. j0 + 15 of row i of head bh.
+inline float16 attention_keep16(uint bh, uint T, uint i, uint j0, uint seed, uint threshold, float inv_keep,
+                                uint step_lo, uint step_hi) {
+  float f[16];
+  const ulong base = ((ulong)bh * T + i) * T + j0;
+  for (uint c = 0; c < 16; ++c) f[c] = attention_keep(base + c, seed, threshold, inv_keep, step_lo, step_hi);
+  return vload16(0, f);
+}
+
+// Element (b, t, h, d) of a [B, T, H D] tensor, past the operand's offset.
+inline ulong attention_at(uint b, uint t, uint h, uint T, uint H) {
+  return ((ulong)b * T + t) * (H * D) + h * D;
+}
+
+// delta[bh, i] = sum_d do[b, i, h, d] o[b, i, h, d]. Work-item (i, bh).
+__kernel void attention_delta(__global const T_STORAGE* o, ulong o_off, __global const T_STORAGE* dout, ulong do_off,
+                              __global float* delta, ulong delta_off, uint T, uint H) {
+  const uint i = get_global_id(0), bh = get_global_id(1);
+  if (i >= T) return;
+  const uint b = bh / H, h = bh - b * H;
+  const ulong at = attention_at(b, i, h, T, H);
+  float acc = 0.0f;
+  for (uint d = 0; d < D; ++d) acc = fma(LOAD_T(dout, do_off + at + d), LOAD_T(o, o_off + at + d), acc);
+  delta[delta_off + (ulong)bh * T + i] = acc;
+}
+
+#ifdef RB
+
+// Stages key (or value) row t of head bh as f32: rows [BH, Tp, DP] and/or transposed [BH, D, Tp],
+// zero past T and past D. Work-item (t, bh) over Tp = T rounded up to 16.
+__kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global float* rows, ulong rows_off,
+                              __global float* trans, ulong trans_off, uint T, uint Tp, uint H, uint want_rows,
+                              uint want_trans) {
+  const uint t = get_global_id(0), bh = get_global_id(1);
+  const uint b = bh / H, h = bh - b * H;
+  const ulong src = x_off + attention_at(b, min(t, T - 1), h, T, H);
+  for (uint d = 0; d < DP; ++d) {
+    const float val = (t < T && d < D) ? LOAD_T(x, src + d) : 0.0f;
+    if (want_rows) rows[rows_off + ((ulong)bh * Tp + t) * DP + d] = val;
+    if (want_trans && d < D) trans[trans_off + ((ulong)bh * D + d) * Tp + t] = val;
+  }
+}
+
+#define KEY_LANES ((int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
+
+// Forward, RB query rows from i0 = RB get_global_id(0) of head bh = get_global_id(1), with an online
+// softmax over blocks of 16 keys: running maximum m and sum l per row, the accumulated output
+// rescaled whenever the maximum grows.
+__kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __global const float* kt, ulong kt_off,
+                                    __global const float* vr, ulong vr_off, __global T_STORAGE* o, ulong o_off,
+                                    __global float* lse, ulong lse_off, uint T, uint Tp, uint H, float scale,
+                                    uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
+  const uint i0 = get_global_id(0) * RB, bh = get_global_id(1);
+  if (i0 >= T) return;
+  const uint b = bh / H, h = bh - b * H;
+  const uint nr = min((uint)RB, T - i0);
+  kt += kt_off + (ulong)bh * D * Tp;
+  vr += vr_off + (ulong)bh * Tp * DP;
+
+  float qs[RB][D];  // scaled queries
+  float16 acc[RB][DV];
+  float m[RB], l[RB];
+  for (uint r = 0; r < RB; ++r) {
+    const ulong at = q_off + attention_at(b, min(i0 + r, T - 1), h, T, H);
+    for (uint d = 0; d < D; ++d) qs[r][d] = r < nr ? LOAD_T(q, at + d) * scale : 0.0f;
+    for (uint j = 0; j < DV; ++j) acc[r][j] = 0.0f;
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+
+  const uint kend = i0 + nr;  // the block's rows see keys 0 .. kend - 1
+  for (uint kb = 0; kb < kend; kb += 16) {
+    float16 s[RB];
+    for (uint r = 0; r < RB; ++r) s[r] = 0.0f;
+    for (uint d = 0; d < D; ++d) {
+      const float16 kv = vload16(0, kt + (ulong)d * Tp + kb);
+      for (uint r = 0; r < RB; ++r) s[r] = fma((float16)qs[r][d], kv, s[r]);
+    }
+    float p[RB][16];
+    for (uint r = 0; r < RB; ++r) {
+      const uint i = i0 + r;
+      float16 sr = s[r];
+      if (kb + 15 > i) sr = select(sr, (float16)(-INFINITY), ((int16)kb + KEY_LANES) > (int16)i);
+      const float mnew = fmax(m[r], fold_max16(sr));
+      const float16 e = exp(sr - mnew);
+      const float rescale = exp(m[r] - mnew);
+      l[r] = l[r] * rescale + fold_sum16(e);
+      m[r] = mnew;
+      for (uint j = 0; j < DV; ++j) acc[r][j] *= rescale;
+      float16 pe = e;
+      if (threshold) pe *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi);
+      vstore16(pe, 0, p[r]);
+    }
+    const uint kn = min(16u, kend - kb);
+    for (uint c = 0; c < kn; ++c) {
+      __global const float* vrow = vr + (ulong)(kb + c) * DP;
+      for (uint j = 0; j < DV; ++j) {
+        const float16 vv = vload16(j, vrow);
+        for (uint r = 0; r < RB; ++r) acc[r][j] = fma((float16)p[r][c], vv, acc[r][j]);
+      }
+    }
+  }
+
+  for (uint r = 0; r < nr; ++r) {
+    const float inv = 1.0f / l[r];
+    const ulong at = o_off + attention_at(b, i0 + r, h, T, H);
+    for (uint j = 0; j < DV; ++j) {
+      float out[16];
+      vstore16(acc[r][j] * inv, 0, out);
+      for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(out[e], o, at + 16 * j + e);
+    }
+    lse[lse_off + (ulong)bh * T + i0 + r] = m[r] + log(l[r]);
+  }
+}
+
+// dk and dv of 16 keys j0 = 16 get_global_id(0) of head bh, over every query i >= j0: the
+// probabilities p = exp(scale q k - lse) and dp = do v recomputed as 16-key vectors, the gradients
+// accumulated transposed ([d] holds 16 keys), as the staged kᵀ and vᵀ are.
+__kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
+                                        ulong do_off, __global const float* kt, ulong kt_off,
+                                        __global const float* vt, ulong vt_off, __global const float* lse,
+                                        ulong lse_off, __global const float* delta, ulong delta_off,
+                                        __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off,
+                                        uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
+                                        float inv_keep, uint step_lo, uint step_hi) {
+  const uint j0 = get_global_id(0) * 16, bh = get_global_id(1);
+  if (j0 >= T) return;
+  const uint b = bh / H, h = bh - b * H;
+  kt += kt_off + (ulong)bh * D * Tp + j0;
+  vt += vt_off + (ulong)bh * D * Tp + j0;
+  lse += lse_off + (ulong)bh * T;
+  delta += delta_off + (ulong)bh * T;
+
+  float16 kT[D], vT[D], dkT[D], dvT[D];
+  for (uint d = 0; d < D; ++d) {
+    kT[d] = vload16(0, kt + (ulong)d * Tp);
+    vT[d] = vload16(0, vt + (ulong)d * Tp);
+    dkT[d] = 0.0f;
+    dvT[d] = 0.0f;
+  }
+  for (uint i = j0; i < T; ++i) {
+    const ulong at = attention_at(b, i, h, T, H);
+    float qi[D], doi[D];
+    float16 s = 0.0f, dp = 0.0f;
+    for (uint d = 0; d < D; ++d) {
+      qi[d] = LOAD_T(q, q_off + at + d) * scale;
+      doi[d] = LOAD_T(dout, do_off + at + d);
+      s = fma((float16)qi[d], kT[d], s);
+      dp = fma((float16)doi[d], vT[d], dp);
+    }
+    float16 p = exp(s - lse[i]);
+    if (j0 + 15 > i) p = select(p, (float16)0.0f, ((int16)j0 + KEY_LANES) > (int16)i);
+    float16 pd = p;
+    if (threshold) {
+      const float16 keep = attention_keep16(bh, T, i, j0, seed, threshold, inv_keep, step_lo, step_hi);
+      pd *= keep;
+      dp *= keep;
+    }
+    const float16 ds = p * (dp - delta[i]);
+    for (uint d = 0; d < D; ++d) {
+      dvT[d] = fma(pd, (float16)doi[d], dvT[d]);
+      dkT[d] = fma(ds, (float16)qi[d], dkT[d]);  // qi holds scale q: dk = scale sum ds q
+    }
+  }
+  const uint kn = min(16u, T - j0);
+  for (uint d = 0; d < D; ++d) {
+    float gk[16], gv[16];
+    vstore16(dkT[d], 0, gk);
+    vstore16(dvT[d], 0, gv);
+    for (uint c = 0; c < kn; ++c) {
+      const ulong at = attention_at(b, j0 + c, h, T, H) + d;
+      STORE_T(gk[c], dk, dk_off + at);
+      STORE_T(gv[c], dv, dv_off + at);
+    }
+  }
+}
+
+// dq of RB query rows i0 = RB get_global_id(0) of head bh: dq = scale sum_j ds_ij k_j over the
+// keys each row sees, ds recomputed per 16-key block as in attention_backward_kv_cpu.
+__kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
+                                       ulong do_off, __global const float* kt, ulong kt_off, __global const float* vt,
+                                       ulong vt_off, __global const float* kr, ulong kr_off,
+                                       __global const float* lse, ulong lse_off, __global const float* delta,
+                                       ulong delta_off, __global T_STORAGE* dq, ulong dq_off, uint T, uint Tp, uint H,
+                                       float scale, uint seed, uint threshold, float inv_keep, uint step_lo,
+                                       uint step_hi) {
+  const uint i0 = get_global_id(0) * RB, bh = get_global_id(1);
+  if (i0 >= T) return;
+  const uint b = bh / H, h = bh - b * H;
+  const uint nr = min((uint)RB, T - i0);
+  kt += kt_off + (ulong)bh * D * Tp;
+  vt += vt_off + (ulong)bh * D * Tp;
+  kr += kr_off + (ulong)bh * Tp * DP;
+
+  float qs[RB][D], dos[RB][D], li[RB], di[RB];
+  float16 acc[RB][DV];
+  for (uint r = 0; r < RB; ++r) {
+    const ulong at = attention_at(b, min(i0 + r, T - 1), h, T, H);
+    for (uint d = 0; d < D; ++d) {
+      qs[r][d] = r < nr ? LOAD_T(q, q_off + at + d) * scale : 0.0f;
+      dos[r][d] = r < nr ? LOAD_T(dout, do_off + at + d) : 0.0f;
+    }
+    li[r] = r < nr ? lse[lse_off + (ulong)bh * T + i0 + r] : 0.0f;
+    di[r] = r < nr ? delta[delta_off + (ulong)bh * T + i0 + r] : 0.0f;
+    for (uint j = 0; j < DV; ++j) acc[r][j] = 0.0f;
+  }
+
+  const uint kend = i0 + nr;
+  for (uint kb = 0; kb < kend; kb += 16) {
+    float16 s[RB], dp[RB];
+    for (uint r = 0; r < RB; ++r) s[r] = dp[r] = 0.0f;
+    for (uint d = 0; d < D; ++d) {
+      const float16 kv = vload16(0, kt + (ulong)d * Tp + kb), vv = vload16(0, vt + (ulong)d * Tp + kb);
+      for (uint r = 0; r < RB; ++r) {
+        s[r] = fma((float16)qs[r][d], kv, s[r]);
+        dp[r] = fma((float16)dos[r][d], vv, dp[r]);
+      }
+    }
+    float ds[RB][16];
+    for (uint r = 0; r < RB; ++r) {
+      const uint i = i0 + r;
+      float16 p = exp(s[r] - li[r]);
+      if (kb + 15 > i) p = select(p, (float16)0.0f, ((int16)kb + KEY_LANES) > (int16)i);
+      float16 dpr = dp[r];
+      if (threshold) dpr *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi);
+      vstore16(p * (dpr - di[r]), 0, ds[r]);
+    }
+    const uint kn = min(16u, kend - kb);
+    for (uint c = 0; c < kn; ++c) {
+      __global const float* krow = kr + (ulong)(kb + c) * DP;
+      for (uint j = 0; j < DV; ++j) {
+        const float16 kv = vload16(j, krow);
+        for (uint r = 0; r < RB; ++r) acc[r][j] = fma((float16)ds[r][c], kv, acc[r][j]);
+      }
+    }
+  }
+
+  for (uint r = 0; r < nr; ++r) {
+    const ulong at = dq_off + attention_at(b, i0 + r, h, T, H);
+    for (uint j = 0; j < DV; ++j) {
+      float out[16];
+      vstore16(acc[r][j] * scale, 0, out);
+      for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(out[e], dq, at + 16 * j + e);
+    }
+  }
+}
+
+#endif  // RB
+
+#ifdef BQ
+
+// Forward on work-groups of BQ queries (one per work-item) of head bh = get_group_id(1), with the
+// keys and values of BK keys at a time in local memory; online softmax per 8 keys.
+__kernel void attention_forward_tiled(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k,
+                                      ulong k_off, __global const T_STORAGE* v, ulong v_off, __global T_STORAGE* o,
+                                      ulong o_off, __global float* lse, ulong lse_off, uint T, uint H, float scale,
+                                      uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
+  __local float ks[BK][D], vs[BK][D];
+  const uint lid = get_local_id(0), bh = get_group_id(1);
+  const uint b = bh / H, h = bh - b * H;
+  const uint first = get_group_id(0) * BQ, i = first + lid;
+  const bool active = i < T;
+  float qi[D], acc[D];
+  const ulong at = attention_at(b, min(i, T - 1), h, T, H);
+  for (uint d = 0; d < D; ++d) {
+    qi[d] = LOAD_T(q, q_off + at + d) * scale;
+    acc[d] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  const uint kend = min(T, first + BQ);  // keys the group's last row sees
+  for (uint kb = 0; kb < kend; kb += BK) {
+    for (uint e = lid; e < BK * D; e += BQ) {
+      const uint c = e / D, d = e - c * D, key = kb + c;
+      const ulong kat = attention_at(b, min(key, T - 1), h, T, H) + d;
+      ks[c][d] = key < T ? LOAD_T(k, k_off + kat) : 0.0f;
+      vs[c][d] = key < T ? LOAD_T(v, v_off + kat) : 0.0f;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (active) {
+      for (uint c0 = 0; c0 < BK && kb + c0 <= i; c0 += 8) {
+        float s[8];
+        float mx = -INFINITY;
+        for (uint c = 0; c < 8; ++c) {
+          float acc_s = 0.0f;
+          for (uint d = 0; d < D; ++d) acc_s = fma(qi[d], ks[c0 + c][d], acc_s);
+          s[c] = kb + c0 + c <= i ? acc_s : -INFINITY;
+          mx = fmax(mx, s[c]);
+        }
+        const float mnew = fmax(m, mx), rescale = exp(m - mnew);
+        m = mnew;
+        l *= rescale;
+        for (uint d = 0; d < D; ++d) acc[d] *= rescale;
+        for (uint c = 0; c < 8; ++c) {
+          float p = exp(s[c] - mnew);
+          l += p;
+          if (threshold) {
+            p *= attention_keep(((ulong)bh * T + i) * T + kb + c0 + c, seed, threshold, inv_keep, step_lo, step_hi);
+          }
+          for (uint d = 0; d < D; ++d) acc[d] = fma(p, vs[c0 + c][d], acc[d]);
+        }
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (!active) return;
+  const float inv = 1.0f / l;
+  for (uint d = 0; d < D; ++d) STORE_T(acc[d] * inv, o, o_off + at + d);
+  lse[lse_off + (ulong)bh * T + i] = m + log(l);
+}
+
+// dk and dv on work-groups of BQ keys (one per work-item), with BK queries at a time (their
+// scaled q, do, lse and delta) in local memory.
+__kernel void attention_backward_kv_tiled(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k,
+                                          ulong k_off, __global const T_STORAGE* v, ulong v_off,
+                                          __global const T_STORAGE* dout, ulong do_off, __global const float* lse,
+                                          ulong lse_off, __global const float* delta, ulong delta_off,
+                                          __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off,
+                                          uint T, uint H, float scale, uint seed, uint threshold, float inv_keep,
+                                          uint step_lo, uint step_hi) {
+  __local float qs[BK][D], dos[BK][D], ls[BK], dl[BK];
+  const uint lid = get_local_id(0), bh = get_group_id(1);
+  const uint b = bh / H, h = bh - b * H;
+  const uint first = get_group_id(0) * BQ, j = first + lid;
+  const bool active = j < T;
+  const ulong at = attention_at(b, min(j, T - 1), h, T, H);
+  float kj[D], vj[D], gk[D], gv[D];
+  for (uint d = 0; d < D; ++d) {
+    kj[d] = LOAD_T(k, k_off + at + d);
+    vj[d] = LOAD_T(v, v_off + at + d);
+    gk[d] = gv[d] = 0.0f;
+  }
+  for (uint ib = first; ib < T; ib += BK) {
+    for (uint e = lid; e < BK * D; e += BQ) {
+      const uint r = e / D, d = e - r * D, row = ib + r;
+      const ulong qat = attention_at(b, min(row, T - 1), h, T, H) + d;
+      qs[r][d] = row < T ? LOAD_T(q, q_off + qat) * scale : 0.0f;
+      dos[r][d] = row < T ? LOAD_T(dout, do_off + qat) : 0.0f;
+    }
+    for (uint r = lid; r < BK; r += BQ) {
+      ls[r] = ib + r < T ? lse[lse_off + (ulong)bh * T + ib + r] : 0.0f;
+      dl[r] = ib + r < T ? delta[delta_off + (ulong)bh * T + ib + r] : 0.0f;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (active) {
+      for (uint r = 0; r < BK && ib + r < T; ++r) {
+        const uint i = ib + r;
+        if (i < j) continue;
+        float s = 0.0f, dp = 0.0f;
+        for (uint d = 0; d < D; ++d) {
+          s = fma(qs[r][d], kj[d], s);
+          dp = fma(dos[r][d], vj[d], dp);
+        }
+        const float p = exp(s - ls[r]);
+        const float keep =
+            threshold ? attention_keep(((ulong)bh * T + i) * T + j, seed, threshold, inv_keep, step_lo, step_hi) : 1.0f;
+        const float ds = p * (dp * keep - dl[r]);
+        for (uint d = 0; d < D; ++d) {
+          gv[d] = fma(p * keep, dos[r][d], gv[d]);
+          gk[d] = fma(ds, qs[r][d], gk[d]);
+        }
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (!active) return;
+  for (uint d = 0; d < D; ++d) {
+    STORE_T(gk[d], dk, dk_off + at + d);
+    STORE_T(gv[d], dv, dv_off + at + d);
+  }
+}
+
+// dq on work-groups of BQ queries, with BK keys and values at a time in local memory.
+__kernel void attention_backward_q_tiled(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k,
+                                         ulong k_off, __global const T_STORAGE* v, ulong v_off,
+                                         __global const T_STORAGE* dout, ulong do_off, __global const float* lse,
+                                         ulong lse_off, __global const float* delta, ulong delta_off,
+                                         __global T_STORAGE* dq, ulong dq_off, uint T, uint H, float scale, uint seed,
+                                         uint threshold, float inv_keep, uint step_lo, uint step_hi) {
+  __local float ks[BK][D], vs[BK][D];
+  const uint lid = get_local_id(0), bh = get_group_id(1);
+  const uint b = bh / H, h = bh - b * H;
+  const uint first = get_group_id(0) * BQ, i = first + lid;
+  const bool active = i < T;
+  const ulong at = attention_at(b, min(i, T - 1), h, T, H);
+  float qi[D], doi[D], g[D];
+  for (uint d = 0; d < D; ++d) {
+    qi[d] = LOAD_T(q, q_off + at + d) * scale;
+    doi[d] = LOAD_T(dout, do_off + at + d);
+    g[d] = 0.0f;
+  }
+  const float li = active ? lse[lse_off + (ulong)bh * T + i] : 0.0f;
+  const float di = active ? delta[delta_off + (ulong)bh * T + i] : 0.0f;
+  const uint kend = min(T, first + BQ);
+  for (uint kb = 0; kb < kend; kb += BK) {
+    for (uint e = lid; e < BK * D; e += BQ) {
+      const uint c = e / D, d = e - c * D, key = kb + c;
+      const ulong kat = attention_at(b, min(key, T - 1), h, T, H) + d;
+      ks[c][d] = key < T ? LOAD_T(k, k_off + kat) : 0.0f;
+      vs[c][d] = key < T ? LOAD_T(v, v_off + kat) : 0.0f;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (active) {
+      for (uint c = 0; c < BK && kb + c <= i; ++c) {
+        float s = 0.0f, dp = 0.0f;
+        for (uint d = 0; d < D; ++d) {
+          s = fma(qi[d], ks[c][d], s);
+          dp = fma(doi[d], vs[c][d], dp);
+        }
+        const float p = exp(s - li);
+        const float keep = threshold ? attention_keep(((ulong)bh * T + i) * T + kb + c, seed, threshold, inv_keep,
+                                                      step_lo, step_hi)
+                                     : 1.0f;
+        const float ds = p * (dp * keep - di);
+        for (uint d = 0; d < D; ++d) g[d] = fma(ds, ks[c][d], g[d]);
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (!active) return;
+  for (uint d = 0; d < D; ++d) STORE_T(g[d] * scale, dq, dq_off + at + d);
+}
+
+#endif  // BQ

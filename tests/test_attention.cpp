@@ -1,0 +1,281 @@
+// Fused causal attention: the CPU reference against the unfused ops' references (scores, causal
+// softmax, dropout, value product) and against finite differences; the device kernels of both
+// families (cpu, tiled) against the reference, forward and backward, over contexts that are not
+// multiples of the tiles, head dimensions past a vector, several heads and batches, dropout, and
+// f16 / bf16 storage; determinism; clear errors for shapes the kernels have no tiles for.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <tuple>
+
+#include "ferry/ferry.hpp"
+#include "ferry/ops/attention.hpp"
+#include "ferry/ops/cast.hpp"
+#include "ferry/ops/matmul.hpp"
+#include "ferry/ops/op_table.hpp"
+#include "ferry/ops/softmax.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+using ops::AttentionShape;
+
+struct Inputs {
+  std::vector<float> q, k, v, dout;
+};
+
+Inputs random_inputs(const AttentionShape& s, std::uint32_t seed) {
+  const std::size_t n = s.batch * s.context * s.width();
+  return {random_vector(n, seed, -1.5f, 1.5f), random_vector(n, seed + 1, -1.5f, 1.5f),
+          random_vector(n, seed + 2, -1.0f, 1.0f), random_vector(n, seed + 3, -1.0f, 1.0f)};
+}
+
+struct Result {
+  std::vector<float> o, lse, dq, dk, dv;
+};
+
+float default_scale(const AttentionShape& s) {
+  return 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+}
+
+Result reference(const AttentionShape& s, const Inputs& in, const ops::AttentionDropout& dr, std::uint64_t step) {
+  const std::size_t n = in.q.size();
+  std::vector<double> o(n), lse(s.rows()), dq(n), dk(n), dv(n);
+  const double scale = default_scale(s);
+  const auto q = to_double(in.q), k = to_double(in.k), v = to_double(in.v), dout = to_double(in.dout);
+  ops::ref::attention_forward<double>(s, scale, dr, step, q, k, v, o, lse);
+  // The device's backward reads the device's (float) o and lse: give the reference the same.
+  const auto of = to_double(to_float(o)), lsef = to_double(to_float(lse));
+  ops::ref::attention_backward<double>(s, scale, dr, step, q, k, v, of, lsef, dout, dq, dk, dv);
+  return {to_float(o), to_float(lse), to_float(dq), to_float(dk), to_float(dv)};
+}
+
+Result run_device(const AttentionShape& s, const Inputs& in, const ops::AttentionDropout& dr, std::uint64_t step,
+                  const std::string& kernel) {
+  auto& dev = TestDevice::get();
+  const ops::AttentionOptions opt{kernel};
+  const std::size_t n = in.q.size();
+  DeviceTensor q(in.q, 3), k(in.k, 5), v(in.v, 9), dout(in.dout, 11), o(n, 2), lse(s.rows(), 4), dq(n, 6), dk(n, 8),
+      dv(n, 10);
+  DeviceTensor fs(std::max<std::size_t>(ops::attention_forward_scratch_elems(dev.env, s, opt), 1), 64);
+  DeviceTensor bs(std::max<std::size_t>(ops::attention_backward_scratch_elems(dev.env, s, opt), 1), 128);
+  const float scale = default_scale(s);
+  const ops::StepInfo info{step, 0.0f};
+  ops::run_blocking(dev.context.compute(),
+                    ops::attention_forward(dev.env, s, graph::DType::f32, scale, dr, q.span(), k.span(), v.span(),
+                                           o.span(), lse.span(), fs.span(), opt),
+                    info);
+  ops::run_blocking(
+      dev.context.compute(),
+      ops::attention_backward(dev.env, s, graph::DType::f32, scale, dr, q.span(), k.span(), v.span(), o.span(),
+                              lse.span(), dout.span(), dq.span(), dk.span(), dv.span(), bs.span(), opt),
+      info);
+  return {o.download(), lse.download(), dq.download(), dk.download(), dv.download()};
+}
+
+void expect_result_near(const Result& got, const Result& want, float tol, const std::string& what) {
+  expect_near(got.o, want.o, tol, tol, (what + " o").c_str());
+  expect_near(got.lse, want.lse, tol, tol, (what + " lse").c_str());
+  expect_near(got.dq, want.dq, 4 * tol, 4 * tol, (what + " dq").c_str());
+  expect_near(got.dk, want.dk, 4 * tol, 4 * tol, (what + " dk").c_str());
+  expect_near(got.dv, want.dv, 4 * tol, 4 * tol, (what + " dv").c_str());
+}
+
+// The reference equals the unfused path's references: softmax(causal, scale q kᵀ), dropout of the
+// probabilities with ops::dropout's mask over [B, H, T, T], times v, heads split by hand.
+TEST(AttentionReference, EqualsTheUnfusedOps) {
+  const AttentionShape s{2, 7, 3, 5};
+  const Inputs in = random_inputs(s, 1);
+  for (const float p : {0.0f, 0.3f}) {
+    const ops::AttentionDropout dr{p, 77};
+    const std::uint64_t step = 5;
+    const Result fused = reference(s, in, dr, step);
+    const std::size_t T = s.context, D = s.head_dim, BH = s.batch * s.heads;
+    // [B, T, H, D] -> [B, H, T, D]
+    auto split = [&](const std::vector<float>& x) {
+      std::vector<double> y(x.size());
+      for (std::size_t b = 0; b < s.batch; ++b)
+        for (std::size_t t = 0; t < T; ++t)
+          for (std::size_t h = 0; h < s.heads; ++h)
+            for (std::size_t d = 0; d < D; ++d)
+              y[((b * s.heads + h) * T + t) * D + d] = x[((b * T + t) * s.heads + h) * D + d];
+      return y;
+    };
+    const auto q = split(in.q), k = split(in.k), v = split(in.v);
+    std::vector<double> scores(BH * T * T), probs(BH * T * T), dropped(BH * T * T), o(BH * T * D);
+    ops::ref::matmul<double>({BH, T, T, D, false, true}, default_scale(s), q, k, scores);
+    ops::ref::softmax_forward<double>(scores, probs, BH * T, T, true);
+    if (p > 0.0f) {
+      ops::ref::dropout_forward<double>(probs, dropped, p, dr.seed, step);
+    } else {
+      dropped = probs;
+    }
+    ops::ref::matmul<double>({BH, T, D, T, false, false}, 1.0, dropped, v, o);
+    for (std::size_t b = 0; b < s.batch; ++b)
+      for (std::size_t t = 0; t < T; ++t)
+        for (std::size_t h = 0; h < s.heads; ++h)
+          for (std::size_t d = 0; d < D; ++d)
+            ASSERT_NEAR(fused.o[((b * T + t) * s.heads + h) * D + d], o[((b * s.heads + h) * T + t) * D + d], 1e-6)
+                << "p " << p;
+  }
+}
+
+// d(sum(o * dout))/d(q, k, v) of the reference backward against central differences of its forward.
+TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
+  const AttentionShape s{1, 5, 2, 3};
+  const Inputs in = random_inputs(s, 4);
+  for (const float p : {0.0f, 0.25f}) {
+    const ops::AttentionDropout dr{p, 9};
+    const double scale = default_scale(s);
+    auto q = to_double(in.q), k = to_double(in.k), v = to_double(in.v);
+    const auto dout = to_double(in.dout);
+    const std::size_t n = q.size();
+    std::vector<double> o(n), lse(s.rows()), dq(n), dk(n), dv(n);
+    ops::ref::attention_forward<double>(s, scale, dr, 1, q, k, v, o, lse);
+    ops::ref::attention_backward<double>(s, scale, dr, 1, q, k, v, o, lse, dout, dq, dk, dv);
+    auto objective = [&] {
+      std::vector<double> oo(n), ll(s.rows());
+      ops::ref::attention_forward<double>(s, scale, dr, 1, q, k, v, oo, ll);
+      double sum = 0;
+      for (std::size_t i = 0; i < n; ++i) sum += oo[i] * dout[i];
+      return sum;
+    };
+    for (auto [x, g, name] : {std::tuple{&q, &dq, "q"}, std::tuple{&k, &dk, "k"}, std::tuple{&v, &dv, "v"}}) {
+      for (std::size_t i = 0; i < n; ++i) {
+        const double keep = (*x)[i], h = 1e-6;
+        (*x)[i] = keep + h;
+        const double up = objective();
+        (*x)[i] = keep - h;
+        const double down = objective();
+        (*x)[i] = keep;
+        ASSERT_NEAR((*g)[i], (up - down) / (2 * h), 1e-6) << name << "[" << i << "], p " << p;
+      }
+    }
+  }
+}
+
+// (shape, kernel, dropout p)
+using Case = std::tuple<AttentionShape, std::string, float>;
+class AttentionDevice : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionDevice, ForwardAndBackwardMatchTheReference) {
+  const auto& [s, kernel, p] = GetParam();
+  if (too_large_for_this_run(s.batch * s.heads * s.context * s.context * s.head_dim)) GTEST_SKIP();
+  const Inputs in = random_inputs(s, 11);
+  const ops::AttentionDropout dr{p, 1234};
+  const Result got = run_device(s, in, dr, 3, kernel);
+  const Result want = reference(s, in, dr, 3);
+  expect_result_near(got, want, 2e-5f, kernel.empty() ? "default kernel" : kernel);
+}
+
+TEST_P(AttentionDevice, IsDeterministic) {
+  const auto& [s, kernel, p] = GetParam();
+  if (too_large_for_this_run(s.batch * s.heads * s.context * s.context * s.head_dim)) GTEST_SKIP();
+  const Inputs in = random_inputs(s, 12);
+  const ops::AttentionDropout dr{p, 99};
+  const Result a = run_device(s, in, dr, 2, kernel), b = run_device(s, in, dr, 2, kernel);
+  for (auto [x, y] : {std::pair{&a.o, &b.o}, std::pair{&a.dq, &b.dq}, std::pair{&a.dk, &b.dk}, std::pair{&a.dv, &b.dv}})
+    EXPECT_EQ(std::memcmp(x->data(), y->data(), x->size() * sizeof(float)), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionDevice,
+    ::testing::Combine(::testing::Values(AttentionShape{1, 1, 1, 16}, AttentionShape{2, 17, 3, 8},
+                                         AttentionShape{1, 33, 2, 40}, AttentionShape{2, 64, 2, 64},
+                                         AttentionShape{1, 50, 1, 128}),
+                       ::testing::Values(std::string{}, std::string{"cpu RB=3"}, std::string{"tiled BQ=16 BK=8"}),
+                       ::testing::Values(0.0f, 0.2f)));
+
+// f16 and bf16 storage, f32 arithmetic: the device against the reference on the rounded inputs.
+TEST(AttentionDevice, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
+  auto& dev = TestDevice::get();
+  const AttentionShape s{2, 21, 2, 16};
+  const Inputs in = random_inputs(s, 21);
+  const std::size_t n = in.q.size();
+  for (const graph::DType t : {graph::DType::f16, graph::DType::bf16}) {
+    for (const std::string kernel : {"cpu RB=4", "tiled BQ=16 BK=8"}) {
+      SCOPED_TRACE(std::string(ops::dtype_name(t)) + " " + kernel);
+      auto narrow = [&](const std::vector<float>& x) {
+        std::vector<std::uint16_t> y(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i)
+          y[i] = t == graph::DType::f16 ? ops::ref::float_to_half(x[i]) : ops::ref::float_to_bf16(x[i]);
+        return y;
+      };
+      auto widen = [&](const std::vector<std::uint16_t>& x) {
+        std::vector<float> y(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i)
+          y[i] = t == graph::DType::f16 ? ops::ref::half_to_float(x[i]) : ops::ref::bf16_to_float(x[i]);
+        return y;
+      };
+      const auto q16 = narrow(in.q), k16 = narrow(in.k), v16 = narrow(in.v), d16 = narrow(in.dout);
+      const Inputs rounded{widen(q16), widen(k16), widen(v16), widen(d16)};
+      const ops::AttentionOptions opt{kernel};
+      auto q = DeviceBytes::from(q16), k = DeviceBytes::from(k16), v = DeviceBytes::from(v16),
+           dout = DeviceBytes::from(d16);
+      DeviceBytes o(n, 2), dq(n, 2), dk(n, 2), dv(n, 2);
+      DeviceTensor lse(s.rows(), 4);
+      DeviceTensor fs(std::max<std::size_t>(ops::attention_forward_scratch_elems(dev.env, s, opt), 1), 64);
+      DeviceTensor bs(std::max<std::size_t>(ops::attention_backward_scratch_elems(dev.env, s, opt), 1), 128);
+      const float scale = default_scale(s);
+      ops::run_blocking(dev.context.compute(), ops::attention_forward(dev.env, s, t, scale, {}, q.span(), k.span(),
+                                                                      v.span(), o.span(), lse.span(), fs.span(), opt));
+      // The backward reads the stored (rounded) o, as a training step would.
+      ops::run_blocking(
+          dev.context.compute(),
+          ops::attention_backward(dev.env, s, t, scale, {}, q.span(), k.span(), v.span(), o.span(), lse.span(),
+                                  dout.span(), dq.span(), dk.span(), dv.span(), bs.span(), opt));
+      const Result want = reference(s, rounded, {}, 1);
+      const float tol = t == graph::DType::f16 ? 2e-3f : 1.6e-2f;  // one rounding of the outputs
+      expect_near(widen(o.download<std::uint16_t>()), want.o, tol, tol, "o");
+      expect_near(lse.download(), want.lse, 1e-4f, 1e-4f, "lse");
+      expect_near(widen(dq.download<std::uint16_t>()), want.dq, 2 * tol, 2 * tol, "dq");
+      expect_near(widen(dk.download<std::uint16_t>()), want.dk, 2 * tol, 2 * tol, "dk");
+      expect_near(widen(dv.download<std::uint16_t>()), want.dv, 2 * tol, 2 * tol, "dv");
+      for (const auto* d : {&o, &dq, &dk, &dv}) {
+        for (const unsigned char byte : d->tail()) ASSERT_EQ(byte, 0xA5) << "written past the end";
+      }
+    }
+  }
+}
+
+TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
+  auto& dev = TestDevice::get();
+  try {
+    ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 8, 1, 256});
+    FAIL() << "a head dimension of 256 should be refused";
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("256"), std::string::npos) << m;
+    EXPECT_NE(m.find("128"), std::string::npos) << m;
+    EXPECT_NE(m.find("unfused"), std::string::npos) << m;
+  }
+  EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 0, 1, 16}), std::invalid_argument);
+  EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 8, 1, 16}, {"tiled BQ=0"}),
+               std::invalid_argument);
+  EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 8, 1, 16}, {"flash"}),
+               std::invalid_argument);
+
+  // The op's shape rule, through the builder: mismatched operands, heads that do not divide the width.
+  graph::Graph g;
+  graph::Builder b(g, 2);
+  const TensorId q = b.input("q", graph::Shape{8, 32});
+  const TensorId k = b.input("k", graph::Shape{8, 32});
+  const TensorId short_v = b.input("v", graph::Shape{7, 32});
+  EXPECT_THROW(b.attention(q, k, short_v, 2), graph::BuildError);
+  EXPECT_THROW(b.attention(q, k, k, 3), graph::BuildError);
+  const TensorId wide = b.input("wide", graph::Shape{8, 512});
+  try {
+    b.attention(wide, wide, wide, 2);
+    FAIL() << "head dimension 256 should be refused at build time";
+  } catch (const graph::BuildError& e) {
+    EXPECT_NE(std::string(e.what()).find("attention"), std::string::npos) << e.what();
+  }
+  const TensorId y = b.attention(q, k, k, 4);
+  EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 8, 32}));
+}
+
+}  // namespace
+}  // namespace ferry::test
