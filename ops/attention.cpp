@@ -16,10 +16,10 @@ namespace {
 // The kernel family and its parameters: cpu (RB) or tiled (BQ, BK).
 struct AttentionConfig {
   bool cpu = true;
-  std::size_t rb = 4;            // cpu: query rows per work-item
+  std::size_t rb = 4, qb = 16;   // cpu: query rows per register tile (at most 4), per work-item
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
 
-  std::string text() const { return cpu ? fmt::format("cpu RB={}", rb) : fmt::format("tiled BQ={} BK={}", bq, bk); }
+  std::string text() const { return cpu ? fmt::format("cpu RB={} QB={}", rb, qb) : fmt::format("tiled BQ={} BK={}", bq, bk); }
 };
 
 std::size_t padded_dim(const AttentionShape& s) {
@@ -57,6 +57,8 @@ AttentionConfig parse_config(const std::string& spec) {
     }
     if (c.cpu && key == "RB") {
       c.rb = value;
+    } else if (c.cpu && key == "QB") {
+      c.qb = value;
     } else if (!c.cpu && key == "BQ") {
       c.bq = value;
     } else if (!c.cpu && key == "BK") {
@@ -64,6 +66,10 @@ AttentionConfig parse_config(const std::string& spec) {
     } else {
       throw std::invalid_argument(fmt::format("attention: '{}' is not a parameter of the {} kernel", key, family));
     }
+  }
+  if (c.cpu && (c.rb > 4 || c.qb % c.rb != 0)) {
+    throw std::invalid_argument(
+        fmt::format("attention: '{}': RB (rows per register tile) is at most 4 and QB a multiple of it", spec));
   }
   return c;
 }
@@ -83,7 +89,7 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
 
 std::string kernel_defines(const AttentionShape& s, DType dtype, const AttentionConfig& c) {
   std::string d = fmt::format("{} -DHEAD_DIM={} -DDP={}", dtype_define(dtype), s.head_dim, padded_dim(s));
-  if (c.cpu) return d + fmt::format(" -DRB={}", c.rb);
+  if (c.cpu) return d + fmt::format(" -DRB={} -DQB={}", c.rb, c.qb);
   return d + fmt::format(" -DBQ={} -DBK={}", c.bq, c.bk);
 }
 
@@ -190,7 +196,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
     cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), kt.buffer, kt.elem_offset(), vr.buffer, vr.elem_offset(),
                  o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(tp),
                  cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
-    KernelLaunch l = grid(std::move(kn), (s.context + c.rb - 1) / c.rb, heads, 1);
+    KernelLaunch l = grid(std::move(kn), (s.context + c.qb - 1) / c.qb, heads, 1);
     set_step_args(l, 17, dr.threshold != 0);
     list.push_back(std::move(l));
     return list;
@@ -242,7 +248,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  vt.buffer, vt.elem_offset(), kr.buffer, kr.elem_offset(), lse.buffer, lse.elem_offset(), delta.buffer,
                  delta.elem_offset(), dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(tp), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
-    KernelLaunch lq = grid(std::move(kq), (s.context + c.rb - 1) / c.rb, heads, 1);
+    KernelLaunch lq = grid(std::move(kq), (s.context + c.qb - 1) / c.qb, heads, 1);
     set_step_args(lq, 23, dr.threshold != 0);
     list.push_back(std::move(lq));
     return list;

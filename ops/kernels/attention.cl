@@ -76,24 +76,29 @@ __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global
 
 #define KEY_LANES ((int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
 
-// Forward, RB query rows from i0 = RB get_global_id(0) of head bh = get_global_id(1), with an online
-// softmax over blocks of 16 keys: running maximum m and sum l per row, the accumulated output
-// rescaled whenever the maximum grows.
+// Register tiles of up to 4 rows, named (PoCL keeps named float16 values in registers; arrays
+// indexed in loops stay on the stack).
+#define ROWS4(X) X(0) X(1) X(2) X(3)
+
+// Forward, QB = RB NSUB query rows from i0 = QB get_global_id(0) of head bh = get_global_id(1),
+// with an online softmax over blocks of 16 keys: running maximum m and sum l per row, the
+// accumulated output rescaled whenever the maximum grows. Each key block is taken by the
+// work-item's NSUB sub-blocks of RB rows in turn, so its kᵀ and v stay in the L1 cache.
 __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __global const float* kt, ulong kt_off,
                                     __global const float* vr, ulong vr_off, __global T_STORAGE* o, ulong o_off,
                                     __global float* lse, ulong lse_off, uint T, uint Tp, uint H, float scale,
                                     uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
-  const uint i0 = get_global_id(0) * RB, bh = get_global_id(1);
+  const uint i0 = get_global_id(0) * QB, bh = get_global_id(1);
   if (i0 >= T) return;
   const uint b = bh / H, h = bh - b * H;
-  const uint nr = min((uint)RB, T - i0);
+  const uint nr = min((uint)QB, T - i0);
   kt += kt_off + (ulong)bh * D * Tp;
   vr += vr_off + (ulong)bh * Tp * DP;
 
-  float qs[RB][D];  // scaled queries
-  float16 acc[RB][DV];
-  float m[RB], l[RB];
-  for (uint r = 0; r < RB; ++r) {
+  float qs[QB][D];  // scaled queries
+  float16 acc[QB][DV];
+  float m[QB], l[QB];
+  for (uint r = 0; r < QB; ++r) {
     const ulong at = q_off + attention_at(b, min(i0 + r, T - 1), h, T, H);
     for (uint d = 0; d < D; ++d) qs[r][d] = r < nr ? LOAD_T(q, at + d) * scale : 0.0f;
     for (uint j = 0; j < DV; ++j) acc[r][j] = 0.0f;
@@ -101,35 +106,51 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
     l[r] = 0.0f;
   }
 
-  const uint kend = i0 + nr;  // the block's rows see keys 0 .. kend - 1
+  const uint kend = i0 + nr;  // the rows see keys 0 .. kend - 1
   for (uint kb = 0; kb < kend; kb += 16) {
-    float16 s[RB];
-    for (uint r = 0; r < RB; ++r) s[r] = 0.0f;
-    for (uint d = 0; d < D; ++d) {
-      const float16 kv = vload16(0, kt + (ulong)d * Tp + kb);
-      for (uint r = 0; r < RB; ++r) s[r] = fma((float16)qs[r][d], kv, s[r]);
-    }
-    float p[RB][16];
-    for (uint r = 0; r < RB; ++r) {
-      const uint i = i0 + r;
-      float16 sr = s[r];
-      if (kb + 15 > i) sr = select(sr, (float16)(-INFINITY), ((int16)kb + KEY_LANES) > (int16)i);
-      const float mnew = fmax(m[r], fold_max16(sr));
-      const float16 e = exp(sr - mnew);
-      const float rescale = exp(m[r] - mnew);
-      l[r] = l[r] * rescale + fold_sum16(e);
-      m[r] = mnew;
-      for (uint j = 0; j < DV; ++j) acc[r][j] *= rescale;
-      float16 pe = e;
-      if (threshold) pe *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi);
-      vstore16(pe, 0, p[r]);
-    }
-    const uint kn = min(16u, kend - kb);
-    for (uint c = 0; c < kn; ++c) {
-      __global const float* vrow = vr + (ulong)(kb + c) * DP;
+    for (uint r0 = 0; r0 < nr; r0 += RB) {
+      if (kb > i0 + r0 + RB - 1) continue;  // every key of the block is past these rows
+#define S_DECL(r) float16 s##r = 0.0f;
+#define S_STEP(r) \
+  if (r < RB) s##r = fma((float16)qs[r0 + r][d], kv, s##r);
+      ROWS4(S_DECL)
+      for (uint d = 0; d < D; ++d) {
+        const float16 kv = vload16(0, kt + (ulong)d * Tp + kb);
+        ROWS4(S_STEP)
+      }
+      float p[RB][16];
+#define SOFTMAX_ROW(r)                                                                          \
+  if (r < RB) {                                                                                 \
+    const uint i = i0 + r0 + r;                                                                 \
+    float16 sr = s##r;                                                                          \
+    if (kb + 15 > i) sr = select(sr, (float16)(-INFINITY), ((int16)kb + KEY_LANES) > (int16)i); \
+    const float mnew = fmax(m[r0 + r], fold_max16(sr));                                         \
+    const float16 e = exp(sr - mnew);                                                           \
+    const float rescale = exp(m[r0 + r] - mnew);                                                \
+    l[r0 + r] = l[r0 + r] * rescale + fold_sum16(e);                                            \
+    m[r0 + r] = mnew;                                                                           \
+    if (rescale != 1.0f) {                                                                      \
+      for (uint j = 0; j < DV; ++j) acc[r0 + r][j] *= rescale;                                  \
+    }                                                                                           \
+    float16 pe = e;                                                                             \
+    if (threshold) pe *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi); \
+    vstore16(pe, 0, p[r]);                                                                      \
+  }
+      ROWS4(SOFTMAX_ROW)
+      // o += p v: an RB x 16 register tile per 16 output columns, over the block's keys.
+      const uint kn = min(16u, kend - kb);
+#define T_LOAD(r) float16 t##r = r < RB ? acc[r0 + r][j] : 0.0f;
+#define T_STEP(r) \
+  if (r < RB) t##r = fma((float16)p[r][c], vv, t##r);
+#define T_STORE(r) \
+  if (r < RB) acc[r0 + r][j] = t##r;
       for (uint j = 0; j < DV; ++j) {
-        const float16 vv = vload16(j, vrow);
-        for (uint r = 0; r < RB; ++r) acc[r][j] = fma((float16)p[r][c], vv, acc[r][j]);
+        ROWS4(T_LOAD)
+        for (uint c = 0; c < kn; ++c) {
+          const float16 vv = vload16(j, vr + (ulong)(kb + c) * DP);
+          ROWS4(T_STEP)
+        }
+        ROWS4(T_STORE)
       }
     }
   }
@@ -171,28 +192,50 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
     dkT[d] = 0.0f;
     dvT[d] = 0.0f;
   }
-  for (uint i = j0; i < T; ++i) {
-    const ulong at = attention_at(b, i, h, T, H);
-    float qi[D], doi[D];
-    float16 s = 0.0f, dp = 0.0f;
-    for (uint d = 0; d < D; ++d) {
-      qi[d] = LOAD_T(q, q_off + at + d) * scale;
-      doi[d] = LOAD_T(dout, do_off + at + d);
-      s = fma((float16)qi[d], kT[d], s);
-      dp = fma((float16)doi[d], vT[d], dp);
+  // Queries in groups of 4 (named registers, see ROWS4), so that each load of kᵀ, vᵀ and each
+  // update of the gradients serves four rows; rows past T get p = 0.
+  for (uint i0 = j0; i0 < T; i0 += 4) {
+    float qi[4][D], doi[4][D];
+    for (uint r = 0; r < 4; ++r) {
+      const ulong at = attention_at(b, min(i0 + r, T - 1), h, T, H);
+      for (uint d = 0; d < D; ++d) {
+        qi[r][d] = LOAD_T(q, q_off + at + d) * scale;
+        doi[r][d] = LOAD_T(dout, do_off + at + d);
+      }
     }
-    float16 p = exp(s - lse[i]);
-    if (j0 + 15 > i) p = select(p, (float16)0.0f, ((int16)j0 + KEY_LANES) > (int16)i);
-    float16 pd = p;
-    if (threshold) {
-      const float16 keep = attention_keep16(bh, T, i, j0, seed, threshold, inv_keep, step_lo, step_hi);
-      pd *= keep;
-      dp *= keep;
-    }
-    const float16 ds = p * (dp - delta[i]);
+#define KV_DECL(r) float16 s##r = 0.0f, dp##r = 0.0f, pd##r, ds##r;
+#define KV_SCORE(r)                            \
+  s##r = fma((float16)qi[r][d], kd, s##r);     \
+  dp##r = fma((float16)doi[r][d], vd, dp##r);
+#define KV_PROB(r)                                                                                   \
+  if (i0 + r >= T) {                                                                                 \
+    pd##r = ds##r = 0.0f;                                                                            \
+  } else {                                                                                           \
+    const uint i = i0 + r;                                                                           \
+    float16 p = exp(s##r - lse[i]);                                                                  \
+    if (j0 + 15 > i) p = select(p, (float16)0.0f, ((int16)j0 + KEY_LANES) > (int16)i);               \
+    pd##r = p;                                                                                       \
+    if (threshold) {                                                                                 \
+      const float16 keep = attention_keep16(bh, T, i, j0, seed, threshold, inv_keep, step_lo, step_hi); \
+      pd##r *= keep;                                                                                 \
+      dp##r *= keep;                                                                                 \
+    }                                                                                                \
+    ds##r = p * (dp##r - delta[i]);                                                                  \
+  }
+#define KV_GRAD(r)                          \
+  gv = fma(pd##r, (float16)doi[r][d], gv);  \
+  gk = fma(ds##r, (float16)qi[r][d], gk);  // qi holds scale q: dk = scale sum ds q
+    ROWS4(KV_DECL)
     for (uint d = 0; d < D; ++d) {
-      dvT[d] = fma(pd, (float16)doi[d], dvT[d]);
-      dkT[d] = fma(ds, (float16)qi[d], dkT[d]);  // qi holds scale q: dk = scale sum ds q
+      const float16 kd = kT[d], vd = vT[d];
+      ROWS4(KV_SCORE)
+    }
+    ROWS4(KV_PROB)
+    for (uint d = 0; d < D; ++d) {
+      float16 gv = dvT[d], gk = dkT[d];
+      ROWS4(KV_GRAD)
+      dvT[d] = gv;
+      dkT[d] = gk;
     }
   }
   const uint kn = min(16u, T - j0);
@@ -208,8 +251,9 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
   }
 }
 
-// dq of RB query rows i0 = RB get_global_id(0) of head bh: dq = scale sum_j ds_ij k_j over the
-// keys each row sees, ds recomputed per 16-key block as in attention_backward_kv_cpu.
+// dq of QB query rows i0 = QB get_global_id(0) of head bh: dq = scale sum_j ds_ij k_j over the
+// keys each row sees, ds recomputed per 16-key block as in attention_backward_kv_cpu, RB rows at
+// a time in registers (as the forward).
 __kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
                                        ulong do_off, __global const float* kt, ulong kt_off, __global const float* vt,
                                        ulong vt_off, __global const float* kr, ulong kr_off,
@@ -217,17 +261,17 @@ __kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off,
                                        ulong delta_off, __global T_STORAGE* dq, ulong dq_off, uint T, uint Tp, uint H,
                                        float scale, uint seed, uint threshold, float inv_keep, uint step_lo,
                                        uint step_hi) {
-  const uint i0 = get_global_id(0) * RB, bh = get_global_id(1);
+  const uint i0 = get_global_id(0) * QB, bh = get_global_id(1);
   if (i0 >= T) return;
   const uint b = bh / H, h = bh - b * H;
-  const uint nr = min((uint)RB, T - i0);
+  const uint nr = min((uint)QB, T - i0);
   kt += kt_off + (ulong)bh * D * Tp;
   vt += vt_off + (ulong)bh * D * Tp;
   kr += kr_off + (ulong)bh * Tp * DP;
 
-  float qs[RB][D], dos[RB][D], li[RB], di[RB];
-  float16 acc[RB][DV];
-  for (uint r = 0; r < RB; ++r) {
+  float qs[QB][D], dos[QB][D], li[QB], di[QB];
+  float16 acc[QB][DV];
+  for (uint r = 0; r < QB; ++r) {
     const ulong at = attention_at(b, min(i0 + r, T - 1), h, T, H);
     for (uint d = 0; d < D; ++d) {
       qs[r][d] = r < nr ? LOAD_T(q, q_off + at + d) * scale : 0.0f;
@@ -240,30 +284,39 @@ __kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off,
 
   const uint kend = i0 + nr;
   for (uint kb = 0; kb < kend; kb += 16) {
-    float16 s[RB], dp[RB];
-    for (uint r = 0; r < RB; ++r) s[r] = dp[r] = 0.0f;
-    for (uint d = 0; d < D; ++d) {
-      const float16 kv = vload16(0, kt + (ulong)d * Tp + kb), vv = vload16(0, vt + (ulong)d * Tp + kb);
-      for (uint r = 0; r < RB; ++r) {
-        s[r] = fma((float16)qs[r][d], kv, s[r]);
-        dp[r] = fma((float16)dos[r][d], vv, dp[r]);
+    for (uint r0 = 0; r0 < nr; r0 += RB) {
+      if (kb > i0 + r0 + RB - 1) continue;
+#define SD_DECL(r) float16 s##r = 0.0f, dp##r = 0.0f;
+#define SD_STEP(r)                                        \
+  if (r < RB) {                                           \
+    s##r = fma((float16)qs[r0 + r][d], kv, s##r);         \
+    dp##r = fma((float16)dos[r0 + r][d], vv, dp##r);      \
+  }
+      ROWS4(SD_DECL)
+      for (uint d = 0; d < D; ++d) {
+        const float16 kv = vload16(0, kt + (ulong)d * Tp + kb), vv = vload16(0, vt + (ulong)d * Tp + kb);
+        ROWS4(SD_STEP)
       }
-    }
-    float ds[RB][16];
-    for (uint r = 0; r < RB; ++r) {
-      const uint i = i0 + r;
-      float16 p = exp(s[r] - li[r]);
-      if (kb + 15 > i) p = select(p, (float16)0.0f, ((int16)kb + KEY_LANES) > (int16)i);
-      float16 dpr = dp[r];
-      if (threshold) dpr *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi);
-      vstore16(p * (dpr - di[r]), 0, ds[r]);
-    }
-    const uint kn = min(16u, kend - kb);
-    for (uint c = 0; c < kn; ++c) {
-      __global const float* krow = kr + (ulong)(kb + c) * DP;
+      float ds[RB][16];
+#define DS_ROW(r)                                                                                  \
+  if (r < RB) {                                                                                    \
+    const uint i = i0 + r0 + r;                                                                    \
+    float16 p = exp(s##r - li[r0 + r]);                                                            \
+    if (kb + 15 > i) p = select(p, (float16)0.0f, ((int16)kb + KEY_LANES) > (int16)i);             \
+    if (threshold) dp##r *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi); \
+    vstore16(p * (dp##r - di[r0 + r]), 0, ds[r]);                                                  \
+  }
+      ROWS4(DS_ROW)
+      const uint kn = min(16u, kend - kb);
+#define G_STEP(r) \
+  if (r < RB) t##r = fma((float16)ds[r][c], kv, t##r);
       for (uint j = 0; j < DV; ++j) {
-        const float16 kv = vload16(j, krow);
-        for (uint r = 0; r < RB; ++r) acc[r][j] = fma((float16)ds[r][c], kv, acc[r][j]);
+        ROWS4(T_LOAD)
+        for (uint c = 0; c < kn; ++c) {
+          const float16 kv = vload16(j, kr + (ulong)(kb + c) * DP);
+          ROWS4(G_STEP)
+        }
+        ROWS4(T_STORE)
       }
     }
   }
