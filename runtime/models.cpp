@@ -90,8 +90,18 @@ TensorId attention(graph::Builder& b, TensorId x, const GptConfig& c, std::uint3
   const std::uint32_t batch = b.batch(), t = c.context, w = c.width, h = c.heads, d = w / h;
   auto split = [&](TensorId y) { return b.permute(b.reshape(y, graph::Shape{batch, t, h, d}), {0, 2, 1, 3}); };
   if (c.fused_attention) {
-    const TensorId q = b.linear(x, w), k = b.linear(x, w), v = b.linear(x, w);
-    return b.linear(b.attention(q, k, v, h, c.dropout, seed), w);
+    // The unfused path's layer names are reserved where it takes them (a permute after each
+    // projection; softmax, dropout, the value product and a permute after the scores), so both
+    // paths name, and initialise, every weight alike.
+    const TensorId q = b.linear(x, w);
+    b.reserve_layer_names(1);
+    const TensorId k = b.linear(x, w);
+    b.reserve_layer_names(1);
+    const TensorId v = b.linear(x, w);
+    b.reserve_layer_names(1);
+    const TensorId o = b.attention(q, k, v, h, c.dropout, seed);
+    b.reserve_layer_names(4);
+    return b.linear(o, w);
   }
   const TensorId q = split(b.linear(x, w));
   const TensorId k = split(b.linear(x, w));

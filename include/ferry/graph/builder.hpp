@@ -83,6 +83,11 @@ class Builder {
   // x * m / (1 - p), m drawn per step and element from `seed`; the identity in graphs built
   // with training(false) (evaluation) and for p = 0.
   TensorId dropout(TensorId x, float p, std::uint32_t seed);
+  // Takes the next n layer names unused. Names carry a count of the layers built so far
+  // ("linear7"), and weights are named, and initialised, after their layer: a model with two ways
+  // of building one part (models::gpt's fused and unfused attention) reserves the names the other
+  // way takes, so that every later weight keeps its name and checkpoints move between the two.
+  void reserve_layer_names(std::uint32_t n) { layer_count_ += n; }
   // Whether the graph being built trains (dropout is active); true unless set.
   void set_training(bool training) { training_ = training; }
   bool training() const { return training_; }
