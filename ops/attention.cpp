@@ -17,9 +17,10 @@ namespace {
 struct AttentionConfig {
   bool cpu = true;
   std::size_t rb = 4, qb = 16;   // cpu: query rows per register tile (at most 4), per work-item
+  std::size_t pass = 0;          // cpu backward: 1 (a work-item per head) or 2 (dk dv, then dq); 0: by heads
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
 
-  std::string text() const { return cpu ? fmt::format("cpu RB={} QB={}", rb, qb) : fmt::format("tiled BQ={} BK={}", bq, bk); }
+  std::string text() const { return cpu ? fmt::format("cpu RB={} QB={} PASS={}", rb, qb, pass) : fmt::format("tiled BQ={} BK={}", bq, bk); }
 };
 
 std::size_t padded_dim(const AttentionShape& s) {
@@ -59,6 +60,8 @@ AttentionConfig parse_config(const std::string& spec) {
       c.rb = value;
     } else if (c.cpu && key == "QB") {
       c.qb = value;
+    } else if (c.cpu && key == "PASS" && value <= 2) {
+      c.pass = value;
     } else if (!c.cpu && key == "BQ") {
       c.bq = value;
     } else if (!c.cpu && key == "BK") {
@@ -79,6 +82,9 @@ AttentionConfig parse_config(const std::string& spec) {
 // where the kernel's work-group limit or the device's local memory asks.
 AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
   AttentionConfig c = o.kernel.empty() ? AttentionConfig{env.device().is_cpu()} : parse_config(o.kernel);
+  // The one-pass backward runs a work-item per head: it takes over once there are four heads per
+  // compute unit (fewer would leave cores idle), and computes five products instead of seven.
+  if (c.cpu && c.pass == 0) c.pass = s.batch * s.heads >= 4 * std::max<std::size_t>(env.device().compute_units, 1) ? 1 : 2;
   if (!c.cpu && o.kernel.empty()) {
     c.bq = std::min<std::size_t>(c.bq, std::max<std::size_t>(env.device().max_work_group_size, 1));
     const std::uint64_t local = env.device().local_mem_bytes;
@@ -174,9 +180,11 @@ std::size_t attention_forward_scratch_elems(OpEnv& env, const AttentionShape& s,
 std::size_t attention_backward_scratch_elems(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
   check_attention_shape(s);
   const std::size_t delta = round_up(s.rows(), 64);
-  if (!choose_config(env, s, o).cpu) return delta;
+  const AttentionConfig c = choose_config(env, s, o);
+  if (!c.cpu) return delta;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
-  return delta + 2 * heads * tp * s.head_dim + heads * tp * padded_dim(s);  // delta, kᵀ, vᵀ, k rows
+  // delta, kᵀ, vᵀ, k rows; the one-pass backward's f32 dq rows
+  return delta + 2 * heads * tp * s.head_dim + heads * tp * padded_dim(s) * (c.pass == 1 ? 2 : 1);
 }
 
 LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, float scale,
@@ -235,6 +243,20 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     const DeviceSpan vt = kt.advanced(t_elems * sizeof(float)), kr = vt.advanced(t_elems * sizeof(float));
     list.push_back(stage(env, s, dtype, c, k, kr, kt));
     list.push_back(stage(env, s, dtype, c, v, {}, vt));
+    if (c.pass == 1) {
+      const DeviceSpan dq_acc = kr.advanced(heads * tp * padded_dim(s) * sizeof(float));
+      cl::Kernel kh = env.kernels.kernel("attention", "attention_backward_head_cpu", defines);
+      cl::set_args(kh.get(), q.buffer, q.elem_offset(eb), dout.buffer, dout.elem_offset(eb), kt.buffer,
+                   kt.elem_offset(), vt.buffer, vt.elem_offset(), kr.buffer, kr.elem_offset(), lse.buffer,
+                   lse.elem_offset(), delta.buffer, delta.elem_offset(), dq_acc.buffer, dq_acc.elem_offset(),
+                   dq.buffer, dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb),
+                   cl_uint(s.context), cl_uint(tp), cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep,
+                   cl_uint(0), cl_uint(0));
+      KernelLaunch l = grid(std::move(kh), heads, 1, 1);
+      set_step_args(l, 29, dr.threshold != 0);
+      list.push_back(std::move(l));
+      return list;
+    }
     cl::Kernel kv = env.kernels.kernel("attention", "attention_backward_kv_cpu", defines);
     cl::set_args(kv.get(), q.buffer, q.elem_offset(eb), dout.buffer, dout.elem_offset(eb), kt.buffer, kt.elem_offset(),
                  vt.buffer, vt.elem_offset(), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),

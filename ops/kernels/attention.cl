@@ -251,6 +251,97 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
   }
 }
 
+// The whole backward of head bh = get_global_id(0) in one pass, for when there are enough heads
+// to keep every core busy: per 16-key block, over the queries in fours, dk and dv as in
+// attention_backward_kv_cpu and dq += ds k into f32 rows dq_acc [BH, Tp, DP] (scratch) that only
+// this work-item touches, so the scores and do vᵀ are computed once, not twice (five products
+// instead of seven) and no atomics are needed. dq_acc is scaled and stored at the end.
+__kernel void attention_backward_head_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
+                                          ulong do_off, __global const float* kt, ulong kt_off,
+                                          __global const float* vt, ulong vt_off, __global const float* kr,
+                                          ulong kr_off, __global const float* lse, ulong lse_off,
+                                          __global const float* delta, ulong delta_off, __global float* dq_acc,
+                                          ulong dq_acc_off, __global T_STORAGE* dq, ulong dq_off,
+                                          __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off,
+                                          uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
+                                          float inv_keep, uint step_lo, uint step_hi) {
+  const uint bh = get_global_id(0);
+  const uint b = bh / H, h = bh - b * H;
+  kt += kt_off + (ulong)bh * D * Tp;
+  vt += vt_off + (ulong)bh * D * Tp;
+  kr += kr_off + (ulong)bh * Tp * DP;
+  lse += lse_off + (ulong)bh * T;
+  delta += delta_off + (ulong)bh * T;
+  dq_acc += dq_acc_off + (ulong)bh * Tp * DP;
+  for (uint i = 0; i < Tp * DV; ++i) vstore16((float16)0.0f, i, dq_acc);
+
+  for (uint j0 = 0; j0 < T; j0 += 16) {
+    float16 kT[D], vT[D], dkT[D], dvT[D];
+    for (uint d = 0; d < D; ++d) {
+      kT[d] = vload16(0, kt + (ulong)d * Tp + j0);
+      vT[d] = vload16(0, vt + (ulong)d * Tp + j0);
+      dkT[d] = 0.0f;
+      dvT[d] = 0.0f;
+    }
+    const uint kn = min(16u, T - j0);
+    for (uint i0 = j0; i0 < T; i0 += 4) {
+      float qi[4][D], doi[4][D];
+      for (uint r = 0; r < 4; ++r) {
+        const ulong at = attention_at(b, min(i0 + r, T - 1), h, T, H);
+        for (uint d = 0; d < D; ++d) {
+          qi[r][d] = LOAD_T(q, q_off + at + d) * scale;
+          doi[r][d] = LOAD_T(dout, do_off + at + d);
+        }
+      }
+      ROWS4(KV_DECL)
+      for (uint d = 0; d < D; ++d) {
+        const float16 kd = kT[d], vd = vT[d];
+        ROWS4(KV_SCORE)
+      }
+      ROWS4(KV_PROB)
+      for (uint d = 0; d < D; ++d) {
+        float16 gv = dvT[d], gk = dkT[d];
+        ROWS4(KV_GRAD)
+        dvT[d] = gv;
+        dkT[d] = gk;
+      }
+      // dq rows i0 .. i0 + 3 += ds k over the block's keys (rows past T land in dq_acc's padding).
+      float dsa[4][16];
+#define DS_SAVE(r) vstore16(ds##r, 0, dsa[r]);
+      ROWS4(DS_SAVE)
+#define DQ_LOAD(r) float16 t##r = vload16(j, dq_acc + (ulong)(i0 + r) * DP);
+#define DQ_STEP(r) t##r = fma((float16)dsa[r][c], kv, t##r);
+#define DQ_STORE(r) vstore16(t##r, j, dq_acc + (ulong)(i0 + r) * DP);
+      for (uint j = 0; j < DV; ++j) {
+        ROWS4(DQ_LOAD)
+        for (uint c = 0; c < kn; ++c) {
+          const float16 kv = vload16(j, kr + (ulong)(j0 + c) * DP);
+          ROWS4(DQ_STEP)
+        }
+        ROWS4(DQ_STORE)
+      }
+    }
+    for (uint d = 0; d < D; ++d) {
+      float gk[16], gv[16];
+      vstore16(dkT[d], 0, gk);
+      vstore16(dvT[d], 0, gv);
+      for (uint c = 0; c < kn; ++c) {
+        const ulong at = attention_at(b, j0 + c, h, T, H) + d;
+        STORE_T(gk[c], dk, dk_off + at);
+        STORE_T(gv[c], dv, dv_off + at);
+      }
+    }
+  }
+  for (uint i = 0; i < T; ++i) {
+    const ulong at = dq_off + attention_at(b, i, h, T, H);
+    for (uint j = 0; j < DV; ++j) {
+      float out[16];
+      vstore16(vload16(j, dq_acc + (ulong)i * DP) * scale, 0, out);
+      for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(out[e], dq, at + 16 * j + e);
+    }
+  }
+}
+
 // dq of QB query rows i0 = QB get_global_id(0) of head bh: dq = scale sum_j ds_ij k_j over the
 // keys each row sees, ds recomputed per 16-key block as in attention_backward_kv_cpu, RB rows at
 // a time in registers (as the forward).
