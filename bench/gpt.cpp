@@ -19,6 +19,7 @@ namespace {
 
 struct GptBenchOptions {
   std::uint32_t width = 192, depth = 4, heads = 4, context = 128, batch = 32;
+  std::string attention = "fused";  // ferry's attention: fused or unfused (models::GptConfig::fused_attention)
   float lr = 1e-3f;
   int warmup = 3;
   int steps = 10;  // steps per timed block
@@ -72,6 +73,7 @@ class GptSession {
     g.depth = o.depth;
     g.heads = o.heads;
     g.context = o.context;
+    g.fused_attention = o.attention != "unfused";
     return g;
   }
   static TrainerOptions options(const GptBenchOptions& o) {
@@ -138,6 +140,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     ferry_tokens_per_s = 1e3 * o.batch * o.context / ms;
     nlohmann::json j = base;
     j["impl"] = "ferry";
+    j["attention"] = o.attention;
     j["step_ms"] = ms;
     j["tokens_per_s"] = ferry_tokens_per_s;
     j["step_ms_before_peers"] = median(before);
@@ -166,6 +169,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--depth", o->depth, "decoder blocks")->capture_default_str()->check(CLI::PositiveNumber);
   sub.add_option("--heads", o->heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
   sub.add_option("--context", o->context, "characters per window")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--attention", o->attention, "ferry's attention: fused or unfused")
+      ->check(CLI::IsMember({"fused", "unfused"}))
+      ->capture_default_str();
   sub.add_option("--batch", o->batch, "windows per step")->capture_default_str()->check(CLI::PositiveNumber);
   sub.add_option("--lr", o->lr, "Adam learning rate")->capture_default_str();
   sub.add_option("--warmup", o->warmup, "untimed steps first (each side)")

@@ -16,7 +16,7 @@ namespace {
 // The kernel family and its parameters: cpu (RB) or tiled (BQ, BK).
 struct AttentionConfig {
   bool cpu = true;
-  std::size_t rb = 4, qb = 16;   // cpu: query rows per register tile (at most 4), per work-item
+  std::size_t rb = 4, qb = 32;   // cpu: query rows per register tile (at most 4), per work-item
   std::size_t pass = 0;          // cpu backward: 1 (a work-item per head) or 2 (dk dv, then dq); 0: by heads
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
 

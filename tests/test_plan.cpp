@@ -201,6 +201,30 @@ TEST(Plan, StateLargerThanPhysicalMemoryIsAnError) {
 namespace ferry::test {
 namespace {
 
+// Fused attention keeps no [T, T] tensor: the GPT's planned device peak grows with the context
+// like its other activations (linearly), while the unfused path's grows with its square, so at a
+// long context the fused step needs a fraction of the memory.
+TEST(Plan, FusedAttentionNeedsNoContextSquaredMemory) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 2;
+  auto peak = [&](std::uint32_t context, bool fused) {
+    models::GptConfig c;
+    c.vocab = 64;
+    c.width = 64;
+    c.depth = 2;
+    c.heads = 4;
+    c.context = context;
+    c.fused_attention = fused;
+    return plan_training(rt, models::gpt(c), o).device_peak_bytes;
+  };
+  const double fused_256 = double(peak(256, true)), fused_1024 = double(peak(1024, true));
+  const double unfused_256 = double(peak(256, false)), unfused_1024 = double(peak(1024, false));
+  EXPECT_LT(fused_1024 / fused_256, 4.5) << "fused: about linear in the context";
+  EXPECT_GT(unfused_1024 / unfused_256, 8.0) << "unfused: the [T, T] scores dominate";
+  EXPECT_LT(fused_1024 * 4, unfused_1024);
+}
+
 // --recompute auto: none when the step fits; under a budget that activations break, the longest
 // recomputed segments that fit, whose training is bit-identical to keeping every activation; below
 // what any segment length needs, a BudgetError naming that figure.
