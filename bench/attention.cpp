@@ -11,6 +11,8 @@
 // the buffers each path allocates: inputs, outputs, gradients, [T, T] tensors and scratch.
 // --peer runs PyTorch's scaled_dot_product_attention (is_causal) forward + backward on the same
 // shapes (bench/peers/torch_attention.py) in the same run and reports its time beside ferry's.
+#include "ferry/ops/attention.hpp"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -19,7 +21,6 @@
 
 #include "bench.hpp"
 #include "ferry/cl/error.hpp"
-#include "ferry/ops/attention.hpp"
 #include "ferry/ops/matmul.hpp"
 #include "ferry/ops/softmax.hpp"
 #include "ferry/runtime/runtime.hpp"
@@ -45,7 +46,8 @@ class Buffers {
     const std::size_t bytes = std::max<std::size_t>(floats, 1) * sizeof(float);
     mems_.push_back(ctx_.create_buffer(bytes, what));
     std::vector<float> init(std::max<std::size_t>(floats, 1));
-    for (std::size_t i = 0; i < init.size(); ++i) init[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
+    for (std::size_t i = 0; i < init.size(); ++i)
+      init[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
     ctx_.write(mems_.back().get(), 0, init.data(), bytes);
     bytes_ += bytes;
     return {mems_.back().get(), 0};
@@ -92,9 +94,14 @@ int run_attention(const BenchCommon& common, const AttentionBenchOptions& o) {
     const ops::AttentionShape s{o.batch, t, o.heads, o.head_dim};
     const float scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
     const std::size_t n = o.batch * t * o.heads * o.head_dim, bh = o.batch * o.heads;
-    nlohmann::json j{{"bench", "attention"},    {"device", runtime.device().name}, {"context", t},
-                     {"batch", o.batch},        {"heads", o.heads},                {"head_dim", o.head_dim},
-                     {"repeat", common.repeat}, {"dtype", "f32"}};
+    nlohmann::json j{{"bench", "attention"},
+                     {"device", runtime.device().name},
+                     {"context", t},
+                     {"batch", o.batch},
+                     {"heads", o.heads},
+                     {"head_dim", o.head_dim},
+                     {"repeat", common.repeat},
+                     {"dtype", "f32"}};
     std::fprintf(stderr, "ferry-bench attention: context %zu\n", t);
     double fused_ms = 0;
     {
@@ -106,10 +113,10 @@ int run_attention(const BenchCommon& common, const AttentionBenchOptions& o) {
       const auto scratch = b.make(std::max(ops::attention_forward_scratch_elems(env, s, opt),
                                            ops::attention_backward_scratch_elems(env, s, opt)),
                                   "attention scratch");
-      ops::LaunchList fwd = ops::attention_forward(env, s, ops::DType::f32, scale, {}, qq, kk, vv, out, lse,
-                                                         scratch, opt);
-      ops::LaunchList bwd = ops::attention_backward(env, s, ops::DType::f32, scale, {}, qq, kk, vv, out, lse,
-                                                          dout, dq, dk, dv, scratch, opt);
+      ops::LaunchList fwd =
+          ops::attention_forward(env, s, ops::DType::f32, scale, {}, qq, kk, vv, out, lse, scratch, opt);
+      ops::LaunchList bwd = ops::attention_backward(env, s, ops::DType::f32, scale, {}, qq, kk, vv, out, lse, dout, dq,
+                                                    dk, dv, scratch, opt);
       fused_ms = time_lists(q, {&fwd, &bwd}, common.repeat);
       j["fused_ms"] = fused_ms;
       j["fused_forward_ms"] = time_lists(q, {&fwd}, common.repeat);
@@ -148,9 +155,9 @@ int run_attention(const BenchCommon& common, const AttentionBenchOptions& o) {
       if (python.empty()) {
         j["peer_error"] = "interpreter not found (give one with torch: --python)";
       } else {
-        const std::string cmd = fmt::format("{} {} --batch {} --heads {} --context {} --head-dim {} --repeat {} --device {}",
-                                            shell_quote(python), shell_quote(o.peer_script), o.batch, o.heads, t,
-                                            o.head_dim, common.repeat, shell_quote(o.peer_device));
+        const std::string cmd = fmt::format(
+            "{} {} --batch {} --heads {} --context {} --head-dim {} --repeat {} --device {}", shell_quote(python),
+            shell_quote(o.peer_script), o.batch, o.heads, t, o.head_dim, common.repeat, shell_quote(o.peer_device));
         const nlohmann::json r = run_json_command(cmd).back();
         if (r.contains("error")) {
           j["peer_error"] = r["error"];
@@ -181,7 +188,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--head-dim", o->head_dim, "features per head")
       ->capture_default_str()
       ->check(CLI::Range(std::size_t{1}, ops::attention_max_head_dim));
-  sub.add_option("--kernel", o->kernel, "fused kernel instead of the device's default: \"cpu RB=n\", \"tiled BQ=n BK=n\"");
+  sub.add_option("--kernel", o->kernel,
+                 "fused kernel instead of the device's default: \"cpu RB=n\", \"tiled BQ=n BK=n\"");
   sub.add_flag("!--no-unfused", o->unfused, "skip the unfused ops");
   sub.add_flag("--peer", o->peer, "also time PyTorch's scaled_dot_product_attention (is_causal) forward + backward");
   sub.add_option("--python", o->python, "Python interpreter with torch for --peer")->capture_default_str();

@@ -20,7 +20,9 @@ struct AttentionConfig {
   std::size_t pass = 0;          // cpu backward: 1 (a work-item per head) or 2 (dk dv, then dq); 0: by heads
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
 
-  std::string text() const { return cpu ? fmt::format("cpu RB={} QB={} PASS={}", rb, qb, pass) : fmt::format("tiled BQ={} BK={}", bq, bk); }
+  std::string text() const {
+    return cpu ? fmt::format("cpu RB={} QB={} PASS={}", rb, qb, pass) : fmt::format("tiled BQ={} BK={}", bq, bk);
+  }
 };
 
 std::size_t padded_dim(const AttentionShape& s) {
@@ -84,7 +86,8 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
   AttentionConfig c = o.kernel.empty() ? AttentionConfig{env.device().is_cpu()} : parse_config(o.kernel);
   // The one-pass backward runs a work-item per head: it takes over once there are four heads per
   // compute unit (fewer would leave cores idle), and computes five products instead of seven.
-  if (c.cpu && c.pass == 0) c.pass = s.batch * s.heads >= 4 * std::max<std::size_t>(env.device().compute_units, 1) ? 1 : 2;
+  if (c.cpu && c.pass == 0)
+    c.pass = s.batch * s.heads >= 4 * std::max<std::size_t>(env.device().compute_units, 1) ? 1 : 2;
   if (!c.cpu && o.kernel.empty()) {
     c.bq = std::min<std::size_t>(c.bq, std::max<std::size_t>(env.device().max_work_group_size, 1));
     const std::uint64_t local = env.device().local_mem_bytes;
@@ -248,10 +251,9 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
       cl::Kernel kh = env.kernels.kernel("attention", "attention_backward_head_cpu", defines);
       cl::set_args(kh.get(), q.buffer, q.elem_offset(eb), dout.buffer, dout.elem_offset(eb), kt.buffer,
                    kt.elem_offset(), vt.buffer, vt.elem_offset(), kr.buffer, kr.elem_offset(), lse.buffer,
-                   lse.elem_offset(), delta.buffer, delta.elem_offset(), dq_acc.buffer, dq_acc.elem_offset(),
-                   dq.buffer, dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb),
-                   cl_uint(s.context), cl_uint(tp), cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep,
-                   cl_uint(0), cl_uint(0));
+                   lse.elem_offset(), delta.buffer, delta.elem_offset(), dq_acc.buffer, dq_acc.elem_offset(), dq.buffer,
+                   dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context),
+                   cl_uint(tp), cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
       KernelLaunch l = grid(std::move(kh), heads, 1, 1);
       set_step_args(l, 29, dr.threshold != 0);
       list.push_back(std::move(l));

@@ -16,6 +16,14 @@ void check_shape(std::size_t rows, std::size_t cols) {
     throw std::invalid_argument("layernorm: more than 2^32-1 elements");
 }
 
+// A nullable (buffer, element offset) operand at arguments `index`, `index + 1`, for the operands
+// after a kernel's __local argument (cl::set_args starts at argument 0).
+void set_nullable_arg(const cl::Kernel& k, cl_uint index, DeviceSpan p) {
+  const cl_ulong offset = p.elem_offset();
+  FERRY_CL(clSetKernelArg(k.get(), index, sizeof(cl_mem), &p.buffer));
+  FERRY_CL(clSetKernelArg(k.get(), index + 1, sizeof(cl_ulong), &offset));
+}
+
 KernelLaunch per_row_launch(cl::Kernel k, std::size_t rows, std::size_t local) {
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -26,7 +34,11 @@ KernelLaunch per_row_launch(cl::Kernel k, std::size_t rows, std::size_t local) {
 }  // namespace
 
 LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan beta, DeviceSpan y, DeviceSpan mean,
-                             DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps) {
+                             DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps, DeviceSpan a,
+                             DeviceSpan b) {
+  if ((a.buffer == nullptr) != (b.buffer == nullptr)) {
+    throw std::invalid_argument("layernorm: a residual sum needs both of its operands");
+  }
   check_shape(rows, cols);
   LaunchList list;
   if (rows == 0) return list;
@@ -34,7 +46,7 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
     cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward16");
     cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
                  y.buffer, y.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
-                 cl_uint(rows), cl_uint(cols), eps);
+                 cl_uint(rows), cl_uint(cols), eps, a.buffer, a.elem_offset(), b.buffer, b.elem_offset());
     list.push_back(elementwise_launch(std::move(k), rows));
     return list;
   }
@@ -44,13 +56,15 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
                y.buffer, y.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
                cl_uint(cols), eps);
   FERRY_CL(clSetKernelArg(k.get(), 14, local * sizeof(float), nullptr));
+  set_nullable_arg(k, 15, a);
+  set_nullable_arg(k, 17, b);
   list.push_back(per_row_launch(std::move(k), rows, local));
   return list;
 }
 
 LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan mean, DeviceSpan rstd,
                               DeviceSpan dy, DeviceSpan dx, DeviceSpan dgamma, DeviceSpan dbeta, std::size_t rows,
-                              std::size_t cols) {
+                              std::size_t cols, DeviceSpan dres) {
   check_shape(rows, cols);
   LaunchList list;
   if (env.device().is_cpu()) {  // float16 chunks: a work-item per row (dx), per 16 columns (params)
@@ -58,7 +72,7 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
       cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_backward_dx16");
       cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), mean.buffer,
                    mean.elem_offset(), rstd.buffer, rstd.elem_offset(), dy.buffer, dy.elem_offset(), dx.buffer,
-                   dx.elem_offset(), cl_uint(rows), cl_uint(cols));
+                   dx.elem_offset(), cl_uint(rows), cl_uint(cols), dres.buffer, dres.elem_offset());
       list.push_back(elementwise_launch(std::move(k), rows));
     }
     cl::Kernel kp = env.kernels.kernel("layernorm", "layernorm_backward_params16");
@@ -75,6 +89,7 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
                  rstd.buffer, rstd.elem_offset(), dy.buffer, dy.elem_offset(), dx.buffer, dx.elem_offset(),
                  cl_uint(cols));
     FERRY_CL(clSetKernelArg(k.get(), 13, local * sizeof(float), nullptr));
+    set_nullable_arg(k, 14, dres);
     list.push_back(per_row_launch(std::move(k), rows, local));
   }
 

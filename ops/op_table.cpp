@@ -61,6 +61,7 @@ Registry& registry() {
     table::register_accumulate_rows(named);
     table::register_overflow_guard_rows(named);
     table::register_attention_rows(named);
+    table::register_add_layernorm_rows(named);
     return reg;
   }();
   return *r;

@@ -68,7 +68,9 @@ TEST_P(DeterminismTest, TwoFreshTrainersGiveTheSameLossesAndStateBitForBit) {
 // Fusing ReLUs into the max-pools and convolutions around them (TrainerOptions::fuse) is exact:
 // the same losses and state, bit for bit, as the unfused graph, resident and streamed, with
 // non-overlapping and overlapping (window 2, stride 1) pools, a ReLU in a convolution's epilogue
-// (the direct first-layer kernel and the GEMM's), and in bf16 mixed precision.
+// (the direct first-layer kernel and the GEMM's), and in bf16 mixed precision; so is taking a
+// residual add into the LayerNorm that reads its sum (add_layernorm; models::deep is a residual
+// stream with a LayerNorm after every add).
 TEST(Fusion, FusedReluIsBitIdenticalToTheUnfusedGraph) {
   Runtime rt;
   const ModelSpec conv_relu =
@@ -86,7 +88,10 @@ TEST(Fusion, FusedReluIsBitIdenticalToTheUnfusedGraph) {
   for (const Run& run : {Run{small_cnn(), graph::ResidencyMode::resident, ops::DType::f32},
                          Run{small_cnn(), graph::ResidencyMode::stream, ops::DType::f32},
                          Run{conv_relu, graph::ResidencyMode::resident, ops::DType::f32},
-                         Run{conv_relu, graph::ResidencyMode::resident, ops::DType::bf16}}) {
+                         Run{conv_relu, graph::ResidencyMode::resident, ops::DType::bf16},
+                         Run{models::deep(48, 3), graph::ResidencyMode::resident, ops::DType::f32},
+                         Run{models::deep(48, 3), graph::ResidencyMode::stream, ops::DType::f32},
+                         Run{models::deep(48, 3), graph::ResidencyMode::resident, ops::DType::bf16}}) {
     SCOPED_TRACE(fmt::format("{} {}", run.model.name, ops::dtype_name(run.precision)));
     const ModelSpec& m = run.model;
     const auto mode = run.mode;

@@ -40,6 +40,43 @@ DeviceRun run_device(const Inputs& in, std::size_t rows, std::size_t cols, float
   return {y.download(), mean.download(), rstd.download(), dx.download(), dgamma.download(), dbeta.download()};
 }
 
+// The residual form (add_layernorm): x = a + b written and normalised in one pass, and the
+// backward's dres added into dx, bit for bit what the plain kernels give on the float sum and
+// the float add of the gradients.
+TEST(LayerNorm, ResidualSumAndGradientMatchThePlainKernelsBitForBit) {
+  auto& dev = TestDevice::get();
+  for (const auto& [rows, cols] : {std::pair<std::size_t, std::size_t>{5, 40}, {3, 7}, {64, 128}}) {
+    SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols));
+    const Inputs in = make_inputs(rows, cols, 21);
+    const auto b = random_vector(rows * cols, 99, -1.0f, 1.0f), dres = random_vector(rows * cols, 98);
+    std::vector<float> sum(rows * cols), want_dx(rows * cols);
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = in.x[i] + b[i];
+    const DeviceRun plain = run_device(Inputs{sum, in.gamma, in.beta, in.dy}, rows, cols, 1e-5f);
+    for (std::size_t i = 0; i < sum.size(); ++i) want_dx[i] = plain.dx[i] + dres[i];
+
+    DeviceTensor ta(in.x, 3), tb(b, 5), tg(in.gamma, 1), tbeta(in.beta, 2), tdy(in.dy, 4), tres(dres, 6);
+    DeviceTensor x(rows * cols, 8), y(rows * cols, 9), mean(rows, 10), rstd(rows, 11), dx(rows * cols, 12),
+        dg(cols, 13), db(cols, 14);
+    ops::run_blocking(dev.context.compute(),
+                      ops::layernorm_forward(dev.env, x.span(), tg.span(), tbeta.span(), y.span(), mean.span(),
+                                             rstd.span(), rows, cols, 1e-5f, ta.span(), tb.span()));
+    ops::run_blocking(dev.context.compute(),
+                      ops::layernorm_backward(dev.env, x.span(), tg.span(), mean.span(), rstd.span(), tdy.span(),
+                                              dx.span(), dg.span(), db.span(), rows, cols, tres.span()));
+    EXPECT_EQ(x.download(), sum);
+    EXPECT_EQ(y.download(), plain.y);
+    EXPECT_EQ(mean.download(), plain.mean);
+    EXPECT_EQ(rstd.download(), plain.rstd);
+    EXPECT_EQ(dx.download(), want_dx);
+    EXPECT_EQ(dg.download(), plain.dgamma);
+    EXPECT_EQ(db.download(), plain.dbeta);
+  }
+  DeviceTensor one(8);
+  EXPECT_THROW(ops::layernorm_forward(dev.env, one.span(), one.span(), one.span(), one.span(), one.span(), one.span(),
+                                      1, 8, 1e-5f, one.span(), {}),
+               std::invalid_argument);
+}
+
 // (rows, cols, forced row group size)
 class LayerNormTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t, std::size_t>> {};
 class LayerNormTestReference : public ::testing::TestWithParam<std::tuple<std::size_t, std::size_t>> {};

@@ -178,6 +178,32 @@ TEST(Pipeline, FusionTakesReluIntoPoolsThenIntoConvolutions) {
   EXPECT_EQ(count_op(without, graph::builtin::activation_grad), 3u);
 }
 
+// A residual add whose sum a LayerNorm reads joins it as one add_layernorm node (at the add's
+// place, writing the sum its other readers use); autodiff then needs no gradient-sum node for the
+// sum, since the fused backward adds the sum's other gradient into dx itself.
+TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
+  const ModelSpec deep = models::deep(32, 3);  // x = x + f(LN(x)) per block, then LN, head
+  const graph::Graph g = forward_graph(deep, graph::VariantKey{4, true});
+  graph::Graph fused = g;
+  graph::fuse_layers(fused);
+  const graph::OpId add_layernorm = ops::find_op("add_layernorm");
+  EXPECT_EQ(count_op(g, graph::builtin::add), 3u);
+  EXPECT_EQ(count_op(g, graph::builtin::layernorm), 4u);
+  EXPECT_EQ(count_op(fused, graph::builtin::add), 0u);
+  EXPECT_EQ(count_op(fused, add_layernorm), 3u);
+  EXPECT_EQ(count_op(fused, graph::builtin::layernorm), 1u);  // the first block's reads no add
+  EXPECT_EQ(fused.nodes.size(), g.nodes.size() - 3);
+  graph::OptimizerSpec adam;
+  graph::VariantKey off{4, true};
+  off.fuse = false;
+  const graph::Graph with = graph::prepare_step_graph(forward_graph(deep, graph::VariantKey{4, true}), {4, true}, adam);
+  const graph::Graph without = graph::prepare_step_graph(forward_graph(deep, off), off, adam);
+  EXPECT_LT(count_op(with, graph::builtin::add), count_op(without, graph::builtin::add));
+  // Three adds fewer, and the gradient sums of the two sums another block reads (the last sum only
+  // the final LayerNorm reads: no sum in either graph).
+  EXPECT_EQ(with.nodes.size() + 3 + 2, without.nodes.size());
+}
+
 std::size_t count_role(const graph::Graph& g, graph::Role r) {
   std::size_t n = 0;
   for (TensorId t = 0; t < g.tensors.size(); ++t) n += g.tensors.role[t] == r;

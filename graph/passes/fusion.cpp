@@ -7,7 +7,12 @@
 //   conv2d -> relu (a ReLU no pool took) becomes one conv2d with the ReLU in its epilogue (attrs.i[2]
 //     = 1): no pass over the activations to apply it; backward masks dy with y > 0, which is where
 //     conv + bias > 0, so the gradients are those of the pair.
-// Both are exact: values and gradients are bit-identical to the unfused graph.
+//   add -> layernorm (the sum a residual stream keeps, normalised for the next layer) becomes one
+//     add_layernorm node at the add's place: it writes the sum and normalises it in one pass, and
+//     its backward adds the gradient the sum gets from its other readers into LayerNorm's dx in
+//     the same kernel, where the pair needed a gradient-sum node.
+// All are exact: values and gradients are bit-identical to the unfused graph (a sum of two
+// gradients is the same whichever kernel adds them).
 #include <vector>
 
 #include "ferry/graph/autodiff.hpp"
@@ -109,6 +114,44 @@ void fuse_into_convolutions(Graph& g) {
   });
 }
 
+// add -> layernorm: the LayerNorm's node moves to the add's place as an add_layernorm that also
+// writes the sum (whose other readers, all later than the add, still find it there).
+void fuse_residual_layernorms(Graph& g) {
+  static const ops::OpId add_layernorm = ops::find_op("add_layernorm");
+  const NodeTable& old = g.nodes;
+  const Uses uses(g);
+  const NodeId none = Uses::no_node(g);
+  std::vector<NodeId> norm_of(old.size(), none);  // add node -> the LayerNorm it becomes
+  std::vector<bool> dropped(old.size(), false);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] != builtin::layernorm) continue;
+    const TensorId x = old.inputs(n)[0];
+    const NodeId a = uses.producer[x];
+    if (a == none || old.op[a] != builtin::add || norm_of[a] != none) continue;
+    const auto& t = g.tensors;
+    const TensorId l = old.inputs(a)[0], r = old.inputs(a)[1];
+    if (t.role[x] != Role::activation || x == g.loss || t.alias_of[x] != no_tensor || !(t.shape[l] == t.shape[x]) ||
+        !(t.shape[r] == t.shape[x])) {
+      continue;
+    }
+    norm_of[a] = n;
+    dropped[n] = true;
+  }
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (dropped[n]) continue;
+    const NodeId norm = norm_of[n];
+    if (norm == none) {
+      out.add_copy(old, n);
+      continue;
+    }
+    const TensorId ins[] = {old.inputs(n)[0], old.inputs(n)[1], old.inputs(norm)[1], old.inputs(norm)[2]};
+    const TensorId outs[] = {old.outputs(n)[0], old.outputs(norm)[0], old.outputs(norm)[1], old.outputs(norm)[2]};
+    out.add(add_layernorm, old.name[norm], ins, outs, old.attrs[norm], old.lane[norm]);
+  }
+  g.nodes = std::move(out);
+}
+
 }  // namespace
 
 void fuse_relu_maxpool(Graph& g) {
@@ -118,6 +161,7 @@ void fuse_relu_maxpool(Graph& g) {
 void fuse_layers(Graph& g) {
   fuse_into_pools(g);  // first: a ReLU a pool reads is cheaper there than in the convolution
   fuse_into_convolutions(g);
+  fuse_residual_layernorms(g);
 }
 
 }  // namespace ferry::graph

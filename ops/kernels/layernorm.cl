@@ -3,19 +3,28 @@
 //
 // Reductions are deterministic: fixed strided partial sums per work-item, then a fixed tree in
 // local memory (reduce.clh), no atomics.
+//
+// Residual add fused in (the add_layernorm row): when the forward's `ra` is not null, x is an
+// output, x = ra + rb written first (each work-item rereads only what it wrote), then normalised as
+// usual. When the backward's `dres` is not null, dx = LayerNorm's gradient + dres: the gradient
+// the sum gets from its other readers, added in the same pass.
 
 #include "reduce.clh"
 
 // One work-group per row. Two passes over the row (mean, then the centred variance), which is
 // stable where E[x^2] - E[x]^2 would cancel.
-__kernel void layernorm_forward(__global const float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
+__kernel void layernorm_forward(__global float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
                                 __global const float* beta, ulong beta_off, __global float* y, ulong y_off,
                                 __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off, uint cols,
-                                float eps, __local float* scratch) {
+                                float eps, __local float* scratch, __global const float* ra, ulong ra_off,
+                                __global const float* rb, ulong rb_off) {
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0), ls = get_local_size(0);
-  __global const float* xr = x + x_off + row * cols;
+  __global float* xr = x + x_off + row * cols;
   __global float* yr = y + y_off + row * cols;
+  if (ra) {
+    for (uint c = lid; c < cols; c += ls) xr[c] = ra[ra_off + row * cols + c] + rb[rb_off + row * cols + c];
+  }
   float s = 0.0f;
   for (uint c = lid; c < cols; c += ls) s += xr[c];
   const float mu = group_sum(s, scratch) / (float)cols;
@@ -38,7 +47,8 @@ __kernel void layernorm_forward(__global const float* x, ulong x_off, __global c
 __kernel void layernorm_backward_dx(__global const float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
                                     __global const float* mean, ulong mean_off, __global const float* rstd,
                                     ulong rstd_off, __global const float* dy, ulong dy_off, __global float* dx,
-                                    ulong dx_off, uint cols, __local float* scratch) {
+                                    ulong dx_off, uint cols, __local float* scratch, __global const float* dres,
+                                    ulong dres_off) {
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0), ls = get_local_size(0);
   __global const float* xr = x + x_off + row * cols;
@@ -56,7 +66,8 @@ __kernel void layernorm_backward_dx(__global const float* x, ulong x_off, __glob
   for (uint c = lid; c < cols; c += ls) {
     const float xhat = (xr[c] - mu) * rs;
     const float g = dyr[c] * gamma[gamma_off + c];
-    dxr[c] = rs * (g - mean_g - xhat * mean_gx);
+    const float v = rs * (g - mean_g - xhat * mean_gx);
+    dxr[c] = dres ? v + dres[dres_off + row * cols + c] : v;
   }
 }
 
@@ -101,13 +112,21 @@ __kernel void layernorm_backward_params(__global const float* x, ulong x_off, __
 // arithmetic about as fast as scalar, where a work-group per row ran scalar code. Same formulas
 // and fixed summation orders within a work-item (not the same bits as the kernels above: the
 // partial sums are grouped differently).
-__kernel void layernorm_forward16(__global const float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
+__kernel void layernorm_forward16(__global float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
                                   __global const float* beta, ulong beta_off, __global float* y, ulong y_off,
                                   __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off,
-                                  uint rows, uint cols, float eps) {
+                                  uint rows, uint cols, float eps, __global const float* ra, ulong ra_off,
+                                  __global const float* rb, ulong rb_off) {
   const uint row = get_global_id(0);
   if (row >= rows) return;
-  __global const float* xr = x + x_off + (ulong)row * cols;
+  __global float* xr = x + x_off + (ulong)row * cols;
+  if (ra) {
+    __global const float* ar = ra + ra_off + (ulong)row * cols;
+    __global const float* br = rb + rb_off + (ulong)row * cols;
+    const uint vc = cols / 16 * 16;
+    for (uint c = 0; c < vc; c += 16) vstore16(vload16(0, ar + c) + vload16(0, br + c), 0, xr + c);
+    for (uint c = vc; c < cols; ++c) xr[c] = ar[c] + br[c];
+  }
   __global float* yr = y + y_off + (ulong)row * cols;
   __global const float* g = gamma + gamma_off;
   __global const float* b = beta + beta_off;
@@ -139,7 +158,8 @@ __kernel void layernorm_forward16(__global const float* x, ulong x_off, __global
 __kernel void layernorm_backward_dx16(__global const float* x, ulong x_off, __global const float* gamma,
                                       ulong gamma_off, __global const float* mean, ulong mean_off,
                                       __global const float* rstd, ulong rstd_off, __global const float* dy,
-                                      ulong dy_off, __global float* dx, ulong dx_off, uint rows, uint cols) {
+                                      ulong dy_off, __global float* dx, ulong dx_off, uint rows, uint cols,
+                                      __global const float* dres, ulong dres_off) {
   const uint row = get_global_id(0);
   if (row >= rows) return;
   __global const float* xr = x + x_off + (ulong)row * cols;
@@ -161,14 +181,17 @@ __kernel void layernorm_backward_dx16(__global const float* x, ulong x_off, __gl
     sgx = fma(g, (xr[c] - mu) * rs, sgx);
   }
   const float mean_g = sg / (float)cols, mean_gx = sgx / (float)cols;
+  __global const float* rr = dres ? dres + dres_off + (ulong)row * cols : 0;
   for (uint c = 0; c < vcols; c += 16) {
     const float16 xhat = (vload16(0, xr + c) - mu) * rs;
     const float16 g = vload16(0, dyr + c) * vload16(0, gm + c);
-    vstore16(rs * (g - mean_g - xhat * mean_gx), 0, dxr + c);
+    const float16 v = rs * (g - mean_g - xhat * mean_gx);
+    vstore16(rr ? v + vload16(0, rr + c) : v, 0, dxr + c);
   }
   for (uint c = vcols; c < cols; ++c) {
     const float xhat = (xr[c] - mu) * rs;
-    dxr[c] = rs * (dyr[c] * gm[c] - mean_g - xhat * mean_gx);
+    const float v = rs * (dyr[c] * gm[c] - mean_g - xhat * mean_gx);
+    dxr[c] = rr ? v + rr[c] : v;
   }
 }
 

@@ -1,5 +1,11 @@
 // Rows of LayerNorm over the last axis of [..., features] (rank 1 to 4; attrs.f[0] = eps) and its
-// gradient. mean and rstd are [rows], one per position of the leading axes.
+// gradient, and of add_layernorm: a residual stream's add and the LayerNorm that reads the sum, as
+// one node (the fusion pass makes them; graph/passes/fusion.cpp). mean and rstd are [rows], one
+// per position of the leading axes.
+//
+//   layernorm        in: x gamma beta             out: y mean rstd
+//   layernorm_grad   in: x gamma mean rstd dy [dres]   out: dx dgamma dbeta   (dx += dres when given)
+//   add_layernorm    in: a b gamma beta           out: x = a + b, y, mean, rstd
 #include "ferry/ops/layernorm.hpp"
 
 #include <fmt/format.h>
@@ -63,7 +69,7 @@ OpInfo layernorm_grad_row() {  // in: x gamma mean rstd dy  out: dx dgamma dbeta
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     return layernorm_backward(c.env(), c.in(0), c.in(1), c.in(2), c.in(3), c.in(4), c.out(0), c.out(1), c.out(2), rows,
-                              cols);
+                              cols, c.input_count() > 5 ? c.in(5) : DeviceSpan{});
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
@@ -72,11 +78,82 @@ OpInfo layernorm_grad_row() {  // in: x gamma mean rstd dy  out: dx dgamma dbeta
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     ref::layernorm_backward<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(in[3]), c.real(in[4]),
                                     c.real(out[0]), c.real(out[1]), c.real(out[2]), rows, cols);
+    if (in.size() > 5) {
+      const auto dres = c.real(in[5]);
+      const auto dx = c.real(out[0]);
+      for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += dres[i];
+    }
+  };
+  return r;
+}
+
+OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
+  OpInfo r;
+  r.name = "add_layernorm";
+  r.infer = [](const ShapeView& v) {
+    if (v.input_count() != 4)
+      shape_error(v, fmt::format("add_layernorm takes a, b, gain and shift, got {} inputs", v.input_count()));
+    const Shape x = v.input(0).shape;
+    if (!(v.input(1).shape == x)) {
+      shape_error(v, fmt::format("the residual's operands differ: {} and {}", x.str(), v.input(1).shape.str()));
+    }
+    if (x.rank < 1) shape_error(v, "LayerNorm takes a tensor of rank 1 to 4");
+    const std::uint32_t features = x[x.rank - 1u], rows = static_cast<std::uint32_t>(x.elems() / features);
+    if (!(v.attrs().f[0] > 0.0f)) shape_error(v, fmt::format("eps must be positive, got {}", v.attrs().f[0]));
+    for (std::size_t i = 2; i < 4; ++i) {
+      if (!(v.input(i).shape == Shape{features})) {
+        shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), features));
+      }
+    }
+    const DType t = v.input(0).dtype;
+    return std::vector<TensorDesc>{{x, t}, {x, t}, {Shape{rows}, DType::f32}, {Shape{rows}, DType::f32}};
+  };
+  r.bind = [](const BindContext& c) {
+    const Shape x = c.input(0).shape;
+    const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
+    return layernorm_forward(c.env(), c.out(0), c.in(2), c.in(3), c.out(1), c.out(2), c.out(3), rows, cols,
+                             c.attrs().f[0], c.in(0), c.in(1));
+  };
+  // The sum's gradient is LayerNorm's dx plus what the sum's other readers send back (dres, added
+  // in the same kernel); both operands of the add get it.
+  r.backward = [](GradContext& g) {
+    const auto in = g.inputs();
+    const auto out = g.outputs();
+    const TensorRef dy = g.grad(out[1]), dres = g.grad(out[0]);
+    if (dy == no_ref) {
+      if (dres == no_ref) return;
+      g.contribute(in[0], dres);
+      g.contribute(in[1], dres);
+      return;
+    }
+    const TensorRef dx = g.new_grad(out[0]), dg = g.new_grad(in[2]), db = g.new_grad(in[3]);
+    const TensorRef ins[] = {out[0], in[2], out[2], out[3], dy, dres};
+    const TensorRef outs[] = {dx, dg, db};
+    g.emit(builtin::layernorm_grad, ".grad", std::span(ins, dres == no_ref ? 5 : 6), outs, g.attrs());
+    g.contribute(in[0], dx);
+    g.contribute(in[1], dx);
+    g.contribute(in[2], dg);
+    g.contribute(in[3], db);
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    const auto out = c.outputs();
+    const Shape x = c.input(0).shape;
+    const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
+    const auto a = c.real(in[0]), b = c.real(in[1]);
+    const auto sum = c.real(out[0]);
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = a[i] + b[i];
+    ref::layernorm_forward<double>(sum, c.real(in[2]), c.real(in[3]), c.real(out[1]), c.real(out[2]), c.real(out[3]),
+                                   rows, cols, double(c.attrs().f[0]));
   };
   return r;
 }
 
 }  // namespace
+
+void register_add_layernorm_rows(const AddNamedRow& add) {
+  add(add_layernorm_row());
+}
 
 void register_layernorm_rows(const AddRow& add) {
   add(layernorm_row(), builtin::layernorm);

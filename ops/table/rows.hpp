@@ -26,6 +26,7 @@ void register_cast_rows(const AddRow& add);  // cast, quantize_i8, dequantize_i8
 using AddNamedRow = std::function<OpId(OpInfo)>;
 void register_matmul_rows(const AddNamedRow& add);    // ops/table/matmul.cpp: batched matmul, softmax
 void register_attention_rows(const AddNamedRow& add);  // ops/table/attention.cpp: fused causal attention
+void register_add_layernorm_rows(const AddNamedRow& add);  // ops/table/layernorm.cpp: residual add + LayerNorm
 void register_layout_rows(const AddNamedRow& add);    // ops/table/layout.cpp: permute, mul, scale
 void register_sequence_rows(const AddNamedRow& add);  // ops/table/sequence.cpp: embedding, causal mask, dropout
 void register_add_bias_rows(const AddNamedRow& add);  // ops/table/add_bias.cpp: bias broadcast over leading axes

@@ -44,9 +44,12 @@ NodeId head_layer(const Graph& g);
 // only where the ReLU let it through. Exact: max and ReLU commute, values and gradients are
 // bit-identical to the unfused graph. See graph/passes/fusion.cpp.
 void fuse_relu_maxpool(Graph& g);
-// Both fusions of the pass: fuse_relu_maxpool, then each remaining ReLU whose input only it reads
+// Every fusion of the pass: fuse_relu_maxpool, then each remaining ReLU whose input only it reads
 // and a convolution makes joins that convolution's epilogue (ops::Conv2dShape::relu; backward masks
-// dy with y > 0 before the convolution's gradients). Also exact.
+// dy with y > 0 before the convolution's gradients), then each add whose sum a LayerNorm reads
+// becomes, with that LayerNorm, one add_layernorm node (a residual stream: the sum is written and
+// normalised in one pass; backward adds the sum's other gradient into dx in the same kernel).
+// All exact.
 void fuse_layers(Graph& g);
 
 // Mixed precision, before autodiff: Linear, Conv2d, activation and max-pool nodes but the head

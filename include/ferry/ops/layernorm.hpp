@@ -11,12 +11,16 @@ namespace ferry::ops {
 
 // Writes y and the per-row mean and rstd = 1/sqrt(var + eps) that backward reuses. The variance
 // is the biased one (divided by cols), computed in two passes (mean, then centred squares).
+// With a residual (a and b given, both or neither): x is an output, x = a + b, normalised in the
+// same pass (add_layernorm: a residual stream's add and the LayerNorm that reads it).
 LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan beta, DeviceSpan y, DeviceSpan mean,
-                             DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps = 1e-5f);
+                             DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps = 1e-5f, DeviceSpan a = {},
+                             DeviceSpan b = {});
 // Writes dx, dgamma, dbeta (all overwritten). All reductions are deterministic (fixed order).
+// dres, when given: added to dx (the gradient a residual sum gets from its other readers).
 LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan mean, DeviceSpan rstd,
                               DeviceSpan dy, DeviceSpan dx, DeviceSpan dgamma, DeviceSpan dbeta, std::size_t rows,
-                              std::size_t cols);
+                              std::size_t cols, DeviceSpan dres = {});
 
 namespace ref {
 
