@@ -125,6 +125,18 @@ void set_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout) {
   };
 }
 
+// A tiled kernel runs work-groups of exactly BQ work-items (its loops stride by BQ): refuse a
+// kernel the device cannot run that wide instead of letting the enqueue fail.
+void check_group(const cl::Kernel& k, OpEnv& env, const AttentionConfig& c, const char* name) {
+  const std::size_t limit = kernel_group_limit(k, env.device());
+  if (limit < c.bq) {
+    throw std::invalid_argument(
+        fmt::format("attention: {} runs work-groups of BQ = {} work-items, but {} allows {} for it; pick a smaller BQ "
+                    "(AttentionOptions::kernel, ferry-bench attention --kernel \"tiled BQ={} BK={}\")",
+                    name, c.bq, env.device().name, limit, limit, c.bk));
+  }
+}
+
 KernelLaunch grid(cl::Kernel k, std::size_t x, std::size_t y, std::size_t local_x) {
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -213,6 +225,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
     return list;
   }
   cl::Kernel kn = env.kernels.kernel("attention", "attention_forward_tiled", defines);
+  check_group(kn, env, c, "attention_forward_tiled");
   cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads), scale,
                dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
@@ -278,6 +291,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     return list;
   }
   cl::Kernel kv = env.kernels.kernel("attention", "attention_backward_kv_tiled", defines);
+  check_group(kv, env, c, "attention_backward_kv_tiled");
   cl::set_args(kv.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
                dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
@@ -286,6 +300,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
   set_step_args(lkv, 22, dr.threshold != 0);
   list.push_back(std::move(lkv));
   cl::Kernel kq = env.kernels.kernel("attention", "attention_backward_q_tiled", defines);
+  check_group(kq, env, c, "attention_backward_q_tiled");
   cl::set_args(kq.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
                dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale, dr.seed, dr.threshold,

@@ -136,6 +136,8 @@ row "GPT checkpoint resumed on another text" "resume with the same --text" error
   "${gpt[@]}" --text "$work/text2" --steps 4 --resume "$work/gpt.ckpt"
 row "GPT checkpoint resumed to fewer --steps than done" "give --steps 2 or more" error - \
   "${gpt[@]}" --text "$work/text" --steps 1 --resume "$work/gpt.ckpt"
+row "GPT head dimension past the fused attention's limit" "is past the fused kernels' limit of 128" error - \
+  train --model gpt --width 512 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/text"
 # A cache of its own, filled by the same command, so the damaged entry is one the run loads (the
 # shared test cache holds entries of other tests, which other tests may rewrite meanwhile).
 rm -rf "$work/own-cache"
