@@ -10,9 +10,10 @@
 //             loops read contiguous f32 only, whatever the storage type.
 //   BQ, BK    other devices: a work-group of BQ work-items, one query (or key) each, with tiles of
 //             BK keys (or queries) in local memory, read straight from the tensors.
-// The backward runs three kernels: delta = rowsum(do o); dk and dv per key block (recomputing
-// the probabilities from lse); dq per query block. No atomics: every output element has one
-// writer and a fixed summation order, so runs give the same bits.
+// The backward first takes delta = rowsum(do o); then dk and dv per key block (recomputing the
+// probabilities from lse) and dq per query block, or, on CPU devices with enough heads, the whole
+// backward of a head in one work-item (attention_backward_head_cpu). No atomics: every output
+// element has one writer and a fixed summation order, so runs give the same bits.
 //
 // Dropout (threshold > 0): the probability (b, h, i, j) is kept with the draw of ops::dropout for
 // flat index ((b H + h) T + i) T + j of the [B, H, T, T] probabilities, scaled by inv_keep =
@@ -79,6 +80,15 @@ __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global
 // Register tiles of up to 4 rows, named (PoCL keeps named float16 values in registers; arrays
 // indexed in loops stay on the stack).
 #define ROWS4(X) X(0) X(1) X(2) X(3)
+
+// A row of a float16 accumulator times `factor`, stored as D elements of the storage type at `at`.
+inline void attention_store_row(const float16* acc, float factor, __global T_STORAGE* out, ulong at) {
+  for (uint j = 0; j < DV; ++j) {
+    float v[16];
+    vstore16(acc[j] * factor, 0, v);
+    for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(v[e], out, at + 16 * j + e);
+  }
+}
 
 // Forward, QB = RB NSUB query rows from i0 = QB get_global_id(0) of head bh = get_global_id(1),
 // with an online softmax over blocks of 16 keys: running maximum m and sum l per row, the
@@ -156,44 +166,32 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
   }
 
   for (uint r = 0; r < nr; ++r) {
-    const float inv = 1.0f / l[r];
-    const ulong at = o_off + attention_at(b, i0 + r, h, T, H);
-    for (uint j = 0; j < DV; ++j) {
-      float out[16];
-      vstore16(acc[r][j] * inv, 0, out);
-      for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(out[e], o, at + 16 * j + e);
-    }
+    attention_store_row(acc[r], 1.0f / l[r], o, o_off + attention_at(b, i0 + r, h, T, H));
     lse[lse_off + (ulong)bh * T + i0 + r] = m[r] + log(l[r]);
   }
 }
 
-// dk and dv of 16 keys j0 = 16 get_global_id(0) of head bh, over every query i >= j0: the
-// probabilities p = exp(scale q k - lse) and dp = do v recomputed as 16-key vectors, the gradients
-// accumulated transposed ([d] holds 16 keys), as the staged kᵀ and vᵀ are.
-__kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
-                                        ulong do_off, __global const float* kt, ulong kt_off,
-                                        __global const float* vt, ulong vt_off, __global const float* lse,
-                                        ulong lse_off, __global const float* delta, ulong delta_off,
-                                        __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off,
-                                        uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
-                                        float inv_keep, uint step_lo, uint step_hi) {
-  const uint j0 = get_global_id(0) * 16, bh = get_global_id(1);
-  if (j0 >= T) return;
+// dk and dv of the 16 keys j0 .. j0 + 15 of head bh, over every query i >= j0: the probabilities
+// p = exp(scale q k - lse) and dp = do v recomputed as 16-key vectors, the gradients accumulated
+// transposed ([d] holds 16 keys), as the staged kᵀ and vᵀ are; the queries in groups of 4 (named
+// registers, see ROWS4), so that each load of kᵀ, vᵀ and each update of the gradients serves
+// four rows (rows past T get p = 0). kt, vt, kr, lse and delta point at head bh's. With dq_acc
+// (head bh's f32 rows [Tp, DP]), also dq += ds k for those queries (unscaled).
+inline void attention_kv_block(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout, ulong do_off,
+                               __global const float* kt, __global const float* vt, __global const float* kr,
+                               __global const float* lse, __global const float* delta, __global float* dq_acc,
+                               __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off, uint j0,
+                               uint bh, uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
+                               float inv_keep, uint step_lo, uint step_hi) {
   const uint b = bh / H, h = bh - b * H;
-  kt += kt_off + (ulong)bh * D * Tp + j0;
-  vt += vt_off + (ulong)bh * D * Tp + j0;
-  lse += lse_off + (ulong)bh * T;
-  delta += delta_off + (ulong)bh * T;
-
   float16 kT[D], vT[D], dkT[D], dvT[D];
   for (uint d = 0; d < D; ++d) {
-    kT[d] = vload16(0, kt + (ulong)d * Tp);
-    vT[d] = vload16(0, vt + (ulong)d * Tp);
+    kT[d] = vload16(0, kt + (ulong)d * Tp + j0);
+    vT[d] = vload16(0, vt + (ulong)d * Tp + j0);
     dkT[d] = 0.0f;
     dvT[d] = 0.0f;
   }
-  // Queries in groups of 4 (named registers, see ROWS4), so that each load of kᵀ, vᵀ and each
-  // update of the gradients serves four rows; rows past T get p = 0.
+  const uint kn = min(16u, T - j0);
   for (uint i0 = j0; i0 < T; i0 += 4) {
     float qi[4][D], doi[4][D];
     for (uint r = 0; r < 4; ++r) {
@@ -204,8 +202,8 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
       }
     }
 #define KV_DECL(r) float16 s##r = 0.0f, dp##r = 0.0f, pd##r, ds##r;
-#define KV_SCORE(r)                            \
-  s##r = fma((float16)qi[r][d], kd, s##r);     \
+#define KV_SCORE(r)                        \
+  s##r = fma((float16)qi[r][d], kd, s##r); \
   dp##r = fma((float16)doi[r][d], vd, dp##r);
 #define KV_PROB(r)                                                                                   \
   if (i0 + r >= T) {                                                                                 \
@@ -222,8 +220,8 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
     }                                                                                                \
     ds##r = p * (dp##r - delta[i]);                                                                  \
   }
-#define KV_GRAD(r)                          \
-  gv = fma(pd##r, (float16)doi[r][d], gv);  \
+#define KV_GRAD(r)                         \
+  gv = fma(pd##r, (float16)doi[r][d], gv); \
   gk = fma(ds##r, (float16)qi[r][d], gk);  // qi holds scale q: dk = scale sum ds q
     ROWS4(KV_DECL)
     for (uint d = 0; d < D; ++d) {
@@ -237,8 +235,24 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
       dvT[d] = gv;
       dkT[d] = gk;
     }
+    if (dq_acc) {
+      // dq rows i0 .. i0 + 3 += ds k over the block's keys (rows past T land in dq_acc's padding).
+      float dsa[4][16];
+#define DS_SAVE(r) vstore16(ds##r, 0, dsa[r]);
+#define DQ_LOAD(r) float16 t##r = vload16(j, dq_acc + (ulong)(i0 + r) * DP);
+#define DQ_STEP(r) t##r = fma((float16)dsa[r][c], kv, t##r);
+#define DQ_STORE(r) vstore16(t##r, j, dq_acc + (ulong)(i0 + r) * DP);
+      ROWS4(DS_SAVE)
+      for (uint j = 0; j < DV; ++j) {
+        ROWS4(DQ_LOAD)
+        for (uint c = 0; c < kn; ++c) {
+          const float16 kv = vload16(j, kr + (ulong)(j0 + c) * DP);
+          ROWS4(DQ_STEP)
+        }
+        ROWS4(DQ_STORE)
+      }
+    }
   }
-  const uint kn = min(16u, T - j0);
   for (uint d = 0; d < D; ++d) {
     float gk[16], gv[16];
     vstore16(dkT[d], 0, gk);
@@ -251,11 +265,27 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
   }
 }
 
+// dk and dv of 16 keys j0 = 16 get_global_id(0) of head bh = get_global_id(1) (the two-pass
+// backward: dq follows in attention_backward_q_cpu).
+__kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
+                                        ulong do_off, __global const float* kt, ulong kt_off,
+                                        __global const float* vt, ulong vt_off, __global const float* lse,
+                                        ulong lse_off, __global const float* delta, ulong delta_off,
+                                        __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off,
+                                        uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
+                                        float inv_keep, uint step_lo, uint step_hi) {
+  const uint j0 = get_global_id(0) * 16, bh = get_global_id(1);
+  if (j0 >= T) return;
+  attention_kv_block(q, q_off, dout, do_off, kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp, 0,
+                     lse + lse_off + (ulong)bh * T, delta + delta_off + (ulong)bh * T, 0, dk, dk_off, dv, dv_off, j0, bh,
+                     T, Tp, H, scale, seed, threshold, inv_keep, step_lo, step_hi);
+}
+
 // The whole backward of head bh = get_global_id(0) in one pass, for when there are enough heads
-// to keep every core busy: per 16-key block, over the queries in fours, dk and dv as in
-// attention_backward_kv_cpu and dq += ds k into f32 rows dq_acc [BH, Tp, DP] (scratch) that only
-// this work-item touches, so the scores and do vᵀ are computed once, not twice (five products
-// instead of seven) and no atomics are needed. dq_acc is scaled and stored at the end.
+// to keep every core busy: per 16-key block, dk and dv as in attention_backward_kv_cpu and dq +=
+// ds k into f32 rows dq_acc [BH, Tp, DP] (scratch) that only this work-item touches, so the scores
+// and do vᵀ are computed once, not twice (five products instead of seven) and no atomics are
+// needed. dq_acc is scaled and stored at the end.
 __kernel void attention_backward_head_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
                                           ulong do_off, __global const float* kt, ulong kt_off,
                                           __global const float* vt, ulong vt_off, __global const float* kr,
@@ -267,78 +297,18 @@ __kernel void attention_backward_head_cpu(__global const T_STORAGE* q, ulong q_o
                                           float inv_keep, uint step_lo, uint step_hi) {
   const uint bh = get_global_id(0);
   const uint b = bh / H, h = bh - b * H;
-  kt += kt_off + (ulong)bh * D * Tp;
-  vt += vt_off + (ulong)bh * D * Tp;
-  kr += kr_off + (ulong)bh * Tp * DP;
-  lse += lse_off + (ulong)bh * T;
-  delta += delta_off + (ulong)bh * T;
   dq_acc += dq_acc_off + (ulong)bh * Tp * DP;
   for (uint i = 0; i < Tp * DV; ++i) vstore16((float16)0.0f, i, dq_acc);
-
   for (uint j0 = 0; j0 < T; j0 += 16) {
-    float16 kT[D], vT[D], dkT[D], dvT[D];
-    for (uint d = 0; d < D; ++d) {
-      kT[d] = vload16(0, kt + (ulong)d * Tp + j0);
-      vT[d] = vload16(0, vt + (ulong)d * Tp + j0);
-      dkT[d] = 0.0f;
-      dvT[d] = 0.0f;
-    }
-    const uint kn = min(16u, T - j0);
-    for (uint i0 = j0; i0 < T; i0 += 4) {
-      float qi[4][D], doi[4][D];
-      for (uint r = 0; r < 4; ++r) {
-        const ulong at = attention_at(b, min(i0 + r, T - 1), h, T, H);
-        for (uint d = 0; d < D; ++d) {
-          qi[r][d] = LOAD_T(q, q_off + at + d) * scale;
-          doi[r][d] = LOAD_T(dout, do_off + at + d);
-        }
-      }
-      ROWS4(KV_DECL)
-      for (uint d = 0; d < D; ++d) {
-        const float16 kd = kT[d], vd = vT[d];
-        ROWS4(KV_SCORE)
-      }
-      ROWS4(KV_PROB)
-      for (uint d = 0; d < D; ++d) {
-        float16 gv = dvT[d], gk = dkT[d];
-        ROWS4(KV_GRAD)
-        dvT[d] = gv;
-        dkT[d] = gk;
-      }
-      // dq rows i0 .. i0 + 3 += ds k over the block's keys (rows past T land in dq_acc's padding).
-      float dsa[4][16];
-#define DS_SAVE(r) vstore16(ds##r, 0, dsa[r]);
-      ROWS4(DS_SAVE)
-#define DQ_LOAD(r) float16 t##r = vload16(j, dq_acc + (ulong)(i0 + r) * DP);
-#define DQ_STEP(r) t##r = fma((float16)dsa[r][c], kv, t##r);
-#define DQ_STORE(r) vstore16(t##r, j, dq_acc + (ulong)(i0 + r) * DP);
-      for (uint j = 0; j < DV; ++j) {
-        ROWS4(DQ_LOAD)
-        for (uint c = 0; c < kn; ++c) {
-          const float16 kv = vload16(j, kr + (ulong)(j0 + c) * DP);
-          ROWS4(DQ_STEP)
-        }
-        ROWS4(DQ_STORE)
-      }
-    }
-    for (uint d = 0; d < D; ++d) {
-      float gk[16], gv[16];
-      vstore16(dkT[d], 0, gk);
-      vstore16(dvT[d], 0, gv);
-      for (uint c = 0; c < kn; ++c) {
-        const ulong at = attention_at(b, j0 + c, h, T, H) + d;
-        STORE_T(gk[c], dk, dk_off + at);
-        STORE_T(gv[c], dv, dv_off + at);
-      }
-    }
+    attention_kv_block(q, q_off, dout, do_off, kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp,
+                       kr + kr_off + (ulong)bh * Tp * DP, lse + lse_off + (ulong)bh * T,
+                       delta + delta_off + (ulong)bh * T, dq_acc, dk, dk_off, dv, dv_off, j0, bh, T, Tp, H, scale, seed,
+                       threshold, inv_keep, step_lo, step_hi);
   }
   for (uint i = 0; i < T; ++i) {
-    const ulong at = dq_off + attention_at(b, i, h, T, H);
-    for (uint j = 0; j < DV; ++j) {
-      float out[16];
-      vstore16(vload16(j, dq_acc + (ulong)i * DP) * scale, 0, out);
-      for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(out[e], dq, at + 16 * j + e);
-    }
+    float16 row[DV];
+    for (uint j = 0; j < DV; ++j) row[j] = vload16(j, dq_acc + (ulong)i * DP);
+    attention_store_row(row, scale, dq, dq_off + attention_at(b, i, h, T, H));
   }
 }
 
@@ -412,14 +382,7 @@ __kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off,
     }
   }
 
-  for (uint r = 0; r < nr; ++r) {
-    const ulong at = dq_off + attention_at(b, i0 + r, h, T, H);
-    for (uint j = 0; j < DV; ++j) {
-      float out[16];
-      vstore16(acc[r][j] * scale, 0, out);
-      for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(out[e], dq, at + 16 * j + e);
-    }
-  }
+  for (uint r = 0; r < nr; ++r) attention_store_row(acc[r], scale, dq, dq_off + attention_at(b, i0 + r, h, T, H));
 }
 
 #endif  // RB
