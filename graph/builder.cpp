@@ -325,7 +325,7 @@ TensorId Builder::softmax_xent(TensorId logits, TensorId labels) {
   const TensorId logits2 = ls.rank == 2 ? logits : reshape(logits, Shape{rows, classes});
   const TensorId labels1 = ys.rank == 1 ? labels : reshape(labels, Shape{rows});
   const TensorId ins[] = {logits2, labels1};
-  const auto outs = emit(builtin::softmax_xent, loss_name(), ins, {}, {".probs", ".stats"});
+  const auto outs = emit(builtin::softmax_xent, loss_name(), ins, {}, {".lse", ".stats"});
   set_loss(outs[1]);
   return outs[1];
 }

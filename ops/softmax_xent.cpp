@@ -19,24 +19,24 @@ void check_shape(std::size_t rows, std::size_t classes) {
 
 }  // namespace
 
-LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels, DeviceSpan probs, DeviceSpan stats,
+LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels, DeviceSpan lse, DeviceSpan stats,
                                 std::size_t rows, std::size_t classes) {
   check_shape(rows, classes);
   LaunchList list;
 
-  cl::Kernel kp = env.kernels.kernel("softmax_xent", "softmax_xent_probs");
-  const std::size_t lp = row_group_size(kp, env.device(), classes);
-  cl::set_args(kp.get(), logits.buffer, logits.elem_offset(), probs.buffer, probs.elem_offset(), cl_uint(classes));
-  FERRY_CL(clSetKernelArg(kp.get(), 5, lp * sizeof(float), nullptr));
-  KernelLaunch probs_launch;
-  probs_launch.kernel = std::move(kp);
-  probs_launch.global[0] = rows * lp;
-  probs_launch.local[0] = lp;
-  list.push_back(std::move(probs_launch));
+  cl::Kernel kl = env.kernels.kernel("softmax_xent", "softmax_xent_lse");
+  const std::size_t ll = row_group_size(kl, env.device(), classes);
+  cl::set_args(kl.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), cl_uint(classes));
+  FERRY_CL(clSetKernelArg(kl.get(), 5, ll * sizeof(float), nullptr));
+  KernelLaunch lse_launch;
+  lse_launch.kernel = std::move(kl);
+  lse_launch.global[0] = rows * ll;
+  lse_launch.local[0] = ll;
+  list.push_back(std::move(lse_launch));
 
   cl::Kernel ks = env.kernels.kernel("softmax_xent", "softmax_xent_stats");
   const std::size_t ls = row_group_size(ks, env.device(), rows);
-  cl::set_args(ks.get(), logits.buffer, logits.elem_offset(), probs.buffer, probs.elem_offset(), labels.buffer,
+  cl::set_args(ks.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), labels.buffer,
                labels.elem_offset(), stats.buffer, stats.elem_offset(), cl_uint(rows), cl_uint(classes));
   FERRY_CL(clSetKernelArg(ks.get(), 10, ls * sizeof(float), nullptr));
   KernelLaunch stats_launch;
@@ -47,13 +47,13 @@ LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels
   return list;
 }
 
-LaunchList softmax_xent_backward(OpEnv& env, DeviceSpan probs, DeviceSpan labels, DeviceSpan dlogits, std::size_t rows,
-                                 std::size_t classes, float scale) {
+LaunchList softmax_xent_backward(OpEnv& env, DeviceSpan logits, DeviceSpan lse, DeviceSpan labels, DeviceSpan dlogits,
+                                 std::size_t rows, std::size_t classes, float scale) {
   check_shape(rows, classes);
   cl::Kernel k = env.kernels.kernel("softmax_xent", "softmax_xent_backward");
   const float coef = static_cast<float>(static_cast<double>(scale) / static_cast<double>(rows));
-  cl::set_args(k.get(), probs.buffer, probs.elem_offset(), labels.buffer, labels.elem_offset(), dlogits.buffer,
-               dlogits.elem_offset(), cl_uint(rows), cl_uint(classes), coef);
+  cl::set_args(k.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), labels.buffer,
+               labels.elem_offset(), dlogits.buffer, dlogits.elem_offset(), cl_uint(rows), cl_uint(classes), coef);
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), rows * classes));
   return list;

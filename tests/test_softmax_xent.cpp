@@ -1,4 +1,4 @@
-// Fused softmax + cross-entropy: device forward (probs, mean loss, correct count) and backward
+// Fused softmax + cross-entropy: device forward (log-sum-exp per row, mean loss, correct count) and backward
 // against the CPU reference, determinism, stability for large logits, argmax ties, out-of-range
 // labels, and the reference gradient of the loss against double-precision finite differences.
 #include <cstdlib>
@@ -44,17 +44,17 @@ std::vector<float> logits_for(const std::vector<std::int32_t>& labels, std::size
 }
 
 struct Result {
-  std::vector<float> probs, stats;
+  std::vector<float> lse, stats;
 };
 
 Result run_forward(const std::vector<float>& logits, const std::vector<std::int32_t>& labels, std::size_t classes) {
   auto& dev = TestDevice::get();
   const std::size_t rows = labels.size();
-  DeviceTensor dlogits(logits, 3), dprobs(rows * classes, 9), dstats(2, 1);
+  DeviceTensor dlogits(logits, 3), dlse(rows, 9), dstats(2, 1);
   DeviceLabels dlabels(labels);
   ops::run_blocking(dev.context.compute(), ops::softmax_xent_forward(dev.env, dlogits.span(), dlabels.span(),
-                                                                     dprobs.span(), dstats.span(), rows, classes));
-  return {dprobs.download(), dstats.download()};
+                                                                     dlse.span(), dstats.span(), rows, classes));
+  return {dlse.download(), dstats.download()};
 }
 
 // (rows, cols, forced row group size)
@@ -69,9 +69,9 @@ TEST_P(SoftmaxXentTest, ForwardAndBackwardMatchReference) {
   const auto logits = logits_for(labels, classes, 2);
 
   const Result got = run_forward(logits, labels, classes);
-  std::vector<double> probs_ref(rows * classes), stats_ref(2);
-  ops::ref::softmax_xent_forward<double>(to_double(logits), labels, probs_ref, stats_ref, rows, classes);
-  expect_near(got.probs, to_float(probs_ref), 1e-7f, 1e-5f, "probs");
+  std::vector<double> lse_ref(rows), stats_ref(2);
+  ops::ref::softmax_xent_forward<double>(to_double(logits), labels, lse_ref, stats_ref, rows, classes);
+  expect_near(got.lse, to_float(lse_ref), 1e-6f, 1e-6f, "lse");
   expect_near({got.stats[0]}, {float(stats_ref[0])}, 1e-6f, 1e-5f, "mean loss");
   EXPECT_EQ(got.stats[1], float(stats_ref[1])) << "correct count";
   if (classes > 1) {
@@ -79,13 +79,17 @@ TEST_P(SoftmaxXentTest, ForwardAndBackwardMatchReference) {
   }
 
   const float scale = 2.5f;
-  DeviceTensor dprobs(got.probs, 2), ddl(rows * classes, 6);
+  // The backward reads the logits and the device's lse (as a training step does); in place too.
+  DeviceTensor dx(logits, 4), dlse(got.lse, 2), ddl(rows * classes, 6);
   DeviceLabels dlabels(labels, 3);
-  ops::run_blocking(dev.context.compute(), ops::softmax_xent_backward(dev.env, dprobs.span(), dlabels.span(),
+  ops::run_blocking(dev.context.compute(), ops::softmax_xent_backward(dev.env, dx.span(), dlse.span(), dlabels.span(),
                                                                       ddl.span(), rows, classes, scale));
   std::vector<double> dl_ref(rows * classes);
-  ops::ref::softmax_xent_backward<double>(to_double(got.probs), labels, dl_ref, rows, classes, scale);
+  ops::ref::softmax_xent_backward<double>(to_double(logits), to_double(got.lse), labels, dl_ref, rows, classes, scale);
   expect_near(ddl.download(), to_float(dl_ref), 1e-7f, 1e-5f, "dlogits");
+  ops::run_blocking(dev.context.compute(), ops::softmax_xent_backward(dev.env, dx.span(), dlse.span(), dlabels.span(),
+                                                                      dx.span(), rows, classes, scale));
+  expect_near(dx.download(), to_float(dl_ref), 1e-7f, 1e-5f, "dlogits in place");
 }
 
 TEST_P(SoftmaxXentTest, ForwardIsDeterministic) {
@@ -97,7 +101,7 @@ TEST_P(SoftmaxXentTest, ForwardIsDeterministic) {
   for (int run = 0; run < 2; ++run) {
     const Result again = run_forward(logits, labels, classes);
     ASSERT_EQ(std::memcmp(first.stats.data(), again.stats.data(), 2 * sizeof(float)), 0) << "run " << run;
-    ASSERT_EQ(std::memcmp(first.probs.data(), again.probs.data(), first.probs.size() * sizeof(float)), 0);
+    ASSERT_EQ(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * sizeof(float)), 0);
   }
 }
 
@@ -107,13 +111,13 @@ TEST_P(SoftmaxXentTestReference, ReferenceGradientMatchesFiniteDifferences) {
   const auto labels = random_labels(rows, classes, 5);
   const auto x = to_double(logits_for(labels, classes, 6));
   auto loss = [&, rows = rows, classes = classes](const std::vector<double>& in) {
-    std::vector<double> probs(in.size()), stats(2);
-    ops::ref::softmax_xent_forward<double>(in, labels, probs, stats, rows, classes);
+    std::vector<double> lse(rows), stats(2);
+    ops::ref::softmax_xent_forward<double>(in, labels, lse, stats, rows, classes);
     return stats[0];
   };
-  std::vector<double> probs(x.size()), stats(2), grad(x.size());
-  ops::ref::softmax_xent_forward<double>(x, labels, probs, stats, rows, classes);
-  ops::ref::softmax_xent_backward<double>(probs, labels, grad, rows, classes);
+  std::vector<double> lse(rows), stats(2), grad(x.size());
+  ops::ref::softmax_xent_forward<double>(x, labels, lse, stats, rows, classes);
+  ops::ref::softmax_xent_backward<double>(x, lse, labels, grad, rows, classes);
   expect_gradient_matches_finite_differences(loss, x, grad, "softmax_xent", 1e-6, 1e-6);
 }
 
@@ -130,9 +134,9 @@ TEST(SoftmaxXent, LargeLogitsStayFinite) {
   const std::vector<float> logits = {1000.0f, 0.0f, -1000.0f, -500.0f, 500.0f, 400.0f};
   const std::vector<std::int32_t> labels = {1, 2};
   const Result got = run_forward(logits, labels, classes);
-  std::vector<double> probs_ref(6), stats_ref(2);
-  ops::ref::softmax_xent_forward<double>(to_double(logits), labels, probs_ref, stats_ref, 2, classes);
-  expect_near(got.probs, to_float(probs_ref), 1e-7f, 1e-5f, "probs");
+  std::vector<double> lse_ref(2), stats_ref(2);
+  ops::ref::softmax_xent_forward<double>(to_double(logits), labels, lse_ref, stats_ref, 2, classes);
+  expect_near(got.lse, to_float(lse_ref), 1e-7f, 1e-6f, "lse");
   EXPECT_NEAR(got.stats[0], (1000.0 + 100.0) / 2, 1e-3);  // -log p = max - x[label] here
   EXPECT_NEAR(stats_ref[0], (1000.0 + 100.0) / 2, 1e-9);
   EXPECT_EQ(got.stats[1], 0.0f);
@@ -144,8 +148,8 @@ TEST(SoftmaxXent, ArgmaxTiesTakeTheFirstIndex) {
   const std::vector<float> logits = {0, 3, 3, 1, 0, 3, 3, 1, 2, 2, 2, 2};
   const std::vector<std::int32_t> labels = {1, 2, 0};
   const Result got = run_forward(logits, labels, classes);
-  std::vector<double> probs_ref(12), stats_ref(2);
-  ops::ref::softmax_xent_forward<double>(to_double(logits), labels, probs_ref, stats_ref, 3, classes);
+  std::vector<double> lse_ref(3), stats_ref(2);
+  ops::ref::softmax_xent_forward<double>(to_double(logits), labels, lse_ref, stats_ref, 3, classes);
   EXPECT_EQ(got.stats[1], 2.0f);  // rows 0 and 2
   EXPECT_EQ(stats_ref[1], 2.0);
   EXPECT_NEAR(got.stats[0], stats_ref[0], 1e-6);
@@ -159,20 +163,20 @@ TEST(SoftmaxXent, OutOfRangeLabelMakesLossNaN) {
     const auto logits = random_vector(rows * classes, 7);
     const Result got = run_forward(logits, labels, classes);
     EXPECT_TRUE(std::isnan(got.stats[0])) << "label " << bad;
-    std::vector<double> probs_ref(rows * classes), stats_ref(2);
-    ops::ref::softmax_xent_forward<double>(to_double(logits), labels, probs_ref, stats_ref, rows, classes);
+    std::vector<double> lse_ref(rows), stats_ref(2);
+    ops::ref::softmax_xent_forward<double>(to_double(logits), labels, lse_ref, stats_ref, rows, classes);
     EXPECT_TRUE(std::isnan(stats_ref[0]));
     EXPECT_EQ(got.stats[1], float(stats_ref[1]));
-    expect_near(got.probs, to_float(probs_ref), 1e-7f, 1e-5f, "probs stay valid");
+    expect_near(got.lse, to_float(lse_ref), 1e-7f, 1e-6f, "lse stays valid");
 
     // Backward: the bad row is NaN, the others are the usual gradient.
-    DeviceTensor dprobs(got.probs), ddl(rows * classes);
+    DeviceTensor dx(logits), dlse(got.lse), ddl(rows * classes);
     DeviceLabels dlabels(labels);
-    ops::run_blocking(dev.context.compute(),
-                      ops::softmax_xent_backward(dev.env, dprobs.span(), dlabels.span(), ddl.span(), rows, classes));
+    ops::run_blocking(dev.context.compute(), ops::softmax_xent_backward(dev.env, dx.span(), dlse.span(), dlabels.span(),
+                                                                        ddl.span(), rows, classes));
     const auto dl = ddl.download();
     std::vector<double> dl_ref(rows * classes);
-    ops::ref::softmax_xent_backward<double>(to_double(got.probs), labels, dl_ref, rows, classes);
+    ops::ref::softmax_xent_backward<double>(to_double(logits), to_double(got.lse), labels, dl_ref, rows, classes);
     for (std::size_t i = 0; i < dl.size(); ++i) {
       if (i / classes == 1) {
         EXPECT_TRUE(std::isnan(dl[i]) && std::isnan(dl_ref[i])) << i;

@@ -6,34 +6,27 @@
 
 #include "reduce.clh"
 
-// probs[r, :] = softmax(logits[r, :]), one work-group per row, max-subtracted.
-__kernel void softmax_xent_probs(__global const float* logits, ulong logits_off, __global float* probs, ulong probs_off,
-                                 uint classes, __local float* scratch) {
+// lse[r] = log sum_c exp(logits[r, c]), max-subtracted, one work-group per row. Nothing of size
+// [rows, classes] is written: the backward recomputes the probabilities from the logits and lse.
+__kernel void softmax_xent_lse(__global const float* logits, ulong logits_off, __global float* lse, ulong lse_off,
+                               uint classes, __local float* scratch) {
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0), ls = get_local_size(0);
   __global const float* x = logits + logits_off + row * classes;
-  __global float* p = probs + probs_off + row * classes;
   float m = -INFINITY;
   for (uint c = lid; c < classes; c += ls) m = fmax(m, x[c]);
   m = group_max(m, scratch);
-  // exp once: stash it in probs, then rescale. Each work-item rereads only what it wrote.
   float s = 0.0f;
-  for (uint c = lid; c < classes; c += ls) {
-    const float e = exp(x[c] - m);
-    p[c] = e;
-    s += e;
-  }
+  for (uint c = lid; c < classes; c += ls) s += exp(x[c] - m);
   s = group_sum(s, scratch);
-  const float inv = 1.0f / s;
-  for (uint c = lid; c < classes; c += ls) p[c] *= inv;
+  if (lid == 0) lse[lse_off + row] = m + log(s);
 }
 
-// stats[0] = mean over rows of -log softmax(logits)[label], stats[1] = rows whose argmax (first
-// index on ties) equals the label; one work-group, a work-item per row (strided). With a the
-// argmax, probs[a] = 1 / sum exp(x - x[a]), so -log p[label] = (x[a] - x[label]) - log(probs[a]),
-// which stays finite where probs[label] underflows. A label outside [0, classes) gives NaN.
-__kernel void softmax_xent_stats(__global const float* logits, ulong logits_off, __global const float* probs,
-                                 ulong probs_off, __global const int* labels, ulong labels_off, __global float* stats,
+// stats[0] = mean over rows of -log softmax(logits)[label] = lse - logits[label] (finite where the
+// label's probability underflows), stats[1] = rows whose argmax (first index on ties) equals the
+// label; one work-group, a work-item per row (strided). A label outside [0, classes) gives NaN.
+__kernel void softmax_xent_stats(__global const float* logits, ulong logits_off, __global const float* lse,
+                                 ulong lse_off, __global const int* labels, ulong labels_off, __global float* stats,
                                  ulong stats_off, uint rows, uint classes, __local float* scratch) {
   const uint lid = get_local_id(0), ls = get_local_size(0);
   float loss = 0.0f, correct = 0.0f;
@@ -53,7 +46,7 @@ __kernel void softmax_xent_stats(__global const float* logits, ulong logits_off,
       loss += NAN;
       continue;
     }
-    loss += (best_value - x[label]) - log(probs[probs_off + (ulong)r * classes + best]);
+    loss += lse[lse_off + r] - x[label];
     correct += (uint)label == best ? 1.0f : 0.0f;
   }
   loss = group_sum(loss, scratch);
@@ -64,15 +57,16 @@ __kernel void softmax_xent_stats(__global const float* logits, ulong logits_off,
   }
 }
 
-// dlogits = coef * (probs - onehot(label)), coef = scale / rows; NaN for rows with a bad label.
-__kernel void softmax_xent_backward(__global const float* probs, ulong probs_off, __global const int* labels,
-                                    ulong labels_off, __global float* dlogits, ulong dlogits_off, uint rows,
-                                    uint classes, float coef) {
+// dlogits = coef * (exp(logits - lse) - onehot(label)), coef = scale / rows; NaN for rows with a
+// bad label. dlogits may be logits' memory.
+__kernel void softmax_xent_backward(__global const float* logits, ulong logits_off, __global const float* lse,
+                                    ulong lse_off, __global const int* labels, ulong labels_off,
+                                    __global float* dlogits, ulong dlogits_off, uint rows, uint classes, float coef) {
   const size_t i = get_global_id(0);
   if (i >= (size_t)rows * classes) return;
   const uint r = (uint)(i / classes), c = (uint)(i - (size_t)r * classes);
   const int label = labels[labels_off + r];
-  float g = probs[probs_off + i] - ((uint)label == c ? 1.0f : 0.0f);
+  float g = exp(logits[logits_off + i] - lse[lse_off + r]) - ((uint)label == c ? 1.0f : 0.0f);
   if (label < 0 || (uint)label >= classes) g = NAN;
   dlogits[dlogits_off + i] = coef * g;
 }

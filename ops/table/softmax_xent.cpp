@@ -1,5 +1,10 @@
 // Rows of the fused softmax cross-entropy loss over [rows, classes] logits and int32 labels, and
-// of its gradient. Its second output, stats = [mean loss, correct count], is the step's loss.
+// of its gradient. Its first output is each row's log-sum-exp (the backward recomputes the
+// probabilities from it and the logits: no [rows, classes] tensor is kept); its second, stats =
+// [mean loss, correct count], is the step's loss.
+//
+//   softmax_xent       in: logits labels       out: lse [rows], stats [2]
+//   softmax_xent_grad  in: logits lse labels   out: dlogits   (attrs.f[1]: the loss's weight)
 #include "ferry/ops/softmax_xent.hpp"
 
 #include <fmt/format.h>
@@ -9,7 +14,7 @@
 namespace ferry::ops::table {
 namespace {
 
-OpInfo softmax_xent_row() {  // in: logits labels  out: probs stats
+OpInfo softmax_xent_row() {  // in: logits labels  out: lse stats
   OpInfo r;
   r.name = "softmax_xent";
   r.op_class = OpClass::loss;
@@ -21,7 +26,7 @@ OpInfo softmax_xent_row() {  // in: logits labels  out: probs stats
       shape_error(v, fmt::format("labels must be i32 [{}] for logits {}, got {} {}", l[0], l.str(),
                                  dtype_name(labels.dtype), labels.shape.str()));
     }
-    return std::vector<TensorDesc>{{l, DType::f32}, {Shape{2}, DType::f32}};
+    return std::vector<TensorDesc>{{Shape{l[0]}, DType::f32}, {Shape{2}, DType::f32}};
   };
   r.bind = [](const BindContext& c) {
     const Shape l = c.input(0).shape;
@@ -34,7 +39,7 @@ OpInfo softmax_xent_row() {  // in: logits labels  out: probs stats
     const TensorRef logits = in[0];
     if (!g.needs_grad(logits)) return;
     const TensorRef dl = g.new_grad(logits);
-    const TensorRef ins[] = {out[0], in[1]};
+    const TensorRef ins[] = {logits, out[0], in[1]};
     const TensorRef outs[] = {dl};
     NodeAttrs weighted = g.attrs();
     weighted.f[1] = g.loss_weight(out[1]);  // d(step loss)/d(this loss): 1, or a loss_sum's weight
@@ -50,18 +55,18 @@ OpInfo softmax_xent_row() {  // in: logits labels  out: probs stats
   return r;
 }
 
-OpInfo softmax_xent_grad_row() {  // in: probs labels  out: dlogits  attrs: f1 the loss's weight
+OpInfo softmax_xent_grad_row() {  // in: logits lse labels  out: dlogits  attrs: f1 the loss's weight
   OpInfo r;
   r.name = "softmax_xent_grad";
   r.op_class = OpClass::backward;
   r.bind = [](const BindContext& c) {
     const Shape l = c.input(0).shape;
-    return softmax_xent_backward(c.env(), c.in(0), c.in(1), c.out(0), l[0], l[1], c.attrs().f[1]);
+    return softmax_xent_backward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), l[0], l[1], c.attrs().f[1]);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const Shape l = c.input(0).shape;
-    ref::softmax_xent_backward<double>(c.real(in[0]), c.ints(in[1]), c.real(c.outputs()[0]), l[0], l[1],
+    ref::softmax_xent_backward<double>(c.real(in[0]), c.real(in[1]), c.ints(in[2]), c.real(c.outputs()[0]), l[0], l[1],
                                        c.attrs().f[1]);
   };
   return r;

@@ -201,8 +201,8 @@ enum : OpId {
   conv2d_grad_param,  //                                            in: x dy     out: dw [db]
   maxpool2d,          // attrs.i[0] window, i[1] stride             in: x        out: y argmax
   maxpool2d_grad,     //                                            in: dy argmax out: dx
-  softmax_xent,       //                                       in: logits labels out: probs stats
-  softmax_xent_grad,  //                                       in: probs labels  out: dlogits
+  softmax_xent,       //                                       in: logits labels out: lse stats
+  softmax_xent_grad,  //                                   in: logits lse labels  out: dlogits
   sgd_update,         // in: w g v [loss]   out: w v (in place)
   adam_update,        // in: w g m v [loss] out: w m v (in place)
   cast,               // attrs.i[0] = target DType (f32, f16, bf16), i[1] = ops::CastScale  in: x  out: y
