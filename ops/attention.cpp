@@ -42,8 +42,8 @@ AttentionConfig parse_config(const std::string& spec) {
   } else if (family == "tiled") {
     c.cpu = false;
   } else {
-    throw std::invalid_argument(
-        fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n\" or \"tiled BQ=n BK=n\")", spec));
+    throw std::invalid_argument(fmt::format(
+        "attention: unknown kernel '{}' (expected \"cpu RB=n QB=n PASS=1|2\" or \"tiled BQ=n BK=n\")", spec));
   }
   for (std::string kv; in >> kv;) {
     const auto eq = kv.find('=');
@@ -79,9 +79,10 @@ AttentionConfig parse_config(const std::string& spec) {
   return c;
 }
 
-// Defaults: on CPU devices 4 query rows per work-item (measured on PoCL's pthread device against
-// 2, 8 and 16: bench/RESULTS.md); elsewhere 64 queries per work-group and 32 keys per tile, fewer
-// where the kernel's work-group limit or the device's local memory asks.
+// Defaults: on CPU devices register tiles of 4 query rows and 32 rows per work-item (measured on
+// PoCL's pthread device against RB 2 and QB 16 and 64: bench/RESULTS.md); elsewhere 64 queries
+// per work-group and 32 keys per tile, fewer where the device's work-group limit or its local
+// memory asks.
 AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
   AttentionConfig c = o.kernel.empty() ? AttentionConfig{env.device().is_cpu()} : parse_config(o.kernel);
   // The one-pass backward runs a work-item per head: it takes over once there are four heads per

@@ -186,8 +186,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(AttentionShape{1, 1, 1, 16}, AttentionShape{2, 17, 3, 8},
                                          AttentionShape{1, 33, 2, 40}, AttentionShape{2, 64, 2, 64},
                                          AttentionShape{1, 50, 1, 128}),
-                       ::testing::Values(std::string{}, std::string{"cpu RB=3 QB=6 PASS=2"}, std::string{"cpu RB=4 QB=8 PASS=1"},
-                                         std::string{"tiled BQ=16 BK=8"}),
+                       ::testing::Values(std::string{}, std::string{"cpu RB=3 QB=6 PASS=2"},
+                                         std::string{"cpu RB=4 QB=8 PASS=1"}, std::string{"tiled BQ=16 BK=8"}),
                        ::testing::Values(0.0f, 0.2f)));
 
 // f16 and bf16 storage, f32 arithmetic: the device against the reference on the rounded inputs.

@@ -38,9 +38,12 @@ inline constexpr std::size_t attention_max_head_dim = 128;
 void check_attention_shape(const AttentionShape& s);
 
 struct AttentionOptions {
-  // Optional: "cpu RB=8" (a work-item per RB query rows, 16-key float16 blocks) or
-  // "tiled BQ=64 BK=32" (local-memory tiles of BK keys, a work-group per BQ queries) instead of
-  // the device's default (cpu on CPU devices, tiled on others). For tests and benchmarks.
+  // Optional: a kernel family and its parameters instead of the device's default, for tests and
+  // benchmarks. "cpu RB=4 QB=32 PASS=1": a work-item per QB query rows, RB (at most 4) of them at
+  // a time in registers, keys in 16-key float16 blocks; PASS=1 runs the backward as one work-item
+  // per head, PASS=2 as dk dv per key block then dq per query block (default: 1 when there are
+  // four heads per compute unit). "tiled BQ=64 BK=32": a work-group per BQ queries (or keys),
+  // tiles of BK keys (or queries) in local memory. Defaults: cpu on CPU devices, tiled elsewhere.
   std::string kernel{};
 };
 
