@@ -109,6 +109,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
   std::vector<nlohmann::json> peers;
   const std::string python = find_on_path(o.python);
   for (const std::string& mode : o.modes) {
+    if (mode.empty()) continue;  // --modes '' (CLI11 gives one empty mode): no peers
     nlohmann::json j = base;
     j["impl"] = "torch-" + mode;
     j["python"] = o.python;
