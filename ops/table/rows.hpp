@@ -24,14 +24,14 @@ void register_cast_rows(const AddRow& add);  // cast, quantize_i8, dequantize_i8
 
 // Rows beyond ops::builtin (found by name with ops::find_op), registered after the built-in ones.
 using AddNamedRow = std::function<OpId(OpInfo)>;
-void register_matmul_rows(const AddNamedRow& add);    // ops/table/matmul.cpp: batched matmul, softmax
-void register_attention_rows(const AddNamedRow& add);  // ops/table/attention.cpp: fused causal attention
+void register_matmul_rows(const AddNamedRow& add);         // ops/table/matmul.cpp: batched matmul, softmax
+void register_attention_rows(const AddNamedRow& add);      // ops/table/attention.cpp: fused causal attention
 void register_add_layernorm_rows(const AddNamedRow& add);  // ops/table/layernorm.cpp: residual add + LayerNorm
-void register_layout_rows(const AddNamedRow& add);    // ops/table/layout.cpp: permute, mul, scale
-void register_sequence_rows(const AddNamedRow& add);  // ops/table/sequence.cpp: embedding, causal mask, dropout
-void register_add_bias_rows(const AddNamedRow& add);  // ops/table/add_bias.cpp: bias broadcast over leading axes
-void register_mse_rows(const AddNamedRow& add);       // ops/table/mse.cpp: mean squared error loss
-void register_loss_sum_rows(const AddNamedRow& add);  // ops/table/loss_sum.cpp: two weighted losses
+void register_layout_rows(const AddNamedRow& add);         // ops/table/layout.cpp: permute, mul, scale
+void register_sequence_rows(const AddNamedRow& add);       // ops/table/sequence.cpp: embedding, causal mask, dropout
+void register_add_bias_rows(const AddNamedRow& add);       // ops/table/add_bias.cpp: bias broadcast over leading axes
+void register_mse_rows(const AddNamedRow& add);            // ops/table/mse.cpp: mean squared error loss
+void register_loss_sum_rows(const AddNamedRow& add);       // ops/table/loss_sum.cpp: two weighted losses
 // ops/table/optimizer.cpp: 8-bit block-wise Adam/AdamW (adam8bit_update), on the device only.
 void register_optimizer8bit_rows(const AddNamedRow& add);
 // ops/table/predictor.cpp: the weight-update predictor's snapshot, fit and apply.

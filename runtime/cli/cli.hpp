@@ -44,7 +44,7 @@ struct TrainArgs {
   std::string prompt = "\n";               // gpt: text the sample continues
   float temperature = 0.8f, dropout = 0.0f;
   std::string attention = "fused";  // gpt: fused or unfused
-  std::string text_dir;  // gpt: folder of text files (default: the fortunes)
+  std::string text_dir;             // gpt: folder of text files (default: the fortunes)
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
   bool lr_given = false;  // --lr on the command line (gpt's default peak is 2e-3)
   std::string optimizer = "adam", schedule = "cosine";
