@@ -15,22 +15,29 @@
 namespace ferry::ops::table {
 namespace {
 
+// The shape rule LayerNorm and add_layernorm share: x is input 0, gain and shift are inputs
+// `gain` and `gain` + 1; outputs [the sum, when `with_sum`,] y like x, mean and rstd [rows] f32.
+std::vector<TensorDesc> normalised_outputs(const ShapeView& v, std::size_t gain, bool with_sum) {
+  const Shape x = v.input(0).shape;
+  if (x.rank < 1) shape_error(v, "LayerNorm takes a tensor of rank 1 to 4");
+  const std::uint32_t features = x[x.rank - 1u], rows = static_cast<std::uint32_t>(x.elems() / features);
+  if (!(v.attrs().f[0] > 0.0f)) shape_error(v, fmt::format("eps must be positive, got {}", v.attrs().f[0]));
+  for (std::size_t i = gain; i < gain + 2; ++i) {
+    if (!(v.input(i).shape == Shape{features})) {
+      shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), features));
+    }
+  }
+  const DType t = v.input(0).dtype;
+  std::vector<TensorDesc> out;
+  if (with_sum) out.push_back({x, t});
+  out.insert(out.end(), {{x, t}, {Shape{rows}, DType::f32}, {Shape{rows}, DType::f32}});
+  return out;
+}
+
 OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
   OpInfo r;
   r.name = "layernorm";
-  r.infer = [](const ShapeView& v) {
-    const Shape x = v.input(0).shape;
-    if (x.rank < 1) shape_error(v, "LayerNorm takes a tensor of rank 1 to 4");
-    const std::uint32_t features = x[x.rank - 1u], rows = static_cast<std::uint32_t>(x.elems() / features);
-    if (!(v.attrs().f[0] > 0.0f)) shape_error(v, fmt::format("eps must be positive, got {}", v.attrs().f[0]));
-    for (std::size_t i = 1; i < 3; ++i) {
-      if (!(v.input(i).shape == Shape{features})) {
-        shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), features));
-      }
-    }
-    const DType t = v.input(0).dtype;
-    return std::vector<TensorDesc>{{x, t}, {Shape{rows}, DType::f32}, {Shape{rows}, DType::f32}};
-  };
+  r.infer = [](const ShapeView& v) { return normalised_outputs(v, 1, false); };
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
@@ -97,16 +104,7 @@ OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
     if (!(v.input(1).shape == x)) {
       shape_error(v, fmt::format("the residual's operands differ: {} and {}", x.str(), v.input(1).shape.str()));
     }
-    if (x.rank < 1) shape_error(v, "LayerNorm takes a tensor of rank 1 to 4");
-    const std::uint32_t features = x[x.rank - 1u], rows = static_cast<std::uint32_t>(x.elems() / features);
-    if (!(v.attrs().f[0] > 0.0f)) shape_error(v, fmt::format("eps must be positive, got {}", v.attrs().f[0]));
-    for (std::size_t i = 2; i < 4; ++i) {
-      if (!(v.input(i).shape == Shape{features})) {
-        shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), features));
-      }
-    }
-    const DType t = v.input(0).dtype;
-    return std::vector<TensorDesc>{{x, t}, {x, t}, {Shape{rows}, DType::f32}, {Shape{rows}, DType::f32}};
+    return normalised_outputs(v, 2, true);
   };
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;
