@@ -11,6 +11,7 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/ops/cast.hpp"
 #include "gemm_clblast.hpp"
+#include "gemm_tiled.hpp"
 #include "gemm_tuning.hpp"
 
 namespace ferry::ops {
@@ -87,7 +88,7 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
 
 // The tiled parameters for this shape, when they come from the tuning data: while the product
 // has fewer tiles than the device has compute units, halve the tile and the results per
-// work-item (same group size), down to 2 x 2 per work-item. A row tuned on large squares (128 x
+// work-item (same group size), down to 2 x 2 per work-item and no fewer than VW. A row tuned on large squares (128 x
 // 128 tiles: 1.5x the 64 x 64 tiles at n = 2048 on an H100) would leave most of the device idle on
 // a training step's batch-sized products. Kernels asked for by name run as given.
 GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t compute_units, bool from_tuning_data) {
@@ -95,7 +96,11 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
   auto tiles = [&](std::size_t tsm, std::size_t tsn) { return ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn); };
   for (;;) {
     const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
-    if (tiles(tsm, tsn) >= compute_units || wm < 4 || wn < 4 || wm % 2 || wn % 2 || tsm % 2 || tsn % 2) return c;
+    const int vw = c.param("VW");
+    if (tiles(tsm, tsn) >= compute_units || wm < 4 || wn < 4 || wm % 2 || wn % 2 || tsm % 2 || tsn % 2 ||
+        (wm / 2) % vw || (wn / 2) % vw) {
+      return c;
+    }
     for (auto& [key, value] : c.params) {
       if (key == "TSM" || key == "TSN" || key == "WPTM" || key == "WPTN") value /= 2;
     }
@@ -290,27 +295,8 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
 
 LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
                       DeviceSpan b, float beta, DeviceSpan c, const GemmOptions& options) {
-  const std::size_t tsm = cfg.param("TSM"), tsn = cfg.param("TSN");
-  const std::size_t rtsm = tsm / cfg.param("WPTM"), rtsn = tsn / cfg.param("WPTN");
-  if (rtsm * rtsn > env.device().max_work_group_size) {
-    throw std::runtime_error(fmt::format("gemm {}: work-group {}x{} exceeds the device maximum {}", cfg.text(), rtsn,
-                                         rtsm, env.device().max_work_group_size));
-  }
-  cl::Kernel k =
-      env.kernels.kernel("gemm_tiled", "gemm_tiled",
-                         fmt::format("{} {} {}", cfg.defines(), transpose_defines(s), dtype_defines(s.a, s.b, s.c)));
   const cl_uint has_bias = options.bias.buffer != nullptr;
-  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(dtype_bytes(s.a)),
-               b.buffer, b.elem_offset(dtype_bytes(s.b)), beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
-               has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias);
-  KernelLaunch l;
-  l.kernel = std::move(k);
-  l.dims = 2;
-  l.global = {(s.N + tsn - 1) / tsn * rtsn, (s.M + tsm - 1) / tsm * rtsm, 1};
-  l.local = {rtsn, rtsm, 1};
-  LaunchList list;
-  list.push_back(std::move(l));
-  return list;
+  return bind_tiled_batched(env, s, 1, {}, cfg, alpha, a, b, beta, c, has_bias ? options.bias : DeviceSpan{});
 }
 
 LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,

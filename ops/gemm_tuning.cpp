@@ -49,13 +49,14 @@ bool contains_ci(std::string_view haystack, std::string_view needle) {
 struct ParamRule {
   const char* key;
   int lo, hi;
+  int fallback = -1;  // the value when the parameter is not given; -1: it must be given
 };
 
 // The parameters each kernel takes and their sane ranges.
 const std::vector<ParamRule>& rules(GemmKernel k) {
   static const std::vector<ParamRule> packed{{"RB", 1, 16}, {"NV", 1, 4}};
-  static const std::vector<ParamRule> tiled{
-      {"TSM", 1, 256}, {"TSN", 1, 256}, {"TSK", 1, 64}, {"WPTM", 1, 16}, {"WPTN", 1, 16}};
+  static const std::vector<ParamRule> tiled{{"TSM", 1, 256}, {"TSN", 1, 256}, {"TSK", 1, 64},
+                                            {"WPTM", 1, 16}, {"WPTN", 1, 16}, {"VW", 1, 4, 1}};
   static const std::vector<ParamRule> none;
   switch (k) {
     case GemmKernel::packed:
@@ -143,12 +144,20 @@ GemmKernelConfig parse_gemm_kernel_config(std::string_view kernel, std::string_v
   }
   for (const ParamRule& r : allowed) {
     if (std::none_of(c.params.begin(), c.params.end(), [&](const auto& p) { return p.first == r.key; })) {
-      throw std::runtime_error(fmt::format("{}: kernel {} needs parameter {}", where, kernel, r.key));
+      if (r.fallback < 0)
+        throw std::runtime_error(fmt::format("{}: kernel {} needs parameter {}", where, kernel, r.key));
+      c.params.emplace_back(r.key, r.fallback);
     }
   }
   if (c.kernel == GemmKernel::tiled) {
     if (c.param("TSM") % c.param("WPTM") != 0 || c.param("TSN") % c.param("WPTN") != 0) {
       throw std::runtime_error(fmt::format("{}: tiled needs TSM % WPTM == 0 and TSN % WPTN == 0", where));
+    }
+    const int vw = c.param("VW");
+    if (vw == 3 || c.param("WPTM") % vw != 0 || c.param("WPTN") % vw != 0) {
+      throw std::runtime_error(
+          fmt::format("{}: tiled needs VW = 1, 2 or 4, dividing WPTM and WPTN (VW={}, WPTM={}, WPTN={})", where, vw,
+                      c.param("WPTM"), c.param("WPTN")));
     }
   }
   return c;

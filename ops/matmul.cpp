@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
+#include "gemm_tiled.hpp"
 #include "gemm_tuning.hpp"
 
 namespace ferry::ops {
@@ -115,30 +116,11 @@ LaunchList bind_packed(OpEnv& env, const MatmulShape& s, const GemmKernelConfig&
   return list;
 }
 
+// The GEMM's GPU kernel, batched by strides (each product's operands follow the previous one's).
 LaunchList bind_tiled(OpEnv& env, const MatmulShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
                       DeviceSpan b, DeviceSpan c) {
-  const std::size_t tsm = cfg.param("TSM"), tsn = cfg.param("TSN");
-  const std::size_t wptm = cfg.param("WPTM"), wptn = cfg.param("WPTN");
-  if (tsm % wptm != 0 || tsn % wptn != 0) {
-    throw std::invalid_argument(fmt::format("matmul {}: TSM and TSN must be multiples of WPTM and WPTN", cfg.text()));
-  }
-  const std::size_t rtsm = tsm / wptm, rtsn = tsn / wptn;
-  cl::Kernel k =
-      env.kernels.kernel("matmul", "matmul_tiled", fmt::format("{} {}", cfg.defines(), transpose_defines(s)));
-  if (rtsm * rtsn > kernel_group_limit(k, env.device())) {
-    throw std::runtime_error(fmt::format("matmul {}: work-group {}x{} exceeds what the kernel can run with ({})",
-                                         cfg.text(), rtsn, rtsm, kernel_group_limit(k, env.device())));
-  }
-  cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(), b.buffer,
-               b.elem_offset(), c.buffer, c.elem_offset());
-  KernelLaunch l;
-  l.kernel = std::move(k);
-  l.dims = 3;
-  l.global = {(s.N + tsn - 1) / tsn * rtsn, (s.M + tsm - 1) / tsm * rtsm, s.batch};
-  l.local = {rtsn, rtsm, 1};
-  LaunchList list;
-  list.push_back(std::move(l));
-  return list;
+  const GemmShape g{s.M, s.N, s.K, s.trans_a, s.trans_b};
+  return bind_tiled_batched(env, g, s.batch, {s.M * s.K, s.K * s.N, s.M * s.N}, cfg, alpha, a, b, 0.0f, c, {});
 }
 
 LaunchList bind_naive(OpEnv& env, const MatmulShape& s, float alpha, DeviceSpan a, DeviceSpan b, DeviceSpan c) {

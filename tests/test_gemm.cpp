@@ -36,14 +36,14 @@ const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64
                         {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {7, 21, 2200}, {13, 64, 2200}};
 
 // The configurations the tests force: ferry's CPU kernel in three block shapes (the AVX-512 and
-// AVX2 rows of the tuning data, and an odd one), the GPU kernel in two tile shapes (also on PoCL,
-// where it is slow but must be correct). The naive fallback is checked through a tuning override
-// below (each configuration costs PoCL compiles per transpose).
-// On a device that is not a CPU, the packed kernel runs in its first configuration only (see
-// GemmKernelTest).
+// AVX2 rows of the tuning data, and an odd one), the GPU kernel in two tile shapes, one reading its
+// local tiles as float2 (also on PoCL, where it is slow but must be correct). The naive fallback is checked through a
+// tuning override below (each configuration costs PoCL compiles per transpose). On a device that is not a CPU, the
+// packed kernel runs in its first configuration only (see GemmKernelTest).
 constexpr const char* kPacked = "packed RB=6 NV=4";
 const char* const kKernels[] = {kPacked, "packed RB=6 NV=1", "packed RB=3 NV=2",
-                                "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2", "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1"};
+                                "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2 VW=2",
+                                "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1"};
 
 // Reference in double precision from float inputs.
 std::vector<float> reference(const ops::GemmShape& s, float alpha, const std::vector<float>& a,
@@ -154,6 +154,7 @@ const DtypeCase kDtypeCases[] = {
     {kPacked, DType::f32, DType::f16, DType::bf16, true, false, 0.5f},
     {kTiled, DType::f32, DType::f16, DType::bf16, false, false, 0.5f},
     {kTiled, DType::bf16, DType::f32, DType::f16, true, true, 0.0f},
+    {"tiled TSM=32 TSN=16 TSK=4 WPTM=4 WPTN=4 VW=4", DType::f16, DType::bf16, DType::f32, false, true, 0.5f},
     {"naive", DType::f16, DType::bf16, DType::f16, false, true, 0.5f},
 };
 
@@ -332,6 +333,21 @@ TEST(GemmTuning, TiledTileShrinksForSmallProducts) {
   std::filesystem::remove(path);
 }
 
+// The fit never halves the results per work-item below the vector width the kernel reads with.
+TEST(GemmTuning, TiledTileKeepsItsVectorWidth) {
+  auto& dev = TestDevice::get();
+  const std::string path =
+      write_temp("tuning_tiled_vw", "*\t*\t*\t\tferry\ttiled\tTSM=64 TSN=64 TSK=8 WPTM=8 WPTN=8 VW=4\n");
+  ScopedEnv env("FERRY_GEMM_TUNING", path);
+  const ops::GemmShape s{7, 9, 5};  // one tile at any size: halving stops at 4 x 4 per work-item
+  const std::string desc = ops::gemm_kernel_description(dev.env, s);
+  if (dev.context.device().compute_units > 1) {
+    EXPECT_NE(desc.find("tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=4 VW=4"), std::string::npos) << desc;
+  }
+  check_gemm(s, {}, 1.0f, 0.5f, true, desc.c_str());
+  std::filesystem::remove(path);
+}
+
 TEST(GemmTuning, BadRowsNameFileAndLine) {
   auto& dev = TestDevice::get();
   const struct {
@@ -344,6 +360,7 @@ TEST(GemmTuning, BadRowsNameFileAndLine) {
       {"phone\t*\t*\tferry\tnaive\t-\n", ":1: device type 'phone'"},
       {"*\t*\t*\tcublas\tnaive\t-\n", ":1: backend 'cublas'"},
       {"*\t*\t*\tferry\tpacked\tRB=0 NV=4\n", ":1: RB=0 is not an integer"},
+      {"*\t*\t*\tferry\ttiled\tTSM=64 TSN=64 TSK=8 WPTM=2 WPTN=2 VW=4\n", ":1: tiled needs VW = 1, 2 or 4, dividing"},
       {"gpu\t*\t*\tferry\tnaive\t-\n", "has no row for device"},  // valid, but matches no CPU
   };
   int i = 0;

@@ -29,7 +29,7 @@ const char* const kernels[] = {"",
                                "packed RB=6 NV=4",
                                "packed RB=1 NV=1",
                                "packed RB=5 NV=2",
-                               "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2",
+                               "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2 VW=2",
                                "tiled TSM=16 TSN=8 TSK=4 WPTM=4 WPTN=1",
                                "naive"};
 

@@ -1,12 +1,25 @@
-// Local-memory tiled GEMM for GPUs. A work-group computes a TSM x TSN tile of C with
-// (TSM / WPTM) x (TSN / WPTN) work-items, each holding WPTM x WPTN results in registers. Per step
-// of TSK along k the group stages op(A) and op(B) tiles in __local memory (zero-filled past the
-// matrix edges, so every shape and both transposes are handled). A work-item's results are strided
-// by the group width so that neighbouring work-items touch neighbouring columns of C.
-// Parameters (-D): TSM, TSN, TSK, WPTM, WPTN, TRANS_A, TRANS_B, and the storage types
-// A_NAME / B_NAME / C_NAME = F32 | F16 | BF16 (dtype.clh; F32 when not given): narrow operands are
-// widened as they are staged in local memory and C is rounded as it is stored, so mixed precision
-// needs no f32 copies. Offsets are whole elements (no pointer arithmetic on half*).
+// Local-memory tiled GEMM for GPUs, strided-batched: C[z] = alpha op(A[z]) op(B[z]) + beta C[z]
+// (+ bias) for z = get_group_id(2), each operand z * its batch stride elements past its offset.
+//
+// A work-group computes a TSM x TSN tile of C with (TSM / WPTM) x (TSN / WPTN) work-items, each
+// holding WPTM x WPTN results in registers. Per step of TSK along k the group stages op(A) and
+// op(B) tiles in __local memory (zero-filled past the matrix edges, so every shape and both
+// transposes are handled). What makes it fast on a GPU:
+//  - Double buffering: two local tiles. While the group multiplies out of one, each work-item has
+//    already issued its global loads for the next step into registers (stored into the other tile
+//    at the next step), so global latency hides behind the arithmetic; one barrier per step.
+//  - Vector reads of the local tiles: a work-item's rows (and columns) come in runs of VW
+//    consecutive ones, runs strided by the group's extent, so each step reads WPTM / VW + WPTN / VW
+//    vectors of VW floats for WPTM x WPTN fused multiply-adds, and neighbouring work-items read
+//    neighbouring vectors (no bank conflicts).
+//  - The local rows are padded by 4 floats: where the loads walk along k (A not transposed, B
+//    transposed), neighbouring work-items store into one column of the tile, which without the
+//    padding is one memory bank.
+// Parameters (-D): TSM, TSN, TSK, WPTM, WPTN, VW (1, 2 or 4, dividing WPTM and WPTN), TRANS_A,
+// TRANS_B, and the storage types A_NAME / B_NAME / C_NAME = F32 | F16 | BF16 (dtype.clh; F32 when
+// not given): narrow operands are widened as they are staged in local memory and C is rounded as
+// it is stored, so mixed precision needs no f32 copies. Offsets and strides are whole elements (no
+// pointer arithmetic on half*).
 #include "dtype.clh"
 #ifndef A_NAME
 #define A_NAME F32
@@ -17,73 +30,138 @@
 #ifndef C_NAME
 #define C_NAME F32
 #endif
+#ifndef VW
+#define VW 1
+#endif
 #define RTSM (TSM / WPTM)
 #define RTSN (TSN / WPTN)
 #define THREADS (RTSM * RTSN)
+#define LDA (TSM + 4)
+#define LDB (TSN + 4)
+#define A_LOADS ((TSK * TSM + THREADS - 1) / THREADS)
+#define B_LOADS ((TSK * TSN + THREADS - 1) / THREADS)
+
+#if VW == 1
+#define VTYPE float
+#define UNPACK(v, dst) (dst)[0] = (v)
+#elif VW == 2
+#define VTYPE float2
+#define UNPACK(v, dst) ((dst)[0] = (v).s0, (dst)[1] = (v).s1)
+#elif VW == 4
+#define VTYPE float4
+#define UNPACK(v, dst) ((dst)[0] = (v).s0, (dst)[1] = (v).s1, (dst)[2] = (v).s2, (dst)[3] = (v).s3)
+#else
+#error "VW must be 1, 2 or 4"
+#endif
+#if WPTM % VW != 0 || WPTN % VW != 0
+#error "VW must divide WPTM and WPTN"
+#endif
 
 __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
     uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
     __global const STORAGE(B_NAME)* b, ulong b_off, float beta, __global STORAGE(C_NAME)* c, ulong c_off,
-    __global const float* bias, ulong bias_off, uint has_bias) {
+    __global const float* bias, ulong bias_off, uint has_bias, ulong a_batch, ulong b_batch, ulong c_batch) {
   const uint tn = get_local_id(0);
   const uint tm = get_local_id(1);
   const uint tid = tm * RTSN + tn;
   const uint col0 = get_group_id(0) * TSN;
   const uint row0 = get_group_id(1) * TSM;
+  const ulong z = get_group_id(2);
+  a_off += z * a_batch;
+  b_off += z * b_batch;
+  c_off += z * c_batch;
 
-  __local float as[TSK][TSM];
-  __local float bs[TSK][TSN];
+  // Vector-typed so that the compute loop's reads are aligned vector loads; stored as floats.
+  // One dimension each: tile `buf`, row kk starts at (buf * TSK + kk) * LDA floats.
+  __local VTYPE as[2 * TSK * LDA / VW];
+  __local VTYPE bs[2 * TSK * LDB / VW];
+  __local float* const asf = (__local float*)as;
+  __local float* const bsf = (__local float*)bs;
+
   float acc[WPTM][WPTN];
+#pragma unroll
   for (uint i = 0; i < WPTM; ++i) {
+#pragma unroll
     for (uint j = 0; j < WPTN; ++j) acc[i][j] = 0.0f;
   }
+  float ra[A_LOADS], rb[B_LOADS];
 
-  for (uint k0 = 0; k0 < K; k0 += TSK) {
-    // Consecutive work-items read consecutive addresses of whichever layout A and B have.
-    for (uint i = tid; i < TSK * TSM; i += THREADS) {
-#if TRANS_A
-      const uint kk = i / TSM, mm = i % TSM;
-#else
-      const uint mm = i / TSK, kk = i % TSK;
-#endif
-      const uint gm = row0 + mm, gk = k0 + kk;
-#if TRANS_A
-      as[kk][mm] = gm < M && gk < K ? LOAD(A_NAME, a, a_off + (ulong)gk * M + gm) : 0.0f;
-#else
-      as[kk][mm] = gm < M && gk < K ? LOAD(A_NAME, a, a_off + (ulong)gm * K + gk) : 0.0f;
-#endif
+  // Each step stores the registers loaded during the previous one into tile t % 2, waits for the
+  // group, issues the global loads of the next step into the registers and multiplies out of the
+  // tile while they are in flight. One barrier per step suffices: a work-item storing into tile
+  // t % 2 at step t has passed the barrier of step t - 1, which every work-item reached only after
+  // it had finished reading that tile at step t - 2.
+  const uint steps = (K + TSK - 1) / TSK;
+  for (uint t = 0; t <= steps; ++t) {
+    const uint buf = t & 1;
+    if (t > 0) {  // the same for the whole group, so the barrier below is reached by all
+#pragma unroll
+      for (uint r = 0; r < A_LOADS; ++r) {
+        const uint i = tid + r * THREADS;
+        const uint kk = TRANS_A ? i / TSM : i % TSK, mm = TRANS_A ? i % TSM : i / TSK;
+        if (i < TSK * TSM) asf[(buf * TSK + kk) * LDA + mm] = ra[r];
+      }
+#pragma unroll
+      for (uint r = 0; r < B_LOADS; ++r) {
+        const uint i = tid + r * THREADS;
+        const uint kk = TRANS_B ? i % TSK : i / TSN, nn = TRANS_B ? i / TSK : i % TSN;
+        if (i < TSK * TSN) bsf[(buf * TSK + kk) * LDB + nn] = rb[r];
+      }
+      barrier(CLK_LOCAL_MEM_FENCE);
     }
-    for (uint i = tid; i < TSK * TSN; i += THREADS) {
-#if TRANS_B
-      const uint nn = i / TSK, kk = i % TSK;
-#else
-      const uint kk = i / TSN, nn = i % TSN;
-#endif
-      const uint gn = col0 + nn, gk = k0 + kk;
-#if TRANS_B
-      bs[kk][nn] = gn < N && gk < K ? LOAD(B_NAME, b, b_off + (ulong)gn * K + gk) : 0.0f;
-#else
-      bs[kk][nn] = gn < N && gk < K ? LOAD(B_NAME, b, b_off + (ulong)gk * N + gn) : 0.0f;
-#endif
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint kk = 0; kk < TSK; ++kk) {
-      float bv[WPTN];
-      for (uint j = 0; j < WPTN; ++j) bv[j] = bs[kk][tn + j * RTSN];
-      for (uint i = 0; i < WPTM; ++i) {
-        const float av = as[kk][tm + i * RTSM];
-        for (uint j = 0; j < WPTN; ++j) acc[i][j] = fma(av, bv[j], acc[i][j]);
+    if (t < steps) {
+      // Global -> registers for step t (multiplied at step t + 1). Consecutive work-items read
+      // consecutive addresses of whichever layout A and B have.
+      const uint k0 = t * TSK;
+#pragma unroll
+      for (uint r = 0; r < A_LOADS; ++r) {
+        const uint i = tid + r * THREADS;
+        const uint kk = TRANS_A ? i / TSM : i % TSK, mm = TRANS_A ? i % TSM : i / TSK;
+        const uint gm = row0 + mm, gk = k0 + kk;
+        const ulong at = TRANS_A ? a_off + (ulong)gk * M + gm : a_off + (ulong)gm * K + gk;
+        ra[r] = i < TSK * TSM && gm < M && gk < K ? LOAD(A_NAME, a, at) : 0.0f;
+      }
+#pragma unroll
+      for (uint r = 0; r < B_LOADS; ++r) {
+        const uint i = tid + r * THREADS;
+        const uint kk = TRANS_B ? i % TSK : i / TSN, nn = TRANS_B ? i / TSK : i % TSN;
+        const uint gn = col0 + nn, gk = k0 + kk;
+        const ulong at = TRANS_B ? b_off + (ulong)gn * K + gk : b_off + (ulong)gk * N + gn;
+        rb[r] = i < TSK * TSN && gn < N && gk < K ? LOAD(B_NAME, b, at) : 0.0f;
       }
     }
-    barrier(CLK_LOCAL_MEM_FENCE);
+    if (t > 0) {
+#pragma unroll
+      for (uint kk = 0; kk < TSK; ++kk) {
+        float av[WPTM], bv[WPTN];
+#pragma unroll
+        for (uint g = 0; g < WPTM / VW; ++g) {
+          const VTYPE v = as[(buf * TSK + kk) * (LDA / VW) + g * RTSM + tm];
+          UNPACK(v, av + g * VW);
+        }
+#pragma unroll
+        for (uint g = 0; g < WPTN / VW; ++g) {
+          const VTYPE v = bs[(buf * TSK + kk) * (LDB / VW) + g * RTSN + tn];
+          UNPACK(v, bv + g * VW);
+        }
+#pragma unroll
+        for (uint i = 0; i < WPTM; ++i) {
+#pragma unroll
+          for (uint j = 0; j < WPTN; ++j) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
+        }
+      }
+    }
   }
 
+  // Result (i, j) is row (i / VW * RTSM + tm) * VW + i % VW of the tile, and likewise for columns.
+#pragma unroll
   for (uint i = 0; i < WPTM; ++i) {
-    const uint row = row0 + tm + i * RTSM;
-    if (row >= M) break;
+    const uint row = row0 + ((i / VW) * RTSM + tm) * VW + i % VW;
+    if (row >= M) continue;
+#pragma unroll
     for (uint j = 0; j < WPTN; ++j) {
-      const uint col = col0 + tn + j * RTSN;
-      if (col >= N) break;
+      const uint col = col0 + ((j / VW) * RTSN + tn) * VW + j % VW;
+      if (col >= N) continue;
       const ulong at = c_off + (ulong)row * N + col;
       float out = alpha * acc[i][j];
       if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);  // beta = 0: C is not read (it may hold NaN)

@@ -4,13 +4,13 @@
 // (TRANS_B=0) or B^T with B stored [N, K]. Batch b of each operand starts at b times its matrix
 // size past the operand's element offset. C is overwritten (never read), so it may hold NaN.
 //
-// Three kernels, chosen by the GEMM tuning data of the device (ops/tuning/gemm.tsv), each compiled
-// only when its parameters are defined:
+// Chosen by the GEMM tuning data of the device (ops/tuning/gemm.tsv), each compiled only when its
+// parameters are defined:
 //   matmul_pack_b + matmul_packed  (RB, NV, DIRECT_B)  CPU devices: op(B) of every batch is copied
 //       into k-major panels NB = 16 NV columns wide (the op's scratch), then a work-item computes RB
 //       rows by NB columns with float16 accumulators in named registers, as gemm_packed.cl does.
 //       A small B that is not transposed is read in place instead (DIRECT_B=1, no packing).
-//   matmul_tiled  (TSM, TSN, TSK, WPTM, WPTN)  GPUs: local-memory tiles, as gemm_tiled.cl does.
+//   (GPUs run gemm_tiled.cl itself, batched by strides: ops/gemm_tiled.cpp.)
 //   matmul_naive  one result per work-item (the fallback).
 // No atomics and a fixed k order: the same inputs give the same bits on every run.
 
@@ -169,86 +169,6 @@ __kernel void matmul_packed(uint M, uint N, uint K, float alpha, __global const 
 }
 #endif  // RB && NV
 
-#if defined(TSM) && defined(TSN) && defined(TSK) && defined(WPTM) && defined(WPTN)
-#define RTSM (TSM / WPTM)
-#define RTSN (TSN / WPTN)
-#define THREADS (RTSM * RTSN)
-
-// A work-group computes a TSM x TSN tile of C[get_group_id(2)] with RTSN x RTSM work-items, each
-// holding WPTM x WPTN results strided by the group's extent (neighbouring work-items write
-// neighbouring columns). Tiles of op(A) and op(B), TSK deep, are staged in local memory and
-// zero-filled past the matrix edges, so every shape and both transposes are handled.
-__kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void matmul_tiled(
-    uint M, uint N, uint K, float alpha, __global const float* a, ulong a_off, __global const float* b, ulong b_off,
-    __global float* c, ulong c_off) {
-  const uint tn = get_local_id(0);
-  const uint tm = get_local_id(1);
-  const uint tid = tm * RTSN + tn;
-  const uint col0 = get_group_id(0) * TSN;
-  const uint row0 = get_group_id(1) * TSM;
-  const ulong batch = get_global_id(2);
-  a += a_off + batch * ((ulong)M * K);
-  b += b_off + batch * ((ulong)K * N);
-  c += c_off + batch * ((ulong)M * N);
-
-  __local float as[TSK][TSM];
-  __local float bs[TSK][TSN];
-  float acc[WPTM][WPTN];
-  for (uint i = 0; i < WPTM; ++i) {
-    for (uint j = 0; j < WPTN; ++j) acc[i][j] = 0.0f;
-  }
-
-  for (uint k0 = 0; k0 < K; k0 += TSK) {
-    // Consecutive work-items read consecutive addresses of whichever layout A and B have.
-    for (uint i = tid; i < TSK * TSM; i += THREADS) {
-#if TRANS_A
-      const uint kk = i / TSM, mm = i % TSM;
-#else
-      const uint mm = i / TSK, kk = i % TSK;
-#endif
-      const uint gm = row0 + mm, gk = k0 + kk;
-#if TRANS_A
-      as[kk][mm] = gm < M && gk < K ? a[(ulong)gk * M + gm] : 0.0f;
-#else
-      as[kk][mm] = gm < M && gk < K ? a[(ulong)gm * K + gk] : 0.0f;
-#endif
-    }
-    for (uint i = tid; i < TSK * TSN; i += THREADS) {
-#if TRANS_B
-      const uint nn = i / TSK, kk = i % TSK;
-#else
-      const uint kk = i / TSN, nn = i % TSN;
-#endif
-      const uint gn = col0 + nn, gk = k0 + kk;
-#if TRANS_B
-      bs[kk][nn] = gn < N && gk < K ? b[(ulong)gn * K + gk] : 0.0f;
-#else
-      bs[kk][nn] = gn < N && gk < K ? b[(ulong)gk * N + gn] : 0.0f;
-#endif
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint kk = 0; kk < TSK; ++kk) {
-      float bv[WPTN];
-      for (uint j = 0; j < WPTN; ++j) bv[j] = bs[kk][tn + j * RTSN];
-      for (uint i = 0; i < WPTM; ++i) {
-        const float av = as[kk][tm + i * RTSM];
-        for (uint j = 0; j < WPTN; ++j) acc[i][j] = fma(av, bv[j], acc[i][j]);
-      }
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-
-  for (uint i = 0; i < WPTM; ++i) {
-    const uint row = row0 + tm + i * RTSM;
-    if (row >= M) break;
-    for (uint j = 0; j < WPTN; ++j) {
-      const uint col = col0 + tn + j * RTSN;
-      if (col >= N) break;
-      c[(ulong)row * N + col] = alpha * acc[i][j];
-    }
-  }
-}
-#endif  // TSM ...
 
 // One result per work-item: (column, row, batch) on dimensions (0, 1, 2), guarded past N and M.
 __kernel void matmul_naive(uint M, uint N, uint K, float alpha, __global const float* a, ulong a_off,
