@@ -250,7 +250,7 @@ bool enabled_by_env() {
 // tests/oclgrind forces) runs Winograd. The AVX2 row (NV = 1) would spill it; those devices keep
 // the implicit GEMM until Winograd is measured and given a block of their own there.
 bool holds_register_block(OpEnv& env) {
-  const GemmTuningRow row = gemm_tuning_for(env.device());
+  const GemmTuningRow row = gemm_tuning_for(env);
   return row.config.kernel == GemmKernel::packed && row.config.param("NV") >= 4;
 }
 

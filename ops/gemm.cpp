@@ -40,7 +40,7 @@ GemmPlan plan(OpEnv& env, const GemmOptions& options) {
     p.origin = "GemmOptions::kernel";
     p.backend = options.backend == GemmBackend::clblast ? GemmBackend::clblast : GemmBackend::ferry;
   } else {
-    GemmTuningRow row = gemm_tuning_for(env.device());
+    GemmTuningRow row = gemm_tuning_for(env);
     p.config = std::move(row.config);
     p.origin = fmt::format("{}:{}", row.source, row.line);
     p.backend = options.backend;
@@ -109,7 +109,7 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
 
 // The plan's kernel parameters fitted to this shape (both fits leave the other kernel's alone).
 GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
-  return fit_tiled(s, fit_packed(s, p.config, o), env.device().compute_units, o.kernel.empty());
+  return fit_tiled(s, fit_packed(s, p.config, o), env.device().compute_units, o.kernel.empty() || o.kernel_as_row);
 }
 
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of at

@@ -6,12 +6,17 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
+
+#include "ferry/ops/gemm_tune.hpp"
+#include "gemm_tune_cache.hpp"
 
 namespace ferry::ops {
 namespace {
@@ -209,14 +214,22 @@ std::vector<GemmTuningRow> parse_gemm_tuning(std::string_view text, const std::s
   return rows;
 }
 
-GemmTuningRow gemm_tuning_for(const cl::DeviceInfo& device) {
-  static std::mutex mutex;
-  static std::map<std::string, std::vector<GemmTuningRow>> parsed;  // by file path; "" = embedded
-  const char* env = std::getenv("FERRY_GEMM_TUNING");
-  const std::string path = env ? env : "";
-  std::lock_guard lock(mutex);
-  auto it = parsed.find(path);
-  if (it == parsed.end()) {
+namespace {
+
+struct TuningState {
+  std::recursive_mutex mutex;                                // the tuner, run under it, clears `chosen` when it is done
+  std::map<std::string, std::vector<GemmTuningRow>> parsed;  // by file path; "" = embedded
+  std::map<std::pair<std::string, cl_device_id>, GemmTuningRow> chosen;  // per tuning file and device
+};
+
+TuningState& state() {
+  static TuningState s;
+  return s;
+}
+
+const std::vector<GemmTuningRow>& rows_of(TuningState& st, const std::string& path) {
+  auto it = st.parsed.find(path);
+  if (it == st.parsed.end()) {
     std::vector<GemmTuningRow> rows;
     if (path.empty()) {
       rows = parse_gemm_tuning(embedded_gemm_tuning(), "ops/tuning/gemm.tsv (embedded)");
@@ -227,14 +240,85 @@ GemmTuningRow gemm_tuning_for(const cl::DeviceInfo& device) {
       ss << in.rdbuf();
       rows = parse_gemm_tuning(ss.str(), path);
     }
-    it = parsed.emplace(path, std::move(rows)).first;
+    it = st.parsed.emplace(path, std::move(rows)).first;
   }
-  for (const GemmTuningRow& row : it->second) {
+  return it->second;
+}
+
+const GemmTuningRow& first_match(const std::vector<GemmTuningRow>& rows, const std::string& source,
+                                 const cl::DeviceInfo& device) {
+  for (const GemmTuningRow& row : rows) {
     if (row.matches(device)) return row;
   }
-  throw std::runtime_error(fmt::format("GEMM tuning data {} has no row for device '{}' ({}, vendor '{}')",
-                                       path.empty() ? "ops/tuning/gemm.tsv (embedded)" : path, device.name,
-                                       device.type_name(), device.vendor));
+  throw std::runtime_error(fmt::format("GEMM tuning data {} has no row for device '{}' ({}, vendor '{}')", source,
+                                       device.name, device.type_name(), device.vendor));
+}
+
+// First use on a device without a row of its own: the tuner's bounded search, with a line of
+// progress on stderr (it can take up to a minute, once per device and driver).
+GemmTuningRow tune_now(OpEnv& env, TuneMode mode) {
+  const cl::DeviceInfo& device = env.device();
+  std::fprintf(stderr,
+               "ferry: tuning the GEMM kernel for '%s' (first use on this device and driver, about %.0f s at most; "
+               "`ferry tune` does it ahead of time, FERRY_TUNE=off skips it)\n",
+               device.name.c_str(), tune_budget_from_env() + 5);
+  GemmTuneOptions o;
+  o.mode = mode;
+  o.budget_seconds = tune_budget_from_env();
+  o.progress = [](const GemmTuneProgress& p) {
+    std::fprintf(stderr, "\rferry: tuning GEMM %s %zu/%zu, best %.0f GFLOPS   ", p.stage.c_str(), p.done, p.total,
+                 p.best_gflops);
+    std::fflush(stderr);
+  };
+  const GemmTuneResult r = tune_gemm(env, o);
+  std::fprintf(stderr, "\rferry: tuned GEMM in %.1f s: %s (%.0f GFLOPS over %zu shapes)%s%s\n", r.seconds,
+               r.best.c_str(), r.best_gflops, r.shapes.size(), r.cache_path.empty() ? "" : ", saved in ",
+               r.cache_path.c_str());
+  if (!r.cache_path.empty()) {
+    if (auto saved = read_gemm_tune_cache(r.cache_path, device)) return *saved;  // names the file and line
+  }
+  return parse_gemm_tuning(r.row, "tuned now (not cached)").at(0);
+}
+
+}  // namespace
+
+bool GemmTuningRow::names_device() const {
+  return name != "*";
+}
+
+std::string gemm_tuning_choice(OpEnv& env) {
+  const GemmTuningRow row = gemm_tuning_for(env);
+  return fmt::format("{} ({}:{})", row.config.text(), row.source, row.line);
+}
+
+void forget_gemm_tuning() {
+  TuningState& st = state();
+  std::lock_guard lock(st.mutex);
+  st.chosen.clear();
+}
+
+GemmTuningRow gemm_tuning_for(OpEnv& env) {
+  const cl::DeviceInfo& device = env.device();
+  TuningState& st = state();
+  const char* env_file = std::getenv("FERRY_GEMM_TUNING");
+  const std::string path = env_file ? env_file : "";
+  std::lock_guard lock(st.mutex);
+  const auto key = std::make_pair(path, device.id);
+  if (auto it = st.chosen.find(key); it != st.chosen.end()) return it->second;
+  const GemmTuningRow& listed =
+      first_match(rows_of(st, path), path.empty() ? "ops/tuning/gemm.tsv (embedded)" : path, device);
+  GemmTuningRow row = listed;
+  if (!listed.names_device()) {
+    // No row of its own: the tuner's cached winner, else a search now. FERRY_TUNE=off: neither,
+    // the tuning data alone decides.
+    if (const TuneMode mode = tune_mode_from_env(); mode != TuneMode::off) {
+      const std::string cache = gemm_tune_cache_path(env);
+      std::optional<GemmTuningRow> cached = cache.empty() ? std::nullopt : read_gemm_tune_cache(cache, device);
+      row = cached ? std::move(*cached) : tune_now(env, mode);
+    }
+  }
+  st.chosen.emplace(key, row);
+  return row;
 }
 
 }  // namespace ferry::ops

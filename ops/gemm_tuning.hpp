@@ -35,6 +35,9 @@ struct GemmTuningRow {
   GemmBackend backend = GemmBackend::ferry;
   GemmKernelConfig config;
   bool matches(const cl::DeviceInfo& device) const;
+  // Whether the row names a device (its name field is not "*"): such a row is what someone
+  // measured for that device, and wins over the tuner.
+  bool names_device() const;
 };
 
 // Parses a whole tuning file; throws std::runtime_error("<source>:<line>: ...") on a bad row.
@@ -45,7 +48,13 @@ GemmKernelConfig parse_gemm_kernel_config(std::string_view kernel, std::string_v
 // Parses one spec string "kernel KEY=VALUE ..." (GemmOptions::kernel, MatmulOptions::kernel).
 GemmKernelConfig parse_gemm_kernel_spec(std::string_view spec, const std::string& where);
 
-// The first row of the active tuning data matching the device; throws if none matches.
-GemmTuningRow gemm_tuning_for(const cl::DeviceInfo& device);
+// The row gemm() follows on env's device, chosen once per process and device:
+//  1. the first matching row of ops/tuning/gemm.tsv (or of the file FERRY_GEMM_TUNING names, which
+//     replaces it) when it names the device;
+//  2. else, unless FERRY_TUNE=off, the tuner's cached winner for this device and driver
+//     (gemm_tune.hpp), or a bounded search now whose winner is cached;
+//  3. else (FERRY_TUNE=off) that first matching, generic row.
+// Throws if no row matches, or when a tuning file is malformed.
+GemmTuningRow gemm_tuning_for(OpEnv& env);
 
 }  // namespace ferry::ops

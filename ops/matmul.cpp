@@ -26,7 +26,7 @@ MatmulPlan plan(OpEnv& env, const MatmulOptions& options) {
     p.origin = "MatmulOptions::kernel";
   } else {
     // The GEMM row's ferry kernel, whatever backend it names: CLBlast's batched GEMM is not bound.
-    GemmTuningRow row = gemm_tuning_for(env.device());
+    GemmTuningRow row = gemm_tuning_for(env);
     p.config = std::move(row.config);
     p.origin = fmt::format("{}:{}", row.source, row.line);
   }

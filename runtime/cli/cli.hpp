@@ -118,6 +118,14 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 // `ferry plan` (runtime/cli/plan.cpp).
 int cmd_plan(const TrainArgs& a);
 
+struct TuneArgs {
+  std::string device, mode = "quick";
+  double budget_seconds = 60;
+  bool json = false, quiet = false;
+};
+// `ferry tune` (runtime/cli/tune.cpp).
+int cmd_tune(const TuneArgs& a);
+
 // "h:mm:ss".
 std::string clock_string(double seconds);
 

@@ -595,6 +595,21 @@ int main(int argc, char** argv) {
   plan->add_option("--gemm-gflops", t.gemm_gflops,
                    "GEMM rate in GFLOP/s for the step-time prediction (default: measured on the device)")
       ->check(CLI::PositiveNumber);
+  TuneArgs tune_args;
+  auto* tune = app.add_subcommand(
+      "tune",
+      "Tune the GEMM kernel for a device ahead of first use (a bounded search; the winner is cached beside the "
+      "program cache and used wherever ops/tuning/gemm.tsv has no row naming the device)");
+  tune->add_option("--device", tune_args.device,
+                   "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
+  tune->add_option("--mode", tune_args.mode, "quick: the likeliest candidates; full: all of them")
+      ->check(CLI::IsMember({"quick", "full"}))
+      ->capture_default_str();
+  tune->add_option("--budget-seconds", tune_args.budget_seconds, "Stop starting candidates after this long")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  tune->add_flag("--json", tune_args.json, "End with one JSON line of results on stdout");
+  tune->add_flag("--quiet", tune_args.quiet, "No progress output");
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;
   t.argv.assign(argv, argv + argc);
@@ -603,6 +618,7 @@ int main(int argc, char** argv) {
     if (train->parsed()) check_outputs(t);  // before any data is loaded or step run
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);
+    if (tune->parsed()) return cmd_tune(tune_args);
   } catch (const std::exception& e) {
     std::cerr << "ferry: error: " << e.what() << "\n";
     return 1;

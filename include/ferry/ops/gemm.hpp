@@ -35,6 +35,10 @@ struct GemmOptions {
   // written as in the tuning file's kernel and params columns, e.g. "packed RB=4 NV=4" or
   // "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2". For tests and the tuner (`ferry-bench gemm --tune`).
   std::string kernel{};
+  // With `kernel`: fit it to each shape as a row of the tuning data is fitted (a smaller tile for
+  // a product with fewer tiles than compute units, a narrower panel), so the tuner measures a
+  // candidate row as gemm() would run it.
+  bool kernel_as_row = false;
   // Optional NCHW views of B and C for convolutions (only where gemm_takes_planes() says so):
   // with b_planes = P, B's stored matrix [rows, cols] ([K, N], or [N, K] transposed) is a batch of
   // planes of P columns, element (i, j) at ((j / P) * rows + i) * P + j % P: the [channels, G*PQ]

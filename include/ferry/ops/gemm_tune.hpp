@@ -1,0 +1,88 @@
+// Tuning ferry's GEMM kernel for the device it runs on: a bounded search over the kernel's
+// parameters (register blocks of the CPU kernel; tiles, work per work-item, local depth and vector
+// width of the GPU kernel), measured on square products and the products of the MLP and GPT
+// training steps. The winner is cached per device, driver and kernel source beside the program
+// cache, and gemm() uses it wherever ops/tuning/gemm.tsv has no row naming the device.
+//
+// When it runs: on first use of a GEMM on a device without a cached row or a row of the tuning
+// data naming it (FERRY_TUNE=quick, the default: at most about FERRY_TUNE_BUDGET_S = 60 s, once per
+// device and driver), or ahead of time with `ferry tune`. FERRY_TUNE=off neither tunes nor reads
+// the cache (the tuning data's generic row runs); FERRY_TUNE=full searches every candidate on first use.
+// FERRY_GEMM_TUNING=path replaces the shipped tuning data under the same rules.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ferry/cl/device.hpp"
+#include "ferry/ops/gemm.hpp"
+
+namespace ferry::ops {
+
+enum class TuneMode { off, quick, full };
+
+// FERRY_TUNE: off | quick | full (quick when unset); throws std::invalid_argument on anything else.
+TuneMode tune_mode_from_env();
+const char* tune_mode_name(TuneMode mode);
+// FERRY_TUNE_BUDGET_S (seconds, > 0; 60 when unset): the first-use search's budget. Throws
+// std::invalid_argument on a value that is not a positive number.
+double tune_budget_from_env();
+
+// The kernels a search in `mode` lists for a device, likeliest first: the CPU kernel's register
+// blocks on CPUs, the GPU kernel's tiles elsewhere (those fitting its work-group and local memory).
+std::vector<std::string> gemm_tune_candidates(const cl::DeviceInfo& device, TuneMode mode);
+
+// Drops this process's choices of rows, so the next GEMM plan reads the tuning data, the cache and
+// FERRY_TUNE again (tune_gemm does this itself; tests use it after changing the environment).
+void forget_gemm_tuning();
+
+struct GemmTuneProgress {
+  std::size_t done = 0, total = 0;  // candidates measured (or skipped), candidates planned
+  std::string stage;                // "probe" (every candidate, one shape) or "shapes" (the best few, all shapes)
+  std::string best;                 // best kernel so far, "" before the first
+  double best_gflops = 0;
+};
+
+struct GemmTuneOptions {
+  TuneMode mode = TuneMode::quick;                        // quick: a short list of likely candidates; full: all of them
+  double budget_seconds = 60;                             // the search stops starting candidates past this
+  std::function<void(const GemmTuneProgress&)> progress;  // optional, after each candidate
+};
+
+struct GemmTuneCandidate {
+  std::string kernel;       // "tiled TSM=128 ..." as a tuning row writes it
+  double probe_gflops = 0;  // on the probe shape
+  double score_gflops = 0;  // geometric mean over all shapes (0 if it did not reach stage 2)
+  std::string error;        // why it was skipped (its kernel failed to build or run), else ""
+};
+
+struct GemmTuneResult {
+  std::string device;
+  std::string best;        // the winner, "kernel KEY=VALUE ..."
+  double best_gflops = 0;  // its geometric mean over `shapes`
+  std::vector<GemmShape> shapes;
+  std::vector<double> best_shape_gflops;      // the winner on each of `shapes`
+  std::vector<GemmTuneCandidate> candidates;  // in the order measured
+  std::size_t planned = 0;                    // candidates the mode lists
+  double seconds = 0;
+  bool budget_ran_out = false;
+  std::string row;         // the tuning-file row for this device
+  std::string cache_path;  // where it was saved ("" when the program cache is off)
+};
+
+// Runs the search on env's device and saves the winner in the tuning cache (replacing any cached
+// row). Throws std::runtime_error when no candidate could run at all.
+GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options = {});
+
+// The row gemm() follows on env's device and where it comes from, e.g. "tiled TSM=128 ... VW=4
+// (<cache file>)" or "packed RB=6 NV=1 (ops/tuning/gemm.tsv (embedded):23)". May tune first (see
+// gemm_tuning_for's order in the header comment above).
+std::string gemm_tuning_choice(OpEnv& env);
+
+// The cache file for env's device ("" when the program cache is off: FERRY_PROGRAM_CACHE=0 or no
+// cache folder).
+std::string gemm_tune_cache_path(OpEnv& env);
+
+}  // namespace ferry::ops

@@ -1,0 +1,115 @@
+// The GEMM tuning cache (see gemm_tune_cache.hpp). Format:
+//   # ferry GEMM tuning cache, written by the tuner (`ferry tune`); delete it to tune again.
+//   # <comment lines>
+//   <one row in ops/tuning/gemm.tsv's format, naming this device>
+//   # checksum <16 hex digits: FNV-1a of every line above>
+#include "gemm_tune_cache.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "ferry/cl/program.hpp"
+
+namespace ferry::ops {
+namespace {
+
+std::uint64_t fnv1a(std::string_view s, std::uint64_t h = 0xcbf29ce484222325ull) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// What the cached winner depends on: the device, its driver and the kernels being tuned.
+std::uint64_t cache_key(const cl::DeviceInfo& d) {
+  std::uint64_t h = fnv1a(d.platform_name + '\n' + d.platform_version + '\n' + d.name + '\n' + d.vendor + '\n' +
+                          d.version + '\n' + d.driver + '\n');
+  for (const auto& [name, text] : cl::embedded_kernel_sources()) {
+    if (name == "gemm_tiled.cl" || name == "gemm_packed.cl" || name == "dtype.clh") h = fnv1a(text, fnv1a(name, h));
+  }
+  return h;
+}
+
+void warn(const std::string& path, const std::string& what) {
+  std::fprintf(stderr, "ferry: warning: GEMM tuning cache %s %s; it will be tuned again and replaced\n", path.c_str(),
+               what.c_str());
+}
+
+}  // namespace
+
+std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& device) {
+  return (std::filesystem::path(dir) / fmt::format("gemm-tuning-{:016x}.tsv", cache_key(device))).string();
+}
+
+std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  const std::string tag = "# checksum ";
+  const std::size_t at = text.rfind(tag);
+  if (at == std::string::npos || (at > 0 && text[at - 1] != '\n')) {
+    warn(path, "has no checksum line");
+    return std::nullopt;
+  }
+  const std::string body = text.substr(0, at);
+  std::uint64_t want = 0;
+  if (std::sscanf(text.c_str() + at + tag.size(), "%16llx", reinterpret_cast<unsigned long long*>(&want)) != 1 ||
+      want != fnv1a(body)) {
+    warn(path, "fails its checksum (damaged or edited)");
+    return std::nullopt;
+  }
+  try {
+    std::vector<GemmTuningRow> rows = parse_gemm_tuning(body, path);
+    if (rows.size() != 1 || !rows[0].matches(device)) {
+      warn(path, fmt::format("holds {} row(s), not one for device '{}'", rows.size(), device.name));
+      return std::nullopt;
+    }
+    return rows[0];
+  } catch (const std::exception& e) {
+    warn(path, fmt::format("is not valid tuning data ({})", e.what()));
+    return std::nullopt;
+  }
+}
+
+bool write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment) {
+  std::string body = "# ferry GEMM tuning cache, written by the tuner (`ferry tune`); delete it to tune again.\n";
+  std::istringstream lines(comment);
+  for (std::string line; std::getline(lines, line);) body += "# " + line + "\n";
+  body += row + "\n";
+  const std::string text = body + fmt::format("# checksum {:016x}\n", fnv1a(body));
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  const std::string tmp = fmt::format("{}.tmp{}", path, ::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) {
+      std::fprintf(stderr,
+                   "ferry: warning: cannot write the GEMM tuning cache %s (%s); the tuned row is used "
+                   "for this run only\n",
+                   path.c_str(), ec ? ec.message().c_str() : "write failed");
+      std::filesystem::remove(tmp, ec);
+      return false;
+    }
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::fprintf(stderr, "ferry: warning: cannot write the GEMM tuning cache %s (%s)\n", path.c_str(),
+                 ec.message().c_str());
+    std::filesystem::remove(tmp, ec);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace ferry::ops

@@ -1,0 +1,320 @@
+// The GEMM tuner (see ferry/ops/gemm_tune.hpp): candidates, their measurement in two stages, and
+// the winner saved in the tuning cache.
+//
+// Stage 1 ("probe") times every candidate on one large square product, which ranks a kernel's
+// parameters well and costs one build each (the builds dominate on GPUs). Stage 2 ("shapes") times
+// the best few on every shape of the set, each fitted to the shape as a tuning row would be, and
+// the geometric mean of their rates decides: a row must also serve a training step's skinny
+// products, not only squares.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <stdexcept>
+
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/device.hpp"
+#include "ferry/cl/error.hpp"
+#include "ferry/cl/program.hpp"
+#include "ferry/ops/gemm_tune.hpp"
+#include "gemm_tiled.hpp"
+#include "gemm_tune_cache.hpp"
+#include "gemm_tuning.hpp"
+
+namespace ferry::ops {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Candidates of the GPU kernel, likeliest first: wide vector reads, large tiles (more results per
+// load), k depth 16 then 8 then 32. Groups of 64 to 256 work-items; tiles must fit local memory.
+std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode) {
+  struct Tile {
+    int tsm, tsn, wm, wn;
+  };
+  const Tile tiles[] = {{128, 128, 8, 8}, {128, 64, 8, 4}, {64, 128, 4, 8}, {64, 64, 4, 4}, {128, 64, 8, 8},
+                        {64, 128, 8, 8},  {64, 64, 8, 8},  {64, 64, 4, 8},  {64, 64, 8, 4}, {32, 32, 2, 2},
+                        {64, 32, 4, 2},   {32, 64, 2, 4},  {32, 32, 4, 4}};
+  std::vector<std::string> out;
+  for (int vw : {4, 2, 1}) {
+    for (int tsk : {16, 8, 32}) {
+      for (const Tile& t : tiles) {
+        const std::size_t threads = std::size_t(t.tsm / t.wm) * std::size_t(t.tsn / t.wn);
+        if (threads < 64 || threads > 256 || threads > d.max_work_group_size) continue;
+        if (t.wm % vw || t.wn % vw) continue;
+        GemmKernelConfig c;
+        c.kernel = GemmKernel::tiled;
+        c.params = {{"TSM", t.tsm}, {"TSN", t.tsn}, {"TSK", tsk}, {"WPTM", t.wm}, {"WPTN", t.wn}, {"VW", vw}};
+        if (tiled_local_bytes(c) > d.local_mem_bytes) continue;
+        // quick: the vector widths and depths that won on the GPUs measured so far, every tile.
+        if (mode == TuneMode::quick && (vw == 1 || tsk == 32)) continue;
+        out.push_back(c.text());
+      }
+    }
+  }
+  return out;
+}
+
+// Candidates of the CPU kernel: RB rows x NV float16 accumulators within 32 vector registers
+// (NV = 1 for 256-bit units, where a float16 takes two of their 16 registers), likeliest first.
+std::vector<std::string> packed_candidates(TuneMode mode) {
+  std::vector<std::string> out;
+  for (int nv : {4, 1, 2, 3}) {
+    for (int rb : {6, 4, 8, 5, 3, 7, 10, 12, 2, 9, 11}) {
+      if (rb * nv + nv + 1 > 32 || (nv == 2 && rb % 2)) continue;
+      if (mode == TuneMode::quick && (nv == 3 || rb > 8 || rb < 4 || rb == 5 || rb == 7)) continue;
+      out.push_back(fmt::format("packed RB={} NV={}", rb, nv));
+    }
+  }
+  return out;
+}
+
+// The probe shape and the shapes a row is scored on: squares, and the products of the MLP
+// (784-1024-1024-10, batch 256) and the 85M GPT (width 768, 2048 tokens a step).
+GemmShape probe_shape(const cl::DeviceInfo& d) {
+  const std::size_t n = d.is_cpu() ? 1024 : 2048;
+  return {n, n, n};
+}
+
+std::vector<GemmShape> scored_shapes(const cl::DeviceInfo& d) {
+  if (d.is_cpu()) {
+    return {{1024, 1024, 1024}, {256, 1024, 784, false, true}, {784, 1024, 256, true, false}, {512, 768, 768}};
+  }
+  return {{1024, 1024, 1024},
+          {2048, 2048, 2048},
+          {256, 1024, 784, false, true},
+          {2048, 3072, 768, false, true},
+          {2048, 768, 3072},
+          {768, 3072, 2048, true, false}};
+}
+
+double gflops(const GemmShape& s, double seconds) {
+  return 2.0 * double(s.M) * double(s.N) * double(s.K) / seconds * 1e-9;
+}
+
+// Operands for the largest shape, shared by every measurement.
+struct Operands {
+  cl::Mem a, b, c, scratch;
+  std::size_t scratch_elems = 0;
+};
+
+class Timer {
+ public:
+  Timer(OpEnv& env, const std::vector<GemmShape>& shapes) : env_(env), ctx_(env.kernels.context()) {
+    std::size_t a = 0, b = 0, c = 0;
+    for (const GemmShape& s : shapes) {
+      a = std::max(a, s.M * s.K);
+      b = std::max(b, s.K * s.N);
+      c = std::max(c, s.M * s.N);
+    }
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    auto upload = [&](std::size_t n, const char* what) {
+      std::vector<float> h(n);
+      for (float& x : h) x = dist(rng);
+      cl::Mem m = ctx_.create_buffer(n * sizeof(float), what);
+      ctx_.write(m.get(), 0, h.data(), n * sizeof(float));
+      return m;
+    };
+    ops_.a = upload(a, "gemm tuner A");
+    ops_.b = upload(b, "gemm tuner B");
+    ops_.c = upload(c, "gemm tuner C");
+  }
+
+  // GFLOPS of `kernel` fitted to `s`: the best of a few rounds of back-to-back runs, each round long
+  // enough (about 20 ms) that launch overhead and timer resolution do not decide.
+  double measure(const GemmShape& s, const std::string& kernel) {
+    GemmOptions o;
+    o.backend = GemmBackend::ferry;
+    o.kernel = kernel;
+    o.kernel_as_row = true;
+    const std::size_t need = gemm_scratch_elems(env_, s, o);
+    if (need > ops_.scratch_elems) {
+      ops_.scratch = ctx_.create_buffer(need * sizeof(float), "gemm tuner scratch");
+      ops_.scratch_elems = need;
+    }
+    const LaunchList launches =
+        gemm(env_, s, 1.0f, {ops_.a.get(), 0}, {ops_.b.get(), 0}, 0.0f, {ops_.c.get(), 0}, {ops_.scratch.get(), 0}, o);
+    auto run = [&](int n) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < n; ++i) enqueue(ctx_.compute(), launches, {});
+      cl::check(clFinish(ctx_.compute()), "clFinish (gemm tuner)");
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    run(1);  // builds the program, warms caches and clocks
+    const double once = run(1);
+    const int n = static_cast<int>(std::clamp(0.02 / std::max(once, 1e-6), 1.0, 200.0));
+    double best = once;
+    for (int round = 0; round < 3; ++round) best = std::min(best, run(n) / n);
+    return gflops(s, best);
+  }
+
+ private:
+  OpEnv& env_;
+  const cl::Context& ctx_;
+  Operands ops_;
+};
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+TuneMode tune_mode_from_env() {
+  const char* v = std::getenv("FERRY_TUNE");
+  if (!v || !*v) return TuneMode::quick;
+  const std::string_view s(v);
+  if (s == "off") return TuneMode::off;
+  if (s == "quick") return TuneMode::quick;
+  if (s == "full") return TuneMode::full;
+  throw std::invalid_argument(fmt::format("FERRY_TUNE='{}': expected off, quick or full", s));
+}
+
+const char* tune_mode_name(TuneMode mode) {
+  switch (mode) {
+    case TuneMode::off:
+      return "off";
+    case TuneMode::quick:
+      return "quick";
+    case TuneMode::full:
+      return "full";
+  }
+  return "?";
+}
+
+double tune_budget_from_env() {
+  const char* v = std::getenv("FERRY_TUNE_BUDGET_S");
+  if (!v || !*v) return 60;
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(s > 0) || !std::isfinite(s)) {
+    throw std::invalid_argument(fmt::format("FERRY_TUNE_BUDGET_S='{}': expected a positive number of seconds", v));
+  }
+  return s;
+}
+
+std::vector<std::string> gemm_tune_candidates(const cl::DeviceInfo& device, TuneMode mode) {
+  if (mode == TuneMode::off) mode = TuneMode::quick;
+  return device.is_cpu() ? packed_candidates(mode) : tiled_candidates(device, mode);
+}
+
+std::string gemm_tune_cache_path(OpEnv& env) {
+  const cl::ProgramCacheOptions& cache = env.kernels.cache_options();
+  if (!cache.enabled || cache.dir.empty()) return "";
+  return gemm_tune_cache_file(cache.dir.string(), env.device());
+}
+
+GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
+  const auto t0 = Clock::now();
+  const cl::DeviceInfo& device = env.device();
+  const TuneMode mode = options.mode == TuneMode::off ? TuneMode::quick : options.mode;
+  const std::vector<std::string> candidates = gemm_tune_candidates(device, mode);
+  GemmTuneResult r;
+  r.device = device.name;
+  r.planned = candidates.size();
+  r.shapes = scored_shapes(device);
+  const GemmShape probe = probe_shape(device);
+  std::vector<GemmShape> all = r.shapes;
+  all.push_back(probe);
+  Timer timer(env, all);
+
+  // Stage 2 takes the best few; its share of the budget is held back from stage 1.
+  constexpr std::size_t finalists = 3;
+  const double probe_budget = options.budget_seconds * 0.7;
+  GemmTuneProgress progress;
+  progress.total = candidates.size() + finalists;
+  progress.stage = "probe";
+  auto report = [&] {
+    if (options.progress) options.progress(progress);
+  };
+  for (const std::string& kernel : candidates) {
+    if (seconds_since(t0) > probe_budget && !r.candidates.empty()) {
+      r.budget_ran_out = true;
+      break;
+    }
+    GemmTuneCandidate c;
+    c.kernel = kernel;
+    try {
+      c.probe_gflops = timer.measure(probe, kernel);
+    } catch (const std::exception& e) {
+      c.error = e.what();  // a candidate this device cannot build or run: skipped, and said so
+    }
+    if (c.error.empty() && c.probe_gflops > progress.best_gflops) {
+      progress.best_gflops = c.probe_gflops;
+      progress.best = kernel;
+    }
+    r.candidates.push_back(std::move(c));
+    ++progress.done;
+    report();
+  }
+
+  std::vector<GemmTuneCandidate*> ranked;
+  for (GemmTuneCandidate& c : r.candidates) {
+    if (c.error.empty()) ranked.push_back(&c);
+  }
+  if (ranked.empty()) {
+    throw std::runtime_error(
+        fmt::format("GEMM tuning on '{}': no candidate kernel could run; the first failed with: {}", device.name,
+                    r.candidates.empty() ? "-" : r.candidates[0].error));
+  }
+  std::sort(ranked.begin(), ranked.end(), [](auto* x, auto* y) { return x->probe_gflops > y->probe_gflops; });
+  ranked.resize(std::min(ranked.size(), finalists));
+  progress.stage = "shapes";
+  progress.total = progress.done + ranked.size();
+  progress.best_gflops = 0;
+  for (GemmTuneCandidate* c : ranked) {
+    std::vector<double> rates;
+    double log_sum = 0;
+    try {
+      for (const GemmShape& s : r.shapes) {
+        rates.push_back(timer.measure(s, c->kernel));
+        log_sum += std::log(rates.back());
+      }
+      c->score_gflops = std::exp(log_sum / double(rates.size()));
+    } catch (const std::exception& e) {
+      c->error = e.what();
+    }
+    if (c->score_gflops > r.best_gflops) {
+      r.best_gflops = c->score_gflops;
+      r.best = c->kernel;
+      r.best_shape_gflops = rates;
+      progress.best_gflops = r.best_gflops;
+      progress.best = r.best;
+    }
+    ++progress.done;
+    report();
+  }
+  if (r.best.empty()) {
+    throw std::runtime_error(fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}",
+                                         device.name, ranked[0]->error));
+  }
+
+  const std::size_t space = r.best.find(' ');
+  r.row = fmt::format("{}\t*\t{}\tferry\t{}\t{}",
+                      device.is_cpu()   ? "cpu"
+                      : device.is_gpu() ? "gpu"
+                                        : "*",
+                      device.platform_name + " " + device.name, r.best.substr(0, space), r.best.substr(space + 1));
+  r.seconds = seconds_since(t0);
+  r.cache_path = gemm_tune_cache_path(env);
+  if (!r.cache_path.empty()) {
+    std::string shapes;
+    for (std::size_t i = 0; i < r.shapes.size(); ++i) {
+      const GemmShape& s = r.shapes[i];
+      shapes += fmt::format("{}{}x{}x{}{}{}: {:.0f}", i ? ", " : "", s.M, s.N, s.K, s.trans_a ? " ta" : "",
+                            s.trans_b ? " tb" : "", r.best_shape_gflops[i]);
+    }
+    const std::string comment = fmt::format(
+        "device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\nGFLOPS per shape: {}", device.name,
+        device.driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds, shapes);
+    if (!write_gemm_tune_cache(r.cache_path, r.row, comment)) r.cache_path.clear();
+  }
+  forget_gemm_tuning();  // later plans read the new row
+  return r;
+}
+
+}  // namespace ferry::ops

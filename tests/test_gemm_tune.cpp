@@ -1,0 +1,220 @@
+// The GEMM tuner: every candidate it may pick computes the right product (the GPU kernel's too,
+// forced on this device), and first-use tuning, its cache, a damaged cache and FERRY_TUNE behave as
+// gemm_tune.hpp says.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "ferry/ops/gemm_tune.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+std::filesystem::path temp_dir(const std::string& stem) {
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry_{}_{}", stem, ::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// ops::gemm on `env` with `options` against the double-precision reference, alpha 1.5, beta 0.5.
+void expect_gemm_right(ops::OpEnv& env, const ops::GemmShape& s, const ops::GemmOptions& options,
+                       const std::string& what) {
+  const auto a = random_vector(s.M * s.K, 1), b = random_vector(s.K * s.N, 2), c0 = random_vector(s.M * s.N, 3);
+  std::vector<double> want(s.M * s.N);
+  for (std::size_t i = 0; i < s.M; ++i) {
+    for (std::size_t j = 0; j < s.N; ++j) {
+      double acc = 0;
+      for (std::size_t k = 0; k < s.K; ++k) {
+        acc += double(a[s.trans_a ? k * s.M + i : i * s.K + k]) * b[s.trans_b ? j * s.K + k : k * s.N + j];
+      }
+      want[i * s.N + j] = 1.5 * acc + 0.5 * c0[i * s.N + j];
+    }
+  }
+  DeviceTensor da(a), db(b), dc(c0), scratch(std::max<std::size_t>(1, ops::gemm_scratch_elems(env, s, options)));
+  const auto launches = ops::gemm(env, s, 1.5f, da.span(), db.span(), 0.5f, dc.span(), scratch.span(), options);
+  ops::enqueue(TestDevice::get().context.compute(), launches, {});
+  expect_near(dc.download(), to_float(want), 1e-4f, 1e-4f, what.c_str());
+}
+
+// The candidates to run here: all of them on a GPU; on a CPU device, where each GPU kernel takes
+// seconds to build, one per (VW, TSK) pair, the one with the least unrolled work (the pairs change
+// the kernel's code; the tile sizes only its constants, and test_gemm runs other tiles).
+std::vector<std::string> candidates_to_check(const cl::DeviceInfo& device, const std::vector<std::string>& all) {
+  if (!device.is_cpu()) return all;
+  std::map<std::pair<int, int>, std::pair<int, std::string>> best;  // (VW, TSK) -> (work, kernel)
+  for (const std::string& k : all) {
+    int tsm = 0, tsn = 0, tsk = 0, wm = 0, wn = 0, vw = 0;
+    if (std::sscanf(k.c_str(), "tiled TSM=%d TSN=%d TSK=%d WPTM=%d WPTN=%d VW=%d", &tsm, &tsn, &tsk, &wm, &wn, &vw) !=
+        6) {
+      ADD_FAILURE() << "unexpected candidate " << k;
+      continue;
+    }
+    const int work = wm * wn * tsk;
+    auto [it, added] = best.try_emplace({vw, tsk}, work, k);
+    if (!added && work < it->second.first) it->second = {work, k};
+  }
+  std::vector<std::string> out;
+  for (const auto& [key, v] : best) out.push_back(v.second);
+  return out;
+}
+
+TEST(GemmTune, EveryGpuCandidateComputesTheProduct) {
+  auto& dev = TestDevice::get();
+  cl::DeviceInfo as_gpu = dev.context.device();
+  as_gpu.type = CL_DEVICE_TYPE_GPU;  // the GPU kernel's candidates, run here (slowly, but they must be right)
+  const auto all = ops::gemm_tune_candidates(as_gpu, ops::TuneMode::full);
+  ASSERT_GE(all.size(), 20u);
+  const auto candidates = candidates_to_check(dev.context.device(), all);
+  EXPECT_GE(candidates.size(), 9u);  // every vector width and depth at least
+  // Odd sizes cross every tile edge; the transposes rotate so each candidate meets one of them.
+  const ops::GemmShape shapes[] = {
+      {67, 45, 37, false, false}, {45, 67, 29, true, false}, {33, 70, 41, false, true}, {70, 33, 19, true, true}};
+  std::size_t i = 0;
+  for (const std::string& kernel : candidates) {
+    const ops::GemmShape& s = shapes[i++ % 4];
+    if (too_large_for_this_run(s.M * s.N * s.K)) continue;
+    ops::GemmOptions o;
+    o.backend = ops::GemmBackend::ferry;
+    o.kernel = kernel;
+    expect_gemm_right(dev.env, s, o, kernel);
+  }
+}
+
+TEST(GemmTune, CandidateListsAreValidAndQuickIsShorter) {
+  auto& dev = TestDevice::get();
+  cl::DeviceInfo as_gpu = dev.context.device(), as_cpu = dev.context.device();
+  as_gpu.type = CL_DEVICE_TYPE_GPU;
+  as_cpu.type = CL_DEVICE_TYPE_CPU;
+  for (const cl::DeviceInfo& d : {as_gpu, as_cpu}) {
+    const auto quick = ops::gemm_tune_candidates(d, ops::TuneMode::quick);
+    const auto full = ops::gemm_tune_candidates(d, ops::TuneMode::full);
+    ASSERT_FALSE(quick.empty());
+    EXPECT_LT(quick.size(), full.size());
+    for (const std::string& k : quick) EXPECT_NE(std::find(full.begin(), full.end(), k), full.end()) << k;
+    EXPECT_EQ(full.front().rfind(d.is_cpu() ? "packed " : "tiled ", 0), 0u) << full.front();
+  }
+}
+
+TEST(GemmTune, FirstUseTunesCachesReloadsAndRetunesADamagedCache) {
+  auto& dev = TestDevice::get();
+  const auto dir = temp_dir("gemm_tune");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  // Tuning data with a generic row only, so this device has no row naming it.
+  const std::string table = (dir / "table.tsv").string();
+  std::ofstream(table) << "*\t*\t*\tferry\tnaive\t-\n";
+  ScopedEnv tuning("FERRY_GEMM_TUNING", table);
+  ScopedEnv mode("FERRY_TUNE", "quick");
+  ScopedEnv budget("FERRY_TUNE_BUDGET_S", "0.01");  // one candidate, then the shape stage: seconds
+  const std::string cache = ops::gemm_tune_cache_path(env);
+  ASSERT_FALSE(cache.empty());
+  ASSERT_FALSE(std::filesystem::exists(cache));
+
+  ops::forget_gemm_tuning();
+  testing::internal::CaptureStderr();
+  const std::string tuned = ops::gemm_tuning_choice(env);
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("tuning the GEMM kernel"), std::string::npos) << err;
+  EXPECT_NE(tuned.find(cache), std::string::npos) << tuned;
+  EXPECT_EQ(tuned.find("naive"), std::string::npos) << tuned;
+  ASSERT_TRUE(std::filesystem::exists(cache));
+  expect_gemm_right(env, {70, 45, 37, true, false}, {}, "with the tuned row");
+
+  // A later run (a fresh choice) reads the cache and does not tune.
+  ops::forget_gemm_tuning();
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ops::gemm_tuning_choice(env), tuned);
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("tuning"), std::string::npos) << err;
+
+  // A damaged cache: a warning naming it, then tuned again and rewritten whole.
+  std::string text = read_file(cache);
+  const std::size_t at = text.find("\tferry\t");
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, 7, "\tferrx\t");
+  std::ofstream(cache, std::ios::trunc) << text;
+  ops::forget_gemm_tuning();
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ops::gemm_tuning_choice(env).find("naive"), std::string::npos);
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(cache + " fails its checksum"), std::string::npos) << err;
+  EXPECT_NE(err.find("tuning the GEMM kernel"), std::string::npos) << err;
+  EXPECT_NE(read_file(cache).find("\tferry\t"), std::string::npos);
+
+  // FERRY_TUNE=off: the tuning data alone (its generic row), cache or not.
+  {
+    ScopedEnv off("FERRY_TUNE", "off");
+    ops::forget_gemm_tuning();
+    EXPECT_NE(ops::gemm_tuning_choice(env).find("naive (" + table), std::string::npos);
+  }
+  // A row naming the device wins over the cache.
+  const std::string naming = (dir / "naming.tsv").string();
+  std::ofstream(naming) << fmt::format("*\t*\t{}\tferry\tnaive\t-\n*\t*\t*\tferry\tnaive\t-\n",
+                                       dev.context.device().name);
+  ScopedEnv tuning_naming("FERRY_GEMM_TUNING", naming);
+  ops::forget_gemm_tuning();
+  EXPECT_NE(ops::gemm_tuning_choice(env).find("naive (" + naming + ":1)"), std::string::npos);
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(GemmTune, BadSettingsNameTheVariable) {
+  {
+    ScopedEnv bad("FERRY_TUNE", "fast");
+    EXPECT_THROW(
+        {
+          try {
+            ops::tune_mode_from_env();
+          } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("FERRY_TUNE='fast': expected off, quick or full"), std::string::npos);
+            throw;
+          }
+        },
+        std::invalid_argument);
+  }
+  for (const char* v : {"0", "-3", "abc", "5s"}) {
+    ScopedEnv bad("FERRY_TUNE_BUDGET_S", v);
+    EXPECT_THROW(ops::tune_budget_from_env(), std::invalid_argument) << v;
+  }
+  ScopedEnv ok("FERRY_TUNE_BUDGET_S", "2.5");
+  EXPECT_EQ(ops::tune_budget_from_env(), 2.5);
+}
+
+}  // namespace
+}  // namespace ferry::test
