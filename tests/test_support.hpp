@@ -24,7 +24,13 @@ struct TestDevice {
   cl::Context context;
   cl::KernelLibrary kernels;
   ops::OpEnv env;
-  TestDevice() : context(cl::select_device()), kernels(context), env{kernels} {}
+  TestDevice() : context(select()), kernels(context), env{kernels} {}
+  // Tests never tune the GEMM on first use unless they ask (FERRY_TUNE set): a tuning file a test
+  // writes with generic rows must mean those rows, also when the binary runs outside ctest.
+  static cl::DeviceInfo select() {
+    setenv("FERRY_TUNE", "off", 0);
+    return cl::select_device();
+  }
   static TestDevice& get() {
     static auto* device = new TestDevice();  // leaked on purpose: outlives all static test state
     return *device;
