@@ -13,8 +13,9 @@
 #   gpt7b_stream     width 4096, 32 blocks, 32 heads, --device-budget 24GiB --optimizer adamw8bit,
 #                    3 steps (target: trains; needs >= 100 GB of host memory)
 # Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
-# sample, and the planner's predicted step time. SCALE_GPU_ONLY=tiny runs one small streamed GPT
-# instead (a check of the script itself, on any device).
+# sample, and the planner's predicted step time. SCALE_GPU_ONLY=1b runs the two 1B runs alone
+# (SCALE_GPU_LIMIT_S bounds each); SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
+# of the script itself, on any device).
 set -uo pipefail
 
 ferry=${1:-build/release/ferry}
@@ -68,6 +69,11 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
 EOF
 }
 
+if [[ ${SCALE_GPU_ONLY:-} == 1b ]]; then
+  run gpt1b_resident "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency resident
+  run gpt1b_stream "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
+  exit
+fi
 [[ ${SCALE_GPU_ONLY:-} == tiny ]] && { run tiny_stream 300 3 --model gpt --width 64 --depth 2 --heads 4 --context 32 --batch 8 --residency stream; exit; }
 run gpt1b_resident 900 4 "${gpt1b[@]}" --residency resident
 run gpt1b_stream 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
