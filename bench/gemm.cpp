@@ -1,7 +1,7 @@
 // ferry-bench gemm: is ferry's GEMM as fast as the best alternatives on this device?
 // ferry's kernel (as the tuning data picks it, packing included), CLBlast on the same device and
 // OpenBLAS's cblas_sgemm on the host, in one run, square sizes; GFLOPS of the median repeat.
-// --tune measures candidate parameters of the CPU kernel and prints the best as a tuning row.
+// --tune runs the library's tuner and prints every candidate and the best as a tuning row.
 #include "ferry/ops/gemm.hpp"
 
 #include <fmt/format.h>
@@ -16,6 +16,7 @@
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
+#include "ferry/ops/gemm_tune.hpp"
 
 #ifdef FERRY_HAVE_OPENBLAS
 #include <cblas.h>
@@ -33,6 +34,8 @@ struct GemmBenchOptions {
   bool trans_a = false, trans_b = false;
   std::string kernel;  // GemmOptions::kernel for ferry
   bool tune = false;
+  std::string tune_mode = "quick";
+  double tune_budget_seconds = 60;
 };
 
 std::vector<float> random_matrix(std::size_t n, unsigned seed) {
@@ -192,57 +195,33 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   return 0;
 }
 
-// Candidate register blocks of the packed kernel: RB rows x NV float16, kept within 32 vector registers
-// (NV=1 for 256-bit vector units, where a float16 takes two of their 16 registers).
-std::vector<std::string> packed_candidates() {
-  std::vector<std::string> out;
-  for (int nv : {4, 3, 2, 1}) {
-    for (int rb = 2; rb <= 12; ++rb) {
-      if (rb * nv + nv + 1 <= 32 && (nv != 2 || rb % 2 == 0)) out.push_back(fmt::format("packed RB={} NV={}", rb, nv));
-    }
-  }
-  return out;
-}
-
+// The library's tuner (ferry/ops/gemm_tune.hpp, as `ferry tune` runs it): every candidate as a JSON
+// line, then the winner and its tuning row. It also saves the winner in the tuning cache.
 int run_tune(const BenchCommon& common, const GemmBenchOptions& o) {
   const cl::DeviceInfo device = cl::select_device(common.device);
   cl::Context ctx(device);
   cl::KernelLibrary lib(ctx);
   ops::OpEnv env{lib};
-  std::string best;
-  double best_score = 0;
-  for (const std::string& cand : packed_candidates()) {
-    // Score: geometric mean of GFLOPS over the sizes.
-    double log_sum = 0;
-    for (std::size_t n : o.sizes) {
-      const ops::GemmShape s{n, n, n, o.trans_a, o.trans_b};
-      const auto ha = random_matrix(n * n, 1), hb = random_matrix(n * n, 2);
-      ops::GemmOptions opt;
-      opt.backend = ops::GemmBackend::ferry;
-      opt.kernel = cand;
-      const Measured m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, false);
-      emit_json({{"bench", "gemm-tune"},
-                 {"kernel", cand},
-                 {"m", n},
-                 {"n", n},
-                 {"k", n},
-                 {"gflops", gflops(s, m.ms)},
-                 {"ms", m.ms},
-                 {"device", device.name}});
-      log_sum += std::log(gflops(s, m.ms));
-    }
-    const double score = std::exp(log_sum / double(o.sizes.size()));
-    if (score > best_score) best_score = score, best = cand;
+  ops::GemmTuneOptions options;
+  options.mode = o.tune_mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
+  options.budget_seconds = o.tune_budget_seconds;
+  const ops::GemmTuneResult r = ops::tune_gemm(env, options);
+  for (const auto& c : r.candidates) {
+    emit_json({{"bench", "gemm-tune"},
+               {"kernel", c.kernel},
+               {"probe_gflops", c.probe_gflops},
+               {"score_gflops", c.score_gflops},
+               {"error", c.error},
+               {"device", device.name}});
   }
-  const std::size_t space = best.find(' ');
-  const std::string row = fmt::format("{}\t*\t{}\tferry\t{}\t{}", device.is_gpu() ? "gpu" : "cpu", device.name,
-                                      best.substr(0, space), best.substr(space + 1));
   emit_json({{"bench", "gemm-tune"},
-             {"best", best},
-             {"gflops_geomean", best_score},
+             {"best", r.best},
+             {"gflops_geomean", r.best_gflops},
+             {"seconds", r.seconds},
              {"device", device.name},
-             {"tuning_row", row}});
-  fmt::print(stderr, "tuning row for ops/tuning/gemm.tsv:\n{}\n", row);
+             {"tuning_row", r.row},
+             {"cache_path", r.cache_path}});
+  fmt::print(stderr, "tuning row for ops/tuning/gemm.tsv:\n{}\n", r.row);
   return 0;
 }
 
@@ -255,7 +234,14 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_flag("--trans-b", o->trans_b, "B stored [N, K]");
   sub.add_option("--kernel", o->kernel,
                  "ferry kernel and parameters, e.g. \"packed RB=4 NV=4\" (default: tuning data)");
-  sub.add_flag("--tune", o->tune, "measure candidate blocks of the CPU kernel and print the best as a tuning row");
+  sub.add_flag("--tune", o->tune,
+               "run the GEMM tuner (as `ferry tune` does): every candidate measured, the best as a tuning row");
+  sub.add_option("--tune-mode", o->tune_mode, "with --tune: quick or full")
+      ->check(CLI::IsMember({"quick", "full"}))
+      ->capture_default_str();
+  sub.add_option("--tune-budget-seconds", o->tune_budget_seconds, "with --tune: the search's budget")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   return [o, &common] { return o->tune ? run_tune(common, *o) : run_compare(common, *o); };
 }
 

@@ -302,6 +302,9 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
   TuningState& st = state();
   const char* env_file = std::getenv("FERRY_GEMM_TUNING");
   const std::string path = env_file ? env_file : "";
+  // Checked whether or not this device needs them, so a mistyped setting is never silently ignored.
+  const TuneMode mode = tune_mode_from_env();
+  tune_budget_from_env();
   std::lock_guard lock(st.mutex);
   const auto key = std::make_pair(path, device.id);
   if (auto it = st.chosen.find(key); it != st.chosen.end()) return it->second;
@@ -311,7 +314,7 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
   if (!listed.names_device()) {
     // No row of its own: the tuner's cached winner, else a search now. FERRY_TUNE=off: neither,
     // the tuning data alone decides.
-    if (const TuneMode mode = tune_mode_from_env(); mode != TuneMode::off) {
+    if (mode != TuneMode::off) {
       const std::string cache = gemm_tune_cache_path(env);
       std::optional<GemmTuningRow> cached = cache.empty() ? std::nullopt : read_gemm_tune_cache(cache, device);
       row = cached ? std::move(*cached) : tune_now(env, mode);

@@ -18,6 +18,7 @@
 
 #include "cli.hpp"
 #include "ferry/ferry.hpp"
+#include "ferry/ops/gemm_tune.hpp"
 #include "ferry/runtime/lr_schedule.hpp"
 
 namespace {
@@ -372,6 +373,7 @@ int cmd_train(const TrainArgs& a) {
     nlohmann::json j = {{"schema", train_json_schema},
                         {"model", trainer.model().name},
                         {"device", runtime.device().name},
+                        {"gemm_tuning", ferry::ops::gemm_tuning_choice(runtime.env())},
                         {"epochs", a.epochs},
                         {"batch", batch},
                         {"optimizer", a.optimizer},

@@ -13,6 +13,7 @@
 #include <random>
 
 #include "cli.hpp"
+#include "ferry/ops/gemm_tune.hpp"
 #include "ferry/runtime/text_corpus.hpp"
 
 namespace ferry::cli {
@@ -322,6 +323,7 @@ int cmd_train_gpt(const TrainArgs& args) {
     nlohmann::json j = {{"schema", train_json_schema},
                         {"model", trainer.model().name},
                         {"device", runtime.device().name},
+                        {"gemm_tuning", ferry::ops::gemm_tuning_choice(runtime.env())},
                         {"parameters", trainer.parameter_count()},
                         {"vocab", c.vocab},
                         {"width", c.width},

@@ -116,6 +116,10 @@ mkdir -p "$work/no-icd"
 row "no OpenCL device" "no OpenCL device" error "OCL_ICD_VENDORS=$work/no-icd OCL_ICD_FILENAMES=" \
   train "${quick[@]}"
 row "wrong FERRY_DEVICE" "no OpenCL device matches 'no-such-gpu'" error "FERRY_DEVICE=no-such-gpu" train "${quick[@]}"
+row "unknown FERRY_TUNE" "FERRY_TUNE='fast': expected off, quick or full" error "FERRY_TUNE=fast" train "${quick[@]}"
+row "FERRY_TUNE_BUDGET_S not a positive number" "FERRY_TUNE_BUDGET_S='-5'" error "FERRY_TUNE_BUDGET_S=-5" \
+  train "${quick[@]}"
+row "unknown ferry tune --mode" "--mode: slow not in {quick,full}" error - tune --mode slow
 
 # Checkpoints and the program cache.
 "$ferry" train "${quick[@]}" --checkpoint "$work/good.ckpt" >/dev/null 2>&1
