@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "ferry/runtime/units.hpp"
+#include "output_file.hpp"
 
 namespace ferry {
 namespace {
@@ -200,32 +201,30 @@ std::vector<MemorySpike> MemoryProfiler::spikes(std::size_t max_count) const {
 }
 
 void MemoryProfiler::write_csv(const std::filesystem::path& path) const {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error(fmt::format("cannot write the memory profile '{}'", path.string()));
-  // RFC 4180: every row has the header's ten fields; plan rows leave start_us and end_us empty.
-  out << "variant,step,node,kind,lane,section,live_device_bytes,transfer_bytes,start_us,end_us\n";
-  for (const auto& r : rows_) {
-    out << fmt::format("{},{},{},{},{},{},{},{},", csv_field(r.variant),
-                       r.step < 0 ? std::string("plan") : std::to_string(r.step), csv_field(r.name), csv_field(r.kind),
-                       csv_field(r.lane), section_name(r.section), r.live_bytes, r.transfer_bytes);
-    if (r.step >= 0) {
-      out << fmt::format("{:.3f},{:.3f}\n", r.start_us, r.end_us);
-    } else {
-      out << ",\n";
+  write_output_file(path, "memory profile", [&](std::ostream& out) {
+    // RFC 4180: every row has the header's ten fields; plan rows leave start_us and end_us empty.
+    out << "variant,step,node,kind,lane,section,live_device_bytes,transfer_bytes,start_us,end_us\n";
+    for (const auto& r : rows_) {
+      out << fmt::format("{},{},{},{},{},{},{},{},", csv_field(r.variant),
+                         r.step < 0 ? std::string("plan") : std::to_string(r.step), csv_field(r.name),
+                         csv_field(r.kind), csv_field(r.lane), section_name(r.section), r.live_bytes, r.transfer_bytes);
+      if (r.step >= 0) {
+        out << fmt::format("{:.3f},{:.3f}\n", r.start_us, r.end_us);
+      } else {
+        out << ",\n";
+      }
     }
-  }
-  if (!out) throw std::runtime_error(fmt::format("failed writing the memory profile '{}'", path.string()));
+  });
 }
 
 void MemoryProfiler::write_phase_csv(const std::filesystem::path& path) const {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error(fmt::format("cannot write the phase memory profile '{}'", path.string()));
-  out << "variant,section,peak_device_bytes,peak_node,mean_device_bytes,min_device_bytes,spikes\n";
-  for (const auto& p : phases()) {
-    out << fmt::format("{},{},{},{},{},{},{}\n", csv_field(p.variant), p.section, p.peak_bytes, csv_field(p.peak_node),
-                       p.mean_bytes, p.min_bytes, p.spikes);
-  }
-  if (!out) throw std::runtime_error(fmt::format("failed writing the phase memory profile '{}'", path.string()));
+  write_output_file(path, "phase memory profile", [&](std::ostream& out) {
+    out << "variant,section,peak_device_bytes,peak_node,mean_device_bytes,min_device_bytes,spikes\n";
+    for (const auto& p : phases()) {
+      out << fmt::format("{},{},{},{},{},{},{}\n", csv_field(p.variant), p.section, p.peak_bytes,
+                         csv_field(p.peak_node), p.mean_bytes, p.min_bytes, p.spikes);
+    }
+  });
 }
 
 std::string MemoryProfiler::summary() const {

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "output_file.hpp"
+
 namespace ferry {
 namespace {
 
@@ -64,8 +66,6 @@ void ChromeTrace::add(std::string name, graph::Lane lane, std::uint64_t start_ns
 }
 
 void ChromeTrace::write(const std::filesystem::path& path) const {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error(fmt::format("cannot write trace file '{}'", path.string()));
   std::uint64_t origin = UINT64_MAX;
   for (const auto& e : events_) origin = std::min(origin, e.start_ns);
   // Lane names as thread names, so the viewer shows compute / copy in / copy out / host / unpack
@@ -87,10 +87,11 @@ void ChromeTrace::write(const std::filesystem::path& path) const {
                                   e.tid, json_escape(e.name), (e.start_ns - origin) / 1e3, (end - e.start_ns) / 1e3,
                                   e.args));
   }
-  out << "{\"traceEvents\":[\n";
-  for (std::size_t i = 0; i < entries.size(); ++i) out << entries[i] << (i + 1 < entries.size() ? ",\n" : "\n");
-  out << "],\"displayTimeUnit\":\"ms\",\"otherData\":{\"schema\":1,\"clock\":\"device\"}}\n";
-  if (!out) throw std::runtime_error(fmt::format("failed writing trace file '{}'", path.string()));
+  write_output_file(path, "trace file", [&](std::ostream& out) {
+    out << "{\"traceEvents\":[\n";
+    for (std::size_t i = 0; i < entries.size(); ++i) out << entries[i] << (i + 1 < entries.size() ? ",\n" : "\n");
+    out << "],\"displayTimeUnit\":\"ms\",\"otherData\":{\"schema\":1,\"clock\":\"device\"}}\n";
+  });
 }
 
 }  // namespace ferry

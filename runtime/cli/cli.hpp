@@ -78,11 +78,15 @@ struct TrainArgs {
   // Checkpoints (docs/checkpoints.md): written after every epoch and on SIGINT/SIGTERM; resumed from.
   std::string checkpoint_path, resume_path;
   std::vector<std::string> argv;  // the command line, for the resume command printed on a signal
+  bool force = false;             // outputs may replace files ferry did not write
 };
 
-// Before any work (data, compile): every output file's folder exists and takes a new file, an
-// existing file there is writable, and --trace-steps is at least 1. Throws std::invalid_argument
-// naming the flag and the path; writes nothing (the probe file is removed).
+// Before any work (data, compile; runtime/cli/outputs.cpp): every output (--checkpoint, --trace,
+// --profile, --profile-phases) is a new file in a folder that takes one, or an existing regular,
+// writable file ferry wrote of that kind (any file with --force); never a device node, folder or
+// symbolic link, never one of the run's inputs (--resume unless it is the checkpoint, the data
+// set's files, the text folder), never another output's path; --trace-steps is at least 1. Throws
+// std::invalid_argument naming the flag, the path and why; writes nothing (a probe file is removed).
 void check_outputs(const TrainArgs& a);
 // Before any work: a split's images have the size `model` takes and its labels lie in its
 // classes. Throws std::invalid_argument naming the split, the folder and both sizes.
@@ -114,6 +118,23 @@ ferry::ModelSpec make_model(const TrainArgs& a);
 
 // The JSON fields of phases, accumulation, recomputation and precision (docs/phases.md) into `j`.
 void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
+
+// Writes a side output (trace, profile) with `write`; a failure is a warning naming the file and
+// the OS's reason, added to `errors` (the JSON line's output_errors), never the end of the run:
+// the results are printed after it all the same. Returns whether it was written.
+template <class Write>
+bool write_side_output(const std::string& path, const char* what, bool quiet, std::vector<std::string>& errors,
+                       Write&& write) {
+  try {
+    write();
+    if (!quiet) std::cerr << fmt::format("ferry: wrote {} to {}\n", what, path);
+    return true;
+  } catch (const std::exception& e) {
+    std::cerr << fmt::format("ferry: warning: {} (the results below are unaffected)\n", e.what());
+    errors.push_back(e.what());
+    return false;
+  }
+}
 
 // `ferry plan` (runtime/cli/plan.cpp).
 int cmd_plan(const TrainArgs& a);

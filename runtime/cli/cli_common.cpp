@@ -40,48 +40,6 @@ std::string precision_name(ferry::ops::DType t) {
   return t == ferry::ops::DType::f16 ? "fp16" : t == ferry::ops::DType::bf16 ? "bf16" : "fp32";
 }
 
-namespace {
-
-void check_output(const char* flag, const std::string& path) {
-  if (path.empty()) return;
-  namespace fs = std::filesystem;
-  const auto refuse = [&](const std::string& why) {
-    return std::invalid_argument(
-        fmt::format("{} {}: {} (checked before training, so nothing is lost)", flag, path, why));
-  };
-  std::error_code ec;
-  const fs::path p(path);
-  if (fs::is_directory(p, ec))
-    throw refuse(fmt::format("it is a folder; give a file name in it, e.g. '{}'", (p / "out").string()));
-  const fs::path folder = p.parent_path().empty() ? fs::path(".") : p.parent_path();
-  if (!fs::is_directory(folder, ec)) {
-    throw refuse(
-        fmt::format("the folder '{}' does not exist: create it first (mkdir -p {})", folder.string(), folder.string()));
-  }
-  if (fs::exists(p, ec)) {
-    if (access(p.c_str(), W_OK) != 0)
-      throw refuse(fmt::format("the file exists and cannot be written: {}", std::strerror(errno)));
-    return;
-  }
-  // A new file must be creatable there: create and remove a probe of a name nobody uses.
-  const fs::path probe = folder / fmt::format(".ferry-probe-{}-{:x}", getpid(), std::random_device{}());
-  const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) throw refuse(fmt::format("cannot create a file in '{}': {}", folder.string(), std::strerror(errno)));
-  close(fd);
-  fs::remove(probe, ec);
-}
-
-}  // namespace
-
-void check_outputs(const TrainArgs& a) {
-  if (a.trace_steps == 0) {
-    throw std::invalid_argument("--trace-steps 0 traces and profiles no step: give 1 or more (the default is 4)");
-  }
-  check_output("--trace", a.trace_path);
-  check_output("--profile", a.profile_path);
-  check_output("--profile-phases", a.profile_phases_path);
-}
-
 void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, const char* split,
                  const std::filesystem::path& folder) {
   if (model.inputs.empty()) return;

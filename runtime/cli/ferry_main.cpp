@@ -342,9 +342,10 @@ int cmd_train(const TrainArgs& a) {
   const double samples_per_s = train_seconds > 0 ? static_cast<double>(steps_run * batch) / train_seconds : 0;
   // One step only: its own time (one-off costs included) rather than none.
   const double step_ms = steps_timed ? step_ms_sum / steps_timed : first_step_ms;
+  std::vector<std::string> output_errors;
   if (!a.trace_path.empty()) {
-    trace.write(a.trace_path);
-    if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", trace.steps(), a.trace_path);
+    write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, output_errors,
+                      [&] { trace.write(a.trace_path); });
   }
   for (const auto& [key, step] : trainer.variants()) {
     // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
@@ -356,12 +357,12 @@ int cmd_train(const TrainArgs& a) {
     profiler.add_variant(name, *step);
   }
   if (!a.profile_phases_path.empty()) {
-    profiler.write_phase_csv(a.profile_phases_path);
-    if (!a.quiet) std::cerr << fmt::format("ferry: wrote the per-phase memory profile to {}\n", a.profile_phases_path);
+    write_side_output(a.profile_phases_path, "the per-phase memory profile", a.quiet, output_errors,
+                      [&] { profiler.write_phase_csv(a.profile_phases_path); });
   }
   if (!a.profile_path.empty()) {
-    profiler.write_csv(a.profile_path);
-    if (!a.quiet) std::cerr << fmt::format("ferry: wrote the memory profile to {}\n", a.profile_path);
+    write_side_output(a.profile_path, "the memory profile", a.quiet, output_errors,
+                      [&] { profiler.write_csv(a.profile_path); });
   }
   if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
   if (!a.quiet) {
@@ -374,6 +375,7 @@ int cmd_train(const TrainArgs& a) {
                         {"model", trainer.model().name},
                         {"device", runtime.device().name},
                         {"gemm_tuning", ferry::ops::gemm_tuning_choice(runtime.env())},
+                        {"output_errors", output_errors},
                         {"epochs", a.epochs},
                         {"batch", batch},
                         {"optimizer", a.optimizer},
@@ -583,6 +585,9 @@ int main(int argc, char** argv) {
   train->add_option("--resume", t.resume_path,
                     "Continue the run a --checkpoint file holds, up to --epochs (gpt: --steps), exactly as if it had "
                     "not stopped (give the same options)");
+  train->add_flag("--force", t.force,
+                  "Let --checkpoint, --trace and --profile* replace an existing file that ferry did not write (never "
+                  "a device node, folder, link or one of the run's inputs)");
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "
                   "(JSON: test_accuracy_int8)");

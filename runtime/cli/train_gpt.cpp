@@ -303,9 +303,10 @@ int cmd_train_gpt(const TrainArgs& args) {
   const double val_loss = pos.val_loss;
   const double eval_seconds = pos.eval_seconds;
   const nlohmann::json& curve = pos.curve;
+  std::vector<std::string> output_errors;
   if (!a.trace_path.empty()) {
-    trace.write(a.trace_path);
-    if (!a.quiet) std::cerr << fmt::format("ferry: wrote a trace of {} steps to {}\n", trace.steps(), a.trace_path);
+    write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, output_errors,
+                      [&] { trace.write(a.trace_path); });
   }
   const double train_loss =
       std::accumulate(recent.begin(), recent.end(), 0.0) / std::max<std::size_t>(recent.size(), 1);
@@ -324,6 +325,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                         {"model", trainer.model().name},
                         {"device", runtime.device().name},
                         {"gemm_tuning", ferry::ops::gemm_tuning_choice(runtime.env())},
+                        {"output_errors", output_errors},
                         {"parameters", trainer.parameter_count()},
                         {"vocab", c.vocab},
                         {"width", c.width},

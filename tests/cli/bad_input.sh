@@ -153,6 +153,57 @@ fi
 row "corrupt program cache entry (a warning; rebuilt)" "is invalid" warning "FERRY_CACHE_DIR=$work/own-cache" \
   train "${quick[@]}"
 
+# Output paths: refused before any work, and what they name is left as it was.
+cp -r "$data" "$work/data-copy"
+printf 'my notes\n' >"$work/notes.txt"
+ln -sf "$work/notes.txt" "$work/link.ckpt"
+row "--checkpoint onto a device node" "it is a character device" error - train "${quick[@]}" --checkpoint /dev/null
+row "--checkpoint onto a file ferry did not write" "is not a checkpoint ferry wrote" error - \
+  train "${quick[@]}" --checkpoint "$work/notes.txt"
+row "--checkpoint onto a data file, even with --force" "is a file of the data set" error - \
+  train "${quick[@]}" --data "$work/data-copy" --force --checkpoint "$work/data-copy/train-labels-idx1-ubyte.gz"
+row "--checkpoint onto a symbolic link" "it is a symbolic link" error - train "${quick[@]}" --checkpoint "$work/link.ckpt"
+row "two outputs with one path" "--checkpoint and --trace name the same file" error - \
+  train "${quick[@]}" --checkpoint "$work/run.out" --trace "$work/run.out"
+row "--profile onto the --resume file" "is not a memory profile ferry wrote" error - \
+  train "${quick[@]}" --resume "$work/good.ckpt" --profile "$work/good.ckpt"
+survived=1
+[ -c /dev/null ] || survived=0
+[ "$(cat "$work/notes.txt")" = "my notes" ] || survived=0
+[ -L "$work/link.ckpt" ] || survived=0
+cmp -s "$data/train-labels-idx1-ubyte.gz" "$work/data-copy/train-labels-idx1-ubyte.gz" || survived=0
+if [ -z "$markdown" ]; then
+  if [ "$survived" = 1 ]; then
+    echo "ok: /dev/null, the notes, the link and the data file are unchanged"
+  else
+    echo "FAILED: an output check let a file be replaced"
+    failures=$((failures + 1))
+  fi
+fi
+
+# A side output that cannot be written (a file size limit: writes fail with EFBIG, as on a full
+# disk): a warning with the reason, the previous trace kept whole, the results and JSON printed.
+printf '{"traceEvents":[\n]}\n' >"$work/old-trace.json"
+cp "$work/old-trace.json" "$work/old-trace.copy"
+out=$(bash -c 'ulimit -f 4; trap "" XFSZ; exec "$@"' - "$ferry" train "${quick[@]}" --trace "$work/old-trace.json" --json \
+  2>"$work/full.err")
+status=$?
+if [ -z "$markdown" ]; then
+  if [ "$status" = 0 ] && grep -q '"test_accuracy"' <<<"$out" && grep -q '"output_errors":\["trace file' <<<"$out" &&
+    grep -q "warning: trace file '$work/old-trace.json': writing failed: File too large" "$work/full.err" &&
+    cmp -s "$work/old-trace.json" "$work/old-trace.copy"; then
+    echo "ok: a trace that cannot be written is a warning; the old trace and the results survive"
+  else
+    echo "FAILED: trace on a full disk (exit $status):"
+    tail -3 "$work/full.err"
+    head -c 300 <<<"$out"
+    failures=$((failures + 1))
+  fi
+else
+  printf '| trace that cannot be written (file size limit, as a full disk) | `ulimit -f 4; ferry train %s --trace $WORK/old-trace.json --json` | 0 | %s | `writing failed` |\n' \
+    "${quick[*]}" "$(grep -m1 warning "$work/full.err" | sed "s|$work|\$WORK|g")"
+fi
+
 # Training that diverges.
 row "learning rate 1e37 (the loss turns NaN)" "training diverged at step 2" error - \
   train --optimizer sgd --momentum 0 --lr 1e37 "${quick[@]}"
