@@ -227,9 +227,14 @@ int run_tune(const BenchCommon& common, const GemmBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<GemmBenchOptions>();
-  sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',');
-  sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes")->delimiter(',');
-  sub.add_option("--impls", o->impls, "implementations to run: ferry, clblast, openblas")->delimiter(',');
+  sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',')->check(CLI::Range(1, 1 << 20));
+  sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 24))
+      ->expected(3);
+  sub.add_option("--impls", o->impls, "implementations to run: ferry, clblast, openblas")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"ferry", "clblast", "openblas"}));
   sub.add_flag("--trans-a", o->trans_a, "A stored [K, M]");
   sub.add_flag("--trans-b", o->trans_b, "B stored [N, K]");
   sub.add_option("--kernel", o->kernel,

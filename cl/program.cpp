@@ -328,8 +328,13 @@ Kernel KernelLibrary::kernel(std::string_view file, std::string_view kernel_name
   return k;
 }
 
-// Called with mutex_ held.
-Program KernelLibrary::build(std::string_view file, std::string_view source, const std::string& options) {
+// Called with mutex_ held. The compiler's warnings are turned off (-w) unless FERRY_VERBOSE is set:
+// some drivers (PoCL) print "N warnings generated." on stderr for every build, also under --quiet.
+// A failed build still throws with the whole log, errors included.
+Program KernelLibrary::build(std::string_view file, std::string_view source, const std::string& given_options) {
+  const char* verbose = std::getenv("FERRY_VERBOSE");
+  const std::string options =
+      verbose && *verbose && std::string_view(verbose) != "0" ? given_options : given_options + " -w";
   const DeviceInfo& dev = context_.device();
   cl_device_id device = dev.id;
   std::filesystem::path cached;

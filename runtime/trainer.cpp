@@ -15,6 +15,7 @@
 
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/plan.hpp"
+#include "ferry/runtime/units.hpp"
 #include "trainer_variants.hpp"
 
 namespace ferry {
@@ -127,6 +128,13 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   check_host_budget(plan, options_.residency.host_budget_bytes);
   train_key_ = detail::training_key(options_);
   if (options_.phases.hybrid) phases_ = std::make_unique<PhaseController>(options_.phases);
+  // Training needs the budget to exist (planning does not: `ferry plan` plans for other devices).
+  if (const std::uint64_t mem = runtime_.device().global_mem_bytes; options_.residency.budget_bytes > mem) {
+    throw std::invalid_argument(
+        fmt::format("device budget {} is more than the device '{}' has ({}): give at most that, or no budget to use "
+                    "what the device can spare",
+                    format_bytes(options_.residency.budget_bytes), runtime_.device().name, format_bytes(mem)));
+  }
   budget_ = detail::resolve_device_budget(options_, runtime_.device());
   train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key_), options_.optimizer, runtime_.env(),
                                                  runtime_.context(), nullptr,

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstdlib>
@@ -17,6 +18,21 @@
 #include "ferry/ferry.hpp"
 
 namespace ferry::cli {
+
+// A number option that must be finite and > 0: "--lr: must be a finite number > 0, got 0" (CLI11's
+// own range check prints the largest double, 309 digits).
+inline CLI::Validator positive_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v <= 0) {
+          return fmt::format("must be a finite number > 0, got {}", text);
+        }
+        return {};
+      },
+      "> 0");
+}
 
 // The versions of the JSON lines' layouts (docs/outputs.md): each line carries its own as
 // "schema"; a field removed or changed in meaning raises it, a field added does not.

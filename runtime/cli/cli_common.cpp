@@ -88,7 +88,14 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.host_optimizer = a.host_optimizer;
   if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
   if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
-  if (!a.device_budget.empty()) opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
+  if (!a.device_budget.empty()) {
+    opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
+    if (opt.residency.budget_bytes == 0) {
+      throw std::invalid_argument(
+          "--device-budget 0: a budget must be more than 0 bytes (leave --device-budget out to use what the device "
+          "can spare)");
+    }
+  }
   if (!a.host_budget.empty()) opt.residency.host_budget_bytes = ferry::parse_bytes(a.host_budget);
   opt.residency.homes.codec.chunk_bytes = ferry::parse_bytes(a.compress_chunk);
   opt.residency.homes.codec.level = a.compress_level;

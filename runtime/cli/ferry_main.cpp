@@ -424,7 +424,7 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
       ->check(CLI::IsMember({"mlp", "cnn", "deep", "gpt"}))
       ->capture_default_str();
   app->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   app->add_option("--optimizer", t.optimizer,
                   "adam, adamw, adamw8bit (AdamW with 8-bit block-wise quantized moments) or sgd")
       ->capture_default_str();
@@ -434,17 +434,17 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw, adamw8bit)")
       ->capture_default_str();
   app->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
-  app->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(CLI::PositiveNumber);
+  app->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(positive_number());
   app->add_option("--depth", t.depth, "deep: residual blocks (default 16); gpt: decoder blocks (default 4)")
-      ->check(CLI::PositiveNumber);
-  app->add_option("--heads", t.heads, "gpt: attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(positive_number());
+  app->add_option("--heads", t.heads, "gpt: attention heads")->check(positive_number())->capture_default_str();
   app->add_option("--attention", t.attention,
                   "gpt: fused (one op per block, no context x context tensors; head dimension up to 128) or "
                   "unfused (batched matmuls, causal softmax, dropout: the reference path)")
       ->check(CLI::IsMember({"fused", "unfused"}))
       ->capture_default_str();
   app->add_option("--context", t.context, "gpt: characters per window")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   app->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
   app->add_option("--device-budget", t.device_budget,
@@ -537,6 +537,27 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_flag("--json", t.json, "End with one JSON line of results on stdout");
 }
 
+// Flags given for another model or phase mode are refused, not ignored.
+void check_flags_apply(const CLI::App& train, const TrainArgs& t) {
+  const bool gpt = t.model == "gpt";
+  for (const char* flag :
+       {"--steps", "--max-minutes", "--eval-every", "--sample", "--prompt", "--temperature", "--text", "--dropout"}) {
+    if (!gpt && train.count(flag) > 0) {
+      throw std::invalid_argument(fmt::format("{} applies to --model gpt only; --model {} trains for --epochs{}", flag,
+                                              t.model, std::string(flag) == "--steps" ? " (and --train-limit)" : ""));
+    }
+  }
+  for (const char* flag : {"--epochs", "--train-limit", "--data", "--eval-int8"}) {
+    if (gpt && train.count(flag) > 0) {
+      throw std::invalid_argument(fmt::format(
+          "{} applies to the Fashion-MNIST models (mlp, cnn, deep); --model gpt trains for --steps on --text", flag));
+    }
+  }
+  if (t.phase_config.predict_int8 && t.phases != "hybrid") {
+    throw std::invalid_argument("--predict-int8 applies to Predict steps, which only --phases hybrid runs");
+  }
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"ferry: train neural networks on any OpenCL device"};
   app.require_subcommand(1);
@@ -548,23 +569,26 @@ int main(int argc, char** argv) {
   auto* train = app.add_subcommand("train", "Train a model on Fashion-MNIST and report test accuracy");
   add_model_options(train, t);
   train->add_option("--epochs", t.epochs, "Passes over the training set (Fashion-MNIST models)")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
-  train->add_option("--lr", t.lr, "Peak learning rate (gpt: 0.002)")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--lr", t.lr, "Peak learning rate (gpt: 0.002)")->check(positive_number())->capture_default_str();
   train->add_option("--schedule", t.schedule, "Learning rate schedule: cosine or constant")->capture_default_str();
   train->add_option("--dropout", t.dropout, "gpt: dropout probability")->check(CLI::Range(0.0, 0.95));
-  train->add_option("--steps", t.steps, "gpt: optimizer steps (default 2000)")->check(CLI::PositiveNumber);
+  train->add_option("--steps", t.steps, "gpt: optimizer steps (default 2000)")->check(positive_number());
   train->add_option("--max-minutes", t.max_minutes, "gpt: stop training after this many minutes")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   train->add_option("--eval-every", t.eval_every, "gpt: steps between validation losses (default 250)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   train->add_option("--sample", t.sample, "gpt: characters of text to generate after training");
   train->add_option("--prompt", t.prompt, "gpt: text the sample continues (default: a newline)");
-  train->add_option("--temperature", t.temperature, "gpt: sampling temperature")->capture_default_str();
+  train->add_option("--temperature", t.temperature, "gpt: sampling temperature")
+      ->check(positive_number())
+      ->capture_default_str();
   train->add_option("--text", t.text_dir, "gpt: folder of text files (default: $FERRY_TEXT_DIR or Debian's fortunes)");
   train->add_option("--data", t.data_dir,
                     "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");
-  train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)");
+  train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)")
+      ->check(positive_number());
   train->add_option("--trace", t.trace_path, "Write a Chrome trace of the first steps' device timeline");
   train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile), from the first (1 or more)")
       ->capture_default_str();
@@ -598,10 +622,10 @@ int main(int argc, char** argv) {
   add_model_options(plan, t);
   plan->add_option("--link-gbps", t.link_gbps,
                    "Host-device copy rate in GB/s for the step-time prediction (default: measured on the device)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   plan->add_option("--gemm-gflops", t.gemm_gflops,
                    "GEMM rate in GFLOP/s for the step-time prediction (default: measured on the device)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   TuneArgs tune_args;
   auto* tune = app.add_subcommand(
       "tune",
@@ -613,7 +637,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"quick", "full"}))
       ->capture_default_str();
   tune->add_option("--budget-seconds", tune_args.budget_seconds, "Stop starting candidates after this long")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       ->capture_default_str();
   tune->add_flag("--json", tune_args.json, "End with one JSON line of results on stdout");
   tune->add_flag("--quiet", tune_args.quiet, "No progress output");
@@ -622,6 +646,7 @@ int main(int argc, char** argv) {
   t.argv.assign(argv, argv + argc);
   try {
     if (devices->parsed()) return cmd_devices();
+    if (train->parsed()) check_flags_apply(*train, t);
     if (train->parsed()) check_outputs(t);  // before any data is loaded or step run
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);

@@ -314,7 +314,8 @@ int cmd_train_gpt(const TrainArgs& args) {
   std::string sample;
   if (a.sample) {
     sample = sample_text(trainer, corpus, t, a.prompt, a.sample, a.temperature, a.seed);
-    if (!a.quiet) std::cerr << "ferry: sample:\n" << a.prompt << sample << "\n";
+    // Asked for, so printed also with --quiet (which silences progress, not results).
+    std::cerr << "ferry: sample:\n" << a.prompt << sample << "\n";
   }
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: val loss {:.4f} nats/char after {} steps, {:.0f} tokens/s, {:.1f} ms/step\n",

@@ -58,11 +58,11 @@ row() {
 quick=(--epochs 1 --train-limit 512 --quiet)
 
 # Flags and values.
-row "learning rate NaN" "learning rate must be a positive number, got nan" error - train --lr nan "${quick[@]}"
-row "learning rate negative" "--lr: Value -1 not in range" error - train --lr -1 "${quick[@]}"
+row "learning rate NaN" "--lr: must be a finite number > 0, got nan" error - train --lr nan "${quick[@]}"
+row "learning rate negative" "--lr: must be a finite number > 0, got -1" error - train --lr -1 "${quick[@]}"
 row "momentum 1" "SGD momentum = 1: it must be in [0, 1)" error - train --optimizer sgd --momentum 1 "${quick[@]}"
 row "weight decay NaN" "weight decay = nan: it must be a finite number >= 0" error - train --weight-decay nan "${quick[@]}"
-row "batch 0" "--batch: Value 0 not in range" error - train --batch 0 "${quick[@]}"
+row "batch 0" "--batch: must be a finite number > 0, got 0" error - train --batch 0 "${quick[@]}"
 row "batch above the training samples" "batch 1024 is larger than the 512 training samples" error - \
   train --batch 1024 "${quick[@]}"
 row "unknown optimizer" "unknown optimizer 'rmsprop'" error - train --optimizer rmsprop "${quick[@]}"
@@ -116,6 +116,17 @@ mkdir -p "$work/no-icd"
 row "no OpenCL device" "no OpenCL device" error "OCL_ICD_VENDORS=$work/no-icd OCL_ICD_FILENAMES=" \
   train "${quick[@]}"
 row "wrong FERRY_DEVICE" "no OpenCL device matches 'no-such-gpu'" error "FERRY_DEVICE=no-such-gpu" train "${quick[@]}"
+row "--lr 0" "--lr: must be a finite number > 0, got 0" error - train "${quick[@]}" --lr 0
+row "--device-budget 0" "a budget must be more than 0 bytes" error - train "${quick[@]}" --device-budget 0
+row "--device-budget above the device's memory" "is more than the device" error - \
+  train "${quick[@]}" --device-budget 100TiB
+row "--train-limit 0" "--train-limit: must be a finite number > 0, got 0" error - train --epochs 1 --train-limit 0
+row "--temperature nan" "--temperature: must be a finite number > 0, got nan" error - \
+  train --model gpt --temperature nan
+row "--steps for the MLP" "--steps applies to --model gpt only" error - train "${quick[@]}" --steps 5
+row "--epochs for the GPT" "--epochs applies to the Fashion-MNIST models" error - train --model gpt --epochs 2
+row "--predict-int8 without hybrid phases" "--predict-int8 applies to Predict steps" error - \
+  train "${quick[@]}" --predict-int8
 row "unknown FERRY_TUNE" "FERRY_TUNE='fast': expected off, quick or full" error "FERRY_TUNE=fast" train "${quick[@]}"
 row "FERRY_TUNE_BUDGET_S not a positive number" "FERRY_TUNE_BUDGET_S='-5'" error "FERRY_TUNE_BUDGET_S=-5" \
   train "${quick[@]}"
