@@ -316,8 +316,16 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
     // the tuning data alone decides.
     if (mode != TuneMode::off) {
       const std::string cache = gemm_tune_cache_path(env);
-      std::optional<GemmTuningRow> cached = cache.empty() ? std::nullopt : read_gemm_tune_cache(cache, device);
-      row = cached ? std::move(*cached) : tune_now(env, mode);
+      if (cache.empty()) {
+        // Without a cache folder every run would search again: the generic row instead, said once.
+        std::fprintf(stderr,
+                     "ferry: note: not tuning the GEMM for '%s': the program cache is off, so a tuned row could not "
+                     "be kept (set FERRY_CACHE_DIR to a writable folder); the generic row of the tuning data runs\n",
+                     device.name.c_str());
+      } else {
+        std::optional<GemmTuningRow> cached = read_gemm_tune_cache(cache, device);
+        row = cached ? std::move(*cached) : tune_now(env, mode);
+      }
     }
   }
   st.chosen.emplace(key, row);

@@ -52,7 +52,8 @@ GemmKernelConfig parse_gemm_kernel_spec(std::string_view spec, const std::string
 //  1. the first matching row of ops/tuning/gemm.tsv (or of the file FERRY_GEMM_TUNING names, which
 //     replaces it) when it names the device;
 //  2. else, unless FERRY_TUNE=off, the tuner's cached winner for this device and driver
-//     (gemm_tune.hpp), or a bounded search now whose winner is cached;
+//     (gemm_tune.hpp), or a bounded search now whose winner is cached (not when the program cache
+//     is off: a note says so, and the generic row runs);
 //  3. else (FERRY_TUNE=off) that first matching, generic row.
 // Throws if no row matches, or when a tuning file is malformed.
 GemmTuningRow gemm_tuning_for(OpEnv& env);

@@ -54,6 +54,10 @@ class GzInput {
     const auto status = std::filesystem::status(path_, ec);
     if (!std::filesystem::exists(status)) {
       const auto dir = path_.parent_path();
+      if (!dir.empty() && std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
+        fail(path_, fmt::format("not found: {} is a file, not a folder", dir.string()),
+             "give --data (or FERRY_DATA_DIR) the folder holding the four Fashion-MNIST .gz files");
+      }
       if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
         fail(path_, fmt::format("not found (the folder {} does not exist)", dir.string()), kInstallHint);
       }
@@ -61,7 +65,14 @@ class GzInput {
     }
     if (!std::filesystem::is_regular_file(status)) fail(path_, "is not a regular file", kInstallHint);
     file_.reset(gzopen(path_.c_str(), "rb"));
-    if (!file_) fail(path_, fmt::format("cannot be opened ({})", std::generic_category().message(errno)), kInstallHint);
+    if (!file_) {
+      const int err = errno;
+      // Unreadable is not missing: reinstalling would not help, the permissions would.
+      fail(path_, fmt::format("cannot be opened ({})", std::generic_category().message(err)),
+           err == EACCES ? std::string_view("give this user read access to it (chmod a+r), or copy the data set to a "
+                                            "folder of your own and point FERRY_DATA_DIR at it")
+                         : kInstallHint);
+    }
     gzbuffer(file_.get(), 1u << 20);
   }
 

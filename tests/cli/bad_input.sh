@@ -110,6 +110,7 @@ gzip -f "$work/labels/t10k-images-idx3-ubyte" "$work/labels/t10k-labels-idx1-uby
 row "test split with a label outside the classes" "label 12 of sample 0 is out of range" error - \
   train --data "$work/labels" "${quick[@]}"
 row "missing data set" "$work/nowhere" error - train --data "$work/nowhere" "${quick[@]}"
+row "--data naming a file" "is a file, not a folder" error - train --data "$data/train-images-idx3-ubyte.gz" "${quick[@]}"
 
 # Devices.
 mkdir -p "$work/no-icd"
