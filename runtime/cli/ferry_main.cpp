@@ -251,6 +251,11 @@ int cmd_train(const TrainArgs& a) {
     const std::string where = fmt::format("epoch {}/{}, step {}/{} ({} optimizer updates done)", p.epochs_done + 1,
                                           a.epochs, p.step_in_epoch, steps_per_epoch, trainer.steps_done());
     const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    if (!a.trace_path.empty() && trace.steps() > 0) {  // the steps traced so far are kept too
+      std::vector<std::string> ignored;
+      write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
+                        [&] { trace.write(a.trace_path); });
+    }
     if (!a.checkpoint_path.empty()) {
       save(p);
       std::cerr << fmt::format("ferry: stopped by {} at {}; wrote checkpoint {}\nferry: resume with: {}\n", name, where,

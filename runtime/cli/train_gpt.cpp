@@ -274,6 +274,11 @@ int cmd_train_gpt(const TrainArgs& args) {
       // Between steps, the one in flight read: a checkpoint if asked for, and how to go on.
       const char* name = stop_signal == SIGINT ? "SIGINT" : "SIGTERM";
       const int status = 128 + stop_signal;
+      if (!a.trace_path.empty() && trace.steps() > 0) {  // the steps traced so far are kept too
+        std::vector<std::string> ignored;
+        write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
+                          [&] { trace.write(a.trace_path); });
+      }
       if (!a.checkpoint_path.empty()) {
         save();
         std::cerr << fmt::format("ferry: stopped by {} at step {}/{}; wrote checkpoint {}\nferry: resume with: {}\n",

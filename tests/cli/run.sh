@@ -124,6 +124,20 @@ for signal in INT TERM; do
     test "$(results "$after")" = "$(results "$uninterrupted")"
 done
 
+# A signal keeps what was traced: the first steps' trace is written before the run stops.
+err="$work/sig-trace.err"
+rm -f "$work/sig-trace.json" "$err"
+"$ferry" train --model mlp --epochs 2 --train-limit 8192 --trace "$work/sig-trace.json" --trace-steps 2 \
+  >/dev/null 2>"$err" &
+pid=$!
+for _ in $(seq 1 1200); do grep -qs 'epoch 1/2 \[' "$err" && break; sleep 0.05; done
+kill -INT "$pid"
+wait "$pid"
+status=$?
+check "SIGINT with --trace exits 130" test "$status" -eq 130
+check "SIGINT with --trace writes the steps traced so far" grep -q '"traceEvents"' "$work/sig-trace.json"
+check "... whole (it ends with the closing object)" grep -q '"otherData":{"schema":1' "$work/sig-trace.json"
+
 expect_error "a checkpoint folder that does not exist (before training)" "does not exist" \
   train --epochs 1 --checkpoint "$work/no-such-folder/x.ckpt"
 expect_error "resuming a missing file" "cannot open checkpoint" train --epochs 1 --resume "$work/none.ckpt"
