@@ -33,7 +33,7 @@ struct GemmOptions {
   DeviceSpan bias{};  // optional: length N, added to every row of C after the product
   // Optional: runs ferry's kernel with these parameters instead of what the tuning data says,
   // written as in the tuning file's kernel and params columns, e.g. "packed RB=4 NV=4" or
-  // "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2". For tests and the tuner (`ferry-bench gemm --tune`).
+  // "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2". For tests and the tuner (ferry/ops/gemm_tune.hpp).
   std::string kernel{};
   // With `kernel`: fit it to each shape as a row of the tuning data is fitted (a smaller tile for
   // a product with fewer tiles than compute units, a narrower panel), so the tuner measures a
