@@ -295,8 +295,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
 
 LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
                       DeviceSpan b, float beta, DeviceSpan c, const GemmOptions& options) {
-  const cl_uint has_bias = options.bias.buffer != nullptr;
-  return bind_tiled_batched(env, s, 1, {}, cfg, alpha, a, b, beta, c, has_bias ? options.bias : DeviceSpan{});
+  return bind_tiled_batched(env, s, 1, {}, cfg, alpha, a, b, beta, c, options.bias);
 }
 
 LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,

@@ -256,15 +256,15 @@ const GemmTuningRow& first_match(const std::vector<GemmTuningRow>& rows, const s
 
 // First use on a device without a row of its own: the tuner's bounded search, with a line of
 // progress on stderr (it can take up to a minute, once per device and driver).
-GemmTuningRow tune_now(OpEnv& env, TuneMode mode) {
+GemmTuningRow tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
   const cl::DeviceInfo& device = env.device();
   std::fprintf(stderr,
                "ferry: tuning the GEMM kernel for '%s' (first use on this device and driver, about %.0f s at most; "
                "`ferry tune` does it ahead of time, FERRY_TUNE=off skips it)\n",
-               device.name.c_str(), tune_budget_from_env() + 5);
+               device.name.c_str(), budget_seconds + 5);
   GemmTuneOptions o;
   o.mode = mode;
-  o.budget_seconds = tune_budget_from_env();
+  o.budget_seconds = budget_seconds;
   o.progress = [](const GemmTuneProgress& p) {
     std::fprintf(stderr, "\rferry: tuning GEMM %s %zu/%zu, best %.0f GFLOPS   ", p.stage.c_str(), p.done, p.total,
                  p.best_gflops);
@@ -302,12 +302,12 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
   TuningState& st = state();
   const char* env_file = std::getenv("FERRY_GEMM_TUNING");
   const std::string path = env_file ? env_file : "";
-  // Checked whether or not this device needs them, so a mistyped setting is never silently ignored.
-  const TuneMode mode = tune_mode_from_env();
-  tune_budget_from_env();
   std::lock_guard lock(st.mutex);
   const auto key = std::make_pair(path, device.id);
   if (auto it = st.chosen.find(key); it != st.chosen.end()) return it->second;
+  // Checked whether or not this device needs them, so a mistyped setting is never silently ignored.
+  const TuneMode mode = tune_mode_from_env();
+  const double budget = tune_budget_from_env();
   const GemmTuningRow& listed =
       first_match(rows_of(st, path), path.empty() ? "ops/tuning/gemm.tsv (embedded)" : path, device);
   GemmTuningRow row = listed;
@@ -324,7 +324,7 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
                      device.name.c_str());
       } else {
         std::optional<GemmTuningRow> cached = read_gemm_tune_cache(cache, device);
-        row = cached ? std::move(*cached) : tune_now(env, mode);
+        row = cached ? std::move(*cached) : tune_now(env, mode, budget);
       }
     }
   }

@@ -165,29 +165,6 @@ INSTANTIATE_TEST_SUITE_P(
                       ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
     [](const auto& info) { return info.param.name; });
 
-// Sets an environment variable for the life of the object and then restores what was there
-// before (tests/oclgrind's packed run sets FERRY_GEMM_TUNING for the whole binary).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
 // The path GPUs take (local-memory tiled GEMM, with the permutes to and from the GEMM layout),
 // forced on this device through the tuning override.
 TEST(Conv2dTiledPath, MatchesReference) {

@@ -276,17 +276,6 @@ TEST(Gemm, BadKernelOptionIsRejected) {
 }
 
 // Sets an environment variable for the life of the object.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) { setenv(name, value.c_str(), 1); }
-  ~ScopedEnv() { unsetenv(name_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-};
-
 std::string write_temp(const std::string& stem, const std::string& text) {
   const auto path = std::filesystem::temp_directory_path() / fmt::format("ferry_{}_{}.tsv", stem, ::getpid());
   std::ofstream(path) << text;

@@ -17,27 +17,6 @@
 namespace ferry::test {
 namespace {
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
 std::filesystem::path temp_dir(const std::string& stem) {
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry_{}_{}", stem, ::getpid());
   std::filesystem::remove_all(dir);

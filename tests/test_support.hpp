@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,6 +36,29 @@ struct TestDevice {
     static auto* device = new TestDevice();  // leaked on purpose: outlives all static test state
     return *device;
   }
+};
+
+// Sets an environment variable for a scope, then restores what it was (or unsets it):
+// tests/oclgrind's packed run sets FERRY_GEMM_TUNING for the whole binary.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
 };
 
 // Small shapes only: tests/oclgrind/run_test.sh sets FERRY_TEST_SMALL=1, since Oclgrind simulates

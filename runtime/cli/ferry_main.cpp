@@ -132,7 +132,6 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, st
 }
 
 int cmd_train(const TrainArgs& a) {
-  if (!a.checkpoint_path.empty()) ferry::check_checkpoint_path(a.checkpoint_path);  // before any training
   const auto data_dir = a.data_dir.empty() ? ferry::default_fashion_mnist_dir() : std::filesystem::path(a.data_dir);
   ferry::Dataset train = ferry::load_fashion_mnist(data_dir, ferry::Split::train);
   ferry::Dataset test = ferry::load_fashion_mnist(data_dir, ferry::Split::test);

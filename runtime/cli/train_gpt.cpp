@@ -147,7 +147,6 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, co
 int cmd_train_gpt(const TrainArgs& args) {
   TrainArgs a = args;
   if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
-  if (!a.checkpoint_path.empty()) check_checkpoint_path(a.checkpoint_path);  // before any work
   const auto files = fortune_files(a.text_dir);
   const TextCorpus corpus = load_text_corpus(files, 0.1);
   models::GptConfig c;

@@ -80,6 +80,21 @@ expect_error "a recompute interval beyond the depth" "nothing to recompute" \
 expect_error "an unknown predictor" "unknown predictor 'cubic'" train --phases hybrid --predictor cubic --epochs 1
 
 # Checkpoints (docs/checkpoints.md): 1 epoch then --resume to 2 gives the 2-epoch run's results;
+# interrupt <signal> <stderr file> <progress pattern> <ferry args...>: runs ferry in the background
+# with stderr to the file, sends the signal once the file shows the pattern, and sets `status` to
+# the exit status. The file must not exist before (the shell truncates a redirect in the forked
+# child, so polling a reused name could see the previous run's line and signal too early).
+interrupt() {
+  local signal=$1 err=$2 pattern=$3 pid
+  shift 3
+  "$ferry" "$@" >/dev/null 2>"$err" &
+  pid=$!
+  for _ in $(seq 1 1200); do grep -qs -- "$pattern" "$err" && break; sleep 0.05; done
+  kill -"$signal" "$pid"
+  wait "$pid"
+  status=$?
+}
+
 # SIGINT and SIGTERM stop between steps, write a checkpoint and print the command that resumes.
 results() {  # the fields of a JSON line that must not depend on timing
   grep -o '"\(test_accuracy\|test_loss\|train_loss\|optimizer_updates\)":[^,}]*' <<<"$1" | tr '\n' ' '
@@ -100,17 +115,9 @@ check "resuming a finished run reports it without training" test "$(results "$ag
 sig=(train --model mlp --epochs 2 --train-limit 8192 --json --checkpoint "$work/sig.ckpt")
 uninterrupted=$("$ferry" "${sig[@]}" --quiet)
 for signal in INT TERM; do
-  # A log of its own per signal, gone before the run starts: the shell truncates a redirect in
-  # the forked child, so polling a reused name could read the previous run's progress line and
-  # signal the new process before it handles signals.
-  err="$work/sig-$signal.err"
+  err="$work/sig-$signal.err"  # a log of its own per signal (see interrupt)
   rm -f "$work/sig.ckpt" "$err"
-  "$ferry" "${sig[@]}" >"$work/sig.out" 2>"$err" &
-  pid=$!
-  for _ in $(seq 1 1200); do grep -qs 'epoch 1/2 \[' "$err" && break; sleep 0.05; done
-  kill -"$signal" "$pid"
-  wait "$pid"
-  status=$?
+  interrupt "$signal" "$err" 'epoch 1/2 \[' "${sig[@]}"
   want=$([ "$signal" = INT ] && echo 130 || echo 143)
   before=$failures
   check "SIG$signal during training exits $want" test "$status" -eq "$want"
@@ -127,13 +134,8 @@ done
 # A signal keeps what was traced: the first steps' trace is written before the run stops.
 err="$work/sig-trace.err"
 rm -f "$work/sig-trace.json" "$err"
-"$ferry" train --model mlp --epochs 2 --train-limit 8192 --trace "$work/sig-trace.json" --trace-steps 2 \
-  >/dev/null 2>"$err" &
-pid=$!
-for _ in $(seq 1 1200); do grep -qs 'epoch 1/2 \[' "$err" && break; sleep 0.05; done
-kill -INT "$pid"
-wait "$pid"
-status=$?
+interrupt INT "$err" 'epoch 1/2 \[' train --model mlp --epochs 2 --train-limit 8192 --trace "$work/sig-trace.json" \
+  --trace-steps 2
 check "SIGINT with --trace exits 130" test "$status" -eq 130
 check "SIGINT with --trace writes the steps traced so far" grep -q '"traceEvents"' "$work/sig-trace.json"
 check "... whole (it ends with the closing object)" grep -q '"otherData":{"schema":1' "$work/sig-trace.json"
@@ -188,12 +190,8 @@ expect_error "GPT: resuming a classifier's checkpoint" "its model is 'mlp-784-10
 gsig=(train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 300
   --eval-every 100 --json --checkpoint "$work/gsig.ckpt")
 guninterrupted=$("$ferry" "${gsig[@]}" --quiet)
-"$ferry" "${gsig[@]}" >"$work/gsig.out" 2>"$work/gsig.err" &
-pid=$!
-for _ in $(seq 1 1200); do grep -qs '^step [0-9]*/300 \[' "$work/gsig.err" && break; sleep 0.05; done
-kill -INT "$pid"
-wait "$pid"
-status=$?
+rm -f "$work/gsig.err"
+interrupt INT "$work/gsig.err" '^step [0-9]*/300 \[' "${gsig[@]}"
 check "GPT: SIGINT during training exits 130" test "$status" -eq 130
 check "GPT: SIGINT says where training stopped" grep -q "stopped by SIGINT at step [0-9]*/300" "$work/gsig.err"
 cmd=$(sed -n 's/^ferry: resume with: //p' "$work/gsig.err")
