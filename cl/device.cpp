@@ -205,7 +205,7 @@ bool matches_selector(const DeviceFacts& d, std::string_view selector) {
   return false;
 }
 
-DeviceInfo select_device(std::string_view selector) {
+DeviceInfo select_device(std::string_view selector, int local_rank) {
   std::string from = "selector";
   if (selector.empty()) {
     if (const char* env = std::getenv("FERRY_DEVICE"); env && *env) {
@@ -223,7 +223,14 @@ DeviceInfo select_device(std::string_view selector) {
   std::vector<DeviceFacts> facts;
   for (const auto& d : devices) facts.push_back(d.facts());
   if (selector.empty()) {
-    if (auto i = default_device_index(facts)) return devices[*i];
+    if (auto i = default_device_index(facts)) {
+      // Ranks of one node share its best devices (all of the default's kind), one each in turn.
+      std::vector<std::size_t> peers;
+      for (std::size_t k = 0; k < facts.size(); ++k) {
+        if (default_rank(facts[k]) == default_rank(facts[*i])) peers.push_back(k);
+      }
+      return devices[peers[static_cast<std::size_t>(std::max(local_rank, 0)) % peers.size()]];
+    }
     throw std::runtime_error(
         fmt::format("only simulated OpenCL devices were found, and a simulator is used only when named "
                     "(FERRY_DEVICE=oclgrind, or an index):{}",

@@ -32,6 +32,12 @@ const std::vector<ModelPass>& model_passes() {
        [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
          if (key.training && key.accumulate > 1) append_accumulation(g, key.accumulate, key.micro);
        }},
+      {"data parallel",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
+         if (key.training && !key.micro && key.ranks > 1) {
+           append_gradient_allreduce(g, key.rank_share, key.bucket_bytes);
+         }
+       }},
       {"optimizer",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
          if (key.training && !key.micro) append_optimizer(g, optimizer);

@@ -62,6 +62,7 @@ Registry& registry() {
     table::register_overflow_guard_rows(named);
     table::register_attention_rows(named);
     table::register_add_layernorm_rows(named);
+    table::register_collective_rows(named);
     return reg;
   }();
   return *r;
@@ -87,6 +88,8 @@ const char* op_class_name(OpClass c) {
       return "cast";
     case OpClass::state_update:
       return "state update";
+    case OpClass::communication:
+      return "communication";
   }
   return "?";
 }

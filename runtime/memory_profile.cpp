@@ -33,6 +33,7 @@ std::vector<StepSection> sections(const graph::Graph& g) {
         out[n] = StepSection::io;
         break;
       case OpClass::state_transfer:
+      case OpClass::communication:
         out[n] = StepSection::transfer;
         break;
       case OpClass::update:

@@ -110,7 +110,10 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       for (TensorId x : g.nodes.outputs(n)) p.batch_bytes += g.tensors.bytes(x);
       continue;
     }
-    if (row.op_class == ops::OpClass::state_transfer || graph::is_host_lane(g.nodes.lane[n])) continue;
+    if (row.op_class == ops::OpClass::state_transfer || row.op_class == ops::OpClass::communication ||
+        graph::is_host_lane(g.nodes.lane[n])) {
+      continue;
+    }
     if (row.flops) {
       const std::uint64_t f = row.flops(graph::NodeView<ops::ShapeView>(g, n));
       p.flops += f;

@@ -7,7 +7,7 @@ namespace ferry {
 
 Runtime::Runtime(RuntimeOptions options)
     : options_(std::move(options)),
-      context_(std::make_unique<cl::Context>(cl::select_device(options_.device),
+      context_(std::make_unique<cl::Context>(cl::select_device(options_.device, options_.local_rank),
                                              cl::ContextOptions{.profiling = options_.profiling})),
       kernels_(std::make_unique<cl::KernelLibrary>(*context_)),
       env_{*kernels_} {

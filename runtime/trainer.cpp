@@ -27,6 +27,57 @@ std::uint64_t name_hash(const std::string& s) {
   return h;
 }
 
+// Data-parallel training is on: more than one rank.
+bool data_parallel(const TrainerOptions& o) {
+  return o.data_parallel.communicator && o.data_parallel.communicator->size() > 1;
+}
+
+// What every rank of a data-parallel run must agree on: the trained tensors (names, shapes,
+// types) and the options that decide the update. Not the batch (ranks' shares may differ by one)
+// nor where tensors live (ranks may have different devices).
+std::uint64_t run_fingerprint(const graph::Graph& g, const TrainerOptions& o) {
+  std::string s;
+  const auto& t = g.tensors;
+  for (TensorId x = 0; x < t.size(); ++x) {
+    if (!graph::is_persistent(t.role[x])) continue;
+    s += fmt::format("{}:{}:{}:{};", t.name[x], t.shape[x].str(), graph::dtype_name(t.dtype[x]),
+                     graph::role_name(t.role[x]));
+  }
+  const auto& opt = o.optimizer;
+  const auto& dp = o.data_parallel;
+  s += fmt::format("lr {} seed {} accumulate {} precision {} optimizer {} {} {} {} {} {} {} {} {} {} global {} zero {}",
+                   o.lr, o.seed, o.accumulate, graph::dtype_name(o.precision.compute), ops::optimizer_name(opt.kind),
+                   opt.sgd.momentum, opt.sgd.weight_decay, opt.sgd.nesterov, opt.adam.beta1, opt.adam.beta2,
+                   opt.adam.eps, opt.adam.weight_decay, opt.block8bit, dp.bucket_bytes, dp.global_batch, dp.zero_stage);
+  return name_hash(s);
+}
+
+// The ranks agree on the model and options, and their shares make the global batch: else every
+// rank throws the same message before anything is allocated.
+void check_ranks_agree(ops::Communicator& control, std::uint64_t fingerprint, const TrainerOptions& o) {
+  const std::vector<std::uint64_t> prints = control.allgather(fingerprint);
+  const std::vector<std::uint64_t> batches = control.allgather(o.batch);
+  std::vector<int> differ;
+  for (std::size_t r = 0; r < prints.size(); ++r) {
+    if (prints[r] != prints[0]) differ.push_back(static_cast<int>(r));
+  }
+  if (!differ.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "the {} ranks of this data-parallel run disagree on the model or the training options: rank(s) {} differ from "
+        "rank 0 (a hash of the weights' names and shapes, optimizer, learning rate, seed, accumulation, precision, "
+        "global batch and bucket size): start every rank with the same command and data",
+        prints.size(), fmt::join(differ, ", ")));
+  }
+  std::uint64_t sum = 0;
+  for (std::uint64_t b : batches) sum += b;
+  if (sum != o.data_parallel.global_batch) {
+    throw std::invalid_argument(fmt::format(
+        "the ranks' batches ({}) add up to {} samples, not the global batch of {}: give each rank its share "
+        "(ferry::shard_of)",
+        fmt::join(batches, ", "), sum, o.data_parallel.global_batch));
+  }
+}
+
 // The loss's stats carry an argmax-hit count after the loss (softmax cross-entropy's [loss, hits]).
 bool counts_hits(const graph::CompiledStep& step) {
   return step.graph().tensors.shape[step.graph().loss].elems() > 1;
@@ -58,6 +109,30 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
         "bf16, which needs no loss scaling, or fp32");
   }
   if (options.phases.hybrid) options.optimizer.predictor = options.phases.predictor;
+  auto& dp = options.data_parallel;
+  if (dp.zero_stage < 0 || dp.zero_stage > 2) {
+    throw std::invalid_argument(fmt::format("ZeRO stage {}: the stages are 0, 1 and 2", dp.zero_stage));
+  }
+  if (dp.zero_stage != 0) {
+    throw std::invalid_argument(fmt::format(
+        "ZeRO stage {} (sharded optimizer state{}) is not built yet: data-parallel training keeps every rank's "
+        "state whole (stage 0); use --zero 0",
+        dp.zero_stage, dp.zero_stage == 2 ? " and gradients" : ""));
+  }
+  if (!data_parallel(options)) return;
+  const int ranks = dp.communicator->size();
+  if (options.phases.hybrid || options.precision.scaled()) {
+    throw std::invalid_argument(fmt::format(
+        "data-parallel training over {} ranks does not support {} yet: each rank would decide on its own loss; use "
+        "full phases and fp32 or bf16",
+        ranks, options.phases.hybrid ? "hybrid phases" : "fp16 loss scaling"));
+  }
+  if (dp.global_batch == 0) dp.global_batch = options.batch * static_cast<std::uint32_t>(ranks);
+  if (dp.global_batch < static_cast<std::uint32_t>(ranks) || options.batch == 0 || options.batch > dp.global_batch) {
+    throw std::invalid_argument(fmt::format("rank {} of {}: a batch of {} cannot be its share of a global batch of {}",
+                                            dp.communicator->rank(), ranks, options.batch, dp.global_batch));
+  }
+  if (dp.bucket_bytes == 0) throw std::invalid_argument("data parallel: the gradient bucket size must be > 0 bytes");
 }
 
 graph::VariantKey training_key(const TrainerOptions& options) {
@@ -68,6 +143,11 @@ graph::VariantKey training_key(const TrainerOptions& options) {
   key.recompute = options.recompute;
   key.fuse = options.fuse;
   key.fit_predictor = options.phases.hybrid;
+  if (data_parallel(options)) {
+    key.ranks = static_cast<std::uint32_t>(options.data_parallel.communicator->size());
+    key.rank_share = static_cast<float>(static_cast<double>(options.batch) / options.data_parallel.global_batch);
+    key.bucket_bytes = options.data_parallel.bucket_bytes;
+  }
   return key;
 }
 
@@ -119,6 +199,11 @@ std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options) {
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr), scaler_(options.precision) {
   detail::validate_trainer_options(model_, options_);
+  if (data_parallel(options_)) {
+    ranks_ = options_.data_parallel.communicator;
+    control_ = ranks_->split();
+    check_ranks_agree(*control_, run_fingerprint(build_graph(detail::training_key(options_)), options_), options_);
+  }
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
   // host budget and the machine's memory here, before any of them is allocated.
@@ -411,6 +496,7 @@ StepHandle Trainer::submit(const Batch& batch) {
   ops::StepInfo info{steps_ + 1 + unsettled(), lr_};
   info.accumulate_keep = micro_ == 0 ? 0.0f : 1.0f;
   info.loss_scale = scaler_.scale();
+  info.communicator = ranks_.get();
   p.loss_scale = info.loss_scale;
   p.submitted = std::chrono::steady_clock::now();
   try {
@@ -476,6 +562,7 @@ StepResult Trainer::finish_training_step(Pending& p) {
   // ended later (the device ran them back to back), so a run's steps add up to its wall time.
   const auto t0 = std::max(p.submitted, last_done_);
   StepResult r = after_wait(step, t0);
+  if (ranks_) reduce_over_ranks(r);
   last_done_ = std::chrono::steady_clock::now();
   r.loss_scale = p.loss_scale;
   float guard = 0;
@@ -735,6 +822,23 @@ std::uint64_t Trainer::parameter_count() const {
     if (t.role[id] == graph::Role::weight) count += t.shape[id].elems();
   }
   return count;
+}
+
+void Trainer::reduce_over_ranks(StepResult& r) {
+  const double share = static_cast<double>(options_.batch) / options_.data_parallel.global_batch;
+  double sums[2] = {static_cast<double>(r.loss) * share, static_cast<double>(r.correct)};
+  control_->allreduce_sum(sums);
+  r.loss = static_cast<float>(sums[0]);
+  r.correct = static_cast<std::uint32_t>(sums[1]);
+}
+
+std::uint64_t Trainer::gradient_bytes() const {
+  std::uint64_t bytes = 0;
+  const auto& t = train_->graph().tensors;
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] == graph::Role::weight && t.grad[w] != graph::no_tensor) bytes += t.bytes(t.grad[w]);
+  }
+  return bytes;
 }
 
 std::uint64_t Trainer::optimizer_state_bytes() const {

@@ -16,6 +16,7 @@
 #include "ferry/ops/types.hpp"
 #include "ferry/runtime/checkpoint.hpp"
 #include "ferry/runtime/data_source.hpp"
+#include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/fashion_mnist.hpp"
 #include "ferry/runtime/lr_schedule.hpp"
 #include "ferry/runtime/memory_profile.hpp"

@@ -41,10 +41,18 @@ void register_accumulate_rows(const AddNamedRow& add);
 // ops/table/overflow_guard.cpp: the overflow guard's init and per-gradient check.
 void register_overflow_guard_rows(const AddNamedRow& add);
 
+// ops/table/collective.cpp: data-parallel gradient send, all-reduce and receive.
+void register_collective_rows(const AddNamedRow& add);
+
 // All of the above, in the order of ops::builtin.
 void register_builtin_rows(const AddRow& add);
 
 // Helpers the rows share.
+// A copy node's launch: input i to output i, host to device (`to_device`) or back, the host side
+// from BindContext::host_in/host_out (ops/table/transfer.cpp).
+LaunchList transfer_copies(const BindContext& c, bool to_device);
+// Input i copied to output i in the CPU reference.
+void copy_reference(RefContext& c);
 // The backward rule of a layer y = f(x, w) [+ b] (Linear, Conv2d): `grad_input` (dy, w) -> dx when
 // x needs a gradient, and `grad_param` (x, dy) -> dw [db]; dy is the output's gradient unless given
 // (a fused epilogue's rule passes its masked one).

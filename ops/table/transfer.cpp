@@ -6,10 +6,9 @@
 #include "rows.hpp"
 
 namespace ferry::ops::table {
-namespace {
 
 // One launch that enqueues a copy per (input, output) pair on the node's queue.
-LaunchList copies(const BindContext& c, bool to_device) {
+LaunchList transfer_copies(const BindContext& c, bool to_device) {
   if (c.input_count() != c.output_count()) shape_error(c, "a copy node needs as many outputs as inputs");
   struct Pair {
     DeviceSpan device;
@@ -61,13 +60,15 @@ void copy_reference(RefContext& c) {
   }
 }
 
+namespace {
+
 OpInfo copy_row(const char* name, bool to_device, OpClass op_class) {
   OpInfo r;
   r.name = name;
   r.lane = to_device ? Lane::h2d : Lane::d2h;
   r.op_class = op_class;
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16, DType::i8, DType::u8};  // bytes are bytes
-  r.bind = [to_device](const BindContext& c) { return copies(c, to_device); };
+  r.bind = [to_device](const BindContext& c) { return transfer_copies(c, to_device); };
   r.reference = copy_reference;
   return r;
 }

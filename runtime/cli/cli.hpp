@@ -95,6 +95,11 @@ struct TrainArgs {
   std::string checkpoint_path, resume_path;
   std::vector<std::string> argv;  // the command line, for the resume command printed on a signal
   bool force = false;             // outputs may replace files ferry did not write
+  // Data parallel (`mpirun -np N ferry train ...`; docs/distributed.md, runtime/cli/ranks.cpp).
+  int zero = 0;                          // ZeRO stage
+  std::string bucket_size = "25MiB";     // gradient bytes reduced together
+  std::shared_ptr<ferry::ops::Communicator> world, control;  // null: one rank
+  bool primary = true;                   // rank 0: progress, JSON, checkpoints, traces, profiles
 };
 
 // Before any work (data, compile; runtime/cli/outputs.cpp): every output (--checkpoint, --trace,
@@ -193,6 +198,23 @@ class Progress {
 };
 
 int cmd_train_gpt(const TrainArgs& a);
+
+// Data-parallel runs (runtime/cli/ranks.cpp). Under mpirun: joins MPI's world (an error in a
+// ferry built without MPI) and, on ranks other than 0, turns off every output (progress, JSON,
+// trace, profiles; checkpoints are rank 0's). Alone: nothing.
+void join_ranks(TrainArgs& a);
+// This rank's share of each global batch of `global_batch` samples, with `opt` set to train on
+// it (opt.batch its samples, opt.data_parallel the world, --zero and --bucket-size). Alone:
+// the whole batch.
+ferry::Shard configure_ranks(const TrainArgs& a, std::uint32_t global_batch, ferry::TrainerOptions& opt);
+// The banner line of a data-parallel run (nothing alone): ranks, transport, shares, buckets.
+void announce_ranks(const TrainArgs& a, const ferry::Trainer& trainer, std::uint32_t global_batch);
+// Whether to stop between steps: a SIGINT/SIGTERM here, or (data parallel) on any rank, so that
+// every rank stops after the same step. Every rank calls it at the same points.
+bool stop_requested(const TrainArgs& a);
+// An error on one rank of a data-parallel run: says which rank and ends every rank (MPI_Abort),
+// since the others would wait for it in their next reduction. Alone: returns.
+void end_all_ranks_on_error(const TrainArgs& a, const std::exception& e);
 
 // SIGINT / SIGTERM during training: while a StopSignals lives, the handler only records the
 // signal in stop_signal; the training loop checks it between steps, so the step in flight

@@ -148,14 +148,16 @@ int cmd_train(const TrainArgs& a) {
   standardise(train, 0.2860f, 0.3530f);
   standardise(test, 0.2860f, 0.3530f);
 
-  ferry::Runtime runtime({.device = a.device, .profiling = !a.trace_path.empty() || !a.profile_path.empty()});
+  ferry::Runtime runtime({.device = a.device,
+                          .local_rank = a.world ? ferry::local_rank() : 0,
+                          .profiling = !a.trace_path.empty() || !a.profile_path.empty()});
   ferry::TrainerOptions opt;
-  opt.batch = a.batch ? a.batch : default_batch(a.model);
-  const std::uint32_t batch = opt.batch;
+  const std::uint32_t batch = a.batch ? a.batch : default_batch(a.model);  // the global batch, over all ranks
   configure_trainer(a, opt);
+  const ferry::Shard shard = configure_ranks(a, batch, opt);
   const ferry::LrSchedule::Kind schedule_kind = ferry::parse_schedule(a.schedule);
-  if (train.count < opt.batch) {
-    throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", opt.batch, train.count));
+  if (train.count < batch) {
+    throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", batch, train.count));
   }
 
   const auto compile_start = Clock::now();
@@ -165,6 +167,7 @@ int cmd_train(const TrainArgs& a) {
     std::cerr << fmt::format("ferry: {} on {} ({}); {} parameters; training state {}; compiled in {:.1f} s\n",
                              trainer.model().name, runtime.device().name, runtime.device().type_name(),
                              trainer.parameter_count(), ferry::format_bytes(trainer.training_state_bytes()), compile_s);
+    announce_ranks(a, trainer, batch);
     const auto& rr = trainer.residency();
     std::string where;
     switch (rr.mode) {
@@ -209,8 +212,8 @@ int cmd_train(const TrainArgs& a) {
   std::vector<std::size_t> order(train.count);
   std::iota(order.begin(), order.end(), 0);
   std::mt19937_64 rng(a.seed);
-  std::vector<float> images(batch * sample);
-  std::vector<std::int32_t> labels(batch);
+  std::vector<float> images(shard.count * sample);
+  std::vector<std::int32_t> labels(shard.count);
   Progress progress(!a.quiet);
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
@@ -235,6 +238,7 @@ int cmd_train(const TrainArgs& a) {
     }
   }
   const auto save = [&](const RunPosition& p) {
+    if (!a.primary) return;  // data parallel: every rank holds the same state; rank 0 writes it
     const auto t0 = Clock::now();
     trainer.save_checkpoint(a.checkpoint_path, encode_position(a, p, train.count, rng, order, total_steps));
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -246,7 +250,7 @@ int cmd_train(const TrainArgs& a) {
   };
   // Stops between steps after a signal: a checkpoint at `p` if asked for, and how to go on.
   const auto stop = [&](const RunPosition& p) {
-    const int sig = stop_signal;
+    const int sig = stop_signal ? static_cast<int>(stop_signal) : SIGTERM;  // data parallel: another rank's
     const std::string where = fmt::format("epoch {}/{}, step {}/{} ({} optimizer updates done)", p.epochs_done + 1,
                                           a.epochs, p.step_in_epoch, steps_per_epoch, trainer.steps_done());
     const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
@@ -255,7 +259,9 @@ int cmd_train(const TrainArgs& a) {
       write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
                         [&] { trace.write(a.trace_path); });
     }
-    if (!a.checkpoint_path.empty()) {
+    if (!a.primary) {
+      save(p);  // (rank 0 writes it and says so)
+    } else if (!a.checkpoint_path.empty()) {
       save(p);
       std::cerr << fmt::format("ferry: stopped by {} at {}; wrote checkpoint {}\nferry: resume with: {}\n", name, where,
                                a.checkpoint_path, resume_command(a, a.checkpoint_path));
@@ -270,7 +276,7 @@ int cmd_train(const TrainArgs& a) {
   const auto train_start = Clock::now();
   for (std::uint32_t epoch = start.epochs_done + 1; epoch <= a.epochs; ++epoch) {
     const bool resumed_mid_epoch = epoch == start.epochs_done + 1 && start.step_in_epoch > 0;
-    if (!resumed_mid_epoch && stop_signal) return stop(RunPosition{epoch - 1, 0, 0, last_epoch_loss});
+    if (!resumed_mid_epoch && stop_requested(a)) return stop(RunPosition{epoch - 1, 0, 0, last_epoch_loss});
     if (!resumed_mid_epoch) std::shuffle(order.begin(), order.end(), rng);
     double loss_sum = resumed_mid_epoch ? start.loss_sum : 0;
     // One step in flight: step s is submitted before step s - 1's result is read, so the host
@@ -306,12 +312,12 @@ int cmd_train(const TrainArgs& a) {
                       elapsed / done * static_cast<double>(total_steps - f.global_step - 1));
     };
     for (std::size_t s = resumed_mid_epoch ? start.step_in_epoch : 0; s < steps_per_epoch; ++s) {
-      if (s > 0 && stop_signal) {
+      if (s > 0 && stop_requested(a)) {
         if (in_flight) read_result();
         return stop(RunPosition{epoch - 1, s, loss_sum, last_epoch_loss});
       }
-      for (std::uint32_t i = 0; i < batch; ++i) {
-        const std::size_t idx = order[s * batch + i];
+      for (std::uint32_t i = 0; i < shard.count; ++i) {  // this rank's rows of the batch
+        const std::size_t idx = order[s * batch + shard.first + i];
         std::copy_n(train.images.data() + idx * sample, sample, images.data() + i * sample);
         labels[i] = train.labels[idx];
       }
@@ -341,7 +347,7 @@ int cmd_train(const TrainArgs& a) {
   }
   train_seconds = std::chrono::duration<double>(Clock::now() - train_start).count() - eval_seconds - checkpoint_seconds;
   const auto final_eval_start = Clock::now();
-  const auto final_eval = trainer.evaluate(test);
+  const auto final_eval = a.primary ? trainer.evaluate(test) : ferry::EvalResult{};  // rank 0 reports it
   eval_seconds += std::chrono::duration<double>(Clock::now() - final_eval_start).count();
   const double samples_per_s = train_seconds > 0 ? static_cast<double>(steps_run * batch) / train_seconds : 0;
   // One step only: its own time (one-off costs included) rather than none.
@@ -397,6 +403,10 @@ int cmd_train(const TrainArgs& a) {
                         {"device_peak_bytes", trainer.device_peak_bytes()},
                         {"training_state_bytes", trainer.training_state_bytes()},
                         {"optimizer_state_bytes", trainer.optimizer_state_bytes()},
+                        {"gradient_bytes", trainer.gradient_bytes()},
+                        {"world_size", trainer.world_size()},
+                        {"zero_stage", a.zero},
+                        {"allreduce_bytes_per_step", trainer.allreduce_bytes_per_step()},
                         {"parameters", trainer.parameter_count()},
                         {"residency", ferry::graph::residency_mode_name(trainer.residency().mode)},
                         {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
@@ -616,6 +626,15 @@ int main(int argc, char** argv) {
   train->add_flag("--force", t.force,
                   "Let --checkpoint, --trace and --profile* replace an existing file that ferry did not write (never "
                   "a device node, folder, link or one of the run's inputs)");
+  train->add_option("--zero", t.zero,
+                    "Data parallel (mpirun -np N ferry train ...): the ZeRO stage; 0 keeps all optimizer state and "
+                    "gradients on every rank (stages 1 and 2, which shard them, are not built yet)")
+      ->check(CLI::Range(0, 2))
+      ->capture_default_str();
+  train->add_option("--bucket-size", t.bucket_size,
+                    "Data parallel: gradient bytes summed over the ranks together, each bucket as soon as backward "
+                    "has finished it (e.g. 25MiB)")
+      ->capture_default_str();
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "
                   "(JSON: test_accuracy_int8)");
@@ -651,11 +670,13 @@ int main(int argc, char** argv) {
   try {
     if (devices->parsed()) return cmd_devices();
     if (train->parsed()) check_flags_apply(*train, t);
-    if (train->parsed()) check_outputs(t);  // before any data is loaded or step run
+    if (train->parsed()) join_ranks(t);                  // under mpirun: MPI's world
+    if (train->parsed() && t.primary) check_outputs(t);  // before any data is loaded or step run
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);
     if (tune->parsed()) return cmd_tune(tune_args);
   } catch (const std::exception& e) {
+    end_all_ranks_on_error(t, e);  // data parallel: does not return
     std::cerr << "ferry: error: " << e.what() << "\n";
     return 1;
   }

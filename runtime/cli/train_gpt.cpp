@@ -162,10 +162,13 @@ int cmd_train_gpt(const TrainArgs& args) {
                                             corpus.train_end, c.context));
   }
 
-  Runtime runtime({.device = a.device, .profiling = !a.trace_path.empty()});
+  Runtime runtime({.device = a.device,
+                   .local_rank = a.world ? ferry::local_rank() : 0,
+                   .profiling = !a.trace_path.empty()});
   TrainerOptions opt;
-  opt.batch = a.batch ? a.batch : 32;
+  const std::uint32_t batch = a.batch ? a.batch : 32;  // the global batch, over all ranks
   configure_trainer(a, opt);
+  const Shard shard = configure_ranks(a, batch, opt);
   const std::uint32_t steps = a.steps ? a.steps : 2000;
   LrSchedule schedule;
   schedule.kind = parse_schedule(a.schedule);
@@ -187,13 +190,14 @@ int cmd_train_gpt(const TrainArgs& args) {
         trainer.model().name, runtime.device().name, runtime.device().type_name(), trainer.parameter_count(),
         format_bytes(trainer.training_state_bytes()), compile_s, corpus.files, corpus.ids.size(), c.vocab,
         corpus.ids.size() - corpus.train_end, val.size(), c.context);
+    announce_ranks(a, trainer, batch);
     std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned)\n",
                              graph::residency_mode_name(trainer.residency().mode),
                              format_bytes(trainer.device_peak_bytes()), format_bytes(trainer.device_budget_bytes()));
   }
 
-  const std::uint32_t batch = opt.batch, t = c.context;
-  RandomWindows windows(corpus, t, batch, a.seed);
+  const std::uint32_t t = c.context;
+  RandomWindows windows(corpus, t, batch, a.seed, shard);
   const std::uint32_t eval_every = a.eval_every ? a.eval_every : 250;
   GptPosition pos;
   if (!a.resume_path.empty()) {
@@ -217,6 +221,7 @@ int cmd_train_gpt(const TrainArgs& args) {
     return r.loss;
   };
   const auto save = [&] {
+    if (!a.primary) return;  // data parallel: every rank holds the same state; rank 0 writes it
     const auto t0 = Clock::now();
     trainer.save_checkpoint(a.checkpoint_path, encode_position(a, corpus, windows, steps, pos));
     const double seconds = seconds_since(t0);
@@ -237,7 +242,13 @@ int cmd_train_gpt(const TrainArgs& args) {
   std::uint32_t submitted = done, steps_run = 0;
   bool out_of_time = false;
   auto mark = Clock::now();  // training time is wall time between results, less validation and checkpoints
-  const auto time_up = [&] { return a.max_minutes > 0 && seconds_since(run_start) > a.max_minutes * 60; };
+  // Data parallel: every rank stops when any rank's clock says so, so that all stop together.
+  const auto time_up = [&] {
+    if (a.max_minutes <= 0) return false;
+    double up = seconds_since(run_start) > a.max_minutes * 60 ? 1.0 : 0.0;
+    if (a.control) a.control->allreduce_sum(std::span<double>(&up, 1));
+    return up > 0;
+  };
   // Reads the oldest step's result; with no other step in flight, validates and checkpoints where due.
   const auto read_result = [&](bool another_in_flight) {
     const StepResult r = trainer.result(*in_flight);
@@ -257,7 +268,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                     train_seconds / done * (steps - done));
     out_of_time = !another_in_flight && time_up();
     if (done % eval_every == 0 || done == steps || out_of_time) {
-      pos.val_loss = validate();
+      if (a.primary) pos.val_loss = validate();  // (the same weights on every rank)
       if (!a.quiet) {
         std::cerr << fmt::format("step {}/{}: train loss {:.4f}, val loss {:.4f} nats/char, {:.0f} tokens/s, {}\n",
                                  done, steps, mean, pos.val_loss, rate, clock_string(seconds_since(run_start)));
@@ -268,17 +279,20 @@ int cmd_train_gpt(const TrainArgs& args) {
   };
   const auto boundary = [&](std::uint32_t n) { return n % eval_every == 0 || n == steps || time_up(); };
   while (done < steps && !out_of_time) {
-    if (stop_signal) {
+    if (stop_requested(a)) {
       if (in_flight) read_result(false);
       // Between steps, the one in flight read: a checkpoint if asked for, and how to go on.
-      const char* name = stop_signal == SIGINT ? "SIGINT" : "SIGTERM";
-      const int status = 128 + stop_signal;
+      const int sig = stop_signal ? static_cast<int>(stop_signal) : SIGTERM;  // data parallel: another rank's
+      const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+      const int status = 128 + sig;
       if (!a.trace_path.empty() && trace.steps() > 0) {  // the steps traced so far are kept too
         std::vector<std::string> ignored;
         write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
                           [&] { trace.write(a.trace_path); });
       }
-      if (!a.checkpoint_path.empty()) {
+      if (!a.primary) {
+        return status;  // rank 0 writes the checkpoint and says so
+      } else if (!a.checkpoint_path.empty()) {
         save();
         std::cerr << fmt::format("ferry: stopped by {} at step {}/{}; wrote checkpoint {}\nferry: resume with: {}\n",
                                  name, done, steps, a.checkpoint_path, resume_command(a, a.checkpoint_path));
@@ -354,6 +368,10 @@ int cmd_train_gpt(const TrainArgs& args) {
                         {"device_peak_bytes", trainer.device_peak_bytes()},
                         {"training_state_bytes", trainer.training_state_bytes()},
                         {"optimizer_state_bytes", trainer.optimizer_state_bytes()},
+                        {"gradient_bytes", trainer.gradient_bytes()},
+                        {"world_size", trainer.world_size()},
+                        {"zero_stage", a.zero},
+                        {"allreduce_bytes_per_step", trainer.allreduce_bytes_per_step()},
                         {"residency", graph::residency_mode_name(trainer.residency().mode)},
                         {"device_budget_bytes", trainer.device_budget_bytes()},
                         {"host_state_bytes", trainer.host_state_bytes()},

@@ -145,14 +145,20 @@ void TextWindows::read(std::string_view name, std::size_t first, std::size_t cou
   }
 }
 
-RandomWindows::RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed)
+RandomWindows::RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed,
+                             Shard shard)
     : corpus_(corpus),
       context_(context),
       batch_(batch),
-      tokens_(std::size_t(batch) * context),
+      shard_(shard.count == 0 ? Shard{0, batch} : shard),
+      tokens_(std::size_t(shard_.count) * context),
       next_(tokens_.size()),
       rng_(seed) {
   if (context == 0 || batch == 0) throw std::invalid_argument("random windows: context and batch must be at least 1");
+  if (std::uint64_t(shard_.first) + shard_.count > batch) {
+    throw std::invalid_argument(fmt::format("random windows: rows {}..{} are not in a batch of {}", shard_.first,
+                                            shard_.first + shard_.count, batch));
+  }
   if (corpus.train_end < context + 1u) {
     throw std::invalid_argument(
         fmt::format("the training text has {} characters, fewer than one window of {} + 1", corpus.train_end, context));
@@ -162,9 +168,11 @@ RandomWindows::RandomWindows(const TextCorpus& corpus, std::uint32_t context, st
 
 Batch RandomWindows::next() {
   for (std::uint32_t i = 0; i < batch_; ++i) {
-    const std::size_t s = start_(rng_);
-    std::copy_n(corpus_.ids.data() + s, context_, tokens_.data() + std::size_t(i) * context_);
-    std::copy_n(corpus_.ids.data() + s + 1, context_, next_.data() + std::size_t(i) * context_);
+    const std::size_t s = start_(rng_);  // every window is drawn, so the ranks' draws stay in step
+    if (i < shard_.first || i >= shard_.first + shard_.count) continue;
+    const std::size_t row = i - shard_.first;
+    std::copy_n(corpus_.ids.data() + s, context_, tokens_.data() + row * context_);
+    std::copy_n(corpus_.ids.data() + s + 1, context_, next_.data() + row * context_);
   }
   return Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens_))},
                {"next", HostView(std::span<const std::int32_t>(next_))}};

@@ -65,7 +65,9 @@ bool matches_selector(const DeviceFacts& device, std::string_view selector);
 // default_device_index() choice. Throws std::runtime_error naming the selector and listing the
 // devices when nothing matches, and explaining what the ICD loader was given when there is no
 // device at all (no_device_message()).
-DeviceInfo select_device(std::string_view selector = {});
+// With no selector and no FERRY_DEVICE, rank `local_rank` of a data-parallel run on one node
+// takes the (local_rank mod n)-th of the n devices ranked best (one GPU per rank).
+DeviceInfo select_device(std::string_view selector = {}, int local_rank = 0);
 
 // One OpenCL driver the ICD loader is told about: an .icd file (in /etc/OpenCL/vendors, or in
 // the folder $OCL_ICD_VENDORS or else $OPENCL_VENDOR_PATH names) and the library it names, or an

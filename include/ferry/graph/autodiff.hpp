@@ -78,6 +78,12 @@ void apply_int8_weights(Graph& g);
 // optimizer pass.
 void append_accumulation(Graph& g, std::uint32_t accumulate, bool micro);
 
+// Data-parallel training: every weight gradient summed over the ranks, each rank's scaled by
+// `share` (its samples / the global batch's), in buckets of about `bucket_bytes` issued in the
+// order backward finishes them (graph/passes/data_parallel.cpp; rows in ops/table/collective.cpp),
+// then checked by the overflow guard. After the accumulation pass, before the optimizer's.
+void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes);
+
 // Appends the node that copies the loss statistics to the host at the end of the step.
 void append_stats_download(Graph& g);
 

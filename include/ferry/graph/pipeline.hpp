@@ -48,6 +48,11 @@ struct VariantKey {
   bool loss_scaling = false;
   // Fuse layer pairs (fuse_layers); off only to compare against the unfused graph.
   bool fuse = true;
+  // Data-parallel training over `ranks` ranks (graph::append_gradient_allreduce): this rank's
+  // share of the global batch, and the bytes of gradients reduced together.
+  std::uint32_t ranks = 1;
+  float rank_share = 1.0f;
+  std::uint64_t bucket_bytes = 0;
   auto operator<=>(const VariantKey&) const = default;
 };
 

@@ -34,6 +34,8 @@ struct DeviceSpan {
 };
 
 // Values that change from step to step and that some kernels read (optimizer step, learning rate).
+class Communicator;
+
 struct StepInfo {
   std::uint64_t step = 1;  // 1-based count of optimizer updates (Adam bias correction)
   float lr = 0.0f;
@@ -43,6 +45,9 @@ struct StepInfo {
   // Mixed precision with fp16: gradients in narrow types are this many times the true ones (a
   // power of two; 1 without loss scaling). See ops::CastScale.
   float loss_scale = 1.0f;
+  // Data-parallel training: the ranks whose gradients a step sums (ops::Communicator); null on
+  // one rank.
+  Communicator* communicator = nullptr;
 };
 
 struct KernelLaunch {

@@ -55,6 +55,9 @@ enum class OpClass : std::uint8_t {
   // accumulation (ops/accumulate.hpp); placed with the updates (moved early with them, in their
   // order), always on the device
   state_update,
+  // data-parallel communication: a gradient's copy to host memory and back, and the reduction
+  // over the ranks between them (graph::append_gradient_allreduce); bytes moved per step
+  communication,
 };
 const char* op_class_name(OpClass c);
 

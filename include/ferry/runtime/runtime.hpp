@@ -13,6 +13,9 @@ namespace ferry {
 struct RuntimeOptions {
   // Device index or name substring; empty: $FERRY_DEVICE, else the first GPU, else the first device.
   std::string device;
+  // Data-parallel runs on one node: with no device named, rank `local_rank` takes the
+  // (local_rank mod n)-th of the n best devices (ferry::local_rank(); cl::select_device).
+  int local_rank = 0;
   // Record device timestamps of every command (for traces and the timeline); costs a little.
   bool profiling = false;
 };

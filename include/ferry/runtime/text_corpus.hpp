@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ferry/runtime/data_source.hpp"
+#include "ferry/runtime/distributed.hpp"
 
 namespace ferry {
 
@@ -62,7 +63,10 @@ class TextWindows final : public DataSource {
 // windows one position later) as views of buffers this object owns, valid until the next call.
 class RandomWindows {
  public:
-  RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed);
+  // Data parallel: each batch draws all `batch` windows, and next() gives the rows of `shard`
+  // (this rank's share; ferry::shard_of): the ranks' shares make the same batches as one rank's.
+  RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed,
+                Shard shard = {});
   Batch next();
   // Where the draw of windows stands (the generator's state as text), for checkpoints; restore()
   // puts one back and throws std::invalid_argument for text that is not one.
@@ -72,6 +76,7 @@ class RandomWindows {
  private:
   const TextCorpus& corpus_;
   std::uint32_t context_, batch_;
+  Shard shard_;
   std::vector<std::int32_t> tokens_, next_;
   std::mt19937_64 rng_;
   std::uniform_int_distribution<std::size_t> start_;

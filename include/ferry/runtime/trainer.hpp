@@ -18,6 +18,7 @@
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/data_source.hpp"
+#include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/loss_scale.hpp"
 #include "ferry/runtime/model.hpp"
 #include "ferry/runtime/phases.hpp"
@@ -64,6 +65,8 @@ struct TrainerOptions {
   // device-to-host copy when they live on the device. A step whose loss is not finite always
   // reads them, so its message never claims non-finite weights are good ones.
   std::uint32_t check_weights_every = 0;
+  // Data-parallel training over ranks (ferry/runtime/distributed.hpp); one rank by default.
+  DataParallelOptions data_parallel;
 };
 
 struct StepResult {
@@ -181,6 +184,14 @@ class Trainer {
   std::uint64_t optimizer_state_bytes() const;
   std::uint64_t training_state_bytes() const;
   std::uint64_t parameter_count() const;
+  // Bytes of the weight gradients a training step makes.
+  std::uint64_t gradient_bytes() const;
+  // Data-parallel training: this trainer's rank and the number of ranks (0 and 1 alone), and
+  // the gradient bytes each step sums over the ranks (all of gradient_bytes() under ZeRO stage
+  // 0; 0 alone).
+  int rank() const noexcept { return ranks_ ? ranks_->rank() : 0; }
+  int world_size() const noexcept { return ranks_ ? ranks_->size() : 1; }
+  std::uint64_t allreduce_bytes_per_step() const { return ranks_ ? gradient_bytes() : 0; }
   // Peak device bytes of the training step, known from the memory plan before it runs.
   std::uint64_t device_peak_bytes() const { return train_->device_bytes(); }
   // Device budget the step was planned for, and the host bytes the training step holds: the
@@ -311,6 +322,12 @@ class Trainer {
   std::uint64_t handles_ = 0;
   std::chrono::steady_clock::time_point last_done_;  // when the last settled training step ended
   LossScaler scaler_;
+  // Data parallel: the ranks the steps reduce gradients over, and a second communicator over the
+  // same ranks for what the trainer reduces on the calling thread (the loss, start-up checks).
+  std::shared_ptr<ops::Communicator> ranks_;
+  std::unique_ptr<ops::Communicator> control_;
+  // Sums the step's loss and hit count over the ranks (each rank's loss weighted by its share).
+  void reduce_over_ranks(StepResult& r);
   double phase_ms_[phase_count] = {};
   std::uint64_t phase_steps_[phase_count] = {};
 };

@@ -1,0 +1,77 @@
+// Rows of data-parallel gradient reduction (graph::append_gradient_allreduce), class
+// `communication`:
+//
+//   grad_send       in: g (device)        out: g' (pinned host)   d2h copy
+//   grad_allreduce  in: [order] g'...     out: order g'...        host: g' = sum over ranks of f0 g'
+//   grad_receive    in: g' (pinned host)  out: g (device)         h2d copy
+//
+// f0 is this rank's share of the global batch (its samples / all samples), so the sum is the
+// gradient of the global batch's mean loss. `order` is a one-element host tensor each reduction
+// writes and the next one reads: it chains the reductions of a step so that every rank issues
+// them in the same order (collectives are matched by order). attrs.i[0] is 1 when the node reads
+// it (every reduction but the first), so the gradients are inputs i[0].. and outputs 1...
+#include <cstring>
+
+#include "ferry/ops/communicator.hpp"
+#include "rows.hpp"
+
+namespace ferry::ops::table {
+namespace {
+
+OpInfo copy_row(const char* name, bool to_device) {
+  OpInfo r;
+  r.name = name;
+  r.lane = to_device ? Lane::h2d : Lane::d2h;
+  r.op_class = OpClass::communication;
+  r.bind = [to_device](const BindContext& c) { return transfer_copies(c, to_device); };
+  r.reference = copy_reference;
+  return r;
+}
+
+OpInfo allreduce_row() {
+  OpInfo r;
+  r.name = "grad_allreduce";
+  r.lane = Lane::host;
+  r.op_class = OpClass::communication;
+  r.host = [](const HostContext& c) {
+    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+    const float share = c.attrs().f[0];
+    if (c.output_count() != c.input_count() - first + 1) {
+      shape_error(c, "an all-reduce node needs the order tensor and one output per gradient input");
+    }
+    std::vector<std::span<float>> buffers;
+    for (std::size_t i = first; i < c.input_count(); ++i) {
+      const std::size_t elems = c.input(i).shape.elems();
+      auto* out = reinterpret_cast<float*>(c.out(i - first + 1));
+      const auto* in = reinterpret_cast<const float*>(c.in(i));
+      if (in != out) std::memcpy(out, in, elems * sizeof(float));
+      for (std::size_t k = 0; k < elems; ++k) out[k] *= share;
+      buffers.emplace_back(out, elems);
+    }
+    if (Communicator* comm = c.step().communicator) comm->allreduce_sum(buffers);
+    *reinterpret_cast<float*>(c.out(0)) = 0.0f;
+  };
+  // One rank: its share of the batch is all of it, so the reduction is the identity.
+  r.reference = [](RefContext& c) {
+    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+    const auto in = c.inputs();
+    const auto out = c.outputs();
+    for (std::size_t i = first; i < in.size(); ++i) {
+      auto src = c.real(in[i]);
+      auto dst = c.real(out[i - first + 1]);
+      for (std::size_t k = 0; k < src.size(); ++k) dst[k] = src[k] * c.attrs().f[0];
+    }
+    c.real(out[0])[0] = 0.0;
+  };
+  return r;
+}
+
+}  // namespace
+
+void register_collective_rows(const AddNamedRow& add) {
+  add(copy_row("grad_send", false));
+  add(allreduce_row());
+  add(copy_row("grad_receive", true));
+}
+
+}  // namespace ferry::ops::table
