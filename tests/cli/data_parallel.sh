@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Data-parallel training under mpirun (docs/distributed.md): N ranks train what one rank trains on
+# the same global batches (to f32 reassociation of the gradient sums), with 2 ranks and with 3
+# (an uneven split of the batch); ranks that disagree on the options, a ZeRO stage not built,
+# and a rank failing after set-up end every rank with a clear error instead of hanging.
+# usage: data_parallel.sh <ferry binary> <mpiexec> <scratch folder>
+set -uo pipefail
+ferry=$1
+mpiexec=$2
+work=$3
+rm -rf "$work" && mkdir -p "$work"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+failures=0
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+ranks() {  # ranks N ARGS...: mpirun with N ranks, on however many cores there are
+  local n=$1
+  shift
+  timeout 300 "$mpiexec" -np "$n" --oversubscribe "$@"
+}
+field() {  # field FILE NAME: a number of the JSON line
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"
+}
+close() {  # close A B: |A - B| <= 2e-6 (1 + |A|)
+  python3 -c "import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); sys.exit(not abs(a - b) <= 2e-6 * (1 + abs(a)))" "$1" "$2"
+}
+same_run() {  # same_run NAME N ARGS...: ferry train ARGS alone and on N ranks give the same losses
+  local name=$1 n=$2
+  shift 2
+  "$ferry" train "$@" --quiet --json >"$work/$name.1.json" 2>"$work/$name.1.err" ||
+    { fail "$name: one rank failed: $(tail -3 "$work/$name.1.err")"; return; }
+  ranks "$n" "$ferry" train "$@" --json >"$work/$name.$n.json" 2>"$work/$name.$n.err" ||
+    { fail "$name: $n ranks failed: $(tail -5 "$work/$name.$n.err")"; return; }
+  [ "$(field "$work/$name.$n.json" world_size)" = "$n" ] || fail "$name: world_size is not $n"
+  for key in "${LOSSES[@]}"; do
+    local one many
+    one=$(field "$work/$name.1.json" "$key")
+    many=$(field "$work/$name.$n.json" "$key")
+    close "$one" "$many" || fail "$name: $key $many on $n ranks, $one on one"
+    echo "$name: $key $one alone, $many on $n ranks"
+  done
+  [ "$(field "$work/$name.$n.json" allreduce_bytes_per_step)" = "$(field "$work/$name.1.json" gradient_bytes)" ] ||
+    fail "$name: each step should sum every gradient byte over the ranks"
+  [ "$(field "$work/$name.$n.json" optimizer_state_bytes)" = "$(field "$work/$name.1.json" optimizer_state_bytes)" ] ||
+    fail "$name: ZeRO stage 0 keeps all optimizer state on every rank"
+  grep -q "data parallel over $n ranks" "$work/$name.$n.err" || fail "$name: no data-parallel banner"
+}
+
+MLP=(--model mlp --epochs 1 --train-limit 1536 --batch 256)
+LOSSES=(train_loss test_loss)
+same_run mlp2 2 "${MLP[@]}"
+same_run mlp3 3 "${MLP[@]}"  # 86 + 85 + 85 samples a step
+same_run mlp_accumulate 2 "${MLP[@]}" --accumulate 2
+same_run mlp_stream 2 "${MLP[@]}" --residency stream --host-optimizer --optimizer adamw
+GPT=(--model gpt --width 64 --depth 2 --heads 2 --context 32 --batch 6 --steps 4 --eval-every 2)
+LOSSES=(train_loss val_loss)
+same_run gpt3 3 "${GPT[@]}"
+
+# Ranks started with different options: every rank says so before the first step.
+ranks 1 "$ferry" train "${MLP[@]}" --lr 0.001 : -np 1 "$ferry" train "${MLP[@]}" --lr 0.002 \
+  >/dev/null 2>"$work/disagree.err"
+status=$?
+[ $status -ne 0 ] || fail "ranks with different --lr trained"
+grep -q "disagree on the model or the training options: rank(s) 1 differ" "$work/disagree.err" ||
+  fail "no disagreement error: $(tail -5 "$work/disagree.err")"
+
+# A ZeRO stage that is not built is refused, not ignored.
+ranks 2 "$ferry" train "${MLP[@]}" --zero 1 >/dev/null 2>"$work/zero.err"
+[ $? -ne 0 ] || fail "--zero 1 trained"
+grep -q "ZeRO stage 1 (sharded optimizer state) is not built yet" "$work/zero.err" ||
+  fail "no ZeRO message: $(tail -3 "$work/zero.err")"
+
+# Rank 1 fails after set-up (a checkpoint that does not exist): it names itself and ends rank 0,
+# which would otherwise wait for it in the first step's reduction.
+start=$(date +%s)
+ranks 1 "$ferry" train "${MLP[@]}" : -np 1 "$ferry" train "${MLP[@]}" --resume "$work/none.ckpt" \
+  >/dev/null 2>"$work/failed.err"
+status=$?
+elapsed=$(($(date +%s) - start))
+[ $status -ne 0 ] || fail "a failed rank left the run succeeding"
+[ $elapsed -lt 120 ] || fail "the run took ${elapsed} s to end after a rank failed"
+grep -q "error on rank 1 of 2" "$work/failed.err" || fail "the failing rank is not named: $(tail -5 "$work/failed.err")"
+
+[ $failures -eq 0 ] && echo "data_parallel: ok"
+exit $((failures > 0))
