@@ -1,7 +1,20 @@
 // The model passes of the compile pipeline, in order.
 #include "ferry/graph/pipeline.hpp"
 
+#include <algorithm>
+
 namespace ferry::graph {
+
+namespace {
+
+// ZeRO stage 1 over several ranks shards the optimizer state; cuts fall on multiples of the 8-bit
+// optimizer's block so that its blocks stay whole.
+ZeroSharding zero_sharding(const VariantKey& key, const OptimizerSpec& optimizer) {
+  if (key.zero_stage < 1 || key.ranks < 2) return {};
+  return {static_cast<int>(key.rank), static_cast<int>(key.ranks), std::max<std::size_t>(2048, optimizer.block8bit)};
+}
+
+}  // namespace
 
 const std::vector<ModelPass>& model_passes() {
   static const std::vector<ModelPass> passes = {
@@ -40,7 +53,12 @@ const std::vector<ModelPass>& model_passes() {
        }},
       {"optimizer",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
-         if (key.training && !key.micro) append_optimizer(g, optimizer);
+         if (key.training && !key.micro) append_optimizer(g, optimizer, zero_sharding(key, optimizer));
+       }},
+      {"zero gather",
+       [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
+         const ZeroSharding zero = zero_sharding(key, optimizer);
+         if (key.training && !key.micro && zero.sharded()) append_weight_allgather(g, zero, key.bucket_bytes);
        }},
       {"predictor",
        [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {

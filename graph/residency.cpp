@@ -526,17 +526,18 @@ void place_updates_early(Graph& g, bool pinned_in_place) {
   // touches one of its tensors, and after any earlier moving node that writes one (a predictor's snapshot, the update,
   // then its fit keep their order). A moving node that reads what a later one writes (the snapshot, the weight) anchors
   // no later than it, and equal anchors keep the node order.
+  // Only nodes before a moving node anchor it: nodes after it that use what it writes (ZeRO's
+  // all-gather of an updated weight) stay after it.
   const auto moves = [&](NodeId id) { return is_update(n.op[id]) || is_state_update(n.op[id]); };
   std::vector<std::vector<NodeId>> after(n.size());
   std::vector<NodeId> last_touch(t.size(), 0), last_write(t.size(), 0);
-  for (NodeId id = 0; id < n.size(); ++id) {
-    if (moves(id)) continue;
-    for (TensorId x : n.inputs(id)) last_touch[t.storage(x)] = id;
-    for (TensorId x : n.outputs(id)) last_touch[t.storage(x)] = last_write[t.storage(x)] = id;
-  }
   std::vector<NodeId> written_at(t.size(), 0);  // by storage: the anchor of the last moving node writing it
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (!moves(id)) continue;
+    if (!moves(id)) {
+      for (TensorId x : n.inputs(id)) last_touch[t.storage(x)] = id;
+      for (TensorId x : n.outputs(id)) last_touch[t.storage(x)] = last_write[t.storage(x)] = id;
+      continue;
+    }
     NodeId anchor = 0;
     if (is_update(n.op[id])) {
       // An update waits for its weight's last use and its gradient (inputs 0 and 1).

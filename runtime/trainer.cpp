@@ -39,7 +39,7 @@ std::uint64_t run_fingerprint(const graph::Graph& g, const TrainerOptions& o) {
   std::string s;
   const auto& t = g.tensors;
   for (TensorId x = 0; x < t.size(); ++x) {
-    if (!graph::is_persistent(t.role[x])) continue;
+    if (t.role[x] != graph::Role::weight) continue;  // (sharded optimizer state differs by rank)
     s += fmt::format("{}:{}:{}:{};", t.name[x], t.shape[x].str(), graph::dtype_name(t.dtype[x]),
                      graph::role_name(t.role[x]));
   }
@@ -65,7 +65,7 @@ void check_ranks_agree(ops::Communicator& control, std::uint64_t fingerprint, co
     throw std::invalid_argument(fmt::format(
         "the {} ranks of this data-parallel run disagree on the model or the training options: rank(s) {} differ from "
         "rank 0 (a hash of the weights' names and shapes, optimizer, learning rate, seed, accumulation, precision, "
-        "global batch and bucket size): start every rank with the same command and data",
+        "global batch, bucket size and ZeRO stage): start every rank with the same command and data",
         prints.size(), fmt::join(differ, ", ")));
   }
   std::uint64_t sum = 0;
@@ -113,11 +113,10 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
   if (dp.zero_stage < 0 || dp.zero_stage > 2) {
     throw std::invalid_argument(fmt::format("ZeRO stage {}: the stages are 0, 1 and 2", dp.zero_stage));
   }
-  if (dp.zero_stage != 0) {
-    throw std::invalid_argument(fmt::format(
-        "ZeRO stage {} (sharded optimizer state{}) is not built yet: data-parallel training keeps every rank's "
-        "state whole (stage 0); use --zero 0",
-        dp.zero_stage, dp.zero_stage == 2 ? " and gradients" : ""));
+  if (dp.zero_stage == 2) {
+    throw std::invalid_argument(
+        "ZeRO stage 2 (sharded gradients) is not built yet: stage 1 shards the optimizer state, stage 0 keeps it "
+        "whole on every rank; use --zero 1 or --zero 0");
   }
   if (!data_parallel(options)) return;
   const int ranks = dp.communicator->size();
@@ -147,6 +146,8 @@ graph::VariantKey training_key(const TrainerOptions& options) {
     key.ranks = static_cast<std::uint32_t>(options.data_parallel.communicator->size());
     key.rank_share = static_cast<float>(static_cast<double>(options.batch) / options.data_parallel.global_batch);
     key.bucket_bytes = options.data_parallel.bucket_bytes;
+    key.rank = static_cast<std::uint32_t>(options.data_parallel.communicator->rank());
+    key.zero_stage = static_cast<std::uint8_t>(options.data_parallel.zero_stage);
   }
   return key;
 }

@@ -28,8 +28,9 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
 
 TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
-  const char* const names[] = {"fusion",     "mixed precision", "autodiff",  "recompute",    "overflow guard",
-                               "accumulate", "optimizer",       "predictor", "int8 weights", "download"};
+  const char* const names[] = {"fusion",         "mixed precision", "autodiff",      "recompute",
+                               "overflow guard", "accumulate",      "data parallel", "optimizer",
+                               "zero gather",    "predictor",       "int8 weights",  "download"};
   ASSERT_EQ(passes.size(), std::size(names));
   for (std::size_t i = 0; i < passes.size(); ++i) EXPECT_STREQ(passes[i].name, names[i]) << "pass " << i;
 }

@@ -10,6 +10,9 @@
 // writes and the next one reads: it chains the reductions of a step so that every rank issues
 // them in the same order (collectives are matched by order). attrs.i[0] is 1 when the node reads
 // it (every reduction but the first), so the gradients are inputs i[0].. and outputs 1...
+//
+//   weight_allgather  in: [order] w'...  out: order w'...   host: every rank's ZeRO share of w'
+#include <algorithm>
 #include <cstring>
 
 #include "ferry/ops/communicator.hpp"
@@ -66,12 +69,60 @@ OpInfo allreduce_row() {
   return r;
 }
 
+// in: [order] w'...  out: order w'...; attrs.i[1] the first tensor's ordinal among the trainable
+// weights, i[2] the ZeRO granule: each w' gets every rank's share of it (ops::zero_shard).
+OpInfo allgather_row() {
+  OpInfo r;
+  r.name = "weight_allgather";
+  r.lane = Lane::host;
+  r.op_class = OpClass::communication;
+  r.host = [](const HostContext& c) {
+    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+    if (c.output_count() != c.input_count() - first + 1) {
+      shape_error(c, "an all-gather node needs the order tensor and one output per weight input");
+    }
+    Communicator* comm = c.step().communicator;
+    std::vector<GatherBuffer> buffers;
+    for (std::size_t i = first; i < c.input_count(); ++i) {
+      const std::size_t elems = c.input(i).shape.elems();
+      auto* out = reinterpret_cast<float*>(c.out(i - first + 1));
+      const auto* in = reinterpret_cast<const float*>(c.in(i));
+      if (in != out) std::memcpy(out, in, elems * sizeof(float));
+      if (!comm) continue;
+      GatherBuffer b{{out, elems}, {}, {}};
+      const std::size_t ordinal = static_cast<std::size_t>(c.attrs().i[1]) + (i - first);
+      for (int rank = 0; rank < comm->size(); ++rank) {
+        const ShardRange s = zero_shard(elems, ordinal, rank, comm->size(), static_cast<std::size_t>(c.attrs().i[2]));
+        b.counts.push_back(static_cast<int>(s.count));
+        b.displs.push_back(static_cast<int>(s.first));
+      }
+      buffers.push_back(std::move(b));
+    }
+    if (comm) comm->allgather(buffers);
+    *reinterpret_cast<float*>(c.out(0)) = 0.0f;
+  };
+  // One rank holds every share: the gather is the identity.
+  r.reference = [](RefContext& c) {
+    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+    const auto in = c.inputs();
+    const auto out = c.outputs();
+    for (std::size_t i = first; i < in.size(); ++i) {
+      auto src = c.real(in[i]);
+      auto dst = c.real(out[i - first + 1]);
+      std::copy(src.begin(), src.end(), dst.begin());
+    }
+    c.real(out[0])[0] = 0.0;
+  };
+  return r;
+}
+
 }  // namespace
 
 void register_collective_rows(const AddNamedRow& add) {
   add(copy_row("grad_send", false));
   add(allreduce_row());
   add(copy_row("grad_receive", true));
+  add(allgather_row());
 }
 
 }  // namespace ferry::ops::table

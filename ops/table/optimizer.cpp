@@ -4,6 +4,8 @@
 // state, where it reads the current copy and writes the next. adam8bit_update (a named row) runs
 // on the device only. Each reports a weight it makes not finite to the step (step_status on the
 // device, report_non_finite_weight on the host), which checks it after its last command.
+#include <fmt/format.h>
+
 #include "ferry/ops/optimizer_host.hpp"
 #include "rows.hpp"
 
@@ -17,22 +19,42 @@ float* floats(std::byte* p) {
   return reinterpret_cast<float*>(p);
 }
 
+// Input i of an update as its slice sees it: the weight, its gradient, and (SGD without momentum)
+// the gradient as velocity start at the slice; state tensors are the slice's own size.
+DeviceSpan sliced(const BindContext& c, std::size_t i, const UpdateSlice& s) {
+  return in_elems(c, i) == in_elems(c, 0) ? c.in(i).advanced(s.first * sizeof(float)) : c.in(i);
+}
+const float* sliced(const HostContext& c, std::size_t i, const UpdateSlice& s) {
+  return floats(c.in(i)) + (in_elems(c, i) == in_elems(c, 0) ? s.first : 0);
+}
+float* sliced_out(const HostContext& c, std::size_t i, const UpdateSlice& s) {
+  return floats(c.out(i)) + (c.output(i).shape.elems() == in_elems(c, 0) ? s.first : 0);
+}
+std::span<double> sliced(RefContext& c, TensorRef t, const ShapeView& v, const UpdateSlice& s) {
+  auto all = c.real(t);
+  return all.size() == in_elems(v, 0) ? all.subspan(s.first, s.count) : all;
+}
+
 OpInfo sgd_row() {  // in: w g v [loss]  out: w v
   OpInfo r;
   r.name = "sgd_update";
   r.op_class = OpClass::update;
   r.bind = [](const BindContext& c) {
-    return sgd_update(c.env(), c.optimizer().sgd, c.in(0), c.in(1), c.in(2), in_elems(c, 0),
+    const UpdateSlice s = update_slice(c);
+    return sgd_update(c.env(), c.optimizer().sgd, sliced(c, 0, s), sliced(c, 1, s), sliced(c, 2, s), s.count,
                       c.input_count() > 3 ? c.in(3) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
-    if (!host_sgd_update(c.optimizer().sgd, c.step(), floats(c.in(1)),
-                         {floats(c.in(0)), floats(c.in(2)), floats(c.out(0)), floats(c.out(1))}, in_elems(c, 0)))
+    const UpdateSlice s = update_slice(c);
+    if (!host_sgd_update(c.optimizer().sgd, c.step(), sliced(c, 1, s),
+                         {sliced(c, 0, s), sliced(c, 2, s), sliced_out(c, 0, s), sliced_out(c, 1, s)}, s.count))
       c.report_non_finite_weight();
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::sgd_update<double>(c.optimizer().sgd, c.step(), c.real(in[0]), c.real(in[1]), c.real(in[2]));
+    const UpdateSlice s = update_slice(c);
+    ref::sgd_update<double>(c.optimizer().sgd, c.step(), sliced(c, in[0], c, s), sliced(c, in[1], c, s),
+                            sliced(c, in[2], c, s));
   };
   return r;
 }
@@ -42,20 +64,23 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   r.name = "adam_update";
   r.op_class = OpClass::update;
   r.bind = [](const BindContext& c) {
-    return adam_update(c.env(), c.optimizer().adam_config(), c.in(0), c.in(1), c.in(2), c.in(3), in_elems(c, 0),
-                       c.input_count() > 4 ? c.in(4) : DeviceSpan{}, c.step_status());
+    const UpdateSlice s = update_slice(c);
+    return adam_update(c.env(), c.optimizer().adam_config(), sliced(c, 0, s), sliced(c, 1, s), c.in(2), c.in(3),
+                       s.count, c.input_count() > 4 ? c.in(4) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
-    if (!host_adam_update(
-            c.optimizer().adam_config(), c.step(), floats(c.in(1)),
-            {floats(c.in(0)), floats(c.in(2)), floats(c.in(3)), floats(c.out(0)), floats(c.out(1)), floats(c.out(2))},
-            in_elems(c, 0)))
+    const UpdateSlice s = update_slice(c);
+    if (!host_adam_update(c.optimizer().adam_config(), c.step(), sliced(c, 1, s),
+                          {sliced(c, 0, s), floats(c.in(2)), floats(c.in(3)), sliced_out(c, 0, s), floats(c.out(1)),
+                           floats(c.out(2))},
+                          s.count))
       c.report_non_finite_weight();
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::adam_update<double>(c.optimizer().adam_config(), c.step(), c.real(in[0]), c.real(in[1]), c.real(in[2]),
-                             c.real(in[3]));
+    const UpdateSlice s = update_slice(c);
+    ref::adam_update<double>(c.optimizer().adam_config(), c.step(), sliced(c, in[0], c, s), sliced(c, in[1], c, s),
+                             c.real(in[2]), c.real(in[3]));
   };
   return r;
 }
@@ -67,19 +92,33 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
   r.name = "adam8bit_update";
   r.op_class = OpClass::update;
   r.bind = [](const BindContext& c) {
-    return adam8bit_update(c.env(), c.optimizer().adam_config(), static_cast<std::uint32_t>(c.attrs().i[0]), c.in(0),
-                           c.in(1), c.in(2), c.in(3), c.in(4), in_elems(c, 0),
+    const UpdateSlice s = update_slice(c);
+    return adam8bit_update(c.env(), c.optimizer().adam_config(), static_cast<std::uint32_t>(c.attrs().i[0]),
+                           sliced(c, 0, s), sliced(c, 1, s), c.in(2), c.in(3), c.in(4), s.count,
                            c.input_count() > 5 ? c.in(5) : DeviceSpan{}, 0, c.step_status());
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
+    const UpdateSlice s = update_slice(c);
     ref::adam8bit_update<double>(c.optimizer().adam_config(), static_cast<std::uint32_t>(c.attrs().i[0]), c.step(),
-                                 c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(in[3]), c.real(in[4]));
+                                 sliced(c, in[0], c, s), sliced(c, in[1], c, s), c.real(in[2]), c.real(in[3]),
+                                 c.real(in[4]));
   };
   return r;
 }
 
 }  // namespace
+
+UpdateSlice update_slice(const ShapeView& c) {
+  const std::size_t elems = in_elems(c, 0);
+  const auto first = static_cast<std::size_t>(c.attrs().i[2]);
+  const auto count = static_cast<std::size_t>(c.attrs().i[3]);
+  if (count == 0) return {0, elems};
+  if (c.attrs().i[2] < 0 || c.attrs().i[3] < 0 || first + count > elems) {
+    shape_error(c, fmt::format("an update of elements {}..{} of a weight of {}", first, first + count, elems));
+  }
+  return {first, count};
+}
 
 void register_optimizer_rows(const AddRow& add) {
   add(sgd_row(), builtin::sgd_update);

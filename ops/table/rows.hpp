@@ -51,6 +51,13 @@ void register_builtin_rows(const AddRow& add);
 // A copy node's launch: input i to output i, host to device (`to_device`) or back, the host side
 // from BindContext::host_in/host_out (ops/table/transfer.cpp).
 LaunchList transfer_copies(const BindContext& c, bool to_device);
+// An optimizer update's share of its weight (ZeRO sharding; graph::append_optimizer): elements
+// attrs.i[2] .. + attrs.i[3] of the weight and its gradient, against state tensors of that many
+// elements. attrs.i[3] = 0: the whole weight.
+struct UpdateSlice {
+  std::size_t first = 0, count = 0;
+};
+UpdateSlice update_slice(const ShapeView& c);
 // Input i copied to output i in the CPU reference.
 void copy_reference(RefContext& c);
 // The backward rule of a layer y = f(x, w) [+ b] (Linear, Conv2d): `grad_input` (dy, w) -> dx when

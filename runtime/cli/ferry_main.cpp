@@ -626,14 +626,17 @@ int main(int argc, char** argv) {
   train->add_flag("--force", t.force,
                   "Let --checkpoint, --trace and --profile* replace an existing file that ferry did not write (never "
                   "a device node, folder, link or one of the run's inputs)");
-  train->add_option("--zero", t.zero,
-                    "Data parallel (mpirun -np N ferry train ...): the ZeRO stage; 0 keeps all optimizer state and "
-                    "gradients on every rank (stages 1 and 2, which shard them, are not built yet)")
+  train
+      ->add_option("--zero", t.zero,
+                   "Data parallel (mpirun -np N ferry train ...): the ZeRO stage; 0 keeps all optimizer state on every "
+                   "rank, 1 gives each rank the state of its share of the weights (stage 2, which also shards "
+                   "gradients, is not built yet)")
       ->check(CLI::Range(0, 2))
       ->capture_default_str();
-  train->add_option("--bucket-size", t.bucket_size,
-                    "Data parallel: gradient bytes summed over the ranks together, each bucket as soon as backward "
-                    "has finished it (e.g. 25MiB)")
+  train
+      ->add_option("--bucket-size", t.bucket_size,
+                   "Data parallel: gradient bytes summed over the ranks together, each bucket as soon as backward "
+                   "has finished it (e.g. 25MiB)")
       ->capture_default_str();
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "

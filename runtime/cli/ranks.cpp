@@ -34,6 +34,11 @@ ferry::Shard configure_ranks(const TrainArgs& a, std::uint32_t global_batch, fer
     opt.batch = global_batch;
     return {0, global_batch};
   }
+  if (a.zero >= 1 && (!a.checkpoint_path.empty() || !a.resume_path.empty())) {
+    throw std::invalid_argument(
+        "--checkpoint and --resume with --zero 1 over several ranks: each rank holds its own share of the optimizer "
+        "state, and sharded checkpoints are not built yet; use --zero 0 to checkpoint a data-parallel run");
+  }
   const ferry::Shard shard = ferry::shard_of(global_batch, a.world->rank(), a.world->size());
   opt.batch = shard.count;
   opt.data_parallel.communicator = a.world;

@@ -87,6 +87,21 @@ class MpiCommunicator final : public ops::Communicator {
     check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
           "MPI_Waitall of a gradient bucket");
   }
+  void allgather(std::span<ops::GatherBuffer> buffers) override {
+    std::vector<MPI_Request> requests(buffers.size());
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      ops::GatherBuffer& b = buffers[i];
+      if (b.data.size() > static_cast<std::size_t>(INT_MAX)) {
+        throw std::invalid_argument(fmt::format(
+            "an all-gather of {} elements: MPI counts are ints, at most {} elements a tensor", b.data.size(), INT_MAX));
+      }
+      check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b.data.data(), b.counts.data(), b.displs.data(),
+                            MPI_FLOAT, comm_, &requests[i]),
+            "MPI_Iallgatherv of a weight bucket");
+    }
+    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall of a weight bucket");
+  }
   void allreduce_sum(std::span<double> values) override {
     check(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM, comm_),
           "MPI_Allreduce");

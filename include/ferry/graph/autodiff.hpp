@@ -17,9 +17,20 @@ using ops::optimizer_name;
 // Sets tensors.grad for every tensor that gets one.
 void append_backward(Graph& g);
 
+// ZeRO stage 1 over `ranks` ranks: this rank keeps the optimizer state of, and updates, only its
+// share of each trainable weight (ops::zero_shard; ordinals count the weights with gradients in
+// tensor order), and the weights are all-gathered after the updates. One rank: no sharding.
+struct ZeroSharding {
+  int rank = 0, ranks = 1;
+  std::size_t granule = 2048;  // elements; a multiple of the 8-bit optimizer's block
+  bool sharded() const { return ranks > 1; }
+};
+
 // Appends one update node per weight that has a gradient, creating its optimizer state tensors
-// (role optimizer_state, zero-initialised).
-void append_optimizer(Graph& g, const OptimizerSpec& spec);
+// (role optimizer_state, zero-initialised). Sharded: state and update for this rank's share of
+// each weight only (a 1-D state tensor of the share's size; the update's attrs.i[2], i[3] say
+// which elements), none for a weight with no share here.
+void append_optimizer(Graph& g, const OptimizerSpec& spec, const ZeroSharding& zero = {});
 
 // The weight-update predictor (ops/predictor.hpp). append_predictor_fit puts a snapshot of each
 // weight before its optimizer update and a fit after it; append_predictor_apply adds one apply
@@ -83,6 +94,11 @@ void append_accumulation(Graph& g, std::uint32_t accumulate, bool micro);
 // order backward finishes them (graph/passes/data_parallel.cpp; rows in ops/table/collective.cpp),
 // then checked by the overflow guard. After the accumulation pass, before the optimizer's.
 void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes);
+
+// ZeRO stage 1, after the optimizer pass: every trainable weight copied to pinned host memory
+// after its update, all-gathered from the ranks that own its shares (host-lane nodes in buckets
+// of about `bucket_bytes`, in the same chain as the gradient reductions), and copied back.
+void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t bucket_bytes);
 
 // Appends the node that copies the loss statistics to the host at the end of the step.
 void append_stats_download(Graph& g);

@@ -53,6 +53,10 @@ struct VariantKey {
   std::uint32_t ranks = 1;
   float rank_share = 1.0f;
   std::uint64_t bucket_bytes = 0;
+  // ZeRO stage 1: this rank (of `ranks`) keeps and updates its share of the optimizer state
+  // (graph::ZeroSharding), and the weights are all-gathered after the updates.
+  std::uint32_t rank = 0;
+  std::uint8_t zero_stage = 0;
   auto operator<=>(const VariantKey&) const = default;
 };
 

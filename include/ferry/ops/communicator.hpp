@@ -18,6 +18,22 @@
 
 namespace ferry::ops {
 
+// ZeRO sharding: the elements of a trainable tensor whose optimizer state rank `rank` of `ranks`
+// keeps and updates. A tensor of `elems` elements is cut at multiples of `granule` (so 8-bit
+// optimizer blocks stay whole) into shares that differ by at most a granule; a tensor smaller
+// than `granule` * `ranks` belongs whole to rank `ordinal` mod `ranks` (ordinal: its place among
+// the trainable tensors), so small tensors spread over the ranks.
+struct ShardRange {
+  std::size_t first = 0, count = 0;
+};
+ShardRange zero_shard(std::size_t elems, std::size_t ordinal, int rank, int ranks, std::size_t granule);
+
+// One tensor of an all-gather: rank r's elements are data[displs[r], displs[r] + counts[r]).
+struct GatherBuffer {
+  std::span<float> data;
+  std::vector<int> counts, displs;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -29,6 +45,9 @@ class Communicator {
   // together and all complete before the call returns (one bucket of gradients).
   virtual void allreduce_sum(std::span<const std::span<float>> buffers) = 0;
   virtual void allreduce_sum(std::span<double> values) = 0;
+  // Each buffer gets every rank's elements from that rank, in place (this rank's are already
+  // there). Started together, all complete before the call returns.
+  virtual void allgather(std::span<GatherBuffer> buffers) = 0;
   // Every rank's value, in rank order.
   virtual std::vector<std::uint64_t> allgather(std::uint64_t value) = 0;
   // A communicator over the same ranks whose collectives never match this one's.

@@ -1,0 +1,22 @@
+// ZeRO shares of a trainable tensor over the ranks (ferry/ops/communicator.hpp).
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "ferry/ops/communicator.hpp"
+
+namespace ferry::ops {
+
+ShardRange zero_shard(std::size_t elems, std::size_t ordinal, int rank, int ranks, std::size_t granule) {
+  if (ranks < 1 || rank < 0 || rank >= ranks || granule == 0) {
+    throw std::invalid_argument(fmt::format("zero_shard: rank {} of {}, granule {}", rank, ranks, granule));
+  }
+  if (ranks == 1) return {0, elems};
+  const auto n = static_cast<std::size_t>(ranks);
+  if (elems < granule * n) return ordinal % n == static_cast<std::size_t>(rank) ? ShardRange{0, elems} : ShardRange{};
+  const auto cut = [&](std::size_t r) { return r == n ? elems : elems / n * r / granule * granule; };
+  const auto r = static_cast<std::size_t>(rank);
+  return {cut(r), cut(r + 1) - cut(r)};
+}
+
+}  // namespace ferry::ops

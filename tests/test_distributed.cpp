@@ -1,0 +1,235 @@
+// Data parallelism's pieces that need no second process: the shares of a batch, the text windows a
+// rank draws, and the options a trainer over several ranks refuses before any collective. Ranks
+// training together under mpirun are tests/cli/data_parallel.sh (ctest cli_data_parallel).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+
+#include "ferry/ferry.hpp"
+#include "ferry/runtime/text_corpus.hpp"
+#include "test_models.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+TEST(Shard, SharesCoverTheBatchInOrderAndDifferByAtMostOne) {
+  for (std::uint32_t batch : {1u, 2u, 7u, 256u, 1001u}) {
+    for (int ranks = 1; ranks <= 5; ++ranks) {
+      if (batch < static_cast<std::uint32_t>(ranks)) {
+        EXPECT_THROW(shard_of(batch, 0, ranks), std::invalid_argument);
+        continue;
+      }
+      std::uint32_t next = 0, least = batch, most = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const Shard s = shard_of(batch, r, ranks);
+        EXPECT_EQ(s.first, next) << batch << " " << r << "/" << ranks;
+        next += s.count;
+        least = std::min(least, s.count);
+        most = std::max(most, s.count);
+      }
+      EXPECT_EQ(next, batch);
+      EXPECT_LE(most - least, 1u);
+      EXPECT_GE(least, 1u);
+    }
+  }
+  EXPECT_THROW(shard_of(8, 2, 2), std::invalid_argument);
+  EXPECT_THROW(shard_of(8, -1, 2), std::invalid_argument);
+}
+
+TEST(Shard, RandomWindowsOfEachShareAreTheRowsOfTheWholeBatch) {
+  const auto dir = std::filesystem::temp_directory_path() / "ferry-test-distributed";
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream out(dir / "text");
+    for (int i = 0; i < 200; ++i) out << "the quick brown fox " << i << " jumps over the lazy dog\n";
+  }
+  const TextCorpus corpus = load_text_corpus({dir / "text"}, 0.1);
+  const std::uint32_t context = 16, batch = 7;
+  RandomWindows whole(corpus, context, batch, 5);
+  std::vector<RandomWindows> parts;
+  for (int r = 0; r < 3; ++r) parts.emplace_back(corpus, context, batch, 5, shard_of(batch, r, 3));
+  for (int step = 0; step < 3; ++step) {
+    const Batch all = whole.next();
+    std::vector<std::int32_t> joined;
+    for (auto& p : parts) {
+      const Batch mine = p.next();
+      const auto& view = mine.at("tokens");
+      const auto* ids = reinterpret_cast<const std::int32_t*>(view.bytes.data());
+      joined.insert(joined.end(), ids, ids + view.bytes.size() / sizeof(std::int32_t));
+    }
+    const auto& view = all.at("tokens");
+    const auto* ids = reinterpret_cast<const std::int32_t*>(view.bytes.data());
+    EXPECT_EQ(joined, std::vector<std::int32_t>(ids, ids + view.bytes.size() / sizeof(std::int32_t))) << step;
+  }
+  EXPECT_THROW(RandomWindows(corpus, context, batch, 5, Shard{6, 2}), std::invalid_argument);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ZeroShard, SharesCoverEachTensorOnGranulesAndSmallTensorsGoWholeByTurns) {
+  for (std::size_t elems : {1ul, 100ul, 4095ul, 4096ul, 10240ul, 802816ul, 1048577ul}) {
+    for (int ranks = 1; ranks <= 4; ++ranks) {
+      for (std::size_t ordinal : {0ul, 5ul}) {
+        std::size_t covered = 0, owners = 0, least = elems, most = 0;
+        for (int r = 0; r < ranks; ++r) {
+          const ops::ShardRange s = ops::zero_shard(elems, ordinal, r, ranks, 2048);
+          if (s.count == 0) continue;
+          EXPECT_EQ(s.first, covered) << elems << " " << r << "/" << ranks;
+          EXPECT_EQ(s.first % 2048, 0u);
+          covered += s.count;
+          ++owners;
+          least = std::min(least, s.count);
+          most = std::max(most, s.count);
+        }
+        EXPECT_EQ(covered, elems);
+        if (elems < 2048u * static_cast<std::size_t>(ranks)) {
+          EXPECT_EQ(owners, 1u);
+          EXPECT_EQ(ops::zero_shard(elems, ordinal, static_cast<int>(ordinal % ranks), ranks, 2048).count, elems);
+        } else {
+          EXPECT_EQ(owners, static_cast<std::size_t>(ranks));
+          EXPECT_LE(most - least, 2048u + static_cast<std::size_t>(ranks));
+        }
+      }
+    }
+  }
+  EXPECT_THROW(ops::zero_shard(10, 0, 2, 2, 2048), std::invalid_argument);
+}
+
+// N ranks that are all this one: every rank has this rank's gradients and loss, so a sum over
+// the ranks is N times this rank's. With the shares of a batch N times larger (1/N each, a power
+// of two here), the data-parallel step scales by 1/N and sums N copies: exactly the gradient one
+// rank gets alone, so training must match a plain trainer bit for bit. This runs the whole
+// data-parallel step (send, host-lane all-reduce, receive, guard, loss reduction) in one process.
+class Mirror final : public ops::Communicator {
+ public:
+  explicit Mirror(int n) : n_(n) {}
+  int rank() const override { return 0; }
+  int size() const override { return n_; }
+  std::string name() const override { return "mirror"; }
+  void allreduce_sum(std::span<const std::span<float>> buffers) override {
+    ++reductions;
+    for (const auto& b : buffers) {
+      for (float& x : b) x *= static_cast<float>(n_);
+    }
+  }
+  void allreduce_sum(std::span<double> values) override {
+    for (double& x : values) x *= n_;
+  }
+  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no all-gather at ZeRO stage 0"); }
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
+    return std::vector<std::uint64_t>(static_cast<std::size_t>(n_), value);
+  }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<Mirror>(n_); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+  int reductions = 0;
+
+ private:
+  int n_;
+};
+
+struct MirrorCase {
+  const char* name;
+  graph::ResidencyMode mode;
+  bool host_optimizer;
+  std::uint32_t accumulate;
+};
+
+class MirroredRanks : public ::testing::TestWithParam<MirrorCase> {};
+
+TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
+  const MirrorCase& c = GetParam();
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions alone;
+  alone.batch = 8;
+  alone.lr = 0.01f;
+  alone.accumulate = c.accumulate;
+  alone.residency.mode = c.mode;
+  alone.residency.host_optimizer = c.host_optimizer;
+  if (c.host_optimizer) alone.optimizer.kind = graph::OptimizerSpec::Kind::adamw;
+  TrainerOptions ranked = alone;
+  auto mirror = std::make_shared<Mirror>(4);
+  ranked.data_parallel.communicator = mirror;
+  ranked.data_parallel.global_batch = 32;
+  ranked.data_parallel.bucket_bytes = 4096;  // several buckets
+  Trainer one(rt, m, alone), four(rt, m, ranked);
+  EXPECT_EQ(four.world_size(), 4);
+  EXPECT_EQ(four.allreduce_bytes_per_step(), four.gradient_bytes());
+  const std::size_t sample = m.inputs[0].sample.elems();
+  for (int s = 0; s < 6; ++s) {
+    const auto images = random_vector(8 * sample, 300 + s);
+    const auto labels = labels_for(8, 400 + s);
+    const StepResult a = one.step(images, labels), b = four.step(images, labels);
+    ASSERT_EQ(a.loss, b.loss) << "step " << s;
+    EXPECT_EQ(a.correct * 4, b.correct) << "step " << s;
+  }
+  EXPECT_GT(mirror->reductions, 0);
+  for (const auto& name : one.tensor_names()) {
+    EXPECT_EQ(one.read_tensor(name).bytes, four.read_tensor(name).bytes) << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, MirroredRanks,
+                         ::testing::Values(MirrorCase{"resident", graph::ResidencyMode::resident, false, 1},
+                                           MirrorCase{"accumulate", graph::ResidencyMode::resident, false, 2},
+                                           MirrorCase{"streamed", graph::ResidencyMode::stream, false, 1},
+                                           MirrorCase{"host_optimizer", graph::ResidencyMode::stream, true, 1}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Two ranks that never meet: every option checked here is refused before a collective.
+class Unreachable final : public ops::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "none"; }
+  void allreduce_sum(std::span<const std::span<float>>) override { throw std::logic_error("no collective expected"); }
+  void allreduce_sum(std::span<double>) override { throw std::logic_error("no collective expected"); }
+  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no collective expected"); }
+  std::vector<std::uint64_t> allgather(std::uint64_t) override { throw std::logic_error("no collective expected"); }
+  std::unique_ptr<ops::Communicator> split() const override { throw std::logic_error("no collective expected"); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+};
+
+void expect_refused(const TrainerOptions& o, const std::string& says) {
+  Runtime rt;
+  try {
+    Trainer t(rt, small_mlp(), o);
+    ADD_FAILURE() << "trained; expected: " << says;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+}
+
+TEST(DataParallel, RefusesWhatItCannotDoBeforeAnyCollective) {
+  TrainerOptions o;
+  o.batch = 4;
+  o.data_parallel.communicator = std::make_shared<Unreachable>();
+  o.data_parallel.global_batch = 8;
+  TrainerOptions zero = o;
+  zero.data_parallel.zero_stage = 2;
+  expect_refused(zero, "ZeRO stage 2 (sharded gradients) is not built yet");
+  TrainerOptions alone = zero;
+  alone.data_parallel.communicator.reset();  // one rank: still refused, not ignored
+  expect_refused(alone, "ZeRO stage 2");
+  TrainerOptions bad_stage = o;
+  bad_stage.data_parallel.zero_stage = 3;
+  expect_refused(bad_stage, "ZeRO stage 3: the stages are 0, 1 and 2");
+  TrainerOptions hybrid = o;
+  hybrid.phases.hybrid = true;
+  expect_refused(hybrid, "does not support hybrid phases");
+  TrainerOptions fp16 = o;
+  fp16.precision.compute = ops::DType::f16;
+  expect_refused(fp16, "does not support fp16 loss scaling");
+  TrainerOptions too_big = o;
+  too_big.batch = 9;
+  expect_refused(too_big, "a batch of 9 cannot be its share of a global batch of 8");
+  TrainerOptions no_bucket = o;
+  no_bucket.data_parallel.bucket_bytes = 0;
+  expect_refused(no_bucket, "bucket size must be > 0");
+}
+
+}  // namespace
+}  // namespace ferry::test
