@@ -20,23 +20,6 @@ namespace ferry::graph {
 
 namespace {
 
-// Weight gradients in the order their last writer comes.
-std::vector<TensorId> gradients_in_finishing_order(const Graph& g) {
-  const auto& t = g.tensors;
-  std::vector<NodeId> last_write(t.size(), 0);
-  for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    for (TensorId x : g.nodes.outputs(n)) last_write[t.storage(x)] = n;
-  }
-  std::vector<std::pair<NodeId, TensorId>> grads;
-  for (TensorId w = 0; w < t.size(); ++w) {
-    if (t.role[w] == Role::weight && t.grad[w] != no_tensor) grads.emplace_back(last_write[t.storage(t.grad[w])], w);
-  }
-  std::stable_sort(grads.begin(), grads.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<TensorId> out;
-  for (const auto& [writer, w] : grads) out.push_back(t.grad[w]);
-  return out;
-}
-
 // The one-element host tensor that chains a step's collectives (see the file comment), and
 // whether a collective node already writes it (the next one reads it).
 constexpr const char* order_name = "collective.order";
@@ -113,8 +96,10 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
     throw std::invalid_argument(fmt::format("gradient all-reduce: a rank's share of the batch is {}", share));
   }
   const ops::OpId check = ops::find_op("overflow_guard_check");
+  std::vector<TensorId> grads;
+  for (TensorId w : weights_in_gradient_order(g)) grads.push_back(g.tensors.grad[w]);
   append_collective(
-      g, gradients_in_finishing_order(g), bucket_bytes, ops::find_op("grad_allreduce"), "allreduce",
+      g, grads, bucket_bytes, ops::find_op("grad_allreduce"), "allreduce",
       [share](std::size_t) {
         NodeAttrs a;
         a.f[0] = share;

@@ -95,12 +95,8 @@ void apply_mixed_precision(Graph& g, DType narrow) {
   g.nodes = std::move(out);
 }
 
-void append_overflow_guard(Graph& g) {
-  auto& t = g.tensors;
-  if (g.loss == no_tensor) throw std::logic_error("overflow guard: the graph has no loss");
-  // Each weight gradient with the node that last writes it: the checks follow the order the
-  // gradients are made in, so that each can run right after its gradient when updates move early
-  // (graph::place_updates_early keeps the checks of one guard in order).
+std::vector<TensorId> weights_in_gradient_order(const Graph& g) {
+  const auto& t = g.tensors;
   std::vector<NodeId> last_write(t.size(), 0);
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     for (TensorId x : g.nodes.outputs(n)) last_write[t.storage(x)] = n;
@@ -110,11 +106,23 @@ void append_overflow_guard(Graph& g) {
     if (t.role[w] == Role::weight && t.grad[w] != no_tensor) grads.emplace_back(last_write[t.storage(t.grad[w])], w);
   }
   std::stable_sort(grads.begin(), grads.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<TensorId> out;
+  for (const auto& [writer, w] : grads) out.push_back(w);
+  return out;
+}
+
+void append_overflow_guard(Graph& g) {
+  auto& t = g.tensors;
+  if (g.loss == no_tensor) throw std::logic_error("overflow guard: the graph has no loss");
+  // The checks follow the order the gradients are made in, so that each can run right after its
+  // gradient when updates move early (graph::place_updates_early keeps the checks of one guard in
+  // order).
+  const std::vector<TensorId> weights = weights_in_gradient_order(g);
   g.guard = t.add(std::string(overflow_guard_name), Shape{1}, DType::f32, Role::stats);
   g.nodes.add(ops::find_op("overflow_guard_init"), std::string(overflow_guard_name), std::span(&g.loss, 1),
               std::span(&g.guard, 1));
   const ops::OpId check = ops::find_op("overflow_guard_check");
-  for (const auto& [writer, w] : grads) {
+  for (TensorId w : weights) {
     const TensorId ins[] = {g.guard, t.grad[w]};
     g.nodes.add(check, fmt::format("{}.{}", overflow_guard_name, t.name[w]), ins, std::span(&g.guard, 1));
   }

@@ -21,6 +21,38 @@
 namespace ferry::ops::table {
 namespace {
 
+// A collective node's tensors in host memory: outputs 1.. hold inputs i[0].. (copied when the two
+// are not one place), as floats; output 0, the order tensor, is set.
+std::vector<std::span<float>> collective_operands(const HostContext& c) {
+  const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+  if (c.output_count() != c.input_count() - first + 1) {
+    shape_error(c, "a collective node needs the order tensor and one output per tensor input");
+  }
+  std::vector<std::span<float>> out;
+  for (std::size_t i = first; i < c.input_count(); ++i) {
+    const std::size_t elems = c.input(i).shape.elems();
+    auto* dst = reinterpret_cast<float*>(c.out(i - first + 1));
+    const auto* src = reinterpret_cast<const float*>(c.in(i));
+    if (src != dst) std::memcpy(dst, src, elems * sizeof(float));
+    out.emplace_back(dst, elems);
+  }
+  *reinterpret_cast<float*>(c.out(0)) = 0.0f;
+  return out;
+}
+
+// The CPU reference of a collective on one rank: each tensor times `scale`, the order tensor 0.
+void one_rank_reference(RefContext& c, double scale) {
+  const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+  const auto in = c.inputs();
+  const auto out = c.outputs();
+  for (std::size_t i = first; i < in.size(); ++i) {
+    auto src = c.real(in[i]);
+    auto dst = c.real(out[i - first + 1]);
+    for (std::size_t k = 0; k < src.size(); ++k) dst[k] = src[k] * scale;
+  }
+  c.real(out[0])[0] = 0.0;
+}
+
 OpInfo copy_row(const char* name, bool to_device) {
   OpInfo r;
   r.name = name;
@@ -37,35 +69,15 @@ OpInfo allreduce_row() {
   r.lane = Lane::host;
   r.op_class = OpClass::communication;
   r.host = [](const HostContext& c) {
-    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
     const float share = c.attrs().f[0];
-    if (c.output_count() != c.input_count() - first + 1) {
-      shape_error(c, "an all-reduce node needs the order tensor and one output per gradient input");
-    }
-    std::vector<std::span<float>> buffers;
-    for (std::size_t i = first; i < c.input_count(); ++i) {
-      const std::size_t elems = c.input(i).shape.elems();
-      auto* out = reinterpret_cast<float*>(c.out(i - first + 1));
-      const auto* in = reinterpret_cast<const float*>(c.in(i));
-      if (in != out) std::memcpy(out, in, elems * sizeof(float));
-      for (std::size_t k = 0; k < elems; ++k) out[k] *= share;
-      buffers.emplace_back(out, elems);
+    const std::vector<std::span<float>> buffers = collective_operands(c);
+    for (const std::span<float>& b : buffers) {
+      for (float& x : b) x *= share;
     }
     if (Communicator* comm = c.step().communicator) comm->allreduce_sum(buffers);
-    *reinterpret_cast<float*>(c.out(0)) = 0.0f;
   };
   // One rank: its share of the batch is all of it, so the reduction is the identity.
-  r.reference = [](RefContext& c) {
-    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
-    const auto in = c.inputs();
-    const auto out = c.outputs();
-    for (std::size_t i = first; i < in.size(); ++i) {
-      auto src = c.real(in[i]);
-      auto dst = c.real(out[i - first + 1]);
-      for (std::size_t k = 0; k < src.size(); ++k) dst[k] = src[k] * c.attrs().f[0];
-    }
-    c.real(out[0])[0] = 0.0;
-  };
+  r.reference = [](RefContext& c) { one_rank_reference(c, c.attrs().f[0]); };
   return r;
 }
 
@@ -77,42 +89,25 @@ OpInfo allgather_row() {
   r.lane = Lane::host;
   r.op_class = OpClass::communication;
   r.host = [](const HostContext& c) {
-    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
-    if (c.output_count() != c.input_count() - first + 1) {
-      shape_error(c, "an all-gather node needs the order tensor and one output per weight input");
-    }
+    const std::vector<std::span<float>> tensors = collective_operands(c);
     Communicator* comm = c.step().communicator;
+    if (!comm) return;
+    const auto ordinal = static_cast<std::size_t>(c.attrs().i[1]);
+    const auto granule = static_cast<std::size_t>(c.attrs().i[2]);
     std::vector<GatherBuffer> buffers;
-    for (std::size_t i = first; i < c.input_count(); ++i) {
-      const std::size_t elems = c.input(i).shape.elems();
-      auto* out = reinterpret_cast<float*>(c.out(i - first + 1));
-      const auto* in = reinterpret_cast<const float*>(c.in(i));
-      if (in != out) std::memcpy(out, in, elems * sizeof(float));
-      if (!comm) continue;
-      GatherBuffer b{{out, elems}, {}, {}};
-      const std::size_t ordinal = static_cast<std::size_t>(c.attrs().i[1]) + (i - first);
+    for (std::size_t k = 0; k < tensors.size(); ++k) {
+      GatherBuffer b{tensors[k], {}, {}};
       for (int rank = 0; rank < comm->size(); ++rank) {
-        const ShardRange s = zero_shard(elems, ordinal, rank, comm->size(), static_cast<std::size_t>(c.attrs().i[2]));
+        const ShardRange s = zero_shard(tensors[k].size(), ordinal + k, rank, comm->size(), granule);
         b.counts.push_back(static_cast<int>(s.count));
         b.displs.push_back(static_cast<int>(s.first));
       }
       buffers.push_back(std::move(b));
     }
-    if (comm) comm->allgather(buffers);
-    *reinterpret_cast<float*>(c.out(0)) = 0.0f;
+    comm->allgather(buffers);
   };
   // One rank holds every share: the gather is the identity.
-  r.reference = [](RefContext& c) {
-    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
-    const auto in = c.inputs();
-    const auto out = c.outputs();
-    for (std::size_t i = first; i < in.size(); ++i) {
-      auto src = c.real(in[i]);
-      auto dst = c.real(out[i - first + 1]);
-      std::copy(src.begin(), src.end(), dst.begin());
-    }
-    c.real(out[0])[0] = 0.0;
-  };
+  r.reference = [](RefContext& c) { one_rank_reference(c, 1.0); };
   return r;
 }
 

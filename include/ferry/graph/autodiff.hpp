@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string_view>
+#include <vector>
 
 #include "ferry/graph/ir.hpp"
 #include "ferry/ops/optimizer.hpp"
@@ -77,6 +78,9 @@ void apply_mixed_precision(Graph& g, DType narrow);
 // the step's commit point: nodes that change state homed on the device in place come after it,
 // and graph::CompiledStep enqueues them only once everything before it has succeeded.
 inline constexpr std::string_view overflow_guard_name = "overflow_guard";
+// The weights with gradients, in the order the nodes that last write their gradients come (the
+// order backward finishes them): the guard's checks and the data-parallel buckets follow it.
+std::vector<TensorId> weights_in_gradient_order(const Graph& g);
 void append_overflow_guard(Graph& g);
 
 // int8 weights in a forward-only variant (Predict, int8 evaluation): every Linear and Conv2d layer
