@@ -98,7 +98,10 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
   Fingerprint fp;
   fp.model = model.name;
   fp.optimizer = optimizer_name(options.optimizer.kind);
-  fp.batch = options.batch;
+  // Data parallel: the global batch, which does not depend on the number of ranks, so that a
+  // checkpoint of N ranks resumes on M (ZeRO stage 0) or alone.
+  const auto& dp = options.data_parallel;
+  fp.batch = dp.communicator && dp.communicator->size() > 1 ? dp.global_batch : options.batch;
   fp.accumulate = options.accumulate;
   fp.precision = static_cast<std::uint8_t>(options.precision.compute);
   fp.scaled = options.precision.scaled();

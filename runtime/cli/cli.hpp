@@ -96,10 +96,11 @@ struct TrainArgs {
   std::vector<std::string> argv;  // the command line, for the resume command printed on a signal
   bool force = false;             // outputs may replace files ferry did not write
   // Data parallel (`mpirun -np N ferry train ...`; docs/distributed.md, runtime/cli/ranks.cpp).
-  int zero = 0;                          // ZeRO stage
-  std::string bucket_size = "25MiB";     // gradient bytes reduced together
+  int zero = 0;                                              // ZeRO stage
+  std::string bucket_size = "25MiB";                         // gradient bytes reduced together
   std::shared_ptr<ferry::ops::Communicator> world, control;  // null: one rank
-  bool primary = true;                   // rank 0: progress, JSON, checkpoints, traces, profiles
+  bool primary = true;                                       // rank 0: progress, JSON, checkpoints, traces, profiles
+  bool sharded_checkpoint = false;  // ZeRO stage 1 over several ranks: each rank writes its own file
 };
 
 // Before any work (data, compile; runtime/cli/outputs.cpp): every output (--checkpoint, --trace,
@@ -212,6 +213,8 @@ void announce_ranks(const TrainArgs& a, const ferry::Trainer& trainer, std::uint
 // Whether to stop between steps: a SIGINT/SIGTERM here, or (data parallel) on any rank, so that
 // every rank stops after the same step. Every rank calls it at the same points.
 bool stop_requested(const TrainArgs& a);
+// After resuming: every rank's checkpoint (file or share) is at the same step, else an error.
+void check_ranks_resumed_together(const TrainArgs& a, std::uint64_t steps_done);
 // An error on one rank of a data-parallel run: says which rank and ends every rank (MPI_Abort),
 // since the others would wait for it in their next reduction. Alone: returns.
 void end_all_ranks_on_error(const TrainArgs& a, const std::exception& e);
@@ -235,7 +238,10 @@ class StopSignals {
 // A command's own section of a checkpoint (the caller section) as CBOR, and back. The reader
 // returns the JSON object whose "kind" is `kind`; anything else throws resume_error's
 // "it was not written by <kind>".
-std::vector<std::byte> caller_section(const nlohmann::json& j);
+// The caller section records the ranks and ZeRO stage of a data-parallel run: a checkpoint of a
+// ZeRO stage 1 run over N ranks is N files (rank r > 0 writes and reads "<path>.rank<r>") and
+// resumes only on N ranks with --zero 1; other checkpoints resume on any number of ranks.
+std::vector<std::byte> caller_section(nlohmann::json j, const TrainArgs& a);
 nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind);
 // "cannot resume from '<--resume path>': <what>"
 std::invalid_argument resume_error(const TrainArgs& a, const std::string& what);

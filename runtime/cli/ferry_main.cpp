@@ -79,7 +79,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p,
                             {"total_steps", total_steps},
                             {"rng", rng_state.str()},
                             {"order", nlohmann::json::binary(std::move(order_bytes))}};
-  return caller_section(j);
+  return caller_section(j, a);
 }
 
 // Reads the caller section `ferry train` wrote back into p, rng and order, after checking it
@@ -123,7 +123,7 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, st
     if (v >= samples) throw fail("its data order names a sample out of range");
     order[i] = v;
   }
-  if (const auto was = j.at("epochs").get<std::uint32_t>(); was != a.epochs && a.schedule != "constant") {
+  if (const auto was = j.at("epochs").get<std::uint32_t>(); a.primary && was != a.epochs && a.schedule != "constant") {
     std::cerr << fmt::format(
         "ferry: note: the checkpoint's run had --epochs {}; its {} schedule now spans {} epochs, so the learning "
         "rates from here differ from that run's\n",
@@ -230,6 +230,7 @@ int cmd_train(const TrainArgs& a) {
     const auto caller = trainer.load_checkpoint(a.resume_path);
     const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
     decode_position(caller, a, train.count, steps_per_epoch, start, rng, order);
+    check_ranks_resumed_together(a, trainer.steps_done());
     last_epoch_loss = start.last_epoch_loss;
     if (!a.quiet) {
       std::cerr << fmt::format(
@@ -238,7 +239,9 @@ int cmd_train(const TrainArgs& a) {
     }
   }
   const auto save = [&](const RunPosition& p) {
-    if (!a.primary) return;  // data parallel: every rank holds the same state; rank 0 writes it
+    // Data parallel: every rank holds the same state and rank 0 writes it, unless each holds its own
+    // share of the optimizer state (ZeRO stage 1: each writes its file).
+    if (!a.primary && !a.sharded_checkpoint) return;
     const auto t0 = Clock::now();
     trainer.save_checkpoint(a.checkpoint_path, encode_position(a, p, train.count, rng, order, total_steps));
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -94,7 +94,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& cor
                             {"train_seconds", p.train_seconds},
                             {"eval_seconds", p.eval_seconds},
                             {"val_loss", p.val_loss}};
-  return caller_section(j);
+  return caller_section(j, a);
 }
 
 // Reads back what encode_position wrote into `windows` and `p`, after checking it belongs to this
@@ -131,7 +131,7 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, co
     p.train_seconds = j.at("train_seconds").get<double>();
     p.eval_seconds = j.at("eval_seconds").get<double>();
     p.val_loss = j.at("val_loss").get<double>();
-    if (const auto was = j.at("steps").get<std::uint32_t>(); was != steps && a.schedule != "constant") {
+    if (const auto was = j.at("steps").get<std::uint32_t>(); a.primary && was != steps && a.schedule != "constant") {
       std::cerr << fmt::format(
           "ferry: note: the checkpoint's run had --steps {}; its {} schedule now spans {} steps, so the learning "
           "rates from here differ from that run's\n",
@@ -162,9 +162,8 @@ int cmd_train_gpt(const TrainArgs& args) {
                                             corpus.train_end, c.context));
   }
 
-  Runtime runtime({.device = a.device,
-                   .local_rank = a.world ? ferry::local_rank() : 0,
-                   .profiling = !a.trace_path.empty()});
+  Runtime runtime(
+      {.device = a.device, .local_rank = a.world ? ferry::local_rank() : 0, .profiling = !a.trace_path.empty()});
   TrainerOptions opt;
   const std::uint32_t batch = a.batch ? a.batch : 32;  // the global batch, over all ranks
   configure_trainer(a, opt);
@@ -204,6 +203,7 @@ int cmd_train_gpt(const TrainArgs& args) {
     const auto load_start = Clock::now();
     const auto caller = trainer.load_checkpoint(a.resume_path);
     decode_position(caller, a, corpus, steps, windows, pos);
+    check_ranks_resumed_together(a, trainer.steps_done());
     if (!a.quiet) {
       std::cerr << fmt::format("ferry: resumed from {} at step {} of {} (loaded in {:.0f} ms)\n", a.resume_path,
                                pos.done, steps, 1e3 * seconds_since(load_start));
@@ -221,7 +221,9 @@ int cmd_train_gpt(const TrainArgs& args) {
     return r.loss;
   };
   const auto save = [&] {
-    if (!a.primary) return;  // data parallel: every rank holds the same state; rank 0 writes it
+    // Data parallel: every rank holds the same state and rank 0 writes it, unless each holds its own
+    // share of the optimizer state (ZeRO stage 1: each writes its file).
+    if (!a.primary && !a.sharded_checkpoint) return;
     const auto t0 = Clock::now();
     trainer.save_checkpoint(a.checkpoint_path, encode_position(a, corpus, windows, steps, pos));
     const double seconds = seconds_since(t0);
@@ -291,7 +293,8 @@ int cmd_train_gpt(const TrainArgs& args) {
                           [&] { trace.write(a.trace_path); });
       }
       if (!a.primary) {
-        return status;  // rank 0 writes the checkpoint and says so
+        if (a.sharded_checkpoint && !a.checkpoint_path.empty()) save();  // this rank's share
+        return status;                                                   // rank 0 writes the checkpoint and says so
       } else if (!a.checkpoint_path.empty()) {
         save();
         std::cerr << fmt::format("ferry: stopped by {} at step {}/{}; wrote checkpoint {}\nferry: resume with: {}\n",

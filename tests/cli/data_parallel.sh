@@ -2,8 +2,9 @@
 # Data-parallel training under mpirun (docs/distributed.md): N ranks train what one rank trains on
 # the same global batches (to f32 reassociation of the gradient sums), with 2 ranks and with 3
 # (an uneven split of the batch), with ZeRO stage 0 and stage 1 (rank 0 keeps 1/N of the optimizer
-# state); ranks that disagree on the options, what is not built (ZeRO stage 2, sharded
-# checkpoints), and a rank failing after set-up end every rank with a clear error, not a hang.
+# state, and its checkpoints: a file per rank, resumed exactly on as many ranks and refused on
+# others); ranks that disagree on the options, what is not built (ZeRO stage 2), and a rank
+# failing after set-up end every rank with a clear error, not a hang.
 # usage: data_parallel.sh <ferry binary> <mpiexec> <scratch folder>
 set -uo pipefail
 ferry=$1
@@ -83,16 +84,52 @@ status=$?
 grep -q "disagree on the model or the training options: rank(s) 1 differ" "$work/disagree.err" ||
   fail "no disagreement error: $(tail -5 "$work/disagree.err")"
 
-# What is not built is refused, not ignored: ZeRO stage 2, sharded checkpoints.
+# What is not built is refused, not ignored: ZeRO stage 2.
 ranks 2 "$ferry" train "${MLP[@]}" --zero 2 >/dev/null 2>"$work/zero.err"
 [ $? -ne 0 ] || fail "--zero 2 trained"
 grep -q "ZeRO stage 2 (sharded gradients) is not built yet" "$work/zero.err" ||
   fail "no ZeRO message: $(tail -3 "$work/zero.err")"
-ranks 2 "$ferry" train "${MLP[@]}" --zero 1 --checkpoint "$work/zero.ckpt" >/dev/null 2>"$work/zero_ckpt.err"
-[ $? -ne 0 ] || fail "--zero 1 --checkpoint trained"
-grep -q "sharded checkpoints are not built yet" "$work/zero_ckpt.err" ||
-  fail "no sharded-checkpoint message: $(tail -3 "$work/zero_ckpt.err")"
-[ ! -e "$work/zero.ckpt" ] || fail "--zero 1 --checkpoint wrote a checkpoint"
+
+# A ZeRO stage 0 checkpoint (rank 0's file) resumes alone: the same run, to f32 reassociation.
+Z0=(--model mlp --train-limit 1536 --batch 256 --schedule constant --json)
+ranks 2 "$ferry" train "${Z0[@]}" --epochs 2 >"$work/z0_straight.json" 2>"$work/z0_straight.err" ||
+  fail "ZeRO-0, two epochs: $(tail -3 "$work/z0_straight.err")"
+ranks 2 "$ferry" train "${Z0[@]}" --epochs 1 --checkpoint "$work/z0.ckpt" >/dev/null 2>"$work/z0_first.err" ||
+  fail "ZeRO-0, first epoch: $(tail -3 "$work/z0_first.err")"
+"$ferry" train "${Z0[@]}" --epochs 2 --resume "$work/z0.ckpt" >"$work/z0_alone.json" 2>"$work/z0_alone.err" ||
+  fail "ZeRO-0 checkpoint resumed alone: $(tail -3 "$work/z0_alone.err")"
+if [ -s "$work/z0_alone.json" ] && [ -s "$work/z0_straight.json" ]; then
+  a=$(field "$work/z0_straight.json" train_loss)
+  b=$(field "$work/z0_alone.json" train_loss)
+  close "$a" "$b" || fail "a 2-rank checkpoint resumed alone: train_loss $b, 2 ranks straight through $a"
+  echo "zero0 checkpoint: train_loss $a on 2 ranks straight through, $b resumed alone"
+fi
+
+# A ZeRO stage 1 checkpoint is a file per rank (rank r > 0: "<path>.rank<r>"); resumed on the same
+# ranks it goes on exactly as the run that did not stop; on other ranks it is refused.
+Z1=(--model mlp --train-limit 1536 --batch 256 --schedule constant --zero 1 --json)
+ranks 2 "$ferry" train "${Z1[@]}" --epochs 2 >"$work/z1_straight.json" 2>"$work/z1_straight.err" ||
+  fail "ZeRO-1, two epochs: $(tail -3 "$work/z1_straight.err")"
+ranks 2 "$ferry" train "${Z1[@]}" --epochs 1 --checkpoint "$work/z1.ckpt" >/dev/null 2>"$work/z1_first.err" ||
+  fail "ZeRO-1, first epoch: $(tail -3 "$work/z1_first.err")"
+[ -f "$work/z1.ckpt" ] && [ -f "$work/z1.ckpt.rank1" ] || fail "ZeRO-1 checkpoint files: $(ls "$work")"
+ranks 2 "$ferry" train "${Z1[@]}" --epochs 2 --resume "$work/z1.ckpt" >"$work/z1_resumed.json" 2>"$work/z1_resumed.err" ||
+  fail "ZeRO-1, resumed: $(tail -3 "$work/z1_resumed.err")"
+for key in train_loss test_loss; do
+  a=$(field "$work/z1_straight.json" "$key")
+  b=$(field "$work/z1_resumed.json" "$key")
+  [ "$a" = "$b" ] || fail "ZeRO-1 resumed: $key $b, straight through $a"
+  echo "zero1 checkpoint: $key $a straight through, $b resumed"
+done
+ranks 3 "$ferry" train "${Z1[@]}" --epochs 2 --resume "$work/z1.ckpt" >/dev/null 2>"$work/z1_three.err"
+[ $? -ne 0 ] || fail "a 2-rank ZeRO-1 checkpoint resumed on 3 ranks"
+grep -q -e "one share of a ZeRO stage 1 run over 2 ranks" -e "z1.ckpt.rank2' does not exist" "$work/z1_three.err" ||
+  fail "no message for another number of ranks: $(tail -3 "$work/z1_three.err")"
+"$ferry" train --model mlp --train-limit 1536 --batch 256 --epochs 2 --resume "$work/z1.ckpt" >/dev/null \
+  2>"$work/z1_alone.err"
+[ $? -ne 0 ] || fail "a 2-rank ZeRO-1 checkpoint resumed alone"
+grep -q "one share of a ZeRO stage 1 run over 2 ranks" "$work/z1_alone.err" ||
+  fail "no message resuming alone: $(tail -3 "$work/z1_alone.err")"
 
 # Rank 1 fails after set-up (a checkpoint that does not exist): it names itself and ends rank 0,
 # which would otherwise wait for it in the first step's reduction.
