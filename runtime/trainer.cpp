@@ -13,6 +13,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "distributed/data_parallel.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/units.hpp"
@@ -25,57 +26,6 @@ std::uint64_t name_hash(const std::string& s) {
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
   return h;
-}
-
-// Data-parallel training is on: more than one rank.
-bool data_parallel(const TrainerOptions& o) {
-  return o.data_parallel.communicator && o.data_parallel.communicator->size() > 1;
-}
-
-// What every rank of a data-parallel run must agree on: the trained tensors (names, shapes,
-// types) and the options that decide the update. Not the batch (ranks' shares may differ by one)
-// nor where tensors live (ranks may have different devices).
-std::uint64_t run_fingerprint(const graph::Graph& g, const TrainerOptions& o) {
-  std::string s;
-  const auto& t = g.tensors;
-  for (TensorId x = 0; x < t.size(); ++x) {
-    if (t.role[x] != graph::Role::weight) continue;  // (sharded optimizer state differs by rank)
-    s += fmt::format("{}:{}:{}:{};", t.name[x], t.shape[x].str(), graph::dtype_name(t.dtype[x]),
-                     graph::role_name(t.role[x]));
-  }
-  const auto& opt = o.optimizer;
-  const auto& dp = o.data_parallel;
-  s += fmt::format("lr {} seed {} accumulate {} precision {} optimizer {} {} {} {} {} {} {} {} {} {} global {} zero {}",
-                   o.lr, o.seed, o.accumulate, graph::dtype_name(o.precision.compute), ops::optimizer_name(opt.kind),
-                   opt.sgd.momentum, opt.sgd.weight_decay, opt.sgd.nesterov, opt.adam.beta1, opt.adam.beta2,
-                   opt.adam.eps, opt.adam.weight_decay, opt.block8bit, dp.bucket_bytes, dp.global_batch, dp.zero_stage);
-  return name_hash(s);
-}
-
-// The ranks agree on the model and options, and their shares make the global batch: else every
-// rank throws the same message before anything is allocated.
-void check_ranks_agree(ops::Communicator& control, std::uint64_t fingerprint, const TrainerOptions& o) {
-  const std::vector<std::uint64_t> prints = control.allgather(fingerprint);
-  const std::vector<std::uint64_t> batches = control.allgather(o.batch);
-  std::vector<int> differ;
-  for (std::size_t r = 0; r < prints.size(); ++r) {
-    if (prints[r] != prints[0]) differ.push_back(static_cast<int>(r));
-  }
-  if (!differ.empty()) {
-    throw std::invalid_argument(fmt::format(
-        "the {} ranks of this data-parallel run disagree on the model or the training options: rank(s) {} differ from "
-        "rank 0 (a hash of the weights' names and shapes, optimizer, learning rate, seed, accumulation, precision, "
-        "global batch, bucket size and ZeRO stage): start every rank with the same command and data",
-        prints.size(), fmt::join(differ, ", ")));
-  }
-  std::uint64_t sum = 0;
-  for (std::uint64_t b : batches) sum += b;
-  if (sum != o.data_parallel.global_batch) {
-    throw std::invalid_argument(fmt::format(
-        "the ranks' batches ({}) add up to {} samples, not the global batch of {}: give each rank its share "
-        "(ferry::shard_of)",
-        fmt::join(batches, ", "), sum, o.data_parallel.global_batch));
-  }
 }
 
 // The loss's stats carry an argmax-hit count after the loss (softmax cross-entropy's [loss, hits]).
@@ -109,29 +59,7 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
         "bf16, which needs no loss scaling, or fp32");
   }
   if (options.phases.hybrid) options.optimizer.predictor = options.phases.predictor;
-  auto& dp = options.data_parallel;
-  if (dp.zero_stage < 0 || dp.zero_stage > 2) {
-    throw std::invalid_argument(fmt::format("ZeRO stage {}: the stages are 0, 1 and 2", dp.zero_stage));
-  }
-  if (dp.zero_stage == 2) {
-    throw std::invalid_argument(
-        "ZeRO stage 2 (sharded gradients) is not built yet: stage 1 shards the optimizer state, stage 0 keeps it "
-        "whole on every rank; use --zero 1 or --zero 0");
-  }
-  if (!data_parallel(options)) return;
-  const int ranks = dp.communicator->size();
-  if (options.phases.hybrid || options.precision.scaled()) {
-    throw std::invalid_argument(fmt::format(
-        "data-parallel training over {} ranks does not support {} yet: each rank would decide on its own loss; use "
-        "full phases and fp32 or bf16",
-        ranks, options.phases.hybrid ? "hybrid phases" : "fp16 loss scaling"));
-  }
-  if (dp.global_batch == 0) dp.global_batch = options.batch * static_cast<std::uint32_t>(ranks);
-  if (dp.global_batch < static_cast<std::uint32_t>(ranks) || options.batch == 0 || options.batch > dp.global_batch) {
-    throw std::invalid_argument(fmt::format("rank {} of {}: a batch of {} cannot be its share of a global batch of {}",
-                                            dp.communicator->rank(), ranks, options.batch, dp.global_batch));
-  }
-  if (dp.bucket_bytes == 0) throw std::invalid_argument("data parallel: the gradient bucket size must be > 0 bytes");
+  validate_data_parallel(options);
 }
 
 graph::VariantKey training_key(const TrainerOptions& options) {
@@ -200,10 +128,10 @@ std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options) {
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr), scaler_(options.precision) {
   detail::validate_trainer_options(model_, options_);
-  if (data_parallel(options_)) {
+  if (detail::data_parallel(options_)) {
     ranks_ = options_.data_parallel.communicator;
     control_ = ranks_->split();
-    check_ranks_agree(*control_, run_fingerprint(build_graph(detail::training_key(options_)), options_), options_);
+    detail::check_ranks_agree(*control_, build_graph(detail::training_key(options_)), options_);
   }
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
