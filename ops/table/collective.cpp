@@ -14,6 +14,7 @@
 //   weight_allgather  in: [order] w'...  out: order w'...   host: every rank's ZeRO share of w'
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "ferry/ops/communicator.hpp"
 #include "rows.hpp"
@@ -63,12 +64,20 @@ OpInfo copy_row(const char* name, bool to_device) {
   return r;
 }
 
-OpInfo allreduce_row() {
+// A collective's row: a host-lane node of class communication.
+OpInfo collective_row(const char* name, std::function<void(const HostContext&)> host,
+                      std::function<void(RefContext&)> reference) {
   OpInfo r;
-  r.name = "grad_allreduce";
+  r.name = name;
   r.lane = Lane::host;
   r.op_class = OpClass::communication;
-  r.host = [](const HostContext& c) {
+  r.host = std::move(host);
+  r.reference = std::move(reference);
+  return r;
+}
+
+OpInfo allreduce_row() {
+  const auto host = [](const HostContext& c) {
     const float share = c.attrs().f[0];
     const std::vector<std::span<float>> buffers = collective_operands(c);
     for (const std::span<float>& b : buffers) {
@@ -77,18 +86,13 @@ OpInfo allreduce_row() {
     if (Communicator* comm = c.step().communicator) comm->allreduce_sum(buffers);
   };
   // One rank: its share of the batch is all of it, so the reduction is the identity.
-  r.reference = [](RefContext& c) { one_rank_reference(c, c.attrs().f[0]); };
-  return r;
+  return collective_row("grad_allreduce", host, [](RefContext& c) { one_rank_reference(c, c.attrs().f[0]); });
 }
 
 // in: [order] w'...  out: order w'...; attrs.i[1] the first tensor's ordinal among the trainable
 // weights, i[2] the ZeRO granule: each w' gets every rank's share of it (ops::zero_shard).
 OpInfo allgather_row() {
-  OpInfo r;
-  r.name = "weight_allgather";
-  r.lane = Lane::host;
-  r.op_class = OpClass::communication;
-  r.host = [](const HostContext& c) {
+  const auto host = [](const HostContext& c) {
     const std::vector<std::span<float>> tensors = collective_operands(c);
     Communicator* comm = c.step().communicator;
     if (!comm) return;
@@ -107,8 +111,7 @@ OpInfo allgather_row() {
     comm->allgather(buffers);
   };
   // One rank holds every share: the gather is the identity.
-  r.reference = [](RefContext& c) { one_rank_reference(c, 1.0); };
-  return r;
+  return collective_row("weight_allgather", host, [](RefContext& c) { one_rank_reference(c, 1.0); });
 }
 
 }  // namespace

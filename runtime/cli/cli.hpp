@@ -203,6 +203,9 @@ int cmd_train_gpt(const TrainArgs& a);
 // Data-parallel runs (runtime/cli/ranks.cpp). Under mpirun: joins MPI's world (an error in a
 // ferry built without MPI) and, on ranks other than 0, turns off every output (progress, JSON,
 // trace, profiles; checkpoints are rank 0's). Alone: nothing.
+// A checkpoint of a ZeRO stage 1 run over N ranks is N files (rank r > 0 writes and reads
+// "<path>.rank<r>"): --resume of one is refused here, before any work, on another number of
+// ranks or stage, and a whole-state checkpoint resumed with --zero 1 over several ranks too.
 void join_ranks(TrainArgs& a);
 // This rank's share of each global batch of `global_batch` samples, with `opt` set to train on
 // it (opt.batch its samples, opt.data_parallel the world, --zero and --bucket-size). Alone:
@@ -238,10 +241,7 @@ class StopSignals {
 // A command's own section of a checkpoint (the caller section) as CBOR, and back. The reader
 // returns the JSON object whose "kind" is `kind`; anything else throws resume_error's
 // "it was not written by <kind>".
-// The caller section records the ranks and ZeRO stage of a data-parallel run: a checkpoint of a
-// ZeRO stage 1 run over N ranks is N files (rank r > 0 writes and reads "<path>.rank<r>") and
-// resumes only on N ranks with --zero 1; other checkpoints resume on any number of ranks.
-std::vector<std::byte> caller_section(nlohmann::json j, const TrainArgs& a);
+std::vector<std::byte> caller_section(const nlohmann::json& j);
 nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind);
 // "cannot resume from '<--resume path>': <what>"
 std::invalid_argument resume_error(const TrainArgs& a, const std::string& what);

@@ -254,9 +254,7 @@ std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {
   return cmd + " --resume " + shell_quote(checkpoint);
 }
 
-std::vector<std::byte> caller_section(nlohmann::json j, const TrainArgs& a) {
-  j["ranks"] = a.world ? a.world->size() : 1;
-  j["zero"] = a.zero;
+std::vector<std::byte> caller_section(const nlohmann::json& j) {
   const auto cbor = nlohmann::json::to_cbor(j);
   std::vector<std::byte> out(cbor.size());
   std::memcpy(out.data(), cbor.data(), cbor.size());
@@ -277,19 +275,6 @@ nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const Tr
   }
   if (!j.is_object() || j.value("kind", "") != kind) {
     throw resume_error(a, fmt::format("it was not written by {} (its caller section is not that command's)", kind));
-  }
-  const int ranks = j.value("ranks", 1), zero = j.value("zero", 0), now = a.world ? a.world->size() : 1;
-  const bool sharded = ranks > 1 && zero >= 1;
-  if (sharded && (now != ranks || a.zero < 1)) {
-    throw resume_error(a, fmt::format("it is one share of a ZeRO stage {} run over {} ranks, whose optimizer state is "
-                                      "split over {} files: resume with mpirun -np {} and --zero {}",
-                                      zero, ranks, ranks, ranks, zero));
-  }
-  if (!sharded && a.sharded_checkpoint) {
-    throw resume_error(a, fmt::format("it holds the whole optimizer state ({}), not this rank's share of a ZeRO "
-                                      "stage 1 run: resume it without --zero 1",
-                                      ranks > 1 ? fmt::format("written by {} ranks at ZeRO stage 0", ranks)
-                                                : std::string("written by one rank")));
   }
   return j;
 }

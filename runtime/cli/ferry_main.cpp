@@ -79,7 +79,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p,
                             {"total_steps", total_steps},
                             {"rng", rng_state.str()},
                             {"order", nlohmann::json::binary(std::move(order_bytes))}};
-  return caller_section(j, a);
+  return caller_section(j);
 }
 
 // Reads the caller section `ferry train` wrote back into p, rng and order, after checking it

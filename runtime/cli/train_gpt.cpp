@@ -94,7 +94,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& cor
                             {"train_seconds", p.train_seconds},
                             {"eval_seconds", p.eval_seconds},
                             {"val_loss", p.val_loss}};
-  return caller_section(j, a);
+  return caller_section(j);
 }
 
 // Reads back what encode_position wrote into `windows` and `p`, after checking it belongs to this
