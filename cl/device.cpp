@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
+#include "pocl_cache.hpp"
 
 namespace ferry::cl {
 namespace {
@@ -80,6 +81,7 @@ std::string describe_all(const std::vector<DeviceInfo>& devices) {
 // Every device of every platform that lists its devices; `notes` gets one line per platform
 // that loaded but gave none (or failed to say).
 std::vector<DeviceInfo> enumerate(std::vector<std::string>* notes) {
+  prepare_pocl_cache_folder();  // before PoCL, if it is the driver, first looks for its cache
   cl_uint n_platforms = 0;
   cl_int status = clGetPlatformIDs(0, nullptr, &n_platforms);
   if (status == -1001 /*CL_PLATFORM_NOT_FOUND_KHR*/ || n_platforms == 0) return {};

@@ -114,7 +114,8 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
 
 }  // namespace
 
-void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller) const {
+void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller,
+                              SaveCheckpointOptions options) const {
   require_settled("save a checkpoint");
   refuse_if_inconsistent("save a checkpoint");
   const auto& t = train_->graph().tensors;
@@ -143,7 +144,8 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
         arena.read(t.home[ids[i]], t.placement[ids[i]], buf.data(), buf.size());
       },
       in_predict_run_ ? std::span<const std::vector<std::byte>>(restore_point_)
-                      : std::span<const std::vector<std::byte>>());
+                      : std::span<const std::vector<std::byte>>(),
+      options.replace_foreign_file);
 }
 
 std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path) {

@@ -365,11 +365,18 @@ void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
                                                 model_.name));
       }
       const HostView& v = it->second;
-      if (v.dtype != spec.dtype || v.bytes.size() != samples * spec.sample_bytes()) {
+      if (v.dtype != spec.dtype) {
         throw std::invalid_argument(fmt::format(
-            "batch tensor '{}' is {} with {} bytes; this step was compiled for {} samples of {} {} ({} bytes): pass "
+            "batch tensor '{}' is {}, but model '{}' takes {} there ({} per sample): convert the data to {} "
+            "before staging it",
+            spec.name, graph::dtype_name(v.dtype), model_.name, graph::dtype_name(spec.dtype), spec.sample.str(),
+            graph::dtype_name(spec.dtype)));
+      }
+      if (v.bytes.size() != samples * spec.sample_bytes()) {
+        throw std::invalid_argument(fmt::format(
+            "batch tensor '{}' has {} bytes; this step was compiled for {} samples of {} {} ({} bytes): pass "
             "full batches (drop or pad the last one)",
-            spec.name, graph::dtype_name(v.dtype), v.bytes.size(), samples, graph::dtype_name(spec.dtype),
+            spec.name, v.bytes.size(), samples, graph::dtype_name(spec.dtype),
             spec.sample.str(), samples * spec.sample_bytes()));
       }
       std::memcpy(step.host_input(spec.name).data(), v.bytes.data(), v.bytes.size());

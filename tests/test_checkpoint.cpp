@@ -503,6 +503,39 @@ TEST(Checkpoint, WritesAreAtomicAndBadPathsAreRefusedEarly) {
   EXPECT_EQ(files, 1u) << "the probe left a file behind";
 }
 
+// The library, not only the CLI, leaves alone what a checkpoint must not replace: a foreign file
+// (unless asked), a symbolic link, a folder. An empty file is taken (a name made for it).
+TEST(Checkpoint, SaveNeverReplacesWhatIsNotACheckpoint) {
+  Fixture f;
+  Trainer t(f.rt, small_mlp(), f.o);
+  const auto notes = f.dir / "notes.txt";
+  { std::ofstream(notes) << "my notes\n"; }
+  const auto expect_refused = [&](const fs::path& p, const char* needle) {
+    try {
+      t.save_checkpoint(p);
+      ADD_FAILURE() << "saved over " << p;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_refused(notes, "is not a ferry checkpoint, so it is left as it is");
+  EXPECT_EQ(read_file(notes).size(), 9u);
+  const auto link = f.dir / "link.ckpt";
+  fs::create_symlink(f.path, link);
+  expect_refused(link, "it is a symbolic link");
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(read_file(f.path), f.bytes);
+  fs::create_directory(f.dir / "folder.ckpt");
+  expect_refused(f.dir / "folder.ckpt", "it is a folder");
+
+  t.save_checkpoint(notes, {}, {.replace_foreign_file = true});  // on purpose
+  EXPECT_TRUE(t.load_checkpoint(notes).empty());
+  const auto empty = f.dir / "empty.ckpt";
+  { std::ofstream{empty}; }
+  t.save_checkpoint(empty);
+  EXPECT_TRUE(t.load_checkpoint(empty).empty());
+}
+
 // The header names the format and the ferry version; the checksum is the documented one.
 TEST(Checkpoint, HeaderLayout) {
   Fixture f;

@@ -202,6 +202,15 @@ TEST(Trainer, RejectsBadBatchesBeforeRunning) {
   auto bad_images = images;
   bad_images[25] = std::nanf("");
   expect_error(bad_images, labels, "not finite");
+  // Labels as floats: the same byte count, so only the dtype can be named.
+  const std::vector<float> float_labels(labels.begin(), labels.end());
+  try {
+    trainer.step(Batch{{"input", HostView(images)}, {"labels", HostView(float_labels)}});
+    ADD_FAILURE() << "expected a dtype error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'labels' is f32, but model"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("full batches"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(trainer.read_parameter("linear0.w"), before);
   EXPECT_EQ(trainer.steps_done(), 0u);
 }

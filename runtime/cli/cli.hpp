@@ -141,6 +141,16 @@ ferry::ModelSpec make_model(const TrainArgs& a);
 // The JSON fields of phases, accumulation, recomputation and precision (docs/phases.md) into `j`.
 void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 
+// `ferry train`'s exit status when training finished and its results were printed, but a side
+// output it was asked for (trace, profile) could not be written: scripts see the loss, a person
+// reads the warning.
+inline constexpr int exit_side_output_failed = 3;
+
+// The exit status of a finished `ferry train` run: 0, or exit_side_output_failed.
+inline int train_exit_status(const std::vector<std::string>& output_errors) {
+  return output_errors.empty() ? 0 : exit_side_output_failed;
+}
+
 // Writes a side output (trace, profile) with `write`; a failure is a warning naming the file and
 // the OS's reason, added to `errors` (the JSON line's output_errors), never the end of the run:
 // the results are printed after it all the same. Returns whether it was written.

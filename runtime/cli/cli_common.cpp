@@ -19,14 +19,13 @@ namespace ferry::cli {
 
 ferry::graph::Residency cli_home(const std::string& s) {
   using ferry::graph::Residency;
+  // The library's names (host_pinned, ...) are taken too: its messages use them.
   if (s == "device") return Residency::device;
-  if (s == "host") return Residency::host_pinned;
-  if (s == "mapped") return Residency::host_mapped;
-  if (s == "compressed") return Residency::host_compressed;
-  if (s == "int8") return Residency::host_int8;
+  if (s == "host" || s == "host_pinned") return Residency::host_pinned;
+  if (s == "mapped" || s == "host_mapped") return Residency::host_mapped;
+  if (s == "compressed" || s == "host_compressed") return Residency::host_compressed;
   if (s == "dropped") return Residency::dropped;
-  throw std::invalid_argument(
-      fmt::format("unknown home '{}': use device, host, mapped, compressed, int8 or dropped", s));
+  throw std::invalid_argument(fmt::format("unknown home '{}': use device, host, mapped, compressed or dropped", s));
 }
 
 ferry::ops::DType parse_precision(const std::string& s) {

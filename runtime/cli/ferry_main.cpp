@@ -243,7 +243,8 @@ int cmd_train(const TrainArgs& a) {
     // share of the optimizer state (ZeRO stage 1: each writes its file).
     if (!a.primary && !a.sharded_checkpoint) return;
     const auto t0 = Clock::now();
-    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, p, train.count, rng, order, total_steps));
+    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, p, train.count, rng, order, total_steps),
+                            {.replace_foreign_file = a.force});
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     checkpoint_seconds += seconds;
     if (!a.quiet) {
@@ -427,7 +428,7 @@ int cmd_train(const TrainArgs& a) {
     add_phase_fields(j, trainer);
     std::cout << j.dump() << std::endl;
   }
-  return 0;
+  return train_exit_status(output_errors);
 }
 
 }  // namespace
@@ -477,10 +478,13 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_flag("--host-optimizer", t.host_optimizer,
                 "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
                 "come back");
-  const auto homes = CLI::IsMember({"device", "host", "mapped", "compressed", "int8", "dropped"});
+  // The library's names of the homes are taken as well, as its messages use them.
+  const auto homes = CLI::IsMember({"device", "host", "mapped", "compressed", "dropped", "host_pinned", "host_mapped",
+                                    "host_compressed"});
   app->add_option("--weights-home", t.weights_home,
-                  "Home of the weights, replacing the residency mode's: device, host (pinned, streamed), mapped "
-                  "(zero-copy), compressed (zstd chunks in host memory, streamed); int8 is not available yet")
+                  "Home of the weights, replacing the residency mode's: device, host (pinned, streamed; also "
+                  "host_pinned), mapped (zero-copy; host_mapped), compressed (zstd chunks in host memory, streamed; "
+                  "host_compressed)")
       ->check(homes);
   app->add_option("--state-home", t.state_home,
                   "Home of the optimizer state, replacing the residency mode's: as --weights-home, and dropped "

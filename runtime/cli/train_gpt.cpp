@@ -157,9 +157,17 @@ int cmd_train_gpt(const TrainArgs& args) {
   c.fused_attention = a.attention != "unfused";
   c.context = a.context;
   c.dropout = a.dropout;
-  if (corpus.train_end < c.context + 1u) {
-    throw std::invalid_argument(fmt::format("the training text has {} characters, fewer than one window of {} + 1",
-                                            corpus.train_end, c.context));
+  // Both parts must hold one window of context + 1 characters; say so before any work.
+  const std::size_t held_out = corpus.ids.size() - corpus.train_end;
+  const std::size_t shorter_part = std::min<std::size_t>(corpus.train_end, held_out);
+  if (shorter_part < c.context + 1u) {
+    throw std::invalid_argument(fmt::format(
+        "the text has {} characters ({} to train on, {} held out for validation), too few for one window of "
+        "--context {} + 1 in each part: {}",
+        corpus.ids.size(), corpus.train_end, held_out, c.context,
+        shorter_part >= 2 ? fmt::format("use --context {} or less, or give --text a folder with more text",
+                                        shorter_part - 1)
+                          : std::string("give --text a folder with more text")));
   }
 
   Runtime runtime(
@@ -225,7 +233,8 @@ int cmd_train_gpt(const TrainArgs& args) {
     // share of the optimizer state (ZeRO stage 1: each writes its file).
     if (!a.primary && !a.sharded_checkpoint) return;
     const auto t0 = Clock::now();
-    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, corpus, windows, steps, pos));
+    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, corpus, windows, steps, pos),
+                            {.replace_foreign_file = a.force});
     const double seconds = seconds_since(t0);
     checkpoint_seconds += seconds;
     if (!a.quiet) {
@@ -384,7 +393,7 @@ int cmd_train_gpt(const TrainArgs& args) {
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   }
-  return 0;
+  return train_exit_status(output_errors);
 }
 
 }  // namespace ferry::cli

@@ -43,6 +43,27 @@ std::vector<fs::path> fortune_files(fs::path dir) {
   return {unique.begin(), unique.end()};
 }
 
+namespace {
+
+// A byte model trains on anything, so a folder of binaries would train without complaint: refuse
+// files with NUL bytes or more than 1% control characters (text has tabs, line ends and form
+// feeds; the fortunes have under 0.2% of others, terminal escapes and backspaces).
+void refuse_binary(const fs::path& file, std::string_view bytes) {
+  std::size_t nul = 0, control = 0;
+  for (const char ch : bytes) {
+    const auto b = static_cast<unsigned char>(ch);
+    nul += b == 0;
+    control += (b < 32 && b != '\t' && b != '\n' && b != '\r' && b != '\f') || b == 127;
+  }
+  if (nul == 0 && control * 100 <= bytes.size()) return;
+  throw std::runtime_error(fmt::format(
+      "text corpus: {} looks binary, not text ({} NUL bytes, {:.1f}% control characters in {} bytes): train on a "
+      "folder of text files, or move this file out of it",
+      file.string(), nul, 100.0 * static_cast<double>(control) / static_cast<double>(bytes.size()), bytes.size()));
+}
+
+}  // namespace
+
 TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) {
   if (!(holdout > 0.0 && holdout < 1.0)) {
     throw std::invalid_argument(fmt::format("held-out fraction must be in (0, 1), got {}", holdout));
@@ -56,6 +77,7 @@ TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) 
     text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     if (in.bad()) throw std::runtime_error(fmt::format("text corpus: error reading {}", f.string()));
     if (text.size() == before) throw std::runtime_error(fmt::format("text corpus: {} is empty", f.string()));
+    refuse_binary(f, std::string_view(text).substr(before));
   }
   TextCorpus c;
   c.files = files.size();

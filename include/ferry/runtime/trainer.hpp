@@ -17,6 +17,7 @@
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/graph/pipeline.hpp"
+#include "ferry/runtime/checkpoint.hpp"
 #include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/loss_scale.hpp"
@@ -228,8 +229,11 @@ class Trainer {
   // save_checkpoint writes the whole training state and `caller` (opaque bytes: the caller's own
   // position, RNG state...) to `path` atomically: into a new file beside it, synced, then renamed
   // over `path`, so an earlier checkpoint there survives a crash mid-write. Tensors are written
-  // one at a time. Throws std::runtime_error naming the path when it cannot be written.
-  void save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller = {}) const;
+  // one at a time. Throws std::runtime_error naming the path when it cannot be written, or when
+  // `path` is a symbolic link, not a regular file, or a file that is not a ferry checkpoint
+  // (unless `options.replace_foreign_file`): then nothing there changes.
+  void save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller = {},
+                       SaveCheckpointOptions options = {}) const;
   // Reads and verifies every byte of `path` (header, checksums, that it was written for this
   // model, optimizer and batch) before it changes anything, then replaces the training state
   // and returns the caller's bytes. A trainer built like the one that saved, given this, then
