@@ -67,7 +67,7 @@ expect_error "budget below one layer" "raise the budget to at least" \
   train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB --epochs 1
 expect_error "bad size unit" "unknown unit" train --device-budget 64XB --epochs 1
 expect_error "an unknown residency mode" "--residency: sideways not in" train --residency sideways
-expect_error "a home with no store yet" "home 'host_int8' has no storage strategy" \
+expect_error "a home with no store yet (not offered)" "--state-home: int8 not in" \
   train --state-home int8 --epochs 1
 expect_error "dropped weights" "only optimizer state can be dropped" train --weights-home dropped --epochs 1
 expect_error "a bad zstd level" "zstd level 99" train --state-home compressed --compress-level 99 --epochs 1
