@@ -115,7 +115,7 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
 }  // namespace
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller,
-                              SaveCheckpointOptions options) const {
+                              WriteOptions options) const {
   require_settled("save a checkpoint");
   refuse_if_inconsistent("save a checkpoint");
   const auto& t = train_->graph().tensors;

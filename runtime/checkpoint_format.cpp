@@ -1,5 +1,6 @@
 // The checkpoint file format (runtime/checkpoint_format.hpp): writer, reader, sections, records.
 #include "checkpoint_format.hpp"
+#include "output_file.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -644,39 +645,11 @@ std::optional<std::span<const std::byte>> read_tensor(const Reader& r, const Sec
   return std::span<const std::byte>(buf).subspan(4 + name_bytes);
 }
 
-void refuse_to_replace(const std::filesystem::path& path, bool replace_foreign_file) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status st = fs::symlink_status(path, ec);
-  if (!fs::exists(st)) return;
-  if (fs::is_symlink(st)) {
-    throw std::runtime_error(fmt::format(
-        "cannot write the checkpoint to '{}': it is a symbolic link (to '{}'), and a checkpoint replaces its file "
-        "whole, which would replace the link: give the file's own path",
-        path.string(), fs::read_symlink(path, ec).string()));
-  }
-  if (!fs::is_regular_file(st)) {
-    throw std::runtime_error(
-        fmt::format("cannot write the checkpoint to '{}': it is {}, not a regular file: give a file path",
-                    path.string(), fs::is_directory(st) ? "a folder" : "a device, pipe or socket"));
-  }
-  if (replace_foreign_file) return;
-  std::ifstream in(path, std::ios::binary);
-  char head[8] = {};
-  in.read(head, sizeof head);
-  const auto got = static_cast<std::size_t>(in.gcount());
-  if (got == 0 || (got == sizeof head && std::memcmp(head, checkpoint_magic, sizeof head) == 0)) return;
-  throw std::runtime_error(fmt::format(
-      "cannot write the checkpoint to '{}': the file exists and is not a ferry checkpoint, so it is left as it is: "
-      "give another path, or replace it on purpose (SaveCheckpointOptions::replace_foreign_file; ferry train --force)",
-      path.string()));
-}
-
 void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
                       const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
                       const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
                       std::span<const std::vector<std::byte>> restores, bool replace_foreign_file) {
-  refuse_to_replace(path, replace_foreign_file);
+  refuse_to_replace(path, "checkpoint", std::string_view(checkpoint_magic, 8), replace_foreign_file);
   AtomicFile f(path);
   std::uint64_t sections = 0;
   write_header(f);

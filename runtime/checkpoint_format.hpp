@@ -172,15 +172,10 @@ std::optional<std::span<const std::byte>> read_tensor(const Reader& r, const Sec
 // Writes a whole checkpoint atomically at `path`: the tensors' bytes come one at a time from
 // `tensor(i, buf)` (buf resized to fingerprint.tensors[i].bytes), then `restores[i]` as the
 // weights to put back (named after the first tensors). What `path` names now is checked first
-// (refuse_to_replace).
+// (refuse_to_replace, output_file.hpp).
 void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
                       const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
                       const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
                       std::span<const std::vector<std::byte>> restores, bool replace_foreign_file = false);
-
-// Throws std::runtime_error, before anything is written, when `path` names something a checkpoint
-// must not replace: a symbolic link, anything but a regular file, or (unless
-// `replace_foreign_file`) a non-empty file that is not a ferry checkpoint.
-void refuse_to_replace(const std::filesystem::path& path, bool replace_foreign_file);
 
 }  // namespace ferry::ckpt

@@ -201,10 +201,10 @@ std::vector<MemorySpike> MemoryProfiler::spikes(std::size_t max_count) const {
   return out;
 }
 
-void MemoryProfiler::write_csv(const std::filesystem::path& path) const {
-  write_output_file(path, "memory profile", [&](std::ostream& out) {
+void MemoryProfiler::write_csv(const std::filesystem::path& path, WriteOptions options) const {
+  write_output_file(path, "memory profile", profile_signature, options, [&](std::ostream& out) {
     // RFC 4180: every row has the header's ten fields; plan rows leave start_us and end_us empty.
-    out << "variant,step,node,kind,lane,section,live_device_bytes,transfer_bytes,start_us,end_us\n";
+    out << profile_signature << "live_device_bytes,transfer_bytes,start_us,end_us\n";
     for (const auto& r : rows_) {
       out << fmt::format("{},{},{},{},{},{},{},{},", csv_field(r.variant),
                          r.step < 0 ? std::string("plan") : std::to_string(r.step), csv_field(r.name),
@@ -218,9 +218,9 @@ void MemoryProfiler::write_csv(const std::filesystem::path& path) const {
   });
 }
 
-void MemoryProfiler::write_phase_csv(const std::filesystem::path& path) const {
-  write_output_file(path, "phase memory profile", [&](std::ostream& out) {
-    out << "variant,section,peak_device_bytes,peak_node,mean_device_bytes,min_device_bytes,spikes\n";
+void MemoryProfiler::write_phase_csv(const std::filesystem::path& path, WriteOptions options) const {
+  write_output_file(path, "phase memory profile", phase_profile_signature, options, [&](std::ostream& out) {
+    out << phase_profile_signature << "peak_node,mean_device_bytes,min_device_bytes,spikes\n";
     for (const auto& p : phases()) {
       out << fmt::format("{},{},{},{},{},{},{}\n", csv_field(p.variant), p.section, p.peak_bytes,
                          csv_field(p.peak_node), p.mean_bytes, p.min_bytes, p.spikes);

@@ -65,7 +65,7 @@ void ChromeTrace::add(std::string name, graph::Lane lane, std::uint64_t start_ns
   events_.push_back({std::move(name), static_cast<int>(lane), start_ns, end_ns, {}});
 }
 
-void ChromeTrace::write(const std::filesystem::path& path) const {
+void ChromeTrace::write(const std::filesystem::path& path, WriteOptions options) const {
   std::uint64_t origin = UINT64_MAX;
   for (const auto& e : events_) origin = std::min(origin, e.start_ns);
   // Lane names as thread names, so the viewer shows compute / copy in / copy out / host / unpack
@@ -87,8 +87,8 @@ void ChromeTrace::write(const std::filesystem::path& path) const {
                                   e.tid, json_escape(e.name), (e.start_ns - origin) / 1e3, (end - e.start_ns) / 1e3,
                                   e.args));
   }
-  write_output_file(path, "trace file", [&](std::ostream& out) {
-    out << "{\"traceEvents\":[\n";
+  write_output_file(path, "trace file", trace_signature, options, [&](std::ostream& out) {
+    out << trace_signature << "\n";
     for (std::size_t i = 0; i < entries.size(); ++i) out << entries[i] << (i + 1 < entries.size() ? ",\n" : "\n");
     out << "],\"displayTimeUnit\":\"ms\",\"otherData\":{\"schema\":1,\"clock\":\"device\"}}\n";
   });

@@ -518,7 +518,7 @@ TEST(Checkpoint, SaveNeverReplacesWhatIsNotACheckpoint) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  expect_refused(notes, "is not a ferry checkpoint, so it is left as it is");
+  expect_refused(notes, "is not a checkpoint ferry wrote, so it is left as it is");
   EXPECT_EQ(read_file(notes).size(), 9u);
   const auto link = f.dir / "link.ckpt";
   fs::create_symlink(f.path, link);

@@ -261,7 +261,7 @@ int cmd_train(const TrainArgs& a) {
     if (!a.trace_path.empty() && trace.steps() > 0) {  // the steps traced so far are kept too
       std::vector<std::string> ignored;
       write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
-                        [&] { trace.write(a.trace_path); });
+                        [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
     }
     if (!a.primary) {
       save(p);  // (rank 0 writes it and says so)
@@ -359,7 +359,7 @@ int cmd_train(const TrainArgs& a) {
   std::vector<std::string> output_errors;
   if (!a.trace_path.empty()) {
     write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, output_errors,
-                      [&] { trace.write(a.trace_path); });
+                      [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
   }
   for (const auto& [key, step] : trainer.variants()) {
     // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
@@ -372,11 +372,11 @@ int cmd_train(const TrainArgs& a) {
   }
   if (!a.profile_phases_path.empty()) {
     write_side_output(a.profile_phases_path, "the per-phase memory profile", a.quiet, output_errors,
-                      [&] { profiler.write_phase_csv(a.profile_phases_path); });
+                      [&] { profiler.write_phase_csv(a.profile_phases_path, {.replace_foreign_file = a.force}); });
   }
   if (!a.profile_path.empty()) {
     write_side_output(a.profile_path, "the memory profile", a.quiet, output_errors,
-                      [&] { profiler.write_csv(a.profile_path); });
+                      [&] { profiler.write_csv(a.profile_path, {.replace_foreign_file = a.force}); });
   }
   if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
   if (!a.quiet) {

@@ -16,6 +16,8 @@
 #include "cli.hpp"
 #include "ferry/runtime/checkpoint.hpp"
 #include "ferry/runtime/fashion_mnist.hpp"
+#include "ferry/runtime/memory_profile.hpp"
+#include "ferry/runtime/trace.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -123,9 +125,9 @@ void check_outputs(const TrainArgs& a) {
     if (!path.empty()) outputs.push_back({flag, path, kind, std::move(signature)});
   };
   add("--checkpoint", a.checkpoint_path, "checkpoint", std::string(ferry::checkpoint_magic, 8));
-  add("--trace", a.trace_path, "trace", "{\"traceEvents\":[");
-  add("--profile", a.profile_path, "memory profile", "variant,step,node,kind,lane,section,");
-  add("--profile-phases", a.profile_phases_path, "phase memory profile", "variant,section,peak_device_bytes,");
+  add("--trace", a.trace_path, "trace", std::string(ferry::trace_signature));
+  add("--profile", a.profile_path, "memory profile", std::string(ferry::profile_signature));
+  add("--profile-phases", a.profile_phases_path, "phase memory profile", std::string(ferry::phase_profile_signature));
   for (const Output& o : outputs) check_one(o, a.force);
 
   for (std::size_t i = 0; i < outputs.size(); ++i) {

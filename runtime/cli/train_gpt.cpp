@@ -299,7 +299,7 @@ int cmd_train_gpt(const TrainArgs& args) {
       if (!a.trace_path.empty() && trace.steps() > 0) {  // the steps traced so far are kept too
         std::vector<std::string> ignored;
         write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
-                          [&] { trace.write(a.trace_path); });
+                          [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
       }
       if (!a.primary) {
         if (a.sharded_checkpoint && !a.checkpoint_path.empty()) save();  // this rank's share
@@ -336,7 +336,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   std::vector<std::string> output_errors;
   if (!a.trace_path.empty()) {
     write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, output_errors,
-                      [&] { trace.write(a.trace_path); });
+                      [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
   }
   const double train_loss =
       std::accumulate(recent.begin(), recent.end(), 0.0) / std::max<std::size_t>(recent.size(), 1);

@@ -18,13 +18,6 @@ inline constexpr char checkpoint_magic[9] = "FERRYCKP";
 // The format this ferry writes, and the newest it reads.
 inline constexpr std::uint32_t checkpoint_format_version = 1;
 
-// How Trainer::save_checkpoint treats the file it would replace. A checkpoint never replaces a
-// symbolic link, a folder or a device; a non-empty file that is not a ferry checkpoint only when
-// `replace_foreign_file` says so.
-struct SaveCheckpointOptions {
-  bool replace_foreign_file = false;
-};
-
 // The ferry release this library is ("0.1.0").
 const char* ferry_version() noexcept;
 

@@ -7,11 +7,18 @@
 
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/graph/compiled_step.hpp"
+#include "ferry/runtime/write_options.hpp"
 
 namespace ferry {
+
+// How the CSV files of MemoryProfiler::write_csv and write_phase_csv begin (their headers' first
+// columns).
+inline constexpr std::string_view profile_signature = "variant,step,node,kind,lane,section,";
+inline constexpr std::string_view phase_profile_signature = "variant,section,peak_device_bytes,";
 
 enum class StepSection : std::uint8_t { io, forward, backward, update, transfer };
 const char* section_name(StepSection s);
@@ -57,11 +64,12 @@ class MemoryProfiler {
   TransferSummary transfers() const { return transfers_; }
   // Per home in use, as of the last variant or step added.
   const std::vector<HomeSummary>& homes() const { return homes_; }
-  // One row per node of each variant, then one per node of each recorded step.
-  void write_csv(const std::filesystem::path& path) const;
+  // One row per node of each variant, then one per node of each recorded step. Both writers
+  // replace a file whole and only a profile ferry wrote, as Trace::write.
+  void write_csv(const std::filesystem::path& path, WriteOptions options = {}) const;
   // One row per variant (each phase's compiled step) and section: variant, section,
   // peak_device_bytes, peak_node, mean_device_bytes, min_device_bytes, spikes.
-  void write_phase_csv(const std::filesystem::path& path) const;
+  void write_phase_csv(const std::filesystem::path& path, WriteOptions options = {}) const;
   // A few human-readable lines.
   std::string summary() const;
 

@@ -6,11 +6,16 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/graph/compiled_step.hpp"
+#include "ferry/runtime/write_options.hpp"
 
 namespace ferry {
+
+// How every trace ChromeTrace::write writes begins.
+inline constexpr std::string_view trace_signature = "{\"traceEvents\":[";
 
 class ChromeTrace {
  public:
@@ -26,8 +31,10 @@ class ChromeTrace {
   std::size_t size() const noexcept { return events_.size(); }
   // Steps added with add_step.
   std::size_t steps() const noexcept { return steps_; }
-  // Writes {"traceEvents": [...]}; throws std::runtime_error naming the path if it cannot.
-  void write(const std::filesystem::path& path) const;
+  // Writes {"traceEvents": [...]} whole (a new file renamed into place); throws
+  // std::runtime_error naming the path if it cannot, or if `path` is a link, folder or device or a
+  // file that is not a ferry trace (unless options.replace_foreign_file): nothing changes then.
+  void write(const std::filesystem::path& path, WriteOptions options = {}) const;
 
  private:
   struct Event {

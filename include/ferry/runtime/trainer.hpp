@@ -17,7 +17,7 @@
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/graph/pipeline.hpp"
-#include "ferry/runtime/checkpoint.hpp"
+#include "ferry/runtime/write_options.hpp"
 #include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/loss_scale.hpp"
@@ -233,7 +233,7 @@ class Trainer {
   // `path` is a symbolic link, not a regular file, or a file that is not a ferry checkpoint
   // (unless `options.replace_foreign_file`): then nothing there changes.
   void save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller = {},
-                       SaveCheckpointOptions options = {}) const;
+                       WriteOptions options = {}) const;
   // Reads and verifies every byte of `path` (header, checksums, that it was written for this
   // model, optimizer and batch) before it changes anything, then replaces the training state
   // and returns the caller's bytes. A trainer built like the one that saved, given this, then

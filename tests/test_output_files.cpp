@@ -1,0 +1,98 @@
+// The library's text outputs (ChromeTrace::write, MemoryProfiler::write_csv / write_phase_csv):
+// written whole, and never over a link, a folder, a device or a file ferry did not write, unless
+// WriteOptions says to replace a foreign file.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "ferry/runtime/memory_profile.hpp"
+#include "ferry/runtime/trace.hpp"
+
+namespace ferry::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class OutputFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("ferry-outputs-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    trace_.add("copy", graph::Lane::h2d, 1000, 3000);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path file(const char* name, const char* text) const {
+    const fs::path p = dir_ / name;
+    std::ofstream(p) << text;
+    return p;
+  }
+  template <class Write>
+  void expect_refused(Write&& write, const char* needle) {
+    try {
+      write();
+      ADD_FAILURE() << "expected a refusal mentioning '" << needle << "'";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+  fs::path dir_;
+  ChromeTrace trace_;
+  MemoryProfiler profiler_;
+};
+
+TEST_F(OutputFiles, ReplaceOnlyWhatFerryWrote) {
+  // New, then again over its own file.
+  const fs::path t = dir_ / "run.json";
+  trace_.write(t);
+  trace_.write(t);
+  EXPECT_EQ(read_text(t).rfind(trace_signature, 0), 0u);
+  EXPECT_NE(read_text(t).find("\"copy\""), std::string::npos);
+  const fs::path csv = dir_ / "profile.csv";
+  profiler_.write_csv(csv);
+  profiler_.write_csv(csv);
+  EXPECT_EQ(read_text(csv).rfind(profile_signature, 0), 0u);
+  const fs::path phases = dir_ / "phases.csv";
+  profiler_.write_phase_csv(phases);
+  EXPECT_EQ(read_text(phases).rfind(phase_profile_signature, 0), 0u);
+
+  // A foreign file, a trace over a profile, a link and a folder are left as they are.
+  const fs::path notes = file("notes.txt", "my notes\n");
+  expect_refused([&] { trace_.write(notes); }, "is not a trace file ferry wrote");
+  expect_refused([&] { profiler_.write_csv(notes); }, "is not a memory profile ferry wrote");
+  expect_refused([&] { profiler_.write_phase_csv(csv); }, "is not a phase memory profile ferry wrote");
+  expect_refused([&] { trace_.write(csv); }, "is not a trace file ferry wrote");
+  EXPECT_EQ(read_text(notes), "my notes\n");
+  EXPECT_EQ(read_text(csv).rfind(profile_signature, 0), 0u);
+  const fs::path link = dir_ / "link.json";
+  fs::create_symlink(t, link);
+  expect_refused([&] { trace_.write(link); }, "it is a symbolic link");
+  EXPECT_TRUE(fs::is_symlink(link));
+  expect_refused([&] { profiler_.write_csv(dir_); }, "it is a folder");
+  for (const auto& e : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(e.path().string().find(".tmp"), std::string::npos) << "left behind: " << e.path();
+  }
+
+  // On purpose; and an empty file is taken (a name made for the output).
+  trace_.write(notes, {.replace_foreign_file = true});
+  EXPECT_EQ(read_text(notes).rfind(trace_signature, 0), 0u);
+  const fs::path empty = file("empty.csv", "");
+  profiler_.write_csv(empty);
+  EXPECT_EQ(read_text(empty).rfind(profile_signature, 0), 0u);
+}
+
+}  // namespace
+}  // namespace ferry::test
