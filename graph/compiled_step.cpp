@@ -129,9 +129,10 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
     persistent_->step_buffers = impl_->transient;
     persistent_->step_buffer_bytes = plan_.transient_buffers;
   }
+  const offload::HostMemory pool_memory = host_pool_memory(context, homes.host_memory);
   for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
-    impl_->host_transient.push_back(offload::allocate_pinned_host(
-        context, plan_.host_transient_buffers[b],
+    impl_->host_transient.push_back(offload::allocate_host(
+        context, plan_.host_transient_buffers[b], pool_memory,
         fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b)));
   }
 
@@ -356,8 +357,33 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
   if (plan_.pool[s] == Pool::persistent) {
     return {persistent_->store(graph_.tensors.home[s]).device_buffer(p.buffer), p.offset_bytes};
   }
-  if (plan_.pool[s] == Pool::host_transient) return {impl_->host_transient.at(p.buffer).mem(), p.offset_bytes};
+  if (plan_.pool[s] == Pool::host_transient) {
+    const offload::HostBuffer& b = impl_->host_transient.at(p.buffer);
+    if (!b.pinned()) {  // host_pool_memory keeps the pool pinned when a kernel addresses it
+      throw std::logic_error(
+          fmt::format("tensor '{}' is in pageable host memory, which kernels cannot address", graph_.tensors.name[id]));
+    }
+    return {b.mem(), p.offset_bytes};
+  }
   return {impl_->transient.at(p.buffer).get(), p.offset_bytes};
+}
+
+// The host pool's memory: as the homes' (pageable where pinned buffers take device memory too),
+// except that a pool some kernel addresses in place (mapped mode's weight gradients, zero-copy
+// staging) must be pinned.
+offload::HostMemory CompiledStep::host_pool_memory(const cl::Context& context, offload::HostMemory wanted) const {
+  const offload::HostMemory m = offload::resolve_host_memory(wanted, context.device());
+  if (m == offload::HostMemory::pinned) return m;
+  const auto& n = graph_.nodes;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (n.lane[id] != Lane::compute) continue;
+    for (const auto& list : {n.inputs(id), n.outputs(id)}) {
+      for (const TensorId x : list) {
+        if (plan_.pool[graph_.tensors.storage(x)] == Pool::host_transient) return offload::HostMemory::pinned;
+      }
+    }
+  }
+  return m;
 }
 
 namespace {

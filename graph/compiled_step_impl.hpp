@@ -101,7 +101,9 @@ struct EventGate {
 struct CompiledStep::Impl {
   const cl::Context& ctx;
   std::vector<cl::Mem> transient;
-  std::vector<cl::PinnedBuffer> host_transient;  // mapped mode: weight gradients in host memory
+  // The plan's host pool: batch mirrors, spilled weight gradients, staging; in mapped mode weight
+  // gradients that kernels address (then always pinned).
+  std::vector<offload::HostBuffer> host_transient;
   // The batch mirrors of host mirror slots 1.. (slot 0's live in host_transient, from the plan):
   // per slot, one pinned buffer per mirror tensor.
   std::map<TensorId, std::size_t> mirror_index;              // batch mirror -> index

@@ -75,7 +75,7 @@ std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context
     case Home::device:
       return homes::make_device_store(context, buffer_bytes, what);
     case Home::host_pinned:
-      return homes::make_pinned_store(context, buffer_bytes, options.pinned_copies, what);
+      return homes::make_pinned_store(context, buffer_bytes, options.pinned_copies, options.host_memory, what);
     case Home::host_mapped:
       if (home_traits(home).needs_unified_memory && !context.device().host_unified_memory) {
         throw std::invalid_argument(fmt::format(

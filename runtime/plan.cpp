@@ -12,7 +12,7 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/graph/node_view.hpp"
 #include "ferry/graph/step_plan.hpp"
-#include "ferry/offload/pinned_host.hpp"
+#include "ferry/offload/host_memory.hpp"
 #include "ferry/ops/gemm.hpp"
 #include "ferry/runtime/units.hpp"
 #include "trainer_variants.hpp"
@@ -179,6 +179,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     out.host_step_bytes += p.host_step_bytes;
   }
   out.host_bytes = out.host_store_bytes + out.host_step_bytes;
+  out.host_memory = offload::resolve_host_memory(options.residency.homes.host_memory, runtime.device());
   out.predicted_step_ms = out.phases.front().predicted_step_ms;
   return out;
 }
@@ -233,10 +234,10 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
                                 : plan_as_given(runtime, model, options, rates);
 }
 
-double measure_link_gbps(Runtime& runtime) {
+double measure_link_gbps(Runtime& runtime, offload::HostMemory memory) {
   constexpr std::size_t bytes = 64ull << 20;
   const cl::Context& ctx = runtime.context();
-  const cl::PinnedBuffer host = offload::allocate_pinned_host(ctx, bytes, "the link measurement's host buffer");
+  const offload::HostBuffer host = offload::allocate_host(ctx, bytes, memory, "the link measurement's host buffer");
   std::memset(host.data(), 1, bytes);
   const cl::Mem device = ctx.create_buffer(bytes, "the link measurement's device buffer");
   const cl_command_queue queue = ctx.queue(cl::QueueKind::h2d);
@@ -298,7 +299,7 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
                                ? fmt::format("the host budget of {}", format_bytes(host_budget_bytes))
                                : fmt::format("this machine's physical memory ({})", format_bytes(physical));
   throw HostBudgetError(
-      fmt::format("the training state needs {} of pinned host memory ({} for the weights and optimizer state, {} for "
+      fmt::format("the training state needs {} of host memory ({} for the weights and optimizer state, {} for "
                   "the steps' host buffers), more than {}: {}use {}compressed state (--state-home compressed), a "
                   "smaller batch or model, or keep more on the device (a larger --device-budget); `ferry plan` shows "
                   "what each needs",

@@ -386,6 +386,10 @@ void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
   validate_staged(step, model_.targets, 0);
 }
 
+offload::HostMemory Trainer::host_memory() const {
+  return offload::resolve_host_memory(options_.residency.homes.host_memory, runtime_.device());
+}
+
 StepResult Trainer::step(const Batch& batch) {
   return result(submit(batch));
 }

@@ -5,8 +5,10 @@
 #include <array>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "ferry/offload/home.hpp"
+#include "ferry/offload/host_memory.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -126,6 +128,69 @@ TEST(Homes, PinnedKeepsOneCopyUpdatedInPlace) {
   three.pinned_copies = 3;
   EXPECT_THROW(offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, three, "test tensors"),
                std::invalid_argument);
+}
+
+// Which memory `auto` gives: pageable where the driver backs pinned buffers with device memory too
+// (NVIDIA's OpenCL on a discrete GPU), pinned elsewhere.
+TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
+  using offload::HostMemory;
+  const cl::DeviceFacts nvidia{"NVIDIA CUDA", "NVIDIA Corporation", "NVIDIA H200", "NVIDIA Corporation",
+                               CL_DEVICE_TYPE_GPU};
+  const cl::DeviceFacts amd{"AMD Accelerated Parallel Processing", "Advanced Micro Devices, Inc.", "gfx90a",
+                            "Advanced Micro Devices, Inc.", CL_DEVICE_TYPE_GPU};
+  const cl::DeviceFacts pocl{"Portable Computing Language", "The pocl project", "cpu", "AuthenticAMD",
+                             CL_DEVICE_TYPE_CPU};
+  EXPECT_TRUE(offload::pinned_buffers_take_device_memory(nvidia, false));
+  EXPECT_FALSE(offload::pinned_buffers_take_device_memory(nvidia, true));  // an integrated one
+  EXPECT_FALSE(offload::pinned_buffers_take_device_memory(amd, false));
+  EXPECT_FALSE(offload::pinned_buffers_take_device_memory(pocl, true));
+  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable}) {
+    EXPECT_EQ(offload::parse_host_memory(offload::host_memory_name(m)), m);
+  }
+  try {
+    offload::parse_host_memory("locked");
+    ADD_FAILURE();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("use auto, pinned or pageable"), std::string::npos) << e.what();
+  }
+  auto& dev = TestDevice::get();
+  const HostMemory here = offload::resolve_host_memory(HostMemory::automatic, dev.context.device());
+  EXPECT_EQ(here, offload::pinned_buffers_take_device_memory(dev.context.device().facts(),
+                                                             dev.context.device().host_unified_memory)
+                      ? HostMemory::pageable
+                      : HostMemory::pinned);
+  EXPECT_EQ(offload::resolve_host_memory(HostMemory::pageable, dev.context.device()), HostMemory::pageable);
+}
+
+// Pageable blocks: zeroed, writable, no OpenCL buffer; pinned ones have one. The pinned home in
+// pageable memory copies to and from the device as the pinned one does.
+TEST(HostMemory, PageableBlocksAndAPinnedHomeInPageableMemory) {
+  auto& dev = TestDevice::get();
+  offload::HostBuffer paged =
+      offload::allocate_host(dev.context, 3 << 20, offload::HostMemory::pageable, "a test block");
+  EXPECT_FALSE(paged.pinned());
+  EXPECT_EQ(paged.mem(), nullptr);
+  ASSERT_EQ(paged.bytes(), 3u << 20);
+  const auto* bytes = static_cast<const unsigned char*>(paged.data());
+  EXPECT_EQ(bytes[0] + bytes[(3 << 20) - 1], 0);
+  std::memset(paged.data(), 7, paged.bytes());
+  const offload::HostBuffer pinned = offload::allocate_host(dev.context, 4096, offload::HostMemory::pinned, "a block");
+  EXPECT_TRUE(pinned.pinned());
+  EXPECT_NE(pinned.mem(), nullptr);
+
+  offload::HomeStoreOptions o;
+  o.host_memory = offload::HostMemory::pageable;
+  const std::array<std::uint64_t, 1> sizes{1024};
+  auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, o, "test tensors");
+  const offload::HomePlace p{0, 64};
+  const std::vector<float> x = {1.5f, -2.f, 3.25f, 4.f};
+  store->write(p, x.data(), x.size() * 4);
+  cl::Mem device = dev.context.create_buffer(x.size() * 4, "a device copy");
+  dev.context.write(device.get(), 0, store->current(p), x.size() * 4);
+  std::vector<float> back(x.size());
+  dev.context.read(device.get(), 0, store->next(p), x.size() * 4);
+  store->read(p, back.data(), back.size() * 4);
+  EXPECT_EQ(back, x);
 }
 
 TEST(Homes, PinnedKeepsTwoCopiesAndCommitMakesTheNextCurrent) {

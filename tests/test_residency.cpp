@@ -93,7 +93,16 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
                    homes(graph::ResidencyMode::resident, std::nullopt, graph::Residency::host_pinned)});
   cases.push_back({"weights streamed, optimizer state on the device",
                    homes(graph::ResidencyMode::stream, std::nullopt, graph::Residency::device)});
+  // Pageable host memory (what NVIDIA gets by default): the same copies, staged by the driver; and
+  // mapped mode asked for it (its home and the pool kernels use stay pinned).
+  auto pageable = [](TrainerOptions o) {
+    o.residency.homes.host_memory = offload::HostMemory::pageable;
+    return o;
+  };
+  cases.push_back({"stream at the minimum budget, pageable host memory",
+                   pageable(options(graph::ResidencyMode::stream, min_budget, 0))});
   if (rt.device().host_unified_memory) {
+    cases.push_back({"mapped, pageable host memory asked for", pageable(options(graph::ResidencyMode::mapped, 0))});
     cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
     cases.push_back({"weights mapped, optimizer state streamed",
                      homes(graph::ResidencyMode::mapped, std::nullopt, graph::Residency::host_pinned)});
@@ -353,6 +362,12 @@ TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
   for (std::size_t s = 0; s < host.losses.size(); ++s) EXPECT_NEAR(host.losses[s], reference.losses[s], 1e-5f);
   for (const auto& [name, values] : reference.params)
     expect_near(host.params.at(name), values, 1e-5f, 1e-4f, name.c_str());
+  // In pageable host memory (NVIDIA's default) the host updates are the same, bit for bit.
+  TrainerOptions pageable_opt = host_opt;
+  pageable_opt.residency.homes.host_memory = offload::HostMemory::pageable;
+  const RunResult pageable = train(rt, m, pageable_opt, 4);
+  EXPECT_EQ(pageable.losses, host.losses);
+  for (const auto& [name, values] : host.params) EXPECT_EQ(pageable.params.at(name), values) << name;
 
   Trainer t(rt, m, host_opt);
   const auto& r = t.residency();

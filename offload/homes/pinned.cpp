@@ -1,5 +1,6 @@
-// The host_pinned home (streaming) and the host_mapped home (zero-copy): pinned, NUMA-bound host
-// memory. Mapped keeps one copy, which kernels use directly. Pinned keeps one copy that a step's
+// The host_pinned home (streaming) and the host_mapped home (zero-copy): NUMA-bound host memory,
+// pinned (mapped always; host_pinned unless HomeStoreOptions::host_memory makes it pageable, where
+// the driver's pinned buffers take device memory too). Mapped keeps one copy, which kernels use directly. Pinned keeps one copy that a step's
 // write-backs update in place after its commit point (host memory equals the state), or two
 // (HomeStoreOptions::pinned_copies) so that updates written by host-lane nodes, which run before
 // the step is known good, become current only when it succeeds.
@@ -15,7 +16,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "ferry/offload/pinned_host.hpp"
+#include "ferry/offload/host_memory.hpp"
 #include "stores.hpp"
 
 namespace ferry::offload::homes {
@@ -23,13 +24,14 @@ namespace {
 
 class HostStore final : public HomeStore {
  public:
-  HostStore(Home home, int copies, const cl::Context& context, std::span<const std::uint64_t> sizes,
+  HostStore(Home home, int copies, HostMemory memory, const cl::Context& context, std::span<const std::uint64_t> sizes,
             std::string_view what)
       : home_(home), copies_in_use_(copies) {
     for (int c = 0; c < copies; ++c) {
       for (std::size_t b = 0; b < sizes.size(); ++b) {
-        copies_[c].push_back(allocate_pinned_host(
-            context, sizes[b], fmt::format("host buffer {} (copy {}) of {} ({})", b, c, what, home_name(home))));
+        copies_[c].push_back(allocate_host(context, sizes[b], memory,
+                                           fmt::format("host buffer {} (copy {}) of {} ({}, {} memory)", b, c, what,
+                                                       home_name(home), host_memory_name(memory))));
         bytes_ += sizes[b];
       }
     }
@@ -79,7 +81,7 @@ class HostStore final : public HomeStore {
   }
   Home home_;
   int copies_in_use_;
-  std::vector<cl::PinnedBuffer> copies_[2];
+  std::vector<HostBuffer> copies_[2];
   mutable std::mutex mutex_;
   std::unordered_map<std::uint64_t, int> slot_;        // the current copy of a tensor, by place; absent: 0
   mutable std::unordered_set<std::uint64_t> written_;  // places this step wrote
@@ -89,17 +91,18 @@ class HostStore final : public HomeStore {
 }  // namespace
 
 std::unique_ptr<HomeStore> make_pinned_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
-                                             std::uint32_t copies, std::string_view what) {
+                                             std::uint32_t copies, HostMemory memory, std::string_view what) {
   if (copies != 1 && copies != 2) {
     throw std::invalid_argument(
         fmt::format("host_pinned keeps 1 or 2 copies of {}, not {} (HomeStoreOptions::pinned_copies)", what, copies));
   }
-  return std::make_unique<HostStore>(Home::host_pinned, static_cast<int>(copies), context, buffer_bytes, what);
+  return std::make_unique<HostStore>(Home::host_pinned, static_cast<int>(copies),
+                                     resolve_host_memory(memory, context.device()), context, buffer_bytes, what);
 }
 
 std::unique_ptr<HomeStore> make_mapped_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
                                              std::string_view what) {
-  return std::make_unique<HostStore>(Home::host_mapped, 1, context, buffer_bytes, what);
+  return std::make_unique<HostStore>(Home::host_mapped, 1, HostMemory::pinned, context, buffer_bytes, what);
 }
 
 }  // namespace ferry::offload::homes

@@ -8,7 +8,7 @@ namespace ferry::offload::homes {
 std::unique_ptr<HomeStore> make_device_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
                                              std::string_view what);
 std::unique_ptr<HomeStore> make_pinned_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
-                                             std::uint32_t copies, std::string_view what);
+                                             std::uint32_t copies, HostMemory memory, std::string_view what);
 std::unique_ptr<HomeStore> make_mapped_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
                                              std::string_view what);
 

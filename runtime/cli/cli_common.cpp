@@ -96,6 +96,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
     }
   }
   if (!a.host_budget.empty()) opt.residency.host_budget_bytes = ferry::parse_bytes(a.host_budget);
+  opt.residency.homes.host_memory = ferry::offload::parse_host_memory(a.host_memory);
   opt.residency.homes.codec.chunk_bytes = ferry::parse_bytes(a.compress_chunk);
   opt.residency.homes.codec.level = a.compress_level;
   opt.residency.homes.codec.workers = a.compress_workers;

@@ -173,9 +173,10 @@ int cmd_train(const TrainArgs& a) {
     switch (rr.mode) {
       case ferry::graph::ResidencyMode::stream:
         where = fmt::format(
-            "; weights and optimizer state in {} of host memory; per step {} fetches ({}) and {} "
+            "; weights and optimizer state in {} of {} host memory; per step {} fetches ({}) and {} "
             "write-backs ({}), issued {} compute nodes ahead{}",
-            ferry::format_bytes(trainer.host_state_bytes()), rr.fetches, ferry::format_bytes(rr.fetch_bytes),
+            ferry::format_bytes(trainer.host_state_bytes()), ferry::offload::host_memory_name(trainer.host_memory()),
+            rr.fetches, ferry::format_bytes(rr.fetch_bytes),
             rr.write_backs, ferry::format_bytes(rr.write_back_bytes), rr.lookahead,
             rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
         break;
@@ -418,6 +419,7 @@ int cmd_train(const TrainArgs& a) {
                         {"device_budget_bytes", trainer.device_budget_bytes()},
                         {"host_state_bytes", trainer.host_state_bytes()},
                         {"host_staging_bytes", trainer.train_step().host_step_bytes()},
+                        {"host_memory", ferry::offload::host_memory_name(trainer.host_memory())},
                         {"unpacks_per_step", trainer.residency().unpacks},
                         {"packs_per_step", trainer.residency().packs},
                         {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
@@ -470,6 +472,12 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--host-budget", t.host_budget,
                   "Pinned host bytes the weights, optimizer state and step buffers may take, e.g. 16GiB, checked "
                   "before anything is allocated (default: the machine's physical memory)");
+  app->add_option("--host-memory", t.host_memory,
+                  "Memory of the streamed homes and the step's host buffers: pinned (DMA copies), pageable (no "
+                  "device memory; the driver stages copies), or auto: pageable on NVIDIA, whose pinned buffers "
+                  "take device memory too, pinned elsewhere")
+      ->check(CLI::IsMember({"auto", "pinned", "pageable"}))
+      ->capture_default_str();
   app->add_option("--residency", t.residency,
                   "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "
                   "(zero-copy, unified-memory devices)")

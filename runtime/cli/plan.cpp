@@ -142,7 +142,7 @@ int cmd_plan(const TrainArgs& a) {
   // The rates of the step-time prediction: given, or measured here (a copy and a GEMM).
   ferry::PlanRates rates{a.link_gbps, a.gemm_gflops};
   const bool link_given = a.link_gbps > 0, gemm_given = a.gemm_gflops > 0;
-  if (!link_given) rates.link_gbps = ferry::measure_link_gbps(runtime);
+  if (!link_given) rates.link_gbps = ferry::measure_link_gbps(runtime, base.residency.homes.host_memory);
   if (!gemm_given) rates.gemm_gflops = ferry::measure_gemm_gflops(runtime);
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
@@ -191,6 +191,8 @@ int cmd_plan(const TrainArgs& a) {
                         {"recompute", configured.plan ? nlohmann::json(configured.plan->recompute) : nullptr},
                         {"host_budget_bytes", host_limit},
                         {"host_budget_given", host_budget != 0},
+                        {"host_memory", ferry::offload::host_memory_name(ferry::offload::resolve_host_memory(
+                                            base.residency.homes.host_memory, runtime.device()))},
                         {"fits", configured.fits()},
                         {"min_budget_resident_bytes", min_resident},
                         {"min_budget_streamed_bytes", min_streamed ? nlohmann::json(*min_streamed) : nullptr},
@@ -268,9 +270,10 @@ int cmd_plan(const TrainArgs& a) {
                  "live at once)\n";
     const auto& t = p->phases.front();
     std::cout << fmt::format(
-        "device peak {}; pinned host {} ({} weights and state, {} step buffers); per step {} fetched, {} written "
-        "back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms)\n",
+        "device peak {}; host {} of {} memory ({} weights and state, {} step buffers); per step {} fetched, {} "
+        "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms)\n",
         ferry::format_bytes(p->device_peak_bytes), ferry::format_bytes(p->host_bytes),
+        ferry::offload::host_memory_name(p->host_memory),
         ferry::format_bytes(p->host_store_bytes), ferry::format_bytes(p->host_step_bytes),
         ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
         t.flops * 1e-9, p->predicted_step_ms, t.compute_ms, t.transfer_ms);
@@ -281,7 +284,7 @@ int cmd_plan(const TrainArgs& a) {
                            min_streamed ? ferry::format_bytes(*min_streamed) : std::string("(nothing to stream)"));
   if (chosen) {
     std::cout << fmt::format(
-        "for a budget of {} and {} of host memory: {} (device peak {}, pinned host {}, predicted step {:.1f} ms)\n",
+        "for a budget of {} and {} of host memory: {} (device peak {}, host {}, predicted step {:.1f} ms)\n",
         ferry::format_bytes(budget), ferry::format_bytes(host_limit), chosen->flags,
         ferry::format_bytes(chosen_plan->device_peak_bytes), ferry::format_bytes(chosen_plan->host_bytes),
         chosen_plan->predicted_step_ms);

@@ -198,9 +198,13 @@ int cmd_train_gpt(const TrainArgs& args) {
         format_bytes(trainer.training_state_bytes()), compile_s, corpus.files, corpus.ids.size(), c.vocab,
         corpus.ids.size() - corpus.train_end, val.size(), c.context);
     announce_ranks(a, trainer, batch);
-    std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned)\n",
+    const bool on_host = trainer.residency().mode != graph::ResidencyMode::resident;
+    std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned){}\n",
                              graph::residency_mode_name(trainer.residency().mode),
-                             format_bytes(trainer.device_peak_bytes()), format_bytes(trainer.device_budget_bytes()));
+                             format_bytes(trainer.device_peak_bytes()), format_bytes(trainer.device_budget_bytes()),
+                             on_host ? fmt::format("; {} in {} host memory", format_bytes(trainer.host_state_bytes()),
+                                                   offload::host_memory_name(trainer.host_memory()))
+                                     : std::string());
   }
 
   const std::uint32_t t = c.context;
@@ -387,6 +391,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                         {"residency", graph::residency_mode_name(trainer.residency().mode)},
                         {"device_budget_bytes", trainer.device_budget_bytes()},
                         {"host_state_bytes", trainer.host_state_bytes()},
+                        {"host_memory", offload::host_memory_name(trainer.host_memory())},
                         {"curve", curve}};
     if (a.sample) j["sample"] = sample;
     add_phase_fields(j, trainer);

@@ -252,6 +252,7 @@ class CompiledStep {
   // The device passes after the planning ones (graph/step_plan.hpp), in order.
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
                 const offload::HomeStoreOptions& homes);
+  offload::HostMemory host_pool_memory(const cl::Context& context, offload::HostMemory wanted) const;
   void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);
   void lower(const cl::Context& context, bool serial);
   // Marks the nodes that change persistent state in place and finds the commit point.

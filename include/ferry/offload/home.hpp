@@ -3,7 +3,7 @@
 // home per role; a home store owns the memory of all tensors living there.
 //
 //   device           device buffers; kernels use them in place.
-//   host_pinned      pinned host memory, one copy (HomeStoreOptions::pinned_copies): a step fetches
+//   host_pinned      host memory (pinned, or pageable: HomeStoreOptions::host_memory), one copy (HomeStoreOptions::pinned_copies): a step fetches
 //                    from it and writes updated tensors back in place, after its commit point (the
 //                    overflow guard's last check), as the device home is updated. With two copies
 //                    (host-lane updates: the host optimizer, hybrid phases) a step writes the other
@@ -32,6 +32,7 @@
 
 #include "ferry/cl/context.hpp"
 #include "ferry/offload/chunk_codec.hpp"
+#include "ferry/offload/host_memory.hpp"
 
 namespace ferry::offload {
 
@@ -84,6 +85,10 @@ struct HomeStoreOptions {
   // equals the state), or 2, written into the other copy and made current at commit (what
   // host-lane updates need, which cannot yet wait for the guard). Anything else is an error.
   std::uint32_t pinned_copies = 1;
+  // The memory of the host_pinned home (and of a step's host buffers): pinned, or pageable where
+  // the driver's pinned buffers would take device memory too (host_memory.hpp). host_mapped is
+  // always pinned: kernels address it.
+  HostMemory host_memory = HostMemory::automatic;
 };
 
 // Full-size pinned host copies a store of `h` made with `options` keeps of each tensor.

@@ -42,9 +42,10 @@ struct PlanRates {
 
 // The rates measured on the runtime's device, quickly (well under a second each on a CPU device,
 // a GEMM kernel build aside, which the program cache keeps): the link as the best of three
-// 64 MiB copies from pinned host memory to the device (after one that warms up), the GEMM rate as
-// the best of three 1024 x 1024 x 1024 f32 products of ops::gemm (after one that builds it).
-double measure_link_gbps(Runtime& runtime);
+// 64 MiB copies to the device from host memory of the kind streamed homes will use (`memory`,
+// resolved for the device), after one that warms up; the GEMM rate as the best of three
+// 1024 x 1024 x 1024 f32 products of ops::gemm (after one that builds it).
+double measure_link_gbps(Runtime& runtime, offload::HostMemory memory = offload::HostMemory::automatic);
 double measure_gemm_gflops(Runtime& runtime);
 
 // One compiled variant of the plan: the phase it serves and what it costs per step.
@@ -72,11 +73,13 @@ struct TrainingPlan {
   std::uint64_t min_budget_bytes = 0;     // the training step's smallest (stream mode)
   std::vector<PhasePlan> phases;          // the training step first
   std::uint64_t device_peak_bytes = 0;    // the largest phase's device total
-  // Pinned host bytes: the persistent tensors' stores (offload::host_copies() full
+  // Host bytes (pinned, or pageable: host_memory): the persistent tensors' stores (offload::host_copies() full
   // copies per home) and every variant's host step pool. Excluded: the compressed home's chunks
   // (not pinned, their size depends on the data) and the second batch mirrors of a step that runs
   // ahead (the batch once more).
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
+  // The memory of the streamed homes and the step pools on this device (pinned or pageable).
+  offload::HostMemory host_memory = offload::HostMemory::pinned;
   PlanRates rates;
   double predicted_step_ms = 0;  // the training step's (phases[0])
   std::uint32_t recompute = 0;   // layers per recomputed segment planned (chosen when recompute_auto)

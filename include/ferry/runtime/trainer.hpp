@@ -203,6 +203,10 @@ class Trainer {
     return train_->persistent()->host_bytes() + train_->plan().host_transient_bytes;
   }
   const graph::ResidencyReport& residency() const { return train_->residency(); }
+  // The kind of memory of the host_pinned home and the step's host pool on this device: pinned,
+  // or pageable where the driver's pinned buffers take device memory too
+  // (ResidencyOptions::homes.host_memory, ferry/offload/host_memory.hpp).
+  offload::HostMemory host_memory() const;
   // The home of the tensors of a persistent role (the first one's: all of a role share a home).
   graph::Residency home_of(graph::Role role) const;
 

@@ -1,0 +1,71 @@
+// Host memory for what a streamed step keeps on the host: the host_pinned home's tensors and the
+// step's host buffers (spilled gradients, batch mirrors' pool).
+//
+// Pinned memory (a CL_MEM_ALLOC_HOST_PTR buffer, mapped) lets copies run as DMA that overlaps
+// compute. Some drivers back every such buffer with device memory as well: on NVIDIA's OpenCL
+// (measured on an H200) a 1B model streamed under an 8 GiB budget had 22.3 GiB of device memory in
+// use, a 6.4B one under 24 GiB 82.7 GB, so pinned homes defeat the device budget there. Pageable
+// memory (anonymous pages, NUMA-bound like pinned memory) takes no device memory; the driver stages
+// its copies through its own pinned buffers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/device.hpp"
+#include "ferry/offload/pinned_host.hpp"
+
+namespace ferry::offload {
+
+enum class HostMemory : std::uint8_t {
+  automatic,  // pageable where pinned buffers take device memory too, else pinned
+  pinned,
+  pageable,
+};
+const char* host_memory_name(HostMemory m);  // "auto", "pinned", "pageable"
+// Throws std::invalid_argument naming the valid values.
+HostMemory parse_host_memory(std::string_view s);
+
+// Whether the driver backs each pinned host buffer with device memory as well (NVIDIA's OpenCL
+// platform on a discrete GPU).
+bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory);
+// `automatic` made concrete for `device`; pinned and pageable are returned as given.
+HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device);
+
+namespace detail {
+// Returns anonymous pages to the system (HostBuffer::pageable).
+struct Unmap {
+  std::size_t bytes = 0;
+  void operator()(void* p) const noexcept;
+};
+}  // namespace detail
+
+// A block of host memory of either kind. Kernels can address only pinned blocks (mem()).
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  explicit HostBuffer(cl::PinnedBuffer pinned) : pinned_(std::move(pinned)) {}
+  // Anonymous pages of `bytes` (transparent huge pages asked for). Throws std::runtime_error
+  // naming `what` and the size when the system refuses.
+  static HostBuffer pageable(std::size_t bytes, std::string_view what);
+
+  void* data() const noexcept { return pages_ ? pages_.get() : pinned_.data(); }
+  std::size_t bytes() const noexcept { return pages_ ? pages_.get_deleter().bytes : pinned_.bytes(); }
+  bool pinned() const noexcept { return !pages_; }
+  // The OpenCL buffer of a pinned block; nullptr for pageable memory.
+  cl_mem mem() const noexcept { return pinned_.mem(); }
+
+ private:
+  cl::PinnedBuffer pinned_;
+  std::unique_ptr<void, detail::Unmap> pages_;
+};
+
+// Allocates `bytes` of host memory of kind `memory` (pinned or pageable; automatic is resolved
+// for the context's device) bound near the device as allocate_pinned_host does. Throws
+// std::runtime_error naming `what` and the size when it cannot.
+HostBuffer allocate_host(const cl::Context& context, std::size_t bytes, HostMemory memory, std::string_view what,
+                         HostPlacement* placement = nullptr);
+
+}  // namespace ferry::offload

@@ -1,0 +1,154 @@
+// Host memory, pinned or pageable, bound to the NUMA node(s) near the device.
+#include "ferry/offload/host_memory.hpp"
+
+#include <fmt/format.h>
+#include <hwloc.h>
+#include <hwloc/opencl.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "ferry/cl/error.hpp"
+
+namespace ferry::offload {
+namespace {
+
+// One topology for the process: loading it walks sysfs, so do it once.
+hwloc_topology_t topology() {
+  static std::once_flag once;
+  static hwloc_topology_t topo = nullptr;
+  std::call_once(once, [] {
+    if (hwloc_topology_init(&topo) != 0) {
+      topo = nullptr;
+      return;
+    }
+    if (hwloc_topology_load(topo) != 0) {
+      hwloc_topology_destroy(topo);
+      topo = nullptr;
+    }
+  });
+  return topo;
+}
+
+HostPlacement bind_near_device(const cl::Context& context, void* ptr, std::size_t bytes) {
+  HostPlacement out;
+  hwloc_topology_t topo = topology();
+  if (!topo) {
+    out.description = "hwloc could not read the machine's topology: pages left where the driver put them";
+    return out;
+  }
+  out.numa_nodes = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
+  if (out.numa_nodes <= 1) {
+    out.description = "1 NUMA node: no binding needed";
+    return out;
+  }
+  std::unique_ptr<hwloc_bitmap_s, void (*)(hwloc_bitmap_t)> cpus(hwloc_bitmap_alloc(), hwloc_bitmap_free);
+  std::unique_ptr<hwloc_bitmap_s, void (*)(hwloc_bitmap_t)> nodes(hwloc_bitmap_alloc(), hwloc_bitmap_free);
+  // The CPUs near the device (its PCI locality where the driver exposes it; all CPUs otherwise).
+  if (hwloc_opencl_get_device_cpuset(topo, context.device().id, cpus.get()) != 0 || hwloc_bitmap_iszero(cpus.get())) {
+    hwloc_bitmap_copy(cpus.get(), hwloc_topology_get_complete_cpuset(topo));
+  }
+  hwloc_cpuset_to_nodeset(topo, cpus.get(), nodes.get());
+  const int rc = hwloc_set_area_membind(topo, ptr, bytes, nodes.get(), HWLOC_MEMBIND_BIND,
+                                        HWLOC_MEMBIND_MIGRATE | HWLOC_MEMBIND_BYNODESET);
+  out.bound = rc == 0;
+  char* text = nullptr;
+  hwloc_bitmap_asprintf(&text, nodes.get());
+  out.description =
+      rc == 0 ? fmt::format("{} NUMA nodes: bound to node set {}", out.numa_nodes, text)
+              : fmt::format("{} NUMA nodes: binding to node set {} was refused by the system", out.numa_nodes, text);
+  std::free(text);
+  return out;
+}
+
+}  // namespace
+
+cl::PinnedBuffer allocate_pinned_host(const cl::Context& context, std::size_t bytes, std::string_view what,
+                                      HostPlacement* placement) {
+  cl::PinnedBuffer buffer;
+  try {
+    buffer = context.create_pinned(bytes, what);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(
+        fmt::format("could not allocate {} bytes of pinned host memory for {}: {} (is there "
+                    "enough free host memory, and is the locked-memory limit, ulimit -l, high "
+                    "enough?)",
+                    bytes, what, e.what()));
+  }
+  HostPlacement p = bind_near_device(context, buffer.data(), bytes);
+  if (placement) *placement = std::move(p);
+  return buffer;
+}
+
+const char* host_memory_name(HostMemory m) {
+  switch (m) {
+    case HostMemory::automatic:
+      return "auto";
+    case HostMemory::pinned:
+      return "pinned";
+    case HostMemory::pageable:
+      return "pageable";
+  }
+  return "?";
+}
+
+HostMemory parse_host_memory(std::string_view s) {
+  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable}) {
+    if (s == host_memory_name(m)) return m;
+  }
+  throw std::invalid_argument(fmt::format("unknown host memory '{}': use auto, pinned or pageable", s));
+}
+
+bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory) {
+  if (host_unified_memory) return false;
+  std::string vendor = device.platform_vendor + " " + device.platform_name;
+  std::transform(vendor.begin(), vendor.end(), vendor.begin(), [](unsigned char c) { return std::tolower(c); });
+  return vendor.find("nvidia") != std::string::npos;
+}
+
+HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device) {
+  if (m != HostMemory::automatic) return m;
+  return pinned_buffers_take_device_memory(device.facts(), device.host_unified_memory) ? HostMemory::pageable
+                                                                                       : HostMemory::pinned;
+}
+
+void detail::Unmap::operator()(void* p) const noexcept {
+  if (p) munmap(p, std::max<std::size_t>(bytes, 1));
+}
+
+HostBuffer HostBuffer::pageable(std::size_t bytes, std::string_view what) {
+  const std::size_t length = std::max<std::size_t>(bytes, 1);
+  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    throw std::runtime_error(
+        fmt::format("could not allocate {} bytes of host memory for {}: {} (is there enough free "
+                    "host memory, and is the address-space limit, ulimit -v, high enough?)",
+                    bytes, what, std::strerror(errno)));
+  }
+  // Large blocks in 2 MiB pages where the kernel allows: fewer faults when first written, fewer
+  // TLB misses for the driver's staging copies. Advice only; its failure changes nothing.
+  if (length >= (2u << 20)) madvise(p, length, MADV_HUGEPAGE);
+  HostBuffer b;
+  b.pages_ = std::unique_ptr<void, detail::Unmap>(p, detail::Unmap{bytes});
+  return b;
+}
+
+HostBuffer allocate_host(const cl::Context& context, std::size_t bytes, HostMemory memory, std::string_view what,
+                         HostPlacement* placement) {
+  if (resolve_host_memory(memory, context.device()) == HostMemory::pinned) {
+    return HostBuffer(allocate_pinned_host(context, bytes, what, placement));
+  }
+  HostBuffer b = HostBuffer::pageable(bytes, what);
+  HostPlacement p = bind_near_device(context, b.data(), std::max<std::size_t>(bytes, 1));
+  if (placement) *placement = std::move(p);
+  return b;
+}
+
+}  // namespace ferry::offload
