@@ -15,8 +15,9 @@
 //                      their device durations (profiling timeline): the rate the copies achieved
 //                      while competing with compute;
 //   link_gbps_transfers_only  the same bytes over transfer_ms (wall time, copies alone);
-//   link_peak_gbps     the same byte mix at the peak copy rates: a pinned host buffer
-//                      (offload::allocate_pinned_host) to a device buffer and back on the context's
+//   link_peak_gbps     the same byte mix at the peak copy rates: a host buffer of the streamed
+//                      homes' kind (--host-memory: pinned, or pageable as NVIDIA gets by default;
+//                      offload::allocate_host) to a device buffer and back on the context's
 //                      h2d / d2h queues (--link-bytes each), device-timed, sampled once per repetition
 //                      in the same rotation as the steps (a line of its own up front, too).
 // Every variant is its own Trainer (same model, seed and batches), so the resident, streamed,
@@ -57,6 +58,7 @@ struct OverlapOptions {
   std::vector<std::string> configs;  // "key=value,..." each; empty: the two defaults
   std::string link_bytes = "64MiB";
   bool mapped = true;
+  std::string host_memory = "auto";
 };
 
 // Defaults, all Adam:
@@ -160,15 +162,15 @@ double event_ms(const cl::Event& ev) {
   return double(end - start) * 1e-6;
 }
 
-// Copies between a pinned host buffer (offload::allocate_pinned_host) and a device buffer on the
+// Copies between a host buffer (offload::allocate_host, of the homes' kind) and a device buffer on the
 // context's h2d / d2h queues: the link's peak. Sampled once up front and once per repetition of
 // every configuration (in its rotation, under the same machine load as the steps).
 class LinkProbe {
  public:
-  LinkProbe(const cl::Context& ctx, std::uint64_t bytes)
+  LinkProbe(const cl::Context& ctx, std::uint64_t bytes, offload::HostMemory memory)
       : ctx_(ctx),
         bytes_(bytes),
-        host_(offload::allocate_pinned_host(ctx, bytes, "overlap bench link-peak host buffer")),
+        host_(offload::allocate_host(ctx, bytes, memory, "overlap bench link-peak host buffer")),
         dev_(ctx.create_buffer(bytes, "overlap bench link-peak device buffer")) {
     std::memset(host_.data(), 1, bytes);
     sample();  // warm-up: first touch of the device buffer
@@ -208,7 +210,7 @@ class LinkProbe {
  private:
   const cl::Context& ctx_;
   std::uint64_t bytes_;
-  cl::PinnedBuffer host_;
+  offload::HostBuffer host_;
   cl::Mem dev_;
   std::vector<double> h2d_, d2h_, h2d_wall_, d2h_wall_;
 };
@@ -303,6 +305,8 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
                    {"device_type", dev.type_name()},
                    {"compute_units", dev.compute_units},
                    {"note", device_note(dev)},
+                   {"host_memory", offload::host_memory_name(offload::resolve_host_memory(
+                                       offload::parse_host_memory(o.host_memory), dev))},
                    {"loadavg_start", loadavg()}};
   const ModelSpec model = make_model(c);
   const Batches batches(model, c.batch, 2, 7);
@@ -311,6 +315,7 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   base.batch = c.batch;
   base.seed = 1;
   base.residency.lookahead = c.lookahead;
+  base.residency.homes.host_memory = offload::parse_host_memory(o.host_memory);
   if (c.optimizer == "sgd") {
     base.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
     base.optimizer.sgd.momentum = 0.0f;
@@ -450,7 +455,9 @@ int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
 
   Runtime runtime({.device = common.device, .profiling = true});
   const cl::DeviceInfo& dev = runtime.device();
-  LinkProbe peak(runtime.context(), parse_bytes(o.link_bytes));
+  const offload::HostMemory memory =
+      offload::resolve_host_memory(offload::parse_host_memory(o.host_memory), runtime.device());
+  LinkProbe peak(runtime.context(), parse_bytes(o.link_bytes), memory);
   for (int r = 0; r < std::max(common.repeat, 5); ++r) peak.sample();
   emit_json({{"bench", "overlap"},
              {"result", "link_peak"},
@@ -459,6 +466,7 @@ int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
              {"d2h_gbps", peak.d2h_gbps()},
              {"h2d_wall_gbps", peak.h2d_wall_gbps()},
              {"d2h_wall_gbps", peak.d2h_wall_gbps()},
+             {"host_memory", offload::host_memory_name(memory)},
              {"device", dev.name},
              {"device_type", dev.type_name()},
              {"compute_units", dev.compute_units},
@@ -500,6 +508,10 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
                  "budget 40MiB)");
   sub.add_option("--link-bytes", o->link_bytes, "size of the link-peak copies")->capture_default_str();
   sub.add_flag("!--no-mapped", o->mapped, "skip the mapped (zero-copy) variant");
+  sub.add_option("--host-memory", o->host_memory,
+                 "memory of the streamed homes and the link-peak buffer: auto (pageable on NVIDIA), pinned, pageable")
+      ->check(CLI::IsMember({"auto", "pinned", "pageable"}))
+      ->capture_default_str();
   return [o, &common] { return run_overlap(common, *o); };
 }
 
