@@ -18,20 +18,15 @@
 #include <system_error>
 #include <thread>
 
+#include "cl/fnv1a.hpp"
+
 namespace ferry::cl {
 namespace {
 
 // FNV-1a over several strings, each followed by a separator so ("ab","c") != ("a","bc").
 std::uint64_t hash_parts(std::initializer_list<std::string_view> parts) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (std::string_view s : parts) {
-    for (unsigned char c : s) {
-      h ^= c;
-      h *= 0x100000001b3ull;
-    }
-    h ^= 0xff;
-    h *= 0x100000001b3ull;
-  }
+  std::uint64_t h = fnv1a_basis;
+  for (std::string_view s : parts) h = fnv1a(std::string_view("\xff", 1), fnv1a(s, h));
   return h;
 }
 

@@ -5,23 +5,13 @@
 #include <algorithm>
 #include <iterator>
 
+#include "cl/fnv1a.hpp"
 #include "ferry/cl/program.hpp"
 
 namespace ferry::cl {
 namespace {
 
-constexpr std::uint64_t fnv_offset = 0xcbf29ce484222325ull;
-constexpr std::uint64_t fnv_prime = 0x100000001b3ull;
 constexpr unsigned char entry_magic[8] = {'F', 'E', 'R', 'R', 'Y', 'P', 'C', 'B'};
-
-// 64-bit FNV-1a: every step is a bijection of the state, so any single changed byte changes it.
-std::uint64_t fnv1a(std::uint64_t h, std::span<const unsigned char> bytes) {
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= fnv_prime;
-  }
-  return h;
-}
 
 void put_le(unsigned char* p, std::uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -44,7 +34,7 @@ std::vector<unsigned char> encode_cache_entry(std::uint64_t key, std::span<const
   put_le(h + 16, key, 8);
   put_le(h + 24, binary.size(), 8);
   std::copy(binary.begin(), binary.end(), out.begin() + program_cache_header_bytes);
-  const std::uint64_t sum = fnv1a(fnv1a(fnv_offset, {h, 32}), binary);
+  const std::uint64_t sum = fnv1a(binary, fnv1a(std::span<const unsigned char>(h, 32)));
   put_le(h + 32, sum, 8);
   return out;
 }
@@ -76,7 +66,7 @@ CacheEntryView decode_cache_entry(std::span<const unsigned char> entry, std::opt
     return v;
   }
   const std::span<const unsigned char> binary = entry.subspan(program_cache_header_bytes);
-  if (fnv1a(fnv1a(fnv_offset, entry.first(32)), binary) != get_le(h + 32, 8)) {
+  if (fnv1a(binary, fnv1a(entry.first(32))) != get_le(h + 32, 8)) {
     v.problem = "checksum mismatch: the file was damaged";
     return v;
   }

@@ -14,25 +14,19 @@
 #include <fstream>
 #include <sstream>
 
+#include "cl/fnv1a.hpp"
 #include "ferry/cl/program.hpp"
 
 namespace ferry::ops {
 namespace {
 
-std::uint64_t fnv1a(std::string_view s, std::uint64_t h = 0xcbf29ce484222325ull) {
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
 // What the cached winner depends on: the device, its driver and the kernels being tuned.
 std::uint64_t cache_key(const cl::DeviceInfo& d) {
-  std::uint64_t h = fnv1a(d.platform_name + '\n' + d.platform_version + '\n' + d.name + '\n' + d.vendor + '\n' +
-                          d.version + '\n' + d.driver + '\n');
+  std::uint64_t h = cl::fnv1a(d.platform_name + '\n' + d.platform_version + '\n' + d.name + '\n' + d.vendor + '\n' +
+                              d.version + '\n' + d.driver + '\n');
   for (const auto& [name, text] : cl::embedded_kernel_sources()) {
-    if (name == "gemm_tiled.cl" || name == "gemm_packed.cl" || name == "dtype.clh") h = fnv1a(text, fnv1a(name, h));
+    if (name == "gemm_tiled.cl" || name == "gemm_packed.cl" || name == "dtype.clh")
+      h = cl::fnv1a(text, cl::fnv1a(name, h));
   }
   return h;
 }
@@ -63,7 +57,7 @@ std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const
   const std::string body = text.substr(0, at);
   std::uint64_t want = 0;
   if (std::sscanf(text.c_str() + at + tag.size(), "%16llx", reinterpret_cast<unsigned long long*>(&want)) != 1 ||
-      want != fnv1a(body)) {
+      want != cl::fnv1a(body)) {
     warn(path, "fails its checksum (damaged or edited)");
     return std::nullopt;
   }
@@ -85,7 +79,7 @@ bool write_gemm_tune_cache(const std::string& path, const std::string& row, cons
   std::istringstream lines(comment);
   for (std::string line; std::getline(lines, line);) body += "# " + line + "\n";
   body += row + "\n";
-  const std::string text = body + fmt::format("# checksum {:016x}\n", fnv1a(body));
+  const std::string text = body + fmt::format("# checksum {:016x}\n", cl::fnv1a(body));
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
   const std::string tmp = fmt::format("{}.tmp{}", path, ::getpid());

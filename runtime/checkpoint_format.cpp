@@ -1,6 +1,5 @@
 // The checkpoint file format (runtime/checkpoint_format.hpp): writer, reader, sections, records.
 #include "checkpoint_format.hpp"
-#include "output_file.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -16,6 +15,9 @@
 #include <fstream>
 #include <type_traits>
 
+#include "cl/fnv1a.hpp"
+#include "output_file.hpp"
+
 #ifndef FERRY_VERSION
 #define FERRY_VERSION "unknown"
 #endif
@@ -28,8 +30,10 @@ const char* ferry_version() noexcept {
   return FERRY_VERSION;
 }
 
+// FNV-1a's prime over 8-byte words (cl/fnv1a.hpp hashes bytes): the format's own checksum,
+// documented in docs/checkpoints.md, about eight times fewer multiplies than bytewise.
 std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes, std::uint64_t seed) noexcept {
-  constexpr std::uint64_t prime = 0x100000001b3ull;
+  constexpr std::uint64_t prime = cl::fnv1a_prime;
   const auto* p = static_cast<const unsigned char*>(data);
   std::uint64_t h = seed;
   std::size_t i = 0;

@@ -13,6 +13,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "cl/fnv1a.hpp"
 #include "distributed/data_parallel.hpp"
 #include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/plan.hpp"
@@ -21,12 +22,6 @@
 
 namespace ferry {
 namespace {
-
-std::uint64_t name_hash(const std::string& s) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
-  return h;
-}
 
 // The loss's stats carry an argmax-hit count after the loss (softmax cross-entropy's [loss, hits]).
 bool counts_hits(const graph::CompiledStep& step) {
@@ -272,7 +267,7 @@ void Trainer::initialise_parameters() {
         std::fill(values, values + n, 1.0f);
         break;
       case graph::WeightInit::Kind::uniform: {
-        std::mt19937_64 rng(options_.seed ^ name_hash(t.name[id]));
+        std::mt19937_64 rng(options_.seed ^ cl::fnv1a(t.name[id]));
         std::uniform_real_distribution<float> dist(-t.init[id].bound, t.init[id].bound);
         for (std::size_t i = 0; i < n; ++i) values[i] = dist(rng);
         break;
@@ -376,8 +371,8 @@ void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
         throw std::invalid_argument(fmt::format(
             "batch tensor '{}' has {} bytes; this step was compiled for {} samples of {} {} ({} bytes): pass "
             "full batches (drop or pad the last one)",
-            spec.name, v.bytes.size(), samples, graph::dtype_name(spec.dtype),
-            spec.sample.str(), samples * spec.sample_bytes()));
+            spec.name, v.bytes.size(), samples, graph::dtype_name(spec.dtype), spec.sample.str(),
+            samples * spec.sample_bytes()));
       }
       std::memcpy(step.host_input(spec.name).data(), v.bytes.data(), v.bytes.size());
     }

@@ -146,10 +146,11 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
   opt.recompute = plan.recompute;
   opt.recompute_auto = false;
   std::cerr << fmt::format(
-      "ferry: setting up {}: residency {}, device peak {} (planned), pinned host {} ({} weights and state, {} step "
-      "buffers){}\n",
+      "ferry: setting up {}: residency {}, device peak {} (planned), host {} of {} memory ({} weights and state, {} "
+      "step buffers){}\n",
       model.name, ferry::graph::residency_mode_name(plan.mode), ferry::format_bytes(plan.device_peak_bytes),
-      ferry::format_bytes(plan.host_bytes), ferry::format_bytes(plan.host_store_bytes),
+      ferry::format_bytes(plan.host_bytes), ferry::offload::host_memory_name(plan.host_memory),
+      ferry::format_bytes(plan.host_store_bytes),
       ferry::format_bytes(plan.host_step_bytes),
       plan.recompute ? fmt::format(", recomputing segments of {} layers", plan.recompute) : std::string());
 }

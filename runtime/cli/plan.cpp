@@ -1,5 +1,5 @@
 // `ferry plan`: plans a model's step variants for a configuration (ferry::plan_training: nothing
-// is allocated or run) and prints what each phase holds on the device, the pinned host bytes, the
+// is allocated or run) and prints what each phase holds on the device, the host bytes, the
 // bytes moved and the predicted time per step, the smallest budgets it runs in, and the first
 // configuration, from fastest to leanest, that fits the given device and host budgets.
 #include "ferry/runtime/plan.hpp"
