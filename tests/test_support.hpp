@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ferry/cl/context.hpp"
@@ -75,6 +77,22 @@ inline constexpr std::size_t small_work_limit() {
 // True when a case of `work` should be skipped in this run.
 inline bool too_large_for_this_run(std::size_t work) {
   return small_shapes_only() && work > small_work_limit();
+}
+
+// The name of a parameterised case from its values: each prefixed, joined by '_' (values (64, 1000,
+// 0) with prefixes {"r", "c", "g"}: "r64_c1000_g0"), so that filters (the Oclgrind entries of
+// tests/CMakeLists.txt) name cases by what they are rather than by their position.
+template <class... T>
+std::string case_name(const std::tuple<T...>& values, const std::array<const char*, sizeof...(T)>& prefixes) {
+  std::string out;
+  std::size_t i = 0;
+  const auto add = [&](const auto& v) {
+    if (i > 0) out += '_';
+    out += prefixes[i++];
+    out += std::to_string(v);
+  };
+  std::apply([&](const auto&... v) { (add(v), ...); }, values);
+  return out;
 }
 
 // A float buffer on the test device, optionally placed at a nonzero element offset to check
