@@ -305,8 +305,8 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
                    {"device_type", dev.type_name()},
                    {"compute_units", dev.compute_units},
                    {"note", device_note(dev)},
-                   {"host_memory", offload::host_memory_name(offload::resolve_host_memory(
-                                       offload::parse_host_memory(o.host_memory), dev))},
+                   {"host_memory", offload::host_memory_name(
+                                       offload::resolve_host_memory(offload::parse_host_memory(o.host_memory), dev))},
                    {"loadavg_start", loadavg()}};
   const ModelSpec model = make_model(c);
   const Batches batches(model, c.batch, 2, 7);

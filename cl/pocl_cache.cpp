@@ -67,8 +67,8 @@ void prepare() {
   if (auto f = env("FERRY_CACHE_DIR")) candidates.push_back(fs::path(*f) / "pocl");
   const fs::path tmp = fs::temp_directory_path(ec);
   if (!ec) candidates.push_back(tmp / fmt::format("ferry-{}", geteuid()) / "pocl");
-  const std::string why =
-      usual ? fmt::format("'{}' cannot be created", usual->string()) : std::string("neither HOME nor XDG_CACHE_HOME is set");
+  const std::string why = usual ? fmt::format("'{}' cannot be created", usual->string())
+                                : std::string("neither HOME nor XDG_CACHE_HOME is set");
   for (const fs::path& dir : candidates) {
     if (!private_folder(dir)) continue;
     setenv("POCL_CACHE_DIR", dir.c_str(), 1);  // unset or empty, as checked above

@@ -60,7 +60,9 @@ TEST_P(BiasTest, ReferenceBackwardMatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, BiasTest,
                          ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 17, 1000)),
-                         [](const auto& info) { return case_name(info.param, {"r", "c"}); });
+                         [](const auto& info) {
+                           return case_name(info.param, {"r", "c"});
+                         });
 
 }  // namespace
 }  // namespace ferry::test

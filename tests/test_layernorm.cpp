@@ -144,10 +144,14 @@ TEST_P(LayerNormTestReference, ReferenceBackwardMatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
                          ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 17, 1000),
                                             ::testing::Values(0, 64)),
-                         [](const auto& info) { return case_name(info.param, {"r", "c", "g"}); });
+                         [](const auto& info) {
+                           return case_name(info.param, {"r", "c", "g"});
+                         });
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTestReference,
                          ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 17, 1000)),
-                         [](const auto& info) { return case_name(info.param, {"r", "c"}); });
+                         [](const auto& info) {
+                           return case_name(info.param, {"r", "c"});
+                         });
 
 TEST(LayerNorm, LargeOffsetDoesNotCancel) {
   // Rows centred at 1000 with unit spread: E[x^2] - E[x]^2 would lose most digits in float.

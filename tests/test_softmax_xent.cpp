@@ -124,10 +124,14 @@ TEST_P(SoftmaxXentTestReference, ReferenceGradientMatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Shapes, SoftmaxXentTest,
                          ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 1000),
                                             ::testing::Values(0, 64)),
-                         [](const auto& info) { return case_name(info.param, {"r", "k", "g"}); });
+                         [](const auto& info) {
+                           return case_name(info.param, {"r", "k", "g"});
+                         });
 INSTANTIATE_TEST_SUITE_P(Shapes, SoftmaxXentTestReference,
                          ::testing::Combine(::testing::Values(1, 3, 64, 257), ::testing::Values(1, 10, 1000)),
-                         [](const auto& info) { return case_name(info.param, {"r", "k"}); });
+                         [](const auto& info) {
+                           return case_name(info.param, {"r", "k"});
+                         });
 
 TEST(SoftmaxXent, LargeLogitsStayFinite) {
   // exp(1000) overflows float and probs[label] underflows to 0 without the max subtraction and

@@ -1,7 +1,7 @@
 // The host_pinned home (streaming) and the host_mapped home (zero-copy): NUMA-bound host memory,
 // pinned (mapped always; host_pinned unless HomeStoreOptions::host_memory makes it pageable, where
-// the driver's pinned buffers take device memory too). Mapped keeps one copy, which kernels use directly. Pinned keeps one copy that a step's
-// write-backs update in place after its commit point (host memory equals the state), or two
+// the driver's pinned buffers take device memory too). Mapped keeps one copy, which kernels use directly. Pinned keeps
+// one copy that a step's write-backs update in place after its commit point (host memory equals the state), or two
 // (HomeStoreOptions::pinned_copies) so that updates written by host-lane nodes, which run before
 // the step is known good, become current only when it succeeds.
 //

@@ -150,8 +150,7 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
       "step buffers){}\n",
       model.name, ferry::graph::residency_mode_name(plan.mode), ferry::format_bytes(plan.device_peak_bytes),
       ferry::format_bytes(plan.host_bytes), ferry::offload::host_memory_name(plan.host_memory),
-      ferry::format_bytes(plan.host_store_bytes),
-      ferry::format_bytes(plan.host_step_bytes),
+      ferry::format_bytes(plan.host_store_bytes), ferry::format_bytes(plan.host_step_bytes),
       plan.recompute ? fmt::format(", recomputing segments of {} layers", plan.recompute) : std::string());
 }
 

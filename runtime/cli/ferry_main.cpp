@@ -176,8 +176,8 @@ int cmd_train(const TrainArgs& a) {
             "; weights and optimizer state in {} of {} host memory; per step {} fetches ({}) and {} "
             "write-backs ({}), issued {} compute nodes ahead{}",
             ferry::format_bytes(trainer.host_state_bytes()), ferry::offload::host_memory_name(trainer.host_memory()),
-            rr.fetches, ferry::format_bytes(rr.fetch_bytes),
-            rr.write_backs, ferry::format_bytes(rr.write_back_bytes), rr.lookahead,
+            rr.fetches, ferry::format_bytes(rr.fetch_bytes), rr.write_backs, ferry::format_bytes(rr.write_back_bytes),
+            rr.lookahead,
             rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
         break;
       case ferry::graph::ResidencyMode::mapped:
@@ -487,8 +487,8 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
                 "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
                 "come back");
   // The library's names of the homes are taken as well, as its messages use them.
-  const auto homes = CLI::IsMember({"device", "host", "mapped", "compressed", "dropped", "host_pinned", "host_mapped",
-                                    "host_compressed"});
+  const auto homes = CLI::IsMember(
+      {"device", "host", "mapped", "compressed", "dropped", "host_pinned", "host_mapped", "host_compressed"});
   app->add_option("--weights-home", t.weights_home,
                   "Home of the weights, replacing the residency mode's: device, host (pinned, streamed; also "
                   "host_pinned), mapped (zero-copy; host_mapped), compressed (zstd chunks in host memory, streamed; "

@@ -273,10 +273,10 @@ int cmd_plan(const TrainArgs& a) {
         "device peak {}; host {} of {} memory ({} weights and state, {} step buffers); per step {} fetched, {} "
         "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms)\n",
         ferry::format_bytes(p->device_peak_bytes), ferry::format_bytes(p->host_bytes),
-        ferry::offload::host_memory_name(p->host_memory),
-        ferry::format_bytes(p->host_store_bytes), ferry::format_bytes(p->host_step_bytes),
-        ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
-        t.flops * 1e-9, p->predicted_step_ms, t.compute_ms, t.transfer_ms);
+        ferry::offload::host_memory_name(p->host_memory), ferry::format_bytes(p->host_store_bytes),
+        ferry::format_bytes(p->host_step_bytes), ferry::format_bytes(t.fetch_bytes),
+        ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes), t.flops * 1e-9,
+        p->predicted_step_ms, t.compute_ms, t.transfer_ms);
   }
   if (!configured.fits()) std::cout << "as configured it does not fit: " << configured.error << "\n";
   std::cout << fmt::format("minimum budget: {} with everything resident, {} streamed\n",

@@ -165,9 +165,9 @@ int cmd_train_gpt(const TrainArgs& args) {
         "the text has {} characters ({} to train on, {} held out for validation), too few for one window of "
         "--context {} + 1 in each part: {}",
         corpus.ids.size(), corpus.train_end, held_out, c.context,
-        shorter_part >= 2 ? fmt::format("use --context {} or less, or give --text a folder with more text",
-                                        shorter_part - 1)
-                          : std::string("give --text a folder with more text")));
+        shorter_part >= 2
+            ? fmt::format("use --context {} or less, or give --text a folder with more text", shorter_part - 1)
+            : std::string("give --text a folder with more text")));
   }
 
   Runtime runtime(

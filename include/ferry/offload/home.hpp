@@ -3,7 +3,8 @@
 // home per role; a home store owns the memory of all tensors living there.
 //
 //   device           device buffers; kernels use them in place.
-//   host_pinned      host memory (pinned, or pageable: HomeStoreOptions::host_memory), one copy (HomeStoreOptions::pinned_copies): a step fetches
+//   host_pinned      host memory (pinned, or pageable: HomeStoreOptions::host_memory), one copy
+//   (HomeStoreOptions::pinned_copies): a step fetches
 //                    from it and writes updated tensors back in place, after its commit point (the
 //                    overflow guard's last check), as the device home is updated. With two copies
 //                    (host-lane updates: the host optimizer, hybrid phases) a step writes the other

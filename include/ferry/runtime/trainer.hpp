@@ -17,13 +17,13 @@
 #include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/graph/pipeline.hpp"
-#include "ferry/runtime/write_options.hpp"
 #include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/loss_scale.hpp"
 #include "ferry/runtime/model.hpp"
 #include "ferry/runtime/phases.hpp"
 #include "ferry/runtime/runtime.hpp"
+#include "ferry/runtime/write_options.hpp"
 
 namespace ferry {
 
