@@ -60,27 +60,9 @@ Moments trained_moments(Runtime& rt, const Dataset& data, const CompressBenchOpt
   to.optimizer.kind = kind;
   to.seed = o.seed;
   Trainer trainer(rt, models::mlp(), to);
-  const std::size_t sample = data.sample_elems();
-  std::vector<std::size_t> order(data.count);
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::mt19937_64 rng(o.seed);
-  std::vector<float> images(std::size_t{o.batch} * sample);
-  std::vector<std::int32_t> labels(o.batch);
-  std::size_t next = order.size();
+  ShuffledBatches batches(data, trainer.model(), o.batch, o.seed);  // a new order every epoch
   float loss = 0;
-  for (std::uint32_t s = 0; s < o.steps; ++s) {
-    for (std::uint32_t i = 0; i < o.batch; ++i) {
-      if (next == order.size()) {  // a new epoch in a new order
-        std::shuffle(order.begin(), order.end(), rng);
-        next = 0;
-      }
-      const std::size_t k = order[next++];
-      std::copy_n(data.images.begin() + static_cast<std::ptrdiff_t>(k * sample), sample,
-                  images.begin() + static_cast<std::ptrdiff_t>(i * sample));
-      labels[i] = data.labels[k];
-    }
-    loss = trainer.step(images, labels).loss;
-  }
+  for (std::uint32_t s = 0; s < o.steps; ++s) loss = trainer.step(batches.next()).loss;
   std::cerr << fmt::format("ferry-bench compress: {} trained {} steps, last loss {:.4f}\n", graph::optimizer_name(kind),
                            o.steps, loss);
 

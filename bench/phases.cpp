@@ -66,30 +66,19 @@ struct Curve {
 // Trains like `ferry train` (shuffled epochs, cosine schedule) and evaluates after every epoch.
 Curve train(Runtime& rt, const Dataset& data, const Dataset& test, const PhasesOptions& po, bool hybrid) {
   Trainer t(rt, make_model(po.model), trainer_options(po, hybrid));
-  const std::uint32_t batch = t.options().batch;
-  const std::size_t sample = data.sample_elems(), per_epoch = data.count / batch;
+  ShuffledBatches batches(data, t.model(), t.options().batch, po.seed);
+  const std::size_t per_epoch = batches.steps_per_epoch();
   LrSchedule schedule;
   schedule.peak = t.options().lr;
   schedule.total_steps = per_epoch * po.epochs;
   schedule.validate();
-  std::vector<std::size_t> order(data.count);
-  std::iota(order.begin(), order.end(), 0);
-  std::mt19937_64 rng(po.seed);
-  std::vector<float> images(batch * sample);
-  std::vector<std::int32_t> labels(batch);
   Curve c;
   double seconds = 0;
   for (std::uint32_t e = 0; e < po.epochs; ++e) {
-    std::shuffle(order.begin(), order.end(), rng);
     const auto start = std::chrono::steady_clock::now();
     for (std::size_t s = 0; s < per_epoch; ++s) {
-      for (std::uint32_t i = 0; i < batch; ++i) {
-        const std::size_t k = order[s * batch + i];
-        std::copy_n(data.images.begin() + k * sample, sample, images.begin() + i * sample);
-        labels[i] = data.labels[k];
-      }
       t.set_lr(schedule.at(e * per_epoch + s));
-      t.step(images, labels);
+      t.step(batches.next());
     }
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     c.seconds.push_back(seconds);

@@ -3,15 +3,12 @@
 //
 //   train_mlp [--model small|mlp] [--epochs N] [--batch N] [--lr X] [--train-limit N]
 //             [--device INDEX_OR_NAME] [--data DIR]
-#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
-#include <numeric>
-#include <random>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -150,25 +147,14 @@ int run(const Args& a) {
               static_cast<unsigned long long>(trainer.parameter_count()),
               static_cast<double>(trainer.device_peak_bytes()) / (1024.0 * 1024.0));
 
-  const std::size_t sample = train.sample_elems();
-  const std::size_t steps_per_epoch = train.count / a.batch;  // the last partial batch is dropped
-  std::vector<std::size_t> order(train.count);
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::mt19937_64 rng(1);
-  std::vector<float> images(a.batch * sample);
-  std::vector<std::int32_t> labels(a.batch);
-
+  // A new shuffled order every epoch; full batches (the last partial one is dropped).
+  ferry::ShuffledBatches batches(train, trainer.model(), a.batch, /*seed=*/1);
+  const std::size_t steps_per_epoch = batches.steps_per_epoch();
   for (std::uint32_t epoch = 1; epoch <= a.epochs; ++epoch) {
-    std::shuffle(order.begin(), order.end(), rng);
     double loss_sum = 0;
     std::size_t correct = 0;
     for (std::size_t s = 0; s < steps_per_epoch; ++s) {
-      for (std::uint32_t i = 0; i < a.batch; ++i) {
-        const std::size_t idx = order[s * a.batch + i];
-        std::copy_n(train.images.data() + idx * sample, sample, images.data() + i * sample);
-        labels[i] = train.labels[idx];
-      }
-      const ferry::StepResult r = trainer.step(images, labels);  // waits for the device
+      const ferry::StepResult r = trainer.step(batches.next());  // waits for the device
       loss_sum += r.loss;
       correct += r.correct;
     }

@@ -24,6 +24,7 @@
 #include "ferry/runtime/phases.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/runtime.hpp"
+#include "ferry/runtime/shuffled_batches.hpp"
 #include "ferry/runtime/trace.hpp"
 #include "ferry/runtime/trainer.hpp"
 #include "ferry/runtime/units.hpp"

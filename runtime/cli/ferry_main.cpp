@@ -55,7 +55,7 @@ struct RunPosition {
 };
 
 std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p, std::size_t samples,
-                                       const std::mt19937_64& rng, const std::vector<std::size_t>& order,
+                                       const std::mt19937_64& rng, std::span<const std::size_t> order,
                                        std::size_t total_steps) {
   std::ostringstream rng_state;
   rng_state << rng;
@@ -82,11 +82,10 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p,
   return caller_section(j);
 }
 
-// Reads the caller section `ferry train` wrote back into p, rng and order, after checking it
-// belongs to this command line; throws std::invalid_argument naming what differs.
+// Reads the caller section `ferry train` wrote back into p and the batches' engine and order,
+// after checking it belongs to this command line; throws std::invalid_argument naming what differs.
 void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
-                     std::size_t steps_per_epoch, RunPosition& p, std::mt19937_64& rng,
-                     std::vector<std::size_t>& order) {
+                     std::size_t steps_per_epoch, RunPosition& p, ferry::ShuffledBatches& batches) {
   const auto fail = [&](const std::string& what) { return resume_error(a, what); };
   const nlohmann::json j = read_caller_section(bytes, a, "ferry train");
   if (j.at("version").get<int>() != 1) throw fail("its ferry train section has another version");
@@ -113,16 +112,24 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, st
                            p.epochs_done + (p.step_in_epoch > 0)));
   }
   std::istringstream rng_state(j.at("rng").get<std::string>());
+  std::mt19937_64 rng;
   rng_state >> rng;
   if (!rng_state) throw fail("its shuffle RNG state does not parse");
   const auto& bin = j.at("order").get_binary();
   if (bin.size() != samples * 4) throw fail("its data order has another length");
+  std::vector<std::size_t> order(samples);
   for (std::size_t i = 0; i < samples; ++i) {
     std::uint32_t v;
     std::memcpy(&v, bin.data() + 4 * i, 4);
     if (v >= samples) throw fail("its data order names a sample out of range");
     order[i] = v;
   }
+  try {
+    batches.set_order(order);
+  } catch (const std::invalid_argument& e) {
+    throw fail(fmt::format("its data order is not a permutation ({})", e.what()));
+  }
+  batches.engine() = rng;
   if (const auto was = j.at("epochs").get<std::uint32_t>(); a.primary && was != a.epochs && a.schedule != "constant") {
     std::cerr << fmt::format(
         "ferry: note: the checkpoint's run had --epochs {}; its {} schedule now spans {} epochs, so the learning "
@@ -202,19 +209,15 @@ int cmd_train(const TrainArgs& a) {
         ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
   }
 
-  const std::size_t sample = train.sample_elems();
-  const std::size_t steps_per_epoch = train.count / batch;
+  // This rank's rows of every global batch, in a new shuffled order each epoch.
+  ferry::ShuffledBatches batches(train, trainer.model(), batch, a.seed, shard);
+  const std::size_t steps_per_epoch = batches.steps_per_epoch();
   const std::size_t total_steps = steps_per_epoch * a.epochs;
   ferry::LrSchedule schedule;
   schedule.kind = schedule_kind;
   schedule.peak = a.lr;
   schedule.total_steps = total_steps;
   schedule.validate();
-  std::vector<std::size_t> order(train.count);
-  std::iota(order.begin(), order.end(), 0);
-  std::mt19937_64 rng(a.seed);
-  std::vector<float> images(shard.count * sample);
-  std::vector<std::int32_t> labels(shard.count);
   Progress progress(!a.quiet);
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
@@ -230,7 +233,7 @@ int cmd_train(const TrainArgs& a) {
     const auto load_start = Clock::now();
     const auto caller = trainer.load_checkpoint(a.resume_path);
     const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
-    decode_position(caller, a, train.count, steps_per_epoch, start, rng, order);
+    decode_position(caller, a, train.count, steps_per_epoch, start, batches);
     check_ranks_resumed_together(a, trainer.steps_done());
     last_epoch_loss = start.last_epoch_loss;
     if (!a.quiet) {
@@ -244,7 +247,8 @@ int cmd_train(const TrainArgs& a) {
     // share of the optimizer state (ZeRO stage 1: each writes its file).
     if (!a.primary && !a.sharded_checkpoint) return;
     const auto t0 = Clock::now();
-    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, p, train.count, rng, order, total_steps),
+    trainer.save_checkpoint(a.checkpoint_path,
+                            encode_position(a, p, train.count, batches.engine(), batches.order(), total_steps),
                             {.replace_foreign_file = a.force});
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     checkpoint_seconds += seconds;
@@ -282,7 +286,7 @@ int cmd_train(const TrainArgs& a) {
   for (std::uint32_t epoch = start.epochs_done + 1; epoch <= a.epochs; ++epoch) {
     const bool resumed_mid_epoch = epoch == start.epochs_done + 1 && start.step_in_epoch > 0;
     if (!resumed_mid_epoch && stop_requested(a)) return stop(RunPosition{epoch - 1, 0, 0, last_epoch_loss});
-    if (!resumed_mid_epoch) std::shuffle(order.begin(), order.end(), rng);
+    if (!resumed_mid_epoch) batches.shuffle();
     double loss_sum = resumed_mid_epoch ? start.loss_sum : 0;
     // One step in flight: step s is submitted before step s - 1's result is read, so the host
     // stages and enqueues the next batch while the device runs (Trainer::submit).
@@ -321,15 +325,10 @@ int cmd_train(const TrainArgs& a) {
         if (in_flight) read_result();
         return stop(RunPosition{epoch - 1, s, loss_sum, last_epoch_loss});
       }
-      for (std::uint32_t i = 0; i < shard.count; ++i) {  // this rank's rows of the batch
-        const std::size_t idx = order[s * batch + shard.first + i];
-        std::copy_n(train.images.data() + idx * sample, sample, images.data() + i * sample);
-        labels[i] = train.labels[idx];
-      }
+      const ferry::Batch& rows = batches.batch(s);  // staged by submit: the buffers are free again after it
       const std::size_t global_step = (epoch - 1) * steps_per_epoch + s;
       trainer.set_lr(schedule.at(global_step));
-      const ferry::StepHandle h =
-          trainer.submit(ferry::Batch{{"input", ferry::HostView(images)}, {"labels", ferry::HostView(labels)}});
+      const ferry::StepHandle h = trainer.submit(rows);
       if (in_flight) read_result();
       in_flight = InFlight{h, s, global_step};
     }
