@@ -1,9 +1,10 @@
 // The host_pinned home (streaming) and the host_mapped home (zero-copy): NUMA-bound host memory,
 // pinned (mapped always; host_pinned unless HomeStoreOptions::host_memory makes it pageable, where
-// the driver's pinned buffers take device memory too). Mapped keeps one copy, which kernels use directly. Pinned keeps
-// one copy that a step's write-backs update in place after its commit point (host memory equals the state), or two
-// (HomeStoreOptions::pinned_copies) so that updates written by host-lane nodes, which run before
-// the step is known good, become current only when it succeeds.
+// the driver's pinned buffers take device memory too). Mapped keeps one copy, which kernels use
+// directly. Pinned keeps one copy that a step's write-backs update in place after its commit point
+// (host memory equals the state), or two (HomeStoreOptions::pinned_copies) so that updates written
+// by host-lane nodes, which run before the step is known good, become current only when it
+// succeeds.
 //
 // With two, which copy is current is kept per tensor: a step flips only the tensors it wrote
 // (asked for their next copy), so a step that writes some tensors and not others (a Predict step
