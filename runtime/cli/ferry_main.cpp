@@ -687,8 +687,10 @@ int main(int argc, char** argv) {
   try {
     if (devices->parsed()) return cmd_devices();
     if (train->parsed()) check_flags_apply(*train, t);
-    if (train->parsed()) join_ranks(t);                  // under mpirun: MPI's world
-    if (train->parsed() && t.primary) check_outputs(t);  // before any data is loaded or step run
+    if (train->parsed()) join_ranks(t);  // under mpirun: MPI's world
+    // Before any data is loaded or step run: rank 0's outputs, and under ZeRO stage 1 each rank's
+    // own checkpoint file ("<path>.rank<r>").
+    if (train->parsed() && (t.primary || t.sharded_checkpoint)) check_outputs(t);
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);
     if (tune->parsed()) return cmd_tune(tune_args);

@@ -131,6 +131,16 @@ grep -q -e "one share of a ZeRO stage 1 run over 2 ranks" -e "z1.ckpt.rank2' doe
 grep -q "one share of a ZeRO stage 1 run over 2 ranks" "$work/z1_alone.err" ||
   fail "no message resuming alone: $(tail -3 "$work/z1_alone.err")"
 
+# Rank 1's checkpoint file is checked before any work like rank 0's: a file there that ferry did
+# not write is refused and left as it was.
+printf 'my notes\n' >"$work/notes.ckpt.rank1"
+ranks 2 "$ferry" train "${Z1[@]}" --epochs 1 --checkpoint "$work/notes.ckpt" >/dev/null 2>"$work/z1_foreign.err"
+[ $? -ne 0 ] || fail "a foreign file as rank 1's checkpoint was accepted"
+grep -q "notes.ckpt.rank1: the file exists and is not a checkpoint ferry wrote" "$work/z1_foreign.err" ||
+  fail "no message for rank 1's foreign checkpoint file: $(tail -3 "$work/z1_foreign.err")"
+[ "$(cat "$work/notes.ckpt.rank1")" = "my notes" ] || fail "rank 1's foreign checkpoint file was changed"
+[ ! -e "$work/notes.ckpt" ] || fail "rank 0 wrote a checkpoint although rank 1's path was refused"
+
 # Rank 1 fails after set-up (a checkpoint that does not exist): it names itself and ends rank 0,
 # which would otherwise wait for it in the first step's reduction.
 start=$(date +%s)
