@@ -68,6 +68,7 @@ same_run mlp_accumulate 2 "${MLP[@]}" --accumulate 2
 same_run mlp_stream 2 "${MLP[@]}" --residency stream --host-optimizer --optimizer adamw
 same_run mlp_zero1 2 "${MLP[@]}" --zero 1
 same_run mlp_zero1_stream 3 "${MLP[@]}" --zero 1 --residency stream --host-optimizer --optimizer adamw
+same_run mlp_zero1_compressed 2 "${MLP[@]}" --zero 1 --state-home compressed  # each rank's share in zstd chunks
 GPT=(--model gpt --width 64 --depth 2 --heads 2 --context 32 --batch 6 --steps 4 --eval-every 2)
 LOSSES=(train_loss val_loss)
 same_run gpt3 3 "${GPT[@]}"
