@@ -9,6 +9,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
@@ -17,6 +19,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "ferry/cl/device.hpp"
 
 namespace ferry::cl {
 namespace {
@@ -58,10 +62,22 @@ std::optional<fs::path> pocl_default_folder() {
   return std::nullopt;
 }
 
+// Whether PoCL is among the drivers the ICD loader will load (a note about its folder would be
+// noise on a machine without it).
+bool pocl_registered() {
+  for (const IcdRegistration& r : registered_icds()) {
+    std::string lib = r.library + " " + r.source;
+    std::transform(lib.begin(), lib.end(), lib.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (lib.find("pocl") != std::string::npos) return true;
+  }
+  return false;
+}
+
 void prepare() {
   if (env("POCL_CACHE_DIR")) return;  // the user's choice
   const std::optional<fs::path> usual = pocl_default_folder();
   if (usual && could_hold(*usual)) return;
+  if (!pocl_registered()) return;
   std::error_code ec;
   std::vector<fs::path> candidates;
   if (auto f = env("FERRY_CACHE_DIR")) candidates.push_back(fs::path(*f) / "pocl");
