@@ -30,12 +30,12 @@ void refuse_to_replace(const std::filesystem::path& path, std::string_view what,
                                          what, path.string(),
                                          fs::is_directory(st) ? "a folder" : "a device, pipe or socket"));
   }
-  if (replace_foreign_file) return;
+  if (replace_foreign_file || fs::file_size(path, ec) == 0) return;  // an empty file: a name made for it
   std::ifstream in(path, std::ios::binary);
   std::string head(signature.size(), '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));
   head.resize(static_cast<std::size_t>(in.gcount()));
-  if (head.empty() || head == signature) return;
+  if (head == signature) return;  // (an unreadable file reads as nothing, and is refused)
   throw std::runtime_error(fmt::format(
       "cannot write the {} to '{}': the file exists and is not a {} ferry wrote, so it is left as it is: give "
       "another path, or replace it on purpose (WriteOptions::replace_foreign_file; ferry train --force)",
