@@ -7,7 +7,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -107,10 +106,7 @@ HostMemory parse_host_memory(std::string_view s) {
 }
 
 bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory) {
-  if (host_unified_memory) return false;
-  std::string vendor = device.platform_vendor + " " + device.platform_name;
-  std::transform(vendor.begin(), vendor.end(), vendor.begin(), [](unsigned char c) { return std::tolower(c); });
-  return vendor.find("nvidia") != std::string::npos;
+  return !host_unified_memory && cl::matches_selector(device, "nvidia");  // the selector's alias
 }
 
 HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device) {
