@@ -131,15 +131,16 @@ int run_attention(const BenchCommon& common, const AttentionBenchOptions& o) {
       const auto qq = b.make(n, "q"), kk = b.make(n, "k"), vv = b.make(n, "v"), out = b.make(n, "o"),
                  dout = b.make(n, "do"), dq = b.make(n, "dq"), dk = b.make(n, "dk"), dv = b.make(n, "dv");
       const auto p = b.make(bh * t * t, "probabilities"), dp = b.make(bh * t * t, "probability gradients");
-      const ops::MatmulShape scores{bh, t, t, o.head_dim, false, true}, values{bh, t, o.head_dim, t, false, false};
+      const ops::GemmShape scores{.M = t, .N = t, .K = o.head_dim, .trans_b = true, .batch = bh},
+          values{.M = t, .N = o.head_dim, .K = t, .batch = bh};
       const std::size_t scratch_elems =
-          std::max({ops::matmul_scratch_elems(env, scores), ops::matmul_scratch_elems(env, values),
+          std::max({ops::gemm_scratch_elems(env, scores), ops::gemm_scratch_elems(env, values),
                     ops::matmul_grad_a_scratch_elems(env, values), ops::matmul_grad_b_scratch_elems(env, values),
                     ops::matmul_grad_a_scratch_elems(env, scores), ops::matmul_grad_b_scratch_elems(env, scores)});
       const auto scratch = b.make(scratch_elems, "matmul scratch");
-      ops::LaunchList fwd = ops::matmul(env, scores, scale, qq, kk, p, scratch);
+      ops::LaunchList fwd = ops::gemm(env, scores, scale, qq, kk, 0.0f, p, scratch);
       for (auto& l : ops::softmax_forward(env, p, p, bh * t, t, true)) fwd.push_back(std::move(l));
-      for (auto& l : ops::matmul(env, values, 1.0f, p, vv, out, scratch)) fwd.push_back(std::move(l));
+      for (auto& l : ops::gemm(env, values, 1.0f, p, vv, 0.0f, out, scratch)) fwd.push_back(std::move(l));
       ops::LaunchList bwd = ops::matmul_grad_a(env, values, 1.0f, dout, vv, dp, scratch);
       for (auto& l : ops::matmul_grad_b(env, values, 1.0f, p, dout, dv, scratch)) bwd.push_back(std::move(l));
       for (auto& l : ops::softmax_backward(env, p, dp, dp, bh * t, t)) bwd.push_back(std::move(l));

@@ -1,5 +1,6 @@
 // GEMM binding: picks the backend and ferry's kernel from the per-device tuning data and binds
-// the launches (B packing + register-blocked kernel on CPUs, local-memory tiles on GPUs, or CLBlast).
+// the launches (B packing + register-blocked kernel on CPUs, local-memory tiles on GPUs, or CLBlast),
+// for one product or a strided batch of them (GemmShape::batch) alike.
 #include "ferry/ops/gemm.hpp"
 
 #include <fmt/format.h>
@@ -93,7 +94,9 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
 // a training step's batch-sized products. Kernels asked for by name run as given.
 GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t compute_units, bool from_tuning_data) {
   if (c.kernel != GemmKernel::tiled || !from_tuning_data) return c;
-  auto tiles = [&](std::size_t tsm, std::size_t tsn) { return ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn); };
+  auto tiles = [&](std::size_t tsm, std::size_t tsn) {
+    return s.batch * ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn);
+  };
   for (;;) {
     const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
     const int vw = c.param("VW");
@@ -132,7 +135,7 @@ constexpr std::size_t max_splits = 16;
 // rows); 0 means K runs unsplit. The rows double from min_split_rows until both limits hold.
 std::size_t split_rows(const GemmShape& s) {
   if (s.K < 4 * min_split_rows || s.K < 4 * std::max(s.M, s.N)) return 0;
-  const std::size_t block = s.M * s.N * sizeof(float);
+  const std::size_t block = s.batch * s.M * s.N * sizeof(float);  // one split of every product
   std::size_t rows = min_split_rows;
   auto splits = [&] { return (s.K + rows - 1) / rows; };
   while ((splits() > max_splits || splits() * block > max_split_bytes) && rows < s.K) rows *= 2;
@@ -144,22 +147,31 @@ std::size_t k_splits(const GemmShape& s) {
   return rows == 0 ? 1 : (s.K + rows - 1) / rows;
 }
 
+// The packed panels of every product's B.
 std::size_t packed_panel_elems(const GemmShape& s, const GemmKernelConfig& c) {
   const std::size_t nb = panel_width(c);
-  return (s.N + nb - 1) / nb * nb * s.K;
+  return s.batch * ((s.N + nb - 1) / nb * nb) * s.K;
 }
 
-// A split product over a row-major B whose columns fill whole panels reads B in place: its panel
-// rows are already contiguous, and packing a long B (the output gradient of a weight gradient) cost
-// a copy of all of it per product.
+// A batch's B that is not transposed and at most this many floats per product is read in place:
+// its rows stay in cache while a panel walks down them (attention's products, whose B is a head's
+// keys or values). A single product's small B is packed, as it was before batches were folded in;
+// reading it in place there is not measured.
+constexpr std::size_t direct_batched_b_max_elems = 64 * 1024;
+
+// B read in place instead of packed: a split product over a row-major B whose columns fill whole
+// panels (its panel rows are already contiguous, and packing a long B, the output gradient of a
+// weight gradient, cost a copy of all of it per product), or a small B of a batch (above).
 bool direct_b(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
-  return s.b == DType::f32 && !s.trans_b && o.b_planes == 0 && s.N % panel_width(c) == 0 && k_splits(s) > 1;
+  if (s.b != DType::f32 || s.trans_b || o.b_planes != 0) return false;
+  if (s.N % panel_width(c) == 0 && k_splits(s) > 1) return true;
+  return s.batch > 1 && s.K * s.N <= direct_batched_b_max_elems;
 }
 
 // Packed B (unless read in place), then the splits' partial products when K is split.
 std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
   const std::size_t splits = k_splits(s);
-  return (direct_b(s, c, o) ? 0 : packed_panel_elems(s, c)) + (splits > 1 ? splits * s.M * s.N : 0);
+  return (direct_b(s, c, o) ? 0 : packed_panel_elems(s, c)) + (splits > 1 ? s.batch * splits * s.M * s.N : 0);
 }
 
 std::string transpose_defines(const GemmShape& s) {
@@ -176,6 +188,14 @@ std::string dtype_defines(DType a, DType b, DType c) {
                        int(t == DType::f32));
   };
   return fmt::format("{} {} {}", one('A', a), one('B', b), one('C', c));
+}
+
+// The NCHW views and the gathered A describe one product's operands.
+void check_batch(const GemmShape& s, const GemmOptions& o) {
+  if (s.batch != 1 && (o.b_planes || o.c_planes || o.a_gather_rows.buffer || o.a_gather_cols.buffer)) {
+    throw std::invalid_argument(fmt::format(
+        "gemm {} x {}x{}x{}: NCHW planes and a gathered A take one product (batch 1)", s.batch, s.M, s.N, s.K));
+  }
 }
 
 void check_dtypes(const GemmShape& s) {
@@ -200,9 +220,9 @@ StagedLayout staged_layout(const GemmShape& s) {
     if (needed) at += elems;
     return here;
   };
-  l.a = take(s.a != DType::f32, s.M * s.K);
-  l.b = take(s.b != DType::f32, s.K * s.N);
-  l.c = take(s.c != DType::f32, s.M * s.N);
+  l.a = take(s.a != DType::f32, s.batch * s.M * s.K);
+  l.b = take(s.b != DType::f32, s.batch * s.K * s.N);
+  l.c = take(s.c != DType::f32, s.batch * s.M * s.N);
   l.total = at;
   return l;
 }
@@ -226,8 +246,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
                     s.M, s.N, s.K, options.a_gather_run, options.a_gather_step));
   }
   const std::string base =
-      fmt::format("{} {} -DDIRECT_B={} -DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={}", cfg.defines(),
-                  transpose_defines(s), int(direct), options.b_planes, int(gather), runs ? options.a_gather_step : 0);
+      fmt::format("{} {} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={}",
+                  cfg.defines(), transpose_defines(s), int(direct), int(direct && s.N % nb != 0), options.b_planes,
+                  int(gather), runs ? options.a_gather_step : 0);
   const cl_mem rows = gather ? options.a_gather_rows.buffer : a.buffer,
                cols = gather ? options.a_gather_cols.buffer : a.buffer;
   const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
@@ -241,7 +262,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
                       c_off = c.elem_offset(dtype_bytes(s.c));
   const std::uint64_t panels_elems = direct ? 0 : packed_panel_elems(s, cfg);
   LaunchList list;
-  if (s.K > 0 && scratch.buffer == nullptr) {
+  if (s.K > 0 && scratch.buffer == nullptr && packed_elems(s, cfg, options) > 0) {
     throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch, got none", s.M, s.N, s.K,
                                             cfg.text(), packed_elems(s, cfg, options)));
   }
@@ -251,10 +272,10 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b_off, scratch.buffer, scratch.elem_offset());
     KernelLaunch l;
     l.kernel = std::move(pack);
-    l.dims = 2;
+    l.dims = s.batch > 1 ? 3 : 2;
     // pack_rows k rows per work-item; transposed or NCHW B also splits the padded columns into
-    // blocks of 16, one per work-item.
-    l.global = {(s.K + pack_rows - 1) / pack_rows, s.trans_b || options.b_planes ? panels * nb / 16 : 1, 1};
+    // blocks of 16, one per work-item; the products of a batch on dimension 2.
+    l.global = {(s.K + pack_rows - 1) / pack_rows, s.trans_b || options.b_planes ? panels * nb / 16 : 1, s.batch};
     l.local = {1, 1, 1};
     list.push_back(std::move(l));
   }
@@ -269,33 +290,29 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   if (splits == 1) {
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
                  c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
-                 cl_uint(s.K), rows, rows_off, cols, cols_off);
+                 cl_uint(s.K), cl_uint(1), rows, rows_off, cols, cols_off);
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     const std::uint64_t parts = scratch.elem_offset() + panels_elems;
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
-                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s)), rows,
-                 rows_off, cols, cols_off);
+                 scratch.buffer, parts, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s)),
+                 cl_uint(splits), rows, rows_off, cols, cols_off);
   }
   KernelLaunch l;
   l.kernel = std::move(k);
-  l.dims = splits == 1 ? 2 : 3;
-  l.global = {(s.M + rb - 1) / rb, panels, splits};  // row blocks on dimension 0: neighbours share a B panel
+  l.dims = s.batch * splits == 1 ? 2 : 3;
+  // Row blocks on dimension 0: neighbours share a B panel. Products times splits on dimension 2.
+  l.global = {(s.M + rb - 1) / rb, panels, s.batch * splits};
   l.local = {1, 1, 1};
   list.push_back(std::move(l));
   if (splits > 1) {
     cl::Kernel sum = env.kernels.kernel("gemm_packed", "gemm_sum_splits", sum_defines);
-    cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), scratch.buffer,
+    cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), cl_uint(s.batch), scratch.buffer,
                  scratch.elem_offset() + panels_elems, alpha, beta, c.buffer, c_off,
                  has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias);
-    list.push_back(elementwise_launch(std::move(sum), s.M * s.N));
+    list.push_back(elementwise_launch(std::move(sum), s.batch * s.M * s.N));
   }
   return list;
-}
-
-LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
-                      DeviceSpan b, float beta, DeviceSpan c, const GemmOptions& options) {
-  return bind_tiled_batched(env, s, 1, {}, cfg, alpha, a, b, beta, c, options.bias);
 }
 
 LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, DeviceSpan b, float beta, DeviceSpan c,
@@ -307,8 +324,8 @@ LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a,
                options.bias.elem_offset(), has_bias);
   KernelLaunch l;
   l.kernel = std::move(k);
-  l.dims = 2;
-  l.global = {round_up(s.N, 8), round_up(s.M, 8), 1};
+  l.dims = s.batch > 1 ? 3 : 2;
+  l.global = {round_up(s.N, 8), round_up(s.M, 8), s.batch};
   l.local = {8, 8, 1};
   LaunchList list;
   list.push_back(std::move(l));
@@ -329,6 +346,8 @@ bool native_dtypes(const GemmPlan& p) {
 
 std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions& options) {
   check_dtypes(s);
+  check_batch(s, options);
+  if (s.batch == 0) return 0;
   const GemmPlan p = plan(env, options);
   if (packed_features(p)) return packed_elems(s, fit_packed(s, p.config, options), options);
   if (native_dtypes(p)) return 0;
@@ -350,7 +369,8 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
                 DeviceSpan scratch, const GemmOptions& options) {
   cl::OpScope scope("gemm");
   check_dtypes(s);
-  if (s.M == 0 || s.N == 0) return {};
+  check_batch(s, options);
+  if (s.batch == 0 || s.M == 0 || s.N == 0) return {};
   const GemmPlan p = plan(env, options);
   if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer || options.relu) && !packed_features(p)) {
     throw std::invalid_argument(
@@ -373,11 +393,11 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     };
     const DeviceSpan a32 = s.a == DType::f32 ? a : at(l.a), b32 = s.b == DType::f32 ? b : at(l.b),
                      c32 = s.c == DType::f32 ? c : at(l.c);
-    if (s.a != DType::f32) add(cast(env, s.a, DType::f32, a, a32, s.M * s.K));
-    if (s.b != DType::f32) add(cast(env, s.b, DType::f32, b, b32, s.K * s.N));
-    if (s.c != DType::f32 && beta != 0.0f) add(cast(env, s.c, DType::f32, c, c32, s.M * s.N));
+    if (s.a != DType::f32) add(cast(env, s.a, DType::f32, a, a32, s.batch * s.M * s.K));
+    if (s.b != DType::f32) add(cast(env, s.b, DType::f32, b, b32, s.batch * s.K * s.N));
+    if (s.c != DType::f32 && beta != 0.0f) add(cast(env, s.c, DType::f32, c, c32, s.batch * s.M * s.N));
     add(gemm(env, f, alpha, a32, b32, beta, c32, {}, options));
-    if (s.c != DType::f32) add(cast(env, DType::f32, s.c, c32, c, s.M * s.N));
+    if (s.c != DType::f32) add(cast(env, DType::f32, s.c, c32, c, s.batch * s.M * s.N));
     return list;
   }
   // CLBlast rejects K = 0 (C = beta * C + bias): ferry's kernel handles that edge.
@@ -387,7 +407,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     case GemmKernel::packed:
       return bind_packed(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
-      return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, options);
+      return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, options.bias);
     case GemmKernel::naive:
       return bind_naive(env, s, alpha, a, b, beta, c, options);
   }

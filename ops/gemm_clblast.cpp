@@ -41,24 +41,34 @@ LaunchList bind_clblast_gemm(OpEnv& env, const GemmShape& s, float alpha, Device
     }
     cl::Event ev;
     cl_command_queue q = queue;
-    const clblast::StatusCode status = clblast::Gemm<float>(
-        clblast::Layout::kRowMajor, s.trans_a ? clblast::Transpose::kYes : clblast::Transpose::kNo,
-        s.trans_b ? clblast::Transpose::kYes : clblast::Transpose::kNo, s.M, s.N, s.K, alpha, a.buffer, a.elem_offset(),
-        lda, b.buffer, b.elem_offset(), ldb, beta, c.buffer, c.elem_offset(), ldc, &q, ev.out());
+    const auto ta = s.trans_a ? clblast::Transpose::kYes : clblast::Transpose::kNo;
+    const auto tb = s.trans_b ? clblast::Transpose::kYes : clblast::Transpose::kNo;
+    // A strided batch: product z's operands z matrices past their offsets.
+    const clblast::StatusCode status =
+        s.batch == 1 ? clblast::Gemm<float>(clblast::Layout::kRowMajor, ta, tb, s.M, s.N, s.K, alpha, a.buffer,
+                                            a.elem_offset(), lda, b.buffer, b.elem_offset(), ldb, beta, c.buffer,
+                                            c.elem_offset(), ldc, &q, ev.out())
+                     : clblast::GemmStridedBatched<float>(clblast::Layout::kRowMajor, ta, tb, s.M, s.N, s.K, alpha,
+                                                          a.buffer, a.elem_offset(), lda, s.M * s.K, b.buffer,
+                                                          b.elem_offset(), ldb, s.K * s.N, beta, c.buffer,
+                                                          c.elem_offset(), ldc, s.M * s.N, s.batch, &q, ev.out());
     if (status != clblast::StatusCode::kSuccess) {
-      throw std::runtime_error(
-          fmt::format("clblast::Gemm {}x{}x{} failed with status {}", s.M, s.N, s.K, static_cast<int>(status)));
+      throw std::runtime_error(fmt::format("clblast::Gemm{} {} x {}x{}x{} failed with status {}",
+                                           s.batch == 1 ? "" : "StridedBatched", s.batch, s.M, s.N, s.K,
+                                           static_cast<int>(status)));
     }
     return ev;
   };
   list.push_back(std::move(l));
   if (bias.buffer != nullptr) {
     cl::Kernel k = env.kernels.kernel("gemm_bias", "gemm_add_bias");
-    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), c.buffer, c.elem_offset(), bias.buffer, bias.elem_offset());
+    // The batch's C matrices follow each other: one matrix of batch M rows.
+    const std::size_t rows = s.batch * s.M;
+    cl::set_args(k.get(), cl_uint(rows), cl_uint(s.N), c.buffer, c.elem_offset(), bias.buffer, bias.elem_offset());
     KernelLaunch add;
     add.kernel = std::move(k);
     add.dims = 2;
-    add.global = {round_up(s.N, 16), round_up(s.M, 4), 1};
+    add.global = {round_up(s.N, 16), round_up(rows, 4), 1};
     add.local = {16, 4, 1};
     list.push_back(std::move(add));
   }

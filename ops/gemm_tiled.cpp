@@ -20,9 +20,8 @@ std::size_t tiled_local_bytes(const GemmKernelConfig& c) {
   return 2 * tsk * (c.param("TSM") + 4 + c.param("TSN") + 4) * sizeof(float);
 }
 
-LaunchList bind_tiled_batched(OpEnv& env, const GemmShape& s, std::size_t batch, GemmBatchStrides strides,
-                              const GemmKernelConfig& cfg, float alpha, DeviceSpan a, DeviceSpan b, float beta,
-                              DeviceSpan c, DeviceSpan bias) {
+LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
+                      DeviceSpan b, float beta, DeviceSpan c, DeviceSpan bias) {
   const std::size_t tsm = cfg.param("TSM"), tsn = cfg.param("TSN");
   const std::size_t rtsm = tsm / cfg.param("WPTM"), rtsn = tsn / cfg.param("WPTN");
   const cl::DeviceInfo& device = env.device();
@@ -41,12 +40,12 @@ LaunchList bind_tiled_batched(OpEnv& env, const GemmShape& s, std::size_t batch,
   const cl_uint has_bias = bias.buffer != nullptr;
   cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(dtype_bytes(s.a)),
                b.buffer, b.elem_offset(dtype_bytes(s.b)), beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
-               has_bias ? bias.buffer : c.buffer, bias.elem_offset(), has_bias, cl_ulong(strides.a),
-               cl_ulong(strides.b), cl_ulong(strides.c));
+               has_bias ? bias.buffer : c.buffer, bias.elem_offset(), has_bias, cl_ulong(s.M * s.K),
+               cl_ulong(s.K * s.N), cl_ulong(s.M * s.N));
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 3;
-  l.global = {(s.N + tsn - 1) / tsn * rtsn, (s.M + tsm - 1) / tsm * rtsm, batch};
+  l.global = {(s.N + tsn - 1) / tsn * rtsn, (s.M + tsm - 1) / tsm * rtsm, s.batch};
   l.local = {rtsn, rtsm, 1};
   LaunchList list;
   list.push_back(std::move(l));

@@ -45,7 +45,7 @@ std::vector<GemmTuningRow> parse_gemm_tuning(std::string_view text, const std::s
 
 // Parses "kernel KEY=VALUE ..."; `where` prefixes error messages.
 GemmKernelConfig parse_gemm_kernel_config(std::string_view kernel, std::string_view params, const std::string& where);
-// Parses one spec string "kernel KEY=VALUE ..." (GemmOptions::kernel, MatmulOptions::kernel).
+// Parses one spec string "kernel KEY=VALUE ..." (GemmOptions::kernel).
 GemmKernelConfig parse_gemm_kernel_spec(std::string_view spec, const std::string& where);
 
 // The row gemm() follows on env's device, chosen once per process and device:

@@ -51,6 +51,7 @@ Registry& registry() {
     });
     const table::AddNamedRow named = [reg](OpInfo row) { return reg->push(std::move(row)); };
     table::register_matmul_rows(named);
+    table::register_softmax_rows(named);
     table::register_layout_rows(named);
     table::register_sequence_rows(named);
     table::register_add_bias_rows(named);

@@ -13,7 +13,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/ops/attention.hpp"
 #include "ferry/ops/cast.hpp"
-#include "ferry/ops/matmul.hpp"
+#include "ferry/ops/gemm.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ferry/ops/softmax.hpp"
 #include "test_support.hpp"
@@ -106,14 +106,14 @@ TEST(AttentionReference, EqualsTheUnfusedOps) {
     };
     const auto q = split(in.q), k = split(in.k), v = split(in.v);
     std::vector<double> scores(BH * T * T), probs(BH * T * T), dropped(BH * T * T), o(BH * T * D);
-    ops::ref::matmul<double>({BH, T, T, D, false, true}, default_scale(s), q, k, scores);
+    ops::ref::gemm<double>({.M = T, .N = T, .K = D, .trans_b = true, .batch = BH}, default_scale(s), q, k, 0.0, scores);
     ops::ref::softmax_forward<double>(scores, probs, BH * T, T, true);
     if (p > 0.0f) {
       ops::ref::dropout_forward<double>(probs, dropped, p, dr.seed, step);
     } else {
       dropped = probs;
     }
-    ops::ref::matmul<double>({BH, T, D, T, false, false}, 1.0, dropped, v, o);
+    ops::ref::gemm<double>({.M = T, .N = D, .K = T, .batch = BH}, 1.0, dropped, v, 0.0, o);
     for (std::size_t b = 0; b < s.batch; ++b)
       for (std::size_t t = 0; t < T; ++t)
         for (std::size_t h = 0; h < s.heads; ++h)

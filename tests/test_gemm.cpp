@@ -220,6 +220,66 @@ TEST(GemmDtypes, NarrowOperandsMatchReference) {
   }
 }
 
+// A strided batch (GemmShape::batch, the batched matmul's product) through everything else the
+// GEMM does, every kernel family: beta and a bias on every product, narrow storage, transposes, a
+// long K split (each product's partial products summed on their own) and a small B read in place.
+// Nothing past the last product is written.
+TEST(GemmBatch, EveryProductMatchesReference) {
+  auto& dev = TestDevice::get();
+  struct BatchCase {
+    std::size_t batch, M, N, K;
+    bool trans_a, trans_b;
+    DType a, b, c;
+  };
+  const BatchCase cases[] = {
+      {3, 7, 13, 5, false, false, DType::f32, DType::f32, DType::f32},      // B in place, last panel partial
+      {3, 17, 40, 23, true, true, DType::f32, DType::f32, DType::f32},      // B packed
+      {2, 6, 20, 2100, true, false, DType::f32, DType::f32, DType::f32},    // K split in five
+      {3, 9, 33, 11, false, true, DType::f16, DType::bf16, DType::f16},     // narrow storage
+      {2, 5, 64, 2100, false, false, DType::bf16, DType::f32, DType::f32},  // narrow A, split, B in place
+  };
+  for (const char* kernel : {kPacked, "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1", "naive"}) {
+    for (const BatchCase& x : cases) {
+      const ops::GemmShape s{x.M, x.N, x.K, x.trans_a, x.trans_b, x.a, x.b, x.c, x.batch};
+      if (too_large_for_this_run(s.batch * s.M * s.N * s.K)) continue;
+      const std::string what =
+          fmt::format("{}: batch {} of {}x{}x{} {}{} {}*{}->{}", kernel, s.batch, s.M, s.N, s.K, s.trans_a ? "T" : "N",
+                      s.trans_b ? "T" : "N", ops::dtype_name(s.a), ops::dtype_name(s.b), ops::dtype_name(s.c));
+      std::vector<float> a, b, c0;
+      DeviceBytes da = operand(s.a, random_vector(s.batch * s.M * s.K, 41), a, 3);
+      DeviceBytes db = operand(s.b, random_vector(s.batch * s.K * s.N, 42), b, 5);
+      DeviceBytes dc = operand(s.c, random_vector(s.batch * s.M * s.N, 43), c0, 9);
+      const auto bias = random_vector(s.N, 44);
+      DeviceTensor dbias(bias, 2);
+      ops::GemmOptions options;
+      options.kernel = kernel;
+      options.bias = dbias.span();
+      const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
+      DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 4);
+      ops::run_blocking(dev.context.compute(), ops::gemm(dev.env, s, 0.75f, da.span(), db.span(), 0.5f, dc.span(),
+                                                         scratch_elems ? scratch.span() : ops::DeviceSpan{}, options));
+      const auto want = reference(s, 0.75f, a, b, 0.5f, c0, bias);
+      expect_near(result(s.c, dc), want, 2e-6f * static_cast<float>(s.K) + 1e-5f, half_ulp(s.c) + 1e-4f, what.c_str());
+      for (unsigned char byte : dc.tail()) ASSERT_EQ(byte, 0xA5) << what << ": written past C";
+    }
+  }
+}
+
+TEST(GemmBatch, OneProductViewsAreRefusedForABatch) {
+  auto& dev = TestDevice::get();
+  ops::GemmShape s{4, 4, 4};
+  s.batch = 2;
+  ops::GemmOptions options;
+  options.kernel = kPacked;
+  options.b_planes = 2;
+  try {
+    (void)ops::gemm_scratch_elems(dev.env, s, options);
+    FAIL() << "a batch with NCHW planes was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("batch 1"), std::string::npos) << e.what();
+  }
+}
+
 TEST(GemmDtypes, NonFloatOperandIsRejected) {
   auto& dev = TestDevice::get();
   const ops::GemmShape s{4, 4, 4, false, false, DType::i8, DType::f32, DType::f32};

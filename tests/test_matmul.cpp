@@ -1,11 +1,13 @@
-// Batched matmul of two activations: every kernel (packed, tiled, naive and the device's choice)
-// against the CPU reference over ranks 2-4, all four transposes and shapes that are not multiples
-// of any tile, the backward products on the device and the reference's gradients against finite
+// Batched matmul of two activations, which is ops::gemm strided-batched: every kernel (packed,
+// tiled, naive and the device's choice) against the CPU reference over ranks 2-4, all four transposes and shapes that
+// are not multiples of any tile, the backward products on the device and the reference's gradients against finite
 // differences, the op table rows (shape rule errors, a model with attention-style matmuls and
 // softmax trained on the device against the reference executor, gradients through the graph by
-// finite differences), determinism, and a benchmark beside ops::gemm (disabled by default:
+// finite differences), determinism, batches with beta, a bias and narrow storage, and a benchmark
+// of the batch beside one gemm per product (disabled by default:
 // --gtest_also_run_disabled_tests --gtest_filter='*Bench*').
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <string>
@@ -33,25 +35,34 @@ const char* const kernels[] = {"",
                                "tiled TSM=16 TSN=8 TSK=4 WPTM=4 WPTN=1",
                                "naive"};
 
-std::vector<float> run_matmul(const ops::MatmulShape& s, float alpha, const std::vector<float>& a,
-                              const std::vector<float>& b, const ops::MatmulOptions& opt) {
+ops::GemmShape batched(std::size_t batch, std::size_t M, std::size_t N, std::size_t K, bool ta, bool tb) {
+  return {.M = M, .N = N, .K = K, .trans_a = ta, .trans_b = tb, .batch = batch};
+}
+
+ops::GemmOptions with_kernel(const char* kernel) {
+  return {.kernel = kernel};
+}
+
+// c = alpha op(a) op(b) on the device, beta 0 (c starts as NaN: it must not be read).
+std::vector<float> run_matmul(const ops::GemmShape& s, float alpha, const std::vector<float>& a,
+                              const std::vector<float>& b, const ops::GemmOptions& opt) {
   auto& dev = TestDevice::get();
-  DeviceTensor da(a, 3), db(b, 5), dc(s.batch * s.M * s.N, 9);
-  const std::size_t scratch_elems = ops::matmul_scratch_elems(dev.env, s, opt);
+  DeviceTensor da(a, 3), db(b, 5), dc(std::vector<float>(s.batch * s.M * s.N, std::nanf("")), 9);
+  const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, opt);
   DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 11);
-  ops::run_blocking(dev.context.compute(), ops::matmul(dev.env, s, alpha, da.span(), db.span(), dc.span(),
-                                                       scratch_elems ? scratch.span() : ops::DeviceSpan{}, opt));
+  ops::run_blocking(dev.context.compute(), ops::gemm(dev.env, s, alpha, da.span(), db.span(), 0.0f, dc.span(),
+                                                     scratch_elems ? scratch.span() : ops::DeviceSpan{}, opt));
   return dc.download();
 }
 
-std::vector<float> reference(const ops::MatmulShape& s, float alpha, const std::vector<float>& a,
+std::vector<float> reference(const ops::GemmShape& s, float alpha, const std::vector<float>& a,
                              const std::vector<float>& b) {
   std::vector<double> c(s.batch * s.M * s.N);
-  ops::ref::matmul<double>(s, alpha, to_double(a), to_double(b), c);
+  ops::ref::gemm<double>(s, alpha, to_double(a), to_double(b), 0.0, c);
   return to_float(c);
 }
 
-float tolerance(const ops::MatmulShape& s) {
+float tolerance(const ops::GemmShape& s) {
   return 1e-5f * float(s.K + 1);
 }
 
@@ -70,10 +81,10 @@ TEST_P(MatmulTest, MatchesReference) {
   const auto [c, kernel] = GetParam();
   const auto [batch, M, N, K, ta, tb] = c;
   if (too_large_for_this_run(matmul_work(c, kernel))) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
-  const ops::MatmulShape s{batch, M, N, K, ta, tb};
+  const ops::GemmShape s = batched(batch, M, N, K, ta, tb);
   const auto a = random_vector(batch * M * K, 1), b = random_vector(batch * K * N, 2);
-  const ops::MatmulOptions opt{kernel};
-  SCOPED_TRACE(ops::matmul_kernel_description(TestDevice::get().env, s, opt));
+  const ops::GemmOptions opt = with_kernel(kernel);
+  SCOPED_TRACE(ops::gemm_kernel_description(TestDevice::get().env, s, opt));
   expect_near(run_matmul(s, 0.75f, a, b, opt), reference(s, 0.75f, a, b), tolerance(s), 1e-5f, "c");
 }
 
@@ -81,9 +92,9 @@ TEST_P(MatmulTest, BackwardProductsMatchReference) {
   const auto [c, kernel] = GetParam();
   const auto [batch, M, N, K, ta, tb] = c;
   if (too_large_for_this_run(matmul_work(c, kernel))) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
-  const ops::MatmulShape f{batch, M, N, K, ta, tb};
+  const ops::GemmShape f = batched(batch, M, N, K, ta, tb);
   auto& dev = TestDevice::get();
-  const ops::MatmulOptions opt{kernel};
+  const ops::GemmOptions opt = with_kernel(kernel);
   const auto a = random_vector(batch * M * K, 3), b = random_vector(batch * K * N, 4),
              dy = random_vector(batch * M * N, 5);
   DeviceTensor ta_(a, 1), tb_(b, 2), tdy(dy, 3), tda(a.size(), 4), tdb(b.size(), 5);
@@ -127,21 +138,21 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest,
                          ::testing::Combine(::testing::ValuesIn(cases), ::testing::ValuesIn(kernels)));
 
 TEST(Matmul, InnerDimZeroWritesZeros) {
-  const ops::MatmulShape s{2, 3, 5, 0, false, false};
+  const ops::GemmShape s = batched(2, 3, 5, 0, false, false);
   for (const char* kernel : kernels) {
     SCOPED_TRACE(kernel);
-    const auto c = run_matmul(s, 1.0f, {}, {}, {kernel});
+    const auto c = run_matmul(s, 1.0f, {}, {}, with_kernel(kernel));
     expect_near(c, std::vector<float>(c.size(), 0.0f), 0.0f, 0.0f, "c");
   }
 }
 
 TEST(Matmul, IsDeterministic) {
-  const ops::MatmulShape s = small_shapes_only() ? ops::MatmulShape{2, 20, 18, 70, false, true}
-                                                 : ops::MatmulShape{6, 40, 36, 300, false, true};
+  const ops::GemmShape s =
+      small_shapes_only() ? batched(2, 20, 18, 70, false, true) : batched(6, 40, 36, 300, false, true);
   const auto a = random_vector(s.batch * s.M * s.K, 8), b = random_vector(s.batch * s.K * s.N, 9);
   for (const char* kernel : kernels) {
     SCOPED_TRACE(kernel);
-    const auto x = run_matmul(s, 1.0f, a, b, {kernel}), y = run_matmul(s, 1.0f, a, b, {kernel});
+    const auto x = run_matmul(s, 1.0f, a, b, with_kernel(kernel)), y = run_matmul(s, 1.0f, a, b, with_kernel(kernel));
     EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0);
   }
 }
@@ -150,7 +161,7 @@ TEST(Matmul, ShapeRuleAndErrors) {
   using ops::Shape;
   const Shape out = ops::matmul_output_shape(Shape{2, 3, 4, 5}, Shape{2, 3, 6, 5}, false, true);
   EXPECT_EQ(out, (Shape{2, 3, 4, 6}));
-  const ops::MatmulShape s = ops::matmul_shape(Shape{2, 3, 5, 4}, Shape{2, 3, 5, 6}, true, false);
+  const ops::GemmShape s = ops::matmul_shape(Shape{2, 3, 5, 4}, Shape{2, 3, 5, 6}, true, false);
   EXPECT_EQ(s.batch, 6u);
   EXPECT_EQ(s.M, 4u);
   EXPECT_EQ(s.N, 6u);
@@ -172,7 +183,7 @@ TEST(Matmul, ShapeRuleAndErrors) {
 // every transpose (the device products are checked against these references above).
 TEST(Matmul, ReferenceBackwardMatchesFiniteDifferences) {
   for (int t = 0; t < 4; ++t) {
-    const ops::MatmulShape f{2, 3, 4, 5, (t & 1) != 0, (t & 2) != 0};
+    const ops::GemmShape f = batched(2, 3, 4, 5, (t & 1) != 0, (t & 2) != 0);
     SCOPED_TRACE(testing::Message() << "trans_a " << f.trans_a << " trans_b " << f.trans_b);
     const auto a = to_double(random_vector(f.batch * f.M * f.K, 20 + t));
     const auto b = to_double(random_vector(f.batch * f.K * f.N, 30 + t));
@@ -180,7 +191,7 @@ TEST(Matmul, ReferenceBackwardMatchesFiniteDifferences) {
     const double alpha = 0.7;
     auto loss = [&](const std::vector<double>& av, const std::vector<double>& bv) {
       std::vector<double> c(r.size());
-      ops::ref::matmul<double>(f, alpha, av, bv, c);
+      ops::ref::gemm<double>(f, alpha, av, bv, 0.0, c);
       return weighted_sum(c, r);
     };
     std::vector<double> da(a.size()), db(b.size());
@@ -311,28 +322,28 @@ TEST(MatmulBench, DISABLED_AttentionShapes) {
   const int reps = std::getenv("FERRY_BENCH_REPS") ? std::atoi(std::getenv("FERRY_BENCH_REPS")) : 10;
   struct Named {
     const char* what;
-    ops::MatmulShape s;
+    ops::GemmShape s;
   };
   const std::size_t B = 128, T = 128, D = 48;
   const Named shapes[] = {
-      {"q kT      [128,128,48]x[128,128,48]^T", {B, T, T, D, false, true}},
-      {"p v       [128,128,128]x[128,128,48]", {B, T, D, T, false, false}},
-      {"[128,128,48]x[128,48,128] (NN)", {B, T, T, D, false, false}},
-      {"dS^T q    (TN, grad_b of q kT)", {B, T, D, T, true, false}},
+      {"q kT      [128,128,48]x[128,128,48]^T", batched(B, T, T, D, false, true)},
+      {"p v       [128,128,128]x[128,128,48]", batched(B, T, D, T, false, false)},
+      {"[128,128,48]x[128,48,128] (NN)", batched(B, T, T, D, false, false)},
+      {"dS^T q    (TN, grad_b of q kT)", batched(B, T, D, T, true, false)},
   };
   std::printf("device: %s\n", dev.context.device().name.c_str());
   for (const Named& n : shapes) {
-    const ops::MatmulShape& s = n.s;
+    const ops::GemmShape& s = n.s;
     DeviceTensor a(random_vector(s.batch * s.M * s.K, 1), 0), b(random_vector(s.batch * s.K * s.N, 2), 0),
         c(s.batch * s.M * s.N, 0);
-    const std::size_t mscratch = ops::matmul_scratch_elems(dev.env, s);
+    const std::size_t mscratch = ops::gemm_scratch_elems(dev.env, s);
     DeviceTensor ms(std::max<std::size_t>(mscratch, 1), 0);
-    const ops::LaunchList batched =
-        ops::matmul(dev.env, s, 1.0f, a.span(), b.span(), c.span(), mscratch ? ms.span() : ops::DeviceSpan{});
-    const double t_batched = seconds_per_run(batched, reps);
+    const ops::LaunchList batch =
+        ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), mscratch ? ms.span() : ops::DeviceSpan{});
+    const double t_batched = seconds_per_run(batch, reps);
     // The share of packing B, where the kernel packs.
     const double t_pack =
-        batched.size() > 1 ? seconds_per_run(ops::LaunchList(batched.begin(), batched.end() - 1), reps) : 0.0;
+        batch.size() > 1 ? seconds_per_run(ops::LaunchList(batch.begin(), batch.end() - 1), reps) : 0.0;
 
     // One gemm launch per batch.
     const ops::GemmShape one{s.M, s.N, s.K, s.trans_a, s.trans_b};
@@ -358,7 +369,7 @@ TEST(MatmulBench, DISABLED_AttentionShapes) {
     std::printf(
         "%s\n  batched %6.1f GFLOPS (%.3f ms, packing B %.3f ms; %s)\n  gemm per batch %6.1f GFLOPS (%.3f ms)\n"
         "  one gemm [%zu,%zu,%zu] %6.1f GFLOPS (%.3f ms)\n",
-        n.what, gf / t_batched, t_batched * 1e3, t_pack * 1e3, ops::matmul_kernel_description(dev.env, s).c_str(),
+        n.what, gf / t_batched, t_batched * 1e3, t_pack * 1e3, ops::gemm_kernel_description(dev.env, s).c_str(),
         gf / t_loop, t_loop * 1e3, big.M, big.N, big.K, gf / t_single, t_single * 1e3);
   }
 }

@@ -1,13 +1,16 @@
-// Straightforward GEMM, one output element per work-item. Correct for every shape and layout;
-// the fallback and the baseline the tuned kernels are measured against.
+// Straightforward GEMM, one output element per work-item: (column, row, product of the batch) on
+// dimensions (0, 1, 2). Correct for every shape and layout; the fallback and the baseline the tuned
+// kernels are measured against.
 __kernel void gemm_naive(uint M, uint N, uint K, float alpha, __global const float* a, ulong a_off,
                          __global const float* b, ulong b_off, float beta, __global float* c, ulong c_off,
                          __global const float* bias, ulong bias_off, uint has_bias) {
   const uint j = get_global_id(0);
   const uint i = get_global_id(1);
   if (i >= M || j >= N) return;
-  a += a_off;
-  b += b_off;
+  const ulong product = get_global_id(2);
+  a += a_off + product * ((ulong)M * K);
+  b += b_off + product * ((ulong)K * N);
+  c_off += product * ((ulong)M * N);
   float acc = 0.0f;
   for (uint k = 0; k < K; ++k) {
 #if TRANS_A

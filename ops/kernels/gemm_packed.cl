@@ -4,6 +4,9 @@
 //                per k step NV vload16 of the B panel, RB scalar broadcasts of A and fma().
 // Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
 // consecutive work-groups share one B panel. Parameters (-D): RB (1..16), NV (1..4), TRANS_A, TRANS_B.
+// A strided batch (GemmShape::batch) runs in the same launches: product z of the batch reads A, B
+// and writes C z matrices past their offsets (M K, K N and M N elements), its packed panels follow
+// the previous product's; dimension 2 of both kernels counts the products (times the K splits).
 //
 // The accumulators are named variables, expanded by macros for every row and vector up to the
 // maximum and guarded by compile-time conditions: the compiler drops the unused ones and keeps the
@@ -29,7 +32,13 @@
 
 #define NB (16 * NV)
 #ifndef DIRECT_B
-#define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] with N a multiple of NB (not packed)
+#define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] (not packed)
+#endif
+// With DIRECT_B, 1 when N is not a multiple of NB: the last panel reads its columns one by one,
+// zeros past N. Compiled only where needed: the branch slowed PoCL's code for the whole-panel loop
+// (long-K weight gradients 1.3x slower with it).
+#ifndef DIRECT_B_TAIL
+#define DIRECT_B_TAIL 0
 #endif
 // k rows of op(B) one pack work-item copies: more for NCHW planes, whose packs are long (an output
 // gradient over a whole batch) and whose work-items are cheap next to PoCL's per-group cost.
@@ -58,14 +67,16 @@
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
-// One work-item packs PACK_ROWS k rows of op(B): all columns, padding included (transposed B: a
-// block of 16 columns, see below).
+// One work-item packs PACK_ROWS k rows of op(B) of product get_global_id(2): all columns, padding
+// included (transposed B: a block of 16 columns, see below).
 __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* packed,
                           ulong packed_off) {
   const uint k0 = get_global_id(0) * PACK_ROWS;
   const uint k_end = min(k0 + PACK_ROWS, K);
   const uint n_pad = (N + NB - 1) / NB * NB;
-  packed += packed_off;
+  const ulong product = get_global_id(2);
+  b_off += product * ((ulong)K * N);
+  packed += packed_off + product * ((ulong)n_pad * K);
 #if B_PLANES
   // B an NCHW view: element (i, j) of the stored matrix [rows, cols] at ((j / P) * rows + i) * P
   // + j % P. A work-item fills 16 columns of its PACK_ROWS panel rows (contiguous writes; the reads
@@ -254,6 +265,29 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     if (NV > 3) c##r##_3 = fma(x, b3, c##r##_3); \
   }
 
+// What a k step needs of A beside the row pointers: the column of the gathered A, or row k of a
+// transposed A.
+#if A_GATHER
+#define A_K const int kc = acols[k];
+#elif TRANS_A && A_IS_F32
+#define A_K __global const float* ak = a + (ulong)k * M;
+#elif TRANS_A
+#define A_K const ulong ak = a_off + (ulong)k * M;
+#else
+#define A_K
+#endif
+
+// One k step: NB floats of panel row k from `row`, RB rows of A, RB x NB fma.
+#define K_STEP(row)                                     \
+  {                                                     \
+    const float16 b0 = vload16(0, row);                 \
+    const float16 b1 = NV > 1 ? vload16(1, row) : 0.0f; \
+    const float16 b2 = NV > 2 ? vload16(2, row) : 0.0f; \
+    const float16 b3 = NV > 3 ? vload16(3, row) : 0.0f; \
+    A_K                                                 \
+    FOR_ROWS(ACC_STEP)                                  \
+  }
+
 #if C_PLANES
 #define C_ROW(r) const uint crow = row0 + r;
 #define C_AT c, c_base, crow
@@ -273,32 +307,39 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     if (NV > 3) store16(c##r##_3, C_AT, col0 + 48, N, alpha, beta, bias, has_bias); \
   }
 
-// Dimension 2 splits K (k_chunk rows each; one split: k_chunk = K): split s sums k in
-// [s k_chunk, (s + 1) k_chunk) into its own M x N block of c, gemm_sum_splits adds the blocks.
-// Neighbouring work-items then share a B sub-panel that stays in cache, where a long K (a weight
-// gradient over many rows) streams the whole panel from memory for every row block.
+// Dimension 2 counts the products of the batch times `splits`, the splits of K (k_chunk rows each;
+// one split: k_chunk = K): split s sums k in [s k_chunk, (s + 1) k_chunk) into its own M x N block
+// of c, gemm_sum_splits adds the blocks. Neighbouring work-items then share a B sub-panel that
+// stays in cache, where a long K (a weight gradient over many rows) streams the whole panel from
+// memory for every row block. Block z = product splits + s of c is the z-th M x N matrix either way.
 __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
                           __global const float* packed, ulong packed_off, float beta, __global STORAGE(C_NAME)* c,
                           ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk,
-                          __global const int* arows, ulong arows_off, __global const int* acols, ulong acols_off) {
+                          uint splits, __global const int* arows, ulong arows_off, __global const int* acols,
+                          ulong acols_off) {
   const uint row0 = get_global_id(0) * RB;
   const uint panel = get_global_id(1);
-  const uint k_begin = get_global_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);
+  const uint z = get_global_id(2);
+  const ulong product = z / splits;
+  const uint k_begin = (z % splits) * k_chunk, k_end = min(K, k_begin + k_chunk);
+  const uint col0 = panel * NB;
+  a_off += product * ((ulong)M * K);
 #if DIRECT_B
   // B in place: panel row k is B's row k from column panel NB on (contiguous), rows N apart.
-  __global const float* bp = packed + packed_off + (ulong)k_begin * N + (ulong)panel * NB;
+  __global const float* bp = packed + packed_off + product * ((ulong)K * N) + (ulong)k_begin * N + col0;
   const uint b_step = N;
 #else
-  __global const float* bp = packed + packed_off + ((ulong)panel * K + k_begin) * NB;
+  const uint n_pad = (N + NB - 1) / NB * NB;
+  __global const float* bp = packed + packed_off + product * ((ulong)n_pad * K) + ((ulong)panel * K + k_begin) * NB;
   const uint b_step = NB;
 #endif
 #if A_IS_F32
   a += a_off;
 #endif
 #if C_IS_F32 && !C_PLANES
-  c += c_off + (ulong)get_global_id(2) * M * N;
+  c += c_off + (ulong)z * M * N;
 #else
-  const ulong c_base = c_off + (ulong)get_global_id(2) * M * N;
+  const ulong c_base = c_off + (ulong)z * M * N;
 #endif
   bias += bias_off;
   arows += arows_off;
@@ -311,44 +352,46 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   FOR_ROWS(A_ROW_DECL)
   FOR_ROWS(ACC_DECL)
 
-  for (uint k = k_begin; k < k_end; ++k, bp += b_step) {
-    const float16 b0 = vload16(0, bp);
-    const float16 b1 = NV > 1 ? vload16(1, bp) : 0.0f;
-    const float16 b2 = NV > 2 ? vload16(2, bp) : 0.0f;
-    const float16 b3 = NV > 3 ? vload16(3, bp) : 0.0f;
-#if A_GATHER
-    const int kc = acols[k];
-#elif TRANS_A && A_IS_F32
-    __global const float* ak = a + (ulong)k * M;
-#elif TRANS_A
-    const ulong ak = a_off + (ulong)k * M;
+#if DIRECT_B && DIRECT_B_TAIL
+  if (col0 + NB > N) {
+    // The last panel of a B read in place: its columns one by one, zeros past N.
+    for (uint k = k_begin; k < k_end; ++k, bp += b_step) {
+      float row[NB];
+      for (uint j = 0; j < NB; ++j) row[j] = col0 + j < N ? bp[j] : 0.0f;
+      K_STEP(row)
+    }
+  } else
 #endif
-    FOR_ROWS(ACC_STEP)
+  {
+    for (uint k = k_begin; k < k_end; ++k, bp += b_step) K_STEP(bp)
   }
 
-  const uint col0 = panel * NB;
   FOR_ROWS(ACC_STORE)
 }
 
 // c = alpha * (sum over the splits s of part[s]) + beta * c + bias, the splits added in order
-// (deterministic). One work-item per element of c.
-__kernel void gemm_sum_splits(uint M, uint N, uint splits, __global const float* part, ulong part_off, float alpha,
-                              float beta, __global STORAGE(C_NAME)* c, ulong c_off, __global const float* bias,
-                              ulong bias_off, uint has_bias) {
+// (deterministic). One work-item per element of the batch's c; product z's splits are blocks
+// z splits .. (z + 1) splits - 1 of part.
+__kernel void gemm_sum_splits(uint M, uint N, uint splits, uint batch, __global const float* part, ulong part_off,
+                              float alpha, float beta, __global STORAGE(C_NAME)* c, ulong c_off,
+                              __global const float* bias, ulong bias_off, uint has_bias) {
   const size_t i = get_global_id(0);
   const size_t mn = (size_t)M * N;
-  if (i >= mn) return;
-  __global const float* p = part + part_off + i;
+  if (i >= mn * batch) return;
+  // No division for one product: two 64-bit divisions per element cost a single long-K weight
+  // gradient's sum about 5%.
+  const size_t product = batch > 1 ? i / mn : 0, e = i - product * mn;
+  __global const float* p = part + part_off + product * splits * mn + e;
   float acc = 0.0f;
   for (uint s = 0; s < splits; ++s) acc += p[s * mn];
   float out = alpha * acc;
 #if C_PLANES
-  const size_t m = i / N, n = i % N;
+  const size_t m = e / N, n = e % N;  // one product
   const ulong at = c_off + (ulong)(m / C_PLANES) * N * C_PLANES + (ulong)n * C_PLANES + m % C_PLANES;
 #else
   const ulong at = c_off + i;
 #endif
   if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
-  if (has_bias) out += bias[bias_off + i % N];
+  if (has_bias) out += bias[bias_off + e % N];
   STORE(C_NAME, RELU(out), c, at);
 }

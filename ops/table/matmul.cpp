@@ -1,19 +1,16 @@
-// Rows of batched matmul of two activations and softmax over the last axis.
+// Rows of the batched matmul of two activations (ops::gemm strided-batched).
 //
 //   matmul         c = alpha op(a) op(b)          in: a b     out: c
 //                  attrs.i[0] = 1: a is stored transposed ([..., K, M]); i[1] = 1: b is ([..., N, K]);
 //                  attrs.f[0] = alpha, the scale of the product (0, the default, means 1).
 //   matmul_grad_a  da = alpha dy op(b)^T, stored like a   in: dy b    out: da   (the forward's attrs)
 //   matmul_grad_b  db = alpha op(a)^T dy, stored like b   in: a dy    out: db   (the forward's attrs)
-//   softmax        y = softmax(x) over the last axis      in: x       out: y
-//   softmax_grad   dx = y (dy - sum(dy y, last axis))     in: y dy    out: dx
 #include "ferry/ops/matmul.hpp"
 
 #include <fmt/format.h>
 
 #include <stdexcept>
 
-#include "ferry/ops/softmax.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -25,16 +22,16 @@ bool flag(const NodeAttrs& a, std::size_t i) {
 float alpha(const NodeAttrs& a) {
   return a.f[0] == 0.0f ? 1.0f : a.f[0];
 }
-MatmulShape product(const Shape& a, const Shape& b, const NodeAttrs& attrs) {
+GemmShape product(const Shape& a, const Shape& b, const NodeAttrs& attrs) {
   return matmul_shape(a, b, flag(attrs, 0), flag(attrs, 1));
 }
 
 // The forward product of a gradient node: grad_a knows a's shape from its output da, grad_b knows
 // b's from its output db.
-MatmulShape forward_of_grad_a(const ShapeView& v) {  // in: dy b  out: da
+GemmShape forward_of_grad_a(const ShapeView& v) {  // in: dy b  out: da
   return product(v.output(0).shape, v.input(1).shape, v.attrs());
 }
-MatmulShape forward_of_grad_b(const ShapeView& v) {  // in: a dy  out: db
+GemmShape forward_of_grad_b(const ShapeView& v) {  // in: a dy  out: db
   return product(v.input(0).shape, v.output(0).shape, v.attrs());
 }
 
@@ -57,12 +54,12 @@ OpInfo matmul_row(OpId grad_a, OpId grad_b) {  // in: a b  out: c
     }
   };
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
-    return matmul_scratch_elems(env, product(v.input(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
+    return gemm_scratch_elems(env, product(v.input(0).shape, v.input(1).shape, v.attrs())) * sizeof(float);
   };
   r.flops = [](const ShapeView& v) { return product(v.input(0).shape, v.input(1).shape, v.attrs()).flops(); };
   r.bind = [](const BindContext& c) {
-    return matmul(c.env(), product(c.input(0).shape, c.input(1).shape, c.attrs()), alpha(c.attrs()), c.in(0), c.in(1),
-                  c.out(0), c.scratch());
+    return gemm(c.env(), product(c.input(0).shape, c.input(1).shape, c.attrs()), alpha(c.attrs()), c.in(0), c.in(1),
+                0.0f, c.out(0), c.scratch());
   };
   r.backward = [grad_a, grad_b](GradContext& g) {
     const auto in = g.inputs();
@@ -86,8 +83,8 @@ OpInfo matmul_row(OpId grad_a, OpId grad_b) {  // in: a b  out: c
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::matmul<double>(product(c.input(0).shape, c.input(1).shape, c.attrs()), alpha(c.attrs()), c.real(in[0]),
-                        c.real(in[1]), c.real(c.outputs()[0]));
+    ref::gemm<double>(product(c.input(0).shape, c.input(1).shape, c.attrs()), alpha(c.attrs()), c.real(in[0]),
+                      c.real(in[1]), 0.0, c.real(c.outputs()[0]));
   };
   return r;
 }
@@ -130,62 +127,12 @@ OpInfo matmul_grad_b_row() {  // in: a dy  out: db
   return r;
 }
 
-// [rows, cols] of a tensor seen as rows of its last axis.
-std::pair<std::size_t, std::size_t> rows_cols(const Shape& s) {
-  const std::size_t cols = s[s.rank - 1];
-  return {cols == 0 ? 0 : s.elems() / cols, cols};
-}
-
-OpInfo softmax_row(OpId grad) {  // in: x  out: y
-  OpInfo r;
-  r.name = "softmax";
-  r.infer = [](const ShapeView& v) {
-    if (v.input_count() != 1) shape_error(v, fmt::format("softmax takes one input, got {}", v.input_count()));
-    const Shape x = v.input(0).shape;
-    if (x.rank == 0 || x[x.rank - 1] == 0) {
-      shape_error(v, fmt::format("input has shape {}; softmax needs a non-empty last axis", x.str()));
-    }
-    if (v.attrs().i[0] != 0 && (x.rank < 2 || x[x.rank - 1] != x[x.rank - 2])) {
-      shape_error(v, fmt::format("causal softmax takes square [..., T, T] scores, got {}", x.str()));
-    }
-    return std::vector<TensorDesc>{{x, v.input(0).dtype}};
-  };
-  r.bind = [](const BindContext& c) {
-    const auto [rows, cols] = rows_cols(c.input(0).shape);
-    return softmax_forward(c.env(), c.in(0), c.out(0), rows, cols, c.attrs().i[0] != 0);
-  };
-  r.backward = [grad](GradContext& g) { unary_backward(g, grad, g.outputs()[0]); };  // (y, dy) -> dx
-  r.reference = [](RefContext& c) {
-    const auto [rows, cols] = rows_cols(c.input(0).shape);
-    ref::softmax_forward<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), rows, cols, c.attrs().i[0] != 0);
-  };
-  return r;
-}
-
-OpInfo softmax_grad_row() {  // in: y dy  out: dx
-  OpInfo r;
-  r.name = "softmax_grad";
-  r.op_class = OpClass::backward;
-  r.bind = [](const BindContext& c) {
-    const auto [rows, cols] = rows_cols(c.input(0).shape);
-    return softmax_backward(c.env(), c.in(0), c.in(1), c.out(0), rows, cols);
-  };
-  r.reference = [](RefContext& c) {
-    const auto in = c.inputs();
-    const auto [rows, cols] = rows_cols(c.input(0).shape);
-    ref::softmax_backward<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]), rows, cols);
-  };
-  return r;
-}
-
 }  // namespace
 
 void register_matmul_rows(const AddNamedRow& add) {
   const OpId grad_a = add(matmul_grad_a_row());
   const OpId grad_b = add(matmul_grad_b_row());
   add(matmul_row(grad_a, grad_b));
-  const OpId softmax_grad = add(softmax_grad_row());
-  add(softmax_row(softmax_grad));
 }
 
 }  // namespace ferry::ops::table

@@ -24,7 +24,8 @@ void register_cast_rows(const AddRow& add);  // cast, quantize_i8, dequantize_i8
 
 // Rows beyond ops::builtin (found by name with ops::find_op), registered after the built-in ones.
 using AddNamedRow = std::function<OpId(OpInfo)>;
-void register_matmul_rows(const AddNamedRow& add);         // ops/table/matmul.cpp: batched matmul, softmax
+void register_matmul_rows(const AddNamedRow& add);         // ops/table/matmul.cpp: batched matmul
+void register_softmax_rows(const AddNamedRow& add);        // ops/table/softmax.cpp: softmax, optionally causal
 void register_attention_rows(const AddNamedRow& add);      // ops/table/attention.cpp: fused causal attention
 void register_add_layernorm_rows(const AddNamedRow& add);  // ops/table/layernorm.cpp: residual add + LayerNorm
 void register_layout_rows(const AddNamedRow& add);         // ops/table/layout.cpp: permute, mul, scale

@@ -1,6 +1,8 @@
 // GEMM: C[M,N] = alpha * op(A) * op(B) + beta * C (+ bias broadcast over rows), row-major.
 // op(A) is A stored [M,K], or A^T with A stored [K,M]; op(B) is B stored [K,N], or B^T with B
-// stored [N,K]. This is the workhorse of Linear and Conv2d (through im2col).
+// stored [N,K]. This is the workhorse of Linear, Conv2d (through im2col) and, strided-batched
+// (GemmShape::batch), of the batched matmul of two activations (ferry/ops/matmul.hpp): one routine,
+// one kernel family per device, one tuning path.
 //
 // A, B and C may each be stored as f32, f16 or bf16 (GemmShape::a, b, c); products and sums are
 // always fp32 and C is rounded to its storage type once, at the end (the bias is f32). ferry's
@@ -22,7 +24,11 @@ struct GemmShape {
   std::size_t M = 0, N = 0, K = 0;
   bool trans_a = false, trans_b = false;
   DType a = DType::f32, b = DType::f32, c = DType::f32;  // storage types (f32, f16, bf16)
+  // Products computed in one launch: product z reads A, B and writes C at z times the operand's
+  // matrix size (M K, K N, M N elements) past its offset. The bias is the same for every product.
+  std::size_t batch = 1;
   bool all_f32() const { return a == DType::f32 && b == DType::f32 && c == DType::f32; }
+  std::size_t flops() const { return 2 * batch * M * N * K; }
 };
 
 // Which implementation runs a GEMM. `automatic` follows the per-device tuning data.
@@ -39,7 +45,8 @@ struct GemmOptions {
   // a product with fewer tiles than compute units, a narrower panel), so the tuner measures a
   // candidate row as gemm() would run it.
   bool kernel_as_row = false;
-  // Optional NCHW views of B and C for convolutions (only where gemm_takes_planes() says so):
+  // Optional NCHW views of B and C for convolutions (only where gemm_takes_planes() says so; one
+  // product, batch 1, as for the gathered A below):
   // with b_planes = P, B's stored matrix [rows, cols] ([K, N], or [N, K] transposed) is a batch of
   // planes of P columns, element (i, j) at ((j / P) * rows + i) * P + j % P: the [channels, G*PQ]
   // view of an NCHW tensor, read without a permute. With c_planes = P, C element (m, n) is at
@@ -83,20 +90,26 @@ bool gemm_have_clblast();
 
 namespace ref {
 
+// Every product of the batch; with beta = 0, C is not read (it may hold NaN).
 template <class T>
 void gemm(const GemmShape& s, T alpha, std::span<const T> a, std::span<const T> b, T beta, std::span<T> c,
           std::span<const T> bias = {}) {
-  for (std::size_t i = 0; i < s.M; ++i) {
-    for (std::size_t j = 0; j < s.N; ++j) {
-      T acc = 0;
-      for (std::size_t k = 0; k < s.K; ++k) {
-        const T av = s.trans_a ? a[k * s.M + i] : a[i * s.K + k];
-        const T bv = s.trans_b ? b[j * s.K + k] : b[k * s.N + j];
-        acc += av * bv;
+  for (std::size_t z = 0; z < s.batch; ++z) {
+    const T* az = a.data() + z * s.M * s.K;
+    const T* bz = b.data() + z * s.K * s.N;
+    T* cz = c.data() + z * s.M * s.N;
+    for (std::size_t i = 0; i < s.M; ++i) {
+      for (std::size_t j = 0; j < s.N; ++j) {
+        T acc = 0;
+        for (std::size_t k = 0; k < s.K; ++k) {
+          const T av = s.trans_a ? az[k * s.M + i] : az[i * s.K + k];
+          const T bv = s.trans_b ? bz[j * s.K + k] : bz[k * s.N + j];
+          acc += av * bv;
+        }
+        T out = alpha * acc + (beta == T(0) ? T(0) : beta * cz[i * s.N + j]);
+        if (!bias.empty()) out += bias[j];
+        cz[i * s.N + j] = out;
       }
-      T out = alpha * acc + (beta == T(0) ? T(0) : beta * c[i * s.N + j]);
-      if (!bias.empty()) out += bias[j];
-      c[i * s.N + j] = out;
     }
   }
 }
