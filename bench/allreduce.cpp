@@ -69,7 +69,7 @@ std::uint64_t covered(const Interval& x, const std::vector<Interval>& busy) {
 }
 
 bool is_collective(const graph::TimelineEntry& e) {
-  return e.op == "grad_allreduce" || e.op == "weight_allgather";
+  return e.op == "grad_allreduce" || e.op == "grad_reduce_scatter" || e.op == "weight_allgather";
 }
 
 int run_allreduce(const BenchCommon& common, const AllreduceOptions& o) {
@@ -113,13 +113,14 @@ int run_allreduce(const BenchCommon& common, const AllreduceOptions& o) {
       compute_ms.push_back(static_cast<double>(union_length(compute)) * 1e-6);
     }
     if (rank != 0) return 0;
-    const double psi = static_cast<double>(trainer.gradient_bytes());  // Ψ: fp32 gradient (= weight) bytes
+    const double psi = static_cast<double>(trainer.weight_bytes());  // Ψ: fp32 gradient (= weight) bytes
     // Per rank and step: a ring all-reduce sends 2 (N-1)/N Ψ; ZeRO stage 1 here adds the
-    // all-gather of the weights, (N-1)/N Ψ. ZeRO's paper: stages 1 and 2 move 2Ψ (reduce-scatter
-    // plus all-gather), stage 3 3Ψ.
+    // all-gather of the weights, (N-1)/N Ψ; stage 2 reduce-scatters the gradients instead of
+    // all-reducing them, (N-1)/N Ψ, then all-gathers. ZeRO's paper: stages 1 and 2 move 2Ψ
+    // (reduce-scatter plus all-gather), stage 3 3Ψ.
     const auto ferry_bytes = [&](int ranks) {
       const double f = ranks > 1 ? static_cast<double>(ranks - 1) / ranks : 0.0;
-      return f * psi * (o.zero >= 1 ? 3.0 : 2.0);
+      return f * psi * (o.zero == 1 ? 3.0 : 2.0);
     };
     const auto zero_bytes = [&](int ranks) {
       return (ranks > 1 ? static_cast<double>(ranks - 1) / ranks : 0.0) * psi * 2.0;
@@ -171,7 +172,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--steps", o->steps, "timed steps (after one untimed)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  sub.add_option("--zero", o->zero, "ZeRO stage (0 or 1)")->capture_default_str()->check(CLI::Range(0, 1));
+  sub.add_option("--zero", o->zero, "ZeRO stage (0, 1 or 2)")->capture_default_str()->check(CLI::Range(0, 2));
   sub.add_option("--bucket-size", o->bucket, "gradient bytes reduced together")->capture_default_str();
   sub.add_option("--link-gbps", o->link_gbps, "link rate of the model for larger N, GB/s")
       ->capture_default_str()

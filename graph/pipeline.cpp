@@ -5,16 +5,10 @@
 
 namespace ferry::graph {
 
-namespace {
-
-// ZeRO stage 1 over several ranks shards the optimizer state; cuts fall on multiples of the 8-bit
-// optimizer's block so that its blocks stay whole.
 ZeroSharding zero_sharding(const VariantKey& key, const OptimizerSpec& optimizer) {
   if (key.zero_stage < 1 || key.ranks < 2) return {};
   return {static_cast<int>(key.rank), static_cast<int>(key.ranks), std::max<std::size_t>(2048, optimizer.block8bit)};
 }
-
-}  // namespace
 
 const std::vector<ModelPass>& model_passes() {
   static const std::vector<ModelPass> passes = {
@@ -46,8 +40,11 @@ const std::vector<ModelPass>& model_passes() {
          if (key.training && key.accumulate > 1) append_accumulation(g, key.accumulate, key.micro);
        }},
       {"data parallel",
-       [](Graph& g, const VariantKey& key, const OptimizerSpec&) {
-         if (key.training && !key.micro && key.ranks > 1) {
+       [](Graph& g, const VariantKey& key, const OptimizerSpec& optimizer) {
+         if (!key.training || key.micro || key.ranks < 2) return;
+         if (key.zero_stage == 2) {
+           append_gradient_reduce_scatter(g, key.rank_share, key.bucket_bytes, zero_sharding(key, optimizer));
+         } else {
            append_gradient_allreduce(g, key.rank_share, key.bucket_bytes);
          }
        }},

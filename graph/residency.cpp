@@ -540,9 +540,14 @@ void place_updates_early(Graph& g, bool pinned_in_place) {
     }
     NodeId anchor = 0;
     if (is_update(n.op[id])) {
-      // An update waits for its weight's last use and its gradient (inputs 0 and 1).
+      // An update waits for its weight's last use and its gradient (inputs 0 and 1), and for the
+      // last node that is not moved to write the guard it reads (ZeRO stage 2's sum of the ranks'
+      // guards; the checks move and anchor it below).
       const auto in = n.inputs(id);
       anchor = std::max(last_touch[t.storage(in[0])], last_touch[t.storage(in[1])]);
+      for (TensorId x : in) {
+        if (t.role[t.storage(x)] == Role::stats) anchor = std::max(anchor, last_write[t.storage(x)]);
+      }
     } else {
       // After the last use of what it reads, except the loss statistics (their guard), which the
       // step downloads at its very end: after their producer there.

@@ -768,10 +768,29 @@ void Trainer::reduce_over_ranks(StepResult& r) {
 }
 
 std::uint64_t Trainer::gradient_bytes() const {
+  const graph::Graph& g = train_->graph();
   std::uint64_t bytes = 0;
-  const auto& t = train_->graph().tensors;
+  if (train_key_.zero_stage == 2 && train_key_.ranks > 1) {
+    // The reduced shares (f32) the updates read; the whole gradients are transient.
+    for (const graph::ZeroShare& s : graph::zero_shares(g, graph::zero_sharding(train_key_, options_.optimizer))) {
+      bytes += s.range.count * sizeof(float);
+    }
+    return bytes;
+  }
+  const auto& t = g.tensors;
   for (TensorId w = 0; w < t.size(); ++w) {
     if (t.role[w] == graph::Role::weight && t.grad[w] != graph::no_tensor) bytes += t.bytes(t.grad[w]);
+  }
+  return bytes;
+}
+
+std::uint64_t Trainer::allreduce_bytes_per_step() const {
+  if (!ranks_) return 0;
+  if (train_key_.zero_stage != 2) return gradient_bytes();
+  // Every weight's whole f32 gradient goes into the reduce-scatter (its t.grad is the shard now).
+  std::uint64_t bytes = 0;
+  for (const graph::ZeroShare& s : graph::zero_shares(train_->graph(), {})) {
+    bytes += train_->graph().tensors.shape[s.weight].elems() * sizeof(float);
   }
   return bytes;
 }

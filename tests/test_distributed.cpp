@@ -3,9 +3,11 @@
 // training together under mpirun are tests/cli/data_parallel.sh (ctest cli_data_parallel).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <stdexcept>
 
 #include "ferry/ferry.hpp"
@@ -118,6 +120,12 @@ class Mirror final : public ops::Communicator {
   void allreduce_sum(std::span<double> values) override {
     for (double& x : values) x *= n_;
   }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
+    ++reductions;
+    for (const auto& b : buffers) {
+      for (std::size_t i = 0; i < b.shard.size(); ++i) b.shard[i] = b.data[i] * static_cast<float>(n_);  // rank 0's run
+    }
+  }
   void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no all-gather at ZeRO stage 0"); }
   std::vector<std::uint64_t> allgather(std::uint64_t value) override {
     return std::vector<std::uint64_t>(static_cast<std::size_t>(n_), value);
@@ -179,6 +187,78 @@ INSTANTIATE_TEST_SUITE_P(Modes, MirroredRanks,
                                            MirrorCase{"host_optimizer", graph::ResidencyMode::stream, true, 1}),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// Rank 0 of two at ZeRO stage 2, the other rank simulated: its half of every gradient sum equals
+// this rank's (sums are twice this rank's), and its overflow guard is NaN when `poisoned` (a
+// gradient of its shares was not finite). The guard sum is the only float all-reduce at stage 2.
+class HalfOfTwo final : public ops::Communicator {
+ public:
+  explicit HalfOfTwo(bool poisoned) : poisoned_(poisoned) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "half of two"; }
+  void allreduce_sum(std::span<const std::span<float>> buffers) override {
+    ++guard_sums;
+    for (const auto& b : buffers) {
+      for (float& x : b) x = poisoned_ ? std::nanf("") : 2 * x;
+    }
+  }
+  void allreduce_sum(std::span<double> values) override {
+    for (double& x : values) x *= 2;
+  }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
+    for (const auto& b : buffers) {
+      for (std::size_t i = 0; i < b.shard.size(); ++i) b.shard[i] = 2 * b.data[i];  // rank 0's run comes first
+    }
+  }
+  void allgather(std::span<ops::GatherBuffer>) override {}  // the other rank's shares stay as they were
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override { return {value, value}; }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<HalfOfTwo>(poisoned_); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+  int guard_sums = 0;
+
+ private:
+  bool poisoned_;
+};
+
+// At ZeRO stage 2 a rank checks only its shares of the gradients: a non-finite gradient in another
+// rank's shares reaches it through the sum of the guards, and it skips the step like that rank.
+TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
+  for (const bool poisoned : {false, true}) {
+    SCOPED_TRACE(poisoned ? "the other rank's guard is NaN" : "every guard finite");
+    Runtime rt;
+    TrainerOptions o;
+    o.batch = 4;
+    o.lr = 0.05f;
+    auto comm = std::make_shared<HalfOfTwo>(poisoned);
+    o.data_parallel = {.communicator = comm, .global_batch = 8, .zero_stage = 2};
+    Trainer t(rt, small_mlp(), o);
+    EXPECT_LT(t.gradient_bytes(), t.allreduce_bytes_per_step());  // rank 0 keeps its shares alone
+    const std::size_t sample = small_mlp().inputs[0].sample.elems();
+    std::map<std::string, std::vector<std::byte>> before;
+    for (const auto& name : t.parameter_names()) before[name] = t.read_tensor(name).bytes;
+    const auto images = random_vector(4 * sample, 31);
+    const auto labels = labels_for(4, 32);
+    if (poisoned) {
+      try {
+        t.step(images, labels);
+        ADD_FAILURE() << "the step went on although another rank's guard was NaN";
+      } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find("a weight gradient is not"), std::string::npos) << e.what();
+      }
+    } else {
+      t.step(images, labels);
+    }
+    EXPECT_EQ(comm->guard_sums, 1);
+    int changed = 0;
+    for (const auto& name : t.parameter_names()) changed += t.read_tensor(name).bytes != before[name];
+    if (poisoned) {
+      EXPECT_EQ(changed, 0) << "a skipped step changed weights";
+    } else {
+      EXPECT_GT(changed, 0) << "no weight was updated";
+    }
+  }
+}
+
 // Two ranks that never meet: every option checked here is refused before a collective.
 class Unreachable final : public ops::Communicator {
  public:
@@ -187,6 +267,9 @@ class Unreachable final : public ops::Communicator {
   std::string name() const override { return "none"; }
   void allreduce_sum(std::span<const std::span<float>>) override { throw std::logic_error("no collective expected"); }
   void allreduce_sum(std::span<double>) override { throw std::logic_error("no collective expected"); }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override {
+    throw std::logic_error("no collective expected");
+  }
   void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no collective expected"); }
   std::vector<std::uint64_t> allgather(std::uint64_t) override { throw std::logic_error("no collective expected"); }
   std::unique_ptr<ops::Communicator> split() const override { throw std::logic_error("no collective expected"); }
@@ -208,12 +291,6 @@ TEST(DataParallel, RefusesWhatItCannotDoBeforeAnyCollective) {
   o.batch = 4;
   o.data_parallel.communicator = std::make_shared<Unreachable>();
   o.data_parallel.global_batch = 8;
-  TrainerOptions zero = o;
-  zero.data_parallel.zero_stage = 2;
-  expect_refused(zero, "ZeRO stage 2 (sharded gradients) is not built yet");
-  TrainerOptions alone = zero;
-  alone.data_parallel.communicator.reset();  // one rank: still refused, not ignored
-  expect_refused(alone, "ZeRO stage 2");
   TrainerOptions bad_stage = o;
   bad_stage.data_parallel.zero_stage = 3;
   expect_refused(bad_stage, "ZeRO stage 3: the stages are 0, 1 and 2");

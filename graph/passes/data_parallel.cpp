@@ -1,5 +1,6 @@
-// The data-parallel passes: the weight gradients summed over the ranks before the updates, and
-// with ZeRO stage 1 the updated shares of the weights gathered from their ranks after them.
+// The data-parallel passes: the weight gradients summed over the ranks before the updates (ZeRO
+// stage 2: each rank receiving the sum of its shares only), and with ZeRO stages 1 and 2 the
+// updated shares of the weights gathered from their ranks after them.
 //
 // Gradients go into buckets of about `bucket_bytes` in the order backward finishes them (the
 // first bucket holds the last layers' gradients). Per bucket: a d2h copy of each gradient into
@@ -89,7 +90,121 @@ void append_collective(Graph& g, const std::vector<TensorId>& tensors, std::uint
   }
 }
 
+// The overflow guard summed over the ranks, after every reduction of the step: a guard that is
+// not finite on one rank (a gradient of its shares) is not finite on all, so every rank makes the
+// same decision to update or to skip.
+void append_guard_agreement(Graph& g) {
+  if (g.guard == no_tensor) return;
+  auto& t = g.tensors;
+  auto [order, written] = collective_order(g);
+  const TensorId h = t.add(std::string(overflow_guard_name) + "@agree", Shape{1}, DType::f32, Role::gradient);
+  t.home[h] = Residency::host_pinned;
+  g.nodes.add(ops::find_op("grad_send"), fmt::format("send.{}@agree", overflow_guard_name), std::span(&g.guard, 1),
+              std::span(&h, 1), {}, Lane::d2h);
+  std::vector<TensorId> ins, outs{order, h};
+  if (written) ins.push_back(order);
+  ins.push_back(h);
+  NodeAttrs attrs;
+  attrs.i[0] = written ? 1 : 0;
+  attrs.f[0] = 1.0f;  // the guards themselves, unscaled
+  g.nodes.add(ops::find_op("grad_allreduce"), fmt::format("{}@agree", overflow_guard_name), ins, outs, attrs,
+              Lane::host);
+  g.nodes.add(ops::find_op("grad_receive"), fmt::format("receive.{}@agree", overflow_guard_name), std::span(&h, 1),
+              std::span(&g.guard, 1), {}, Lane::h2d);
+}
+
 }  // namespace
+
+std::vector<ZeroShare> zero_shares(const Graph& g, const ZeroSharding& zero) {
+  const auto& t = g.tensors;
+  std::vector<ZeroShare> out;
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
+    out.push_back({w, ops::zero_shard(t.shape[w].elems(), out.size(), zero.rank, zero.ranks, zero.granule)});
+  }
+  return out;
+}
+
+void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_bytes, const ZeroSharding& zero) {
+  if (!(share > 0.0f && share <= 1.0f)) {
+    throw std::invalid_argument(fmt::format("gradient reduce-scatter: a rank's share of the batch is {}", share));
+  }
+  auto& t = g.tensors;
+  const ops::OpId send = ops::find_op("grad_send");
+  const ops::OpId reduce = ops::find_op("grad_reduce_scatter");
+  const ops::OpId receive = ops::find_op("grad_receive");
+  const ops::OpId check = ops::find_op("overflow_guard_check");
+  // Each weight's ordinal (its place among the trainable weights) and this rank's share of it.
+  std::vector<std::size_t> ordinal(t.size());
+  std::vector<ops::ShardRange> mine(t.size());
+  const std::vector<ZeroShare> shares = zero_shares(g, zero);
+  for (std::size_t k = 0; k < shares.size(); ++k) {
+    ordinal[shares[k].weight] = k;
+    mine[shares[k].weight] = shares[k].range;
+  }
+  // Buckets in the order backward finishes the gradients, of about bucket_bytes, whose weights'
+  // ordinals run in steps of +1 or -1 (backward finishes layers in reverse), so that a node's
+  // attrs give every ordinal of its bucket (the reduction needs each tensor's shares on all ranks).
+  const std::vector<TensorId> weights = weights_in_gradient_order(g);
+  auto [order, written] = collective_order(g);
+  for (std::size_t first = 0; first < weights.size();) {
+    std::size_t end = first + 1;
+    std::uint64_t bytes = t.bytes(t.grad[weights[first]]);
+    int step = 0;
+    while (end < weights.size()) {
+      const auto d = static_cast<long long>(ordinal[weights[end]]) - static_cast<long long>(ordinal[weights[end - 1]]);
+      if ((d != 1 && d != -1) || (step != 0 && d != step)) break;
+      if (bytes + t.bytes(t.grad[weights[end]]) > bucket_bytes) break;
+      step = static_cast<int>(d);
+      bytes += t.bytes(t.grad[weights[end++]]);
+    }
+    std::vector<TensorId> ins, outs{order}, whole, shard_host, shard_weights;
+    if (written) ins.push_back(order);
+    for (std::size_t i = first; i < end; ++i) {
+      const TensorId w = weights[i], grad = t.grad[w];
+      if (t.dtype[grad] != DType::f32) {
+        throw std::invalid_argument(fmt::format("data-parallel training moves f32 tensors; '{}' is {}", t.name[grad],
+                                                dtype_name(t.dtype[grad])));
+      }
+      const TensorId h = t.add(t.name[grad] + "@reduce", t.shape[grad], DType::f32, Role::gradient);
+      t.home[h] = Residency::host_pinned;
+      g.nodes.add(send, fmt::format("send.{}@reduce", t.name[grad]), std::span(&grad, 1), std::span(&h, 1), {},
+                  Lane::d2h);
+      whole.push_back(h);
+      if (mine[w].count == 0) continue;  // another rank's alone
+      const TensorId s =
+          t.add(t.name[grad] + "@shard", Shape{static_cast<std::uint32_t>(mine[w].count)}, DType::f32, Role::gradient);
+      t.home[s] = Residency::host_pinned;
+      shard_host.push_back(s);
+      shard_weights.push_back(w);
+    }
+    ins.insert(ins.end(), whole.begin(), whole.end());
+    outs.insert(outs.end(), whole.begin(), whole.end());
+    outs.insert(outs.end(), shard_host.begin(), shard_host.end());
+    NodeAttrs attrs;
+    attrs.i[0] = written ? 1 : 0;
+    attrs.i[1] = static_cast<std::int32_t>(ordinal[weights[first]]);
+    attrs.i[2] = static_cast<std::int32_t>(zero.granule);
+    attrs.i[3] = step == 0 ? 1 : step;
+    attrs.f[0] = share;
+    g.nodes.add(reduce, fmt::format("reduce_scatter.{}", first), ins, outs, attrs, Lane::host);
+    written = true;
+    for (std::size_t k = 0; k < shard_host.size(); ++k) {
+      const TensorId w = shard_weights[k], h = shard_host[k];
+      const TensorId s = t.add(t.name[t.grad[w]] + ".shard", t.shape[h], DType::f32, Role::gradient);
+      g.nodes.add(receive, fmt::format("receive.{}@reduce", t.name[t.grad[w]]), std::span(&h, 1), std::span(&s, 1), {},
+                  Lane::h2d);
+      if (g.guard != no_tensor) {
+        const TensorId check_ins[] = {g.guard, s};
+        g.nodes.add(check, fmt::format("{}.{}@reduce", overflow_guard_name, t.name[s]), check_ins,
+                    std::span(&g.guard, 1));
+      }
+      t.grad[w] = s;  // what the update reads
+    }
+    first = end;
+  }
+  append_guard_agreement(g);
+}
 
 void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes) {
   if (!(share > 0.0f && share <= 1.0f)) {

@@ -12,7 +12,6 @@ namespace ferry::graph {
 
 void append_optimizer(Graph& g, const OptimizerSpec& spec, const ZeroSharding& zero) {
   auto& t = g.tensors;
-  const std::size_t count = t.size();
   Shape state_shape;  // the weight's, or its share's
   auto state = [&](TensorId w, const char* suffix, std::optional<Shape> shape = {}, DType dtype = DType::f32) {
     TensorId s = t.add(t.name[w] + suffix, shape.value_or(state_shape), dtype, Role::optimizer_state);
@@ -23,13 +22,14 @@ void append_optimizer(Graph& g, const OptimizerSpec& spec, const ZeroSharding& z
   // Every update reads the step's loss (or the overflow guard) and skips itself when it is not
   // finite.
   const TensorId stats = g.update_guard();
-  std::size_t ordinal = 0;
-  for (TensorId w = 0; w < count; ++w) {
-    if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
+  for (const ZeroShare& mine : zero_shares(g, zero)) {
+    const TensorId w = mine.weight;
+    const ops::ShardRange share = mine.range;
+    if (share.count == 0) continue;  // another rank's
+    // The gradient of the whole weight, or (ZeRO stage 2) of this rank's share alone: the update
+    // reads a tensor of the share's size from its first element.
     const TensorId grad = t.grad[w];
     const std::size_t elems = t.shape[w].elems();
-    const ops::ShardRange share = ops::zero_shard(elems, ordinal++, zero.rank, zero.ranks, zero.granule);
-    if (share.count == 0) continue;  // another rank's
     if (share.first + share.count > 0x7fffffffu) {
       throw std::invalid_argument(
           fmt::format("ZeRO sharding: weight '{}' has {} elements, more than 2^31 - 1", t.name[w], elems));

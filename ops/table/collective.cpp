@@ -12,6 +12,14 @@
 // it (every reduction but the first), so the gradients are inputs i[0].. and outputs 1...
 //
 //   weight_allgather  in: [order] w'...  out: order w'...   host: every rank's ZeRO share of w'
+//
+//   grad_reduce_scatter  in: [order] g'...  out: order g'... s'...   host: s' = this rank's share of the
+//                        sum over ranks of f0 g' (ZeRO stage 2), one s' per g' of which this rank
+//                        has a share (g' is left scaled). attrs.i[1] is the first g''s ordinal among
+//                        the trainable weights, i[3] the step from one g' to the next (+1 or -1),
+//                        i[2] the ZeRO granule (ops::zero_shard).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -23,10 +31,10 @@ namespace ferry::ops::table {
 namespace {
 
 // A collective node's tensors in host memory: outputs 1.. hold inputs i[0].. (copied when the two
-// are not one place), as floats; output 0, the order tensor, is set.
-std::vector<std::span<float>> collective_operands(const HostContext& c) {
+// are not one place), as floats; output 0, the order tensor, is set. `more` outputs may follow.
+std::vector<std::span<float>> collective_operands(const HostContext& c, std::size_t more = 0) {
   const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
-  if (c.output_count() != c.input_count() - first + 1) {
+  if (c.output_count() != c.input_count() - first + 1 + more) {
     shape_error(c, "a collective node needs the order tensor and one output per tensor input");
   }
   std::vector<std::span<float>> out;
@@ -114,6 +122,61 @@ OpInfo allgather_row() {
   return collective_row("weight_allgather", host, [](RefContext& c) { one_rank_reference(c, 1.0); });
 }
 
+// in: [order] g'...  out: order g'... s'...  (see the file comment)
+OpInfo reduce_scatter_row() {
+  const auto host = [](const HostContext& c) {
+    const NodeAttrs& at = c.attrs();
+    const std::size_t tensors = c.input_count() - static_cast<std::size_t>(at.i[0]);
+    const std::size_t shards = c.output_count() - 1 - tensors;
+    const std::vector<std::span<float>> whole = collective_operands(c, shards);
+    for (const std::span<float>& b : whole) {
+      for (float& x : b) x *= at.f[0];
+    }
+    Communicator* comm = c.step().communicator;
+    const int ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+    std::vector<ScatterBuffer> buffers;
+    std::size_t next = 1 + tensors;  // the next shard output
+    for (std::size_t k = 0; k < tensors; ++k) {
+      const auto ordinal = static_cast<std::size_t>(at.i[1] + static_cast<long long>(k) * at.i[3]);
+      ScatterBuffer b{whole[k], {}, {}};
+      for (int r = 0; r < ranks; ++r) {
+        const ShardRange s = zero_shard(whole[k].size(), ordinal, r, ranks, static_cast<std::size_t>(at.i[2]));
+        b.counts.push_back(static_cast<int>(s.count));
+      }
+      const auto mine = static_cast<std::size_t>(b.counts[static_cast<std::size_t>(rank)]);
+      if (mine > 0) {
+        if (next >= c.output_count() || c.output(next).shape.elems() != mine) {
+          shape_error(c, fmt::format("rank {} of {} has {} elements of tensor {} of the bucket, but the node's shard "
+                                     "outputs do not say so",
+                                     rank, ranks, mine, k));
+        }
+        b.shard = {reinterpret_cast<float*>(c.out(next++)), mine};
+      }
+      buffers.push_back(std::move(b));
+    }
+    if (next != c.output_count()) shape_error(c, "more shard outputs than shares of this rank");
+    if (comm) {
+      comm->reduce_scatter_sum(buffers);
+    } else {
+      for (const ScatterBuffer& b : buffers) std::copy(b.data.begin(), b.data.end(), b.shard.begin());
+    }
+  };
+  // One rank: the share is all of it and so is the shard.
+  const auto reference = [](RefContext& c) {
+    one_rank_reference(c, c.attrs().f[0]);
+    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+    const auto in = c.inputs();
+    const auto out = c.outputs();
+    const std::size_t tensors = in.size() - first;
+    for (std::size_t k = 0; k < tensors && 1 + tensors + k < out.size(); ++k) {
+      const auto scaled = c.real(out[1 + k]);
+      auto shard = c.real(out[1 + tensors + k]);
+      std::copy(scaled.begin(), scaled.end(), shard.begin());
+    }
+  };
+  return collective_row("grad_reduce_scatter", host, reference);
+}
+
 }  // namespace
 
 void register_collective_rows(const AddNamedRow& add) {
@@ -121,6 +184,7 @@ void register_collective_rows(const AddNamedRow& add) {
   add(allreduce_row());
   add(copy_row("grad_receive", true));
   add(allgather_row());
+  add(reduce_scatter_row());
 }
 
 }  // namespace ferry::ops::table

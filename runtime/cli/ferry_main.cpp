@@ -643,8 +643,8 @@ int main(int argc, char** argv) {
   train
       ->add_option("--zero", t.zero,
                    "Data parallel (mpirun -np N ferry train ...): the ZeRO stage; 0 keeps all optimizer state on every "
-                   "rank, 1 gives each rank the state of its share of the weights (stage 2, which also shards "
-                   "gradients, is not built yet)")
+                   "rank, 1 gives each rank the state of its share of the weights, 2 also the reduced gradients of "
+                   "its share alone (reduce-scattered)")
       ->check(CLI::Range(0, 2))
       ->capture_default_str();
   train

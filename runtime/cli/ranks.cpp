@@ -29,17 +29,16 @@ void check_resume_shards(const TrainArgs& a) {
   const int wrote = checkpoint_ranks(a.resume_path);
   if (wrote > 1 && (!a.sharded_checkpoint || wrote != now)) {
     throw std::invalid_argument(
-        fmt::format("cannot resume from '{}': it is one share of a ZeRO stage 1 run over {} ranks (the others are in "
-                    "'{}.rank1'{}): "
-                    "resume with mpirun -np {} and --zero 1",
+        fmt::format("cannot resume from '{}': it is one share of a ZeRO stage 1 run over {} ranks (or stage 2: the "
+                    "others are in '{}.rank1'{}): resume with mpirun -np {} and --zero 1 or 2",
                     a.resume_path, wrote, a.resume_path,
                     wrote > 2 ? fmt::format(" to '.rank{}'", wrote - 1) : std::string(), wrote));
   }
   if (wrote == 1 && a.sharded_checkpoint) {
     throw std::invalid_argument(fmt::format(
-        "cannot resume from '{}' with --zero 1 over {} ranks: it holds the whole optimizer state (there is no "
+        "cannot resume from '{}' with --zero {} over {} ranks: it holds the whole optimizer state (there is no "
         "'{}.rank1'); resume it with --zero 0",
-        a.resume_path, now, a.resume_path));
+        a.resume_path, a.zero, now, a.resume_path));
   }
 }
 
@@ -58,8 +57,8 @@ void join_ranks(TrainArgs& a) {
   }
   a.control = a.world->split();
   a.primary = a.world->rank() == 0;
-  // ZeRO stage 1: each rank holds other optimizer state, so each writes (and resumes from) its
-  // own file; rank 0's is the path given.
+  // ZeRO stages 1 and 2: each rank holds other optimizer state (the same shares at either stage),
+  // so each writes (and resumes from) its own file; rank 0's is the path given.
   a.sharded_checkpoint = a.zero >= 1;
   if (a.primary) check_resume_shards(a);
   if (a.sharded_checkpoint && !a.primary) {
@@ -70,7 +69,7 @@ void join_ranks(TrainArgs& a) {
       if (!std::filesystem::exists(a.resume_path)) {
         throw std::invalid_argument(fmt::format(
             "cannot resume: rank {}'s share of the checkpoint, '{}' does not exist: it was written by fewer ranks or "
-            "without --zero 1; resume with the mpirun -np and --zero it was written with",
+            "without --zero 1 or 2; resume with the mpirun -np and --zero it was written with",
             a.world->rank(), a.resume_path));
       }
     }

@@ -22,11 +22,6 @@ void validate_data_parallel(TrainerOptions& options) {
   if (dp.zero_stage < 0 || dp.zero_stage > 2) {
     throw std::invalid_argument(fmt::format("ZeRO stage {}: the stages are 0, 1 and 2", dp.zero_stage));
   }
-  if (dp.zero_stage == 2) {
-    throw std::invalid_argument(
-        "ZeRO stage 2 (sharded gradients) is not built yet: stage 1 shards the optimizer state, stage 0 keeps it "
-        "whole on every rank; use --zero 1 or --zero 0");
-  }
   if (!data_parallel(options)) return;
   const int ranks = dp.communicator->size();
   if (options.phases.hybrid || options.precision.scaled()) {

@@ -87,6 +87,25 @@ class MpiCommunicator final : public ops::Communicator {
     check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
           "MPI_Waitall of a gradient bucket");
   }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
+    std::vector<MPI_Request> requests(buffers.size());
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      const ops::ScatterBuffer& b = buffers[i];
+      if (b.data.size() > static_cast<std::size_t>(INT_MAX)) {
+        throw std::invalid_argument(
+            fmt::format("a reduce-scatter of {} elements: MPI counts are ints, at most {} elements a tensor",
+                        b.data.size(), INT_MAX));
+      }
+      // A rank with no run of this tensor still gives its part of the sum; it receives nothing, into a
+      // valid address.
+      float none = 0.0f;
+      check(MPI_Ireduce_scatter(b.data.data(), b.shard.empty() ? &none : b.shard.data(), b.counts.data(), MPI_FLOAT,
+                                MPI_SUM, comm_, &requests[i]),
+            "MPI_Ireduce_scatter of a gradient bucket");
+    }
+    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall of a gradient bucket");
+  }
   void allgather(std::span<ops::GatherBuffer> buffers) override {
     std::vector<MPI_Request> requests(buffers.size());
     for (std::size_t i = 0; i < buffers.size(); ++i) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ferry/graph/ir.hpp"
+#include "ferry/ops/communicator.hpp"
 #include "ferry/ops/optimizer.hpp"
 
 namespace ferry::graph {
@@ -18,14 +19,22 @@ using ops::optimizer_name;
 // Sets tensors.grad for every tensor that gets one.
 void append_backward(Graph& g);
 
-// ZeRO stage 1 over `ranks` ranks: this rank keeps the optimizer state of, and updates, only its
-// share of each trainable weight (ops::zero_shard; ordinals count the weights with gradients in
+// ZeRO stages 1 and 2 over `ranks` ranks: this rank keeps the optimizer state of, and updates, only
+// its share of each trainable weight (ops::zero_shard; ordinals count the weights with gradients in
 // tensor order), and the weights are all-gathered after the updates. One rank: no sharding.
 struct ZeroSharding {
   int rank = 0, ranks = 1;
   std::size_t granule = 2048;  // elements; a multiple of the 8-bit optimizer's block
   bool sharded() const { return ranks > 1; }
 };
+
+// This rank's share of every trainable weight (role weight, with a gradient), in tensor order:
+// element k's ordinal is k. Shares of other ranks' small weights are empty.
+struct ZeroShare {
+  TensorId weight;
+  ops::ShardRange range;
+};
+std::vector<ZeroShare> zero_shares(const Graph& g, const ZeroSharding& zero);
 
 // Appends one update node per weight that has a gradient, creating its optimizer state tensors
 // (role optimizer_state, zero-initialised). Sharded: state and update for this rank's share of
@@ -99,7 +108,14 @@ void append_accumulation(Graph& g, std::uint32_t accumulate, bool micro);
 // then checked by the overflow guard. After the accumulation pass, before the optimizer's.
 void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes);
 
-// ZeRO stage 1, after the optimizer pass: every trainable weight copied to pinned host memory
+// ZeRO stage 2, in place of append_gradient_allreduce: every weight gradient reduce-scattered over
+// the ranks (scaled by `share`), so that this rank receives the sum of its share of each weight
+// only, into a device tensor "<gradient>.shard" of the share's size, which becomes the weight's
+// gradient for the optimizer pass (the whole gradient dies once it is sent). The overflow guard
+// checks the shards, then the ranks sum their guards (non-finite on every rank when it is on one).
+void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_bytes, const ZeroSharding& zero);
+
+// ZeRO stages 1 and 2, after the optimizer pass: every trainable weight copied to pinned host memory
 // after its update, all-gathered from the ranks that own its shares (host-lane nodes in buckets
 // of about `bucket_bytes`, in the same chain as the gradient reductions), and copied back.
 void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t bucket_bytes);

@@ -54,11 +54,16 @@ struct VariantKey {
   float rank_share = 1.0f;
   std::uint64_t bucket_bytes = 0;
   // ZeRO stage 1: this rank (of `ranks`) keeps and updates its share of the optimizer state
-  // (graph::ZeroSharding), and the weights are all-gathered after the updates.
+  // (graph::ZeroSharding), and the weights are all-gathered after the updates; stage 2 also
+  // reduce-scatters the gradients (graph::append_gradient_reduce_scatter).
   std::uint32_t rank = 0;
   std::uint8_t zero_stage = 0;
   auto operator<=>(const VariantKey&) const = default;
 };
+
+// The ZeRO sharding of a variant: none below stage 1 or alone; cuts on multiples of the 8-bit
+// optimizer's block (at least 2048 elements), so that its blocks stay whole.
+ZeroSharding zero_sharding(const VariantKey& key, const OptimizerSpec& optimizer);
 
 struct ModelPass {
   const char* name;

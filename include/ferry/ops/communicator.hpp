@@ -34,6 +34,15 @@ struct GatherBuffer {
   std::vector<int> counts, displs;
 };
 
+// One tensor of a reduce-scatter: `data` summed over the ranks, and rank r's run of the sum, the
+// counts[r] elements after counts[0] + ... + counts[r - 1], written into that rank's `shard`
+// (counts[rank] elements; runs in rank order, covering `data`).
+struct ScatterBuffer {
+  std::span<const float> data;
+  std::span<float> shard;
+  std::vector<int> counts;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -45,6 +54,9 @@ class Communicator {
   // together and all complete before the call returns (one bucket of gradients).
   virtual void allreduce_sum(std::span<const std::span<float>> buffers) = 0;
   virtual void allreduce_sum(std::span<double> values) = 0;
+  // Each buffer's sum over the ranks, of which this rank receives its run (ZeRO stage 2's
+  // gradients). Started together, all complete before the call returns.
+  virtual void reduce_scatter_sum(std::span<const ScatterBuffer> buffers) = 0;
   // Each buffer gets every rank's elements from that rank, in place (this rank's are already
   // there). Started together, all complete before the call returns.
   virtual void allgather(std::span<GatherBuffer> buffers) = 0;

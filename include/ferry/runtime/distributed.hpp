@@ -27,7 +27,9 @@ struct DataParallelOptions {
   // Gradient bytes reduced together: a bucket's reduction starts when backward has finished all
   // of its gradients, and overlaps the backward of the layers before them.
   std::uint64_t bucket_bytes = 25ull << 20;
-  // ZeRO stage: 0 (every rank keeps all optimizer state and gradients) is the one built so far.
+  // ZeRO stage: 0 every rank keeps all optimizer state and gradients; 1 each rank the optimizer
+  // state of its share of every weight; 2 also the reduced gradients of its share alone
+  // (docs/distributed.md).
   int zero_stage = 0;
 };
 

@@ -185,14 +185,16 @@ class Trainer {
   std::uint64_t optimizer_state_bytes() const;
   std::uint64_t training_state_bytes() const;
   std::uint64_t parameter_count() const;
-  // Bytes of the weight gradients a training step makes.
+  // Bytes of the weight gradients a training step keeps for its updates: every weight's whole
+  // gradient, or under ZeRO stage 2 this rank's shares of them (the whole ones live only until
+  // they are sent).
   std::uint64_t gradient_bytes() const;
   // Data-parallel training: this trainer's rank and the number of ranks (0 and 1 alone), and
-  // the gradient bytes each step sums over the ranks (all of gradient_bytes() under ZeRO stage
-  // 0; 0 alone).
+  // the gradient bytes each step puts into its reductions over the ranks: every weight's whole
+  // gradient, at every ZeRO stage (0 alone).
   int rank() const noexcept { return ranks_ ? ranks_->rank() : 0; }
   int world_size() const noexcept { return ranks_ ? ranks_->size() : 1; }
-  std::uint64_t allreduce_bytes_per_step() const { return ranks_ ? gradient_bytes() : 0; }
+  std::uint64_t allreduce_bytes_per_step() const;
   // Peak device bytes of the training step, known from the memory plan before it runs.
   std::uint64_t device_peak_bytes() const { return train_->device_bytes(); }
   // Device budget the step was planned for, and the host bytes the training step holds: the
