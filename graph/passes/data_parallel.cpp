@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 
 #include "ferry/graph/autodiff.hpp"
@@ -50,15 +51,22 @@ std::vector<std::pair<std::size_t, std::size_t>> buckets_of(const TensorTable& t
   return out;
 }
 
+// The copies of a collective: d2h before it, h2d after it, and each copy's attrs (the rows'
+// element runs) by the tensor's index.
+struct CollectiveCopies {
+  ops::OpId send, receive;
+  std::function<NodeAttrs(std::size_t)> attrs = [](std::size_t) { return NodeAttrs{}; };
+};
+
 // Per bucket: each tensor's d2h copy into a new pinned host tensor "<name>@<suffix>", one host node
 // `op` over the bucket in the collective chain (attrs from `attrs_of(bucket's first index)`), and
 // each h2d copy back; `after(tensor)` appends what follows a tensor's copy back.
 template <class AttrsOf, class After>
 void append_collective(Graph& g, const std::vector<TensorId>& tensors, std::uint64_t bucket_bytes, ops::OpId op,
-                       const char* suffix, AttrsOf attrs_of, After after) {
+                       const char* suffix, AttrsOf attrs_of, After after, const CollectiveCopies& copies) {
   auto& t = g.tensors;
-  const ops::OpId send = ops::find_op("grad_send");
-  const ops::OpId receive = ops::find_op("grad_receive");
+  const ops::OpId send = copies.send;
+  const ops::OpId receive = copies.receive;
   auto [order, written] = collective_order(g);
   for (const auto& [first, end] : buckets_of(t, tensors, bucket_bytes)) {
     std::vector<TensorId> ins, outs{order}, host;
@@ -71,8 +79,8 @@ void append_collective(Graph& g, const std::vector<TensorId>& tensors, std::uint
       }
       const TensorId h = t.add(t.name[x] + "@" + suffix, t.shape[x], DType::f32, Role::gradient);
       t.home[h] = Residency::host_pinned;
-      g.nodes.add(send, fmt::format("send.{}@{}", t.name[x], suffix), std::span(&x, 1), std::span(&h, 1), {},
-                  Lane::d2h);
+      g.nodes.add(send, fmt::format("send.{}@{}", t.name[x], suffix), std::span(&x, 1), std::span(&h, 1),
+                  copies.attrs(i), Lane::d2h);
       host.push_back(h);
     }
     ins.insert(ins.end(), host.begin(), host.end());
@@ -83,8 +91,8 @@ void append_collective(Graph& g, const std::vector<TensorId>& tensors, std::uint
     written = true;
     for (std::size_t i = first; i < end; ++i) {
       const TensorId h = host[i - first], x = tensors[i];
-      g.nodes.add(receive, fmt::format("receive.{}@{}", t.name[x], suffix), std::span(&h, 1), std::span(&x, 1), {},
-                  Lane::h2d);
+      g.nodes.add(receive, fmt::format("receive.{}@{}", t.name[x], suffix), std::span(&h, 1), std::span(&x, 1),
+                  copies.attrs(i), Lane::h2d);
       after(x);
     }
   }
@@ -225,17 +233,24 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
         const TensorId ins[] = {g.guard, grad};
         g.nodes.add(check, fmt::format("{}.{}@allreduce", overflow_guard_name, g.tensors.name[grad]), ins,
                     std::span(&g.guard, 1));
-      });
+      },
+      {ops::find_op("grad_send"), ops::find_op("grad_receive")});
 }
 
 void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t bucket_bytes) {
   // The trainable weights in tensor order: their place in it is the ordinal of ops::zero_shard,
-  // which the gather node recomputes from the first of its bucket.
-  const auto& t = g.tensors;
+  // which the gather node recomputes from the first of its bucket. Only this rank's share goes to
+  // the host, and only the others' shares come back.
+  const std::vector<ZeroShare> shares = zero_shares(g, zero);
   std::vector<TensorId> weights;
-  for (TensorId w = 0; w < t.size(); ++w) {
-    if (t.role[w] == Role::weight && t.grad[w] != no_tensor) weights.push_back(w);
-  }
+  for (const ZeroShare& s : shares) weights.push_back(s.weight);
+  CollectiveCopies copies{ops::find_op("share_send"), ops::find_op("others_receive")};
+  copies.attrs = [&shares](std::size_t i) {
+    NodeAttrs a;
+    a.i[0] = static_cast<std::int32_t>(shares[i].range.first);
+    a.i[1] = static_cast<std::int32_t>(shares[i].range.count);
+    return a;
+  };
   append_collective(
       g, weights, bucket_bytes, ops::find_op("weight_allgather"), "allgather",
       [&zero](std::size_t first) {
@@ -244,7 +259,7 @@ void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t b
         a.i[2] = static_cast<std::int32_t>(zero.granule);
         return a;
       },
-      [](TensorId) {});
+      [](TensorId) {}, copies);
 }
 
 }  // namespace ferry::graph

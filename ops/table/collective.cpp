@@ -12,6 +12,8 @@
 // it (every reduction but the first), so the gradients are inputs i[0].. and outputs 1...
 //
 //   weight_allgather  in: [order] w'...  out: order w'...   host: every rank's ZeRO share of w'
+//   share_send        in: w (device)   out: w' (pinned host)   d2h copy of elements [i0, i0 + i1) only
+//   others_receive    in: w' (pinned host)   out: w (device)   h2d copy of all elements but those
 //
 //   grad_reduce_scatter  in: [order] g'...  out: order g'... s'...   host: s' = this rank's share of the
 //                        sum over ranks of f0 g' (ZeRO stage 2), one s' per g' of which this rank
@@ -21,6 +23,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <functional>
 
@@ -69,6 +72,41 @@ OpInfo copy_row(const char* name, bool to_device) {
   r.op_class = OpClass::communication;
   r.bind = [to_device](const BindContext& c) { return transfer_copies(c, to_device); };
   r.reference = copy_reference;
+  return r;
+}
+
+// This rank's share of a weight, [attrs.i[0], + attrs.i[1]), and the runs before and after it.
+ElementRun share_of(const NodeAttrs& a) {
+  return {static_cast<std::size_t>(a.i[0]), static_cast<std::size_t>(a.i[1])};
+}
+std::array<ElementRun, 2> others_of(const NodeAttrs& a, std::size_t elems) {
+  const ElementRun s = share_of(a);
+  return {ElementRun{0, s.first}, ElementRun{s.first + s.count, elems - std::min(elems, s.first + s.count)}};
+}
+
+// A copy of some runs of each tensor: `share` the rank's share, else the others'.
+OpInfo run_copy_row(const char* name, bool share) {
+  OpInfo r;
+  r.name = name;
+  r.lane = share ? Lane::d2h : Lane::h2d;
+  r.op_class = OpClass::communication;
+  r.bind = [share](const BindContext& c) {
+    const std::size_t elems = c.input(0).shape.elems();
+    const ElementRun mine = share_of(c.attrs());
+    if (mine.first + mine.count > elems) shape_error(c, "a share past the tensor's end");
+    if (share) return transfer_copies(c, false, std::span(&mine, 1));
+    const auto others = others_of(c.attrs(), elems);
+    return transfer_copies(c, true, others);
+  };
+  r.reference = [share](RefContext& c) {
+    auto src = c.real(c.inputs()[0]);
+    auto dst = c.real(c.outputs()[0]);
+    const ElementRun mine = share_of(c.attrs());
+    for (std::size_t k = 0; k < src.size(); ++k) {
+      const bool in_share = k >= mine.first && k < mine.first + mine.count;
+      if (in_share == share) dst[k] = src[k];
+    }
+  };
   return r;
 }
 
@@ -185,6 +223,8 @@ void register_collective_rows(const AddNamedRow& add) {
   add(copy_row("grad_receive", true));
   add(allgather_row());
   add(reduce_scatter_row());
+  add(run_copy_row("share_send", true));
+  add(run_copy_row("others_receive", false));
 }
 
 }  // namespace ferry::ops::table

@@ -51,7 +51,11 @@ void register_builtin_rows(const AddRow& add);
 // Helpers the rows share.
 // A copy node's launch: input i to output i, host to device (`to_device`) or back, the host side
 // from BindContext::host_in/host_out (ops/table/transfer.cpp).
-LaunchList transfer_copies(const BindContext& c, bool to_device);
+// Elements [first, first + count) of a tensor.
+struct ElementRun {
+  std::size_t first = 0, count = 0;
+};
+LaunchList transfer_copies(const BindContext& c, bool to_device, std::span<const ElementRun> runs = {});
 // An optimizer update's share of its weight (ZeRO sharding; graph::append_optimizer): elements
 // attrs.i[2] .. + attrs.i[3] of the weight and its gradient, against state tensors of that many
 // elements. attrs.i[3] = 0: the whole weight.

@@ -7,19 +7,27 @@
 
 namespace ferry::ops::table {
 
-// One launch that enqueues a copy per (input, output) pair on the node's queue.
-LaunchList transfer_copies(const BindContext& c, bool to_device) {
+// One launch that enqueues a copy per (input, output) pair on the node's queue: each pair whole,
+// or with `runs` the element runs [first, first + count) of every pair (empty runs are skipped).
+LaunchList transfer_copies(const BindContext& c, bool to_device, std::span<const ElementRun> runs) {
   if (c.input_count() != c.output_count()) shape_error(c, "a copy node needs as many outputs as inputs");
   struct Pair {
     DeviceSpan device;
     HostAddress host;
-    std::size_t bytes;
+    std::size_t offset, bytes;
   };
   std::vector<Pair> pairs;
   for (std::size_t i = 0; i < c.input_count(); ++i) {
-    const std::size_t bytes = c.input(i).shape.elems() * dtype_bytes(c.input(i).dtype);
-    pairs.push_back(to_device ? Pair{c.out(i), c.host_in(i), bytes} : Pair{c.in(i), c.host_out(i), bytes});
+    const std::size_t elem = dtype_bytes(c.input(i).dtype), elems = c.input(i).shape.elems();
+    const ElementRun whole{0, elems};
+    for (const ElementRun& run : runs.empty() ? std::span(&whole, 1) : runs) {
+      if (run.count == 0) continue;
+      if (run.first + run.count > elems) shape_error(c, "a copy of elements past the tensor's end");
+      const DeviceSpan d = (to_device ? c.out(i) : c.in(i)).advanced(run.first * elem);
+      pairs.push_back({d, to_device ? c.host_in(i) : c.host_out(i), run.first * elem, run.count * elem});
+    }
   }
+  if (pairs.empty()) return {};  // nothing of this tensor to move (another rank's share)
   KernelLaunch l;
   l.custom = [pairs = std::move(pairs), to_device](cl_command_queue q, std::span<const cl_event> wait) {
     cl::Event last;
@@ -28,11 +36,12 @@ LaunchList transfer_copies(const BindContext& c, bool to_device) {
       const auto nwait = static_cast<cl_uint>(i == 0 ? wait.size() : 0);
       const cl_event* wl = i == 0 && !wait.empty() ? wait.data() : nullptr;
       cl::Event ev;
+      std::byte* host = static_cast<std::byte*>(p.host()) + p.offset;
       if (to_device) {
-        FERRY_CL(clEnqueueWriteBuffer(q, p.device.buffer, CL_FALSE, p.device.offset_bytes, p.bytes, p.host(), nwait, wl,
+        FERRY_CL(clEnqueueWriteBuffer(q, p.device.buffer, CL_FALSE, p.device.offset_bytes, p.bytes, host, nwait, wl,
                                       ev.out()));
       } else {
-        FERRY_CL(clEnqueueReadBuffer(q, p.device.buffer, CL_FALSE, p.device.offset_bytes, p.bytes, p.host(), nwait, wl,
+        FERRY_CL(clEnqueueReadBuffer(q, p.device.buffer, CL_FALSE, p.device.offset_bytes, p.bytes, host, nwait, wl,
                                      ev.out()));
       }
       last = std::move(ev);
