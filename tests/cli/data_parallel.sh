@@ -28,6 +28,19 @@ field() {  # field FILE NAME: a number of the JSON line
 close() {  # close A B: |A - B| <= 2e-6 (1 + |A|)
   python3 -c "import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); sys.exit(not abs(a - b) <= 2e-6 * (1 + abs(a)))" "$1" "$2"
 }
+rank0_keeps() {  # rank0_keeps NAME N KEY WHAT SHARDED: KEY on rank 0 of N is 1/N of one rank's (or all)
+  local name=$1 n=$2 key=$3 what=$4 sharded=$5 one many
+  one=$(field "$work/$name.1.json" "$key")
+  many=$(field "$work/$name.$n.json" "$key")
+  if [ "$sharded" = 1 ]; then
+    python3 -c "import sys; a, b, n, tol = map(float, sys.argv[1:]); sys.exit(not abs(b * n / a - 1) <= tol)" \
+      "$one" "$many" "$n" "$SHARE_TOLERANCE" ||
+      fail "$name: rank 0 keeps $many bytes of $what, not 1/$n of $one (within $SHARE_TOLERANCE)"
+    echo "$name: $what $one bytes alone, $many on rank 0 of $n"
+  else
+    [ "$many" = "$one" ] || fail "$name: unsharded, every rank keeps all $what ($many bytes on rank 0, $one alone)"
+  fi
+}
 same_run() {  # same_run NAME N ARGS...: ferry train ARGS alone and on N ranks give the same losses
   local name=$1 n=$2
   shift 2
@@ -45,28 +58,12 @@ same_run() {  # same_run NAME N ARGS...: ferry train ARGS alone and on N ranks g
   done
   [ "$(field "$work/$name.$n.json" allreduce_bytes_per_step)" = "$(field "$work/$name.1.json" gradient_bytes)" ] ||
     fail "$name: each step should sum every gradient byte over the ranks"
-  local state1 staten
-  state1=$(field "$work/$name.1.json" optimizer_state_bytes)
-  staten=$(field "$work/$name.$n.json" optimizer_state_bytes)
-  if [[ " $* " == *" --zero "[12]" "* ]]; then  # rank 0 keeps its share: 1/N of the state, give or take a cut
-    python3 -c "import sys; s1, sn, n, tol = map(float, sys.argv[1:]); sys.exit(not abs(sn * n / s1 - 1) <= tol)" \
-      "$state1" "$staten" "$n" "$SHARE_TOLERANCE" ||
-      fail "$name: rank 0 keeps $staten bytes of optimizer state, not 1/$n of $state1 (within $SHARE_TOLERANCE)"
-    echo "$name: optimizer state $state1 bytes alone, $staten on rank 0 of $n"
-  else
-    [ "$staten" = "$state1" ] || fail "$name: ZeRO stage 0 keeps all optimizer state on every rank"
-  fi
-  local grad1 gradn
-  grad1=$(field "$work/$name.1.json" gradient_bytes)
-  gradn=$(field "$work/$name.$n.json" gradient_bytes)
-  if [[ " $* " == *" --zero 2 "* ]]; then  # and 1/N of the reduced gradients
-    python3 -c "import sys; g1, gn, n, tol = map(float, sys.argv[1:]); sys.exit(not abs(gn * n / g1 - 1) <= tol)" \
-      "$grad1" "$gradn" "$n" "$SHARE_TOLERANCE" ||
-      fail "$name: rank 0 keeps $gradn bytes of gradients, not 1/$n of $grad1 (within $SHARE_TOLERANCE)"
-    echo "$name: gradients $grad1 bytes alone, $gradn on rank 0 of $n"
-  else
-    [ "$gradn" = "$grad1" ] || fail "$name: below ZeRO stage 2 every rank keeps every gradient"
-  fi
+  # Rank 0 keeps its share (1/N, give or take a cut) of the optimizer state from ZeRO stage 1 on,
+  # and of the reduced gradients at stage 2; below those stages all of it.
+  [[ " $* " == *" --zero "[12]" "* ]] && sharded=1 || sharded=0
+  rank0_keeps "$name" "$n" optimizer_state_bytes "optimizer state" $sharded
+  [[ " $* " == *" --zero 2 "* ]] && sharded=1 || sharded=0
+  rank0_keeps "$name" "$n" gradient_bytes gradients $sharded
   grep -q "data parallel over $n ranks" "$work/$name.$n.err" || fail "$name: no data-parallel banner"
 }
 
