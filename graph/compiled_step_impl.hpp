@@ -18,11 +18,11 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/graph/compiled_step.hpp"
 #include "ferry/offload/pinned_host.hpp"
+#include "request_poller.hpp"
 
 namespace ferry::graph {
 
 using tbb::flow::continue_msg;
-using DoneNode = tbb::flow::async_node<continue_msg, continue_msg>;
 
 // The host's steady clock in nanoseconds (host spans of the timeline).
 inline std::uint64_t steady_ns() {
@@ -62,6 +62,10 @@ struct CompiledStep::Submission {
   static void CL_CALLBACK on_finish(cl_event, cl_int, void* user);
   cl_uint status_host = 0;
   std::atomic<bool> host_non_finite{false};
+  // Per comm node: the collective its work started, until the node's settle gate hands it to the
+  // poller; what the poller caught when testing it failed.
+  std::vector<std::unique_ptr<ops::CommRequest>> requests;
+  std::vector<std::exception_ptr> comm_failures;
   // Flow-graph form: the overflow guard as the commit gate read it. Not finite: the host-lane
   // updates after the commit point skip themselves, as the device updates do.
   float guard_at_commit = 0.0f;
@@ -164,6 +168,12 @@ struct CompiledStep::Impl {
   std::unique_ptr<DoneNode> commit_gate_node;
   EventGate commit_gate;
   cl::Event guard_read;  // the commit gate's read of the guard (guard_at_commit)
+  // Comm nodes: after the work that starts a node's collective, a gate the poller opens when it
+  // completes, and a node that raises what the poller caught. The poller is declared after the
+  // flow graph so that it stops (its requests complete) before the nodes it opens are destroyed.
+  std::vector<std::unique_ptr<DoneNode>> settle_gates;
+  std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> settle_checks;
+  std::unique_ptr<RequestPoller> poller;
 
   explicit Impl(const cl::Context& c) : ctx(c) { last_on_lane.fill(no_node); }
 };

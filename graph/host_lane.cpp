@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <stdexcept>
+#include <utility>
 
 #include "compiled_step_impl.hpp"
 #include "ferry/graph/node_view.hpp"
@@ -23,6 +24,8 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
   impl_->gates.resize(n.size());
   impl_->gate_nodes.resize(n.size());
   impl_->host_work.resize(n.size());
+  impl_->settle_gates.resize(n.size());
+  impl_->settle_checks.resize(n.size());
   Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
     impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
@@ -89,8 +92,10 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
         });
     tbb::flow::make_edge(*impl_->nodes[id], *impl_->gate_nodes[id]);
     tbb::flow::make_edge(*impl_->gate_nodes[id], *impl_->host_work[id]);
+    if (n.lane[id] == Lane::comm) add_settle_gate(id);
   }
   auto exit_of = [&](NodeId id) -> tbb::flow::sender<continue_msg>& {
+    if (impl_->settle_checks[id]) return *impl_->settle_checks[id];
     if (impl_->host_work[id]) return *impl_->host_work[id];
     if (id == impl_->commit) return *impl_->commit_check;
     return *impl_->nodes[id];
@@ -173,6 +178,40 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
   tbb::flow::make_edge(*impl_->finish, *impl_->done);
 }
 
+// A comm node completes when its collective does: after the work that started it, a gate that
+// hands the request to the poller (or opens at once when the work left none: one rank, a
+// transfers-only run), then a node that raises what the poller caught testing it.
+void CompiledStep::add_settle_gate(NodeId id) {
+  Impl* im = impl_.get();
+  if (!im->poller) im->poller = std::make_unique<RequestPoller>();
+  im->settle_gates[id] = std::make_unique<DoneNode>(
+      im->flow, tbb::flow::unlimited, [im, id](const continue_msg&, DoneNode::gateway_type& gw) {
+        Submission& s = *im->running;
+        std::unique_ptr<ops::CommRequest> request = std::move(s.requests[id]);
+        if (!request) {
+          gw.try_put(continue_msg{});
+          return;
+        }
+        const bool timed = im->ctx.profiling();
+        im->poller->add(std::move(request), {&gw, &s.comm_failures[id], timed ? &s.host_end_ns[id] : nullptr});
+      });
+  im->settle_checks[id] =
+      std::make_unique<tbb::flow::continue_node<continue_msg>>(im->flow, [this, im, id](const continue_msg&) {
+        Submission& s = *im->running;
+        if (!s.comm_failures[id]) return;
+        const std::exception_ptr failure = std::exchange(s.comm_failures[id], nullptr);
+        try {
+          std::rethrow_exception(failure);
+        } catch (const std::exception& e) {
+          const auto& nodes = graph_.nodes;
+          throw std::runtime_error(fmt::format("step node '{}' ({}): the collective failed: {}", nodes.name[id],
+                                               op_name(nodes.op[id]), e.what()));
+        }
+      });
+  tbb::flow::make_edge(*im->host_work[id], *im->settle_gates[id]);
+  tbb::flow::make_edge(*im->settle_gates[id], *im->settle_checks[id]);
+}
+
 namespace {
 
 // A host-lane node's operands in host memory: persistent tensors read from the current slot and
@@ -180,14 +219,22 @@ namespace {
 class HostNode final : public NodeView<ops::HostContext> {
  public:
   HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
-           const ops::StepInfo& step, const OptimizerSpec& optimizer, std::atomic<bool>& non_finite)
+           const ops::StepInfo& step, const OptimizerSpec& optimizer, std::atomic<bool>& non_finite,
+           std::unique_ptr<ops::CommRequest>* request)
       : NodeView(g, n),
         arena_(arena),
         at_(std::move(at)),
         step_(step),
         optimizer_(optimizer),
-        non_finite_(non_finite) {}
+        non_finite_(non_finite),
+        request_(request) {}
   void report_non_finite_weight() const override { non_finite_ = true; }
+  // A comm node's collective: its settle gate takes it from here. Other lanes have no gate after
+  // their work, so there the request is waited for (the default).
+  void complete_when(std::unique_ptr<ops::CommRequest> request) const override {
+    if (!request_) return HostContext::complete_when(std::move(request));
+    *request_ = std::move(request);
+  }
   const std::byte* in(std::size_t i) const override {
     if (fail_) throw std::runtime_error(fmt::format("injected failure reading input {} in the host work", i));
     return at_(in_ids()[i], false);
@@ -218,6 +265,7 @@ class HostNode final : public NodeView<ops::HostContext> {
   const ops::StepInfo& step_;
   const OptimizerSpec& optimizer_;
   std::atomic<bool>& non_finite_;
+  std::unique_ptr<ops::CommRequest>* request_;
   bool fail_ = false;
 };
 
@@ -236,7 +284,8 @@ void CompiledStep::run_host_node(NodeId id, Submission& s) {
     throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
   }
   auto at = [this](TensorId x, bool write) { return host_address(x, write); };
-  HostNode node(graph_, id, *persistent_, at, s.step, impl_->optimizer, s.host_non_finite);
+  HostNode node(graph_, id, *persistent_, at, s.step, impl_->optimizer, s.host_non_finite,
+                nodes.lane[id] == Lane::comm ? &s.requests[id] : nullptr);
   if (fault) node.fail();
   try {
     row.host(node);

@@ -441,7 +441,7 @@ void move_weight_narrowing_to_host(Graph& g) {
   auto& t = g.tensors;
   std::vector<std::uint32_t> device_readers(t.size(), 0);
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    if (g.nodes.lane[n] == Lane::host) continue;
+    if (is_host_lane(g.nodes.lane[n])) continue;
     for (TensorId x : g.nodes.inputs(n)) ++device_readers[t.storage(x)];
   }
   NodeTable out;

@@ -30,6 +30,8 @@ void CompiledStep::Submission::reset(std::size_t nodes, bool profiling) {
   finish = cl::Event();
   status_host = 0;
   host_non_finite = false;
+  requests.resize(nodes);  // a request left by a cancelled step is waited for where it is replaced
+  comm_failures.assign(nodes, nullptr);
   failure = nullptr;
   cancelled = false;
   finish_status = CL_COMPLETE;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 
+#include "ferry/ops/communicator.hpp"
 #include "table/rows.hpp"
 
 namespace ferry::ops {
@@ -114,6 +115,10 @@ OpId find_op(std::string_view name) {
     known += fmt::format("{}{}", i ? ", " : "", r.rows[i]->name);
   }
   throw std::invalid_argument(fmt::format("no op named '{}' (known: {})", name, known));
+}
+
+void HostContext::complete_when(std::unique_ptr<CommRequest> request) const {
+  wait(*request);
 }
 
 std::size_t op_count() {

@@ -96,6 +96,8 @@ const char* lane_name(Lane l) {
       return "host";
     case Lane::unpack:
       return "host unpack";
+    case Lane::comm:
+      return "communication";
   }
   return "?";
 }

@@ -87,7 +87,7 @@ void append_collective(Graph& g, const std::vector<TensorId>& tensors, std::uint
     outs.insert(outs.end(), host.begin(), host.end());
     NodeAttrs attrs = attrs_of(first);
     attrs.i[0] = written ? 1 : 0;
-    g.nodes.add(op, fmt::format("{}.{}", suffix, first), ins, outs, attrs, Lane::host);
+    g.nodes.add(op, fmt::format("{}.{}", suffix, first), ins, outs, attrs, Lane::comm);
     written = true;
     for (std::size_t i = first; i < end; ++i) {
       const TensorId h = host[i - first], x = tensors[i];
@@ -116,7 +116,7 @@ void append_guard_agreement(Graph& g) {
   attrs.i[0] = written ? 1 : 0;
   attrs.f[0] = 1.0f;  // the guards themselves, unscaled
   g.nodes.add(ops::find_op("grad_allreduce"), fmt::format("{}@agree", overflow_guard_name), ins, outs, attrs,
-              Lane::host);
+              Lane::comm);
   g.nodes.add(ops::find_op("grad_receive"), fmt::format("receive.{}@agree", overflow_guard_name), std::span(&h, 1),
               std::span(&g.guard, 1), {}, Lane::h2d);
 }
@@ -195,7 +195,7 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
     attrs.i[2] = static_cast<std::int32_t>(zero.granule);
     attrs.i[3] = step == 0 ? 1 : step;
     attrs.f[0] = share;
-    g.nodes.add(reduce, fmt::format("reduce_scatter.{}", first), ins, outs, attrs, Lane::host);
+    g.nodes.add(reduce, fmt::format("reduce_scatter.{}", first), ins, outs, attrs, Lane::comm);
     written = true;
     for (std::size_t k = 0; k < shard_host.size(); ++k) {
       const TensorId w = shard_weights[k], h = shard_host[k];

@@ -2,7 +2,7 @@
 // `communication`:
 //
 //   grad_send       in: g (device)        out: g' (pinned host)   d2h copy
-//   grad_allreduce  in: [order] g'...     out: order g'...        host: g' = sum over ranks of f0 g'
+//   grad_allreduce  in: [order] g'...     out: order g'...        comm: g' = sum over ranks of f0 g'
 //   grad_receive    in: g' (pinned host)  out: g (device)         h2d copy
 //
 // f0 is this rank's share of the global batch (its samples / all samples), so the sum is the
@@ -11,11 +11,11 @@
 // them in the same order (collectives are matched by order). attrs.i[0] is 1 when the node reads
 // it (every reduction but the first), so the gradients are inputs i[0].. and outputs 1...
 //
-//   weight_allgather  in: [order] w'...  out: order w'...   host: every rank's ZeRO share of w'
+//   weight_allgather  in: [order] w'...  out: order w'...   comm: every rank's ZeRO share of w'
 //   share_send        in: w (device)   out: w' (pinned host)   d2h copy of elements [i0, i0 + i1) only
 //   others_receive    in: w' (pinned host)   out: w (device)   h2d copy of all elements but those
 //
-//   grad_reduce_scatter  in: [order] g'...  out: order g'... s'...   host: s' = this rank's share of the
+//   grad_reduce_scatter  in: [order] g'...  out: order g'... s'...   comm: s' = this rank's share of the
 //                        sum over ranks of f0 g' (ZeRO stage 2), one s' per g' of which this rank
 //                        has a share (g' is left scaled). attrs.i[1] is the first g''s ordinal among
 //                        the trainable weights, i[3] the step from one g' to the next (+1 or -1),
@@ -110,12 +110,14 @@ OpInfo run_copy_row(const char* name, bool share) {
   return r;
 }
 
-// A collective's row: a host-lane node of class communication.
+// A collective's row: a node of the communication lane, class communication. Its host function
+// starts the collective and hands the request to the step (HostContext::complete_when): the node
+// completes when the collective does, without a worker waiting for it.
 OpInfo collective_row(const char* name, std::function<void(const HostContext&)> host,
                       std::function<void(RefContext&)> reference) {
   OpInfo r;
   r.name = name;
-  r.lane = Lane::host;
+  r.lane = Lane::comm;
   r.op_class = OpClass::communication;
   r.host = std::move(host);
   r.reference = std::move(reference);
@@ -129,7 +131,7 @@ OpInfo allreduce_row() {
     for (const std::span<float>& b : buffers) {
       for (float& x : b) x *= share;
     }
-    if (Communicator* comm = c.step().communicator) comm->allreduce_sum(buffers);
+    if (Communicator* comm = c.step().communicator) c.complete_when(comm->start_allreduce_sum(buffers));
   };
   // One rank: its share of the batch is all of it, so the reduction is the identity.
   return collective_row("grad_allreduce", host, [](RefContext& c) { one_rank_reference(c, c.attrs().f[0]); });
@@ -154,7 +156,7 @@ OpInfo allgather_row() {
       }
       buffers.push_back(std::move(b));
     }
-    comm->allgather(buffers);
+    c.complete_when(comm->start_allgather(std::move(buffers)));
   };
   // One rank holds every share: the gather is the identity.
   return collective_row("weight_allgather", host, [](RefContext& c) { one_rank_reference(c, 1.0); });
@@ -194,7 +196,7 @@ OpInfo reduce_scatter_row() {
     }
     if (next != c.output_count()) shape_error(c, "more shard outputs than shares of this rank");
     if (comm) {
-      comm->reduce_scatter_sum(buffers);
+      c.complete_when(comm->start_reduce_scatter_sum(std::move(buffers)));
     } else {
       for (const ScatterBuffer& b : buffers) std::copy(b.data.begin(), b.data.end(), b.shard.begin());
     }

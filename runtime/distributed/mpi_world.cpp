@@ -1,6 +1,7 @@
 // ops::Communicator over Open MPI (built when CMake finds MPI). MPI is initialised with thread
-// level multiple on first use: a step's gradient reductions run on TBB workers while the trainer
-// reduces its loss on the calling thread, each on its own communicator.
+// level multiple on first use: a step's collectives are started on TBB workers and tested by the
+// step's request poller while the trainer reduces its loss on the calling thread, each on its own
+// communicator.
 #include <fmt/format.h>
 #include <mpi.h>
 
@@ -57,6 +58,41 @@ std::string library_name() {
   return s;
 }
 
+// The MPI requests of one bucket's collectives, and the count arrays MPI reads until they
+// complete. A request that was started is waited for when destroyed: MPI forbids freeing a
+// non-blocking collective's request, and the other ranks are in the collective too.
+class MpiRequest final : public ops::CommRequest {
+ public:
+  explicit MpiRequest(const char* what) : what_(what) {}
+  ~MpiRequest() override {
+    int finalised = 0;
+    MPI_Finalized(&finalised);
+    if (!done_ && !requests_.empty() && !finalised) {
+      MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+    }
+  }
+  MPI_Request* add() {
+    requests_.push_back(MPI_REQUEST_NULL);
+    return &requests_.back();
+  }
+  bool test() override {
+    if (done_) return true;
+    int flag = 0;
+    check(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE),
+          fmt::format("MPI_Testall of {}", what_).c_str());
+    done_ = flag != 0;
+    return done_;
+  }
+  std::vector<ops::ScatterBuffer> scatters;
+  std::vector<ops::GatherBuffer> gathers;
+  float none = 0.0f;
+
+ private:
+  const char* what_;
+  std::vector<MPI_Request> requests_;
+  bool done_ = false;
+};
+
 class MpiCommunicator final : public ops::Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
@@ -73,53 +109,63 @@ class MpiCommunicator final : public ops::Communicator {
   int size() const override { return size_; }
   std::string name() const override { return library_name(); }
 
+  // The blocking collectives are the non-blocking ones waited for on this thread.
   void allreduce_sum(std::span<const std::span<float>> buffers) override {
-    std::vector<MPI_Request> requests;
+    ops::wait(*start_allreduce_sum({buffers.begin(), buffers.end()}));
+  }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
+    ops::wait(*start_reduce_scatter_sum({buffers.begin(), buffers.end()}));
+  }
+  void allgather(std::span<ops::GatherBuffer> buffers) override {
+    ops::wait(*start_allgather({buffers.begin(), buffers.end()}));
+  }
+
+  std::unique_ptr<ops::CommRequest> start_allreduce_sum(std::vector<std::span<float>> buffers) override {
+    auto r = std::make_unique<MpiRequest>("MPI_Iallreduce of a gradient bucket");
     for (const std::span<float>& b : buffers) {
       // MPI counts are ints: a buffer over 2^31 - 1 elements goes in pieces.
       for (std::size_t at = 0; at < b.size(); at += INT_MAX) {
         const int count = static_cast<int>(std::min<std::size_t>(b.size() - at, INT_MAX));
-        requests.emplace_back();
-        check(MPI_Iallreduce(MPI_IN_PLACE, b.data() + at, count, MPI_FLOAT, MPI_SUM, comm_, &requests.back()),
+        check(MPI_Iallreduce(MPI_IN_PLACE, b.data() + at, count, MPI_FLOAT, MPI_SUM, comm_, r->add()),
               "MPI_Iallreduce of a gradient bucket");
       }
     }
-    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
-          "MPI_Waitall of a gradient bucket");
+    return r;
   }
-  void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
-    std::vector<MPI_Request> requests(buffers.size());
-    for (std::size_t i = 0; i < buffers.size(); ++i) {
-      const ops::ScatterBuffer& b = buffers[i];
+  std::unique_ptr<ops::CommRequest> start_reduce_scatter_sum(std::vector<ops::ScatterBuffer> buffers) override {
+    for (const ops::ScatterBuffer& b : buffers) {
       if (b.data.size() > static_cast<std::size_t>(INT_MAX)) {
         throw std::invalid_argument(
             fmt::format("a reduce-scatter of {} elements: MPI counts are ints, at most {} elements a tensor",
                         b.data.size(), INT_MAX));
       }
+    }
+    auto r = std::make_unique<MpiRequest>("MPI_Ireduce_scatter of a gradient bucket");
+    r->scatters = std::move(buffers);  // MPI reads the counts until the collective completes
+    for (const ops::ScatterBuffer& b : r->scatters) {
       // A rank with no run of this tensor still gives its part of the sum; it receives nothing, into a
       // valid address.
-      float none = 0.0f;
-      check(MPI_Ireduce_scatter(b.data.data(), b.shard.empty() ? &none : b.shard.data(), b.counts.data(), MPI_FLOAT,
-                                MPI_SUM, comm_, &requests[i]),
+      check(MPI_Ireduce_scatter(b.data.data(), b.shard.empty() ? &r->none : b.shard.data(), b.counts.data(), MPI_FLOAT,
+                                MPI_SUM, comm_, r->add()),
             "MPI_Ireduce_scatter of a gradient bucket");
     }
-    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
-          "MPI_Waitall of a gradient bucket");
+    return r;
   }
-  void allgather(std::span<ops::GatherBuffer> buffers) override {
-    std::vector<MPI_Request> requests(buffers.size());
-    for (std::size_t i = 0; i < buffers.size(); ++i) {
-      ops::GatherBuffer& b = buffers[i];
+  std::unique_ptr<ops::CommRequest> start_allgather(std::vector<ops::GatherBuffer> buffers) override {
+    for (const ops::GatherBuffer& b : buffers) {
       if (b.data.size() > static_cast<std::size_t>(INT_MAX)) {
         throw std::invalid_argument(fmt::format(
             "an all-gather of {} elements: MPI counts are ints, at most {} elements a tensor", b.data.size(), INT_MAX));
       }
+    }
+    auto r = std::make_unique<MpiRequest>("MPI_Iallgatherv of a weight bucket");
+    r->gathers = std::move(buffers);
+    for (ops::GatherBuffer& b : r->gathers) {
       check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b.data.data(), b.counts.data(), b.displs.data(),
-                            MPI_FLOAT, comm_, &requests[i]),
+                            MPI_FLOAT, comm_, r->add()),
             "MPI_Iallgatherv of a weight bucket");
     }
-    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
-          "MPI_Waitall of a weight bucket");
+    return r;
   }
   void allreduce_sum(std::span<double> values) override {
     check(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM, comm_),

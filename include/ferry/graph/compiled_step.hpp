@@ -265,6 +265,7 @@ class CompiledStep {
   void enqueue_device_node(Submission& s, NodeId id, std::vector<cl_event>& wait, std::optional<Fault> fault);
   // The flow-graph form (graph/host_lane.cpp), for steps with host-lane nodes.
   void build_flow_graph(const cl::Context& context, bool serial, const std::vector<std::vector<NodeId>>& preds);
+  void add_settle_gate(NodeId id);
   void run_flow_graph(Submission& s);
   // After a failure: drains the queues, rolls back what the step wrote into homes that commit,
   // and returns the exception to throw (PartialUpdateError if it had begun changing state in place).

@@ -43,6 +43,22 @@ struct ScatterBuffer {
   std::vector<int> counts;
 };
 
+// A collective in progress (Communicator::start_*). test() drives the transport's progress and
+// says whether the collective has completed; it throws when the collective failed. The buffers
+// the collective was started on belong to it until then. Destroying an unfinished request waits
+// for it: a collective cannot be abandoned by one rank alone.
+class CommRequest {
+ public:
+  virtual ~CommRequest() = default;
+  virtual bool test() = 0;
+};
+
+// Tests `r` until it completes, yielding the thread in between: the blocking form of a request.
+void wait(CommRequest& r);
+
+// A request that completed when it was made (what the default start_* return).
+std::unique_ptr<CommRequest> completed_request();
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -60,6 +76,15 @@ class Communicator {
   // Each buffer gets every rank's elements from that rank, in place (this rank's are already
   // there). Started together, all complete before the call returns.
   virtual void allgather(std::span<GatherBuffer> buffers) = 0;
+  // The same three collectives started without waiting, for the step's communication lane: each
+  // returns at once, and the collective completes while the caller goes on (the step hands the
+  // request to a thread that tests it). The request owns `buffers` (MPI reads the counts until the
+  // end); the memory they view must stay valid until the request completes. By default these run
+  // the blocking form and return a completed request, so a communicator without non-blocking
+  // collectives still works, with its calls blocking a worker.
+  virtual std::unique_ptr<CommRequest> start_allreduce_sum(std::vector<std::span<float>> buffers);
+  virtual std::unique_ptr<CommRequest> start_reduce_scatter_sum(std::vector<ScatterBuffer> buffers);
+  virtual std::unique_ptr<CommRequest> start_allgather(std::vector<GatherBuffer> buffers);
   // Every rank's value, in rank order.
   virtual std::vector<std::uint64_t> allgather(std::uint64_t value) = 0;
   // A communicator over the same ranks whose collectives never match this one's.

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -25,6 +26,8 @@
 #include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
+
+class CommRequest;  // ferry/ops/communicator.hpp
 
 using OpId = std::uint16_t;
 // A tensor of the step graph (graph::TensorId), as rows see it.
@@ -142,6 +145,10 @@ class HostContext : public ShapeView {
   virtual void pack_home(std::size_t output, const std::byte* src) const = 0;
   // A host update made a weight not finite (the host side of BindContext::step_status).
   virtual void report_non_finite_weight() const = 0;
+  // A communication node's collective, started: the node completes when `request` does, and its
+  // successors wait for that while the worker that ran the node goes on. The default (a context
+  // with nothing to hand the request to) waits for it here.
+  virtual void complete_when(std::unique_ptr<CommRequest> request) const;
 };
 
 // The CPU reference: float operands as double, int32 operands as they are.

@@ -60,15 +60,18 @@ struct NodeAttrs {
 };
 
 // Which engine runs a node. Device queues run in order; events order them against each other.
-// Two host lanes run on TBB workers: `host` (optimizer updates on the host, packing written-back
-// state into its home) and `unpack` (unpacking state from its home into staging ahead of its
-// fetch), so that unpacking the next layer never waits behind packing the last one.
-enum class Lane : std::uint8_t { compute, h2d, d2h, host, unpack };
-inline constexpr int lane_count = 5;
+// Three host lanes run on TBB workers: `host` (optimizer updates on the host, packing written-back
+// state into its home), `unpack` (unpacking state from its home into staging ahead of its fetch,
+// so that unpacking the next layer never waits behind packing the last one) and `comm` (the
+// collectives of data parallelism). A comm node's work starts a collective and the node completes
+// when the collective does; the next comm node may start as soon as this one has started
+// (collectives are matched by the order they start in), so several can be in flight.
+enum class Lane : std::uint8_t { compute, h2d, d2h, host, unpack, comm };
+inline constexpr int lane_count = 6;
 const char* lane_name(Lane l);
 // Whether nodes of `l` run on the host (TBB workers) rather than as device commands.
 constexpr bool is_host_lane(Lane l) {
-  return l == Lane::host || l == Lane::unpack;
+  return l == Lane::host || l == Lane::unpack || l == Lane::comm;
 }
 
 }  // namespace ferry::ops
