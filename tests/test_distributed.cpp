@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <stdexcept>
+#include <thread>
 
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
@@ -163,7 +165,7 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
   auto mirror = std::make_shared<Mirror>(4);
   ranked.data_parallel.communicator = mirror;
   ranked.data_parallel.global_batch = 32;
-  ranked.data_parallel.bucket_bytes = 4096;  // several buckets
+  ranked.data_parallel.bucket_bytes = 64;  // a bucket per weight and bias
   Trainer one(rt, m, alone), four(rt, m, ranked);
   EXPECT_EQ(four.world_size(), 4);
   EXPECT_EQ(four.allreduce_bytes_per_step(), four.gradient_bytes());
@@ -187,6 +189,115 @@ INSTANTIATE_TEST_SUITE_P(Modes, MirroredRanks,
                                            MirrorCase{"streamed", graph::ResidencyMode::stream, false, 1},
                                            MirrorCase{"host_optimizer", graph::ResidencyMode::stream, true, 1}),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// The mirror's sums, but non-blocking: a collective started by start_allreduce_sum writes its sum
+// only when it completes, on the third test() of its request. So a step that read a bucket before
+// its collective completed would train differently from one rank, and a step that waited for a
+// request on the worker that started it (the blocking default) is seen by the thread ids.
+class LateMirror final : public ops::Communicator {
+ public:
+  explicit LateMirror(int n) : n_(n) {}
+  int rank() const override { return 0; }
+  int size() const override { return n_; }
+  std::string name() const override { return "late mirror"; }
+  void allreduce_sum(std::span<const std::span<float>>) override {
+    throw std::logic_error("a step must start its gradient sums without blocking");
+  }
+  void allreduce_sum(std::span<double> values) override {
+    for (double& x : values) x *= n_;
+  }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { throw std::logic_error("stage 0 only"); }
+  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("stage 0 only"); }
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
+    return std::vector<std::uint64_t>(static_cast<std::size_t>(n_), value);
+  }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<LateMirror>(n_); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+
+  std::unique_ptr<ops::CommRequest> start_allreduce_sum(std::vector<std::span<float>> buffers) override {
+    ++started;
+    return std::make_unique<Request>(*this, std::move(buffers));
+  }
+  std::atomic<int> started{0}, completed{0}, tested_by_starter{0};
+  std::atomic<int> in_flight{0}, most_in_flight{0};
+
+ private:
+  class Request final : public ops::CommRequest {
+   public:
+    Request(LateMirror& m, std::vector<std::span<float>> buffers)
+        : m_(m), buffers_(std::move(buffers)), starter_(std::this_thread::get_id()) {
+      const int now = ++m_.in_flight;
+      int most = m_.most_in_flight.load();
+      while (now > most && !m_.most_in_flight.compare_exchange_weak(most, now)) {
+      }
+    }
+    bool test() override {
+      if (std::this_thread::get_id() == starter_) ++m_.tested_by_starter;
+      if (++tests_ < 3) return false;
+      if (!done_) {
+        for (const auto& b : buffers_) {
+          for (float& x : b) x *= static_cast<float>(m_.n_);
+        }
+        done_ = true;
+        --m_.in_flight;
+        ++m_.completed;
+      }
+      return true;
+    }
+
+   private:
+    LateMirror& m_;
+    std::vector<std::span<float>> buffers_;
+    std::thread::id starter_;
+    int tests_ = 0;
+    bool done_ = false;
+  };
+  int n_;
+};
+
+TEST(CommLane, CollectivesCompleteOffTheWorkersAndTheStepWaitsForThem) {
+  for (const bool streamed : {false, true}) {
+    Runtime rt({.profiling = true});
+    const ModelSpec m = small_mlp();
+    TrainerOptions alone;
+    alone.batch = 8;
+    alone.lr = 0.01f;
+    if (streamed) {
+      alone.residency.mode = graph::ResidencyMode::stream;
+      alone.residency.host_optimizer = true;
+      alone.optimizer.kind = graph::OptimizerSpec::Kind::adamw;
+    }
+    TrainerOptions ranked = alone;
+    auto late = std::make_shared<LateMirror>(4);
+    ranked.data_parallel.communicator = late;
+    ranked.data_parallel.global_batch = 32;
+    ranked.data_parallel.bucket_bytes = 64;  // a bucket per weight and bias
+    Trainer one(rt, m, alone), four(rt, m, ranked);
+    const std::size_t sample = m.inputs[0].sample.elems();
+    for (int s = 0; s < 4; ++s) {
+      const auto images = random_vector(8 * sample, 500 + s);
+      const auto labels = labels_for(8, 600 + s);
+      ASSERT_EQ(one.step(images, labels).loss, four.step(images, labels).loss) << "step " << s << " " << streamed;
+    }
+    for (const auto& name : one.tensor_names()) {
+      EXPECT_EQ(one.read_tensor(name).bytes, four.read_tensor(name).bytes) << name << " " << streamed;
+    }
+    EXPECT_EQ(late->started, 4 * 4) << "a bucket per tensor, four steps";
+    EXPECT_EQ(late->completed, late->started);
+    EXPECT_EQ(late->in_flight, 0);
+    EXPECT_EQ(late->tested_by_starter, 0) << "a worker waited for the collective it started";
+    // The trace: the collectives on the communication lane, each spanning its start to its
+    // completion, beside the compute lane.
+    int comm = 0;
+    for (const auto& e : four.train_step().timeline()) {
+      if (e.op != "grad_allreduce") continue;
+      EXPECT_EQ(e.lane, ops::Lane::comm) << e.name;
+      EXPECT_GT(e.end_ns, e.start_ns) << e.name;
+      ++comm;
+    }
+    EXPECT_GT(comm, 2);
+  }
+}
 
 // Rank 0 of two at ZeRO stage 2, the other rank simulated: its half of every gradient sum equals
 // this rank's (sums are twice this rank's), and its overflow guard is NaN when `poisoned` (a
