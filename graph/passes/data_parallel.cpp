@@ -4,7 +4,7 @@
 //
 // Gradients go into buckets of about `bucket_bytes` in the order backward finishes them (the
 // first bucket holds the last layers' gradients). Per bucket: a d2h copy of each gradient into
-// pinned host memory as soon as it is final, one host-lane all-reduce over the bucket, and an h2d
+// pinned host memory as soon as it is final, one all-reduce over the bucket on the comm lane, and an h2d
 // copy back, so the reduction of a bucket overlaps the backward of the layers before it. The
 // reductions read and write one order tensor, which chains them: every rank issues them in the
 // same order. The overflow guard then checks the reduced gradients, so every rank makes the same
@@ -51,51 +51,68 @@ std::vector<std::pair<std::size_t, std::size_t>> buckets_of(const TensorTable& t
   return out;
 }
 
-// The copies of a collective: d2h before it, h2d after it, and each copy's attrs (the rows'
-// element runs) by the tensor's index.
-struct CollectiveCopies {
-  ops::OpId send, receive;
-  std::function<NodeAttrs(std::size_t)> attrs = [](std::size_t) { return NodeAttrs{}; };
+// A collective over buckets of tensors: per bucket, each tensor's d2h copy (`send`, attrs
+// `send_attrs(i)` by the tensor's index) into a new pinned host tensor "<name>@<suffix>", then one
+// node "<suffix>.<first index>", `op`, on the comm lane in the collective chain, whose inputs are the host copies and
+// whose outputs are the host copies and then `extra_output(i)` of each tensor that has one (ZeRO stage 2's shards);
+// then `after(i, host copy, extra)` per tensor (the copies back to the device).
+struct Collective {
+  ops::OpId op;
+  const char* suffix;
+  ops::OpId send;
+  std::function<NodeAttrs(std::size_t bucket)> node_attrs;  // by the bucket's index
+  std::function<void(std::size_t i, TensorId host, TensorId extra)> after;
+  std::function<NodeAttrs(std::size_t i)> send_attrs = [](std::size_t) { return NodeAttrs{}; };
+  std::function<TensorId(std::size_t i)> extra_output = [](std::size_t) { return no_tensor; };
 };
 
-// Per bucket: each tensor's d2h copy into a new pinned host tensor "<name>@<suffix>", one host node
-// `op` over the bucket in the collective chain (attrs from `attrs_of(bucket's first index)`), and
-// each h2d copy back; `after(tensor)` appends what follows a tensor's copy back.
-template <class AttrsOf, class After>
-void append_collective(Graph& g, const std::vector<TensorId>& tensors, std::uint64_t bucket_bytes, ops::OpId op,
-                       const char* suffix, AttrsOf attrs_of, After after, const CollectiveCopies& copies) {
+void append_collective(Graph& g, const std::vector<TensorId>& tensors,
+                       const std::vector<std::pair<std::size_t, std::size_t>>& buckets, const Collective& c) {
   auto& t = g.tensors;
-  const ops::OpId send = copies.send;
-  const ops::OpId receive = copies.receive;
   auto [order, written] = collective_order(g);
-  for (const auto& [first, end] : buckets_of(t, tensors, bucket_bytes)) {
-    std::vector<TensorId> ins, outs{order}, host;
-    if (written) ins.push_back(order);
+  for (std::size_t k = 0; k < buckets.size(); ++k) {
+    const auto [first, end] = buckets[k];
+    std::vector<TensorId> host, extra;
     for (std::size_t i = first; i < end; ++i) {
       const TensorId x = tensors[i];
       if (t.dtype[x] != DType::f32) {
         throw std::invalid_argument(
             fmt::format("data-parallel training moves f32 tensors; '{}' is {}", t.name[x], dtype_name(t.dtype[x])));
       }
-      const TensorId h = t.add(t.name[x] + "@" + suffix, t.shape[x], DType::f32, Role::gradient);
+      const TensorId h = t.add(t.name[x] + "@" + c.suffix, t.shape[x], DType::f32, Role::gradient);
       t.home[h] = Residency::host_pinned;
-      g.nodes.add(send, fmt::format("send.{}@{}", t.name[x], suffix), std::span(&x, 1), std::span(&h, 1),
-                  copies.attrs(i), Lane::d2h);
+      g.nodes.add(c.send, fmt::format("send.{}@{}", t.name[x], c.suffix), std::span(&x, 1), std::span(&h, 1),
+                  c.send_attrs(i), Lane::d2h);
       host.push_back(h);
+      extra.push_back(c.extra_output(i));
     }
+    std::vector<TensorId> ins, outs{order};
+    if (written) ins.push_back(order);
     ins.insert(ins.end(), host.begin(), host.end());
     outs.insert(outs.end(), host.begin(), host.end());
-    NodeAttrs attrs = attrs_of(first);
-    attrs.i[0] = written ? 1 : 0;
-    g.nodes.add(op, fmt::format("{}.{}", suffix, first), ins, outs, attrs, Lane::comm);
-    written = true;
-    for (std::size_t i = first; i < end; ++i) {
-      const TensorId h = host[i - first], x = tensors[i];
-      g.nodes.add(receive, fmt::format("receive.{}@{}", t.name[x], suffix), std::span(&h, 1), std::span(&x, 1),
-                  copies.attrs(i), Lane::h2d);
-      after(x);
+    for (TensorId e : extra) {
+      if (e != no_tensor) outs.push_back(e);
     }
+    NodeAttrs attrs = c.node_attrs(k);
+    attrs.i[0] = written ? 1 : 0;
+    g.nodes.add(c.op, fmt::format("{}.{}", c.suffix, first), ins, outs, attrs, Lane::comm);
+    written = true;
+    for (std::size_t i = first; i < end; ++i) c.after(i, host[i - first], extra[i - first]);
   }
+}
+
+// A copy back to the device of `host` into `x`, after a collective.
+void receive(Graph& g, ops::OpId op, const char* suffix, TensorId host, TensorId x, NodeAttrs attrs = {}) {
+  g.nodes.add(op, fmt::format("receive.{}@{}", g.tensors.name[x], suffix), std::span(&host, 1), std::span(&x, 1), attrs,
+              Lane::h2d);
+}
+
+// The overflow guard's check of a tensor the collective brought back.
+void check_received(Graph& g, TensorId x, const char* suffix) {
+  if (g.guard == no_tensor) return;
+  const TensorId ins[] = {g.guard, x};
+  g.nodes.add(ops::find_op("overflow_guard_check"),
+              fmt::format("{}.{}@{}", overflow_guard_name, g.tensors.name[x], suffix), ins, std::span(&g.guard, 1));
 }
 
 // The overflow guard summed over the ranks, after every reduction of the step: a guard that is
@@ -103,22 +120,15 @@ void append_collective(Graph& g, const std::vector<TensorId>& tensors, std::uint
 // same decision to update or to skip.
 void append_guard_agreement(Graph& g) {
   if (g.guard == no_tensor) return;
-  auto& t = g.tensors;
-  auto [order, written] = collective_order(g);
-  const TensorId h = t.add(std::string(overflow_guard_name) + "@agree", Shape{1}, DType::f32, Role::gradient);
-  t.home[h] = Residency::host_pinned;
-  g.nodes.add(ops::find_op("grad_send"), fmt::format("send.{}@agree", overflow_guard_name), std::span(&g.guard, 1),
-              std::span(&h, 1), {}, Lane::d2h);
-  std::vector<TensorId> ins, outs{order, h};
-  if (written) ins.push_back(order);
-  ins.push_back(h);
-  NodeAttrs attrs;
-  attrs.i[0] = written ? 1 : 0;
-  attrs.f[0] = 1.0f;  // the guards themselves, unscaled
-  g.nodes.add(ops::find_op("grad_allreduce"), fmt::format("{}@agree", overflow_guard_name), ins, outs, attrs,
-              Lane::comm);
-  g.nodes.add(ops::find_op("grad_receive"), fmt::format("receive.{}@agree", overflow_guard_name), std::span(&h, 1),
-              std::span(&g.guard, 1), {}, Lane::h2d);
+  const ops::OpId back = ops::find_op("grad_receive");
+  append_collective(g, {g.guard}, {{0, 1}},
+                    {ops::find_op("grad_allreduce"), "agree", ops::find_op("grad_send"),
+                     [](std::size_t) {
+                       NodeAttrs a;
+                       a.f[0] = 1.0f;  // the guards themselves, unscaled
+                       return a;
+                     },
+                     [&g, back](std::size_t, TensorId host, TensorId) { receive(g, back, "agree", host, g.guard); }});
 }
 
 }  // namespace
@@ -138,10 +148,6 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
     throw std::invalid_argument(fmt::format("gradient reduce-scatter: a rank's share of the batch is {}", share));
   }
   auto& t = g.tensors;
-  const ops::OpId send = ops::find_op("grad_send");
-  const ops::OpId reduce = ops::find_op("grad_reduce_scatter");
-  const ops::OpId receive = ops::find_op("grad_receive");
-  const ops::OpId check = ops::find_op("overflow_guard_check");
   // Each weight's ordinal (its place among the trainable weights) and this rank's share of it.
   std::vector<std::size_t> ordinal(t.size());
   std::vector<ops::ShardRange> mine(t.size());
@@ -154,7 +160,8 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
   // ordinals run in steps of +1 or -1 (backward finishes layers in reverse), so that a node's
   // attrs give every ordinal of its bucket (the reduction needs each tensor's shares on all ranks).
   const std::vector<TensorId> weights = weights_in_gradient_order(g);
-  auto [order, written] = collective_order(g);
+  std::vector<std::pair<std::size_t, std::size_t>> buckets;
+  std::vector<int> steps;  // per bucket: +1 or -1
   for (std::size_t first = 0; first < weights.size();) {
     std::size_t end = first + 1;
     std::uint64_t bytes = t.bytes(t.grad[weights[first]]);
@@ -166,51 +173,42 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
       step = static_cast<int>(d);
       bytes += t.bytes(t.grad[weights[end++]]);
     }
-    std::vector<TensorId> ins, outs{order}, whole, shard_host, shard_weights;
-    if (written) ins.push_back(order);
-    for (std::size_t i = first; i < end; ++i) {
-      const TensorId w = weights[i], grad = t.grad[w];
-      if (t.dtype[grad] != DType::f32) {
-        throw std::invalid_argument(fmt::format("data-parallel training moves f32 tensors; '{}' is {}", t.name[grad],
-                                                dtype_name(t.dtype[grad])));
-      }
-      const TensorId h = t.add(t.name[grad] + "@reduce", t.shape[grad], DType::f32, Role::gradient);
-      t.home[h] = Residency::host_pinned;
-      g.nodes.add(send, fmt::format("send.{}@reduce", t.name[grad]), std::span(&grad, 1), std::span(&h, 1), {},
-                  Lane::d2h);
-      whole.push_back(h);
-      if (mine[w].count == 0) continue;  // another rank's alone
-      const TensorId s =
-          t.add(t.name[grad] + "@shard", Shape{static_cast<std::uint32_t>(mine[w].count)}, DType::f32, Role::gradient);
-      t.home[s] = Residency::host_pinned;
-      shard_host.push_back(s);
-      shard_weights.push_back(w);
-    }
-    ins.insert(ins.end(), whole.begin(), whole.end());
-    outs.insert(outs.end(), whole.begin(), whole.end());
-    outs.insert(outs.end(), shard_host.begin(), shard_host.end());
-    NodeAttrs attrs;
-    attrs.i[0] = written ? 1 : 0;
-    attrs.i[1] = static_cast<std::int32_t>(ordinal[weights[first]]);
-    attrs.i[2] = static_cast<std::int32_t>(zero.granule);
-    attrs.i[3] = step == 0 ? 1 : step;
-    attrs.f[0] = share;
-    g.nodes.add(reduce, fmt::format("reduce_scatter.{}", first), ins, outs, attrs, Lane::comm);
-    written = true;
-    for (std::size_t k = 0; k < shard_host.size(); ++k) {
-      const TensorId w = shard_weights[k], h = shard_host[k];
-      const TensorId s = t.add(t.name[t.grad[w]] + ".shard", t.shape[h], DType::f32, Role::gradient);
-      g.nodes.add(receive, fmt::format("receive.{}@reduce", t.name[t.grad[w]]), std::span(&h, 1), std::span(&s, 1), {},
-                  Lane::h2d);
-      if (g.guard != no_tensor) {
-        const TensorId check_ins[] = {g.guard, s};
-        g.nodes.add(check, fmt::format("{}.{}@reduce", overflow_guard_name, t.name[s]), check_ins,
-                    std::span(&g.guard, 1));
-      }
-      t.grad[w] = s;  // what the update reads
-    }
+    buckets.emplace_back(first, end);
+    steps.push_back(step == 0 ? 1 : step);
     first = end;
   }
+  std::vector<TensorId> grads;
+  for (TensorId w : weights) grads.push_back(t.grad[w]);
+  const ops::OpId back = ops::find_op("grad_receive");
+  Collective c{ops::find_op("grad_reduce_scatter"), "reduce", ops::find_op("grad_send"),
+               [&](std::size_t k) {
+                 NodeAttrs a;
+                 a.i[1] = static_cast<std::int32_t>(ordinal[weights[buckets[k].first]]);
+                 a.i[2] = static_cast<std::int32_t>(zero.granule);
+                 a.i[3] = steps[k];
+                 a.f[0] = share;
+                 return a;
+               },
+               // This rank's share of the sum comes back into a device tensor "<g>.shard" the update reads.
+               [&](std::size_t i, TensorId, TensorId host_shard) {
+                 if (host_shard == no_tensor) return;  // another rank's alone
+                 const TensorId w = weights[i];
+                 const TensorId s =
+                     t.add(t.name[t.grad[w]] + ".shard", t.shape[host_shard], DType::f32, Role::gradient);
+                 g.nodes.add(back, fmt::format("receive.{}@reduce", t.name[t.grad[w]]), std::span(&host_shard, 1),
+                             std::span(&s, 1), {}, Lane::h2d);
+                 check_received(g, s, "reduce");
+                 t.grad[w] = s;
+               }};
+  c.extra_output = [&](std::size_t i) {
+    const TensorId w = weights[i];
+    if (mine[w].count == 0) return no_tensor;
+    const TensorId s = t.add(t.name[t.grad[w]] + "@shard", Shape{static_cast<std::uint32_t>(mine[w].count)}, DType::f32,
+                             Role::gradient);
+    t.home[s] = Residency::host_pinned;
+    return s;
+  };
+  append_collective(g, grads, buckets, c);
   append_guard_agreement(g);
 }
 
@@ -218,23 +216,20 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
   if (!(share > 0.0f && share <= 1.0f)) {
     throw std::invalid_argument(fmt::format("gradient all-reduce: a rank's share of the batch is {}", share));
   }
-  const ops::OpId check = ops::find_op("overflow_guard_check");
   std::vector<TensorId> grads;
   for (TensorId w : weights_in_gradient_order(g)) grads.push_back(g.tensors.grad[w]);
-  append_collective(
-      g, grads, bucket_bytes, ops::find_op("grad_allreduce"), "allreduce",
-      [share](std::size_t) {
-        NodeAttrs a;
-        a.f[0] = share;
-        return a;
-      },
-      [&g, check](TensorId grad) {
-        if (g.guard == no_tensor) return;
-        const TensorId ins[] = {g.guard, grad};
-        g.nodes.add(check, fmt::format("{}.{}@allreduce", overflow_guard_name, g.tensors.name[grad]), ins,
-                    std::span(&g.guard, 1));
-      },
-      {ops::find_op("grad_send"), ops::find_op("grad_receive")});
+  const ops::OpId back = ops::find_op("grad_receive");
+  append_collective(g, grads, buckets_of(g.tensors, grads, bucket_bytes),
+                    {ops::find_op("grad_allreduce"), "allreduce", ops::find_op("grad_send"),
+                     [share](std::size_t) {
+                       NodeAttrs a;
+                       a.f[0] = share;
+                       return a;
+                     },
+                     [&](std::size_t i, TensorId host, TensorId) {
+                       receive(g, back, "allreduce", host, grads[i]);
+                       check_received(g, grads[i], "allreduce");
+                     }});
 }
 
 void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t bucket_bytes) {
@@ -244,22 +239,25 @@ void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t b
   const std::vector<ZeroShare> shares = zero_shares(g, zero);
   std::vector<TensorId> weights;
   for (const ZeroShare& s : shares) weights.push_back(s.weight);
-  CollectiveCopies copies{ops::find_op("share_send"), ops::find_op("others_receive")};
-  copies.attrs = [&shares](std::size_t i) {
+  const auto share_attrs = [&shares](std::size_t i) {
     NodeAttrs a;
     a.i[0] = static_cast<std::int32_t>(shares[i].range.first);
     a.i[1] = static_cast<std::int32_t>(shares[i].range.count);
     return a;
   };
-  append_collective(
-      g, weights, bucket_bytes, ops::find_op("weight_allgather"), "allgather",
-      [&zero](std::size_t first) {
+  const ops::OpId back = ops::find_op("others_receive");
+  const auto buckets = buckets_of(g.tensors, weights, bucket_bytes);
+  Collective c{
+      ops::find_op("weight_allgather"), "allgather", ops::find_op("share_send"),
+      [&](std::size_t k) {
         NodeAttrs a;
-        a.i[1] = static_cast<std::int32_t>(first);
+        a.i[1] = static_cast<std::int32_t>(buckets[k].first);
         a.i[2] = static_cast<std::int32_t>(zero.granule);
         return a;
       },
-      [](TensorId) {}, copies);
+      [&](std::size_t i, TensorId host, TensorId) { receive(g, back, "allgather", host, weights[i], share_attrs(i)); }};
+  c.send_attrs = share_attrs;
+  append_collective(g, weights, buckets, c);
 }
 
 }  // namespace ferry::graph
