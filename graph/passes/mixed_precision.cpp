@@ -20,14 +20,6 @@
 #include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
-namespace {
-
-bool computes_narrow(OpId op) {
-  return op == builtin::linear || op == builtin::conv2d || op == builtin::activation || op == builtin::maxpool2d;
-}
-
-}  // namespace
-
 NodeId head_layer(const Graph& g) {
   const auto& t = g.tensors;
   NodeId head = static_cast<NodeId>(g.nodes.size());
@@ -76,7 +68,7 @@ void apply_mixed_precision(Graph& g, DType narrow) {
       out.add_copy(old, n);
       continue;
     }
-    const bool low = n != head && computes_narrow(old.op[n]) && row.float_dtypes.contains(narrow);
+    const bool low = n != head && row.computes_narrow && row.float_dtypes.contains(narrow);
     ins.assign(old.inputs(n).begin(), old.inputs(n).end());
     for (TensorId& x : ins) {
       if (!ops::dtype_is_float(t.dtype[x])) continue;

@@ -17,11 +17,10 @@
 namespace ferry::graph {
 namespace {
 
-// The per-output-channel layout of a layer's weight, if it is a layer this pass quantizes.
+// The per-output-channel layout of a layer's weight, if its row quantizes it.
 std::optional<ops::QuantLayout> layout_of(OpId op, const Shape& w) {
-  if (op == builtin::linear && w.rank == 2) return ops::QuantLayout::linear_weight(w[0], w[1]);
-  if (op == builtin::conv2d && w.rank == 4) return ops::QuantLayout::conv_weight(w[0], w[1], w[2], w[3]);
-  return std::nullopt;
+  const ops::OpInfo& row = ops::op_info(op);
+  return row.int8_weight_layout ? row.int8_weight_layout(w) : std::nullopt;
 }
 
 }  // namespace

@@ -18,6 +18,7 @@ OpInfo activation_row() {
   OpInfo r;
   r.name = "activation";
   r.float_dtypes = activation_dtypes;
+  r.computes_narrow = true;
   r.infer = [](const ShapeView& v) {
     const int k = v.attrs().i[0];
     if (k != static_cast<int>(Activation::relu) && k != static_cast<int>(Activation::gelu)) {

@@ -36,6 +36,11 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
   OpInfo r;
   r.name = "conv2d";
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
+  r.computes_narrow = true;
+  r.int8_weight_layout = [](const Shape& w) -> std::optional<QuantLayout> {
+    if (w.rank != 4) return std::nullopt;
+    return QuantLayout::conv_weight(w[0], w[1], w[2], w[3]);
+  };
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape, w = v.input(1).shape;
     const auto stride = static_cast<std::uint32_t>(v.attrs().i[0]), pad = static_cast<std::uint32_t>(v.attrs().i[1]);

@@ -34,6 +34,11 @@ OpInfo linear_row() {
   OpInfo r;
   r.name = "linear";
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
+  r.computes_narrow = true;
+  r.int8_weight_layout = [](const Shape& w) -> std::optional<QuantLayout> {
+    if (w.rank != 2) return std::nullopt;
+    return QuantLayout::linear_weight(w[0], w[1]);
+  };
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape, w = v.input(1).shape;
     if (x.rank < 2) {

@@ -39,6 +39,11 @@ OpInfo sgd_row() {  // in: w g v [loss]  out: w v
   OpInfo r;
   r.name = "sgd_update";
   r.op_class = OpClass::update;
+  // Without momentum the velocity is the gradient itself, which dies at this update: its buffer
+  // serves rather than a state tensor kept (and, when streaming, moved).
+  r.optimizer_state = [](const OptimizerConfig& o, std::size_t) {
+    return std::vector<OptimizerStateDecl>{{.suffix = ".momentum", .is_gradient = o.sgd.momentum == 0.0f}};
+  };
   r.bind = [](const BindContext& c) {
     const UpdateSlice s = update_slice(c);
     return sgd_update(c.env(), c.optimizer().sgd, sliced(c, 0, s), sliced(c, 1, s), sliced(c, 2, s), s.count,
@@ -63,6 +68,9 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   OpInfo r;
   r.name = "adam_update";
   r.op_class = OpClass::update;
+  r.optimizer_state = [](const OptimizerConfig&, std::size_t) {
+    return std::vector<OptimizerStateDecl>{{.suffix = ".adam_m"}, {.suffix = ".adam_v"}};
+  };
   r.bind = [](const BindContext& c) {
     const UpdateSlice s = update_slice(c);
     return adam_update(c.env(), c.optimizer().adam_config(), sliced(c, 0, s), sliced(c, 1, s), c.in(2), c.in(3),
@@ -91,6 +99,19 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
   OpInfo r;
   r.name = "adam8bit_update";
   r.op_class = OpClass::update;
+  // 8-bit moments (u8 codes) and their block scales [2, blocks]; zero scales make every code 0.
+  r.optimizer_state = [](const OptimizerConfig& o, std::size_t elems) {
+    check_adam8bit_block(o.block8bit);
+    const auto blocks = static_cast<std::uint32_t>(adam8bit_blocks(elems, o.block8bit));
+    return std::vector<OptimizerStateDecl>{{.suffix = ".adam8_m", .dtype = DType::u8},
+                                           {.suffix = ".adam8_v", .dtype = DType::u8},
+                                           {.suffix = ".adam8_scales", .shape = Shape{2, blocks}}};
+  };
+  r.update_attrs = [](const OptimizerConfig& o) {
+    NodeAttrs a;
+    a.i[0] = static_cast<std::int32_t>(o.block8bit);
+    return a;
+  };
   r.bind = [](const BindContext& c) {
     const UpdateSlice s = update_slice(c);
     return adam8bit_update(c.env(), c.optimizer().adam_config(), static_cast<std::uint32_t>(c.attrs().i[0]),

@@ -15,12 +15,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "ferry/ops/cast.hpp"
 #include "ferry/ops/launch.hpp"
 #include "ferry/ops/optimizer.hpp"
 #include "ferry/ops/types.hpp"
@@ -162,6 +164,15 @@ class RefContext : public ShapeView {
   virtual const OptimizerConfig& optimizer() const = 0;
 };
 
+// One state tensor an optimizer's update keeps per weight: inputs 2.. and outputs 1.. of the update
+// node, in order. graph::append_optimizer makes it, zero-initialised, named "<weight><suffix>".
+struct OptimizerStateDecl {
+  std::string suffix;
+  DType dtype = DType::f32;
+  std::optional<Shape> shape;  // nothing: the shape of the weight (or of its ZeRO share, 1-D)
+  bool is_gradient = false;    // the gradient's own buffer serves (it dies at the update): nothing is kept
+};
+
 struct OpInfo {
   std::string name;
   Lane lane = Lane::compute;
@@ -178,6 +189,18 @@ struct OpInfo {
   // Floating-point operations of one run of the node, for the planner's step-time estimate
   // (ferry::plan_training): 2 M N K for the GEMM-like rows. Null: one per output element.
   std::function<std::uint64_t(const ShapeView&)> flops;
+  // Mixed precision (graph::apply_mixed_precision): whether the op computes in the narrow dtype
+  // (f16, bf16) when `float_dtypes` holds it. The layers do; losses, norms and softmax stay f32.
+  bool computes_narrow = false;
+  // int8 weights in the Predict phase (graph::apply_int8_weights): how the op's weight (input 1) of
+  // this shape splits into per-output-channel scales, or nothing when the op's weight is not
+  // quantized. Null: no op weight of this row is.
+  std::function<std::optional<QuantLayout>(const Shape& weight)> int8_weight_layout;
+  // An optimizer's update row (class update; graph::append_optimizer): the state it keeps for a
+  // weight, or for its ZeRO share, of `elems` elements, and the node's attrs (attrs.i[2], i[3] are
+  // the share's first element and count, which the pass sets).
+  std::function<std::vector<OptimizerStateDecl>(const OptimizerConfig&, std::size_t elems)> optimizer_state;
+  std::function<NodeAttrs(const OptimizerConfig&)> update_attrs;  // null: none
 };
 
 // Adds a row; returns its id. Throws std::invalid_argument for an empty or taken name, or a row
