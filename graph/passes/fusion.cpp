@@ -1,4 +1,5 @@
-// The fusion pass (before mixed precision and autodiff), in two rewrites:
+// The fusion pass (before mixed precision and autodiff). Which ops fuse is said by their rows
+// (OpInfo::relu_fusion, is_relu, merge_with_producer); the rewrites today's rows allow:
 //   relu -> maxpool2d becomes one maxpool2d with the ReLU fused in (attrs.i[2] = 1). max over a
 //     window of relu(x) = relu(max over the window of x), and the ReLU's gradient mask at the
 //     window's argmax is whether that maximum is positive, so the fused pool computes the same
@@ -16,14 +17,19 @@
 #include <vector>
 
 #include "ferry/graph/autodiff.hpp"
-#include "ferry/ops/activation.hpp"
 #include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
 namespace {
 
 bool is_relu(const NodeTable& nodes, NodeId n) {
-  return nodes.op[n] == builtin::activation && nodes.attrs[n].i[0] == static_cast<int>(ops::Activation::relu);
+  const ops::OpInfo& row = ops::op_info(nodes.op[n]);
+  return row.is_relu && row.is_relu(nodes.attrs[n]);
+}
+
+// A node of a row that takes in a ReLU `how`, and has not yet.
+bool takes_relu(const NodeTable& nodes, NodeId n, ops::ReluFusion how) {
+  return ops::op_info(nodes.op[n]).relu_fusion == how && nodes.attrs[n].i[2] == 0;
 }
 
 }  // namespace
@@ -86,7 +92,7 @@ void fuse_into_pools(Graph& g) {
   const Uses uses(g);
   std::vector<NodeId> relu_of(old.size(), Uses::no_node(g));  // pool node -> the ReLU it takes in
   for (NodeId n = 0; n < old.size(); ++n) {
-    if (old.op[n] != builtin::maxpool2d || old.attrs[n].i[2] != 0) continue;
+    if (!takes_relu(old, n, ops::ReluFusion::reads_its_input)) continue;
     const TensorId y = old.inputs(n)[0];
     const NodeId r = uses.producer[y];
     if (r == old.size() || !is_relu(old, r) || !uses.read_once(g, y)) continue;
@@ -106,7 +112,7 @@ void fuse_into_convolutions(Graph& g) {
     if (!is_relu(old, n)) continue;
     const TensorId y = old.inputs(n)[0];
     const NodeId c = uses.producer[y];
-    if (c == old.size() || old.op[c] != builtin::conv2d || old.attrs[c].i[2] != 0 || !uses.read_once(g, y)) continue;
+    if (c == old.size() || !takes_relu(old, c, ops::ReluFusion::writes_its_output) || !uses.read_once(g, y)) continue;
     relu_of[c] = n;
   }
   absorb_relus(g, relu_of, [&](std::vector<TensorId>&, std::vector<TensorId>& outs, NodeId relu) {
@@ -114,20 +120,22 @@ void fuse_into_convolutions(Graph& g) {
   });
 }
 
-// add -> layernorm: the LayerNorm's node moves to the add's place as an add_layernorm that also
-// writes the sum (whose other readers, all later than the add, still find it there).
-void fuse_residual_layernorms(Graph& g) {
-  static const ops::OpId add_layernorm = ops::find_op("add_layernorm");
+// A node merged into its producer's place (OpInfo::merge_with_producer; add -> layernorm): the
+// LayerNorm's node moves to the add's place as an add_layernorm that also writes the sum (whose
+// other readers, all later than the add, still find it there).
+void merge_with_producers(Graph& g) {
   const NodeTable& old = g.nodes;
   const Uses uses(g);
   const NodeId none = Uses::no_node(g);
-  std::vector<NodeId> norm_of(old.size(), none);  // add node -> the LayerNorm it becomes
+  std::vector<NodeId> norm_of(old.size(), none);  // producer node -> the node it becomes one with
   std::vector<bool> dropped(old.size(), false);
   for (NodeId n = 0; n < old.size(); ++n) {
-    if (old.op[n] != builtin::layernorm) continue;
+    const auto& merge = ops::op_info(old.op[n]).merge_with_producer;
+    if (merge.producer.empty()) continue;
     const TensorId x = old.inputs(n)[0];
     const NodeId a = uses.producer[x];
-    if (a == none || old.op[a] != builtin::add || norm_of[a] != none) continue;
+    if (a == none || ops::op_info(old.op[a]).name != merge.producer || norm_of[a] != none) continue;
+    if (old.inputs(a).size() != 2) continue;
     const auto& t = g.tensors;
     const TensorId l = old.inputs(a)[0], r = old.inputs(a)[1];
     if (t.role[x] != Role::activation || x == g.loss || t.alias_of[x] != no_tensor || !(t.shape[l] == t.shape[x]) ||
@@ -145,9 +153,12 @@ void fuse_residual_layernorms(Graph& g) {
       out.add_copy(old, n);
       continue;
     }
-    const TensorId ins[] = {old.inputs(n)[0], old.inputs(n)[1], old.inputs(norm)[1], old.inputs(norm)[2]};
-    const TensorId outs[] = {old.outputs(n)[0], old.outputs(norm)[0], old.outputs(norm)[1], old.outputs(norm)[2]};
-    out.add(add_layernorm, old.name[norm], ins, outs, old.attrs[norm], old.lane[norm]);
+    std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
+    ins.insert(ins.end(), old.inputs(norm).begin() + 1, old.inputs(norm).end());
+    std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
+    outs.insert(outs.end(), old.outputs(norm).begin(), old.outputs(norm).end());
+    const ops::OpId fused = ops::find_op(ops::op_info(old.op[norm]).merge_with_producer.fused);
+    out.add(fused, old.name[norm], ins, outs, old.attrs[norm], old.lane[norm]);
   }
   g.nodes = std::move(out);
 }
@@ -161,7 +172,7 @@ void fuse_relu_maxpool(Graph& g) {
 void fuse_layers(Graph& g) {
   fuse_into_pools(g);  // first: a ReLU a pool reads is cheaper there than in the convolution
   fuse_into_convolutions(g);
-  fuse_residual_layernorms(g);
+  merge_with_producers(g);
 }
 
 }  // namespace ferry::graph

@@ -19,6 +19,7 @@ OpInfo activation_row() {
   r.name = "activation";
   r.float_dtypes = activation_dtypes;
   r.computes_narrow = true;
+  r.is_relu = [](const NodeAttrs& a) { return a.i[0] == static_cast<int>(Activation::relu); };
   r.infer = [](const ShapeView& v) {
     const int k = v.attrs().i[0];
     if (k != static_cast<int>(Activation::relu) && k != static_cast<int>(Activation::gelu)) {

@@ -37,6 +37,7 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
   r.name = "conv2d";
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.computes_narrow = true;
+  r.relu_fusion = ReluFusion::writes_its_output;
   r.int8_weight_layout = [](const Shape& w) -> std::optional<QuantLayout> {
     if (w.rank != 4) return std::nullopt;
     return QuantLayout::conv_weight(w[0], w[1], w[2], w[3]);

@@ -37,6 +37,7 @@ std::vector<TensorDesc> normalised_outputs(const ShapeView& v, std::size_t gain,
 OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
   OpInfo r;
   r.name = "layernorm";
+  r.merge_with_producer = {"add", "add_layernorm"};
   r.infer = [](const ShapeView& v) { return normalised_outputs(v, 1, false); };
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;

@@ -28,6 +28,7 @@ OpInfo maxpool2d_row() {  // in: x  out: y argmax
   r.name = "maxpool2d";
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.computes_narrow = true;
+  r.relu_fusion = ReluFusion::reads_its_input;
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape;
     const auto window = static_cast<std::uint32_t>(v.attrs().i[0]), stride = static_cast<std::uint32_t>(v.attrs().i[1]);

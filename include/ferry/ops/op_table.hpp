@@ -173,6 +173,12 @@ struct OptimizerStateDecl {
   bool is_gradient = false;    // the gradient's own buffer serves (it dies at the update): nothing is kept
 };
 
+// How a node of an op takes in a ReLU beside it (graph/passes/fusion.cpp), marked fused by
+// attrs.i[2] = 1: `reads_its_input` (relu -> op: the op reads the ReLU's input and applies the ReLU
+// first; a max pool), `writes_its_output` (op -> relu: the op writes the ReLU's output, the ReLU
+// in its epilogue; a convolution).
+enum class ReluFusion : std::uint8_t { none, reads_its_input, writes_its_output };
+
 struct OpInfo {
   std::string name;
   Lane lane = Lane::compute;
@@ -201,6 +207,16 @@ struct OpInfo {
   // the share's first element and count, which the pass sets).
   std::function<std::vector<OptimizerStateDecl>(const OptimizerConfig&, std::size_t elems)> optimizer_state;
   std::function<NodeAttrs(const OptimizerConfig&)> update_attrs;  // null: none
+  // Fusion (graph::fuse_layers), exact rewrites a row allows: how it takes in a ReLU; whether a
+  // node of it is a ReLU (the activation row); and the op a node of it becomes at the place of
+  // the node that wrote its input 0 when that one is of op `producer` (layernorm after an add
+  // becomes add_layernorm: inputs the producer's two then this node's 1.., outputs the producer's
+  // then this node's).
+  ReluFusion relu_fusion = ReluFusion::none;
+  std::function<bool(const NodeAttrs&)> is_relu;
+  struct MergeWithProducer {
+    std::string producer, fused;
+  } merge_with_producer;
 };
 
 // Adds a row; returns its id. Throws std::invalid_argument for an empty or taken name, or a row
