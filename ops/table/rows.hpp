@@ -14,7 +14,7 @@ using AddRow = std::function<void(OpInfo, OpId expected)>;
 void register_transfer_rows(const AddRow& add);  // upload, download, fetch, write_back, unpack, pack
 void register_linear_rows(const AddRow& add);    // linear and its two gradients
 void register_activation_rows(const AddRow& add);
-void register_add_row(const AddRow& add);
+void register_add_row(const AddRow& add);  // ops/table/add.cpp: the elementwise sum
 void register_layernorm_rows(const AddRow& add);
 void register_conv2d_rows(const AddRow& add);
 void register_pool_rows(const AddRow& add);
