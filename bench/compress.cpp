@@ -53,7 +53,7 @@ bool ends_with(const std::string& s, std::string_view suffix) {
 
 // Trains and returns the optimizer's moments as stored, in tensor order.
 Moments trained_moments(Runtime& rt, const Dataset& data, const CompressBenchOptions& o,
-                        graph::OptimizerSpec::Kind kind) {
+                        graph::OptimizerConfig::Kind kind) {
   TrainerOptions to;
   to.batch = o.batch;
   to.lr = 1e-3f;
@@ -156,7 +156,7 @@ double gbps(std::uint64_t bytes, double seconds) {
 }
 
 int run_compress(const BenchCommon& common, const CompressBenchOptions& o) {
-  using Kind = graph::OptimizerSpec::Kind;
+  using Kind = graph::OptimizerConfig::Kind;
   std::vector<Kind> kinds;
   if (o.optimizer.empty() || o.optimizer == "adam") kinds.push_back(Kind::adam);
   if (o.optimizer.empty() || o.optimizer == "adamw8bit") kinds.push_back(Kind::adamw8bit);

@@ -317,7 +317,7 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   base.residency.lookahead = c.lookahead;
   base.residency.homes.host_memory = offload::parse_host_memory(o.host_memory);
   if (c.optimizer == "sgd") {
-    base.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+    base.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
     base.optimizer.sgd.momentum = 0.0f;
     base.lr = 0.01f;
   }

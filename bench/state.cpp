@@ -24,8 +24,8 @@ struct StateOptions {
 };
 
 struct Config {
-  graph::OptimizerSpec::Kind kind;
-  graph::Residency home;
+  graph::OptimizerConfig::Kind kind;
+  graph::Home home;
 };
 
 struct Measured {
@@ -55,7 +55,7 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
   o.optimizer.kind = c.kind;
   o.residency.mode = graph::ResidencyMode::stream;
   o.residency.budget_bytes = parse_bytes(so.budget);
-  o.residency.weights_home = graph::Residency::host_pinned;
+  o.residency.weights_home = graph::Home::host_pinned;
   o.residency.state_home = c.home;
   o.residency.homes.codec.chunk_bytes = parse_bytes(so.chunk);
   o.residency.homes.codec.level = so.level;
@@ -87,11 +87,11 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
 int run_state(const BenchCommon& common, const StateOptions& so) {
   Runtime rt({.device = common.device});
   const Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
-  std::vector<graph::OptimizerSpec::Kind> kinds;
+  std::vector<graph::OptimizerConfig::Kind> kinds;
   for (const char* name : {"adam", "adamw8bit"}) {
     if (so.optimizers.find(name) == std::string::npos) continue;
-    for (auto k :
-         {graph::OptimizerSpec::Kind::adam, graph::OptimizerSpec::Kind::adamw, graph::OptimizerSpec::Kind::adamw8bit}) {
+    for (auto k : {graph::OptimizerConfig::Kind::adam, graph::OptimizerConfig::Kind::adamw,
+                   graph::OptimizerConfig::Kind::adamw8bit}) {
       if (std::string(graph::optimizer_name(k)) == name) kinds.push_back(k);
     }
   }
@@ -99,7 +99,7 @@ int run_state(const BenchCommon& common, const StateOptions& so) {
   Measured baseline;
   bool have_baseline = false;
   for (auto kind : kinds) {
-    for (auto home : {graph::Residency::host_pinned, graph::Residency::host_compressed}) {
+    for (auto home : {graph::Home::host_pinned, graph::Home::host_compressed}) {
       std::cerr << fmt::format("ferry-bench state: {} state in {} ({} + {} steps)...\n", graph::optimizer_name(kind),
                                offload::home_name(home), so.warmup, so.steps);
       const Measured m = measure(rt, data, so, {kind, home});

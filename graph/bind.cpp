@@ -13,7 +13,7 @@ namespace {
 
 class NodeBinding final : public NodeView<ops::BindContext> {
  public:
-  NodeBinding(const Graph& g, NodeId n, const TensorLocator& at, ops::OpEnv& env, const OptimizerSpec& optimizer)
+  NodeBinding(const Graph& g, NodeId n, const TensorLocator& at, ops::OpEnv& env, const OptimizerConfig& optimizer)
       : NodeView(g, n), at_(at), env_(env), optimizer_(optimizer) {}
   ops::DeviceSpan in(std::size_t i) const override { return at_.device(in_ids()[i]); }
   ops::DeviceSpan out(std::size_t i) const override { return at_.device(out_ids()[i]); }
@@ -22,7 +22,7 @@ class NodeBinding final : public NodeView<ops::BindContext> {
     return s == no_tensor ? ops::DeviceSpan{} : at_.device(s);
   }
   ops::OpEnv& env() const override { return env_; }
-  const OptimizerSpec& optimizer() const override { return optimizer_; }
+  const OptimizerConfig& optimizer() const override { return optimizer_; }
   // A fetch marked by the stream transform (attrs.i[0] = 1) follows this step's write-back of its
   // tensor and reads the value written: the next copy.
   ops::HostAddress host_in(std::size_t i) const override {
@@ -35,13 +35,13 @@ class NodeBinding final : public NodeView<ops::BindContext> {
  private:
   const TensorLocator& at_;
   ops::OpEnv& env_;
-  const OptimizerSpec& optimizer_;
+  const OptimizerConfig& optimizer_;
 };
 
 }  // namespace
 
 ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorLocator& at, ops::OpEnv& env,
-                          const OptimizerSpec& optimizer) {
+                          const OptimizerConfig& optimizer) {
   const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
   if (!row.bind) {
     throw std::logic_error(

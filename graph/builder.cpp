@@ -58,7 +58,7 @@ TensorId Builder::input(std::string name, Shape sample, DType dtype, Role role) 
   // copies it to the device.
   const TensorId device = g_.tensors.add(name, full, dtype, role);
   const TensorId host = g_.tensors.add(name + "@host", full, dtype, role);
-  g_.tensors.home[host] = Residency::host_pinned;
+  g_.tensors.home[host] = Home::host_pinned;
   const TensorId ins[] = {host};
   const TensorId outs[] = {device};
   g_.nodes.add(builtin::upload, "upload." + name, ins, outs, {}, Lane::h2d);
@@ -68,7 +68,7 @@ TensorId Builder::input(std::string name, Shape sample, DType dtype, Role role) 
 void Builder::output(TensorId t, std::string name) {
   if (t >= g_.tensors.size()) throw BuildError(fmt::format("output '{}': tensor id {} does not exist", name, t));
   const TensorId host = g_.tensors.add(name + "@host", g_.tensors.shape[t], g_.tensors.dtype[t], Role::output);
-  g_.tensors.home[host] = Residency::host_pinned;
+  g_.tensors.home[host] = Home::host_pinned;
   const TensorId ins[] = {t};
   const TensorId outs[] = {host};
   g_.nodes.add(builtin::download, "download." + name, ins, outs, {}, Lane::d2h);

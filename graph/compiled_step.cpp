@@ -23,7 +23,7 @@ std::optional<PersistentArena::Entry> PersistentArena::find(const std::string& n
   return std::nullopt;
 }
 
-offload::HomeStore& PersistentArena::store(Residency home) const {
+offload::HomeStore& PersistentArena::store(Home home) const {
   const auto& s = homes[static_cast<int>(home)];
   if (!s) throw std::logic_error(fmt::format("no tensor of this model lives in home '{}'", offload::home_name(home)));
   return *s;
@@ -41,11 +41,11 @@ void PersistentArena::abort() {
   }
 }
 
-void PersistentArena::write(Residency home, const Placement& p, const void* src, std::size_t n) {
+void PersistentArena::write(Home home, const Placement& p, const void* src, std::size_t n) {
   store(home).write({p.buffer, p.offset_bytes}, src, n);
 }
 
-void PersistentArena::read(Residency home, const Placement& p, void* dst, std::size_t n) const {
+void PersistentArena::read(Home home, const Placement& p, void* dst, std::size_t n) const {
   store(home).read({p.buffer, p.offset_bytes}, dst, n);
 }
 
@@ -61,7 +61,7 @@ std::uint64_t PersistentArena::device_bytes() const {
   return b;
 }
 
-CompiledStep::CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
+CompiledStep::CompiledStep(Graph graph, const OptimizerConfig& optimizer, ops::OpEnv& env, const cl::Context& context,
                            std::shared_ptr<PersistentArena> shared, const StepOptions& options)
     : graph_(std::move(graph)), impl_(std::make_unique<Impl>(context)) {
   // The device passes, in order (graph/pipeline.hpp); each one's wall time goes into
@@ -113,8 +113,8 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
     for (int h = 0; h < offload::home_count; ++h) {
       if (plan_.persistent_buffers[h].empty()) continue;
       persistent_->homes[h] =
-          offload::make_home_store(static_cast<Residency>(h), context, plan_.persistent_buffers[h], tensors_of[h],
-                                   homes, fmt::format("the weights and optimizer state, first {}", first_of[h]));
+          offload::make_home_store(static_cast<Home>(h), context, plan_.persistent_buffers[h], tensors_of[h], homes,
+                                   fmt::format("the weights and optimizer state, first {}", first_of[h]));
     }
   }
   for (std::size_t b = 0; b < plan_.transient_buffers.size(); ++b) {
@@ -184,7 +184,7 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
 }
 
 // Binds every device-lane node through its row.
-void CompiledStep::bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels) {
+void CompiledStep::bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool bind_kernels) {
   const auto& n = graph_.nodes;
   TensorLocator at;
   at.device = [this](TensorId id) { return span(id); };

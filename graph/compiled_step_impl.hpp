@@ -123,7 +123,7 @@ struct CompiledStep::Impl {
   bool bound = true;           // kernels bound: the step can run
   bool serial = false;
   bool one_pass = true;  // no host-lane node: the one-pass form
-  OptimizerSpec optimizer;
+  OptimizerConfig optimizer;
   bool commits_other_slot = false;  // the step writes the next state into the other host slot
 
   // The submissions, used in turn; `oldest` is the next one wait() reads, `next` the next one

@@ -219,7 +219,7 @@ namespace {
 class HostNode final : public NodeView<ops::HostContext> {
  public:
   HostNode(const Graph& g, NodeId n, const PersistentArena& arena, std::function<std::byte*(TensorId, bool)> at,
-           const ops::StepInfo& step, const OptimizerSpec& optimizer, std::atomic<bool>& non_finite,
+           const ops::StepInfo& step, const OptimizerConfig& optimizer, std::atomic<bool>& non_finite,
            std::unique_ptr<ops::CommRequest>* request)
       : NodeView(g, n),
         arena_(arena),
@@ -248,7 +248,7 @@ class HostNode final : public NodeView<ops::HostContext> {
   // Fault::host_throw: reading an operand throws, from inside the op's host function.
   void fail() { fail_ = true; }
   const ops::StepInfo& step() const override { return step_; }
-  const OptimizerSpec& optimizer() const override { return optimizer_; }
+  const OptimizerConfig& optimizer() const override { return optimizer_; }
   void pack_home(std::size_t i, const std::byte* src) const override {
     const TensorId id = graph_.tensors.storage(out_ids()[i]);
     store_of(id).pack(place_of(id), src, graph_.tensors.bytes(id));
@@ -263,7 +263,7 @@ class HostNode final : public NodeView<ops::HostContext> {
   const PersistentArena& arena_;
   std::function<std::byte*(TensorId, bool)> at_;
   const ops::StepInfo& step_;
-  const OptimizerSpec& optimizer_;
+  const OptimizerConfig& optimizer_;
   std::atomic<bool>& non_finite_;
   std::unique_ptr<ops::CommRequest>* request_;
   bool fail_ = false;

@@ -49,7 +49,7 @@ TensorId TensorTable::add(std::string n, Shape s, DType t, Role r, TensorId alia
   role.push_back(r);
   alias_of.push_back(alias);
   grad.push_back(no_tensor);
-  home.push_back(Residency::device);
+  home.push_back(Home::device);
   placement.push_back({});
   init.push_back({});
   return id;

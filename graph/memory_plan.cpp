@@ -381,7 +381,7 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     order.push_back(id);
   }
   for (TensorId id : order) {
-    if (plan.pool[id] == Pool::transient && t.home[id] != Residency::device) plan.pool[id] = Pool::host_transient;
+    if (plan.pool[id] == Pool::transient && t.home[id] != Home::device) plan.pool[id] = Pool::host_transient;
   }
   // Largest first; ties by id keep it deterministic.
   std::sort(order.begin(), order.end(),
@@ -430,7 +430,7 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     plan.persistent_buffers[h] = persistent[h].sizes();
     for (auto b : plan.persistent_buffers[h]) {
       plan.persistent_bytes += b;
-      if (static_cast<Residency>(h) == Residency::device) plan.persistent_device_bytes += b;
+      if (static_cast<Home>(h) == Home::device) plan.persistent_device_bytes += b;
     }
   }
   plan.transient_buffers = transient_plan.sizes;

@@ -184,7 +184,7 @@ std::vector<char> spilled_gradients(const Graph& g) {
   for (TensorId w = 0; w < t.size(); ++w) {
     if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;
     const TensorId s = t.storage(t.grad[w]);
-    if (!is_persistent(t.role[s]) && t.home[s] == Residency::host_pinned) spilled[s] = 1;
+    if (!is_persistent(t.role[s]) && t.home[s] == Home::host_pinned) spilled[s] = 1;
   }
   return spilled;
 }
@@ -195,9 +195,9 @@ std::vector<char> spilled_gradients(const Graph& g) {
 void spill_gradients(Graph& g) {
   auto& t = g.tensors;
   for (TensorId w = 0; w < t.size(); ++w) {
-    if (t.role[w] != Role::weight || t.grad[w] == no_tensor || t.home[w] != Residency::host_pinned) continue;
+    if (t.role[w] != Role::weight || t.grad[w] == no_tensor || t.home[w] != Home::host_pinned) continue;
     const TensorId s = t.storage(t.grad[w]);
-    if (!is_persistent(t.role[s])) t.home[s] = Residency::host_pinned;
+    if (!is_persistent(t.role[s])) t.home[s] = Home::host_pinned;
   }
 }
 
@@ -375,7 +375,7 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
   auto write_back = [&](NodeId u) {
     const TensorId grad = old.inputs(u)[1];
     grad_host[u] = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
-    t.home[grad_host[u]] = Residency::host_pinned;
+    t.home[grad_host[u]] = Home::host_pinned;
     out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host[u], 1), {},
             Lane::d2h);
   };
@@ -458,7 +458,7 @@ void move_weight_narrowing_to_host(Graph& g) {
     std::vector<TensorId> host_outs;
     for (TensorId x : device_outs) {
       const TensorId h = t.add(t.name[x] + "@host", t.shape[x], t.dtype[x], t.role[x]);
-      t.home[h] = Residency::host_pinned;
+      t.home[h] = Home::host_pinned;
       host_outs.push_back(h);
     }
     out.add_copy(g.nodes, n, in, host_outs, Lane::host);
@@ -508,7 +508,7 @@ void check_updates_against_the_loss(Graph& g, bool pinned_in_place) {
       const TensorId s = t.storage(x);
       keep = keep || s == t.storage(g.guard) ||
              (is_persistent(t.role[s]) && (offload::home_traits(t.home[s]).addressed_in_place ||
-                                           (pinned_in_place && t.home[s] == Residency::host_pinned)));
+                                           (pinned_in_place && t.home[s] == Home::host_pinned)));
     }
     if (keep) continue;
     for (std::uint32_t i = 0; i < n.in_count[id]; ++i) {
@@ -578,14 +578,14 @@ void place_updates_early(Graph& g, bool pinned_in_place) {
 
 namespace {
 
-Residency preset_home(ResidencyMode mode) {
+Home preset_home(ResidencyMode mode) {
   switch (mode) {
     case ResidencyMode::stream:
-      return Residency::host_pinned;
+      return Home::host_pinned;
     case ResidencyMode::mapped:
-      return Residency::host_mapped;
+      return Home::host_mapped;
     default:
-      return Residency::device;
+      return Home::device;
   }
 }
 
@@ -600,7 +600,7 @@ void assign_homes(Graph& g, ResidencyMode preset, const ResidencyOptions& option
   }
 }
 
-void check_role_home(const char* role, const std::optional<Residency>& home, bool host_unified) {
+void check_role_home(const char* role, const std::optional<Home>& home, bool host_unified) {
   if (!home) return;
   if (!offload::home_available(*home)) {
     throw std::invalid_argument(
@@ -642,7 +642,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
                                               residency_mode_name(mode)));
     }
     for (const auto* h : {&options.weights_home, &options.state_home}) {
-      if (h->has_value() && **h != Residency::host_pinned) {
+      if (h->has_value() && **h != Home::host_pinned) {
         throw std::invalid_argument(fmt::format(
             "the host optimizer needs weights and optimizer state in host_pinned, not '{}'", offload::home_name(**h)));
       }
@@ -671,7 +671,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     if (!is_persistent(g.tensors.role[id])) continue;
     const offload::HomeTraits traits = offload::home_traits(g.tensors.home[id]);
     any_streamed = any_streamed || traits.needs_transfers;
-    any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Residency::device);
+    any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Home::device);
   }
   if (!any_streamed && !any_mapped) {
     MemoryPlan plan = plan_memory(g, mopt);
@@ -691,8 +691,8 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     // device holds only activations and device-home tensors; updates stay at the end of the step.
     for (TensorId w = 0; w < g.tensors.size(); ++w) {
       if (g.tensors.role[w] == Role::weight && g.tensors.grad[w] != no_tensor &&
-          g.tensors.home[w] == Residency::host_mapped) {
-        g.tensors.home[g.tensors.storage(g.tensors.grad[w])] = Residency::host_mapped;
+          g.tensors.home[w] == Home::host_mapped) {
+        g.tensors.home[g.tensors.storage(g.tensors.grad[w])] = Home::host_mapped;
       }
     }
     MemoryPlan plan = plan_memory(g, mopt);

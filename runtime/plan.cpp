@@ -28,7 +28,7 @@ DeviceBreakdown device_breakdown(const graph::Graph& g, const graph::MemoryPlan&
     const auto& t = training.tensors;
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor) continue;
-      if (t.home[id] != graph::Residency::device) continue;
+      if (t.home[id] != graph::Home::device) continue;
       switch (t.role[id]) {
         case graph::Role::weight:
           b.weights += t.bytes(id);
@@ -134,7 +134,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
                            const PlanRates& rates) {
   TrainingPlan out;
   out.recompute = options.recompute;
-  out.eight_bit_state = options.optimizer.kind == graph::OptimizerSpec::Kind::adamw8bit;
+  out.eight_bit_state = options.optimizer.kind == graph::OptimizerConfig::Kind::adamw8bit;
   out.rates = rates;
   out.device_budget_bytes = detail::resolve_device_budget(options, runtime.device());
   const graph::ResidencyOptions residency = detail::residency_options(options, out.device_budget_bytes);

@@ -281,7 +281,7 @@ void Trainer::initialise_parameters() {
   // set-up never holds a second image of the model (a 7B model's would be tens of GB) and the first
   // touch of its pinned pages is spread over the cores.
   const auto plain_host = [&](TensorId id) {
-    return t.home[id] == graph::Residency::host_pinned || t.home[id] == graph::Residency::host_mapped;
+    return t.home[id] == graph::Home::host_pinned || t.home[id] == graph::Home::host_mapped;
   };
   tbb::parallel_for(std::size_t{0}, tensors.size(), [&](std::size_t i) {
     const TensorId id = tensors[i];
@@ -293,7 +293,7 @@ void Trainer::initialise_parameters() {
   // Device buffers: one host image per buffer, written with one copy and freed before the next (a
   // blocking write per tensor dominated set-up for thousands of small tensors). Staged homes
   // (compressed, dropped) keep tensors apart: each is written on its own.
-  std::map<std::pair<graph::Residency, std::uint32_t>, std::vector<TensorId>> by_buffer;
+  std::map<std::pair<graph::Home, std::uint32_t>, std::vector<TensorId>> by_buffer;
   for (const TensorId id : tensors) {
     if (plain_host(id)) continue;
     if (offload::home_traits(t.home[id]).staged) {
@@ -821,12 +821,12 @@ void Trainer::set_lr(float lr) {
   lr_ = lr;
 }
 
-graph::Residency Trainer::home_of(graph::Role role) const {
+graph::Home Trainer::home_of(graph::Role role) const {
   const auto& t = train_->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == role && t.alias_of[id] == graph::no_tensor) return t.home[id];
   }
-  return graph::Residency::device;
+  return graph::Home::device;
 }
 
 TensorId Trainer::persistent_tensor(const std::string& name) const {

@@ -21,7 +21,7 @@ class ReferenceExecutor {
   using T = double;
 
  public:
-  ReferenceExecutor(const graph::Graph& g, graph::OptimizerSpec optimizer) : g_(g), optimizer_(optimizer) {
+  ReferenceExecutor(const graph::Graph& g, graph::OptimizerConfig optimizer) : g_(g), optimizer_(optimizer) {
     const auto& t = g_.tensors;
     values_.resize(t.size());
     ints_.resize(t.size());
@@ -102,7 +102,7 @@ class ReferenceExecutor {
   }
 
   const graph::Graph& g_;
-  graph::OptimizerSpec optimizer_;
+  graph::OptimizerConfig optimizer_;
   std::vector<std::vector<T>> values_;
   std::vector<std::vector<std::int32_t>> ints_;
 };

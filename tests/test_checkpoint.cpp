@@ -155,15 +155,15 @@ const Case cases[] = {
     {"compressed_state_and_weights", small_cnn,
      [](Runtime&, const ModelSpec&) {
        auto o = base();
-       o.residency.state_home = graph::Residency::host_compressed;
-       o.residency.weights_home = graph::Residency::host_compressed;
+       o.residency.state_home = graph::Home::host_compressed;
+       o.residency.weights_home = graph::Home::host_compressed;
        o.residency.homes.codec.chunk_bytes = 4096;
        return o;
      }},
     {"adamw8bit", small_mlp,
      [](Runtime&, const ModelSpec&) {
        auto o = base();
-       o.optimizer.kind = graph::OptimizerSpec::Kind::adamw8bit;
+       o.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
        o.optimizer.block8bit = 256;
        o.optimizer.adam.weight_decay = 0.01f;
        return o;
@@ -171,15 +171,15 @@ const Case cases[] = {
     {"adamw8bit_compressed", small_mlp,
      [](Runtime&, const ModelSpec&) {
        auto o = base();
-       o.optimizer.kind = graph::OptimizerSpec::Kind::adamw8bit;
+       o.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
        o.optimizer.block8bit = 256;
-       o.residency.state_home = graph::Residency::host_compressed;
+       o.residency.state_home = graph::Home::host_compressed;
        return o;
      }},
     {"sgd_mapped", small_cnn,
      [](Runtime&, const ModelSpec&) {
        auto o = base();
-       o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+       o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
        o.residency.mode = graph::ResidencyMode::mapped;
        return o;
      }},
@@ -431,7 +431,7 @@ TEST(Checkpoint, AnotherModelOptimizerOrBatchIsRefused) {
   }
   {
     auto o = f.o;
-    o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+    o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
     Trainer sgd(f.rt, small_mlp(), o);
     expect_refused<std::invalid_argument>(sgd, f.path, {"optimizer is adam", "sgd", "--optimizer adam"},
                                           "another optimizer");

@@ -331,7 +331,7 @@ class MemoryPlanTest : public ::testing::TestWithParam<PlanCase> {};
 TEST_P(MemoryPlanTest, IsSoundAndNoLargerThanGreedyBySize) {
   const PlanCase c = GetParam();
   const ModelSpec m = c.model();
-  graph::OptimizerSpec opt;
+  graph::OptimizerConfig opt;
   // Training step, one buffer.
   graph::Graph train = training_graph(m, c.batch, opt);
   graph::MemoryPlanOptions o;
@@ -494,7 +494,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     if (iv.last_write != never) write_back_after[iv.last_write].push_back(i);
     copy_of[i] = t.add(t.name[iv.tensor] + "@dev" + std::to_string(i), t.shape[iv.tensor], t.dtype[iv.tensor],
                        graph::Role::staged);
-    t.home[iv.tensor] = graph::Residency::host_pinned;
+    t.home[iv.tensor] = graph::Home::host_pinned;
   }
   std::vector<std::map<TensorId, TensorId>> rename(count);
   for (std::size_t i = 0; i < intervals.size(); ++i) {
@@ -539,7 +539,7 @@ void move_updates_to_host(Graph& g) {
     std::vector<TensorId> ins(prev.inputs(n).begin(), prev.inputs(n).end());
     const TensorId grad = ins[1];
     const TensorId grad_host = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], graph::Role::gradient);
-    t.home[grad_host] = graph::Residency::host_pinned;
+    t.home[grad_host] = graph::Home::host_pinned;
     out.add(ops::builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host, 1), {},
             Lane::d2h);
     std::replace(ins.begin(), ins.end(), grad, grad_host);
@@ -579,7 +579,7 @@ struct StreamCase {
   const char* name;
   ModelSpec (*model)();
   bool host_optimizer;
-  graph::OptimizerSpec::Kind optimizer;
+  graph::OptimizerConfig::Kind optimizer;
 };
 
 ModelSpec deep_tiny() {
@@ -590,7 +590,7 @@ class StreamTransformTest : public ::testing::TestWithParam<StreamCase> {};
 
 TEST_P(StreamTransformTest, EqualsTheQuadraticTransformAtEveryBudget) {
   const StreamCase c = GetParam();
-  graph::OptimizerSpec opt;
+  graph::OptimizerConfig opt;
   opt.kind = c.optimizer;
   opt.sgd.momentum = 0.9f;
   const graph::Graph g = training_graph(c.model(), 4, opt);
@@ -629,7 +629,7 @@ TEST_P(StreamTransformTest, EqualsTheQuadraticTransformAtEveryBudget) {
       // The reference, for the cache limit and lookahead the search settled on.
       graph::Graph base = g;
       for (TensorId id = 0; id < base.tensors.size(); ++id) {
-        if (graph::is_persistent(base.tensors.role[id])) base.tensors.home[id] = graph::Residency::host_pinned;
+        if (graph::is_persistent(base.tensors.role[id])) base.tensors.home[id] = graph::Home::host_pinned;
       }
       graph::place_updates_early(base, false);
       if (c.host_optimizer) old::move_updates_to_host(base);
@@ -646,12 +646,12 @@ TEST_P(StreamTransformTest, EqualsTheQuadraticTransformAtEveryBudget) {
 
 INSTANTIATE_TEST_SUITE_P(
     Models, StreamTransformTest,
-    ::testing::Values(StreamCase{"mlp_adam", &small_mlp, false, graph::OptimizerSpec::Kind::adam},
-                      StreamCase{"cnn_sgd", &small_cnn, false, graph::OptimizerSpec::Kind::sgd},
-                      StreamCase{"residual_adam", &small_residual, false, graph::OptimizerSpec::Kind::adam},
-                      StreamCase{"residual_host_adam", &small_residual, true, graph::OptimizerSpec::Kind::adam},
-                      StreamCase{"deep_adam", &deep_tiny, false, graph::OptimizerSpec::Kind::adam},
-                      StreamCase{"deep_host_sgd", &deep_tiny, true, graph::OptimizerSpec::Kind::sgd}),
+    ::testing::Values(StreamCase{"mlp_adam", &small_mlp, false, graph::OptimizerConfig::Kind::adam},
+                      StreamCase{"cnn_sgd", &small_cnn, false, graph::OptimizerConfig::Kind::sgd},
+                      StreamCase{"residual_adam", &small_residual, false, graph::OptimizerConfig::Kind::adam},
+                      StreamCase{"residual_host_adam", &small_residual, true, graph::OptimizerConfig::Kind::adam},
+                      StreamCase{"deep_adam", &deep_tiny, false, graph::OptimizerConfig::Kind::adam},
+                      StreamCase{"deep_host_sgd", &deep_tiny, true, graph::OptimizerConfig::Kind::sgd}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -36,7 +36,7 @@ TrainingRun train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int 
 struct Config {
   const char* name;
   graph::ResidencyMode mode;
-  std::optional<graph::Residency> state_home;
+  std::optional<graph::Home> state_home;
 };
 
 class DeterminismTest : public ::testing::TestWithParam<Config> {};
@@ -122,7 +122,7 @@ INSTANTIATE_TEST_SUITE_P(Homes, DeterminismTest,
                          ::testing::Values(Config{"resident", graph::ResidencyMode::resident, std::nullopt},
                                            Config{"stream", graph::ResidencyMode::stream, std::nullopt},
                                            Config{"compressed_state", graph::ResidencyMode::resident,
-                                                  graph::Residency::host_compressed}),
+                                                  graph::Home::host_compressed}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

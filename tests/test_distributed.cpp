@@ -160,7 +160,7 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
   alone.accumulate = c.accumulate;
   alone.residency.mode = c.mode;
   alone.residency.host_optimizer = c.host_optimizer;
-  if (c.host_optimizer) alone.optimizer.kind = graph::OptimizerSpec::Kind::adamw;
+  if (c.host_optimizer) alone.optimizer.kind = graph::OptimizerConfig::Kind::adamw;
   TrainerOptions ranked = alone;
   auto mirror = std::make_shared<Mirror>(4);
   ranked.data_parallel.communicator = mirror;
@@ -265,7 +265,7 @@ TEST(CommLane, CollectivesCompleteOffTheWorkersAndTheStepWaitsForThem) {
     if (streamed) {
       alone.residency.mode = graph::ResidencyMode::stream;
       alone.residency.host_optimizer = true;
-      alone.optimizer.kind = graph::OptimizerSpec::Kind::adamw;
+      alone.optimizer.kind = graph::OptimizerConfig::Kind::adamw;
     }
     TrainerOptions ranked = alone;
     auto late = std::make_shared<LateMirror>(4);

@@ -115,15 +115,15 @@ TrainerOptions options_for(Runtime& rt, const ModelSpec& m, FaultCase::Config c)
       o.residency.budget_bytes *= 2;
       return o;
     case FaultCase::compressed_state:
-      o.residency.state_home = graph::Residency::host_compressed;
+      o.residency.state_home = graph::Home::host_compressed;
       return o;
     case FaultCase::streamed_compressed_state:
-      o.residency.state_home = graph::Residency::host_compressed;
+      o.residency.state_home = graph::Home::host_compressed;
       return streamed(rt, m, o);
     case FaultCase::streamed_state:
       o.residency.mode = graph::ResidencyMode::stream;
-      o.residency.weights_home = graph::Residency::device;
-      o.residency.state_home = graph::Residency::host_pinned;
+      o.residency.weights_home = graph::Home::device;
+      o.residency.state_home = graph::Home::host_pinned;
       return o;
   }
   return o;
@@ -353,7 +353,7 @@ TEST_P(DivergenceGuardTest, NonFiniteWeightsAfterAFiniteLossAreReportedHonestly)
   Runtime rt;
   const ModelSpec m = small_mlp();
   TrainerOptions o = options_for(rt, m, GetParam());
-  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0;
   o.lr = 1e37f;  // gradients above about 34 overflow the update to inf; the loss stays finite
   const std::size_t sample = sample_elems(m);

@@ -58,7 +58,7 @@ TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
   const auto c = tiny_config();
   const std::uint32_t batch = 3;
   TrainerOptions o = gpt_options(batch);
-  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   o.lr = 0.1f;
   Trainer trainer(rt, models::gpt(c), o);
   ReferenceExecutor ref(trainer.train_step().graph(), trainer.options().optimizer);
@@ -78,8 +78,8 @@ TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
 TEST(Gpt, ReferenceGradientsMatchFiniteDifferences) {
   const auto c = tiny_config();
   const std::uint32_t batch = 2;
-  graph::OptimizerSpec sgd;
-  sgd.kind = graph::OptimizerSpec::Kind::sgd;
+  graph::OptimizerConfig sgd;
+  sgd.kind = graph::OptimizerConfig::Kind::sgd;
   const graph::Graph g = training_graph(models::gpt(c), batch, sgd);
   ReferenceExecutor ref(g, sgd);
   randomize_weights(ref, g, 3, -0.5f, 0.5f);
@@ -113,7 +113,7 @@ TEST(Gpt, FusedAttentionTrainsLikeTheUnfusedPath) {
       models::GptConfig cc = c;
       cc.fused_attention = fused;
       TrainerOptions o = gpt_options(batch);
-      o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;  // Adam would amplify the key bias's zero-gradient noise
+      o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;  // Adam would amplify the key bias's zero-gradient noise
       o.lr = 0.1f;
       Trainer t(rt, models::gpt(cc), o);
       std::vector<float> losses;
@@ -367,8 +367,8 @@ ModelSpec two_headed() {
 }
 
 TEST(Losses, WeightedSumOfTwoLossesHasTheGradientsOfTheSum) {
-  graph::OptimizerSpec sgd;
-  sgd.kind = graph::OptimizerSpec::Kind::sgd;
+  graph::OptimizerConfig sgd;
+  sgd.kind = graph::OptimizerConfig::Kind::sgd;
   const graph::Graph g = training_graph(two_headed(), 4, sgd);
   ReferenceExecutor ref(g, sgd);
   randomize_weights(ref, g, 5, -0.7f, 0.7f);
@@ -388,7 +388,7 @@ TEST(Losses, WeightedSumTrainsOnTheDeviceLikeTheReference) {
   TrainerOptions o;
   o.batch = 4;
   o.lr = 0.05f;
-  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   Trainer trainer(rt, two_headed(), o);
   ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
   load_parameters(ref, trainer);

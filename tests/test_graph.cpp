@@ -30,7 +30,7 @@ class ModelTest : public ::testing::TestWithParam<ModelSpec (*)()> {};
 
 TEST_P(ModelTest, MemoryPlanNeverOverlapsLiveTensors) {
   const ModelSpec m = GetParam()();
-  graph::OptimizerSpec opt;
+  graph::OptimizerConfig opt;
   graph::Graph g = training_graph(m, 6, opt);
   graph::assign_scratch(g, TestDevice::get().env);
   graph::MemoryPlanOptions mopt;
@@ -94,8 +94,8 @@ TEST(MemoryPlan, TensorLargerThanAnyBufferIsAnError) {
 
 TEST_P(ModelTest, AutodiffMatchesFiniteDifferences) {
   const ModelSpec m = GetParam()();
-  graph::OptimizerSpec opt;
-  opt.kind = graph::OptimizerSpec::Kind::sgd;
+  graph::OptimizerConfig opt;
+  opt.kind = graph::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   const std::uint32_t batch = 3;
   graph::Graph g = training_graph(m, batch, opt);
@@ -122,7 +122,7 @@ TEST_P(ModelTest, DeviceStepsMatchReferenceExecutor) {
   TrainerOptions topt;
   topt.batch = 6;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, m, topt);
   const auto& g = trainer.train_step().graph();
@@ -154,7 +154,7 @@ TEST(CompiledStep, FailingNodeCancelsStepNamesItAndTrainerRecovers) {
   Runtime runtime;
   TrainerOptions topt;
   topt.batch = 4;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   Trainer trainer(runtime, small_mlp(), topt);
   const auto& nodes = trainer.train_step().graph().nodes;
   graph::NodeId victim = 0;

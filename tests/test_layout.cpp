@@ -303,9 +303,9 @@ graph::Graph layout_model(std::uint32_t batch) {
   return g;
 }
 
-graph::OptimizerSpec plain_sgd() {
-  graph::OptimizerSpec opt;
-  opt.kind = graph::OptimizerSpec::Kind::sgd;
+graph::OptimizerConfig plain_sgd() {
+  graph::OptimizerConfig opt;
+  opt.kind = graph::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   return opt;
 }
@@ -329,7 +329,7 @@ TEST(LayoutRows, BackwardNodesReuseTheRows) {
 }
 
 TEST(LayoutRows, BackwardThroughTheGraphMatchesFiniteDifferences) {
-  const graph::OptimizerSpec opt = plain_sgd();
+  const graph::OptimizerConfig opt = plain_sgd();
   graph::Graph g = graph::prepare_step_graph(layout_model(3), graph::VariantKey{3, true}, opt);
   ReferenceExecutor ref(g, opt);
   const auto& t = g.tensors;
@@ -349,7 +349,7 @@ TEST(LayoutRows, BackwardThroughTheGraphMatchesFiniteDifferences) {
 
 TEST(LayoutRows, ModelTrainsOnTheDeviceLikeTheReference) {
   auto& dev = TestDevice::get();
-  const graph::OptimizerSpec opt = plain_sgd();
+  const graph::OptimizerConfig opt = plain_sgd();
   const std::uint32_t batch = 7;
   graph::Graph g = graph::prepare_step_graph(layout_model(batch), graph::VariantKey{batch, true}, opt);
   graph::CompiledStep step(g, opt, dev.env, dev.context);

@@ -259,7 +259,7 @@ TEST(MatmulRows, AttentionModelTrainsOnTheDeviceLikeItsReference) {
   TrainerOptions topt;
   topt.batch = 4;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, attention_model(), topt);
   const auto& g = trainer.train_step().graph();
@@ -276,8 +276,8 @@ TEST(MatmulRows, AttentionModelTrainsOnTheDeviceLikeItsReference) {
 
 TEST(MatmulRows, GradientsThroughTheGraphMatchFiniteDifferences) {
   graph::Graph g = forward_graph(attention_model(), graph::VariantKey{3, true});
-  graph::OptimizerSpec opt;
-  opt.kind = graph::OptimizerSpec::Kind::sgd;
+  graph::OptimizerConfig opt;
+  opt.kind = graph::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   g = graph::prepare_step_graph(std::move(g), graph::VariantKey{3, true}, opt);
   ReferenceExecutor ref(g, opt);

@@ -21,7 +21,7 @@ TrainerOptions options(DType compute, std::uint32_t batch = 6) {
   TrainerOptions o;
   o.batch = batch;
   o.lr = 0.05f;
-  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0.9f;
   o.precision.compute = compute;
   return o;
@@ -35,7 +35,7 @@ graph::VariantKey key_for(DType compute, bool scaling) {
 }
 
 TEST(MixedPrecision, PassKeepsMastersHeadAndLossInF32) {
-  graph::OptimizerSpec opt;
+  graph::OptimizerConfig opt;
   const auto key = key_for(DType::bf16, false);
   const graph::Graph g = graph::prepare_step_graph(forward_graph(small_cnn(), key), key, opt);
   const auto& t = g.tensors;

@@ -154,7 +154,7 @@ TEST(OpTable, UserOpTrainsOnTheDeviceLikeItsReference) {
   TrainerOptions topt;
   topt.batch = 8;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, silu_model(), topt);
   const auto& g = trainer.train_step().graph();
@@ -170,8 +170,8 @@ TEST(OpTable, UserOpTrainsOnTheDeviceLikeItsReference) {
 
 TEST(OpTable, UserOpBackwardMatchesFiniteDifferences) {
   graph::Graph g = forward_graph(silu_model(), graph::VariantKey{3, true});
-  graph::OptimizerSpec opt;
-  opt.kind = graph::OptimizerSpec::Kind::sgd;
+  graph::OptimizerConfig opt;
+  opt.kind = graph::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   g = graph::prepare_step_graph(std::move(g), graph::VariantKey{3, true}, opt);
   ReferenceExecutor ref(g, opt);
@@ -340,7 +340,7 @@ TEST(OpTable, LinearAndLayerNormTakeAnyRank) {
   TrainerOptions topt;
   topt.batch = 6;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   Trainer trainer(runtime, rank3_model(), topt);
   const auto& g = trainer.train_step().graph();
   ReferenceExecutor ref(g, topt.optimizer);

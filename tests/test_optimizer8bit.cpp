@@ -355,8 +355,8 @@ TEST(Adam8bit, BadBlockSizesAreRejectedSayingWhatToUse) {
   EXPECT_THROW(ops::check_adam8bit_block(128), std::invalid_argument);
 
   // The optimizer pass refuses it before any tensor is made.
-  graph::OptimizerSpec spec;
-  spec.kind = graph::OptimizerSpec::Kind::adamw8bit;
+  graph::OptimizerConfig spec;
+  spec.kind = graph::OptimizerConfig::Kind::adamw8bit;
   spec.block8bit = 1000;
   EXPECT_THROW(training_graph(models::mlp({8}), 4, spec), std::invalid_argument);
 }
@@ -364,8 +364,8 @@ TEST(Adam8bit, BadBlockSizesAreRejectedSayingWhatToUse) {
 // ---- Through the trainer ----
 
 TEST(Adam8bit, OptimizerPassMakesU8StateAndScales) {
-  graph::OptimizerSpec spec;
-  spec.kind = graph::OptimizerSpec::Kind::adamw8bit;
+  graph::OptimizerConfig spec;
+  spec.kind = graph::OptimizerConfig::Kind::adamw8bit;
   spec.block8bit = 512;
   const graph::Graph g = training_graph(models::mlp({16}), 4, spec);
   const auto& t = g.tensors;
@@ -399,7 +399,7 @@ TEST(Adam8bit, TrainerMatchesReferenceExecutor) {
   TrainerOptions topt;
   topt.batch = 8;
   topt.lr = 0.01f;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::adamw8bit;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
   topt.optimizer.adam.weight_decay = 0.01f;
   topt.optimizer.block8bit = 256;
   const ModelSpec model = models::classifier(
@@ -416,11 +416,11 @@ TEST(Adam8bit, TrainsAndKeepsAQuarterOfAdamsState) {
   TrainerOptions topt;
   topt.batch = 32;
   topt.lr = 2e-3f;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::adamw8bit;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
   topt.optimizer.adam.weight_decay = 0.01f;
   Trainer trainer(runtime, model, topt);
   TrainerOptions adam_opt = topt;
-  adam_opt.optimizer.kind = graph::OptimizerSpec::Kind::adam;
+  adam_opt.optimizer.kind = graph::OptimizerConfig::Kind::adam;
   const Trainer adam(runtime, model, adam_opt);
   const double ratio = double(trainer.optimizer_state_bytes()) / double(adam.optimizer_state_bytes());
   EXPECT_LE(ratio, 0.27) << trainer.optimizer_state_bytes() << " vs " << adam.optimizer_state_bytes();

@@ -37,7 +37,7 @@ TEST(Pipeline, ModelPassesInOrder) {
 
 TEST(Pipeline, EachModelPassAlone) {
   const graph::VariantKey train{16, true};
-  graph::OptimizerSpec adam;
+  graph::OptimizerConfig adam;
   graph::Graph g = mlp_forward(16);
   const std::size_t forward_nodes = g.nodes.size();
   ASSERT_EQ(count_class(g, ops::OpClass::backward), 0u);
@@ -108,7 +108,7 @@ TEST(Pipeline, EachModelPassAlone) {
   ASSERT_EQ(g.nodes.size(), before + 2);
   for (graph::NodeId n = static_cast<graph::NodeId>(before); n < g.nodes.size(); ++n) {
     EXPECT_EQ(g.nodes.op[n], graph::builtin::download);
-    EXPECT_NE(g.tensors.home[g.nodes.outputs(n)[0]], graph::Residency::device);
+    EXPECT_NE(g.tensors.home[g.nodes.outputs(n)[0]], graph::Home::device);
   }
 
   // A forward-only key skips autodiff and the optimizer.
@@ -170,7 +170,7 @@ TEST(Pipeline, FusionTakesReluIntoPoolsThenIntoConvolutions) {
   }
   EXPECT_EQ(relu_pools, 1u);
   EXPECT_EQ(relu_convs, 1u);
-  graph::OptimizerSpec adam;
+  graph::OptimizerConfig adam;
   graph::VariantKey off{4, true};
   off.fuse = false;
   const graph::Graph with = graph::prepare_step_graph(forward_graph(cnn, graph::VariantKey{4, true}), {4, true}, adam);
@@ -194,7 +194,7 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
   EXPECT_EQ(count_op(fused, add_layernorm), 3u);
   EXPECT_EQ(count_op(fused, graph::builtin::layernorm), 1u);  // the first block's reads no add
   EXPECT_EQ(fused.nodes.size(), g.nodes.size() - 3);
-  graph::OptimizerSpec adam;
+  graph::OptimizerConfig adam;
   graph::VariantKey off{4, true};
   off.fuse = false;
   const graph::Graph with = graph::prepare_step_graph(forward_graph(deep, graph::VariantKey{4, true}), {4, true}, adam);
@@ -212,7 +212,7 @@ std::size_t count_role(const graph::Graph& g, graph::Role r) {
 }
 
 TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
-  graph::OptimizerSpec adam;
+  graph::OptimizerConfig adam;
   graph::VariantKey fit{16, true};
   fit.fit_predictor = true;
   const graph::Graph g = graph::prepare_step_graph(mlp_forward(16), fit, adam);
@@ -265,7 +265,7 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   EXPECT_EQ(count_class(last, ops::OpClass::update), 4u);
   EXPECT_EQ(count_class(last, ops::OpClass::state_update), 9u);  // grad_mean per weight, the guard's 5
 
-  graph::OptimizerSpec bad = adam;
+  graph::OptimizerConfig bad = adam;
   bad.predictor.beta = 1.0f;
   EXPECT_THROW(graph::prepare_step_graph(mlp_forward(16), fit, bad), std::invalid_argument);
 }
@@ -284,7 +284,7 @@ TEST(Pipeline, AutodiffWithoutALossIsAClearError) {
 
 TEST(Pipeline, CompiledStepReportsItsDevicePassesInOrder) {
   Runtime runtime;
-  graph::OptimizerSpec adam;
+  graph::OptimizerConfig adam;
   graph::CompiledStep step(graph::prepare_step_graph(mlp_forward(8), graph::VariantKey{8, true}, adam), adam,
                            runtime.env(), runtime.context(), nullptr, graph::StepOptions{{}, false, false});
   std::string order;

@@ -88,7 +88,7 @@ void expect_plan_matches_trainer(Runtime& rt, const ModelSpec& model, const Trai
   }
   EXPECT_EQ(plan.device_peak_bytes, peak);
   // Pinned host bytes: the stores' but the compressed home's chunks (ordinary memory, sized by the data).
-  const auto& compressed = t.train_step().persistent()->homes[static_cast<int>(graph::Residency::host_compressed)];
+  const auto& compressed = t.train_step().persistent()->homes[static_cast<int>(graph::Home::host_compressed)];
   const std::uint64_t pinned = t.train_step().persistent()->host_bytes() - (compressed ? compressed->host_bytes() : 0);
   EXPECT_EQ(plan.host_store_bytes, pinned);
   EXPECT_EQ(plan.host_step_bytes, host_step);
@@ -124,7 +124,7 @@ TEST(Plan, PlannerAgreesWithTheTrainerAccumulatedCompressedState) {
   o.batch = 8;
   o.accumulate = 2;  // the micro-batch variant too
   o.residency.mode = graph::ResidencyMode::stream;
-  o.residency.state_home = graph::Residency::host_compressed;  // staging in the host step pool
+  o.residency.state_home = graph::Home::host_compressed;  // staging in the host step pool
   o.residency.budget_bytes = 64ull << 20;
   expect_plan_matches_trainer(rt, small_residual(), o);
 }

@@ -82,17 +82,16 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
       {"stream with room for everything", options(graph::ResidencyMode::stream, 1ull << 30, 3)},
   };
   // Homes per role: one role on the device, the other streamed (or mapped).
-  auto homes = [](graph::ResidencyMode mode, std::optional<graph::Residency> weights,
-                  std::optional<graph::Residency> state) {
+  auto homes = [](graph::ResidencyMode mode, std::optional<graph::Home> weights, std::optional<graph::Home> state) {
     TrainerOptions o = options(mode, 0);
     o.residency.weights_home = weights;
     o.residency.state_home = state;
     return o;
   };
   cases.push_back({"weights on the device, optimizer state streamed",
-                   homes(graph::ResidencyMode::resident, std::nullopt, graph::Residency::host_pinned)});
+                   homes(graph::ResidencyMode::resident, std::nullopt, graph::Home::host_pinned)});
   cases.push_back({"weights streamed, optimizer state on the device",
-                   homes(graph::ResidencyMode::stream, std::nullopt, graph::Residency::device)});
+                   homes(graph::ResidencyMode::stream, std::nullopt, graph::Home::device)});
   // Pageable host memory (what NVIDIA gets by default): the same copies, staged by the driver; and
   // mapped mode asked for it (its home and the pool kernels use stay pinned).
   auto pageable = [](TrainerOptions o) {
@@ -105,7 +104,7 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
     cases.push_back({"mapped, pageable host memory asked for", pageable(options(graph::ResidencyMode::mapped, 0))});
     cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
     cases.push_back({"weights mapped, optimizer state streamed",
-                     homes(graph::ResidencyMode::mapped, std::nullopt, graph::Residency::host_pinned)});
+                     homes(graph::ResidencyMode::mapped, std::nullopt, graph::Home::host_pinned)});
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
@@ -338,7 +337,7 @@ TEST(Residency, FailedHostAllocationIsAClearError) {
 namespace ferry::test {
 namespace {
 
-TrainerOptions host_optimizer_options(std::uint64_t budget, graph::OptimizerSpec::Kind kind) {
+TrainerOptions host_optimizer_options(std::uint64_t budget, graph::OptimizerConfig::Kind kind) {
   TrainerOptions o = options(graph::ResidencyMode::stream, budget);
   o.residency.host_optimizer = true;
   o.optimizer.kind = kind;
@@ -347,7 +346,7 @@ TrainerOptions host_optimizer_options(std::uint64_t budget, graph::OptimizerSpec
   return o;
 }
 
-class HostOptimizerTest : public ::testing::TestWithParam<graph::OptimizerSpec::Kind> {};
+class HostOptimizerTest : public ::testing::TestWithParam<graph::OptimizerConfig::Kind> {};
 
 TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
   Runtime rt;
@@ -388,8 +387,8 @@ TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
-                         ::testing::Values(graph::OptimizerSpec::Kind::adam, graph::OptimizerSpec::Kind::adamw,
-                                           graph::OptimizerSpec::Kind::sgd),
+                         ::testing::Values(graph::OptimizerConfig::Kind::adam, graph::OptimizerConfig::Kind::adamw,
+                                           graph::OptimizerConfig::Kind::sgd),
                          [](const auto& info) { return std::string(graph::optimizer_name(info.param)); });
 
 // The host optimizer updates the one host copy in place after the commit point: a failing host
@@ -399,7 +398,7 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
 TEST(HostOptimizer, FailingHostUpdateIsAPartialUpdateNamingWhatChanged) {
   Runtime rt;
   const ModelSpec m = small_residual();
-  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, graph::OptimizerSpec::Kind::adam));
+  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, graph::OptimizerConfig::Kind::adam));
   const auto& nodes = trainer.train_step().graph().nodes;
   std::vector<graph::NodeId> host_nodes;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
@@ -473,7 +472,7 @@ TEST_P(DivergedStepTest, SkipsTheUpdateAndKeepsTheState) {
   const ModelSpec m = small_mlp();
   TrainerOptions o = options(c.mode, c.mode == graph::ResidencyMode::stream ? min_stream_budget(rt, m) * 2 : 0);
   o.residency.host_optimizer = c.host_optimizer;
-  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0;
   o.lr = 1e30f;  // the first step blows the weights up; the next loss is not finite
   Trainer trainer(rt, m, o);
@@ -515,7 +514,7 @@ TEST(Optimizer, SgdWithoutMomentumKeepsNoStateAndMatchesTheReference) {
   Runtime rt;
   const ModelSpec m = small_residual();
   TrainerOptions o = options(graph::ResidencyMode::resident, 0);
-  o.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0;
   Trainer plain(rt, m, o);
   EXPECT_EQ(plain.optimizer_state_bytes(), 0u);
@@ -537,7 +536,7 @@ TEST(ResidencyHomes, StreamingOnlyTheOptimizerStateMovesOnlyTheState) {
   const ModelSpec m = small_mlp();
   TrainerOptions all = options(graph::ResidencyMode::resident, 0);
   TrainerOptions state = all;
-  state.residency.state_home = graph::Residency::host_pinned;
+  state.residency.state_home = graph::Home::host_pinned;
   Trainer resident(rt, m, all), streamed(rt, m, state);
   EXPECT_EQ(resident.train_step().persistent()->host_bytes(), 0u);
   const std::uint64_t homes = streamed.train_step().persistent()->host_bytes();
@@ -552,7 +551,7 @@ TEST(ResidencyHomes, StreamingOnlyTheOptimizerStateMovesOnlyTheState) {
 TEST(ResidencyHomes, HomesWithoutAStoreOrThatConflictAreClearErrors) {
   Runtime rt;
   const ModelSpec m = small_mlp();
-  for (auto home : {graph::Residency::host_int8}) {
+  for (auto home : {graph::Home::host_int8}) {
     TrainerOptions o = options(graph::ResidencyMode::resident, 0);
     o.residency.state_home = home;
     try {
@@ -564,11 +563,11 @@ TEST(ResidencyHomes, HomesWithoutAStoreOrThatConflictAreClearErrors) {
   }
   TrainerOptions host_opt = options(graph::ResidencyMode::stream, 0);
   host_opt.residency.host_optimizer = true;
-  host_opt.residency.weights_home = graph::Residency::device;
+  host_opt.residency.weights_home = graph::Home::device;
   EXPECT_THROW(Trainer(rt, m, host_opt), std::invalid_argument);
   if (!rt.device().host_unified_memory) {
     TrainerOptions mapped = options(graph::ResidencyMode::resident, 0);
-    mapped.residency.weights_home = graph::Residency::host_mapped;
+    mapped.residency.weights_home = graph::Home::host_mapped;
     EXPECT_THROW(Trainer(rt, m, mapped), std::invalid_argument);
   }
 }

@@ -372,8 +372,8 @@ std::vector<std::int32_t> batch_labels(const std::vector<std::int32_t>& ids) {
 TEST(SequenceRows, TinyModelTrainsOnTheDeviceLikeTheReference) {
   Runtime runtime;
   SequenceModel m = sequence_model();
-  graph::OptimizerSpec opt;
-  opt.kind = graph::OptimizerSpec::Kind::sgd;
+  graph::OptimizerConfig opt;
+  opt.kind = graph::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0.9f;
   const graph::Graph g = graph::prepare_step_graph(std::move(m.g), graph::VariantKey{SequenceModel::batch, true}, opt);
   std::map<std::string, int> count;
@@ -425,8 +425,8 @@ TEST(SequenceRows, TinyModelTrainsOnTheDeviceLikeTheReference) {
 
 TEST(SequenceRows, GradientThroughTheGraphMatchesFiniteDifferences) {
   SequenceModel m = sequence_model(0.3f);
-  graph::OptimizerSpec opt;
-  opt.kind = graph::OptimizerSpec::Kind::sgd;
+  graph::OptimizerConfig opt;
+  opt.kind = graph::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   const TensorId table = m.table;
   const graph::Graph g = graph::prepare_step_graph(std::move(m.g), graph::VariantKey{SequenceModel::batch, true}, opt);

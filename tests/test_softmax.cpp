@@ -192,7 +192,7 @@ TEST(SoftmaxRows, ModelTrainsOnTheDeviceLikeItsReference) {
   TrainerOptions topt;
   topt.batch = 6;
   topt.lr = 0.1f;
-  topt.optimizer.kind = graph::OptimizerSpec::Kind::sgd;
+  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, softmax_model(), topt);
   expect_training_matches_reference(trainer, 4, 60, 1, -2.0f, 2.0f);

@@ -57,8 +57,8 @@ TrainRun train(Runtime& rt, const ModelSpec& m, const TrainerOptions& o, int ste
 }
 
 TrainerOptions compressed(TrainerOptions o, bool weights_too, std::size_t chunk, unsigned workers, bool zero_copy) {
-  o.residency.state_home = graph::Residency::host_compressed;
-  if (weights_too) o.residency.weights_home = graph::Residency::host_compressed;
+  o.residency.state_home = graph::Home::host_compressed;
+  if (weights_too) o.residency.weights_home = graph::Home::host_compressed;
   o.residency.homes.codec.chunk_bytes = chunk;
   o.residency.homes.codec.workers = workers;
   o.residency.zero_copy_staging = zero_copy;
@@ -91,7 +91,7 @@ TEST_P(CompressedStateTest, TrainingIsBitIdenticalToUncompressed) {
                      compressed(options(graph::ResidencyMode::stream, min_budget), true, 4096, 1, zero_copy)});
   }
   TrainerOptions streamed = options(graph::ResidencyMode::stream, min_budget);
-  streamed.residency.state_home = graph::Residency::host_compressed;
+  streamed.residency.state_home = graph::Home::host_compressed;
   cases.push_back({"weights streamed uncompressed, state compressed", streamed});
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
@@ -132,7 +132,7 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
   for (int s = 0; s < 3; ++s) step(t, s);
   EXPECT_GT(t.train_step().persistent()->host_bytes(), 0u);
   EXPECT_LT(t.train_step().persistent()->host_bytes(), state + state / 10) << "chunks of trained moments";
-  EXPECT_EQ(t.home_of(graph::Role::optimizer_state), graph::Residency::host_compressed);
+  EXPECT_EQ(t.home_of(graph::Role::optimizer_state), graph::Home::host_compressed);
 }
 
 // The packed chunks of a failed step are discarded: the state is the one before it, and training
@@ -186,7 +186,7 @@ TEST(CompressedState, CorruptChunkIsAnErrorNamingTensorAndChunk) {
   ASSERT_FALSE(victim.empty());
   const auto entry = t.train_step().persistent()->find(victim);
   ASSERT_TRUE(entry.has_value());
-  ASSERT_EQ(entry->home, graph::Residency::host_compressed);
+  ASSERT_EQ(entry->home, graph::Home::host_compressed);
   offload::HomeStore& store = t.train_step().persistent()->store(entry->home);
   offload::CompressedTensor* chunks = store.chunks({entry->place.buffer, entry->place.offset_bytes});
   ASSERT_NE(chunks, nullptr);
@@ -217,7 +217,7 @@ TEST(DroppedState, EveryUpdateStartsFromZeroStateAndNothingIsKept) {
     if (zero_copy && !rt.device().host_unified_memory) continue;
     SCOPED_TRACE(zero_copy ? "zero-copy" : "staged copies");
     TrainerOptions o = options();
-    o.residency.state_home = graph::Residency::dropped;
+    o.residency.state_home = graph::Home::dropped;
     o.residency.zero_copy_staging = zero_copy;
     Trainer dropped(rt, m, o);
     Trainer reference(rt, m, options());
@@ -247,7 +247,7 @@ TEST(StateHomes, BadHomesAndCodecSettingsAreClearErrors) {
   Runtime rt;
   const ModelSpec m = small_mlp();
   TrainerOptions weights_dropped = options();
-  weights_dropped.residency.weights_home = graph::Residency::dropped;
+  weights_dropped.residency.weights_home = graph::Home::dropped;
   try {
     Trainer t(rt, m, weights_dropped);
     FAIL() << "weights cannot be dropped";

@@ -16,7 +16,7 @@ namespace ferry::test {
 
 // A model's training step graph as the trainer builds it (builder, loss, the model passes), with
 // no device.
-inline graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerSpec& opt) {
+inline graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerConfig& opt) {
   const graph::VariantKey key{batch, true};
   return graph::prepare_step_graph(forward_graph(m, key), key, opt);
 }

@@ -31,7 +31,7 @@ std::pair<TensorId, bool> collective_order(Graph& g) {
     if (t.name[x] == order_name) return {x, true};
   }
   const TensorId order = t.add(order_name, Shape{1}, DType::f32, Role::gradient);
-  t.home[order] = Residency::host_pinned;
+  t.home[order] = Home::host_pinned;
   return {order, false};
 }
 
@@ -80,7 +80,7 @@ void append_collective(Graph& g, const std::vector<TensorId>& tensors,
             fmt::format("data-parallel training moves f32 tensors; '{}' is {}", t.name[x], dtype_name(t.dtype[x])));
       }
       const TensorId h = t.add(t.name[x] + "@" + c.suffix, t.shape[x], DType::f32, Role::gradient);
-      t.home[h] = Residency::host_pinned;
+      t.home[h] = Home::host_pinned;
       g.nodes.add(c.send, fmt::format("send.{}@{}", t.name[x], c.suffix), std::span(&x, 1), std::span(&h, 1),
                   c.send_attrs(i), Lane::d2h);
       host.push_back(h);
@@ -205,7 +205,7 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
     if (mine[w].count == 0) return no_tensor;
     const TensorId s = t.add(t.name[t.grad[w]] + "@shard", Shape{static_cast<std::uint32_t>(mine[w].count)}, DType::f32,
                              Role::gradient);
-    t.home[s] = Residency::host_pinned;
+    t.home[s] = Home::host_pinned;
     return s;
   };
   append_collective(g, grads, buckets, c);

@@ -10,7 +10,7 @@ void append_stats_download(Graph& g) {
     if (t.role[s] != Role::stats) continue;
     // The host mirror the caller reads after the step.
     const TensorId host = t.add(t.name[s] + "@host", t.shape[s], t.dtype[s], Role::stats);
-    t.home[host] = Residency::host_pinned;
+    t.home[host] = Home::host_pinned;
     const TensorId ins[] = {s};
     const TensorId outs[] = {host};
     g.nodes.add(builtin::download, "download." + t.name[s], ins, outs, {}, Lane::d2h);

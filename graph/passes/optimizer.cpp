@@ -9,7 +9,7 @@
 
 namespace ferry::graph {
 
-void append_optimizer(Graph& g, const OptimizerSpec& spec, const ZeroSharding& zero) {
+void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding& zero) {
   auto& t = g.tensors;
   const ops::OpId op = ops::find_op(ops::update_row_name(spec.kind));
   const ops::OpInfo& row = ops::op_info(op);

@@ -30,7 +30,7 @@ void stage_home_transfers(Graph& g, bool host_unified) {
   auto staging = [&](TensorId like) {
     const TensorId s =
         t.add(fmt::format("{}@staging{}", t.name[like], count++), t.shape[like], t.dtype[like], Role::staged);
-    t.home[s] = Residency::host_pinned;
+    t.home[s] = Home::host_pinned;
     return s;
   };
   for (NodeId n = 0; n < old.size(); ++n) {
@@ -38,7 +38,7 @@ void stage_home_transfers(Graph& g, bool host_unified) {
     if (op == builtin::fetch && staged(old.inputs(n)[0])) {
       const TensorId host = old.inputs(n)[0], copy = old.outputs(n)[0];
       if (host_unified) {
-        t.home[copy] = Residency::host_pinned;  // kernels read the unpacked bytes where they are
+        t.home[copy] = Home::host_pinned;  // kernels read the unpacked bytes where they are
         out.add(builtin::unpack, "unpack." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::unpack);
       } else {
         const TensorId s = staging(host);

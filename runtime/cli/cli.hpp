@@ -46,7 +46,7 @@ inline double shortest(float f) {
 }
 
 // The CLI's names of homes: device, host (pinned, streamed), mapped, compressed, int8, dropped.
-ferry::graph::Residency cli_home(const std::string& s);
+ferry::graph::Home cli_home(const std::string& s);
 
 struct TrainArgs {
   std::string model = "mlp";

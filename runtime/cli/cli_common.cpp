@@ -17,14 +17,14 @@
 
 namespace ferry::cli {
 
-ferry::graph::Residency cli_home(const std::string& s) {
-  using ferry::graph::Residency;
+ferry::graph::Home cli_home(const std::string& s) {
+  using ferry::graph::Home;
   // The library's names (host_pinned, ...) are taken too: its messages use them.
-  if (s == "device") return Residency::device;
-  if (s == "host" || s == "host_pinned") return Residency::host_pinned;
-  if (s == "mapped" || s == "host_mapped") return Residency::host_mapped;
-  if (s == "compressed" || s == "host_compressed") return Residency::host_compressed;
-  if (s == "dropped") return Residency::dropped;
+  if (s == "device") return Home::device;
+  if (s == "host" || s == "host_pinned") return Home::host_pinned;
+  if (s == "mapped" || s == "host_mapped") return Home::host_mapped;
+  if (s == "compressed" || s == "host_compressed") return Home::host_compressed;
+  if (s == "dropped") return Home::dropped;
   throw std::invalid_argument(fmt::format("unknown home '{}': use device, host, mapped, compressed or dropped", s));
 }
 
@@ -68,15 +68,15 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.check_weights_every = a.check_weights_every;
   if (a.optimizer == "adam" || a.optimizer == "adamw") {
     opt.optimizer.kind =
-        a.optimizer == "adam" ? ferry::graph::OptimizerSpec::Kind::adam : ferry::graph::OptimizerSpec::Kind::adamw;
+        a.optimizer == "adam" ? ferry::graph::OptimizerConfig::Kind::adam : ferry::graph::OptimizerConfig::Kind::adamw;
     opt.optimizer.adam.weight_decay = a.weight_decay;
   } else if (a.optimizer == "adamw8bit") {
     ferry::ops::check_adam8bit_block(a.optimizer_block);
-    opt.optimizer.kind = ferry::graph::OptimizerSpec::Kind::adamw8bit;
+    opt.optimizer.kind = ferry::graph::OptimizerConfig::Kind::adamw8bit;
     opt.optimizer.adam.weight_decay = a.weight_decay;
     opt.optimizer.block8bit = a.optimizer_block;
   } else if (a.optimizer == "sgd") {
-    opt.optimizer.kind = ferry::graph::OptimizerSpec::Kind::sgd;
+    opt.optimizer.kind = ferry::graph::OptimizerConfig::Kind::sgd;
     opt.optimizer.sgd.momentum = a.momentum;
     opt.optimizer.sgd.weight_decay = a.weight_decay;
   } else {

@@ -52,7 +52,7 @@ struct Candidate {
 // layers (half the activation bytes) unless already narrow, and with the batch split into micro-batches when that is
 // needed.
 std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, bool unified) {
-  using ferry::graph::Residency;
+  using ferry::graph::Home;
   using ferry::graph::ResidencyMode;
   std::vector<Candidate> out;
   for (std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
@@ -83,7 +83,7 @@ std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, 
         flags += " --residency stream";
       }
       if (lean == 2 || lean == 4) {
-        o.residency.state_home = Residency::host_compressed;
+        o.residency.state_home = Home::host_compressed;
         flags += " --state-home compressed";
       }
       if (lean == 5) {
@@ -94,7 +94,7 @@ std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, 
       }
       if (lean == 3 || lean == 4) {
         if (!adam) continue;
-        o.optimizer.kind = ferry::graph::OptimizerSpec::Kind::adamw8bit;
+        o.optimizer.kind = ferry::graph::OptimizerConfig::Kind::adamw8bit;
         flags += " --optimizer adamw8bit";
       }
       out.push_back({flags.substr(1), o});
@@ -161,7 +161,7 @@ int cmd_plan(const TrainArgs& a) {
   const std::uint64_t host_limit = host_budget ? host_budget : ferry::physical_memory_bytes();
 
   // The first candidate, fastest first, that fits both budgets.
-  const bool adam = base.optimizer.kind != ferry::graph::OptimizerSpec::Kind::sgd;
+  const bool adam = base.optimizer.kind != ferry::graph::OptimizerConfig::Kind::sgd;
   std::optional<Candidate> chosen;
   std::optional<ferry::TrainingPlan> chosen_plan;
   for (const Candidate& c : candidates(base, adam, runtime.device().host_unified_memory)) {

@@ -10,8 +10,8 @@
 
 namespace ferry::graph {
 
-using OptimizerSpec = ops::OptimizerConfig;
 using ops::optimizer_name;
+using ops::OptimizerConfig;
 
 // Appends the backward nodes of every forward node, in reverse order, from the loss
 // (softmax_xent) back to the weights. Gradients of tensors used more than once are summed;
@@ -40,7 +40,7 @@ std::vector<ZeroShare> zero_shares(const Graph& g, const ZeroSharding& zero);
 // (role optimizer_state, zero-initialised). Sharded: state and update for this rank's share of
 // each weight only (a 1-D state tensor of the share's size; the update's attrs.i[2], i[3] say
 // which elements), none for a weight with no share here.
-void append_optimizer(Graph& g, const OptimizerSpec& spec, const ZeroSharding& zero = {});
+void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding& zero = {});
 
 // The weight-update predictor (ops/predictor.hpp). append_predictor_fit puts a snapshot of each
 // weight before its optimizer update and a fit after it; append_predictor_apply adds one apply

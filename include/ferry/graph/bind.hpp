@@ -30,6 +30,6 @@ void assign_scratch(Graph& g, ops::OpEnv& env);
 
 // The launches of a device-lane node, arguments bound to the planned locations.
 ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorLocator& at, ops::OpEnv& env,
-                          const OptimizerSpec& optimizer);
+                          const OptimizerConfig& optimizer);
 
 }  // namespace ferry::graph

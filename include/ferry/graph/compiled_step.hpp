@@ -58,7 +58,7 @@ struct PersistentArena {
   ResidencyMode mode = ResidencyMode::resident;  // the preset the model's homes came from
   std::array<std::unique_ptr<offload::HomeStore>, offload::home_count> homes;
   struct Entry {
-    Residency home = Residency::device;
+    Home home = Home::device;
     Placement place;
     std::uint64_t bytes = 0;
   };
@@ -71,14 +71,14 @@ struct PersistentArena {
 
   std::optional<Entry> find(const std::string& name) const;
   // The store of `home`; throws std::logic_error if no tensor lives there.
-  offload::HomeStore& store(Residency home) const;
+  offload::HomeStore& store(Home home) const;
   // The step succeeded: every home's next copies become current.
   void commit();
   // The step failed: next values written into homes that keep them apart are discarded.
   void abort();
   // Set-up and inspection, outside any step: write sets every copy, read reads the current one.
-  void write(Residency home, const Placement& p, const void* src, std::size_t bytes);
-  void read(Residency home, const Placement& p, void* dst, std::size_t bytes) const;
+  void write(Home home, const Placement& p, const void* src, std::size_t bytes);
+  void read(Home home, const Placement& p, void* dst, std::size_t bytes) const;
   std::uint64_t host_bytes() const;    // pinned host bytes of every home (both copies when streamed)
   std::uint64_t device_bytes() const;  // device bytes of the device home
 };
@@ -154,7 +154,7 @@ class CompiledStep {
   // `graph` must be complete (forward, and for training backward, optimizer and download).
   // With `shared`, persistent tensors are looked up by name there instead of allocated, and the
   // residency mode is the arena's.
-  CompiledStep(Graph graph, const OptimizerSpec& optimizer, ops::OpEnv& env, const cl::Context& context,
+  CompiledStep(Graph graph, const OptimizerConfig& optimizer, ops::OpEnv& env, const cl::Context& context,
                std::shared_ptr<PersistentArena> shared = nullptr, const StepOptions& options = {});
   ~CompiledStep();
   CompiledStep(const CompiledStep&) = delete;
@@ -253,7 +253,7 @@ class CompiledStep {
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
                 const offload::HomeStoreOptions& homes);
   offload::HostMemory host_pool_memory(const cl::Context& context, offload::HostMemory wanted) const;
-  void bind(ops::OpEnv& env, const OptimizerSpec& optimizer, bool bind_kernels);
+  void bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool bind_kernels);
   void lower(const cl::Context& context, bool serial);
   // Marks the nodes that change persistent state in place and finds the commit point.
   void find_commit_point();

@@ -55,7 +55,7 @@ bool is_persistent(Role r);
 
 // Where a persistent tensor lives between uses: its home (ferry/offload/home.hpp). Step tensors
 // are `device` except host mirrors (batch staging) and gradients kept on the host.
-using Residency = offload::Home;
+using offload::Home;
 
 // How the runtime fills a weight before the first step.
 struct WeightInit {
@@ -76,7 +76,7 @@ struct TensorTable {
   std::vector<Role> role;
   std::vector<TensorId> alias_of;  // views (reshape) share storage with this tensor
   std::vector<TensorId> grad;      // gradient of this tensor, set by autodiff
-  std::vector<Residency> home;
+  std::vector<Home> home;
   std::vector<Placement> placement;  // set by the memory plan
   std::vector<WeightInit> init;      // weights and optimizer state only
 

@@ -63,18 +63,18 @@ struct VariantKey {
 
 // The ZeRO sharding of a variant: none below stage 1 or alone; cuts on multiples of the 8-bit
 // optimizer's block (at least 2048 elements), so that its blocks stay whole.
-ZeroSharding zero_sharding(const VariantKey& key, const OptimizerSpec& optimizer);
+ZeroSharding zero_sharding(const VariantKey& key, const OptimizerConfig& optimizer);
 
 struct ModelPass {
   const char* name;
-  void (*run)(Graph&, const VariantKey&, const OptimizerSpec&);
+  void (*run)(Graph&, const VariantKey&, const OptimizerConfig&);
 };
 
 // The model passes in the order above; each does nothing in variants it does not apply to.
 const std::vector<ModelPass>& model_passes();
 
 // Runs the model passes on a forward graph (built with graph::Builder up to its loss).
-Graph prepare_step_graph(Graph forward, const VariantKey& key, const OptimizerSpec& optimizer);
+Graph prepare_step_graph(Graph forward, const VariantKey& key, const OptimizerConfig& optimizer);
 
 // Wall time of one pass of a compile, for compile-time reports.
 struct PassTiming {

@@ -44,7 +44,7 @@ struct ResidencyOptions {
   // mapped: host_mapped), e.g. weights on the device with their optimizer state streamed from
   // pinned host memory, or compressed state. Homes without a store (host_int8), weights
   // dropped, and host_mapped on a discrete device are errors at compile time.
-  std::optional<Residency> weights_home, state_home;
+  std::optional<Home> weights_home, state_home;
   // Settings of the home stores: the compressed home's chunk size, zstd level and workers.
   offload::HomeStoreOptions homes;
   // Staged homes (compressed, dropped) on a device whose memory is the host's: unpack straight

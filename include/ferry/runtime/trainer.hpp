@@ -29,7 +29,7 @@ namespace ferry {
 
 struct TrainerOptions {
   std::uint32_t batch = 256;
-  graph::OptimizerSpec optimizer;  // default: Adam
+  graph::OptimizerConfig optimizer;  // default: Adam
   float lr = 1e-3f;
   std::uint64_t seed = 1;  // weight initialisation
   // Where weights and optimizer state live and the device budget (graph/residency.hpp). A
@@ -210,7 +210,7 @@ class Trainer {
   // (ResidencyOptions::homes.host_memory, ferry/offload/host_memory.hpp).
   offload::HostMemory host_memory() const;
   // The home of the tensors of a persistent role (the first one's: all of a role share a home).
-  graph::Residency home_of(graph::Role role) const;
+  graph::Home home_of(graph::Role role) const;
 
   // A tensor on the host: its dtype, shape and raw bytes (persistent tensors as stored).
   struct HostTensor {
