@@ -175,6 +175,10 @@ struct CompiledStep::Impl {
   std::vector<std::unique_ptr<tbb::flow::continue_node<continue_msg>>> settle_checks;
   std::unique_ptr<RequestPoller> poller;
 
+  // Where a node's completion leaves the flow graph: a comm node's settle check, a host-lane
+  // node's work, the commit node's check, else the node itself.
+  tbb::flow::sender<continue_msg>& exit_of(NodeId id);
+
   explicit Impl(const cl::Context& c) : ctx(c) { last_on_lane.fill(no_node); }
 };
 

@@ -16,16 +16,37 @@
 namespace ferry::graph {
 
 // The flow graph: a node per step node (plus an event gate and a worker node for host-lane
-// nodes), edges from the predecessors, and the finish gate after every lane's last node.
+// nodes, and a settle gate for comm nodes), edges from the predecessors, the commit gate, and the
+// finish gate after every lane's last node.
 void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
                                     const std::vector<std::vector<NodeId>>& preds) {
-  auto& n = graph_.nodes;
-  const auto& last_on_lane = impl_->last_on_lane;
-  impl_->gates.resize(n.size());
-  impl_->gate_nodes.resize(n.size());
-  impl_->host_work.resize(n.size());
-  impl_->settle_gates.resize(n.size());
-  impl_->settle_checks.resize(n.size());
+  const std::size_t count = graph_.nodes.size();
+  impl_->gates.resize(count);
+  impl_->gate_nodes.resize(count);
+  impl_->host_work.resize(count);
+  impl_->settle_gates.resize(count);
+  impl_->settle_checks.resize(count);
+  add_node_bodies(serial);
+  add_host_work(context);
+  if (impl_->commit != Impl::no_node) add_commit_gate(context);
+  for (NodeId id = 0; id < count; ++id) {
+    if (preds[id].empty()) tbb::flow::make_edge(impl_->start, *impl_->nodes[id]);
+    for (NodeId m : preds[id]) tbb::flow::make_edge(impl_->exit_of(m), *impl_->nodes[id]);
+  }
+  add_finish_gate(context);
+}
+
+tbb::flow::sender<continue_msg>& CompiledStep::Impl::exit_of(NodeId id) {
+  if (settle_checks[id]) return *settle_checks[id];
+  if (host_work[id]) return *host_work[id];
+  if (id == commit) return *commit_check;
+  return *nodes[id];
+}
+
+// Each node's body: a device node enqueues its commands and flushes; a host-lane node hands its
+// wait list to its event gate (its work runs after, add_host_work).
+void CompiledStep::add_node_bodies(bool serial) {
+  const auto& n = graph_.nodes;
   Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
     impl_->nodes.push_back(std::make_unique<tbb::flow::continue_node<continue_msg>>(
@@ -65,6 +86,13 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
           }
         }));
   }
+}
+
+// Host-lane nodes: the event gate that waits for the device commands a node reads, then its work
+// on a TBB worker (and for comm nodes, the settle gate after it).
+void CompiledStep::add_host_work(const cl::Context& context) {
+  const auto& n = graph_.nodes;
+  Impl* im = impl_.get();
   for (NodeId id = 0; id < n.size(); ++id) {
     if (!is_host_lane(n.lane[id])) continue;
     auto gate = std::make_unique<EventGate>();
@@ -94,62 +122,56 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
     tbb::flow::make_edge(*impl_->gate_nodes[id], *impl_->host_work[id]);
     if (n.lane[id] == Lane::comm) add_settle_gate(id);
   }
-  auto exit_of = [&](NodeId id) -> tbb::flow::sender<continue_msg>& {
-    if (impl_->settle_checks[id]) return *impl_->settle_checks[id];
-    if (impl_->host_work[id]) return *impl_->host_work[id];
-    if (id == impl_->commit) return *impl_->commit_check;
-    return *impl_->nodes[id];
-  };
-  if (impl_->commit != Impl::no_node) {
-    // The commit gate: after the commit node and the last node before it on every other lane, a
-    // marker on the commit node's queue waits for their commands; then every command before the
-    // commit point must have succeeded before anything after it is enqueued.
-    const NodeId commit = impl_->commit;
-    impl_->commit_gate.queue = queue_of(context, n.lane[commit]);
-    impl_->commit_gate.opened = &impl_->host_waits;
-    impl_->commit_join =
-        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im](const continue_msg&) {
-          im->commit_gate.wait.clear();
-          for (NodeId m : im->commit_waits) {
-            if (im->running->events[m]) im->commit_gate.wait.push_back(im->running->events[m].get());
-          }
-          Submission& sub = *im->running;
-          sub.skip_host_updates = false;
-          if (im->guard_span.buffer) {
-            // The guard's value once every command before the commit point is done: host-lane
-            // updates after it apply only if it is finite.
-            cl::OpScope scope("the overflow guard at the commit point");
-            auto& wait = im->commit_gate.wait;
-            FERRY_CL(clEnqueueReadBuffer(im->commit_gate.queue, im->guard_span.buffer, CL_FALSE,
-                                         im->guard_span.offset_bytes, sizeof(float), &sub.guard_at_commit,
-                                         static_cast<cl_uint>(wait.size()), wait.empty() ? nullptr : wait.data(),
-                                         im->guard_read.out()));
-            wait.assign(1, im->guard_read.get());
-          }
-        });
-    impl_->commit_gate_node =
-        std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
-                                   [im](const continue_msg&, DoneNode::gateway_type& gw) { im->commit_gate.open(gw); });
-    impl_->commit_check =
-        std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, commit](const continue_msg&) {
-          check_device_status(*im->running, commit + 1, im->commit_gate.status, "the step before its commit point");
-          if (im->guard_span.buffer) im->running->skip_host_updates = !std::isfinite(im->running->guard_at_commit);
-        });
-    tbb::flow::make_edge(*impl_->nodes[commit], *impl_->commit_join);
-    for (NodeId m : impl_->commit_waits) {
-      if (m != commit) tbb::flow::make_edge(exit_of(m), *impl_->commit_join);
-    }
-    tbb::flow::make_edge(*impl_->commit_join, *impl_->commit_gate_node);
-    tbb::flow::make_edge(*impl_->commit_gate_node, *impl_->commit_check);
-  }
-  for (NodeId id = 0; id < n.size(); ++id) {
-    if (preds[id].empty()) tbb::flow::make_edge(impl_->start, *impl_->nodes[id]);
-    for (NodeId m : preds[id]) tbb::flow::make_edge(exit_of(m), *impl_->nodes[id]);
-  }
+}
 
-  // Finish: an event gate after every lane's last command; its opening ends wait_for_all().
+// The commit gate: after the commit node and the last node before it on every other lane, a
+// marker on the commit node's queue waits for their commands; then every command before the
+// commit point must have succeeded before anything after it is enqueued.
+void CompiledStep::add_commit_gate(const cl::Context& context) {
+  const auto& n = graph_.nodes;
+  Impl* im = impl_.get();
+  const NodeId commit = impl_->commit;
+  impl_->commit_gate.queue = queue_of(context, n.lane[commit]);
+  impl_->commit_gate.opened = &impl_->host_waits;
+  impl_->commit_join = std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [im](const continue_msg&) {
+    im->commit_gate.wait.clear();
+    for (NodeId m : im->commit_waits) {
+      if (im->running->events[m]) im->commit_gate.wait.push_back(im->running->events[m].get());
+    }
+    Submission& sub = *im->running;
+    sub.skip_host_updates = false;
+    if (im->guard_span.buffer) {
+      // The guard's value once every command before the commit point is done: host-lane
+      // updates after it apply only if it is finite.
+      cl::OpScope scope("the overflow guard at the commit point");
+      auto& wait = im->commit_gate.wait;
+      FERRY_CL(clEnqueueReadBuffer(im->commit_gate.queue, im->guard_span.buffer, CL_FALSE, im->guard_span.offset_bytes,
+                                   sizeof(float), &sub.guard_at_commit, static_cast<cl_uint>(wait.size()),
+                                   wait.empty() ? nullptr : wait.data(), im->guard_read.out()));
+      wait.assign(1, im->guard_read.get());
+    }
+  });
+  impl_->commit_gate_node =
+      std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
+                                 [im](const continue_msg&, DoneNode::gateway_type& gw) { im->commit_gate.open(gw); });
+  impl_->commit_check =
+      std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, commit](const continue_msg&) {
+        check_device_status(*im->running, commit + 1, im->commit_gate.status, "the step before its commit point");
+        if (im->guard_span.buffer) im->running->skip_host_updates = !std::isfinite(im->running->guard_at_commit);
+      });
+  tbb::flow::make_edge(*impl_->nodes[commit], *impl_->commit_join);
+  for (NodeId m : impl_->commit_waits) {
+    if (m != commit) tbb::flow::make_edge(impl_->exit_of(m), *impl_->commit_join);
+  }
+  tbb::flow::make_edge(*impl_->commit_join, *impl_->commit_gate_node);
+  tbb::flow::make_edge(*impl_->commit_gate_node, *impl_->commit_check);
+}
+
+// Finish: an event gate after every lane's last command; its opening ends wait_for_all().
+void CompiledStep::add_finish_gate(const cl::Context& context) {
+  Impl* im = impl_.get();
   std::vector<NodeId> lane_tails;
-  for (NodeId tail : last_on_lane) {
+  for (NodeId tail : impl_->last_on_lane) {
     if (tail != static_cast<NodeId>(-1)) lane_tails.push_back(tail);
   }
   impl_->finish_gate.queue = context.compute();
@@ -171,7 +193,7 @@ void CompiledStep::build_flow_graph(const cl::Context& context, bool serial,
           wait.assign(1, s.finish.get());
         }
       });
-  for (NodeId tail : lane_tails) tbb::flow::make_edge(exit_of(tail), *impl_->finish);
+  for (NodeId tail : lane_tails) tbb::flow::make_edge(impl_->exit_of(tail), *impl_->finish);
   impl_->done =
       std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
                                  [im](const continue_msg&, DoneNode::gateway_type& gw) { im->finish_gate.open(gw); });

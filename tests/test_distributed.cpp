@@ -103,25 +103,42 @@ TEST(ZeroShard, SharesCoverEachTensorOnGranulesAndSmallTensorsGoWholeByTurns) {
   EXPECT_THROW(ops::zero_shard(10, 0, 2, 2, 2048), std::invalid_argument);
 }
 
+// Rank 0 of `n` ranks in one process, the others alike: sums of the trainer's small values are n
+// times this rank's, and every rank's value is this rank's.
+class SelfRanks : public ops::Communicator {
+ public:
+  SelfRanks(int n, std::string name) : n_(n), name_(std::move(name)) {}
+  int rank() const override { return 0; }
+  int size() const override { return n_; }
+  std::string name() const override { return name_; }
+  using ops::Communicator::allreduce_sum;
+  void allreduce_sum(std::span<double> values) override {
+    for (double& x : values) x *= n_;
+  }
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
+    return std::vector<std::uint64_t>(static_cast<std::size_t>(n_), value);
+  }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+
+ protected:
+  int n_;
+  std::string name_;
+};
+
 // N ranks that are all this one: every rank has this rank's gradients and loss, so a sum over
 // the ranks is N times this rank's. With the shares of a batch N times larger (1/N each, a power
 // of two here), the data-parallel step scales by 1/N and sums N copies: exactly the gradient one
 // rank gets alone, so training must match a plain trainer bit for bit. This runs the whole
 // data-parallel step (send, host-lane all-reduce, receive, guard, loss reduction) in one process.
-class Mirror final : public ops::Communicator {
+class Mirror final : public SelfRanks {
  public:
-  explicit Mirror(int n) : n_(n) {}
-  int rank() const override { return 0; }
-  int size() const override { return n_; }
-  std::string name() const override { return "mirror"; }
+  explicit Mirror(int n) : SelfRanks(n, "mirror") {}
+  using SelfRanks::allreduce_sum;
   void allreduce_sum(std::span<const std::span<float>> buffers) override {
     ++reductions;
     for (const auto& b : buffers) {
       for (float& x : b) x *= static_cast<float>(n_);
     }
-  }
-  void allreduce_sum(std::span<double> values) override {
-    for (double& x : values) x *= n_;
   }
   void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
     ++reductions;
@@ -130,15 +147,9 @@ class Mirror final : public ops::Communicator {
     }
   }
   void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no all-gather at ZeRO stage 0"); }
-  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
-    return std::vector<std::uint64_t>(static_cast<std::size_t>(n_), value);
-  }
+  using SelfRanks::allgather;
   std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<Mirror>(n_); }
-  [[noreturn]] void abort(int) const override { std::abort(); }
   int reductions = 0;
-
- private:
-  int n_;
 };
 
 struct MirrorCase {
@@ -194,25 +205,17 @@ INSTANTIATE_TEST_SUITE_P(Modes, MirroredRanks,
 // only when it completes, on the third test() of its request. So a step that read a bucket before
 // its collective completed would train differently from one rank, and a step that waited for a
 // request on the worker that started it (the blocking default) is seen by the thread ids.
-class LateMirror final : public ops::Communicator {
+class LateMirror final : public SelfRanks {
  public:
-  explicit LateMirror(int n) : n_(n) {}
-  int rank() const override { return 0; }
-  int size() const override { return n_; }
-  std::string name() const override { return "late mirror"; }
+  explicit LateMirror(int n) : SelfRanks(n, "late mirror") {}
   void allreduce_sum(std::span<const std::span<float>>) override {
     throw std::logic_error("a step must start its gradient sums without blocking");
   }
-  void allreduce_sum(std::span<double> values) override {
-    for (double& x : values) x *= n_;
-  }
+  using SelfRanks::allreduce_sum;
   void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { throw std::logic_error("stage 0 only"); }
   void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("stage 0 only"); }
-  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
-    return std::vector<std::uint64_t>(static_cast<std::size_t>(n_), value);
-  }
+  using SelfRanks::allgather;
   std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<LateMirror>(n_); }
-  [[noreturn]] void abort(int) const override { std::abort(); }
 
   std::unique_ptr<ops::CommRequest> start_allreduce_sum(std::vector<std::span<float>> buffers) override {
     ++started;
@@ -252,7 +255,6 @@ class LateMirror final : public ops::Communicator {
     int tests_ = 0;
     bool done_ = false;
   };
-  int n_;
 };
 
 TEST(CommLane, CollectivesCompleteOffTheWorkersAndTheStepWaitsForThem) {

@@ -265,7 +265,11 @@ class CompiledStep {
   void enqueue_device_node(Submission& s, NodeId id, std::vector<cl_event>& wait, std::optional<Fault> fault);
   // The flow-graph form (graph/host_lane.cpp), for steps with host-lane nodes.
   void build_flow_graph(const cl::Context& context, bool serial, const std::vector<std::vector<NodeId>>& preds);
+  void add_node_bodies(bool serial);
+  void add_host_work(const cl::Context& context);
   void add_settle_gate(NodeId id);
+  void add_commit_gate(const cl::Context& context);
+  void add_finish_gate(const cl::Context& context);
   void run_flow_graph(Submission& s);
   // After a failure: drains the queues, rolls back what the step wrote into homes that commit,
   // and returns the exception to throw (PartialUpdateError if it had begun changing state in place).
@@ -297,6 +301,8 @@ class CompiledStep {
   std::atomic<NodeId> fail_node_{static_cast<NodeId>(-1)};
   std::atomic<Fault> fail_kind_{Fault::exception};
   std::optional<Fault> take_injected_failure(NodeId id) {
+    // A plain load first: with nothing injected, no node writes the shared word.
+    if (fail_node_.load(std::memory_order_relaxed) != id) return std::nullopt;
     NodeId expected = id;
     if (!fail_node_.compare_exchange_strong(expected, static_cast<NodeId>(-1))) return std::nullopt;
     return fail_kind_.load();
