@@ -73,20 +73,15 @@ __kernel void silu_grad(__global const float* x, ulong xo, __global const float*
 }
 )CL";
 
-ops::LaunchList silu_launch(ops::OpEnv& env, const char* kernel, std::initializer_list<ops::DeviceSpan> spans,
-                            std::size_t n) {
+// A launch of one of the kernels above over n elements; `args` are its arguments before the
+// count (buffer, element offset, ...), set in order by cl::set_args.
+template <class... Args>
+ops::LaunchList silu_launch(ops::OpEnv& env, const char* kernel, std::size_t n, const Args&... args) {
   cl_program program = env.kernels.program_from_source("user_silu", silu_source);
   cl_int rc = CL_SUCCESS;
   cl::Kernel k(clCreateKernel(program, kernel, &rc));
   cl::check(rc, "clCreateKernel(user silu)");
-  cl_uint arg = 0;
-  for (const ops::DeviceSpan& s : spans) {
-    const std::uint64_t off = s.elem_offset();
-    FERRY_CL(clSetKernelArg(k.get(), arg++, sizeof(cl_mem), &s.buffer));
-    FERRY_CL(clSetKernelArg(k.get(), arg++, sizeof(off), &off));
-  }
-  const auto count = static_cast<cl_uint>(n);
-  FERRY_CL(clSetKernelArg(k.get(), arg, sizeof(count), &count));
+  cl::set_args(k.get(), args..., static_cast<cl_uint>(n));
   ops::LaunchList list;
   list.push_back(ops::elementwise_launch(std::move(k), n));
   return list;
@@ -103,7 +98,9 @@ ops::OpId user_silu() {
     grad.name = "user_silu_grad";
     grad.op_class = ops::OpClass::backward;
     grad.bind = [](const ops::BindContext& c) {
-      return silu_launch(c.env(), "silu_grad", {c.in(0), c.in(1), c.out(0)}, c.input(0).shape.elems());
+      const ops::DeviceSpan x = c.in(0), dy = c.in(1), dx = c.out(0);
+      return silu_launch(c.env(), "silu_grad", c.input(0).shape.elems(), x.buffer, x.elem_offset(), dy.buffer,
+                         dy.elem_offset(), dx.buffer, dx.elem_offset());
     };
     grad.reference = [](ops::RefContext& c) {
       auto x = c.real(c.inputs()[0]), dy = c.real(c.inputs()[1]), dx = c.real(c.outputs()[0]);
@@ -121,7 +118,9 @@ ops::OpId user_silu() {
       return std::vector<ops::TensorDesc>{v.input(0)};
     };
     row.bind = [](const ops::BindContext& c) {
-      return silu_launch(c.env(), "silu", {c.in(0), c.out(0)}, c.input(0).shape.elems());
+      const ops::DeviceSpan x = c.in(0), y = c.out(0);
+      return silu_launch(c.env(), "silu", c.input(0).shape.elems(), x.buffer, x.elem_offset(), y.buffer,
+                         y.elem_offset());
     };
     row.backward = [grad_id](ops::GradContext& g) {
       const ops::TensorRef x = g.inputs()[0], dy = g.grad(g.outputs()[0]);
