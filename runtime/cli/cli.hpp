@@ -141,6 +141,16 @@ ferry::ModelSpec make_model(const TrainArgs& a);
 // The JSON fields of phases, accumulation, recomputation and precision (docs/phases.md) into `j`.
 void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 
+// Writes the steps traced so far to --trace (when given): a failure is said (unless --quiet) and
+// added to `errors`, and training's results stand.
+void write_trace(const TrainArgs& a, const ferry::ChromeTrace& trace, std::vector<std::string>& errors);
+
+// The fields of the `--json` line every `ferry train` prints (docs/outputs.md): the run's setting,
+// its device, the sizes of its state and memory, data parallelism, and the phase fields. Each
+// command adds its results (losses, rates, timings) and its model's own fields.
+nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Trainer& trainer,
+                                    std::uint32_t batch, const std::vector<std::string>& output_errors);
+
 // `ferry train`'s exit status when training finished and its results were printed, but a side
 // output it was asked for (trace, profile) could not be written: scripts see the loss, a person
 // reads the warning.

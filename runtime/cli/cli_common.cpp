@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "cli.hpp"
+#include "ferry/ops/gemm_tune.hpp"
 #include "ferry/runtime/plan.hpp"
 
 namespace ferry::cli {
@@ -183,6 +184,39 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {
   j["fit_every"] = opt.phases.fit_every;
   j["predict_fetch_bytes_per_step"] = trainer.predict_variant()->residency().fetch_bytes;
   j["predict_write_back_bytes_per_step"] = trainer.predict_variant()->residency().write_back_bytes;
+}
+
+void write_trace(const TrainArgs& a, const ferry::ChromeTrace& trace, std::vector<std::string>& errors) {
+  if (a.trace_path.empty()) return;
+  write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, errors,
+                    [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
+}
+
+nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Trainer& trainer,
+                                    std::uint32_t batch, const std::vector<std::string>& output_errors) {
+  nlohmann::json j = {{"schema", train_json_schema},
+                      {"model", trainer.model().name},
+                      {"device", runtime.device().name},
+                      {"gemm_tuning", ferry::ops::gemm_tuning_choice(runtime.env())},
+                      {"output_errors", output_errors},
+                      {"batch", batch},
+                      {"optimizer", a.optimizer},
+                      {"lr", shortest(a.lr)},
+                      {"seed", a.seed},
+                      {"parameters", trainer.parameter_count()},
+                      {"device_peak_bytes", trainer.device_peak_bytes()},
+                      {"training_state_bytes", trainer.training_state_bytes()},
+                      {"optimizer_state_bytes", trainer.optimizer_state_bytes()},
+                      {"gradient_bytes", trainer.gradient_bytes()},
+                      {"world_size", trainer.world_size()},
+                      {"zero_stage", a.zero},
+                      {"allreduce_bytes_per_step", trainer.allreduce_bytes_per_step()},
+                      {"residency", ferry::graph::residency_mode_name(trainer.residency().mode)},
+                      {"device_budget_bytes", trainer.device_budget_bytes()},
+                      {"host_state_bytes", trainer.host_state_bytes()},
+                      {"host_memory", ferry::offload::host_memory_name(trainer.host_memory())}};
+  add_phase_fields(j, trainer);
+  return j;
 }
 
 std::uint32_t default_batch(const std::string& model) {

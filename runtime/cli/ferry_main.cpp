@@ -263,10 +263,9 @@ int cmd_train(const TrainArgs& a) {
     const std::string where = fmt::format("epoch {}/{}, step {}/{} ({} optimizer updates done)", p.epochs_done + 1,
                                           a.epochs, p.step_in_epoch, steps_per_epoch, trainer.steps_done());
     const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
-    if (!a.trace_path.empty() && trace.steps() > 0) {  // the steps traced so far are kept too
+    if (trace.steps() > 0) {  // the steps traced so far are kept too
       std::vector<std::string> ignored;
-      write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
-                        [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
+      write_trace(a, trace, ignored);
     }
     if (!a.primary) {
       save(p);  // (rank 0 writes it and says so)
@@ -357,10 +356,7 @@ int cmd_train(const TrainArgs& a) {
   // One step only: its own time (one-off costs included) rather than none.
   const double step_ms = steps_timed ? step_ms_sum / steps_timed : first_step_ms;
   std::vector<std::string> output_errors;
-  if (!a.trace_path.empty()) {
-    write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, output_errors,
-                      [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
-  }
+  write_trace(a, trace, output_errors);
   for (const auto& [key, step] : trainer.variants()) {
     // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
     // the training step without a fit have their own profiles.
@@ -385,48 +381,27 @@ int cmd_train(const TrainArgs& a) {
                              ferry::format_bytes(trainer.device_peak_bytes()));
   }
   if (a.json) {
-    nlohmann::json j = {{"schema", train_json_schema},
-                        {"model", trainer.model().name},
-                        {"device", runtime.device().name},
-                        {"gemm_tuning", ferry::ops::gemm_tuning_choice(runtime.env())},
-                        {"output_errors", output_errors},
-                        {"epochs", a.epochs},
-                        {"batch", batch},
-                        {"optimizer", a.optimizer},
-                        {"lr", shortest(a.lr)},
-                        {"seed", a.seed},
-                        {"test_accuracy", final_eval.accuracy},
-                        {"test_loss", final_eval.loss},
-                        {"train_loss", last_epoch_loss},
-                        {"samples_per_s", samples_per_s},
-                        {"train_seconds", train_seconds},
-                        {"eval_seconds", eval_seconds},
-                        {"checkpoint_seconds", checkpoint_seconds},
-                        {"steps", steps_run},
-                        {"step_ms", step_ms},
-                        {"device_peak_bytes", trainer.device_peak_bytes()},
-                        {"training_state_bytes", trainer.training_state_bytes()},
-                        {"optimizer_state_bytes", trainer.optimizer_state_bytes()},
-                        {"gradient_bytes", trainer.gradient_bytes()},
-                        {"world_size", trainer.world_size()},
-                        {"zero_stage", a.zero},
-                        {"allreduce_bytes_per_step", trainer.allreduce_bytes_per_step()},
-                        {"parameters", trainer.parameter_count()},
-                        {"residency", ferry::graph::residency_mode_name(trainer.residency().mode)},
-                        {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
-                        {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
-                        {"device_budget_bytes", trainer.device_budget_bytes()},
-                        {"host_state_bytes", trainer.host_state_bytes()},
-                        {"host_staging_bytes", trainer.train_step().host_step_bytes()},
-                        {"host_memory", ferry::offload::host_memory_name(trainer.host_memory())},
-                        {"unpacks_per_step", trainer.residency().unpacks},
-                        {"packs_per_step", trainer.residency().packs},
-                        {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
-                        {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
-                        {"host_updates_per_step", trainer.residency().host_updates},
-                        {"compile_s", compile_s}};
+    nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
+    j.update({{"epochs", a.epochs},
+              {"test_accuracy", final_eval.accuracy},
+              {"test_loss", final_eval.loss},
+              {"train_loss", last_epoch_loss},
+              {"samples_per_s", samples_per_s},
+              {"train_seconds", train_seconds},
+              {"eval_seconds", eval_seconds},
+              {"checkpoint_seconds", checkpoint_seconds},
+              {"steps", steps_run},
+              {"step_ms", step_ms},
+              {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
+              {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
+              {"host_staging_bytes", trainer.train_step().host_step_bytes()},
+              {"unpacks_per_step", trainer.residency().unpacks},
+              {"packs_per_step", trainer.residency().packs},
+              {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
+              {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
+              {"host_updates_per_step", trainer.residency().host_updates},
+              {"compile_s", compile_s}});
     if (a.eval_int8) j["test_accuracy_int8"] = trainer.evaluate(test, true).accuracy;
-    add_phase_fields(j, trainer);
     std::cout << j.dump() << std::endl;
   }
   return train_exit_status(output_errors);

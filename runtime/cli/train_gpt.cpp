@@ -300,10 +300,9 @@ int cmd_train_gpt(const TrainArgs& args) {
       const int sig = stop_signal ? static_cast<int>(stop_signal) : SIGTERM;  // data parallel: another rank's
       const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
       const int status = 128 + sig;
-      if (!a.trace_path.empty() && trace.steps() > 0) {  // the steps traced so far are kept too
+      if (trace.steps() > 0) {  // the steps traced so far are kept too
         std::vector<std::string> ignored;
-        write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, ignored,
-                          [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
+        write_trace(a, trace, ignored);
       }
       if (!a.primary) {
         if (a.sharded_checkpoint && !a.checkpoint_path.empty()) save();  // this rank's share
@@ -338,10 +337,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   const double eval_seconds = pos.eval_seconds;
   const nlohmann::json& curve = pos.curve;
   std::vector<std::string> output_errors;
-  if (!a.trace_path.empty()) {
-    write_side_output(a.trace_path, fmt::format("a trace of {} steps", trace.steps()).c_str(), a.quiet, output_errors,
-                      [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
-  }
+  write_trace(a, trace, output_errors);
   const double train_loss =
       std::accumulate(recent.begin(), recent.end(), 0.0) / std::max<std::size_t>(recent.size(), 1);
   const double tokens_per_s = done * double(batch) * t / train_seconds;
@@ -356,45 +352,24 @@ int cmd_train_gpt(const TrainArgs& args) {
                              val_loss, done, tokens_per_s, 1e3 * train_seconds / done);
   }
   if (a.json) {
-    nlohmann::json j = {{"schema", train_json_schema},
-                        {"model", trainer.model().name},
-                        {"device", runtime.device().name},
-                        {"gemm_tuning", ferry::ops::gemm_tuning_choice(runtime.env())},
-                        {"output_errors", output_errors},
-                        {"parameters", trainer.parameter_count()},
-                        {"vocab", c.vocab},
-                        {"width", c.width},
-                        {"depth", c.depth},
-                        {"heads", c.heads},
-                        {"context", c.context},
-                        {"attention", a.attention},
-                        {"batch", batch},
-                        {"steps", done},
-                        {"optimizer", a.optimizer},
-                        {"lr", shortest(a.lr)},
-                        {"seed", a.seed},
-                        {"train_loss", train_loss},
-                        {"val_loss", val_loss},
-                        {"tokens_per_s", tokens_per_s},
-                        {"step_ms", 1e3 * train_seconds / done},
-                        {"train_seconds", train_seconds},
-                        {"eval_seconds", eval_seconds},
-                        {"checkpoint_seconds", checkpoint_seconds},
-                        {"compile_s", compile_s},
-                        {"device_peak_bytes", trainer.device_peak_bytes()},
-                        {"training_state_bytes", trainer.training_state_bytes()},
-                        {"optimizer_state_bytes", trainer.optimizer_state_bytes()},
-                        {"gradient_bytes", trainer.gradient_bytes()},
-                        {"world_size", trainer.world_size()},
-                        {"zero_stage", a.zero},
-                        {"allreduce_bytes_per_step", trainer.allreduce_bytes_per_step()},
-                        {"residency", graph::residency_mode_name(trainer.residency().mode)},
-                        {"device_budget_bytes", trainer.device_budget_bytes()},
-                        {"host_state_bytes", trainer.host_state_bytes()},
-                        {"host_memory", offload::host_memory_name(trainer.host_memory())},
-                        {"curve", curve}};
+    nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
+    j.update({{"vocab", c.vocab},
+              {"width", c.width},
+              {"depth", c.depth},
+              {"heads", c.heads},
+              {"context", c.context},
+              {"attention", a.attention},
+              {"steps", done},
+              {"train_loss", train_loss},
+              {"val_loss", val_loss},
+              {"tokens_per_s", tokens_per_s},
+              {"step_ms", 1e3 * train_seconds / done},
+              {"train_seconds", train_seconds},
+              {"eval_seconds", eval_seconds},
+              {"checkpoint_seconds", checkpoint_seconds},
+              {"compile_s", compile_s},
+              {"curve", curve}});
     if (a.sample) j["sample"] = sample;
-    add_phase_fields(j, trainer);
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   }
