@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "../examples/silu_op.hpp"
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/bind.hpp"
@@ -55,88 +56,10 @@ TEST(OpTable, RejectsDuplicateAndInertRowsAndUnknownNames) {
   }
 }
 
-// SiLU, y = x * sigmoid(x), as a user would add it: its own OpenCL source, nothing in ferry's tree.
-constexpr const char* silu_source = R"CL(
-__kernel void silu(__global const float* x, ulong xo, __global float* y, ulong yo, uint n) {
-  const size_t i = get_global_id(0);
-  if (i >= n) return;
-  const float v = x[xo + i];
-  y[yo + i] = v / (1.0f + exp(-v));
-}
-__kernel void silu_grad(__global const float* x, ulong xo, __global const float* dy, ulong dyo,
-                        __global float* dx, ulong dxo, uint n) {
-  const size_t i = get_global_id(0);
-  if (i >= n) return;
-  const float v = x[xo + i];
-  const float s = 1.0f / (1.0f + exp(-v));
-  dx[dxo + i] = dy[dyo + i] * (s + v * s * (1.0f - s));
-}
-)CL";
-
-// A launch of one of the kernels above over n elements; `args` are its arguments before the
-// count (buffer, element offset, ...), set in order by cl::set_args.
-template <class... Args>
-ops::LaunchList silu_launch(ops::OpEnv& env, const char* kernel, std::size_t n, const Args&... args) {
-  cl_program program = env.kernels.program_from_source("user_silu", silu_source);
-  cl_int rc = CL_SUCCESS;
-  cl::Kernel k(clCreateKernel(program, kernel, &rc));
-  cl::check(rc, "clCreateKernel(user silu)");
-  cl::set_args(k.get(), args..., static_cast<cl_uint>(n));
-  ops::LaunchList list;
-  list.push_back(ops::elementwise_launch(std::move(k), n));
-  return list;
-}
-
-double sigmoid(double v) {
-  return 1.0 / (1.0 + std::exp(-v));
-}
-
-// Registers the two rows once per test binary and returns the forward op's id.
+// SiLU, y = x * sigmoid(x), as a user adds it: the op examples/custom_op.cpp trains, with its own
+// OpenCL source and rows (examples/silu_op.hpp), registered once per test binary.
 ops::OpId user_silu() {
-  static const ops::OpId id = [] {
-    ops::OpInfo grad;
-    grad.name = "user_silu_grad";
-    grad.op_class = ops::OpClass::backward;
-    grad.bind = [](const ops::BindContext& c) {
-      const ops::DeviceSpan x = c.in(0), dy = c.in(1), dx = c.out(0);
-      return silu_launch(c.env(), "silu_grad", c.input(0).shape.elems(), x.buffer, x.elem_offset(), dy.buffer,
-                         dy.elem_offset(), dx.buffer, dx.elem_offset());
-    };
-    grad.reference = [](ops::RefContext& c) {
-      auto x = c.real(c.inputs()[0]), dy = c.real(c.inputs()[1]), dx = c.real(c.outputs()[0]);
-      for (std::size_t i = 0; i < x.size(); ++i) {
-        const double s = sigmoid(x[i]);
-        dx[i] = dy[i] * (s + x[i] * s * (1 - s));
-      }
-    };
-    const ops::OpId grad_id = ops::register_op(grad);
-
-    ops::OpInfo row;
-    row.name = "user_silu";
-    row.infer = [](const ops::ShapeView& v) {
-      if (v.input_count() != 1) throw ops::ShapeError(std::string(v.name()) + ": SiLU takes one input");
-      return std::vector<ops::TensorDesc>{v.input(0)};
-    };
-    row.bind = [](const ops::BindContext& c) {
-      const ops::DeviceSpan x = c.in(0), y = c.out(0);
-      return silu_launch(c.env(), "silu", c.input(0).shape.elems(), x.buffer, x.elem_offset(), y.buffer,
-                         y.elem_offset());
-    };
-    row.backward = [grad_id](ops::GradContext& g) {
-      const ops::TensorRef x = g.inputs()[0], dy = g.grad(g.outputs()[0]);
-      if (dy == ops::no_ref || !g.needs_grad(x)) return;
-      const ops::TensorRef dx = g.new_grad(x);
-      const ops::TensorRef ins[] = {x, dy};
-      const ops::TensorRef outs[] = {dx};
-      g.emit(grad_id, ".grad", ins, outs, g.attrs());
-      g.contribute(x, dx);
-    };
-    row.reference = [](ops::RefContext& c) {
-      auto x = c.real(c.inputs()[0]), y = c.real(c.outputs()[0]);
-      for (std::size_t i = 0; i < x.size(); ++i) y[i] = x[i] * sigmoid(x[i]);
-    };
-    return ops::register_op(row);
-  }();
+  static const ops::OpId id = silu_op::register_silu("user_silu");
   return id;
 }
 
