@@ -360,6 +360,13 @@ std::uint64_t shifted(std::uint64_t host_ns, std::int64_t offset) {
   return static_cast<std::uint64_t>(static_cast<std::int64_t>(host_ns) + offset);
 }
 
+// `e` spanning a stretch of the host's clock [begin_ns, end_ns), on the device clock.
+TimelineEntry host_span(TimelineEntry e, std::uint64_t begin_ns, std::uint64_t end_ns, std::int64_t offset) {
+  e.queued_ns = e.start_ns = shifted(begin_ns, offset);
+  e.end_ns = shifted(end_ns, offset);
+  return e;
+}
+
 }  // namespace
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {
@@ -370,11 +377,8 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
   const auto& nodes = graph_.nodes;
   for (NodeId id = 0; id < nodes.size(); ++id) {
     if (is_host_lane(nodes.lane[id])) {
-      if (s.host_end_ns[id] == 0) continue;
-      TimelineEntry e = describe(graph_, id);
-      e.queued_ns = e.start_ns = shifted(s.host_start_ns[id], offset);
-      e.end_ns = shifted(s.host_end_ns[id], offset);
-      out.push_back(std::move(e));
+      if (s.host_end_ns[id] != 0)
+        out.push_back(host_span(describe(graph_, id), s.host_start_ns[id], s.host_end_ns[id], offset));
       continue;
     }
     const cl::Event& ev = s.events[id];
@@ -402,16 +406,12 @@ std::vector<TimelineEntry> CompiledStep::host_activity() const {
     if (s.enqueue_begin_ns[id] == 0 || s.enqueue_end_ns[id] == 0) continue;
     TimelineEntry e{"enqueue " + nodes.name[id], nodes.lane[id], 0, 0, 0};
     e.op = "enqueue";
-    e.queued_ns = e.start_ns = shifted(s.enqueue_begin_ns[id], offset);
-    e.end_ns = shifted(s.enqueue_end_ns[id], offset);
-    out.push_back(std::move(e));
+    out.push_back(host_span(std::move(e), s.enqueue_begin_ns[id], s.enqueue_end_ns[id], offset));
   }
   for (const auto& w : s.waits) {
     TimelineEntry e{"wait", Lane::compute, 0, 0, 0};
     e.op = "wait";
-    e.queued_ns = e.start_ns = shifted(w.begin_ns, offset);
-    e.end_ns = shifted(w.end_ns, offset);
-    out.push_back(std::move(e));
+    out.push_back(host_span(std::move(e), w.begin_ns, w.end_ns, offset));
   }
   return out;
 }
