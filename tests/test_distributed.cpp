@@ -152,6 +152,15 @@ class Mirror final : public SelfRanks {
   int reductions = 0;
 };
 
+// `alone`'s options on four mirrored ranks: a global batch of four of its batches, and a bucket
+// per weight and bias.
+TrainerOptions on_four_ranks(TrainerOptions alone, std::shared_ptr<ops::Communicator> ranks) {
+  alone.data_parallel.communicator = std::move(ranks);
+  alone.data_parallel.global_batch = 4 * alone.batch;
+  alone.data_parallel.bucket_bytes = 64;
+  return alone;
+}
+
 struct MirrorCase {
   const char* name;
   graph::ResidencyMode mode;
@@ -172,11 +181,8 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
   alone.residency.mode = c.mode;
   alone.residency.host_optimizer = c.host_optimizer;
   if (c.host_optimizer) alone.optimizer.kind = graph::OptimizerConfig::Kind::adamw;
-  TrainerOptions ranked = alone;
   auto mirror = std::make_shared<Mirror>(4);
-  ranked.data_parallel.communicator = mirror;
-  ranked.data_parallel.global_batch = 32;
-  ranked.data_parallel.bucket_bytes = 64;  // a bucket per weight and bias
+  const TrainerOptions ranked = on_four_ranks(alone, mirror);
   Trainer one(rt, m, alone), four(rt, m, ranked);
   EXPECT_EQ(four.world_size(), 4);
   EXPECT_EQ(four.allreduce_bytes_per_step(), four.gradient_bytes());
@@ -269,11 +275,8 @@ TEST(CommLane, CollectivesCompleteOffTheWorkersAndTheStepWaitsForThem) {
       alone.residency.host_optimizer = true;
       alone.optimizer.kind = graph::OptimizerConfig::Kind::adamw;
     }
-    TrainerOptions ranked = alone;
     auto late = std::make_shared<LateMirror>(4);
-    ranked.data_parallel.communicator = late;
-    ranked.data_parallel.global_batch = 32;
-    ranked.data_parallel.bucket_bytes = 64;  // a bucket per weight and bias
+    const TrainerOptions ranked = on_four_ranks(alone, late);
     Trainer one(rt, m, alone), four(rt, m, ranked);
     const std::size_t sample = m.inputs[0].sample.elems();
     for (int s = 0; s < 4; ++s) {
