@@ -1,5 +1,5 @@
 // A small Fashion-MNIST trainer written against the installed ferry library, the way a user
-// would: load the data, describe a model, train with Trainer::step, report Trainer::evaluate.
+// would: load the data, describe a model, train it with a TrainingLoop, report Trainer::evaluate.
 //
 //   train_mlp [--model small|mlp] [--epochs N] [--batch N] [--lr X] [--train-limit N]
 //             [--device INDEX_OR_NAME] [--data DIR]
@@ -147,21 +147,17 @@ int run(const Args& a) {
               static_cast<unsigned long long>(trainer.parameter_count()),
               static_cast<double>(trainer.device_peak_bytes()) / (1024.0 * 1024.0));
 
-  // A new shuffled order every epoch; full batches (the last partial one is dropped).
+  // A new shuffled order every epoch; full batches (the last partial one is dropped). The loop keeps
+  // one step in flight, draws a progress line, and reports each epoch's end to on_boundary.
   ferry::ShuffledBatches batches(train, trainer.model(), a.batch, /*seed=*/1);
-  const std::size_t steps_per_epoch = batches.steps_per_epoch();
-  for (std::uint32_t epoch = 1; epoch <= a.epochs; ++epoch) {
-    double loss_sum = 0;
-    std::size_t correct = 0;
-    for (std::size_t s = 0; s < steps_per_epoch; ++s) {
-      const ferry::StepResult r = trainer.step(batches.next());  // waits for the device
-      loss_sum += r.loss;
-      correct += r.correct;
-    }
-    std::printf("epoch %u/%u: train loss %.4f, train accuracy %.4f\n", epoch, a.epochs,
-                loss_sum / static_cast<double>(steps_per_epoch),
-                static_cast<double>(correct) / static_cast<double>(steps_per_epoch * a.batch));
-  }
+  const std::uint64_t per_epoch = batches.steps_per_epoch();
+  ferry::TrainingLoop loop(trainer, batches, {.steps = a.epochs * per_epoch, .steps_per_epoch = per_epoch});
+  loop.on_boundary = [&](const ferry::LoopPosition& p) {
+    std::printf("epoch %llu/%u: train loss %.4f\n", static_cast<unsigned long long>(p.done / per_epoch), a.epochs,
+                p.last_epoch_loss);
+  };
+  const ferry::LoopSummary summary = loop.run();
+  if (summary.end == ferry::LoopSummary::End::stopped) return 128 + summary.signal;  // SIGINT / SIGTERM
 
   const ferry::EvalResult eval = trainer.evaluate(test);  // forward only, shares the trained weights
   std::printf("test accuracy %.4f (loss %.4f, %zu samples)\n", eval.accuracy, eval.loss, eval.samples);

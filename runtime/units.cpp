@@ -66,4 +66,9 @@ std::string format_bytes(std::uint64_t b) {
   return fmt::format("{:.1f} {}", v, names[u]);
 }
 
+std::string format_duration(double seconds) {
+  const auto s = static_cast<long>(std::max(0.0, seconds));
+  return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+}
+
 }  // namespace ferry

@@ -27,5 +27,6 @@
 #include "ferry/runtime/shuffled_batches.hpp"
 #include "ferry/runtime/trace.hpp"
 #include "ferry/runtime/trainer.hpp"
+#include "ferry/runtime/training_loop.hpp"
 #include "ferry/runtime/units.hpp"
 #include "ferry/runtime/version.hpp"

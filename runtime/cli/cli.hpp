@@ -189,35 +189,6 @@ struct TuneArgs {
 // `ferry tune` (runtime/cli/tune.cpp).
 int cmd_tune(const TuneArgs& a);
 
-// "h:mm:ss".
-std::string clock_string(double seconds);
-
-// A progress line on stderr: redrawn in place on a terminal, a line every 10% otherwise.
-class Progress {
- public:
-  explicit Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO) != 0) {}
-  // `what` leads the line ("epoch 2/10", "steps"); `rate` is in `unit`s per second.
-  void update(const std::string& what, std::size_t done, std::size_t total, float loss, double rate, const char* unit,
-              double eta_s) {
-    if (!enabled_) return;
-    const double frac = total ? static_cast<double>(done) / total : 1.0;
-    const int decile = static_cast<int>(frac * 10);
-    if (!tty_ && decile == last_decile_ && done != total) return;
-    last_decile_ = decile;
-    constexpr int width = 24;
-    const int filled = static_cast<int>(frac * width);
-    std::string bar(filled, '#');
-    bar += std::string(width - filled, '.');
-    std::cerr << fmt::format("{}{} [{}] {:3.0f}%  loss {:.4f}  {:.0f} {}/s  ETA {}{}", tty_ ? "\r" : "", what, bar,
-                             frac * 100, loss, rate, unit, clock_string(eta_s), tty_ ? "\033[K" : "\n");
-    if (tty_ && done == total) std::cerr << "\n";
-  }
-
- private:
-  bool enabled_, tty_;
-  int last_decile_ = -1;
-};
-
 int cmd_train_gpt(const TrainArgs& a);
 
 // Data-parallel runs (runtime/cli/ranks.cpp). Under mpirun: joins MPI's world (an error in a
@@ -233,30 +204,17 @@ void join_ranks(TrainArgs& a);
 ferry::Shard configure_ranks(const TrainArgs& a, std::uint32_t global_batch, ferry::TrainerOptions& opt);
 // The banner line of a data-parallel run (nothing alone): ranks, transport, shares, buckets.
 void announce_ranks(const TrainArgs& a, const ferry::Trainer& trainer, std::uint32_t global_batch);
-// Whether to stop between steps: a SIGINT/SIGTERM here, or (data parallel) on any rank, so that
-// every rank stops after the same step. Every rank calls it at the same points.
-bool stop_requested(const TrainArgs& a);
 // After resuming: every rank's checkpoint (file or share) is at the same step, else an error.
 void check_ranks_resumed_together(const TrainArgs& a, std::uint64_t steps_done);
 // An error on one rank of a data-parallel run: says which rank and ends every rank (MPI_Abort),
 // since the others would wait for it in their next reduction. Alone: returns.
 void end_all_ranks_on_error(const TrainArgs& a, const std::exception& e);
 
-// SIGINT / SIGTERM during training: while a StopSignals lives, the handler only records the
-// signal in stop_signal; the training loop checks it between steps, so the step in flight
-// finishes. A second signal ends the process at once (the handler resets to the default).
-extern volatile std::sig_atomic_t stop_signal;
-class StopSignals {
- public:
-  StopSignals();
-  ~StopSignals();
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-
- private:
-  struct sigaction old_int_ {
-  }, old_term_{};
-};
+// After a training loop stopped by a signal: the steps traced so far written (a failure only
+// said), and on rank 0 where it stopped (`where`), the checkpoint written and the command that
+// resumes from it, or that none was written.
+void report_stop(const TrainArgs& a, const ferry::LoopSummary& run, const ferry::ChromeTrace& trace,
+                 const std::string& where);
 
 // A command's own section of a checkpoint (the caller section) as CBOR, and back. The reader
 // returns the JSON object whose "kind" is `kind`; anything else throws resume_error's

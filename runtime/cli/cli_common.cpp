@@ -230,33 +230,22 @@ ferry::ModelSpec make_model(const TrainArgs& a) {
   throw std::invalid_argument(fmt::format("unknown model '{}': use mlp, cnn or deep", a.model));
 }
 
-std::string clock_string(double seconds) {
-  const auto s = static_cast<long>(std::max(0.0, seconds));
-  return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
-}
-
-// SIGINT / SIGTERM during training: the handler only records the signal; the training loop
-// checks it between steps, so the step in flight finishes. A second signal ends the process at
-// once (the handler is reset to the default when it runs).
-volatile std::sig_atomic_t stop_signal = 0;
-
-extern "C" void on_stop_signal(int sig) {
-  stop_signal = sig;
-}
-
-StopSignals::StopSignals() {
-  stop_signal = 0;
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART | SA_RESETHAND;
-  sigaction(SIGINT, &sa, &old_int_);
-  sigaction(SIGTERM, &sa, &old_term_);
-}
-
-StopSignals::~StopSignals() {
-  sigaction(SIGINT, &old_int_, nullptr);
-  sigaction(SIGTERM, &old_term_, nullptr);
+void report_stop(const TrainArgs& a, const ferry::LoopSummary& run, const ferry::ChromeTrace& trace,
+                 const std::string& where) {
+  if (trace.steps() > 0) {  // the steps traced so far are kept too
+    std::vector<std::string> ignored;
+    write_trace(a, trace, ignored);
+  }
+  if (!a.primary) return;  // rank 0 says it (and writes the checkpoint, unless each rank writes its own)
+  const char* name = run.signal == SIGINT ? "SIGINT" : "SIGTERM";
+  if (run.checkpoint_written) {
+    std::cerr << fmt::format("ferry: stopped by {} at {}; wrote checkpoint {}\nferry: resume with: {}\n", name, where,
+                             a.checkpoint_path, resume_command(a, a.checkpoint_path));
+  } else {
+    std::cerr << fmt::format(
+        "ferry: stopped by {} at {}; no checkpoint written (run with --checkpoint FILE to be able to resume)\n", name,
+        where);
+  }
 }
 
 namespace {

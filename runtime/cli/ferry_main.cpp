@@ -46,19 +46,15 @@ int cmd_devices() {
   return 0;
 }
 
-// What `ferry train` keeps in a checkpoint's caller section besides the trainer's state: where it
-// is in which epoch, the data order and its RNG, the schedule, and the sums its output needs.
-struct RunPosition {
-  std::uint32_t epochs_done = 0;
-  std::size_t step_in_epoch = 0;  // steps of epoch epochs_done + 1 done (its order already shuffled)
-  double loss_sum = 0, last_epoch_loss = 0;
-};
-
-std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p, std::size_t samples,
-                                       const std::mt19937_64& rng, std::span<const std::size_t> order,
+// What `ferry train` keeps in a checkpoint's caller section besides the trainer's state: where the
+// loop is in which epoch, the data order and its RNG, the schedule, and the sums its output needs.
+// (Its layout, version 1, counts epochs done and steps into the next rather than steps done.)
+std::vector<std::byte> encode_position(const TrainArgs& a, const ferry::LoopPosition& p, std::size_t steps_per_epoch,
+                                       std::size_t samples, const ferry::ShuffledBatches& batches,
                                        std::size_t total_steps) {
   std::ostringstream rng_state;
-  rng_state << rng;
+  rng_state << batches.engine();
+  const auto order = batches.order();
   std::vector<std::uint8_t> order_bytes(order.size() * 4);
   for (std::size_t i = 0; i < order.size(); ++i) {
     const auto v = static_cast<std::uint32_t>(order[i]);
@@ -70,9 +66,9 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p,
                             {"seed", a.seed},
                             {"train_samples", samples},
                             {"epochs", a.epochs},
-                            {"epochs_done", p.epochs_done},
-                            {"step_in_epoch", p.step_in_epoch},
-                            {"loss_sum", p.loss_sum},
+                            {"epochs_done", p.done / steps_per_epoch},
+                            {"step_in_epoch", p.done % steps_per_epoch},
+                            {"loss_sum", p.epoch_loss_sum},
                             {"last_epoch_loss", p.last_epoch_loss},
                             {"schedule", a.schedule},
                             {"lr", a.lr},
@@ -82,10 +78,11 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const RunPosition& p,
   return caller_section(j);
 }
 
-// Reads the caller section `ferry train` wrote back into p and the batches' engine and order,
-// after checking it belongs to this command line; throws std::invalid_argument naming what differs.
-void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
-                     std::size_t steps_per_epoch, RunPosition& p, ferry::ShuffledBatches& batches) {
+// Reads the caller section `ferry train` wrote back into the loop's position and the batches'
+// engine, order and place in it, after checking it belongs to this command line; throws
+// std::invalid_argument naming what differs.
+ferry::LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
+                                    std::size_t steps_per_epoch, ferry::ShuffledBatches& batches) {
   const auto fail = [&](const std::string& what) { return resume_error(a, what); };
   const nlohmann::json j = read_caller_section(bytes, a, "ferry train");
   if (j.at("version").get<int>() != 1) throw fail("its ferry train section has another version");
@@ -101,15 +98,12 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, st
     throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
                            j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
   }
-  p.epochs_done = j.at("epochs_done").get<std::uint32_t>();
-  p.step_in_epoch = j.at("step_in_epoch").get<std::size_t>();
-  p.loss_sum = j.at("loss_sum").get<double>();
-  p.last_epoch_loss = j.at("last_epoch_loss").get<double>();
-  if (p.step_in_epoch >= steps_per_epoch) throw fail("its position in the epoch is past the epoch's end");
-  if (p.epochs_done > a.epochs || (p.epochs_done == a.epochs && p.step_in_epoch > 0)) {
+  const auto epochs_done = j.at("epochs_done").get<std::uint32_t>();
+  const auto step_in_epoch = j.at("step_in_epoch").get<std::size_t>();
+  if (step_in_epoch >= steps_per_epoch) throw fail("its position in the epoch is past the epoch's end");
+  if (epochs_done > a.epochs || (epochs_done == a.epochs && step_in_epoch > 0)) {
     throw fail(fmt::format("it is past epoch {} already (at epoch {}, step {}): give --epochs {} or more", a.epochs,
-                           p.epochs_done + (p.step_in_epoch > 0), p.step_in_epoch,
-                           p.epochs_done + (p.step_in_epoch > 0)));
+                           epochs_done + (step_in_epoch > 0), step_in_epoch, epochs_done + (step_in_epoch > 0)));
   }
   std::istringstream rng_state(j.at("rng").get<std::string>());
   std::mt19937_64 rng;
@@ -130,12 +124,55 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, st
     throw fail(fmt::format("its data order is not a permutation ({})", e.what()));
   }
   batches.engine() = rng;
+  // Mid-epoch: on in this order; at an epoch's end, a new order first (next() draws it).
+  batches.seek(step_in_epoch > 0 ? step_in_epoch : steps_per_epoch);
   if (const auto was = j.at("epochs").get<std::uint32_t>(); a.primary && was != a.epochs && a.schedule != "constant") {
     std::cerr << fmt::format(
         "ferry: note: the checkpoint's run had --epochs {}; its {} schedule now spans {} epochs, so the learning "
         "rates from here differ from that run's\n",
         was, a.schedule, a.epochs);
   }
+  ferry::LoopPosition p;
+  p.done = std::uint64_t{epochs_done} * steps_per_epoch + step_in_epoch;
+  p.epoch_loss_sum = j.at("loss_sum").get<double>();
+  p.last_epoch_loss = j.at("last_epoch_loss").get<double>();
+  return p;
+}
+
+// The banner line of where the state lives: the residency mode, the homes, the planned device
+// peak, and what streaming, mapping or staging moves per step.
+std::string residency_banner(const ferry::Trainer& trainer) {
+  const auto& rr = trainer.residency();
+  std::string where;
+  switch (rr.mode) {
+    case ferry::graph::ResidencyMode::stream:
+      where = fmt::format(
+          "; weights and optimizer state in {} of {} host memory; per step {} fetches ({}) and {} "
+          "write-backs ({}), issued {} compute nodes ahead{}",
+          ferry::format_bytes(trainer.host_state_bytes()), ferry::offload::host_memory_name(trainer.host_memory()),
+          rr.fetches, ferry::format_bytes(rr.fetch_bytes), rr.write_backs, ferry::format_bytes(rr.write_back_bytes),
+          rr.lookahead,
+          rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
+      break;
+    case ferry::graph::ResidencyMode::mapped:
+      where = fmt::format(
+          "; weights and optimizer state in {} of host memory, the mapped ones used by kernels in place "
+          "(zero-copy); {} of step tensors (their gradients, staging) in pinned host memory",
+          ferry::format_bytes(trainer.host_state_bytes()), ferry::format_bytes(trainer.train_step().host_step_bytes()));
+      break;
+    default:
+      break;
+  }
+  if (rr.unpacks + rr.packs > 0) {
+    where += fmt::format("; staged homes: {} unpacks and {} packs per step on host workers, {} of pinned staging",
+                         rr.unpacks, rr.packs, ferry::format_bytes(trainer.train_step().host_step_bytes()));
+  }
+  return fmt::format(
+      "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}\n",
+      ferry::graph::residency_mode_name(rr.mode),
+      ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight)),
+      ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state)),
+      ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
 }
 
 int cmd_train(const TrainArgs& a) {
@@ -175,38 +212,7 @@ int cmd_train(const TrainArgs& a) {
                              trainer.model().name, runtime.device().name, runtime.device().type_name(),
                              trainer.parameter_count(), ferry::format_bytes(trainer.training_state_bytes()), compile_s);
     announce_ranks(a, trainer, batch);
-    const auto& rr = trainer.residency();
-    std::string where;
-    switch (rr.mode) {
-      case ferry::graph::ResidencyMode::stream:
-        where = fmt::format(
-            "; weights and optimizer state in {} of {} host memory; per step {} fetches ({}) and {} "
-            "write-backs ({}), issued {} compute nodes ahead{}",
-            ferry::format_bytes(trainer.host_state_bytes()), ferry::offload::host_memory_name(trainer.host_memory()),
-            rr.fetches, ferry::format_bytes(rr.fetch_bytes), rr.write_backs, ferry::format_bytes(rr.write_back_bytes),
-            rr.lookahead,
-            rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
-        break;
-      case ferry::graph::ResidencyMode::mapped:
-        where = fmt::format(
-            "; weights and optimizer state in {} of host memory, the mapped ones used by kernels in place "
-            "(zero-copy); {} of step tensors (their gradients, staging) in pinned host memory",
-            ferry::format_bytes(trainer.host_state_bytes()),
-            ferry::format_bytes(trainer.train_step().host_step_bytes()));
-        break;
-      default:
-        break;
-    }
-    if (rr.unpacks + rr.packs > 0) {
-      where += fmt::format("; staged homes: {} unpacks and {} packs per step on host workers, {} of pinned staging",
-                           rr.unpacks, rr.packs, ferry::format_bytes(trainer.train_step().host_step_bytes()));
-    }
-    std::cerr << fmt::format(
-        "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}\n",
-        ferry::graph::residency_mode_name(rr.mode),
-        ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight)),
-        ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state)),
-        ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
+    std::cerr << residency_banner(trainer);
   }
 
   // This rank's rows of every global batch, in a new shuffled order each epoch.
@@ -217,144 +223,70 @@ int cmd_train(const TrainArgs& a) {
   schedule.kind = schedule_kind;
   schedule.peak = a.lr;
   schedule.total_steps = total_steps;
-  schedule.validate();
-  Progress progress(!a.quiet);
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
   profiler.add_variant("train", trainer.train_step());
 
-  double step_ms_sum = 0, train_seconds = 0, last_epoch_loss = 0, first_step_ms = 0;
-  // Time spent outside training steps between the first and the last: evaluation after each
-  // epoch and checkpoints. samples_per_s leaves both out.
-  double eval_seconds = 0, checkpoint_seconds = 0;
-  std::size_t steps_timed = 0, steps_run = 0;
-  RunPosition start;
+  ferry::TrainingLoop loop(trainer, batches,
+                           {.steps = total_steps,
+                            .steps_per_epoch = steps_per_epoch,
+                            .schedule = schedule,
+                            .units_per_step = batch,
+                            .progress = !a.quiet,
+                            .checkpoint = a.checkpoint_path,
+                            .caller_section =
+                                [&](const ferry::LoopPosition& p) {
+                                  return encode_position(a, p, steps_per_epoch, train.count, batches, total_steps);
+                                },
+                            .checkpoint_options = {.replace_foreign_file = a.force},
+                            // Data parallel: every rank holds the same state and rank 0 writes it, unless each holds
+                            // its own share of the optimizer state (ZeRO stage 1: each writes its file).
+                            .write_checkpoints = a.primary || a.sharded_checkpoint,
+                            .control = a.control});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
     const auto caller = trainer.load_checkpoint(a.resume_path);
     const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
-    decode_position(caller, a, train.count, steps_per_epoch, start, batches);
+    const ferry::LoopPosition start = decode_position(caller, a, train.count, steps_per_epoch, batches);
     check_ranks_resumed_together(a, trainer.steps_done());
-    last_epoch_loss = start.last_epoch_loss;
+    loop.resume(start);
     if (!a.quiet) {
       std::cerr << fmt::format(
           "ferry: resumed from {} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
-          start.epochs_done + 1, start.step_in_epoch, steps_per_epoch, trainer.steps_done(), load_ms);
+          start.done / steps_per_epoch + 1, start.done % steps_per_epoch, steps_per_epoch, trainer.steps_done(),
+          load_ms);
     }
   }
-  const auto save = [&](const RunPosition& p) {
-    // Data parallel: every rank holds the same state and rank 0 writes it, unless each holds its own
-    // share of the optimizer state (ZeRO stage 1: each writes its file).
-    if (!a.primary && !a.sharded_checkpoint) return;
-    const auto t0 = Clock::now();
-    trainer.save_checkpoint(a.checkpoint_path,
-                            encode_position(a, p, train.count, batches.engine(), batches.order(), total_steps),
-                            {.replace_foreign_file = a.force});
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    checkpoint_seconds += seconds;
-    if (!a.quiet) {
-      std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", a.checkpoint_path,
-                               ferry::format_bytes(std::filesystem::file_size(a.checkpoint_path)), seconds * 1e3);
-    }
+  loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const ferry::StepResult&) {
+    if (run_index >= a.trace_steps) return;  // the first --trace-steps steps of this run
+    if (!a.trace_path.empty())
+      trace.add_step(trainer.train_step().timeline(), step, trainer.train_step().host_activity());
+    if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), step);
   };
-  // Stops between steps after a signal: a checkpoint at `p` if asked for, and how to go on.
-  const auto stop = [&](const RunPosition& p) {
-    const int sig = stop_signal ? static_cast<int>(stop_signal) : SIGTERM;  // data parallel: another rank's
-    const std::string where = fmt::format("epoch {}/{}, step {}/{} ({} optimizer updates done)", p.epochs_done + 1,
-                                          a.epochs, p.step_in_epoch, steps_per_epoch, trainer.steps_done());
-    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
-    if (trace.steps() > 0) {  // the steps traced so far are kept too
-      std::vector<std::string> ignored;
-      write_trace(a, trace, ignored);
+  loop.on_boundary = [&](const ferry::LoopPosition& p) {
+    if (a.quiet) return;
+    const auto eval = trainer.evaluate(test);
+    std::string phase_note;
+    if (const auto* pc = trainer.phases()) {
+      phase_note =
+          fmt::format(" ({:.0f}% of steps predicted so far, {} runs, {} ended, {} restored)",
+                      100 * pc->predict_fraction(), pc->counts().runs, pc->counts().ended, pc->counts().restores);
     }
-    if (!a.primary) {
-      save(p);  // (rank 0 writes it and says so)
-    } else if (!a.checkpoint_path.empty()) {
-      save(p);
-      std::cerr << fmt::format("ferry: stopped by {} at {}; wrote checkpoint {}\nferry: resume with: {}\n", name, where,
-                               a.checkpoint_path, resume_command(a, a.checkpoint_path));
-    } else {
-      std::cerr << fmt::format(
-          "ferry: stopped by {} at {}; no checkpoint written (run with --checkpoint FILE to be able to resume)\n", name,
-          where);
-    }
-    return 128 + sig;
+    std::cerr << fmt::format("epoch {}/{}: train loss {:.4f}, test accuracy {:.4f}{}\n", p.done / steps_per_epoch,
+                             a.epochs, p.last_epoch_loss, eval.accuracy, phase_note);
   };
-  const StopSignals signals;
-  const auto train_start = Clock::now();
-  for (std::uint32_t epoch = start.epochs_done + 1; epoch <= a.epochs; ++epoch) {
-    const bool resumed_mid_epoch = epoch == start.epochs_done + 1 && start.step_in_epoch > 0;
-    if (!resumed_mid_epoch && stop_requested(a)) return stop(RunPosition{epoch - 1, 0, 0, last_epoch_loss});
-    if (!resumed_mid_epoch) batches.shuffle();
-    double loss_sum = resumed_mid_epoch ? start.loss_sum : 0;
-    // One step in flight: step s is submitted before step s - 1's result is read, so the host
-    // stages and enqueues the next batch while the device runs (Trainer::submit).
-    struct InFlight {
-      ferry::StepHandle handle;
-      std::size_t s, global_step;
-    };
-    std::optional<InFlight> in_flight;
-    const auto read_result = [&] {
-      const InFlight f = *in_flight;
-      in_flight.reset();
-      const auto r = trainer.result(f.handle);
-      loss_sum += r.loss;
-      ++steps_run;
-      if (steps_run > 1) {  // the first step includes one-off costs
-        step_ms_sum += r.step_ms;
-        ++steps_timed;
-      } else {
-        first_step_ms = r.step_ms;
-      }
-      if (steps_run <= a.trace_steps) {  // the first --trace-steps steps of this run
-        if (!a.trace_path.empty()) {
-          trace.add_step(trainer.train_step().timeline(), f.global_step, trainer.train_step().host_activity());
-        }
-        if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), f.global_step);
-      }
-      const double elapsed =
-          std::chrono::duration<double>(Clock::now() - train_start).count() - eval_seconds - checkpoint_seconds;
-      const double done = static_cast<double>(steps_run);
-      progress.update(fmt::format("epoch {}/{}", epoch, a.epochs), f.s + 1, steps_per_epoch,
-                      static_cast<float>(loss_sum / (f.s + 1)), done * batch / elapsed, "samples",
-                      elapsed / done * static_cast<double>(total_steps - f.global_step - 1));
-    };
-    for (std::size_t s = resumed_mid_epoch ? start.step_in_epoch : 0; s < steps_per_epoch; ++s) {
-      if (s > 0 && stop_requested(a)) {
-        if (in_flight) read_result();
-        return stop(RunPosition{epoch - 1, s, loss_sum, last_epoch_loss});
-      }
-      const ferry::Batch& rows = batches.batch(s);  // staged by submit: the buffers are free again after it
-      const std::size_t global_step = (epoch - 1) * steps_per_epoch + s;
-      trainer.set_lr(schedule.at(global_step));
-      const ferry::StepHandle h = trainer.submit(rows);
-      if (in_flight) read_result();
-      in_flight = InFlight{h, s, global_step};
-    }
-    if (in_flight) read_result();
-    last_epoch_loss = loss_sum / steps_per_epoch;
-    if (!a.quiet) {
-      const auto eval_start = Clock::now();
-      const auto eval = trainer.evaluate(test);
-      eval_seconds += std::chrono::duration<double>(Clock::now() - eval_start).count();
-      std::string phase_note;
-      if (const auto* pc = trainer.phases()) {
-        phase_note =
-            fmt::format(" ({:.0f}% of steps predicted so far, {} runs, {} ended, {} restored)",
-                        100 * pc->predict_fraction(), pc->counts().runs, pc->counts().ended, pc->counts().restores);
-      }
-      std::cerr << fmt::format("epoch {}/{}: train loss {:.4f}, test accuracy {:.4f}{}\n", epoch, a.epochs,
-                               last_epoch_loss, eval.accuracy, phase_note);
-    }
-    if (!a.checkpoint_path.empty()) save(RunPosition{epoch, 0, 0, last_epoch_loss});
+  const ferry::LoopSummary run = loop.run();
+  if (run.end == ferry::LoopSummary::End::stopped) {
+    const ferry::LoopPosition& p = run.position;
+    report_stop(a, run, trace,
+                fmt::format("epoch {}/{}, step {}/{} ({} optimizer updates done)", p.done / steps_per_epoch + 1,
+                            a.epochs, p.done % steps_per_epoch, steps_per_epoch, trainer.steps_done()));
+    return 128 + run.signal;
   }
-  train_seconds = std::chrono::duration<double>(Clock::now() - train_start).count() - eval_seconds - checkpoint_seconds;
   const auto final_eval_start = Clock::now();
   const auto final_eval = a.primary ? trainer.evaluate(test) : ferry::EvalResult{};  // rank 0 reports it
-  eval_seconds += std::chrono::duration<double>(Clock::now() - final_eval_start).count();
-  const double samples_per_s = train_seconds > 0 ? static_cast<double>(steps_run * batch) / train_seconds : 0;
-  // One step only: its own time (one-off costs included) rather than none.
-  const double step_ms = steps_timed ? step_ms_sum / steps_timed : first_step_ms;
+  const double eval_seconds =
+      run.position.boundary_seconds + std::chrono::duration<double>(Clock::now() - final_eval_start).count();
   std::vector<std::string> output_errors;
   write_trace(a, trace, output_errors);
   for (const auto& [key, step] : trainer.variants()) {
@@ -377,7 +309,7 @@ int cmd_train(const TrainArgs& a) {
   if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: test accuracy {:.4f}, {:.0f} samples/s, {:.2f} ms/step, device peak {}\n",
-                             final_eval.accuracy, samples_per_s, step_ms,
+                             final_eval.accuracy, run.units_per_second, run.mean_step_ms,
                              ferry::format_bytes(trainer.device_peak_bytes()));
   }
   if (a.json) {
@@ -385,13 +317,13 @@ int cmd_train(const TrainArgs& a) {
     j.update({{"epochs", a.epochs},
               {"test_accuracy", final_eval.accuracy},
               {"test_loss", final_eval.loss},
-              {"train_loss", last_epoch_loss},
-              {"samples_per_s", samples_per_s},
-              {"train_seconds", train_seconds},
+              {"train_loss", run.position.last_epoch_loss},
+              {"samples_per_s", run.units_per_second},
+              {"train_seconds", run.run_train_seconds},
               {"eval_seconds", eval_seconds},
-              {"checkpoint_seconds", checkpoint_seconds},
-              {"steps", steps_run},
-              {"step_ms", step_ms},
+              {"checkpoint_seconds", run.checkpoint_seconds},
+              {"steps", run.steps_run},
+              {"step_ms", run.mean_step_ms},
               {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
               {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
               {"host_staging_bytes", trainer.train_step().host_step_bytes()},

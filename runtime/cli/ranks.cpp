@@ -112,12 +112,6 @@ void announce_ranks(const TrainArgs& a, const ferry::Trainer& trainer, std::uint
       ferry::format_bytes(trainer.allreduce_bytes_per_step()), a.bucket_size);
 }
 
-bool stop_requested(const TrainArgs& a) {
-  double any = stop_signal != 0 ? 1.0 : 0.0;
-  if (a.control) a.control->allreduce_sum(std::span<double>(&any, 1));
-  return any > 0;
-}
-
 void check_ranks_resumed_together(const TrainArgs& a, std::uint64_t steps_done) {
   if (!a.control) return;
   const std::vector<std::uint64_t> steps = a.control->allgather(steps_done);

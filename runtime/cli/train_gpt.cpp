@@ -69,16 +69,14 @@ std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_
 }
 
 // What `ferry train --model gpt` keeps in a checkpoint's caller section besides the trainer's
-// state: the steps done, where the draw of windows stands, and what its output sums up.
-struct GptPosition {
-  std::uint32_t done = 0;
-  std::deque<float> recent;  // the last 20 steps' losses
-  nlohmann::json curve = nlohmann::json::array();
-  double train_seconds = 0, eval_seconds = 0, val_loss = 0;
+// state and the loop's position: where the draw of windows stands, and the validation reports.
+struct Validation {
+  nlohmann::json curve = nlohmann::json::array();  // {step, seconds, val_loss} per report
+  double val_loss = 0;                             // the newest report's
 };
 
 std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& corpus, const RandomWindows& windows,
-                                       std::uint32_t steps, const GptPosition& p) {
+                                       std::uint32_t steps, const LoopPosition& p, const Validation& v) {
   const nlohmann::json j = {{"kind", "ferry train --model gpt"},
                             {"version", 1},
                             {"seed", a.seed},
@@ -89,20 +87,21 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& cor
                             {"steps", steps},
                             {"done", p.done},
                             {"windows", windows.state()},
-                            {"recent", std::vector<float>(p.recent.begin(), p.recent.end())},
-                            {"curve", p.curve},
+                            {"recent", p.recent},
+                            {"curve", v.curve},
                             {"train_seconds", p.train_seconds},
-                            {"eval_seconds", p.eval_seconds},
-                            {"val_loss", p.val_loss}};
+                            {"eval_seconds", p.boundary_seconds},
+                            {"val_loss", v.val_loss}};
   return caller_section(j);
 }
 
-// Reads back what encode_position wrote into `windows` and `p`, after checking it belongs to this
-// command line; throws std::invalid_argument naming what differs.
-void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, const TextCorpus& corpus,
-                     std::uint32_t steps, RandomWindows& windows, GptPosition& p) {
+// Reads back what encode_position wrote into `windows`, the loop's position and `v`, after checking
+// it belongs to this command line; throws std::invalid_argument naming what differs.
+LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, const TextCorpus& corpus,
+                             std::uint32_t steps, RandomWindows& windows, Validation& v) {
   const auto fail = [&](const std::string& what) { return resume_error(a, what); };
   const nlohmann::json j = read_caller_section(bytes, a, "ferry train --model gpt");
+  LoopPosition p;
   try {
     if (j.at("version").get<int>() != 1) throw fail("its ferry train --model gpt section has another version");
     if (j.at("seed").get<std::uint64_t>() != a.seed) {
@@ -126,11 +125,12 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, co
           fmt::format("it is past step {} already (at step {}): give --steps {} or more", steps, p.done, p.done));
     }
     windows.restore(j.at("windows").get<std::string>());
-    for (float l : j.at("recent").get<std::vector<float>>()) p.recent.push_back(l);
-    p.curve = j.at("curve");
+    p.recent = j.at("recent").get<std::vector<float>>();
+    if (p.recent.size() > LoopPosition::recent_losses) throw fail("its recent losses are too many");
+    v.curve = j.at("curve");
     p.train_seconds = j.at("train_seconds").get<double>();
-    p.eval_seconds = j.at("eval_seconds").get<double>();
-    p.val_loss = j.at("val_loss").get<double>();
+    p.boundary_seconds = j.at("eval_seconds").get<double>();
+    v.val_loss = j.at("val_loss").get<double>();
     if (const auto was = j.at("steps").get<std::uint32_t>(); a.primary && was != steps && a.schedule != "constant") {
       std::cerr << fmt::format(
           "ferry: note: the checkpoint's run had --steps {}; its {} schedule now spans {} steps, so the learning "
@@ -140,6 +140,7 @@ void decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, co
   } catch (const nlohmann::json::exception& e) {
     throw fail(fmt::format("its ferry train --model gpt section is incomplete ({})", e.what()));
   }
+  return p;
 }
 
 }  // namespace
@@ -209,138 +210,68 @@ int cmd_train_gpt(const TrainArgs& args) {
 
   const std::uint32_t t = c.context;
   RandomWindows windows(corpus, t, batch, a.seed, shard);
-  const std::uint32_t eval_every = a.eval_every ? a.eval_every : 250;
-  GptPosition pos;
+  ChromeTrace trace;
+  Validation validation;
+  TrainingLoop loop(
+      trainer, windows,
+      {.steps = steps,
+       .boundary_every = a.eval_every ? a.eval_every : 250,
+       .max_seconds = a.max_minutes * 60,
+       .schedule = schedule,
+       .units_per_step = std::uint64_t{batch} * t,
+       .unit = "tokens",
+       .progress = !a.quiet,
+       .checkpoint = a.checkpoint_path,
+       .caller_section =
+           [&](const LoopPosition& p) { return encode_position(a, corpus, windows, steps, p, validation); },
+       .checkpoint_options = {.replace_foreign_file = a.force},
+       // Data parallel: rank 0 writes the state all ranks hold, unless each holds its
+       // own share of the optimizer state (ZeRO stage 1: each writes its file).
+       .write_checkpoints = a.primary || a.sharded_checkpoint,
+       .control = a.control});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
     const auto caller = trainer.load_checkpoint(a.resume_path);
-    decode_position(caller, a, corpus, steps, windows, pos);
+    const LoopPosition start = decode_position(caller, a, corpus, steps, windows, validation);
     check_ranks_resumed_together(a, trainer.steps_done());
+    loop.resume(start);
     if (!a.quiet) {
       std::cerr << fmt::format("ferry: resumed from {} at step {} of {} (loaded in {:.0f} ms)\n", a.resume_path,
-                               pos.done, steps, 1e3 * seconds_since(load_start));
+                               start.done, steps, 1e3 * seconds_since(load_start));
     }
   }
-  std::uint32_t& done = pos.done;
-  double& train_seconds = pos.train_seconds;
-  double checkpoint_seconds = 0;
   const auto run_start = Clock::now();
-  auto validate = [&] {
-    const auto e0 = Clock::now();
-    const EvalResult r = trainer.evaluate(val);
-    pos.eval_seconds += seconds_since(e0);
-    pos.curve.push_back({{"step", done}, {"seconds", seconds_since(run_start)}, {"val_loss", r.loss}});
-    return r.loss;
+  loop.on_step = [&](std::uint64_t, std::uint64_t run_index, const StepResult&) {
+    if (!a.trace_path.empty() && run_index < a.trace_steps) {
+      trace.add_step(trainer.train_step().timeline(), run_index, trainer.train_step().host_activity());
+    }
   };
-  const auto save = [&] {
-    // Data parallel: every rank holds the same state and rank 0 writes it, unless each holds its own
-    // share of the optimizer state (ZeRO stage 1: each writes its file).
-    if (!a.primary && !a.sharded_checkpoint) return;
-    const auto t0 = Clock::now();
-    trainer.save_checkpoint(a.checkpoint_path, encode_position(a, corpus, windows, steps, pos),
-                            {.replace_foreign_file = a.force});
-    const double seconds = seconds_since(t0);
-    checkpoint_seconds += seconds;
+  loop.on_boundary = [&](const LoopPosition& p) {
+    if (a.primary) {  // (the same weights on every rank)
+      validation.val_loss = trainer.evaluate(val).loss;
+      validation.curve.push_back(
+          {{"step", p.done}, {"seconds", seconds_since(run_start)}, {"val_loss", validation.val_loss}});
+    }
     if (!a.quiet) {
-      std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", a.checkpoint_path,
-                               format_bytes(std::filesystem::file_size(a.checkpoint_path)), 1e3 * seconds);
+      std::cerr << fmt::format("step {}/{}: train loss {:.4f}, val loss {:.4f} nats/char, {:.0f} tokens/s, {}\n",
+                               p.done, steps, p.recent_loss(), validation.val_loss,
+                               static_cast<double>(p.done) * batch * t / p.train_seconds,
+                               format_duration(seconds_since(run_start)));
     }
   };
-  Progress progress(!a.quiet);
-  ChromeTrace trace;
-  std::deque<float>& recent = pos.recent;
-  const StopSignals signals;
-  // One step in flight (Trainer::submit): the host draws and stages the next windows while the
-  // device runs the step before. Never across a validation or checkpoint, which see the state of
-  // exactly `done` steps (and the window stream's position after them).
-  std::optional<StepHandle> in_flight;
-  std::uint32_t submitted = done, steps_run = 0;
-  bool out_of_time = false;
-  auto mark = Clock::now();  // training time is wall time between results, less validation and checkpoints
-  // Data parallel: every rank stops when any rank's clock says so, so that all stop together.
-  const auto time_up = [&] {
-    if (a.max_minutes <= 0) return false;
-    double up = seconds_since(run_start) > a.max_minutes * 60 ? 1.0 : 0.0;
-    if (a.control) a.control->allreduce_sum(std::span<double>(&up, 1));
-    return up > 0;
-  };
-  // Reads the oldest step's result; with no other step in flight, validates and checkpoints where due.
-  const auto read_result = [&](bool another_in_flight) {
-    const StepResult r = trainer.result(*in_flight);
-    in_flight.reset();
-    train_seconds += seconds_since(mark);
-    mark = Clock::now();
-    ++done;
-    if (!a.trace_path.empty() && steps_run < a.trace_steps) {
-      trace.add_step(trainer.train_step().timeline(), steps_run, trainer.train_step().host_activity());
-    }
-    ++steps_run;
-    recent.push_back(r.loss);
-    if (recent.size() > 20) recent.pop_front();
-    const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / recent.size();
-    const double rate = done * double(batch) * t / train_seconds;
-    progress.update(fmt::format("step {}/{}", done, steps), done, steps, static_cast<float>(mean), rate, "tokens",
-                    train_seconds / done * (steps - done));
-    out_of_time = !another_in_flight && time_up();
-    if (done % eval_every == 0 || done == steps || out_of_time) {
-      if (a.primary) pos.val_loss = validate();  // (the same weights on every rank)
-      if (!a.quiet) {
-        std::cerr << fmt::format("step {}/{}: train loss {:.4f}, val loss {:.4f} nats/char, {:.0f} tokens/s, {}\n",
-                                 done, steps, mean, pos.val_loss, rate, clock_string(seconds_since(run_start)));
-      }
-      if (!a.checkpoint_path.empty()) save();
-      mark = Clock::now();
-    }
-  };
-  const auto boundary = [&](std::uint32_t n) { return n % eval_every == 0 || n == steps || time_up(); };
-  while (done < steps && !out_of_time) {
-    if (stop_requested(a)) {
-      if (in_flight) read_result(false);
-      // Between steps, the one in flight read: a checkpoint if asked for, and how to go on.
-      const int sig = stop_signal ? static_cast<int>(stop_signal) : SIGTERM;  // data parallel: another rank's
-      const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
-      const int status = 128 + sig;
-      if (trace.steps() > 0) {  // the steps traced so far are kept too
-        std::vector<std::string> ignored;
-        write_trace(a, trace, ignored);
-      }
-      if (!a.primary) {
-        if (a.sharded_checkpoint && !a.checkpoint_path.empty()) save();  // this rank's share
-        return status;                                                   // rank 0 writes the checkpoint and says so
-      } else if (!a.checkpoint_path.empty()) {
-        save();
-        std::cerr << fmt::format("ferry: stopped by {} at step {}/{}; wrote checkpoint {}\nferry: resume with: {}\n",
-                                 name, done, steps, a.checkpoint_path, resume_command(a, a.checkpoint_path));
-      } else {
-        std::cerr << fmt::format(
-            "ferry: stopped by {} at step {}/{}; no checkpoint written (run with --checkpoint FILE to be able to "
-            "resume)\n",
-            name, done, steps);
-      }
-      return status;
-    }
-    if (in_flight && boundary(submitted)) {
-      read_result(false);
-      continue;
-    }
-    const Batch batch_views = windows.next();
-    trainer.set_lr(schedule.at(submitted));
-    const StepHandle h = trainer.submit(batch_views);
-    ++submitted;
-    if (in_flight) read_result(true);
-    in_flight = h;
+  const LoopSummary run = loop.run();
+  if (run.end == LoopSummary::End::stopped) {
+    report_stop(a, run, trace, fmt::format("step {}/{}", run.position.done, steps));
+    return 128 + run.signal;
   }
-  if (out_of_time && !a.quiet) {
+  if (run.end == LoopSummary::End::out_of_time && !a.quiet) {
     std::cerr << fmt::format("ferry: stopped after {} minutes (--max-minutes)\n", a.max_minutes);
   }
-  const double val_loss = pos.val_loss;
-  const double eval_seconds = pos.eval_seconds;
-  const nlohmann::json& curve = pos.curve;
+  const std::uint64_t done = run.position.done;
+  const double train_seconds = run.position.train_seconds;
   std::vector<std::string> output_errors;
   write_trace(a, trace, output_errors);
-  const double train_loss =
-      std::accumulate(recent.begin(), recent.end(), 0.0) / std::max<std::size_t>(recent.size(), 1);
-  const double tokens_per_s = done * double(batch) * t / train_seconds;
+  const double tokens_per_s = static_cast<double>(done) * batch * t / train_seconds;
   std::string sample;
   if (a.sample) {
     sample = sample_text(trainer, corpus, t, a.prompt, a.sample, a.temperature, a.seed);
@@ -349,7 +280,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   }
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: val loss {:.4f} nats/char after {} steps, {:.0f} tokens/s, {:.1f} ms/step\n",
-                             val_loss, done, tokens_per_s, 1e3 * train_seconds / done);
+                             validation.val_loss, done, tokens_per_s, 1e3 * train_seconds / done);
   }
   if (a.json) {
     nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
@@ -360,15 +291,15 @@ int cmd_train_gpt(const TrainArgs& args) {
               {"context", c.context},
               {"attention", a.attention},
               {"steps", done},
-              {"train_loss", train_loss},
-              {"val_loss", val_loss},
+              {"train_loss", run.position.recent_loss()},
+              {"val_loss", validation.val_loss},
               {"tokens_per_s", tokens_per_s},
               {"step_ms", 1e3 * train_seconds / done},
               {"train_seconds", train_seconds},
-              {"eval_seconds", eval_seconds},
-              {"checkpoint_seconds", checkpoint_seconds},
+              {"eval_seconds", run.position.boundary_seconds},
+              {"checkpoint_seconds", run.checkpoint_seconds},
               {"compile_s", compile_s},
-              {"curve", curve}});
+              {"curve", validation.curve}});
     if (a.sample) j["sample"] = sample;
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;

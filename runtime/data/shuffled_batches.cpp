@@ -54,6 +54,14 @@ const Batch& ShuffledBatches::batch(std::size_t step) {
   return views_;
 }
 
+void ShuffledBatches::seek(std::size_t step) {
+  if (step > steps_per_epoch_) {
+    throw std::out_of_range(
+        fmt::format("shuffled batches: cannot go on from batch {} of an epoch of {}", step, steps_per_epoch_));
+  }
+  next_step_ = step;
+}
+
 const Batch& ShuffledBatches::next() {
   if (next_step_ >= steps_per_epoch_) shuffle();
   return batch(next_step_);

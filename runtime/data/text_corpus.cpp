@@ -186,9 +186,11 @@ RandomWindows::RandomWindows(const TextCorpus& corpus, std::uint32_t context, st
         fmt::format("the training text has {} characters, fewer than one window of {} + 1", corpus.train_end, context));
   }
   start_ = std::uniform_int_distribution<std::size_t>(0, corpus.train_end - context - 1);
+  views_ = Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens_))},
+                 {"next", HostView(std::span<const std::int32_t>(next_))}};
 }
 
-Batch RandomWindows::next() {
+const Batch& RandomWindows::next() {
   for (std::uint32_t i = 0; i < batch_; ++i) {
     const std::size_t s = start_(rng_);  // every window is drawn, so the ranks' draws stay in step
     if (i < shard_.first || i >= shard_.first + shard_.count) continue;
@@ -196,8 +198,7 @@ Batch RandomWindows::next() {
     std::copy_n(corpus_.ids.data() + s, context_, tokens_.data() + row * context_);
     std::copy_n(corpus_.ids.data() + s + 1, context_, next_.data() + row * context_);
   }
-  return Batch{{"tokens", HostView(std::span<const std::int32_t>(tokens_))},
-               {"next", HostView(std::span<const std::int32_t>(next_))}};
+  return views_;
 }
 
 std::string RandomWindows::state() const {

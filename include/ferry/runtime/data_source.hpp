@@ -1,5 +1,6 @@
-// Batches from the caller's memory: a view per batch tensor for one step (Batch), and a source of
-// samples a trainer reads in chunks of its own choosing (DataSource: evaluation, prediction).
+// Batches from the caller's memory: a view per batch tensor for one step (Batch), a source of
+// samples a trainer reads in chunks of its own choosing (DataSource: evaluation, prediction), and
+// a source of whole batches for a training loop (BatchSource).
 #pragma once
 
 #include <cstddef>
@@ -35,6 +36,22 @@ class DataSource {
   // `count` samples of that tensor's sample shape and dtype. Throws std::invalid_argument for a
   // name it does not provide.
   virtual void read(std::string_view name, std::size_t first, std::size_t count, std::span<std::byte> out) const = 0;
+};
+
+// Where a training loop's batches come from (TrainingLoop): ShuffledBatches (epochs over a
+// DataSource), RandomWindows (windows of a text), or the caller's own. The views next() returns
+// stay valid until the next call (Trainer::submit stages them before it returns). A source moves
+// (its buffers move with the views into them) but is not copied: a copy's views would be the
+// original's buffers.
+class BatchSource {
+ public:
+  BatchSource() = default;
+  BatchSource(BatchSource&&) = default;
+  BatchSource& operator=(BatchSource&&) = default;
+  BatchSource(const BatchSource&) = delete;
+  BatchSource& operator=(const BatchSource&) = delete;
+  virtual ~BatchSource() = default;
+  virtual const Batch& next() = 0;
 };
 
 }  // namespace ferry

@@ -23,7 +23,7 @@
 
 namespace ferry {
 
-class ShuffledBatches {
+class ShuffledBatches final : public BatchSource {
  public:
   // `batch` is the global batch (all ranks); `shard` this rank's rows of it (default: all of them).
   // Throws std::invalid_argument when the data holds fewer samples than one batch, or the shard
@@ -34,18 +34,22 @@ class ShuffledBatches {
   std::size_t steps_per_epoch() const noexcept { return steps_per_epoch_; }
   // The next batch in order: at the start of an epoch (the first call, and after the last batch
   // of the one before) the order is shuffled first. The views are valid until the next call.
-  const Batch& next();
+  const Batch& next() override;
 
   // Random access, for loops that keep their own position (resume mid-epoch, a checkpoint per
   // step): shuffle() draws the next epoch's order; batch(s) gathers batch s of the current one.
   // After them, next() goes on from batch s + 1.
   void shuffle();
   const Batch& batch(std::size_t step);
+  // Where next() goes on, in the current order: batch `step` (resuming mid-epoch), or with
+  // steps_per_epoch() a new order first (as after the last batch). Throws std::out_of_range past it.
+  void seek(std::size_t step);
 
   // What a checkpoint keeps to go on exactly: the engine (its state streams with << and >>) and
   // the current order. set_order throws std::invalid_argument, changing nothing, unless `order`
   // is a permutation of 0 .. size-1.
   std::mt19937_64& engine() noexcept { return rng_; }
+  const std::mt19937_64& engine() const noexcept { return rng_; }
   std::span<const std::size_t> order() const noexcept { return order_; }
   void set_order(std::span<const std::size_t> order);
 

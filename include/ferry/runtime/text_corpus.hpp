@@ -61,13 +61,14 @@ class TextWindows final : public DataSource {
 // Training batches: `batch` windows of `context` + 1 tokens at uniformly random starts in the
 // training part of a corpus, drawn from `seed`. next() returns "tokens" and "next" (the same
 // windows one position later) as views of buffers this object owns, valid until the next call.
-class RandomWindows {
+class RandomWindows final : public BatchSource {
  public:
   // Data parallel: each batch draws all `batch` windows, and next() gives the rows of `shard`
   // (this rank's share; ferry::shard_of): the ranks' shares make the same batches as one rank's.
   RandomWindows(const TextCorpus& corpus, std::uint32_t context, std::uint32_t batch, std::uint64_t seed,
                 Shard shard = {});
-  Batch next();
+  // The next batch of windows; the views are valid until the next call.
+  const Batch& next() override;
   // Where the draw of windows stands (the generator's state as text), for checkpoints; restore()
   // puts one back and throws std::invalid_argument for text that is not one.
   std::string state() const;
@@ -78,6 +79,7 @@ class RandomWindows {
   std::uint32_t context_, batch_;
   Shard shard_;
   std::vector<std::int32_t> tokens_, next_;
+  Batch views_;
   std::mt19937_64 rng_;
   std::uniform_int_distribution<std::size_t> start_;
 };

@@ -1,4 +1,4 @@
-// Byte sizes as people write them: "64MiB", "1.5GiB", "256MB", "4096".
+// Byte sizes as people write them ("64MiB", "1.5GiB", "256MB", "4096"), and durations ("0:02:05").
 #pragma once
 
 #include <cstdint>
@@ -13,5 +13,8 @@ std::uint64_t parse_bytes(std::string_view text);
 
 // "64.0 MiB"
 std::string format_bytes(std::uint64_t bytes);
+
+// "h:mm:ss", whole seconds (negative: 0).
+std::string format_duration(double seconds);
 
 }  // namespace ferry

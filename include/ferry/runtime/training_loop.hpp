@@ -1,0 +1,152 @@
+// The training loop every ferry trainer runs: batches from a source, one step in flight (the host
+// stages step k+1 while the device runs step k), the learning rate from a schedule, a progress
+// line, evaluation and checkpoints at boundaries (the end of each epoch, every N steps, the last
+// step, the time limit), and a stop between steps on SIGINT / SIGTERM with a checkpoint to resume
+// from. The `ferry train` commands and the examples use it; what they report is theirs.
+//
+//   ferry::ShuffledBatches batches(train, trainer.model(), batch);
+//   const std::uint64_t per_epoch = batches.steps_per_epoch();
+//   ferry::TrainingLoop loop(trainer, batches, {.steps = epochs * per_epoch, .steps_per_epoch = per_epoch});
+//   loop.on_boundary = [&](const ferry::LoopPosition& p) {
+//     std::printf("epoch %llu: loss %.4f, test accuracy %.4f\n", p.done / per_epoch, p.last_epoch_loss,
+//                 trainer.evaluate(test).accuracy);
+//   };
+//   const ferry::LoopSummary summary = loop.run();
+#pragma once
+
+#include <chrono>
+#include <csignal>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/ops/communicator.hpp"
+#include "ferry/runtime/data_source.hpp"
+#include "ferry/runtime/lr_schedule.hpp"
+#include "ferry/runtime/trainer.hpp"
+#include "ferry/runtime/write_options.hpp"
+
+namespace ferry {
+
+// SIGINT / SIGTERM while a StopSignals lives: the handler only records the signal (received()), so
+// a loop can stop between steps with the step in flight finished; a second signal ends the process
+// at once (the handler resets to the default). The previous handlers come back with the object.
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  // The signal received since the newest StopSignals was made (SIGINT or SIGTERM), or 0.
+  static int received() noexcept;
+
+ private:
+  struct sigaction old_int_ {
+  }, old_term_{};
+};
+
+// How far a loop has come, and the running sums its reports use: with the trainer's state and the
+// batch source's, what a checkpoint keeps to go on exactly (TrainingLoop::resume).
+struct LoopPosition {
+  std::uint64_t done = 0;       // steps whose results were read (the run's steps, from 0)
+  double epoch_loss_sum = 0;    // epochs: the sum of the current epoch's losses so far
+  double last_epoch_loss = 0;   // epochs: the mean loss of the last whole epoch
+  std::vector<float> recent;    // the newest losses, oldest first (at most recent_losses)
+  double train_seconds = 0;     // wall time in steps, boundaries and checkpoints left out
+  double boundary_seconds = 0;  // wall time in on_boundary (evaluation, reports)
+
+  static constexpr std::size_t recent_losses = 20;
+  // The mean of `recent` (0 before the first step).
+  double recent_loss() const;
+};
+
+struct TrainingLoopOptions {
+  std::uint64_t steps = 0;             // the run's steps, counted from 0 (a resumed run's include those done)
+  std::uint64_t steps_per_epoch = 0;   // > 0: the run is in epochs, each ending at a boundary
+  std::uint64_t boundary_every = 0;    // > 0: a boundary every this many steps as well
+  double max_seconds = 0;              // > 0: end at a boundary once this much wall time has passed
+  std::optional<LrSchedule> schedule;  // the learning rate of each step (none: the trainer's, unchanged)
+  // What a step trains on, for rates: `units_per_step` `unit`s (0: the trainer's batch of samples).
+  std::uint64_t units_per_step = 0;
+  std::string unit = "samples";
+  bool progress = true;       // a progress line on stderr, and a line per checkpoint written
+  bool catch_signals = true;  // SIGINT / SIGTERM stop the loop between steps (StopSignals)
+  // A checkpoint at every boundary and when stopped by a signal (none: no path). `caller_section`
+  // gives the caller's bytes of it (Trainer::save_checkpoint's `caller`); `write_checkpoints` false
+  // on ranks that leave the writing to another.
+  std::filesystem::path checkpoint;
+  std::function<std::vector<std::byte>(const LoopPosition&)> caller_section;
+  WriteOptions checkpoint_options;
+  bool write_checkpoints = true;
+  // Data parallel: the ranks agree, through it, on stops and on the time limit, so that every rank
+  // stops after the same step (null: one rank).
+  std::shared_ptr<ops::Communicator> control;
+};
+
+struct LoopSummary {
+  enum class End : std::uint8_t { finished, out_of_time, stopped } end = End::finished;
+  int signal = 0;                   // stopped: SIGINT or SIGTERM (another rank's: SIGTERM)
+  bool checkpoint_written = false;  // stopped: a checkpoint of the position was written
+  LoopPosition position;
+  std::uint64_t steps_run = 0;    // steps of this run (a resumed run's steps before it left out)
+  double run_train_seconds = 0;   // this run's share of position.train_seconds
+  double checkpoint_seconds = 0;  // this run's time writing checkpoints
+  double first_step_ms = 0;       // the first step of this run (one-off costs included)
+  double mean_step_ms = 0;        // StepResult::step_ms over this run's steps but the first (the first alone if one)
+  // This run's units (TrainingLoopOptions::units_per_step) per second of training.
+  double units_per_second = 0;
+};
+
+class TrainingLoop {
+ public:
+  // Throws std::invalid_argument for steps 0 or an invalid schedule. `trainer` and `batches` must
+  // outlive the loop.
+  TrainingLoop(Trainer& trainer, BatchSource& batches, TrainingLoopOptions options);
+
+  // Every step's result, in order: `step` is the run's step index (from 0), `run_index` its index
+  // in this run. Time spent here counts as training time.
+  std::function<void(std::uint64_t step, std::uint64_t run_index, const StepResult& result)> on_step;
+  // At each boundary, with no step in flight (the state is that of exactly position.done steps),
+  // before the checkpoint: evaluation and reports.
+  std::function<void(const LoopPosition& position)> on_boundary;
+
+  // Goes on from `position` (read back from a checkpoint's caller section): the steps done, the
+  // running sums and times. The batch source must be where it was then. Throws
+  // std::invalid_argument for a position past the run's steps.
+  void resume(const LoopPosition& position);
+  // Trains up to the run's steps, the time limit or a signal. A step's error propagates (the step
+  // in flight after it is settled first, its error dropped).
+  LoopSummary run();
+
+ private:
+  struct InFlight {
+    StepHandle handle;
+    std::uint64_t step;
+  };
+  bool stop_requested() const;
+  bool time_up() const;
+  // Whether `done` steps end at a boundary; checks the time limit (out_of_time_) as well.
+  bool boundary_after(std::uint64_t done);
+  void read(InFlight f, bool boundary);
+  void at_boundary();
+  void save_checkpoint();
+  void show_progress();
+
+  Trainer& trainer_;
+  BatchSource& batches_;
+  TrainingLoopOptions options_;
+  LoopPosition position_;
+  LoopSummary summary_;
+  double step_ms_sum_ = 0;
+  bool out_of_time_ = false;
+  std::chrono::steady_clock::time_point run_start_, mark_;  // mark_: where training time was last counted to
+  bool progress_tty_ = false;
+  int progress_decile_ = -1;  // a progress line not on a terminal: one per tenth of the epoch or run
+};
+
+}  // namespace ferry

@@ -1,0 +1,237 @@
+// TrainingLoop (ferry/runtime/training_loop.hpp): one step in flight, boundaries drained, stops
+// between steps.
+#include "ferry/runtime/training_loop.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <iostream>
+#include <numeric>
+#include <stdexcept>
+#include <utility>
+
+#include "ferry/runtime/units.hpp"
+
+namespace ferry {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+volatile std::sig_atomic_t received_signal = 0;
+
+extern "C" void record_stop_signal(int sig) {
+  received_signal = sig;
+}
+
+}  // namespace
+
+StopSignals::StopSignals() {
+  received_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = record_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART | SA_RESETHAND;  // a second signal: the default action, at once
+  sigaction(SIGINT, &sa, &old_int_);
+  sigaction(SIGTERM, &sa, &old_term_);
+}
+
+StopSignals::~StopSignals() {
+  sigaction(SIGINT, &old_int_, nullptr);
+  sigaction(SIGTERM, &old_term_, nullptr);
+}
+
+int StopSignals::received() noexcept {
+  return received_signal;
+}
+
+double LoopPosition::recent_loss() const {
+  if (recent.empty()) return 0;
+  return std::accumulate(recent.begin(), recent.end(), 0.0) / static_cast<double>(recent.size());
+}
+
+TrainingLoop::TrainingLoop(Trainer& trainer, BatchSource& batches, TrainingLoopOptions options)
+    : trainer_(trainer), batches_(batches), options_(std::move(options)), progress_tty_(isatty(STDERR_FILENO) != 0) {
+  if (options_.steps == 0) throw std::invalid_argument("training loop: the run needs at least one step");
+  if (options_.steps_per_epoch != 0 && options_.steps % options_.steps_per_epoch != 0) {
+    throw std::invalid_argument(fmt::format("training loop: {} steps are not whole epochs of {} steps", options_.steps,
+                                            options_.steps_per_epoch));
+  }
+  if (options_.schedule) options_.schedule->validate();
+  if (options_.units_per_step == 0) options_.units_per_step = trainer.options().batch;
+}
+
+void TrainingLoop::resume(const LoopPosition& position) {
+  if (position.done > options_.steps) {
+    throw std::invalid_argument(
+        fmt::format("training loop: cannot resume at step {} of a run of {}", position.done, options_.steps));
+  }
+  position_ = position;
+}
+
+bool TrainingLoop::stop_requested() const {
+  double any = options_.catch_signals && StopSignals::received() != 0 ? 1.0 : 0.0;
+  if (options_.control) options_.control->allreduce_sum(std::span<double>(&any, 1));
+  return any > 0;
+}
+
+bool TrainingLoop::time_up() const {
+  double up = seconds_since(run_start_) > options_.max_seconds ? 1.0 : 0.0;
+  if (options_.control) options_.control->allreduce_sum(std::span<double>(&up, 1));
+  return up > 0;
+}
+
+bool TrainingLoop::boundary_after(std::uint64_t done) {
+  bool due = done == options_.steps;
+  if (options_.steps_per_epoch != 0 && done % options_.steps_per_epoch == 0) due = true;
+  if (options_.boundary_every != 0 && done % options_.boundary_every == 0) due = true;
+  // Asked at the same steps on every rank (one agreement each), whatever else is due.
+  if (options_.max_seconds > 0 && time_up()) out_of_time_ = due = true;
+  return due;
+}
+
+LoopSummary TrainingLoop::run() {
+  std::optional<StopSignals> signals;
+  if (options_.catch_signals) signals.emplace();
+  summary_ = LoopSummary{};
+  step_ms_sum_ = 0;
+  out_of_time_ = false;
+  progress_decile_ = -1;
+  run_start_ = mark_ = Clock::now();
+  std::optional<InFlight> in_flight;
+  std::uint64_t submitted = position_.done;
+  const auto take = [&] { return *std::exchange(in_flight, std::nullopt); };
+  try {
+    while (true) {
+      if (stop_requested()) {
+        if (in_flight) read(take(), false);
+        summary_.end = LoopSummary::End::stopped;
+        summary_.signal = StopSignals::received() != 0 ? StopSignals::received() : SIGTERM;  // else another rank's
+        if (!options_.checkpoint.empty() && options_.write_checkpoints) {
+          save_checkpoint();
+          summary_.checkpoint_written = true;
+        }
+        break;
+      }
+      if (submitted == options_.steps) {
+        if (in_flight) read(take(), true);
+        break;
+      }
+      // Never a step in flight across a boundary: it sees the state of exactly `done` steps.
+      if (in_flight && boundary_after(submitted)) {
+        read(take(), true);
+        if (out_of_time_) {
+          summary_.end = LoopSummary::End::out_of_time;
+          break;
+        }
+        continue;
+      }
+      if (options_.schedule) trainer_.set_lr(options_.schedule->at(submitted));
+      const StepHandle handle = trainer_.submit(batches_.next());  // staged: the source's views are free again
+      const std::optional<InFlight> previous = std::exchange(in_flight, InFlight{handle, submitted++});
+      if (previous) read(*previous, false);
+    }
+  } catch (...) {
+    // The step after a failed one fails too: settle it so that the trainer has none pending.
+    if (in_flight) {
+      try {
+        trainer_.result(in_flight->handle);
+      } catch (const std::exception&) {
+      }
+    }
+    throw;
+  }
+  summary_.position = position_;
+  const std::uint64_t run = summary_.steps_run;
+  summary_.mean_step_ms = run > 1 ? step_ms_sum_ / static_cast<double>(run - 1) : summary_.first_step_ms;
+  if (summary_.run_train_seconds > 0) {
+    summary_.units_per_second = static_cast<double>(run * options_.units_per_step) / summary_.run_train_seconds;
+  }
+  return summary_;
+}
+
+void TrainingLoop::read(InFlight f, bool boundary) {
+  const StepResult r = trainer_.result(f.handle);
+  const auto now = Clock::now();
+  const double seconds = std::chrono::duration<double>(now - mark_).count();
+  mark_ = now;
+  position_.train_seconds += seconds;
+  summary_.run_train_seconds += seconds;
+  ++position_.done;
+  const std::uint64_t run_index = summary_.steps_run++;
+  if (run_index == 0) {
+    summary_.first_step_ms = r.step_ms;  // one-off costs: left out of the mean
+  } else {
+    step_ms_sum_ += r.step_ms;
+  }
+  position_.epoch_loss_sum += r.loss;
+  position_.recent.push_back(r.loss);
+  if (position_.recent.size() > LoopPosition::recent_losses) position_.recent.erase(position_.recent.begin());
+  if (on_step) on_step(f.step, run_index, r);
+  show_progress();
+  if (const std::uint64_t per_epoch = options_.steps_per_epoch; per_epoch != 0 && position_.done % per_epoch == 0) {
+    position_.last_epoch_loss = position_.epoch_loss_sum / static_cast<double>(per_epoch);
+    position_.epoch_loss_sum = 0;
+  }
+  if (boundary) at_boundary();
+}
+
+void TrainingLoop::at_boundary() {
+  const auto start = Clock::now();
+  if (on_boundary) on_boundary(position_);
+  position_.boundary_seconds += seconds_since(start);
+  if (!options_.checkpoint.empty() && options_.write_checkpoints) save_checkpoint();
+  mark_ = Clock::now();  // evaluation and checkpoints are not training time
+}
+
+void TrainingLoop::save_checkpoint() {
+  const auto start = Clock::now();
+  const std::vector<std::byte> caller =
+      options_.caller_section ? options_.caller_section(position_) : std::vector<std::byte>{};
+  trainer_.save_checkpoint(options_.checkpoint, caller, options_.checkpoint_options);
+  const double seconds = seconds_since(start);
+  summary_.checkpoint_seconds += seconds;
+  if (options_.progress) {
+    std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", options_.checkpoint.string(),
+                             format_bytes(std::filesystem::file_size(options_.checkpoint)), seconds * 1e3);
+  }
+}
+
+// "epoch 2/10 [#########...............]  38%  loss 0.4120  5301 samples/s  ETA 0:00:41", redrawn
+// in place on a terminal, one line per tenth otherwise.
+void TrainingLoop::show_progress() {
+  if (!options_.progress) return;
+  const std::uint64_t done = position_.done;
+  const std::uint64_t per_epoch = options_.steps_per_epoch;
+  std::string what;
+  std::uint64_t part_done = done, part_total = options_.steps;
+  double loss = position_.recent_loss();
+  if (per_epoch != 0) {
+    what = fmt::format("epoch {}/{}", (done - 1) / per_epoch + 1, options_.steps / per_epoch);
+    part_done = (done - 1) % per_epoch + 1;
+    part_total = per_epoch;
+    loss = position_.epoch_loss_sum / static_cast<double>(part_done);
+  } else {
+    what = fmt::format("step {}/{}", done, options_.steps);
+  }
+  const double frac = static_cast<double>(part_done) / static_cast<double>(part_total);
+  const int decile = static_cast<int>(frac * 10);
+  if (!progress_tty_ && decile == progress_decile_ && part_done != part_total) return;
+  progress_decile_ = decile;
+  const double train_s = summary_.run_train_seconds;
+  const double run_steps = static_cast<double>(summary_.steps_run);
+  const double rate = train_s > 0 ? run_steps * static_cast<double>(options_.units_per_step) / train_s : 0;
+  const double eta = train_s / run_steps * static_cast<double>(options_.steps - done);
+  constexpr int width = 24;
+  const int filled = static_cast<int>(frac * width);
+  const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
+  std::cerr << fmt::format("{}{} [{}] {:3.0f}%  loss {:.4f}  {:.0f} {}/s  ETA {}{}", progress_tty_ ? "\r" : "", what,
+                           bar, frac * 100, loss, rate, options_.unit, format_duration(eta),
+                           progress_tty_ ? "\033[K" : "\n");
+  if (progress_tty_ && part_done == part_total) std::cerr << "\n";
+}
+
+}  // namespace ferry

@@ -1,0 +1,238 @@
+// TrainingLoop: the same steps as a hand-written loop bit for bit, boundaries with no step in
+// flight, a stop on a signal that writes a checkpoint the run resumes from exactly, the time limit,
+// a failing step that leaves the trainer usable, and bad settings refused.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ferry/ferry.hpp"
+#include "test_models.hpp"
+#include "test_support.hpp"
+
+namespace ferry::test {
+namespace {
+
+using State = std::map<std::string, std::vector<std::byte>>;
+State state_of(const Trainer& t) {
+  State s;
+  for (const auto& name : t.tensor_names()) s[name] = t.read_tensor(name).bytes;
+  return s;
+}
+
+// 100 random 28 x 28 samples: 12 batches of 8 an epoch.
+Dataset random_data() {
+  Dataset d;
+  d.rows = d.cols = 28;
+  d.count = 100;
+  d.images = random_vector(d.count * 784, 11, 0.0f, 1.0f);
+  d.labels = labels_for(d.count, 12);
+  return d;
+}
+
+TrainerOptions options() {
+  TrainerOptions o;
+  o.batch = 8;
+  o.lr = 0.01f;
+  return o;
+}
+
+LrSchedule cosine(std::uint64_t steps) {
+  return LrSchedule{.kind = LrSchedule::Kind::cosine, .peak = 0.01f, .total_steps = steps};
+}
+
+// A batch source that raises `signal` at its `at`-th batch (from 0), like a user's Ctrl-C.
+class SignalAt final : public BatchSource {
+ public:
+  SignalAt(BatchSource& inner, int at, int signal) : inner_(inner), at_(at), signal_(signal) {}
+  const Batch& next() override {
+    if (calls_++ == at_) std::raise(signal_);
+    return inner_.next();
+  }
+
+ private:
+  BatchSource& inner_;
+  int at_, signal_, calls_ = 0;
+};
+
+class TrainingLoopTest : public ::testing::Test {
+ protected:
+  Runtime rt;
+  const Dataset data = random_data();
+  const ModelSpec model = models::mlp({16});
+};
+
+// Two epochs through the loop give the losses and the state of Trainer::step over the same
+// batches with the same learning rates; each epoch ends at a boundary with no step in flight.
+TEST_F(TrainingLoopTest, GivesWhatAHandWrittenLoopGivesBitForBit) {
+  Trainer by_hand(rt, model, options());
+  ShuffledBatches hand_batches(data, by_hand.model(), 8, 5);
+  const std::uint64_t per_epoch = hand_batches.steps_per_epoch();
+  const std::uint64_t steps = 2 * per_epoch;
+  std::vector<float> expected;
+  for (std::uint64_t s = 0; s < steps; ++s) {
+    by_hand.set_lr(cosine(steps).at(s));
+    expected.push_back(by_hand.step(hand_batches.next()).loss);
+  }
+
+  Trainer looped(rt, model, options());
+  ShuffledBatches batches(data, looped.model(), 8, 5);
+  TrainingLoop loop(looped, batches,
+                    {.steps = steps, .steps_per_epoch = per_epoch, .schedule = cosine(steps), .progress = false});
+  std::vector<float> got;
+  std::vector<std::uint64_t> boundaries;
+  std::vector<double> epoch_losses;
+  loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const StepResult& r) {
+    EXPECT_EQ(step, got.size());
+    EXPECT_EQ(run_index, got.size());
+    got.push_back(r.loss);
+  };
+  loop.on_boundary = [&](const LoopPosition& p) {
+    EXPECT_EQ(looped.pending(), 0u) << "a step in flight across a boundary";
+    EXPECT_EQ(looped.steps_done(), p.done);
+    boundaries.push_back(p.done);
+    epoch_losses.push_back(p.last_epoch_loss);
+  };
+  const LoopSummary summary = loop.run();
+  EXPECT_EQ(summary.end, LoopSummary::End::finished);
+  EXPECT_EQ(summary.steps_run, steps);
+  EXPECT_EQ(summary.position.done, steps);
+  EXPECT_EQ(got, expected);
+  EXPECT_EQ(boundaries, (std::vector<std::uint64_t>{per_epoch, steps}));
+  ASSERT_EQ(epoch_losses.size(), 2u);
+  double first_epoch = 0;
+  for (std::uint64_t s = 0; s < per_epoch; ++s) first_epoch += expected[s];
+  EXPECT_DOUBLE_EQ(epoch_losses[0], first_epoch / static_cast<double>(per_epoch));
+  EXPECT_GT(summary.run_train_seconds, 0);
+  EXPECT_GT(summary.units_per_second, 0);
+  EXPECT_TRUE(state_of(looped) == state_of(by_hand)) << "the training state differs";
+}
+
+// SIGINT mid-epoch: the loop finishes the step in flight, writes a checkpoint, and says so; a new
+// trainer that loads it and resumes from the position ends where an uninterrupted run ends.
+TEST_F(TrainingLoopTest, StopsOnASignalWithACheckpointTheRunResumesFromExactly) {
+  const auto path = std::filesystem::temp_directory_path() / ("ferry_loop_" + std::to_string(::getpid()) + ".ckpt");
+  const std::uint64_t steps = 24;
+
+  Trainer whole(rt, model, options());
+  ShuffledBatches whole_batches(data, whole.model(), 8, 3);
+  TrainingLoop whole_loop(whole, whole_batches,
+                          {.steps = steps, .steps_per_epoch = 12, .schedule = cosine(steps), .progress = false});
+  const LoopSummary uninterrupted = whole_loop.run();
+
+  struct sigaction before {};
+  sigaction(SIGINT, nullptr, &before);
+  LoopPosition stopped_at;
+  std::vector<std::size_t> order;
+  std::ostringstream engine;
+  {
+    Trainer first(rt, model, options());
+    ShuffledBatches batches(data, first.model(), 8, 3);
+    SignalAt interrupt(batches, 7, SIGINT);  // while step 7's batch is drawn: steps 0..7 run
+    TrainingLoop loop(
+        first, interrupt,
+        {.steps = steps, .steps_per_epoch = 12, .schedule = cosine(steps), .progress = false, .checkpoint = path});
+    const LoopSummary s = loop.run();
+    EXPECT_EQ(s.end, LoopSummary::End::stopped);
+    EXPECT_EQ(s.signal, SIGINT);
+    EXPECT_TRUE(s.checkpoint_written);
+    EXPECT_EQ(s.position.done, 8u);
+    EXPECT_EQ(first.pending(), 0u);
+    stopped_at = s.position;
+    order.assign(batches.order().begin(), batches.order().end());
+    engine << batches.engine();
+  }
+  struct sigaction after {};
+  sigaction(SIGINT, nullptr, &after);
+  EXPECT_EQ(after.sa_handler, before.sa_handler) << "the loop left its handler installed";
+
+  Trainer resumed(rt, model, options());
+  resumed.load_checkpoint(path);
+  std::filesystem::remove(path);
+  EXPECT_EQ(resumed.steps_done(), 8u);
+  ShuffledBatches batches(data, resumed.model(), 8, 3);
+  batches.set_order(order);
+  std::istringstream(engine.str()) >> batches.engine();
+  batches.seek(8);
+  TrainingLoop loop(resumed, batches,
+                    {.steps = steps, .steps_per_epoch = 12, .schedule = cosine(steps), .progress = false});
+  loop.resume(stopped_at);
+  const LoopSummary rest = loop.run();
+  EXPECT_EQ(rest.end, LoopSummary::End::finished);
+  EXPECT_EQ(rest.steps_run, steps - 8);
+  EXPECT_EQ(rest.position.last_epoch_loss, uninterrupted.position.last_epoch_loss);
+  EXPECT_EQ(rest.position.recent, uninterrupted.position.recent);
+  EXPECT_TRUE(state_of(resumed) == state_of(whole)) << "the resumed run's state differs";
+}
+
+// A time limit already spent ends the run at the first boundary it can take, after one step, with
+// that boundary's evaluation; boundary_every adds boundaries between epochs.
+TEST_F(TrainingLoopTest, EndsAtABoundaryWhenTheTimeIsUp) {
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 1);
+  TrainingLoop out_of_time(trainer, batches, {.steps = 12, .max_seconds = 1e-9, .progress = false});
+  int boundaries = 0;
+  out_of_time.on_boundary = [&](const LoopPosition&) { ++boundaries; };
+  const LoopSummary s = out_of_time.run();
+  EXPECT_EQ(s.end, LoopSummary::End::out_of_time);
+  EXPECT_EQ(s.steps_run, 1u);
+  EXPECT_EQ(boundaries, 1);
+
+  std::vector<std::uint64_t> at;
+  TrainingLoop every(trainer, batches, {.steps = 10, .boundary_every = 4, .progress = false});
+  every.on_boundary = [&](const LoopPosition& p) { at.push_back(p.done); };
+  EXPECT_EQ(every.run().end, LoopSummary::End::finished);
+  EXPECT_EQ(at, (std::vector<std::uint64_t>{4, 8, 10}));
+}
+
+// A batch the trainer refuses ends the loop with its error; the step in flight is settled, so the
+// trainer has nothing pending and trains on.
+TEST_F(TrainingLoopTest, AFailingStepLeavesTheTrainerUsable) {
+  class NanAt final : public BatchSource {
+   public:
+    NanAt(BatchSource& inner, int at) : inner_(inner), at_(at) {}
+    const Batch& next() override {
+      const Batch& b = inner_.next();
+      if (calls_++ != at_) return b;
+      bad_ = b;
+      images_.assign(8 * 784, 0.0f);
+      images_[5] = std::nanf("");
+      bad_.insert_or_assign("input", HostView(std::span<const float>(images_)));
+      return bad_;
+    }
+
+   private:
+    BatchSource& inner_;
+    int at_, calls_ = 0;
+    Batch bad_;
+    std::vector<float> images_;
+  };
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 1);
+  NanAt nan_at(batches, 3);
+  TrainingLoop loop(trainer, nan_at, {.steps = 12, .progress = false});
+  EXPECT_THROW(loop.run(), std::invalid_argument);
+  EXPECT_EQ(trainer.pending(), 0u);
+  EXPECT_EQ(trainer.steps_done(), 3u);
+  EXPECT_NO_THROW(trainer.step(batches.next()));
+}
+
+TEST_F(TrainingLoopTest, RefusesBadSettings) {
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 1);
+  EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 0}), std::invalid_argument);
+  EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 13, .steps_per_epoch = 12}), std::invalid_argument);
+  EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 12, .schedule = LrSchedule{.total_steps = 0}}),
+               std::invalid_argument);
+  TrainingLoop loop(trainer, batches, {.steps = 12});
+  EXPECT_THROW(loop.resume(LoopPosition{.done = 13}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ferry::test
