@@ -13,6 +13,7 @@
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
+#include "trainer_state.hpp"
 
 namespace ferry::test {
 namespace {
@@ -66,7 +67,7 @@ struct State {
 
 State state_of(const Trainer& t) {
   State s;
-  for (const auto& name : t.tensor_names()) s.tensors[name] = t.read_tensor(name).bytes;
+  s.tensors = tensors_of(t);
   s.steps = t.steps_done();
   s.overflows = t.overflow_steps();
   s.lr = t.lr();

@@ -23,6 +23,7 @@
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "trainer_state.hpp"
 
 namespace ferry::test {
 namespace {
@@ -35,16 +36,8 @@ Parameters parameters_of(const Trainer& t) {
   return p;
 }
 
-// Every weight, optimizer-state and predictor-state tensor, as stored.
-using State = std::map<std::string, std::vector<std::byte>>;
-State state_of(const Trainer& t) {
-  State s;
-  for (const auto& name : t.tensor_names()) s[name] = t.read_tensor(name).bytes;
-  return s;
-}
-
 // Bit for bit the same tensors; a difference names the tensor (not its bytes).
-void expect_same_state(const State& actual, const State& expected, const char* what) {
+void expect_same_state(const TensorBytes& actual, const TensorBytes& expected, const char* what) {
   ASSERT_EQ(actual.size(), expected.size()) << what;
   for (const auto& [name, bytes] : expected) {
     EXPECT_TRUE(actual.at(name) == bytes) << what << ": tensor '" << name << "' differs";
@@ -194,7 +187,7 @@ TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNev
     // of them would be updated.
     EXPECT_LT(victim, *commit) << name;
   }
-  const auto before = state_of(trainer);
+  const auto before = tensors_of(trainer);
   trainer.train_step().inject_failure(victim, c.fault);
   const std::string error = within_deadline(c.name, [&]() -> std::string {
     try {
@@ -210,7 +203,7 @@ TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNev
 
   // Nothing of the failed step is in the state: every weight and optimizer-state tensor as
   // before it, bit for bit.
-  expect_same_state(state_of(trainer), before, "after the failed step");
+  expect_same_state(tensors_of(trainer), before, "after the failed step");
   EXPECT_EQ(trainer.steps_done(), reference.steps_done());
   EXPECT_EQ(trainer.inconsistent_state(), "");
   // No command or thread was left behind: the next steps give exactly what a trainer that never
@@ -220,7 +213,7 @@ TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNev
     const float a = within_deadline("the step after a failure", [&] { return trainer.step(more, labels).loss; });
     EXPECT_EQ(a, reference.step(more, labels).loss) << "step " << s;
   }
-  expect_same_state(state_of(trainer), state_of(reference), "against the trainer that never failed");
+  expect_same_state(tensors_of(trainer), tensors_of(reference), "against the trainer that never failed");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -420,12 +413,12 @@ TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForA
 
     // The first update fails before it is enqueued: none has run, the state is as before. (Failing
     // on the device it would not stop the updates after it everywhere: Oclgrind runs them.)
-    const auto before = state_of(trainer);
+    const auto before = tensors_of(trainer);
     if (fault != graph::Fault::device_error) {
       trainer.train_step().inject_failure(updates.front(), fault);
       EXPECT_THROW(within_deadline("a failing first update", [&] { return trainer.step(images, labels); }),
                    std::runtime_error);
-      expect_same_state(state_of(trainer), before, "after a failing first update");
+      expect_same_state(tensors_of(trainer), before, "after a failing first update");
       EXPECT_EQ(trainer.inconsistent_state(), "");
     }
 
@@ -465,13 +458,13 @@ TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForA
     // Restored from the checkpoint, it trains exactly as a trainer that never failed.
     trainer.load_checkpoint(path);
     EXPECT_EQ(trainer.inconsistent_state(), "");
-    expect_same_state(state_of(trainer), before, "after the restore");
+    expect_same_state(tensors_of(trainer), before, "after the restore");
     for (int s = 0; s < 2; ++s) {
       auto more = random_vector(8 * sample, 80 + s);
       EXPECT_EQ(within_deadline("a step after the restore", [&] { return trainer.step(more, labels).loss; }),
                 reference.step(more, labels).loss);
     }
-    expect_same_state(state_of(trainer), state_of(reference), "against the trainer that never failed");
+    expect_same_state(tensors_of(trainer), tensors_of(reference), "against the trainer that never failed");
   }
   std::filesystem::remove(path);
 }
@@ -509,7 +502,7 @@ TEST_P(NonFiniteGradientTest, SkipsTheUpdateAndSaysWhy) {
   auto images = random_vector(8 * sample, 91);
   for (float& v : images) v = v < 0 ? -3e38f : 3e38f;
   auto labels = labels_for(8, 92);
-  const auto before = state_of(trainer);
+  const auto before = tensors_of(trainer);
   try {
     const StepResult r = trainer.step(images, labels);
     FAIL() << "the step should fail (loss " << r.loss << ")";
@@ -519,7 +512,7 @@ TEST_P(NonFiniteGradientTest, SkipsTheUpdateAndSaysWhy) {
     EXPECT_NE(what.find("the update was skipped"), std::string::npos) << what;
     std::printf("%s\n", what.c_str());
   }
-  expect_same_state(state_of(trainer), before, "after the skipped step");
+  expect_same_state(tensors_of(trainer), before, "after the skipped step");
   EXPECT_EQ(trainer.steps_done(), 0u);
 }
 

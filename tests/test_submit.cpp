@@ -12,16 +12,10 @@
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "trainer_state.hpp"
 
 namespace ferry::test {
 namespace {
-
-using State = std::map<std::string, std::vector<std::byte>>;
-State state_of(const Trainer& t) {
-  State s;
-  for (const auto& name : t.tensor_names()) s[name] = t.read_tensor(name).bytes;
-  return s;
-}
 
 TrainerOptions options(graph::ResidencyMode mode) {
   TrainerOptions o;
@@ -72,7 +66,7 @@ TEST_P(SubmitAhead, GivesWhatStepGivesBitForBit) {
     EXPECT_EQ(got[i].correct, expected[i].correct) << "step " << i;
   }
   EXPECT_EQ(ahead.steps_done(), sync.steps_done());
-  EXPECT_TRUE(state_of(ahead) == state_of(sync)) << "the training state differs";
+  EXPECT_TRUE(tensors_of(ahead) == tensors_of(sync)) << "the training state differs";
 }
 
 INSTANTIATE_TEST_SUITE_P(Homes, SubmitAhead,
@@ -171,7 +165,7 @@ TEST(SubmitAhead, AnEnqueueFailureStaysWithItsStep) {
   }
   EXPECT_EQ(t.result(h0).loss, r0);
   EXPECT_EQ(t.step(b.at(2)).loss, r1);
-  EXPECT_TRUE(state_of(t) == state_of(reference)) << "the failed step left something in the state";
+  EXPECT_TRUE(tensors_of(t) == tensors_of(reference)) << "the failed step left something in the state";
 }
 
 }  // namespace

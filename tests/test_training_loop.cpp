@@ -15,16 +15,10 @@
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "trainer_state.hpp"
 
 namespace ferry::test {
 namespace {
-
-using State = std::map<std::string, std::vector<std::byte>>;
-State state_of(const Trainer& t) {
-  State s;
-  for (const auto& name : t.tensor_names()) s[name] = t.read_tensor(name).bytes;
-  return s;
-}
 
 // 100 random 28 x 28 samples: 12 batches of 8 an epoch.
 Dataset random_data() {
@@ -111,7 +105,7 @@ TEST_F(TrainingLoopTest, GivesWhatAHandWrittenLoopGivesBitForBit) {
   EXPECT_DOUBLE_EQ(epoch_losses[0], first_epoch / static_cast<double>(per_epoch));
   EXPECT_GT(summary.run_train_seconds, 0);
   EXPECT_GT(summary.units_per_second, 0);
-  EXPECT_TRUE(state_of(looped) == state_of(by_hand)) << "the training state differs";
+  EXPECT_TRUE(tensors_of(looped) == tensors_of(by_hand)) << "the training state differs";
 }
 
 // SIGINT mid-epoch: the loop finishes the step in flight, writes a checkpoint, and says so; a new
@@ -168,7 +162,7 @@ TEST_F(TrainingLoopTest, StopsOnASignalWithACheckpointTheRunResumesFromExactly) 
   EXPECT_EQ(rest.steps_run, steps - 8);
   EXPECT_EQ(rest.position.last_epoch_loss, uninterrupted.position.last_epoch_loss);
   EXPECT_EQ(rest.position.recent, uninterrupted.position.recent);
-  EXPECT_TRUE(state_of(resumed) == state_of(whole)) << "the resumed run's state differs";
+  EXPECT_TRUE(tensors_of(resumed) == tensors_of(whole)) << "the resumed run's state differs";
 }
 
 // A time limit already spent ends the run at the first boundary it can take, after one step, with

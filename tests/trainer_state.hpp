@@ -1,0 +1,21 @@
+// A trainer's tensors as stored, for tests that compare two trainers' states bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ferry/runtime/trainer.hpp"
+
+namespace ferry::test {
+
+// Every weight, optimizer-state and predictor-state tensor by name: two states compare with ==.
+using TensorBytes = std::map<std::string, std::vector<std::byte>>;
+inline TensorBytes tensors_of(const Trainer& t) {
+  TensorBytes s;
+  for (const auto& name : t.tensor_names()) s[name] = t.read_tensor(name).bytes;
+  return s;
+}
+
+}  // namespace ferry::test
