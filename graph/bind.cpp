@@ -7,6 +7,7 @@
 
 #include "ferry/cl/error.hpp"
 #include "ferry/graph/node_view.hpp"
+#include "ferry/ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {
@@ -23,10 +24,11 @@ class NodeBinding final : public NodeView<ops::BindContext> {
   }
   ops::OpEnv& env() const override { return env_; }
   const OptimizerConfig& optimizer() const override { return optimizer_; }
-  // A fetch marked by the stream transform (attrs.i[0] = 1) follows this step's write-back of its
+  // A fetch marked by the stream transform (FetchAttrs::after_write_back) follows this step's write-back of its
   // tensor and reads the value written: the next copy.
   ops::HostAddress host_in(std::size_t i) const override {
-    const bool written_this_step = graph_.nodes.op[node_] == builtin::fetch && graph_.nodes.attrs[node_].i[0] == 1;
+    const bool written_this_step =
+        graph_.nodes.op[node_] == builtin::fetch && ops::FetchAttrs::of(graph_.nodes.attrs[node_]).after_write_back;
     return at_.host(in_ids()[i], written_this_step);
   }
   ops::HostAddress host_out(std::size_t i) const override { return at_.host(out_ids()[i], true); }

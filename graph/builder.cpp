@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ferry/ops/attrs.hpp"
+
 namespace ferry::graph {
 namespace {
 
@@ -132,10 +134,9 @@ TensorId Builder::linear(TensorId x, std::uint32_t out_features, bool bias) {
 }
 
 TensorId Builder::activation(TensorId x, ops::Activation a) {
-  NodeAttrs attrs;
-  attrs.i[0] = static_cast<std::int32_t>(a);
   const TensorId ins[] = {x};
-  return emit(builtin::activation, next_name(a == ops::Activation::relu ? "relu" : "gelu"), ins, attrs, {".y"})[0];
+  return emit(builtin::activation, next_name(a == ops::Activation::relu ? "relu" : "gelu"), ins,
+              ops::ActivationAttrs{a}.pack(), {".y"})[0];
 }
 
 TensorId Builder::layernorm(TensorId x, float eps) {
@@ -145,10 +146,8 @@ TensorId Builder::layernorm(TensorId x, float eps) {
   const std::uint32_t features = xs[xs.rank - 1u];
   TensorId gamma = weight(name + ".gamma", Shape{features}, {WeightInit::Kind::ones, 0});
   TensorId beta = weight(name + ".beta", Shape{features}, {WeightInit::Kind::zeros, 0});
-  NodeAttrs attrs;
-  attrs.f[0] = eps;
   const TensorId ins[] = {x, gamma, beta};
-  return emit(builtin::layernorm, name, ins, attrs, {".y", ".mean", ".rstd"})[0];
+  return emit(builtin::layernorm, name, ins, ops::LayerNormAttrs{eps}.pack(), {".y", ".mean", ".rstd"})[0];
 }
 
 TensorId Builder::conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t kernel, std::uint32_t stride,
@@ -167,19 +166,16 @@ TensorId Builder::conv2d(TensorId x, std::uint32_t out_channels, std::uint32_t k
   const float bound = 1.0f / std::sqrt(static_cast<float>(c * kernel * kernel));
   TensorId w = weight(name + ".w", Shape{out_channels, c, kernel, kernel}, {WeightInit::Kind::uniform, bound});
   TensorId b = weight(name + ".b", Shape{out_channels}, {WeightInit::Kind::uniform, bound});
-  NodeAttrs attrs;
-  attrs.i[0] = static_cast<std::int32_t>(stride);
-  attrs.i[1] = static_cast<std::int32_t>(pad);
+  const ops::Conv2dAttrs attrs{.stride = static_cast<std::int32_t>(stride), .pad = static_cast<std::int32_t>(pad)};
   const TensorId ins[] = {x, w, b};
-  return emit(builtin::conv2d, name, ins, attrs, {".y"})[0];
+  return emit(builtin::conv2d, name, ins, attrs.pack(), {".y"})[0];
 }
 
 TensorId Builder::maxpool2d(TensorId x, std::uint32_t window, std::uint32_t stride) {
-  NodeAttrs attrs;
-  attrs.i[0] = static_cast<std::int32_t>(window);
-  attrs.i[1] = static_cast<std::int32_t>(stride);
+  const ops::MaxPool2dAttrs attrs{.window = static_cast<std::int32_t>(window),
+                                  .stride = static_cast<std::int32_t>(stride)};
   const TensorId ins[] = {x};
-  return emit(builtin::maxpool2d, next_name("maxpool"), ins, attrs, {".y", ".argmax"})[0];
+  return emit(builtin::maxpool2d, next_name("maxpool"), ins, attrs.pack(), {".y", ".argmax"})[0];
 }
 
 TensorId Builder::flatten(TensorId x) {
@@ -223,42 +219,34 @@ TensorId Builder::mul(TensorId a, TensorId b) {
 
 TensorId Builder::scale(TensorId x, float factor) {
   static const ops::OpId op = named("scale");
-  NodeAttrs attrs;
-  attrs.f[0] = factor;
   const TensorId ins[] = {x};
-  return emit(op, next_name("scale"), ins, attrs, {".y"})[0];
+  return emit(op, next_name("scale"), ins, ops::FactorAttrs{factor}.pack(), {".y"})[0];
 }
 
 TensorId Builder::matmul(TensorId a, TensorId b, bool transpose_a, bool transpose_b, float scale) {
   static const ops::OpId op = named("matmul");
-  NodeAttrs attrs;
-  attrs.i[0] = transpose_a ? 1 : 0;
-  attrs.i[1] = transpose_b ? 1 : 0;
-  attrs.f[0] = scale;
+  const ops::MatmulAttrs attrs{.transpose_a = transpose_a, .transpose_b = transpose_b, .alpha = scale};
   const TensorId ins[] = {a, b};
-  return emit(op, next_name("matmul"), ins, attrs, {".y"})[0];
+  return emit(op, next_name("matmul"), ins, attrs.pack(), {".y"})[0];
 }
 
 TensorId Builder::softmax(TensorId x, bool causal) {
   static const ops::OpId op = named("softmax");
-  NodeAttrs attrs;
-  attrs.i[0] = causal ? 1 : 0;
   const TensorId ins[] = {x};
-  return emit(op, next_name("softmax"), ins, attrs, {".y"})[0];
+  return emit(op, next_name("softmax"), ins, ops::SoftmaxAttrs{causal}.pack(), {".y"})[0];
 }
 
 TensorId Builder::attention(TensorId q, TensorId k, TensorId v, std::uint32_t heads, float dropout_p,
                             std::uint32_t seed) {
   static const ops::OpId op = named("attention");
   const std::string name = next_name("attention");
-  NodeAttrs attrs;
-  attrs.i[0] = static_cast<std::int32_t>(heads);
+  ops::AttentionAttrs attrs{.heads = static_cast<std::int32_t>(heads)};
   if (training_ && dropout_p != 0.0f) {
-    attrs.f[1] = dropout_p;
-    attrs.i[1] = static_cast<std::int32_t>(seed);
+    attrs.dropout = dropout_p;
+    attrs.seed = seed;
   }
   const TensorId ins[] = {q, k, v};
-  return emit(op, name, ins, attrs, {".y", ".lse"})[0];
+  return emit(op, name, ins, attrs.pack(), {".y", ".lse"})[0];
 }
 
 TensorId Builder::embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim) {
@@ -283,11 +271,8 @@ TensorId Builder::dropout(TensorId x, float p, std::uint32_t seed) {
   // training and evaluation variants.
   const std::string name = next_name("dropout");
   if (!training_ || p == 0.0f) return x;
-  NodeAttrs attrs;
-  attrs.f[0] = p;
-  attrs.i[0] = static_cast<std::int32_t>(seed);
   const TensorId ins[] = {x};
-  return emit(op, name, ins, attrs, {".y"})[0];
+  return emit(op, name, ins, ops::DropoutAttrs{.p = p, .seed = seed}.pack(), {".y"})[0];
 }
 
 TensorId Builder::add(TensorId a, TensorId b) {
@@ -346,11 +331,8 @@ TensorId Builder::loss_sum(TensorId a, TensorId b, float wa, float wb) {
                                    t < g_.tensors.size() ? g_.tensors.name[t] : std::string("?")));
     }
   }
-  NodeAttrs attrs;
-  attrs.f[0] = wa;
-  attrs.f[1] = wb;
   const TensorId ins[] = {a, b};
-  const TensorId sum = emit(op, next_name("loss_sum"), ins, attrs, {".y"})[0];
+  const TensorId sum = emit(op, next_name("loss_sum"), ins, ops::LossSumAttrs{wa, wb}.pack(), {".y"})[0];
   set_loss(sum);
   return sum;
 }

@@ -8,6 +8,8 @@
 #include <map>
 #include <stdexcept>
 
+#include "ferry/ops/attrs.hpp"
+
 namespace ferry::graph {
 namespace {
 
@@ -245,7 +247,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   std::vector<NodeId> previous_end(base.tensors.size(), never);
   // A fetch after a write-back of the same tensor in this step (a predictor's fit reads a weight
   // its update wrote), or after a host-lane node wrote it (the host optimizer's update), reads the
-  // value written, the next copy: attrs.i[0] = 1; it goes after that host node.
+  // value written, the next copy (FetchAttrs::after_write_back); it goes after that host node.
   std::vector<char> written(base.tensors.size(), 0), reads_next(intervals.size(), 0);
   std::vector<NodeId> host_written_at(base.tensors.size(), never);
   for (NodeId n = 0; n < count; ++n) {
@@ -305,8 +307,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   for (NodeId n = 0; n < count; ++n) {
     for (std::size_t i : fetch_at.of(n)) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
-      NodeAttrs attrs;
-      attrs.i[0] = reads_next[i];
+      const NodeAttrs attrs = ops::FetchAttrs{reads_next[i] != 0}.pack();
       out.add(builtin::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), attrs, Lane::h2d);
     }
     ins.assign(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());

@@ -14,6 +14,7 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/layout.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
@@ -230,9 +231,7 @@ graph::NodeAttrs perm_attrs(Perm p) {
 }
 
 graph::NodeAttrs scale_attrs(float f) {
-  graph::NodeAttrs a;
-  a.f[0] = f;
-  return a;
+  return ops::FactorAttrs{f}.pack();
 }
 
 // Applies `op` and expects a BuildError naming `node` and containing `what`.

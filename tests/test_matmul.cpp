@@ -17,6 +17,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/pipeline.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/gemm.hpp"
 #include "ferry/ops/matmul.hpp"
 #include "ferry/ops/op_table.hpp"
@@ -205,11 +206,7 @@ TEST(Matmul, ReferenceBackwardMatchesFiniteDifferences) {
 // --- The op table rows ------------------------------------------------------------------------
 
 ops::NodeAttrs transposes(bool ta, bool tb, float alpha = 0.0f) {
-  ops::NodeAttrs at;
-  at.i[0] = ta;
-  at.i[1] = tb;
-  at.f[0] = alpha;
-  return at;
+  return ops::MatmulAttrs{.transpose_a = ta, .transpose_b = tb, .alpha = alpha}.pack();
 }
 
 TensorId apply1(graph::Builder& b, const char* op, std::initializer_list<TensorId> ins, const ops::NodeAttrs& at = {}) {

@@ -11,6 +11,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/graph/bind.hpp"
 #include "ferry/graph/pipeline.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
@@ -192,10 +193,9 @@ TEST(OpTable, CastAndInt8NodesRunOnTheDeviceLikeTheirReferences) {
   Runtime runtime;
   graph::Graph g;
   ClassifierBuilder b(g, 8, graph::Shape{12}, 4);
-  graph::NodeAttrs to_bf16, to_f32, layout;
-  to_bf16.i[0] = static_cast<int>(graph::DType::bf16);
-  to_f32.i[0] = static_cast<int>(graph::DType::f32);
-  layout.i = {16, 4, 1, 0};  // a Linear weight [in, out]: channels are the 4 outputs
+  const graph::NodeAttrs to_bf16 = ops::CastAttrs{.to = graph::DType::bf16}.pack();
+  const graph::NodeAttrs to_f32 = ops::CastAttrs{.to = graph::DType::f32}.pack();
+  const graph::NodeAttrs layout = ops::QuantAttrs{{16, 4, 1}}.pack();  // a Linear weight [in, out]: 4 output channels
   TensorId h = b.linear(b.input(), 16);
   const TensorId h_in[] = {h};
   h = b.apply(graph::builtin::cast, h_in, to_bf16)[0];
@@ -307,7 +307,7 @@ TEST(OpTable, BuilderLayoutMethodsUseTheirRows) {
   EXPECT_EQ(g.tensors.shape[b.mul(p, p)], (graph::Shape{2, 4, 3}));
   const TensorId s = b.scale(x, 0.25f);
   EXPECT_EQ(ops::op_info(g.nodes.op.back()).name, "scale");
-  EXPECT_EQ(g.nodes.attrs.back().f[0], 0.25f);
+  EXPECT_EQ(ops::FactorAttrs::of(g.nodes.attrs.back()).factor, 0.25f);
   EXPECT_EQ(g.tensors.shape[s], g.tensors.shape[x]);
   EXPECT_THROW(b.permute(x, {0, 1, 1}), graph::BuildError);
   EXPECT_THROW(b.mul(x, p), graph::BuildError);
@@ -333,7 +333,7 @@ TEST(OpTable, BuilderSequenceMethodsAndDropoutOnlyWhenTraining) {
     const TensorId q = b.linear(w, 4), k = b.linear(w, 4), v = b.linear(w, 4);
     const TensorId scores = b.matmul(q, k, false, true, 0.5f);
     EXPECT_EQ(g.tensors.shape[scores], (graph::Shape{2, 5, 5}));
-    EXPECT_EQ(g.nodes.attrs.back().f[0], 0.5f);
+    EXPECT_EQ(ops::MatmulAttrs::of(g.nodes.attrs.back()).alpha, 0.5f);
     EXPECT_EQ(g.tensors.shape[b.matmul(b.softmax(b.causal_mask(scores)), v)], (graph::Shape{2, 5, 4}));
     EXPECT_THROW(b.matmul(q, v), graph::BuildError) << "[2,5,4] x [2,5,4] does not multiply";
   }
@@ -348,8 +348,7 @@ TEST(OpTable, ReshapeToAnotherElementCountIsABuildError) {
 TEST(OpTable, CastToAnIntegerTypeIsABuildError) {
   graph::Graph g;
   ClassifierBuilder b(g, 2, graph::Shape{4}, 2);
-  graph::NodeAttrs to_i32;
-  to_i32.i[0] = static_cast<int>(graph::DType::i32);
+  const graph::NodeAttrs to_i32 = ops::CastAttrs{.to = graph::DType::i32}.pack();
   const TensorId in[] = {b.input()};
   EXPECT_THROW(b.apply(graph::builtin::cast, in, to_i32), graph::BuildError);
 }

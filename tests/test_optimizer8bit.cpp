@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ferry/ferry.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/optimizer.hpp"
 #include "ferry/ops/quant_map.hpp"
 #include "test_support.hpp"
@@ -387,7 +388,7 @@ TEST(Adam8bit, OptimizerPassMakesU8StateAndScales) {
               (graph::Shape{2, static_cast<std::uint32_t>(ops::adam8bit_blocks(t.shape[w].elems(), 512))}));
     for (std::size_t k = 2; k < 5; ++k) EXPECT_EQ(t.role[in[k]], graph::Role::optimizer_state);
     EXPECT_EQ(g.nodes.outputs(nd).size(), 4u);
-    EXPECT_EQ(g.nodes.attrs[nd].i[0], 512);
+    EXPECT_EQ(ops::UpdateAttrs::of(g.nodes.attrs[nd]).block8bit, 512);
   }
   EXPECT_EQ(updates, 4u) << "two Linear layers, weight and bias each";
 }

@@ -11,6 +11,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/pipeline.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "test_models.hpp"
 
 namespace ferry::test {
@@ -123,9 +124,9 @@ std::size_t count_op(const graph::Graph& g, graph::OpId op) {
   return n;
 }
 
-// Each ReLU that only a max-pool reads joins that pool (attrs.i[2] = 1, reading the ReLU's input);
+// Each ReLU that only a max-pool reads joins that pool (MaxPool2dAttrs::relu, reading the ReLU's input);
 // then each remaining ReLU of a convolution's output that nothing else reads joins the
-// convolution's epilogue (attrs.i[2] = 1, writing the ReLU's output); any other ReLU stays.
+// convolution's epilogue (Conv2dAttrs::relu, writing the ReLU's output); any other ReLU stays.
 // Autodiff emits no ReLU backward for a pool's ReLU and a mask (".relu_grad") for a convolution's.
 TEST(Pipeline, FusionTakesReluIntoPoolsThenIntoConvolutions) {
   const ModelSpec cnn = models::classifier("fusion-cnn", graph::Shape{1, 8, 8}, 10, [](graph::Builder& b, TensorId x) {
@@ -152,7 +153,7 @@ TEST(Pipeline, FusionTakesReluIntoPoolsThenIntoConvolutions) {
   };
   std::size_t relu_pools = 0, relu_convs = 0;
   for (graph::NodeId n = 0; n < both.nodes.size(); ++n) {
-    if (both.nodes.attrs[n].i[2] == 0) continue;
+    if (!ops::relu_fused(both.nodes.attrs[n])) continue;
     if (both.nodes.op[n] == graph::builtin::maxpool2d) {
       ++relu_pools;
       EXPECT_EQ(producer_op(both, both.nodes.inputs(n)[0]), graph::builtin::conv2d);  // reads the convolution

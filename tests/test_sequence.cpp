@@ -17,6 +17,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/graph/pipeline.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ferry/ops/sequence.hpp"
 #include "reference_executor.hpp"
@@ -351,9 +352,7 @@ SequenceModel sequence_model(float p = 0.25f) {
   const TensorId e = b.apply(ops::find_op("embedding"), e_in)[0];
   const TensorId c_in[] = {e};
   const TensorId masked = b.apply(ops::find_op("causal_mask"), c_in)[0];
-  graph::NodeAttrs drop;
-  drop.f[0] = p;
-  drop.i[0] = 7;
+  const graph::NodeAttrs drop = ops::DropoutAttrs{.p = p, .seed = 7}.pack();
   const TensorId d_in[] = {b.relu(masked)};
   const TensorId dropped = b.apply(ops::find_op("dropout"), d_in, drop)[0];
   b.softmax_xent(b.linear(b.flatten(dropped), SequenceModel::classes), labels);
@@ -479,8 +478,7 @@ TEST(SequenceRows, BadOperandsAreBuildErrorsNamingTheNode) {
   expect_build_error([&] { b.apply(mask, std::vector<TensorId>{b.input()}); }, "causal_mask", "[2, 3, 4]");
   expect_build_error([&] { b.apply(mask, std::vector<TensorId>{flat}); }, "causal_mask", "[..., T, T]");
   for (float p : {1.0f, -0.5f, std::nanf("")}) {
-    graph::NodeAttrs a;
-    a.f[0] = p;
+    const graph::NodeAttrs a = ops::DropoutAttrs{.p = p}.pack();
     expect_build_error([&] { b.apply(dropout, std::vector<TensorId>{b.input()}, a); }, "dropout", "[0, 1)");
   }
   // Good operands build, with the shapes the rules promise.
@@ -488,8 +486,7 @@ TEST(SequenceRows, BadOperandsAreBuildErrorsNamingTheNode) {
   EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 3, 4}));
   const TensorId sq = g.tensors.add("sq", graph::Shape{2, 3, 3}, graph::DType::f32, graph::Role::activation);
   EXPECT_EQ(g.tensors.shape[b.apply(mask, std::vector<TensorId>{sq})[0]], (graph::Shape{2, 3, 3}));
-  graph::NodeAttrs half;
-  half.f[0] = 0.5f;
+  const graph::NodeAttrs half = ops::DropoutAttrs{.p = 0.5f}.pack();
   EXPECT_EQ(g.tensors.shape[b.apply(dropout, std::vector<TensorId>{y}, half)[0]], (graph::Shape{2, 3, 4}));
 }
 

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
@@ -13,8 +14,7 @@ void append_accumulation(Graph& g, std::uint32_t accumulate, bool micro) {
   if (accumulate < 2) throw std::logic_error("append_accumulation needs 2 or more micro-batches");
   auto& t = g.tensors;
   const ops::OpId op = ops::find_op(micro ? "grad_accumulate" : "grad_mean");
-  NodeAttrs attrs;
-  attrs.f[0] = 1.0f / static_cast<float>(accumulate);
+  const NodeAttrs attrs = ops::FactorAttrs{1.0f / static_cast<float>(accumulate)}.pack();
   const std::size_t count = t.size();
   for (TensorId w = 0; w < count; ++w) {
     if (t.role[w] != Role::weight || t.grad[w] == no_tensor) continue;

@@ -16,6 +16,7 @@
 #include <stdexcept>
 
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
@@ -60,7 +61,7 @@ struct Collective {
   ops::OpId op;
   const char* suffix;
   ops::OpId send;
-  std::function<NodeAttrs(std::size_t bucket)> node_attrs;  // by the bucket's index
+  std::function<ops::CollectiveAttrs(std::size_t bucket)> node_attrs;  // by the bucket's index
   std::function<void(std::size_t i, TensorId host, TensorId extra)> after;
   std::function<NodeAttrs(std::size_t i)> send_attrs = [](std::size_t) { return NodeAttrs{}; };
   std::function<TensorId(std::size_t i)> extra_output = [](std::size_t) { return no_tensor; };
@@ -93,9 +94,9 @@ void append_collective(Graph& g, const std::vector<TensorId>& tensors,
     for (TensorId e : extra) {
       if (e != no_tensor) outs.push_back(e);
     }
-    NodeAttrs attrs = c.node_attrs(k);
-    attrs.i[0] = written ? 1 : 0;
-    g.nodes.add(c.op, fmt::format("{}.{}", c.suffix, first), ins, outs, attrs, Lane::comm);
+    ops::CollectiveAttrs attrs = c.node_attrs(k);
+    attrs.first_tensor = written ? 1 : 0;
+    g.nodes.add(c.op, fmt::format("{}.{}", c.suffix, first), ins, outs, attrs.pack(), Lane::comm);
     written = true;
     for (std::size_t i = first; i < end; ++i) c.after(i, host[i - first], extra[i - first]);
   }
@@ -124,9 +125,7 @@ void append_guard_agreement(Graph& g) {
   append_collective(g, {g.guard}, {{0, 1}},
                     {ops::find_op("grad_allreduce"), "agree", ops::find_op("grad_send"),
                      [](std::size_t) {
-                       NodeAttrs a;
-                       a.f[0] = 1.0f;  // the guards themselves, unscaled
-                       return a;
+                       return ops::CollectiveAttrs{.share = 1.0f};  // the guards themselves, unscaled
                      },
                      [&g, back](std::size_t, TensorId host, TensorId) { receive(g, back, "agree", host, g.guard); }});
 }
@@ -182,12 +181,10 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
   const ops::OpId back = ops::find_op("grad_receive");
   Collective c{ops::find_op("grad_reduce_scatter"), "reduce", ops::find_op("grad_send"),
                [&](std::size_t k) {
-                 NodeAttrs a;
-                 a.i[1] = static_cast<std::int32_t>(ordinal[weights[buckets[k].first]]);
-                 a.i[2] = static_cast<std::int32_t>(zero.granule);
-                 a.i[3] = steps[k];
-                 a.f[0] = share;
-                 return a;
+                 return ops::CollectiveAttrs{.share = share,
+                                             .ordinal = static_cast<std::int32_t>(ordinal[weights[buckets[k].first]]),
+                                             .granule = static_cast<std::int32_t>(zero.granule),
+                                             .ordinal_step = steps[k]};
                },
                // This rank's share of the sum comes back into a device tensor "<g>.shard" the update reads.
                [&](std::size_t i, TensorId, TensorId host_shard) {
@@ -221,11 +218,7 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
   const ops::OpId back = ops::find_op("grad_receive");
   append_collective(g, grads, buckets_of(g.tensors, grads, bucket_bytes),
                     {ops::find_op("grad_allreduce"), "allreduce", ops::find_op("grad_send"),
-                     [share](std::size_t) {
-                       NodeAttrs a;
-                       a.f[0] = share;
-                       return a;
-                     },
+                     [share](std::size_t) { return ops::CollectiveAttrs{.share = share}; },
                      [&](std::size_t i, TensorId host, TensorId) {
                        receive(g, back, "allreduce", host, grads[i]);
                        check_received(g, grads[i], "allreduce");
@@ -240,20 +233,17 @@ void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t b
   std::vector<TensorId> weights;
   for (const ZeroShare& s : shares) weights.push_back(s.weight);
   const auto share_attrs = [&shares](std::size_t i) {
-    NodeAttrs a;
-    a.i[0] = static_cast<std::int32_t>(shares[i].range.first);
-    a.i[1] = static_cast<std::int32_t>(shares[i].range.count);
-    return a;
+    return ops::ShareAttrs{static_cast<std::int32_t>(shares[i].range.first),
+                           static_cast<std::int32_t>(shares[i].range.count)}
+        .pack();
   };
   const ops::OpId back = ops::find_op("others_receive");
   const auto buckets = buckets_of(g.tensors, weights, bucket_bytes);
   Collective c{
       ops::find_op("weight_allgather"), "allgather", ops::find_op("share_send"),
       [&](std::size_t k) {
-        NodeAttrs a;
-        a.i[1] = static_cast<std::int32_t>(buckets[k].first);
-        a.i[2] = static_cast<std::int32_t>(zero.granule);
-        return a;
+        return ops::CollectiveAttrs{.ordinal = static_cast<std::int32_t>(buckets[k].first),
+                                    .granule = static_cast<std::int32_t>(zero.granule)};
       },
       [&](std::size_t i, TensorId host, TensorId) { receive(g, back, "allgather", host, weights[i], share_attrs(i)); }};
   c.send_attrs = share_attrs;

@@ -1,12 +1,12 @@
 // The fusion pass (before mixed precision and autodiff). Which ops fuse is said by their rows
 // (OpInfo::relu_fusion, is_relu, merge_with_producer); the rewrites today's rows allow:
-//   relu -> maxpool2d becomes one maxpool2d with the ReLU fused in (attrs.i[2] = 1). max over a
+//   relu -> maxpool2d becomes one maxpool2d with the ReLU fused in (MaxPool2dAttrs::relu). max over a
 //     window of relu(x) = relu(max over the window of x), and the ReLU's gradient mask at the
 //     window's argmax is whether that maximum is positive, so the fused pool computes the same
 //     values and routes the same gradients as the pair while reading x once and writing a quarter
 //     of what the ReLU wrote (a 2x2 pool), and autodiff emits no ReLU backward node at all.
-//   conv2d -> relu (a ReLU no pool took) becomes one conv2d with the ReLU in its epilogue (attrs.i[2]
-//     = 1): no pass over the activations to apply it; backward masks dy with y > 0, which is where
+//   conv2d -> relu (a ReLU no pool took) becomes one conv2d with the ReLU in its epilogue
+//     (Conv2dAttrs::relu): no pass over the activations to apply it; backward masks dy with y > 0, which is where
 //     conv + bias > 0, so the gradients are those of the pair.
 //   add -> layernorm (the sum a residual stream keeps, normalised for the next layer) becomes one
 //     add_layernorm node at the add's place: it writes the sum and normalises it in one pass, and
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
@@ -29,7 +30,7 @@ bool is_relu(const NodeTable& nodes, NodeId n) {
 
 // A node of a row that takes in a ReLU `how`, and has not yet.
 bool takes_relu(const NodeTable& nodes, NodeId n, ops::ReluFusion how) {
-  return ops::op_info(nodes.op[n]).relu_fusion == how && nodes.attrs[n].i[2] == 0;
+  return ops::op_info(nodes.op[n]).relu_fusion == how && !ops::relu_fused(nodes.attrs[n]);
 }
 
 }  // namespace
@@ -61,7 +62,7 @@ struct Uses {
 };
 
 // Rebuilds the node table with each host node n that takes in the ReLU absorbed[n] marked fused
-// (attrs.i[2] = 1) and given operands by `rewire(ins, outs, relu)`, and those ReLUs left out.
+// (ops::set_relu_fused) and given operands by `rewire(ins, outs, relu)`, and those ReLUs left out.
 template <class Rewire>
 void absorb_relus(Graph& g, const std::vector<NodeId>& absorbed, Rewire rewire) {
   const NodeTable& old = g.nodes;
@@ -81,7 +82,7 @@ void absorb_relus(Graph& g, const std::vector<NodeId>& absorbed, Rewire rewire) 
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     rewire(ins, outs, absorbed[n]);
     const NodeId m = out.add_copy(old, n, ins, outs, old.lane[n]);
-    out.attrs[m].i[2] = 1;
+    ops::set_relu_fused(out.attrs[m]);
   }
   g.nodes = std::move(out);
 }

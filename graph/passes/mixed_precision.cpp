@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
@@ -49,10 +50,8 @@ void apply_mixed_precision(Graph& g, DType narrow) {
     auto [it, fresh] = copies.try_emplace({x, to}, no_tensor);
     if (fresh) {
       it->second = t.add(fmt::format("{}.{}", t.name[x], dtype_name(to)), t.shape[x], to, Role::activation);
-      NodeAttrs a;
-      a.i[0] = static_cast<std::int32_t>(to);
       out.add(builtin::cast, fmt::format("{}.to_{}", t.name[x], dtype_name(to)), std::span(&x, 1),
-              std::span(&it->second, 1), a);
+              std::span(&it->second, 1), ops::CastAttrs{.to = to}.pack());
     }
     return it->second;
   };

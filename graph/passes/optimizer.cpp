@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/communicator.hpp"
 #include "ferry/ops/op_table.hpp"
 
@@ -43,12 +44,12 @@ void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding&
       outs.push_back(s);
     }
     if (stats != no_tensor) ins.push_back(stats);
-    NodeAttrs attrs = row.update_attrs ? row.update_attrs(spec) : NodeAttrs{};
+    ops::UpdateAttrs attrs = ops::UpdateAttrs::of(row.update_attrs ? row.update_attrs(spec) : NodeAttrs{});
     if (zero.sharded()) {
-      attrs.i[2] = static_cast<std::int32_t>(share.first);
-      attrs.i[3] = static_cast<std::int32_t>(share.count);
+      attrs.share_first = static_cast<std::int32_t>(share.first);
+      attrs.share_count = static_cast<std::int32_t>(share.count);
     }
-    g.nodes.add(op, t.name[w] + ".update", ins, outs, attrs);
+    g.nodes.add(op, t.name[w] + ".update", ins, outs, attrs.pack());
   }
 }
 

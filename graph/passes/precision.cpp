@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/op_table.hpp"
 
@@ -45,10 +46,7 @@ void apply_int8_weights(Graph& g) {
     auto it = int8_of.find(w);
     if (it == int8_of.end()) {
       const ops::QuantLayout l = *layout_of(old.op[n], t.shape[w]);
-      NodeAttrs attrs;
-      attrs.i[0] = static_cast<std::int32_t>(l.outer);
-      attrs.i[1] = static_cast<std::int32_t>(l.channels);
-      attrs.i[2] = static_cast<std::int32_t>(l.inner);
+      const NodeAttrs attrs = ops::QuantAttrs{l}.pack();
       const TensorId q = t.add(t.name[w] + ".q", t.shape[w], DType::i8, Role::activation);
       const TensorId scales =
           t.add(t.name[w] + ".scales", Shape{static_cast<std::uint32_t>(l.channels)}, DType::f32, Role::activation);

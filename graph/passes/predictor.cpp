@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ferry/graph/autodiff.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
 
 namespace ferry::graph {
@@ -52,11 +53,7 @@ void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
   auto& t = g.tensors;
   const ops::OpId snapshot = ops::find_op("predictor_snapshot");
   const ops::OpId fit = ops::find_op("predictor_fit");
-  NodeAttrs attrs;
-  attrs.i[0] = static_cast<std::int32_t>(c.kind);
-  attrs.f[0] = c.beta;
-  attrs.f[1] = c.max_gain;
-  attrs.i[1] = c.residual ? 1 : 0;
+  const NodeAttrs attrs = ops::PredictorAttrs{c}.pack();
   const NodeTable old = g.nodes;
   NodeTable out;
   for (NodeId n = 0; n < old.size(); ++n) {
@@ -81,8 +78,7 @@ void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
 void append_predictor_apply(Graph& g, const ops::PredictorConfig& c) {
   auto& t = g.tensors;
   const ops::OpId apply = ops::find_op("predictor_apply");
-  NodeAttrs attrs;
-  attrs.i[1] = c.residual ? 1 : 0;
+  const NodeAttrs attrs = ops::PredictorAttrs{c}.pack();
   const std::size_t count = t.size();
   for (TensorId w = 0; w < count; ++w) {
     if (t.role[w] != Role::weight || t.alias_of[w] != no_tensor) continue;

@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -32,10 +33,12 @@ OpInfo mean_row() {
   OpInfo r;
   r.name = "grad_mean";
   r.op_class = OpClass::state_update;
-  r.bind = [](const BindContext& c) { return grad_mean(c.env(), c.in(0), c.in(1), in_elems(c, 0), c.attrs().f[0]); };
+  r.bind = [](const BindContext& c) {
+    return grad_mean(c.env(), c.in(0), c.in(1), in_elems(c, 0), FactorAttrs::of(c.attrs()).factor);
+  };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::grad_mean<double>(c.real(in[0]), c.real(in[1]), c.attrs().f[0]);
+    ref::grad_mean<double>(c.real(in[0]), c.real(in[1]), FactorAttrs::of(c.attrs()).factor);
   };
   return r;
 }

@@ -1,15 +1,16 @@
-// Rows of the pointwise activations (attrs.i[0] = ops::Activation) and their gradient.
+// Rows of the pointwise activations (ActivationAttrs: which one) and their gradient.
 #include "ferry/ops/activation.hpp"
 
 #include <fmt/format.h>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
 namespace {
 
 Activation kind_of(const NodeAttrs& a) {
-  return static_cast<Activation>(a.i[0]);
+  return ActivationAttrs::of(a).kind;
 }
 
 OpInfo activation_row() {
@@ -17,11 +18,11 @@ OpInfo activation_row() {
   r.name = "activation";
   r.float_dtypes = activation_dtypes;
   r.computes_narrow = true;
-  r.is_relu = [](const NodeAttrs& a) { return a.i[0] == static_cast<int>(Activation::relu); };
+  r.is_relu = [](const NodeAttrs& a) { return kind_of(a) == Activation::relu; };
   r.infer = [](const ShapeView& v) {
-    const int k = v.attrs().i[0];
-    if (k != static_cast<int>(Activation::relu) && k != static_cast<int>(Activation::gelu)) {
-      shape_error(v, fmt::format("unknown activation {}", k));
+    const Activation k = kind_of(v.attrs());
+    if (k != Activation::relu && k != Activation::gelu) {
+      shape_error(v, fmt::format("unknown activation {}", static_cast<int>(k)));
     }
     return std::vector<TensorDesc>{v.input(0)};
   };

@@ -1,8 +1,8 @@
 // Rows of fused causal multi-head attention and its gradient (ferry/ops/attention.hpp).
 //
 //   attention       in: q k v [B, T, H D]   out: o [B, T, H D], lse [B, H, T] (f32)
-//                   attrs.i[0] = heads H, i[1] = dropout seed; f[0] = scale of q kᵀ (0: 1 / sqrt(D)),
-//                   f[1] = dropout p on the probabilities (0: none)
+//                   AttentionAttrs: heads H, the scale of q kᵀ (0: 1 / sqrt(D)), dropout p on the
+//                   probabilities (0: none) and its seed
 //   attention_grad  in: q k v o lse do      out: dq dk dv   (the forward's attrs)
 #include "ferry/ops/attention.hpp"
 
@@ -11,23 +11,27 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
 namespace {
 
 std::size_t heads_of(const NodeAttrs& a) {
-  return a.i[0] > 0 ? static_cast<std::size_t>(a.i[0]) : 0;
+  const std::int32_t heads = AttentionAttrs::of(a).heads;
+  return heads > 0 ? static_cast<std::size_t>(heads) : 0;
 }
 AttentionShape shape_of(const Shape& q, const NodeAttrs& a) {
   const std::size_t heads = heads_of(a);
   return {q[0], q[1], heads, heads == 0 ? 0 : q[2] / heads};
 }
 float scale_of(const AttentionShape& s, const NodeAttrs& a) {
-  return a.f[0] != 0.0f ? a.f[0] : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  const float scale = AttentionAttrs::of(a).scale;
+  return scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
 }
 AttentionDropout dropout_of(const NodeAttrs& a) {
-  return {a.f[1], static_cast<std::uint32_t>(a.i[1])};
+  const AttentionAttrs at = AttentionAttrs::of(a);
+  return {at.dropout, at.seed};
 }
 // Multiply-adds of the scores and the value products over the causal half: 2 B H T (T+1)/2 D each.
 std::uint64_t forward_flops(const AttentionShape& s) {
@@ -52,9 +56,9 @@ OpInfo attention_row(OpId grad) {  // in: q k v  out: o lse
     }
     const std::size_t heads = heads_of(v.attrs());
     if (heads == 0 || q[2] % heads != 0) {
-      shape_error(v, fmt::format("width {} does not split into {} heads", q[2], v.attrs().i[0]));
+      shape_error(v, fmt::format("width {} does not split into {} heads", q[2], AttentionAttrs::of(v.attrs()).heads));
     }
-    const float p = v.attrs().f[1];
+    const float p = AttentionAttrs::of(v.attrs()).dropout;
     if (!(p >= 0.0f && p < 1.0f)) shape_error(v, fmt::format("dropout must be in [0, 1), got {}", p));
     try {
       check_attention_shape(shape_of(q, v.attrs()));

@@ -6,17 +6,18 @@
 
 #include <cmath>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
 namespace {
 
 QuantLayout layout_of(const NodeAttrs& a) {
-  return {static_cast<std::size_t>(a.i[0]), static_cast<std::size_t>(a.i[1]), static_cast<std::size_t>(a.i[2])};
+  return QuantAttrs::of(a).layout;
 }
 
 CastScale scale_of(const NodeAttrs& a) {
-  return static_cast<CastScale>(a.i[1]);
+  return CastAttrs::of(a).scale;
 }
 
 // Double values through a float store of dtype t and back: what the device's cast keeps.
@@ -32,14 +33,15 @@ OpInfo cast_row() {  // in: x  out: y
   r.op_class = OpClass::cast;
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.infer = [](const ShapeView& v) {
-    const auto to = static_cast<DType>(v.attrs().i[0]);
-    if (v.attrs().i[0] < 0 || v.attrs().i[0] > static_cast<int>(DType::i32) || !cast_supported(v.input(0).dtype, to)) {
+    const std::int32_t to_code = CastAttrs::to_code(v.attrs()), scale_code = CastAttrs::scale_code(v.attrs());
+    const DType to = CastAttrs::of(v.attrs()).to;
+    if (to_code < 0 || to_code > static_cast<int>(DType::i32) || !cast_supported(v.input(0).dtype, to)) {
       shape_error(v, fmt::format("no cast kernel from {} to dtype #{}: casts convert between f32, f16 and bf16",
-                                 dtype_name(v.input(0).dtype), v.attrs().i[0]));
+                                 dtype_name(v.input(0).dtype), to_code));
     }
-    if (v.attrs().i[1] < 0 || v.attrs().i[1] > static_cast<int>(CastScale::inverse_loss_scale)) {
-      shape_error(
-          v, fmt::format("cast scale mode #{} is not one of none (0), loss scale (1), inverse (2)", v.attrs().i[1]));
+    if (scale_code < 0 || scale_code > static_cast<int>(CastScale::inverse_loss_scale)) {
+      shape_error(v,
+                  fmt::format("cast scale mode #{} is not one of none (0), loss scale (1), inverse (2)", scale_code));
     }
     return std::vector<TensorDesc>{{v.input(0).shape, to}};
   };
@@ -62,15 +64,12 @@ OpInfo cast_row() {  // in: x  out: y
       g.contribute(x, dy);
       return;
     }
-    NodeAttrs a;
-    a.i[0] = static_cast<std::int32_t>(to);
     const CastScale scale = from == DType::f32 ? CastScale::loss_scale
                             : to == DType::f32 ? CastScale::inverse_loss_scale
                                                : CastScale::none;
-    a.i[1] = static_cast<std::int32_t>(scale);
     const TensorRef dx = g.new_grad(x);
     const TensorRef in[] = {dy}, out[] = {dx};
-    g.emit(builtin::cast, ".grad", in, out, a);
+    g.emit(builtin::cast, ".grad", in, out, CastAttrs{.to = to, .scale = scale}.pack());
     g.contribute(x, dx);
   };
   r.reference = [](RefContext& c) {

@@ -8,18 +8,19 @@
 // f0 is this rank's share of the global batch (its samples / all samples), so the sum is the
 // gradient of the global batch's mean loss. `order` is a one-element host tensor each reduction
 // writes and the next one reads: it chains the reductions of a step so that every rank issues
-// them in the same order (collectives are matched by order). attrs.i[0] is 1 when the node reads
-// it (every reduction but the first), so the gradients are inputs i[0].. and outputs 1...
+// them in the same order (collectives are matched by order). CollectiveAttrs::first_tensor is 1
+// when the node reads it (every reduction but the first), so the gradients are inputs
+// first_tensor.. and outputs 1...
 //
 //   weight_allgather  in: [order] w'...  out: order w'...   comm: every rank's ZeRO share of w'
-//   share_send        in: w (device)   out: w' (pinned host)   d2h copy of elements [i0, i0 + i1) only
+//   share_send        in: w (device)   out: w' (pinned host)   d2h copy of the ShareAttrs elements only
 //   others_receive    in: w' (pinned host)   out: w (device)   h2d copy of all elements but those
 //
 //   grad_reduce_scatter  in: [order] g'...  out: order g'... s'...   comm: s' = this rank's share of the
 //                        sum over ranks of f0 g' (ZeRO stage 2), one s' per g' of which this rank
-//                        has a share (g' is left scaled). attrs.i[1] is the first g''s ordinal among
-//                        the trainable weights, i[3] the step from one g' to the next (+1 or -1),
-//                        i[2] the ZeRO granule (ops::zero_shard).
+//                        has a share (g' is left scaled). CollectiveAttrs: ordinal, the first g''s
+//                        among the trainable weights, ordinal_step from one g' to the next (+1 or
+//                        -1), granule the ZeRO granule (ops::zero_shard).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -27,16 +28,17 @@
 #include <cstring>
 #include <functional>
 
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/communicator.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
 namespace {
 
-// A collective node's tensors in host memory: outputs 1.. hold inputs i[0].. (copied when the two
+// A collective node's tensors in host memory: outputs 1.. hold inputs first_tensor.. (copied when the two
 // are not one place), as floats; output 0, the order tensor, is set. `more` outputs may follow.
 std::vector<std::span<float>> collective_operands(const HostContext& c, std::size_t more = 0) {
-  const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+  const auto first = static_cast<std::size_t>(CollectiveAttrs::of(c.attrs()).first_tensor);
   if (c.output_count() != c.input_count() - first + 1 + more) {
     shape_error(c, "a collective node needs the order tensor and one output per tensor input");
   }
@@ -54,7 +56,7 @@ std::vector<std::span<float>> collective_operands(const HostContext& c, std::siz
 
 // The CPU reference of a collective on one rank: each tensor times `scale`, the order tensor 0.
 void one_rank_reference(RefContext& c, double scale) {
-  const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+  const auto first = static_cast<std::size_t>(CollectiveAttrs::of(c.attrs()).first_tensor);
   const auto in = c.inputs();
   const auto out = c.outputs();
   for (std::size_t i = first; i < in.size(); ++i) {
@@ -75,9 +77,10 @@ OpInfo copy_row(const char* name, bool to_device) {
   return r;
 }
 
-// This rank's share of a weight, [attrs.i[0], + attrs.i[1]), and the runs before and after it.
+// This rank's share of a weight (ShareAttrs), and the runs before and after it.
 ElementRun share_of(const NodeAttrs& a) {
-  return {static_cast<std::size_t>(a.i[0]), static_cast<std::size_t>(a.i[1])};
+  const ShareAttrs s = ShareAttrs::of(a);
+  return {static_cast<std::size_t>(s.first), static_cast<std::size_t>(s.count)};
 }
 std::array<ElementRun, 2> others_of(const NodeAttrs& a, std::size_t elems) {
   const ElementRun s = share_of(a);
@@ -126,7 +129,7 @@ OpInfo collective_row(const char* name, std::function<void(const HostContext&)> 
 
 OpInfo allreduce_row() {
   const auto host = [](const HostContext& c) {
-    const float share = c.attrs().f[0];
+    const float share = CollectiveAttrs::of(c.attrs()).share;
     const std::vector<std::span<float>> buffers = collective_operands(c);
     for (const std::span<float>& b : buffers) {
       for (float& x : b) x *= share;
@@ -134,18 +137,21 @@ OpInfo allreduce_row() {
     if (Communicator* comm = c.step().communicator) c.complete_when(comm->start_allreduce_sum(buffers));
   };
   // One rank: its share of the batch is all of it, so the reduction is the identity.
-  return collective_row("grad_allreduce", host, [](RefContext& c) { one_rank_reference(c, c.attrs().f[0]); });
+  return collective_row("grad_allreduce", host,
+                        [](RefContext& c) { one_rank_reference(c, CollectiveAttrs::of(c.attrs()).share); });
 }
 
-// in: [order] w'...  out: order w'...; attrs.i[1] the first tensor's ordinal among the trainable
-// weights, i[2] the ZeRO granule: each w' gets every rank's share of it (ops::zero_shard).
+// in: [order] w'...  out: order w'...; CollectiveAttrs: ordinal, the first tensor's among the
+// trainable weights, granule the ZeRO granule: each w' gets every rank's share of it
+// (ops::zero_shard).
 OpInfo allgather_row() {
   const auto host = [](const HostContext& c) {
     const std::vector<std::span<float>> tensors = collective_operands(c);
     Communicator* comm = c.step().communicator;
     if (!comm) return;
-    const auto ordinal = static_cast<std::size_t>(c.attrs().i[1]);
-    const auto granule = static_cast<std::size_t>(c.attrs().i[2]);
+    const CollectiveAttrs at = CollectiveAttrs::of(c.attrs());
+    const auto ordinal = static_cast<std::size_t>(at.ordinal);
+    const auto granule = static_cast<std::size_t>(at.granule);
     std::vector<GatherBuffer> buffers;
     for (std::size_t k = 0; k < tensors.size(); ++k) {
       GatherBuffer b{tensors[k], {}, {}};
@@ -165,22 +171,22 @@ OpInfo allgather_row() {
 // in: [order] g'...  out: order g'... s'...  (see the file comment)
 OpInfo reduce_scatter_row() {
   const auto host = [](const HostContext& c) {
-    const NodeAttrs& at = c.attrs();
-    const std::size_t tensors = c.input_count() - static_cast<std::size_t>(at.i[0]);
+    const CollectiveAttrs at = CollectiveAttrs::of(c.attrs());
+    const std::size_t tensors = c.input_count() - static_cast<std::size_t>(at.first_tensor);
     const std::size_t shards = c.output_count() - 1 - tensors;
     const std::vector<std::span<float>> whole = collective_operands(c, shards);
     for (const std::span<float>& b : whole) {
-      for (float& x : b) x *= at.f[0];
+      for (float& x : b) x *= at.share;
     }
     Communicator* comm = c.step().communicator;
     const int ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
     std::vector<ScatterBuffer> buffers;
     std::size_t next = 1 + tensors;  // the next shard output
     for (std::size_t k = 0; k < tensors; ++k) {
-      const auto ordinal = static_cast<std::size_t>(at.i[1] + static_cast<long long>(k) * at.i[3]);
+      const auto ordinal = static_cast<std::size_t>(at.ordinal + static_cast<long long>(k) * at.ordinal_step);
       ScatterBuffer b{whole[k], {}, {}};
       for (int r = 0; r < ranks; ++r) {
-        const ShardRange s = zero_shard(whole[k].size(), ordinal, r, ranks, static_cast<std::size_t>(at.i[2]));
+        const ShardRange s = zero_shard(whole[k].size(), ordinal, r, ranks, static_cast<std::size_t>(at.granule));
         b.counts.push_back(static_cast<int>(s.count));
       }
       const auto mine = static_cast<std::size_t>(b.counts[static_cast<std::size_t>(rank)]);
@@ -203,8 +209,9 @@ OpInfo reduce_scatter_row() {
   };
   // One rank: the share is all of it and so is the shard.
   const auto reference = [](RefContext& c) {
-    one_rank_reference(c, c.attrs().f[0]);
-    const std::size_t first = static_cast<std::size_t>(c.attrs().i[0]);
+    const CollectiveAttrs at = CollectiveAttrs::of(c.attrs());
+    one_rank_reference(c, at.share);
+    const auto first = static_cast<std::size_t>(at.first_tensor);
     const auto in = c.inputs();
     const auto out = c.outputs();
     const std::size_t tensors = in.size() - first;

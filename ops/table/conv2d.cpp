@@ -1,10 +1,11 @@
-// Rows of Conv2d over [N, C, H, W] with weights [K, C, R, S] (attrs.i[0] stride, i[1] pad, i[2] 1:
-// a ReLU fused into the epilogue, see graph/passes/fusion.cpp) and its two gradients.
+// Rows of Conv2d over [N, C, H, W] with weights [K, C, R, S] (Conv2dAttrs: stride, pad, and a ReLU
+// fused into the epilogue, see graph/passes/fusion.cpp) and its two gradients.
 #include "ferry/ops/conv2d.hpp"
 
 #include <fmt/format.h>
 
 #include "ferry/ops/activation.hpp"
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -27,8 +28,9 @@ Conv2dShape conv_shape(const TensorDesc& xd, const TensorDesc& wd, const NodeAtt
   s.K = w[0];
   s.R = w[2];
   s.S = w[3];
-  s.stride = static_cast<std::size_t>(a.i[0]);
-  s.pad = static_cast<std::size_t>(a.i[1]);
+  const Conv2dAttrs at = Conv2dAttrs::of(a);
+  s.stride = static_cast<std::size_t>(at.stride);
+  s.pad = static_cast<std::size_t>(at.pad);
   return s;
 }
 
@@ -44,7 +46,8 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
   };
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape, w = v.input(1).shape;
-    const auto stride = static_cast<std::uint32_t>(v.attrs().i[0]), pad = static_cast<std::uint32_t>(v.attrs().i[1]);
+    const Conv2dAttrs at = Conv2dAttrs::of(v.attrs());
+    const auto stride = static_cast<std::uint32_t>(at.stride), pad = static_cast<std::uint32_t>(at.pad);
     if (x.rank != 4) shape_error(v, fmt::format("input has shape {}; Conv2d takes [N, C, H, W]", x.str()));
     if (w.rank != 4 || w[1] != x[1] || w[0] == 0 || w[2] == 0 || w[3] == 0) {
       shape_error(v,
@@ -75,11 +78,11 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
   r.bind = [](const BindContext& c) {
     const DeviceSpan bias = c.input_count() > 2 ? c.in(2) : DeviceSpan{};
     Conv2dShape s = conv_shape(c.input(0), c.input(1), c.attrs());
-    s.relu = c.attrs().i[2] != 0;
+    s.relu = Conv2dAttrs::of(c.attrs()).relu;
     return conv2d_forward(c.env(), s, c.in(0), c.in(1), bias, c.out(0), c.scratch());
   };
   r.backward = [](GradContext& g) {
-    if (g.attrs().i[2] == 0) {
+    if (!Conv2dAttrs::of(g.attrs()).relu) {
       weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param);
       return;
     }
@@ -88,11 +91,9 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
     const TensorRef y = g.outputs()[0], dy = g.grad(y);
     if (dy == no_ref) return;
     const TensorRef dz = g.new_grad(y);
-    NodeAttrs relu;
-    relu.i[0] = static_cast<std::int32_t>(Activation::relu);
     const TensorRef ins[] = {y, dy};
     const TensorRef outs[] = {dz};
-    g.emit(builtin::activation_grad, ".relu_grad", ins, outs, relu);
+    g.emit(builtin::activation_grad, ".relu_grad", ins, outs, ActivationAttrs{Activation::relu}.pack());
     weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param, dz);
   };
   r.reference = [](RefContext& c) {
@@ -100,7 +101,7 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
     std::span<const double> bias = in.size() > 2 ? std::span<const double>(c.real(in[2])) : std::span<const double>{};
     const std::span<double> y = c.real(c.outputs()[0]);
     ref::conv2d_forward<double>(conv_shape(c.input(0), c.input(1), c.attrs()), c.real(in[0]), c.real(in[1]), bias, y);
-    if (c.attrs().i[2] != 0) {
+    if (Conv2dAttrs::of(c.attrs()).relu) {
       for (double& v : y) v = v > 0.0 ? v : 0.0;
     }
   };

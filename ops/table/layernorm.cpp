@@ -1,4 +1,4 @@
-// Rows of LayerNorm over the last axis of [..., features] (rank 1 to 4; attrs.f[0] = eps) and its
+// Rows of LayerNorm over the last axis of [..., features] (rank 1 to 4; LayerNormAttrs: eps) and its
 // gradient, and of add_layernorm: a residual stream's add and the LayerNorm that reads the sum, as
 // one node (the fusion pass makes them; graph/passes/fusion.cpp). mean and rstd are [rows], one
 // per position of the leading axes.
@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -21,7 +22,8 @@ std::vector<TensorDesc> normalised_outputs(const ShapeView& v, std::size_t gain,
   const Shape x = v.input(0).shape;
   if (x.rank < 1) shape_error(v, "LayerNorm takes a tensor of rank 1 to 4");
   const std::uint32_t features = x[x.rank - 1u], rows = static_cast<std::uint32_t>(x.elems() / features);
-  if (!(v.attrs().f[0] > 0.0f)) shape_error(v, fmt::format("eps must be positive, got {}", v.attrs().f[0]));
+  if (!(LayerNormAttrs::of(v.attrs()).eps > 0.0f))
+    shape_error(v, fmt::format("eps must be positive, got {}", LayerNormAttrs::of(v.attrs()).eps));
   for (std::size_t i = gain; i < gain + 2; ++i) {
     if (!(v.input(i).shape == Shape{features})) {
       shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), features));
@@ -43,7 +45,7 @@ OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     return layernorm_forward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), c.out(1), c.out(2), rows, cols,
-                             c.attrs().f[0]);
+                             LayerNormAttrs::of(c.attrs()).eps);
   };
   r.backward = [](GradContext& g) {
     const auto in = g.inputs();
@@ -64,7 +66,7 @@ OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     ref::layernorm_forward<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(out[0]), c.real(out[1]),
-                                   c.real(out[2]), rows, cols, double(c.attrs().f[0]));
+                                   c.real(out[2]), rows, cols, double(LayerNormAttrs::of(c.attrs()).eps));
   };
   return r;
 }
@@ -111,7 +113,7 @@ OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     return layernorm_forward(c.env(), c.out(0), c.in(2), c.in(3), c.out(1), c.out(2), c.out(3), rows, cols,
-                             c.attrs().f[0], c.in(0), c.in(1));
+                             LayerNormAttrs::of(c.attrs()).eps, c.in(0), c.in(1));
   };
   // The sum's gradient is LayerNorm's dx plus what the sum's other readers send back (dres, added
   // in the same kernel); both operands of the add get it.
@@ -143,7 +145,7 @@ OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
     const auto sum = c.real(out[0]);
     for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = a[i] + b[i];
     ref::layernorm_forward<double>(sum, c.real(in[2]), c.real(in[3]), c.real(out[1]), c.real(out[2]), c.real(out[3]),
-                                   rows, cols, double(c.attrs().f[0]));
+                                   rows, cols, double(LayerNormAttrs::of(c.attrs()).eps));
   };
   return r;
 }

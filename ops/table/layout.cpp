@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -103,19 +104,21 @@ OpInfo mul_row(SelfId self) {  // in: a b  out: y = a * b
   return r;
 }
 
-OpInfo scale_row(SelfId self) {  // attrs.f[0] = factor   in: x  out: y = x * factor
+OpInfo scale_row(SelfId self) {  // FactorAttrs   in: x  out: y = x * factor
   OpInfo r;
   r.name = "scale";
   r.infer = [](const ShapeView& v) {
     expect_inputs(v, 1, "scale");
-    if (!std::isfinite(v.attrs().f[0]))
-      shape_error(v, fmt::format("scale factor must be finite, got {}", v.attrs().f[0]));
+    if (!std::isfinite(FactorAttrs::of(v.attrs()).factor))
+      shape_error(v, fmt::format("scale factor must be finite, got {}", FactorAttrs::of(v.attrs()).factor));
     return std::vector<TensorDesc>{v.input(0)};
   };
-  r.bind = [](const BindContext& c) { return scale(c.env(), c.in(0), c.out(0), c.attrs().f[0], out_elems(c, 0)); };
+  r.bind = [](const BindContext& c) {
+    return scale(c.env(), c.in(0), c.out(0), FactorAttrs::of(c.attrs()).factor, out_elems(c, 0));
+  };
   r.backward = [self](GradContext& g) { unary_backward(g, *self); };
   r.reference = [](RefContext& c) {
-    ref::scale<double>(c.real(c.inputs()[0]), double(c.attrs().f[0]), c.real(c.outputs()[0]));
+    ref::scale<double>(c.real(c.inputs()[0]), double(FactorAttrs::of(c.attrs()).factor), c.real(c.outputs()[0]));
   };
   return r;
 }

@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -34,18 +35,20 @@ OpInfo loss_sum_row() {
     return std::vector<TensorDesc>{{Shape{1}, DType::f32}};
   };
   r.bind = [](const BindContext& c) {
-    return loss_sum(c.env(), c.in(0), c.in(1), c.out(0), c.attrs().f[0], c.attrs().f[1]);
+    return loss_sum(c.env(), c.in(0), c.in(1), c.out(0), LossSumAttrs::of(c.attrs()).weight_a,
+                    LossSumAttrs::of(c.attrs()).weight_b);
   };
   r.backward = [](GradContext& g) {
     const TensorRef out = g.outputs()[0];
     if (!loss_backward_applies(g, out)) return;
     const float w = g.loss_weight(out);
-    g.add_loss_term(g.inputs()[0], w * g.attrs().f[0]);
-    g.add_loss_term(g.inputs()[1], w * g.attrs().f[1]);
+    g.add_loss_term(g.inputs()[0], w * LossSumAttrs::of(g.attrs()).weight_a);
+    g.add_loss_term(g.inputs()[1], w * LossSumAttrs::of(g.attrs()).weight_b);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::loss_sum<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]), c.attrs().f[0], c.attrs().f[1]);
+    ref::loss_sum<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]), LossSumAttrs::of(c.attrs()).weight_a,
+                          LossSumAttrs::of(c.attrs()).weight_b);
   };
   return r;
 }

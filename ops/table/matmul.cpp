@@ -1,8 +1,8 @@
 // Rows of the batched matmul of two activations (ops::gemm strided-batched).
 //
 //   matmul         c = alpha op(a) op(b)          in: a b     out: c
-//                  attrs.i[0] = 1: a is stored transposed ([..., K, M]); i[1] = 1: b is ([..., N, K]);
-//                  attrs.f[0] = alpha, the scale of the product (0, the default, means 1).
+//                  MatmulAttrs: transpose_a, a is stored transposed ([..., K, M]); transpose_b, b is
+//                  ([..., N, K]); alpha, the scale of the product (0, the default, means 1).
 //   matmul_grad_a  da = alpha dy op(b)^T, stored like a   in: dy b    out: da   (the forward's attrs)
 //   matmul_grad_b  db = alpha op(a)^T dy, stored like b   in: a dy    out: db   (the forward's attrs)
 #include "ferry/ops/matmul.hpp"
@@ -11,19 +11,18 @@
 
 #include <stdexcept>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
 namespace {
 
-bool flag(const NodeAttrs& a, std::size_t i) {
-  return a.i[i] != 0;
-}
 float alpha(const NodeAttrs& a) {
-  return a.f[0] == 0.0f ? 1.0f : a.f[0];
+  return MatmulAttrs::of(a).product_scale();
 }
 GemmShape product(const Shape& a, const Shape& b, const NodeAttrs& attrs) {
-  return matmul_shape(a, b, flag(attrs, 0), flag(attrs, 1));
+  const MatmulAttrs at = MatmulAttrs::of(attrs);
+  return matmul_shape(a, b, at.transpose_a, at.transpose_b);
 }
 
 // The forward product of a gradient node: grad_a knows a's shape from its output da, grad_b knows
@@ -41,13 +40,15 @@ OpInfo matmul_row(OpId grad_a, OpId grad_b) {  // in: a b  out: c
   r.infer = [](const ShapeView& v) {
     if (v.input_count() != 2) shape_error(v, fmt::format("matmul takes two inputs (a, b), got {}", v.input_count()));
     const NodeAttrs& at = v.attrs();
-    for (std::size_t i = 0; i < 2; ++i) {
-      if (at.i[i] != 0 && at.i[i] != 1) {
-        shape_error(v, fmt::format("attrs.i[{}] (transpose {}) must be 0 or 1, got {}", i, i ? "b" : "a", at.i[i]));
+    for (int i = 0; i < 2; ++i) {
+      const std::int32_t code = MatmulAttrs::transpose_code(at, i);
+      if (code != 0 && code != 1) {
+        shape_error(v, fmt::format("transpose_{} must be 0 or 1, got {}", i ? "b" : "a", code));
       }
     }
     try {
-      const Shape out = matmul_output_shape(v.input(0).shape, v.input(1).shape, flag(at, 0), flag(at, 1));
+      const Shape out = matmul_output_shape(v.input(0).shape, v.input(1).shape, MatmulAttrs::of(at).transpose_a,
+                                            MatmulAttrs::of(at).transpose_b);
       return std::vector<TensorDesc>{{out, v.input(0).dtype}};
     } catch (const std::invalid_argument& e) {
       shape_error(v, e.what());

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -17,11 +18,11 @@ OpInfo mse_grad_row() {  // in: p t  out: dp  attrs: f1 the loss's weight
   r.name = "mse_grad";
   r.op_class = OpClass::backward;
   r.bind = [](const BindContext& c) {
-    return mse_backward(c.env(), c.in(0), c.in(1), c.out(0), in_elems(c, 0), c.attrs().f[1]);
+    return mse_backward(c.env(), c.in(0), c.in(1), c.out(0), in_elems(c, 0), LossGradAttrs::weight(c.attrs()));
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::mse_backward<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]), c.attrs().f[1]);
+    ref::mse_backward<double>(c.real(in[0]), c.real(in[1]), c.real(c.outputs()[0]), LossGradAttrs::weight(c.attrs()));
   };
   return r;
 }
@@ -60,9 +61,8 @@ OpInfo mse_row(OpId grad_op) {  // in: p t  out: stats
     const TensorRef dp = g.new_grad(p);
     const TensorRef ins[] = {p, t};
     const TensorRef outs[] = {dp};
-    NodeAttrs weighted = g.attrs();
-    weighted.f[1] = g.loss_weight(stats);  // d(step loss)/d(this loss): 1, or a loss_sum's weight
-    g.emit(grad_op, ".grad", ins, outs, weighted);
+    // d(step loss)/d(this loss): 1, or a loss_sum's weight
+    g.emit(grad_op, ".grad", ins, outs, LossGradAttrs::with_weight(g.attrs(), g.loss_weight(stats)));
     g.contribute(p, dp);
   };
   r.reference = [](RefContext& c) {

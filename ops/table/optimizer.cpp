@@ -6,6 +6,7 @@
 // device, report_non_finite_weight on the host), which checks it after its last command.
 #include <fmt/format.h>
 
+#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/optimizer_host.hpp"
 #include "rows.hpp"
 
@@ -93,7 +94,7 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   return r;
 }
 
-// 8-bit block-wise Adam/AdamW, attrs.i[0] = the block size. No host version: its state is codes
+// 8-bit block-wise Adam/AdamW, UpdateAttrs::block8bit the block size. No host version: its state is codes
 // and scales, which only the kernel (and the reference) read.
 OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  out: w m v scales
   OpInfo r;
@@ -108,22 +109,21 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
                                            {.suffix = ".adam8_scales", .shape = Shape{2, blocks}}};
   };
   r.update_attrs = [](const OptimizerConfig& o) {
-    NodeAttrs a;
-    a.i[0] = static_cast<std::int32_t>(o.block8bit);
-    return a;
+    return UpdateAttrs{.block8bit = static_cast<std::int32_t>(o.block8bit)}.pack();
   };
   r.bind = [](const BindContext& c) {
     const UpdateSlice s = update_slice(c);
-    return adam8bit_update(c.env(), c.optimizer().adam_config(), static_cast<std::uint32_t>(c.attrs().i[0]),
-                           sliced(c, 0, s), sliced(c, 1, s), c.in(2), c.in(3), c.in(4), s.count,
+    return adam8bit_update(c.env(), c.optimizer().adam_config(),
+                           static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), sliced(c, 0, s),
+                           sliced(c, 1, s), c.in(2), c.in(3), c.in(4), s.count,
                            c.input_count() > 5 ? c.in(5) : DeviceSpan{}, 0, c.step_status());
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const UpdateSlice s = update_slice(c);
-    ref::adam8bit_update<double>(c.optimizer().adam_config(), static_cast<std::uint32_t>(c.attrs().i[0]), c.step(),
-                                 sliced(c, in[0], c, s), sliced(c, in[1], c, s), c.real(in[2]), c.real(in[3]),
-                                 c.real(in[4]));
+    ref::adam8bit_update<double>(
+        c.optimizer().adam_config(), static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), c.step(),
+        sliced(c, in[0], c, s), sliced(c, in[1], c, s), c.real(in[2]), c.real(in[3]), c.real(in[4]));
   };
   return r;
 }
@@ -132,10 +132,11 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
 
 UpdateSlice update_slice(const ShapeView& c) {
   const std::size_t elems = in_elems(c, 0);
-  const auto first = static_cast<std::size_t>(c.attrs().i[2]);
-  const auto count = static_cast<std::size_t>(c.attrs().i[3]);
+  const UpdateAttrs at = UpdateAttrs::of(c.attrs());
+  const auto first = static_cast<std::size_t>(at.share_first);
+  const auto count = static_cast<std::size_t>(at.share_count);
   if (count == 0) return {0, elems};
-  if (c.attrs().i[2] < 0 || c.attrs().i[3] < 0 || first + count > elems) {
+  if (at.share_first < 0 || at.share_count < 0 || first + count > elems) {
     shape_error(c, fmt::format("an update of elements {}..{} of a weight of {}", first, first + count, elems));
   }
   return {first, count};

@@ -1,9 +1,10 @@
-// Rows of MaxPool2d over [N, C, H, W] (attrs.i[0] window, i[1] stride, i[2] 1: ReLU fused in,
-// see graph/passes/fusion.cpp) and its gradient.
+// Rows of MaxPool2d over [N, C, H, W] (MaxPool2dAttrs: window, stride, and a ReLU fused in, see
+// graph/passes/fusion.cpp) and its gradient.
 #include "ferry/ops/pool.hpp"
 
 #include <fmt/format.h>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -17,9 +18,10 @@ Pool2dShape pool_shape(const TensorDesc& xd, const NodeAttrs& a) {
   s.C = x[1];
   s.H = x[2];
   s.W = x[3];
-  s.window = static_cast<std::size_t>(a.i[0]);
-  s.stride = static_cast<std::size_t>(a.i[1]);
-  s.relu = a.i[2] != 0;
+  const MaxPool2dAttrs at = MaxPool2dAttrs::of(a);
+  s.window = static_cast<std::size_t>(at.window);
+  s.stride = static_cast<std::size_t>(at.stride);
+  s.relu = at.relu;
   return s;
 }
 
@@ -31,7 +33,8 @@ OpInfo maxpool2d_row() {  // in: x  out: y argmax
   r.relu_fusion = ReluFusion::reads_its_input;
   r.infer = [](const ShapeView& v) {
     const Shape x = v.input(0).shape;
-    const auto window = static_cast<std::uint32_t>(v.attrs().i[0]), stride = static_cast<std::uint32_t>(v.attrs().i[1]);
+    const MaxPool2dAttrs at = MaxPool2dAttrs::of(v.attrs());
+    const auto window = static_cast<std::uint32_t>(at.window), stride = static_cast<std::uint32_t>(at.stride);
     if (x.rank != 4) shape_error(v, fmt::format("input has shape {}; MaxPool2d takes [N, C, H, W]", x.str()));
     if (window == 0 || stride == 0 || x[2] < window || x[3] < window) {
       shape_error(v, fmt::format("window {} / stride {} do not fit input {}", window, stride, x.str()));

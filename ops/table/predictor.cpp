@@ -12,18 +12,14 @@
 
 #include <cmath>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
 namespace {
 
 PredictorConfig config_of(const NodeAttrs& a) {
-  PredictorConfig c;
-  c.kind = static_cast<PredictorConfig::Kind>(a.i[0]);
-  c.beta = a.f[0];
-  c.max_gain = a.f[1];
-  c.residual = a.i[1] != 0;
-  return c;
+  return PredictorAttrs::of(a).config;
 }
 
 // Where the optional operands are: r right after the fixed ones when present, then the guard.
@@ -31,7 +27,7 @@ struct Optional {
   std::size_t r, guard;  // input indices; r == fixed when absent (and unused)
 };
 Optional optional_inputs(const NodeAttrs& a, std::size_t fixed) {
-  return {fixed, fixed + (a.i[1] != 0 ? 1 : 0)};
+  return {fixed, fixed + (config_of(a).residual ? 1 : 0)};
 }
 
 OpInfo snapshot_row() {
@@ -79,13 +75,13 @@ OpInfo apply_row() {
     const Optional o = optional_inputs(c.attrs(), 3);
     return predictor_apply(c.env(), c.in(0), c.in(1), c.in(2), in_elems(c, 0),
                            c.input_count() > o.guard ? c.in(o.guard) : DeviceSpan{},
-                           c.attrs().i[1] != 0 ? c.in(o.r) : DeviceSpan{});
+                           config_of(c.attrs()).residual ? c.in(o.r) : DeviceSpan{});
   };
   r.host = [](const HostContext& c) {
     const auto* w = reinterpret_cast<const float*>(c.in(0));
     const auto* d = reinterpret_cast<const float*>(c.in(1));
     const auto* st = reinterpret_cast<const float*>(c.in(2));
-    const bool residual = c.attrs().i[1] != 0;
+    const bool residual = config_of(c.attrs()).residual;
     const auto* rs = residual ? reinterpret_cast<const float*>(c.in(3)) : nullptr;
     auto* out = reinterpret_cast<float*>(c.out(0));
     // As the kernel rounds: the step (a product, then a fused multiply-add for the residual), then
@@ -103,7 +99,7 @@ OpInfo apply_row() {
     if (in.size() > o.guard && !std::isfinite(c.real(in[o.guard])[0])) return;
     ref::predictor_apply<double>(
         c.real(in[0]), c.real(in[1]), c.real(in[2]), c.step().predict_scale,
-        c.attrs().i[1] != 0 ? std::span<const double>(c.real(in[o.r])) : std::span<const double>{});
+        config_of(c.attrs()).residual ? std::span<const double>(c.real(in[o.r])) : std::span<const double>{});
   };
   return r;
 }

@@ -57,8 +57,8 @@ struct ElementRun {
 };
 LaunchList transfer_copies(const BindContext& c, bool to_device, std::span<const ElementRun> runs = {});
 // An optimizer update's share of its weight (ZeRO sharding; graph::append_optimizer): elements
-// attrs.i[2] .. + attrs.i[3] of the weight and its gradient, against state tensors of that many
-// elements. attrs.i[3] = 0: the whole weight.
+// share_first .. + share_count of the weight and its gradient (UpdateAttrs), against state tensors
+// of that many elements. share_count 0: the whole weight.
 struct UpdateSlice {
   std::size_t first = 0, count = 0;
 };

@@ -4,7 +4,7 @@
 //   embedding_grad   in: ids dy                              out: dtable [V, D]
 //   causal_mask      in: x [..., T, T]                       out: y (j > i set to -inf)
 //   causal_mask_grad in: dy                                  out: dx (j > i set to 0)
-//   dropout          attrs.f[0] = p, i[0] = seed   in: x     out: y
+//   dropout          DropoutAttrs: p, seed      in: x     out: y
 //   dropout_grad     attrs as dropout              in: dy    out: dx
 #include "ferry/ops/sequence.hpp"
 
@@ -12,6 +12,7 @@
 
 #include <utility>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -137,10 +138,10 @@ OpInfo causal_mask_row(OpId grad_op) {  // in: x  out: y
 // ----- dropout -----
 
 float dropout_p(const NodeAttrs& a) {
-  return a.f[0];
+  return DropoutAttrs::of(a).p;
 }
 std::uint32_t dropout_seed(const NodeAttrs& a) {
-  return static_cast<std::uint32_t>(a.i[0]);
+  return DropoutAttrs::of(a).seed;
 }
 
 OpInfo dropout_grad_row() {  // in: dy  out: dx
@@ -163,8 +164,7 @@ OpInfo dropout_row(OpId grad_op) {  // in: x  out: y
   r.infer = [](const ShapeView& v) {
     if (v.input_count() != 1) shape_error(v, fmt::format("dropout takes 1 input, got {}", v.input_count()));
     const float p = dropout_p(v.attrs());
-    if (!(p >= 0.0f && p < 1.0f))
-      shape_error(v, fmt::format("dropout probability p = attrs.f[0] must be in [0, 1), got {}", p));
+    if (!(p >= 0.0f && p < 1.0f)) shape_error(v, fmt::format("dropout probability p must be in [0, 1), got {}", p));
     return std::vector<TensorDesc>{v.input(0)};
   };
   r.bind = [](const BindContext& c) {

@@ -1,12 +1,13 @@
 // Rows of softmax over the last axis (optionally causal: the masked scores of attention).
 //
 //   softmax        y = softmax(x) over the last axis      in: x       out: y
-//                  attrs.i[0] = 1: causal (square [..., T, T] scores, entries past the diagonal masked)
+//                  SoftmaxAttrs::causal: (square [..., T, T] scores, entries past the diagonal masked)
 //   softmax_grad   dx = y (dy - sum(dy y, last axis))     in: y dy    out: dx
 #include "ferry/ops/softmax.hpp"
 
 #include <fmt/format.h>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -27,19 +28,20 @@ OpInfo softmax_row(OpId grad) {  // in: x  out: y
     if (x.rank == 0 || x[x.rank - 1] == 0) {
       shape_error(v, fmt::format("input has shape {}; softmax needs a non-empty last axis", x.str()));
     }
-    if (v.attrs().i[0] != 0 && (x.rank < 2 || x[x.rank - 1] != x[x.rank - 2])) {
+    if (SoftmaxAttrs::of(v.attrs()).causal && (x.rank < 2 || x[x.rank - 1] != x[x.rank - 2])) {
       shape_error(v, fmt::format("causal softmax takes square [..., T, T] scores, got {}", x.str()));
     }
     return std::vector<TensorDesc>{{x, v.input(0).dtype}};
   };
   r.bind = [](const BindContext& c) {
     const auto [rows, cols] = rows_cols(c.input(0).shape);
-    return softmax_forward(c.env(), c.in(0), c.out(0), rows, cols, c.attrs().i[0] != 0);
+    return softmax_forward(c.env(), c.in(0), c.out(0), rows, cols, SoftmaxAttrs::of(c.attrs()).causal);
   };
   r.backward = [grad](GradContext& g) { unary_backward(g, grad, g.outputs()[0]); };  // (y, dy) -> dx
   r.reference = [](RefContext& c) {
     const auto [rows, cols] = rows_cols(c.input(0).shape);
-    ref::softmax_forward<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), rows, cols, c.attrs().i[0] != 0);
+    ref::softmax_forward<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), rows, cols,
+                                 SoftmaxAttrs::of(c.attrs()).causal);
   };
   return r;
 }

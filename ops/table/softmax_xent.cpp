@@ -4,11 +4,12 @@
 // [mean loss, correct count], is the step's loss.
 //
 //   softmax_xent       in: logits labels       out: lse [rows], stats [2]
-//   softmax_xent_grad  in: logits lse labels   out: dlogits   (attrs.f[1]: the loss's weight)
+//   softmax_xent_grad  in: logits lse labels   out: dlogits   (LossGradAttrs: the loss's weight)
 #include "ferry/ops/softmax_xent.hpp"
 
 #include <fmt/format.h>
 
+#include "ferry/ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -41,9 +42,9 @@ OpInfo softmax_xent_row() {  // in: logits labels  out: lse stats
     const TensorRef dl = g.new_grad(logits);
     const TensorRef ins[] = {logits, out[0], in[1]};
     const TensorRef outs[] = {dl};
-    NodeAttrs weighted = g.attrs();
-    weighted.f[1] = g.loss_weight(out[1]);  // d(step loss)/d(this loss): 1, or a loss_sum's weight
-    g.emit(builtin::softmax_xent_grad, ".grad", ins, outs, weighted);
+    // d(step loss)/d(this loss): 1, or a loss_sum's weight
+    g.emit(builtin::softmax_xent_grad, ".grad", ins, outs,
+           LossGradAttrs::with_weight(g.attrs(), g.loss_weight(out[1])));
     g.contribute(logits, dl);
   };
   r.reference = [](RefContext& c) {
@@ -61,13 +62,14 @@ OpInfo softmax_xent_grad_row() {  // in: logits lse labels  out: dlogits  attrs:
   r.op_class = OpClass::backward;
   r.bind = [](const BindContext& c) {
     const Shape l = c.input(0).shape;
-    return softmax_xent_backward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), l[0], l[1], c.attrs().f[1]);
+    return softmax_xent_backward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), l[0], l[1],
+                                 LossGradAttrs::weight(c.attrs()));
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const Shape l = c.input(0).shape;
     ref::softmax_xent_backward<double>(c.real(in[0]), c.real(in[1]), c.ints(in[2]), c.real(c.outputs()[0]), l[0], l[1],
-                                       c.attrs().f[1]);
+                                       LossGradAttrs::weight(c.attrs()));
   };
   return r;
 }

@@ -38,7 +38,7 @@ std::vector<ZeroShare> zero_shares(const Graph& g, const ZeroSharding& zero);
 
 // Appends one update node per weight that has a gradient, creating its optimizer state tensors
 // (role optimizer_state, zero-initialised). Sharded: state and update for this rank's share of
-// each weight only (a 1-D state tensor of the share's size; the update's attrs.i[2], i[3] say
+// each weight only (a 1-D state tensor of the share's size; the update's UpdateAttrs say
 // which elements), none for a weight with no share here.
 void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding& zero = {});
 

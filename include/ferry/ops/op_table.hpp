@@ -174,9 +174,9 @@ struct OptimizerStateDecl {
 };
 
 // How a node of an op takes in a ReLU beside it (graph/passes/fusion.cpp), marked fused by
-// attrs.i[2] = 1: `reads_its_input` (relu -> op: the op reads the ReLU's input and applies the ReLU
-// first; a max pool), `writes_its_output` (op -> relu: the op writes the ReLU's output, the ReLU
-// in its epilogue; a convolution).
+// ops::set_relu_fused (ferry/ops/attrs.hpp): `reads_its_input` (relu -> op: the op reads the ReLU's input and applies
+// the ReLU first; a max pool), `writes_its_output` (op -> relu: the op writes the ReLU's output, the ReLU in its
+// epilogue; a convolution).
 enum class ReluFusion : std::uint8_t { none, reads_its_input, writes_its_output };
 
 struct OpInfo {
@@ -203,8 +203,8 @@ struct OpInfo {
   // quantized. Null: no op weight of this row is.
   std::function<std::optional<QuantLayout>(const Shape& weight)> int8_weight_layout;
   // An optimizer's update row (class update; graph::append_optimizer): the state it keeps for a
-  // weight, or for its ZeRO share, of `elems` elements, and the node's attrs (attrs.i[2], i[3] are
-  // the share's first element and count, which the pass sets).
+  // weight, or for its ZeRO share, of `elems` elements, and the node's attrs (UpdateAttrs; the share's first
+  // element and count are set by the pass).
   std::function<std::vector<OptimizerStateDecl>(const OptimizerConfig&, std::size_t elems)> optimizer_state;
   std::function<NodeAttrs(const OptimizerConfig&)> update_attrs;  // null: none
   // Fusion (graph::fuse_layers), exact rewrites a row allows: how it takes in a ReLU; whether a
@@ -233,30 +233,30 @@ enum : OpId {
   upload,             // host batch -> device inputs (h2d)                 in: host mirrors   out: device tensors
   download,           // device results -> host (d2h)                      in: device tensors  out: host mirrors
   fetch,              // a host-resident tensor -> its device copy (h2d)    in: host   out: copy
-                      //   attrs.i[0] = 1: after this step's write-back of it (reads the value written)
+                      //   FetchAttrs: after this step's write-back of it (reads the value written)
   write_back,         // a device copy -> the host-resident tensor (d2h)    in: copy   out: host
   unpack,             // a staged home's tensor -> pinned staging (host)     in: home   out: staging
   pack,               // pinned staging -> the tensor's next value in its home (host)  in: staging  out: home
   linear,             // y[B,out] = x[B,in] w[in,out] + b[out]             in: x w [b]  out: y
   linear_grad_input,  // dx = dy w^T                               in: dy w     out: dx
   linear_grad_param,  // dw = x^T dy, db = colsum(dy)               in: x dy     out: dw [db]
-  activation,         // attrs.i[0] = ops::Activation               in: x        out: y
+  activation,         // ActivationAttrs                            in: x        out: y
   activation_grad,    //                                            in: x dy     out: dx
   add,                // y = a + b                                  in: a b      out: y
-  layernorm,          // attrs.f[0] = eps                           in: x g b    out: y mean rstd
+  layernorm,          // LayerNormAttrs                             in: x g b    out: y mean rstd
   layernorm_grad,     //                                  in: x g mean rstd dy   out: dx dg db
-  conv2d,             // attrs.i[0] stride, i[1] pad                in: x w [b]  out: y
+  conv2d,             // Conv2dAttrs                                in: x w [b]  out: y
   conv2d_grad_input,  //                                            in: dy w     out: dx
   conv2d_grad_param,  //                                            in: x dy     out: dw [db]
-  maxpool2d,          // attrs.i[0] window, i[1] stride             in: x        out: y argmax
+  maxpool2d,          // MaxPool2dAttrs                             in: x        out: y argmax
   maxpool2d_grad,     //                                            in: dy argmax out: dx
   softmax_xent,       //                                       in: logits labels out: lse stats
   softmax_xent_grad,  //                                   in: logits lse labels  out: dlogits
   sgd_update,         // in: w g v [loss]   out: w v (in place)
   adam_update,        // in: w g m v [loss] out: w m v (in place)
-  cast,               // attrs.i[0] = target DType (f32, f16, bf16), i[1] = ops::CastScale  in: x  out: y
-  quantize_i8,        // attrs.i[0..2] = outer, channels, inner (QuantLayout) in: x   out: q scales
-  dequantize_i8,      // attrs.i[0..2] as quantize_i8                         in: q scales  out: x
+  cast,               // CastAttrs                                  in: x        out: y
+  quantize_i8,        // QuantAttrs                                 in: x        out: q scales
+  dequantize_i8,      // QuantAttrs                                 in: q scales out: x
   count_
 };
 }  // namespace builtin
