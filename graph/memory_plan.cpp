@@ -336,18 +336,21 @@ class BumpPacker {
   std::vector<std::uint64_t> sizes_;
 };
 
-}  // namespace
+constexpr auto unused = std::numeric_limits<std::uint32_t>::max();
 
-MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
-  auto& t = g.tensors;
+// The first and last node that touches each storage tensor (first: `unused` for none).
+struct Lifetimes {
+  std::vector<std::uint32_t> first, last;
+};
+Lifetimes lifetimes(const Graph& g) {
+  const auto& t = g.tensors;
   const auto& n = g.nodes;
-  constexpr auto unused = std::numeric_limits<std::uint32_t>::max();
-  std::vector<std::uint32_t> first(t.size(), unused), last(t.size(), 0);
+  Lifetimes l{std::vector<std::uint32_t>(t.size(), unused), std::vector<std::uint32_t>(t.size(), 0)};
   auto touch = [&](TensorId id, NodeId node) {
     if (id == no_tensor) return;
     const TensorId s = t.storage(id);
-    first[s] = std::min(first[s], node);
-    last[s] = std::max(last[s], node);
+    l.first[s] = std::min(l.first[s], node);
+    l.last[s] = std::max(l.last[s], node);
   };
   for (NodeId node = 0; node < n.size(); ++node) {
     for (TensorId id : n.inputs(node)) touch(id, node);
@@ -363,6 +366,54 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
       touch(id, static_cast<NodeId>(n.size() - 1));
     }
   }
+  return l;
+}
+
+// Live transient bytes per node: a difference array over the transient lifetimes.
+std::vector<std::uint64_t> live_bytes(const Lifetimes& l, const std::vector<TensorId>& transient,
+                                      const std::vector<std::uint64_t>& bytes, std::size_t nodes) {
+  std::vector<std::int64_t> delta(nodes + 1, 0);
+  for (TensorId id : transient) {
+    delta[l.first[id]] += static_cast<std::int64_t>(bytes[id]);
+    delta[l.last[id] + 1] -= static_cast<std::int64_t>(bytes[id]);
+  }
+  std::vector<std::uint64_t> live(nodes, 0);
+  std::int64_t sum = 0;
+  for (std::size_t node = 0; node < nodes; ++node) live[node] = static_cast<std::uint64_t>(sum += delta[node]);
+  return live;
+}
+
+// The plan's buffers and byte totals from the pools' packing.
+void add_buffer_totals(MemoryPlan& plan, const std::vector<BumpPacker>& persistent, const PoolResult& transient,
+                       const PoolResult& host, const MemoryPlanOptions& options) {
+  for (int h = 0; h < offload::home_count; ++h) {
+    plan.persistent_buffers[h] = persistent[h].sizes();
+    for (auto b : plan.persistent_buffers[h]) {
+      plan.persistent_bytes += b;
+      if (static_cast<Home>(h) == Home::device) plan.persistent_device_bytes += b;
+    }
+  }
+  plan.transient_buffers = transient.sizes;
+  plan.host_transient_buffers = host.sizes;
+  for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
+  for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {
+    const bool existing = b < options.existing_transient_buffers.size();
+    // A reused buffer occupies its full size on the device whatever part of it this plan uses.
+    if (existing)
+      plan.transient_buffers[b] = std::max(plan.transient_buffers[b], options.existing_transient_buffers[b]);
+    plan.transient_bytes += plan.transient_buffers[b];
+    if (!existing) plan.new_transient_bytes += plan.transient_buffers[b];
+  }
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
+  auto& t = g.tensors;
+  const auto& n = g.nodes;
+  const Lifetimes life = lifetimes(g);
+  const std::vector<std::uint32_t>& first = life.first;
+  const std::vector<std::uint32_t>& last = life.last;
 
   MemoryPlan plan;
   plan.pool.assign(t.size(), Pool::transient);
@@ -415,35 +466,8 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     t.placement[id] = t.placement[s];
     plan.pool[id] = plan.pool[s];
   }
-  // Live bytes per node: a difference array over the transient lifetimes.
-  std::vector<std::int64_t> delta(n.size() + 1, 0);
-  for (TensorId id : transient.ids) {
-    delta[first[id]] += static_cast<std::int64_t>(bytes[id]);
-    delta[last[id] + 1] -= static_cast<std::int64_t>(bytes[id]);
-  }
-  plan.live_bytes.assign(n.size(), 0);
-  std::int64_t live = 0;
-  for (NodeId node = 0; node < n.size(); ++node)
-    plan.live_bytes[node] = static_cast<std::uint64_t>(live += delta[node]);
-
-  for (int h = 0; h < offload::home_count; ++h) {
-    plan.persistent_buffers[h] = persistent[h].sizes();
-    for (auto b : plan.persistent_buffers[h]) {
-      plan.persistent_bytes += b;
-      if (static_cast<Home>(h) == Home::device) plan.persistent_device_bytes += b;
-    }
-  }
-  plan.transient_buffers = transient_plan.sizes;
-  plan.host_transient_buffers = host_plan.sizes;
-  for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
-  for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {
-    const bool existing = b < options.existing_transient_buffers.size();
-    // A reused buffer occupies its full size on the device whatever part of it this plan uses.
-    if (existing)
-      plan.transient_buffers[b] = std::max(plan.transient_buffers[b], options.existing_transient_buffers[b]);
-    plan.transient_bytes += plan.transient_buffers[b];
-    if (!existing) plan.new_transient_bytes += plan.transient_buffers[b];
-  }
+  plan.live_bytes = live_bytes(life, transient.ids, bytes, n.size());
+  add_buffer_totals(plan, persistent, transient_plan, host_plan, options);
   return plan;
 }
 

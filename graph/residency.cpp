@@ -203,65 +203,75 @@ void spill_gradients(Graph& g) {
   }
 }
 
-// Rewrites `base` so persistent tensors live on the host and are fetched for each interval.
-Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t lookahead) {
-  Graph g = base;
-  auto& t = g.tensors;
-  const auto spilled = spilled_gradients(base);
-  const auto intervals = device_intervals(base, cache_limit, spilled);
-  const std::size_t count = base.nodes.size();
+// Lists per key, flat: `start[k]..start[k + 1]` indexes `items` for key k.
+struct KeyedLists {
+  std::vector<std::uint32_t> start;
+  std::vector<std::size_t> items;
+  std::span<const std::size_t> of(std::size_t k) const { return {items.data() + start[k], start[k + 1] - start[k]}; }
+};
+// Items in increasing order within each key: i goes to keys[i] (a key past key_count: skipped).
+KeyedLists group_by_key(const std::vector<std::size_t>& keys, std::size_t key_count) {
+  KeyedLists l;
+  l.start.assign(key_count + 1, 0);
+  for (std::size_t k : keys) {
+    if (k < key_count) ++l.start[k + 1];
+  }
+  for (std::size_t k = 0; k < key_count; ++k) l.start[k + 1] += l.start[k];
+  l.items.resize(l.start[key_count]);
+  std::vector<std::uint32_t> fill(l.start.begin(), l.start.end() - 1);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i] < key_count) l.items[fill[keys[i]]++] = i;
+  }
+  return l;
+}
 
-  // Where each fetch goes: `lookahead` compute nodes before the first use, but after the
-  // previous interval of the same tensor has ended.
+constexpr std::size_t no_position = std::numeric_limits<std::size_t>::max();
+
+// Where each interval's copies go: its fetch before node fetch_pos[i] (no_position: none), its
+// write-back after node write_back_pos[i] (no_position: none), and whether the fetch reads the
+// value this step wrote (reads_next).
+struct TransferPlacement {
+  std::vector<std::size_t> fetch_pos, write_back_pos;
+  std::vector<char> reads_next;
+};
+
+// The first host-lane node that writes each tensor (never: none).
+std::vector<NodeId> first_host_writes(const Graph& g) {
+  std::vector<NodeId> at(g.tensors.size(), never);
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (!is_host_lane(g.nodes.lane[n])) continue;
+    for (TensorId x : g.nodes.outputs(n)) {
+      const TensorId s = g.tensors.storage(x);
+      at[s] = std::min(at[s], n);
+    }
+  }
+  return at;
+}
+
+// A fetch goes `lookahead` compute nodes before the interval's first use, but after the previous
+// interval of the same tensor has ended. A fetch after a write-back of the same tensor in this
+// step (a predictor's fit reads a weight its update wrote), or after a host-lane node wrote it
+// (the host optimizer's update), reads the value written, the next copy
+// (FetchAttrs::after_write_back); it goes after that host node.
+TransferPlacement place_transfers(const Graph& base, const std::vector<Interval>& intervals,
+                                  const std::vector<char>& spilled, std::uint32_t lookahead) {
+  const std::size_t count = base.nodes.size();
   std::vector<NodeId> compute_before(count + 1, 0);  // compute nodes in [0, n)
   std::vector<NodeId> compute_nodes;
   for (NodeId n = 0; n < count; ++n) {
     compute_before[n + 1] = compute_before[n] + (base.nodes.lane[n] == Lane::compute ? 1 : 0);
     if (base.nodes.lane[n] == Lane::compute) compute_nodes.push_back(n);
   }
-  // Lists per node and per tensor, flat: `start[k]..start[k + 1]` indexes `items` for key k.
-  struct Lists {
-    std::vector<std::uint32_t> start;
-    std::vector<std::size_t> items;
-    std::span<const std::size_t> of(std::size_t k) const { return {items.data() + start[k], start[k + 1] - start[k]}; }
-  };
-  // Items in increasing order within each key: i goes to keys[i] (no key: skipped).
-  auto group = [](const std::vector<std::size_t>& keys, std::size_t key_count) {
-    Lists l;
-    l.start.assign(key_count + 1, 0);
-    for (std::size_t k : keys) {
-      if (k < key_count) ++l.start[k + 1];
-    }
-    for (std::size_t k = 0; k < key_count; ++k) l.start[k + 1] += l.start[k];
-    l.items.resize(l.start[key_count]);
-    std::vector<std::uint32_t> fill(l.start.begin(), l.start.end() - 1);
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (keys[i] < key_count) l.items[fill[keys[i]]++] = i;
-    }
-    return l;
-  };
-  constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
-  std::vector<std::size_t> fetch_pos(intervals.size()), write_back_pos(intervals.size(), none),
-      tensor_of(intervals.size());
-  std::vector<TensorId> copy_of(intervals.size());
-  std::vector<NodeId> previous_end(base.tensors.size(), never);
-  // A fetch after a write-back of the same tensor in this step (a predictor's fit reads a weight
-  // its update wrote), or after a host-lane node wrote it (the host optimizer's update), reads the
-  // value written, the next copy (FetchAttrs::after_write_back); it goes after that host node.
-  std::vector<char> written(base.tensors.size(), 0), reads_next(intervals.size(), 0);
-  std::vector<NodeId> host_written_at(base.tensors.size(), never);
-  for (NodeId n = 0; n < count; ++n) {
-    if (!is_host_lane(base.nodes.lane[n])) continue;
-    for (TensorId x : base.nodes.outputs(n)) {
-      const TensorId s = base.tensors.storage(x);
-      host_written_at[s] = std::min(host_written_at[s], n);
-    }
-  }
+  const std::vector<NodeId> host_written_at = first_host_writes(base);
   std::vector<char> fetched_again(intervals.size(), 0), seen(base.tensors.size(), 0);
   for (std::size_t i = intervals.size(); i-- > 0;) {
     fetched_again[i] = seen[intervals[i].tensor];
     seen[intervals[i].tensor] = 1;
   }
+  TransferPlacement p{std::vector<std::size_t>(intervals.size()),
+                      std::vector<std::size_t>(intervals.size(), no_position), std::vector<char>(intervals.size(), 0)};
+  std::vector<NodeId> previous_end(base.tensors.size(), never);
+  std::vector<char> written(base.tensors.size(), 0);
   for (std::size_t i = 0; i < intervals.size(); ++i) {
     const Interval& iv = intervals[i];
     NodeId pos = iv.first;
@@ -275,22 +285,38 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
     // A spilled gradient has no value before the step writes it: its first copy is not fetched.
     const bool unwritten = spilled[iv.tensor] && previous_end[iv.tensor] == never;
     previous_end[iv.tensor] = iv.last;
-    fetch_pos[i] = unwritten ? none : pos;
-    reads_next[i] = written[iv.tensor] || after_host_write;
+    p.fetch_pos[i] = unwritten ? no_position : pos;
+    p.reads_next[i] = written[iv.tensor] || after_host_write;
     // A spilled gradient goes to the host only to come back: not after its last interval.
     if (iv.last_write != never && !(spilled[iv.tensor] && !fetched_again[i])) {
-      write_back_pos[i] = iv.last_write;
+      p.write_back_pos[i] = iv.last_write;
       written[iv.tensor] = 1;
     }
-    tensor_of[i] = iv.tensor;
-    copy_of[i] =
-        t.add(fmt::format("{}@dev{}", t.name[iv.tensor], i), t.shape[iv.tensor], t.dtype[iv.tensor], Role::staged);
   }
-  const Lists fetch_at = group(fetch_pos, count), write_back_after = group(write_back_pos, count);
+  return p;
+}
+
+// Rewrites `base` so persistent tensors live on the host and are fetched for each interval.
+Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t lookahead) {
+  Graph g = base;
+  auto& t = g.tensors;
+  const auto spilled = spilled_gradients(base);
+  const auto intervals = device_intervals(base, cache_limit, spilled);
+  const TransferPlacement placed = place_transfers(base, intervals, spilled, lookahead);
+  const std::size_t count = base.nodes.size();
+  std::vector<std::size_t> tensor_of(intervals.size());
+  std::vector<TensorId> copy_of(intervals.size());
+  for (std::size_t i = 0; i < intervals.size(); ++i) {
+    const TensorId x = intervals[i].tensor;
+    tensor_of[i] = x;
+    copy_of[i] = t.add(fmt::format("{}@dev{}", t.name[x], i), t.shape[x], t.dtype[x], Role::staged);
+  }
+  const KeyedLists fetch_at = group_by_key(placed.fetch_pos, count);
+  const KeyedLists write_back_after = group_by_key(placed.write_back_pos, count);
 
   // Which copy each node uses for each persistent tensor: the interval of that tensor that covers
   // the node (a tensor's intervals are disjoint and in node order; host nodes keep the host tensor).
-  const Lists intervals_of = group(tensor_of, base.tensors.size());
+  const KeyedLists intervals_of = group_by_key(tensor_of, base.tensors.size());
   auto renamed = [&](TensorId id, NodeId n) -> TensorId {
     if (id == no_tensor || id >= base.tensors.size() || is_host_lane(base.nodes.lane[n])) return id;
     const auto list = intervals_of.of(id);
@@ -307,7 +333,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   for (NodeId n = 0; n < count; ++n) {
     for (std::size_t i : fetch_at.of(n)) {
       const TensorId host = intervals[i].tensor, copy = copy_of[i];
-      const NodeAttrs attrs = ops::FetchAttrs{reads_next[i] != 0}.pack();
+      const NodeAttrs attrs = ops::FetchAttrs{placed.reads_next[i] != 0}.pack();
       out.add(builtin::fetch, "fetch." + t.name[host], std::span(&host, 1), std::span(&copy, 1), attrs, Lane::h2d);
     }
     ins.assign(base.nodes.inputs(n).begin(), base.nodes.inputs(n).end());
@@ -622,13 +648,10 @@ void check_role_home(const char* role, const std::optional<Home>& home, bool hos
   }
 }
 
-}  // namespace
-
-MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
-                          ResidencyReport& report) {
-  const std::uint64_t budget = options.budget_bytes ? options.budget_bytes : std::numeric_limits<std::uint64_t>::max();
+// The mode the options ask for, after checking them against each other and the device: the host
+// optimizer streams. Throws std::invalid_argument for a combination that cannot run.
+ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
   ResidencyMode mode = options.mode;
-  report = {};
   if (mode == ResidencyMode::mapped && !host_unified) {
     throw std::invalid_argument(
         "residency mode 'mapped' needs a device whose memory is the host's (CL_DEVICE_HOST_UNIFIED_MEMORY); use "
@@ -650,66 +673,36 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     }
     mode = ResidencyMode::stream;
   }
-  if (mode == ResidencyMode::automatic) {
-    Graph resident = g;
-    assign_homes(resident, ResidencyMode::resident, {});
-    MemoryPlan plan = plan_memory(resident, mopt);
-    if (plan.peak_bytes() > budget) {
-      mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
-    } else if (options.weights_home || options.state_home) {
-      mode = ResidencyMode::resident;  // the roles' own homes apply below
-    } else {
-      g = std::move(resident);  // everything fits on the device: this plan is the answer
-      report.mode = ResidencyMode::resident;
-      report.min_budget_bytes = plan.peak_bytes();
-      return plan;
+  return mode;
+}
+
+// Mapped homes without streaming: the mapped weights' gradients live on the host too (kernels
+// write them in place), so the device holds only activations and device-home tensors; updates
+// stay at the end of the step.
+MemoryPlan plan_mapped(Graph& g, const MemoryPlanOptions& mopt, std::uint64_t budget, ResidencyReport& report) {
+  for (TensorId w = 0; w < g.tensors.size(); ++w) {
+    if (g.tensors.role[w] == Role::weight && g.tensors.grad[w] != no_tensor && g.tensors.home[w] == Home::host_mapped) {
+      g.tensors.home[g.tensors.storage(g.tensors.grad[w])] = Home::host_mapped;
     }
   }
-  // Homes per role: the preset's, or the role's own.
-  assign_homes(g, mode, options);
-  bool any_streamed = false, any_mapped = false;
-  for (TensorId id = 0; id < g.tensors.size(); ++id) {
-    if (!is_persistent(g.tensors.role[id])) continue;
-    const offload::HomeTraits traits = offload::home_traits(g.tensors.home[id]);
-    any_streamed = any_streamed || traits.needs_transfers;
-    any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Home::device);
+  MemoryPlan plan = plan_memory(g, mopt);
+  report.min_budget_bytes = plan.peak_bytes();
+  if (report.min_budget_bytes > budget) {
+    throw BudgetError(fmt::format("the step's activations and gradients (and device-home tensors) need {} on the "
+                                  "device, over the budget of {}: raise the budget to at least {} or use a smaller "
+                                  "batch",
+                                  mib(report.min_budget_bytes), mib(budget), mib(report.min_budget_bytes)),
+                      report.min_budget_bytes);
   }
-  if (!any_streamed && !any_mapped) {
-    MemoryPlan plan = plan_memory(g, mopt);
-    if (plan.peak_bytes() > budget) {
-      throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "
-                                    "of {}: raise the budget or use residency 'stream'",
-                                    mib(plan.peak_bytes()), mib(budget)),
-                        plan.peak_bytes());
-    }
-    report.mode = mode;
-    report.min_budget_bytes = plan.peak_bytes();
-    return plan;
-  }
-  report.mode = mode;
-  if (!any_streamed) {
-    // The mapped weights' gradients live on the host too (kernels write them in place), so the
-    // device holds only activations and device-home tensors; updates stay at the end of the step.
-    for (TensorId w = 0; w < g.tensors.size(); ++w) {
-      if (g.tensors.role[w] == Role::weight && g.tensors.grad[w] != no_tensor &&
-          g.tensors.home[w] == Home::host_mapped) {
-        g.tensors.home[g.tensors.storage(g.tensors.grad[w])] = Home::host_mapped;
-      }
-    }
-    MemoryPlan plan = plan_memory(g, mopt);
-    report.min_budget_bytes = plan.peak_bytes();
-    if (report.min_budget_bytes > budget) {
-      throw BudgetError(fmt::format("the step's activations and gradients (and device-home tensors) need {} on the "
-                                    "device, over the budget of {}: raise the budget to at least {} or use a smaller "
-                                    "batch",
-                                    mib(report.min_budget_bytes), mib(budget), mib(report.min_budget_bytes)),
-                        report.min_budget_bytes);
-    }
-    return plan;
-  }
-  // Stream the tensors whose home is pinned host memory: find the largest cache limit (and the
-  // lookahead) whose plan, with the device-home tensors (plan.peak_bytes() counts them), fits the
-  // budget.
+  return plan;
+}
+
+// Streams the tensors whose home is pinned host memory: the largest cache limit (and lookahead)
+// whose plan, with the device-home tensors (plan.peak_bytes() counts them), fits the budget; with
+// none, every layer fetched just in time, or a BudgetError naming the minimum.
+MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_unified, const MemoryPlanOptions& mopt,
+                         std::uint64_t budget, ResidencyReport& report) {
+  const ResidencyMode mode = report.mode;
   Graph base = g;
   const bool pinned_in_place = options.homes.pinned_copies == 1;
   place_updates_early(base, pinned_in_place);
@@ -741,18 +734,19 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
                     mib(budget), mib(min_budget), mib(minimal.second.persistent_device_bytes), mib(min_budget)),
         min_budget);
   }
+  const auto take = [&](std::pair<Graph, MemoryPlan>& chosen, const ResidencyReport& r) {
+    g = std::move(chosen.first);
+    report = r;
+    report.mode = mode;
+    report.min_budget_bytes = min_budget;
+    return std::move(chosen.second);
+  };
   std::uint64_t cache = budget - min_budget;
   std::uint32_t lookahead = options.lookahead;
   for (int tries = 0; tries < 24; ++tries) {
     ResidencyReport r;
     auto candidate = attempt(cache, lookahead, r);
-    if (candidate.second.peak_bytes() <= budget) {
-      g = std::move(candidate.first);
-      report = r;
-      report.mode = mode;
-      report.min_budget_bytes = min_budget;
-      return std::move(candidate.second);
-    }
+    if (candidate.second.peak_bytes() <= budget) return take(candidate, r);
     const std::uint64_t excess = candidate.second.peak_bytes() - budget;
     if (cache == 0) {
       if (lookahead == 0) break;
@@ -761,11 +755,52 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
       cache = cache > excess ? cache - excess : 0;
     }
   }
-  g = std::move(minimal.first);
-  report = minimal_report;
+  return take(minimal, minimal_report);
+}
+
+}  // namespace
+
+MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
+                          ResidencyReport& report) {
+  const std::uint64_t budget = options.budget_bytes ? options.budget_bytes : std::numeric_limits<std::uint64_t>::max();
+  ResidencyMode mode = checked_mode(options, host_unified);
+  report = {};
+  if (mode == ResidencyMode::automatic) {
+    Graph resident = g;
+    assign_homes(resident, ResidencyMode::resident, {});
+    MemoryPlan plan = plan_memory(resident, mopt);
+    if (plan.peak_bytes() > budget) {
+      mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
+    } else if (options.weights_home || options.state_home) {
+      mode = ResidencyMode::resident;  // the roles' own homes apply below
+    } else {
+      g = std::move(resident);  // everything fits on the device: this plan is the answer
+      report.mode = ResidencyMode::resident;
+      report.min_budget_bytes = plan.peak_bytes();
+      return plan;
+    }
+  }
+  // Homes per role: the preset's, or the role's own.
+  assign_homes(g, mode, options);
+  bool any_streamed = false, any_mapped = false;
+  for (TensorId id = 0; id < g.tensors.size(); ++id) {
+    if (!is_persistent(g.tensors.role[id])) continue;
+    const offload::HomeTraits traits = offload::home_traits(g.tensors.home[id]);
+    any_streamed = any_streamed || traits.needs_transfers;
+    any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Home::device);
+  }
   report.mode = mode;
-  report.min_budget_bytes = min_budget;
-  return std::move(minimal.second);
+  if (any_streamed) return plan_streamed(g, options, host_unified, mopt, budget, report);
+  if (any_mapped) return plan_mapped(g, mopt, budget, report);
+  MemoryPlan plan = plan_memory(g, mopt);
+  if (plan.peak_bytes() > budget) {
+    throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "
+                                  "of {}: raise the budget or use residency 'stream'",
+                                  mib(plan.peak_bytes()), mib(budget)),
+                      plan.peak_bytes());
+  }
+  report.min_budget_bytes = plan.peak_bytes();
+  return plan;
 }
 
 }  // namespace ferry::graph

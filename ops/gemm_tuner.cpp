@@ -208,31 +208,15 @@ std::string gemm_tune_cache_path(OpEnv& env) {
   return gemm_tune_cache_file(cache.dir.string(), env.device());
 }
 
-GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
-  const auto t0 = Clock::now();
-  const cl::DeviceInfo& device = env.device();
-  const TuneMode mode = options.mode == TuneMode::off ? TuneMode::quick : options.mode;
-  const std::vector<std::string> candidates = gemm_tune_candidates(device, mode);
-  GemmTuneResult r;
-  r.device = device.name;
-  r.planned = candidates.size();
-  r.shapes = scored_shapes(device);
-  const GemmShape probe = probe_shape(device);
-  std::vector<GemmShape> all = r.shapes;
-  all.push_back(probe);
-  Timer timer(env, all);
+namespace {
 
-  // Stage 2 takes the best few; its share of the budget is held back from stage 1.
-  constexpr std::size_t finalists = 3;
-  const double probe_budget = options.budget_seconds * 0.7;
-  GemmTuneProgress progress;
-  progress.total = candidates.size() + finalists;
+// Stage 1: every candidate on the probe shape, until the budget's share of stage 1 runs out.
+void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<std::string>& candidates,
+                      double budget_seconds, Clock::time_point t0, GemmTuneProgress& progress,
+                      const GemmTuneOptions& options, GemmTuneResult& r) {
   progress.stage = "probe";
-  auto report = [&] {
-    if (options.progress) options.progress(progress);
-  };
   for (const std::string& kernel : candidates) {
-    if (seconds_since(t0) > probe_budget && !r.candidates.empty()) {
+    if (seconds_since(t0) > budget_seconds && !r.candidates.empty()) {
       r.budget_ran_out = true;
       break;
     }
@@ -249,16 +233,21 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
     }
     r.candidates.push_back(std::move(c));
     ++progress.done;
-    report();
+    if (options.progress) options.progress(progress);
   }
+}
 
+// Stage 2: the best `finalists` of stage 1 on every scored shape; the winner has the highest
+// geometric mean.
+void score_finalists(Timer& timer, std::size_t finalists, const std::string& device, GemmTuneProgress& progress,
+                     const GemmTuneOptions& options, GemmTuneResult& r) {
   std::vector<GemmTuneCandidate*> ranked;
   for (GemmTuneCandidate& c : r.candidates) {
     if (c.error.empty()) ranked.push_back(&c);
   }
   if (ranked.empty()) {
     throw std::runtime_error(
-        fmt::format("GEMM tuning on '{}': no candidate kernel could run; the first failed with: {}", device.name,
+        fmt::format("GEMM tuning on '{}': no candidate kernel could run; the first failed with: {}", device,
                     r.candidates.empty() ? "-" : r.candidates[0].error));
   }
   std::sort(ranked.begin(), ranked.end(), [](auto* x, auto* y) { return x->probe_gflops > y->probe_gflops; });
@@ -286,33 +275,62 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
       progress.best = r.best;
     }
     ++progress.done;
-    report();
+    if (options.progress) options.progress(progress);
   }
   if (r.best.empty()) {
-    throw std::runtime_error(fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}",
-                                         device.name, ranked[0]->error));
+    throw std::runtime_error(
+        fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}", device, ranked[0]->error));
   }
+}
 
+// The winner as a tuning row, written to the cache beside the program cache (when there is one)
+// with what was measured as its comment.
+void record_winner(OpEnv& env, TuneMode mode, GemmTuneResult& r) {
+  const cl::DeviceInfo& device = env.device();
   const std::size_t space = r.best.find(' ');
   r.row = fmt::format("{}\t*\t{}\tferry\t{}\t{}",
                       device.is_cpu()   ? "cpu"
                       : device.is_gpu() ? "gpu"
                                         : "*",
                       device.platform_name + " " + device.name, r.best.substr(0, space), r.best.substr(space + 1));
-  r.seconds = seconds_since(t0);
   r.cache_path = gemm_tune_cache_path(env);
-  if (!r.cache_path.empty()) {
-    std::string shapes;
-    for (std::size_t i = 0; i < r.shapes.size(); ++i) {
-      const GemmShape& s = r.shapes[i];
-      shapes += fmt::format("{}{}x{}x{}{}{}: {:.0f}", i ? ", " : "", s.M, s.N, s.K, s.trans_a ? " ta" : "",
-                            s.trans_b ? " tb" : "", r.best_shape_gflops[i]);
-    }
-    const std::string comment = fmt::format(
-        "device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\nGFLOPS per shape: {}", device.name,
-        device.driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds, shapes);
-    if (!write_gemm_tune_cache(r.cache_path, r.row, comment)) r.cache_path.clear();
+  if (r.cache_path.empty()) return;
+  std::string shapes;
+  for (std::size_t i = 0; i < r.shapes.size(); ++i) {
+    const GemmShape& s = r.shapes[i];
+    shapes += fmt::format("{}{}x{}x{}{}{}: {:.0f}", i ? ", " : "", s.M, s.N, s.K, s.trans_a ? " ta" : "",
+                          s.trans_b ? " tb" : "", r.best_shape_gflops[i]);
   }
+  const std::string comment =
+      fmt::format("device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\nGFLOPS per shape: {}",
+                  device.name, device.driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds, shapes);
+  if (!write_gemm_tune_cache(r.cache_path, r.row, comment)) r.cache_path.clear();
+}
+
+}  // namespace
+
+GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
+  const auto t0 = Clock::now();
+  const cl::DeviceInfo& device = env.device();
+  const TuneMode mode = options.mode == TuneMode::off ? TuneMode::quick : options.mode;
+  const std::vector<std::string> candidates = gemm_tune_candidates(device, mode);
+  GemmTuneResult r;
+  r.device = device.name;
+  r.planned = candidates.size();
+  r.shapes = scored_shapes(device);
+  const GemmShape probe = probe_shape(device);
+  std::vector<GemmShape> all = r.shapes;
+  all.push_back(probe);
+  Timer timer(env, all);
+
+  // Stage 2 takes the best few; its share of the budget is held back from stage 1.
+  constexpr std::size_t finalists = 3;
+  GemmTuneProgress progress;
+  progress.total = candidates.size() + finalists;
+  probe_candidates(timer, probe, candidates, options.budget_seconds * 0.7, t0, progress, options, r);
+  score_finalists(timer, finalists, device.name, progress, options, r);
+  r.seconds = seconds_since(t0);
+  record_winner(env, mode, r);
   forget_gemm_tuning();  // later plans read the new row
   return r;
 }

@@ -175,22 +175,81 @@ std::string residency_banner(const ferry::Trainer& trainer) {
       ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
 }
 
-int cmd_train(const TrainArgs& a) {
+// Fashion-MNIST's two splits as `a` asks: checked against the model before any step, the training
+// split cut to --train-limit, both standardised with the training set's statistics.
+struct Splits {
+  ferry::Dataset train, test;
+};
+Splits load_splits(const TrainArgs& a) {
   const auto data_dir = a.data_dir.empty() ? ferry::default_fashion_mnist_dir() : std::filesystem::path(a.data_dir);
-  ferry::Dataset train = ferry::load_fashion_mnist(data_dir, ferry::Split::train);
-  ferry::Dataset test = ferry::load_fashion_mnist(data_dir, ferry::Split::test);
-  {
-    const ferry::ModelSpec model = make_model(a);  // every split against the model, before any step
-    check_split(model, train, "train", data_dir);
-    check_split(model, test, "test", data_dir);
+  Splits s{ferry::load_fashion_mnist(data_dir, ferry::Split::train),
+           ferry::load_fashion_mnist(data_dir, ferry::Split::test)};
+  const ferry::ModelSpec model = make_model(a);
+  check_split(model, s.train, "train", data_dir);
+  check_split(model, s.test, "test", data_dir);
+  if (a.train_limit && a.train_limit < s.train.count) {
+    s.train.count = a.train_limit;
+    s.train.images.resize(s.train.count * s.train.sample_elems());
+    s.train.labels.resize(s.train.count);
   }
-  if (a.train_limit && a.train_limit < train.count) {
-    train.count = a.train_limit;
-    train.images.resize(train.count * train.sample_elems());
-    train.labels.resize(train.count);
+  standardise(s.train, 0.2860f, 0.3530f);
+  standardise(s.test, 0.2860f, 0.3530f);
+  return s;
+}
+
+// The memory profiles of every compiled variant (--profile, --profile-phases) written, and their
+// summary shown; a failed write goes into `output_errors`.
+void write_memory_profiles(const TrainArgs& a, const ferry::Trainer& trainer, ferry::MemoryProfiler& profiler,
+                           std::vector<std::string>& output_errors) {
+  for (const auto& [key, step] : trainer.variants()) {
+    // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
+    // the training step without a fit have their own profiles.
+    std::string name = fmt::format("{}{}", key.training ? "train" : "eval", key.batch);
+    if (key.apply_predictor) name = "predict";
+    if (key.micro) name = "micro";
+    if (key.training && !key.micro && !key.fit_predictor) name = "train-nofit";
+    profiler.add_variant(name, *step);
   }
-  standardise(train, 0.2860f, 0.3530f);
-  standardise(test, 0.2860f, 0.3530f);
+  if (!a.profile_phases_path.empty()) {
+    write_side_output(a.profile_phases_path, "the per-phase memory profile", a.quiet, output_errors,
+                      [&] { profiler.write_phase_csv(a.profile_phases_path, {.replace_foreign_file = a.force}); });
+  }
+  if (!a.profile_path.empty()) {
+    write_side_output(a.profile_path, "the memory profile", a.quiet, output_errors,
+                      [&] { profiler.write_csv(a.profile_path, {.replace_foreign_file = a.force}); });
+  }
+  if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
+}
+
+// The classifier's own fields of the --json line: its results, rates and where its state lived.
+void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::Trainer& trainer,
+                           const ferry::LoopSummary& run, const ferry::EvalResult& final_eval, double eval_seconds,
+                           double compile_s) {
+  j.update({{"epochs", a.epochs},
+            {"test_accuracy", final_eval.accuracy},
+            {"test_loss", final_eval.loss},
+            {"train_loss", run.position.last_epoch_loss},
+            {"samples_per_s", run.units_per_second},
+            {"train_seconds", run.run_train_seconds},
+            {"eval_seconds", eval_seconds},
+            {"checkpoint_seconds", run.checkpoint_seconds},
+            {"steps", run.steps_run},
+            {"step_ms", run.mean_step_ms},
+            {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
+            {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
+            {"host_staging_bytes", trainer.train_step().host_step_bytes()},
+            {"unpacks_per_step", trainer.residency().unpacks},
+            {"packs_per_step", trainer.residency().packs},
+            {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
+            {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
+            {"host_updates_per_step", trainer.residency().host_updates},
+            {"compile_s", compile_s}});
+}
+
+int cmd_train(const TrainArgs& a) {
+  Splits splits = load_splits(a);
+  const ferry::Dataset& train = splits.train;
+  const ferry::Dataset& test = splits.test;
 
   ferry::Runtime runtime({.device = a.device,
                           .local_rank = a.world ? ferry::local_rank() : 0,
@@ -289,24 +348,7 @@ int cmd_train(const TrainArgs& a) {
       run.position.boundary_seconds + std::chrono::duration<double>(Clock::now() - final_eval_start).count();
   std::vector<std::string> output_errors;
   write_trace(a, trace, output_errors);
-  for (const auto& [key, step] : trainer.variants()) {
-    // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
-    // the training step without a fit have their own profiles.
-    std::string name = fmt::format("{}{}", key.training ? "train" : "eval", key.batch);
-    if (key.apply_predictor) name = "predict";
-    if (key.micro) name = "micro";
-    if (key.training && !key.micro && !key.fit_predictor) name = "train-nofit";
-    profiler.add_variant(name, *step);
-  }
-  if (!a.profile_phases_path.empty()) {
-    write_side_output(a.profile_phases_path, "the per-phase memory profile", a.quiet, output_errors,
-                      [&] { profiler.write_phase_csv(a.profile_phases_path, {.replace_foreign_file = a.force}); });
-  }
-  if (!a.profile_path.empty()) {
-    write_side_output(a.profile_path, "the memory profile", a.quiet, output_errors,
-                      [&] { profiler.write_csv(a.profile_path, {.replace_foreign_file = a.force}); });
-  }
-  if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
+  write_memory_profiles(a, trainer, profiler, output_errors);
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: test accuracy {:.4f}, {:.0f} samples/s, {:.2f} ms/step, device peak {}\n",
                              final_eval.accuracy, run.units_per_second, run.mean_step_ms,
@@ -314,25 +356,7 @@ int cmd_train(const TrainArgs& a) {
   }
   if (a.json) {
     nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
-    j.update({{"epochs", a.epochs},
-              {"test_accuracy", final_eval.accuracy},
-              {"test_loss", final_eval.loss},
-              {"train_loss", run.position.last_epoch_loss},
-              {"samples_per_s", run.units_per_second},
-              {"train_seconds", run.run_train_seconds},
-              {"eval_seconds", eval_seconds},
-              {"checkpoint_seconds", run.checkpoint_seconds},
-              {"steps", run.steps_run},
-              {"step_ms", run.mean_step_ms},
-              {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
-              {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
-              {"host_staging_bytes", trainer.train_step().host_step_bytes()},
-              {"unpacks_per_step", trainer.residency().unpacks},
-              {"packs_per_step", trainer.residency().packs},
-              {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
-              {"write_back_bytes_per_step", trainer.residency().write_back_bytes},
-              {"host_updates_per_step", trainer.residency().host_updates},
-              {"compile_s", compile_s}});
+    add_classifier_fields(j, a, trainer, run, final_eval, eval_seconds, compile_s);
     if (a.eval_int8) j["test_accuracy_int8"] = trainer.evaluate(test, true).accuracy;
     std::cout << j.dump() << std::endl;
   }

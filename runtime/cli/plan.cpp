@@ -130,6 +130,200 @@ Outcome try_plan(ferry::Runtime& runtime, const ferry::ModelSpec& model, const f
   return out;
 }
 
+// Everything `ferry plan` reports: the plan as configured, the minimum budgets, the rates of the
+// prediction and the configuration it recommends.
+struct PlanReport {
+  std::string device;
+  ferry::PlanRates rates;
+  bool link_given = false, gemm_given = false;
+  Outcome configured;
+  std::uint64_t min_resident = 0;
+  std::optional<std::uint64_t> min_streamed;
+  std::uint64_t budget = 0, host_budget = 0, host_limit = 0;  // host_budget 0: not given (the limit is physical memory)
+  std::string host_memory;
+  std::optional<Candidate> chosen;
+  std::optional<ferry::TrainingPlan> chosen_plan;
+  bool any_fits() const { return configured.fits() || chosen.has_value(); }
+};
+
+PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                       const ferry::TrainerOptions& base) {
+  PlanReport r;
+  r.device = runtime.device().name;
+  // The rates of the step-time prediction: given, or measured here (a copy and a GEMM).
+  r.rates = {a.link_gbps, a.gemm_gflops};
+  r.link_given = a.link_gbps > 0;
+  r.gemm_given = a.gemm_gflops > 0;
+  if (!r.link_given) r.rates.link_gbps = ferry::measure_link_gbps(runtime, base.residency.homes.host_memory);
+  if (!r.gemm_given) r.rates.gemm_gflops = ferry::measure_gemm_gflops(runtime);
+
+  // As configured: every phase's bytes (with a budget too small, the error says so).
+  r.configured = try_plan(runtime, model, base, r.rates);
+  // Minimum budgets: everything resident, and streamed.
+  ferry::TrainerOptions resident = base;
+  resident.residency = {};
+  resident.residency.mode = ferry::graph::ResidencyMode::resident;
+  resident.residency.budget_bytes = ~std::uint64_t{0} >> 1;
+  r.min_resident = ferry::plan_training(runtime, model, resident).device_peak_bytes;
+  r.min_streamed = ferry::min_stream_budget(runtime, model, base);
+  r.budget = r.configured.plan
+                 ? r.configured.plan->device_budget_bytes
+                 : (base.residency.budget_bytes ? base.residency.budget_bytes : runtime.device().global_mem_bytes);
+  r.host_budget = base.residency.host_budget_bytes;
+  r.host_limit = r.host_budget ? r.host_budget : ferry::physical_memory_bytes();
+  r.host_memory = ferry::offload::host_memory_name(
+      ferry::offload::resolve_host_memory(base.residency.homes.host_memory, runtime.device()));
+
+  // The first candidate, fastest first, that fits both budgets.
+  const bool adam = base.optimizer.kind != ferry::graph::OptimizerConfig::Kind::sgd;
+  for (const Candidate& c : candidates(base, adam, runtime.device().host_unified_memory)) {
+    ferry::TrainerOptions o = c.options;
+    o.residency.budget_bytes = r.budget;
+    Outcome tried = try_plan(runtime, model, o, r.rates, true);
+    if (!tried.fits()) continue;
+    r.chosen = c;
+    r.chosen_plan = std::move(tried.plan);
+    // Recomputation chosen for the budget (--recompute auto) is part of what to run.
+    if (base.recompute_auto && r.chosen_plan->recompute > 0)
+      r.chosen->flags += fmt::format(" --recompute {}", r.chosen_plan->recompute);
+    break;
+  }
+  return r;
+}
+
+const char* rate_source(bool given) {
+  return given ? "given" : "measured";
+}
+
+// The JSON fields of the plan as configured: the totals, and each phase's bytes.
+void add_configured_fields(nlohmann::json& j, const Outcome& configured) {
+  nlohmann::json phases = nlohmann::json::object();
+  if (const auto& p = configured.plan) {
+    for (const auto& ph : p->phases) {
+      nlohmann::json b = to_json(ph.device);
+      b["host_step_bytes"] = ph.host_step_bytes;
+      b["fetch_bytes"] = ph.fetch_bytes;
+      b["write_back_bytes"] = ph.write_back_bytes;
+      b["batch_bytes"] = ph.batch_bytes;
+      b["flops"] = ph.flops;
+      b["predicted_step_ms"] = ph.predicted_step_ms;
+      phases[ph.name] = b;
+    }
+    const auto& t = p->phases.front();
+    j["residency"] = ferry::graph::residency_mode_name(p->mode);
+    j["device_peak_bytes"] = p->device_peak_bytes;
+    j["host_bytes"] = p->host_bytes;
+    j["host_store_bytes"] = p->host_store_bytes;
+    j["host_step_bytes"] = p->host_step_bytes;
+    j["fetch_bytes"] = t.fetch_bytes;
+    j["write_back_bytes"] = t.write_back_bytes;
+    j["batch_bytes"] = t.batch_bytes;
+    j["moved_bytes"] = t.fetch_bytes + t.write_back_bytes + t.batch_bytes;
+    j["flops"] = t.flops;
+    j["gemm_flops"] = t.gemm_flops;
+    j["compute_ms"] = t.compute_ms;
+    j["transfer_ms"] = t.transfer_ms;
+    j["predicted_step_ms"] = p->predicted_step_ms;
+    if (!configured.error.empty()) j["error"] = configured.error;
+  } else {
+    for (const char* k : {"residency", "device_peak_bytes", "host_bytes", "host_store_bytes", "host_step_bytes",
+                          "fetch_bytes", "write_back_bytes", "batch_bytes", "moved_bytes", "flops", "gemm_flops",
+                          "compute_ms", "transfer_ms", "predicted_step_ms"}) {
+      j[k] = nullptr;
+    }
+    j["error"] = configured.error;
+  }
+  j["phases"] = phases;
+}
+
+void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const ferry::TrainerOptions& base,
+                     const PlanReport& r) {
+  const auto& plan = r.configured.plan;
+  nlohmann::json j = {{"schema", plan_json_schema},
+                      {"model", model.name},
+                      {"batch", base.batch},
+                      {"optimizer", a.optimizer},
+                      {"phases_mode", ferry::phases_name(base.phases.hybrid)},
+                      {"accumulate", base.accumulate},
+                      {"precision", precision_name(base.precision.compute)},
+                      {"device_budget_bytes", r.budget},
+                      {"recompute", plan ? nlohmann::json(plan->recompute) : nullptr},
+                      {"host_budget_bytes", r.host_limit},
+                      {"host_budget_given", r.host_budget != 0},
+                      {"host_memory", r.host_memory},
+                      {"fits", r.configured.fits()},
+                      {"min_budget_resident_bytes", r.min_resident},
+                      {"min_budget_streamed_bytes", r.min_streamed ? nlohmann::json(*r.min_streamed) : nullptr},
+                      {"link_gbps", r.rates.link_gbps},
+                      {"link_gbps_source", rate_source(r.link_given)},
+                      {"gemm_gflops", r.rates.gemm_gflops},
+                      {"gemm_gflops_source", rate_source(r.gemm_given)},
+                      {"recommended", r.chosen ? nlohmann::json{{"flags", r.chosen->flags},
+                                                                {"device_bytes", r.chosen_plan->device_peak_bytes},
+                                                                {"host_bytes", r.chosen_plan->host_bytes},
+                                                                {"predicted_step_ms", r.chosen_plan->predicted_step_ms}}
+                                               : nlohmann::json(nullptr)}};
+  add_configured_fields(j, r.configured);
+  std::cout << j.dump() << std::endl;
+}
+
+// The device bytes of each phase as configured, a table in MiB, and the totals under it.
+void print_configured_table(const ferry::TrainingPlan& p) {
+  const auto mib = [](std::uint64_t b) { return fmt::format("{:.1f}", b / 1048576.0); };
+  std::cout << fmt::format(
+      "device MiB per phase, as configured (residency {}, {}):\n", ferry::graph::residency_mode_name(p.mode),
+      p.recompute ? fmt::format("recomputing segments of {} layers", p.recompute) : std::string("no recomputation"));
+  std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", "phase", "weights",
+                           "gradients", "optimizer", "other", "activations", "scratch", "streamed", "total");
+  for (const auto& ph : p.phases) {
+    const auto& b = ph.device;
+    std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", ph.name, mib(b.weights),
+                             mib(b.gradients), mib(b.optimizer_state), mib(b.other_state), mib(b.activations),
+                             mib(b.scratch), mib(b.streamed_copies), mib(b.total));
+  }
+  std::cout << "  (other: predictor state, gradient sums; gradients to streamed: step tensors live at the peak "
+               "node; total: persistent device tensors and the step buffers, which can be larger than what is "
+               "live at once)\n";
+  const auto& t = p.phases.front();
+  std::cout << fmt::format(
+      "device peak {}; host {} of {} memory ({} weights and state, {} step buffers); per step {} fetched, {} "
+      "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms)\n",
+      ferry::format_bytes(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
+      ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
+      ferry::format_bytes(p.host_step_bytes), ferry::format_bytes(t.fetch_bytes),
+      ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes), t.flops * 1e-9, p.predicted_step_ms,
+      t.compute_ms, t.transfer_ms);
+}
+
+void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const ferry::TrainerOptions& base,
+                     const PlanReport& r) {
+  std::cout << fmt::format(
+      "ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {}, host budget {}{} on {}\n", model.name,
+      base.batch, a.optimizer, precision_name(base.precision.compute), ferry::phases_name(base.phases.hybrid),
+      base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(r.budget),
+      ferry::format_bytes(r.host_limit), r.host_budget ? "" : " (physical memory)", r.device);
+  std::cout << fmt::format("rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({})\n", r.rates.link_gbps,
+                           rate_source(r.link_given), r.rates.gemm_gflops, rate_source(r.gemm_given));
+  if (r.configured.plan) print_configured_table(*r.configured.plan);
+  if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
+  const std::string min_streamed =
+      r.min_streamed ? ferry::format_bytes(*r.min_streamed) : std::string("(nothing to stream)");
+  std::cout << fmt::format("minimum budget: {} with everything resident, {} streamed\n",
+                           ferry::format_bytes(r.min_resident), min_streamed);
+  if (r.chosen) {
+    std::cout << fmt::format(
+        "for a budget of {} and {} of host memory: {} (device peak {}, host {}, predicted step {:.1f} ms)\n",
+        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), r.chosen->flags,
+        ferry::format_bytes(r.chosen_plan->device_peak_bytes), ferry::format_bytes(r.chosen_plan->host_bytes),
+        r.chosen_plan->predicted_step_ms);
+  } else {
+    std::cout << fmt::format(
+        "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
+        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit),
+        r.min_streamed ? ferry::format_bytes(*r.min_streamed) : ferry::format_bytes(r.min_resident));
+  }
+}
+
 }  // namespace
 
 int cmd_plan(const TrainArgs& a) {
@@ -138,163 +332,13 @@ int cmd_plan(const TrainArgs& a) {
   base.batch = a.batch ? a.batch : default_batch(a.model);
   configure_trainer(a, base);
   const ferry::ModelSpec model = plan_model(a);
-
-  // The rates of the step-time prediction: given, or measured here (a copy and a GEMM).
-  ferry::PlanRates rates{a.link_gbps, a.gemm_gflops};
-  const bool link_given = a.link_gbps > 0, gemm_given = a.gemm_gflops > 0;
-  if (!link_given) rates.link_gbps = ferry::measure_link_gbps(runtime, base.residency.homes.host_memory);
-  if (!gemm_given) rates.gemm_gflops = ferry::measure_gemm_gflops(runtime);
-
-  // As configured: every phase's bytes (with a budget too small, the error says so).
-  const Outcome configured = try_plan(runtime, model, base, rates);
-  // Minimum budgets: everything resident, and streamed.
-  ferry::TrainerOptions resident = base;
-  resident.residency = {};
-  resident.residency.mode = ferry::graph::ResidencyMode::resident;
-  resident.residency.budget_bytes = ~std::uint64_t{0} >> 1;
-  const std::uint64_t min_resident = ferry::plan_training(runtime, model, resident).device_peak_bytes;
-  const auto min_streamed = ferry::min_stream_budget(runtime, model, base);
-  const std::uint64_t budget =
-      configured.plan ? configured.plan->device_budget_bytes
-                      : (base.residency.budget_bytes ? base.residency.budget_bytes : runtime.device().global_mem_bytes);
-  const std::uint64_t host_budget = base.residency.host_budget_bytes;
-  const std::uint64_t host_limit = host_budget ? host_budget : ferry::physical_memory_bytes();
-
-  // The first candidate, fastest first, that fits both budgets.
-  const bool adam = base.optimizer.kind != ferry::graph::OptimizerConfig::Kind::sgd;
-  std::optional<Candidate> chosen;
-  std::optional<ferry::TrainingPlan> chosen_plan;
-  for (const Candidate& c : candidates(base, adam, runtime.device().host_unified_memory)) {
-    ferry::TrainerOptions o = c.options;
-    o.residency.budget_bytes = budget;
-    Outcome r = try_plan(runtime, model, o, rates, true);
-    if (!r.fits()) continue;
-    chosen = c;
-    chosen_plan = std::move(r.plan);
-    // Recomputation chosen for the budget (--recompute auto) is part of what to run.
-    if (base.recompute_auto && chosen_plan->recompute > 0)
-      chosen->flags += fmt::format(" --recompute {}", chosen_plan->recompute);
-    break;
-  }
-
-  const auto source = [](bool given) { return given ? "given" : "measured"; };
+  const PlanReport report = make_report(a, runtime, model, base);
   if (a.json) {
-    nlohmann::json phases = nlohmann::json::object();
-    nlohmann::json j = {{"schema", plan_json_schema},
-                        {"model", model.name},
-                        {"batch", base.batch},
-                        {"optimizer", a.optimizer},
-                        {"phases_mode", ferry::phases_name(base.phases.hybrid)},
-                        {"accumulate", base.accumulate},
-                        {"precision", precision_name(base.precision.compute)},
-                        {"device_budget_bytes", budget},
-                        {"recompute", configured.plan ? nlohmann::json(configured.plan->recompute) : nullptr},
-                        {"host_budget_bytes", host_limit},
-                        {"host_budget_given", host_budget != 0},
-                        {"host_memory", ferry::offload::host_memory_name(ferry::offload::resolve_host_memory(
-                                            base.residency.homes.host_memory, runtime.device()))},
-                        {"fits", configured.fits()},
-                        {"min_budget_resident_bytes", min_resident},
-                        {"min_budget_streamed_bytes", min_streamed ? nlohmann::json(*min_streamed) : nullptr},
-                        {"link_gbps", rates.link_gbps},
-                        {"link_gbps_source", source(link_given)},
-                        {"gemm_gflops", rates.gemm_gflops},
-                        {"gemm_gflops_source", source(gemm_given)},
-                        {"recommended", chosen ? nlohmann::json{{"flags", chosen->flags},
-                                                                {"device_bytes", chosen_plan->device_peak_bytes},
-                                                                {"host_bytes", chosen_plan->host_bytes},
-                                                                {"predicted_step_ms", chosen_plan->predicted_step_ms}}
-                                               : nlohmann::json(nullptr)}};
-    if (const auto& p = configured.plan) {
-      for (const auto& ph : p->phases) {
-        nlohmann::json b = to_json(ph.device);
-        b["host_step_bytes"] = ph.host_step_bytes;
-        b["fetch_bytes"] = ph.fetch_bytes;
-        b["write_back_bytes"] = ph.write_back_bytes;
-        b["batch_bytes"] = ph.batch_bytes;
-        b["flops"] = ph.flops;
-        b["predicted_step_ms"] = ph.predicted_step_ms;
-        phases[ph.name] = b;
-      }
-      const auto& t = p->phases.front();
-      j["residency"] = ferry::graph::residency_mode_name(p->mode);
-      j["device_peak_bytes"] = p->device_peak_bytes;
-      j["host_bytes"] = p->host_bytes;
-      j["host_store_bytes"] = p->host_store_bytes;
-      j["host_step_bytes"] = p->host_step_bytes;
-      j["fetch_bytes"] = t.fetch_bytes;
-      j["write_back_bytes"] = t.write_back_bytes;
-      j["batch_bytes"] = t.batch_bytes;
-      j["moved_bytes"] = t.fetch_bytes + t.write_back_bytes + t.batch_bytes;
-      j["flops"] = t.flops;
-      j["gemm_flops"] = t.gemm_flops;
-      j["compute_ms"] = t.compute_ms;
-      j["transfer_ms"] = t.transfer_ms;
-      j["predicted_step_ms"] = p->predicted_step_ms;
-      if (!configured.error.empty()) j["error"] = configured.error;
-    } else {
-      for (const char* k : {"residency", "device_peak_bytes", "host_bytes", "host_store_bytes", "host_step_bytes",
-                            "fetch_bytes", "write_back_bytes", "batch_bytes", "moved_bytes", "flops", "gemm_flops",
-                            "compute_ms", "transfer_ms", "predicted_step_ms"}) {
-        j[k] = nullptr;
-      }
-      j["error"] = configured.error;
-    }
-    j["phases"] = phases;
-    std::cout << j.dump() << std::endl;
-    return configured.fits() || chosen ? 0 : 1;
-  }
-  const auto mib = [](std::uint64_t b) { return fmt::format("{:.1f}", b / 1048576.0); };
-  std::cout << fmt::format(
-      "ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {}, host budget {}{} on {}\n", model.name,
-      base.batch, a.optimizer, precision_name(base.precision.compute), ferry::phases_name(base.phases.hybrid),
-      base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(budget),
-      ferry::format_bytes(host_limit), host_budget ? "" : " (physical memory)", runtime.device().name);
-  std::cout << fmt::format("rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({})\n", rates.link_gbps,
-                           source(link_given), rates.gemm_gflops, source(gemm_given));
-  if (const auto& p = configured.plan) {
-    std::cout << fmt::format("device MiB per phase, as configured (residency {}, {}):\n",
-                             ferry::graph::residency_mode_name(p->mode),
-                             p->recompute ? fmt::format("recomputing segments of {} layers", p->recompute)
-                                          : std::string("no recomputation"));
-    std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", "phase", "weights",
-                             "gradients", "optimizer", "other", "activations", "scratch", "streamed", "total");
-    for (const auto& ph : p->phases) {
-      const auto& b = ph.device;
-      std::cout << fmt::format("  {:<20} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9}\n", ph.name, mib(b.weights),
-                               mib(b.gradients), mib(b.optimizer_state), mib(b.other_state), mib(b.activations),
-                               mib(b.scratch), mib(b.streamed_copies), mib(b.total));
-    }
-    std::cout << "  (other: predictor state, gradient sums; gradients to streamed: step tensors live at the peak "
-                 "node; total: persistent device tensors and the step buffers, which can be larger than what is "
-                 "live at once)\n";
-    const auto& t = p->phases.front();
-    std::cout << fmt::format(
-        "device peak {}; host {} of {} memory ({} weights and state, {} step buffers); per step {} fetched, {} "
-        "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms)\n",
-        ferry::format_bytes(p->device_peak_bytes), ferry::format_bytes(p->host_bytes),
-        ferry::offload::host_memory_name(p->host_memory), ferry::format_bytes(p->host_store_bytes),
-        ferry::format_bytes(p->host_step_bytes), ferry::format_bytes(t.fetch_bytes),
-        ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes), t.flops * 1e-9,
-        p->predicted_step_ms, t.compute_ms, t.transfer_ms);
-  }
-  if (!configured.fits()) std::cout << "as configured it does not fit: " << configured.error << "\n";
-  std::cout << fmt::format("minimum budget: {} with everything resident, {} streamed\n",
-                           ferry::format_bytes(min_resident),
-                           min_streamed ? ferry::format_bytes(*min_streamed) : std::string("(nothing to stream)"));
-  if (chosen) {
-    std::cout << fmt::format(
-        "for a budget of {} and {} of host memory: {} (device peak {}, host {}, predicted step {:.1f} ms)\n",
-        ferry::format_bytes(budget), ferry::format_bytes(host_limit), chosen->flags,
-        ferry::format_bytes(chosen_plan->device_peak_bytes), ferry::format_bytes(chosen_plan->host_bytes),
-        chosen_plan->predicted_step_ms);
+    print_plan_json(a, model, base, report);
   } else {
-    std::cout << fmt::format(
-        "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
-        ferry::format_bytes(budget), ferry::format_bytes(host_limit),
-        min_streamed ? ferry::format_bytes(*min_streamed) : ferry::format_bytes(min_resident));
+    print_plan_text(a, model, base, report);
   }
-  return configured.fits() || chosen ? 0 : 1;
+  return report.any_fits() ? 0 : 1;
 }
 
 }  // namespace ferry::cli

@@ -143,13 +143,9 @@ LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArg
   return p;
 }
 
-}  // namespace
-
-int cmd_train_gpt(const TrainArgs& args) {
-  TrainArgs a = args;
-  if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
-  const auto files = fortune_files(a.text_dir);
-  const TextCorpus corpus = load_text_corpus(files, 0.1);
+// The model `a` asks for over the corpus's characters. Both parts of the text must hold one window
+// of context + 1 characters: an error says so before any work.
+models::GptConfig gpt_config(const TrainArgs& a, const TextCorpus& corpus) {
   models::GptConfig c;
   c.vocab = corpus.vocab_size();
   c.width = a.width ? a.width : 192;
@@ -158,7 +154,6 @@ int cmd_train_gpt(const TrainArgs& args) {
   c.fused_attention = a.attention != "unfused";
   c.context = a.context;
   c.dropout = a.dropout;
-  // Both parts must hold one window of context + 1 characters; say so before any work.
   const std::size_t held_out = corpus.ids.size() - corpus.train_end;
   const std::size_t shorter_part = std::min<std::size_t>(corpus.train_end, held_out);
   if (shorter_part < c.context + 1u) {
@@ -170,6 +165,60 @@ int cmd_train_gpt(const TrainArgs& args) {
             ? fmt::format("use --context {} or less, or give --text a folder with more text", shorter_part - 1)
             : std::string("give --text a folder with more text")));
   }
+  return c;
+}
+
+// The set-up lines: the model, its device, the text and where the state lives.
+void announce_gpt(const Runtime& runtime, const Trainer& trainer, double compile_s, const TextCorpus& corpus,
+                  const TextWindows& val, std::uint32_t context) {
+  std::cerr << fmt::format(
+      "ferry: {} on {} ({}); {} parameters; training state {}; compiled in {:.1f} s\n"
+      "ferry: text: {} files, {} characters ({} distinct), {} held out ({} validation windows of {})\n",
+      trainer.model().name, runtime.device().name, runtime.device().type_name(), trainer.parameter_count(),
+      format_bytes(trainer.training_state_bytes()), compile_s, corpus.files, corpus.ids.size(), corpus.vocab_size(),
+      corpus.ids.size() - corpus.train_end, val.size(), context);
+}
+
+void announce_residency(const Trainer& trainer) {
+  const bool on_host = trainer.residency().mode != graph::ResidencyMode::resident;
+  std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned){}\n",
+                           graph::residency_mode_name(trainer.residency().mode),
+                           format_bytes(trainer.device_peak_bytes()), format_bytes(trainer.device_budget_bytes()),
+                           on_host ? fmt::format("; {} in {} host memory", format_bytes(trainer.host_state_bytes()),
+                                                 offload::host_memory_name(trainer.host_memory()))
+                                   : std::string());
+}
+
+// The GPT's own fields of the --json line: its shape, losses, rates and validation curve.
+void add_gpt_fields(nlohmann::json& j, const TrainArgs& a, const models::GptConfig& c, const LoopSummary& run,
+                    const Validation& validation, double tokens_per_s, double compile_s) {
+  const std::uint64_t done = run.position.done;
+  const double train_seconds = run.position.train_seconds;
+  j.update({{"vocab", c.vocab},
+            {"width", c.width},
+            {"depth", c.depth},
+            {"heads", c.heads},
+            {"context", c.context},
+            {"attention", a.attention},
+            {"steps", done},
+            {"train_loss", run.position.recent_loss()},
+            {"val_loss", validation.val_loss},
+            {"tokens_per_s", tokens_per_s},
+            {"step_ms", 1e3 * train_seconds / static_cast<double>(done)},
+            {"train_seconds", train_seconds},
+            {"eval_seconds", run.position.boundary_seconds},
+            {"checkpoint_seconds", run.checkpoint_seconds},
+            {"compile_s", compile_s},
+            {"curve", validation.curve}});
+}
+
+}  // namespace
+
+int cmd_train_gpt(const TrainArgs& args) {
+  TrainArgs a = args;
+  if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
+  const TextCorpus corpus = load_text_corpus(fortune_files(a.text_dir), 0.1);
+  const models::GptConfig c = gpt_config(a, corpus);
 
   Runtime runtime(
       {.device = a.device, .local_rank = a.world ? ferry::local_rank() : 0, .profiling = !a.trace_path.empty()});
@@ -192,20 +241,9 @@ int cmd_train_gpt(const TrainArgs& args) {
   const double compile_s = seconds_since(compile_start);
   const TextWindows val = TextWindows::held_out(corpus, c.context, 256);
   if (!a.quiet) {
-    std::cerr << fmt::format(
-        "ferry: {} on {} ({}); {} parameters; training state {}; compiled in {:.1f} s\n"
-        "ferry: text: {} files, {} characters ({} distinct), {} held out ({} validation windows of {})\n",
-        trainer.model().name, runtime.device().name, runtime.device().type_name(), trainer.parameter_count(),
-        format_bytes(trainer.training_state_bytes()), compile_s, corpus.files, corpus.ids.size(), c.vocab,
-        corpus.ids.size() - corpus.train_end, val.size(), c.context);
+    announce_gpt(runtime, trainer, compile_s, corpus, val, c.context);
     announce_ranks(a, trainer, batch);
-    const bool on_host = trainer.residency().mode != graph::ResidencyMode::resident;
-    std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned){}\n",
-                             graph::residency_mode_name(trainer.residency().mode),
-                             format_bytes(trainer.device_peak_bytes()), format_bytes(trainer.device_budget_bytes()),
-                             on_host ? fmt::format("; {} in {} host memory", format_bytes(trainer.host_state_bytes()),
-                                                   offload::host_memory_name(trainer.host_memory()))
-                                     : std::string());
+    announce_residency(trainer);
   }
 
   const std::uint32_t t = c.context;
@@ -284,22 +322,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   }
   if (a.json) {
     nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
-    j.update({{"vocab", c.vocab},
-              {"width", c.width},
-              {"depth", c.depth},
-              {"heads", c.heads},
-              {"context", c.context},
-              {"attention", a.attention},
-              {"steps", done},
-              {"train_loss", run.position.recent_loss()},
-              {"val_loss", validation.val_loss},
-              {"tokens_per_s", tokens_per_s},
-              {"step_ms", 1e3 * train_seconds / done},
-              {"train_seconds", train_seconds},
-              {"eval_seconds", run.position.boundary_seconds},
-              {"checkpoint_seconds", run.checkpoint_seconds},
-              {"compile_s", compile_s},
-              {"curve", validation.curve}});
+    add_gpt_fields(j, a, c, run, validation, tokens_per_s, compile_s);
     if (a.sample) j["sample"] = sample;
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
