@@ -21,7 +21,7 @@ namespace ferry::test {
 namespace {
 
 TEST(OpTable, EveryShippedRowCanRunAndHasAReference) {
-  ASSERT_GE(ops::op_count(), static_cast<std::size_t>(ops::builtin::count_));
+  ASSERT_GE(ops::op_count(), static_cast<std::size_t>(ops::builtin::builtin_count));
   // Before any test registers a user row, every row is one ferry ships (built-in or named).
   for (ops::OpId id = 0; id < ops::op_count(); ++id) {
     const ops::OpInfo& row = ops::op_info(id);

@@ -83,7 +83,8 @@ class CompressedStore final : public HomeStore {
   std::logic_error no_plain_copy() const {
     return std::logic_error(fmt::format("{} live compressed: there is no plain host copy to address", what_));
   }
-  std::vector<Entry>::iterator find(const HomePlace& p) {
+  using EntryIterator = std::vector<Entry>::iterator;
+  EntryIterator find(const HomePlace& p) {
     auto it = std::lower_bound(entries_.begin(), entries_.end(), key(p),
                                [](const Entry& e, const auto& k) { return key(e.t.place) < k; });
     return it != entries_.end() && key(it->t.place) == key(p) ? it : entries_.end();

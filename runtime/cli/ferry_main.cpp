@@ -365,6 +365,9 @@ int cmd_train(const TrainArgs& a) {
 
 }  // namespace
 
+void add_residency_options(CLI::App* app, TrainArgs& t);
+void add_phase_options(CLI::App* app, TrainArgs& t);
+
 // Options `train` and `plan` share: the model, the optimizer, where state lives, phases,
 // accumulation, the device and its budget, JSON output.
 void add_model_options(CLI::App* app, TrainArgs& t) {
@@ -402,6 +405,13 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--host-budget", t.host_budget,
                   "Pinned host bytes the weights, optimizer state and step buffers may take, e.g. 16GiB, checked "
                   "before anything is allocated (default: the machine's physical memory)");
+  add_residency_options(app, t);
+  add_phase_options(app, t);
+  app->add_flag("--json", t.json, "End with one JSON line of results on stdout");
+}
+
+// Where the training state lives and how it streams.
+void add_residency_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--host-memory", t.host_memory,
                   "Memory of the streamed homes and the step's host buffers: pinned (DMA copies), pageable (no "
                   "device memory; the driver stages copies), or auto: pageable on NVIDIA, whose pinned buffers "
@@ -437,6 +447,10 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
       ->capture_default_str();
   app->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
       ->capture_default_str();
+}
+
+// Steps, accumulation, recomputation, precision and the hybrid phases.
+void add_phase_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();
   app->add_option("--accumulate", t.accumulate,
                   "Micro-batches of --batch samples whose mean gradient makes one optimizer update")
@@ -493,7 +507,6 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--max-loss-gap", pc.max_loss_gap,
                   "hybrid: a Predict loss this far above the recent Full mean restores the last Full weights")
       ->capture_default_str();
-  app->add_flag("--json", t.json, "End with one JSON line of results on stdout");
 }
 
 // Flags given for another model or phase mode are refused, not ignored.

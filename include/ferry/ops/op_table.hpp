@@ -257,7 +257,7 @@ enum : OpId {
   cast,               // CastAttrs                                  in: x        out: y
   quantize_i8,        // QuantAttrs                                 in: x        out: q scales
   dequantize_i8,      // QuantAttrs                                 in: q scales out: x
-  count_
+  builtin_count       // the number of rows above
 };
 }  // namespace builtin
 
