@@ -84,10 +84,13 @@ bool TrainingLoop::time_up() const {
   return up > 0;
 }
 
+bool TrainingLoop::scheduled_boundary(std::uint64_t done) const {
+  return done == options_.steps || (options_.steps_per_epoch != 0 && done % options_.steps_per_epoch == 0) ||
+         (options_.boundary_every != 0 && done % options_.boundary_every == 0);
+}
+
 bool TrainingLoop::boundary_after(std::uint64_t done) {
-  bool due = done == options_.steps;
-  if (options_.steps_per_epoch != 0 && done % options_.steps_per_epoch == 0) due = true;
-  if (options_.boundary_every != 0 && done % options_.boundary_every == 0) due = true;
+  bool due = scheduled_boundary(done);
   // Asked at the same steps on every rank (one agreement each), whatever else is due.
   if (options_.max_seconds > 0 && time_up()) out_of_time_ = due = true;
   return due;
@@ -107,11 +110,14 @@ LoopSummary TrainingLoop::run() {
   try {
     while (true) {
       if (stop_requested()) {
-        if (in_flight) read(take(), false);
+        // The step in flight finishes; when it ends an epoch (or another scheduled boundary), that
+        // boundary's report and checkpoint come first, and the checkpoint is not written twice.
+        const bool boundary = in_flight && scheduled_boundary(submitted);
+        if (in_flight) read(take(), boundary);
         summary_.end = LoopSummary::End::stopped;
         summary_.signal = StopSignals::received() != 0 ? StopSignals::received() : SIGTERM;  // else another rank's
         if (!options_.checkpoint.empty() && options_.write_checkpoints) {
-          save_checkpoint();
+          if (!boundary) save_checkpoint();
           summary_.checkpoint_written = true;
         }
         break;

@@ -165,6 +165,28 @@ TEST_F(TrainingLoopTest, StopsOnASignalWithACheckpointTheRunResumesFromExactly) 
   EXPECT_TRUE(tensors_of(resumed) == tensors_of(whole)) << "the resumed run's state differs";
 }
 
+// A signal while the last step of an epoch is in flight: that epoch's boundary (its report and
+// checkpoint) comes first, and the stop writes no second checkpoint.
+TEST_F(TrainingLoopTest, AStopAtAnEpochsEndKeepsThatBoundary) {
+  const auto path = std::filesystem::temp_directory_path() / ("ferry_loop_end_" + std::to_string(::getpid()) + ".ckpt");
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  SignalAt interrupt(batches, 11, SIGTERM);  // while the epoch's last batch (11 of 0..11) is drawn
+  TrainingLoop loop(trainer, interrupt, {.steps = 24, .steps_per_epoch = 12, .progress = false, .checkpoint = path});
+  std::vector<std::uint64_t> boundaries;
+  loop.on_boundary = [&](const LoopPosition& p) { boundaries.push_back(p.done); };
+  const LoopSummary s = loop.run();
+  EXPECT_EQ(s.end, LoopSummary::End::stopped);
+  EXPECT_EQ(s.signal, SIGTERM);
+  EXPECT_EQ(s.position.done, 12u);
+  EXPECT_EQ(boundaries, (std::vector<std::uint64_t>{12}));
+  EXPECT_TRUE(s.checkpoint_written);
+  EXPECT_TRUE(std::filesystem::exists(path));
+  EXPECT_GT(s.position.last_epoch_loss, 0.0);
+  EXPECT_EQ(s.position.epoch_loss_sum, 0.0);
+  std::filesystem::remove(path);
+}
+
 // A time limit already spent ends the run at the first boundary it can take, after one step, with
 // that boundary's evaluation; boundary_every adds boundaries between epochs.
 TEST_F(TrainingLoopTest, EndsAtABoundaryWhenTheTimeIsUp) {

@@ -130,7 +130,9 @@ class TrainingLoop {
   };
   bool stop_requested() const;
   bool time_up() const;
-  // Whether `done` steps end at a boundary; checks the time limit (out_of_time_) as well.
+  // Whether `done` steps end at a boundary: the last step, an epoch's end, every boundary_every.
+  bool scheduled_boundary(std::uint64_t done) const;
+  // The same, or the time limit (out_of_time_), agreed over the ranks.
   bool boundary_after(std::uint64_t done);
   void read(InFlight f, bool boundary);
   void at_boundary();
