@@ -72,16 +72,18 @@ void TrainingLoop::resume(const LoopPosition& position) {
   position_ = position;
 }
 
-bool TrainingLoop::stop_requested() const {
-  double any = options_.catch_signals && StopSignals::received() != 0 ? 1.0 : 0.0;
+bool TrainingLoop::on_any_rank(bool here) const {
+  double any = here ? 1.0 : 0.0;
   if (options_.control) options_.control->allreduce_sum(std::span<double>(&any, 1));
   return any > 0;
 }
 
+bool TrainingLoop::stop_requested() const {
+  return on_any_rank(options_.catch_signals && StopSignals::received() != 0);
+}
+
 bool TrainingLoop::time_up() const {
-  double up = seconds_since(run_start_) > options_.max_seconds ? 1.0 : 0.0;
-  if (options_.control) options_.control->allreduce_sum(std::span<double>(&up, 1));
-  return up > 0;
+  return on_any_rank(seconds_since(run_start_) > options_.max_seconds);
 }
 
 bool TrainingLoop::scheduled_boundary(std::uint64_t done) const {

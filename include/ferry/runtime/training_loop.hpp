@@ -128,6 +128,8 @@ class TrainingLoop {
     StepHandle handle;
     std::uint64_t step;
   };
+  // Whether `here` holds on this rank or any other (one agreement over `control`; alone: `here`).
+  bool on_any_rank(bool here) const;
   bool stop_requested() const;
   bool time_up() const;
   // Whether `done` steps end at a boundary: the last step, an epoch's end, every boundary_every.
