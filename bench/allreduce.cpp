@@ -21,6 +21,7 @@
 
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -100,7 +101,7 @@ int run_allreduce(const BenchCommon& common, const AllreduceOptions& o) {
       if (s == 0) continue;  // program builds, first touch
       std::vector<Interval> compute;
       std::vector<Interval> comm;
-      for (const auto& e : trainer.train_step().timeline()) {
+      for (const auto& e : compiled_train_step(trainer).timeline()) {
         if (e.end_ns <= e.start_ns) continue;
         if (e.lane == ops::Lane::compute) compute.push_back({e.start_ns, e.end_ns});
         if (is_collective(e)) comm.push_back({e.start_ns, e.end_ns});

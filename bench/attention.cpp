@@ -11,7 +11,7 @@
 // the buffers each path allocates: inputs, outputs, gradients, [T, T] tensors and scratch.
 // --peer runs PyTorch's scaled_dot_product_attention (is_causal) forward + backward on the same
 // shapes (bench/peers/torch_attention.py) in the same run and reports its time beside ferry's.
-#include "ferry/ops/attention.hpp"
+#include "ops/attention.hpp"
 
 #include <fmt/format.h>
 
@@ -21,9 +21,9 @@
 
 #include "bench.hpp"
 #include "ferry/cl/error.hpp"
-#include "ferry/ops/matmul.hpp"
-#include "ferry/ops/softmax.hpp"
 #include "ferry/runtime/runtime.hpp"
+#include "ops/matmul.hpp"
+#include "ops/softmax.hpp"
 #include "peer.hpp"
 
 namespace ferry::bench {

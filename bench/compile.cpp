@@ -25,8 +25,9 @@
 
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/graph/pipeline.hpp"
-#include "ferry/graph/step_plan.hpp"
+#include "graph/pipeline.hpp"
+#include "graph/step_plan.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -52,7 +53,7 @@ ModelSpec make_model(const CompileBenchOptions& o, std::uint32_t depth) {
   return models::gpt(c);
 }
 
-graph::Graph build_deep(const ModelSpec& model, std::uint32_t batch, const graph::OptimizerConfig& optimizer) {
+graph::Graph build_deep(const ModelSpec& model, std::uint32_t batch, const ops::OptimizerConfig& optimizer) {
   const graph::VariantKey key{batch, true};
   return graph::prepare_step_graph(forward_graph(model, key), key, optimizer);
 }
@@ -63,8 +64,8 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
   graph::ResidencyOptions residency;
   residency.mode = graph::parse_residency_mode(o.residency);
   if (!o.budget.empty()) residency.budget_bytes = parse_bytes(o.budget);
-  graph::OptimizerConfig optimizer;
-  optimizer.kind = graph::OptimizerConfig::Kind::adam;
+  ops::OptimizerConfig optimizer;
+  optimizer.kind = ops::OptimizerConfig::Kind::adam;
   const graph::StepOptions step_options{residency, false, o.bind_kernels};
   const bool plan_only = o.model == "gpt";
   // One compile of `g`: a CompiledStep, or for plan-only models the planning passes alone.

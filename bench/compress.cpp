@@ -53,7 +53,7 @@ bool ends_with(const std::string& s, std::string_view suffix) {
 
 // Trains and returns the optimizer's moments as stored, in tensor order.
 Moments trained_moments(Runtime& rt, const Dataset& data, const CompressBenchOptions& o,
-                        graph::OptimizerConfig::Kind kind) {
+                        ops::OptimizerConfig::Kind kind) {
   TrainerOptions to;
   to.batch = o.batch;
   to.lr = 1e-3f;
@@ -63,7 +63,7 @@ Moments trained_moments(Runtime& rt, const Dataset& data, const CompressBenchOpt
   ShuffledBatches batches(data, trainer.model(), o.batch, o.seed);  // a new order every epoch
   float loss = 0;
   for (std::uint32_t s = 0; s < o.steps; ++s) loss = trainer.step(batches.next()).loss;
-  std::cerr << fmt::format("ferry-bench compress: {} trained {} steps, last loss {:.4f}\n", graph::optimizer_name(kind),
+  std::cerr << fmt::format("ferry-bench compress: {} trained {} steps, last loss {:.4f}\n", ops::optimizer_name(kind),
                            o.steps, loss);
 
   Part m{{}, 4}, v{{}, 4}, m_codes{{}, 1}, v_codes{{}, 1}, m_scales{{}, 4}, v_scales{{}, 4};
@@ -92,7 +92,7 @@ Moments trained_moments(Runtime& rt, const Dataset& data, const CompressBenchOpt
   }
   if (out.m.empty() || out.v.empty()) {
     throw std::runtime_error(
-        fmt::format("{} left no first and second moments among the persistent tensors", graph::optimizer_name(kind)));
+        fmt::format("{} left no first and second moments among the persistent tensors", ops::optimizer_name(kind)));
   }
   return out;
 }
@@ -156,7 +156,7 @@ double gbps(std::uint64_t bytes, double seconds) {
 }
 
 int run_compress(const BenchCommon& common, const CompressBenchOptions& o) {
-  using Kind = graph::OptimizerConfig::Kind;
+  using Kind = ops::OptimizerConfig::Kind;
   std::vector<Kind> kinds;
   if (o.optimizer.empty() || o.optimizer == "adam") kinds.push_back(Kind::adam);
   if (o.optimizer.empty() || o.optimizer == "adamw8bit") kinds.push_back(Kind::adamw8bit);
@@ -173,7 +173,7 @@ int run_compress(const BenchCommon& common, const CompressBenchOptions& o) {
   Runtime rt({.device = common.device});
   const Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
   for (Kind kind : kinds) {
-    const std::string optimizer = graph::optimizer_name(kind);
+    const std::string optimizer = ops::optimizer_name(kind);
     std::cerr << fmt::format("ferry-bench compress: training {} with {} on {}...\n", models::mlp().name, optimizer,
                              rt.device().name);
     const Moments moments = trained_moments(rt, data, o, kind);

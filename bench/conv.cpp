@@ -14,8 +14,8 @@
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
-#include "ferry/ops/conv2d.hpp"
-#include "ferry/ops/gemm.hpp"
+#include "ops/conv2d.hpp"
+#include "ops/gemm.hpp"
 
 namespace ferry::bench {
 namespace {

@@ -2,7 +2,7 @@
 // ferry's kernel (as the tuning data picks it, packing included), CLBlast on the same device and
 // OpenBLAS's cblas_sgemm on the host, in one run, square sizes; GFLOPS of the median repeat.
 // --tune runs the library's tuner and prints every candidate and the best as a tuning row.
-#include "ferry/ops/gemm.hpp"
+#include "ops/gemm.hpp"
 
 #include <fmt/format.h>
 
@@ -16,7 +16,7 @@
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
-#include "ferry/ops/gemm_tune.hpp"
+#include "ops/gemm_tune.hpp"
 
 #ifdef FERRY_HAVE_OPENBLAS
 #include <cblas.h>
@@ -195,7 +195,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   return 0;
 }
 
-// The library's tuner (ferry/ops/gemm_tune.hpp, as `ferry tune` runs it): every candidate as a JSON
+// The library's tuner (ops/gemm_tune.hpp, as `ferry tune` runs it): every candidate as a JSON
 // line, then the winner and its tuning row. It also saves the winner in the tuning cache.
 int run_tune(const BenchCommon& common, const GemmBenchOptions& o) {
   const cl::DeviceInfo device = cl::select_device(common.device);

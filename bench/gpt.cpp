@@ -13,6 +13,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
 #include "peer.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -150,7 +151,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     j["device"] = ferry->runtime().device().name;
     j["model"] = ferry->trainer().model().name;
     j["parameters"] = ferry->trainer().parameter_count();
-    j["nodes"] = ferry->trainer().train_step().node_count();
+    j["nodes"] = compiled_train_step(ferry->trainer()).node_count();
     j["device_peak_bytes"] = ferry->trainer().device_peak_bytes();
     j["train_loss"] = ferry->loss();
     emit_json(j);

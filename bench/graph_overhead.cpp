@@ -18,7 +18,8 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/ops/activation.hpp"
-#include "ferry/ops/softmax_xent.hpp"
+#include "ops/softmax_xent.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -56,7 +57,7 @@ int run_graph(const BenchCommon& common, const GraphBenchOptions& o) {
   for (const std::uint32_t n : o.sizes) {
     if (n == 0) throw std::invalid_argument("--sizes: a chain needs at least one ReLU");
     // The compiled step.
-    graph::CompiledStep step(relu_chain(n, o.batch, o.classes), graph::OptimizerConfig{}, runtime.env(), ctx);
+    graph::CompiledStep step(relu_chain(n, o.batch, o.classes), ops::OptimizerConfig{}, runtime.env(), ctx);
     std::ranges::copy(input, step.host_input_as<float>("input").begin());
     std::ranges::copy(labels, step.host_input_as<std::int32_t>("labels").begin());
     const std::size_t nodes = step.node_count();

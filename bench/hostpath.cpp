@@ -19,6 +19,7 @@
 #include "bench.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/ferry.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -33,7 +34,7 @@ int run_hostpath(const BenchCommon& common, const HostpathOptions& o) {
   TrainerOptions to;
   to.batch = o.batch;
   Trainer trainer(runtime, models::mlp(std::vector<std::uint32_t>(o.layers, o.width)), to);
-  graph::CompiledStep& step = trainer.train_step();
+  graph::CompiledStep& step = compiled_train_step(trainer);
   const auto& nodes = step.graph().nodes;
 
   std::mt19937 rng(5);

@@ -41,6 +41,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/offload/pinned_host.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -317,7 +318,7 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   base.residency.lookahead = c.lookahead;
   base.residency.homes.host_memory = offload::parse_host_memory(o.host_memory);
   if (c.optimizer == "sgd") {
-    base.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+    base.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
     base.optimizer.sgd.momentum = 0.0f;
     base.lr = 0.01f;
   }
@@ -342,7 +343,7 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
 
   std::uint64_t xfer_runs = 0;
   auto run_transfers = [&] {
-    graph::CompiledStep& s = transfer.trainer->train_step();
+    graph::CompiledStep& s = compiled_train_step(*transfer.trainer);
     return time_ms([&] { s.run(ops::StepInfo{++xfer_runs, transfer.trainer->lr()}, graph::RunMode::transfers_only); });
   };
   auto run_one = [&](Variant& x) { return &x == &transfer ? run_transfers() : x.step(batches); };
@@ -360,7 +361,7 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
       }
       Variant& x = v[slot];
       x.ms.push_back(run_one(x));
-      if (runtime.context().profiling()) x.device.push_back(timeline_stats(x.trainer->train_step()));
+      if (runtime.context().profiling()) x.device.push_back(timeline_stats(compiled_train_step(*x.trainer)));
     }
   }
 
@@ -441,8 +442,8 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   if (trace) {
     for (int s = 0; s < 3; ++s) {
       streamed.step(batches);
-      trace->add_step(streamed.trainer->train_step().timeline(), ++trace_steps,
-                      streamed.trainer->train_step().host_activity());
+      trace->add_step(compiled_train_step(*streamed.trainer).timeline(), ++trace_steps,
+                      compiled_train_step(*streamed.trainer).host_activity());
     }
   }
   return j;

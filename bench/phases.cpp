@@ -13,6 +13,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/lr_schedule.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -120,7 +121,7 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
   }
   Trainer t(rt, make_model(po.model), o);
   const graph::ResidencyReport& full = t.residency();
-  const graph::ResidencyReport& predict = t.predict_variant()->residency();
+  const graph::ResidencyReport& predict = compiled_predict_step(t)->residency();
   const auto link = [](const graph::ResidencyReport& r) { return r.fetch_bytes + r.write_back_bytes; };
   const std::size_t sample = data.sample_elems();
   std::vector<float> images(o.batch * sample);

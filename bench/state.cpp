@@ -10,6 +10,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/memory_profile.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -24,7 +25,7 @@ struct StateOptions {
 };
 
 struct Config {
-  graph::OptimizerConfig::Kind kind;
+  ops::OptimizerConfig::Kind kind;
   graph::Home home;
 };
 
@@ -38,8 +39,8 @@ struct Measured {
 // there, else its share by logical size (pinned homes hold every tensor the same way).
 std::uint64_t state_host_bytes(const Trainer& t) {
   MemoryProfiler profiler;
-  profiler.add_variant("train", t.train_step());
-  const std::string home = offload::home_name(t.home_of(graph::Role::optimizer_state));
+  profiler.add_variant("train", compiled_train_step(t));
+  const std::string home = offload::home_name(home_of(t, graph::Role::optimizer_state));
   for (const auto& h : profiler.homes()) {
     if (h.home != home) continue;
     if (h.tensor_bytes == t.optimizer_state_bytes()) return h.host_bytes;
@@ -79,7 +80,7 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
   m.step_ms = median(times);
   m.state_bytes = t.optimizer_state_bytes();
   m.state_host_bytes = state_host_bytes(t);
-  m.staging_bytes = t.train_step().host_step_bytes();
+  m.staging_bytes = compiled_train_step(t).host_step_bytes();
   m.device_peak = t.device_peak_bytes();
   return m;
 }
@@ -87,12 +88,12 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
 int run_state(const BenchCommon& common, const StateOptions& so) {
   Runtime rt({.device = common.device});
   const Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
-  std::vector<graph::OptimizerConfig::Kind> kinds;
+  std::vector<ops::OptimizerConfig::Kind> kinds;
   for (const char* name : {"adam", "adamw8bit"}) {
     if (so.optimizers.find(name) == std::string::npos) continue;
-    for (auto k : {graph::OptimizerConfig::Kind::adam, graph::OptimizerConfig::Kind::adamw,
-                   graph::OptimizerConfig::Kind::adamw8bit}) {
-      if (std::string(graph::optimizer_name(k)) == name) kinds.push_back(k);
+    for (auto k :
+         {ops::OptimizerConfig::Kind::adam, ops::OptimizerConfig::Kind::adamw, ops::OptimizerConfig::Kind::adamw8bit}) {
+      if (std::string(ops::optimizer_name(k)) == name) kinds.push_back(k);
     }
   }
   if (kinds.empty()) throw std::invalid_argument("--optimizers: name adam and/or adamw8bit");
@@ -100,7 +101,7 @@ int run_state(const BenchCommon& common, const StateOptions& so) {
   bool have_baseline = false;
   for (auto kind : kinds) {
     for (auto home : {graph::Home::host_pinned, graph::Home::host_compressed}) {
-      std::cerr << fmt::format("ferry-bench state: {} state in {} ({} + {} steps)...\n", graph::optimizer_name(kind),
+      std::cerr << fmt::format("ferry-bench state: {} state in {} ({} + {} steps)...\n", ops::optimizer_name(kind),
                                offload::home_name(home), so.warmup, so.steps);
       const Measured m = measure(rt, data, so, {kind, home});
       if (!have_baseline) {
@@ -112,7 +113,7 @@ int run_state(const BenchCommon& common, const StateOptions& so) {
                  {"model", fmt::format("deep width {} depth {}", so.width, so.depth)},
                  {"batch", so.batch},
                  {"device_budget", so.budget},
-                 {"optimizer", graph::optimizer_name(kind)},
+                 {"optimizer", ops::optimizer_name(kind)},
                  {"state_home", offload::home_name(home)},
                  {"level", so.level},
                  {"chunk", so.chunk},

@@ -35,6 +35,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "peer.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -162,9 +163,10 @@ class FerrySession {
     ChromeTrace trace;
     for (int s = 0; s < 3; ++s) {
       one();
-      trace.add_step(trainer_.train_step().timeline(), trainer_.steps_done(), trainer_.train_step().host_activity());
+      trace.add_step(compiled_train_step(trainer_).timeline(), trainer_.steps_done(),
+                     compiled_train_step(trainer_).host_activity());
     }
-    print_breakdown(trainer_.train_step().graph(), trainer_.train_step().timeline());
+    print_breakdown(compiled_train_step(trainer_).graph(), compiled_train_step(trainer_).timeline());
     trace.write(common_.trace);
     fmt::print(stderr, "wrote a trace of 3 steps to {}\n", common_.trace);
   }
@@ -312,7 +314,7 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
     j["block_ms"] = all;
     j["device"] = ferry->runtime().device().name;
     j["model"] = ferry->trainer().model().name;
-    j["nodes"] = ferry->trainer().train_step().node_count();
+    j["nodes"] = compiled_train_step(ferry->trainer()).node_count();
     j["device_peak_bytes"] = ferry->trainer().device_peak_bytes();
     j["loss"] = ferry->loss();
     emit_json(j);

@@ -129,7 +129,7 @@ int run(const Args& a) {
   ferry::TrainerOptions options;
   options.batch = a.batch;
   options.lr = a.lr;
-  options.optimizer.kind = ferry::graph::OptimizerConfig::Kind::adam;
+  options.optimizer.kind = ferry::ops::OptimizerConfig::Kind::adam;
 
   ferry::ModelSpec model;
   if (a.model == "small") {

@@ -1,13 +1,13 @@
 // The bind pass: each device-lane node's row bound to its planned operands.
-#include "ferry/graph/bind.hpp"
+#include "graph/bind.hpp"
 
 #include <fmt/format.h>
 
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
-#include "ferry/graph/node_view.hpp"
-#include "ferry/ops/attrs.hpp"
+#include "graph/node_view.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {

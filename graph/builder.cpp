@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {

@@ -1,7 +1,7 @@
 // A compiled step: compiling it (plan, arena, binding, lowering) and where its tensors live.
 // Running it is step_run.cpp; its enqueue is enqueue.cpp (one-pass form) or host_lane.cpp
 // (flow-graph form).
-#include "ferry/graph/compiled_step.hpp"
+#include "graph/compiled_step.hpp"
 
 #include <fmt/format.h>
 
@@ -12,9 +12,9 @@
 #include <stdexcept>
 
 #include "compiled_step_impl.hpp"
-#include "ferry/graph/bind.hpp"
-#include "ferry/graph/dependencies.hpp"
-#include "ferry/graph/step_plan.hpp"
+#include "graph/bind.hpp"
+#include "graph/dependencies.hpp"
+#include "graph/step_plan.hpp"
 
 namespace ferry::graph {
 

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "ferry/cl/error.hpp"
-#include "ferry/graph/compiled_step.hpp"
 #include "ferry/offload/pinned_host.hpp"
+#include "graph/compiled_step.hpp"
 #include "request_poller.hpp"
 
 namespace ferry::graph {

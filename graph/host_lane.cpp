@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "compiled_step_impl.hpp"
-#include "ferry/graph/node_view.hpp"
+#include "graph/node_view.hpp"
 
 namespace ferry::graph {
 

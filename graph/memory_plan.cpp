@@ -18,7 +18,7 @@
 // computed too and the smaller one is kept (the greedy one on a tie). So a plan is never more than
 // 0.1% larger than greedy by size alone would make it, and only where both are within 0.1% of the
 // bound.
-#include "ferry/graph/memory_plan.hpp"
+#include "graph/memory_plan.hpp"
 
 #include <fmt/format.h>
 

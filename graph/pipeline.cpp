@@ -1,5 +1,5 @@
 // The model passes of the compile pipeline, in order.
-#include "ferry/graph/pipeline.hpp"
+#include "graph/pipeline.hpp"
 
 #include <algorithm>
 

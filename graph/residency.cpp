@@ -1,6 +1,4 @@
 // Residency planning: update placement, the furthest-next-use stream transform, budget search.
-#include "ferry/graph/residency.hpp"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -8,7 +6,8 @@
 #include <map>
 #include <stdexcept>
 
-#include "ferry/ops/attrs.hpp"
+#include "graph/residency_passes.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {

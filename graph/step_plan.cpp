@@ -1,6 +1,6 @@
-// The planning passes of a compile (include/ferry/graph/step_plan.hpp), shared by
+// The planning passes of a compile (graph/step_plan.hpp), shared by
 // graph::CompiledStep and the planner.
-#include "ferry/graph/step_plan.hpp"
+#include "graph/step_plan.hpp"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,8 @@
 #include <chrono>
 #include <stdexcept>
 
-#include "ferry/graph/bind.hpp"
+#include "graph/bind.hpp"
+#include "graph/residency_passes.hpp"
 
 namespace ferry::graph {
 

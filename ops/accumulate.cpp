@@ -1,5 +1,5 @@
 // Binding of the gradient accumulation kernels (ops/kernels/accumulate.cl).
-#include "ferry/ops/accumulate.hpp"
+#include "ops/accumulate.hpp"
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 // Binding of the broadcast bias (ops/kernels/add_bias.cl); its gradient is bias.cl's column sum.
-#include "ferry/ops/add_bias.hpp"
+#include "ops/add_bias.hpp"
 
 #include <fmt/format.h>
 

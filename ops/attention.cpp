@@ -1,5 +1,5 @@
 // Binding of the fused attention kernels (ops/kernels/attention.cl).
-#include "ferry/ops/attention.hpp"
+#include "ops/attention.hpp"
 
 #include <fmt/format.h>
 

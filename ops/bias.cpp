@@ -1,5 +1,5 @@
 // Binding of the bias kernels (ops/kernels/bias.cl).
-#include "ferry/ops/bias.hpp"
+#include "ops/bias.hpp"
 
 #include <fmt/format.h>
 

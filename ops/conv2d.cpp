@@ -10,7 +10,7 @@
 //   [C, ...)      the scratch of whichever GEMM runs (the max over all of them)
 // with G the largest group (conv2d_images_per_gemm). Groups run one after another on the in-order
 // queue, so every group reuses the same regions.
-#include "ferry/ops/conv2d.hpp"
+#include "ops/conv2d.hpp"
 
 #include <fmt/format.h>
 
@@ -21,7 +21,7 @@
 
 #include "conv2d_internal.hpp"
 #include "ferry/ops/cast.hpp"
-#include "ferry/ops/gemm.hpp"
+#include "ops/gemm.hpp"
 
 namespace ferry::ops {
 namespace {

@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "ferry/ops/conv2d.hpp"
+#include "ops/conv2d.hpp"
 
 namespace ferry::ops {
 

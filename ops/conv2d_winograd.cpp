@@ -18,8 +18,8 @@
 #include <string_view>
 
 #include "conv2d_internal.hpp"
-#include "ferry/ops/gemm.hpp"
 #include "gemm_tuning.hpp"
+#include "ops/gemm.hpp"
 
 namespace ferry::ops {
 

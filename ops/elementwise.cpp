@@ -1,5 +1,5 @@
 // Binding of the elementwise utility kernels (ops/kernels/elementwise.cl).
-#include "ferry/ops/elementwise.hpp"
+#include "ops/elementwise.hpp"
 
 #include <fmt/format.h>
 

@@ -1,7 +1,7 @@
 // GEMM binding: picks the backend and ferry's kernel from the per-device tuning data and binds
 // the launches (B packing + register-blocked kernel on CPUs, local-memory tiles on GPUs, or CLBlast),
 // for one product or a strided batch of them (GemmShape::batch) alike.
-#include "ferry/ops/gemm.hpp"
+#include "ops/gemm.hpp"
 
 #include <fmt/format.h>
 

@@ -1,7 +1,7 @@
 // GEMM through CLBlast, bound as a deferred call. Private to ops/gemm*.cpp.
 #pragma once
 
-#include "ferry/ops/gemm.hpp"
+#include "ops/gemm.hpp"
 
 namespace ferry::ops {
 

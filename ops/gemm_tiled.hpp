@@ -3,8 +3,8 @@
 
 #include <cstddef>
 
-#include "ferry/ops/gemm.hpp"
 #include "gemm_tuning.hpp"
+#include "ops/gemm.hpp"
 
 namespace ferry::ops {
 

@@ -1,4 +1,4 @@
-// The GEMM tuner (see ferry/ops/gemm_tune.hpp): candidates, their measurement in two stages, and
+// The GEMM tuner (see ops/gemm_tune.hpp): candidates, their measurement in two stages, and
 // the winner saved in the tuning cache.
 //
 // Stage 1 ("probe") times every candidate on one large square product, which ranks a kernel's
@@ -19,10 +19,10 @@
 #include "ferry/cl/device.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
-#include "ferry/ops/gemm_tune.hpp"
 #include "gemm_tiled.hpp"
 #include "gemm_tune_cache.hpp"
 #include "gemm_tuning.hpp"
+#include "ops/gemm_tune.hpp"
 
 namespace ferry::ops {
 namespace {

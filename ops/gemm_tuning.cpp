@@ -15,8 +15,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "ferry/ops/gemm_tune.hpp"
 #include "gemm_tune_cache.hpp"
+#include "ops/gemm_tune.hpp"
 
 namespace ferry::ops {
 namespace {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "ferry/cl/device.hpp"
-#include "ferry/ops/gemm.hpp"
+#include "ops/gemm.hpp"
 
 namespace ferry::ops {
 

@@ -1,5 +1,5 @@
 // Binding of the LayerNorm kernels (ops/kernels/layernorm.cl).
-#include "ferry/ops/layernorm.hpp"
+#include "ops/layernorm.hpp"
 
 #include <algorithm>
 #include <cstdlib>

@@ -1,5 +1,5 @@
 // Binding of the layout kernels (ops/kernels/layout.cl): permute, mul, scale.
-#include "ferry/ops/layout.hpp"
+#include "ops/layout.hpp"
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 // Binding of the weighted loss sum (ops/kernels/loss_sum.cl).
-#include "ferry/ops/loss_sum.hpp"
+#include "ops/loss_sum.hpp"
 
 namespace ferry::ops {
 

@@ -1,5 +1,5 @@
 // The batched matmul's shape rule and backward products; the products themselves are gemm().
-#include "ferry/ops/matmul.hpp"
+#include "ops/matmul.hpp"
 
 #include <fmt/format.h>
 

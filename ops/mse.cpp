@@ -1,5 +1,5 @@
 // Binding of the mean squared error kernels (ops/kernels/mse.cl).
-#include "ferry/ops/mse.hpp"
+#include "ops/mse.hpp"
 
 #include <limits>
 #include <stdexcept>

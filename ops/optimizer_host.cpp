@@ -1,5 +1,5 @@
 // Host optimizer updates: one pass per chunk, vectorised by the compiler, chunks on TBB workers.
-#include "ferry/ops/optimizer_host.hpp"
+#include "ops/optimizer_host.hpp"
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>

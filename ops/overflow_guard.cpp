@@ -1,5 +1,5 @@
 // Binding of the overflow guard kernels (ops/kernels/overflow_guard.cl).
-#include "ferry/ops/overflow_guard.hpp"
+#include "ops/overflow_guard.hpp"
 
 #include "ferry/cl/error.hpp"
 

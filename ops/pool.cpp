@@ -1,5 +1,5 @@
 // MaxPool2d binding (ops/kernels/pool.cl).
-#include "ferry/ops/pool.hpp"
+#include "ops/pool.hpp"
 
 #include <fmt/format.h>
 

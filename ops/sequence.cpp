@@ -1,5 +1,5 @@
 // Binding of the sequence kernels (ops/kernels/sequence.cl): embedding, causal mask, dropout.
-#include "ferry/ops/sequence.hpp"
+#include "ops/sequence.hpp"
 
 #include <limits>
 #include <stdexcept>

@@ -1,5 +1,5 @@
 // Binding of the softmax kernels (ops/kernels/softmax.cl).
-#include "ferry/ops/softmax.hpp"
+#include "ops/softmax.hpp"
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 // Binding of the fused softmax + cross-entropy kernels (ops/kernels/softmax_xent.cl).
-#include "ferry/ops/softmax_xent.hpp"
+#include "ops/softmax_xent.hpp"
 
 #include <algorithm>
 #include <cstdlib>

@@ -14,13 +14,14 @@
 
 #include "checkpoint_format.hpp"
 #include "ferry/runtime/trainer.hpp"
+#include "trainer_internals.hpp"
 
 namespace ferry {
 
 using ckpt::Fingerprint;
 
 std::vector<TensorId> Trainer::checkpoint_tensors() const {
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   std::vector<TensorId> ids;
   for (const graph::Role role :
        {graph::Role::weight, graph::Role::optimizer_state, graph::Role::predictor_state, graph::Role::gradient_sum}) {
@@ -118,9 +119,9 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
                               WriteOptions options) const {
   require_settled("save a checkpoint");
   refuse_if_inconsistent("save a checkpoint");
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   const auto ids = checkpoint_tensors();
-  const auto& arena = *train_->persistent();
+  const auto& arena = *compiled_->train->persistent();
 
   ckpt::TrainerRecord tr;
   tr.steps = steps_;
@@ -154,7 +155,7 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
   // file is reported as damaged before it is compared: not as another model's.
   const ckpt::Reader r(path);
   ckpt::Contents file = ckpt::read_contents(r);
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   const auto ids = checkpoint_tensors();
 
   // The file is whole: now does it fit this trainer?
@@ -163,8 +164,9 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
   if (tr.micro >= options_.accumulate)
     throw r.corrupt(fmt::format("{} micro-batches done of {}", tr.micro, options_.accumulate));
   if (!std::isfinite(tr.lr) || tr.lr < 0) throw r.corrupt(fmt::format("the learning rate is {}", tr.lr));
-  if (phases_ ? tr.gains.size() != 2 * weights_.size() : !tr.gains.empty()) {
-    throw r.corrupt(fmt::format("{} predictor gains for {} weights (two each)", tr.gains.size(), weights_.size()));
+  if (phases_ ? tr.gains.size() != 2 * compiled_->weights.size() : !tr.gains.empty()) {
+    throw r.corrupt(
+        fmt::format("{} predictor gains for {} weights (two each)", tr.gains.size(), compiled_->weights.size()));
   }
   if (file.phases.has_value() != (phases_ != nullptr))
     throw r.corrupt("the phase section disagrees with the fingerprint");
@@ -204,7 +206,7 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
     const auto v = read_payload(file.restores[i], file.fingerprint.tensors[i]);
     restore_point[i].assign(v.begin(), v.end());
   }
-  auto& arena = *train_->persistent();
+  auto& arena = *compiled_->train->persistent();
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const auto v = read_payload(file.tensors[i], file.fingerprint.tensors[i]);
     arena.write(t.home[ids[i]], t.placement[ids[i]], v.data(), v.size());

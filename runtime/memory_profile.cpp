@@ -12,6 +12,7 @@
 
 #include "ferry/runtime/units.hpp"
 #include "output_file.hpp"
+#include "trainer_internals.hpp"
 
 namespace ferry {
 namespace {
@@ -101,6 +102,26 @@ void MemoryProfiler::record_homes(const graph::CompiledStep& step) {
     if (!store) continue;
     homes_.push_back(
         {offload::home_name(static_cast<offload::Home>(h)), logical[h], store->device_bytes(), store->host_bytes()});
+  }
+}
+
+void MemoryProfiler::add_training_step(const Trainer& trainer) {
+  add_variant("train", compiled_train_step(trainer));
+}
+
+void MemoryProfiler::add_last_step(const Trainer& trainer, std::uint64_t index) {
+  add_step("train", compiled_train_step(trainer), index);
+}
+
+void MemoryProfiler::add_variants(const Trainer& trainer) {
+  for (const auto& [key, step] : compiled_variants(trainer)) {
+    // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
+    // the training step without a fit have their own profiles.
+    std::string name = fmt::format("{}{}", key.training ? "train" : "eval", key.batch);
+    if (key.apply_predictor) name = "predict";
+    if (key.micro) name = "micro";
+    if (key.training && !key.micro && !key.fit_predictor) name = "train-nofit";
+    add_variant(name, *step);
   }
 }
 

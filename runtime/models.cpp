@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "ferry/runtime/model.hpp"
+#include "graph/pipeline.hpp"
+#include "trainer_variants.hpp"
 
 namespace ferry {
 

@@ -10,11 +10,12 @@
 #include <vector>
 
 #include "ferry/cl/error.hpp"
-#include "ferry/graph/node_view.hpp"
-#include "ferry/graph/step_plan.hpp"
 #include "ferry/offload/host_memory.hpp"
-#include "ferry/ops/gemm.hpp"
 #include "ferry/runtime/units.hpp"
+#include "graph/node_view.hpp"
+#include "graph/step_plan.hpp"
+#include "ops/gemm.hpp"
+#include "trainer_internals.hpp"
 #include "trainer_variants.hpp"
 
 namespace ferry {
@@ -134,7 +135,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
                            const PlanRates& rates) {
   TrainingPlan out;
   out.recompute = options.recompute;
-  out.eight_bit_state = options.optimizer.kind == graph::OptimizerConfig::Kind::adamw8bit;
+  out.eight_bit_state = options.optimizer.kind == ops::OptimizerConfig::Kind::adamw8bit;
   out.rates = rates;
   out.device_budget_bytes = detail::resolve_device_budget(options, runtime.device());
   const graph::ResidencyOptions residency = detail::residency_options(options, out.device_budget_bytes);
@@ -152,7 +153,6 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
   {
     PhasePlan p;
     p.name = options.phases.hybrid ? "warmup/full/correct" : "full";
-    p.key = train_key;
     p.device = device_breakdown(training, train_plan.memory, training, persistent_device);
     count_step(training, train_plan, rates, p);
     out.phases.push_back(std::move(p));
@@ -163,7 +163,6 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     const graph::StepPlan planned = graph::plan_step(g, runtime.env(), runtime.device(), arena.get(), residency);
     PhasePlan p;
     p.name = v.phase;
-    p.key = v.key;
     p.device = device_breakdown(g, planned.memory, training, persistent_device);
     count_step(g, planned, rates, p);
     out.phases.push_back(std::move(p));

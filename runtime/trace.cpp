@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "output_file.hpp"
+#include "trainer_internals.hpp"
 
 namespace ferry {
 namespace {
@@ -40,6 +41,11 @@ std::string json_strings(const std::vector<std::string>& v) {
 }
 
 }  // namespace
+
+void ChromeTrace::add_step(const Trainer& trainer, std::uint64_t step) {
+  const graph::CompiledStep& s = compiled_train_step(trainer);
+  add_step(s.timeline(), step, s.host_activity());
+}
 
 void ChromeTrace::add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step,
                            const std::vector<graph::TimelineEntry>& host) {

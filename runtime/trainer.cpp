@@ -15,9 +15,10 @@
 
 #include "cl/fnv1a.hpp"
 #include "distributed/data_parallel.hpp"
-#include "ferry/graph/pipeline.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/units.hpp"
+#include "graph/pipeline.hpp"
+#include "trainer_internals.hpp"
 #include "trainer_variants.hpp"
 
 namespace ferry {
@@ -121,7 +122,12 @@ std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options) {
 }  // namespace detail
 
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
-    : runtime_(runtime), model_(std::move(model)), options_(options), lr_(options.lr), scaler_(options.precision) {
+    : runtime_(runtime),
+      model_(std::move(model)),
+      options_(options),
+      lr_(options.lr),
+      compiled_(std::make_unique<Compiled>()),
+      scaler_(options.precision) {
   detail::validate_trainer_options(model_, options_);
   if (detail::data_parallel(options_)) {
     ranks_ = options_.data_parallel.communicator;
@@ -135,7 +141,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   options_.recompute = plan.recompute;
   options_.recompute_auto = false;  // chosen: options() says what this trainer runs
   check_host_budget(plan, options_.residency.host_budget_bytes);
-  train_key_ = detail::training_key(options_);
+  compiled_->train_key = detail::training_key(options_);
   if (options_.phases.hybrid) phases_ = std::make_unique<PhaseController>(options_.phases);
   // Training needs the budget to exist (planning does not: `ferry plan` plans for other devices).
   if (const std::uint64_t mem = runtime_.device().global_mem_bytes; options_.residency.budget_bytes > mem) {
@@ -145,27 +151,27 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
                     format_bytes(options_.residency.budget_bytes), runtime_.device().name, format_bytes(mem)));
   }
   budget_ = detail::resolve_device_budget(options_, runtime_.device());
-  train_ = std::make_unique<graph::CompiledStep>(build_graph(train_key_), options_.optimizer, runtime_.env(),
-                                                 runtime_.context(), nullptr,
-                                                 graph::StepOptions{residency_options(), options_.serial_schedule});
+  compiled_->train = std::make_unique<graph::CompiledStep>(
+      build_graph(compiled_->train_key), options_.optimizer, runtime_.env(), runtime_.context(), nullptr,
+      graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
   for (const auto& v : detail::upfront_variants(options_)) variant(v.key);
   // Where each weight lives, resolved once (the weight check and the restore point read them).
-  const auto& arena = *train_->persistent();
+  const auto& arena = *compiled_->train->persistent();
   weight_names_ = parameter_names();
-  for (const auto& name : weight_names_) weights_.push_back(*arena.find(name));
+  for (const auto& name : weight_names_) compiled_->weights.push_back(*arena.find(name));
   if (phases_) {
     for (const auto& name : weight_names_) {
       const auto stats = arena.find(name + ".pred_stats");
       if (!stats) throw std::logic_error(fmt::format("no predictor state for '{}'", name));
-      fit_stats_.push_back(*stats);
+      compiled_->fit_stats.push_back(*stats);
     }
-    gains_.assign(2 * fit_stats_.size(), 0.0f);  // per weight: the gain of d, the weight of r
+    gains_.assign(2 * compiled_->fit_stats.size(), 0.0f);  // per weight: the gain of d, the weight of r
   }
 }
 
 graph::CompiledStep& Trainer::training_variant(bool micro, bool fit) {
-  if (!micro && (fit || !phases_)) return *train_;
+  if (!micro && (fit || !phases_)) return *compiled_->train;
   return variant(detail::training_variant_key(options_, micro, fit));
 }
 
@@ -224,6 +230,18 @@ StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& inf
 
 Trainer::~Trainer() = default;
 
+std::uint64_t Trainer::device_peak_bytes() const {
+  return compiled_->train->device_bytes();
+}
+
+std::uint64_t Trainer::host_state_bytes() const {
+  return compiled_->train->persistent()->host_bytes() + compiled_->train->plan().host_transient_bytes;
+}
+
+const graph::ResidencyReport& Trainer::residency() const {
+  return compiled_->train->residency();
+}
+
 void Trainer::require_settled(const char* what) const {
   if (std::none_of(pending_.begin(), pending_.end(), [](const Pending& p) { return p.step != nullptr; })) return;
   throw std::logic_error(
@@ -246,7 +264,7 @@ graph::Graph Trainer::build_graph(const graph::VariantKey& key) const {
 }
 
 void Trainer::initialise_parameters() {
-  const auto& g = train_->graph();
+  const auto& g = compiled_->train->graph();
   const auto& t = g.tensors;
   std::vector<TensorId> tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
@@ -276,7 +294,7 @@ void Trainer::initialise_parameters() {
         std::fill(base, base + t.bytes(id), std::byte{0});  // zeros, in any dtype
     }
   };
-  graph::PersistentArena& arena = *train_->persistent();
+  graph::PersistentArena& arena = *compiled_->train->persistent();
   // Host memory homes (pinned, mapped): each tensor written where it lives, tensors in parallel, so
   // set-up never holds a second image of the model (a 7B model's would be tens of GB) and the first
   // touch of its pinned pages is spread over the cores.
@@ -390,7 +408,7 @@ StepResult Trainer::step(const Batch& batch) {
 }
 
 bool Trainer::runs_ahead() const {
-  return train_->can_run_ahead() && !phases_ && options_.accumulate <= 1 && !options_.precision.scaled() &&
+  return compiled_->train->can_run_ahead() && !phases_ && options_.accumulate <= 1 && !options_.precision.scaled() &&
          options_.check_weights_every == 0;
 }
 
@@ -583,11 +601,11 @@ StepResult Trainer::finish_training_step(Pending& p) {
 
 std::string Trainer::non_finite_weight() const {
   // Weights are f32 masters (mixed precision casts copies of them), read where they live.
-  const auto& arena = *train_->persistent();
+  const auto& arena = *compiled_->train->persistent();
   std::vector<float> values;
-  for (std::size_t w = 0; w < weights_.size(); ++w) {
-    values.resize(weights_[w].bytes / sizeof(float));
-    arena.read(weights_[w].home, weights_[w].place, values.data(), weights_[w].bytes);
+  for (std::size_t w = 0; w < compiled_->weights.size(); ++w) {
+    values.resize(compiled_->weights[w].bytes / sizeof(float));
+    arena.read(compiled_->weights[w].home, compiled_->weights[w].place, values.data(), compiled_->weights[w].bytes);
     for (std::size_t i = 0; i < values.size(); ++i) {
       if (!std::isfinite(values[i])) return fmt::format("'{}' (element {} is {})", weight_names_[w], i, values[i]);
     }
@@ -597,10 +615,10 @@ std::string Trainer::non_finite_weight() const {
 
 FitStats Trainer::read_fit() {
   FitStats f;
-  const auto& arena = *train_->persistent();
-  for (std::size_t i = 0; i < fit_stats_.size(); ++i) {
+  const auto& arena = *compiled_->train->persistent();
+  for (std::size_t i = 0; i < compiled_->fit_stats.size(); ++i) {
     float st[ops::predictor_stat_count];
-    arena.read(fit_stats_[i].home, fit_stats_[i].place, st, sizeof st);
+    arena.read(compiled_->fit_stats[i].home, compiled_->fit_stats[i].place, st, sizeof st);
     // The prediction this fit judged was g d + rg r, with the gains it was made with.
     const double g = gains_[2 * i], rg = gains_[2 * i + 1];
     f.delta_pred += g * st[ops::predictor_stat_delta_d] + rg * st[ops::predictor_stat_delta_r];
@@ -616,13 +634,14 @@ FitStats Trainer::read_fit() {
 StepResult Trainer::predict_step(const Batch& batch) {
   graph::CompiledStep& step = predict_variant_mutable();
   stage_batch(step, batch);
-  auto& arena = *train_->persistent();
+  auto& arena = *compiled_->train->persistent();
   if (!in_predict_run_) {
     // The weights of the last Full step, put back if the run diverges.
-    restore_point_.resize(weights_.size());
-    for (std::size_t i = 0; i < weights_.size(); ++i) {
-      restore_point_[i].resize(weights_[i].bytes);
-      arena.read(weights_[i].home, weights_[i].place, restore_point_[i].data(), weights_[i].bytes);
+    restore_point_.resize(compiled_->weights.size());
+    for (std::size_t i = 0; i < compiled_->weights.size(); ++i) {
+      restore_point_[i].resize(compiled_->weights[i].bytes);
+      arena.read(compiled_->weights[i].home, compiled_->weights[i].place, restore_point_[i].data(),
+                 compiled_->weights[i].bytes);
     }
     in_predict_run_ = true;
   }
@@ -633,16 +652,17 @@ StepResult Trainer::predict_step(const Batch& batch) {
   ++phase_steps_[static_cast<int>(Phase::predict)];
   r.verdict = phases_->record_predict(r.loss);
   if (r.verdict == PhaseController::Verdict::restore) {
-    for (std::size_t i = 0; i < weights_.size(); ++i) {
-      arena.write(weights_[i].home, weights_[i].place, restore_point_[i].data(), restore_point_[i].size());
+    for (std::size_t i = 0; i < compiled_->weights.size(); ++i) {
+      arena.write(compiled_->weights[i].home, compiled_->weights[i].place, restore_point_[i].data(),
+                  restore_point_[i].size());
     }
   }
   if (phases_->next() != Phase::predict) in_predict_run_ = false;
   return r;
 }
 
-const graph::CompiledStep* Trainer::predict_variant() const {
-  for (const auto& [key, step] : variants_) {
+const graph::CompiledStep* compiled_predict_step(const Trainer& t) {
+  for (const auto& [key, step] : compiled_variants(t)) {
     if (key.apply_predictor) return step.get();
   }
   return nullptr;
@@ -662,12 +682,12 @@ StepResult Trainer::step(std::span<const float> images, std::span<const std::int
 }
 
 graph::CompiledStep& Trainer::variant(const graph::VariantKey& key) {
-  auto it = variants_.find(key);
-  if (it == variants_.end()) {
+  auto it = compiled_->variants.find(key);
+  if (it == compiled_->variants.end()) {
     auto step =
         std::make_unique<graph::CompiledStep>(build_graph(key), options_.optimizer, runtime_.env(), runtime_.context(),
-                                              train_->persistent(), graph::StepOptions{residency_options()});
-    it = variants_.emplace(key, std::move(step)).first;
+                                              compiled_->train->persistent(), graph::StepOptions{residency_options()});
+    it = compiled_->variants.emplace(key, std::move(step)).first;
   }
   return *it->second;
 }
@@ -739,7 +759,7 @@ Trainer::HostTensor Trainer::predict(const DataSource& inputs) {
 
 std::uint64_t Trainer::bytes_of(graph::Role role) const {
   std::uint64_t bytes = 0;
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == role) bytes += t.bytes(id);
   }
@@ -752,7 +772,7 @@ std::uint64_t Trainer::weight_bytes() const {
 
 std::uint64_t Trainer::parameter_count() const {
   std::uint64_t count = 0;
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == graph::Role::weight) count += t.shape[id].elems();
   }
@@ -768,11 +788,12 @@ void Trainer::reduce_over_ranks(StepResult& r) {
 }
 
 std::uint64_t Trainer::gradient_bytes() const {
-  const graph::Graph& g = train_->graph();
+  const graph::Graph& g = compiled_->train->graph();
   std::uint64_t bytes = 0;
-  if (train_key_.zero_stage == 2 && train_key_.ranks > 1) {
+  if (compiled_->train_key.zero_stage == 2 && compiled_->train_key.ranks > 1) {
     // The reduced shares (f32) the updates read; the whole gradients are transient.
-    for (const graph::ZeroShare& s : graph::zero_shares(g, graph::zero_sharding(train_key_, options_.optimizer))) {
+    for (const graph::ZeroShare& s :
+         graph::zero_shares(g, graph::zero_sharding(compiled_->train_key, options_.optimizer))) {
       bytes += s.range.count * sizeof(float);
     }
     return bytes;
@@ -786,11 +807,11 @@ std::uint64_t Trainer::gradient_bytes() const {
 
 std::uint64_t Trainer::allreduce_bytes_per_step() const {
   if (!ranks_) return 0;
-  if (train_key_.zero_stage != 2) return gradient_bytes();
+  if (compiled_->train_key.zero_stage != 2) return gradient_bytes();
   // Every weight's whole f32 gradient goes into the reduce-scatter (its t.grad is the shard now).
   std::uint64_t bytes = 0;
-  for (const graph::ZeroShare& s : graph::zero_shares(train_->graph(), {})) {
-    bytes += train_->graph().tensors.shape[s.weight].elems() * sizeof(float);
+  for (const graph::ZeroShare& s : graph::zero_shares(compiled_->train->graph(), {})) {
+    bytes += compiled_->train->graph().tensors.shape[s.weight].elems() * sizeof(float);
   }
   return bytes;
 }
@@ -806,7 +827,7 @@ std::uint64_t Trainer::training_state_bytes() const {
 
 std::vector<std::string> Trainer::parameter_names() const {
   std::vector<std::string> names;
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == graph::Role::weight) names.push_back(t.name[id]);
   }
@@ -821,8 +842,8 @@ void Trainer::set_lr(float lr) {
   lr_ = lr;
 }
 
-graph::Home Trainer::home_of(graph::Role role) const {
-  const auto& t = train_->graph().tensors;
+graph::Home home_of(const Trainer& trainer, graph::Role role) {
+  const auto& t = compiled_train_step(trainer).graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == role && t.alias_of[id] == graph::no_tensor) return t.home[id];
   }
@@ -830,7 +851,7 @@ graph::Home Trainer::home_of(graph::Role role) const {
 }
 
 TensorId Trainer::persistent_tensor(const std::string& name) const {
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor && t.name[id] == name) return id;
   }
@@ -839,16 +860,16 @@ TensorId Trainer::persistent_tensor(const std::string& name) const {
 
 Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
   require_settled("read a tensor");
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   const TensorId id = persistent_tensor(name);
   HostTensor out{t.dtype[id], t.shape[id], std::vector<std::byte>(t.bytes(id))};
-  train_->persistent()->read(t.home[id], t.placement[id], out.bytes.data(), out.bytes.size());
+  compiled_->train->persistent()->read(t.home[id], t.placement[id], out.bytes.data(), out.bytes.size());
   return out;
 }
 
 std::vector<std::string> Trainer::tensor_names() const {
   std::vector<std::string> names = parameter_names();
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == graph::Role::optimizer_state && t.alias_of[id] == graph::no_tensor) names.push_back(t.name[id]);
   }
@@ -860,7 +881,7 @@ std::vector<std::string> Trainer::tensor_names() const {
 
 void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
   settle_all();
-  const auto& t = train_->graph().tensors;
+  const auto& t = compiled_->train->graph().tensors;
   const TensorId id = persistent_tensor(name);
   if (value.dtype != t.dtype[id] || !(value.shape == t.shape[id]) || value.bytes.size() != t.bytes(id)) {
     throw std::invalid_argument(fmt::format("cannot write '{}': it is {} {}, the value is {} {} ({} bytes)", name,
@@ -876,7 +897,7 @@ void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
       }
     }
   }
-  train_->persistent()->write(t.home[id], t.placement[id], value.bytes.data(), value.bytes.size());
+  compiled_->train->persistent()->write(t.home[id], t.placement[id], value.bytes.data(), value.bytes.size());
 }
 
 std::vector<float> Trainer::read_parameter(const std::string& name) const {

@@ -7,6 +7,16 @@
 #include <vector>
 
 #include "ferry/runtime/trainer.hpp"
+#include "graph/pipeline.hpp"
+
+namespace ferry {
+
+// The forward graph of one variant of `model`: its batch tensors, layers, and either the loss
+// (training, evaluation) or the prediction as the output "prediction" (key.predict). Throws
+// graph::BuildError for a model that cannot be built.
+graph::Graph forward_graph(const ModelSpec& model, const graph::VariantKey& key);
+
+}  // namespace ferry
 
 namespace ferry::detail {
 

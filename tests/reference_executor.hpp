@@ -9,10 +9,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/graph/node_view.hpp"
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+#include "graph/node_view.hpp"
 
 namespace ferry::test {
 
@@ -21,7 +21,7 @@ class ReferenceExecutor {
   using T = double;
 
  public:
-  ReferenceExecutor(const graph::Graph& g, graph::OptimizerConfig optimizer) : g_(g), optimizer_(optimizer) {
+  ReferenceExecutor(const graph::Graph& g, ops::OptimizerConfig optimizer) : g_(g), optimizer_(optimizer) {
     const auto& t = g_.tensors;
     values_.resize(t.size());
     ints_.resize(t.size());
@@ -102,7 +102,7 @@ class ReferenceExecutor {
   }
 
   const graph::Graph& g_;
-  graph::OptimizerConfig optimizer_;
+  ops::OptimizerConfig optimizer_;
   std::vector<std::vector<T>> values_;
   std::vector<std::vector<std::int32_t>> ints_;
 };

@@ -10,7 +10,7 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/ops/accumulate.hpp"
+#include "ops/accumulate.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
@@ -45,7 +45,7 @@ TEST(GradAccumulate, KernelsMatchReferences) {
   }
 }
 
-TrainerOptions options(std::uint32_t batch, std::uint32_t accumulate, graph::OptimizerConfig::Kind kind) {
+TrainerOptions options(std::uint32_t batch, std::uint32_t accumulate, ops::OptimizerConfig::Kind kind) {
   TrainerOptions o;
   o.batch = batch;
   o.accumulate = accumulate;
@@ -60,7 +60,7 @@ TEST(GradAccumulate, EqualsOneLargerBatch) {
   Runtime rt;
   const ModelSpec m = small_mlp();
   const std::size_t sample = sample_elems(m);
-  for (auto kind : {graph::OptimizerConfig::Kind::sgd, graph::OptimizerConfig::Kind::adam}) {
+  for (auto kind : {ops::OptimizerConfig::Kind::sgd, ops::OptimizerConfig::Kind::adam}) {
     for (std::uint32_t k : {2u, 3u}) {
       SCOPED_TRACE(fmt::format("{} k={}", optimizer_name(kind), k));
       Trainer micro(rt, m, options(4, k, kind));
@@ -90,7 +90,7 @@ TEST(GradAccumulate, EqualsOneLargerBatch) {
 TEST(GradAccumulate, StreamedIsBitIdenticalToResident) {
   Runtime rt;
   const ModelSpec m = small_cnn();
-  const TrainerOptions resident_opt = options(4, 3, graph::OptimizerConfig::Kind::adam);
+  const TrainerOptions resident_opt = options(4, 3, ops::OptimizerConfig::Kind::adam);
   TrainerOptions stream_opt = resident_opt;
   stream_opt.residency.mode = graph::ResidencyMode::stream;
   stream_opt.residency.budget_bytes = 2 * stream_budget(rt, m, resident_opt);
@@ -110,7 +110,7 @@ TEST(GradAccumulate, StreamedIsBitIdenticalToResident) {
 
 TEST(GradAccumulate, BadSettingsAreClearErrors) {
   Runtime rt;
-  TrainerOptions o = options(4, 0, graph::OptimizerConfig::Kind::adam);
+  TrainerOptions o = options(4, 0, ops::OptimizerConfig::Kind::adam);
   try {
     Trainer t(rt, small_mlp(), o);
     ADD_FAILURE() << "accumulation over 0 micro-batches was accepted";

@@ -11,11 +11,11 @@
 #include <tuple>
 
 #include "ferry/ferry.hpp"
-#include "ferry/ops/attention.hpp"
 #include "ferry/ops/cast.hpp"
-#include "ferry/ops/gemm.hpp"
 #include "ferry/ops/op_table.hpp"
-#include "ferry/ops/softmax.hpp"
+#include "ops/attention.hpp"
+#include "ops/gemm.hpp"
+#include "ops/softmax.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

@@ -3,7 +3,7 @@
 // against double-precision finite differences.
 #include <cstring>
 
-#include "ferry/ops/bias.hpp"
+#include "ops/bias.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

@@ -164,7 +164,7 @@ const Case cases[] = {
     {"adamw8bit", small_mlp,
      [](Runtime&, const ModelSpec&) {
        auto o = base();
-       o.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
+       o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
        o.optimizer.block8bit = 256;
        o.optimizer.adam.weight_decay = 0.01f;
        return o;
@@ -172,7 +172,7 @@ const Case cases[] = {
     {"adamw8bit_compressed", small_mlp,
      [](Runtime&, const ModelSpec&) {
        auto o = base();
-       o.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
+       o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
        o.optimizer.block8bit = 256;
        o.residency.state_home = graph::Home::host_compressed;
        return o;
@@ -180,7 +180,7 @@ const Case cases[] = {
     {"sgd_mapped", small_cnn,
      [](Runtime&, const ModelSpec&) {
        auto o = base();
-       o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+       o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
        o.residency.mode = graph::ResidencyMode::mapped;
        return o;
      }},
@@ -432,7 +432,7 @@ TEST(Checkpoint, AnotherModelOptimizerOrBatchIsRefused) {
   }
   {
     auto o = f.o;
-    o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+    o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
     Trainer sgd(f.rt, small_mlp(), o);
     expect_refused<std::invalid_argument>(sgd, f.path, {"optimizer is adam", "sgd", "--optimizer adam"},
                                           "another optimizer");

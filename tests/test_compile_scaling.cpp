@@ -15,9 +15,11 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/graph/dependencies.hpp"
-#include "ferry/graph/memory_plan.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/dependencies.hpp"
+#include "graph/memory_plan.hpp"
+#include "graph/residency_passes.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "train_check.hpp"
 
@@ -331,7 +333,7 @@ class MemoryPlanTest : public ::testing::TestWithParam<PlanCase> {};
 TEST_P(MemoryPlanTest, IsSoundAndNoLargerThanGreedyBySize) {
   const PlanCase c = GetParam();
   const ModelSpec m = c.model();
-  graph::OptimizerConfig opt;
+  ops::OptimizerConfig opt;
   // Training step, one buffer.
   graph::Graph train = training_graph(m, c.batch, opt);
   graph::MemoryPlanOptions o;
@@ -579,7 +581,7 @@ struct StreamCase {
   const char* name;
   ModelSpec (*model)();
   bool host_optimizer;
-  graph::OptimizerConfig::Kind optimizer;
+  ops::OptimizerConfig::Kind optimizer;
 };
 
 ModelSpec deep_tiny() {
@@ -590,7 +592,7 @@ class StreamTransformTest : public ::testing::TestWithParam<StreamCase> {};
 
 TEST_P(StreamTransformTest, EqualsTheQuadraticTransformAtEveryBudget) {
   const StreamCase c = GetParam();
-  graph::OptimizerConfig opt;
+  ops::OptimizerConfig opt;
   opt.kind = c.optimizer;
   opt.sgd.momentum = 0.9f;
   const graph::Graph g = training_graph(c.model(), 4, opt);
@@ -646,12 +648,12 @@ TEST_P(StreamTransformTest, EqualsTheQuadraticTransformAtEveryBudget) {
 
 INSTANTIATE_TEST_SUITE_P(
     Models, StreamTransformTest,
-    ::testing::Values(StreamCase{"mlp_adam", &small_mlp, false, graph::OptimizerConfig::Kind::adam},
-                      StreamCase{"cnn_sgd", &small_cnn, false, graph::OptimizerConfig::Kind::sgd},
-                      StreamCase{"residual_adam", &small_residual, false, graph::OptimizerConfig::Kind::adam},
-                      StreamCase{"residual_host_adam", &small_residual, true, graph::OptimizerConfig::Kind::adam},
-                      StreamCase{"deep_adam", &deep_tiny, false, graph::OptimizerConfig::Kind::adam},
-                      StreamCase{"deep_host_sgd", &deep_tiny, true, graph::OptimizerConfig::Kind::sgd}),
+    ::testing::Values(StreamCase{"mlp_adam", &small_mlp, false, ops::OptimizerConfig::Kind::adam},
+                      StreamCase{"cnn_sgd", &small_cnn, false, ops::OptimizerConfig::Kind::sgd},
+                      StreamCase{"residual_adam", &small_residual, false, ops::OptimizerConfig::Kind::adam},
+                      StreamCase{"residual_host_adam", &small_residual, true, ops::OptimizerConfig::Kind::adam},
+                      StreamCase{"deep_adam", &deep_tiny, false, ops::OptimizerConfig::Kind::adam},
+                      StreamCase{"deep_host_sgd", &deep_tiny, true, ops::OptimizerConfig::Kind::sgd}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

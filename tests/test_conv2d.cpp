@@ -12,9 +12,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "ferry/ops/conv2d.hpp"
-#include "ferry/ops/elementwise.hpp"
-#include "ferry/ops/gemm.hpp"
+#include "ops/conv2d.hpp"
+#include "ops/elementwise.hpp"
+#include "ops/gemm.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

@@ -15,6 +15,7 @@
 
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 
@@ -180,7 +181,7 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
   alone.accumulate = c.accumulate;
   alone.residency.mode = c.mode;
   alone.residency.host_optimizer = c.host_optimizer;
-  if (c.host_optimizer) alone.optimizer.kind = graph::OptimizerConfig::Kind::adamw;
+  if (c.host_optimizer) alone.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
   auto mirror = std::make_shared<Mirror>(4);
   const TrainerOptions ranked = on_four_ranks(alone, mirror);
   Trainer one(rt, m, alone), four(rt, m, ranked);
@@ -273,7 +274,7 @@ TEST(CommLane, CollectivesCompleteOffTheWorkersAndTheStepWaitsForThem) {
     if (streamed) {
       alone.residency.mode = graph::ResidencyMode::stream;
       alone.residency.host_optimizer = true;
-      alone.optimizer.kind = graph::OptimizerConfig::Kind::adamw;
+      alone.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
     }
     auto late = std::make_shared<LateMirror>(4);
     const TrainerOptions ranked = on_four_ranks(alone, late);
@@ -294,7 +295,7 @@ TEST(CommLane, CollectivesCompleteOffTheWorkersAndTheStepWaitsForThem) {
     // The trace: the collectives on the communication lane, each spanning its start to its
     // completion, beside the compute lane.
     int comm = 0;
-    for (const auto& e : four.train_step().timeline()) {
+    for (const auto& e : compiled_train_step(four).timeline()) {
       if (e.op != "grad_allreduce") continue;
       EXPECT_EQ(e.lane, ops::Lane::comm) << e.name;
       EXPECT_GT(e.end_ns, e.start_ns) << e.name;
@@ -367,7 +368,7 @@ TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
     }
     EXPECT_EQ(comm->guard_sums, 1);
     // This rank's shares of the weights (the other rank's come from the gather this fake skips).
-    const graph::Graph& g = t.train_step().graph();
+    const graph::Graph& g = compiled_train_step(t).graph();
     int changed = 0;
     for (const graph::ZeroShare& z : graph::zero_shares(g, {0, 2, 2048})) {
       const std::string& name = g.tensors.name[z.weight];

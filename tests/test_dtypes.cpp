@@ -15,7 +15,7 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/ops/activation.hpp"
 #include "ferry/ops/cast.hpp"
-#include "ferry/ops/elementwise.hpp"
+#include "ops/elementwise.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "ferry/ops/elementwise.hpp"
+#include "ops/elementwise.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

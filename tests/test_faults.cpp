@@ -21,6 +21,7 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "trainer_state.hpp"
@@ -180,15 +181,15 @@ TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNev
   trainer.step(images, labels);
   reference.step(images, labels);
 
-  const graph::NodeId victim = pick_victim(trainer.train_step(), c.victim);
-  const std::string name = trainer.train_step().graph().nodes.name[victim];
-  if (const auto commit = trainer.train_step().commit_node()) {
+  const graph::NodeId victim = pick_victim(compiled_train_step(trainer), c.victim);
+  const std::string name = compiled_train_step(trainer).graph().nodes.name[victim];
+  if (const auto commit = compiled_train_step(trainer).commit_node()) {
     // Weights changed in place: the victim fails before the commit point, after which the first
     // of them would be updated.
     EXPECT_LT(victim, *commit) << name;
   }
   const auto before = tensors_of(trainer);
-  trainer.train_step().inject_failure(victim, c.fault);
+  compiled_train_step(trainer).inject_failure(victim, c.fault);
   const std::string error = within_deadline(c.name, [&]() -> std::string {
     try {
       trainer.step(images, labels);
@@ -249,11 +250,11 @@ TEST(Faults, HostNodeFailureIsThrownByTheHostWorkItself) {
   Runtime rt;
   const ModelSpec m = small_residual();
   Trainer trainer(rt, m, options_for(rt, m, FaultCase::host_optimizer));
-  const graph::NodeId victim = pick_victim(trainer.train_step(), FaultCase::host_update);
+  const graph::NodeId victim = pick_victim(compiled_train_step(trainer), FaultCase::host_update);
   const std::size_t sample = sample_elems(m);
   auto images = random_vector(8 * sample, 31);
   auto labels = labels_for(8, 32);
-  trainer.train_step().inject_failure(victim, graph::Fault::host_throw);
+  compiled_train_step(trainer).inject_failure(victim, graph::Fault::host_throw);
   try {
     trainer.step(images, labels);
     FAIL() << "the step should fail";
@@ -346,7 +347,7 @@ TEST_P(DivergenceGuardTest, NonFiniteWeightsAfterAFiniteLossAreReportedHonestly)
   Runtime rt;
   const ModelSpec m = small_mlp();
   TrainerOptions o = options_for(rt, m, GetParam());
-  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0;
   o.lr = 1e37f;  // gradients above about 34 overflow the update to inf; the loss stays finite
   const std::size_t sample = sample_elems(m);
@@ -372,7 +373,7 @@ TEST_P(DivergenceGuardTest, NonFiniteWeightsAfterAFiniteLossAreReportedHonestly)
   o.check_weights_every = 0;
   Trainer fine(rt, m, o);
   EXPECT_TRUE(std::isfinite(fine.step(images, labels).loss));
-  EXPECT_FALSE(fine.train_step().wrote_non_finite_weight());
+  EXPECT_FALSE(compiled_train_step(fine).wrote_non_finite_weight());
 }
 
 INSTANTIATE_TEST_SUITE_P(Homes, DivergenceGuardTest,
@@ -402,20 +403,20 @@ TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForA
     Trainer trainer(rt, m, o), reference(rt, m, o);
     trainer.step(images, labels);
     reference.step(images, labels);
-    const auto& n = trainer.train_step().graph().nodes;
+    const auto& n = compiled_train_step(trainer).graph().nodes;
     std::vector<graph::NodeId> updates;
     for (graph::NodeId id = 0; id < n.size(); ++id) {
       if (ops::op_info(n.op[id]).op_class == ops::OpClass::update) updates.push_back(id);
     }
     ASSERT_GE(updates.size(), 3u);
-    ASSERT_TRUE(trainer.train_step().commit_node().has_value());
-    EXPECT_LT(*trainer.train_step().commit_node(), updates.front());
+    ASSERT_TRUE(compiled_train_step(trainer).commit_node().has_value());
+    EXPECT_LT(*compiled_train_step(trainer).commit_node(), updates.front());
 
     // The first update fails before it is enqueued: none has run, the state is as before. (Failing
     // on the device it would not stop the updates after it everywhere: Oclgrind runs them.)
     const auto before = tensors_of(trainer);
     if (fault != graph::Fault::device_error) {
-      trainer.train_step().inject_failure(updates.front(), fault);
+      compiled_train_step(trainer).inject_failure(updates.front(), fault);
       EXPECT_THROW(within_deadline("a failing first update", [&] { return trainer.step(images, labels); }),
                    std::runtime_error);
       expect_same_state(tensors_of(trainer), before, "after a failing first update");
@@ -424,7 +425,7 @@ TEST_P(UpdatePhaseTest, AFailureInTheUpdatePhaseIsReportedAndTheTrainerWaitsForA
 
     // The last update fails after the others were enqueued.
     trainer.save_checkpoint(path);
-    trainer.train_step().inject_failure(updates.back(), fault);
+    compiled_train_step(trainer).inject_failure(updates.back(), fault);
     const std::string error = within_deadline("a failing last update", [&]() -> std::string {
       try {
         trainer.step(images, labels);

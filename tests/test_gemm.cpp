@@ -19,7 +19,7 @@
 #include <tuple>
 
 #include "ferry/ops/cast.hpp"
-#include "ferry/ops/gemm.hpp"
+#include "ops/gemm.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

@@ -11,7 +11,7 @@
 #include <map>
 #include <sstream>
 
-#include "ferry/ops/gemm_tune.hpp"
+#include "ops/gemm_tune.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

@@ -14,6 +14,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -58,10 +59,10 @@ TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
   const auto c = tiny_config();
   const std::uint32_t batch = 3;
   TrainerOptions o = gpt_options(batch);
-  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   o.lr = 0.1f;
   Trainer trainer(rt, models::gpt(c), o);
-  ReferenceExecutor ref(trainer.train_step().graph(), trainer.options().optimizer);
+  ReferenceExecutor ref(compiled_train_step(trainer).graph(), trainer.options().optimizer);
   load_parameters(ref, trainer);
   for (std::uint32_t s = 0; s < 4; ++s) {
     const auto tokens = random_ids(batch * c.context, c.vocab, 10 + s),
@@ -78,8 +79,8 @@ TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
 TEST(Gpt, ReferenceGradientsMatchFiniteDifferences) {
   const auto c = tiny_config();
   const std::uint32_t batch = 2;
-  graph::OptimizerConfig sgd;
-  sgd.kind = graph::OptimizerConfig::Kind::sgd;
+  ops::OptimizerConfig sgd;
+  sgd.kind = ops::OptimizerConfig::Kind::sgd;
   const graph::Graph g = training_graph(models::gpt(c), batch, sgd);
   ReferenceExecutor ref(g, sgd);
   randomize_weights(ref, g, 3, -0.5f, 0.5f);
@@ -113,7 +114,7 @@ TEST(Gpt, FusedAttentionTrainsLikeTheUnfusedPath) {
       models::GptConfig cc = c;
       cc.fused_attention = fused;
       TrainerOptions o = gpt_options(batch);
-      o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;  // Adam would amplify the key bias's zero-gradient noise
+      o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;  // Adam would amplify the key bias's zero-gradient noise
       o.lr = 0.1f;
       Trainer t(rt, models::gpt(cc), o);
       std::vector<float> losses;
@@ -184,7 +185,7 @@ TEST(Gpt, StreamedHostMemoryIsTheStateAndTrainingBitIdentical) {
   auto run = [&](const TrainerOptions& o, double* host_ratio, std::uint64_t* spilled) {
     Trainer t(rt, models::gpt(c), o);
     if (host_ratio) *host_ratio = double(t.host_state_bytes()) / double(t.training_state_bytes());
-    if (spilled) *spilled = t.train_step().plan().host_transient_bytes;
+    if (spilled) *spilled = compiled_train_step(t).plan().host_transient_bytes;
     for (std::uint32_t s = 0; s < 2; ++s) {
       t.step(
           token_batch(random_ids(batch * c.context, c.vocab, 50 + s), random_ids(batch * c.context, c.vocab, 60 + s)));
@@ -324,7 +325,7 @@ TEST(Losses, MseRegressionTrainsLikeTheReference) {
   o.batch = 8;
   o.lr = 0.01f;
   Trainer trainer(rt, m, o);
-  ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
+  ReferenceExecutor ref(compiled_train_step(trainer).graph(), o.optimizer);
   load_parameters(ref, trainer);
   const auto x = random_vector(8 * 5, 1);
   std::vector<float> y(8 * 2);
@@ -367,8 +368,8 @@ ModelSpec two_headed() {
 }
 
 TEST(Losses, WeightedSumOfTwoLossesHasTheGradientsOfTheSum) {
-  graph::OptimizerConfig sgd;
-  sgd.kind = graph::OptimizerConfig::Kind::sgd;
+  ops::OptimizerConfig sgd;
+  sgd.kind = ops::OptimizerConfig::Kind::sgd;
   const graph::Graph g = training_graph(two_headed(), 4, sgd);
   ReferenceExecutor ref(g, sgd);
   randomize_weights(ref, g, 5, -0.7f, 0.7f);
@@ -388,9 +389,9 @@ TEST(Losses, WeightedSumTrainsOnTheDeviceLikeTheReference) {
   TrainerOptions o;
   o.batch = 4;
   o.lr = 0.05f;
-  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   Trainer trainer(rt, two_headed(), o);
-  ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
+  ReferenceExecutor ref(compiled_train_step(trainer).graph(), o.optimizer);
   load_parameters(ref, trainer);
   for (std::uint32_t s = 0; s < 3; ++s) {
     const auto x = random_vector(4 * 6, 10 + s), y = random_vector(4 * 2, 20 + s);
@@ -406,8 +407,8 @@ TEST(Losses, WeightedSumTrainsOnTheDeviceLikeTheReference) {
   }
   expect_parameters_match(trainer, ref, 1e-5);
   // Both losses' statistics are results the host can read, under distinct names.
-  EXPECT_NO_THROW(trainer.train_step().host_output("loss.stats"));
-  EXPECT_NO_THROW(trainer.train_step().host_output("loss4.stats"));
+  EXPECT_NO_THROW(compiled_train_step(trainer).host_output("loss.stats"));
+  EXPECT_NO_THROW(compiled_train_step(trainer).host_output("loss4.stats"));
 }
 
 TEST(Losses, LossSumTakesOnlyLosses) {

@@ -7,9 +7,10 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/graph/bind.hpp"
-#include "ferry/graph/memory_plan.hpp"
+#include "graph/bind.hpp"
+#include "graph/memory_plan.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
@@ -30,7 +31,7 @@ class ModelTest : public ::testing::TestWithParam<ModelSpec (*)()> {};
 
 TEST_P(ModelTest, MemoryPlanNeverOverlapsLiveTensors) {
   const ModelSpec m = GetParam()();
-  graph::OptimizerConfig opt;
+  ops::OptimizerConfig opt;
   graph::Graph g = training_graph(m, 6, opt);
   graph::assign_scratch(g, TestDevice::get().env);
   graph::MemoryPlanOptions mopt;
@@ -94,8 +95,8 @@ TEST(MemoryPlan, TensorLargerThanAnyBufferIsAnError) {
 
 TEST_P(ModelTest, AutodiffMatchesFiniteDifferences) {
   const ModelSpec m = GetParam()();
-  graph::OptimizerConfig opt;
-  opt.kind = graph::OptimizerConfig::Kind::sgd;
+  ops::OptimizerConfig opt;
+  opt.kind = ops::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   const std::uint32_t batch = 3;
   graph::Graph g = training_graph(m, batch, opt);
@@ -122,10 +123,10 @@ TEST_P(ModelTest, DeviceStepsMatchReferenceExecutor) {
   TrainerOptions topt;
   topt.batch = 6;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, m, topt);
-  const auto& g = trainer.train_step().graph();
+  const auto& g = compiled_train_step(trainer).graph();
   ReferenceExecutor ref(g, topt.optimizer);
   for (const auto& name : trainer.parameter_names())
     ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));
@@ -154,9 +155,9 @@ TEST(CompiledStep, FailingNodeCancelsStepNamesItAndTrainerRecovers) {
   Runtime runtime;
   TrainerOptions topt;
   topt.batch = 4;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   Trainer trainer(runtime, small_mlp(), topt);
-  const auto& nodes = trainer.train_step().graph().nodes;
+  const auto& nodes = compiled_train_step(trainer).graph().nodes;
   graph::NodeId victim = 0;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
     if (nodes.op[n] == graph::builtin::linear_grad_param) victim = n;
@@ -165,7 +166,7 @@ TEST(CompiledStep, FailingNodeCancelsStepNamesItAndTrainerRecovers) {
   const auto before = trainer.read_parameter("linear0.w");
   auto images = random_vector(4 * 20, 1);
   auto labels = random_labels(4, 2);
-  trainer.train_step().inject_failure(victim);
+  compiled_train_step(trainer).inject_failure(victim);
   try {
     trainer.step(images, labels);
     FAIL() << "the step should have thrown";
@@ -280,8 +281,8 @@ TEST(Trainer, EvaluationVariantsShareWeightsAndCoverEverySample) {
   const auto all = trainer.evaluate(d);
   EXPECT_EQ(all.samples, 21u);
   // Evaluation runs in the training step's buffers: its variants add no device memory.
-  ASSERT_EQ(trainer.variants().size(), 3u);
-  for (const auto& [key, step] : trainer.variants()) {
+  ASSERT_EQ(compiled_variants(trainer).size(), 3u);
+  for (const auto& [key, step] : compiled_variants(trainer)) {
     EXPECT_FALSE(key.training);
     EXPECT_EQ(step->plan().new_transient_bytes, 0u) << "eval batch " << key.batch;
   }
@@ -295,7 +296,7 @@ TEST(Trainer, EvaluationVariantsShareWeightsAndCoverEverySample) {
     EXPECT_EQ(r.samples, count);
     EXPECT_TRUE(std::isfinite(r.loss));
   }
-  EXPECT_EQ(trainer.variants().size(), 4u);
+  EXPECT_EQ(compiled_variants(trainer).size(), 4u);
   EXPECT_EQ(trainer.evaluate(d).loss, loss_of_21) << "evaluation is deterministic";
 }
 
@@ -333,7 +334,7 @@ TEST(Trainer, PredictReturnsTheLogitsOfEverySample) {
     }
   }
   // Prediction variants read only the inputs: no labels are staged or checked.
-  for (const auto& [key, step] : trainer.variants()) {
+  for (const auto& [key, step] : compiled_variants(trainer)) {
     EXPECT_TRUE(key.predict);
     EXPECT_THROW(step->host_input("labels"), std::invalid_argument);
   }

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "ferry/ops/layernorm.hpp"
+#include "ops/layernorm.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

@@ -14,9 +14,10 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/ops/attrs.hpp"
-#include "ferry/ops/layout.hpp"
+#include "ops/attrs.hpp"
+#include "ops/layout.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -302,9 +303,9 @@ graph::Graph layout_model(std::uint32_t batch) {
   return g;
 }
 
-graph::OptimizerConfig plain_sgd() {
-  graph::OptimizerConfig opt;
-  opt.kind = graph::OptimizerConfig::Kind::sgd;
+ops::OptimizerConfig plain_sgd() {
+  ops::OptimizerConfig opt;
+  opt.kind = ops::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   return opt;
 }
@@ -328,7 +329,7 @@ TEST(LayoutRows, BackwardNodesReuseTheRows) {
 }
 
 TEST(LayoutRows, BackwardThroughTheGraphMatchesFiniteDifferences) {
-  const graph::OptimizerConfig opt = plain_sgd();
+  const ops::OptimizerConfig opt = plain_sgd();
   graph::Graph g = graph::prepare_step_graph(layout_model(3), graph::VariantKey{3, true}, opt);
   ReferenceExecutor ref(g, opt);
   const auto& t = g.tensors;
@@ -348,7 +349,7 @@ TEST(LayoutRows, BackwardThroughTheGraphMatchesFiniteDifferences) {
 
 TEST(LayoutRows, ModelTrainsOnTheDeviceLikeTheReference) {
   auto& dev = TestDevice::get();
-  const graph::OptimizerConfig opt = plain_sgd();
+  const ops::OptimizerConfig opt = plain_sgd();
   const std::uint32_t batch = 7;
   graph::Graph g = graph::prepare_step_graph(layout_model(batch), graph::VariantKey{batch, true}, opt);
   graph::CompiledStep step(g, opt, dev.env, dev.context);

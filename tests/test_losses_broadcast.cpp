@@ -16,11 +16,11 @@
 #include <ostream>
 #include <string>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/graph/bind.hpp"
-#include "ferry/ops/add_bias.hpp"
-#include "ferry/ops/mse.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+#include "graph/bind.hpp"
+#include "ops/add_bias.hpp"
+#include "ops/mse.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
 
@@ -379,7 +379,7 @@ void randomize(ReferenceExecutor& ref, const graph::Graph& g, std::initializer_l
 TEST(LossBroadcastRows, GradientsThroughTheGraphMatchFiniteDifferences) {
   PosModel m = pos_model();
   graph::append_backward(m.g);
-  ReferenceExecutor ref(m.g, graph::OptimizerConfig{});
+  ReferenceExecutor ref(m.g, ops::OptimizerConfig{});
   randomize(ref, m.g, {m.h, m.pos, m.target});
   ref.run({1, 0.0f});
   for (TensorId id : {m.h, m.pos}) {
@@ -399,7 +399,7 @@ TEST(LossBroadcastRows, BoundOnTheDeviceLikeTheReferenceExecutor) {
   PosModel m = pos_model();
   graph::append_backward(m.g);
   const graph::Graph& g = m.g;
-  ReferenceExecutor ref(g, graph::OptimizerConfig{});
+  ReferenceExecutor ref(g, ops::OptimizerConfig{});
   randomize(ref, g, {m.h, m.pos, m.target});
   ref.run({1, 0.0f});
 
@@ -414,7 +414,7 @@ TEST(LossBroadcastRows, BoundOnTheDeviceLikeTheReferenceExecutor) {
   locate.device = [&](TensorId id) { return at[id]->span(); };
   locate.host = [](TensorId, bool) -> ops::HostAddress { throw std::logic_error("no host tensors here"); };
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
-    ops::run_blocking(dev.context.compute(), graph::bind_node(g, n, locate, dev.env, graph::OptimizerConfig{}));
+    ops::run_blocking(dev.context.compute(), graph::bind_node(g, n, locate, dev.env, ops::OptimizerConfig{}));
   }
   for (TensorId id : {m.y, g.loss, g.tensors.grad[m.y], g.tensors.grad[m.pos]}) {
     SCOPED_TRACE(g.tensors.name[id]);

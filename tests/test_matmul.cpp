@@ -16,12 +16,13 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/graph/pipeline.hpp"
-#include "ferry/ops/attrs.hpp"
-#include "ferry/ops/gemm.hpp"
-#include "ferry/ops/matmul.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/pipeline.hpp"
+#include "ops/attrs.hpp"
+#include "ops/gemm.hpp"
+#include "ops/matmul.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -256,10 +257,10 @@ TEST(MatmulRows, AttentionModelTrainsOnTheDeviceLikeItsReference) {
   TrainerOptions topt;
   topt.batch = 4;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, attention_model(), topt);
-  const auto& g = trainer.train_step().graph();
+  const auto& g = compiled_train_step(trainer).graph();
   std::map<std::string, int> kinds;
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) ++kinds[ops::op_info(g.nodes.op[n]).name];
   EXPECT_EQ(kinds["matmul"], 5);
@@ -273,8 +274,8 @@ TEST(MatmulRows, AttentionModelTrainsOnTheDeviceLikeItsReference) {
 
 TEST(MatmulRows, GradientsThroughTheGraphMatchFiniteDifferences) {
   graph::Graph g = forward_graph(attention_model(), graph::VariantKey{3, true});
-  graph::OptimizerConfig opt;
-  opt.kind = graph::OptimizerConfig::Kind::sgd;
+  ops::OptimizerConfig opt;
+  opt.kind = ops::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   g = graph::prepare_step_graph(std::move(g), graph::VariantKey{3, true}, opt);
   ReferenceExecutor ref(g, opt);

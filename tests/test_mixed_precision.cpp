@@ -7,6 +7,7 @@
 
 #include "ferry/runtime/trainer.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
@@ -21,7 +22,7 @@ TrainerOptions options(DType compute, std::uint32_t batch = 6) {
   TrainerOptions o;
   o.batch = batch;
   o.lr = 0.05f;
-  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0.9f;
   o.precision.compute = compute;
   return o;
@@ -35,7 +36,7 @@ graph::VariantKey key_for(DType compute, bool scaling) {
 }
 
 TEST(MixedPrecision, PassKeepsMastersHeadAndLossInF32) {
-  graph::OptimizerConfig opt;
+  ops::OptimizerConfig opt;
   const auto key = key_for(DType::bf16, false);
   const graph::Graph g = graph::prepare_step_graph(forward_graph(small_cnn(), key), key, opt);
   const auto& t = g.tensors;
@@ -100,7 +101,7 @@ TEST_P(MixedPrecisionModels, DeviceStepsMatchReference) {
   auto o = options(compute);
   o.precision.initial_scale = 1024.0f;
   Trainer trainer(rt, m, o);
-  ReferenceExecutor ref(trainer.train_step().graph(), o.optimizer);
+  ReferenceExecutor ref(compiled_train_step(trainer).graph(), o.optimizer);
   load_parameters(ref, trainer);
   const std::size_t sample = sample_elems(m);
   for (std::uint32_t s = 0; s < 3; ++s) {
@@ -180,9 +181,10 @@ TEST(MixedPrecision, NarrowActivationsLowerThePeak) {
   const auto mlp = models::mlp();
   Trainer f32(rt, mlp, options(DType::f32, 512)), bf16(rt, mlp, options(DType::bf16, 512));
   auto step_bytes = [](const Trainer& t) {
-    return static_cast<double>(t.device_peak_bytes() - t.train_step().persistent()->device_bytes());
+    return static_cast<double>(t.device_peak_bytes() - compiled_train_step(t).persistent()->device_bytes());
   };
-  EXPECT_EQ(f32.train_step().persistent()->device_bytes(), bf16.train_step().persistent()->device_bytes());
+  EXPECT_EQ(compiled_train_step(f32).persistent()->device_bytes(),
+            compiled_train_step(bf16).persistent()->device_bytes());
   EXPECT_LT(step_bytes(bf16), 0.75 * step_bytes(f32))
       << "bf16 " << bf16.device_peak_bytes() << " bytes, f32 " << f32.device_peak_bytes();
 }

@@ -9,11 +9,12 @@
 #include "../examples/silu_op.hpp"
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/graph/bind.hpp"
-#include "ferry/graph/pipeline.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/bind.hpp"
+#include "graph/pipeline.hpp"
+#include "ops/attrs.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -77,10 +78,10 @@ TEST(OpTable, UserOpTrainsOnTheDeviceLikeItsReference) {
   TrainerOptions topt;
   topt.batch = 8;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, silu_model(), topt);
-  const auto& g = trainer.train_step().graph();
+  const auto& g = compiled_train_step(trainer).graph();
   std::size_t user_nodes = 0;
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
     const std::string& name = ops::op_info(g.nodes.op[n]).name;
@@ -93,8 +94,8 @@ TEST(OpTable, UserOpTrainsOnTheDeviceLikeItsReference) {
 
 TEST(OpTable, UserOpBackwardMatchesFiniteDifferences) {
   graph::Graph g = forward_graph(silu_model(), graph::VariantKey{3, true});
-  graph::OptimizerConfig opt;
-  opt.kind = graph::OptimizerConfig::Kind::sgd;
+  ops::OptimizerConfig opt;
+  opt.kind = ops::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   g = graph::prepare_step_graph(std::move(g), graph::VariantKey{3, true}, opt);
   ReferenceExecutor ref(g, opt);
@@ -262,9 +263,9 @@ TEST(OpTable, LinearAndLayerNormTakeAnyRank) {
   TrainerOptions topt;
   topt.batch = 6;
   topt.lr = 0.05f;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   Trainer trainer(runtime, rank3_model(), topt);
-  const auto& g = trainer.train_step().graph();
+  const auto& g = compiled_train_step(trainer).graph();
   ReferenceExecutor ref(g, topt.optimizer);
   for (const auto& name : trainer.parameter_names())
     ref.value(ref.find(name)) = to_double(trainer.read_parameter(name));

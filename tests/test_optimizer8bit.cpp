@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "ferry/ferry.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/optimizer.hpp"
 #include "ferry/ops/quant_map.hpp"
+#include "ops/attrs.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -356,8 +356,8 @@ TEST(Adam8bit, BadBlockSizesAreRejectedSayingWhatToUse) {
   EXPECT_THROW(ops::check_adam8bit_block(128), std::invalid_argument);
 
   // The optimizer pass refuses it before any tensor is made.
-  graph::OptimizerConfig spec;
-  spec.kind = graph::OptimizerConfig::Kind::adamw8bit;
+  ops::OptimizerConfig spec;
+  spec.kind = ops::OptimizerConfig::Kind::adamw8bit;
   spec.block8bit = 1000;
   EXPECT_THROW(training_graph(models::mlp({8}), 4, spec), std::invalid_argument);
 }
@@ -365,8 +365,8 @@ TEST(Adam8bit, BadBlockSizesAreRejectedSayingWhatToUse) {
 // ---- Through the trainer ----
 
 TEST(Adam8bit, OptimizerPassMakesU8StateAndScales) {
-  graph::OptimizerConfig spec;
-  spec.kind = graph::OptimizerConfig::Kind::adamw8bit;
+  ops::OptimizerConfig spec;
+  spec.kind = ops::OptimizerConfig::Kind::adamw8bit;
   spec.block8bit = 512;
   const graph::Graph g = training_graph(models::mlp({16}), 4, spec);
   const auto& t = g.tensors;
@@ -400,7 +400,7 @@ TEST(Adam8bit, TrainerMatchesReferenceExecutor) {
   TrainerOptions topt;
   topt.batch = 8;
   topt.lr = 0.01f;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
   topt.optimizer.adam.weight_decay = 0.01f;
   topt.optimizer.block8bit = 256;
   const ModelSpec model = models::classifier(
@@ -417,11 +417,11 @@ TEST(Adam8bit, TrainsAndKeepsAQuarterOfAdamsState) {
   TrainerOptions topt;
   topt.batch = 32;
   topt.lr = 2e-3f;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::adamw8bit;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
   topt.optimizer.adam.weight_decay = 0.01f;
   Trainer trainer(runtime, model, topt);
   TrainerOptions adam_opt = topt;
-  adam_opt.optimizer.kind = graph::OptimizerConfig::Kind::adam;
+  adam_opt.optimizer.kind = ops::OptimizerConfig::Kind::adam;
   const Trainer adam(runtime, model, adam_opt);
   const double ratio = double(trainer.optimizer_state_bytes()) / double(adam.optimizer_state_bytes());
   EXPECT_LE(ratio, 0.27) << trainer.optimizer_state_bytes() << " vs " << adam.optimizer_state_bytes();

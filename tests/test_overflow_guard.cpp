@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "ferry/ops/overflow_guard.hpp"
+#include "ops/overflow_guard.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

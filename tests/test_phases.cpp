@@ -12,6 +12,7 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
@@ -425,7 +426,7 @@ TEST(HybridTrainer, StreamedInt8PredictMovesAQuarterOfTheWeights) {
   o.phases.predict_int8 = true;
   Trainer t(rt, m, o);
   const auto& full = t.residency();
-  const auto& predict = t.predict_variant()->residency();
+  const auto& predict = compiled_predict_step(t)->residency();
   EXPECT_EQ(predict.write_back_bytes, 0u);
   EXPECT_LT(predict.fetch_bytes, t.weight_bytes() * 3 / 10) << predict.fetch_bytes << " of " << t.weight_bytes();
   EXPECT_LT(double(predict.fetch_bytes), 0.05 * double(full.fetch_bytes + full.write_back_bytes));

@@ -10,8 +10,9 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/graph/pipeline.hpp"
-#include "ferry/ops/attrs.hpp"
+#include "graph/pipeline.hpp"
+#include "ops/attrs.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 
 namespace ferry::test {
@@ -38,7 +39,7 @@ TEST(Pipeline, ModelPassesInOrder) {
 
 TEST(Pipeline, EachModelPassAlone) {
   const graph::VariantKey train{16, true};
-  graph::OptimizerConfig adam;
+  ops::OptimizerConfig adam;
   graph::Graph g = mlp_forward(16);
   const std::size_t forward_nodes = g.nodes.size();
   ASSERT_EQ(count_class(g, ops::OpClass::backward), 0u);
@@ -171,7 +172,7 @@ TEST(Pipeline, FusionTakesReluIntoPoolsThenIntoConvolutions) {
   }
   EXPECT_EQ(relu_pools, 1u);
   EXPECT_EQ(relu_convs, 1u);
-  graph::OptimizerConfig adam;
+  ops::OptimizerConfig adam;
   graph::VariantKey off{4, true};
   off.fuse = false;
   const graph::Graph with = graph::prepare_step_graph(forward_graph(cnn, graph::VariantKey{4, true}), {4, true}, adam);
@@ -195,7 +196,7 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
   EXPECT_EQ(count_op(fused, add_layernorm), 3u);
   EXPECT_EQ(count_op(fused, graph::builtin::layernorm), 1u);  // the first block's reads no add
   EXPECT_EQ(fused.nodes.size(), g.nodes.size() - 3);
-  graph::OptimizerConfig adam;
+  ops::OptimizerConfig adam;
   graph::VariantKey off{4, true};
   off.fuse = false;
   const graph::Graph with = graph::prepare_step_graph(forward_graph(deep, graph::VariantKey{4, true}), {4, true}, adam);
@@ -213,7 +214,7 @@ std::size_t count_role(const graph::Graph& g, graph::Role r) {
 }
 
 TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
-  graph::OptimizerConfig adam;
+  ops::OptimizerConfig adam;
   graph::VariantKey fit{16, true};
   fit.fit_predictor = true;
   const graph::Graph g = graph::prepare_step_graph(mlp_forward(16), fit, adam);
@@ -266,7 +267,7 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   EXPECT_EQ(count_class(last, ops::OpClass::update), 4u);
   EXPECT_EQ(count_class(last, ops::OpClass::state_update), 9u);  // grad_mean per weight, the guard's 5
 
-  graph::OptimizerConfig bad = adam;
+  ops::OptimizerConfig bad = adam;
   bad.predictor.beta = 1.0f;
   EXPECT_THROW(graph::prepare_step_graph(mlp_forward(16), fit, bad), std::invalid_argument);
 }
@@ -285,7 +286,7 @@ TEST(Pipeline, AutodiffWithoutALossIsAClearError) {
 
 TEST(Pipeline, CompiledStepReportsItsDevicePassesInOrder) {
   Runtime runtime;
-  graph::OptimizerConfig adam;
+  ops::OptimizerConfig adam;
   graph::CompiledStep step(graph::prepare_step_graph(mlp_forward(8), graph::VariantKey{8, true}, adam), adam,
                            runtime.env(), runtime.context(), nullptr, graph::StepOptions{{}, false, false});
   std::string order;

@@ -8,6 +8,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/plan.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 
@@ -19,7 +20,7 @@ TEST(Plan, ResidentBreakdownMatchesTheTrainer) {
   TrainerOptions o;
   o.batch = 16;
   Trainer t(rt, small_cnn(), o);
-  const DeviceBreakdown b = device_breakdown(t.train_step(), t.train_step());
+  const DeviceBreakdown b = device_breakdown(compiled_train_step(t), compiled_train_step(t));
   EXPECT_EQ(b.weights, t.weight_bytes());
   EXPECT_EQ(b.optimizer_state, t.optimizer_state_bytes());
   EXPECT_EQ(b.other_state, 0u);
@@ -37,8 +38,8 @@ TEST(Plan, PredictHoldsNoGradientsAndStreamingMovesWeightsOff) {
   o.batch = 16;
   o.phases.hybrid = true;
   Trainer t(rt, small_mlp(), o);
-  const DeviceBreakdown full = device_breakdown(t.train_step(), t.train_step());
-  const DeviceBreakdown predict = device_breakdown(*t.predict_variant(), t.train_step());
+  const DeviceBreakdown full = device_breakdown(compiled_train_step(t), compiled_train_step(t));
+  const DeviceBreakdown predict = device_breakdown(*compiled_predict_step(t), compiled_train_step(t));
   EXPECT_EQ(predict.gradients, 0u);
   EXPECT_GT(full.gradients, 0u);
   EXPECT_EQ(full.other_state, t.predictor_state_bytes());  // resident predictor state
@@ -47,7 +48,7 @@ TEST(Plan, PredictHoldsNoGradientsAndStreamingMovesWeightsOff) {
   o.residency.mode = graph::ResidencyMode::stream;
   o.residency.budget_bytes = 64ull << 20;
   Trainer s(rt, small_mlp(), o);
-  const DeviceBreakdown streamed = device_breakdown(s.train_step(), s.train_step());
+  const DeviceBreakdown streamed = device_breakdown(compiled_train_step(s), compiled_train_step(s));
   EXPECT_EQ(streamed.weights, 0u);
   EXPECT_EQ(streamed.optimizer_state, 0u);
   EXPECT_GT(streamed.streamed_copies, 0u);
@@ -58,18 +59,21 @@ TEST(Plan, PredictHoldsNoGradientsAndStreamingMovesWeightsOff) {
 void expect_plan_matches_trainer(Runtime& rt, const ModelSpec& model, const TrainerOptions& o) {
   const TrainingPlan plan = plan_training(rt, model, o);
   Trainer t(rt, model, o);
-  std::vector<const graph::CompiledStep*> steps{&t.train_step()};
-  for (const auto& [key, step] : t.variants()) steps.push_back(step.get());
+  // The plan's phases after the training step are the trainer's up-front variants, in order.
+  const std::vector<detail::UpfrontVariant> upfront = detail::upfront_variants(t.options());
+  std::vector<const graph::CompiledStep*> steps{&compiled_train_step(t)};
+  for (const auto& [key, step] : compiled_variants(t)) steps.push_back(step.get());
   ASSERT_EQ(plan.phases.size(), steps.size());
   std::uint64_t peak = 0, host_step = 0;
   for (const auto* step : steps) {
     const auto it = std::find_if(plan.phases.begin(), plan.phases.end(), [&](const PhasePlan& p) {
-      if (&p == &plan.phases.front()) return step == &t.train_step();
-      const auto v = t.variants().find(p.key);
-      return v != t.variants().end() && v->second.get() == step;
+      const auto i = static_cast<std::size_t>(&p - plan.phases.data());
+      if (i == 0) return step == &compiled_train_step(t);
+      const auto v = compiled_variants(t).find(upfront.at(i - 1).key);
+      return v != compiled_variants(t).end() && v->second.get() == step;
     });
     ASSERT_NE(it, plan.phases.end());
-    const DeviceBreakdown want = device_breakdown(*step, t.train_step()), got = it->device;
+    const DeviceBreakdown want = device_breakdown(*step, compiled_train_step(t)), got = it->device;
     EXPECT_EQ(got.weights, want.weights) << it->name;
     EXPECT_EQ(got.optimizer_state, want.optimizer_state) << it->name;
     EXPECT_EQ(got.other_state, want.other_state) << it->name;
@@ -88,8 +92,9 @@ void expect_plan_matches_trainer(Runtime& rt, const ModelSpec& model, const Trai
   }
   EXPECT_EQ(plan.device_peak_bytes, peak);
   // Pinned host bytes: the stores' but the compressed home's chunks (ordinary memory, sized by the data).
-  const auto& compressed = t.train_step().persistent()->homes[static_cast<int>(graph::Home::host_compressed)];
-  const std::uint64_t pinned = t.train_step().persistent()->host_bytes() - (compressed ? compressed->host_bytes() : 0);
+  const auto& compressed = compiled_train_step(t).persistent()->homes[static_cast<int>(graph::Home::host_compressed)];
+  const std::uint64_t pinned =
+      compiled_train_step(t).persistent()->host_bytes() - (compressed ? compressed->host_bytes() : 0);
   EXPECT_EQ(plan.host_store_bytes, pinned);
   EXPECT_EQ(plan.host_step_bytes, host_step);
   EXPECT_EQ(plan.host_bytes, pinned + host_step);
@@ -175,7 +180,7 @@ TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
   }
   o.residency.host_budget_bytes = plan.host_bytes;  // exactly enough
   Trainer fits(rt, small_mlp(), o);
-  EXPECT_EQ(fits.train_step().persistent()->host_bytes(), plan.host_store_bytes);
+  EXPECT_EQ(compiled_train_step(fits).persistent()->host_bytes(), plan.host_store_bytes);
   EXPECT_LE(fits.host_state_bytes(), plan.host_bytes);
 }
 

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "ferry/ops/pool.hpp"
+#include "ops/pool.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

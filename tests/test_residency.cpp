@@ -8,6 +8,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/offload/pinned_host.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 
@@ -133,11 +134,14 @@ TEST_P(ResidencyTest, SmallBudgetStreamsMoreAndStaysWithinIt) {
   // One host copy of weights and state (plus alignment); under the tight budget the gradients
   // may also spill to the host step pool, which is never more than one more copy of the weights.
   const std::uint64_t homes = tight.weight_bytes() + tight.optimizer_state_bytes() + 256 * 3 * weights;
-  EXPECT_GE(tight.train_step().persistent()->host_bytes(), tight.weight_bytes() + tight.optimizer_state_bytes());
-  EXPECT_LE(tight.train_step().persistent()->host_bytes(), homes);
-  EXPECT_EQ(roomy.train_step().persistent()->host_bytes(), tight.train_step().persistent()->host_bytes());
+  EXPECT_GE(compiled_train_step(tight).persistent()->host_bytes(),
+            tight.weight_bytes() + tight.optimizer_state_bytes());
+  EXPECT_LE(compiled_train_step(tight).persistent()->host_bytes(), homes);
+  EXPECT_EQ(compiled_train_step(roomy).persistent()->host_bytes(),
+            compiled_train_step(tight).persistent()->host_bytes());
   EXPECT_GE(tight.host_state_bytes(), roomy.host_state_bytes());
-  EXPECT_LE(tight.host_state_bytes(), homes + tight.weight_bytes() + tight.train_step().plan().host_transient_bytes);
+  EXPECT_LE(tight.host_state_bytes(),
+            homes + tight.weight_bytes() + compiled_train_step(tight).plan().host_transient_bytes);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ResidencyTest, ::testing::Values(&small_mlp, &small_cnn, &small_residual),
@@ -184,7 +188,7 @@ TEST_P(FailedStepTest, LeavesTheStateUnchanged) {
 
   // Fail the last compute node that is not an optimizer update. Streaming places updates early,
   // so by then most updated tensors have been written back (into the other host slot).
-  const auto& nodes = trainer.train_step().graph().nodes;
+  const auto& nodes = compiled_train_step(trainer).graph().nodes;
   graph::NodeId victim = 0, write_backs_before = 0;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
     const bool update = nodes.op[n] == graph::builtin::adam_update || nodes.op[n] == graph::builtin::sgd_update;
@@ -195,7 +199,7 @@ TEST_P(FailedStepTest, LeavesTheStateUnchanged) {
     ASSERT_GT(write_backs_before, 3u);
   }
   auto before = parameters_of(trainer);
-  trainer.train_step().inject_failure(victim);
+  compiled_train_step(trainer).inject_failure(victim);
   EXPECT_THROW(trainer.step(images, labels), std::runtime_error);
   expect_parameters(trainer, before);
 
@@ -219,12 +223,12 @@ TEST(Residency, MappedModeKeepsWeightsAndTheirGradientsInHostMemory) {
   Trainer mapped(rt, m, options(graph::ResidencyMode::mapped, 0));
   EXPECT_EQ(mapped.residency().fetches, 0u);
   // One slot of weights and optimizer state in host memory (plus alignment padding).
-  const std::uint64_t homes = mapped.train_step().persistent()->host_bytes();
+  const std::uint64_t homes = compiled_train_step(mapped).persistent()->host_bytes();
   EXPECT_GE(homes, resident.weight_bytes() + resident.optimizer_state_bytes());
   const std::uint64_t tensors = 3 * resident.parameter_names().size();  // weight and two Adam moments each
   EXPECT_LE(homes, resident.weight_bytes() + resident.optimizer_state_bytes() + 256 * tensors);
-  EXPECT_GE(mapped.train_step().host_step_bytes(), resident.weight_bytes());  // the weight gradients
-  EXPECT_EQ(mapped.host_state_bytes(), homes + mapped.train_step().host_step_bytes());
+  EXPECT_GE(compiled_train_step(mapped).host_step_bytes(), resident.weight_bytes());  // the weight gradients
+  EXPECT_EQ(mapped.host_state_bytes(), homes + compiled_train_step(mapped).host_step_bytes());
   EXPECT_LT(mapped.device_peak_bytes(), resident.device_peak_bytes() - resident.weight_bytes());
 }
 
@@ -262,14 +266,14 @@ TEST(Residency, TransferFailingMidStepLeavesTheStateUnchangedBeforeTheCommitPoin
   Runtime rt;
   const ModelSpec m = small_residual();
   Trainer trainer(rt, m, options(graph::ResidencyMode::stream, min_stream_budget(rt, m)));
-  const auto& nodes = trainer.train_step().graph().nodes;
+  const auto& nodes = compiled_train_step(trainer).graph().nodes;
   // Fetches before the commit point that follow a write-back (of a gradient spilled under the
   // tight budget), and fetches after it (of the update phase).
   std::vector<graph::NodeId> before_commit, after_commit;
   graph::NodeId first_write_back = 0, commit = 0;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
     for (graph::TensorId x : nodes.outputs(n)) {
-      if (x == trainer.train_step().graph().guard) commit = n;
+      if (x == compiled_train_step(trainer).graph().guard) commit = n;
     }
   }
   ASSERT_GT(commit, 0u);
@@ -288,7 +292,7 @@ TEST(Residency, TransferFailingMidStepLeavesTheStateUnchangedBeforeTheCommitPoin
   auto images = random_vector(8 * sample, 15);
   auto labels = labels_for(8, 16);
   auto before = parameters_of(trainer);
-  trainer.train_step().inject_failure(before_commit[before_commit.size() / 2]);
+  compiled_train_step(trainer).inject_failure(before_commit[before_commit.size() / 2]);
   try {
     trainer.step(images, labels);
     FAIL() << "the step should fail";
@@ -304,7 +308,7 @@ TEST(Residency, TransferFailingMidStepLeavesTheStateUnchangedBeforeTheCommitPoin
   const auto saved = testing::TempDir() + "/one_copy_restore.ferry";
   trainer.save_checkpoint(saved);
   const auto restored = parameters_of(trainer);
-  trainer.train_step().inject_failure(after_commit[after_commit.size() / 2]);
+  compiled_train_step(trainer).inject_failure(after_commit[after_commit.size() / 2]);
   try {
     trainer.step(images, labels);
     FAIL() << "the step should fail";
@@ -337,7 +341,7 @@ TEST(Residency, FailedHostAllocationIsAClearError) {
 namespace ferry::test {
 namespace {
 
-TrainerOptions host_optimizer_options(std::uint64_t budget, graph::OptimizerConfig::Kind kind) {
+TrainerOptions host_optimizer_options(std::uint64_t budget, ops::OptimizerConfig::Kind kind) {
   TrainerOptions o = options(graph::ResidencyMode::stream, budget);
   o.residency.host_optimizer = true;
   o.optimizer.kind = kind;
@@ -346,7 +350,7 @@ TrainerOptions host_optimizer_options(std::uint64_t budget, graph::OptimizerConf
   return o;
 }
 
-class HostOptimizerTest : public ::testing::TestWithParam<graph::OptimizerConfig::Kind> {};
+class HostOptimizerTest : public ::testing::TestWithParam<ops::OptimizerConfig::Kind> {};
 
 TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
   Runtime rt;
@@ -375,10 +379,10 @@ TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
   // Only gradients come back (one write-back per weight); weights are fetched, optimizer state never.
   EXPECT_EQ(r.write_backs, weights);
   EXPECT_EQ(r.write_back_bytes, t.weight_bytes());
-  for (graph::NodeId n = 0; n < t.train_step().graph().nodes.size(); ++n) {
-    const auto& nodes = t.train_step().graph().nodes;
+  for (graph::NodeId n = 0; n < compiled_train_step(t).graph().nodes.size(); ++n) {
+    const auto& nodes = compiled_train_step(t).graph().nodes;
     if (nodes.op[n] != graph::builtin::fetch) continue;
-    const auto role = t.train_step().graph().tensors.role[nodes.inputs(n)[0]];
+    const auto role = compiled_train_step(t).graph().tensors.role[nodes.inputs(n)[0]];
     EXPECT_EQ(role, graph::Role::weight) << nodes.name[n];
   }
   Trainer device_updates(rt, m, options(graph::ResidencyMode::stream, budget));
@@ -387,9 +391,9 @@ TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
-                         ::testing::Values(graph::OptimizerConfig::Kind::adam, graph::OptimizerConfig::Kind::adamw,
-                                           graph::OptimizerConfig::Kind::sgd),
-                         [](const auto& info) { return std::string(graph::optimizer_name(info.param)); });
+                         ::testing::Values(ops::OptimizerConfig::Kind::adam, ops::OptimizerConfig::Kind::adamw,
+                                           ops::OptimizerConfig::Kind::sgd),
+                         [](const auto& info) { return std::string(ops::optimizer_name(info.param)); });
 
 // The host optimizer updates the one host copy in place after the commit point: a failing host
 // update is a partial update naming exactly the tensors that may have changed (the host updates
@@ -398,15 +402,16 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
 TEST(HostOptimizer, FailingHostUpdateIsAPartialUpdateNamingWhatChanged) {
   Runtime rt;
   const ModelSpec m = small_residual();
-  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, graph::OptimizerConfig::Kind::adam));
-  const auto& nodes = trainer.train_step().graph().nodes;
+  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, ops::OptimizerConfig::Kind::adam));
+  const auto& nodes = compiled_train_step(trainer).graph().nodes;
   std::vector<graph::NodeId> host_nodes;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
     if (nodes.lane[n] == graph::Lane::host) host_nodes.push_back(n);
   }
   ASSERT_GT(host_nodes.size(), 2u);
-  ASSERT_TRUE(trainer.train_step().commit_node().has_value());
-  EXPECT_GT(host_nodes.front(), *trainer.train_step().commit_node()) << "host updates wait for the commit point";
+  ASSERT_TRUE(compiled_train_step(trainer).commit_node().has_value());
+  EXPECT_GT(host_nodes.front(), *compiled_train_step(trainer).commit_node())
+      << "host updates wait for the commit point";
   const std::size_t sample = sample_elems(m);
   auto images = random_vector(8 * sample, 25);
   auto labels = labels_for(8, 26);
@@ -415,7 +420,7 @@ TEST(HostOptimizer, FailingHostUpdateIsAPartialUpdateNamingWhatChanged) {
   trainer.save_checkpoint(saved);
   auto before = parameters_of(trainer);
   const graph::NodeId victim = host_nodes[host_nodes.size() / 2];
-  trainer.train_step().inject_failure(victim);
+  compiled_train_step(trainer).inject_failure(victim);
   std::vector<std::string> changed;
   bool partial = false;
   try {
@@ -472,7 +477,7 @@ TEST_P(DivergedStepTest, SkipsTheUpdateAndKeepsTheState) {
   const ModelSpec m = small_mlp();
   TrainerOptions o = options(c.mode, c.mode == graph::ResidencyMode::stream ? min_stream_budget(rt, m) * 2 : 0);
   o.residency.host_optimizer = c.host_optimizer;
-  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0;
   o.lr = 1e30f;  // the first step blows the weights up; the next loss is not finite
   Trainer trainer(rt, m, o);
@@ -514,7 +519,7 @@ TEST(Optimizer, SgdWithoutMomentumKeepsNoStateAndMatchesTheReference) {
   Runtime rt;
   const ModelSpec m = small_residual();
   TrainerOptions o = options(graph::ResidencyMode::resident, 0);
-  o.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   o.optimizer.sgd.momentum = 0;
   Trainer plain(rt, m, o);
   EXPECT_EQ(plain.optimizer_state_bytes(), 0u);
@@ -538,8 +543,8 @@ TEST(ResidencyHomes, StreamingOnlyTheOptimizerStateMovesOnlyTheState) {
   TrainerOptions state = all;
   state.residency.state_home = graph::Home::host_pinned;
   Trainer resident(rt, m, all), streamed(rt, m, state);
-  EXPECT_EQ(resident.train_step().persistent()->host_bytes(), 0u);
-  const std::uint64_t homes = streamed.train_step().persistent()->host_bytes();
+  EXPECT_EQ(compiled_train_step(resident).persistent()->host_bytes(), 0u);
+  const std::uint64_t homes = compiled_train_step(streamed).persistent()->host_bytes();
   EXPECT_GE(homes, streamed.optimizer_state_bytes());
   EXPECT_LE(homes, streamed.optimizer_state_bytes() + 256 * 16);
   EXPECT_LT(streamed.device_peak_bytes(), resident.device_peak_bytes());

@@ -16,11 +16,12 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/graph/pipeline.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
-#include "ferry/ops/sequence.hpp"
+#include "graph/pipeline.hpp"
+#include "ops/attrs.hpp"
+#include "ops/sequence.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -371,8 +372,8 @@ std::vector<std::int32_t> batch_labels(const std::vector<std::int32_t>& ids) {
 TEST(SequenceRows, TinyModelTrainsOnTheDeviceLikeTheReference) {
   Runtime runtime;
   SequenceModel m = sequence_model();
-  graph::OptimizerConfig opt;
-  opt.kind = graph::OptimizerConfig::Kind::sgd;
+  ops::OptimizerConfig opt;
+  opt.kind = ops::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0.9f;
   const graph::Graph g = graph::prepare_step_graph(std::move(m.g), graph::VariantKey{SequenceModel::batch, true}, opt);
   std::map<std::string, int> count;
@@ -424,8 +425,8 @@ TEST(SequenceRows, TinyModelTrainsOnTheDeviceLikeTheReference) {
 
 TEST(SequenceRows, GradientThroughTheGraphMatchesFiniteDifferences) {
   SequenceModel m = sequence_model(0.3f);
-  graph::OptimizerConfig opt;
-  opt.kind = graph::OptimizerConfig::Kind::sgd;
+  ops::OptimizerConfig opt;
+  opt.kind = ops::OptimizerConfig::Kind::sgd;
   opt.sgd.momentum = 0;
   const TensorId table = m.table;
   const graph::Graph g = graph::prepare_step_graph(std::move(m.g), graph::VariantKey{SequenceModel::batch, true}, opt);

@@ -13,8 +13,8 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/ops/op_table.hpp"
-#include "ferry/ops/sequence.hpp"
-#include "ferry/ops/softmax.hpp"
+#include "ops/sequence.hpp"
+#include "ops/softmax.hpp"
 #include "reference_executor.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
@@ -192,7 +192,7 @@ TEST(SoftmaxRows, ModelTrainsOnTheDeviceLikeItsReference) {
   TrainerOptions topt;
   topt.batch = 6;
   topt.lr = 0.1f;
-  topt.optimizer.kind = graph::OptimizerConfig::Kind::sgd;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   topt.optimizer.sgd.momentum = 0.9f;
   Trainer trainer(runtime, softmax_model(), topt);
   expect_training_matches_reference(trainer, 4, 60, 1, -2.0f, 2.0f);

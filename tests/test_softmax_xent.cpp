@@ -5,7 +5,7 @@
 #include <cstring>
 #include <string>
 
-#include "ferry/ops/softmax_xent.hpp"
+#include "ops/softmax_xent.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

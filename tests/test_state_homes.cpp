@@ -8,6 +8,7 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
@@ -113,12 +114,13 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
   Runtime rt;
   Trainer t(rt, small_mlp(), compressed(options(), false, 1 << 16, 0, false));
   const std::uint64_t state = t.optimizer_state_bytes();
-  EXPECT_LT(t.train_step().persistent()->host_bytes(), state / 10) << "zeros compress to a frame header per chunk";
+  EXPECT_LT(compiled_train_step(t).persistent()->host_bytes(), state / 10)
+      << "zeros compress to a frame header per chunk";
   std::uint32_t state_tensors = 0;
   for (const auto& name : t.tensor_names()) state_tensors += name.find(".adam_") != std::string::npos;
   EXPECT_EQ(t.residency().unpacks, state_tensors);
   EXPECT_EQ(t.residency().packs, state_tensors);
-  EXPECT_GT(t.train_step().host_step_bytes(), 0u) << "staging for the chunks in flight";
+  EXPECT_GT(compiled_train_step(t).host_step_bytes(), 0u) << "staging for the chunks in flight";
   // Each staged tensor starts on the device's sub-buffer alignment (at least 256 bytes; 512 on
   // NVIDIA), which at this model's size is most of a tensor: one copy of the state is its tensors
   // rounded up to it.
@@ -128,11 +130,11 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
     if (name.find(".adam_") != std::string::npos)
       one_copy += (t.read_tensor(name).bytes.size() + align - 1) / align * align;
   }
-  EXPECT_LE(t.train_step().host_step_bytes(), one_copy) << "staging never needs a second full copy";
+  EXPECT_LE(compiled_train_step(t).host_step_bytes(), one_copy) << "staging never needs a second full copy";
   for (int s = 0; s < 3; ++s) step(t, s);
-  EXPECT_GT(t.train_step().persistent()->host_bytes(), 0u);
-  EXPECT_LT(t.train_step().persistent()->host_bytes(), state + state / 10) << "chunks of trained moments";
-  EXPECT_EQ(t.home_of(graph::Role::optimizer_state), graph::Home::host_compressed);
+  EXPECT_GT(compiled_train_step(t).persistent()->host_bytes(), 0u);
+  EXPECT_LT(compiled_train_step(t).persistent()->host_bytes(), state + state / 10) << "chunks of trained moments";
+  EXPECT_EQ(home_of(t, graph::Role::optimizer_state), graph::Home::host_compressed);
 }
 
 // The packed chunks of a failed step are discarded: the state is the one before it, and training
@@ -146,7 +148,7 @@ TEST(CompressedState, FailedStepKeepsThePreviousChunks) {
   step(reference, 0);
   const Tensors before = tensors_of(t);
   // Fail the last pack: every other tensor's new chunks are made by then.
-  const auto& nodes = t.train_step().graph().nodes;
+  const auto& nodes = compiled_train_step(t).graph().nodes;
   graph::NodeId last_pack = 0;
   std::uint32_t packs = 0;
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
@@ -156,7 +158,7 @@ TEST(CompressedState, FailedStepKeepsThePreviousChunks) {
     }
   }
   ASSERT_GT(packs, 3u);
-  t.train_step().inject_failure(last_pack);
+  compiled_train_step(t).inject_failure(last_pack);
   EXPECT_THROW(step(t, 1), std::runtime_error);
   EXPECT_EQ(tensors_of(t), before);
   for (int s = 1; s < 3; ++s) {
@@ -184,10 +186,10 @@ TEST(CompressedState, CorruptChunkIsAnErrorNamingTensorAndChunk) {
     }
   }
   ASSERT_FALSE(victim.empty());
-  const auto entry = t.train_step().persistent()->find(victim);
+  const auto entry = compiled_train_step(t).persistent()->find(victim);
   ASSERT_TRUE(entry.has_value());
   ASSERT_EQ(entry->home, graph::Home::host_compressed);
-  offload::HomeStore& store = t.train_step().persistent()->store(entry->home);
+  offload::HomeStore& store = compiled_train_step(t).persistent()->store(entry->home);
   offload::CompressedTensor* chunks = store.chunks({entry->place.buffer, entry->place.offset_bytes});
   ASSERT_NE(chunks, nullptr);
   ASSERT_GT(chunks->chunk_count(), 1u);
@@ -221,7 +223,7 @@ TEST(DroppedState, EveryUpdateStartsFromZeroStateAndNothingIsKept) {
     o.residency.zero_copy_staging = zero_copy;
     Trainer dropped(rt, m, o);
     Trainer reference(rt, m, options());
-    EXPECT_EQ(dropped.train_step().persistent()->host_bytes(), 0u);
+    EXPECT_EQ(compiled_train_step(dropped).persistent()->host_bytes(), 0u);
     EXPECT_EQ(dropped.residency().packs, 0u) << "nothing is written back";
     for (int s = 0; s < 3; ++s) {
       for (const auto& name : reference.tensor_names()) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ferry/ferry.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "trainer_state.hpp"
@@ -90,24 +91,24 @@ TEST(SubmitAhead, RunsAheadWhereTheStateChangesInPlace) {
   for (const bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed" : "resident");
     Trainer t(rt, m, streamed ? o : options(graph::ResidencyMode::resident));
-    EXPECT_TRUE(t.train_step().can_run_ahead());
+    EXPECT_TRUE(compiled_train_step(t).can_run_ahead());
     EXPECT_TRUE(t.runs_ahead());
-    const std::uint64_t w0 = t.train_step().host_waits();
+    const std::uint64_t w0 = compiled_train_step(t).host_waits();
     const StepHandle h0 = t.submit(b.at(0));
     const StepHandle h1 = t.submit(b.at(1));
-    EXPECT_EQ(t.train_step().in_flight(), 2u) << "both steps should be on the device at once";
+    EXPECT_EQ(compiled_train_step(t).in_flight(), 2u) << "both steps should be on the device at once";
     t.result(h0);
     t.result(h1);
-    EXPECT_EQ(t.train_step().host_waits() - w0, 2u) << "one host wait per step";
+    EXPECT_EQ(compiled_train_step(t).host_waits() - w0, 2u) << "one host wait per step";
   }
 
   o.residency.host_optimizer = true;
   Trainer host(rt, m, o);
-  EXPECT_FALSE(host.train_step().can_run_ahead());
+  EXPECT_FALSE(compiled_train_step(host).can_run_ahead());
   EXPECT_FALSE(host.runs_ahead());
   const StepHandle s0 = host.submit(b.at(0));
   const StepHandle s1 = host.submit(b.at(1));
-  EXPECT_LE(host.train_step().in_flight(), 1u);
+  EXPECT_LE(compiled_train_step(host).in_flight(), 1u);
   EXPECT_TRUE(std::isfinite(host.result(s1).loss));  // out of order: the earlier one is kept
   EXPECT_TRUE(std::isfinite(host.result(s0).loss));
 }
@@ -130,7 +131,7 @@ TEST(SubmitAhead, MisuseIsAClearError) {
   EXPECT_THROW(t.result(StepHandle{12345}), std::invalid_argument);
 
   // The compiled step: at most max_in_flight, and wait() with nothing in flight.
-  graph::CompiledStep& step = t.train_step();
+  graph::CompiledStep& step = compiled_train_step(t);
   EXPECT_THROW(step.wait(), std::logic_error);
   step.submit(ops::StepInfo{t.steps_done() + 1, t.lr()});
   step.submit(ops::StepInfo{t.steps_done() + 2, t.lr()});
@@ -151,12 +152,12 @@ TEST(SubmitAhead, AnEnqueueFailureStaysWithItsStep) {
 
   const StepHandle h0 = t.submit(b.at(0));
   // A kernel of the backward pass (before the commit point) is refused by the driver.
-  const auto& n = t.train_step().graph().nodes;
+  const auto& n = compiled_train_step(t).graph().nodes;
   graph::NodeId victim = 0;
   for (graph::NodeId id = 0; id < n.size(); ++id) {
-    if (n.lane[id] == graph::Lane::compute && id < *t.train_step().commit_node()) victim = id;
+    if (n.lane[id] == graph::Lane::compute && id < *compiled_train_step(t).commit_node()) victim = id;
   }
-  t.train_step().inject_failure(victim, graph::Fault::enqueue_error);
+  compiled_train_step(t).inject_failure(victim, graph::Fault::enqueue_error);
   try {
     t.submit(b.at(1));
     ADD_FAILURE() << "the submit should fail";

@@ -10,13 +10,14 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "reference_executor.hpp"
+#include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
 
 // A model's training step graph as the trainer builds it (builder, loss, the model passes), with
 // no device.
-inline graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const graph::OptimizerConfig& opt) {
+inline graph::Graph training_graph(const ModelSpec& m, std::uint32_t batch, const ops::OptimizerConfig& opt) {
   const graph::VariantKey key{batch, true};
   return graph::prepare_step_graph(forward_graph(m, key), key, opt);
 }
@@ -62,7 +63,7 @@ inline void expect_training_matches_reference(Trainer& trainer, std::uint32_t st
   const auto& topt = trainer.options();
   const std::size_t sample = sample_elems(trainer.model());
   const std::uint32_t classes = classes_of(trainer.model());
-  ReferenceExecutor ref(trainer.train_step().graph(), topt.optimizer);
+  ReferenceExecutor ref(compiled_train_step(trainer).graph(), topt.optimizer);
   load_parameters(ref, trainer);
   for (std::uint32_t s = 0; s < steps; ++s) {
     const auto images = random_vector(topt.batch * sample, seed + s, lo, hi);

@@ -4,9 +4,9 @@
 
 #include <stdexcept>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 

@@ -1,6 +1,6 @@
 // The autodiff pass: reverse mode over the step IR, each forward node through its row's backward
 // rule.
-#include "ferry/graph/autodiff.hpp"
+#include "graph/autodiff.hpp"
 
 #include <fmt/format.h>
 

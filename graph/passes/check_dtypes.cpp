@@ -3,7 +3,7 @@
 
 #include <stdexcept>
 
-#include "ferry/graph/bind.hpp"
+#include "graph/bind.hpp"
 
 namespace ferry::graph {
 

@@ -15,9 +15,9 @@
 #include <functional>
 #include <stdexcept>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 

@@ -11,7 +11,7 @@
 // lane to bytes that no other lane touches anywhere in the step are left out of the sweep. (The
 // sweep works on doubled positions so that empty ranges conflict exactly as in the all-pairs scan
 // it replaced; see cross_lane_dependencies.)
-#include "ferry/graph/dependencies.hpp"
+#include "graph/dependencies.hpp"
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 // The download pass: the step's results (the loss statistics) into host mirrors the caller reads.
-#include "ferry/graph/autodiff.hpp"
+#include "graph/autodiff.hpp"
 
 namespace ferry::graph {
 

@@ -16,9 +16,9 @@
 // gradients is the same whichever kernel adds them).
 #include <vector>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {

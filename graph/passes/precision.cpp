@@ -10,10 +10,10 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {

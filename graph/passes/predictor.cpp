@@ -6,9 +6,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {

@@ -10,8 +10,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "ferry/graph/autodiff.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
 
 namespace ferry::graph {
 namespace {

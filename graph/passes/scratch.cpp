@@ -1,6 +1,6 @@
 // The scratch pass: a temporary per node whose row asks for one on this device.
-#include "ferry/graph/bind.hpp"
-#include "ferry/graph/node_view.hpp"
+#include "graph/bind.hpp"
+#include "graph/node_view.hpp"
 
 namespace ferry::graph {
 

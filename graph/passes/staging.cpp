@@ -9,7 +9,7 @@
 // tensor's last value is discarded: its write-back and pack are left out.
 #include <fmt/format.h>
 
-#include "ferry/graph/residency.hpp"
+#include "graph/residency_passes.hpp"
 
 namespace ferry::graph {
 

@@ -1,4 +1,4 @@
-// Gradient accumulation (include/ferry/ops/accumulate.hpp). Operands are (buffer, element offset)
+// Gradient accumulation (ops/accumulate.hpp). Operands are (buffer, element offset)
 // pairs; one work-item per element.
 
 // acc = keep acc + g; keep (0 or 1) is set per step. Skipped when guard[0] (the loss) is not finite.

@@ -1,4 +1,4 @@
-// Fused causal multi-head attention, forward and backward (ferry/ops/attention.hpp). Operands are
+// Fused causal multi-head attention, forward and backward (ops/attention.hpp). Operands are
 // (buffer, element offset) pairs; q, k, v, o and their gradients are [B, T, H HEAD_DIM] in the
 // storage type T (dtype.clh), lse and delta are [B H, T] in f32. Arithmetic is f32.
 //

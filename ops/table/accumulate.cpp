@@ -2,11 +2,11 @@
 //
 //   grad_accumulate  in: acc g [loss]  out: acc (in place)   acc = keep acc + g, keep per step
 //   grad_mean        in: acc g         out: g (in place)     g = (acc + g) f0, f0 = 1 / k
-#include "ferry/ops/accumulate.hpp"
+#include "ops/accumulate.hpp"
 
 #include <cmath>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -3,7 +3,7 @@
 
 #include <fmt/format.h>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

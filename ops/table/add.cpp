@@ -1,7 +1,7 @@
 // The row of the elementwise sum of two tensors of one shape and dtype.
 #include <fmt/format.h>
 
-#include "ferry/ops/elementwise.hpp"
+#include "ops/elementwise.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

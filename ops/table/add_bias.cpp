@@ -4,7 +4,7 @@
 //   add_bias_grad  in: dy                                         out: db (dy summed over the leading axes)
 //
 // The gradient of x is dy itself: the backward rule contributes dy to x without a node.
-#include "ferry/ops/add_bias.hpp"
+#include "ops/add_bias.hpp"
 
 #include <fmt/format.h>
 

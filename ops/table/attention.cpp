@@ -1,17 +1,17 @@
-// Rows of fused causal multi-head attention and its gradient (ferry/ops/attention.hpp).
+// Rows of fused causal multi-head attention and its gradient (ops/attention.hpp).
 //
 //   attention       in: q k v [B, T, H D]   out: o [B, T, H D], lse [B, H, T] (f32)
 //                   AttentionAttrs: heads H, the scale of q kᵀ (0: 1 / sqrt(D)), dropout p on the
 //                   probabilities (0: none) and its seed
 //   attention_grad  in: q k v o lse do      out: dq dk dv   (the forward's attrs)
-#include "ferry/ops/attention.hpp"
+#include "ops/attention.hpp"
 
 #include <fmt/format.h>
 
 #include <cmath>
 #include <stdexcept>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

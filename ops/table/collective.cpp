@@ -28,8 +28,8 @@
 #include <cstring>
 #include <functional>
 
-#include "ferry/ops/attrs.hpp"
 #include "ferry/ops/communicator.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

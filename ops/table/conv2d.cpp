@@ -1,11 +1,11 @@
 // Rows of Conv2d over [N, C, H, W] with weights [K, C, R, S] (Conv2dAttrs: stride, pad, and a ReLU
 // fused into the epilogue, see graph/passes/fusion.cpp) and its two gradients.
-#include "ferry/ops/conv2d.hpp"
+#include "ops/conv2d.hpp"
 
 #include <fmt/format.h>
 
 #include "ferry/ops/activation.hpp"
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -6,11 +6,11 @@
 //   layernorm        in: x gamma beta             out: y mean rstd
 //   layernorm_grad   in: x gamma mean rstd dy [dres]   out: dx dgamma dbeta   (dx += dres when given)
 //   add_layernorm    in: a b gamma beta           out: x = a + b, y, mean, rstd
-#include "ferry/ops/layernorm.hpp"
+#include "ops/layernorm.hpp"
 
 #include <fmt/format.h>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

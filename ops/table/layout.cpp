@@ -1,14 +1,14 @@
 // Rows of permute (a materialised transpose), elementwise product and scaling by a constant.
 // Each row's backward rule reuses its own row: permute by the inverse permutation, mul by the
 // other factor, scale by the same factor.
-#include "ferry/ops/layout.hpp"
+#include "ops/layout.hpp"
 
 #include <fmt/format.h>
 
 #include <cmath>
 #include <memory>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -2,8 +2,8 @@
 // are rows), w [in, out], b [out]; and its two gradients.
 #include <fmt/format.h>
 
-#include "ferry/ops/bias.hpp"
-#include "ferry/ops/gemm.hpp"
+#include "ops/bias.hpp"
+#include "ops/gemm.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -4,13 +4,13 @@
 //
 // No gradient node: its backward makes a and b terms of the step's loss with weights wa and wb
 // (times its own weight, so sums nest), and their rows scale their gradients by that weight.
-#include "ferry/ops/loss_sum.hpp"
+#include "ops/loss_sum.hpp"
 
 #include <fmt/format.h>
 
 #include <cmath>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

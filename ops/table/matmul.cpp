@@ -5,13 +5,13 @@
 //                  ([..., N, K]); alpha, the scale of the product (0, the default, means 1).
 //   matmul_grad_a  da = alpha dy op(b)^T, stored like a   in: dy b    out: da   (the forward's attrs)
 //   matmul_grad_b  db = alpha op(a)^T dy, stored like b   in: a dy    out: db   (the forward's attrs)
-#include "ferry/ops/matmul.hpp"
+#include "ops/matmul.hpp"
 
 #include <fmt/format.h>
 
 #include <stdexcept>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

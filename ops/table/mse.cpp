@@ -3,11 +3,11 @@
 //
 //   mse       in: p t (f32, one shape)   out: stats [1]
 //   mse_grad  in: p t                    out: dp = w 2 (p - t) / n, w the loss's weight (attrs f1)
-#include "ferry/ops/mse.hpp"
+#include "ops/mse.hpp"
 
 #include <fmt/format.h>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

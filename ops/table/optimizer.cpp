@@ -6,8 +6,8 @@
 // device, report_non_finite_weight on the host), which checks it after its last command.
 #include <fmt/format.h>
 
-#include "ferry/ops/attrs.hpp"
-#include "ferry/ops/optimizer_host.hpp"
+#include "ops/attrs.hpp"
+#include "ops/optimizer_host.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

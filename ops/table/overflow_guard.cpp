@@ -3,7 +3,7 @@
 //
 //   overflow_guard_init   in: stats        out: guard [1] (f32)
 //   overflow_guard_check  in: guard g      out: guard (in place)
-#include "ferry/ops/overflow_guard.hpp"
+#include "ops/overflow_guard.hpp"
 
 #include "rows.hpp"
 

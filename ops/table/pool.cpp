@@ -1,10 +1,10 @@
 // Rows of MaxPool2d over [N, C, H, W] (MaxPool2dAttrs: window, stride, and a ReLU fused in, see
 // graph/passes/fusion.cpp) and its gradient.
-#include "ferry/ops/pool.hpp"
+#include "ops/pool.hpp"
 
 #include <fmt/format.h>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -12,7 +12,7 @@
 
 #include <cmath>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

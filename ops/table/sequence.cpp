@@ -6,13 +6,13 @@
 //   causal_mask_grad in: dy                                  out: dx (j > i set to 0)
 //   dropout          DropoutAttrs: p, seed      in: x     out: y
 //   dropout_grad     attrs as dropout              in: dy    out: dx
-#include "ferry/ops/sequence.hpp"
+#include "ops/sequence.hpp"
 
 #include <fmt/format.h>
 
 #include <utility>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -3,11 +3,11 @@
 //   softmax        y = softmax(x) over the last axis      in: x       out: y
 //                  SoftmaxAttrs::causal: (square [..., T, T] scores, entries past the diagonal masked)
 //   softmax_grad   dx = y (dy - sum(dy y, last axis))     in: y dy    out: dx
-#include "ferry/ops/softmax.hpp"
+#include "ops/softmax.hpp"
 
 #include <fmt/format.h>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -5,11 +5,11 @@
 //
 //   softmax_xent       in: logits labels       out: lse [rows], stats [2]
 //   softmax_xent_grad  in: logits lse labels   out: dlogits   (LossGradAttrs: the loss's weight)
-#include "ferry/ops/softmax_xent.hpp"
+#include "ops/softmax_xent.hpp"
 
 #include <fmt/format.h>
 
-#include "ferry/ops/attrs.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {

@@ -13,8 +13,9 @@
 #include <stdexcept>
 
 #include "cli.hpp"
-#include "ferry/ops/gemm_tune.hpp"
 #include "ferry/runtime/plan.hpp"
+#include "ops/gemm_tune.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace ferry::cli {
 
@@ -69,15 +70,15 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.check_weights_every = a.check_weights_every;
   if (a.optimizer == "adam" || a.optimizer == "adamw") {
     opt.optimizer.kind =
-        a.optimizer == "adam" ? ferry::graph::OptimizerConfig::Kind::adam : ferry::graph::OptimizerConfig::Kind::adamw;
+        a.optimizer == "adam" ? ferry::ops::OptimizerConfig::Kind::adam : ferry::ops::OptimizerConfig::Kind::adamw;
     opt.optimizer.adam.weight_decay = a.weight_decay;
   } else if (a.optimizer == "adamw8bit") {
     ferry::ops::check_adam8bit_block(a.optimizer_block);
-    opt.optimizer.kind = ferry::graph::OptimizerConfig::Kind::adamw8bit;
+    opt.optimizer.kind = ferry::ops::OptimizerConfig::Kind::adamw8bit;
     opt.optimizer.adam.weight_decay = a.weight_decay;
     opt.optimizer.block8bit = a.optimizer_block;
   } else if (a.optimizer == "sgd") {
-    opt.optimizer.kind = ferry::graph::OptimizerConfig::Kind::sgd;
+    opt.optimizer.kind = ferry::ops::OptimizerConfig::Kind::sgd;
     opt.optimizer.sgd.momentum = a.momentum;
     opt.optimizer.sgd.weight_decay = a.weight_decay;
   } else {
@@ -182,8 +183,8 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {
   j["predict_int8"] = opt.phases.predict_int8;
   j["predictor_residual"] = opt.phases.predictor.residual;
   j["fit_every"] = opt.phases.fit_every;
-  j["predict_fetch_bytes_per_step"] = trainer.predict_variant()->residency().fetch_bytes;
-  j["predict_write_back_bytes_per_step"] = trainer.predict_variant()->residency().write_back_bytes;
+  j["predict_fetch_bytes_per_step"] = compiled_predict_step(trainer)->residency().fetch_bytes;
+  j["predict_write_back_bytes_per_step"] = compiled_predict_step(trainer)->residency().write_back_bytes;
 }
 
 void write_trace(const TrainArgs& a, const ferry::ChromeTrace& trace, std::vector<std::string>& errors) {

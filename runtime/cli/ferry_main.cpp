@@ -18,8 +18,9 @@
 
 #include "cli.hpp"
 #include "ferry/ferry.hpp"
-#include "ferry/ops/gemm_tune.hpp"
 #include "ferry/runtime/lr_schedule.hpp"
+#include "ops/gemm_tune.hpp"
+#include "runtime/trainer_internals.hpp"
 
 namespace {
 
@@ -158,20 +159,21 @@ std::string residency_banner(const ferry::Trainer& trainer) {
       where = fmt::format(
           "; weights and optimizer state in {} of host memory, the mapped ones used by kernels in place "
           "(zero-copy); {} of step tensors (their gradients, staging) in pinned host memory",
-          ferry::format_bytes(trainer.host_state_bytes()), ferry::format_bytes(trainer.train_step().host_step_bytes()));
+          ferry::format_bytes(trainer.host_state_bytes()),
+          ferry::format_bytes(compiled_train_step(trainer).host_step_bytes()));
       break;
     default:
       break;
   }
   if (rr.unpacks + rr.packs > 0) {
     where += fmt::format("; staged homes: {} unpacks and {} packs per step on host workers, {} of pinned staging",
-                         rr.unpacks, rr.packs, ferry::format_bytes(trainer.train_step().host_step_bytes()));
+                         rr.unpacks, rr.packs, ferry::format_bytes(compiled_train_step(trainer).host_step_bytes()));
   }
   return fmt::format(
       "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}\n",
       ferry::graph::residency_mode_name(rr.mode),
-      ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight)),
-      ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state)),
+      ferry::offload::home_name(home_of(trainer, ferry::graph::Role::weight)),
+      ferry::offload::home_name(home_of(trainer, ferry::graph::Role::optimizer_state)),
       ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
 }
 
@@ -201,15 +203,7 @@ Splits load_splits(const TrainArgs& a) {
 // summary shown; a failed write goes into `output_errors`.
 void write_memory_profiles(const TrainArgs& a, const ferry::Trainer& trainer, ferry::MemoryProfiler& profiler,
                            std::vector<std::string>& output_errors) {
-  for (const auto& [key, step] : trainer.variants()) {
-    // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
-    // the training step without a fit have their own profiles.
-    std::string name = fmt::format("{}{}", key.training ? "train" : "eval", key.batch);
-    if (key.apply_predictor) name = "predict";
-    if (key.micro) name = "micro";
-    if (key.training && !key.micro && !key.fit_predictor) name = "train-nofit";
-    profiler.add_variant(name, *step);
-  }
+  profiler.add_variants(trainer);
   if (!a.profile_phases_path.empty()) {
     write_side_output(a.profile_phases_path, "the per-phase memory profile", a.quiet, output_errors,
                       [&] { profiler.write_phase_csv(a.profile_phases_path, {.replace_foreign_file = a.force}); });
@@ -235,9 +229,9 @@ void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::T
             {"checkpoint_seconds", run.checkpoint_seconds},
             {"steps", run.steps_run},
             {"step_ms", run.mean_step_ms},
-            {"weights_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::weight))},
-            {"state_home", ferry::offload::home_name(trainer.home_of(ferry::graph::Role::optimizer_state))},
-            {"host_staging_bytes", trainer.train_step().host_step_bytes()},
+            {"weights_home", ferry::offload::home_name(home_of(trainer, ferry::graph::Role::weight))},
+            {"state_home", ferry::offload::home_name(home_of(trainer, ferry::graph::Role::optimizer_state))},
+            {"host_staging_bytes", compiled_train_step(trainer).host_step_bytes()},
             {"unpacks_per_step", trainer.residency().unpacks},
             {"packs_per_step", trainer.residency().packs},
             {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
@@ -284,7 +278,7 @@ int cmd_train(const TrainArgs& a) {
   schedule.total_steps = total_steps;
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
-  profiler.add_variant("train", trainer.train_step());
+  profiler.add_training_step(trainer);
 
   ferry::TrainingLoop loop(trainer, batches,
                            {.steps = total_steps,
@@ -318,9 +312,8 @@ int cmd_train(const TrainArgs& a) {
   }
   loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const ferry::StepResult&) {
     if (run_index >= a.trace_steps) return;  // the first --trace-steps steps of this run
-    if (!a.trace_path.empty())
-      trace.add_step(trainer.train_step().timeline(), step, trainer.train_step().host_activity());
-    if (!a.profile_path.empty()) profiler.add_step("train", trainer.train_step(), step);
+    if (!a.trace_path.empty()) trace.add_step(trainer, step);
+    if (!a.profile_path.empty()) profiler.add_last_step(trainer, step);
   };
   loop.on_boundary = [&](const ferry::LoopPosition& p) {
     if (a.quiet) return;

@@ -94,7 +94,7 @@ std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, 
       }
       if (lean == 3 || lean == 4) {
         if (!adam) continue;
-        o.optimizer.kind = ferry::graph::OptimizerConfig::Kind::adamw8bit;
+        o.optimizer.kind = ferry::ops::OptimizerConfig::Kind::adamw8bit;
         flags += " --optimizer adamw8bit";
       }
       out.push_back({flags.substr(1), o});
@@ -175,7 +175,7 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
       ferry::offload::resolve_host_memory(base.residency.homes.host_memory, runtime.device()));
 
   // The first candidate, fastest first, that fits both budgets.
-  const bool adam = base.optimizer.kind != ferry::graph::OptimizerConfig::Kind::sgd;
+  const bool adam = base.optimizer.kind != ferry::ops::OptimizerConfig::Kind::sgd;
   for (const Candidate& c : candidates(base, adam, runtime.device().host_unified_memory)) {
     ferry::TrainerOptions o = c.options;
     o.residency.budget_bytes = r.budget;

@@ -13,8 +13,8 @@
 #include <random>
 
 #include "cli.hpp"
-#include "ferry/ops/gemm_tune.hpp"
 #include "ferry/runtime/text_corpus.hpp"
+#include "ops/gemm_tune.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -281,7 +281,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   const auto run_start = Clock::now();
   loop.on_step = [&](std::uint64_t, std::uint64_t run_index, const StepResult&) {
     if (!a.trace_path.empty() && run_index < a.trace_steps) {
-      trace.add_step(trainer.train_step().timeline(), run_index, trainer.train_step().host_activity());
+      trace.add_step(trainer, run_index);
     }
   };
   loop.on_boundary = [&](const LoopPosition& p) {

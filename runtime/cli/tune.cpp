@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
-#include "ferry/ops/gemm_tune.hpp"
+#include "ops/gemm_tune.hpp"
 
 namespace ferry::cli {
 namespace {

@@ -19,7 +19,6 @@
 #include <string>
 
 #include "ferry/graph/ir.hpp"
-#include "ferry/graph/memory_plan.hpp"
 #include "ferry/offload/home.hpp"
 
 namespace ferry::graph {
@@ -73,29 +72,5 @@ class BudgetError : public std::runtime_error {
  private:
   std::uint64_t min_budget_;
 };
-
-// State updates whose persistent outputs all live in homes that commit (their new values become
-// state only when the step succeeds, and CompiledStep::run commits only when the overflow guard is
-// finite) check the loss instead of the guard, so they need not wait for the last gradient. Those
-// that write a tensor in place (device, host_mapped, and host_pinned when `pinned_in_place`: one
-// copy) keep checking the guard and so come after it. No-op without a guard.
-void check_updates_against_the_loss(Graph& g, bool pinned_in_place);
-
-// Moves every optimizer update to right after the last node that uses its weight or gradient, so
-// gradients and fetched copies die early (first check_updates_against_the_loss: an update that
-// checks the guard comes after it). Does not change any result.
-void place_updates_early(Graph& g, bool pinned_in_place);
-
-// Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
-// pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
-// `host_unified`, the device copies themselves are the staging.
-void stage_home_transfers(Graph& g, bool host_unified);
-
-// Rewrites `g` for the chosen mode, plans its memory and returns the plan. For stream mode it
-// searches the largest cache limit whose planned device peak fits the budget. Throws BudgetError
-// if the budget cannot hold the step even when every layer is fetched just in time.
-// `host_unified`: the device's memory is the host's (mapped mode is possible).
-MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
-                          ResidencyReport& report);
 
 }  // namespace ferry::graph

@@ -174,7 +174,7 @@ struct OptimizerStateDecl {
 };
 
 // How a node of an op takes in a ReLU beside it (graph/passes/fusion.cpp), marked fused by
-// ops::set_relu_fused (ferry/ops/attrs.hpp): `reads_its_input` (relu -> op: the op reads the ReLU's input and applies
+// ops::set_relu_fused (ops/attrs.hpp): `reads_its_input` (relu -> op: the op reads the ReLU's input and applies
 // the ReLU first; a max pool), `writes_its_output` (op -> relu: the op writes the ReLU's output, the ReLU in its
 // epilogue; a convolution).
 enum class ReluFusion : std::uint8_t { none, reads_its_input, writes_its_output };

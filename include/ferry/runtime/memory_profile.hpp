@@ -10,10 +10,15 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/graph/compiled_step.hpp"
 #include "ferry/runtime/write_options.hpp"
 
+namespace ferry::graph {
+class CompiledStep;
+}  // namespace ferry::graph
+
 namespace ferry {
+
+class Trainer;
 
 // How the CSV files of MemoryProfiler::write_csv and write_phase_csv begin (their headers' first
 // columns).
@@ -54,6 +59,14 @@ struct HomeSummary {
 
 class MemoryProfiler {
  public:
+  // A trainer's training step's static profile, as the variant "train".
+  void add_training_step(const Trainer& trainer);
+  // The device timeline of the training step the trainer ran last, as step `index` of "train".
+  void add_last_step(const Trainer& trainer, std::uint64_t index);
+  // Every variant the trainer compiled besides its training step (so far), named by the phase it
+  // serves: "eval<batch>", "predict", "micro", "train-nofit" (docs/phases.md).
+  void add_variants(const Trainer& trainer);
+  // The same for one compiled step (the CLI's and the benchmarks' internals).
   // Adds a compiled variant's static profile (once per variant).
   void add_variant(const std::string& variant, const graph::CompiledStep& step);
   // Adds the device timeline of a step just run (no-op without profiling).

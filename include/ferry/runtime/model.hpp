@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "ferry/graph/builder.hpp"
-#include "ferry/graph/pipeline.hpp"
 
 namespace ferry {
 
@@ -37,11 +36,6 @@ struct ModelSpec {
   // softmax_xent or mse, or a user's loss row made the loss with Builder::set_loss.
   std::function<TensorId(graph::Builder&, TensorId prediction, std::span<const TensorId> targets)> loss;
 };
-
-// The forward graph of one variant of `model`: its batch tensors, layers, and either the loss
-// (training, evaluation) or the prediction as the output "prediction" (key.predict). Throws
-// graph::BuildError for a model that cannot be built.
-graph::Graph forward_graph(const ModelSpec& model, const graph::VariantKey& key);
 
 namespace models {
 

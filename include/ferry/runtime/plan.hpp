@@ -8,7 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/graph/compiled_step.hpp"
+#include "ferry/graph/residency.hpp"
+#include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/trainer.hpp"
 
 namespace ferry {
@@ -24,15 +25,6 @@ struct DeviceBreakdown {
   std::uint64_t step_arena = 0;       // the step buffers as allocated (>= the live bytes: fragmentation)
   std::uint64_t total = 0;            // what the variant needs on the device: persistent + step arena
 };
-
-// The bytes at the peak of a step planned as `step` with memory plan `plan`; the persistent
-// tensors are those of `training` (the model's training variant, which holds them all: a variant
-// that does not use a device-resident tensor, Predict and the optimizer state, still finds it on
-// the device), whose device home holds `persistent_device_bytes`.
-DeviceBreakdown device_breakdown(const graph::Graph& step, const graph::MemoryPlan& plan, const graph::Graph& training,
-                                 std::uint64_t persistent_device_bytes);
-// The same for compiled steps.
-DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::CompiledStep& training);
 
 // The rates a step-time prediction uses. 0: unknown (that term is left out).
 struct PlanRates {
@@ -51,7 +43,6 @@ double measure_gemm_gflops(Runtime& runtime);
 // One compiled variant of the plan: the phase it serves and what it costs per step.
 struct PhasePlan {
   std::string name;  // "full" ("warmup/full/correct" with hybrid phases), "predict", "micro-batch", "full (no fit)"
-  graph::VariantKey key;
   DeviceBreakdown device;
   std::uint64_t host_step_bytes = 0;  // the plan's pinned host pool of step tensors (batch mirrors, staging)
   std::uint64_t fetch_bytes = 0, write_back_bytes = 0;  // persistent tensors over the link, per step

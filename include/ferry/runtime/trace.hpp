@@ -9,10 +9,12 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/graph/compiled_step.hpp"
+#include "ferry/graph/step_report.hpp"
 #include "ferry/runtime/write_options.hpp"
 
 namespace ferry {
+
+class Trainer;
 
 // How every trace ChromeTrace::write writes begins.
 inline constexpr std::string_view trace_signature = "{\"traceEvents\":[";
@@ -26,6 +28,8 @@ class ChromeTrace {
   // laid beside what the host was doing then.
   void add_step(const std::vector<graph::TimelineEntry>& timeline, std::uint64_t step,
                 const std::vector<graph::TimelineEntry>& host = {});
+  // The training step the trainer ran last (a Runtime with profiling), as step `step`.
+  void add_step(const Trainer& trainer, std::uint64_t step);
   // Adds a span measured elsewhere (e.g. a benchmark's copy), times in device nanoseconds.
   void add(std::string name, graph::Lane lane, std::uint64_t start_ns, std::uint64_t end_ns);
   std::size_t size() const noexcept { return events_.size(); }

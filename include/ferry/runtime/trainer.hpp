@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "ferry/graph/autodiff.hpp"
-#include "ferry/graph/compiled_step.hpp"
-#include "ferry/graph/pipeline.hpp"
+#include "ferry/graph/residency.hpp"
+#include "ferry/graph/step_report.hpp"
+#include "ferry/ops/optimizer.hpp"
 #include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/loss_scale.hpp"
@@ -25,11 +25,16 @@
 #include "ferry/runtime/runtime.hpp"
 #include "ferry/runtime/write_options.hpp"
 
+namespace ferry::graph {
+class CompiledStep;
+struct VariantKey;
+}  // namespace ferry::graph
+
 namespace ferry {
 
 struct TrainerOptions {
   std::uint32_t batch = 256;
-  graph::OptimizerConfig optimizer;  // default: Adam
+  ops::OptimizerConfig optimizer;  // default: Adam
   float lr = 1e-3f;
   std::uint64_t seed = 1;  // weight initialisation
   // Where weights and optimizer state live and the device budget (graph/residency.hpp). A
@@ -156,8 +161,6 @@ class Trainer {
   void set_lr(float lr);
   // Optimizer updates so far (Predict steps are not updates).
   std::uint64_t steps_done() const noexcept { return steps_; }
-  // The compiled Predict step with hybrid phases, else nullptr.
-  const graph::CompiledStep* predict_variant() const;
   // The phase controller with hybrid phases, else nullptr.
   const PhaseController* phases() const noexcept { return phases_.get(); }
   PhaseController* phases() noexcept { return phases_.get(); }
@@ -171,13 +174,6 @@ class Trainer {
   std::uint64_t predictor_state_bytes() const;
   const TrainerOptions& options() const noexcept { return options_; }
   const ModelSpec& model() const noexcept { return model_; }
-  const graph::CompiledStep& train_step() const noexcept { return *train_; }
-  graph::CompiledStep& train_step() noexcept { return *train_; }
-  // The variants compiled besides the training step so far (evaluation at each batch size it
-  // met), by what differs between them.
-  const std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>>& variants() const noexcept {
-    return variants_;
-  }
 
   // Bytes of the training state as stored: weights and their gradients (fp32), and optimizer state
   // (fp32; adamw8bit: u8 codes and fp32 block scales).
@@ -196,21 +192,18 @@ class Trainer {
   int world_size() const noexcept { return ranks_ ? ranks_->size() : 1; }
   std::uint64_t allreduce_bytes_per_step() const;
   // Peak device bytes of the training step, known from the memory plan before it runs.
-  std::uint64_t device_peak_bytes() const { return train_->device_bytes(); }
+  std::uint64_t device_peak_bytes() const;
   // Device budget the step was planned for, and the host bytes the training step holds: the
   // homes of weights and state, plus the step's pinned host pool (batch mirrors, gradients
   // spilled to the host or written back for the host optimizer, staging of compressed homes).
   std::uint64_t device_budget_bytes() const noexcept { return budget_; }
-  std::uint64_t host_state_bytes() const {
-    return train_->persistent()->host_bytes() + train_->plan().host_transient_bytes;
-  }
-  const graph::ResidencyReport& residency() const { return train_->residency(); }
+  std::uint64_t host_state_bytes() const;
+  // What the residency pass chose for the training step: the mode, the copies per step.
+  const graph::ResidencyReport& residency() const;
   // The kind of memory of the host_pinned home and the step's host pool on this device: pinned,
   // or pageable where the driver's pinned buffers take device memory too
   // (ResidencyOptions::homes.host_memory, ferry/offload/host_memory.hpp).
   offload::HostMemory host_memory() const;
-  // The home of the tensors of a persistent role (the first one's: all of a role share a home).
-  graph::Home home_of(graph::Role role) const;
 
   // A tensor on the host: its dtype, shape and raw bytes (persistent tensors as stored).
   struct HostTensor {
@@ -316,13 +309,14 @@ class Trainer {
   std::uint64_t budget_ = 0;
   std::uint64_t steps_ = 0;
   std::uint64_t weights_checked_at_ = 0;  // the last update after which the weights were checked finite
-  std::unique_ptr<graph::CompiledStep> train_;
-  std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>> variants_;
-  graph::VariantKey train_key_;
+  // The compiled steps (the training step and the variants compiled so far) and where the
+  // weights and predictor statistics live in them; defined in runtime/trainer_internals.hpp,
+  // which the CLI, benchmarks and tests use to reach them.
+  struct Compiled;
+  std::unique_ptr<Compiled> compiled_;
+  friend struct TrainerInternals;
   std::uint32_t micro_ = 0;  // micro-batches of the current accumulation group done
   std::unique_ptr<PhaseController> phases_;
-  // Resolved once: where each weight's predictor statistics and each weight live.
-  std::vector<graph::PersistentArena::Entry> fit_stats_, weights_;
   std::vector<std::string> weight_names_;  // parallel to weights_ (parameter_names())
   std::vector<float> gains_;               // per weight, the gain of d and the weight of r its last prediction used
   std::vector<std::vector<std::byte>> restore_point_;  // the weights before the Predict run in flight

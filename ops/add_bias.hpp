@@ -7,9 +7,9 @@
 #include <span>
 #include <string>
 
-#include "ferry/ops/bias.hpp"
 #include "ferry/ops/launch.hpp"
 #include "ferry/ops/types.hpp"
+#include "ops/bias.hpp"
 
 namespace ferry::ops {
 

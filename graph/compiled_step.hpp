@@ -39,13 +39,14 @@
 #include <vector>
 
 #include "ferry/cl/context.hpp"
-#include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/ir.hpp"
-#include "ferry/graph/memory_plan.hpp"
-#include "ferry/graph/pipeline.hpp"
 #include "ferry/graph/residency.hpp"
+#include "ferry/graph/step_report.hpp"
 #include "ferry/offload/home.hpp"
 #include "ferry/ops/launch.hpp"
+#include "graph/autodiff.hpp"
+#include "graph/memory_plan.hpp"
+#include "graph/pipeline.hpp"
 
 namespace ferry::graph {
 
@@ -81,37 +82,6 @@ struct PersistentArena {
   void read(Home home, const Placement& p, void* dst, std::size_t bytes) const;
   std::uint64_t host_bytes() const;    // pinned host bytes of every home (both copies when streamed)
   std::uint64_t device_bytes() const;  // device bytes of the device home
-};
-
-// One node's span on the device timeline of the last step (needs a profiling context).
-// Device-lane nodes carry their commands' OpenCL profiling times. Host-lane nodes (optimizer
-// updates on the host) are timed with the host's steady clock and shifted onto the device
-// clock by the offset between the host's and the driver's time of enqueueing the step's device
-// commands (the smallest one seen), so both share one time base.
-struct TimelineEntry {
-  std::string name;
-  Lane lane;
-  std::uint64_t queued_ns, start_ns, end_ns;  // device clock, nanoseconds
-  std::string op;                             // the op kind (ops/op_table)
-  std::uint64_t bytes = 0;                    // bytes of the tensors it reads and writes
-  std::vector<std::string> inputs, outputs;   // the names of those tensors
-};
-
-// Thrown by CompiledStep::run when a step failed after it had enqueued nodes that change
-// persistent state in place (device or host_mapped homes): those tensors may hold this step's
-// update, while state in homes that commit (streamed, compressed) was rolled back. what() is the
-// failure's message followed by that; cause() is the original failure.
-class PartialUpdateError : public std::runtime_error {
- public:
-  PartialUpdateError(const std::string& what, std::vector<std::string> tensors, std::exception_ptr cause)
-      : std::runtime_error(what), tensors_(std::move(tensors)), cause_(std::move(cause)) {}
-  // The persistent tensors that may have been changed, in graph order.
-  const std::vector<std::string>& tensors() const noexcept { return tensors_; }
-  std::exception_ptr cause() const noexcept { return cause_; }
-
- private:
-  std::vector<std::string> tensors_;
-  std::exception_ptr cause_;
 };
 
 // How run() executes a step. transfers_only exists to measure overlap (bench/overlap.cpp).

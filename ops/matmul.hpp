@@ -12,9 +12,9 @@
 #include <cstddef>
 #include <span>
 
-#include "ferry/ops/gemm.hpp"
 #include "ferry/ops/launch.hpp"
 #include "ferry/ops/types.hpp"
+#include "ops/gemm.hpp"
 
 namespace ferry::ops {
 

@@ -7,10 +7,10 @@
 #include <memory>
 #include <vector>
 
-#include "ferry/graph/compiled_step.hpp"
-#include "ferry/graph/memory_plan.hpp"
-#include "ferry/graph/pipeline.hpp"
 #include "ferry/graph/residency.hpp"
+#include "graph/compiled_step.hpp"
+#include "graph/memory_plan.hpp"
+#include "graph/pipeline.hpp"
 
 namespace ferry::graph {
 

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "ferry/ops/launch.hpp"
-#include "ferry/ops/sequence.hpp"
 #include "ferry/ops/types.hpp"
+#include "ops/sequence.hpp"
 
 namespace ferry::ops {
 

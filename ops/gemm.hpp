@@ -1,7 +1,7 @@
 // GEMM: C[M,N] = alpha * op(A) * op(B) + beta * C (+ bias broadcast over rows), row-major.
 // op(A) is A stored [M,K], or A^T with A stored [K,M]; op(B) is B stored [K,N], or B^T with B
 // stored [N,K]. This is the workhorse of Linear, Conv2d (through im2col) and, strided-batched
-// (GemmShape::batch), of the batched matmul of two activations (ferry/ops/matmul.hpp): one routine,
+// (GemmShape::batch), of the batched matmul of two activations (ops/matmul.hpp): one routine,
 // one kernel family per device, one tuning path.
 //
 // A, B and C may each be stored as f32, f16 or bf16 (GemmShape::a, b, c); products and sums are
@@ -39,7 +39,7 @@ struct GemmOptions {
   DeviceSpan bias{};  // optional: length N, added to every row of C after the product
   // Optional: runs ferry's kernel with these parameters instead of what the tuning data says,
   // written as in the tuning file's kernel and params columns, e.g. "packed RB=4 NV=4" or
-  // "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2". For tests and the tuner (ferry/ops/gemm_tune.hpp).
+  // "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2". For tests and the tuner (ops/gemm_tune.hpp).
   std::string kernel{};
   // With `kernel`: fit it to each shape as a row of the tuning data is fitted (a smaller tile for
   // a product with fewer tiles than compute units, a narrower panel), so the tuner measures a

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/ir.hpp"
+#include "graph/autodiff.hpp"
 
 namespace ferry::graph {
 

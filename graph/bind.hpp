@@ -4,10 +4,10 @@
 
 #include <functional>
 
-#include "ferry/graph/autodiff.hpp"
 #include "ferry/graph/ir.hpp"
 #include "ferry/ops/launch.hpp"
 #include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
 
 namespace ferry::graph {
 
