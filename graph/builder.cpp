@@ -195,15 +195,8 @@ TensorId Builder::reshape(TensorId x, Shape to) {
                         g_.tensors.role[x], x);
 }
 
-namespace {
-// A named row's id, looked up once.
-ops::OpId named(const char* name) {
-  return ops::find_op(name);
-}
-}  // namespace
-
 TensorId Builder::permute(TensorId x, std::initializer_list<std::int32_t> perm) {
-  static const ops::OpId op = named("permute");
+  const ops::OpId op = builtin::permute;
   NodeAttrs attrs;
   if (perm.size() > attrs.i.size()) throw BuildError("permute: at most 4 axes");
   std::copy(perm.begin(), perm.end(), attrs.i.begin());
@@ -212,33 +205,33 @@ TensorId Builder::permute(TensorId x, std::initializer_list<std::int32_t> perm) 
 }
 
 TensorId Builder::mul(TensorId a, TensorId b) {
-  static const ops::OpId op = named("mul");
+  const ops::OpId op = builtin::mul;
   const TensorId ins[] = {a, b};
   return emit(op, next_name("mul"), ins, {}, {".y"})[0];
 }
 
 TensorId Builder::scale(TensorId x, float factor) {
-  static const ops::OpId op = named("scale");
+  const ops::OpId op = builtin::scale;
   const TensorId ins[] = {x};
   return emit(op, next_name("scale"), ins, ops::FactorAttrs{factor}.pack(), {".y"})[0];
 }
 
 TensorId Builder::matmul(TensorId a, TensorId b, bool transpose_a, bool transpose_b, float scale) {
-  static const ops::OpId op = named("matmul");
+  const ops::OpId op = builtin::matmul;
   const ops::MatmulAttrs attrs{.transpose_a = transpose_a, .transpose_b = transpose_b, .alpha = scale};
   const TensorId ins[] = {a, b};
   return emit(op, next_name("matmul"), ins, attrs.pack(), {".y"})[0];
 }
 
 TensorId Builder::softmax(TensorId x, bool causal) {
-  static const ops::OpId op = named("softmax");
+  const ops::OpId op = builtin::softmax;
   const TensorId ins[] = {x};
   return emit(op, next_name("softmax"), ins, ops::SoftmaxAttrs{causal}.pack(), {".y"})[0];
 }
 
 TensorId Builder::attention(TensorId q, TensorId k, TensorId v, std::uint32_t heads, float dropout_p,
                             std::uint32_t seed) {
-  static const ops::OpId op = named("attention");
+  const ops::OpId op = builtin::attention;
   const std::string name = next_name("attention");
   ops::AttentionAttrs attrs{.heads = static_cast<std::int32_t>(heads)};
   if (training_ && dropout_p != 0.0f) {
@@ -250,7 +243,7 @@ TensorId Builder::attention(TensorId q, TensorId k, TensorId v, std::uint32_t he
 }
 
 TensorId Builder::embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim) {
-  static const ops::OpId op = named("embedding");
+  const ops::OpId op = builtin::embedding;
   const std::string name = next_name("embedding");
   if (vocab == 0 || dim == 0) throw BuildError(fmt::format("{}: vocab and dim must be at least 1", name));
   const TensorId table = weight(name + ".table", Shape{vocab, dim},
@@ -260,13 +253,13 @@ TensorId Builder::embedding(TensorId ids, std::uint32_t vocab, std::uint32_t dim
 }
 
 TensorId Builder::causal_mask(TensorId scores) {
-  static const ops::OpId op = named("causal_mask");
+  const ops::OpId op = builtin::causal_mask;
   const TensorId ins[] = {scores};
   return emit(op, next_name("causal_mask"), ins, {}, {".y"})[0];
 }
 
 TensorId Builder::dropout(TensorId x, float p, std::uint32_t seed) {
-  static const ops::OpId op = named("dropout");
+  const ops::OpId op = builtin::dropout;
   // The name is taken either way, so later layers (and their weights) are named the same in the
   // training and evaluation variants.
   const std::string name = next_name("dropout");
@@ -281,7 +274,7 @@ TensorId Builder::add(TensorId a, TensorId b) {
 }
 
 TensorId Builder::add_parameter(TensorId x, Shape trailing, float init_bound) {
-  static const ops::OpId op = named("add_bias");
+  const ops::OpId op = builtin::add_bias;
   const std::string name = next_name("param");
   const TensorId p = weight(
       name + ".p", trailing,
@@ -316,7 +309,7 @@ TensorId Builder::softmax_xent(TensorId logits, TensorId labels) {
 }
 
 TensorId Builder::mse(TensorId prediction, TensorId target) {
-  static const ops::OpId op = named("mse");
+  const ops::OpId op = builtin::mse;
   const TensorId ins[] = {prediction, target};
   const TensorId stats = emit(op, loss_name(), ins, {}, {".stats"})[0];
   set_loss(stats);
@@ -324,7 +317,7 @@ TensorId Builder::mse(TensorId prediction, TensorId target) {
 }
 
 TensorId Builder::loss_sum(TensorId a, TensorId b, float wa, float wb) {
-  static const ops::OpId op = named("loss_sum");
+  const ops::OpId op = builtin::loss_sum;
   for (TensorId t : {a, b}) {
     if (!is_loss_stats(t)) {
       throw BuildError(fmt::format("loss_sum: '{}' is not the output of a loss op (softmax_xent, mse, loss_sum, ...)",

@@ -26,19 +26,6 @@ const char* optimizer_name(OptimizerConfig::Kind k) {
   return "?";
 }
 
-const char* update_row_name(OptimizerConfig::Kind k) {
-  switch (k) {
-    case OptimizerConfig::Kind::sgd:
-      return "sgd_update";
-    case OptimizerConfig::Kind::adam:
-    case OptimizerConfig::Kind::adamw:
-      return "adam_update";
-    case OptimizerConfig::Kind::adamw8bit:
-      return "adam8bit_update";
-  }
-  return "?";
-}
-
 void validate(const OptimizerConfig& c) {
   auto fail = [&](const char* what, float v, const char* range) {
     throw std::invalid_argument(fmt::format("{} {} {} = {}: it must be {}", optimizer_name(c.kind),

@@ -289,9 +289,9 @@ TEST(LossBroadcastRows, ShapeRulesMakeOutputsAndRejectBadOperandsNamingTheNode) 
 }
 
 TEST(LossBroadcastRows, RowsAreNamedAndComplete) {
-  const ops::OpInfo& add_bias = ops::op_info(ops::find_op("add_bias"));
+  const ops::OpInfo& add_bias = ops::op_info(ops::builtin::add_bias);
   EXPECT_EQ(add_bias.op_class, ops::OpClass::forward);
-  const ops::OpInfo& mse = ops::op_info(ops::find_op("mse"));
+  const ops::OpInfo& mse = ops::op_info(ops::builtin::mse);
   EXPECT_EQ(mse.op_class, ops::OpClass::loss);
   for (const ops::OpInfo* row : {&add_bias, &mse}) {
     EXPECT_TRUE(row->infer && row->bind && row->backward && row->reference) << row->name;

@@ -74,10 +74,10 @@ TEST(Pipeline, EachModelPassAlone) {
   pass("overflow guard")(g, train, adam);
   ASSERT_NE(g.guard, graph::no_tensor);
   ASSERT_EQ(g.nodes.size(), before + 5);
-  EXPECT_EQ(g.nodes.op[before], ops::find_op("overflow_guard_init"));
+  EXPECT_EQ(g.nodes.op[before], ops::builtin::overflow_guard_init);
   std::vector<graph::NodeId> made_at;  // per check, the node that made its gradient
   for (graph::NodeId n = before + 1; n < g.nodes.size(); ++n) {
-    EXPECT_EQ(g.nodes.op[n], ops::find_op("overflow_guard_check"));
+    EXPECT_EQ(g.nodes.op[n], ops::builtin::overflow_guard_check);
     const TensorId grad = g.nodes.inputs(n)[1];
     EXPECT_EQ(g.tensors.role[grad], graph::Role::gradient);
     for (graph::NodeId m = 0; m < before; ++m) {
@@ -189,7 +189,7 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
   const graph::Graph g = forward_graph(deep, graph::VariantKey{4, true});
   graph::Graph fused = g;
   graph::fuse_layers(fused);
-  const graph::OpId add_layernorm = ops::find_op("add_layernorm");
+  const graph::OpId add_layernorm = ops::builtin::add_layernorm;
   EXPECT_EQ(count_op(g, graph::builtin::add), 3u);
   EXPECT_EQ(count_op(g, graph::builtin::layernorm), 4u);
   EXPECT_EQ(count_op(fused, graph::builtin::add), 0u);
@@ -224,8 +224,8 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   // Each weight's snapshot comes before its update, and its fit after.
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
     if (g.nodes.op[n] != graph::builtin::adam_update) continue;
-    EXPECT_EQ(g.nodes.op[n - 1], ops::find_op("predictor_snapshot"));
-    EXPECT_EQ(g.nodes.op[n + 1], ops::find_op("predictor_fit"));
+    EXPECT_EQ(g.nodes.op[n - 1], ops::builtin::predictor_snapshot);
+    EXPECT_EQ(g.nodes.op[n + 1], ops::builtin::predictor_fit);
   }
 
   graph::VariantKey predict{16, false};

@@ -350,12 +350,12 @@ SequenceModel sequence_model(float p = 0.25f) {
                         graph::Role::weight);
   tensors.init[m.table] = {graph::WeightInit::Kind::uniform, 1.0f};
   const TensorId e_in[] = {ids, m.table};
-  const TensorId e = b.apply(ops::find_op("embedding"), e_in)[0];
+  const TensorId e = b.apply(ops::builtin::embedding, e_in)[0];
   const TensorId c_in[] = {e};
-  const TensorId masked = b.apply(ops::find_op("causal_mask"), c_in)[0];
+  const TensorId masked = b.apply(ops::builtin::causal_mask, c_in)[0];
   const graph::NodeAttrs drop = ops::DropoutAttrs{.p = p, .seed = 7}.pack();
   const TensorId d_in[] = {b.relu(masked)};
-  const TensorId dropped = b.apply(ops::find_op("dropout"), d_in, drop)[0];
+  const TensorId dropped = b.apply(ops::builtin::dropout, d_in, drop)[0];
   b.softmax_xent(b.linear(b.flatten(dropped), SequenceModel::classes), labels);
   return m;
 }
@@ -468,8 +468,8 @@ TEST(SequenceRows, BadOperandsAreBuildErrorsNamingTheNode) {
   const TensorId flat = g.tensors.add("flat", graph::Shape{40}, graph::DType::f32, graph::Role::weight);
   const TensorId ids = g.tensors.add("ids", graph::Shape{2, 3}, graph::DType::i32, graph::Role::input);
   const TensorId ids4 = g.tensors.add("ids4", graph::Shape{2, 3, 1, 1}, graph::DType::i32, graph::Role::input);
-  const ops::OpId embedding = ops::find_op("embedding"), mask = ops::find_op("causal_mask"),
-                  dropout = ops::find_op("dropout");
+  const ops::OpId embedding = ops::builtin::embedding, mask = ops::builtin::causal_mask,
+                  dropout = ops::builtin::dropout;
   // Float ids, a rank-4 ids tensor, a table that is not [vocab, dim].
   expect_build_error([&] { b.apply(embedding, std::vector<TensorId>{b.input(), table}); }, "embedding", "i32");
   expect_build_error([&] { b.apply(embedding, std::vector<TensorId>{ids4, table}); }, "embedding", "rank 1 to 3");

@@ -183,7 +183,7 @@ ModelSpec softmax_model() {
   return models::classifier("softmax-mlp", graph::Shape{10}, 3, [](graph::Builder& b, TensorId x) {
     const TensorId h = b.linear(x, 19);
     const TensorId ins[] = {h};
-    return b.linear(b.apply(ops::find_op("softmax"), ins)[0], 3);
+    return b.linear(b.apply(ops::builtin::softmax, ins)[0], 3);
   });
 }
 
@@ -202,11 +202,11 @@ TEST(SoftmaxRows, ShapeRuleKeepsTheShapeAndRejectsAnEmptyAxis) {
   graph::Graph g;
   ClassifierBuilder b(g, 2, graph::Shape{3, 4}, 2);
   const TensorId x[] = {b.input()};
-  const TensorId y = b.apply(ops::find_op("softmax"), x)[0];
+  const TensorId y = b.apply(ops::builtin::softmax, x)[0];
   EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 3, 4}));
   const TensorId empty = g.tensors.add("empty", graph::Shape{2, 0}, graph::DType::f32, graph::Role::activation);
   const TensorId e[] = {empty};
-  EXPECT_THROW(b.apply(ops::find_op("softmax"), e), graph::BuildError);
+  EXPECT_THROW(b.apply(ops::builtin::softmax, e), graph::BuildError);
 }
 
 // Attention's softmax: 32 sequences x 4 heads x 128 queries, rows of 128 keys. Disabled by

@@ -13,7 +13,7 @@ namespace ferry::graph {
 void append_accumulation(Graph& g, std::uint32_t accumulate, bool micro) {
   if (accumulate < 2) throw std::logic_error("append_accumulation needs 2 or more micro-batches");
   auto& t = g.tensors;
-  const ops::OpId op = ops::find_op(micro ? "grad_accumulate" : "grad_mean");
+  const ops::OpId op = micro ? ops::builtin::grad_accumulate : ops::builtin::grad_mean;
   const NodeAttrs attrs = ops::FactorAttrs{1.0f / static_cast<float>(accumulate)}.pack();
   const std::size_t count = t.size();
   for (TensorId w = 0; w < count; ++w) {

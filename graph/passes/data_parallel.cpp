@@ -112,7 +112,7 @@ void receive(Graph& g, ops::OpId op, const char* suffix, TensorId host, TensorId
 void check_received(Graph& g, TensorId x, const char* suffix) {
   if (g.guard == no_tensor) return;
   const TensorId ins[] = {g.guard, x};
-  g.nodes.add(ops::find_op("overflow_guard_check"),
+  g.nodes.add(ops::builtin::overflow_guard_check,
               fmt::format("{}.{}@{}", overflow_guard_name, g.tensors.name[x], suffix), ins, std::span(&g.guard, 1));
 }
 
@@ -121,9 +121,9 @@ void check_received(Graph& g, TensorId x, const char* suffix) {
 // same decision to update or to skip.
 void append_guard_agreement(Graph& g) {
   if (g.guard == no_tensor) return;
-  const ops::OpId back = ops::find_op("grad_receive");
+  const ops::OpId back = ops::builtin::grad_receive;
   append_collective(g, {g.guard}, {{0, 1}},
-                    {ops::find_op("grad_allreduce"), "agree", ops::find_op("grad_send"),
+                    {ops::builtin::grad_allreduce, "agree", ops::builtin::grad_send,
                      [](std::size_t) {
                        return ops::CollectiveAttrs{.share = 1.0f};  // the guards themselves, unscaled
                      },
@@ -178,8 +178,8 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
   }
   std::vector<TensorId> grads;
   for (TensorId w : weights) grads.push_back(t.grad[w]);
-  const ops::OpId back = ops::find_op("grad_receive");
-  Collective c{ops::find_op("grad_reduce_scatter"), "reduce", ops::find_op("grad_send"),
+  const ops::OpId back = ops::builtin::grad_receive;
+  Collective c{ops::builtin::grad_reduce_scatter, "reduce", ops::builtin::grad_send,
                [&](std::size_t k) {
                  return ops::CollectiveAttrs{.share = share,
                                              .ordinal = static_cast<std::int32_t>(ordinal[weights[buckets[k].first]]),
@@ -215,9 +215,9 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
   }
   std::vector<TensorId> grads;
   for (TensorId w : weights_in_gradient_order(g)) grads.push_back(g.tensors.grad[w]);
-  const ops::OpId back = ops::find_op("grad_receive");
+  const ops::OpId back = ops::builtin::grad_receive;
   append_collective(g, grads, buckets_of(g.tensors, grads, bucket_bytes),
-                    {ops::find_op("grad_allreduce"), "allreduce", ops::find_op("grad_send"),
+                    {ops::builtin::grad_allreduce, "allreduce", ops::builtin::grad_send,
                      [share](std::size_t) { return ops::CollectiveAttrs{.share = share}; },
                      [&](std::size_t i, TensorId host, TensorId) {
                        receive(g, back, "allreduce", host, grads[i]);
@@ -237,10 +237,10 @@ void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t b
                            static_cast<std::int32_t>(shares[i].range.count)}
         .pack();
   };
-  const ops::OpId back = ops::find_op("others_receive");
+  const ops::OpId back = ops::builtin::others_receive;
   const auto buckets = buckets_of(g.tensors, weights, bucket_bytes);
   Collective c{
-      ops::find_op("weight_allgather"), "allgather", ops::find_op("share_send"),
+      ops::builtin::weight_allgather, "allgather", ops::builtin::share_send,
       [&](std::size_t k) {
         return ops::CollectiveAttrs{.ordinal = static_cast<std::int32_t>(buckets[k].first),
                                     .granule = static_cast<std::int32_t>(zero.granule)};

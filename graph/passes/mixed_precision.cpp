@@ -110,9 +110,9 @@ void append_overflow_guard(Graph& g) {
   // order).
   const std::vector<TensorId> weights = weights_in_gradient_order(g);
   g.guard = t.add(std::string(overflow_guard_name), Shape{1}, DType::f32, Role::stats);
-  g.nodes.add(ops::find_op("overflow_guard_init"), std::string(overflow_guard_name), std::span(&g.loss, 1),
+  g.nodes.add(ops::builtin::overflow_guard_init, std::string(overflow_guard_name), std::span(&g.loss, 1),
               std::span(&g.guard, 1));
-  const ops::OpId check = ops::find_op("overflow_guard_check");
+  const ops::OpId check = ops::builtin::overflow_guard_check;
   for (TensorId w : weights) {
     const TensorId ins[] = {g.guard, t.grad[w]};
     g.nodes.add(check, fmt::format("{}.{}", overflow_guard_name, t.name[w]), ins, std::span(&g.guard, 1));

@@ -12,7 +12,7 @@ namespace ferry::graph {
 
 void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding& zero) {
   auto& t = g.tensors;
-  const ops::OpId op = ops::find_op(ops::update_row_name(spec.kind));
+  const ops::OpId op = ops::update_row(spec.kind);
   const ops::OpInfo& row = ops::op_info(op);
   if (!row.optimizer_state) {
     throw std::logic_error(fmt::format("op '{}' declares no optimizer state: not an update row", row.name));

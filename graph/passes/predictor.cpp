@@ -51,8 +51,8 @@ void check_f32(const TensorTable& t, TensorId w) {
 void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
   ops::check_predictor(c);
   auto& t = g.tensors;
-  const ops::OpId snapshot = ops::find_op("predictor_snapshot");
-  const ops::OpId fit = ops::find_op("predictor_fit");
+  const ops::OpId snapshot = ops::builtin::predictor_snapshot;
+  const ops::OpId fit = ops::builtin::predictor_fit;
   const NodeAttrs attrs = ops::PredictorAttrs{c}.pack();
   const NodeTable old = g.nodes;
   NodeTable out;
@@ -77,7 +77,7 @@ void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
 
 void append_predictor_apply(Graph& g, const ops::PredictorConfig& c) {
   auto& t = g.tensors;
-  const ops::OpId apply = ops::find_op("predictor_apply");
+  const ops::OpId apply = ops::builtin::predictor_apply;
   const NodeAttrs attrs = ops::PredictorAttrs{c}.pack();
   const std::size_t count = t.size();
   for (TensorId w = 0; w < count; ++w) {

@@ -45,9 +45,9 @@ OpInfo mean_row() {
 
 }  // namespace
 
-void register_accumulate_rows(const AddNamedRow& add) {
-  add(accumulate_row());
-  add(mean_row());
+void register_accumulate_rows(const AddRow& add) {
+  add(accumulate_row(), builtin::grad_accumulate);
+  add(mean_row(), builtin::grad_mean);
 }
 
 }  // namespace ferry::ops::table

@@ -75,8 +75,9 @@ OpInfo add_bias_row(OpId grad_op) {  // in: x b  out: y
 
 }  // namespace
 
-void register_add_bias_rows(const AddNamedRow& add) {
-  add(add_bias_row(add(add_bias_grad_row())));
+void register_add_bias_rows(const AddRow& add) {
+  add(add_bias_row(builtin::add_bias_grad), builtin::add_bias);
+  add(add_bias_grad_row(), builtin::add_bias_grad);
 }
 
 }  // namespace ferry::ops::table

@@ -129,9 +129,9 @@ OpInfo attention_grad_row() {  // in: q k v o lse do  out: dq dk dv
 
 }  // namespace
 
-void register_attention_rows(const AddNamedRow& add) {
-  const OpId grad = add(attention_grad_row());
-  add(attention_row(grad));
+void register_attention_rows(const AddRow& add) {
+  add(attention_row(builtin::attention_grad), builtin::attention);
+  add(attention_grad_row(), builtin::attention_grad);
 }
 
 }  // namespace ferry::ops::table

@@ -1,4 +1,4 @@
-// Registration of the built-in rows, in the order of ops::builtin, and helpers the rows share.
+// Registration of the built-in rows under their ops::builtin ids, and helpers the rows share.
 #include <fmt/format.h>
 
 #include <stdexcept>
@@ -69,6 +69,20 @@ void register_builtin_rows(const AddRow& add) {
   register_softmax_xent_rows(add);
   register_optimizer_rows(add);
   register_cast_rows(add);
+  register_matmul_rows(add);
+  register_softmax_rows(add);
+  register_layout_rows(add);
+  register_sequence_rows(add);
+  register_add_bias_rows(add);
+  register_mse_rows(add);
+  register_loss_sum_rows(add);
+  register_optimizer8bit_rows(add);
+  register_predictor_rows(add);
+  register_accumulate_rows(add);
+  register_overflow_guard_rows(add);
+  register_attention_rows(add);
+  register_add_layernorm_rows(add);
+  register_collective_rows(add);
 }
 
 }  // namespace ferry::ops::table

@@ -226,14 +226,14 @@ OpInfo reduce_scatter_row() {
 
 }  // namespace
 
-void register_collective_rows(const AddNamedRow& add) {
-  add(copy_row("grad_send", false));
-  add(allreduce_row());
-  add(copy_row("grad_receive", true));
-  add(allgather_row());
-  add(reduce_scatter_row());
-  add(run_copy_row("share_send", true));
-  add(run_copy_row("others_receive", false));
+void register_collective_rows(const AddRow& add) {
+  add(copy_row("grad_send", false), builtin::grad_send);
+  add(allreduce_row(), builtin::grad_allreduce);
+  add(copy_row("grad_receive", true), builtin::grad_receive);
+  add(allgather_row(), builtin::weight_allgather);
+  add(reduce_scatter_row(), builtin::grad_reduce_scatter);
+  add(run_copy_row("share_send", true), builtin::share_send);
+  add(run_copy_row("others_receive", false), builtin::others_receive);
 }
 
 }  // namespace ferry::ops::table

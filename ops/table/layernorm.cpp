@@ -152,8 +152,8 @@ OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
 
 }  // namespace
 
-void register_add_layernorm_rows(const AddNamedRow& add) {
-  add(add_layernorm_row());
+void register_add_layernorm_rows(const AddRow& add) {
+  add(add_layernorm_row(), builtin::add_layernorm);
 }
 
 void register_layernorm_rows(const AddRow& add) {

@@ -15,7 +15,6 @@ namespace ferry::ops::table {
 namespace {
 
 // A row's own id, known once `add` returns; its backward rule emits nodes of the same row.
-using SelfId = std::shared_ptr<OpId>;
 
 void expect_inputs(const ShapeView& v, std::size_t n, const char* op) {
   if (v.input_count() != n) shape_error(v, fmt::format("{} takes {} input(s), got {}", op, n, v.input_count()));
@@ -43,7 +42,7 @@ std::size_t permuted_prefix(const NodeAttrs& a) {
   return 2;
 }
 
-OpInfo permute_row(SelfId self) {  // attrs.i[0..rank-1] = perm   in: x  out: y
+OpInfo permute_row() {  // attrs.i[0..rank-1] = perm   in: x  out: y
   OpInfo r;
   r.name = "permute";
   r.float_dtypes = permute_dtypes;
@@ -56,10 +55,10 @@ OpInfo permute_row(SelfId self) {  // attrs.i[0..rank-1] = perm   in: x  out: y
   r.bind = [](const BindContext& c) {
     return permute(c.env(), c.in(0), c.out(0), c.input(0).shape, perm_of(c.attrs()), c.input(0).dtype);
   };
-  r.backward = [self](GradContext& g) {
+  r.backward = [](GradContext& g) {
     NodeAttrs inv;
     inv.i = inverse_permutation(perm_of(g.attrs()), permuted_prefix(g.attrs()));
-    unary_backward(g, *self, no_ref, inv);
+    unary_backward(g, builtin::permute, no_ref, inv);
   };
   r.reference = [](RefContext& c) {
     ref::permute<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), c.input(0).shape, perm_of(c.attrs()));
@@ -67,7 +66,7 @@ OpInfo permute_row(SelfId self) {  // attrs.i[0..rank-1] = perm   in: x  out: y
   return r;
 }
 
-OpInfo mul_row(SelfId self) {  // in: a b  out: y = a * b
+OpInfo mul_row() {  // in: a b  out: y = a * b
   OpInfo r;
   r.name = "mul";
   r.infer = [](const ShapeView& v) {
@@ -82,7 +81,7 @@ OpInfo mul_row(SelfId self) {  // in: a b  out: y = a * b
     return std::vector<TensorDesc>{a};
   };
   r.bind = [](const BindContext& c) { return mul(c.env(), c.in(0), c.in(1), c.out(0), out_elems(c, 0)); };
-  r.backward = [self](GradContext& g) {
+  r.backward = [](GradContext& g) {
     const auto in = g.inputs();
     const TensorRef dy = g.grad(g.outputs()[0]);
     if (dy == no_ref) return;
@@ -93,7 +92,7 @@ OpInfo mul_row(SelfId self) {  // in: a b  out: y = a * b
       const TensorRef d = g.new_grad(in[i]);
       const TensorRef ins[] = {dy, in[1 - i]};
       const TensorRef outs[] = {d};
-      g.emit(*self, suffixes[i], ins, outs, {});
+      g.emit(builtin::mul, suffixes[i], ins, outs, {});
       g.contribute(in[i], d);
     }
   };
@@ -104,7 +103,7 @@ OpInfo mul_row(SelfId self) {  // in: a b  out: y = a * b
   return r;
 }
 
-OpInfo scale_row(SelfId self) {  // FactorAttrs   in: x  out: y = x * factor
+OpInfo scale_row() {  // FactorAttrs   in: x  out: y = x * factor
   OpInfo r;
   r.name = "scale";
   r.infer = [](const ShapeView& v) {
@@ -116,7 +115,7 @@ OpInfo scale_row(SelfId self) {  // FactorAttrs   in: x  out: y = x * factor
   r.bind = [](const BindContext& c) {
     return scale(c.env(), c.in(0), c.out(0), FactorAttrs::of(c.attrs()).factor, out_elems(c, 0));
   };
-  r.backward = [self](GradContext& g) { unary_backward(g, *self); };
+  r.backward = [](GradContext& g) { unary_backward(g, builtin::scale); };
   r.reference = [](RefContext& c) {
     ref::scale<double>(c.real(c.inputs()[0]), double(FactorAttrs::of(c.attrs()).factor), c.real(c.outputs()[0]));
   };
@@ -125,11 +124,10 @@ OpInfo scale_row(SelfId self) {  // FactorAttrs   in: x  out: y = x * factor
 
 }  // namespace
 
-void register_layout_rows(const AddNamedRow& add) {
-  for (OpInfo (*make)(SelfId) : {permute_row, mul_row, scale_row}) {
-    auto self = std::make_shared<OpId>();
-    *self = add(make(self));
-  }
+void register_layout_rows(const AddRow& add) {
+  add(permute_row(), builtin::permute);
+  add(mul_row(), builtin::mul);
+  add(scale_row(), builtin::scale);
 }
 
 }  // namespace ferry::ops::table

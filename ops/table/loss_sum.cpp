@@ -55,8 +55,8 @@ OpInfo loss_sum_row() {
 
 }  // namespace
 
-void register_loss_sum_rows(const AddNamedRow& add) {
-  add(loss_sum_row());
+void register_loss_sum_rows(const AddRow& add) {
+  add(loss_sum_row(), builtin::loss_sum);
 }
 
 }  // namespace ferry::ops::table

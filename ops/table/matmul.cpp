@@ -130,10 +130,10 @@ OpInfo matmul_grad_b_row() {  // in: a dy  out: db
 
 }  // namespace
 
-void register_matmul_rows(const AddNamedRow& add) {
-  const OpId grad_a = add(matmul_grad_a_row());
-  const OpId grad_b = add(matmul_grad_b_row());
-  add(matmul_row(grad_a, grad_b));
+void register_matmul_rows(const AddRow& add) {
+  add(matmul_row(builtin::matmul_grad_a, builtin::matmul_grad_b), builtin::matmul);
+  add(matmul_grad_a_row(), builtin::matmul_grad_a);
+  add(matmul_grad_b_row(), builtin::matmul_grad_b);
 }
 
 }  // namespace ferry::ops::table

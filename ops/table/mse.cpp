@@ -74,8 +74,9 @@ OpInfo mse_row(OpId grad_op) {  // in: p t  out: stats
 
 }  // namespace
 
-void register_mse_rows(const AddNamedRow& add) {
-  add(mse_row(add(mse_grad_row())));
+void register_mse_rows(const AddRow& add) {
+  add(mse_row(builtin::mse_grad), builtin::mse);
+  add(mse_grad_row(), builtin::mse_grad);
 }
 
 }  // namespace ferry::ops::table

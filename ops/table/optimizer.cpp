@@ -147,8 +147,8 @@ void register_optimizer_rows(const AddRow& add) {
   add(adam_row(), builtin::adam_update);
 }
 
-void register_optimizer8bit_rows(const AddNamedRow& add) {
-  add(adam8bit_row());
+void register_optimizer8bit_rows(const AddRow& add) {
+  add(adam8bit_row(), builtin::adam8bit_update);
 }
 
 }  // namespace ferry::ops::table

@@ -34,9 +34,9 @@ OpInfo check_row() {
 
 }  // namespace
 
-void register_overflow_guard_rows(const AddNamedRow& add) {
-  add(init_row());
-  add(check_row());
+void register_overflow_guard_rows(const AddRow& add) {
+  add(init_row(), builtin::overflow_guard_init);
+  add(check_row(), builtin::overflow_guard_check);
 }
 
 }  // namespace ferry::ops::table

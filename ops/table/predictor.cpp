@@ -106,10 +106,10 @@ OpInfo apply_row() {
 
 }  // namespace
 
-void register_predictor_rows(const AddNamedRow& add) {
-  add(snapshot_row());
-  add(fit_row());
-  add(apply_row());
+void register_predictor_rows(const AddRow& add) {
+  add(snapshot_row(), builtin::predictor_snapshot);
+  add(fit_row(), builtin::predictor_fit);
+  add(apply_row(), builtin::predictor_apply);
 }
 
 }  // namespace ferry::ops::table

@@ -8,8 +8,8 @@
 
 namespace ferry::ops::table {
 
-// Registers a row and checks that it got the id ops::builtin names for it.
-using AddRow = std::function<void(OpInfo, OpId expected)>;
+// Registers a row under the id ops::builtin names for it (each id once; any order).
+using AddRow = std::function<void(OpInfo, OpId id)>;
 
 void register_transfer_rows(const AddRow& add);  // upload, download, fetch, write_back, unpack, pack
 void register_linear_rows(const AddRow& add);    // linear and its two gradients
@@ -22,30 +22,28 @@ void register_softmax_xent_rows(const AddRow& add);
 void register_optimizer_rows(const AddRow& add);
 void register_cast_rows(const AddRow& add);  // cast, quantize_i8, dequantize_i8
 
-// Rows beyond ops::builtin (found by name with ops::find_op), registered after the built-in ones.
-using AddNamedRow = std::function<OpId(OpInfo)>;
-void register_matmul_rows(const AddNamedRow& add);         // ops/table/matmul.cpp: batched matmul
-void register_softmax_rows(const AddNamedRow& add);        // ops/table/softmax.cpp: softmax, optionally causal
-void register_attention_rows(const AddNamedRow& add);      // ops/table/attention.cpp: fused causal attention
-void register_add_layernorm_rows(const AddNamedRow& add);  // ops/table/layernorm.cpp: residual add + LayerNorm
-void register_layout_rows(const AddNamedRow& add);         // ops/table/layout.cpp: permute, mul, scale
-void register_sequence_rows(const AddNamedRow& add);       // ops/table/sequence.cpp: embedding, causal mask, dropout
-void register_add_bias_rows(const AddNamedRow& add);       // ops/table/add_bias.cpp: bias broadcast over leading axes
-void register_mse_rows(const AddNamedRow& add);            // ops/table/mse.cpp: mean squared error loss
-void register_loss_sum_rows(const AddNamedRow& add);       // ops/table/loss_sum.cpp: two weighted losses
+void register_matmul_rows(const AddRow& add);         // ops/table/matmul.cpp: batched matmul
+void register_softmax_rows(const AddRow& add);        // ops/table/softmax.cpp: softmax, optionally causal
+void register_attention_rows(const AddRow& add);      // ops/table/attention.cpp: fused causal attention
+void register_add_layernorm_rows(const AddRow& add);  // ops/table/layernorm.cpp: residual add + LayerNorm
+void register_layout_rows(const AddRow& add);         // ops/table/layout.cpp: permute, mul, scale
+void register_sequence_rows(const AddRow& add);       // ops/table/sequence.cpp: embedding, causal mask, dropout
+void register_add_bias_rows(const AddRow& add);       // ops/table/add_bias.cpp: bias broadcast over leading axes
+void register_mse_rows(const AddRow& add);            // ops/table/mse.cpp: mean squared error loss
+void register_loss_sum_rows(const AddRow& add);       // ops/table/loss_sum.cpp: two weighted losses
 // ops/table/optimizer.cpp: 8-bit block-wise Adam/AdamW (adam8bit_update), on the device only.
-void register_optimizer8bit_rows(const AddNamedRow& add);
+void register_optimizer8bit_rows(const AddRow& add);
 // ops/table/predictor.cpp: the weight-update predictor's snapshot, fit and apply.
-void register_predictor_rows(const AddNamedRow& add);
+void register_predictor_rows(const AddRow& add);
 // ops/table/accumulate.cpp: gradient accumulation's sum and mean.
-void register_accumulate_rows(const AddNamedRow& add);
+void register_accumulate_rows(const AddRow& add);
 // ops/table/overflow_guard.cpp: the overflow guard's init and per-gradient check.
-void register_overflow_guard_rows(const AddNamedRow& add);
+void register_overflow_guard_rows(const AddRow& add);
 
 // ops/table/collective.cpp: data-parallel gradient send, all-reduce and receive.
-void register_collective_rows(const AddNamedRow& add);
+void register_collective_rows(const AddRow& add);
 
-// All of the above, in the order of ops::builtin.
+// All of the above.
 void register_builtin_rows(const AddRow& add);
 
 // Helpers the rows share.

@@ -180,10 +180,13 @@ OpInfo dropout_row(OpId grad_op) {  // in: x  out: y
 
 }  // namespace
 
-void register_sequence_rows(const AddNamedRow& add) {
-  add(embedding_row(add(embedding_grad_row())));
-  add(causal_mask_row(add(causal_mask_grad_row())));
-  add(dropout_row(add(dropout_grad_row())));
+void register_sequence_rows(const AddRow& add) {
+  add(embedding_row(builtin::embedding_grad), builtin::embedding);
+  add(embedding_grad_row(), builtin::embedding_grad);
+  add(causal_mask_row(builtin::causal_mask_grad), builtin::causal_mask);
+  add(causal_mask_grad_row(), builtin::causal_mask_grad);
+  add(dropout_row(builtin::dropout_grad), builtin::dropout);
+  add(dropout_grad_row(), builtin::dropout_grad);
 }
 
 }  // namespace ferry::ops::table

@@ -64,9 +64,9 @@ OpInfo softmax_grad_row() {  // in: y dy  out: dx
 
 }  // namespace
 
-void register_softmax_rows(const AddNamedRow& add) {
-  const OpId softmax_grad = add(softmax_grad_row());
-  add(softmax_row(softmax_grad));
+void register_softmax_rows(const AddRow& add) {
+  add(softmax_row(builtin::softmax_grad), builtin::softmax);
+  add(softmax_grad_row(), builtin::softmax_grad);
 }
 
 }  // namespace ferry::ops::table

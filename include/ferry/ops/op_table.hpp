@@ -227,38 +227,80 @@ const OpInfo& op_info(OpId id);
 OpId find_op(std::string_view name);
 std::size_t op_count();
 
-// The rows ferry ships, registered in this order before any user row (ops/op_table.cpp).
+// The rows ferry ships, with these ids, before any user row (ops/op_table.cpp); the library names
+// its own rows only by these (ops::find_op is for users' rows and names read from text).
 namespace builtin {
 enum : OpId {
-  upload,             // host batch -> device inputs (h2d)                 in: host mirrors   out: device tensors
-  download,           // device results -> host (d2h)                      in: device tensors  out: host mirrors
-  fetch,              // a host-resident tensor -> its device copy (h2d)    in: host   out: copy
-                      //   FetchAttrs: after this step's write-back of it (reads the value written)
-  write_back,         // a device copy -> the host-resident tensor (d2h)    in: copy   out: host
-  unpack,             // a staged home's tensor -> pinned staging (host)     in: home   out: staging
-  pack,               // pinned staging -> the tensor's next value in its home (host)  in: staging  out: home
-  linear,             // y[B,out] = x[B,in] w[in,out] + b[out]             in: x w [b]  out: y
-  linear_grad_input,  // dx = dy w^T                               in: dy w     out: dx
-  linear_grad_param,  // dw = x^T dy, db = colsum(dy)               in: x dy     out: dw [db]
-  activation,         // ActivationAttrs                            in: x        out: y
-  activation_grad,    //                                            in: x dy     out: dx
-  add,                // y = a + b                                  in: a b      out: y
-  layernorm,          // LayerNormAttrs                             in: x g b    out: y mean rstd
-  layernorm_grad,     //                                  in: x g mean rstd dy   out: dx dg db
-  conv2d,             // Conv2dAttrs                                in: x w [b]  out: y
-  conv2d_grad_input,  //                                            in: dy w     out: dx
-  conv2d_grad_param,  //                                            in: x dy     out: dw [db]
-  maxpool2d,          // MaxPool2dAttrs                             in: x        out: y argmax
-  maxpool2d_grad,     //                                            in: dy argmax out: dx
-  softmax_xent,       //                                       in: logits labels out: lse stats
-  softmax_xent_grad,  //                                   in: logits lse labels  out: dlogits
-  sgd_update,         // in: w g v [loss]   out: w v (in place)
-  adam_update,        // in: w g m v [loss] out: w m v (in place)
-  cast,               // CastAttrs                                  in: x        out: y
-  quantize_i8,        // QuantAttrs                                 in: x        out: q scales
-  dequantize_i8,      // QuantAttrs                                 in: q scales out: x
-  builtin_count       // the number of rows above
+  upload,                // host batch -> device inputs (h2d)                 in: host mirrors   out: device tensors
+  download,              // device results -> host (d2h)                      in: device tensors  out: host mirrors
+  fetch,                 // a host-resident tensor -> its device copy (h2d)    in: host   out: copy
+                         //   FetchAttrs: after this step's write-back of it (reads the value written)
+  write_back,            // a device copy -> the host-resident tensor (d2h)    in: copy   out: host
+  unpack,                // a staged home's tensor -> pinned staging (host)     in: home   out: staging
+  pack,                  // pinned staging -> the tensor's next value in its home (host)  in: staging  out: home
+  linear,                // y[B,out] = x[B,in] w[in,out] + b[out]             in: x w [b]  out: y
+  linear_grad_input,     // dx = dy w^T                               in: dy w     out: dx
+  linear_grad_param,     // dw = x^T dy, db = colsum(dy)               in: x dy     out: dw [db]
+  activation,            // ActivationAttrs                            in: x        out: y
+  activation_grad,       //                                            in: x dy     out: dx
+  add,                   // y = a + b                                  in: a b      out: y
+  layernorm,             // LayerNormAttrs                             in: x g b    out: y mean rstd
+  layernorm_grad,        //                                  in: x g mean rstd dy   out: dx dg db
+  conv2d,                // Conv2dAttrs                                in: x w [b]  out: y
+  conv2d_grad_input,     //                                            in: dy w     out: dx
+  conv2d_grad_param,     //                                            in: x dy     out: dw [db]
+  maxpool2d,             // MaxPool2dAttrs                             in: x        out: y argmax
+  maxpool2d_grad,        //                                            in: dy argmax out: dx
+  softmax_xent,          //                                       in: logits labels out: lse stats
+  softmax_xent_grad,     //                                   in: logits lse labels  out: dlogits
+  sgd_update,            // in: w g v [loss]   out: w v (in place)
+  adam_update,           // in: w g m v [loss] out: w m v (in place)
+  cast,                  // CastAttrs                                  in: x        out: y
+  quantize_i8,           // QuantAttrs                                 in: x        out: q scales
+  dequantize_i8,         // QuantAttrs                                 in: q scales out: x
+  matmul,                // MatmulAttrs: batched a[.., m, k] b[.., k, n]      in: a b      out: c
+  matmul_grad_a,         //                                            in: dc b     out: da
+  matmul_grad_b,         //                                            in: a dc     out: db
+  softmax,               // SoftmaxAttrs (optionally causal)           in: x        out: y
+  softmax_grad,          //                                            in: y dy     out: dx
+  permute,               // the permutation in attrs.i                 in: x        out: y
+  mul,                   // y = a * b                                  in: a b      out: y
+  scale,                 // FactorAttrs: y = x * factor                in: x        out: y
+  embedding,             //                                            in: ids table out: y
+  embedding_grad,        //
+  causal_mask,           //                                            in: x        out: y
+  causal_mask_grad,      //
+  dropout,               // DropoutAttrs                               in: x        out: y
+  dropout_grad,          //
+  add_bias,              // bias broadcast over leading axes           in: x b      out: y
+  add_bias_grad,         //
+  mse,                   // mean squared error loss                    in: p t      out: stats
+  mse_grad,              //
+  loss_sum,              // LossSumAttrs: two weighted losses
+  adam8bit_update,       // 8-bit block-wise Adam/AdamW (device only)
+  predictor_snapshot,    // the weight-update predictor (runtime/phases/): snapshot, fit, apply
+  predictor_fit,         //
+  predictor_apply,       //
+  grad_accumulate,       // gradient accumulation: sum, mean
+  grad_mean,             //
+  overflow_guard_init,   // the overflow guard: init, per-gradient check
+  overflow_guard_check,  //
+  attention,             // AttentionAttrs: fused causal attention    in: q k v   out: o lse
+  attention_grad,        //
+  add_layernorm,         // residual add + LayerNorm (fusion of add -> layernorm)
+  grad_send,             // data parallel (CollectiveAttrs): send, reduce, receive, ...
+  grad_allreduce,        //
+  grad_receive,          //
+  weight_allgather,      //
+  grad_reduce_scatter,   //
+  share_send,            //
+  others_receive,        //
+  builtin_count          // the number of rows above
 };
 }  // namespace builtin
+
+// The row of each weight's update under this optimizer (builtin::sgd_update, adam_update,
+// adam8bit_update); the row declares the state it keeps (OpInfo::optimizer_state).
+OpId update_row(OptimizerConfig::Kind k);
 
 }  // namespace ferry::ops

@@ -47,9 +47,6 @@ struct OptimizerConfig {
   }
 };
 const char* optimizer_name(OptimizerConfig::Kind k);
-// The op table row of each weight's update under this optimizer ("sgd_update", "adam_update",
-// "adam8bit_update"); the row declares the state it keeps (OpInfo::optimizer_state).
-const char* update_row_name(OptimizerConfig::Kind k);
 // Throws std::invalid_argument naming the setting for a momentum or beta outside [0, 1), a
 // negative or non-finite weight decay, an eps that is not a positive number, or (adamw8bit) a
 // block the device kernels cannot run. NaN fails every check.
