@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
 #include <string>
+#include <utility>
 
 #include "../examples/silu_op.hpp"
 #include "classifier.hpp"
@@ -40,6 +42,47 @@ TEST(OpTable, EveryShippedRowCanRunAndHasAReference) {
       EXPECT_TRUE(row.backward);
     }
   }
+}
+
+// Every ops::builtin id names the row it says (the registry fills each id's slot; a row filed
+// under another's id would pass every other test that looks rows up by id).
+TEST(OpTable, BuiltinIdsNameTheirRows) {
+  namespace b = ops::builtin;
+  const std::pair<ops::OpId, const char*> ids[] = {{b::upload, "upload"},
+                                                   {b::fetch, "fetch"},
+                                                   {b::pack, "pack"},
+                                                   {b::linear, "linear"},
+                                                   {b::linear_grad_param, "linear_grad_param"},
+                                                   {b::add, "add"},
+                                                   {b::conv2d_grad_input, "conv2d_grad_input"},
+                                                   {b::softmax_xent, "softmax_xent"},
+                                                   {b::adam_update, "adam_update"},
+                                                   {b::dequantize_i8, "dequantize_i8"},
+                                                   {b::matmul, "matmul"},
+                                                   {b::matmul_grad_b, "matmul_grad_b"},
+                                                   {b::softmax_grad, "softmax_grad"},
+                                                   {b::permute, "permute"},
+                                                   {b::scale, "scale"},
+                                                   {b::embedding_grad, "embedding_grad"},
+                                                   {b::dropout, "dropout"},
+                                                   {b::add_bias_grad, "add_bias_grad"},
+                                                   {b::mse, "mse"},
+                                                   {b::loss_sum, "loss_sum"},
+                                                   {b::adam8bit_update, "adam8bit_update"},
+                                                   {b::predictor_apply, "predictor_apply"},
+                                                   {b::grad_mean, "grad_mean"},
+                                                   {b::overflow_guard_check, "overflow_guard_check"},
+                                                   {b::attention_grad, "attention_grad"},
+                                                   {b::add_layernorm, "add_layernorm"},
+                                                   {b::grad_send, "grad_send"},
+                                                   {b::weight_allgather, "weight_allgather"},
+                                                   {b::others_receive, "others_receive"}};
+  for (const auto& [id, name] : ids) EXPECT_EQ(ops::op_info(id).name, name) << "builtin id " << id;
+  // Every built-in id has a row of its own name, and no two share one.
+  std::set<std::string> names;
+  for (ops::OpId id = 0; id < b::builtin_count; ++id) EXPECT_TRUE(names.insert(ops::op_info(id).name).second);
+  EXPECT_EQ(ops::update_row(ops::OptimizerConfig::Kind::adamw), b::adam_update);
+  EXPECT_EQ(ops::update_row(ops::OptimizerConfig::Kind::adamw8bit), b::adam8bit_update);
 }
 
 TEST(OpTable, RejectsDuplicateAndInertRowsAndUnknownNames) {
