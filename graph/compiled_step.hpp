@@ -42,11 +42,11 @@
 #include "ferry/graph/ir.hpp"
 #include "ferry/graph/residency.hpp"
 #include "ferry/graph/step_report.hpp"
-#include "ferry/offload/home.hpp"
 #include "ferry/ops/launch.hpp"
 #include "graph/autodiff.hpp"
 #include "graph/memory_plan.hpp"
 #include "graph/pipeline.hpp"
+#include "offload/home_store.hpp"
 
 namespace ferry::graph {
 

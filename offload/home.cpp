@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "homes/stores.hpp"
+#include "offload/home_store.hpp"
 
 namespace ferry::offload {
 

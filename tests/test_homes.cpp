@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/offload/home.hpp"
 #include "ferry/offload/host_memory.hpp"
+#include "offload/home_store.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {

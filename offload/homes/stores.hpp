@@ -1,7 +1,7 @@
 // The home stores ferry ships, one file each (private to the library).
 #pragma once
 
-#include "ferry/offload/home.hpp"
+#include "offload/home_store.hpp"
 
 namespace ferry::offload::homes {
 
