@@ -2,7 +2,7 @@
 // ints, two floats: compact, comparable, hashed into program keys); which slot holds what is this
 // file's business alone. Builders write `XAttrs{...}.pack()`, rows and passes read `XAttrs::of(a)`.
 // A user's row may keep its own struct the same way. (permute's attribute is its permutation, the
-// whole of i[]: ops/table/layout.cpp.)
+// whole of i[]: ops/table/permute.cpp.)
 #pragma once
 
 #include <cstddef>

@@ -11,6 +11,10 @@ void shape_error(const ShapeView& v, const std::string& what) {
   throw ShapeError(fmt::format("{}: {}", v.name(), what));
 }
 
+void expect_inputs(const ShapeView& v, std::size_t n, const char* op) {
+  if (v.input_count() != n) shape_error(v, fmt::format("{} takes {} input(s), got {}", op, n, v.input_count()));
+}
+
 void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, TensorRef dy) {
   const auto in = g.inputs();
   if (dy == no_ref) dy = g.grad(g.outputs()[0]);
@@ -71,8 +75,12 @@ void register_builtin_rows(const AddRow& add) {
   register_cast_rows(add);
   register_matmul_rows(add);
   register_softmax_rows(add);
-  register_layout_rows(add);
-  register_sequence_rows(add);
+  register_permute_rows(add);
+  register_mul_rows(add);
+  register_scale_rows(add);
+  register_embedding_rows(add);
+  register_causal_mask_rows(add);
+  register_dropout_rows(add);
   register_add_bias_rows(add);
   register_mse_rows(add);
   register_loss_sum_rows(add);

@@ -26,8 +26,12 @@ void register_matmul_rows(const AddRow& add);         // ops/table/matmul.cpp: b
 void register_softmax_rows(const AddRow& add);        // ops/table/softmax.cpp: softmax, optionally causal
 void register_attention_rows(const AddRow& add);      // ops/table/attention.cpp: fused causal attention
 void register_add_layernorm_rows(const AddRow& add);  // ops/table/layernorm.cpp: residual add + LayerNorm
-void register_layout_rows(const AddRow& add);         // ops/table/layout.cpp: permute, mul, scale
-void register_sequence_rows(const AddRow& add);       // ops/table/sequence.cpp: embedding, causal mask, dropout
+void register_permute_rows(const AddRow& add);        // ops/table/permute.cpp: a materialised transpose
+void register_mul_rows(const AddRow& add);            // ops/table/mul.cpp: elementwise product
+void register_scale_rows(const AddRow& add);          // ops/table/scale.cpp: scaling by a constant
+void register_embedding_rows(const AddRow& add);      // ops/table/embedding.cpp: embedding lookup
+void register_causal_mask_rows(const AddRow& add);    // ops/table/causal_mask.cpp: the causal mask
+void register_dropout_rows(const AddRow& add);        // ops/table/dropout.cpp: dropout
 void register_add_bias_rows(const AddRow& add);       // ops/table/add_bias.cpp: bias broadcast over leading axes
 void register_mse_rows(const AddRow& add);            // ops/table/mse.cpp: mean squared error loss
 void register_loss_sum_rows(const AddRow& add);       // ops/table/loss_sum.cpp: two weighted losses
@@ -78,6 +82,8 @@ void unary_backward(GradContext& g, OpId grad_op, TensorRef saved, const NodeAtt
 bool loss_backward_applies(GradContext& g, TensorRef stats);
 // A shape error that names the node: "<node>: <what>".
 [[noreturn]] void shape_error(const ShapeView& v, const std::string& what);
+// A shape error unless the node has `n` inputs; `op` names the op in the message.
+void expect_inputs(const ShapeView& v, std::size_t n, const char* op);
 // Elements of input i / output i.
 inline std::size_t in_elems(const ShapeView& v, std::size_t i) {
   return v.input(i).shape.elems();
