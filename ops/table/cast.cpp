@@ -30,6 +30,7 @@ double through(DType t, double v) {
 OpInfo cast_row() {  // in: x  out: y
   OpInfo r;
   r.name = "cast";
+  r.narrows_on_host = true;
   r.op_class = OpClass::cast;
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.infer = [](const ShapeView& v) {
@@ -93,6 +94,7 @@ void check_layout(const ShapeView& v, std::size_t elems) {
 OpInfo quantize_row() {  // in: x (f32)  out: q (i8), scales (f32, one per channel)
   OpInfo r;
   r.name = "quantize_i8";
+  r.narrows_on_host = true;
   r.op_class = OpClass::cast;
   r.infer = [](const ShapeView& v) {
     if (v.input(0).dtype != DType::f32) shape_error(v, "quantize_i8 takes an f32 tensor");

@@ -198,6 +198,10 @@ struct OpInfo {
   // Mixed precision (graph::apply_mixed_precision): whether the op computes in the narrow dtype
   // (f16, bf16) when `float_dtypes` holds it. The layers do; losses, norms and softmax stay f32.
   bool computes_narrow = false;
+  // The op narrows its input 0 (a cast, an int8 quantization) and its host function can do it:
+  // the residency pass runs it on the host before the fetch of a streamed weight only it reads on
+  // the device, so the narrow value crosses the link instead (graph/residency.cpp).
+  bool narrows_on_host = false;
   // int8 weights in the Predict phase (graph::apply_int8_weights): how the op's weight (input 1) of
   // this shape splits into per-output-channel scales, or nothing when the op's weight is not
   // quantized. Null: no op weight of this row is.
