@@ -474,8 +474,8 @@ void move_weight_narrowing_to_host(Graph& g) {
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     const auto in = g.nodes.inputs(n);
     const OpId op = g.nodes.op[n];
-    const bool host = ops::op_info(op).narrows_on_host && ops::op_info(op).host &&
-                      streams_from_pinned(t, in[0]) && device_readers[t.storage(in[0])] == 1;
+    const bool host = ops::op_info(op).narrows_on_host && ops::op_info(op).host && streams_from_pinned(t, in[0]) &&
+                      device_readers[t.storage(in[0])] == 1;
     if (!host) {
       out.add_copy(g.nodes, n);
       continue;

@@ -73,6 +73,7 @@ void register_builtin_rows(const AddRow& add) {
   register_softmax_xent_rows(add);
   register_optimizer_rows(add);
   register_cast_rows(add);
+  register_quantize_rows(add);
   register_matmul_rows(add);
   register_softmax_rows(add);
   register_permute_rows(add);
