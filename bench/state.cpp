@@ -40,7 +40,7 @@ struct Measured {
 std::uint64_t state_host_bytes(const Trainer& t) {
   MemoryProfiler profiler;
   profiler.add_variant("train", compiled_train_step(t));
-  const std::string home = offload::home_name(home_of(t, graph::Role::optimizer_state));
+  const std::string home = offload::home_name(t.state_home());
   for (const auto& h : profiler.homes()) {
     if (h.home != home) continue;
     if (h.tensor_bytes == t.optimizer_state_bytes()) return h.host_bytes;

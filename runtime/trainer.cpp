@@ -842,12 +842,25 @@ void Trainer::set_lr(float lr) {
   lr_ = lr;
 }
 
-graph::Home home_of(const Trainer& trainer, graph::Role role) {
-  const auto& t = compiled_train_step(trainer).graph().tensors;
+namespace {
+
+// The home of the tensors of a persistent role (the first one's: all of a role share a home).
+graph::Home home_of(const graph::Graph& g, graph::Role role) {
+  const auto& t = g.tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
     if (t.role[id] == role && t.alias_of[id] == graph::no_tensor) return t.home[id];
   }
   return graph::Home::device;
+}
+
+}  // namespace
+
+offload::Home Trainer::weights_home() const {
+  return home_of(compiled_->train->graph(), graph::Role::weight);
+}
+
+offload::Home Trainer::state_home() const {
+  return home_of(compiled_->train->graph(), graph::Role::optimizer_state);
 }
 
 TensorId Trainer::persistent_tensor(const std::string& name) const {

@@ -49,8 +49,6 @@ inline const std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>>& 
 }
 // The compiled Predict step with hybrid phases, else nullptr.
 const graph::CompiledStep* compiled_predict_step(const Trainer& t);
-// The home of the tensors of a persistent role (the first one's: all of a role share a home).
-graph::Home home_of(const Trainer& t, graph::Role role);
 
 // The bytes at the peak of a step planned as `step` with memory plan `plan`; the persistent
 // tensors are those of `training` (the model's training variant, which holds them all: a variant

@@ -1,6 +1,6 @@
 // What a trainer's own program reaches from ferry/ferry.hpp alone, with no internal header: the
 // memory profiler and the Chrome trace take a Trainer (its training step, the step it ran last,
-// the variants it compiled), and the trainer reports its plan's figures.
+// the variants it compiled), and the trainer reports its plan's figures and its state's homes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +27,8 @@ TEST(PublicApi, ProfilesAndTracesATrainerFromTheUmbrellaHeader) {
   EXPECT_GT(t.device_peak_bytes(), 0u);
   EXPECT_GT(t.host_state_bytes(), 0u);
   EXPECT_EQ(t.residency().mode, graph::ResidencyMode::resident);
+  EXPECT_EQ(t.weights_home(), offload::Home::device);
+  EXPECT_EQ(t.state_home(), offload::Home::device);
 
   MemoryProfiler profiler;
   profiler.add_training_step(t);

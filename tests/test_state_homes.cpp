@@ -134,7 +134,7 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
   for (int s = 0; s < 3; ++s) step(t, s);
   EXPECT_GT(compiled_train_step(t).persistent()->host_bytes(), 0u);
   EXPECT_LT(compiled_train_step(t).persistent()->host_bytes(), state + state / 10) << "chunks of trained moments";
-  EXPECT_EQ(home_of(t, graph::Role::optimizer_state), graph::Home::host_compressed);
+  EXPECT_EQ(t.state_home(), graph::Home::host_compressed);
 }
 
 // The packed chunks of a failed step are discarded: the state is the one before it, and training

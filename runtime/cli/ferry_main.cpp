@@ -171,10 +171,9 @@ std::string residency_banner(const ferry::Trainer& trainer) {
   }
   return fmt::format(
       "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}\n",
-      ferry::graph::residency_mode_name(rr.mode),
-      ferry::offload::home_name(home_of(trainer, ferry::graph::Role::weight)),
-      ferry::offload::home_name(home_of(trainer, ferry::graph::Role::optimizer_state)),
-      ferry::format_bytes(trainer.device_peak_bytes()), ferry::format_bytes(trainer.device_budget_bytes()), where);
+      ferry::graph::residency_mode_name(rr.mode), ferry::offload::home_name(trainer.weights_home()),
+      ferry::offload::home_name(trainer.state_home()), ferry::format_bytes(trainer.device_peak_bytes()),
+      ferry::format_bytes(trainer.device_budget_bytes()), where);
 }
 
 // Fashion-MNIST's two splits as `a` asks: checked against the model before any step, the training
@@ -229,8 +228,8 @@ void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::T
             {"checkpoint_seconds", run.checkpoint_seconds},
             {"steps", run.steps_run},
             {"step_ms", run.mean_step_ms},
-            {"weights_home", ferry::offload::home_name(home_of(trainer, ferry::graph::Role::weight))},
-            {"state_home", ferry::offload::home_name(home_of(trainer, ferry::graph::Role::optimizer_state))},
+            {"weights_home", ferry::offload::home_name(trainer.weights_home())},
+            {"state_home", ferry::offload::home_name(trainer.state_home())},
             {"host_staging_bytes", compiled_train_step(trainer).host_step_bytes()},
             {"unpacks_per_step", trainer.residency().unpacks},
             {"packs_per_step", trainer.residency().packs},

@@ -204,6 +204,10 @@ class Trainer {
   // or pageable where the driver's pinned buffers take device memory too
   // (ResidencyOptions::homes.host_memory, ferry/offload/host_memory.hpp).
   offload::HostMemory host_memory() const;
+  // Where the weights, and the optimizer state, live between steps (each role has one home:
+  // device, host_pinned, host_mapped, host_compressed, ...; ferry/offload/home.hpp).
+  offload::Home weights_home() const;
+  offload::Home state_home() const;
 
   // A tensor on the host: its dtype, shape and raw bytes (persistent tensors as stored).
   struct HostTensor {
