@@ -1,7 +1,6 @@
 // What a Trainer compiled, for the CLI, the benchmarks and the tests: its compiled steps (their
-// graphs, timelines and memory plans) and the homes of its state. Not installed: a trainer's
-// users see ferry/runtime/trainer.hpp, whose figures (device_peak_bytes, residency, ...) come
-// from these.
+// graphs, timelines and memory plans). Not installed: a trainer's users see
+// ferry/runtime/trainer.hpp, whose figures (device_peak_bytes, residency, ...) come from these.
 #pragma once
 
 #include <map>

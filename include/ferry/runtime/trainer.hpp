@@ -321,7 +321,7 @@ class Trainer {
   friend struct TrainerInternals;
   std::uint32_t micro_ = 0;  // micro-batches of the current accumulation group done
   std::unique_ptr<PhaseController> phases_;
-  std::vector<std::string> weight_names_;  // parallel to weights_ (parameter_names())
+  std::vector<std::string> weight_names_;  // parallel to compiled_->weights (parameter_names())
   std::vector<float> gains_;               // per weight, the gain of d and the weight of r its last prediction used
   std::vector<std::vector<std::byte>> restore_point_;  // the weights before the Predict run in flight
   bool in_predict_run_ = false;
