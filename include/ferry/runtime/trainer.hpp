@@ -7,7 +7,6 @@
 #include <deque>
 #include <exception>
 #include <filesystem>
-#include <map>
 #include <memory>
 #include <optional>
 #include <span>
