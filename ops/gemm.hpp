@@ -78,6 +78,10 @@ LaunchList gemm(OpEnv& env, const GemmShape& shape, float alpha, DeviceSpan a, D
 // kernel with native dtypes); elsewhere those options must stay unset.
 bool gemm_takes_planes(OpEnv& env);
 
+// Row blocks of RB rows per group of the packed kernel's traversal on this device for this shape
+// (0: none, all of A fits the cache share); see gemm_packed in ops/kernels/gemm_packed.cl.
+std::uint32_t gemm_traversal_group_blocks(OpEnv& env, const GemmShape& shape, std::size_t rb);
+
 // Describes the kernel and parameters gemm() picks on this device, for logs and benchmarks.
 std::string gemm_kernel_description(OpEnv& env, const GemmShape& shape, const GemmOptions& options = {});
 

@@ -36,12 +36,14 @@ const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64
                         {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {7, 21, 2200}, {13, 64, 2200}};
 
 // The configurations the tests force: ferry's CPU kernel in three block shapes (the AVX-512 and
-// AVX2 rows of the tuning data, and an odd one), the GPU kernel in two tile shapes, one reading its
-// local tiles as float2 (also on PoCL, where it is slow but must be correct). The naive fallback is checked through a
-// tuning override below (each configuration costs PoCL compiles per transpose). On a device that is not a CPU, the
-// packed kernel runs in its first configuration only (see GemmKernelTest).
+// AVX2 rows of the tuning data, the latter with A packed and the k loop unrolled by 4, and an odd
+// one unrolled by 3, so a remainder of k steps runs after the unrolled ones), the GPU kernel in two tile shapes, one
+// reading its local tiles as float2 (also on PoCL, where it is slow but must be correct). The naive fallback is checked
+// through a tuning override below (each configuration costs PoCL compiles per transpose). On a device that is not a
+// CPU, the packed kernel runs in its first configuration only (see GemmKernelTest).
 constexpr const char* kPacked = "packed RB=6 NV=4";
-const char* const kKernels[] = {kPacked, "packed RB=6 NV=1", "packed RB=3 NV=2",
+constexpr const char* kPackedA = "packed RB=6 NV=1 PA=1 KU=4";
+const char* const kKernels[] = {kPacked, kPackedA, "packed RB=3 NV=2 KU=3",
                                 "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2 VW=2",
                                 "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1"};
 
@@ -152,6 +154,8 @@ const DtypeCase kDtypeCases[] = {
     {kPacked, DType::f16, DType::f16, DType::f16, true, true, 0.5f},
     {kPacked, DType::bf16, DType::f32, DType::f32, false, true, 0.0f},
     {kPacked, DType::f32, DType::f16, DType::bf16, true, false, 0.5f},
+    {kPackedA, DType::bf16, DType::f32, DType::f32, true, false, 0.5f},  // A widened while it is packed
+    {kPackedA, DType::f16, DType::f16, DType::f16, false, true, 0.0f},
     {kTiled, DType::f32, DType::f16, DType::bf16, false, false, 0.5f},
     {kTiled, DType::bf16, DType::f32, DType::f16, true, true, 0.0f},
     {"tiled TSM=32 TSN=16 TSK=4 WPTM=4 WPTN=4 VW=4", DType::f16, DType::bf16, DType::f32, false, true, 0.5f},
@@ -238,7 +242,9 @@ TEST(GemmBatch, EveryProductMatchesReference) {
       {3, 9, 33, 11, false, true, DType::f16, DType::bf16, DType::f16},     // narrow storage
       {2, 5, 64, 2100, false, false, DType::bf16, DType::f32, DType::f32},  // narrow A, split, B in place
   };
-  for (const char* kernel : {kPacked, "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1", "naive"}) {
+  // RB=5: every product's packed A ends in a padded block.
+  for (const char* kernel :
+       {kPacked, "packed RB=5 NV=1 PA=1 KU=2", "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1", "naive"}) {
     for (const BatchCase& x : cases) {
       const ops::GemmShape s{x.M, x.N, x.K, x.trans_a, x.trans_b, x.a, x.b, x.c, x.batch};
       if (too_large_for_this_run(s.batch * s.M * s.N * s.K)) continue;
@@ -262,6 +268,24 @@ TEST(GemmBatch, EveryProductMatchesReference) {
       expect_near(result(s.c, dc), want, 2e-6f * static_cast<float>(s.K) + 1e-5f, half_ulp(s.c) + 1e-4f, what.c_str());
       for (unsigned char byte : dc.tail()) ASSERT_EQ(byte, 0xA5) << what << ": written past C";
     }
+  }
+}
+
+// A product whose A outgrows the device's cache share runs its row blocks in groups (see
+// gemm_packed): 600 rows of K = 1024 are 100 blocks of 6, in groups of fewer, the last one
+// partial, with and without A packed, B's last panel partial.
+TEST(GemmTraversal, GroupedRowBlocksMatchReference) {
+  auto& dev = TestDevice::get();
+  const ops::GemmShape s{600, 80, 1024};
+  if (too_large_for_this_run(s.M * s.N * s.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+  const std::uint32_t group = ops::gemm_traversal_group_blocks(dev.env, s, 6);
+  if (group == 0) GTEST_SKIP() << "this device reports a cache that holds all of A: no groups";
+  ASSERT_LT(group, 100u);
+  for (const char* kernel : {"packed RB=6 NV=1", kPackedA}) {
+    ops::GemmOptions options;
+    options.backend = ops::GemmBackend::ferry;
+    options.kernel = kernel;
+    check_gemm(s, options, 0.75f, -0.5f, true, fmt::format("{} grouped by {} blocks", kernel, group));
   }
 }
 

@@ -1,9 +1,13 @@
-// Register-blocked GEMM for CPU devices (PoCL and the like), in two kernels:
+// Register-blocked GEMM for CPU devices (PoCL and the like), in up to three kernels:
 //   gemm_pack_b  copies op(B) into k-major panels NB = 16 * NV columns wide, zero-padded past N;
+//   gemm_pack_a  (PA = 1) copies op(A) into row blocks of RB rows, k-major: the RB values of one k
+//                step are contiguous, so a block is one sequential stream instead of RB rows
+//                K apart (or, transposed, RB floats M apart per k step);
 //   gemm_packed  gives each work-item RB rows x NB columns of C, held in float16 accumulators:
 //                per k step NV vload16 of the B panel, RB scalar broadcasts of A and fma().
 // Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
-// consecutive work-groups share one B panel. Parameters (-D): RB (1..16), NV (1..4), TRANS_A, TRANS_B.
+// consecutive work-groups share one B panel. Parameters (-D): RB (1..16), NV (1..4), PA (0, 1),
+// KU (k steps the main loop is unrolled by), TRANS_A, TRANS_B.
 // A strided batch (GemmShape::batch) runs in the same launches: product z of the batch reads A, B
 // and writes C z matrices past their offsets (M K, K N and M N elements), its packed panels follow
 // the previous product's; dimension 2 of both kernels counts the products (times the K splits).
@@ -31,6 +35,12 @@
 #endif
 
 #define NB (16 * NV)
+#ifndef PA
+#define PA 0
+#endif
+#ifndef KU
+#define KU 1
+#endif
 #ifndef DIRECT_B
 #define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] (not packed)
 #endif
@@ -169,6 +179,36 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
 }
 #endif  // B_PLANES, B_IS_F32
 
+// k columns of op(A) one gemm_pack_a work-item copies.
+#define PACK_A_COLS 128
+
+// One work-item packs PACK_A_COLS k columns of row block get_global_id(0) of product
+// get_global_id(2): packed row k of the block holds op(A)(block RB + r, k) for r < RB, rows past M
+// repeating row M - 1 (their results are never stored).
+__kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulong a_off, __global float* packed,
+                          ulong packed_off) {
+  const uint block = get_global_id(0);
+  const uint k0 = get_global_id(1) * PACK_A_COLS, k_end = min(k0 + PACK_A_COLS, K);
+  const ulong product = get_global_id(2);
+  const uint blocks = (M + RB - 1) / RB;
+  a_off += product * ((ulong)M * K);
+  __global float* dst = packed + packed_off + (product * blocks + block) * ((ulong)K * RB);
+#if TRANS_A
+  // A stored [K, M]: the block's RB values of one k are contiguous.
+  for (uint k = k0; k < k_end; ++k) {
+    for (uint r = 0; r < RB; ++r) {
+      dst[(ulong)k * RB + r] = LOAD(A_NAME, a, a_off + (ulong)k * M + min(block * RB + r, M - 1));
+    }
+  }
+#else
+  // A row-major [M, K]: each row read along k, written RB floats apart (within a few cache lines).
+  for (uint r = 0; r < RB; ++r) {
+    const ulong row = a_off + (ulong)min(block * RB + r, M - 1) * K;
+    for (uint k = k0; k < k_end; ++k) dst[(ulong)k * RB + r] = LOAD(A_NAME, a, row + k);
+  }
+#endif
+}
+
 // out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C.
 #if C_PLANES
 // C as NCHW planes: `row` is m; the 16 columns are channels, C_PLANES apart.
@@ -230,7 +270,11 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 #define A_GATHER_STEP 0  // > 0: rows of a block are A_GATHER_STEP apart (GemmOptions::a_gather_run)
 #endif
 
-#if A_GATHER && A_GATHER_STEP
+#if PA
+// A packed by gemm_pack_a: one pointer, RB floats per k step.
+#define A_ROW_DECL(r)
+#define A_AT(r) ak[r]
+#elif A_GATHER && A_GATHER_STEP
 // One table entry per block; M is a multiple of RB, so every row of the block exists.
 #define A_ROW_DECL(r) \
   if (r == 0) ar0 = arows[row0];
@@ -267,7 +311,9 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 
 // What a k step needs of A beside the row pointers: the column of the gathered A, or row k of a
 // transposed A.
-#if A_GATHER
+#if PA
+#define A_K __global const float* ak = ap + (ulong)k * RB;
+#elif A_GATHER
 #define A_K const int kc = acols[k];
 #elif TRANS_A && A_IS_F32
 #define A_K __global const float* ak = a + (ulong)k * M;
@@ -316,9 +362,23 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
                           __global const float* packed, ulong packed_off, float beta, __global STORAGE(C_NAME)* c,
                           ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk,
                           uint splits, __global const int* arows, ulong arows_off, __global const int* acols,
-                          ulong acols_off) {
-  const uint row0 = get_global_id(0) * RB;
-  const uint panel = get_global_id(1);
+                          ulong acols_off, __global const float* apacked, ulong apacked_off, uint group_blocks) {
+  // Work-groups run in the order of their linear index (row blocks fastest). With group_blocks
+  // > 0 that index walks groups of group_blocks row blocks: every panel for one group, then the
+  // next group, so a group's rows of A stay in cache while all of B streams past them (row blocks
+  // fastest over the whole of M re-reads all of A from memory for every panel once A outgrows the
+  // caches).
+  uint block = get_global_id(0), panel = get_global_id(1);
+  if (group_blocks > 0) {
+    const uint blocks = get_global_size(0), panels = get_global_size(1);
+    const uint linear = block + panel * blocks;
+    const uint first = linear / (group_blocks * panels) * group_blocks;
+    const uint rows_in = min(group_blocks, blocks - first);
+    const uint within = linear - first * panels;
+    panel = within / rows_in;
+    block = first + within % rows_in;
+  }
+  const uint row0 = block * RB;
   const uint z = get_global_id(2);
   const ulong product = z / splits;
   const uint k_begin = (z % splits) * k_chunk, k_end = min(K, k_begin + k_chunk);
@@ -333,7 +393,11 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   __global const float* bp = packed + packed_off + product * ((ulong)n_pad * K) + ((ulong)panel * K + k_begin) * NB;
   const uint b_step = NB;
 #endif
-#if A_IS_F32
+#if PA
+  // This block's packed rows (gemm_pack_a); a and a_off are not read.
+  __global const float* ap =
+      apacked + apacked_off + (product * ((M + RB - 1) / RB) + block) * ((ulong)K * RB);
+#elif A_IS_F32
   a += a_off;
 #endif
 #if C_IS_F32 && !C_PLANES
@@ -363,6 +427,11 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   } else
 #endif
   {
+    // Unrolled KU k steps at a time: PoCL's LLVM leaves the loop rolled, and its counter and
+    // pointer updates then take issue slots from the fma.
+#if KU > 1
+#pragma unroll KU
+#endif
     for (uint k = k_begin; k < k_end; ++k, bp += b_step) K_STEP(bp)
   }
 

@@ -28,6 +28,7 @@ struct DeviceInfo {
   std::uint64_t global_mem_bytes = 0;
   std::uint64_t max_alloc_bytes = 0;  // largest single buffer (CL_DEVICE_MAX_MEM_ALLOC_SIZE)
   std::uint64_t local_mem_bytes = 0;
+  std::uint64_t global_mem_cache_bytes = 0;  // CL_DEVICE_GLOBAL_MEM_CACHE_SIZE (a CPU's last-level cache)
   std::uint32_t compute_units = 0;
   std::size_t max_work_group_size = 0;
   std::uint32_t base_align_bytes = 0;  // sub-buffer origin alignment
