@@ -70,8 +70,13 @@ std::size_t panel_width(const GemmKernelConfig& c) {
 // padding.
 GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOptions& o = {}) {
   if (c.kernel != GemmKernel::packed) return c;
-  if (o.a_gather_rows.buffer != nullptr) {
-    // A gathered A (a convolution's implicit im2col) is read where it lies, never packed.
+  if (!s.trans_a || s.a != DType::f32 || o.a_gather_rows.buffer != nullptr) {
+    // PA packs a transposed f32 A only, where it pays clearly: its RB values of a k step lie M
+    // floats apart, and the weight gradients Xᵀ dY ran 1.2-2.4x faster packed on the AVX2 EPYC
+    // (768 x 768 x 2048: 70-78 -> 112-130 GFLOPS). A row-major A read in place was within noise of
+    // packed, and the copy is scratch as large as A; a narrow A packed in f32 would take twice its
+    // own bytes, eating what bf16 activations save; a gathered A (a convolution's implicit im2col)
+    // is read where it lies.
     for (auto& [key, value] : c.params) {
       if (key == "PA") value = 0;
     }
@@ -166,11 +171,15 @@ std::size_t packed_panel_elems(const GemmShape& s, const GemmKernelConfig& c) {
 constexpr std::size_t direct_batched_b_max_elems = 64 * 1024;
 
 // B read in place instead of packed: a split product over a row-major B whose columns fill whole
-// panels (its panel rows are already contiguous, and packing a long B, the output gradient of a
-// weight gradient, cost a copy of all of it per product), or a small B of a batch (above).
+// panels at least 64 wide (its panel rows are already contiguous, and packing a long B, the output
+// gradient of a weight gradient, cost a copy of all of it per product), or a small B of a batch
+// (above). A panel of 16 (NV = 1, 256-bit units) reads one cache line per k step, N floats apart:
+// with N = 1024 every line falls in the same cache set, and 1024 x 1024 x 4096 ran at 73 GFLOPS in
+// place against 131 packed on the AVX2 EPYC (1024 x 1000 x 4096, packed as N is no multiple of 16).
+constexpr std::size_t direct_b_min_panel = 64;
 bool direct_b(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
   if (s.b != DType::f32 || s.trans_b || o.b_planes != 0) return false;
-  if (s.N % panel_width(c) == 0 && k_splits(s) > 1) return true;
+  if (s.N % panel_width(c) == 0 && panel_width(c) >= direct_b_min_panel && k_splits(s) > 1) return true;
   return s.batch > 1 && s.K * s.N <= direct_batched_b_max_elems;
 }
 

@@ -154,8 +154,7 @@ const DtypeCase kDtypeCases[] = {
     {kPacked, DType::f16, DType::f16, DType::f16, true, true, 0.5f},
     {kPacked, DType::bf16, DType::f32, DType::f32, false, true, 0.0f},
     {kPacked, DType::f32, DType::f16, DType::bf16, true, false, 0.5f},
-    {kPackedA, DType::bf16, DType::f32, DType::f32, true, false, 0.5f},  // A widened while it is packed
-    {kPackedA, DType::f16, DType::f16, DType::f16, false, true, 0.0f},
+    {kPackedA, DType::f32, DType::bf16, DType::f16, true, false, 0.5f},  // f32 A packed, narrow B and C
     {kTiled, DType::f32, DType::f16, DType::bf16, false, false, 0.5f},
     {kTiled, DType::bf16, DType::f32, DType::f16, true, true, 0.0f},
     {"tiled TSM=32 TSN=16 TSK=4 WPTM=4 WPTN=4 VW=4", DType::f16, DType::bf16, DType::f32, false, true, 0.5f},
@@ -273,15 +272,17 @@ TEST(GemmBatch, EveryProductMatchesReference) {
 
 // A product whose A outgrows the device's cache share runs its row blocks in groups (see
 // gemm_packed): 600 rows of K = 1024 are 100 blocks of 6, in groups of fewer, the last one
-// partial, with and without A packed, B's last panel partial.
+// partial, with A read in place and (transposed) packed, B's last panel partial.
 TEST(GemmTraversal, GroupedRowBlocksMatchReference) {
   auto& dev = TestDevice::get();
-  const ops::GemmShape s{600, 80, 1024};
-  if (too_large_for_this_run(s.M * s.N * s.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
-  const std::uint32_t group = ops::gemm_traversal_group_blocks(dev.env, s, 6);
+  const ops::GemmShape shape{600, 80, 1024};
+  if (too_large_for_this_run(shape.M * shape.N * shape.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+  const std::uint32_t group = ops::gemm_traversal_group_blocks(dev.env, shape, 6);
   if (group == 0) GTEST_SKIP() << "this device reports a cache that holds all of A: no groups";
   ASSERT_LT(group, 100u);
-  for (const char* kernel : {"packed RB=6 NV=1", kPackedA}) {
+  for (const auto& [kernel, trans_a] : {std::pair{"packed RB=6 NV=1", false}, std::pair{kPackedA, true}}) {
+    ops::GemmShape s = shape;
+    s.trans_a = trans_a;
     ops::GemmOptions options;
     options.backend = ops::GemmBackend::ferry;
     options.kernel = kernel;
@@ -327,6 +328,7 @@ TEST(Gemm, AutomaticFollowsTuningData) {
     const std::size_t nv_at = desc.find("NV=");
     ASSERT_NE(nv_at, std::string::npos) << desc;
     const std::size_t panel = 16 * std::stoul(desc.substr(nv_at + 3));
+    // A is not transposed: not packed whatever PA says.
     EXPECT_EQ(ops::gemm_scratch_elems(dev.env, s), (1000 + panel - 1) / panel * panel * 129u) << desc;
   }
   check_gemm(s, {}, 1.0f, 1.0f, true, "automatic");
@@ -339,11 +341,20 @@ TEST(Gemm, PackedScratchCoversPaddedPanels) {
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 64u * 7u);
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 32, 7}, o), 32u * 7u);
   // Long K (>= 2048 and 4 max(M, N)) is split into chunks of 512 rows, here five (the last 152
-  // rows), each with its own M x N partial product after the panels; with N a multiple of the
-  // panel width B is read in place (no panels). The shapes the tests above use for those paths.
+  // rows), each with its own M x N partial product after the panels; with N a multiple of a
+  // panel at least 64 wide B is read in place (no panels), narrower panels are packed. The shapes
+  // the tests above use for those paths.
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 2200}, o), 32u * 2200u + 5u * 7u * 21u);
-  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {13, 64, 2200}, o), 5u * 13u * 64u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {13, 64, 2200}, o), 64u * 2200u + 5u * 13u * 64u);
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 2047}, o), 32u * 2047u);  // short of 2048: one pass
+  // Packed A (PA=1): a transposed f32 A in blocks of RB = 4 rows after the panels, the last
+  // padded; never a narrow or a row-major A.
+  o.kernel = "packed RB=4 NV=2 PA=1";
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7, true, false}, o), 64u * 7u + 8u * 7u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 64u * 7u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7, true, false, DType::bf16}, o), 64u * 7u);
+  o.kernel = "packed RB=4 NV=4";
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {13, 64, 2200}, o), 5u * 13u * 64u);
   o.kernel = "tiled TSM=16 TSN=16 TSK=4 WPTM=2 WPTN=2";
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 0u);
 }
