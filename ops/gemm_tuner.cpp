@@ -60,21 +60,27 @@ std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode
 
 // Candidates of the CPU kernel: RB rows x NV float16 accumulators within 32 vector registers
 // (NV = 1 for 256-bit units, where a float16 takes two of their 16 registers), likeliest first;
-// each block with A packed and the k loop unrolled by 4 (the AVX2 EPYC's best), unrolled alone,
-// and (full search) as the kernel was before either.
+// each block with the k loop unrolled by 4 (the AVX2 EPYC's best) and, in the full search, rolled.
+// Packing A (PA=1) changes only products with A transposed, which the probe square is not: the
+// finalists get their packed-A twins in stage 2 (packed_a_twin).
 std::vector<std::string> packed_candidates(TuneMode mode) {
   std::vector<std::string> out;
   for (int nv : {4, 1, 2, 3}) {
     for (int rb : {6, 4, 8, 5, 3, 7, 10, 12, 2, 9, 11}) {
       if (rb * nv + nv + 1 > 32 || (nv == 2 && rb % 2)) continue;
       if (mode == TuneMode::quick && (nv == 3 || rb > 8 || rb < 4 || rb == 5 || rb == 7)) continue;
-      for (const char* variant : {" PA=1 KU=4", " KU=4", ""}) {
-        if (mode == TuneMode::quick && *variant == '\0') continue;
-        out.push_back(fmt::format("packed RB={} NV={}{}", rb, nv, variant));
-      }
+      out.push_back(fmt::format("packed RB={} NV={} KU=4", rb, nv));
+      if (mode == TuneMode::full) out.push_back(fmt::format("packed RB={} NV={}", rb, nv));
     }
   }
   return out;
+}
+
+// A packed finalist with A packed too ("" for others): the same kernel on the probe square, so
+// the scored shapes (a weight gradient among them, A transposed) decide between the two.
+std::string packed_a_twin(const std::string& kernel) {
+  if (!kernel.starts_with("packed ") || kernel.find("PA=") != std::string::npos) return "";
+  return kernel + " PA=1";
 }
 
 // The probe shape and the shapes a row is scored on: squares, and the products of the MLP
@@ -242,39 +248,53 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
   }
 }
 
-// Stage 2: the best `finalists` of stage 1 on every scored shape; the winner has the highest
-// geometric mean.
+// Stage 2: the best `finalists` of stage 1, and their packed-A twins, on every scored shape; the
+// winner has the highest geometric mean.
 void score_finalists(Timer& timer, std::size_t finalists, const std::string& device, GemmTuneProgress& progress,
                      const GemmTuneOptions& options, GemmTuneResult& r) {
-  std::vector<GemmTuneCandidate*> ranked;
-  for (GemmTuneCandidate& c : r.candidates) {
-    if (c.error.empty()) ranked.push_back(&c);
+  std::vector<std::size_t> ranked;  // indices into r.candidates
+  for (std::size_t i = 0; i < r.candidates.size(); ++i) {
+    if (r.candidates[i].error.empty()) ranked.push_back(i);
   }
   if (ranked.empty()) {
     throw std::runtime_error(
         fmt::format("GEMM tuning on '{}': no candidate kernel could run; the first failed with: {}", device,
                     r.candidates.empty() ? "-" : r.candidates[0].error));
   }
-  std::sort(ranked.begin(), ranked.end(), [](auto* x, auto* y) { return x->probe_gflops > y->probe_gflops; });
+  std::sort(ranked.begin(), ranked.end(),
+            [&](std::size_t x, std::size_t y) { return r.candidates[x].probe_gflops > r.candidates[y].probe_gflops; });
   ranked.resize(std::min(ranked.size(), finalists));
+  std::vector<std::size_t> scored;
+  for (std::size_t i : ranked) {
+    scored.push_back(i);
+    std::string twin = packed_a_twin(r.candidates[i].kernel);
+    if (twin.empty()) continue;
+    GemmTuneCandidate t;
+    t.kernel = std::move(twin);
+    t.probe_gflops = r.candidates[i].probe_gflops;  // the same kernel on the probe square
+    r.candidates.push_back(std::move(t));
+    scored.push_back(r.candidates.size() - 1);
+    ++r.planned;
+  }
   progress.stage = "shapes";
-  progress.total = progress.done + ranked.size();
+  progress.total = progress.done + scored.size();
   progress.best_gflops = 0;
-  for (GemmTuneCandidate* c : ranked) {
+  for (std::size_t i : scored) {
+    GemmTuneCandidate& c = r.candidates[i];
     std::vector<double> rates;
     double log_sum = 0;
     try {
       for (const GemmShape& s : r.shapes) {
-        rates.push_back(timer.measure(s, c->kernel));
+        rates.push_back(timer.measure(s, c.kernel));
         log_sum += std::log(rates.back());
       }
-      c->score_gflops = std::exp(log_sum / double(rates.size()));
+      c.score_gflops = std::exp(log_sum / double(rates.size()));
     } catch (const std::exception& e) {
-      c->error = e.what();
+      c.error = e.what();
     }
-    if (c->score_gflops > r.best_gflops) {
-      r.best_gflops = c->score_gflops;
-      r.best = c->kernel;
+    if (c.score_gflops > r.best_gflops) {
+      r.best_gflops = c.score_gflops;
+      r.best = c.kernel;
       r.best_shape_gflops = rates;
       progress.best_gflops = r.best_gflops;
       progress.best = r.best;
@@ -283,8 +303,8 @@ void score_finalists(Timer& timer, std::size_t finalists, const std::string& dev
     if (options.progress) options.progress(progress);
   }
   if (r.best.empty()) {
-    throw std::runtime_error(
-        fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}", device, ranked[0]->error));
+    throw std::runtime_error(fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}", device,
+                                         r.candidates[ranked[0]].error));
   }
 }
 
@@ -331,7 +351,7 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   // Stage 2 takes the best few; its share of the budget is held back from stage 1.
   constexpr std::size_t finalists = 3;
   GemmTuneProgress progress;
-  progress.total = candidates.size() + finalists;
+  progress.total = candidates.size() + finalists;  // a CPU's finalists add their packed-A twins
   probe_candidates(timer, probe, candidates, options.budget_seconds * 0.7, t0, progress, options, r);
   score_finalists(timer, finalists, device.name, progress, options, r);
   r.seconds = seconds_since(t0);

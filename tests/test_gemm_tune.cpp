@@ -110,6 +110,31 @@ TEST(GemmTune, CandidateListsAreValidAndQuickIsShorter) {
   }
 }
 
+// On a CPU every packed finalist is scored once more with A packed (PA=1, which the probe square
+// cannot tell apart), and either may win.
+TEST(GemmTune, PackedFinalistsGetPackedATwins) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel's search runs on CPU devices";
+  const auto dir = temp_dir("gemm_twins");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  ops::GemmTuneOptions options;
+  options.mode = ops::TuneMode::quick;
+  options.budget_seconds = 0.01;  // one candidate probed, then its twin and it on the shapes
+  const ops::GemmTuneResult r = ops::tune_gemm(env, options);
+  ASSERT_GE(r.candidates.size(), 2u);
+  const ops::GemmTuneCandidate& base = r.candidates.front();
+  const ops::GemmTuneCandidate& twin = r.candidates.back();
+  EXPECT_EQ(twin.kernel, base.kernel + " PA=1");
+  EXPECT_EQ(twin.probe_gflops, base.probe_gflops);
+  EXPECT_GT(base.score_gflops, 0.0) << base.error;
+  EXPECT_GT(twin.score_gflops, 0.0) << twin.error;
+  EXPECT_TRUE(r.best == base.kernel || r.best == twin.kernel) << r.best;
+  EXPECT_EQ(r.planned, ops::gemm_tune_candidates(dev.context.device(), ops::TuneMode::quick).size() + 1);
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(GemmTune, FirstUseTunesCachesReloadsAndRetunesADamagedCache) {
   auto& dev = TestDevice::get();
   const auto dir = temp_dir("gemm_tune");
