@@ -1,8 +1,8 @@
 // Register-blocked GEMM for CPU devices (PoCL and the like), in up to three kernels:
 //   gemm_pack_b  copies op(B) into k-major panels NB = 16 * NV columns wide, zero-padded past N;
-//   gemm_pack_a  (PA = 1) copies op(A) into row blocks of RB rows, k-major: the RB values of one k
-//                step are contiguous, so a block is one sequential stream instead of RB floats
-//                M apart per k step (the binding packs a transposed f32 A only: ops/gemm.cpp);
+//   gemm_pack_a  (PA = 1) copies a transposed A into row blocks of RB rows, k-major: the RB values
+//                of one k step are contiguous, so a block is one sequential stream instead of RB
+//                floats M apart per k step (the binding packs a transposed f32 A only: ops/gemm.cpp);
 //   gemm_packed  gives each work-item RB rows x NB columns of C, held in float16 accumulators:
 //                per k step NV vload16 of the B panel, RB scalar broadcasts of A and fma().
 // Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
@@ -184,8 +184,9 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
 
 // One work-item packs PACK_A_COLS k columns of row block get_global_id(0) of product
 // get_global_id(2): packed row k of the block holds op(A)(block RB + r, k) for r < RB, rows past M
-// repeating row M - 1 (their results are never stored). Both layouts and LOAD are kept: the
-// kernel builds in every program of this file, and a tuning row may ask for it.
+// repeating row M - 1 (their results are never stored). The binding packs a transposed f32 A
+// only (ops/gemm.cpp, fit_packed); the kernel still builds in every program of this file, narrow
+// A and row-major A included, where it is never launched.
 __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulong a_off, __global float* packed,
                           ulong packed_off) {
   const uint block = get_global_id(0);
@@ -200,12 +201,6 @@ __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulo
     for (uint r = 0; r < RB; ++r) {
       dst[(ulong)k * RB + r] = LOAD(A_NAME, a, a_off + (ulong)k * M + min(block * RB + r, M - 1));
     }
-  }
-#else
-  // A row-major [M, K]: each row read along k, written RB floats apart (within a few cache lines).
-  for (uint r = 0; r < RB; ++r) {
-    const ulong row = a_off + (ulong)min(block * RB + r, M - 1) * K;
-    for (uint k = k0; k < k_end; ++k) dst[(ulong)k * RB + r] = LOAD(A_NAME, a, row + k);
   }
 #endif
 }
