@@ -64,10 +64,17 @@ std::size_t panel_width(const GemmKernelConfig& c) {
   return 16 * static_cast<std::size_t>(c.param("NV"));
 }
 
-// The packed parameters for this shape: a panel no wider than N needs (rounded up to 16), with
-// the register block's rows raised by as much as the panel narrowed (at most 16). N = 32 (the
-// output channels of a small convolution) then runs 12 x 32 blocks, not 6 x 64 of which half are
-// padding.
+// Sets parameter `key` of a parsed configuration (parsing gives every parameter of the kernel a value).
+void set_param(GemmKernelConfig& c, std::string_view key, int value) {
+  for (auto& [k, v] : c.params) {
+    if (k == key) v = value;
+  }
+}
+
+// The packed parameters for this shape: PA only where A is packed (below); a panel no wider than N
+// needs (rounded up to 16), with the register block's rows raised by as much as the panel
+// narrowed (at most 16). N = 32 (the output channels of a small convolution) then runs 12 x 32
+// blocks, not 6 x 64 of which half are padding.
 GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOptions& o = {}) {
   if (c.kernel != GemmKernel::packed) return c;
   if (!s.trans_a || s.a != DType::f32 || o.a_gather_rows.buffer != nullptr) {
@@ -77,24 +84,18 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
     // packed, and the copy is scratch as large as A; a narrow A packed in f32 would take twice its
     // own bytes, eating what bf16 activations save; a gathered A (a convolution's implicit im2col)
     // is read where it lies.
-    for (auto& [key, value] : c.params) {
-      if (key == "PA") value = 0;
-    }
+    set_param(c, "PA", 0);
   }
   if (o.a_gather_run > 0) {
-    for (auto& [key, value] : c.params) {
-      if (key == "NV") value = static_cast<int>(std::clamp<std::size_t>((s.N + 15) / 16, 1, 4));
-      if (key == "RB") value = static_cast<int>(o.a_gather_run);
-    }
+    set_param(c, "NV", static_cast<int>(std::clamp<std::size_t>((s.N + 15) / 16, 1, 4)));
+    set_param(c, "RB", static_cast<int>(o.a_gather_run));
     return c;
   }
   const int nv = c.param("NV"), rb = c.param("RB");
   const int need = static_cast<int>(std::max<std::size_t>(1, (s.N + 15) / 16));
   if (need >= nv) return c;
-  for (auto& [key, value] : c.params) {
-    if (key == "NV") value = need;
-    if (key == "RB") value = std::min(16, rb * nv / need);
-  }
+  set_param(c, "NV", need);
+  set_param(c, "RB", std::min(16, rb * nv / need));
   return c;
 }
 
