@@ -370,7 +370,7 @@ TEST(Gemm, BadKernelOptionIsRejected) {
   EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
 }
 
-// Sets an environment variable for the life of the object.
+// Writes `text` to a file of the system's temporary folder named by `stem`; returns its path.
 std::string write_temp(const std::string& stem, const std::string& text) {
   const auto path = std::filesystem::temp_directory_path() / fmt::format("ferry_{}_{}.tsv", stem, ::getpid());
   std::ofstream(path) << text;
