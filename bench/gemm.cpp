@@ -34,6 +34,7 @@ struct GemmBenchOptions {
   bool trans_a = false, trans_b = false;
   std::string kernel;  // GemmOptions::kernel for ferry
   bool tune = false;
+  bool breakdown = false;  // ferry's launches (packing, product, sum of splits) timed one by one
   std::string tune_mode = "quick";
   double tune_budget_seconds = 60;
 };
@@ -68,13 +69,25 @@ struct Measured {
   double ms = 0;      // median
   double ms_min = 0;  // fastest repeat: on a shared, noisy machine the closest to what the code can do
   std::string kernel;
-  std::vector<float> c;  // the result, to compare implementations
+  std::vector<float> c;                               // the result, to compare implementations
+  nlohmann::json launches = nlohmann::json::array();  // with --breakdown: {"kernel", "ms"} per launch
 };
+
+std::string kernel_name(const ops::KernelLaunch& l) {
+  if (l.custom) return "library call";
+  std::size_t size = 0;
+  cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size), "clGetKernelInfo");
+  std::string name(size, '\0');
+  cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, size, name.data(), nullptr), "clGetKernelInfo");
+  if (!name.empty() && name.back() == '\0') name.pop_back();
+  return name;
+}
 
 // Binds once, then times `repeat` rounds of back-to-back runs after a warm-up (time_rounds; its
 // first run takes the program builds and CLBlast's compile).
 Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::GemmShape& s, const std::vector<float>& ha,
-                        const std::vector<float>& hb, const ops::GemmOptions& options, int repeat, bool keep_c) {
+                        const std::vector<float>& hb, const ops::GemmOptions& options, int repeat, bool keep_c,
+                        bool breakdown = false) {
   DeviceOperands d(ctx, s, ha, hb, ops::gemm_scratch_elems(env, s, options));
   Measured m;
   m.kernel = ops::gemm_kernel_description(env, s, options);
@@ -84,6 +97,15 @@ Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::Gemm
                                                 [&] { cl::check(clFinish(ctx.compute()), "clFinish"); }, repeat);
   m.ms = median(times);
   m.ms_min = *std::min_element(times.begin(), times.end());
+  // Each launch alone, after the whole list ran (its inputs are in place): where the time goes
+  // between packing, the product and the sum of K splits. Their sum exceeds the list's time by
+  // what back-to-back launches overlap and keep in cache.
+  for (std::size_t i = 0; breakdown && i < launches.size(); ++i) {
+    const ops::LaunchList one(launches.begin() + i, launches.begin() + i + 1);
+    const std::vector<double> t = time_rounds([&] { ops::enqueue(ctx.compute(), one, {}); },
+                                              [&] { cl::check(clFinish(ctx.compute()), "clFinish"); }, repeat);
+    m.launches.push_back({{"kernel", kernel_name(launches[i])}, {"ms", median(t)}});
+  }
   if (keep_c) {
     m.c.resize(s.M * s.N);
     ctx.read(d.c.get(), 0, m.c.data(), m.c.size() * sizeof(float));
@@ -157,7 +179,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
       ops::GemmOptions opt;
       opt.backend = ops::GemmBackend::ferry;
       opt.kernel = o.kernel;
-      ferry_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true);
+      ferry_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true, o.breakdown);
     }
     if (wants(o, "clblast") && ops::gemm_have_clblast()) {
       ops::GemmOptions opt;
@@ -186,6 +208,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
       }
       if (clblast_m) j["ratio_vs_clblast"] = clblast_m->ms / m.ms;
       if (std::string(impl) == "ferry" && openblas_m) j["max_rel_diff_vs_openblas"] = max_rel_diff(m.c, openblas_m->c);
+      if (!m.launches.empty()) j["launches"] = m.launches;
       emit_json(j);
     };
     if (ferry_m) line("ferry", *ferry_m);
@@ -239,6 +262,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_flag("--trans-b", o->trans_b, "B stored [N, K]");
   sub.add_option("--kernel", o->kernel,
                  "ferry kernel and parameters, e.g. \"packed RB=4 NV=4\" (default: tuning data)");
+  sub.add_flag("--breakdown", o->breakdown,
+               "also time each of ferry's launches alone (B and A packing, the product, the sum of K splits): "
+               "`launches` in its JSON line");
   sub.add_flag("--tune", o->tune,
                "run the GEMM tuner (as `ferry tune` does): every candidate measured, the best as a tuning row");
   sub.add_option("--tune-mode", o->tune_mode, "with --tune: quick or full")

@@ -278,9 +278,13 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
   // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
   // layout).
-  const std::string epilogue = fmt::format("-DC_PLANES={} -DC_RELU={}", options.c_planes, int(options.relu));
+  const bool dact = options.dact_input.buffer != nullptr;
+  const std::string epilogue = fmt::format("-DC_PLANES={} -DC_RELU={} -DC_DACT={}", options.c_planes, int(options.relu),
+                                           dact ? 1 + int(options.dact == Activation::gelu) : 0);
   const std::string defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
-                                          splits > 1 ? "-DC_PLANES=0 -DC_RELU=0" : epilogue);
+                                          splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0" : epilogue);
+  const cl_mem dz = dact ? options.dact_input.buffer : c.buffer;  // not read without C_DACT
+  const std::uint64_t dz_off = dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : 0;
   const std::string sum_defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, s.c), epilogue);
   const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
                       c_off = c.elem_offset(dtype_bytes(s.c));
@@ -331,12 +335,14 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   if (splits == 1) {
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
                  c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
-                 cl_uint(s.K), cl_uint(1), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks);
+                 cl_uint(s.K), cl_uint(1), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, dz,
+                 dz_off);
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
                  scratch.buffer, parts_off, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s)),
-                 cl_uint(splits), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks);
+                 cl_uint(splits), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, scratch.buffer,
+                 std::uint64_t{0});
   }
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -349,7 +355,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     cl::Kernel sum = env.kernels.kernel("gemm_packed", "gemm_sum_splits", sum_defines);
     cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), cl_uint(s.batch), scratch.buffer, parts_off,
                  alpha, beta, c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(),
-                 has_bias);
+                 has_bias, dz, dz_off);
     list.push_back(elementwise_launch(std::move(sum), s.batch * s.M * s.N));
   }
   return list;
@@ -429,6 +435,23 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer || options.relu) && !packed_features(p)) {
     throw std::invalid_argument(
         fmt::format("gemm {}x{}x{}: NCHW planes and the ReLU epilogue need ferry's packed kernel", s.M, s.N, s.K));
+  }
+  if (options.dact_input.buffer != nullptr) {
+    if (options.relu || options.c_planes) {
+      throw std::invalid_argument(
+          fmt::format("gemm {}x{}x{}: an activation's derivative (dact) does not combine with the ReLU or an NCHW C",
+                      s.M, s.N, s.K));
+    }
+    if (!packed_features(p)) {
+      // The product, then the activation's backward over C in place (dx = dy = C).
+      GemmOptions plain = options;
+      plain.dact_input = {};
+      LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, plain);
+      for (auto& l : activation_backward(env, options.dact, options.dact_input, c, c, s.batch * s.M * s.N, s.c)) {
+        list.push_back(std::move(l));
+      }
+      return list;
+    }
   }
   if (!s.all_f32() && !native_dtypes(p)) {
     // Widen A and B into scratch, multiply in f32, round C back.

@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 
+#include "ferry/ops/activation.hpp"
 #include "ferry/ops/launch.hpp"
 #include "ferry/ops/types.hpp"
 
@@ -65,6 +66,13 @@ struct GemmOptions {
   // Optional (packed kernel only): C = max(0, alpha op(A) op(B) + beta C + bias), a ReLU fused
   // into the epilogue (a convolution's).
   bool relu = false;
+  // Optional: C = act'(z) * (alpha op(A) op(B) + beta C + bias), with z = dact_input stored like C
+  // (its dtype and layout, every product of a batch) and act = dact: an activation's backward
+  // fused into the product that makes its output gradient (the next Linear's dy w^T). ferry's
+  // packed kernel applies it in its epilogue; the other kernels run the activation's backward
+  // kernel over C after the product. Not with `relu` or the NCHW view of C.
+  DeviceSpan dact_input{};
+  Activation dact = Activation::relu;
 };
 
 // Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller

@@ -270,6 +270,71 @@ TEST(GemmBatch, EveryProductMatchesReference) {
   }
 }
 
+// An activation's backward fused into the GEMM (GemmOptions::dact): C = act'(z) * (alpha op(A)
+// op(B) + beta C + bias), z stored like C. The packed kernel applies it in its epilogue, unsplit
+// and after the sum of K splits, over every product of a batch and narrow storage; the other
+// kernels append the activation's backward kernel over C. Both against the reference product
+// followed by the reference activation backward.
+TEST(GemmEpilogue, ActivationDerivativeMatchesReference) {
+  auto& dev = TestDevice::get();
+  struct EpilogueCase {
+    std::size_t batch, M, N, K;
+    bool trans_a;
+    DType c;  // C and z
+  };
+  const EpilogueCase cases[] = {
+      {1, 65, 63, 17, false, DType::f32},   // last panel partial: the scalar tail of a row
+      {1, 21, 64, 2200, true, DType::f32},  // K split: the derivative applied by gemm_sum_splits
+      {2, 9, 33, 11, false, DType::bf16},   // a batch, narrow C and z
+  };
+  for (const char* kernel : {kPacked, kPackedA, kTiled, "naive"}) {
+    for (const ops::Activation act : {ops::Activation::relu, ops::Activation::gelu}) {
+      for (const EpilogueCase& x : cases) {
+        const ops::GemmShape s{x.M, x.N, x.K, x.trans_a, false, DType::f32, DType::f32, x.c, x.batch};
+        if (too_large_for_this_run(s.batch * s.M * s.N * s.K)) continue;
+        const std::string what = fmt::format("{}: {} derivative, batch {} of {}x{}x{} {}N -> {}", kernel,
+                                             act == ops::Activation::relu ? "ReLU" : "GELU", s.batch, s.M, s.N, s.K,
+                                             s.trans_a ? "T" : "N", ops::dtype_name(s.c));
+        const std::size_t mn = s.batch * s.M * s.N;
+        const auto a = random_vector(s.batch * s.M * s.K, 51), b = random_vector(s.batch * s.K * s.N, 52);
+        std::vector<float> c0, z;
+        DeviceBytes dc = operand(s.c, random_vector(mn, 53), c0, 9);
+        DeviceBytes dz = operand(s.c, random_vector(mn, 54), z, 6);
+        const auto bias = random_vector(s.N, 55);
+        DeviceTensor da(a, 3), db(b, 5), dbias(bias, 2);
+        ops::GemmOptions options;
+        options.kernel = kernel;
+        options.bias = dbias.span();
+        options.dact_input = dz.span();
+        options.dact = act;
+        const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
+        DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 4);
+        ops::run_blocking(dev.context.compute(),
+                          ops::gemm(dev.env, s, 0.75f, da.span(), db.span(), 0.5f, dc.span(),
+                                    scratch_elems ? scratch.span() : ops::DeviceSpan{}, options));
+        // The product rounded to C's type (as the unfused path stores it), then the derivative.
+        std::vector<float> product = reference(s, 0.75f, a, b, 0.5f, c0, bias), want(mn);
+        if (s.c != DType::f32) product = widen(s.c, narrow(s.c, product));
+        ops::ref::activation_backward<float>(act, z, product, want);
+        expect_near(result(s.c, dc), want, 2e-6f * static_cast<float>(s.K) + 1e-5f, 2 * half_ulp(s.c) + 1e-4f,
+                    what.c_str());
+        for (unsigned char byte : dc.tail()) ASSERT_EQ(byte, 0xA5) << what << ": written past C";
+      }
+    }
+  }
+}
+
+TEST(GemmEpilogue, ActivationDerivativeRefusesTheReluAndPlanes) {
+  auto& dev = TestDevice::get();
+  DeviceTensor a(std::vector<float>(4, 1.0f)), b(std::vector<float>(4, 1.0f)), c(std::vector<float>(4, 0.0f)),
+      z(std::vector<float>(4, 1.0f));
+  ops::GemmOptions options;
+  options.dact_input = z.span();
+  options.relu = true;
+  EXPECT_THROW(ops::gemm(dev.env, {2, 2, 2}, 1.0f, a.span(), b.span(), 0.0f, c.span(), {}, options),
+               std::invalid_argument);
+}
+
 // A product whose A outgrows the device's cache share runs its row blocks in groups (see
 // gemm_packed): 600 rows of K = 1024 are 100 blocks of 6, in groups of fewer, the last one
 // partial, with A read in place and (transposed) packed, B's last panel partial.

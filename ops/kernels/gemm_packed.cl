@@ -21,6 +21,7 @@
 // (pointer arithmetic, vector loads); the narrow ones index whole elements, since pointer
 // arithmetic on half* needs cl_khr_fp16.
 #include "dtype.clh"
+#include "gelu.clh"
 #ifndef A_NAME
 #define A_NAME F32
 #define A_IS_F32 1
@@ -73,6 +74,23 @@
 #else
 #define RELU(v) (v)
 #define RELU16(v) (v)
+#endif
+
+#ifndef C_DACT
+// 1 / 2: C multiplied by ReLU's / GELU's derivative at z, a tensor stored like C (GemmOptions::dact:
+// an activation's backward fused into the product that makes its output gradient). As
+// relu_backward and gelu_backward in activation.cl compute it.
+#define C_DACT 0
+#endif
+#if C_DACT == 1
+#define DACT(v, z) ((z) > 0.0f ? (v) : 0.0f)
+#define DACT16(v, z) select((float16)(0.0f), (v), isgreater((z), (float16)(0.0f)))
+#elif C_DACT == 2
+#define DACT(v, z) ((v) * gelu_slope(z))
+#define DACT16(v, z) ((v) * gelu_slope16(z))
+#else
+#define DACT(v, z) (v)
+#define DACT16(v, z) (v)
 #endif
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
@@ -205,11 +223,13 @@ __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulo
 #endif
 }
 
-// out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C.
+// out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C (then the
+// ReLU or the activation's derivative at z, whose row starts at element zrow of zb).
 #if C_PLANES
 // C as NCHW planes: `row` is m; the 16 columns are channels, C_PLANES apart.
 inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint row, uint col, uint N, float alpha,
-                    float beta, __global const float* bias, uint has_bias) {
+                    float beta, __global const float* bias, uint has_bias, __global const STORAGE(C_NAME)* zb,
+                    ulong zrow) {
   if (col >= N) return;
   float tmp[16];
   vstore16(alpha * acc, 0, tmp);
@@ -224,12 +244,15 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint
 }
 #elif C_IS_F32
 inline void store16(float16 acc, __global float* crow, uint col, uint N, float alpha, float beta,
-                    __global const float* bias, uint has_bias) {
+                    __global const float* bias, uint has_bias, __global const float* zb, ulong zrow) {
   if (col >= N) return;
   if (col + 16 <= N) {
     float16 out = alpha * acc;
     if (beta != 0.0f) out = fma((float16)(beta), vload16(0, crow + col), out);  // beta = 0: C is not read
     if (has_bias) out += vload16(0, bias + col);
+#if C_DACT
+    out = DACT16(out, vload16(0, zb + zrow + col));
+#endif
     vstore16(RELU16(out), 0, crow + col);
   } else {
     float tmp[16];
@@ -238,6 +261,9 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
       float out = tmp[i];
       if (beta != 0.0f) out = fma(beta, crow[col + i], out);
       if (has_bias) out += bias[col + i];
+#if C_DACT
+      out = DACT(out, zb[zrow + col + i]);
+#endif
       crow[col + i] = RELU(out);
     }
   }
@@ -245,7 +271,7 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
 #else
 // A narrow C: `crow` is the element index of the row's first element in c.
 inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint col, uint N, float alpha, float beta,
-                    __global const float* bias, uint has_bias) {
+                    __global const float* bias, uint has_bias, __global const STORAGE(C_NAME)* zb, ulong zrow) {
   if (col >= N) return;
   float tmp[16];
   vstore16(alpha * acc, 0, tmp);
@@ -253,6 +279,9 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     float out = tmp[i];
     if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, crow + col + i), out);
     if (has_bias) out += bias[col + i];
+#if C_DACT
+    out = DACT(out, LOAD(C_NAME, zb, zrow + col + i));
+#endif
     STORE(C_NAME, RELU(out), c, crow + col + i);
   }
 }
@@ -340,13 +369,14 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 #define C_ROW(r) const ulong crow = c_base + (ulong)(row0 + r) * N;
 #define C_AT c, crow
 #endif
-#define ACC_STORE(r)                                                                \
-  if (r < RB && row0 + r < M) {                                                     \
-    C_ROW(r)                                                                        \
-    store16(c##r##_0, C_AT, col0, N, alpha, beta, bias, has_bias);                  \
-    if (NV > 1) store16(c##r##_1, C_AT, col0 + 16, N, alpha, beta, bias, has_bias); \
-    if (NV > 2) store16(c##r##_2, C_AT, col0 + 32, N, alpha, beta, bias, has_bias); \
-    if (NV > 3) store16(c##r##_3, C_AT, col0 + 48, N, alpha, beta, bias, has_bias); \
+#define ACC_STORE(r)                                                                          \
+  if (r < RB && row0 + r < M) {                                                               \
+    C_ROW(r)                                                                                  \
+    const ulong zrow = z_base + (ulong)(row0 + r) * N;                                        \
+    store16(c##r##_0, C_AT, col0, N, alpha, beta, bias, has_bias, dz, zrow);                  \
+    if (NV > 1) store16(c##r##_1, C_AT, col0 + 16, N, alpha, beta, bias, has_bias, dz, zrow); \
+    if (NV > 2) store16(c##r##_2, C_AT, col0 + 32, N, alpha, beta, bias, has_bias, dz, zrow); \
+    if (NV > 3) store16(c##r##_3, C_AT, col0 + 48, N, alpha, beta, bias, has_bias, dz, zrow); \
   }
 
 // Dimension 2 counts the products of the batch times `splits`, the splits of K (k_chunk rows each;
@@ -358,7 +388,8 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
                           __global const float* packed, ulong packed_off, float beta, __global STORAGE(C_NAME)* c,
                           ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk,
                           uint splits, __global const int* arows, ulong arows_off, __global const int* acols,
-                          ulong acols_off, __global const float* apacked, ulong apacked_off, uint group_blocks) {
+                          ulong acols_off, __global const float* apacked, ulong apacked_off, uint group_blocks,
+                          __global const STORAGE(C_NAME)* dz, ulong dz_off) {
   // Work-groups run in the order of their linear index (row blocks fastest). With group_blocks
   // > 0 that index walks groups of group_blocks row blocks: every panel for one group, then the
   // next group, so a group's rows of A stay in cache while all of B streams past them (row blocks
@@ -401,6 +432,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #else
   const ulong c_base = c_off + (ulong)z * M * N;
 #endif
+  const ulong z_base = dz_off + (ulong)z * M * N;  // z of C_DACT, stored like C
   bias += bias_off;
   arows += arows_off;
   acols += acols_off;
@@ -439,7 +471,8 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 // z splits .. (z + 1) splits - 1 of part.
 __kernel void gemm_sum_splits(uint M, uint N, uint splits, uint batch, __global const float* part, ulong part_off,
                               float alpha, float beta, __global STORAGE(C_NAME)* c, ulong c_off,
-                              __global const float* bias, ulong bias_off, uint has_bias) {
+                              __global const float* bias, ulong bias_off, uint has_bias,
+                              __global const STORAGE(C_NAME)* dz, ulong dz_off) {
   const size_t i = get_global_id(0);
   const size_t mn = (size_t)M * N;
   if (i >= mn * batch) return;
@@ -458,5 +491,8 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, uint batch, __global 
 #endif
   if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
   if (has_bias) out += bias[bias_off + e % N];
+#if C_DACT
+  out = DACT(out, LOAD(C_NAME, dz, dz_off + i));
+#endif
   STORE(C_NAME, RELU(out), c, at);
 }
