@@ -66,12 +66,15 @@ NodeId head_layer(const Graph& g);
 // bit-identical to the unfused graph. See graph/passes/fusion.cpp.
 void fuse_relu_maxpool(Graph& g);
 // Every fusion of the pass: fuse_relu_maxpool, then each remaining ReLU whose input only it reads
-// and a convolution makes joins that convolution's epilogue (ops::Conv2dShape::relu; backward masks
-// dy with y > 0 before the convolution's gradients), then each add whose sum a LayerNorm reads
-// becomes, with that LayerNorm, one add_layernorm node (a residual stream: the sum is written and
-// normalised in one pass; backward adds the sum's other gradient into dx in the same kernel).
-// All exact.
+// and a convolution or a Linear makes joins that layer's epilogue (ops::Conv2dShape::relu,
+// GemmOptions::relu; backward masks dy with y > 0 before the layer's gradients), then each add whose sum a LayerNorm
+// reads becomes, with that LayerNorm, one add_layernorm node (a residual stream: the sum is written and normalised in
+// one pass; backward adds the sum's other gradient into dx in the same kernel). All exact.
 void fuse_layers(Graph& g);
+// After autodiff: each activation's backward whose output gradient only the next Linear's input
+// gradient makes joins that GEMM's epilogue (ops::GemmOptions::dact), which then reads z and writes
+// dx where it wrote dy. Exact for ReLU; GELU's slope is the same expression, equal to f32 rounding.
+void fuse_activation_grads(Graph& g);
 
 // Mixed precision, before autodiff: Linear, Conv2d, activation and max-pool nodes but the head
 // compute from and store `narrow` (f16 or bf16), reading narrow casts of their float inputs

@@ -24,6 +24,10 @@ const std::vector<ModelPass>& model_passes() {
        [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
          if (key.training) append_backward(g);
        }},
+      {"backward fusion",
+       [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
+         if (key.training && key.fuse) fuse_activation_grads(g);
+       }},
       {"recompute",
        [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
          if (key.training && key.recompute > 0) apply_recompute(g, key.recompute);

@@ -15,7 +15,7 @@
 
 namespace ferry::ops {
 
-// Rows with a ReluFusion (conv2d, maxpool2d) say in slot i[2] whether a ReLU was fused in; the
+// Rows with a ReluFusion (conv2d, linear, maxpool2d) say in slot i[2] whether a ReLU was fused in; the
 // fusion pass sets it without knowing the op.
 inline bool relu_fused(const NodeAttrs& a) {
   return a.i[2] != 0;
@@ -36,6 +36,18 @@ struct ActivationAttrs {
   Activation kind = Activation::relu;
   NodeAttrs pack() const { return {{static_cast<std::int32_t>(kind), 0, 0, 0}, {}}; }
   static ActivationAttrs of(const NodeAttrs& a) { return {static_cast<Activation>(a.i[0])}; }
+};
+
+// linear_grad_input: an activation's backward fused in (the fusion pass), dx = act'(z) (dy w^T) with
+// z its third input. Slot i[3], clear of the ReLU flag the forward's attributes carry in i[2].
+struct LinearGradInputAttrs {
+  bool fused = false;
+  Activation act = Activation::relu;
+  NodeAttrs pack() const { return {{0, 0, 0, fused ? 1 + static_cast<std::int32_t>(act) : 0}, {}}; }
+  static LinearGradInputAttrs of(const NodeAttrs& a) {
+    return {a.i[3] != 0, a.i[3] != 0 ? static_cast<Activation>(a.i[3] - 1) : Activation::relu};
+  }
+  static void set(NodeAttrs& a, Activation act) { a.i[3] = 1 + static_cast<std::int32_t>(act); }
 };
 
 // layernorm (and its fusions): the variance's epsilon.

@@ -378,6 +378,17 @@ LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a,
   return list;
 }
 
+// Whether the packed kernel's epilogue gives the bits the activation's backward kernel would
+// (graph::fuse_activation_grads promises the unfused graph's results): always for ReLU's mask and
+// a narrow C (element by element either way; the product rounded to C's type first). GELU over an
+// f32 C on a CPU device: the activation kernel takes 16 consecutive elements as one vector (PoCL's
+// vector exp differs from its scalar one in the last bit), so only an unsplit product whose rows
+// are whole vectors (N a multiple of 16) matches it; on other devices it runs element by element.
+bool dact_in_epilogue(OpEnv& env, const GemmShape& s, const GemmOptions& o) {
+  if (o.dact == Activation::relu || s.c != DType::f32) return true;
+  return env.device().is_cpu() && s.N % 16 == 0 && k_splits(s) == 1;
+}
+
 // The packed kernel alone takes NCHW planes, gathered rows and the ReLU epilogue.
 bool packed_features(const GemmPlan& p) {
   return p.backend == GemmBackend::ferry && p.config.kernel == GemmKernel::packed;
@@ -432,26 +443,28 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   check_batch(s, options);
   if (s.batch == 0 || s.M == 0 || s.N == 0) return {};
   const GemmPlan p = plan(env, options);
-  if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer || options.relu) && !packed_features(p)) {
+  if ((options.b_planes || options.c_planes || options.a_gather_rows.buffer) && !packed_features(p)) {
     throw std::invalid_argument(
-        fmt::format("gemm {}x{}x{}: NCHW planes and the ReLU epilogue need ferry's packed kernel", s.M, s.N, s.K));
+        fmt::format("gemm {}x{}x{}: NCHW planes and a gathered A need ferry's packed kernel", s.M, s.N, s.K));
   }
-  if (options.dact_input.buffer != nullptr) {
-    if (options.relu || options.c_planes) {
-      throw std::invalid_argument(
-          fmt::format("gemm {}x{}x{}: an activation's derivative (dact) does not combine with the ReLU or an NCHW C",
-                      s.M, s.N, s.K));
-    }
-    if (!packed_features(p)) {
-      // The product, then the activation's backward over C in place (dx = dy = C).
-      GemmOptions plain = options;
-      plain.dact_input = {};
-      LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, plain);
-      for (auto& l : activation_backward(env, options.dact, options.dact_input, c, c, s.batch * s.M * s.N, s.c)) {
-        list.push_back(std::move(l));
-      }
-      return list;
-    }
+  const bool dact = options.dact_input.buffer != nullptr;
+  if (dact && (options.relu || options.c_planes)) {
+    throw std::invalid_argument(fmt::format(
+        "gemm {}x{}x{}: an activation's derivative (dact) does not combine with the ReLU or an NCHW C", s.M, s.N, s.K));
+  }
+  if ((dact && !(packed_features(p) && dact_in_epilogue(env, s, options))) || (options.relu && !packed_features(p))) {
+    // Kernels without the epilogue, and products whose epilogue would not give the activation
+    // kernel's bits: the product, then the activation (or its backward) over C in place, as the
+    // unfused ops would run it.
+    GemmOptions plain = options;
+    plain.dact_input = {};
+    plain.relu = false;
+    LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, plain);
+    const std::size_t n = s.batch * s.M * s.N;
+    LaunchList more = dact ? activation_backward(env, options.dact, options.dact_input, c, c, n, s.c)
+                           : activation_forward(env, Activation::relu, c, c, n, s.c);
+    for (auto& l : more) list.push_back(std::move(l));
+    return list;
   }
   if (!s.all_f32() && !native_dtypes(p)) {
     // Widen A and B into scratch, multiply in f32, round C back.

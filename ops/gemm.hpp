@@ -63,8 +63,9 @@ struct GemmOptions {
   // stride-1 convolution whose output rows are the run, a block of 14 rows x 32 columns needs two
   // general registers where a table entry per row needed 14 (and spilled).
   std::size_t a_gather_run = 0, a_gather_step = 0;
-  // Optional (packed kernel only): C = max(0, alpha op(A) op(B) + beta C + bias), a ReLU fused
-  // into the epilogue (a convolution's).
+  // Optional: C = max(0, alpha op(A) op(B) + beta C + bias), a ReLU fused into the epilogue (a
+  // convolution's, a Linear's) of ferry's packed kernel; the other kernels run the ReLU over C
+  // after the product.
   bool relu = false;
   // Optional: C = act'(z) * (alpha op(A) op(B) + beta C + bias), with z = dact_input stored like C
   // (its dtype and layout, every product of a batch) and act = dact: an activation's backward

@@ -270,12 +270,12 @@ TEST(GemmBatch, EveryProductMatchesReference) {
   }
 }
 
-// An activation's backward fused into the GEMM (GemmOptions::dact): C = act'(z) * (alpha op(A)
-// op(B) + beta C + bias), z stored like C. The packed kernel applies it in its epilogue, unsplit
-// and after the sum of K splits, over every product of a batch and narrow storage; the other
-// kernels append the activation's backward kernel over C. Both against the reference product
-// followed by the reference activation backward.
-TEST(GemmEpilogue, ActivationDerivativeMatchesReference) {
+// The epilogues on every kernel family: a ReLU (GemmOptions::relu, C = max(0, alpha op(A) op(B) +
+// beta C + bias)) and an activation's backward (GemmOptions::dact: C = act'(z) * (...), z stored
+// like C). The packed kernel applies them in its epilogue, unsplit and after the sum of K splits,
+// over every product of a batch and narrow storage; the other kernels run the activation kernel
+// over C after the product. Against the reference product followed by the reference activation.
+TEST(GemmEpilogue, ActivationsMatchReference) {
   auto& dev = TestDevice::get();
   struct EpilogueCase {
     std::size_t batch, M, N, K;
@@ -283,18 +283,23 @@ TEST(GemmEpilogue, ActivationDerivativeMatchesReference) {
     DType c;  // C and z
   };
   const EpilogueCase cases[] = {
-      {1, 65, 63, 17, false, DType::f32},   // last panel partial: the scalar tail of a row
-      {1, 21, 64, 2200, true, DType::f32},  // K split: the derivative applied by gemm_sum_splits
-      {2, 9, 33, 11, false, DType::bf16},   // a batch, narrow C and z
+      {1, 33, 48, 20, true, DType::f32},     // whole vectors: GELU's slope in the epilogue too
+      {1, 65, 63, 17, false, DType::f32},    // last panel partial (GELU: its kernel after the product)
+      {1, 21, 64, 2200, true, DType::f32},   // K split: the epilogue applied by gemm_sum_splits
+      {2, 9, 33, 11, false, DType::bf16},    // a batch, narrow C and z
+      {1, 13, 64, 2200, false, DType::f16},  // K split, narrow C and z
   };
+  enum class Epilogue { relu, relu_grad, gelu_grad };
   for (const char* kernel : {kPacked, kPackedA, kTiled, "naive"}) {
-    for (const ops::Activation act : {ops::Activation::relu, ops::Activation::gelu}) {
+    for (const Epilogue e : {Epilogue::relu, Epilogue::relu_grad, Epilogue::gelu_grad}) {
       for (const EpilogueCase& x : cases) {
         const ops::GemmShape s{x.M, x.N, x.K, x.trans_a, false, DType::f32, DType::f32, x.c, x.batch};
         if (too_large_for_this_run(s.batch * s.M * s.N * s.K)) continue;
-        const std::string what = fmt::format("{}: {} derivative, batch {} of {}x{}x{} {}N -> {}", kernel,
-                                             act == ops::Activation::relu ? "ReLU" : "GELU", s.batch, s.M, s.N, s.K,
-                                             s.trans_a ? "T" : "N", ops::dtype_name(s.c));
+        const char* name = e == Epilogue::relu        ? "ReLU"
+                           : e == Epilogue::relu_grad ? "ReLU derivative"
+                                                      : "GELU derivative";
+        const std::string what = fmt::format("{}: {}, batch {} of {}x{}x{} {}N -> {}", kernel, name, s.batch, s.M, s.N,
+                                             s.K, s.trans_a ? "T" : "N", ops::dtype_name(s.c));
         const std::size_t mn = s.batch * s.M * s.N;
         const auto a = random_vector(s.batch * s.M * s.K, 51), b = random_vector(s.batch * s.K * s.N, 52);
         std::vector<float> c0, z;
@@ -305,21 +310,69 @@ TEST(GemmEpilogue, ActivationDerivativeMatchesReference) {
         ops::GemmOptions options;
         options.kernel = kernel;
         options.bias = dbias.span();
-        options.dact_input = dz.span();
-        options.dact = act;
+        options.relu = e == Epilogue::relu;
+        if (e != Epilogue::relu) {
+          options.dact_input = dz.span();
+          options.dact = e == Epilogue::relu_grad ? ops::Activation::relu : ops::Activation::gelu;
+        }
         const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
         DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 4);
         ops::run_blocking(dev.context.compute(),
                           ops::gemm(dev.env, s, 0.75f, da.span(), db.span(), 0.5f, dc.span(),
                                     scratch_elems ? scratch.span() : ops::DeviceSpan{}, options));
-        // The product rounded to C's type (as the unfused path stores it), then the derivative.
+        // The product rounded to C's type (as the unfused path stores it), then the activation.
         std::vector<float> product = reference(s, 0.75f, a, b, 0.5f, c0, bias), want(mn);
         if (s.c != DType::f32) product = widen(s.c, narrow(s.c, product));
-        ops::ref::activation_backward<float>(act, z, product, want);
+        if (e == Epilogue::relu) {
+          ops::ref::activation_forward<float>(ops::Activation::relu, product, want);
+        } else {
+          ops::ref::activation_backward<float>(options.dact, z, product, want);
+        }
         expect_near(result(s.c, dc), want, 2e-6f * static_cast<float>(s.K) + 1e-5f, 2 * half_ulp(s.c) + 1e-4f,
                     what.c_str());
         for (unsigned char byte : dc.tail()) ASSERT_EQ(byte, 0xA5) << what << ": written past C";
       }
+    }
+  }
+}
+
+// The fusion pass relies on this: an activation's derivative in the epilogue gives the bits of the
+// product stored and then passed through relu_backward or gelu_backward (a narrow C's product is
+// rounded to its type before the derivative multiplies it, as the unfused pair does).
+TEST(GemmEpilogue, DerivativeIsBitIdenticalToTheUnfusedKernels) {
+  auto& dev = TestDevice::get();
+  for (const auto& [act, t] :
+       {std::pair{ops::Activation::relu, DType::f32}, std::pair{ops::Activation::relu, DType::bf16},
+        std::pair{ops::Activation::gelu, DType::f32}, std::pair{ops::Activation::gelu, DType::bf16},
+        std::pair{ops::Activation::gelu, DType::f16}}) {
+    for (const ops::GemmShape s :
+         {ops::GemmShape{8, 48, 48, false, true, t, t, t}, ops::GemmShape{21, 64, 2200, true, false, t, t, t}}) {
+      const std::string what = fmt::format("{} {}x{}x{} {}", act == ops::Activation::relu ? "ReLU" : "GELU", s.M, s.N,
+                                           s.K, ops::dtype_name(t));
+      std::vector<float> a, b, z, c0;
+      DeviceBytes da = operand(t, random_vector(s.M * s.K, 61), a, 3);
+      DeviceBytes db = operand(t, random_vector(s.K * s.N, 62), b, 5);
+      DeviceBytes dz = operand(t, random_vector(s.M * s.N, 63), z, 6);
+      DeviceBytes fused = operand(t, std::vector<float>(s.M * s.N, 0.0f), c0, 9);
+      DeviceBytes plain = operand(t, std::vector<float>(s.M * s.N, 0.0f), c0, 9);
+      ops::GemmOptions options;
+      const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
+      DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 4);
+      const ops::DeviceSpan sc = scratch_elems ? scratch.span() : ops::DeviceSpan{};
+      ops::run_blocking(dev.context.compute(),
+                        ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, plain.span(), sc));
+      ops::run_blocking(dev.context.compute(),
+                        ops::activation_backward(dev.env, act, dz.span(), plain.span(), plain.span(), s.M * s.N, t));
+      options.dact_input = dz.span();
+      options.dact = act;
+      ops::run_blocking(dev.context.compute(),
+                        ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, fused.span(), sc, options));
+      const std::vector<float> got = result(t, fused), want = result(t, plain);
+      ASSERT_EQ(got.size(), want.size());
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < got.size(); ++i)
+        differ += std::bit_cast<std::uint32_t>(got[i]) != std::bit_cast<std::uint32_t>(want[i]);
+      EXPECT_EQ(differ, 0u) << what << ": elements whose bits differ";
     }
   }
 }

@@ -177,7 +177,9 @@ TEST(Pipeline, FusionTakesReluIntoPoolsThenIntoConvolutions) {
   off.fuse = false;
   const graph::Graph with = graph::prepare_step_graph(forward_graph(cnn, graph::VariantKey{4, true}), {4, true}, adam);
   const graph::Graph without = graph::prepare_step_graph(forward_graph(cnn, off), off, adam);
-  EXPECT_EQ(count_op(with, graph::builtin::activation_grad), 2u);  // the convolution's mask and the last ReLU's
+  // The convolution's mask (its dy comes from the pools' backward); the last ReLU's joins the head's
+  // input gradient (fuse_activation_grads).
+  EXPECT_EQ(count_op(with, graph::builtin::activation_grad), 1u);
   EXPECT_EQ(count_op(without, graph::builtin::activation_grad), 3u);
 }
 
@@ -202,9 +204,50 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
   const graph::Graph with = graph::prepare_step_graph(forward_graph(deep, graph::VariantKey{4, true}), {4, true}, adam);
   const graph::Graph without = graph::prepare_step_graph(forward_graph(deep, off), off, adam);
   EXPECT_LT(count_op(with, graph::builtin::add), count_op(without, graph::builtin::add));
-  // Three adds fewer, and the gradient sums of the two sums another block reads (the last sum only
-  // the final LayerNorm reads: no sum in either graph).
-  EXPECT_EQ(with.nodes.size() + 3 + 2, without.nodes.size());
+  // Three adds fewer, the gradient sums of the two sums another block reads (the last sum only
+  // the final LayerNorm reads: no sum in either graph), and the three GELU backwards, now in the
+  // epilogues of the input gradients that make their dy (fuse_activation_grads).
+  EXPECT_EQ(with.nodes.size() + 3 + 2 + 3, without.nodes.size());
+}
+
+// A ReLU a Linear makes joins its epilogue, as a convolution's does; after autodiff, each
+// activation's backward whose dy only the next Linear's input gradient makes joins that GEMM's
+// epilogue: the input gradient reads z (the activation's input, or the fused ReLU's output) and
+// writes dx. The MLP keeps no activation node at all, forward or backward.
+TEST(Pipeline, FusionTakesActivationsIntoLinearEpilogues) {
+  ops::OptimizerConfig adam;
+  graph::VariantKey on{4, true}, off{4, true};
+  off.fuse = false;
+  struct Model {
+    ModelSpec spec;
+    ops::Activation act;
+    std::size_t activations;  // activation nodes of the unfused graph
+  };
+  for (const Model& m :
+       {Model{models::mlp({32, 16}), ops::Activation::relu, 2}, Model{models::deep(32, 3), ops::Activation::gelu, 3}}) {
+    SCOPED_TRACE(m.spec.name);
+    const graph::Graph with = graph::prepare_step_graph(forward_graph(m.spec, on), on, adam);
+    const graph::Graph without = graph::prepare_step_graph(forward_graph(m.spec, off), off, adam);
+    EXPECT_EQ(count_op(without, graph::builtin::activation_grad), m.activations);
+    EXPECT_EQ(count_op(with, graph::builtin::activation_grad), 0u);
+    EXPECT_EQ(count_op(with, graph::builtin::activation), m.act == ops::Activation::relu ? 0u : m.activations);
+    std::size_t fused = 0;
+    for (graph::NodeId n = 0; n < with.nodes.size(); ++n) {
+      if (with.nodes.op[n] != graph::builtin::linear_grad_input) continue;
+      const ops::LinearGradInputAttrs at = ops::LinearGradInputAttrs::of(with.nodes.attrs[n]);
+      if (!at.fused) {
+        EXPECT_EQ(with.nodes.inputs(n).size(), 2u);
+        continue;
+      }
+      ++fused;
+      EXPECT_EQ(at.act, m.act);
+      ASSERT_EQ(with.nodes.inputs(n).size(), 3u);
+      const TensorId z = with.nodes.inputs(n)[2];
+      EXPECT_EQ(with.tensors.role[z], graph::Role::activation);
+      EXPECT_TRUE(with.tensors.shape[z] == with.tensors.shape[with.nodes.outputs(n)[0]]);
+    }
+    EXPECT_EQ(fused, m.activations);
+  }
 }
 
 std::size_t count_role(const graph::Graph& g, graph::Role r) {

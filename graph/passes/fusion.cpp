@@ -12,8 +12,15 @@
 //     add_layernorm node at the add's place: it writes the sum and normalises it in one pass, and
 //     its backward adds the gradient the sum gets from its other readers into LayerNorm's dx in
 //     the same kernel, where the pair needed a gradient-sum node.
+//   linear -> relu becomes one linear with the ReLU in its GEMM's epilogue, as for conv2d.
 // All are exact: values and gradients are bit-identical to the unfused graph (a sum of two
 // gradients is the same whichever kernel adds them).
+//
+// After autodiff, fuse_activation_grads: an activation's backward (activation_grad, dx = dy act'(z))
+// whose dy a Linear's input gradient alone makes (dy = dY w^T of the next layer) joins that GEMM's
+// epilogue (LinearGradInputAttrs): dx is written once, where the pair wrote dy, read it back with
+// z and wrote dx. The same expression on the same values: exact for ReLU's mask; GELU's slope is
+// the activation kernel's expression too, equal to f32 rounding.
 #include <vector>
 
 #include "ferry/ops/op_table.hpp"
@@ -166,6 +173,47 @@ void merge_with_producers(Graph& g) {
 
 }  // namespace
 
+// activation_grad (z, dy) -> dx with dy made by a linear_grad_input alone: that node reads z too
+// and writes dx.
+void fuse_into_input_gradients(Graph& g) {
+  const NodeTable& old = g.nodes;
+  const Uses uses(g);
+  const NodeId none = Uses::no_node(g);
+  std::vector<NodeId> grad_of(old.size(), none);  // linear_grad_input node -> the activation_grad it takes in
+  std::vector<bool> dropped(old.size(), false);
+  const auto& t = g.tensors;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] != builtin::activation_grad || old.inputs(n).size() != 2) continue;
+    const TensorId z = old.inputs(n)[0], dy = old.inputs(n)[1];
+    const NodeId p = uses.producer[dy];
+    if (p == none || old.op[p] != builtin::linear_grad_input || old.inputs(p).size() != 2 || grad_of[p] != none) {
+      continue;
+    }
+    if (uses.readers[dy] != 1 || uses.has_view[dy] || t.role[dy] != Role::gradient || t.alias_of[dy] != no_tensor) {
+      continue;
+    }
+    if (t.dtype[z] != t.dtype[dy] || !(t.shape[z] == t.shape[dy])) continue;
+    grad_of[p] = n;
+    dropped[n] = true;
+  }
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (dropped[n]) continue;
+    const NodeId a = grad_of[n];
+    if (a == none) {
+      out.add_copy(old, n);
+      continue;
+    }
+    std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
+    ins.push_back(old.inputs(a)[0]);
+    const TensorId outs[] = {old.outputs(a)[0]};
+    NodeAttrs attrs = old.attrs[n];
+    ops::LinearGradInputAttrs::set(attrs, ops::ActivationAttrs::of(old.attrs[a]).kind);
+    out.add(old.op[n], old.name[n], ins, outs, attrs, old.lane[n]);
+  }
+  g.nodes = std::move(out);
+}
+
 void fuse_relu_maxpool(Graph& g) {
   fuse_into_pools(g);
 }
@@ -174,6 +222,10 @@ void fuse_layers(Graph& g) {
   fuse_into_pools(g);  // first: a ReLU a pool reads is cheaper there than in the convolution
   fuse_into_convolutions(g);
   merge_with_producers(g);
+}
+
+void fuse_activation_grads(Graph& g) {
+  fuse_into_input_gradients(g);
 }
 
 }  // namespace ferry::graph

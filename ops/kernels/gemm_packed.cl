@@ -92,6 +92,14 @@
 #define DACT(v, z) (v)
 #define DACT16(v, z) (v)
 #endif
+// A narrow C's value as the product alone stores it (rounded to C's type, then read back): the
+// derivative multiplies what the unfused pair's activation kernel would read, so fused and
+// unfused give the same bits.
+#if C_IS_F32
+#define AS_STORED(v, c, at) (v)
+#else
+#define AS_STORED(v, c, at) (STORE(C_NAME, (v), c, at), LOAD(C_NAME, c, at))
+#endif
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
@@ -280,7 +288,7 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, crow + col + i), out);
     if (has_bias) out += bias[col + i];
 #if C_DACT
-    out = DACT(out, LOAD(C_NAME, zb, zrow + col + i));
+    out = DACT(AS_STORED(out, c, crow + col + i), LOAD(C_NAME, zb, zrow + col + i));
 #endif
     STORE(C_NAME, RELU(out), c, crow + col + i);
   }
@@ -492,7 +500,7 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, uint batch, __global 
   if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);
   if (has_bias) out += bias[bias_off + e % N];
 #if C_DACT
-  out = DACT(out, LOAD(C_NAME, dz, dz_off + i));
+  out = DACT(AS_STORED(out, c, at), LOAD(C_NAME, dz, dz_off + i));
 #endif
   STORE(C_NAME, RELU(out), c, at);
 }

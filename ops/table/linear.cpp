@@ -1,7 +1,11 @@
 // Rows of Linear over the last axis: y = x w + b with x [..., in] (rank 2 to 4; the leading axes
-// are rows), w [in, out], b [out]; and its two gradients.
+// are rows), w [in, out], b [out]; and its two gradients. The fusion pass may fold a ReLU into
+// the forward's epilogue (relu_fused) and an activation's backward into the input gradient's
+// (LinearGradInputAttrs, graph/passes/fusion.cpp).
 #include <fmt/format.h>
 
+#include "ferry/ops/activation.hpp"
+#include "ops/attrs.hpp"
 #include "ops/bias.hpp"
 #include "ops/gemm.hpp"
 #include "rows.hpp"
@@ -35,6 +39,7 @@ OpInfo linear_row() {
   r.name = "linear";
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.computes_narrow = true;
+  r.relu_fusion = ReluFusion::writes_its_output;
   r.int8_weight_layout = [](const Shape& w) -> std::optional<QuantLayout> {
     if (w.rank != 2) return std::nullopt;
     return QuantLayout::linear_weight(w[0], w[1]);
@@ -67,19 +72,37 @@ OpInfo linear_row() {
   r.bind = [](const BindContext& c) {
     GemmOptions opt;
     if (c.input_count() > 2) opt.bias = c.in(2);
+    opt.relu = relu_fused(c.attrs());
     return gemm(c.env(), linear_gemms(c.input(0), c.input(1)).forward, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
                 c.scratch(), opt);
   };
-  r.backward = [](GradContext& g) { weight_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param); };
+  r.backward = [](GradContext& g) {
+    if (!relu_fused(g.attrs())) {
+      weight_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param);
+      return;
+    }
+    // The fused ReLU first: dz = dy where y > 0 (exactly where x w + b > 0), then the Linear's
+    // gradients of dz.
+    const TensorRef y = g.outputs()[0], dy = g.grad(y);
+    if (dy == no_ref) return;
+    const TensorRef dz = g.new_grad(y);
+    const TensorRef ins[] = {y, dy};
+    const TensorRef outs[] = {dz};
+    g.emit(builtin::activation_grad, ".relu_grad", ins, outs, ActivationAttrs{Activation::relu}.pack());
+    weight_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param, dz);
+  };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::gemm<double>(linear_gemms(c.input(0), c.input(1)).forward, 1, c.real(in[0]), c.real(in[1]), 0,
-                      c.real(c.outputs()[0]), maybe(c, 2));
+    const std::span<double> y = c.real(c.outputs()[0]);
+    ref::gemm<double>(linear_gemms(c.input(0), c.input(1)).forward, 1, c.real(in[0]), c.real(in[1]), 0, y, maybe(c, 2));
+    if (relu_fused(c.attrs())) {
+      for (double& v : y) v = v > 0.0 ? v : 0.0;
+    }
   };
   return r;
 }
 
-OpInfo linear_grad_input_row() {  // in: dy w  out: dx
+OpInfo linear_grad_input_row() {  // in: dy w [z]  out: dx (times act'(z) with LinearGradInputAttrs::dact)
   OpInfo r;
   r.name = "linear_grad_input";
   r.op_class = OpClass::backward;
@@ -89,13 +112,28 @@ OpInfo linear_grad_input_row() {  // in: dy w  out: dx
   };
   r.flops = [](const ShapeView& v) { return flops(linear_gemms(v.output(0), v.input(1)).grad_input); };
   r.bind = [](const BindContext& c) {
+    GemmOptions opt;
+    if (const LinearGradInputAttrs at = LinearGradInputAttrs::of(c.attrs()); at.fused) {
+      if (c.input_count() < 3 || c.input(2).dtype != c.output(0).dtype ||
+          c.input(2).shape.elems() != c.output(0).shape.elems()) {
+        throw std::invalid_argument(fmt::format(
+            "linear_grad_input: a fused activation derivative takes z of the input gradient's shape and dtype ({} {})",
+            c.output(0).shape.str(), dtype_name(c.output(0).dtype)));
+      }
+      opt.dact_input = c.in(2);
+      opt.dact = at.act;
+    }
     return gemm(c.env(), linear_gemms(c.output(0), c.input(1)).grad_input, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
-                c.scratch());
+                c.scratch(), opt);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
-    ref::gemm<double>(linear_gemms(c.output(0), c.input(1)).grad_input, 1, c.real(in[0]), c.real(in[1]), 0,
-                      c.real(c.outputs()[0]));
+    const std::span<double> dx = c.real(c.outputs()[0]);
+    ref::gemm<double>(linear_gemms(c.output(0), c.input(1)).grad_input, 1, c.real(in[0]), c.real(in[1]), 0, dx);
+    if (const LinearGradInputAttrs at = LinearGradInputAttrs::of(c.attrs()); at.fused) {
+      const std::vector<double> product(dx.begin(), dx.end());
+      ref::activation_backward<double>(at.act, c.real(in[2]), product, dx);
+    }
   };
   return r;
 }
