@@ -73,7 +73,7 @@ void fuse_relu_maxpool(Graph& g);
 void fuse_layers(Graph& g);
 // After autodiff: each activation's backward whose output gradient only the next Linear's input
 // gradient makes joins that GEMM's epilogue (ops::GemmOptions::dact), which then reads z and writes
-// dx where it wrote dy. Exact for ReLU; GELU's slope is the same expression, equal to f32 rounding.
+// dx where it wrote dy. Exact (ops::GemmOptions::dact gives the activation kernel's bits).
 void fuse_activation_grads(Graph& g);
 
 // Mixed precision, before autodiff: Linear, Conv2d, activation and max-pool nodes but the head

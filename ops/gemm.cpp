@@ -378,25 +378,28 @@ LaunchList bind_naive(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a,
   return list;
 }
 
-// Whether the packed kernel's epilogue gives the bits the activation's backward kernel would
-// (graph::fuse_activation_grads promises the unfused graph's results): always for ReLU's mask and
-// a narrow C (element by element either way; the product rounded to C's type first). GELU over an
-// f32 C on a CPU device: the activation kernel takes 16 consecutive elements as one vector (PoCL's
-// vector exp differs from its scalar one in the last bit), so only an unsplit product whose rows
-// are whole vectors (N a multiple of 16) matches it; on other devices it runs element by element.
-bool dact_in_epilogue(OpEnv& env, const GemmShape& s, const GemmOptions& o) {
-  if (o.dact == Activation::relu || s.c != DType::f32) return true;
-  return env.device().is_cpu() && s.N % 16 == 0 && k_splits(s) == 1;
-}
-
 // The packed kernel alone takes NCHW planes, gathered rows and the ReLU epilogue.
 bool packed_features(const GemmPlan& p) {
   return p.backend == GemmBackend::ferry && p.config.kernel == GemmKernel::packed;
 }
-// ferry's packed and tiled kernels read and write f16/bf16 themselves; the others take f32 only.
+// ferry's packed and tiled kernels read and write f16/bf16 themselves and have the epilogues
+// (GemmOptions::relu, dact); the others take f32 only and have neither.
 bool native_dtypes(const GemmPlan& p) {
   return p.backend == GemmBackend::ferry &&
          (p.config.kernel == GemmKernel::packed || p.config.kernel == GemmKernel::tiled);
+}
+
+// Whether the kernel's epilogue gives the bits the activation's backward kernel would
+// (graph::fuse_activation_grads promises the unfused graph's results): always for ReLU's mask and
+// a narrow C (element by element either way; the product rounded to C's type first). GELU over an
+// f32 C: on a CPU device the activation kernel takes 16 consecutive elements as one vector (PoCL's
+// vector exp differs from its scalar one in the last bit), which the packed kernel matches only
+// unsplit with rows of whole vectors (N a multiple of 16); elsewhere it runs element by element,
+// as the tiled kernel's epilogue does.
+bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const GemmOptions& o) {
+  if (o.dact == Activation::relu || s.c != DType::f32) return true;
+  if (!env.device().is_cpu()) return p.config.kernel == GemmKernel::tiled;
+  return p.config.kernel == GemmKernel::packed && s.N % 16 == 0 && k_splits(s) == 1;
 }
 
 }  // namespace
@@ -452,7 +455,8 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     throw std::invalid_argument(fmt::format(
         "gemm {}x{}x{}: an activation's derivative (dact) does not combine with the ReLU or an NCHW C", s.M, s.N, s.K));
   }
-  if ((dact && !(packed_features(p) && dact_in_epilogue(env, s, options))) || (options.relu && !packed_features(p))) {
+  const bool epilogue = native_dtypes(p);
+  if ((dact && !(epilogue && dact_in_epilogue(env, p, s, options))) || (options.relu && !epilogue)) {
     // Kernels without the epilogue, and products whose epilogue would not give the activation
     // kernel's bits: the product, then the activation (or its backward) over C in place, as the
     // unfused ops would run it.
@@ -497,7 +501,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     case GemmKernel::packed:
       return bind_packed(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
-      return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, options.bias);
+      return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, options.bias, options);
     case GemmKernel::naive:
       return bind_naive(env, s, alpha, a, b, beta, c, options);
   }

@@ -64,14 +64,15 @@ struct GemmOptions {
   // general registers where a table entry per row needed 14 (and spilled).
   std::size_t a_gather_run = 0, a_gather_step = 0;
   // Optional: C = max(0, alpha op(A) op(B) + beta C + bias), a ReLU fused into the epilogue (a
-  // convolution's, a Linear's) of ferry's packed kernel; the other kernels run the ReLU over C
+  // convolution's, a Linear's) of ferry's packed and tiled kernels; the others run the ReLU over C
   // after the product.
   bool relu = false;
   // Optional: C = act'(z) * (alpha op(A) op(B) + beta C + bias), with z = dact_input stored like C
   // (its dtype and layout, every product of a batch) and act = dact: an activation's backward
   // fused into the product that makes its output gradient (the next Linear's dy w^T). ferry's
-  // packed kernel applies it in its epilogue; the other kernels run the activation's backward
-  // kernel over C after the product. Not with `relu` or the NCHW view of C.
+  // packed and tiled kernels apply it in their epilogues where that gives the activation kernel's
+  // bits; otherwise, and on the other kernels, the activation's backward kernel runs over C after
+  // the product. Not with `relu` or the NCHW view of C.
   DeviceSpan dact_input{};
   Activation dact = Activation::relu;
 };

@@ -21,7 +21,8 @@ std::size_t tiled_local_bytes(const GemmKernelConfig& c) {
 }
 
 LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
-                      DeviceSpan b, float beta, DeviceSpan c, DeviceSpan bias) {
+                      DeviceSpan b, float beta, DeviceSpan c, DeviceSpan bias, const GemmOptions& options) {
+  const bool dact = options.dact_input.buffer != nullptr;
   const std::size_t tsm = cfg.param("TSM"), tsn = cfg.param("TSN");
   const std::size_t rtsm = tsm / cfg.param("WPTM"), rtsn = tsn / cfg.param("WPTN");
   const cl::DeviceInfo& device = env.device();
@@ -31,8 +32,10 @@ LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cf
   }
   cl::Kernel k = env.kernels.kernel(
       "gemm_tiled", "gemm_tiled",
-      fmt::format("{} -DTRANS_A={} -DTRANS_B={} -DA_NAME={} -DB_NAME={} -DC_NAME={}", cfg.defines(), int(s.trans_a),
-                  int(s.trans_b), dtype_macro(s.a), dtype_macro(s.b), dtype_macro(s.c)));
+      fmt::format(
+          "{} -DTRANS_A={} -DTRANS_B={} -DA_NAME={} -DB_NAME={} -DC_NAME={} -DC_IS_F32={} -DC_RELU={} -DC_DACT={}",
+          cfg.defines(), int(s.trans_a), int(s.trans_b), dtype_macro(s.a), dtype_macro(s.b), dtype_macro(s.c),
+          int(s.c == DType::f32), int(options.relu), dact ? 1 + int(options.dact == Activation::gelu) : 0));
   if (rtsm * rtsn > kernel_group_limit(k, device)) {
     throw std::runtime_error(fmt::format("gemm {}: work-group {}x{} exceeds what the kernel can run with here ({})",
                                          cfg.text(), rtsn, rtsm, kernel_group_limit(k, device)));
@@ -41,7 +44,8 @@ LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cf
   cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a.elem_offset(dtype_bytes(s.a)),
                b.buffer, b.elem_offset(dtype_bytes(s.b)), beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
                has_bias ? bias.buffer : c.buffer, bias.elem_offset(), has_bias, cl_ulong(s.M * s.K),
-               cl_ulong(s.K * s.N), cl_ulong(s.M * s.N));
+               cl_ulong(s.K * s.N), cl_ulong(s.M * s.N), dact ? options.dact_input.buffer : c.buffer,
+               dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0});
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 3;

@@ -28,11 +28,17 @@ std::size_t count_class(const graph::Graph& g, ops::OpClass c) {
   return n;
 }
 
+std::size_t count_op(const graph::Graph& g, graph::OpId op) {
+  std::size_t n = 0;
+  for (graph::NodeId id = 0; id < g.nodes.size(); ++id) n += g.nodes.op[id] == op;
+  return n;
+}
+
 TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
-  const char* const names[] = {"fusion",         "mixed precision", "autodiff",      "recompute",
-                               "overflow guard", "accumulate",      "data parallel", "optimizer",
-                               "zero gather",    "predictor",       "int8 weights",  "download"};
+  const char* const names[] = {"fusion",         "mixed precision", "autodiff",      "backward fusion", "recompute",
+                               "overflow guard", "accumulate",      "data parallel", "optimizer",       "zero gather",
+                               "predictor",      "int8 weights",    "download"};
   ASSERT_EQ(passes.size(), std::size(names));
   for (std::size_t i = 0; i < passes.size(); ++i) EXPECT_STREQ(passes[i].name, names[i]) << "pass " << i;
 }
@@ -51,8 +57,10 @@ TEST(Pipeline, EachModelPassAlone) {
     throw std::logic_error(std::string("no pass ") + name);
   };
   std::size_t before = g.nodes.size();
-  pass("fusion")(g, train, adam);  // nothing to fuse in an MLP
-  EXPECT_EQ(g.nodes.size(), before);
+  pass("fusion")(g, train, adam);  // the hidden layer's ReLU into its Linear's epilogue
+  EXPECT_EQ(g.nodes.size(), before - 1);
+  EXPECT_EQ(count_op(g, graph::builtin::activation), 0u);
+  before = g.nodes.size();
   pass("mixed precision")(g, train, adam);  // nothing without a narrow precision
   EXPECT_EQ(g.nodes.size(), before);
 
@@ -64,6 +72,11 @@ TEST(Pipeline, EachModelPassAlone) {
       EXPECT_NE(g.tensors.grad[w], graph::no_tensor) << g.tensors.name[w];
     }
   }
+
+  before = g.nodes.size();
+  pass("backward fusion")(g, train, adam);  // the ReLU's mask into the head's input gradient
+  EXPECT_EQ(g.nodes.size(), before - 1);
+  EXPECT_EQ(count_op(g, graph::builtin::activation_grad), 0u);
 
   before = g.nodes.size();
   pass("recompute")(g, train, adam);  // nothing unless asked
@@ -113,16 +126,10 @@ TEST(Pipeline, EachModelPassAlone) {
     EXPECT_NE(g.tensors.home[g.nodes.outputs(n)[0]], graph::Home::device);
   }
 
-  // A forward-only key skips autodiff and the optimizer.
+  // A forward-only key skips autodiff and the optimizer (and fuses the ReLU).
   graph::Graph eval = graph::prepare_step_graph(mlp_forward(16), graph::VariantKey{16, false}, adam);
-  EXPECT_EQ(eval.nodes.size(), forward_nodes + 1);
+  EXPECT_EQ(eval.nodes.size(), forward_nodes - 1 + 1);
   EXPECT_EQ(count_class(eval, ops::OpClass::backward), 0u);
-}
-
-std::size_t count_op(const graph::Graph& g, graph::OpId op) {
-  std::size_t n = 0;
-  for (graph::NodeId id = 0; id < g.nodes.size(); ++id) n += g.nodes.op[id] == op;
-  return n;
 }
 
 // Each ReLU that only a max-pool reads joins that pool (MaxPool2dAttrs::relu, reading the ReLU's input);

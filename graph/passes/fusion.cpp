@@ -19,8 +19,8 @@
 // After autodiff, fuse_activation_grads: an activation's backward (activation_grad, dx = dy act'(z))
 // whose dy a Linear's input gradient alone makes (dy = dY w^T of the next layer) joins that GEMM's
 // epilogue (LinearGradInputAttrs): dx is written once, where the pair wrote dy, read it back with
-// z and wrote dx. The same expression on the same values: exact for ReLU's mask; GELU's slope is
-// the activation kernel's expression too, equal to f32 rounding.
+// z and wrote dx. Exact too: the GEMM's epilogue gives the activation kernel's bits, or leaves the
+// derivative to that kernel where it would not (ops::GemmOptions::dact).
 #include <vector>
 
 #include "ferry/ops/op_table.hpp"

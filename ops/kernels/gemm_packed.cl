@@ -21,7 +21,6 @@
 // (pointer arithmetic, vector loads); the narrow ones index whole elements, since pointer
 // arithmetic on half* needs cl_khr_fp16.
 #include "dtype.clh"
-#include "gelu.clh"
 #ifndef A_NAME
 #define A_NAME F32
 #define A_IS_F32 1
@@ -34,6 +33,8 @@
 #define C_NAME F32
 #define C_IS_F32 1
 #endif
+
+#include "gemm_epilogue.clh"  // C_RELU, C_DACT: after C's type is known
 
 #define NB (16 * NV)
 #ifndef PA
@@ -63,42 +64,6 @@
 #endif
 #ifndef C_PLANES
 #define C_PLANES 0  // > 0: C element (m, n) at ((m / C_PLANES) * N + n) * C_PLANES + m % C_PLANES
-#endif
-
-#ifndef C_RELU
-#define C_RELU 0  // 1: C = max(0, ...) after the bias (GemmOptions::relu; NaN -> 0 as a ReLU)
-#endif
-#if C_RELU
-#define RELU(v) ((v) > 0.0f ? (v) : 0.0f)
-#define RELU16(v) select((float16)(0.0f), (v), isgreater((v), (float16)(0.0f)))
-#else
-#define RELU(v) (v)
-#define RELU16(v) (v)
-#endif
-
-#ifndef C_DACT
-// 1 / 2: C multiplied by ReLU's / GELU's derivative at z, a tensor stored like C (GemmOptions::dact:
-// an activation's backward fused into the product that makes its output gradient). As
-// relu_backward and gelu_backward in activation.cl compute it.
-#define C_DACT 0
-#endif
-#if C_DACT == 1
-#define DACT(v, z) ((z) > 0.0f ? (v) : 0.0f)
-#define DACT16(v, z) select((float16)(0.0f), (v), isgreater((z), (float16)(0.0f)))
-#elif C_DACT == 2
-#define DACT(v, z) ((v) * gelu_slope(z))
-#define DACT16(v, z) ((v) * gelu_slope16(z))
-#else
-#define DACT(v, z) (v)
-#define DACT16(v, z) (v)
-#endif
-// A narrow C's value as the product alone stores it (rounded to C's type, then read back): the
-// derivative multiplies what the unfused pair's activation kernel would read, so fused and
-// unfused give the same bits.
-#if C_IS_F32
-#define AS_STORED(v, c, at) (v)
-#else
-#define AS_STORED(v, c, at) (STORE(C_NAME, (v), c, at), LOAD(C_NAME, c, at))
 #endif
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)

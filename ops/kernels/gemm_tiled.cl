@@ -19,7 +19,8 @@
 // TRANS_B, and the storage types A_NAME / B_NAME / C_NAME = F32 | F16 | BF16 (dtype.clh; F32 when
 // not given): narrow operands are widened as they are staged in local memory and C is rounded as
 // it is stored, so mixed precision needs no f32 copies. Offsets and strides are whole elements (no
-// pointer arithmetic on half*).
+// pointer arithmetic on half*). C_RELU and C_DACT select an epilogue (gemm_epilogue.clh) with
+// C_IS_F32 saying whether C is f32.
 #include "dtype.clh"
 #ifndef A_NAME
 #define A_NAME F32
@@ -29,7 +30,9 @@
 #endif
 #ifndef C_NAME
 #define C_NAME F32
+#define C_IS_F32 1
 #endif
+#include "gemm_epilogue.clh"
 #ifndef VW
 #define VW 1
 #endif
@@ -60,7 +63,8 @@
 __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
     uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
     __global const STORAGE(B_NAME)* b, ulong b_off, float beta, __global STORAGE(C_NAME)* c, ulong c_off,
-    __global const float* bias, ulong bias_off, uint has_bias, ulong a_batch, ulong b_batch, ulong c_batch) {
+    __global const float* bias, ulong bias_off, uint has_bias, ulong a_batch, ulong b_batch, ulong c_batch,
+    __global const STORAGE(C_NAME)* dz, ulong dz_off) {
   const uint tn = get_local_id(0);
   const uint tm = get_local_id(1);
   const uint tid = tm * RTSN + tn;
@@ -70,6 +74,7 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
   a_off += z * a_batch;
   b_off += z * b_batch;
   c_off += z * c_batch;
+  dz_off += z * c_batch;  // z of C_DACT, stored like C
 
   // Vector-typed so that the compute loop's reads are aligned vector loads; stored as floats.
   // One dimension each: tile `buf`, row kk starts at (buf * TSK + kk) * LDA floats.
@@ -166,7 +171,10 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
       float out = alpha * acc[i][j];
       if (beta != 0.0f) out = fma(beta, LOAD(C_NAME, c, at), out);  // beta = 0: C is not read (it may hold NaN)
       if (has_bias) out += bias[bias_off + col];
-      STORE(C_NAME, out, c, at);
+#if C_DACT
+      out = DACT(AS_STORED(out, c, at), LOAD(C_NAME, dz, dz_off + (ulong)row * N + col));
+#endif
+      STORE(C_NAME, RELU(out), c, at);
     }
   }
 }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "ferry/ops/activation.hpp"
+#include "ferry/ops/cast.hpp"
 #include "ops/attrs.hpp"
 #include "ops/bias.hpp"
 #include "ops/gemm.hpp"
@@ -131,7 +132,14 @@ OpInfo linear_grad_input_row() {  // in: dy w [z]  out: dx (times act'(z) with L
     const std::span<double> dx = c.real(c.outputs()[0]);
     ref::gemm<double>(linear_gemms(c.output(0), c.input(1)).grad_input, 1, c.real(in[0]), c.real(in[1]), 0, dx);
     if (const LinearGradInputAttrs at = LinearGradInputAttrs::of(c.attrs()); at.fused) {
-      const std::vector<double> product(dx.begin(), dx.end());
+      // The product as the unfused graph stores it (rounded to dx's type), then the derivative.
+      const DType t = c.output(0).dtype;
+      std::vector<double> product(dx.size());
+      for (std::size_t i = 0; i < dx.size(); ++i) {
+        std::uint32_t stored = 0;
+        ref::store_float(t, static_cast<float>(dx[i]), &stored, 0);
+        product[i] = ref::load_float(t, &stored, 0);
+      }
       ref::activation_backward<double>(at.act, c.real(in[2]), product, dx);
     }
   };

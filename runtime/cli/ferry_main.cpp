@@ -452,8 +452,9 @@ void add_phase_options(CLI::App* app, TrainArgs& t) {
                   "auto: none if the step fits the device budget, else the longest segments that fit)")
       ->capture_default_str();
   app->add_flag("--no-fuse", t.no_fuse,
-                "Keep every layer its own kernel (no ReLU fused into a max-pool or a convolution's epilogue); "
-                "results are bit-identical, only slower: for measuring what fusion buys");
+                "Keep every layer its own kernel (no ReLU fused into a max-pool or a convolution's or Linear's "
+                "epilogue, no residual add into a LayerNorm, no activation's backward into a GEMM); results are "
+                "bit-identical, only slower: for measuring what fusion buys");
   app->add_option("--precision", t.precision,
                   "Mixed precision: fp32 (none), bf16 or fp16 layers over fp32 master weights (docs/phases.md)")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}))
