@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -35,6 +36,20 @@ void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, Ten
   g.emit(grad_param, ".grad_param", ins, std::span(outs, has_bias ? 2 : 1), g.attrs());
   g.contribute(w, dw);
   if (has_bias) g.contribute(in[2], db);
+}
+
+void relu_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, bool relu) {
+  if (!relu) {
+    weight_layer_backward(g, grad_input, grad_param);
+    return;
+  }
+  const TensorRef y = g.outputs()[0], dy = g.grad(y);
+  if (dy == no_ref) return;
+  const TensorRef dz = g.new_grad(y);
+  const TensorRef ins[] = {y, dy};
+  const TensorRef outs[] = {dz};
+  g.emit(builtin::activation_grad, ".relu_grad", ins, outs, ActivationAttrs{Activation::relu}.pack());
+  weight_layer_backward(g, grad_input, grad_param, dz);
 }
 
 void unary_backward(GradContext& g, OpId grad_op, TensorRef saved, const NodeAttrs& attrs) {

@@ -82,19 +82,7 @@ OpInfo conv2d_row() {  // in: x w [b]  out: y
     return conv2d_forward(c.env(), s, c.in(0), c.in(1), bias, c.out(0), c.scratch());
   };
   r.backward = [](GradContext& g) {
-    if (!Conv2dAttrs::of(g.attrs()).relu) {
-      weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param);
-      return;
-    }
-    // The fused ReLU first: dz = dy where y > 0 (y > 0 exactly where conv + bias > 0), then the
-    // convolution's gradients of dz.
-    const TensorRef y = g.outputs()[0], dy = g.grad(y);
-    if (dy == no_ref) return;
-    const TensorRef dz = g.new_grad(y);
-    const TensorRef ins[] = {y, dy};
-    const TensorRef outs[] = {dz};
-    g.emit(builtin::activation_grad, ".relu_grad", ins, outs, ActivationAttrs{Activation::relu}.pack());
-    weight_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param, dz);
+    relu_layer_backward(g, builtin::conv2d_grad_input, builtin::conv2d_grad_param, Conv2dAttrs::of(g.attrs()).relu);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();

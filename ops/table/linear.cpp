@@ -78,19 +78,7 @@ OpInfo linear_row() {
                 c.scratch(), opt);
   };
   r.backward = [](GradContext& g) {
-    if (!relu_fused(g.attrs())) {
-      weight_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param);
-      return;
-    }
-    // The fused ReLU first: dz = dy where y > 0 (exactly where x w + b > 0), then the Linear's
-    // gradients of dz.
-    const TensorRef y = g.outputs()[0], dy = g.grad(y);
-    if (dy == no_ref) return;
-    const TensorRef dz = g.new_grad(y);
-    const TensorRef ins[] = {y, dy};
-    const TensorRef outs[] = {dz};
-    g.emit(builtin::activation_grad, ".relu_grad", ins, outs, ActivationAttrs{Activation::relu}.pack());
-    weight_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param, dz);
+    relu_layer_backward(g, builtin::linear_grad_input, builtin::linear_grad_param, relu_fused(g.attrs()));
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();

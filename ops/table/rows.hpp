@@ -72,6 +72,10 @@ void copy_reference(RefContext& c);
 // x needs a gradient, and `grad_param` (x, dy) -> dw [db]; dy is the output's gradient unless given
 // (a fused epilogue's rule passes its masked one).
 void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, TensorRef dy = no_ref);
+// The same for a layer with a ReLU fused into its epilogue when `relu` (the fusion pass's conv2d and
+// linear): first the mask dz = dy where y > 0 (exactly where the layer's pre-activation is), as
+// an activation_grad node named ".relu_grad", then the layer's gradients of dz.
+void relu_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, bool relu);
 // The backward rule of a one-input op y = f(x): when dy flows and x needs a gradient, one node of
 // `grad_op` takes (saved, dy), or (dy) alone when `saved` is no_ref, and gives dx; its attributes
 // are the forward node's unless given.
