@@ -91,7 +91,7 @@ OpInfo linear_row() {
   return r;
 }
 
-OpInfo linear_grad_input_row() {  // in: dy w [z]  out: dx (times act'(z) with LinearGradInputAttrs::dact)
+OpInfo linear_grad_input_row() {  // in: dy w [z]  out: dx (times act'(z) when LinearGradInputAttrs::fused)
   OpInfo r;
   r.name = "linear_grad_input";
   r.op_class = OpClass::backward;
