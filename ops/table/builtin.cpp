@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 
+#include "ferry/ops/cast.hpp"
 #include "ops/attrs.hpp"
 #include "rows.hpp"
 
@@ -36,6 +37,12 @@ void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, Ten
   g.emit(grad_param, ".grad_param", ins, std::span(outs, has_bias ? 2 : 1), g.attrs());
   g.contribute(w, dw);
   if (has_bias) g.contribute(in[2], db);
+}
+
+double through_storage(DType t, double v) {
+  std::uint32_t storage = 0;
+  ref::store_float(t, static_cast<float>(v), &storage, 0);
+  return ref::load_float(t, &storage, 0);
 }
 
 void relu_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, bool relu) {

@@ -16,13 +16,6 @@ CastScale scale_of(const NodeAttrs& a) {
   return CastAttrs::of(a).scale;
 }
 
-// Double values through a float store of dtype t and back: what the device's cast keeps.
-double through(DType t, double v) {
-  std::uint32_t storage = 0;
-  ref::store_float(t, static_cast<float>(v), &storage, 0);
-  return ref::load_float(t, &storage, 0);
-}
-
 OpInfo cast_row() {  // in: x  out: y
   OpInfo r;
   r.name = "cast";
@@ -74,7 +67,7 @@ OpInfo cast_row() {  // in: x  out: y
     const double factor = cast_factor(scale_of(c.attrs()), c.step());
     auto x = c.real(c.inputs()[0]);
     auto y = c.real(c.outputs()[0]);
-    for (std::size_t i = 0; i < x.size(); ++i) y[i] = through(to, x[i] * factor);
+    for (std::size_t i = 0; i < x.size(); ++i) y[i] = through_storage(to, x[i] * factor);
   };
   return r;
 }

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include "ferry/ops/activation.hpp"
-#include "ferry/ops/cast.hpp"
 #include "ops/attrs.hpp"
 #include "ops/bias.hpp"
 #include "ops/gemm.hpp"
@@ -123,11 +122,7 @@ OpInfo linear_grad_input_row() {  // in: dy w [z]  out: dx (times act'(z) when L
       // The product as the unfused graph stores it (rounded to dx's type), then the derivative.
       const DType t = c.output(0).dtype;
       std::vector<double> product(dx.size());
-      for (std::size_t i = 0; i < dx.size(); ++i) {
-        std::uint32_t stored = 0;
-        ref::store_float(t, static_cast<float>(dx[i]), &stored, 0);
-        product[i] = ref::load_float(t, &stored, 0);
-      }
+      for (std::size_t i = 0; i < dx.size(); ++i) product[i] = through_storage(t, dx[i]);
       ref::activation_backward<double>(at.act, c.real(in[2]), product, dx);
     }
   };

@@ -76,6 +76,8 @@ void weight_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, Ten
 // linear): first the mask dz = dy where y > 0 (exactly where the layer's pre-activation is), as
 // an activation_grad node named ".relu_grad", then the layer's gradients of dz.
 void relu_layer_backward(GradContext& g, OpId grad_input, OpId grad_param, bool relu);
+// A double value through a float store of dtype t and back: what a device tensor of type t keeps.
+double through_storage(DType t, double v);
 // The backward rule of a one-input op y = f(x): when dy flows and x needs a gradient, one node of
 // `grad_op` takes (saved, dy), or (dy) alone when `saved` is no_ref, and gives dx; its attributes
 // are the forward node's unless given.
