@@ -17,9 +17,9 @@ std::string conv2d_defines(const Conv2dShape& s, std::optional<DType> t = std::n
 // ops/kernels/conv2d_winograd.cl).
 namespace winograd {
 
-// Whether the conv2d passes run `s` this way: CPU devices (where the GEMM reads NCHW planes) whose
-// GEMM tuning row holds a 6 x 4 float16 block (AVX-512 class), stride 1, a square 3x3 or 5x5
-// kernel, at least 16 input and output channels. FERRY_CONV_WINOGRAD=0 turns it off (for
+// Whether the conv2d passes run `s` this way: CPU devices (where the GEMM is ferry's packed
+// kernel, which reads NCHW planes, and its tuning row gives the register block), stride 1, a
+// square 3x3 or 5x5 kernel, at least 16 input and output channels. FERRY_CONV_WINOGRAD=0 turns it off (for
 // comparisons); any value but 0, 1 or auto is an error.
 bool applies(OpEnv& env, const Conv2dShape& s);
 // "winograd F(2x2,5x5)" for a shape it applies to; its weight gradient "winograd F(5x5,2x2)" (the
@@ -28,7 +28,7 @@ std::string name(const Conv2dShape& s);
 std::string weights_name(const Conv2dShape& s);
 // Scratch in floats of forward() (the channels-last padded input and the filter transform) and of
 // backward_weights() (the padded input and dy, and the partial sums).
-std::size_t forward_scratch_elems(const Conv2dShape& s);
+std::size_t forward_scratch_elems(OpEnv& env, const Conv2dShape& s);
 std::size_t weights_scratch_elems(OpEnv& env, const Conv2dShape& s);
 // y = conv(x, w) + bias (ReLU'd with s.relu): pad, filter transform, products.
 LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,

@@ -4,7 +4,9 @@
 // Tile size: alpha = m + r - 1 = 6 for both kernel sizes, F(2x2, 5x5) and F(4x4, 3x3): 36
 // products per tile and channel pair, 2.8x and 4x fewer multiply-adds than the direct sum, with
 // transforms whose entries stay small (points 0, +-1, +-2). The work-item's register block is
-// TB tiles x NVK float16 of output channels, TB * NVK = 24 accumulators as in the packed GEMM.
+// TB tiles x NVK float16 of output channels, TB * NVK accumulators as in the packed GEMM's block
+// of the device's tuning row (24 on AVX-512, 6 on AVX2); a work-item may take several such blocks
+// of output channels, one after another over the same transformed windows.
 // The weight gradient runs on the same tiles: partial sums of the 36 products per chunk of tiles
 // (4 x NVK float16 accumulators over 8 tiles at a time), then one pass adds the chunks in order
 // and applies the output transform.
@@ -97,7 +99,6 @@ namespace winograd {
 namespace {
 
 constexpr std::size_t kAlpha = 6;
-constexpr std::size_t kAccumulators = 24;  // at most TB * NVK float16 accumulators per work-item
 // At most 6 tiles per work-item: with 12 (for 32 output channels) the tiles' transforms (36 x TB x 32
 // floats) left the L1 cache and the kernel was no faster (`ferry-bench conv --breakdown`).
 constexpr std::size_t kMaxTiles = 6;
@@ -105,6 +106,10 @@ constexpr std::size_t kMaxTiles = 6;
 // of 64 channels ran the CNN's data gradient (64 -> 32 channels) in 3.5 ms where two of 32 took
 // 4.0-4.4 (its transforms, 36 x 6 x 64 floats, then outgrow the L1 cache, but the fold costs more).
 constexpr std::size_t kMaxPassChannels = 64;
+// Floats of output sums a forward work-item keeps (16 KiB): with a narrow register block (AVX2's
+// one float16 of channels) a work-item takes several blocks of channels, so that each tile's
+// window is transformed once, not once per block: the CNN's conv2 forward 14.4 -> 10 ms on AVX2.
+constexpr std::size_t kOutputSumElems = 4096;
 constexpr std::size_t kAlignElems = 16;
 
 // Tiles of the weight gradient per group (its transforms, 36 x TB x (CC + KB) floats, in private
@@ -117,6 +122,21 @@ constexpr std::size_t kWeightChunksPerUnit = 4;
 // blocks instead.
 constexpr std::size_t kPartialBudgetElems = std::size_t{4} << 20;
 
+// The work-item's register block, the packed GEMM's as the device's tuning row gives it (RB rows
+// x NV float16): the products' accumulators, TB tiles x NVK float16 of output channels, number
+// RB x NV (24 on AVX-512 rows, 6 on AVX2 ones, whose 16 vector registers hold 12 half-float16s
+// and their operands), and NVK is at most NV.
+struct RegisterBlock {
+  std::size_t accumulators = 0, max_nvk = 0;
+};
+
+RegisterBlock register_block(OpEnv& env) {
+  const GemmTuningRow row = gemm_tuning_for(env);
+  if (row.config.kernel != GemmKernel::packed) return {};
+  const auto nv = static_cast<std::size_t>(row.config.param("NV"));
+  return {static_cast<std::size_t>(row.config.param("RB")) * nv, nv};
+}
+
 // One program's geometry. Forward: WINO_M = m outputs per tile side, WINO_R = R, the tile step m.
 // Weight gradient: WINO_M = R (the taps it computes), WINO_R = m (the dy block), the same tiles.
 struct Plan {
@@ -125,6 +145,7 @@ struct Plan {
   std::size_t CC = 0, CP = 0;                              // input channels per pass (or block), padded count
   std::size_t NVK = 0, KB = 0, KP = 0;                     // float16 of output channels, their count, padded K
   std::size_t TB = 0, tiles = 0, blocks = 0;               // tiles per work-item (or group), in all, work-items
+  std::size_t KBLOCKS = 1;                                 // forward: blocks of KB output channels per work-item
   std::size_t chunks = 0, tiles_per_chunk = 0;             // weight gradient: tile chunks, tiles in each
   std::size_t DTH = 0, DTW = 0;                            // weight gradient: rows and columns of dy channels-last
   std::size_t xt_elems = 0, u_offset = 0, u_elems = 0;     // forward: xt, then U
@@ -141,29 +162,38 @@ void check_limits(const Plan& p, std::size_t largest) {
 }
 
 // Tiles and the padded input, common to both directions.
-Plan tiles(const Conv2dShape& s, std::size_t step) {
+Plan tiles(const Conv2dShape& s, const RegisterBlock& block, std::size_t step) {
   Plan p;
   p.step = step;
   p.TR = (s.P() + step - 1) / step;
   p.TQ = (s.Q() + step - 1) / step;
   p.HT = p.TR * step + s.R - 1;
   p.WT = p.TQ * step + s.R - 1;
-  p.NVK = std::min<std::size_t>(4, (s.K + 15) / 16);
+  p.NVK = std::min(block.max_nvk, (s.K + 15) / 16);
   p.KB = 16 * p.NVK;
   p.KP = round_up(s.K, p.KB);
   p.tiles = s.N * p.TR * p.TQ;
   return p;
 }
 
-Plan plan(const Conv2dShape& s) {
-  Plan p = tiles(s, kAlpha + 1 - s.R);
+Plan plan(OpEnv& env, const Conv2dShape& s) {
+  const RegisterBlock block = register_block(env);
+  Plan p = tiles(s, block, kAlpha + 1 - s.R);
   p.m = p.step;
   p.r = s.R;
   const std::size_t passes = (s.C + kMaxPassChannels - 1) / kMaxPassChannels;
   p.CC = round_up((s.C + passes - 1) / passes, 16);
   p.CP = p.CC * passes;
-  p.TB = std::clamp<std::size_t>(std::min(kMaxTiles, kAccumulators / p.NVK), 1, p.tiles);
+  p.TB = std::clamp<std::size_t>(std::min(kMaxTiles, block.accumulators / p.NVK), 1, p.tiles);
   p.blocks = (p.tiles + p.TB - 1) / p.TB;
+  // As many blocks of output channels per work-item as divide KP / KB and keep its outputs' sums
+  // (TB x m^2 x KB floats a block) within kOutputSumElems.
+  for (std::size_t d = p.KP / p.KB; d > 1; --d) {
+    if ((p.KP / p.KB) % d == 0 && p.TB * p.m * p.m * p.KB * d <= kOutputSumElems) {
+      p.KBLOCKS = d;
+      break;
+    }
+  }
   p.xt_elems = s.N * p.HT * p.WT * p.CP;
   p.u_offset = round_up(p.xt_elems, kAlignElems);
   p.u_elems = kAlpha * kAlpha * p.CP * p.KP;
@@ -173,7 +203,7 @@ Plan plan(const Conv2dShape& s) {
 }
 
 Plan weights_plan(OpEnv& env, const Conv2dShape& s) {
-  Plan p = tiles(s, kAlpha + 1 - s.R);
+  Plan p = tiles(s, register_block(env), kAlpha + 1 - s.R);
   p.m = s.R;
   p.r = p.step;
   p.CC = s.C > 16 ? 32 : 16;
@@ -186,6 +216,16 @@ Plan weights_plan(OpEnv& env, const Conv2dShape& s) {
       groups);
   p.tiles_per_chunk = (groups + p.chunks - 1) / p.chunks * p.TB;
   p.chunks = (p.tiles + p.tiles_per_chunk - 1) / p.tiles_per_chunk;
+  // Blocks of output channels per work-item (each tile's window transformed once for all of
+  // them) while the work-items still number kWeightChunksPerUnit per compute unit: the CNN's conv2
+  // on AVX2 (one float16 of channels a block) 15.8-20.6 -> 13.6-14.9 ms with all four in one.
+  const std::size_t kblocks = p.KP / p.KB, wanted = kWeightChunksPerUnit * env.device().compute_units;
+  for (std::size_t d = kblocks; d > 1; --d) {
+    if (kblocks % d == 0 && p.chunks * (kblocks / d) * (p.CP / p.CC) >= wanted) {
+      p.KBLOCKS = d;
+      break;
+    }
+  }
   p.xt_elems = s.N * p.HT * p.WT * p.CP;
   p.DTH = p.TR * p.step;
   p.DTW = p.TQ * p.step;
@@ -209,9 +249,9 @@ std::string defines(const Conv2dShape& s, const Plan& p, DType t) {
   const WinogradTransform w = winograd_transform(p.m, p.r);
   std::string d = fmt::format(
       "{} -DWINO_M={} -DWINO_R={} -DWINO_A={} -DWINO_AT={} -DWINO_BT={} -DWINO_G={} -DWINO_TR={} -DWINO_TQ={} "
-      "-DWINO_HT={} -DWINO_WT={} -DWINO_CP={} -DWINO_KP={} -DWINO_CC={} -DWINO_TB={} -DWINO_NVK={}",
+      "-DWINO_HT={} -DWINO_WT={} -DWINO_CP={} -DWINO_KP={} -DWINO_CC={} -DWINO_TB={} -DWINO_NVK={} -DWINO_KBLOCKS={}",
       conv2d_defines(s, t), p.m, p.r, kAlpha, initializer(w.AT), initializer(w.BT), initializer(w.G), p.TR, p.TQ, p.HT,
-      p.WT, p.CP, p.KP, p.CC, p.TB, p.NVK);
+      p.WT, p.CP, p.KP, p.CC, p.TB, p.NVK, p.KBLOCKS);
   if (p.chunks != 0) d += fmt::format(" -DWINO_WEIGHTS -DWINO_DT_H={} -DWINO_DT_W={}", p.DTH, p.DTW);
   return d;
 }
@@ -245,20 +285,11 @@ bool enabled_by_env() {
   throw std::runtime_error(fmt::format("FERRY_CONV_WINOGRAD='{}': expected 0 (off), 1 or auto", s));
 }
 
-// The kernels keep up to 24 float16 accumulators, as the packed GEMM's 6 x 4 block does: a
-// device whose GEMM tuning row holds that block (NV >= 4: AVX-512 class CPUs, and the row
-// tests/oclgrind forces) runs Winograd. The AVX2 row (NV = 1) would spill it; those devices keep
-// the implicit GEMM until Winograd is measured and given a block of their own there.
-bool holds_register_block(OpEnv& env) {
-  const GemmTuningRow row = gemm_tuning_for(env);
-  return row.config.kernel == GemmKernel::packed && row.config.param("NV") >= 4;
-}
-
 }  // namespace
 
 bool applies(OpEnv& env, const Conv2dShape& s) {
   return s.stride == 1 && s.R == s.S && (s.R == 3 || s.R == 5) && s.C >= 16 && s.K >= 16 && enabled_by_env() &&
-         gemm_takes_planes(env) && holds_register_block(env);
+         gemm_takes_planes(env) && register_block(env).accumulators != 0;
 }
 
 std::string name(const Conv2dShape& s) {
@@ -271,8 +302,8 @@ std::string weights_name(const Conv2dShape& s) {
   return fmt::format("winograd F({}x{},{}x{})", s.R, s.R, m, m);
 }
 
-std::size_t forward_scratch_elems(const Conv2dShape& s) {
-  return plan(s).total;
+std::size_t forward_scratch_elems(OpEnv& env, const Conv2dShape& s) {
+  return plan(env, s).total;
 }
 
 std::size_t weights_scratch_elems(OpEnv& env, const Conv2dShape& s) {
@@ -281,7 +312,7 @@ std::size_t weights_scratch_elems(OpEnv& env, const Conv2dShape& s) {
 
 LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w, DeviceSpan bias, DeviceSpan y,
                    DeviceSpan scratch) {
-  const Plan p = plan(s);
+  const Plan p = plan(env, s);
   const DeviceSpan xt = at(scratch, 0), u = at(scratch, p.u_offset);
   LaunchList list;
 
@@ -306,7 +337,7 @@ LaunchList forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, DeviceSpan w,
   KernelLaunch lk;
   lk.kernel = std::move(k);
   lk.dims = 2;
-  lk.global = {p.blocks, p.KP / p.KB, 1};
+  lk.global = {p.blocks, p.KP / (p.KB * p.KBLOCKS), 1};
   lk.local = {1, 1, 1};
   list.push_back(std::move(lk));
   return list;
@@ -329,7 +360,7 @@ LaunchList backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Devi
   KernelLaunch lk;
   lk.kernel = std::move(k);
   lk.dims = 3;
-  lk.global = {p.chunks, p.KP / p.KB, p.CP / p.CC};
+  lk.global = {p.chunks, p.KP / (p.KB * p.KBLOCKS), p.CP / p.CC};
   lk.local = {1, 1, 1};
   list.push_back(std::move(lk));
 

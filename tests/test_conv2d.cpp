@@ -161,6 +161,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // Two passes of input channels forward; two blocks of 64 output channels in the
                       // data gradient.
                       ConvCase{"winograd_k3_c70_two_passes", shape(1, 70, 6, 6, 16, 3, 3, 1, 1)},
+                      // Two blocks of 16 output channels per work-item with the AVX2 row's block,
+                      // small enough for Oclgrind.
+                      ConvCase{"winograd_k5_k32_small", shape(1, 16, 5, 5, 32, 5, 5, 2, 1)},
                       ConvCase{"cnn_layer1_two_groups", shape(128, 1, 28, 28, 32, 5, 5, 2, 1)},
                       ConvCase{"cnn_layer2", shape(64, 32, 14, 14, 64, 5, 5, 2, 1)}),
     [](const auto& info) { return info.param.name; });
@@ -196,12 +199,12 @@ std::string wide_gemm_kernel(ops::OpEnv& env) {
   return ops::gemm_kernel_description(env, g);
 }
 
-// Whether that kernel holds Winograd's register block: ferry's packed kernel with NV >= 4 (24
-// float16 accumulators; the AVX-512 rows of ops/tuning/gemm.tsv). The AVX2 row (NV = 1) does not.
-bool holds_winograd_block(const std::string& kernel) {
-  if (kernel.rfind("ferry packed ", 0) != 0) return false;
+// The register block of that kernel's row in float16 per row (NV): 4 on the AVX-512 rows of
+// ops/tuning/gemm.tsv, 1 on the AVX2 one; 0 for kernels other than ferry's packed one.
+int packed_block_width(const std::string& kernel) {
+  if (kernel.rfind("ferry packed ", 0) != 0) return 0;
   const std::size_t at = kernel.find(" NV=");
-  return at != std::string::npos && std::stoi(kernel.substr(at + 4)) >= 4;
+  return at == std::string::npos ? 0 : std::stoi(kernel.substr(at + 4));
 }
 
 // The three algorithms the CNN's second layer (C = 32, 5x5, stride 1) gets: Winograd, the
@@ -235,19 +238,19 @@ void expect_cnn_layer2_path(ops::OpEnv& env, ConvPath path) {
 
 // Which algorithm runs where, and the GEMM path of shapes that take Winograd by default
 // (FERRY_CONV_WINOGRAD=0), so both stay covered on CPU devices. Winograd runs on the devices whose
-// GEMM takes NCHW planes (ferry's packed kernel) and whose tuning row holds its register block
-// (AVX-512 CPUs); an AVX2 CPU (PoCL's pthread-haswell, the NV = 1 row) keeps the implicit GEMM.
-// Both rows are also forced through FERRY_GEMM_TUNING, so each decision is checked on every CPU
-// device whichever row it really gets.
+// GEMM takes NCHW planes (ferry's packed kernel), with the register block of their tuning row: 6 x
+// 4 float16 on AVX-512 CPUs, 6 x 1 on AVX2 ones (PoCL's pthread-haswell), where a work-item then
+// takes several blocks of output channels. Both rows are also forced through FERRY_GEMM_TUNING, and
+// the one this device does not get runs a Winograd shape against the reference, so both blocks are
+// checked on every CPU device whichever row it really gets.
 TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
   auto& env = TestDevice::get().env;
   const bool planes = ops::gemm_takes_planes(env);
   const std::string kernel = wide_gemm_kernel(env);
-  const bool winograd_here = planes && holds_winograd_block(kernel);
   SCOPED_TRACE("device '" + TestDevice::get().context.device().name + "', GEMM " + kernel +
-               (winograd_here ? ": Winograd expected" : ": no Winograd expected"));
+               (planes ? ": Winograd expected" : ": no Winograd expected"));
   const ConvPath gemm_path = planes ? ConvPath::planes : ConvPath::columns;
-  expect_cnn_layer2_path(env, winograd_here ? ConvPath::winograd : gemm_path);
+  expect_cnn_layer2_path(env, planes ? ConvPath::winograd : gemm_path);
   // Too few channels, stride 2, 7x7: not Winograd.
   for (const auto& other : {shape(4, 8, 14, 14, 64, 5, 5, 2, 1), shape(4, 32, 14, 14, 64, 5, 5, 2, 2),
                             shape(4, 32, 14, 14, 64, 7, 7, 3, 1)}) {
@@ -255,30 +258,26 @@ TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
   }
 
   if (planes) {
-    // A GEMM row whose register block is one float16 wide (the AVX2 row) keeps the implicit GEMM.
-    {
-      ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file("avx2", "RB=6 NV=1"));
-      SCOPED_TRACE("forced row packed RB=6 NV=1");
-      ASSERT_FALSE(holds_winograd_block(wide_gemm_kernel(env))) << wide_gemm_kernel(env);
+    // Each row runs Winograd on any CPU device. One shape (5x5, partial tiles, channels past a block
+    // of 16 so that the AVX2 block takes two blocks of output channels, bias) runs against the
+    // reference with the row this device does not get; the Conv2dTest cases named winograd_* run
+    // its own. (One shape only: each is about ten program builds, 15-20 s on a 2-core PoCL machine.)
+    const int own_width = packed_block_width(kernel);
+    for (const char* params : {"RB=6 NV=1", "RB=6 NV=4"}) {
+      ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file(params[8] == '1' ? "avx2" : "avx512", params));
+      SCOPED_TRACE(std::string("forced row packed ") + params);
+      const int width = packed_block_width(wide_gemm_kernel(env));
+      ASSERT_EQ(width, params[8] - '0') << wide_gemm_kernel(env);
+      expect_cnn_layer2_path(env, ConvPath::winograd);
+      const ConvCase forced{"forced_winograd_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)};
+      if (width != own_width && !too_large_for_this_run(conv_work(forced.shape))) {
+        SCOPED_TRACE(forced.name);
+        ASSERT_EQ(ops::conv2d_algorithms(env, forced.shape).forward, "winograd F(2x2,5x5)");
+        check_against_reference(forced);
+      }
+      ScopedEnv off("FERRY_CONV_WINOGRAD", "0");
       expect_cnn_layer2_path(env, ConvPath::planes);
     }
-    // The AVX-512 row runs Winograd on any CPU device, and FERRY_CONV_WINOGRAD=0 turns it off
-    // there. Where this device's own row is not that one, one Winograd shape (5x5, partial tiles,
-    // channels past a block of 16, bias) runs here against the reference, so the kernels are
-    // checked on this device too; elsewhere the Conv2dTest cases named winograd_* run them. (One
-    // shape only: each is about ten program builds, 15-20 s on a 2-core PoCL machine.)
-    ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file("avx512", "RB=6 NV=4"));
-    SCOPED_TRACE("forced row packed RB=6 NV=4");
-    ASSERT_TRUE(holds_winograd_block(wide_gemm_kernel(env))) << wide_gemm_kernel(env);
-    expect_cnn_layer2_path(env, ConvPath::winograd);
-    const ConvCase forced{"forced_winograd_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)};
-    if (!winograd_here && !too_large_for_this_run(conv_work(forced.shape))) {
-      SCOPED_TRACE(forced.name);
-      ASSERT_EQ(ops::conv2d_algorithms(env, forced.shape).forward, "winograd F(2x2,5x5)");
-      check_against_reference(forced);
-    }
-    ScopedEnv off("FERRY_CONV_WINOGRAD", "0");
-    expect_cnn_layer2_path(env, ConvPath::planes);
   }
 
   {

@@ -17,7 +17,8 @@
 //   WINO_TR, WINO_TQ          tiles per output column and row (ceil(P/m), ceil(Q/m))
 //   WINO_HT, WINO_WT          rows and columns of xt (TR*m + r - 1, TQ*m + r - 1)
 //   WINO_CP, WINO_KP          padded channel counts; WINO_CC channels per pass (a multiple of 16)
-//   WINO_TB, WINO_NVK         tiles per work-item, and float16 of output channels per work-item
+//   WINO_TB, WINO_NVK         tiles per work-item, and float16 of output channels per register block
+//   WINO_KBLOCKS              register blocks of output channels per work-item (forward; 1 if not given)
 // (the weight gradient's program adds WINO_WEIGHTS, WINO_DT_H and WINO_DT_W).
 #include "dtype.clh"
 
@@ -146,21 +147,27 @@ inline void transform_input(__global const float* d, __private float* v, uint t)
 }
 
 // One work-item: WINO_TB consecutive tiles of the batch (n, tile row, tile column, flattened) x
-// WINO_KB output channels. Per pass of WINO_CC channels: transform the tiles' windows into V
-// (private, the pass's only copy), then for each xi the product V[xi] (TB x CC) U[xi] (CC x KB) in
-// TB x NVK float16 accumulators, folded at once into the tiles' outputs through A^T (.) A (the
-// output transform is linear, so the products of every pass add up there).
-// Global (ceil(N*TR*TQ / TB), KP / KB); local size 1.
+// WINO_KBLOCKS blocks of WINO_KB output channels. Per pass of WINO_CC channels: transform the
+// tiles' windows into V (private, the pass's only copy, made once for all the blocks), then for
+// each xi and block the product V[xi] (TB x CC) U[xi] (CC x KB) in TB x NVK float16 accumulators,
+// folded at once into the tiles' outputs through A^T (.) A (the output transform is linear, so the
+// products of every pass add up there). Blocks per work-item keep a narrow register block (AVX2:
+// one float16 of channels) from transforming each window once per block.
+// Global (ceil(N*TR*TQ / TB), KP / (KB * KBLOCKS)); local size 1.
+#ifndef WINO_KBLOCKS
+#define WINO_KBLOCKS 1
+#endif
+#define WINO_NVO (WINO_NVK * WINO_KBLOCKS)
 __kernel void winograd_forward(__global const float* xt, ulong xt_off, __global const float* u, ulong u_off,
                                __global const float* bias, ulong bias_off, uint has_bias, __global T_STORAGE* y,
                                ulong y_off, uint n_tiles) {
-  const uint tile0 = get_global_id(0) * WINO_TB, kc = get_global_id(1);
+  const uint tile0 = get_global_id(0) * WINO_TB, kc0 = get_global_id(1) * WINO_KBLOCKS;
   if (tile0 >= n_tiles) return;
   float v[WINO_AA * WINO_TB * WINO_CC];
-  float16 out[WINO_TB][WINO_MM][WINO_NVK];
+  float16 out[WINO_TB][WINO_MM][WINO_NVO];
   for (uint t = 0; t < WINO_TB; ++t)
     for (uint o = 0; o < WINO_MM; ++o)
-      for (uint q = 0; q < WINO_NVK; ++q) out[t][o][q] = 0.0f;
+      for (uint q = 0; q < WINO_NVO; ++q) out[t][o][q] = 0.0f;
 
   for (uint c0 = 0; c0 < WINO_CP; c0 += WINO_CC) {
     for (uint t = 0; t < WINO_TB; ++t) {
@@ -173,38 +180,41 @@ __kernel void winograd_forward(__global const float* xt, ulong xt_off, __global 
       for (uint cv = 0; cv < WINO_CC; cv += 16) transform_input(d + cv, v + cv, t);
     }
     for (uint xi = 0; xi < WINO_AA; ++xi) {
-      float16 acc[WINO_TB][WINO_NVK];
-#pragma unroll
-      for (uint t = 0; t < WINO_TB; ++t)
-#pragma unroll
-        for (uint q = 0; q < WINO_NVK; ++q) acc[t][q] = 0.0f;
-      __global const float* uc = u + u_off + ((ulong)xi * WINO_CP + c0) * WINO_KP + kc * WINO_KB;
       const __private float* vx = v + xi * WINO_TB * WINO_CC;
-      for (uint c = 0; c < WINO_CC; ++c) {
-        float16 uv[WINO_NVK];
-#pragma unroll
-        for (uint q = 0; q < WINO_NVK; ++q) uv[q] = vload16(q, uc + c * WINO_KP);
-#pragma unroll
-        for (uint t = 0; t < WINO_TB; ++t) {
-          const float16 vt = (float16)(vx[t * WINO_CC + c]);
-#pragma unroll
-          for (uint q = 0; q < WINO_NVK; ++q) acc[t][q] = fma(vt, uv[q], acc[t][q]);
-        }
-      }
       const uint a = xi / WINO_A, b = xi - a * WINO_A;
+      for (uint kb = 0; kb < WINO_KBLOCKS; ++kb) {
+        float16 acc[WINO_TB][WINO_NVK];
 #pragma unroll
-      for (uint i = 0; i < WINO_M; ++i)
+        for (uint t = 0; t < WINO_TB; ++t)
 #pragma unroll
-        for (uint j = 0; j < WINO_M; ++j) {
-          const float coef = kAT[i * WINO_A + a] * kAT[j * WINO_A + b];
-          if (coef != 0.0f) {
+          for (uint q = 0; q < WINO_NVK; ++q) acc[t][q] = 0.0f;
+        __global const float* uc = u + u_off + ((ulong)xi * WINO_CP + c0) * WINO_KP + (kc0 + kb) * WINO_KB;
+        for (uint c = 0; c < WINO_CC; ++c) {
+          float16 uv[WINO_NVK];
 #pragma unroll
-            for (uint t = 0; t < WINO_TB; ++t)
+          for (uint q = 0; q < WINO_NVK; ++q) uv[q] = vload16(q, uc + c * WINO_KP);
 #pragma unroll
-              for (uint q = 0; q < WINO_NVK; ++q)
-                out[t][i * WINO_M + j][q] = fma((float16)(coef), acc[t][q], out[t][i * WINO_M + j][q]);
+          for (uint t = 0; t < WINO_TB; ++t) {
+            const float16 vt = (float16)(vx[t * WINO_CC + c]);
+#pragma unroll
+            for (uint q = 0; q < WINO_NVK; ++q) acc[t][q] = fma(vt, uv[q], acc[t][q]);
           }
         }
+#pragma unroll
+        for (uint i = 0; i < WINO_M; ++i)
+#pragma unroll
+          for (uint j = 0; j < WINO_M; ++j) {
+            const float coef = kAT[i * WINO_A + a] * kAT[j * WINO_A + b];
+            if (coef != 0.0f) {
+#pragma unroll
+              for (uint t = 0; t < WINO_TB; ++t)
+#pragma unroll
+                for (uint q = 0; q < WINO_NVK; ++q)
+                  out[t][i * WINO_M + j][kb * WINO_NVK + q] =
+                      fma((float16)(coef), acc[t][q], out[t][i * WINO_M + j][kb * WINO_NVK + q]);
+            }
+          }
+      }
     }
   }
 
@@ -216,11 +226,11 @@ __kernel void winograd_forward(__global const float* xt, ulong xt_off, __global 
     for (uint o = 0; o < WINO_MM; ++o) {
       const uint p = tr * WINO_M + o / WINO_M, q = tq * WINO_M + o % WINO_M;
       if (p >= CONV_P || q >= CONV_Q) continue;
-      for (uint vq = 0; vq < WINO_NVK; ++vq) {
+      for (uint vq = 0; vq < WINO_NVO; ++vq) {
         float lanes[16];
         vstore16(out[t][o][vq], 0, lanes);
         for (uint l = 0; l < 16; ++l) {
-          const uint k = kc * WINO_KB + vq * 16 + l;
+          const uint k = kc0 * WINO_KB + vq * 16 + l;
           if (k >= CONV_K) break;
           float r = lanes[l] + (has_bias ? bias[bias_off + k] : 0.0f);
 #if CONV_RELU
@@ -243,79 +253,88 @@ __kernel void winograd_forward(__global const float* xt, ulong xt_off, __global 
 // (winograd_pad with no padding; zero past P, Q and K): reading dy's blocks straight from NCHW
 // (16 planes per vector) cost more than that pad.
 #ifdef WINO_WEIGHTS
-// Per work-item (chunk z of the tiles, block kb of output and cb of input channels): for each
-// group of TB tiles the windows' transforms V (TB x CC per xi) and the dy blocks' W = G g G^T
-// (TB x KB per xi), then for each xi M[xi] (CC x KB) += V^T W, in 4 x NVK float16 accumulators
-// loaded from and stored to the work-item's own partial sums part[z][xi][c][k].
-// Global (chunks, KP / KB, CP / CC); local size 1.
+// Per work-item (chunk z of the tiles, WINO_KBLOCKS blocks of output channels from kb0, block cb of
+// input channels): for each group of TB tiles the windows' transforms V (TB x CC per xi, made once
+// for all the blocks), and per block the dy blocks' W = G g G^T (TB x KB per xi), then for each xi
+// M[xi] (CC x KB) += V^T W, in 4 x NVK float16 accumulators loaded from and stored to the
+// work-item's own partial sums part[z][xi][c][k].
+// Global (chunks, KP / (KB * KBLOCKS), CP / CC); local size 1.
 __kernel void winograd_weights(__global const float* xt, ulong xt_off, __global const float* dyt, ulong dyt_off,
                                __global float* part, ulong part_off, uint n_tiles, uint tiles_per_chunk) {
-  const uint z = get_global_id(0), kb = get_global_id(1), cb = get_global_id(2);
+  const uint z = get_global_id(0), kb0 = get_global_id(1) * WINO_KBLOCKS, cb = get_global_id(2);
   const uint begin = z * tiles_per_chunk;
   if (begin >= n_tiles) return;
   const uint end = min(n_tiles, begin + tiles_per_chunk);
-  __global float* m = part + part_off + (ulong)z * WINO_AA * WINO_CP * WINO_KP + cb * WINO_CC * WINO_KP + kb * WINO_KB;
+  __global float* m0 = part + part_off + (ulong)z * WINO_AA * WINO_CP * WINO_KP + cb * WINO_CC * WINO_KP;
   for (uint xi = 0; xi < WINO_AA; ++xi)
     for (uint c = 0; c < WINO_CC; ++c)
-      for (uint q = 0; q < WINO_NVK; ++q) vstore16((float16)(0.0f), q, m + ((ulong)xi * WINO_CP + c) * WINO_KP);
+      for (uint q = 0; q < WINO_NVO; ++q)
+        vstore16((float16)(0.0f), q, m0 + ((ulong)xi * WINO_CP + c) * WINO_KP + kb0 * WINO_KB);
   float v[WINO_AA * WINO_TB * WINO_CC];
   float g[WINO_AA * WINO_TB * WINO_KB];
   for (uint t0 = begin; t0 < end; t0 += WINO_TB) {
     for (uint t = 0; t < WINO_TB; ++t) {
-      const bool valid = t0 + t < end;
-      const uint tile = valid ? t0 + t : end - 1;
+      const uint tile = min(t0 + t, end - 1);
       const uint3 at = tile_at(tile);
       const uint n = at.x, tr = at.y, tq = at.z;
       __global const float* d =
           xt + xt_off + ((ulong)(n * WINO_HT + tr * WINO_R) * WINO_WT + tq * WINO_R) * WINO_CP + cb * WINO_CC;
       for (uint cv = 0; cv < WINO_CC; cv += 16) transform_input(d + cv, v + cv, t);
-      __global const float* e =
-          dyt + dyt_off + ((ulong)(n * WINO_DT_H + tr * WINO_R) * WINO_DT_W + tq * WINO_R) * WINO_KP + kb * WINO_KB;
-      for (uint kv = 0; kv < WINO_NVK; ++kv) {
-        float16 blk[WINO_R][WINO_R];  // the tile's block of dy, 16 output channels (zero for unused tiles)
-        for (uint i = 0; i < WINO_R; ++i)
-          for (uint j = 0; j < WINO_R; ++j)
-            blk[i][j] = valid ? vload16(kv, e + (i * WINO_DT_W + j) * WINO_KP) : (float16)(0.0f);
-        float16 gb[WINO_A][WINO_R];  // G blk
-        for (uint a = 0; a < WINO_A; ++a)
-          for (uint j = 0; j < WINO_R; ++j) {
-            float16 acc = 0.0f;
-            for (uint i = 0; i < WINO_R; ++i) acc = fma((float16)(kG[a * WINO_R + i]), blk[i][j], acc);
-            gb[a][j] = acc;
-          }
-        for (uint a = 0; a < WINO_A; ++a)
-          for (uint b = 0; b < WINO_A; ++b) {
-            float16 acc = 0.0f;
-            for (uint j = 0; j < WINO_R; ++j) acc = fma(gb[a][j], (float16)(kG[b * WINO_R + j]), acc);
-            vstore16(acc, kv, g + ((a * WINO_A + b) * WINO_TB + t) * WINO_KB);
-          }
-      }
     }
-    for (uint xi = 0; xi < WINO_AA; ++xi) {
-      const __private float* vx = v + xi * WINO_TB * WINO_CC;
-      const __private float* gx = g + xi * WINO_TB * WINO_KB;
-      for (uint c4 = 0; c4 < WINO_CC; c4 += 4) {
-        __global float* mrow = m + ((ulong)xi * WINO_CP + c4) * WINO_KP;
-        float16 acc[4][WINO_NVK];
-#pragma unroll
-        for (uint i = 0; i < 4; ++i)
-#pragma unroll
-          for (uint q = 0; q < WINO_NVK; ++q) acc[i][q] = vload16(q, mrow + i * WINO_KP);
-        for (uint t = 0; t < WINO_TB; ++t) {
-          float16 w[WINO_NVK];
-#pragma unroll
-          for (uint q = 0; q < WINO_NVK; ++q) w[q] = vload16(q, gx + t * WINO_KB);
-#pragma unroll
-          for (uint i = 0; i < 4; ++i) {
-            const float16 b = (float16)(vx[t * WINO_CC + c4 + i]);
-#pragma unroll
-            for (uint q = 0; q < WINO_NVK; ++q) acc[i][q] = fma(b, w[q], acc[i][q]);
-          }
+    for (uint kb = kb0; kb < kb0 + WINO_KBLOCKS; ++kb) {
+      __global float* m = m0 + kb * WINO_KB;
+      for (uint t = 0; t < WINO_TB; ++t) {
+        const bool valid = t0 + t < end;
+        const uint3 at = tile_at(valid ? t0 + t : end - 1);
+        const uint n = at.x, tr = at.y, tq = at.z;
+        __global const float* e =
+            dyt + dyt_off + ((ulong)(n * WINO_DT_H + tr * WINO_R) * WINO_DT_W + tq * WINO_R) * WINO_KP + kb * WINO_KB;
+        for (uint kv = 0; kv < WINO_NVK; ++kv) {
+          float16 blk[WINO_R][WINO_R];  // the tile's block of dy, 16 output channels (zero for unused tiles)
+          for (uint i = 0; i < WINO_R; ++i)
+            for (uint j = 0; j < WINO_R; ++j)
+              blk[i][j] = valid ? vload16(kv, e + (i * WINO_DT_W + j) * WINO_KP) : (float16)(0.0f);
+          float16 gb[WINO_A][WINO_R];  // G blk
+          for (uint a = 0; a < WINO_A; ++a)
+            for (uint j = 0; j < WINO_R; ++j) {
+              float16 acc = 0.0f;
+              for (uint i = 0; i < WINO_R; ++i) acc = fma((float16)(kG[a * WINO_R + i]), blk[i][j], acc);
+              gb[a][j] = acc;
+            }
+          for (uint a = 0; a < WINO_A; ++a)
+            for (uint b = 0; b < WINO_A; ++b) {
+              float16 acc = 0.0f;
+              for (uint j = 0; j < WINO_R; ++j) acc = fma(gb[a][j], (float16)(kG[b * WINO_R + j]), acc);
+              vstore16(acc, kv, g + ((a * WINO_A + b) * WINO_TB + t) * WINO_KB);
+            }
         }
+      }
+      for (uint xi = 0; xi < WINO_AA; ++xi) {
+        const __private float* vx = v + xi * WINO_TB * WINO_CC;
+        const __private float* gx = g + xi * WINO_TB * WINO_KB;
+        for (uint c4 = 0; c4 < WINO_CC; c4 += 4) {
+          __global float* mrow = m + ((ulong)xi * WINO_CP + c4) * WINO_KP;
+          float16 acc[4][WINO_NVK];
 #pragma unroll
-        for (uint i = 0; i < 4; ++i)
+          for (uint i = 0; i < 4; ++i)
 #pragma unroll
-          for (uint q = 0; q < WINO_NVK; ++q) vstore16(acc[i][q], q, mrow + i * WINO_KP);
+            for (uint q = 0; q < WINO_NVK; ++q) acc[i][q] = vload16(q, mrow + i * WINO_KP);
+          for (uint t = 0; t < WINO_TB; ++t) {
+            float16 w[WINO_NVK];
+#pragma unroll
+            for (uint q = 0; q < WINO_NVK; ++q) w[q] = vload16(q, gx + t * WINO_KB);
+#pragma unroll
+            for (uint i = 0; i < 4; ++i) {
+              const float16 b = (float16)(vx[t * WINO_CC + c4 + i]);
+#pragma unroll
+              for (uint q = 0; q < WINO_NVK; ++q) acc[i][q] = fma(b, w[q], acc[i][q]);
+            }
+          }
+#pragma unroll
+          for (uint i = 0; i < 4; ++i)
+#pragma unroll
+            for (uint q = 0; q < WINO_NVK; ++q) vstore16(acc[i][q], q, mrow + i * WINO_KP);
+        }
       }
     }
   }
