@@ -49,6 +49,25 @@ INSTANTIATE_TEST_SUITE_P(Cases, OverflowGuardTest,
                                            GuardCase{64, 0, std::numeric_limits<float>::infinity()},
                                            GuardCase{64, 0, std::numeric_limits<float>::quiet_NaN()}));
 
+// One non-finite element alone, wherever it lies: inside a whole chunk of 256 that CPU devices read
+// as vectors (first, middle, last element of a chunk) or in the elements after the last chunk.
+TEST(OverflowGuard, OneBadElementAnywhereIsFound) {
+  auto& dev = TestDevice::get();
+  const std::size_t n = 1000;  // three chunks of 256 and 232 elements after them
+  for (const std::size_t at : {std::size_t{0}, std::size_t{300}, std::size_t{511}, std::size_t{768}, n - 1}) {
+    for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+      SCOPED_TRACE(testing::Message() << "element " << at << " = " << bad);
+      auto g = random_vector(n, 4);
+      g[at] = bad;
+      DeviceTensor dstats(std::vector<float>{1.5f}), dg(g, 3), dguard(1, 5);
+      ops::LaunchList list = ops::overflow_guard_init(dev.env, dstats.span(), dguard.span());
+      for (auto& l : ops::overflow_guard_check(dev.env, dg.span(), n, dguard.span())) list.push_back(std::move(l));
+      ops::run_blocking(dev.context.compute(), list);
+      EXPECT_TRUE(std::isnan(dguard.download()[0]));
+    }
+  }
+}
+
 // An empty gradient needs no check: no launch.
 TEST(OverflowGuard, EmptyGradientIsNoLaunch) {
   auto& dev = TestDevice::get();

@@ -6,11 +6,30 @@ __kernel void overflow_guard_init(__global const float* stats, ulong stats_off, 
   guard[guard_off] = stats[stats_off];
 }
 
-// One work-item per gradient element. Writers race only to store the same NaN, through an atomic
-// exchange so that the race is well defined.
+// One work-item per gradient element (GPUs). Writers race only to store the same NaN, through an
+// atomic exchange so that the race is well defined.
 __kernel void overflow_guard_check(__global const float* g, ulong g_off, uint n, __global float* guard,
                                    ulong guard_off) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
   if (!isfinite(g[g_off + i])) atomic_xchg((volatile __global float*)(guard + guard_off), NAN);
+}
+
+// CPU devices: GUARD_CHUNK consecutive elements per work-item read as float16 (elements past the
+// last whole chunk one by one): the per-element kernel read gradients at a third of the memory
+// bandwidth on PoCL.
+#define GUARD_CHUNK 256
+__kernel void overflow_guard_check16(__global const float* g, ulong g_off, uint n, __global float* guard,
+                                     ulong guard_off) {
+  const size_t i = get_global_id(0) * GUARD_CHUNK;
+  if (i >= n) return;
+  bool bad = false;
+  if (i + GUARD_CHUNK <= n) {
+    int16 flags = 0;
+    for (uint j = 0; j < GUARD_CHUNK / 16; ++j) flags |= ~isfinite(vload16(j, g + g_off + i));
+    bad = any(flags);
+  } else {
+    for (size_t j = i; j < n; ++j) bad = bad || !isfinite(g[g_off + j]);
+  }
+  if (bad) atomic_xchg((volatile __global float*)(guard + guard_off), NAN);
 }
