@@ -25,12 +25,14 @@ std::string add_bias_error(const Shape& x, const Shape& b) {
 LaunchList add_bias_forward(OpEnv& env, DeviceSpan x, DeviceSpan b, DeviceSpan y, std::size_t rows, std::size_t cols) {
   const std::size_t n = rows * cols;
   if (n > std::numeric_limits<cl_uint>::max()) throw std::invalid_argument("add_bias: more than 2^32-1 elements");
-  cl::Kernel k = env.kernels.kernel("add_bias", "add_bias");
+  // CPU devices: a work-item per row and 16 columns (add_bias16).
+  const bool wide = env.device().is_cpu();
+  cl::Kernel k = env.kernels.kernel("add_bias", wide ? "add_bias16" : "add_bias");
   // cols of 0 (no element to write) is passed as 1 so that no work-item divides by zero.
   cl::set_args(k.get(), x.buffer, x.elem_offset(), b.buffer, b.elem_offset(), y.buffer, y.elem_offset(), cl_uint(n),
                cl_uint(cols == 0 ? 1 : cols));
   LaunchList list;
-  list.push_back(elementwise_launch(std::move(k), n));
+  list.push_back(elementwise_launch(std::move(k), wide ? rows * ((cols + 15) / 16) : n));
   return list;
 }
 

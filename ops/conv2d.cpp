@@ -379,7 +379,8 @@ std::size_t conv2d_scratch_elems(OpEnv& env, const Conv2dShape& s) {
   // weight gradient where they run, and the data gradient's flipped weight plus its forward.
   const auto forward_elems = [&](const Conv2dShape& f) {
     const std::size_t gemm = layout(env, f).total;
-    return forward_kind(env, f) == ForwardKind::winograd ? std::max(gemm, winograd::forward_scratch_elems(env, f)) : gemm;
+    return forward_kind(env, f) == ForwardKind::winograd ? std::max(gemm, winograd::forward_scratch_elems(env, f))
+                                                         : gemm;
   };
   std::size_t total = forward_elems(s);
   if (forward_kind(env, s) == ForwardKind::winograd) total = std::max(total, winograd::weights_scratch_elems(env, s));

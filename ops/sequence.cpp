@@ -57,10 +57,12 @@ LaunchList embedding_forward(OpEnv& env, DeviceSpan ids, DeviceSpan table, Devic
   checked(vocab * dim, "embedding table");
   const std::size_t n = positions * dim;
   checked(n, "embedding");
-  cl::Kernel k = env.kernels.kernel("sequence", "embedding_forward");
+  // CPU devices: a work-item per position and 16 columns (embedding_forward16).
+  const bool wide = env.device().is_cpu();
+  cl::Kernel k = env.kernels.kernel("sequence", wide ? "embedding_forward16" : "embedding_forward");
   cl::set_args(k.get(), ids.buffer, ids.elem_offset(), table.buffer, table.elem_offset(), y.buffer, y.elem_offset(),
                cl_uint(positions), cl_uint(vocab), cl_uint(dim));
-  return one(elementwise_launch(std::move(k), n));
+  return one(elementwise_launch(std::move(k), wide ? positions * ((dim + 15) / 16) : n));
 }
 
 LaunchList embedding_backward(OpEnv& env, DeviceSpan ids, DeviceSpan dy, DeviceSpan dtable, std::size_t positions,
@@ -71,7 +73,7 @@ LaunchList embedding_backward(OpEnv& env, DeviceSpan ids, DeviceSpan dy, DeviceS
     cl::Kernel k = env.kernels.kernel("sequence", "embedding_backward16");
     cl::set_args(k.get(), ids.buffer, ids.elem_offset(), dy.buffer, dy.elem_offset(), dtable.buffer,
                  dtable.elem_offset(), cl_uint(positions), cl_uint(vocab), cl_uint(dim));
-    return one(elementwise_launch(std::move(k), vocab * ((dim + 15) / 16)));
+    return one(elementwise_launch(std::move(k), (dim + 15) / 16));
   }
   const std::size_t n = vocab * dim;
   cl::Kernel k = env.kernels.kernel("sequence", "embedding_backward");

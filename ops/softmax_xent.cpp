@@ -24,15 +24,22 @@ LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels
   check_shape(rows, classes);
   LaunchList list;
 
-  cl::Kernel kl = env.kernels.kernel("softmax_xent", "softmax_xent_lse");
-  const std::size_t ll = row_group_size(kl, env.device(), classes);
-  cl::set_args(kl.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), cl_uint(classes));
-  FERRY_CL(clSetKernelArg(kl.get(), 5, ll * sizeof(float), nullptr));
-  KernelLaunch lse_launch;
-  lse_launch.kernel = std::move(kl);
-  lse_launch.global[0] = rows * ll;
-  lse_launch.local[0] = ll;
-  list.push_back(std::move(lse_launch));
+  if (env.device().is_cpu() && !row_group_forced()) {  // a row per work-item, 16 classes at a time
+    cl::Kernel k = env.kernels.kernel("softmax_xent", "softmax_xent_lse16");
+    cl::set_args(k.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), cl_uint(rows),
+                 cl_uint(classes));
+    list.push_back(elementwise_launch(std::move(k), rows));
+  } else {
+    cl::Kernel kl = env.kernels.kernel("softmax_xent", "softmax_xent_lse");
+    const std::size_t ll = row_group_size(kl, env.device(), classes);
+    cl::set_args(kl.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), cl_uint(classes));
+    FERRY_CL(clSetKernelArg(kl.get(), 5, ll * sizeof(float), nullptr));
+    KernelLaunch lse_launch;
+    lse_launch.kernel = std::move(kl);
+    lse_launch.global[0] = rows * ll;
+    lse_launch.local[0] = ll;
+    list.push_back(std::move(lse_launch));
+  }
 
   cl::Kernel ks = env.kernels.kernel("softmax_xent", "softmax_xent_stats");
   const std::size_t ls = row_group_size(ks, env.device(), rows);
@@ -50,12 +57,14 @@ LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels
 LaunchList softmax_xent_backward(OpEnv& env, DeviceSpan logits, DeviceSpan lse, DeviceSpan labels, DeviceSpan dlogits,
                                  std::size_t rows, std::size_t classes, float scale) {
   check_shape(rows, classes);
-  cl::Kernel k = env.kernels.kernel("softmax_xent", "softmax_xent_backward");
+  // CPU devices: a work-item per row and 16 classes (softmax_xent_backward16).
+  const bool wide = env.device().is_cpu();
+  cl::Kernel k = env.kernels.kernel("softmax_xent", wide ? "softmax_xent_backward16" : "softmax_xent_backward");
   const float coef = static_cast<float>(static_cast<double>(scale) / static_cast<double>(rows));
   cl::set_args(k.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), labels.buffer,
                labels.elem_offset(), dlogits.buffer, dlogits.elem_offset(), cl_uint(rows), cl_uint(classes), coef);
   LaunchList list;
-  list.push_back(elementwise_launch(std::move(k), rows * classes));
+  list.push_back(elementwise_launch(std::move(k), wide ? rows * ((classes + 15) / 16) : rows * classes));
   return list;
 }
 

@@ -13,6 +13,26 @@ __kernel void embedding_forward(__global const int* ids, ulong ids_off, __global
   y[y_off + k] = (id >= 0 && (uint)id < vocab) ? table[table_off + (ulong)id * dim + d] : 0.0f;
 }
 
+// The same on CPU devices: a work-item per position and 16 columns, copied as one float16; columns
+// past the last whole 16 one by one. Global: positions * ceil(dim / 16).
+__kernel void embedding_forward16(__global const int* ids, ulong ids_off, __global const float* table,
+                                  ulong table_off, __global float* y, ulong y_off, uint positions, uint vocab,
+                                  uint dim) {
+  const uint chunks = (dim + 15) / 16;
+  const uint k = get_global_id(0);
+  const uint n = k / chunks, d0 = (k - n * chunks) * 16;
+  if (n >= positions) return;
+  const int id = ids[ids_off + n];
+  const bool inside = id >= 0 && (uint)id < vocab;
+  __global const float* src = table + table_off + (ulong)(inside ? id : 0) * dim;
+  __global float* dst = y + y_off + (ulong)n * dim;
+  if (d0 + 16 <= dim) {
+    vstore16(inside ? vload16(0, src + d0) : (float16)(0.0f), 0, dst + d0);
+    return;
+  }
+  for (uint d = d0; d < dim; ++d) dst[d] = inside ? src[d] : 0.0f;
+}
+
 // One work-item per (v, d): dtable[v, d] = sum of dy[n, d] over the positions n with ids[n] == v,
 // in position order. Neighbouring work-items share v and read neighbouring columns of dy.
 __kernel void embedding_backward(__global const int* ids, ulong ids_off, __global const float* dy, ulong dy_off,
@@ -29,32 +49,35 @@ __kernel void embedding_backward(__global const int* ids, ulong ids_off, __globa
   dtable[dtable_off + k] = acc;
 }
 
-// The same sums on CPU devices, 16 columns of a row per work-item as one float16 (the positions
-// scanned once per 16 columns instead of once per column; additions in the same order, so the
-// same bits). Columns past the last whole chunk of 16 are summed one by one.
+// The same sums on CPU devices: a work-item per 16 columns (one float16) zeroes that column block
+// of every row, then adds dy's rows to the rows their ids name, in position order, so each sum adds
+// in embedding_backward's order (the same bits) and dy is read once. (A work-item per row and 16
+// columns scanned every position's id: 4.3 ms a step of the default GPT.) Ids outside [0, vocab)
+// add nothing. Columns past the last whole 16 go one by one. Global: ceil(dim / 16).
 __kernel void embedding_backward16(__global const int* ids, ulong ids_off, __global const float* dy, ulong dy_off,
                                    __global float* dtable, ulong dtable_off, uint positions, uint vocab, uint dim) {
-  const uint chunks = (dim + 15) / 16;
-  const uint k = get_global_id(0);
-  if (k >= vocab * chunks) return;
-  const uint v = k / chunks, d0 = (k - v * chunks) * 16;
+  const uint d0 = get_global_id(0) * 16;
+  if (d0 >= dim) return;
   __global const int* id = ids + ids_off;
   __global const float* g = dy + dy_off + d0;
-  __global float* out = dtable + dtable_off + (ulong)v * dim + d0;
-  if (d0 + 16 <= dim) {
-    float16 acc = 0.0f;
+  __global float* out = dtable + dtable_off + d0;
+  const uint width = min(16u, dim - d0);
+  if (width == 16) {
+    for (uint v = 0; v < vocab; ++v) vstore16((float16)(0.0f), 0, out + (ulong)v * dim);
     for (uint n = 0; n < positions; ++n) {
-      if (id[n] == (int)v) acc += vload16(0, g + (ulong)n * dim);
+      const int v = id[n];
+      if (v < 0 || (uint)v >= vocab) continue;
+      __global float* row = out + (ulong)v * dim;
+      vstore16(vload16(0, row) + vload16(0, g + (ulong)n * dim), 0, row);
     }
-    vstore16(acc, 0, out);
     return;
   }
-  for (uint d = 0; d0 + d < dim; ++d) {
-    float acc = 0.0f;
-    for (uint n = 0; n < positions; ++n) {
-      if (id[n] == (int)v) acc += g[(ulong)n * dim + d];
-    }
-    out[d] = acc;
+  for (uint v = 0; v < vocab; ++v)
+    for (uint d = 0; d < width; ++d) out[(ulong)v * dim + d] = 0.0f;
+  for (uint n = 0; n < positions; ++n) {
+    const int v = id[n];
+    if (v < 0 || (uint)v >= vocab) continue;
+    for (uint d = 0; d < width; ++d) out[(ulong)v * dim + d] += g[(ulong)n * dim + d];
   }
 }
 

@@ -70,3 +70,49 @@ __kernel void softmax_xent_backward(__global const float* logits, ulong logits_o
   if (label < 0 || (uint)label >= classes) g = NAN;
   dlogits[dlogits_off + i] = coef * g;
 }
+
+// CPU devices: the same lse with a work-item per row, 16 classes at a time as one float16 (PoCL's
+// vector exp; the classes past the last whole 16 one by one). Global: rows.
+__kernel void softmax_xent_lse16(__global const float* logits, ulong logits_off, __global float* lse, ulong lse_off,
+                                 uint rows, uint classes) {
+  const uint row = get_global_id(0);
+  if (row >= rows) return;
+  __global const float* x = logits + logits_off + (ulong)row * classes;
+  const uint whole = classes / 16 * 16;
+  float16 mv = -INFINITY;
+  for (uint c = 0; c < whole; c += 16) mv = fmax(mv, vload16(0, x + c));
+  float m = fold_max16(mv);
+  for (uint c = whole; c < classes; ++c) m = fmax(m, x[c]);
+  float16 sv = 0.0f;
+  for (uint c = 0; c < whole; c += 16) sv += exp(vload16(0, x + c) - m);
+  float s = fold_sum16(sv);
+  for (uint c = whole; c < classes; ++c) s += exp(x[c] - m);
+  lse[lse_off + row] = m + log(s);
+}
+
+// CPU devices: the backward with a work-item per row and 16 classes (one float16). Global:
+// rows * ceil(classes / 16).
+__kernel void softmax_xent_backward16(__global const float* logits, ulong logits_off, __global const float* lse,
+                                      ulong lse_off, __global const int* labels, ulong labels_off,
+                                      __global float* dlogits, ulong dlogits_off, uint rows, uint classes, float coef) {
+  const uint chunks = (classes + 15) / 16;
+  const uint k = get_global_id(0);
+  const uint r = k / chunks, c0 = (k - r * chunks) * 16;
+  if (r >= rows) return;
+  const int label = labels[labels_off + r];
+  const bool bad = label < 0 || (uint)label >= classes;
+  const float l = lse[lse_off + r];
+  const ulong at = (ulong)r * classes + c0;
+  if (c0 + 16 <= classes) {
+    const int16 lane = (int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) + (int)c0;
+    float16 g = exp(vload16(0, logits + logits_off + at) - l) - select((float16)(0.0f), (float16)(1.0f), lane == label);
+    if (bad) g = NAN;
+    vstore16(coef * g, 0, dlogits + dlogits_off + at);
+    return;
+  }
+  for (uint c = c0; c < classes; ++c) {
+    float g = exp(logits[logits_off + (ulong)r * classes + c] - l) - ((uint)label == c ? 1.0f : 0.0f);
+    if (bad) g = NAN;
+    dlogits[dlogits_off + (ulong)r * classes + c] = coef * g;
+  }
+}

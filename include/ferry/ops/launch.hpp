@@ -101,6 +101,9 @@ std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device
 // whose barriers become loops over the work-items; on GPUs a work-group per row, no larger than
 // the row needs and at most 256. Always within what the compiled kernel allows.
 std::size_t row_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent);
+// Whether FERRY_ROW_GROUP_SIZE forces the work-group kernels (kernels with a CPU twin that takes a
+// row per work-item run the work-group one then, so that tests cover it on a CPU device).
+bool row_group_forced();
 
 // A one-dimensional launch over n elements with the library's default work-group size.
 KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n);
