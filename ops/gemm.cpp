@@ -127,12 +127,16 @@ GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const
   return fit_tiled(s, fit_packed(s, p.config, o), env.device().compute_units, o.kernel.empty() || o.kernel_as_row);
 }
 
-// K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): a B sub-panel of at
-// least 512 x NB floats (128 KiB at NB = 64) stays in a core's L2 while the row blocks sweep over
-// it. 256 rows wrote and re-read twice the partial products for no cache gain: the GPT's weight
-// gradients (K = 4096) ran 380 -> 440 GFLOPS at 192 x 768 and 385 -> 445 at 192 x 192 with 512
-// (bench/RESULTS.md, "Long-K splits of 512 rows").
+// K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): at least a B sub-panel
+// of 128 KiB, which stays in a core's L2 while the row blocks sweep over it, and at least 512 rows.
+// With panels of 64 floats (AVX-512 rows) that is 512 rows: 256 wrote and re-read twice the partial
+// products for no cache gain (the GPT's weight gradients, K = 4096, ran 380 -> 440 GFLOPS at 192 x
+// 768 and 385 -> 445 at 192 x 192 with 512; bench/RESULTS.md, "Long-K splits of 512 rows"). With
+// panels of 16 (the AVX2 row) it is 2048 rows, so K = 4096 runs unsplit: 512-row splits cost the
+// partial products' sum and made those products 0.7-0.9x as fast on the AVX2 EPYC (bench/RESULTS.md,
+// "Winograd on AVX2, and optimizer kernels 16 wide").
 constexpr std::size_t min_split_rows = 512;
+constexpr std::size_t min_split_panel_bytes = std::size_t{128} << 10;
 // The partial products of all splits together: at most this many bytes. Past it the splits grow
 // longer (fewer of them) rather than stop: a long K unsplit streams its whole B panel from memory
 // for every row block.
@@ -144,18 +148,19 @@ constexpr std::size_t max_split_bytes = std::size_t{16} << 20;
 constexpr std::size_t max_splits = 16;
 
 // K rows per split: only where K is long next to M and N (weight gradients: K is the batch's
-// rows); 0 means K runs unsplit. The rows double from min_split_rows until both limits hold.
-std::size_t split_rows(const GemmShape& s) {
-  if (s.K < 4 * min_split_rows || s.K < 4 * std::max(s.M, s.N)) return 0;
+// rows); 0 means K runs unsplit. The rows double from the minimum until both limits hold.
+std::size_t split_rows(const GemmShape& s, const GemmKernelConfig& c) {
+  const std::size_t least = std::max(min_split_rows, min_split_panel_bytes / (panel_width(c) * sizeof(float)));
+  if (s.K < 4 * least || s.K < 4 * std::max(s.M, s.N)) return 0;
   const std::size_t block = s.batch * s.M * s.N * sizeof(float);  // one split of every product
-  std::size_t rows = min_split_rows;
+  std::size_t rows = least;
   auto splits = [&] { return (s.K + rows - 1) / rows; };
   while ((splits() > max_splits || splits() * block > max_split_bytes) && rows < s.K) rows *= 2;
   return splits() > 1 ? rows : 0;
 }
 
-std::size_t k_splits(const GemmShape& s) {
-  const std::size_t rows = split_rows(s);
+std::size_t k_splits(const GemmShape& s, const GemmKernelConfig& c) {
+  const std::size_t rows = split_rows(s, c);
   return rows == 0 ? 1 : (s.K + rows - 1) / rows;
 }
 
@@ -180,7 +185,7 @@ constexpr std::size_t direct_batched_b_max_elems = 64 * 1024;
 constexpr std::size_t direct_b_min_panel = 64;
 bool direct_b(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
   if (s.b != DType::f32 || s.trans_b || o.b_planes != 0) return false;
-  if (s.N % panel_width(c) == 0 && panel_width(c) >= direct_b_min_panel && k_splits(s) > 1) return true;
+  if (s.N % panel_width(c) == 0 && panel_width(c) >= direct_b_min_panel && k_splits(s, c) > 1) return true;
   return s.batch > 1 && s.K * s.N <= direct_batched_b_max_elems;
 }
 
@@ -193,7 +198,7 @@ std::size_t packed_a_elems(const GemmShape& s, const GemmKernelConfig& c) {
 
 // Packed B (unless read in place), packed A, then the splits' partial products when K is split.
 std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
-  const std::size_t splits = k_splits(s);
+  const std::size_t splits = k_splits(s, c);
   return (direct_b(s, c, o) ? 0 : packed_panel_elems(s, c)) + packed_a_elems(s, c) +
          (splits > 1 ? s.batch * splits * s.M * s.N : 0);
 }
@@ -257,7 +262,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::size_t rb = static_cast<std::size_t>(cfg.param("RB"));
   const std::size_t panels = (s.N + nb - 1) / nb;
   const bool direct = direct_b(s, cfg, options);
-  const std::size_t splits = k_splits(s);
+  const std::size_t splits = k_splits(s, cfg);
   const bool gather = options.a_gather_rows.buffer != nullptr;
   if (gather && (s.trans_a || s.a != DType::f32)) {
     throw std::invalid_argument(fmt::format("gemm {}x{}x{}: a gathered A is f32 and not transposed", s.M, s.N, s.K));
@@ -340,7 +345,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
-                 scratch.buffer, parts_off, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s)),
+                 scratch.buffer, parts_off, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s, cfg)),
                  cl_uint(splits), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, scratch.buffer,
                  std::uint64_t{0});
   }
@@ -399,7 +404,7 @@ bool native_dtypes(const GemmPlan& p) {
 bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const GemmOptions& o) {
   if (o.dact == Activation::relu || s.c != DType::f32) return true;
   if (!env.device().is_cpu()) return p.config.kernel == GemmKernel::tiled;
-  return p.config.kernel == GemmKernel::packed && s.N % 16 == 0 && k_splits(s) == 1;
+  return p.config.kernel == GemmKernel::packed && s.N % 16 == 0 && k_splits(s, fit_packed(s, p.config, o)) == 1;
 }
 
 }  // namespace

@@ -29,11 +29,14 @@ struct Case {
   std::size_t M, N, K;
 };
 
-// Shapes that are multiples of nothing, degenerate ones, wide small-K ones (Linear layers), and a
-// long-K ones (weight gradients), which the CPU kernel splits along K (five splits, the last short;
-// with N a multiple of the panel width it reads a row-major B in place).
-const Case kShapes[] = {{1, 1, 1},       {7, 13, 5},    {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},  {1000, 1000, 16},
-                        {128, 1000, 64}, {3, 200, 300}, {200, 3, 1},     {5, 9, 0},    {7, 21, 2200}, {13, 64, 2200}};
+// Shapes that are multiples of nothing, degenerate ones, wide small-K ones (Linear layers), and
+// long-K ones (weight gradients), which the CPU kernel splits along K (with panels of 64 floats
+// five splits of 512 rows at K = 2200, the last short; at K = 8500 nine of 1024 with panels of 64
+// or 32, five of 2048 with panels of 16; with N a multiple of a panel 64 wide it reads a row-major
+// B in place).
+const Case kShapes[] = {{1, 1, 1},        {7, 13, 5},      {37, 1000, 129}, {64, 64, 64}, {65, 63, 17},
+                        {1000, 1000, 16}, {128, 1000, 64}, {3, 200, 300},   {200, 3, 1},  {5, 9, 0},
+                        {7, 21, 2200},    {13, 64, 2200},  {7, 21, 8500}};
 
 // The configurations the tests force: ferry's CPU kernel in three block shapes (the AVX-512 and
 // AVX2 rows of the tuning data, the latter with A packed and the k loop unrolled by 4, and an odd
@@ -285,7 +288,8 @@ TEST(GemmEpilogue, ActivationsMatchReference) {
   const EpilogueCase cases[] = {
       {1, 33, 48, 20, true, DType::f32},     // whole vectors: GELU's slope in the epilogue too
       {1, 65, 63, 17, false, DType::f32},    // last panel partial (GELU: its kernel after the product)
-      {1, 21, 64, 2200, true, DType::f32},   // K split: the epilogue applied by gemm_sum_splits
+      {1, 21, 64, 2200, true, DType::f32},   // K split (panels of 64): the epilogue in gemm_sum_splits
+      {1, 7, 32, 8500, true, DType::f32},    // K split with panels of 16 too
       {2, 9, 33, 11, false, DType::bf16},    // a batch, narrow C and z
       {1, 13, 64, 2200, false, DType::f16},  // K split, narrow C and z
   };
@@ -296,7 +300,7 @@ TEST(GemmEpilogue, ActivationsMatchReference) {
     const bool packed = std::string_view(kernel).starts_with("packed");
     for (const Epilogue e : {Epilogue::relu, Epilogue::relu_grad, Epilogue::gelu_grad}) {
       for (const EpilogueCase& x : cases) {
-        if (!packed && &x != &cases[0] && &x != &cases[3]) continue;
+        if (!packed && &x != &cases[0] && &x != &cases[4]) continue;
         const ops::GemmShape s{x.M, x.N, x.K, x.trans_a, false, DType::f32, DType::f32, x.c, x.batch};
         if (too_large_for_this_run(s.batch * s.M * s.N * s.K)) continue;
         const char* name = e == Epilogue::relu        ? "ReLU"
@@ -351,8 +355,11 @@ TEST(GemmEpilogue, DerivativeIsBitIdenticalToTheUnfusedKernels) {
           std::pair{ops::Activation::gelu, DType::f32}, std::pair{ops::Activation::gelu, DType::bf16},
           std::pair{ops::Activation::gelu, DType::f16}}) {
       for (const ops::GemmShape s :
-           {ops::GemmShape{8, 48, 48, false, true, t, t, t}, ops::GemmShape{21, 64, 2200, true, false, t, t, t}}) {
+           {ops::GemmShape{8, 48, 48, false, true, t, t, t}, ops::GemmShape{21, 64, 2200, true, false, t, t, t},
+            ops::GemmShape{7, 32, 8500, true, false, t, t, t}}) {
         if (*kernel && s.K > 48) continue;  // the tiled kernel has no split: one shape is enough
+        // K split with any panel width (2200: panels of 64 only); not on Oclgrind (FERRY_TEST_SMALL).
+        if (s.K > 2200 && too_large_for_this_run(s.M * s.N * s.K)) continue;
         const std::string what =
             fmt::format("{} {} {}x{}x{} {}", *kernel ? kernel : "default",
                         act == ops::Activation::relu ? "ReLU" : "GELU", s.M, s.N, s.K, ops::dtype_name(t));
@@ -467,13 +474,18 @@ TEST(Gemm, PackedScratchCoversPaddedPanels) {
   o.kernel = "packed RB=4 NV=2";
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 64u * 7u);
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 32, 7}, o), 32u * 7u);
-  // Long K (>= 2048 and 4 max(M, N)) is split into chunks of 512 rows, here five (the last 152
-  // rows), each with its own M x N partial product after the panels; with N a multiple of a
-  // panel at least 64 wide B is read in place (no panels), narrower panels are packed. The shapes
-  // the tests above use for those paths.
-  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 2200}, o), 32u * 2200u + 5u * 7u * 21u);
-  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {13, 64, 2200}, o), 64u * 2200u + 5u * 13u * 64u);
-  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 2047}, o), 32u * 2047u);  // short of 2048: one pass
+  // Long K (at least 4 max(M, N) and 4 splits' rows, a split's B sub-panel being at least 128 KiB
+  // and 512 rows: 1024 rows with panels of 32 floats) is split, here into five (the last 304
+  // rows), each with its own M x N partial product after the panels; with N a multiple of a panel
+  // at least 64 wide B is read in place (no panels), narrower panels are packed.
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 4400}, o), 32u * 4400u + 5u * 7u * 21u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {13, 64, 4400}, o), 64u * 4400u + 5u * 13u * 64u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 4095}, o), 32u * 4095u);  // short of 4096: one pass
+  // With panels of 16 floats (NV = 1, the AVX2 row) a split is 2048 rows: K = 4096 runs unsplit.
+  o.kernel = "packed RB=4 NV=1";
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 4096}, o), 32u * 4096u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 8500}, o), 32u * 8500u + 5u * 7u * 21u);
+  o.kernel = "packed RB=4 NV=2";
   // Packed A (PA=1): a transposed f32 A in blocks of RB = 4 rows after the panels, the last
   // padded; never a narrow or a row-major A.
   o.kernel = "packed RB=4 NV=2 PA=1";
