@@ -145,7 +145,7 @@ struct Plan {
   std::size_t CC = 0, CP = 0;                              // input channels per pass (or block), padded count
   std::size_t NVK = 0, KB = 0, KP = 0;                     // float16 of output channels, their count, padded K
   std::size_t TB = 0, tiles = 0, blocks = 0;               // tiles per work-item (or group), in all, work-items
-  std::size_t KBLOCKS = 1;                                 // forward: blocks of KB output channels per work-item
+  std::size_t KBLOCKS = 1;                                 // blocks of KB output channels per work-item
   std::size_t chunks = 0, tiles_per_chunk = 0;             // weight gradient: tile chunks, tiles in each
   std::size_t DTH = 0, DTW = 0;                            // weight gradient: rows and columns of dy channels-last
   std::size_t xt_elems = 0, u_offset = 0, u_elems = 0;     // forward: xt, then U
@@ -159,6 +159,16 @@ void check_limits(const Plan& p, std::size_t largest) {
         "conv2d: the Winograd layout of this layer ({} elements in one buffer, {} tiles) is over the 31-bit limit",
         largest, p.tiles));
   }
+}
+
+// The most blocks of output channels per work-item, out of `blocks`, that divide them and that
+// `fits` accepts; 1 if none does.
+template <class Fits>
+std::size_t blocks_per_item(std::size_t blocks, Fits fits) {
+  for (std::size_t d = blocks; d > 1; --d) {
+    if (blocks % d == 0 && fits(d)) return d;
+  }
+  return 1;
 }
 
 // Tiles and the padded input, common to both directions.
@@ -186,14 +196,10 @@ Plan plan(OpEnv& env, const Conv2dShape& s) {
   p.CP = p.CC * passes;
   p.TB = std::clamp<std::size_t>(std::min(kMaxTiles, block.accumulators / p.NVK), 1, p.tiles);
   p.blocks = (p.tiles + p.TB - 1) / p.TB;
-  // As many blocks of output channels per work-item as divide KP / KB and keep its outputs' sums
-  // (TB x m^2 x KB floats a block) within kOutputSumElems.
-  for (std::size_t d = p.KP / p.KB; d > 1; --d) {
-    if ((p.KP / p.KB) % d == 0 && p.TB * p.m * p.m * p.KB * d <= kOutputSumElems) {
-      p.KBLOCKS = d;
-      break;
-    }
-  }
+  // As many blocks of output channels per work-item as keep its outputs' sums (TB x m^2 x KB floats
+  // a block) within kOutputSumElems.
+  p.KBLOCKS =
+      blocks_per_item(p.KP / p.KB, [&](std::size_t d) { return p.TB * p.m * p.m * p.KB * d <= kOutputSumElems; });
   p.xt_elems = s.N * p.HT * p.WT * p.CP;
   p.u_offset = round_up(p.xt_elems, kAlignElems);
   p.u_elems = kAlpha * kAlpha * p.CP * p.KP;
@@ -220,12 +226,8 @@ Plan weights_plan(OpEnv& env, const Conv2dShape& s) {
   // them) while the work-items still number kWeightChunksPerUnit per compute unit: the CNN's conv2
   // on AVX2 (one float16 of channels a block) 15.8-20.6 -> 13.6-14.9 ms with all four in one.
   const std::size_t kblocks = p.KP / p.KB, wanted = kWeightChunksPerUnit * env.device().compute_units;
-  for (std::size_t d = kblocks; d > 1; --d) {
-    if (kblocks % d == 0 && p.chunks * (kblocks / d) * (p.CP / p.CC) >= wanted) {
-      p.KBLOCKS = d;
-      break;
-    }
-  }
+  p.KBLOCKS =
+      blocks_per_item(kblocks, [&](std::size_t d) { return p.chunks * (kblocks / d) * (p.CP / p.CC) >= wanted; });
   p.xt_elems = s.N * p.HT * p.WT * p.CP;
   p.DTH = p.TR * p.step;
   p.DTW = p.TQ * p.step;

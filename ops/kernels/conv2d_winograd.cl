@@ -18,7 +18,7 @@
 //   WINO_HT, WINO_WT          rows and columns of xt (TR*m + r - 1, TQ*m + r - 1)
 //   WINO_CP, WINO_KP          padded channel counts; WINO_CC channels per pass (a multiple of 16)
 //   WINO_TB, WINO_NVK         tiles per work-item, and float16 of output channels per register block
-//   WINO_KBLOCKS              register blocks of output channels per work-item (forward; 1 if not given)
+//   WINO_KBLOCKS              register blocks of output channels per work-item (1 if not given)
 // (the weight gradient's program adds WINO_WEIGHTS, WINO_DT_H and WINO_DT_W).
 #include "dtype.clh"
 
