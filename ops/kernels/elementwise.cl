@@ -10,6 +10,20 @@ __kernel void add(__global const T_STORAGE* a, ulong a_off, __global const T_STO
   STORE_T(LOAD_T(a, a_off + i) + LOAD_T(b, b_off + i), out, out_off + i);
 }
 
+#if defined(T_F32)
+// add on CPU devices (f32): 16 consecutive elements per work-item as one float16, the elements past
+// the last whole 16 one by one (per element, PoCL read the operands at about half the bandwidth).
+__kernel void add16(__global const float* a, ulong a_off, __global const float* b, ulong b_off, __global float* out,
+                    ulong out_off, uint n) {
+  const size_t i = get_global_id(0) * 16;
+  if (i + 16 <= n) {
+    vstore16(vload16(0, a + a_off + i) + vload16(0, b + b_off + i), 0, out + out_off + i);
+    return;
+  }
+  for (size_t j = i; j < n; ++j) out[out_off + j] = a[a_off + j] + b[b_off + j];
+}
+#endif
+
 __kernel void fill(__global float* out, ulong out_off, float value, uint n) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
