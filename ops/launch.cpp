@@ -77,15 +77,22 @@ std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device
   return std::max<std::size_t>(1, limit);
 }
 
-bool row_group_forced() {
+namespace {
+// FERRY_ROW_GROUP_SIZE as it is set, or nullptr when unset or empty.
+const char* forced_row_group() {
   const char* forced = std::getenv("FERRY_ROW_GROUP_SIZE");
-  return forced != nullptr && *forced != '\0';
+  return forced != nullptr && *forced != '\0' ? forced : nullptr;
+}
+}  // namespace
+
+bool row_group_forced() {
+  return forced_row_group() != nullptr;
 }
 
 std::size_t row_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent) {
   // The smallest power of two covering `want`, within `cap` and the kernel's limit.
   std::size_t want = device.is_cpu() ? 1 : extent, cap = 256;
-  if (row_group_forced()) want = cap = std::strtoull(std::getenv("FERRY_ROW_GROUP_SIZE"), nullptr, 10);
+  if (const char* forced = forced_row_group()) want = cap = std::strtoull(forced, nullptr, 10);
   cap = std::min(cap, kernel_group_limit(k, device));
   std::size_t size = 1;
   while (size * 2 <= cap && size < want) size *= 2;

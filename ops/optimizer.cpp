@@ -8,7 +8,6 @@
 #include <functional>
 #include <limits>
 #include <stdexcept>
-#include <string>
 
 #include "ferry/cl/error.hpp"
 
@@ -56,14 +55,16 @@ cl_uint checked_count(std::size_t n) {
 constexpr cl_uint kSgdLrArg = 10;
 constexpr cl_uint kAdamLrArg = 14;  // followed by inv_bc1, inv_bc2
 
-// The update kernel `name` for this device: on CPU devices its 16-wide twin (`name`16, 16
-// parameters per work-item as one float16), elsewhere one work-item per parameter. The launch
-// covers n parameters.
-KernelLaunch update_launch(OpEnv& env, const char* name, std::size_t n, const std::function<void(cl_kernel)>& args) {
-  const bool wide = env.device().is_cpu();
-  cl::Kernel k = env.kernels.kernel("optimizer", wide ? fmt::format("{}16", name) : std::string(name));
-  args(k.get());
-  return elementwise_launch(std::move(k), wide ? (n + 15) / 16 : n);
+// The update kernel `name` for this device and the work-items that cover n parameters: on CPU
+// devices its 16-wide twin (`name`16, 16 parameters per work-item as one float16), elsewhere one
+// work-item per parameter.
+struct UpdateKernel {
+  cl::Kernel kernel;
+  std::size_t items;
+};
+UpdateKernel update_kernel(OpEnv& env, const char* name, std::size_t n) {
+  if (!env.device().is_cpu()) return {env.kernels.kernel("optimizer", name), n};
+  return {env.kernels.kernel("optimizer", fmt::format("{}16", name)), (n + 15) / 16};
 }
 }  // namespace
 
@@ -81,12 +82,12 @@ std::function<void(cl_kernel, const StepInfo&)> adam_step_args(const char* op, c
 
 LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan velocity, std::size_t n,
                       DeviceSpan guard, DeviceSpan status) {
-  KernelLaunch l = update_launch(env, "sgd_update", n, [&](cl_kernel k) {
-    cl::set_args(k, w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), velocity.buffer, velocity.elem_offset(),
-                 checked_count(n), c.momentum, c.weight_decay, cl_uint(c.nesterov ? 1 : 0), 0.0f,
-                 guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0),
-                 status.buffer ? status.buffer : w.buffer, status.elem_offset(), cl_uint(status.buffer ? 1 : 0));
-  });
+  UpdateKernel k = update_kernel(env, "sgd_update", n);
+  cl::set_args(k.kernel.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), velocity.buffer,
+               velocity.elem_offset(), checked_count(n), c.momentum, c.weight_decay, cl_uint(c.nesterov ? 1 : 0), 0.0f,
+               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0),
+               status.buffer ? status.buffer : w.buffer, status.elem_offset(), cl_uint(status.buffer ? 1 : 0));
+  KernelLaunch l = elementwise_launch(std::move(k.kernel), k.items);
   l.per_step = [](cl_kernel kernel, const StepInfo& s) {
     FERRY_CL(clSetKernelArg(kernel, kSgdLrArg, sizeof(float), &s.lr));
   };
@@ -99,12 +100,12 @@ LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan
                        std::size_t n, DeviceSpan guard, DeviceSpan status) {
   const float l2 = c.decoupled_weight_decay ? 0.0f : c.weight_decay;
   const float decoupled = c.decoupled_weight_decay ? c.weight_decay : 0.0f;
-  KernelLaunch l = update_launch(env, "adam_update", n, [&](cl_kernel k) {
-    cl::set_args(k, w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), m.buffer, m.elem_offset(), v.buffer,
-                 v.elem_offset(), checked_count(n), c.beta1, c.beta2, c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f,
-                 guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0),
-                 status.buffer ? status.buffer : w.buffer, status.elem_offset(), cl_uint(status.buffer ? 1 : 0));
-  });
+  UpdateKernel k = update_kernel(env, "adam_update", n);
+  cl::set_args(k.kernel.get(), w.buffer, w.elem_offset(), g.buffer, g.elem_offset(), m.buffer, m.elem_offset(),
+               v.buffer, v.elem_offset(), checked_count(n), c.beta1, c.beta2, c.eps, l2, decoupled, 0.0f, 1.0f, 1.0f,
+               guard.buffer ? guard.buffer : w.buffer, guard.elem_offset(), cl_uint(guard.buffer ? 1 : 0),
+               status.buffer ? status.buffer : w.buffer, status.elem_offset(), cl_uint(status.buffer ? 1 : 0));
+  KernelLaunch l = elementwise_launch(std::move(k.kernel), k.items);
   l.per_step = adam_step_args("adam_update", c, kAdamLrArg);
   LaunchList list;
   list.push_back(std::move(l));

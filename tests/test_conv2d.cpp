@@ -263,11 +263,16 @@ TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
     // reference with the row this device does not get; the Conv2dTest cases named winograd_* run
     // its own. (One shape only: each is about ten program builds, 15-20 s on a 2-core PoCL machine.)
     const int own_width = packed_block_width(kernel);
-    for (const char* params : {"RB=6 NV=1", "RB=6 NV=4"}) {
-      ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file(params[8] == '1' ? "avx2" : "avx512", params));
-      SCOPED_TRACE(std::string("forced row packed ") + params);
+    struct ForcedRow {
+      const char* stem;
+      const char* params;
+      int width;  // NV
+    };
+    for (const ForcedRow row : {ForcedRow{"avx2", "RB=6 NV=1", 1}, ForcedRow{"avx512", "RB=6 NV=4", 4}}) {
+      ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file(row.stem, row.params));
+      SCOPED_TRACE(std::string("forced row packed ") + row.params);
       const int width = packed_block_width(wide_gemm_kernel(env));
-      ASSERT_EQ(width, params[8] - '0') << wide_gemm_kernel(env);
+      ASSERT_EQ(width, row.width) << wide_gemm_kernel(env);
       expect_cnn_layer2_path(env, ConvPath::winograd);
       const ConvCase forced{"forced_winograd_k5_odd_tiles", shape(3, 17, 9, 11, 21, 5, 5, 2, 1)};
       if (width != own_width && !too_large_for_this_run(conv_work(forced.shape))) {
