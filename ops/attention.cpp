@@ -16,12 +16,14 @@ namespace {
 // The kernel family and its parameters: cpu (RB) or tiled (BQ, BK).
 struct AttentionConfig {
   bool cpu = true;
-  std::size_t rb = 4, qb = 32;   // cpu: query rows per register tile (at most 4), per work-item
+  std::size_t rb = 6, qb = 48;   // cpu: query rows per register tile (at most 8), per work-item
+  std::size_t kb = 64;           // cpu forward: keys per online-softmax block (a multiple of 16)
   std::size_t pass = 0;          // cpu backward: 1 (a work-item per head) or 2 (dk dv, then dq); 0: by heads
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
 
   std::string text() const {
-    return cpu ? fmt::format("cpu RB={} QB={} PASS={}", rb, qb, pass) : fmt::format("tiled BQ={} BK={}", bq, bk);
+    return cpu ? fmt::format("cpu RB={} QB={} KB={} PASS={}", rb, qb, kb, pass)
+               : fmt::format("tiled BQ={} BK={}", bq, bk);
   }
 };
 
@@ -43,7 +45,7 @@ AttentionConfig parse_config(const std::string& spec) {
     c.cpu = false;
   } else {
     throw std::invalid_argument(fmt::format(
-        "attention: unknown kernel '{}' (expected \"cpu RB=n QB=n PASS=1|2\" or \"tiled BQ=n BK=n\")", spec));
+        "attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\" or \"tiled BQ=n BK=n\")", spec));
   }
   for (std::string kv; in >> kv;) {
     const auto eq = kv.find('=');
@@ -62,6 +64,8 @@ AttentionConfig parse_config(const std::string& spec) {
       c.rb = value;
     } else if (c.cpu && key == "QB") {
       c.qb = value;
+    } else if (c.cpu && key == "KB") {
+      c.kb = value;
     } else if (c.cpu && key == "PASS" && value <= 2) {
       c.pass = value;
     } else if (!c.cpu && key == "BQ") {
@@ -72,15 +76,18 @@ AttentionConfig parse_config(const std::string& spec) {
       throw std::invalid_argument(fmt::format("attention: '{}' is not a parameter of the {} kernel", key, family));
     }
   }
-  if (c.cpu && (c.rb > 4 || c.qb % c.rb != 0)) {
-    throw std::invalid_argument(
-        fmt::format("attention: '{}': RB (rows per register tile) is at most 4 and QB a multiple of it", spec));
+  if (c.cpu && (c.rb > 8 || c.qb % c.rb != 0 || c.kb % 16 != 0)) {
+    throw std::invalid_argument(fmt::format(
+        "attention: '{}': RB (rows per register tile) is at most 8, QB a multiple of it and KB a multiple of 16",
+        spec));
   }
   return c;
 }
 
-// Defaults: on CPU devices register tiles of 4 query rows and 32 rows per work-item (measured on
-// PoCL's pthread device against RB 2 and QB 16 and 64: bench/RESULTS.md); elsewhere 64 queries
+// Defaults: on CPU devices register tiles of 6 query rows (the most whose scores fit AVX2's sixteen
+// vector registers: 8 spilled), 48 rows per work-item and softmax blocks of 64 keys (measured on
+// PoCL's pthread device against RB 2, 4 and 8, QB 30 and 48, KB 16 and 128: bench/RESULTS.md,
+// "Attention's CPU kernels fitted to AVX2"); elsewhere 64 queries
 // per work-group and 32 keys per tile, fewer where the device's work-group limit or its local
 // memory asks.
 AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
@@ -99,7 +106,7 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
 
 std::string kernel_defines(const AttentionShape& s, DType dtype, const AttentionConfig& c) {
   std::string d = fmt::format("{} -DHEAD_DIM={} -DDP={}", dtype_define(dtype), s.head_dim, padded_dim(s));
-  if (c.cpu) return d + fmt::format(" -DRB={} -DQB={}", c.rb, c.qb);
+  if (c.cpu) return d + fmt::format(" -DRB={} -DQB={} -DKB={}", c.rb, c.qb, c.kb);
   return d + fmt::format(" -DBQ={} -DBK={}", c.bq, c.bk);
 }
 
@@ -199,8 +206,8 @@ std::size_t attention_backward_scratch_elems(OpEnv& env, const AttentionShape& s
   const AttentionConfig c = choose_config(env, s, o);
   if (!c.cpu) return delta;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
-  // delta, kᵀ, vᵀ, k rows; the one-pass backward's f32 dq rows
-  return delta + 2 * heads * tp * s.head_dim + heads * tp * padded_dim(s) * (c.pass == 1 ? 2 : 1);
+  // delta, kᵀ, vᵀ, then rows of k, q and do; the one-pass backward's f32 dq rows
+  return delta + 2 * heads * tp * s.head_dim + heads * tp * padded_dim(s) * (c.pass == 1 ? 4 : 3);
 }
 
 LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, float scale,
@@ -257,15 +264,21 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
   if (c.cpu) {
     const std::size_t t_elems = heads * tp * s.head_dim;
     const DeviceSpan kt = scratch.advanced(round_up(s.rows(), 64) * sizeof(float));
+    const std::size_t row_bytes = heads * tp * padded_dim(s) * sizeof(float);
     const DeviceSpan vt = kt.advanced(t_elems * sizeof(float)), kr = vt.advanced(t_elems * sizeof(float));
+    const DeviceSpan qr = kr.advanced(row_bytes), dor = qr.advanced(row_bytes);
     list.push_back(stage(env, s, dtype, c, k, kr, kt));
     list.push_back(stage(env, s, dtype, c, v, {}, vt));
+    // q and do as f32 rows: the key blocks read every later query's rows, contiguous in place
+    // (copied out of the [B, T, H D] tensors per key block they missed the caches).
+    list.push_back(stage(env, s, dtype, c, q, qr, {}));
+    list.push_back(stage(env, s, dtype, c, dout, dor, {}));
     if (c.pass == 1) {
-      const DeviceSpan dq_acc = kr.advanced(heads * tp * padded_dim(s) * sizeof(float));
+      const DeviceSpan dq_acc = dor.advanced(row_bytes);
       cl::Kernel kh = env.kernels.kernel("attention", "attention_backward_head_cpu", defines);
-      cl::set_args(kh.get(), q.buffer, q.elem_offset(eb), dout.buffer, dout.elem_offset(eb), kt.buffer,
-                   kt.elem_offset(), vt.buffer, vt.elem_offset(), kr.buffer, kr.elem_offset(), lse.buffer,
-                   lse.elem_offset(), delta.buffer, delta.elem_offset(), dq_acc.buffer, dq_acc.elem_offset(), dq.buffer,
+      cl::set_args(kh.get(), qr.buffer, qr.elem_offset(), dor.buffer, dor.elem_offset(), kt.buffer, kt.elem_offset(),
+                   vt.buffer, vt.elem_offset(), kr.buffer, kr.elem_offset(), lse.buffer, lse.elem_offset(),
+                   delta.buffer, delta.elem_offset(), dq_acc.buffer, dq_acc.elem_offset(), dq.buffer,
                    dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context),
                    cl_uint(tp), cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
       KernelLaunch l = grid(std::move(kh), heads, 1, 1);
@@ -274,7 +287,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
       return list;
     }
     cl::Kernel kv = env.kernels.kernel("attention", "attention_backward_kv_cpu", defines);
-    cl::set_args(kv.get(), q.buffer, q.elem_offset(eb), dout.buffer, dout.elem_offset(eb), kt.buffer, kt.elem_offset(),
+    cl::set_args(kv.get(), qr.buffer, qr.elem_offset(), dor.buffer, dor.elem_offset(), kt.buffer, kt.elem_offset(),
                  vt.buffer, vt.elem_offset(), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
                  dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(tp),
                  cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));

@@ -39,8 +39,9 @@ void check_attention_shape(const AttentionShape& s);
 
 struct AttentionOptions {
   // Optional: a kernel family and its parameters instead of the device's default, for tests and
-  // benchmarks. "cpu RB=4 QB=32 PASS=1": a work-item per QB query rows, RB (at most 4) of them at
-  // a time in registers, keys in 16-key float16 blocks; PASS=1 runs the backward as one work-item
+  // benchmarks. "cpu RB=4 QB=32 KB=64 PASS=1": a work-item per QB query rows, RB (at most 8) of
+  // them at a time in registers, keys in 16-key float16 blocks, the forward's online softmax per KB
+  // keys (a multiple of 16); PASS=1 runs the backward as one work-item
   // per head, PASS=2 as dk dv per key block then dq per query block (default: 1 when there are
   // four heads per compute unit). "tiled BQ=64 BK=32": a work-group per BQ queries (or keys),
   // tiles of BK keys (or queries) in local memory. Defaults: cpu on CPU devices, tiled elsewhere.

@@ -3,8 +3,9 @@
 // storage type T (dtype.clh), lse and delta are [B H, T] in f32. Arithmetic is f32.
 //
 // Built with -DHEAD_DIM=D -DDP=(D rounded up to 16) and one family's parameters:
-//   RB        CPU devices: a work-item (local size 1) takes RB query rows and walks the keys in
-//             blocks of 16 held as float16 (scores of 16 keys in one vector). k and v are first
+//   RB, QB,   CPU devices: a work-item (local size 1) takes QB query rows, RB at a time, and walks
+//   KB        the keys in blocks of 16 held as float16 (scores of 16 keys in one vector), its
+//             online softmax per KB keys; the backward's key blocks take RB queries at a time. k and v are first
 //             staged into f32 scratch per head (attention_stage): transposed [D, Tp] for the score
 //             products and row-major [Tp, DP] (zero padded) for the value products, so the hot
 //             loops read contiguous f32 only, whatever the storage type.
@@ -77,9 +78,10 @@ __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global
 
 #define KEY_LANES ((int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
 
-// Register tiles of up to 4 rows, named (PoCL keeps named float16 values in registers; arrays
-// indexed in loops stay on the stack).
-#define ROWS4(X) X(0) X(1) X(2) X(3)
+// Register tiles of up to 8 rows (RB), named (PoCL keeps named float16 values in registers;
+// arrays indexed in loops stay on the stack); every step tests r < RB. With AVX2's sixteen
+// registers 6 rows of float16 scores are the most that fit beside a key vector.
+#define ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 
 // A row of a float16 accumulator times `factor`, stored as D elements of the storage type at `at`.
 inline void attention_store_row(const float16* acc, float factor, __global T_STORAGE* out, ulong at) {
@@ -90,8 +92,16 @@ inline void attention_store_row(const float16* acc, float factor, __global T_STO
   }
 }
 
+// Keys per block of the forward's online softmax (a multiple of 16): the scores of a block are
+// made 16 keys at a time into an L1 array, then each row's maximum, rescale and sum are taken
+// once per block rather than per 16 keys (at head dimension 64 those per-block steps weighed
+// as much as half the products).
+#ifndef KB
+#define KB 64
+#endif
+
 // Forward, QB = RB NSUB query rows from i0 = QB get_global_id(0) of head bh = get_global_id(1),
-// with an online softmax over blocks of 16 keys: running maximum m and sum l per row, the
+// with an online softmax over blocks of KB keys: running maximum m and sum l per row, the
 // accumulated output rescaled whenever the maximum grows. Each key block is taken by the
 // work-item's NSUB sub-blocks of RB rows in turn, so its kᵀ and v stay in the L1 cache.
 __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __global const float* kt, ulong kt_off,
@@ -117,50 +127,66 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
   }
 
   const uint kend = i0 + nr;  // the rows see keys 0 .. kend - 1
-  for (uint kb = 0; kb < kend; kb += 16) {
+  for (uint kb = 0; kb < kend; kb += KB) {
     for (uint r0 = 0; r0 < nr; r0 += RB) {
-      if (kb > i0 + r0 + RB - 1) continue;  // every key of the block is past these rows
+      // These rows see keys before `last`: the block's first kn of them (its other keys, and
+      // the keys of the last 16 past a row, are masked).
+      const uint last = min(i0 + r0 + RB, kend);
+      if (kb >= last) continue;
+      const uint kn = min((uint)KB, last - kb);
+      float p[RB][KB];
 #define S_DECL(r) float16 s##r = 0.0f;
 #define S_STEP(r) \
   if (r < RB) s##r = fma((float16)qs[r0 + r][d], kv, s##r);
-      ROWS4(S_DECL)
-      for (uint d = 0; d < D; ++d) {
-        const float16 kv = vload16(0, kt + (ulong)d * Tp + kb);
-        ROWS4(S_STEP)
-      }
-      float p[RB][16];
-#define SOFTMAX_ROW(r)                                                                          \
-  if (r < RB) {                                                                                 \
-    const uint i = i0 + r0 + r;                                                                 \
-    float16 sr = s##r;                                                                          \
-    if (kb + 15 > i) sr = select(sr, (float16)(-INFINITY), ((int16)kb + KEY_LANES) > (int16)i); \
-    const float mnew = fmax(m[r0 + r], fold_max16(sr));                                         \
-    const float16 e = exp(sr - mnew);                                                           \
-    const float rescale = exp(m[r0 + r] - mnew);                                                \
-    l[r0 + r] = l[r0 + r] * rescale + fold_sum16(e);                                            \
-    m[r0 + r] = mnew;                                                                           \
-    if (rescale != 1.0f) {                                                                      \
-      for (uint j = 0; j < DV; ++j) acc[r0 + r][j] *= rescale;                                  \
-    }                                                                                           \
-    float16 pe = e;                                                                             \
-    if (threshold) pe *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi); \
-    vstore16(pe, 0, p[r]);                                                                      \
+#define S_KEEP(r)                                                                                     \
+  if (r < RB) {                                                                                       \
+    const uint i = i0 + r0 + r;                                                                       \
+    if (j0 + 15 > i) s##r = select(s##r, (float16)(-INFINITY), ((int16)j0 + KEY_LANES) > (int16)i); \
+    vstore16(s##r, 0, p[r] + sb);                                                                     \
   }
-      ROWS4(SOFTMAX_ROW)
+      for (uint sb = 0; sb < kn; sb += 16) {
+        const uint j0 = kb + sb;
+        ROWS8(S_DECL)
+        for (uint d = 0; d < D; ++d) {
+          const float16 kv = vload16(0, kt + (ulong)d * Tp + j0);
+          ROWS8(S_STEP)
+        }
+        ROWS8(S_KEEP)
+      }
+#define SOFTMAX_ROW(r)                                                                            \
+  if (r < RB) {                                                                                   \
+    const uint i = i0 + r0 + r;                                                                   \
+    float16 mv = vload16(0, p[r]);                                                                \
+    for (uint sb = 16; sb < kn; sb += 16) mv = fmax(mv, vload16(0, p[r] + sb));                   \
+    const float mnew = fmax(m[r0 + r], fold_max16(mv));                                           \
+    float16 sum = 0.0f;                                                                           \
+    for (uint sb = 0; sb < kn; sb += 16) {                                                        \
+      float16 e = exp(vload16(0, p[r] + sb) - mnew);                                              \
+      sum += e;                                                                                   \
+      if (threshold) e *= attention_keep16(bh, T, i, kb + sb, seed, threshold, inv_keep, step_lo, step_hi); \
+      vstore16(e, 0, p[r] + sb);                                                                  \
+    }                                                                                             \
+    const float rescale = exp(m[r0 + r] - mnew);                                                  \
+    l[r0 + r] = l[r0 + r] * rescale + fold_sum16(sum);                                            \
+    m[r0 + r] = mnew;                                                                             \
+    if (rescale != 1.0f) {                                                                        \
+      for (uint j = 0; j < DV; ++j) acc[r0 + r][j] *= rescale;                                    \
+    }                                                                                             \
+  }
+      ROWS8(SOFTMAX_ROW)
       // o += p v: an RB x 16 register tile per 16 output columns, over the block's keys.
-      const uint kn = min(16u, kend - kb);
 #define T_LOAD(r) float16 t##r = r < RB ? acc[r0 + r][j] : 0.0f;
 #define T_STEP(r) \
   if (r < RB) t##r = fma((float16)p[r][c], vv, t##r);
 #define T_STORE(r) \
   if (r < RB) acc[r0 + r][j] = t##r;
       for (uint j = 0; j < DV; ++j) {
-        ROWS4(T_LOAD)
+        ROWS8(T_LOAD)
         for (uint c = 0; c < kn; ++c) {
           const float16 vv = vload16(j, vr + (ulong)(kb + c) * DP);
-          ROWS4(T_STEP)
+          ROWS8(T_STEP)
         }
-        ROWS4(T_STORE)
+        ROWS8(T_STORE)
       }
     }
   }
@@ -173,12 +199,13 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
 
 // dk and dv of the 16 keys j0 .. j0 + 15 of head bh, over every query i >= j0: the probabilities
 // p = exp(scale q k - lse) and dp = do v recomputed as 16-key vectors, the gradients accumulated
-// transposed ([d] holds 16 keys), as the staged kᵀ and vᵀ are; the queries in groups of 4 (named
-// registers, see ROWS4), so that each load of kᵀ, vᵀ and each update of the gradients serves
-// four rows (rows past T get p = 0). kt, vt, kr, lse and delta point at head bh's. With dq_acc
+// transposed ([d] holds 16 keys), as the staged kᵀ and vᵀ are; the queries in groups of RB (named
+// registers, see ROWS8), so that each load of kᵀ, vᵀ and each update of the gradients serves
+// RB rows (rows past T get p = 0). qr and dr (q and do staged as f32 rows [Tp, DP]: read in
+// place, once per key block, contiguous), kt, vt, kr, lse and delta point at head bh's. With dq_acc
 // (head bh's f32 rows [Tp, DP]), also dq += ds k for those queries (unscaled).
-inline void attention_kv_block(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout, ulong do_off,
-                               __global const float* kt, __global const float* vt, __global const float* kr,
+inline void attention_kv_block(__global const float* qr, __global const float* dr, __global const float* kt,
+                               __global const float* vt, __global const float* kr,
                                __global const float* lse, __global const float* delta, __global float* dq_acc,
                                __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off, uint j0,
                                uint bh, uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
@@ -192,21 +219,20 @@ inline void attention_kv_block(__global const T_STORAGE* q, ulong q_off, __globa
     dvT[d] = 0.0f;
   }
   const uint kn = min(16u, T - j0);
-  for (uint i0 = j0; i0 < T; i0 += 4) {
-    float qi[4][D], doi[4][D];
-    for (uint r = 0; r < 4; ++r) {
-      const ulong at = attention_at(b, min(i0 + r, T - 1), h, T, H);
-      for (uint d = 0; d < D; ++d) {
-        qi[r][d] = LOAD_T(q, q_off + at + d) * scale;
-        doi[r][d] = LOAD_T(dout, do_off + at + d);
-      }
-    }
-#define KV_DECL(r) float16 s##r = 0.0f, dp##r = 0.0f, pd##r, ds##r;
-#define KV_SCORE(r)                        \
-  s##r = fma((float16)qi[r][d], kd, s##r); \
-  dp##r = fma((float16)doi[r][d], vd, dp##r);
+  for (uint i0 = j0; i0 < T; i0 += RB) {
+    // Row r of the group (rows past T read row T - 1 and get p = 0).
+#define KV_DECL(r)                                                    \
+  __global const float* qi##r = qr + (ulong)min(i0 + r, T - 1) * DP;  \
+  __global const float* doi##r = dr + (ulong)min(i0 + r, T - 1) * DP; \
+  float16 s##r = 0.0f, dp##r = 0.0f, pd##r, ds##r;
+#define KV_SCORE(r) \
+  if (r < RB) s##r = fma((float16)qi##r[d], kd, s##r);
+#define KV_SCALE(r) \
+  if (r < RB) s##r *= scale;
+#define KV_DP(r) \
+  if (r < RB) dp##r = fma((float16)doi##r[d], vd, dp##r);
 #define KV_PROB(r)                                                                                   \
-  if (i0 + r >= T) {                                                                                 \
+  if (r >= RB || i0 + r >= T) {                                                                      \
     pd##r = ds##r = 0.0f;                                                                            \
   } else {                                                                                           \
     const uint i = i0 + r;                                                                           \
@@ -220,42 +246,55 @@ inline void attention_kv_block(__global const T_STORAGE* q, ulong q_off, __globa
     }                                                                                                \
     ds##r = p * (dp##r - delta[i]);                                                                  \
   }
-#define KV_GRAD(r)                         \
-  gv = fma(pd##r, (float16)doi[r][d], gv); \
-  gk = fma(ds##r, (float16)qi[r][d], gk);  // qi holds scale q: dk = scale sum ds q
-    ROWS4(KV_DECL)
+#define KV_GRAD(r)                           \
+  if (r < RB) {                              \
+    gv = fma(pd##r, (float16)doi##r[d], gv); \
+    gk = fma(ds##r, (float16)qi##r[d], gk);  \
+  }  // dk = scale sum ds q: scaled as it is stored
+    ROWS8(KV_DECL)
+    // Scores and do vᵀ in two loops: together their float16 accumulators (eight for four rows)
+    // outnumber an AVX2 core's sixteen registers, and the loads of kᵀ and vᵀ spilled them.
     for (uint d = 0; d < D; ++d) {
-      const float16 kd = kT[d], vd = vT[d];
-      ROWS4(KV_SCORE)
+      const float16 kd = kT[d];
+      ROWS8(KV_SCORE)
     }
-    ROWS4(KV_PROB)
+    ROWS8(KV_SCALE)
+    for (uint d = 0; d < D; ++d) {
+      const float16 vd = vT[d];
+      ROWS8(KV_DP)
+    }
+    ROWS8(KV_PROB)
     for (uint d = 0; d < D; ++d) {
       float16 gv = dvT[d], gk = dkT[d];
-      ROWS4(KV_GRAD)
+      ROWS8(KV_GRAD)
       dvT[d] = gv;
       dkT[d] = gk;
     }
     if (dq_acc) {
-      // dq rows i0 .. i0 + 3 += ds k over the block's keys (rows past T land in dq_acc's padding).
-      float dsa[4][16];
-#define DS_SAVE(r) vstore16(ds##r, 0, dsa[r]);
-#define DQ_LOAD(r) float16 t##r = vload16(j, dq_acc + (ulong)(i0 + r) * DP);
-#define DQ_STEP(r) t##r = fma((float16)dsa[r][c], kv, t##r);
-#define DQ_STORE(r) vstore16(t##r, j, dq_acc + (ulong)(i0 + r) * DP);
-      ROWS4(DS_SAVE)
+      // dq rows i0 .. i0 + RB - 1 += ds k over the block's keys (rows past T are neither read nor
+      // written: with RB = 6 they can lie past the head's Tp rows).
+      float dsa[RB][16];
+#define DS_SAVE(r) \
+  if (r < RB) vstore16(ds##r, 0, dsa[r]);
+#define DQ_LOAD(r) float16 t##r = r < RB && i0 + r < T ? vload16(j, dq_acc + (ulong)(i0 + r) * DP) : 0.0f;
+#define DQ_STEP(r) \
+  if (r < RB) t##r = fma((float16)dsa[r][c], kv, t##r);
+#define DQ_STORE(r) \
+  if (r < RB && i0 + r < T) vstore16(t##r, j, dq_acc + (ulong)(i0 + r) * DP);
+      ROWS8(DS_SAVE)
       for (uint j = 0; j < DV; ++j) {
-        ROWS4(DQ_LOAD)
+        ROWS8(DQ_LOAD)
         for (uint c = 0; c < kn; ++c) {
           const float16 kv = vload16(j, kr + (ulong)(j0 + c) * DP);
-          ROWS4(DQ_STEP)
+          ROWS8(DQ_STEP)
         }
-        ROWS4(DQ_STORE)
+        ROWS8(DQ_STORE)
       }
     }
   }
   for (uint d = 0; d < D; ++d) {
     float gk[16], gv[16];
-    vstore16(dkT[d], 0, gk);
+    vstore16(dkT[d] * scale, 0, gk);
     vstore16(dvT[d], 0, gv);
     for (uint c = 0; c < kn; ++c) {
       const ulong at = attention_at(b, j0 + c, h, T, H) + d;
@@ -267,8 +306,8 @@ inline void attention_kv_block(__global const T_STORAGE* q, ulong q_off, __globa
 
 // dk and dv of 16 keys j0 = 16 get_global_id(0) of head bh = get_global_id(1) (the two-pass
 // backward: dq follows in attention_backward_q_cpu).
-__kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
-                                        ulong do_off, __global const float* kt, ulong kt_off,
+__kernel void attention_backward_kv_cpu(__global const float* qr, ulong qr_off, __global const float* dr,
+                                        ulong dr_off, __global const float* kt, ulong kt_off,
                                         __global const float* vt, ulong vt_off, __global const float* lse,
                                         ulong lse_off, __global const float* delta, ulong delta_off,
                                         __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off,
@@ -276,8 +315,8 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
                                         float inv_keep, uint step_lo, uint step_hi) {
   const uint j0 = get_global_id(0) * 16, bh = get_global_id(1);
   if (j0 >= T) return;
-  attention_kv_block(q, q_off, dout, do_off, kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp, 0,
-                     lse + lse_off + (ulong)bh * T, delta + delta_off + (ulong)bh * T, 0, dk, dk_off, dv, dv_off, j0, bh,
+  attention_kv_block(qr + qr_off + (ulong)bh * Tp * DP, dr + dr_off + (ulong)bh * Tp * DP,
+                     kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp, 0, lse + lse_off + (ulong)bh * T, delta + delta_off + (ulong)bh * T, 0, dk, dk_off, dv, dv_off, j0, bh,
                      T, Tp, H, scale, seed, threshold, inv_keep, step_lo, step_hi);
 }
 
@@ -286,8 +325,8 @@ __kernel void attention_backward_kv_cpu(__global const T_STORAGE* q, ulong q_off
 // ds k into f32 rows dq_acc [BH, Tp, DP] (scratch) that only this work-item touches, so the scores
 // and do vᵀ are computed once, not twice (five products instead of seven) and no atomics are
 // needed. dq_acc is scaled and stored at the end.
-__kernel void attention_backward_head_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
-                                          ulong do_off, __global const float* kt, ulong kt_off,
+__kernel void attention_backward_head_cpu(__global const float* qr, ulong qr_off, __global const float* dr,
+                                          ulong dr_off, __global const float* kt, ulong kt_off,
                                           __global const float* vt, ulong vt_off, __global const float* kr,
                                           ulong kr_off, __global const float* lse, ulong lse_off,
                                           __global const float* delta, ulong delta_off, __global float* dq_acc,
@@ -300,8 +339,8 @@ __kernel void attention_backward_head_cpu(__global const T_STORAGE* q, ulong q_o
   dq_acc += dq_acc_off + (ulong)bh * Tp * DP;
   for (uint i = 0; i < Tp * DV; ++i) vstore16((float16)0.0f, i, dq_acc);
   for (uint j0 = 0; j0 < T; j0 += 16) {
-    attention_kv_block(q, q_off, dout, do_off, kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp,
-                       kr + kr_off + (ulong)bh * Tp * DP, lse + lse_off + (ulong)bh * T,
+    attention_kv_block(qr + qr_off + (ulong)bh * Tp * DP, dr + dr_off + (ulong)bh * Tp * DP,
+                       kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp, kr + kr_off + (ulong)bh * Tp * DP, lse + lse_off + (ulong)bh * T,
                        delta + delta_off + (ulong)bh * T, dq_acc, dk, dk_off, dv, dv_off, j0, bh, T, Tp, H, scale, seed,
                        threshold, inv_keep, step_lo, step_hi);
   }
@@ -348,15 +387,19 @@ __kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off,
     for (uint r0 = 0; r0 < nr; r0 += RB) {
       if (kb > i0 + r0 + RB - 1) continue;
 #define SD_DECL(r) float16 s##r = 0.0f, dp##r = 0.0f;
-#define SD_STEP(r)                                        \
-  if (r < RB) {                                           \
-    s##r = fma((float16)qs[r0 + r][d], kv, s##r);         \
-    dp##r = fma((float16)dos[r0 + r][d], vv, dp##r);      \
-  }
-      ROWS4(SD_DECL)
+#define SD_SCORE(r) \
+  if (r < RB) s##r = fma((float16)qs[r0 + r][d], kv, s##r);
+#define SD_DP(r) \
+  if (r < RB) dp##r = fma((float16)dos[r0 + r][d], vv, dp##r);
+      ROWS8(SD_DECL)
+      // Two loops, as in attention_kv_block: eight float16 accumulators fill an AVX2 core's registers.
       for (uint d = 0; d < D; ++d) {
-        const float16 kv = vload16(0, kt + (ulong)d * Tp + kb), vv = vload16(0, vt + (ulong)d * Tp + kb);
-        ROWS4(SD_STEP)
+        const float16 kv = vload16(0, kt + (ulong)d * Tp + kb);
+        ROWS8(SD_SCORE)
+      }
+      for (uint d = 0; d < D; ++d) {
+        const float16 vv = vload16(0, vt + (ulong)d * Tp + kb);
+        ROWS8(SD_DP)
       }
       float ds[RB][16];
 #define DS_ROW(r)                                                                                  \
@@ -367,17 +410,17 @@ __kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off,
     if (threshold) dp##r *= attention_keep16(bh, T, i, kb, seed, threshold, inv_keep, step_lo, step_hi); \
     vstore16(p * (dp##r - di[r0 + r]), 0, ds[r]);                                                  \
   }
-      ROWS4(DS_ROW)
+      ROWS8(DS_ROW)
       const uint kn = min(16u, kend - kb);
 #define G_STEP(r) \
   if (r < RB) t##r = fma((float16)ds[r][c], kv, t##r);
       for (uint j = 0; j < DV; ++j) {
-        ROWS4(T_LOAD)
+        ROWS8(T_LOAD)
         for (uint c = 0; c < kn; ++c) {
           const float16 kv = vload16(j, kr + (ulong)(kb + c) * DP);
-          ROWS4(G_STEP)
+          ROWS8(G_STEP)
         }
-        ROWS4(T_STORE)
+        ROWS8(T_STORE)
       }
     }
   }
