@@ -154,16 +154,23 @@ KernelLaunch grid(cl::Kernel k, std::size_t x, std::size_t y, std::size_t local_
   return l;
 }
 
-// Stages k (or v) of every head into f32 scratch: rows and/or transposed (see attention.cl).
-KernelLaunch stage(OpEnv& env, const AttentionShape& s, DType dtype, const AttentionConfig& c, DeviceSpan x,
-                   DeviceSpan rows, DeviceSpan trans) {
-  cl::Kernel k = env.kernels.kernel("attention", "attention_stage", kernel_defines(s, dtype, c));
-  const DeviceSpan none = rows.buffer ? rows : trans;  // a valid buffer for the unused operand
-  const DeviceSpan r = rows.buffer ? rows : none, t = trans.buffer ? trans : none;
-  cl::set_args(k.get(), x.buffer, x.elem_offset(elem_bytes(dtype)), r.buffer, r.elem_offset(), t.buffer,
-               t.elem_offset(), cl_uint(s.context), cl_uint(padded_context(s)), cl_uint(s.heads),
-               cl_uint(rows.buffer != nullptr), cl_uint(trans.buffer != nullptr));
-  return grid(std::move(k), padded_context(s), s.batch * s.heads, 1);
+// Stages x (k, v, q or do) per head as f32 rows [BH, Tp, DP] (rows) and/or transposed [BH, D, Tp] (trans); an
+// operand without a buffer is not staged.
+void stage(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, const AttentionConfig& c, DeviceSpan x,
+           DeviceSpan rows, DeviceSpan trans) {
+  const std::string defines = kernel_defines(s, dtype, c);
+  const std::uint64_t x_off = x.elem_offset(elem_bytes(dtype));
+  const cl_uint T = cl_uint(s.context), Tp = cl_uint(padded_context(s)), H = cl_uint(s.heads);
+  if (rows.buffer) {
+    cl::Kernel k = env.kernels.kernel("attention", "attention_stage", defines);
+    cl::set_args(k.get(), x.buffer, x_off, rows.buffer, rows.elem_offset(), T, Tp, H);
+    list.push_back(grid(std::move(k), padded_context(s), s.batch * s.heads, 1));
+  }
+  if (trans.buffer) {
+    cl::Kernel k = env.kernels.kernel("attention", "attention_stage_t", defines);
+    cl::set_args(k.get(), x.buffer, x_off, trans.buffer, trans.elem_offset(), T, Tp, H);
+    list.push_back(grid(std::move(k), padded_context(s) / 16, s.batch * s.heads, 1));
+  }
 }
 
 }  // namespace
@@ -221,8 +228,8 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
   LaunchList list;
   if (c.cpu) {
     const DeviceSpan kt = scratch, vr = scratch.advanced(heads * tp * s.head_dim * sizeof(float));
-    list.push_back(stage(env, s, dtype, c, k, {}, kt));
-    list.push_back(stage(env, s, dtype, c, v, vr, {}));
+    stage(list, env, s, dtype, c, k, {}, kt);
+    stage(list, env, s, dtype, c, v, vr, {});
     cl::Kernel kn = env.kernels.kernel("attention", "attention_forward_cpu", defines);
     cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), kt.buffer, kt.elem_offset(), vr.buffer, vr.elem_offset(),
                  o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(tp),
@@ -267,12 +274,12 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     const std::size_t row_bytes = heads * tp * padded_dim(s) * sizeof(float);
     const DeviceSpan vt = kt.advanced(t_elems * sizeof(float)), kr = vt.advanced(t_elems * sizeof(float));
     const DeviceSpan qr = kr.advanced(row_bytes), dor = qr.advanced(row_bytes);
-    list.push_back(stage(env, s, dtype, c, k, kr, kt));
-    list.push_back(stage(env, s, dtype, c, v, {}, vt));
+    stage(list, env, s, dtype, c, k, kr, kt);
+    stage(list, env, s, dtype, c, v, {}, vt);
     // q and do as f32 rows: the key blocks read every later query's rows, contiguous in place
     // (copied out of the [B, T, H D] tensors per key block they missed the caches).
-    list.push_back(stage(env, s, dtype, c, q, qr, {}));
-    list.push_back(stage(env, s, dtype, c, dout, dor, {}));
+    stage(list, env, s, dtype, c, q, qr, {});
+    stage(list, env, s, dtype, c, dout, dor, {});
     if (c.pass == 1) {
       const DeviceSpan dq_acc = dor.advanced(row_bytes);
       cl::Kernel kh = env.kernels.kernel("attention", "attention_backward_head_cpu", defines);
