@@ -214,6 +214,13 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
   }
 }
 
+// Key blocks of 16 the one-pass backward takes per walk over the queries: each query's q, do and
+// dq rows are read once per group instead of once per block (at long contexts a head's rows
+// outgrow L2). Their kᵀ, vᵀ and gradients are private: 16 KiB a block at head dimension 64.
+#ifndef KV_GROUP
+#define KV_GROUP (D <= 64 ? 4 : 2)
+#endif
+
 // dk and dv of the 16 keys j0 .. j0 + 15 of head bh, over every query i >= j0: the probabilities
 // p = exp(scale q k - lse) and dp = do v recomputed as 16-key vectors, the gradients accumulated
 // transposed ([d] holds 16 keys), as the staged kᵀ and vᵀ are; the queries in groups of RB (named
@@ -225,23 +232,24 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
                                __global const float* vt, __global const float* kr,
                                __global const float* lse, __global const float* delta, __global float* dq_acc,
                                __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off, uint j0,
-                               uint bh, uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
+                               uint nblk, uint bh, uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
                                float inv_keep, uint step_lo, uint step_hi) {
   const uint b = bh / H, h = bh - b * H;
-  float16 kT[D], vT[D], dkT[D], dvT[D];
-  for (uint d = 0; d < D; ++d) {
-    kT[d] = vload16(0, kt + (ulong)d * Tp + j0);
-    vT[d] = vload16(0, vt + (ulong)d * Tp + j0);
-    dkT[d] = 0.0f;
-    dvT[d] = 0.0f;
+  float16 kT[KV_GROUP][D], vT[KV_GROUP][D], dkT[KV_GROUP][D], dvT[KV_GROUP][D];
+  for (uint g = 0; g < nblk; ++g) {
+    for (uint d = 0; d < D; ++d) {
+      kT[g][d] = vload16(0, kt + (ulong)d * Tp + j0 + 16 * g);
+      vT[g][d] = vload16(0, vt + (ulong)d * Tp + j0 + 16 * g);
+      dkT[g][d] = 0.0f;
+      dvT[g][d] = 0.0f;
+    }
   }
-  const uint kn = min(16u, T - j0);
   for (uint i0 = j0; i0 < T; i0 += RB) {
     // Row r of the group (rows past T read row T - 1 and get p = 0).
-#define KV_DECL(r)                                                    \
+#define KV_ROW(r)                                                     \
   __global const float* qi##r = qr + (ulong)min(i0 + r, T - 1) * DP;  \
-  __global const float* doi##r = dr + (ulong)min(i0 + r, T - 1) * DP; \
-  float16 s##r = 0.0f, dp##r = 0.0f, pd##r, ds##r;
+  __global const float* doi##r = dr + (ulong)min(i0 + r, T - 1) * DP;
+#define KV_DECL(r) float16 s##r = 0.0f, dp##r = 0.0f, pd##r, ds##r;
 #define KV_SCORE(r) \
   if (r < RB) s##r = fma((float16)qi##r[d], kd, s##r);
 #define KV_SCALE(r) \
@@ -254,10 +262,10 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
   } else {                                                                                           \
     const uint i = i0 + r;                                                                           \
     float16 p = exp(s##r - lse[i]);                                                                  \
-    if (j0 + 15 > i) p = select(p, (float16)0.0f, ((int16)j0 + KEY_LANES) > (int16)i);               \
+    if (jg + 15 > i) p = select(p, (float16)0.0f, ((int16)jg + KEY_LANES) > (int16)i);               \
     pd##r = p;                                                                                       \
     if (threshold) {                                                                                 \
-      const float16 keep = attention_keep16(bh, T, i, j0, seed, threshold, inv_keep, step_lo, step_hi); \
+      const float16 keep = attention_keep16(bh, T, i, jg, seed, threshold, inv_keep, step_lo, step_hi); \
       pd##r *= keep;                                                                                 \
       dp##r *= keep;                                                                                 \
     }                                                                                                \
@@ -268,29 +276,36 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
     gv = fma(pd##r, (float16)doi##r[d], gv); \
     gk = fma(ds##r, (float16)qi##r[d], gk);  \
   }  // dk = scale sum ds q: scaled as it is stored
-    ROWS8(KV_DECL)
-    // Scores and do vᵀ in two loops: together their float16 accumulators (eight for four rows)
-    // outnumber an AVX2 core's sixteen registers, and the loads of kᵀ and vᵀ spilled them.
-    for (uint d = 0; d < D; ++d) {
-      const float16 kd = kT[d];
-      ROWS8(KV_SCORE)
-    }
-    ROWS8(KV_SCALE)
-    for (uint d = 0; d < D; ++d) {
-      const float16 vd = vT[d];
-      ROWS8(KV_DP)
-    }
-    ROWS8(KV_PROB)
-    for (uint d = 0; d < D; ++d) {
-      float16 gv = dvT[d], gk = dkT[d];
-      ROWS8(KV_GRAD)
-      dvT[d] = gv;
-      dkT[d] = gk;
-    }
-    if (dq_acc) {
-      // dq rows i0 .. i0 + RB - 1 += ds k over the block's keys (rows past T are neither read nor
-      // written: with RB = 6 they can lie past the head's Tp rows).
-      float dsa[RB][16];
+    ROWS8(KV_ROW)
+    // The group's key blocks in turn, while the rows' q, do and dq are in L1; a block whose first
+    // key is past the last row ends the walk (so do the ones after it).
+    for (uint g = 0; g < nblk; ++g) {
+      const uint jg = j0 + 16 * g;
+      if (jg >= i0 + RB) break;
+      const uint kn = min(16u, T - jg);
+      ROWS8(KV_DECL)
+      // Scores and do vᵀ in two loops: together their float16 accumulators (eight for four rows)
+      // outnumber an AVX2 core's sixteen registers, and the loads of kᵀ and vᵀ spilled them.
+      for (uint d = 0; d < D; ++d) {
+        const float16 kd = kT[g][d];
+        ROWS8(KV_SCORE)
+      }
+      ROWS8(KV_SCALE)
+      for (uint d = 0; d < D; ++d) {
+        const float16 vd = vT[g][d];
+        ROWS8(KV_DP)
+      }
+      ROWS8(KV_PROB)
+      for (uint d = 0; d < D; ++d) {
+        float16 gv = dvT[g][d], gk = dkT[g][d];
+        ROWS8(KV_GRAD)
+        dvT[g][d] = gv;
+        dkT[g][d] = gk;
+      }
+      if (dq_acc) {
+        // dq rows i0 .. i0 + RB - 1 += ds k over the block's keys (rows past T are neither read nor
+        // written: with RB = 6 they can lie past the head's Tp rows).
+        float dsa[RB][16];
 #define DS_SAVE(r) \
   if (r < RB) vstore16(ds##r, 0, dsa[r]);
 #define DQ_LOAD(r) float16 t##r = r < RB && i0 + r < T ? vload16(j, dq_acc + (ulong)(i0 + r) * DP) : 0.0f;
@@ -298,25 +313,29 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
   if (r < RB) t##r = fma((float16)dsa[r][c], kv, t##r);
 #define DQ_STORE(r) \
   if (r < RB && i0 + r < T) vstore16(t##r, j, dq_acc + (ulong)(i0 + r) * DP);
-      ROWS8(DS_SAVE)
-      for (uint j = 0; j < DV; ++j) {
-        ROWS8(DQ_LOAD)
-        for (uint c = 0; c < kn; ++c) {
-          const float16 kv = vload16(j, kr + (ulong)(j0 + c) * DP);
-          ROWS8(DQ_STEP)
+        ROWS8(DS_SAVE)
+        for (uint j = 0; j < DV; ++j) {
+          ROWS8(DQ_LOAD)
+          for (uint c = 0; c < kn; ++c) {
+            const float16 kv = vload16(j, kr + (ulong)(jg + c) * DP);
+            ROWS8(DQ_STEP)
+          }
+          ROWS8(DQ_STORE)
         }
-        ROWS8(DQ_STORE)
       }
     }
   }
-  for (uint d = 0; d < D; ++d) {
-    float gk[16], gv[16];
-    vstore16(dkT[d] * scale, 0, gk);
-    vstore16(dvT[d], 0, gv);
-    for (uint c = 0; c < kn; ++c) {
-      const ulong at = attention_at(b, j0 + c, h, T, H) + d;
-      STORE_T(gk[c], dk, dk_off + at);
-      STORE_T(gv[c], dv, dv_off + at);
+  for (uint g = 0; g < nblk; ++g) {
+    const uint jg = j0 + 16 * g, kn = min(16u, T - jg);
+    for (uint d = 0; d < D; ++d) {
+      float gk[16], gv[16];
+      vstore16(dkT[g][d] * scale, 0, gk);
+      vstore16(dvT[g][d], 0, gv);
+      for (uint c = 0; c < kn; ++c) {
+        const ulong at = attention_at(b, jg + c, h, T, H) + d;
+        STORE_T(gk[c], dk, dk_off + at);
+        STORE_T(gv[c], dv, dv_off + at);
+      }
     }
   }
 }
@@ -333,8 +352,9 @@ __kernel void attention_backward_kv_cpu(__global const float* qr, ulong qr_off, 
   const uint j0 = get_global_id(0) * 16, bh = get_global_id(1);
   if (j0 >= T) return;
   attention_kv_block(qr + qr_off + (ulong)bh * Tp * DP, dr + dr_off + (ulong)bh * Tp * DP,
-                     kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp, 0, lse + lse_off + (ulong)bh * T, delta + delta_off + (ulong)bh * T, 0, dk, dk_off, dv, dv_off, j0, bh,
-                     T, Tp, H, scale, seed, threshold, inv_keep, step_lo, step_hi);
+                     kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp, 0, lse + lse_off + (ulong)bh * T,
+                     delta + delta_off + (ulong)bh * T, 0, dk, dk_off, dv, dv_off, j0, 1u, bh, T, Tp, H, scale, seed,
+                     threshold, inv_keep, step_lo, step_hi);
 }
 
 // The whole backward of head bh = get_global_id(0) in one pass, for when there are enough heads
@@ -355,11 +375,13 @@ __kernel void attention_backward_head_cpu(__global const float* qr, ulong qr_off
   const uint b = bh / H, h = bh - b * H;
   dq_acc += dq_acc_off + (ulong)bh * Tp * DP;
   for (uint i = 0; i < Tp * DV; ++i) vstore16((float16)0.0f, i, dq_acc);
-  for (uint j0 = 0; j0 < T; j0 += 16) {
+  for (uint j0 = 0; j0 < T; j0 += 16 * KV_GROUP) {
     attention_kv_block(qr + qr_off + (ulong)bh * Tp * DP, dr + dr_off + (ulong)bh * Tp * DP,
-                       kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp, kr + kr_off + (ulong)bh * Tp * DP, lse + lse_off + (ulong)bh * T,
-                       delta + delta_off + (ulong)bh * T, dq_acc, dk, dk_off, dv, dv_off, j0, bh, T, Tp, H, scale, seed,
-                       threshold, inv_keep, step_lo, step_hi);
+                       kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp,
+                       kr + kr_off + (ulong)bh * Tp * DP, lse + lse_off + (ulong)bh * T,
+                       delta + delta_off + (ulong)bh * T, dq_acc, dk, dk_off, dv, dv_off, j0,
+                       min((uint)KV_GROUP, (T - j0 + 15) / 16), bh, T, Tp, H, scale, seed, threshold, inv_keep,
+                       step_lo, step_hi);
   }
   for (uint i = 0; i < T; ++i) {
     float16 row[DV];
