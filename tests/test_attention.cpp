@@ -185,9 +185,11 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, AttentionDevice,
     ::testing::Combine(::testing::Values(AttentionShape{1, 1, 1, 16}, AttentionShape{2, 17, 3, 8},
                                          AttentionShape{1, 33, 2, 40}, AttentionShape{2, 64, 2, 64},
-                                         AttentionShape{1, 50, 1, 128}),
+                                         AttentionShape{1, 50, 1, 128}, AttentionShape{1, 100, 2, 16}),
                        // KB=16 and 32: several softmax blocks per row at these contexts; RB=6 and 3
-                       // leave rows of a register tile before a block's first key.
+                       // leave rows of a register tile before a block's first key. Context 100 (and
+                       // 50 at head dimension 128) gives the one-pass backward two groups of key
+                       // blocks, the last one short.
                        ::testing::Values(std::string{}, std::string{"cpu RB=6 QB=12 KB=16 PASS=2"},
                                          std::string{"cpu RB=3 QB=6 KB=32 PASS=1"}, std::string{"tiled BQ=16 BK=8"}),
                        ::testing::Values(0.0f, 0.2f)));
