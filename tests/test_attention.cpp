@@ -185,7 +185,7 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, AttentionDevice,
     ::testing::Combine(::testing::Values(AttentionShape{1, 1, 1, 16}, AttentionShape{2, 17, 3, 8},
                                          AttentionShape{1, 33, 2, 40}, AttentionShape{2, 64, 2, 64},
-                                         AttentionShape{1, 50, 1, 128}, AttentionShape{1, 100, 2, 16}),
+                                         AttentionShape{1, 50, 1, 128}, AttentionShape{1, 100, 1, 16}),
                        // KB=16 and 32: several softmax blocks per row at these contexts; RB=6 and 3
                        // leave rows of a register tile before a block's first key. Context 100 (and
                        // 50 at head dimension 128) gives the one-pass backward two groups of key
