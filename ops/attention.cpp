@@ -277,7 +277,8 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     stage(list, env, s, dtype, c, k, kr, kt);
     stage(list, env, s, dtype, c, v, {}, vt);
     // q and do as f32 rows: the key blocks read every later query's rows, contiguous in place
-    // (copied out of the [B, T, H D] tensors per key block they missed the caches).
+    // (copied out of the [B, T, H D] tensors per key block they missed the caches); the dq pass
+    // reads them too.
     stage(list, env, s, dtype, c, q, qr, {});
     stage(list, env, s, dtype, c, dout, dor, {});
     if (c.pass == 1) {
@@ -302,7 +303,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     set_step_args(lkv, 23, dr.threshold != 0);
     list.push_back(std::move(lkv));
     cl::Kernel kq = env.kernels.kernel("attention", "attention_backward_q_cpu", defines);
-    cl::set_args(kq.get(), q.buffer, q.elem_offset(eb), dout.buffer, dout.elem_offset(eb), kt.buffer, kt.elem_offset(),
+    cl::set_args(kq.get(), qr.buffer, qr.elem_offset(), dor.buffer, dor.elem_offset(), kt.buffer, kt.elem_offset(),
                  vt.buffer, vt.elem_offset(), kr.buffer, kr.elem_offset(), lse.buffer, lse.elem_offset(), delta.buffer,
                  delta.elem_offset(), dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(tp), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));

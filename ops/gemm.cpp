@@ -404,7 +404,7 @@ bool native_dtypes(const GemmPlan& p) {
 bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const GemmOptions& o) {
   if (o.dact == Activation::relu || s.c != DType::f32) return true;
   if (!env.device().is_cpu()) return p.config.kernel == GemmKernel::tiled;
-  return p.config.kernel == GemmKernel::packed && s.N % 16 == 0 && k_splits(s, fit_packed(s, p.config, o)) == 1;
+  return p.config.kernel == GemmKernel::packed && s.N % 16 == 0 && k_splits(s, fitted(env, s, p, o)) == 1;
 }
 
 }  // namespace

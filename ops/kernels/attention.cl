@@ -111,8 +111,8 @@ inline void attention_store_row(const float16* acc, float factor, __global T_STO
 
 // Keys per block of the forward's online softmax (a multiple of 16): the scores of a block are
 // made 16 keys at a time into an L1 array, then each row's maximum, rescale and sum are taken
-// once per block rather than per 16 keys (at head dimension 64 those per-block steps weighed
-// as much as half the products).
+// once per block rather than per 16 keys (context 2048, head dimension 64: forward 88 ms with
+// 16 keys a block, 78 with 64; bench/RESULTS.md).
 #ifndef KB
 #define KB 64
 #endif
@@ -393,8 +393,8 @@ __kernel void attention_backward_head_cpu(__global const float* qr, ulong qr_off
 // dq of QB query rows i0 = QB get_global_id(0) of head bh: dq = scale sum_j ds_ij k_j over the
 // keys each row sees, ds recomputed per 16-key block as in attention_backward_kv_cpu, RB rows at
 // a time in registers (as the forward).
-__kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* dout,
-                                       ulong do_off, __global const float* kt, ulong kt_off, __global const float* vt,
+__kernel void attention_backward_q_cpu(__global const float* qr, ulong qr_off, __global const float* dr,
+                                       ulong dr_off, __global const float* kt, ulong kt_off, __global const float* vt,
                                        ulong vt_off, __global const float* kr, ulong kr_off,
                                        __global const float* lse, ulong lse_off, __global const float* delta,
                                        ulong delta_off, __global T_STORAGE* dq, ulong dq_off, uint T, uint Tp, uint H,
@@ -407,14 +407,15 @@ __kernel void attention_backward_q_cpu(__global const T_STORAGE* q, ulong q_off,
   kt += kt_off + (ulong)bh * D * Tp;
   vt += vt_off + (ulong)bh * D * Tp;
   kr += kr_off + (ulong)bh * Tp * DP;
+  qr += qr_off + (ulong)bh * Tp * DP;  // q and do as staged f32 rows (as for the key blocks)
+  dr += dr_off + (ulong)bh * Tp * DP;
 
   float qs[QB][D], dos[QB][D], li[QB], di[QB];
   float16 acc[QB][DV];
   for (uint r = 0; r < QB; ++r) {
-    const ulong at = attention_at(b, min(i0 + r, T - 1), h, T, H);
     for (uint d = 0; d < D; ++d) {
-      qs[r][d] = r < nr ? LOAD_T(q, q_off + at + d) * scale : 0.0f;
-      dos[r][d] = r < nr ? LOAD_T(dout, do_off + at + d) : 0.0f;
+      qs[r][d] = r < nr ? qr[(ulong)(i0 + r) * DP + d] * scale : 0.0f;
+      dos[r][d] = r < nr ? dr[(ulong)(i0 + r) * DP + d] : 0.0f;
     }
     li[r] = r < nr ? lse[lse_off + (ulong)bh * T + i0 + r] : 0.0f;
     di[r] = r < nr ? delta[delta_off + (ulong)bh * T + i0 + r] : 0.0f;
