@@ -338,6 +338,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       {"launch", "launch -n 20 --elems 1024 --repeat 1"},
       {"allreduce", "allreduce --hidden 32 --batch 8 --steps 2 --max-ranks 4"},
       {"graph", "graph --sizes 16 --runs 2 --repeat 1"},
+      {"peak", "peak --widths 4 --accumulators 4 --run-ms 2 --repeat 1"},
       {"hostpath", "hostpath --layers 4 --width 8 --steps 3 --warmup 1 --repeat 1"},
       {"compile", "compile --depth 2 --depth 4 --width 16 --repeat 1"},
       {"gemm", "gemm --sizes 64 --repeat 1 --breakdown"},
