@@ -13,17 +13,28 @@
 namespace ferry::ops {
 namespace {
 
-// The kernel family and its parameters: cpu (RB) or tiled (BQ, BK).
+// The kernel family and its parameters: cpu (RB, QB, KB, PASS), tiled (BQ, BK) or blocked (TQ, TK).
+enum class Family { cpu, tiled, blocked };
+
 struct AttentionConfig {
-  bool cpu = true;
+  Family family = Family::cpu;
   std::size_t rb = 6, qb = 48;   // cpu: query rows per register tile (at most 8), per work-item
   std::size_t kb = 64;           // cpu forward: keys per online-softmax block (a multiple of 16)
   std::size_t pass = 0;          // cpu backward: 1 (a work-item per head) or 2 (dk dv, then dq); 0: by heads
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
+  std::size_t tq = 64, tk = 32;  // blocked: queries and keys per tile, before fitting to local memory
 
+  bool cpu() const { return family == Family::cpu; }
   std::string text() const {
-    return cpu ? fmt::format("cpu RB={} QB={} KB={} PASS={}", rb, qb, kb, pass)
-               : fmt::format("tiled BQ={} BK={}", bq, bk);
+    switch (family) {
+      case Family::cpu:
+        return fmt::format("cpu RB={} QB={} KB={} PASS={}", rb, qb, kb, pass);
+      case Family::tiled:
+        return fmt::format("tiled BQ={} BK={}", bq, bk);
+      case Family::blocked:
+        break;
+    }
+    return fmt::format("blocked TQ={} TK={}", tq, tk);
   }
 };
 
@@ -40,12 +51,16 @@ AttentionConfig parse_config(const std::string& spec) {
   in >> family;
   AttentionConfig c;
   if (family == "cpu") {
-    c.cpu = true;
+    c.family = Family::cpu;
   } else if (family == "tiled") {
-    c.cpu = false;
+    c.family = Family::tiled;
+  } else if (family == "blocked") {
+    c.family = Family::blocked;
   } else {
-    throw std::invalid_argument(fmt::format(
-        "attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\" or \"tiled BQ=n BK=n\")", spec));
+    throw std::invalid_argument(
+        fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\" "
+                    "or \"blocked TQ=n TK=n\")",
+                    spec));
   }
   for (std::string kv; in >> kv;) {
     const auto eq = kv.find('=');
@@ -60,26 +75,36 @@ AttentionConfig parse_config(const std::string& spec) {
       throw std::invalid_argument(
           fmt::format("attention: kernel parameter '{}' in '{}' needs a value in 1..256", kv, spec));
     }
-    if (c.cpu && key == "RB") {
+    const bool cpu = c.family == Family::cpu, tiled = c.family == Family::tiled, blocked = !cpu && !tiled;
+    if (cpu && key == "RB") {
       c.rb = value;
-    } else if (c.cpu && key == "QB") {
+    } else if (cpu && key == "QB") {
       c.qb = value;
-    } else if (c.cpu && key == "KB") {
+    } else if (cpu && key == "KB") {
       c.kb = value;
-    } else if (c.cpu && key == "PASS" && value <= 2) {
+    } else if (cpu && key == "PASS" && value <= 2) {
       c.pass = value;
-    } else if (!c.cpu && key == "BQ") {
+    } else if (tiled && key == "BQ") {
       c.bq = value;
-    } else if (!c.cpu && key == "BK") {
+    } else if (tiled && key == "BK") {
       c.bk = value;
+    } else if (blocked && key == "TQ") {
+      c.tq = value;
+    } else if (blocked && key == "TK") {
+      c.tk = value;
     } else {
       throw std::invalid_argument(fmt::format("attention: '{}' is not a parameter of the {} kernel", key, family));
     }
   }
-  if (c.cpu && (c.rb > 8 || c.qb % c.rb != 0 || c.kb % 16 != 0)) {
+  if (c.cpu() && (c.rb > 8 || c.qb % c.rb != 0 || c.kb % 16 != 0)) {
     throw std::invalid_argument(fmt::format(
         "attention: '{}': RB (rows per register tile) is at most 8, QB a multiple of it and KB a multiple of 16",
         spec));
+  }
+  auto tile = [](std::size_t t) { return t >= 4 && t <= 64 && (t & (t - 1)) == 0; };
+  if (c.family == Family::blocked && (!tile(c.tq) || !tile(c.tk))) {
+    throw std::invalid_argument(
+        fmt::format("attention: '{}': TQ and TK (queries and keys per tile) are 4, 8, 16, 32 or 64", spec));
   }
   return c;
 }
@@ -91,12 +116,17 @@ AttentionConfig parse_config(const std::string& spec) {
 // per work-group and 32 keys per tile, fewer where the device's work-group limit or its local
 // memory asks.
 AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
-  AttentionConfig c = o.kernel.empty() ? AttentionConfig{env.device().is_cpu()} : parse_config(o.kernel);
+  AttentionConfig c;
+  if (!o.kernel.empty()) {
+    c = parse_config(o.kernel);
+  } else {
+    c.family = env.device().is_cpu() ? Family::cpu : Family::tiled;
+  }
   // The one-pass backward runs a work-item per head: it takes over once there are four heads per
   // compute unit (fewer would leave cores idle), and computes five products instead of seven.
-  if (c.cpu && c.pass == 0)
+  if (c.cpu() && c.pass == 0)
     c.pass = s.batch * s.heads >= 4 * std::max<std::size_t>(env.device().compute_units, 1) ? 1 : 2;
-  if (!c.cpu && o.kernel.empty()) {
+  if (c.family == Family::tiled && o.kernel.empty()) {
     c.bq = std::min<std::size_t>(c.bq, std::max<std::size_t>(env.device().max_work_group_size, 1));
     const std::uint64_t local = env.device().local_mem_bytes;
     while (c.bk > 8 && (2 * c.bk * s.head_dim + 2 * c.bk) * sizeof(float) > local) c.bk /= 2;
@@ -104,10 +134,59 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
   return c;
 }
 
+// The blocked family's three kernels and the local memory each declares (floats), as in
+// attention_blocked.cl: TQ and TK are fitted per kernel.
+enum class BlockedKernel { forward, dq, dkv };
+
+std::size_t blocked_local_floats(BlockedKernel k, std::size_t dp, std::size_t tq, std::size_t tk) {
+  switch (k) {
+    case BlockedKernel::forward:
+      return dp * tq + std::max(dp, tq) * tk + tk * dp + tq * tk / 4;
+    case BlockedKernel::dq:
+      return 2 * dp * tq + dp * (tk + 4) + dp * tk + tk * tq;
+    case BlockedKernel::dkv:
+      break;
+  }
+  return 2 * dp * tk + 2 * dp * (tq + 4) + 2 * tq * tk + 2 * tq;
+}
+
+// TQ and TK for one blocked kernel: the configuration's, the larger halved (TQ on a tie) until its
+// local arrays fit the device and its (TQ / 4) (TK / 4) work-items fit a work-group. The dk dv
+// kernel keeps both of its queries' layouts and the key tiles (2 DP (TK + TQ + 4) floats), so at
+// head dimension 64 it runs 32 x 32 tiles in 43 KiB where the forward runs 64 x 32 in 35 KiB.
+std::pair<std::size_t, std::size_t> blocked_tiles(OpEnv& env, const AttentionShape& s, const AttentionConfig& c,
+                                                  BlockedKernel k) {
+  const std::size_t dp = padded_dim(s);
+  const std::uint64_t local = env.device().local_mem_bytes;
+  const std::size_t group = std::max<std::size_t>(env.device().max_work_group_size, 1);
+  std::size_t tq = c.tq, tk = c.tk;
+  while (blocked_local_floats(k, dp, tq, tk) * sizeof(float) > local || (tq / 4) * (tk / 4) > group) {
+    if (tq <= 4 && tk <= 4) {
+      throw std::invalid_argument(fmt::format(
+          "attention: the blocked kernels need {} bytes of local memory at head dimension {} with 4 x 4 tiles, and "
+          "{} has {}; use the tiled kernels (\"tiled BQ=n BK=n\") or the unfused attention",
+          blocked_local_floats(k, dp, 4, 4) * sizeof(float), s.head_dim, env.device().name, local));
+    }
+    if (tq >= tk && tq > 4) {
+      tq /= 2;
+    } else {
+      tk /= 2;
+    }
+  }
+  return {tq, tk};
+}
+
 std::string kernel_defines(const AttentionShape& s, DType dtype, const AttentionConfig& c) {
   std::string d = fmt::format("{} -DHEAD_DIM={} -DDP={}", dtype_define(dtype), s.head_dim, padded_dim(s));
-  if (c.cpu) return d + fmt::format(" -DRB={} -DQB={} -DKB={}", c.rb, c.qb, c.kb);
+  if (c.cpu()) return d + fmt::format(" -DRB={} -DQB={} -DKB={}", c.rb, c.qb, c.kb);
+  if (c.family == Family::blocked) return d;  // attention.cl's shared kernels only (attention_delta)
   return d + fmt::format(" -DBQ={} -DBK={}", c.bq, c.bk);
+}
+
+std::string blocked_defines(OpEnv& env, const AttentionShape& s, DType dtype,
+                            std::pair<std::size_t, std::size_t> tiles) {
+  return fmt::format("{} -DHEAD_DIM={} -DDP={} -DTQ={} -DTK={} -DUNROLL_BLOCKS={}", dtype_define(dtype), s.head_dim,
+                     padded_dim(s), tiles.first, tiles.second, int(!env.device().is_cpu()));
 }
 
 std::size_t elem_bytes(DType t) {
@@ -133,15 +212,16 @@ void set_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout) {
   };
 }
 
-// A tiled kernel runs work-groups of exactly BQ work-items (its loops stride by BQ): refuse a
-// kernel the device cannot run that wide instead of letting the enqueue fail.
-void check_group(const cl::Kernel& k, OpEnv& env, const AttentionConfig& c, const char* name) {
+// A tiled kernel runs work-groups of exactly BQ work-items (its loops stride by BQ), a blocked one
+// of (TQ / 4) (TK / 4): refuse a kernel the device cannot run that wide instead of letting the
+// enqueue fail.
+void check_group(const cl::Kernel& k, OpEnv& env, std::size_t group, const char* name, const AttentionConfig& c) {
   const std::size_t limit = kernel_group_limit(k, env.device());
-  if (limit < c.bq) {
+  if (limit < group) {
     throw std::invalid_argument(
-        fmt::format("attention: {} runs work-groups of BQ = {} work-items, but {} allows {} for it; pick a smaller BQ "
-                    "(AttentionOptions::kernel, ferry-bench attention --kernel \"tiled BQ={} BK={}\")",
-                    name, c.bq, env.device().name, limit, limit, c.bk));
+        fmt::format("attention: {} runs work-groups of {} work-items, but {} allows {} for it; pick smaller tiles "
+                    "(AttentionOptions::kernel, ferry-bench attention --kernel; this one: \"{}\")",
+                    name, group, env.device().name, limit, c.text()));
   }
 }
 
@@ -202,7 +282,7 @@ std::string attention_kernel_description(OpEnv& env, const AttentionShape& s, co
 
 std::size_t attention_forward_scratch_elems(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
   check_attention_shape(s);
-  if (!choose_config(env, s, o).cpu) return 0;
+  if (!choose_config(env, s, o).cpu()) return 0;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
   return heads * tp * s.head_dim + heads * tp * padded_dim(s);  // kᵀ, v rows
 }
@@ -211,7 +291,7 @@ std::size_t attention_backward_scratch_elems(OpEnv& env, const AttentionShape& s
   check_attention_shape(s);
   const std::size_t delta = round_up(s.rows(), 64);
   const AttentionConfig c = choose_config(env, s, o);
-  if (!c.cpu) return delta;
+  if (!c.cpu()) return delta;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
   // delta, kᵀ, vᵀ, then rows of k, q and do; the one-pass backward's f32 dq rows
   return delta + 2 * heads * tp * s.head_dim + heads * tp * padded_dim(s) * (c.pass == 1 ? 4 : 3);
@@ -226,7 +306,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
   const std::size_t eb = elem_bytes(dtype), heads = s.batch * s.heads, tp = padded_context(s);
   const std::string defines = kernel_defines(s, dtype, c);
   LaunchList list;
-  if (c.cpu) {
+  if (c.cpu()) {
     const DeviceSpan kt = scratch, vr = scratch.advanced(heads * tp * s.head_dim * sizeof(float));
     stage(list, env, s, dtype, c, k, {}, kt);
     stage(list, env, s, dtype, c, v, vr, {});
@@ -239,8 +319,22 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
     list.push_back(std::move(l));
     return list;
   }
+  if (c.family == Family::blocked) {
+    const auto tiles = blocked_tiles(env, s, c, BlockedKernel::forward);
+    cl::Kernel kn =
+        env.kernels.kernel("attention_blocked", "attention_forward_blocked", blocked_defines(env, s, dtype, tiles));
+    const std::size_t group = (tiles.first / 4) * (tiles.second / 4);
+    check_group(kn, env, group, "attention_forward_blocked", c);
+    cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
+                 o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads),
+                 scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
+    KernelLaunch l = grid(std::move(kn), (s.context + tiles.first - 1) / tiles.first * group, heads, group);
+    set_step_args(l, 16, dr.threshold != 0);
+    list.push_back(std::move(l));
+    return list;
+  }
   cl::Kernel kn = env.kernels.kernel("attention", "attention_forward_tiled", defines);
-  check_group(kn, env, c, "attention_forward_tiled");
+  check_group(kn, env, c.bq, "attention_forward_tiled", c);
   cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads), scale,
                dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
@@ -268,7 +362,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     list.push_back(grid(std::move(kn), s.context, heads, 0));
     list.back().local = {0, 0, 0};
   }
-  if (c.cpu) {
+  if (c.cpu()) {
     const std::size_t t_elems = heads * tp * s.head_dim;
     const DeviceSpan kt = scratch.advanced(round_up(s.rows(), 64) * sizeof(float));
     const std::size_t row_bytes = heads * tp * padded_dim(s) * sizeof(float);
@@ -312,8 +406,36 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     list.push_back(std::move(lq));
     return list;
   }
+  if (c.family == Family::blocked) {
+    const auto kv_tiles = blocked_tiles(env, s, c, BlockedKernel::dkv);
+    cl::Kernel kv = env.kernels.kernel("attention_blocked", "attention_backward_kv_blocked",
+                                       blocked_defines(env, s, dtype, kv_tiles));
+    const std::size_t kv_group = (kv_tiles.first / 4) * (kv_tiles.second / 4);
+    check_group(kv, env, kv_group, "attention_backward_kv_blocked", c);
+    cl::set_args(kv.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
+                 dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
+                 dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
+                 scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
+    KernelLaunch lkv =
+        grid(std::move(kv), (s.context + kv_tiles.second - 1) / kv_tiles.second * kv_group, heads, kv_group);
+    set_step_args(lkv, 22, dr.threshold != 0);
+    list.push_back(std::move(lkv));
+    const auto q_tiles = blocked_tiles(env, s, c, BlockedKernel::dq);
+    cl::Kernel kq = env.kernels.kernel("attention_blocked", "attention_backward_q_blocked",
+                                       blocked_defines(env, s, dtype, q_tiles));
+    const std::size_t q_group = (q_tiles.first / 4) * (q_tiles.second / 4);
+    check_group(kq, env, q_group, "attention_backward_q_blocked", c);
+    cl::set_args(kq.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
+                 dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
+                 dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale, dr.seed, dr.threshold,
+                 dr.inv_keep, cl_uint(0), cl_uint(0));
+    KernelLaunch lq = grid(std::move(kq), (s.context + q_tiles.first - 1) / q_tiles.first * q_group, heads, q_group);
+    set_step_args(lq, 20, dr.threshold != 0);
+    list.push_back(std::move(lq));
+    return list;
+  }
   cl::Kernel kv = env.kernels.kernel("attention", "attention_backward_kv_tiled", defines);
-  check_group(kv, env, c, "attention_backward_kv_tiled");
+  check_group(kv, env, c.bq, "attention_backward_kv_tiled", c);
   cl::set_args(kv.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
                dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
@@ -322,7 +444,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
   set_step_args(lkv, 22, dr.threshold != 0);
   list.push_back(std::move(lkv));
   cl::Kernel kq = env.kernels.kernel("attention", "attention_backward_q_tiled", defines);
-  check_group(kq, env, c, "attention_backward_q_tiled");
+  check_group(kq, env, c.bq, "attention_backward_q_tiled", c);
   cl::set_args(kq.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
                dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale, dr.seed, dr.threshold,

@@ -1,6 +1,6 @@
 // Fused causal attention: the CPU reference against the unfused ops' references (scores, causal
 // softmax, dropout, value product) and against finite differences; the device kernels of both
-// families (cpu, tiled) against the reference, forward and backward, over contexts that are not
+// families (cpu, tiled, blocked) against the reference, forward and backward, over contexts that are not
 // multiples of the tiles, head dimensions past a vector, several heads and batches, dropout, and
 // f16 / bf16 storage; determinism; clear errors for shapes the kernels have no tiles for.
 #include <gtest/gtest.h>
@@ -191,7 +191,10 @@ INSTANTIATE_TEST_SUITE_P(
                        // 50 at head dimension 128) gives the one-pass backward two groups of key
                        // blocks, the last one short.
                        ::testing::Values(std::string{}, std::string{"cpu RB=6 QB=12 KB=16 PASS=2"},
-                                         std::string{"cpu RB=3 QB=6 KB=32 PASS=1"}, std::string{"tiled BQ=16 BK=8"}),
+                                         std::string{"cpu RB=3 QB=6 KB=32 PASS=1"}, std::string{"tiled BQ=16 BK=8"},
+                                         // the GPU family with its default tiles (fitted per kernel) and
+                                         // with tiles smaller than these contexts, keys wider than queries
+                                         std::string{"blocked"}, std::string{"blocked TQ=8 TK=16"}),
                        ::testing::Values(0.0f, 0.2f)));
 
 // f16 and bf16 storage, f32 arithmetic: the device against the reference on the rounded inputs.
@@ -201,7 +204,8 @@ TEST(AttentionDevice, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
   const Inputs in = random_inputs(s, 21);
   const std::size_t n = in.q.size();
   for (const graph::DType t : {graph::DType::f16, graph::DType::bf16}) {
-    for (const std::string kernel : {"cpu RB=4 QB=8 PASS=1", "cpu RB=2 QB=4 PASS=2", "tiled BQ=16 BK=8"}) {
+    for (const std::string kernel :
+         {"cpu RB=4 QB=8 PASS=1", "cpu RB=2 QB=4 PASS=2", "tiled BQ=16 BK=8", "blocked TQ=16 TK=8"}) {
       SCOPED_TRACE(std::string(ops::dtype_name(t)) + " " + kernel);
       auto narrow = [&](const std::vector<float>& x) {
         std::vector<std::uint16_t> y(x.size());

@@ -21,17 +21,10 @@
 // 1 / (1 - p); step_lo and step_hi are set per step. The fused op and the unfused softmax +
 // dropout therefore draw the same mask.
 
-#include "dtype.clh"
-#include "philox.clh"
+#include "attention.clh"
 #include "reduce.clh"
 
-#define D HEAD_DIM
 #define DV (DP / 16)
-
-inline float attention_keep(ulong index, uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
-  const uint r = philox_first((uint4)((uint)index, (uint)(index >> 32), step_lo, step_hi), (uint2)(seed, 0u));
-  return r >= threshold ? inv_keep : 0.0f;
-}
 
 // The dropout factors of keys j0 .. j0 + 15 of row i of head bh.
 inline float16 attention_keep16(uint bh, uint T, uint i, uint j0, uint seed, uint threshold, float inv_keep,
@@ -40,11 +33,6 @@ inline float16 attention_keep16(uint bh, uint T, uint i, uint j0, uint seed, uin
   const ulong base = ((ulong)bh * T + i) * T + j0;
   for (uint c = 0; c < 16; ++c) f[c] = attention_keep(base + c, seed, threshold, inv_keep, step_lo, step_hi);
   return vload16(0, f);
-}
-
-// Element (b, t, h, d) of a [B, T, H D] tensor, past the operand's offset.
-inline ulong attention_at(uint b, uint t, uint h, uint T, uint H) {
-  return ((ulong)b * T + t) * (H * D) + h * D;
 }
 
 // delta[bh, i] = sum_d do[b, i, h, d] o[b, i, h, d]. Work-item (i, bh).
