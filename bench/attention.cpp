@@ -190,7 +190,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->capture_default_str()
       ->check(CLI::Range(std::size_t{1}, ops::attention_max_head_dim));
   sub.add_option("--kernel", o->kernel,
-                 "fused kernel instead of the device's default: \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\"");
+                 "fused kernel instead of the device's default: \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\", "
+                 "\"blocked TQ=n TK=n\"");
   sub.add_flag("!--no-unfused", o->unfused, "skip the unfused ops");
   sub.add_flag("--peer", o->peer, "also time PyTorch's scaled_dot_product_attention (is_causal) forward + backward");
   sub.add_option("--python", o->python, "Python interpreter with torch for --peer")->capture_default_str();

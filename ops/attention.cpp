@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
+#include "ops/attention_tune.hpp"
 
 namespace ferry::ops {
 namespace {
@@ -112,15 +113,20 @@ AttentionConfig parse_config(const std::string& spec) {
 // Defaults: on CPU devices register tiles of 6 query rows (the most whose scores fit AVX2's sixteen
 // vector registers: 8 spilled), 48 rows per work-item and softmax blocks of 64 keys (measured on
 // PoCL's pthread device against RB 2, 4 and 8, QB 30 and 48, KB 16 and 128: bench/RESULTS.md,
-// "Attention's CPU kernels fitted to AVX2"); elsewhere 64 queries
-// per work-group and 32 keys per tile, fewer where the device's work-group limit or its local
-// memory asks.
+// "Attention's CPU kernels fitted to AVX2"); elsewhere the tuned kernel. A tiled kernel's
+// BQ and BK shrink to the device's work-group limit and local memory when they are defaults;
+// the blocked kernels' tiles are fitted per kernel (blocked_tiles).
 AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
   AttentionConfig c;
   if (!o.kernel.empty()) {
     c = parse_config(o.kernel);
+  } else if (env.device().is_cpu()) {
+    c.family = Family::cpu;
   } else {
-    c.family = env.device().is_cpu() ? Family::cpu : Family::tiled;
+    // Other devices: the tuner's winner for this device (ops/attention_tune.hpp), else the blocked
+    // family's default tiles.
+    const std::string tuned = attention_tuning_for(env).kernel;
+    c = tuned.empty() ? parse_config("blocked") : parse_config(tuned);
   }
   // The one-pass backward runs a work-item per head: it takes over once there are four heads per
   // compute unit (fewer would leave cores idle), and computes five products instead of seven.

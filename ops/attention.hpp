@@ -1,4 +1,4 @@
-// Fused causal multi-head attention (ops/kernels/attention.cl): o = softmax(scale q kᵀ + causal
+// Fused causal multi-head attention (ops/kernels/attention.cl, attention_blocked.cl): o = softmax(scale q kᵀ + causal
 // mask) v per head, with optional dropout on the probabilities, without the [T, T] score matrix in
 // device memory. Tiled with an online softmax (FlashAttention-2's partitioning): the forward runs
 // over query blocks and saves each row's log-sum-exp; the backward recomputes the probabilities
@@ -44,7 +44,11 @@ struct AttentionOptions {
   // keys (a multiple of 16); PASS=1 runs the backward as one work-item
   // per head, PASS=2 as dk dv per key block then dq per query block (default: 1 when there are
   // four heads per compute unit). "tiled BQ=64 BK=32": a work-group per BQ queries (or keys),
-  // tiles of BK keys (or queries) in local memory. Defaults: cpu on CPU devices, tiled elsewhere.
+  // tiles of BK keys (or queries) in local memory, a work-item per query (or key). "blocked TQ=64
+  // TK=32" (GPUs): a work-group per TQ queries (or TK keys), every work-item a 4 x 4 block of the
+  // scores (ops/kernels/attention_blocked.cl); TQ and TK (4 to 64, powers of two) are fitted per
+  // kernel to the device's local memory. Defaults: cpu on CPU devices; elsewhere the tuner's
+  // winner for the device (ops/attention_tune.hpp), or blocked with FERRY_TUNE=off.
   std::string kernel{};
 };
 

@@ -1,14 +1,32 @@
-// The GEMM tuning cache: one small text file per device, driver and GEMM kernel source, holding
-// the tuner's winning row, checksummed like the program cache. Private to ops/gemm*.cpp.
+// The tuning caches: one small text file per device, driver and kernel source, holding the tuner's
+// winner, checksummed like the program cache. The GEMM's (below) holds a row of the tuning data;
+// the attention's (ops/attention_tuner.cpp) a kernel. Private to ops/.
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "ferry/cl/device.hpp"
 #include "gemm_tuning.hpp"
 
 namespace ferry::ops {
+
+// What a cached winner depends on: the device, its driver and the kernel files being tuned (as
+// named in the embedded sources: "gemm_tiled.cl", "dtype.clh").
+std::uint64_t tune_cache_key(const cl::DeviceInfo& device, std::initializer_list<std::string_view> kernel_files);
+
+// A tuning cache file's text without its last line, "# checksum <16 hex digits>" (FNV-1a of the
+// lines above it), or nullopt when there is no file. A file without that line or failing it prints
+// a warning naming the file and `what` ("GEMM tuning cache") and returns nullopt.
+std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what);
+
+// Writes `body` and its checksum line to a temporary file beside `path` and renames it into place,
+// so a reader (or an interrupted tuner) never sees half a file. Returns false after printing a
+// warning when the folder cannot be written.
+bool write_tune_cache_text(const std::string& path, const std::string& body, const char* what);
 
 // The file for this device under `dir` (the program cache's folder).
 std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& device);
@@ -18,9 +36,7 @@ std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& d
 // overwritten).
 std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device);
 
-// Writes the row (with a comment saying what was measured) to a temporary file beside `path` and
-// renames it into place, so a reader (or an interrupted tuner) never sees half a file. Returns
-// false after printing a warning when the folder cannot be written.
+// Writes the row, with a comment saying what was measured (write_tune_cache_text).
 bool write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment);
 
 }  // namespace ferry::ops

@@ -3,10 +3,16 @@
 // families (cpu, tiled, blocked) against the reference, forward and backward, over contexts that are not
 // multiples of the tiles, head dimensions past a vector, several heads and batches, dropout, and
 // f16 / bf16 storage; determinism; clear errors for shapes the kernels have no tiles for.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -14,6 +20,7 @@
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ops/attention.hpp"
+#include "ops/attention_tune.hpp"
 #include "ops/gemm.hpp"
 #include "ops/softmax.hpp"
 #include "test_support.hpp"
@@ -266,7 +273,8 @@ TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
                std::invalid_argument);
   EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 8, 1, 16}, {"flash"}),
                std::invalid_argument);
-  for (const char* bad : {"cpu RB=9 QB=18", "cpu RB=4 QB=8 KB=24", "cpu RB=4 QB=6"}) {
+  for (const char* bad : {"cpu RB=9 QB=18", "cpu RB=4 QB=8 KB=24", "cpu RB=4 QB=6", "blocked TQ=12", "blocked TK=128",
+                          "blocked BQ=16", "tiled TQ=16"}) {
     EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 8, 1, 16}, {bad}),
                  std::invalid_argument)
         << bad;
@@ -289,6 +297,72 @@ TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
   }
   const TensorId y = b.attention(q, k, k, 4);
   EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 8, 32}));
+}
+
+// The attention tuner: GPU candidate lists (both families, quick a subset of full), a search over
+// given candidates on this device, its cache written, read back, and refused once damaged.
+TEST(AttentionTune, SearchesCachesAndRefusesADamagedCache) {
+  auto& dev = TestDevice::get();
+  cl::DeviceInfo as_gpu = dev.context.device(), as_cpu = dev.context.device();
+  as_gpu.type = CL_DEVICE_TYPE_GPU;
+  as_cpu.type = CL_DEVICE_TYPE_CPU;
+  const auto quick = ops::attention_tune_candidates(as_gpu, ops::TuneMode::quick);
+  const auto full = ops::attention_tune_candidates(as_gpu, ops::TuneMode::full);
+  ASSERT_FALSE(quick.empty());
+  EXPECT_LT(quick.size(), full.size());
+  EXPECT_EQ(quick.front(), "blocked TQ=64 TK=32");
+  bool tiled = false;
+  for (const std::string& k : quick) {
+    EXPECT_NE(std::find(full.begin(), full.end(), k), full.end()) << k;
+    tiled |= k.starts_with("tiled ");
+  }
+  EXPECT_TRUE(tiled) << "the search must measure the tiled family against the blocked one";
+  EXPECT_TRUE(ops::attention_tune_candidates(as_cpu, ops::TuneMode::full).empty());
+  EXPECT_THROW(ops::tune_attention(dev.env), std::invalid_argument);  // a CPU without candidates
+  EXPECT_TRUE(ops::attention_tuning_for(dev.env).kernel.empty() || !dev.context.device().is_cpu());
+
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry_attention_tune_{}", ::getpid());
+  std::filesystem::remove_all(dir);
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  ops::AttentionTuneOptions o;
+  o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8", "blocked TQ=9"};  // the last one cannot run
+  o.shapes = {{1, 40, 2, 16}, {2, 24, 1, 32}};
+  std::size_t reports = 0;
+  o.progress = [&](const ops::AttentionTuneProgress& p) {
+    ++reports;
+    EXPECT_EQ(p.total, 3u);
+  };
+  const ops::AttentionTuneResult r = ops::tune_attention(env, o);
+  EXPECT_EQ(reports, 3u);
+  ASSERT_EQ(r.candidates.size(), 3u);
+  EXPECT_GT(r.candidates[0].score_ms, 0.0) << r.candidates[0].error;
+  EXPECT_GT(r.candidates[1].score_ms, 0.0) << r.candidates[1].error;
+  EXPECT_NE(r.candidates[2].error.find("TQ"), std::string::npos) << r.candidates[2].error;
+  EXPECT_TRUE(r.best == o.candidates[0] || r.best == o.candidates[1]) << r.best;
+  EXPECT_EQ(r.best_ms, std::min(r.candidates[0].score_ms, r.candidates[1].score_ms));
+  ASSERT_EQ(r.best_shape_ms.size(), 2u);
+  ASSERT_EQ(r.cache_path, ops::attention_tune_cache_path(env));
+  ASSERT_FALSE(r.cache_path.empty());
+  EXPECT_EQ(ops::read_attention_tune_cache(env, r.cache_path), std::optional<std::string>(r.best));
+
+  // A damaged cache: a warning naming the file, and no kernel from it.
+  std::string text;
+  {
+    std::ifstream in(r.cache_path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  const std::size_t at = text.find("kernel ");
+  ASSERT_NE(at, std::string::npos) << text;
+  text[at + 7] = text[at + 7] == 'b' ? 't' : 'b';
+  std::ofstream(r.cache_path, std::ios::trunc) << text;
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ops::read_attention_tune_cache(env, r.cache_path), std::nullopt);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(r.cache_path + " fails its checksum"), std::string::npos) << err;
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -182,7 +182,7 @@ bool write_side_output(const std::string& path, const char* what, bool quiet, st
 int cmd_plan(const TrainArgs& a);
 
 struct TuneArgs {
-  std::string device, mode = "quick";
+  std::string device, mode = "quick", family = "all";
   double budget_seconds = 60;
   bool json = false, quiet = false;
 };

@@ -606,8 +606,9 @@ int main(int argc, char** argv) {
   TuneArgs tune_args;
   auto* tune = app.add_subcommand(
       "tune",
-      "Tune the GEMM kernel for a device ahead of first use (a bounded search; the winner is cached beside the "
-      "program cache and used wherever ops/tuning/gemm.tsv has no row naming the device)");
+      "Tune the GEMM kernel (and, on GPUs, the fused attention's) for a device ahead of first use (bounded "
+      "searches; the winners are cached beside the program cache; a row of ops/tuning/gemm.tsv naming the device "
+      "wins over the GEMM's)");
   tune->add_option("--device", tune_args.device,
                    "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
   tune->add_option("--mode", tune_args.mode, "quick: the likeliest candidates; full: all of them")
@@ -616,7 +617,12 @@ int main(int argc, char** argv) {
   tune->add_option("--budget-seconds", tune_args.budget_seconds, "Stop starting candidates after this long")
       ->check(positive_number())
       ->capture_default_str();
-  tune->add_flag("--json", tune_args.json, "End with one JSON line of results on stdout");
+  tune->add_option("--family", tune_args.family,
+                   "What to tune: gemm, attention (devices that are not CPUs) or all (the GEMM, then the attention "
+                   "where it is tuned)")
+      ->check(CLI::IsMember({"gemm", "attention", "all"}))
+      ->capture_default_str();
+  tune->add_flag("--json", tune_args.json, "End with one JSON line of results per family tuned on stdout");
   tune->add_flag("--quiet", tune_args.quiet, "No progress output");
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;

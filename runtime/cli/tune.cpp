@@ -1,4 +1,5 @@
-// `ferry tune`: the GEMM tuner ahead of time, with progress, a summary and the cached row.
+// `ferry tune`: the GEMM and attention tuners ahead of time, with progress, a summary and the
+// cached winners.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -7,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
+#include "ops/attention_tune.hpp"
 #include "ops/gemm_tune.hpp"
 
 namespace ferry::cli {
@@ -32,12 +34,8 @@ struct ProgressBar {
   }
 };
 
-}  // namespace
-
-int cmd_tune(const TuneArgs& a) {
-  ferry::Runtime runtime({.device = a.device});
-  ops::OpEnv& env = runtime.env();
-  const auto& d = runtime.device();
+// The GEMM's search: progress, the winner per shape, and its JSON line.
+void tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
   ops::GemmTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
@@ -100,6 +98,95 @@ int cmd_tune(const TuneArgs& a) {
                         {"gemm_tuning", choice},
                         {"candidates", cands}};
     std::cout << j.dump() << std::endl;
+  }
+}
+
+// The attention's search (devices that are not CPUs): progress, the winner per shape, and its JSON line.
+void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
+  ops::AttentionTuneOptions o;
+  o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
+  o.budget_seconds = a.budget_seconds;
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  if (!a.quiet) {
+    std::cerr << fmt::format("ferry tune: attention on '{}' ({}), {} search, budget {:.0f} s\n", d.name, d.driver,
+                             a.mode, a.budget_seconds);
+    o.progress = [tty](const ops::AttentionTuneProgress& p) {
+      const std::string line =
+          fmt::format("ferry tune: attention {:>2}/{} best {:.3f} ms {}", p.done, p.total, p.best_ms, p.best);
+      if (tty) {
+        std::fprintf(stderr, "\r%-120s", line.c_str());
+      } else {
+        std::fprintf(stderr, "%s\n", line.c_str());
+      }
+      std::fflush(stderr);
+    };
+  }
+  const ops::AttentionTuneResult r = ops::tune_attention(env, o);
+  const ops::AttentionTuning now = ops::attention_tuning_for(env);
+  if (!a.quiet) {
+    std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{}): {:.3f} ms geometric mean\n",
+                             tty ? "\n" : "", r.best, r.seconds, r.candidates.size(), r.planned,
+                             r.budget_ran_out ? ", budget spent" : "", r.best_ms);
+    for (std::size_t i = 0; i < r.shapes.size(); ++i) {
+      const auto& s = r.shapes[i];
+      std::cerr << fmt::format("  batch {} context {:>5} heads {} x {}  forward + backward {:8.3f} ms\n", s.batch,
+                               s.context, s.heads, s.head_dim, r.best_shape_ms[i]);
+    }
+    for (const auto& c : r.candidates) {
+      if (!c.error.empty()) std::cerr << fmt::format("  skipped {}: {}\n", c.kernel, c.error);
+    }
+    std::cerr << (r.cache_path.empty() ? std::string("ferry tune: the program cache is off, so nothing was saved\n")
+                                       : fmt::format("ferry tune: saved in {}\n", r.cache_path));
+  }
+  if (a.json) {
+    nlohmann::json shapes = nlohmann::json::array(), cands = nlohmann::json::array();
+    for (std::size_t i = 0; i < r.shapes.size(); ++i) {
+      const auto& s = r.shapes[i];
+      shapes.push_back({{"batch", s.batch},
+                        {"context", s.context},
+                        {"heads", s.heads},
+                        {"head_dim", s.head_dim},
+                        {"ms", r.best_shape_ms[i]}});
+    }
+    for (const auto& c : r.candidates)
+      cands.push_back({{"kernel", c.kernel}, {"score_ms", c.score_ms}, {"error", c.error}});
+    const nlohmann::json j = {{"schema", 1},
+                              {"command", "tune"},
+                              {"family", "attention"},
+                              {"device", d.name},
+                              {"driver", d.driver},
+                              {"mode", a.mode},
+                              {"budget_seconds", a.budget_seconds},
+                              {"seconds", r.seconds},
+                              {"candidates_planned", r.planned},
+                              {"candidates_measured", r.candidates.size()},
+                              {"budget_ran_out", r.budget_ran_out},
+                              {"best", r.best},
+                              {"best_ms", r.best_ms},
+                              {"shapes", shapes},
+                              {"cache_path", r.cache_path},
+                              {"attention_tuning", now.kernel.empty() ? now.source : now.kernel},
+                              {"candidates", cands}};
+    std::cout << j.dump() << std::endl;
+  }
+}
+
+}  // namespace
+
+int cmd_tune(const TuneArgs& a) {
+  ferry::Runtime runtime({.device = a.device});
+  ops::OpEnv& env = runtime.env();
+  const auto& d = runtime.device();
+  if (a.family == "attention" && d.is_cpu()) {
+    throw std::invalid_argument(fmt::format(
+        "ferry tune --family attention: '{}' is a CPU device, whose fused attention runs the cpu family's measured "
+        "tiles; the attention is tuned on GPUs and other devices",
+        d.name));
+  }
+  if (a.family != "attention") tune_gemm_family(a, env, d);
+  if (a.family == "attention" || (a.family == "all" && !d.is_cpu())) tune_attention_family(a, env, d);
+  if (a.family == "all" && d.is_cpu() && !a.quiet) {
+    std::cerr << "ferry tune: attention not tuned: on CPU devices it runs the cpu family's measured tiles\n";
   }
   return 0;
 }

@@ -1,0 +1,298 @@
+// The attention tuner (see ops/attention_tune.hpp): every candidate's forward and backward timed on
+// the shapes below, the lowest geometric mean of their times wins and is cached per device, driver
+// and attention kernel source. Cache file:
+//   # ferry attention tuning cache, written by the tuner (`ferry tune`); delete it to tune again.
+//   # <comment lines>
+//   kernel <the winner, as AttentionOptions::kernel takes it>
+//   # checksum <16 hex digits: FNV-1a of every line above>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "ferry/cl/context.hpp"
+#include "ferry/cl/program.hpp"
+#include "gemm_tune_cache.hpp"
+#include "ops/attention_tune.hpp"
+
+namespace ferry::ops {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* cache_what = "attention tuning cache";
+constexpr const char* untuned_default = "blocked TQ=64 TK=32";
+
+// The benchmark's shape class (one sequence of 1024, 12 heads of 64) and the 85M GPT's attention
+// (8 sequences of 256): long rows and many short ones.
+std::vector<AttentionShape> default_shapes() {
+  return {{1, 1024, 12, 64}, {8, 256, 12, 64}};
+}
+
+// A candidate's forward and backward, the best of three rounds of back-to-back runs (each round
+// about 20 ms), in ms.
+class Timer {
+ public:
+  Timer(OpEnv& env, const std::vector<AttentionShape>& shapes) : env_(env), ctx_(env.kernels.context()) {
+    for (const AttentionShape& s : shapes) {
+      elems_ = std::max(elems_, s.batch * s.context * s.width());
+      rows_ = std::max(rows_, s.rows());
+    }
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    auto upload = [&](std::size_t n, const char* what) {
+      std::vector<float> h(n);
+      for (float& x : h) x = dist(rng);
+      cl::Mem m = ctx_.create_buffer(n * sizeof(float), what);
+      ctx_.write(m.get(), 0, h.data(), n * sizeof(float));
+      return m;
+    };
+    for (const char* what : {"attention tuner q", "attention tuner k", "attention tuner v", "attention tuner do"})
+      inputs_.push_back(upload(elems_, what));
+    for (const char* what : {"attention tuner o", "attention tuner dq", "attention tuner dk", "attention tuner dv"})
+      outputs_.push_back(ctx_.create_buffer(elems_ * sizeof(float), what));
+    lse_ = ctx_.create_buffer(rows_ * sizeof(float), "attention tuner lse");
+  }
+
+  double measure(const AttentionShape& s, const std::string& kernel) {
+    const AttentionOptions o{kernel};
+    const std::size_t need = std::max<std::size_t>(
+        {attention_forward_scratch_elems(env_, s, o), attention_backward_scratch_elems(env_, s, o), 1});
+    if (need > scratch_elems_) {
+      scratch_ = ctx_.create_buffer(need * sizeof(float), "attention tuner scratch");
+      scratch_elems_ = need;
+    }
+    auto span = [](const cl::Mem& m) { return DeviceSpan{m.get(), 0}; };
+    const float scale = 1.0f / std::sqrt(float(s.head_dim));
+    LaunchList launches = attention_forward(env_, s, DType::f32, scale, {}, span(inputs_[0]), span(inputs_[1]),
+                                            span(inputs_[2]), span(outputs_[0]), span(lse_), span(scratch_), o);
+    LaunchList backward = attention_backward(
+        env_, s, DType::f32, scale, {}, span(inputs_[0]), span(inputs_[1]), span(inputs_[2]), span(outputs_[0]),
+        span(lse_), span(inputs_[3]), span(outputs_[1]), span(outputs_[2]), span(outputs_[3]), span(scratch_), o);
+    for (KernelLaunch& l : backward) launches.push_back(std::move(l));
+    auto run = [&](int n) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < n; ++i) enqueue(ctx_.compute(), launches, {});
+      cl::check(clFinish(ctx_.compute()), "clFinish (attention tuner)");
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    run(1);  // builds the programs, warms caches and clocks
+    const double once = run(1);
+    const int n = static_cast<int>(std::clamp(0.02 / std::max(once, 1e-6), 1.0, 100.0));
+    double best = once;
+    for (int round = 0; round < 3; ++round) best = std::min(best, run(n) / n);
+    return best * 1e3;
+  }
+
+ private:
+  OpEnv& env_;
+  const cl::Context& ctx_;
+  std::size_t elems_ = 0, rows_ = 0, scratch_elems_ = 0;
+  std::vector<cl::Mem> inputs_, outputs_;
+  cl::Mem lse_, scratch_;
+};
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void record_winner(OpEnv& env, TuneMode mode, AttentionTuneResult& r) {
+  r.cache_path = attention_tune_cache_path(env);
+  if (r.cache_path.empty()) return;
+  std::string shapes;
+  for (std::size_t i = 0; i < r.shapes.size(); ++i) {
+    const AttentionShape& s = r.shapes[i];
+    shapes += fmt::format("{}batch {} context {} heads {} x {}: {:.3f} ms", i ? ", " : "", s.batch, s.context, s.heads,
+                          s.head_dim, r.best_shape_ms[i]);
+  }
+  const std::string body = fmt::format(
+      "# ferry attention tuning cache, written by the tuner (`ferry tune`); delete it to tune again.\n"
+      "# device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\n"
+      "# forward + backward: {}\n"
+      "kernel {}\n",
+      env.device().name, env.device().driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds, shapes,
+      r.best);
+  if (!write_tune_cache_text(r.cache_path, body, cache_what)) r.cache_path.clear();
+}
+
+struct TuningState {
+  std::recursive_mutex mutex;
+  std::map<cl_device_id, AttentionTuning> chosen;
+};
+
+TuningState& state() {
+  static TuningState s;
+  return s;
+}
+
+// First use on a device without a cached winner: the search, with a line of progress on stderr.
+AttentionTuning tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
+  std::fprintf(stderr,
+               "ferry: tuning the attention kernels for '%s' (first use on this device and driver, about %.0f s at "
+               "most; `ferry tune` does it ahead of time, FERRY_TUNE=off skips it)\n",
+               env.device().name.c_str(), budget_seconds + 5);
+  AttentionTuneOptions o;
+  o.mode = mode;
+  o.budget_seconds = budget_seconds;
+  o.progress = [](const AttentionTuneProgress& p) {
+    std::fprintf(stderr, "\rferry: tuning attention %zu/%zu, best %.3f ms   ", p.done, p.total, p.best_ms);
+    std::fflush(stderr);
+  };
+  const AttentionTuneResult r = tune_attention(env, o);
+  std::fprintf(stderr, "\rferry: tuned attention in %.1f s: %s (%.3f ms over %zu shapes)%s%s\n", r.seconds,
+               r.best.c_str(), r.best_ms, r.shapes.size(), r.cache_path.empty() ? "" : ", saved in ",
+               r.cache_path.c_str());
+  return {r.best, r.cache_path.empty() ? std::string("tuned now (not cached)") : r.cache_path};
+}
+
+}  // namespace
+
+std::vector<std::string> attention_tune_candidates(const cl::DeviceInfo& device, TuneMode mode) {
+  if (device.is_cpu()) return {};
+  struct Tiles {
+    const char* family;
+    std::size_t a, b;  // blocked: TQ, TK; tiled: BQ, BK
+    bool quick;
+  };
+  const Tiles all[] = {{"blocked", 64, 32, true},  {"blocked", 32, 32, true},  {"blocked", 64, 64, true},
+                       {"blocked", 64, 16, true},  {"tiled", 64, 32, true},    {"blocked", 32, 64, false},
+                       {"blocked", 32, 16, false}, {"blocked", 16, 32, false}, {"blocked", 16, 16, false},
+                       {"tiled", 128, 16, false},  {"tiled", 32, 32, false},   {"tiled", 64, 16, false}};
+  std::vector<std::string> out;
+  for (const Tiles& t : all) {
+    if (mode != TuneMode::full && !t.quick) continue;
+    const bool blocked = std::string_view(t.family) == "blocked";
+    const std::size_t group = blocked ? (t.a / 4) * (t.b / 4) : t.a;
+    if (group > device.max_work_group_size) continue;
+    out.push_back(blocked ? fmt::format("blocked TQ={} TK={}", t.a, t.b) : fmt::format("tiled BQ={} BK={}", t.a, t.b));
+  }
+  return out;
+}
+
+std::string attention_tune_cache_path(OpEnv& env) {
+  const cl::ProgramCacheOptions& cache = env.kernels.cache_options();
+  if (!cache.enabled || cache.dir.empty()) return "";
+  const std::uint64_t key =
+      tune_cache_key(env.device(), {"attention.cl", "attention_blocked.cl", "attention.clh", "dtype.clh"});
+  return (cache.dir / fmt::format("attention-tuning-{:016x}.txt", key)).string();
+}
+
+std::optional<std::string> read_attention_tune_cache(OpEnv& env, const std::string& path) {
+  const std::optional<std::string> body = read_tune_cache_text(path, cache_what);
+  if (!body) return std::nullopt;
+  std::istringstream lines(*body);
+  std::string kernel;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.starts_with("kernel ")) kernel = line.substr(7);
+  }
+  try {
+    if (kernel.empty()) throw std::invalid_argument("no kernel line");
+    attention_kernel_description(env, {1, 64, 1, 64}, {kernel});  // parses it
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ferry: warning: %s %s holds no valid kernel (%s); it will be tuned again and replaced\n",
+                 cache_what, path.c_str(), e.what());
+    return std::nullopt;
+  }
+  return kernel;
+}
+
+AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& options) {
+  const auto t0 = Clock::now();
+  const cl::DeviceInfo& device = env.device();
+  const TuneMode mode = options.mode == TuneMode::off ? TuneMode::quick : options.mode;
+  const std::vector<std::string> candidates =
+      options.candidates.empty() ? attention_tune_candidates(device, mode) : options.candidates;
+  if (candidates.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "attention tuning: '{}' is a CPU device, whose attention runs the cpu family's measured defaults; there is "
+        "nothing to tune",
+        device.name));
+  }
+  AttentionTuneResult r;
+  r.device = device.name;
+  r.planned = candidates.size();
+  r.shapes = options.shapes.empty() ? default_shapes() : options.shapes;
+  Timer timer(env, r.shapes);
+  AttentionTuneProgress progress;
+  progress.total = candidates.size();
+  for (const std::string& kernel : candidates) {
+    if (seconds_since(t0) > options.budget_seconds && !r.best.empty()) {
+      r.budget_ran_out = true;
+      break;
+    }
+    AttentionTuneCandidate c;
+    c.kernel = kernel;
+    std::vector<double> times;
+    try {
+      double log_sum = 0;
+      for (const AttentionShape& s : r.shapes) {
+        times.push_back(timer.measure(s, kernel));
+        log_sum += std::log(times.back());
+      }
+      c.score_ms = std::exp(log_sum / double(times.size()));
+    } catch (const std::exception& e) {
+      c.error = e.what();  // a candidate this device cannot build or run: skipped, and said so
+    }
+    if (c.error.empty() && (r.best.empty() || c.score_ms < r.best_ms)) {
+      r.best = kernel;
+      r.best_ms = c.score_ms;
+      r.best_shape_ms = times;
+      progress.best = kernel;
+      progress.best_ms = c.score_ms;
+    }
+    r.candidates.push_back(std::move(c));
+    ++progress.done;
+    if (options.progress) options.progress(progress);
+  }
+  if (r.best.empty()) {
+    throw std::runtime_error(fmt::format("attention tuning on '{}': no candidate could run; the first failed with: {}",
+                                         device.name, r.candidates.at(0).error));
+  }
+  r.seconds = seconds_since(t0);
+  record_winner(env, mode, r);
+  forget_attention_tuning();  // later attention ops read the new winner
+  return r;
+}
+
+AttentionTuning attention_tuning_for(OpEnv& env) {
+  const cl::DeviceInfo& device = env.device();
+  if (device.is_cpu()) return {"", "defaults (CPU devices run the cpu family's measured tiles)"};
+  TuningState& st = state();
+  std::lock_guard lock(st.mutex);
+  if (auto it = st.chosen.find(device.id); it != st.chosen.end()) return it->second;
+  const TuneMode mode = tune_mode_from_env();
+  const double budget = tune_budget_from_env();
+  AttentionTuning t{"", fmt::format("defaults (FERRY_TUNE=off: {})", untuned_default)};
+  if (mode != TuneMode::off) {
+    const std::string cache = attention_tune_cache_path(env);
+    if (cache.empty()) {
+      std::fprintf(stderr,
+                   "ferry: note: not tuning the attention kernels for '%s': the program cache is off, so a winner "
+                   "could not be kept (set FERRY_CACHE_DIR to a writable folder); %s runs\n",
+                   device.name.c_str(), untuned_default);
+      t.source = fmt::format("defaults (no program cache: {})", untuned_default);
+    } else if (std::optional<std::string> cached = read_attention_tune_cache(env, cache)) {
+      t = {*cached, cache};
+    } else {
+      t = tune_now(env, mode, budget);
+    }
+  }
+  st.chosen.emplace(device.id, t);
+  return t;
+}
+
+void forget_attention_tuning() {
+  TuningState& st = state();
+  std::lock_guard lock(st.mutex);
+  st.chosen.clear();
+}
+
+}  // namespace ferry::ops
