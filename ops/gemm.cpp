@@ -99,8 +99,8 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
   return c;
 }
 
-// The tiled parameters for this shape, when they come from the tuning data: while the product
-// has fewer tiles than the device has compute units, halve the tile and the results per
+// The tiled parameters for this shape, when they come from the tuning data and do not split K
+// (SK=0): while the product has fewer tiles than the device has compute units, halve the tile and the results per
 // work-item (same group size), down to 2 x 2 per work-item and no fewer than VW. A row tuned on large squares (128 x
 // 128 tiles: 1.5x the 64 x 64 tiles at n = 2048 on an H100) would leave most of the device idle on
 // a training step's batch-sized products. Kernels asked for by name run as given.
@@ -109,6 +109,7 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
   auto tiles = [&](std::size_t tsm, std::size_t tsn) {
     return s.batch * ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn);
   };
+  if (c.param("SK") == 1) return c;  // short waves are split along K instead (tiled_splits)
   for (;;) {
     const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
     const int vw = c.param("VW");
@@ -290,7 +291,6 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
                                           splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0" : epilogue);
   const cl_mem dz = dact ? options.dact_input.buffer : c.buffer;  // not read without C_DACT
   const std::uint64_t dz_off = dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : 0;
-  const std::string sum_defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, s.c), epilogue);
   const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
                       c_off = c.elem_offset(dtype_bytes(s.c));
   const std::uint64_t panels_elems = direct ? 0 : packed_panel_elems(s, cfg);
@@ -357,11 +357,8 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   l.local = {1, 1, 1};
   list.push_back(std::move(l));
   if (splits > 1) {
-    cl::Kernel sum = env.kernels.kernel("gemm_packed", "gemm_sum_splits", sum_defines);
-    cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), cl_uint(s.batch), scratch.buffer, parts_off,
-                 alpha, beta, c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(),
-                 has_bias, dz, dz_off);
-    list.push_back(elementwise_launch(std::move(sum), s.batch * s.M * s.N));
+    list.push_back(sum_splits_launch(env, s, splits, {scratch.buffer, parts_off * sizeof(float)}, alpha, beta, c,
+                                     options, options.c_planes));
   }
   return list;
 }
@@ -409,6 +406,28 @@ bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const G
 
 }  // namespace
 
+// (gemm_tiled.hpp) The launch that adds the splits' partial products (f32 blocks [batch splits, M, N] from `parts`)
+// into C with alpha, beta, the bias and the epilogue (gemm_sum.cl): the second half of a split-K
+// product, for either kernel.
+KernelLaunch sum_splits_launch(OpEnv& env, const GemmShape& s, std::size_t splits, DeviceSpan parts, float alpha,
+                               float beta, DeviceSpan c, const GemmOptions& options, std::size_t c_planes) {
+  const bool dact = options.dact_input.buffer != nullptr;
+  const std::string defines = fmt::format("-DC_NAME={} -DC_IS_F32={} -DC_PLANES={} -DC_RELU={} -DC_DACT={}",
+                                          s.c == DType::f32   ? "F32"
+                                          : s.c == DType::f16 ? "F16"
+                                                              : "BF16",
+                                          int(s.c == DType::f32), c_planes, int(options.relu),
+                                          dact ? 1 + int(options.dact == Activation::gelu) : 0);
+  cl::Kernel sum = env.kernels.kernel("gemm_sum", "gemm_sum_splits", defines);
+  const cl_uint has_bias = options.bias.buffer != nullptr;
+  cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), cl_uint(s.batch), parts.buffer,
+               parts.elem_offset(), alpha, beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
+               has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
+               dact ? options.dact_input.buffer : c.buffer,
+               dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0});
+  return elementwise_launch(std::move(sum), s.batch * s.M * s.N);
+}
+
 // Row blocks per group of gemm_packed's traversal (its group_blocks): as many as keep the group's
 // rows of A within a sixteenth of the device's global memory cache (a CPU's last-level cache; 2
 // MiB of 32 here), while the panels of B stream past them. 0, no grouping, when all of A fits.
@@ -429,6 +448,9 @@ std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions
   if (s.batch == 0) return 0;
   const GemmPlan p = plan(env, options);
   if (packed_features(p)) return packed_elems(s, fit_packed(s, p.config, options), options);
+  if (p.backend == GemmBackend::ferry && p.config.kernel == GemmKernel::tiled) {
+    return tiled_scratch_elems(s, fitted(env, s, p, options), env.device().compute_units);
+  }
   if (native_dtypes(p)) return 0;
   return staged_layout(s).total;
 }
@@ -506,7 +528,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     case GemmKernel::packed:
       return bind_packed(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
-      return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, options.bias, options);
+      return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::naive:
       return bind_naive(env, s, alpha, a, b, beta, c, options);
   }

@@ -20,8 +20,46 @@ std::size_t tiled_local_bytes(const GemmKernelConfig& c) {
   return 2 * tsk * (c.param("TSM") + 4 + c.param("TSN") + 4) * sizeof(float);
 }
 
-LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
-                      DeviceSpan b, float beta, DeviceSpan c, DeviceSpan bias, const GemmOptions& options) {
+std::size_t tiled_splits(const GemmShape& s, const GemmKernelConfig& c, std::uint32_t compute_units) {
+  if (c.param("SK") == 0 || compute_units == 0 || s.K == 0) return 1;
+  const std::size_t tsm = c.param("TSM"), tsn = c.param("TSN"), tsk = c.param("TSK");
+  const std::size_t groups = s.batch * ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn);
+  if (groups >= 4 * std::size_t{compute_units}) return 1;
+  auto waves = [&](std::size_t n) {  // the length of n splits' waves, in unsplit products
+    return double((groups * n + compute_units - 1) / compute_units) / double(n);
+  };
+  const std::size_t most = std::min<std::size_t>(16, s.K / (8 * tsk));
+  double least = waves(1);
+  for (std::size_t n = 2; n <= most; ++n) least = std::min(least, waves(n));
+  if (least > 0.9 * waves(1)) return 1;
+  // The fewest splits within 5% of the shortest waves: each split writes and reads back an M x N
+  // block, which the wave count does not see.
+  for (std::size_t n = 2; n <= most; ++n) {
+    if (waves(n) <= 1.05 * least) return n;
+  }
+  return 1;
+}
+
+namespace {
+// K rows per split: a multiple of TSK.
+std::size_t chunk_rows(const GemmShape& s, const GemmKernelConfig& c, std::size_t splits) {
+  const std::size_t tsk = c.param("TSK");
+  return ((s.K + splits - 1) / splits + tsk - 1) / tsk * tsk;
+}
+}  // namespace
+
+std::size_t tiled_scratch_elems(const GemmShape& s, const GemmKernelConfig& c, std::uint32_t compute_units) {
+  const std::size_t splits = tiled_splits(s, c, compute_units);
+  return splits > 1 ? s.batch * splits * s.M * s.N : 0;
+}
+
+namespace {
+
+// The tiled kernel itself: one launch, `splits` splits of K per product (C then holds their raw
+// partial products when split).
+LaunchList bind_tiled_kernel(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
+                             DeviceSpan b, float beta, DeviceSpan c, DeviceSpan bias, const GemmOptions& options,
+                             std::size_t splits) {
   const bool dact = options.dact_input.buffer != nullptr;
   const std::size_t tsm = cfg.param("TSM"), tsn = cfg.param("TSN");
   const std::size_t rtsm = tsm / cfg.param("WPTM"), rtsn = tsn / cfg.param("WPTN");
@@ -45,15 +83,37 @@ LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cf
                b.buffer, b.elem_offset(dtype_bytes(s.b)), beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
                has_bias ? bias.buffer : c.buffer, bias.elem_offset(), has_bias, cl_ulong(s.M * s.K),
                cl_ulong(s.K * s.N), cl_ulong(s.M * s.N), dact ? options.dact_input.buffer : c.buffer,
-               dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0});
+               dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0},
+               cl_uint(splits > 1 ? chunk_rows(s, cfg, splits) : s.K), cl_uint(splits));
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 3;
-  l.global = {(s.N + tsn - 1) / tsn * rtsn, (s.M + tsm - 1) / tsm * rtsm, s.batch};
+  l.global = {(s.N + tsn - 1) / tsn * rtsn, (s.M + tsm - 1) / tsm * rtsm, s.batch * splits};
   l.local = {rtsn, rtsm, 1};
   LaunchList list;
   list.push_back(std::move(l));
   return list;
+}
+
+}  // namespace
+
+LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
+                      DeviceSpan b, float beta, DeviceSpan c, DeviceSpan scratch, const GemmOptions& options) {
+  const std::size_t splits = tiled_splits(s, cfg, env.device().compute_units);
+  if (splits > 1) {
+    if (scratch.buffer == nullptr) {
+      throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch, got none", s.M, s.N, s.K,
+                                              cfg.text(), tiled_scratch_elems(s, cfg, env.device().compute_units)));
+    }
+    // The splits' raw f32 products into scratch, then one pass adds them with alpha, beta, the bias
+    // and the epilogue.
+    GemmShape parts = s;
+    parts.c = DType::f32;
+    LaunchList list = bind_tiled_kernel(env, parts, cfg, 1.0f, a, b, 0.0f, scratch, {}, {}, splits);
+    list.push_back(sum_splits_launch(env, s, splits, scratch, alpha, beta, c, options, 0));
+    return list;
+  }
+  return bind_tiled_kernel(env, s, cfg, alpha, a, b, beta, c, options.bias, options, 1);
 }
 
 }  // namespace ferry::ops

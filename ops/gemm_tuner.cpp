@@ -62,7 +62,7 @@ std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode
 // (NV = 1 for 256-bit units, where a float16 takes two of their 16 registers), likeliest first;
 // each block with the k loop unrolled by 4 (the AVX2 EPYC's best) and, in the full search, rolled.
 // Packing A (PA=1) changes only products with A transposed, which the probe square is not: the
-// finalists get their packed-A twins in stage 2 (packed_a_twin).
+// finalists get their packed-A twins in stage 2 (finalist_twin).
 std::vector<std::string> packed_candidates(TuneMode mode) {
   std::vector<std::string> out;
   for (int nv : {4, 1, 2, 3}) {
@@ -76,11 +76,14 @@ std::vector<std::string> packed_candidates(TuneMode mode) {
   return out;
 }
 
-// A packed finalist with A packed too ("" for others): the same kernel on the probe square, so
-// the scored shapes (a weight gradient among them, A transposed) decide between the two.
-std::string packed_a_twin(const std::string& kernel) {
-  if (!kernel.starts_with("packed ") || kernel.find("PA=") != std::string::npos) return "";
-  return kernel + " PA=1";
+// A finalist's twin ("" for none), the same kernel on the probe square with an option that only the
+// scored shapes tell apart: a packed kernel with A packed (the weight gradient's A is transposed);
+// a tiled kernel that splits K where its work-groups leave the last wave short (SK=1, instead of
+// halving the tile: the GPT's down-projection and weight gradient, 96 and 144 tiles of 128 x 128).
+std::string finalist_twin(const std::string& kernel) {
+  if (kernel.starts_with("packed ") && kernel.find("PA=") == std::string::npos) return kernel + " PA=1";
+  if (kernel.starts_with("tiled ") && kernel.find("SK=") == std::string::npos) return kernel + " SK=1";
+  return "";
 }
 
 // The probe shape and the shapes a row is scored on: squares, and the products of the MLP
@@ -248,8 +251,8 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
   }
 }
 
-// Stage 2: the best `finalists` of stage 1, and their packed-A twins, on every scored shape; the
-// winner has the highest geometric mean.
+// Stage 2: the best `finalists` of stage 1, and their twins (finalist_twin), on every scored shape;
+// the winner has the highest geometric mean.
 void score_finalists(Timer& timer, std::size_t finalists, const std::string& device, GemmTuneProgress& progress,
                      const GemmTuneOptions& options, GemmTuneResult& r) {
   std::vector<std::size_t> ranked;  // indices into r.candidates
@@ -267,7 +270,7 @@ void score_finalists(Timer& timer, std::size_t finalists, const std::string& dev
   std::vector<std::size_t> scored;
   for (std::size_t i : ranked) {
     scored.push_back(i);
-    std::string twin = packed_a_twin(r.candidates[i].kernel);
+    std::string twin = finalist_twin(r.candidates[i].kernel);
     if (twin.empty()) continue;
     GemmTuneCandidate t;
     t.kernel = std::move(twin);
@@ -351,7 +354,7 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   // Stage 2 takes the best few; its share of the budget is held back from stage 1.
   constexpr std::size_t finalists = 3;
   GemmTuneProgress progress;
-  progress.total = candidates.size() + finalists;  // a CPU's finalists add their packed-A twins
+  progress.total = candidates.size() + finalists;  // the finalists' twins are added in stage 2
   probe_candidates(timer, probe, candidates, options.budget_seconds * 0.7, t0, progress, options, r);
   score_finalists(timer, finalists, device.name, progress, options, r);
   r.seconds = seconds_since(t0);

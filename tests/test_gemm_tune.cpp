@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 
+#include "ops/gemm_tiled.hpp"
 #include "ops/gemm_tune.hpp"
 #include "test_support.hpp"
 
@@ -93,6 +95,65 @@ TEST(GemmTune, EveryGpuCandidateComputesTheProduct) {
     o.kernel = kernel;
     expect_gemm_right(dev.env, s, o, kernel);
   }
+}
+
+// The tiled kernel with SK=1 splits K where its work-groups leave a wave short (two compute units
+// here: three groups run as 2 + 1, two splits as 3 + 3 halves) and adds the splits in a second
+// launch with alpha, beta, the bias and the epilogue; every transpose, a batch, a narrow C.
+TEST(GemmTune, TiledSplitsOfKMatchTheReference) {
+  auto& dev = TestDevice::get();
+  const std::string kernel = "tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2 SK=1";
+  const ops::GemmKernelConfig cfg = ops::parse_gemm_kernel_spec(kernel, "test");
+  EXPECT_EQ(ops::tiled_splits({96, 32, 300}, cfg, 2), 2u);
+  EXPECT_EQ(ops::tiled_splits({96, 32, 100}, cfg, 2), 1u);  // chunks would be under 8 TSK rows
+  EXPECT_EQ(ops::tiled_splits({96, 32, 300}, cfg, 3), 1u);  // three groups fill three units
+  EXPECT_EQ(
+      ops::tiled_splits({768, 3072, 2048, true, false},
+                        ops::parse_gemm_kernel_spec("tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 SK=1", "test"), 132),
+      7u);  // 144 groups on 132 units: 8 waves of a seventh instead of 2 whole ones
+  EXPECT_EQ(
+      ops::tiled_splits({2048, 768, 3072},
+                        ops::parse_gemm_kernel_spec("tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 SK=1", "test"), 132),
+      4u);  // 96 groups: 3 waves of a quarter
+  EXPECT_EQ(ops::tiled_splits({96, 32, 300},
+                              ops::parse_gemm_kernel_spec("tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2", "test"), 2),
+            1u);  // SK=0
+  const ops::GemmShape shapes[] = {
+      {96, 32, 300, false, false}, {32, 96, 257, true, false}, {96, 32, 299, false, true}, {32, 96, 260, true, true}};
+  for (const ops::GemmShape& s : shapes) {
+    ASSERT_GT(ops::tiled_splits(s, cfg, dev.context.device().compute_units), 1u) << "the case must split here";
+    ops::GemmOptions o;
+    o.backend = ops::GemmBackend::ferry;
+    o.kernel = kernel;
+    expect_gemm_right(dev.env, s, o, fmt::format("{}x{}x{} {}{}", s.M, s.N, s.K, s.trans_a, s.trans_b));
+  }
+  // A batch of three single-group products, with a bias and the ReLU: C = relu(A B + bias) per product.
+  ops::GemmShape s{32, 20, 400};
+  s.batch = 3;
+  const auto a = random_vector(3 * 32 * 400, 4), b = random_vector(3 * 400 * 20, 5), bias = random_vector(20, 6);
+  std::vector<double> want(3 * 32 * 20);
+  for (std::size_t z = 0; z < 3; ++z) {
+    for (std::size_t i = 0; i < 32; ++i) {
+      for (std::size_t j = 0; j < 20; ++j) {
+        double acc = bias[j];
+        for (std::size_t k = 0; k < 400; ++k) acc += double(a[(z * 32 + i) * 400 + k]) * b[(z * 400 + k) * 20 + j];
+        want[(z * 32 + i) * 20 + j] = std::max(acc, 0.0);
+      }
+    }
+  }
+  ops::GemmOptions o;
+  o.backend = ops::GemmBackend::ferry;
+  o.kernel = kernel;
+  o.relu = true;
+  DeviceTensor da(a), db(b), dbias(bias), dc(std::vector<float>(want.size(), std::nanf("")));
+  o.bias = dbias.span();
+  const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, o);
+  EXPECT_EQ(scratch_elems, 3 * ops::tiled_splits(s, cfg, dev.context.device().compute_units) * 32 * 20);
+  DeviceTensor scratch(scratch_elems);
+  const auto launches = ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, dc.span(), scratch.span(), o);
+  EXPECT_EQ(launches.size(), 2u);  // the split products, then their sum
+  ops::enqueue(dev.context.compute(), launches, {});
+  expect_near(dc.download(), to_float(want), 1e-4f, 1e-4f, "batched, bias, relu");
 }
 
 TEST(GemmTune, CandidateListsAreValidAndQuickIsShorter) {

@@ -1,5 +1,6 @@
 // Local-memory tiled GEMM for GPUs, strided-batched: C[z] = alpha op(A[z]) op(B[z]) + beta C[z]
-// (+ bias) for z = get_group_id(2), each operand z * its batch stride elements past its offset.
+// (+ bias) for z = get_group_id(2), each operand z * its batch stride elements past its offset;
+// optionally with K split (a product's K in blocks, see the kernel).
 //
 // A work-group computes a TSM x TSN tile of C with (TSM / WPTM) x (TSN / WPTN) work-items, each
 // holding WPTM x WPTN results in registers. Per step of TSK along k the group stages op(A) and
@@ -64,17 +65,21 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
     uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
     __global const STORAGE(B_NAME)* b, ulong b_off, float beta, __global STORAGE(C_NAME)* c, ulong c_off,
     __global const float* bias, ulong bias_off, uint has_bias, ulong a_batch, ulong b_batch, ulong c_batch,
-    __global const STORAGE(C_NAME)* dz, ulong dz_off) {
+    __global const STORAGE(C_NAME)* dz, ulong dz_off, uint k_chunk, uint splits) {
   const uint tn = get_local_id(0);
   const uint tm = get_local_id(1);
   const uint tid = tm * RTSN + tn;
   const uint col0 = get_group_id(0) * TSN;
   const uint row0 = get_group_id(1) * TSM;
-  const ulong z = get_group_id(2);
-  a_off += z * a_batch;
-  b_off += z * b_batch;
+  // Dimension 2 counts the products times `splits`: split s of product z / splits sums k in
+  // [s k_chunk, (s + 1) k_chunk) into M x N block z of c (f32 partial products that gemm_sum_splits
+  // adds; the host passes alpha 1, beta 0, no bias and no epilogue then). One split: k_chunk = K.
+  const ulong z = get_group_id(2), product = z / splits;
+  const uint k_begin = (uint)(z % splits) * k_chunk, k_end = min(K, k_begin + k_chunk);
+  a_off += product * a_batch;
+  b_off += product * b_batch;
   c_off += z * c_batch;
-  dz_off += z * c_batch;  // z of C_DACT, stored like C
+  dz_off += z * c_batch;  // z of C_DACT, stored like C (one split)
 
   // Vector-typed so that the compute loop's reads are aligned vector loads; stored as floats.
   // One dimension each: tile `buf`, row kk starts at (buf * TSK + kk) * LDA floats.
@@ -96,7 +101,7 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
   // tile while they are in flight. One barrier per step suffices: a work-item storing into tile
   // t % 2 at step t has passed the barrier of step t - 1, which every work-item reached only after
   // it had finished reading that tile at step t - 2.
-  const uint steps = (K + TSK - 1) / TSK;
+  const uint steps = (k_end - k_begin + TSK - 1) / TSK;
   for (uint t = 0; t <= steps; ++t) {
     const uint buf = t & 1;
     if (t > 0) {  // the same for the whole group, so the barrier below is reached by all
@@ -117,14 +122,14 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
     if (t < steps) {
       // Global -> registers for step t (multiplied at step t + 1). Consecutive work-items read
       // consecutive addresses of whichever layout A and B have.
-      const uint k0 = t * TSK;
+      const uint k0 = k_begin + t * TSK;
 #pragma unroll
       for (uint r = 0; r < A_LOADS; ++r) {
         const uint i = tid + r * THREADS;
         const uint kk = TRANS_A ? i / TSM : i % TSK, mm = TRANS_A ? i % TSM : i / TSK;
         const uint gm = row0 + mm, gk = k0 + kk;
         const ulong at = TRANS_A ? a_off + (ulong)gk * M + gm : a_off + (ulong)gm * K + gk;
-        ra[r] = i < TSK * TSM && gm < M && gk < K ? LOAD(A_NAME, a, at) : 0.0f;
+        ra[r] = i < TSK * TSM && gm < M && gk < k_end ? LOAD(A_NAME, a, at) : 0.0f;
       }
 #pragma unroll
       for (uint r = 0; r < B_LOADS; ++r) {
@@ -132,7 +137,7 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
         const uint kk = TRANS_B ? i % TSK : i / TSN, nn = TRANS_B ? i / TSK : i % TSN;
         const uint gn = col0 + nn, gk = k0 + kk;
         const ulong at = TRANS_B ? b_off + (ulong)gn * K + gk : b_off + (ulong)gk * N + gn;
-        rb[r] = i < TSK * TSN && gn < N && gk < K ? LOAD(B_NAME, b, at) : 0.0f;
+        rb[r] = i < TSK * TSN && gn < N && gk < k_end ? LOAD(B_NAME, b, at) : 0.0f;
       }
     }
     if (t > 0) {
