@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# kernels_gpu.sh: the GPU kernel comparisons no CPU session can make, in one call of a GPU machine:
+#   gemm       the tuned tiled GEMM with and without K split where its work-groups leave the last
+#              wave short (SK=1), on the tuner's scored products (squares, the MLP's linear0, the
+#              85M GPT's up and down projections and weight gradient)
+#   tune       `ferry tune --mode full`: the GEMM's search (each tiled finalist scored with and
+#              without SK=1) and the fused attention's (tiled against blocked, their tiles)
+#   attention  `ferry-bench attention` with each family's default tiles, beside PyTorch's SDPA on
+#              CUDA when KERNELS_GPU_PYTHON names a Python with torch
+#
+# usage: bash bench/kernels_gpu.sh [BIN_DIR] [OUT_DIR]
+#   BIN_DIR  where ferry and ferry-bench are (default build/release; the GPU kit's binaries work,
+#            run in the kit's environment: FERRY_DEVICE and the packed libraries' path set)
+#   OUT_DIR  each command's JSON and stderr (default kernels-gpu)
+# KERNELS_GPU_ROW: the tiled row to compare (default the H200 row of ops/tuning/gemm.tsv);
+# KERNELS_GPU_TINY=1: small sizes, a check of the script itself on any device (PoCL included).
+# Prints one line per result; every figure is also in OUT_DIR.
+set -uo pipefail
+
+bin=${1:-build/release}
+out=${2:-kernels-gpu}
+mkdir -p "$out"
+for b in ferry ferry-bench; do
+  [[ -x $bin/$b ]] || {
+    echo "kernels_gpu.sh: no $b in '$bin'" >&2
+    exit 1
+  }
+done
+row=${KERNELS_GPU_ROW:-tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=2}
+tiny=${KERNELS_GPU_TINY:-0}
+if [[ $tiny == 1 ]]; then
+  shapes=("96,32,300" "32,96,257 --trans-a")
+  contexts=64
+  budget=5
+  row="tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2"
+else
+  shapes=("1024,1024,1024" "2048,2048,2048" "256,1024,784 --trans-b" "2048,3072,768 --trans-b" "2048,768,3072"
+    "768,3072,2048 --trans-a")
+  contexts=256,1024,4096
+  budget=120
+fi
+status=0
+
+# field FILE KEY...: the values of KEY in each JSON line of FILE, as "key=value" pairs.
+field() {
+  python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        j = json.loads(line)
+        print(" ".join(f"{k}={j.get(k)}" for k in sys.argv[2:]))' "$@"
+}
+
+echo "== gemm: $row as a tuning row, without SK (tiles halved below a wave) and with SK=1"
+# As a row of the tuning data (FERRY_GEMM_TUNING, tuning off), so the shape fit applies as in training.
+i=0
+for shape in "${shapes[@]}"; do
+  for sk in "" " SK=1"; do
+    f="$out/gemm_${i}${sk:+_sk}.jsonl"
+    printf '*\t*\t*\tferry\t%s\t%s\n' "${row%% *}" "${row#* }$sk" >"$out/row${sk:+_sk}.tsv"
+    # shellcheck disable=SC2086  # the shape's transpose flag is a separate word
+    if FERRY_TUNE=off FERRY_GEMM_TUNING="$out/row${sk:+_sk}.tsv" timeout 120 "$bin/ferry-bench" --repeat 9 gemm \
+      --impls ferry --shape $shape >"$f" 2>"$f.err"; then
+      echo "  $shape${sk:- SK=0}: $(field "$f" gflops kernel)"
+    else
+      echo "  $shape$sk: failed (see $f.err)"
+      status=1
+    fi
+  done
+  i=$((i + 1))
+done
+
+echo "== tune: ferry tune --mode full"
+if timeout 600 "$bin/ferry" tune --mode full --budget-seconds "$budget" --json >"$out/tune.jsonl" 2>"$out/tune.err"; then
+  field "$out/tune.jsonl" family best seconds
+else
+  echo "  failed (see $out/tune.err)"
+  status=1
+fi
+
+echo "== attention: each family's default tiles"
+peer=()
+[[ -n ${KERNELS_GPU_PYTHON:-} ]] && peer=(--peer --peer-device cuda --python "$KERNELS_GPU_PYTHON")
+for kernel in "tiled BQ=64 BK=32" "blocked TQ=64 TK=32"; do
+  f="$out/attention_${kernel%% *}.jsonl"
+  if timeout 300 "$bin/ferry-bench" attention --contexts "$contexts" --kernel "$kernel" "${peer[@]}" >"$f" \
+    2>"$f.err"; then
+    field "$f" context fused_kernel fused_ms unfused_ms speedup_vs_unfused | sed "s/^/  /"
+  else
+    echo "  $kernel: failed (see $f.err)"
+    status=1
+  fi
+done
+exit $status
