@@ -195,6 +195,15 @@ std::string blocked_defines(OpEnv& env, const AttentionShape& s, DType dtype,
                      padded_dim(s), tiles.first, tiles.second, int(!env.device().is_cpu()));
 }
 
+// One of the blocked kernels built for its fitted tiles: the kernel, its work-group size and the rows
+// (queries; keys for dk dv) a work-group takes.
+struct BlockedBuild {
+  cl::Kernel kernel;
+  std::size_t group = 0, rows = 0;
+};
+BlockedBuild build_blocked(OpEnv& env, const AttentionShape& s, DType dtype, const AttentionConfig& c,
+                           BlockedKernel which);
+
 std::size_t elem_bytes(DType t) {
   return dtype_bytes(t);
 }
@@ -238,6 +247,23 @@ KernelLaunch grid(cl::Kernel k, std::size_t x, std::size_t y, std::size_t local_
   l.global = {x, y, 1};
   l.local = {local_x, 1, 1};
   return l;
+}
+
+BlockedBuild build_blocked(OpEnv& env, const AttentionShape& s, DType dtype, const AttentionConfig& c,
+                           BlockedKernel which) {
+  static constexpr const char* names[] = {"attention_forward_blocked", "attention_backward_q_blocked",
+                                          "attention_backward_kv_blocked"};
+  const char* name = names[static_cast<int>(which)];
+  const auto tiles = blocked_tiles(env, s, c, which);
+  BlockedBuild b{env.kernels.kernel("attention_blocked", name, blocked_defines(env, s, dtype, tiles)),
+                 (tiles.first / 4) * (tiles.second / 4), which == BlockedKernel::dkv ? tiles.second : tiles.first};
+  check_group(b.kernel, env, b.group, name, c);
+  return b;
+}
+
+// A blocked kernel's launch over `heads` heads, its arguments set.
+KernelLaunch blocked_grid(BlockedBuild b, const AttentionShape& s, std::size_t heads) {
+  return grid(std::move(b.kernel), (s.context + b.rows - 1) / b.rows * b.group, heads, b.group);
 }
 
 // Stages x (k, v, q or do) per head as f32 rows [BH, Tp, DP] (rows) and/or transposed [BH, D, Tp] (trans); an
@@ -326,15 +352,11 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
     return list;
   }
   if (c.family == Family::blocked) {
-    const auto tiles = blocked_tiles(env, s, c, BlockedKernel::forward);
-    cl::Kernel kn =
-        env.kernels.kernel("attention_blocked", "attention_forward_blocked", blocked_defines(env, s, dtype, tiles));
-    const std::size_t group = (tiles.first / 4) * (tiles.second / 4);
-    check_group(kn, env, group, "attention_forward_blocked", c);
-    cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
+    BlockedBuild b = build_blocked(env, s, dtype, c, BlockedKernel::forward);
+    cl::set_args(b.kernel.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                  o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
-    KernelLaunch l = grid(std::move(kn), (s.context + tiles.first - 1) / tiles.first * group, heads, group);
+    KernelLaunch l = blocked_grid(std::move(b), s, heads);
     set_step_args(l, 16, dr.threshold != 0);
     list.push_back(std::move(l));
     return list;
@@ -413,29 +435,20 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     return list;
   }
   if (c.family == Family::blocked) {
-    const auto kv_tiles = blocked_tiles(env, s, c, BlockedKernel::dkv);
-    cl::Kernel kv = env.kernels.kernel("attention_blocked", "attention_backward_kv_blocked",
-                                       blocked_defines(env, s, dtype, kv_tiles));
-    const std::size_t kv_group = (kv_tiles.first / 4) * (kv_tiles.second / 4);
-    check_group(kv, env, kv_group, "attention_backward_kv_blocked", c);
-    cl::set_args(kv.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
+    BlockedBuild kv = build_blocked(env, s, dtype, c, BlockedKernel::dkv);
+    cl::set_args(kv.kernel.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
                  dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
                  dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
-    KernelLaunch lkv =
-        grid(std::move(kv), (s.context + kv_tiles.second - 1) / kv_tiles.second * kv_group, heads, kv_group);
+    KernelLaunch lkv = blocked_grid(std::move(kv), s, heads);
     set_step_args(lkv, 22, dr.threshold != 0);
     list.push_back(std::move(lkv));
-    const auto q_tiles = blocked_tiles(env, s, c, BlockedKernel::dq);
-    cl::Kernel kq = env.kernels.kernel("attention_blocked", "attention_backward_q_blocked",
-                                       blocked_defines(env, s, dtype, q_tiles));
-    const std::size_t q_group = (q_tiles.first / 4) * (q_tiles.second / 4);
-    check_group(kq, env, q_group, "attention_backward_q_blocked", c);
-    cl::set_args(kq.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
-                 dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer, delta.elem_offset(),
-                 dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale, dr.seed, dr.threshold,
-                 dr.inv_keep, cl_uint(0), cl_uint(0));
-    KernelLaunch lq = grid(std::move(kq), (s.context + q_tiles.first - 1) / q_tiles.first * q_group, heads, q_group);
+    BlockedBuild dqk = build_blocked(env, s, dtype, c, BlockedKernel::dq);
+    cl::set_args(dqk.kernel.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer,
+                 v.elem_offset(eb), dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(), delta.buffer,
+                 delta.elem_offset(), dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale,
+                 dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
+    KernelLaunch lq = blocked_grid(std::move(dqk), s, heads);
     set_step_args(lq, 20, dr.threshold != 0);
     list.push_back(std::move(lq));
     return list;

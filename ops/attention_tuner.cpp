@@ -22,6 +22,7 @@
 #include "ferry/cl/program.hpp"
 #include "gemm_tune_cache.hpp"
 #include "ops/attention_tune.hpp"
+#include "tune_timer.hpp"
 
 namespace ferry::ops {
 namespace {
@@ -78,17 +79,7 @@ class Timer {
         env_, s, DType::f32, scale, {}, span(inputs_[0]), span(inputs_[1]), span(inputs_[2]), span(outputs_[0]),
         span(lse_), span(inputs_[3]), span(outputs_[1]), span(outputs_[2]), span(outputs_[3]), span(scratch_), o);
     for (KernelLaunch& l : backward) launches.push_back(std::move(l));
-    auto run = [&](int n) {
-      const auto t0 = Clock::now();
-      for (int i = 0; i < n; ++i) enqueue(ctx_.compute(), launches, {});
-      cl::check(clFinish(ctx_.compute()), "clFinish (attention tuner)");
-      return std::chrono::duration<double>(Clock::now() - t0).count();
-    };
-    run(1);  // builds the programs, warms caches and clocks
-    const double once = run(1);
-    const int n = static_cast<int>(std::clamp(0.02 / std::max(once, 1e-6), 1.0, 100.0));
-    double best = once;
-    for (int round = 0; round < 3; ++round) best = std::min(best, run(n) / n);
+    const double best = best_seconds_per_run(ctx_.compute(), launches, 100, "attention tuner");
     return best * 1e3;
   }
 

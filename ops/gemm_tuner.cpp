@@ -23,6 +23,7 @@
 #include "gemm_tune_cache.hpp"
 #include "gemm_tuning.hpp"
 #include "ops/gemm_tune.hpp"
+#include "tune_timer.hpp"
 
 namespace ferry::ops {
 namespace {
@@ -152,17 +153,7 @@ class Timer {
     }
     const LaunchList launches =
         gemm(env_, s, 1.0f, {ops_.a.get(), 0}, {ops_.b.get(), 0}, 0.0f, {ops_.c.get(), 0}, {ops_.scratch.get(), 0}, o);
-    auto run = [&](int n) {
-      const auto t0 = Clock::now();
-      for (int i = 0; i < n; ++i) enqueue(ctx_.compute(), launches, {});
-      cl::check(clFinish(ctx_.compute()), "clFinish (gemm tuner)");
-      return std::chrono::duration<double>(Clock::now() - t0).count();
-    };
-    run(1);  // builds the program, warms caches and clocks
-    const double once = run(1);
-    const int n = static_cast<int>(std::clamp(0.02 / std::max(once, 1e-6), 1.0, 200.0));
-    double best = once;
-    for (int round = 0; round < 3; ++round) best = std::min(best, run(n) / n);
+    const double best = best_seconds_per_run(ctx_.compute(), launches, 200, "gemm tuner");
     return gflops(s, best);
   }
 

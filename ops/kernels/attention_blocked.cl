@@ -74,6 +74,13 @@ inline void stage_rows(__local float* tile, uint rows, __global const T_STORAGE*
     OUTER_ROW(acc, 3, av.w, bv)  \
   }
 
+// acc[r][j] += a[r] b for r < 4: column j of a work-item's 4-row block.
+#define AXPY4(acc, j, av, b)               \
+  acc[0][j] = fma(av.x, b, acc[0][j]);     \
+  acc[1][j] = fma(av.y, b, acc[1][j]);     \
+  acc[2][j] = fma(av.z, b, acc[2][j]);     \
+  acc[3][j] = fma(av.w, b, acc[3][j]);
+
 // ---- Forward: TQ queries per work-group, TK keys a step ---------------------------------------
 
 // Work-item (y, x) = (lid / NK, lid % NK) holds rows 4y .. 4y + 3 of the group's queries: their
@@ -151,10 +158,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_forward_
       UNROLL
       for (uint j = 0; j < FDT; ++j) {
         const float vv = vs[key * DP + x + NK * j];
-        acc[0][j] = fma(pv.x, vv, acc[0][j]);
-        acc[1][j] = fma(pv.y, vv, acc[1][j]);
-        acc[2][j] = fma(pv.z, vv, acc[2][j]);
-        acc[3][j] = fma(pv.w, vv, acc[3][j]);
+        AXPY4(acc, j, pv, vv)
       }
     }
     barrier(CLK_LOCAL_MEM_FENCE);  // before the next step overwrites kp and vs
@@ -243,10 +247,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
       UNROLL
       for (uint j = 0; j < QDT; ++j) {
         const float kk = ktf[(x + NK * j) * KT_STRIDE + key];
-        g[0][j] = fma(dsv.x, kk, g[0][j]);
-        g[1][j] = fma(dsv.y, kk, g[1][j]);
-        g[2][j] = fma(dsv.z, kk, g[2][j]);
-        g[3][j] = fma(dsv.w, kk, g[3][j]);
+        AXPY4(g, j, dsv, kk)
       }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -335,14 +336,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
       for (uint j = 0; j < KDT; ++j) {
         const uint at = (x + NQ * j) * QT_STRIDE + qq;
         const float dov = dotf[at], qv = qtf[at];
-        gv[0][j] = fma(pv.x, dov, gv[0][j]);
-        gv[1][j] = fma(pv.y, dov, gv[1][j]);
-        gv[2][j] = fma(pv.z, dov, gv[2][j]);
-        gv[3][j] = fma(pv.w, dov, gv[3][j]);
-        gk[0][j] = fma(dsv.x, qv, gk[0][j]);
-        gk[1][j] = fma(dsv.y, qv, gk[1][j]);
-        gk[2][j] = fma(dsv.z, qv, gk[2][j]);
-        gk[3][j] = fma(dsv.w, qv, gk[3][j]);
+        AXPY4(gv, j, pv, dov)
+        AXPY4(gk, j, dsv, qv)
       }
     }
     barrier(CLK_LOCAL_MEM_FENCE);

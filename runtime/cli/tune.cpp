@@ -34,6 +34,24 @@ struct ProgressBar {
   }
 };
 
+// The fields every `ferry tune --json` line starts with, for one family's search.
+template <typename Result>
+nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char* family, const Result& r) {
+  return {{"schema", 1},
+          {"command", "tune"},
+          {"family", family},
+          {"device", d.name},
+          {"driver", d.driver},
+          {"mode", a.mode},
+          {"budget_seconds", a.budget_seconds},
+          {"seconds", r.seconds},
+          {"candidates_planned", r.planned},
+          {"candidates_measured", r.candidates.size()},
+          {"budget_ran_out", r.budget_ran_out},
+          {"best", r.best},
+          {"cache_path", r.cache_path}};
+}
+
 // The GEMM's search: progress, the winner per shape, and its JSON line.
 void tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
   ops::GemmTuneOptions o;
@@ -79,24 +97,12 @@ void tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& 
                        {"score_gflops", c.score_gflops},
                        {"error", c.error}});
     }
-    nlohmann::json j = {{"schema", 1},
-                        {"command", "tune"},
-                        {"family", "gemm"},
-                        {"device", d.name},
-                        {"driver", d.driver},
-                        {"mode", a.mode},
-                        {"budget_seconds", a.budget_seconds},
-                        {"seconds", r.seconds},
-                        {"candidates_planned", r.planned},
-                        {"candidates_measured", r.candidates.size()},
-                        {"budget_ran_out", r.budget_ran_out},
-                        {"best", r.best},
-                        {"best_gflops", r.best_gflops},
-                        {"shapes", shapes},
-                        {"row", r.row},
-                        {"cache_path", r.cache_path},
-                        {"gemm_tuning", choice},
-                        {"candidates", cands}};
+    nlohmann::json j = json_head(a, d, "gemm", r);
+    j["best_gflops"] = r.best_gflops;
+    j["shapes"] = shapes;
+    j["row"] = r.row;
+    j["gemm_tuning"] = choice;
+    j["candidates"] = cands;
     std::cout << j.dump() << std::endl;
   }
 }
@@ -150,23 +156,11 @@ void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceI
     }
     for (const auto& c : r.candidates)
       cands.push_back({{"kernel", c.kernel}, {"score_ms", c.score_ms}, {"error", c.error}});
-    const nlohmann::json j = {{"schema", 1},
-                              {"command", "tune"},
-                              {"family", "attention"},
-                              {"device", d.name},
-                              {"driver", d.driver},
-                              {"mode", a.mode},
-                              {"budget_seconds", a.budget_seconds},
-                              {"seconds", r.seconds},
-                              {"candidates_planned", r.planned},
-                              {"candidates_measured", r.candidates.size()},
-                              {"budget_ran_out", r.budget_ran_out},
-                              {"best", r.best},
-                              {"best_ms", r.best_ms},
-                              {"shapes", shapes},
-                              {"cache_path", r.cache_path},
-                              {"attention_tuning", now.kernel.empty() ? now.source : now.kernel},
-                              {"candidates", cands}};
+    nlohmann::json j = json_head(a, d, "attention", r);
+    j["best_ms"] = r.best_ms;
+    j["shapes"] = shapes;
+    j["attention_tuning"] = now.kernel.empty() ? now.source : now.kernel;
+    j["candidates"] = cands;
     std::cout << j.dump() << std::endl;
   }
 }

@@ -1,0 +1,29 @@
+// The tuners' timing (ops/tune_timer.hpp).
+#include "tune_timer.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "ferry/cl/error.hpp"
+
+namespace ferry::ops {
+
+double best_seconds_per_run(cl_command_queue queue, const LaunchList& launches, int max_runs, const char* what) {
+  using Clock = std::chrono::steady_clock;
+  auto run = [&](int n) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) enqueue(queue, launches, {});
+    cl::check(clFinish(queue), fmt::format("clFinish ({})", what).c_str());
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  run(1);
+  const double once = run(1);
+  const int n = static_cast<int>(std::clamp(0.02 / std::max(once, 1e-6), 1.0, double(max_runs)));
+  double best = once;
+  for (int round = 0; round < 3; ++round) best = std::min(best, run(n) / n);
+  return best;
+}
+
+}  // namespace ferry::ops
