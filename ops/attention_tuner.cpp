@@ -48,14 +48,7 @@ class Timer {
       rows_ = std::max(rows_, s.rows());
     }
     std::mt19937 rng(11);
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-    auto upload = [&](std::size_t n, const char* what) {
-      std::vector<float> h(n);
-      for (float& x : h) x = dist(rng);
-      cl::Mem m = ctx_.create_buffer(n * sizeof(float), what);
-      ctx_.write(m.get(), 0, h.data(), n * sizeof(float));
-      return m;
-    };
+    auto upload = [&](std::size_t n, const char* what) { return upload_random(ctx_, n, rng, what); };
     for (const char* what : {"attention tuner q", "attention tuner k", "attention tuner v", "attention tuner do"})
       inputs_.push_back(upload(elems_, what));
     for (const char* what : {"attention tuner o", "attention tuner dq", "attention tuner dk", "attention tuner dv"})

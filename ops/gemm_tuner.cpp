@@ -126,14 +126,7 @@ class Timer {
       c = std::max(c, s.M * s.N);
     }
     std::mt19937 rng(7);
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-    auto upload = [&](std::size_t n, const char* what) {
-      std::vector<float> h(n);
-      for (float& x : h) x = dist(rng);
-      cl::Mem m = ctx_.create_buffer(n * sizeof(float), what);
-      ctx_.write(m.get(), 0, h.data(), n * sizeof(float));
-      return m;
-    };
+    auto upload = [&](std::size_t n, const char* what) { return upload_random(ctx_, n, rng, what); };
     ops_.a = upload(a, "gemm tuner A");
     ops_.b = upload(b, "gemm tuner B");
     ops_.c = upload(c, "gemm tuner C");

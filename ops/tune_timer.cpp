@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <vector>
 
 #include "ferry/cl/error.hpp"
 
@@ -24,6 +25,15 @@ double best_seconds_per_run(cl_command_queue queue, const LaunchList& launches, 
   double best = once;
   for (int round = 0; round < 3; ++round) best = std::min(best, run(n) / n);
   return best;
+}
+
+cl::Mem upload_random(const cl::Context& ctx, std::size_t n, std::mt19937& rng, const char* what) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> h(n);
+  for (float& x : h) x = dist(rng);
+  cl::Mem m = ctx.create_buffer(n * sizeof(float), what);
+  ctx.write(m.get(), 0, h.data(), n * sizeof(float));
+  return m;
 }
 
 }  // namespace ferry::ops
