@@ -32,10 +32,12 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* cache_what = "attention tuning cache";
 constexpr const char* untuned_default = "blocked TQ=64 TK=32";
 
-// The benchmark's shape class (one sequence of 1024, 12 heads of 64) and the 85M GPT's attention
-// (8 sequences of 256): long rows and many short ones.
+// The benchmark's shape class (one sequence of 1024, 12 heads of 64), the 85M GPT's attention (8
+// sequences of 256), and both at head dimension 128, the 1B and 7B GPTs' (where the blocked
+// kernels' tiles shrink to fit local memory): long rows and many short ones. One winner serves
+// every head dimension, so it is scored on both.
 std::vector<AttentionShape> default_shapes() {
-  return {{1, 1024, 12, 64}, {8, 256, 12, 64}};
+  return {{1, 1024, 12, 64}, {8, 256, 12, 64}, {1, 1024, 8, 128}, {8, 256, 16, 128}};
 }
 
 // A candidate's forward and backward, the best of three rounds of back-to-back runs (each round
