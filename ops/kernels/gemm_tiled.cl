@@ -101,7 +101,8 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
   // tile while they are in flight. One barrier per step suffices: a work-item storing into tile
   // t % 2 at step t has passed the barrier of step t - 1, which every work-item reached only after
   // it had finished reading that tile at step t - 2.
-  const uint steps = (k_end - k_begin + TSK - 1) / TSK;
+  // A last split past K (chunks rounded up to TSK rows) is empty: it stores zeros.
+  const uint steps = k_end > k_begin ? (k_end - k_begin + TSK - 1) / TSK : 0;
   for (uint t = 0; t <= steps; ++t) {
     const uint buf = t & 1;
     if (t > 0) {  // the same for the whole group, so the barrier below is reached by all
