@@ -502,6 +502,30 @@ void add_phase_options(CLI::App* app, TrainArgs& t) {
       ->capture_default_str();
 }
 
+// `ferry tune` and its options.
+CLI::App* add_tune_command(CLI::App& app, TuneArgs& a) {
+  auto* tune = app.add_subcommand(
+      "tune",
+      "Tune the GEMM kernel (and, on GPUs, the fused attention's) for a device ahead of first use (bounded "
+      "searches; the winners are cached beside the program cache; a row of ops/tuning/gemm.tsv naming the device "
+      "wins over the GEMM's)");
+  tune->add_option("--device", a.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
+  tune->add_option("--mode", a.mode, "quick: the likeliest candidates; full: all of them")
+      ->check(CLI::IsMember({"quick", "full"}))
+      ->capture_default_str();
+  tune->add_option("--budget-seconds", a.budget_seconds, "Stop starting candidates after this long")
+      ->check(positive_number())
+      ->capture_default_str();
+  tune->add_option("--family", a.family,
+                   "What to tune: gemm, attention (devices that are not CPUs) or all (the GEMM, then the attention "
+                   "where it is tuned)")
+      ->check(CLI::IsMember({"gemm", "attention", "all"}))
+      ->capture_default_str();
+  tune->add_flag("--json", a.json, "End with one JSON line of results per family tuned on stdout");
+  tune->add_flag("--quiet", a.quiet, "No progress output");
+  return tune;
+}
+
 // Flags given for another model or phase mode are refused, not ignored.
 void check_flags_apply(const CLI::App& train, const TrainArgs& t) {
   const bool gpt = t.model == "gpt";
@@ -604,26 +628,7 @@ int main(int argc, char** argv) {
                    "GEMM rate in GFLOP/s for the step-time prediction (default: measured on the device)")
       ->check(positive_number());
   TuneArgs tune_args;
-  auto* tune = app.add_subcommand(
-      "tune",
-      "Tune the GEMM kernel (and, on GPUs, the fused attention's) for a device ahead of first use (bounded "
-      "searches; the winners are cached beside the program cache; a row of ops/tuning/gemm.tsv naming the device "
-      "wins over the GEMM's)");
-  tune->add_option("--device", tune_args.device,
-                   "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
-  tune->add_option("--mode", tune_args.mode, "quick: the likeliest candidates; full: all of them")
-      ->check(CLI::IsMember({"quick", "full"}))
-      ->capture_default_str();
-  tune->add_option("--budget-seconds", tune_args.budget_seconds, "Stop starting candidates after this long")
-      ->check(positive_number())
-      ->capture_default_str();
-  tune->add_option("--family", tune_args.family,
-                   "What to tune: gemm, attention (devices that are not CPUs) or all (the GEMM, then the attention "
-                   "where it is tuned)")
-      ->check(CLI::IsMember({"gemm", "attention", "all"}))
-      ->capture_default_str();
-  tune->add_flag("--json", tune_args.json, "End with one JSON line of results per family tuned on stdout");
-  tune->add_flag("--quiet", tune_args.quiet, "No progress output");
+  CLI::App* tune = add_tune_command(app, tune_args);
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;
   t.argv.assign(argv, argv + argc);
