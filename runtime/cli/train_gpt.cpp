@@ -14,6 +14,7 @@
 
 #include "cli.hpp"
 #include "ferry/runtime/text_corpus.hpp"
+#include "ops/attention.hpp"
 #include "ops/gemm_tune.hpp"
 
 namespace ferry::cli {
@@ -323,6 +324,10 @@ int cmd_train_gpt(const TrainArgs& args) {
   if (a.json) {
     nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
     add_gpt_fields(j, a, c, run, validation, tokens_per_s, compile_s);
+    // The fused attention's kernel family and tiles on this device (tuned on GPUs), as the GEMM's row.
+    j["attention_kernel"] = c.fused_attention ? ops::attention_kernel_description(
+                                                    runtime.env(), {batch, c.context, c.heads, c.width / c.heads})
+                                              : std::string("unfused");
     if (a.sample) j["sample"] = sample;
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
