@@ -189,12 +189,6 @@ std::string kernel_defines(const AttentionShape& s, DType dtype, const Attention
   return d + fmt::format(" -DBQ={} -DBK={}", c.bq, c.bk);
 }
 
-std::string blocked_defines(OpEnv& env, const AttentionShape& s, DType dtype,
-                            std::pair<std::size_t, std::size_t> tiles) {
-  return fmt::format("{} -DHEAD_DIM={} -DDP={} -DTQ={} -DTK={} -DUNROLL_BLOCKS={}", dtype_define(dtype), s.head_dim,
-                     padded_dim(s), tiles.first, tiles.second, int(!env.device().is_cpu()));
-}
-
 // One of the blocked kernels built for its fitted tiles: the kernel, its work-group size and the rows
 // (queries; keys for dk dv) a work-group takes.
 struct BlockedBuild {
@@ -255,8 +249,12 @@ BlockedBuild build_blocked(OpEnv& env, const AttentionShape& s, DType dtype, con
                                           "attention_backward_kv_blocked"};
   const char* name = names[static_cast<int>(which)];
   const auto tiles = blocked_tiles(env, s, c, which);
-  BlockedBuild b{env.kernels.kernel("attention_blocked", name, blocked_defines(env, s, dtype, tiles)),
-                 (tiles.first / 4) * (tiles.second / 4), which == BlockedKernel::dkv ? tiles.second : tiles.first};
+  // The family's shared defines (attention.clh), its fitted tiles, and the block loops unrolled on
+  // GPUs (attention_blocked.cl's UNROLL).
+  const std::string defines = fmt::format("{} -DTQ={} -DTK={} -DUNROLL_BLOCKS={}", kernel_defines(s, dtype, c),
+                                          tiles.first, tiles.second, int(!env.device().is_cpu()));
+  BlockedBuild b{env.kernels.kernel("attention_blocked", name, defines), (tiles.first / 4) * (tiles.second / 4),
+                 which == BlockedKernel::dkv ? tiles.second : tiles.first};
   check_group(b.kernel, env, b.group, name, c);
   return b;
 }

@@ -208,8 +208,9 @@ std::string transpose_defines(const GemmShape& s) {
   return fmt::format("-DTRANS_A={} -DTRANS_B={}", int(s.trans_a), int(s.trans_b));
 }
 
-// The storage types of the packed kernel's operands (see gemm_packed.cl).
-std::string dtype_defines(DType a, DType b, DType c) {
+}  // namespace
+
+std::string gemm_storage_defines(DType a, DType b, DType c) {
   auto one = [](char x, DType t) {
     return fmt::format("-D{0}_NAME={1} -D{0}_IS_F32={2}", x,
                        t == DType::f32   ? "F32"
@@ -219,6 +220,14 @@ std::string dtype_defines(DType a, DType b, DType c) {
   };
   return fmt::format("{} {} {}", one('A', a), one('B', b), one('C', c));
 }
+
+std::string gemm_epilogue_defines(const GemmOptions& o, std::size_t c_planes) {
+  const bool dact = o.dact_input.buffer != nullptr;
+  return fmt::format("-DC_PLANES={} -DC_RELU={} -DC_DACT={}", c_planes, int(o.relu),
+                     dact ? 1 + int(o.dact == Activation::gelu) : 0);
+}
+
+namespace {
 
 // The NCHW views and the gathered A describe one product's operands.
 void check_batch(const GemmShape& s, const GemmOptions& o) {
@@ -285,10 +294,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
   // layout).
   const bool dact = options.dact_input.buffer != nullptr;
-  const std::string epilogue = fmt::format("-DC_PLANES={} -DC_RELU={} -DC_DACT={}", options.c_planes, int(options.relu),
-                                           dact ? 1 + int(options.dact == Activation::gelu) : 0);
-  const std::string defines = fmt::format("{} {} {}", base, dtype_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
-                                          splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0" : epilogue);
+  const std::string defines =
+      fmt::format("{} {} {}", base, gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+                  splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0" : gemm_epilogue_defines(options, options.c_planes));
   const cl_mem dz = dact ? options.dact_input.buffer : c.buffer;  // not read without C_DACT
   const std::uint64_t dz_off = dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : 0;
   const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
@@ -406,18 +414,11 @@ bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const G
 
 }  // namespace
 
-// (gemm_tiled.hpp) The launch that adds the splits' partial products (f32 blocks [batch splits, M, N] from `parts`)
-// into C with alpha, beta, the bias and the epilogue (gemm_sum.cl): the second half of a split-K
-// product, for either kernel.
 KernelLaunch sum_splits_launch(OpEnv& env, const GemmShape& s, std::size_t splits, DeviceSpan parts, float alpha,
                                float beta, DeviceSpan c, const GemmOptions& options, std::size_t c_planes) {
   const bool dact = options.dact_input.buffer != nullptr;
-  const std::string defines = fmt::format("-DC_NAME={} -DC_IS_F32={} -DC_PLANES={} -DC_RELU={} -DC_DACT={}",
-                                          s.c == DType::f32   ? "F32"
-                                          : s.c == DType::f16 ? "F16"
-                                                              : "BF16",
-                                          int(s.c == DType::f32), c_planes, int(options.relu),
-                                          dact ? 1 + int(options.dact == Activation::gelu) : 0);
+  const std::string defines =
+      fmt::format("{} {}", gemm_storage_defines(s.a, s.b, s.c), gemm_epilogue_defines(options, c_planes));
   cl::Kernel sum = env.kernels.kernel("gemm_sum", "gemm_sum_splits", defines);
   const cl_uint has_bias = options.bias.buffer != nullptr;
   cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), cl_uint(s.batch), parts.buffer,

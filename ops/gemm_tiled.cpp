@@ -6,14 +6,6 @@
 #include <stdexcept>
 
 namespace ferry::ops {
-namespace {
-
-const char* dtype_macro(DType t) {
-  return t == DType::f32 ? "F32" : t == DType::f16 ? "F16" : "BF16";
-}
-
-}  // namespace
-
 std::size_t tiled_local_bytes(const GemmKernelConfig& c) {
   // Rows padded by 4 floats (see the kernel), two tiles each of A and B.
   const std::size_t tsk = c.param("TSK");
@@ -70,10 +62,8 @@ LaunchList bind_tiled_kernel(OpEnv& env, const GemmShape& s, const GemmKernelCon
   }
   cl::Kernel k = env.kernels.kernel(
       "gemm_tiled", "gemm_tiled",
-      fmt::format(
-          "{} -DTRANS_A={} -DTRANS_B={} -DA_NAME={} -DB_NAME={} -DC_NAME={} -DC_IS_F32={} -DC_RELU={} -DC_DACT={}",
-          cfg.defines(), int(s.trans_a), int(s.trans_b), dtype_macro(s.a), dtype_macro(s.b), dtype_macro(s.c),
-          int(s.c == DType::f32), int(options.relu), dact ? 1 + int(options.dact == Activation::gelu) : 0));
+      fmt::format("{} -DTRANS_A={} -DTRANS_B={} {} {}", cfg.defines(), int(s.trans_a), int(s.trans_b),
+                  gemm_storage_defines(s.a, s.b, s.c), gemm_epilogue_defines(options, 0)));
   if (rtsm * rtsn > kernel_group_limit(k, device)) {
     throw std::runtime_error(fmt::format("gemm {}: work-group {}x{} exceeds what the kernel can run with here ({})",
                                          cfg.text(), rtsn, rtsm, kernel_group_limit(k, device)));

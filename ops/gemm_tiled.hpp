@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "gemm_tuning.hpp"
 #include "ops/gemm.hpp"
@@ -18,6 +19,12 @@ std::size_t tiled_local_bytes(const GemmKernelConfig& c);
 // shortest. 144 tiles on 132 compute units run two waves unsplit, 7 splits 1008 groups in 8 waves
 // of a seventh of the work (1.14); 96 tiles, 4 splits in 3 waves of a quarter. SK=0: unsplit.
 std::size_t tiled_splits(const GemmShape& s, const GemmKernelConfig& c, std::uint32_t compute_units);
+
+// The -D options naming the operands' storage types (A_NAME, A_IS_F32, ... C_IS_F32: dtype.clh) and
+// the epilogue of `o` (C_PLANES = c_planes, C_RELU, C_DACT: gemm_epilogue.clh), for the kernels that
+// store C: gemm_packed, gemm_tiled, gemm_sum_splits.
+std::string gemm_storage_defines(DType a, DType b, DType c);
+std::string gemm_epilogue_defines(const GemmOptions& o, std::size_t c_planes);
 
 // The launch adding the splits' partial products (f32 blocks [batch splits, M, N] in `parts`) into
 // C with alpha, beta, the bias and the epilogue of `options` (gemm_sum.cl), C stored as NCHW planes

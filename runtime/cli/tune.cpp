@@ -19,17 +19,22 @@ struct ProgressBar {
   bool tty = ::isatty(STDERR_FILENO) != 0;
   std::string last_stage;
   void operator()(const ops::GemmTuneProgress& p) {
+    draw(p.done, p.total, p.stage, fmt::format("best {:.0f} GFLOPS {}", p.best_gflops, p.best));
+  }
+  void operator()(const ops::AttentionTuneProgress& p) {
+    draw(p.done, p.total, "attention", fmt::format("best {:.3f} ms {}", p.best_ms, p.best));
+  }
+  void draw(std::size_t done, std::size_t total, const std::string& stage, const std::string& best) {
     const int width = 24;
-    const int filled = p.total ? static_cast<int>(width * p.done / p.total) : 0;
+    const int filled = total ? static_cast<int>(width * done / total) : 0;
     const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
-    const std::string line = fmt::format("ferry tune: [{}] {:>3}/{} {:<6} best {:.0f} GFLOPS {}", bar, p.done, p.total,
-                                         p.stage, p.best_gflops, p.best);
+    const std::string line = fmt::format("ferry tune: [{}] {:>3}/{} {:<6} {}", bar, done, total, stage, best);
     if (tty) {
       std::fprintf(stderr, "\r%-140s", line.c_str());
-    } else if (p.stage != last_stage || p.done == p.total) {
+    } else if (stage != last_stage || done == total) {
       std::fprintf(stderr, "%s\n", line.c_str());
     }
-    last_stage = p.stage;
+    last_stage = stage;
     std::fflush(stderr);
   }
 };
@@ -112,26 +117,16 @@ void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceI
   ops::AttentionTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
-  const bool tty = ::isatty(STDERR_FILENO) != 0;
   if (!a.quiet) {
     std::cerr << fmt::format("ferry tune: attention on '{}' ({}), {} search, budget {:.0f} s\n", d.name, d.driver,
                              a.mode, a.budget_seconds);
-    o.progress = [tty](const ops::AttentionTuneProgress& p) {
-      const std::string line =
-          fmt::format("ferry tune: attention {:>2}/{} best {:.3f} ms {}", p.done, p.total, p.best_ms, p.best);
-      if (tty) {
-        std::fprintf(stderr, "\r%-120s", line.c_str());
-      } else {
-        std::fprintf(stderr, "%s\n", line.c_str());
-      }
-      std::fflush(stderr);
-    };
+    o.progress = ProgressBar{};
   }
   const ops::AttentionTuneResult r = ops::tune_attention(env, o);
   const ops::AttentionTuning now = ops::attention_tuning_for(env);
   if (!a.quiet) {
     std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{}): {:.3f} ms geometric mean\n",
-                             tty ? "\n" : "", r.best, r.seconds, r.candidates.size(), r.planned,
+                             ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.candidates.size(), r.planned,
                              r.budget_ran_out ? ", budget spent" : "", r.best_ms);
     for (std::size_t i = 0; i < r.shapes.size(); ++i) {
       const auto& s = r.shapes[i];
