@@ -10,10 +10,13 @@
 #   gpt1b_resident   width 2048, 20 blocks, context 256, batch 8, 4 steps, resident
 #   gpt1b_stream     the same streamed under --device-budget 8GiB (target: >= 0.9x resident tokens/s,
 #                    the driver's memory in use <= 8 GiB plus a fixed overhead)
+#   gpt1b_stream_host  the same with --host-optimizer (weights in, gradients out: 8.5 GiB over the
+#                    link a step instead of 30.7), the configuration `ferry plan` recommends for
+#                    this budget when the link is what binds
 #   gpt7b_stream     width 4096, 32 blocks, 32 heads, --device-budget 24GiB --optimizer adamw8bit,
 #                    3 steps (target: trains; needs >= 100 GB of host memory)
 # Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
-# sample, and the planner's predicted step time. SCALE_GPU_ONLY=1b runs the two 1B runs alone
+# sample, the planner's predicted step time with its rates, and the configuration it recommends. SCALE_GPU_ONLY=1b runs the two 1B runs alone
 # (SCALE_GPU_LIMIT_S bounds each); SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
 # of the script itself, on any device).
 set -uo pipefail
@@ -60,21 +63,29 @@ try:
     smi = max(int(x) for x in open(f"{out}/{name}.smi").read().split() if x.isdigit())
 except (OSError, ValueError):
     smi = None
+rec = plan.get("recommended") or {}
 print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s"),
+                  "step_ms": train.get("step_ms"),
                   "host_state_bytes": train.get("host_state_bytes"),
                   "training_state_bytes": train.get("training_state_bytes"),
                   "device_peak_bytes": train.get("device_peak_bytes"),
                   "driver_memory_used_mib_max": smi,
-                  "predicted_step_ms": plan.get("predicted_step_ms")}))
+                  "predicted_step_ms": plan.get("predicted_step_ms"),
+                  "plan_rates": {k: plan.get(k) for k in ("link_gbps", "gemm_gflops", "host_gbps", "codec_gbps")},
+                  "recommended": rec.get("flags"),
+                  "recommended_predicted_step_ms": rec.get("predicted_step_ms")}))
 EOF
 }
 
 if [[ ${SCALE_GPU_ONLY:-} == 1b ]]; then
   run gpt1b_resident "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency resident
   run gpt1b_stream "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
+  run gpt1b_stream_host "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
+    --host-optimizer
   exit
 fi
 [[ ${SCALE_GPU_ONLY:-} == tiny ]] && { run tiny_stream 300 3 --model gpt --width 64 --depth 2 --heads 4 --context 32 --batch 8 --residency stream; exit; }
 run gpt1b_resident 900 4 "${gpt1b[@]}" --residency resident
 run gpt1b_stream 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
+run gpt1b_stream_host 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB --host-optimizer
 run gpt7b_stream 1800 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB

@@ -7,14 +7,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #include "ferry/cl/error.hpp"
+#include "ferry/offload/chunk_codec.hpp"
 #include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/units.hpp"
 #include "graph/node_view.hpp"
 #include "graph/step_plan.hpp"
+#include "ops/elementwise.hpp"
 #include "ops/gemm.hpp"
+#include "ops/optimizer_host.hpp"
 #include "trainer_internals.hpp"
 #include "trainer_variants.hpp"
 
@@ -99,8 +103,11 @@ DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::C
 
 namespace {
 
-// The per-step figures of one planned variant (everything but the device breakdown).
-void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates, PhasePlan& p) {
+// The per-step figures of one planned variant (everything but the device breakdown). On a CPU
+// device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
+// the same cores, so their times add up instead of overlapping.
+void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates, bool shares_host_cores,
+                PhasePlan& p) {
   p.nodes = g.nodes.size();
   p.host_step_bytes = planned.memory.host_transient_bytes;
   p.fetch_bytes = planned.residency.fetch_bytes;
@@ -111,23 +118,57 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       for (TensorId x : g.nodes.outputs(n)) p.batch_bytes += g.tensors.bytes(x);
       continue;
     }
+    if (g.nodes.op[n] == graph::builtin::unpack || g.nodes.op[n] == graph::builtin::pack) {
+      const auto raw = g.nodes.op[n] == graph::builtin::unpack ? g.nodes.outputs(n) : g.nodes.inputs(n);
+      for (TensorId x : raw) p.codec_bytes += g.tensors.bytes(x);
+      continue;
+    }
+    if (g.nodes.lane[n] == ops::Lane::host && row.op_class == ops::OpClass::update) {
+      // The tensors it streams through (not the step's guard flag, read once).
+      const auto add = [&](TensorId x) {
+        if (g.tensors.role[g.tensors.storage(x)] != graph::Role::stats) p.host_update_bytes += g.tensors.bytes(x);
+      };
+      for (TensorId x : g.nodes.inputs(n)) add(x);
+      for (TensorId x : g.nodes.outputs(n)) add(x);
+      continue;
+    }
     if (row.op_class == ops::OpClass::state_transfer || row.op_class == ops::OpClass::communication ||
         graph::is_host_lane(g.nodes.lane[n])) {
       continue;
     }
+    // GEMM-like nodes at the GEMM rate; every other node is bound by the bytes it reads and writes.
+    const bool forward = row.op_class == ops::OpClass::forward || row.op_class == ops::OpClass::loss;
     if (row.flops) {
       const std::uint64_t f = row.flops(graph::NodeView<ops::ShapeView>(g, n));
       p.flops += f;
       p.gemm_flops += f;
+      if (forward) p.forward_gemm_flops += f;
     } else {
-      for (TensorId x : g.nodes.outputs(n)) p.flops += g.tensors.shape[x].elems();
+      std::uint64_t bytes = 0;
+      for (TensorId x : g.nodes.inputs(n)) bytes += g.tensors.bytes(x);
+      for (TensorId x : g.nodes.outputs(n)) {
+        bytes += g.tensors.bytes(x);
+        p.flops += g.tensors.shape[x].elems();
+      }
+      p.memory_bytes += bytes;
+      if (forward) p.forward_memory_bytes += bytes;
     }
   }
-  if (rates.gemm_gflops > 0) p.compute_ms = static_cast<double>(p.flops) / (rates.gemm_gflops * 1e6);
-  if (rates.link_gbps > 0) {
-    p.transfer_ms = static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes) / (rates.link_gbps * 1e6);
-  }
-  p.predicted_step_ms = std::max(p.compute_ms, p.transfer_ms);
+  const auto ms = [](double amount, double per_ms) { return per_ms > 0 ? amount / per_ms : 0.0; };
+  const auto device_ms = [&](std::uint64_t gemm_flops, std::uint64_t memory_bytes) {
+    return ms(static_cast<double>(gemm_flops), rates.gemm_gflops * 1e6) +
+           ms(static_cast<double>(memory_bytes), rates.device_gbps * 1e6);
+  };
+  p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes);
+  p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes), rates.link_gbps * 1e6);
+  p.host_update_ms = ms(static_cast<double>(p.host_update_bytes), rates.host_gbps * 1e6);
+  p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
+  const double forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes);
+  const double updates_after_forward_ms = p.host_update_bytes ? forward_ms + p.host_update_ms : 0.0;
+  p.predicted_step_ms =
+      shares_host_cores
+          ? p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms
+          : std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, updates_after_forward_ms});
 }
 
 // plan_training for validated options with the recomputation fixed.
@@ -154,7 +195,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = options.phases.hybrid ? "warmup/full/correct" : "full";
     p.device = device_breakdown(training, train_plan.memory, training, persistent_device);
-    count_step(training, train_plan, rates, p);
+    count_step(training, train_plan, rates, runtime.device().is_cpu(), p);
     out.phases.push_back(std::move(p));
   }
   const auto arena = graph::planned_arena(training, train_plan.memory, train_plan.residency.mode);
@@ -164,7 +205,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = v.phase;
     p.device = device_breakdown(g, planned.memory, training, persistent_device);
-    count_step(g, planned, rates, p);
+    count_step(g, planned, rates, runtime.device().is_cpu(), p);
     out.phases.push_back(std::move(p));
   }
 
@@ -272,6 +313,68 @@ double measure_gemm_gflops(Runtime& runtime) {
     ops::run_blocking(ctx.compute(), launches);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (i > 0 && s > 0) best = std::max(best, 2.0 * n * n * n / s * 1e-9);
+  }
+  return best;
+}
+
+double measure_device_gbps(Runtime& runtime) {
+  constexpr std::size_t n = 16u << 20;  // 64 MiB an operand
+  const cl::Context& ctx = runtime.context();
+  const cl::Mem a = ctx.create_buffer(n * sizeof(float), "the memory measurement's a");
+  const cl::Mem b = ctx.create_buffer(n * sizeof(float), "the memory measurement's b");
+  const cl::Mem c = ctx.create_buffer(n * sizeof(float), "the memory measurement's c");
+  const ops::LaunchList fill_a = ops::fill(runtime.env(), {a.get(), 0}, 1.0f, n);
+  const ops::LaunchList fill_b = ops::fill(runtime.env(), {b.get(), 0}, 2.0f, n);
+  ops::run_blocking(ctx.compute(), fill_a);
+  ops::run_blocking(ctx.compute(), fill_b);
+  const ops::LaunchList launches = ops::add(runtime.env(), {a.get(), 0}, {b.get(), 0}, {c.get(), 0}, n);
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ops::run_blocking(ctx.compute(), launches);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0 && s > 0) best = std::max(best, 3.0 * n * sizeof(float) / s * 1e-9);
+  }
+  return best;
+}
+
+double measure_host_update_gbps() {
+  constexpr std::size_t n = 8u << 20;  // 32 MiB an operand: beyond the caches
+  std::vector<float> w(n, 0.5f), g(n, 0.25f), m(n, 0.0f), v(n, 0.0f);
+  const ops::AdamConfig adam;
+  constexpr double bytes_per_param = 7.0 * sizeof(float);  // reads w, g, m, v; writes w, m, v
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    const ops::StepInfo step{.step = static_cast<std::uint64_t>(i + 1), .lr = 1e-3f};
+    const auto t0 = std::chrono::steady_clock::now();
+    ops::host_adam_update(adam, step, g.data(), {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0 && s > 0) best = std::max(best, bytes_per_param * static_cast<double>(n) / s * 1e-9);
+  }
+  return best;
+}
+
+double measure_codec_gbps() {
+  constexpr std::size_t n = 16u << 20;  // 64 MiB
+  // Second moments of small gradients: squares of a spread of values around 1e-3 (a fixed
+  // generator, so every run times the same bytes).
+  std::vector<float> values(n);
+  std::uint32_t state = 12345;
+  for (float& v : values) {
+    state = state * 1664525u + 1013904223u;
+    const float g = (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 2e-3f;
+    v = g * g;
+  }
+  std::vector<float> back(n);
+  const offload::ChunkCodec codec;
+  const auto bytes = std::as_bytes(std::span(values));
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const offload::CompressedTensor packed = codec.compress(bytes, sizeof(float), "the codec measurement");
+    codec.decompress(packed, std::as_writable_bytes(std::span(back)), "the codec measurement");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0 && s > 0) best = std::max(best, 2.0 * static_cast<double>(bytes.size()) / s * 1e-9);
   }
   return best;
 }

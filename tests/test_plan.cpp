@@ -8,6 +8,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/plan.hpp"
+#include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -136,17 +137,22 @@ TEST(Plan, PlannerAgreesWithTheTrainerAccumulatedCompressedState) {
 
 // The GEMM work of small_mlp (20 -> 13 -> 10): each Linear's forward and weight gradient, and the
 // input gradient of the second (the first layer's input needs none): 2 B (2 * 20 * 13 + 3 * 13 * 10).
+// Copies overlap compute on a GPU; on a CPU device both run on the same cores.
 TEST(Plan, FlopsCountEveryGemmAndTheStepTimeIsTheSlowerOfComputeAndTransfers) {
   Runtime rt;
   TrainerOptions o;
   o.batch = 16;
-  const TrainingPlan p = plan_training(rt, small_mlp(), o, PlanRates{2.0, 1.0});
+  const TrainingPlan p =
+      plan_training(rt, small_mlp(), o, PlanRates{.link_gbps = 2.0, .gemm_gflops = 1.0, .device_gbps = 4.0});
   const PhasePlan& t = p.phases.front();
   EXPECT_EQ(t.gemm_flops, 2u * 16u * (2u * 20u * 13u + 3u * 13u * 10u));
   EXPECT_GT(t.flops, t.gemm_flops) << "other compute nodes count one per output element";
-  EXPECT_DOUBLE_EQ(t.compute_ms, static_cast<double>(t.flops) / 1e6);
+  // The Adam updates alone read and write 28 bytes a parameter; the other nodes add their operands.
+  EXPECT_GT(t.memory_bytes, 28u * 413u);
+  EXPECT_DOUBLE_EQ(t.compute_ms, static_cast<double>(t.gemm_flops) / 1e6 + static_cast<double>(t.memory_bytes) / 4e6);
   EXPECT_DOUBLE_EQ(t.transfer_ms, static_cast<double>(t.fetch_bytes + t.write_back_bytes + t.batch_bytes) / 2e6);
-  EXPECT_DOUBLE_EQ(p.predicted_step_ms, std::max(t.compute_ms, t.transfer_ms));
+  EXPECT_DOUBLE_EQ(p.predicted_step_ms,
+                   rt.device().is_cpu() ? t.compute_ms + t.transfer_ms : std::max(t.compute_ms, t.transfer_ms));
   EXPECT_GT(t.batch_bytes, 16u * 20u * 4u) << "the batch goes up";
   const TrainingPlan unknown = plan_training(rt, small_mlp(), o);
   EXPECT_EQ(unknown.predicted_step_ms, 0.0) << "no rates, no prediction";
@@ -156,6 +162,94 @@ TEST(Plan, RatesAreMeasuredOnTheDevice) {
   Runtime rt;
   EXPECT_GT(measure_link_gbps(rt), 0.0);
   EXPECT_GT(measure_gemm_gflops(rt), 0.0);
+  EXPECT_GT(measure_device_gbps(rt), 0.0);
+  EXPECT_GT(measure_host_update_gbps(), 0.0);
+  EXPECT_GT(measure_codec_gbps(), 0.0);
+}
+
+// small_mlp's 413 parameters (20 x 13 + 13, 13 x 10 + 10) updated by Adam on the host: each reads
+// the weight, its gradient and two moments and writes three, 28 bytes a parameter. The updates
+// start in the backward and the next forward waits for them: the step is at least forward + host
+// (on a GPU; on a CPU device everything adds up on the same cores).
+TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.host_optimizer = true;
+  const PlanRates rates{.link_gbps = 1e6, .gemm_gflops = 1.0, .host_gbps = 1e-3};
+  const TrainingPlan p = plan_training(rt, small_mlp(), o, rates);
+  const PhasePlan& t = p.phases.front();
+  EXPECT_EQ(t.host_update_bytes, 28u * 413u);
+  EXPECT_DOUBLE_EQ(t.host_update_ms, 28.0 * 413.0 / 1e3);
+  EXPECT_GT(t.forward_gemm_flops, 0u);
+  EXPECT_LT(t.forward_gemm_flops, t.gemm_flops);
+  EXPECT_GT(t.forward_memory_bytes, 0u);
+  EXPECT_LT(t.forward_memory_bytes, t.memory_bytes);
+  const double expected = rt.device().is_cpu() ? t.compute_ms + t.transfer_ms + t.host_update_ms
+                                               : static_cast<double>(t.forward_gemm_flops) / 1e6 + t.host_update_ms;
+  EXPECT_DOUBLE_EQ(p.predicted_step_ms, expected) << "the host's updates are the slowest part at these rates";
+  EXPECT_EQ(t.codec_bytes, 0u);
+
+  o.residency.host_optimizer = false;  // updates on the device: nothing on the host's cores
+  const TrainingPlan device = plan_training(rt, small_mlp(), o, rates);
+  EXPECT_EQ(device.phases.front().host_update_bytes, 0u);
+  EXPECT_LT(device.predicted_step_ms, p.predicted_step_ms);
+}
+
+// Compressed state is unpacked before its update and packed after: its bytes at the codec's rate.
+TEST(Plan, CompressedStateIsPredictedFromTheCodecRate) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.state_home = graph::Home::host_compressed;
+  const TrainingPlan p = plan_training(rt, small_mlp(), o, PlanRates{.codec_gbps = 1e-3});
+  const PhasePlan& t = p.phases.front();
+  EXPECT_EQ(t.codec_bytes, 2u * 2u * 4u * 413u) << "both moments unpacked and packed once";
+  EXPECT_DOUBLE_EQ(p.predicted_step_ms, t.codec_ms);
+}
+
+const Configuration& chosen(const ConfigurationSearch& s) {
+  if (!s.chosen) throw std::logic_error("no configuration was chosen");
+  return s.tried.at(*s.chosen);
+}
+
+// Searched as for a discrete device (no mapped candidate) under a budget everything resident does
+// not fit: a slow link makes the host optimizer (weights in, gradients out) the fastest, a slow
+// host keeps the updates on the device, and without rates the leanest change that fits wins. (The
+// plans are this unified-memory device's, where compressed state is unpacked in place and crosses
+// no link: a slow codec rules it out.)
+TEST(Plan, TheSearchChoosesTheFastestPredictedConfiguration) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  const ModelSpec model = small_residual();
+  TrainerOptions resident = o;
+  resident.residency.mode = graph::ResidencyMode::resident;
+  const std::uint64_t all_resident = plan_training(rt, model, resident).device_peak_bytes;
+  o.residency.budget_bytes = all_resident - 1;
+
+  const auto search = [&](PlanRates rates) { return detail::search_configurations(rt, model, o, rates, false); };
+  const ConfigurationSearch slow_link =
+      search({.link_gbps = 1e-3, .gemm_gflops = 1e3, .host_gbps = 1e3, .codec_gbps = 1e-6});
+  EXPECT_EQ(chosen(slow_link).flags, "--residency stream --host-optimizer");
+  EXPECT_TRUE(chosen(slow_link).same_numerics);
+  for (const Configuration& c : slow_link.tried) {
+    EXPECT_EQ(c.flags.find("mapped"), std::string::npos) << "a discrete device has no mapped residency";
+    if (c.flags.find("resident") != std::string::npos && c.flags.find("bf16") == std::string::npos) {
+      EXPECT_FALSE(c.fits()) << c.flags;
+      EXPECT_NE(c.error.find("budget"), std::string::npos) << c.error;
+    }
+  }
+  const ConfigurationSearch slow_host =
+      search({.link_gbps = 1e3, .gemm_gflops = 1e3, .host_gbps = 1e-6, .codec_gbps = 1e-6});
+  EXPECT_EQ(chosen(slow_host).flags, "--residency stream");
+  const ConfigurationSearch unknown = search({});
+  EXPECT_EQ(chosen(unknown).flags, "--residency stream") << "no rates: the leanest change that fits";
+
+  o.residency.budget_bytes = all_resident;
+  EXPECT_EQ(chosen(search({.link_gbps = 1e-3, .gemm_gflops = 1e3, .host_gbps = 1e3})).flags, "--residency resident");
 }
 
 TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {

@@ -627,6 +627,18 @@ int main(int argc, char** argv) {
   plan->add_option("--gemm-gflops", t.gemm_gflops,
                    "GEMM rate in GFLOP/s for the step-time prediction (default: measured on the device)")
       ->check(positive_number());
+  plan->add_option("--device-gbps", t.device_gbps,
+                   "Device memory rate in GB/s for the step-time prediction of the nodes that are not GEMMs "
+                   "(default: measured on the device)")
+      ->check(positive_number());
+  plan->add_option("--host-gbps", t.host_gbps,
+                   "The host optimizer's rate for the step-time prediction: bytes its updates read and write, GB/s "
+                   "(default: measured on this machine's cores)")
+      ->check(positive_number());
+  plan->add_option("--codec-gbps", t.codec_gbps,
+                   "The compressed home's codec rate for the step-time prediction: uncompressed bytes packed and "
+                   "unpacked, GB/s (default: measured on this machine's cores)")
+      ->check(positive_number());
   TuneArgs tune_args;
   CLI::App* tune = add_tune_command(app, tune_args);
   CLI11_PARSE(app, argc, argv);

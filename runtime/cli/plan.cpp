@@ -1,12 +1,13 @@
 // `ferry plan`: plans a model's step variants for a configuration (ferry::plan_training: nothing
 // is allocated or run) and prints what each phase holds on the device, the host bytes, the
-// bytes moved and the predicted time per step, the smallest budgets it runs in, and the first
-// configuration, from fastest to leanest, that fits the given device and host budgets.
+// bytes moved and the predicted time per step, the smallest budgets it runs in, and the
+// configurations that fit the given device and host budgets, with the fastest predicted
+// (ferry::search_configurations).
 #include "ferry/runtime/plan.hpp"
 
 #include <fmt/format.h>
 
-#include <array>
+#include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -41,68 +42,6 @@ nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
           {"total_bytes", b.total}};
 }
 
-// A candidate configuration: the flags a user adds, and the options they make.
-struct Candidate {
-  std::string flags;
-  ferry::TrainerOptions options;
-};
-
-// Fastest first: everything resident, mapped (unified-memory devices: no copies), streamed, then
-// streamed with leaner state, then streamed with the optimizer on the host; each as configured and then with bf16
-// layers (half the activation bytes) unless already narrow, and with the batch split into micro-batches when that is
-// needed.
-std::vector<Candidate> candidates(const ferry::TrainerOptions& base, bool adam, bool unified) {
-  using ferry::graph::Home;
-  using ferry::graph::ResidencyMode;
-  std::vector<Candidate> out;
-  for (std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
-    if (base.batch % split != 0 || (split > 1 && base.phases.hybrid)) continue;
-    for (int level = 0; level < 14; ++level) {
-      const int lean = std::array{0, -1, 1, 2, 3, 4, 5}[level / 2];  // -1: mapped; 5: host optimizer
-      const bool narrow = level % 2 == 1;
-      if (lean == -1 && !unified) continue;
-      if (narrow && base.precision.compute != ferry::ops::DType::f32) continue;
-      ferry::TrainerOptions o = base;
-      std::string flags;
-      if (narrow) {
-        o.precision.compute = ferry::ops::DType::bf16;
-        o.precision.scaling = ferry::PrecisionConfig::Scaling::automatic;
-        flags += " --precision bf16";
-      }
-      o.batch = base.batch / split;
-      o.accumulate = base.accumulate * split;
-      if (split > 1) flags += fmt::format(" --batch {} --accumulate {}", o.batch, o.accumulate);
-      if (lean == 0) {
-        o.residency.mode = ResidencyMode::resident;
-        flags += " --residency resident";
-      } else if (lean == -1) {
-        o.residency.mode = ResidencyMode::mapped;
-        flags += " --residency mapped";
-      } else {
-        o.residency.mode = ResidencyMode::stream;
-        flags += " --residency stream";
-      }
-      if (lean == 2 || lean == 4) {
-        o.residency.state_home = Home::host_compressed;
-        flags += " --state-home compressed";
-      }
-      if (lean == 5) {
-        // Updates on the host (ZeRO-Offload's way): no optimizer state on the device or the link.
-        if (base.residency.host_optimizer) continue;  // already so from lean 1
-        o.residency.host_optimizer = true;
-        flags += " --host-optimizer";
-      }
-      if (lean == 3 || lean == 4) {
-        if (!adam) continue;
-        o.optimizer.kind = ferry::ops::OptimizerConfig::Kind::adamw8bit;
-        flags += " --optimizer adamw8bit";
-      }
-      out.push_back({flags.substr(1), o});
-    }
-  }
-  return out;
-}
-
 // A configuration's plan (none when the device budget cannot hold it: the planner's BudgetError),
 // and why it does not fit (that, or check_host_budget's HostBudgetError; empty when it fits).
 struct Outcome {
@@ -110,10 +49,8 @@ struct Outcome {
   std::string error;
   bool fits() const { return plan && error.empty(); }
 };
-// A candidate that the user's own options rule out (the host optimizer with 8-bit state, or with
-// everything resident) is not a configuration: `candidate` turns that error into a non-fit.
 Outcome try_plan(ferry::Runtime& runtime, const ferry::ModelSpec& model, const ferry::TrainerOptions& o,
-                 const ferry::PlanRates& rates, bool candidate = false) {
+                 const ferry::PlanRates& rates) {
   Outcome out;
   try {
     out.plan = ferry::plan_training(runtime, model, o, rates);
@@ -122,28 +59,24 @@ Outcome try_plan(ferry::Runtime& runtime, const ferry::ModelSpec& model, const f
     out.error = e.what();
   } catch (const ferry::HostBudgetError& e) {
     out.error = e.what();
-  } catch (const std::invalid_argument& e) {
-    if (!candidate) throw;
-    out.plan.reset();
-    out.error = e.what();
   }
   return out;
 }
 
 // Everything `ferry plan` reports: the plan as configured, the minimum budgets, the rates of the
-// prediction and the configuration it recommends.
+// prediction and the configurations it tried, with the one it recommends.
 struct PlanReport {
   std::string device;
   ferry::PlanRates rates;
-  bool link_given = false, gemm_given = false;
+  bool link_given = false, gemm_given = false, device_given = false, host_given = false, codec_given = false;
   Outcome configured;
   std::uint64_t min_resident = 0;
   std::optional<std::uint64_t> min_streamed;
   std::uint64_t budget = 0, host_budget = 0, host_limit = 0;  // host_budget 0: not given (the limit is physical memory)
   std::string host_memory;
-  std::optional<Candidate> chosen;
-  std::optional<ferry::TrainingPlan> chosen_plan;
-  bool any_fits() const { return configured.fits() || chosen.has_value(); }
+  ferry::ConfigurationSearch search;
+  const ferry::Configuration* chosen() const { return search.chosen ? &search.tried[*search.chosen] : nullptr; }
+  bool any_fits() const { return configured.fits() || search.chosen.has_value(); }
 };
 
 PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
@@ -151,11 +84,17 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   PlanReport r;
   r.device = runtime.device().name;
   // The rates of the step-time prediction: given, or measured here (a copy and a GEMM).
-  r.rates = {a.link_gbps, a.gemm_gflops};
+  r.rates = {a.link_gbps, a.gemm_gflops, a.device_gbps, a.host_gbps, a.codec_gbps};
   r.link_given = a.link_gbps > 0;
   r.gemm_given = a.gemm_gflops > 0;
+  r.device_given = a.device_gbps > 0;
+  r.host_given = a.host_gbps > 0;
+  r.codec_given = a.codec_gbps > 0;
   if (!r.link_given) r.rates.link_gbps = ferry::measure_link_gbps(runtime, base.residency.homes.host_memory);
   if (!r.gemm_given) r.rates.gemm_gflops = ferry::measure_gemm_gflops(runtime);
+  if (!r.device_given) r.rates.device_gbps = ferry::measure_device_gbps(runtime);
+  if (!r.host_given) r.rates.host_gbps = ferry::measure_host_update_gbps();
+  if (!r.codec_given) r.rates.codec_gbps = ferry::measure_codec_gbps();
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
   r.configured = try_plan(runtime, model, base, r.rates);
@@ -174,20 +113,10 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   r.host_memory = ferry::offload::host_memory_name(
       ferry::offload::resolve_host_memory(base.residency.homes.host_memory, runtime.device()));
 
-  // The first candidate, fastest first, that fits both budgets.
-  const bool adam = base.optimizer.kind != ferry::ops::OptimizerConfig::Kind::sgd;
-  for (const Candidate& c : candidates(base, adam, runtime.device().host_unified_memory)) {
-    ferry::TrainerOptions o = c.options;
-    o.residency.budget_bytes = r.budget;
-    Outcome tried = try_plan(runtime, model, o, r.rates, true);
-    if (!tried.fits()) continue;
-    r.chosen = c;
-    r.chosen_plan = std::move(tried.plan);
-    // Recomputation chosen for the budget (--recompute auto) is part of what to run.
-    if (base.recompute_auto && r.chosen_plan->recompute > 0)
-      r.chosen->flags += fmt::format(" --recompute {}", r.chosen_plan->recompute);
-    break;
-  }
+  // The configuration to use for these budgets: the fastest predicted that fits.
+  ferry::TrainerOptions searched = base;
+  searched.residency.budget_bytes = r.budget;
+  r.search = ferry::search_configurations(runtime, model, searched, r.rates);
   return r;
 }
 
@@ -206,6 +135,8 @@ void add_configured_fields(nlohmann::json& j, const Outcome& configured) {
       b["write_back_bytes"] = ph.write_back_bytes;
       b["batch_bytes"] = ph.batch_bytes;
       b["flops"] = ph.flops;
+      b["host_update_bytes"] = ph.host_update_bytes;
+      b["codec_bytes"] = ph.codec_bytes;
       b["predicted_step_ms"] = ph.predicted_step_ms;
       phases[ph.name] = b;
     }
@@ -221,14 +152,20 @@ void add_configured_fields(nlohmann::json& j, const Outcome& configured) {
     j["moved_bytes"] = t.fetch_bytes + t.write_back_bytes + t.batch_bytes;
     j["flops"] = t.flops;
     j["gemm_flops"] = t.gemm_flops;
+    j["memory_bytes"] = t.memory_bytes;
     j["compute_ms"] = t.compute_ms;
     j["transfer_ms"] = t.transfer_ms;
+    j["host_update_bytes"] = t.host_update_bytes;
+    j["host_update_ms"] = t.host_update_ms;
+    j["codec_bytes"] = t.codec_bytes;
+    j["codec_ms"] = t.codec_ms;
     j["predicted_step_ms"] = p->predicted_step_ms;
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
-    for (const char* k : {"residency", "device_peak_bytes", "host_bytes", "host_store_bytes", "host_step_bytes",
-                          "fetch_bytes", "write_back_bytes", "batch_bytes", "moved_bytes", "flops", "gemm_flops",
-                          "compute_ms", "transfer_ms", "predicted_step_ms"}) {
+    for (const char* k :
+         {"residency", "device_peak_bytes", "host_bytes", "host_store_bytes", "host_step_bytes", "fetch_bytes",
+          "write_back_bytes", "batch_bytes", "moved_bytes", "flops", "gemm_flops", "memory_bytes", "compute_ms",
+          "transfer_ms", "host_update_bytes", "host_update_ms", "codec_bytes", "codec_ms", "predicted_step_ms"}) {
       j[k] = nullptr;
     }
     j["error"] = configured.error;
@@ -236,9 +173,30 @@ void add_configured_fields(nlohmann::json& j, const Outcome& configured) {
   j["phases"] = phases;
 }
 
+// Every configuration the search tried, in its order: what it is, whether it fits, and its figures.
+nlohmann::json candidates_json(const ferry::ConfigurationSearch& search) {
+  nlohmann::json out = nlohmann::json::array();
+  for (std::size_t i = 0; i < search.tried.size(); ++i) {
+    const ferry::Configuration& c = search.tried[i];
+    nlohmann::json e = {
+        {"flags", c.flags}, {"same_numerics", c.same_numerics}, {"fits", c.fits()}, {"chosen", search.chosen == i}};
+    const bool planned = c.plan.has_value();
+    e["device_bytes"] = planned ? nlohmann::json(c.plan->device_peak_bytes) : nullptr;
+    e["host_bytes"] = planned ? nlohmann::json(c.plan->host_bytes) : nullptr;
+    e["moved_bytes"] =
+        planned ? nlohmann::json(c.plan->phases.front().fetch_bytes + c.plan->phases.front().write_back_bytes)
+                : nullptr;
+    e["predicted_step_ms"] = planned ? nlohmann::json(c.plan->predicted_step_ms) : nullptr;
+    if (!c.error.empty()) e["error"] = c.error;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
 void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const ferry::TrainerOptions& base,
                      const PlanReport& r) {
   const auto& plan = r.configured.plan;
+  const ferry::Configuration* chosen = r.chosen();
   nlohmann::json j = {{"schema", plan_json_schema},
                       {"model", model.name},
                       {"batch", base.batch},
@@ -258,11 +216,18 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"link_gbps_source", rate_source(r.link_given)},
                       {"gemm_gflops", r.rates.gemm_gflops},
                       {"gemm_gflops_source", rate_source(r.gemm_given)},
-                      {"recommended", r.chosen ? nlohmann::json{{"flags", r.chosen->flags},
-                                                                {"device_bytes", r.chosen_plan->device_peak_bytes},
-                                                                {"host_bytes", r.chosen_plan->host_bytes},
-                                                                {"predicted_step_ms", r.chosen_plan->predicted_step_ms}}
-                                               : nlohmann::json(nullptr)}};
+                      {"device_gbps", r.rates.device_gbps},
+                      {"device_gbps_source", rate_source(r.device_given)},
+                      {"host_gbps", r.rates.host_gbps},
+                      {"host_gbps_source", rate_source(r.host_given)},
+                      {"codec_gbps", r.rates.codec_gbps},
+                      {"codec_gbps_source", rate_source(r.codec_given)},
+                      {"recommended", chosen ? nlohmann::json{{"flags", chosen->flags},
+                                                              {"device_bytes", chosen->plan->device_peak_bytes},
+                                                              {"host_bytes", chosen->plan->host_bytes},
+                                                              {"predicted_step_ms", chosen->plan->predicted_step_ms}}
+                                             : nlohmann::json(nullptr)},
+                      {"candidates", candidates_json(r.search)}};
   add_configured_fields(j, r.configured);
   std::cout << j.dump() << std::endl;
 }
@@ -287,12 +252,43 @@ void print_configured_table(const ferry::TrainingPlan& p) {
   const auto& t = p.phases.front();
   std::cout << fmt::format(
       "device peak {}; host {} of {} memory ({} weights and state, {} step buffers); per step {} fetched, {} "
-      "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms)\n",
+      "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms{}{})\n",
       ferry::format_bytes(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
       ferry::format_bytes(p.host_step_bytes), ferry::format_bytes(t.fetch_bytes),
       ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes), t.flops * 1e-9, p.predicted_step_ms,
-      t.compute_ms, t.transfer_ms);
+      t.compute_ms, t.transfer_ms,
+      t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
+      t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
+}
+
+// The configurations that fit, in the order tried, with their predictions, then the one to use.
+void print_search(const PlanReport& r) {
+  const auto& tried = r.search.tried;
+  const auto fitting = std::count_if(tried.begin(), tried.end(), [](const auto& c) { return c.fits(); });
+  std::cout << fmt::format("configurations tried for a budget of {} and {} of host memory: {}, {} fit{}\n",
+                           ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), tried.size(), fitting,
+                           fitting ? " (predicted step; * the fastest, ~ other numerics)" : "");
+  for (std::size_t i = 0; i < tried.size(); ++i) {
+    const ferry::Configuration& c = tried[i];
+    if (!c.fits()) continue;
+    std::cout << fmt::format("  {}{} {:>10.1f} ms  device {:>10}  host {:>10}  {}\n", r.search.chosen == i ? '*' : ' ',
+                             c.same_numerics ? ' ' : '~', c.plan->predicted_step_ms,
+                             ferry::format_bytes(c.plan->device_peak_bytes), ferry::format_bytes(c.plan->host_bytes),
+                             c.flags);
+  }
+  if (const ferry::Configuration* c = r.chosen()) {
+    std::cout << fmt::format(
+        "for a budget of {} and {} of host memory: {} (device peak {}, host {}, predicted step {:.1f} ms)\n",
+        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), c->flags,
+        ferry::format_bytes(c->plan->device_peak_bytes), ferry::format_bytes(c->plan->host_bytes),
+        c->plan->predicted_step_ms);
+  } else {
+    std::cout << fmt::format(
+        "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
+        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit),
+        r.min_streamed ? ferry::format_bytes(*r.min_streamed) : ferry::format_bytes(r.min_resident));
+  }
 }
 
 void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const ferry::TrainerOptions& base,
@@ -302,26 +298,19 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
       base.batch, a.optimizer, precision_name(base.precision.compute), ferry::phases_name(base.phases.hybrid),
       base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(r.budget),
       ferry::format_bytes(r.host_limit), r.host_budget ? "" : " (physical memory)", r.device);
-  std::cout << fmt::format("rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({})\n", r.rates.link_gbps,
-                           rate_source(r.link_given), r.rates.gemm_gflops, rate_source(r.gemm_given));
+  std::cout << fmt::format(
+      "rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({}), device memory {:.2f} GB/s ({}), host optimizer "
+      "{:.2f} GB/s ({}), codec {:.2f} GB/s ({})\n",
+      r.rates.link_gbps, rate_source(r.link_given), r.rates.gemm_gflops, rate_source(r.gemm_given), r.rates.device_gbps,
+      rate_source(r.device_given), r.rates.host_gbps, rate_source(r.host_given), r.rates.codec_gbps,
+      rate_source(r.codec_given));
   if (r.configured.plan) print_configured_table(*r.configured.plan);
   if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
   const std::string min_streamed =
       r.min_streamed ? ferry::format_bytes(*r.min_streamed) : std::string("(nothing to stream)");
   std::cout << fmt::format("minimum budget: {} with everything resident, {} streamed\n",
                            ferry::format_bytes(r.min_resident), min_streamed);
-  if (r.chosen) {
-    std::cout << fmt::format(
-        "for a budget of {} and {} of host memory: {} (device peak {}, host {}, predicted step {:.1f} ms)\n",
-        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), r.chosen->flags,
-        ferry::format_bytes(r.chosen_plan->device_peak_bytes), ferry::format_bytes(r.chosen_plan->host_bytes),
-        r.chosen_plan->predicted_step_ms);
-  } else {
-    std::cout << fmt::format(
-        "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
-        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit),
-        r.min_streamed ? ferry::format_bytes(*r.min_streamed) : ferry::format_bytes(r.min_resident));
-  }
+  print_search(r);
 }
 
 }  // namespace

@@ -3,7 +3,9 @@
 // bytes that cross the link per step, the step's floating-point work and a predicted step time.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -30,6 +32,15 @@ struct DeviceBreakdown {
 struct PlanRates {
   double link_gbps = 0;    // host <-> device copies, GB/s (1e9 bytes per second)
   double gemm_gflops = 0;  // the device's GEMM rate, GFLOP/s
+  // The device's memory rate for the nodes that are not GEMM-like (element-wise, normalisation,
+  // device optimizer updates): bytes they read and write per second, GB/s.
+  double device_gbps = 0;
+  // The host optimizer's updates (--host-optimizer): bytes they read and write per second, GB/s
+  // (Adam reads a weight, its gradient and two moments and writes three: 28 bytes a parameter).
+  double host_gbps = 0;
+  // The compressed home's codec on the host's cores: uncompressed bytes packed and unpacked per
+  // second, GB/s.
+  double codec_gbps = 0;
 };
 
 // The rates measured on the runtime's device, quickly (well under a second each on a CPU device,
@@ -39,6 +50,15 @@ struct PlanRates {
 // 1024 x 1024 x 1024 f32 products of ops::gemm (after one that builds it).
 double measure_link_gbps(Runtime& runtime, offload::HostMemory memory = offload::HostMemory::automatic);
 double measure_gemm_gflops(Runtime& runtime);
+// The device's memory rate: the best of three element-wise additions of 16M f32 values (ops::add:
+// two operands read, one written, 192 MiB) after one that builds it.
+double measure_device_gbps(Runtime& runtime);
+// The host optimizer's rate: the best of three Adam updates of 8M fp32 parameters on the TBB
+// workers, as host_adam_update runs them in a step (bytes read and written over the time).
+double measure_host_update_gbps();
+// The codec's rate: the best of three rounds compressing and decompressing 64 MiB of values like
+// Adam's second moments with the compressed home's default settings, on the TBB workers.
+double measure_codec_gbps();
 
 // One compiled variant of the plan: the phase it serves and what it costs per step.
 struct PhasePlan {
@@ -51,11 +71,23 @@ struct PhasePlan {
   // convolution and their gradients), one per output element for every other compute node
   // (ops::OpInfo::flops).
   std::uint64_t flops = 0, gemm_flops = 0;
+  // Bytes the nodes that are not GEMM-like read and write on the device.
+  std::uint64_t memory_bytes = 0;
+  // Of the nodes before the backward (forward and loss ops): the GEMM flops and the memory bytes.
+  std::uint64_t forward_gemm_flops = 0, forward_memory_bytes = 0;
+  std::uint64_t host_update_bytes = 0;  // operands the host optimizer's updates read and write
+  std::uint64_t codec_bytes = 0;        // compressed homes' tensors unpacked and packed (uncompressed bytes)
   std::size_t nodes = 0;
-  // With the rates: flops at the GEMM rate, the bytes moved at the link rate, and the step time
-  // predicted as the larger of the two (copies overlap compute; no fixed per-launch term: on the
-  // devices measured the host enqueues ahead of the device). 0 when the rate is unknown.
-  double compute_ms = 0, transfer_ms = 0, predicted_step_ms = 0;
+  // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
+  // memory rate (compute_ms), the bytes moved at the link rate, the host updates at
+  // the host rate, the codec's bytes at its rate, and the step time predicted from them (no fixed
+  // per-launch term: on the devices measured the host enqueues ahead of the device). Copies and
+  // the host's work overlap compute, so the step is the largest of compute, transfers and the
+  // host's work (updates and codec). Host updates start as each gradient lands, in the backward,
+  // and the next step's forward waits for all of them (such steps do not run ahead), so they end
+  // no sooner than forward + host updates: the step is at least that too. On a CPU device all of
+  // it runs on the same cores: the step is the sum. 0 when a rate is unknown.
+  double compute_ms = 0, transfer_ms = 0, host_update_ms = 0, codec_ms = 0, predicted_step_ms = 0;
 };
 
 struct TrainingPlan {
@@ -90,6 +122,36 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
 // 3, 2, 1) whose plan fits: the fewest recomputed layers' checkpoints. Plans only. Throws
 // graph::BudgetError when none fits, naming the smallest budget any of them needs.
 std::uint32_t choose_recompute(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options);
+
+// A configuration the planner may recommend instead of the options given: the flags that make it
+// (as `ferry train` spells them, e.g. "--residency stream --host-optimizer"), the options, whether
+// it trains the same numbers as the given options up to fp32 rounding order (no bf16 layers, no
+// 8-bit state where they had none), and its plan, or why it does not fit the budgets.
+struct Configuration {
+  std::string flags;
+  TrainerOptions options;
+  bool same_numerics = true;
+  std::optional<TrainingPlan> plan;
+  std::string error;  // empty when it fits
+  bool fits() const { return plan.has_value() && error.empty(); }
+};
+
+struct ConfigurationSearch {
+  std::vector<Configuration> tried;   // in the order tried (leanest change first)
+  std::optional<std::size_t> chosen;  // index into `tried`; none: nothing fits
+};
+
+// The configuration to run `model` with under a device budget (options.residency.budget_bytes; 0:
+// the device's memory less headroom) and a host budget (options.residency.host_budget_bytes):
+// everything resident, mapped (unified-memory devices only), streamed, streamed with compressed
+// optimizer state, with the optimizer on the host, each as given and with bf16 layers, and with
+// 8-bit optimizer state (Adam); with the batch split into micro-batches (gradient accumulation, the
+// same samples per update) only when nothing fits at the given batch. Among those that fit, the
+// fastest predicted (`rates`) that trains the same numbers, else the fastest predicted of the rest;
+// within 2% of the fastest, the leanest change. With no rates every prediction is 0, so the leanest
+// change that fits is chosen. Plans only: nothing is allocated.
+ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
+                                          const PlanRates& rates);
 
 // The machine's physical memory in bytes (sysconf).
 std::uint64_t physical_memory_bytes();

@@ -1,0 +1,149 @@
+// The configuration a budget calls for (ferry::search_configurations, include/ferry/runtime/plan.hpp):
+// every candidate is planned (graph, passes, residency and memory plans; nothing allocated), and
+// the fastest predicted that fits is chosen, keeping the given numerics where any candidate can.
+#include "runtime/plan_search.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "ferry/graph/residency.hpp"
+#include "ferry/runtime/plan.hpp"
+
+namespace ferry {
+namespace {
+
+using graph::Home;
+using graph::ResidencyMode;
+
+// How far a configuration departs from the given options, leanest first. Each is tried as given
+// and, unless the layers are narrow already, with bf16 layers (half the activation bytes).
+enum class Lean { resident, mapped, stream, compressed_state, eight_bit, eight_bit_compressed, host_optimizer };
+constexpr Lean leans[] = {Lean::resident,         Lean::mapped,    Lean::stream,
+                          Lean::compressed_state, Lean::eight_bit, Lean::eight_bit_compressed,
+                          Lean::host_optimizer};
+
+// The candidate `lean` (narrow: with bf16 layers) at `split` micro-batches, or nothing where it
+// is not one (mapped on a discrete device, 8-bit state without Adam, the host optimizer asked for
+// already).
+std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t split, Lean lean, bool narrow,
+                                       bool unified) {
+  const bool adam = base.optimizer.kind != ops::OptimizerConfig::Kind::sgd;
+  if (lean == Lean::mapped && !unified) return std::nullopt;
+  if ((lean == Lean::eight_bit || lean == Lean::eight_bit_compressed) && !adam) return std::nullopt;
+  if (lean == Lean::host_optimizer && base.residency.host_optimizer) return std::nullopt;  // so from stream on
+  Configuration c;
+  TrainerOptions& o = c.options;
+  o = base;
+  std::string flags;
+  if (narrow) {
+    o.precision.compute = ops::DType::bf16;
+    o.precision.scaling = PrecisionConfig::Scaling::automatic;
+    flags += " --precision bf16";
+  }
+  o.batch = base.batch / split;
+  o.accumulate = base.accumulate * split;
+  if (split > 1) flags += fmt::format(" --batch {} --accumulate {}", o.batch, o.accumulate);
+  switch (lean) {
+    case Lean::resident:
+      o.residency.mode = ResidencyMode::resident;
+      flags += " --residency resident";
+      break;
+    case Lean::mapped:
+      o.residency.mode = ResidencyMode::mapped;
+      flags += " --residency mapped";
+      break;
+    default:
+      o.residency.mode = ResidencyMode::stream;
+      flags += " --residency stream";
+  }
+  if (lean == Lean::compressed_state || lean == Lean::eight_bit_compressed) {
+    o.residency.state_home = Home::host_compressed;
+    flags += " --state-home compressed";
+  }
+  if (lean == Lean::host_optimizer) {
+    // Updates on the host (ZeRO-Offload's way): no optimizer state on the device or the link.
+    o.residency.host_optimizer = true;
+    flags += " --host-optimizer";
+  }
+  if (lean == Lean::eight_bit || lean == Lean::eight_bit_compressed) {
+    o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+    flags += " --optimizer adamw8bit";
+  }
+  c.flags = flags.substr(1);
+  c.same_numerics = o.precision.compute == base.precision.compute && o.optimizer.kind == base.optimizer.kind;
+  return c;
+}
+
+// Plans a candidate; a budget it does not fit, or options that cannot go together (the host
+// optimizer with 8-bit state), make it a non-fit with the reason.
+void plan_candidate(Runtime& runtime, const ModelSpec& model, const PlanRates& rates, Configuration& c) {
+  try {
+    c.plan = plan_training(runtime, model, c.options, rates);
+    check_host_budget(*c.plan, c.options.residency.host_budget_bytes);
+  } catch (const graph::BudgetError& e) {
+    c.error = e.what();
+  } catch (const HostBudgetError& e) {
+    c.error = e.what();
+  } catch (const std::invalid_argument& e) {
+    c.plan.reset();
+    c.error = e.what();
+  }
+  // Recomputation chosen for the budget (recompute_auto) is part of what to run.
+  if (c.fits() && c.options.recompute_auto && c.plan->recompute > 0)
+    c.flags += fmt::format(" --recompute {}", c.plan->recompute);
+}
+
+// Of the candidates tried from `first` on that fit, the fastest predicted with the given numerics
+// (else of all), the leanest among those within 2% of it.
+std::optional<std::size_t> fastest(const std::vector<Configuration>& tried, std::size_t first) {
+  for (const bool need_same : {true, false}) {
+    double best = std::numeric_limits<double>::infinity();
+    for (std::size_t i = first; i < tried.size(); ++i) {
+      const Configuration& c = tried[i];
+      if (c.fits() && (c.same_numerics || !need_same)) best = std::min(best, c.plan->predicted_step_ms);
+    }
+    if (best == std::numeric_limits<double>::infinity()) continue;
+    for (std::size_t i = first; i < tried.size(); ++i) {
+      const Configuration& c = tried[i];
+      if (c.fits() && (c.same_numerics || !need_same) && c.plan->predicted_step_ms <= best * 1.02) return i;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+namespace detail {
+
+ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
+                                          const PlanRates& rates, bool host_unified_memory) {
+  ConfigurationSearch out;
+  for (const std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
+    if (options.batch % split != 0 || (split > 1 && options.phases.hybrid)) continue;
+    const std::size_t first = out.tried.size();
+    for (const Lean lean : leans) {
+      for (const bool narrow : {false, true}) {
+        if (narrow && options.precision.compute != ops::DType::f32) continue;
+        std::optional<Configuration> c = candidate(options, split, lean, narrow, host_unified_memory);
+        if (!c) continue;
+        plan_candidate(runtime, model, rates, *c);
+        out.tried.push_back(std::move(*c));
+      }
+    }
+    // Smaller micro-batches only when nothing fits at this size: they run slower kernels.
+    out.chosen = fastest(out.tried, first);
+    if (out.chosen) break;
+  }
+  return out;
+}
+
+}  // namespace detail
+
+ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
+                                          const PlanRates& rates) {
+  return detail::search_configurations(runtime, model, options, rates, runtime.device().host_unified_memory);
+}
+
+}  // namespace ferry
