@@ -1,7 +1,13 @@
 // Optimizers (SGD with momentum / Nesterov / L2, Adam / AdamW): the device update against the CPU
 // reference over several steps with the learning rate changing between steps, per-step arguments
-// taken from StepInfo at enqueue time, and Adam converging on a quadratic.
+// taken from StepInfo at enqueue time, and Adam converging on a quadratic. The host optimizer's
+// updates (ops/optimizer_host.hpp, vectorised per instruction set) against the same reference,
+// in place and out of place.
+#include <cmath>
+#include <limits>
+
 #include "ferry/ops/optimizer.hpp"
+#include "ops/optimizer_host.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -65,6 +71,87 @@ TEST_P(AdamTest, StepsMatchReference) {
 INSTANTIATE_TEST_SUITE_P(Configs, AdamTest,
                          ::testing::Combine(::testing::Values(1, 257, 1000), ::testing::Bool(),
                                             ::testing::Values(0.0f, 0.1f), ::testing::Values(1, 3, 5)));
+
+// Sizes: a single element, vector tails, and more than one TBB chunk (16384 elements) with a tail.
+constexpr std::size_t kHostSizes[] = {1, 7, 257, 1000, 16384 * 2 + 37};
+
+class HostAdamTest : public ::testing::TestWithParam<std::tuple<std::size_t, bool, float>> {};
+
+TEST_P(HostAdamTest, StepsMatchReferenceInPlaceAndOutOfPlace) {
+  auto [n, decoupled, wd] = GetParam();
+  const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, wd, decoupled};
+  const auto w0 = random_vector(n, 2);
+  std::vector<float> w = w0, m(n, 0.0f), v(n, 0.0f);                          // in place
+  std::vector<float> wa = w0, ma(n, 0.0f), va(n, 0.0f), wb(n), mb(n), vb(n);  // out of place, a -> b -> a
+  auto w_ref = to_double(w0), m_ref = to_double(m), v_ref = to_double(v);
+  for (int s = 0; s < 4; ++s) {
+    const auto g = random_vector(n, 200 + s);
+    const ops::StepInfo info{std::uint64_t(s + 1), kLrs[s]};
+    EXPECT_TRUE(
+        ops::host_adam_update(c, info, g.data(), {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n));
+    if (s % 2 == 0) {
+      EXPECT_TRUE(ops::host_adam_update(c, info, g.data(),
+                                        {wa.data(), ma.data(), va.data(), wb.data(), mb.data(), vb.data()}, n));
+    } else {
+      EXPECT_TRUE(ops::host_adam_update(c, info, g.data(),
+                                        {wb.data(), mb.data(), vb.data(), wa.data(), ma.data(), va.data()}, n));
+    }
+    ops::ref::adam_update<double>(c, info, w_ref, to_double(g), m_ref, v_ref);
+  }
+  expect_near(m, to_float(m_ref), 1e-7f, 1e-5f, "m");
+  expect_near(v, to_float(v_ref), 1e-8f, 1e-5f, "v");
+  expect_near(w, to_float(w_ref), 1e-5f, 1e-5f, "w");
+  EXPECT_GT(std::abs(w[0] - w0[0]), 1e-3f);
+  // Reading and writing the same memory changes nothing: the same arithmetic, bit for bit.
+  EXPECT_EQ(w, wa);
+  EXPECT_EQ(m, ma);
+  EXPECT_EQ(v, va);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, HostAdamTest,
+                         ::testing::Combine(::testing::ValuesIn(kHostSizes), ::testing::Bool(),
+                                            ::testing::Values(0.0f, 0.1f)));
+
+class HostSgdTest : public ::testing::TestWithParam<std::tuple<std::size_t, bool, float>> {};
+
+TEST_P(HostSgdTest, StepsMatchReference) {
+  auto [n, nesterov, wd] = GetParam();
+  const ops::SgdConfig c{0.9f, wd, nesterov};
+  const auto w0 = random_vector(n, 1);
+  std::vector<float> w = w0, vel(n, 0.0f);
+  auto w_ref = to_double(w0), vel_ref = to_double(vel);
+  for (int s = 0; s < 4; ++s) {
+    const auto g = random_vector(n, 100 + s);
+    const ops::StepInfo info{std::uint64_t(s + 1), kLrs[s]};
+    EXPECT_TRUE(ops::host_sgd_update(c, info, g.data(), {w.data(), vel.data(), w.data(), vel.data()}, n));
+    ops::ref::sgd_update<double>(c, info, w_ref, to_double(g), vel_ref);
+  }
+  expect_near(vel, to_float(vel_ref), 1e-6f, 1e-5f, "velocity");
+  expect_near(w, to_float(w_ref), 1e-6f, 1e-5f, "w");
+  EXPECT_GT(std::abs(w[0] - w0[0]), 1e-4f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, HostSgdTest,
+                         ::testing::Combine(::testing::ValuesIn(kHostSizes), ::testing::Bool(),
+                                            ::testing::Values(0.0f, 0.01f)));
+
+// A gradient that is not finite anywhere, the last element of a vector tail or of a later chunk
+// included, makes the update report non-finite weights.
+TEST(Optimizer, HostUpdatesReportNonFiniteWeights) {
+  const std::size_t n = 16384 * 2 + 37;
+  for (const std::size_t bad : {std::size_t{0}, n / 2, n - 1}) {
+    auto g = random_vector(n, 7);
+    g[bad] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> w = random_vector(n, 8), m(n, 0.0f), v(n, 0.0f), vel(n, 0.0f);
+    EXPECT_FALSE(ops::host_adam_update({}, {1, 0.01f}, g.data(),
+                                       {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n))
+        << bad;
+    EXPECT_TRUE(std::isnan(w[bad]));
+    w = random_vector(n, 8);
+    EXPECT_FALSE(ops::host_sgd_update({}, {1, 0.01f}, g.data(), {w.data(), vel.data(), w.data(), vel.data()}, n))
+        << bad;
+  }
+}
 
 TEST(Optimizer, AdamWAndL2Differ) {
   // With the same weight decay, decoupled decay and L2 give different weights: the flag is used.
