@@ -125,7 +125,7 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
   } else {
     // Other devices: the tuner's winner for this device (ops/attention_tune.hpp), else the blocked
     // family's default tiles.
-    const std::string tuned = attention_tuning_for(env).kernel;
+    const std::string tuned = attention_tuning_for(env).kernel_for(s.head_dim);
     c = tuned.empty() ? parse_config("blocked") : parse_config(tuned);
   }
   // The one-pass backward runs a work-item per head: it takes over once there are four heads per

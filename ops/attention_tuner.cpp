@@ -1,9 +1,9 @@
 // The attention tuner (see ops/attention_tune.hpp): every candidate's forward and backward timed on
-// the shapes below, the lowest geometric mean of their times wins and is cached per device, driver
-// and attention kernel source. Cache file:
+// the shapes below; in each head-dimension class the lowest geometric mean of its shapes' times
+// wins, and the winners are cached per device, driver and attention kernel source. Cache file:
 //   # ferry attention tuning cache, written by the tuner (`ferry tune`); delete it to tune again.
 //   # <comment lines>
-//   kernel <the winner, as AttentionOptions::kernel takes it>
+//   kernel <class bound> <the class's winner, as AttentionOptions::kernel takes it>   (one per class)
 //   # checksum <16 hex digits: FNV-1a of every line above>
 #include <fmt/format.h>
 
@@ -34,8 +34,7 @@ constexpr const char* untuned_default = "blocked TQ=64 TK=32";
 
 // The benchmark's shape class (one sequence of 1024, 12 heads of 64), the 85M GPT's attention (8
 // sequences of 256), and both at head dimension 128, the 1B and 7B GPTs' (where the blocked
-// kernels' tiles shrink to fit local memory): long rows and many short ones. One winner serves
-// every head dimension, so it is scored on both.
+// kernels' tiles shrink to fit local memory): long rows and many short ones, two per class.
 std::vector<AttentionShape> default_shapes() {
   return {{1, 1024, 12, 64}, {8, 256, 12, 64}, {1, 1024, 8, 128}, {8, 256, 16, 128}};
 }
@@ -93,20 +92,28 @@ double seconds_since(Clock::time_point t0) {
 void record_winner(OpEnv& env, TuneMode mode, AttentionTuneResult& r) {
   r.cache_path = attention_tune_cache_path(env);
   if (r.cache_path.empty()) return;
-  std::string shapes;
-  for (std::size_t i = 0; i < r.shapes.size(); ++i) {
-    const AttentionShape& s = r.shapes[i];
-    shapes += fmt::format("{}batch {} context {} heads {} x {}: {:.3f} ms", i ? ", " : "", s.batch, s.context, s.heads,
-                          s.head_dim, r.best_shape_ms[i]);
-  }
-  const std::string body = fmt::format(
+  std::string body = fmt::format(
       "# ferry attention tuning cache, written by the tuner (`ferry tune`); delete it to tune again.\n"
-      "# device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\n"
-      "# forward + backward: {}\n"
-      "kernel {}\n",
-      env.device().name, env.device().driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds, shapes,
-      r.best);
+      "# device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\n",
+      env.device().name, env.device().driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds);
+  for (const AttentionTuneClass& c : r.classes) {
+    std::string shapes;
+    for (std::size_t i = 0; i < c.shapes.size(); ++i) {
+      const AttentionShape& s = c.shapes[i];
+      shapes += fmt::format("{}batch {} context {} heads {} x {}: {:.3f} ms", i ? ", " : "", s.batch, s.context,
+                            s.heads, s.head_dim, c.best_shape_ms[i]);
+    }
+    body += fmt::format("# head dims up to {}, forward + backward: {}\nkernel {} {}\n", c.max_head_dim, shapes,
+                        c.max_head_dim, c.best);
+  }
   if (!write_tune_cache_text(r.cache_path, body, cache_what)) r.cache_path.clear();
+}
+
+// "64: blocked TQ=64 TK=32; 128: tiled BQ=64 BK=32"
+std::string summarize(const std::map<std::size_t, std::string>& kernels) {
+  std::string out;
+  for (const auto& [bound, kernel] : kernels) out += fmt::format("{}{}: {}", out.empty() ? "" : "; ", bound, kernel);
+  return out;
 }
 
 struct TuningState {
@@ -129,17 +136,35 @@ AttentionTuning tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
   o.mode = mode;
   o.budget_seconds = budget_seconds;
   o.progress = [](const AttentionTuneProgress& p) {
-    std::fprintf(stderr, "\rferry: tuning attention %zu/%zu, best %.3f ms   ", p.done, p.total, p.best_ms);
+    std::fprintf(stderr, "\rferry: tuning attention %zu/%zu, best %s   ", p.done, p.total, p.best.c_str());
     std::fflush(stderr);
   };
   const AttentionTuneResult r = tune_attention(env, o);
-  std::fprintf(stderr, "\rferry: tuned attention in %.1f s: %s (%.3f ms over %zu shapes)%s%s\n", r.seconds,
-               r.best.c_str(), r.best_ms, r.shapes.size(), r.cache_path.empty() ? "" : ", saved in ",
-               r.cache_path.c_str());
-  return {r.best, r.cache_path.empty() ? std::string("tuned now (not cached)") : r.cache_path};
+  std::fprintf(stderr, "\rferry: tuned attention in %.1f s: %s%s%s\n", r.seconds, r.best.c_str(),
+               r.cache_path.empty() ? "" : ", saved in ", r.cache_path.c_str());
+  AttentionTuning t;
+  for (const AttentionTuneClass& c : r.classes) t.kernels.emplace(c.max_head_dim, c.best);
+  t.source = r.cache_path.empty() ? std::string("tuned now (not cached)") : r.cache_path;
+  return t;
 }
 
 }  // namespace
+
+std::size_t attention_tune_class(std::size_t head_dim) {
+  for (const std::size_t bound : attention_tune_classes) {
+    if (head_dim <= bound) return bound;
+  }
+  return 0;
+}
+
+std::string AttentionTuning::kernel_for(std::size_t head_dim) const {
+  const auto it = kernels.find(attention_tune_class(head_dim));
+  return it == kernels.end() ? std::string() : it->second;
+}
+
+std::string AttentionTuning::summary() const {
+  return summarize(kernels);
+}
 
 std::vector<std::string> attention_tune_candidates(const cl::DeviceInfo& device, TuneMode mode) {
   if (device.is_cpu()) return {};
@@ -171,23 +196,33 @@ std::string attention_tune_cache_path(OpEnv& env) {
   return (cache.dir / fmt::format("attention-tuning-{:016x}.txt", key)).string();
 }
 
-std::optional<std::string> read_attention_tune_cache(OpEnv& env, const std::string& path) {
+std::optional<std::map<std::size_t, std::string>> read_attention_tune_cache(OpEnv& env, const std::string& path) {
   const std::optional<std::string> body = read_tune_cache_text(path, cache_what);
   if (!body) return std::nullopt;
   std::istringstream lines(*body);
-  std::string kernel;
-  for (std::string line; std::getline(lines, line);) {
-    if (line.starts_with("kernel ")) kernel = line.substr(7);
-  }
+  std::map<std::size_t, std::string> kernels;
   try {
-    if (kernel.empty()) throw std::invalid_argument("no kernel line");
-    attention_kernel_description(env, {1, 64, 1, 64}, {kernel});  // parses it
+    for (std::string line; std::getline(lines, line);) {
+      if (!line.starts_with("kernel ")) continue;
+      // "kernel <class bound> <kernel>"
+      const std::string rest = line.substr(7);
+      const std::size_t used = rest.find(' ');
+      const std::string head = rest.substr(0, used);
+      const bool digits = !head.empty() && head.size() < 6 && head.find_first_not_of("0123456789") == std::string::npos;
+      const std::size_t bound = digits ? std::stoul(head) : 0;
+      if (!digits || attention_tune_class(bound) != bound || used == std::string::npos)
+        throw std::invalid_argument(fmt::format("'{}' names no head-dimension class", line));
+      const std::string kernel = rest.substr(used + 1);
+      attention_kernel_description(env, {1, 64, 1, bound}, {kernel});  // parses it
+      kernels[bound] = kernel;
+    }
+    if (kernels.empty()) throw std::invalid_argument("no kernel line");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ferry: warning: %s %s holds no valid kernel (%s); it will be tuned again and replaced\n",
                  cache_what, path.c_str(), e.what());
     return std::nullopt;
   }
-  return kernel;
+  return kernels;
 }
 
 AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& options) {
@@ -205,43 +240,71 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
   AttentionTuneResult r;
   r.device = device.name;
   r.planned = candidates.size();
-  r.shapes = options.shapes.empty() ? default_shapes() : options.shapes;
-  Timer timer(env, r.shapes);
+  for (const AttentionShape& shape : options.shapes.empty() ? default_shapes() : options.shapes) {
+    const std::size_t bound = attention_tune_class(shape.head_dim);
+    if (bound == 0)
+      throw std::invalid_argument(
+          fmt::format("attention tuning: head dimension {} is above every class", shape.head_dim));
+    auto it = std::find_if(r.classes.begin(), r.classes.end(), [&](const auto& c) { return c.max_head_dim == bound; });
+    if (it == r.classes.end()) it = r.classes.insert(r.classes.end(), AttentionTuneClass{.max_head_dim = bound});
+    it->shapes.push_back(shape);
+  }
+  std::sort(r.classes.begin(), r.classes.end(),
+            [](const auto& a, const auto& b) { return a.max_head_dim < b.max_head_dim; });
+  std::vector<AttentionShape> all;
+  for (const AttentionTuneClass& c : r.classes) all.insert(all.end(), c.shapes.begin(), c.shapes.end());
+  Timer timer(env, all);
   AttentionTuneProgress progress;
   progress.total = candidates.size();
   for (const std::string& kernel : candidates) {
-    if (seconds_since(t0) > options.budget_seconds && !r.best.empty()) {
+    const bool every_class_won =
+        std::all_of(r.classes.begin(), r.classes.end(), [](const auto& c) { return !c.best.empty(); });
+    if (seconds_since(t0) > options.budget_seconds && every_class_won) {
       r.budget_ran_out = true;
       break;
     }
     AttentionTuneCandidate c;
     c.kernel = kernel;
-    std::vector<double> times;
-    try {
-      double log_sum = 0;
-      for (const AttentionShape& s : r.shapes) {
-        times.push_back(timer.measure(s, kernel));
-        log_sum += std::log(times.back());
+    for (AttentionTuneClass& cls : r.classes) {
+      std::vector<double> times;
+      double score = 0;
+      try {
+        double log_sum = 0;
+        for (const AttentionShape& s : cls.shapes) {
+          times.push_back(timer.measure(s, kernel));
+          log_sum += std::log(times.back());
+        }
+        score = std::exp(log_sum / double(times.size()));
+      } catch (const std::exception& e) {
+        // A candidate this device cannot build or run at these head dims: skipped there, and said so.
+        if (c.error.empty()) c.error = fmt::format("head dims up to {}: {}", cls.max_head_dim, e.what());
       }
-      c.score_ms = std::exp(log_sum / double(times.size()));
-    } catch (const std::exception& e) {
-      c.error = e.what();  // a candidate this device cannot build or run: skipped, and said so
-    }
-    if (c.error.empty() && (r.best.empty() || c.score_ms < r.best_ms)) {
-      r.best = kernel;
-      r.best_ms = c.score_ms;
-      r.best_shape_ms = times;
-      progress.best = kernel;
-      progress.best_ms = c.score_ms;
+      c.score_ms.push_back(score);
+      if (score > 0 && (cls.best.empty() || score < cls.best_ms)) {
+        cls.best = kernel;
+        cls.best_ms = score;
+        cls.best_shape_ms = times;
+      }
     }
     r.candidates.push_back(std::move(c));
+    std::map<std::size_t, std::string> so_far;
+    for (const AttentionTuneClass& cls : r.classes) {
+      if (!cls.best.empty()) so_far.emplace(cls.max_head_dim, fmt::format("{} ({:.3f} ms)", cls.best, cls.best_ms));
+    }
+    progress.best = summarize(so_far);
     ++progress.done;
     if (options.progress) options.progress(progress);
   }
-  if (r.best.empty()) {
-    throw std::runtime_error(fmt::format("attention tuning on '{}': no candidate could run; the first failed with: {}",
-                                         device.name, r.candidates.at(0).error));
+  std::map<std::size_t, std::string> winners;
+  for (const AttentionTuneClass& cls : r.classes) {
+    if (cls.best.empty()) {
+      throw std::runtime_error(fmt::format(
+          "attention tuning on '{}': no candidate could run at head dims up to {}; the first failed with: {}",
+          device.name, cls.max_head_dim, r.candidates.at(0).error));
+    }
+    winners.emplace(cls.max_head_dim, cls.best);
   }
+  r.best = summarize(winners);
   r.seconds = seconds_since(t0);
   record_winner(env, mode, r);
   forget_attention_tuning();  // later attention ops read the new winner
@@ -250,13 +313,13 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
 
 AttentionTuning attention_tuning_for(OpEnv& env) {
   const cl::DeviceInfo& device = env.device();
-  if (device.is_cpu()) return {"", "defaults (CPU devices run the cpu family's measured tiles)"};
+  if (device.is_cpu()) return {{}, "defaults (CPU devices run the cpu family's measured tiles)"};
   TuningState& st = state();
   std::lock_guard lock(st.mutex);
   if (auto it = st.chosen.find(device.id); it != st.chosen.end()) return it->second;
   const TuneMode mode = tune_mode_from_env();
   const double budget = tune_budget_from_env();
-  AttentionTuning t{"", fmt::format("defaults (FERRY_TUNE=off: {})", untuned_default)};
+  AttentionTuning t{{}, fmt::format("defaults (FERRY_TUNE=off: {})", untuned_default)};
   if (mode != TuneMode::off) {
     const std::string cache = attention_tune_cache_path(env);
     if (cache.empty()) {
@@ -265,8 +328,8 @@ AttentionTuning attention_tuning_for(OpEnv& env) {
                    "could not be kept (set FERRY_CACHE_DIR to a writable folder); %s runs\n",
                    device.name.c_str(), untuned_default);
       t.source = fmt::format("defaults (no program cache: {})", untuned_default);
-    } else if (std::optional<std::string> cached = read_attention_tune_cache(env, cache)) {
-      t = {*cached, cache};
+    } else if (auto cached = read_attention_tune_cache(env, cache)) {
+      t = {std::move(*cached), cache};
     } else {
       t = tune_now(env, mode, budget);
     }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -22,6 +23,7 @@
 #include "ops/attention.hpp"
 #include "ops/attention_tune.hpp"
 #include "ops/gemm.hpp"
+#include "ops/gemm_tune_cache.hpp"
 #include "ops/softmax.hpp"
 #include "test_support.hpp"
 
@@ -319,7 +321,7 @@ TEST(AttentionTune, SearchesCachesAndRefusesADamagedCache) {
   EXPECT_TRUE(tiled) << "the search must measure the tiled family against the blocked one";
   EXPECT_TRUE(ops::attention_tune_candidates(as_cpu, ops::TuneMode::full).empty());
   EXPECT_THROW(ops::tune_attention(dev.env), std::invalid_argument);  // a CPU without candidates
-  EXPECT_TRUE(ops::attention_tuning_for(dev.env).kernel.empty() || !dev.context.device().is_cpu());
+  EXPECT_TRUE(ops::attention_tuning_for(dev.env).kernels.empty() || !dev.context.device().is_cpu());
 
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry_attention_tune_{}", ::getpid());
   std::filesystem::remove_all(dir);
@@ -327,7 +329,7 @@ TEST(AttentionTune, SearchesCachesAndRefusesADamagedCache) {
   ops::OpEnv env{kernels};
   ops::AttentionTuneOptions o;
   o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8", "blocked TQ=9"};  // the last one cannot run
-  o.shapes = {{1, 40, 2, 16}, {2, 24, 1, 32}};
+  o.shapes = {{1, 40, 2, 16}, {2, 24, 1, 32}, {1, 24, 1, 80}};               // two in the class up to 64, one up to 128
   std::size_t reports = 0;
   o.progress = [&](const ops::AttentionTuneProgress& p) {
     ++reports;
@@ -335,16 +337,45 @@ TEST(AttentionTune, SearchesCachesAndRefusesADamagedCache) {
   };
   const ops::AttentionTuneResult r = ops::tune_attention(env, o);
   EXPECT_EQ(reports, 3u);
+  ASSERT_EQ(r.classes.size(), 2u);
+  EXPECT_EQ(r.classes[0].max_head_dim, 64u);
+  EXPECT_EQ(r.classes[0].shapes.size(), 2u);
+  EXPECT_EQ(r.classes[1].max_head_dim, 128u);
+  EXPECT_EQ(r.classes[1].shapes.size(), 1u);
   ASSERT_EQ(r.candidates.size(), 3u);
-  EXPECT_GT(r.candidates[0].score_ms, 0.0) << r.candidates[0].error;
-  EXPECT_GT(r.candidates[1].score_ms, 0.0) << r.candidates[1].error;
+  for (std::size_t k = 0; k < 2; ++k) {
+    ASSERT_EQ(r.candidates[k].score_ms.size(), 2u);
+    for (double ms : r.candidates[k].score_ms) EXPECT_GT(ms, 0.0) << r.candidates[k].error;
+  }
   EXPECT_NE(r.candidates[2].error.find("TQ"), std::string::npos) << r.candidates[2].error;
-  EXPECT_TRUE(r.best == o.candidates[0] || r.best == o.candidates[1]) << r.best;
-  EXPECT_EQ(r.best_ms, std::min(r.candidates[0].score_ms, r.candidates[1].score_ms));
-  ASSERT_EQ(r.best_shape_ms.size(), 2u);
+  std::map<std::size_t, std::string> winners;
+  for (std::size_t c = 0; c < 2; ++c) {
+    const ops::AttentionTuneClass& cls = r.classes[c];
+    const double a = r.candidates[0].score_ms[c], b = r.candidates[1].score_ms[c];
+    EXPECT_EQ(cls.best, a <= b ? o.candidates[0] : o.candidates[1]) << "class " << cls.max_head_dim;
+    EXPECT_EQ(cls.best_ms, std::min(a, b));
+    EXPECT_EQ(cls.best_shape_ms.size(), cls.shapes.size());
+    winners[cls.max_head_dim] = cls.best;
+  }
+  EXPECT_EQ(r.best, "64: " + winners[64] + "; 128: " + winners[128]);
   ASSERT_EQ(r.cache_path, ops::attention_tune_cache_path(env));
   ASSERT_FALSE(r.cache_path.empty());
-  EXPECT_EQ(ops::read_attention_tune_cache(env, r.cache_path), std::optional<std::string>(r.best));
+  EXPECT_EQ(ops::read_attention_tune_cache(env, r.cache_path), std::optional(winners));
+  // Each head dimension runs its class's winner; one above every class, the defaults.
+  const ops::AttentionTuning tuning{winners, r.cache_path};
+  EXPECT_EQ(tuning.kernel_for(16), winners[64]);
+  EXPECT_EQ(tuning.kernel_for(64), winners[64]);
+  EXPECT_EQ(tuning.kernel_for(80), winners[128]);
+  EXPECT_EQ(tuning.kernel_for(256), "");
+  EXPECT_EQ(tuning.summary(), r.best);
+
+  // A cache of one winner for every head dimension (written before the classes): retuned.
+  const std::string one_kernel = (dir / "one-kernel.txt").string();
+  ASSERT_TRUE(ops::write_tune_cache_text(one_kernel, "kernel blocked TQ=8 TK=8\n", "attention tuning cache"));
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ops::read_attention_tune_cache(env, one_kernel), std::nullopt);
+  const std::string old = testing::internal::GetCapturedStderr();
+  EXPECT_NE(old.find("names no head-dimension class"), std::string::npos) << old;
 
   // A damaged cache: a warning naming the file, and no kernel from it.
   std::string text;

@@ -22,7 +22,7 @@ struct ProgressBar {
     draw(p.done, p.total, p.stage, fmt::format("best {:.0f} GFLOPS {}", p.best_gflops, p.best));
   }
   void operator()(const ops::AttentionTuneProgress& p) {
-    draw(p.done, p.total, "attention", fmt::format("best {:.3f} ms {}", p.best_ms, p.best));
+    draw(p.done, p.total, "attention", fmt::format("best {}", p.best));
   }
   void draw(std::size_t done, std::size_t total, const std::string& stage, const std::string& best) {
     const int width = 24;
@@ -125,13 +125,17 @@ void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceI
   const ops::AttentionTuneResult r = ops::tune_attention(env, o);
   const ops::AttentionTuning now = ops::attention_tuning_for(env);
   if (!a.quiet) {
-    std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{}): {:.3f} ms geometric mean\n",
+    std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{})\n",
                              ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.candidates.size(), r.planned,
-                             r.budget_ran_out ? ", budget spent" : "", r.best_ms);
-    for (std::size_t i = 0; i < r.shapes.size(); ++i) {
-      const auto& s = r.shapes[i];
-      std::cerr << fmt::format("  batch {} context {:>5} heads {} x {}  forward + backward {:8.3f} ms\n", s.batch,
-                               s.context, s.heads, s.head_dim, r.best_shape_ms[i]);
+                             r.budget_ran_out ? ", budget spent" : "");
+    for (const ops::AttentionTuneClass& c : r.classes) {
+      std::cerr << fmt::format("  head dims up to {}: {}, {:.3f} ms geometric mean\n", c.max_head_dim, c.best,
+                               c.best_ms);
+      for (std::size_t i = 0; i < c.shapes.size(); ++i) {
+        const auto& s = c.shapes[i];
+        std::cerr << fmt::format("    batch {} context {:>5} heads {} x {}  forward + backward {:8.3f} ms\n", s.batch,
+                                 s.context, s.heads, s.head_dim, c.best_shape_ms[i]);
+      }
     }
     for (const auto& c : r.candidates) {
       if (!c.error.empty()) std::cerr << fmt::format("  skipped {}: {}\n", c.kernel, c.error);
@@ -140,21 +144,25 @@ void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceI
                                        : fmt::format("ferry tune: saved in {}\n", r.cache_path));
   }
   if (a.json) {
-    nlohmann::json shapes = nlohmann::json::array(), cands = nlohmann::json::array();
-    for (std::size_t i = 0; i < r.shapes.size(); ++i) {
-      const auto& s = r.shapes[i];
-      shapes.push_back({{"batch", s.batch},
-                        {"context", s.context},
-                        {"heads", s.heads},
-                        {"head_dim", s.head_dim},
-                        {"ms", r.best_shape_ms[i]}});
+    nlohmann::json classes = nlohmann::json::array(), cands = nlohmann::json::array();
+    for (const ops::AttentionTuneClass& c : r.classes) {
+      nlohmann::json shapes = nlohmann::json::array();
+      for (std::size_t i = 0; i < c.shapes.size(); ++i) {
+        const auto& s = c.shapes[i];
+        shapes.push_back({{"batch", s.batch},
+                          {"context", s.context},
+                          {"heads", s.heads},
+                          {"head_dim", s.head_dim},
+                          {"ms", c.best_shape_ms[i]}});
+      }
+      classes.push_back(
+          {{"max_head_dim", c.max_head_dim}, {"best", c.best}, {"best_ms", c.best_ms}, {"shapes", shapes}});
     }
     for (const auto& c : r.candidates)
       cands.push_back({{"kernel", c.kernel}, {"score_ms", c.score_ms}, {"error", c.error}});
     nlohmann::json j = json_head(a, d, "attention", r);
-    j["best_ms"] = r.best_ms;
-    j["shapes"] = shapes;
-    j["attention_tuning"] = now.kernel.empty() ? now.source : now.kernel;
+    j["classes"] = classes;
+    j["attention_tuning"] = now.kernels.empty() ? now.source : now.summary();
     j["candidates"] = cands;
     std::cout << j.dump() << std::endl;
   }
