@@ -71,6 +71,8 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
                   "device_peak_bytes": train.get("device_peak_bytes"),
                   "driver_memory_used_mib_max": smi,
                   "predicted_step_ms": plan.get("predicted_step_ms"),
+                  "predicted_terms_ms": {k: plan.get(k) for k in ("compute_ms", "forward_ms", "transfer_ms",
+                                                                  "host_update_ms", "codec_ms")},
                   "plan_rates": {k: plan.get(k) for k in ("link_gbps", "gemm_gflops", "host_gbps", "codec_gbps")},
                   "recommended": rec.get("flags"),
                   "recommended_predicted_step_ms": rec.get("predicted_step_ms")}))

@@ -163,8 +163,8 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes), rates.link_gbps * 1e6);
   p.host_update_ms = ms(static_cast<double>(p.host_update_bytes), rates.host_gbps * 1e6);
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
-  const double forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes);
-  const double updates_after_forward_ms = p.host_update_bytes ? forward_ms + p.host_update_ms : 0.0;
+  p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes);
+  const double updates_after_forward_ms = p.host_update_bytes ? p.forward_ms + p.host_update_ms : 0.0;
   p.predicted_step_ms =
       shares_host_cores
           ? p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms

@@ -154,6 +154,7 @@ void add_configured_fields(nlohmann::json& j, const Outcome& configured) {
     j["gemm_flops"] = t.gemm_flops;
     j["memory_bytes"] = t.memory_bytes;
     j["compute_ms"] = t.compute_ms;
+    j["forward_ms"] = t.forward_ms;
     j["transfer_ms"] = t.transfer_ms;
     j["host_update_bytes"] = t.host_update_bytes;
     j["host_update_ms"] = t.host_update_ms;
@@ -163,9 +164,10 @@ void add_configured_fields(nlohmann::json& j, const Outcome& configured) {
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
     for (const char* k :
-         {"residency", "device_peak_bytes", "host_bytes", "host_store_bytes", "host_step_bytes", "fetch_bytes",
-          "write_back_bytes", "batch_bytes", "moved_bytes", "flops", "gemm_flops", "memory_bytes", "compute_ms",
-          "transfer_ms", "host_update_bytes", "host_update_ms", "codec_bytes", "codec_ms", "predicted_step_ms"}) {
+         {"residency",         "device_peak_bytes", "host_bytes",  "host_store_bytes", "host_step_bytes",
+          "fetch_bytes",       "write_back_bytes",  "batch_bytes", "moved_bytes",      "flops",
+          "gemm_flops",        "memory_bytes",      "compute_ms",  "forward_ms",       "transfer_ms",
+          "host_update_bytes", "host_update_ms",    "codec_bytes", "codec_ms",         "predicted_step_ms"}) {
       j[k] = nullptr;
     }
     j["error"] = configured.error;

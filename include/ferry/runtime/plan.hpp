@@ -88,6 +88,7 @@ struct PhasePlan {
   // no sooner than forward + host updates: the step is at least that too. On a CPU device all of
   // it runs on the same cores: the step is the sum. 0 when a rate is unknown.
   double compute_ms = 0, transfer_ms = 0, host_update_ms = 0, codec_ms = 0, predicted_step_ms = 0;
+  double forward_ms = 0;  // the part of compute_ms before the backward
 };
 
 struct TrainingPlan {
