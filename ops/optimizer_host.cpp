@@ -49,9 +49,11 @@ struct AdamChunk {
 };
 
 // Elements [begin, end). In place (w_in == w_out) each element is read before it is written, so
-// there is no dependence between iterations.
-FERRY_HOST_CLONES void adam_chunk(const AdamChunk& c, const float* grad, const AdamSlots& s, std::size_t begin,
-                                  std::size_t end) {
+// there is no dependence between iterations. Inlined into each clone below, so it is compiled for
+// that clone's instruction set; the flag is a template argument so the loop has no branch.
+template <bool Decoupled>
+[[gnu::always_inline]] inline void adam_loop(const AdamChunk& c, const float* grad, const AdamSlots& s,
+                                             std::size_t begin, std::size_t end) {
   const float lr = c.lr, b1 = c.b1, b2 = c.b2, eps = c.eps, wd = c.wd, bc1 = c.bc1, bc2 = c.bc2;
   const float* w_in = s.w_in;
   const float* m_in = s.m_in;
@@ -59,29 +61,25 @@ FERRY_HOST_CLONES void adam_chunk(const AdamChunk& c, const float* grad, const A
   float* w_out = s.w_out;
   float* m_out = s.m_out;
   float* v_out = s.v_out;
+  FERRY_NO_LOOP_DEPENDENCE
+  for (std::size_t i = begin; i < end; ++i) {
+    const float w = w_in[i];
+    const float g = Decoupled ? grad[i] : grad[i] + wd * w;  // L2 adds the decay to the gradient
+    const float m = b1 * m_in[i] + (1.0f - b1) * g;
+    const float v = b2 * v_in[i] + (1.0f - b2) * g * g;
+    const float update = (m / bc1) / (std::sqrt(v / bc2) + eps);
+    m_out[i] = m;
+    v_out[i] = v;
+    w_out[i] = Decoupled ? w - lr * (update + wd * w) : w - lr * update;  // AdamW decays the weight
+  }
+}
+
+FERRY_HOST_CLONES void adam_chunk(const AdamChunk& c, const float* grad, const AdamSlots& s, std::size_t begin,
+                                  std::size_t end) {
   if (c.decoupled) {
-    FERRY_NO_LOOP_DEPENDENCE
-    for (std::size_t i = begin; i < end; ++i) {
-      const float w = w_in[i], g = grad[i];
-      const float m = b1 * m_in[i] + (1.0f - b1) * g;
-      const float v = b2 * v_in[i] + (1.0f - b2) * g * g;
-      const float update = (m / bc1) / (std::sqrt(v / bc2) + eps);
-      m_out[i] = m;
-      v_out[i] = v;
-      w_out[i] = w - lr * (update + wd * w);
-    }
+    adam_loop<true>(c, grad, s, begin, end);
   } else {
-    FERRY_NO_LOOP_DEPENDENCE
-    for (std::size_t i = begin; i < end; ++i) {
-      const float w = w_in[i];
-      const float g = grad[i] + wd * w;
-      const float m = b1 * m_in[i] + (1.0f - b1) * g;
-      const float v = b2 * v_in[i] + (1.0f - b2) * g * g;
-      const float update = (m / bc1) / (std::sqrt(v / bc2) + eps);
-      m_out[i] = m;
-      v_out[i] = v;
-      w_out[i] = w - lr * update;
-    }
+    adam_loop<false>(c, grad, s, begin, end);
   }
 }
 
@@ -90,31 +88,30 @@ struct SgdChunk {
   bool nesterov;
 };
 
-FERRY_HOST_CLONES void sgd_chunk(const SgdChunk& c, const float* grad, const SgdSlots& s, std::size_t begin,
-                                 std::size_t end) {
+template <bool Nesterov>
+[[gnu::always_inline]] inline void sgd_loop(const SgdChunk& c, const float* grad, const SgdSlots& s, std::size_t begin,
+                                            std::size_t end) {
   const float lr = c.lr, momentum = c.momentum, wd = c.wd;
   const float* w_in = s.w_in;
   const float* vel_in = s.velocity_in;
   float* w_out = s.w_out;
   float* vel_out = s.velocity_out;
+  FERRY_NO_LOOP_DEPENDENCE
+  for (std::size_t i = begin; i < end; ++i) {
+    const float w = w_in[i];
+    const float g = grad[i] + wd * w;
+    const float v = momentum * vel_in[i] + g;
+    vel_out[i] = v;
+    w_out[i] = w - lr * (Nesterov ? g + momentum * v : v);
+  }
+}
+
+FERRY_HOST_CLONES void sgd_chunk(const SgdChunk& c, const float* grad, const SgdSlots& s, std::size_t begin,
+                                 std::size_t end) {
   if (c.nesterov) {
-    FERRY_NO_LOOP_DEPENDENCE
-    for (std::size_t i = begin; i < end; ++i) {
-      const float w = w_in[i];
-      const float g = grad[i] + wd * w;
-      const float v = momentum * vel_in[i] + g;
-      vel_out[i] = v;
-      w_out[i] = w - lr * (g + momentum * v);
-    }
+    sgd_loop<true>(c, grad, s, begin, end);
   } else {
-    FERRY_NO_LOOP_DEPENDENCE
-    for (std::size_t i = begin; i < end; ++i) {
-      const float w = w_in[i];
-      const float g = grad[i] + wd * w;
-      const float v = momentum * vel_in[i] + g;
-      vel_out[i] = v;
-      w_out[i] = w - lr * v;
-    }
+    sgd_loop<false>(c, grad, s, begin, end);
   }
 }
 }  // namespace
