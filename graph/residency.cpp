@@ -414,8 +414,8 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
     if (!ops::op_info(old.op[n]).host) {
       throw std::invalid_argument(
           fmt::format("the host optimizer cannot run '{}' ({}): it has no host version; run "
-                      "the updates on the device (leave out --host-optimizer) or use adam, "
-                      "adamw or sgd",
+                      "the updates on the device (leave out --host-optimizer) or use an optimizer that has "
+                      "one (adam, adamw, adamw8bit, sgd)",
                       old.name[n], op_name(old.op[n])));
     }
     if (grad_host[n] == no_tensor) write_back(n);

@@ -6,12 +6,18 @@
 // scalar errno path.
 #include "ops/optimizer_host.hpp"
 
+#include <fmt/format.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
+
+#include "ferry/ops/quant_map.hpp"
 
 // Clones where the compiler makes them (GCC, clang >= 14 on x86-64); not in sanitizer builds, whose
 // runtimes are not set up yet when the loader runs a clone's resolver.
@@ -114,18 +120,123 @@ FERRY_HOST_CLONES void sgd_chunk(const SgdChunk& c, const float* grad, const Sgd
     sgd_loop<false>(c, grad, s, begin, end);
   }
 }
+// The two maps' 256 values (ops/quant_map.hpp), so dequantizing is a load and quantizing a
+// branchless search over loads.
+struct CodeTables {
+  std::array<float, 256> m{}, v{};
+};
+constexpr CodeTables make_code_tables() {
+  CodeTables t;
+  for (std::uint32_t c = 0; c < 256; ++c) {
+    t.m[c] = dynamic_value(static_cast<std::uint8_t>(c), true);
+    t.v[c] = dynamic_value(static_cast<std::uint8_t>(c), false);
+  }
+  return t;
+}
+constexpr CodeTables code_tables = make_code_tables();
+
+// dynamic_quantize(x / scale) of `quant_lanes` values at once (as the kernel's q_normalized and
+// q_nearest): the largest code whose value is <= the normalized x, found in eight halvings that
+// step all lanes together (independent chains the compiler vectorises with gathers), then the
+// nearer of it and the next one, a tie to the lower; a positive second moment never becomes 0.
+constexpr std::size_t quant_lanes = 16;
+
+template <bool Signed>
+[[gnu::always_inline]] inline void quantize_lanes(const float* x, float scale, const std::array<float, 256>& table,
+                                                  std::uint8_t* out, std::size_t count) {
+  float r[quant_lanes];
+  std::uint32_t c[quant_lanes];
+  for (std::size_t j = 0; j < quant_lanes; ++j) {
+    float v = j < count && scale > 0.0f ? x[j] / scale : 0.0f;
+    v = v == v ? v : 0.0f;  // NaN
+    r[j] = std::min(std::max(v, Signed ? -1.0f : 0.0f), 1.0f);
+    c[j] = 0;
+  }
+  for (std::uint32_t step = 128; step > 0; step >>= 1) {
+    for (std::size_t j = 0; j < quant_lanes; ++j) c[j] = table[c[j] + step] <= r[j] ? c[j] + step : c[j];
+  }
+  for (std::size_t j = 0; j < count; ++j) {
+    std::uint32_t code = c[j];
+    if (code < 255 && table[code + 1] - r[j] < r[j] - table[code]) ++code;
+    if (!Signed && code == 0 && r[j] > 0.0f) code = 1;
+    out[j] = static_cast<std::uint8_t>(code);
+  }
+}
+
+struct Adam8bitChunk {
+  AdamChunk adam;
+  std::size_t block, blocks;
+};
+
+// Blocks [first, last): update, then requantize each with its new absmax. `m_new` and `v_new`
+// hold one block's new moments.
+template <bool Decoupled>
+[[gnu::always_inline]] inline void adam8bit_loop(const Adam8bitChunk& c, const float* grad, const Adam8bitSlots& s,
+                                                 std::size_t first, std::size_t last, std::size_t n, float* m_new,
+                                                 float* v_new) {
+  const AdamChunk& a = c.adam;
+  const float lr = a.lr, b1 = a.b1, b2 = a.b2, eps = a.eps, wd = a.wd, bc1 = a.bc1, bc2 = a.bc2;
+  for (std::size_t b = first; b < last; ++b) {
+    const std::size_t start = b * c.block, len = std::min(c.block, n - start);
+    const float m_scale = s.scales_in[b], v_scale = s.scales_in[c.blocks + b];
+    const float* w_in = s.w_in + start;
+    const float* g_in = grad + start;
+    const std::uint8_t* m_in = s.m_in + start;
+    const std::uint8_t* v_in = s.v_in + start;
+    float* w_out = s.w_out + start;
+    FERRY_NO_LOOP_DEPENDENCE
+    for (std::size_t k = 0; k < len; ++k) {
+      const float w = w_in[k];
+      const float g = Decoupled ? g_in[k] : g_in[k] + wd * w;
+      const float m = b1 * (code_tables.m[m_in[k]] * m_scale) + (1.0f - b1) * g;
+      const float v = b2 * (code_tables.v[v_in[k]] * v_scale) + (1.0f - b2) * g * g;
+      const float update = (m / bc1) / (std::sqrt(v / bc2) + eps);
+      m_new[k] = m;
+      v_new[k] = v;
+      w_out[k] = Decoupled ? w - lr * (update + wd * w) : w - lr * update;
+    }
+    float m_max = 0.0f, v_max = 0.0f;
+    for (std::size_t k = 0; k < len; ++k) {
+      m_max = std::fmax(m_max, std::fabs(m_new[k]));
+      v_max = std::fmax(v_max, v_new[k]);
+    }
+    std::uint8_t* m_out = s.m_out + start;
+    std::uint8_t* v_out = s.v_out + start;
+    for (std::size_t k = 0; k < len; k += quant_lanes) {
+      const std::size_t count = std::min(quant_lanes, len - k);
+      quantize_lanes<true>(m_new + k, m_max, code_tables.m, m_out + k, count);
+      quantize_lanes<false>(v_new + k, v_max, code_tables.v, v_out + k, count);
+    }
+    s.scales_out[b] = m_max;
+    s.scales_out[c.blocks + b] = v_max;
+  }
+}
+
+FERRY_HOST_CLONES void adam8bit_blocks_update(const Adam8bitChunk& c, const float* grad, const Adam8bitSlots& s,
+                                              std::size_t first, std::size_t last, std::size_t n, float* m_new,
+                                              float* v_new) {
+  if (c.adam.decoupled) {
+    adam8bit_loop<true>(c, grad, s, first, last, n, m_new, v_new);
+  } else {
+    adam8bit_loop<false>(c, grad, s, first, last, n, m_new, v_new);
+  }
+}
+
+AdamChunk adam_chunk_of(const AdamConfig& c, const StepInfo& step) {
+  if (step.step == 0) throw std::invalid_argument("host Adam update: step must start at 1 (bias correction)");
+  return {step.lr,
+          c.beta1,
+          c.beta2,
+          c.eps,
+          c.weight_decay,
+          1.0f - std::pow(c.beta1, static_cast<float>(step.step)),
+          1.0f - std::pow(c.beta2, static_cast<float>(step.step)),
+          c.decoupled_weight_decay};
+}
 }  // namespace
 
 bool host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n) {
-  if (step.step == 0) throw std::invalid_argument("host Adam update: step must start at 1 (bias correction)");
-  const AdamChunk a{step.lr,
-                    c.beta1,
-                    c.beta2,
-                    c.eps,
-                    c.weight_decay,
-                    1.0f - std::pow(c.beta1, static_cast<float>(step.step)),
-                    1.0f - std::pow(c.beta2, static_cast<float>(step.step)),
-                    c.decoupled_weight_decay};
+  const AdamChunk a = adam_chunk_of(c, step);
   std::atomic<bool> finite{true};
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, chunk), [&](const tbb::blocked_range<std::size_t>& r) {
     adam_chunk(a, grad, s, r.begin(), r.end());
@@ -140,6 +251,25 @@ bool host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, chunk), [&](const tbb::blocked_range<std::size_t>& r) {
     sgd_chunk(a, grad, s, r.begin(), r.end());
     if (!all_finite(s.w_out + r.begin(), r.size())) finite = false;
+  });
+  return finite;
+}
+
+bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepInfo& step, const float* grad,
+                          Adam8bitSlots s, std::size_t n) {
+  if (block == 0 || block > adam8bit_max_block) {
+    throw std::invalid_argument(
+        fmt::format("host 8-bit Adam update: block size {} is not in 1..{}", block, adam8bit_max_block));
+  }
+  const Adam8bitChunk a{adam_chunk_of(c, step), block, adam8bit_blocks(n, block)};
+  // Tasks of whole blocks, at least a chunk's elements each.
+  const std::size_t grain = std::max<std::size_t>(1, chunk / block);
+  std::atomic<bool> finite{true};
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, a.blocks, grain), [&](const tbb::blocked_range<std::size_t>& r) {
+    std::vector<float> m_new(block), v_new(block);
+    adam8bit_blocks_update(a, grad, s, r.begin(), r.end(), n, m_new.data(), v_new.data());
+    const std::size_t first = r.begin() * block, last = std::min(n, r.end() * block);
+    if (!all_finite(s.w_out + first, last - first)) finite = false;
   });
   return finite;
 }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "ferry/ops/optimizer.hpp"
 
@@ -31,8 +32,26 @@ struct SgdSlots {
   float* velocity_out;
 };
 
+// 8-bit state (adamw8bit): u8 codes of the moments and their block scales, [2, blocks] (the m
+// scales, then the v scales).
+struct Adam8bitSlots {
+  const float* w_in;
+  const std::uint8_t* m_in;
+  const std::uint8_t* v_in;
+  const float* scales_in;
+  float* w_out;
+  std::uint8_t* m_out;
+  std::uint8_t* v_out;
+  float* scales_out;
+};
+
 // Each returns whether every weight it wrote is finite (the step's divergence guard).
 bool host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n);
 bool host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
+// adam8bit_update on the host (ops/optimizer.hpp): per block of `block` elements, the moments
+// dequantized with the old scales, the Adam / AdamW update in fp32, the block's absmax as its new
+// scale and the moments requantized to the nearest code (ops/quant_map.hpp), blocks in parallel.
+bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepInfo& step, const float* grad,
+                          Adam8bitSlots s, std::size_t n);
 
 }  // namespace ferry::ops

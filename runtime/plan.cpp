@@ -126,7 +126,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
     if (g.nodes.lane[n] == ops::Lane::host && row.op_class == ops::OpClass::update) {
       // The tensors it streams through (not the step's guard flag, read once).
       const auto add = [&](TensorId x) {
-        if (g.tensors.role[g.tensors.storage(x)] != graph::Role::stats) p.host_update_bytes += g.tensors.bytes(x);
+        if (g.tensors.role[g.tensors.storage(x)] == graph::Role::stats) return;
+        p.host_update_bytes += g.tensors.bytes(x);
+        if (g.nodes.op[n] == ops::builtin::adam8bit_update) p.host_update_8bit_bytes += g.tensors.bytes(x);
       };
       for (TensorId x : g.nodes.inputs(n)) add(x);
       for (TensorId x : g.nodes.outputs(n)) add(x);
@@ -161,7 +163,8 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   };
   p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes);
   p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes), rates.link_gbps * 1e6);
-  p.host_update_ms = ms(static_cast<double>(p.host_update_bytes), rates.host_gbps * 1e6);
+  p.host_update_ms = ms(static_cast<double>(p.host_update_bytes - p.host_update_8bit_bytes), rates.host_gbps * 1e6) +
+                     ms(static_cast<double>(p.host_update_8bit_bytes), rates.host_8bit_gbps * 1e6);
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
   p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes);
   const double updates_after_forward_ms = p.host_update_bytes ? p.forward_ms + p.host_update_ms : 0.0;
@@ -338,18 +341,28 @@ double measure_device_gbps(Runtime& runtime) {
   return best;
 }
 
-double measure_host_update_gbps() {
-  constexpr std::size_t n = 8u << 20;  // 32 MiB an operand: beyond the caches
-  std::vector<float> w(n, 0.5f), g(n, 0.25f), m(n, 0.0f), v(n, 0.0f);
+double measure_host_update_gbps(bool eight_bit) {
+  constexpr std::size_t n = 8u << 20;  // 32 MiB an fp32 operand: beyond the caches
+  constexpr std::uint32_t block = 2048;
+  std::vector<float> w(n, 0.5f), g(n, 0.25f), m(eight_bit ? 0 : n, 0.0f), v(eight_bit ? 0 : n, 0.0f);
+  std::vector<std::uint8_t> m8(eight_bit ? n : 0, 128), v8(eight_bit ? n : 0, 0);
+  std::vector<float> scales(2 * ops::adam8bit_blocks(n, block), 0.0f);
+  // Read w, g, m, v and write w, m, v: 28 bytes a parameter, or 16 with 8-bit moments (and their scales).
+  const double bytes = eight_bit ? 16.0 * n + 4.0 * scales.size() : 28.0 * n;
   const ops::AdamConfig adam;
-  constexpr double bytes_per_param = 7.0 * sizeof(float);  // reads w, g, m, v; writes w, m, v
   double best = 0;
   for (int i = 0; i < 4; ++i) {
     const ops::StepInfo step{.step = static_cast<std::uint64_t>(i + 1), .lr = 1e-3f};
     const auto t0 = std::chrono::steady_clock::now();
-    ops::host_adam_update(adam, step, g.data(), {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n);
+    if (eight_bit) {
+      ops::host_adam8bit_update(
+          adam, block, step, g.data(),
+          {w.data(), m8.data(), v8.data(), scales.data(), w.data(), m8.data(), v8.data(), scales.data()}, n);
+    } else {
+      ops::host_adam_update(adam, step, g.data(), {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n);
+    }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0 && s > 0) best = std::max(best, bytes_per_param * static_cast<double>(n) / s * 1e-9);
+    if (i > 0 && s > 0) best = std::max(best, bytes / s * 1e-9);
   }
   return best;
 }

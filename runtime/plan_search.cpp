@@ -19,10 +19,20 @@ using graph::ResidencyMode;
 
 // How far a configuration departs from the given options, leanest first. Each is tried as given
 // and, unless the layers are narrow already, with bf16 layers (half the activation bytes).
-enum class Lean { resident, mapped, stream, compressed_state, eight_bit, eight_bit_compressed, host_optimizer };
-constexpr Lean leans[] = {Lean::resident,         Lean::mapped,    Lean::stream,
-                          Lean::compressed_state, Lean::eight_bit, Lean::eight_bit_compressed,
-                          Lean::host_optimizer};
+enum class Lean {
+  resident,
+  mapped,
+  stream,
+  compressed_state,
+  eight_bit,
+  eight_bit_compressed,
+  host_optimizer,
+  eight_bit_host_optimizer,
+};
+constexpr Lean leans[] = {Lean::resident,       Lean::mapped,
+                          Lean::stream,         Lean::compressed_state,
+                          Lean::eight_bit,      Lean::eight_bit_compressed,
+                          Lean::host_optimizer, Lean::eight_bit_host_optimizer};
 
 // The candidate `lean` (narrow: with bf16 layers) at `split` micro-batches, or nothing where it
 // is not one (mapped on a discrete device, 8-bit state without Adam, the host optimizer asked for
@@ -31,8 +41,11 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
                                        bool unified) {
   const bool adam = base.optimizer.kind != ops::OptimizerConfig::Kind::sgd;
   if (lean == Lean::mapped && !unified) return std::nullopt;
-  if ((lean == Lean::eight_bit || lean == Lean::eight_bit_compressed) && !adam) return std::nullopt;
-  if (lean == Lean::host_optimizer && base.residency.host_optimizer) return std::nullopt;  // so from stream on
+  const bool eight_bit =
+      lean == Lean::eight_bit || lean == Lean::eight_bit_compressed || lean == Lean::eight_bit_host_optimizer;
+  const bool host = lean == Lean::host_optimizer || lean == Lean::eight_bit_host_optimizer;
+  if (eight_bit && !adam) return std::nullopt;
+  if (host && base.residency.host_optimizer) return std::nullopt;  // so from stream on
   Configuration c;
   TrainerOptions& o = c.options;
   o = base;
@@ -62,12 +75,12 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
     o.residency.state_home = Home::host_compressed;
     flags += " --state-home compressed";
   }
-  if (lean == Lean::host_optimizer) {
+  if (host) {
     // Updates on the host (ZeRO-Offload's way): no optimizer state on the device or the link.
     o.residency.host_optimizer = true;
     flags += " --host-optimizer";
   }
-  if (lean == Lean::eight_bit || lean == Lean::eight_bit_compressed) {
+  if (eight_bit) {
     o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
     flags += " --optimizer adamw8bit";
   }

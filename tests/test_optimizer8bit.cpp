@@ -14,6 +14,7 @@
 #include "ferry/ops/optimizer.hpp"
 #include "ferry/ops/quant_map.hpp"
 #include "ops/attrs.hpp"
+#include "ops/optimizer_host.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -183,6 +184,47 @@ std::vector<float> spread_gradient(std::size_t n, std::uint32_t seed) {
   return g;
 }
 
+// One step's result against the reference's from the same state: the weights agree to float
+// rounding of the update, the scales to float rounding, and the dequantized moments to one
+// quantization step (float and double may round a value at a code midpoint to different
+// neighbours). Returns how many codes differ.
+std::size_t expect_near_reference(std::uint32_t block, const std::vector<float>& w, const std::vector<std::uint8_t>& m,
+                                  const std::vector<std::uint8_t>& v, const std::vector<double>& scales,
+                                  const std::vector<double>& w_before, const std::vector<double>& w_ref,
+                                  const std::vector<double>& m_ref, const std::vector<double>& v_ref,
+                                  const std::vector<double>& scales_ref) {
+  const std::size_t n = w.size(), blocks = ops::adam8bit_blocks(n, block);
+  std::size_t flips = 0;
+  for (std::size_t i = 0; i < scales.size(); ++i) {
+    EXPECT_NEAR(scales[i], scales_ref[i], 1e-6 * scales_ref[i]) << "scale " << i;
+    EXPECT_GT(scales[i], 0.0) << "scale " << i;
+  }
+  int reported = 0;
+  for (std::size_t i = 0; i < n && reported < 5; ++i) {
+    const double dw_ref = w_ref[i] - w_before[i];
+    const double w_tol = 1e-6 + 1e-5 * std::abs(dw_ref) + 1e-6 * std::abs(w_ref[i]);
+    if (!(std::abs(w[i] - w_ref[i]) <= w_tol)) {
+      ADD_FAILURE() << "w[" << i << "]: got " << w[i] << ", expected " << w_ref[i];
+      ++reported;
+    }
+    for (bool is_signed : {true, false}) {
+      const double code = is_signed ? m[i] : v[i], code_ref = is_signed ? m_ref[i] : v_ref[i];
+      if (code == code_ref) continue;
+      ++flips;
+      const double got = dequantized(code, is_signed, scales, i / block, blocks);
+      const double want = dequantized(code_ref, is_signed, scales_ref, i / block, blocks);
+      const double tol = (code_step(static_cast<std::uint8_t>(code_ref), is_signed) + 1e-6) *
+                         scales_ref[(is_signed ? 0 : blocks) + i / block];
+      if (std::abs(code - code_ref) > 1 || !(std::abs(got - want) <= tol)) {
+        ADD_FAILURE() << (is_signed ? "m[" : "v[") << i << "]: code " << code << " (" << got << "), expected "
+                      << code_ref << " (" << want << ")";
+        ++reported;
+      }
+    }
+  }
+  return flips;
+}
+
 // (n, block, work-group size: 0 for the device's, 256 for what GPUs run).
 class Adam8bitTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::uint32_t, std::uint32_t>> {};
 
@@ -194,7 +236,6 @@ TEST_P(Adam8bitTest, StepsMatchReference) {
   const auto [n, block, group] = GetParam();
   auto& dev = TestDevice::get();
   const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, 0.01f, true};
-  const std::size_t blocks = ops::adam8bit_blocks(n, block);
   Device8bit d(random_vector(n, 2), block);
   const ops::LaunchList update = d.bind(c, {}, group);
   const float lrs[] = {0.01f, 0.02f, 0.005f, 0.01f};
@@ -212,35 +253,8 @@ TEST_P(Adam8bitTest, StepsMatchReference) {
     ops::ref::adam8bit_update<double>(c, block, info, w_ref, to_double(g), m_ref, v_ref, scales_ref);
 
     const auto w = d.w.download();
-    const auto m = d.m.download(), v = d.v.download();
-    const auto scales = to_double(d.scales.download());
-    for (std::size_t i = 0; i < scales.size(); ++i) {
-      ASSERT_NEAR(scales[i], scales_ref[i], 1e-6 * scales_ref[i]) << "scale " << i;
-      ASSERT_GT(scales[i], 0.0) << "scale " << i;
-    }
-    int reported = 0;
-    for (std::size_t i = 0; i < n && reported < 5; ++i) {
-      const double dw_ref = w_ref[i] - w_before[i];
-      const double w_tol = 1e-6 + 1e-5 * std::abs(dw_ref) + 1e-6 * std::abs(w_ref[i]);
-      if (!(std::abs(w[i] - w_ref[i]) <= w_tol)) {
-        ADD_FAILURE() << "w[" << i << "]: got " << w[i] << ", expected " << w_ref[i];
-        ++reported;
-      }
-      for (bool is_signed : {true, false}) {
-        const double code = is_signed ? m[i] : v[i], code_ref = is_signed ? m_ref[i] : v_ref[i];
-        if (code == code_ref) continue;
-        ++flips;
-        const double got = dequantized(code, is_signed, scales, i / block, blocks);
-        const double want = dequantized(code_ref, is_signed, scales_ref, i / block, blocks);
-        const double tol = (code_step(static_cast<std::uint8_t>(code_ref), is_signed) + 1e-6) *
-                           scales_ref[(is_signed ? 0 : blocks) + i / block];
-        if (std::abs(code - code_ref) > 1 || !(std::abs(got - want) <= tol)) {
-          ADD_FAILURE() << (is_signed ? "m[" : "v[") << i << "]: code " << code << " (" << got << "), expected "
-                        << code_ref << " (" << want << ")";
-          ++reported;
-        }
-      }
-    }
+    flips += expect_near_reference(block, w, d.m.download(), d.v.download(), to_double(d.scales.download()), w_before,
+                                   w_ref, m_ref, v_ref, scales_ref);
     EXPECT_NE(w[0], static_cast<float>(w_before[0])) << "the update must move w";
   }
   EXPECT_LE(flips, std::max<std::size_t>(2, n * std::size(lrs) / 1000)) << "codes differing from the reference";
@@ -252,6 +266,53 @@ INSTANTIATE_TEST_SUITE_P(Sizes, Adam8bitTest,
 // The largest block: each work-item holds the most elements.
 INSTANTIATE_TEST_SUITE_P(LargestBlock, Adam8bitTest,
                          ::testing::Values(std::make_tuple(std::size_t{2 * 16384 + 5}, ops::adam8bit_max_block, 0u)));
+
+// The host optimizer's version (ops/optimizer_host.hpp) against the same reference, step after
+// step, in place on host state; AdamW and Adam with L2.
+class HostAdam8bitTest : public ::testing::TestWithParam<std::tuple<std::size_t, std::uint32_t, bool>> {};
+
+TEST_P(HostAdam8bitTest, StepsMatchReference) {
+  const auto [n, block, decoupled] = GetParam();
+  const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, 0.01f, decoupled};
+  std::vector<float> w = random_vector(n, 2), scales(2 * ops::adam8bit_blocks(n, block), 0.0f);
+  std::vector<std::uint8_t> m(n, 128), v(n, 0);  // zero moments (zero scales make any code 0)
+  const float lrs[] = {0.01f, 0.02f, 0.005f, 0.01f};
+  std::size_t flips = 0;
+  for (std::uint64_t s = 0; s < std::size(lrs); ++s) {
+    SCOPED_TRACE(fmt::format("step {}", s + 1));
+    auto w_ref = to_double(w);
+    const auto w_before = w_ref;
+    auto m_ref = codes_as_double(m), v_ref = codes_as_double(v);
+    auto scales_ref = to_double(scales);
+    const auto g = spread_gradient(n, 300 + static_cast<std::uint32_t>(s));
+    const ops::StepInfo info{s + 1, lrs[s]};
+    EXPECT_TRUE(ops::host_adam8bit_update(
+        c, block, info, g.data(),
+        {w.data(), m.data(), v.data(), scales.data(), w.data(), m.data(), v.data(), scales.data()}, n));
+    ops::ref::adam8bit_update<double>(c, block, info, w_ref, to_double(g), m_ref, v_ref, scales_ref);
+    flips += expect_near_reference(block, w, m, v, to_double(scales), w_before, w_ref, m_ref, v_ref, scales_ref);
+    EXPECT_NE(w[0], static_cast<float>(w_before[0])) << "the update must move w";
+  }
+  EXPECT_LE(flips, std::max<std::size_t>(2, n * std::size(lrs) / 1000)) << "codes differing from the reference";
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, HostAdam8bitTest,
+                         ::testing::Combine(::testing::Values(1, 1000, 5000, 3 * 2048 + 17, 2 * 16384 + 5),
+                                            ::testing::Values(256u, 2048u, ops::adam8bit_max_block),
+                                            ::testing::Bool()));
+
+TEST(Adam8bit, HostUpdateRefusesBadBlocksAndReportsNonFiniteWeights) {
+  std::vector<float> w(600, 0.5f), g(600, 0.1f), scales(6, 0.0f);
+  std::vector<std::uint8_t> m(600, 128), v(600, 0);
+  const ops::Adam8bitSlots slots{w.data(), m.data(), v.data(), scales.data(),
+                                 w.data(), m.data(), v.data(), scales.data()};
+  EXPECT_THROW(ops::host_adam8bit_update({}, 0, {1, 0.01f}, g.data(), slots, 600), std::invalid_argument);
+  EXPECT_THROW(ops::host_adam8bit_update({}, ops::adam8bit_max_block + 1, {1, 0.01f}, g.data(), slots, 600),
+               std::invalid_argument);
+  EXPECT_THROW(ops::host_adam8bit_update({}, 256, {0, 0.01f}, g.data(), slots, 600), std::invalid_argument);
+  g[599] = std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(ops::host_adam8bit_update({}, 256, {1, 0.01f}, g.data(), slots, 600));
+}
 
 // Without a loss guard the 8-bit state tracks fp32 Adam: after a few steps from zero state the
 // weights differ from fp32 Adam's by a small fraction of the distance they moved.
@@ -406,6 +467,25 @@ TEST(Adam8bit, TrainerMatchesReferenceExecutor) {
   const ModelSpec model = models::classifier(
       "tiny", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) { return b.linear(b.relu(b.linear(x, 16)), 4); });
   Trainer trainer(runtime, model, topt);
+  expect_training_matches_reference(trainer, 4, 70);
+}
+
+// The same with the updates on the host (--host-optimizer): the 8-bit state streams in host memory
+// and the host version of the row updates it in place.
+TEST(Adam8bit, HostOptimizerTrainerMatchesReferenceExecutor) {
+  Runtime runtime;
+  TrainerOptions topt;
+  topt.batch = 8;
+  topt.lr = 0.01f;
+  topt.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+  topt.optimizer.adam.weight_decay = 0.01f;
+  topt.optimizer.block8bit = 256;
+  topt.residency.mode = graph::ResidencyMode::stream;
+  topt.residency.host_optimizer = true;
+  const ModelSpec model = models::classifier(
+      "tiny", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) { return b.linear(b.relu(b.linear(x, 16)), 4); });
+  Trainer trainer(runtime, model, topt);
+  EXPECT_GT(trainer.residency().host_updates, 0u) << "the updates must run on the host";
   expect_training_matches_reference(trainer, 4, 70);
 }
 

@@ -164,6 +164,7 @@ TEST(Plan, RatesAreMeasuredOnTheDevice) {
   EXPECT_GT(measure_gemm_gflops(rt), 0.0);
   EXPECT_GT(measure_device_gbps(rt), 0.0);
   EXPECT_GT(measure_host_update_gbps(), 0.0);
+  EXPECT_GT(measure_host_update_gbps(true), 0.0);
   EXPECT_GT(measure_codec_gbps(), 0.0);
 }
 
@@ -191,6 +192,16 @@ TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
       rt.device().is_cpu() ? t.compute_ms + t.transfer_ms + t.host_update_ms : t.forward_ms + t.host_update_ms;
   EXPECT_DOUBLE_EQ(p.predicted_step_ms, expected) << "the host's updates are the slowest part at these rates";
   EXPECT_EQ(t.codec_bytes, 0u);
+
+  // 8-bit AdamW on the host: 16 bytes a parameter (u8 moments) and each tensor's two block scales
+  // read and written (4 tensors of one block each), at the 8-bit rate.
+  TrainerOptions eight = o;
+  eight.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+  const PlanRates rates8{.link_gbps = 1e6, .gemm_gflops = 1.0, .host_gbps = 1e6, .host_8bit_gbps = 1e-3};
+  const PhasePlan& t8 = plan_training(rt, small_mlp(), eight, rates8).phases.front();
+  EXPECT_EQ(t8.host_update_bytes, 16u * 413u + 4u * 2u * 2u * 4u);
+  EXPECT_EQ(t8.host_update_8bit_bytes, t8.host_update_bytes);
+  EXPECT_DOUBLE_EQ(t8.host_update_ms, static_cast<double>(t8.host_update_bytes) / 1e3);
 
   o.residency.host_optimizer = false;  // updates on the device: nothing on the host's cores
   const TrainingPlan device = plan_training(rt, small_mlp(), o, rates);

@@ -1,9 +1,8 @@
 // Rows of the optimizer updates. In place: the outputs are the weight and state inputs. The
 // optional last input is the step's loss statistics: the update skips itself when the loss is
 // not finite. Each runs on the device, or on the host lane (TBB workers) for host-resident
-// state, where it reads the current copy and writes the next. adam8bit_update (a named row) runs
-// on the device only. Each reports a weight it makes not finite to the step (step_status on the
-// device, report_non_finite_weight on the host), which checks it after its last command.
+// state, where it reads the current copy and writes the next. Each reports a weight it makes not finite to the step
+// (step_status on the device, report_non_finite_weight on the host), which checks it after its last command.
 #include <fmt/format.h>
 
 #include "ops/attrs.hpp"
@@ -94,8 +93,7 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   return r;
 }
 
-// 8-bit block-wise Adam/AdamW, UpdateAttrs::block8bit the block size. No host version: its state is codes
-// and scales, which only the kernel (and the reference) read.
+// 8-bit block-wise Adam/AdamW, UpdateAttrs::block8bit the block size: its state is codes and scales.
 OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  out: w m v scales
   OpInfo r;
   r.name = "adam8bit_update";
@@ -117,6 +115,18 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
                            static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), sliced(c, 0, s),
                            sliced(c, 1, s), c.in(2), c.in(3), c.in(4), s.count,
                            c.input_count() > 5 ? c.in(5) : DeviceSpan{}, 0, c.step_status());
+  };
+  r.host = [](const HostContext& c) {
+    const UpdateSlice s = update_slice(c);
+    const auto codes = [](const std::byte* p) { return reinterpret_cast<const std::uint8_t*>(p); };
+    const auto codes_out = [](std::byte* p) { return reinterpret_cast<std::uint8_t*>(p); };
+    if (!host_adam8bit_update(c.optimizer().adam_config(),
+                              static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), c.step(),
+                              sliced(c, 1, s),
+                              {sliced(c, 0, s), codes(c.in(2)), codes(c.in(3)), floats(c.in(4)), sliced_out(c, 0, s),
+                               codes_out(c.out(1)), codes_out(c.out(2)), floats(c.out(3))},
+                              s.count))
+      c.report_non_finite_weight();
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();

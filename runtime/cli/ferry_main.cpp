@@ -635,6 +635,9 @@ int main(int argc, char** argv) {
                    "The host optimizer's rate for the step-time prediction: bytes its updates read and write, GB/s "
                    "(default: measured on this machine's cores)")
       ->check(positive_number());
+  plan->add_option("--host-8bit-gbps", t.host_8bit_gbps,
+                   "The same for the host optimizer's 8-bit AdamW updates (default: measured on this machine's cores)")
+      ->check(positive_number());
   plan->add_option("--codec-gbps", t.codec_gbps,
                    "The compressed home's codec rate for the step-time prediction: uncompressed bytes packed and "
                    "unpacked, GB/s (default: measured on this machine's cores)")

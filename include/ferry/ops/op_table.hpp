@@ -281,7 +281,7 @@ enum : OpId {
   mse,                   // mean squared error loss                    in: p t      out: stats
   mse_grad,              //
   loss_sum,              // LossSumAttrs: two weighted losses
-  adam8bit_update,       // 8-bit block-wise Adam/AdamW (device only)
+  adam8bit_update,       // 8-bit block-wise Adam/AdamW
   predictor_snapshot,    // the weight-update predictor (runtime/phases/): snapshot, fit, apply
   predictor_fit,         //
   predictor_apply,       //

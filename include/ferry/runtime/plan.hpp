@@ -38,6 +38,9 @@ struct PlanRates {
   // The host optimizer's updates (--host-optimizer): bytes they read and write per second, GB/s
   // (Adam reads a weight, its gradient and two moments and writes three: 28 bytes a parameter).
   double host_gbps = 0;
+  // The same for 8-bit AdamW's host updates (16 bytes a parameter; bound by requantizing the
+  // moments rather than by memory).
+  double host_8bit_gbps = 0;
   // The compressed home's codec on the host's cores: uncompressed bytes packed and unpacked per
   // second, GB/s.
   double codec_gbps = 0;
@@ -54,8 +57,9 @@ double measure_gemm_gflops(Runtime& runtime);
 // two operands read, one written, 192 MiB) after one that builds it.
 double measure_device_gbps(Runtime& runtime);
 // The host optimizer's rate: the best of three Adam updates of 8M fp32 parameters on the TBB
-// workers, as host_adam_update runs them in a step (bytes read and written over the time).
-double measure_host_update_gbps();
+// workers, as host_adam_update runs them in a step (bytes read and written over the time); with
+// `eight_bit`, of 8-bit AdamW updates (host_adam8bit_update, blocks of 2048).
+double measure_host_update_gbps(bool eight_bit = false);
 // The codec's rate: the best of three rounds compressing and decompressing 64 MiB of values like
 // Adam's second moments with the compressed home's default settings, on the TBB workers.
 double measure_codec_gbps();
@@ -75,12 +79,13 @@ struct PhasePlan {
   std::uint64_t memory_bytes = 0;
   // Of the nodes before the backward (forward and loss ops): the GEMM flops and the memory bytes.
   std::uint64_t forward_gemm_flops = 0, forward_memory_bytes = 0;
-  std::uint64_t host_update_bytes = 0;  // operands the host optimizer's updates read and write
-  std::uint64_t codec_bytes = 0;        // compressed homes' tensors unpacked and packed (uncompressed bytes)
+  std::uint64_t host_update_bytes = 0;       // operands the host optimizer's updates read and write
+  std::uint64_t host_update_8bit_bytes = 0;  // the part of them 8-bit AdamW updates read and write
+  std::uint64_t codec_bytes = 0;             // compressed homes' tensors unpacked and packed (uncompressed bytes)
   std::size_t nodes = 0;
   // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
   // memory rate (compute_ms), the bytes moved at the link rate, the host updates at
-  // the host rate, the codec's bytes at its rate, and the step time predicted from them (no fixed
+  // the host rates (fp32 and 8-bit), the codec's bytes at its rate, and the step time predicted from them (no fixed
   // per-launch term: on the devices measured the host enqueues ahead of the device). Copies and
   // the host's work overlap compute, so the step is the largest of compute, transfers and the
   // host's work (updates and codec). Host updates start as each gradient lands, in the backward,
@@ -146,11 +151,11 @@ struct ConfigurationSearch {
 // the device's memory less headroom) and a host budget (options.residency.host_budget_bytes):
 // everything resident, mapped (unified-memory devices only), streamed, streamed with compressed
 // optimizer state, with the optimizer on the host, each as given and with bf16 layers, and with
-// 8-bit optimizer state (Adam); with the batch split into micro-batches (gradient accumulation, the
-// same samples per update) only when nothing fits at the given batch. Among those that fit, the
-// fastest predicted (`rates`) that trains the same numbers, else the fastest predicted of the rest;
-// within 2% of the fastest, the leanest change. With no rates every prediction is 0, so the leanest
-// change that fits is chosen. Plans only: nothing is allocated.
+// 8-bit optimizer state (Adam; on the device, compressed, or on the host); with the batch split into micro-batches
+// (gradient accumulation, the same samples per update) only when nothing fits at the given batch. Among those that fit,
+// the fastest predicted (`rates`) that trains the same numbers, else the fastest predicted of the rest; within 2% of
+// the fastest, the leanest change. With no rates every prediction is 0, so the leanest change that fits is chosen.
+// Plans only: nothing is allocated.
 ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
                                           const PlanRates& rates);
 
