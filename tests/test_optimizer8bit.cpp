@@ -454,39 +454,30 @@ TEST(Adam8bit, OptimizerPassMakesU8StateAndScales) {
   EXPECT_EQ(updates, 4u) << "two Linear layers, weight and bias each";
 }
 
-// A tiny model: the trainer's steps on the device agree with the reference executor running the
-// row's CPU reference (few elements, so no code lands near a rounding midpoint).
+// A tiny model: the trainer's steps agree with the reference executor running the row's CPU
+// reference (few elements, so no code lands near a rounding midpoint), with the updates on the
+// device and on the host (--host-optimizer: the 8-bit state streams in host memory and the host
+// version of the row updates it in place).
 TEST(Adam8bit, TrainerMatchesReferenceExecutor) {
   Runtime runtime;
-  TrainerOptions topt;
-  topt.batch = 8;
-  topt.lr = 0.01f;
-  topt.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
-  topt.optimizer.adam.weight_decay = 0.01f;
-  topt.optimizer.block8bit = 256;
   const ModelSpec model = models::classifier(
       "tiny", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) { return b.linear(b.relu(b.linear(x, 16)), 4); });
-  Trainer trainer(runtime, model, topt);
-  expect_training_matches_reference(trainer, 4, 70);
-}
-
-// The same with the updates on the host (--host-optimizer): the 8-bit state streams in host memory
-// and the host version of the row updates it in place.
-TEST(Adam8bit, HostOptimizerTrainerMatchesReferenceExecutor) {
-  Runtime runtime;
-  TrainerOptions topt;
-  topt.batch = 8;
-  topt.lr = 0.01f;
-  topt.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
-  topt.optimizer.adam.weight_decay = 0.01f;
-  topt.optimizer.block8bit = 256;
-  topt.residency.mode = graph::ResidencyMode::stream;
-  topt.residency.host_optimizer = true;
-  const ModelSpec model = models::classifier(
-      "tiny", graph::Shape{12}, 4, [](graph::Builder& b, TensorId x) { return b.linear(b.relu(b.linear(x, 16)), 4); });
-  Trainer trainer(runtime, model, topt);
-  EXPECT_GT(trainer.residency().host_updates, 0u) << "the updates must run on the host";
-  expect_training_matches_reference(trainer, 4, 70);
+  for (const bool host : {false, true}) {
+    SCOPED_TRACE(host ? "host optimizer" : "device");
+    TrainerOptions topt;
+    topt.batch = 8;
+    topt.lr = 0.01f;
+    topt.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+    topt.optimizer.adam.weight_decay = 0.01f;
+    topt.optimizer.block8bit = 256;
+    if (host) {
+      topt.residency.mode = graph::ResidencyMode::stream;
+      topt.residency.host_optimizer = true;
+    }
+    Trainer trainer(runtime, model, topt);
+    EXPECT_EQ(trainer.residency().host_updates > 0, host);
+    expect_training_matches_reference(trainer, 4, 70);
+  }
 }
 
 // A small MLP learns a fixed set of samples with adamw8bit, and its optimizer state is about a
