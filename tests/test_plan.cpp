@@ -198,7 +198,8 @@ TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
   TrainerOptions eight = o;
   eight.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
   const PlanRates rates8{.link_gbps = 1e6, .gemm_gflops = 1.0, .host_gbps = 1e6, .host_8bit_gbps = 1e-3};
-  const PhasePlan& t8 = plan_training(rt, small_mlp(), eight, rates8).phases.front();
+  const TrainingPlan p8 = plan_training(rt, small_mlp(), eight, rates8);
+  const PhasePlan& t8 = p8.phases.front();
   EXPECT_EQ(t8.host_update_bytes, 16u * 413u + 4u * 2u * 2u * 4u);
   EXPECT_EQ(t8.host_update_8bit_bytes, t8.host_update_bytes);
   EXPECT_DOUBLE_EQ(t8.host_update_ms, static_cast<double>(t8.host_update_bytes) / 1e3);
