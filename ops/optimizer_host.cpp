@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ferry/ops/quant_map.hpp"
+#include "ops/quant_buckets.hpp"
 
 // Clones where the compiler makes them (GCC, clang >= 14 on x86-64); not in sanitizer builds, whose
 // runtimes are not set up yet when the loader runs a clone's resolver.
@@ -135,32 +136,39 @@ constexpr CodeTables make_code_tables() {
 }
 constexpr CodeTables code_tables = make_code_tables();
 
-// dynamic_quantize(x / scale) of `quant_lanes` values at once (as the kernel's q_normalized and
-// q_nearest): the largest code whose value is <= the normalized x, found in eight halvings that
-// step all lanes together (independent chains the compiler vectorises with gathers), then the
-// nearer of it and the next one, a tie to the lower; a positive second moment never becomes 0.
-constexpr std::size_t quant_lanes = 16;
-
+// dynamic_quantize(x / scale) for each of `count` values (as the kernel's q_normalized and
+// q_nearest): the values normalized in place, clamped to the map's range (NaN as 0), then their
+// codes by table (ops/quant_buckets.hpp: no search, no branch), each a loop of its own: GCC
+// vectorises the table loop with gathers only when it does not see the clamp's bounds. A scale of
+// 0 (or NaN) makes every code the one of 0.
 template <bool Signed>
-[[gnu::always_inline]] inline void quantize_lanes(const float* x, float scale, const std::array<float, 256>& table,
-                                                  std::uint8_t* out, std::size_t count) {
-  float r[quant_lanes];
-  std::uint32_t c[quant_lanes];
-  for (std::size_t j = 0; j < quant_lanes; ++j) {
-    float v = j < count && scale > 0.0f ? x[j] / scale : 0.0f;
-    v = v == v ? v : 0.0f;  // NaN
-    r[j] = std::min(std::max(v, Signed ? -1.0f : 0.0f), 1.0f);
-    c[j] = 0;
+[[gnu::always_inline]] inline void quantize_block(float* x, float scale, std::uint8_t* out, std::size_t count) {
+  if (!(scale > 0.0f)) {
+    std::fill(out, out + count, static_cast<std::uint8_t>(Signed ? 128 : 0));
+    return;
   }
-  for (std::uint32_t step = 128; step > 0; step >>= 1) {
-    for (std::size_t j = 0; j < quant_lanes; ++j) c[j] = table[c[j] + step] <= r[j] ? c[j] + step : c[j];
+  for (std::size_t k = 0; k < count; ++k) {
+    const float r = x[k] / scale;
+    x[k] = std::min(std::max(r == r ? r : 0.0f, Signed ? -1.0f : 0.0f), 1.0f);
   }
-  for (std::size_t j = 0; j < count; ++j) {
-    std::uint32_t code = c[j];
-    if (code < 255 && table[code + 1] - r[j] < r[j] - table[code]) ++code;
-    if (!Signed && code == 0 && r[j] > 0.0f) code = 1;
-    out[j] = static_cast<std::uint8_t>(code);
+  FERRY_NO_LOOP_DEPENDENCE
+  for (std::size_t k = 0; k < count; ++k) out[k] = static_cast<std::uint8_t>(quant_buckets::quantize<Signed>(x[k]));
+}
+
+// The largest |x| (Signed) or x of `count` values, a NaN skipped (as fmax); in 16 lanes, so the
+// vectoriser needs no reduction it would not reorder.
+template <bool Signed>
+[[gnu::always_inline]] inline float block_absmax(const float* x, std::size_t count) {
+  constexpr std::size_t lanes = 16;
+  float lane_max[lanes] = {};
+  std::size_t k = 0;
+  for (; k + lanes <= count; k += lanes) {
+    for (std::size_t j = 0; j < lanes; ++j) lane_max[j] = std::max(lane_max[j], Signed ? std::fabs(x[k + j]) : x[k + j]);
   }
+  for (std::size_t j = 0; k + j < count; ++j) lane_max[j] = std::max(lane_max[j], Signed ? std::fabs(x[k + j]) : x[k + j]);
+  float out = 0.0f;
+  for (const float v : lane_max) out = std::max(out, v);
+  return out;
 }
 
 struct Adam8bitChunk {
@@ -195,18 +203,9 @@ template <bool Decoupled>
       v_new[k] = v;
       w_out[k] = Decoupled ? w - lr * (update + wd * w) : w - lr * update;
     }
-    float m_max = 0.0f, v_max = 0.0f;
-    for (std::size_t k = 0; k < len; ++k) {
-      m_max = std::fmax(m_max, std::fabs(m_new[k]));
-      v_max = std::fmax(v_max, v_new[k]);
-    }
-    std::uint8_t* m_out = s.m_out + start;
-    std::uint8_t* v_out = s.v_out + start;
-    for (std::size_t k = 0; k < len; k += quant_lanes) {
-      const std::size_t count = std::min(quant_lanes, len - k);
-      quantize_lanes<true>(m_new + k, m_max, code_tables.m, m_out + k, count);
-      quantize_lanes<false>(v_new + k, v_max, code_tables.v, v_out + k, count);
-    }
+    const float m_max = block_absmax<true>(m_new, len), v_max = block_absmax<false>(v_new, len);
+    quantize_block<true>(m_new, m_max, s.m_out + start, len);
+    quantize_block<false>(v_new, v_max, s.v_out + start, len);
     s.scales_out[b] = m_max;
     s.scales_out[c.blocks + b] = v_max;
   }
@@ -266,7 +265,12 @@ bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepIn
   const std::size_t grain = std::max<std::size_t>(1, chunk / block);
   std::atomic<bool> finite{true};
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, a.blocks, grain), [&](const tbb::blocked_range<std::size_t>& r) {
-    std::vector<float> m_new(block), v_new(block);
+    // One block's new moments, per worker thread (kept between steps: no allocation per task).
+    thread_local std::vector<float> m_new, v_new;
+    if (m_new.size() < block) {
+      m_new.resize(block);
+      v_new.resize(block);
+    }
     adam8bit_blocks_update(a, grad, s, r.begin(), r.end(), n, m_new.data(), v_new.data());
     const std::size_t first = r.begin() * block, last = std::min(n, r.end() * block);
     if (!all_finite(s.w_out + first, last - first)) finite = false;

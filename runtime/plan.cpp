@@ -128,7 +128,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       const auto add = [&](TensorId x) {
         if (g.tensors.role[g.tensors.storage(x)] == graph::Role::stats) return;
         p.host_update_bytes += g.tensors.bytes(x);
-        if (g.nodes.op[n] == ops::builtin::adam8bit_update) p.host_update_8bit_bytes += g.tensors.bytes(x);
+        if (row.host_update_bound == ops::HostUpdateBound::quantization) p.host_update_8bit_bytes += g.tensors.bytes(x);
       };
       for (TensorId x : g.nodes.inputs(n)) add(x);
       for (TensorId x : g.nodes.outputs(n)) add(x);
@@ -401,6 +401,20 @@ std::uint32_t choose_recompute(Runtime& runtime, const ModelSpec& model, const T
   TrainerOptions o = options;
   o.recompute_auto = true;
   return plan_training(runtime, model, o).recompute;
+}
+
+PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
+                                const PlanRates& rates) {
+  PlanOutcome out;
+  try {
+    out.plan = plan_training(runtime, model, options, rates);
+    check_host_budget(*out.plan, options.residency.host_budget_bytes);
+  } catch (const graph::BudgetError& e) {
+    out.error = e.what();
+  } catch (const HostBudgetError& e) {
+    out.error = e.what();
+  }
+  return out;
 }
 
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes) {

@@ -89,16 +89,11 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
   return c;
 }
 
-// Plans a candidate; a budget it does not fit, or options that cannot go together (the host
-// optimizer with 8-bit state), make it a non-fit with the reason.
+// Plans a candidate; a budget it does not fit, or options the planner refuses together
+// (std::invalid_argument), make it a non-fit with the reason.
 void plan_candidate(Runtime& runtime, const ModelSpec& model, const PlanRates& rates, Configuration& c) {
   try {
-    c.plan = plan_training(runtime, model, c.options, rates);
-    check_host_budget(*c.plan, c.options.residency.host_budget_bytes);
-  } catch (const graph::BudgetError& e) {
-    c.error = e.what();
-  } catch (const HostBudgetError& e) {
-    c.error = e.what();
+    static_cast<PlanOutcome&>(c) = plan_within_budgets(runtime, model, c.options, rates);
   } catch (const std::invalid_argument& e) {
     c.plan.reset();
     c.error = e.what();

@@ -3,6 +3,7 @@
 // block sizes the kernel cannot run, and a small model trained with it through the trainer.
 #include <fmt/format.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -15,6 +16,7 @@
 #include "ferry/ops/quant_map.hpp"
 #include "ops/attrs.hpp"
 #include "ops/optimizer_host.hpp"
+#include "ops/quant_buckets.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 
@@ -64,6 +66,42 @@ TEST(QuantMap, QuantizeInvertsValue) {
     // Signed code 0 is a second -1, which quantizes to code 1.
     EXPECT_EQ(dynamic_quantize(dynamic_value(std::uint8_t(c), true), true), c == 0 ? 1 : c) << "signed " << c;
   }
+}
+
+// The host optimizer quantizes by bucket table (ops/quant_buckets.hpp) instead of searching: the
+// same code as dynamic_quantize at every code value, at and beside every midpoint between
+// neighbouring codes (where ties and rounding decide), beside every bucket boundary, and at
+// values spread over all bit patterns in [0, 1], both signs. (Every float in [0, 1] was checked
+// once when the tables were written: a minute, too long for the suite.)
+TEST(QuantMap, BucketTablesQuantizeAsTheSearch) {
+  std::size_t checked = 0;
+  const auto check = [&](float x) {
+    if (!(x >= 0.0f && x <= 1.0f)) return;
+    ASSERT_EQ(ops::quant_buckets::quantize<false>(x), dynamic_quantize(x, false)) << "unsigned " << x;
+    ASSERT_EQ(ops::quant_buckets::quantize<true>(x), dynamic_quantize(x, true)) << "signed " << x;
+    ASSERT_EQ(ops::quant_buckets::quantize<true>(-x), dynamic_quantize(-x, true)) << "signed " << -x;
+    ++checked;
+  };
+  const auto around = [&](float x) {
+    float below = x, above = x;
+    check(x);
+    for (int i = 0; i < 4; ++i) {
+      below = std::nextafter(below, -1.0f);
+      above = std::nextafter(above, 2.0f);
+      check(below);
+      check(above);
+    }
+  };
+  for (const bool is_signed : {false, true}) {
+    for (int c = 0; c < 256; ++c) {
+      const float v = std::fabs(dynamic_value(std::uint8_t(c), is_signed));
+      around(v);
+      if (c < 255) around(0.5f * (v + std::fabs(dynamic_value(std::uint8_t(c + 1), is_signed))));
+    }
+  }
+  for (std::uint32_t b = 0; b < ops::quant_buckets::count; ++b) around(ops::quant_buckets::bucket_floor(b));
+  for (std::uint32_t bits = 0; bits <= 0x3F800000u; bits += 997) check(std::bit_cast<float>(bits));
+  EXPECT_GT(checked, 1'000'000u);
 }
 
 // The largest relative error |q(x) - x| / |x| over x in [lo, 1] (both signs for the signed map):

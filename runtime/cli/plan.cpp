@@ -42,27 +42,6 @@ nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
           {"total_bytes", b.total}};
 }
 
-// A configuration's plan (none when the device budget cannot hold it: the planner's BudgetError),
-// and why it does not fit (that, or check_host_budget's HostBudgetError; empty when it fits).
-struct Outcome {
-  std::optional<ferry::TrainingPlan> plan;
-  std::string error;
-  bool fits() const { return plan && error.empty(); }
-};
-Outcome try_plan(ferry::Runtime& runtime, const ferry::ModelSpec& model, const ferry::TrainerOptions& o,
-                 const ferry::PlanRates& rates) {
-  Outcome out;
-  try {
-    out.plan = ferry::plan_training(runtime, model, o, rates);
-    ferry::check_host_budget(*out.plan, o.residency.host_budget_bytes);
-  } catch (const ferry::graph::BudgetError& e) {
-    out.error = e.what();
-  } catch (const ferry::HostBudgetError& e) {
-    out.error = e.what();
-  }
-  return out;
-}
-
 // Everything `ferry plan` reports: the plan as configured, the minimum budgets, the rates of the
 // prediction and the configurations it tried, with the one it recommends.
 struct PlanReport {
@@ -70,7 +49,7 @@ struct PlanReport {
   ferry::PlanRates rates;
   bool link_given = false, gemm_given = false, device_given = false, host_given = false, host_8bit_given = false,
        codec_given = false;
-  Outcome configured;
+  ferry::PlanOutcome configured;
   std::uint64_t min_resident = 0;
   std::optional<std::uint64_t> min_streamed;
   std::uint64_t budget = 0, host_budget = 0, host_limit = 0;  // host_budget 0: not given (the limit is physical memory)
@@ -100,7 +79,7 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   if (!r.codec_given) r.rates.codec_gbps = ferry::measure_codec_gbps();
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
-  r.configured = try_plan(runtime, model, base, r.rates);
+  r.configured = ferry::plan_within_budgets(runtime, model, base, r.rates);
   // Minimum budgets: everything resident, and streamed.
   ferry::TrainerOptions resident = base;
   resident.residency = {};
@@ -128,7 +107,7 @@ const char* rate_source(bool given) {
 }
 
 // The JSON fields of the plan as configured: the totals, and each phase's bytes.
-void add_configured_fields(nlohmann::json& j, const Outcome& configured) {
+void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configured) {
   nlohmann::json phases = nlohmann::json::object();
   if (const auto& p = configured.plan) {
     for (const auto& ph : p->phases) {

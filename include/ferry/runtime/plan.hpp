@@ -38,8 +38,8 @@ struct PlanRates {
   // The host optimizer's updates (--host-optimizer): bytes they read and write per second, GB/s
   // (Adam reads a weight, its gradient and two moments and writes three: 28 bytes a parameter).
   double host_gbps = 0;
-  // The same for 8-bit AdamW's host updates (16 bytes a parameter; bound by requantizing the
-  // moments rather than by memory).
+  // The same for host updates bound by requantizing their state rather than by memory
+  // (ops::OpInfo::host_update_bound; 8-bit AdamW's: 16 bytes a parameter).
   double host_8bit_gbps = 0;
   // The compressed home's codec on the host's cores: uncompressed bytes packed and unpacked per
   // second, GB/s.
@@ -80,7 +80,7 @@ struct PhasePlan {
   // Of the nodes before the backward (forward and loss ops): the GEMM flops and the memory bytes.
   std::uint64_t forward_gemm_flops = 0, forward_memory_bytes = 0;
   std::uint64_t host_update_bytes = 0;       // operands the host optimizer's updates read and write
-  std::uint64_t host_update_8bit_bytes = 0;  // the part of them 8-bit AdamW updates read and write
+  std::uint64_t host_update_8bit_bytes = 0;  // the part of them updates bound by quantization (8-bit AdamW) move
   std::uint64_t codec_bytes = 0;             // compressed homes' tensors unpacked and packed (uncompressed bytes)
   std::size_t nodes = 0;
   // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
@@ -129,17 +129,30 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
 // graph::BudgetError when none fits, naming the smallest budget any of them needs.
 std::uint32_t choose_recompute(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options);
 
+// A plan and whether it fits its budgets: none, with the device budget's error, when the device
+// budget cannot hold the step; the host budget's error (check_host_budget) when its host bytes
+// are too many. `error` is empty when it fits.
+struct PlanOutcome {
+  std::optional<TrainingPlan> plan;
+  std::string error;
+  bool fits() const { return plan.has_value() && error.empty(); }
+};
+
+// plan_training, then check_host_budget against options.residency.host_budget_bytes, the budget
+// errors (graph::BudgetError, HostBudgetError) caught into the outcome; bad options throw as in
+// plan_training.
+PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
+                                const PlanRates& rates = {});
+
 // A configuration the planner may recommend instead of the options given: the flags that make it
 // (as `ferry train` spells them, e.g. "--residency stream --host-optimizer"), the options, whether
 // it trains the same numbers as the given options up to fp32 rounding order (no bf16 layers, no
-// 8-bit state where they had none), and its plan, or why it does not fit the budgets.
-struct Configuration {
+// 8-bit state where they had none), and its plan, or why it does not fit the budgets or cannot
+// be run with these options.
+struct Configuration : PlanOutcome {
   std::string flags;
   TrainerOptions options;
   bool same_numerics = true;
-  std::optional<TrainingPlan> plan;
-  std::string error;  // empty when it fits
-  bool fits() const { return plan.has_value() && error.empty(); }
 };
 
 struct ConfigurationSearch {
