@@ -128,7 +128,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       const auto add = [&](TensorId x) {
         if (g.tensors.role[g.tensors.storage(x)] == graph::Role::stats) return;
         p.host_update_bytes += g.tensors.bytes(x);
-        if (row.host_update_bound == ops::HostUpdateBound::quantization) p.host_update_8bit_bytes += g.tensors.bytes(x);
+        if (row.update_bound == ops::UpdateBound::quantization) p.host_update_8bit_bytes += g.tensors.bytes(x);
       };
       for (TensorId x : g.nodes.inputs(n)) add(x);
       for (TensorId x : g.nodes.outputs(n)) add(x);
@@ -153,20 +153,23 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
         p.flops += g.tensors.shape[x].elems();
       }
       p.memory_bytes += bytes;
+      if (row.update_bound == ops::UpdateBound::quantization) p.memory_8bit_bytes += bytes;
       if (forward) p.forward_memory_bytes += bytes;
     }
   }
   const auto ms = [](double amount, double per_ms) { return per_ms > 0 ? amount / per_ms : 0.0; };
-  const auto device_ms = [&](std::uint64_t gemm_flops, std::uint64_t memory_bytes) {
+  const double device_8bit_gbps = rates.device_8bit_gbps > 0 ? rates.device_8bit_gbps : rates.device_gbps;
+  const auto device_ms = [&](std::uint64_t gemm_flops, std::uint64_t memory_bytes, std::uint64_t memory_8bit_bytes) {
     return ms(static_cast<double>(gemm_flops), rates.gemm_gflops * 1e6) +
-           ms(static_cast<double>(memory_bytes), rates.device_gbps * 1e6);
+           ms(static_cast<double>(memory_bytes - memory_8bit_bytes), rates.device_gbps * 1e6) +
+           ms(static_cast<double>(memory_8bit_bytes), device_8bit_gbps * 1e6);
   };
-  p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes);
+  p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes, p.memory_8bit_bytes);
   p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes), rates.link_gbps * 1e6);
   p.host_update_ms = ms(static_cast<double>(p.host_update_bytes - p.host_update_8bit_bytes), rates.host_gbps * 1e6) +
                      ms(static_cast<double>(p.host_update_8bit_bytes), rates.host_8bit_gbps * 1e6);
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
-  p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes);
+  p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
   const double updates_after_forward_ms = p.host_update_bytes ? p.forward_ms + p.host_update_ms : 0.0;
   p.predicted_step_ms =
       shares_host_cores
@@ -341,14 +344,46 @@ double measure_device_gbps(Runtime& runtime) {
   return best;
 }
 
+double measure_device_8bit_gbps(Runtime& runtime) {
+  constexpr std::size_t n = 8u << 20;  // as measure_host_update_gbps
+  constexpr std::uint32_t block = 2048;
+  const std::size_t blocks = ops::adam8bit_blocks(n, block);
+  const cl::Context& ctx = runtime.context();
+  const cl::Mem w = ctx.create_buffer(n * sizeof(float), "the 8-bit update measurement's weights");
+  const cl::Mem g = ctx.create_buffer(n * sizeof(float), "the 8-bit update measurement's gradients");
+  const cl::Mem m = ctx.create_buffer(n, "the 8-bit update measurement's first moments");
+  const cl::Mem v = ctx.create_buffer(n, "the 8-bit update measurement's second moments");
+  const cl::Mem scales = ctx.create_buffer(2 * blocks * sizeof(float), "the 8-bit update measurement's scales");
+  const std::vector<float> values(n, 0.25f);
+  const std::vector<std::uint8_t> codes(n, 128);
+  const std::vector<float> zero_scales(2 * blocks, 0.0f);
+  ctx.write(w.get(), 0, values.data(), n * sizeof(float));
+  ctx.write(g.get(), 0, values.data(), n * sizeof(float));
+  ctx.write(m.get(), 0, codes.data(), n);
+  ctx.write(v.get(), 0, codes.data(), n);
+  ctx.write(scales.get(), 0, zero_scales.data(), zero_scales.size() * sizeof(float));
+  const ops::LaunchList launches = ops::adam8bit_update(runtime.env(), ops::AdamConfig{}, block, {w.get(), 0},
+                                                        {g.get(), 0}, {m.get(), 0}, {v.get(), 0}, {scales.get(), 0}, n);
+  const double bytes = 16.0 * n + 8.0 * static_cast<double>(2 * blocks);  // the scales read and written
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ops::run_blocking(ctx.compute(), launches);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0 && s > 0) best = std::max(best, bytes / s * 1e-9);
+  }
+  return best;
+}
+
 double measure_host_update_gbps(bool eight_bit) {
   constexpr std::size_t n = 8u << 20;  // 32 MiB an fp32 operand: beyond the caches
   constexpr std::uint32_t block = 2048;
   std::vector<float> w(n, 0.5f), g(n, 0.25f), m(eight_bit ? 0 : n, 0.0f), v(eight_bit ? 0 : n, 0.0f);
   std::vector<std::uint8_t> m8(eight_bit ? n : 0, 128), v8(eight_bit ? n : 0, 0);
   std::vector<float> scales(2 * ops::adam8bit_blocks(n, block), 0.0f);
-  // Read w, g, m, v and write w, m, v: 28 bytes a parameter, or 16 with 8-bit moments (and their scales).
-  const double bytes = eight_bit ? 16.0 * n + 4.0 * scales.size() : 28.0 * n;
+  // Read w, g, m, v and write w, m, v: 28 bytes a parameter, or 16 with 8-bit moments (and their
+  // scales, read and written).
+  const double bytes = eight_bit ? 16.0 * n + 8.0 * static_cast<double>(scales.size()) : 28.0 * n;
   const ops::AdamConfig adam;
   double best = 0;
   for (int i = 0; i < 4; ++i) {

@@ -35,7 +35,7 @@ constexpr Lean leans[] = {Lean::resident,       Lean::mapped,
                           Lean::host_optimizer, Lean::eight_bit_host_optimizer};
 
 // The candidate `lean` (narrow: with bf16 layers) at `split` micro-batches, or nothing where it
-// is not one (mapped on a discrete device, 8-bit state without Adam, the host optimizer asked for
+// is not one (mapped on a discrete device, 8-bit state without Adam or asked for already, the host optimizer asked for
 // already).
 std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t split, Lean lean, bool narrow,
                                        bool unified) {
@@ -44,8 +44,9 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
   const bool eight_bit =
       lean == Lean::eight_bit || lean == Lean::eight_bit_compressed || lean == Lean::eight_bit_host_optimizer;
   const bool host = lean == Lean::host_optimizer || lean == Lean::eight_bit_host_optimizer;
-  if (eight_bit && !adam) return std::nullopt;
-  if (host && base.residency.host_optimizer) return std::nullopt;  // so from stream on
+  const bool eight_bit_given = base.optimizer.kind == ops::OptimizerConfig::Kind::adamw8bit;
+  if (eight_bit && (!adam || eight_bit_given)) return std::nullopt;  // the plain leans have it already
+  if (host && base.residency.host_optimizer) return std::nullopt;    // so from stream on
   Configuration c;
   TrainerOptions& o = c.options;
   o = base;

@@ -163,6 +163,7 @@ TEST(Plan, RatesAreMeasuredOnTheDevice) {
   EXPECT_GT(measure_link_gbps(rt), 0.0);
   EXPECT_GT(measure_gemm_gflops(rt), 0.0);
   EXPECT_GT(measure_device_gbps(rt), 0.0);
+  EXPECT_GT(measure_device_8bit_gbps(rt), 0.0);
   EXPECT_GT(measure_host_update_gbps(), 0.0);
   EXPECT_GT(measure_host_update_gbps(true), 0.0);
   EXPECT_GT(measure_codec_gbps(), 0.0);
@@ -208,6 +209,29 @@ TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
   const TrainingPlan device = plan_training(rt, small_mlp(), o, rates);
   EXPECT_EQ(device.phases.front().host_update_bytes, 0u);
   EXPECT_LT(device.predicted_step_ms, p.predicted_step_ms);
+}
+
+// 8-bit AdamW's updates on the device are bound by requantizing, not by memory: their bytes (as on
+// the host: 16 a parameter and the scales; on the device also the loss each reads) at the device's 8-bit rate, the
+// other nodes' at its memory rate; without an 8-bit rate, at the memory rate.
+TEST(Plan, DeviceEightBitUpdatesArePredictedFromTheirOwnRate) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+  const PlanRates rates{.gemm_gflops = 1.0, .device_gbps = 1e6, .device_8bit_gbps = 1e-3};
+  const PhasePlan t = plan_training(rt, small_mlp(), o, rates).phases.front();
+  EXPECT_EQ(t.memory_8bit_bytes, 16u * 413u + 4u * 2u * 2u * 4u + 4u * 4u) << "and each reads the loss, its guard";
+  EXPECT_GT(t.memory_bytes, t.memory_8bit_bytes);
+  EXPECT_DOUBLE_EQ(t.compute_ms, static_cast<double>(t.gemm_flops) / 1e6 +
+                                     static_cast<double>(t.memory_bytes - t.memory_8bit_bytes) / 1e12 +
+                                     static_cast<double>(t.memory_8bit_bytes) / 1e3);
+  PlanRates no_8bit_rate = rates;
+  no_8bit_rate.device_8bit_gbps = 0;
+  const PhasePlan u = plan_training(rt, small_mlp(), o, no_8bit_rate).phases.front();
+  EXPECT_DOUBLE_EQ(u.compute_ms, static_cast<double>(u.gemm_flops) / 1e6 + static_cast<double>(u.memory_bytes) / 1e12);
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adam;
+  EXPECT_EQ(plan_training(rt, small_mlp(), o, rates).phases.front().memory_8bit_bytes, 0u);
 }
 
 // Compressed state is unpacked before its update and packed after: its bytes at the codec's rate.
@@ -260,6 +284,25 @@ TEST(Plan, TheSearchChoosesTheFastestPredictedConfiguration) {
   EXPECT_EQ(chosen(slow_host).flags, "--residency stream");
   const ConfigurationSearch unknown = search({});
   EXPECT_EQ(chosen(unknown).flags, "--residency stream") << "no rates: the leanest change that fits";
+
+  // 8-bit state asked for: a device slow at requantizing sends the updates to the host, a fast one
+  // keeps them; no candidate repeats the 8-bit state already asked for.
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+  const PlanRates eight_bit{.link_gbps = 1e3,
+                            .gemm_gflops = 1e3,
+                            .device_gbps = 1e3,
+                            .host_gbps = 1e3,
+                            .host_8bit_gbps = 1.0,
+                            .codec_gbps = 1e-6};
+  PlanRates slow_device = eight_bit;
+  slow_device.device_8bit_gbps = 1e-3;
+  const ConfigurationSearch eight_slow = search(slow_device);
+  EXPECT_EQ(chosen(eight_slow).flags, "--residency stream --host-optimizer");
+  for (const Configuration& c : eight_slow.tried) EXPECT_EQ(c.flags.find("adamw8bit"), std::string::npos) << c.flags;
+  PlanRates fast_device = eight_bit;
+  fast_device.device_8bit_gbps = 1e3;
+  EXPECT_EQ(chosen(search(fast_device)).flags, "--residency stream");
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adam;
 
   o.residency.budget_bytes = all_resident;
   EXPECT_EQ(chosen(search({.link_gbps = 1e-3, .gemm_gflops = 1e3, .host_gbps = 1e3})).flags, "--residency resident");

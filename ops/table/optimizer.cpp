@@ -106,7 +106,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
                                            {.suffix = ".adam8_v", .dtype = DType::u8},
                                            {.suffix = ".adam8_scales", .shape = Shape{2, blocks}}};
   };
-  r.host_update_bound = HostUpdateBound::quantization;
+  r.update_bound = UpdateBound::quantization;
   r.update_attrs = [](const OptimizerConfig& o) {
     return UpdateAttrs{.block8bit = static_cast<std::int32_t>(o.block8bit)}.pack();
   };

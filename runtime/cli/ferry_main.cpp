@@ -631,6 +631,10 @@ int main(int argc, char** argv) {
                    "Device memory rate in GB/s for the step-time prediction of the nodes that are not GEMMs "
                    "(default: measured on the device)")
       ->check(positive_number());
+  plan->add_option("--device-8bit-gbps", t.device_8bit_gbps,
+                   "The same for 8-bit AdamW's updates on the device, bound by requantizing (default: measured on "
+                   "the device)")
+      ->check(positive_number());
   plan->add_option("--host-gbps", t.host_gbps,
                    "The host optimizer's rate for the step-time prediction: bytes its updates read and write, GB/s "
                    "(default: measured on this machine's cores)")

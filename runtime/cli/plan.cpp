@@ -47,8 +47,8 @@ nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
 struct PlanReport {
   std::string device;
   ferry::PlanRates rates;
-  bool link_given = false, gemm_given = false, device_given = false, host_given = false, host_8bit_given = false,
-       codec_given = false;
+  bool link_given = false, gemm_given = false, device_given = false, device_8bit_given = false, host_given = false,
+       host_8bit_given = false, codec_given = false;
   ferry::PlanOutcome configured;
   std::uint64_t min_resident = 0;
   std::optional<std::uint64_t> min_streamed;
@@ -64,16 +64,19 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   PlanReport r;
   r.device = runtime.device().name;
   // The rates of the step-time prediction: given, or measured here (a copy and a GEMM).
-  r.rates = {a.link_gbps, a.gemm_gflops, a.device_gbps, a.host_gbps, a.host_8bit_gbps, a.codec_gbps};
+  r.rates = {a.link_gbps, a.gemm_gflops,    a.device_gbps, a.device_8bit_gbps,
+             a.host_gbps, a.host_8bit_gbps, a.codec_gbps};
   r.link_given = a.link_gbps > 0;
   r.gemm_given = a.gemm_gflops > 0;
   r.device_given = a.device_gbps > 0;
+  r.device_8bit_given = a.device_8bit_gbps > 0;
   r.host_given = a.host_gbps > 0;
   r.host_8bit_given = a.host_8bit_gbps > 0;
   r.codec_given = a.codec_gbps > 0;
   if (!r.link_given) r.rates.link_gbps = ferry::measure_link_gbps(runtime, base.residency.homes.host_memory);
   if (!r.gemm_given) r.rates.gemm_gflops = ferry::measure_gemm_gflops(runtime);
   if (!r.device_given) r.rates.device_gbps = ferry::measure_device_gbps(runtime);
+  if (!r.device_8bit_given) r.rates.device_8bit_gbps = ferry::measure_device_8bit_gbps(runtime);
   if (!r.host_given) r.rates.host_gbps = ferry::measure_host_update_gbps();
   if (!r.host_8bit_given) r.rates.host_8bit_gbps = ferry::measure_host_update_gbps(true);
   if (!r.codec_given) r.rates.codec_gbps = ferry::measure_codec_gbps();
@@ -202,6 +205,8 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"gemm_gflops_source", rate_source(r.gemm_given)},
                       {"device_gbps", r.rates.device_gbps},
                       {"device_gbps_source", rate_source(r.device_given)},
+                      {"device_8bit_gbps", r.rates.device_8bit_gbps},
+                      {"device_8bit_gbps_source", rate_source(r.device_8bit_given)},
                       {"host_gbps", r.rates.host_gbps},
                       {"host_gbps_source", rate_source(r.host_given)},
                       {"host_8bit_gbps", r.rates.host_8bit_gbps},
@@ -285,11 +290,12 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
       base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(r.budget),
       ferry::format_bytes(r.host_limit), r.host_budget ? "" : " (physical memory)", r.device);
   std::cout << fmt::format(
-      "rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({}), device memory {:.2f} GB/s ({}), host optimizer "
-      "{:.2f} GB/s ({}), 8-bit {:.2f} GB/s ({}), codec {:.2f} GB/s ({})\n",
+      "rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({}), device memory {:.2f} GB/s ({}), 8-bit updates "
+      "{:.2f} GB/s ({}), host optimizer {:.2f} GB/s ({}), 8-bit {:.2f} GB/s ({}), codec {:.2f} GB/s ({})\n",
       r.rates.link_gbps, rate_source(r.link_given), r.rates.gemm_gflops, rate_source(r.gemm_given), r.rates.device_gbps,
-      rate_source(r.device_given), r.rates.host_gbps, rate_source(r.host_given), r.rates.host_8bit_gbps,
-      rate_source(r.host_8bit_given), r.rates.codec_gbps, rate_source(r.codec_given));
+      rate_source(r.device_given), r.rates.device_8bit_gbps, rate_source(r.device_8bit_given), r.rates.host_gbps,
+      rate_source(r.host_given), r.rates.host_8bit_gbps, rate_source(r.host_8bit_given), r.rates.codec_gbps,
+      rate_source(r.codec_given));
   if (r.configured.plan) print_configured_table(*r.configured.plan);
   if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
   const std::string min_streamed =

@@ -179,8 +179,8 @@ struct OptimizerStateDecl {
 // epilogue; a convolution).
 enum class ReluFusion : std::uint8_t { none, reads_its_input, writes_its_output };
 
-// See OpInfo::host_update_bound.
-enum class HostUpdateBound : std::uint8_t { memory, quantization };
+// See OpInfo::update_bound.
+enum class UpdateBound : std::uint8_t { memory, quantization };
 
 struct OpInfo {
   std::string name;
@@ -214,10 +214,10 @@ struct OpInfo {
   // element and count are set by the pass).
   std::function<std::vector<OptimizerStateDecl>(const OptimizerConfig&, std::size_t elems)> optimizer_state;
   std::function<NodeAttrs(const OptimizerConfig&)> update_attrs;  // null: none
-  // What bounds the row's host function as the host optimizer runs it, for the planner's
-  // prediction (ferry::PlanRates): the bytes it streams (host_gbps), or requantizing state
-  // (host_8bit_gbps).
-  HostUpdateBound host_update_bound = HostUpdateBound::memory;
+  // What bounds an update row's run, on the device or on the host lane (the host optimizer), for
+  // the planner's prediction (ferry::PlanRates): the bytes it streams (device_gbps, host_gbps),
+  // or requantizing its state (device_8bit_gbps, host_8bit_gbps).
+  UpdateBound update_bound = UpdateBound::memory;
   // Fusion (graph::fuse_layers), exact rewrites a row allows: how it takes in a ReLU; whether a
   // node of it is a ReLU (the activation row); and the op a node of it becomes at the place of
   // the node that wrote its input 0 when that one is of op `producer` (layernorm after an add

@@ -35,6 +35,9 @@ struct PlanRates {
   // The device's memory rate for the nodes that are not GEMM-like (element-wise, normalisation,
   // device optimizer updates): bytes they read and write per second, GB/s.
   double device_gbps = 0;
+  // The same for device updates bound by requantizing their state rather than by memory
+  // (ops::OpInfo::update_bound; 8-bit AdamW's: 16 bytes a parameter). 0: at device_gbps.
+  double device_8bit_gbps = 0;
   // The host optimizer's updates (--host-optimizer): bytes they read and write per second, GB/s
   // (Adam reads a weight, its gradient and two moments and writes three: 28 bytes a parameter).
   double host_gbps = 0;
@@ -56,6 +59,10 @@ double measure_gemm_gflops(Runtime& runtime);
 // The device's memory rate: the best of three element-wise additions of 16M f32 values (ops::add:
 // two operands read, one written, 192 MiB) after one that builds it.
 double measure_device_gbps(Runtime& runtime);
+// The device's 8-bit AdamW rate: the best of three ops::adam8bit_update launches over 8M
+// parameters in blocks of 2048 after one that builds it (bytes read and written over the time, as
+// measure_host_update_gbps(true) counts them).
+double measure_device_8bit_gbps(Runtime& runtime);
 // The host optimizer's rate: the best of three Adam updates of 8M fp32 parameters on the TBB
 // workers, as host_adam_update runs them in a step (bytes read and written over the time); with
 // `eight_bit`, of 8-bit AdamW updates (host_adam8bit_update, blocks of 2048).
@@ -75,8 +82,9 @@ struct PhasePlan {
   // convolution and their gradients), one per output element for every other compute node
   // (ops::OpInfo::flops).
   std::uint64_t flops = 0, gemm_flops = 0;
-  // Bytes the nodes that are not GEMM-like read and write on the device.
-  std::uint64_t memory_bytes = 0;
+  // Bytes the nodes that are not GEMM-like read and write on the device, and the part of them
+  // updates bound by quantization (8-bit AdamW) read and write.
+  std::uint64_t memory_bytes = 0, memory_8bit_bytes = 0;
   // Of the nodes before the backward (forward and loss ops): the GEMM flops and the memory bytes.
   std::uint64_t forward_gemm_flops = 0, forward_memory_bytes = 0;
   std::uint64_t host_update_bytes = 0;       // operands the host optimizer's updates read and write
@@ -84,14 +92,13 @@ struct PhasePlan {
   std::uint64_t codec_bytes = 0;             // compressed homes' tensors unpacked and packed (uncompressed bytes)
   std::size_t nodes = 0;
   // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
-  // memory rate (compute_ms), the bytes moved at the link rate, the host updates at
-  // the host rates (fp32 and 8-bit), the codec's bytes at its rate, and the step time predicted from them (no fixed
-  // per-launch term: on the devices measured the host enqueues ahead of the device). Copies and
-  // the host's work overlap compute, so the step is the largest of compute, transfers and the
-  // host's work (updates and codec). Host updates start as each gradient lands, in the backward,
-  // and the next step's forward waits for all of them (such steps do not run ahead), so they end
-  // no sooner than forward + host updates: the step is at least that too. On a CPU device all of
-  // it runs on the same cores: the step is the sum. 0 when a rate is unknown.
+  // memory rates (fp32 and 8-bit updates; compute_ms), the bytes moved at the link rate, the host
+  // updates at the host rates (fp32 and 8-bit), the codec's bytes at its rate, and the step time predicted from them
+  // (no fixed per-launch term: on the devices measured the host enqueues ahead of the device). Copies and the host's
+  // work overlap compute, so the step is the largest of compute, transfers and the host's work (updates and codec).
+  // Host updates start as each gradient lands, in the backward, and the next step's forward waits for all of them (such
+  // steps do not run ahead), so they end no sooner than forward + host updates: the step is at least that too. On a CPU
+  // device all of it runs on the same cores: the step is the sum. 0 when a rate is unknown.
   double compute_ms = 0, transfer_ms = 0, host_update_ms = 0, codec_ms = 0, predicted_step_ms = 0;
   double forward_ms = 0;  // the part of compute_ms before the backward
 };
