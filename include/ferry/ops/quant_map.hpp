@@ -2,7 +2,8 @@
 // stands for a value in [-1, 1] (signed map, the first moment) or [0, 1] (unsigned map, the
 // second moment), to be multiplied by its block's scale (the block's absmax). The codes are our
 // own monotone format: code order is value order, so quantizing is a binary search over codes and
-// nothing needs a lookup table. ops/kernels/optimizer8bit.cl mirrors these functions.
+// nothing needs a stored table. ops/kernels/optimizer8bit.cl mirrors these functions; the host
+// optimizer gets the same codes from a table of buckets instead (ops/quant_buckets.hpp), faster.
 //
 // Unsigned map: code 0 is 0; code c >= 1 has e = floor(log2 c) (0..7), j = c - 2^e and value
 //   10^-(7-e) * (0.1 + 0.9 (j + 1) / 2^e),
