@@ -15,8 +15,11 @@
 #                    this budget when the link is what binds
 #   gpt7b_stream     width 4096, 32 blocks, 32 heads, --device-budget 24GiB --optimizer adamw8bit,
 #                    3 steps (target: trains; needs >= 100 GB of host memory)
+#   gpt7b_stream_host  the same with --host-optimizer (8-bit AdamW on the host's cores: only weights
+#                    and gradients cross the link)
 # Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
-# sample, the planner's predicted step time with its rates, and the configuration it recommends. SCALE_GPU_ONLY=1b runs the two 1B runs alone
+# sample, the planner's predicted step time with its rates, and the configuration it recommends.
+# SCALE_GPU_ONLY=1b runs the three 1B runs alone, SCALE_GPU_ONLY=7b gpt7b_stream_host alone
 # (SCALE_GPU_LIMIT_S bounds each); SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
 # of the script itself, on any device).
 set -uo pipefail
@@ -86,8 +89,14 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b ]]; then
     --host-optimizer
   exit
 fi
+if [[ ${SCALE_GPU_ONLY:-} == 7b ]]; then
+  run gpt7b_stream_host "${SCALE_GPU_LIMIT_S:-1800}" 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB \
+    --host-optimizer
+  exit
+fi
 [[ ${SCALE_GPU_ONLY:-} == tiny ]] && { run tiny_stream 300 3 --model gpt --width 64 --depth 2 --heads 4 --context 32 --batch 8 --residency stream; exit; }
 run gpt1b_resident 900 4 "${gpt1b[@]}" --residency resident
 run gpt1b_stream 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
 run gpt1b_stream_host 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB --host-optimizer
 run gpt7b_stream 1800 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB
+run gpt7b_stream_host 1800 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB --host-optimizer
