@@ -139,6 +139,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       continue;
     }
     // GEMM-like nodes at the GEMM rate; every other node is bound by the bytes it reads and writes.
+    ++p.launches;
     const bool forward = row.op_class == ops::OpClass::forward || row.op_class == ops::OpClass::loss;
     if (row.flops) {
       const std::uint64_t f = row.flops(graph::NodeView<ops::ShapeView>(g, n));
@@ -170,11 +171,11 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
                      ms(static_cast<double>(p.host_update_8bit_bytes), rates.host_8bit_gbps * 1e6);
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
   p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
+  p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
   const double updates_after_forward_ms = p.host_update_bytes ? p.forward_ms + p.host_update_ms : 0.0;
-  p.predicted_step_ms =
-      shares_host_cores
-          ? p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms
-          : std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, updates_after_forward_ms});
+  p.predicted_step_ms = shares_host_cores ? p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms
+                                          : std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms,
+                                                      updates_after_forward_ms, p.launch_ms});
 }
 
 // plan_training for validated options with the recomputation fixed.
@@ -340,6 +341,26 @@ double measure_device_gbps(Runtime& runtime) {
     ops::run_blocking(ctx.compute(), launches);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (i > 0 && s > 0) best = std::max(best, 3.0 * n * sizeof(float) / s * 1e-9);
+  }
+  return best;
+}
+
+double measure_launch_us(Runtime& runtime) {
+  constexpr std::size_t n = 64, launches = 256;
+  const cl::Context& ctx = runtime.context();
+  const cl::Mem a = ctx.create_buffer(n * sizeof(float), "the launch measurement's a");
+  const cl::Mem b = ctx.create_buffer(n * sizeof(float), "the launch measurement's b");
+  const ops::LaunchList one = ops::add(runtime.env(), {a.get(), 0}, {a.get(), 0}, {b.get(), 0}, n);
+  ops::LaunchList many;
+  for (std::size_t i = 0; i < launches; ++i) many.insert(many.end(), one.begin(), one.end());
+  ops::run_blocking(ctx.compute(), one);  // builds it
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ops::run_blocking(ctx.compute(), many);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double us = s * 1e6 / static_cast<double>(many.size());
+    best = i == 0 ? us : std::min(best, us);
   }
   return best;
 }

@@ -164,6 +164,7 @@ TEST(Plan, RatesAreMeasuredOnTheDevice) {
   EXPECT_GT(measure_gemm_gflops(rt), 0.0);
   EXPECT_GT(measure_device_gbps(rt), 0.0);
   EXPECT_GT(measure_device_8bit_gbps(rt), 0.0);
+  EXPECT_GT(measure_launch_us(rt), 0.0);
   EXPECT_GT(measure_host_update_gbps(), 0.0);
   EXPECT_GT(measure_host_update_gbps(true), 0.0);
   EXPECT_GT(measure_codec_gbps(), 0.0);
@@ -232,6 +233,20 @@ TEST(Plan, DeviceEightBitUpdatesArePredictedFromTheirOwnRate) {
   EXPECT_DOUBLE_EQ(u.compute_ms, static_cast<double>(u.gemm_flops) / 1e6 + static_cast<double>(u.memory_bytes) / 1e12);
   o.optimizer.kind = ops::OptimizerConfig::Kind::adam;
   EXPECT_EQ(plan_training(rt, small_mlp(), o, rates).phases.front().memory_8bit_bytes, 0u);
+}
+
+// Each of the device's compute nodes costs a launch the host issues: with only the launch cost
+// known, the step is the launches at it (on any device: nothing else has a time).
+TEST(Plan, LaunchesArePredictedFromTheLaunchCost) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  const TrainingPlan p = plan_training(rt, small_mlp(), o, PlanRates{.launch_us = 10.0});
+  const PhasePlan& t = p.phases.front();
+  EXPECT_GT(t.launches, 6u) << "two linears forward and backward, the loss, the updates";
+  EXPECT_LT(t.launches, t.nodes) << "transfers and host nodes launch no kernel";
+  EXPECT_DOUBLE_EQ(t.launch_ms, static_cast<double>(t.launches) * 0.01);
+  EXPECT_DOUBLE_EQ(p.predicted_step_ms, t.launch_ms);
 }
 
 // Compressed state is unpacked before its update and packed after: its bytes at the codec's rate.

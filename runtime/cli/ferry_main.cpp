@@ -635,6 +635,10 @@ int main(int argc, char** argv) {
                    "The same for 8-bit AdamW's updates on the device, bound by requantizing (default: measured on "
                    "the device)")
       ->check(positive_number());
+  plan->add_option("--launch-us", t.launch_us,
+                   "The cost of one kernel launch in microseconds for the step-time prediction (default: measured "
+                   "on the device)")
+      ->check(positive_number());
   plan->add_option("--host-gbps", t.host_gbps,
                    "The host optimizer's rate for the step-time prediction: bytes its updates read and write, GB/s "
                    "(default: measured on this machine's cores)")

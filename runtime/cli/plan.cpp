@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -42,13 +43,42 @@ nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
           {"total_bytes", b.total}};
 }
 
+// The rates of the step-time prediction (ferry::PlanRates): each given by its flag or measured.
+struct RateSpec {
+  const char* key;    // the JSON field (and its `_source`)
+  const char* label;  // in the text output, with the unit
+  double TrainArgs::*given;
+  double ferry::PlanRates::*rate;
+  double (*measure)(ferry::Runtime&, const ferry::TrainerOptions&);
+};
+constexpr RateSpec rate_specs[] = {
+    {"link_gbps", "link {:.2f} GB/s", &TrainArgs::link_gbps, &ferry::PlanRates::link_gbps,
+     [](ferry::Runtime& rt, const ferry::TrainerOptions& o) {
+       return ferry::measure_link_gbps(rt, o.residency.homes.host_memory);
+     }},
+    {"gemm_gflops", "GEMM {:.1f} GFLOP/s", &TrainArgs::gemm_gflops, &ferry::PlanRates::gemm_gflops,
+     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_gemm_gflops(rt); }},
+    {"device_gbps", "device memory {:.2f} GB/s", &TrainArgs::device_gbps, &ferry::PlanRates::device_gbps,
+     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_device_gbps(rt); }},
+    {"device_8bit_gbps", "8-bit updates {:.2f} GB/s", &TrainArgs::device_8bit_gbps, &ferry::PlanRates::device_8bit_gbps,
+     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_device_8bit_gbps(rt); }},
+    {"launch_us", "launch {:.1f} us", &TrainArgs::launch_us, &ferry::PlanRates::launch_us,
+     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_launch_us(rt); }},
+    {"host_gbps", "host optimizer {:.2f} GB/s", &TrainArgs::host_gbps, &ferry::PlanRates::host_gbps,
+     [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_host_update_gbps(); }},
+    {"host_8bit_gbps", "8-bit {:.2f} GB/s", &TrainArgs::host_8bit_gbps, &ferry::PlanRates::host_8bit_gbps,
+     [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_host_update_gbps(true); }},
+    {"codec_gbps", "codec {:.2f} GB/s", &TrainArgs::codec_gbps, &ferry::PlanRates::codec_gbps,
+     [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_codec_gbps(); }},
+};
+constexpr std::size_t rate_count = std::size(rate_specs);
+
 // Everything `ferry plan` reports: the plan as configured, the minimum budgets, the rates of the
 // prediction and the configurations it tried, with the one it recommends.
 struct PlanReport {
   std::string device;
   ferry::PlanRates rates;
-  bool link_given = false, gemm_given = false, device_given = false, device_8bit_given = false, host_given = false,
-       host_8bit_given = false, codec_given = false;
+  std::array<bool, rate_count> rate_given{};  // by rate_specs: given on the command line, else measured
   ferry::PlanOutcome configured;
   std::uint64_t min_resident = 0;
   std::optional<std::uint64_t> min_streamed;
@@ -63,23 +93,12 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
                        const ferry::TrainerOptions& base) {
   PlanReport r;
   r.device = runtime.device().name;
-  // The rates of the step-time prediction: given, or measured here (a copy and a GEMM).
-  r.rates = {a.link_gbps, a.gemm_gflops,    a.device_gbps, a.device_8bit_gbps,
-             a.host_gbps, a.host_8bit_gbps, a.codec_gbps};
-  r.link_given = a.link_gbps > 0;
-  r.gemm_given = a.gemm_gflops > 0;
-  r.device_given = a.device_gbps > 0;
-  r.device_8bit_given = a.device_8bit_gbps > 0;
-  r.host_given = a.host_gbps > 0;
-  r.host_8bit_given = a.host_8bit_gbps > 0;
-  r.codec_given = a.codec_gbps > 0;
-  if (!r.link_given) r.rates.link_gbps = ferry::measure_link_gbps(runtime, base.residency.homes.host_memory);
-  if (!r.gemm_given) r.rates.gemm_gflops = ferry::measure_gemm_gflops(runtime);
-  if (!r.device_given) r.rates.device_gbps = ferry::measure_device_gbps(runtime);
-  if (!r.device_8bit_given) r.rates.device_8bit_gbps = ferry::measure_device_8bit_gbps(runtime);
-  if (!r.host_given) r.rates.host_gbps = ferry::measure_host_update_gbps();
-  if (!r.host_8bit_given) r.rates.host_8bit_gbps = ferry::measure_host_update_gbps(true);
-  if (!r.codec_given) r.rates.codec_gbps = ferry::measure_codec_gbps();
+  // The rates of the step-time prediction: given, or measured here.
+  for (std::size_t i = 0; i < rate_count; ++i) {
+    const RateSpec& spec = rate_specs[i];
+    r.rate_given[i] = a.*spec.given > 0;
+    r.rates.*spec.rate = r.rate_given[i] ? a.*spec.given : spec.measure(runtime, base);
+  }
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
   r.configured = ferry::plan_within_budgets(runtime, model, base, r.rates);
@@ -140,6 +159,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["memory_bytes"] = t.memory_bytes;
     j["compute_ms"] = t.compute_ms;
     j["forward_ms"] = t.forward_ms;
+    j["launches"] = t.launches;
+    j["launch_ms"] = t.launch_ms;
     j["transfer_ms"] = t.transfer_ms;
     j["host_update_bytes"] = t.host_update_bytes;
     j["host_update_ms"] = t.host_update_ms;
@@ -149,10 +170,11 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
     for (const char* k :
-         {"residency",         "device_peak_bytes", "host_bytes",  "host_store_bytes", "host_step_bytes",
-          "fetch_bytes",       "write_back_bytes",  "batch_bytes", "moved_bytes",      "flops",
-          "gemm_flops",        "memory_bytes",      "compute_ms",  "forward_ms",       "transfer_ms",
-          "host_update_bytes", "host_update_ms",    "codec_bytes", "codec_ms",         "predicted_step_ms"}) {
+         {"residency",   "device_peak_bytes", "host_bytes",        "host_store_bytes", "host_step_bytes",
+          "fetch_bytes", "write_back_bytes",  "batch_bytes",       "moved_bytes",      "flops",
+          "gemm_flops",  "memory_bytes",      "compute_ms",        "forward_ms",       "transfer_ms",
+          "launches",    "launch_ms",         "host_update_bytes", "host_update_ms",   "codec_bytes",
+          "codec_ms",    "predicted_step_ms"}) {
       j[k] = nullptr;
     }
     j["error"] = configured.error;
@@ -199,26 +221,16 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"fits", r.configured.fits()},
                       {"min_budget_resident_bytes", r.min_resident},
                       {"min_budget_streamed_bytes", r.min_streamed ? nlohmann::json(*r.min_streamed) : nullptr},
-                      {"link_gbps", r.rates.link_gbps},
-                      {"link_gbps_source", rate_source(r.link_given)},
-                      {"gemm_gflops", r.rates.gemm_gflops},
-                      {"gemm_gflops_source", rate_source(r.gemm_given)},
-                      {"device_gbps", r.rates.device_gbps},
-                      {"device_gbps_source", rate_source(r.device_given)},
-                      {"device_8bit_gbps", r.rates.device_8bit_gbps},
-                      {"device_8bit_gbps_source", rate_source(r.device_8bit_given)},
-                      {"host_gbps", r.rates.host_gbps},
-                      {"host_gbps_source", rate_source(r.host_given)},
-                      {"host_8bit_gbps", r.rates.host_8bit_gbps},
-                      {"host_8bit_gbps_source", rate_source(r.host_8bit_given)},
-                      {"codec_gbps", r.rates.codec_gbps},
-                      {"codec_gbps_source", rate_source(r.codec_given)},
                       {"recommended", chosen ? nlohmann::json{{"flags", chosen->flags},
                                                               {"device_bytes", chosen->plan->device_peak_bytes},
                                                               {"host_bytes", chosen->plan->host_bytes},
                                                               {"predicted_step_ms", chosen->plan->predicted_step_ms}}
                                              : nlohmann::json(nullptr)},
                       {"candidates", candidates_json(r.search)}};
+  for (std::size_t i = 0; i < rate_count; ++i) {
+    j[rate_specs[i].key] = r.rates.*rate_specs[i].rate;
+    j[std::string(rate_specs[i].key) + "_source"] = rate_source(r.rate_given[i]);
+  }
   add_configured_fields(j, r.configured);
   std::cout << j.dump() << std::endl;
 }
@@ -243,12 +255,13 @@ void print_configured_table(const ferry::TrainingPlan& p) {
   const auto& t = p.phases.front();
   std::cout << fmt::format(
       "device peak {}; host {} of {} memory ({} weights and state, {} step buffers); per step {} fetched, {} "
-      "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms{}{})\n",
+      "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms, {} "
+      "launches {:.1f} ms{}{})\n",
       ferry::format_bytes(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
       ferry::format_bytes(p.host_step_bytes), ferry::format_bytes(t.fetch_bytes),
       ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes), t.flops * 1e-9, p.predicted_step_ms,
-      t.compute_ms, t.transfer_ms,
+      t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
 }
@@ -289,13 +302,13 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
       base.batch, a.optimizer, precision_name(base.precision.compute), ferry::phases_name(base.phases.hybrid),
       base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(r.budget),
       ferry::format_bytes(r.host_limit), r.host_budget ? "" : " (physical memory)", r.device);
-  std::cout << fmt::format(
-      "rates: link {:.2f} GB/s ({}), GEMM {:.1f} GFLOP/s ({}), device memory {:.2f} GB/s ({}), 8-bit updates "
-      "{:.2f} GB/s ({}), host optimizer {:.2f} GB/s ({}), 8-bit {:.2f} GB/s ({}), codec {:.2f} GB/s ({})\n",
-      r.rates.link_gbps, rate_source(r.link_given), r.rates.gemm_gflops, rate_source(r.gemm_given), r.rates.device_gbps,
-      rate_source(r.device_given), r.rates.device_8bit_gbps, rate_source(r.device_8bit_given), r.rates.host_gbps,
-      rate_source(r.host_given), r.rates.host_8bit_gbps, rate_source(r.host_8bit_given), r.rates.codec_gbps,
-      rate_source(r.codec_given));
+  std::string rates;
+  for (std::size_t i = 0; i < rate_count; ++i) {
+    rates += fmt::format(
+        "{}{} ({})", i ? ", " : "rates: ", fmt::format(fmt::runtime(rate_specs[i].label), r.rates.*rate_specs[i].rate),
+        rate_source(r.rate_given[i]));
+  }
+  std::cout << rates << "\n";
   if (r.configured.plan) print_configured_table(*r.configured.plan);
   if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
   const std::string min_streamed =

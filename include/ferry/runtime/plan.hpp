@@ -47,6 +47,10 @@ struct PlanRates {
   // The compressed home's codec on the host's cores: uncompressed bytes packed and unpacked per
   // second, GB/s.
   double codec_gbps = 0;
+  // What one kernel launch of the step costs, microseconds: the host's enqueue (on a GPU the step
+  // cannot run faster than the host issues it) and, on a CPU device, the kernel's start on the
+  // same cores.
+  double launch_us = 0;
 };
 
 // The rates measured on the runtime's device, quickly (well under a second each on a CPU device,
@@ -70,6 +74,9 @@ double measure_host_update_gbps(bool eight_bit = false);
 // The codec's rate: the best of three rounds compressing and decompressing 64 MiB of values like
 // Adam's second moments with the compressed home's default settings, on the TBB workers.
 double measure_codec_gbps();
+// The launch cost: 256 dependent additions of 64 values enqueued on the compute queue and
+// finished, the best of three after one that builds the kernel, per launch.
+double measure_launch_us(Runtime& runtime);
 
 // One compiled variant of the plan: the phase it serves and what it costs per step.
 struct PhasePlan {
@@ -91,16 +98,20 @@ struct PhasePlan {
   std::uint64_t host_update_8bit_bytes = 0;  // the part of them updates bound by quantization (8-bit AdamW) move
   std::uint64_t codec_bytes = 0;             // compressed homes' tensors unpacked and packed (uncompressed bytes)
   std::size_t nodes = 0;
+  std::size_t launches = 0;  // the device's compute nodes (a node of several kernels counts once)
   // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
   // memory rates (fp32 and 8-bit updates; compute_ms), the bytes moved at the link rate, the host
-  // updates at the host rates (fp32 and 8-bit), the codec's bytes at its rate, and the step time predicted from them
-  // (no fixed per-launch term: on the devices measured the host enqueues ahead of the device). Copies and the host's
-  // work overlap compute, so the step is the largest of compute, transfers and the host's work (updates and codec).
-  // Host updates start as each gradient lands, in the backward, and the next step's forward waits for all of them (such
-  // steps do not run ahead), so they end no sooner than forward + host updates: the step is at least that too. On a CPU
-  // device all of it runs on the same cores: the step is the sum. 0 when a rate is unknown.
+  // updates at the host rates (fp32 and 8-bit), the codec's bytes at its rate, the launches at the
+  // launch cost, and the step time predicted from them. Copies, launches and the host's work
+  // overlap compute (the host enqueues ahead of the device), so the step is the largest of
+  // compute, transfers, launches and the host's work (updates and codec). Host updates start as
+  // each gradient lands, in the backward, and the next step's forward waits for all of them (such
+  // steps do not run ahead), so they end no sooner than forward + host updates: the step is at
+  // least that too. On a CPU device all of it runs on the same cores: the step is the sum. 0 when
+  // a rate is unknown.
   double compute_ms = 0, transfer_ms = 0, host_update_ms = 0, codec_ms = 0, predicted_step_ms = 0;
   double forward_ms = 0;  // the part of compute_ms before the backward
+  double launch_ms = 0;   // launches at the launch cost
 };
 
 struct TrainingPlan {
