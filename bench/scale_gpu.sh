@@ -76,7 +76,7 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
                   "predicted_step_ms": plan.get("predicted_step_ms"),
                   "predicted_terms_ms": {k: plan.get(k) for k in ("compute_ms", "forward_ms", "transfer_ms",
                                                                   "host_update_ms", "codec_ms")},
-                  "plan_rates": {k: plan.get(k) for k in ("link_gbps", "gemm_gflops", "device_gbps", "device_8bit_gbps", "host_gbps", "host_8bit_gbps", "codec_gbps")},
+                  "plan_rates": {k: plan.get(k) for k in ("link_gbps", "gemm_gflops", "device_gbps", "device_8bit_gbps", "launch_us", "host_gbps", "host_8bit_gbps", "codec_gbps")},
                   "recommended": rec.get("flags"),
                   "recommended_predicted_step_ms": rec.get("predicted_step_ms")}))
 EOF
