@@ -94,7 +94,7 @@ inline std::uint32_t quantize(float r) {
   a += static_cast<std::int32_t>(above < below) | (negative & static_cast<std::int32_t>(above == below));
   if constexpr (Signed) return static_cast<std::uint32_t>(128 + a - 2 * negative * a);
   // A positive value never becomes 0 (second moments: Adam divides by their square root).
-  return static_cast<std::uint32_t>(a | static_cast<std::int32_t>((a == 0) & (m > 0.0f)));
+  return static_cast<std::uint32_t>(a | (static_cast<std::int32_t>(a == 0) & static_cast<std::int32_t>(m > 0.0f)));
 }
 
 }  // namespace ferry::ops::quant_buckets
