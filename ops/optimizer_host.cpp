@@ -163,9 +163,11 @@ template <bool Signed>
   float lane_max[lanes] = {};
   std::size_t k = 0;
   for (; k + lanes <= count; k += lanes) {
-    for (std::size_t j = 0; j < lanes; ++j) lane_max[j] = std::max(lane_max[j], Signed ? std::fabs(x[k + j]) : x[k + j]);
+    for (std::size_t j = 0; j < lanes; ++j)
+      lane_max[j] = std::max(lane_max[j], Signed ? std::fabs(x[k + j]) : x[k + j]);
   }
-  for (std::size_t j = 0; k + j < count; ++j) lane_max[j] = std::max(lane_max[j], Signed ? std::fabs(x[k + j]) : x[k + j]);
+  for (std::size_t j = 0; k + j < count; ++j)
+    lane_max[j] = std::max(lane_max[j], Signed ? std::fabs(x[k + j]) : x[k + j]);
   float out = 0.0f;
   for (const float v : lane_max) out = std::max(out, v);
   return out;
