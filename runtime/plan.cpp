@@ -220,6 +220,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     std::uint64_t bytes = 0;
     for (const std::uint64_t b : train_plan.memory.persistent_buffers[h]) bytes += b;
     out.host_store_bytes += bytes * offload::host_copies(static_cast<offload::Home>(h), residency.homes);
+    if (static_cast<offload::Home>(h) == offload::Home::host_compressed) out.host_compressed_bytes += 2 * bytes;
   }
   for (const PhasePlan& p : out.phases) {
     out.device_peak_bytes = std::max(out.device_peak_bytes, p.device.total);
@@ -475,8 +476,9 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
 
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes) {
   const std::uint64_t physical = physical_memory_bytes();
-  const bool over_budget = host_budget_bytes != 0 && plan.host_bytes > host_budget_bytes;
-  const bool over_memory = physical != 0 && plan.host_bytes > physical;
+  const std::uint64_t needed = plan.host_bytes + plan.host_compressed_bytes;
+  const bool over_budget = host_budget_bytes != 0 && needed > host_budget_bytes;
+  const bool over_memory = physical != 0 && needed > physical;
   if (!over_budget && !over_memory) return;
   const std::uint64_t limit =
       over_budget && (!over_memory || host_budget_bytes < physical) ? host_budget_bytes : physical;
@@ -485,14 +487,15 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
                                : fmt::format("this machine's physical memory ({})", format_bytes(physical));
   throw HostBudgetError(
       fmt::format("the training state needs {} of host memory ({} for the weights and optimizer state, {} for "
-                  "the steps' host buffers), more than {}: {}use {}compressed state (--state-home compressed), a "
-                  "smaller batch or model, or keep more on the device (a larger --device-budget); `ferry plan` shows "
-                  "what each needs",
-                  format_bytes(plan.host_bytes), format_bytes(plan.host_store_bytes),
-                  format_bytes(plan.host_step_bytes), what,
-                  limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
+                  "the steps' host buffers{}), more than {}: {}use {}a smaller batch or model, or keep more on the "
+                  "device (a larger --device-budget); `ferry plan` shows what each needs",
+                  format_bytes(needed), format_bytes(plan.host_store_bytes), format_bytes(plan.host_step_bytes),
+                  plan.host_compressed_bytes
+                      ? fmt::format(", up to {} for compressed state", format_bytes(plan.host_compressed_bytes))
+                      : std::string(),
+                  what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
                   plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),
-      plan.host_bytes, limit);
+      needed, limit);
 }
 
 }  // namespace ferry

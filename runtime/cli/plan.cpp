@@ -149,6 +149,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["device_peak_bytes"] = p->device_peak_bytes;
     j["host_bytes"] = p->host_bytes;
     j["host_store_bytes"] = p->host_store_bytes;
+    j["host_compressed_bytes"] = p->host_compressed_bytes;
     j["host_step_bytes"] = p->host_step_bytes;
     j["fetch_bytes"] = t.fetch_bytes;
     j["write_back_bytes"] = t.write_back_bytes;
@@ -170,11 +171,11 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
     for (const char* k :
-         {"residency",   "device_peak_bytes", "host_bytes",        "host_store_bytes", "host_step_bytes",
-          "fetch_bytes", "write_back_bytes",  "batch_bytes",       "moved_bytes",      "flops",
-          "gemm_flops",  "memory_bytes",      "compute_ms",        "forward_ms",       "transfer_ms",
-          "launches",    "launch_ms",         "host_update_bytes", "host_update_ms",   "codec_bytes",
-          "codec_ms",    "predicted_step_ms"}) {
+         {"residency",       "device_peak_bytes", "host_bytes",       "host_store_bytes",  "host_compressed_bytes",
+          "host_step_bytes", "fetch_bytes",       "write_back_bytes", "batch_bytes",       "moved_bytes",
+          "flops",           "gemm_flops",        "memory_bytes",     "compute_ms",        "forward_ms",
+          "transfer_ms",     "launches",          "launch_ms",        "host_update_bytes", "host_update_ms",
+          "codec_bytes",     "codec_ms",          "predicted_step_ms"}) {
       j[k] = nullptr;
     }
     j["error"] = configured.error;
@@ -254,14 +255,17 @@ void print_configured_table(const ferry::TrainingPlan& p) {
                "live at once)\n";
   const auto& t = p.phases.front();
   std::cout << fmt::format(
-      "device peak {}; host {} of {} memory ({} weights and state, {} step buffers); per step {} fetched, {} "
+      "device peak {}; host {} of {} memory ({} weights and state, {} step buffers){}; per step {} fetched, {} "
       "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms, {} "
       "launches {:.1f} ms{}{})\n",
       ferry::format_bytes(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
-      ferry::format_bytes(p.host_step_bytes), ferry::format_bytes(t.fetch_bytes),
-      ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes), t.flops * 1e-9, p.predicted_step_ms,
-      t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
+      ferry::format_bytes(p.host_step_bytes),
+      p.host_compressed_bytes
+          ? fmt::format(", and up to {} of compressed state", ferry::format_bytes(p.host_compressed_bytes))
+          : std::string(),
+      ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
+      t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
 }

@@ -125,6 +125,10 @@ struct TrainingPlan {
   // (not pinned, their size depends on the data) and the second batch mirrors of a step that runs
   // ahead (the batch once more).
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
+  // The compressed home's chunks at their bound: its tensors' uncompressed bytes twice, since a
+  // step's updates pack new chunks that replace the current ones only when it commits (fp32 Adam
+  // moments compress to about 0.84 of their size, so the peak is about 1.7 times the state).
+  std::uint64_t host_compressed_bytes = 0;
   // The memory of the streamed homes and the step pools on this device (pinned or pageable).
   offload::HostMemory host_memory = offload::HostMemory::pinned;
   PlanRates rates;
@@ -205,8 +209,9 @@ class HostBudgetError : public std::runtime_error {
   std::uint64_t needed_, budget_;
 };
 
-// Throws HostBudgetError when `plan.host_bytes` exceeds `host_budget_bytes` (0: no budget) or the
-// machine's physical memory, naming the figure, the limit and what to change.
+// Throws HostBudgetError when `plan.host_bytes` plus `plan.host_compressed_bytes` exceeds
+// `host_budget_bytes` (0: no budget) or the machine's physical memory, naming the figure, the
+// limit and what to change.
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes);
 
 }  // namespace ferry
