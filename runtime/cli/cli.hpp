@@ -182,6 +182,8 @@ bool write_side_output(const std::string& path, const char* what, bool quiet, st
 
 // `ferry plan` (runtime/cli/plan.cpp).
 int cmd_plan(const TrainArgs& a);
+// `ferry plan`'s flags for the rates of its step-time prediction (--link-gbps, ...).
+void add_rate_options(CLI::App* plan, TrainArgs& t);
 
 struct TuneArgs {
   std::string device, mode = "quick", family = "all";

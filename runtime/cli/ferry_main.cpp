@@ -554,35 +554,7 @@ CLI::App* add_plan_command(CLI::App& app, TrainArgs& t) {
       "Print the device bytes of each phase of a model's step (weights, gradients, optimizer state, activations), "
       "the smallest budget it runs in, and the configuration to use for --device-budget");
   add_model_options(plan, t);
-  plan->add_option("--link-gbps", t.link_gbps,
-                   "Host-device copy rate in GB/s for the step-time prediction (default: measured on the device)")
-      ->check(positive_number());
-  plan->add_option("--gemm-gflops", t.gemm_gflops,
-                   "GEMM rate in GFLOP/s for the step-time prediction (default: measured on the device)")
-      ->check(positive_number());
-  plan->add_option("--device-gbps", t.device_gbps,
-                   "Device memory rate in GB/s for the step-time prediction of the nodes that are not GEMMs "
-                   "(default: measured on the device)")
-      ->check(positive_number());
-  plan->add_option("--device-8bit-gbps", t.device_8bit_gbps,
-                   "The same for 8-bit AdamW's updates on the device, bound by requantizing (default: measured on "
-                   "the device)")
-      ->check(positive_number());
-  plan->add_option("--launch-us", t.launch_us,
-                   "The cost of one kernel launch in microseconds for the step-time prediction (default: measured "
-                   "on the device)")
-      ->check(positive_number());
-  plan->add_option("--host-gbps", t.host_gbps,
-                   "The host optimizer's rate for the step-time prediction: bytes its updates read and write, GB/s "
-                   "(default: measured on this machine's cores)")
-      ->check(positive_number());
-  plan->add_option("--host-8bit-gbps", t.host_8bit_gbps,
-                   "The same for the host optimizer's 8-bit AdamW updates (default: measured on this machine's cores)")
-      ->check(positive_number());
-  plan->add_option("--codec-gbps", t.codec_gbps,
-                   "The compressed home's codec rate for the step-time prediction: uncompressed bytes packed and "
-                   "unpacked, GB/s (default: measured on this machine's cores)")
-      ->check(positive_number());
+  add_rate_options(plan, t);
   return plan;
 }
 
