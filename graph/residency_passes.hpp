@@ -12,8 +12,8 @@ namespace ferry::graph {
 // State updates whose persistent outputs all live in homes that commit (their new values become
 // state only when the step succeeds, and CompiledStep::run commits only when the overflow guard is
 // finite) check the loss instead of the guard, so they need not wait for the last gradient. Those
-// that write a tensor in place (device, host_mapped, and host_pinned when `pinned_in_place`: one
-// copy) keep checking the guard and so come after it. No-op without a guard.
+// that write a tensor in place (device, host_mapped, and host_pinned and host_compressed when
+// `pinned_in_place`: one copy) keep checking the guard and so come after it. No-op without a guard.
 void check_updates_against_the_loss(Graph& g, bool pinned_in_place);
 
 // Moves every optimizer update to right after the last node that uses its weight or gradient, so

@@ -86,7 +86,7 @@ std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context
       }
       return homes::make_mapped_store(context, buffer_bytes, what);
     case Home::host_compressed:
-      return homes::make_compressed_store(tensors, options.codec, what);
+      return homes::make_compressed_store(tensors, options.codec, options.pinned_copies == 1, what);
     case Home::dropped:
       return homes::make_dropped_store(tensors);
     case Home::host_int8:

@@ -220,7 +220,16 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     std::uint64_t bytes = 0;
     for (const std::uint64_t b : train_plan.memory.persistent_buffers[h]) bytes += b;
     out.host_store_bytes += bytes * offload::host_copies(static_cast<offload::Home>(h), residency.homes);
-    if (static_cast<offload::Home>(h) == offload::Home::host_compressed) out.host_compressed_bytes += 2 * bytes;
+    if (static_cast<offload::Home>(h) != offload::Home::host_compressed) continue;
+    // Chunks at most the uncompressed size: one set, and a tensor's new chunks while they are
+    // made (in place), or two sets until the step commits.
+    std::uint64_t largest = 0;
+    for (TensorId x = 0; x < training.tensors.size(); ++x) {
+      if (training.tensors.storage(x) == x && training.tensors.home[x] == graph::Home::host_compressed) {
+        largest = std::max(largest, training.tensors.bytes(x));
+      }
+    }
+    out.host_compressed_bytes += residency.homes.pinned_copies == 1 ? bytes + largest : 2 * bytes;
   }
   for (const PhasePlan& p : out.phases) {
     out.device_peak_bytes = std::max(out.device_peak_bytes, p.device.total);
@@ -487,11 +496,12 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
                                : fmt::format("this machine's physical memory ({})", format_bytes(physical));
   throw HostBudgetError(
       fmt::format("the training state needs {} of host memory ({} for the weights and optimizer state, {} for "
-                  "the steps' host buffers{}), more than {}: {}use {}a smaller batch or model, or keep more on the "
-                  "device (a larger --device-budget); `ferry plan` shows what each needs",
+                  "the steps' host buffers{}), more than {}: {}use {}compressed state (--state-home compressed, about "
+                  "0.84 of fp32 Adam's), a smaller batch or model, or keep more on the device (a larger "
+                  "--device-budget); `ferry plan` shows what each needs",
                   format_bytes(needed), format_bytes(plan.host_store_bytes), format_bytes(plan.host_step_bytes),
                   plan.host_compressed_bytes
-                      ? fmt::format(", up to {} for compressed state", format_bytes(plan.host_compressed_bytes))
+                      ? fmt::format(", up to {} for compressed chunks", format_bytes(plan.host_compressed_bytes))
                       : std::string(),
                   what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
                   plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),

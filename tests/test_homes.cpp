@@ -44,12 +44,15 @@ TEST(Homes, TraitsSayWhatEachHomeAsksOfTheGraph) {
 // The compressed store: a tensor's value round-trips bit for bit; what a step packs is what it
 // unpacks later in the step, but reads (and other steps) see it only after commit; abort drops it;
 // host memory is the chunks.
+// With two copies (hybrid phases) packed chunks become current at commit; with one (the default)
+// a pack replaces the chunks at once, its updates coming after the step's commit point.
 TEST(Homes, CompressedKeepsChunksAndCommitsPackedValues) {
   auto& dev = TestDevice::get();
   const std::array<std::uint64_t, 1> sizes{1 << 20};
   const std::vector<offload::HomeTensor> tensors = {{{0, 0}, 40000, 4, "a.adam_m"}, {{0, 40192}, 1000, 1, "b.q"}};
   offload::HomeStoreOptions options;
   options.codec.chunk_bytes = 3000;  // does not divide either tensor
+  options.pinned_copies = 2;
   auto store = offload::make_home_store(Home::host_compressed, dev.context, sizes, tensors, options, "test tensors");
   EXPECT_FALSE(store->kernels_address_directly());
   EXPECT_THROW(store->current({0, 0}), std::logic_error);
@@ -84,6 +87,20 @@ TEST(Homes, CompressedKeepsChunksAndCommitsPackedValues) {
   EXPECT_EQ(q_out, q);
   EXPECT_THROW(store->read({0, 64}, out.data(), 4), std::logic_error) << "no tensor there";
   EXPECT_THROW(store->read({0, 0}, out.data(), 4), std::logic_error) << "wrong size";
+  EXPECT_FALSE(store->updates_in_place());
+
+  options.pinned_copies = 1;
+  auto one = offload::make_home_store(Home::host_compressed, dev.context, sizes, tensors, options, "test tensors");
+  EXPECT_TRUE(one->updates_in_place());
+  one->write({0, 0}, v.data(), 40000);
+  const std::uint64_t one_set = one->host_bytes();
+  one->pack({0, 0}, w.data(), 40000);
+  one->read({0, 0}, out.data(), 40000);
+  EXPECT_EQ(out, w) << "in place: current once packed";
+  EXPECT_LE(one->host_bytes(), one_set + 64 * 14) << "one set of chunks, the old ones freed";
+  one->abort();
+  one->read({0, 0}, out.data(), 40000);
+  EXPECT_EQ(out, w) << "nothing to drop";
 }
 
 TEST(Homes, DroppedKeepsNothing) {

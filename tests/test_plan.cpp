@@ -342,6 +342,7 @@ TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
     EXPECT_NE(m.find("--host-budget"), std::string::npos) << m;
     EXPECT_NE(m.find("--optimizer adamw8bit"), std::string::npos) << m;
     EXPECT_NE(m.find("--device-budget"), std::string::npos) << m;
+    EXPECT_NE(m.find("--state-home compressed"), std::string::npos) << m;
   }
   o.residency.host_budget_bytes = plan.host_bytes;  // exactly enough
   Trainer fits(rt, small_mlp(), o);

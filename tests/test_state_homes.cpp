@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <filesystem>
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
@@ -137,29 +138,54 @@ TEST(CompressedState, HostMemoryHoldsTheChunksAndEachTensorIsPackedOncePerStep) 
   EXPECT_EQ(t.state_home(), graph::Home::host_compressed);
 }
 
-// The packed chunks of a failed step are discarded: the state is the one before it, and training
-// goes on exactly as if the failed step had never been tried.
-TEST(CompressedState, FailedStepKeepsThePreviousChunks) {
+// Compressed state is packed in place after the step's commit point (one set of chunks): a step
+// that fails before it leaves every tensor as it was; one that fails while packing is a partial
+// update naming the tensors, and the trainer refuses to go on until a checkpoint restores it,
+// after which training goes on exactly as if the failed step had never been tried.
+TEST(CompressedState, FailedPackIsAPartialUpdateThatACheckpointRestores) {
   Runtime rt;
   const ModelSpec m = small_residual();
   Trainer t(rt, m, compressed(options(), true, 2048, 0, false));
   Trainer reference(rt, m, options());
   step(t, 0);
   step(reference, 0);
-  const Tensors before = tensors_of(t);
-  // Fail the last pack: every other tensor's new chunks are made by then.
-  const auto& nodes = compiled_train_step(t).graph().nodes;
-  graph::NodeId last_pack = 0;
+  const auto& step_graph = compiled_train_step(t);
+  const auto& nodes = step_graph.graph().nodes;
+  graph::NodeId first_unpack = 0, last_pack = 0;
   std::uint32_t packs = 0;
+  for (graph::NodeId n = nodes.size(); n-- > 0;) {
+    if (nodes.op[n] == graph::builtin::unpack) first_unpack = n;
+  }
   for (graph::NodeId n = 0; n < nodes.size(); ++n) {
-    if (nodes.op[n] == graph::builtin::pack) {
-      last_pack = n;
-      ++packs;
-    }
+    if (nodes.op[n] != graph::builtin::pack) continue;
+    last_pack = n;
+    ++packs;
   }
   ASSERT_GT(packs, 3u);
-  compiled_train_step(t).inject_failure(last_pack);
+  const auto commit = step_graph.commit_node();
+  ASSERT_TRUE(commit.has_value()) << "packing in place needs a commit point";
+  EXPECT_LT(first_unpack, *commit);
+  EXPECT_GT(last_pack, *commit) << "every pack after the commit point";
+
+  const Tensors before = tensors_of(t);
+  compiled_train_step(t).inject_failure(first_unpack);
   EXPECT_THROW(step(t, 1), std::runtime_error);
+  EXPECT_EQ(tensors_of(t), before) << "a failure before the commit point changes nothing";
+  EXPECT_EQ(t.inconsistent_state(), "");
+
+  const std::string saved = testing::TempDir() + "/compressed_partial.ferry";
+  t.save_checkpoint(saved);
+  compiled_train_step(t).inject_failure(last_pack);
+  try {
+    step(t, 1);
+    FAIL() << "the step should fail";
+  } catch (const graph::PartialUpdateError& e) {
+    EXPECT_FALSE(e.tensors().empty());
+  }
+  EXPECT_NE(t.inconsistent_state(), "");
+  EXPECT_THROW(step(t, 1), std::runtime_error) << "refuses to go on from a partial update";
+  t.load_checkpoint(saved);
+  std::filesystem::remove(saved);
   EXPECT_EQ(tensors_of(t), before);
   for (int s = 1; s < 3; ++s) {
     step(t, s);

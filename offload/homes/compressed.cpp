@@ -1,7 +1,11 @@
 // The host_compressed home: each tensor kept only as compressed chunks (offload/chunk_codec.hpp),
 // no plain host copy. A step's host-lane nodes unpack a tensor into pinned staging before its
-// fetch and pack the written-back value into new chunks after; those become current at commit,
-// so a failed step (or one whose chunks could not be made) leaves the previous chunks in place.
+// fetch and pack the written-back value into new chunks after. In place (one copy, the default),
+// the new chunks replace the old as soon as they are made: the updates that write the tensor come
+// after the step's commit point, so host memory holds one set of chunks and a tensor's second
+// only while it is packed. Otherwise (hybrid phases, whose Predict steps write ahead of the loss)
+// they become current at commit, so a failed step (or one whose chunks could not be made) leaves
+// the previous chunks in place, at the cost of holding both until then.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -16,14 +20,15 @@ namespace {
 
 class CompressedStore final : public HomeStore {
  public:
-  CompressedStore(std::span<const HomeTensor> tensors, const CodecOptions& codec, std::string_view what)
-      : codec_(codec), what_(what) {
+  CompressedStore(std::span<const HomeTensor> tensors, const CodecOptions& codec, bool in_place, std::string_view what)
+      : codec_(codec), what_(what), in_place_(in_place) {
     for (const HomeTensor& t : tensors) entries_.push_back({t, {}, std::nullopt, false});
     std::sort(entries_.begin(), entries_.end(),
               [](const Entry& a, const Entry& b) { return key(a.t.place) < key(b.t.place); });
   }
   Home home() const override { return Home::host_compressed; }
   bool kernels_address_directly() const override { return false; }
+  bool updates_in_place() const override { return in_place_; }
   cl_mem device_buffer(std::uint32_t) const override {
     throw std::logic_error("kernels reach compressed tensors through fetched copies");
   }
@@ -56,7 +61,12 @@ class CompressedStore final : public HomeStore {
   }
   void pack(const HomePlace& p, const void* src, std::size_t n) override {
     Entry& e = entry(p, n);
-    e.next = codec_.compress(bytes_of(src, n), e.t.elem_bytes, e.t.name);
+    if (!in_place_) {
+      e.next = codec_.compress(bytes_of(src, n), e.t.elem_bytes, e.t.name);
+      return;
+    }
+    e.current = codec_.compress(bytes_of(src, n), e.t.elem_bytes, e.t.name);  // replaces it only once made
+    e.has_value = true;
   }
   CompressedTensor* chunks(const HomePlace& p) override {
     auto it = find(p);
@@ -114,6 +124,7 @@ class CompressedStore final : public HomeStore {
 
   ChunkCodec codec_;
   std::string what_;
+  bool in_place_;
   std::vector<Entry> entries_;  // by place
 };
 
@@ -136,8 +147,8 @@ class DroppedStore final : public HomeStore {
 }  // namespace
 
 std::unique_ptr<HomeStore> make_compressed_store(std::span<const HomeTensor> tensors, const CodecOptions& codec,
-                                                 std::string_view what) {
-  return std::make_unique<CompressedStore>(tensors, codec, what);
+                                                 bool in_place, std::string_view what) {
+  return std::make_unique<CompressedStore>(tensors, codec, in_place, what);
 }
 
 std::unique_ptr<HomeStore> make_dropped_store(std::span<const HomeTensor>) {

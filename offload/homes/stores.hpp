@@ -12,8 +12,10 @@ std::unique_ptr<HomeStore> make_pinned_store(const cl::Context& context, std::sp
 std::unique_ptr<HomeStore> make_mapped_store(const cl::Context& context, std::span<const std::uint64_t> buffer_bytes,
                                              std::string_view what);
 
+// `in_place`: a pack replaces the tensor's chunks at once (its updates come after the step's
+// commit point); else the new chunks become current at commit.
 std::unique_ptr<HomeStore> make_compressed_store(std::span<const HomeTensor> tensors, const CodecOptions& codec,
-                                                 std::string_view what);
+                                                 bool in_place, std::string_view what);
 std::unique_ptr<HomeStore> make_dropped_store(std::span<const HomeTensor> tensors);
 
 }  // namespace ferry::offload::homes

@@ -277,7 +277,7 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
       ferry::format_bytes(p.host_step_bytes),
       p.host_compressed_bytes
-          ? fmt::format(", and up to {} of compressed state", ferry::format_bytes(p.host_compressed_bytes))
+          ? fmt::format(", and up to {} of compressed chunks", ferry::format_bytes(p.host_compressed_bytes))
           : std::string(),
       ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
       t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,

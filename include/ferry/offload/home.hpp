@@ -65,7 +65,9 @@ struct HomeStoreOptions {
   CodecOptions codec;  // the compressed home's
   // Copies of host_pinned memory: 1, written in place after the step's commit point (host memory
   // equals the state), or 2, written into the other copy and made current at commit (what
-  // host-lane updates need, which cannot yet wait for the guard). Anything else is an error.
+  // Predict steps need, which write ahead of the loss). Anything else is an error. The compressed
+  // home follows it: with 1 a pack replaces a tensor's chunks at once (after the commit point),
+  // with 2 the new chunks become current at commit.
   std::uint32_t pinned_copies = 1;
   // The memory of the host_pinned home (and of a step's host buffers): pinned, or pageable where
   // the driver's pinned buffers would take device memory too (host_memory.hpp). host_mapped is

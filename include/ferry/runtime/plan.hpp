@@ -125,9 +125,9 @@ struct TrainingPlan {
   // (not pinned, their size depends on the data) and the second batch mirrors of a step that runs
   // ahead (the batch once more).
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
-  // The compressed home's chunks at their bound: its tensors' uncompressed bytes twice, since a
-  // step's updates pack new chunks that replace the current ones only when it commits (fp32 Adam
-  // moments compress to about 0.84 of their size, so the peak is about 1.7 times the state).
+  // The compressed home's chunks (ordinary memory) at their bound, each tensor's at most its
+  // uncompressed bytes: one set, and a buffer's new chunks while they are made; with two copies
+  // (hybrid phases), two sets, since the new chunks replace the current ones only at commit.
   std::uint64_t host_compressed_bytes = 0;
   // The memory of the streamed homes and the step pools on this device (pinned or pageable).
   offload::HostMemory host_memory = offload::HostMemory::pinned;
