@@ -14,7 +14,8 @@
 //   host_compressed  host memory as byte-plane shuffled, zstd-compressed chunks with checksums
 //                    (offload/chunk_codec.hpp), in place of an uncompressed copy. A step unpacks a
 //                    tensor into pinned staging on a host lane before its fetch and packs the
-//                    written-back value after; the new chunks become current only at commit.
+//                    written-back value after, in place after the commit point (one copy) or
+//                    into new chunks that become current at commit (two: hybrid phases).
 //   dropped          not kept: every fetch re-initialises the tensor (zeros) and nothing is written
 //                    back. For optimizer state only.
 //   host_int8        block-quantized int8 with fp32 scales (the phases issue): no store yet, a

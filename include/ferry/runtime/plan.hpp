@@ -126,7 +126,7 @@ struct TrainingPlan {
   // ahead (the batch once more).
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
   // The compressed home's chunks (ordinary memory) at their bound, each tensor's at most its
-  // uncompressed bytes: one set, and a buffer's new chunks while they are made; with two copies
+  // uncompressed bytes: one set, and a tensor's new chunks while they are made; with two copies
   // (hybrid phases), two sets, since the new chunks replace the current ones only at commit.
   std::uint64_t host_compressed_bytes = 0;
   // The memory of the streamed homes and the step pools on this device (pinned or pageable).
