@@ -533,9 +533,7 @@ void check_updates_against_the_loss(Graph& g, bool pinned_in_place) {
     for (TensorId x : n.outputs(id)) {
       const TensorId s = t.storage(x);
       keep = keep || s == t.storage(g.guard) ||
-             (is_persistent(t.role[s]) &&
-              (offload::home_traits(t.home[s]).addressed_in_place ||
-               (pinned_in_place && (t.home[s] == Home::host_pinned || t.home[s] == Home::host_compressed))));
+             (is_persistent(t.role[s]) && offload::changes_in_place(t.home[s], pinned_in_place ? 1 : 2));
     }
     if (keep) continue;
     for (std::uint32_t i = 0; i < n.in_count[id]; ++i) {

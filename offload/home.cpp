@@ -60,6 +60,10 @@ std::uint32_t host_copies(Home h, const HomeStoreOptions& options) {
   return h == Home::host_pinned ? options.pinned_copies : home_traits(h).host_copies;
 }
 
+bool changes_in_place(Home h, std::uint32_t copies) {
+  return home_traits(h).addressed_in_place || ((h == Home::host_pinned || h == Home::host_compressed) && copies == 1);
+}
+
 void HomeStore::unpack(const HomePlace& p, void* dst, std::size_t bytes) const {
   read(p, dst, bytes);
 }
@@ -86,7 +90,7 @@ std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context
       }
       return homes::make_mapped_store(context, buffer_bytes, what);
     case Home::host_compressed:
-      return homes::make_compressed_store(tensors, options.codec, options.pinned_copies == 1, what);
+      return homes::make_compressed_store(tensors, options.codec, changes_in_place(home, options.pinned_copies), what);
     case Home::dropped:
       return homes::make_dropped_store(tensors);
     case Home::host_int8:

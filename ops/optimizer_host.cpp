@@ -121,8 +121,7 @@ FERRY_HOST_CLONES void sgd_chunk(const SgdChunk& c, const float* grad, const Sgd
     sgd_loop<false>(c, grad, s, begin, end);
   }
 }
-// The two maps' 256 values (ops/quant_map.hpp), so dequantizing is a load and quantizing a
-// branchless search over loads.
+// The two maps' 256 values by code (ops/quant_map.hpp), so dequantizing is a load.
 struct CodeTables {
   std::array<float, 256> m{}, v{};
 };

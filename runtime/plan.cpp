@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -159,7 +160,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
     }
   }
   const auto ms = [](double amount, double per_ms) { return per_ms > 0 ? amount / per_ms : 0.0; };
+  // Updates bound by quantization at their own rate, else (not known) at the memory rate.
   const double device_8bit_gbps = rates.device_8bit_gbps > 0 ? rates.device_8bit_gbps : rates.device_gbps;
+  const double host_8bit_gbps = rates.host_8bit_gbps > 0 ? rates.host_8bit_gbps : rates.host_gbps;
   const auto device_ms = [&](std::uint64_t gemm_flops, std::uint64_t memory_bytes, std::uint64_t memory_8bit_bytes) {
     return ms(static_cast<double>(gemm_flops), rates.gemm_gflops * 1e6) +
            ms(static_cast<double>(memory_bytes - memory_8bit_bytes), rates.device_gbps * 1e6) +
@@ -168,7 +171,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes, p.memory_8bit_bytes);
   p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes), rates.link_gbps * 1e6);
   p.host_update_ms = ms(static_cast<double>(p.host_update_bytes - p.host_update_8bit_bytes), rates.host_gbps * 1e6) +
-                     ms(static_cast<double>(p.host_update_8bit_bytes), rates.host_8bit_gbps * 1e6);
+                     ms(static_cast<double>(p.host_update_8bit_bytes), host_8bit_gbps * 1e6);
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
   p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
   p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
@@ -229,7 +232,9 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
         largest = std::max(largest, training.tensors.bytes(x));
       }
     }
-    out.host_compressed_bytes += residency.homes.pinned_copies == 1 ? bytes + largest : 2 * bytes;
+    out.host_compressed_bytes +=
+        offload::changes_in_place(offload::Home::host_compressed, residency.homes.pinned_copies) ? bytes + largest
+                                                                                                 : 2 * bytes;
   }
   for (const PhasePlan& p : out.phases) {
     out.device_peak_bytes = std::max(out.device_peak_bytes, p.device.total);
@@ -291,6 +296,37 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
                                 : plan_as_given(runtime, model, options, rates);
 }
 
+namespace {
+
+// The shortest of three timed runs of `run`, after one that is not timed (it builds kernels and
+// touches the memory), in seconds.
+template <class Run>
+double best_seconds(Run&& run) {
+  run();
+  double best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+// `amount` (bytes or flops) per `seconds`, in G per second; 0 for a time too short to read.
+double rate(double amount, double seconds) {
+  return seconds > 0 ? amount / seconds * 1e-9 : 0.0;
+}
+
+// What an 8-bit AdamW update of n parameters in blocks of `block` reads and writes: w, g and the
+// two u8 moments read, w and the moments written (16 bytes a parameter), the block scales read
+// and written.
+double adam8bit_update_bytes(std::size_t n, std::uint32_t block) {
+  return 16.0 * static_cast<double>(n) +
+         2.0 * 2.0 * sizeof(float) * static_cast<double>(ops::adam8bit_blocks(n, block));
+}
+
+}  // namespace
+
 double measure_link_gbps(Runtime& runtime, offload::HostMemory memory) {
   constexpr std::size_t bytes = 64ull << 20;
   const cl::Context& ctx = runtime.context();
@@ -298,15 +334,11 @@ double measure_link_gbps(Runtime& runtime, offload::HostMemory memory) {
   std::memset(host.data(), 1, bytes);
   const cl::Mem device = ctx.create_buffer(bytes, "the link measurement's device buffer");
   const cl_command_queue queue = ctx.queue(cl::QueueKind::h2d);
-  double best = 0;
-  for (int i = 0; i < 4; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    cl::check(clEnqueueWriteBuffer(queue, device.get(), CL_TRUE, 0, bytes, host.data(), 0, nullptr, nullptr),
-              "clEnqueueWriteBuffer (link measurement)");
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0 && s > 0) best = std::max(best, static_cast<double>(bytes) / s * 1e-9);
-  }
-  return best;
+  return rate(static_cast<double>(bytes), best_seconds([&] {
+                cl::check(
+                    clEnqueueWriteBuffer(queue, device.get(), CL_TRUE, 0, bytes, host.data(), 0, nullptr, nullptr),
+                    "clEnqueueWriteBuffer (link measurement)");
+              }));
 }
 
 double measure_gemm_gflops(Runtime& runtime) {
@@ -324,14 +356,7 @@ double measure_gemm_gflops(Runtime& runtime) {
   if (scratch_elems) scratch = ctx.create_buffer(scratch_elems * sizeof(float), "the GEMM measurement's scratch");
   const ops::LaunchList launches =
       ops::gemm(runtime.env(), shape, 1.0f, {a.get(), 0}, {b.get(), 0}, 0.0f, {c.get(), 0}, {scratch.get(), 0});
-  double best = 0;
-  for (int i = 0; i < 4; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    ops::run_blocking(ctx.compute(), launches);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0 && s > 0) best = std::max(best, 2.0 * n * n * n / s * 1e-9);
-  }
-  return best;
+  return rate(2.0 * n * n * n, best_seconds([&] { ops::run_blocking(ctx.compute(), launches); }));
 }
 
 double measure_device_gbps(Runtime& runtime) {
@@ -345,14 +370,7 @@ double measure_device_gbps(Runtime& runtime) {
   ops::run_blocking(ctx.compute(), fill_a);
   ops::run_blocking(ctx.compute(), fill_b);
   const ops::LaunchList launches = ops::add(runtime.env(), {a.get(), 0}, {b.get(), 0}, {c.get(), 0}, n);
-  double best = 0;
-  for (int i = 0; i < 4; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    ops::run_blocking(ctx.compute(), launches);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0 && s > 0) best = std::max(best, 3.0 * n * sizeof(float) / s * 1e-9);
-  }
-  return best;
+  return rate(3.0 * n * sizeof(float), best_seconds([&] { ops::run_blocking(ctx.compute(), launches); }));
 }
 
 double measure_launch_us(Runtime& runtime) {
@@ -363,16 +381,7 @@ double measure_launch_us(Runtime& runtime) {
   const ops::LaunchList one = ops::add(runtime.env(), {a.get(), 0}, {a.get(), 0}, {b.get(), 0}, n);
   ops::LaunchList many;
   for (std::size_t i = 0; i < launches; ++i) many.insert(many.end(), one.begin(), one.end());
-  ops::run_blocking(ctx.compute(), one);  // builds it
-  double best = 0;
-  for (int i = 0; i < 3; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    ops::run_blocking(ctx.compute(), many);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double us = s * 1e6 / static_cast<double>(many.size());
-    best = i == 0 ? us : std::min(best, us);
-  }
-  return best;
+  return best_seconds([&] { ops::run_blocking(ctx.compute(), many); }) * 1e6 / static_cast<double>(many.size());
 }
 
 double measure_device_8bit_gbps(Runtime& runtime) {
@@ -395,15 +404,8 @@ double measure_device_8bit_gbps(Runtime& runtime) {
   ctx.write(scales.get(), 0, zero_scales.data(), zero_scales.size() * sizeof(float));
   const ops::LaunchList launches = ops::adam8bit_update(runtime.env(), ops::AdamConfig{}, block, {w.get(), 0},
                                                         {g.get(), 0}, {m.get(), 0}, {v.get(), 0}, {scales.get(), 0}, n);
-  const double bytes = 16.0 * n + 8.0 * static_cast<double>(2 * blocks);  // the scales read and written
-  double best = 0;
-  for (int i = 0; i < 4; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    ops::run_blocking(ctx.compute(), launches);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0 && s > 0) best = std::max(best, bytes / s * 1e-9);
-  }
-  return best;
+  const double bytes = adam8bit_update_bytes(n, block);
+  return rate(bytes, best_seconds([&] { ops::run_blocking(ctx.compute(), launches); }));
 }
 
 double measure_host_update_gbps(bool eight_bit) {
@@ -412,25 +414,21 @@ double measure_host_update_gbps(bool eight_bit) {
   std::vector<float> w(n, 0.5f), g(n, 0.25f), m(eight_bit ? 0 : n, 0.0f), v(eight_bit ? 0 : n, 0.0f);
   std::vector<std::uint8_t> m8(eight_bit ? n : 0, 128), v8(eight_bit ? n : 0, 0);
   std::vector<float> scales(2 * ops::adam8bit_blocks(n, block), 0.0f);
-  // Read w, g, m, v and write w, m, v: 28 bytes a parameter, or 16 with 8-bit moments (and their
-  // scales, read and written).
-  const double bytes = eight_bit ? 16.0 * n + 8.0 * static_cast<double>(scales.size()) : 28.0 * n;
+  // Read w, g, m, v and write w, m, v: 28 bytes a parameter (fp32 moments).
+  const double bytes = eight_bit ? adam8bit_update_bytes(n, block) : 28.0 * n;
   const ops::AdamConfig adam;
-  double best = 0;
-  for (int i = 0; i < 4; ++i) {
-    const ops::StepInfo step{.step = static_cast<std::uint64_t>(i + 1), .lr = 1e-3f};
-    const auto t0 = std::chrono::steady_clock::now();
-    if (eight_bit) {
-      ops::host_adam8bit_update(
-          adam, block, step, g.data(),
-          {w.data(), m8.data(), v8.data(), scales.data(), w.data(), m8.data(), v8.data(), scales.data()}, n);
-    } else {
-      ops::host_adam_update(adam, step, g.data(), {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n);
-    }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0 && s > 0) best = std::max(best, bytes / s * 1e-9);
-  }
-  return best;
+  std::uint64_t steps = 0;
+  return rate(
+      bytes, best_seconds([&] {
+        const ops::StepInfo step{.step = ++steps, .lr = 1e-3f};
+        if (eight_bit) {
+          ops::host_adam8bit_update(
+              adam, block, step, g.data(),
+              {w.data(), m8.data(), v8.data(), scales.data(), w.data(), m8.data(), v8.data(), scales.data()}, n);
+        } else {
+          ops::host_adam_update(adam, step, g.data(), {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n);
+        }
+      }));
 }
 
 double measure_codec_gbps() {
@@ -447,15 +445,10 @@ double measure_codec_gbps() {
   std::vector<float> back(n);
   const offload::ChunkCodec codec;
   const auto bytes = std::as_bytes(std::span(values));
-  double best = 0;
-  for (int i = 0; i < 4; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const offload::CompressedTensor packed = codec.compress(bytes, sizeof(float), "the codec measurement");
-    codec.decompress(packed, std::as_writable_bytes(std::span(back)), "the codec measurement");
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0 && s > 0) best = std::max(best, 2.0 * static_cast<double>(bytes.size()) / s * 1e-9);
-  }
-  return best;
+  return rate(2.0 * static_cast<double>(bytes.size()), best_seconds([&] {
+                const offload::CompressedTensor packed = codec.compress(bytes, sizeof(float), "the codec measurement");
+                codec.decompress(packed, std::as_writable_bytes(std::span(back)), "the codec measurement");
+              }));
 }
 
 std::uint64_t physical_memory_bytes() {

@@ -1,8 +1,9 @@
 // Rows of the optimizer updates. In place: the outputs are the weight and state inputs. The
 // optional last input is the step's loss statistics: the update skips itself when the loss is
-// not finite. Each runs on the device, or on the host lane (TBB workers) for host-resident
-// state, where it reads the current copy and writes the next. Each reports a weight it makes not finite to the step
-// (step_status on the device, report_non_finite_weight on the host), which checks it after its last command.
+// not finite. Each runs on the device, or on the host lane (TBB workers) for host-resident state
+// (the host optimizer), in place on the one host copy or from the current copy into the next
+// (hybrid phases). Each reports a weight it makes not finite to the step (step_status on the
+// device, report_non_finite_weight on the host), which checks it after its last command.
 #include <fmt/format.h>
 
 #include "ops/attrs.hpp"

@@ -67,9 +67,7 @@ struct TrainArgs {
   std::uint32_t optimizer_block = 2048;  // adamw8bit: elements per quantization block
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, host_budget, residency = "auto", host_memory = "auto";
-  // plan: the rates of the step-time prediction (0: measure them)
-  double link_gbps = 0, gemm_gflops = 0, device_gbps = 0, device_8bit_gbps = 0, launch_us = 0, host_gbps = 0,
-         host_8bit_gbps = 0, codec_gbps = 0;
+  ferry::PlanRates plan_rates;           // plan: the rates of the step-time prediction given (0: measure it)
   std::string weights_home, state_home;  // empty: the residency mode's preset
   std::string compress_chunk = "1MiB";   // the compressed home's codec
   int compress_level = 1;

@@ -50,39 +50,36 @@ struct RateSpec {
   const char* flag;
   const char* help;
   bool on_host;  // measured on this machine's cores, not on the device
-  double TrainArgs::*given;
   double ferry::PlanRates::*rate;
   double (*measure)(ferry::Runtime&, const ferry::TrainerOptions&);
 };
 constexpr RateSpec rate_specs[] = {
-    {"link_gbps", "link {:.2f} GB/s", "--link-gbps", "Host-device copy rate in GB/s", false, &TrainArgs::link_gbps,
+    {"link_gbps", "link {:.2f} GB/s", "--link-gbps", "Host-device copy rate in GB/s", false,
      &ferry::PlanRates::link_gbps,
      [](ferry::Runtime& rt, const ferry::TrainerOptions& o) {
        return ferry::measure_link_gbps(rt, o.residency.homes.host_memory);
      }},
-    {"gemm_gflops", "GEMM {:.1f} GFLOP/s", "--gemm-gflops", "GEMM rate in GFLOP/s", false, &TrainArgs::gemm_gflops,
+    {"gemm_gflops", "GEMM {:.1f} GFLOP/s", "--gemm-gflops", "GEMM rate in GFLOP/s", false,
      &ferry::PlanRates::gemm_gflops,
      [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_gemm_gflops(rt); }},
     {"device_gbps", "device memory {:.2f} GB/s", "--device-gbps",
-     "Device memory rate in GB/s of the nodes that are not GEMMs", false, &TrainArgs::device_gbps,
-     &ferry::PlanRates::device_gbps,
+     "Device memory rate in GB/s of the nodes that are not GEMMs", false, &ferry::PlanRates::device_gbps,
      [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_device_gbps(rt); }},
     {"device_8bit_gbps", "8-bit updates {:.2f} GB/s", "--device-8bit-gbps",
-     "The same for 8-bit AdamW's updates on the device, bound by requantizing", false, &TrainArgs::device_8bit_gbps,
+     "The same for 8-bit AdamW's updates on the device, bound by requantizing", false,
      &ferry::PlanRates::device_8bit_gbps,
      [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_device_8bit_gbps(rt); }},
     {"launch_us", "launch {:.1f} us", "--launch-us", "The cost of one kernel launch in microseconds", false,
-     &TrainArgs::launch_us, &ferry::PlanRates::launch_us,
+     &ferry::PlanRates::launch_us,
      [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_launch_us(rt); }},
     {"host_gbps", "host optimizer {:.2f} GB/s", "--host-gbps",
-     "The host optimizer's rate: bytes its updates read and write, GB/s", true, &TrainArgs::host_gbps,
-     &ferry::PlanRates::host_gbps,
+     "The host optimizer's rate: bytes its updates read and write, GB/s", true, &ferry::PlanRates::host_gbps,
      [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_host_update_gbps(); }},
     {"host_8bit_gbps", "8-bit {:.2f} GB/s", "--host-8bit-gbps", "The same for the host optimizer's 8-bit AdamW updates",
-     true, &TrainArgs::host_8bit_gbps, &ferry::PlanRates::host_8bit_gbps,
+     true, &ferry::PlanRates::host_8bit_gbps,
      [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_host_update_gbps(true); }},
     {"codec_gbps", "codec {:.2f} GB/s", "--codec-gbps",
-     "The compressed home's codec rate: uncompressed bytes packed and unpacked, GB/s", true, &TrainArgs::codec_gbps,
+     "The compressed home's codec rate: uncompressed bytes packed and unpacked, GB/s", true,
      &ferry::PlanRates::codec_gbps,
      [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_codec_gbps(); }},
 };
@@ -111,8 +108,9 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   // The rates of the step-time prediction: given, or measured here.
   for (std::size_t i = 0; i < rate_count; ++i) {
     const RateSpec& spec = rate_specs[i];
-    r.rate_given[i] = a.*spec.given > 0;
-    r.rates.*spec.rate = r.rate_given[i] ? a.*spec.given : spec.measure(runtime, base);
+    const double given = a.plan_rates.*spec.rate;
+    r.rate_given[i] = given > 0;
+    r.rates.*spec.rate = r.rate_given[i] ? given : spec.measure(runtime, base);
   }
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
@@ -341,7 +339,7 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
 
 void add_rate_options(CLI::App* plan, TrainArgs& t) {
   for (const RateSpec& r : rate_specs) {
-    plan->add_option(r.flag, t.*r.given,
+    plan->add_option(r.flag, t.plan_rates.*r.rate,
                      fmt::format("{} (for the step-time prediction; default: measured on {})", r.help,
                                  r.on_host ? "this machine's cores" : "the device"))
         ->check(positive_number());

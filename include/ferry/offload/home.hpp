@@ -79,4 +79,9 @@ struct HomeStoreOptions {
 // Full-size pinned host copies a store of `h` made with `options` keeps of each tensor.
 std::uint32_t host_copies(Home h, const HomeStoreOptions& options);
 
+// Whether a store of `h` keeping `copies` copies (HomeStoreOptions::pinned_copies) changes a
+// tensor in place: a home kernels address, or one copy of a home that keeps one or two
+// (host_pinned, host_compressed). Such tensors' updates must come after the step's commit point.
+bool changes_in_place(Home h, std::uint32_t copies);
+
 }  // namespace ferry::offload

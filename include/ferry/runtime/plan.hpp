@@ -42,7 +42,7 @@ struct PlanRates {
   // (Adam reads a weight, its gradient and two moments and writes three: 28 bytes a parameter).
   double host_gbps = 0;
   // The same for host updates bound by requantizing their state rather than by memory
-  // (ops::OpInfo::host_update_bound; 8-bit AdamW's: 16 bytes a parameter).
+  // (ops::OpInfo::update_bound; 8-bit AdamW's: 16 bytes a parameter). 0: at host_gbps.
   double host_8bit_gbps = 0;
   // The compressed home's codec on the host's cores: uncompressed bytes packed and unpacked per
   // second, GB/s.
@@ -122,8 +122,8 @@ struct TrainingPlan {
   std::uint64_t device_peak_bytes = 0;    // the largest phase's device total
   // Host bytes (pinned, or pageable: host_memory): the persistent tensors' stores (offload::host_copies() full
   // copies per home) and every variant's host step pool. Excluded: the compressed home's chunks
-  // (not pinned, their size depends on the data) and the second batch mirrors of a step that runs
-  // ahead (the batch once more).
+  // (not pinned, their size depends on the data: host_compressed_bytes bounds them) and the second
+  // batch mirrors of a step that runs ahead (the batch once more).
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
   // The compressed home's chunks (ordinary memory) at their bound, each tensor's at most its
   // uncompressed bytes: one set, and a tensor's new chunks while they are made; with two copies
