@@ -13,7 +13,9 @@
 #            run in the kit's environment: FERRY_DEVICE and the packed libraries' path set)
 #   OUT_DIR  each command's JSON and stderr (default kernels-gpu)
 # KERNELS_GPU_ROW: the tiled row to compare (default the H200 row of ops/tuning/gemm.tsv);
-# KERNELS_GPU_TINY=1: small sizes, a check of the script itself on any device (PoCL included).
+# KERNELS_GPU_TINY=1: small sizes, a check of the script itself on any device (PoCL included);
+# KERNELS_GPU_ONLY: the parts to run, comma-separated (default gemm,tune,attention); KERNELS_GPU_TUNE_S:
+# the search budget of `ferry tune` (120).
 # Prints one line per result; every figure is also in OUT_DIR.
 set -uo pipefail
 
@@ -37,9 +39,11 @@ else
   shapes=("1024,1024,1024" "2048,2048,2048" "256,1024,784 --trans-b" "2048,3072,768 --trans-b" "2048,768,3072"
     "768,3072,2048 --trans-a")
   contexts=256,1024,4096
-  budget=120
+  budget=${KERNELS_GPU_TUNE_S:-120}
 fi
 status=0
+only=${KERNELS_GPU_ONLY:-gemm,tune,attention}
+part() { [[ ,$only, == *,$1,* ]]; }
 
 # field FILE KEY...: the values of KEY in each JSON line of FILE, as "key=value" pairs.
 field() {
@@ -51,10 +55,10 @@ for line in open(sys.argv[1]):
         print(" ".join(f"{k}={j.get(k)}" for k in sys.argv[2:]))' "$@"
 }
 
-echo "== gemm: $row as a tuning row, without SK (tiles halved below a wave) and with SK=1"
+part gemm && echo "== gemm: $row as a tuning row, without SK (tiles halved below a wave) and with SK=1"
 # As a row of the tuning data (FERRY_GEMM_TUNING, tuning off), so the shape fit applies as in training.
 i=0
-for shape in "${shapes[@]}"; do
+part gemm && for shape in "${shapes[@]}"; do
   for sk in "" " SK=1"; do
     f="$out/gemm_${i}${sk:+_sk}.jsonl"
     printf '*\t*\t*\tferry\t%s\t%s\n' "${row%% *}" "${row#* }$sk" >"$out/row${sk:+_sk}.tsv"
@@ -70,18 +74,20 @@ for shape in "${shapes[@]}"; do
   i=$((i + 1))
 done
 
-echo "== tune: ferry tune --mode full"
-if timeout 600 "$bin/ferry" tune --mode full --budget-seconds "$budget" --json >"$out/tune.jsonl" 2>"$out/tune.err"; then
+part tune && echo "== tune: ferry tune --mode full"
+if ! part tune; then
+  :
+elif timeout 600 "$bin/ferry" tune --mode full --budget-seconds "$budget" --json >"$out/tune.jsonl" 2>"$out/tune.err"; then
   field "$out/tune.jsonl" family best seconds
 else
   echo "  failed (see $out/tune.err)"
   status=1
 fi
 
-echo "== attention: each family's default tiles"
+part attention && echo "== attention: each family's default tiles"
 peer=()
 [[ -n ${KERNELS_GPU_PYTHON:-} ]] && peer=(--peer --peer-device cuda --python "$KERNELS_GPU_PYTHON")
-for kernel in "tiled BQ=64 BK=32" "blocked TQ=64 TK=32"; do
+part attention && for kernel in "tiled BQ=64 BK=32" "blocked TQ=64 TK=32"; do
   f="$out/attention_${kernel%% *}.jsonl"
   if timeout 300 "$bin/ferry-bench" attention --contexts "$contexts" --kernel "$kernel" "${peer[@]}" >"$f" \
     2>"$f.err"; then

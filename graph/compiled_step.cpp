@@ -131,9 +131,11 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   }
   const offload::HostMemory pool_memory = host_pool_memory(context, homes.host_memory);
   for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
-    impl_->host_transient.push_back(
-        offload::allocate_host(context, plan_.host_transient_buffers[b], pool_memory,
-                               fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b)));
+    const bool staging = b >= plan_.host_staging_from;  // what the link copies from: pinned always
+    impl_->host_transient.push_back(offload::allocate_host(
+        context, plan_.host_transient_buffers[b], staging ? offload::HostMemory::pinned : pool_memory,
+        staging ? fmt::format("pinned staging buffer {} of the step's transfers", b)
+                : fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b)));
   }
 
   // 3. The batch and the results cross the link through host mirrors (pinned, from the plan's

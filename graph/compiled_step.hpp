@@ -178,9 +178,14 @@ class CompiledStep {
   const Graph& graph() const noexcept { return graph_; }
   const MemoryPlan& plan() const noexcept { return plan_; }
   // Peak device bytes of the step, from the plan: the step arena, plus the weights when resident.
-  std::uint64_t device_bytes() const noexcept { return plan_.transient_bytes + persistent_->device_bytes(); }
+  // (and pinned staging where the driver backs it with device memory, MemoryPlan::peak_bytes).
+  std::uint64_t device_bytes() const noexcept {
+    return plan_.transient_bytes + persistent_->device_bytes() +
+           (plan_.staging_on_device ? plan_.host_staging_bytes : 0);
+  }
   const ResidencyReport& residency() const noexcept { return residency_; }
-  // Pinned host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients).
+  // Host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients; the
+  // host optimizer's gradients; staging).
   std::uint64_t host_step_bytes() const noexcept { return plan_.host_transient_bytes; }
   // After a run that succeeded: whether an optimizer update (on the device or the host) made a
   // weight not finite. Read from one status word the step downloads with its last command, so

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "compiled_step_impl.hpp"
+#include "ferry/offload/host_memory.hpp"
 #include "graph/node_view.hpp"
 
 namespace ferry::graph {
@@ -265,6 +266,10 @@ class HostNode final : public NodeView<ops::HostContext> {
   void unpack_home(std::size_t i, std::byte* dst) const override {
     if (fail_) throw std::runtime_error(fmt::format("injected failure unpacking input {} in the host work", i));
     const TensorId id = graph_.tensors.storage(in_ids()[i]);
+    if (!is_persistent(graph_.tensors.role[id])) {  // a step tensor in host memory (staged host memory)
+      offload::copy_in_parallel(dst, at_(id, false), graph_.tensors.bytes(id));
+      return;
+    }
     store_of(id).unpack(place_of(id), dst, graph_.tensors.bytes(id));
   }
   // Fault::host_throw: reading an operand throws, from inside the op's host function.
@@ -273,6 +278,10 @@ class HostNode final : public NodeView<ops::HostContext> {
   const OptimizerConfig& optimizer() const override { return optimizer_; }
   void pack_home(std::size_t i, const std::byte* src) const override {
     const TensorId id = graph_.tensors.storage(out_ids()[i]);
+    if (!is_persistent(graph_.tensors.role[id])) {
+      offload::copy_in_parallel(at_(id, true), src, graph_.tensors.bytes(id));
+      return;
+    }
     store_of(id).pack(place_of(id), src, graph_.tensors.bytes(id));
   }
 

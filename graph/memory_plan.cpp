@@ -385,7 +385,7 @@ std::vector<std::uint64_t> live_bytes(const Lifetimes& l, const std::vector<Tens
 
 // The plan's buffers and byte totals from the pools' packing.
 void add_buffer_totals(MemoryPlan& plan, const std::vector<BumpPacker>& persistent, const PoolResult& transient,
-                       const PoolResult& host, const MemoryPlanOptions& options) {
+                       const PoolResult& host, const PoolResult& staging, const MemoryPlanOptions& options) {
   for (int h = 0; h < offload::home_count; ++h) {
     plan.persistent_buffers[h] = persistent[h].sizes();
     for (auto b : plan.persistent_buffers[h]) {
@@ -395,7 +395,11 @@ void add_buffer_totals(MemoryPlan& plan, const std::vector<BumpPacker>& persiste
   }
   plan.transient_buffers = transient.sizes;
   plan.host_transient_buffers = host.sizes;
+  plan.host_staging_from = host.sizes.size();
+  plan.host_transient_buffers.insert(plan.host_transient_buffers.end(), staging.sizes.begin(), staging.sizes.end());
   for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
+  for (auto b : staging.sizes) plan.host_staging_bytes += b;
+  plan.staging_on_device = options.staging_on_device;
   for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {
     const bool existing = b < options.existing_transient_buffers.size();
     // A reused buffer occupies its full size on the device whatever part of it this plan uses.
@@ -439,13 +443,15 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
             [&](TensorId a, TensorId b) { return bytes[a] != bytes[b] ? bytes[a] > bytes[b] : a < b; });
 
   std::vector<BumpPacker> persistent(offload::home_count, BumpPacker(options.max_buffer_bytes, options.alignment));
-  PoolTensors transient, host_transient;
+  PoolTensors transient, host_transient, staging;
   for (TensorId id : order) {
     if (plan.pool[id] == Pool::persistent) {
       if (options.plan_persistent) t.placement[id] = persistent[static_cast<int>(t.home[id])].place(bytes[id]);
       continue;
     }
-    PoolTensors& p = plan.pool[id] == Pool::host_transient ? host_transient : transient;
+    PoolTensors& p = plan.pool[id] == Pool::transient ? transient
+                     : t.role[id] == Role::staged     ? staging
+                                                      : host_transient;
     p.ids.push_back(id);
     p.first.push_back(first[id]);
     p.last.push_back(last[id]);
@@ -455,9 +461,15 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   const PoolResult transient_plan =
       plan_pool(transient, n.size(), options.max_buffer_bytes, options.existing_transient_buffers);
   const PoolResult host_plan = plan_pool(host_transient, n.size(), options.max_buffer_bytes, {});
+  const PoolResult staging_plan = plan_pool(staging, n.size(), options.max_buffer_bytes, {});
   for (std::size_t i = 0; i < transient.ids.size(); ++i) t.placement[transient.ids[i]] = transient_plan.placement[i];
   for (std::size_t i = 0; i < host_transient.ids.size(); ++i) {
     t.placement[host_transient.ids[i]] = host_plan.placement[i];
+  }
+  const auto staging_from = static_cast<std::uint32_t>(host_plan.sizes.size());
+  for (std::size_t i = 0; i < staging.ids.size(); ++i) {
+    t.placement[staging.ids[i]] = staging_plan.placement[i];
+    t.placement[staging.ids[i]].buffer += staging_from;
   }
   // Views sit at their base's placement.
   for (TensorId id = 0; id < t.size(); ++id) {
@@ -467,7 +479,7 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     plan.pool[id] = plan.pool[s];
   }
   plan.live_bytes = live_bytes(life, transient.ids, bytes, n.size());
-  add_buffer_totals(plan, persistent, transient_plan, host_plan, options);
+  add_buffer_totals(plan, persistent, transient_plan, host_plan, staging_plan, options);
   return plan;
 }
 

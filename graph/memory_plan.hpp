@@ -18,8 +18,10 @@
 namespace ferry::graph {
 
 // persistent: weights and optimizer state; transient: the step's device arena; host_transient:
-// step-lifetime tensors whose home is the host (TensorTable::home not device): pinned host
-// memory, e.g. weight gradients that mapped mode or the host optimizer keep on the host.
+// step-lifetime tensors whose home is the host (TensorTable::home not device), e.g. weight
+// gradients that mapped mode or the host optimizer keep on the host. Staging tensors (host-side,
+// Role::staged: what staged transfers pass through) are host_transient too, packed into buffers of
+// their own after the others (MemoryPlan::host_staging_from), which are always pinned.
 enum class Pool : std::uint8_t { persistent, transient, host_transient };
 
 struct MemoryPlanOptions {
@@ -29,6 +31,8 @@ struct MemoryPlanOptions {
   // Step buffers that already exist (another variant's, which never runs at the same time): the
   // transient pool is packed into them first, up to their sizes, before any new buffer.
   std::vector<std::uint64_t> existing_transient_buffers;
+  // Pinned staging takes device memory as well (NVIDIA's OpenCL): peak_bytes() counts it.
+  bool staging_on_device = false;
 };
 
 struct MemoryPlan {
@@ -40,6 +44,11 @@ struct MemoryPlan {
   std::uint64_t persistent_bytes = 0;         // all homes
   std::uint64_t persistent_device_bytes = 0;  // the device home's: what the device holds
   std::uint64_t transient_bytes = 0, host_transient_bytes = 0;
+  // host_transient_buffers[host_staging_from..] hold the staging tensors (pinned); their bytes,
+  // counted in host_transient_bytes too.
+  std::size_t host_staging_from = 0;
+  std::uint64_t host_staging_bytes = 0;
+  bool staging_on_device = false;  // MemoryPlanOptions::staging_on_device
   // Transient bytes in buffers beyond the existing ones (what this variant adds to the device).
   std::uint64_t new_transient_bytes = 0;
   // Sum of the transient tensors' sizes: what the step would need without reuse.
@@ -47,8 +56,11 @@ struct MemoryPlan {
   // Bytes of transient tensors live while each node runs (what the memory profiler reports;
   // the arena can be larger by fragmentation).
   std::vector<std::uint64_t> live_bytes;
-  // Device bytes of the step: the device home's persistent tensors and the transient pool.
-  std::uint64_t peak_bytes() const { return persistent_device_bytes + transient_bytes; }
+  // Device bytes of the step: the device home's persistent tensors and the transient pool (and
+  // pinned staging where the driver backs it with device memory).
+  std::uint64_t peak_bytes() const {
+    return persistent_device_bytes + transient_bytes + (staging_on_device ? host_staging_bytes : 0);
+  }
 };
 
 // Assigns tensors.placement for every tensor that nodes touch and returns the pools' sizes.

@@ -23,8 +23,11 @@ void place_updates_early(Graph& g, bool pinned_in_place);
 
 // Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
 // pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
-// `host_unified`, the device copies themselves are the staging.
-void stage_home_transfers(Graph& g, bool host_unified);
+// `host_unified`, the device copies themselves are the staging. With `stage_host_copies` (staged
+// host memory) every other fetch and write-back of host memory of at least `host_copy_min_bytes`
+// goes through staging too.
+void stage_home_transfers(Graph& g, bool host_unified, bool stage_host_copies = false,
+                          std::uint64_t host_copy_min_bytes = 0);
 
 // Rewrites `g` for the chosen mode, plans its memory and returns the plan. For stream mode it
 // searches the largest cache limit whose planned device peak fits the budget. Throws BudgetError

@@ -5,6 +5,7 @@
 #include <hwloc.h>
 #include <hwloc/opencl.h>
 #include <sys/mman.h>
+#include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -94,15 +95,17 @@ const char* host_memory_name(HostMemory m) {
       return "pinned";
     case HostMemory::pageable:
       return "pageable";
+    case HostMemory::staged:
+      return "staged";
   }
   return "?";
 }
 
 HostMemory parse_host_memory(std::string_view s) {
-  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable}) {
+  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged}) {
     if (s == host_memory_name(m)) return m;
   }
-  throw std::invalid_argument(fmt::format("unknown host memory '{}': use auto, pinned or pageable", s));
+  throw std::invalid_argument(fmt::format("unknown host memory '{}': use auto, pinned, pageable or staged", s));
 }
 
 bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory) {
@@ -111,8 +114,22 @@ bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_
 
 HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device) {
   if (m != HostMemory::automatic) return m;
-  return pinned_buffers_take_device_memory(device.facts(), device.host_unified_memory) ? HostMemory::pageable
+  return pinned_buffers_take_device_memory(device.facts(), device.host_unified_memory) ? HostMemory::staged
                                                                                        : HostMemory::pinned;
+}
+
+void copy_in_parallel(void* dst, const void* src, std::size_t bytes) {
+  constexpr std::size_t block = std::size_t{4} << 20;
+  if (bytes <= block) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  auto* d = static_cast<std::byte*>(dst);
+  const auto* s = static_cast<const std::byte*>(src);
+  tbb::parallel_for(std::size_t{0}, (bytes + block - 1) / block, [&](std::size_t i) {
+    const std::size_t at = i * block;
+    std::memcpy(d + at, s + at, std::min(block, bytes - at));
+  });
 }
 
 void detail::Unmap::operator()(void* p) const noexcept {

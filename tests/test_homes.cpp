@@ -147,9 +147,9 @@ TEST(Homes, PinnedKeepsOneCopyUpdatedInPlace) {
                std::invalid_argument);
 }
 
-// Which memory `auto` gives: pageable where the driver backs pinned buffers with device memory too
-// (NVIDIA's OpenCL on a discrete GPU), pinned elsewhere.
-TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
+// Which memory `auto` gives: staged (pageable, copies through pinned staging) where the driver
+// backs pinned buffers with device memory too (NVIDIA's OpenCL on a discrete GPU), pinned elsewhere.
+TEST(HostMemory, AutomaticIsStagedOnlyWherePinnedBuffersTakeDeviceMemory) {
   using offload::HostMemory;
   const cl::DeviceFacts nvidia{"NVIDIA CUDA", "NVIDIA Corporation", "NVIDIA H200", "NVIDIA Corporation",
                                CL_DEVICE_TYPE_GPU};
@@ -161,22 +161,25 @@ TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(nvidia, true));  // an integrated one
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(amd, false));
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(pocl, true));
-  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable}) {
+  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged}) {
     EXPECT_EQ(offload::parse_host_memory(offload::host_memory_name(m)), m);
   }
   try {
     offload::parse_host_memory("locked");
     ADD_FAILURE();
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("use auto, pinned or pageable"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use auto, pinned, pageable or staged"), std::string::npos) << e.what();
   }
   auto& dev = TestDevice::get();
   const HostMemory here = offload::resolve_host_memory(HostMemory::automatic, dev.context.device());
   EXPECT_EQ(here, offload::pinned_buffers_take_device_memory(dev.context.device().facts(),
                                                              dev.context.device().host_unified_memory)
-                      ? HostMemory::pageable
+                      ? HostMemory::staged
                       : HostMemory::pinned);
   EXPECT_EQ(offload::resolve_host_memory(HostMemory::pageable, dev.context.device()), HostMemory::pageable);
+  EXPECT_EQ(offload::resolve_host_memory(HostMemory::staged, dev.context.device()), HostMemory::staged);
+  // Staged memory is pageable where it is allocated: only the step's staging is pinned.
+  EXPECT_FALSE(offload::allocate_host(dev.context, 4096, HostMemory::staged, "a staged block").pinned());
 }
 
 // Pageable blocks: zeroed, writable, no OpenCL buffer; pinned ones have one. The pinned home in

@@ -101,6 +101,16 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
   };
   cases.push_back({"stream at the minimum budget, pageable host memory",
                    pageable(options(graph::ResidencyMode::stream, min_budget, 0))});
+  // Staged host memory (NVIDIA's default): every copy through pinned staging, however small.
+  auto staged = [](TrainerOptions o) {
+    o.residency.homes.host_memory = offload::HostMemory::staged;
+    o.residency.staging_min_bytes = 0;
+    return o;
+  };
+  cases.push_back({"stream at 1.5x the minimum, lookahead 2, staged host memory",
+                   staged(options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2))});
+  cases.push_back({"optimizer state streamed, staged host memory",
+                   staged(homes(graph::ResidencyMode::resident, std::nullopt, graph::Home::host_pinned))});
   if (rt.device().host_unified_memory) {
     cases.push_back({"mapped, pageable host memory asked for", pageable(options(graph::ResidencyMode::mapped, 0))});
     cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
@@ -230,6 +240,37 @@ TEST(Residency, MappedModeKeepsWeightsAndTheirGradientsInHostMemory) {
   EXPECT_GE(compiled_train_step(mapped).host_step_bytes(), resident.weight_bytes());  // the weight gradients
   EXPECT_EQ(mapped.host_state_bytes(), homes + compiled_train_step(mapped).host_step_bytes());
   EXPECT_LT(mapped.device_peak_bytes(), resident.device_peak_bytes() - resident.weight_bytes());
+}
+
+// Staged host memory: each fetch and write-back goes through pinned staging that host-lane nodes
+// fill and drain, and the staging area holds a few transfers, not the state.
+TEST(Residency, StagedHostMemoryCopiesThroughASmallPinnedArea) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  TrainerOptions o = options(graph::ResidencyMode::stream, 1ull << 30);
+  o.residency.homes.host_memory = offload::HostMemory::staged;
+  o.residency.staging_min_bytes = 0;
+  Trainer t(rt, m, o);
+  const auto& r = t.residency();
+  EXPECT_GT(r.fetches, 0u);
+  EXPECT_EQ(r.unpacks, r.fetches);
+  EXPECT_EQ(r.packs, r.write_backs);
+  const graph::MemoryPlan& plan = compiled_train_step(t).plan();
+  std::uint64_t largest = 0;
+  for (const auto& name : t.parameter_names())
+    largest = std::max<std::uint64_t>(largest, t.read_parameter(name).size());
+  largest *= sizeof(float);
+  EXPECT_GT(plan.host_staging_bytes, 0u);
+  // Two fetches' and two write-backs' staging at most (with alignment), far below the state.
+  EXPECT_LE(plan.host_staging_bytes, 4 * (largest + 256));
+  EXPECT_LT(plan.host_staging_bytes, t.weight_bytes() + t.optimizer_state_bytes());
+  EXPECT_EQ(plan.host_transient_buffers.size() - plan.host_staging_from, plan.host_staging_bytes > 0 ? 1u : 0u);
+
+  // Transfers under the threshold copy straight from pageable memory: no staging at all.
+  o.residency.staging_min_bytes = 1ull << 40;
+  Trainer direct(rt, m, o);
+  EXPECT_EQ(direct.residency().unpacks, 0u);
+  EXPECT_EQ(compiled_train_step(direct).plan().host_staging_bytes, 0u);
 }
 
 TEST(Residency, EvaluationOfAStreamedModelSeesTheTrainedWeights) {
@@ -371,6 +412,13 @@ TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
   const RunResult pageable = train(rt, m, pageable_opt, 4);
   EXPECT_EQ(pageable.losses, host.losses);
   for (const auto& [name, values] : host.params) EXPECT_EQ(pageable.params.at(name), values) << name;
+  // Staged (the weights fetched and the gradients written back through pinned staging): the same.
+  TrainerOptions staged_opt = host_opt;
+  staged_opt.residency.homes.host_memory = offload::HostMemory::staged;
+  staged_opt.residency.staging_min_bytes = 0;
+  const RunResult staged = train(rt, m, staged_opt, 4);
+  EXPECT_EQ(staged.losses, host.losses);
+  for (const auto& [name, values] : host.params) EXPECT_EQ(staged.params.at(name), values) << name;
 
   Trainer t(rt, m, host_opt);
   const auto& r = t.residency();

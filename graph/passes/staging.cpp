@@ -1,4 +1,4 @@
-// Staged homes: a tensor living compressed (or dropped) has no host copy a fetch can read or a
+// Staged transfers. A tensor living compressed (or dropped) has no host copy a fetch can read or a
 // write-back can fill, so its transfers go through pinned staging, unpacked and packed on host
 // lanes (TBB workers):
 //
@@ -7,61 +7,156 @@
 // On a device whose memory is the host's, the device copy itself lives in pinned host memory
 // that kernels address, so unpack fills it and pack reads it: no copies at all. A dropped
 // tensor's last value is discarded: its write-back and pack are left out.
+//
+// Staged host memory (offload::HostMemory::staged) routes every other fetch and write-back the
+// same way: the pinned-home tensors and the step's host tensors stay in pageable memory, and
+// unpack and pack are parallel copies into and out of staging, where the link runs at its pinned
+// rate. So that a copy on the host overlaps the link's copy of the tensor before it, two staging
+// tensors are live at once: the next fetch's unpack goes before this fetch (when only device work
+// and fetches lie between them), and a write-back's pack after the next write-back. The memory
+// plan keeps staging in pinned buffers of its own (graph/memory_plan.cpp), so it stays as small as
+// the two largest transfers in flight. Small transfers (ResidencyOptions::staging_min_bytes) copy
+// straight from pageable memory.
 #include <fmt/format.h>
 
+#include <optional>
+
 #include "graph/residency_passes.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
+namespace {
 
-void stage_home_transfers(Graph& g, bool host_unified) {
-  auto& t = g.tensors;
-  auto staged = [&](TensorId host) { return offload::home_traits(t.home[t.storage(host)]).staged; };
-  bool any = false;
-  for (NodeId n = 0; n < g.nodes.size() && !any; ++n) {
-    const OpId op = g.nodes.op[n];
-    if (op == builtin::fetch) any = staged(g.nodes.inputs(n)[0]);
-    if (op == builtin::write_back) any = staged(g.nodes.outputs(n)[0]);
+enum class Staging : std::uint8_t { none, home, host_copy };
+
+class Stager {
+ public:
+  Stager(Graph& g, bool host_unified, bool stage_host_copies, std::uint64_t host_copy_min_bytes)
+      : g_(g),
+        t_(g.tensors),
+        old_(g.nodes),
+        host_unified_(host_unified),
+        stage_host_copies_(stage_host_copies),
+        host_copy_min_bytes_(host_copy_min_bytes) {}
+
+  // The host side of node n's transfer, if it is one that goes through staging.
+  Staging staging_of(NodeId n) const {
+    const OpId op = old_.op[n];
+    if (op != builtin::fetch && op != builtin::write_back) return Staging::none;
+    const TensorId host = t_.storage(op == builtin::fetch ? old_.inputs(n)[0] : old_.outputs(n)[0]);
+    const offload::HomeTraits traits = offload::home_traits(t_.home[host]);
+    if (traits.staged) return Staging::home;
+    // Staged host memory: a pinned-home tensor, or a step tensor in host memory (a gradient the
+    // host optimizer reads), but not staging itself.
+    if (!stage_host_copies_ || t_.role[host] == Role::staged || t_.home[host] == Home::device) return Staging::none;
+    if (is_persistent(t_.role[host]) && t_.home[host] != Home::host_pinned) return Staging::none;
+    return t_.bytes(host) < host_copy_min_bytes_ ? Staging::none : Staging::host_copy;
   }
-  if (!any) return;
-  const NodeTable old = g.nodes;
-  NodeTable out;
-  std::uint32_t count = 0;
-  // A step tensor in pinned host memory (the memory plan's host pool) shaped like `like`.
-  auto staging = [&](TensorId like) {
+
+  void run() {
+    for (NodeId n = 0; n < old_.size(); ++n) {
+      const Staging kind = staging_of(n);
+      const OpId op = old_.op[n];
+      if (!(op == builtin::write_back && kind != Staging::none) && old_.lane[n] != Lane::compute) flush_pack();
+      if (kind == Staging::none) {
+        out_.add_copy(old_, n);
+        continue;
+      }
+      if (op == builtin::fetch) {
+        fetch(n, kind);
+      } else {
+        write_back(n, kind);
+      }
+    }
+    flush_pack();
+    g_.nodes = std::move(out_);
+  }
+
+ private:
+  // A step tensor in pinned host memory (the memory plan's staging) shaped like `like`.
+  TensorId staging(TensorId like) {
     const TensorId s =
-        t.add(fmt::format("{}@staging{}", t.name[like], count++), t.shape[like], t.dtype[like], Role::staged);
-    t.home[s] = Home::host_pinned;
+        t_.add(fmt::format("{}@staging{}", t_.name[like], count_++), t_.shape[like], t_.dtype[like], Role::staged);
+    t_.home[s] = Home::host_pinned;
     return s;
-  };
-  for (NodeId n = 0; n < old.size(); ++n) {
-    const OpId op = old.op[n];
-    if (op == builtin::fetch && staged(old.inputs(n)[0])) {
-      const TensorId host = old.inputs(n)[0], copy = old.outputs(n)[0];
-      if (host_unified) {
-        t.home[copy] = Home::host_pinned;  // kernels read the unpacked bytes where they are
-        out.add(builtin::unpack, "unpack." + t.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::unpack);
-      } else {
-        const TensorId s = staging(host);
-        out.add(builtin::unpack, "unpack." + t.name[host], std::span(&host, 1), std::span(&s, 1), {}, Lane::unpack);
-        out.add(builtin::fetch, old.name[n], std::span(&s, 1), std::span(&copy, 1), {}, Lane::h2d);
-      }
-      continue;
-    }
-    if (op == builtin::write_back && staged(old.outputs(n)[0])) {
-      const TensorId copy = old.inputs(n)[0], host = old.outputs(n)[0];
-      if (!offload::home_traits(t.home[t.storage(host)]).keeps_value) continue;  // dropped
-      if (host_unified) {
-        out.add(builtin::pack, "pack." + t.name[host], std::span(&copy, 1), std::span(&host, 1), {}, Lane::host);
-      } else {
-        const TensorId s = staging(host);
-        out.add(builtin::write_back, old.name[n], std::span(&copy, 1), std::span(&s, 1), {}, Lane::d2h);
-        out.add(builtin::pack, "pack." + t.name[host], std::span(&s, 1), std::span(&host, 1), {}, Lane::host);
-      }
-      continue;
-    }
-    out.add_copy(old, n);
   }
-  g.nodes = std::move(out);
+
+  TensorId unpack(NodeId n) {
+    const TensorId host = old_.inputs(n)[0];
+    const TensorId s = staging(host);
+    out_.add(builtin::unpack, "unpack." + t_.name[host], std::span(&host, 1), std::span(&s, 1), {}, Lane::unpack);
+    return s;
+  }
+
+  void fetch(NodeId n, Staging kind) {
+    const TensorId host = old_.inputs(n)[0], copy = old_.outputs(n)[0];
+    if (kind == Staging::home && host_unified_) {
+      t_.home[copy] = Home::host_pinned;  // kernels read the unpacked bytes where they are
+      out_.add(builtin::unpack, "unpack." + t_.name[host], std::span(&host, 1), std::span(&copy, 1), {}, Lane::unpack);
+      return;
+    }
+    TensorId s = no_tensor;
+    if (hoisted_ && hoisted_->first == n) {
+      s = hoisted_->second;
+    } else {
+      s = unpack(n);
+    }
+    hoisted_.reset();
+    if (kind == Staging::host_copy) hoist_next_unpack(n);
+    out_.add(builtin::fetch, old_.name[n], std::span(&s, 1), std::span(&copy, 1), {}, Lane::h2d);
+  }
+
+  // The next host-copy fetch's unpack, before fetch n, when nothing between them but device work
+  // and other fetches (no node that could write what it reads).
+  void hoist_next_unpack(NodeId n) {
+    for (NodeId m = n + 1; m < old_.size(); ++m) {
+      if (old_.lane[m] != Lane::compute && old_.op[m] != builtin::fetch) return;
+      if (old_.op[m] != builtin::fetch) continue;
+      if (staging_of(m) != Staging::host_copy || ops::FetchAttrs::of(old_.attrs[m]).after_write_back) return;
+      hoisted_.emplace(m, unpack(m));
+      return;
+    }
+  }
+
+  void write_back(NodeId n, Staging kind) {
+    const TensorId copy = old_.inputs(n)[0], host = old_.outputs(n)[0];
+    if (kind == Staging::home && !offload::home_traits(t_.home[t_.storage(host)]).keeps_value) return;  // dropped
+    if (kind == Staging::home && host_unified_) {
+      out_.add(builtin::pack, "pack." + t_.name[host], std::span(&copy, 1), std::span(&host, 1), {}, Lane::host);
+      return;
+    }
+    const TensorId s = staging(host);
+    out_.add(builtin::write_back, old_.name[n], std::span(&copy, 1), std::span(&s, 1), {}, Lane::d2h);
+    flush_pack();  // the previous one, which this write-back's copy overlaps
+    pending_pack_.emplace(s, host);
+    if (kind == Staging::home) flush_pack();  // compressing: no second staging tensor to hold
+  }
+
+  void flush_pack() {
+    if (!pending_pack_) return;
+    const auto [s, host] = *pending_pack_;
+    out_.add(builtin::pack, "pack." + t_.name[host], std::span(&s, 1), std::span(&host, 1), {}, Lane::host);
+    pending_pack_.reset();
+  }
+
+  Graph& g_;
+  TensorTable& t_;
+  const NodeTable old_;
+  NodeTable out_;
+  bool host_unified_, stage_host_copies_;
+  std::uint64_t host_copy_min_bytes_;
+  std::uint32_t count_ = 0;
+  std::optional<std::pair<NodeId, TensorId>> hoisted_;         // (fetch node, its staging) unpacked early
+  std::optional<std::pair<TensorId, TensorId>> pending_pack_;  // (staging, host tensor)
+};
+
+}  // namespace
+
+void stage_home_transfers(Graph& g, bool host_unified, bool stage_host_copies, std::uint64_t host_copy_min_bytes) {
+  Stager stager(g, host_unified, stage_host_copies, host_copy_min_bytes);
+  bool any = false;
+  for (NodeId n = 0; n < g.nodes.size() && !any; ++n) any = stager.staging_of(n) != Staging::none;
+  if (any) stager.run();
 }
 
 }  // namespace ferry::graph

@@ -4,7 +4,8 @@
 // directly. Pinned keeps one copy that a step's write-backs update in place after its commit point
 // (host memory equals the state), or two (HomeStoreOptions::pinned_copies) so that updates written
 // by host-lane nodes, which run before the step is known good, become current only when it
-// succeeds.
+// succeeds. With staged host memory a step's copies go through pinned staging, filled and drained
+// here (unpack, pack) on all cores.
 //
 // With two, which copy is current is kept per tensor: a step flips only the tensors it wrote
 // (asked for their next copy), so a step that writes some tensors and not others (a Predict step
@@ -67,6 +68,19 @@ class HostStore final : public HomeStore {
     const std::lock_guard lock(mutex_);
     written_.clear();
   }
+  // Staged copies (HostMemory::staged): the value as the step sees it (what it wrote earlier in
+  // this step, with two copies) into pinned staging, and the written-back value from there.
+  void unpack(const HomePlace& p, void* dst, std::size_t n) const override {
+    const std::byte* src = at(0, p);
+    if (two()) {
+      const std::lock_guard lock(mutex_);
+      const auto it = slot_.find(key(p));
+      const int now = it == slot_.end() ? 0 : it->second;
+      src = at(written_.contains(key(p)) ? 1 - now : now, p);
+    }
+    copy_in_parallel(dst, src, n);
+  }
+  void pack(const HomePlace& p, const void* src, std::size_t n) override { copy_in_parallel(next(p), src, n); }
   void write(const HomePlace& p, const void* src, std::size_t n) override {
     for (int c = 0; c < (two() ? 2 : 1); ++c) std::memcpy(at(c, p), src, n);
   }

@@ -231,6 +231,7 @@ void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::T
             {"weights_home", ferry::offload::home_name(trainer.weights_home())},
             {"state_home", ferry::offload::home_name(trainer.state_home())},
             {"host_staging_bytes", compiled_train_step(trainer).host_step_bytes()},
+            {"pinned_staging_bytes", compiled_train_step(trainer).plan().host_staging_bytes},
             {"unpacks_per_step", trainer.residency().unpacks},
             {"packs_per_step", trainer.residency().packs},
             {"fetch_bytes_per_step", trainer.residency().fetch_bytes},
@@ -406,9 +407,10 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
 void add_residency_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--host-memory", t.host_memory,
                   "Memory of the streamed homes and the step's host buffers: pinned (DMA copies), pageable (no "
-                  "device memory; the driver stages copies), or auto: pageable on NVIDIA, whose pinned buffers "
-                  "take device memory too, pinned elsewhere")
-      ->check(CLI::IsMember({"auto", "pinned", "pageable"}))
+                  "device memory; the driver stages copies), staged (pageable, copies through a small pinned "
+                  "staging area filled on all cores), or auto: staged on NVIDIA, whose pinned buffers take "
+                  "device memory too, pinned elsewhere")
+      ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged"}))
       ->capture_default_str();
   app->add_option("--residency", t.residency,
                   "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "

@@ -39,6 +39,7 @@ nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
           {"activations_bytes", b.activations},
           {"scratch_bytes", b.scratch},
           {"streamed_copies_bytes", b.streamed_copies},
+          {"pinned_staging_bytes", b.pinned_staging},
           {"step_arena_bytes", b.step_arena},
           {"total_bytes", b.total}};
 }
@@ -164,6 +165,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["host_store_bytes"] = p->host_store_bytes;
     j["host_compressed_bytes"] = p->host_compressed_bytes;
     j["host_step_bytes"] = p->host_step_bytes;
+    j["pinned_staging_bytes"] = t.pinned_staging_bytes;
     j["fetch_bytes"] = t.fetch_bytes;
     j["write_back_bytes"] = t.write_back_bytes;
     j["batch_bytes"] = t.batch_bytes;
@@ -183,12 +185,30 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["predicted_step_ms"] = p->predicted_step_ms;
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
-    for (const char* k :
-         {"residency",       "device_peak_bytes", "host_bytes",       "host_store_bytes",  "host_compressed_bytes",
-          "host_step_bytes", "fetch_bytes",       "write_back_bytes", "batch_bytes",       "moved_bytes",
-          "flops",           "gemm_flops",        "memory_bytes",     "compute_ms",        "forward_ms",
-          "transfer_ms",     "launches",          "launch_ms",        "host_update_bytes", "host_update_ms",
-          "codec_bytes",     "codec_ms",          "predicted_step_ms"}) {
+    for (const char* k : {"residency",
+                          "device_peak_bytes",
+                          "host_bytes",
+                          "host_store_bytes",
+                          "host_compressed_bytes",
+                          "host_step_bytes",
+                          "pinned_staging_bytes",
+                          "fetch_bytes",
+                          "write_back_bytes",
+                          "batch_bytes",
+                          "moved_bytes",
+                          "flops",
+                          "gemm_flops",
+                          "memory_bytes",
+                          "compute_ms",
+                          "forward_ms",
+                          "transfer_ms",
+                          "launches",
+                          "launch_ms",
+                          "host_update_bytes",
+                          "host_update_ms",
+                          "codec_bytes",
+                          "codec_ms",
+                          "predicted_step_ms"}) {
       j[k] = nullptr;
     }
     j["error"] = configured.error;

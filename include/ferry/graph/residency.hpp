@@ -50,6 +50,10 @@ struct ResidencyOptions {
   // into pinned memory the kernels read (no fetch or write-back copies). false: stage and copy as
   // on a discrete device (for tests and measurements).
   bool zero_copy_staging = true;
+  // Staged host memory (offload::HostMemory::staged): transfers smaller than this copy straight
+  // from pageable memory, where the two hand-offs between host and device a staged copy takes
+  // would cost more than the pinned rate saves (biases, LayerNorm gains). 0: stage every one.
+  std::uint64_t staging_min_bytes = 1u << 20;
 };
 
 struct ResidencyReport {

@@ -3,7 +3,8 @@
 // home per role; a home store owns the memory of all tensors living there.
 //
 //   device           device buffers; kernels use them in place.
-//   host_pinned      host memory (pinned, or pageable: HomeStoreOptions::host_memory), one copy
+//   host_pinned      host memory (pinned, or pageable: HomeStoreOptions::host_memory; staged
+//                    memory is pageable with copies through pinned staging), one copy
 //   (HomeStoreOptions::pinned_copies): a step fetches
 //                    from it and writes updated tensors back in place, after its commit point (the
 //                    overflow guard's last check), as the device home is updated. With two copies
@@ -70,9 +71,9 @@ struct HomeStoreOptions {
   // home follows it: with 1 a pack replaces a tensor's chunks at once (after the commit point),
   // with 2 the new chunks become current at commit.
   std::uint32_t pinned_copies = 1;
-  // The memory of the host_pinned home (and of a step's host buffers): pinned, or pageable where
-  // the driver's pinned buffers would take device memory too (host_memory.hpp). host_mapped is
-  // always pinned: kernels address it.
+  // The memory of the host_pinned home (and of a step's host buffers): pinned, pageable, or
+  // staged (pageable, copies through pinned staging: `automatic` where the driver's pinned buffers
+  // would take device memory too; host_memory.hpp). host_mapped is always pinned: kernels address it.
   HostMemory host_memory = HostMemory::automatic;
 };
 

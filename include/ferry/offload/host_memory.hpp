@@ -6,7 +6,11 @@
 // (measured on an H200) a 1B model streamed under an 8 GiB budget had 22.3 GiB of device memory in
 // use, a 6.4B one under 24 GiB 82.7 GB, so pinned homes defeat the device budget there. Pageable
 // memory (anonymous pages, NUMA-bound like pinned memory) takes no device memory; the driver stages
-// its copies through its own pinned buffers.
+// its copies through its own pinned buffers, which on that driver ran at 7.5-9.5 GB/s (H200), a
+// quarter of the link. Staged memory keeps the homes and the step's host tensors pageable and moves
+// every copy through a bounded pinned staging area of the step's memory plan, filled and drained by
+// host-lane nodes on all cores (graph/passes/staging.cpp); that area is counted in the device budget
+// where pinned buffers take device memory.
 #pragma once
 
 #include <cstdint>
@@ -20,19 +24,24 @@
 namespace ferry::offload {
 
 enum class HostMemory : std::uint8_t {
-  automatic,  // pageable where pinned buffers take device memory too, else pinned
+  automatic,  // staged where pinned buffers take device memory too, else pinned
   pinned,
   pageable,
+  staged,  // pageable, with copies through pinned staging
 };
-const char* host_memory_name(HostMemory m);  // "auto", "pinned", "pageable"
+const char* host_memory_name(HostMemory m);  // "auto", "pinned", "pageable", "staged"
 // Throws std::invalid_argument naming the valid values.
 HostMemory parse_host_memory(std::string_view s);
 
 // Whether the driver backs each pinned host buffer with device memory as well (NVIDIA's OpenCL
 // platform on a discrete GPU).
 bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory);
-// `automatic` made concrete for `device`; pinned and pageable are returned as given.
+// `automatic` made concrete for `device`; the others are returned as given.
 HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device);
+
+// Copies `bytes` from `src` to `dst` (not overlapping) on the calling thread and TBB's workers, in
+// blocks of a few MiB: one core's memcpy does not keep up with the link.
+void copy_in_parallel(void* dst, const void* src, std::size_t bytes);
 
 namespace detail {
 // Returns anonymous pages to the system (HostBuffer::pageable).
@@ -62,8 +71,8 @@ class HostBuffer {
   std::unique_ptr<void, detail::Unmap> pages_;
 };
 
-// Allocates `bytes` of host memory of kind `memory` (pinned or pageable; automatic is resolved
-// for the context's device) bound near the device as allocate_pinned_host does. Throws
+// Allocates `bytes` of host memory of kind `memory` (pinned, or pageable for pageable and staged;
+// automatic is resolved for the context's device) bound near the device as allocate_pinned_host does. Throws
 // std::runtime_error naming `what` and the size when it cannot.
 HostBuffer allocate_host(const cl::Context& context, std::size_t bytes, HostMemory memory, std::string_view what,
                          HostPlacement* placement = nullptr);

@@ -24,8 +24,10 @@ struct DeviceBreakdown {
   std::uint64_t activations = 0;      // forward results, the batch, loss statistics
   std::uint64_t scratch = 0;          // op temporaries (im2col columns, packed GEMM panels)
   std::uint64_t streamed_copies = 0;  // device copies of host-homed weights and state
-  std::uint64_t step_arena = 0;       // the step buffers as allocated (>= the live bytes: fragmentation)
-  std::uint64_t total = 0;            // what the variant needs on the device: persistent + step arena
+  // Pinned staging of staged host memory where the driver backs it with device memory (NVIDIA).
+  std::uint64_t pinned_staging = 0;
+  std::uint64_t step_arena = 0;  // the step buffers as allocated (>= the live bytes: fragmentation)
+  std::uint64_t total = 0;       // what the variant needs on the device: persistent + step arena + pinned staging
 };
 
 // The rates a step-time prediction uses. 0: unknown (that term is left out).
@@ -56,7 +58,8 @@ struct PlanRates {
 // The rates measured on the runtime's device, quickly (well under a second each on a CPU device,
 // a GEMM kernel build aside, which the program cache keeps): the link as the best of three
 // 64 MiB copies to the device from host memory of the kind streamed homes will use (`memory`,
-// resolved for the device), after one that warms up; the GEMM rate as the best of three
+// resolved for the device; pinned for staged memory, whose copies leave from pinned staging), after
+// one that warms up; the GEMM rate as the best of three
 // 1024 x 1024 x 1024 f32 products of ops::gemm (after one that builds it).
 double measure_link_gbps(Runtime& runtime, offload::HostMemory memory = offload::HostMemory::automatic);
 double measure_gemm_gflops(Runtime& runtime);
@@ -82,7 +85,8 @@ double measure_launch_us(Runtime& runtime);
 struct PhasePlan {
   std::string name;  // "full" ("warmup/full/correct" with hybrid phases), "predict", "micro-batch", "full (no fit)"
   DeviceBreakdown device;
-  std::uint64_t host_step_bytes = 0;  // the plan's pinned host pool of step tensors (batch mirrors, staging)
+  std::uint64_t host_step_bytes = 0;       // the plan's host pool of step tensors (batch mirrors, gradients, staging)
+  std::uint64_t pinned_staging_bytes = 0;  // of which the pinned staging of staged transfers
   std::uint64_t fetch_bytes = 0, write_back_bytes = 0;  // persistent tensors over the link, per step
   std::uint64_t batch_bytes = 0;                        // the batch up and the results down, per step
   // Floating-point operations per step: 2 M N K for every GEMM-like node (linear, matmul,
@@ -120,16 +124,16 @@ struct TrainingPlan {
   std::uint64_t min_budget_bytes = 0;     // the training step's smallest (stream mode)
   std::vector<PhasePlan> phases;          // the training step first
   std::uint64_t device_peak_bytes = 0;    // the largest phase's device total
-  // Host bytes (pinned, or pageable: host_memory): the persistent tensors' stores (offload::host_copies() full
-  // copies per home) and every variant's host step pool. Excluded: the compressed home's chunks
-  // (not pinned, their size depends on the data: host_compressed_bytes bounds them) and the second
-  // batch mirrors of a step that runs ahead (the batch once more).
+  // Host bytes (pinned, or pageable for pageable and staged memory but the staging: host_memory): the persistent
+  // tensors' stores (offload::host_copies() full copies per home) and every variant's host step pool. Excluded: the
+  // compressed home's chunks (not pinned, their size depends on the data: host_compressed_bytes bounds them) and the
+  // second batch mirrors of a step that runs ahead (the batch once more).
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
   // The compressed home's chunks (ordinary memory) at their bound, each tensor's at most its
   // uncompressed bytes: one set, and a tensor's new chunks while they are made; with two copies
   // (hybrid phases), two sets, since the new chunks replace the current ones only at commit.
   std::uint64_t host_compressed_bytes = 0;
-  // The memory of the streamed homes and the step pools on this device (pinned or pageable).
+  // The memory of the streamed homes and the step pools on this device (pinned, pageable, staged).
   offload::HostMemory host_memory = offload::HostMemory::pinned;
   PlanRates rates;
   double predicted_step_ms = 0;  // the training step's (phases[0])

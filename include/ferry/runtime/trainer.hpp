@@ -202,8 +202,9 @@ class Trainer {
   // What the residency pass chose for the training step: the mode, the copies per step.
   const graph::ResidencyReport& residency() const;
   // The kind of memory of the host_pinned home and the step's host pool on this device: pinned,
-  // or pageable where the driver's pinned buffers take device memory too
-  // (ResidencyOptions::homes.host_memory, ferry/offload/host_memory.hpp).
+  // pageable, or staged (pageable, copies through pinned staging: the default where the driver's
+  // pinned buffers take device memory too; ResidencyOptions::homes.host_memory,
+  // ferry/offload/host_memory.hpp).
   offload::HostMemory host_memory() const;
   // Where the weights, and the optimizer state, live between steps (each role has one home:
   // device, host_pinned, host_mapped, host_compressed, ...; ferry/offload/home.hpp).

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# gpu_session.sh: one device call of a GPU lease, from the project root on the GPU machine with the
+# kit (`bash ../shared/gpu/pack.sh`) in .gpu/: the kit's environment, then the named parts in order,
+# each bounded by what is left of the call's budget, so a slow part skips the ones after it rather
+# than losing the call. Everything lands in $OUT/session.tgz (one file: the device tool brings back
+# at most eight).
+#
+# usage: bash bench/gpu_session.sh PART...
+#   kit        .gpu/run.sh quick restricted to $GPU_SESSION_KIT_STEPS (tests of the GPU kernels, GEMM
+#              beside cuBLAS, the MLP and GPT steps beside PyTorch-CUDA); always run first, since it
+#              unpacks the kit and finds the driver (with no steps if not named)
+#   cublas     cuBLAS (PyTorch, TF32 off) on the GEMM products bench/kernels_gpu.sh compares
+#   gemm       bench/kernels_gpu.sh's GEMM part (the H200 row with and without K split)
+#   attention  bench/kernels_gpu.sh's attention part, beside SDPA on CUDA
+#   tune       bench/kernels_gpu.sh's tuner part (KERNELS_GPU_TUNE_S, 60 here)
+#   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-stream: its two streamed ones; scale7b: its
+#              7B host-optimizer run
+#   attention-tuned  `ferry tune --family attention` (40 s), then `ferry-bench attention` with the
+#              tuned kernel beside SDPA
+# GPU_SESSION_BUDGET_S: seconds for the whole call (540).
+set -uo pipefail
+
+deadline=$((SECONDS + ${GPU_SESSION_BUDGET_S:-540}))
+root=$PWD
+OUT=${OUT:-$root/gpu-session}
+res=$OUT/session
+mkdir -p "$res"
+kit=$root/.gpu
+[[ -f $kit/run.sh ]] || {
+  echo "gpu_session.sh: no kit in .gpu/ (bash ../shared/gpu/pack.sh here first)" >&2
+  exit 2
+}
+
+left() { echo $((deadline - SECONDS)); }
+# part NAME MAX_SECONDS CMD...: CMD under the smaller of MAX_SECONDS and what is left.
+part() {
+  local name=$1 max=$2 l t
+  shift 2
+  l=$(($(left) - 15))
+  t=$((max < l ? max : l))
+  if ((t < 20)); then
+    echo "== $name: skipped, ${l}s left"
+    return
+  fi
+  echo "== $name (limit ${t}s, at ${SECONDS}s)"
+  timeout -k 5 "$t" "$@" >"$res/$name.out" 2>"$res/$name.err"
+  echo "   rc=$? after $((SECONDS))s"
+  tail -n 40 "$res/$name.out"
+}
+
+steps=${GPU_SESSION_KIT_STEPS:-none}
+# The kit first: it unpacks bin/ and lib/ and writes the ICD file the other parts use.
+FERRY_GPU_KEEP=1 FERRY_GPU_ONLY=$steps FERRY_GPU_BUDGET_S=$(($(left) - 20)) FERRY_GPU_TEST_BUDGET_S=100 \
+  OUT=$res/kit timeout -k 5 $(($(left) - 10)) bash "$kit/run.sh" quick >"$res/kit.out" 2>&1
+echo "== kit: rc=$? after ${SECONDS}s"
+grep -v '^\[' "$res/kit.out" | tail -n 60
+grep '^\[' "$res/kit.out" | tail -n 40
+
+icd=$(cat "$kit/icd/ferry-gpu.icd" 2>/dev/null) || {
+  echo "gpu_session.sh: the kit found no OpenCL driver" >&2
+  tar czf "$OUT/session.tgz" -C "$res" .
+  exit 3
+}
+export OCL_ICD_VENDORS=$kit/icd LD_LIBRARY_PATH=$kit/lib:$(dirname "$icd") FERRY_DEVICE=${GPU_SESSION_DEVICE:-nvidia}
+export FERRY_DATA_DIR=$kit/data FERRY_TEXT_DIR=$kit/text FERRY_CACHE_DIR=$kit/work/program-cache
+python_peer=$kit/work/python-peer
+free -g | head -n 2
+
+for p in "$@"; do
+  case $p in
+    kit) ;;
+    cublas)
+      part cublas 90 "$python_peer" bench/peers/torch_gemm.py --device cuda --shapes 1024,1024,1024 2048,2048,2048 \
+        256,1024,784,nt 2048,3072,768,nt 2048,768,3072 768,3072,2048,tn ;;
+    gemm) part gemm 150 env KERNELS_GPU_ONLY=gemm bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
+    attention)
+      part attention 150 env KERNELS_GPU_ONLY=attention KERNELS_GPU_PYTHON="$python_peer" \
+        bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
+    tune)
+      part tune 150 env KERNELS_GPU_ONLY=tune KERNELS_GPU_TUNE_S=60 bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
+    scale1b) part scale1b 330 env SCALE_GPU_ONLY=1b SCALE_GPU_LIMIT_S=110 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
+    scale1b-stream)
+      part scale1b-stream 240 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_LIMIT_S=110 bash bench/scale_gpu.sh "$kit/bin/ferry" \
+        "$res/scale" ;;
+    attention-tuned)
+      part attention-tune 90 "$kit/bin/ferry" tune --family attention --mode full --budget-seconds 40 --json
+      part attention-tuned 90 "$kit/bin/ferry-bench" attention --contexts 1024,4096 --peer --peer-device cuda \
+        --python "$python_peer" ;;
+    scale7b) part scale7b 600 env SCALE_GPU_ONLY=7b SCALE_GPU_LIMIT_S=$(($(left) - 40)) bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
+    *) echo "gpu_session.sh: unknown part '$p'" >&2 ;;
+  esac
+done
+tar czf "$OUT/session.tgz" -C "$res" .
+echo "== done at ${SECONDS}s"
