@@ -512,7 +512,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--link-bytes", o->link_bytes, "size of the link-peak copies")->capture_default_str();
   sub.add_flag("!--no-mapped", o->mapped, "skip the mapped (zero-copy) variant");
   sub.add_option("--host-memory", o->host_memory,
-                 "memory of the streamed homes and the link-peak buffer: auto (staged on NVIDIA), pinned, pageable, "
+                 "memory of the streamed homes and the link-peak buffer: auto (pageable on NVIDIA), pinned, pageable, "
                  "staged (the link peak from pinned memory)")
       ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged"}))
       ->capture_default_str();

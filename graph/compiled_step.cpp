@@ -158,8 +158,17 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   // 4. The form the step runs in (see the header), and for a step that can run ahead the batch
   // mirrors of the other slots: one pinned buffer per mirror, since the plan's host pool may hold
   // far larger tensors (mapped mode's weight gradients) that need no second copy.
+  // A step whose fetches read pageable memory does not run ahead: NVIDIA's driver read a pageable
+  // source when the copy was enqueued, which for the next step would be before this one's
+  // write-backs had landed (graph/passes/staging.cpp stages such fetches within a step).
+  const bool pageable_fetches =
+      pool_memory != offload::HostMemory::pinned &&
+      offload::resolve_host_memory(homes.host_memory, context.device()) != offload::HostMemory::pinned;
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) impl_->one_pass = false;
+    if (pageable_fetches && n.op[id] == builtin::fetch && t.role[t.storage(n.inputs(id)[0])] != Role::staged) {
+      impl_->fetches_pageable = true;
+    }
     const bool writes_state_on_host =
         n.lane[id] == Lane::host ||
         (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent &&

@@ -122,7 +122,8 @@ struct CompiledStep::Impl {
   TensorId guard = no_tensor;  // the host mirror of what the updates check, if not the loss
   bool bound = true;           // kernels bound: the step can run
   bool serial = false;
-  bool one_pass = true;  // no host-lane node: the one-pass form
+  bool one_pass = true;           // no host-lane node: the one-pass form
+  bool fetches_pageable = false;  // a fetch copies from pageable memory: the step does not run ahead
   OptimizerConfig optimizer;
   bool commits_other_slot = false;  // the step writes the next state into the other host slot
 

@@ -713,8 +713,8 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
   move_weight_narrowing_to_host(base);
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
     Graph s = stream_graph(base, cache, lookahead);
-    stage_home_transfers(s, host_unified && options.zero_copy_staging,
-                         options.homes.host_memory == offload::HostMemory::staged, options.staging_min_bytes);
+    stage_home_transfers(s, host_unified && options.zero_copy_staging, host_copies_for(options.homes.host_memory),
+                         options.staging_min_bytes);
     count_transfers(s, r);
     MemoryPlan p = plan_memory(s, mopt);
     r.cache_limit_bytes = cache;

@@ -23,10 +23,12 @@ void place_updates_early(Graph& g, bool pinned_in_place);
 
 // Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
 // pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
-// `host_unified`, the device copies themselves are the staging. With `stage_host_copies` (staged
-// host memory) every other fetch and write-back of host memory of at least `host_copy_min_bytes`
-// goes through staging too.
-void stage_home_transfers(Graph& g, bool host_unified, bool stage_host_copies = false,
+// `host_unified`, the device copies themselves are the staging. Host copies of pageable memory:
+// `written`, the fetches of what the step wrote go through staging too; `staged`, also every other
+// fetch and write-back of at least `host_copy_min_bytes`.
+enum class HostCopies : std::uint8_t { none, written, staged };
+HostCopies host_copies_for(offload::HostMemory resolved);
+void stage_home_transfers(Graph& g, bool host_unified, HostCopies host_copies = HostCopies::none,
                           std::uint64_t host_copy_min_bytes = 0);
 
 // Rewrites `g` for the chosen mode, plans its memory and returns the plan. For stream mode it

@@ -46,8 +46,7 @@ StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, cons
   if (shared) ropt.mode = shared->mode;  // a variant lives where the model's weights live
   ropt.homes.host_memory = offload::resolve_host_memory(ropt.homes.host_memory, device);
   // Pinned staging takes device memory where every pinned buffer does: the budget counts it.
-  mopt.staging_on_device = ropt.homes.host_memory == offload::HostMemory::staged &&
-                           offload::pinned_buffers_take_device_memory(device.facts(), device.host_unified_memory);
+  mopt.staging_on_device = offload::pinned_buffers_take_device_memory(device.facts(), device.host_unified_memory);
   out.memory = plan_residency(g, ropt, device.host_unified_memory, mopt, out.residency);
   done("residency and memory plan");
   return out;

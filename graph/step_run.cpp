@@ -57,7 +57,7 @@ std::size_t CompiledStep::in_flight() const noexcept {
 }
 
 bool CompiledStep::can_run_ahead() const noexcept {
-  return impl_->one_pass && !impl_->commits_other_slot;
+  return impl_->one_pass && !impl_->commits_other_slot && !impl_->fetches_pageable;
 }
 
 std::uint64_t CompiledStep::host_waits() const noexcept {

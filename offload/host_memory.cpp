@@ -114,7 +114,7 @@ bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_
 
 HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device) {
   if (m != HostMemory::automatic) return m;
-  return pinned_buffers_take_device_memory(device.facts(), device.host_unified_memory) ? HostMemory::staged
+  return pinned_buffers_take_device_memory(device.facts(), device.host_unified_memory) ? HostMemory::pageable
                                                                                        : HostMemory::pinned;
 }
 

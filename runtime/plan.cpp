@@ -122,8 +122,12 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       continue;
     }
     if (g.nodes.op[n] == graph::builtin::unpack || g.nodes.op[n] == graph::builtin::pack) {
-      const auto raw = g.nodes.op[n] == graph::builtin::unpack ? g.nodes.outputs(n) : g.nodes.inputs(n);
-      for (TensorId x : raw) p.codec_bytes += g.tensors.bytes(x);
+      const bool unpack = g.nodes.op[n] == graph::builtin::unpack;
+      // The codec's work for compressed (and dropped) homes; a copy of pageable memory through
+      // staging runs on all cores beside the link and is left out.
+      const TensorId home = g.tensors.storage(unpack ? g.nodes.inputs(n)[0] : g.nodes.outputs(n)[0]);
+      if (!offload::home_traits(g.tensors.home[home]).staged) continue;
+      for (TensorId x : unpack ? g.nodes.outputs(n) : g.nodes.inputs(n)) p.codec_bytes += g.tensors.bytes(x);
       continue;
     }
     if (g.nodes.lane[n] == ops::Lane::host && row.op_class == ops::OpClass::update) {

@@ -147,9 +147,9 @@ TEST(Homes, PinnedKeepsOneCopyUpdatedInPlace) {
                std::invalid_argument);
 }
 
-// Which memory `auto` gives: staged (pageable, copies through pinned staging) where the driver
-// backs pinned buffers with device memory too (NVIDIA's OpenCL on a discrete GPU), pinned elsewhere.
-TEST(HostMemory, AutomaticIsStagedOnlyWherePinnedBuffersTakeDeviceMemory) {
+// Which memory `auto` gives: pageable where the driver backs pinned buffers with device memory too
+// (NVIDIA's OpenCL on a discrete GPU), pinned elsewhere.
+TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
   using offload::HostMemory;
   const cl::DeviceFacts nvidia{"NVIDIA CUDA", "NVIDIA Corporation", "NVIDIA H200", "NVIDIA Corporation",
                                CL_DEVICE_TYPE_GPU};
@@ -174,7 +174,7 @@ TEST(HostMemory, AutomaticIsStagedOnlyWherePinnedBuffersTakeDeviceMemory) {
   const HostMemory here = offload::resolve_host_memory(HostMemory::automatic, dev.context.device());
   EXPECT_EQ(here, offload::pinned_buffers_take_device_memory(dev.context.device().facts(),
                                                              dev.context.device().host_unified_memory)
-                      ? HostMemory::staged
+                      ? HostMemory::pageable
                       : HostMemory::pinned);
   EXPECT_EQ(offload::resolve_host_memory(HostMemory::pageable, dev.context.device()), HostMemory::pageable);
   EXPECT_EQ(offload::resolve_host_memory(HostMemory::staged, dev.context.device()), HostMemory::staged);

@@ -8,15 +8,17 @@
 // that kernels address, so unpack fills it and pack reads it: no copies at all. A dropped
 // tensor's last value is discarded: its write-back and pack are left out.
 //
-// Staged host memory (offload::HostMemory::staged) routes every other fetch and write-back the
-// same way: the pinned-home tensors and the step's host tensors stay in pageable memory, and
-// unpack and pack are parallel copies into and out of staging, where the link runs at its pinned
-// rate. So that a copy on the host overlaps the link's copy of the tensor before it, two staging
-// tensors are live at once: the next fetch's unpack goes before this fetch (when only device work
-// and fetches lie between them), and a write-back's pack after the next write-back. The memory
-// plan keeps staging in pinned buffers of its own (graph/memory_plan.cpp), so it stays as small as
-// the two largest transfers in flight. Small transfers (ResidencyOptions::staging_min_bytes) copy
-// straight from pageable memory.
+// Pageable host memory stages the fetches of what the step itself wrote to host memory (a tensor
+// written back and fetched again, a spilled gradient): NVIDIA's driver read pageable memory when
+// such a copy was enqueued rather than when the write it waited for had finished. Staged host
+// memory (offload::HostMemory::staged) routes every other fetch and write-back the same way: the
+// pinned-home tensors and the step's host tensors stay in pageable memory, and unpack and pack are
+// parallel copies into and out of staging, where the link runs at its pinned rate. So that a copy on the host overlaps
+// the link's copy of the tensor before it, two staging tensors are live at once: the next fetch's unpack goes before
+// this fetch (when only device work and fetches lie between them), and a write-back's pack after the next write-back.
+// The memory plan keeps staging in pinned buffers of its own (graph/memory_plan.cpp), so it stays as small as the two
+// largest transfers in flight. Small transfers (ResidencyOptions::staging_min_bytes) copy straight from pageable
+// memory.
 #include <fmt/format.h>
 
 #include <optional>
@@ -31,12 +33,12 @@ enum class Staging : std::uint8_t { none, home, host_copy };
 
 class Stager {
  public:
-  Stager(Graph& g, bool host_unified, bool stage_host_copies, std::uint64_t host_copy_min_bytes)
+  Stager(Graph& g, bool host_unified, HostCopies policy, std::uint64_t host_copy_min_bytes)
       : g_(g),
         t_(g.tensors),
         old_(g.nodes),
         host_unified_(host_unified),
-        stage_host_copies_(stage_host_copies),
+        policy_(policy),
         host_copy_min_bytes_(host_copy_min_bytes) {}
 
   // The host side of node n's transfer, if it is one that goes through staging.
@@ -46,11 +48,19 @@ class Stager {
     const TensorId host = t_.storage(op == builtin::fetch ? old_.inputs(n)[0] : old_.outputs(n)[0]);
     const offload::HomeTraits traits = offload::home_traits(t_.home[host]);
     if (traits.staged) return Staging::home;
-    // Staged host memory: a pinned-home tensor, or a step tensor in host memory (a gradient the
-    // host optimizer reads), but not staging itself.
-    if (!stage_host_copies_ || t_.role[host] == Role::staged || t_.home[host] == Home::device) return Staging::none;
+    // Pageable host memory: a pinned-home tensor, or a step tensor in host memory (a gradient the
+    // host optimizer reads, one spilled to be fetched back), but not staging itself.
+    if (policy_ == HostCopies::none || t_.role[host] == Role::staged || t_.home[host] == Home::device) {
+      return Staging::none;
+    }
     if (is_persistent(t_.role[host]) && t_.home[host] != Home::host_pinned) return Staging::none;
-    return t_.bytes(host) < host_copy_min_bytes_ ? Staging::none : Staging::host_copy;
+    // A fetch of what this step wrote (a tensor written back and fetched again, a spilled
+    // gradient) always: NVIDIA's driver read pageable memory when such a copy was enqueued, not
+    // when the write it waits for had finished (test_residency failed there with direct copies).
+    const bool written_this_step =
+        op == builtin::fetch && (!is_persistent(t_.role[host]) || ops::FetchAttrs::of(old_.attrs[n]).after_write_back);
+    if (written_this_step) return Staging::host_copy;
+    return policy_ == HostCopies::staged && t_.bytes(host) >= host_copy_min_bytes_ ? Staging::host_copy : Staging::none;
   }
 
   void run() {
@@ -143,7 +153,8 @@ class Stager {
   TensorTable& t_;
   const NodeTable old_;
   NodeTable out_;
-  bool host_unified_, stage_host_copies_;
+  bool host_unified_;
+  HostCopies policy_;
   std::uint64_t host_copy_min_bytes_;
   std::uint32_t count_ = 0;
   std::optional<std::pair<NodeId, TensorId>> hoisted_;         // (fetch node, its staging) unpacked early
@@ -152,8 +163,19 @@ class Stager {
 
 }  // namespace
 
-void stage_home_transfers(Graph& g, bool host_unified, bool stage_host_copies, std::uint64_t host_copy_min_bytes) {
-  Stager stager(g, host_unified, stage_host_copies, host_copy_min_bytes);
+HostCopies host_copies_for(offload::HostMemory resolved) {
+  switch (resolved) {
+    case offload::HostMemory::pageable:
+      return HostCopies::written;
+    case offload::HostMemory::staged:
+      return HostCopies::staged;
+    default:
+      return HostCopies::none;
+  }
+}
+
+void stage_home_transfers(Graph& g, bool host_unified, HostCopies host_copies, std::uint64_t host_copy_min_bytes) {
+  Stager stager(g, host_unified, host_copies, host_copy_min_bytes);
   bool any = false;
   for (NodeId n = 0; n < g.nodes.size() && !any; ++n) any = stager.staging_of(n) != Staging::none;
   if (any) stager.run();

@@ -408,7 +408,7 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--host-memory", t.host_memory,
                   "Memory of the streamed homes and the step's host buffers: pinned (DMA copies), pageable (no "
                   "device memory; the driver stages copies), staged (pageable, copies through a small pinned "
-                  "staging area filled on all cores), or auto: staged on NVIDIA, whose pinned buffers take "
+                  "staging area filled on all cores), or auto: pageable on NVIDIA, whose pinned buffers take "
                   "device memory too, pinned elsewhere")
       ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged"}))
       ->capture_default_str();

@@ -72,8 +72,8 @@ struct HomeStoreOptions {
   // with 2 the new chunks become current at commit.
   std::uint32_t pinned_copies = 1;
   // The memory of the host_pinned home (and of a step's host buffers): pinned, pageable, or
-  // staged (pageable, copies through pinned staging: `automatic` where the driver's pinned buffers
-  // would take device memory too; host_memory.hpp). host_mapped is always pinned: kernels address it.
+  // staged (pageable, copies through pinned staging; `automatic` is pageable where the driver's
+  // pinned buffers would take device memory too; host_memory.hpp). host_mapped is always pinned: kernels address it.
   HostMemory host_memory = HostMemory::automatic;
 };
 

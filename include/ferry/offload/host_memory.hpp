@@ -7,10 +7,12 @@
 // use, a 6.4B one under 24 GiB 82.7 GB, so pinned homes defeat the device budget there. Pageable
 // memory (anonymous pages, NUMA-bound like pinned memory) takes no device memory; the driver stages
 // its copies through its own pinned buffers, which on that driver ran at 7.5-9.5 GB/s (H200), a
-// quarter of the link. Staged memory keeps the homes and the step's host tensors pageable and moves
-// every copy through a bounded pinned staging area of the step's memory plan, filled and drained by
-// host-lane nodes on all cores (graph/passes/staging.cpp); that area is counted in the device budget
-// where pinned buffers take device memory.
+// quarter of the link; and it read a pageable source when the copy was enqueued, so a fetch of what
+// the step wrote goes through pinned staging (graph/passes/staging.cpp). Staged memory keeps the
+// homes and the step's host tensors pageable and moves every copy of 1 MiB or more through a small
+// pinned staging area of the step's memory plan, filled and drained by host-lane nodes on all
+// cores. Staging is counted in the device budget where pinned buffers take device memory. On the
+// H200 staged steps ran slower than pageable ones (bench/RESULTS.md), so `automatic` is pageable.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +26,7 @@
 namespace ferry::offload {
 
 enum class HostMemory : std::uint8_t {
-  automatic,  // staged where pinned buffers take device memory too, else pinned
+  automatic,  // pageable where pinned buffers take device memory too, else pinned
   pinned,
   pageable,
   staged,  // pageable, with copies through pinned staging

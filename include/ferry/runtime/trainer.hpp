@@ -202,8 +202,8 @@ class Trainer {
   // What the residency pass chose for the training step: the mode, the copies per step.
   const graph::ResidencyReport& residency() const;
   // The kind of memory of the host_pinned home and the step's host pool on this device: pinned,
-  // pageable, or staged (pageable, copies through pinned staging: the default where the driver's
-  // pinned buffers take device memory too; ResidencyOptions::homes.host_memory,
+  // pageable (the default where the driver's pinned buffers take device memory too), or staged
+  // (pageable, copies through pinned staging; ResidencyOptions::homes.host_memory,
   // ferry/offload/host_memory.hpp).
   offload::HostMemory host_memory() const;
   // Where the weights, and the optimizer state, live between steps (each role has one home:
