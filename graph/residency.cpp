@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -499,6 +500,10 @@ void move_weight_narrowing_to_host(Graph& g) {
 std::string mib(std::uint64_t b) {
   return fmt::format("{:.1f} MiB", b / 1048576.0);
 }
+// Rounded up at the digit shown: a minimum that, given back as the budget, is enough.
+std::string mib_up(std::uint64_t b) {
+  return fmt::format("{:.1f} MiB", std::ceil(b / 1048576.0 * 10 - 1e-9) / 10);
+}
 
 }  // namespace
 
@@ -689,7 +694,7 @@ MemoryPlan plan_mapped(Graph& g, const MemoryPlanOptions& mopt, std::uint64_t bu
     throw BudgetError(fmt::format("the step's activations and gradients (and device-home tensors) need {} on the "
                                   "device, over the budget of {}: raise the budget to at least {} or use a smaller "
                                   "batch",
-                                  mib(report.min_budget_bytes), mib(budget), mib(report.min_budget_bytes)),
+                                  mib_up(report.min_budget_bytes), mib(budget), mib_up(report.min_budget_bytes)),
                       report.min_budget_bytes);
   }
   return plan;
@@ -730,7 +735,7 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
                     "just in time it needs {} (its largest layer's weights, gradients and optimizer "
                     "state with the activations they meet, and {} of device-home tensors); raise the "
                     "budget to at least {}",
-                    mib(budget), mib(min_budget), mib(minimal.second.persistent_device_bytes), mib(min_budget)),
+                    mib(budget), mib_up(min_budget), mib(minimal.second.persistent_device_bytes), mib_up(min_budget)),
         min_budget);
   }
   const auto take = [&](std::pair<Graph, MemoryPlan>& chosen, const ResidencyReport& r) {

@@ -284,11 +284,11 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
       fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
                   "needs {}{}; raise the budget to at least {}, or use a smaller batch, bf16 (--precision bf16) or "
                   "8-bit optimizer state (--optimizer adamw8bit)",
-                  format_bytes(budget), format_bytes(without),
+                  format_bytes(budget), format_bytes_up(without),
                   leanest_every ? fmt::format(", recomputing segments of {} layers (the leanest) {}", leanest_every,
-                                              format_bytes(leanest))
+                                              format_bytes_up(leanest))
                                 : std::string(", and recomputation does not lower that"),
-                  format_bytes(leanest)),
+                  format_bytes_up(leanest)),
       leanest);
 }
 

@@ -66,6 +66,17 @@ std::string format_bytes(std::uint64_t b) {
   return fmt::format("{:.1f} {}", v, names[u]);
 }
 
+std::string format_bytes_up(std::uint64_t b) {
+  const char* names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return fmt::format("{:.1f} {}", std::ceil(v * 10 - 1e-9) / 10, names[u]);
+}
+
 std::string format_duration(double seconds) {
   const auto s = static_cast<long>(std::max(0.0, seconds));
   return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);

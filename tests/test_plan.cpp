@@ -448,8 +448,21 @@ TEST(Plan, RecomputeAutoChoosesTheSegmentsTheBudgetNeeds) {
     EXPECT_GT(e.min_budget(), 4096u);
     EXPECT_LT(e.min_budget(), without);
     EXPECT_NE(std::string(e.what()).find("even with recomputation"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find(format_bytes(e.min_budget())), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(format_bytes_up(e.min_budget())), std::string::npos) << e.what();
+    // The minimum it names, given back as the budget, is enough.
+    o.residency.budget_bytes = parse_bytes(format_bytes_up(e.min_budget()));
+    EXPECT_GE(o.residency.budget_bytes, e.min_budget());
   }
+}
+
+// A minimum is printed rounded up, so that the figure an error names is a budget that fits.
+TEST(Units, MinimumsAreRoundedUpAtTheDigitShown) {
+  EXPECT_EQ(format_bytes(16u << 20), "16.0 MiB");
+  EXPECT_EQ(format_bytes_up(16u << 20), "16.0 MiB");
+  EXPECT_EQ(format_bytes((16u << 20) + 1), "16.0 MiB");
+  EXPECT_EQ(format_bytes_up((16u << 20) + 1), "16.1 MiB");
+  EXPECT_EQ(format_bytes_up(1536), "1.5 KiB");
+  EXPECT_EQ(format_bytes_up(100), "100.0 B");
 }
 
 }  // namespace

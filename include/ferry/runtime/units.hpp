@@ -13,6 +13,9 @@ std::uint64_t parse_bytes(std::string_view text);
 
 // "64.0 MiB"
 std::string format_bytes(std::uint64_t bytes);
+// The same, rounded up at the digit shown: for a minimum that, given back, is enough ("16.1 MiB"
+// for a byte over 16 MiB, where format_bytes says "16.0 MiB").
+std::string format_bytes_up(std::uint64_t bytes);
 
 // "h:mm:ss", whole seconds (negative: 0).
 std::string format_duration(double seconds);
