@@ -88,18 +88,23 @@ struct CompiledStep::Submission {
 // Waits for OpenCL events without blocking a thread: a marker on `queue` with the events as its
 // wait list, whose completion callback opens an async_node gateway. Used by the flow-graph form
 // before each host-lane node, at its commit point and at the end of the step.
+// Opens when every event in `wait` has completed: a callback on each counts down, so a host node
+// waits for exactly the commands it reads. (A marker on an in-order queue would also wait for
+// every command enqueued on that queue before it: a host update behind all of the step's
+// write-backs, not only its own gradient's.)
 struct EventGate {
-  cl_command_queue queue = nullptr;
+  cl_command_queue queue = nullptr;  // flushed when the gate opens: the commands it waits for were enqueued there
   std::vector<cl_event> wait;
-  cl::Event marker;
   DoneNode::gateway_type* gateway = nullptr;
   std::atomic<cl_int> status{CL_COMPLETE};
+  std::atomic<int> pending{0};                   // callbacks still to come, plus one while open() registers them
   std::atomic<std::uint64_t>* opened = nullptr;  // counts the host's waits
 
   // The async_node's body: hand the wait over to the driver and return.
   void open(DoneNode::gateway_type& gw);
-  // Runs on a driver thread, or inline if the marker already completed: hand over, never wait.
+  // Runs on a driver thread, or inline if the event already completed: hand over, never wait.
   static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user);
+  void arrive();  // one callback (or open()'s hold) done; the last opens the gateway
 };
 
 struct CompiledStep::Impl {

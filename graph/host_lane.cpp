@@ -126,7 +126,7 @@ void CompiledStep::add_host_work(const cl::Context& context) {
 }
 
 // The commit gate: after the commit node and the last node before it on every other lane, a
-// marker on the commit node's queue waits for their commands; then every command before the
+// gate waits for their commands (and the guard's read after them); then every command before the
 // commit point must have succeeded before anything after it is enqueued.
 void CompiledStep::add_commit_gate(const cl::Context& context) {
   const auto& n = graph_.nodes;
@@ -352,23 +352,40 @@ void EventGate::open(DoneNode::gateway_type& gw) {
   }
   if (opened) ++*opened;
   gateway = &gw;
-  gw.reserve_wait();  // reserve before the callback can fire (it may fire inside the call)
-  cl::Event m;
-  cl_int rc = clEnqueueMarkerWithWaitList(queue, static_cast<cl_uint>(wait.size()), wait.data(), m.out());
-  if (rc == CL_SUCCESS) rc = clSetEventCallback(m.get(), CL_COMPLETE, &EventGate::on_complete, this);
-  if (rc != CL_SUCCESS) {
-    gw.release_wait();
-    cl::check(rc, "clSetEventCallback(event gate)");
+  gw.reserve_wait();  // reserve before a callback can fire (it may fire inside the call)
+  if (queue) FERRY_CL(clFlush(queue));
+  // The hold keeps the gate shut while callbacks are registered; one that cannot be is a failure
+  // the host node reports (it checks `status` before its work).
+  // An event already done counts at once: Oclgrind never calls a callback registered after its
+  // event completed (the standard says it is called then).
+  pending = static_cast<int>(wait.size()) + 1;
+  for (cl_event e : wait) {
+    cl_int done = CL_QUEUED;
+    cl_int rc = clGetEventInfo(e, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof(done), &done, nullptr);
+    if (rc == CL_SUCCESS && done <= CL_COMPLETE) {
+      if (done < 0) status = done;
+      arrive();
+      continue;
+    }
+    if (rc == CL_SUCCESS) rc = clSetEventCallback(e, CL_COMPLETE, &EventGate::on_complete, this);
+    if (rc != CL_SUCCESS) {
+      status = rc;
+      arrive();
+    }
   }
-  marker = std::move(m);
-  FERRY_CL(clFlush(queue));
+  arrive();
 }
 
 void CL_CALLBACK EventGate::on_complete(cl_event, cl_int status, void* user) {
   auto* gate = static_cast<EventGate*>(user);
   if (status < 0) gate->status = status;
-  gate->gateway->try_put(continue_msg{});
-  gate->gateway->release_wait();
+  gate->arrive();
+}
+
+void EventGate::arrive() {
+  if (pending.fetch_sub(1) != 1) return;
+  gateway->try_put(continue_msg{});
+  gateway->release_wait();
 }
 
 }  // namespace ferry::graph
