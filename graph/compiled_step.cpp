@@ -161,13 +161,16 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   // A step whose fetches read pageable memory does not run ahead: NVIDIA's driver read a pageable
   // source when the copy was enqueued, which for the next step would be before this one's
   // write-backs had landed (graph/passes/staging.cpp stages such fetches within a step).
-  const bool pageable_fetches =
-      pool_memory != offload::HostMemory::pinned &&
+  const bool homes_pageable =
       offload::resolve_host_memory(homes.host_memory, context.device()) != offload::HostMemory::pinned;
+  const bool pool_pageable = pool_memory != offload::HostMemory::pinned;
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) impl_->one_pass = false;
-    if (pageable_fetches && n.op[id] == builtin::fetch && t.role[t.storage(n.inputs(id)[0])] != Role::staged) {
-      impl_->fetches_pageable = true;
+    if (n.op[id] == builtin::fetch) {
+      const TensorId source = t.storage(n.inputs(id)[0]);
+      const bool pageable =
+          t.role[source] != Role::staged && (plan_.pool[source] == Pool::persistent ? homes_pageable : pool_pageable);
+      impl_->fetches_pageable = impl_->fetches_pageable || pageable;
     }
     const bool writes_state_on_host =
         n.lane[id] == Lane::host ||

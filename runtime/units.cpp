@@ -55,7 +55,10 @@ std::uint64_t parse_bytes(std::string_view text) {
       fmt::format("unknown unit '{}' in '{}': use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)", unit, text));
 }
 
-std::string format_bytes(std::uint64_t b) {
+namespace {
+
+// `b` in the largest binary unit under which it is at least 1, to one decimal; `up`: rounded up.
+std::string format_scaled(std::uint64_t b, bool up) {
   const char* names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(b);
   int u = 0;
@@ -63,18 +66,17 @@ std::string format_bytes(std::uint64_t b) {
     v /= 1024;
     ++u;
   }
-  return fmt::format("{:.1f} {}", v, names[u]);
+  return fmt::format("{:.1f} {}", up ? std::ceil(v * 10 - 1e-9) / 10 : v, names[u]);
+}
+
+}  // namespace
+
+std::string format_bytes(std::uint64_t b) {
+  return format_scaled(b, false);
 }
 
 std::string format_bytes_up(std::uint64_t b) {
-  const char* names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return fmt::format("{:.1f} {}", std::ceil(v * 10 - 1e-9) / 10, names[u]);
+  return format_scaled(b, true);
 }
 
 std::string format_duration(double seconds) {
