@@ -49,7 +49,8 @@ run() {
     done) >"$out/$name.smi" &
     sampler=$!
   fi
-  timeout "$limit" "$ferry" train "$@" --steps "$steps" --eval-every "$steps" --json \
+  # 16 validation windows: the pass after the steps streams the whole model per batch of windows.
+  timeout "$limit" "$ferry" train "$@" --steps "$steps" --eval-every "$steps" --val-windows 16 --json \
     >"$out/$name.json" 2>"$out/$name.err"
   local rc=$?
   [[ -n $sampler ]] && kill "$sampler" 2>/dev/null

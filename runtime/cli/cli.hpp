@@ -56,6 +56,7 @@ struct TrainArgs {
   std::uint32_t steps = 0;                 // gpt: optimizer steps (0: the default)
   double max_minutes = 0;                  // gpt: stop training after this long (0: no limit)
   std::uint32_t eval_every = 0;            // gpt: steps between validation reports (0: the default)
+  std::uint32_t val_windows = 256;         // gpt: held-out windows each validation report runs over
   std::uint32_t sample = 0;                // gpt: characters to generate after training
   std::string prompt = "\n";               // gpt: text the sample continues
   float temperature = 0.8f, dropout = 0.0f;

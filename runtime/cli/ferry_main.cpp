@@ -531,8 +531,8 @@ CLI::App* add_tune_command(CLI::App& app, TuneArgs& a) {
 // Flags given for another model or phase mode are refused, not ignored.
 void check_flags_apply(const CLI::App& train, const TrainArgs& t) {
   const bool gpt = t.model == "gpt";
-  for (const char* flag :
-       {"--steps", "--max-minutes", "--eval-every", "--sample", "--prompt", "--temperature", "--text", "--dropout"}) {
+  for (const char* flag : {"--steps", "--max-minutes", "--eval-every", "--val-windows", "--sample", "--prompt",
+                           "--temperature", "--text", "--dropout"}) {
     if (!gpt && train.count(flag) > 0) {
       throw std::invalid_argument(fmt::format("{} applies to --model gpt only; --model {} trains for --epochs{}", flag,
                                               t.model, std::string(flag) == "--steps" ? " (and --train-limit)" : ""));
@@ -581,6 +581,12 @@ int main(int argc, char** argv) {
       ->check(positive_number());
   train->add_option("--eval-every", t.eval_every, "gpt: steps between validation losses (default 250)")
       ->check(positive_number());
+  train
+      ->add_option("--val-windows", t.val_windows,
+                   "gpt: held-out windows each validation loss averages over (fewer: faster reports, e.g. for a "
+                   "large streamed model)")
+      ->check(positive_number())
+      ->capture_default_str();
   train->add_option("--sample", t.sample, "gpt: characters of text to generate after training");
   train->add_option("--prompt", t.prompt, "gpt: text the sample continues (default: a newline)");
   train->add_option("--temperature", t.temperature, "gpt: sampling temperature")

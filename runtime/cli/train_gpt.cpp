@@ -240,7 +240,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   const auto compile_start = Clock::now();
   Trainer trainer(runtime, models::gpt(c), opt);
   const double compile_s = seconds_since(compile_start);
-  const TextWindows val = TextWindows::held_out(corpus, c.context, 256);
+  const TextWindows val = TextWindows::held_out(corpus, c.context, a.val_windows);
   if (!a.quiet) {
     announce_gpt(runtime, trainer, compile_s, corpus, val, c.context);
     announce_ranks(a, trainer, batch);

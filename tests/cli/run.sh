@@ -162,6 +162,9 @@ for key in train_loss val_loss tokens_per_s parameters curve sample; do
   check "GPT JSON has $key" grep -q "\"$key\":" <<<"$gpt"
 done
 check "the GPT curve has a point per validation (steps 3 and 6)" test "$(grep -o '"step":[0-9]*' <<<"$gpt" | tr '\n' ' ')" = '"step":3 "step":6 ' 
+few=$("$ferry" train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 \
+  --steps 2 --val-windows 2 2>&1 >/dev/null)
+check "--val-windows 2 validates on 2 held-out windows" grep -q "(2 validation windows of 16)" <<<"$few"
 expect_error "a missing text folder" "apt-get install fortunes" train --model gpt --text "$work/no-text" --steps 1
 mkdir -p "$work/empty-text" && : >"$work/empty-text/a"
 expect_error "an empty text file" "is empty" train --model gpt --text "$work/empty-text" --steps 1
