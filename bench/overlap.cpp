@@ -458,9 +458,7 @@ int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
   const cl::DeviceInfo& dev = runtime.device();
   const offload::HostMemory memory =
       offload::resolve_host_memory(offload::parse_host_memory(o.host_memory), runtime.device());
-  // Staged copies cross the link from pinned staging: their peak is the pinned one.
-  LinkProbe peak(runtime.context(), parse_bytes(o.link_bytes),
-                 memory == offload::HostMemory::staged ? offload::HostMemory::pinned : memory);
+  LinkProbe peak(runtime.context(), parse_bytes(o.link_bytes), offload::link_source_memory(memory));
   for (int r = 0; r < std::max(common.repeat, 5); ++r) peak.sample();
   emit_json({{"bench", "overlap"},
              {"result", "link_peak"},

@@ -180,8 +180,7 @@ class CompiledStep {
   // Peak device bytes of the step, from the plan: the step arena, plus the weights when resident.
   // (and pinned staging where the driver backs it with device memory, MemoryPlan::peak_bytes).
   std::uint64_t device_bytes() const noexcept {
-    return plan_.transient_bytes + persistent_->device_bytes() +
-           (plan_.staging_on_device ? plan_.host_staging_bytes : 0);
+    return plan_.transient_bytes + persistent_->device_bytes() + plan_.staging_device_bytes();
   }
   const ResidencyReport& residency() const noexcept { return residency_; }
   // Host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients; the

@@ -266,7 +266,7 @@ class HostNode final : public NodeView<ops::HostContext> {
   void unpack_home(std::size_t i, std::byte* dst) const override {
     if (fail_) throw std::runtime_error(fmt::format("injected failure unpacking input {} in the host work", i));
     const TensorId id = graph_.tensors.storage(in_ids()[i]);
-    if (!is_persistent(graph_.tensors.role[id])) {  // a step tensor in host memory (staged host memory)
+    if (!is_persistent(graph_.tensors.role[id])) {  // a step tensor in pageable host memory, copied to staging
       offload::copy_in_parallel(dst, at_(id, false), graph_.tensors.bytes(id));
       return;
     }

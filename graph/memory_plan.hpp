@@ -58,9 +58,9 @@ struct MemoryPlan {
   std::vector<std::uint64_t> live_bytes;
   // Device bytes of the step: the device home's persistent tensors and the transient pool (and
   // pinned staging where the driver backs it with device memory).
-  std::uint64_t peak_bytes() const {
-    return persistent_device_bytes + transient_bytes + (staging_on_device ? host_staging_bytes : 0);
-  }
+  std::uint64_t peak_bytes() const { return persistent_device_bytes + transient_bytes + staging_device_bytes(); }
+  // The device memory pinned staging takes: its bytes where the driver backs it with device memory.
+  std::uint64_t staging_device_bytes() const { return staging_on_device ? host_staging_bytes : 0; }
 };
 
 // Assigns tensors.placement for every tensor that nodes touch and returns the pools' sizes.

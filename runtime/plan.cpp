@@ -94,7 +94,7 @@ DeviceBreakdown device_breakdown(const graph::Graph& g, const graph::MemoryPlan&
     }
   }
   b.step_arena = plan.transient_bytes;
-  b.pinned_staging = plan.staging_on_device ? plan.host_staging_bytes : 0;
+  b.pinned_staging = plan.staging_device_bytes();
   b.total = plan.transient_bytes + persistent_device_bytes + b.pinned_staging;
   return b;
 }
@@ -336,11 +336,9 @@ double adam8bit_update_bytes(std::size_t n, std::uint32_t block) {
 double measure_link_gbps(Runtime& runtime, offload::HostMemory memory) {
   constexpr std::size_t bytes = 64ull << 20;
   const cl::Context& ctx = runtime.context();
-  // Staged copies cross the link from pinned staging: its rate is the pinned one.
-  const offload::HostMemory from = offload::resolve_host_memory(memory, ctx.device()) == offload::HostMemory::staged
-                                       ? offload::HostMemory::pinned
-                                       : memory;
-  const offload::HostBuffer host = offload::allocate_host(ctx, bytes, from, "the link measurement's host buffer");
+  const offload::HostBuffer host = offload::allocate_host(
+      ctx, bytes, offload::link_source_memory(offload::resolve_host_memory(memory, ctx.device())),
+      "the link measurement's host buffer");
   std::memset(host.data(), 1, bytes);
   const cl::Mem device = ctx.create_buffer(bytes, "the link measurement's device buffer");
   const cl_command_queue queue = ctx.queue(cl::QueueKind::h2d);

@@ -4,8 +4,8 @@
 // directly. Pinned keeps one copy that a step's write-backs update in place after its commit point
 // (host memory equals the state), or two (HomeStoreOptions::pinned_copies) so that updates written
 // by host-lane nodes, which run before the step is known good, become current only when it
-// succeeds. With staged host memory a step's copies go through pinned staging, filled and drained
-// here (unpack, pack) on all cores.
+// succeeds. In pageable memory some of a step's copies (all of them with staged memory) go
+// through pinned staging, filled and drained here (unpack, pack) on all cores.
 //
 // With two, which copy is current is kept per tensor: a step flips only the tensors it wrote
 // (asked for their next copy), so a step that writes some tensors and not others (a Predict step
@@ -48,16 +48,14 @@ class HostStore final : public HomeStore {
   std::byte* current(const HomePlace& p) const override {
     if (!two()) return at(0, p);
     const std::lock_guard lock(mutex_);
-    const auto it = slot_.find(key(p));
-    return at(it == slot_.end() ? 0 : it->second, p);
+    return at(slot(p), p);
   }
   // Asked for when a step writes the tensor at p (write-backs enqueue with it): p flips at commit.
   std::byte* next(const HomePlace& p) const override {
     if (!two()) return at(0, p);
     const std::lock_guard lock(mutex_);
     written_.insert(key(p));
-    const auto it = slot_.find(key(p));
-    return at(1 - (it == slot_.end() ? 0 : it->second), p);
+    return at(1 - slot(p), p);
   }
   void commit() override {
     const std::lock_guard lock(mutex_);
@@ -68,15 +66,13 @@ class HostStore final : public HomeStore {
     const std::lock_guard lock(mutex_);
     written_.clear();
   }
-  // Staged copies (HostMemory::staged): the value as the step sees it (what it wrote earlier in
-  // this step, with two copies) into pinned staging, and the written-back value from there.
+  // Copies through pinned staging (graph/passes/staging.cpp): the value as the step sees it (what
+  // it wrote earlier in this step, with two copies) into staging, and the written-back value from there.
   void unpack(const HomePlace& p, void* dst, std::size_t n) const override {
     const std::byte* src = at(0, p);
     if (two()) {
       const std::lock_guard lock(mutex_);
-      const auto it = slot_.find(key(p));
-      const int now = it == slot_.end() ? 0 : it->second;
-      src = at(written_.contains(key(p)) ? 1 - now : now, p);
+      src = at(written_.contains(key(p)) ? 1 - slot(p) : slot(p), p);
     }
     copy_in_parallel(dst, src, n);
   }
@@ -91,6 +87,11 @@ class HostStore final : public HomeStore {
  private:
   bool two() const { return copies_in_use_ == 2; }
   static std::uint64_t key(const HomePlace& p) { return (std::uint64_t{p.buffer} << 40) | p.offset_bytes; }
+  // The current copy of the tensor at p (the caller holds mutex_).
+  int slot(const HomePlace& p) const {
+    const auto it = slot_.find(key(p));
+    return it == slot_.end() ? 0 : it->second;
+  }
   std::byte* at(int copy, const HomePlace& p) const {
     return static_cast<std::byte*>(copies_[copy].at(p.buffer).data()) + p.offset_bytes;
   }

@@ -83,8 +83,8 @@ OpInfo copy_row(const char* name, bool to_device, OpClass op_class) {
 }
 
 // Unpack and pack: a staged home (compressed, dropped) and pinned staging memory, on the host
-// lanes; the work (decompressing, compressing) is the home store's, in parallel over chunks. With
-// staged host memory, also a pinned-home tensor or a host step tensor: a copy on all cores.
+// lanes; the work (decompressing, compressing) is the home store's, in parallel over chunks. In
+// pageable host memory, also a pinned-home tensor or a host step tensor: a copy on all cores.
 OpInfo home_row(const char* name, bool unpack) {
   OpInfo r;
   r.name = name;

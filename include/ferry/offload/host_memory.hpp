@@ -40,6 +40,11 @@ HostMemory parse_host_memory(std::string_view s);
 bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory);
 // `automatic` made concrete for `device`; the others are returned as given.
 HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device);
+// The memory the link copies from with homes in `resolved` memory: pinned staging for staged
+// memory, the homes themselves otherwise (what a link measurement should copy from).
+inline HostMemory link_source_memory(HostMemory resolved) {
+  return resolved == HostMemory::staged ? HostMemory::pinned : resolved;
+}
 
 // Copies `bytes` from `src` to `dst` (not overlapping) on the calling thread and TBB's workers, in
 // blocks of a few MiB: one core's memcpy does not keep up with the link.
