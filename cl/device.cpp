@@ -116,6 +116,7 @@ std::vector<DeviceInfo> enumerate(std::vector<std::string>* notes) {
         d.version = device_string(id, CL_DEVICE_VERSION);
         d.driver = device_string(id, CL_DRIVER_VERSION);
         d.c_version = device_string(id, CL_DEVICE_OPENCL_C_VERSION);
+        d.extensions = device_string(id, CL_DEVICE_EXTENSIONS);
         d.type = device_value<cl_device_type>(id, CL_DEVICE_TYPE);
         d.global_mem_bytes = device_value<cl_ulong>(id, CL_DEVICE_GLOBAL_MEM_SIZE);
         d.max_alloc_bytes = device_value<cl_ulong>(id, CL_DEVICE_MAX_MEM_ALLOC_SIZE);
@@ -157,6 +158,17 @@ std::string DeviceInfo::type_name() const {
 
 bool DeviceInfo::is_simulator() const {
   return cl::is_simulator(facts());
+}
+
+bool DeviceInfo::has_extension(std::string_view wanted) const {
+  std::string_view rest = extensions;
+  while (!rest.empty()) {
+    const std::size_t space = rest.find(' ');
+    if (rest.substr(0, space) == wanted) return true;
+    if (space == std::string_view::npos) break;
+    rest.remove_prefix(space + 1);
+  }
+  return false;
 }
 
 std::vector<DeviceInfo> list_devices() {

@@ -60,8 +60,9 @@ struct ParamRule {
 // The parameters each kernel takes and their sane ranges.
 const std::vector<ParamRule>& rules(GemmKernel k) {
   static const std::vector<ParamRule> packed{{"RB", 1, 16}, {"NV", 1, 4}, {"PA", 0, 1, 0}, {"KU", 1, 8, 1}};
-  static const std::vector<ParamRule> tiled{{"TSM", 1, 256}, {"TSN", 1, 256}, {"TSK", 1, 64}, {"WPTM", 1, 16},
-                                            {"WPTN", 1, 16}, {"VW", 1, 4, 1}, {"SK", 0, 1, 0}};
+  static const std::vector<ParamRule> tiled{{"TSM", 1, 256}, {"TSN", 1, 256}, {"TSK", 1, 64},
+                                            {"WPTM", 1, 16}, {"WPTN", 1, 16}, {"VW", 1, 4, 1},
+                                            {"SK", 0, 1, 0}, {"VG", 1, 4, 1}, {"RR", 0, 255, 0}};
   static const std::vector<ParamRule> none;
   switch (k) {
     case GemmKernel::packed:
@@ -163,6 +164,21 @@ GemmKernelConfig parse_gemm_kernel_config(std::string_view kernel, std::string_v
       throw std::runtime_error(
           fmt::format("{}: tiled needs VW = 1, 2 or 4, dividing WPTM and WPTN (VW={}, WPTM={}, WPTN={})", where, vw,
                       c.param("WPTM"), c.param("WPTN")));
+    }
+    const int vg = c.param("VG");
+    if (vg != 1 && vg != 4) throw std::runtime_error(fmt::format("{}: tiled needs VG = 1 or 4 (VG={})", where, vg));
+    if (vg == 4 && (c.param("TSM") % 4 || c.param("TSN") % 4 || c.param("TSK") % 4)) {
+      throw std::runtime_error(
+          fmt::format("{}: tiled with VG=4 needs TSM, TSN and TSK multiples of 4 (TSM={}, TSN={}, "
+                      "TSK={})",
+                      where, c.param("TSM"), c.param("TSN"), c.param("TSK")));
+    }
+    const int rr = c.param("RR");
+    if (rr != 0 && rr < 32) {
+      throw std::runtime_error(
+          fmt::format("{}: tiled's RR (registers per work-item) is 0 (the compiler's choice) or "
+                      "32 to 255, not {}",
+                      where, rr));
     }
   }
   return c;

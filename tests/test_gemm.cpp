@@ -41,13 +41,15 @@ const Case kShapes[] = {{1, 1, 1},        {7, 13, 5},      {37, 1000, 129}, {64,
 // The configurations the tests force: ferry's CPU kernel in three block shapes (the AVX-512 and
 // AVX2 rows of the tuning data, the latter with A packed and the k loop unrolled by 4, and an odd
 // one unrolled by 3, so a remainder of k steps runs after the unrolled ones), the GPU kernel in two tile shapes, one
-// reading its local tiles as float2 (also on PoCL, where it is slow but must be correct). The naive fallback is checked
+// reading its local tiles as float2 and loading float4s from global memory (VG=4: whole tiles where offsets and
+// leading dimensions allow it, floats at the edges, in a last partial k step and elsewhere), also on PoCL, where it
+// is slow but must be correct. The naive fallback is checked
 // through a tuning override below (each configuration costs PoCL compiles per transpose). On a device that is not a
 // CPU, the packed kernel runs in its first configuration only (see GemmKernelTest).
 constexpr const char* kPacked = "packed RB=6 NV=4";
 constexpr const char* kPackedA = "packed RB=6 NV=1 PA=1 KU=4";
 const char* const kKernels[] = {kPacked, kPackedA, "packed RB=3 NV=2 KU=3",
-                                "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2 VW=2",
+                                "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2 VW=2 VG=4",
                                 "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1"};
 
 // Reference in double precision from float inputs.
@@ -77,9 +79,10 @@ const std::vector<float>& shared_reference(const ops::GemmShape& s, float alpha,
   return it->second;
 }
 
-// Runs one GEMM on the device with C preloaded with `c0` and compares with the reference.
+// Runs one GEMM on the device with C preloaded with `c0` and compares with the reference. The
+// operands sit at odd element offsets, or with `aligned` at multiples of 4 (where VG=4 loads float4s).
 void check_gemm(const ops::GemmShape& s, const ops::GemmOptions& base, float alpha, float beta, bool with_bias,
-                const std::string& what) {
+                const std::string& what, bool aligned = false) {
   auto& dev = TestDevice::get();
   // Fixed seeds: shared_reference relies on the inputs being a function of its key.
   const auto a = random_vector(s.M * s.K, 11);
@@ -87,7 +90,8 @@ void check_gemm(const ops::GemmShape& s, const ops::GemmOptions& base, float alp
   const auto bias = with_bias ? random_vector(s.N, 13) : std::vector<float>{};
   // beta = 0: C is all NaN and must not be read.
   const auto c0 = beta == 0.0f ? std::vector<float>(s.M * s.N, std::nanf("")) : random_vector(s.M * s.N, 14);
-  DeviceTensor da(a, 3), db(b, 5), dc(c0, 9), dbias(with_bias ? bias : std::vector<float>{0.0f}, 17);
+  DeviceTensor da(a, aligned ? 4 : 3), db(b, aligned ? 8 : 5), dc(c0, 9),
+      dbias(with_bias ? bias : std::vector<float>{0.0f}, 17);
   ops::GemmOptions options = base;
   if (with_bias) options.bias = dbias.span();
   const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
@@ -130,6 +134,9 @@ TEST_P(GemmKernelTest, MatchesReference) {
   const std::string name = fmt::format("{} {}x{}x{} {}{}", kernel, s.M, s.N, s.K, ta ? "T" : "N", tb ? "T" : "N");
   check_gemm(s, options, 0.75f, -0.5f, true, name + " alpha/beta/bias");
   check_gemm(s, options, 1.0f, 0.0f, false, name + " beta=0 NaN C");
+  if (std::string_view(kernel).find("VG=4") != std::string_view::npos) {
+    check_gemm(s, options, 0.75f, -0.5f, true, name + " float4 loads", true);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllKernels, GemmKernelTest,
@@ -160,7 +167,8 @@ const DtypeCase kDtypeCases[] = {
     {kPackedA, DType::f32, DType::bf16, DType::f16, true, false, 0.5f},  // f32 A packed, narrow B and C
     {kTiled, DType::f32, DType::f16, DType::bf16, false, false, 0.5f},
     {kTiled, DType::bf16, DType::f32, DType::f16, true, true, 0.0f},
-    {"tiled TSM=32 TSN=16 TSK=4 WPTM=4 WPTN=4 VW=4", DType::f16, DType::bf16, DType::f32, false, true, 0.5f},
+    // VG=4 with narrow A and B: the kernel is built with float loads for both (float4s are f32's)
+    {"tiled TSM=32 TSN=16 TSK=4 WPTM=4 WPTN=4 VW=4 VG=4", DType::f16, DType::bf16, DType::f32, false, true, 0.5f},
     {"naive", DType::f16, DType::bf16, DType::f16, false, true, 0.5f},
 };
 
@@ -507,6 +515,29 @@ TEST(Gemm, BadKernelOptionIsRejected) {
   EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
   o.kernel = "tiled TSM=30 TSN=32 TSK=8 WPTM=4 WPTN=4";  // 30 % 4 != 0
   EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+  o.kernel = "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=4 VG=2";  // float4s or floats
+  EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+  o.kernel = "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1 VG=4";  // k steps of 5 are no float4s
+  EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+  o.kernel = "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=4 RR=16";  // fewer registers than any kernel needs
+  EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
+}
+
+// RR (a register cap) is NVIDIA's compiler option: elsewhere the kernel's binding says so rather
+// than handing a driver an option it does not know.
+TEST(Gemm, RegisterCapNeedsNvidiasCompilerOptions) {
+  auto& dev = TestDevice::get();
+  if (dev.context.device().has_extension("cl_nv_compiler_options")) GTEST_SKIP() << "this device has them";
+  ops::GemmOptions o;
+  o.backend = ops::GemmBackend::ferry;
+  o.kernel = "tiled TSM=16 TSN=16 TSK=4 WPTM=2 WPTN=2 RR=64";
+  DeviceTensor a(std::vector<float>(16, 1.0f), 1), b(std::vector<float>(16, 1.0f), 2), c(std::size_t{16}, 3);
+  try {
+    ops::gemm(dev.env, {4, 4, 4}, 1.0f, a.span(), b.span(), 0.0f, c.span(), {}, o);
+    ADD_FAILURE() << "RR=64 was accepted on " << dev.context.device().name;
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("cl_nv_compiler_options"), std::string::npos) << e.what();
+  }
 }
 
 // Writes `text` to a file of the system's temporary folder named by `stem`; returns its path.

@@ -24,6 +24,7 @@ struct DeviceInfo {
   cl_platform_id platform = nullptr;
   cl_device_id id = nullptr;
   std::string name, vendor, version, driver, platform_name, platform_vendor, platform_version, c_version;
+  std::string extensions;  // CL_DEVICE_EXTENSIONS, space-separated
   cl_device_type type = 0;
   std::uint64_t global_mem_bytes = 0;
   std::uint64_t max_alloc_bytes = 0;  // largest single buffer (CL_DEVICE_MAX_MEM_ALLOC_SIZE)
@@ -36,6 +37,7 @@ struct DeviceInfo {
   bool is_cpu() const { return (type & CL_DEVICE_TYPE_CPU) != 0; }
   bool is_gpu() const { return (type & CL_DEVICE_TYPE_GPU) != 0; }
   bool is_simulator() const;
+  bool has_extension(std::string_view name) const;  // a whole word of `extensions`
   std::string type_name() const;
   DeviceFacts facts() const { return {platform_name, platform_vendor, name, vendor, type}; }
 };
