@@ -323,14 +323,56 @@ Kernel KernelLibrary::kernel(std::string_view file, std::string_view kernel_name
   return k;
 }
 
+namespace {
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::string_view(v) != "0";
+}
+
+// FERRY_BUILD_REPORT: what each build gave, on stderr: the driver's log (with NVIDIA's compiler
+// options, ptxas's registers, spills and shared memory per kernel: -cl-nv-verbose is added) and,
+// for every kernel of the program, the resources the driver reports for it. A register-blocked
+// kernel that spills or leaves one work-group per compute unit shows it here.
+void report_build(cl_program program, const DeviceInfo& dev, std::string_view file, std::string_view options,
+                  bool from_cache) {
+  std::string text = fmt::format("ferry: built {}.cl{} on {}, options '{}'\n", file,
+                                 from_cache ? " (from the program cache)" : "", dev.name, options);
+  const std::string log = build_log(program, dev.id);
+  if (!log.empty()) text += log + "\n";
+  cl_uint count = 0;
+  if (clCreateKernelsInProgram(program, 0, nullptr, &count) == CL_SUCCESS && count > 0) {
+    std::vector<cl_kernel> kernels(count);
+    if (clCreateKernelsInProgram(program, count, kernels.data(), nullptr) == CL_SUCCESS) {
+      for (cl_kernel k : kernels) {
+        char name[256] = {};
+        clGetKernelInfo(k, CL_KERNEL_FUNCTION_NAME, sizeof(name) - 1, name, nullptr);
+        cl_ulong private_bytes = 0, local_bytes = 0;
+        std::size_t group = 0;
+        clGetKernelWorkGroupInfo(k, dev.id, CL_KERNEL_PRIVATE_MEM_SIZE, sizeof(private_bytes), &private_bytes, nullptr);
+        clGetKernelWorkGroupInfo(k, dev.id, CL_KERNEL_LOCAL_MEM_SIZE, sizeof(local_bytes), &local_bytes, nullptr);
+        clGetKernelWorkGroupInfo(k, dev.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(group), &group, nullptr);
+        text += fmt::format(
+            "ferry:   kernel {}: private memory {} bytes a work-item, local memory {} bytes, "
+            "work-groups up to {}\n",
+            name, private_bytes, local_bytes, group);
+        clReleaseKernel(k);
+      }
+    }
+  }
+  std::cerr << text;
+}
+
+}  // namespace
+
 // Called with mutex_ held. The compiler's warnings are turned off (-w) unless FERRY_VERBOSE is set:
 // some drivers (PoCL) print "N warnings generated." on stderr for every build, also under --quiet.
 // A failed build still throws with the whole log, errors included.
 Program KernelLibrary::build(std::string_view file, std::string_view source, const std::string& given_options) {
-  const char* verbose = std::getenv("FERRY_VERBOSE");
-  const std::string options =
-      verbose && *verbose && std::string_view(verbose) != "0" ? given_options : given_options + " -w";
   const DeviceInfo& dev = context_.device();
+  const bool report = env_flag("FERRY_BUILD_REPORT");
+  std::string options = env_flag("FERRY_VERBOSE") ? given_options : given_options + " -w";
+  if (report && dev.has_extension("cl_nv_compiler_options")) options += " -cl-nv-verbose";
   cl_device_id device = dev.id;
   std::filesystem::path cached;
   std::uint64_t key = 0;
@@ -355,6 +397,7 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
           status = clBuildProgram(p.get(), 1, &device, options.c_str(), nullptr, nullptr);
           if (status == CL_SUCCESS) {
             ++stats_.disk_hits;
+            if (report) report_build(p.get(), dev, file, options, true);
             return p;
           }
           problem = fmt::format("the OpenCL driver refused it: clBuildProgram returned {}", error_name(status));
@@ -380,6 +423,7 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
                 status, std::string(OpScope::current()));
   }
   ++stats_.source_builds;
+  if (report) report_build(p.get(), dev, file, options, false);
   if (cache_.enabled) store(cached, key, p.get());
   return p;
 }

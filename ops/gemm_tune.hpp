@@ -34,6 +34,13 @@ double tune_budget_from_env();
 // blocks on CPUs, the GPU kernel's tiles elsewhere (those fitting its work-group and local memory).
 std::vector<std::string> gemm_tune_candidates(const cl::DeviceInfo& device, TuneMode mode);
 
+// A finalist's twins: the same block or tile with options that the probe square does not decide,
+// scored beside it on every shape. The CPU kernel: A packed (PA=1; only transposed A differs). The
+// GPU kernel: K split where the last wave is short (SK=1), that with float4 loads (VG=4, where the
+// tile allows), and on NVIDIA, for 8 x 8 blocks, that with registers capped at 128 (RR=128, two
+// 256-item work-groups per compute unit).
+std::vector<std::string> gemm_tune_twins(const std::string& kernel, const cl::DeviceInfo& device);
+
 // Drops this process's choices of rows, so the next GEMM plan reads the tuning data, the cache and
 // FERRY_TUNE again (tune_gemm does this itself; tests use it after changing the environment).
 void forget_gemm_tuning();

@@ -63,7 +63,7 @@ std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode
 // (NV = 1 for 256-bit units, where a float16 takes two of their 16 registers), likeliest first;
 // each block with the k loop unrolled by 4 (the AVX2 EPYC's best) and, in the full search, rolled.
 // Packing A (PA=1) changes only products with A transposed, which the probe square is not: the
-// finalists get their packed-A twins in stage 2 (finalist_twin).
+// finalists get their packed-A twins in stage 2 (gemm_tune_twins).
 std::vector<std::string> packed_candidates(TuneMode mode) {
   std::vector<std::string> out;
   for (int nv : {4, 1, 2, 3}) {
@@ -75,16 +75,6 @@ std::vector<std::string> packed_candidates(TuneMode mode) {
     }
   }
   return out;
-}
-
-// A finalist's twin ("" for none), the same kernel on the probe square with an option that only the
-// scored shapes tell apart: a packed kernel with A packed (the weight gradient's A is transposed);
-// a tiled kernel that splits K where its work-groups leave the last wave short (SK=1, instead of
-// halving the tile: the GPT's down-projection and weight gradient, 96 and 144 tiles of 128 x 128).
-std::string finalist_twin(const std::string& kernel) {
-  if (kernel.starts_with("packed ") && kernel.find("PA=") == std::string::npos) return kernel + " PA=1";
-  if (kernel.starts_with("tiled ") && kernel.find("SK=") == std::string::npos) return kernel + " SK=1";
-  return "";
 }
 
 // The probe shape and the shapes a row is scored on: squares, and the products of the MLP
@@ -200,6 +190,23 @@ std::vector<std::string> gemm_tune_candidates(const cl::DeviceInfo& device, Tune
   return device.is_cpu() ? packed_candidates(mode) : tiled_candidates(device, mode);
 }
 
+// PA=1 matters to the weight gradient's transposed A; SK=1 (instead of halving the tile) to the
+// GPT's down-projection and weight gradient, 96 and 144 tiles of 128 x 128 on 132 compute units.
+std::vector<std::string> gemm_tune_twins(const std::string& kernel, const cl::DeviceInfo& device) {
+  const GemmKernelConfig c = parse_gemm_kernel_spec(kernel, "gemm tuner");
+  auto given = [&](const char* key) { return kernel.find(fmt::format(" {}=", key)) != std::string::npos; };
+  std::vector<std::string> twins;
+  if (c.kernel == GemmKernel::packed && !given("PA")) twins.push_back(kernel + " PA=1");
+  if (c.kernel != GemmKernel::tiled || given("SK") || given("VG") || given("RR")) return twins;
+  twins.push_back(kernel + " SK=1");
+  if (c.param("TSM") % 4 || c.param("TSN") % 4 || c.param("TSK") % 4) return twins;
+  twins.push_back(kernel + " SK=1 VG=4");
+  if (device.has_extension("cl_nv_compiler_options") && c.param("WPTM") * c.param("WPTN") >= 64) {
+    twins.push_back(kernel + " SK=1 VG=4 RR=128");
+  }
+  return twins;
+}
+
 std::string gemm_tune_cache_path(OpEnv& env) {
   const cl::ProgramCacheOptions& cache = env.kernels.cache_options();
   if (!cache.enabled || cache.dir.empty()) return "";
@@ -235,9 +242,9 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
   }
 }
 
-// Stage 2: the best `finalists` of stage 1, and their twins (finalist_twin), on every scored shape;
+// Stage 2: the best `finalists` of stage 1, and their twins (gemm_tune_twins), on every scored shape;
 // the winner has the highest geometric mean.
-void score_finalists(Timer& timer, std::size_t finalists, const std::string& device, GemmTuneProgress& progress,
+void score_finalists(Timer& timer, std::size_t finalists, const cl::DeviceInfo& device, GemmTuneProgress& progress,
                      const GemmTuneOptions& options, GemmTuneResult& r) {
   std::vector<std::size_t> ranked;  // indices into r.candidates
   for (std::size_t i = 0; i < r.candidates.size(); ++i) {
@@ -245,7 +252,7 @@ void score_finalists(Timer& timer, std::size_t finalists, const std::string& dev
   }
   if (ranked.empty()) {
     throw std::runtime_error(
-        fmt::format("GEMM tuning on '{}': no candidate kernel could run; the first failed with: {}", device,
+        fmt::format("GEMM tuning on '{}': no candidate kernel could run; the first failed with: {}", device.name,
                     r.candidates.empty() ? "-" : r.candidates[0].error));
   }
   std::sort(ranked.begin(), ranked.end(),
@@ -254,14 +261,17 @@ void score_finalists(Timer& timer, std::size_t finalists, const std::string& dev
   std::vector<std::size_t> scored;
   for (std::size_t i : ranked) {
     scored.push_back(i);
-    std::string twin = finalist_twin(r.candidates[i].kernel);
-    if (twin.empty()) continue;
-    GemmTuneCandidate t;
-    t.kernel = std::move(twin);
-    t.probe_gflops = r.candidates[i].probe_gflops;  // the same kernel on the probe square
-    r.candidates.push_back(std::move(t));
-    scored.push_back(r.candidates.size() - 1);
-    ++r.planned;
+    for (std::string& twin : gemm_tune_twins(r.candidates[i].kernel, device)) {
+      GemmTuneCandidate t;
+      t.kernel = std::move(twin);
+      // The probe square is not split, needs no packed A, and twins are not probed: 0 says so
+      // for float4 loads and register caps, which would change it.
+      const bool same_on_probe = t.kernel.find("VG=") == std::string::npos;
+      t.probe_gflops = same_on_probe ? r.candidates[i].probe_gflops : 0.0;
+      r.candidates.push_back(std::move(t));
+      scored.push_back(r.candidates.size() - 1);
+      ++r.planned;
+    }
   }
   progress.stage = "shapes";
   progress.total = progress.done + scored.size();
@@ -290,8 +300,8 @@ void score_finalists(Timer& timer, std::size_t finalists, const std::string& dev
     if (options.progress) options.progress(progress);
   }
   if (r.best.empty()) {
-    throw std::runtime_error(fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}", device,
-                                         r.candidates[ranked[0]].error));
+    throw std::runtime_error(fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}",
+                                         device.name, r.candidates[ranked[0]].error));
   }
 }
 
@@ -339,8 +349,8 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   constexpr std::size_t finalists = 3;
   GemmTuneProgress progress;
   progress.total = candidates.size() + finalists;  // the finalists' twins are added in stage 2
-  probe_candidates(timer, probe, candidates, options.budget_seconds * 0.7, t0, progress, options, r);
-  score_finalists(timer, finalists, device.name, progress, options, r);
+  probe_candidates(timer, probe, candidates, options.budget_seconds * 0.6, t0, progress, options, r);
+  score_finalists(timer, finalists, device, progress, options, r);
   r.seconds = seconds_since(t0);
   record_winner(env, mode, r);
   forget_gemm_tuning();  // later plans read the new row

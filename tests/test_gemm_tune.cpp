@@ -33,9 +33,10 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-// ops::gemm on `env` with `options` against the double-precision reference, alpha 1.5, beta 0.5.
+// ops::gemm on `env` with `options` against the double-precision reference, alpha 1.5, beta 0.5;
+// the operands at an odd element offset, or with `aligned` at one that float4 loads allow.
 void expect_gemm_right(ops::OpEnv& env, const ops::GemmShape& s, const ops::GemmOptions& options,
-                       const std::string& what) {
+                       const std::string& what, bool aligned = false) {
   const auto a = random_vector(s.M * s.K, 1), b = random_vector(s.K * s.N, 2), c0 = random_vector(s.M * s.N, 3);
   std::vector<double> want(s.M * s.N);
   for (std::size_t i = 0; i < s.M; ++i) {
@@ -47,7 +48,8 @@ void expect_gemm_right(ops::OpEnv& env, const ops::GemmShape& s, const ops::Gemm
       want[i * s.N + j] = 1.5 * acc + 0.5 * c0[i * s.N + j];
     }
   }
-  DeviceTensor da(a), db(b), dc(c0), scratch(std::max<std::size_t>(1, ops::gemm_scratch_elems(env, s, options)));
+  DeviceTensor da(a, aligned ? 8 : 7), db(b, aligned ? 4 : 7), dc(c0),
+      scratch(std::max<std::size_t>(1, ops::gemm_scratch_elems(env, s, options)));
   const auto launches = ops::gemm(env, s, 1.5f, da.span(), db.span(), 0.5f, dc.span(), scratch.span(), options);
   ops::enqueue(TestDevice::get().context.compute(), launches, {});
   expect_near(dc.download(), to_float(want), 1e-4f, 1e-4f, what.c_str());
@@ -94,6 +96,30 @@ TEST(GemmTune, EveryGpuCandidateComputesTheProduct) {
     o.backend = ops::GemmBackend::ferry;
     o.kernel = kernel;
     expect_gemm_right(dev.env, s, o, kernel);
+  }
+}
+
+// Float4 loads (VG=4) in the tiles the tuner's twins use: the H200's 128 x 128 x 16 (two float4s per
+// work-item and operand) and 64 x 64 x 8 with 4 x 4 blocks (fewer float4s than work-items), on
+// shapes with whole tiles, edge tiles and a last partial k step, in every transpose.
+TEST(GemmTune, VectorLoadTwinsComputeTheProduct) {
+  auto& dev = TestDevice::get();
+  const ops::GemmShape shapes[] = {{260, 136, 40, false, false},
+                                   {136, 260, 36, true, true},
+                                   {132, 140, 44, false, true},
+                                   {140, 132, 24, true, false}};
+  std::size_t i = 0;
+  for (const char* kernel :
+       {"tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=2 VG=4", "tiled TSM=64 TSN=64 TSK=8 WPTM=4 WPTN=4 VW=4 VG=4"}) {
+    for (int t = 0; t < 2; ++t) {
+      const ops::GemmShape& s = shapes[i++];
+      if (too_large_for_this_run(s.M * s.N * s.K * 5)) continue;
+      ops::GemmOptions o;
+      o.backend = ops::GemmBackend::ferry;
+      o.kernel = kernel;
+      expect_gemm_right(dev.env, s, o, fmt::format("{} {}{}", kernel, s.trans_a ? "T" : "N", s.trans_b ? "T" : "N"),
+                        true);
+    }
   }
 }
 
@@ -194,6 +220,27 @@ TEST(GemmTune, PackedFinalistsGetPackedATwins) {
   EXPECT_EQ(r.planned, ops::gemm_tune_candidates(dev.context.device(), ops::TuneMode::quick).size() + 1);
   ops::forget_gemm_tuning();
   std::filesystem::remove_all(dir);
+}
+
+// The GPU kernel's finalists are scored with K split, with float4 loads where the tile allows, and
+// on NVIDIA with a register cap for 8 x 8 blocks; a finalist that already names them gets none.
+TEST(GemmTune, TiledFinalistsGetSplitVectorAndRegisterTwins) {
+  cl::DeviceInfo gpu;
+  gpu.type = CL_DEVICE_TYPE_GPU;
+  const std::string big = "tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=2";
+  EXPECT_EQ(ops::gemm_tune_twins(big, gpu), (std::vector<std::string>{big + " SK=1", big + " SK=1 VG=4"}));
+  gpu.extensions = "cl_khr_fp64 cl_nv_compiler_options cl_nv_pragma_unroll";
+  EXPECT_EQ(ops::gemm_tune_twins(big, gpu),
+            (std::vector<std::string>{big + " SK=1", big + " SK=1 VG=4", big + " SK=1 VG=4 RR=128"}));
+  const std::string small = "tiled TSM=64 TSN=64 TSK=16 WPTM=4 WPTN=4 VW=4";  // 16 results: no cap
+  EXPECT_EQ(ops::gemm_tune_twins(small, gpu), (std::vector<std::string>{small + " SK=1", small + " SK=1 VG=4"}));
+  const std::string odd = "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1";  // k steps of 5: no float4s
+  EXPECT_EQ(ops::gemm_tune_twins(odd, gpu), (std::vector<std::string>{odd + " SK=1"}));
+  EXPECT_TRUE(ops::gemm_tune_twins(big + " SK=1", gpu).empty());
+  EXPECT_TRUE(ops::gemm_tune_twins("packed RB=6 NV=4 PA=1", gpu).empty());
+  EXPECT_EQ(ops::gemm_tune_twins("packed RB=6 NV=4", gpu), (std::vector<std::string>{"packed RB=6 NV=4 PA=1"}));
+  gpu.extensions = "cl_nv_compiler_optionsX";  // a whole word only
+  EXPECT_FALSE(gpu.has_extension("cl_nv_compiler_options"));
 }
 
 TEST(GemmTune, FirstUseTunesCachesReloadsAndRetunesADamagedCache) {

@@ -26,13 +26,15 @@
 // not given): narrow operands are widened as they are staged in local memory and C is rounded as
 // it is stored, so mixed precision needs no f32 copies. Offsets and strides are whole elements (no
 // pointer arithmetic on half*). C_RELU and C_DACT select an epilogue (gemm_epilogue.clh) with
-// C_IS_F32 saying whether C is f32.
+// A_IS_F32, B_IS_F32 and C_IS_F32 saying whether each is f32.
 #include "dtype.clh"
 #ifndef A_NAME
 #define A_NAME F32
+#define A_IS_F32 1
 #endif
 #ifndef B_NAME
 #define B_NAME F32
+#define B_IS_F32 1
 #endif
 #ifndef C_NAME
 #define C_NAME F32
@@ -71,8 +73,8 @@
 #if VG != 1 && VG != 4
 #error "VG must be 1 or 4"
 #endif
-#define A_VEC (VG == 4 && IS_F32(A_NAME))
-#define B_VEC (VG == 4 && IS_F32(B_NAME))
+#define A_VEC (VG == 4 && A_IS_F32)
+#define B_VEC (VG == 4 && B_IS_F32)
 #if (A_VEC || B_VEC) && (TSM % 4 != 0 || TSN % 4 != 0 || TSK % 4 != 0)
 #error "VG=4 needs TSM, TSN and TSK multiples of 4"
 #endif
