@@ -336,6 +336,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
   const fs::path d = scratch();
   const std::vector<std::pair<std::string, std::string>> benches = {
       {"launch", "launch -n 20 --elems 1024 --repeat 1"},
+      {"staging", "staging --bytes 1MiB --chunks 256KiB --repeat 1"},
       {"allreduce", "allreduce --hidden 32 --batch 8 --steps 2 --max-ranks 4"},
       {"graph", "graph --sizes 16 --runs 2 --repeat 1"},
       {"peak", "peak --widths 4 --accumulators 4 --run-ms 2 --repeat 1"},

@@ -1,0 +1,211 @@
+// ferry-bench staging: what does each leg of a copy between pageable host memory and the device
+// cost, and what does a pipeline of pinned staging chunks reach?
+//
+// Streamed training keeps its homes in pageable memory where pinned buffers would take device
+// memory (NVIDIA); then a copy either leaves from pageable memory (the driver stages it itself) or
+// goes through ferry's pinned staging (--host-memory staged: a host copy into pinned memory, then
+// the link). This measures the legs one by one, in one run, host-timed, median of --repeat:
+//   pageable_h2d_gbps / pageable_d2h_gbps   a blocking copy of --bytes from / to pageable memory
+//   pinned_h2d_gbps / pinned_d2h_gbps       the same from / to a pinned buffer (mapped
+//                                           CL_MEM_ALLOC_HOST_PTR, as ferry allocates it)
+//   host_in_gbps, host_in_1t_gbps           pageable -> pinned on the host, all cores (TBB, as
+//                                           ferry's unpack) and one thread (memcpy)
+//   host_out_gbps, host_out_1t_gbps         pinned -> pageable (a slow one means the driver maps
+//                                           pinned memory uncached or write-combined)
+//   host_pageable_gbps                      pageable -> pageable, all cores: the host's copy rate
+// and per --chunks size, a line with the pipelined staged copy of --bytes through --slots pinned
+// chunks (the host fills chunk i + 1 while the link copies chunk i; each direction alone):
+//   staged_h2d_gbps, staged_d2h_gbps, and each over its pinned rate.
+// The first line tells which leg limits a staged copy; the chunk lines what such a pipeline can
+// reach on this host and link, beside what a step measured (ferry-bench overlap, trace).
+#include <fmt/format.h>
+
+#include <cstring>
+#include <vector>
+
+#include "bench.hpp"
+#include "ferry/cl/error.hpp"
+#include "ferry/offload/host_memory.hpp"
+#include "ferry/runtime/runtime.hpp"
+#include "ferry/runtime/units.hpp"
+
+namespace ferry::bench {
+namespace {
+
+struct StagingOptions {
+  std::string bytes = "256MiB";
+  std::vector<std::string> chunks = {"1MiB", "4MiB", "16MiB", "64MiB"};
+  int slots = 2;
+};
+
+double gbps(std::size_t bytes, double ms) {
+  return ms > 0 ? double(bytes) / (ms * 1e6) : 0.0;
+}
+
+// Median milliseconds of `repeat` runs of fn, after one untimed run (first touch, driver set-up).
+template <class F>
+double median_ms(int repeat, F&& fn) {
+  fn();
+  std::vector<double> t;
+  for (int r = 0; r < repeat; ++r) t.push_back(time_ms(fn));
+  return median(t);
+}
+
+class StagingBench {
+ public:
+  StagingBench(const cl::Context& ctx, std::size_t bytes, std::size_t largest_chunk, int slots)
+      : ctx_(ctx),
+        bytes_(bytes),
+        h2d_(ctx.queue(cl::QueueKind::h2d)),
+        d2h_(ctx.queue(cl::QueueKind::d2h)),
+        pageable_(offload::HostBuffer::pageable(bytes, "staging bench pageable source")),
+        pageable2_(offload::HostBuffer::pageable(bytes, "staging bench pageable destination")),
+        pinned_(offload::allocate_pinned_host(ctx, bytes, "staging bench pinned buffer")),
+        slots_(offload::allocate_pinned_host(ctx, largest_chunk * slots, "staging bench pinned chunks")),
+        device_(ctx.create_buffer(bytes, "staging bench device buffer")),
+        slot_count_(slots) {
+    // Every page written once, so no measurement pays first-touch faults.
+    std::memset(pageable_.data(), 1, bytes);
+    std::memset(pageable2_.data(), 2, bytes);
+    std::memset(pinned_.data(), 3, bytes);
+    std::memset(slots_.data(), 4, slots_.bytes());
+  }
+
+  nlohmann::json legs(int repeat) {
+    auto* pg = static_cast<std::byte*>(pageable_.data());
+    auto* pg2 = static_cast<std::byte*>(pageable2_.data());
+    auto* pn = static_cast<std::byte*>(pinned_.data());
+    nlohmann::json j;
+    j["pageable_h2d_gbps"] = gbps(bytes_, median_ms(repeat, [&] { write(pg, 0, bytes_, true); }));
+    j["pageable_d2h_gbps"] = gbps(bytes_, median_ms(repeat, [&] { read(pg2, 0, bytes_, true); }));
+    j["pinned_h2d_gbps"] = gbps(bytes_, median_ms(repeat, [&] { write(pn, 0, bytes_, true); }));
+    j["pinned_d2h_gbps"] = gbps(bytes_, median_ms(repeat, [&] { read(pn, 0, bytes_, true); }));
+    j["host_in_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pn, pg, bytes_); }));
+    j["host_in_1t_gbps"] = gbps(bytes_, median_ms(repeat, [&] { std::memcpy(pn, pg, bytes_); }));
+    j["host_out_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, pn, bytes_); }));
+    j["host_out_1t_gbps"] = gbps(bytes_, median_ms(repeat, [&] { std::memcpy(pg2, pn, bytes_); }));
+    j["host_pageable_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, pg, bytes_); }));
+    return j;
+  }
+
+  // Pageable -> device through the slots: chunk i is copied into slot i % slots once the link has
+  // finished with that slot's previous chunk, then its copy to the device is enqueued.
+  void staged_h2d(std::size_t chunk) {
+    const auto* src = static_cast<const std::byte*>(pageable_.data());
+    std::vector<cl::Event> done(slot_count_);
+    for (std::size_t off = 0, i = 0; off < bytes_; off += chunk, ++i) {
+      const std::size_t len = std::min(chunk, bytes_ - off);
+      cl::Event& e = done[i % slot_count_];
+      if (e) wait(e);
+      std::byte* slot = slot_at(i, chunk);
+      offload::copy_in_parallel(slot, src + off, len);
+      cl::Event next;
+      FERRY_CL(clEnqueueWriteBuffer(h2d_, device_.get(), CL_FALSE, off, len, slot, 0, nullptr, next.out()));
+      FERRY_CL(clFlush(h2d_));
+      e = std::move(next);
+    }
+    FERRY_CL(clFinish(h2d_));
+  }
+
+  // Device -> pageable: the first `slots` reads enqueued, then each chunk copied out of its slot
+  // once read, and the slot's next read enqueued.
+  void staged_d2h(std::size_t chunk) {
+    auto* dst = static_cast<std::byte*>(pageable2_.data());
+    const std::size_t count = (bytes_ + chunk - 1) / chunk;
+    std::vector<cl::Event> read_done(slot_count_);
+    auto enqueue_read = [&](std::size_t i) {
+      const std::size_t off = i * chunk, len = std::min(chunk, bytes_ - off);
+      FERRY_CL(clEnqueueReadBuffer(d2h_, device_.get(), CL_FALSE, off, len, slot_at(i, chunk), 0, nullptr,
+                                   read_done[i % slot_count_].out()));
+      FERRY_CL(clFlush(d2h_));
+    };
+    for (std::size_t i = 0; i < std::min<std::size_t>(count, slot_count_); ++i) enqueue_read(i);
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::size_t off = i * chunk, len = std::min(chunk, bytes_ - off);
+      wait(read_done[i % slot_count_]);
+      offload::copy_in_parallel(dst + off, slot_at(i, chunk), len);
+      if (i + slot_count_ < count) enqueue_read(i + slot_count_);
+    }
+  }
+
+ private:
+  static void wait(const cl::Event& e) {
+    cl_event raw = e.get();
+    FERRY_CL(clWaitForEvents(1, &raw));
+  }
+  std::byte* slot_at(std::size_t i, std::size_t chunk) const {
+    return static_cast<std::byte*>(slots_.data()) + (i % slot_count_) * chunk;
+  }
+  void write(const std::byte* host, std::size_t off, std::size_t len, bool blocking) {
+    FERRY_CL(
+        clEnqueueWriteBuffer(h2d_, device_.get(), blocking ? CL_TRUE : CL_FALSE, off, len, host, 0, nullptr, nullptr));
+  }
+  void read(std::byte* host, std::size_t off, std::size_t len, bool blocking) {
+    FERRY_CL(
+        clEnqueueReadBuffer(d2h_, device_.get(), blocking ? CL_TRUE : CL_FALSE, off, len, host, 0, nullptr, nullptr));
+  }
+
+  const cl::Context& ctx_;
+  std::size_t bytes_;
+  cl_command_queue h2d_, d2h_;
+  offload::HostBuffer pageable_, pageable2_;
+  cl::PinnedBuffer pinned_, slots_;
+  cl::Mem device_;
+  int slot_count_;
+};
+
+int run_staging(const BenchCommon& common, const StagingOptions& o) {
+  const std::uint64_t bytes = parse_bytes(o.bytes);
+  std::vector<std::uint64_t> chunks;
+  for (const std::string& c : o.chunks) chunks.push_back(parse_bytes(c));
+  if (bytes == 0) throw std::invalid_argument("--bytes must be above 0");
+  if (o.slots < 1 || o.slots > 64) throw std::invalid_argument(fmt::format("--slots {}: use 1 to 64", o.slots));
+  std::uint64_t largest = 0;
+  for (std::uint64_t c : chunks) {
+    if (c == 0 || c > bytes) {
+      throw std::invalid_argument(
+          fmt::format("--chunks: {} is not between 1 byte and --bytes ({})", format_bytes(c), format_bytes(bytes)));
+    }
+    largest = std::max(largest, c);
+  }
+  Runtime runtime({.device = common.device});
+  const cl::Context& ctx = runtime.context();
+  const cl::DeviceInfo& dev = ctx.device();
+  std::fprintf(stderr, "staging: %s through %d pinned chunks on %s\n", format_bytes(bytes).c_str(), o.slots,
+               dev.name.c_str());
+  StagingBench bench(ctx, bytes, largest, o.slots);
+  nlohmann::json base = {{"bench", "staging"}, {"device", dev.name},      {"device_type", dev.type_name()},
+                         {"bytes", bytes},     {"repeat", common.repeat}, {"slots", o.slots}};
+  nlohmann::json legs = base;
+  legs.update(bench.legs(common.repeat));
+  legs["chunk_bytes"] = nullptr;
+  emit_json(legs);
+  for (std::uint64_t chunk : chunks) {
+    nlohmann::json j = base;
+    j["chunk_bytes"] = chunk;
+    const double h2d = gbps(bytes, median_ms(common.repeat, [&] { bench.staged_h2d(chunk); }));
+    const double d2h = gbps(bytes, median_ms(common.repeat, [&] { bench.staged_d2h(chunk); }));
+    j["staged_h2d_gbps"] = h2d;
+    j["staged_d2h_gbps"] = d2h;
+    j["staged_h2d_over_pinned"] = h2d / legs["pinned_h2d_gbps"].get<double>();
+    j["staged_d2h_over_pinned"] = d2h / legs["pinned_d2h_gbps"].get<double>();
+    emit_json(j);
+  }
+  return 0;
+}
+
+BenchRun setup(CLI::App& sub, const BenchCommon& common) {
+  auto o = std::make_shared<StagingOptions>();
+  sub.add_option("--bytes", o->bytes, "bytes copied each way")->capture_default_str();
+  sub.add_option("--chunks", o->chunks, "staging chunk sizes, a line each")->capture_default_str();
+  sub.add_option("--slots", o->slots, "pinned chunks in flight")->capture_default_str();
+  return [o, &common] { return run_staging(common, *o); };
+}
+
+FERRY_BENCH("staging",
+            "each leg of a copy between pageable host memory and the device (pageable, pinned, the host's copies "
+            "into and out of pinned memory) and a pipeline of pinned staging chunks (GB/s)",
+            setup);
+
+}  // namespace
+}  // namespace ferry::bench
