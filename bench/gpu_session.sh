@@ -17,6 +17,10 @@
 #              7B host-optimizer run
 #   attention-tuned  `ferry tune --family attention` (40 s), then `ferry-bench attention` with the
 #              tuned kernel beside SDPA
+#   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
+#              through pinned chunks of 4, 16 and 64 MiB
+#   trace-staged, trace-pageable  the two 1B streamed runs with --host-memory staged (pageable), each
+#              with a trace of two steps and bench/trace_summary.py's account of the second
 # GPU_SESSION_BUDGET_S: seconds for the whole call (540).
 set -uo pipefail
 
@@ -86,6 +90,11 @@ for p in "$@"; do
       part attention-tune 90 "$kit/bin/ferry" tune --family attention --mode full --budget-seconds 40 --json
       part attention-tuned 90 "$kit/bin/ferry-bench" attention --contexts 1024,4096 --peer --peer-device cuda \
         --python "$python_peer" ;;
+    staging)
+      part staging 120 "$kit/bin/ferry-bench" --repeat 3 staging --bytes 1GiB --chunks 4MiB,16MiB,64MiB ;;
+    trace-staged | trace-pageable)
+      part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY="${p#trace-}" SCALE_GPU_TRACE=1 \
+        SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     scale7b) part scale7b 600 env SCALE_GPU_ONLY=7b SCALE_GPU_LIMIT_S=$(($(left) - 40)) bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     *) echo "gpu_session.sh: unknown part '$p'" >&2 ;;
   esac

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # kernels_gpu.sh: the GPU kernel comparisons no CPU session can make, in one call of a GPU machine:
-#   gemm       the tuned tiled GEMM with and without K split where its work-groups leave the last
-#              wave short (SK=1), on the tuner's scored products (squares, the MLP's linear0, the
-#              85M GPT's up and down projections and weight gradient)
-#   tune       `ferry tune --mode full`: the GEMM's search (each tiled finalist scored with and
-#              without SK=1) and the fused attention's (tiled against blocked, their tiles)
+#   gemm       the tuned tiled GEMM in each of KERNELS_GPU_GEMM_VARIANTS (comma-separated options added
+#              to the row; default: K split where its work-groups leave the last wave short (SK=1), that
+#              with float4 loads (VG=4), and that with registers capped at 128 (RR=128, NVIDIA)), on the
+#              tuner's scored products (squares, the MLP's linear0, the 85M GPT's up and down
+#              projections and weight gradient); each variant's first build report (FERRY_BUILD_REPORT:
+#              registers and spills from ptxas on NVIDIA, private memory elsewhere) is printed
+#   tune       `ferry tune --mode full`: the GEMM's search (each tiled finalist scored with its twins:
+#              SK=1, SK=1 VG=4, and on NVIDIA SK=1 VG=4 RR=128) and the fused attention's (tiled
+#              against blocked, their tiles)
 #   attention  `ferry-bench attention` with each family's default tiles, beside PyTorch's SDPA on
 #              CUDA when KERNELS_GPU_PYTHON names a Python with torch
 #
@@ -30,11 +34,13 @@ for b in ferry ferry-bench; do
 done
 row=${KERNELS_GPU_ROW:-tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=2}
 tiny=${KERNELS_GPU_TINY:-0}
+variants=${KERNELS_GPU_GEMM_VARIANTS:-SK=1,SK=1 VG=4,SK=1 VG=4 RR=128}
 if [[ $tiny == 1 ]]; then
-  shapes=("96,32,300" "32,96,257 --trans-a")
+  shapes=("96,32,300" "32,96,256 --trans-a")
   contexts=64
   budget=5
   row="tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2"
+  variants=${KERNELS_GPU_GEMM_VARIANTS:-SK=1,SK=1 VG=4}
 else
   shapes=("1024,1024,1024" "2048,2048,2048" "256,1024,784 --trans-b" "2048,3072,768 --trans-b" "2048,768,3072"
     "768,3072,2048 --trans-a")
@@ -55,23 +61,29 @@ for line in open(sys.argv[1]):
         print(" ".join(f"{k}={j.get(k)}" for k in sys.argv[2:]))' "$@"
 }
 
-part gemm && echo "== gemm: $row as a tuning row, without SK (tiles halved below a wave) and with SK=1"
+part gemm && echo "== gemm: $row as a tuning row, with each of: $variants"
 # As a row of the tuning data (FERRY_GEMM_TUNING, tuning off), so the shape fit applies as in training.
-i=0
-part gemm && for shape in "${shapes[@]}"; do
-  for sk in "" " SK=1"; do
-    f="$out/gemm_${i}${sk:+_sk}.jsonl"
-    printf '*\t*\t*\tferry\t%s\t%s\n' "${row%% *}" "${row#* }$sk" >"$out/row${sk:+_sk}.tsv"
+# The build report on stderr: with NVIDIA's own kernel cache off, ptxas runs and says what it used.
+IFS=, read -r -a variant_list <<<"$variants"
+v=0
+part gemm && for variant in "${variant_list[@]}"; do
+  printf '*\t*\t*\tferry\t%s\t%s\n' "${row%% *}" "${row#* } $variant" >"$out/row_$v.tsv"
+  echo " $variant"
+  i=0
+  for shape in "${shapes[@]}"; do
+    f="$out/gemm_${i}_v$v.jsonl"
     # shellcheck disable=SC2086  # the shape's transpose flag is a separate word
-    if FERRY_TUNE=off FERRY_GEMM_TUNING="$out/row${sk:+_sk}.tsv" timeout 120 "$bin/ferry-bench" --repeat 9 gemm \
-      --impls ferry --shape $shape >"$f" 2>"$f.err"; then
-      echo "  $shape${sk:- SK=0}: $(field "$f" gflops kernel)"
+    if FERRY_TUNE=off FERRY_GEMM_TUNING="$out/row_$v.tsv" FERRY_BUILD_REPORT=1 CUDA_CACHE_DISABLE=1 timeout 120 \
+      "$bin/ferry-bench" --repeat 9 gemm --impls ferry --shape $shape >"$f" 2>"$f.err"; then
+      echo "  $shape: $(field "$f" gflops kernel)"
     else
-      echo "  $shape$sk: failed (see $f.err)"
+      echo "  $shape: failed (see $f.err)"
       status=1
     fi
+    ((i == 0)) && grep -E "registers|spill|kernel gemm_tiled:" "$f.err" | sort -u | head -n 6 | sed "s/^/    /"
+    i=$((i + 1))
   done
-  i=$((i + 1))
+  v=$((v + 1))
 done
 
 part tune && echo "== tune: ferry tune --mode full"

@@ -22,7 +22,8 @@
 # SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY
 # adds --host-memory to them), SCALE_GPU_ONLY=7b gpt7b_stream_host alone
 # (SCALE_GPU_LIMIT_S bounds each); SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
-# of the script itself, on any device).
+# of the script itself, on any device). SCALE_GPU_TRACE=1: each run also writes a trace of its first
+# two steps (NAME.trace.json) and prints bench/trace_summary.py's summary of the second.
 set -uo pipefail
 
 ferry=${1:-build/release/ferry}
@@ -49,11 +50,17 @@ run() {
     done) >"$out/$name.smi" &
     sampler=$!
   fi
+  local trace=()
+  [[ ${SCALE_GPU_TRACE:-0} == 1 ]] && trace=(--trace "$out/$name.trace.json" --trace-steps 2 --force)
   # 16 validation windows: the pass after the steps streams the whole model per batch of windows.
-  timeout "$limit" "$ferry" train "$@" --steps "$steps" --eval-every "$steps" --val-windows 16 --json \
+  timeout "$limit" "$ferry" train "$@" --steps "$steps" --eval-every "$steps" --val-windows 16 --json "${trace[@]}" \
     >"$out/$name.json" 2>"$out/$name.err"
   local rc=$?
   [[ -n $sampler ]] && kill "$sampler" 2>/dev/null
+  if [[ -s $out/$name.trace.json ]]; then
+    python3 "$(dirname "${BASH_SOURCE[0]}")/trace_summary.py" "$out/$name.trace.json" --step 1 \
+      >"$out/$name.trace_summary.json" && cat "$out/$name.trace_summary.json"
+  fi
   python3 - "$name" "$rc" "$out" <<'EOF'
 import json, sys
 name, rc, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -40,6 +40,9 @@ for key in test_accuracy train_loss samples_per_s step_ms device_peak_bytes trai
 done
 check "the JSON is one line" test "$(wc -l <<<"$json")" -eq 1
 check "the trace is a Chrome trace with lanes" bash -c "head -c 40 '$work/trace.json' | grep -q traceEvents && grep -q '\"compute\"' '$work/trace.json'"
+summary_py="$(dirname "${BASH_SOURCE[0]}")/../../bench/trace_summary.py"
+check "bench/trace_summary.py accounts for the traced step's compute lane" bash -c \
+  "python3 '$summary_py' '$work/trace.json' --step 1 | grep -q '\"compute\": {\"nodes\": [1-9]'"
 check "the profile is CSV with per-node device bytes" bash -c "head -1 '$work/profile.csv' | grep -q '^variant,step,node,kind,lane,section,live_device_bytes' && [ \$(wc -l < '$work/profile.csv') -gt 20 ]"
 
 streamed=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --residency stream --device-budget 24MiB)

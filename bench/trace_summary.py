@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Where a traced step's time goes, from a `ferry train --trace FILE` (or ferry-bench) Chrome trace.
+
+usage: python3 bench/trace_summary.py TRACE.json [--step N]
+
+Per step (or the one --step names) and lane (compute, copy in, copy out, host, host unpack,
+host thread): the step's span, the lane's busy time and share of the span, its node count, and
+for lanes that move bytes the rate they moved them at while busy (bytes of the nodes' tensors over
+their durations: for copies and unpack/pack, what was copied). Then the longest idle stretches of
+the compute lane, each with what the other lanes were doing just before it ended (the node on
+each lane whose end is the latest before the compute lane resumed): the waits a streamed step
+pays. Standard library only; reads the layout docs/outputs.md describes.
+"""
+import argparse
+import collections
+import json
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        trace = json.load(f)
+    lanes = {}
+    spans = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            lanes[e["tid"]] = e["args"]["name"]
+        elif e.get("ph") == "X":
+            spans.append(e)
+    return lanes, spans
+
+
+def summarize(lanes, spans, step):
+    steps = [s for s in spans if lanes.get(s["tid"]) == "steps"]
+    marker = next((s for s in steps if s.get("args", {}).get("step") == step), None)
+    mine = [s for s in spans if s.get("args", {}).get("step") == step and lanes.get(s["tid"]) != "steps"]
+    if not mine:
+        return None
+    t0 = marker["ts"] if marker else min(s["ts"] for s in mine)
+    t1 = marker["ts"] + marker["dur"] if marker else max(s["ts"] + s["dur"] for s in mine)
+    span = max(t1 - t0, 1e-9)
+    out = {"step": step, "span_ms": span / 1e3, "lanes": {}}
+    by_lane = collections.defaultdict(list)
+    for s in mine:
+        by_lane[lanes.get(s["tid"], str(s["tid"]))].append(s)
+    for name, ss in sorted(by_lane.items()):
+        busy = union_length([(s["ts"], s["ts"] + s["dur"]) for s in ss])
+        moved = sum(s.get("args", {}).get("bytes", 0) for s in ss if s.get("args", {}).get("op") in (
+            "fetch", "write_back", "unpack", "pack", "upload", "download"))
+        lane = {"nodes": len(ss), "busy_ms": busy / 1e3, "busy_share": busy / span}
+        if moved:
+            # A copy node's bytes count its input and its output: half of them crossed.
+            lane["copied_gb"] = moved / 2 / 1e9
+            lane["gbps_while_busy"] = moved / 2 / max(busy, 1e-9) / 1e3
+        out["lanes"][name] = lane
+    out["compute_gaps"] = compute_gaps(by_lane, t0, t1)
+    return out
+
+
+def union_length(intervals):
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def compute_gaps(by_lane, t0, t1, keep=8):
+    compute = sorted(by_lane.get("compute", []), key=lambda s: s["ts"])
+    gaps = []
+    last_end = t0
+    for s in compute:
+        if s["ts"] - last_end > 0:
+            gaps.append((s["ts"] - last_end, last_end, s["ts"], s["name"]))
+        last_end = max(last_end, s["ts"] + s["dur"])
+    if t1 - last_end > 0:
+        gaps.append((t1 - last_end, last_end, t1, "(end of step)"))
+    gaps.sort(reverse=True)
+    out = []
+    for length, a, b, resumed in gaps[:keep]:
+        before = {}
+        for lane, ss in by_lane.items():
+            if lane == "compute":
+                continue
+            ended = [x for x in ss if x["ts"] + x["dur"] <= b + 1]
+            if ended:
+                x = max(ended, key=lambda x: x["ts"] + x["dur"])
+                if x["ts"] + x["dur"] >= a:
+                    before[lane] = f'{x["name"]} ({x["dur"] / 1e3:.2f} ms)'
+        out.append({"idle_ms": length / 1e3, "from_ms": (a - t0) / 1e3, "resumed_with": resumed,
+                    "last_before_on_other_lanes": before})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--step", type=int, help="the step to summarize (default: every step in the file)")
+    a = ap.parse_args()
+    lanes, spans = load(a.trace)
+    steps = sorted({s.get("args", {}).get("step") for s in spans if "step" in s.get("args", {})})
+    if a.step is not None:
+        steps = [a.step]
+    if not steps:
+        print(f"trace_summary.py: no steps in {a.trace}", file=sys.stderr)
+        return 1
+    for step in steps:
+        r = summarize(lanes, spans, step)
+        if r:
+            print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
