@@ -4,7 +4,8 @@
 usage: python3 bench/trace_summary.py TRACE.json [--step N]
 
 Per step (or the one --step names) and lane (compute, copy in, copy out, host, host unpack,
-host thread): the step's span, the lane's busy time and share of the span, its node count, and
+host thread): the step's span, the lane's busy time and share of the span, its node count, its
+three longest spans (an enqueue that blocked in the driver shows on `host thread`), and
 for lanes that move bytes the rate they moved them at while busy (bytes of the nodes' tensors over
 their durations: for copies and unpack/pack, what was copied). Then the longest idle stretches of
 the compute lane, each with what the other lanes were doing just before it ended (the node on
@@ -48,6 +49,9 @@ def summarize(lanes, spans, step):
         moved = sum(s.get("args", {}).get("bytes", 0) for s in ss if s.get("args", {}).get("op") in (
             "fetch", "write_back", "unpack", "pack", "upload", "download"))
         lane = {"nodes": len(ss), "busy_ms": busy / 1e3, "busy_share": busy / span}
+        # The longest spans: on `host thread`, enqueue calls that blocked in the driver show here.
+        longest = sorted(ss, key=lambda s: s["dur"], reverse=True)[:3]
+        lane["longest"] = [f'{s["name"]} {s["dur"] / 1e3:.2f} ms' for s in longest]
         if moved:
             # A copy node's bytes count its input and its output: half of them crossed.
             lane["copied_gb"] = moved / 2 / 1e9
