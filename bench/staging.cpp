@@ -13,6 +13,12 @@
 //   host_out_gbps, host_out_1t_gbps         pinned -> pageable (a slow one means the driver maps
 //                                           pinned memory uncached or write-combined)
 //   host_pageable_gbps                      pageable -> pageable, all cores: the host's copy rate
+//   registered_h2d_gbps, registered_d2h_gbps, host_in_registered_gbps, host_out_registered_gbps
+//                                           the same with the process's own pages handed to the
+//                                           driver (CL_MEM_USE_HOST_PTR, mapped): where a driver
+//                                           pins them in place they stay cached for the host's
+//                                           copies, which ALLOC_HOST_PTR memory may not be (null,
+//                                           with registered_error, where the driver refuses)
 // and per --chunks size, a line with the pipelined staged copy of --bytes through --slots pinned
 // chunks (the host fills chunk i + 1 while the link copies chunk i; each direction alone):
 //   staged_h2d_gbps, staged_d2h_gbps, and each over its pinned rate.
@@ -69,6 +75,11 @@ class StagingBench {
     std::memset(pageable2_.data(), 2, bytes);
     std::memset(pinned_.data(), 3, bytes);
     std::memset(slots_.data(), 4, slots_.bytes());
+    try {
+      registered_ = register_pages(ctx, registered_pages_, bytes);
+    } catch (const std::exception& e) {
+      registered_error_ = e.what();
+    }
   }
 
   nlohmann::json legs(int repeat) {
@@ -85,6 +96,21 @@ class StagingBench {
     j["host_out_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, pn, bytes_); }));
     j["host_out_1t_gbps"] = gbps(bytes_, median_ms(repeat, [&] { std::memcpy(pg2, pn, bytes_); }));
     j["host_pageable_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, pg, bytes_); }));
+    if (!registered_.data()) {
+      for (const char* k :
+           {"registered_h2d_gbps", "registered_d2h_gbps", "host_in_registered_gbps", "host_out_registered_gbps"}) {
+        j[k] = nullptr;
+      }
+      j["registered_error"] = registered_error_;
+      return j;
+    }
+    auto* rg = static_cast<std::byte*>(registered_.data());
+    j["registered_h2d_gbps"] = gbps(bytes_, median_ms(repeat, [&] { write(rg, 0, bytes_, true); }));
+    j["registered_d2h_gbps"] = gbps(bytes_, median_ms(repeat, [&] { read(rg, 0, bytes_, true); }));
+    j["host_in_registered_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(rg, pg, bytes_); }));
+    j["host_out_registered_gbps"] =
+        gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, rg, bytes_); }));
+    j["registered_error"] = nullptr;
     return j;
   }
 
@@ -129,6 +155,19 @@ class StagingBench {
   }
 
  private:
+  // `pages` (page-aligned, written once) handed to the driver as the buffer's own memory and
+  // mapped for the buffer's life; `pages` must outlive the returned buffer.
+  static cl::PinnedBuffer register_pages(const cl::Context& ctx, offload::HostBuffer& pages, std::size_t bytes) {
+    pages = offload::HostBuffer::pageable(bytes, "staging bench registered pages");
+    std::memset(pages.data(), 5, bytes);
+    cl_int status = CL_SUCCESS;
+    cl::Mem mem(clCreateBuffer(ctx.get(), CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, pages.data(), &status));
+    cl::check(status, "clCreateBuffer(CL_MEM_USE_HOST_PTR, registered pages)");
+    void* host = clEnqueueMapBuffer(ctx.compute(), mem.get(), CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes, 0, nullptr,
+                                    nullptr, &status);
+    cl::check(status, "clEnqueueMapBuffer(registered pages)");
+    return cl::PinnedBuffer(std::move(mem), ctx.compute(), host, bytes);
+  }
   static void wait(const cl::Event& e) {
     cl_event raw = e.get();
     FERRY_CL(clWaitForEvents(1, &raw));
@@ -152,6 +191,9 @@ class StagingBench {
   cl::PinnedBuffer pinned_, slots_;
   cl::Mem device_;
   int slot_count_;
+  offload::HostBuffer registered_pages_;  // before registered_: the buffer goes first
+  cl::PinnedBuffer registered_;
+  std::string registered_error_;
 };
 
 int run_staging(const BenchCommon& common, const StagingOptions& o) {
