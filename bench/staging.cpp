@@ -21,12 +21,22 @@
 //                                           with registered_error, where the driver refuses)
 // and per --chunks size, a line with the pipelined staged copy of --bytes through --slots pinned
 // chunks (the host fills chunk i + 1 while the link copies chunk i; each direction alone):
-//   staged_h2d_gbps, staged_d2h_gbps, and each over its pinned rate.
+//   staged_h2d_gbps, staged_d2h_gbps, and each over its pinned rate;
+//   staged_handoff_h2d_gbps                 the same pipeline driven as a compiled step's staged
+//                                           fetches are: each chunk's host copy runs on a TBB worker
+//                                           that the completion callback of the copy which last used
+//                                           its slot starts, and that worker enqueues the chunk's copy
+//                                           to the device (two hand-offs per chunk); far below
+//                                           staged_h2d_gbps means the hand-offs, not the copies, cost
 // The first line tells which leg limits a staged copy; the chunk lines what such a pipeline can
 // reach on this host and link, beside what a step measured (ferry-bench overlap, trace).
 #include <fmt/format.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "bench.hpp"
@@ -133,6 +143,77 @@ class StagingBench {
     FERRY_CL(clFinish(h2d_));
   }
 
+  // staged_h2d's pipeline with a compiled step's hand-offs: chunk i's host copy and enqueue run on
+  // a worker thread that the completion callback of chunk i - slots's copy to the device wakes (a
+  // compiled step hands the callback to a TBB worker the same way).
+  void staged_handoff_h2d(std::size_t chunk) {
+    struct Run {
+      StagingBench* bench;
+      std::size_t chunk, count;
+      std::vector<cl::Event> events;                        // chunk i's copy to the device
+      std::vector<std::pair<Run*, std::size_t>> callbacks;  // chunk i's callback's argument
+      std::mutex m;
+      std::condition_variable cv;
+      std::deque<std::size_t> ready;      // chunks whose slot is free, for the worker
+      std::size_t started = 0, done = 0;  // chunks whose copy began; whose callback ran (or failed to be set)
+      cl_int status = CL_COMPLETE;
+      // Every callback set has run: `this` may go.
+      bool settled() const { return done == started && (started == count || status < 0); }
+      void copy(std::size_t i) {
+        {
+          std::lock_guard lock(m);
+          ++started;
+        }
+        const std::size_t off = i * chunk, len = std::min(chunk, bench->bytes_ - off);
+        std::byte* slot = bench->slot_at(i, chunk);
+        offload::copy_in_parallel(slot, static_cast<const std::byte*>(bench->pageable_.data()) + off, len);
+        cl_int rc = clEnqueueWriteBuffer(bench->h2d_, bench->device_.get(), CL_FALSE, off, len, slot, 0, nullptr,
+                                         events[i].out());
+        if (rc == CL_SUCCESS) rc = clFlush(bench->h2d_);
+        if (rc == CL_SUCCESS) rc = clSetEventCallback(events[i].get(), CL_COMPLETE, &Run::on_complete, &callbacks[i]);
+        if (rc != CL_SUCCESS) finish_one(rc, count);
+      }
+      static void CL_CALLBACK on_complete(cl_event, cl_int status, void* user) {
+        const auto [r, i] = *static_cast<std::pair<Run*, std::size_t>*>(user);
+        const std::size_t next = i + r->bench->slot_count_;
+        r->finish_one(status, next < r->count && status >= 0 ? next : r->count);
+      }
+      // One chunk done (or failed); `next` (< count) is the chunk its slot now takes.
+      void finish_one(cl_int rc, std::size_t next) {
+        std::lock_guard lock(m);
+        if (rc < 0) status = rc;
+        ++done;
+        if (next < count) ready.push_back(next);
+        cv.notify_all();
+      }
+    };
+    Run r{this, chunk, (bytes_ + chunk - 1) / chunk};
+    r.events.resize(r.count);
+    for (std::size_t i = 0; i < r.count; ++i) r.callbacks.emplace_back(&r, i);
+    const std::size_t first = std::min<std::size_t>(r.count, slot_count_);
+    std::thread worker([&r] {
+      std::unique_lock lock(r.m);
+      for (;;) {
+        r.cv.wait(lock, [&] { return !r.ready.empty() || r.settled(); });
+        if (r.ready.empty()) return;
+        const std::size_t i = r.ready.front();
+        r.ready.pop_front();
+        if (r.status < 0) continue;  // a failed chunk: start no more, let those in flight settle
+        lock.unlock();
+        r.copy(i);
+        lock.lock();
+      }
+    });
+    for (std::size_t i = 0; i < first; ++i) r.copy(i);
+    {
+      std::lock_guard lock(r.m);
+      r.cv.notify_all();  // settled() may have become true before the worker first waited
+    }
+    worker.join();
+    FERRY_CL(clFinish(h2d_));
+    cl::check(r.status, "a staged copy of the hand-off chain");
+  }
+
   // Device -> pageable: the first `slots` reads enqueued, then each chunk copied out of its slot
   // once read, and the slot's next read enqueued.
   void staged_d2h(std::size_t chunk) {
@@ -228,6 +309,7 @@ int run_staging(const BenchCommon& common, const StagingOptions& o) {
     const double h2d = gbps(bytes, median_ms(common.repeat, [&] { bench.staged_h2d(chunk); }));
     const double d2h = gbps(bytes, median_ms(common.repeat, [&] { bench.staged_d2h(chunk); }));
     j["staged_h2d_gbps"] = h2d;
+    j["staged_handoff_h2d_gbps"] = gbps(bytes, median_ms(common.repeat, [&] { bench.staged_handoff_h2d(chunk); }));
     j["staged_d2h_gbps"] = d2h;
     j["staged_h2d_over_pinned"] = h2d / legs["pinned_h2d_gbps"].get<double>();
     j["staged_d2h_over_pinned"] = d2h / legs["pinned_d2h_gbps"].get<double>();
@@ -239,7 +321,7 @@ int run_staging(const BenchCommon& common, const StagingOptions& o) {
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<StagingOptions>();
   sub.add_option("--bytes", o->bytes, "bytes copied each way")->capture_default_str();
-  sub.add_option("--chunks", o->chunks, "staging chunk sizes, a line each")->capture_default_str();
+  sub.add_option("--chunks", o->chunks, "staging chunk sizes, a line each")->delimiter(',')->capture_default_str();
   sub.add_option("--slots", o->slots, "pinned chunks in flight")->capture_default_str();
   return [o, &common] { return run_staging(common, *o); };
 }
