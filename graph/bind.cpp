@@ -33,6 +33,7 @@ class NodeBinding final : public NodeView<ops::BindContext> {
   }
   ops::HostAddress host_out(std::size_t i) const override { return at_.host(out_ids()[i], true); }
   ops::DeviceSpan step_status() const override { return at_.status; }
+  ops::StagedCopier* staged_copier() const override { return at_.staged_copier; }
 
  private:
   const TensorLocator& at_;

@@ -17,7 +17,8 @@ struct TensorLocator {
   // Host memory of a tensor whose home is the host: `write` selects where a new value goes (the
   // next copy of a streamed tensor) rather than where the current value is.
   std::function<ops::HostAddress(TensorId, bool write)> host;
-  ops::DeviceSpan status;  // the step's status word (BindContext::step_status)
+  ops::DeviceSpan status;                      // the step's status word (BindContext::step_status)
+  ops::StagedCopier* staged_copier = nullptr;  // the step's ring for chunked fetches, if any
 };
 
 // Checks every node's float operands against the dtypes its row accepts. Throws

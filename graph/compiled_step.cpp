@@ -137,6 +137,10 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
         staging ? fmt::format("pinned staging buffer {} of the step's transfers", b)
                 : fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b)));
   }
+  if (plan_.fetch_ring_chunk_bytes > 0) {
+    impl_->fetch_ring = std::make_unique<offload::FetchRing>(
+        static_cast<std::byte*>(impl_->host_transient.back().data()), plan_.fetch_ring_chunk_bytes);
+  }
 
   // 3. The batch and the results cross the link through host mirrors (pinned, from the plan's
   // host pool): the caller fills the input ones before run() and reads the results after.
@@ -225,6 +229,7 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool 
       break;
     }
   }
+  at.staged_copier = impl_->fetch_ring.get();
   impl_->launches.resize(n.size());
   impl_->bound = bind_kernels;
   for (NodeId id = 0; id < n.size(); ++id) {

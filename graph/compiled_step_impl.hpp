@@ -18,6 +18,7 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/offload/pinned_host.hpp"
 #include "graph/compiled_step.hpp"
+#include "offload/fetch_ring.hpp"
 #include "request_poller.hpp"
 
 namespace ferry::graph {
@@ -113,6 +114,8 @@ struct CompiledStep::Impl {
   // The plan's host pool: batch mirrors, spilled weight gradients, staging; in mapped mode weight
   // gradients that kernels address (then always pinned).
   std::vector<offload::HostBuffer> host_transient;
+  // Chunked fetches' ring, over the plan's last pinned staging buffer (MemoryPlan::fetch_ring_chunk_bytes).
+  std::unique_ptr<offload::FetchRing> fetch_ring;
   // The batch mirrors of host mirror slots 1.. (slot 0's live in host_transient, from the plan):
   // per slot, one pinned buffer per mirror tensor.
   std::map<TensorId, std::size_t> mirror_index;              // batch mirror -> index

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "compiled_step_impl.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {
@@ -80,6 +81,12 @@ void CompiledStep::enqueue_device_node(Submission& s, NodeId id, std::vector<cl_
     cl::check(rc, "clCreateUserEvent(injected failure)");
     wait.push_back(failing.get());
   }
+  // A chunked fetch waits, while it is enqueued, for its first chunks' copies (and so for its wait
+  // list) once its tensor outgrows the ring: its wait list may hold only commands that complete
+  // without it, so an injected failure is set before it is enqueued, not after.
+  const bool chunked =
+      graph_.nodes.op[id] == builtin::fetch && ops::FetchAttrs::of(graph_.nodes.attrs[id]).chunk_kib > 0;
+  if (failing && chunked) FERRY_CL(clSetUserEventStatus(failing.get(), CL_OUT_OF_RESOURCES));
   cl::Event ev;
   // Transfers-only runs (overlap measurement) enqueue the copies but no compute.
   if (s.mode != RunMode::transfers_only || lane != Lane::compute) {
@@ -91,7 +98,7 @@ void CompiledStep::enqueue_device_node(Submission& s, NodeId id, std::vector<cl_
                                          ev.out()));
   }
   s.events[id] = std::move(ev);
-  if (failing) FERRY_CL(clSetUserEventStatus(failing.get(), CL_OUT_OF_RESOURCES));
+  if (failing && !chunked) FERRY_CL(clSetUserEventStatus(failing.get(), CL_OUT_OF_RESOURCES));
 }
 
 // The commit point: a marker that every in-place node after it waits for, and that fails when

@@ -30,6 +30,9 @@
 #include <set>
 #include <stdexcept>
 
+#include "offload/fetch_ring.hpp"
+#include "ops/attrs.hpp"
+
 namespace ferry::graph {
 namespace {
 
@@ -461,7 +464,17 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   const PoolResult transient_plan =
       plan_pool(transient, n.size(), options.max_buffer_bytes, options.existing_transient_buffers);
   const PoolResult host_plan = plan_pool(host_transient, n.size(), options.max_buffer_bytes, {});
-  const PoolResult staging_plan = plan_pool(staging, n.size(), options.max_buffer_bytes, {});
+  PoolResult staging_plan = plan_pool(staging, n.size(), options.max_buffer_bytes, {});
+  // The chunked fetches' ring: a pinned buffer of its own after the staging tensors' (one fetch at
+  // a time uses it, whatever the node order, so it is not packed by liveness).
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (n.op[id] != builtin::fetch) continue;
+    const std::uint64_t chunk = std::uint64_t(ops::FetchAttrs::of(n.attrs[id]).chunk_kib) * 1024;
+    plan.fetch_ring_chunk_bytes = std::max(plan.fetch_ring_chunk_bytes, chunk);
+  }
+  if (plan.fetch_ring_chunk_bytes > 0) {
+    staging_plan.sizes.push_back(align_up(offload::FetchRing::slots * plan.fetch_ring_chunk_bytes, options.alignment));
+  }
   for (std::size_t i = 0; i < transient.ids.size(); ++i) t.placement[transient.ids[i]] = transient_plan.placement[i];
   for (std::size_t i = 0; i < host_transient.ids.size(); ++i) {
     t.placement[host_transient.ids[i]] = host_plan.placement[i];

@@ -719,7 +719,7 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
   auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
     Graph s = stream_graph(base, cache, lookahead);
     stage_home_transfers(s, host_unified && options.zero_copy_staging, host_copies_for(options.homes.host_memory),
-                         options.staging_min_bytes);
+                         options.staging_min_bytes, options.staging_chunk_bytes);
     count_transfers(s, r);
     MemoryPlan p = plan_memory(s, mopt);
     r.cache_limit_bytes = cache;

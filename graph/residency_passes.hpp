@@ -25,11 +25,13 @@ void place_updates_early(Graph& g, bool pinned_in_place);
 // pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
 // `host_unified`, the device copies themselves are the staging. Host copies of pageable memory:
 // `written`, the fetches of what the step wrote go through staging too; `staged`, also every other
-// fetch and write-back of at least `host_copy_min_bytes`.
+// fetch and write-back of at least `host_copy_min_bytes`, the fetches among them (those of what
+// the step did not write) as chunked fetches through a ring of pinned chunks of `chunk_bytes` when
+// that is above 0.
 enum class HostCopies : std::uint8_t { none, written, staged };
 HostCopies host_copies_for(offload::HostMemory resolved);
 void stage_home_transfers(Graph& g, bool host_unified, HostCopies host_copies = HostCopies::none,
-                          std::uint64_t host_copy_min_bytes = 0);
+                          std::uint64_t host_copy_min_bytes = 0, std::uint64_t chunk_bytes = 0);
 
 // Rewrites `g` for the chosen mode, plans its memory and returns the plan. For stream mode it
 // searches the largest cache limit whose planned device peak fits the budget. Throws BudgetError

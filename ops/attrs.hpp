@@ -24,11 +24,14 @@ inline void set_relu_fused(NodeAttrs& a) {
   a.i[2] = 1;
 }
 
-// fetch: the copy reads the value this step's write-back of the tensor wrote (it runs after it).
+// fetch: after_write_back (the stream transform: the fetch follows this step's write-back of its
+// tensor); chunk_kib > 0: a chunked fetch (staged host memory, graph/passes/staging.cpp), copied
+// through the step's ring of pinned chunks of that many KiB (BindContext::staged_copier).
 struct FetchAttrs {
   bool after_write_back = false;
-  NodeAttrs pack() const { return {{after_write_back ? 1 : 0, 0, 0, 0}, {}}; }
-  static FetchAttrs of(const NodeAttrs& a) { return {a.i[0] != 0}; }
+  std::int32_t chunk_kib = 0;
+  NodeAttrs pack() const { return {{after_write_back ? 1 : 0, chunk_kib, 0, 0}, {}}; }
+  static FetchAttrs of(const NodeAttrs& a) { return {a.i[0] != 0, a.i[1]}; }
 };
 
 // activation: which one.

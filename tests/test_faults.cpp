@@ -21,6 +21,7 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
+#include "ops/attrs.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -87,11 +88,12 @@ struct FaultCase {
     compressed_state,
     streamed_compressed_state,
     streamed_state,  // weights on the device, optimizer state streamed from pinned host memory
+    stream_chunked,  // streamed, staged host memory, the fetches chunked through the ring (4 KiB chunks)
   } config;
   // Which node fails: the last backward (gradient) kernel, a fetch or a write-back in the second
   // half of the step before its commit point (streamed: of spilled gradients), a host update, an
-  // unpack of compressed state.
-  enum Victim { kernel, fetch, write_back, host_update, unpack } victim;
+  // unpack of compressed state, a chunked fetch (the middle one before the commit point).
+  enum Victim { kernel, fetch, write_back, host_update, unpack, chunked_fetch } victim;
   graph::Fault fault;
 };
 
@@ -119,6 +121,11 @@ TrainerOptions options_for(Runtime& rt, const ModelSpec& m, FaultCase::Config c)
       o.residency.weights_home = graph::Home::device;
       o.residency.state_home = graph::Home::host_pinned;
       return o;
+    case FaultCase::stream_chunked:
+      o.residency.homes.host_memory = offload::HostMemory::staged;
+      o.residency.staging_min_bytes = 0;
+      o.residency.staging_chunk_bytes = 4096;
+      return streamed(rt, m, o);
   }
   return o;
 }
@@ -152,6 +159,9 @@ graph::NodeId pick_victim(const graph::CompiledStep& step, FaultCase::Victim v) 
         break;
       case FaultCase::unpack:
         if (n.lane[id] == graph::Lane::unpack) found.push_back(id);
+        break;
+      case FaultCase::chunked_fetch:
+        if (n.op[id] == graph::builtin::fetch && ops::FetchAttrs::of(n.attrs[id]).chunk_kib > 0) found.push_back(id);
         break;
     }
   }
@@ -228,6 +238,11 @@ INSTANTIATE_TEST_SUITE_P(
         FaultCase{"fetch_fails_on_device", FaultCase::stream, FaultCase::fetch, graph::Fault::device_error},
         FaultCase{"write_back_refused", FaultCase::stream, FaultCase::write_back, graph::Fault::enqueue_error},
         FaultCase{"write_back_fails_on_device", FaultCase::stream, FaultCase::write_back, graph::Fault::device_error},
+        FaultCase{"chunked_fetch_refused", FaultCase::stream_chunked, FaultCase::chunked_fetch,
+                  graph::Fault::enqueue_error},
+        FaultCase{"chunked_fetch_throws", FaultCase::stream_chunked, FaultCase::chunked_fetch, graph::Fault::exception},
+        FaultCase{"chunked_fetch_fails_on_device", FaultCase::stream_chunked, FaultCase::chunked_fetch,
+                  graph::Fault::device_error},
         // (A host update failing is after the commit point now that the host optimizer updates
         // the one host copy in place: test_residency's HostOptimizer test checks that partial update.)
         FaultCase{"compressed_unpack_throws", FaultCase::streamed_compressed_state, FaultCase::unpack,

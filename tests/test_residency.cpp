@@ -9,6 +9,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/offload/pinned_host.hpp"
+#include "ops/attrs.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -112,6 +113,17 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
                    staged(options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2))});
   cases.push_back({"optimizer state streamed, staged host memory",
                    staged(homes(graph::ResidencyMode::resident, std::nullopt, graph::Home::host_pinned))});
+  // Chunked fetches: chunks of 4 KiB, so most tensors take several and the four slots go round
+  // within a fetch and from one fetch to the next.
+  auto chunked = [&](TrainerOptions o) {
+    o = staged(o);
+    o.residency.staging_chunk_bytes = 4096;
+    return o;
+  };
+  cases.push_back({"stream at the minimum budget, staged host memory, chunked fetches",
+                   chunked(options(graph::ResidencyMode::stream, min_budget, 0))});
+  cases.push_back({"stream at 1.5x the minimum, lookahead 2, staged host memory, chunked fetches",
+                   chunked(options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2))});
   if (rt.device().host_unified_memory) {
     cases.push_back({"mapped, pageable host memory asked for", pageable(options(graph::ResidencyMode::mapped, 0))});
     cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
@@ -268,6 +280,25 @@ TEST(Residency, StagedHostMemoryCopiesThroughASmallPinnedArea) {
   EXPECT_LE(plan.host_staging_bytes, 4 * (largest + 256));
   EXPECT_LT(plan.host_staging_bytes, t.weight_bytes() + t.optimizer_state_bytes());
   EXPECT_EQ(plan.host_transient_buffers.size() - plan.host_staging_from, plan.host_staging_bytes > 0 ? 1u : 0u);
+
+  // Chunked fetches: each fetch copies itself through the ring (no unpack node); the write-backs
+  // still go through staging and pack nodes, and the ring is one more pinned staging buffer of
+  // four chunks.
+  o.residency.staging_chunk_bytes = 64 << 10;
+  Trainer chunked(rt, m, o);
+  EXPECT_EQ(chunked.residency().unpacks, 0u);
+  EXPECT_EQ(chunked.residency().packs, chunked.residency().write_backs);
+  const graph::MemoryPlan& cplan = compiled_train_step(chunked).plan();
+  EXPECT_EQ(cplan.fetch_ring_chunk_bytes, 64u << 10);
+  EXPECT_EQ(cplan.host_transient_buffers.back(), 4u * (64u << 10));
+  EXPECT_GE(cplan.host_staging_bytes, 4u * (64u << 10));
+  std::size_t marked = 0;
+  for (graph::NodeId id = 0; id < compiled_train_step(chunked).graph().nodes.size(); ++id) {
+    const auto& n = compiled_train_step(chunked).graph().nodes;
+    if (n.op[id] == graph::builtin::fetch && ops::FetchAttrs::of(n.attrs[id]).chunk_kib == 64) ++marked;
+  }
+  EXPECT_EQ(marked, chunked.residency().fetches);
+  o.residency.staging_chunk_bytes = 0;
 
   // Transfers under the threshold copy straight from pageable memory: no staging at all.
   o.residency.staging_min_bytes = 1ull << 40;

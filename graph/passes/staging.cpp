@@ -19,6 +19,13 @@
 // The memory plan keeps staging in pinned buffers of its own (graph/memory_plan.cpp), so it stays as small as the two
 // largest transfers in flight. Small transfers (ResidencyOptions::staging_min_bytes) copy straight from pageable
 // memory.
+//
+// Chunked fetches (ResidencyOptions::staging_chunk_bytes > 0, staged host memory): a fetch that would go through an
+// unpack node, but reads nothing this step wrote, stays one fetch node marked with the chunk size
+// (ops::FetchAttrs::chunk_kib); when it is enqueued it copies its source through the step's ring of pinned chunks
+// itself (offload::FetchRing: the host copy of one chunk beside the link's copy of the one before), so no host-lane
+// node and no hand-off between host and device stands between the tensor and the link. The memory plan keeps the
+// ring in a pinned buffer of its own (graph/memory_plan.cpp).
 #include <fmt/format.h>
 
 #include <optional>
@@ -29,17 +36,18 @@
 namespace ferry::graph {
 namespace {
 
-enum class Staging : std::uint8_t { none, home, host_copy };
+enum class Staging : std::uint8_t { none, home, host_copy, chunked };
 
 class Stager {
  public:
-  Stager(Graph& g, bool host_unified, HostCopies policy, std::uint64_t host_copy_min_bytes)
+  Stager(Graph& g, bool host_unified, HostCopies policy, std::uint64_t host_copy_min_bytes, std::uint64_t chunk_bytes)
       : g_(g),
         t_(g.tensors),
         old_(g.nodes),
         host_unified_(host_unified),
         policy_(policy),
-        host_copy_min_bytes_(host_copy_min_bytes) {}
+        host_copy_min_bytes_(host_copy_min_bytes),
+        chunk_bytes_(chunk_bytes) {}
 
   // The host side of node n's transfer, if it is one that goes through staging.
   Staging staging_of(NodeId n) const {
@@ -60,7 +68,8 @@ class Stager {
     const bool written_this_step =
         op == builtin::fetch && (!is_persistent(t_.role[host]) || ops::FetchAttrs::of(old_.attrs[n]).after_write_back);
     if (written_this_step) return Staging::host_copy;
-    return policy_ == HostCopies::staged && t_.bytes(host) >= host_copy_min_bytes_ ? Staging::host_copy : Staging::none;
+    if (policy_ != HostCopies::staged || t_.bytes(host) < host_copy_min_bytes_) return Staging::none;
+    return op == builtin::fetch && chunk_bytes_ > 0 ? Staging::chunked : Staging::host_copy;
   }
 
   void run() {
@@ -70,6 +79,12 @@ class Stager {
       if (!(op == builtin::write_back && kind != Staging::none) && old_.lane[n] != Lane::compute) flush_pack();
       if (kind == Staging::none) {
         out_.add_copy(old_, n);
+        continue;
+      }
+      if (kind == Staging::chunked) {
+        ops::FetchAttrs a = ops::FetchAttrs::of(old_.attrs[n]);
+        a.chunk_kib = static_cast<std::int32_t>((chunk_bytes_ + 1023) / 1024);
+        out_.add(builtin::fetch, old_.name[n], old_.inputs(n), old_.outputs(n), a.pack(), Lane::h2d);
         continue;
       }
       if (op == builtin::fetch) {
@@ -156,6 +171,7 @@ class Stager {
   bool host_unified_;
   HostCopies policy_;
   std::uint64_t host_copy_min_bytes_;
+  std::uint64_t chunk_bytes_;
   std::uint32_t count_ = 0;
   std::optional<std::pair<NodeId, TensorId>> hoisted_;         // (fetch node, its staging) unpacked early
   std::optional<std::pair<TensorId, TensorId>> pending_pack_;  // (staging, host tensor)
@@ -174,8 +190,9 @@ HostCopies host_copies_for(offload::HostMemory resolved) {
   }
 }
 
-void stage_home_transfers(Graph& g, bool host_unified, HostCopies host_copies, std::uint64_t host_copy_min_bytes) {
-  Stager stager(g, host_unified, host_copies, host_copy_min_bytes);
+void stage_home_transfers(Graph& g, bool host_unified, HostCopies host_copies, std::uint64_t host_copy_min_bytes,
+                          std::uint64_t chunk_bytes) {
+  Stager stager(g, host_unified, host_copies, host_copy_min_bytes, chunk_bytes);
   bool any = false;
   for (NodeId n = 0; n < g.nodes.size() && !any; ++n) any = stager.staging_of(n) != Staging::none;
   if (any) stager.run();

@@ -3,6 +3,7 @@
 // (streaming), and for staged homes the unpack and pack between the home and pinned staging.
 // Each copies input i to output i; the host side comes from the tensor's home.
 #include "ferry/cl/error.hpp"
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -53,6 +54,28 @@ LaunchList transfer_copies(const BindContext& c, bool to_device, std::span<const
   return list;
 }
 
+// A chunked fetch (FetchAttrs::chunk_kib, staged host memory): the step's copier reads the host
+// side when the node is enqueued, through its ring of pinned chunks.
+LaunchList chunked_fetch(const BindContext& c) {
+  if (c.input_count() != 1 || c.output_count() != 1) shape_error(c, "a chunked fetch copies one tensor");
+  StagedCopier* copier = c.staged_copier();
+  if (!copier) {
+    throw std::logic_error(
+        "a chunked fetch was bound without the step's ring of pinned chunks (the memory plan "
+        "gives one to every step with chunked fetches)");
+  }
+  const DeviceSpan d = c.out(0);
+  const HostAddress host = c.host_in(0);
+  const std::size_t bytes = dtype_bytes(c.input(0).dtype) * c.input(0).shape.elems();
+  KernelLaunch l;
+  l.custom = [copier, d, host, bytes](cl_command_queue q, std::span<const cl_event> wait) {
+    return copier->copy(q, static_cast<const std::byte*>(host()), d.buffer, d.offset_bytes, bytes, wait);
+  };
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
 void copy_reference(RefContext& c) {
   const auto in = c.inputs();
   const auto out = c.outputs();
@@ -77,7 +100,10 @@ OpInfo copy_row(const char* name, bool to_device, OpClass op_class) {
   r.lane = to_device ? Lane::h2d : Lane::d2h;
   r.op_class = op_class;
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16, DType::i8, DType::u8};  // bytes are bytes
-  r.bind = [to_device](const BindContext& c) { return transfer_copies(c, to_device); };
+  r.bind = [to_device](const BindContext& c) {
+    if (to_device && FetchAttrs::of(c.attrs()).chunk_kib > 0) return chunked_fetch(c);
+    return transfer_copies(c, to_device);
+  };
   r.reference = copy_reference;
   return r;
 }

@@ -68,6 +68,7 @@ struct TrainArgs {
   std::uint32_t optimizer_block = 2048;  // adamw8bit: elements per quantization block
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, host_budget, residency = "auto", host_memory = "auto";
+  std::string staging_chunk;             // --staging-chunk (empty: fetches through unpack nodes)
   ferry::PlanRates plan_rates;           // plan: the rates of the step-time prediction given (0: measure it)
   std::string weights_home, state_home;  // empty: the residency mode's preset
   std::string compress_chunk = "1MiB";   // the compressed home's codec

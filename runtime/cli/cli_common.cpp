@@ -99,6 +99,18 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   }
   if (!a.host_budget.empty()) opt.residency.host_budget_bytes = ferry::parse_bytes(a.host_budget);
   opt.residency.homes.host_memory = ferry::offload::parse_host_memory(a.host_memory);
+  if (!a.staging_chunk.empty()) {
+    if (opt.residency.homes.host_memory != ferry::offload::HostMemory::staged) {
+      throw std::invalid_argument(
+          fmt::format("--staging-chunk {}: chunked fetches are a way of staged host memory; add --host-memory staged",
+                      a.staging_chunk));
+    }
+    opt.residency.staging_chunk_bytes = ferry::parse_bytes(a.staging_chunk);
+    if (opt.residency.staging_chunk_bytes < 4096 || opt.residency.staging_chunk_bytes > (256ull << 20)) {
+      throw std::invalid_argument(
+          fmt::format("--staging-chunk {}: use 4KiB to 256MiB (the ring holds four chunks)", a.staging_chunk));
+    }
+  }
   opt.residency.homes.codec.chunk_bytes = ferry::parse_bytes(a.compress_chunk);
   opt.residency.homes.codec.level = a.compress_level;
   opt.residency.homes.codec.workers = a.compress_workers;
@@ -215,7 +227,8 @@ nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime,
                       {"residency", ferry::graph::residency_mode_name(trainer.residency().mode)},
                       {"device_budget_bytes", trainer.device_budget_bytes()},
                       {"host_state_bytes", trainer.host_state_bytes()},
-                      {"host_memory", ferry::offload::host_memory_name(trainer.host_memory())}};
+                      {"host_memory", ferry::offload::host_memory_name(trainer.host_memory())},
+                      {"staging_chunk_bytes", trainer.options().residency.staging_chunk_bytes}};
   add_phase_fields(j, trainer);
   return j;
 }

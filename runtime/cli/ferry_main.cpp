@@ -412,6 +412,10 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
                   "device memory too, pinned elsewhere")
       ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged"}))
       ->capture_default_str();
+  app->add_option("--staging-chunk", t.staging_chunk,
+                  "With --host-memory staged: each fetch copies itself through a ring of four pinned chunks of "
+                  "this size (host copy and link in a pipeline) instead of through an unpack node on the host "
+                  "lanes (4KiB to 256MiB; write-backs stay staged)");
   app->add_option("--residency", t.residency,
                   "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "
                   "(zero-copy, unified-memory devices)")

@@ -74,6 +74,10 @@ row "budget too small for one layer" "raise the budget to at least" error - \
   train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB "${quick[@]}"
 row "host budget too small for the streamed state" "more than the host budget of" error - \
   train --residency stream --host-budget 1MiB "${quick[@]}"
+row "staging chunk without staged host memory" "chunked fetches are a way of staged host memory" error - \
+  train --staging-chunk 1MiB "${quick[@]}"
+row "staging chunk too small" "use 4KiB to 256MiB" error - \
+  train --host-memory staged --staging-chunk 1KiB "${quick[@]}"
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
   train "${quick[@]}" --weights-home int8
 row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - train --trace-steps 0 "${quick[@]}"

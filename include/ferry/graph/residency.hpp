@@ -54,6 +54,11 @@ struct ResidencyOptions {
   // from pageable memory, where the two hand-offs between host and device a staged copy takes
   // would cost more than the pinned rate saves (biases, LayerNorm gains). 0: stage every one.
   std::uint64_t staging_min_bytes = 1u << 20;
+  // Staged host memory: 0 fetches through unpack nodes (host-lane work, then the copy); above 0,
+  // each staged fetch of what the step did not write copies itself through a ring of four pinned
+  // chunks of this many bytes (rounded up to KiB), host copy and link in a pipeline, when it is
+  // enqueued (graph/passes/staging.cpp). Write-backs stay staged through pack nodes.
+  std::uint64_t staging_chunk_bytes = 0;
 };
 
 struct ResidencyReport {

@@ -116,6 +116,16 @@ class GradContext {
 // switch between two host copies from step to step).
 using HostAddress = std::function<void*()>;
 
+// Copies to the device through host staging a compiled step owns (staged host memory's chunked
+// fetches: offload::FetchRing). `copy` returns once `src` has been read, with the event of the
+// copy, the first part of which waits for `wait`.
+class StagedCopier {
+ public:
+  virtual ~StagedCopier() = default;
+  virtual cl::Event copy(cl_command_queue queue, const std::byte* src, cl_mem dst, std::size_t offset,
+                         std::size_t bytes, std::span<const cl_event> wait) = 0;
+};
+
 // Binding: a device-lane node's kernels (or copies) for its planned operands.
 class BindContext : public ShapeView {
  public:
@@ -131,6 +141,8 @@ class BindContext : public ShapeView {
   // A u32 on the device that updates set to 1 when they make a weight not finite (the step
   // clears it before and reads it after its commands); empty outside a compiled step.
   virtual DeviceSpan step_status() const = 0;
+  // The step's copier for chunked fetches (ops::FetchAttrs::chunk_kib); null when it has none.
+  virtual StagedCopier* staged_copier() const { return nullptr; }
 };
 
 // A host-lane node: runs on a TBB worker once its device inputs are complete.
