@@ -20,7 +20,8 @@
 #   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
 #              through pinned chunks of 4, 16 and 64 MiB
 #   trace-staged, trace-pageable  the two 1B streamed runs with --host-memory staged (pageable), each
-#              with a trace of two steps and bench/trace_summary.py's account of the second
+#              with a trace of two steps and bench/trace_summary.py's account of the second;
+#              trace-chunked: the same with --host-memory staged --staging-chunk 16MiB
 # GPU_SESSION_BUDGET_S: seconds for the whole call (540).
 set -uo pipefail
 
@@ -95,6 +96,9 @@ for p in "$@"; do
     trace-staged | trace-pageable)
       part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY="${p#trace-}" SCALE_GPU_TRACE=1 \
         SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
+    trace-chunked)
+      part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY=staged SCALE_GPU_STAGING_CHUNK=16MiB \
+        SCALE_GPU_TRACE=1 SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     scale7b) part scale7b 600 env SCALE_GPU_ONLY=7b SCALE_GPU_LIMIT_S=$(($(left) - 40)) bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     *) echo "gpu_session.sh: unknown part '$p'" >&2 ;;
   esac

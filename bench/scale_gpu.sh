@@ -20,7 +20,7 @@
 # Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
 # sample, the planner's predicted step time with its rates, and the configuration it recommends.
 # SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY
-# adds --host-memory to them), SCALE_GPU_ONLY=7b gpt7b_stream_host alone
+# adds --host-memory to them, SCALE_GPU_STAGING_CHUNK --staging-chunk), SCALE_GPU_ONLY=7b gpt7b_stream_host alone
 # (SCALE_GPU_LIMIT_S bounds each); SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
 # of the script itself, on any device). SCALE_GPU_TRACE=1: each run also writes a trace of its first
 # two steps (NAME.trace.json) and prints bench/trace_summary.py's summary of the second.
@@ -80,6 +80,7 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
                   "step_ms": train.get("step_ms"),
                   "host_state_bytes": train.get("host_state_bytes"),
                   "host_memory": train.get("host_memory"),
+                  "staging_chunk_bytes": train.get("staging_chunk_bytes"),
                   "pinned_staging_bytes": train.get("pinned_staging_bytes"),
                   "compile_s": train.get("compile_s"), "eval_s": train.get("eval_seconds"),
                   "training_state_bytes": train.get("training_state_bytes"),
@@ -104,10 +105,12 @@ fi
 if [[ ${SCALE_GPU_ONLY:-} == 1b-stream ]]; then
   memory=()
   [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
-  run "gpt1b_stream${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" \
-    --residency stream --device-budget 8GiB "${memory[@]}"
-  run "gpt1b_stream_host${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" \
-    --residency stream --device-budget 8GiB --host-optimizer "${memory[@]}"
+  [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
+  tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
+  run "gpt1b_stream$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
+    "${memory[@]}"
+  run "gpt1b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
+    --host-optimizer "${memory[@]}"
   exit
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 7b ]]; then
