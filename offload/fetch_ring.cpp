@@ -1,4 +1,4 @@
-// FetchRing (ops/fetch_ring.hpp): the pipeline of one chunked fetch.
+// FetchRing (offload/fetch_ring.hpp): the pipeline of one chunked fetch.
 #include "offload/fetch_ring.hpp"
 
 #include "ferry/cl/error.hpp"
