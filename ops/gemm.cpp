@@ -113,8 +113,9 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
   for (;;) {
     const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
     const int vw = c.param("VW");
+    const bool vector_loads = c.param("VG") == 4;  // float4 loads need tiles in multiples of 4
     if (tiles(tsm, tsn) >= compute_units || wm < 4 || wn < 4 || wm % 2 || wn % 2 || tsm % 2 || tsn % 2 ||
-        (wm / 2) % vw || (wn / 2) % vw) {
+        (wm / 2) % vw || (wn / 2) % vw || (vector_loads && ((tsm / 2) % 4 || (tsn / 2) % 4))) {
       return c;
     }
     for (auto& [key, value] : c.params) {

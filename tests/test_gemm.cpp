@@ -587,6 +587,20 @@ TEST(GemmTuning, TiledTileShrinksForSmallProducts) {
   std::filesystem::remove(path);
 }
 
+// With float4 loads (VG=4) the fit never halves a tile to a side that is not a multiple of 4: a
+// 12 x 12 tile of 3 x 3 work-items stays as it is (6 x 6 would not build).
+TEST(GemmTuning, TiledTileKeepsWholeFloat4s) {
+  auto& dev = TestDevice::get();
+  const std::string path =
+      write_temp("tuning_tiled_vg", "*\t*\t*\t\tferry\ttiled\tTSM=12 TSN=12 TSK=8 WPTM=4 WPTN=4 VG=4\n");
+  ScopedEnv env("FERRY_GEMM_TUNING", path);
+  const ops::GemmShape s{7, 9, 8};  // one tile: the fit would halve it where it could
+  const std::string desc = ops::gemm_kernel_description(dev.env, s);
+  EXPECT_NE(desc.find("tiled TSM=12 TSN=12 TSK=8 WPTM=4 WPTN=4 VG=4"), std::string::npos) << desc;
+  check_gemm(s, {}, 1.0f, 0.5f, true, desc + " (aligned)", true);
+  std::filesystem::remove(path);
+}
+
 // The fit never halves the results per work-item below the vector width the kernel reads with.
 TEST(GemmTuning, TiledTileKeepsItsVectorWidth) {
   auto& dev = TestDevice::get();
