@@ -20,7 +20,8 @@
 //                                           copies, which ALLOC_HOST_PTR memory may not be (null,
 //                                           with registered_error, where the driver refuses)
 // and per --chunks size, a line with the pipelined staged copy of --bytes through --slots pinned
-// chunks (the host fills chunk i + 1 while the link copies chunk i; each direction alone):
+// chunks (the host fills chunk i + 1 while the link copies chunk i; each direction alone; to the
+// device through offload::FetchRing, what a chunked fetch runs):
 //   staged_h2d_gbps, staged_d2h_gbps, and each over its pinned rate;
 //   staged_handoff_h2d_gbps                 the same pipeline driven as a compiled step's staged
 //                                           fetches are: each chunk's host copy runs on a TBB worker
@@ -44,6 +45,7 @@
 #include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/runtime.hpp"
 #include "ferry/runtime/units.hpp"
+#include "offload/fetch_ring.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -124,22 +126,12 @@ class StagingBench {
     return j;
   }
 
-  // Pageable -> device through the slots: chunk i is copied into slot i % slots once the link has
-  // finished with that slot's previous chunk, then its copy to the device is enqueued.
+  // Pageable -> device through the slots as a chunked fetch copies (offload::FetchRing, the
+  // library's own): chunk i is copied into slot i % slots once the link has finished with that
+  // slot's previous chunk, then its copy to the device is enqueued.
   void staged_h2d(std::size_t chunk) {
-    const auto* src = static_cast<const std::byte*>(pageable_.data());
-    std::vector<cl::Event> done(slot_count_);
-    for (std::size_t off = 0, i = 0; off < bytes_; off += chunk, ++i) {
-      const std::size_t len = std::min(chunk, bytes_ - off);
-      cl::Event& e = done[i % slot_count_];
-      if (e) wait(e);
-      std::byte* slot = slot_at(i, chunk);
-      offload::copy_in_parallel(slot, src + off, len);
-      cl::Event next;
-      FERRY_CL(clEnqueueWriteBuffer(h2d_, device_.get(), CL_FALSE, off, len, slot, 0, nullptr, next.out()));
-      FERRY_CL(clFlush(h2d_));
-      e = std::move(next);
-    }
+    offload::FetchRing ring(static_cast<std::byte*>(slots_.data()), chunk, slot_count_);
+    ring.copy(h2d_, static_cast<const std::byte*>(pageable_.data()), device_.get(), 0, bytes_, {});
     FERRY_CL(clFinish(h2d_));
   }
 

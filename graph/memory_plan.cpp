@@ -473,7 +473,8 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     plan.fetch_ring_chunk_bytes = std::max(plan.fetch_ring_chunk_bytes, chunk);
   }
   if (plan.fetch_ring_chunk_bytes > 0) {
-    staging_plan.sizes.push_back(align_up(offload::FetchRing::slots * plan.fetch_ring_chunk_bytes, options.alignment));
+    staging_plan.sizes.push_back(
+        align_up(offload::FetchRing::default_slots * plan.fetch_ring_chunk_bytes, options.alignment));
   }
   for (std::size_t i = 0; i < transient.ids.size(); ++i) t.placement[transient.ids[i]] = transient_plan.placement[i];
   for (std::size_t i = 0; i < host_transient.ids.size(); ++i) {

@@ -49,7 +49,7 @@ struct MemoryPlan {
   std::size_t host_staging_from = 0;
   std::uint64_t host_staging_bytes = 0;
   // Chunked fetches' ring of pinned chunks (offload::FetchRing): the last staging buffer, of
-  // FetchRing::slots chunks of this many bytes; 0 when the step has no chunked fetch.
+  // FetchRing::default_slots chunks of this many bytes; 0 when the step has no chunked fetch.
   std::uint64_t fetch_ring_chunk_bytes = 0;
   bool staging_on_device = false;  // MemoryPlanOptions::staging_on_device
   // Transient bytes in buffers beyond the existing ones (what this variant adds to the device).

@@ -53,7 +53,7 @@ cl::Event FetchRing::copy(cl_command_queue queue, const std::byte* src, cl_mem d
   for (std::size_t off = 0; off < bytes; off += chunk_) {
     const std::size_t len = std::min(chunk_, bytes - off);
     const std::size_t s = next_;
-    next_ = (next_ + 1) % slots;
+    next_ = (next_ + 1) % busy_.size();
     wait_for_slot(s);
     std::byte* slot = memory_ + s * chunk_;
     copy_in_parallel(slot, src + off, len);

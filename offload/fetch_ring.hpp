@@ -8,10 +8,10 @@
 
 #include <CL/cl.h>
 
-#include <array>
 #include <cstddef>
 #include <mutex>
 #include <span>
+#include <vector>
 
 #include "ferry/cl/handle.hpp"
 #include "ferry/ops/op_table.hpp"
@@ -20,9 +20,10 @@ namespace ferry::offload {
 
 class FetchRing final : public ops::StagedCopier {
  public:
-  static constexpr std::size_t slots = 4;
+  static constexpr std::size_t default_slots = 4;  // what a compiled step's ring has
   // `memory`: slots * chunk_bytes of pinned host memory the ring uses for its life (the caller's).
-  FetchRing(std::byte* memory, std::size_t chunk_bytes) : memory_(memory), chunk_(chunk_bytes) {}
+  FetchRing(std::byte* memory, std::size_t chunk_bytes, std::size_t slots = default_slots)
+      : memory_(memory), chunk_(chunk_bytes), busy_(slots) {}
   FetchRing(const FetchRing&) = delete;
   FetchRing& operator=(const FetchRing&) = delete;
 
@@ -40,8 +41,8 @@ class FetchRing final : public ops::StagedCopier {
   std::mutex mutex_;
   std::byte* memory_;
   std::size_t chunk_;
-  std::size_t next_ = 0;               // the slot the next chunk takes
-  std::array<cl::Event, slots> busy_;  // per slot: the copy to the device that reads it
+  std::size_t next_ = 0;         // the slot the next chunk takes
+  std::vector<cl::Event> busy_;  // per slot: the copy to the device that reads it
 };
 
 }  // namespace ferry::offload
