@@ -662,6 +662,19 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
   }
   check_role_home("weights", options.weights_home, host_unified);
   check_role_home("optimizer state", options.state_home, host_unified);
+  if (const std::uint64_t chunk = options.staging_chunk_bytes; chunk != 0) {
+    if (options.homes.host_memory != offload::HostMemory::staged) {
+      throw std::invalid_argument(fmt::format(
+          "chunked fetches (a staging chunk of {} bytes) are a way of staged host memory, not of '{}' host memory: "
+          "use HostMemory::staged, or leave staging_chunk_bytes at 0",
+          chunk, offload::host_memory_name(options.homes.host_memory)));
+    }
+    if (chunk < ResidencyOptions::min_staging_chunk_bytes || chunk > ResidencyOptions::max_staging_chunk_bytes) {
+      throw std::invalid_argument(fmt::format("a staging chunk of {} bytes: use {} to {} bytes (the ring holds four)",
+                                              chunk, ResidencyOptions::min_staging_chunk_bytes,
+                                              ResidencyOptions::max_staging_chunk_bytes));
+    }
+  }
   if (options.host_optimizer) {
     // Updates on the host need the state in host memory and copies to and from the device.
     if (mode == ResidencyMode::resident || mode == ResidencyMode::mapped) {

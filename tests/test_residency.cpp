@@ -298,6 +298,13 @@ TEST(Residency, StagedHostMemoryCopiesThroughASmallPinnedArea) {
     if (n.op[id] == graph::builtin::fetch && ops::FetchAttrs::of(n.attrs[id]).chunk_kib == 64) ++marked;
   }
   EXPECT_EQ(marked, chunked.residency().fetches);
+  // A chunk out of range, or chunks without staged memory: an error before anything is allocated.
+  o.residency.staging_chunk_bytes = 1024;
+  EXPECT_THROW(Trainer(rt, m, o), std::invalid_argument);
+  o.residency.staging_chunk_bytes = 64 << 10;
+  o.residency.homes.host_memory = offload::HostMemory::pageable;
+  EXPECT_THROW(Trainer(rt, m, o), std::invalid_argument);
+  o.residency.homes.host_memory = offload::HostMemory::staged;
   o.residency.staging_chunk_bytes = 0;
 
   // Transfers under the threshold copy straight from pageable memory: no staging at all.

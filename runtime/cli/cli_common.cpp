@@ -106,7 +106,9 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
                       a.staging_chunk));
     }
     opt.residency.staging_chunk_bytes = ferry::parse_bytes(a.staging_chunk);
-    if (opt.residency.staging_chunk_bytes < 4096 || opt.residency.staging_chunk_bytes > (256ull << 20)) {
+    using ResidencyOptions = ferry::graph::ResidencyOptions;
+    if (opt.residency.staging_chunk_bytes < ResidencyOptions::min_staging_chunk_bytes ||
+        opt.residency.staging_chunk_bytes > ResidencyOptions::max_staging_chunk_bytes) {
       throw std::invalid_argument(
           fmt::format("--staging-chunk {}: use 4KiB to 256MiB (the ring holds four chunks)", a.staging_chunk));
     }

@@ -57,8 +57,12 @@ struct ResidencyOptions {
   // Staged host memory: 0 fetches through unpack nodes (host-lane work, then the copy); above 0,
   // each staged fetch of what the step did not write copies itself through a ring of four pinned
   // chunks of this many bytes (rounded up to KiB), host copy and link in a pipeline, when it is
-  // enqueued (graph/passes/staging.cpp). Write-backs stay staged through pack nodes.
+  // enqueued (graph/passes/staging.cpp). Write-backs stay staged through pack nodes. Within
+  // [min_staging_chunk_bytes, max_staging_chunk_bytes], and only with staged host memory: else
+  // planning throws std::invalid_argument.
   std::uint64_t staging_chunk_bytes = 0;
+  static constexpr std::uint64_t min_staging_chunk_bytes = std::uint64_t{4} << 10;
+  static constexpr std::uint64_t max_staging_chunk_bytes = std::uint64_t{256} << 20;
 };
 
 struct ResidencyReport {
