@@ -141,25 +141,26 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
 }
 
 // The blocked family's three kernels and the local memory each declares (floats), as in
-// attention_blocked.cl: TQ and TK are fitted per kernel.
+// attention_blocked.cl (rows padded to RS = DP + 4 floats): TQ and TK are fitted per kernel.
 enum class BlockedKernel { forward, dq, dkv };
 
 std::size_t blocked_local_floats(BlockedKernel k, std::size_t dp, std::size_t tq, std::size_t tk) {
+  const std::size_t rs = dp + 4;
   switch (k) {
-    case BlockedKernel::forward:
-      return dp * tq + std::max(dp, tq) * tk + tk * dp + tq * tk / 4;
-    case BlockedKernel::dq:
-      return 2 * dp * tq + dp * (tk + 4) + dp * tk + tk * tq;
+    case BlockedKernel::forward:  // q rows; k rows, then the probabilities; v rows; row partials
+      return tq * rs + tk * std::max(rs, tq) + tk * dp + tq * tk / 4;
+    case BlockedKernel::dq:  // q and do rows; the step's k and v rows; ds
+      return 2 * tq * rs + 2 * tk * rs + tk * tq;
     case BlockedKernel::dkv:
       break;
   }
-  return 2 * dp * tk + 2 * dp * (tq + 4) + 2 * tq * tk + 2 * tq;
+  return 2 * tk * rs + 2 * tq * rs + 2 * tq * tk + 2 * tq;  // k and v rows; q and do rows; p and ds; lse, delta
 }
 
 // TQ and TK for one blocked kernel: the configuration's, the larger halved (TQ on a tie) until its
-// local arrays fit the device and its (TQ / 4) (TK / 4) work-items fit a work-group. The dk dv
-// kernel keeps both of its queries' layouts and the key tiles (2 DP (TK + TQ + 4) floats), so at
-// head dimension 64 it runs 32 x 32 tiles in 43 KiB where the forward runs 64 x 32 in 35 KiB.
+// local arrays fit the device and its (TQ / 4) (TK / 4) work-items fit a work-group. At head
+// dimension 64 in NVIDIA's 48 KiB the forward runs 64 x 32 tiles (36 KiB), dq 32 x 32 (38 KiB) and
+// dk dv 32 x 32 (42 KiB).
 std::pair<std::size_t, std::size_t> blocked_tiles(OpEnv& env, const AttentionShape& s, const AttentionConfig& c,
                                                   BlockedKernel k) {
   const std::size_t dp = padded_dim(s);

@@ -202,8 +202,11 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(std::string{}, std::string{"cpu RB=6 QB=12 KB=16 PASS=2"},
                                          std::string{"cpu RB=3 QB=6 KB=32 PASS=1"}, std::string{"tiled BQ=16 BK=8"},
                                          // the GPU family with its default tiles (fitted per kernel) and
-                                         // with tiles smaller than these contexts, keys wider than queries
-                                         std::string{"blocked"}, std::string{"blocked TQ=8 TK=16"}),
+                                         // with tiles smaller than these contexts, keys wider than queries;
+                                         // then more work-items across a tile than the head dimension has
+                                         // float4s (keys in the forward and dq, queries in dk dv)
+                                         std::string{"blocked"}, std::string{"blocked TQ=8 TK=16"},
+                                         std::string{"blocked TQ=4 TK=64"}, std::string{"blocked TQ=64 TK=4"}),
                        ::testing::Values(0.0f, 0.2f)));
 
 // f16 and bf16 storage, f32 arithmetic: the device against the reference on the rounded inputs.

@@ -6,24 +6,33 @@
 // Why a second GPU family: the tiled kernels (attention.cl) give each work-item one query (or key)
 // and read every operand of a multiply-add from local memory, one local read per multiply-add;
 // on an H200 they ran at 3-7 TFLOPS, slower than the unfused GEMMs (bench/RESULTS.md, "Fused
-// attention on the GPU"). Here every product of a tile is register-blocked as a GEMM is: a
-// work-item holds a 4 x 4 block of the tile's scores and reads its 4 rows and 4 columns of each
-// step as two float4s from transposed local tiles (a quarter of a read per multiply-add), and in
-// the products whose output runs over the head dimension (p v, ds k, pᵀ do, dsᵀ q) the same 4 rows
-// times the columns d = x, x + NC, x + 2 NC, ... of its column index x, so neighbouring work-items
-// read neighbouring floats (no bank conflicts) and the output stores coalesce.
+// attention on the GPU"). Here every product of a tile is register-blocked as a GEMM is, and every
+// local read is a float4:
+//  - Every tile is row-major (a row per query or key, DP floats, padded to RS = DP + 4 where rows
+//    are read across work-items) and a work-item's 4 rows (queries or keys) are interleaved with
+//    its neighbours' (rows y, y + NQ, y + 2 NQ, y + 3 NQ), so that neighbouring work-items read
+//    neighbouring rows, which the padding puts in different banks.
+//  - The scores and dp = do vᵀ (products over the head dimension) read, per 4 steps along d, one
+//    float4 of each of the work-item's 4 query rows and 4 key rows: 8 reads for 64 multiply-adds.
+//  - The products whose output runs over the head dimension (p v, ds k, pᵀ do, dsᵀ q) read, per key
+//    (query), the work-item's 4 probabilities as one float4 (written so by the softmax) and its
+//    columns of the head dimension as float4s d = 4 (x + N j) .. + 3: 3 reads for 32 multiply-adds
+//    at TK = 32, D = 64, where one float per column took 9 (the eighteenth session's kernels, at 12
+//    TFLOPS on an H200 against the GEMM's 29).
 //
 // Built with -DHEAD_DIM=D -DDP=(D rounded up to 16) -DTQ=queries -DTK=keys per tile (4, 8, 16, 32 or
 // 64 each). The forward and dq kernels take TQ queries per work-group and walk the keys TK at a
 // time; the dk dv kernel takes TK keys and walks the queries TQ at a time. A work-group holds
 // (TQ / 4) (TK / 4) work-items (reqd_work_group_size); ops/attention.cpp sizes TQ and TK per kernel
-// to the device's local memory with the same formulas as the arrays below.
+// to the device's local memory with the same formulas as the arrays below (blocked_local_floats).
 
 #include "attention.clh"
 
 #define NQ (TQ / 4)  // work-items across a tile's queries (4 queries each)
 #define NK (TK / 4)  // across its keys
 #define NT (NQ * NK)
+#define RS (DP + 4)          // floats between a padded tile's rows
+#define D4 ((D + 3) / 4)     // float4s of a row that hold the head dimension
 #define MAX_OF(a, b) ((a) > (b) ? (a) : (b))
 
 // Loops over a work-item's private blocks, unrolled where the host asks (-DUNROLL_BLOCKS=1, GPUs):
@@ -35,148 +44,148 @@
 #define UNROLL
 #endif
 
-// Rows t0 .. t0 + cols - 1 of head (b, h) of x, times `mul`, as the columns of a transposed tile:
-// tile[d * stride + c] = mul x[t0 + c][d], zero past T and past D. Work-items take (column, 4 d)
-// pairs with the columns fastest, so their local stores are consecutive.
-inline void stage_transposed(__local float* tile, uint stride, uint cols, __global const T_STORAGE* x, ulong x_off,
-                             uint b, uint h, uint t0, uint T, uint H, float mul) {
-  for (uint e = get_local_id(0); e < cols * (DP / 4); e += NT) {
-    const uint c = e % cols, d0 = (e / cols) * 4, t = t0 + c;
-    const ulong at = x_off + attention_at(b, min(t, T - 1), h, T, H);
-    for (uint u = 0; u < 4; ++u) {
-      const uint d = d0 + u;
-      tile[d * stride + c] = t < T && d < D ? LOAD_T(x, at + d) * mul : 0.0f;
-    }
+// Rows t0 .. t0 + rows - 1 of head (b, h) of x, times `mul`, into a row-major tile whose rows are
+// `stride` floats apart: zero past T and past D. Work-items take (row, 4 d) pairs with the d
+// fastest, so a row is read and stored by neighbouring work-items.
+inline void stage_rows(__local float* tile, uint stride, uint rows, __global const T_STORAGE* x, ulong x_off, uint b,
+                       uint h, uint t0, uint T, uint H, float mul) {
+  for (uint e = get_local_id(0); e < rows * (DP / 4); e += NT) {
+    const uint r = e / (DP / 4), d0 = (e - r * (DP / 4)) * 4, t = t0 + r;
+    const ulong at = x_off + attention_at(b, min(t, T - 1), h, T, H) + d0;
+    const bool row = t < T;
+    *(__local float4*)(tile + r * stride + d0) =
+        (float4)(row && d0 < D ? LOAD_T(x, at) * mul : 0.0f, row && d0 + 1 < D ? LOAD_T(x, at + 1) * mul : 0.0f,
+                 row && d0 + 2 < D ? LOAD_T(x, at + 2) * mul : 0.0f, row && d0 + 3 < D ? LOAD_T(x, at + 3) * mul : 0.0f);
   }
 }
 
-// Rows t0 .. t0 + rows - 1 of head (b, h) of x as a row-major tile [rows, DP], zero past T and D.
-inline void stage_rows(__local float* tile, uint rows, __global const T_STORAGE* x, ulong x_off, uint b, uint h,
-                       uint t0, uint T, uint H) {
-  for (uint e = get_local_id(0); e < rows * DP; e += NT) {
-    const uint r = e / DP, d = e - r * DP, t = t0 + r;
-    tile[e] = t < T && d < D ? LOAD_T(x, x_off + attention_at(b, min(t, T - 1), h, T, H) + d) : 0.0f;
-  }
-}
+// Float4 `c` (d = 4c .. 4c + 3) of row `row` of a padded tile.
+#define ROW4(tile, row, c) (((__local const float4*)(tile))[(row) * (RS / 4) + (c)])
 
-// acc[r][c] += a[r] b[c] for the 4 x 4 block of a work-item (written out: private arrays indexed
-// in loops the compiler does not unroll leave the registers).
-#define OUTER_ROW(acc, r, ar, bv)          \
-  acc[r][0] = fma(ar, bv.x, acc[r][0]);  \
-  acc[r][1] = fma(ar, bv.y, acc[r][1]);  \
-  acc[r][2] = fma(ar, bv.z, acc[r][2]);  \
-  acc[r][3] = fma(ar, bv.w, acc[r][3]);
-#define OUTER4(acc, av, bv)      \
-  {                              \
-    OUTER_ROW(acc, 0, av.x, bv)  \
-    OUTER_ROW(acc, 1, av.y, bv)  \
-    OUTER_ROW(acc, 2, av.z, bv)  \
-    OUTER_ROW(acc, 3, av.w, bv)  \
+// s[r][c] += a[r] . b[c] over one float4 of d, for the work-item's 4 x 4 block.
+#define DOT4(acc, a, b) acc = fma((a).x, (b).x, fma((a).y, (b).y, fma((a).z, (b).z, fma((a).w, (b).w, acc))))
+#define BLOCK_DOT4(s, a, b)        \
+  UNROLL                           \
+  for (uint r_ = 0; r_ < 4; ++r_) { \
+    UNROLL                         \
+    for (uint c_ = 0; c_ < 4; ++c_) DOT4(s[r_][c_], a[r_], b[c_]); \
   }
 
-// acc[r][j] += a[r] b for r < 4: column j of a work-item's 4-row block.
-#define AXPY4(acc, j, av, b)               \
-  acc[0][j] = fma(av.x, b, acc[0][j]);     \
-  acc[1][j] = fma(av.y, b, acc[1][j]);     \
-  acc[2][j] = fma(av.z, b, acc[2][j]);     \
-  acc[3][j] = fma(av.w, b, acc[3][j]);
+// acc[r][4j .. 4j + 3] += p[r] v for r < 4: a float4 of a work-item's output columns.
+#define AXPY4(acc, j, p, v)                        \
+  {                                                \
+    const float p_[4] = {(p).x, (p).y, (p).z, (p).w}; \
+    UNROLL                                         \
+    for (uint r_ = 0; r_ < 4; ++r_) {              \
+      acc[r_][4 * (j)] = fma(p_[r_], (v).x, acc[r_][4 * (j)]);         \
+      acc[r_][4 * (j) + 1] = fma(p_[r_], (v).y, acc[r_][4 * (j) + 1]); \
+      acc[r_][4 * (j) + 2] = fma(p_[r_], (v).z, acc[r_][4 * (j) + 2]); \
+      acc[r_][4 * (j) + 3] = fma(p_[r_], (v).w, acc[r_][4 * (j) + 3]); \
+    }                                              \
+  }
 
 // ---- Forward: TQ queries per work-group, TK keys a step ---------------------------------------
 
-// Work-item (y, x) = (lid / NK, lid % NK) holds rows 4y .. 4y + 3 of the group's queries: their
-// scores against keys 4x .. 4x + 3 of each step, and their outputs at d = x + NK j.
-#define FDT (DP / NK)
+// Work-item (y, x) = (lid / NK, lid % NK) holds queries y + NQ r (r < 4) of the group: their scores
+// against keys x + NK c (c < 4) of each step, and their outputs at the float4 columns x + NK j.
+#define FV ((D4 + NK - 1) / NK)
 
 __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_forward_blocked(
     __global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k, ulong k_off, __global const T_STORAGE* v,
     ulong v_off, __global T_STORAGE* o, ulong o_off, __global float* lse, ulong lse_off, uint T, uint H, float scale,
     uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
-  __local float4 qt[DP * NQ];               // scaled qᵀ: qt[d NQ + y] = rows 4y .. 4y + 3 at d
-  __local float4 kp[MAX_OF(DP, TQ) * NK];  // the step's kᵀ ([d NK + x]), then its probabilities ([key NQ + y])
-  __local float vs[TK * DP];                // the step's v rows
-  __local float red[TQ * NK];               // per-row partial maxima, then partial sums
+  __local float4 qs[TQ * RS / 4];                // the group's scaled q rows
+  __local float4 kp[TK * MAX_OF(RS, TQ) / 4];  // the step's k rows, then its probabilities ([key NQ + y])
+  __local float4 vs[TK * DP / 4];                // the step's v rows (read along d only: not padded)
+  __local float red[TQ * NK];                    // per-row partial maxima, then partial sums
   const uint lid = get_local_id(0), y = lid / NK, x = lid - y * NK;
   const uint bh = get_group_id(1), b = bh / H, h = bh - b * H;
   const uint first = get_group_id(0) * TQ;
-  stage_transposed((__local float*)qt, TQ, TQ, q, q_off, b, h, first, T, H, scale);
-  float m[4], l[4], acc[4][FDT];
+  stage_rows((__local float*)qs, RS, TQ, q, q_off, b, h, first, T, H, scale);
+  float m[4], l[4], acc[4][4 * FV];
   UNROLL
   for (uint r = 0; r < 4; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
     UNROLL
-    for (uint j = 0; j < FDT; ++j) acc[r][j] = 0.0f;
+    for (uint j = 0; j < 4 * FV; ++j) acc[r][j] = 0.0f;
   }
   const uint kend = min(T, first + TQ);  // keys the group's last query sees
   for (uint kb = 0; kb < kend; kb += TK) {
-    stage_transposed((__local float*)kp, TK, TK, k, k_off, b, h, kb, T, H, 1.0f);
-    stage_rows(vs, TK, v, v_off, b, h, kb, T, H);
+    stage_rows((__local float*)kp, RS, TK, k, k_off, b, h, kb, T, H, 1.0f);
+    stage_rows((__local float*)vs, DP, TK, v, v_off, b, h, kb, T, H, 1.0f);
     barrier(CLK_LOCAL_MEM_FENCE);
     float s[4][4] = {{0.0f}};
-    for (uint d = 0; d < D; ++d) {
-      const float4 qv = qt[d * NQ + y], kv = kp[d * NK + x];
-      OUTER4(s, qv, kv)
+    for (uint c4 = 0; c4 < D4; ++c4) {
+      float4 qv[4], kv[4];
+      UNROLL
+      for (uint r = 0; r < 4; ++r) qv[r] = ROW4(qs, y + NQ * r, c4);
+      UNROLL
+      for (uint c = 0; c < 4; ++c) kv[c] = ROW4(kp, x + NK * c, c4);
+      BLOCK_DOT4(s, qv, kv)
     }
     UNROLL
     for (uint r = 0; r < 4; ++r) {
-      const uint i = first + 4 * y + r;
+      const uint i = first + y + NQ * r;
       float mx = -INFINITY;
       UNROLL
       for (uint c = 0; c < 4; ++c) {
-        const uint j = kb + 4 * x + c;
+        const uint j = kb + x + NK * c;
         if (j > i || j >= T) s[r][c] = -INFINITY;
         mx = fmax(mx, s[r][c]);
       }
-      red[(4 * y + r) * NK + x] = mx;
+      red[(y + NQ * r) * NK + x] = mx;
     }
-    barrier(CLK_LOCAL_MEM_FENCE);  // the maxima are written, and every work-item is done with kᵀ
+    barrier(CLK_LOCAL_MEM_FENCE);  // the maxima are written, and every work-item is done with the k rows
     float p[4][4];
     UNROLL
     for (uint r = 0; r < 4; ++r) {
-      const uint i = first + 4 * y + r;
+      const uint i = first + y + NQ * r;
       float mx = m[r];
-      for (uint u = 0; u < NK; ++u) mx = fmax(mx, red[(4 * y + r) * NK + u]);
+      for (uint u = 0; u < NK; ++u) mx = fmax(mx, red[(y + NQ * r) * NK + u]);
       const float rescale = mx == -INFINITY ? 1.0f : exp(m[r] - mx);
       m[r] = mx;
       l[r] *= rescale;
       UNROLL
-      for (uint j = 0; j < FDT; ++j) acc[r][j] *= rescale;
+      for (uint j = 0; j < 4 * FV; ++j) acc[r][j] *= rescale;
       UNROLL
       for (uint c = 0; c < 4; ++c) {
         const float pr = s[r][c] == -INFINITY ? 0.0f : exp(s[r][c] - mx);
         l[r] += pr;
-        p[r][c] = threshold ? pr * attention_keep(((ulong)bh * T + i) * T + kb + 4 * x + c, seed, threshold, inv_keep,
-                                                  step_lo, step_hi)
+        p[r][c] = threshold ? pr * attention_keep(((ulong)bh * T + i) * T + kb + x + NK * c, seed, threshold,
+                                                  inv_keep, step_lo, step_hi)
                             : pr;
       }
     }
     UNROLL
-    for (uint c = 0; c < 4; ++c) kp[(4 * x + c) * NQ + y] = (float4)(p[0][c], p[1][c], p[2][c], p[3][c]);
+    for (uint c = 0; c < 4; ++c) kp[(x + NK * c) * NQ + y] = (float4)(p[0][c], p[1][c], p[2][c], p[3][c]);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint key = 0; key < TK; ++key) {
       const float4 pv = kp[key * NQ + y];
       UNROLL
-      for (uint j = 0; j < FDT; ++j) {
-        const float vv = vs[key * DP + x + NK * j];
+      for (uint j = 0; j < FV; ++j) {
+        const uint cx = x + NK * j;
+        if (D4 % NK != 0 && cx >= D4) break;
+        const float4 vv = vs[key * (DP / 4) + cx];
         AXPY4(acc, j, pv, vv)
       }
     }
     barrier(CLK_LOCAL_MEM_FENCE);  // before the next step overwrites kp and vs
   }
   UNROLL
-  for (uint r = 0; r < 4; ++r) red[(4 * y + r) * NK + x] = l[r];
+  for (uint r = 0; r < 4; ++r) red[(y + NQ * r) * NK + x] = l[r];
   barrier(CLK_LOCAL_MEM_FENCE);
   UNROLL
   for (uint r = 0; r < 4; ++r) {
-    const uint i = first + 4 * y + r;
+    const uint i = first + y + NQ * r;
     if (i >= T) break;
     float sum = 0.0f;
-    for (uint u = 0; u < NK; ++u) sum += red[(4 * y + r) * NK + u];
+    for (uint u = 0; u < NK; ++u) sum += red[(y + NQ * r) * NK + u];
     const float inv = 1.0f / sum;
     const ulong at = o_off + attention_at(b, i, h, T, H);
     UNROLL
-    for (uint j = 0; j < FDT; ++j) {
-      const uint d = x + NK * j;
+    for (uint j = 0; j < 4 * FV; ++j) {
+      const uint d = 4 * (x + NK * (j / 4)) + j % 4;
       if (d < D) STORE_T(acc[r][j] * inv, o, at + d);
     }
     if (x == 0) lse[lse_off + (ulong)bh * T + i] = m[r] + log(sum);
@@ -185,54 +194,57 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_forward_
 
 // ---- dq: TQ queries per work-group, TK keys a step ---------------------------------------------
 
-// Work-item (y, x) = (lid / NK, lid % NK): rows 4y .. 4y + 3, keys 4x .. 4x + 3 of each step, dq at
-// d = x + NK j. dq = scale sum_j ds_ij k_j with ds = p (dp keep - delta), dp = do v.
-#define QDT (DP / NK)
-#define KT_STRIDE (TK + 4)  // kᵀ rows padded: float4 reads for the scores, strided d reads for ds k
+// Work-item (y, x) = (lid / NK, lid % NK): queries y + NQ r, keys x + NK c of each step, dq at the
+// float4 columns x + NK j. dq = scale sum_j ds_ij k_j with ds = p (dp keep - delta), dp = do v.
 
 __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward_q_blocked(
     __global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k, ulong k_off, __global const T_STORAGE* v,
     ulong v_off, __global const T_STORAGE* dout, ulong do_off, __global const float* lse, ulong lse_off,
     __global const float* delta, ulong delta_off, __global T_STORAGE* dq, ulong dq_off, uint T, uint H, float scale,
     uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
-  __local float4 qt[DP * NQ], dot[DP * NQ];  // scaled qᵀ and doᵀ: [d NQ + y]
-  __local float4 kt[DP * KT_STRIDE / 4];     // the step's kᵀ, rows KT_STRIDE floats apart
-  __local float4 vt[DP * NK];                // the step's vᵀ: [d NK + x]
-  __local float4 dst[TK * NQ];               // dsᵀ: [key NQ + y]
-  __local const float* ktf = (__local const float*)kt;
+  __local float4 qs[TQ * RS / 4], dos[TQ * RS / 4];  // the group's scaled q rows and do rows
+  __local float4 ks[TK * RS / 4], vs[TK * RS / 4];   // the step's k rows and v rows
+  __local float4 dst[TK * NQ];                       // ds: [key NQ + y]
   const uint lid = get_local_id(0), y = lid / NK, x = lid - y * NK;
   const uint bh = get_group_id(1), b = bh / H, h = bh - b * H;
   const uint first = get_group_id(0) * TQ;
-  stage_transposed((__local float*)qt, TQ, TQ, q, q_off, b, h, first, T, H, scale);
-  stage_transposed((__local float*)dot, TQ, TQ, dout, do_off, b, h, first, T, H, 1.0f);
-  float li[4], di[4], g[4][QDT];
+  stage_rows((__local float*)qs, RS, TQ, q, q_off, b, h, first, T, H, scale);
+  stage_rows((__local float*)dos, RS, TQ, dout, do_off, b, h, first, T, H, 1.0f);
+  float li[4], di[4], g[4][4 * FV];
   UNROLL
   for (uint r = 0; r < 4; ++r) {
-    const uint i = first + 4 * y + r;
+    const uint i = first + y + NQ * r;
     li[r] = i < T ? lse[lse_off + (ulong)bh * T + i] : 0.0f;
     di[r] = i < T ? delta[delta_off + (ulong)bh * T + i] : 0.0f;
     UNROLL
-    for (uint j = 0; j < QDT; ++j) g[r][j] = 0.0f;
+    for (uint j = 0; j < 4 * FV; ++j) g[r][j] = 0.0f;
   }
   const uint kend = min(T, first + TQ);
   for (uint kb = 0; kb < kend; kb += TK) {
-    stage_transposed((__local float*)kt, KT_STRIDE, TK, k, k_off, b, h, kb, T, H, 1.0f);
-    stage_transposed((__local float*)vt, TK, TK, v, v_off, b, h, kb, T, H, 1.0f);
+    stage_rows((__local float*)ks, RS, TK, k, k_off, b, h, kb, T, H, 1.0f);
+    stage_rows((__local float*)vs, RS, TK, v, v_off, b, h, kb, T, H, 1.0f);
     barrier(CLK_LOCAL_MEM_FENCE);
     float s[4][4] = {{0.0f}}, dp[4][4] = {{0.0f}};
-    for (uint d = 0; d < D; ++d) {
-      const float4 qv = qt[d * NQ + y], dv = dot[d * NQ + y];
-      const float4 kv = kt[(d * KT_STRIDE) / 4 + x], vv = vt[d * NK + x];
-      OUTER4(s, qv, kv)
-      OUTER4(dp, dv, vv)
+    for (uint c4 = 0; c4 < D4; ++c4) {
+      float4 a[4], e[4];
+      UNROLL
+      for (uint r = 0; r < 4; ++r) a[r] = ROW4(qs, y + NQ * r, c4);
+      UNROLL
+      for (uint c = 0; c < 4; ++c) e[c] = ROW4(ks, x + NK * c, c4);
+      BLOCK_DOT4(s, a, e)
+      UNROLL
+      for (uint r = 0; r < 4; ++r) a[r] = ROW4(dos, y + NQ * r, c4);
+      UNROLL
+      for (uint c = 0; c < 4; ++c) e[c] = ROW4(vs, x + NK * c, c4);
+      BLOCK_DOT4(dp, a, e)
     }
     float ds[4][4];
     UNROLL
     for (uint r = 0; r < 4; ++r) {
-      const uint i = first + 4 * y + r;
+      const uint i = first + y + NQ * r;
       UNROLL
       for (uint c = 0; c < 4; ++c) {
-        const uint j = kb + 4 * x + c;
+        const uint j = kb + x + NK * c;
         const float p = j <= i && j < T && i < T ? exp(s[r][c] - li[r]) : 0.0f;
         const float keep =
             threshold ? attention_keep(((ulong)bh * T + i) * T + j, seed, threshold, inv_keep, step_lo, step_hi) : 1.0f;
@@ -240,26 +252,28 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
       }
     }
     UNROLL
-    for (uint c = 0; c < 4; ++c) dst[(4 * x + c) * NQ + y] = (float4)(ds[0][c], ds[1][c], ds[2][c], ds[3][c]);
+    for (uint c = 0; c < 4; ++c) dst[(x + NK * c) * NQ + y] = (float4)(ds[0][c], ds[1][c], ds[2][c], ds[3][c]);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint key = 0; key < TK; ++key) {
       const float4 dsv = dst[key * NQ + y];
       UNROLL
-      for (uint j = 0; j < QDT; ++j) {
-        const float kk = ktf[(x + NK * j) * KT_STRIDE + key];
-        AXPY4(g, j, dsv, kk)
+      for (uint j = 0; j < FV; ++j) {
+        const uint cx = x + NK * j;
+        if (D4 % NK != 0 && cx >= D4) break;
+        const float4 kv = ROW4(ks, key, cx);
+        AXPY4(g, j, dsv, kv)
       }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
   }
   UNROLL
   for (uint r = 0; r < 4; ++r) {
-    const uint i = first + 4 * y + r;
+    const uint i = first + y + NQ * r;
     if (i >= T) break;
     const ulong at = dq_off + attention_at(b, i, h, T, H);
     UNROLL
-    for (uint j = 0; j < QDT; ++j) {
-      const uint d = x + NK * j;
+    for (uint j = 0; j < 4 * FV; ++j) {
+      const uint d = 4 * (x + NK * (j / 4)) + j % 4;
       if (d < D) STORE_T(g[r][j] * scale, dq, at + d);
     }
   }
@@ -267,10 +281,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
 
 // ---- dk and dv: TK keys per work-group, TQ queries a step -------------------------------------
 
-// Work-item (y, x) = (lid / NQ, lid % NQ): keys 4y .. 4y + 3, queries 4x .. 4x + 3 of each step, dk
-// and dv at d = x + NQ j. dv = sum_i p_ij keep do_i, dk = sum_i ds_ij (scale q_i).
-#define KDT (DP / NQ)
-#define QT_STRIDE (TQ + 4)  // qᵀ and doᵀ rows padded, as kᵀ in the dq kernel
+// Work-item (y, x) = (lid / NQ, lid % NQ): keys y + NK r, queries x + NQ c of each step, dk and dv
+// at the float4 columns x + NQ j. dv = sum_i p_ij keep do_i, dk = sum_i ds_ij (scale q_i).
+#define KV ((D4 + NQ - 1) / NQ)
 
 __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward_kv_blocked(
     __global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k, ulong k_off, __global const T_STORAGE* v,
@@ -278,64 +291,70 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
     __global const float* delta, ulong delta_off, __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv,
     ulong dv_off, uint T, uint H, float scale, uint seed, uint threshold, float inv_keep, uint step_lo,
     uint step_hi) {
-  __local float4 kt[DP * NK], vt[DP * NK];                    // the group's kᵀ and vᵀ: [d NK + y]
-  __local float4 qt[DP * QT_STRIDE / 4], dot[DP * QT_STRIDE / 4];  // the step's scaled qᵀ and doᵀ
-  __local float4 pt[TQ * NK], dst[TQ * NK];                   // p keep and ds, [query NK + y]
+  __local float4 ks[TK * RS / 4], vs[TK * RS / 4];   // the group's k rows and v rows
+  __local float4 qs[TQ * RS / 4], dos[TQ * RS / 4];  // the step's scaled q rows and do rows
+  __local float4 pt[TQ * NK], dst[TQ * NK];          // p keep and ds: [query NK + y]
   __local float ls[TQ], dl[TQ];
-  __local const float* qtf = (__local const float*)qt;
-  __local const float* dotf = (__local const float*)dot;
   const uint lid = get_local_id(0), y = lid / NQ, x = lid - y * NQ;
   const uint bh = get_group_id(1), b = bh / H, h = bh - b * H;
   const uint first = get_group_id(0) * TK;
-  stage_transposed((__local float*)kt, TK, TK, k, k_off, b, h, first, T, H, 1.0f);
-  stage_transposed((__local float*)vt, TK, TK, v, v_off, b, h, first, T, H, 1.0f);
-  float gk[4][KDT], gv[4][KDT];
+  stage_rows((__local float*)ks, RS, TK, k, k_off, b, h, first, T, H, 1.0f);
+  stage_rows((__local float*)vs, RS, TK, v, v_off, b, h, first, T, H, 1.0f);
+  float gk[4][4 * KV], gv[4][4 * KV];
   UNROLL
   for (uint r = 0; r < 4; ++r) {
     UNROLL
-    for (uint j = 0; j < KDT; ++j) gk[r][j] = gv[r][j] = 0.0f;
+    for (uint j = 0; j < 4 * KV; ++j) gk[r][j] = gv[r][j] = 0.0f;
   }
   for (uint ib = (first / TQ) * TQ; ib < T; ib += TQ) {  // the queries that see a key of the group
-    stage_transposed((__local float*)qt, QT_STRIDE, TQ, q, q_off, b, h, ib, T, H, scale);
-    stage_transposed((__local float*)dot, QT_STRIDE, TQ, dout, do_off, b, h, ib, T, H, 1.0f);
+    stage_rows((__local float*)qs, RS, TQ, q, q_off, b, h, ib, T, H, scale);
+    stage_rows((__local float*)dos, RS, TQ, dout, do_off, b, h, ib, T, H, 1.0f);
     for (uint e = lid; e < TQ; e += NT) {
       ls[e] = ib + e < T ? lse[lse_off + (ulong)bh * T + ib + e] : 0.0f;
       dl[e] = ib + e < T ? delta[delta_off + (ulong)bh * T + ib + e] : 0.0f;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     float s[4][4] = {{0.0f}}, dp[4][4] = {{0.0f}};
-    for (uint d = 0; d < D; ++d) {
-      const float4 kv = kt[d * NK + y], vv = vt[d * NK + y];
-      const float4 qv = qt[(d * QT_STRIDE) / 4 + x], dov = dot[(d * QT_STRIDE) / 4 + x];
-      OUTER4(s, kv, qv)
-      OUTER4(dp, vv, dov)
+    for (uint c4 = 0; c4 < D4; ++c4) {
+      float4 a[4], e[4];
+      UNROLL
+      for (uint r = 0; r < 4; ++r) a[r] = ROW4(ks, y + NK * r, c4);
+      UNROLL
+      for (uint c = 0; c < 4; ++c) e[c] = ROW4(qs, x + NQ * c, c4);
+      BLOCK_DOT4(s, a, e)
+      UNROLL
+      for (uint r = 0; r < 4; ++r) a[r] = ROW4(vs, y + NK * r, c4);
+      UNROLL
+      for (uint c = 0; c < 4; ++c) e[c] = ROW4(dos, x + NQ * c, c4);
+      BLOCK_DOT4(dp, a, e)
     }
     float pk[4][4], ds[4][4];
     UNROLL
     for (uint r = 0; r < 4; ++r) {
-      const uint j = first + 4 * y + r;
+      const uint j = first + y + NK * r;
       UNROLL
       for (uint c = 0; c < 4; ++c) {
-        const uint i = ib + 4 * x + c;
-        const float p = j <= i && i < T && j < T ? exp(s[r][c] - ls[4 * x + c]) : 0.0f;
+        const uint qi = x + NQ * c, i = ib + qi;
+        const float p = j <= i && i < T && j < T ? exp(s[r][c] - ls[qi]) : 0.0f;
         const float keep =
             threshold ? attention_keep(((ulong)bh * T + i) * T + j, seed, threshold, inv_keep, step_lo, step_hi) : 1.0f;
         pk[r][c] = p * keep;
-        ds[r][c] = p * (dp[r][c] * keep - dl[4 * x + c]);
+        ds[r][c] = p * (dp[r][c] * keep - dl[qi]);
       }
     }
     UNROLL
     for (uint c = 0; c < 4; ++c) {
-      pt[(4 * x + c) * NK + y] = (float4)(pk[0][c], pk[1][c], pk[2][c], pk[3][c]);
-      dst[(4 * x + c) * NK + y] = (float4)(ds[0][c], ds[1][c], ds[2][c], ds[3][c]);
+      pt[(x + NQ * c) * NK + y] = (float4)(pk[0][c], pk[1][c], pk[2][c], pk[3][c]);
+      dst[(x + NQ * c) * NK + y] = (float4)(ds[0][c], ds[1][c], ds[2][c], ds[3][c]);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint qq = 0; qq < TQ; ++qq) {
       const float4 pv = pt[qq * NK + y], dsv = dst[qq * NK + y];
       UNROLL
-      for (uint j = 0; j < KDT; ++j) {
-        const uint at = (x + NQ * j) * QT_STRIDE + qq;
-        const float dov = dotf[at], qv = qtf[at];
+      for (uint j = 0; j < KV; ++j) {
+        const uint cx = x + NQ * j;
+        if (D4 % NQ != 0 && cx >= D4) break;
+        const float4 dov = ROW4(dos, qq, cx), qv = ROW4(qs, qq, cx);
         AXPY4(gv, j, pv, dov)
         AXPY4(gk, j, dsv, qv)
       }
@@ -344,12 +363,12 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
   }
   UNROLL
   for (uint r = 0; r < 4; ++r) {
-    const uint j = first + 4 * y + r;
+    const uint j = first + y + NK * r;
     if (j >= T) break;
     const ulong kat = dk_off + attention_at(b, j, h, T, H), vat = dv_off + attention_at(b, j, h, T, H);
     UNROLL
-    for (uint c = 0; c < KDT; ++c) {
-      const uint d = x + NQ * c;
+    for (uint c = 0; c < 4 * KV; ++c) {
+      const uint d = 4 * (x + NQ * (c / 4)) + c % 4;
       if (d < D) {
         STORE_T(gk[r][c], dk, kat + d);
         STORE_T(gv[r][c], dv, vat + d);
