@@ -2,8 +2,8 @@
 # gpu_session.sh: one device call of a GPU lease, from the project root on the GPU machine with the
 # kit (`bash ../shared/gpu/pack.sh`) in .gpu/: the kit's environment, then the named parts in order,
 # each bounded by what is left of the call's budget, so a slow part skips the ones after it rather
-# than losing the call. Everything lands in $OUT/session.tgz (one file: the device tool brings back
-# at most eight).
+# than losing the call; timings.txt says what each part took. Everything lands in $OUT/session.tgz
+# (one file: the device tool brings back at most eight).
 #
 # usage: bash bench/gpu_session.sh PART...
 #   kit        .gpu/run.sh quick restricted to $GPU_SESSION_KIT_STEPS (tests of the GPU kernels, GEMM
@@ -15,6 +15,8 @@
 #   tune       bench/kernels_gpu.sh's tuner part (KERNELS_GPU_TUNE_S, 60 here)
 #   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-stream: its two streamed ones; scale7b: its
 #              7B host-optimizer run
+#   attention-check  test_attention's cases of the blocked family (default tiles, and tiles wider than
+#              the head dimension's float4s) and of narrow storage, on the GPU
 #   attention-tuned  `ferry tune --family attention` (40 s), then `ferry-bench attention` with the
 #              tuned kernel beside SDPA
 #   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
@@ -48,8 +50,11 @@ part() {
     return
   fi
   echo "== $name (limit ${t}s, at ${SECONDS}s)"
+  local start=$SECONDS rc
   timeout -k 5 "$t" "$@" >"$res/$name.out" 2>"$res/$name.err"
-  echo "   rc=$? after $((SECONDS))s"
+  rc=$?
+  echo "   rc=$rc after $((SECONDS))s"
+  echo "$name rc=$rc seconds=$((SECONDS - start)) limit=$t" >>"$res/timings.txt"
   tail -n 40 "$res/$name.out"
 }
 
@@ -57,7 +62,9 @@ steps=${GPU_SESSION_KIT_STEPS:-none}
 # The kit first: it unpacks bin/ and lib/ and writes the ICD file the other parts use.
 FERRY_GPU_KEEP=1 FERRY_GPU_ONLY=$steps FERRY_GPU_BUDGET_S=$(($(left) - 20)) FERRY_GPU_TEST_BUDGET_S=100 \
   OUT=$res/kit timeout -k 5 $(($(left) - 10)) bash "$kit/run.sh" quick >"$res/kit.out" 2>&1
-echo "== kit: rc=$? after ${SECONDS}s"
+kit_rc=$?
+echo "== kit: rc=$kit_rc after ${SECONDS}s"
+echo "kit rc=$kit_rc seconds=$SECONDS" >>"$res/timings.txt"
 grep -v '^\[' "$res/kit.out" | tail -n 60
 grep '^\[' "$res/kit.out" | tail -n 40
 
@@ -87,6 +94,9 @@ for p in "$@"; do
     scale1b-stream)
       part scale1b-stream 240 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_LIMIT_S=110 bash bench/scale_gpu.sh "$kit/bin/ferry" \
         "$res/scale" ;;
+    attention-check)  # the blocked family's kernels against the CPU reference on this GPU
+      part attention-check 120 env FERRY_TUNE=off "$kit/bin/test_attention" \
+        --gtest_filter='*_blocked_p*:*blocked_TQ_64_TK_4_*:*blocked_TQ_4_TK_64_*:*Narrow*' ;;
     attention-tuned)
       part attention-tune 90 "$kit/bin/ferry" tune --family attention --mode full --budget-seconds 40 --json
       part attention-tuned 90 "$kit/bin/ferry-bench" attention --contexts 1024,4096 --peer --peer-device cuda \

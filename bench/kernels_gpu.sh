@@ -9,8 +9,10 @@
 #   tune       `ferry tune --mode full`: the GEMM's search (each tiled finalist scored with its twins:
 #              SK=1, SK=1 VG=4, and on NVIDIA SK=1 VG=4 RR=128) and the fused attention's (tiled
 #              against blocked, their tiles)
-#   attention  `ferry-bench attention` with each family's default tiles, beside PyTorch's SDPA on
-#              CUDA when KERNELS_GPU_PYTHON names a Python with torch
+#   attention  `ferry-bench attention` with each of KERNELS_GPU_ATTENTION (comma-separated kernels;
+#              default the blocked family at TQ=64 with TK=32 and 64, fitted per kernel), the first
+#              beside PyTorch's SDPA on CUDA when KERNELS_GPU_PYTHON names a Python with torch, with
+#              each kernel's build report
 #
 # usage: bash bench/kernels_gpu.sh [BIN_DIR] [OUT_DIR]
 #   BIN_DIR  where ferry and ferry-bench are (default build/release; the GPU kit's binaries work,
@@ -63,7 +65,8 @@ for line in open(sys.argv[1]):
 
 part gemm && echo "== gemm: $row as a tuning row, with each of: $variants"
 # As a row of the tuning data (FERRY_GEMM_TUNING, tuning off), so the shape fit applies as in training.
-# The build report on stderr: with NVIDIA's own kernel cache off, ptxas runs and says what it used.
+# The build report on stderr: with ferry's program cache and NVIDIA's kernel cache off, ptxas runs and says
+# what it used.
 IFS=, read -r -a variant_list <<<"$variants"
 v=0
 part gemm && for variant in "${variant_list[@]}"; do
@@ -73,7 +76,7 @@ part gemm && for variant in "${variant_list[@]}"; do
   for shape in "${shapes[@]}"; do
     f="$out/gemm_${i}_v$v.jsonl"
     # shellcheck disable=SC2086  # the shape's transpose flag is a separate word
-    if FERRY_TUNE=off FERRY_GEMM_TUNING="$out/row_$v.tsv" FERRY_BUILD_REPORT=1 CUDA_CACHE_DISABLE=1 timeout 120 \
+    if FERRY_TUNE=off FERRY_GEMM_TUNING="$out/row_$v.tsv" FERRY_BUILD_REPORT=1 FERRY_PROGRAM_CACHE=0 CUDA_CACHE_DISABLE=1 timeout 120 \
       "$bin/ferry-bench" --repeat 9 gemm --impls ferry --shape $shape >"$f" 2>"$f.err"; then
       echo "  $shape: $(field "$f" gflops kernel)"
     else
@@ -96,17 +99,24 @@ else
   status=1
 fi
 
-part attention && echo "== attention: each family's default tiles"
+attention_kernels=${KERNELS_GPU_ATTENTION:-blocked TQ=64 TK=32,blocked TQ=64 TK=64}
+part attention && echo "== attention: $attention_kernels"
 peer=()
 [[ -n ${KERNELS_GPU_PYTHON:-} ]] && peer=(--peer --peer-device cuda --python "$KERNELS_GPU_PYTHON")
-part attention && for kernel in "tiled BQ=64 BK=32" "blocked TQ=64 TK=32"; do
-  f="$out/attention_${kernel%% *}.jsonl"
-  if timeout 300 "$bin/ferry-bench" attention --contexts "$contexts" --kernel "$kernel" "${peer[@]}" >"$f" \
-    2>"$f.err"; then
-    field "$f" context fused_kernel fused_ms unfused_ms speedup_vs_unfused | sed "s/^/  /"
+IFS=, read -r -a attention_list <<<"$attention_kernels"
+a=0
+part attention && for kernel in "${attention_list[@]}"; do
+  f="$out/attention_$a.jsonl"
+  # The build report as for the GEMM: each kernel's registers and spills (tiles are fitted per kernel).
+  if FERRY_TUNE=off FERRY_BUILD_REPORT=1 FERRY_PROGRAM_CACHE=0 CUDA_CACHE_DISABLE=1 timeout 300 "$bin/ferry-bench" attention \
+    --contexts "$contexts" --kernel "$kernel" "${peer[@]}" >"$f" 2>"$f.err"; then
+    field "$f" context fused_kernel fused_ms unfused_ms speedup_vs_unfused peer_ms speedup_vs_peer | sed "s/^/  /"
   else
     echo "  $kernel: failed (see $f.err)"
     status=1
   fi
+  grep -E "registers|spill|kernel attention_" "$f.err" | sort -u | head -n 9 | sed "s/^/    /"
+  a=$((a + 1))
+  peer=()  # the peer's figures do not depend on ferry's kernel: once
 done
 exit $status

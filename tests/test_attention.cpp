@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -207,7 +208,22 @@ INSTANTIATE_TEST_SUITE_P(
                                          // float4s (keys in the forward and dq, queries in dk dv)
                                          std::string{"blocked"}, std::string{"blocked TQ=8 TK=16"},
                                          std::string{"blocked TQ=4 TK=64"}, std::string{"blocked TQ=64 TK=4"}),
-                       ::testing::Values(0.0f, 0.2f)));
+                       ::testing::Values(0.0f, 0.2f)),
+    // Names that say the case, e.g. b2_t17_h3_d8_blocked_TQ_8_TK_16_p20, so that a run can pick a
+    // family (--gtest_filter='*blocked*', as bench/gpu_session.sh does on a GPU).
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const AttentionShape& s = std::get<0>(info.param);
+      const std::string& kernel = std::get<1>(info.param);
+      const float p = std::get<2>(info.param);
+      std::string name = "b" + std::to_string(s.batch) + "_t" + std::to_string(s.context) + "_h" +
+                         std::to_string(s.heads) + "_d" + std::to_string(s.head_dim) + "_" +
+                         (kernel.empty() ? std::string{"default"} : kernel) + "_p" +
+                         std::to_string(static_cast<int>(p * 100 + 0.5f));
+      for (char& c : name) {
+        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+      }
+      return name;
+    });
 
 // f16 and bf16 storage, f32 arithmetic: the device against the reference on the rounded inputs.
 TEST(AttentionDevice, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
