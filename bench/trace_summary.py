@@ -7,7 +7,8 @@ Per step (or the one --step names) and lane (compute, copy in, copy out, host, h
 host thread): the step's span, the lane's busy time and share of the span, its node count, its
 three longest spans (an enqueue that blocked in the driver shows on `host thread`), and
 for lanes that move bytes the rate they moved them at while busy (bytes of the nodes' tensors over
-their durations: for copies and unpack/pack, what was copied). Then the longest idle stretches of
+their durations: for copies and unpack/pack, what was copied); for the compute lane, its time per
+kind of node (by_kind: the name without its numbers, e.g. linear.grad_input). Then the longest idle stretches of
 the compute lane, each with what the other lanes were doing just before it ended (the node on
 each lane whose end is the latest before the compute lane resumed): the waits a streamed step
 pays. Standard library only; reads the layout docs/outputs.md describes.
@@ -15,6 +16,7 @@ pays. Standard library only; reads the layout docs/outputs.md describes.
 import argparse
 import collections
 import json
+import re
 import sys
 
 
@@ -52,6 +54,8 @@ def summarize(lanes, spans, step):
         # The longest spans: on `host thread`, enqueue calls that blocked in the driver show here.
         longest = sorted(ss, key=lambda s: s["dur"], reverse=True)[:3]
         lane["longest"] = [f'{s["name"]} {s["dur"] / 1e3:.2f} ms' for s in longest]
+        if name == "compute":
+            lane["by_kind"] = by_kind(ss)
         if moved:
             # A copy node's bytes count its input and its output: half of them crossed.
             lane["copied_gb"] = moved / 2 / 1e9
@@ -59,6 +63,19 @@ def summarize(lanes, spans, step):
         out["lanes"][name] = lane
     out["compute_gaps"] = compute_gaps(by_lane, t0, t1)
     return out
+
+
+def by_kind(spans, keep=12):
+    """The compute lane's time per kind of node, longest first: a node's name without its numbers
+    and step ("linear14 #1" and "linear3 #1" are both "linear"; "linear41.grad_input" is
+    "linear.grad_input"), with how many ran and their total and mean milliseconds."""
+    kinds = collections.defaultdict(lambda: [0, 0.0])
+    for s in spans:
+        kind = re.sub(r"\d+", "", s["name"].split(" #")[0])
+        kinds[kind][0] += 1
+        kinds[kind][1] += s["dur"]
+    ranked = sorted(kinds.items(), key=lambda kv: kv[1][1], reverse=True)[:keep]
+    return [{"kind": k, "nodes": n, "ms": us / 1e3, "mean_us": us / n} for k, (n, us) in ranked]
 
 
 def union_length(intervals):

@@ -43,6 +43,8 @@ check "the trace is a Chrome trace with lanes" bash -c "head -c 40 '$work/trace.
 summary_py="$(dirname "${BASH_SOURCE[0]}")/../../bench/trace_summary.py"
 check "bench/trace_summary.py accounts for the traced step's compute lane" bash -c \
   "python3 '$summary_py' '$work/trace.json' --step 1 | grep -q '\"compute\": {\"nodes\": [1-9]'"
+check "bench/trace_summary.py gives the compute lane's time per kind of node" bash -c \
+  "python3 '$summary_py' '$work/trace.json' --step 1 | grep -q '\"by_kind\": \[{\"kind\": \"[a-z]'"
 check "the profile is CSV with per-node device bytes" bash -c "head -1 '$work/profile.csv' | grep -q '^variant,step,node,kind,lane,section,live_device_bytes' && [ \$(wc -l < '$work/profile.csv') -gt 20 ]"
 
 streamed=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --residency stream --device-budget 24MiB)
