@@ -511,8 +511,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_flag("!--no-mapped", o->mapped, "skip the mapped (zero-copy) variant");
   sub.add_option("--host-memory", o->host_memory,
                  "memory of the streamed homes and the link-peak buffer: auto (pageable on NVIDIA), pinned, pageable, "
-                 "staged (the link peak from pinned memory)")
-      ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged"}))
+                 "staged (the link peak from pinned memory), registered")
+      ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged", "registered"}))
       ->capture_default_str();
   return [o, &common] { return run_overlap(common, *o); };
 }

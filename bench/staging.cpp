@@ -88,7 +88,7 @@ class StagingBench {
     std::memset(pinned_.data(), 3, bytes);
     std::memset(slots_.data(), 4, slots_.bytes());
     try {
-      registered_ = register_pages(ctx, registered_pages_, bytes);
+      registered_ = register_pages(ctx, bytes);
     } catch (const std::exception& e) {
       registered_error_ = e.what();
     }
@@ -108,7 +108,7 @@ class StagingBench {
     j["host_out_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, pn, bytes_); }));
     j["host_out_1t_gbps"] = gbps(bytes_, median_ms(repeat, [&] { std::memcpy(pg2, pn, bytes_); }));
     j["host_pageable_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, pg, bytes_); }));
-    if (!registered_.data()) {
+    if (!registered_.pinned()) {
       for (const char* k :
            {"registered_h2d_gbps", "registered_d2h_gbps", "host_in_registered_gbps", "host_out_registered_gbps"}) {
         j[k] = nullptr;
@@ -228,18 +228,11 @@ class StagingBench {
   }
 
  private:
-  // `pages` (page-aligned, written once) handed to the driver as the buffer's own memory and
-  // mapped for the buffer's life; `pages` must outlive the returned buffer.
-  static cl::PinnedBuffer register_pages(const cl::Context& ctx, offload::HostBuffer& pages, std::size_t bytes) {
-    pages = offload::HostBuffer::pageable(bytes, "staging bench registered pages");
+  // Pageable pages (written once) registered with the driver, as --host-memory registered's homes.
+  static offload::HostBuffer register_pages(const cl::Context& ctx, std::size_t bytes) {
+    offload::HostBuffer pages = offload::HostBuffer::pageable(bytes, "staging bench registered pages");
     std::memset(pages.data(), 5, bytes);
-    cl_int status = CL_SUCCESS;
-    cl::Mem mem(clCreateBuffer(ctx.get(), CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, pages.data(), &status));
-    cl::check(status, "clCreateBuffer(CL_MEM_USE_HOST_PTR, registered pages)");
-    void* host = clEnqueueMapBuffer(ctx.compute(), mem.get(), CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes, 0, nullptr,
-                                    nullptr, &status);
-    cl::check(status, "clEnqueueMapBuffer(registered pages)");
-    return cl::PinnedBuffer(std::move(mem), ctx.compute(), host, bytes);
+    return offload::HostBuffer::registered(ctx, std::move(pages), "staging bench registered pages");
   }
   static void wait(const cl::Event& e) {
     cl_event raw = e.get();
@@ -264,8 +257,7 @@ class StagingBench {
   cl::PinnedBuffer pinned_, slots_;
   cl::Mem device_;
   int slot_count_;
-  offload::HostBuffer registered_pages_;  // before registered_: the buffer goes first
-  cl::PinnedBuffer registered_;
+  offload::HostBuffer registered_;  // empty where the driver refused
   std::string registered_error_;
 };
 

@@ -31,7 +31,7 @@ Context::Context(const DeviceInfo& device, ContextOptions options) : device_(dev
   }
 }
 
-Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags) const {
+Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags, void* host) const {
   if (bytes > device_.max_alloc_bytes) {
     throw std::runtime_error(
         fmt::format("buffer '{}' of {} bytes exceeds the device's largest allocation ({} bytes) "
@@ -44,7 +44,7 @@ Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flag
   if (int n = fail_allocation_in_.load(); n >= 0 && fail_allocation_in_.compare_exchange_strong(n, n - 1) && n == 0) {
     status = CL_MEM_OBJECT_ALLOCATION_FAILURE;
   } else {
-    mem = Mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, nullptr, &status));
+    mem = Mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, host, &status));
   }
   if (status != CL_SUCCESS) {
     throw Error(fmt::format("clCreateBuffer({} bytes for '{}')", bytes, what), status, std::string(OpScope::current()));
@@ -58,6 +58,15 @@ PinnedBuffer Context::create_pinned(std::size_t bytes, std::string_view what) co
   void* host = clEnqueueMapBuffer(compute(), mem.get(), CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes == 0 ? 4 : bytes,
                                   0, nullptr, nullptr, &status);
   check(status, "clEnqueueMapBuffer(pinned host buffer)");
+  return PinnedBuffer(std::move(mem), compute(), host, bytes);
+}
+
+PinnedBuffer Context::register_host(void* pages, std::size_t bytes, std::string_view what) const {
+  Mem mem = create_buffer(bytes, what, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, pages);
+  cl_int status = CL_SUCCESS;
+  void* host = clEnqueueMapBuffer(compute(), mem.get(), CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes == 0 ? 4 : bytes,
+                                  0, nullptr, nullptr, &status);
+  check(status, "clEnqueueMapBuffer(registered host memory)");
   return PinnedBuffer(std::move(mem), compute(), host, bytes);
 }
 

@@ -165,9 +165,8 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   // A step whose fetches read pageable memory does not run ahead: NVIDIA's driver read a pageable
   // source when the copy was enqueued, which for the next step would be before this one's
   // write-backs had landed (graph/passes/staging.cpp stages such fetches within a step).
-  const bool homes_pageable =
-      offload::resolve_host_memory(homes.host_memory, context.device()) != offload::HostMemory::pinned;
-  const bool pool_pageable = pool_memory != offload::HostMemory::pinned;
+  const bool homes_pageable = !offload::is_pinned(offload::resolve_host_memory(homes.host_memory, context.device()));
+  const bool pool_pageable = !offload::is_pinned(pool_memory);
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) impl_->one_pass = false;
     if (n.op[id] == builtin::fetch) {
@@ -392,7 +391,7 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
 // staging) must be pinned.
 offload::HostMemory CompiledStep::host_pool_memory(const cl::Context& context, offload::HostMemory wanted) const {
   const offload::HostMemory m = offload::resolve_host_memory(wanted, context.device());
-  if (m == offload::HostMemory::pinned) return m;
+  if (offload::is_pinned(m)) return m;
   const auto& n = graph_.nodes;
   for (NodeId id = 0; id < n.size(); ++id) {
     if (n.lane[id] != Lane::compute) continue;

@@ -97,15 +97,19 @@ const char* host_memory_name(HostMemory m) {
       return "pageable";
     case HostMemory::staged:
       return "staged";
+    case HostMemory::registered:
+      return "registered";
   }
   return "?";
 }
 
 HostMemory parse_host_memory(std::string_view s) {
-  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged}) {
+  for (const HostMemory m :
+       {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged, HostMemory::registered}) {
     if (s == host_memory_name(m)) return m;
   }
-  throw std::invalid_argument(fmt::format("unknown host memory '{}': use auto, pinned, pageable or staged", s));
+  throw std::invalid_argument(
+      fmt::format("unknown host memory '{}': use auto, pinned, pageable, staged or registered", s));
 }
 
 bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory) {
@@ -153,14 +157,30 @@ HostBuffer HostBuffer::pageable(std::size_t bytes, std::string_view what) {
   return b;
 }
 
+HostBuffer HostBuffer::registered(const cl::Context& context, HostBuffer pages, std::string_view what) {
+  if (!pages.pages_ || pages.pinned()) throw std::logic_error("HostBuffer::registered takes a pageable block");
+  HostBuffer b = std::move(pages);
+  const std::size_t bytes = b.bytes();
+  try {
+    b.pinned_ = context.register_host(b.pages_.get(), bytes, what);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(
+        fmt::format("could not register {} bytes of host memory for {} with the driver (CL_MEM_USE_HOST_PTR): {}; use "
+                    "--host-memory pinned or pageable (ResidencyOptions::homes.host_memory) on this driver",
+                    bytes, what, e.what()));
+  }
+  return b;
+}
+
 HostBuffer allocate_host(const cl::Context& context, std::size_t bytes, HostMemory memory, std::string_view what,
                          HostPlacement* placement) {
-  if (resolve_host_memory(memory, context.device()) == HostMemory::pinned) {
-    return HostBuffer(allocate_pinned_host(context, bytes, what, placement));
-  }
+  const HostMemory resolved = resolve_host_memory(memory, context.device());
+  if (resolved == HostMemory::pinned) return HostBuffer(allocate_pinned_host(context, bytes, what, placement));
+  // Pages are bound near the device before a driver registers them (it may pin them where they are).
   HostBuffer b = HostBuffer::pageable(bytes, what);
   HostPlacement p = bind_near_device(context, b.data(), std::max<std::size_t>(bytes, 1));
   if (placement) *placement = std::move(p);
+  if (resolved == HostMemory::registered) return HostBuffer::registered(context, std::move(b), what);
   return b;
 }
 

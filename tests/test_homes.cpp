@@ -161,14 +161,16 @@ TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(nvidia, true));  // an integrated one
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(amd, false));
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(pocl, true));
-  for (const HostMemory m : {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged}) {
+  for (const HostMemory m :
+       {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged, HostMemory::registered}) {
     EXPECT_EQ(offload::parse_host_memory(offload::host_memory_name(m)), m);
   }
   try {
     offload::parse_host_memory("locked");
     ADD_FAILURE();
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("use auto, pinned, pageable or staged"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use auto, pinned, pageable, staged or registered"), std::string::npos)
+        << e.what();
   }
   auto& dev = TestDevice::get();
   const HostMemory here = offload::resolve_host_memory(HostMemory::automatic, dev.context.device());
@@ -180,6 +182,30 @@ TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
   EXPECT_EQ(offload::resolve_host_memory(HostMemory::staged, dev.context.device()), HostMemory::staged);
   // Staged memory is pageable where it is allocated: only the step's staging is pinned.
   EXPECT_FALSE(offload::allocate_host(dev.context, 4096, HostMemory::staged, "a staged block").pinned());
+  EXPECT_EQ(offload::resolve_host_memory(HostMemory::registered, dev.context.device()), HostMemory::registered);
+  EXPECT_TRUE(offload::is_pinned(HostMemory::registered));
+  EXPECT_FALSE(offload::is_pinned(HostMemory::staged));
+}
+
+// Registered blocks: ferry's zeroed pages with an OpenCL buffer over them (CL_MEM_USE_HOST_PTR);
+// copies to the device from their pointer and back into them carry every byte.
+TEST(HostMemory, RegisteredBlocksAreTheProcesssPagesWithABuffer) {
+  auto& dev = TestDevice::get();
+  constexpr std::size_t bytes = 3 << 20;
+  offload::HostBuffer block =
+      offload::allocate_host(dev.context, bytes, offload::HostMemory::registered, "a registered block");
+  ASSERT_TRUE(block.pinned());
+  ASSERT_NE(block.mem(), nullptr);
+  ASSERT_EQ(block.bytes(), bytes);
+  auto* host = static_cast<float*>(block.data());
+  EXPECT_EQ(host[0] + host[bytes / 4 - 1], 0.0f);
+  for (std::size_t i = 0; i < bytes / 4; ++i) host[i] = static_cast<float>(i % 1000) - 3.5f;
+  cl::Mem device = dev.context.create_buffer(bytes, "a device copy");
+  dev.context.write(device.get(), 0, block.data(), bytes);
+  std::vector<float> want(host, host + bytes / 4);
+  std::memset(block.data(), 0, bytes);
+  dev.context.read(device.get(), 0, block.data(), bytes);
+  EXPECT_EQ(std::memcmp(want.data(), host, bytes), 0);
 }
 
 // Pageable blocks: zeroed, writable, no OpenCL buffer; pinned ones have one. The pinned home in

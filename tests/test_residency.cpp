@@ -103,6 +103,14 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
   };
   cases.push_back({"stream at the minimum budget, pageable host memory",
                    pageable(options(graph::ResidencyMode::stream, min_budget, 0))});
+  // Registered host memory: ferry's pages handed to the driver, otherwise as pinned (no staging,
+  // steps run ahead).
+  auto registered = [](TrainerOptions o) {
+    o.residency.homes.host_memory = offload::HostMemory::registered;
+    return o;
+  };
+  cases.push_back({"stream at the minimum budget, registered host memory",
+                   registered(options(graph::ResidencyMode::stream, min_budget, 0))});
   // Staged host memory: every copy through pinned staging, however small.
   auto staged = [](TrainerOptions o) {
     o.residency.homes.host_memory = offload::HostMemory::staged;

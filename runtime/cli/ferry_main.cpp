@@ -408,9 +408,10 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--host-memory", t.host_memory,
                   "Memory of the streamed homes and the step's host buffers: pinned (DMA copies), pageable (no "
                   "device memory; the driver stages copies), staged (pageable, copies through a small pinned "
-                  "staging area filled on all cores), or auto: pageable on NVIDIA, whose pinned buffers take "
-                  "device memory too, pinned elsewhere")
-      ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged"}))
+                  "staging area filled on all cores), registered (ferry's pages handed to the driver, "
+                  "CL_MEM_USE_HOST_PTR, which may pin them in place; otherwise as pinned), or auto: pageable on "
+                  "NVIDIA, whose pinned buffers take device memory too, pinned elsewhere")
+      ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged", "registered"}))
       ->capture_default_str();
   app->add_option("--staging-chunk", t.staging_chunk,
                   "With --host-memory staged: each fetch copies itself through a ring of four pinned chunks of "

@@ -56,8 +56,15 @@ class Context {
   bool profiling() const noexcept { return options_.profiling; }
 
   // Device buffer; `what` names it in the error if the allocation fails.
-  Mem create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags = CL_MEM_READ_WRITE) const;
+  // host: the buffer's own memory where flags include CL_MEM_USE_HOST_PTR.
+  Mem create_buffer(std::size_t bytes, std::string_view what, cl_mem_flags flags = CL_MEM_READ_WRITE,
+                    void* host = nullptr) const;
+  // Host memory the driver allocates and pins (CL_MEM_ALLOC_HOST_PTR), mapped for the buffer's life.
   PinnedBuffer create_pinned(std::size_t bytes, std::string_view what) const;
+  // The caller's own page-aligned memory handed to the driver as a buffer's (CL_MEM_USE_HOST_PTR),
+  // mapped for the buffer's life: pinned where the driver pins such memory in place. `pages` must
+  // outlive the returned buffer.
+  PinnedBuffer register_host(void* pages, std::size_t bytes, std::string_view what) const;
   // Test hook (tests/test_faults.cpp): allocation number `nth` from now (0: the next
   // create_buffer or create_pinned) fails as if the driver had refused it, with
   // CL_MEM_OBJECT_ALLOCATION_FAILURE and the usual message naming the buffer; -1 clears it.

@@ -13,6 +13,11 @@
 // pinned staging area of the step's memory plan, filled and drained by host-lane nodes on all
 // cores. Staging is counted in the device budget where pinned buffers take device memory. On the
 // H200 staged steps ran slower than pageable ones (bench/RESULTS.md), so `automatic` is pageable.
+// Registered memory is ferry's own pages handed to the driver as buffers' memory
+// (CL_MEM_USE_HOST_PTR), which a driver may pin in place without a device copy: pinned in every
+// other respect (copies run as DMA at execution, steps run ahead, nothing is staged). Whether a
+// driver pins them and keeps them out of device memory is the driver's: measured, not assumed
+// (`ferry-bench staging`'s registered legs, bench/scale_gpu.sh's driver samples).
 #pragma once
 
 #include <cstdint>
@@ -29,9 +34,10 @@ enum class HostMemory : std::uint8_t {
   automatic,  // pageable where pinned buffers take device memory too, else pinned
   pinned,
   pageable,
-  staged,  // pageable, with copies through pinned staging
+  staged,      // pageable, with copies through pinned staging
+  registered,  // ferry's pages registered with the driver (CL_MEM_USE_HOST_PTR); otherwise as pinned
 };
-const char* host_memory_name(HostMemory m);  // "auto", "pinned", "pageable", "staged"
+const char* host_memory_name(HostMemory m);  // "auto", "pinned", "pageable", "staged", "registered"
 // Throws std::invalid_argument naming the valid values.
 HostMemory parse_host_memory(std::string_view s);
 
@@ -40,6 +46,10 @@ HostMemory parse_host_memory(std::string_view s);
 bool pinned_buffers_take_device_memory(const cl::DeviceFacts& device, bool host_unified_memory);
 // `automatic` made concrete for `device`; the others are returned as given.
 HostMemory resolve_host_memory(HostMemory m, const cl::DeviceInfo& device);
+// Whether memory of (resolved) kind m is pinned: DMA at execution, kernels can address it (mem()).
+inline bool is_pinned(HostMemory m) {
+  return m == HostMemory::pinned || m == HostMemory::registered;
+}
 // The memory the link copies from with homes in `resolved` memory: pinned staging for staged
 // memory, the homes themselves otherwise (what a link measurement should copy from).
 inline HostMemory link_source_memory(HostMemory resolved) {
@@ -58,7 +68,8 @@ struct Unmap {
 };
 }  // namespace detail
 
-// A block of host memory of either kind. Kernels can address only pinned blocks (mem()).
+// A block of host memory: the driver's pinned memory, ferry's pages, or ferry's pages registered
+// with the driver. Kernels can address only pinned blocks (mem()): the driver's and registered ones.
 class HostBuffer {
  public:
   HostBuffer() = default;
@@ -66,20 +77,24 @@ class HostBuffer {
   // Anonymous pages of `bytes` (transparent huge pages asked for). Throws std::runtime_error
   // naming `what` and the size when the system refuses.
   static HostBuffer pageable(std::size_t bytes, std::string_view what);
+  // The pages of a pageable block registered with the context's driver (cl::Context::register_host).
+  // Throws std::runtime_error naming `what` when the driver refuses.
+  static HostBuffer registered(const cl::Context& context, HostBuffer pages, std::string_view what);
 
-  void* data() const noexcept { return pages_ ? pages_.get() : pinned_.data(); }
-  std::size_t bytes() const noexcept { return pages_ ? pages_.get_deleter().bytes : pinned_.bytes(); }
-  bool pinned() const noexcept { return !pages_; }
+  void* data() const noexcept { return pinned_.mem() ? pinned_.data() : pages_.get(); }
+  std::size_t bytes() const noexcept { return pinned_.mem() ? pinned_.bytes() : pages_.get_deleter().bytes; }
+  bool pinned() const noexcept { return pinned_.mem() != nullptr; }
   // The OpenCL buffer of a pinned block; nullptr for pageable memory.
   cl_mem mem() const noexcept { return pinned_.mem(); }
 
  private:
-  cl::PinnedBuffer pinned_;
+  // Declared before pinned_ so that a registered block's buffer is released before its pages.
   std::unique_ptr<void, detail::Unmap> pages_;
+  cl::PinnedBuffer pinned_;
 };
 
-// Allocates `bytes` of host memory of kind `memory` (pinned, or pageable for pageable and staged;
-// automatic is resolved for the context's device) bound near the device as allocate_pinned_host does. Throws
+// Allocates `bytes` of host memory of kind `memory` (pinned, registered, or pageable for pageable and
+// staged; automatic is resolved for the context's device) bound near the device as allocate_pinned_host does. Throws
 // std::runtime_error naming `what` and the size when it cannot.
 HostBuffer allocate_host(const cl::Context& context, std::size_t bytes, HostMemory memory, std::string_view what,
                          HostPlacement* placement = nullptr);
