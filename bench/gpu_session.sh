@@ -21,8 +21,9 @@
 #              tuned kernel beside SDPA
 #   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
 #              through pinned chunks of 4, 16 and 64 MiB
-#   trace-staged, trace-pageable  the two 1B streamed runs with --host-memory staged (pageable), each
-#              with a trace of two steps and bench/trace_summary.py's account of the second;
+#   trace-staged, trace-pageable, trace-registered  the two 1B streamed runs with --host-memory staged
+#              (pageable, registered), each with a trace of two steps and bench/trace_summary.py's
+#              account of the second, and the driver's memory in use sampled;
 #              trace-chunked: the same with --host-memory staged --staging-chunk 16MiB
 #   trace-gpt85m  the 85M GPT (width 768, 12 blocks, context 256, batch 8) trained 4 steps with a trace
 #              of 3: bench/trace_summary.py's account of the third (the compute lane's busy share and its
@@ -106,7 +107,7 @@ for p in "$@"; do
         --python "$python_peer" ;;
     staging)
       part staging 120 "$kit/bin/ferry-bench" --repeat 3 staging --bytes 1GiB --chunks 4MiB,16MiB,64MiB ;;
-    trace-staged | trace-pageable)
+    trace-staged | trace-pageable | trace-registered)
       part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY="${p#trace-}" SCALE_GPU_TRACE=1 \
         SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     trace-chunked)
