@@ -26,8 +26,8 @@
 #              account of the second, and the driver's memory in use sampled;
 #              trace-chunked: the same with --host-memory staged --staging-chunk 16MiB
 #   trace-gpt85m  the 85M GPT (width 768, 12 blocks, context 256, batch 8) trained 4 steps with a trace
-#              of 3: bench/trace_summary.py's account of the third (the compute lane's busy share and its
-#              time per kind of node)
+#              of 3, with fused attention and with unfused: bench/trace_summary.py's account of the
+#              third (the compute lane's busy share and its time per kind of node)
 # GPU_SESSION_BUDGET_S: seconds for the whole call (540).
 set -uo pipefail
 
@@ -113,15 +113,18 @@ for p in "$@"; do
     trace-chunked)
       part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY=staged SCALE_GPU_STAGING_CHUNK=16MiB \
         SCALE_GPU_TRACE=1 SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
-    trace-gpt85m)  # where the 85M GPT's step goes on the GPU: per kind of node, and the device's idle time
-      part trace-gpt85m 150 "$kit/bin/ferry" train --model gpt --width 768 --depth 12 --heads 12 --context 256 \
-        --batch 8 --steps 4 --eval-every 4 --val-windows 16 --trace "$res/gpt85m.trace.json" --trace-steps 3 --force \
-        --json
-      python3 bench/trace_summary.py "$res/gpt85m.trace.json" --step 2 >"$res/gpt85m.trace_summary.json" &&
-        python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); c = d["lanes"]["compute"]
+    trace-gpt85m)  # where the 85M GPT's step goes on the GPU, fused attention and unfused: per kind of node
+      for attention in fused unfused; do
+        trace=$res/gpt85m_$attention.trace.json
+        part "trace-gpt85m-$attention" 100 "$kit/bin/ferry" train --model gpt --width 768 --depth 12 --heads 12 \
+          --context 256 --batch 8 --attention "$attention" --steps 4 --eval-every 4 --val-windows 16 --trace "$trace" \
+          --trace-steps 3 --force --json
+        python3 bench/trace_summary.py "$trace" --step 2 >"$res/gpt85m_$attention.trace_summary.json" &&
+          python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); c = d["lanes"]["compute"]
 print("  step", round(d["span_ms"], 2), "ms, compute busy", round(c["busy_share"], 3), "over", c["nodes"], "nodes")
-for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "ms")' "$res/gpt85m.trace_summary.json"
-      rm -f "$res/gpt85m.trace.json" ;;  # the summary is what comes back (the trace is megabytes)
+for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "ms")' "$res/gpt85m_$attention.trace_summary.json"
+        rm -f "$trace"  # the summary is what comes back (the trace is megabytes)
+      done ;;
     scale7b) part scale7b 600 env SCALE_GPU_ONLY=7b SCALE_GPU_LIMIT_S=$(($(left) - 40)) bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     *) echo "gpu_session.sh: unknown part '$p'" >&2 ;;
   esac
