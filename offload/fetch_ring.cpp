@@ -42,7 +42,7 @@ void FetchRing::wait_for_slot(std::size_t s) {
 }
 
 cl::Event FetchRing::copy(cl_command_queue queue, const std::byte* src, cl_mem dst, std::size_t offset,
-                          std::size_t bytes, std::span<const cl_event> wait) {
+                          std::size_t bytes, std::span<const cl_event> wait, cl::Event* first_chunk) {
   std::lock_guard lock(mutex_);
   cl::Event last;
   if (bytes == 0) {  // nothing to copy: the fetch completes with what it waits for
@@ -64,6 +64,7 @@ cl::Event FetchRing::copy(cl_command_queue queue, const std::byte* src, cl_mem d
                                   first && !wait.empty() ? wait.data() : nullptr, e.out()));
     FERRY_CL(clFlush(queue));  // the link starts on this chunk while the host copies the next
     busy_[s] = e;
+    if (first && first_chunk && len < bytes) *first_chunk = e;
     last = std::move(e);
   }
   return last;

@@ -29,11 +29,11 @@ class FetchRing final : public ops::StagedCopier {
 
   // Copies `bytes` from `src` to `dst` at `offset` on `queue` (in order), the first chunk's copy
   // waiting for `wait`. Returns once `src` has been read (it may change afterwards), with the event
-  // of the last chunk's copy, which completes after every chunk's. Blocks while every slot is still
-  // being copied to the device. Throws cl::Error when a copy fails or cannot be enqueued; the ring
-  // stays usable.
+  // of the last chunk's copy, which completes after every chunk's (and in *first, when not null and
+  // there are several, the first chunk's). Blocks while every slot is still being copied to the
+  // device. Throws cl::Error when a copy fails or cannot be enqueued; the ring stays usable.
   cl::Event copy(cl_command_queue queue, const std::byte* src, cl_mem dst, std::size_t offset, std::size_t bytes,
-                 std::span<const cl_event> wait) override;
+                 std::span<const cl_event> wait, cl::Event* first = nullptr) override;
   std::size_t chunk_bytes() const noexcept { return chunk_; }
 
  private:

@@ -33,8 +33,8 @@ LaunchList bind_clblast_gemm(OpEnv& env, const GemmShape& s, float alpha, Device
   KernelLaunch l;
   // Row-major leading dimensions of the stored matrices.
   const std::size_t lda = s.trans_a ? s.M : s.K, ldb = s.trans_b ? s.K : s.N, ldc = s.N;
-  l.custom = [s, alpha, a, b, beta, c, lda, ldb, ldc](cl_command_queue queue,
-                                                      std::span<const cl_event> wait) -> cl::Event {
+  l.custom = [s, alpha, a, b, beta, c, lda, ldb, ldc](cl_command_queue queue, std::span<const cl_event> wait,
+                                                      cl::Event*) -> cl::Event {
     cl::OpScope scope("gemm (clblast)");
     if (!wait.empty()) {
       FERRY_CL(clEnqueueBarrierWithWaitList(queue, static_cast<cl_uint>(wait.size()), wait.data(), nullptr));

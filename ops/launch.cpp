@@ -33,8 +33,9 @@ cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<
     // (Oclgrind runs it), only those that wait on it, and the list's last event must report a
     // failure of any of its commands.
     const std::span<const cl_event> waits = first ? wait : std::span<const cl_event>(&previous, previous ? 1 : 0);
+    cl::Event begun;  // a custom call's first command, where it enqueued several
     if (l.custom) {
-      last = l.custom(queue, waits);
+      last = l.custom(queue, waits, first && first_event ? &begun : nullptr);
     } else {
       if (l.per_step) l.per_step(l.kernel.get(), step);
       const bool any_local = l.local[0] != 0;
@@ -44,7 +45,7 @@ cl::Event enqueue(cl_command_queue queue, const LaunchList& launches, std::span<
                                       waits.empty() ? nullptr : waits.data(), ev.out()));
       last = std::move(ev);
     }
-    if (first && first_event) *first_event = last;
+    if (first && first_event) *first_event = begun.get() ? std::move(begun) : last;
     previous = last.get();
   }
   return last;

@@ -3,11 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "ferry/cl/error.hpp"
 #include "ferry/offload/host_memory.hpp"
+#include "offload/fetch_ring.hpp"
 #include "offload/home_store.hpp"
 #include "test_support.hpp"
 
@@ -331,6 +334,37 @@ TEST(Homes, HomesWithoutAStoreAndHomesTheDeviceCannotServeAreClearErrors) {
     EXPECT_TRUE(mapped->kernels_address_directly());
     EXPECT_EQ(mapped->current({0, 0}), mapped->next({0, 0})) << "mapped keeps one copy";
   }
+}
+
+// The chunked fetches' ring: a copy of several chunks goes through the slots in turn (more chunks
+// than slots, so they are reused within the copy) and arrives whole; it reports its first chunk's
+// event beside the last one's (a trace spans the node from it), and a copy of one chunk reports none.
+TEST(FetchRing, CopiesThroughItsSlotsAndReportsTheFirstChunk) {
+  auto& dev = TestDevice::get();
+  constexpr std::size_t chunk = 4096, slots = 4, bytes = 11 * chunk + 100;
+  const offload::HostBuffer ring_memory =
+      offload::allocate_host(dev.context, chunk * slots, offload::HostMemory::pinned, "a test ring");
+  offload::FetchRing ring(static_cast<std::byte*>(ring_memory.data()), chunk, slots);
+  std::vector<std::uint8_t> src(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) src[i] = static_cast<std::uint8_t>(i * 7 + i / 4096);
+  cl::Mem device = dev.context.create_buffer(bytes + 64, "the ring's destination");
+  const cl_command_queue q = dev.context.queue(cl::QueueKind::h2d);
+  cl::Event first;
+  cl::Event last = ring.copy(q, reinterpret_cast<const std::byte*>(src.data()), device.get(), 64, bytes, {}, &first);
+  ASSERT_NE(first.get(), nullptr);
+  EXPECT_NE(first.get(), last.get());
+  cl_event both[] = {first.get(), last.get()};
+  FERRY_CL(clWaitForEvents(2, both));
+  std::vector<std::uint8_t> back(bytes);
+  dev.context.read(device.get(), 64, back.data(), bytes);
+  EXPECT_EQ(back, src);
+
+  cl::Event single_first;
+  cl::Event single =
+      ring.copy(q, reinterpret_cast<const std::byte*>(src.data()), device.get(), 0, chunk, {}, &single_first);
+  FERRY_CL(clFinish(q));
+  EXPECT_EQ(single_first.get(), nullptr) << "one chunk: its event is the copy's only one";
+  EXPECT_NE(single.get(), nullptr);
 }
 
 }  // namespace

@@ -30,7 +30,8 @@ LaunchList transfer_copies(const BindContext& c, bool to_device, std::span<const
   }
   if (pairs.empty()) return {};  // nothing of this tensor to move (another rank's share)
   KernelLaunch l;
-  l.custom = [pairs = std::move(pairs), to_device](cl_command_queue q, std::span<const cl_event> wait) {
+  l.custom = [pairs = std::move(pairs), to_device](cl_command_queue q, std::span<const cl_event> wait,
+                                                   cl::Event* first) {
     cl::Event last;
     for (std::size_t i = 0; i < pairs.size(); ++i) {
       const Pair& p = pairs[i];
@@ -45,6 +46,7 @@ LaunchList transfer_copies(const BindContext& c, bool to_device, std::span<const
         FERRY_CL(clEnqueueReadBuffer(q, p.device.buffer, CL_FALSE, p.device.offset_bytes, p.bytes, host, nwait, wl,
                                      ev.out()));
       }
+      if (i == 0 && first && pairs.size() > 1) *first = ev;
       last = std::move(ev);
     }
     return last;
@@ -68,8 +70,8 @@ LaunchList chunked_fetch(const BindContext& c) {
   const HostAddress host = c.host_in(0);
   const std::size_t bytes = dtype_bytes(c.input(0).dtype) * c.input(0).shape.elems();
   KernelLaunch l;
-  l.custom = [copier, d, host, bytes](cl_command_queue q, std::span<const cl_event> wait) {
-    return copier->copy(q, static_cast<const std::byte*>(host()), d.buffer, d.offset_bytes, bytes, wait);
+  l.custom = [copier, d, host, bytes](cl_command_queue q, std::span<const cl_event> wait, cl::Event* first) {
+    return copier->copy(q, static_cast<const std::byte*>(host()), d.buffer, d.offset_bytes, bytes, wait, first);
   };
   LaunchList list;
   list.push_back(std::move(l));

@@ -60,8 +60,9 @@ struct KernelLaunch {
   // Optional: a deferred call of a library that enqueues its own work (CLBlast). When set,
   // enqueue() calls it instead of clEnqueueNDRangeKernel with the wait list of this launch (the
   // list's for the first, else the launch before it) and takes the event it returns; `kernel` and
-  // the sizes are unused.
-  std::function<cl::Event(cl_command_queue, std::span<const cl_event>)> custom;
+  // the sizes are unused. A call that enqueues several commands sets *first (when not null) to its
+  // first command's event, for timelines (a node's span starts there).
+  std::function<cl::Event(cl_command_queue, std::span<const cl_event>, cl::Event* first)> custom;
 };
 
 using LaunchList = std::vector<KernelLaunch>;

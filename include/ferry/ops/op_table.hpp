@@ -118,12 +118,13 @@ using HostAddress = std::function<void*()>;
 
 // Copies to the device through host staging a compiled step owns (staged host memory's chunked
 // fetches: offload::FetchRing). `copy` returns once `src` has been read, with the event of the
-// copy, the first part of which waits for `wait`.
+// copy, the first part of which waits for `wait`; where it copies in several parts it sets *first
+// (when not null) to the first part's event.
 class StagedCopier {
  public:
   virtual ~StagedCopier() = default;
   virtual cl::Event copy(cl_command_queue queue, const std::byte* src, cl_mem dst, std::size_t offset,
-                         std::size_t bytes, std::span<const cl_event> wait) = 0;
+                         std::size_t bytes, std::span<const cl_event> wait, cl::Event* first = nullptr) = 0;
 };
 
 // Binding: a device-lane node's kernels (or copies) for its planned operands.
