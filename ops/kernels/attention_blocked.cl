@@ -84,6 +84,20 @@ inline void stage_rows(__local float* tile, uint stride, uint rows, __global con
     }                                              \
   }
 
+// s[r][c] += row (r0 + rs r) of tile a . row (c0 + cs c) of tile b over the head dimension, for
+// r, c < 4 (padded tiles): the scores and dp = do vᵀ, one float4 of each of the 8 rows at a time.
+inline void block_dots(float s[4][4], __local const float4* a, uint r0, uint rs, __local const float4* b, uint c0,
+                       uint cs) {
+  for (uint c4 = 0; c4 < D4; ++c4) {
+    float4 av[4], bv[4];
+    UNROLL
+    for (uint r = 0; r < 4; ++r) av[r] = ROW4(a, r0 + rs * r, c4);
+    UNROLL
+    for (uint c = 0; c < 4; ++c) bv[c] = ROW4(b, c0 + cs * c, c4);
+    BLOCK_DOT4(s, av, bv)
+  }
+}
+
 // ---- Forward: TQ queries per work-group, TK keys a step ---------------------------------------
 
 // Work-item (y, x) = (lid / NK, lid % NK) holds queries y + NQ r (r < 4) of the group: their scores
@@ -116,14 +130,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_forward_
     stage_rows((__local float*)vs, DP, TK, v, v_off, b, h, kb, T, H, 1.0f);
     barrier(CLK_LOCAL_MEM_FENCE);
     float s[4][4] = {{0.0f}};
-    for (uint c4 = 0; c4 < D4; ++c4) {
-      float4 qv[4], kv[4];
-      UNROLL
-      for (uint r = 0; r < 4; ++r) qv[r] = ROW4(qs, y + NQ * r, c4);
-      UNROLL
-      for (uint c = 0; c < 4; ++c) kv[c] = ROW4(kp, x + NK * c, c4);
-      BLOCK_DOT4(s, qv, kv)
-    }
+    block_dots(s, qs, y, NQ, kp, x, NK);
     UNROLL
     for (uint r = 0; r < 4; ++r) {
       const uint i = first + y + NQ * r;
@@ -225,19 +232,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
     stage_rows((__local float*)vs, RS, TK, v, v_off, b, h, kb, T, H, 1.0f);
     barrier(CLK_LOCAL_MEM_FENCE);
     float s[4][4] = {{0.0f}}, dp[4][4] = {{0.0f}};
-    for (uint c4 = 0; c4 < D4; ++c4) {
-      float4 a[4], e[4];
-      UNROLL
-      for (uint r = 0; r < 4; ++r) a[r] = ROW4(qs, y + NQ * r, c4);
-      UNROLL
-      for (uint c = 0; c < 4; ++c) e[c] = ROW4(ks, x + NK * c, c4);
-      BLOCK_DOT4(s, a, e)
-      UNROLL
-      for (uint r = 0; r < 4; ++r) a[r] = ROW4(dos, y + NQ * r, c4);
-      UNROLL
-      for (uint c = 0; c < 4; ++c) e[c] = ROW4(vs, x + NK * c, c4);
-      BLOCK_DOT4(dp, a, e)
-    }
+    block_dots(s, qs, y, NQ, ks, x, NK);
+    block_dots(dp, dos, y, NQ, vs, x, NK);
     float ds[4][4];
     UNROLL
     for (uint r = 0; r < 4; ++r) {
@@ -315,19 +311,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     float s[4][4] = {{0.0f}}, dp[4][4] = {{0.0f}};
-    for (uint c4 = 0; c4 < D4; ++c4) {
-      float4 a[4], e[4];
-      UNROLL
-      for (uint r = 0; r < 4; ++r) a[r] = ROW4(ks, y + NK * r, c4);
-      UNROLL
-      for (uint c = 0; c < 4; ++c) e[c] = ROW4(qs, x + NQ * c, c4);
-      BLOCK_DOT4(s, a, e)
-      UNROLL
-      for (uint r = 0; r < 4; ++r) a[r] = ROW4(vs, y + NK * r, c4);
-      UNROLL
-      for (uint c = 0; c < 4; ++c) e[c] = ROW4(dos, x + NQ * c, c4);
-      BLOCK_DOT4(dp, a, e)
-    }
+    block_dots(s, ks, y, NK, qs, x, NQ);   // s[key][query]
+    block_dots(dp, vs, y, NK, dos, x, NQ);
     float pk[4][4], ds[4][4];
     UNROLL
     for (uint r = 0; r < 4; ++r) {
