@@ -110,7 +110,7 @@ part attention && for kernel in "${attention_list[@]}"; do
   # The build report as for the GEMM: each kernel's registers and spills (tiles are fitted per kernel).
   if FERRY_TUNE=off FERRY_BUILD_REPORT=1 FERRY_PROGRAM_CACHE=0 CUDA_CACHE_DISABLE=1 timeout 300 "$bin/ferry-bench" attention \
     --contexts "$contexts" --kernel "$kernel" "${peer[@]}" >"$f" 2>"$f.err"; then
-    field "$f" context fused_kernel fused_ms unfused_ms speedup_vs_unfused peer_ms speedup_vs_peer | sed "s/^/  /"
+    field "$f" context fused_kernel fused_ms fused_kernels_ms unfused_ms speedup_vs_unfused peer_ms speedup_vs_peer | sed "s/^/  /"
   else
     echo "  $kernel: failed (see $f.err)"
     status=1
