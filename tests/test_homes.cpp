@@ -209,6 +209,18 @@ TEST(HostMemory, RegisteredBlocksAreTheProcesssPagesWithABuffer) {
   std::memset(block.data(), 0, bytes);
   dev.context.read(device.get(), 0, block.data(), bytes);
   EXPECT_EQ(std::memcmp(want.data(), host, bytes), 0);
+
+  // A driver that refuses the registration: an error naming the block and what to use instead.
+  dev.context.inject_allocation_failure(0);
+  try {
+    (void)offload::allocate_host(dev.context, 4096, offload::HostMemory::registered, "a refused block");
+    ADD_FAILURE() << "the refused registration did not throw";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("could not register 4096 bytes of host memory for a refused block"), std::string::npos) << what;
+    EXPECT_NE(what.find("--host-memory pinned or pageable"), std::string::npos) << what;
+  }
+  dev.context.inject_allocation_failure(-1);
 }
 
 // Pageable blocks: zeroed, writable, no OpenCL buffer; pinned ones have one. The pinned home in
