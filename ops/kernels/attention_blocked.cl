@@ -17,8 +17,8 @@
 //  - The products whose output runs over the head dimension (p v, ds k, pᵀ do, dsᵀ q) read, per key
 //    (query), the work-item's 4 probabilities as one float4 (written so by the softmax) and its
 //    columns of the head dimension as float4s d = 4 (x + N j) .. + 3: 3 reads for 32 multiply-adds
-//    at TK = 32, D = 64, where one float per column took 9 (the eighteenth session's kernels, at 12
-//    TFLOPS on an H200 against the GEMM's 29).
+//    at TK = 32, D = 64, where one float per column took 9 (the previous layout, transposed tiles
+//    read a float at a time there: 11-12 TFLOPS on an H200 against the GEMM's 29, bench/RESULTS.md).
 //
 // Built with -DHEAD_DIM=D -DDP=(D rounded up to 16) -DTQ=queries -DTK=keys per tile (4, 8, 16, 32 or
 // 64 each). The forward and dq kernels take TQ queries per work-group and walk the keys TK at a
@@ -31,8 +31,8 @@
 #define NQ (TQ / 4)  // work-items across a tile's queries (4 queries each)
 #define NK (TK / 4)  // across its keys
 #define NT (NQ * NK)
-#define RS (DP + 4)          // floats between a padded tile's rows
-#define D4 ((D + 3) / 4)     // float4s of a row that hold the head dimension
+#define RS (DP + 4)       // floats between a padded tile's rows
+#define D4 ((D + 3) / 4)  // float4s of a row that hold the head dimension
 #define MAX_OF(a, b) ((a) > (b) ? (a) : (b))
 
 // Loops over a work-item's private blocks, unrolled where the host asks (-DUNROLL_BLOCKS=1, GPUs):
@@ -64,24 +64,24 @@ inline void stage_rows(__local float* tile, uint stride, uint rows, __global con
 
 // s[r][c] += a[r] . b[c] over one float4 of d, for the work-item's 4 x 4 block.
 #define DOT4(acc, a, b) acc = fma((a).x, (b).x, fma((a).y, (b).y, fma((a).z, (b).z, fma((a).w, (b).w, acc))))
-#define BLOCK_DOT4(s, a, b)        \
-  UNROLL                           \
-  for (uint r_ = 0; r_ < 4; ++r_) { \
-    UNROLL                         \
+#define BLOCK_DOT4(s, a, b)                                        \
+  UNROLL                                                           \
+  for (uint r_ = 0; r_ < 4; ++r_) {                                \
+    UNROLL                                                         \
     for (uint c_ = 0; c_ < 4; ++c_) DOT4(s[r_][c_], a[r_], b[c_]); \
   }
 
 // acc[r][4j .. 4j + 3] += p[r] v for r < 4: a float4 of a work-item's output columns.
-#define AXPY4(acc, j, p, v)                        \
-  {                                                \
-    const float p_[4] = {(p).x, (p).y, (p).z, (p).w}; \
-    UNROLL                                         \
-    for (uint r_ = 0; r_ < 4; ++r_) {              \
+#define AXPY4(acc, j, p, v)                                            \
+  {                                                                    \
+    const float p_[4] = {(p).x, (p).y, (p).z, (p).w};                  \
+    UNROLL                                                             \
+    for (uint r_ = 0; r_ < 4; ++r_) {                                  \
       acc[r_][4 * (j)] = fma(p_[r_], (v).x, acc[r_][4 * (j)]);         \
       acc[r_][4 * (j) + 1] = fma(p_[r_], (v).y, acc[r_][4 * (j) + 1]); \
       acc[r_][4 * (j) + 2] = fma(p_[r_], (v).z, acc[r_][4 * (j) + 2]); \
       acc[r_][4 * (j) + 3] = fma(p_[r_], (v).w, acc[r_][4 * (j) + 3]); \
-    }                                              \
+    }                                                                  \
   }
 
 // s[r][c] += row (r0 + rs r) of tile a . row (c0 + cs c) of tile b over the head dimension, for
