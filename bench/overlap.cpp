@@ -512,7 +512,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--host-memory", o->host_memory,
                  "memory of the streamed homes and the link-peak buffer: auto (pageable on NVIDIA), pinned, pageable, "
                  "staged (the link peak from pinned memory), registered")
-      ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged", "registered"}))
+      ->check(CLI::IsMember(offload::host_memory_names()))
       ->capture_default_str();
   return [o, &common] { return run_overlap(common, *o); };
 }

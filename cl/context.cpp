@@ -52,22 +52,22 @@ Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flag
   return mem;
 }
 
-PinnedBuffer Context::create_pinned(std::size_t bytes, std::string_view what) const {
-  Mem mem = create_buffer(bytes, what, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR);
+PinnedBuffer Context::map_for_life(Mem mem, std::size_t bytes, std::string_view what) const {
   cl_int status = CL_SUCCESS;
   void* host = clEnqueueMapBuffer(compute(), mem.get(), CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes == 0 ? 4 : bytes,
                                   0, nullptr, nullptr, &status);
-  check(status, "clEnqueueMapBuffer(pinned host buffer)");
+  check(status, fmt::format("clEnqueueMapBuffer({})", what).c_str());
   return PinnedBuffer(std::move(mem), compute(), host, bytes);
 }
 
+PinnedBuffer Context::create_pinned(std::size_t bytes, std::string_view what) const {
+  return map_for_life(create_buffer(bytes, what, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR), bytes,
+                      "pinned host buffer");
+}
+
 PinnedBuffer Context::register_host(void* pages, std::size_t bytes, std::string_view what) const {
-  Mem mem = create_buffer(bytes, what, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, pages);
-  cl_int status = CL_SUCCESS;
-  void* host = clEnqueueMapBuffer(compute(), mem.get(), CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes == 0 ? 4 : bytes,
-                                  0, nullptr, nullptr, &status);
-  check(status, "clEnqueueMapBuffer(registered host memory)");
-  return PinnedBuffer(std::move(mem), compute(), host, bytes);
+  return map_for_life(create_buffer(bytes, what, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, pages), bytes,
+                      "registered host memory");
 }
 
 void Context::write(cl_mem dst, std::size_t offset_bytes, const void* src, std::size_t bytes) const {

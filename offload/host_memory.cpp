@@ -103,9 +103,14 @@ const char* host_memory_name(HostMemory m) {
   return "?";
 }
 
+std::vector<std::string> host_memory_names() {
+  std::vector<std::string> out;
+  for (const HostMemory m : all_host_memories) out.emplace_back(host_memory_name(m));
+  return out;
+}
+
 HostMemory parse_host_memory(std::string_view s) {
-  for (const HostMemory m :
-       {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged, HostMemory::registered}) {
+  for (const HostMemory m : all_host_memories) {
     if (s == host_memory_name(m)) return m;
   }
   throw std::invalid_argument(

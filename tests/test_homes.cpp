@@ -164,10 +164,11 @@ TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(nvidia, true));  // an integrated one
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(amd, false));
   EXPECT_FALSE(offload::pinned_buffers_take_device_memory(pocl, true));
-  for (const HostMemory m :
-       {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable, HostMemory::staged, HostMemory::registered}) {
+  for (const HostMemory m : offload::all_host_memories) {
     EXPECT_EQ(offload::parse_host_memory(offload::host_memory_name(m)), m);
   }
+  EXPECT_EQ(offload::host_memory_names(),
+            (std::vector<std::string>{"auto", "pinned", "pageable", "staged", "registered"}));
   try {
     offload::parse_host_memory("locked");
     ADD_FAILURE();

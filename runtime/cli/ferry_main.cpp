@@ -411,7 +411,7 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
                   "staging area filled on all cores), registered (ferry's pages handed to the driver, "
                   "CL_MEM_USE_HOST_PTR, which may pin them in place; otherwise as pinned), or auto: pageable on "
                   "NVIDIA, whose pinned buffers take device memory too, pinned elsewhere")
-      ->check(CLI::IsMember({"auto", "pinned", "pageable", "staged", "registered"}))
+      ->check(CLI::IsMember(ferry::offload::host_memory_names()))
       ->capture_default_str();
   app->add_option("--staging-chunk", t.staging_chunk,
                   "With --host-memory staged: each fetch copies itself through a ring of four pinned chunks of "

@@ -76,6 +76,8 @@ class Context {
   void finish_all() const;
 
  private:
+  // `mem` mapped for reading and writing for its life: the host side of a pinned or registered buffer.
+  PinnedBuffer map_for_life(Mem mem, std::size_t bytes, std::string_view what) const;
   DeviceInfo device_;
   ContextOptions options_;
   ContextHandle context_;

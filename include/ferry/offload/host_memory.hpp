@@ -22,7 +22,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/device.hpp"
@@ -37,7 +39,11 @@ enum class HostMemory : std::uint8_t {
   staged,      // pageable, with copies through pinned staging
   registered,  // ferry's pages registered with the driver (CL_MEM_USE_HOST_PTR); otherwise as pinned
 };
+inline constexpr HostMemory all_host_memories[] = {HostMemory::automatic, HostMemory::pinned, HostMemory::pageable,
+                                                   HostMemory::staged, HostMemory::registered};
 const char* host_memory_name(HostMemory m);  // "auto", "pinned", "pageable", "staged", "registered"
+// Every kind's name, in all_host_memories' order (the CLI's choices).
+std::vector<std::string> host_memory_names();
 // Throws std::invalid_argument naming the valid values.
 HostMemory parse_host_memory(std::string_view s);
 
