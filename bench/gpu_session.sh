@@ -107,11 +107,10 @@ for p in "$@"; do
         --python "$python_peer" ;;
     staging)
       part staging 120 "$kit/bin/ferry-bench" --repeat 3 staging --bytes 1GiB --chunks 4MiB,16MiB,64MiB ;;
-    trace-staged | trace-pageable | trace-registered)
-      part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY="${p#trace-}" SCALE_GPU_TRACE=1 \
-        SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
-    trace-chunked)
-      part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY=staged SCALE_GPU_STAGING_CHUNK=16MiB \
+    trace-staged | trace-pageable | trace-registered | trace-chunked)
+      memory=${p#trace-} chunk=
+      [[ $memory == chunked ]] && memory=staged chunk=16MiB
+      part "$p" 300 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_HOST_MEMORY="$memory" SCALE_GPU_STAGING_CHUNK="$chunk" \
         SCALE_GPU_TRACE=1 SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     trace-gpt85m)  # where the 85M GPT's step goes on the GPU, fused attention and unfused: per kind of node
       for attention in fused unfused; do
