@@ -71,6 +71,12 @@ const std::vector<ModelPass>& model_passes() {
          if (!key.training && key.int8_weights) apply_int8_weights(g);
        }},
       {"download", [](Graph& g, const VariantKey&, const OptimizerConfig&) { append_stats_download(g); }},
+      // Last: the checks' gradients have their final writers by now (sums over micro-batches and
+      // ranks included).
+      {"guard fusion",
+       [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
+         if (key.training && key.fuse) fuse_guard_checks(g);
+       }},
   };
   return passes;
 }

@@ -14,6 +14,7 @@
 #include "gemm_clblast.hpp"
 #include "gemm_tiled.hpp"
 #include "gemm_tuning.hpp"
+#include "ops/overflow_guard.hpp"
 
 namespace ferry::ops {
 namespace {
@@ -224,8 +225,8 @@ std::string gemm_storage_defines(DType a, DType b, DType c) {
 
 std::string gemm_epilogue_defines(const GemmOptions& o, std::size_t c_planes) {
   const bool dact = o.dact_input.buffer != nullptr;
-  return fmt::format("-DC_PLANES={} -DC_RELU={} -DC_DACT={}", c_planes, int(o.relu),
-                     dact ? 1 + int(o.dact == Activation::gelu) : 0);
+  return fmt::format("-DC_PLANES={} -DC_RELU={} -DC_DACT={} -DC_GUARD={}", c_planes, int(o.relu),
+                     dact ? 1 + int(o.dact == Activation::gelu) : 0, int(o.guard.buffer != nullptr));
 }
 
 namespace {
@@ -295,9 +296,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
   // layout).
   const bool dact = options.dact_input.buffer != nullptr;
-  const std::string defines =
-      fmt::format("{} {} {}", base, gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
-                  splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0" : gemm_epilogue_defines(options, options.c_planes));
+  const std::string defines = fmt::format(
+      "{} {} {}", base, gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+      splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0" : gemm_epilogue_defines(options, options.c_planes));
   const cl_mem dz = dact ? options.dact_input.buffer : c.buffer;  // not read without C_DACT
   const std::uint64_t dz_off = dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : 0;
   const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
@@ -350,13 +351,13 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
                  c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
                  cl_uint(s.K), cl_uint(1), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, dz,
-                 dz_off);
+                 dz_off, guard_buffer(options, c), options.guard.elem_offset());
   } else {
     // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
     cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
                  scratch.buffer, parts_off, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s, cfg)),
                  cl_uint(splits), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, scratch.buffer,
-                 std::uint64_t{0});
+                 std::uint64_t{0}, scratch.buffer, std::uint64_t{0});
   }
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -426,7 +427,8 @@ KernelLaunch sum_splits_launch(OpEnv& env, const GemmShape& s, std::size_t split
                parts.elem_offset(), alpha, beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
                has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
                dact ? options.dact_input.buffer : c.buffer,
-               dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0});
+               dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0}, guard_buffer(options, c),
+               options.guard.elem_offset());
   return elementwise_launch(std::move(sum), s.batch * s.M * s.N);
 }
 
@@ -484,19 +486,36 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     throw std::invalid_argument(fmt::format(
         "gemm {}x{}x{}: an activation's derivative (dact) does not combine with the ReLU or an NCHW C", s.M, s.N, s.K));
   }
+  const bool guard = options.guard.buffer != nullptr;
+  if (guard && (s.c != DType::f32 || options.c_planes)) {
+    throw std::invalid_argument(fmt::format("gemm {}x{}x{}: the overflow guard over C needs an f32 C in rows, got {}{}",
+                                            s.M, s.N, s.K, dtype_name(s.c), options.c_planes ? " planes" : ""));
+  }
+  const std::size_t c_elems = s.batch * s.M * s.N;
   const bool epilogue = native_dtypes(p);
   if ((dact && !(epilogue && dact_in_epilogue(env, p, s, options))) || (options.relu && !epilogue)) {
     // Kernels without the epilogue, and products whose epilogue would not give the activation
     // kernel's bits: the product, then the activation (or its backward) over C in place, as the
-    // unfused ops would run it.
+    // unfused ops would run it, then the guard's check of what it stored.
     GemmOptions plain = options;
     plain.dact_input = {};
     plain.relu = false;
+    plain.guard = {};
     LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, plain);
-    const std::size_t n = s.batch * s.M * s.N;
-    LaunchList more = dact ? activation_backward(env, options.dact, options.dact_input, c, c, n, s.c)
-                           : activation_forward(env, Activation::relu, c, c, n, s.c);
+    LaunchList more = dact ? activation_backward(env, options.dact, options.dact_input, c, c, c_elems, s.c)
+                           : activation_forward(env, Activation::relu, c, c, c_elems, s.c);
+    if (guard) {
+      for (auto& l : overflow_guard_check(env, c, c_elems, options.guard)) more.push_back(std::move(l));
+    }
     for (auto& l : more) list.push_back(std::move(l));
+    return list;
+  }
+  if (guard && !epilogue) {
+    // CLBlast and the naive kernel have no epilogue: the guard checks C after them.
+    GemmOptions plain = options;
+    plain.guard = {};
+    LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, plain);
+    for (auto& l : overflow_guard_check(env, c, c_elems, options.guard)) list.push_back(std::move(l));
     return list;
   }
   if (!s.all_f32() && !native_dtypes(p)) {

@@ -75,6 +75,11 @@ struct GemmOptions {
   // the product. Not with `relu` or the NCHW view of C.
   DeviceSpan dact_input{};
   Activation dact = Activation::relu;
+  // Optional: the overflow guard over C (ops/overflow_guard.hpp), one f32: set to NaN when a value
+  // stored in C is not finite, as overflow_guard_check over C would set it. ferry's packed and
+  // tiled kernels check in their epilogues (no second pass over C); the others, and products whose
+  // activation runs after them, are followed by overflow_guard_check. Needs an f32 C in rows.
+  DeviceSpan guard{};
 };
 
 // Scratch (in floats) the chosen kernel needs for this shape, e.g. packed panels of B. The caller

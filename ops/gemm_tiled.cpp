@@ -97,7 +97,8 @@ LaunchList bind_tiled_kernel(OpEnv& env, const GemmShape& s, const GemmKernelCon
                has_bias ? bias.buffer : c.buffer, bias.elem_offset(), has_bias, cl_ulong(s.M * s.K),
                cl_ulong(s.K * s.N), cl_ulong(s.M * s.N), dact ? options.dact_input.buffer : c.buffer,
                dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0},
-               cl_uint(splits > 1 ? chunk_rows(s, cfg, splits) : s.K), cl_uint(splits), vector_load_flags(s, a, b));
+               cl_uint(splits > 1 ? chunk_rows(s, cfg, splits) : s.K), cl_uint(splits), vector_load_flags(s, a, b),
+               guard_buffer(options, c), options.guard.elem_offset());
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 3;

@@ -21,10 +21,14 @@ std::size_t tiled_local_bytes(const GemmKernelConfig& c);
 std::size_t tiled_splits(const GemmShape& s, const GemmKernelConfig& c, std::uint32_t compute_units);
 
 // The -D options naming the operands' storage types (A_NAME, A_IS_F32, ... C_IS_F32: dtype.clh) and
-// the epilogue of `o` (C_PLANES = c_planes, C_RELU, C_DACT: gemm_epilogue.clh), for the kernels that
-// store C: gemm_packed, gemm_tiled, gemm_sum_splits.
+// the epilogue of `o` (C_PLANES = c_planes, C_RELU, C_DACT, C_GUARD: gemm_epilogue.clh), for the
+// kernels that store C: gemm_packed, gemm_tiled, gemm_sum_splits.
 std::string gemm_storage_defines(DType a, DType b, DType c);
 std::string gemm_epilogue_defines(const GemmOptions& o, std::size_t c_planes);
+// Those kernels' guard argument: o.guard's buffer, or C's (never written without C_GUARD).
+inline cl_mem guard_buffer(const GemmOptions& o, DeviceSpan c) {
+  return o.guard.buffer ? o.guard.buffer : c.buffer;
+}
 
 // The launch adding the splits' partial products (f32 blocks [batch splits, M, N] in `parts`) into
 // C with alpha, beta, the bias and the epilogue of `options` (gemm_sum.cl), C stored as NCHW planes
@@ -37,7 +41,7 @@ std::size_t tiled_scratch_elems(const GemmShape& s, const GemmKernelConfig& c, s
 
 // Launches computing, for z < s.batch, C[z] = alpha op(A[z]) op(B[z]) + beta C[z] (+ bias, when
 // bias.buffer is set: f32, one value per column), product z's operands z matrices past their
-// offsets, with the epilogue of `options` (its relu or dact; the other fields unused). Throws
+// offsets, with the epilogue of `options` (its relu, dact or guard; the other fields unused). Throws
 // std::runtime_error naming the parameters when the work-group or the local tiles exceed what the
 // device (or the built kernel) allows. A split product (tiled_splits) writes its partial products
 // into `scratch` (tiled_scratch_elems floats) and adds them into C in a second launch.

@@ -32,13 +32,17 @@ using Clock = std::chrono::steady_clock;
 
 // Candidates of the GPU kernel, likeliest first: wide vector reads, large tiles (more results per
 // load), k depth 16 then 8 then 32. Groups of 64 to 256 work-items; tiles must fit local memory.
+// 128 x 128 tiles come with 8 x 8 results per work-item (256 work-items) and with 16 x 8 and 8 x 16
+// (128 work-items, as the fastest published CUDA SGEMMs without tensor cores have it): per k step
+// those read 6 vectors of 4 floats from the tiles for 128 multiply-adds where 8 x 8 reads 4 for 64,
+// at the price of more registers per work-item.
 std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode) {
   struct Tile {
     int tsm, tsn, wm, wn;
   };
-  const Tile tiles[] = {{128, 128, 8, 8}, {128, 64, 8, 4}, {64, 128, 4, 8}, {64, 64, 4, 4}, {128, 64, 8, 8},
-                        {64, 128, 8, 8},  {64, 64, 8, 8},  {64, 64, 4, 8},  {64, 64, 8, 4}, {32, 32, 2, 2},
-                        {64, 32, 4, 2},   {32, 64, 2, 4},  {32, 32, 4, 4}};
+  const Tile tiles[] = {{128, 128, 8, 8}, {128, 128, 16, 8}, {128, 128, 8, 16}, {128, 64, 8, 4}, {64, 128, 4, 8},
+                        {64, 64, 4, 4},   {128, 64, 8, 8},   {64, 128, 8, 8},   {64, 64, 8, 8},  {64, 64, 4, 8},
+                        {64, 64, 8, 4},   {32, 32, 2, 2},    {64, 32, 4, 2},    {32, 64, 2, 4},  {32, 32, 4, 4}};
   std::vector<std::string> out;
   for (int vw : {4, 2, 1}) {
     for (int tsk : {16, 8, 32}) {
@@ -201,7 +205,9 @@ std::vector<std::string> gemm_tune_twins(const std::string& kernel, const cl::De
   twins.push_back(kernel + " SK=1");
   if (c.param("TSM") % 4 || c.param("TSN") % 4 || c.param("TSK") % 4) return twins;
   twins.push_back(kernel + " SK=1 VG=4");
-  if (device.has_extension("cl_nv_compiler_options") && c.param("WPTM") * c.param("WPTN") >= 64) {
+  // A cap of 128 registers lets two groups of 256 work-items with 64 results each share a
+  // compute unit; 128 results per work-item would spill under it.
+  if (device.has_extension("cl_nv_compiler_options") && c.param("WPTM") * c.param("WPTN") == 64) {
     twins.push_back(kernel + " SK=1 VG=4 RR=128");
   }
   return twins;

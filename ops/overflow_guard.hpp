@@ -7,7 +7,8 @@
 // be skipped together, not only those whose own gradient is not finite: so the guard reads all
 // weight gradients, and the updates wait for it. It is two kinds of node, so that no step needs
 // every gradient alive at once: one init after the loss, then one check per gradient, each right
-// after its gradient is made.
+// after its gradient is made, or made by the node that makes the gradient (a Linear's weight
+// gradient product checks it in its epilogue: GemmOptions::guard, graph::fuse_guard_checks).
 //
 //   init:   guard = loss (stats[0])
 //   check:  guard = NaN  if an element of the gradient is not finite, else unchanged

@@ -6,8 +6,10 @@
 
 #include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -410,6 +412,80 @@ TEST(GemmEpilogue, ActivationDerivativeRefusesTheReluAndPlanes) {
   options.relu = true;
   EXPECT_THROW(ops::gemm(dev.env, {2, 2, 2}, 1.0f, a.span(), b.span(), 0.0f, c.span(), {}, options),
                std::invalid_argument);
+}
+
+// The overflow guard over C (GemmOptions::guard): one element of C made infinite (1e30 * 1e30 at
+// row M-1, column N-1, where edge tiles and partial vectors store it) sets the guard to NaN; a
+// finite C leaves it as it was; C is what the product stores without the guard, bit for bit. The
+// packed and tiled kernels check in their epilogues, split K in its sum, the naive kernel and a
+// ReLU run after the product are followed by a check.
+TEST(GemmGuard, NotFiniteElementOfCSetsTheGuard) {
+  auto& dev = TestDevice::get();
+  struct GuardCase {
+    const char* kernel;
+    ops::GemmShape s;
+    bool relu;
+  };
+  const GuardCase cases[] = {
+      {kPacked, {37, 45, 29, false, false}, false},
+      {kPackedA, {45, 37, 29, true, false}, false},
+      {kPacked, {40, 24, 4096, true, false}, false},  // K split: the sum checks
+      {kPacked, {21, 33, 17, false, true}, true},     // the ReLU in the epilogue, then the check
+      {"tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2 VW=2 VG=4", {37, 45, 29, false, true}, false},
+      {"tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2 SK=1", {96, 32, 300, true, false}, false},  // split on 2 units
+      {"naive", {13, 7, 5, false, false}, true},
+  };
+  for (const GuardCase& x : cases) {
+    const ops::GemmShape& s = x.s;
+    if (too_large_for_this_run(s.M * s.N * s.K * 5)) continue;
+    for (const bool infinite : {false, true}) {
+      const std::string what = fmt::format("{} {}x{}x{}{} {}", x.kernel, s.M, s.N, s.K, x.relu ? " relu" : "",
+                                           infinite ? "infinite" : "finite");
+      auto a = random_vector(s.M * s.K, 61), b = random_vector(s.K * s.N, 62);
+      if (infinite) {
+        a[s.trans_a ? s.M - 1 : (s.M - 1) * s.K] = 1e30f;  // A(M-1, 0)
+        b[s.trans_b ? (s.N - 1) * s.K : s.N - 1] = 1e30f;  // B(0, N-1)
+      }
+      DeviceTensor da(a, 3), db(b, 5), plain_c(std::vector<float>(s.M * s.N, 0.0f), 7),
+          guarded_c(std::vector<float>(s.M * s.N, 0.0f), 9), guard(std::vector<float>{2.5f}, 1);
+      ops::GemmOptions options;
+      options.backend = ops::GemmBackend::ferry;
+      options.kernel = x.kernel;
+      options.relu = x.relu;
+      const std::size_t scratch_elems = ops::gemm_scratch_elems(dev.env, s, options);
+      DeviceTensor scratch(std::max<std::size_t>(scratch_elems, 1), 11);
+      const ops::DeviceSpan sc = scratch_elems ? scratch.span() : ops::DeviceSpan{};
+      ops::run_blocking(dev.context.compute(),
+                        ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, plain_c.span(), sc, options));
+      options.guard = guard.span();
+      ops::run_blocking(dev.context.compute(),
+                        ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, guarded_c.span(), sc, options));
+      const std::vector<float> plain = plain_c.download(), guarded = guarded_c.download();
+      EXPECT_EQ(std::memcmp(plain.data(), guarded.data(), plain.size() * sizeof(float)), 0) << what;
+      EXPECT_EQ(std::isinf(plain.back()), infinite) << what;  // +inf: the ReLU keeps it
+      const float g = guard.download()[0];
+      if (infinite) {
+        EXPECT_TRUE(std::isnan(g)) << what << ": guard " << g;
+      } else {
+        EXPECT_EQ(g, 2.5f) << what;
+      }
+    }
+  }
+}
+
+TEST(GemmGuard, NeedsAnF32CInRows) {
+  auto& dev = TestDevice::get();
+  DeviceTensor a(std::vector<float>(4, 1.0f)), b(std::vector<float>(4, 1.0f)), guard(std::vector<float>{0.0f});
+  DeviceBytes c(4, 2);
+  ops::GemmOptions options;
+  options.guard = guard.span();
+  try {
+    ops::gemm(dev.env, {2, 2, 2, false, false, DType::f32, DType::f32, DType::bf16}, 1.0f, a.span(), b.span(), 0.0f,
+              c.span(), {}, options);
+    ADD_FAILURE() << "a bf16 C with the guard was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("f32 C"), std::string::npos) << e.what();
+  }
 }
 
 // A product whose A outgrows the device's cache share runs its row blocks in groups (see

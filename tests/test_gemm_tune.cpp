@@ -100,17 +100,19 @@ TEST(GemmTune, EveryGpuCandidateComputesTheProduct) {
 }
 
 // Float4 loads (VG=4) in the tiles the tuner's twins use: the H200's 128 x 128 x 16 (two float4s per
-// work-item and operand) and 64 x 64 x 8 with 4 x 4 blocks (fewer float4s than work-items), on
+// work-item and operand), the same tile with 16 x 8 and 8 x 16 results per work-item (four float4s
+// per work-item and operand) and 64 x 64 x 8 with 4 x 4 blocks (fewer float4s than work-items), on
 // shapes with whole tiles, edge tiles and a last partial k step, in every transpose.
 TEST(GemmTune, VectorLoadTwinsComputeTheProduct) {
   auto& dev = TestDevice::get();
-  const ops::GemmShape shapes[] = {{260, 136, 40, false, false},
-                                   {136, 260, 36, true, true},
-                                   {132, 140, 44, false, true},
-                                   {140, 132, 24, true, false}};
+  const ops::GemmShape shapes[] = {{260, 136, 40, false, false}, {136, 260, 36, true, true},
+                                   {132, 140, 44, false, true},  {140, 132, 24, true, false},
+                                   {136, 260, 36, false, true},  {260, 136, 40, true, false},
+                                   {140, 132, 24, false, false}, {132, 140, 44, true, true}};
   std::size_t i = 0;
   for (const char* kernel :
-       {"tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=2 VG=4", "tiled TSM=64 TSN=64 TSK=8 WPTM=4 WPTN=4 VW=4 VG=4"}) {
+       {"tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=2 VG=4", "tiled TSM=128 TSN=128 TSK=16 WPTM=16 WPTN=8 VW=4 VG=4",
+        "tiled TSM=128 TSN=128 TSK=8 WPTM=8 WPTN=16 VW=4 VG=4", "tiled TSM=64 TSN=64 TSK=8 WPTM=4 WPTN=4 VW=4 VG=4"}) {
     for (int t = 0; t < 2; ++t) {
       const ops::GemmShape& s = shapes[i++];
       if (too_large_for_this_run(s.M * s.N * s.K * 5)) continue;
@@ -232,6 +234,8 @@ TEST(GemmTune, TiledFinalistsGetSplitVectorAndRegisterTwins) {
   gpu.extensions = "cl_khr_fp64 cl_nv_compiler_options cl_nv_pragma_unroll";
   EXPECT_EQ(ops::gemm_tune_twins(big, gpu),
             (std::vector<std::string>{big + " SK=1", big + " SK=1 VG=4", big + " SK=1 VG=4 RR=128"}));
+  const std::string tall = "tiled TSM=128 TSN=128 TSK=16 WPTM=16 WPTN=8 VW=4";  // 128 results: spills under a cap
+  EXPECT_EQ(ops::gemm_tune_twins(tall, gpu), (std::vector<std::string>{tall + " SK=1", tall + " SK=1 VG=4"}));
   const std::string small = "tiled TSM=64 TSN=64 TSK=16 WPTM=4 WPTN=4 VW=4";  // 16 results: no cap
   EXPECT_EQ(ops::gemm_tune_twins(small, gpu), (std::vector<std::string>{small + " SK=1", small + " SK=1 VG=4"}));
   const std::string odd = "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1";  // k steps of 5: no float4s

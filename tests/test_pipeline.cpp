@@ -38,7 +38,7 @@ TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
   const char* const names[] = {"fusion",         "mixed precision", "autodiff",      "backward fusion", "recompute",
                                "overflow guard", "accumulate",      "data parallel", "optimizer",       "zero gather",
-                               "predictor",      "int8 weights",    "download"};
+                               "predictor",      "int8 weights",    "download",      "guard fusion"};
   ASSERT_EQ(passes.size(), std::size(names));
   for (std::size_t i = 0; i < passes.size(); ++i) EXPECT_STREQ(passes[i].name, names[i]) << "pass " << i;
 }
@@ -125,6 +125,51 @@ TEST(Pipeline, EachModelPassAlone) {
     EXPECT_EQ(g.nodes.op[n], graph::builtin::download);
     EXPECT_NE(g.tensors.home[g.nodes.outputs(n)[0]], graph::Home::device);
   }
+
+  // The checks of the two Linears' weight and bias gradients go into the nodes that make them
+  // (their rows check their outputs) through a flag, their last input and output, which an init
+  // sets to the loss before the first of them; the guard's init, where it was, copies the flag.
+  before = g.nodes.size();
+  graph::Graph unfused = g;
+  graph::VariantKey no_fuse = train;
+  no_fuse.fuse = false;
+  pass("guard fusion")(unfused, no_fuse, adam);  // off with the fusions
+  EXPECT_EQ(unfused.nodes.size(), before);
+  const graph::NodeId guard_init_before = [&] {
+    for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+      if (g.nodes.op[n] == ops::builtin::overflow_guard_init) return n;
+    }
+    return graph::NodeId{0};
+  }();
+  pass("guard fusion")(g, train, adam);
+  EXPECT_EQ(g.nodes.size(), before - 4 + 1);
+  EXPECT_EQ(count_op(g, ops::builtin::overflow_guard_check), 0u);
+  ASSERT_EQ(count_op(g, ops::builtin::overflow_guard_init), 2u);
+  TensorId flag = graph::no_tensor;
+  graph::NodeId flag_init = 0, guard_init = 0, first_guarded = static_cast<graph::NodeId>(g.nodes.size());
+  std::size_t guarded = 0;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.op[n] == ops::builtin::overflow_guard_init) {
+      if (g.nodes.outputs(n)[0] == g.guard) {
+        guard_init = n;
+      } else {
+        flag_init = n;
+        flag = g.nodes.outputs(n)[0];
+        EXPECT_EQ(g.nodes.inputs(n)[0], g.loss);
+      }
+    }
+    if (g.nodes.op[n] != graph::builtin::linear_grad_param) continue;
+    ASSERT_NE(flag, graph::no_tensor) << "a product before the flag's init";
+    EXPECT_EQ(g.nodes.inputs(n).back(), flag);
+    EXPECT_EQ(g.nodes.outputs(n).back(), flag);
+    first_guarded = std::min(first_guarded, n);
+    ++guarded;
+  }
+  EXPECT_EQ(guarded, 2u);
+  EXPECT_EQ(g.tensors.name[flag], "overflow_guard.products");
+  EXPECT_LT(flag_init, first_guarded);
+  EXPECT_EQ(g.nodes.inputs(guard_init)[0], flag);
+  EXPECT_EQ(guard_init, guard_init_before + 1);  // in its place (after the flag's init): the guard's last writer
 
   // A forward-only key skips autodiff and the optimizer (and fuses the ReLU).
   graph::Graph eval = graph::prepare_step_graph(mlp_forward(16), graph::VariantKey{16, false}, adam);
@@ -213,8 +258,13 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
   EXPECT_LT(count_op(with, graph::builtin::add), count_op(without, graph::builtin::add));
   // Three adds fewer, the gradient sums of the two sums another block reads (the last sum only
   // the final LayerNorm reads: no sum in either graph), and the three GELU backwards, now in the
-  // epilogues of the input gradients that make their dy (fuse_activation_grads).
-  EXPECT_EQ(with.nodes.size() + 3 + 2 + 3, without.nodes.size());
+  // epilogues of the input gradients that make their dy (fuse_activation_grads); the checks of
+  // the Linears' weight and bias gradients, now in the nodes that make them, for one init of their
+  // flag (fuse_guard_checks).
+  const std::size_t folded_checks =
+      count_op(without, ops::builtin::overflow_guard_check) - count_op(with, ops::builtin::overflow_guard_check);
+  EXPECT_EQ(folded_checks, 2 * count_op(without, graph::builtin::linear_grad_param));
+  EXPECT_EQ(with.nodes.size() + 3 + 2 + 3 + folded_checks - 1, without.nodes.size());
 }
 
 // A ReLU a Linear makes joins its epilogue, as a convolution's does; after autodiff, each
@@ -268,8 +318,9 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   graph::VariantKey fit{16, true};
   fit.fit_predictor = true;
   const graph::Graph g = graph::prepare_step_graph(mlp_forward(16), fit, adam);
-  // A snapshot and a fit per weight, and the guard's init and 4 checks.
-  EXPECT_EQ(count_class(g, ops::OpClass::state_update), 13u);
+  // A snapshot and a fit per weight, and the inits of the guard and of the flag the products
+  // check into (the 4 checks are in the products: fuse_guard_checks).
+  EXPECT_EQ(count_class(g, ops::OpClass::state_update), 10u);
   EXPECT_EQ(count_role(g, graph::Role::predictor_state), 8u);
   // Each weight's snapshot comes before its update, and its fit after.
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
@@ -309,13 +360,15 @@ TEST(Pipeline, PredictorPassFitsAroundEveryUpdateOrAppliesInstead) {
   micro.fit_predictor = true;
   const graph::Graph mg = graph::prepare_step_graph(mlp_forward(16), micro, adam);
   EXPECT_EQ(count_class(mg, ops::OpClass::update), 0u);
-  EXPECT_EQ(count_class(mg, ops::OpClass::state_update), 9u);  // grad_accumulate per weight, the guard's 5
+  // grad_accumulate per weight, the guard's and its flag's inits: the checks, of each micro-batch's
+  // gradient before it is summed, are in the products that make them.
+  EXPECT_EQ(count_class(mg, ops::OpClass::state_update), 6u);
   EXPECT_EQ(count_role(mg, graph::Role::gradient_sum), 4u);
   micro.micro = false;
   micro.fit_predictor = false;
   const graph::Graph last = graph::prepare_step_graph(mlp_forward(16), micro, adam);
   EXPECT_EQ(count_class(last, ops::OpClass::update), 4u);
-  EXPECT_EQ(count_class(last, ops::OpClass::state_update), 9u);  // grad_mean per weight, the guard's 5
+  EXPECT_EQ(count_class(last, ops::OpClass::state_update), 6u);  // grad_mean per weight, the two inits
 
   ops::OptimizerConfig bad = adam;
   bad.predictor.beta = 1.0f;

@@ -200,10 +200,10 @@ __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulo
 // ReLU or the activation's derivative at z, whose row starts at element zrow of zb).
 #if C_PLANES
 // C as NCHW planes: `row` is m; the 16 columns are channels, C_PLANES apart.
-inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint row, uint col, uint N, float alpha,
+inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint row, uint col, uint N, float alpha,
                     float beta, __global const float* bias, uint has_bias, __global const STORAGE(C_NAME)* zb,
                     ulong zrow) {
-  if (col >= N) return;
+  if (col >= N) return false;
   float tmp[16];
   vstore16(alpha * acc, 0, tmp);
   const ulong base = c_base + (ulong)(row / C_PLANES) * N * C_PLANES + row % C_PLANES;
@@ -214,11 +214,13 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong c_base, uint
     if (has_bias) out += bias[col + i];
     STORE(C_NAME, RELU(out), c, at);
   }
+  return false;  // no C_GUARD with planes
 }
 #elif C_IS_F32
-inline void store16(float16 acc, __global float* crow, uint col, uint N, float alpha, float beta,
+// Returns whether a value it stored is not finite (always false without C_GUARD).
+inline bool store16(float16 acc, __global float* crow, uint col, uint N, float alpha, float beta,
                     __global const float* bias, uint has_bias, __global const float* zb, ulong zrow) {
-  if (col >= N) return;
+  if (col >= N) return false;
   if (col + 16 <= N) {
     float16 out = alpha * acc;
     if (beta != 0.0f) out = fma((float16)(beta), vload16(0, crow + col), out);  // beta = 0: C is not read
@@ -226,26 +228,31 @@ inline void store16(float16 acc, __global float* crow, uint col, uint N, float a
 #if C_DACT
     out = DACT16(out, vload16(0, zb + zrow + col));
 #endif
-    vstore16(RELU16(out), 0, crow + col);
-  } else {
-    float tmp[16];
-    vstore16(alpha * acc, 0, tmp);
-    for (uint i = 0; col + i < N; ++i) {
-      float out = tmp[i];
-      if (beta != 0.0f) out = fma(beta, crow[col + i], out);
-      if (has_bias) out += bias[col + i];
-#if C_DACT
-      out = DACT(out, zb[zrow + col + i]);
-#endif
-      crow[col + i] = RELU(out);
-    }
+    out = RELU16(out);
+    vstore16(out, 0, crow + col);
+    return GUARD_BAD16(out);
   }
+  float tmp[16];
+  vstore16(alpha * acc, 0, tmp);
+  bool bad = false;
+  for (uint i = 0; col + i < N; ++i) {
+    float out = tmp[i];
+    if (beta != 0.0f) out = fma(beta, crow[col + i], out);
+    if (has_bias) out += bias[col + i];
+#if C_DACT
+    out = DACT(out, zb[zrow + col + i]);
+#endif
+    out = RELU(out);
+    crow[col + i] = out;
+    bad = bad || GUARD_BAD(out);
+  }
+  return bad;
 }
 #else
 // A narrow C: `crow` is the element index of the row's first element in c.
-inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint col, uint N, float alpha, float beta,
+inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint col, uint N, float alpha, float beta,
                     __global const float* bias, uint has_bias, __global const STORAGE(C_NAME)* zb, ulong zrow) {
-  if (col >= N) return;
+  if (col >= N) return false;
   float tmp[16];
   vstore16(alpha * acc, 0, tmp);
   for (uint i = 0; i < 16 && col + i < N; ++i) {
@@ -257,6 +264,7 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 #endif
     STORE(C_NAME, RELU(out), c, crow + col + i);
   }
+  return false;  // no C_GUARD with a narrow C
 }
 #endif
 
@@ -346,10 +354,10 @@ inline void store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
   if (r < RB && row0 + r < M) {                                                               \
     C_ROW(r)                                                                                  \
     const ulong zrow = z_base + (ulong)(row0 + r) * N;                                        \
-    store16(c##r##_0, C_AT, col0, N, alpha, beta, bias, has_bias, dz, zrow);                  \
-    if (NV > 1) store16(c##r##_1, C_AT, col0 + 16, N, alpha, beta, bias, has_bias, dz, zrow); \
-    if (NV > 2) store16(c##r##_2, C_AT, col0 + 32, N, alpha, beta, bias, has_bias, dz, zrow); \
-    if (NV > 3) store16(c##r##_3, C_AT, col0 + 48, N, alpha, beta, bias, has_bias, dz, zrow); \
+    guard_bad |= store16(c##r##_0, C_AT, col0, N, alpha, beta, bias, has_bias, dz, zrow);                  \
+    if (NV > 1) guard_bad |= store16(c##r##_1, C_AT, col0 + 16, N, alpha, beta, bias, has_bias, dz, zrow); \
+    if (NV > 2) guard_bad |= store16(c##r##_2, C_AT, col0 + 32, N, alpha, beta, bias, has_bias, dz, zrow); \
+    if (NV > 3) guard_bad |= store16(c##r##_3, C_AT, col0 + 48, N, alpha, beta, bias, has_bias, dz, zrow); \
   }
 
 // Dimension 2 counts the products of the batch times `splits`, the splits of K (k_chunk rows each;
@@ -362,7 +370,8 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
                           ulong c_off, __global const float* bias, ulong bias_off, uint has_bias, uint k_chunk,
                           uint splits, __global const int* arows, ulong arows_off, __global const int* acols,
                           ulong acols_off, __global const float* apacked, ulong apacked_off, uint group_blocks,
-                          __global const STORAGE(C_NAME)* dz, ulong dz_off) {
+                          __global const STORAGE(C_NAME)* dz, ulong dz_off, __global float* guard,
+                          ulong guard_off) {
   // Work-groups run in the order of their linear index (row blocks fastest). With group_blocks
   // > 0 that index walks groups of group_blocks row blocks: every panel for one group, then the
   // next group, so a group's rows of A stay in cache while all of B streams past them (row blocks
@@ -436,5 +445,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     for (uint k = k_begin; k < k_end; ++k, bp += b_step) K_STEP(bp)
   }
 
+  bool guard_bad = false;  // C_GUARD: a stored value was not finite
   FOR_ROWS(ACC_STORE)
+  GUARD_SET(guard_bad, guard, guard_off);
 }

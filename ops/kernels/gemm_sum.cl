@@ -1,7 +1,7 @@
 // The sum of a split-K GEMM's partial products (gemm_packed.cl and gemm_tiled.cl split a long K
 // into blocks of rows, each product into its own f32 M x N block): C's type, the bias and the
 // epilogues as the product kernels have them. Built with C_NAME (F32 when not given), C_RELU,
-// C_DACT and C_PLANES (a C stored as NCHW planes; 0 when not given).
+// C_DACT, C_GUARD and C_PLANES (a C stored as NCHW planes; 0 when not given).
 #include "dtype.clh"
 #ifndef C_NAME
 #define C_NAME F32
@@ -18,7 +18,8 @@
 __kernel void gemm_sum_splits(uint M, uint N, uint splits, uint batch, __global const float* part, ulong part_off,
                               float alpha, float beta, __global STORAGE(C_NAME)* c, ulong c_off,
                               __global const float* bias, ulong bias_off, uint has_bias,
-                              __global const STORAGE(C_NAME)* dz, ulong dz_off) {
+                              __global const STORAGE(C_NAME)* dz, ulong dz_off, __global float* guard,
+                              ulong guard_off) {
   const size_t i = get_global_id(0);
   const size_t mn = (size_t)M * N;
   if (i >= mn * batch) return;
@@ -40,5 +41,7 @@ __kernel void gemm_sum_splits(uint M, uint N, uint splits, uint batch, __global 
 #if C_DACT
   out = DACT(AS_STORED(out, c, at), LOAD(C_NAME, dz, dz_off + i));
 #endif
-  STORE(C_NAME, RELU(out), c, at);
+  out = RELU(out);
+  STORE(C_NAME, out, c, at);
+  GUARD_SET(GUARD_BAD(out), guard, guard_off);
 }

@@ -26,7 +26,7 @@
 // not given): narrow operands are widened as they are staged in local memory and C is rounded as
 // it is stored, so mixed precision needs no f32 copies. Offsets and strides are whole elements (no
 // pointer arithmetic on half*). C_RELU and C_DACT select an epilogue (gemm_epilogue.clh) with
-// A_IS_F32, B_IS_F32 and C_IS_F32 saying whether each is f32.
+// A_IS_F32, B_IS_F32 and C_IS_F32 saying whether each is f32; C_GUARD the overflow guard over C.
 #include "dtype.clh"
 #ifndef A_NAME
 #define A_NAME F32
@@ -100,7 +100,8 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
     uint M, uint N, uint K, float alpha, __global const STORAGE(A_NAME)* a, ulong a_off,
     __global const STORAGE(B_NAME)* b, ulong b_off, float beta, __global STORAGE(C_NAME)* c, ulong c_off,
     __global const float* bias, ulong bias_off, uint has_bias, ulong a_batch, ulong b_batch, ulong c_batch,
-    __global const STORAGE(C_NAME)* dz, ulong dz_off, uint k_chunk, uint splits, uint vec_flags) {
+    __global const STORAGE(C_NAME)* dz, ulong dz_off, uint k_chunk, uint splits, uint vec_flags, __global float* guard,
+    ulong guard_off) {
   const uint tn = get_local_id(0);
   const uint tm = get_local_id(1);
   const uint tid = tm * RTSN + tn;
@@ -286,6 +287,7 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
   }
 
   // Result (i, j) is row (i / VW * RTSM + tm) * VW + i % VW of the tile, and likewise for columns.
+  bool guard_bad = false;  // C_GUARD: a stored value was not finite
 #pragma unroll
   for (uint i = 0; i < WPTM; ++i) {
     const uint row = row0 + ((i / VW) * RTSM + tm) * VW + i % VW;
@@ -301,7 +303,10 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
 #if C_DACT
       out = DACT(AS_STORED(out, c, at), LOAD(C_NAME, dz, dz_off + (ulong)row * N + col));
 #endif
-      STORE(C_NAME, RELU(out), c, at);
+      out = RELU(out);
+      STORE(C_NAME, out, c, at);
+      guard_bad = guard_bad || GUARD_BAD(out);
     }
   }
+  GUARD_SET(guard_bad, guard, guard_off);
 }

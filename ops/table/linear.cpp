@@ -8,6 +8,7 @@
 #include "ops/attrs.hpp"
 #include "ops/bias.hpp"
 #include "ops/gemm.hpp"
+#include "ops/overflow_guard.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -129,21 +130,32 @@ OpInfo linear_grad_input_row() {  // in: dy w [z]  out: dx (times act'(z) when L
   return r;
 }
 
-OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
+// in: x dy [guard]  out: dw [db] [guard]. With the overflow guard (graph::fuse_guard_checks), the
+// node checks what it makes: the weight gradient in the product's epilogue, the bias gradient after
+// its column sums.
+OpInfo linear_grad_param_row() {
   OpInfo r;
   r.name = "linear_grad_param";
   r.op_class = OpClass::backward;
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
+  r.checks_guard = true;
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return gemm_scratch_elems(env, linear_gemms(v.input(0), v.output(0)).grad_param) * sizeof(float);
   };
   r.flops = [](const ShapeView& v) { return flops(linear_gemms(v.input(0), v.output(0)).grad_param); };
   r.bind = [](const BindContext& c) {
+    const bool guarded = c.input_count() > 2;
+    const bool has_bias = c.output_count() > (guarded ? 2u : 1u);
     const std::size_t cols = c.output(0).shape[1], rows = c.input(1).shape.elems() / cols;
+    GemmOptions options;
+    if (guarded) options.guard = c.out(c.output_count() - 1);
     auto list = gemm(c.env(), linear_gemms(c.input(0), c.output(0)).grad_param, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
-                     c.scratch());
-    if (c.output_count() > 1) {
+                     c.scratch(), options);
+    if (has_bias) {
       auto bias = bias_backward(c.env(), c.in(1), c.out(1), rows, cols, c.input(1).dtype);
+      if (guarded) {
+        for (auto& l : overflow_guard_check(c.env(), c.out(1), cols, options.guard)) bias.push_back(std::move(l));
+      }
       std::move(bias.begin(), bias.end(), std::back_inserter(list));
     }
     return list;
@@ -151,11 +163,18 @@ OpInfo linear_grad_param_row() {  // in: x dy  out: dw [db]
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const auto out = c.outputs();
+    const bool guarded = in.size() > 2;
+    const bool has_bias = out.size() > (guarded ? 2u : 1u);
     ref::gemm<double>(linear_gemms(c.input(0), c.output(0)).grad_param, 1, c.real(in[0]), c.real(in[1]), 0,
                       c.real(out[0]));
-    if (out.size() > 1) {
+    if (has_bias) {
       const std::size_t cols = c.output(0).shape[1];
       ref::bias_backward<double>(c.real(in[1]), c.real(out[1]), c.input(1).shape.elems() / cols, cols);
+    }
+    if (guarded) {
+      double g = ref::overflow_guard_check<double>(c.real(in[2])[0], c.real(out[0]));
+      if (has_bias) g = ref::overflow_guard_check<double>(g, c.real(out[1]));
+      c.real(out.back())[0] = g;
     }
   };
   return r;

@@ -231,6 +231,10 @@ struct OpInfo {
   // the planner's prediction (ferry::PlanRates): the bytes it streams (device_gbps, host_gbps),
   // or requantizing its state (device_8bit_gbps, host_8bit_gbps).
   UpdateBound update_bound = UpdateBound::memory;
+  // The overflow guard in the node that makes a gradient (graph::fuse_guard_checks): the row's bind
+  // and reference take the guard as one more input (last) and output (last) and set it to NaN when
+  // an element of a float output is not finite, as overflow_guard_check after the node would.
+  bool checks_guard = false;
   // Fusion (graph::fuse_layers), exact rewrites a row allows: how it takes in a ReLU; whether a
   // node of it is a ReLU (the activation row); and the op a node of it becomes at the place of
   // the node that wrote its input 0 when that one is of op `producer` (layernorm after an add
@@ -264,7 +268,7 @@ enum : OpId {
   pack,                  // pinned staging -> the tensor's next value in its home (host)  in: staging  out: home
   linear,                // y[B,out] = x[B,in] w[in,out] + b[out]             in: x w [b]  out: y
   linear_grad_input,     // dx = dy w^T                               in: dy w     out: dx
-  linear_grad_param,     // dw = x^T dy, db = colsum(dy)               in: x dy     out: dw [db]
+  linear_grad_param,     // dw = x^T dy, db = colsum(dy)               in: x dy [guard]  out: dw [db] [guard]
   activation,            // ActivationAttrs                            in: x        out: y
   activation_grad,       //                                            in: x dy     out: dx
   add,                   // y = a + b                                  in: a b      out: y

@@ -1,0 +1,104 @@
+// The overflow guard's checks folded into the nodes that make the gradients (see
+// graph/autodiff.hpp, fuse_guard_checks).
+//
+// append_overflow_guard adds one check per weight gradient: a kernel that reads the whole gradient
+// again after the node that made it. Where that node's row checks its own outputs
+// (ops::OpInfo::checks_guard: a Linear's weight gradient, in its product's epilogue), the check is
+// dropped and the node checks into a flag instead ("overflow_guard.products", one more input and
+// output): one pass over each gradient and one launch per gradient fewer. The flag starts as the
+// loss (an init before the first such node) and the guard's init, where it was, copies the flag
+// instead of the loss: the guard's value is unchanged (the loss, or NaN when an element is not
+// finite), and so is its last writer, the step's commit point (graph::CompiledStep): work that
+// precedes it, such as unpacking compressed state, still fails before any state changes.
+#include <fmt/format.h>
+
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+
+namespace ferry::graph {
+
+void fuse_guard_checks(Graph& g) {
+  if (g.guard == no_tensor) return;
+  const NodeTable& old = g.nodes;
+  const TensorTable& t = g.tensors;
+  const auto none = static_cast<NodeId>(old.size());
+  NodeId init = none;
+  for (NodeId n = 0; n < old.size() && init == none; ++n) {
+    if (old.op[n] == ops::builtin::overflow_guard_init && old.outputs(n).size() == 1 && old.outputs(n)[0] == g.guard) {
+      init = n;
+    }
+  }
+  if (init == none) return;
+  // The flag's init reads the loss: it can go just before any node after the loss's last writer.
+  // The producers must come before the guard's init, which copies the flag.
+  NodeId loss_written = none;
+  for (NodeId n = 0; n < init; ++n) {
+    for (TensorId o : old.outputs(n)) {
+      if (t.storage(o) == t.storage(g.loss)) loss_written = n;
+    }
+  }
+
+  // For each check of the guard: the node that last wrote its gradient before it, if that node's
+  // row checks its outputs and the gradient is one of them, whole and f32.
+  std::vector<NodeId> last_write(t.size(), none);
+  std::vector<NodeId> producer_of_check(old.size(), none);
+  std::vector<std::size_t> checked_outputs(old.size(), 0);  // per producer: outputs whose checks go
+  for (NodeId n = 0; n < old.size(); ++n) {
+    const auto ins = old.inputs(n);
+    if (old.op[n] == ops::builtin::overflow_guard_check && ins.size() == 2 && ins[0] == g.guard) {
+      const TensorId grad = ins[1];
+      const NodeId w = last_write[t.storage(grad)];
+      if (w != none && w < init && (loss_written == none || w > loss_written) && ops::op_info(old.op[w]).checks_guard &&
+          t.alias_of[grad] == no_tensor && t.dtype[grad] == DType::f32) {
+        for (TensorId o : old.outputs(w)) {
+          if (o == grad) {
+            producer_of_check[n] = w;
+            ++checked_outputs[w];
+            break;
+          }
+        }
+      }
+    }
+    for (TensorId o : old.outputs(n)) last_write[t.storage(o)] = n;
+  }
+  // A producer takes the guard only when every one of its outputs loses its check here: a check
+  // of an output that is summed further (micro-batches, ranks) must see the final sum instead.
+  std::vector<bool> fuse(old.size(), false);
+  bool any = false;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (checked_outputs[n] > 0 && checked_outputs[n] == old.outputs(n).size()) fuse[n] = any = true;
+  }
+  if (!any) return;
+
+  const std::string flag_name = fmt::format("{}.products", overflow_guard_name);
+  const TensorId flag = g.tensors.add(flag_name, Shape{1}, DType::f32, Role::stats);
+  NodeTable out;
+  bool flag_made = false;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (producer_of_check[n] != none && fuse[producer_of_check[n]]) continue;
+    if (n == init) {  // the guard: the flag, which is the loss unless a product was not finite
+      out.add_copy(old, n, std::span(&flag, 1), old.outputs(n), old.lane[n]);
+      continue;
+    }
+    if (!fuse[n]) {
+      out.add_copy(old, n);
+      continue;
+    }
+    if (!flag_made) {
+      out.add(ops::builtin::overflow_guard_init, flag_name, std::span(&g.loss, 1), std::span(&flag, 1));
+      flag_made = true;
+    }
+    std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
+    std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
+    ins.push_back(flag);
+    outs.push_back(flag);
+    out.add_copy(old, n, ins, outs, old.lane[n]);
+  }
+  g.nodes = std::move(out);
+}
+
+}  // namespace ferry::graph
