@@ -95,12 +95,12 @@ inline constexpr std::string_view overflow_guard_name = "overflow_guard";
 std::vector<TensorId> weights_in_gradient_order(const Graph& g);
 void append_overflow_guard(Graph& g);
 // The guard's checks folded into the nodes that make the gradients, where their rows check their
-// own outputs (ops::OpInfo::checks_guard: a Linear's weight gradient checks it in its product's
-// epilogue) and no later node sums into the gradient: such a node checks into a flag
-// ("overflow_guard.products", one more input and output), its checks go, the flag starts as the
-// loss before the first such node and the guard's init copies the flag instead of the loss. The
-// guard's value and its last writer (the commit point) are unchanged. See
-// graph/passes/guard_fusion.cpp.
+// own outputs (ops::OpInfo::checks_outputs: a Linear's weight gradient in its product's epilogue,
+// its bias and a LayerNorm's gain and shift gradients as they are stored) and no later node sums
+// into the gradient: such a node checks into a flag ("overflow_guard.products", one more input and
+// output), its checks go, the flag starts as the loss before the first such node and the guard's
+// init copies the flag instead of the loss. The guard's value and its last writer (the commit
+// point) are unchanged. See graph/passes/guard_fusion.cpp.
 void fuse_guard_checks(Graph& g);
 
 // int8 weights in a forward-only variant (Predict, int8 evaluation): every Linear and Conv2d layer

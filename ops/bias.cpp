@@ -25,7 +25,8 @@ LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows
   return list;
 }
 
-LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols, DType dy_type) {
+LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols, DType dy_type,
+                         DeviceSpan guard) {
   check_shape(rows, cols);
   if (!dtype_is_float(dy_type)) {
     throw std::invalid_argument(
@@ -36,6 +37,7 @@ LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t r
   if (env.device().is_cpu()) {  // 16 columns per work-item (bias_backward16)
     cl::Kernel k = env.kernels.kernel("bias", "bias_backward16", defines);
     cl::set_args(k.get(), dy.buffer, dy_off, db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
+    set_nullable_arg(k, 6, guard);
     LaunchList list;
     // One work-item per work-group: with the elementwise launch's groups of 64 the 48 work-items of
     // 768 columns were one group, summed by one core while the other idled (the GPT's 25 bias
@@ -55,6 +57,7 @@ LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t r
   while (tc * tr > limit && tc > 1) tc /= 2;
   cl::set_args(k.get(), dy.buffer, dy_off, db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
   FERRY_CL(clSetKernelArg(k.get(), 6, tc * tr * sizeof(float), nullptr));
+  set_nullable_arg(k, 7, guard);
   KernelLaunch l;
   l.kernel = std::move(k);
   l.dims = 2;

@@ -13,9 +13,10 @@ namespace ferry::ops {
 LaunchList bias_forward(OpEnv& env, DeviceSpan y, DeviceSpan b, std::size_t rows, std::size_t cols);
 // db = sum over rows of dy (overwrites db); dy stored as dy_type (f32, f16, bf16), db f32, sums in
 // fp32. Deterministic: the same inputs give the same bits on
-// every run (a fixed summation order, no atomics).
+// every run (a fixed summation order, no atomics). With a guard (ops/overflow_guard.hpp), a sum
+// that is not finite sets it to NaN, as overflow_guard_check over db would.
 LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t rows, std::size_t cols,
-                         DType dy_type = DType::f32);
+                         DType dy_type = DType::f32, DeviceSpan guard = {});
 
 namespace ref {
 

@@ -71,6 +71,12 @@ KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n) {
   return l;
 }
 
+void set_nullable_arg(const cl::Kernel& k, cl_uint index, DeviceSpan p) {
+  const cl_ulong offset = p.elem_offset();
+  FERRY_CL(clSetKernelArg(k.get(), index, sizeof(cl_mem), &p.buffer));
+  FERRY_CL(clSetKernelArg(k.get(), index + 1, sizeof(cl_ulong), &offset));
+}
+
 std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device) {
   std::size_t limit = 0;
   FERRY_CL(clGetKernelWorkGroupInfo(k.get(), device.id, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit), &limit, nullptr));

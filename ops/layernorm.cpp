@@ -16,14 +16,6 @@ void check_shape(std::size_t rows, std::size_t cols) {
     throw std::invalid_argument("layernorm: more than 2^32-1 elements");
 }
 
-// A nullable (buffer, element offset) operand at arguments `index`, `index + 1`, for the operands
-// after a kernel's __local argument (cl::set_args starts at argument 0).
-void set_nullable_arg(const cl::Kernel& k, cl_uint index, DeviceSpan p) {
-  const cl_ulong offset = p.elem_offset();
-  FERRY_CL(clSetKernelArg(k.get(), index, sizeof(cl_mem), &p.buffer));
-  FERRY_CL(clSetKernelArg(k.get(), index + 1, sizeof(cl_ulong), &offset));
-}
-
 KernelLaunch per_row_launch(cl::Kernel k, std::size_t rows, std::size_t local) {
   KernelLaunch l;
   l.kernel = std::move(k);
@@ -64,7 +56,7 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
 
 LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan mean, DeviceSpan rstd,
                               DeviceSpan dy, DeviceSpan dx, DeviceSpan dgamma, DeviceSpan dbeta, std::size_t rows,
-                              std::size_t cols, DeviceSpan dres) {
+                              std::size_t cols, DeviceSpan dres, DeviceSpan guard) {
   check_shape(rows, cols);
   LaunchList list;
   if (env.device().is_cpu()) {  // float16 chunks: a work-item per row (dx), per 16 columns (params)
@@ -79,6 +71,7 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
     cl::set_args(kp.get(), x.buffer, x.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
                  dy.buffer, dy.elem_offset(), dgamma.buffer, dgamma.elem_offset(), dbeta.buffer, dbeta.elem_offset(),
                  cl_uint(rows), cl_uint(cols));
+    set_nullable_arg(kp, 14, guard);
     list.push_back(elementwise_launch(std::move(kp), (cols + 15) / 16));
     return list;
   }
@@ -104,6 +97,7 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
                cl_uint(rows), cl_uint(cols));
   FERRY_CL(clSetKernelArg(kp.get(), 14, tc * tr * sizeof(float), nullptr));
   FERRY_CL(clSetKernelArg(kp.get(), 15, tc * tr * sizeof(float), nullptr));
+  set_nullable_arg(kp, 16, guard);
   KernelLaunch l;
   l.kernel = std::move(kp);
   l.dims = 2;

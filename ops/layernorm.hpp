@@ -17,10 +17,11 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
                              DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps = 1e-5f, DeviceSpan a = {},
                              DeviceSpan b = {});
 // Writes dx, dgamma, dbeta (all overwritten). All reductions are deterministic (fixed order).
-// dres, when given: added to dx (the gradient a residual sum gets from its other readers).
+// dres, when given: added to dx (the gradient a residual sum gets from its other readers). guard,
+// when given (ops/overflow_guard.hpp): set to NaN when a dgamma or dbeta element is not finite.
 LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan mean, DeviceSpan rstd,
                               DeviceSpan dy, DeviceSpan dx, DeviceSpan dgamma, DeviceSpan dbeta, std::size_t rows,
-                              std::size_t cols, DeviceSpan dres = {});
+                              std::size_t cols, DeviceSpan dres = {}, DeviceSpan guard = {});
 
 namespace ref {
 

@@ -1,6 +1,7 @@
 // Bias: device forward and backward against the CPU reference over shapes that are not
 // multiples of the work-group size, determinism of the column sums, and the reference backward
 // against double-precision finite differences.
+#include <cmath>
 #include <cstring>
 
 #include "ops/bias.hpp"
@@ -40,6 +41,31 @@ TEST_P(BiasTest, BackwardIsDeterministic) {
     ops::run_blocking(dev.context.compute(), launches);
     const auto again = ddb.download();
     ASSERT_EQ(std::memcmp(first.data(), again.data(), cols * sizeof(float)), 0) << "run " << run;
+  }
+}
+
+// With a guard, the backward checks the sums as it stores them: an infinite dy element (in a whole
+// chunk of 16 columns or past the last one) sets the guard to NaN, a finite dy leaves it; db is
+// what the unguarded kernel stores.
+TEST_P(BiasTest, GuardOverTheSums) {
+  auto [rows, cols] = GetParam();
+  if (rows * cols > 20000) GTEST_SKIP() << "the guard's paths are covered by the smaller shapes";
+  auto& dev = TestDevice::get();
+  for (const bool infinite : {false, true}) {
+    auto dy = random_vector(rows * cols, 8);
+    if (infinite) dy[(rows - 1) * cols + cols - 1] = -INFINITY;
+    DeviceTensor ddy(dy), plain(cols, 3), guarded(cols, 5), guard(std::vector<float>{2.5f}, 1);
+    ops::run_blocking(dev.context.compute(), ops::bias_backward(dev.env, ddy.span(), plain.span(), rows, cols));
+    ops::run_blocking(dev.context.compute(), ops::bias_backward(dev.env, ddy.span(), guarded.span(), rows, cols,
+                                                                ops::DType::f32, guard.span()));
+    const auto a = plain.download(), b = guarded.download();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), cols * sizeof(float)), 0) << (infinite ? "infinite" : "finite");
+    const float g = guard.download()[0];
+    if (infinite) {
+      EXPECT_TRUE(std::isnan(g)) << g;
+    } else {
+      EXPECT_EQ(g, 2.5f);
+    }
   }
 }
 

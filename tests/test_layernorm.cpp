@@ -2,9 +2,11 @@
 // reference over shapes that are not multiples of the work-group size, determinism, stability
 // for rows with a large common offset, and the reference backward against double-precision
 // finite differences for x, gamma and beta.
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "ops/layernorm.hpp"
 #include "test_support.hpp"
@@ -75,6 +77,38 @@ TEST(LayerNorm, ResidualSumAndGradientMatchThePlainKernelsBitForBit) {
   EXPECT_THROW(ops::layernorm_forward(dev.env, one.span(), one.span(), one.span(), one.span(), one.span(), one.span(),
                                       1, 8, 1e-5f, one.span(), {}),
                std::invalid_argument);
+}
+
+// With a guard, the backward checks dgamma and dbeta as it stores them: a dy element made infinite
+// (in the last row, in a whole chunk of 16 columns and in the columns past the last whole chunk)
+// sets the guard to NaN, a finite dy leaves it; the gradients are those of the unguarded kernels.
+TEST(LayerNorm, GuardOverTheGainAndShiftGradients) {
+  auto& dev = TestDevice::get();
+  for (const auto& [rows, cols, col] :
+       {std::tuple<std::size_t, std::size_t, std::size_t>{5, 40, 3}, {5, 40, 37}, {3, 7, 6}, {64, 128, 127}}) {
+    for (const bool infinite : {false, true}) {
+      SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + (infinite ? " infinite" : " finite"));
+      Inputs in = make_inputs(rows, cols, 31);
+      if (infinite) in.dy[(rows - 1) * cols + col] = INFINITY;
+      const DeviceRun plain = run_device(in, rows, cols, 1e-5f);
+      DeviceTensor tx(in.x, 3), tg(in.gamma, 1), tdy(in.dy, 4), mean(plain.mean, 5), rstd(plain.rstd, 6),
+          dx(rows * cols, 8), dg(cols, 9), db(cols, 10), guard(std::vector<float>{2.5f}, 2);
+      ops::run_blocking(dev.context.compute(),
+                        ops::layernorm_backward(dev.env, tx.span(), tg.span(), mean.span(), rstd.span(), tdy.span(),
+                                                dx.span(), dg.span(), db.span(), rows, cols, {}, guard.span()));
+      const auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      };
+      EXPECT_TRUE(same_bits(dg.download(), plain.dgamma));
+      EXPECT_TRUE(same_bits(db.download(), plain.dbeta));
+      const float g = guard.download()[0];
+      if (infinite) {
+        EXPECT_TRUE(std::isnan(g)) << g;
+      } else {
+        EXPECT_EQ(g, 2.5f);
+      }
+    }
+  }
 }
 
 // (rows, cols, forced row group size)

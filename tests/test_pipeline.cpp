@@ -259,11 +259,13 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
   // Three adds fewer, the gradient sums of the two sums another block reads (the last sum only
   // the final LayerNorm reads: no sum in either graph), and the three GELU backwards, now in the
   // epilogues of the input gradients that make their dy (fuse_activation_grads); the checks of
-  // the Linears' weight and bias gradients, now in the nodes that make them, for one init of their
-  // flag (fuse_guard_checks).
+  // the Linears' weight and bias gradients and the LayerNorms' gain and shift gradients, now in
+  // the nodes that make them, for one init of their flag (fuse_guard_checks).
   const std::size_t folded_checks =
       count_op(without, ops::builtin::overflow_guard_check) - count_op(with, ops::builtin::overflow_guard_check);
-  EXPECT_EQ(folded_checks, 2 * count_op(without, graph::builtin::linear_grad_param));
+  EXPECT_EQ(folded_checks, 2 * (count_op(without, graph::builtin::linear_grad_param) +
+                                count_op(without, graph::builtin::layernorm_grad)));
+  EXPECT_EQ(count_op(with, ops::builtin::overflow_guard_check), 0u);
   EXPECT_EQ(with.nodes.size() + 3 + 2 + 3 + folded_checks - 1, without.nodes.size());
 }
 

@@ -3,7 +3,8 @@
 //
 // append_overflow_guard adds one check per weight gradient: a kernel that reads the whole gradient
 // again after the node that made it. Where that node's row checks its own outputs
-// (ops::OpInfo::checks_guard: a Linear's weight gradient, in its product's epilogue), the check is
+// (ops::OpInfo::checks_outputs: a Linear's weight and bias gradients, in its product's epilogue and
+// its column sums; a LayerNorm's gain and shift gradients, as they are stored), the check is
 // dropped and the node checks into a flag instead ("overflow_guard.products", one more input and
 // output): one pass over each gradient and one launch per gradient fewer. The flag starts as the
 // loss (an init before the first such node) and the guard's init, where it was, copies the flag
@@ -12,6 +13,8 @@
 // precedes it, such as unpacking compressed state, still fails before any state changes.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
@@ -46,18 +49,19 @@ void fuse_guard_checks(Graph& g) {
   // row checks its outputs and the gradient is one of them, whole and f32.
   std::vector<NodeId> last_write(t.size(), none);
   std::vector<NodeId> producer_of_check(old.size(), none);
-  std::vector<std::size_t> checked_outputs(old.size(), 0);  // per producer: outputs whose checks go
+  std::vector<std::uint32_t> checked_outputs(old.size(), 0);  // per producer: outputs whose checks go
   for (NodeId n = 0; n < old.size(); ++n) {
     const auto ins = old.inputs(n);
     if (old.op[n] == ops::builtin::overflow_guard_check && ins.size() == 2 && ins[0] == g.guard) {
       const TensorId grad = ins[1];
       const NodeId w = last_write[t.storage(grad)];
-      if (w != none && w < init && (loss_written == none || w > loss_written) && ops::op_info(old.op[w]).checks_guard &&
-          t.alias_of[grad] == no_tensor && t.dtype[grad] == DType::f32) {
-        for (TensorId o : old.outputs(w)) {
-          if (o == grad) {
+      if (w != none && w < init && (loss_written == none || w > loss_written) && t.alias_of[grad] == no_tensor &&
+          t.dtype[grad] == DType::f32) {
+        const auto outs = old.outputs(w);
+        for (std::size_t i = 0; i < outs.size() && i < 32; ++i) {
+          if (outs[i] == grad && (ops::op_info(old.op[w]).checks_outputs >> i & 1u)) {
             producer_of_check[n] = w;
-            ++checked_outputs[w];
+            checked_outputs[w] |= 1u << i;
             break;
           }
         }
@@ -65,12 +69,16 @@ void fuse_guard_checks(Graph& g) {
     }
     for (TensorId o : old.outputs(n)) last_write[t.storage(o)] = n;
   }
-  // A producer takes the guard only when every one of its outputs loses its check here: a check
-  // of an output that is summed further (micro-batches, ranks) must see the final sum instead.
+  // A producer takes the guard only when each output its row checks loses its check here: it then
+  // checks exactly what they did (a check of an output that is summed further, over micro-batches
+  // or ranks, must see the final sum instead).
   std::vector<bool> fuse(old.size(), false);
   bool any = false;
   for (NodeId n = 0; n < old.size(); ++n) {
-    if (checked_outputs[n] > 0 && checked_outputs[n] == old.outputs(n).size()) fuse[n] = any = true;
+    if (checked_outputs[n] == 0) continue;
+    const std::size_t outs = std::min<std::size_t>(old.outputs(n).size(), 32);
+    const std::uint32_t checkable = ops::op_info(old.op[n]).checks_outputs & (outs == 32 ? ~0u : (1u << outs) - 1u);
+    if (checked_outputs[n] == checkable) fuse[n] = any = true;
   }
   if (!any) return;
 

@@ -1,6 +1,7 @@
 // Bias over the rows of a row-major [rows, cols] matrix. The bias and its gradient are f32; dy of
 // the backward kernels is stored as T (-DT_F16 / -DT_BF16, see dtype.clh; f32 without).
 #include "dtype.clh"
+#include "guard.clh"
 
 // y[r, c] += b[c], one work-item per element.
 __kernel void bias_forward(__global float* y, ulong y_off, __global const float* b, ulong b_off, uint rows, uint cols) {
@@ -12,9 +13,10 @@ __kernel void bias_forward(__global float* y, ulong y_off, __global const float*
 // db[c] = sum over r of dy[r, c], deterministic: work-group (TC, TR) owns TC columns; row lane
 // j sums rows j, j + TR, j + 2 TR, ... in order, then the TR partial sums are combined by a
 // fixed tree in local memory (TR a power of two). Neighbouring work-items read neighbouring
-// columns, so the reads are coalesced.
+// columns, so the reads are coalesced. With a guard (not null), a sum that is not finite sets it
+// to NaN (guard.clh).
 __kernel void bias_backward(__global const T_STORAGE* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
-                            uint cols, __local float* partial) {
+                            uint cols, __local float* partial, __global float* guard, ulong guard_off) {
   const uint lc = get_local_id(0), lr = get_local_id(1);
   const uint tc = get_local_size(0), tr = get_local_size(1);
   const uint c = get_global_id(0);
@@ -28,33 +30,42 @@ __kernel void bias_backward(__global const T_STORAGE* dy, ulong dy_off, __global
     if (lr < step) partial[lr * tc + lc] += partial[(lr + step) * tc + lc];
     barrier(CLK_LOCAL_MEM_FENCE);
   }
-  if (lr == 0 && c < cols) db[db_off + c] = partial[lc];
+  if (lr == 0 && c < cols) {
+    const float sum = partial[lc];
+    db[db_off + c] = sum;
+    guard_set_if(guard, guard_off, !isfinite(sum));
+  }
 }
 
 // db on CPU devices: a work-item sums the rows of 16 columns as one float16, in order (a last
 // partial chunk column by column). The work-group version above runs scalar code there.
 __kernel void bias_backward16(__global const T_STORAGE* dy, ulong dy_off, __global float* db, ulong db_off, uint rows,
-                              uint cols) {
+                              uint cols, __global float* guard, ulong guard_off) {
   const uint c0 = get_global_id(0) * 16;
   if (c0 >= cols) return;
+  bool bad = false;
 #if !T_IS_F32
   // A narrow dy: the same sums in the same order, one element at a time.
   for (uint c = c0; c < min(c0 + 16u, cols); ++c) {
     float s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += LOAD_T(dy, dy_off + (ulong)r * cols + c);
     db[db_off + c] = s;
+    bad = bad || !isfinite(s);
   }
 #else
   if (c0 + 16 <= cols) {
     float16 s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += vload16(0, dy + dy_off + (ulong)r * cols + c0);
     vstore16(s, 0, db + db_off + c0);
+    guard_set_if(guard, guard_off, any(~isfinite(s)));
     return;
   }
   for (uint c = c0; c < cols; ++c) {
     float s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += dy[dy_off + (ulong)r * cols + c];
     db[db_off + c] = s;
+    bad = bad || !isfinite(s);
   }
 #endif
+  guard_set_if(guard, guard_off, bad);
 }

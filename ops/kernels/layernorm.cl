@@ -9,6 +9,7 @@
 // usual. When the backward's `dres` is not null, dx = LayerNorm's gradient + dres: the gradient
 // the sum gets from its other readers, added in the same pass.
 
+#include "guard.clh"
 #include "reduce.clh"
 
 // One work-group per row. Two passes over the row (mean, then the centred variance), which is
@@ -78,7 +79,8 @@ __kernel void layernorm_backward_params(__global const float* x, ulong x_off, __
                                         ulong mean_off, __global const float* rstd, ulong rstd_off,
                                         __global const float* dy, ulong dy_off, __global float* dgamma,
                                         ulong dgamma_off, __global float* dbeta, ulong dbeta_off, uint rows, uint cols,
-                                        __local float* partial_gamma, __local float* partial_beta) {
+                                        __local float* partial_gamma, __local float* partial_beta,
+                                        __global float* guard, ulong guard_off) {
   const uint lc = get_local_id(0), lr = get_local_id(1);
   const uint tc = get_local_size(0), tr = get_local_size(1);
   const uint c = get_global_id(0);
@@ -102,8 +104,10 @@ __kernel void layernorm_backward_params(__global const float* x, ulong x_off, __
     barrier(CLK_LOCAL_MEM_FENCE);
   }
   if (lr == 0 && c < cols) {
-    dgamma[dgamma_off + c] = partial_gamma[lc];
-    dbeta[dbeta_off + c] = partial_beta[lc];
+    const float g = partial_gamma[lc], b = partial_beta[lc];
+    dgamma[dgamma_off + c] = g;
+    dbeta[dbeta_off + c] = b;
+    guard_set_if(guard, guard_off, !isfinite(g) || !isfinite(b));
   }
 }
 
@@ -201,7 +205,7 @@ __kernel void layernorm_backward_params16(__global const float* x, ulong x_off, 
                                           ulong mean_off, __global const float* rstd, ulong rstd_off,
                                           __global const float* dy, ulong dy_off, __global float* dgamma,
                                           ulong dgamma_off, __global float* dbeta, ulong dbeta_off, uint rows,
-                                          uint cols) {
+                                          uint cols, __global float* guard, ulong guard_off) {
   const uint c0 = get_global_id(0) * 16;
   if (c0 >= cols) return;
   if (c0 + 16 <= cols) {
@@ -214,8 +218,10 @@ __kernel void layernorm_backward_params16(__global const float* x, ulong x_off, 
     }
     vstore16(sg, 0, dgamma + dgamma_off + c0);
     vstore16(sb, 0, dbeta + dbeta_off + c0);
+    guard_set_if(guard, guard_off, any(~isfinite(sg)) || any(~isfinite(sb)));
     return;
   }
+  bool bad = false;
   for (uint c = c0; c < cols; ++c) {
     float sg = 0.0f, sb = 0.0f;
     for (uint r = 0; r < rows; ++r) {
@@ -226,5 +232,7 @@ __kernel void layernorm_backward_params16(__global const float* x, ulong x_off, 
     }
     dgamma[dgamma_off + c] = sg;
     dbeta[dbeta_off + c] = sb;
+    bad = bad || !isfinite(sg) || !isfinite(sb);
   }
+  guard_set_if(guard, guard_off, bad);
 }

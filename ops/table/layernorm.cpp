@@ -4,13 +4,15 @@
 // per position of the leading axes.
 //
 //   layernorm        in: x gamma beta             out: y mean rstd
-//   layernorm_grad   in: x gamma mean rstd dy [dres]   out: dx dgamma dbeta   (dx += dres when given)
+//   layernorm_grad   in: x gamma mean rstd dy [dres] [guard]   out: dx dgamma dbeta [guard]
+//                    (dx += dres when given; the overflow guard over dgamma and dbeta)
 //   add_layernorm    in: a b gamma beta           out: x = a + b, y, mean, rstd
 #include "ops/layernorm.hpp"
 
 #include <fmt/format.h>
 
 #include "ops/attrs.hpp"
+#include "ops/overflow_guard.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -71,27 +73,37 @@ OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
   return r;
 }
 
-OpInfo layernorm_grad_row() {  // in: x gamma mean rstd dy  out: dx dgamma dbeta
+// in: x gamma mean rstd dy [dres] [guard]  out: dx dgamma dbeta [guard]. With the overflow guard
+// (graph::fuse_guard_checks; a fourth output), the node checks dgamma and dbeta as it stores them.
+OpInfo layernorm_grad_row() {
   OpInfo r;
   r.name = "layernorm_grad";
   r.op_class = OpClass::backward;
+  r.checks_outputs = 0b110;  // dgamma, dbeta
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
+    const bool guarded = c.output_count() > 3;
+    const bool has_dres = c.input_count() > (guarded ? 6u : 5u);
     return layernorm_backward(c.env(), c.in(0), c.in(1), c.in(2), c.in(3), c.in(4), c.out(0), c.out(1), c.out(2), rows,
-                              cols, c.input_count() > 5 ? c.in(5) : DeviceSpan{});
+                              cols, has_dres ? c.in(5) : DeviceSpan{}, guarded ? c.out(3) : DeviceSpan{});
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const auto out = c.outputs();
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
+    const bool guarded = out.size() > 3;
     ref::layernorm_backward<double>(c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(in[3]), c.real(in[4]),
                                     c.real(out[0]), c.real(out[1]), c.real(out[2]), rows, cols);
-    if (in.size() > 5) {
+    if (in.size() > (guarded ? 6u : 5u)) {
       const auto dres = c.real(in[5]);
       const auto dx = c.real(out[0]);
       for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += dres[i];
+    }
+    if (guarded) {
+      const double g = ref::overflow_guard_check<double>(c.real(in.back())[0], c.real(out[1]));
+      c.real(out[3])[0] = ref::overflow_guard_check<double>(g, c.real(out[2]));
     }
   };
   return r;

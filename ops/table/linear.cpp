@@ -131,14 +131,14 @@ OpInfo linear_grad_input_row() {  // in: dy w [z]  out: dx (times act'(z) when L
 }
 
 // in: x dy [guard]  out: dw [db] [guard]. With the overflow guard (graph::fuse_guard_checks), the
-// node checks what it makes: the weight gradient in the product's epilogue, the bias gradient after
-// its column sums.
+// node checks what it makes: the weight gradient in the product's epilogue, the bias gradient as its
+// column sums are stored.
 OpInfo linear_grad_param_row() {
   OpInfo r;
   r.name = "linear_grad_param";
   r.op_class = OpClass::backward;
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
-  r.checks_guard = true;
+  r.checks_outputs = 0b11;  // dw, db
   r.scratch_bytes = [](const ShapeView& v, OpEnv& env) {
     return gemm_scratch_elems(env, linear_gemms(v.input(0), v.output(0)).grad_param) * sizeof(float);
   };
@@ -152,10 +152,7 @@ OpInfo linear_grad_param_row() {
     auto list = gemm(c.env(), linear_gemms(c.input(0), c.output(0)).grad_param, 1.0f, c.in(0), c.in(1), 0.0f, c.out(0),
                      c.scratch(), options);
     if (has_bias) {
-      auto bias = bias_backward(c.env(), c.in(1), c.out(1), rows, cols, c.input(1).dtype);
-      if (guarded) {
-        for (auto& l : overflow_guard_check(c.env(), c.out(1), cols, options.guard)) bias.push_back(std::move(l));
-      }
+      auto bias = bias_backward(c.env(), c.in(1), c.out(1), rows, cols, c.input(1).dtype, options.guard);
       std::move(bias.begin(), bias.end(), std::back_inserter(list));
     }
     return list;

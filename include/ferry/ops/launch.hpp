@@ -109,4 +109,9 @@ bool row_group_forced();
 // A one-dimensional launch over n elements with the library's default work-group size.
 KernelLaunch elementwise_launch(cl::Kernel kernel, std::size_t n);
 
+// A nullable (buffer, element offset) operand at arguments `index` and `index + 1`: the kernel sees
+// a null pointer when p has no buffer. For operands after a __local argument, which cl::set_args
+// cannot pass.
+void set_nullable_arg(const cl::Kernel& k, cl_uint index, DeviceSpan p);
+
 }  // namespace ferry::ops

@@ -231,10 +231,10 @@ struct OpInfo {
   // the planner's prediction (ferry::PlanRates): the bytes it streams (device_gbps, host_gbps),
   // or requantizing its state (device_8bit_gbps, host_8bit_gbps).
   UpdateBound update_bound = UpdateBound::memory;
-  // The overflow guard in the node that makes a gradient (graph::fuse_guard_checks): the row's bind
-  // and reference take the guard as one more input (last) and output (last) and set it to NaN when
-  // an element of a float output is not finite, as overflow_guard_check after the node would.
-  bool checks_guard = false;
+  // The overflow guard in the node that makes gradients (graph::fuse_guard_checks): bit i set when
+  // the row, given the guard as one more input and output (both last), sets it to NaN when an
+  // element of its output i is not finite, as overflow_guard_check after the node would. 0: never.
+  std::uint32_t checks_outputs = 0;
   // Fusion (graph::fuse_layers), exact rewrites a row allows: how it takes in a ReLU; whether a
   // node of it is a ReLU (the activation row); and the op a node of it becomes at the place of
   // the node that wrote its input 0 when that one is of op `producer` (layernorm after an add
@@ -273,7 +273,7 @@ enum : OpId {
   activation_grad,       //                                            in: x dy     out: dx
   add,                   // y = a + b                                  in: a b      out: y
   layernorm,             // LayerNormAttrs                             in: x g b    out: y mean rstd
-  layernorm_grad,        //                                  in: x g mean rstd dy   out: dx dg db
+  layernorm_grad,        //                                  in: x g mean rstd dy [dres] [guard]   out: dx dg db [guard]
   conv2d,                // Conv2dAttrs                                in: x w [b]  out: y
   conv2d_grad_input,     //                                            in: dy w     out: dx
   conv2d_grad_param,     //                                            in: x dy     out: dw [db]
