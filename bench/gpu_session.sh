@@ -11,6 +11,8 @@
 #              unpacks the kit and finds the driver (with no steps if not named)
 #   cublas     cuBLAS (PyTorch, TF32 off) on the GEMM products bench/kernels_gpu.sh compares
 #   gemm       bench/kernels_gpu.sh's GEMM part (the H200 row with and without K split)
+#   gemm-wide  the same part on the 128 x 128 tile with 16 x 8 results per work-item (K split, float4
+#              loads): the tuner's candidate with the most results per work-item
 #   attention  bench/kernels_gpu.sh's attention part, beside SDPA on CUDA
 #   tune       bench/kernels_gpu.sh's tuner part (KERNELS_GPU_TUNE_S, 60 here)
 #   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-stream: its two streamed ones; scale7b: its
@@ -89,6 +91,9 @@ for p in "$@"; do
       part cublas 90 "$python_peer" bench/peers/torch_gemm.py --device cuda --shapes 1024,1024,1024 2048,2048,2048 \
         256,1024,784,nt 2048,3072,768,nt 2048,768,3072 768,3072,2048,tn ;;
     gemm) part gemm 150 env KERNELS_GPU_ONLY=gemm bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
+    gemm-wide)
+      part gemm-wide 90 env KERNELS_GPU_ONLY=gemm KERNELS_GPU_ROW="tiled TSM=128 TSN=128 TSK=16 WPTM=16 WPTN=8 VW=4" \
+        KERNELS_GPU_GEMM_VARIANTS="SK=1 VG=4" bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels-wide" ;;
     attention)
       part attention 150 env KERNELS_GPU_ONLY=attention KERNELS_GPU_PYTHON="$python_peer" \
         bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
