@@ -46,7 +46,8 @@ struct VariantKey {
   // Loss scaling (training variants that update): the scale multiplies the narrow gradients. (The
   // updates of every training variant check the overflow guard.)
   bool loss_scaling = false;
-  // Fuse layer pairs (fuse_layers); off only to compare against the unfused graph.
+  // Fuse layer pairs (fuse_layers, fuse_activation_grads) and gradients' overflow checks into the
+  // kernels that make them (fuse_guard_checks); off only to compare against the unfused graph.
   bool fuse = true;
   // Data-parallel training over `ranks` ranks (graph::append_gradient_allreduce): this rank's
   // share of the global batch, and the bytes of gradients reduced together.

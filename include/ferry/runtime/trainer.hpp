@@ -58,7 +58,8 @@ struct TrainerOptions {
   // Fuse layer pairs the kernels take together (a ReLU into the max-pool that reads it or the
   // convolution or Linear that makes it, a residual add into the LayerNorm that reads its sum:
   // graph::fuse_layers; an activation's backward into the GEMM that makes its output gradient:
-  // graph::fuse_activation_grads). Exact: results are bit-identical either way; off only to measure
+  // graph::fuse_activation_grads; a gradient's overflow check into the kernel that makes it:
+  // graph::fuse_guard_checks). Exact: results are bit-identical either way; off only to measure
   // or to compare against the unfused graph.
   bool fuse = true;
   // Mixed precision (ferry/runtime/loss_scale.hpp): f16 or bf16 layers over f32 master weights,
