@@ -785,6 +785,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   if (mode == ResidencyMode::automatic) {
     Graph resident = g;
     assign_homes(resident, ResidencyMode::resident, {});
+    if (options.group_updates) group_updates(resident);
     MemoryPlan plan = plan_memory(resident, mopt);
     if (plan.peak_bytes() > budget) {
       mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
@@ -809,6 +810,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   report.mode = mode;
   if (any_streamed) return plan_streamed(g, options, host_unified, mopt, budget, report);
   if (any_mapped) return plan_mapped(g, mopt, budget, report);
+  if (options.group_updates) group_updates(g);
   MemoryPlan plan = plan_memory(g, mopt);
   if (plan.peak_bytes() > budget) {
     throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "

@@ -33,6 +33,11 @@ HostCopies host_copies_for(offload::HostMemory resolved);
 void stage_home_transfers(Graph& g, bool host_unified, HostCopies host_copies = HostCopies::none,
                           std::uint64_t host_copy_min_bytes = 0, std::uint64_t chunk_bytes = 0);
 
+// Runs of adjacent Adam updates over whole f32 tensors on the device (a resident step's updates,
+// which come last) as adam_update_group nodes of up to ops::adam_group_slots parameters: one
+// launch each, the same bits (graph/passes/update_groups.cpp). Only before the memory plan.
+void group_updates(Graph& g);
+
 // Rewrites `g` for the chosen mode, plans its memory and returns the plan. For stream mode it
 // searches the largest cache limit whose planned device peak fits the budget. Throws BudgetError
 // if the budget cannot hold the step even when every layer is fetched just in time.

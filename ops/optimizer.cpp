@@ -112,4 +112,74 @@ LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan
   return list;
 }
 
+LaunchList adam_update_group(OpEnv& env, const AdamConfig& c, std::span<const AdamSlot> slots, DeviceSpan guard,
+                             DeviceSpan status) {
+  if (slots.empty() || slots.size() > adam_group_slots) {
+    throw std::invalid_argument(
+        fmt::format("adam_update_group: {} parameters, expected 1 to {}", slots.size(), adam_group_slots));
+  }
+  const bool cpu = env.device().is_cpu();
+  constexpr std::size_t kGroupChunk = 256;  // GROUP_CHUNK: parameters per work-item on CPU devices
+  cl::Kernel k = env.kernels.kernel("optimizer", cpu ? "adam_update_group16" : "adam_update_group");
+  // Slot s's work-items start at first[s]; the slots past the group's last take slot 0's buffers,
+  // no parameters and the launch's end as their first item, so no work-item falls in them.
+  cl_ulong8 w_offs{}, g_offs{}, m_offs{}, v_offs{};
+  cl_uint8 ns{}, firsts{};
+  std::size_t items = 0;
+  for (std::size_t s = 0; s < adam_group_slots; ++s) {
+    const AdamSlot& x = slots[s < slots.size() ? s : 0];
+    const cl_uint args = 4 * static_cast<cl_uint>(s);
+    FERRY_CL(clSetKernelArg(k.get(), args, sizeof(cl_mem), &x.w.buffer));
+    FERRY_CL(clSetKernelArg(k.get(), args + 1, sizeof(cl_mem), &x.g.buffer));
+    FERRY_CL(clSetKernelArg(k.get(), args + 2, sizeof(cl_mem), &x.m.buffer));
+    FERRY_CL(clSetKernelArg(k.get(), args + 3, sizeof(cl_mem), &x.v.buffer));
+    w_offs.s[s] = x.w.elem_offset();
+    g_offs.s[s] = x.g.elem_offset();
+    m_offs.s[s] = x.m.elem_offset();
+    v_offs.s[s] = x.v.elem_offset();
+    if (s < slots.size()) {
+      ns.s[s] = checked_count(x.n);
+      firsts.s[s] = checked_count(items);
+      items += cpu ? (x.n + kGroupChunk - 1) / kGroupChunk : x.n;
+    }
+  }
+  for (std::size_t s = slots.size(); s < adam_group_slots; ++s) firsts.s[s] = checked_count(items);
+  const float l2 = c.decoupled_weight_decay ? 0.0f : c.weight_decay;
+  const float decoupled = c.decoupled_weight_decay ? c.weight_decay : 0.0f;
+  const cl_uint first_arg = 4 * adam_group_slots;
+  const cl_uint has_guard = guard.buffer ? 1 : 0, has_status = status.buffer ? 1 : 0;
+  const cl_mem guard_mem = guard.buffer ? guard.buffer : slots[0].w.buffer;
+  const cl_mem status_mem = status.buffer ? status.buffer : slots[0].w.buffer;
+  const cl_ulong guard_off = guard.elem_offset(), status_off = status.elem_offset();
+  const float zero = 0.0f, one = 1.0f;
+  const auto set = [&](cl_uint i, std::size_t size, const void* value) {
+    FERRY_CL(clSetKernelArg(k.get(), first_arg + i, size, value));
+  };
+  set(0, sizeof w_offs, &w_offs);
+  set(1, sizeof g_offs, &g_offs);
+  set(2, sizeof m_offs, &m_offs);
+  set(3, sizeof v_offs, &v_offs);
+  set(4, sizeof ns, &ns);
+  set(5, sizeof firsts, &firsts);
+  set(6, sizeof(float), &c.beta1);
+  set(7, sizeof(float), &c.beta2);
+  set(8, sizeof(float), &c.eps);
+  set(9, sizeof(float), &l2);
+  set(10, sizeof(float), &decoupled);
+  set(11, sizeof(float), &zero);  // lr, inv_bc1, inv_bc2: per step
+  set(12, sizeof(float), &one);
+  set(13, sizeof(float), &one);
+  set(14, sizeof(cl_mem), &guard_mem);
+  set(15, sizeof(cl_ulong), &guard_off);
+  set(16, sizeof(cl_uint), &has_guard);
+  set(17, sizeof(cl_mem), &status_mem);
+  set(18, sizeof(cl_ulong), &status_off);
+  set(19, sizeof(cl_uint), &has_status);
+  KernelLaunch l = elementwise_launch(std::move(k), items);
+  l.per_step = adam_step_args("adam_update_group", c, first_arg + 11);
+  LaunchList list;
+  list.push_back(std::move(l));
+  return list;
+}
+
 }  // namespace ferry::ops

@@ -105,6 +105,7 @@ graph::ResidencyOptions residency_options(const TrainerOptions& options, std::ui
   // phases streamed state keeps a second copy that becomes current at commit. Otherwise it is one
   // copy, updated after the commit point (by the device, or by the host optimizer).
   if (options.phases.hybrid) r.homes.pinned_copies = 2;
+  r.group_updates = options.fuse;  // like the graph's fusions: bit-identical, off to compare
   return r;
 }
 

@@ -76,7 +76,8 @@ TEST(OpTable, BuiltinIdsNameTheirRows) {
                                                    {b::add_layernorm, "add_layernorm"},
                                                    {b::grad_send, "grad_send"},
                                                    {b::weight_allgather, "weight_allgather"},
-                                                   {b::others_receive, "others_receive"}};
+                                                   {b::others_receive, "others_receive"},
+                                                   {b::adam_update_group, "adam_update_group"}};
   for (const auto& [id, name] : ids) EXPECT_EQ(ops::op_info(id).name, name) << "builtin id " << id;
   // Every built-in id has a row of its own name, and no two share one.
   std::set<std::string> names;

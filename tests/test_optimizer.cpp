@@ -4,7 +4,10 @@
 // updates (ops/optimizer_host.hpp, vectorised per instruction set) against the same reference,
 // in place and out of place.
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <vector>
 
 #include "ferry/ops/optimizer.hpp"
 #include "ops/optimizer_host.hpp"
@@ -71,6 +74,62 @@ TEST_P(AdamTest, StepsMatchReference) {
 INSTANTIATE_TEST_SUITE_P(Configs, AdamTest,
                          ::testing::Combine(::testing::Values(1, 257, 1000), ::testing::Bool(),
                                             ::testing::Values(0.0f, 0.1f), ::testing::Values(1, 3, 5)));
+
+// Adam over a group of parameters in one launch (adam_update_group, what graph::group_updates makes
+// of adjacent updates): bit for bit what one adam_update per parameter gives, over steps with the
+// learning rate changing, for 1 to 8 parameters of sizes that end inside a vector of 16 and sit at
+// odd offsets in one buffer or in their own; with a guard that is not finite nothing changes; more
+// than 8 parameters, or none, are refused.
+TEST(Optimizer, AdamGroupMatchesOneUpdatePerParameterBitForBit) {
+  auto& dev = TestDevice::get();
+  const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, 0.1f, true};
+  const std::size_t sizes[] = {1, 37, 16, 300, 5, 1000, 17, 64};
+  for (const std::size_t k : {std::size_t{1}, std::size_t{3}, std::size_t{8}}) {
+    std::vector<std::unique_ptr<DeviceTensor>> group, single;  // per parameter: w g m v
+    std::vector<ops::AdamSlot> slots;
+    ops::LaunchList singles;
+    for (std::size_t i = 0; i < k; ++i) {
+      const std::size_t n = sizes[i];
+      for (int t = 0; t < 4; ++t) {
+        const auto init = t == 0 ? random_vector(n, 10 + i) : std::vector<float>(n, 0.0f);
+        group.push_back(std::make_unique<DeviceTensor>(init, 1 + 2 * i + t));
+        single.push_back(std::make_unique<DeviceTensor>(init, 3 + i));
+      }
+      auto at = [&](auto& v, int t) { return v[4 * i + t]->span(); };
+      slots.push_back({at(group, 0), at(group, 1), at(group, 2), at(group, 3), n});
+      for (auto& l : ops::adam_update(dev.env, c, at(single, 0), at(single, 1), at(single, 2), at(single, 3), n))
+        singles.push_back(std::move(l));
+    }
+    const ops::LaunchList grouped = ops::adam_update_group(dev.env, c, slots);
+    for (int s = 0; s < 3; ++s) {
+      for (std::size_t i = 0; i < k; ++i) {
+        const auto g = random_vector(sizes[i], 300 + 10 * s + i);
+        group[4 * i + 1]->upload(g);
+        single[4 * i + 1]->upload(g);
+      }
+      const ops::StepInfo info{std::uint64_t(s + 1), kLrs[s]};
+      ops::run_blocking(dev.context.compute(), grouped, info);
+      ops::run_blocking(dev.context.compute(), singles, info);
+    }
+    for (std::size_t x = 0; x < group.size(); ++x) {
+      if (x % 4 == 1) continue;  // the gradients
+      const auto a = group[x]->download(), b = single[x]->download();
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+          << k << " parameters: parameter " << x / 4 << ", tensor "
+          << "wgmv"[x % 4];
+    }
+    // A guard that is not finite: the group changes nothing.
+    DeviceTensor guard(std::vector<float>{std::nanf("")});
+    const auto before = group[0]->download();
+    ops::run_blocking(dev.context.compute(), ops::adam_update_group(dev.env, c, slots, guard.span()),
+                      ops::StepInfo{4, 0.1f});
+    const auto after = group[0]->download();
+    EXPECT_EQ(std::memcmp(before.data(), after.data(), before.size() * sizeof(float)), 0) << "guarded";
+  }
+  std::vector<ops::AdamSlot> nine(9), none;
+  EXPECT_THROW(ops::adam_update_group(dev.env, c, nine), std::invalid_argument);
+  EXPECT_THROW(ops::adam_update_group(dev.env, c, none), std::invalid_argument);
+}
 
 // Sizes: a single element, vector tails, and more than one TBB chunk (16384 elements) with a tail.
 constexpr std::size_t kHostSizes[] = {1, 7, 257, 1000, 16384 * 2 + 37};

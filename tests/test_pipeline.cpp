@@ -7,10 +7,12 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "graph/pipeline.hpp"
+#include "graph/residency_passes.hpp"
 #include "ops/attrs.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
@@ -175,6 +177,48 @@ TEST(Pipeline, EachModelPassAlone) {
   graph::Graph eval = graph::prepare_step_graph(mlp_forward(16), graph::VariantKey{16, false}, adam);
   EXPECT_EQ(eval.nodes.size(), forward_nodes - 1 + 1);
   EXPECT_EQ(count_class(eval, ops::OpClass::backward), 0u);
+}
+
+// A resident step's updates come last, one per parameter: group_updates makes each run of up to 8
+// adjacent Adam updates one adam_update_group node (their weights, gradients and moments in order,
+// then the guard); a run of one stays as it was, and an update over a ZeRO share is not grouped.
+TEST(Pipeline, AdjacentAdamUpdatesBecomeGroups) {
+  ops::OptimizerConfig adam;
+  const ModelSpec deep = models::deep(32, 5);
+  graph::Graph g = graph::prepare_step_graph(forward_graph(deep, graph::VariantKey{4, true}), {4, true}, adam);
+  const std::size_t updates = count_op(g, graph::builtin::adam_update);
+  ASSERT_GT(updates, 8u);
+  std::vector<TensorId> weights;  // in update order
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.op[n] == graph::builtin::adam_update) weights.push_back(g.nodes.inputs(n)[0]);
+  }
+  const std::size_t before = g.nodes.size();
+  graph::group_updates(g);
+  const std::size_t groups = (updates + 7) / 8;
+  EXPECT_EQ(count_op(g, graph::builtin::adam_update_group) + count_op(g, graph::builtin::adam_update), groups);
+  EXPECT_EQ(g.nodes.size(), before - updates + groups);
+  std::vector<TensorId> grouped;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.op[n] != graph::builtin::adam_update_group) continue;
+    const auto ins = g.nodes.inputs(n);
+    ASSERT_EQ(ins.size() % 4, 1u);  // the guard last
+    EXPECT_EQ(ins.back(), g.guard);
+    EXPECT_LE(ins.size() / 4, 8u);
+    EXPECT_EQ(g.nodes.outputs(n).size(), 3 * (ins.size() / 4));
+    for (std::size_t i = 0; i + 1 < ins.size(); i += 4) {
+      grouped.push_back(ins[i]);
+      EXPECT_EQ(g.tensors.grad[ins[i]], ins[i + 1]);
+    }
+  }
+  if (updates % 8 == 1) weights.pop_back();  // the last, alone, stays an adam_update
+  EXPECT_EQ(grouped, weights);
+  // A share of a weight (ZeRO) is not a whole tensor: never grouped.
+  graph::Graph shared = graph::prepare_step_graph(forward_graph(deep, graph::VariantKey{4, true}), {4, true}, adam);
+  for (graph::NodeId n = 0; n < shared.nodes.size(); ++n) {
+    if (shared.nodes.op[n] == graph::builtin::adam_update) shared.nodes.attrs[n] = ops::UpdateAttrs{0, 0, 8}.pack();
+  }
+  graph::group_updates(shared);
+  EXPECT_EQ(count_op(shared, graph::builtin::adam_update_group), 0u);
 }
 
 // Each ReLU that only a max-pool reads joins that pool (MaxPool2dAttrs::relu, reading the ReLU's input);

@@ -103,3 +103,75 @@ __kernel void adam_update16(ADAM_ARGS) {
   vstore16(wn, 0, w + w_off + i);
   if (has_status && !all(isfinite(wn))) atomic_or(status + status_off, 1u);
 }
+
+// Adam over a group of up to GROUP_SLOTS parameters in one launch (ops::adam_update_group; the
+// graph's adjacent updates, graph::group_updates): slot s updates the n.s<s> parameters of its
+// (w, g, m, v), each with its element offset; its work-items start at first.s<s> (ascending; a
+// slot past the group's last has n 0 and first at the launch's end). The same expression per
+// parameter as adam_update (adam_update16's chunks of 16 from each slot's first parameter on CPU
+// devices), so the same bits. The guard and status as there.
+#define GROUP_SLOTS 8
+#define SLOT_ARGS(s) __global float *w##s, __global const float *g##s, __global float *m##s, __global float *v##s
+#define SLOT_PICK(s)                  \
+  if (slot == s) {                    \
+    w = w##s, g = g##s, m = m##s, v = v##s; \
+  }
+#define ADAM_GROUP_ARGS                                                                                              \
+  SLOT_ARGS(0), SLOT_ARGS(1), SLOT_ARGS(2), SLOT_ARGS(3), SLOT_ARGS(4), SLOT_ARGS(5), SLOT_ARGS(6), SLOT_ARGS(7),    \
+      ulong8 w_offs, ulong8 g_offs, ulong8 m_offs, ulong8 v_offs, uint8 ns, uint8 firsts, float beta1, float beta2, \
+      float eps, float l2, float decoupled, float lr, float inv_bc1, float inv_bc2, __global const float *guard,     \
+      ulong guard_off, uint has_guard, __global uint *status, ulong status_off, uint has_status
+
+// The slot of work-item `item` and its pointers and offsets: the last slot whose first item is at
+// or before it.
+#define GROUP_SLOT(item)                                                                                   \
+  const uint fs[GROUP_SLOTS] = {firsts.s0, firsts.s1, firsts.s2, firsts.s3,                                \
+                                firsts.s4, firsts.s5, firsts.s6, firsts.s7};                               \
+  uint slot = 0;                                                                                           \
+  for (uint s = 1; s < GROUP_SLOTS; ++s) slot += (item) >= fs[s];                                          \
+  __global float *w = w0, *m = m0, *v = v0;                                                                \
+  __global const float* g = g0;                                                                            \
+  SLOT_PICK(1) SLOT_PICK(2) SLOT_PICK(3) SLOT_PICK(4) SLOT_PICK(5) SLOT_PICK(6) SLOT_PICK(7)               \
+  const ulong offs[4][GROUP_SLOTS] = {                                                                     \
+      {w_offs.s0, w_offs.s1, w_offs.s2, w_offs.s3, w_offs.s4, w_offs.s5, w_offs.s6, w_offs.s7},            \
+      {g_offs.s0, g_offs.s1, g_offs.s2, g_offs.s3, g_offs.s4, g_offs.s5, g_offs.s6, g_offs.s7},            \
+      {m_offs.s0, m_offs.s1, m_offs.s2, m_offs.s3, m_offs.s4, m_offs.s5, m_offs.s6, m_offs.s7},            \
+      {v_offs.s0, v_offs.s1, v_offs.s2, v_offs.s3, v_offs.s4, v_offs.s5, v_offs.s6, v_offs.s7}};           \
+  const uint nn[GROUP_SLOTS] = {ns.s0, ns.s1, ns.s2, ns.s3, ns.s4, ns.s5, ns.s6, ns.s7};                    \
+  const ulong w_off = offs[0][slot], g_off = offs[1][slot], m_off = offs[2][slot], v_off = offs[3][slot]; \
+  const uint n = nn[slot];                                                                                 \
+  const size_t local_item = (item) - fs[slot];
+
+__kernel void adam_update_group(ADAM_GROUP_ARGS) {
+  const size_t item = get_global_id(0);
+  GROUP_SLOT(item)
+  const size_t i = local_item;
+  if (i >= n) return;
+  if (has_guard && !isfinite(guard[guard_off])) return;
+  adam_one(ADAM_PASS, i);
+}
+
+// CPU devices: GROUP_CHUNK parameters per work-item, 16 at a time as adam_update16 takes them (its
+// chunks of 16 from the slot's first parameter, the parameters past the last whole 16 one by one),
+// so that finding the slot, which a work-item of 16 parameters would pay as much for as for the
+// update, is paid once per 256.
+#define GROUP_CHUNK 256
+__kernel void adam_update_group16(ADAM_GROUP_ARGS) {
+  const size_t item = get_global_id(0);
+  GROUP_SLOT(item)
+  const size_t begin = local_item * GROUP_CHUNK;
+  if (begin >= n) return;
+  if (has_guard && !isfinite(guard[guard_off])) return;
+  const size_t end = min((size_t)n, begin + GROUP_CHUNK);
+  size_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const float16 wi = vload16(0, w + w_off + i), g_in = vload16(0, g + g_off + i), m_in = vload16(0, m + m_off + i),
+                  v_in = vload16(0, v + v_off + i);
+    ADAM_STEP(float16)
+    vstore16(mi, 0, m + m_off + i);
+    vstore16(vi, 0, v + v_off + i);
+    vstore16(wn, 0, w + w_off + i);
+    if (has_status && !all(isfinite(wn))) atomic_or(status + status_off, 1u);
+  }
+  for (; i < end; ++i) adam_one(ADAM_PASS, i);
+}

@@ -114,6 +114,7 @@ void register_builtin_rows(const AddRow& add) {
   register_attention_rows(add);
   register_add_layernorm_rows(add);
   register_collective_rows(add);
+  register_optimizer_group_rows(add);
 }
 
 }  // namespace ferry::ops::table

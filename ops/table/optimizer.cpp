@@ -140,6 +140,31 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
   return r;
 }
 
+// Adjacent whole-tensor Adam updates in one launch (graph::group_updates makes these nodes from
+// adam_update nodes; the optimizer pass never does): in: (w g m v) x k [guard]  out: (w m v) x k.
+OpInfo adam_group_row() {
+  OpInfo r;
+  r.name = "adam_update_group";
+  r.op_class = OpClass::update;
+  r.bind = [](const BindContext& c) {
+    const std::size_t k = c.input_count() / 4;
+    std::vector<AdamSlot> slots(k);
+    for (std::size_t i = 0; i < k; ++i) {
+      slots[i] = {c.in(4 * i), c.in(4 * i + 1), c.in(4 * i + 2), c.in(4 * i + 3), in_elems(c, 4 * i)};
+    }
+    return adam_update_group(c.env(), c.optimizer().adam_config(), slots,
+                             c.input_count() % 4 == 1 ? c.in(c.input_count() - 1) : DeviceSpan{}, c.step_status());
+  };
+  r.reference = [](RefContext& c) {
+    const auto in = c.inputs();
+    for (std::size_t i = 0; i + 3 < in.size(); i += 4) {
+      ref::adam_update<double>(c.optimizer().adam_config(), c.step(), c.real(in[i]), c.real(in[i + 1]),
+                               c.real(in[i + 2]), c.real(in[i + 3]));
+    }
+  };
+  return r;
+}
+
 }  // namespace
 
 UpdateSlice update_slice(const ShapeView& c) {
@@ -161,6 +186,10 @@ void register_optimizer_rows(const AddRow& add) {
 
 void register_optimizer8bit_rows(const AddRow& add) {
   add(adam8bit_row(), builtin::adam8bit_update);
+}
+
+void register_optimizer_group_rows(const AddRow& add) {
+  add(adam_group_row(), builtin::adam_update_group);
 }
 
 }  // namespace ferry::ops::table

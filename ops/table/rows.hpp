@@ -20,6 +20,7 @@ void register_conv2d_rows(const AddRow& add);
 void register_pool_rows(const AddRow& add);
 void register_softmax_xent_rows(const AddRow& add);
 void register_optimizer_rows(const AddRow& add);
+void register_optimizer_group_rows(const AddRow& add);
 void register_cast_rows(const AddRow& add);      // cast
 void register_quantize_rows(const AddRow& add);  // quantize_i8, dequantize_i8
 

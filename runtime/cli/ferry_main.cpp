@@ -461,7 +461,7 @@ void add_phase_options(CLI::App* app, TrainArgs& t) {
   app->add_flag("--no-fuse", t.no_fuse,
                 "Keep every layer its own kernel (no ReLU fused into a max-pool or a convolution's or Linear's "
                 "epilogue, no residual add into a LayerNorm, no activation's backward into a GEMM, no gradient's "
-                "overflow check in the kernel that makes it); results are "
+                "overflow check in the kernel that makes it, no Adam updates grouped into one launch); results are "
                 "bit-identical, only slower: for measuring what fusion buys");
   app->add_option("--precision", t.precision,
                   "Mixed precision: fp32 (none), bf16 or fp16 layers over fp32 master weights (docs/phases.md)")

@@ -61,6 +61,9 @@ struct ResidencyOptions {
   // [min_staging_chunk_bytes, max_staging_chunk_bytes], and only with staged host memory: else
   // planning throws std::invalid_argument.
   std::uint64_t staging_chunk_bytes = 0;
+  // A resident step's adjacent Adam updates as one launch per up to 8 parameters
+  // (adam_update_group; the same bits). TrainerOptions::fuse sets it.
+  bool group_updates = true;
   static constexpr std::uint64_t min_staging_chunk_bytes = std::uint64_t{4} << 10;
   static constexpr std::uint64_t max_staging_chunk_bytes = std::uint64_t{256} << 20;
 };

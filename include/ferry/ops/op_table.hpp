@@ -323,6 +323,8 @@ enum : OpId {
   grad_reduce_scatter,   //
   share_send,            //
   others_receive,        //
+  adam_update_group,     // adjacent Adam updates in one launch (graph::group_updates)
+                         //   in: (w g m v) x k [guard]   out: (w m v) x k (in place), k <= 8
   builtin_count          // the number of rows above
 };
 }  // namespace builtin

@@ -65,6 +65,16 @@ LaunchList sgd_update(OpEnv& env, const SgdConfig& c, DeviceSpan w, DeviceSpan g
 // Enqueueing with StepInfo::step == 0 throws std::invalid_argument (the correction is undefined).
 LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan g, DeviceSpan m, DeviceSpan v,
                        std::size_t n, DeviceSpan guard = {}, DeviceSpan status = {});
+// adam_update of several parameters in one launch (graph::group_updates: a step's adjacent
+// updates, one launch where each was one): the same bits per parameter. At most
+// adam_group_slots parameters (std::invalid_argument otherwise, or for none).
+struct AdamSlot {
+  DeviceSpan w, g, m, v;
+  std::size_t n = 0;
+};
+inline constexpr std::size_t adam_group_slots = 8;
+LaunchList adam_update_group(OpEnv& env, const AdamConfig& c, std::span<const AdamSlot> slots, DeviceSpan guard = {},
+                             DeviceSpan status = {});
 
 // 8-bit block-wise Adam / AdamW (ops/kernels/optimizer8bit.cl), one work-group per block of
 // `block` elements (the last block may be partial). m and v are u8 codes (m: signed map, v:

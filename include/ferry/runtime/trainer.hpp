@@ -59,8 +59,9 @@ struct TrainerOptions {
   // convolution or Linear that makes it, a residual add into the LayerNorm that reads its sum:
   // graph::fuse_layers; an activation's backward into the GEMM that makes its output gradient:
   // graph::fuse_activation_grads; a gradient's overflow check into the kernel that makes it:
-  // graph::fuse_guard_checks). Exact: results are bit-identical either way; off only to measure
-  // or to compare against the unfused graph.
+  // graph::fuse_guard_checks; a resident step's adjacent Adam updates as one launch:
+  // ResidencyOptions::group_updates). Exact: results are bit-identical either way; off only to
+  // measure or to compare against the unfused graph.
   bool fuse = true;
   // Mixed precision (ferry/runtime/loss_scale.hpp): f16 or bf16 layers over f32 master weights,
   // with dynamic loss scaling for f16. Training, evaluation and Predict steps all run in it.
