@@ -41,6 +41,17 @@ inline void sgd_one(SGD_ARGS, size_t i) {
   if (has_status && !isfinite(wn)) atomic_or(status + status_off, 1u);
 }
 
+// 16 consecutive parameters from i as one float16 (the CPU kernels').
+inline void adam_sixteen(ADAM_ARGS, size_t i) {
+  const float16 wi = vload16(0, w + w_off + i), g_in = vload16(0, g + g_off + i), m_in = vload16(0, m + m_off + i),
+                v_in = vload16(0, v + v_off + i);
+  ADAM_STEP(float16)
+  vstore16(mi, 0, m + m_off + i);
+  vstore16(vi, 0, v + v_off + i);
+  vstore16(wn, 0, w + w_off + i);
+  if (has_status && !all(isfinite(wn))) atomic_or(status + status_off, 1u);
+}
+
 inline void adam_one(ADAM_ARGS, size_t i) {
   const float wi = w[w_off + i], g_in = g[g_off + i], m_in = m[m_off + i], v_in = v[v_off + i];
   ADAM_STEP(float)
@@ -95,13 +106,7 @@ __kernel void adam_update16(ADAM_ARGS) {
     for (size_t j = i; j < n; ++j) adam_one(ADAM_PASS, j);
     return;
   }
-  const float16 wi = vload16(0, w + w_off + i), g_in = vload16(0, g + g_off + i), m_in = vload16(0, m + m_off + i),
-                v_in = vload16(0, v + v_off + i);
-  ADAM_STEP(float16)
-  vstore16(mi, 0, m + m_off + i);
-  vstore16(vi, 0, v + v_off + i);
-  vstore16(wn, 0, w + w_off + i);
-  if (has_status && !all(isfinite(wn))) atomic_or(status + status_off, 1u);
+  adam_sixteen(ADAM_PASS, i);
 }
 
 // Adam over a group of up to GROUP_SLOTS parameters in one launch (ops::adam_update_group; the
@@ -164,14 +169,6 @@ __kernel void adam_update_group16(ADAM_GROUP_ARGS) {
   if (has_guard && !isfinite(guard[guard_off])) return;
   const size_t end = min((size_t)n, begin + GROUP_CHUNK);
   size_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    const float16 wi = vload16(0, w + w_off + i), g_in = vload16(0, g + g_off + i), m_in = vload16(0, m + m_off + i),
-                  v_in = vload16(0, v + v_off + i);
-    ADAM_STEP(float16)
-    vstore16(mi, 0, m + m_off + i);
-    vstore16(vi, 0, v + v_off + i);
-    vstore16(wn, 0, w + w_off + i);
-    if (has_status && !all(isfinite(wn))) atomic_or(status + status_off, 1u);
-  }
+  for (; i + 16 <= end; i += 16) adam_sixteen(ADAM_PASS, i);
   for (; i < end; ++i) adam_one(ADAM_PASS, i);
 }
