@@ -775,6 +775,13 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
   return take(minimal, minimal_report);
 }
 
+// The memory plan of a step whose tensors all live on the device, its adjacent updates grouped
+// first where asked (group_updates).
+MemoryPlan plan_resident(Graph& g, const ResidencyOptions& options, const MemoryPlanOptions& mopt) {
+  if (options.group_updates) group_updates(g);
+  return plan_memory(g, mopt);
+}
+
 }  // namespace
 
 MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_unified, MemoryPlanOptions mopt,
@@ -785,8 +792,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   if (mode == ResidencyMode::automatic) {
     Graph resident = g;
     assign_homes(resident, ResidencyMode::resident, {});
-    if (options.group_updates) group_updates(resident);
-    MemoryPlan plan = plan_memory(resident, mopt);
+    MemoryPlan plan = plan_resident(resident, options, mopt);
     if (plan.peak_bytes() > budget) {
       mode = host_unified ? ResidencyMode::mapped : ResidencyMode::stream;
     } else if (options.weights_home || options.state_home) {
@@ -810,8 +816,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
   report.mode = mode;
   if (any_streamed) return plan_streamed(g, options, host_unified, mopt, budget, report);
   if (any_mapped) return plan_mapped(g, mopt, budget, report);
-  if (options.group_updates) group_updates(g);
-  MemoryPlan plan = plan_memory(g, mopt);
+  MemoryPlan plan = plan_resident(g, options, mopt);
   if (plan.peak_bytes() > budget) {
     throw BudgetError(fmt::format("the step needs {} on the device with every weight resident, over the budget "
                                   "of {}: raise the budget or use residency 'stream'",

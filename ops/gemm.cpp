@@ -493,29 +493,28 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   }
   const std::size_t c_elems = s.batch * s.M * s.N;
   const bool epilogue = native_dtypes(p);
-  if ((dact && !(epilogue && dact_in_epilogue(env, p, s, options))) || (options.relu && !epilogue)) {
-    // Kernels without the epilogue, and products whose epilogue would not give the activation
-    // kernel's bits: the product, then the activation (or its backward) over C in place, as the
-    // unfused ops would run it, then the guard's check of what it stored.
+  // Kernels without the epilogue, and products whose epilogue would not give the activation
+  // kernel's bits, run the activation (or its backward) over C after the product.
+  const bool activation_after =
+      (dact && !(epilogue && dact_in_epilogue(env, p, s, options))) || (options.relu && !epilogue);
+  if (guard && (activation_after || !epilogue)) {
+    // The guard checks the C that all of that stored, after it (CLBlast and the naive kernel have no
+    // epilogue to check it in).
+    GemmOptions unguarded = options;
+    unguarded.guard = {};
+    LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, unguarded);
+    for (auto& l : overflow_guard_check(env, c, c_elems, options.guard)) list.push_back(std::move(l));
+    return list;
+  }
+  if (activation_after) {
+    // The product, then the activation over C in place, as the unfused ops would run it.
     GemmOptions plain = options;
     plain.dact_input = {};
     plain.relu = false;
-    plain.guard = {};
     LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, plain);
     LaunchList more = dact ? activation_backward(env, options.dact, options.dact_input, c, c, c_elems, s.c)
                            : activation_forward(env, Activation::relu, c, c, c_elems, s.c);
-    if (guard) {
-      for (auto& l : overflow_guard_check(env, c, c_elems, options.guard)) more.push_back(std::move(l));
-    }
     for (auto& l : more) list.push_back(std::move(l));
-    return list;
-  }
-  if (guard && !epilogue) {
-    // CLBlast and the naive kernel have no epilogue: the guard checks C after them.
-    GemmOptions plain = options;
-    plain.guard = {};
-    LaunchList list = gemm(env, s, alpha, a, b, beta, c, scratch, plain);
-    for (auto& l : overflow_guard_check(env, c, c_elems, options.guard)) list.push_back(std::move(l));
     return list;
   }
   if (!s.all_f32() && !native_dtypes(p)) {

@@ -117,35 +117,34 @@ __kernel void adam_update16(ADAM_ARGS) {
 // devices), so the same bits. The guard and status as there.
 #define GROUP_SLOTS 8
 #define SLOT_ARGS(s) __global float *w##s, __global const float *g##s, __global float *m##s, __global float *v##s
-#define SLOT_PICK(s)                  \
-  if (slot == s) {                    \
-    w = w##s, g = g##s, m = m##s, v = v##s; \
-  }
+// Component s of an 8-vector by a chain of selects (no private array: indexing one by a value the
+// compiler cannot fold puts it in memory on GPUs, and every work-item of a group pays it).
+#define COMPONENT8(v, s)                                                                       \
+  ((s) == 0 ? (v).s0 : (s) == 1 ? (v).s1 : (s) == 2 ? (v).s2 : (s) == 3 ? (v).s3 : (s) == 4 ? (v).s4 \
+   : (s) == 5 ? (v).s5 : (s) == 6 ? (v).s6 : (v).s7)
+#define SLOT_POINTER(p, s)                                                                                   \
+  ((s) == 0 ? p##0 : (s) == 1 ? p##1 : (s) == 2 ? p##2 : (s) == 3 ? p##3 : (s) == 4 ? p##4 : (s) == 5 ? p##5 \
+   : (s) == 6 ? p##6 : p##7)
 #define ADAM_GROUP_ARGS                                                                                              \
   SLOT_ARGS(0), SLOT_ARGS(1), SLOT_ARGS(2), SLOT_ARGS(3), SLOT_ARGS(4), SLOT_ARGS(5), SLOT_ARGS(6), SLOT_ARGS(7),    \
       ulong8 w_offs, ulong8 g_offs, ulong8 m_offs, ulong8 v_offs, uint8 ns, uint8 firsts, float beta1, float beta2, \
       float eps, float l2, float decoupled, float lr, float inv_bc1, float inv_bc2, __global const float *guard,     \
       ulong guard_off, uint has_guard, __global uint *status, ulong status_off, uint has_status
 
-// The slot of work-item `item` and its pointers and offsets: the last slot whose first item is at
-// or before it.
-#define GROUP_SLOT(item)                                                                                   \
-  const uint fs[GROUP_SLOTS] = {firsts.s0, firsts.s1, firsts.s2, firsts.s3,                                \
-                                firsts.s4, firsts.s5, firsts.s6, firsts.s7};                               \
-  uint slot = 0;                                                                                           \
-  for (uint s = 1; s < GROUP_SLOTS; ++s) slot += (item) >= fs[s];                                          \
-  __global float *w = w0, *m = m0, *v = v0;                                                                \
-  __global const float* g = g0;                                                                            \
-  SLOT_PICK(1) SLOT_PICK(2) SLOT_PICK(3) SLOT_PICK(4) SLOT_PICK(5) SLOT_PICK(6) SLOT_PICK(7)               \
-  const ulong offs[4][GROUP_SLOTS] = {                                                                     \
-      {w_offs.s0, w_offs.s1, w_offs.s2, w_offs.s3, w_offs.s4, w_offs.s5, w_offs.s6, w_offs.s7},            \
-      {g_offs.s0, g_offs.s1, g_offs.s2, g_offs.s3, g_offs.s4, g_offs.s5, g_offs.s6, g_offs.s7},            \
-      {m_offs.s0, m_offs.s1, m_offs.s2, m_offs.s3, m_offs.s4, m_offs.s5, m_offs.s6, m_offs.s7},            \
-      {v_offs.s0, v_offs.s1, v_offs.s2, v_offs.s3, v_offs.s4, v_offs.s5, v_offs.s6, v_offs.s7}};           \
-  const uint nn[GROUP_SLOTS] = {ns.s0, ns.s1, ns.s2, ns.s3, ns.s4, ns.s5, ns.s6, ns.s7};                    \
-  const ulong w_off = offs[0][slot], g_off = offs[1][slot], m_off = offs[2][slot], v_off = offs[3][slot]; \
-  const uint n = nn[slot];                                                                                 \
-  const size_t local_item = (item) - fs[slot];
+// The slot of work-item `item` (the last slot whose first item is at or before it), its pointers,
+// offsets and parameter count, and the item's place within the slot.
+#define GROUP_SLOT(item)                                                                                     \
+  const uint slot = ((item) >= firsts.s1) + ((item) >= firsts.s2) + ((item) >= firsts.s3) +                \
+                    ((item) >= firsts.s4) + ((item) >= firsts.s5) + ((item) >= firsts.s6) +                \
+                    ((item) >= firsts.s7);                                                                 \
+  __global float* w = SLOT_POINTER(w, slot);                                                                 \
+  __global const float* g = SLOT_POINTER(g, slot);                                                           \
+  __global float* m = SLOT_POINTER(m, slot);                                                                 \
+  __global float* v = SLOT_POINTER(v, slot);                                                                 \
+  const ulong w_off = COMPONENT8(w_offs, slot), g_off = COMPONENT8(g_offs, slot);                           \
+  const ulong m_off = COMPONENT8(m_offs, slot), v_off = COMPONENT8(v_offs, slot);                           \
+  const uint n = COMPONENT8(ns, slot);                                                                       \
+  const size_t local_item = (item) - COMPONENT8(firsts, slot);
 
 __kernel void adam_update_group(ADAM_GROUP_ARGS) {
   const size_t item = get_global_id(0);

@@ -1,5 +1,6 @@
 // The overflow guard (ops/overflow_guard.hpp): guard = the loss, or NaN when a gradient element
 // is not finite.
+#include "guard.clh"
 
 __kernel void overflow_guard_init(__global const float* stats, ulong stats_off, __global float* guard,
                                   ulong guard_off) {
@@ -7,12 +8,12 @@ __kernel void overflow_guard_init(__global const float* stats, ulong stats_off, 
 }
 
 // One work-item per gradient element (GPUs). Writers race only to store the same NaN, through an
-// atomic exchange so that the race is well defined.
+// atomic exchange so that the race is well defined (guard.clh).
 __kernel void overflow_guard_check(__global const float* g, ulong g_off, uint n, __global float* guard,
                                    ulong guard_off) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
-  if (!isfinite(g[g_off + i])) atomic_xchg((volatile __global float*)(guard + guard_off), NAN);
+  guard_set_if(guard, guard_off, !isfinite(g[g_off + i]));
 }
 
 // CPU devices: GUARD_CHUNK consecutive elements per work-item read as float16 (elements past the
@@ -31,5 +32,5 @@ __kernel void overflow_guard_check16(__global const float* g, ulong g_off, uint 
   } else {
     for (size_t j = i; j < n; ++j) bad = bad || !isfinite(g[g_off + j]);
   }
-  if (bad) atomic_xchg((volatile __global float*)(guard + guard_off), NAN);
+  guard_set_if(guard, guard_off, bad);
 }
