@@ -27,7 +27,8 @@ clang=${CLANG:-$(command -v clang-15 || command -v clang || true)}
   exit 2
 }
 work=$(mktemp -d "${TMPDIR:-/tmp}/ferry-ptx.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+# PTX_MIX_KEEP=file: also keep the PTX there, to read the loops themselves.
+trap '[[ -n ${PTX_MIX_KEEP:-} && -f $work/kernel.ptx ]] && cp "$work/kernel.ptx" "$PTX_MIX_KEEP"; rm -rf "$work"' EXIT
 
 # The OpenCL builtins ferry's GPU kernels call, as NVVM intrinsics (clang declares them for
 # OpenCL but has no library for NVPTX). exp and log as the hardware's approximations, which is
@@ -41,6 +42,10 @@ size_t OVL get_local_id(uint d) {
 size_t OVL get_group_id(uint d) {
   return d == 0 ? __nvvm_read_ptx_sreg_ctaid_x() : d == 1 ? __nvvm_read_ptx_sreg_ctaid_y() : __nvvm_read_ptx_sreg_ctaid_z();
 }
+size_t OVL get_local_size(uint d) {
+  return d == 0 ? __nvvm_read_ptx_sreg_ntid_x() : d == 1 ? __nvvm_read_ptx_sreg_ntid_y() : __nvvm_read_ptx_sreg_ntid_z();
+}
+size_t OVL get_global_id(uint d) { return get_group_id(d) * get_local_size(d) + get_local_id(d); }
 void OVL barrier(uint flags) { __nvvm_bar_sync(0); }
 float OVL fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 uint OVL min(uint a, uint b) { return a < b ? a : b; }

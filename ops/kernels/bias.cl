@@ -22,7 +22,20 @@ __kernel void bias_backward(__global const T_STORAGE* dy, ulong dy_off, __global
   const uint c = get_global_id(0);
   float s = 0.0f;
   if (c < cols) {
-    for (uint r = lr; r < rows; r += tr) s += LOAD_T(dy, dy_off + (ulong)r * cols + c);
+    // Four rows' loads issued before their adds: the sum over a few thousand rows waits on memory
+    // latency, not bandwidth (768 columns are 48 work-groups). The adds keep their order: same bits.
+    const ulong step = (ulong)tr * cols;
+    ulong at = dy_off + (ulong)lr * cols + c;
+    uint r = lr;
+    for (; r + 3 * tr < rows; r += 4 * tr, at += 4 * step) {
+      const float v0 = LOAD_T(dy, at), v1 = LOAD_T(dy, at + step), v2 = LOAD_T(dy, at + 2 * step),
+                  v3 = LOAD_T(dy, at + 3 * step);
+      s += v0;
+      s += v1;
+      s += v2;
+      s += v3;
+    }
+    for (; r < rows; r += tr, at += step) s += LOAD_T(dy, at);
   }
   partial[lr * tc + lc] = s;
   barrier(CLK_LOCAL_MEM_FENCE);

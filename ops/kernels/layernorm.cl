@@ -86,8 +86,24 @@ __kernel void layernorm_backward_params(__global const float* x, ulong x_off, __
   const uint c = get_global_id(0);
   float sg = 0.0f, sb = 0.0f;
   if (c < cols) {
-    for (uint r = lr; r < rows; r += tr) {
-      const ulong i = (ulong)r * cols + c;
+    // Four rows' loads issued before their arithmetic (see bias_backward); the sums keep their order.
+    const ulong step = (ulong)tr * cols;
+    ulong i = (ulong)lr * cols + c;
+    uint r = lr;
+    for (; r + 3 * tr < rows; r += 4 * tr, i += 4 * step) {
+      float d[4], xh[4];
+#pragma unroll
+      for (uint u = 0; u < 4; ++u) {
+        d[u] = dy[dy_off + i + u * step];
+        xh[u] = (x[x_off + i + u * step] - mean[mean_off + r + u * tr]) * rstd[rstd_off + r + u * tr];
+      }
+#pragma unroll
+      for (uint u = 0; u < 4; ++u) {
+        sg = fma(d[u], xh[u], sg);
+        sb += d[u];
+      }
+    }
+    for (; r < rows; r += tr, i += step) {
       const float d = dy[dy_off + i];
       sg = fma(d, (x[x_off + i] - mean[mean_off + r]) * rstd[rstd_off + r], sg);
       sb += d;
