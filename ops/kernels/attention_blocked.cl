@@ -40,8 +40,15 @@
 // unroll by themselves, and an explicit unroll there multiplies their compile time past minutes.
 #if UNROLL_BLOCKS
 #define UNROLL _Pragma("unroll")
+// The loops over the head dimension's float4s and over a step's keys (queries), four iterations at
+// a time: their local reads then sit at constant offsets from one address per four iterations
+// (rolled, each computed its own: clang's PTX of the forward had 14 integer instructions per 64
+// multiply-adds in the score product). Not fully: at head dimension 128 or 64-row tiles a full
+// unroll would put thousands of multiply-adds in one loop body.
+#define UNROLL4 _Pragma("unroll 4")
 #else
 #define UNROLL
+#define UNROLL4
 #endif
 
 // Rows t0 .. t0 + rows - 1 of head (b, h) of x, times `mul`, into a row-major tile whose rows are
@@ -58,9 +65,6 @@ inline void stage_rows(__local float* tile, uint stride, uint rows, __global con
                  row && d0 + 2 < D ? LOAD_T(x, at + 2) * mul : 0.0f, row && d0 + 3 < D ? LOAD_T(x, at + 3) * mul : 0.0f);
   }
 }
-
-// Float4 `c` (d = 4c .. 4c + 3) of row `row` of a padded tile.
-#define ROW4(tile, row, c) (((__local const float4*)(tile))[(row) * (RS / 4) + (c)])
 
 // s[r][c] += a[r] . b[c] over one float4 of d, for the work-item's 4 x 4 block.
 #define DOT4(acc, a, b) acc = fma((a).x, (b).x, fma((a).y, (b).y, fma((a).z, (b).z, fma((a).w, (b).w, acc))))
@@ -88,12 +92,18 @@ inline void stage_rows(__local float* tile, uint stride, uint rows, __global con
 // r, c < 4 (padded tiles): the scores and dp = do vᵀ, one float4 of each of the 8 rows at a time.
 inline void block_dots(float s[4][4], __local const float4* a, uint r0, uint rs, __local const float4* b, uint c0,
                        uint cs) {
+  __local const float4 *ar[4], *br[4];  // the 8 rows, so that each read is a row plus the loop's c4
+  UNROLL
+  for (uint r = 0; r < 4; ++r) ar[r] = a + (r0 + rs * r) * (RS / 4);
+  UNROLL
+  for (uint c = 0; c < 4; ++c) br[c] = b + (c0 + cs * c) * (RS / 4);
+  UNROLL4
   for (uint c4 = 0; c4 < D4; ++c4) {
     float4 av[4], bv[4];
     UNROLL
-    for (uint r = 0; r < 4; ++r) av[r] = ROW4(a, r0 + rs * r, c4);
+    for (uint r = 0; r < 4; ++r) av[r] = ar[r][c4];
     UNROLL
-    for (uint c = 0; c < 4; ++c) bv[c] = ROW4(b, c0 + cs * c, c4);
+    for (uint c = 0; c < 4; ++c) bv[c] = br[c][c4];
     BLOCK_DOT4(s, av, bv)
   }
 }
@@ -167,13 +177,14 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_forward_
     UNROLL
     for (uint c = 0; c < 4; ++c) kp[(x + NK * c) * NQ + y] = (float4)(p[0][c], p[1][c], p[2][c], p[3][c]);
     barrier(CLK_LOCAL_MEM_FENCE);
+    __local const float4 *const p_y = kp + y, *const v_x = vs + x;  // reads at constant offsets from these
+    UNROLL4
     for (uint key = 0; key < TK; ++key) {
-      const float4 pv = kp[key * NQ + y];
+      const float4 pv = p_y[key * NQ];
       UNROLL
       for (uint j = 0; j < FV; ++j) {
-        const uint cx = x + NK * j;
-        if (D4 % NK != 0 && cx >= D4) break;
-        const float4 vv = vs[key * (DP / 4) + cx];
+        if (D4 % NK != 0 && x + NK * j >= D4) break;
+        const float4 vv = v_x[key * (DP / 4) + NK * j];
         AXPY4(acc, j, pv, vv)
       }
     }
@@ -250,13 +261,14 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
     UNROLL
     for (uint c = 0; c < 4; ++c) dst[(x + NK * c) * NQ + y] = (float4)(ds[0][c], ds[1][c], ds[2][c], ds[3][c]);
     barrier(CLK_LOCAL_MEM_FENCE);
+    __local const float4 *const ds_y = dst + y, *const k_x = ks + x;
+    UNROLL4
     for (uint key = 0; key < TK; ++key) {
-      const float4 dsv = dst[key * NQ + y];
+      const float4 dsv = ds_y[key * NQ];
       UNROLL
       for (uint j = 0; j < FV; ++j) {
-        const uint cx = x + NK * j;
-        if (D4 % NK != 0 && cx >= D4) break;
-        const float4 kv = ROW4(ks, key, cx);
+        if (D4 % NK != 0 && x + NK * j >= D4) break;
+        const float4 kv = k_x[key * (RS / 4) + NK * j];
         AXPY4(g, j, dsv, kv)
       }
     }
@@ -333,13 +345,14 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
       dst[(x + NQ * c) * NK + y] = (float4)(ds[0][c], ds[1][c], ds[2][c], ds[3][c]);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+    __local const float4 *const p_y = pt + y, *const ds_y = dst + y, *const do_x = dos + x, *const q_x = qs + x;
+    UNROLL4
     for (uint qq = 0; qq < TQ; ++qq) {
-      const float4 pv = pt[qq * NK + y], dsv = dst[qq * NK + y];
+      const float4 pv = p_y[qq * NK], dsv = ds_y[qq * NK];
       UNROLL
       for (uint j = 0; j < KV; ++j) {
-        const uint cx = x + NQ * j;
-        if (D4 % NQ != 0 && cx >= D4) break;
-        const float4 dov = ROW4(dos, qq, cx), qv = ROW4(qs, qq, cx);
+        if (D4 % NQ != 0 && x + NQ * j >= D4) break;
+        const float4 dov = do_x[qq * (RS / 4) + NQ * j], qv = q_x[qq * (RS / 4) + NQ * j];
         AXPY4(gv, j, pv, dov)
         AXPY4(gk, j, dsv, qv)
       }
