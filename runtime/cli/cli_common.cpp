@@ -109,8 +109,10 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
     using ResidencyOptions = ferry::graph::ResidencyOptions;
     if (opt.residency.staging_chunk_bytes < ResidencyOptions::min_staging_chunk_bytes ||
         opt.residency.staging_chunk_bytes > ResidencyOptions::max_staging_chunk_bytes) {
-      throw std::invalid_argument(
-          fmt::format("--staging-chunk {}: use 4KiB to 256MiB (the ring holds four chunks)", a.staging_chunk));
+      throw std::invalid_argument(fmt::format("--staging-chunk {}: use {} to {} (the ring holds four chunks)",
+                                              a.staging_chunk,
+                                              ferry::format_bytes(ResidencyOptions::min_staging_chunk_bytes),
+                                              ferry::format_bytes(ResidencyOptions::max_staging_chunk_bytes)));
     }
   }
   opt.residency.homes.codec.chunk_bytes = ferry::parse_bytes(a.compress_chunk);

@@ -76,7 +76,7 @@ row "host budget too small for the streamed state" "more than the host budget of
   train --residency stream --host-budget 1MiB "${quick[@]}"
 row "staging chunk without staged host memory" "chunked fetches are a way of staged host memory" error - \
   train --staging-chunk 1MiB "${quick[@]}"
-row "staging chunk too small" "use 4KiB to 256MiB" error - \
+row "staging chunk too small" "use 4.0 KiB to 256.0 MiB" error - \
   train --host-memory staged --staging-chunk 1KiB "${quick[@]}"
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
   train "${quick[@]}" --weights-home int8
