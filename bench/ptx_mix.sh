@@ -13,7 +13,7 @@
 # branch excluded: moves vanish in register allocation). NVIDIA's OpenCL compiler is another
 # front end (NVVM) and ptxas optimises further, so the figures are a proxy for what the driver
 # builds, not a measurement; a GPU session's FERRY_BUILD_REPORT (registers, spills) and timings
-# decide. Needs clang 15 or newer with the NVPTX target (Debian's clang-15 package).
+# decide. Needs clang 14 or newer with the NVPTX target (Debian 12 has clang-14 and clang-15).
 set -euo pipefail
 (($# >= 1)) || {
   sed -n '2,16p' "$0" >&2
@@ -66,7 +66,7 @@ fi
 
 awk '
   /^\.(visible )?\.?entry/ { fn = $NF; sub(/\(.*/, "", fn) }
-  /^\$L__BB/ { bb = $1; sub(/:$/, "", bb) }
+  /^(\$L__BB|LBB)[0-9_]+:/ { bb = $1; sub(/:$/, "", bb) }  # clang 15 labels $L__BB0_1, clang 14 LBB0_1
   /^\t[a-z@]/ {
     op = ($1 ~ /^@/) ? $2 : $1
     n = split(op, part, ".")
