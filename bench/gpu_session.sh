@@ -30,6 +30,10 @@
 #   trace-gpt85m  the 85M GPT (width 768, 12 blocks, context 256, batch 8) trained 4 steps with a trace
 #              of 3, with fused attention and with unfused: bench/trace_summary.py's account of the
 #              third (the compute lane's busy share and its time per kind of node)
+#   ptx        after parts that built them: the driver's own PTX of the tiled GEMM and blocked attention
+#              kernels (NVIDIA's program binaries, in the program cache), each with bench/ptx_mix.sh's
+#              account of its hottest block, to set beside clang's (tests/gpu_kernels/loop_mix.sh); the
+#              entries come back gzipped in ptx/
 # GPU_SESSION_BUDGET_S: seconds for the whole call (540).
 set -uo pipefail
 
@@ -129,6 +133,15 @@ print("  step", round(d["span_ms"], 2), "ms, compute busy", round(c["busy_share"
 for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "ms")' "$res/gpt85m_$attention.trace_summary.json"
         rm -f "$trace"  # the summary is what comes back (the trace is megabytes)
       done ;;
+    ptx)
+      mkdir -p "$res/ptx"
+      for f in "$FERRY_CACHE_DIR"/gemm_tiled-*.bin "$FERRY_CACHE_DIR"/attention_blocked-*.bin; do
+        [[ -f $f ]] && grep -aq '\.entry' "$f" || continue
+        echo "== $(basename "$f")" >>"$res/ptx.out"
+        bash bench/ptx_mix.sh --ptx "$f" >>"$res/ptx.out" 2>&1
+        gzip -c "$f" >"$res/ptx/$(basename "$f").gz"
+      done
+      tail -n 40 "$res/ptx.out" 2>/dev/null ;;
     scale7b) part scale7b 600 env SCALE_GPU_ONLY=7b SCALE_GPU_LIMIT_S=$(($(left) - 40)) bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     *) echo "gpu_session.sh: unknown part '$p'" >&2 ;;
   esac

@@ -5,6 +5,8 @@
 # left in a loop costs speed one to one; this shows it before a GPU session measures it.
 #
 #   bench/ptx_mix.sh KERNEL_FILE [-DNAME=VALUE ...]
+#   bench/ptx_mix.sh --ptx FILE     the same account of PTX a driver made (NVIDIA's program binaries
+#                                   are PTX: ferry's program cache entries, read through their header)
 #   bench/ptx_mix.sh ops/kernels/gemm_tiled.cl -DTSM=128 -DTSN=128 -DTSK=16 -DWPTM=8 -DWPTN=8 -DVW=2 \
 #       -DTRANS_A=0 -DTRANS_B=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0
 #
@@ -19,21 +21,27 @@ set -euo pipefail
   sed -n '2,16p' "$0" >&2
   exit 2
 }
-kernel_file=$(realpath "$1")
+if [[ $1 == --ptx ]]; then
+  ptx_file=${2:?usage: ptx_mix.sh --ptx FILE}
+else
+  ptx_file=
+  kernel_file=$(realpath "$1")
+fi
 shift
 clang=${CLANG:-$(command -v clang-15 || command -v clang || true)}
-[[ -n $clang ]] || {
-  echo "ptx_mix: no clang (apt-get install clang-15)" >&2
+[[ -n $clang || -n $ptx_file ]] || {
+  echo "ptx_mix: no clang (apt-get install clang)" >&2
   exit 2
 }
 work=$(mktemp -d "${TMPDIR:-/tmp}/ferry-ptx.XXXXXX")
 # PTX_MIX_KEEP=file: also keep the PTX there, to read the loops themselves.
 trap '[[ -n ${PTX_MIX_KEEP:-} && -f $work/kernel.ptx ]] && cp "$work/kernel.ptx" "$PTX_MIX_KEEP"; rm -rf "$work"' EXIT
 
-# The OpenCL builtins ferry's GPU kernels call, as NVVM intrinsics (clang declares them for
-# OpenCL but has no library for NVPTX). exp and log as the hardware's approximations, which is
-# what NVIDIA's compiler builds them around.
-cat >"$work/builtins.cl" <<'EOF'
+# compile_ptx: KERNEL_FILE with the defines in "$@" to $work/kernel.ptx. The OpenCL builtins ferry's
+# GPU kernels call are defined as NVVM intrinsics (clang declares them for OpenCL but has no library
+# for NVPTX); exp and log as the hardware's approximations, which NVIDIA's compiler builds them around.
+compile_ptx() {
+  cat >"$work/builtins.cl" <<'EOF'
 typedef unsigned long size_t;
 #define OVL __attribute__((overloadable, always_inline))
 size_t OVL get_local_id(uint d) {
@@ -54,19 +62,25 @@ float OVL exp(float x) { return __nvvm_ex2_approx_f(x * 1.4426950408889634f); }
 float OVL log(float x) { return __nvvm_lg2_approx_f(x) * 0.6931471805599453f; }
 float OVL fmax(float a, float b) { return __builtin_fmaxf(a, b); }
 EOF
-"$clang" -target nvptx64-nvidia-nvcl -cl-std=CL1.2 -O2 -c -emit-llvm -o "$work/builtins.bc" "$work/builtins.cl"
-echo "#include \"$(basename "$kernel_file")\"" >"$work/kernel.cl"
-"$clang" -target nvptx64-nvidia-nvcl -Xclang -finclude-default-header -Xclang -mlink-builtin-bitcode \
-  -Xclang "$work/builtins.bc" -cl-std=CL1.2 -O3 -march=sm_80 -S -I"$(dirname "$kernel_file")" "$@" \
-  -Wno-everything -o "$work/kernel.ptx" "$work/kernel.cl"
-if grep -q "call.uni" "$work/kernel.ptx"; then
-  echo "ptx_mix: calls left in the PTX (a builtin without a definition above):" >&2
-  grep -A3 "call.uni" "$work/kernel.ptx" | grep -o "_Z[A-Za-z0-9_]*" | sort -u >&2
+  "$clang" -target nvptx64-nvidia-nvcl -cl-std=CL1.2 -O2 -c -emit-llvm -o "$work/builtins.bc" "$work/builtins.cl"
+  echo "#include \"$(basename "$kernel_file")\"" >"$work/kernel.cl"
+  "$clang" -target nvptx64-nvidia-nvcl -Xclang -finclude-default-header -Xclang -mlink-builtin-bitcode \
+    -Xclang "$work/builtins.bc" -cl-std=CL1.2 -O3 -march=sm_80 -S -I"$(dirname "$kernel_file")" "$@" \
+    -Wno-everything -o "$work/kernel.ptx" "$work/kernel.cl"
+  if grep -q "call.uni" "$work/kernel.ptx"; then
+    echo "ptx_mix: calls left in the PTX (a builtin without a definition above):" >&2
+    grep -A3 "call.uni" "$work/kernel.ptx" | grep -o "_Z[A-Za-z0-9_]*" | sort -u >&2
+  fi
+}
+if [[ -n $ptx_file ]]; then
+  cp "$ptx_file" "$work/kernel.ptx"  # a cache entry's binary header holds no tab-indented line: not counted
+else
+  compile_ptx "$@"
 fi
 
 awk '
   /^\.(visible )?\.?entry/ { fn = $NF; sub(/\(.*/, "", fn) }
-  /^(\$L__BB|LBB)[0-9_]+:/ { bb = $1; sub(/:$/, "", bb) }  # clang 15 labels $L__BB0_1, clang 14 LBB0_1
+  /^(\$L__BB|LBB|BB)[0-9_]+:/ { bb = $1; sub(/:$/, "", bb) }  # $L__BB0_1 (clang 15, NVVM), LBB0_1, BB0_1
   /^\t[a-z@]/ {
     op = ($1 ~ /^@/) ? $2 : $1
     n = split(op, part, ".")
