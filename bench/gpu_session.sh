@@ -13,6 +13,8 @@
 #   gemm       bench/kernels_gpu.sh's GEMM part (the H200 row with and without K split)
 #   gemm-wide  the same part on the 128 x 128 tile with 16 x 8 results per work-item (K split, float4
 #              loads): the tuner's candidate with the most results per work-item
+#   gemm-vw4   the same part on the H200 row read from the tiles as float4s (VW=4, half the local
+#              reads of VW=2; K split, and with float4 loads)
 #   attention  bench/kernels_gpu.sh's attention part, beside SDPA on CUDA
 #   tune       bench/kernels_gpu.sh's tuner part (KERNELS_GPU_TUNE_S, 60 here)
 #   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-stream: its two streamed ones; scale7b: its
@@ -98,6 +100,9 @@ for p in "$@"; do
     gemm-wide)
       part gemm-wide 90 env KERNELS_GPU_ONLY=gemm KERNELS_GPU_ROW="tiled TSM=128 TSN=128 TSK=16 WPTM=16 WPTN=8 VW=4" \
         KERNELS_GPU_GEMM_VARIANTS="SK=1 VG=4" bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels-wide" ;;
+    gemm-vw4)
+      part gemm-vw4 90 env KERNELS_GPU_ONLY=gemm KERNELS_GPU_ROW="tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=4" \
+        KERNELS_GPU_GEMM_VARIANTS="SK=1,SK=1 VG=4" bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels-vw4" ;;
     attention)
       part attention 150 env KERNELS_GPU_ONLY=attention KERNELS_GPU_PYTHON="$python_peer" \
         bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
