@@ -11,16 +11,20 @@ set -uo pipefail
 root=${1:?usage: loop_mix.sh <source root>}
 cd "$root" || exit 2
 failures=0
-# check LABEL FLOOR KERNEL_NAME FILE DEFINES...: KERNEL_NAME's block must reach FLOOR.
-check() {
-  local label=$1 floor=$2 kernel=$3 file=$4
-  shift 4
-  local out line ratio
-  if ! out=$(bench/ptx_mix.sh "$file" "$@" 2>&1); then
-    echo "FAIL: $label: bench/ptx_mix.sh failed: $out"
+out=
+# mix FILE DEFINES...: bench/ptx_mix.sh's account of every kernel in FILE, into $out (one compile
+# serves the checks of all its kernels).
+mix() {
+  if ! out=$(bench/ptx_mix.sh "$@" 2>&1); then
+    echo "FAIL: bench/ptx_mix.sh $*: $out"
     failures=$((failures + 1))
-    return
+    out=
   fi
+}
+# check LABEL FLOOR KERNEL_NAME: KERNEL_NAME's hottest block in $out must reach FLOOR.
+check() {
+  local label=$1 floor=$2 kernel=$3 line ratio
+  [ -n "$out" ] || return  # the compile failed, said above
   line=$(grep -A1 "^$kernel " <<<"$out")
   ratio=$(awk '/fma per other instruction:/ {print $NF}' <<<"$line")
   if [ -z "$ratio" ]; then
@@ -33,15 +37,16 @@ check() {
     failures=$((failures + 1))
   fi
 }
-gemm=(-DC_RELU=0 -DC_DACT=0 -DC_GUARD=0)
-check "tiled GEMM, the H200 row, NN" 6 gemm_tiled ops/kernels/gemm_tiled.cl "${gemm[@]}" \
-  -DTSM=128 -DTSN=128 -DTSK=16 -DWPTM=8 -DWPTN=8 -DVW=2 -DTRANS_A=0 -DTRANS_B=0
-check "tiled GEMM, float4 reads and loads, TN" 12 gemm_tiled ops/kernels/gemm_tiled.cl "${gemm[@]}" \
-  -DTSM=128 -DTSN=128 -DTSK=16 -DWPTM=8 -DWPTN=8 -DVW=4 -DVG=4 -DTRANS_A=1 -DTRANS_B=0
-check "tiled GEMM, the generic GPU row, NT" 6 gemm_tiled ops/kernels/gemm_tiled.cl "${gemm[@]}" \
-  -DTSM=64 -DTSN=64 -DTSK=16 -DWPTM=4 -DWPTN=4 -DVW=4 -DTRANS_A=0 -DTRANS_B=1
-attention=(-DHEAD_DIM=64 -DDP=64 -DTQ=64 -DTK=32 -DUNROLL_BLOCKS=1)
-check "blocked attention, dq" 4 attention_backward_q_blocked ops/kernels/attention_blocked.cl "${attention[@]}"
-check "blocked attention, dk dv" 4 attention_backward_kv_blocked ops/kernels/attention_blocked.cl "${attention[@]}"
+gemm=(ops/kernels/gemm_tiled.cl -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0 -DTSM=128 -DTSN=128 -DTSK=16 -DWPTM=8 -DWPTN=8)
+mix "${gemm[@]}" -DVW=2 -DTRANS_A=0 -DTRANS_B=0
+check "tiled GEMM, the H200 row, NN" 6 gemm_tiled
+mix "${gemm[@]}" -DVW=4 -DVG=4 -DTRANS_A=1 -DTRANS_B=0
+check "tiled GEMM, float4 reads and loads, TN" 12 gemm_tiled
+mix ops/kernels/gemm_tiled.cl -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0 -DTSM=64 -DTSN=64 -DTSK=16 -DWPTM=4 -DWPTN=4 -DVW=4 \
+  -DTRANS_A=0 -DTRANS_B=1
+check "tiled GEMM, the generic GPU row, NT" 6 gemm_tiled
+mix ops/kernels/attention_blocked.cl -DHEAD_DIM=64 -DDP=64 -DTQ=64 -DTK=32 -DUNROLL_BLOCKS=1
+check "blocked attention, dq" 4 attention_backward_q_blocked
+check "blocked attention, dk dv" 4 attention_backward_kv_blocked
 [ $failures -eq 0 ] && echo "loop_mix: ok"
 exit $((failures > 0))
