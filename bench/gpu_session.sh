@@ -32,6 +32,9 @@
 #   trace-gpt85m  the 85M GPT (width 768, 12 blocks, context 256, batch 8) trained 4 steps with a trace
 #              of 3, with fused attention and with unfused: bench/trace_summary.py's account of the
 #              third (the compute lane's busy share and its time per kind of node)
+#   compile-cold  the 85M GPT's compile with no program cache (its own empty folder; CUDA_CACHE_DISABLE=1
+#              so the driver's cache does not stand in): compile_s with kernels built one at a time
+#              (FERRY_BUILD_THREADS=1) and in parallel (the default), one step each
 #   ptx        after parts that built them: the driver's own PTX of the tiled GEMM and blocked attention
 #              kernels (NVIDIA's program binaries, in the program cache), each with bench/ptx_mix.sh's
 #              account of its hottest block, to set beside clang's (tests/gpu_kernels/loop_mix.sh); the
@@ -137,6 +140,16 @@ for p in "$@"; do
 print("  step", round(d["span_ms"], 2), "ms, compute busy", round(c["busy_share"], 3), "over", c["nodes"], "nodes")
 for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "ms")' "$res/gpt85m_$attention.trace_summary.json"
         rm -f "$trace"  # the summary is what comes back (the trace is megabytes)
+      done ;;
+    compile-cold)  # parallel kernel builds: does NVIDIA's compiler run them at once?
+      for threads in 1 default; do
+        cold=$kit/work/cold-cache-$threads
+        rm -rf "$cold"
+        part "compile-cold-$threads" 120 env FERRY_CACHE_DIR="$cold" CUDA_CACHE_DISABLE=1 \
+          FERRY_BUILD_THREADS="$([[ $threads == 1 ]] && echo 1)" "$kit/bin/ferry" train --model gpt --width 768 \
+          --depth 12 --heads 12 --context 256 --batch 8 --steps 1 --eval-every 1 --val-windows 4 --json --quiet
+        grep -o '"compile_s":[0-9.]*' "$res/compile-cold-$threads.out"
+        rm -rf "$cold"
       done ;;
     ptx)
       mkdir -p "$res/ptx"

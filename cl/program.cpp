@@ -8,13 +8,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <iterator>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <system_error>
 #include <thread>
 
@@ -282,33 +285,73 @@ ProgramCacheStats KernelLibrary::stats() const {
   return stats_;
 }
 
-cl_program KernelLibrary::program(std::string_view file, std::string_view options) {
-  std::string key = fmt::format("{}|{}", file, options);
+// A program being built, or built: the thread that built it fills it in once, others wait for it.
+struct KernelLibrary::Entry {
+  std::mutex mutex;
+  std::condition_variable ready;
+  bool done = false;
+  Program program;
+  std::exception_ptr error;  // the build's failure, rethrown to every thread that waited for it
+};
+
+void KernelLibrary::count(std::uint64_t ProgramCacheStats::*field) {
   std::lock_guard lock(mutex_);
-  if (auto it = programs_.find(key); it != programs_.end()) {
-    ++stats_.memory_hits;
-    return it->second.get();
+  ++(stats_.*field);
+}
+
+template <class MakeSource>
+cl_program KernelLibrary::get_or_build(std::string key, std::string_view file, const std::string& options,
+                                       MakeSource make_source) {
+  std::shared_ptr<Entry> entry;
+  bool mine = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (auto it = programs_.find(key); it != programs_.end()) {
+      entry = it->second;
+      ++stats_.memory_hits;
+    } else {
+      entry = std::make_shared<Entry>();
+      programs_.emplace(key, entry);
+      mine = true;
+    }
   }
-  const std::string source = expand_kernel_includes(fmt::format("{}.cl", file), kernel_source(file));
-  Program p = build(file, source, std::string(options));
-  cl_program raw = p.get();
-  programs_.emplace(std::move(key), std::move(p));
-  return raw;
+  if (!mine) {
+    std::unique_lock lock(entry->mutex);
+    entry->ready.wait(lock, [&] { return entry->done; });
+    if (entry->error) std::rethrow_exception(entry->error);
+    return entry->program.get();
+  }
+  try {
+    Program built = build(file, make_source(), options);
+    std::lock_guard lock(entry->mutex);
+    entry->program = std::move(built);
+    entry->done = true;
+  } catch (...) {
+    {
+      std::lock_guard lock(mutex_);
+      programs_.erase(key);  // a later request builds it again
+    }
+    {
+      std::lock_guard lock(entry->mutex);
+      entry->error = std::current_exception();
+      entry->done = true;
+    }
+    entry->ready.notify_all();
+    throw;
+  }
+  entry->ready.notify_all();
+  return entry->program.get();
+}
+
+cl_program KernelLibrary::program(std::string_view file, std::string_view options) {
+  return get_or_build(fmt::format("{}|{}", file, options), file, std::string(options),
+                      [file] { return expand_kernel_includes(fmt::format("{}.cl", file), kernel_source(file)); });
 }
 
 cl_program KernelLibrary::program_from_source(std::string_view name, std::string_view source,
                                               std::string_view options) {
-  std::string key = fmt::format("{}|{}|{:016x}", name, options, std::hash<std::string_view>{}(source));
-  std::lock_guard lock(mutex_);
-  if (auto it = programs_.find(key); it != programs_.end()) {
-    ++stats_.memory_hits;
-    return it->second.get();
-  }
-  const std::string expanded = expand_kernel_includes(name, source);
-  Program p = build(name, expanded, std::string(options));
-  cl_program raw = p.get();
-  programs_.emplace(std::move(key), std::move(p));
-  return raw;
+  return get_or_build(fmt::format("{}|{}|{:016x}", name, options, std::hash<std::string_view>{}(source)), name,
+                      std::string(options), [name, source] { return expand_kernel_includes(name, source); });
 }
 
 Kernel KernelLibrary::kernel(std::string_view file, std::string_view kernel_name, std::string_view options) {
@@ -365,7 +408,8 @@ void report_build(cl_program program, const DeviceInfo& dev, std::string_view fi
 
 }  // namespace
 
-// Called with mutex_ held. The compiler's warnings are turned off (-w) unless FERRY_VERBOSE is set:
+// Runs on the thread that asked for the program, without mutex_ (other programs build at the same
+// time). The compiler's warnings are turned off (-w) unless FERRY_VERBOSE is set:
 // some drivers (PoCL) print "N warnings generated." on stderr for every build, also under --quiet.
 // A failed build still throws with the whole log, errors included.
 Program KernelLibrary::build(std::string_view file, std::string_view source, const std::string& given_options) {
@@ -396,7 +440,7 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
         if (status == CL_SUCCESS) {
           status = clBuildProgram(p.get(), 1, &device, options.c_str(), nullptr, nullptr);
           if (status == CL_SUCCESS) {
-            ++stats_.disk_hits;
+            count(&ProgramCacheStats::disk_hits);
             if (report) report_build(p.get(), dev, file, options, true);
             return p;
           }
@@ -405,9 +449,9 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
           problem =
               fmt::format("the OpenCL driver refused it: clCreateProgramWithBinary returned {}", error_name(status));
         }
-        ++stats_.rejected_by_driver;
+        count(&ProgramCacheStats::rejected_by_driver);
       }
-      ++stats_.corrupt_entries;
+      count(&ProgramCacheStats::corrupt_entries);
       warn_bad_entry(cached, problem);
     }
   }
@@ -422,13 +466,13 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
                             build_log(p.get(), device)),
                 status, std::string(OpScope::current()));
   }
-  ++stats_.source_builds;
+  count(&ProgramCacheStats::source_builds);
   if (report) report_build(p.get(), dev, file, options, false);
   if (cache_.enabled) store(cached, key, p.get());
   return p;
 }
 
-// Called with mutex_ held. A failure to write is never fatal: the program is already built.
+// Without mutex_, like build(). A failure to write is never fatal: the program is already built.
 void KernelLibrary::store(const std::filesystem::path& entry, std::uint64_t key, cl_program program) {
   auto& unusable = UnusableFolders::get();
   if (unusable.contains(cache_.dir)) return;
@@ -449,11 +493,28 @@ void KernelLibrary::store(const std::filesystem::path& entry, std::uint64_t key,
   if (binary.empty()) return;  // nothing the driver could load back
   const std::string failed = write_entry_atomically(entry, encode_cache_entry(key, binary));
   if (failed.empty()) {
-    ++stats_.entries_written;
+    count(&ProgramCacheStats::entries_written);
     return;
   }
   // A folder-wide condition (read-only, no space, no permission) stops writing for the run.
   unusable.report(cache_.dir, failed);
+}
+
+std::size_t build_threads() {
+  const char* v = std::getenv("FERRY_BUILD_THREADS");
+  // A compiler instance can hold hundreds of MB while it runs; eight at once give most of the gain
+  // over a step's few dozen programs.
+  if (v == nullptr || *v == '\0') return std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  if (*v == '-' || *end != '\0' || errno != 0 || n < 1 || n > 1024) {
+    throw std::invalid_argument(
+        fmt::format("FERRY_BUILD_THREADS='{}': expected a whole number from 1 to 1024 (threads that build "
+                    "kernels at once; 1 builds one at a time)",
+                    v));
+  }
+  return static_cast<std::size_t>(n);
 }
 
 }  // namespace ferry::cl

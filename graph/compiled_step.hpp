@@ -228,6 +228,7 @@ class CompiledStep {
                 const offload::HomeStoreOptions& homes);
   offload::HostMemory host_pool_memory(const cl::Context& context, offload::HostMemory wanted) const;
   void bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool bind_kernels);
+  void bind_nodes(const struct TensorLocator& at, ops::OpEnv& env, const OptimizerConfig& optimizer);
   void lower(const cl::Context& context, bool serial);
   // Marks the nodes that change persistent state in place and finds the commit point.
   void find_commit_point();

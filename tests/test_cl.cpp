@@ -5,11 +5,14 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <thread>
+#include <vector>
 
 #include "ferry/cl/device.hpp"
 #include "ferry/cl/error.hpp"
@@ -283,6 +286,77 @@ TEST(ProgramBuild, FailureShowsTheBuildLog) {
   }
   EXPECT_THROW(lib.kernel("no_such_file", "k"), std::invalid_argument);
   EXPECT_THROW(lib.kernel("activation", "no_such_kernel"), cl::Error);
+}
+
+// Programs build on the threads that ask for them: one build per (file, options) however many
+// threads ask at once, every one of them given the same program; different programs each built
+// once; a failed build's error reaches every thread that waited for it, and a later request
+// builds it again (the failure is not remembered as a program).
+TEST(ProgramBuild, ConcurrentRequestsBuildEachProgramOnce) {
+  auto& ctx = TestDevice::get().context;
+  cl::KernelLibrary lib(ctx, cl::ProgramCacheOptions{false, {}});
+  constexpr int threads = 8;
+  std::array<cl_program, threads> same{};
+  std::array<cl_program, threads> own{};
+  {
+    std::vector<std::thread> pool;
+    for (int i = 0; i < threads; ++i) {
+      pool.emplace_back([&, i] {
+        same[i] = lib.program("activation", "-DSHARED=1");
+        own[i] = lib.program("activation", fmt::format("-DOWN={}", i));
+      });
+    }
+    for (auto& t : pool) t.join();
+  }
+  for (int i = 0; i < threads; ++i) {
+    EXPECT_EQ(same[i], same[0]) << "thread " << i;
+    for (int j = 0; j < i; ++j) EXPECT_NE(own[i], own[j]) << "threads " << i << " and " << j;
+  }
+  EXPECT_EQ(lib.stats().source_builds, 1u + threads);
+  EXPECT_EQ(lib.stats().memory_hits, threads - 1u);
+
+  const char* broken = "__kernel void broken(__global float* x) { x[0] = not_declared_here; }";
+  std::atomic<int> errors{0};
+  {
+    std::vector<std::thread> pool;
+    for (int i = 0; i < threads; ++i) {
+      pool.emplace_back([&] {
+        try {
+          lib.program_from_source("broken_kernels", broken);
+        } catch (const cl::Error& e) {
+          if (std::string(e.what()).find("not_declared_here") != std::string::npos) ++errors;
+        }
+      });
+    }
+    for (auto& t : pool) t.join();
+  }
+  EXPECT_EQ(errors.load(), threads);
+  EXPECT_THROW(lib.program_from_source("broken_kernels", broken), cl::Error);
+  EXPECT_EQ(lib.stats().source_builds, 1u + threads);  // failed builds are not counted as built
+}
+
+TEST(ProgramBuild, BuildThreadsComeFromTheEnvironment) {
+  const char* before = std::getenv("FERRY_BUILD_THREADS");
+  const std::string saved = before ? before : "";
+  ::setenv("FERRY_BUILD_THREADS", "3", 1);
+  EXPECT_EQ(cl::build_threads(), 3u);
+  ::unsetenv("FERRY_BUILD_THREADS");
+  EXPECT_GE(cl::build_threads(), 1u);
+  EXPECT_LE(cl::build_threads(), 8u);
+  for (const char* bad : {"0", "-2", "two", "4x", "100000"}) {
+    ::setenv("FERRY_BUILD_THREADS", bad, 1);
+    try {
+      cl::build_threads();
+      ADD_FAILURE() << "FERRY_BUILD_THREADS=" << bad << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("FERRY_BUILD_THREADS"), std::string::npos) << e.what();
+    }
+  }
+  if (before) {
+    ::setenv("FERRY_BUILD_THREADS", saved.c_str(), 1);
+  } else {
+    ::unsetenv("FERRY_BUILD_THREADS");
+  }
 }
 
 }  // namespace

@@ -1,9 +1,14 @@
 // The op table as a contract: every built-in row is complete, a user's op is a row added from
 // outside (kernels from source, shape rule, backward, CPU reference) that trains like a built-in
 // one, and the rows' dtype sets are enforced at compile time.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -210,6 +215,86 @@ TEST(OpTable, BrokenUserOpsAreErrorsNamingTheNode) {
     EXPECT_NE(std::string(e.what()).find("user_broken_kernel1"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("undeclared"), std::string::npos) << "the build log: " << e.what();
   }
+}
+
+// Sets FERRY_BUILD_THREADS for one scope (unset when `value` is null), restoring it after.
+class BuildThreads {
+ public:
+  explicit BuildThreads(const char* value) {
+    if (const char* v = std::getenv("FERRY_BUILD_THREADS")) saved_ = v;
+    value ? ::setenv("FERRY_BUILD_THREADS", value, 1) : ::unsetenv("FERRY_BUILD_THREADS");
+  }
+  ~BuildThreads() { saved_ ? ::setenv("FERRY_BUILD_THREADS", saved_->c_str(), 1) : ::unsetenv("FERRY_BUILD_THREADS"); }
+  BuildThreads(const BuildThreads&) = delete;
+  BuildThreads& operator=(const BuildThreads&) = delete;
+
+ private:
+  std::optional<std::string> saved_;
+};
+
+// Nodes bind in parallel (their programs build at once): the launches they make are the same as
+// when bound one at a time, so training gives the same bits.
+TEST(OpTable, NodesBoundInParallelTrainTheSameBits) {
+  auto train = [](const char* threads) {
+    BuildThreads set(threads);
+    Runtime runtime;
+    TrainerOptions o;
+    o.batch = 8;
+    o.lr = 0.01f;
+    Trainer trainer(runtime, models::mlp({32, 32}), o);
+    const auto images = random_vector(8 * 784, 11, 0.0f, 1.0f);
+    const auto labels = labels_for(8, 12);
+    for (int i = 0; i < 3; ++i) trainer.step(images, labels);
+    std::vector<std::vector<float>> weights;
+    for (const auto& name : trainer.parameter_names()) weights.push_back(trainer.read_parameter(name));
+    return weights;
+  };
+  const auto serial = train("1");
+  const auto parallel = train("4");
+  ASSERT_EQ(serial.size(), parallel.size());
+  for (std::size_t i = 0; i < serial.size(); ++i) {
+    ASSERT_EQ(serial[i].size(), parallel[i].size());
+    EXPECT_EQ(std::memcmp(serial[i].data(), parallel[i].data(), serial[i].size() * sizeof(float)), 0)
+        << "parameter " << i;
+  }
+}
+
+// When several nodes fail to bind, the error is the first failing node's in node order, whichever
+// thread got to which node first.
+TEST(OpTable, ParallelBindReportsTheFirstFailingNode) {
+  static std::atomic<int> binds{0};
+  ops::OpInfo picky;
+  picky.name = "user_binds_once";
+  picky.infer = [](const ops::ShapeView& v) { return std::vector<ops::TensorDesc>{v.input(0)}; };
+  picky.bind = [](const ops::BindContext& c) -> ops::LaunchList {
+    if (binds++ == 0) return {};  // the first node of the kind binds alone, before the others
+    throw std::runtime_error(fmt::format("cannot bind {}", c.name()));
+  };
+  picky.backward = [](ops::GradContext&) {};
+  picky.reference = [](ops::RefContext&) {};
+  const ops::OpId picky_id = ops::register_op(picky);
+  const ModelSpec m = models::classifier("picky", graph::Shape{4}, 2, [picky_id](graph::Builder& b, TensorId x) {
+    TensorId h = b.linear(x, 2);
+    for (int i = 0; i < 24; ++i) {
+      const TensorId in[] = {h};
+      h = b.apply(picky_id, in)[0];
+    }
+    return h;
+  });
+  std::string first;  // bound one node at a time: the second node's error
+  for (const char* threads : {"1", "4", "4", "4"}) {
+    BuildThreads set(threads);
+    binds = 0;
+    Runtime rt;
+    try {
+      Trainer t(rt, m, TrainerOptions{});
+      ADD_FAILURE() << "no node but the first binds";
+    } catch (const std::runtime_error& e) {
+      if (first.empty()) first = e.what();
+      EXPECT_EQ(std::string(e.what()), first) << "FERRY_BUILD_THREADS=" << threads;
+    }
+  }
+  EXPECT_NE(first.find("cannot bind user_binds_once"), std::string::npos) << first;
 }
 
 TEST(OpTable, DtypeTheOpDoesNotTakeIsACompileTimeErrorNamingOpAndTensor) {

@@ -142,6 +142,8 @@ row "--predict-int8 without hybrid phases" "--predict-int8 applies to Predict st
 row "unknown FERRY_TUNE" "FERRY_TUNE='fast': expected off, quick or full" error "FERRY_TUNE=fast" train "${quick[@]}"
 row "FERRY_TUNE_BUDGET_S not a positive number" "FERRY_TUNE_BUDGET_S='-5'" error "FERRY_TUNE_BUDGET_S=-5" \
   train "${quick[@]}"
+row "FERRY_BUILD_THREADS not a whole number from 1" "FERRY_BUILD_THREADS='0': expected a whole number from 1 to 1024" \
+  error "FERRY_BUILD_THREADS=0" train "${quick[@]}"
 row "unknown ferry tune --mode" "--mode: slow not in {quick,full}" error - tune --mode slow
 
 # Checkpoints and the program cache.

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -72,7 +73,10 @@ CacheEntryView decode_cache_entry(std::span<const unsigned char> entry,
 // unique temporary file, synced and renamed into place, so concurrent writers (threads or
 // processes) never see each other's partial files. A cache folder that cannot be created or
 // written prints one warning per process and the run goes on without writing the cache.
-// Thread-safe.
+// Thread-safe, and builds in parallel: programs of different (file, options) build concurrently on
+// the threads that ask for them (the library's lock is not held while the driver compiles); a
+// second thread asking for a program being built waits for that build and shares its program, or
+// its error (a failed build is forgotten, so a later request builds it again).
 class KernelLibrary {
  public:
   explicit KernelLibrary(const Context& context, ProgramCacheOptions cache = ProgramCacheOptions::from_env());
@@ -89,14 +93,25 @@ class KernelLibrary {
   const ProgramCacheOptions& cache_options() const noexcept { return cache_; }
 
  private:
+  struct Entry;
+  // The program of `key`, built by `make_source` and build() on this thread unless another thread
+  // has built it or is building it.
+  template <class MakeSource>
+  cl_program get_or_build(std::string key, std::string_view file, const std::string& options, MakeSource make_source);
   Program build(std::string_view file, std::string_view source, const std::string& options);
   void store(const std::filesystem::path& entry, std::uint64_t key, cl_program program);
+  void count(std::uint64_t ProgramCacheStats::*field);
   const Context& context_;
   ProgramCacheOptions cache_;
-  mutable std::mutex mutex_;
-  std::map<std::string, Program, std::less<>> programs_;
+  mutable std::mutex mutex_;  // programs_ and stats_; never held while a program builds
+  std::map<std::string, std::shared_ptr<Entry>, std::less<>> programs_;
   ProgramCacheStats stats_;
 };
+
+// Threads that build programs at once where ferry has many to build (a compiled step's kernels):
+// FERRY_BUILD_THREADS when set (1: one at a time), else the machine's cores, at most 8. Throws
+// std::invalid_argument naming the variable when it is not a whole number from 1 to 1024.
+std::size_t build_threads();
 
 // Sets kernel arguments in order: cl_mem handles, Mem handles and trivially copyable scalars.
 namespace detail {
