@@ -56,6 +56,9 @@ struct GemmTuneOptions {
   TuneMode mode = TuneMode::quick;                        // quick: a short list of likely candidates; full: all of them
   double budget_seconds = 60;                             // the search stops starting candidates past this
   std::function<void(const GemmTuneProgress&)> progress;  // optional, after each candidate
+  // Candidates build on other threads ahead of their timing on GPUs only; true does it on a CPU
+  // device too, where those builds compete with the timing (for tests of that path).
+  bool build_ahead_on_cpus = false;
 };
 
 struct GemmTuneCandidate {

@@ -7,13 +7,16 @@
 // the geometric mean of their rates decides: a row must also serve a training step's skinny
 // products, not only squares.
 #include <fmt/format.h>
+#include <tbb/task_group.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <random>
 #include <stdexcept>
+#include <utility>
 
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/device.hpp"
@@ -129,10 +132,7 @@ class Timer {
   // GFLOPS of `kernel` fitted to `s`: the best of a few rounds of back-to-back runs, each round long
   // enough (about 20 ms) that launch overhead and timer resolution do not decide.
   double measure(const GemmShape& s, const std::string& kernel) {
-    GemmOptions o;
-    o.backend = GemmBackend::ferry;
-    o.kernel = kernel;
-    o.kernel_as_row = true;
+    const GemmOptions o = options(kernel);
     const std::size_t need = gemm_scratch_elems(env_, s, o);
     if (need > ops_.scratch_elems) {
       ops_.scratch = ctx_.create_buffer(need * sizeof(float), "gemm tuner scratch");
@@ -144,10 +144,64 @@ class Timer {
     return gflops(s, best);
   }
 
+  // Builds the programs `kernel` fitted to `s` runs, without running it: safe on other threads
+  // while measure() runs (the launches are dropped unenqueued, so any buffer stands in for the
+  // scratch, which measure() may be reallocating).
+  void build(const GemmShape& s, const std::string& kernel) {
+    gemm(env_, s, 1.0f, {ops_.a.get(), 0}, {ops_.b.get(), 0}, 0.0f, {ops_.c.get(), 0}, {ops_.a.get(), 0},
+         options(kernel));
+  }
+
  private:
+  static GemmOptions options(const std::string& kernel) {
+    GemmOptions o;
+    o.backend = GemmBackend::ferry;
+    o.kernel = kernel;
+    o.kernel_as_row = true;
+    return o;
+  }
   OpEnv& env_;
   const cl::Context& ctx_;
   Operands ops_;
+};
+
+// On a GPU the driver's compiler takes longer than a candidate's timing (a build per candidate and
+// shape): the (shape, kernel) pairs still to be timed build on other threads meanwhile, in the
+// order they will be timed, cl::build_threads() at once (KernelLibrary builds them concurrently,
+// and a measurement that reaches a pair being built waits for that build). Not on a CPU device,
+// whose builds would take the cores being timed. A pair that fails to build is left to its
+// measurement, which builds it again and records why.
+class BuildAhead {
+ public:
+  BuildAhead(Timer& timer, const cl::DeviceInfo& device, const GemmTuneOptions& options,
+             std::vector<std::pair<GemmShape, std::string>> jobs)
+      : timer_(timer), jobs_(std::move(jobs)) {
+    if (device.is_cpu() && !options.build_ahead_on_cpus) return;
+    const std::size_t threads = std::min(cl::build_threads(), jobs_.size());
+    for (std::size_t t = 0; t < threads; ++t) {
+      builders_.run([this] {
+        for (std::size_t i = next_++; i < jobs_.size() && !stop_; i = next_++) {
+          try {
+            timer_.build(jobs_[i].first, jobs_[i].second);
+          } catch (const std::exception&) {
+          }
+        }
+      });
+    }
+  }
+  ~BuildAhead() {
+    stop_ = true;  // builds under way finish; no new ones start
+    builders_.wait();
+  }
+  BuildAhead(const BuildAhead&) = delete;
+  BuildAhead& operator=(const BuildAhead&) = delete;
+
+ private:
+  Timer& timer_;
+  const std::vector<std::pair<GemmShape, std::string>> jobs_;
+  std::atomic<std::size_t> next_{0};
+  std::atomic<bool> stop_{false};
+  tbb::task_group builders_;
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -224,8 +278,11 @@ namespace {
 // Stage 1: every candidate on the probe shape, until the budget's share of stage 1 runs out.
 void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<std::string>& candidates,
                       double budget_seconds, Clock::time_point t0, GemmTuneProgress& progress,
-                      const GemmTuneOptions& options, GemmTuneResult& r) {
+                      const GemmTuneOptions& options, const cl::DeviceInfo& device, GemmTuneResult& r) {
   progress.stage = "probe";
+  std::vector<std::pair<GemmShape, std::string>> jobs;
+  for (const std::string& kernel : candidates) jobs.emplace_back(probe, kernel);
+  const BuildAhead ahead(timer, device, options, std::move(jobs));
   for (const std::string& kernel : candidates) {
     if (seconds_since(t0) > budget_seconds && !r.candidates.empty()) {
       r.budget_ran_out = true;
@@ -282,6 +339,11 @@ void score_finalists(Timer& timer, std::size_t finalists, const cl::DeviceInfo& 
   progress.stage = "shapes";
   progress.total = progress.done + scored.size();
   progress.best_gflops = 0;
+  std::vector<std::pair<GemmShape, std::string>> jobs;
+  for (std::size_t i : scored) {
+    for (const GemmShape& s : r.shapes) jobs.emplace_back(s, r.candidates[i].kernel);
+  }
+  const BuildAhead ahead(timer, device, options, std::move(jobs));
   for (std::size_t i : scored) {
     GemmTuneCandidate& c = r.candidates[i];
     std::vector<double> rates;
@@ -355,7 +417,7 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   constexpr std::size_t finalists = 3;
   GemmTuneProgress progress;
   progress.total = candidates.size() + finalists;  // the finalists' twins are added in stage 2
-  probe_candidates(timer, probe, candidates, options.budget_seconds * 0.6, t0, progress, options, r);
+  probe_candidates(timer, probe, candidates, options.budget_seconds * 0.6, t0, progress, options, device, r);
   score_finalists(timer, finalists, device, progress, options, r);
   r.seconds = seconds_since(t0);
   record_winner(env, mode, r);

@@ -224,6 +224,39 @@ TEST(GemmTune, PackedFinalistsGetPackedATwins) {
   std::filesystem::remove_all(dir);
 }
 
+// Candidates built on other threads ahead of their timing (what GPUs do) are the same candidates,
+// measured in the same order, none failing: a measurement that reaches a candidate being built
+// waits for that build and uses its program.
+TEST(GemmTune, BuildingAheadMeasuresTheSameCandidates) {
+  auto& dev = TestDevice::get();
+  auto run = [&](bool ahead, ops::GemmTuneResult& r) {
+    const auto dir = temp_dir(ahead ? "gemm_ahead" : "gemm_in_turn");
+    cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+    ops::OpEnv env{kernels};
+    ops::GemmTuneOptions options;
+    options.mode = ops::TuneMode::quick;
+    options.budget_seconds = 0.01;  // one candidate probed, then the finalists on the shapes
+    options.build_ahead_on_cpus = ahead;
+    r = ops::tune_gemm(env, options);
+    const cl::ProgramCacheStats stats = kernels.stats();
+    ops::forget_gemm_tuning();
+    std::filesystem::remove_all(dir);
+    return stats;
+  };
+  ops::GemmTuneResult in_turn, ahead;
+  const cl::ProgramCacheStats in_turn_stats = run(false, in_turn);
+  const cl::ProgramCacheStats ahead_stats = run(true, ahead);
+  ASSERT_EQ(ahead.candidates.size(), in_turn.candidates.size());
+  for (std::size_t i = 0; i < ahead.candidates.size(); ++i) {
+    EXPECT_EQ(ahead.candidates[i].kernel, in_turn.candidates[i].kernel) << i;
+    EXPECT_EQ(ahead.candidates[i].error, "") << ahead.candidates[i].kernel;
+  }
+  EXPECT_GT(ahead.best_gflops, 0.0);
+  // Every program measured was built (candidates past the budget may be built too, unused).
+  EXPECT_GE(ahead_stats.source_builds, in_turn_stats.source_builds);
+  EXPECT_EQ(ahead_stats.disk_hits, 0u);
+}
+
 // The GPU kernel's finalists are scored with K split, with float4 loads where the tile allows, and
 // on NVIDIA with a register cap for 8 x 8 blocks; a finalist that already names them gets none.
 TEST(GemmTune, TiledFinalistsGetSplitVectorAndRegisterTwins) {
