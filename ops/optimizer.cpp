@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
+#include "ops/kernels/optimizer_group.clh"
 
 namespace ferry::ops {
 
@@ -112,6 +113,9 @@ LaunchList adam_update(OpEnv& env, const AdamConfig& c, DeviceSpan w, DeviceSpan
   return list;
 }
 
+static_assert(adam_group_slots == GROUP_SLOTS,
+              "ops::adam_group_slots is the kernel's GROUP_SLOTS (optimizer_group.clh)");
+
 LaunchList adam_update_group(OpEnv& env, const AdamConfig& c, std::span<const AdamSlot> slots, DeviceSpan guard,
                              DeviceSpan status) {
   if (slots.empty() || slots.size() > adam_group_slots) {
@@ -119,7 +123,7 @@ LaunchList adam_update_group(OpEnv& env, const AdamConfig& c, std::span<const Ad
         fmt::format("adam_update_group: {} parameters, expected 1 to {}", slots.size(), adam_group_slots));
   }
   const bool cpu = env.device().is_cpu();
-  constexpr std::size_t kGroupChunk = 256;  // GROUP_CHUNK: parameters per work-item on CPU devices
+  constexpr std::size_t kGroupChunk = GROUP_CHUNK;  // parameters per work-item on CPU devices
   cl::Kernel k = env.kernels.kernel("optimizer", cpu ? "adam_update_group16" : "adam_update_group");
   // Slot s's work-items start at first[s]; the slots past the group's last take slot 0's buffers,
   // no parameters and the launch's end as their first item, so no work-item falls in them.

@@ -5,6 +5,8 @@
 // With has_status, a weight this update makes not finite sets status[0] to 1 (atomically: every
 // writer stores the same bit), so that the step reports it without reading the weights back.
 
+#include "optimizer_group.clh"
+
 // The update of one parameter (T = float) or of 16 consecutive ones (T = float16, the CPU
 // kernels'): one expression for both, so the two kernels give the same bits.
 // SGD with momentum: g' = g + wd w; v = momentum v + g'; w -= lr (nesterov ? g' + momentum v : v).
@@ -115,7 +117,6 @@ __kernel void adam_update16(ADAM_ARGS) {
 // slot past the group's last has n 0 and first at the launch's end). The same expression per
 // parameter as adam_update (adam_update16's chunks of 16 from each slot's first parameter on CPU
 // devices), so the same bits. The guard and status as there.
-#define GROUP_SLOTS 8
 #define SLOT_ARGS(s) __global float *w##s, __global const float *g##s, __global float *m##s, __global float *v##s
 // Component s of an 8-vector by a chain of selects (no private array: indexing one by a value the
 // compiler cannot fold puts it in memory on GPUs, and every work-item of a group pays it).
@@ -159,7 +160,6 @@ __kernel void adam_update_group(ADAM_GROUP_ARGS) {
 // chunks of 16 from the slot's first parameter, the parameters past the last whole 16 one by one),
 // so that finding the slot, which a work-item of 16 parameters would pay as much for as for the
 // update, is paid once per 256.
-#define GROUP_CHUNK 256
 __kernel void adam_update_group16(ADAM_GROUP_ARGS) {
   const size_t item = get_global_id(0);
   GROUP_SLOT(item)

@@ -72,7 +72,7 @@ struct AdamSlot {
   DeviceSpan w, g, m, v;
   std::size_t n = 0;
 };
-inline constexpr std::size_t adam_group_slots = 8;
+inline constexpr std::size_t adam_group_slots = 8;  // the kernel's GROUP_SLOTS (checked where it is built)
 LaunchList adam_update_group(OpEnv& env, const AdamConfig& c, std::span<const AdamSlot> slots, DeviceSpan guard = {},
                              DeviceSpan status = {});
 
