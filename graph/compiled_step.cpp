@@ -244,23 +244,33 @@ void CompiledStep::bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool 
 // programs concurrently; a driver that serialises its compiler loses nothing). The first node of
 // each op kind binds alone, before the others, so that a first-use tuner (GEMM, attention) times
 // its candidates with no build competing for the device or the cores. An error is the one the
-// first failing node in node order raises, as when binding one node at a time
-// (FERRY_BUILD_THREADS=1).
+// first failing node in node order raises, as when binding one node at a time; a thread that waited
+// for a program another node's thread failed to build raises that build's error, which names that
+// node.
 void CompiledStep::bind_nodes(const TensorLocator& at, ops::OpEnv& env, const OptimizerConfig& optimizer) {
   const auto& n = graph_.nodes;
   std::vector<NodeId> rest;
   std::vector<char> kind_seen;
+  NodeId first_failed = n.size();  // of the nodes bound alone
+  std::exception_ptr first_error;
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) continue;
     const auto kind = static_cast<std::size_t>(n.op[id]);
     if (kind >= kind_seen.size()) kind_seen.resize(kind + 1, 0);
-    if (kind_seen[kind]) {
+    if (kind_seen[kind] || first_error) {
       rest.push_back(id);
       continue;
     }
     kind_seen[kind] = 1;
-    impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
+    try {
+      impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
+    } catch (...) {
+      first_failed = id;
+      first_error = std::current_exception();
+    }
   }
+  // After a failure, only the nodes before it can fail first.
+  rest.erase(std::lower_bound(rest.begin(), rest.end(), first_failed), rest.end());
   std::vector<std::exception_ptr> failed(rest.size());
   auto bind_one = [&](std::size_t i) {
     try {
@@ -288,6 +298,7 @@ void CompiledStep::bind_nodes(const TensorLocator& at, ops::OpEnv& env, const Op
   for (const auto& e : failed) {
     if (e) std::rethrow_exception(e);
   }
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 // Lowering: dependencies between lanes, the commit point, and for steps with host-lane nodes
