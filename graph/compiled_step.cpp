@@ -251,13 +251,12 @@ void CompiledStep::bind_nodes(const TensorLocator& at, ops::OpEnv& env, const Op
   const auto& n = graph_.nodes;
   std::vector<NodeId> rest;
   std::vector<char> kind_seen;
-  NodeId first_failed = n.size();  // of the nodes bound alone
-  std::exception_ptr first_error;
-  for (NodeId id = 0; id < n.size(); ++id) {
+  std::exception_ptr first_error;  // of the nodes bound alone: only the nodes before it are bound after
+  for (NodeId id = 0; id < n.size() && !first_error; ++id) {
     if (is_host_lane(n.lane[id])) continue;
     const auto kind = static_cast<std::size_t>(n.op[id]);
     if (kind >= kind_seen.size()) kind_seen.resize(kind + 1, 0);
-    if (kind_seen[kind] || first_error) {
+    if (kind_seen[kind]) {
       rest.push_back(id);
       continue;
     }
@@ -265,12 +264,9 @@ void CompiledStep::bind_nodes(const TensorLocator& at, ops::OpEnv& env, const Op
     try {
       impl_->launches[id] = bind_node(graph_, id, at, env, optimizer);
     } catch (...) {
-      first_failed = id;
       first_error = std::current_exception();
     }
   }
-  // After a failure, only the nodes before it can fail first.
-  rest.erase(std::lower_bound(rest.begin(), rest.end(), first_failed), rest.end());
   std::vector<std::exception_ptr> failed(rest.size());
   auto bind_one = [&](std::size_t i) {
     try {

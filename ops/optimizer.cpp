@@ -123,7 +123,6 @@ LaunchList adam_update_group(OpEnv& env, const AdamConfig& c, std::span<const Ad
         fmt::format("adam_update_group: {} parameters, expected 1 to {}", slots.size(), adam_group_slots));
   }
   const bool cpu = env.device().is_cpu();
-  constexpr std::size_t kGroupChunk = GROUP_CHUNK;  // parameters per work-item on CPU devices
   cl::Kernel k = env.kernels.kernel("optimizer", cpu ? "adam_update_group16" : "adam_update_group");
   // Slot s's work-items start at first[s]; the slots past the group's last take slot 0's buffers,
   // no parameters and the launch's end as their first item, so no work-item falls in them.
@@ -144,7 +143,7 @@ LaunchList adam_update_group(OpEnv& env, const AdamConfig& c, std::span<const Ad
     if (s < slots.size()) {
       ns.s[s] = checked_count(x.n);
       firsts.s[s] = checked_count(items);
-      items += cpu ? (x.n + kGroupChunk - 1) / kGroupChunk : x.n;
+      items += cpu ? (x.n + GROUP_CHUNK - 1) / GROUP_CHUNK : x.n;
     }
   }
   for (std::size_t s = slots.size(); s < adam_group_slots; ++s) firsts.s[s] = checked_count(items);

@@ -336,26 +336,23 @@ TEST(ProgramBuild, ConcurrentRequestsBuildEachProgramOnce) {
 }
 
 TEST(ProgramBuild, BuildThreadsComeFromTheEnvironment) {
-  const char* before = std::getenv("FERRY_BUILD_THREADS");
-  const std::string saved = before ? before : "";
-  ::setenv("FERRY_BUILD_THREADS", "3", 1);
-  EXPECT_EQ(cl::build_threads(), 3u);
-  ::unsetenv("FERRY_BUILD_THREADS");
-  EXPECT_GE(cl::build_threads(), 1u);
-  EXPECT_LE(cl::build_threads(), 8u);
+  {
+    ScopedEnv three("FERRY_BUILD_THREADS", "3");
+    EXPECT_EQ(cl::build_threads(), 3u);
+  }
+  {
+    ScopedEnv unset("FERRY_BUILD_THREADS", "");  // empty: the default
+    EXPECT_GE(cl::build_threads(), 1u);
+    EXPECT_LE(cl::build_threads(), 8u);
+  }
   for (const char* bad : {"0", "-2", "two", "4x", "100000"}) {
-    ::setenv("FERRY_BUILD_THREADS", bad, 1);
+    ScopedEnv set("FERRY_BUILD_THREADS", bad);
     try {
       cl::build_threads();
       ADD_FAILURE() << "FERRY_BUILD_THREADS=" << bad << " was accepted";
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find("FERRY_BUILD_THREADS"), std::string::npos) << e.what();
     }
-  }
-  if (before) {
-    ::setenv("FERRY_BUILD_THREADS", saved.c_str(), 1);
-  } else {
-    ::unsetenv("FERRY_BUILD_THREADS");
   }
 }
 

@@ -6,9 +6,7 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -217,26 +215,11 @@ TEST(OpTable, BrokenUserOpsAreErrorsNamingTheNode) {
   }
 }
 
-// Sets FERRY_BUILD_THREADS for one scope (unset when `value` is null), restoring it after.
-class BuildThreads {
- public:
-  explicit BuildThreads(const char* value) {
-    if (const char* v = std::getenv("FERRY_BUILD_THREADS")) saved_ = v;
-    value ? ::setenv("FERRY_BUILD_THREADS", value, 1) : ::unsetenv("FERRY_BUILD_THREADS");
-  }
-  ~BuildThreads() { saved_ ? ::setenv("FERRY_BUILD_THREADS", saved_->c_str(), 1) : ::unsetenv("FERRY_BUILD_THREADS"); }
-  BuildThreads(const BuildThreads&) = delete;
-  BuildThreads& operator=(const BuildThreads&) = delete;
-
- private:
-  std::optional<std::string> saved_;
-};
-
 // Nodes bind in parallel (their programs build at once): the launches they make are the same as
 // when bound one at a time, so training gives the same bits.
 TEST(OpTable, NodesBoundInParallelTrainTheSameBits) {
   auto train = [](const char* threads) {
-    BuildThreads set(threads);
+    ScopedEnv set("FERRY_BUILD_THREADS", threads);
     Runtime runtime;
     TrainerOptions o;
     o.batch = 8;
@@ -292,7 +275,7 @@ TEST(OpTable, ParallelBindReportsTheFirstFailingNode) {
       });
   std::string first;  // bound one node at a time: the second node's error
   for (const char* threads : {"1", "4", "4", "4"}) {
-    BuildThreads set(threads);
+    ScopedEnv set("FERRY_BUILD_THREADS", threads);
     binds = 0;
     Runtime rt;
     try {

@@ -120,6 +120,8 @@ void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, cons
 // The optimizer, learning rate, seed and residency options of `a` into `opt` (batch aside).
 // Throws std::invalid_argument for an unknown optimizer or home.
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt);
+// The sizes --staging-chunk takes, "4.0 KiB to 256.0 MiB" (ResidencyOptions' limits), for its help and its error.
+std::string staging_chunk_range();
 
 // Before a large model is allocated: what the plan says it will take (device peak, pinned host
 // bytes, recomputation), on stderr unless --quiet, so a long set-up says what it is doing. Plans

@@ -64,6 +64,12 @@ void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, cons
   }
 }
 
+std::string staging_chunk_range() {
+  using ResidencyOptions = ferry::graph::ResidencyOptions;
+  return fmt::format("{} to {}", ferry::format_bytes(ResidencyOptions::min_staging_chunk_bytes),
+                     ferry::format_bytes(ResidencyOptions::max_staging_chunk_bytes));
+}
+
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.lr = a.lr;
   opt.seed = a.seed;
@@ -109,10 +115,8 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
     using ResidencyOptions = ferry::graph::ResidencyOptions;
     if (opt.residency.staging_chunk_bytes < ResidencyOptions::min_staging_chunk_bytes ||
         opt.residency.staging_chunk_bytes > ResidencyOptions::max_staging_chunk_bytes) {
-      throw std::invalid_argument(fmt::format("--staging-chunk {}: use {} to {} (the ring holds four chunks)",
-                                              a.staging_chunk,
-                                              ferry::format_bytes(ResidencyOptions::min_staging_chunk_bytes),
-                                              ferry::format_bytes(ResidencyOptions::max_staging_chunk_bytes)));
+      throw std::invalid_argument(fmt::format("--staging-chunk {}: use {} (the ring holds four chunks)",
+                                              a.staging_chunk, staging_chunk_range()));
     }
   }
   opt.residency.homes.codec.chunk_bytes = ferry::parse_bytes(a.compress_chunk);

@@ -413,13 +413,11 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
                   "NVIDIA, whose pinned buffers take device memory too, pinned elsewhere")
       ->check(CLI::IsMember(ferry::offload::host_memory_names()))
       ->capture_default_str();
-  using ResidencyOptions = ferry::graph::ResidencyOptions;
   app->add_option("--staging-chunk", t.staging_chunk,
                   fmt::format("With --host-memory staged: each fetch copies itself through a ring of four pinned "
                               "chunks of this size (host copy and link in a pipeline) instead of through an unpack "
-                              "node on the host lanes ({} to {}; write-backs stay staged)",
-                              ferry::format_bytes(ResidencyOptions::min_staging_chunk_bytes),
-                              ferry::format_bytes(ResidencyOptions::max_staging_chunk_bytes)));
+                              "node on the host lanes ({}; write-backs stay staged)",
+                              staging_chunk_range()));
   app->add_option("--residency", t.residency,
                   "Where weights and optimizer state live: auto, resident, stream (copy in and out), mapped "
                   "(zero-copy, unified-memory devices)")
