@@ -16,6 +16,14 @@
 # front end (NVVM) and ptxas optimises further, so the figures are a proxy for what the driver
 # builds, not a measurement; a GPU session's FERRY_BUILD_REPORT (registers, spills) and timings
 # decide. Needs clang 14 or newer with the NVPTX target (Debian 12 has clang-14 and clang-15).
+#
+# PTX_MIX_SASS=sm_90 (or another architecture): also assemble the PTX with ptxas (the CUDA
+# toolkit's; Debian: nvidia-cuda-toolkit) and print each kernel's registers, spills and local
+# memory, the work-groups of PTX_MIX_GROUP work-items one compute unit then holds (sm_80 and newer:
+# 64K registers, 2048 work-items, 227 KiB of local memory), and, where nvdisasm is found (NVDISASM=
+# its path, else PATH), the machine code's mix in the block with the most FFMA. ptxas's register
+# allocation and scheduling are what NVIDIA's driver runs after its own front end: registers and
+# spills are close to a GPU's, the mix closer than the PTX's.
 set -euo pipefail
 (($# >= 1)) || {
   sed -n '2,16p' "$0" >&2
@@ -52,6 +60,9 @@ size_t OVL get_group_id(uint d) {
 }
 size_t OVL get_local_size(uint d) {
   return d == 0 ? __nvvm_read_ptx_sreg_ntid_x() : d == 1 ? __nvvm_read_ptx_sreg_ntid_y() : __nvvm_read_ptx_sreg_ntid_z();
+}
+size_t OVL get_num_groups(uint d) {
+  return d == 0 ? __nvvm_read_ptx_sreg_nctaid_x() : d == 1 ? __nvvm_read_ptx_sreg_nctaid_y() : __nvvm_read_ptx_sreg_nctaid_z();
 }
 size_t OVL get_global_id(uint d) { return get_group_id(d) * get_local_size(d) + get_local_id(d); }
 void OVL barrier(uint flags) { __nvvm_bar_sync(0); }
@@ -106,3 +117,63 @@ awk '
       printf "%s %s:%s\n  fma per other instruction: %.1f\n", f, where[f], line, other ? best[f] / other : best[f]
     }
   }' "$work/kernel.ptx"
+
+[[ -n ${PTX_MIX_SASS:-} ]] || exit 0
+ptxas=${PTXAS:-$(command -v ptxas || { [[ -x /usr/local/cuda/bin/ptxas ]] && echo /usr/local/cuda/bin/ptxas; } || true)}
+[[ -n $ptxas ]] || {
+  echo "ptx_mix: PTX_MIX_SASS asks for ptxas, which is not found (PTXAS=path)" >&2
+  exit 2
+}
+# NVIDIA's OpenCL PTX and clang's say .target sm_NN, texmode_independent: ptxas assembles it for
+# the architecture asked for, which may be newer.
+if ! "$ptxas" -arch="$PTX_MIX_SASS" -v -o "$work/kernel.cubin" "$work/kernel.ptx" 2>"$work/ptxas.log"; then
+  grep -i error "$work/ptxas.log" >&2
+  exit 1
+fi
+awk -v group="${PTX_MIX_GROUP:-0}" -v arch="$PTX_MIX_SASS" '
+  /Compiling entry function/ { fn = $0; sub(/.*function .?/, "", fn); sub(/.? for .*/, "", fn) }
+  /spill stores/ { spill = $5 + $9 }
+  /Used [0-9]+ registers/ {
+    regs = $0; sub(/.*Used /, "", regs); sub(/ registers.*/, "", regs)
+    smem = 0; if ($0 ~ /bytes smem/) { smem = $0; sub(/ bytes smem.*/, "", smem); sub(/.*, /, "", smem) }
+    line = sprintf("%s %s: %d registers, %d bytes spilled, %d bytes local", fn, arch, regs, spill, smem)
+    if (group > 0) {
+      per = 256 * int((regs + 7) / 8) * 8 * group / 256  # registers go out in blocks of 8 a work-item
+      n = int(65536 / per); why = "registers"
+      if (int(2048 / group) < n) { n = int(2048 / group); why = "work-items" }
+      if (smem > 0 && int(232448 / (smem + 1024)) < n) { n = int(232448 / (smem + 1024)); why = "local memory" }
+      line = line sprintf("; %d work-groups of %d a compute unit (%s), %d warps", n, group, why, n * group / 32)
+    }
+    print line
+  }' "$work/ptxas.log"
+nvdisasm=${NVDISASM:-$(command -v nvdisasm || true)}
+[[ -n $nvdisasm ]] || exit 0
+"$nvdisasm" -c "$work/kernel.cubin" | awk '
+  /^[ \t]*\.text\./ { fn = $1; sub(/.*\.text\./, "", fn); sub(/:$/, "", fn) }
+  /^\.L_x_[0-9]+:/ { bb = $1; sub(/:$/, "", bb) }
+  /^[ \t]*\/\*[0-9a-f]+\*\// {
+    op = ""
+    for (i = 2; i <= NF; ++i) if ($i !~ /^@/) { op = $i; break }
+    sub(/;$/, "", op)
+    n = split(op, part, "."); kind = part[1]
+    if (kind == "LDS" || kind == "LDG" || kind == "STS" || kind == "STG") kind = kind (op ~ /\.128/ ? ".128" : op ~ /\.64/ ? ".64" : "")
+    count[fn SUBSEP bb SUBSEP kind]++
+    if (kind == "FFMA") ffma[fn SUBSEP bb]++
+  }
+  END {
+    for (key in ffma) {
+      split(key, k, SUBSEP)
+      if (ffma[key] > best[k[1]]) { best[k[1]] = ffma[key]; where[k[1]] = k[2] }
+    }
+    for (f in best) {
+      line = ""; other = 0
+      for (key in count) {
+        split(key, k, SUBSEP)
+        if (k[1] != f || k[2] != where[f]) continue
+        line = line sprintf(" %s=%d", k[3], count[key])
+        if (k[3] != "FFMA" && k[3] != "MOV" && k[3] != "NOP") other += count[key]
+      }
+      printf "%s SASS %s:%s\n  FFMA per other instruction: %.1f\n", f, where[f], line, other ? best[f] / other : best[f]
+    }
+  }'
+

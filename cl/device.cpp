@@ -160,6 +160,17 @@ bool DeviceInfo::is_simulator() const {
   return cl::is_simulator(facts());
 }
 
+std::string register_cap_option(const DeviceInfo& device, int registers, std::string_view what) {
+  if (registers == 0) return "";
+  if (!device.has_extension("cl_nv_compiler_options")) {
+    throw std::runtime_error(
+        fmt::format("{}: RR={} caps registers through NVIDIA's compiler options, which '{}' "
+                    "does not have (cl_nv_compiler_options); leave RR out",
+                    what, registers, device.name));
+  }
+  return fmt::format(" -cl-nv-maxrregcount={}", registers);
+}
+
 bool DeviceInfo::has_extension(std::string_view wanted) const {
   std::string_view rest = extensions;
   while (!rest.empty()) {

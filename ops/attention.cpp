@@ -24,6 +24,7 @@ struct AttentionConfig {
   std::size_t pass = 0;          // cpu backward: 1 (a work-item per head) or 2 (dk dv, then dq); 0: by heads
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
   std::size_t tq = 64, tk = 32;  // blocked: queries and keys per tile, before fitting to local memory
+  std::size_t rr = 0;            // blocked: registers per work-item (NVIDIA's cap; 0: the compiler's choice)
 
   bool cpu() const { return family == Family::cpu; }
   std::string text() const {
@@ -35,7 +36,7 @@ struct AttentionConfig {
       case Family::blocked:
         break;
     }
-    return fmt::format("blocked TQ={} TK={}", tq, tk);
+    return fmt::format("blocked TQ={} TK={}", tq, tk) + (rr ? fmt::format(" RR={}", rr) : "");
   }
 };
 
@@ -60,7 +61,7 @@ AttentionConfig parse_config(const std::string& spec) {
   } else {
     throw std::invalid_argument(
         fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\" "
-                    "or \"blocked TQ=n TK=n\")",
+                    "or \"blocked TQ=n TK=n [RR=n]\")",
                     spec));
   }
   for (std::string kv; in >> kv;) {
@@ -93,6 +94,12 @@ AttentionConfig parse_config(const std::string& spec) {
       c.tq = value;
     } else if (blocked && key == "TK") {
       c.tk = value;
+    } else if (blocked && key == "RR") {
+      if (value < 16 || value > 255) {
+        throw std::invalid_argument(
+            fmt::format("attention: '{}' in '{}': a register cap is 16..255 registers per work-item", kv, spec));
+      }
+      c.rr = value;
     } else {
       throw std::invalid_argument(fmt::format("attention: '{}' is not a parameter of the {} kernel", key, family));
     }
@@ -252,8 +259,10 @@ BlockedBuild build_blocked(OpEnv& env, const AttentionShape& s, DType dtype, con
   const auto tiles = blocked_tiles(env, s, c, which);
   // The family's shared defines (attention.clh), its fitted tiles, and the block loops unrolled on
   // GPUs (attention_blocked.cl's UNROLL).
-  const std::string defines = fmt::format("{} -DTQ={} -DTK={} -DUNROLL_BLOCKS={}", kernel_defines(s, dtype, c),
-                                          tiles.first, tiles.second, int(!env.device().is_cpu()));
+  const std::string defines =
+      fmt::format("{} -DTQ={} -DTK={} -DUNROLL_BLOCKS={}{}", kernel_defines(s, dtype, c), tiles.first, tiles.second,
+                  int(!env.device().is_cpu()),
+                  cl::register_cap_option(env.device(), int(c.rr), fmt::format("attention {}", c.text())));
   BlockedBuild b{env.kernels.kernel("attention_blocked", name, defines), (tiles.first / 4) * (tiles.second / 4),
                  which == BlockedKernel::dkv ? tiles.second : tiles.first};
   check_group(b.kernel, env, b.group, name, c);

@@ -47,20 +47,6 @@ std::size_t tiled_scratch_elems(const GemmShape& s, const GemmKernelConfig& c, s
 
 namespace {
 
-// RR=N: NVIDIA's register cap (more work-groups resident per compute unit, at the risk of spills).
-// Another driver would reject or ignore the option, so a row that asks for it elsewhere is an error.
-std::string register_cap_option(const GemmKernelConfig& cfg, const cl::DeviceInfo& device) {
-  const int rr = cfg.param("RR");
-  if (rr == 0) return "";
-  if (!device.has_extension("cl_nv_compiler_options")) {
-    throw std::runtime_error(
-        fmt::format("gemm {}: RR={} caps registers through NVIDIA's compiler options, which '{}' "
-                    "does not have (cl_nv_compiler_options); leave RR out of its row",
-                    cfg.text(), rr, device.name));
-  }
-  return fmt::format(" -cl-nv-maxrregcount={}", rr);
-}
-
 // Bit 0 (A), bit 1 (B): the operand may be read as float4s (VG=4): f32, its offset and leading
 // dimension multiples of 4 elements, so every float4 the kernel reads is 16-byte aligned (buffers
 // and sub-buffers start aligned far beyond that).
@@ -83,10 +69,11 @@ LaunchList bind_tiled_kernel(OpEnv& env, const GemmShape& s, const GemmKernelCon
     throw std::runtime_error(fmt::format("gemm {}: its tiles take {} bytes of local memory, the device has {}",
                                          cfg.text(), tiled_local_bytes(cfg), device.local_mem_bytes));
   }
-  cl::Kernel k = env.kernels.kernel("gemm_tiled", "gemm_tiled",
-                                    fmt::format("{} -DTRANS_A={} -DTRANS_B={} {} {}{}", cfg.defines(), int(s.trans_a),
-                                                int(s.trans_b), gemm_storage_defines(s.a, s.b, s.c),
-                                                gemm_epilogue_defines(options, 0), register_cap_option(cfg, device)));
+  cl::Kernel k = env.kernels.kernel(
+      "gemm_tiled", "gemm_tiled",
+      fmt::format("{} -DTRANS_A={} -DTRANS_B={} {} {}{}", cfg.defines(), int(s.trans_a), int(s.trans_b),
+                  gemm_storage_defines(s.a, s.b, s.c), gemm_epilogue_defines(options, 0),
+                  cl::register_cap_option(device, cfg.param("RR"), fmt::format("gemm {}", cfg.text()))));
   if (rtsm * rtsn > kernel_group_limit(k, device)) {
     throw std::runtime_error(fmt::format("gemm {}: work-group {}x{} exceeds what the kernel can run with here ({})",
                                          cfg.text(), rtsn, rtsm, kernel_group_limit(k, device)));

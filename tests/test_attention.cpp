@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -318,6 +319,48 @@ TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
   }
   const TensorId y = b.attention(q, k, k, 4);
   EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 8, 32}));
+}
+
+// A register cap (RR, blocked family) is NVIDIA's compiler option: refused by name on a device
+// without it, out of range or on another family at parse time, and offered to the tuner only where
+// the driver takes it.
+TEST(AttentionErrors, RegisterCapsOnlyWhereTheDriverTakesThem) {
+  auto& dev = TestDevice::get();
+  const AttentionShape s{1, 16, 2, 16};
+  for (const char* bad : {"blocked TQ=8 RR=8", "blocked TQ=8 RR=256", "tiled BQ=16 RR=168"}) {
+    EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, s, {bad}), std::invalid_argument) << bad;
+  }
+  try {
+    ops::attention_forward_scratch_elems(dev.env, s, {"blocked TQ=8 RR=12"});
+    FAIL() << "RR=12 should be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("16..255"), std::string::npos) << e.what();
+  }
+  if (!dev.context.device().has_extension("cl_nv_compiler_options")) {
+    const Inputs in = random_inputs(s, 7);
+    try {
+      run_device(s, in, {}, 0, "blocked TQ=8 TK=8 RR=168");
+      FAIL() << "a register cap should be refused without cl_nv_compiler_options";
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("blocked TQ=8 TK=8 RR=168"), std::string::npos) << m;
+      EXPECT_NE(m.find("cl_nv_compiler_options"), std::string::npos) << m;
+    }
+  }
+  cl::DeviceInfo plain = dev.context.device(), nvidia = dev.context.device();
+  plain.type = nvidia.type = CL_DEVICE_TYPE_GPU;
+  plain.extensions = "cl_khr_fp64";
+  nvidia.extensions = "cl_khr_fp64 cl_nv_compiler_options";
+  plain.max_work_group_size = nvidia.max_work_group_size = 1024;
+  const auto capped = [](const std::vector<std::string>& list) {
+    return std::count_if(list.begin(), list.end(), [](const std::string& k) { return k.ends_with(" RR=168"); });
+  };
+  const auto without = ops::attention_tune_candidates(plain, ops::TuneMode::quick);
+  const auto with = ops::attention_tune_candidates(nvidia, ops::TuneMode::quick);
+  EXPECT_EQ(capped(without), 0);
+  EXPECT_EQ(with.size(), without.size() + 4) << "the quick search's four blocked tiles, capped";
+  EXPECT_EQ(capped(with), 4);
+  EXPECT_NE(std::find(with.begin(), with.end(), "blocked TQ=64 TK=32 RR=168"), with.end());
 }
 
 // The attention tuner: GPU candidate lists (both families, quick a subset of full), a search over

@@ -460,16 +460,17 @@ __kernel void attention_backward_q_cpu(__global const float* qr, ulong qr_off, _
 
 #ifdef BQ
 
-// Forward on work-groups of BQ queries (one per work-item) of head bh = get_group_id(1), with the
+// Forward on work-groups of BQ queries (one per work-item) of one head (longest first), with the
 // keys and values of BK keys at a time in local memory; online softmax per 8 keys.
 __kernel void attention_forward_tiled(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k,
                                       ulong k_off, __global const T_STORAGE* v, ulong v_off, __global T_STORAGE* o,
                                       ulong o_off, __global float* lse, ulong lse_off, uint T, uint H, float scale,
                                       uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
   __local float ks[BK][D], vs[BK][D];
-  const uint lid = get_local_id(0), bh = get_group_id(1);
+  const uint2 group = attention_group_longest_first(1);
+  const uint lid = get_local_id(0), bh = group.y;
   const uint b = bh / H, h = bh - b * H;
-  const uint first = get_group_id(0) * BQ, i = first + lid;
+  const uint first = group.x * BQ, i = first + lid;
   const bool active = i < T;
   float qi[D], acc[D];
   const ulong at = attention_at(b, min(i, T - 1), h, T, H);
@@ -529,9 +530,10 @@ __kernel void attention_backward_kv_tiled(__global const T_STORAGE* q, ulong q_o
                                           uint T, uint H, float scale, uint seed, uint threshold, float inv_keep,
                                           uint step_lo, uint step_hi) {
   __local float qs[BK][D], dos[BK][D], ls[BK], dl[BK];
-  const uint lid = get_local_id(0), bh = get_group_id(1);
+  const uint2 group = attention_group_longest_first(0);
+  const uint lid = get_local_id(0), bh = group.y;
   const uint b = bh / H, h = bh - b * H;
-  const uint first = get_group_id(0) * BQ, j = first + lid;
+  const uint first = group.x * BQ, j = first + lid;
   const bool active = j < T;
   const ulong at = attention_at(b, min(j, T - 1), h, T, H);
   float kj[D], vj[D], gk[D], gv[D];
@@ -588,9 +590,10 @@ __kernel void attention_backward_q_tiled(__global const T_STORAGE* q, ulong q_of
                                          __global T_STORAGE* dq, ulong dq_off, uint T, uint H, float scale, uint seed,
                                          uint threshold, float inv_keep, uint step_lo, uint step_hi) {
   __local float ks[BK][D], vs[BK][D];
-  const uint lid = get_local_id(0), bh = get_group_id(1);
+  const uint2 group = attention_group_longest_first(1);
+  const uint lid = get_local_id(0), bh = group.y;
   const uint b = bh / H, h = bh - b * H;
-  const uint first = get_group_id(0) * BQ, i = first + lid;
+  const uint first = group.x * BQ, i = first + lid;
   const bool active = i < T;
   const ulong at = attention_at(b, min(i, T - 1), h, T, H);
   float qi[D], doi[D], g[D];

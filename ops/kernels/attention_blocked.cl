@@ -146,8 +146,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_forward_
   __local float4 vs[TK * DP / 4];                // the step's v rows (read along d only: not padded)
   __local float red[TQ * NK];                    // per-row partial maxima, then partial sums
   const uint lid = get_local_id(0), y = lid / NK, x = lid - y * NK;
-  const uint bh = get_group_id(1), b = bh / H, h = bh - b * H;
-  const uint first = get_group_id(0) * TQ;
+  const uint2 group = attention_group_longest_first(1);
+  const uint bh = group.y, b = bh / H, h = bh - b * H;
+  const uint first = group.x * TQ;
   stage_rows((__local float*)qs, RS, TQ, q, q_off, b, h, first, T, H, scale);
   float m[4], l[4], acc[4][4 * FV];
   UNROLL
@@ -247,8 +248,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
   __local float4 ks[TK * RS / 4], vs[TK * RS / 4];   // the step's k rows and v rows
   __local float4 dst[TK * NQ];                       // ds: [key NQ + y]
   const uint lid = get_local_id(0), y = lid / NK, x = lid - y * NK;
-  const uint bh = get_group_id(1), b = bh / H, h = bh - b * H;
-  const uint first = get_group_id(0) * TQ;
+  const uint2 group = attention_group_longest_first(1);
+  const uint bh = group.y, b = bh / H, h = bh - b * H;
+  const uint first = group.x * TQ;
   stage_rows((__local float*)qs, RS, TQ, q, q_off, b, h, first, T, H, scale);
   stage_rows((__local float*)dos, RS, TQ, dout, do_off, b, h, first, T, H, 1.0f);
   float li[4], di[4], g[4][4 * FV];
@@ -327,8 +329,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attention_backward
   __local float4 pt[TQ * NK], dst[TQ * NK];          // p keep and ds: [query NK + y]
   __local float ls[TQ], dl[TQ];
   const uint lid = get_local_id(0), y = lid / NQ, x = lid - y * NQ;
-  const uint bh = get_group_id(1), b = bh / H, h = bh - b * H;
-  const uint first = get_group_id(0) * TK;
+  const uint2 group = attention_group_longest_first(0);
+  const uint bh = group.y, b = bh / H, h = bh - b * H;
+  const uint first = group.x * TK;
   stage_rows((__local float*)ks, RS, TK, k, k_off, b, h, first, T, H, 1.0f);
   stage_rows((__local float*)vs, RS, TK, v, v_off, b, h, first, T, H, 1.0f);
   float gk[4][4 * KV], gv[4][4 * KV];

@@ -42,6 +42,12 @@ struct DeviceInfo {
   DeviceFacts facts() const { return {platform_name, platform_vendor, name, vendor, type}; }
 };
 
+// The build option that caps a kernel's registers per work-item at `registers` (NVIDIA's
+// -cl-nv-maxrregcount: more work-groups resident per compute unit, at the risk of spills); "" for 0.
+// Other drivers would reject or ignore it, so on a device without cl_nv_compiler_options it throws
+// std::runtime_error naming `what` (the kernel whose parameters asked for it).
+std::string register_cap_option(const DeviceInfo& device, int registers, std::string_view what);
+
 // All devices of all platforms, in a stable order (the order `clinfo -l` shows). Empty when no
 // OpenCL platform is installed or none loaded; a platform that fails to list its devices is
 // skipped.
