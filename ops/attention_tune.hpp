@@ -50,6 +50,9 @@ struct AttentionTuneOptions {
   // may be searched too). Only the classes the shapes fall in are tuned.
   std::vector<std::string> candidates;
   std::vector<AttentionShape> shapes;
+  // Candidates build on other threads ahead of their timing on GPUs only; true does it on a CPU
+  // device too, where those builds compete with the timing (for tests of that path).
+  bool build_ahead_on_cpus = false;
 };
 
 struct AttentionTuneCandidate {

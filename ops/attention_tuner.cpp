@@ -77,6 +77,16 @@ class Timer {
     return best * 1e3;
   }
 
+  // Builds what measure(s, kernel) will run (its programs land in the kernel library), on any
+  // thread: the launches are made over the tuner's inputs (as arguments only: never enqueued) and
+  // dropped, so nothing measure() reallocates is touched.
+  void build(const AttentionShape& s, const std::string& kernel) {
+    const AttentionOptions o{kernel};
+    const DeviceSpan any{inputs_[0].get(), 0};
+    attention_forward(env_, s, DType::f32, 1.0f, {}, any, any, any, any, any, any, o);
+    attention_backward(env_, s, DType::f32, 1.0f, {}, any, any, any, any, any, any, any, any, any, any, o);
+  }
+
  private:
   OpEnv& env_;
   const cl::Context& ctx_;
@@ -267,6 +277,13 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
   Timer timer(env, all);
   AttentionTuneProgress progress;
   progress.total = candidates.size();
+  // Every (candidate, shape) in the order of the timing (on the H200, 12 candidates took 30.5 s,
+  // probably mostly their builds, before builds went ahead: bench/RESULTS.md, "Third GPU run").
+  std::vector<std::function<void()>> builds;
+  for (const std::string& kernel : candidates) {
+    for (const AttentionShape& s : all) builds.push_back([&timer, s, kernel] { timer.build(s, kernel); });
+  }
+  const BuildAhead ahead(!device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
   for (const std::string& kernel : candidates) {
     const bool every_class_won =
         std::all_of(r.classes.begin(), r.classes.end(), [](const auto& c) { return !c.best.empty(); });

@@ -7,10 +7,8 @@
 // the geometric mean of their rates decides: a row must also serve a training step's skinny
 // products, not only squares.
 #include <fmt/format.h>
-#include <tbb/task_group.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -165,44 +163,13 @@ class Timer {
   Operands ops_;
 };
 
-// On a GPU the driver's compiler takes longer than a candidate's timing (a build per candidate and
-// shape): the (shape, kernel) pairs still to be timed build on other threads meanwhile, in the
-// order they will be timed, cl::build_threads() at once (KernelLibrary builds them concurrently,
-// and a measurement that reaches a pair being built waits for that build). Not on a CPU device,
-// whose builds would take the cores being timed. A pair that fails to build is left to its
-// measurement, which builds it again and records why.
-class BuildAhead {
- public:
-  BuildAhead(Timer& timer, const cl::DeviceInfo& device, const GemmTuneOptions& options,
-             std::vector<std::pair<GemmShape, std::string>> jobs)
-      : timer_(timer), jobs_(std::move(jobs)) {
-    if (device.is_cpu() && !options.build_ahead_on_cpus) return;
-    const std::size_t threads = std::min(cl::build_threads(), jobs_.size());
-    for (std::size_t t = 0; t < threads; ++t) {
-      builders_.run([this] {
-        for (std::size_t i = next_++; i < jobs_.size() && !stop_; i = next_++) {
-          try {
-            timer_.build(jobs_[i].first, jobs_[i].second);
-          } catch (const std::exception&) {
-          }
-        }
-      });
-    }
-  }
-  ~BuildAhead() {
-    stop_ = true;  // builds under way finish; no new ones start
-    builders_.wait();
-  }
-  BuildAhead(const BuildAhead&) = delete;
-  BuildAhead& operator=(const BuildAhead&) = delete;
-
- private:
-  Timer& timer_;
-  const std::vector<std::pair<GemmShape, std::string>> jobs_;
-  std::atomic<std::size_t> next_{0};
-  std::atomic<bool> stop_{false};
-  tbb::task_group builders_;
-};
+// The (shape, kernel) pairs to be timed, as builds for a BuildAhead: on GPUs only, unless a test asks.
+BuildAhead build_ahead(Timer& timer, const cl::DeviceInfo& device, const GemmTuneOptions& options,
+                       const std::vector<std::pair<GemmShape, std::string>>& pairs) {
+  std::vector<std::function<void()>> builds;
+  for (const auto& [shape, kernel] : pairs) builds.push_back([&timer, shape, kernel] { timer.build(shape, kernel); });
+  return BuildAhead(!device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
+}
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -282,7 +249,7 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
   progress.stage = "probe";
   std::vector<std::pair<GemmShape, std::string>> jobs;
   for (const std::string& kernel : candidates) jobs.emplace_back(probe, kernel);
-  const BuildAhead ahead(timer, device, options, std::move(jobs));
+  const BuildAhead ahead = build_ahead(timer, device, options, jobs);
   for (const std::string& kernel : candidates) {
     if (seconds_since(t0) > budget_seconds && !r.candidates.empty()) {
       r.budget_ran_out = true;
@@ -343,7 +310,7 @@ void score_finalists(Timer& timer, std::size_t finalists, const cl::DeviceInfo& 
   for (std::size_t i : scored) {
     for (const GemmShape& s : r.shapes) jobs.emplace_back(s, r.candidates[i].kernel);
   }
-  const BuildAhead ahead(timer, device, options, std::move(jobs));
+  const BuildAhead ahead = build_ahead(timer, device, options, jobs);
   for (std::size_t i : scored) {
     GemmTuneCandidate& c = r.candidates[i];
     std::vector<double> rates;

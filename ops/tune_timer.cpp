@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ferry/cl/error.hpp"
+#include "ferry/cl/program.hpp"
 
 namespace ferry::ops {
 
@@ -34,6 +35,26 @@ cl::Mem upload_random(const cl::Context& ctx, std::size_t n, std::mt19937& rng, 
   cl::Mem m = ctx.create_buffer(n * sizeof(float), what);
   ctx.write(m.get(), 0, h.data(), n * sizeof(float));
   return m;
+}
+
+BuildAhead::BuildAhead(bool enabled, std::vector<std::function<void()>> builds) : builds_(std::move(builds)) {
+  if (!enabled) return;
+  const std::size_t threads = std::min(cl::build_threads(), builds_.size());
+  for (std::size_t t = 0; t < threads; ++t) {
+    builders_.run([this] {
+      for (std::size_t i = next_++; i < builds_.size() && !stop_; i = next_++) {
+        try {
+          builds_[i]();
+        } catch (const std::exception&) {
+        }
+      }
+    });
+  }
+}
+
+BuildAhead::~BuildAhead() {
+  stop_ = true;
+  builders_.wait();
 }
 
 }  // namespace ferry::ops

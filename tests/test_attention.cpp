@@ -363,6 +363,43 @@ TEST(AttentionErrors, RegisterCapsOnlyWhereTheDriverTakesThem) {
   EXPECT_NE(std::find(with.begin(), with.end(), "blocked TQ=64 TK=32 RR=168"), with.end());
 }
 
+// With builds ahead (on other threads while candidates are timed) the search measures the same
+// candidates with the same outcome: every runnable one scored in every class, the one that cannot
+// build refused with its reason, and every program it ran built from source once, in one library.
+TEST(AttentionTune, BuildingAheadMeasuresTheSameCandidates) {
+  auto& dev = TestDevice::get();
+  auto run = [&](bool ahead, ops::AttentionTuneResult& r) {
+    const auto dir = std::filesystem::temp_directory_path() /
+                     fmt::format("ferry_attention_{}_{}", ahead ? "ahead" : "in_turn", ::getpid());
+    std::filesystem::remove_all(dir);
+    cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+    ops::OpEnv env{kernels};
+    ops::AttentionTuneOptions o;
+    o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8", "blocked TQ=9", "blocked TQ=16 TK=8"};
+    o.shapes = {{1, 40, 2, 16}, {1, 24, 1, 80}};
+    o.build_ahead_on_cpus = ahead;
+    r = ops::tune_attention(env, o);
+    const cl::ProgramCacheStats stats = kernels.stats();
+    std::filesystem::remove_all(dir);
+    return stats;
+  };
+  ops::AttentionTuneResult in_turn, ahead;
+  const cl::ProgramCacheStats in_turn_stats = run(false, in_turn);
+  const cl::ProgramCacheStats ahead_stats = run(true, ahead);
+  ASSERT_EQ(ahead.candidates.size(), 4u);
+  ASSERT_EQ(in_turn.candidates.size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) {
+    const ops::AttentionTuneCandidate &a = ahead.candidates[i], &b = in_turn.candidates[i];
+    EXPECT_EQ(a.kernel, b.kernel);
+    EXPECT_EQ(a.error.empty(), i != 2) << a.kernel << ": " << a.error;
+    EXPECT_EQ(a.error, b.error) << a.kernel;
+    ASSERT_EQ(a.score_ms.size(), 2u);
+    for (double ms : a.score_ms) EXPECT_EQ(ms > 0.0, i != 2) << a.kernel;
+  }
+  EXPECT_EQ(ahead_stats.source_builds, in_turn_stats.source_builds);
+  EXPECT_EQ(ahead_stats.disk_hits, 0u);
+}
+
 // The attention tuner: GPU candidate lists (both families, quick a subset of full), a search over
 // given candidates on this device, its cache written, read back, and refused once damaged.
 TEST(AttentionTune, SearchesCachesAndRefusesADamagedCache) {
