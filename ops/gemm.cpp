@@ -421,7 +421,10 @@ KernelLaunch sum_splits_launch(OpEnv& env, const GemmShape& s, std::size_t split
   const bool dact = options.dact_input.buffer != nullptr;
   const std::string defines =
       fmt::format("{} {}", gemm_storage_defines(s.a, s.b, s.c), gemm_epilogue_defines(options, c_planes));
-  cl::Kernel sum = env.kernels.kernel("gemm_sum", "gemm_sum_splits", defines);
+  // CPU devices sum 16 elements a work-item where a product's elements come in whole sixteens
+  // (gemm_sum_splits16; C in planes takes the per-element kernel).
+  const bool wide = env.device().is_cpu() && c_planes == 0 && (s.M * s.N) % 16 == 0;
+  cl::Kernel sum = env.kernels.kernel("gemm_sum", wide ? "gemm_sum_splits16" : "gemm_sum_splits", defines);
   const cl_uint has_bias = options.bias.buffer != nullptr;
   cl::set_args(sum.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(splits), cl_uint(s.batch), parts.buffer,
                parts.elem_offset(), alpha, beta, c.buffer, c.elem_offset(dtype_bytes(s.c)),
@@ -429,7 +432,7 @@ KernelLaunch sum_splits_launch(OpEnv& env, const GemmShape& s, std::size_t split
                dact ? options.dact_input.buffer : c.buffer,
                dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : std::uint64_t{0}, guard_buffer(options, c),
                options.guard.elem_offset());
-  return elementwise_launch(std::move(sum), s.batch * s.M * s.N);
+  return elementwise_launch(std::move(sum), s.batch * s.M * s.N / (wide ? 16 : 1));
 }
 
 // Row blocks per group of gemm_packed's traversal (its group_blocks): as many as keep the group's
