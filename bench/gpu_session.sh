@@ -20,7 +20,8 @@
 #   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-stream: its two streamed ones; scale7b: its
 #              7B host-optimizer run
 #   attention-check  test_attention's cases of the blocked family (default tiles, and tiles wider than
-#              the head dimension's float4s) and of narrow storage, on the GPU
+#              the head dimension's float4s), of the gemm family (one chunk and chunks of heads) and
+#              of narrow storage, on the GPU
 #   attention-tuned  `ferry tune --family attention` (40 s), then `ferry-bench attention` with the
 #              tuned kernel beside SDPA
 #   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
@@ -115,9 +116,9 @@ for p in "$@"; do
     scale1b-stream)
       part scale1b-stream 240 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_LIMIT_S=110 bash bench/scale_gpu.sh "$kit/bin/ferry" \
         "$res/scale" ;;
-    attention-check)  # the blocked family's kernels against the CPU reference on this GPU
+    attention-check)  # the blocked and gemm families' kernels against the CPU reference on this GPU
       part attention-check 120 env FERRY_TUNE=off "$kit/bin/test_attention" \
-        --gtest_filter='*_blocked_p*:*blocked_TQ_64_TK_4_*:*blocked_TQ_4_TK_64_*:*Narrow*' ;;
+        --gtest_filter='*_blocked_p*:*blocked_TQ_64_TK_4_*:*blocked_TQ_4_TK_64_*:*_gemm_p*:AttentionGemm.*:*Narrow*' ;;
     attention-tuned)
       part attention-tune 90 "$kit/bin/ferry" tune --family attention --mode full --budget-seconds 40 --json
       part attention-tuned 90 "$kit/bin/ferry-bench" attention --contexts 1024,4096 --peer --peer-device cuda \

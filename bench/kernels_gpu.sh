@@ -10,8 +10,9 @@
 #              SK=1, SK=1 VG=4, and on NVIDIA SK=1 VG=4 RR=128) and the fused attention's (tiled
 #              against blocked, their tiles)
 #   attention  `ferry-bench attention` with each of KERNELS_GPU_ATTENTION (comma-separated kernels;
-#              default the blocked family at TQ=64 with TK=32, the same capped at 168 registers (RR,
-#              NVIDIA only), and TK=64, fitted per kernel), the first
+#              default the blocked family at TQ=64 with TK=32, the gemm family (whose contexts past
+#              2048 run blocked), the blocked one capped at 168 registers (RR, NVIDIA only), and TK=64,
+#              fitted per kernel), the first
 #              beside PyTorch's SDPA on CUDA when KERNELS_GPU_PYTHON names a Python with torch, with
 #              each kernel's build report
 #
@@ -100,7 +101,7 @@ else
   status=1
 fi
 
-attention_kernels=${KERNELS_GPU_ATTENTION:-blocked TQ=64 TK=32,blocked TQ=64 TK=32 RR=168,blocked TQ=64 TK=64}
+attention_kernels=${KERNELS_GPU_ATTENTION:-blocked TQ=64 TK=32,gemm,blocked TQ=64 TK=32 RR=168,blocked TQ=64 TK=64}
 part attention && echo "== attention: $attention_kernels"
 peer=()
 [[ -n ${KERNELS_GPU_PYTHON:-} ]] && peer=(--peer --peer-device cuda --python "$KERNELS_GPU_PYTHON")

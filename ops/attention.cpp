@@ -9,13 +9,15 @@
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
+#include "ops/attention_gemm.hpp"
 #include "ops/attention_tune.hpp"
 
 namespace ferry::ops {
 namespace {
 
-// The kernel family and its parameters: cpu (RB, QB, KB, PASS), tiled (BQ, BK) or blocked (TQ, TK).
-enum class Family { cpu, tiled, blocked };
+// The kernel family and its parameters: cpu (RB, QB, KB, PASS), tiled (BQ, BK), blocked (TQ, TK, RR)
+// or gemm (MIB: ops/attention_gemm.hpp).
+enum class Family { cpu, tiled, blocked, gemm };
 
 struct AttentionConfig {
   Family family = Family::cpu;
@@ -25,6 +27,7 @@ struct AttentionConfig {
   std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
   std::size_t tq = 64, tk = 32;  // blocked: queries and keys per tile, before fitting to local memory
   std::size_t rr = 0;            // blocked: registers per work-item (NVIDIA's cap; 0: the compiler's choice)
+  std::size_t mib = attention_gemm_default_mib;  // gemm: MiB of scores a chunk of heads holds
 
   bool cpu() const { return family == Family::cpu; }
   std::string text() const {
@@ -33,6 +36,8 @@ struct AttentionConfig {
         return fmt::format("cpu RB={} QB={} KB={} PASS={}", rb, qb, kb, pass);
       case Family::tiled:
         return fmt::format("tiled BQ={} BK={}", bq, bk);
+      case Family::gemm:
+        return mib == attention_gemm_default_mib ? std::string("gemm") : fmt::format("gemm MIB={}", mib);
       case Family::blocked:
         break;
     }
@@ -58,10 +63,12 @@ AttentionConfig parse_config(const std::string& spec) {
     c.family = Family::tiled;
   } else if (family == "blocked") {
     c.family = Family::blocked;
+  } else if (family == "gemm") {
+    c.family = Family::gemm;
   } else {
     throw std::invalid_argument(
         fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\" "
-                    "or \"blocked TQ=n TK=n [RR=n]\")",
+                    ", \"blocked TQ=n TK=n [RR=n]\" or \"gemm [MIB=n]\")",
                     spec));
   }
   for (std::string kv; in >> kv;) {
@@ -77,7 +84,7 @@ AttentionConfig parse_config(const std::string& spec) {
       throw std::invalid_argument(
           fmt::format("attention: kernel parameter '{}' in '{}' needs a value in 1..256", kv, spec));
     }
-    const bool cpu = c.family == Family::cpu, tiled = c.family == Family::tiled, blocked = !cpu && !tiled;
+    const bool cpu = c.family == Family::cpu, tiled = c.family == Family::tiled, blocked = c.family == Family::blocked;
     if (cpu && key == "RB") {
       c.rb = value;
     } else if (cpu && key == "QB") {
@@ -94,6 +101,8 @@ AttentionConfig parse_config(const std::string& spec) {
       c.tq = value;
     } else if (blocked && key == "TK") {
       c.tk = value;
+    } else if (c.family == Family::gemm && key == "MIB") {
+      c.mib = value;
     } else if (blocked && key == "RR") {
       if (value < 16 || value > 255) {
         throw std::invalid_argument(
@@ -144,6 +153,20 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
     const std::uint64_t local = env.device().local_mem_bytes;
     while (c.bk > 8 && (2 * c.bk * s.head_dim + 2 * c.bk) * sizeof(float) > local) c.bk /= 2;
   }
+  // The gemm family holds the scores of whole heads (two matrices each in the backward): past the
+  // context where one head's fit its MIB, the blocked family's default runs (both passes decide
+  // alike; attention_kernel_description says which ran).
+  if (c.family == Family::gemm && attention_gemm_chunk_heads(s, c.mib, 2) == 0) {
+    if (!o.kernel.empty()) {
+      throw std::invalid_argument(
+          fmt::format("attention: '{}' holds two {} x {} score matrices per head in at most {} MiB, and one head's "
+                      "take {:.1f} MiB; "
+                      "give a larger MIB (at most 256) or another family",
+                      o.kernel, padded_context(s), padded_context(s), c.mib,
+                      2.0 * double(padded_context(s) * padded_context(s)) * sizeof(float) / double(1 << 20)));
+    }
+    c = parse_config("blocked");
+  }
   return c;
 }
 
@@ -193,7 +216,7 @@ std::pair<std::size_t, std::size_t> blocked_tiles(OpEnv& env, const AttentionSha
 std::string kernel_defines(const AttentionShape& s, DType dtype, const AttentionConfig& c) {
   std::string d = fmt::format("{} -DHEAD_DIM={} -DDP={}", dtype_define(dtype), s.head_dim, padded_dim(s));
   if (c.cpu()) return d + fmt::format(" -DRB={} -DQB={} -DKB={}", c.rb, c.qb, c.kb);
-  if (c.family == Family::blocked) return d;  // attention.cl's shared kernels only (attention_delta)
+  if (c.family == Family::blocked || c.family == Family::gemm) return d;  // attention.cl's shared kernels only
   return d + fmt::format(" -DBQ={} -DBK={}", c.bq, c.bk);
 }
 
@@ -219,14 +242,6 @@ struct DropoutArgs {
 DropoutArgs dropout_args(const AttentionDropout& d) {
   if (d.p == 0.0f) return {};
   return {d.seed, dropout_threshold(d.p), static_cast<float>(1.0 / (1.0 - double(d.p)))};
-}
-void set_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout) {
-  if (!dropout) return;
-  l.per_step = [step_arg](cl_kernel kernel, const StepInfo& s) {
-    const auto lo = static_cast<cl_uint>(s.step), hi = static_cast<cl_uint>(s.step >> 32);
-    FERRY_CL(clSetKernelArg(kernel, step_arg, sizeof(cl_uint), &lo));
-    FERRY_CL(clSetKernelArg(kernel, step_arg + 1, sizeof(cl_uint), &hi));
-  };
 }
 
 // A tiled kernel runs work-groups of exactly BQ work-items (its loops stride by BQ), a blocked one
@@ -322,7 +337,9 @@ std::string attention_kernel_description(OpEnv& env, const AttentionShape& s, co
 
 std::size_t attention_forward_scratch_elems(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
   check_attention_shape(s);
-  if (!choose_config(env, s, o).cpu()) return 0;
+  const AttentionConfig c = choose_config(env, s, o);
+  if (c.family == Family::gemm) return attention_gemm_forward_scratch(env, s, c.mib);
+  if (!c.cpu()) return 0;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
   return heads * tp * s.head_dim + heads * tp * padded_dim(s);  // kᵀ, v rows
 }
@@ -331,6 +348,7 @@ std::size_t attention_backward_scratch_elems(OpEnv& env, const AttentionShape& s
   check_attention_shape(s);
   const std::size_t delta = round_up(s.rows(), 64);
   const AttentionConfig c = choose_config(env, s, o);
+  if (c.family == Family::gemm) return delta + attention_gemm_backward_scratch(env, s, c.mib);
   if (!c.cpu()) return delta;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
   // delta, kᵀ, vᵀ, then rows of k, q and do; the one-pass backward's f32 dq rows
@@ -355,8 +373,13 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
                  o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(tp),
                  cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch l = grid(std::move(kn), (s.context + c.qb - 1) / c.qb, heads, 1);
-    set_step_args(l, 17, dr.threshold != 0);
+    attention_step_args(l, 17, dr.threshold != 0);
     list.push_back(std::move(l));
+    return list;
+  }
+  if (c.family == Family::gemm) {
+    attention_gemm_forward(list, env, s, dtype, c.mib, scale, {dr.seed, dr.threshold, dr.inv_keep}, q, k, v, o, lse,
+                           scratch);
     return list;
   }
   if (c.family == Family::blocked) {
@@ -365,7 +388,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
                  o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch l = blocked_grid(std::move(b), s, heads);
-    set_step_args(l, 16, dr.threshold != 0);
+    attention_step_args(l, 16, dr.threshold != 0);
     list.push_back(std::move(l));
     return list;
   }
@@ -375,7 +398,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
                o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads), scale,
                dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
   KernelLaunch l = grid(std::move(kn), round_up(s.context, c.bq), heads, c.bq);
-  set_step_args(l, 16, dr.threshold != 0);
+  attention_step_args(l, 16, dr.threshold != 0);
   list.push_back(std::move(l));
   return list;
 }
@@ -420,7 +443,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                    dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context),
                    cl_uint(tp), cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
       KernelLaunch l = grid(std::move(kh), heads, 1, 1);
-      set_step_args(l, 29, dr.threshold != 0);
+      attention_step_args(l, 29, dr.threshold != 0);
       list.push_back(std::move(l));
       return list;
     }
@@ -430,7 +453,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(tp),
                  cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lkv = grid(std::move(kv), tp / 16, heads, 1);
-    set_step_args(lkv, 23, dr.threshold != 0);
+    attention_step_args(lkv, 23, dr.threshold != 0);
     list.push_back(std::move(lkv));
     cl::Kernel kq = env.kernels.kernel("attention", "attention_backward_q_cpu", defines);
     cl::set_args(kq.get(), qr.buffer, qr.elem_offset(), dor.buffer, dor.elem_offset(), kt.buffer, kt.elem_offset(),
@@ -438,8 +461,13 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  delta.elem_offset(), dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(tp), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lq = grid(std::move(kq), (s.context + c.qb - 1) / c.qb, heads, 1);
-    set_step_args(lq, 23, dr.threshold != 0);
+    attention_step_args(lq, 23, dr.threshold != 0);
     list.push_back(std::move(lq));
+    return list;
+  }
+  if (c.family == Family::gemm) {
+    attention_gemm_backward(list, env, s, dtype, c.mib, scale, {dr.seed, dr.threshold, dr.inv_keep}, q, k, v, dout, lse,
+                            delta, dq, dk, dv, scratch.advanced(round_up(s.rows(), 64) * sizeof(float)));
     return list;
   }
   if (c.family == Family::blocked) {
@@ -449,7 +477,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lkv = blocked_grid(std::move(kv), s, heads);
-    set_step_args(lkv, 22, dr.threshold != 0);
+    attention_step_args(lkv, 22, dr.threshold != 0);
     list.push_back(std::move(lkv));
     BlockedBuild dqk = build_blocked(env, s, dtype, c, BlockedKernel::dq);
     cl::set_args(dqk.kernel.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer,
@@ -457,7 +485,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  delta.elem_offset(), dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale,
                  dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lq = blocked_grid(std::move(dqk), s, heads);
-    set_step_args(lq, 20, dr.threshold != 0);
+    attention_step_args(lq, 20, dr.threshold != 0);
     list.push_back(std::move(lq));
     return list;
   }
@@ -468,7 +496,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
                scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
   KernelLaunch lkv = grid(std::move(kv), round_up(s.context, c.bq), heads, c.bq);
-  set_step_args(lkv, 22, dr.threshold != 0);
+  attention_step_args(lkv, 22, dr.threshold != 0);
   list.push_back(std::move(lkv));
   cl::Kernel kq = env.kernels.kernel("attention", "attention_backward_q_tiled", defines);
   check_group(kq, env, c.bq, "attention_backward_q_tiled", c);
@@ -477,7 +505,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale, dr.seed, dr.threshold,
                dr.inv_keep, cl_uint(0), cl_uint(0));
   KernelLaunch lq = grid(std::move(kq), round_up(s.context, c.bq), heads, c.bq);
-  set_step_args(lq, 20, dr.threshold != 0);
+  attention_step_args(lq, 20, dr.threshold != 0);
   list.push_back(std::move(lq));
   return list;
 }

@@ -1,9 +1,9 @@
 // Fused causal multi-head attention (ops/kernels/attention.cl, attention_blocked.cl): o = softmax(scale q kᵀ + causal
-// mask) v per head, with optional dropout on the probabilities, without the [T, T] score matrix in
-// device memory. Tiled with an online softmax (FlashAttention-2's partitioning): the forward runs
-// over query blocks and saves each row's log-sum-exp; the backward recomputes the probabilities
-// from it, over key blocks for dk and dv and over query blocks for dq (two passes instead of
-// atomics, so every run gives the same bits).
+// mask) v per head, with optional dropout on the probabilities, without a [T, T] score matrix that
+// outlives the op (the gemm family holds a bounded chunk of them while it runs). Tiled with an online softmax
+// (FlashAttention-2's partitioning): the forward runs over query blocks and saves each row's log-sum-exp; the backward
+// recomputes the probabilities from it, over key blocks for dk and dv and over query blocks for dq (two passes instead
+// of atomics, so every run gives the same bits).
 //
 // Layout: q, k, v and o are [B, T, H D] (the output of a linear layer, heads side by side in the
 // last axis; no permutes), lse is [B, H, T] in f32. Storage f32, f16 or bf16; arithmetic f32.
@@ -47,8 +47,11 @@ struct AttentionOptions {
   // tiles of BK keys (or queries) in local memory, a work-item per query (or key). "blocked TQ=64
   // TK=32" (GPUs): a work-group per TQ queries (or TK keys), every work-item a 4 x 4 block of the
   // scores (ops/kernels/attention_blocked.cl); TQ and TK (4 to 64, powers of two) are fitted per
-  // kernel to the device's local memory. Defaults: cpu on CPU devices; elsewhere the tuner's
-  // winner for the device (ops/attention_tune.hpp), or blocked with FERRY_TUNE=off.
+  // kernel to the device's local memory. "gemm MIB=32" (GPUs): the scores of a chunk of heads made
+  // and consumed by ferry's batched GEMM, at most MIB MiB of them in scratch while the op runs
+  // (ops/attention_gemm.hpp); given here, a context whose one head does not fit MIB is an error, as
+  // the tuner's choice the blocked family runs there. Defaults: cpu on CPU devices; elsewhere the
+  // tuner's winner for the device (ops/attention_tune.hpp), or blocked with FERRY_TUNE=off.
   std::string kernel{};
 };
 

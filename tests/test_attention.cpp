@@ -23,6 +23,7 @@
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ops/attention.hpp"
+#include "ops/attention_gemm.hpp"
 #include "ops/attention_tune.hpp"
 #include "ops/gemm.hpp"
 #include "ops/gemm_tune_cache.hpp"
@@ -208,7 +209,9 @@ INSTANTIATE_TEST_SUITE_P(
                                          // then more work-items across a tile than the head dimension has
                                          // float4s (keys in the forward and dq, queries in dk dv)
                                          std::string{"blocked"}, std::string{"blocked TQ=8 TK=16"},
-                                         std::string{"blocked TQ=4 TK=64"}, std::string{"blocked TQ=64 TK=4"}),
+                                         std::string{"blocked TQ=4 TK=64"}, std::string{"blocked TQ=64 TK=4"},
+                                         // the scores through the GEMM, all heads in one chunk
+                                         std::string{"gemm"}),
                        ::testing::Values(0.0f, 0.2f)),
     // Names that say the case, e.g. b2_t17_h3_d8_blocked_TQ_8_TK_16_p20, so that a run can pick a
     // family (--gtest_filter='*blocked*', as bench/gpu_session.sh does on a GPU).
@@ -234,7 +237,7 @@ TEST(AttentionDevice, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
   const std::size_t n = in.q.size();
   for (const graph::DType t : {graph::DType::f16, graph::DType::bf16}) {
     for (const std::string kernel :
-         {"cpu RB=4 QB=8 PASS=1", "cpu RB=2 QB=4 PASS=2", "tiled BQ=16 BK=8", "blocked TQ=16 TK=8"}) {
+         {"cpu RB=4 QB=8 PASS=1", "cpu RB=2 QB=4 PASS=2", "tiled BQ=16 BK=8", "blocked TQ=16 TK=8", "gemm"}) {
       SCOPED_TRACE(std::string(ops::dtype_name(t)) + " " + kernel);
       auto narrow = [&](const std::vector<float>& x) {
         std::vector<std::uint16_t> y(x.size());
@@ -319,6 +322,31 @@ TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
   }
   const TensorId y = b.attention(q, k, k, 4);
   EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 8, 32}));
+}
+
+// The gemm family in chunks of heads (MIB=1: at context 300 the backward holds one head's two
+// score matrices at a time, the forward two heads' one), with dropout, against the reference; and
+// a context whose one head does not fit the bound asked for is an error naming MIB, while the
+// tuned choice of the family would run the blocked kernels there.
+TEST(AttentionGemm, InChunksOfHeadsMatchesTheReference) {
+  auto& dev = TestDevice::get();
+  const AttentionShape s{1, 300, 5, 16};
+  if (too_large_for_this_run(s.batch * s.heads * s.context * s.context * s.head_dim)) GTEST_SKIP();
+  EXPECT_EQ(ops::attention_gemm_chunk_heads(s, 1, 2), 1u);
+  EXPECT_EQ(ops::attention_gemm_chunk_heads(s, 1, 1), 2u);
+  const Inputs in = random_inputs(s, 21);
+  const ops::AttentionDropout dr{0.1f, 77};
+  expect_result_near(run_device(s, in, dr, 3, "gemm MIB=1"), reference(s, in, dr, 3), 2e-5f, "gemm MIB=1");
+  const AttentionShape too_long{1, 400, 1, 16};
+  EXPECT_EQ(ops::attention_gemm_chunk_heads(too_long, 1, 2), 0u);
+  try {
+    ops::attention_forward_scratch_elems(dev.env, too_long, {"gemm MIB=1"});
+    FAIL() << "one head's scores past MIB should be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("MIB"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(ops::attention_kernel_description(dev.env, s, {"gemm"}), "gemm");
+  EXPECT_EQ(ops::attention_kernel_description(dev.env, s, {"gemm MIB=1"}), "gemm MIB=1");
 }
 
 // A register cap (RR, blocked family) is NVIDIA's compiler option: refused by name on a device
