@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "ferry/cl/error.hpp"
 #include "ops/gemm.hpp"
@@ -80,6 +81,14 @@ void unstage(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype,
   list.push_back(over_rows(std::move(k), s.head_dim, s.context, z.heads));
 }
 
+// The batches the chunks run: `chunk` heads, and the rest in a last, smaller one. Each may split K
+// differently (fewer products, fewer tiles), so the GEMMs' scratch is sized for both.
+std::vector<std::size_t> chunk_sizes(const Sizes& z, std::size_t chunk) {
+  std::vector<std::size_t> sizes{chunk};
+  if (z.heads % chunk != 0) sizes.push_back(z.heads % chunk);
+  return sizes;
+}
+
 void append(LaunchList& list, LaunchList more) {
   for (KernelLaunch& l : more) list.push_back(std::move(l));
 }
@@ -100,8 +109,11 @@ std::size_t attention_gemm_forward_scratch(OpEnv& env, const AttentionShape& s, 
   const Sizes z(s);
   const std::size_t n = attention_gemm_chunk_heads(s, mib, 1);
   if (n == 0) return 0;
-  const std::size_t gemm =
-      std::max(gemm_scratch_elems(env, scores_shape(z, n)), gemm_scratch_elems(env, rows_shape(z, n, false)));
+  std::size_t gemm = 0;
+  for (const std::size_t heads : chunk_sizes(z, n)) {
+    gemm = std::max(
+        {gemm, gemm_scratch_elems(env, scores_shape(z, heads)), gemm_scratch_elems(env, rows_shape(z, heads, false))});
+  }
   return 4 * z.rows + n * z.scores + gemm;
 }
 
@@ -109,9 +121,12 @@ std::size_t attention_gemm_backward_scratch(OpEnv& env, const AttentionShape& s,
   const Sizes z(s);
   const std::size_t n = attention_gemm_chunk_heads(s, mib, 2);
   if (n == 0) return 0;
-  const std::size_t gemm =
-      std::max({gemm_scratch_elems(env, scores_shape(z, n)), gemm_scratch_elems(env, rows_shape(z, n, false)),
-                gemm_scratch_elems(env, rows_shape(z, n, true))});
+  std::size_t gemm = 0;
+  for (const std::size_t heads : chunk_sizes(z, n)) {
+    gemm = std::max({gemm, gemm_scratch_elems(env, scores_shape(z, heads)),
+                     gemm_scratch_elems(env, rows_shape(z, heads, false)),
+                     gemm_scratch_elems(env, rows_shape(z, heads, true))});
+  }
   return 7 * z.rows + 2 * n * z.scores + gemm;
 }
 
