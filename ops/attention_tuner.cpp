@@ -202,9 +202,9 @@ std::vector<std::string> attention_tune_candidates(const cl::DeviceInfo& device,
   }
   // Where NVIDIA's compiler takes a register cap, the blocked tiles of the quick search again with
   // 168 registers a work-item: ptxas gives the dk dv kernel 225-241 at head dimension 64 (sm_90:
-  // four work-groups of 64 a compute unit, 8 warps), capped six fit with 12 bytes spilled
-  // (bench/RESULTS.md, "Registers and occupancy, read from ptxas"). Whether the warps gained beat
-  // the spills only a measurement says, so they are candidates, not a rule.
+  // four work-groups of 64 a compute unit, 8 warps), capped five fit (local memory then limits),
+  // with 12 bytes spilled (bench/RESULTS.md, "Registers and occupancy, read from ptxas"). Whether
+  // the warps gained beat the spills only a measurement says, so they are candidates, not a rule.
   if (device.has_extension("cl_nv_compiler_options")) {
     for (const Tiles& t : all) {
       if (t.quick && std::string_view(t.family) == "blocked" && (t.a / 4) * (t.b / 4) <= device.max_work_group_size)
