@@ -108,7 +108,7 @@ for p in "$@"; do
       part gemm-vw4 90 env KERNELS_GPU_ONLY=gemm KERNELS_GPU_ROW="tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=4" \
         KERNELS_GPU_GEMM_VARIANTS="SK=1,SK=1 VG=4" bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels-vw4" ;;
     attention)
-      part attention 150 env KERNELS_GPU_ONLY=attention KERNELS_GPU_PYTHON="$python_peer" \
+      part attention 210 env KERNELS_GPU_ONLY=attention KERNELS_GPU_PYTHON="$python_peer" \
         bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
     tune)
       part tune 150 env KERNELS_GPU_ONLY=tune KERNELS_GPU_TUNE_S=60 bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;

@@ -110,11 +110,29 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
   auto tiles = [&](std::size_t tsm, std::size_t tsn) {
     return s.batch * ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn);
   };
+  // First a side of the product no longer than half the tile's: the tile and the results per
+  // work-item halve along it (same group) while they can, since the rest of every tile computed
+  // zeros: o = p v and the gradients of attention's gemm family are [T, 64] products, which a
+  // 128 x 128 tile ran at half its work.
+  const bool vector_loads = c.param("VG") == 4;  // float4 loads need tiles in multiples of 4
+  auto halve_side = [&](const char* tile_key, const char* per_key, std::size_t extent) {
+    for (;;) {
+      const int t = c.param(tile_key), w = c.param(per_key);
+      if (extent * 2 > std::size_t(t) || w < 2 || w % 2 || (w / 2) % c.param("VW") || t % 2 ||
+          (vector_loads && (t / 2) % 4)) {
+        return;
+      }
+      for (auto& [key, value] : c.params) {
+        if (key == tile_key || key == per_key) value /= 2;
+      }
+    }
+  };
+  halve_side("TSN", "WPTN", s.N);
+  halve_side("TSM", "WPTM", s.M);
   if (c.param("SK") == 1) return c;  // short waves are split along K instead (tiled_splits)
   for (;;) {
     const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
     const int vw = c.param("VW");
-    const bool vector_loads = c.param("VG") == 4;  // float4 loads need tiles in multiples of 4
     if (tiles(tsm, tsn) >= compute_units || wm < 4 || wn < 4 || wm % 2 || wn % 2 || tsm % 2 || tsn % 2 ||
         (wm / 2) % vw || (wn / 2) % vw || (vector_loads && ((tsm / 2) % 4 || (tsn / 2) % 4))) {
       return c;

@@ -637,22 +637,28 @@ TEST(GemmTuning, OverrideFileSelectsKernel) {
   std::filesystem::remove(path);
 }
 
-// A tiled row from the tuning data shrinks its tile for products with fewer tiles than the
-// device has compute units (same group size, half the results per work-item each time, down to
-// 2 x 2); a kernel asked for by name runs as given. Results checked at each size.
+// A tiled row from the tuning data shrinks its tile for small products: first along a side of the
+// product no longer than half the tile's (that side's tile and results per work-item halved, same
+// group), then, for products with fewer tiles than the device has compute units, both (half the
+// results per work-item each time, down to 2 x 2); a kernel asked for by name runs as given.
+// Results checked at each size.
 TEST(GemmTuning, TiledTileShrinksForSmallProducts) {
   auto& dev = TestDevice::get();
   const std::string path = write_temp("tuning_tiled", "*\t*\t*\t\tferry\ttiled\tTSM=64 TSN=64 TSK=8 WPTM=8 WPTN=8\n");
   ScopedEnv env("FERRY_GEMM_TUNING", path);
   const std::uint32_t units = dev.context.device().compute_units;
-  auto tiles = [](const ops::GemmShape& s, std::size_t t) { return ((s.M + t - 1) / t) * ((s.N + t - 1) / t); };
-  for (const ops::GemmShape s : {ops::GemmShape{7, 9, 5}, ops::GemmShape{70, 33, 16}, ops::GemmShape{200, 150, 9}}) {
-    std::size_t tile = 64, per = 8;
-    while (tiles(s, tile) < units && per >= 4) {
-      tile /= 2;
-      per /= 2;
+  for (const ops::GemmShape s : {ops::GemmShape{7, 9, 5}, ops::GemmShape{70, 33, 16}, ops::GemmShape{200, 150, 9},
+                                 ops::GemmShape{300, 20, 40}}) {
+    std::size_t tsm = 64, tsn = 64, wm = 8, wn = 8;
+    for (; s.N * 2 <= tsn && wn >= 2; tsn /= 2) wn /= 2;
+    for (; s.M * 2 <= tsm && wm >= 2; tsm /= 2) wm /= 2;
+    while (((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn) < units && wm >= 4 && wn >= 4) {
+      tsm /= 2;
+      tsn /= 2;
+      wm /= 2;
+      wn /= 2;
     }
-    const std::string want = fmt::format("tiled TSM={0} TSN={0} TSK=8 WPTM={1} WPTN={1}", tile, per);
+    const std::string want = fmt::format("tiled TSM={} TSN={} TSK=8 WPTM={} WPTN={}", tsm, tsn, wm, wn);
     const std::string desc = ops::gemm_kernel_description(dev.env, s);
     EXPECT_NE(desc.find(want), std::string::npos) << desc << " (" << units << " compute units)";
     check_gemm(s, {}, 1.0f, 0.5f, true, desc.c_str());
