@@ -89,6 +89,32 @@ else
   compile_ptx "$@"
 fi
 
+# hottest FMA SKIP TITLE: reads "kernel block opcode" lines and prints, per kernel, the block with
+# the most FMA (the unrolled inner loop), the count of each opcode in it and its FMAs per other
+# instruction, SKIP's opcodes not counted (moves vanish in register allocation, branches close the
+# loop). TITLE says whose code it was (e.g. "SASS ").
+hottest() {
+  awk -v fma="$1" -v skip=" $2 " -v title="$3" '
+    { count[$1 SUBSEP $2 SUBSEP $3]++; if ($3 == fma) fmas[$1 SUBSEP $2]++ }
+    END {
+      for (key in fmas) {
+        split(key, k, SUBSEP)
+        if (fmas[key] > best[k[1]]) { best[k[1]] = fmas[key]; where[k[1]] = k[2] }
+      }
+      for (f in best) {
+        line = ""; other = 0
+        for (key in count) {
+          split(key, k, SUBSEP)
+          if (k[1] != f || k[2] != where[f]) continue
+          line = line sprintf(" %s=%d", k[3], count[key])
+          if (k[3] != fma && index(skip, " " k[3] " ") == 0) other += count[key]
+        }
+        printf "%s %s%s:%s\n  %s per other instruction: %.1f\n", f, title, where[f], line,
+               fma == "fma.f32" ? "fma" : fma, other ? best[f] / other : best[f]
+      }
+    }'
+}
+
 awk '
   /^\.(visible )?\.?entry/ { fn = $NF; sub(/\(.*/, "", fn) }
   /^(\$L__BB|LBB|BB)[0-9_]+:/ { bb = $1; sub(/:$/, "", bb) }  # $L__BB0_1 (clang 15, NVVM), LBB0_1, BB0_1
@@ -98,25 +124,8 @@ awk '
     kind = part[1]
     if (kind == "ld" || kind == "st") kind = kind "." part[2]  # ld.shared, ld.global, ...
     if (op ~ /^fma\.rn\.f32/) kind = "fma.f32"
-    count[fn SUBSEP bb SUBSEP kind]++
-    if (kind == "fma.f32") fmas[fn SUBSEP bb]++
-  }
-  END {
-    for (key in fmas) {
-      split(key, k, SUBSEP)
-      if (fmas[key] > best[k[1]]) { best[k[1]] = fmas[key]; where[k[1]] = k[2] }
-    }
-    for (f in best) {
-      line = ""; other = 0
-      for (key in count) {
-        split(key, k, SUBSEP)
-        if (k[1] != f || k[2] != where[f]) continue
-        line = line sprintf(" %s=%d", k[3], count[key])
-        if (k[3] != "fma.f32" && k[3] != "mov" && k[3] != "bra") other += count[key]
-      }
-      printf "%s %s:%s\n  fma per other instruction: %.1f\n", f, where[f], line, other ? best[f] / other : best[f]
-    }
-  }' "$work/kernel.ptx"
+    print fn, bb, kind
+  }' "$work/kernel.ptx" | hottest fma.f32 "mov bra" ""
 
 [[ -n ${PTX_MIX_SASS:-} ]] || exit 0
 ptxas=${PTXAS:-$(command -v ptxas || { [[ -x /usr/local/cuda/bin/ptxas ]] && echo /usr/local/cuda/bin/ptxas; } || true)}
@@ -157,23 +166,5 @@ nvdisasm=${NVDISASM:-$(command -v nvdisasm || true)}
     sub(/;$/, "", op)
     n = split(op, part, "."); kind = part[1]
     if (kind == "LDS" || kind == "LDG" || kind == "STS" || kind == "STG") kind = kind (op ~ /\.128/ ? ".128" : op ~ /\.64/ ? ".64" : "")
-    count[fn SUBSEP bb SUBSEP kind]++
-    if (kind == "FFMA") ffma[fn SUBSEP bb]++
-  }
-  END {
-    for (key in ffma) {
-      split(key, k, SUBSEP)
-      if (ffma[key] > best[k[1]]) { best[k[1]] = ffma[key]; where[k[1]] = k[2] }
-    }
-    for (f in best) {
-      line = ""; other = 0
-      for (key in count) {
-        split(key, k, SUBSEP)
-        if (k[1] != f || k[2] != where[f]) continue
-        line = line sprintf(" %s=%d", k[3], count[key])
-        if (k[3] != "FFMA" && k[3] != "MOV" && k[3] != "NOP") other += count[key]
-      }
-      printf "%s SASS %s:%s\n  FFMA per other instruction: %.1f\n", f, where[f], line, other ? best[f] / other : best[f]
-    }
-  }'
-
+    print fn, bb, kind
+  }' | hottest FFMA "MOV NOP" "SASS "

@@ -89,6 +89,17 @@ std::vector<std::size_t> chunk_sizes(const Sizes& z, std::size_t chunk) {
   return sizes;
 }
 
+// The GEMMs' scratch: the most any of the chunks' products takes (the backward's transposed ones too).
+std::size_t products_scratch(OpEnv& env, const Sizes& z, std::size_t chunk, bool backward) {
+  std::size_t most = 0;
+  for (const std::size_t heads : chunk_sizes(z, chunk)) {
+    most = std::max(
+        {most, gemm_scratch_elems(env, scores_shape(z, heads)), gemm_scratch_elems(env, rows_shape(z, heads, false))});
+    if (backward) most = std::max(most, gemm_scratch_elems(env, rows_shape(z, heads, true)));
+  }
+  return most;
+}
+
 void append(LaunchList& list, LaunchList more) {
   for (KernelLaunch& l : more) list.push_back(std::move(l));
 }
@@ -109,25 +120,14 @@ std::size_t attention_gemm_forward_scratch(OpEnv& env, const AttentionShape& s, 
   const Sizes z(s);
   const std::size_t n = attention_gemm_chunk_heads(s, mib, 1);
   if (n == 0) return 0;
-  std::size_t gemm = 0;
-  for (const std::size_t heads : chunk_sizes(z, n)) {
-    gemm = std::max(
-        {gemm, gemm_scratch_elems(env, scores_shape(z, heads)), gemm_scratch_elems(env, rows_shape(z, heads, false))});
-  }
-  return 4 * z.rows + n * z.scores + gemm;
+  return 4 * z.rows + n * z.scores + products_scratch(env, z, n, false);
 }
 
 std::size_t attention_gemm_backward_scratch(OpEnv& env, const AttentionShape& s, std::size_t mib) {
   const Sizes z(s);
   const std::size_t n = attention_gemm_chunk_heads(s, mib, 2);
   if (n == 0) return 0;
-  std::size_t gemm = 0;
-  for (const std::size_t heads : chunk_sizes(z, n)) {
-    gemm = std::max({gemm, gemm_scratch_elems(env, scores_shape(z, heads)),
-                     gemm_scratch_elems(env, rows_shape(z, heads, false)),
-                     gemm_scratch_elems(env, rows_shape(z, heads, true))});
-  }
-  return 7 * z.rows + 2 * n * z.scores + gemm;
+  return 7 * z.rows + 2 * n * z.scores + products_scratch(env, z, n, true);
 }
 
 void attention_gemm_forward(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, std::size_t mib,
