@@ -36,6 +36,9 @@
 #   compile-cold  the 85M GPT's compile with no program cache (its own empty folder; CUDA_CACHE_DISABLE=1
 #              so the driver's cache does not stand in): compile_s with kernels built one at a time
 #              (FERRY_BUILD_THREADS=1) and in parallel (the default), one step each
+#   predict    does Predict pay where the link binds? The small GPT streamed at its minimum budget
+#              (bench/RESULTS.md, "Does Predict pay at scale?", measured on PoCL), 400 steps Full-only
+#              and with hybrid phases and int8 Predict weights: val loss every 50 steps and seconds
 #   ptx        after parts that built them: the driver's own PTX of the tiled GEMM and blocked attention
 #              kernels (NVIDIA's program binaries, in the program cache), each with bench/ptx_mix.sh's
 #              account of its hottest block, to set beside clang's (tests/gpu_kernels/loop_mix.sh); the
@@ -141,6 +144,14 @@ for p in "$@"; do
 print("  step", round(d["span_ms"], 2), "ms, compute busy", round(c["busy_share"], 3), "over", c["nodes"], "nodes")
 for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "ms")' "$res/gpt85m_$attention.trace_summary.json"
         rm -f "$trace"  # the summary is what comes back (the trace is megabytes)
+      done ;;
+    predict)  # hybrid phases against Full-only on a link-bound streamed GPT (issue: "Does Predict pay at scale?")
+      for phases in full hybrid; do
+        int8=()
+        [[ $phases == hybrid ]] && int8=(--predict-int8)
+        part "predict-$phases" 120 "$kit/bin/ferry" train --model gpt --width 256 --depth 4 --heads 4 --context 64 \
+          --batch 8 --steps 400 --eval-every 50 --phases "$phases" "${int8[@]}" --residency stream \
+          --device-budget 39MiB --json
       done ;;
     compile-cold)  # parallel kernel builds: does NVIDIA's compiler run them at once?
       for threads in 1 default; do
