@@ -23,10 +23,6 @@ void attention_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout) {
 
 namespace {
 
-std::size_t padded(std::size_t n) {
-  return (n + 15) / 16 * 16;
-}
-
 // The sizes every part of the family shares: Tp and DP (context and head dimension rounded up to
 // 16, as the staged rows of the other families), the staged rows of one operand, and one head's
 // score matrix.
@@ -34,8 +30,8 @@ struct Sizes {
   std::size_t heads, tp, dp, rows, scores;
   explicit Sizes(const AttentionShape& s)
       : heads(s.batch * s.heads),
-        tp(padded(s.context)),
-        dp(padded(s.head_dim)),
+        tp(round_up(s.context, 16)),
+        dp(round_up(s.head_dim, 16)),
         rows(heads * tp * dp),
         scores(tp * tp) {}
 };
@@ -54,7 +50,7 @@ GemmShape rows_shape(const Sizes& z, std::size_t n, bool trans_a) {
 }
 
 std::string defines(const AttentionShape& s, DType dtype) {
-  return fmt::format("{} -DHEAD_DIM={} -DDP={}", dtype_define(dtype), s.head_dim, padded(s.head_dim));
+  return fmt::format("{} -DHEAD_DIM={} -DDP={}", dtype_define(dtype), s.head_dim, round_up(s.head_dim, 16));
 }
 
 KernelLaunch over_rows(cl::Kernel k, std::size_t x, std::size_t y, std::size_t z) {
