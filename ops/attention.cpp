@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -67,8 +68,8 @@ AttentionConfig parse_config(const std::string& spec) {
     c.family = Family::gemm;
   } else {
     throw std::invalid_argument(
-        fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\" "
-                    ", \"blocked TQ=n TK=n [RR=n]\" or \"gemm [MIB=n]\")",
+        fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\", "
+                    "\"blocked TQ=n TK=n [RR=n]\" or \"gemm [MIB=n]\")",
                     spec));
   }
   for (std::string kv; in >> kv;) {
@@ -132,7 +133,13 @@ AttentionConfig parse_config(const std::string& spec) {
 // "Attention's CPU kernels fitted to AVX2"); elsewhere the tuned kernel. A tiled kernel's
 // BQ and BK shrink to the device's work-group limit and local memory when they are defaults;
 // the blocked kernels' tiles are fitted per kernel (blocked_tiles).
-AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
+AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& given) {
+  AttentionOptions o = given;
+  // FERRY_ATTENTION_KERNEL names the kernel of every fused attention whose options name none (a
+  // model's, in a compiled step): as if given there, so a bad one is an error.
+  if (const char* env_kernel = std::getenv("FERRY_ATTENTION_KERNEL"); o.kernel.empty() && env_kernel && *env_kernel) {
+    o.kernel = env_kernel;
+  }
   AttentionConfig c;
   if (!o.kernel.empty()) {
     c = parse_config(o.kernel);

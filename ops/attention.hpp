@@ -52,6 +52,7 @@ struct AttentionOptions {
   // (ops/attention_gemm.hpp); given here, a context whose one head does not fit MIB is an error, as
   // the tuner's choice the blocked family runs there. Defaults: cpu on CPU devices; elsewhere the
   // tuner's winner for the device (ops/attention_tune.hpp), or blocked with FERRY_TUNE=off.
+  // Empty here, the environment's FERRY_ATTENTION_KERNEL (when set) names the kernel instead.
   std::string kernel{};
 };
 

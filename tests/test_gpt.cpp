@@ -13,6 +13,7 @@
 
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
+#include "ops/attention.hpp"
 #include "reference_executor.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
@@ -136,6 +137,43 @@ TEST(Gpt, FusedAttentionTrainsLikeTheUnfusedPath) {
       const auto& f = fp.at(name);
       for (std::size_t i = 0; i < values.size(); ++i) ASSERT_NEAR(f[i], values[i], 2e-5) << name << "[" << i << "]";
     }
+  }
+}
+
+// Every attention kernel family, run inside a model's compiled step (FERRY_ATTENTION_KERNEL: the
+// GPU families on this device too, with their scratch planned by the step and dropout's per-step
+// arguments set at each enqueue), trains the fused model as the unfused path does.
+TEST(Gpt, EveryAttentionFamilyTrainsLikeTheUnfusedPath) {
+  Runtime rt;
+  models::GptConfig c = tiny_config();
+  c.width = 32;
+  c.context = 20;
+  c.dropout = 0.1f;
+  const std::uint32_t batch = 2;
+  auto run = [&](bool fused) {
+    models::GptConfig cc = c;
+    cc.fused_attention = fused;
+    TrainerOptions o = gpt_options(batch);
+    o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
+    o.lr = 0.1f;
+    Trainer t(rt, models::gpt(cc), o);
+    std::vector<float> losses;
+    for (std::uint32_t s = 0; s < 3; ++s) {
+      losses.push_back(t.step(token_batch(random_ids(batch * c.context, c.vocab, 70 + s),
+                                          random_ids(batch * c.context, c.vocab, 80 + s)))
+                           .loss);
+    }
+    return losses;
+  };
+  const std::vector<float> unfused = run(false);
+  for (const char* kernel : {"gemm", "blocked TQ=8 TK=16", "tiled BQ=16 BK=8", "cpu RB=3 QB=6 KB=16"}) {
+    ScopedEnv env("FERRY_ATTENTION_KERNEL", kernel);
+    const ops::AttentionShape shape{batch, c.context, c.heads, c.width / c.heads};
+    EXPECT_TRUE(ops::attention_kernel_description(TestDevice::get().env, shape).starts_with(kernel))
+        << ops::attention_kernel_description(TestDevice::get().env, shape);
+    const std::vector<float> fused = run(true);
+    for (std::size_t s = 0; s < fused.size(); ++s)
+      EXPECT_NEAR(fused[s], unfused[s], 1e-5 * std::abs(unfused[s])) << kernel << ", step " << s;
   }
 }
 

@@ -144,6 +144,8 @@ row "FERRY_TUNE_BUDGET_S not a positive number" "FERRY_TUNE_BUDGET_S='-5'" error
   train "${quick[@]}"
 row "FERRY_BUILD_THREADS not a whole number from 1" "FERRY_BUILD_THREADS='0': expected a whole number from 1 to 1024" \
   error "FERRY_BUILD_THREADS=0" train "${quick[@]}"
+row "unknown FERRY_ATTENTION_KERNEL" "attention: unknown kernel 'flash'" error "FERRY_ATTENTION_KERNEL=flash" \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet
 row "unknown ferry tune --mode" "--mode: slow not in {quick,full}" error - tune --mode slow
 
 # Checkpoints and the program cache.
