@@ -167,7 +167,7 @@ class Timer {
 BuildAhead build_ahead(Timer& timer, const cl::DeviceInfo& device, const GemmTuneOptions& options,
                        const std::vector<std::pair<GemmShape, std::string>>& pairs) {
   std::vector<std::function<void()>> builds;
-  for (const auto& [shape, kernel] : pairs) builds.push_back([&timer, shape, kernel] { timer.build(shape, kernel); });
+  for (const auto& pair : pairs) builds.push_back([&timer, pair] { timer.build(pair.first, pair.second); });
   return BuildAhead(!device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
 }
 
