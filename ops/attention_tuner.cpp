@@ -21,6 +21,7 @@
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/program.hpp"
 #include "gemm_tune_cache.hpp"
+#include "gemm_tuning.hpp"
 #include "ops/attention_tune.hpp"
 #include "tune_timer.hpp"
 
@@ -288,6 +289,11 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
   for (const std::string& kernel : candidates) {
     for (const AttentionShape& s : all) builds.push_back([&timer, s, kernel] { timer.build(s, kernel); });
   }
+  // The gemm family runs the GEMM's row for this device: settled here, before anything builds or is
+  // timed, so that a first GEMM search (a device no row names, no cached winner) does not start on
+  // a build-ahead thread and time its products beside these candidates.
+  if (std::any_of(candidates.begin(), candidates.end(), [](const std::string& k) { return k.starts_with("gemm"); }))
+    gemm_tuning_for(env);
   const BuildAhead ahead(!device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
   for (const std::string& kernel : candidates) {
     const bool every_class_won =

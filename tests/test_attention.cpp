@@ -392,8 +392,9 @@ TEST(AttentionErrors, RegisterCapsOnlyWhereTheDriverTakesThem) {
 }
 
 // With builds ahead (on other threads while candidates are timed) the search measures the same
-// candidates with the same outcome: every runnable one scored in every class, the one that cannot
-// build refused with its reason, and every program it ran built from source once, in one library.
+// candidates with the same outcome: every runnable one scored in every class (the gemm family's
+// GEMMs built ahead too), the one that cannot build refused with its reason, and every program it
+// ran built from source once, in one library.
 TEST(AttentionTune, BuildingAheadMeasuresTheSameCandidates) {
   auto& dev = TestDevice::get();
   auto run = [&](bool ahead, ops::AttentionTuneResult& r) {
@@ -403,7 +404,7 @@ TEST(AttentionTune, BuildingAheadMeasuresTheSameCandidates) {
     cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
     ops::OpEnv env{kernels};
     ops::AttentionTuneOptions o;
-    o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8", "blocked TQ=9", "blocked TQ=16 TK=8"};
+    o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8", "blocked TQ=9", "blocked TQ=16 TK=8", "gemm"};
     o.shapes = {{1, 40, 2, 16}, {1, 24, 1, 80}};
     o.build_ahead_on_cpus = ahead;
     r = ops::tune_attention(env, o);
@@ -414,9 +415,9 @@ TEST(AttentionTune, BuildingAheadMeasuresTheSameCandidates) {
   ops::AttentionTuneResult in_turn, ahead;
   const cl::ProgramCacheStats in_turn_stats = run(false, in_turn);
   const cl::ProgramCacheStats ahead_stats = run(true, ahead);
-  ASSERT_EQ(ahead.candidates.size(), 4u);
-  ASSERT_EQ(in_turn.candidates.size(), 4u);
-  for (std::size_t i = 0; i < 4; ++i) {
+  ASSERT_EQ(ahead.candidates.size(), 5u);
+  ASSERT_EQ(in_turn.candidates.size(), 5u);
+  for (std::size_t i = 0; i < 5; ++i) {
     const ops::AttentionTuneCandidate &a = ahead.candidates[i], &b = in_turn.candidates[i];
     EXPECT_EQ(a.kernel, b.kernel);
     EXPECT_EQ(a.error.empty(), i != 2) << a.kernel << ": " << a.error;
