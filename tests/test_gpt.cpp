@@ -99,10 +99,30 @@ TEST(Gpt, ReferenceGradientsMatchFiniteDifferences) {
   EXPECT_EQ(checked, 2u + 2 * (4 + 4 + 2 * 2 + 2 * 2) + 2 + 2);  // embeddings, 2 blocks, final LayerNorm, head
 }
 
+// Three SGD steps (lr 0.1) of the GPT `c` on random tokens (ids drawn from `seed` on), its
+// attention fused or not: the losses and the parameters after them. SGD, as in
+// TrainsOnTheDeviceLikeTheReference: Adam would amplify the key bias's zero-gradient noise.
+std::pair<std::vector<float>, std::map<std::string, std::vector<float>>> three_sgd_steps(
+    Runtime& rt, models::GptConfig c, std::uint32_t batch, bool fused, std::uint32_t seed) {
+  c.fused_attention = fused;
+  TrainerOptions o = gpt_options(batch);
+  o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
+  o.lr = 0.1f;
+  Trainer t(rt, models::gpt(c), o);
+  std::vector<float> losses;
+  for (std::uint32_t s = 0; s < 3; ++s) {
+    losses.push_back(t.step(token_batch(random_ids(batch * c.context, c.vocab, seed + s),
+                                        random_ids(batch * c.context, c.vocab, seed + 10 + s)))
+                         .loss);
+  }
+  std::map<std::string, std::vector<float>> params;
+  for (const auto& name : t.parameter_names()) params[name] = t.read_parameter(name);
+  return {losses, params};
+}
+
 // The fused attention op and the unfused path (matmuls, causal softmax, dropout) train the same
 // model: same parameter names, the same dropout masks, losses and weights equal to f32 tolerance
-// over steps with dropout on, head dimensions that do and do not fill a 16-float vector (SGD, as
-// in TrainsOnTheDeviceLikeTheReference).
+// over steps with dropout on, head dimensions that do and do not fill a 16-float vector.
 TEST(Gpt, FusedAttentionTrainsLikeTheUnfusedPath) {
   Runtime rt;
   for (const std::uint32_t width : {8u, 64u}) {
@@ -110,26 +130,8 @@ TEST(Gpt, FusedAttentionTrainsLikeTheUnfusedPath) {
     c.width = width;
     c.context = 20;
     c.dropout = 0.1f;
-    const std::uint32_t batch = 2;
-    auto run = [&](bool fused) {
-      models::GptConfig cc = c;
-      cc.fused_attention = fused;
-      TrainerOptions o = gpt_options(batch);
-      o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;  // Adam would amplify the key bias's zero-gradient noise
-      o.lr = 0.1f;
-      Trainer t(rt, models::gpt(cc), o);
-      std::vector<float> losses;
-      for (std::uint32_t s = 0; s < 3; ++s) {
-        losses.push_back(t.step(token_batch(random_ids(batch * c.context, c.vocab, 50 + s),
-                                            random_ids(batch * c.context, c.vocab, 60 + s)))
-                             .loss);
-      }
-      std::map<std::string, std::vector<float>> params;
-      for (const auto& name : t.parameter_names()) params[name] = t.read_parameter(name);
-      return std::make_pair(losses, params);
-    };
-    const auto [fl, fp] = run(true);
-    const auto [ul, up] = run(false);
+    const auto [fl, fp] = three_sgd_steps(rt, c, 2, true, 50);
+    const auto [ul, up] = three_sgd_steps(rt, c, 2, false, 50);
     ASSERT_EQ(fp.size(), up.size());
     for (const auto& [name, values] : up) ASSERT_TRUE(fp.count(name)) << name << " is missing from the fused model";
     for (std::size_t s = 0; s < fl.size(); ++s) EXPECT_NEAR(fl[s], ul[s], 1e-5 * std::abs(ul[s])) << "step " << s;
@@ -150,28 +152,13 @@ TEST(Gpt, EveryAttentionFamilyTrainsLikeTheUnfusedPath) {
   c.context = 20;
   c.dropout = 0.1f;
   const std::uint32_t batch = 2;
-  auto run = [&](bool fused) {
-    models::GptConfig cc = c;
-    cc.fused_attention = fused;
-    TrainerOptions o = gpt_options(batch);
-    o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
-    o.lr = 0.1f;
-    Trainer t(rt, models::gpt(cc), o);
-    std::vector<float> losses;
-    for (std::uint32_t s = 0; s < 3; ++s) {
-      losses.push_back(t.step(token_batch(random_ids(batch * c.context, c.vocab, 70 + s),
-                                          random_ids(batch * c.context, c.vocab, 80 + s)))
-                           .loss);
-    }
-    return losses;
-  };
-  const std::vector<float> unfused = run(false);
+  const std::vector<float> unfused = three_sgd_steps(rt, c, batch, false, 70).first;
   for (const char* kernel : {"gemm", "blocked TQ=8 TK=16", "tiled BQ=16 BK=8", "cpu RB=3 QB=6 KB=16"}) {
     ScopedEnv env("FERRY_ATTENTION_KERNEL", kernel);
     const ops::AttentionShape shape{batch, c.context, c.heads, c.width / c.heads};
     EXPECT_TRUE(ops::attention_kernel_description(TestDevice::get().env, shape).starts_with(kernel))
         << ops::attention_kernel_description(TestDevice::get().env, shape);
-    const std::vector<float> fused = run(true);
+    const std::vector<float> fused = three_sgd_steps(rt, c, batch, true, 70).first;
     for (std::size_t s = 0; s < fused.size(); ++s)
       EXPECT_NEAR(fused[s], unfused[s], 1e-5 * std::abs(unfused[s])) << kernel << ", step " << s;
   }
