@@ -128,9 +128,9 @@ awk '
   }' "$work/kernel.ptx" | hottest fma.f32 "mov bra" ""
 
 [[ -n ${PTX_MIX_SASS:-} ]] || exit 0
-ptxas=${PTXAS:-$(command -v ptxas || { [[ -x /usr/local/cuda/bin/ptxas ]] && echo /usr/local/cuda/bin/ptxas; } || true)}
+ptxas=${PTXAS:-$(command -v ptxas || true)}
 [[ -n $ptxas ]] || {
-  echo "ptx_mix: PTX_MIX_SASS asks for ptxas, which is not found (PTXAS=path)" >&2
+  echo "ptx_mix: PTX_MIX_SASS asks for ptxas, which is not on PATH (the CUDA toolkit's bin folder; or PTXAS=path)" >&2
   exit 2
 }
 # NVIDIA's OpenCL PTX and clang's say .target sm_NN, texmode_independent: ptxas assembles it for

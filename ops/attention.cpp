@@ -240,17 +240,6 @@ std::size_t elem_bytes(DType t) {
   return dtype_bytes(t);
 }
 
-// The dropout arguments every main kernel ends with: seed, threshold, inv_keep, step_lo, step_hi;
-// the last two set per step.
-struct DropoutArgs {
-  cl_uint seed = 0, threshold = 0;
-  float inv_keep = 1.0f;
-};
-DropoutArgs dropout_args(const AttentionDropout& d) {
-  if (d.p == 0.0f) return {};
-  return {d.seed, dropout_threshold(d.p), static_cast<float>(1.0 / (1.0 - double(d.p)))};
-}
-
 // A tiled kernel runs work-groups of exactly BQ work-items (its loops stride by BQ), a blocked one
 // of (TQ / 4) (TK / 4): refuse a kernel the device cannot run that wide instead of letting the
 // enqueue fail.
@@ -338,6 +327,20 @@ void check_attention_shape(const AttentionShape& s) {
   }
 }
 
+AttentionKernelDropout attention_kernel_dropout(const AttentionDropout& d) {
+  if (d.p == 0.0f) return {};
+  return {d.seed, dropout_threshold(d.p), static_cast<float>(1.0 / (1.0 - double(d.p)))};
+}
+
+void attention_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout) {
+  if (!dropout) return;
+  l.per_step = [step_arg](cl_kernel kernel, const StepInfo& s) {
+    const auto lo = static_cast<cl_uint>(s.step), hi = static_cast<cl_uint>(s.step >> 32);
+    FERRY_CL(clSetKernelArg(kernel, step_arg, sizeof(cl_uint), &lo));
+    FERRY_CL(clSetKernelArg(kernel, step_arg + 1, sizeof(cl_uint), &hi));
+  };
+}
+
 std::string attention_kernel_description(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
   return choose_config(env, s, o).text();
 }
@@ -367,7 +370,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
                              DeviceSpan lse, DeviceSpan scratch, const AttentionOptions& options) {
   check_attention_shape(s);
   const AttentionConfig c = choose_config(env, s, options);
-  const DropoutArgs dr = dropout_args(dropout);
+  const AttentionKernelDropout dr = attention_kernel_dropout(dropout);
   const std::size_t eb = elem_bytes(dtype), heads = s.batch * s.heads, tp = padded_context(s);
   const std::string defines = kernel_defines(s, dtype, c);
   LaunchList list;
@@ -385,8 +388,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
     return list;
   }
   if (c.family == Family::gemm) {
-    attention_gemm_forward(list, env, s, dtype, c.mib, scale, {dr.seed, dr.threshold, dr.inv_keep}, q, k, v, o, lse,
-                           scratch);
+    attention_gemm_forward(list, env, s, dtype, c.mib, scale, dr, q, k, v, o, lse, scratch);
     return list;
   }
   if (c.family == Family::blocked) {
@@ -416,7 +418,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                               DeviceSpan scratch, const AttentionOptions& options) {
   check_attention_shape(s);
   const AttentionConfig c = choose_config(env, s, options);
-  const DropoutArgs dr = dropout_args(dropout);
+  const AttentionKernelDropout dr = attention_kernel_dropout(dropout);
   const std::size_t eb = elem_bytes(dtype), heads = s.batch * s.heads, tp = padded_context(s);
   const std::string defines = kernel_defines(s, dtype, c);
   const DeviceSpan delta = scratch;
@@ -473,8 +475,8 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     return list;
   }
   if (c.family == Family::gemm) {
-    attention_gemm_backward(list, env, s, dtype, c.mib, scale, {dr.seed, dr.threshold, dr.inv_keep}, q, k, v, dout, lse,
-                            delta, dq, dk, dv, scratch.advanced(round_up(s.rows(), 64) * sizeof(float)));
+    attention_gemm_backward(list, env, s, dtype, c.mib, scale, dr, q, k, v, dout, lse, delta, dq, dk, dv,
+                            scratch.advanced(round_up(s.rows(), 64) * sizeof(float)));
     return list;
   }
   if (c.family == Family::blocked) {

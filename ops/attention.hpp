@@ -61,6 +61,17 @@ struct AttentionDropout {
   std::uint32_t seed = 0;
 };
 
+// What the op's kernel families share (attention.cpp, attention_gemm.cpp): every attention kernel
+// ends with the dropout arguments seed, threshold, inv_keep (these; all zero but inv_keep without
+// dropout), then step_lo, step_hi, the step counter, which attention_step_args sets per step
+// (nothing without dropout).
+struct AttentionKernelDropout {
+  cl_uint seed = 0, threshold = 0;
+  float inv_keep = 1.0f;
+};
+AttentionKernelDropout attention_kernel_dropout(const AttentionDropout& d);
+void attention_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout);
+
 // Scratch (in floats) of the forward and the backward: staged f32 copies of k and v (transposed
 // and row-major, per head) and the backward's row sums delta = rowsum(do o).
 std::size_t attention_forward_scratch_elems(OpEnv& env, const AttentionShape& s, const AttentionOptions& o = {});

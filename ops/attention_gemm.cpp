@@ -12,15 +12,6 @@
 
 namespace ferry::ops {
 
-void attention_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout) {
-  if (!dropout) return;
-  l.per_step = [step_arg](cl_kernel kernel, const StepInfo& s) {
-    const auto lo = static_cast<cl_uint>(s.step), hi = static_cast<cl_uint>(s.step >> 32);
-    FERRY_CL(clSetKernelArg(kernel, step_arg, sizeof(cl_uint), &lo));
-    FERRY_CL(clSetKernelArg(kernel, step_arg + 1, sizeof(cl_uint), &hi));
-  };
-}
-
 namespace {
 
 // The sizes every part of the family shares: Tp and DP (context and head dimension rounded up to
@@ -127,7 +118,7 @@ std::size_t attention_gemm_backward_scratch(OpEnv& env, const AttentionShape& s,
 }
 
 void attention_gemm_forward(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, std::size_t mib,
-                            float scale, const AttentionGemmDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
+                            float scale, const AttentionKernelDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
                             DeviceSpan o, DeviceSpan lse, DeviceSpan scratch) {
   const Sizes z(s);
   const std::size_t chunk = attention_gemm_chunk_heads(s, mib, 1);
@@ -161,7 +152,7 @@ void attention_gemm_forward(LaunchList& list, OpEnv& env, const AttentionShape& 
 }
 
 void attention_gemm_backward(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, std::size_t mib,
-                             float scale, const AttentionGemmDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
+                             float scale, const AttentionKernelDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
                              DeviceSpan dout, DeviceSpan lse, DeviceSpan delta, DeviceSpan dq, DeviceSpan dk,
                              DeviceSpan dv, DeviceSpan scratch) {
   const Sizes z(s);

@@ -32,23 +32,13 @@ std::size_t attention_gemm_chunk_heads(const AttentionShape& s, std::size_t mib,
 std::size_t attention_gemm_forward_scratch(OpEnv& env, const AttentionShape& s, std::size_t mib);
 std::size_t attention_gemm_backward_scratch(OpEnv& env, const AttentionShape& s, std::size_t mib);
 
-// Sets the per-step arguments step_lo, step_hi (the step counter, which the dropout draw takes) of
-// an attention kernel at `step_arg`; nothing without dropout. Every attention kernel ends with them.
-void attention_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout);
-
-// The dropout arguments of the family's kernels (as every attention kernel takes them).
-struct AttentionGemmDropout {
-  cl_uint seed = 0, threshold = 0;
-  float inv_keep = 1.0f;
-};
-
 // Appends the forward (o, lse) and the backward (dq, dk, dv from delta = rowsum(do o), computed
 // by the caller into `delta`) to `list`. The caller checks that a head fits (chunk_heads > 0).
 void attention_gemm_forward(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, std::size_t mib,
-                            float scale, const AttentionGemmDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
+                            float scale, const AttentionKernelDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
                             DeviceSpan o, DeviceSpan lse, DeviceSpan scratch);
 void attention_gemm_backward(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, std::size_t mib,
-                             float scale, const AttentionGemmDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
+                             float scale, const AttentionKernelDropout& dr, DeviceSpan q, DeviceSpan k, DeviceSpan v,
                              DeviceSpan dout, DeviceSpan lse, DeviceSpan delta, DeviceSpan dq, DeviceSpan dk,
                              DeviceSpan dv, DeviceSpan scratch);
 

@@ -110,37 +110,31 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
   auto tiles = [&](std::size_t tsm, std::size_t tsn) {
     return s.batch * ((s.M + tsm - 1) / tsm) * ((s.N + tsn - 1) / tsn);
   };
-  // First a side of the product no longer than half the tile's: the tile and the results per
-  // work-item halve along it (same group) while they can, since the rest of every tile computed
-  // zeros: o = p v and the gradients of attention's gemm family are [T, 64] products, which a
-  // 128 x 128 tile ran at half its work.
-  const bool vector_loads = c.param("VG") == 4;  // float4 loads need tiles in multiples of 4
-  auto halve_side = [&](const char* tile_key, const char* per_key, std::size_t extent) {
-    for (;;) {
-      const int t = c.param(tile_key), w = c.param(per_key);
-      if (extent * 2 > std::size_t(t) || w < 2 || w % 2 || (w / 2) % c.param("VW") || t % 2 ||
-          (vector_loads && (t / 2) % 4)) {
-        return;
-      }
-      for (auto& [key, value] : c.params) {
-        if (key == tile_key || key == per_key) value /= 2;
-      }
+  // Whether a side's tile and results per work-item may halve, keeping at least `least` results,
+  // whole vectors (VW) of them, and tiles of whole float4s under float4 loads (VG=4).
+  const int vw = c.param("VW");
+  const bool vector_loads = c.param("VG") == 4;
+  auto can_halve = [&](const char* tile_key, const char* per_key, int least) {
+    const int t = c.param(tile_key), w = c.param(per_key);
+    return w >= least && w % 2 == 0 && (w / 2) % vw == 0 && t % 2 == 0 && !(vector_loads && (t / 2) % 4);
+  };
+  auto halve = [&](const char* tile_key, const char* per_key) {
+    for (auto& [key, value] : c.params) {
+      if (key == tile_key || key == per_key) value /= 2;
     }
   };
-  halve_side("TSN", "WPTN", s.N);
-  halve_side("TSM", "WPTM", s.M);
+  // First a side of the product no longer than half the tile's halves along it (same group) while
+  // it can, since the rest of every tile computed zeros: o = p v and the gradients of attention's
+  // gemm family are [T, 64] products, which a 128 x 128 tile ran at half its work.
+  while (s.N * 2 <= std::size_t(c.param("TSN")) && can_halve("TSN", "WPTN", 2)) halve("TSN", "WPTN");
+  while (s.M * 2 <= std::size_t(c.param("TSM")) && can_halve("TSM", "WPTM", 2)) halve("TSM", "WPTM");
   if (c.param("SK") == 1) return c;  // short waves are split along K instead (tiled_splits)
-  for (;;) {
-    const int tsm = c.param("TSM"), tsn = c.param("TSN"), wm = c.param("WPTM"), wn = c.param("WPTN");
-    const int vw = c.param("VW");
-    if (tiles(tsm, tsn) >= compute_units || wm < 4 || wn < 4 || wm % 2 || wn % 2 || tsm % 2 || tsn % 2 ||
-        (wm / 2) % vw || (wn / 2) % vw || (vector_loads && ((tsm / 2) % 4 || (tsn / 2) % 4))) {
-      return c;
-    }
-    for (auto& [key, value] : c.params) {
-      if (key == "TSM" || key == "TSN" || key == "WPTM" || key == "WPTN") value /= 2;
-    }
+  while (tiles(c.param("TSM"), c.param("TSN")) < compute_units && can_halve("TSM", "WPTM", 4) &&
+         can_halve("TSN", "WPTN", 4)) {
+    halve("TSM", "WPTM");
+    halve("TSN", "WPTN");
   }
+  return c;
 }
 
 // The plan's kernel parameters fitted to this shape (both fits leave the other kernel's alone).

@@ -45,7 +45,7 @@ BuildAhead::BuildAhead(bool enabled, std::vector<std::function<void()>> builds) 
       for (std::size_t i = next_++; i < builds_.size() && !stop_; i = next_++) {
         try {
           builds_[i]();
-        } catch (const std::exception&) {
+        } catch (...) {  // left to the measurement, which builds it again and says why
         }
       }
     });
