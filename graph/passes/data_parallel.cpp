@@ -121,13 +121,13 @@ void check_received(Graph& g, TensorId x, const char* suffix) {
 // same decision to update or to skip.
 void append_guard_agreement(Graph& g) {
   if (g.guard == no_tensor) return;
-  const ops::OpId back = ops::builtin::grad_receive;
-  append_collective(g, {g.guard}, {{0, 1}},
-                    {ops::builtin::grad_allreduce, "agree", ops::builtin::grad_send,
-                     [](std::size_t) {
-                       return ops::CollectiveAttrs{.share = 1.0f};  // the guards themselves, unscaled
-                     },
-                     [&g, back](std::size_t, TensorId host, TensorId) { receive(g, back, "agree", host, g.guard); }});
+  append_collective(
+      g, {g.guard}, {{0, 1}},
+      {ops::builtin::grad_allreduce, "agree", ops::builtin::grad_send,
+       [](std::size_t) {
+         return ops::CollectiveAttrs{.share = 1.0f};  // the guards themselves, unscaled
+       },
+       [&g](std::size_t, TensorId host, TensorId) { receive(g, ops::builtin::grad_receive, "agree", host, g.guard); }});
 }
 
 }  // namespace
@@ -215,12 +215,11 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
   }
   std::vector<TensorId> grads;
   for (TensorId w : weights_in_gradient_order(g)) grads.push_back(g.tensors.grad[w]);
-  const ops::OpId back = ops::builtin::grad_receive;
   append_collective(g, grads, buckets_of(g.tensors, grads, bucket_bytes),
                     {ops::builtin::grad_allreduce, "allreduce", ops::builtin::grad_send,
                      [share](std::size_t) { return ops::CollectiveAttrs{.share = share}; },
                      [&](std::size_t i, TensorId host, TensorId) {
-                       receive(g, back, "allreduce", host, grads[i]);
+                       receive(g, ops::builtin::grad_receive, "allreduce", host, grads[i]);
                        check_received(g, grads[i], "allreduce");
                      }});
 }
