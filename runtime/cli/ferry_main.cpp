@@ -575,7 +575,9 @@ int main(int argc, char** argv) {
       "Print the version, git commit and the OpenCL devices seen, and exit");
   auto* devices = app.add_subcommand("devices", "List OpenCL devices (index, platform, name)");
   TrainArgs t;
-  auto* train = app.add_subcommand("train", "Train a model on Fashion-MNIST and report test accuracy");
+  auto* train = app.add_subcommand("train",
+                                   "Train a model: an MLP, CNN or deep MLP on Fashion-MNIST (test accuracy at the "
+                                   "end), or a GPT on English text (validation loss)");
   add_model_options(train, t);
   train->add_option("--epochs", t.epochs, "Passes over the training set (Fashion-MNIST models)")
       ->check(positive_number())
