@@ -2,7 +2,7 @@
 # Builds the libFuzzer targets (the `fuzz` preset: clang, ASan + UBSan + libFuzzer) and runs each
 # for a bounded time on its checked-in seed corpus.
 #
-#   fuzz/run.sh [seconds per target, default 60] [target ...]   # targets: program_cache_entry fashion_mnist units checkpoint chunk_codec tuning
+#   fuzz/run.sh [seconds per target, default 60] [target ...]   # targets: program_cache_entry fashion_mnist units checkpoint chunk_codec tuning attention_config
 #
 # New inputs found go to build/fuzz/corpus/<target>/ (the seeds in fuzz/corpus/ are not touched);
 # a crash leaves crash-*/oom-*/timeout-* files in build/fuzz/artifacts/<target>/ and fails the run.
@@ -12,7 +12,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(program_cache_entry fashion_mnist units checkpoint chunk_codec tuning)
+((${#targets[@]})) || targets=(program_cache_entry fashion_mnist units checkpoint chunk_codec tuning attention_config)
 
 cmake --preset fuzz >/dev/null
 cmake --build build/fuzz --target "${targets[@]/#/fuzz_}"

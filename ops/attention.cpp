@@ -6,125 +6,24 @@
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
+#include "ops/attention_config.hpp"
 #include "ops/attention_gemm.hpp"
 #include "ops/attention_tune.hpp"
 
 namespace ferry::ops {
 namespace {
 
-// The kernel family and its parameters: cpu (RB, QB, KB, PASS), tiled (BQ, BK), blocked (TQ, TK, RR)
-// or gemm (MIB: ops/attention_gemm.hpp).
-enum class Family { cpu, tiled, blocked, gemm };
-
-struct AttentionConfig {
-  Family family = Family::cpu;
-  std::size_t rb = 6, qb = 48;   // cpu: query rows per register tile (at most 8), per work-item
-  std::size_t kb = 64;           // cpu forward: keys per online-softmax block (a multiple of 16)
-  std::size_t pass = 0;          // cpu backward: 1 (a work-item per head) or 2 (dk dv, then dq); 0: by heads
-  std::size_t bq = 64, bk = 32;  // tiled: queries (keys) per work-group, keys (queries) per local tile
-  std::size_t tq = 64, tk = 32;  // blocked: queries and keys per tile, before fitting to local memory
-  std::size_t rr = 0;            // blocked: registers per work-item (NVIDIA's cap; 0: the compiler's choice)
-  std::size_t mib = attention_gemm_default_mib;  // gemm: MiB of scores a chunk of heads holds
-
-  bool cpu() const { return family == Family::cpu; }
-  std::string text() const {
-    switch (family) {
-      case Family::cpu:
-        return fmt::format("cpu RB={} QB={} KB={} PASS={}", rb, qb, kb, pass);
-      case Family::tiled:
-        return fmt::format("tiled BQ={} BK={}", bq, bk);
-      case Family::gemm:
-        return mib == attention_gemm_default_mib ? std::string("gemm") : fmt::format("gemm MIB={}", mib);
-      case Family::blocked:
-        break;
-    }
-    return fmt::format("blocked TQ={} TK={}", tq, tk) + (rr ? fmt::format(" RR={}", rr) : "");
-  }
-};
+// The family and parameters of a kernel choice (ops/attention_config.hpp).
+using Family = AttentionFamily;
 
 std::size_t padded_dim(const AttentionShape& s) {
   return round_up(s.head_dim, 16);
 }
 std::size_t padded_context(const AttentionShape& s) {
   return round_up(s.context, 16);
-}
-
-AttentionConfig parse_config(const std::string& spec) {
-  std::istringstream in(spec);
-  std::string family;
-  in >> family;
-  AttentionConfig c;
-  if (family == "cpu") {
-    c.family = Family::cpu;
-  } else if (family == "tiled") {
-    c.family = Family::tiled;
-  } else if (family == "blocked") {
-    c.family = Family::blocked;
-  } else if (family == "gemm") {
-    c.family = Family::gemm;
-  } else {
-    throw std::invalid_argument(
-        fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\", "
-                    "\"blocked TQ=n TK=n [RR=n]\" or \"gemm [MIB=n]\")",
-                    spec));
-  }
-  for (std::string kv; in >> kv;) {
-    const auto eq = kv.find('=');
-    std::size_t value = 0;
-    try {
-      value = eq == std::string::npos ? 0 : std::stoul(kv.substr(eq + 1));
-    } catch (const std::exception&) {
-      value = 0;
-    }
-    const std::string key = kv.substr(0, eq);
-    if (value == 0 || value > 256) {
-      throw std::invalid_argument(
-          fmt::format("attention: kernel parameter '{}' in '{}' needs a value in 1..256", kv, spec));
-    }
-    const bool cpu = c.family == Family::cpu, tiled = c.family == Family::tiled, blocked = c.family == Family::blocked;
-    if (cpu && key == "RB") {
-      c.rb = value;
-    } else if (cpu && key == "QB") {
-      c.qb = value;
-    } else if (cpu && key == "KB") {
-      c.kb = value;
-    } else if (cpu && key == "PASS" && value <= 2) {
-      c.pass = value;
-    } else if (tiled && key == "BQ") {
-      c.bq = value;
-    } else if (tiled && key == "BK") {
-      c.bk = value;
-    } else if (blocked && key == "TQ") {
-      c.tq = value;
-    } else if (blocked && key == "TK") {
-      c.tk = value;
-    } else if (c.family == Family::gemm && key == "MIB") {
-      c.mib = value;
-    } else if (blocked && key == "RR") {
-      if (value < 16 || value > 255) {
-        throw std::invalid_argument(
-            fmt::format("attention: '{}' in '{}': a register cap is 16..255 registers per work-item", kv, spec));
-      }
-      c.rr = value;
-    } else {
-      throw std::invalid_argument(fmt::format("attention: '{}' is not a parameter of the {} kernel", key, family));
-    }
-  }
-  if (c.cpu() && (c.rb > 8 || c.qb % c.rb != 0 || c.kb % 16 != 0)) {
-    throw std::invalid_argument(fmt::format(
-        "attention: '{}': RB (rows per register tile) is at most 8, QB a multiple of it and KB a multiple of 16",
-        spec));
-  }
-  auto tile = [](std::size_t t) { return t >= 4 && t <= 64 && (t & (t - 1)) == 0; };
-  if (c.family == Family::blocked && (!tile(c.tq) || !tile(c.tk))) {
-    throw std::invalid_argument(
-        fmt::format("attention: '{}': TQ and TK (queries and keys per tile) are 4, 8, 16, 32 or 64", spec));
-  }
-  return c;
 }
 
 // Defaults: on CPU devices register tiles of 6 query rows (the most whose scores fit AVX2's sixteen
@@ -142,14 +41,14 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
   }
   AttentionConfig c;
   if (!o.kernel.empty()) {
-    c = parse_config(o.kernel);
+    c = parse_attention_config(o.kernel);
   } else if (env.device().is_cpu()) {
     c.family = Family::cpu;
   } else {
     // Other devices: the tuner's winner for this device (ops/attention_tune.hpp), else the blocked
     // family's default tiles.
     const std::string tuned = attention_tuning_for(env).kernel_for(s.head_dim);
-    c = tuned.empty() ? parse_config("blocked") : parse_config(tuned);
+    c = tuned.empty() ? parse_attention_config("blocked") : parse_attention_config(tuned);
   }
   // The one-pass backward runs a work-item per head: it takes over once there are four heads per
   // compute unit (fewer would leave cores idle), and computes five products instead of seven.
@@ -172,7 +71,7 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
                       o.kernel, padded_context(s), padded_context(s), c.mib,
                       2.0 * double(padded_context(s) * padded_context(s)) * sizeof(float) / double(1 << 20)));
     }
-    c = parse_config("blocked");
+    c = parse_attention_config("blocked");
   }
   return c;
 }

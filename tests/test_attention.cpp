@@ -23,6 +23,7 @@
 #include "ferry/ops/cast.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ops/attention.hpp"
+#include "ops/attention_config.hpp"
 #include "ops/attention_gemm.hpp"
 #include "ops/attention_tune.hpp"
 #include "ops/gemm.hpp"
@@ -322,6 +323,28 @@ TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
   }
   const TensorId y = b.attention(q, k, k, 4);
   EXPECT_EQ(g.tensors.shape[y], (graph::Shape{2, 8, 32}));
+}
+
+// The kernel choice as text: what a configuration writes parses back to it (the tuner caches and
+// prints that text, and a user copies it into FERRY_ATTENTION_KERNEL); a value with anything after
+// its number, or a parameter given twice, is refused rather than half read.
+TEST(AttentionErrors, KernelTextParsesBackAndTyposAreRefused) {
+  for (const char* spec : {"cpu", "cpu RB=4 QB=8 KB=32 PASS=0", "cpu PASS=2", "tiled BQ=32 BK=16", "blocked",
+                           "blocked TQ=16 TK=64 RR=168", "gemm", "gemm MIB=1"}) {
+    const ops::AttentionConfig c = ops::parse_attention_config(spec);
+    EXPECT_EQ(ops::parse_attention_config(c.text()), c) << spec << " -> " << c.text();
+  }
+  EXPECT_EQ(ops::parse_attention_config("blocked TK=16 TQ=32").text(), "blocked TQ=32 TK=16");
+  EXPECT_EQ(ops::parse_attention_config("cpu PASS=0").pass, 0u);
+  for (const char* bad : {"blocked TQ=16x", "blocked TQ=16 TQ=32", "cpu RB=6=7", "gemm MIB=", "gemm MIB", "tiled BQ=-5",
+                          "tiled BQ=+5", "cpu PASS=3", "blocked RR=8", "blocked TQ=0", "gemm MIB=257", "tiled BQ= 8"}) {
+    try {
+      ops::parse_attention_config(bad);
+      ADD_FAILURE() << "'" << bad << "' should be refused";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
 }
 
 // The gemm family in chunks of heads (MIB=1: at context 300 the backward holds one head's two
