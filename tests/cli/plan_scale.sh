@@ -9,6 +9,10 @@ work=$2
 rm -rf "$work" && mkdir -p "$work"
 max_s=10
 max_rss_kib=$((1024 * 1024))
+# A Debug or sanitizer build (FERRY_PLAN_SCALE_BOUNDS=0, set by tests/cli/CMakeLists.txt) checks
+# what the plan says, not how fast or lean it is: Debug code runs several times slower and
+# AddressSanitizer's shadow memory counts in the resident set.
+bounds=${FERRY_PLAN_SCALE_BOUNDS:-1}
 /usr/bin/time -v -o "$work/time.txt" "$ferry" plan --model gpt --width 4096 --depth 32 --heads 32 --context 256 \
   --batch 8 --device-budget 24GiB --optimizer adamw8bit --json >"$work/plan.json" 2>"$work/stderr.txt"
 status=$?
@@ -24,8 +28,12 @@ rss=$(awk -F: '/Maximum resident set size/ {gsub(/ /, "", $2); print $2}' "$work
 wall=$(awk '/Elapsed \(wall clock\)/ {print $NF}' "$work/time.txt")
 seconds=$(awk -v t="$wall" 'BEGIN {n = split(t, p, ":"); s = 0; for (i = 1; i <= n; ++i) s = s * 60 + p[i]; print s}')
 echo "ferry plan (7B GPT): ${seconds} s, maximum RSS ${rss} KiB, exit ${status}"
-awk -v s="$seconds" -v m="$max_s" 'BEGIN {exit !(s <= m)}' || fail "took ${seconds} s (limit ${max_s} s)"
-[ -n "$rss" ] && [ "$rss" -le $max_rss_kib ] || fail "maximum RSS ${rss} KiB (limit ${max_rss_kib} KiB)"
+if [ "$bounds" = 1 ]; then
+  awk -v s="$seconds" -v m="$max_s" 'BEGIN {exit !(s <= m)}' || fail "took ${seconds} s (limit ${max_s} s)"
+  [ -n "$rss" ] && [ "$rss" -le $max_rss_kib ] || fail "maximum RSS ${rss} KiB (limit ${max_rss_kib} KiB)"
+else
+  echo "plan_scale: time and memory bounds not checked (FERRY_PLAN_SCALE_BOUNDS=0: a Debug or sanitizer build)"
+fi
 json=$(cat "$work/plan.json")
 for field in device_peak_bytes host_bytes host_store_bytes fetch_bytes write_back_bytes moved_bytes flops \
   predicted_step_ms link_gbps gemm_gflops link_gbps_source gemm_gflops_source min_budget_resident_bytes \
