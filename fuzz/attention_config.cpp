@@ -11,11 +11,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "fuzz_support.hpp"
+
 namespace {
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+using ferry::fuzz::check;
 
 }  // namespace
 

@@ -7,8 +7,6 @@
 // The seed corpus (fuzz/corpus/checkpoint/) is written by this harness:
 //   FERRY_FUZZ_WRITE_SEEDS=fuzz/corpus/checkpoint build/fuzz/fuzz/fuzz_checkpoint
 // and tests/test_checkpoint_format.cpp checks that every seed still parses.
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -18,36 +16,17 @@
 #include <vector>
 
 #include "../runtime/checkpoint_format.hpp"
+#include "fuzz_support.hpp"
 
 namespace {
 
 using namespace ferry;
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+using ferry::fuzz::check;
 
 // One in-memory file, rewritten for every input, read through its /proc path as a checkpoint.
-class MemoryFile {
- public:
-  MemoryFile() : fd_(::memfd_create("ferry-fuzz-checkpoint", 0)) { check(fd_ >= 0); }
-  std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
-  void set(const std::uint8_t* data, std::size_t size) {
-    check(::ftruncate(fd_, 0) == 0);
-    std::size_t done = 0;
-    while (done < size) {
-      const ssize_t w = ::pwrite(fd_, data + done, size - done, static_cast<off_t>(done));
-      check(w > 0);
-      done += static_cast<std::size_t>(w);
-    }
-  }
-
- private:
-  int fd_;
-};
-
-MemoryFile& file() {
-  static MemoryFile f;
+fuzz::MemoryFile& file() {
+  static fuzz::MemoryFile f("ferry-fuzz-checkpoint");
   return f;
 }
 

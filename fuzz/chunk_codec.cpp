@@ -19,13 +19,13 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_support.hpp"
+
 namespace {
 
 using namespace ferry::offload;
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+using ferry::fuzz::check;
 
 bool same(const std::vector<std::byte>& out, std::span<const std::byte> raw) {
   return out.size() == raw.size() && (raw.empty() || std::memcmp(out.data(), raw.data(), raw.size()) == 0);

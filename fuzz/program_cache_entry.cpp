@@ -8,12 +8,11 @@
 #include <span>
 
 #include "ferry/cl/program.hpp"
+#include "fuzz_support.hpp"
 
 namespace {
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+using ferry::fuzz::check;
 
 void decode_checked(std::span<const unsigned char> entry, std::optional<std::uint64_t> key) {
   const auto v = ferry::cl::decode_cache_entry(entry, key);

@@ -11,7 +11,6 @@
 // those calls run with stderr on /dev/null. A finding inside them then has its report cut: run the
 // artifact again without the variable.
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstddef>
@@ -27,6 +26,7 @@
 
 #include "cl/fnv1a.hpp"
 #include "ferry/cl/program.hpp"
+#include "fuzz_support.hpp"
 #include "ops/gemm_tune_cache.hpp"
 #include "ops/gemm_tuning.hpp"
 
@@ -41,28 +41,7 @@ namespace {
 
 using namespace ferry;
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
-
-// One in-memory file, rewritten for every input, read through its /proc path.
-class MemoryFile {
- public:
-  MemoryFile() : fd_(::memfd_create("ferry-fuzz-tuning", 0)) { check(fd_ >= 0); }
-  std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
-  void set(std::string_view text) {
-    check(::ftruncate(fd_, 0) == 0);
-    std::size_t done = 0;
-    while (done < text.size()) {
-      const ssize_t w = ::pwrite(fd_, text.data() + done, text.size() - done, static_cast<off_t>(done));
-      check(w > 0);
-      done += static_cast<std::size_t>(w);
-    }
-  }
-
- private:
-  int fd_;
-};
+using ferry::fuzz::check;
 
 cl::DeviceInfo device(cl_device_type type, std::string vendor, std::string name, std::string platform) {
   cl::DeviceInfo d;
@@ -133,7 +112,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
   }
 
-  static MemoryFile file;
+  static fuzz::MemoryFile file("ferry-fuzz-tuning");
   // The cache's body ends with a newline, so that the checksum line starts a line of its own.
   std::string body(text);
   if (!body.empty() && body.back() != '\n') body += '\n';
@@ -144,7 +123,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }() + "\n";
   // A checksum line inside the text ends the body earlier: the reader takes the last one.
   const bool body_is_text = body.find("# checksum ") == std::string::npos;
-  file.set(cache);
+  file.set(cache.data(), cache.size());
   for (const cl::DeviceInfo& d : devices) {
     const std::optional<ops::GemmTuningRow> cached = [&] {
       const QuietStderr quiet;
@@ -158,7 +137,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (body_is_text && !body.empty()) {
     std::string damaged = cache;
     damaged[cl::fnv1a(body) % body.size()] ^= 0x20;
-    file.set(damaged);
+    file.set(damaged.data(), damaged.size());
     for (const cl::DeviceInfo& d : devices) {
       const QuietStderr quiet;
       check(!ops::read_gemm_tune_cache(file.path(), d));
