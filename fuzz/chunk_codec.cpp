@@ -36,16 +36,13 @@ constexpr std::size_t elem_sizes[] = {1, 2, 4, 8};
 constexpr std::size_t chunk_sizes[] = {1, 3, 16, 64, 255, 1024, 4096, 1 << 20};
 constexpr std::size_t damage_bytes = 4;
 
-const ChunkCodec& codec(std::size_t chunk_bytes) {
-  // One codec per chunk size, single-threaded so that a finding replays the same way.
+// One codec per chunk size, made on first use, single-threaded so that a finding replays the same way.
+const ChunkCodec& codec(std::size_t size_index) {
   static std::unique_ptr<ChunkCodec> codecs[std::size(chunk_sizes)];
-  for (std::size_t i = 0; i < std::size(chunk_sizes); ++i) {
-    if (chunk_sizes[i] != chunk_bytes) continue;
-    if (!codecs[i])
-      codecs[i] = std::make_unique<ChunkCodec>(CodecOptions{.chunk_bytes = chunk_bytes, .level = 1, .workers = 1});
-    return *codecs[i];
-  }
-  std::abort();
+  std::unique_ptr<ChunkCodec>& c = codecs[size_index];
+  if (!c)
+    c = std::make_unique<ChunkCodec>(CodecOptions{.chunk_bytes = chunk_sizes[size_index], .level = 1, .workers = 1});
+  return *c;
 }
 
 }  // namespace
@@ -53,7 +50,8 @@ const ChunkCodec& codec(std::size_t chunk_bytes) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size < 2) return 0;
   const std::size_t elem = elem_sizes[data[0] & 3];
-  const std::size_t chunk_bytes = chunk_sizes[(data[0] >> 2) & 7];
+  const std::size_t size_index = (data[0] >> 2) & 7;
+  const std::size_t chunk_bytes = chunk_sizes[size_index];
   std::size_t damages = data[1] & 15;
   data += 2;
   size -= 2;
@@ -62,7 +60,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::size_t raw_bytes = (size - damages * damage_bytes) / elem * elem;
   const std::span<const std::byte> raw(reinterpret_cast<const std::byte*>(data), raw_bytes);
 
-  const ChunkCodec& c = codec(chunk_bytes);
+  const ChunkCodec& c = codec(size_index);
   CompressedTensor t = c.compress(raw, elem, "fuzzed");
   check(t.raw_bytes() == raw_bytes && t.elem_bytes() == elem);
   const std::size_t per_chunk = std::max(chunk_bytes / elem, std::size_t{1}) * elem;

@@ -11,6 +11,7 @@
 // those calls run with stderr on /dev/null. A finding inside them then has its report cut: run the
 // artifact again without the variable.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstddef>
@@ -116,11 +117,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // The cache's body ends with a newline, so that the checksum line starts a line of its own.
   std::string body(text);
   if (!body.empty() && body.back() != '\n') body += '\n';
-  const std::string cache = body + "# checksum " + [&] {
-    char hex[17];
-    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(cl::fnv1a(body)));
-    return std::string(hex);
-  }() + "\n";
+  const std::string cache = body + fmt::format("# checksum {:016x}\n", cl::fnv1a(body));
   file.set(cache.data(), cache.size());
   for (const cl::DeviceInfo& d : devices) {
     const std::optional<ops::GemmTuningRow> cached = [&] {

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
