@@ -1,6 +1,7 @@
 // cl/ contracts: device selection (names, aliases, the default choice, the error when the ICD
 // loader finds nothing), OpenCL errors that name the call, the error and the op,
-// the on-disk program cache (hits, disabling, corrupt entries) and build failures with their log.
+// the on-disk program cache (hits, disabling, corrupt entries), build failures with their log, and
+// the object handles' reference counts.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -205,6 +206,30 @@ TEST(Devices, NoDeviceInAFreshProcessNamesTheBrokenIcd) {
   EXPECT_NE(none.find("no OpenCL driver is registered"), std::string::npos) << none;
   EXPECT_NE(none.find("apt-get install pocl-opencl-icd"), std::string::npos) << none;
   std::filesystem::remove_all(empty);
+}
+
+cl_uint reference_count(cl_event e) {
+  cl_uint count = 0;
+  FERRY_CL(clGetEventInfo(e, CL_EVENT_REFERENCE_COUNT, sizeof count, &count, nullptr));
+  return count;
+}
+
+// A handle reused for a new object (the commit gate's guard read, step after step) drops the one it
+// held: before, each step's read event stayed referenced forever.
+TEST(Handles, OutDropsTheObjectTheHandleHeld) {
+  auto& dev = TestDevice::get();
+  const cl_command_queue q = dev.context.compute();
+  cl::Event reused;
+  // Counts read after clFinish: a driver may hold a reference of its own until the command is done.
+  FERRY_CL(clEnqueueMarkerWithWaitList(q, 0, nullptr, reused.out()));
+  FERRY_CL(clFinish(q));
+  const cl::Event first = cl::Event::retain(reused.get());
+  ASSERT_EQ(reference_count(first.get()), 2u);
+  FERRY_CL(clEnqueueMarkerWithWaitList(q, 0, nullptr, reused.out()));
+  FERRY_CL(clFinish(q));
+  EXPECT_NE(reused.get(), first.get());
+  EXPECT_EQ(reference_count(first.get()), 1u) << "the reused handle still holds its first event";
+  EXPECT_EQ(reference_count(reused.get()), 1u);
 }
 
 TEST(Errors, NameTheCallTheErrorAndTheOp) {

@@ -30,7 +30,13 @@ class Handle {
     return Handle(raw);
   }
   T get() const noexcept { return raw_; }
-  T* out() noexcept { return &raw_; }  // for APIs that write a new object; only on an empty handle
+  // For APIs that write a new object. Drops the reference the handle held first, so a handle
+  // reused step after step (a gate's read, a ring's slot) keeps only its newest object; the old
+  // one must therefore not be in the same call's wait list.
+  T* out() noexcept {
+    if (raw_) Release(std::exchange(raw_, nullptr));
+    return &raw_;
+  }
   explicit operator bool() const noexcept { return raw_ != nullptr; }
 
  private:
