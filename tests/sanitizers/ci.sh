@@ -10,7 +10,8 @@
 #
 #   tests/sanitizers/ci.sh [test ...]      # default: every tests/test_*.cpp
 #
-# Honoured: FERRY_TEST_SMALL, FERRY_CACHE_DIR, FERRY_DATA_DIR, FERRY_JOBS (build jobs, 2).
+# Honoured: FERRY_TEST_SMALL, FERRY_CACHE_DIR, FERRY_DATA_DIR, FERRY_JOBS (build jobs, 2),
+# FERRY_OCLGRIND_ICD (the Oclgrind ICD library).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 tests=("$@")
