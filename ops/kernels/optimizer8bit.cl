@@ -67,16 +67,24 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void adam8bit_update(
   if (has_guard && !isfinite(guard[guard_off])) return;  // the same for every work-item: no barrier skipped
   __local float scratch[WG];
   __local float table_m[256], table_v[256];
+  __local float old_scales[2];
   const uint block = get_group_id(0), lid = get_local_id(0);
   for (uint c = lid; c < 256u; c += WG) {
     table_m[c] = q_signed(c);
     table_v[c] = q_unsigned(c);
   }
+  // Work-item 0 alone reads the block's scales in global memory, as it alone writes them at the
+  // end: read by every work-item, they would race with that write, which the barriers between
+  // (local-memory fences) do not order (Oclgrind reported it).
+  if (lid == 0) {
+    old_scales[0] = scales[scales_off + block];
+    old_scales[1] = scales[scales_off + blocks + block];
+  }
   barrier(CLK_LOCAL_MEM_FENCE);
 
   // Dequantize with the old scales, update w, keep the new moments.
   const ulong start = (ulong)block * (WG * PER);
-  const float m_scale = scales[scales_off + block], v_scale = scales[scales_off + blocks + block];
+  const float m_scale = old_scales[0], v_scale = old_scales[1];
   float m_new[PER], v_new[PER];
   float m_max = 0.0f, v_max = 0.0f;
   for (uint k = 0; k < PER; ++k) {
