@@ -517,4 +517,18 @@ std::size_t build_threads() {
   return static_cast<std::size_t>(n);
 }
 
+std::size_t build_threads(const DeviceInfo& device) {
+  const std::size_t asked = build_threads();
+  if (!device.is_simulator()) return asked;
+  const char* v = std::getenv("FERRY_BUILD_THREADS");
+  static std::atomic<bool> said{false};
+  if (asked > 1 && v != nullptr && *v != '\0' && !said.exchange(true)) {
+    std::cerr << fmt::format(
+        "ferry: FERRY_BUILD_THREADS={}: '{}' is a simulator, whose program builds are not thread-safe; building "
+        "its programs one at a time\n",
+        v, device.name);
+  }
+  return 1;
+}
+
 }  // namespace ferry::cl

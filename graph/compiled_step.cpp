@@ -275,8 +275,9 @@ void CompiledStep::bind_nodes(const TensorLocator& at, ops::OpEnv& env, const Op
       failed[i] = std::current_exception();
     }
   };
-  const std::size_t threads = std::min<std::size_t>(
-      {cl::build_threads(), rest.size(), static_cast<std::size_t>(tbb::this_task_arena::max_concurrency())});
+  const std::size_t threads =
+      std::min<std::size_t>({cl::build_threads(env.device()), rest.size(),
+                             static_cast<std::size_t>(tbb::this_task_arena::max_concurrency())});
   if (threads <= 1) {
     for (std::size_t i = 0; i < rest.size(); ++i) {
       bind_one(i);

@@ -290,7 +290,7 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
   // a build-ahead thread and time its products beside these candidates.
   if (std::any_of(candidates.begin(), candidates.end(), [](const std::string& k) { return k.starts_with("gemm"); }))
     gemm_tuning_for(env);
-  const BuildAhead ahead(!device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
+  const BuildAhead ahead(device, !device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
   for (const std::string& kernel : candidates) {
     const bool every_class_won =
         std::all_of(r.classes.begin(), r.classes.end(), [](const auto& c) { return !c.best.empty(); });

@@ -168,7 +168,7 @@ BuildAhead build_ahead(Timer& timer, const cl::DeviceInfo& device, const GemmTun
                        const std::vector<std::pair<GemmShape, std::string>>& pairs) {
   std::vector<std::function<void()>> builds;
   for (const auto& pair : pairs) builds.push_back([&timer, pair] { timer.build(pair.first, pair.second); });
-  return BuildAhead(!device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
+  return BuildAhead(device, !device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
 }
 
 double seconds_since(Clock::time_point t0) {

@@ -37,9 +37,10 @@ cl::Mem upload_random(const cl::Context& ctx, std::size_t n, std::mt19937& rng, 
   return m;
 }
 
-BuildAhead::BuildAhead(bool enabled, std::vector<std::function<void()>> builds) : builds_(std::move(builds)) {
+BuildAhead::BuildAhead(const cl::DeviceInfo& device, bool enabled, std::vector<std::function<void()>> builds)
+    : builds_(std::move(builds)) {
   if (!enabled) return;
-  const std::size_t threads = std::min(cl::build_threads(), builds_.size());
+  const std::size_t threads = std::min(cl::build_threads(device), builds_.size());
   for (std::size_t t = 0; t < threads; ++t) {
     builders_.run([this] {
       for (std::size_t i = next_++; i < builds_.size() && !stop_; i = next_++) {

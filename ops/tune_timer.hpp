@@ -33,7 +33,8 @@ cl::Mem upload_random(const cl::Context& ctx, std::size_t n, std::mt19937& rng, 
 // records why. Destroying it lets the builds under way finish and starts no new ones.
 class BuildAhead {
  public:
-  BuildAhead(bool enabled, std::vector<std::function<void()>> builds);
+  // Builds on cl::build_threads(device) threads when enabled.
+  BuildAhead(const cl::DeviceInfo& device, bool enabled, std::vector<std::function<void()>> builds);
   ~BuildAhead();
   BuildAhead(const BuildAhead&) = delete;
   BuildAhead& operator=(const BuildAhead&) = delete;

@@ -370,6 +370,23 @@ TEST(ProgramBuild, BuildThreadsComeFromTheEnvironment) {
     EXPECT_GE(cl::build_threads(), 1u);
     EXPECT_LE(cl::build_threads(), 8u);
   }
+  {
+    // A simulator builds one at a time, whatever is asked: Oclgrind's concurrent builds corrupt its
+    // heap. Other devices get what the environment says.
+    ScopedEnv three("FERRY_BUILD_THREADS", "3");
+    cl::DeviceInfo oclgrind;
+    oclgrind.platform_name = "Oclgrind";
+    oclgrind.name = "Oclgrind Simulator";
+    oclgrind.type = CL_DEVICE_TYPE_CPU | CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR;
+    EXPECT_EQ(cl::build_threads(oclgrind), 1u);
+    cl::DeviceInfo gpu;
+    gpu.platform_name = "NVIDIA CUDA";
+    gpu.name = "NVIDIA H200";
+    gpu.type = CL_DEVICE_TYPE_GPU;
+    EXPECT_EQ(cl::build_threads(gpu), 3u);
+    ScopedEnv bad("FERRY_BUILD_THREADS", "two");
+    EXPECT_THROW(cl::build_threads(oclgrind), std::invalid_argument) << "a bad value is an error on a simulator too";
+  }
   for (const char* bad : {"0", "-2", "two", "4x", "100000"}) {
     ScopedEnv set("FERRY_BUILD_THREADS", bad);
     try {

@@ -112,6 +112,11 @@ class KernelLibrary {
 // FERRY_BUILD_THREADS when set (1: one at a time), else the machine's cores, at most 8. Throws
 // std::invalid_argument naming the variable when it is not a whole number from 1 to 1024.
 std::size_t build_threads();
+// The same for programs built for `device`, except that a simulator builds one at a time: Oclgrind
+// (21.10) reads every program into one LLVM context it shares, and two builds at once corrupt its
+// heap (double frees in the bitcode reader, refused kernel arguments). A FERRY_BUILD_THREADS above
+// 1 there is said once on stderr.
+std::size_t build_threads(const DeviceInfo& device);
 
 // Sets kernel arguments in order: cl_mem handles, Mem handles and trivially copyable scalars.
 namespace detail {
