@@ -39,7 +39,8 @@ cl::Mem upload_random(const cl::Context& ctx, std::size_t n, std::mt19937& rng, 
 
 BuildAhead::BuildAhead(const cl::DeviceInfo& device, bool enabled, std::vector<std::function<void()>> builds)
     : builds_(std::move(builds)) {
-  if (!enabled) return;
+  // A simulator's builds are not thread-safe, also beside the kernels being timed: none ahead.
+  if (!enabled || device.is_simulator()) return;
   const std::size_t threads = std::min(cl::build_threads(device), builds_.size());
   for (std::size_t t = 0; t < threads; ++t) {
     builders_.run([this] {

@@ -30,10 +30,11 @@ cl::Mem upload_random(const cl::Context& ctx, std::size_t n, std::mt19937& rng, 
 // (KernelLibrary builds them concurrently, and a measurement that reaches a program being built
 // waits for that build). Not when `enabled` is false: on a CPU device, whose builds would take the
 // cores being timed. A build that fails is left to its measurement, which builds it again and
-// records why. Destroying it lets the builds under way finish and starts no new ones.
+// records why. Nor on a simulator (cl::build_threads(device)). Destroying it lets the builds under
+// way finish and starts no new ones.
 class BuildAhead {
  public:
-  // Builds on cl::build_threads(device) threads when enabled.
+  // Builds on cl::build_threads(device) threads when enabled and `device` is not a simulator.
   BuildAhead(const cl::DeviceInfo& device, bool enabled, std::vector<std::function<void()>> builds);
   ~BuildAhead();
   BuildAhead(const BuildAhead&) = delete;
