@@ -38,16 +38,21 @@ export LSAN_OPTIONS="suppressions=$here/tests/sanitizers/lsan.supp:print_suppres
 export FERRY_CACHE_DIR=${FERRY_CACHE_DIR:-$here/build/asan-ci/program-cache}
 export FERRY_DATA_DIR=${FERRY_DATA_DIR:-/usr/share/datasets/fashion-mnist}
 failed=()
-for t in "${tests[@]}"; do
-  log=build/asan-ci/$t.log
-  t0=$SECONDS
-  if "build/asan-ci/tests/$t" --gtest_brief=1 >"$log" 2>&1; then
-    echo "sanitizers: $t passed in $((SECONDS - t0)) s"
+# run_logged NAME LOG COMMAND...: runs the command with its output in LOG, says how it went, and
+# adds NAME to `failed` (with LOG's end) when it fails.
+run_logged() {
+  local name=$1 log=$2 t0=$SECONDS
+  shift 2
+  if "$@" >"$log" 2>&1; then
+    echo "sanitizers: $name passed in $((SECONDS - t0)) s"
   else
-    failed+=("$t")
-    echo "sanitizers: $t FAILED in $((SECONDS - t0)) s; the end of $log:"
+    failed+=("$name")
+    echo "sanitizers: $name FAILED in $((SECONDS - t0)) s; the end of $log:"
     tail -n 60 "$log"
   fi
+}
+for t in "${tests[@]}"; do
+  run_logged "$t" "build/asan-ci/$t.log" "build/asan-ci/tests/$t" --gtest_brief=1
 done
 
 # The OpenCL objects ferry holds (events, buffers, kernels), checked once more on Oclgrind. PoCL
@@ -71,16 +76,9 @@ if [[ -r $icd ]]; then
   for entry in "${oclgrind_cases[@]}"; do
     t=${entry%%=*}
     [[ " ${tests[*]} " == *" $t "* ]] || continue
-    log=build/asan-ci/$t.oclgrind.log
-    t0=$SECONDS
-    if FERRY_TUNE=off OCLGRIND_GLOBAL_MEM_SIZE=$((2 << 30)) FERRY_OCLGRIND_ICD=$icd \
-      tests/oclgrind/run_test.sh "build/asan-ci/tests/$t" --gtest_brief=1 "--gtest_filter=${entry#*=}" >"$log" 2>&1; then
-      echo "sanitizers: $t on Oclgrind passed in $((SECONDS - t0)) s"
-    else
-      failed+=("$t(oclgrind)")
-      echo "sanitizers: $t on Oclgrind FAILED in $((SECONDS - t0)) s; the end of $log:"
-      tail -n 60 "$log"
-    fi
+    run_logged "$t on Oclgrind" "build/asan-ci/$t.oclgrind.log" env FERRY_TUNE=off \
+      OCLGRIND_GLOBAL_MEM_SIZE=$((2 << 30)) FERRY_OCLGRIND_ICD="$icd" \
+      tests/oclgrind/run_test.sh "build/asan-ci/tests/$t" --gtest_brief=1 "--gtest_filter=${entry#*=}"
   done
 else
   echo "sanitizers: no Oclgrind ICD at $icd: the OpenCL objects' leak check on Oclgrind is skipped (apt-get install oclgrind)"
