@@ -242,6 +242,13 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
         offload::changes_in_place(offload::Home::host_compressed, residency.homes.pinned_copies) ? bytes + largest
                                                                                                  : 2 * bytes;
   }
+  if (options.phases.hybrid) {
+    for (TensorId x = 0; x < training.tensors.size(); ++x) {
+      if (training.tensors.storage(x) == x && training.tensors.role[x] == graph::Role::weight) {
+        out.host_restore_bytes += training.tensors.bytes(x);
+      }
+    }
+  }
   for (const PhasePlan& p : out.phases) {
     out.device_peak_bytes = std::max(out.device_peak_bytes, p.device.total);
     out.host_step_bytes += p.host_step_bytes;
@@ -486,7 +493,7 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
 
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes) {
   const std::uint64_t physical = physical_memory_bytes();
-  const std::uint64_t needed = plan.host_bytes + plan.host_compressed_bytes;
+  const std::uint64_t needed = plan.host_bytes + plan.host_compressed_bytes + plan.host_restore_bytes;
   const bool over_budget = host_budget_bytes != 0 && needed > host_budget_bytes;
   const bool over_memory = physical != 0 && needed > physical;
   if (!over_budget && !over_memory) return;
@@ -501,9 +508,13 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
                   "0.84 of fp32 Adam's), a smaller batch or model, or keep more on the device (a larger "
                   "--device-budget); `ferry plan` shows what each needs",
                   format_bytes(needed), format_bytes(plan.host_store_bytes), format_bytes(plan.host_step_bytes),
-                  plan.host_compressed_bytes
-                      ? fmt::format(", up to {} for compressed chunks", format_bytes(plan.host_compressed_bytes))
-                      : std::string(),
+                  fmt::format("{}{}",
+                              plan.host_compressed_bytes ? fmt::format(", up to {} for compressed chunks",
+                                                                       format_bytes(plan.host_compressed_bytes))
+                                                         : std::string(),
+                              plan.host_restore_bytes ? fmt::format(", {} for the Predict runs' restore point",
+                                                                    format_bytes(plan.host_restore_bytes))
+                                                      : std::string()),
                   what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
                   plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),
       needed, limit);

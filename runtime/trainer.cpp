@@ -101,10 +101,9 @@ std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::Dev
 graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget) {
   graph::ResidencyOptions r = options.residency;
   r.budget_bytes = device_budget;
-  // A Predict step advances streamed weights on the host before its loss is known: with hybrid
-  // phases streamed state keeps a second copy that becomes current at commit. Otherwise it is one
-  // copy, updated after the commit point (by the device, or by the host optimizer).
-  if (options.phases.hybrid) r.homes.pinned_copies = 2;
+  // Streamed state is one host copy, updated after the commit point (by the device, or by the
+  // host optimizer). A Predict step (hybrid phases) moves the weights before its loss is known:
+  // the run's restore point puts them back when it diverges or fails (predict_step).
   r.group_updates = options.fuse;  // like the graph's fusions: bit-identical, off to compare
   return r;
 }
@@ -646,7 +645,12 @@ StepResult Trainer::predict_step(const Batch& batch) {
     }
     in_predict_run_ = true;
   }
-  StepResult r = run_step(step, ops::StepInfo{steps_ + 1, lr_, phases_->predict_scale()});
+  StepResult r;
+  try {
+    r = run_step(step, ops::StepInfo{steps_ + 1, lr_, phases_->predict_scale()});
+  } catch (const graph::PartialUpdateError& e) {
+    put_back_weights_after_failed_predict(e);
+  }
   r.phase = Phase::predict;
   r.updated = false;
   phase_ms_[static_cast<int>(Phase::predict)] += r.step_ms;
@@ -660,6 +664,38 @@ StepResult Trainer::predict_step(const Batch& batch) {
   }
   if (phases_->next() != Phase::predict) in_predict_run_ = false;
   return r;
+}
+
+// A Predict step moves the weights in place ahead of its loss (on the device, or streamed on the
+// host before it fetches them): failing after that, it puts back the run's restore point, a state
+// the trainer was in (the last training step's), rather than leaving the trainer inconsistent.
+void Trainer::put_back_weights_after_failed_predict(const graph::PartialUpdateError& e) {
+  for (const std::string& name : e.tensors()) {
+    if (std::find(weight_names_.begin(), weight_names_.end(), name) == weight_names_.end()) throw e;
+  }
+  auto& arena = *compiled_->train->persistent();
+  try {
+    for (std::size_t i = 0; i < compiled_->weights.size(); ++i) {
+      arena.write(compiled_->weights[i].home, compiled_->weights[i].place, restore_point_[i].data(),
+                  restore_point_[i].size());
+    }
+  } catch (const std::exception& w) {
+    throw graph::PartialUpdateError(
+        fmt::format("{}; putting back the weights from before the Predict run failed too: {}", e.what(), w.what()),
+        e.tensors(), e.cause());
+  }
+  inconsistent_.clear();
+  std::string cause = "an unknown failure";
+  try {
+    if (e.cause()) std::rethrow_exception(e.cause());
+  } catch (const std::exception& c) {
+    cause = c.what();
+  } catch (...) {
+  }
+  throw std::runtime_error(fmt::format(
+      "a Predict step (after update {}) failed once it had begun moving the weights: {}; the weights were put back "
+      "to those from before its Predict run (update {}'s), so training can go on",
+      steps_, cause, steps_));
 }
 
 const graph::CompiledStep* compiled_predict_step(const Trainer& t) {

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "ferry/runtime/plan.hpp"
@@ -48,6 +49,9 @@ inline const std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>>& 
 }
 // The compiled Predict step with hybrid phases, else nullptr.
 const graph::CompiledStep* compiled_predict_step(const Trainer& t);
+inline graph::CompiledStep* compiled_predict_step(Trainer& t) {
+  return const_cast<graph::CompiledStep*>(compiled_predict_step(std::as_const(t)));
+}
 
 // The bytes at the peak of a step planned as `step` with memory plan `plan`; the persistent
 // tensors are those of `training` (the model's training variant, which holds them all: a variant

@@ -243,6 +243,15 @@ TEST(Gpt, StreamedHostMemoryIsTheStateAndTrainingBitIdentical) {
   Trainer host(rt, models::gpt(c), streamed);
   EXPECT_LE(double(host.host_state_bytes()) / double(host.training_state_bytes()), 1.15);
   EXPECT_GT(host.residency().host_updates, 0u);
+  // Hybrid phases keep the one copy too: the predictor's state is what they add.
+  streamed.residency.host_optimizer = false;
+  streamed.phases.hybrid = true;
+  streamed.residency.budget_bytes = 1;
+  streamed.residency.budget_bytes = ferry::min_stream_budget(rt, models::gpt(c), streamed).value_or(0);
+  Trainer hybrid(rt, models::gpt(c), streamed);
+  EXPECT_GT(hybrid.predictor_state_bytes(), 0u);
+  EXPECT_LE(double(hybrid.host_state_bytes() - hybrid.predictor_state_bytes()) / double(hybrid.training_state_bytes()),
+            1.15);
 }
 
 // The logits at position p depend on tokens 0..p only; prediction gives [samples, T, vocab].

@@ -4,6 +4,7 @@
 // update and leaves the optimizer state alone, a restore puts back the weights bit for bit, and
 // streamed hybrid training is bit-identical to resident.
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -346,6 +347,56 @@ TEST(HybridTrainer, RestoreBringsBackTheLastFullWeightsBitForBit) {
   EXPECT_EQ(r.verdict, Verdict::restore);
   for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
   EXPECT_EQ(t.phases()->next(), Phase::full);
+}
+
+// A Predict step moves the weights before its loss is known (streamed: on the one host copy,
+// before it fetches them). When it fails after that, the weights go back to those from before its
+// run, the last Full step's, and the trainer trains on.
+TEST(HybridTrainer, AFailedPredictStepPutsBackTheWeightsFromBeforeItsRun) {
+  for (const bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed" : "resident");
+    Runtime rt;
+    const ModelSpec m = small_mlp();
+    TrainerOptions o = streamed ? hybrid_options(graph::ResidencyMode::stream, 64ull << 20) : hybrid_options();
+    o.phases.max_predict_steps = 8;  // runs of 2 steps
+    Trainer t(rt, m, o);
+    const Batches b{sample_elems(m)};
+    int s = 0;
+    while (t.phases()->next() != Phase::predict) b.step(t, s++);
+    std::map<std::string, std::vector<float>> full;
+    for (const auto& n : t.parameter_names()) full[n] = values(t, n);
+    ASSERT_EQ(b.step(t, s++).phase, Phase::predict);
+    ASSERT_EQ(t.phases()->next(), Phase::predict);
+    // The last weight's move fails before its work: the others, earlier on the same lane (the
+    // device's compute queue, or streamed the host lane), have moved theirs.
+    graph::CompiledStep& predict = *compiled_predict_step(t);
+    const auto& nodes = predict.graph().nodes;
+    graph::NodeId victim = 0;
+    std::size_t moves = 0;
+    for (graph::NodeId id = 0; id < nodes.size(); ++id) {
+      if (ops::op_info(nodes.op[id]).name != "predictor_apply") continue;
+      victim = id;
+      ++moves;
+    }
+    ASSERT_EQ(moves, t.parameter_names().size());
+    ASSERT_EQ(nodes.lane[victim], streamed ? graph::Lane::host : graph::Lane::compute);
+    predict.inject_failure(victim, graph::Fault::exception);
+    try {
+      b.step(t, s++);
+      FAIL() << "the Predict step should fail";
+    } catch (const graph::PartialUpdateError& e) {
+      FAIL() << "the trainer should have put the weights back: " << e.what();
+    } catch (const std::runtime_error& e) {
+      const std::string what = e.what();
+      std::printf("%s: %s\n", streamed ? "streamed" : "resident", what.c_str());
+      EXPECT_NE(what.find(nodes.name[victim]), std::string::npos) << what;
+      EXPECT_NE(what.find("were put back to those from before its Predict run"), std::string::npos) << what;
+    }
+    EXPECT_EQ(t.inconsistent_state(), "");
+    for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
+    // It trains on: the rest of the run, its Correct step and more.
+    for (int k = 0; k < 4; ++k) EXPECT_TRUE(std::isfinite(b.step(t, s++).loss)) << k;
+  }
 }
 
 TEST(HybridTrainer, StepsWithoutAFitLeaveThePredictorAlone) {

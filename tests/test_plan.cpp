@@ -99,6 +99,7 @@ void expect_plan_matches_trainer(Runtime& rt, const ModelSpec& model, const Trai
   EXPECT_EQ(plan.host_store_bytes, pinned);
   EXPECT_EQ(plan.host_step_bytes, host_step);
   EXPECT_EQ(plan.host_bytes, pinned + host_step);
+  EXPECT_EQ(plan.host_restore_bytes, o.phases.hybrid ? t.weight_bytes() : 0u);
   EXPECT_EQ(plan.device_budget_bytes, t.device_budget_bytes());
   EXPECT_EQ(plan.mode, t.residency().mode);
 }
@@ -122,6 +123,17 @@ TEST(Plan, PlannerAgreesWithTheTrainerStreamedHybrid) {
   const TrainingPlan plan = plan_training(rt, small_mlp(), o);
   EXPECT_GT(plan.host_store_bytes, 0u) << "streamed state lives in pinned host memory";
   EXPECT_GT(plan.phases.front().fetch_bytes, 0u);
+  // One host copy of the state with hybrid phases too: the predictor's state is all they add to
+  // the stores (each of its tensors placed at the plan's alignment; the restore point apart).
+  TrainerOptions full = o;
+  full.phases = {};
+  const TrainingPlan full_plan = plan_training(rt, small_mlp(), full);
+  EXPECT_EQ(full_plan.host_restore_bytes, 0u);
+  Trainer t(rt, small_mlp(), o);
+  const std::uint64_t added = plan.host_store_bytes - full_plan.host_store_bytes;
+  const std::uint64_t predictor_tensors = 2 * t.parameter_names().size();  // d and the statistics
+  EXPECT_GE(added, t.predictor_state_bytes());
+  EXPECT_LE(added, t.predictor_state_bytes() + predictor_tensors * graph::MemoryPlanOptions{}.alignment);
 }
 
 TEST(Plan, PlannerAgreesWithTheTrainerAccumulatedCompressedState) {

@@ -2,14 +2,14 @@
 // pinned (mapped always; host_pinned unless HomeStoreOptions::host_memory makes it pageable, where
 // the driver's pinned buffers take device memory too). Mapped keeps one copy, which kernels use
 // directly. Pinned keeps one copy that a step's write-backs update in place after its commit point
-// (host memory equals the state), or two (HomeStoreOptions::pinned_copies) so that updates written
-// by host-lane nodes, which run before the step is known good, become current only when it
-// succeeds. In pageable memory some of a step's copies (all of them with staged memory) go
-// through pinned staging, filled and drained here (unpack, pack) on all cores.
+// (host memory equals the state), or, when asked for (HomeStoreOptions::pinned_copies), two, so
+// that updates written before the step is known good become current only when it succeeds. In
+// pageable memory some of a step's copies (all of them with staged memory) go through pinned
+// staging, filled and drained here (unpack, pack) on all cores.
 //
 // With two, which copy is current is kept per tensor: a step flips only the tensors it wrote
-// (asked for their next copy), so a step that writes some tensors and not others (a Predict step
-// writes the weights, not the optimizer state) leaves the others as they were.
+// (asked for their next copy), so a step that writes some tensors and not others leaves the
+// others as they were.
 #include <fmt/format.h>
 
 #include <cstring>

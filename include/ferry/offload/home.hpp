@@ -8,15 +8,15 @@
 //   (HomeStoreOptions::pinned_copies): a step fetches
 //                    from it and writes updated tensors back in place, after its commit point (the
 //                    overflow guard's last check), as the device home is updated. With two copies
-//                    (host-lane updates: the host optimizer, hybrid phases) a step writes the other
-//                    copy, which becomes current only when the whole step succeeded (commit).
+//                    (when asked for) a step writes the other copy, which becomes current only
+//                    when the whole step succeeded (commit).
 //   host_mapped      one copy of pinned host memory that kernels use directly (zero-copy), on
 //                    devices whose memory is the host's.
 //   host_compressed  host memory as byte-plane shuffled, zstd-compressed chunks with checksums
 //                    (offload/chunk_codec.hpp), in place of an uncompressed copy. A step unpacks a
 //                    tensor into pinned staging on a host lane before its fetch and packs the
 //                    written-back value after, in place after the commit point (one copy) or
-//                    into new chunks that become current at commit (two: hybrid phases).
+//                    into new chunks that become current at commit (two copies).
 //   dropped          not kept: every fetch re-initialises the tensor (zeros) and nothing is written
 //                    back. For optimizer state only.
 //   host_int8        block-quantized int8 with fp32 scales (the phases issue): no store yet, a
@@ -66,8 +66,10 @@ inline bool home_available(Home h) {
 struct HomeStoreOptions {
   CodecOptions codec;  // the compressed home's
   // Copies of host_pinned memory: 1, written in place after the step's commit point (host memory
-  // equals the state), or 2, written into the other copy and made current at commit (what
-  // Predict steps need, which write ahead of the loss). Anything else is an error. The compressed
+  // equals the state), or 2, written into the other copy and made current at commit (updates
+  // may then run before the commit point, for twice the host memory; no default uses it: a
+  // Trainer's Predict steps, which write ahead of the loss, put back a restore point instead).
+  // Anything else is an error. The compressed
   // home follows it: with 1 a pack replaces a tensor's chunks at once (after the commit point),
   // with 2 the new chunks become current at commit.
   std::uint32_t pinned_copies = 1;

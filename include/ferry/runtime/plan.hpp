@@ -133,6 +133,10 @@ struct TrainingPlan {
   // uncompressed bytes: one set, and a tensor's new chunks while they are made; with two copies
   // (hybrid phases), two sets, since the new chunks replace the current ones only at commit.
   std::uint64_t host_compressed_bytes = 0;
+  // With hybrid phases: the weights once more, in ordinary memory (the restore point the Trainer
+  // reads at the start of each Predict run and puts back when the run diverges or a step of it
+  // fails). 0 otherwise.
+  std::uint64_t host_restore_bytes = 0;
   // The memory of the streamed homes and the step pools on this device (pinned, pageable, staged).
   offload::HostMemory host_memory = offload::HostMemory::pinned;
   PlanRates rates;
@@ -213,7 +217,8 @@ class HostBudgetError : public std::runtime_error {
   std::uint64_t needed_, budget_;
 };
 
-// Throws HostBudgetError when `plan.host_bytes` plus `plan.host_compressed_bytes` exceeds
+// Throws HostBudgetError when `plan.host_bytes` plus `plan.host_compressed_bytes` and
+// `plan.host_restore_bytes` exceeds
 // `host_budget_bytes` (0: no budget) or the machine's physical memory, naming the figure, the
 // limit and what to change.
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes);

@@ -121,7 +121,9 @@ class Trainer {
   // after the step had begun updating state kept on the device in place (its update phase; the
   // forward and backward all succeeded) throws graph::PartialUpdateError naming the tensors that
   // may hold this step's update. The state is then inconsistent, and step() and save_checkpoint()
-  // refuse to run (saying why) until load_checkpoint() has restored it.
+  // refuse to run (saying why) until load_checkpoint() has restored it. A Predict step moves the
+  // weights before its loss is known: when it fails after that, the weights are put back to those
+  // from before its Predict run (the last training step's) and the trainer stays usable.
   // step() is result(submit(batch)).
   StepResult step(const Batch& batch);
   // The same step in two halves, so that the host stages and enqueues the next step while the
@@ -263,6 +265,7 @@ class Trainer {
   // Copies a batch into `step`'s host inputs after checking it against the model.
   void stage_batch(graph::CompiledStep& step, const Batch& batch) const;
   StepResult predict_step(const Batch& batch);
+  [[noreturn]] void put_back_weights_after_failed_predict(const graph::PartialUpdateError& e);
   // The training variant for a micro-batch before a group's last (micro) and with or without the
   // predictor's fit; train_ for the group's last micro-batch with the fit (or without phases).
   graph::CompiledStep& training_variant(bool micro, bool fit);
