@@ -324,29 +324,32 @@ TEST(HybridTrainer, FitSeesHostOptimizerUpdates) {
 }
 
 TEST(HybridTrainer, RestoreBringsBackTheLastFullWeightsBitForBit) {
-  Runtime rt;
-  const ModelSpec m = small_mlp();
-  TrainerOptions o = hybrid_options();
-  o.phases.max_predict_steps = 8;  // runs of 2 steps
-  Trainer t(rt, m, o);
-  const Batches b{sample_elems(m)};
-  int s = 0;
-  while (t.phases()->next() != Phase::predict) b.step(t, s++);
-  std::map<std::string, std::vector<float>> full;
-  for (const auto& n : t.parameter_names()) full[n] = values(t, n);
-  EXPECT_EQ(b.step(t, s++).verdict, Verdict::go_on);
-  // The next Predict step sees inputs 100x larger: its loss is far above the Full losses, beyond
-  // a gap of 1, and the run is undone.
-  PhaseConfig tight = t.phases()->config();
-  tight.max_loss_gap = 1.0f;
-  t.phases()->set_config(tight);
-  auto wild = random_vector(8 * sample_elems(m), 999, -100.0f, 100.0f);
-  const auto r = t.step(wild, labels_for(8, 998));
-  EXPECT_GT(r.loss, t.phases()->loss_mean() + 1.0);
-  EXPECT_EQ(r.phase, Phase::predict);
-  EXPECT_EQ(r.verdict, Verdict::restore);
-  for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
-  EXPECT_EQ(t.phases()->next(), Phase::full);
+  for (const bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed (one host copy)" : "resident");
+    Runtime rt;
+    const ModelSpec m = small_mlp();
+    TrainerOptions o = streamed ? hybrid_options(graph::ResidencyMode::stream, 64ull << 20) : hybrid_options();
+    o.phases.max_predict_steps = 8;  // runs of 2 steps
+    Trainer t(rt, m, o);
+    const Batches b{sample_elems(m)};
+    int s = 0;
+    while (t.phases()->next() != Phase::predict) b.step(t, s++);
+    std::map<std::string, std::vector<float>> full;
+    for (const auto& n : t.parameter_names()) full[n] = values(t, n);
+    EXPECT_EQ(b.step(t, s++).verdict, Verdict::go_on);
+    // The next Predict step sees inputs 100x larger: its loss is far above the Full losses, beyond
+    // a gap of 1, and the run is undone.
+    PhaseConfig tight = t.phases()->config();
+    tight.max_loss_gap = 1.0f;
+    t.phases()->set_config(tight);
+    auto wild = random_vector(8 * sample_elems(m), 999, -100.0f, 100.0f);
+    const auto r = t.step(wild, labels_for(8, 998));
+    EXPECT_GT(r.loss, t.phases()->loss_mean() + 1.0);
+    EXPECT_EQ(r.phase, Phase::predict);
+    EXPECT_EQ(r.verdict, Verdict::restore);
+    for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
+    EXPECT_EQ(t.phases()->next(), Phase::full);
+  }
 }
 
 // A Predict step moves the weights before its loss is known (streamed: on the one host copy,
