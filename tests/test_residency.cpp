@@ -132,6 +132,18 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
                    chunked(options(graph::ResidencyMode::stream, min_budget, 0))});
   cases.push_back({"stream at 1.5x the minimum, lookahead 2, staged host memory, chunked fetches",
                    chunked(options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2))});
+  // Two host copies (HomeStoreOptions::pinned_copies = 2, an option no default uses): updates run
+  // before the commit point into the next copy, made current at commit.
+  auto two_copies = [](TrainerOptions o) {
+    o.residency.homes.pinned_copies = 2;
+    return o;
+  };
+  TrainerOptions two = two_copies(options(graph::ResidencyMode::stream, 1, 0));
+  two.residency.budget_bytes = ferry::min_stream_budget(rt, m, two).value_or(0);  // its own: updates run early
+  cases.push_back({"stream at its minimum budget, two host copies", two});
+  TrainerOptions compressed_two = two_copies(options(graph::ResidencyMode::stream, 1ull << 30, 2));
+  compressed_two.residency.state_home = graph::Home::host_compressed;
+  cases.push_back({"stream with room, compressed optimizer state, two copies", compressed_two});
   if (rt.device().host_unified_memory) {
     cases.push_back({"mapped, pageable host memory asked for", pageable(options(graph::ResidencyMode::mapped, 0))});
     cases.push_back({"mapped", options(graph::ResidencyMode::mapped, 0)});
