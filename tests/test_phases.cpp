@@ -323,52 +323,55 @@ TEST(HybridTrainer, FitSeesHostOptimizerUpdates) {
   }
 }
 
+// A hybrid trainer of small_mlp (Predict runs of 2 steps), resident or streamed, trained up to its
+// first Predict step; `full` holds the weights of its last Full step.
+struct AtFirstPredict {
+  static TrainerOptions options(bool streamed) {
+    TrainerOptions o = streamed ? hybrid_options(graph::ResidencyMode::stream, 64ull << 20) : hybrid_options();
+    o.phases.max_predict_steps = 8;
+    return o;
+  }
+  explicit AtFirstPredict(bool streamed) : t(rt, small_mlp(), options(streamed)) {
+    while (t.phases()->next() != Phase::predict) b.step(t, s++);
+    for (const auto& n : t.parameter_names()) full[n] = values(t, n);
+  }
+  Runtime rt;
+  Trainer t;
+  const Batches b{sample_elems(small_mlp())};
+  int s = 0;
+  std::map<std::string, std::vector<float>> full;
+};
+
 TEST(HybridTrainer, RestoreBringsBackTheLastFullWeightsBitForBit) {
   for (const bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed (one host copy)" : "resident");
-    Runtime rt;
-    const ModelSpec m = small_mlp();
-    TrainerOptions o = streamed ? hybrid_options(graph::ResidencyMode::stream, 64ull << 20) : hybrid_options();
-    o.phases.max_predict_steps = 8;  // runs of 2 steps
-    Trainer t(rt, m, o);
-    const Batches b{sample_elems(m)};
-    int s = 0;
-    while (t.phases()->next() != Phase::predict) b.step(t, s++);
-    std::map<std::string, std::vector<float>> full;
-    for (const auto& n : t.parameter_names()) full[n] = values(t, n);
-    EXPECT_EQ(b.step(t, s++).verdict, Verdict::go_on);
+    AtFirstPredict at(streamed);
+    Trainer& t = at.t;
+    EXPECT_EQ(at.b.step(t, at.s++).verdict, Verdict::go_on);
     // The next Predict step sees inputs 100x larger: its loss is far above the Full losses, beyond
     // a gap of 1, and the run is undone.
     PhaseConfig tight = t.phases()->config();
     tight.max_loss_gap = 1.0f;
     t.phases()->set_config(tight);
-    auto wild = random_vector(8 * sample_elems(m), 999, -100.0f, 100.0f);
+    auto wild = random_vector(8 * at.b.sample, 999, -100.0f, 100.0f);
     const auto r = t.step(wild, labels_for(8, 998));
     EXPECT_GT(r.loss, t.phases()->loss_mean() + 1.0);
     EXPECT_EQ(r.phase, Phase::predict);
     EXPECT_EQ(r.verdict, Verdict::restore);
-    for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
+    for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), at.full[n]) << n;
     EXPECT_EQ(t.phases()->next(), Phase::full);
   }
 }
 
-// A Predict step moves the weights before its loss is known (streamed: on the one host copy,
-// before it fetches them). When it fails after that, the weights go back to those from before its
-// run, the last Full step's, and the trainer trains on.
+// A Predict step moves the weights before its loss is known (streamed: in the one host copy, once
+// the step's fetches have read them). When it fails after that, the weights go back to those from
+// before its run, the last Full step's, and the trainer trains on.
 TEST(HybridTrainer, AFailedPredictStepPutsBackTheWeightsFromBeforeItsRun) {
   for (const bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed" : "resident");
-    Runtime rt;
-    const ModelSpec m = small_mlp();
-    TrainerOptions o = streamed ? hybrid_options(graph::ResidencyMode::stream, 64ull << 20) : hybrid_options();
-    o.phases.max_predict_steps = 8;  // runs of 2 steps
-    Trainer t(rt, m, o);
-    const Batches b{sample_elems(m)};
-    int s = 0;
-    while (t.phases()->next() != Phase::predict) b.step(t, s++);
-    std::map<std::string, std::vector<float>> full;
-    for (const auto& n : t.parameter_names()) full[n] = values(t, n);
-    ASSERT_EQ(b.step(t, s++).phase, Phase::predict);
+    AtFirstPredict at(streamed);
+    Trainer& t = at.t;
+    ASSERT_EQ(at.b.step(t, at.s++).phase, Phase::predict);
     ASSERT_EQ(t.phases()->next(), Phase::predict);
     // The last weight's move fails before its work: the others, earlier on the same lane (the
     // device's compute queue, or streamed the host lane), have moved theirs.
@@ -385,7 +388,7 @@ TEST(HybridTrainer, AFailedPredictStepPutsBackTheWeightsFromBeforeItsRun) {
     ASSERT_EQ(nodes.lane[victim], streamed ? graph::Lane::host : graph::Lane::compute);
     predict.inject_failure(victim, graph::Fault::exception);
     try {
-      b.step(t, s++);
+      at.b.step(t, at.s++);
       FAIL() << "the Predict step should fail";
     } catch (const graph::PartialUpdateError& e) {
       FAIL() << "the trainer should have put the weights back: " << e.what();
@@ -396,9 +399,9 @@ TEST(HybridTrainer, AFailedPredictStepPutsBackTheWeightsFromBeforeItsRun) {
       EXPECT_NE(what.find("were put back to those from before its Predict run"), std::string::npos) << what;
     }
     EXPECT_EQ(t.inconsistent_state(), "");
-    for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), full[n]) << n;
+    for (const auto& n : t.parameter_names()) EXPECT_EQ(values(t, n), at.full[n]) << n;
     // It trains on: the rest of the run, its Correct step and more.
-    for (int k = 0; k < 4; ++k) EXPECT_TRUE(std::isfinite(b.step(t, s++).loss)) << k;
+    for (int k = 0; k < 4; ++k) EXPECT_TRUE(std::isfinite(at.b.step(t, at.s++).loss)) << k;
   }
 }
 
