@@ -30,8 +30,8 @@ graph::VariantKey predict_key(const TrainerOptions& options);
 // The device budget a Trainer plans in: the options', or the device's memory less headroom
 // (10%, at least 256 MiB, at most half).
 std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device);
-// The residency options a Trainer compiles with: the budget resolved, and two copies of streamed
-// state where host-lane nodes update it before the step is known good (hybrid phases' Predict).
+// The residency options a Trainer compiles with: the options', the budget resolved and updates grouped
+// when the graph fuses (TrainerOptions::fuse).
 graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget);
 
 // The variants a Trainer compiles up front after its training step, with the phase each serves.

@@ -47,7 +47,7 @@ TEST(Homes, TraitsSayWhatEachHomeAsksOfTheGraph) {
 // The compressed store: a tensor's value round-trips bit for bit; what a step packs is what it
 // unpacks later in the step, but reads (and other steps) see it only after commit; abort drops it;
 // host memory is the chunks.
-// With two copies (hybrid phases) packed chunks become current at commit; with one (the default)
+// With two copies (HomeStoreOptions::pinned_copies) packed chunks become current at commit; with one (the default)
 // a pack replaces the chunks at once, its updates coming after the step's commit point.
 TEST(Homes, CompressedKeepsChunksAndCommitsPackedValues) {
   auto& dev = TestDevice::get();

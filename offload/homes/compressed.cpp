@@ -3,8 +3,8 @@
 // fetch and pack the written-back value into new chunks after. In place (one copy, the default),
 // the new chunks replace the old as soon as they are made: the updates that write the tensor come
 // after the step's commit point, so host memory holds one set of chunks and a tensor's second
-// only while it is packed. Otherwise (hybrid phases, whose Predict steps write ahead of the loss)
-// they become current at commit, so a failed step (or one whose chunks could not be made) leaves
+// only while it is packed. Otherwise (two copies, HomeStoreOptions::pinned_copies) they become
+// current at commit, so a failed step (or one whose chunks could not be made) leaves
 // the previous chunks in place, at the cost of holding both until then.
 #include <fmt/format.h>
 

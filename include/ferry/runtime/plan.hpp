@@ -131,7 +131,7 @@ struct TrainingPlan {
   std::uint64_t host_store_bytes = 0, host_step_bytes = 0, host_bytes = 0;
   // The compressed home's chunks (ordinary memory) at their bound, each tensor's at most its
   // uncompressed bytes: one set, and a tensor's new chunks while they are made; with two copies
-  // (hybrid phases), two sets, since the new chunks replace the current ones only at commit.
+  // (HomeStoreOptions::pinned_copies), two sets, since the new chunks replace the current ones only at commit.
   std::uint64_t host_compressed_bytes = 0;
   // With hybrid phases: the weights once more, in ordinary memory (the restore point the Trainer
   // reads at the start of each Predict run and puts back when the run diverges or a step of it
