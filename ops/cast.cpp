@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 #include "ferry/cl/error.hpp"
 
@@ -86,32 +87,60 @@ LaunchList cast(OpEnv& env, DType from, DType to, DeviceSpan in, DeviceSpan out,
   return list;
 }
 
+namespace {
+
+// The element kernels' [rows, cols] view of a layout (cast.cl): with inner == 1 the rows are the
+// outer index and the columns the channels, otherwise a row is one (outer, channel) pair.
+std::size_t quant_cols(QuantLayout l) {
+  return l.inner == 1 ? l.channels : l.inner;
+}
+
+// The element kernel's division in double where that is exact for every float (cast.cl): the
+// device has doubles and keeps float denormals.
+std::string quantize_options(const cl::DeviceInfo& device) {
+  cl_device_fp_config single = 0;
+  if (clGetDeviceInfo(device.id, CL_DEVICE_SINGLE_FP_CONFIG, sizeof single, &single, nullptr) != CL_SUCCESS) return {};
+  return device.has_extension("cl_khr_fp64") && (single & CL_FP_DENORM) != 0 ? "-DQUANT_FP64" : "";
+}
+
+// Its launch: 64 columns a work-group (16 for short rows: a convolution's 3 x 3 x C).
+KernelLaunch quant_elements_launch(cl::Kernel k, QuantLayout l) {
+  const std::size_t cols = std::max<std::size_t>(1, quant_cols(l)), rows = l.elems() / cols;
+  KernelLaunch launch;
+  launch.kernel = std::move(k);
+  launch.dims = 2;
+  const std::size_t group = cols >= 64 ? 64 : 16;
+  launch.global = {(cols + group - 1) / group * group, std::max<std::size_t>(1, rows), 1};
+  launch.local = {group, 1, 1};
+  return launch;
+}
+
+}  // namespace
+
 LaunchList quantize_i8(OpEnv& env, DeviceSpan x, DeviceSpan q, DeviceSpan scales, QuantLayout layout) {
   check_layout("quantize_i8", layout);
-  const std::size_t n = layout.elems();
   cl::Kernel ks = env.kernels.kernel("cast", "quantize_i8_scales");
   cl::set_args(ks.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4),
                static_cast<cl_uint>(layout.outer), static_cast<cl_uint>(layout.channels),
                static_cast<cl_uint>(layout.inner));
-  cl::Kernel kq = env.kernels.kernel("cast", "quantize_i8");
+  cl::Kernel kq = env.kernels.kernel("cast", "quantize_i8", quantize_options(env.device()));
   cl::set_args(kq.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4), q.buffer, q.elem_offset(1),
-               static_cast<cl_uint>(layout.channels), static_cast<cl_uint>(std::max<std::size_t>(1, layout.inner)),
-               static_cast<cl_uint>(n));
+               static_cast<cl_uint>(quant_cols(layout)), static_cast<cl_uint>(layout.channels),
+               static_cast<cl_uint>(layout.inner));
   LaunchList list;
   list.push_back(elementwise_launch(std::move(ks), layout.channels));
-  list.push_back(elementwise_launch(std::move(kq), n));
+  list.push_back(quant_elements_launch(std::move(kq), layout));
   return list;
 }
 
 LaunchList dequantize_i8(OpEnv& env, DeviceSpan q, DeviceSpan scales, DeviceSpan x, QuantLayout layout) {
   check_layout("dequantize_i8", layout);
-  const std::size_t n = layout.elems();
   cl::Kernel k = env.kernels.kernel("cast", "dequantize_i8");
   cl::set_args(k.get(), q.buffer, q.elem_offset(1), scales.buffer, scales.elem_offset(4), x.buffer, x.elem_offset(4),
-               static_cast<cl_uint>(layout.channels), static_cast<cl_uint>(std::max<std::size_t>(1, layout.inner)),
-               static_cast<cl_uint>(n));
+               static_cast<cl_uint>(quant_cols(layout)), static_cast<cl_uint>(layout.channels),
+               static_cast<cl_uint>(layout.inner));
   LaunchList list;
-  list.push_back(elementwise_launch(std::move(k), n));
+  list.push_back(quant_elements_launch(std::move(k), layout));
   return list;
 }
 

@@ -43,11 +43,6 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
   if (options.accumulate == 0) {
     throw std::invalid_argument("gradient accumulation over 0 micro-batches: use 1 (no accumulation) or more");
   }
-  if (options.accumulate > 1 && options.phases.hybrid) {
-    throw std::invalid_argument(
-        "hybrid phases with gradient accumulation are not supported yet: use one of them (phases full, or "
-        "accumulation 1)");
-  }
   validate(options.precision);
   if (options.precision.scaled() && (options.phases.hybrid || options.accumulate > 1)) {
     throw std::invalid_argument(
@@ -429,6 +424,9 @@ StepHandle Trainer::submit(const Batch& batch) {
   Pending p;
   p.id = ++handles_;
   if (phases_ && phases_->next() == Phase::predict) {
+    // The controller moves on at updates only, so a Predict step never falls inside a group of
+    // micro-batches.
+    if (micro_ != 0) throw std::logic_error("a Predict step inside an accumulation group");
     try {
       p.result = predict_step(batch);
     } catch (const std::invalid_argument&) {
@@ -532,6 +530,10 @@ StepResult Trainer::finish_training_step(Pending& p) {
     }
     ++micro_;
     r.updated = false;
+    // With hybrid phases a micro-batch belongs to the phase of the update it makes, which is timed
+    // whole (phase_step_ms: a Full update's micro-batches against a Predict step).
+    r.phase = phase;
+    phase_ms_[static_cast<int>(phase)] += r.step_ms;
     return r;
   }
   if (!std::isfinite(r.loss)) {

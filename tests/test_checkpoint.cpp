@@ -227,6 +227,17 @@ const Case cases[] = {
      },
      12,
      {3, 4, 5, 6, 7, 8, 9}},
+    // Hybrid phases over accumulated updates: saves inside a group and inside a Predict run.
+    {"hybrid_accumulate",
+     small_mlp,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.phases = hybrid_config();
+       o.accumulate = 2;
+       return o;
+     },
+     16,
+     {1, 3, 5, 6, 7, 8, 9, 10, 11, 13}},
     // A save in the middle of an accumulation group carries the gradient sums.
     {"accumulate",
      small_mlp,

@@ -16,6 +16,7 @@
 #include "ferry/ops/activation.hpp"
 #include "ferry/ops/cast.hpp"
 #include "ops/elementwise.hpp"
+#include "ops/quantize_host.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -523,6 +524,41 @@ Quantized quantize_on_host(const std::vector<float>& x, ops::QuantLayout layout)
   return r;
 }
 
+// The host lane's parallel quantization (ops/quantize_host.hpp), dequantized by the reference.
+Quantized quantize_in_parallel_on_host(const std::vector<float>& x, ops::QuantLayout layout) {
+  Quantized r{std::vector<std::int8_t>(x.size()), std::vector<float>(layout.channels), std::vector<float>(x.size())};
+  ops::quantize_i8_host(x, layout, r.q, r.scales);
+  ops::ref::dequantize_i8(r.q, r.scales, layout, r.x);
+  return r;
+}
+
+// The element kernel built with `options` (cast.cl; without QUANT_FP64: the float path; a device
+// whose division is off by QUANT_DIV_ERROR_ULPS, QUANT_MARGIN), run on `scales`: its q.
+std::vector<std::int8_t> quantize_elements_built_with(const char* options, const std::vector<float>& x,
+                                                      ops::QuantLayout l, const std::vector<float>& scales) {
+  auto& dev = TestDevice::get();
+  auto dx = DeviceBytes::from(x, 3), ds = DeviceBytes::from(scales, 9);
+  DeviceBytes dq(x.size(), 1, 5);
+  const std::size_t cols = l.inner == 1 ? l.channels : l.inner;
+  cl::Kernel k = dev.env.kernels.kernel("cast", "quantize_i8", options);
+  cl::set_args(k.get(), dx.span().buffer, dx.span().elem_offset(4), ds.span().buffer, ds.span().elem_offset(4),
+               dq.span().buffer, dq.span().elem_offset(1), static_cast<cl_uint>(cols), static_cast<cl_uint>(l.channels),
+               static_cast<cl_uint>(l.inner));
+  ops::KernelLaunch launch;
+  launch.kernel = std::move(k);
+  launch.dims = 2;
+  launch.global = {(cols + 63) / 64 * 64, l.elems() / cols, 1};
+  launch.local = {64, 1, 1};
+  run({launch});
+  return dq.download<std::int8_t>();
+}
+
+std::size_t count_differing(const std::vector<std::int8_t>& a, const std::vector<std::int8_t>& b) {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+  return n;
+}
+
 std::size_t index_of(ops::QuantLayout l, std::size_t o, std::size_t c, std::size_t i) {
   return (o * l.channels + c) * l.inner + i;
 }
@@ -583,6 +619,7 @@ TEST(QuantizeI8, LinearAndConvLayoutsMatchTheReferenceBitForBit) {
     const std::string what =
         "layout [" + std::to_string(l.outer) + ", " + std::to_string(l.channels) + ", " + std::to_string(l.inner) + "]";
     expect_quantized_equal(dev, host, what.c_str());
+    expect_quantized_equal(quantize_in_parallel_on_host(x, l), host, (what + " (host lane)").c_str());
 
     // The reference does what it says: the zero channel quantizes to zeros with scale 0, every
     // channel's largest magnitude maps to +-127, and the error is at most half a step.
@@ -621,6 +658,8 @@ TEST(QuantizeI8, TiesRoundToEvenAndSpecialValues) {
                           nan,     1.0f,     -2.0f,    1e-30f,    -1e-38f,   0.0f,     -0.0f,    1.5f};
   const Quantized dev = quantize_on_device(x, l), host = quantize_on_host(x, l);
   expect_quantized_equal(dev, host, "ties and specials");
+  expect_quantized_equal(quantize_in_parallel_on_host(x, l), host, "ties and specials (host lane)");
+  EXPECT_EQ(count_differing(quantize_elements_built_with("", x, l, host.scales), host.q), 0u) << "the float path";
   EXPECT_EQ(host.scales[0], s);
   const std::vector<int> want0 = {127, 2, 4, -2, 0, 0, -127, 126};
   for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(int(dev.q[i]), want0[i]) << i;
@@ -645,7 +684,49 @@ TEST(QuantizeI8, ManyRandomPatternsMatchTheReference) {
       }
     }
   }
-  expect_quantized_equal(quantize_on_device(x, l), quantize_on_host(x, l), "random bits");
+  const Quantized host = quantize_on_host(x, l);
+  expect_quantized_equal(quantize_on_device(x, l), host, "random bits");
+  expect_quantized_equal(quantize_in_parallel_on_host(x, l), host, "random bits (host lane)");
+  EXPECT_EQ(count_differing(quantize_elements_built_with("", x, l, host.scales), host.q), 0u) << "the float path";
+}
+
+// The kernel divides on the device except within 2^-12 of a half-integer quotient, where it
+// divides in software: quotients on both sides of that margin, at it and next to exact ties all
+// round as the host's IEEE quotient does. (The largest magnitude of a channel sets its scale, so
+// quotients stay within [-127, 127].)
+TEST(QuantizeI8, QuotientsNearHalfIntegersRoundAsTheHost) {
+  const float offsets[] = {0.0f,     0x1p-24f,  -0x1p-24f, 0x1p-20f,  -0x1p-20f, 0x1p-13f, -0x1p-13f,
+                           0x1p-12f, -0x1p-12f, 0x1p-11f,  -0x1p-11f, 0x1p-8f,   -0x1p-8f};
+  const float units[] = {0.125f, 0.1f, 3.0e-3f, 7.77e7f, 1.0e-30f};  // scales: exact, inexact, wide range
+  std::vector<float> x;
+  const std::size_t per_channel = 1 + 254 * 2 * std::size(offsets) + 2;
+  for (const float u : units) {
+    x.push_back(127.0f * u);  // the channel's absmax: its scale is u, or u rounded
+    for (int k = -127; k < 127; ++k) {
+      for (const float d : offsets) {
+        x.push_back((static_cast<float>(k) + 0.5f + d) * u);
+        x.push_back(std::nextafter((static_cast<float>(k) + 0.5f + d) * u, 0.0f));
+      }
+    }
+    x.push_back(126.99999f * u);
+    x.push_back(-127.0f * u);
+  }
+  const ops::QuantLayout l{1, std::size(units), per_channel};
+  ASSERT_EQ(x.size(), l.elems());
+  const Quantized host = quantize_on_host(x, l);
+  expect_quantized_equal(quantize_on_device(x, l), host, "near half-integers");
+  expect_quantized_equal(quantize_in_parallel_on_host(x, l), host, "near half-integers (host lane)");
+
+  // The float path (devices without doubles or float denormals); and, since this device divides
+  // exactly, one whose division is 3 ulp off (OpenCL allows 2.5) stood in for by the kernel built
+  // so: it still gives the host's integers, and would not without the margin, so these values
+  // reach it.
+  const auto built = [&](const char* options) {
+    return count_differing(quantize_elements_built_with(options, x, l, host.scales), host.q);
+  };
+  EXPECT_EQ(built(""), 0u);
+  EXPECT_EQ(built("-DQUANT_DIV_ERROR_ULPS=3"), 0u);
+  EXPECT_GT(built("-DQUANT_DIV_ERROR_ULPS=3 -DQUANT_MARGIN=0.0f"), 0u);
 }
 
 TEST(QuantizeI8, ReferenceRejectsMismatchedSpans) {

@@ -450,6 +450,94 @@ TEST(HybridTrainer, StreamedIsBitIdenticalToResident) {
     }
 }
 
+// With accumulation the controller moves on at updates: a training phase's step is a group of
+// micro-batches, each reporting the group's phase, whose last fits the predictor with the group's
+// whole update; Predict steps fall only between groups and apply exactly the prediction, touching
+// neither the optimizer state nor the gradient sums.
+TEST(HybridTrainer, AccumulatedUpdatesArePredictedBetweenGroups) {
+  constexpr std::uint32_t k = 3;
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions o = hybrid_options();
+  o.accumulate = k;
+  Trainer t(rt, m, o);
+  const Batches b{sample_elems(m)};
+  const auto names = t.parameter_names();
+  const auto is_weight = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) != names.end(); };
+  std::uint32_t in_group = 0;  // micro-batches of the open group
+  std::uint64_t predicted = 0, fits = 0;
+  std::map<std::string, std::vector<float>> before;  // every tensor before the group or Predict step
+  for (int s = 0; s < 60; ++s) {
+    if (in_group == 0) {
+      for (const auto& n : t.tensor_names()) before[n] = values(t, n);
+    }
+    const Phase next = t.phases()->next();
+    const bool fit = t.phases()->fits_next();
+    const float scale = t.phases()->predict_scale();
+    const StepResult r = b.step(t, s);
+    ASSERT_EQ(r.phase, next) << "step " << s;
+    if (r.phase == Phase::predict) {
+      EXPECT_EQ(in_group, 0u) << "a Predict step inside a group at step " << s;
+      ++predicted;
+      for (const auto& n : t.tensor_names()) {
+        const auto now = values(t, n);
+        if (!is_weight(n)) {
+          EXPECT_EQ(now, before[n]) << n << " changed in Predict step " << s;
+          continue;
+        }
+        const auto& d = before[n + ".pred_d"];
+        const float gain = before[n + ".pred_stats"][ops::predictor_stat_gain];
+        for (std::size_t i = 0; i < now.size(); ++i) {
+          ASSERT_FLOAT_EQ(now[i], std::fma(scale * gain, d[i], before[n][i])) << n << "[" << i << "] step " << s;
+        }
+      }
+      continue;
+    }
+    if (!r.updated) {
+      ASSERT_LT(++in_group, k) << "step " << s;
+      for (const auto& n : names) EXPECT_EQ(values(t, n), before[n]) << n << " changed by a micro-batch";
+      continue;
+    }
+    EXPECT_EQ(in_group, k - 1) << "an update after " << in_group << " micro-batches, step " << s;
+    in_group = 0;
+    if (!fit) continue;
+    ++fits;
+    for (const auto& n : names) {
+      const auto after = values(t, n);
+      double dd = 0;
+      for (std::size_t i = 0; i < after.size(); ++i) dd += double(after[i] - before[n][i]) * (after[i] - before[n][i]);
+      ASSERT_GT(dd, 0) << n;
+      EXPECT_NEAR(values(t, n + ".pred_stats")[ops::predictor_stat_delta_delta], dd, 1e-4 * dd + 1e-12)
+          << n << ", the group's update at step " << s;
+    }
+  }
+  EXPECT_GT(predicted, 0u);
+  EXPECT_GT(fits, 0u);
+  EXPECT_EQ(t.steps_done() * k + predicted, 60u - in_group);
+}
+
+TEST(HybridTrainer, AccumulatedStreamedIsBitIdenticalToResident) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions ro = hybrid_options();
+  ro.accumulate = 2;
+  TrainerOptions so = hybrid_options(graph::ResidencyMode::stream, 0);
+  so.accumulate = 2;
+  so.residency.budget_bytes = stream_budget(rt, m, so);
+  Trainer resident(rt, m, ro), streamed(rt, m, so);
+  ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
+  const Batches b{sample_elems(m)};
+  std::uint64_t predicted = 0;
+  for (int s = 0; s < 30; ++s) {
+    const auto a = b.step(resident, s), c = b.step(streamed, s);
+    ASSERT_EQ(a.phase, c.phase) << s;
+    ASSERT_EQ(a.loss, c.loss) << s;
+    predicted += a.phase == Phase::predict;
+  }
+  EXPECT_GT(predicted, 0u);
+  for (const auto& n : resident.tensor_names()) EXPECT_EQ(values(resident, n), values(streamed, n)) << n;
+}
+
 // A Predict step with int8 weights computes the loss an int8 evaluation of its batch gives, before
 // the step moves the weights.
 TEST(HybridTrainer, Int8PredictForwardIsTheInt8Evaluation) {

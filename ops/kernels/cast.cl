@@ -34,10 +34,11 @@ __kernel void cast_identity(__global const S_RAW* in, ulong in_off, __global S_R
 // + i. scale[c] = absmax_c / 127, q = round-half-even(x / scale[c]) clamped to [-127, 127] (0 for
 // a channel of zeros and for NaN), x' = q * scale[c].
 //
-// Every division is correctly rounded in software (div_rn from dtype.clh: integer division of the
-// significands), so the result is the same bits as the host's IEEE division on every device, with
-// or without -cl-fp32-correctly-rounded-divide-sqrt, and whatever the device's denormal mode. The
-// absmax and the tests on the scale are on the bits for the same reason.
+// The results are the bits the host's IEEE division gives, on every device, with or without
+// -cl-fp32-correctly-rounded-divide-sqrt and whatever the device's denormal mode: the scales are
+// divided in software (div_rn from dtype.clh: integer division of the significands), the elements
+// by the device where its rounding cannot change the integer and in software where it could
+// (quantize_one). The absmax and the tests on the scale are on the bits for the same reason.
 
 // One work-item per channel: scale[c] = (max |x| over the channel) / 127; NaN elements are skipped
 // (as fmax does), an infinity gives an infinite scale.
@@ -50,28 +51,71 @@ __kernel void quantize_i8_scales(__global const float* x, ulong x_off, __global 
     const ulong base = x_off + ((ulong)o * channels + c) * inner;
     for (uint i = 0; i < inner; ++i) {
       const uint a = as_uint(x[base + i]) & 0x7fffffffu;
-      if (a <= 0x7f800000u && a > amax) amax = a;
+      amax = max(amax, a <= 0x7f800000u ? a : 0u);  // no branch: CPU devices vectorise it
     }
   }
   scale[scale_off + c] = amax == 0x7f800000u ? INFINITY : div_rn(as_float(amax), 127.0f);
 }
 
-__kernel void quantize_i8(__global const float* x, ulong x_off, __global const float* scale, ulong scale_off,
-                          __global char* q, ulong q_off, uint channels, uint inner, uint n) {
-  const size_t i = get_global_id(0);
-  if (i >= n) return;
-  const float s = scale[scale_off + (i / inner) % channels];
-  const float v = x[x_off + i];
-  // Tested on the bits, so that a subnormal scale counts as nonzero on devices that flush them.
+// The element kernels see the tensor as [rows, cols], one work-item an element (dim 0 along cols,
+// dim 1 along rows): with inner == 1 (a Linear weight [in, out], whose channels are its columns)
+// rows are the outer index and cols the channels; otherwise a row is an (outer, channel) pair and
+// cols the inner extent. Either way a work-item finds its channel without a division per element.
+inline uint quant_channel(uint row, uint j, uint channels, uint inner) {
+  return inner == 1 ? j : row % channels;
+}
+
+// round-half-even(v / s) clamped to [-127, 127]; 0 for a zero, negative, infinite or NaN scale and
+// a value that is not finite.
+// QUANT_FP64 (the host sets it for devices with doubles and float denormals): the quotient taken in
+// double and rounded once to float is the IEEE float quotient (53 >= 2 * 24 + 2 bits, so rounding
+// twice cannot differ for a division), subnormal operands included; no branch per element, so CPU
+// devices vectorise it.
+// Otherwise the device's float division is within a few ulp of the IEEE quotient (2.5 in OpenCL's
+// full profile), far less than 2^-12 below 128, so away from the half-integers, where the two could
+// round to different integers, its rounded value is the IEEE quotient's, and a quotient of 128 or
+// more clamps either way. The rest (a subnormal operand, which a device may flush, or a quotient
+// within 2^-12 of a half-integer) takes div_rn. Tests stand in for a device whose division is
+// QUANT_DIV_ERROR_ULPS ulp off (up or down by the value's last bit), and set QUANT_MARGIN to 0 to
+// see such a device fail without the margin.
+#ifdef QUANT_FP64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+inline char quantize_one(float v, float s) {
   const uint su = as_uint(s), vu = as_uint(v) & 0x7fffffffu;
-  float t = 0.0f;
-  if (su != 0u && su < 0x7f800000u && vu < 0x7f800000u) t = clamp(rint(div_rn(v, s)), -127.0f, 127.0f);
-  q[q_off + i] = (char)(int)t;
+  const float t = clamp(rint((float)((double)v / (double)s)), -127.0f, 127.0f);
+  return su != 0u && su < 0x7f800000u && vu < 0x7f800000u ? (char)(int)t : (char)0;
+}
+#else
+#ifndef QUANT_MARGIN
+#define QUANT_MARGIN 0x1p-12f
+#endif
+inline char quantize_one(float v, float s) {
+  const uint su = as_uint(s), vu = as_uint(v) & 0x7fffffffu;
+  if (su == 0u || su >= 0x7f800000u || vu >= 0x7f800000u) return 0;
+  if (su >= 0x00800000u && (vu >= 0x00800000u || vu == 0u)) {
+    float a = v / s;
+#ifdef QUANT_DIV_ERROR_ULPS
+    if (a != 0.0f) a = as_float(as_uint(a) + ((vu & 1u) ? (uint)QUANT_DIV_ERROR_ULPS : (uint)-QUANT_DIV_ERROR_ULPS));
+#endif
+    if (fabs(a) >= 128.0f) return a > 0.0f ? (char)127 : (char)-127;
+    if (fabs(a - floor(a) - 0.5f) > QUANT_MARGIN) return (char)(int)clamp(rint(a), -127.0f, 127.0f);
+  }
+  return (char)(int)clamp(rint(div_rn(v, s)), -127.0f, 127.0f);
+}
+#endif
+
+__kernel void quantize_i8(__global const float* x, ulong x_off, __global const float* scale, ulong scale_off,
+                          __global char* q, ulong q_off, uint cols, uint channels, uint inner) {
+  const uint j = get_global_id(0), row = get_global_id(1);
+  if (j >= cols) return;
+  const ulong i = (ulong)row * cols + j;
+  q[q_off + i] = quantize_one(x[x_off + i], scale[scale_off + quant_channel(row, j, channels, inner)]);
 }
 
 __kernel void dequantize_i8(__global const char* q, ulong q_off, __global const float* scale, ulong scale_off,
-                            __global float* x, ulong x_off, uint channels, uint inner, uint n) {
-  const size_t i = get_global_id(0);
-  if (i >= n) return;
-  x[x_off + i] = (float)q[q_off + i] * scale[scale_off + (i / inner) % channels];
+                            __global float* x, ulong x_off, uint cols, uint channels, uint inner) {
+  const uint j = get_global_id(0), row = get_global_id(1);
+  if (j >= cols) return;
+  const ulong i = (ulong)row * cols + j;
+  x[x_off + i] = (float)q[q_off + i] * scale[scale_off + quant_channel(row, j, channels, inner)];
 }

@@ -6,6 +6,7 @@
 
 #include "ferry/ops/cast.hpp"
 #include "ops/attrs.hpp"
+#include "ops/quantize_host.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -36,10 +37,10 @@ OpInfo quantize_row() {  // in: x (f32)  out: q (i8), scales (f32, one per chann
   };
   r.bind = [](const BindContext& c) { return quantize_i8(c.env(), c.in(0), c.out(0), c.out(1), layout_of(c.attrs())); };
   // On the host lane (a streamed weight quantized in host memory before it crosses the link):
-  // the same bits as the kernel (ref::quantize_i8 is its bit-exact twin).
+  // the same bits as the kernel and ref::quantize_i8, on all cores.
   r.host = [](const HostContext& c) {
     const QuantLayout l = layout_of(c.attrs());
-    ref::quantize_i8({reinterpret_cast<const float*>(c.in(0)), l.elems()}, l,
+    quantize_i8_host({reinterpret_cast<const float*>(c.in(0)), l.elems()}, l,
                      {reinterpret_cast<std::int8_t*>(c.out(0)), l.elems()},
                      {reinterpret_cast<float*>(c.out(1)), l.channels});
   };

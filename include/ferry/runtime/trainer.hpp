@@ -169,8 +169,9 @@ class Trainer {
   // The phase controller with hybrid phases, else nullptr.
   const PhaseController* phases() const noexcept { return phases_.get(); }
   PhaseController* phases() noexcept { return phases_.get(); }
-  // Mean wall time of the steps of each phase so far (ms; 0 where none ran), and the predictor's
-  // state bytes (0 without hybrid phases).
+  // Mean wall time of the steps of each phase so far (ms; 0 where none ran; with accumulation a
+  // training phase's step is an update, all its micro-batches), and the predictor's state bytes
+  // (0 without hybrid phases).
   double phase_step_ms(Phase p) const;
   // Loss scaling: the scale the next step runs with (1 without scaling), and the steps skipped
   // because their gradients overflowed.
