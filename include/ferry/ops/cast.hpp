@@ -53,8 +53,8 @@ struct QuantLayout {
 // elements skipped; a channel of zeros gets scale 0), q = round-half-even(x / scales[c]) clamped
 // to [-127, 127], and q = 0 where the scale is 0 or infinite or x is not finite. x is f32
 // (layout.elems() elements), q is i8 (same count), scales is f32 (layout.channels). The device
-// result is bit-identical to ref::quantize_i8 on every device (divisions are correctly rounded in
-// the kernel). Two launches: the scales, then the elements.
+// result is bit-identical to ref::quantize_i8 on every device (each quotient is the IEEE one:
+// ops/kernels/cast.cl). Two launches: the scales, then the elements.
 LaunchList quantize_i8(OpEnv& env, DeviceSpan x, DeviceSpan q, DeviceSpan scales, QuantLayout layout);
 // x = q * scales[c] in f32.
 LaunchList dequantize_i8(OpEnv& env, DeviceSpan q, DeviceSpan scales, DeviceSpan x, QuantLayout layout);
