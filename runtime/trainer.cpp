@@ -44,11 +44,6 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
     throw std::invalid_argument("gradient accumulation over 0 micro-batches: use 1 (no accumulation) or more");
   }
   validate(options.precision);
-  if (options.precision.scaled() && (options.phases.hybrid || options.accumulate > 1)) {
-    throw std::invalid_argument(
-        "loss scaling (fp16 mixed precision) with hybrid phases or gradient accumulation is not supported yet: use "
-        "bf16, which needs no loss scaling, or fp32");
-  }
   if (options.phases.hybrid) options.optimizer.predictor = options.phases.predictor;
   validate_data_parallel(options);
 }
@@ -519,6 +514,16 @@ StepResult Trainer::finish_training_step(Pending& p) {
   float guard = 0;
   std::memcpy(&guard, step.host_output(graph::overflow_guard_name).data(), sizeof guard);
   if (micro) {
+    if (options_.precision.scaled() && std::isfinite(r.loss) && !std::isfinite(guard)) {
+      // Its scaled gradients overflowed: the micro-batch added nothing to the sums (their
+      // updates check the guard), so the group waits for another one, at half the scale. The
+      // sums hold unscaled gradients: micro-batches at different scales add up.
+      r.overflow = true;
+      scaler_.record(true);
+      r.updated = false;
+      r.phase = phase;
+      return r;
+    }
     if (!std::isfinite(r.loss) || !std::isfinite(guard)) {
       throw std::runtime_error(
           fmt::format("training diverged at micro-batch {} of {} (update {}): {}; its gradient was not added, so the "
@@ -557,10 +562,13 @@ StepResult Trainer::finish_training_step(Pending& p) {
   }
   if (options_.precision.scaled()) {
     // A non-finite guard with a finite loss: the scaled gradients overflowed, nothing was updated.
+    // With accumulation the group's last micro-batch is dropped and the group waits for another;
+    // with hybrid phases the controller has not moved on.
     r.overflow = !std::isfinite(guard);
     scaler_.record(r.overflow);
     if (r.overflow) {
       r.updated = false;
+      r.phase = phase;
       return r;
     }
   } else if (!std::isfinite(guard)) {

@@ -227,6 +227,20 @@ const Case cases[] = {
      },
      12,
      {3, 4, 5, 6, 7, 8, 9}},
+    // All three: overflowed micro-batches dropped, the controller unmoved by overflowed updates.
+    {"fp16_hybrid_accumulate",
+     small_mlp,
+     [](Runtime&, const ModelSpec&) {
+       auto o = base();
+       o.precision.compute = graph::DType::f16;
+       o.precision.initial_scale = 16777216.0f;
+       o.precision.growth_interval = 2;
+       o.phases = hybrid_config();
+       o.accumulate = 2;
+       return o;
+     },
+     30,
+     {3, 8, 13, 17, 21, 24, 27}},
     // Hybrid phases over accumulated updates: saves inside a group and inside a Predict run.
     {"hybrid_accumulate",
      small_mlp,

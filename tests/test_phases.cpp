@@ -516,6 +516,41 @@ TEST(HybridTrainer, AccumulatedUpdatesArePredictedBetweenGroups) {
   EXPECT_EQ(t.steps_done() * k + predicted, 60u - in_group);
 }
 
+// fp16 with loss scaling: a step whose scaled gradients overflow changes nothing, neither the
+// training state (weights, moments, the predictor's state) nor what the controller knows; the scale
+// doubles after every clean update here, so overflows recur between the Predict runs.
+TEST(HybridTrainer, LossScaledOverflowsLeaveTheStateAndTheControllerAlone) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  TrainerOptions o = hybrid_options();
+  o.precision.compute = ops::DType::f16;
+  o.precision.initial_scale = 16777216.0f;  // 2^24
+  o.precision.growth_interval = 1;
+  Trainer t(rt, m, o);
+  const std::size_t sample = sample_elems(m);
+  std::uint64_t overflows = 0, predicted = 0;
+  for (int s = 0; s < 48; ++s) {
+    std::map<std::string, std::vector<float>> before;
+    for (const auto& n : t.tensor_names()) before[n] = values(t, n);
+    const PhaseController::State controller = t.phases()->state();
+    const StepResult r = t.step(random_vector(8 * sample, 300 + s, -4.0f, 4.0f), labels_for(8, 400 + s));
+    ASSERT_EQ(r.phase, controller.next) << "step " << s;
+    predicted += r.phase == Phase::predict;
+    if (!r.overflow) continue;
+    ++overflows;
+    EXPECT_FALSE(r.updated);
+    for (const auto& n : t.tensor_names()) EXPECT_EQ(values(t, n), before[n]) << n << ", step " << s;
+    const PhaseController::State after = t.phases()->state();
+    EXPECT_EQ(after.next, controller.next) << "step " << s;
+    EXPECT_EQ(after.losses, controller.losses) << "step " << s;
+    EXPECT_EQ(after.in_phase, controller.in_phase) << "step " << s;
+    for (std::size_t p = 0; p < phase_count; ++p) EXPECT_EQ(after.counts.steps[p], controller.counts.steps[p]);
+  }
+  EXPECT_GT(overflows, 1u);
+  EXPECT_GT(predicted, 0u);
+  EXPECT_EQ(t.overflow_steps(), overflows);
+}
+
 TEST(HybridTrainer, AccumulatedStreamedIsBitIdenticalToResident) {
   Runtime rt;
   const ModelSpec m = small_mlp();

@@ -68,8 +68,6 @@ row "batch above the training samples" "batch 1024 is larger than the 512 traini
 row "unknown optimizer" "unknown optimizer 'rmsprop'" error - train --optimizer rmsprop "${quick[@]}"
 row "unknown model" "--model: resnet not in" error - train --model resnet "${quick[@]}"
 row "unknown precision" "--precision: fp8 not in {fp32,fp16,bf16}" error - train --precision fp8 "${quick[@]}"
-row "fp16 with hybrid phases" "loss scaling (fp16 mixed precision) with hybrid phases" error - \
-  train --precision fp16 --phases hybrid "${quick[@]}"
 row "budget too small for one layer" "raise the budget to at least" error - \
   train --model deep --width 256 --depth 2 --residency stream --device-budget 64KiB "${quick[@]}"
 row "host budget too small for the streamed state" "more than the host budget of" error - \
