@@ -77,6 +77,49 @@ TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
   expect_parameters_match(trainer, ref, 1e-4);
 }
 
+// Mixed precision: the fused attention reads its narrow q, k, v and writes a narrow o (no casts
+// around it; its log-sum-exp stays f32), and training matches the reference, which rounds every
+// narrow tensor as the device stores it.
+TEST(Gpt, NarrowPrecisionAttentionTrainsLikeTheReference) {
+  for (const graph::DType narrow : {graph::DType::bf16, graph::DType::f16}) {
+    SCOPED_TRACE(ops::dtype_name(narrow));
+    Runtime rt;
+    const auto c = tiny_config();
+    const std::uint32_t batch = 3;
+    TrainerOptions o = gpt_options(batch);
+    o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
+    o.lr = 0.1f;
+    o.precision.compute = narrow;
+    o.precision.initial_scale = 1024.0f;
+    Trainer trainer(rt, models::gpt(c), o);
+    const graph::Graph& g = compiled_train_step(trainer).graph();
+    std::size_t attentions = 0;
+    for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+      if (ops::op_info(g.nodes.op[n]).name != "attention") continue;
+      ++attentions;
+      for (const graph::TensorId x : g.nodes.inputs(n)) EXPECT_EQ(g.tensors.dtype[x], narrow) << g.tensors.name[x];
+      EXPECT_EQ(g.tensors.dtype[g.nodes.outputs(n)[0]], narrow);
+      EXPECT_EQ(g.tensors.dtype[g.nodes.outputs(n)[1]], graph::DType::f32) << "the log-sum-exp";
+    }
+    EXPECT_EQ(attentions, c.depth);
+    ReferenceExecutor ref(g, trainer.options().optimizer);
+    load_parameters(ref, trainer);
+    for (std::uint32_t s = 0; s < 3; ++s) {
+      const auto tokens = random_ids(batch * c.context, c.vocab, 10 + s),
+                 next = random_ids(batch * c.context, c.vocab, 20 + s);
+      const StepResult r = trainer.step(token_batch(tokens, next));
+      ASSERT_FALSE(r.overflow) << "step " << s;
+      ref.ints(ref.find("tokens")) = tokens;
+      ref.ints(ref.find("next")) = next;
+      ops::StepInfo info{s + 1, trainer.lr()};
+      info.loss_scale = r.loss_scale;
+      ref.run(info);
+      EXPECT_NEAR(r.loss, ref.loss(), 2e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+    }
+    expect_parameters_match(trainer, ref, 1e-4);
+  }
+}
+
 TEST(Gpt, ReferenceGradientsMatchFiniteDifferences) {
   const auto c = tiny_config();
   const std::uint32_t batch = 2;

@@ -2,7 +2,7 @@
 // training variant's state updates check (after autodiff, before accumulation and the optimizer).
 //
 // Mixed precision: the layers that gain from narrow storage (Linear, Conv2d, activations,
-// max-pooling) compute from and store f16 or bf16; the rest (LayerNorm, the losses, softmax,
+// max-pooling, fused attention) compute from and store f16 or bf16; the rest (LayerNorm, the losses, softmax,
 // sequence ops, the head) stay f32. A narrow node reads narrow copies of its float inputs: a
 // weight is cast once per step from its f32 master (biases and other rank-1 weights stay f32, as
 // the kernels want), an activation once per dtype it is wanted in. Autodiff then gives every
@@ -77,7 +77,8 @@ void apply_mixed_precision(Graph& g, DType narrow) {
     const std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     out.add_copy(old, n, ins, outs, old.lane[n]);
     if (!low) continue;
-    for (TensorId y : outs) {
+    for (std::size_t o = 0; o < outs.size() && o < row.narrow_outputs; ++o) {
+      const TensorId y = outs[o];
       if (!ops::dtype_is_float(t.dtype[y])) continue;
       t.dtype[y] = narrow;
       for (TensorId v : views[y]) t.dtype[v] = narrow;

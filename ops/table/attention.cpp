@@ -42,6 +42,9 @@ OpInfo attention_row(OpId grad) {  // in: q k v  out: o lse
   OpInfo r;
   r.name = "attention";
   r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
+  // Narrow q, k, v and o (the projections around it are narrow layers); the log-sum-exp stays f32.
+  r.computes_narrow = true;
+  r.narrow_outputs = 1;
   r.infer = [](const ShapeView& v) {
     if (v.input_count() != 3) shape_error(v, fmt::format("attention takes q, k and v, got {} inputs", v.input_count()));
     const Shape q = v.input(0).shape;

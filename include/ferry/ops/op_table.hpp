@@ -214,6 +214,9 @@ struct OpInfo {
   // Mixed precision (graph::apply_mixed_precision): whether the op computes in the narrow dtype
   // (f16, bf16) when `float_dtypes` holds it. The layers do; losses, norms and softmax stay f32.
   bool computes_narrow = false;
+  // With computes_narrow: how many of its outputs, from the first, take the narrow dtype; the rest
+  // keep the dtype the row infers (attention's log-sum-exp statistics stay f32).
+  std::uint32_t narrow_outputs = ~0u;
   // The op narrows its input 0 (a cast, an int8 quantization) and its host function can do it:
   // the residency pass runs it on the host before the fetch of a streamed weight only it reads on
   // the device, so the narrow value crosses the link instead (graph/residency.cpp).
