@@ -676,8 +676,8 @@ StepResult Trainer::predict_step(const Batch& batch) {
   return r;
 }
 
-// A Predict step moves the weights in place ahead of its loss (on the device, or streamed on the
-// host before it fetches them): failing after that, it puts back the run's restore point, a state
+// A Predict step moves the weights in place ahead of its loss (on the device, or streamed in the
+// one host copy once its fetches have read them): failing after that, it puts back the run's restore point, a state
 // the trainer was in (the last training step's), rather than leaving the trainer inconsistent.
 void Trainer::put_back_weights_after_failed_predict(const graph::PartialUpdateError& e) {
   for (const std::string& name : e.tensors()) {

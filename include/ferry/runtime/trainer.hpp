@@ -89,7 +89,8 @@ struct StepResult {
   // (restore, after which the weights are those of the last Full step).
   PhaseController::Verdict verdict = PhaseController::Verdict::go_on;
   // Loss scaling: the gradients overflowed at this step's scale, so nothing was updated and the
-  // scale was halved (updated is false); loss_scale is the scale the step ran with.
+  // scale was halved (updated is false; with accumulation the micro-batch added nothing and the
+  // group waits for another); loss_scale is the scale the step ran with.
   bool overflow = false;
   float loss_scale = 1.0f;
 };
