@@ -55,26 +55,40 @@ TrainerOptions gpt_options(std::uint32_t batch) {
 
 // SGD: the key projection's bias has a zero gradient (softmax ignores a constant added to a row of
 // scores), and Adam would turn the rounding noise there into full-size steps.
-TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
-  Runtime rt;
-  const auto c = tiny_config();
-  const std::uint32_t batch = 3;
+TrainerOptions reference_options(std::uint32_t batch) {
   TrainerOptions o = gpt_options(batch);
   o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
   o.lr = 0.1f;
-  Trainer trainer(rt, models::gpt(c), o);
+  return o;
+}
+
+// `steps` steps of the trainer and the CPU reference on the same token batches: the losses within
+// `loss_tolerance` (relative) and the parameters within 1e-4 at the end.
+void train_like_the_reference(Trainer& trainer, const models::GptConfig& c, std::uint32_t steps,
+                              double loss_tolerance) {
+  const std::uint32_t batch = trainer.options().batch;
   ReferenceExecutor ref(compiled_train_step(trainer).graph(), trainer.options().optimizer);
   load_parameters(ref, trainer);
-  for (std::uint32_t s = 0; s < 4; ++s) {
+  for (std::uint32_t s = 0; s < steps; ++s) {
     const auto tokens = random_ids(batch * c.context, c.vocab, 10 + s),
                next = random_ids(batch * c.context, c.vocab, 20 + s);
     const StepResult r = trainer.step(token_batch(tokens, next));
+    ASSERT_FALSE(r.overflow) << "step " << s;
     ref.ints(ref.find("tokens")) = tokens;
     ref.ints(ref.find("next")) = next;
-    ref.run(ops::StepInfo{s + 1, trainer.lr()});
-    EXPECT_NEAR(r.loss, ref.loss(), 1e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
+    ops::StepInfo info{s + 1, trainer.lr()};
+    info.loss_scale = r.loss_scale;
+    ref.run(info);
+    EXPECT_NEAR(r.loss, ref.loss(), loss_tolerance * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
   }
   expect_parameters_match(trainer, ref, 1e-4);
+}
+
+TEST(Gpt, TrainsOnTheDeviceLikeTheReference) {
+  Runtime rt;
+  const auto c = tiny_config();
+  Trainer trainer(rt, models::gpt(c), reference_options(3));
+  train_like_the_reference(trainer, c, 4, 1e-4);
 }
 
 // Mixed precision: the fused attention reads its narrow q, k, v and writes a narrow o (no casts
@@ -85,10 +99,7 @@ TEST(Gpt, NarrowPrecisionAttentionTrainsLikeTheReference) {
     SCOPED_TRACE(ops::dtype_name(narrow));
     Runtime rt;
     const auto c = tiny_config();
-    const std::uint32_t batch = 3;
-    TrainerOptions o = gpt_options(batch);
-    o.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
-    o.lr = 0.1f;
+    TrainerOptions o = reference_options(3);
     o.precision.compute = narrow;
     o.precision.initial_scale = 1024.0f;
     Trainer trainer(rt, models::gpt(c), o);
@@ -102,21 +113,7 @@ TEST(Gpt, NarrowPrecisionAttentionTrainsLikeTheReference) {
       EXPECT_EQ(g.tensors.dtype[g.nodes.outputs(n)[1]], graph::DType::f32) << "the log-sum-exp";
     }
     EXPECT_EQ(attentions, c.depth);
-    ReferenceExecutor ref(g, trainer.options().optimizer);
-    load_parameters(ref, trainer);
-    for (std::uint32_t s = 0; s < 3; ++s) {
-      const auto tokens = random_ids(batch * c.context, c.vocab, 10 + s),
-                 next = random_ids(batch * c.context, c.vocab, 20 + s);
-      const StepResult r = trainer.step(token_batch(tokens, next));
-      ASSERT_FALSE(r.overflow) << "step " << s;
-      ref.ints(ref.find("tokens")) = tokens;
-      ref.ints(ref.find("next")) = next;
-      ops::StepInfo info{s + 1, trainer.lr()};
-      info.loss_scale = r.loss_scale;
-      ref.run(info);
-      EXPECT_NEAR(r.loss, ref.loss(), 2e-4 * std::max(1.0, std::abs(ref.loss()))) << "step " << s;
-    }
-    expect_parameters_match(trainer, ref, 1e-4);
+    train_like_the_reference(trainer, c, 3, 2e-4);
   }
 }
 

@@ -426,6 +426,21 @@ TEST(HybridTrainer, StepsWithoutAFitLeaveThePredictorAlone) {
   EXPECT_GT(predicted, 0u);
 }
 
+// `steps` steps of both trainers on the same batches: the same phases and losses, some steps
+// predicted, and every tensor the same bits at the end.
+void expect_streamed_like_resident(Trainer& resident, Trainer& streamed, const Batches& b, int steps) {
+  ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
+  std::uint64_t predicted = 0;
+  for (int s = 0; s < steps; ++s) {
+    const auto a = b.step(resident, s), c = b.step(streamed, s);
+    ASSERT_EQ(a.phase, c.phase) << s;
+    ASSERT_EQ(a.loss, c.loss) << s;
+    predicted += a.phase == Phase::predict;
+  }
+  EXPECT_GT(predicted, 0u);
+  for (const auto& n : resident.tensor_names()) EXPECT_EQ(values(resident, n), values(streamed, n)) << n;
+}
+
 TEST(HybridTrainer, StreamedIsBitIdenticalToResident) {
   Runtime rt;
   for (const bool int8 : {false, true})
@@ -436,17 +451,7 @@ TEST(HybridTrainer, StreamedIsBitIdenticalToResident) {
       ro.phases.predict_int8 = so.phases.predict_int8 = int8;
       Trainer resident(rt, m, ro);
       Trainer streamed(rt, m, so);
-      ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
-      const Batches b{sample_elems(m)};
-      std::uint64_t predicted = 0;
-      for (int s = 0; s < 16; ++s) {
-        const auto a = b.step(resident, s), c = b.step(streamed, s);
-        ASSERT_EQ(a.phase, c.phase) << s;
-        ASSERT_EQ(a.loss, c.loss) << s;
-        predicted += a.phase == Phase::predict;
-      }
-      EXPECT_GT(predicted, 0u);
-      for (const auto& n : resident.tensor_names()) EXPECT_EQ(values(resident, n), values(streamed, n)) << n;
+      expect_streamed_like_resident(resident, streamed, Batches{sample_elems(m)}, 16);
     }
 }
 
@@ -560,17 +565,7 @@ TEST(HybridTrainer, AccumulatedStreamedIsBitIdenticalToResident) {
   so.accumulate = 2;
   so.residency.budget_bytes = stream_budget(rt, m, so);
   Trainer resident(rt, m, ro), streamed(rt, m, so);
-  ASSERT_EQ(streamed.residency().mode, graph::ResidencyMode::stream);
-  const Batches b{sample_elems(m)};
-  std::uint64_t predicted = 0;
-  for (int s = 0; s < 30; ++s) {
-    const auto a = b.step(resident, s), c = b.step(streamed, s);
-    ASSERT_EQ(a.phase, c.phase) << s;
-    ASSERT_EQ(a.loss, c.loss) << s;
-    predicted += a.phase == Phase::predict;
-  }
-  EXPECT_GT(predicted, 0u);
-  for (const auto& n : resident.tensor_names()) EXPECT_EQ(values(resident, n), values(streamed, n)) << n;
+  expect_streamed_like_resident(resident, streamed, Batches{sample_elems(m)}, 30);
 }
 
 // A Predict step with int8 weights computes the loss an int8 evaluation of its batch gives, before
