@@ -71,12 +71,15 @@ void quantize_i8_host(std::span<const float> x, QuantLayout l, std::span<std::in
 
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, rows, rows_per_task), [&](const auto& r) {
     for (std::size_t row = r.begin(); row < r.end(); ++row) {
-      const float* in = x.data() + row * cols;
-      std::int8_t* out = q.data() + row * cols;
+      // int8_t may alias anything: without __restrict the compiler must assume each store can
+      // change the floats it reads, and does not vectorise the loops.
+      const float* __restrict in = x.data() + row * cols;
+      const float* __restrict scale = scales.data();
+      std::int8_t* __restrict out = q.data() + row * cols;
       if (by_column) {
-        for (std::size_t j = 0; j < cols; ++j) out[j] = quantize_one(in[j], scales[j]);
+        for (std::size_t j = 0; j < cols; ++j) out[j] = quantize_one(in[j], scale[j]);
       } else {
-        const float s = scales[channel_of_row(row)];
+        const float s = scale[channel_of_row(row)];
         for (std::size_t j = 0; j < cols; ++j) out[j] = quantize_one(in[j], s);
       }
     }
