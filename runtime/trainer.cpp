@@ -511,6 +511,9 @@ StepResult Trainer::finish_training_step(Pending& p) {
   if (ranks_) reduce_over_ranks(r);
   last_done_ = std::chrono::steady_clock::now();
   r.loss_scale = p.loss_scale;
+  // The phase the controller chose; with accumulation every micro-batch belongs to the update it
+  // makes.
+  r.phase = phase;
   float guard = 0;
   std::memcpy(&guard, step.host_output(graph::overflow_guard_name).data(), sizeof guard);
   if (micro) {
@@ -521,7 +524,6 @@ StepResult Trainer::finish_training_step(Pending& p) {
       r.overflow = true;
       scaler_.record(true);
       r.updated = false;
-      r.phase = phase;
       return r;
     }
     if (!std::isfinite(r.loss) || !std::isfinite(guard)) {
@@ -535,9 +537,7 @@ StepResult Trainer::finish_training_step(Pending& p) {
     }
     ++micro_;
     r.updated = false;
-    // With hybrid phases a micro-batch belongs to the phase of the update it makes, which is timed
-    // whole (phase_step_ms: a Full update's micro-batches against a Predict step).
-    r.phase = phase;
+    // Timed with its update (phase_step_ms: a Full update's micro-batches against a Predict step).
     phase_ms_[static_cast<int>(phase)] += r.step_ms;
     return r;
   }
@@ -568,7 +568,6 @@ StepResult Trainer::finish_training_step(Pending& p) {
     scaler_.record(r.overflow);
     if (r.overflow) {
       r.updated = false;
-      r.phase = phase;
       return r;
     }
   } else if (!std::isfinite(guard)) {
@@ -580,7 +579,6 @@ StepResult Trainer::finish_training_step(Pending& p) {
   }
   ++steps_;
   micro_ = 0;  // (after a diverged last micro-batch the group waits for another one)
-  r.phase = phase;
   phase_ms_[static_cast<int>(phase)] += r.step_ms;
   ++phase_steps_[static_cast<int>(phase)];
   if (phases_) {
@@ -641,6 +639,18 @@ FitStats Trainer::read_fit() {
   return f;
 }
 
+namespace {
+
+// Puts `values` (one per weight, as a restore point holds them) where the weights live.
+void write_weights(graph::PersistentArena& arena, const std::vector<graph::PersistentArena::Entry>& weights,
+                   const std::vector<std::vector<std::byte>>& values) {
+  for (std::size_t i = 0; i < weights.size(); ++i) {
+    arena.write(weights[i].home, weights[i].place, values[i].data(), values[i].size());
+  }
+}
+
+}  // namespace
+
 StepResult Trainer::predict_step(const Batch& batch) {
   graph::CompiledStep& step = predict_variant_mutable();
   stage_batch(step, batch);
@@ -666,29 +676,21 @@ StepResult Trainer::predict_step(const Batch& batch) {
   phase_ms_[static_cast<int>(Phase::predict)] += r.step_ms;
   ++phase_steps_[static_cast<int>(Phase::predict)];
   r.verdict = phases_->record_predict(r.loss);
-  if (r.verdict == PhaseController::Verdict::restore) {
-    for (std::size_t i = 0; i < compiled_->weights.size(); ++i) {
-      arena.write(compiled_->weights[i].home, compiled_->weights[i].place, restore_point_[i].data(),
-                  restore_point_[i].size());
-    }
-  }
+  if (r.verdict == PhaseController::Verdict::restore) write_weights(arena, compiled_->weights, restore_point_);
   if (phases_->next() != Phase::predict) in_predict_run_ = false;
   return r;
 }
 
 // A Predict step moves the weights in place ahead of its loss (on the device, or streamed in the
-// one host copy once its fetches have read them): failing after that, it puts back the run's restore point, a state
-// the trainer was in (the last training step's), rather than leaving the trainer inconsistent.
+// one host copy once its fetches have read them): failing after that, it puts back the run's
+// restore point, a state the trainer was in (the last training step's), rather than leaving the
+// trainer inconsistent.
 void Trainer::put_back_weights_after_failed_predict(const graph::PartialUpdateError& e) {
   for (const std::string& name : e.tensors()) {
     if (std::find(weight_names_.begin(), weight_names_.end(), name) == weight_names_.end()) throw e;
   }
-  auto& arena = *compiled_->train->persistent();
   try {
-    for (std::size_t i = 0; i < compiled_->weights.size(); ++i) {
-      arena.write(compiled_->weights[i].home, compiled_->weights[i].place, restore_point_[i].data(),
-                  restore_point_[i].size());
-    }
+    write_weights(*compiled_->train->persistent(), compiled_->weights, restore_point_);
   } catch (const std::exception& w) {
     throw graph::PartialUpdateError(
         fmt::format("{}; putting back the weights from before the Predict run failed too: {}", e.what(), w.what()),
