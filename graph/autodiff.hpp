@@ -43,7 +43,8 @@ std::vector<ZeroShare> zero_shares(const Graph& g, const ZeroSharding& zero);
 void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding& zero = {});
 
 // The weight-update predictor (ops/predictor.hpp). append_predictor_fit puts a snapshot of each
-// weight before its optimizer update and a fit after it; append_predictor_apply adds one apply
+// weight before the first node that writes it (its optimizer update) and a fit after the last
+// (with ZeRO, the copy of the other ranks' shares); append_predictor_apply adds one apply
 // node per weight (a Predict step). Both create the predictor state of every weight they touch
 // (role predictor_state): "<w>.pred_d" shaped like w, "<w>.pred_stats" [8] and, with residual
 // correction, "<w>.pred_r" shaped like w, zero-initialised.
@@ -130,6 +131,12 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
 // after its update, all-gathered from the ranks that own its shares (host-lane nodes in buckets
 // of about `bucket_bytes`, in the same chain as the gradient reductions), and copied back.
 void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t bucket_bytes);
+
+// A micro-batch of data-parallel training with loss scaling: the ranks sum their overflow guards
+// before the gradients go into their sums (inserted before the first grad_accumulate node), so a
+// micro-batch that overflowed on one rank is dropped on all of them and every rank's group waits
+// for another one together. After the accumulation pass.
+void append_micro_batch_guard_agreement(Graph& g);
 
 // Appends the node that copies the loss statistics to the host at the end of the step.
 void append_stats_download(Graph& g);

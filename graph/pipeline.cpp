@@ -45,7 +45,12 @@ const std::vector<ModelPass>& model_passes() {
        }},
       {"data parallel",
        [](Graph& g, const VariantKey& key, const OptimizerConfig& optimizer) {
-         if (!key.training || key.micro || key.ranks < 2) return;
+         if (!key.training || key.ranks < 2) return;
+         if (key.micro) {
+           // Micro-batches reduce nothing; with loss scaling the ranks agree on dropping one.
+           if (key.loss_scaling) append_micro_batch_guard_agreement(g);
+           return;
+         }
          if (key.zero_stage == 2) {
            append_gradient_reduce_scatter(g, key.rank_share, key.bucket_bytes, zero_sharding(key, optimizer));
          } else {

@@ -441,9 +441,12 @@ StepHandle Trainer::submit(const Batch& batch) {
   // ahead: each of them is one optimizer step).
   ops::StepInfo info{steps_ + 1 + unsettled(), lr_};
   info.accumulate_keep = micro_ == 0 ? 0.0f : 1.0f;
-  info.loss_scale = scaler_.scale();
+  // Each rank's loss is the mean over its share of the global batch, so its gradients are 1/share
+  // times the global batch's (the all-reduce scales them back): scaled by the share too, the narrow
+  // gradients have the magnitudes of one rank's run, which then overflows where this one does.
+  info.loss_scale = scaler_.scale() * (ranks_ ? detail::training_key(options_).rank_share : 1.0f);
   info.communicator = ranks_.get();
-  p.loss_scale = info.loss_scale;
+  p.loss_scale = scaler_.scale();
   p.submitted = std::chrono::steady_clock::now();
   try {
     step.submit(info);
@@ -671,6 +674,8 @@ StepResult Trainer::predict_step(const Batch& batch) {
   } catch (const graph::PartialUpdateError& e) {
     put_back_weights_after_failed_predict(e);
   }
+  // Every rank's controller judges the global batch's loss, so all of them choose alike.
+  if (ranks_) reduce_over_ranks(r);
   r.phase = Phase::predict;
   r.updated = false;
   phase_ms_[static_cast<int>(Phase::predict)] += r.step_ms;

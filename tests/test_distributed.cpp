@@ -167,6 +167,8 @@ struct MirrorCase {
   graph::ResidencyMode mode;
   bool host_optimizer;
   std::uint32_t accumulate;
+  bool hybrid = false;  // hybrid phases, predicting early (the ranks' controllers must agree)
+  bool fp16 = false;    // fp16 with a loss scale that overflows (the ranks' scalers must agree)
 };
 
 class MirroredRanks : public ::testing::TestWithParam<MirrorCase> {};
@@ -182,18 +184,47 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
   alone.residency.mode = c.mode;
   alone.residency.host_optimizer = c.host_optimizer;
   if (c.host_optimizer) alone.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
+  if (c.hybrid) {
+    alone.phases.hybrid = true;
+    alone.phases.warmup_steps = 2;
+    alone.phases.min_full_steps = 1;
+    alone.phases.confidence = 0.05f;
+  }
+  if (c.fp16) {
+    alone.precision.compute = ops::DType::f16;
+    alone.precision.initial_scale = 16777216.0f;  // 2^24: the first steps overflow
+    alone.precision.growth_interval = 2;          // and the scale grows back into overflows
+  }
   auto mirror = std::make_shared<Mirror>(4);
   const TrainerOptions ranked = on_four_ranks(alone, mirror);
+  // Each mirrored rank's loss is the mean over a quarter of a global batch of 32, so its gradients
+  // are four times those of that batch, and it scales them by a quarter of the loss scale: one
+  // rank alone matches it with a quarter of the scale.
+  if (c.fp16) alone.precision.initial_scale /= 4;
   Trainer one(rt, m, alone), four(rt, m, ranked);
   EXPECT_EQ(four.world_size(), 4);
   EXPECT_EQ(four.allreduce_bytes_per_step(), four.gradient_bytes());
   const std::size_t sample = m.inputs[0].sample.elems();
-  for (int s = 0; s < 6; ++s) {
+  int predicted = 0, overflowed = 0;
+  for (int s = 0; s < (c.hybrid || c.fp16 ? 16 : 6); ++s) {
     const auto images = random_vector(8 * sample, 300 + s);
     const auto labels = labels_for(8, 400 + s);
     const StepResult a = one.step(images, labels), b = four.step(images, labels);
     ASSERT_EQ(a.loss, b.loss) << "step " << s;
     EXPECT_EQ(a.correct * 4, b.correct) << "step " << s;
+    ASSERT_EQ(a.phase, b.phase) << "step " << s;
+    ASSERT_EQ(a.overflow, b.overflow) << "step " << s;
+    if (a.phase != Phase::predict) {
+      ASSERT_EQ(a.loss_scale * (c.fp16 ? 4 : 1), b.loss_scale) << "step " << s;
+    }
+    predicted += a.phase == Phase::predict;
+    overflowed += a.overflow;
+  }
+  if (c.hybrid) {
+    EXPECT_GT(predicted, 0) << "no step was predicted: the case tests nothing of the phases";
+  }
+  if (c.fp16) {
+    EXPECT_GT(overflowed, 0) << "no step overflowed: the case tests nothing of the scaling";
   }
   EXPECT_GT(mirror->reductions, 0);
   for (const auto& name : one.tensor_names()) {
@@ -201,12 +232,16 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, MirroredRanks,
-                         ::testing::Values(MirrorCase{"resident", graph::ResidencyMode::resident, false, 1},
-                                           MirrorCase{"accumulate", graph::ResidencyMode::resident, false, 2},
-                                           MirrorCase{"streamed", graph::ResidencyMode::stream, false, 1},
-                                           MirrorCase{"host_optimizer", graph::ResidencyMode::stream, true, 1}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Modes, MirroredRanks,
+    ::testing::Values(MirrorCase{"resident", graph::ResidencyMode::resident, false, 1},
+                      MirrorCase{"accumulate", graph::ResidencyMode::resident, false, 2},
+                      MirrorCase{"streamed", graph::ResidencyMode::stream, false, 1},
+                      MirrorCase{"host_optimizer", graph::ResidencyMode::stream, true, 1},
+                      MirrorCase{"hybrid", graph::ResidencyMode::resident, false, 1, true},
+                      MirrorCase{"fp16_accumulate", graph::ResidencyMode::resident, false, 2, false, true},
+                      MirrorCase{"fp16_hybrid_streamed", graph::ResidencyMode::stream, false, 2, true, true}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // The mirror's sums, but non-blocking: a collective started by start_allreduce_sum writes its sum
 // only when it completes, on the third test() of its request. So a step that read a bucket before
@@ -384,6 +419,66 @@ TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
   }
 }
 
+// Rank 0 of two with fp16 loss scaling and accumulation, the other rank simulated: its gradients
+// equal this rank's, but its first micro-batch overflowed (its guard is NaN). The ranks sum their
+// guards before a micro-batch's gradients go into the sums, so this rank drops that micro-batch
+// too, halves its scale, and its group waits for another micro-batch, as the other rank's does.
+class OtherRankOverflowsFirst final : public ops::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "other rank overflows first"; }
+  void allreduce_sum(std::span<const std::span<float>> buffers) override {
+    const bool poison = float_sums++ == 0;  // the first micro-batch's guards
+    for (const auto& b : buffers) {
+      for (float& x : b) x = poison ? std::nanf("") : 2 * x;
+    }
+  }
+  void allreduce_sum(std::span<double> values) override {
+    for (double& x : values) x *= 2;
+  }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { throw std::logic_error("stage 0 only"); }
+  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("stage 0 only"); }
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override { return {value, value}; }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<OtherRankOverflowsFirst>(); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+  int float_sums = 0;
+};
+
+TEST(DataParallel, AMicroBatchAnotherRankOverflowedIsDroppedOnEveryRank) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 4;
+  o.lr = 0.05f;
+  o.accumulate = 2;
+  o.precision.compute = ops::DType::f16;
+  auto comm = std::make_shared<OtherRankOverflowsFirst>();
+  o.data_parallel = {.communicator = comm, .global_batch = 8};
+  Trainer t(rt, small_mlp(), o);
+  const std::size_t sample = small_mlp().inputs[0].sample.elems();
+  const auto sum_before = t.read_tensor("linear0.w.grad_sum").bytes;
+  const std::map<std::string, std::vector<std::byte>> weights_before = [&] {
+    std::map<std::string, std::vector<std::byte>> w;
+    for (const auto& name : t.parameter_names()) w[name] = t.read_tensor(name).bytes;
+    return w;
+  }();
+  const StepResult first = t.step(random_vector(4 * sample, 41), labels_for(4, 42));
+  EXPECT_TRUE(first.overflow) << "this rank's micro-batch was finite, but the other rank's overflowed";
+  EXPECT_FALSE(first.updated);
+  EXPECT_EQ(comm->float_sums, 1) << "a micro-batch sums the ranks' guards once";
+  EXPECT_EQ(t.read_tensor("linear0.w.grad_sum").bytes, sum_before) << "the dropped micro-batch was added";
+  const StepResult second = t.step(random_vector(4 * sample, 43), labels_for(4, 44));
+  EXPECT_FALSE(second.overflow);
+  EXPECT_FALSE(second.updated) << "the group of two waited for another micro-batch";
+  EXPECT_EQ(second.loss_scale, first.loss_scale / 2);
+  EXPECT_NE(t.read_tensor("linear0.w.grad_sum").bytes, sum_before);
+  const StepResult third = t.step(random_vector(4 * sample, 45), labels_for(4, 46));
+  EXPECT_TRUE(third.updated);
+  int changed = 0;
+  for (const auto& [name, bytes] : weights_before) changed += t.read_tensor(name).bytes != bytes;
+  EXPECT_GT(changed, 0) << "the group's update changed no weight";
+}
+
 // Two ranks that never meet: every option checked here is refused before a collective.
 class Unreachable final : public ops::Communicator {
  public:
@@ -419,12 +514,6 @@ TEST(DataParallel, RefusesWhatItCannotDoBeforeAnyCollective) {
   TrainerOptions bad_stage = o;
   bad_stage.data_parallel.zero_stage = 3;
   expect_refused(bad_stage, "ZeRO stage 3: the stages are 0, 1 and 2");
-  TrainerOptions hybrid = o;
-  hybrid.phases.hybrid = true;
-  expect_refused(hybrid, "does not support hybrid phases");
-  TrainerOptions fp16 = o;
-  fp16.precision.compute = ops::DType::f16;
-  expect_refused(fp16, "does not support fp16 loss scaling");
   TrainerOptions too_big = o;
   too_big.batch = 9;
   expect_refused(too_big, "a batch of 9 cannot be its share of a global batch of 8");

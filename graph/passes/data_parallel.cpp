@@ -224,6 +224,17 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
                      }});
 }
 
+void append_micro_batch_guard_agreement(Graph& g) {
+  if (g.guard == no_tensor) return;
+  const NodeTable old = std::move(g.nodes);
+  g.nodes = {};
+  NodeId n = 0;
+  for (; n < old.size() && old.op[n] != ops::builtin::grad_accumulate; ++n) g.nodes.add_copy(old, n);
+  if (n == old.size()) throw std::logic_error("a micro-batch's guard agreement needs the accumulation pass first");
+  append_guard_agreement(g);
+  for (; n < old.size(); ++n) g.nodes.add_copy(old, n);
+}
+
 void append_weight_allgather(Graph& g, const ZeroSharding& zero, std::uint64_t bucket_bytes) {
   // The trainable weights in tensor order: their place in it is the ordinal of ops::zero_shard,
   // which the gather node recomputes from the first of its bucket. Only this rank's share goes to

@@ -55,22 +55,39 @@ void append_predictor_fit(Graph& g, const ops::PredictorConfig& c) {
   const ops::OpId fit = ops::builtin::predictor_fit;
   const NodeAttrs attrs = ops::PredictorAttrs{c}.pack();
   const NodeTable old = g.nodes;
+  // Each weight the step changes is snapshot before the first node that writes it and fitted after
+  // the last one: its update, and with ZeRO sharding the copy of the other ranks' shares after the
+  // all-gather, so every rank fits the whole step's change of every weight, the weights it owns no
+  // share of included (their only writer there is that copy), and the ranks' predictors agree.
+  std::vector<std::vector<TensorId>> snapshot_before(old.size()), fit_after(old.size());
+  std::vector<NodeId> first(t.size(), old.size()), last(t.size(), old.size());
+  for (NodeId n = 0; n < old.size(); ++n) {
+    for (TensorId w : old.outputs(n)) {
+      if (t.role[w] != Role::weight) continue;
+      if (first[w] == old.size()) first[w] = n;
+      last[w] = n;
+    }
+  }
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (first[w] == old.size()) continue;
+    check_f32(t, w);
+    snapshot_before[first[w]].push_back(w);
+    fit_after[last[w]].push_back(w);
+  }
+  std::vector<TensorId> before(t.size(), no_tensor);
   NodeTable out;
   for (NodeId n = 0; n < old.size(); ++n) {
-    const bool update = ops::op_info(old.op[n]).op_class == ops::OpClass::update;
-    const TensorId w = update ? old.outputs(n)[0] : no_tensor;
-    if (!update || t.role[w] != Role::weight) {
-      out.add_copy(old, n);
-      continue;
+    for (TensorId w : snapshot_before[n]) {
+      before[w] = t.add(t.name[w] + ".before", t.shape[w], DType::f32, Role::activation);
+      out.add(snapshot, t.name[w] + ".snapshot", std::span(&w, 1), std::span(&before[w], 1));
     }
-    check_f32(t, w);
-    const PredictorState s = predictor_state(t, w, c.residual);
-    const TensorId before = t.add(t.name[w] + ".before", t.shape[w], DType::f32, Role::activation);
-    out.add(snapshot, t.name[w] + ".snapshot", std::span(&w, 1), std::span(&before, 1));
     out.add_copy(old, n);
-    const auto ins = with_optional({w, before, s.d, s.stats}, s.r, g.update_guard());
-    const auto outs = with_optional({s.d, s.stats}, s.r, no_tensor);
-    out.add(fit, t.name[w] + ".fit", ins, outs, attrs);
+    for (TensorId w : fit_after[n]) {
+      const PredictorState s = predictor_state(t, w, c.residual);
+      const auto ins = with_optional({w, before[w], s.d, s.stats}, s.r, g.update_guard());
+      const auto outs = with_optional({s.d, s.stats}, s.r, no_tensor);
+      out.add(fit, t.name[w] + ".fit", ins, outs, attrs);
+    }
   }
   g.nodes = std::move(out);
 }

@@ -24,12 +24,6 @@ void validate_data_parallel(TrainerOptions& options) {
   }
   if (!data_parallel(options)) return;
   const int ranks = dp.communicator->size();
-  if (options.phases.hybrid || options.precision.scaled()) {
-    throw std::invalid_argument(fmt::format(
-        "data-parallel training over {} ranks does not support {} yet: each rank would decide on its own loss; use "
-        "full phases and fp32 or bf16",
-        ranks, options.phases.hybrid ? "hybrid phases" : "fp16 loss scaling"));
-  }
   if (dp.global_batch == 0) dp.global_batch = options.batch * static_cast<std::uint32_t>(ranks);
   if (dp.global_batch < static_cast<std::uint32_t>(ranks) || options.batch == 0 || options.batch > dp.global_batch) {
     throw std::invalid_argument(fmt::format("rank {} of {}: a batch of {} cannot be its share of a global batch of {}",
@@ -57,6 +51,15 @@ std::uint64_t run_fingerprint(const graph::Graph& g, const TrainerOptions& o) {
                    o.lr, o.seed, o.accumulate, graph::dtype_name(o.precision.compute), ops::optimizer_name(opt.kind),
                    opt.sgd.momentum, opt.sgd.weight_decay, opt.sgd.nesterov, opt.adam.beta1, opt.adam.beta2,
                    opt.adam.eps, opt.adam.weight_decay, opt.block8bit, dp.bucket_bytes, dp.global_batch, dp.zero_stage);
+  // Hybrid phases and loss scaling: every rank's controller and scaler must make the same choices
+  // from the same (reduced) losses and guards.
+  const auto& ph = o.phases;
+  const auto& pr = o.precision;
+  s += fmt::format(" phases {} {} {} {} {} {} {} {} {} {} {} {} {} {} {} scaling {} {} {}", ph.hybrid,
+                   ops::predictor_name(ph.predictor.kind), ph.predictor.beta, ph.predictor.max_gain,
+                   ph.predictor.residual, ph.warmup_steps, ph.min_full_steps, ph.max_predict_steps, ph.confidence,
+                   ph.max_loss_gap, ph.sigma_limit, ph.loss_window, ph.predict_decay, ph.predict_int8, ph.fit_every,
+                   pr.scaled(), pr.initial_scale, pr.growth_interval);
   return checkpoint_checksum(s.data(), s.size());
 }
 
@@ -73,7 +76,8 @@ void check_ranks_agree(ops::Communicator& control, const graph::Graph& training,
     throw std::invalid_argument(fmt::format(
         "the {} ranks of this data-parallel run disagree on the model or the training options: rank(s) {} differ from "
         "rank 0 (a hash of the weights' names and shapes, optimizer, learning rate, seed, accumulation, precision, "
-        "global batch, bucket size and ZeRO stage): start every rank with the same command and data",
+        "loss scaling, phases, global batch, bucket size and ZeRO stage): start every rank with the same command and "
+        "data",
         prints.size(), fmt::join(differ, ", ")));
   }
   std::uint64_t sum = 0;

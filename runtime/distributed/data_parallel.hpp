@@ -10,7 +10,7 @@ namespace ferry::detail {
 // Data-parallel training is on: a communicator of more than one rank.
 bool data_parallel(const TrainerOptions& o);
 // The checks of TrainerOptions::data_parallel (std::invalid_argument saying what to change): the
-// ZeRO stage, what several ranks cannot do yet, the batch as a share of the global batch (0: the
+// ZeRO stage, the batch as a share of the global batch (0: the
 // batch times the ranks), the bucket size.
 void validate_data_parallel(TrainerOptions& options);
 // At construction, on `control` (a communicator of its own): every rank has the same weights'

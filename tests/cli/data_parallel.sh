@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Data-parallel training under mpirun (docs/distributed.md): N ranks train what one rank trains on
 # the same global batches (to f32 reassociation of the gradient sums), with 2 ranks and with 3
-# (an uneven split of the batch), with ZeRO stages 0, 1 and 2 (rank 0 keeps 1/N of the optimizer
+# (an uneven split of the batch), with hybrid phases and fp16 loss scaling, with ZeRO stages 0, 1 and 2 (rank 0 keeps 1/N of the optimizer
 # state, at stage 2 also 1/N of the reduced gradients, and its checkpoints: a file per rank,
 # resumed exactly on as many ranks and refused on others); ranks that disagree on the options and
 # a rank failing after set-up end every rank with a clear error, not a hang.
@@ -26,11 +26,13 @@ ranks() {  # ranks N ARGS...: mpirun with N ranks, on however many cores there a
   # configurations alone (the `.1` runs) keep them.
   ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" timeout 300 "$mpiexec" -np "$n" --oversubscribe "$@"
 }
-field() {  # field FILE NAME: a number of the JSON line
-  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"
+field() {  # field FILE NAME: a number of the JSON line (NAME.KEY: a member of an object)
+  python3 -c "import functools,json,sys; print(functools.reduce(lambda d, k: d[k], sys.argv[2].split('.'), json.load(open(sys.argv[1]))))" "$1" "$2"
 }
-close() {  # close A B: |A - B| <= 2e-6 (1 + |A|)
-  python3 -c "import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); sys.exit(not abs(a - b) <= 2e-6 * (1 + abs(a)))" "$1" "$2"
+TOLERANCE=2e-6  # f32 reassociation of the gradient sums
+close() {  # close A B: |A - B| <= TOLERANCE (1 + |A|)
+  python3 -c "import sys; a, b, t = map(float, sys.argv[1:]); sys.exit(not abs(a - b) <= t * (1 + abs(a)))" \
+    "$1" "$2" "$TOLERANCE"
 }
 rank0_keeps() {  # rank0_keeps NAME N KEY WHAT SHARDED: KEY on rank 0 of N is 1/N of one rank's (or all)
   local name=$1 n=$2 key=$3 what=$4 sharded=$5 one many
@@ -84,6 +86,32 @@ same_run mlp_zero1_compressed 2 "${MLP[@]}" --zero 1 --state-home compressed  # 
 same_run mlp_zero2 2 "${MLP[@]}" --zero 2
 same_run mlp_zero2_uneven 3 "${MLP[@]}" --zero 2 --accumulate 2
 same_run mlp_zero2_stream 2 "${MLP[@]}" --zero 2 --residency stream --host-optimizer --optimizer adamw
+# Hybrid phases: every rank's controller judges the global batch's loss, so the ranks predict the
+# same steps as one rank does (phase_steps compared too); at ZeRO stage 1 each rank fits the whole
+# update of every weight, its own shares and the gathered ones.
+HYBRID=(--model mlp --epochs 2 --train-limit 3072 --batch 128 --phases hybrid --warmup-steps 4)
+LOSSES=(train_loss test_loss phase_steps.predict phase_steps.full predict_runs)
+same_run mlp_hybrid 2 "${HYBRID[@]}"
+same_run mlp_hybrid_zero1 3 "${HYBRID[@]}" --zero 1
+# fp16 loss scaling with accumulation: the ranks agree on every overflow (micro-batches included),
+# so the run goes on in step on every rank. Each rank scales its loss by its share of the batch, so
+# the narrow gradients are one rank's: without overflows the same run to fp16 rounding of the
+# weight gradients' sums over fewer rows.
+TOLERANCE=1e-4
+LOSSES=(train_loss test_loss overflow_steps optimizer_updates)
+same_run mlp_fp16 2 "${MLP[@]}" --precision fp16 --accumulate 2
+TOLERANCE=2e-6
+# A scale that overflows: which micro-batches overflow then depends on how the batch is cut (the
+# weight gradients' fp16 sums run over each rank's rows), so only that the ranks went on together.
+ranks 3 "$ferry" train "${MLP[@]}" --precision fp16 --accumulate 2 --initial-loss-scale 16777216 \
+  --loss-scale-interval 3 --zero 2 --json >"$work/fp16_overflows.json" 2>"$work/fp16_overflows.err" ||
+  fail "fp16 overflowing on 3 ranks: $(tail -5 "$work/fp16_overflows.err")"
+if [ -s "$work/fp16_overflows.json" ]; then
+  overflows=$(field "$work/fp16_overflows.json" overflow_steps)
+  [ "$overflows" -gt 0 ] || fail "fp16_overflows: no step overflowed at a loss scale of 2^24"
+  echo "fp16_overflows: $overflows overflows on 3 ranks, $(field "$work/fp16_overflows.json" optimizer_updates) updates"
+fi
+LOSSES=(train_loss test_loss)
 GPT=(--model gpt --width 64 --depth 2 --heads 2 --context 32 --batch 6 --steps 4 --eval-every 2)
 LOSSES=(train_loss val_loss)
 same_run gpt3 3 "${GPT[@]}"
