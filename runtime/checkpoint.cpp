@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "checkpoint_format.hpp"
+#include "checkpoint_shards.hpp"
 #include "ferry/runtime/trainer.hpp"
 #include "trainer_internals.hpp"
 
@@ -113,6 +115,36 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
   return fp;
 }
 
+// Files to cut anew (Trainer::load_resharded_checkpoint): each fits this trainer but for its
+// tensors' shapes, which differ with the cut; they are of one step, saved between updates.
+void check_shards(std::span<const std::filesystem::path> paths, std::span<const ckpt::Contents> contents,
+                  const Fingerprint& here, std::uint32_t accumulate) {
+  const std::filesystem::path& path = paths[0];
+  const ckpt::Contents& file = contents[0];
+  Fingerprint setup = here;
+  setup.tensors.clear();
+  for (std::size_t f = 0; f < paths.size(); ++f) {
+    Fingerprint theirs = contents[f].fingerprint;
+    theirs.tensors.clear();
+    compare(theirs, setup, paths[f]);
+    const ckpt::TrainerRecord& a = contents[f].trainer;
+    if (a.steps != file.trainer.steps || a.micro != file.trainer.micro) {
+      throw std::invalid_argument(fmt::format(
+          "the files of checkpoint '{}' are of different steps: '{}' after {} updates, '{}' after {}: a run stopped "
+          "while its ranks were writing, or a file left from another run; the trainer was not changed: resume from "
+          "files its ranks wrote together",
+          path.string(), path.string(), file.trainer.steps, paths[f].string(), a.steps));
+    }
+  }
+  if (file.trainer.micro != 0) {
+    throw std::invalid_argument(fmt::format(
+        "checkpoint '{}' was saved inside a group of micro-batches ({} of {} done): each rank's gradient sums are "
+        "of its own share of the batch, which another cut of the ranks cannot take over; the trainer was not "
+        "changed: resume with the ranks and --zero it was written with",
+        path.string(), file.trainer.micro, accumulate));
+  }
+}
+
 }  // namespace
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller,
@@ -150,16 +182,39 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
 }
 
 std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path) {
+  return load_checkpoint_files(std::span(&path, 1), false);
+}
+
+std::vector<std::byte> Trainer::load_resharded_checkpoint(std::span<const std::filesystem::path> files) {
+  if (files.empty()) throw std::invalid_argument("load_resharded_checkpoint: no checkpoint files given");
+  return load_checkpoint_files(files, true);
+}
+
+std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::filesystem::path> paths, bool reshard) {
   settle_all();
-  // Pass 1: every section read and verified, everything but the tensors decoded. A damaged
-  // file is reported as damaged before it is compared: not as another model's.
-  const ckpt::Reader r(path);
-  ckpt::Contents file = ckpt::read_contents(r);
+  // Pass 1: every section of every file read and verified, everything but the tensors decoded. A
+  // damaged file is reported as damaged before it is compared: not as another model's.
+  std::vector<std::unique_ptr<ckpt::Reader>> readers;
+  std::vector<ckpt::Contents> contents;
+  for (const auto& p : paths) {
+    readers.push_back(std::make_unique<ckpt::Reader>(p));
+    contents.push_back(ckpt::read_contents(*readers.back()));
+  }
+  const std::filesystem::path& path = paths[0];
+  const ckpt::Reader& r = *readers[0];
+  ckpt::Contents& file = contents[0];
   const auto& t = compiled_->train->graph().tensors;
   const auto ids = checkpoint_tensors();
 
-  // The file is whole: now does it fit this trainer?
-  compare(file.fingerprint, fingerprint_of(model_, options_, phases_ != nullptr, t, ids), path);
+  // The files are whole: now do they fit this trainer?
+  const Fingerprint here = fingerprint_of(model_, options_, phases_ != nullptr, t, ids);
+  std::optional<detail::ReshardedState> resharded;
+  if (reshard) {
+    check_shards(paths, contents, here, options_.accumulate);
+    resharded.emplace(compiled_->train->graph(), compiled_->train_key, options_.optimizer, paths, contents);
+  } else {
+    compare(file.fingerprint, here, path);
+  }
   const ckpt::TrainerRecord& tr = file.trainer;
   if (tr.micro >= options_.accumulate)
     throw r.corrupt(fmt::format("{} micro-batches done of {}", tr.micro, options_.accumulate));
@@ -188,28 +243,38 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
   // Pass 2: the tensors, one at a time, each checked again against pass 1's checksum (the file
   // stays open, so a checkpoint renamed over it meanwhile is not mixed in).
   std::vector<std::byte> buf;
-  const auto read_payload = [&](const ckpt::Section& sec, const Fingerprint::Tensor& ft) {
-    const auto v = ckpt::read_tensor(r, sec, ft.name.size(), buf);
+  // Tensor `ft` of file `f` from its section `sec`.
+  const auto read_payload = [&](std::size_t f, const ckpt::Section& sec, const Fingerprint::Tensor& ft) {
+    const auto v = ckpt::read_tensor(*readers[f], sec, ft.name.size(), buf);
     if (!v) {
-      inconsistent_ =
-          fmt::format("the load of checkpoint '{}' stopped part-way (tensor '{}' changed while it was read)",
-                      path.string(), ft.name);
+      const std::string which =
+          f == 0 ? fmt::format("tensor '{}'", ft.name) : fmt::format("tensor '{}' of '{}'", ft.name, paths[f].string());
+      inconsistent_ = fmt::format("the load of checkpoint '{}' stopped part-way ({} changed while it was read)",
+                                  path.string(), which);
       throw std::runtime_error(fmt::format(
-          "checkpoint '{}' changed while it was loaded (tensor '{}' no longer matches its checksum): the trainer's "
-          "tensors are now partly loaded; load a checkpoint again before training",
-          path.string(), ft.name));
+          "checkpoint '{}' changed while it was loaded ({} no longer matches its checksum): the trainer's tensors are "
+          "now partly loaded; load a checkpoint again before training",
+          path.string(), which));
     }
     return *v;
   };
   std::vector<std::vector<std::byte>> restore_point(file.restores.size());
   for (std::size_t i = 0; i < file.restores.size(); ++i) {
-    const auto v = read_payload(file.restores[i], file.fingerprint.tensors[i]);
+    const auto v = read_payload(0, file.restores[i], file.fingerprint.tensors[i]);
     restore_point[i].assign(v.begin(), v.end());
   }
   auto& arena = *compiled_->train->persistent();
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    const auto v = read_payload(file.tensors[i], file.fingerprint.tensors[i]);
-    arena.write(t.home[ids[i]], t.placement[ids[i]], v.data(), v.size());
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    if (resharded) {
+      // Put together from the files' shares, one tensor at a time as a plain load.
+      const std::vector<std::byte> v = resharded->value(ids[k], [&](std::size_t f, std::size_t i) {
+        return read_payload(f, contents[f].tensors[i], contents[f].fingerprint.tensors[i]);
+      });
+      arena.write(t.home[ids[k]], t.placement[ids[k]], v.data(), v.size());
+    } else {
+      const auto v = read_payload(0, file.tensors[k], file.fingerprint.tensors[k]);
+      arena.write(t.home[ids[k]], t.placement[ids[k]], v.data(), v.size());
+    }
   }
   steps_ = tr.steps;
   micro_ = tr.micro;

@@ -200,6 +200,7 @@ void TrainingLoop::save_checkpoint() {
   const std::vector<std::byte> caller =
       options_.caller_section ? options_.caller_section(position_) : std::vector<std::byte>{};
   trainer_.save_checkpoint(options_.checkpoint, caller, options_.checkpoint_options);
+  if (options_.after_checkpoint) options_.after_checkpoint();
   const double seconds = seconds_since(start);
   summary_.checkpoint_seconds += seconds;
   if (options_.progress) {

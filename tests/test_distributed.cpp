@@ -1,7 +1,9 @@
 // Data parallelism's pieces that need no second process: the shares of a batch, the text windows a
 // rank draws, and the options a trainer over several ranks refuses before any collective. Ranks
 // training together under mpirun are tests/cli/data_parallel.sh (ctest cli_data_parallel).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +14,7 @@
 #include <map>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
@@ -477,6 +480,137 @@ TEST(DataParallel, AMicroBatchAnotherRankOverflowedIsDroppedOnEveryRank) {
   int changed = 0;
   for (const auto& [name, bytes] : weights_before) changed += t.read_tensor(name).bytes != bytes;
   EXPECT_GT(changed, 0) << "the group's update changed no weight";
+}
+
+// Rank `rank` of `size`, for trainers that only set up and save or load checkpoints: the
+// construction's agreement is answered as if every rank agreed; nothing else is expected.
+class RankOf final : public ops::Communicator {
+ public:
+  RankOf(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "rank of"; }
+  void allreduce_sum(std::span<const std::span<float>>) override { throw std::logic_error("no step expected"); }
+  void allreduce_sum(std::span<double>) override { throw std::logic_error("no step expected"); }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { throw std::logic_error("no step expected"); }
+  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no step expected"); }
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
+    return std::vector<std::uint64_t>(static_cast<std::size_t>(size_), value);
+  }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<RankOf>(rank_, size_); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+
+ private:
+  int rank_, size_;
+};
+
+// A first weight of 1600 x 16 elements, which ZeRO cuts into runs of 2048 over two or three ranks;
+// the others small enough to belong whole to one rank each.
+ModelSpec wide_mlp() {
+  return models::classifier("wide-mlp", graph::Shape{1, 40, 40}, 10, [](graph::Builder& b, TensorId x) {
+    return b.linear(b.relu(b.linear(b.flatten(x), 16)), 10);
+  });
+}
+
+// A trainer of wide_mlp with AdamW as rank `rank` of `ranks` at ZeRO `stage` (alone: ranks 1).
+std::unique_ptr<Trainer> zero_trainer(Runtime& rt, int rank, int ranks, int stage) {
+  TrainerOptions o;
+  o.batch = 12 / static_cast<std::uint32_t>(ranks);  // of a global batch of 12
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
+  if (ranks > 1) {
+    o.data_parallel = {.communicator = std::make_shared<RankOf>(rank, ranks), .global_batch = 12, .zero_stage = stage};
+  }
+  return std::make_unique<Trainer>(rt, wide_mlp(), o);
+}
+
+// Every trainable weight's share in `t` (whole alone or at stage 0), with its state tensors' names:
+// element e of the weight's state k (0: adam_m, 1: adam_v) is marked (2 ordinal + k) * 10^5 + e.
+struct MarkedShare {
+  std::string state;
+  float mark_base;
+  ops::ShardRange range;
+};
+std::vector<MarkedShare> marked_shares(const Trainer& t, int rank, int ranks, int stage) {
+  const graph::Graph& g = compiled_train_step(t).graph();
+  const graph::ZeroSharding zero =
+      stage > 0 && ranks > 1 ? graph::ZeroSharding{rank, ranks, 2048} : graph::ZeroSharding{};
+  std::vector<MarkedShare> out;
+  const auto shares = graph::zero_shares(g, zero);
+  for (std::size_t k = 0; k < shares.size(); ++k) {
+    if (shares[k].range.count == 0) continue;
+    const std::string& w = g.tensors.name[shares[k].weight];
+    out.push_back({w + ".adam_m", static_cast<float>(2 * k) * 1e5f, shares[k].range});
+    out.push_back({w + ".adam_v", static_cast<float>(2 * k + 1) * 1e5f, shares[k].range});
+  }
+  return out;
+}
+
+void mark_state(Trainer& t, int rank, int ranks, int stage) {
+  for (const MarkedShare& m : marked_shares(t, rank, ranks, stage)) {
+    Trainer::HostTensor v = t.read_tensor(m.state);
+    auto* f = reinterpret_cast<float*>(v.bytes.data());
+    for (std::size_t i = 0; i < m.range.count; ++i) f[i] = m.mark_base + static_cast<float>(m.range.first + i);
+    t.write_tensor(m.state, v);
+  }
+}
+
+void expect_marked(const Trainer& t, int rank, int ranks, int stage, const std::string& what) {
+  int checked = 0;
+  for (const MarkedShare& m : marked_shares(t, rank, ranks, stage)) {
+    const Trainer::HostTensor v = t.read_tensor(m.state);
+    ASSERT_EQ(v.bytes.size(), m.range.count * sizeof(float)) << what << ": " << m.state;
+    const auto* f = reinterpret_cast<const float*>(v.bytes.data());
+    for (std::size_t i = 0; i < m.range.count; ++i) {
+      ASSERT_EQ(f[i], m.mark_base + static_cast<float>(m.range.first + i))
+          << what << ": " << m.state << "[" << i << "]";
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 0) << what;
+}
+
+TEST(ZeroCheckpoints, AreCutAnewForOtherRanksStagesOrOneRank) {
+  Runtime rt;
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry-test-reshard-{}", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  // Three ranks at stage 1 save their shares, marked; the first weight is cut over all three.
+  std::vector<std::filesystem::path> files;
+  for (int r = 0; r < 3; ++r) {
+    auto t = zero_trainer(rt, r, 3, 1);
+    mark_state(*t, r, 3, 1);
+    files.push_back(dir / (r == 0 ? std::string("z.ckpt") : fmt::format("z.ckpt.rank{}", r)));
+    t->save_checkpoint(files.back(), std::vector<std::byte>(3, std::byte{9}));
+  }
+  ASSERT_GT(marked_shares(*zero_trainer(rt, 0, 3, 1), 0, 3, 1).size(), 0u);
+  for (const auto& [rank, ranks, stage] : {std::tuple{1, 2, 2}, {0, 2, 1}, {0, 1, 0}, {1, 4, 1}, {1, 2, 0}}) {
+    const std::string what = fmt::format("rank {} of {} at stage {}", rank, ranks, stage);
+    auto t = zero_trainer(rt, rank, ranks, stage);
+    EXPECT_EQ(t->load_resharded_checkpoint(files), std::vector<std::byte>(3, std::byte{9})) << what;
+    expect_marked(*t, rank, ranks, stage, what);
+  }
+  // A whole-state checkpoint cut into shares.
+  {
+    auto alone = zero_trainer(rt, 0, 1, 0);
+    mark_state(*alone, 0, 1, 0);
+    alone->save_checkpoint(dir / "whole.ckpt");
+    auto t = zero_trainer(rt, 2, 3, 1);
+    t->load_resharded_checkpoint(std::vector<std::filesystem::path>{dir / "whole.ckpt"});
+    expect_marked(*t, 2, 3, 1, "rank 2 of 3 from a whole-state checkpoint");
+  }
+  // Two of the three files: the shares are not those of two ranks, and the trainer is unchanged.
+  {
+    auto t = zero_trainer(rt, 0, 1, 0);
+    const auto before = t->read_tensor(marked_shares(*t, 0, 1, 0)[0].state).bytes;
+    try {
+      t->load_resharded_checkpoint(std::span(files).first(2));
+      ADD_FAILURE() << "two files of a three-rank checkpoint were loaded";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("are not the 2 shares of one checkpoint"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(t->read_tensor(marked_shares(*t, 0, 1, 0)[0].state).bytes, before);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // Two ranks that never meet: every option checked here is refused before a collective.

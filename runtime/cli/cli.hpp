@@ -103,6 +103,9 @@ struct TrainArgs {
   std::shared_ptr<ferry::ops::Communicator> world, control;  // null: one rank
   bool primary = true;                                       // rank 0: progress, JSON, checkpoints, traces, profiles
   bool sharded_checkpoint = false;  // ZeRO stage 1 over several ranks: each rank writes its own file
+  // --resume of a checkpoint cut for other ranks or another ZeRO stage: all its files, which every
+  // rank reads (Trainer::load_resharded_checkpoint); empty: each rank loads resume_path as it is.
+  std::vector<std::string> resume_files;
 };
 
 // Before any work (data, compile; runtime/cli/outputs.cpp): every output (--checkpoint, --trace,
@@ -200,10 +203,18 @@ int cmd_train_gpt(const TrainArgs& a);
 // Data-parallel runs (runtime/cli/ranks.cpp). Under mpirun: joins MPI's world (an error in a
 // ferry built without MPI) and, on ranks other than 0, turns off every output (progress, JSON,
 // trace, profiles; checkpoints are rank 0's). Alone: nothing.
-// A checkpoint of a ZeRO stage 1 run over N ranks is N files (rank r > 0 writes and reads
-// "<path>.rank<r>"): --resume of one is refused here, before any work, on another number of
-// ranks or stage, and a whole-state checkpoint resumed with --zero 1 over several ranks too.
+// A checkpoint of a ZeRO stage 1 or 2 run over N ranks is N files (rank r > 0 writes and reads
+// "<path>.rank<r>"): --resume of one on another number of ranks or stage, or of a whole-state
+// checkpoint at stage 1 or 2 over several ranks, cuts the optimizer state anew (resume_files).
 void join_ranks(TrainArgs& a);
+// --resume: the checkpoint loaded as join_ranks planned; its caller's bytes.
+std::vector<std::byte> load_resume(ferry::Trainer& trainer, const TrainArgs& a);
+// " (written by N ranks ..., cut anew for ...)" when the resume was resharded, else empty.
+std::string resume_note(const TrainArgs& a);
+// On rank 0, after each checkpoint written: removes "<checkpoint>.rank<k>" files (ferry
+// checkpoints only) beyond this run's ranks, shards of an earlier checkpoint at the same path
+// that a resume would otherwise take for part of this one.
+void remove_stale_shards(const TrainArgs& a);
 // This rank's share of each global batch of `global_batch` samples, with `opt` set to train on
 // it (opt.batch its samples, opt.data_parallel the world, --zero and --bucket-size). Alone:
 // the whole batch.

@@ -295,19 +295,20 @@ int cmd_train(const TrainArgs& a) {
                             // Data parallel: every rank holds the same state and rank 0 writes it, unless each holds
                             // its own share of the optimizer state (ZeRO stage 1: each writes its file).
                             .write_checkpoints = a.primary || a.sharded_checkpoint,
+                            .after_checkpoint = [&a] { remove_stale_shards(a); },
                             .control = a.control});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
-    const auto caller = trainer.load_checkpoint(a.resume_path);
+    const auto caller = load_resume(trainer, a);
     const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
     const ferry::LoopPosition start = decode_position(caller, a, train.count, steps_per_epoch, batches);
     check_ranks_resumed_together(a, trainer.steps_done());
     loop.resume(start);
     if (!a.quiet) {
       std::cerr << fmt::format(
-          "ferry: resumed from {} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
-          start.done / steps_per_epoch + 1, start.done % steps_per_epoch, steps_per_epoch, trainer.steps_done(),
-          load_ms);
+          "ferry: resumed from {}{} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
+          resume_note(a), start.done / steps_per_epoch + 1, start.done % steps_per_epoch, steps_per_epoch,
+          trainer.steps_done(), load_ms);
     }
   }
   loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const ferry::StepResult&) {

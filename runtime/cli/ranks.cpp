@@ -3,7 +3,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 
@@ -13,46 +15,88 @@ namespace ferry::cli {
 
 namespace {
 
-// A ZeRO stage 1 checkpoint of N ranks is FILE and FILE.rank1 .. FILE.rank<N-1>: from the files
-// there, how many ranks wrote it (1: no shard files, a whole-state checkpoint).
-int checkpoint_ranks(const std::string& path) {
-  int n = 1;
-  while (std::filesystem::exists(fmt::format("{}.rank{}", path, n))) ++n;
-  return n;
+// Rank r > 0's file of a checkpoint at `path` written at ZeRO stage 1 or 2.
+std::string shard_file(const std::string& path, int rank) {
+  return fmt::format("{}.rank{}", path, rank);
 }
 
-// Before any work: --resume FILE is a checkpoint this run can take as to its ranks and ZeRO stage
-// (the caller section checks it again once loaded).
-void check_resume_shards(const TrainArgs& a) {
+// The file begins as a ferry checkpoint does.
+bool is_checkpoint(const std::string& path) {
+  char head[8] = {};
+  std::ifstream in(path, std::ios::binary);
+  return in.read(head, sizeof head) && std::memcmp(head, ferry::checkpoint_magic, sizeof head) == 0;
+}
+
+// A ZeRO stage 1 or 2 checkpoint of N ranks is FILE and FILE.rank1 .. FILE.rank<N-1>: the files
+// there (one: a whole-state checkpoint).
+std::vector<std::string> checkpoint_files(const std::string& path) {
+  std::vector<std::string> files{path};
+  while (std::filesystem::exists(shard_file(path, static_cast<int>(files.size())))) {
+    files.push_back(shard_file(path, static_cast<int>(files.size())));
+  }
+  return files;
+}
+
+// Before any work: how --resume FILE is read. A checkpoint cut as this run cuts the optimizer
+// state (one whole-state file, alone or at ZeRO stage 0; at stage 1 or 2, as many files as ranks)
+// is loaded as it is, each rank its own file; any other is cut anew (resume_files: every rank
+// reads every file).
+void plan_resume(TrainArgs& a) {
   if (a.resume_path.empty()) return;
-  const int now = a.world ? a.world->size() : 1;
-  const int wrote = checkpoint_ranks(a.resume_path);
-  if (wrote > 1 && (!a.sharded_checkpoint || wrote != now)) {
-    throw std::invalid_argument(
-        fmt::format("cannot resume from '{}': it is one share of a ZeRO stage 1 run over {} ranks (or stage 2: the "
-                    "others are in '{}.rank1'{}): resume with mpirun -np {} and --zero 1 or 2",
-                    a.resume_path, wrote, a.resume_path,
-                    wrote > 2 ? fmt::format(" to '.rank{}'", wrote - 1) : std::string(), wrote));
-  }
-  if (wrote == 1 && a.sharded_checkpoint) {
-    throw std::invalid_argument(fmt::format(
-        "cannot resume from '{}' with --zero {} over {} ranks: it holds the whole optimizer state (there is no "
-        "'{}.rank1'); resume it with --zero 0",
-        a.resume_path, a.zero, now, a.resume_path));
-  }
+  const std::vector<std::string> files = checkpoint_files(a.resume_path);
+  const std::size_t now = a.world ? static_cast<std::size_t>(a.world->size()) : 1;
+  const bool sharded_then = files.size() > 1;
+  if (sharded_then == a.sharded_checkpoint && (!sharded_then || files.size() == now)) return;
+  a.resume_files = files;
 }
 
 }  // namespace
 
+std::vector<std::byte> load_resume(ferry::Trainer& trainer, const TrainArgs& a) {
+  if (a.resume_files.empty()) return trainer.load_checkpoint(a.resume_path);
+  const std::vector<std::filesystem::path> files(a.resume_files.begin(), a.resume_files.end());
+  return trainer.load_resharded_checkpoint(files);
+}
+
+std::string resume_note(const TrainArgs& a) {
+  if (a.resume_files.empty()) return {};
+  const int now = a.world ? a.world->size() : 1;
+  return fmt::format(" (written {}, the optimizer state cut anew for {})",
+                     a.resume_files.size() > 1 ? fmt::format("by {} ranks at ZeRO stage 1 or 2", a.resume_files.size())
+                                               : std::string("whole"),
+                     a.sharded_checkpoint
+                         ? fmt::format("{} ranks at ZeRO stage {}", now, a.zero)
+                         : (now > 1 ? fmt::format("{} ranks at ZeRO stage 0", now) : std::string("one rank")));
+}
+
+void remove_stale_shards(const TrainArgs& a) {
+  if (a.checkpoint_path.empty() || !a.primary) return;
+  const int first_stale = a.sharded_checkpoint ? a.world->size() : 1;
+  for (int k = first_stale;; ++k) {
+    const std::string stale = shard_file(a.checkpoint_path, k);
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(stale, ec)) return;
+    if (!is_checkpoint(stale)) return;  // not ferry's: left alone
+    std::filesystem::remove(stale, ec);
+    if (ec) {
+      std::cerr << fmt::format(
+          "ferry: warning: could not remove '{}', a shard of an earlier checkpoint at this "
+          "path on more ranks ({}); remove it before resuming from '{}'\n",
+          stale, ec.message(), a.checkpoint_path);
+      return;
+    }
+  }
+}
+
 void join_ranks(TrainArgs& a) {
   if (!ferry::launched_by_mpi()) {
-    check_resume_shards(a);
+    plan_resume(a);
     return;
   }
   a.world = ferry::mpi_world();
   if (a.world->size() < 2) {
     a.world.reset();  // one rank: train as without mpirun
-    check_resume_shards(a);
+    plan_resume(a);
     return;
   }
   a.control = a.world->split();
@@ -60,19 +104,10 @@ void join_ranks(TrainArgs& a) {
   // ZeRO stages 1 and 2: each rank holds other optimizer state (the same shares at either stage),
   // so each writes (and resumes from) its own file; rank 0's is the path given.
   a.sharded_checkpoint = a.zero >= 1;
-  if (a.primary) check_resume_shards(a);
+  plan_resume(a);
   if (a.sharded_checkpoint && !a.primary) {
-    const std::string suffix = fmt::format(".rank{}", a.world->rank());
-    if (!a.checkpoint_path.empty()) a.checkpoint_path += suffix;
-    if (!a.resume_path.empty()) {
-      a.resume_path += suffix;
-      if (!std::filesystem::exists(a.resume_path)) {
-        throw std::invalid_argument(fmt::format(
-            "cannot resume: rank {}'s share of the checkpoint, '{}' does not exist: it was written by fewer ranks or "
-            "without --zero 1 or 2; resume with the mpirun -np and --zero it was written with",
-            a.world->rank(), a.resume_path));
-      }
-    }
+    if (!a.checkpoint_path.empty()) a.checkpoint_path = shard_file(a.checkpoint_path, a.world->rank());
+    if (!a.resume_path.empty() && a.resume_files.empty()) a.resume_path = shard_file(a.resume_path, a.world->rank());
   }
   if (a.primary) return;
   a.quiet = true;

@@ -267,16 +267,17 @@ int cmd_train_gpt(const TrainArgs& args) {
        // Data parallel: rank 0 writes the state all ranks hold, unless each holds its
        // own share of the optimizer state (ZeRO stage 1: each writes its file).
        .write_checkpoints = a.primary || a.sharded_checkpoint,
+       .after_checkpoint = [&a] { remove_stale_shards(a); },
        .control = a.control});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
-    const auto caller = trainer.load_checkpoint(a.resume_path);
+    const auto caller = load_resume(trainer, a);
     const LoopPosition start = decode_position(caller, a, corpus, steps, windows, validation);
     check_ranks_resumed_together(a, trainer.steps_done());
     loop.resume(start);
     if (!a.quiet) {
-      std::cerr << fmt::format("ferry: resumed from {} at step {} of {} (loaded in {:.0f} ms)\n", a.resume_path,
-                               start.done, steps, 1e3 * seconds_since(load_start));
+      std::cerr << fmt::format("ferry: resumed from {}{} at step {} of {} (loaded in {:.0f} ms)\n", a.resume_path,
+                               resume_note(a), start.done, steps, 1e3 * seconds_since(load_start));
     }
   }
   const auto run_start = Clock::now();

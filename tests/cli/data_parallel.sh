@@ -145,7 +145,7 @@ if [ -s "$work/z0_alone.json" ] && [ -s "$work/z0_straight.json" ]; then
 fi
 
 # A ZeRO stage 1 checkpoint is a file per rank (rank r > 0: "<path>.rank<r>"); resumed on the same
-# ranks it goes on exactly as the run that did not stop; on other ranks it is refused.
+# ranks it goes on exactly as the run that did not stop.
 Z1=(--model mlp --train-limit 1536 --batch 256 --schedule constant --zero 1 --json)
 ranks 2 "$ferry" train "${Z1[@]}" --epochs 2 >"$work/z1_straight.json" 2>"$work/z1_straight.err" ||
   fail "ZeRO-1, two epochs: $(tail -3 "$work/z1_straight.err")"
@@ -171,15 +171,53 @@ if [ -s "$work/z2_resumed.json" ]; then
   close "$a" "$b" || fail "ZeRO-2 resumed from ZeRO-1: train_loss $b, ZeRO-1 straight through $a"
   echo "zero2 from a zero1 checkpoint: train_loss $a straight through at stage 1, $b resumed at stage 2"
 fi
-ranks 3 "$ferry" train "${Z1[@]}" --epochs 2 --resume "$work/z1.ckpt" >/dev/null 2>"$work/z1_three.err"
-[ $? -ne 0 ] || fail "a 2-rank ZeRO-1 checkpoint resumed on 3 ranks"
-grep -q -e "one share of a ZeRO stage 1 run over 2 ranks" -e "z1.ckpt.rank2' does not exist" "$work/z1_three.err" ||
-  fail "no message for another number of ranks: $(tail -3 "$work/z1_three.err")"
-"$ferry" train --model mlp --train-limit 1536 --batch 256 --epochs 2 --resume "$work/z1.ckpt" >/dev/null \
-  2>"$work/z1_alone.err"
-[ $? -ne 0 ] || fail "a 2-rank ZeRO-1 checkpoint resumed alone"
-grep -q "one share of a ZeRO stage 1 run over 2 ranks" "$work/z1_alone.err" ||
-  fail "no message resuming alone: $(tail -3 "$work/z1_alone.err")"
+# On another number of ranks, at another stage or alone, the optimizer state is cut anew from the
+# files (every rank reads them all): the same run, up to the order of the gradient sums.
+resharded() {  # resharded NAME N ARGS...: resume z1.ckpt (2 ranks, stage 1) on N ranks, compare
+  local name=$1 n=$2 a b
+  shift 2
+  if [ "$n" = 1 ]; then
+    "$ferry" train "$@" --epochs 2 --resume "$work/z1.ckpt" >"$work/$name.json" 2>"$work/$name.err"
+  else
+    ranks "$n" "$ferry" train "$@" --epochs 2 --resume "$work/z1.ckpt" >"$work/$name.json" 2>"$work/$name.err"
+  fi || { fail "$name: $(tail -3 "$work/$name.err")"; return; }
+  [ $n = 1 ] || grep -q "the optimizer state cut anew for $n ranks" "$work/$name.err" ||
+    fail "$name: no resharding note: $(grep resumed "$work/$name.err")"
+  for key in train_loss test_loss; do
+    a=$(field "$work/z1_straight.json" "$key")
+    b=$(field "$work/$name.json" "$key")
+    close "$a" "$b" || fail "$name: $key $b, 2 ranks straight through $a"
+    echo "$name: $key $a on 2 ranks straight through, $b resumed"
+  done
+}
+Z1_PLAIN=(--model mlp --train-limit 1536 --batch 256 --schedule constant --json)
+resharded z1_on_three 3 "${Z1[@]}"
+resharded z1_alone 1 "${Z1_PLAIN[@]}"
+resharded z1_stage0 2 "${Z1_PLAIN[@]}"
+# A whole-state checkpoint cut into shares.
+resharded_whole() {
+  "$ferry" train "${Z1_PLAIN[@]}" --epochs 1 --checkpoint "$work/whole.ckpt" >/dev/null 2>"$work/whole_first.err" ||
+    fail "whole-state checkpoint: $(tail -3 "$work/whole_first.err")"
+  ranks 3 "$ferry" train "${Z2[@]}" --epochs 2 --resume "$work/whole.ckpt" >"$work/whole_three.json" \
+    2>"$work/whole_three.err" || { fail "whole-state checkpoint on 3 ranks: $(tail -3 "$work/whole_three.err")"; return; }
+  a=$(field "$work/z1_straight.json" train_loss)
+  b=$(field "$work/whole_three.json" train_loss)
+  close "$a" "$b" || fail "a whole-state checkpoint on 3 ranks at stage 2: train_loss $b, 2 ranks straight through $a"
+  echo "whole-state checkpoint on 3 ranks at stage 2: train_loss $b"
+}
+resharded_whole
+# A run on fewer ranks writing where a run on more wrote removes the shards it does not write, so
+# that the checkpoint there is its own; then files of different steps are refused.
+ranks 3 "$ferry" train "${Z1[@]}" --epochs 1 --checkpoint "$work/three.ckpt" >/dev/null 2>"$work/three_first.err" ||
+  fail "3-rank checkpoint: $(tail -3 "$work/three_first.err")"
+ranks 2 "$ferry" train "${Z1[@]}" --epochs 2 --resume "$work/three.ckpt" --checkpoint "$work/three.ckpt" >/dev/null \
+  2>"$work/three_two.err" || fail "3-rank checkpoint on 2 ranks: $(tail -3 "$work/three_two.err")"
+[ -f "$work/three.ckpt.rank1" ] && [ ! -e "$work/three.ckpt.rank2" ] ||
+  fail "a 2-rank run writing over a 3-rank checkpoint left: $(ls "$work" | grep three.ckpt)"
+cp "$work/z1.ckpt.rank1" "$work/three.ckpt.rank1"  # (after 6 updates; three.ckpt after 12)
+ranks 3 "$ferry" train "${Z1[@]}" --epochs 3 --resume "$work/three.ckpt" >/dev/null 2>"$work/mixed.err"
+[ $? -ne 0 ] || fail "files of different steps were resumed"
+grep -q "are of different steps" "$work/mixed.err" || fail "no message for files of different steps: $(tail -3 "$work/mixed.err")"
 
 # Rank 1's checkpoint file is checked before any work like rank 0's: a file there that ferry did
 # not write is refused and left as it was.

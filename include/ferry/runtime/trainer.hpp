@@ -253,6 +253,15 @@ class Trainer {
   // model, optimizer or batch; the message names the file, the problem and what to do, and the
   // trainer is unchanged.
   std::vector<std::byte> load_checkpoint(const std::filesystem::path& path);
+  // The same for a checkpoint cut for other ranks: the files the ranks of a ZeRO stage 1 or 2 run
+  // wrote (files[r]: rank r's, each with its shares of the optimizer state), or one whole-state
+  // checkpoint, into this trainer whatever its number of ranks and ZeRO stage (alone included):
+  // each weight's optimizer state is put together from the files' shares and cut for this
+  // trainer's share. Every file is verified first; they must be of one step, saved between
+  // updates (not inside a group of --accumulate micro-batches, whose gradient sums are each
+  // rank's own), and each must hold the share that many ranks had, else std::invalid_argument
+  // naming the file, and the trainer is unchanged.
+  std::vector<std::byte> load_resharded_checkpoint(std::span<const std::filesystem::path> files);
   // Why the training state is inconsistent (a step failed in its update phase and load_checkpoint
   // has not restored it since); empty when it is not.
   const std::string& inconsistent_state() const noexcept { return inconsistent_; }
@@ -264,6 +273,8 @@ class Trainer {
   // The weight or optimizer-state tensor named `name`; throws std::invalid_argument if none.
   TensorId persistent_tensor(const std::string& name) const;
   void initialise_parameters();
+  // load_checkpoint (one file) and load_resharded_checkpoint (reshard).
+  std::vector<std::byte> load_checkpoint_files(std::span<const std::filesystem::path> files, bool reshard);
   // Copies a batch into `step`'s host inputs after checking it against the model.
   void stage_batch(graph::CompiledStep& step, const Batch& batch) const;
   StepResult predict_step(const Batch& batch);

@@ -83,6 +83,9 @@ struct TrainingLoopOptions {
   std::function<std::vector<std::byte>(const LoopPosition&)> caller_section;
   WriteOptions checkpoint_options;
   bool write_checkpoints = true;
+  // Called after each checkpoint this loop wrote (the CLI removes shard files a run on more ranks
+  // left at the same path).
+  std::function<void()> after_checkpoint;
   // Data parallel: the ranks agree, through it, on stops and on the time limit, so that every rank
   // stops after the same step (null: one rank).
   std::shared_ptr<ops::Communicator> control;

@@ -1,0 +1,168 @@
+// A ZeRO checkpoint's optimizer state cut anew for another number of ranks or another stage
+// (runtime/checkpoint_shards.hpp).
+#include "checkpoint_shards.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+
+#include "ferry/ops/op_table.hpp"
+#include "graph/autodiff.hpp"
+
+namespace ferry::detail {
+
+namespace {
+
+// How a state tensor lies along its weight's elements: `rows` rows of units of `per` elements
+// each (1: one state element per weight element; the 8-bit optimizer's scales: one per block).
+struct Layout {
+  std::size_t rows = 1, per = 1;
+};
+
+// The units of weight elements [first, first + count): whole units, since shares are cut on
+// multiples of the granule, itself a multiple of every unit.
+std::size_t units_of(std::size_t count, std::size_t per) {
+  return (count + per - 1) / per;
+}
+
+// The layout of the state `decl` declares, found from the declaration for one granule.
+Layout layout_of(const ops::OpInfo& row, const ops::OptimizerConfig& optimizer, std::size_t decl_index,
+                 std::size_t granule) {
+  const ops::OptimizerStateDecl d = row.optimizer_state(optimizer, granule)[decl_index];
+  if (!d.shape) return {};
+  const std::uint32_t last = d.shape->dims[d.shape->rank - 1];
+  if (last == 0 || granule % last != 0) {
+    throw std::logic_error(fmt::format("optimizer state '{}' is not cut along its weight's elements", d.suffix));
+  }
+  return {d.shape->elems() / last, granule / last};
+}
+
+}  // namespace
+
+ReshardedState::ReshardedState(const graph::Graph& training, const graph::VariantKey& key,
+                               const ops::OptimizerConfig& optimizer, std::span<const std::filesystem::path> files,
+                               std::span<const ckpt::Contents> contents)
+    : training_(training), sources_(training.tensors.size()) {
+  const auto& t = training.tensors;
+  const std::size_t n = files.size();
+  // Each file's tensors by name.
+  std::vector<std::map<std::string, std::size_t>> by_name(n);
+  for (std::size_t f = 0; f < n; ++f) {
+    const auto& tensors = contents[f].fingerprint.tensors;
+    for (std::size_t i = 0; i < tensors.size(); ++i) by_name[f][tensors[i].name] = i;
+  }
+  const auto find = [&](std::size_t f, const std::string& name, std::uint8_t dtype) {
+    const auto it = by_name[f].find(name);
+    if (it == by_name[f].end()) {
+      throw std::invalid_argument(fmt::format(
+          "checkpoint file '{}' has no tensor '{}': it is not {} of a checkpoint of this model and optimizer; the "
+          "trainer was not changed",
+          files[f].string(), name, n > 1 ? fmt::format("rank {}'s share", f) : std::string("the whole state")));
+    }
+    if (contents[f].fingerprint.tensors[it->second].dtype != dtype) {
+      throw std::invalid_argument(
+          fmt::format("checkpoint file '{}' holds '{}' as {}, this trainer as {}; the "
+                      "trainer was not changed",
+                      files[f].string(), name,
+                      graph::dtype_name(static_cast<graph::DType>(contents[f].fingerprint.tensors[it->second].dtype)),
+                      graph::dtype_name(static_cast<graph::DType>(dtype))));
+    }
+    return it->second;
+  };
+  // Whole tensors: from the first file, the same shape.
+  for (graph::TensorId id = 0; id < t.size(); ++id) {
+    const graph::Role role = t.role[id];
+    if (role != graph::Role::weight && role != graph::Role::predictor_state && role != graph::Role::gradient_sum) {
+      continue;
+    }
+    if (t.alias_of[id] != graph::no_tensor) continue;
+    const std::size_t i = find(0, t.name[id], static_cast<std::uint8_t>(t.dtype[id]));
+    if (!(contents[0].fingerprint.tensors[i].shape == t.shape[id])) {
+      throw std::invalid_argument(fmt::format(
+          "checkpoint file '{}' holds '{}' as {}, this trainer as {}; the trainer "
+          "was not changed: load it into the model that wrote it",
+          files[0].string(), t.name[id], contents[0].fingerprint.tensors[i].shape.str(), t.shape[id].str()));
+    }
+    sources_[id] = {{{0, i, 0, t.shape[id].elems()}}, 1, 0, t.shape[id].elems()};
+  }
+  // The optimizer state: this trainer's share of each weight from the files' shares.
+  const ops::OpInfo& row = ops::op_info(ops::update_row(optimizer.kind));
+  const graph::ZeroSharding mine = graph::zero_sharding(key, optimizer);
+  graph::VariantKey written = key;
+  written.ranks = static_cast<std::uint32_t>(n);
+  written.zero_stage = n > 1 ? 1 : 0;
+  const std::vector<graph::ZeroShare> my_shares = graph::zero_shares(training, mine);
+  for (std::size_t ordinal = 0; ordinal < my_shares.size(); ++ordinal) {
+    const graph::TensorId w = my_shares[ordinal].weight;
+    const ops::ShardRange my = my_shares[ordinal].range;
+    if (my.count == 0) continue;  // another rank's: this trainer keeps no state of it
+    const std::size_t elems = t.shape[w].elems();
+    const auto decls = row.optimizer_state(optimizer, my.count);
+    for (std::size_t d = 0; d < decls.size(); ++d) {
+      if (decls[d].is_gradient) continue;
+      const std::string name = t.name[w] + decls[d].suffix;
+      graph::TensorId id = graph::no_tensor;
+      for (graph::TensorId x = 0; x < t.size(); ++x) {
+        if (t.name[x] == name && t.role[x] == graph::Role::optimizer_state) id = x;
+      }
+      if (id == graph::no_tensor) throw std::logic_error(fmt::format("no optimizer state tensor '{}'", name));
+      const Layout layout = layout_of(row, optimizer, d, graph::zero_sharding(written, optimizer).granule);
+      Source& s = sources_[id];
+      s.rows = layout.rows;
+      s.first = my.first / layout.per;
+      s.units = units_of(my.count, layout.per);
+      for (std::size_t f = 0; f < n; ++f) {
+        written.rank = static_cast<std::uint32_t>(f);
+        const graph::ZeroSharding theirs = graph::zero_sharding(written, optimizer);
+        const ops::ShardRange r = theirs.sharded()
+                                      ? ops::zero_shard(elems, ordinal, theirs.rank, theirs.ranks, theirs.granule)
+                                      : ops::ShardRange{0, elems};
+        if (r.count == 0) continue;
+        const std::size_t i = find(f, name, static_cast<std::uint8_t>(decls[d].dtype));
+        const std::size_t units = units_of(r.count, layout.per);
+        const auto& ft = contents[f].fingerprint.tensors[i];
+        if (ft.shape.elems() != layout.rows * units) {
+          throw std::invalid_argument(fmt::format(
+              "checkpoint file '{}' holds {} elements of '{}', where {} would hold {}: the files given are not the "
+              "{} of one checkpoint (a file missing, or one left from another run?); the trainer was not changed",
+              files[f].string(), ft.shape.elems(), name,
+              n > 1 ? fmt::format("rank {} of {}", f, n) : std::string("a whole-state checkpoint"), layout.rows * units,
+              n > 1 ? fmt::format("{} shares", n) : std::string("whole state")));
+        }
+        s.pieces.push_back({f, i, r.first / layout.per, units});
+      }
+    }
+  }
+}
+
+std::vector<std::byte> ReshardedState::value(graph::TensorId id, const Read& read) const {
+  const Source& s = sources_[id];
+  const auto& t = training_.tensors;
+  const std::size_t size = graph::dtype_bytes(t.dtype[id]);
+  std::vector<std::byte> out(t.bytes(id));
+  if (s.pieces.empty() || out.size() != s.rows * s.units * size) {
+    throw std::logic_error(fmt::format("no way to load tensor '{}' from the checkpoint's files", t.name[id]));
+  }
+  std::size_t covered = 0;
+  for (const Piece& p : s.pieces) {
+    const std::size_t from = std::max(p.first, s.first), to = std::min(p.first + p.units, s.first + s.units);
+    if (from >= to) continue;
+    const std::span<const std::byte> bytes = read(p.file, p.index);
+    for (std::size_t row = 0; row < s.rows; ++row) {
+      std::memcpy(out.data() + (row * s.units + from - s.first) * size,
+                  bytes.data() + (row * p.units + from - p.first) * size, (to - from) * size);
+    }
+    covered += to - from;
+  }
+  if (covered != s.units) {
+    throw std::logic_error(
+        fmt::format("the checkpoint's shares cover {} of the {} units of '{}'", covered, s.units, t.name[id]));
+  }
+  return out;
+}
+
+}  // namespace ferry::detail
