@@ -377,18 +377,30 @@ void count_transfers(const Graph& g, ResidencyReport& r) {
 // memory and it reads and writes the host-resident weight and state directly. The write-back goes
 // just before the update, or, with `write_back_early` (one-copy state: the updates wait for the
 // commit point), right after the gradient's last use on the device, so it does not stay there
-// until the update phase.
+// until the update phase. A gradient a data-parallel reduction summed in pinned host memory (and
+// copied to the device for the overflow guard) is read there: no write-back.
 void move_updates_to_host(Graph& g, bool write_back_early) {
   auto& t = g.tensors;
   const NodeTable old = g.nodes;
   // Per update: the node after which its gradient's write-back goes (none: just before it).
   constexpr NodeId none = never;
-  std::vector<NodeId> last_use(t.size(), none), write_back_after(old.size(), none);
+  std::vector<NodeId> last_use(t.size(), none), last_writer(t.size(), none), write_back_after(old.size(), none);
+  // Per update: the pinned host tensor its gradient was copied from, when a data-parallel
+  // reduction left the sum there (the update reads it rather than a copy of it written back).
+  std::vector<TensorId> grad_host(old.size(), no_tensor);
   for (NodeId n = 0; n < old.size(); ++n) {
     if (is_update(old.op[n])) {
-      if (write_back_early) write_back_after[n] = last_use[t.storage(old.inputs(n)[1])];
+      const TensorId grad = t.storage(old.inputs(n)[1]);
+      const NodeId writer = last_writer[grad];
+      if (writer != none && old.op[writer] == builtin::grad_receive &&
+          t.home[t.storage(old.inputs(writer)[0])] == Home::host_pinned) {
+        grad_host[n] = old.inputs(writer)[0];
+      } else if (write_back_early) {
+        write_back_after[n] = last_use[grad];
+      }
       continue;
     }
+    for (TensorId x : old.outputs(n)) last_writer[t.storage(x)] = n;
     if (is_host_lane(old.lane[n])) continue;
     for (TensorId x : old.inputs(n)) last_use[t.storage(x)] = n;
     for (TensorId x : old.outputs(n)) last_use[t.storage(x)] = n;
@@ -397,7 +409,6 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
   for (NodeId u = 0; u < old.size(); ++u) {
     if (write_back_after[u] != none) after[write_back_after[u]].push_back(u);
   }
-  std::vector<TensorId> grad_host(old.size(), no_tensor);  // per update: its gradient's host copy
   NodeTable out;
   auto write_back = [&](NodeId u) {
     const TensorId grad = old.inputs(u)[1];
