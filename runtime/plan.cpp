@@ -17,6 +17,7 @@
 #include "ferry/runtime/units.hpp"
 #include "graph/node_view.hpp"
 #include "graph/step_plan.hpp"
+#include "ops/attrs.hpp"
 #include "ops/elementwise.hpp"
 #include "ops/gemm.hpp"
 #include "ops/optimizer_host.hpp"
@@ -105,6 +106,28 @@ DeviceBreakdown device_breakdown(const graph::CompiledStep& step, const graph::C
 
 namespace {
 
+// A data-parallel node's bytes (graph/passes/data_parallel.cpp): a collective's host buffers but
+// the chain's order word, or a copy's across the link (a weight's share alone for ZeRO's gather).
+void count_collective(const graph::Graph& g, graph::NodeId n, PhasePlan& p) {
+  const auto& t = g.tensors;
+  const ops::OpId op = g.nodes.op[n];
+  if (g.nodes.lane[n] == ops::Lane::comm) {
+    for (TensorId x : g.nodes.inputs(n)) {
+      if (t.name[x] != "collective.order") p.collective_bytes += t.bytes(x);
+    }
+    return;
+  }
+  const TensorId whole = g.nodes.lane[n] == ops::Lane::d2h ? g.nodes.inputs(n)[0] : g.nodes.outputs(n)[0];
+  const std::uint64_t share = static_cast<std::uint64_t>(ops::ShareAttrs::of(g.nodes.attrs[n]).count) * sizeof(float);
+  if (op == ops::builtin::share_send) {
+    p.collective_link_bytes += share;
+  } else if (op == ops::builtin::others_receive) {
+    p.collective_link_bytes += t.bytes(whole) - share;
+  } else {
+    p.collective_link_bytes += t.bytes(whole);
+  }
+}
+
 // The per-step figures of one planned variant (everything but the device breakdown). On a CPU
 // device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
 // the same cores, so their times add up instead of overlapping.
@@ -141,10 +164,11 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       for (TensorId x : g.nodes.outputs(n)) add(x);
       continue;
     }
-    if (row.op_class == ops::OpClass::state_transfer || row.op_class == ops::OpClass::communication ||
-        graph::is_host_lane(g.nodes.lane[n])) {
+    if (row.op_class == ops::OpClass::communication) {
+      count_collective(g, n, p);
       continue;
     }
+    if (row.op_class == ops::OpClass::state_transfer || graph::is_host_lane(g.nodes.lane[n])) continue;
     // GEMM-like nodes at the GEMM rate; every other node is bound by the bytes it reads and writes.
     ++p.launches;
     const bool forward = row.op_class == ops::OpClass::forward || row.op_class == ops::OpClass::loss;
@@ -175,7 +199,8 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
            ms(static_cast<double>(memory_8bit_bytes), device_8bit_gbps * 1e6);
   };
   p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes, p.memory_8bit_bytes);
-  p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes), rates.link_gbps * 1e6);
+  p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes + p.collective_link_bytes),
+                     rates.link_gbps * 1e6);
   p.host_update_ms = ms(static_cast<double>(p.host_update_bytes - p.host_update_8bit_bytes), rates.host_gbps * 1e6) +
                      ms(static_cast<double>(p.host_update_8bit_bytes), host_8bit_gbps * 1e6);
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);

@@ -3,7 +3,10 @@
 // streamed step keeps its weights off the device but their copies on it. The planner
 // (plan_training) gives the figures a Trainer then allocates, and the host budget is checked
 // before anything is allocated.
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <stdexcept>
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
@@ -145,6 +148,62 @@ TEST(Plan, PlannerAgreesWithTheTrainerAccumulatedCompressedState) {
   o.residency.state_home = graph::Home::host_compressed;  // staging in the host step pool
   o.residency.budget_bytes = 64ull << 20;
   expect_plan_matches_trainer(rt, small_residual(), o);
+}
+
+// Rank 0 of four, for planning and for a trainer that is only built: the construction's agreement
+// is answered as if every rank agreed; no collective is expected.
+class RankZeroOfFour final : public ops::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 4; }
+  std::string name() const override { return "rank 0 of 4"; }
+  void allreduce_sum(std::span<const std::span<float>>) override { throw std::logic_error("no step expected"); }
+  void allreduce_sum(std::span<double>) override { throw std::logic_error("no step expected"); }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { throw std::logic_error("no step expected"); }
+  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no step expected"); }
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override { return std::vector<std::uint64_t>(4, value); }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<RankZeroOfFour>(); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+};
+
+// `ferry plan --ranks 4 --zero S`: rank 0's step as its trainer builds it, its shares of the
+// state, and the bytes its collectives take in and move across the link: the gradients (summed,
+// or reduce-scattered with the guard's word), the weights gathered at stages 1 and 2 (this rank's
+// shares up, the others' down).
+TEST(Plan, PlannerAgreesWithTheTrainerDataParallel) {
+  Runtime rt;
+  for (const int stage : {0, 1, 2}) {
+    for (const bool streamed : {false, true}) {
+      SCOPED_TRACE(fmt::format("ZeRO stage {}{}", stage, streamed ? ", streamed with the host optimizer" : ""));
+      TrainerOptions o;
+      o.batch = 4;
+      o.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
+      o.data_parallel = {.communicator = std::make_shared<RankZeroOfFour>(), .global_batch = 16, .zero_stage = stage};
+      if (streamed) {
+        o.residency.mode = graph::ResidencyMode::stream;
+        o.residency.host_optimizer = true;
+      }
+      expect_plan_matches_trainer(rt, small_residual(), o);
+      const TrainingPlan plan = plan_training(rt, small_residual(), o);
+      Trainer t(rt, small_residual(), o);
+      const PhasePlan& step = plan.phases.front();
+      const std::uint64_t weights = t.weight_bytes();
+      const std::uint64_t reduced = t.allreduce_bytes_per_step();
+      EXPECT_EQ(reduced, weights) << "every weight is trained, in f32";
+      // (At stage 2 the ranks also agree on the overflow guard: one float.)
+      EXPECT_EQ(step.collective_bytes, reduced + (stage > 0 ? weights : 0) + (stage == 2 ? 4 : 0));
+      const std::uint64_t received_gradients = stage == 2 ? t.gradient_bytes() : reduced;
+      EXPECT_EQ(step.collective_link_bytes, reduced + received_gradients + (stage > 0 ? weights : 0) +
+                                                (stage == 2 ? 8 : 0));  // the guard's word, up and down
+      TrainerOptions alone = o;
+      alone.data_parallel = {};
+      alone.batch = 16;
+      const TrainingPlan one = plan_training(rt, small_residual(), alone);
+      if (stage > 0 && !streamed) {
+        EXPECT_LT(plan.phases.front().device.optimizer_state, one.phases.front().device.optimizer_state);
+      }
+    }
+  }
 }
 
 // The GEMM work of small_mlp (20 -> 13 -> 10): each Linear's forward and weight gradient, and the

@@ -99,6 +99,7 @@ struct TrainArgs {
   bool force = false;             // outputs may replace files ferry did not write
   // Data parallel (`mpirun -np N ferry train ...`; docs/distributed.md, runtime/cli/ranks.cpp).
   int zero = 0;                                              // ZeRO stage
+  int plan_ranks = 1;                                        // ferry plan --ranks: rank 0 of this many
   std::string bucket_size = "25MiB";                         // gradient bytes reduced together
   std::shared_ptr<ferry::ops::Communicator> world, control;  // null: one rank
   bool primary = true;                                       // rank 0: progress, JSON, checkpoints, traces, profiles

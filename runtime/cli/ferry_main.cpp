@@ -565,6 +565,16 @@ CLI::App* add_plan_command(CLI::App& app, TrainArgs& t) {
       "the smallest budget it runs in, and the configuration to use for --device-budget");
   add_model_options(plan, t);
   add_rate_options(plan, t);
+  plan->add_option("--ranks", t.plan_ranks,
+                   "Plan rank 0 of a data-parallel run over N ranks (mpirun -np N ferry train ...): its share of "
+                   "--batch (the global batch), and with --zero its shares of the state")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  plan->add_option("--zero", t.zero, "With --ranks: the ZeRO stage (0, 1 or 2), as ferry train's")
+      ->check(CLI::Range(0, 2))
+      ->capture_default_str();
+  plan->add_option("--bucket-size", t.bucket_size, "With --ranks: gradient bytes summed together, as ferry train's")
+      ->capture_default_str();
   return plan;
 }
 

@@ -12,6 +12,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <stdexcept>
 
 #include "cli.hpp"
 
@@ -155,6 +156,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
       b["flops"] = ph.flops;
       b["host_update_bytes"] = ph.host_update_bytes;
       b["codec_bytes"] = ph.codec_bytes;
+      b["collective_bytes"] = ph.collective_bytes;
+      b["collective_link_bytes"] = ph.collective_link_bytes;
       b["predicted_step_ms"] = ph.predicted_step_ms;
       phases[ph.name] = b;
     }
@@ -183,6 +186,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["host_update_ms"] = t.host_update_ms;
     j["codec_bytes"] = t.codec_bytes;
     j["codec_ms"] = t.codec_ms;
+    j["collective_bytes"] = t.collective_bytes;
+    j["collective_link_bytes"] = t.collective_link_bytes;
     j["predicted_step_ms"] = p->predicted_step_ms;
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
@@ -210,6 +215,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "host_update_ms",
                           "codec_bytes",
                           "codec_ms",
+                          "collective_bytes",
+                          "collective_link_bytes",
                           "predicted_step_ms"}) {
       j[k] = nullptr;
     }
@@ -245,6 +252,8 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
   nlohmann::json j = {{"schema", plan_json_schema},
                       {"model", model.name},
                       {"batch", base.batch},
+                      {"ranks", a.plan_ranks},
+                      {"zero_stage", a.plan_ranks > 1 ? a.zero : 0},
                       {"optimizer", a.optimizer},
                       {"phases_mode", ferry::phases_name(base.phases.hybrid)},
                       {"accumulate", base.accumulate},
@@ -352,6 +361,20 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
         rate_source(r.rate_given[i]));
   }
   std::cout << rates << "\n";
+  if (a.plan_ranks > 1) {
+    std::cout << fmt::format(
+        "data parallel over {} ranks at ZeRO stage {}: the figures are rank 0's ({} samples of each global batch of "
+        "{})",
+        a.plan_ranks, a.zero, base.batch, base.data_parallel.global_batch);
+    if (const auto& p = r.configured.plan) {
+      const auto& t = p->phases.front();
+      std::cout << fmt::format(
+          "; per step its collectives take in {} (network time not predicted) and {} cross the "
+          "link around them",
+          ferry::format_bytes(t.collective_bytes), ferry::format_bytes(t.collective_link_bytes));
+    }
+    std::cout << "\n";
+  }
   if (r.configured.plan) print_configured_table(*r.configured.plan);
   if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
   const std::string min_streamed =
@@ -372,11 +395,42 @@ void add_rate_options(CLI::App* plan, TrainArgs& t) {
   }
 }
 
+// `ferry plan --ranks N`: rank 0 of N, which planning asks who it is and nothing else (a plan runs
+// no collective).
+class PlannedRanks final : public ferry::ops::Communicator {
+ public:
+  explicit PlannedRanks(int n) : n_(n) {}
+  int rank() const override { return 0; }
+  int size() const override { return n_; }
+  std::string name() const override { return "planned"; }
+  void allreduce_sum(std::span<const std::span<float>>) override { refuse(); }
+  void allreduce_sum(std::span<double>) override { refuse(); }
+  void reduce_scatter_sum(std::span<const ferry::ops::ScatterBuffer>) override { refuse(); }
+  void allgather(std::span<ferry::ops::GatherBuffer>) override { refuse(); }
+  std::vector<std::uint64_t> allgather(std::uint64_t) override { refuse(); }
+  std::unique_ptr<ferry::ops::Communicator> split() const override { return std::make_unique<PlannedRanks>(n_); }
+  [[noreturn]] void abort(int code) const override { std::exit(code); }
+
+ private:
+  [[noreturn]] static void refuse() { throw std::logic_error("a plan runs no collective"); }
+  int n_;
+};
+
 int cmd_plan(const TrainArgs& a) {
   ferry::Runtime runtime({.device = a.device});
   ferry::TrainerOptions base;
   base.batch = a.batch ? a.batch : default_batch(a.model);
   configure_trainer(a, base);
+  if (a.plan_ranks < 2 && a.zero > 0) {
+    throw std::invalid_argument(fmt::format(
+        "--zero {} shards state over ranks: plan it with --ranks N (N >= 2), the ranks mpirun -np starts", a.zero));
+  }
+  if (a.plan_ranks > 1) {
+    // Rank 0's step: its share of the global batch (--batch), its shares at ZeRO stages 1 and 2.
+    TrainArgs ranked = a;
+    ranked.world = std::make_shared<PlannedRanks>(a.plan_ranks);
+    configure_ranks(ranked, base.batch, base);
+  }
   const ferry::ModelSpec model = plan_model(a);
   const PlanReport report = make_report(a, runtime, model, base);
   if (a.json) {

@@ -76,6 +76,7 @@ row "staging chunk without staged host memory" "chunked fetches are a way of sta
   train --staging-chunk 1MiB "${quick[@]}"
 row "staging chunk too small" "use 4.0 KiB to 256.0 MiB" error - \
   train --host-memory staged --staging-chunk 1KiB "${quick[@]}"
+row "ferry plan --zero without --ranks" "plan it with --ranks N" error - plan --model mlp --zero 1
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
   train "${quick[@]}" --weights-home int8
 row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - train --trace-steps 0 "${quick[@]}"

@@ -101,6 +101,11 @@ struct PhasePlan {
   std::uint64_t host_update_bytes = 0;       // operands the host optimizer's updates read and write
   std::uint64_t host_update_8bit_bytes = 0;  // the part of them updates bound by quantization (8-bit AdamW) move
   std::uint64_t codec_bytes = 0;             // compressed homes' tensors unpacked and packed (uncompressed bytes)
+  // Data parallel: what the step's collectives take in on this rank (gradients summed or
+  // reduce-scattered, weight shares gathered, the guard agreed; what the network carries depends
+  // on the collective's algorithm and is not predicted), and the copies to and from pinned host
+  // memory around them, which cross the link (in transfer_ms).
+  std::uint64_t collective_bytes = 0, collective_link_bytes = 0;
   std::size_t nodes = 0;
   std::size_t launches = 0;  // the device's compute nodes (a node of several kernels counts once)
   // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
