@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 #include "classifier.hpp"
@@ -201,6 +202,19 @@ TEST(Plan, PlannerAgreesWithTheTrainerDataParallel) {
       const TrainingPlan one = plan_training(rt, small_residual(), alone);
       if (stage > 0 && !streamed) {
         EXPECT_LT(plan.phases.front().device.optimizer_state, one.phases.front().device.optimizer_state);
+      }
+      // The reductions run where backward makes each gradient (in the node order the memory plan
+      // follows), so a rank streams in what one rank alone at its share of the batch needs, and at
+      // stage 0 moves no more over the link than that rank besides its collectives' copies. (At
+      // stages 1 and 2 the host optimizer's updated shares go back to the device for the gather.)
+      alone.batch = 4;
+      const std::optional<std::uint64_t> ranked_min = min_stream_budget(rt, small_residual(), o),
+                                         alone_min = min_stream_budget(rt, small_residual(), alone);
+      ASSERT_TRUE(ranked_min && alone_min);
+      EXPECT_LE(*ranked_min, *alone_min) << "at the minimum streamed budget";
+      if (streamed && stage == 0) {
+        const PhasePlan& mine = plan_training(rt, small_residual(), alone).phases.front();
+        EXPECT_LE(step.fetch_bytes + step.write_back_bytes, mine.fetch_bytes + mine.write_back_bytes);
       }
     }
   }

@@ -116,6 +116,52 @@ void check_received(Graph& g, TensorId x, const char* suffix) {
               fmt::format("{}.{}@{}", overflow_guard_name, g.tensors.name[x], suffix), ins, std::span(&g.guard, 1));
 }
 
+// The reductions appended after the whole backward (nodes from `appended_from` on) moved to where
+// backward makes their gradients final: each gradient's copy to the host right after the node
+// that makes it final, its bucket's collective and copies back after the bucket's last copy out
+// (the block keeps its order, so every rank issues the collectives in the same order). The
+// scheduler runs them there anyway; the memory plan, which follows the node order, then frees a
+// local gradient once it is sent (ZeRO stage 2 keeps only its share), holds one bucket's host
+// buffers at a time, and a streamed step does not spill a local gradient only to fetch it again
+// for its copy. The overflow guard's checks of the local gradients go: the reduced gradients are
+// checked (a sum is not finite when one of its terms is not), so every rank decides alike.
+void place_reductions_after_their_gradients(Graph& g, NodeId appended_from) {
+  const auto& t = g.tensors;
+  constexpr NodeId none = ~NodeId{0};
+  const NodeTable old = std::move(g.nodes);
+  g.nodes = {};
+  std::vector<char> reduced(t.size(), 0);
+  for (NodeId n = appended_from; n < old.size(); ++n) {
+    if (old.op[n] == ops::builtin::grad_send) reduced[t.storage(old.inputs(n)[0])] = 1;
+  }
+  const auto local_check = [&](NodeId n) {
+    return n < appended_from && old.op[n] == ops::builtin::overflow_guard_check && reduced[t.storage(old.inputs(n)[1])];
+  };
+  std::vector<NodeId> last_writer(t.size(), none);
+  for (NodeId n = 0; n < appended_from; ++n) {
+    if (local_check(n)) continue;
+    for (TensorId x : old.outputs(n)) last_writer[t.storage(x)] = n;
+  }
+  // Each appended node goes after prefix node `anchor` (none: before the first), never before an
+  // appended node it followed.
+  std::vector<std::vector<NodeId>> after(appended_from);
+  std::vector<NodeId> first;
+  NodeId anchor = none;
+  for (NodeId n = appended_from; n < old.size(); ++n) {
+    if (old.op[n] == ops::builtin::grad_send) {
+      const NodeId w = last_writer[t.storage(old.inputs(n)[0])];
+      if (w != none && (anchor == none || w > anchor)) anchor = w;
+    }
+    (anchor == none ? first : after[anchor]).push_back(n);
+  }
+  for (NodeId n : first) g.nodes.add_copy(old, n);
+  for (NodeId n = 0; n < appended_from; ++n) {
+    if (local_check(n)) continue;
+    g.nodes.add_copy(old, n);
+    for (NodeId m : after[n]) g.nodes.add_copy(old, m);
+  }
+}
+
 // The overflow guard summed over the ranks, after every reduction of the step: a guard that is
 // not finite on one rank (a gradient of its shares) is not finite on all, so every rank makes the
 // same decision to update or to skip.
@@ -178,6 +224,7 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
   }
   std::vector<TensorId> grads;
   for (TensorId w : weights) grads.push_back(t.grad[w]);
+  const NodeId appended_from = static_cast<NodeId>(g.nodes.size());
   const ops::OpId back = ops::builtin::grad_receive;
   Collective c{ops::builtin::grad_reduce_scatter, "reduce", ops::builtin::grad_send,
                [&](std::size_t k) {
@@ -206,6 +253,7 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
     return s;
   };
   append_collective(g, grads, buckets, c);
+  place_reductions_after_their_gradients(g, appended_from);
   append_guard_agreement(g);
 }
 
@@ -213,15 +261,25 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
   if (!(share > 0.0f && share <= 1.0f)) {
     throw std::invalid_argument(fmt::format("gradient all-reduce: a rank's share of the batch is {}", share));
   }
+  auto& t = g.tensors;
+  const std::vector<TensorId> weights = weights_in_gradient_order(g);
   std::vector<TensorId> grads;
-  for (TensorId w : weights_in_gradient_order(g)) grads.push_back(g.tensors.grad[w]);
-  append_collective(g, grads, buckets_of(g.tensors, grads, bucket_bytes),
+  for (TensorId w : weights) grads.push_back(t.grad[w]);
+  const NodeId appended_from = static_cast<NodeId>(g.nodes.size());
+  // The sum comes back into a tensor "<g>.sum" of its own, the weight's gradient from then on, so
+  // the local gradient dies once it is sent.
+  append_collective(g, grads, buckets_of(t, grads, bucket_bytes),
                     {ops::builtin::grad_allreduce, "allreduce", ops::builtin::grad_send,
                      [share](std::size_t) { return ops::CollectiveAttrs{.share = share}; },
                      [&](std::size_t i, TensorId host, TensorId) {
-                       receive(g, ops::builtin::grad_receive, "allreduce", host, grads[i]);
-                       check_received(g, grads[i], "allreduce");
+                       const TensorId sum =
+                           t.add(t.name[grads[i]] + ".sum", t.shape[grads[i]], DType::f32, Role::gradient);
+                       g.nodes.add(ops::builtin::grad_receive, fmt::format("receive.{}@allreduce", t.name[grads[i]]),
+                                   std::span(&host, 1), std::span(&sum, 1), {}, Lane::h2d);
+                       check_received(g, sum, "allreduce");
+                       t.grad[weights[i]] = sum;
                      }});
+  place_reductions_after_their_gradients(g, appended_from);
 }
 
 void append_micro_batch_guard_agreement(Graph& g) {
