@@ -116,15 +116,17 @@ void check_received(Graph& g, TensorId x, const char* suffix) {
               fmt::format("{}.{}@{}", overflow_guard_name, g.tensors.name[x], suffix), ins, std::span(&g.guard, 1));
 }
 
-// The reductions appended after the whole backward (nodes from `appended_from` on) moved to where
-// backward makes their gradients final: each gradient's copy to the host right after the node
-// that makes it final, its bucket's collective and copies back after the bucket's last copy out
-// (the block keeps its order, so every rank issues the collectives in the same order). The
-// scheduler runs them there anyway; the memory plan, which follows the node order, then frees a
-// local gradient once it is sent (ZeRO stage 2 keeps only its share), holds one bucket's host
-// buffers at a time, and a streamed step does not spill a local gradient only to fetch it again
-// for its copy. The overflow guard's checks of the local gradients go: the reduced gradients are
-// checked (a sum is not finite when one of its terms is not), so every rank decides alike.
+// The reductions appended after the whole backward (nodes from `appended_from` on) started where
+// backward makes their gradients final: each gradient's copy to the host right after the node that
+// makes it final, its bucket's collective after the bucket's last copy out (in the block's order,
+// so every rank issues the collectives alike). The copies back and the guard's checks of the sums
+// stay after the whole backward: a compute or copy node that waited there for a collective would
+// hold back every node after it on its in-order queue (the next layers' backward, the next
+// fetches). The memory plan follows the node order, so a local gradient is freed once sent (ZeRO
+// stage 2 keeps only its share) and a streamed step does not spill it to host memory only to fetch
+// it again for its copy; the host buffers of the sums are held from their sends to the end of
+// backward (the step's pinned host pool counts them). The overflow guard's checks of the local
+// gradients go: the sums are checked, and a sum is not finite when one of its terms is not.
 void place_reductions_after_their_gradients(Graph& g, NodeId appended_from) {
   const auto& t = g.tensors;
   constexpr NodeId none = ~NodeId{0};
@@ -142,17 +144,23 @@ void place_reductions_after_their_gradients(Graph& g, NodeId appended_from) {
     if (local_check(n)) continue;
     for (TensorId x : old.outputs(n)) last_writer[t.storage(x)] = n;
   }
-  // Each appended node goes after prefix node `anchor` (none: before the first), never before an
-  // appended node it followed.
+  // Each send and collective goes after prefix node `anchor` (none: before the first), never
+  // before one it followed.
   std::vector<std::vector<NodeId>> after(appended_from);
   std::vector<NodeId> first;
   NodeId anchor = none;
+  std::vector<NodeId> last;  // after the whole backward
   for (NodeId n = appended_from; n < old.size(); ++n) {
-    if (old.op[n] == ops::builtin::grad_send) {
+    const bool send = old.op[n] == ops::builtin::grad_send;
+    if (send) {
       const NodeId w = last_writer[t.storage(old.inputs(n)[0])];
       if (w != none && (anchor == none || w > anchor)) anchor = w;
     }
-    (anchor == none ? first : after[anchor]).push_back(n);
+    if (!send && old.lane[n] != Lane::comm) {
+      last.push_back(n);
+    } else {
+      (anchor == none ? first : after[anchor]).push_back(n);
+    }
   }
   for (NodeId n : first) g.nodes.add_copy(old, n);
   for (NodeId n = 0; n < appended_from; ++n) {
@@ -160,6 +168,7 @@ void place_reductions_after_their_gradients(Graph& g, NodeId appended_from) {
     g.nodes.add_copy(old, n);
     for (NodeId m : after[n]) g.nodes.add_copy(old, m);
   }
+  for (NodeId n : last) g.nodes.add_copy(old, n);
 }
 
 // The overflow guard summed over the ranks, after every reduction of the step: a guard that is
