@@ -441,6 +441,54 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
   g.nodes = std::move(out);
 }
 
+// ZeRO stages 1 and 2 with the updates on the host (and one copy of the state, changed in place):
+// the weights' all-gather works on their pinned host homes, where this rank's updates left its
+// shares, rather than on copies: no fetch of the updated weight for the copy of its share to the
+// host, no copy of the other ranks' shares to the device and no write-back of them. The next
+// step fetches the gathered weight from its home as it fetches every streamed weight.
+void gather_weights_in_host_homes(Graph& g) {
+  const auto& t = g.tensors;
+  const NodeTable old = g.nodes;
+  // Per host buffer of the gather: the weight its share comes from (share_send) and goes back to
+  // (others_receive), and those copies' nodes.
+  std::vector<TensorId> weight_of(t.size(), no_tensor);
+  std::vector<NodeId> sent_by(t.size(), never), received_by(t.size(), never);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] == builtin::share_send) {
+      weight_of[old.outputs(n)[0]] = old.inputs(n)[0];
+      sent_by[old.outputs(n)[0]] = n;
+    } else if (old.op[n] == builtin::others_receive) {
+      received_by[old.inputs(n)[0]] = n;
+    }
+  }
+  std::vector<char> dropped(old.size(), 0);
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] != builtin::weight_allgather) continue;
+    for (TensorId h : old.outputs(n)) {
+      const TensorId w = weight_of[h];
+      if (w == no_tensor || received_by[h] == never || t.home[t.storage(w)] != Home::host_pinned) continue;
+      dropped[sent_by[h]] = dropped[received_by[h]] = 1;
+    }
+  }
+  const auto home = [&](TensorId x) {
+    const TensorId w = weight_of[x];
+    return w != no_tensor && dropped[sent_by[x]] ? w : x;
+  };
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (dropped[n]) continue;
+    if (old.op[n] != builtin::weight_allgather) {
+      out.add_copy(old, n);
+      continue;
+    }
+    std::vector<TensorId> ins, outs;
+    for (TensorId x : old.inputs(n)) ins.push_back(home(x));
+    for (TensorId x : old.outputs(n)) outs.push_back(home(x));
+    out.add_copy(old, n, ins, outs, old.lane[n]);
+  }
+  g.nodes = std::move(out);
+}
+
 // Moves state updates that can run on the host (a row with a host version) and whose persistent
 // operands all stream from pinned host memory to the host lane, without their loss guard: a
 // Predict step advances streamed weights in host memory, so they are fetched for the forward and
@@ -735,6 +783,7 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
   place_updates_early(base, pinned_in_place);
   if (options.host_optimizer) {
     move_updates_to_host(base, pinned_in_place);
+    if (pinned_in_place) gather_weights_in_host_homes(base);
   } else if (pinned_in_place) {
     spill_gradients(base);
   }
