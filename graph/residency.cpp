@@ -235,15 +235,13 @@ struct TransferPlacement {
   std::vector<char> reads_next;
 };
 
-// The first host-lane node that writes each tensor (never: none).
-std::vector<NodeId> first_host_writes(const Graph& g) {
-  std::vector<NodeId> at(g.tensors.size(), never);
+// The host-lane nodes that write each tensor, in node order (an update, then ZeRO's gather in the
+// weight's host home).
+std::vector<std::vector<NodeId>> host_writes(const Graph& g) {
+  std::vector<std::vector<NodeId>> at(g.tensors.size());
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     if (!is_host_lane(g.nodes.lane[n])) continue;
-    for (TensorId x : g.nodes.outputs(n)) {
-      const TensorId s = g.tensors.storage(x);
-      at[s] = std::min(at[s], n);
-    }
+    for (TensorId x : g.nodes.outputs(n)) at[g.tensors.storage(x)].push_back(n);
   }
   return at;
 }
@@ -252,7 +250,7 @@ std::vector<NodeId> first_host_writes(const Graph& g) {
 // interval of the same tensor has ended. A fetch after a write-back of the same tensor in this
 // step (a predictor's fit reads a weight its update wrote), or after a host-lane node wrote it
 // (the host optimizer's update), reads the value written, the next copy
-// (FetchAttrs::after_write_back); it goes after that host node.
+// (FetchAttrs::after_write_back); it goes after the last such host node before the interval.
 TransferPlacement place_transfers(const Graph& base, const std::vector<Interval>& intervals,
                                   const std::vector<char>& spilled, std::uint32_t lookahead) {
   const std::size_t count = base.nodes.size();
@@ -262,7 +260,7 @@ TransferPlacement place_transfers(const Graph& base, const std::vector<Interval>
     compute_before[n + 1] = compute_before[n] + (base.nodes.lane[n] == Lane::compute ? 1 : 0);
     if (base.nodes.lane[n] == Lane::compute) compute_nodes.push_back(n);
   }
-  const std::vector<NodeId> host_written_at = first_host_writes(base);
+  const std::vector<std::vector<NodeId>> host_written = host_writes(base);
   std::vector<char> fetched_again(intervals.size(), 0), seen(base.tensors.size(), 0);
   for (std::size_t i = intervals.size(); i-- > 0;) {
     fetched_again[i] = seen[intervals[i].tensor];
@@ -279,8 +277,11 @@ TransferPlacement place_transfers(const Graph& base, const std::vector<Interval>
     if (lookahead > 0 && ahead > 0) pos = compute_nodes[ahead - std::min<NodeId>(lookahead, ahead)];
     pos = std::max<NodeId>(pos, 1);  // after the batch upload
     if (previous_end[iv.tensor] != never) pos = std::max<NodeId>(pos, previous_end[iv.tensor] + 1);
-    const bool after_host_write = host_written_at[iv.tensor] < iv.first;
-    if (after_host_write) pos = std::max<NodeId>(pos, host_written_at[iv.tensor] + 1);
+    // After the last host-lane write before the interval's first use.
+    const auto& writes = host_written[iv.tensor];
+    const auto later = std::lower_bound(writes.begin(), writes.end(), iv.first);
+    const bool after_host_write = later != writes.begin();
+    if (after_host_write) pos = std::max<NodeId>(pos, *std::prev(later) + 1);
     pos = std::min(pos, iv.first);
     // A spilled gradient has no value before the step writes it: its first copy is not fetched.
     const bool unwritten = spilled[iv.tensor] && previous_end[iv.tensor] == never;

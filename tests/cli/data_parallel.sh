@@ -93,6 +93,9 @@ HYBRID=(--model mlp --epochs 2 --train-limit 3072 --batch 128 --phases hybrid --
 LOSSES=(train_loss test_loss phase_steps.predict phase_steps.full predict_runs)
 same_run mlp_hybrid 2 "${HYBRID[@]}"
 same_run mlp_hybrid_zero1 3 "${HYBRID[@]}" --zero 1
+# ... and with the updates on the host, where ZeRO's gather works in the weights' homes: the fit
+# reads each weight fetched after the gather, not after its update alone.
+same_run mlp_hybrid_zero2_host 2 "${HYBRID[@]}" --zero 2 --residency stream --host-optimizer --optimizer adamw
 # fp16 loss scaling with accumulation: the ranks agree on every overflow (micro-batches included),
 # so the run goes on in step on every rank. Each rank scales its loss by its share of the batch, so
 # the narrow gradients are one rank's: without overflows the same run to fp16 rounding of the
