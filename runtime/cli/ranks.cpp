@@ -28,11 +28,28 @@ bool is_checkpoint(const std::string& path) {
 }
 
 // A ZeRO stage 1 or 2 checkpoint of N ranks is FILE and FILE.rank1 .. FILE.rank<N-1>: the files
-// there (one: a whole-state checkpoint).
+// there (one: a whole-state checkpoint). A gap in the ranks' files is an error naming it.
 std::vector<std::string> checkpoint_files(const std::string& path) {
   std::vector<std::string> files{path};
   while (std::filesystem::exists(shard_file(path, static_cast<int>(files.size())))) {
     files.push_back(shard_file(path, static_cast<int>(files.size())));
+  }
+  // Another rank's file beyond the first missing one: the checkpoint lost a file.
+  const std::filesystem::path p(path);
+  const std::string prefix = p.filename().string() + ".rank";
+  std::error_code ec;
+  const std::filesystem::path folder = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  for (const auto& entry : std::filesystem::directory_iterator(folder, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 6) continue;
+    if (std::stoul(digits) > files.size()) {
+      throw std::invalid_argument(fmt::format(
+          "cannot resume from '{}': '{}' is there but '{}' is not, so a rank's file of this checkpoint is missing; "
+          "restore it, or resume from a checkpoint whose files are all there",
+          path, entry.path().string(), shard_file(path, static_cast<int>(files.size()))));
+    }
   }
   return files;
 }

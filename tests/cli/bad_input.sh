@@ -156,6 +156,10 @@ head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
 row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
 row "checkpoint of another model" "its model is 'mlp-784-1024-1024-10'" error - \
   train --model cnn "${quick[@]}" --resume "$work/good.ckpt"
+cp "$work/good.ckpt" "$work/lost.ckpt"
+cp "$work/good.ckpt" "$work/lost.ckpt.rank2"
+row "ZeRO checkpoint missing a rank's file" "so a rank's file of this checkpoint is missing" error - \
+  train "${quick[@]}" --resume "$work/lost.ckpt"
 # GPT checkpoints: resumed on another text of the same alphabet, and past --steps.
 mkdir -p "$work/text" "$work/text2"
 for i in $(seq 1 40); do echo "the quick brown fox $i jumps over the lazy dog"; done >"$work/text/a"
