@@ -38,7 +38,7 @@ constexpr Lean leans[] = {Lean::resident,       Lean::mapped,
 // is not one (mapped on a discrete device, 8-bit state without Adam or asked for already, the host optimizer asked for
 // already).
 std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t split, Lean lean, bool narrow,
-                                       bool unified) {
+                                       bool unified, int zero_stage) {
   const bool adam = base.optimizer.kind != ops::OptimizerConfig::Kind::sgd;
   if (lean == Lean::mapped && !unified) return std::nullopt;
   const bool eight_bit =
@@ -55,6 +55,10 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
     o.precision.compute = ops::DType::bf16;
     o.precision.scaling = PrecisionConfig::Scaling::automatic;
     flags += " --precision bf16";
+  }
+  if (zero_stage != base.data_parallel.zero_stage) {
+    o.data_parallel.zero_stage = zero_stage;
+    flags += fmt::format(" --zero {}", zero_stage);
   }
   o.batch = base.batch / split;
   o.accumulate = base.accumulate * split;
@@ -129,21 +133,27 @@ namespace detail {
 ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
                                           const PlanRates& rates, bool host_unified_memory) {
   ConfigurationSearch out;
-  for (const std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
-    if (options.batch % split != 0 || (split > 1 && options.phases.hybrid)) continue;
-    const std::size_t first = out.tried.size();
-    for (const Lean lean : leans) {
-      for (const bool narrow : {false, true}) {
-        if (narrow && options.precision.compute != ops::DType::f32) continue;
-        std::optional<Configuration> c = candidate(options, split, lean, narrow, host_unified_memory);
-        if (!c) continue;
-        plan_candidate(runtime, model, rates, *c);
-        out.tried.push_back(std::move(*c));
-      }
-    }
+  // Data parallel: higher ZeRO stages only when nothing fits at the given one (what they save is
+  // device memory; the network time they cost is not predicted).
+  const auto& dp = options.data_parallel;
+  const int last_stage = dp.communicator && dp.communicator->size() > 1 ? 2 : dp.zero_stage;
+  for (int zero = dp.zero_stage; zero <= last_stage; ++zero) {
     // Smaller micro-batches only when nothing fits at this size: they run slower kernels.
-    out.chosen = fastest(out.tried, first);
-    if (out.chosen) break;
+    for (const std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
+      if (options.batch % split != 0 || (split > 1 && options.phases.hybrid)) continue;
+      const std::size_t first = out.tried.size();
+      for (const Lean lean : leans) {
+        for (const bool narrow : {false, true}) {
+          if (narrow && options.precision.compute != ops::DType::f32) continue;
+          std::optional<Configuration> c = candidate(options, split, lean, narrow, host_unified_memory, zero);
+          if (!c) continue;
+          plan_candidate(runtime, model, rates, *c);
+          out.tried.push_back(std::move(*c));
+        }
+      }
+      out.chosen = fastest(out.tried, first);
+      if (out.chosen) return out;
+    }
   }
   return out;
 }

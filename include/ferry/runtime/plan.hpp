@@ -200,10 +200,11 @@ struct ConfigurationSearch {
 // everything resident, mapped (unified-memory devices only), streamed, streamed with compressed
 // optimizer state, with the optimizer on the host, each as given and with bf16 layers, and with
 // 8-bit optimizer state (Adam; on the device, compressed, or on the host); with the batch split into micro-batches
-// (gradient accumulation, the same samples per update) only when nothing fits at the given batch. Among those that fit,
-// the fastest predicted (`rates`) that trains the same numbers, else the fastest predicted of the rest; within 2% of
-// the fastest, the leanest change. With no rates every prediction is 0, so the leanest change that fits is chosen.
-// Plans only: nothing is allocated.
+// (gradient accumulation, the same samples per update) only when nothing fits at the given batch, and over
+// data-parallel ranks with higher ZeRO stages only when nothing fits at the given stage. Among those that fit, the
+// fastest predicted (`rates`) that trains the same numbers, else the fastest predicted of the rest; within 2% of the
+// fastest, the leanest change. With no rates every prediction is 0, so the leanest change that fits is chosen. Plans
+// only: nothing is allocated.
 ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
                                           const PlanRates& rates);
 
