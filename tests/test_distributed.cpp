@@ -18,6 +18,7 @@
 
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
+#include "idle_ranks.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -488,28 +489,6 @@ TEST(DataParallel, AMicroBatchAnotherRankOverflowedIsDroppedOnEveryRank) {
   EXPECT_GT(changed, 0) << "the group's update changed no weight";
 }
 
-// Rank `rank` of `size`, for trainers that only set up and save or load checkpoints: the
-// construction's agreement is answered as if every rank agreed; nothing else is expected.
-class RankOf final : public ops::Communicator {
- public:
-  RankOf(int rank, int size) : rank_(rank), size_(size) {}
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  std::string name() const override { return "rank of"; }
-  void allreduce_sum(std::span<const std::span<float>>) override { throw std::logic_error("no step expected"); }
-  void allreduce_sum(std::span<double>) override { throw std::logic_error("no step expected"); }
-  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { throw std::logic_error("no step expected"); }
-  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no step expected"); }
-  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
-    return std::vector<std::uint64_t>(static_cast<std::size_t>(size_), value);
-  }
-  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<RankOf>(rank_, size_); }
-  [[noreturn]] void abort(int) const override { std::abort(); }
-
- private:
-  int rank_, size_;
-};
-
 // A first weight of 1600 x 16 elements, which ZeRO cuts into runs of 2048 over two or three ranks;
 // the others small enough to belong whole to one rank each.
 ModelSpec wide_mlp() {
@@ -524,7 +503,8 @@ std::unique_ptr<Trainer> zero_trainer(Runtime& rt, int rank, int ranks, int stag
   o.batch = 12 / static_cast<std::uint32_t>(ranks);  // of a global batch of 12
   o.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
   if (ranks > 1) {
-    o.data_parallel = {.communicator = std::make_shared<RankOf>(rank, ranks), .global_batch = 12, .zero_stage = stage};
+    o.data_parallel = {
+        .communicator = std::make_shared<IdleRanks>(rank, ranks), .global_batch = 12, .zero_stage = stage};
   }
   return std::make_unique<Trainer>(rt, wide_mlp(), o);
 }

@@ -12,6 +12,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/plan.hpp"
+#include "idle_ranks.hpp"
 #include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
@@ -151,22 +152,6 @@ TEST(Plan, PlannerAgreesWithTheTrainerAccumulatedCompressedState) {
   expect_plan_matches_trainer(rt, small_residual(), o);
 }
 
-// Rank 0 of four, for planning and for a trainer that is only built: the construction's agreement
-// is answered as if every rank agreed; no collective is expected.
-class RankZeroOfFour final : public ops::Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 4; }
-  std::string name() const override { return "rank 0 of 4"; }
-  void allreduce_sum(std::span<const std::span<float>>) override { throw std::logic_error("no step expected"); }
-  void allreduce_sum(std::span<double>) override { throw std::logic_error("no step expected"); }
-  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { throw std::logic_error("no step expected"); }
-  void allgather(std::span<ops::GatherBuffer>) override { throw std::logic_error("no step expected"); }
-  std::vector<std::uint64_t> allgather(std::uint64_t value) override { return std::vector<std::uint64_t>(4, value); }
-  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<RankZeroOfFour>(); }
-  [[noreturn]] void abort(int) const override { std::abort(); }
-};
-
 // `ferry plan --ranks 4 --zero S`: rank 0's step as its trainer builds it, its shares of the
 // state, and the bytes its collectives take in and move across the link: the gradients (summed,
 // or reduce-scattered with the guard's word), the weights gathered at stages 1 and 2 (this rank's
@@ -179,7 +164,7 @@ TEST(Plan, PlannerAgreesWithTheTrainerDataParallel) {
       TrainerOptions o;
       o.batch = 4;
       o.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
-      o.data_parallel = {.communicator = std::make_shared<RankZeroOfFour>(), .global_batch = 16, .zero_stage = stage};
+      o.data_parallel = {.communicator = std::make_shared<IdleRanks>(0, 4), .global_batch = 16, .zero_stage = stage};
       if (streamed) {
         o.residency.mode = graph::ResidencyMode::stream;
         o.residency.host_optimizer = true;
