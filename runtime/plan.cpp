@@ -108,13 +108,18 @@ namespace {
 
 // A data-parallel node's bytes (graph/passes/data_parallel.cpp): a collective's host buffers but
 // the chain's order word, or a copy's across the link (a weight's share alone for ZeRO's gather).
-void count_collective(const graph::Graph& g, graph::NodeId n, PhasePlan& p) {
+void count_collective(const graph::Graph& g, graph::NodeId n, int ranks, PhasePlan& p) {
   const auto& t = g.tensors;
   const ops::OpId op = g.nodes.op[n];
   if (g.nodes.lane[n] == ops::Lane::comm) {
+    std::uint64_t bytes = 0;
     for (TensorId x : g.nodes.inputs(n)) {
-      if (t.name[x] != "collective.order") p.collective_bytes += t.bytes(x);
+      if (t.name[x] != "collective.order") bytes += t.bytes(x);
     }
+    p.collective_bytes += bytes;
+    const double others = ranks > 1 ? static_cast<double>(ranks - 1) / ranks : 0.0;
+    p.network_bytes += static_cast<std::uint64_t>(static_cast<double>(bytes) * others *
+                                                  (op == ops::builtin::grad_allreduce ? 2.0 : 1.0));
     return;
   }
   const TensorId whole = g.nodes.lane[n] == ops::Lane::d2h ? g.nodes.inputs(n)[0] : g.nodes.outputs(n)[0];
@@ -132,7 +137,7 @@ void count_collective(const graph::Graph& g, graph::NodeId n, PhasePlan& p) {
 // device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
 // the same cores, so their times add up instead of overlapping.
 void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates, bool shares_host_cores,
-                PhasePlan& p) {
+                int ranks, PhasePlan& p) {
   p.nodes = g.nodes.size();
   p.host_step_bytes = planned.memory.host_transient_bytes;
   p.pinned_staging_bytes = planned.memory.host_staging_bytes;
@@ -165,7 +170,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       continue;
     }
     if (row.op_class == ops::OpClass::communication) {
-      count_collective(g, n, p);
+      count_collective(g, n, ranks, p);
       continue;
     }
     if (row.op_class == ops::OpClass::state_transfer || graph::is_host_lane(g.nodes.lane[n])) continue;
@@ -204,12 +209,14 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.host_update_ms = ms(static_cast<double>(p.host_update_bytes - p.host_update_8bit_bytes), rates.host_gbps * 1e6) +
                      ms(static_cast<double>(p.host_update_8bit_bytes), host_8bit_gbps * 1e6);
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
+  p.network_ms = ms(static_cast<double>(p.network_bytes), rates.network_gbps * 1e6);
   p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
   p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
   const double updates_after_forward_ms = p.host_update_bytes ? p.forward_ms + p.host_update_ms : 0.0;
-  p.predicted_step_ms = shares_host_cores ? p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms
-                                          : std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms,
-                                                      updates_after_forward_ms, p.launch_ms});
+  p.predicted_step_ms = shares_host_cores
+                            ? p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms + p.network_ms
+                            : std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms,
+                                        updates_after_forward_ms, p.launch_ms, p.network_ms});
 }
 
 // plan_training for validated options with the recomputation fixed.
@@ -227,6 +234,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
 
   // The training step: it places the persistent tensors every other variant shares.
   const graph::VariantKey train_key = detail::training_key(options);
+  const int ranks = static_cast<int>(train_key.ranks);
   graph::Graph training = build(train_key);
   const graph::StepPlan train_plan = graph::plan_step(training, runtime.env(), runtime.device(), nullptr, residency);
   out.mode = train_plan.residency.mode;
@@ -236,7 +244,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = options.phases.hybrid ? "warmup/full/correct" : "full";
     p.device = device_breakdown(training, train_plan.memory, training, persistent_device);
-    count_step(training, train_plan, rates, runtime.device().is_cpu(), p);
+    count_step(training, train_plan, rates, runtime.device().is_cpu(), ranks, p);
     out.phases.push_back(std::move(p));
   }
   const auto arena = graph::planned_arena(training, train_plan.memory, train_plan.residency.mode);
@@ -246,7 +254,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = v.phase;
     p.device = device_breakdown(g, planned.memory, training, persistent_device);
-    count_step(g, planned, rates, runtime.device().is_cpu(), p);
+    count_step(g, planned, rates, runtime.device().is_cpu(), ranks, p);
     out.phases.push_back(std::move(p));
   }
 

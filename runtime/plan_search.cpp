@@ -134,7 +134,7 @@ ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& mod
                                           const PlanRates& rates, bool host_unified_memory) {
   ConfigurationSearch out;
   // Data parallel: higher ZeRO stages only when nothing fits at the given one (what they save is
-  // device memory; the network time they cost is not predicted).
+  // device memory; what they cost is network time, which a plan predicts only when given a rate).
   const auto& dp = options.data_parallel;
   const int last_stage = dp.communicator && dp.communicator->size() > 1 ? 2 : dp.zero_stage;
   for (int zero = dp.zero_stage; zero <= last_stage; ++zero) {

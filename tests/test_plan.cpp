@@ -183,6 +183,16 @@ TEST(Plan, PlannerAgreesWithTheTrainerDataParallel) {
       // the weights' host homes (the host optimizer's); the guard's word up and down at stage 2.
       const std::uint64_t gathered_copies = stage > 0 && !streamed ? weights : 0;
       EXPECT_EQ(step.collective_link_bytes, reduced + received_gradients + gathered_copies + (stage == 2 ? 8 : 0));
+      // What rank 0 of 4 sends as ring collectives do: 2 x 3/4 of an all-reduce, 3/4 of a
+      // reduce-scatter or an all-gather (the guard's float agreed at stage 2), at --network-gbps.
+      const double sent = stage == 0   ? 1.5 * static_cast<double>(reduced)
+                          : stage == 1 ? 1.5 * static_cast<double>(reduced) + 0.75 * static_cast<double>(weights)
+                                       : 0.75 * static_cast<double>(reduced + weights) + 1.5 * 4;
+      EXPECT_NEAR(static_cast<double>(step.network_bytes), sent, 4.0);
+      EXPECT_EQ(step.network_ms, 0.0) << "no network rate, no network time";
+      const PhasePlan timed = plan_training(rt, small_residual(), o, PlanRates{.network_gbps = 0.001}).phases.front();
+      EXPECT_DOUBLE_EQ(timed.network_ms, static_cast<double>(step.network_bytes) / 1e3);
+      EXPECT_GE(timed.predicted_step_ms, timed.network_ms);
       TrainerOptions alone = o;
       alone.data_parallel = {};
       alone.batch = 16;

@@ -53,7 +53,7 @@ struct RateSpec {
   const char* help;
   bool on_host;  // measured on this machine's cores, not on the device
   double ferry::PlanRates::*rate;
-  double (*measure)(ferry::Runtime&, const ferry::TrainerOptions&);
+  double (*measure)(ferry::Runtime&, const ferry::TrainerOptions&);  // null: not measured here
 };
 constexpr RateSpec rate_specs[] = {
     {"link_gbps", "link {:.2f} GB/s", "--link-gbps", "Host-device copy rate in GB/s", false,
@@ -84,6 +84,10 @@ constexpr RateSpec rate_specs[] = {
      "The compressed home's codec rate: uncompressed bytes packed and unpacked, GB/s", true,
      &ferry::PlanRates::codec_gbps,
      [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_codec_gbps(); }},
+    {"network_gbps", "network {:.2f} GB/s", "--network-gbps",
+     "With --ranks: what a rank sends over the network per second, GB/s (not measured: without it the network's time "
+     "is left out of the prediction)",
+     true, &ferry::PlanRates::network_gbps, nullptr},
 };
 constexpr std::size_t rate_count = std::size(rate_specs);
 
@@ -112,7 +116,7 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
     const RateSpec& spec = rate_specs[i];
     const double given = a.plan_rates.*spec.rate;
     r.rate_given[i] = given > 0;
-    r.rates.*spec.rate = r.rate_given[i] ? given : spec.measure(runtime, base);
+    r.rates.*spec.rate = r.rate_given[i] ? given : spec.measure ? spec.measure(runtime, base) : 0.0;
   }
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
@@ -139,8 +143,9 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   return r;
 }
 
-const char* rate_source(bool given) {
-  return given ? "given" : "measured";
+// Given on the command line, measured here, or neither (a rate nothing here can measure).
+const char* rate_source(bool given, const RateSpec& spec) {
+  return given ? "given" : spec.measure ? "measured" : "not given";
 }
 
 // The JSON fields of the plan as configured: the totals, and each phase's bytes.
@@ -158,6 +163,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
       b["codec_bytes"] = ph.codec_bytes;
       b["collective_bytes"] = ph.collective_bytes;
       b["collective_link_bytes"] = ph.collective_link_bytes;
+      b["network_bytes"] = ph.network_bytes;
       b["predicted_step_ms"] = ph.predicted_step_ms;
       phases[ph.name] = b;
     }
@@ -188,6 +194,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["codec_ms"] = t.codec_ms;
     j["collective_bytes"] = t.collective_bytes;
     j["collective_link_bytes"] = t.collective_link_bytes;
+    j["network_bytes"] = t.network_bytes;
+    j["network_ms"] = t.network_ms;
     j["predicted_step_ms"] = p->predicted_step_ms;
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
@@ -217,6 +225,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "codec_ms",
                           "collective_bytes",
                           "collective_link_bytes",
+                          "network_bytes",
+                          "network_ms",
                           "predicted_step_ms"}) {
       j[k] = nullptr;
     }
@@ -274,7 +284,7 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"candidates", candidates_json(r.search)}};
   for (std::size_t i = 0; i < rate_count; ++i) {
     j[rate_specs[i].key] = r.rates.*rate_specs[i].rate;
-    j[std::string(rate_specs[i].key) + "_source"] = rate_source(r.rate_given[i]);
+    j[std::string(rate_specs[i].key) + "_source"] = rate_source(r.rate_given[i], rate_specs[i]);
   }
   add_configured_fields(j, r.configured);
   std::cout << j.dump() << std::endl;
@@ -358,7 +368,7 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
   for (std::size_t i = 0; i < rate_count; ++i) {
     rates += fmt::format(
         "{}{} ({})", i ? ", " : "rates: ", fmt::format(fmt::runtime(rate_specs[i].label), r.rates.*rate_specs[i].rate),
-        rate_source(r.rate_given[i]));
+        rate_source(r.rate_given[i], rate_specs[i]));
   }
   std::cout << rates << "\n";
   if (a.plan_ranks > 1) {
@@ -369,9 +379,11 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
     if (const auto& p = r.configured.plan) {
       const auto& t = p->phases.front();
       std::cout << fmt::format(
-          "; per step its collectives take in {} (network time not predicted) and {} cross the "
-          "link around them",
-          ferry::format_bytes(t.collective_bytes), ferry::format_bytes(t.collective_link_bytes));
+          "; per step its collectives take in {} and send {} over the network ({}), and {} cross the link around them",
+          ferry::format_bytes(t.collective_bytes), ferry::format_bytes(t.network_bytes),
+          r.rates.network_gbps > 0 ? fmt::format("{:.1f} ms", t.network_ms)
+                                   : std::string("its time not predicted without --network-gbps"),
+          ferry::format_bytes(t.collective_link_bytes));
     }
     std::cout << "\n";
   }
@@ -388,9 +400,10 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
 
 void add_rate_options(CLI::App* plan, TrainArgs& t) {
   for (const RateSpec& r : rate_specs) {
-    plan->add_option(r.flag, t.plan_rates.*r.rate,
-                     fmt::format("{} (for the step-time prediction; default: measured on {})", r.help,
-                                 r.on_host ? "this machine's cores" : "the device"))
+    const std::string measured =
+        r.measure ? fmt::format("; default: measured on {}", r.on_host ? "this machine's cores" : "the device")
+                  : std::string();
+    plan->add_option(r.flag, t.plan_rates.*r.rate, fmt::format("{} (for the step-time prediction{})", r.help, measured))
         ->check(positive_number());
   }
 }

@@ -53,6 +53,9 @@ struct PlanRates {
   // cannot run faster than the host issues it) and, on a CPU device, the kernel's start on the
   // same cores.
   double launch_us = 0;
+  // Data parallel: what a rank sends over the network per second, GB/s. Not measured (a plan runs
+  // no rank): 0 leaves the network's time out of the prediction.
+  double network_gbps = 0;
 };
 
 // The rates measured on the runtime's device, quickly (well under a second each on a CPU device,
@@ -106,6 +109,12 @@ struct PhasePlan {
   // on the collective's algorithm and is not predicted), and the copies to and from pinned host
   // memory around them, which cross the link (in transfer_ms).
   std::uint64_t collective_bytes = 0, collective_link_bytes = 0;
+  // What this rank sends over the network a step, as ring collectives do: 2 (N - 1) / N of an
+  // all-reduce's bytes, (N - 1) / N of a reduce-scatter's or an all-gather's; its time at
+  // PlanRates::network_gbps (network_ms, 0 without that rate), which overlaps compute like the
+  // link's on a GPU and adds to it on a CPU device.
+  std::uint64_t network_bytes = 0;
+  double network_ms = 0;
   std::size_t nodes = 0;
   std::size_t launches = 0;  // the device's compute nodes (a node of several kernels counts once)
   // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
