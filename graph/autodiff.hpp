@@ -91,6 +91,9 @@ void apply_mixed_precision(Graph& g, DType narrow);
 // the step's commit point: nodes that change state homed on the device in place come after it,
 // and graph::CompiledStep enqueues them only once everything before it has succeeded.
 inline constexpr std::string_view overflow_guard_name = "overflow_guard";
+// The one-element host tensor that chains a data-parallel step's collectives (every rank issues
+// them in the same order; graph/passes/data_parallel.cpp).
+inline constexpr std::string_view collective_order_name = "collective.order";
 // The weights with gradients, in the order the nodes that last write their gradients come (the
 // order backward finishes them): the guard's checks and the data-parallel buckets follow it.
 std::vector<TensorId> weights_in_gradient_order(const Graph& g);

@@ -236,14 +236,23 @@ struct TransferPlacement {
 };
 
 // The host-lane nodes that write each tensor, in node order (an update, then ZeRO's gather in the
-// weight's host home).
-std::vector<std::vector<NodeId>> host_writes(const Graph& g) {
-  std::vector<std::vector<NodeId>> at(g.tensors.size());
+// weight's host home): `writers[i]` for the items of each tensor's list.
+struct HostWrites {
+  KeyedLists by_tensor;
+  std::vector<NodeId> writers;
+};
+HostWrites host_writes(const Graph& g) {
+  HostWrites w;
+  std::vector<std::size_t> tensor_of;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
     if (!is_host_lane(g.nodes.lane[n])) continue;
-    for (TensorId x : g.nodes.outputs(n)) at[g.tensors.storage(x)].push_back(n);
+    for (TensorId x : g.nodes.outputs(n)) {
+      w.writers.push_back(n);
+      tensor_of.push_back(g.tensors.storage(x));
+    }
   }
-  return at;
+  w.by_tensor = group_by_key(tensor_of, g.tensors.size());
+  return w;
 }
 
 // A fetch goes `lookahead` compute nodes before the interval's first use, but after the previous
@@ -260,7 +269,7 @@ TransferPlacement place_transfers(const Graph& base, const std::vector<Interval>
     compute_before[n + 1] = compute_before[n] + (base.nodes.lane[n] == Lane::compute ? 1 : 0);
     if (base.nodes.lane[n] == Lane::compute) compute_nodes.push_back(n);
   }
-  const std::vector<std::vector<NodeId>> host_written = host_writes(base);
+  const HostWrites host_written = host_writes(base);
   std::vector<char> fetched_again(intervals.size(), 0), seen(base.tensors.size(), 0);
   for (std::size_t i = intervals.size(); i-- > 0;) {
     fetched_again[i] = seen[intervals[i].tensor];
@@ -278,10 +287,11 @@ TransferPlacement place_transfers(const Graph& base, const std::vector<Interval>
     pos = std::max<NodeId>(pos, 1);  // after the batch upload
     if (previous_end[iv.tensor] != never) pos = std::max<NodeId>(pos, previous_end[iv.tensor] + 1);
     // After the last host-lane write before the interval's first use.
-    const auto& writes = host_written[iv.tensor];
-    const auto later = std::lower_bound(writes.begin(), writes.end(), iv.first);
+    const auto writes = host_written.by_tensor.of(iv.tensor);
+    const auto later = std::lower_bound(writes.begin(), writes.end(), iv.first,
+                                        [&](std::size_t i, NodeId first) { return host_written.writers[i] < first; });
     const bool after_host_write = later != writes.begin();
-    if (after_host_write) pos = std::max<NodeId>(pos, *std::prev(later) + 1);
+    if (after_host_write) pos = std::max<NodeId>(pos, host_written.writers[*std::prev(later)] + 1);
     pos = std::min(pos, iv.first);
     // A spilled gradient has no value before the step writes it: its first copy is not fetched.
     const bool unwritten = spilled[iv.tensor] && previous_end[iv.tensor] == never;
@@ -449,6 +459,7 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
 // step fetches the gathered weight from its home as it fetches every streamed weight.
 void gather_weights_in_host_homes(Graph& g) {
   const auto& t = g.tensors;
+  if (std::find(g.nodes.op.begin(), g.nodes.op.end(), builtin::weight_allgather) == g.nodes.op.end()) return;
   const NodeTable old = g.nodes;
   // Per host buffer of the gather: the weight its share comes from (share_send) and goes back to
   // (others_receive), and those copies' nodes.

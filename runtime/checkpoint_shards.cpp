@@ -96,6 +96,10 @@ ReshardedState::ReshardedState(const graph::Graph& training, const graph::Varian
   written.ranks = static_cast<std::uint32_t>(n);
   written.zero_stage = n > 1 ? 1 : 0;
   const std::vector<graph::ZeroShare> my_shares = graph::zero_shares(training, mine);
+  std::map<std::string, graph::TensorId> states;  // this trainer's optimizer state by name
+  for (graph::TensorId x = 0; x < t.size(); ++x) {
+    if (t.role[x] == graph::Role::optimizer_state) states[t.name[x]] = x;
+  }
   for (std::size_t ordinal = 0; ordinal < my_shares.size(); ++ordinal) {
     const graph::TensorId w = my_shares[ordinal].weight;
     const ops::ShardRange my = my_shares[ordinal].range;
@@ -105,11 +109,9 @@ ReshardedState::ReshardedState(const graph::Graph& training, const graph::Varian
     for (std::size_t d = 0; d < decls.size(); ++d) {
       if (decls[d].is_gradient) continue;
       const std::string name = t.name[w] + decls[d].suffix;
-      graph::TensorId id = graph::no_tensor;
-      for (graph::TensorId x = 0; x < t.size(); ++x) {
-        if (t.name[x] == name && t.role[x] == graph::Role::optimizer_state) id = x;
-      }
-      if (id == graph::no_tensor) throw std::logic_error(fmt::format("no optimizer state tensor '{}'", name));
+      const auto it = states.find(name);
+      if (it == states.end()) throw std::logic_error(fmt::format("no optimizer state tensor '{}'", name));
+      const graph::TensorId id = it->second;
       const Layout layout = layout_of(row, optimizer, d, graph::zero_sharding(written, optimizer).granule);
       Source& s = sources_[id];
       s.rows = layout.rows;

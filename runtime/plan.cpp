@@ -15,6 +15,7 @@
 #include "ferry/offload/chunk_codec.hpp"
 #include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/units.hpp"
+#include "graph/autodiff.hpp"
 #include "graph/node_view.hpp"
 #include "graph/step_plan.hpp"
 #include "ops/attrs.hpp"
@@ -114,7 +115,7 @@ void count_collective(const graph::Graph& g, graph::NodeId n, int ranks, PhasePl
   if (g.nodes.lane[n] == ops::Lane::comm) {
     std::uint64_t bytes = 0;
     for (TensorId x : g.nodes.inputs(n)) {
-      if (t.name[x] != "collective.order") bytes += t.bytes(x);
+      if (t.name[x] != graph::collective_order_name) bytes += t.bytes(x);
     }
     p.collective_bytes += bytes;
     const double others = ranks > 1 ? static_cast<double>(ranks - 1) / ranks : 0.0;

@@ -444,7 +444,7 @@ StepHandle Trainer::submit(const Batch& batch) {
   // Each rank's loss is the mean over its share of the global batch, so its gradients are 1/share
   // times the global batch's (the all-reduce scales them back): scaled by the share too, the narrow
   // gradients have the magnitudes of one rank's run, which then overflows where this one does.
-  info.loss_scale = scaler_.scale() * (ranks_ ? detail::training_key(options_).rank_share : 1.0f);
+  info.loss_scale = scaler_.scale() * compiled_->train_key.rank_share;
   info.communicator = ranks_.get();
   p.loss_scale = scaler_.scale();
   p.submitted = std::chrono::steady_clock::now();

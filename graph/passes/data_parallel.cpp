@@ -25,13 +25,12 @@ namespace {
 
 // The one-element host tensor that chains a step's collectives (see the file comment), and
 // whether a collective node already writes it (the next one reads it).
-constexpr const char* order_name = "collective.order";
 std::pair<TensorId, bool> collective_order(Graph& g) {
   auto& t = g.tensors;
   for (TensorId x = 0; x < t.size(); ++x) {
-    if (t.name[x] == order_name) return {x, true};
+    if (t.name[x] == collective_order_name) return {x, true};
   }
-  const TensorId order = t.add(order_name, Shape{1}, DType::f32, Role::gradient);
+  const TensorId order = t.add(std::string(collective_order_name), Shape{1}, DType::f32, Role::gradient);
   t.home[order] = Home::host_pinned;
   return {order, false};
 }
@@ -108,6 +107,21 @@ void receive(Graph& g, ops::OpId op, const char* suffix, TensorId host, TensorId
               Lane::h2d);
 }
 
+void check_received(Graph& g, TensorId x, const char* suffix);
+
+// Weight w's reduced gradient back on the device from `host`, into a tensor "<gradient><ending>"
+// shaped like `host` that becomes the weight's gradient (the local one dies once it is sent), and
+// the overflow guard's check of it.
+void receive_gradient(Graph& g, TensorId w, TensorId host, const char* ending, const char* suffix) {
+  auto& t = g.tensors;
+  const TensorId local = t.grad[w];
+  const TensorId back = t.add(t.name[local] + ending, t.shape[host], DType::f32, Role::gradient);
+  g.nodes.add(ops::builtin::grad_receive, fmt::format("receive.{}@{}", t.name[local], suffix), std::span(&host, 1),
+              std::span(&back, 1), {}, Lane::h2d);
+  check_received(g, back, suffix);
+  t.grad[w] = back;
+}
+
 // The overflow guard's check of a tensor the collective brought back.
 void check_received(Graph& g, TensorId x, const char* suffix) {
   if (g.guard == no_tensor) return;
@@ -144,25 +158,20 @@ void place_reductions_after_their_gradients(Graph& g, NodeId appended_from) {
     if (local_check(n)) continue;
     for (TensorId x : old.outputs(n)) last_writer[t.storage(x)] = n;
   }
-  // Each send and collective goes after prefix node `anchor` (none: before the first), never
-  // before one it followed.
+  // Each send and collective goes after prefix node `anchor`, never before one it followed (a
+  // gradient no prefix node writes, which backward always does, would keep its place at the end).
+  if (appended_from == 0) throw std::logic_error("data-parallel reductions with no backward before them");
   std::vector<std::vector<NodeId>> after(appended_from);
-  std::vector<NodeId> first;
-  NodeId anchor = none;
+  NodeId anchor = 0;
   std::vector<NodeId> last;  // after the whole backward
   for (NodeId n = appended_from; n < old.size(); ++n) {
     const bool send = old.op[n] == ops::builtin::grad_send;
     if (send) {
       const NodeId w = last_writer[t.storage(old.inputs(n)[0])];
-      if (w != none && (anchor == none || w > anchor)) anchor = w;
+      anchor = std::max(anchor, w == none ? appended_from - 1 : w);
     }
-    if (!send && old.lane[n] != Lane::comm) {
-      last.push_back(n);
-    } else {
-      (anchor == none ? first : after[anchor]).push_back(n);
-    }
+    (send || old.lane[n] == Lane::comm ? after[anchor] : last).push_back(n);
   }
-  for (NodeId n : first) g.nodes.add_copy(old, n);
   for (NodeId n = 0; n < appended_from; ++n) {
     if (local_check(n)) continue;
     g.nodes.add_copy(old, n);
@@ -234,7 +243,6 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
   std::vector<TensorId> grads;
   for (TensorId w : weights) grads.push_back(t.grad[w]);
   const NodeId appended_from = static_cast<NodeId>(g.nodes.size());
-  const ops::OpId back = ops::builtin::grad_receive;
   Collective c{ops::builtin::grad_reduce_scatter, "reduce", ops::builtin::grad_send,
                [&](std::size_t k) {
                  return ops::CollectiveAttrs{.share = share,
@@ -244,14 +252,7 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
                },
                // This rank's share of the sum comes back into a device tensor "<g>.shard" the update reads.
                [&](std::size_t i, TensorId, TensorId host_shard) {
-                 if (host_shard == no_tensor) return;  // another rank's alone
-                 const TensorId w = weights[i];
-                 const TensorId s =
-                     t.add(t.name[t.grad[w]] + ".shard", t.shape[host_shard], DType::f32, Role::gradient);
-                 g.nodes.add(back, fmt::format("receive.{}@reduce", t.name[t.grad[w]]), std::span(&host_shard, 1),
-                             std::span(&s, 1), {}, Lane::h2d);
-                 check_received(g, s, "reduce");
-                 t.grad[w] = s;
+                 if (host_shard != no_tensor) receive_gradient(g, weights[i], host_shard, ".shard", "reduce");
                }};
   c.extra_output = [&](std::size_t i) {
     const TensorId w = weights[i];
@@ -277,17 +278,11 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
   const NodeId appended_from = static_cast<NodeId>(g.nodes.size());
   // The sum comes back into a tensor "<g>.sum" of its own, the weight's gradient from then on, so
   // the local gradient dies once it is sent.
-  append_collective(g, grads, buckets_of(t, grads, bucket_bytes),
-                    {ops::builtin::grad_allreduce, "allreduce", ops::builtin::grad_send,
-                     [share](std::size_t) { return ops::CollectiveAttrs{.share = share}; },
-                     [&](std::size_t i, TensorId host, TensorId) {
-                       const TensorId sum =
-                           t.add(t.name[grads[i]] + ".sum", t.shape[grads[i]], DType::f32, Role::gradient);
-                       g.nodes.add(ops::builtin::grad_receive, fmt::format("receive.{}@allreduce", t.name[grads[i]]),
-                                   std::span(&host, 1), std::span(&sum, 1), {}, Lane::h2d);
-                       check_received(g, sum, "allreduce");
-                       t.grad[weights[i]] = sum;
-                     }});
+  append_collective(
+      g, grads, buckets_of(t, grads, bucket_bytes),
+      {ops::builtin::grad_allreduce, "allreduce", ops::builtin::grad_send,
+       [share](std::size_t) { return ops::CollectiveAttrs{.share = share}; },
+       [&](std::size_t i, TensorId host, TensorId) { receive_gradient(g, weights[i], host, ".sum", "allreduce"); }});
   place_reductions_after_their_gradients(g, appended_from);
 }
 

@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -116,6 +117,8 @@ struct TrainArgs {
 // set's files, the text folder), never another output's path; --trace-steps is at least 1. Throws
 // std::invalid_argument naming the flag, the path and why; writes nothing (a probe file is removed).
 void check_outputs(const TrainArgs& a);
+// The first `n` bytes of a file (fewer if it is shorter; none if it cannot be read).
+std::string head_of(const std::filesystem::path& p, std::size_t n);
 // Before any work: a split's images have the size `model` takes and its labels lie in its
 // classes. Throws std::invalid_argument naming the split, the folder and both sizes.
 void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, const char* split,

@@ -36,15 +36,6 @@ std::invalid_argument refuse(const Output& o, const std::string& why) {
       fmt::format("{} {}: {} (checked before training, so nothing is lost)", o.flag, o.path, why));
 }
 
-// The first bytes of a file, printable, for a message.
-std::string head_of(const fs::path& p, std::size_t n) {
-  std::ifstream in(p, std::ios::binary);
-  std::string s(n, '\0');
-  in.read(s.data(), static_cast<std::streamsize>(n));
-  s.resize(static_cast<std::size_t>(in.gcount()));
-  return s;
-}
-
 std::string printable(std::string s) {
   for (char& c : s) {
     if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '.';
@@ -115,6 +106,14 @@ void check_one(const Output& o, bool force) {
 }
 
 }  // namespace
+
+std::string head_of(const std::filesystem::path& p, std::size_t n) {
+  std::ifstream in(p, std::ios::binary);
+  std::string s(n, '\0');
+  in.read(s.data(), static_cast<std::streamsize>(n));
+  s.resize(static_cast<std::size_t>(in.gcount()));
+  return s;
+}
 
 void check_outputs(const TrainArgs& a) {
   if (a.trace_steps == 0) {

@@ -3,11 +3,10 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iostream>
+#include <string_view>
 
 #include "cli.hpp"
 
@@ -18,13 +17,6 @@ namespace {
 // Rank r > 0's file of a checkpoint at `path` written at ZeRO stage 1 or 2.
 std::string shard_file(const std::string& path, int rank) {
   return fmt::format("{}.rank{}", path, rank);
-}
-
-// The file begins as a ferry checkpoint does.
-bool is_checkpoint(const std::string& path) {
-  char head[8] = {};
-  std::ifstream in(path, std::ios::binary);
-  return in.read(head, sizeof head) && std::memcmp(head, ferry::checkpoint_magic, sizeof head) == 0;
 }
 
 // A ZeRO stage 1 or 2 checkpoint of N ranks is FILE and FILE.rank1 .. FILE.rank<N-1>: the files
@@ -93,7 +85,7 @@ void remove_stale_shards(const TrainArgs& a) {
     const std::string stale = shard_file(a.checkpoint_path, k);
     std::error_code ec;
     if (!std::filesystem::is_regular_file(stale, ec)) return;
-    if (!is_checkpoint(stale)) return;  // not ferry's: left alone
+    if (head_of(stale, 8) != std::string_view(ferry::checkpoint_magic, 8)) return;  // not ferry's: left alone
     std::filesystem::remove(stale, ec);
     if (ec) {
       std::cerr << fmt::format(
