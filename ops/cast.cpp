@@ -115,20 +115,45 @@ KernelLaunch quant_elements_launch(cl::Kernel k, QuantLayout l) {
   return launch;
 }
 
+// The scales' launch. CPU devices: a work-item per channel (quantize_i8_scales). GPUs, and any
+// device under FERRY_ROW_GROUP_SIZE (tests): work-groups whose lanes split each channel
+// (quantize_i8_scales_lanes), 16 channels by 16 lanes where channels are columns (inner == 1),
+// else a channel by as many lanes as its runs need, up to 256.
+KernelLaunch quant_scales_launch(OpEnv& env, DeviceSpan x, DeviceSpan scales, QuantLayout l) {
+  const bool lanes = !env.device().is_cpu() || row_group_forced();
+  cl::Kernel k = env.kernels.kernel("cast", lanes ? "quantize_i8_scales_lanes" : "quantize_i8_scales");
+  cl::set_args(k.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4), static_cast<cl_uint>(l.outer),
+               static_cast<cl_uint>(l.channels), static_cast<cl_uint>(l.inner));
+  if (!lanes) return elementwise_launch(std::move(k), l.channels);
+  std::size_t tc = 1, tr = 0;
+  if (l.inner == 1) {
+    const std::size_t limit = kernel_group_limit(k, env.device());
+    tc = std::min<std::size_t>(16, limit);
+    tr = 1;
+    while (tr * 2 * tc <= limit && tr < 16) tr *= 2;
+  } else {
+    tr = row_group_size(k, env.device(), l.inner);
+  }
+  FERRY_CL(clSetKernelArg(k.get(), 7, tc * tr * sizeof(cl_uint), nullptr));
+  KernelLaunch launch;
+  launch.kernel = std::move(k);
+  launch.dims = 2;
+  launch.global = {round_up(l.channels, tc), tr, 1};
+  launch.local = {tc, tr, 1};
+  return launch;
+}
+
 }  // namespace
 
 LaunchList quantize_i8(OpEnv& env, DeviceSpan x, DeviceSpan q, DeviceSpan scales, QuantLayout layout) {
   check_layout("quantize_i8", layout);
-  cl::Kernel ks = env.kernels.kernel("cast", "quantize_i8_scales");
-  cl::set_args(ks.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4),
-               static_cast<cl_uint>(layout.outer), static_cast<cl_uint>(layout.channels),
-               static_cast<cl_uint>(layout.inner));
+  KernelLaunch scales_launch = quant_scales_launch(env, x, scales, layout);
   cl::Kernel kq = env.kernels.kernel("cast", "quantize_i8", quantize_options(env.device()));
   cl::set_args(kq.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4), q.buffer, q.elem_offset(1),
                static_cast<cl_uint>(quant_cols(layout)), static_cast<cl_uint>(layout.channels),
                static_cast<cl_uint>(layout.inner));
   LaunchList list;
-  list.push_back(elementwise_launch(std::move(ks), layout.channels));
+  list.push_back(std::move(scales_launch));
   list.push_back(quant_elements_launch(std::move(kq), layout));
   return list;
 }

@@ -517,6 +517,13 @@ Quantized quantize_on_device(const std::vector<float>& x, ops::QuantLayout layou
   return {dq.download<std::int8_t>(), ds.download<float>(), dback.download<float>()};
 }
 
+// The same with the scales from the work-group kernel GPUs run (quantize_i8_scales_lanes), here 8
+// lanes a channel where channels are runs (fewer than some runs hold, more than others).
+Quantized quantize_on_device_in_lanes(const std::vector<float>& x, ops::QuantLayout layout) {
+  const ScopedRowGroupSize lanes(8);
+  return quantize_on_device(x, layout);
+}
+
 Quantized quantize_on_host(const std::vector<float>& x, ops::QuantLayout layout) {
   Quantized r{std::vector<std::int8_t>(x.size()), std::vector<float>(layout.channels), std::vector<float>(x.size())};
   ops::ref::quantize_i8(x, layout, r.q, r.scales);
@@ -619,6 +626,7 @@ TEST(QuantizeI8, LinearAndConvLayoutsMatchTheReferenceBitForBit) {
     const std::string what =
         "layout [" + std::to_string(l.outer) + ", " + std::to_string(l.channels) + ", " + std::to_string(l.inner) + "]";
     expect_quantized_equal(dev, host, what.c_str());
+    expect_quantized_equal(quantize_on_device_in_lanes(x, l), host, (what + " (lanes)").c_str());
     expect_quantized_equal(quantize_in_parallel_on_host(x, l), host, (what + " (host lane)").c_str());
 
     // The reference does what it says: the zero channel quantizes to zeros with scale 0, every
@@ -686,6 +694,9 @@ TEST(QuantizeI8, ManyRandomPatternsMatchTheReference) {
   }
   const Quantized host = quantize_on_host(x, l);
   expect_quantized_equal(quantize_on_device(x, l), host, "random bits");
+  expect_quantized_equal(quantize_on_device_in_lanes(x, l), host, "random bits (lanes)");
+  const ops::QuantLayout columns = ops::QuantLayout::linear_weight(1000, 111);  // inner == 1: 16 x 16 lanes
+  expect_quantized_equal(quantize_on_device_in_lanes(x, columns), quantize_on_host(x, columns), "random bits, columns");
   expect_quantized_equal(quantize_in_parallel_on_host(x, l), host, "random bits (host lane)");
   EXPECT_EQ(count_differing(quantize_elements_built_with("", x, l, host.scales), host.q), 0u) << "the float path";
 }

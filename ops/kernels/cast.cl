@@ -40,21 +40,71 @@ __kernel void cast_identity(__global const S_RAW* in, ulong in_off, __global S_R
 // by the device where its rounding cannot change the integer and in software where it could
 // (quantize_one). The absmax and the tests on the scale are on the bits for the same reason.
 
-// One work-item per channel: scale[c] = (max |x| over the channel) / 127; NaN elements are skipped
-// (as fmax does), an infinity gives an infinite scale.
+// |x| as bits, 0 for NaN: for the other values the integer order is the float order, so the absmax
+// is an integer max (no branch: CPU devices vectorise it).
+inline uint quant_abs_bits(float v) {
+  const uint a = as_uint(v) & 0x7fffffffu;
+  return a <= 0x7f800000u ? a : 0u;
+}
+
+// scale = absmax / 127; an infinite absmax gives an infinite scale.
+inline float quant_scale_of(uint amax) {
+  return amax == 0x7f800000u ? INFINITY : div_rn(as_float(amax), 127.0f);
+}
+
+// CPU devices: one work-item per channel, scale[c] = (max |x| over the channel) / 127; NaN
+// elements are skipped (as fmax does). PoCL vectorises it across neighbouring channels.
 __kernel void quantize_i8_scales(__global const float* x, ulong x_off, __global float* scale, ulong scale_off,
                                  uint outer, uint channels, uint inner) {
   const uint c = get_global_id(0);
   if (c >= channels) return;
-  uint amax = 0;  // |x| as bits: for non-NaN values the integer order is the float order
+  uint amax = 0;
   for (uint o = 0; o < outer; ++o) {
     const ulong base = x_off + ((ulong)o * channels + c) * inner;
-    for (uint i = 0; i < inner; ++i) {
-      const uint a = as_uint(x[base + i]) & 0x7fffffffu;
-      amax = max(amax, a <= 0x7f800000u ? a : 0u);  // no branch: CPU devices vectorise it
+    for (uint i = 0; i < inner; ++i) amax = max(amax, quant_abs_bits(x[base + i]));
+  }
+  scale[scale_off + c] = quant_scale_of(amax);
+}
+
+// GPUs: the same scales from work-groups of (TC, TR) work-items, which fill a GPU where a work-item
+// per channel would not (a Linear weight of 4096 outputs is 4096 work-items, each waiting on 4096
+// loads in turn). With inner == 1 (a Linear weight [in, out]) a work-group owns TC neighbouring
+// channels and row lane j takes rows j, j + TR, ... (neighbouring work-items read neighbouring
+// floats); otherwise (TC = 1) it owns one channel and its lanes take every TR-th element of each of
+// the channel's runs of `inner`. The lanes' maxima meet in local memory by a tree (TR a power of
+// two). A max is exact in any order, so the scales are those of the kernel above, bit for bit.
+__kernel void quantize_i8_scales_lanes(__global const float* x, ulong x_off, __global float* scale, ulong scale_off,
+                                       uint outer, uint channels, uint inner, __local uint* partial) {
+  const uint lc = get_local_id(0), lr = get_local_id(1);
+  const uint tc = get_local_size(0), tr = get_local_size(1);
+  const uint c = get_global_id(0);
+  uint amax = 0;
+  if (c < channels) {
+    if (inner == 1) {
+      // Four loads in flight before their maxima: a lane's walk waits on latency, not bandwidth.
+      const ulong step = (ulong)tr * channels;
+      ulong at = x_off + (ulong)lr * channels + c;
+      uint o = lr;
+      for (; o + 3 * tr < outer; o += 4 * tr, at += 4 * step) {
+        const float v0 = x[at], v1 = x[at + step], v2 = x[at + 2 * step], v3 = x[at + 3 * step];
+        amax = max(max(amax, quant_abs_bits(v0)), quant_abs_bits(v1));
+        amax = max(max(amax, quant_abs_bits(v2)), quant_abs_bits(v3));
+      }
+      for (; o < outer; o += tr, at += step) amax = max(amax, quant_abs_bits(x[at]));
+    } else {
+      for (uint o = 0; o < outer; ++o) {
+        const ulong base = x_off + ((ulong)o * channels + c) * inner;
+        for (uint i = lr; i < inner; i += tr) amax = max(amax, quant_abs_bits(x[base + i]));
+      }
     }
   }
-  scale[scale_off + c] = amax == 0x7f800000u ? INFINITY : div_rn(as_float(amax), 127.0f);
+  partial[lr * tc + lc] = amax;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (uint span = tr / 2; span > 0; span /= 2) {
+    if (lr < span) partial[lr * tc + lc] = max(partial[lr * tc + lc], partial[(lr + span) * tc + lc]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  if (lr == 0 && c < channels) scale[scale_off + c] = quant_scale_of(partial[lc]);
 }
 
 // The element kernels see the tensor as [rows, cols], one work-item an element (dim 0 along cols,
