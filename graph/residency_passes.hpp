@@ -21,6 +21,12 @@ void check_updates_against_the_loss(Graph& g, bool pinned_in_place);
 // checks the guard comes after it). Does not change any result.
 void place_updates_early(Graph& g, bool pinned_in_place);
 
+// With the updates on the host lane: a data-parallel sum in pinned host memory that went back to
+// the device only for the overflow guard's check is checked on the host lane instead, into the
+// host copy of the guard that the ranks' agreement sums (graph/passes/host_checks.cpp); the copy
+// back and the device check go. After move_updates_to_host.
+void check_reduced_gradients_on_host(Graph& g);
+
 // Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
 // pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
 // `host_unified`, the device copies themselves are the staging. Host copies of pageable memory:

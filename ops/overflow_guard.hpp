@@ -29,6 +29,10 @@ LaunchList overflow_guard_init(OpEnv& env, DeviceSpan stats, DeviceSpan guard);
 // (an atomic exchange: every writer writes the same NaN).
 LaunchList overflow_guard_check(OpEnv& env, DeviceSpan gradient, std::size_t elems, DeviceSpan guard);
 
+// On the host (a sum a data-parallel reduction left in pinned host memory, checked there): whether
+// every element is finite, on all cores.
+bool all_finite_host(std::span<const float> values);
+
 namespace ref {
 
 template <class T>

@@ -429,6 +429,95 @@ TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
   }
 }
 
+// Rank 0 of two, the other rank simulated: every sum is twice this rank's gradient, and when
+// `poisoned` the first element of each gradient bucket's sum (or of this rank's share of it) is
+// NaN, as when the other rank's gradient overflowed there. The guard's own sum stays finite, so
+// only a check of the sums themselves can see it.
+class PoisonedSums final : public ops::Communicator {
+ public:
+  explicit PoisonedSums(bool poisoned) : poisoned_(poisoned) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "poisoned sums"; }
+  void allreduce_sum(std::span<const std::span<float>> buffers) override {
+    for (const auto& b : buffers) {
+      for (float& x : b) x *= 2;
+    }
+    if (poisoned_ && buffers.size() > 0 && buffers[0].size() > 1) buffers[0][0] = std::nanf("");
+  }
+  void allreduce_sum(std::span<double> values) override {
+    for (double& x : values) x *= 2;
+  }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
+    for (const auto& b : buffers) {
+      for (std::size_t i = 0; i < b.shard.size(); ++i) b.shard[i] = 2 * b.data[i];  // rank 0's run comes first
+    }
+    if (poisoned_ && buffers.size() > 0 && !buffers[0].shard.empty()) buffers[0].shard[0] = std::nanf("");
+  }
+  void allgather(std::span<ops::GatherBuffer>) override {}
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override { return {value, value}; }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<PoisonedSums>(poisoned_); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+
+ private:
+  bool poisoned_;
+};
+
+// With the optimizer on the host the sums stay in host memory, where the updates read them and the
+// overflow guard checks them (no copy back to the device): a sum that is not finite still stops
+// the step, at every ZeRO stage, and changes no weight.
+TEST(DataParallel, TheHostOptimizerChecksTheSumsInHostMemory) {
+  for (const int stage : {0, 1, 2}) {
+    for (const bool poisoned : {false, true}) {
+      SCOPED_TRACE(fmt::format("ZeRO stage {}, {}", stage, poisoned ? "a sum is NaN" : "every sum finite"));
+      Runtime rt;
+      TrainerOptions o;
+      o.batch = 4;
+      o.lr = 0.05f;
+      o.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
+      o.residency.mode = graph::ResidencyMode::stream;
+      o.residency.host_optimizer = true;
+      o.data_parallel = {
+          .communicator = std::make_shared<PoisonedSums>(poisoned), .global_batch = 8, .zero_stage = stage};
+      Trainer t(rt, small_mlp(), o);
+      const graph::Graph& g = compiled_train_step(t).graph();
+      int host_checks = 0, gradients_received = 0;
+      for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+        const bool guard_copy = g.tensors.storage(g.nodes.outputs(n)[0]) == g.tensors.storage(g.guard);
+        gradients_received += g.nodes.op[n] == ops::builtin::grad_receive && !guard_copy;
+        host_checks += g.nodes.op[n] == ops::builtin::overflow_guard_check && g.nodes.lane[n] == ops::Lane::host;
+      }
+      EXPECT_EQ(gradients_received, 0) << "a sum went back to the device";
+      int sums = 0;  // this rank's: every weight's, or at stage 2 those it holds a share of
+      for (const graph::ZeroShare& z : graph::zero_shares(g, {0, 2, 2048})) sums += stage < 2 || z.range.count > 0;
+      EXPECT_EQ(host_checks, sums);
+      EXPECT_GT(host_checks, 0);
+      std::map<std::string, std::vector<std::byte>> before;
+      for (const auto& name : t.parameter_names()) before[name] = t.read_tensor(name).bytes;
+      const std::size_t sample = small_mlp().inputs[0].sample.elems();
+      const auto images = random_vector(4 * sample, 41);
+      const auto labels = labels_for(4, 42);
+      if (poisoned) {
+        try {
+          t.step(images, labels);
+          ADD_FAILURE() << "the step went on although a gradient sum was NaN";
+        } catch (const std::runtime_error& e) {
+          EXPECT_NE(std::string(e.what()).find("a weight gradient is not"), std::string::npos) << e.what();
+        }
+      } else {
+        t.step(images, labels);
+      }
+      int changed = 0;
+      for (const auto& name : t.parameter_names()) changed += t.read_tensor(name).bytes != before[name];
+      if (poisoned) {
+        EXPECT_EQ(changed, 0) << "a skipped step changed weights";
+      } else {
+        EXPECT_GT(changed, 0) << "no weight was updated";
+      }
+    }
+  }
+}
+
 // Rank 0 of two with fp16 loss scaling and accumulation, the other rank simulated: its gradients
 // equal this rank's, but its first micro-batch overflowed (its guard is NaN). The ranks sum their
 // guards before a micro-batch's gradients go into the sums, so this rank drops that micro-batch

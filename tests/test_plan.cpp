@@ -178,11 +178,15 @@ TEST(Plan, PlannerAgreesWithTheTrainerDataParallel) {
       EXPECT_EQ(reduced, weights) << "every weight is trained, in f32";
       // (At stage 2 the ranks also agree on the overflow guard: one float.)
       EXPECT_EQ(step.collective_bytes, reduced + (stage > 0 ? weights : 0) + (stage == 2 ? 4 : 0));
-      const std::uint64_t received_gradients = stage == 2 ? t.gradient_bytes() : reduced;
+      // The sums come back to the device but where the host optimizer reads them in host memory,
+      // where the overflow guard checks them too.
+      const std::uint64_t received_gradients = streamed ? 0 : stage == 2 ? t.gradient_bytes() : reduced;
       // The gather's copies of the weights (its share up, the others' down) but where it works on
-      // the weights' host homes (the host optimizer's); the guard's word up and down at stage 2.
+      // the weights' host homes (the host optimizer's); the guard's word up and down at stage 2
+      // (for the ranks' agreement) and where the host checks the sums (into its host copy).
       const std::uint64_t gathered_copies = stage > 0 && !streamed ? weights : 0;
-      EXPECT_EQ(step.collective_link_bytes, reduced + received_gradients + gathered_copies + (stage == 2 ? 8 : 0));
+      const std::uint64_t guard_words = stage == 2 || streamed ? 8 : 0;
+      EXPECT_EQ(step.collective_link_bytes, reduced + received_gradients + gathered_copies + guard_words);
       // What rank 0 of 4 sends as ring collectives do: 2 x 3/4 of an all-reduce, 3/4 of a
       // reduce-scatter or an all-gather (the guard's float agreed at stage 2), at --network-gbps.
       const double sent = stage == 0   ? 1.5 * static_cast<double>(reduced)

@@ -2,8 +2,12 @@
 // placed with the updates that read the guard.
 //
 //   overflow_guard_init   in: stats        out: guard [1] (f32)
-//   overflow_guard_check  in: guard g      out: guard (in place)
+//   overflow_guard_check  in: guard g      out: guard (in place); also on the host lane, where a
+//                         reduced gradient in pinned host memory is checked into the host copy of
+//                         the guard that the ranks' agreement sums (graph/residency.cpp)
 #include "ops/overflow_guard.hpp"
+
+#include <cstring>
 
 #include "rows.hpp"
 
@@ -28,6 +32,14 @@ OpInfo check_row() {
     const auto in = c.inputs();
     auto guard = c.real(c.outputs()[0]);
     guard[0] = ref::overflow_guard_check<double>(c.real(in[0])[0], c.real(in[1]));
+  };
+  r.host = [](const HostContext& c) {
+    float guard = 0.0f;
+    std::memcpy(&guard, c.in(0), sizeof guard);
+    if (!all_finite_host({reinterpret_cast<const float*>(c.in(1)), in_elems(c, 1)})) {
+      guard = std::numeric_limits<float>::quiet_NaN();
+    }
+    std::memcpy(c.out(0), &guard, sizeof guard);
   };
   return r;
 }
