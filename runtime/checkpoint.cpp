@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -116,9 +117,9 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
 }
 
 // Files to cut anew (Trainer::load_resharded_checkpoint): each fits this trainer but for its
-// tensors' shapes, which differ with the cut; they are of one step, saved between updates.
+// tensors' shapes, which differ with the cut; they are of one step (and micro-batch).
 void check_shards(std::span<const std::filesystem::path> paths, std::span<const ckpt::Contents> contents,
-                  const Fingerprint& here, std::uint32_t accumulate) {
+                  const Fingerprint& here) {
   const std::filesystem::path& path = paths[0];
   const ckpt::Contents& file = contents[0];
   Fingerprint setup = here;
@@ -136,16 +137,47 @@ void check_shards(std::span<const std::filesystem::path> paths, std::span<const 
           path.string(), path.string(), file.trainer.steps, paths[f].string(), a.steps));
     }
   }
-  if (file.trainer.micro != 0) {
-    throw std::invalid_argument(fmt::format(
-        "checkpoint '{}' was saved inside a group of micro-batches ({} of {} done): each rank's gradient sums are "
-        "of its own share of the batch, which another cut of the ranks cannot take over; the trainer was not "
-        "changed: resume with the ranks and --zero it was written with",
-        path.string(), file.trainer.micro, accumulate));
-  }
 }
 
 }  // namespace
+
+std::uint32_t Trainer::global_batch() const noexcept {
+  return world_size() > 1 ? options_.data_parallel.global_batch : options_.batch;
+}
+
+double Trainer::batch_share() const noexcept {
+  return static_cast<double>(options_.batch) / global_batch();
+}
+
+std::map<TensorId, std::vector<std::byte>> Trainer::group_sums_over_ranks(bool keep) const {
+  std::map<TensorId, std::vector<std::byte>> out;
+  if (world_size() == 1 || compiled_->train_key.zero_stage != 0 || micro_ == 0) return out;
+  const auto& t = compiled_->train->graph().tensors;
+  const auto& arena = *compiled_->train->persistent();
+  std::vector<float> values;
+  std::vector<double> weighted;
+  for (const TensorId id : checkpoint_tensors()) {
+    if (t.role[id] != graph::Role::gradient_sum) continue;
+    std::vector<std::byte>& bytes = out[id];
+    bytes.resize(t.bytes(id));
+    arena.read(t.home[id], t.placement[id], bytes.data(), bytes.size());
+    values.resize(bytes.size() / sizeof(float));
+    std::memcpy(values.data(), bytes.data(), bytes.size());
+    weighted.assign(values.begin(), values.end());
+    for (double& v : weighted) v *= batch_share();
+    control_->allreduce_sum(weighted);
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(weighted[i]);
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+    if (!keep) out.erase(id);
+  }
+  return out;
+}
+
+void Trainer::contribute_to_checkpoint() const {
+  require_settled("contribute to a checkpoint");
+  refuse_if_inconsistent("contribute to a checkpoint");
+  group_sums_over_ranks(false);
+}
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller,
                               WriteOptions options) const {
@@ -154,6 +186,8 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
   const auto& t = compiled_->train->graph().tensors;
   const auto ids = checkpoint_tensors();
   const auto& arena = *compiled_->train->persistent();
+  // Every collective first: a write that fails part-way leaves no rank waiting in one.
+  const std::map<TensorId, std::vector<std::byte>> group_sums = group_sums_over_ranks(true);
 
   ckpt::TrainerRecord tr;
   tr.steps = steps_;
@@ -174,7 +208,11 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
   ckpt::write_checkpoint(
       path, fingerprint_of(model_, options_, phases_ != nullptr, t, ids), tr, phases, caller,
       [&](std::size_t i, std::vector<std::byte>& buf) {
-        arena.read(t.home[ids[i]], t.placement[ids[i]], buf.data(), buf.size());
+        if (const auto sum = group_sums.find(ids[i]); sum != group_sums.end()) {
+          std::memcpy(buf.data(), sum->second.data(), buf.size());
+        } else {
+          arena.read(t.home[ids[i]], t.placement[ids[i]], buf.data(), buf.size());
+        }
       },
       in_predict_run_ ? std::span<const std::vector<std::byte>>(restore_point_)
                       : std::span<const std::vector<std::byte>>(),
@@ -210,8 +248,9 @@ std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::files
   const Fingerprint here = fingerprint_of(model_, options_, phases_ != nullptr, t, ids);
   std::optional<detail::ReshardedState> resharded;
   if (reshard) {
-    check_shards(paths, contents, here, options_.accumulate);
-    resharded.emplace(compiled_->train->graph(), compiled_->train_key, options_.optimizer, paths, contents);
+    check_shards(paths, contents, here);
+    resharded.emplace(compiled_->train->graph(), compiled_->train_key, options_.optimizer, global_batch(), paths,
+                      contents);
   } else {
     compare(file.fingerprint, here, path);
   }
@@ -264,17 +303,28 @@ std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::files
     restore_point[i].assign(v.begin(), v.end());
   }
   auto& arena = *compiled_->train->persistent();
+  // Gradient sums come as the group's (detail::group_sums_for_rank), but from this rank's own file
+  // of a ZeRO checkpoint cut as this trainer cuts, which holds its own sums.
+  const bool group_sums = resharded || compiled_->train_key.zero_stage == 0 || world_size() == 1;
+  std::vector<std::byte> sums;
   for (std::size_t k = 0; k < ids.size(); ++k) {
+    std::vector<std::byte> v;
+    std::span<const std::byte> value;
     if (resharded) {
       // Put together from the files' shares, one tensor at a time as a plain load.
-      const std::vector<std::byte> v = resharded->value(ids[k], [&](std::size_t f, std::size_t i) {
+      v = resharded->value(ids[k], [&](std::size_t f, std::size_t i) {
         return read_payload(f, contents[f].tensors[i], contents[f].fingerprint.tensors[i]);
       });
-      arena.write(t.home[ids[k]], t.placement[ids[k]], v.data(), v.size());
+      value = v;
     } else {
-      const auto v = read_payload(0, file.tensors[k], file.fingerprint.tensors[k]);
-      arena.write(t.home[ids[k]], t.placement[ids[k]], v.data(), v.size());
+      value = read_payload(0, file.tensors[k], file.fingerprint.tensors[k]);
     }
+    if (group_sums && t.role[ids[k]] == graph::Role::gradient_sum) {
+      sums.assign(value.begin(), value.end());
+      detail::group_sums_for_rank(sums, rank(), batch_share());
+      value = sums;
+    }
+    arena.write(t.home[ids[k]], t.placement[ids[k]], value.data(), value.size());
   }
   steps_ = tr.steps;
   micro_ = tr.micro;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "ferry/ops/op_table.hpp"
+#include "ferry/runtime/distributed.hpp"
 #include "graph/autodiff.hpp"
 
 namespace ferry::detail {
@@ -44,8 +45,8 @@ Layout layout_of(const ops::OpInfo& row, const ops::OptimizerConfig& optimizer, 
 }  // namespace
 
 ReshardedState::ReshardedState(const graph::Graph& training, const graph::VariantKey& key,
-                               const ops::OptimizerConfig& optimizer, std::span<const std::filesystem::path> files,
-                               std::span<const ckpt::Contents> contents)
+                               const ops::OptimizerConfig& optimizer, std::uint32_t global_batch,
+                               std::span<const std::filesystem::path> files, std::span<const ckpt::Contents> contents)
     : training_(training), sources_(training.tensors.size()) {
   const auto& t = training.tensors;
   const std::size_t n = files.size();
@@ -73,21 +74,38 @@ ReshardedState::ReshardedState(const graph::Graph& training, const graph::Varian
     }
     return it->second;
   };
-  // Whole tensors: from the first file, the same shape.
+  // Whole tensors, the same shape in every file they come from: weights and predictor state from
+  // the first, gradient sums from each (its rank's, weighted by that rank's share of the batch).
+  const auto whole = [&](std::size_t f, graph::TensorId id) {
+    const std::size_t i = find(f, t.name[id], static_cast<std::uint8_t>(t.dtype[id]));
+    if (!(contents[f].fingerprint.tensors[i].shape == t.shape[id])) {
+      throw std::invalid_argument(fmt::format(
+          "checkpoint file '{}' holds '{}' as {}, this trainer as {}; the trainer "
+          "was not changed: load it into the model that wrote it",
+          files[f].string(), t.name[id], contents[f].fingerprint.tensors[i].shape.str(), t.shape[id].str()));
+    }
+    return i;
+  };
   for (graph::TensorId id = 0; id < t.size(); ++id) {
     const graph::Role role = t.role[id];
     if (role != graph::Role::weight && role != graph::Role::predictor_state && role != graph::Role::gradient_sum) {
       continue;
     }
     if (t.alias_of[id] != graph::no_tensor) continue;
-    const std::size_t i = find(0, t.name[id], static_cast<std::uint8_t>(t.dtype[id]));
-    if (!(contents[0].fingerprint.tensors[i].shape == t.shape[id])) {
-      throw std::invalid_argument(fmt::format(
-          "checkpoint file '{}' holds '{}' as {}, this trainer as {}; the trainer "
-          "was not changed: load it into the model that wrote it",
-          files[0].string(), t.name[id], contents[0].fingerprint.tensors[i].shape.str(), t.shape[id].str()));
+    Source& s = sources_[id];
+    s.units = t.shape[id].elems();
+    if (role != graph::Role::gradient_sum) {
+      s.pieces.push_back({0, whole(0, id), 0, s.units});
+      continue;
     }
-    sources_[id] = {{{0, i, 0, t.shape[id].elems()}}, 1, 0, t.shape[id].elems()};
+    if (t.dtype[id] != graph::DType::f32)
+      throw std::logic_error(fmt::format("gradient sum '{}' is not f32", t.name[id]));
+    s.weighted_sum = true;
+    for (std::size_t f = 0; f < n; ++f) {
+      const Shard rows = shard_of(global_batch, static_cast<int>(f), static_cast<int>(n));
+      const double weight = n == 1 ? 1.0 : static_cast<double>(rows.count) / global_batch;
+      s.pieces.push_back({f, whole(f, id), 0, s.units, weight});
+    }
   }
   // The optimizer state: this trainer's share of each weight from the files' shares.
   const ops::OpInfo& row = ops::op_info(ops::update_row(optimizer.kind));
@@ -143,6 +161,7 @@ ReshardedState::ReshardedState(const graph::Graph& training, const graph::Varian
 
 std::vector<std::byte> ReshardedState::value(graph::TensorId id, const Read& read) const {
   const Source& s = sources_[id];
+  if (s.weighted_sum) return weighted_sum(id, s, read);
   const auto& t = training_.tensors;
   const std::size_t size = graph::dtype_bytes(t.dtype[id]);
   std::vector<std::byte> out(t.bytes(id));
@@ -165,6 +184,32 @@ std::vector<std::byte> ReshardedState::value(graph::TensorId id, const Read& rea
         fmt::format("the checkpoint's shares cover {} of the {} units of '{}'", covered, s.units, t.name[id]));
   }
   return out;
+}
+
+std::vector<std::byte> ReshardedState::weighted_sum(graph::TensorId id, const Source& s, const Read& read) const {
+  std::vector<double> sum(s.units, 0.0);
+  std::vector<float> values(s.units);
+  for (const Piece& p : s.pieces) {
+    const std::span<const std::byte> bytes = read(p.file, p.index);
+    if (bytes.size() != s.units * sizeof(float)) {
+      throw std::logic_error(fmt::format("gradient sum '{}' of file {} has {} bytes, not {}",
+                                         training_.tensors.name[id], p.file, bytes.size(), s.units * sizeof(float)));
+    }
+    std::memcpy(values.data(), bytes.data(), bytes.size());
+    for (std::size_t i = 0; i < s.units; ++i) sum[i] += p.weight * static_cast<double>(values[i]);
+  }
+  for (std::size_t i = 0; i < s.units; ++i) values[i] = static_cast<float>(sum[i]);
+  std::vector<std::byte> out(s.units * sizeof(float));
+  std::memcpy(out.data(), values.data(), out.size());
+  return out;
+}
+
+void group_sums_for_rank(std::span<std::byte> sums, int rank, double share) {
+  if (sums.size() % sizeof(float) != 0) throw std::logic_error("gradient sums that are not whole floats");
+  std::vector<float> values(sums.size() / sizeof(float));
+  std::memcpy(values.data(), sums.data(), sums.size());
+  for (float& v : values) v = rank == 0 ? static_cast<float>(static_cast<double>(v) / share) : 0.0f;
+  std::memcpy(sums.data(), values.data(), sums.size());
 }
 
 }  // namespace ferry::detail

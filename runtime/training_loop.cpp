@@ -118,9 +118,9 @@ LoopSummary TrainingLoop::run() {
         if (in_flight) read(take(), boundary);
         summary_.end = LoopSummary::End::stopped;
         summary_.signal = StopSignals::received() != 0 ? StopSignals::received() : SIGTERM;  // else another rank's
-        if (!options_.checkpoint.empty() && options_.write_checkpoints) {
-          if (!boundary) save_checkpoint();
-          summary_.checkpoint_written = true;
+        if (!options_.checkpoint.empty()) {
+          if (!boundary) checkpoint_here();
+          summary_.checkpoint_written = options_.write_checkpoints;
         }
         break;
       }
@@ -191,8 +191,16 @@ void TrainingLoop::at_boundary() {
   const auto start = Clock::now();
   if (on_boundary) on_boundary(position_);
   position_.boundary_seconds += seconds_since(start);
-  if (!options_.checkpoint.empty() && options_.write_checkpoints) save_checkpoint();
+  if (!options_.checkpoint.empty()) checkpoint_here();
   mark_ = Clock::now();  // evaluation and checkpoints are not training time
+}
+
+void TrainingLoop::checkpoint_here() {
+  if (options_.write_checkpoints) {
+    save_checkpoint();
+  } else {
+    trainer_.contribute_to_checkpoint();  // rank 0's file may need this rank's gradient sums
+  }
 }
 
 void TrainingLoop::save_checkpoint() {

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -686,6 +687,44 @@ TEST(ZeroCheckpoints, AreCutAnewForOtherRanksStagesOrOneRank) {
     EXPECT_EQ(t->read_tensor(marked_shares(*t, 0, 1, 0)[0].state).bytes, before);
   }
   std::filesystem::remove_all(dir);
+}
+
+std::vector<float> as_floats(const std::vector<std::byte>& bytes) {
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+// Inside a group of micro-batches a checkpoint's gradient sums are the group's (one rank's alone):
+// loaded on two ranks at stage 0, rank 0 takes them divided by its share of the batch (here exactly
+// twice them) and rank 1 starts from zeros; a rank contributes nothing outside data parallelism.
+TEST(ZeroCheckpoints, AGroupsSumsGoToRankZeroByItsShare) {
+  Runtime rt;
+  const auto path = std::filesystem::temp_directory_path() / fmt::format("ferry-test-group-sums-{}.ckpt", getpid());
+  TrainerOptions o;
+  o.batch = 8;
+  o.accumulate = 2;
+  Trainer alone(rt, small_mlp(), o);
+  const std::size_t sample = small_mlp().inputs[0].sample.elems();
+  alone.step(random_vector(8 * sample, 51), labels_for(8, 52));  // the group's first micro-batch
+  alone.contribute_to_checkpoint();                              // alone: nothing to add
+  alone.save_checkpoint(path);
+  const std::string sum_name = alone.parameter_names().front() + ".grad_sum";
+  const std::vector<float> sums = as_floats(alone.read_tensor(sum_name).bytes);
+  ASSERT_TRUE(std::any_of(sums.begin(), sums.end(), [](float v) { return v != 0.0f; }));
+  for (const int rank : {0, 1}) {
+    TrainerOptions two = o;
+    two.batch = 4;
+    two.data_parallel = {.communicator = std::make_shared<IdleRanks>(rank, 2), .global_batch = 8};
+    Trainer t(rt, small_mlp(), two);
+    t.load_checkpoint(path);
+    const std::vector<float> got = as_floats(t.read_tensor(sum_name).bytes);
+    ASSERT_EQ(got.size(), sums.size());
+    for (std::size_t i = 0; i < sums.size(); ++i) {
+      ASSERT_EQ(got[i], rank == 0 ? 2 * sums[i] : 0.0f) << "rank " << rank << ", element " << i;
+    }
+  }
+  std::filesystem::remove(path);
 }
 
 // Two ranks that never meet: every option checked here is refused before a collective.

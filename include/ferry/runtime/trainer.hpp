@@ -7,6 +7,7 @@
 #include <deque>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -243,8 +244,16 @@ class Trainer {
   // one at a time. Throws std::runtime_error naming the path when it cannot be written, or when
   // `path` is a symbolic link, not a regular file, or a file that is not a ferry checkpoint
   // (unless `options.replace_foreign_file`): then nothing there changes.
+  // Data parallel: at ZeRO stage 0 one file holds the state of every rank, and its gradient sums
+  // (inside a group of --accumulate micro-batches) are the group's, every rank's weighted by its
+  // share of the batch; the ranks add them up here, so then every rank calls this, or
+  // contribute_to_checkpoint if it leaves the file to another (rank 0), at the same point. At
+  // stages 1 and 2 every rank writes a file of its own (its shares and its own sums).
   void save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller = {},
                        WriteOptions options = {}) const;
+  // A rank's part in another rank's save_checkpoint at ZeRO stage 0 (above): its gradient sums,
+  // inside a group of micro-batches; nothing to do otherwise. Writes nothing.
+  void contribute_to_checkpoint() const;
   // Reads and verifies every byte of `path` (header, checksums, that it was written for this
   // model, optimizer and batch) before it changes anything, then replaces the training state
   // and returns the caller's bytes. A trainer built like the one that saved, given this, then
@@ -257,10 +266,12 @@ class Trainer {
   // wrote (files[r]: rank r's, each with its shares of the optimizer state), or one whole-state
   // checkpoint, into this trainer whatever its number of ranks and ZeRO stage (alone included):
   // each weight's optimizer state is put together from the files' shares and cut for this
-  // trainer's share. Every file is verified first; they must be of one step, saved between
-  // updates (not inside a group of --accumulate micro-batches, whose gradient sums are each
-  // rank's own), and each must hold the share that many ranks had, else std::invalid_argument
-  // naming the file, and the trainer is unchanged.
+  // trainer's share. Inside a group of --accumulate micro-batches the files' gradient sums (each
+  // rank's own) are added up, each weighted by its rank's share of the batch, and this trainer's
+  // rank 0 takes them, the other ranks starting from zeros: the group's update is the one the
+  // writers would have made, to f32 rounding. Every file is verified first; they must be of one
+  // step and micro-batch, and each must hold the share that many ranks had, else
+  // std::invalid_argument naming the file, and the trainer is unchanged.
   std::vector<std::byte> load_resharded_checkpoint(std::span<const std::filesystem::path> files);
   // Why the training state is inconsistent (a step failed in its update phase and load_checkpoint
   // has not restored it since); empty when it is not.
@@ -275,6 +286,12 @@ class Trainer {
   void initialise_parameters();
   // load_checkpoint (one file) and load_resharded_checkpoint (reshard).
   std::vector<std::byte> load_checkpoint_files(std::span<const std::filesystem::path> files, bool reshard);
+  // Samples of a global batch, and this rank's share of them (1 alone).
+  std::uint32_t global_batch() const noexcept;
+  double batch_share() const noexcept;
+  // At ZeRO stage 0 over ranks, inside a group of micro-batches: the group's gradient sums (a
+  // collective: every rank calls it at the same point), by tensor when `keep`; empty otherwise.
+  std::map<TensorId, std::vector<std::byte>> group_sums_over_ranks(bool keep) const;
   // Copies a batch into `step`'s host inputs after checking it against the model.
   void stage_batch(graph::CompiledStep& step, const Batch& batch) const;
   StepResult predict_step(const Batch& batch);

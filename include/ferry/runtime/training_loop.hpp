@@ -78,7 +78,8 @@ struct TrainingLoopOptions {
   bool catch_signals = true;  // SIGINT / SIGTERM stop the loop between steps (StopSignals)
   // A checkpoint at every boundary and when stopped by a signal (none: no path). `caller_section`
   // gives the caller's bytes of it (Trainer::save_checkpoint's `caller`); `write_checkpoints` false
-  // on ranks that leave the writing to another.
+  // on ranks that leave the writing to another (they contribute to it where it is written:
+  // Trainer::contribute_to_checkpoint).
   std::filesystem::path checkpoint;
   std::function<std::vector<std::byte>(const LoopPosition&)> caller_section;
   WriteOptions checkpoint_options;
@@ -142,6 +143,8 @@ class TrainingLoop {
   void read(InFlight f, bool boundary);
   void at_boundary();
   void save_checkpoint();
+  // At a checkpoint: save_checkpoint, or contribute to another rank's.
+  void checkpoint_here();
   void show_progress();
 
   Trainer& trainer_;
