@@ -384,6 +384,24 @@ class HalfOfTwo final : public ops::Communicator {
   bool poisoned_;
 };
 
+// One step of `t` on a batch of 4 (seeded by `seed`): when `rejected`, the step must stop with the
+// trainer's divergence error (a weight gradient not finite, `why`); otherwise it must train.
+void step_expecting(Trainer& t, bool rejected, std::uint32_t seed, const char* why) {
+  const std::size_t sample = small_mlp().inputs[0].sample.elems();
+  const auto images = random_vector(4 * sample, seed);
+  const auto labels = labels_for(4, seed + 1);
+  if (!rejected) {
+    t.step(images, labels);
+    return;
+  }
+  try {
+    t.step(images, labels);
+    ADD_FAILURE() << "the step went on although " << why;
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("a weight gradient is not"), std::string::npos) << e.what();
+  }
+}
+
 // At ZeRO stage 2 a rank checks only its shares of the gradients: a non-finite gradient in another
 // rank's shares reaches it through the sum of the guards, and it skips the step like that rank.
 TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
@@ -397,21 +415,9 @@ TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
     o.data_parallel = {.communicator = comm, .global_batch = 8, .zero_stage = 2};
     Trainer t(rt, small_mlp(), o);
     EXPECT_LT(t.gradient_bytes(), t.allreduce_bytes_per_step());  // rank 0 keeps its shares alone
-    const std::size_t sample = small_mlp().inputs[0].sample.elems();
     std::map<std::string, std::vector<std::byte>> before;
     for (const auto& name : t.parameter_names()) before[name] = t.read_tensor(name).bytes;
-    const auto images = random_vector(4 * sample, 31);
-    const auto labels = labels_for(4, 32);
-    if (poisoned) {
-      try {
-        t.step(images, labels);
-        ADD_FAILURE() << "the step went on although another rank's guard was NaN";
-      } catch (const std::runtime_error& e) {
-        EXPECT_NE(std::string(e.what()).find("a weight gradient is not"), std::string::npos) << e.what();
-      }
-    } else {
-      t.step(images, labels);
-    }
+    step_expecting(t, poisoned, 31, "another rank's guard was NaN");
     EXPECT_EQ(comm->guard_sums, 1);
     // This rank's shares of the weights (the other rank's come from the gather this fake skips).
     const graph::Graph& g = compiled_train_step(t).graph();
@@ -495,19 +501,7 @@ TEST(DataParallel, TheHostOptimizerChecksTheSumsInHostMemory) {
       EXPECT_GT(host_checks, 0);
       std::map<std::string, std::vector<std::byte>> before;
       for (const auto& name : t.parameter_names()) before[name] = t.read_tensor(name).bytes;
-      const std::size_t sample = small_mlp().inputs[0].sample.elems();
-      const auto images = random_vector(4 * sample, 41);
-      const auto labels = labels_for(4, 42);
-      if (poisoned) {
-        try {
-          t.step(images, labels);
-          ADD_FAILURE() << "the step went on although a gradient sum was NaN";
-        } catch (const std::runtime_error& e) {
-          EXPECT_NE(std::string(e.what()).find("a weight gradient is not"), std::string::npos) << e.what();
-        }
-      } else {
-        t.step(images, labels);
-      }
+      step_expecting(t, poisoned, 41, "a gradient sum was NaN");
       int changed = 0;
       for (const auto& name : t.parameter_names()) changed += t.read_tensor(name).bytes != before[name];
       if (poisoned) {

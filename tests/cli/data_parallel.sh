@@ -176,22 +176,28 @@ if [ -s "$work/z2_resumed.json" ]; then
 fi
 # On another number of ranks, at another stage or alone, the optimizer state is cut anew from the
 # files (every rank reads them all): the same run, up to the order of the gradient sums.
-resharded() {  # resharded NAME N ARGS...: resume z1.ckpt (2 ranks, stage 1) on N ranks, compare
-  local name=$1 n=$2 a b
-  shift 2
+resumed_like() {  # resumed_like NAME N CHECKPOINT STRAIGHT ARGS...: ARGS --epochs 2 resumed from
+  # CHECKPOINT on N ranks (1: alone) give the losses of the run STRAIGHT (its JSON) to f32 rounding
+  local name=$1 n=$2 checkpoint=$3 straight=$4 a b
+  shift 4
   if [ "$n" = 1 ]; then
-    "$ferry" train "$@" --epochs 2 --resume "$work/z1.ckpt" >"$work/$name.json" 2>"$work/$name.err"
+    "$ferry" train "$@" --epochs 2 --resume "$checkpoint" >"$work/$name.json" 2>"$work/$name.err"
   else
-    ranks "$n" "$ferry" train "$@" --epochs 2 --resume "$work/z1.ckpt" >"$work/$name.json" 2>"$work/$name.err"
-  fi || { fail "$name: $(tail -3 "$work/$name.err")"; return; }
-  [ $n = 1 ] || grep -q "the optimizer state cut anew for $n ranks" "$work/$name.err" ||
-    fail "$name: no resharding note: $(grep resumed "$work/$name.err")"
+    ranks "$n" "$ferry" train "$@" --epochs 2 --resume "$checkpoint" >"$work/$name.json" 2>"$work/$name.err"
+  fi || { fail "$name: $(tail -3 "$work/$name.err")"; return 1; }
   for key in train_loss test_loss; do
-    a=$(field "$work/z1_straight.json" "$key")
+    a=$(field "$straight" "$key")
     b=$(field "$work/$name.json" "$key")
     close "$a" "$b" || fail "$name: $key $b, 2 ranks straight through $a"
     echo "$name: $key $a on 2 ranks straight through, $b resumed"
   done
+}
+resharded() {  # resharded NAME N ARGS...: resume z1.ckpt (2 ranks, stage 1) on N ranks, compare
+  local name=$1 n=$2
+  shift 2
+  resumed_like "$name" "$n" "$work/z1.ckpt" "$work/z1_straight.json" "$@" || return
+  [ $n = 1 ] || grep -q "the optimizer state cut anew for $n ranks" "$work/$name.err" ||
+    fail "$name: no resharding note: $(grep resumed "$work/$name.err")"
 }
 Z1_PLAIN=(--model mlp --train-limit 1536 --batch 256 --schedule constant --json)
 resharded z1_on_three 3 "${Z1[@]}"
@@ -217,22 +223,12 @@ resharded_whole
 MID=(--model mlp --train-limit 1280 --batch 256 --accumulate 2 --schedule constant --json)
 ranks 2 "$ferry" train "${MID[@]}" --epochs 2 >"$work/mid_straight.json" 2>"$work/mid_straight.err" ||
   fail "mid-group, straight through: $(tail -3 "$work/mid_straight.err")"
-mid_group() {  # mid_group NAME CHECKPOINT N ARGS...: resume CHECKPOINT on N ranks with ARGS, compare
-  local name=$1 checkpoint=$2 n=$3 a b
+mid_group() {  # mid_group NAME CHECKPOINT N ARGS...: resume a copy of CHECKPOINT on N ranks with ARGS
+  local name=$1 checkpoint=$2 n=$3
   shift 3
   rm -f "$work/$name".ckpt*
   for f in "$work/$checkpoint"*; do cp "$f" "$work/$name.ckpt${f#"$work/$checkpoint"}"; done
-  if [ "$n" = 1 ]; then
-    "$ferry" train "$@" --epochs 2 --resume "$work/$name.ckpt" >"$work/$name.json" 2>"$work/$name.err"
-  else
-    ranks "$n" "$ferry" train "$@" --epochs 2 --resume "$work/$name.ckpt" >"$work/$name.json" 2>"$work/$name.err"
-  fi || { fail "$name: $(tail -3 "$work/$name.err")"; return; }
-  for key in train_loss test_loss; do
-    a=$(field "$work/mid_straight.json" "$key")
-    b=$(field "$work/$name.json" "$key")
-    close "$a" "$b" || fail "$name: $key $b, 2 ranks straight through $a"
-    echo "$name: $key $a on 2 ranks straight through, $b resumed"
-  done
+  resumed_like "$name" "$n" "$work/$name.ckpt" "$work/mid_straight.json" "$@"
 }
 ranks 2 "$ferry" train "${MID[@]}" --epochs 1 --checkpoint "$work/mid0.ckpt" >/dev/null 2>"$work/mid0_first.err" ||
   fail "mid-group, ZeRO-0 first epoch: $(tail -3 "$work/mid0_first.err")"
