@@ -7,7 +7,9 @@
 #      REQUIRED) must find the installed package, not another one), builds, and train_mlp trains one
 #      epoch on a slice of Fashion-MNIST and prints its test accuracy; custom_op registers its own
 #      op (SiLU) from outside ferry's tree, trains a regression model with it and checks its
-#      predictions against a CPU forward pass (it exits non-zero otherwise).
+#      predictions against a CPU forward pass (it exits non-zero otherwise); stream_gpt trains a
+#      GPT on the fortunes text with five times more training state than its device budget
+#      (streamed from host memory, the optimizer on the host) and must learn.
 #
 #   run.sh --build-dir DIR --source-dir DIR --work-dir DIR [--cmake PATH] [--generator NAME] [--cxx PATH]
 #          [--cxx-flags FLAGS] [--exe-linker-flags FLAGS]
@@ -180,4 +182,20 @@ say "running: custom_op"
 "$examples_build/custom_op" | tee "$work_dir/custom_op.log"
 grep -q '^predictions: ' "$work_dir/custom_op.log" || fail "custom_op printed no 'predictions' line"
 
-say "passed in $((SECONDS - start)) s (test accuracy $accuracy; custom_op trained and matched its reference)"
+# A GPT whose training state is about five times its device budget: weights and optimizer state
+# streamed from host memory, updates on the host. It plans first, keeps to the plan, and learns:
+# the held-out loss after 20 steps is well below a uniform guess over its ~100 characters (4.6).
+step="running stream_gpt"
+say "running: stream_gpt --steps 20"
+"$examples_build/stream_gpt" --steps 20 2>"$work_dir/stream_gpt.err" | tee "$work_dir/stream_gpt.log" ||
+  fail "stream_gpt failed: $(tail -3 "$work_dir/stream_gpt.err")"
+state=$(sed -n 's/.*training state \([0-9.]*\) MiB.*/\1/p' "$work_dir/stream_gpt.log")
+peak=$(sed -n 's/.*training state .*device peak \([0-9.]*\) MiB.*/\1/p' "$work_dir/stream_gpt.log")
+held_out=$(sed -n 's/^step 20\/20: .*held-out loss \([0-9.]*\).*/\1/p' "$work_dir/stream_gpt.log")
+[[ -n $state && -n $peak && -n $held_out ]] || fail "stream_gpt printed no state, peak or held-out loss"
+awk -v s="$state" -v p="$peak" 'BEGIN { exit !(p * 4 < s) }' ||
+  fail "stream_gpt's device peak $peak MiB is not under a quarter of its $state MiB of training state"
+awk -v l="$held_out" 'BEGIN { exit !(l < 4.0) }' || fail "stream_gpt's held-out loss $held_out: it did not learn"
+
+say "passed in $((SECONDS - start)) s (test accuracy $accuracy; custom_op trained and matched its reference;" \
+  "stream_gpt: $state MiB of state under a $peak MiB device peak, held-out loss $held_out)"
