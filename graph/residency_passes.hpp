@@ -21,11 +21,19 @@ void check_updates_against_the_loss(Graph& g, bool pinned_in_place);
 // checks the guard comes after it). Does not change any result.
 void place_updates_early(Graph& g, bool pinned_in_place);
 
-// With the updates on the host lane: a data-parallel sum in pinned host memory that went back to
-// the device only for the overflow guard's check is checked on the host lane instead, into the
-// host copy of the guard that the ranks' agreement sums (graph/passes/host_checks.cpp); the copy
-// back and the device check go. After move_updates_to_host.
+// The host optimizer's passes (graph/passes/host_optimizer.cpp), in this order:
+// Every optimizer update on the host lane, reading and writing the host-resident weight and state;
+// its gradient written back into pinned host memory just before it, or with `write_back_early`
+// (one-copy state) right after its last use on the device; a data-parallel sum in pinned host
+// memory read where it is.
+void move_updates_to_host(Graph& g, bool write_back_early);
+// A data-parallel sum in pinned host memory that went back to the device only for the overflow
+// guard's check is checked on the host lane instead, into the host copy of the guard that the
+// ranks' agreement sums (or one made for the checks); the copy back and the device check go.
 void check_reduced_gradients_on_host(Graph& g);
+// ZeRO stages 1 and 2 with one copy of the state changed in place: the weights' all-gather works
+// on their pinned host homes, where the host updates left this rank's shares.
+void gather_weights_in_host_homes(Graph& g);
 
 // Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
 // pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
