@@ -25,8 +25,9 @@ void place_updates_early(Graph& g, bool pinned_in_place);
 // Every optimizer update on the host lane, reading and writing the host-resident weight and state;
 // its gradient written back into pinned host memory just before it, or with `write_back_early`
 // (one-copy state) right after its last use on the device; a data-parallel sum in pinned host
-// memory read where it is.
-void move_updates_to_host(Graph& g, bool write_back_early);
+// memory read where it is; with `narrow_copies`, a gradient the device widened from f16 or bf16
+// written back narrow and widened by a cast on the host lane.
+void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies);
 // A data-parallel sum in pinned host memory that went back to the device only for the overflow
 // guard's check is checked on the host lane instead, into the host copy of the guard that the
 // ranks' agreement sums (or one made for the checks); the copy back and the device check go.

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -83,6 +84,77 @@ void quantize_i8_host(std::span<const float> x, QuantLayout l, std::span<std::in
         for (std::size_t j = 0; j < cols; ++j) out[j] = quantize_one(in[j], s);
       }
     }
+  });
+}
+
+namespace {
+
+// Clones where the compiler makes them (as in optimizer_host.cpp): the conversions below vectorise.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#define FERRY_CAST_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FERRY_CAST_CLONES
+#endif
+
+// half_to_float without branches: the half's exponent and mantissa placed as a float's and scaled
+// by 2^112 (exact, subnormals included: a float product by a power of two), inf and NaN (quieted,
+// as half_to_float does) by a select.
+inline float half_bits_to_float(std::uint16_t h) {
+  const std::uint32_t em = h & 0x7fffu;
+  std::uint32_t u = std::bit_cast<std::uint32_t>(std::bit_cast<float>(em << 13) * 0x1p112f);
+  const std::uint32_t special = 0x7f800000u | (em << 13) | (em > 0x7c00u ? 0x400000u : 0u);
+  u = em >= 0x7c00u ? special : u;
+  return std::bit_cast<float>(u | (static_cast<std::uint32_t>(h & 0x8000u) << 16));
+}
+
+// float_to_bf16 without a branch.
+inline std::uint16_t float_to_bf16_bits(float f) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x0040u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+// The widening of a narrow gradient and the narrowing of a weight for bf16: as ref::cast, in loops
+// that vectorise. A factor of 1 multiplies nothing (a product would quiet a signalling NaN).
+FERRY_CAST_CLONES void widen(DType from, const std::uint16_t* in, float* out, std::size_t n, float factor) {
+  if (from == DType::f16) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = half_bits_to_float(in[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(static_cast<std::uint32_t>(in[i]) << 16);
+  }
+  if (factor != 1.0f) {
+    for (std::size_t i = 0; i < n; ++i) out[i] *= factor;
+  }
+}
+
+FERRY_CAST_CLONES void narrow_to_bf16(const float* in, std::uint16_t* out, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = float_to_bf16_bits(in[i]);
+}
+
+// One block: the loops above where they apply, else the reference.
+void cast_block(DType from, DType to, const std::byte* in, std::byte* out, std::size_t n, float factor) {
+  const bool narrow_in = from == DType::f16 || from == DType::bf16;
+  if (narrow_in && to == DType::f32) {
+    widen(from, reinterpret_cast<const std::uint16_t*>(in), reinterpret_cast<float*>(out), n, factor);
+  } else if (from == DType::f32 && to == DType::bf16 && factor == 1.0f) {
+    narrow_to_bf16(reinterpret_cast<const float*>(in), reinterpret_cast<std::uint16_t*>(out), n);
+  } else {
+    ref::cast(from, to, in, out, n, factor);
+  }
+}
+
+}  // namespace
+
+void cast_host(DType from, DType to, const void* in, void* out, std::size_t n, float factor) {
+  // Blocks of 64K elements on the TBB workers, each converting as the reference does.
+  constexpr std::size_t block = std::size_t{1} << 16;
+  const std::size_t in_size = dtype_bytes(from), out_size = dtype_bytes(to);
+  ref::cast(from, to, in, out, 0, factor);  // the pair refused here, not inside a task
+  const auto* src = static_cast<const std::byte*>(in);
+  auto* dst = static_cast<std::byte*>(out);
+  if (n <= block) return cast_block(from, to, src, dst, n, factor);
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, block), [&](const tbb::blocked_range<std::size_t>& r) {
+    cast_block(from, to, src + r.begin() * in_size, dst + r.begin() * out_size, r.size(), factor);
   });
 }
 

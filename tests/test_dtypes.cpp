@@ -10,6 +10,7 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ferry/cl/error.hpp"
@@ -373,6 +374,27 @@ TEST(Cast, UnsupportedPairsThrow) {
   for (DType a : {DType::f32, DType::f16, DType::bf16}) {
     for (DType b : {DType::f32, DType::f16, DType::bf16}) EXPECT_TRUE(ops::cast_supported(a, b));
   }
+}
+
+// The host lane's cast (ops/quantize_host.hpp): the reference's bits over many blocks and a tail,
+// for every pair and scale a narrowing or widening on the host uses; a refused pair throws before
+// any block runs.
+TEST(Cast, OnTheHostInBlocksMatchesTheReference) {
+  const std::size_t n = (std::size_t{1} << 18) + 77;
+  const std::vector<float> bits = random_bit_floats(n, 23);
+  for (const auto& [from, to, factor] :
+       {std::tuple{DType::f32, DType::bf16, 1.0f}, std::tuple{DType::f32, DType::f16, 1024.0f},
+        std::tuple{DType::bf16, DType::f32, 1.0f}, std::tuple{DType::f16, DType::f32, 1.0f / 1024},
+        std::tuple{DType::f16, DType::f32, 1.0f}, std::tuple{DType::bf16, DType::f32, 0.5f},
+        std::tuple{DType::bf16, DType::f16, 1.0f}, std::tuple{DType::f32, DType::f32, 0.5f}}) {
+    SCOPED_TRACE(std::string(ops::dtype_name(from)) + " -> " + ops::dtype_name(to));
+    std::vector<std::byte> want(n * ops::dtype_bytes(to)), got(want.size());
+    ops::ref::cast(from, to, bits.data(), want.data(), n, factor);
+    ops::cast_host(from, to, bits.data(), got.data(), n, factor);
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size()), 0);
+  }
+  std::vector<std::uint32_t> host(n);
+  EXPECT_THROW(ops::cast_host(DType::f32, DType::i32, host.data(), host.data(), n), std::invalid_argument);
 }
 
 // ---- Correctly rounded division (dtype.clh div_rn) ---------------------------------------------

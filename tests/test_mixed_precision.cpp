@@ -173,6 +173,42 @@ TEST(MixedPrecision, HostUpdatesFetchNarrowWeights) {
   EXPECT_TRUE(r.updated);
 }
 
+// With the updates on the host, a narrow layer's weight gradient crosses the link as f16 or bf16
+// and a cast on the host widens it: half the bytes of those write-backs, and the same training to
+// the bit as the f32 copies (fp16's loss scale included, which the host cast divides out as the
+// device's did; here its first step overflows and halves it).
+TEST(MixedPrecision, HostUpdatesWriteBackNarrowGradients) {
+  Runtime rt;
+  const auto mlp = models::mlp();
+  const std::size_t sample = sample_elems(mlp);
+  for (const DType compute : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(ops::dtype_name(compute));
+    auto wide = options(compute, 64);
+    wide.residency.mode = graph::ResidencyMode::stream;
+    wide.residency.host_optimizer = true;
+    wide.residency.budget_bytes = stream_budget(rt, mlp, wide);
+    wide.residency.narrow_gradient_copies = false;
+    if (compute == DType::f16) wide.precision.initial_scale = 16777216.0f;  // 2^24: the first steps overflow
+    auto narrow = wide;
+    narrow.residency.narrow_gradient_copies = true;
+    Trainer a(rt, mlp, wide), b(rt, mlp, narrow);
+    // The two hidden layers' weights are narrow (the head and the biases stay f32).
+    EXPECT_LT(b.residency().write_back_bytes, a.residency().write_back_bytes * 6 / 10)
+        << "narrow " << b.residency().write_back_bytes << " bytes, f32 " << a.residency().write_back_bytes;
+    for (std::uint32_t s = 0; s < 3; ++s) {
+      const auto images = random_vector(64 * sample, 900 + s, 0.0f, 1.0f);
+      const auto labels = labels_for(64, 950 + s);
+      const StepResult ra = a.step(images, labels), rb = b.step(images, labels);
+      EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
+      EXPECT_EQ(ra.updated, rb.updated) << "step " << s;
+    }
+    if (compute == DType::f16) {
+      EXPECT_GT(b.overflow_steps(), 0u) << "the loss scale never overflowed";
+    }
+    for (const auto& name : a.parameter_names()) EXPECT_EQ(a.read_parameter(name), b.read_parameter(name)) << name;
+  }
+}
+
 // Narrow activations halve what backward keeps: the planned step peak drops. Compared without
 // the persistent tensors (f32 master weights and optimizer state, the same in both), whose share
 // of the peak depends on the GEMM kernel's scratch: measured 0.43 (tiled, NVIDIA) to 0.69

@@ -32,6 +32,17 @@ bool is_update(OpId op) {
   return ops::op_info(op).op_class == ops::OpClass::update;
 }
 
+// Whether node `n` of `nodes` is a device cast that writes the whole gradient `grad` (a storage
+// tensor) from an f16 or bf16 tensor of the device's.
+bool widens_whole_gradient(const Graph& g, const NodeTable& nodes, NodeId n, TensorId grad) {
+  const auto& t = g.tensors;
+  if (nodes.op[n] != builtin::cast || is_host_lane(nodes.lane[n]) || nodes.outputs(n).size() != 1) return false;
+  const TensorId in = nodes.inputs(n)[0], out = nodes.outputs(n)[0];
+  const DType from = t.dtype[in];
+  return out == grad && t.dtype[grad] == DType::f32 && (from == DType::f16 || from == DType::bf16) &&
+         t.storage(in) == in && t.shape[in].elems() == t.shape[grad].elems() && t.home[in] == Home::device;
+}
+
 }  // namespace
 
 // Moves every optimizer update to the host lane: its gradient is written back into pinned host
@@ -39,8 +50,11 @@ bool is_update(OpId op) {
 // just before the update, or, with `write_back_early` (one-copy state: the updates wait for the
 // commit point), right after the gradient's last use on the device, so it does not stay there
 // until the update phase. A gradient a data-parallel reduction summed in pinned host memory is read
-// there: no write-back.
-void move_updates_to_host(Graph& g, bool write_back_early) {
+// there: no write-back. A gradient the device widened from f16 or bf16 (mixed precision: a narrow
+// layer's weight gradient cast back to its f32 master's dtype) crosses the link narrow, and a cast
+// on the host lane (the same row and factor, the same bits) widens it there for the update: half
+// the bytes of the copy, and the narrow tensor, not the f32 one, lives on the device until it.
+void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
   auto& t = g.tensors;
   const NodeTable old = g.nodes;
   // Per update: the node after which its gradient's write-back goes (none: just before it).
@@ -49,6 +63,8 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
   // Per update: the pinned host tensor its gradient was copied from, when a data-parallel
   // reduction left the sum there (the update reads it rather than a copy of it written back).
   std::vector<TensorId> grad_host(old.size(), no_tensor);
+  // Per update: the device cast that widened its gradient from f16 or bf16, if one did.
+  std::vector<NodeId> widened_by(old.size(), none);
   for (NodeId n = 0; n < old.size(); ++n) {
     if (is_update(old.op[n])) {
       const TensorId grad = t.storage(old.inputs(n)[1]);
@@ -56,9 +72,10 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
       if (writer != none && old.op[writer] == builtin::grad_receive &&
           t.home[t.storage(old.inputs(writer)[0])] == Home::host_pinned) {
         grad_host[n] = old.inputs(writer)[0];
-      } else if (write_back_early) {
-        write_back_after[n] = last_use[grad];
+        continue;
       }
+      if (narrow_copies && writer != none && widens_whole_gradient(g, old, writer, grad)) widened_by[n] = writer;
+      if (write_back_early) write_back_after[n] = last_use[grad];
       continue;
     }
     for (TensorId x : old.outputs(n)) last_writer[t.storage(x)] = n;
@@ -75,8 +92,19 @@ void move_updates_to_host(Graph& g, bool write_back_early) {
     const TensorId grad = old.inputs(u)[1];
     grad_host[u] = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
     t.home[grad_host[u]] = Home::host_pinned;
-    out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host[u], 1), {},
+    if (widened_by[u] == none) {
+      out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host[u], 1), {},
+              Lane::d2h);
+      return;
+    }
+    const NodeId cast = widened_by[u];
+    const TensorId narrow = old.inputs(cast)[0];
+    const TensorId narrow_host = t.add(t.name[narrow] + "@host", t.shape[narrow], t.dtype[narrow], Role::gradient);
+    t.home[narrow_host] = Home::host_pinned;
+    out.add(builtin::write_back, "write_back." + t.name[narrow], std::span(&narrow, 1), std::span(&narrow_host, 1), {},
             Lane::d2h);
+    out.add(builtin::cast, old.name[cast] + "@host", std::span(&narrow_host, 1), std::span(&grad_host[u], 1),
+            old.attrs[cast], Lane::host);
   };
   for (NodeId n = 0; n < old.size(); ++n) {
     if (!is_update(old.op[n])) {

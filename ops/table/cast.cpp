@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "ops/attrs.hpp"
+#include "ops/quantize_host.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -38,8 +39,8 @@ OpInfo cast_row() {  // in: x  out: y
   r.bind = [](const BindContext& c) {
     return cast(c.env(), c.input(0).dtype, c.output(0).dtype, c.in(0), c.out(0), in_elems(c, 0), scale_of(c.attrs()));
   };
-  r.host = [](const HostContext& c) {
-    ref::cast(c.input(0).dtype, c.output(0).dtype, c.in(0), c.out(0), c.input(0).shape.elems(),
+  r.host = [](const HostContext& c) {  // the reference's bits, on all cores
+    cast_host(c.input(0).dtype, c.output(0).dtype, c.in(0), c.out(0), c.input(0).shape.elems(),
               cast_factor(scale_of(c.attrs()), c.step()));
   };
   // The gradient of a cast is the output's gradient cast back to the input's dtype (a tensor's

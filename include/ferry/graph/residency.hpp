@@ -64,6 +64,10 @@ struct ResidencyOptions {
   // A resident step's adjacent Adam updates as one launch per up to 8 parameters
   // (adam_update_group; the same bits). TrainerOptions::fuse sets it.
   bool group_updates = true;
+  // The host optimizer under mixed precision: a weight gradient the device widens from f16 or
+  // bf16 crosses the link narrow and is widened on the host (the same bits, half the bytes of the
+  // copy). false only to measure or compare.
+  bool narrow_gradient_copies = true;
   static constexpr std::uint64_t min_staging_chunk_bytes = std::uint64_t{4} << 10;
   static constexpr std::uint64_t max_staging_chunk_bytes = std::uint64_t{256} << 20;
 };
