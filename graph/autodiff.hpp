@@ -82,6 +82,11 @@ void fuse_activation_grads(Graph& g);
 // (weights cast from their f32 masters once per step; biases stay f32); every other node reads
 // f32 (casts back where needed). See graph/passes/mixed_precision.cpp.
 void apply_mixed_precision(Graph& g, DType narrow);
+// Mixed precision, after autodiff: the f32 weights a narrow node reads as they are (its bias) get
+// their gradients from its loss-scaled narrow gradient, so each is divided by the loss scale (a
+// cast f32 -> f32 by StepInfo::loss_scale's inverse, right after its last writer), as the casts
+// back to f32 do for the narrow weights' gradients.
+void unscale_f32_weight_gradients(Graph& g);
 
 // Every training variant, after autodiff and before the state updates: a node "overflow_guard"
 // over the loss and every weight gradient makes g.guard (role stats, downloaded as

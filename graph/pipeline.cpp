@@ -22,7 +22,9 @@ const std::vector<ModelPass>& model_passes() {
        }},
       {"autodiff",
        [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
-         if (key.training) append_backward(g);
+         if (!key.training) return;
+         append_backward(g);
+         if (key.precision != DType::f32 && !key.int8_weights) unscale_f32_weight_gradients(g);
        }},
       {"backward fusion",
        [](Graph& g, const VariantKey& key, const OptimizerConfig&) {

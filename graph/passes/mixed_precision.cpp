@@ -87,6 +87,53 @@ void apply_mixed_precision(Graph& g, DType narrow) {
   g.nodes = std::move(out);
 }
 
+void unscale_f32_weight_gradients(Graph& g) {
+  auto& t = g.tensors;
+  const auto narrow = [&](TensorId x) { return t.dtype[x] == DType::f16 || t.dtype[x] == DType::bf16; };
+  // Per weight: read as it is by a node that computes narrow (its gradient comes scaled), by one
+  // that does not (unscaled).
+  std::vector<char> scaled(t.size(), 0), unscaled(t.size(), 0);
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (ops::op_info(g.nodes.op[n]).op_class != ops::OpClass::forward) continue;
+    const auto outs = g.nodes.outputs(n);
+    const bool low = std::any_of(outs.begin(), outs.end(), narrow);
+    for (TensorId x : g.nodes.inputs(n)) {
+      const TensorId w = t.storage(x);
+      if (t.role[w] != Role::weight || t.grad[w] == no_tensor || t.dtype[x] != DType::f32) continue;
+      (low ? scaled : unscaled)[w] = 1;
+    }
+  }
+  std::vector<NodeId> last_writer(t.size(), static_cast<NodeId>(g.nodes.size()));
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    for (TensorId x : g.nodes.outputs(n)) last_writer[t.storage(x)] = n;
+  }
+  std::vector<std::vector<TensorId>> after(g.nodes.size());  // weights whose gradient is unscaled after node n
+  for (TensorId w = 0; w < t.size(); ++w) {
+    if (!scaled[w]) continue;
+    if (unscaled[w]) {
+      throw std::logic_error(fmt::format(
+          "mixed precision: weight '{}' is read as f32 by narrow and by f32 nodes, so its gradient sums scaled "
+          "and unscaled parts",
+          t.name[w]));
+    }
+    const NodeId writer = last_writer[t.storage(t.grad[w])];
+    if (writer == g.nodes.size()) throw std::logic_error(fmt::format("no node makes the gradient of '{}'", t.name[w]));
+    after[writer].push_back(w);
+  }
+  const NodeTable old = std::move(g.nodes);
+  g.nodes = {};
+  const NodeAttrs attrs = ops::CastAttrs{.to = DType::f32, .scale = ops::CastScale::inverse_loss_scale}.pack();
+  for (NodeId n = 0; n < old.size(); ++n) {
+    g.nodes.add_copy(old, n);
+    for (TensorId w : after[n]) {
+      const TensorId grad = t.grad[w];
+      const TensorId true_grad = t.add(t.name[grad] + ".unscaled", t.shape[grad], DType::f32, t.role[grad]);
+      g.nodes.add(builtin::cast, t.name[grad] + ".unscale", std::span(&grad, 1), std::span(&true_grad, 1), attrs);
+      t.grad[w] = true_grad;
+    }
+  }
+}
+
 std::vector<TensorId> weights_in_gradient_order(const Graph& g) {
   const auto& t = g.tensors;
   std::vector<NodeId> last_write(t.size(), 0);
