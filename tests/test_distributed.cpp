@@ -174,6 +174,7 @@ struct MirrorCase {
   std::uint32_t accumulate;
   bool hybrid = false;  // hybrid phases, predicting early (the ranks' controllers must agree)
   bool fp16 = false;    // fp16 with a loss scale that overflows (the ranks' scalers must agree)
+  bool bf16 = false;    // bf16 layers: their gradients are sent narrow and widened on the host
 };
 
 class MirroredRanks : public ::testing::TestWithParam<MirrorCase> {};
@@ -200,6 +201,7 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
     alone.precision.initial_scale = 16777216.0f;  // 2^24: the first steps overflow
     alone.precision.growth_interval = 2;          // and the scale grows back into overflows
   }
+  if (c.bf16) alone.precision.compute = ops::DType::bf16;
   auto mirror = std::make_shared<Mirror>(4);
   const TrainerOptions ranked = on_four_ranks(alone, mirror);
   // Each mirrored rank's loss is the mean over a quarter of a global batch of 32, so its gradients
@@ -232,6 +234,16 @@ TEST_P(MirroredRanks, TrainBitIdenticalToOneRank) {
     EXPECT_GT(overflowed, 0) << "no step overflowed: the case tests nothing of the scaling";
   }
   EXPECT_GT(mirror->reductions, 0);
+  if ((c.fp16 || c.bf16) && c.accumulate == 1) {
+    // The narrow layers' weight gradients go to the host as they are (then widened there).
+    int narrow_sends = 0;
+    const graph::Graph& g = compiled_train_step(four).graph();
+    for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+      narrow_sends += g.nodes.op[n] == ops::builtin::grad_send &&
+                      g.tensors.dtype[g.nodes.inputs(n)[0]] == (c.fp16 ? ops::DType::f16 : ops::DType::bf16);
+    }
+    EXPECT_GT(narrow_sends, 0);
+  }
   if (c.host_optimizer) {
     // The host updates read the sums the reductions left in pinned host memory: no gradient is
     // written back to the host a second time.
@@ -251,7 +263,9 @@ INSTANTIATE_TEST_SUITE_P(
                       MirrorCase{"host_optimizer", graph::ResidencyMode::stream, true, 1},
                       MirrorCase{"hybrid", graph::ResidencyMode::resident, false, 1, true},
                       MirrorCase{"fp16_accumulate", graph::ResidencyMode::resident, false, 2, false, true},
-                      MirrorCase{"fp16_hybrid_streamed", graph::ResidencyMode::stream, false, 2, true, true}),
+                      MirrorCase{"fp16_hybrid_streamed", graph::ResidencyMode::stream, false, 2, true, true},
+                      MirrorCase{"fp16", graph::ResidencyMode::resident, false, 1, false, true},
+                      MirrorCase{"bf16_host_optimizer", graph::ResidencyMode::stream, true, 1, false, false, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The mirror's sums, but non-blocking: a collective started by start_allreduce_sum writes its sum

@@ -180,6 +180,57 @@ void place_reductions_after_their_gradients(Graph& g, NodeId appended_from) {
   for (NodeId n : last) g.nodes.add_copy(old, n);
 }
 
+// Under mixed precision a narrow layer's weight gradient is widened to f32 on the device only for
+// its send (the reductions check the sums, not the local gradients): the send copies the narrow
+// gradient instead, and a cast on the host lane (the same row and factor: the same bits) widens
+// it into the f32 host buffer the collective reads. Half the bytes of the copy, one device pass
+// fewer, and the f32 gradient never exists on the device.
+void send_narrow_gradients(Graph& g) {
+  auto& t = g.tensors;
+  constexpr NodeId none = ~NodeId{0};
+  const NodeTable old = std::move(g.nodes);
+  g.nodes = {};
+  std::vector<NodeId> writer(t.size(), none);
+  std::vector<std::uint32_t> readers(t.size(), 0);
+  std::vector<NodeId> widened_by(old.size(), none);  // per send: the cast whose output it sends
+  std::vector<char> dropped(old.size(), 0);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    for (TensorId x : old.inputs(n)) ++readers[t.storage(x)];
+  }
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] == ops::builtin::grad_send) {
+      const TensorId x = old.inputs(n)[0];
+      const NodeId w = writer[t.storage(x)];
+      if (w != none && old.op[w] == ops::builtin::cast && !is_host_lane(old.lane[w]) && readers[t.storage(x)] == 1 &&
+          old.outputs(w)[0] == x && t.storage(x) == x) {
+        const TensorId narrow = old.inputs(w)[0];
+        const DType from = t.dtype[narrow];
+        if ((from == DType::f16 || from == DType::bf16) && t.storage(narrow) == narrow &&
+            t.home[narrow] == Home::device && t.shape[narrow].elems() == t.shape[x].elems()) {
+          widened_by[n] = w;
+          dropped[w] = 1;
+        }
+      }
+    }
+    for (TensorId x : old.outputs(n)) writer[t.storage(x)] = n;
+  }
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (dropped[n]) continue;
+    if (widened_by[n] == none) {
+      g.nodes.add_copy(old, n);
+      continue;
+    }
+    const NodeId cast = widened_by[n];
+    const TensorId narrow = old.inputs(cast)[0], host = old.outputs(n)[0];
+    const TensorId narrow_host = t.add(t.name[host] + "." + std::string(dtype_name(t.dtype[narrow])), t.shape[narrow],
+                                       t.dtype[narrow], Role::gradient);
+    t.home[narrow_host] = Home::host_pinned;
+    g.nodes.add(old.op[n], old.name[n], std::span(&narrow, 1), std::span(&narrow_host, 1), old.attrs[n], old.lane[n]);
+    g.nodes.add(ops::builtin::cast, old.name[cast] + "@host", std::span(&narrow_host, 1), std::span(&host, 1),
+                old.attrs[cast], Lane::host);
+  }
+}
+
 // The overflow guard summed over the ranks, after every reduction of the step: a guard that is
 // not finite on one rank (a gradient of its shares) is not finite on all, so every rank makes the
 // same decision to update or to skip.
@@ -264,6 +315,7 @@ void append_gradient_reduce_scatter(Graph& g, float share, std::uint64_t bucket_
   };
   append_collective(g, grads, buckets, c);
   place_reductions_after_their_gradients(g, appended_from);
+  send_narrow_gradients(g);
   append_guard_agreement(g);
 }
 
@@ -284,6 +336,7 @@ void append_gradient_allreduce(Graph& g, float share, std::uint64_t bucket_bytes
        [share](std::size_t) { return ops::CollectiveAttrs{.share = share}; },
        [&](std::size_t i, TensorId host, TensorId) { receive_gradient(g, weights[i], host, ".sum", "allreduce"); }});
   place_reductions_after_their_gradients(g, appended_from);
+  send_narrow_gradients(g);
 }
 
 void append_micro_batch_guard_agreement(Graph& g) {

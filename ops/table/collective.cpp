@@ -70,6 +70,8 @@ void one_rank_reference(RefContext& c, double scale) {
 OpInfo copy_row(const char* name, bool to_device) {
   OpInfo r;
   r.name = name;
+  // A narrow layer's gradient is sent as it is and widened on the host (graph/passes/data_parallel.cpp).
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
   r.lane = to_device ? Lane::h2d : Lane::d2h;
   r.op_class = OpClass::communication;
   r.bind = [to_device](const BindContext& c) { return transfer_copies(c, to_device); };
