@@ -87,6 +87,10 @@ void apply_mixed_precision(Graph& g, DType narrow);
 // cast f32 -> f32 by StepInfo::loss_scale's inverse, right after its last writer), as the casts
 // back to f32 do for the narrow weights' gradients.
 void unscale_f32_weight_gradients(Graph& g);
+// The f16 or bf16 device tensor node `n` of `nodes` widens whole into `out` (a storage tensor), if
+// `n` is such a cast on a device lane: the narrow gradient a mixed-precision step copies to the
+// host in place of its f32 widening (the host optimizer's write-backs, data-parallel sends).
+TensorId widened_narrow_tensor(const TensorTable& t, const NodeTable& nodes, NodeId n, TensorId out);
 
 // Every training variant, after autodiff and before the state updates: a node "overflow_guard"
 // over the loss and every weight gradient makes g.guard (role stats, downloaded as

@@ -201,15 +201,9 @@ void send_narrow_gradients(Graph& g) {
     if (old.op[n] == ops::builtin::grad_send) {
       const TensorId x = old.inputs(n)[0];
       const NodeId w = writer[t.storage(x)];
-      if (w != none && old.op[w] == ops::builtin::cast && !is_host_lane(old.lane[w]) && readers[t.storage(x)] == 1 &&
-          old.outputs(w)[0] == x && t.storage(x) == x) {
-        const TensorId narrow = old.inputs(w)[0];
-        const DType from = t.dtype[narrow];
-        if ((from == DType::f16 || from == DType::bf16) && t.storage(narrow) == narrow &&
-            t.home[narrow] == Home::device && t.shape[narrow].elems() == t.shape[x].elems()) {
-          widened_by[n] = w;
-          dropped[w] = 1;
-        }
+      if (w != none && readers[t.storage(x)] == 1 && widened_narrow_tensor(t, old, w, x) != no_tensor) {
+        widened_by[n] = w;
+        dropped[w] = 1;
       }
     }
     for (TensorId x : old.outputs(n)) writer[t.storage(x)] = n;

@@ -32,17 +32,6 @@ bool is_update(OpId op) {
   return ops::op_info(op).op_class == ops::OpClass::update;
 }
 
-// Whether node `n` of `nodes` is a device cast that writes the whole gradient `grad` (a storage
-// tensor) from an f16 or bf16 tensor of the device's.
-bool widens_whole_gradient(const Graph& g, const NodeTable& nodes, NodeId n, TensorId grad) {
-  const auto& t = g.tensors;
-  if (nodes.op[n] != builtin::cast || is_host_lane(nodes.lane[n]) || nodes.outputs(n).size() != 1) return false;
-  const TensorId in = nodes.inputs(n)[0], out = nodes.outputs(n)[0];
-  const DType from = t.dtype[in];
-  return out == grad && t.dtype[grad] == DType::f32 && (from == DType::f16 || from == DType::bf16) &&
-         t.storage(in) == in && t.shape[in].elems() == t.shape[grad].elems() && t.home[in] == Home::device;
-}
-
 }  // namespace
 
 // Moves every optimizer update to the host lane: its gradient is written back into pinned host
@@ -74,7 +63,9 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
         grad_host[n] = old.inputs(writer)[0];
         continue;
       }
-      if (narrow_copies && writer != none && widens_whole_gradient(g, old, writer, grad)) widened_by[n] = writer;
+      if (narrow_copies && writer != none && widened_narrow_tensor(t, old, writer, grad) != no_tensor) {
+        widened_by[n] = writer;
+      }
       if (write_back_early) write_back_after[n] = last_use[grad];
       continue;
     }

@@ -134,6 +134,15 @@ void unscale_f32_weight_gradients(Graph& g) {
   }
 }
 
+TensorId widened_narrow_tensor(const TensorTable& t, const NodeTable& nodes, NodeId n, TensorId out) {
+  if (nodes.op[n] != builtin::cast || is_host_lane(nodes.lane[n]) || nodes.outputs(n).size() != 1) return no_tensor;
+  const TensorId in = nodes.inputs(n)[0];
+  const bool narrow = t.dtype[in] == DType::f16 || t.dtype[in] == DType::bf16;
+  const bool whole = nodes.outputs(n)[0] == out && t.storage(out) == out && t.storage(in) == in &&
+                     t.shape[in].elems() == t.shape[out].elems();
+  return narrow && whole && t.dtype[out] == DType::f32 && t.home[in] == Home::device ? in : no_tensor;
+}
+
 std::vector<TensorId> weights_in_gradient_order(const Graph& g) {
   const auto& t = g.tensors;
   std::vector<NodeId> last_write(t.size(), 0);
