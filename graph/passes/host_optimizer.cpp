@@ -42,7 +42,7 @@ bool is_update(OpId op) {
 // there: no write-back. A gradient the device widened from f16 or bf16 (mixed precision: a narrow
 // layer's weight gradient cast back to its f32 master's dtype) crosses the link narrow, and a cast
 // on the host lane (the same row and factor, the same bits) widens it there for the update: half
-// the bytes of the copy, and the narrow tensor, not the f32 one, lives on the device until it.
+// the bytes of the copy, which leaves right after the device's cast (the narrow tensor's last use).
 void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
   auto& t = g.tensors;
   const NodeTable old = g.nodes;
@@ -64,9 +64,12 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
         continue;
       }
       if (narrow_copies && writer != none && widened_narrow_tensor(t, old, writer, grad) != no_tensor) {
+        // Right after the cast, the narrow gradient's last use: it is not kept for the write-back.
         widened_by[n] = writer;
+        write_back_after[n] = writer;
+      } else if (write_back_early) {
+        write_back_after[n] = last_use[grad];
       }
-      if (write_back_early) write_back_after[n] = last_use[grad];
       continue;
     }
     for (TensorId x : old.outputs(n)) last_writer[t.storage(x)] = n;
