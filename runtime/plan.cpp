@@ -323,8 +323,9 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
   const std::uint64_t budget = detail::resolve_device_budget(o, runtime.device());
   throw graph::BudgetError(
       fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
-                  "needs {}{}; raise the budget to at least {}, or use a smaller batch, bf16 (--precision bf16) or "
-                  "8-bit optimizer state (--optimizer adamw8bit)",
+                  "needs {}{}; raise the budget to at least {}, or use a smaller batch, bf16 layers (--precision "
+                  "bf16; PrecisionConfig::compute) or 8-bit optimizer state (--optimizer adamw8bit; "
+                  "OptimizerConfig::Kind::adamw8bit)",
                   format_bytes(budget), format_bytes_up(without),
                   leanest_every ? fmt::format(", recomputing segments of {} layers (the leanest) {}", leanest_every,
                                               format_bytes_up(leanest))
