@@ -50,11 +50,7 @@ LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t r
     return list;
   }
   cl::Kernel k = env.kernels.kernel("bias", "bias_backward", defines);
-  // 16 columns by 16 row lanes per work-group, fewer lanes where the kernel allows less.
-  std::size_t tc = 16, tr = 16;
-  const std::size_t limit = kernel_group_limit(k, env.device());
-  while (tc * tr > limit && tr > 1) tr /= 2;
-  while (tc * tr > limit && tc > 1) tc /= 2;
+  const auto [tc, tr] = column_group_size(k, env.device());
   cl::set_args(k.get(), dy.buffer, dy_off, db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
   FERRY_CL(clSetKernelArg(k.get(), 6, tc * tr * sizeof(float), nullptr));
   set_nullable_arg(k, 7, guard);

@@ -125,15 +125,8 @@ KernelLaunch quant_scales_launch(OpEnv& env, DeviceSpan x, DeviceSpan scales, Qu
   cl::set_args(k.get(), x.buffer, x.elem_offset(4), scales.buffer, scales.elem_offset(4), static_cast<cl_uint>(l.outer),
                static_cast<cl_uint>(l.channels), static_cast<cl_uint>(l.inner));
   if (!lanes) return elementwise_launch(std::move(k), l.channels);
-  std::size_t tc = 1, tr = 0;
-  if (l.inner == 1) {
-    const std::size_t limit = kernel_group_limit(k, env.device());
-    tc = std::min<std::size_t>(16, limit);
-    tr = 1;
-    while (tr * 2 * tc <= limit && tr < 16) tr *= 2;
-  } else {
-    tr = row_group_size(k, env.device(), l.inner);
-  }
+  const auto [tc, tr] = l.inner == 1 ? column_group_size(k, env.device())
+                                     : std::pair<std::size_t, std::size_t>{1, row_group_size(k, env.device(), l.inner)};
   FERRY_CL(clSetKernelArg(k.get(), 7, tc * tr * sizeof(cl_uint), nullptr));
   KernelLaunch launch;
   launch.kernel = std::move(k);

@@ -84,6 +84,14 @@ std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device
   return std::max<std::size_t>(1, limit);
 }
 
+std::pair<std::size_t, std::size_t> column_group_size(const cl::Kernel& k, const cl::DeviceInfo& device) {
+  std::size_t columns = 16, lanes = 16;
+  const std::size_t limit = kernel_group_limit(k, device);
+  while (columns * lanes > limit && lanes > 1) lanes /= 2;
+  while (columns * lanes > limit && columns > 1) columns /= 2;
+  return {columns, lanes};
+}
+
 namespace {
 // FERRY_ROW_GROUP_SIZE as it is set, or nullptr when unset or empty.
 const char* forced_row_group() {

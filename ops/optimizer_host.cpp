@@ -18,15 +18,9 @@
 #include <vector>
 
 #include "ferry/ops/quant_map.hpp"
+#include "ops/host_clones.hpp"
 #include "ops/quant_buckets.hpp"
 
-// Clones where the compiler makes them (GCC, clang >= 14 on x86-64); not in sanitizer builds, whose
-// runtimes are not set up yet when the loader runs a clone's resolver.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-#define FERRY_HOST_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FERRY_HOST_CLONES
-#endif
 // No dependence between iterations: the vectoriser needs no run-time check that in-place slots
 // (the same memory read and written at the same index) do not overlap.
 #if defined(__clang__)

@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "ops/host_clones.hpp"
+
 namespace ferry::ops {
 namespace {
 
@@ -89,46 +91,22 @@ void quantize_i8_host(std::span<const float> x, QuantLayout l, std::span<std::in
 
 namespace {
 
-// Clones where the compiler makes them (as in optimizer_host.cpp): the conversions below vectorise.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-#define FERRY_CAST_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FERRY_CAST_CLONES
-#endif
-
-// half_to_float without branches: the half's exponent and mantissa placed as a float's and scaled
-// by 2^112 (exact, subnormals included: a float product by a power of two), inf and NaN (quieted,
-// as half_to_float does) by a select.
-inline float half_bits_to_float(std::uint16_t h) {
-  const std::uint32_t em = h & 0x7fffu;
-  std::uint32_t u = std::bit_cast<std::uint32_t>(std::bit_cast<float>(em << 13) * 0x1p112f);
-  const std::uint32_t special = 0x7f800000u | (em << 13) | (em > 0x7c00u ? 0x400000u : 0u);
-  u = em >= 0x7c00u ? special : u;
-  return std::bit_cast<float>(u | (static_cast<std::uint32_t>(h & 0x8000u) << 16));
-}
-
-// float_to_bf16 without a branch.
-inline std::uint16_t float_to_bf16_bits(float f) {
-  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
-  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x0040u;
-  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
-
-// The widening of a narrow gradient and the narrowing of a weight for bf16: as ref::cast, in loops
-// that vectorise. A factor of 1 multiplies nothing (a product would quiet a signalling NaN).
-FERRY_CAST_CLONES void widen(DType from, const std::uint16_t* in, float* out, std::size_t n, float factor) {
+// The widening of a narrow gradient and the narrowing of a weight for bf16: ref::cast's conversions
+// (written without branches) in loops that vectorise, not through its per-element type switch. A
+// factor of 1 multiplies nothing (a product would quiet a signalling NaN).
+FERRY_HOST_CLONES void widen(DType from, const std::uint16_t* in, float* out, std::size_t n, float factor) {
   if (from == DType::f16) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = half_bits_to_float(in[i]);
+    for (std::size_t i = 0; i < n; ++i) out[i] = ref::half_to_float(in[i]);
   } else {
-    for (std::size_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(static_cast<std::uint32_t>(in[i]) << 16);
+    for (std::size_t i = 0; i < n; ++i) out[i] = ref::bf16_to_float(in[i]);
   }
   if (factor != 1.0f) {
     for (std::size_t i = 0; i < n; ++i) out[i] *= factor;
   }
 }
 
-FERRY_CAST_CLONES void narrow_to_bf16(const float* in, std::uint16_t* out, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) out[i] = float_to_bf16_bits(in[i]);
+FERRY_HOST_CLONES void narrow_to_bf16(const float* in, std::uint16_t* out, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = ref::float_to_bf16(in[i]);
 }
 
 // One block: the loops above where they apply, else the reference.

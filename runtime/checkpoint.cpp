@@ -154,21 +154,20 @@ std::map<TensorId, std::vector<std::byte>> Trainer::group_sums_over_ranks(bool k
   if (world_size() == 1 || compiled_->train_key.zero_stage != 0 || micro_ == 0) return out;
   const auto& t = compiled_->train->graph().tensors;
   const auto& arena = *compiled_->train->persistent();
-  std::vector<float> values;
+  std::vector<float> values;  // f32 sums (the accumulation pass's)
   std::vector<double> weighted;
   for (const TensorId id : checkpoint_tensors()) {
     if (t.role[id] != graph::Role::gradient_sum) continue;
-    std::vector<std::byte>& bytes = out[id];
-    bytes.resize(t.bytes(id));
-    arena.read(t.home[id], t.placement[id], bytes.data(), bytes.size());
-    values.resize(bytes.size() / sizeof(float));
-    std::memcpy(values.data(), bytes.data(), bytes.size());
+    values.resize(t.bytes(id) / sizeof(float));
+    arena.read(t.home[id], t.placement[id], values.data(), t.bytes(id));
     weighted.assign(values.begin(), values.end());
     for (double& v : weighted) v *= batch_share();
     control_->allreduce_sum(weighted);
+    if (!keep) continue;
+    std::vector<std::byte>& bytes = out[id];
+    bytes.resize(t.bytes(id));
     for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(weighted[i]);
     std::memcpy(bytes.data(), values.data(), bytes.size());
-    if (!keep) out.erase(id);
   }
   return out;
 }

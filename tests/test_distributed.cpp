@@ -365,37 +365,43 @@ TEST(CommLane, CollectivesCompleteOffTheWorkersAndTheStepWaitsForThem) {
   }
 }
 
-// Rank 0 of two at ZeRO stage 2, the other rank simulated: its half of every gradient sum equals
-// this rank's (sums are twice this rank's), and its overflow guard is NaN when `poisoned` (a
-// gradient of its shares was not finite). The guard sum is the only float all-reduce at stage 2.
+// Rank 0 of two, the other rank simulated: every sum is twice this rank's (its half of a sum equals
+// this rank's; at stage 2 rank 0's run comes first). `Poison` says what the other rank got wrong:
+// its overflow guard is NaN (`guard`: a gradient of its shares was not finite; at stage 2 the guard
+// sum is the only float all-reduce), or the first element of each gradient bucket's sum, or of this
+// rank's share of it, is NaN while the guards stay finite (`sums`: only a check of the sums
+// themselves can see it).
 class HalfOfTwo final : public ops::Communicator {
  public:
-  explicit HalfOfTwo(bool poisoned) : poisoned_(poisoned) {}
+  enum class Poison : std::uint8_t { none, guard, sums };
+  explicit HalfOfTwo(Poison poison) : poison_(poison) {}
   int rank() const override { return 0; }
   int size() const override { return 2; }
   std::string name() const override { return "half of two"; }
   void allreduce_sum(std::span<const std::span<float>> buffers) override {
-    ++guard_sums;
+    ++float_sums;
     for (const auto& b : buffers) {
-      for (float& x : b) x = poisoned_ ? std::nanf("") : 2 * x;
+      for (float& x : b) x = poison_ == Poison::guard ? std::nanf("") : 2 * x;
     }
+    if (poison_ == Poison::sums && !buffers.empty() && buffers[0].size() > 1) buffers[0][0] = std::nanf("");
   }
   void allreduce_sum(std::span<double> values) override {
     for (double& x : values) x *= 2;
   }
   void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
     for (const auto& b : buffers) {
-      for (std::size_t i = 0; i < b.shard.size(); ++i) b.shard[i] = 2 * b.data[i];  // rank 0's run comes first
+      for (std::size_t i = 0; i < b.shard.size(); ++i) b.shard[i] = 2 * b.data[i];
     }
+    if (poison_ == Poison::sums && !buffers.empty() && !buffers[0].shard.empty()) buffers[0].shard[0] = std::nanf("");
   }
   void allgather(std::span<ops::GatherBuffer>) override {}  // the other rank's shares are not known here
   std::vector<std::uint64_t> allgather(std::uint64_t value) override { return {value, value}; }
-  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<HalfOfTwo>(poisoned_); }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<HalfOfTwo>(poison_); }
   [[noreturn]] void abort(int) const override { std::abort(); }
-  int guard_sums = 0;
+  int float_sums = 0;
 
  private:
-  bool poisoned_;
+  Poison poison_;
 };
 
 // One step of `t` on a batch of 4 (seeded by `seed`): when `rejected`, the step must stop with the
@@ -425,14 +431,14 @@ TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
     TrainerOptions o;
     o.batch = 4;
     o.lr = 0.05f;
-    auto comm = std::make_shared<HalfOfTwo>(poisoned);
+    auto comm = std::make_shared<HalfOfTwo>(poisoned ? HalfOfTwo::Poison::guard : HalfOfTwo::Poison::none);
     o.data_parallel = {.communicator = comm, .global_batch = 8, .zero_stage = 2};
     Trainer t(rt, small_mlp(), o);
     EXPECT_LT(t.gradient_bytes(), t.allreduce_bytes_per_step());  // rank 0 keeps its shares alone
     std::map<std::string, std::vector<std::byte>> before;
     for (const auto& name : t.parameter_names()) before[name] = t.read_tensor(name).bytes;
     step_expecting(t, poisoned, 31, "another rank's guard was NaN");
-    EXPECT_EQ(comm->guard_sums, 1);
+    EXPECT_EQ(comm->float_sums, 1);  // the guards'
     // This rank's shares of the weights (the other rank's come from the gather this fake skips).
     const graph::Graph& g = compiled_train_step(t).graph();
     int changed = 0;
@@ -450,40 +456,6 @@ TEST(DataParallel, ZeroStage2SkipsAStepAnotherRanksGuardRejects) {
   }
 }
 
-// Rank 0 of two, the other rank simulated: every sum is twice this rank's gradient, and when
-// `poisoned` the first element of each gradient bucket's sum (or of this rank's share of it) is
-// NaN, as when the other rank's gradient overflowed there. The guard's own sum stays finite, so
-// only a check of the sums themselves can see it.
-class PoisonedSums final : public ops::Communicator {
- public:
-  explicit PoisonedSums(bool poisoned) : poisoned_(poisoned) {}
-  int rank() const override { return 0; }
-  int size() const override { return 2; }
-  std::string name() const override { return "poisoned sums"; }
-  void allreduce_sum(std::span<const std::span<float>> buffers) override {
-    for (const auto& b : buffers) {
-      for (float& x : b) x *= 2;
-    }
-    if (poisoned_ && buffers.size() > 0 && buffers[0].size() > 1) buffers[0][0] = std::nanf("");
-  }
-  void allreduce_sum(std::span<double> values) override {
-    for (double& x : values) x *= 2;
-  }
-  void reduce_scatter_sum(std::span<const ops::ScatterBuffer> buffers) override {
-    for (const auto& b : buffers) {
-      for (std::size_t i = 0; i < b.shard.size(); ++i) b.shard[i] = 2 * b.data[i];  // rank 0's run comes first
-    }
-    if (poisoned_ && buffers.size() > 0 && !buffers[0].shard.empty()) buffers[0].shard[0] = std::nanf("");
-  }
-  void allgather(std::span<ops::GatherBuffer>) override {}
-  std::vector<std::uint64_t> allgather(std::uint64_t value) override { return {value, value}; }
-  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<PoisonedSums>(poisoned_); }
-  [[noreturn]] void abort(int) const override { std::abort(); }
-
- private:
-  bool poisoned_;
-};
-
 // With the optimizer on the host the sums stay in host memory, where the updates read them and the
 // overflow guard checks them (no copy back to the device): a sum that is not finite still stops
 // the step, at every ZeRO stage, and changes no weight.
@@ -499,7 +471,9 @@ TEST(DataParallel, TheHostOptimizerChecksTheSumsInHostMemory) {
       o.residency.mode = graph::ResidencyMode::stream;
       o.residency.host_optimizer = true;
       o.data_parallel = {
-          .communicator = std::make_shared<PoisonedSums>(poisoned), .global_batch = 8, .zero_stage = stage};
+          .communicator = std::make_shared<HalfOfTwo>(poisoned ? HalfOfTwo::Poison::sums : HalfOfTwo::Poison::none),
+          .global_batch = 8,
+          .zero_stage = stage};
       Trainer t(rt, small_mlp(), o);
       const graph::Graph& g = compiled_train_step(t).graph();
       int host_checks = 0, gradients_received = 0;

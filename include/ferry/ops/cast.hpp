@@ -64,19 +64,14 @@ namespace ref {
 // IEEE binary16 <-> binary32, on the bits. half_to_float is exact (a NaN keeps its sign and
 // payload and becomes quiet); float_to_half rounds to nearest even as vstore_half_rte does (a NaN
 // becomes a quiet NaN with the sign and top payload bits; devices may choose another NaN).
+// Without branches, so that loops of it vectorise (the host lane's casts, ops::cast_host): the
+// half's exponent and mantissa placed as a float's and scaled by 2^112 (exact, subnormals
+// included: a product by a power of two), inf and NaN by a select.
 inline float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t e = (h >> 10) & 0x1fu;
-  std::uint32_t m = h & 0x3ffu;
-  if (e == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (m << 13) | (m != 0 ? 0x400000u : 0u));
-  if (e != 0) return std::bit_cast<float>(sign | ((e + 112u) << 23) | (m << 13));
-  if (m == 0) return std::bit_cast<float>(sign);
-  std::uint32_t fe = 113;  // a subnormal: m * 2^-24, normalised
-  while ((m & 0x400u) == 0) {
-    m <<= 1;
-    --fe;
-  }
-  return std::bit_cast<float>(sign | (fe << 23) | ((m & 0x3ffu) << 13));
+  const std::uint32_t em = h & 0x7fffu;
+  const std::uint32_t scaled = std::bit_cast<std::uint32_t>(std::bit_cast<float>(em << 13) * 0x1p112f);
+  const std::uint32_t special = 0x7f800000u | (em << 13) | (em > 0x7c00u ? 0x400000u : 0u);
+  return std::bit_cast<float>((em >= 0x7c00u ? special : scaled) | (static_cast<std::uint32_t>(h & 0x8000u) << 16));
 }
 
 inline std::uint16_t float_to_half(float f) {
@@ -104,10 +99,10 @@ inline float bf16_to_float(std::uint16_t b) {
   return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
 }
 
-inline std::uint16_t float_to_bf16(float f) {
+inline std::uint16_t float_to_bf16(float f) {  // a NaN stays a (quiet) NaN; no branch
   const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
-  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x0040u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // One element of storage type `t` (f32, f16, bf16) at p[i], as a float, and back (rounded).

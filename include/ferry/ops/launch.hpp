@@ -11,6 +11,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/cl/context.hpp"
@@ -102,6 +103,10 @@ std::size_t kernel_group_limit(const cl::Kernel& k, const cl::DeviceInfo& device
 // whose barriers become loops over the work-items; on GPUs a work-group per row, no larger than
 // the row needs and at most 256. Always within what the compiled kernel allows.
 std::size_t row_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent);
+// Local size (columns, row lanes) for a per-column reduction over rows (bias gradients, int8
+// scales): 16 neighbouring columns by 16 row lanes, halving the lanes and then the columns (powers
+// of two) until the kernel's and the device's limit allows it.
+std::pair<std::size_t, std::size_t> column_group_size(const cl::Kernel& k, const cl::DeviceInfo& device);
 // Whether FERRY_ROW_GROUP_SIZE forces the work-group kernels (kernels with a CPU twin that takes a
 // row per work-item run the work-group one then, so that tests cover it on a CPU device).
 bool row_group_forced();
