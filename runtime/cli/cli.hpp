@@ -156,6 +156,11 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 // added to `errors`, and training's results stand.
 void write_trace(const TrainArgs& a, const ferry::ChromeTrace& trace, std::vector<std::string>& errors);
 
+// Adds every compiled variant to `profiler`, writes --profile and --profile-phases (when given)
+// and shows the summary (unless --quiet): a failed write is said and added to `errors`.
+void write_memory_profiles(const TrainArgs& a, const ferry::Trainer& trainer, ferry::MemoryProfiler& profiler,
+                           std::vector<std::string>& errors);
+
 // The fields of the `--json` line every `ferry train` prints (docs/outputs.md): the run's setting,
 // its device, the sizes of its state and memory, data parallelism, and the phase fields. Each
 // command adds its results (losses, rates, timings) and its model's own fields.

@@ -213,6 +213,20 @@ void write_trace(const TrainArgs& a, const ferry::ChromeTrace& trace, std::vecto
                     [&] { trace.write(a.trace_path, {.replace_foreign_file = a.force}); });
 }
 
+void write_memory_profiles(const TrainArgs& a, const ferry::Trainer& trainer, ferry::MemoryProfiler& profiler,
+                           std::vector<std::string>& output_errors) {
+  profiler.add_variants(trainer);
+  if (!a.profile_phases_path.empty()) {
+    write_side_output(a.profile_phases_path, "the per-phase memory profile", a.quiet, output_errors,
+                      [&] { profiler.write_phase_csv(a.profile_phases_path, {.replace_foreign_file = a.force}); });
+  }
+  if (!a.profile_path.empty()) {
+    write_side_output(a.profile_path, "the memory profile", a.quiet, output_errors,
+                      [&] { profiler.write_csv(a.profile_path, {.replace_foreign_file = a.force}); });
+  }
+  if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
+}
+
 nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Trainer& trainer,
                                     std::uint32_t batch, const std::vector<std::string>& output_errors) {
   nlohmann::json j = {{"schema", train_json_schema},

@@ -198,22 +198,6 @@ Splits load_splits(const TrainArgs& a) {
   return s;
 }
 
-// The memory profiles of every compiled variant (--profile, --profile-phases) written, and their
-// summary shown; a failed write goes into `output_errors`.
-void write_memory_profiles(const TrainArgs& a, const ferry::Trainer& trainer, ferry::MemoryProfiler& profiler,
-                           std::vector<std::string>& output_errors) {
-  profiler.add_variants(trainer);
-  if (!a.profile_phases_path.empty()) {
-    write_side_output(a.profile_phases_path, "the per-phase memory profile", a.quiet, output_errors,
-                      [&] { profiler.write_phase_csv(a.profile_phases_path, {.replace_foreign_file = a.force}); });
-  }
-  if (!a.profile_path.empty()) {
-    write_side_output(a.profile_path, "the memory profile", a.quiet, output_errors,
-                      [&] { profiler.write_csv(a.profile_path, {.replace_foreign_file = a.force}); });
-  }
-  if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
-}
-
 // The classifier's own fields of the --json line: its results, rates and where its state lived.
 void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::Trainer& trainer,
                            const ferry::LoopSummary& run, const ferry::EvalResult& final_eval, double eval_seconds,

@@ -213,6 +213,26 @@ void add_gpt_fields(nlohmann::json& j, const TrainArgs& a, const models::GptConf
             {"curve", validation.curve}});
 }
 
+// The GPT's learning rates: a warmup of a tenth of the steps (at most 100), then --schedule down
+// to a tenth of --lr.
+LrSchedule gpt_schedule(const TrainArgs& a, std::uint32_t steps) {
+  LrSchedule schedule;
+  schedule.kind = parse_schedule(a.schedule);
+  schedule.peak = a.lr;
+  schedule.total_steps = steps;
+  schedule.warmup_steps = std::min<std::uint64_t>(100, steps / 10);
+  schedule.min_lr = a.lr / 10;
+  schedule.validate();
+  return schedule;
+}
+
+// The fused attention's kernel family and tiles on this device (tuned on GPUs), as the GEMM's row.
+void add_attention_kernel(nlohmann::json& j, Runtime& runtime, const models::GptConfig& c, std::uint32_t batch) {
+  j["attention_kernel"] = c.fused_attention ? ops::attention_kernel_description(
+                                                  runtime.env(), {batch, c.context, c.heads, c.width / c.heads})
+                                            : std::string("unfused");
+}
+
 }  // namespace
 
 int cmd_train_gpt(const TrainArgs& args) {
@@ -221,20 +241,15 @@ int cmd_train_gpt(const TrainArgs& args) {
   const TextCorpus corpus = load_text_corpus(fortune_files(a.text_dir), 0.1);
   const models::GptConfig c = gpt_config(a, corpus);
 
-  Runtime runtime(
-      {.device = a.device, .local_rank = a.world ? ferry::local_rank() : 0, .profiling = !a.trace_path.empty()});
+  Runtime runtime({.device = a.device,
+                   .local_rank = a.world ? ferry::local_rank() : 0,
+                   .profiling = !a.trace_path.empty() || !a.profile_path.empty()});
   TrainerOptions opt;
   const std::uint32_t batch = a.batch ? a.batch : 32;  // the global batch, over all ranks
   configure_trainer(a, opt);
   const Shard shard = configure_ranks(a, batch, opt);
   const std::uint32_t steps = a.steps ? a.steps : 2000;
-  LrSchedule schedule;
-  schedule.kind = parse_schedule(a.schedule);
-  schedule.peak = a.lr;
-  schedule.total_steps = steps;
-  schedule.warmup_steps = std::min<std::uint64_t>(100, steps / 10);
-  schedule.min_lr = a.lr / 10;
-  schedule.validate();
+  const LrSchedule schedule = gpt_schedule(a, steps);
 
   announce_setup(a, runtime, models::gpt(c), opt);
   const auto compile_start = Clock::now();
@@ -250,6 +265,8 @@ int cmd_train_gpt(const TrainArgs& args) {
   const std::uint32_t t = c.context;
   RandomWindows windows(corpus, t, batch, a.seed, shard);
   ChromeTrace trace;
+  MemoryProfiler profiler;
+  profiler.add_training_step(trainer);
   Validation validation;
   TrainingLoop loop(
       trainer, windows,
@@ -281,10 +298,10 @@ int cmd_train_gpt(const TrainArgs& args) {
     }
   }
   const auto run_start = Clock::now();
-  loop.on_step = [&](std::uint64_t, std::uint64_t run_index, const StepResult&) {
-    if (!a.trace_path.empty() && run_index < a.trace_steps) {
-      trace.add_step(trainer, run_index);
-    }
+  loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const StepResult&) {
+    if (run_index >= a.trace_steps) return;  // the first --trace-steps steps of this run
+    if (!a.trace_path.empty()) trace.add_step(trainer, run_index);
+    if (!a.profile_path.empty()) profiler.add_last_step(trainer, step);
   };
   loop.on_boundary = [&](const LoopPosition& p) {
     if (a.primary) {  // (the same weights on every rank)
@@ -311,6 +328,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   const double train_seconds = run.position.train_seconds;
   std::vector<std::string> output_errors;
   write_trace(a, trace, output_errors);
+  write_memory_profiles(a, trainer, profiler, output_errors);
   const double tokens_per_s = static_cast<double>(done) * batch * t / train_seconds;
   std::string sample;
   if (a.sample) {
@@ -325,10 +343,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   if (a.json) {
     nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
     add_gpt_fields(j, a, c, run, validation, tokens_per_s, compile_s);
-    // The fused attention's kernel family and tiles on this device (tuned on GPUs), as the GEMM's row.
-    j["attention_kernel"] = c.fused_attention ? ops::attention_kernel_description(
-                                                    runtime.env(), {batch, c.context, c.heads, c.width / c.heads})
-                                              : std::string("unfused");
+    add_attention_kernel(j, runtime, c, batch);
     if (a.sample) j["sample"] = sample;
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;

@@ -198,6 +198,11 @@ expect_error "GPT: resuming with another seed" "resume with --seed 1" "${g[@]}" 
 expect_error "GPT: resuming to fewer steps than done" "give --steps 6 or more" "${g[@]}" --steps 4 --resume "$work/g6.ckpt"
 expect_error "GPT: resuming a classifier's checkpoint" "its model is 'mlp-784-1024-1024-10'" \
   "${g[@]}" --steps 6 --resume "$work/one.ckpt"
+# The GPT writes its memory profiles as the classifiers do (it once left both out and said nothing).
+"$ferry" "${g[@]}" --steps 2 --profile "$work/gprofile.csv" --profile-phases "$work/gphases.csv" >/dev/null
+check "GPT: --profile writes per-node device bytes of its attention" bash -c \
+  "head -1 '$work/gprofile.csv' | grep -q '^variant,step,node,kind,lane,section,live_device_bytes' && grep -q ',attention,' '$work/gprofile.csv'"
+check "GPT: --profile-phases writes the per-phase profile" grep -q '^variant' "$work/gphases.csv"
 gsig=(train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 300
   --eval-every 100 --json --checkpoint "$work/gsig.ckpt")
 guninterrupted=$("$ferry" "${gsig[@]}" --quiet)
