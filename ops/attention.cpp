@@ -231,13 +231,8 @@ AttentionKernelDropout attention_kernel_dropout(const AttentionDropout& d) {
   return {d.seed, dropout_threshold(d.p), static_cast<float>(1.0 / (1.0 - double(d.p)))};
 }
 
-void attention_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout) {
-  if (!dropout) return;
-  l.per_step = [step_arg](cl_kernel kernel, const StepInfo& s) {
-    const auto lo = static_cast<cl_uint>(s.step), hi = static_cast<cl_uint>(s.step >> 32);
-    FERRY_CL(clSetKernelArg(kernel, step_arg, sizeof(cl_uint), &lo));
-    FERRY_CL(clSetKernelArg(kernel, step_arg + 1, sizeof(cl_uint), &hi));
-  };
+void attention_step_args(KernelLaunch& l, cl_uint step_arg, const AttentionKernelDropout& dr) {
+  if (dr.threshold != 0) dropout_step_args(l, step_arg - 3, dr.seed);
 }
 
 std::string attention_kernel_description(OpEnv& env, const AttentionShape& s, const AttentionOptions& o) {
@@ -282,7 +277,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
                  o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(tp),
                  cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch l = grid(std::move(kn), (s.context + c.qb - 1) / c.qb, heads, 1);
-    attention_step_args(l, 17, dr.threshold != 0);
+    attention_step_args(l, 17, dr);
     list.push_back(std::move(l));
     return list;
   }
@@ -296,7 +291,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
                  o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch l = blocked_grid(std::move(b), s, heads);
-    attention_step_args(l, 16, dr.threshold != 0);
+    attention_step_args(l, 16, dr);
     list.push_back(std::move(l));
     return list;
   }
@@ -306,7 +301,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
                o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(), cl_uint(s.context), cl_uint(s.heads), scale,
                dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
   KernelLaunch l = grid(std::move(kn), round_up(s.context, c.bq), heads, c.bq);
-  attention_step_args(l, 16, dr.threshold != 0);
+  attention_step_args(l, 16, dr);
   list.push_back(std::move(l));
   return list;
 }
@@ -351,7 +346,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                    dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context),
                    cl_uint(tp), cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
       KernelLaunch l = grid(std::move(kh), heads, 1, 1);
-      attention_step_args(l, 29, dr.threshold != 0);
+      attention_step_args(l, 29, dr);
       list.push_back(std::move(l));
       return list;
     }
@@ -361,7 +356,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(tp),
                  cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lkv = grid(std::move(kv), tp / 16, heads, 1);
-    attention_step_args(lkv, 23, dr.threshold != 0);
+    attention_step_args(lkv, 23, dr);
     list.push_back(std::move(lkv));
     cl::Kernel kq = env.kernels.kernel("attention", "attention_backward_q_cpu", defines);
     cl::set_args(kq.get(), qr.buffer, qr.elem_offset(), dor.buffer, dor.elem_offset(), kt.buffer, kt.elem_offset(),
@@ -369,7 +364,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  delta.elem_offset(), dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(tp), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lq = grid(std::move(kq), (s.context + c.qb - 1) / c.qb, heads, 1);
-    attention_step_args(lq, 23, dr.threshold != 0);
+    attention_step_args(lq, 23, dr);
     list.push_back(std::move(lq));
     return list;
   }
@@ -385,7 +380,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
                  scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lkv = blocked_grid(std::move(kv), s, heads);
-    attention_step_args(lkv, 22, dr.threshold != 0);
+    attention_step_args(lkv, 22, dr);
     list.push_back(std::move(lkv));
     BlockedBuild dqk = build_blocked(env, s, dtype, c, BlockedKernel::dq);
     cl::set_args(dqk.kernel.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer,
@@ -393,7 +388,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                  delta.elem_offset(), dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale,
                  dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
     KernelLaunch lq = blocked_grid(std::move(dqk), s, heads);
-    attention_step_args(lq, 20, dr.threshold != 0);
+    attention_step_args(lq, 20, dr);
     list.push_back(std::move(lq));
     return list;
   }
@@ -404,7 +399,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads),
                scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
   KernelLaunch lkv = grid(std::move(kv), round_up(s.context, c.bq), heads, c.bq);
-  attention_step_args(lkv, 22, dr.threshold != 0);
+  attention_step_args(lkv, 22, dr);
   list.push_back(std::move(lkv));
   cl::Kernel kq = env.kernels.kernel("attention", "attention_backward_q_tiled", defines);
   check_group(kq, env, c.bq, "attention_backward_q_tiled", c);
@@ -413,7 +408,7 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
                dq.buffer, dq.elem_offset(eb), cl_uint(s.context), cl_uint(s.heads), scale, dr.seed, dr.threshold,
                dr.inv_keep, cl_uint(0), cl_uint(0));
   KernelLaunch lq = grid(std::move(kq), round_up(s.context, c.bq), heads, c.bq);
-  attention_step_args(lq, 20, dr.threshold != 0);
+  attention_step_args(lq, 20, dr);
   list.push_back(std::move(lq));
   return list;
 }

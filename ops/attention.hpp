@@ -64,14 +64,14 @@ struct AttentionDropout {
 
 // What the op's kernel families share (attention.cpp, attention_gemm.cpp): every attention kernel
 // ends with the dropout arguments seed, threshold, inv_keep (these; all zero but inv_keep without
-// dropout), then step_lo, step_hi, the step counter, which attention_step_args sets per step
-// (nothing without dropout).
+// dropout), then step_lo, step_hi, the step counter, which attention_step_args (given step_lo's
+// index) sets per step with the seed (ops::dropout_step_args; nothing without dropout).
 struct AttentionKernelDropout {
   cl_uint seed = 0, threshold = 0;
   float inv_keep = 1.0f;
 };
 AttentionKernelDropout attention_kernel_dropout(const AttentionDropout& d);
-void attention_step_args(KernelLaunch& l, cl_uint step_arg, bool dropout);
+void attention_step_args(KernelLaunch& l, cl_uint step_arg, const AttentionKernelDropout& dr);
 
 // Scratch (in floats) of the forward and the backward: staged f32 copies of k and v (transposed
 // and row-major, per head) and the backward's row sums delta = rowsum(do o).

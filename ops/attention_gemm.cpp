@@ -143,7 +143,7 @@ void attention_gemm_forward(LaunchList& list, OpEnv& env, const AttentionShape& 
     l.kernel = std::move(sm);
     l.global[0] = n * z.tp * group;
     l.local[0] = group;
-    attention_step_args(l, 10, dr.threshold != 0);
+    attention_step_args(l, 10, dr);
     list.push_back(std::move(l));
     append(list, gemm(env, rows_shape(z, n, false), 1.0f, sc, vr.advanced(head_rows), 0.0f, orows.advanced(head_rows),
                       gemm_scratch));
@@ -179,7 +179,7 @@ void attention_gemm_backward(LaunchList& list, OpEnv& env, const AttentionShape&
     l.kernel = std::move(kd);
     l.dims = 2;
     l.global = {z.tp, n * z.tp, 1};
-    attention_step_args(l, 14, dr.threshold != 0);
+    attention_step_args(l, 14, dr);
     list.push_back(std::move(l));
     append(list, gemm(env, rows_shape(z, n, true), 1.0f, sc, rows(3), 0.0f, rows(6), gemm_scratch));    // dv = pᵀ do
     append(list, gemm(env, rows_shape(z, n, false), scale, dp, rows(1), 0.0f, rows(4), gemm_scratch));  // dq = ds k

@@ -32,7 +32,7 @@ LaunchList causal_mask_launch(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_
   return one(elementwise_launch(std::move(k), n));
 }
 
-constexpr cl_uint kDropoutStepArg = 8;  // step_lo, then step_hi
+constexpr cl_uint kDropoutSeedArg = 5;  // then threshold, scale, step_lo, step_hi
 
 LaunchList dropout_launch(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t n, float p, std::uint32_t seed) {
   const std::uint32_t threshold = dropout_threshold(p);  // throws for p outside [0, 1)
@@ -41,15 +41,21 @@ LaunchList dropout_launch(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t n,
   cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), checked(n, "dropout"), cl_uint(seed),
                cl_uint(threshold), scale, cl_uint(0), cl_uint(0));
   KernelLaunch l = elementwise_launch(std::move(k), n);
-  l.per_step = [](cl_kernel kernel, const StepInfo& s) {
-    const auto lo = static_cast<cl_uint>(s.step), hi = static_cast<cl_uint>(s.step >> 32);
-    FERRY_CL(clSetKernelArg(kernel, kDropoutStepArg, sizeof(cl_uint), &lo));
-    FERRY_CL(clSetKernelArg(kernel, kDropoutStepArg + 1, sizeof(cl_uint), &hi));
-  };
+  dropout_step_args(l, kDropoutSeedArg, seed);
   return one(std::move(l));
 }
 
 }  // namespace
+
+void dropout_step_args(KernelLaunch& l, cl_uint seed_arg, std::uint32_t seed) {
+  l.per_step = [seed_arg, seed](cl_kernel kernel, const StepInfo& s) {
+    const cl_uint key = dropout_key(seed, s);
+    const auto lo = static_cast<cl_uint>(s.step), hi = static_cast<cl_uint>(s.step >> 32);
+    FERRY_CL(clSetKernelArg(kernel, seed_arg, sizeof(cl_uint), &key));
+    FERRY_CL(clSetKernelArg(kernel, seed_arg + 3, sizeof(cl_uint), &lo));
+    FERRY_CL(clSetKernelArg(kernel, seed_arg + 4, sizeof(cl_uint), &hi));
+  };
+}
 
 LaunchList embedding_forward(OpEnv& env, DeviceSpan ids, DeviceSpan table, DeviceSpan y, std::size_t positions,
                              std::size_t vocab, std::size_t dim) {

@@ -32,9 +32,10 @@ LaunchList causal_mask_forward(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size
 // dx[i, j] = dy[i, j] for j <= i, 0 for j > i.
 LaunchList causal_mask_backward(OpEnv& env, DeviceSpan dy, DeviceSpan dx, std::size_t matrices, std::size_t t);
 
-// Dropout: y = x * m / (1 - p) with m = dropout_keep(seed, step, i, dropout_threshold(p)) for the
-// flat element index i. The step is StepInfo::step at enqueue time (set per step), so every step
-// draws a new mask, and the backward launch (same seed, same step) recomputes the forward's mask.
+// Dropout: y = x * m / (1 - p) with m = dropout_keep(dropout_key(seed, s), s.step, i,
+// dropout_threshold(p)) for the flat element index i and the StepInfo s at enqueue time (set per
+// step), so every step draws a new mask, every micro-batch and rank of one update another, and the
+// backward launch (same seed, same step) recomputes the forward's mask.
 // Throws std::invalid_argument for p outside [0, 1).
 LaunchList dropout_forward(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t n, float p, std::uint32_t seed);
 // dx = dy * m / (1 - p): the same kernel on the gradient.
@@ -63,6 +64,19 @@ inline std::uint32_t dropout_threshold(float p) {
   }
   return static_cast<std::uint32_t>(std::floor(double(p) * 4294967296.0));
 }
+
+// The Philox key of a dropout layer's draws in one step: the layer's seed, moved by the step's
+// first sample (StepInfo::first_row) times an odd constant, so that the micro-batches and ranks of
+// one update, whose element indices and step count are the same, draw independent masks. The
+// layer's own seed where first_row is 0 (one rank, no accumulation).
+inline std::uint32_t dropout_key(std::uint32_t seed, const StepInfo& s) {
+  return seed + static_cast<std::uint32_t>(s.first_row) * 0x9E3779B9u;
+}
+
+// Makes `l` set its dropout arguments per step: a kernel that draws dropout masks takes the seed,
+// threshold, scale, step_lo and step_hi as five arguments from `seed_arg` on; the seed becomes
+// dropout_key(seed, s) and the step words s.step's.
+void dropout_step_args(KernelLaunch& l, cl_uint seed_arg, std::uint32_t seed);
 
 // Whether element `index` is kept at `step` (the mask bit m).
 inline bool dropout_keep(std::uint32_t seed, std::uint64_t step, std::uint64_t index, std::uint32_t threshold) {

@@ -441,6 +441,9 @@ StepHandle Trainer::submit(const Batch& batch) {
   // ahead: each of them is one optimizer step).
   ops::StepInfo info{steps_ + 1 + unsettled(), lr_};
   info.accumulate_keep = micro_ == 0 ? 0.0f : 1.0f;
+  // Where this micro-batch's samples sit among the update's (dropout draws other masks for each).
+  info.first_row = std::uint64_t{micro_} * global_batch() +
+                   (ranks_ ? shard_of(global_batch(), ranks_->rank(), ranks_->size()).first : 0u);
   // Each rank's loss is the mean over its share of the global batch, so its gradients are 1/share
   // times the global batch's (the all-reduce scales them back): scaled by the share too, the narrow
   // gradients have the magnitudes of one rank's run, which then overflows where this one does.

@@ -66,7 +66,7 @@ Result reference(const AttentionShape& s, const Inputs& in, const ops::Attention
   return {to_float(o), to_float(lse), to_float(dq), to_float(dk), to_float(dv)};
 }
 
-Result run_device(const AttentionShape& s, const Inputs& in, const ops::AttentionDropout& dr, std::uint64_t step,
+Result run_device(const AttentionShape& s, const Inputs& in, const ops::AttentionDropout& dr, const ops::StepInfo& info,
                   const std::string& kernel) {
   auto& dev = TestDevice::get();
   const ops::AttentionOptions opt{kernel};
@@ -76,7 +76,6 @@ Result run_device(const AttentionShape& s, const Inputs& in, const ops::Attentio
   DeviceTensor fs(std::max<std::size_t>(ops::attention_forward_scratch_elems(dev.env, s, opt), 1), 64);
   DeviceTensor bs(std::max<std::size_t>(ops::attention_backward_scratch_elems(dev.env, s, opt), 1), 128);
   const float scale = default_scale(s);
-  const ops::StepInfo info{step, 0.0f};
   ops::run_blocking(dev.context.compute(),
                     ops::attention_forward(dev.env, s, graph::DType::f32, scale, dr, q.span(), k.span(), v.span(),
                                            o.span(), lse.span(), fs.span(), opt),
@@ -179,8 +178,12 @@ TEST_P(AttentionDevice, ForwardAndBackwardMatchTheReference) {
   if (too_large_for_this_run(s.batch * s.heads * s.context * s.context * s.head_dim)) GTEST_SKIP();
   const Inputs in = random_inputs(s, 11);
   const ops::AttentionDropout dr{p, 1234};
-  const Result got = run_device(s, in, dr, 3, kernel);
-  const Result want = reference(s, in, dr, 3);
+  // A step of the third micro-batch of 4 rows (StepInfo::first_row): the kernel's per-step key is
+  // the reference's.
+  ops::StepInfo info{3, 0.0f};
+  info.first_row = 8;
+  const Result got = run_device(s, in, dr, info, kernel);
+  const Result want = reference(s, in, {dr.p, ops::dropout_key(dr.seed, info)}, 3);
   expect_result_near(got, want, 2e-5f, kernel.empty() ? "default kernel" : kernel);
 }
 
@@ -189,7 +192,7 @@ TEST_P(AttentionDevice, IsDeterministic) {
   if (too_large_for_this_run(s.batch * s.heads * s.context * s.context * s.head_dim)) GTEST_SKIP();
   const Inputs in = random_inputs(s, 12);
   const ops::AttentionDropout dr{p, 99};
-  const Result a = run_device(s, in, dr, 2, kernel), b = run_device(s, in, dr, 2, kernel);
+  const Result a = run_device(s, in, dr, {2, 0.0f}, kernel), b = run_device(s, in, dr, {2, 0.0f}, kernel);
   for (auto [x, y] : {std::pair{&a.o, &b.o}, std::pair{&a.dq, &b.dq}, std::pair{&a.dk, &b.dk}, std::pair{&a.dv, &b.dv}})
     EXPECT_EQ(std::memcmp(x->data(), y->data(), x->size() * sizeof(float)), 0);
 }
@@ -359,7 +362,7 @@ TEST(AttentionGemm, InChunksOfHeadsMatchesTheReference) {
   EXPECT_EQ(ops::attention_gemm_chunk_heads(s, 1, 1), 2u);
   const Inputs in = random_inputs(s, 21);
   const ops::AttentionDropout dr{0.1f, 77};
-  expect_result_near(run_device(s, in, dr, 3, "gemm MIB=1"), reference(s, in, dr, 3), 2e-5f, "gemm MIB=1");
+  expect_result_near(run_device(s, in, dr, {3, 0.0f}, "gemm MIB=1"), reference(s, in, dr, 3), 2e-5f, "gemm MIB=1");
   const AttentionShape too_long{1, 400, 1, 16};
   EXPECT_EQ(ops::attention_gemm_chunk_heads(too_long, 1, 2), 0u);
   try {
@@ -390,7 +393,7 @@ TEST(AttentionErrors, RegisterCapsOnlyWhereTheDriverTakesThem) {
   if (!dev.context.device().has_extension("cl_nv_compiler_options")) {
     const Inputs in = random_inputs(s, 7);
     try {
-      run_device(s, in, {}, 0, "blocked TQ=8 TK=8 RR=168");
+      run_device(s, in, {}, {}, "blocked TQ=8 TK=8 RR=168");
       FAIL() << "a register cap should be refused without cl_nv_compiler_options";
     } catch (const std::runtime_error& e) {
       const std::string m = e.what();

@@ -182,6 +182,36 @@ TEST(Gpt, FusedAttentionTrainsLikeTheUnfusedPath) {
   }
 }
 
+// The two micro-batches of an accumulation group fed the same tokens: with dropout each draws its
+// own masks (fused attention and the unfused path's dropout op alike), so the group's mean
+// gradient is not the one micro-batch's, as it was when both drew the same masks; without dropout
+// it is, to the bit (the comparison sees nothing else).
+TEST(Gpt, MicroBatchesOfAGroupDrawTheirOwnDropoutMasks) {
+  Runtime rt;
+  for (const bool fused : {true, false}) {
+    for (const float dropout : {0.3f, 0.0f}) {
+      SCOPED_TRACE(fmt::format("{}, dropout {}", fused ? "fused" : "unfused", dropout));
+      models::GptConfig c = tiny_config();
+      c.context = 12;
+      c.fused_attention = fused;
+      c.dropout = dropout;
+      TrainerOptions o = reference_options(2);
+      Trainer one(rt, models::gpt(c), o);
+      o.accumulate = 2;
+      Trainer group(rt, models::gpt(c), o);
+      const auto tokens = random_ids(2 * c.context, c.vocab, 80), next = random_ids(2 * c.context, c.vocab, 81);
+      one.step(token_batch(tokens, next));
+      group.step(token_batch(tokens, next));
+      group.step(token_batch(tokens, next));
+      ASSERT_EQ(group.steps_done(), 1u);
+      bool all_equal = true;
+      for (const auto& name : one.parameter_names())
+        all_equal &= one.read_parameter(name) == group.read_parameter(name);
+      EXPECT_EQ(all_equal, dropout == 0.0f);
+    }
+  }
+}
+
 // Every attention kernel family, run inside a model's compiled step (FERRY_ATTENTION_KERNEL: the
 // GPU families on this device too, with their scratch planned by the step and dropout's per-step
 // arguments set at each enqueue), trains the fused model as the unfused path does.

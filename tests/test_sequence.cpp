@@ -215,12 +215,14 @@ TEST(Dropout, PhiloxMatchesTheKnownAnswers) {
 }
 
 std::vector<float> run_dropout(const std::vector<float>& x, float p, std::uint32_t seed, std::uint64_t step,
-                               bool backward = false) {
+                               bool backward = false, std::uint64_t first_row = 0) {
   auto& dev = TestDevice::get();
   DeviceTensor d_x(x, 3), y(x.size(), 6);
   const auto launches = backward ? ops::dropout_backward(dev.env, d_x.span(), y.span(), x.size(), p, seed)
                                  : ops::dropout_forward(dev.env, d_x.span(), y.span(), x.size(), p, seed);
-  ops::run_blocking(dev.context.compute(), launches, ops::StepInfo{step, 0.0f});
+  ops::StepInfo info{step, 0.0f};
+  info.first_row = first_row;
+  ops::run_blocking(dev.context.compute(), launches, info);
   return y.download();
 }
 
@@ -293,6 +295,33 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DropoutTest,
 INSTANTIATE_TEST_SUITE_P(Shapes, DropoutStatsTest,
                          ::testing::Values(std::make_tuple(100003, 0.3f), std::make_tuple(65537, 0.9f),
                                            std::make_tuple(50001, 0.5f), std::make_tuple(80000, 0.02f)));
+
+// The micro-batches of an accumulation group and the ranks of a data-parallel step share the step
+// count and their element indices: keyed by where their samples start (StepInfo::first_row), they
+// draw independent masks, forward and backward alike, as the reference does; at row 0 the layer's
+// own seed (one rank, no accumulation: the masks of before).
+TEST(Dropout, MicroBatchesAndRanksDrawTheirOwnMasks) {
+  const std::size_t n = 50001;
+  const float p = 0.3f;
+  const auto x = nonzero_vector(n, 44);
+  const auto first = run_dropout(x, p, 7, 4), later = run_dropout(x, p, 7, 4, false, 64);
+  const auto differing_bits = [n](const auto& u, const auto& v) {
+    std::size_t d = 0;
+    for (std::size_t i = 0; i < n; ++i) d += (u[i] == 0) != (v[i] == 0);
+    return d;
+  };
+  std::vector<double> want(n);
+  ops::ref::dropout_forward<double>(to_double(x), want, p, 7, 4);
+  EXPECT_EQ(differing_bits(first, want), 0u) << "row 0 draws with the layer's seed";
+  ops::StepInfo at64{4, 0.0f};
+  at64.first_row = 64;
+  ops::ref::dropout_forward<double>(to_double(x), want, p, ops::dropout_key(7, at64), 4);
+  EXPECT_EQ(differing_bits(later, want), 0u) << "row 64 draws with the reference's key";
+  EXPECT_TRUE(same_bits(run_dropout(x, p, 7, 4, true, 64), later)) << "the backward recomputes row 64's mask";
+  const std::size_t differing = differing_bits(first, later);
+  const double q = 2 * p * (1 - p), sd = std::sqrt(double(n) * q * (1 - q));
+  EXPECT_LE(std::abs(double(differing) - n * q), 5 * sd + 1) << differing << " of " << n << " mask bits differ";
+}
 
 TEST(Dropout, PZeroIsTheIdentity) {
   const auto x = random_vector(777, 51);

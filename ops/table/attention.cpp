@@ -33,6 +33,12 @@ AttentionDropout dropout_of(const NodeAttrs& a) {
   const AttentionAttrs at = AttentionAttrs::of(a);
   return {at.dropout, at.seed};
 }
+// The reference's draws in step `s`: keyed as the kernels' (ops::dropout_key).
+AttentionDropout dropout_in_step(const NodeAttrs& a, const StepInfo& s) {
+  AttentionDropout d = dropout_of(a);
+  d.seed = dropout_key(d.seed, s);
+  return d;
+}
 // Multiply-adds of the scores and the value products over the causal half: 2 B H T (T+1)/2 D each.
 std::uint64_t forward_flops(const AttentionShape& s) {
   return 2ull * s.batch * s.heads * s.context * (s.context + 1) * s.head_dim;
@@ -98,8 +104,8 @@ OpInfo attention_row(OpId grad) {  // in: q k v  out: o lse
     const auto in = c.inputs();
     const auto out = c.outputs();
     const AttentionShape s = shape_of(c.input(0).shape, c.attrs());
-    ref::attention_forward<double>(s, scale_of(s, c.attrs()), dropout_of(c.attrs()), c.step().step, c.real(in[0]),
-                                   c.real(in[1]), c.real(in[2]), c.real(out[0]), c.real(out[1]));
+    ref::attention_forward<double>(s, scale_of(s, c.attrs()), dropout_in_step(c.attrs(), c.step()), c.step().step,
+                                   c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(out[0]), c.real(out[1]));
   };
   return r;
 }
@@ -123,9 +129,9 @@ OpInfo attention_grad_row() {  // in: q k v o lse do  out: dq dk dv
     const auto in = c.inputs();
     const auto out = c.outputs();
     const AttentionShape s = shape_of(c.input(0).shape, c.attrs());
-    ref::attention_backward<double>(s, scale_of(s, c.attrs()), dropout_of(c.attrs()), c.step().step, c.real(in[0]),
-                                    c.real(in[1]), c.real(in[2]), c.real(in[3]), c.real(in[4]), c.real(in[5]),
-                                    c.real(out[0]), c.real(out[1]), c.real(out[2]));
+    ref::attention_backward<double>(s, scale_of(s, c.attrs()), dropout_in_step(c.attrs(), c.step()), c.step().step,
+                                    c.real(in[0]), c.real(in[1]), c.real(in[2]), c.real(in[3]), c.real(in[4]),
+                                    c.real(in[5]), c.real(out[0]), c.real(out[1]), c.real(out[2]));
   };
   return r;
 }

@@ -29,7 +29,7 @@ OpInfo dropout_grad_row() {  // in: dy  out: dx
   };
   r.reference = [](RefContext& c) {
     ref::dropout_backward<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), dropout_p(c.attrs()),
-                                  dropout_seed(c.attrs()), c.step().step);
+                                  dropout_key(dropout_seed(c.attrs()), c.step()), c.step().step);
   };
   return r;
 }
@@ -49,7 +49,7 @@ OpInfo dropout_row(OpId grad_op) {  // in: x  out: y
   r.backward = [grad_op](GradContext& g) { unary_backward(g, grad_op); };
   r.reference = [](RefContext& c) {
     ref::dropout_forward<double>(c.real(c.inputs()[0]), c.real(c.outputs()[0]), dropout_p(c.attrs()),
-                                 dropout_seed(c.attrs()), c.step().step);
+                                 dropout_key(dropout_seed(c.attrs()), c.step()), c.step().step);
   };
   return r;
 }

@@ -46,6 +46,12 @@ struct StepInfo {
   // Mixed precision with fp16: gradients in narrow types are this many times the true ones (a
   // power of two; 1 without loss scaling). See ops::CastScale.
   float loss_scale = 1.0f;
+  // The index of this step's first sample among all the samples of its optimizer update: the
+  // micro-batches of an accumulation group, then the ranks' shares of each, laid end to end
+  // (micro-batch m of rank r: m * global batch + the rank's first row). Dropout keys its draws by
+  // it (ops::dropout_key), so no two micro-batches or ranks of one update draw the same mask; 0
+  // on one rank without accumulation.
+  std::uint64_t first_row = 0;
   // Data-parallel training: the ranks whose gradients a step sums (ops::Communicator); null on
   // one rank.
   Communicator* communicator = nullptr;
