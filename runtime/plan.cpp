@@ -293,6 +293,26 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
   return out;
 }
 
+// What else lowers a step's device bytes, of what `o` does not use yet: "a smaller batch, bf16
+// layers (...) or ..." (the CLI flag and the library setting of each).
+std::string leaner_settings(const TrainerOptions& o) {
+  std::vector<std::string> ways{"a smaller batch"};
+  if (o.precision.compute == graph::DType::f32) {
+    ways.emplace_back("bf16 layers (--precision bf16; PrecisionConfig::compute)");
+  }
+  const auto kind = o.optimizer.kind;
+  if (kind == ops::OptimizerConfig::Kind::adam || kind == ops::OptimizerConfig::Kind::adamw) {
+    ways.emplace_back("8-bit optimizer state (--optimizer adamw8bit; OptimizerConfig::Kind::adamw8bit)");
+  }
+  const auto mode = o.residency.mode;
+  if (!o.residency.host_optimizer && mode != graph::ResidencyMode::resident && mode != graph::ResidencyMode::mapped) {
+    ways.emplace_back("the optimizer on the host (--host-optimizer; ResidencyOptions::host_optimizer)");
+  }
+  std::string text = ways.front();
+  for (std::size_t i = 1; i < ways.size(); ++i) text += (i + 1 == ways.size() ? " or " : ", ") + ways[i];
+  return text;
+}
+
 // recompute_auto: none when the step fits the device budget, else the longest segment that fits
 // (the plan that fitted is the answer: nothing is planned twice).
 TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, TrainerOptions o,
@@ -323,14 +343,12 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
   const std::uint64_t budget = detail::resolve_device_budget(o, runtime.device());
   throw graph::BudgetError(
       fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
-                  "needs {}{}; raise the budget to at least {}, or use a smaller batch, bf16 layers (--precision "
-                  "bf16; PrecisionConfig::compute) or 8-bit optimizer state (--optimizer adamw8bit; "
-                  "OptimizerConfig::Kind::adamw8bit)",
+                  "needs {}{}; raise the budget to at least {}, or use {}",
                   format_bytes(budget), format_bytes_up(without),
                   leanest_every ? fmt::format(", recomputing segments of {} layers (the leanest) {}", leanest_every,
                                               format_bytes_up(leanest))
                                 : std::string(", and recomputation does not lower that"),
-                  format_bytes_up(leanest)),
+                  format_bytes_up(leanest), leaner_settings(o)),
       leanest);
 }
 

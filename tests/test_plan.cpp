@@ -542,6 +542,39 @@ TEST(Plan, RecomputeAutoChoosesTheSegmentsTheBudgetNeeds) {
   }
 }
 
+// A budget no plan meets: the error lists what else lowers the step's bytes, leaving out what the
+// run already uses (it once told a bf16 run with 8-bit state on the host to use both).
+TEST(Plan, TooSmallABudgetSuggestsOnlyWhatIsNotInUse) {
+  Runtime rt;
+  const ModelSpec m = models::deep(64, 4);
+  const auto message = [&](const TrainerOptions& o) {
+    try {
+      plan_training(rt, m, o);
+    } catch (const graph::BudgetError& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "a 4 KiB budget should not fit";
+    return std::string();
+  };
+  TrainerOptions o;
+  o.batch = 64;
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.recompute_auto = true;
+  o.residency.budget_bytes = 4096;
+  const std::string plain = message(o);
+  for (const char* way : {"a smaller batch", "--precision bf16", "--optimizer adamw8bit", "--host-optimizer"}) {
+    EXPECT_NE(plain.find(way), std::string::npos) << way << " is not suggested: " << plain;
+  }
+  o.precision.compute = graph::DType::bf16;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+  o.residency.host_optimizer = true;
+  const std::string lean = message(o);
+  EXPECT_NE(lean.find("or use a smaller batch"), std::string::npos) << lean;
+  for (const char* way : {"--precision bf16", "--optimizer adamw8bit", "--host-optimizer"}) {
+    EXPECT_EQ(lean.find(way), std::string::npos) << way << " is in use but suggested: " << lean;
+  }
+}
+
 // A minimum is printed rounded up, so that the figure an error names is a budget that fits.
 TEST(Units, MinimumsAreRoundedUpAtTheDigitShown) {
   EXPECT_EQ(format_bytes(16u << 20), "16.0 MiB");

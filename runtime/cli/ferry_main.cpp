@@ -580,7 +580,11 @@ int main(int argc, char** argv) {
   train->add_option("--lr", t.lr, "Peak learning rate (gpt: 0.002)")->check(positive_number())->capture_default_str();
   train->add_option("--schedule", t.schedule, "Learning rate schedule: cosine or constant")->capture_default_str();
   train->add_option("--dropout", t.dropout, "gpt: dropout probability")->check(CLI::Range(0.0, 0.95));
-  train->add_option("--steps", t.steps, "gpt: optimizer steps (default 2000)")->check(positive_number());
+  train
+      ->add_option("--steps", t.steps,
+                   "gpt: training steps, each a batch of --batch windows (default 2000; with --accumulate k, every k "
+                   "of them make one optimizer update)")
+      ->check(positive_number());
   train->add_option("--max-minutes", t.max_minutes, "gpt: stop training after this many minutes")
       ->check(positive_number());
   train->add_option("--eval-every", t.eval_every, "gpt: steps between validation losses (default 250)")
