@@ -163,11 +163,14 @@ struct LossGradAttrs {
 
 // Optimizer updates: the block of the 8-bit state, and the ZeRO share of the weight the update
 // covers, elements [share_first, share_first + share_count) (share_count 0: the whole weight).
+// grad_scale: a host update reading a narrow gradient (the f16 or bf16 copy a mixed-precision step
+// writes back) widens it by this factor, as the cast it replaces did (graph::move_updates_to_host).
 struct UpdateAttrs {
   std::int32_t block8bit = 0;
   std::int32_t share_first = 0, share_count = 0;
-  NodeAttrs pack() const { return {{block8bit, 0, share_first, share_count}, {}}; }
-  static UpdateAttrs of(const NodeAttrs& a) { return {a.i[0], a.i[2], a.i[3]}; }
+  CastScale grad_scale = CastScale::none;
+  NodeAttrs pack() const { return {{block8bit, static_cast<std::int32_t>(grad_scale), share_first, share_count}, {}}; }
+  static UpdateAttrs of(const NodeAttrs& a) { return {a.i[0], a.i[2], a.i[3], static_cast<CastScale>(a.i[1])}; }
 };
 
 // predictor_fit, predictor_apply: the predictor's configuration.

@@ -20,6 +20,7 @@
 #include "ferry/ops/quant_map.hpp"
 #include "ops/host_clones.hpp"
 #include "ops/quant_buckets.hpp"
+#include "ops/quantize_host.hpp"
 
 // No dependence between iterations: the vectoriser needs no run-time check that in-place slots
 // (the same memory read and written at the same index) do not overlap.
@@ -183,7 +184,7 @@ template <bool Decoupled>
     const std::size_t start = b * c.block, len = std::min(c.block, n - start);
     const float m_scale = s.scales_in[b], v_scale = s.scales_in[c.blocks + b];
     const float* w_in = s.w_in + start;
-    const float* g_in = grad + start;
+    const float* g_in = grad + (start - first * c.block);  // grad: from the first block's element 0
     const std::uint8_t* m_in = s.m_in + start;
     const std::uint8_t* v_in = s.v_in + start;
     float* w_out = s.w_out + start;
@@ -216,6 +217,24 @@ FERRY_HOST_CLONES void adam8bit_blocks_update(const Adam8bitChunk& c, const floa
   }
 }
 
+// Elements [begin, begin + count) of the gradient as f32: in place when it is f32, else widened
+// into this worker's buffer (kept between steps), as ops::cast_host widens a narrow copy.
+const float* gradient_range(const HostGradient& g, std::size_t begin, std::size_t count) {
+  if (g.dtype == DType::f32 && g.factor == 1.0f) return static_cast<const float*>(g.data) + begin;
+  thread_local std::vector<float> widened;
+  if (widened.size() < count) widened.resize(count);
+  cast_host(g.dtype, DType::f32, static_cast<const std::byte*>(g.data) + begin * dtype_bytes(g.dtype), widened.data(),
+            count, g.factor);
+  return widened.data();
+}
+
+AdamSlots from(const AdamSlots& s, std::size_t k) {
+  return {s.w_in + k, s.m_in + k, s.v_in + k, s.w_out + k, s.m_out + k, s.v_out + k};
+}
+SgdSlots from(const SgdSlots& s, std::size_t k) {
+  return {s.w_in + k, s.velocity_in + k, s.w_out + k, s.velocity_out + k};
+}
+
 AdamChunk adam_chunk_of(const AdamConfig& c, const StepInfo& step) {
   if (step.step == 0) throw std::invalid_argument("host Adam update: step must start at 1 (bias correction)");
   return {step.lr,
@@ -229,27 +248,27 @@ AdamChunk adam_chunk_of(const AdamConfig& c, const StepInfo& step) {
 }
 }  // namespace
 
-bool host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n) {
+bool host_adam_update(const AdamConfig& c, const StepInfo& step, HostGradient grad, AdamSlots s, std::size_t n) {
   const AdamChunk a = adam_chunk_of(c, step);
   std::atomic<bool> finite{true};
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, chunk), [&](const tbb::blocked_range<std::size_t>& r) {
-    adam_chunk(a, grad, s, r.begin(), r.end());
+    adam_chunk(a, gradient_range(grad, r.begin(), r.size()), from(s, r.begin()), 0, r.size());
     if (!all_finite(s.w_out + r.begin(), r.size())) finite = false;
   });
   return finite;
 }
 
-bool host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n) {
+bool host_sgd_update(const SgdConfig& c, const StepInfo& step, HostGradient grad, SgdSlots s, std::size_t n) {
   const SgdChunk a{step.lr, c.momentum, c.weight_decay, c.nesterov};
   std::atomic<bool> finite{true};
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, chunk), [&](const tbb::blocked_range<std::size_t>& r) {
-    sgd_chunk(a, grad, s, r.begin(), r.end());
+    sgd_chunk(a, gradient_range(grad, r.begin(), r.size()), from(s, r.begin()), 0, r.size());
     if (!all_finite(s.w_out + r.begin(), r.size())) finite = false;
   });
   return finite;
 }
 
-bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepInfo& step, const float* grad,
+bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepInfo& step, HostGradient grad,
                           Adam8bitSlots s, std::size_t n) {
   if (block == 0 || block > adam8bit_max_block) {
     throw std::invalid_argument(
@@ -266,8 +285,9 @@ bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepIn
       m_new.resize(block);
       v_new.resize(block);
     }
-    adam8bit_blocks_update(a, grad, s, r.begin(), r.end(), n, m_new.data(), v_new.data());
     const std::size_t first = r.begin() * block, last = std::min(n, r.end() * block);
+    adam8bit_blocks_update(a, gradient_range(grad, first, last - first), s, r.begin(), r.end(), n, m_new.data(),
+                           v_new.data());
     if (!all_finite(s.w_out + first, last - first)) finite = false;
   });
   return finite;

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "ferry/ops/optimizer.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 
@@ -45,13 +46,24 @@ struct Adam8bitSlots {
   float* scales_out;
 };
 
+// The gradient an update reads: f32, or the f16 or bf16 copy a mixed-precision step writes back,
+// widened (times `factor`, as ops::cast_host widens it) chunk by chunk as the update reads it, so
+// the update is the one of its widened f32 copy, bit for bit, without that copy in host memory.
+struct HostGradient {
+  HostGradient(const float* f32) : data(f32) {}  // NOLINT(google-explicit-constructor): f32 is the plain case
+  HostGradient(const void* narrow, DType type, float widen_by) : data(narrow), dtype(type), factor(widen_by) {}
+  const void* data = nullptr;  // element 0 of the updated range
+  DType dtype = DType::f32;
+  float factor = 1.0f;
+};
+
 // Each returns whether every weight it wrote is finite (the step's divergence guard).
-bool host_adam_update(const AdamConfig& c, const StepInfo& step, const float* grad, AdamSlots s, std::size_t n);
-bool host_sgd_update(const SgdConfig& c, const StepInfo& step, const float* grad, SgdSlots s, std::size_t n);
+bool host_adam_update(const AdamConfig& c, const StepInfo& step, HostGradient grad, AdamSlots s, std::size_t n);
+bool host_sgd_update(const SgdConfig& c, const StepInfo& step, HostGradient grad, SgdSlots s, std::size_t n);
 // adam8bit_update on the host (ops/optimizer.hpp): per block of `block` elements, the moments
 // dequantized with the old scales, the Adam / AdamW update in fp32, the block's absmax as its new
 // scale and the moments requantized to the nearest code (ops/quant_map.hpp), blocks in parallel.
-bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepInfo& step, const float* grad,
+bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepInfo& step, HostGradient grad,
                           Adam8bitSlots s, std::size_t n);
 
 }  // namespace ferry::ops

@@ -30,10 +30,6 @@ namespace {
 using graph::Role;
 using graph::TensorId;
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // ----- add_bias at the op level -----
 
 struct AddBiasCase {

@@ -267,6 +267,10 @@ TEST(MixedPrecision, HostUpdatesWriteBackNarrowGradients) {
     // The two hidden layers' weights are narrow (the head and the biases stay f32).
     EXPECT_LT(b.residency().write_back_bytes, a.residency().write_back_bytes * 6 / 10)
         << "narrow " << b.residency().write_back_bytes << " bytes, f32 " << a.residency().write_back_bytes;
+    // The updates read the narrow copies: host memory holds no f32 copy of those gradients.
+    const auto host_step_bytes = [](const Trainer& t) { return compiled_train_step(t).host_step_bytes(); };
+    EXPECT_LT(host_step_bytes(b), host_step_bytes(a) * 6 / 10)
+        << "narrow " << host_step_bytes(b) << " bytes, f32 " << host_step_bytes(a);
     for (std::uint32_t s = 0; s < 3; ++s) {
       const auto images = random_vector(64 * sample, 900 + s, 0.0f, 1.0f);
       const auto labels = labels_for(64, 950 + s);

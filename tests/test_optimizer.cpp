@@ -11,6 +11,7 @@
 
 #include "ferry/ops/optimizer.hpp"
 #include "ops/optimizer_host.hpp"
+#include "ops/quantize_host.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -209,6 +210,57 @@ TEST(Optimizer, HostUpdatesReportNonFiniteWeights) {
     w = random_vector(n, 8);
     EXPECT_FALSE(ops::host_sgd_update({}, {1, 0.01f}, g.data(), {w.data(), vel.data(), w.data(), vel.data()}, n))
         << bad;
+  }
+}
+
+// A host update reading the f16 or bf16 copy of a gradient widens it as it reads it: the same
+// bits as the update of its widened f32 copy (ops::cast_host, the host-lane cast it replaces), for
+// SGD, Adam and 8-bit AdamW, over several chunks and a tail, with the loss scale's inverse as the
+// factor and a value that is not finite in the copy.
+TEST(Optimizer, HostUpdatesReadNarrowGradientsAsTheirWidenedCopies) {
+  const std::size_t n = 16384 * 3 + 77;
+  const float factor = 1.0f / 1024.0f;
+  for (const ops::DType narrow : {ops::DType::f16, ops::DType::bf16}) {
+    SCOPED_TRACE(ops::dtype_name(narrow));
+    auto g = random_vector(n, 31, -900.0f, 900.0f);
+    g[n - 5] = std::numeric_limits<float>::infinity();
+    std::vector<std::uint16_t> copy(n);
+    std::vector<float> widened(n);
+    ops::cast_host(ops::DType::f32, narrow, g.data(), copy.data(), n);
+    ops::cast_host(narrow, ops::DType::f32, copy.data(), widened.data(), n, factor);
+    const ops::HostGradient read{copy.data(), narrow, factor};
+    const ops::StepInfo info{3, 0.01f};
+
+    std::vector<float> w1 = random_vector(n, 32), m1 = random_vector(n, 33, 0.0f, 0.1f),
+                       v1 = random_vector(n, 34, 0.0f, 0.1f);
+    auto w2 = w1, m2 = m1, v2 = v1;
+    ops::host_adam_update({}, info, widened.data(), {w1.data(), m1.data(), v1.data(), w1.data(), m1.data(), v1.data()},
+                          n);
+    ops::host_adam_update({}, info, read, {w2.data(), m2.data(), v2.data(), w2.data(), m2.data(), v2.data()}, n);
+    EXPECT_TRUE(same_bits(w1, w2) && same_bits(m1, m2) && same_bits(v1, v2)) << "adam";
+
+    std::vector<float> vel1 = random_vector(n, 35), vel2 = vel1;
+    w2 = w1;
+    ops::SgdConfig sgd;
+    sgd.momentum = 0.9f;
+    ops::host_sgd_update(sgd, info, widened.data(), {w1.data(), vel1.data(), w1.data(), vel1.data()}, n);
+    ops::host_sgd_update(sgd, info, read, {w2.data(), vel2.data(), w2.data(), vel2.data()}, n);
+    EXPECT_TRUE(same_bits(w1, w2) && same_bits(vel1, vel2)) << "sgd";
+
+    const std::uint32_t block = 256;
+    const std::size_t blocks = ops::adam8bit_blocks(n, block);
+    std::vector<std::uint8_t> q1(n, 128), r1(n, 0);
+    std::vector<float> scales1(2 * blocks, 0.0f);
+    auto q2 = q1, r2 = r1;
+    auto scales2 = scales1;
+    w2 = w1;
+    ops::host_adam8bit_update(
+        {}, block, info, widened.data(),
+        {w1.data(), q1.data(), r1.data(), scales1.data(), w1.data(), q1.data(), r1.data(), scales1.data()}, n);
+    ops::host_adam8bit_update(
+        {}, block, info, read,
+        {w2.data(), q2.data(), r2.data(), scales2.data(), w2.data(), q2.data(), r2.data(), scales2.data()}, n);
+    EXPECT_TRUE(same_bits(w1, w2) && q1 == q2 && r1 == r2 && same_bits(scales1, scales2)) << "adam8bit";
   }
 }
 

@@ -45,10 +45,6 @@ std::vector<std::int32_t> random_ids(std::size_t n, std::int32_t vocab, std::uin
   return ids;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // ----- embedding -----
 
 struct EmbeddingRun {

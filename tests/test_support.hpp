@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -175,6 +176,11 @@ inline std::vector<std::int32_t> labels_for(std::size_t n, std::uint32_t seed, s
   std::vector<std::int32_t> l(n);
   for (auto& v : l) v = static_cast<std::int32_t>(rng() % classes);
   return l;
+}
+
+// Whether two float vectors hold the same bits (NaNs and signed zeros included).
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 inline std::vector<float> random_vector(std::size_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {

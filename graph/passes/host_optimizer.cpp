@@ -16,11 +16,13 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
 #include "graph/autodiff.hpp"
 #include "graph/residency_passes.hpp"
+#include "ops/attrs.hpp"
 
 namespace ferry::graph {
 namespace {
@@ -40,9 +42,11 @@ bool is_update(OpId op) {
 // commit point), right after the gradient's last use on the device, so it does not stay there
 // until the update phase. A gradient a data-parallel reduction summed in pinned host memory is read
 // there: no write-back. A gradient the device widened from f16 or bf16 (mixed precision: a narrow
-// layer's weight gradient cast back to its f32 master's dtype) crosses the link narrow, and a cast
-// on the host lane (the same row and factor, the same bits) widens it there for the update: half
-// the bytes of the copy, which leaves right after the device's cast (the narrow tensor's last use).
+// layer's weight gradient cast back to its f32 master's dtype) crosses the link narrow, right after
+// the device's cast (the narrow tensor's last use): half the bytes of the copy. The update reads
+// that copy and widens it as it reads (UpdateAttrs::grad_scale: the cast's factor, the same bits),
+// so host memory holds no f32 copy of it; an update that writes its gradient (SGD without
+// momentum keeps its velocity there) reads an f32 copy a host-lane cast makes.
 void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
   auto& t = g.tensors;
   const NodeTable old = g.nodes;
@@ -82,23 +86,31 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
     if (write_back_after[u] != none) after[write_back_after[u]].push_back(u);
   }
   NodeTable out;
+  // Per update reading its narrow copy: the attrs that tell it how to widen it.
+  std::vector<std::optional<ops::NodeAttrs>> narrow_attrs(old.size());
+  const auto host_copy = [&](TensorId x) {
+    const TensorId h = t.add(t.name[x] + "@host", t.shape[x], t.dtype[x], Role::gradient);
+    t.home[h] = Home::host_pinned;
+    return h;
+  };
   auto write_back = [&](NodeId u) {
     const TensorId grad = old.inputs(u)[1];
-    grad_host[u] = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
-    t.home[grad_host[u]] = Home::host_pinned;
-    if (widened_by[u] == none) {
-      out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&grad_host[u], 1), {},
-              Lane::d2h);
+    const TensorId from = widened_by[u] == none ? grad : old.inputs(widened_by[u])[0];  // the narrow gradient
+    const TensorId copy = host_copy(from);
+    out.add(builtin::write_back, "write_back." + t.name[from], std::span(&from, 1), std::span(&copy, 1), {}, Lane::d2h);
+    grad_host[u] = copy;
+    if (widened_by[u] == none) return;
+    const NodeId cast = widened_by[u];
+    const auto outs = old.outputs(u);
+    if (std::find(outs.begin(), outs.end(), grad) == outs.end()) {
+      ops::UpdateAttrs attrs = ops::UpdateAttrs::of(old.attrs[u]);
+      attrs.grad_scale = ops::CastAttrs::of(old.attrs[cast]).scale;
+      narrow_attrs[u] = attrs.pack();
       return;
     }
-    const NodeId cast = widened_by[u];
-    const TensorId narrow = old.inputs(cast)[0];
-    const TensorId narrow_host = t.add(t.name[narrow] + "@host", t.shape[narrow], t.dtype[narrow], Role::gradient);
-    t.home[narrow_host] = Home::host_pinned;
-    out.add(builtin::write_back, "write_back." + t.name[narrow], std::span(&narrow, 1), std::span(&narrow_host, 1), {},
-            Lane::d2h);
-    out.add(builtin::cast, old.name[cast] + "@host", std::span(&narrow_host, 1), std::span(&grad_host[u], 1),
-            old.attrs[cast], Lane::host);
+    grad_host[u] = host_copy(grad);
+    out.add(builtin::cast, old.name[cast] + "@host", std::span(&copy, 1), std::span(&grad_host[u], 1), old.attrs[cast],
+            Lane::host);
   };
   for (NodeId n = 0; n < old.size(); ++n) {
     if (!is_update(old.op[n])) {
@@ -119,7 +131,8 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
     std::replace(ins.begin(), ins.end(), grad, grad_host[n]);  // the gradient, and SGD's velocity if it is one
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     std::replace(outs.begin(), outs.end(), grad, grad_host[n]);
-    out.add_copy(old, n, ins, outs, Lane::host);
+    const NodeId moved = out.add_copy(old, n, ins, outs, Lane::host);
+    if (narrow_attrs[n]) out.attrs[moved] = *narrow_attrs[n];
   }
   g.nodes = std::move(out);
 }

@@ -6,6 +6,8 @@
 // device, report_non_finite_weight on the host), which checks it after its last command.
 #include <fmt/format.h>
 
+#include <stdexcept>
+
 #include "ops/attrs.hpp"
 #include "ops/optimizer_host.hpp"
 #include "rows.hpp"
@@ -31,6 +33,23 @@ const float* sliced(const HostContext& c, std::size_t i, const UpdateSlice& s) {
 float* sliced_out(const HostContext& c, std::size_t i, const UpdateSlice& s) {
   return floats(c.out(i)) + (c.output(i).shape.elems() == in_elems(c, 0) ? s.first : 0);
 }
+// The gradient a host update reads: f32, or the narrow copy a mixed-precision step wrote back,
+// which the update widens by UpdateAttrs::grad_scale's factor as it reads it.
+HostGradient host_gradient(const HostContext& c, const UpdateSlice& s) {
+  const DType type = c.input(1).dtype;
+  const std::size_t first = in_elems(c, 1) == in_elems(c, 0) ? s.first : 0;
+  if (type == DType::f32) return floats(c.in(1)) + first;
+  return {c.in(1) + first * dtype_bytes(type), type, cast_factor(UpdateAttrs::of(c.attrs()).grad_scale, c.step())};
+}
+// Updates read narrow gradients on the host lane only; the device kernels take f32.
+void check_device_gradient(const BindContext& c) {
+  if (c.input(1).dtype != DType::f32) {
+    throw std::logic_error(
+        fmt::format("{}: the device update takes an f32 gradient, not {} (narrow gradients are "
+                    "read by host updates only)",
+                    c.name(), dtype_name(c.input(1).dtype)));
+  }
+}
 std::span<double> sliced(RefContext& c, TensorRef t, const ShapeView& v, const UpdateSlice& s) {
   auto all = c.real(t);
   return all.size() == in_elems(v, 0) ? all.subspan(s.first, s.count) : all;
@@ -40,19 +59,21 @@ OpInfo sgd_row() {  // in: w g v [loss]  out: w v
   OpInfo r;
   r.name = "sgd_update";
   r.op_class = OpClass::update;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};  // f16 and bf16: a host update's gradient
   // Without momentum the velocity is the gradient itself, which dies at this update: its buffer
   // serves rather than a state tensor kept (and, when streaming, moved).
   r.optimizer_state = [](const OptimizerConfig& o, std::size_t) {
     return std::vector<OptimizerStateDecl>{{.suffix = ".momentum", .is_gradient = o.sgd.momentum == 0.0f}};
   };
   r.bind = [](const BindContext& c) {
+    check_device_gradient(c);
     const UpdateSlice s = update_slice(c);
     return sgd_update(c.env(), c.optimizer().sgd, sliced(c, 0, s), sliced(c, 1, s), sliced(c, 2, s), s.count,
                       c.input_count() > 3 ? c.in(3) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
     const UpdateSlice s = update_slice(c);
-    if (!host_sgd_update(c.optimizer().sgd, c.step(), sliced(c, 1, s),
+    if (!host_sgd_update(c.optimizer().sgd, c.step(), host_gradient(c, s),
                          {sliced(c, 0, s), sliced(c, 2, s), sliced_out(c, 0, s), sliced_out(c, 1, s)}, s.count))
       c.report_non_finite_weight();
   };
@@ -69,17 +90,19 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   OpInfo r;
   r.name = "adam_update";
   r.op_class = OpClass::update;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};  // f16 and bf16: a host update's gradient
   r.optimizer_state = [](const OptimizerConfig&, std::size_t) {
     return std::vector<OptimizerStateDecl>{{.suffix = ".adam_m"}, {.suffix = ".adam_v"}};
   };
   r.bind = [](const BindContext& c) {
+    check_device_gradient(c);
     const UpdateSlice s = update_slice(c);
     return adam_update(c.env(), c.optimizer().adam_config(), sliced(c, 0, s), sliced(c, 1, s), c.in(2), c.in(3),
                        s.count, c.input_count() > 4 ? c.in(4) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
     const UpdateSlice s = update_slice(c);
-    if (!host_adam_update(c.optimizer().adam_config(), c.step(), sliced(c, 1, s),
+    if (!host_adam_update(c.optimizer().adam_config(), c.step(), host_gradient(c, s),
                           {sliced(c, 0, s), floats(c.in(2)), floats(c.in(3)), sliced_out(c, 0, s), floats(c.out(1)),
                            floats(c.out(2))},
                           s.count))
@@ -99,6 +122,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
   OpInfo r;
   r.name = "adam8bit_update";
   r.op_class = OpClass::update;
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};  // f16 and bf16: a host update's gradient
   // 8-bit moments (u8 codes) and their block scales [2, blocks]; zero scales make every code 0.
   r.optimizer_state = [](const OptimizerConfig& o, std::size_t elems) {
     check_adam8bit_block(o.block8bit);
@@ -112,6 +136,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
     return UpdateAttrs{.block8bit = static_cast<std::int32_t>(o.block8bit)}.pack();
   };
   r.bind = [](const BindContext& c) {
+    check_device_gradient(c);
     const UpdateSlice s = update_slice(c);
     return adam8bit_update(c.env(), c.optimizer().adam_config(),
                            static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), sliced(c, 0, s),
@@ -124,7 +149,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
     const auto codes_out = [](std::byte* p) { return reinterpret_cast<std::uint8_t*>(p); };
     if (!host_adam8bit_update(c.optimizer().adam_config(),
                               static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), c.step(),
-                              sliced(c, 1, s),
+                              host_gradient(c, s),
                               {sliced(c, 0, s), codes(c.in(2)), codes(c.in(3)), floats(c.in(4)), sliced_out(c, 0, s),
                                codes_out(c.out(1)), codes_out(c.out(2)), floats(c.out(3))},
                               s.count))
