@@ -26,8 +26,13 @@ void place_updates_early(Graph& g, bool pinned_in_place);
 // its gradient written back into pinned host memory just before it, or with `write_back_early`
 // (one-copy state) right after its last use on the device; a data-parallel sum in pinned host
 // memory read where it is; with `narrow_copies`, a gradient the device widened from f16 or bf16
-// written back narrow and widened by a cast on the host lane.
+// written back narrow and read by the update, which widens it as it reads it (or, for an update
+// that writes its gradient, widened by a cast on the host lane).
 void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies);
+// Then: a device cast widening an f16 or bf16 gradient whose only reader is the overflow guard's
+// check goes, and the check reads the narrow gradient times the cast's factor instead (the same
+// finite test on the same f32 values): no f32 copy on the device, one pass over half the bytes.
+void check_narrow_gradients(Graph& g);
 // A data-parallel sum in pinned host memory that went back to the device only for the overflow
 // guard's check is checked on the host lane instead, into the host copy of the guard that the
 // ranks' agreement sums (or one made for the checks); the copy back and the device check go.

@@ -1,12 +1,14 @@
 // Binding of the overflow guard kernels (ops/kernels/overflow_guard.cl).
 #include "ops/overflow_guard.hpp"
 
+#include <fmt/format.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_reduce.h>
 
 #include <bit>
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 
 #include "ferry/cl/error.hpp"
 
@@ -30,6 +32,28 @@ LaunchList overflow_guard_check(OpEnv& env, DeviceSpan gradient, std::size_t ele
   cl::set_args(k.get(), gradient.buffer, gradient.elem_offset(), element_count("overflow_guard_check", elems),
                guard.buffer, guard.elem_offset());
   list.push_back(elementwise_launch(std::move(k), wide ? (elems + kGuardChunk - 1) / kGuardChunk : elems));
+  return list;
+}
+
+LaunchList overflow_guard_check_scaled(OpEnv& env, DType dtype, DeviceSpan gradient, std::size_t elems, CastScale scale,
+                                       DeviceSpan guard) {
+  if (dtype != DType::f16 && dtype != DType::bf16) {
+    throw std::invalid_argument(fmt::format(
+        "overflow_guard_check_scaled: checks an f16 or bf16 gradient, not {} (overflow_guard_check takes f32)",
+        dtype_name(dtype)));
+  }
+  LaunchList list;
+  if (elems == 0) return list;
+  const cl_uint chunk = env.device().is_cpu() ? 256 : 1;  // CPU devices: 256 elements per work-item
+  cl::Kernel k = env.kernels.kernel("overflow_guard", "overflow_guard_check_scaled", dtype_define(dtype));
+  cl::set_args(k.get(), gradient.buffer, gradient.elem_offset(dtype_bytes(dtype)),
+               element_count("overflow_guard_check_scaled", elems), chunk, 1.0f, guard.buffer, guard.elem_offset());
+  KernelLaunch l = elementwise_launch(std::move(k), (elems + chunk - 1) / chunk);
+  l.per_step = [scale](cl_kernel kernel, const StepInfo& step) {
+    const float factor = cast_factor(scale, step);
+    FERRY_CL(clSetKernelArg(kernel, 4, sizeof(float), &factor));
+  };
+  list.push_back(std::move(l));
   return list;
 }
 

@@ -19,6 +19,7 @@
 #include <limits>
 #include <span>
 
+#include "ferry/ops/cast.hpp"
 #include "ferry/ops/launch.hpp"
 
 namespace ferry::ops {
@@ -28,6 +29,12 @@ LaunchList overflow_guard_init(OpEnv& env, DeviceSpan stats, DeviceSpan guard);
 // `gradient` is an f32 span of `elems` elements. Sets the guard to NaN on a non-finite element
 // (an atomic exchange: every writer writes the same NaN).
 LaunchList overflow_guard_check(OpEnv& env, DeviceSpan gradient, std::size_t elems, DeviceSpan guard);
+
+// `gradient` is an f16 or bf16 span (`dtype`) of `elems` elements, checked as the f32 values the
+// cast that widens it makes: each element times cast_factor(scale, step), the step's factor set at
+// enqueue. Throws std::invalid_argument for another dtype.
+LaunchList overflow_guard_check_scaled(OpEnv& env, DType dtype, DeviceSpan gradient, std::size_t elems, CastScale scale,
+                                       DeviceSpan guard);
 
 // On the host (a sum a data-parallel reduction left in pinned host memory, checked there): whether
 // every element is finite, on all cores.
@@ -39,6 +46,16 @@ template <class T>
 T overflow_guard_check(T guard, std::span<const T> gradient) {
   for (T v : gradient) {
     if (!std::isfinite(v)) return std::numeric_limits<T>::quiet_NaN();
+  }
+  return guard;
+}
+
+// A narrow gradient's check: its values (as the reference holds them, rounded to their dtype) times
+// the widening cast's factor, in float as the kernels compute them.
+template <class T>
+T overflow_guard_check_scaled(T guard, std::span<const T> gradient, float factor) {
+  for (T v : gradient) {
+    if (!std::isfinite(static_cast<float>(v) * factor)) return std::numeric_limits<T>::quiet_NaN();
   }
   return guard;
 }

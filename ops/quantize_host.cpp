@@ -91,7 +91,7 @@ void quantize_i8_host(std::span<const float> x, QuantLayout l, std::span<std::in
 
 namespace {
 
-// The widening of a narrow gradient and the narrowing of a weight for bf16: ref::cast's conversions
+// The widening of a narrow gradient and the narrowing of a weight: ref::cast's conversions
 // (written without branches) in loops that vectorise, not through its per-element type switch. A
 // factor of 1 multiplies nothing (a product would quiet a signalling NaN).
 FERRY_HOST_CLONES void widen(DType from, const std::uint16_t* in, float* out, std::size_t n, float factor) {
@@ -105,8 +105,12 @@ FERRY_HOST_CLONES void widen(DType from, const std::uint16_t* in, float* out, st
   }
 }
 
-FERRY_HOST_CLONES void narrow_to_bf16(const float* in, std::uint16_t* out, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) out[i] = ref::float_to_bf16(in[i]);
+FERRY_HOST_CLONES void narrow(DType to, const float* in, std::uint16_t* out, std::size_t n) {
+  if (to == DType::f16) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = ref::float_to_half(in[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) out[i] = ref::float_to_bf16(in[i]);
+  }
 }
 
 // One block: the loops above where they apply, else the reference.
@@ -114,8 +118,8 @@ void cast_block(DType from, DType to, const std::byte* in, std::byte* out, std::
   const bool narrow_in = from == DType::f16 || from == DType::bf16;
   if (narrow_in && to == DType::f32) {
     widen(from, reinterpret_cast<const std::uint16_t*>(in), reinterpret_cast<float*>(out), n, factor);
-  } else if (from == DType::f32 && to == DType::bf16 && factor == 1.0f) {
-    narrow_to_bf16(reinterpret_cast<const float*>(in), reinterpret_cast<std::uint16_t*>(out), n);
+  } else if (from == DType::f32 && (to == DType::bf16 || to == DType::f16) && factor == 1.0f) {
+    narrow(to, reinterpret_cast<const float*>(in), reinterpret_cast<std::uint16_t*>(out), n);
   } else {
     ref::cast(from, to, in, out, n, factor);
   }

@@ -267,6 +267,20 @@ TEST(MixedPrecision, HostUpdatesWriteBackNarrowGradients) {
     // The two hidden layers' weights are narrow (the head and the biases stay f32).
     EXPECT_LT(b.residency().write_back_bytes, a.residency().write_back_bytes * 6 / 10)
         << "narrow " << b.residency().write_back_bytes << " bytes, f32 " << a.residency().write_back_bytes;
+    // The device widens no weight gradient (its check reads the narrow one, times the factor).
+    const auto device_widenings = [compute](const Trainer& t) {
+      const graph::Graph& g = compiled_train_step(t).graph();
+      std::size_t count = 0;
+      for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+        if (g.nodes.op[n] != graph::builtin::cast || ops::is_host_lane(g.nodes.lane[n])) continue;
+        const TensorId out = g.nodes.outputs(n)[0];
+        count += g.tensors.role[g.tensors.storage(out)] == Role::gradient && g.tensors.dtype[out] == DType::f32 &&
+                 g.tensors.dtype[g.nodes.inputs(n)[0]] == compute;
+      }
+      return count;
+    };
+    EXPECT_GT(device_widenings(a), 0u);
+    EXPECT_EQ(device_widenings(b), 0u);
     // The updates read the narrow copies: host memory holds no f32 copy of those gradients.
     const auto host_step_bytes = [](const Trainer& t) { return compiled_train_step(t).host_step_bytes(); };
     EXPECT_LT(host_step_bytes(b), host_step_bytes(a) * 6 / 10)

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "ops/overflow_guard.hpp"
+#include "ops/quantize_host.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -66,6 +67,61 @@ TEST(OverflowGuard, OneBadElementAnywhereIsFound) {
       EXPECT_TRUE(std::isnan(dguard.download()[0]));
     }
   }
+}
+
+// A narrow gradient checked as its widening cast would make it (overflow_guard_check_scaled): the
+// element times the cast's factor for the step, so a bf16 value that the factor takes past the
+// largest float is caught, and a non-finite element anywhere (in a CPU work-item's chunk of 256 or
+// after the last one) too; the reference agrees in each case. GPUs run one element per work-item.
+TEST(OverflowGuard, NarrowGradientsAreCheckedAsTheirWidenedValues) {
+  auto& dev = TestDevice::get();
+  const std::size_t n = 1000;
+  struct Case {
+    ops::DType dtype;
+    std::size_t at;
+    float value;  // element `at`, before the factor
+    float loss_scale;
+    ops::CastScale scale;
+    bool finite;
+  };
+  const float big = 3.0e38f, inf = std::numeric_limits<float>::infinity(),
+              nan = std::numeric_limits<float>::quiet_NaN();
+  const Case cases[] = {
+      {ops::DType::bf16, 300, 2.5f, 1024.0f, ops::CastScale::inverse_loss_scale, true},
+      {ops::DType::bf16, 511, big, 0.5f, ops::CastScale::inverse_loss_scale, false},  // the factor 2 overflows it
+      {ops::DType::bf16, 511, big, 2.0f, ops::CastScale::inverse_loss_scale, true},
+      {ops::DType::bf16, 999, nan, 1.0f, ops::CastScale::none, false},
+      {ops::DType::f16, 0, inf, 65536.0f, ops::CastScale::inverse_loss_scale, false},
+      {ops::DType::f16, 768, 60000.0f, 65536.0f, ops::CastScale::inverse_loss_scale, true},
+      {ops::DType::f16, 999, -inf, 1.0f, ops::CastScale::none, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << ops::dtype_name(c.dtype) << " element " << c.at << " = " << c.value
+                                    << ", loss scale " << c.loss_scale);
+    auto values = random_vector(n, 6);
+    values[c.at] = c.value;
+    std::vector<std::uint16_t> narrow(n);
+    ops::cast_host(ops::DType::f32, c.dtype, values.data(), narrow.data(), n);
+    const auto dg = DeviceBytes::from(narrow, 3);
+    DeviceTensor dstats(std::vector<float>{1.5f}), dguard(1, 5);
+    ops::LaunchList list = ops::overflow_guard_init(dev.env, dstats.span(), dguard.span());
+    for (auto& l : ops::overflow_guard_check_scaled(dev.env, c.dtype, dg.span(), n, c.scale, dguard.span())) {
+      list.push_back(std::move(l));
+    }
+    ops::StepInfo step{1, 0.0f};
+    step.loss_scale = c.loss_scale;
+    ops::run_blocking(dev.context.compute(), list, step);
+    const float got = dguard.download()[0];
+    EXPECT_EQ(std::isnan(got), !c.finite) << got;
+    std::vector<float> rounded(n);
+    ops::cast_host(c.dtype, ops::DType::f32, narrow.data(), rounded.data(), n);
+    const float want = ops::ref::overflow_guard_check_scaled<float>(1.5f, rounded, ops::cast_factor(c.scale, step));
+    EXPECT_EQ(std::isnan(want), !c.finite) << "the reference: " << want;
+  }
+  DeviceTensor guard(1);
+  EXPECT_THROW(
+      ops::overflow_guard_check_scaled(dev.env, ops::DType::f32, guard.span(), 1, ops::CastScale::none, guard.span()),
+      std::invalid_argument);
 }
 
 // An empty gradient needs no check: no launch.

@@ -137,6 +137,49 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
   g.nodes = std::move(out);
 }
 
+void check_narrow_gradients(Graph& g) {
+  const auto& t = g.tensors;
+  const NodeTable old = g.nodes;
+  std::vector<std::vector<NodeId>> readers(t.size());
+  std::vector<std::uint32_t> writers(t.size(), 0);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    for (TensorId x : old.inputs(n)) readers[t.storage(x)].push_back(n);
+    for (TensorId x : old.outputs(n)) ++writers[t.storage(x)];
+  }
+  // Per check that takes a cast's place: the narrow gradient and the cast's attrs.
+  std::vector<NodeId> check_of(old.size(), never), cast_of(old.size(), never);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] != builtin::cast || is_host_lane(old.lane[n]) || old.inputs(n).size() != 1) continue;
+    const TensorId narrow = old.inputs(n)[0], wide = old.outputs(n)[0];
+    const TensorId s = t.storage(wide);
+    if ((t.dtype[narrow] != DType::f16 && t.dtype[narrow] != DType::bf16) || t.dtype[wide] != DType::f32 ||
+        t.role[s] != Role::gradient || writers[s] != 1 || readers[s].size() != 1) {
+      continue;
+    }
+    const NodeId check = readers[s][0];
+    if (old.op[check] != builtin::overflow_guard_check || is_host_lane(old.lane[check]) ||
+        old.inputs(check).size() != 2 || old.inputs(check)[1] != wide) {
+      continue;
+    }
+    check_of[n] = check;
+    cast_of[check] = n;
+  }
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (check_of[n] != never) continue;  // the cast: its check reads what it read
+    if (cast_of[n] == never) {
+      out.add_copy(old, n);
+      continue;
+    }
+    const NodeId cast = cast_of[n];
+    const TensorId ins[] = {old.inputs(n)[0], old.inputs(cast)[0]};
+    const ops::CastAttrs widening = ops::CastAttrs::of(old.attrs[cast]);
+    out.add(old.op[n], old.name[n], ins, old.outputs(n), ops::CastAttrs{DType::f32, widening.scale}.pack(),
+            old.lane[n]);
+  }
+  g.nodes = std::move(out);
+}
+
 // ZeRO stages 1 and 2 with the updates on the host (and one copy of the state, changed in place):
 // the weights' all-gather works on their pinned host homes, where this rank's updates left its
 // shares, rather than on copies: no fetch of the updated weight for the copy of its share to the

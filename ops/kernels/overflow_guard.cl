@@ -1,5 +1,6 @@
 // The overflow guard (ops/overflow_guard.hpp): guard = the loss, or NaN when a gradient element
 // is not finite.
+#include "dtype.clh"
 #include "guard.clh"
 
 __kernel void overflow_guard_init(__global const float* stats, ulong stats_off, __global float* guard,
@@ -33,4 +34,18 @@ __kernel void overflow_guard_check16(__global const float* g, ulong g_off, uint 
     for (size_t j = i; j < n; ++j) bad = bad || !isfinite(g[g_off + j]);
   }
   guard_set_if(guard, guard_off, bad);
+}
+
+// A narrow gradient (built with -DT_F16 or -DT_BF16) checked as the f32 value the cast that widens
+// it makes: each element times `factor` (that cast's, set per step), so the guard sees exactly what
+// an update of the widened gradient reads, without the f32 copy. GPUs: one work-item per element;
+// CPU devices (`chunk` 256): 256 consecutive elements per work-item.
+__kernel void overflow_guard_check_scaled(__global const T_STORAGE* g, ulong g_off, uint n, uint chunk, float factor,
+                                          __global float* guard, ulong guard_off) {
+  const size_t first = get_global_id(0) * chunk;
+  if (first >= n) return;
+  const size_t last = min((size_t)n, first + chunk);
+  int bad = 0;  // no branch per element: the loop vectorises on CPU devices
+  for (size_t i = first; i < last; ++i) bad |= !isfinite(LOAD_T(g, g_off + i) * factor);
+  guard_set_if(guard, guard_off, bad != 0);
 }

@@ -7,8 +7,12 @@
 //                         the guard that the ranks' agreement sums (graph/residency.cpp)
 #include "ops/overflow_guard.hpp"
 
-#include <cstring>
+#include <fmt/format.h>
 
+#include <cstring>
+#include <stdexcept>
+
+#include "ops/attrs.hpp"
 #include "rows.hpp"
 
 namespace ferry::ops::table {
@@ -23,17 +27,33 @@ OpInfo init_row() {
   return r;
 }
 
+// An f16 or bf16 gradient is checked as its widening cast would make it: CastAttrs' scale (the
+// check's attrs; none, all zeros, for an f32 gradient) gives the factor.
 OpInfo check_row() {
   OpInfo r;
   r.name = "overflow_guard_check";
   r.op_class = OpClass::state_update;
-  r.bind = [](const BindContext& c) { return overflow_guard_check(c.env(), c.in(1), in_elems(c, 1), c.out(0)); };
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};
+  r.bind = [](const BindContext& c) {
+    const DType type = c.input(1).dtype;
+    if (type != DType::f32) {
+      return overflow_guard_check_scaled(c.env(), type, c.in(1), in_elems(c, 1), CastAttrs::of(c.attrs()).scale,
+                                         c.out(0));
+    }
+    return overflow_guard_check(c.env(), c.in(1), in_elems(c, 1), c.out(0));
+  };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     auto guard = c.real(c.outputs()[0]);
-    guard[0] = ref::overflow_guard_check<double>(c.real(in[0])[0], c.real(in[1]));
+    const float factor = cast_factor(CastAttrs::of(c.attrs()).scale, c.step());
+    guard[0] = c.input(1).dtype == DType::f32
+                   ? ref::overflow_guard_check<double>(c.real(in[0])[0], c.real(in[1]))
+                   : ref::overflow_guard_check_scaled<double>(c.real(in[0])[0], c.real(in[1]), factor);
   };
   r.host = [](const HostContext& c) {
+    if (c.input(1).dtype != DType::f32) {
+      throw std::logic_error(fmt::format("{}: the host check takes an f32 gradient", c.name()));
+    }
     float guard = 0.0f;
     std::memcpy(&guard, c.in(0), sizeof guard);
     if (!all_finite_host({reinterpret_cast<const float*>(c.in(1)), in_elems(c, 1)})) {
