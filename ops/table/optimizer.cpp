@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <stdexcept>
+#include <vector>
 
 #include "ops/attrs.hpp"
 #include "ops/optimizer_host.hpp"
@@ -54,6 +55,16 @@ std::span<double> sliced(RefContext& c, TensorRef t, const ShapeView& v, const U
   auto all = c.real(t);
   return all.size() == in_elems(v, 0) ? all.subspan(s.first, s.count) : all;
 }
+// The gradient as the reference's update reads it: a narrow copy's values times its widening
+// factor (UpdateAttrs::grad_scale), in float as the host update computes them, in `widened`.
+std::span<double> ref_gradient(RefContext& c, const UpdateSlice& s, std::vector<double>& widened) {
+  const std::span<double> g = sliced(c, c.inputs()[1], c, s);
+  if (c.input(1).dtype == DType::f32) return g;
+  const float factor = cast_factor(UpdateAttrs::of(c.attrs()).grad_scale, c.step());
+  widened.resize(g.size());
+  for (std::size_t i = 0; i < g.size(); ++i) widened[i] = static_cast<float>(g[i]) * factor;
+  return widened;
+}
 
 OpInfo sgd_row() {  // in: w g v [loss]  out: w v
   OpInfo r;
@@ -80,7 +91,8 @@ OpInfo sgd_row() {  // in: w g v [loss]  out: w v
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const UpdateSlice s = update_slice(c);
-    ref::sgd_update<double>(c.optimizer().sgd, c.step(), sliced(c, in[0], c, s), sliced(c, in[1], c, s),
+    std::vector<double> widened;
+    ref::sgd_update<double>(c.optimizer().sgd, c.step(), sliced(c, in[0], c, s), ref_gradient(c, s, widened),
                             sliced(c, in[2], c, s));
   };
   return r;
@@ -111,7 +123,8 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const UpdateSlice s = update_slice(c);
-    ref::adam_update<double>(c.optimizer().adam_config(), c.step(), sliced(c, in[0], c, s), sliced(c, in[1], c, s),
+    std::vector<double> widened;
+    ref::adam_update<double>(c.optimizer().adam_config(), c.step(), sliced(c, in[0], c, s), ref_gradient(c, s, widened),
                              c.real(in[2]), c.real(in[3]));
   };
   return r;
@@ -158,9 +171,10 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     const UpdateSlice s = update_slice(c);
+    std::vector<double> widened;
     ref::adam8bit_update<double>(
         c.optimizer().adam_config(), static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), c.step(),
-        sliced(c, in[0], c, s), sliced(c, in[1], c, s), c.real(in[2]), c.real(in[3]), c.real(in[4]));
+        sliced(c, in[0], c, s), ref_gradient(c, s, widened), c.real(in[2]), c.real(in[3]), c.real(in[4]));
   };
   return r;
 }
