@@ -229,6 +229,15 @@ std::vector<float> nonzero_vector(std::size_t n, std::uint32_t seed) {
   return v;
 }
 
+// How many elements two dropout outputs (or an output and the reference's) zero differently: the
+// mask bits that differ, the inputs being nonzero.
+template <class U, class V>
+std::size_t differing_mask_bits(const std::vector<U>& u, const std::vector<V>& v) {
+  std::size_t d = 0;
+  for (std::size_t i = 0; i < u.size() && i < v.size(); ++i) d += (u[i] == 0) != (v[i] == 0);
+  return d;
+}
+
 std::size_t kept(const std::vector<float>& y) {
   return std::size_t(std::count_if(y.begin(), y.end(), [](float v) { return v != 0.0f; }));
 }
@@ -269,14 +278,9 @@ TEST_P(DropoutStatsTest, KeptFractionIsOneMinusPAndStepsDrawNewMasks) {
   }
   // Masks of two steps (or two seeds) are independent: they differ in about 2 p (1 - p) of the
   // elements; the same step and seed reproduce the mask.
-  auto differing = [&, n = n](const std::vector<float>& u, const std::vector<float>& v) {
-    std::size_t d = 0;
-    for (std::size_t i = 0; i < n; ++i) d += (u[i] == 0.0f) != (v[i] == 0.0f);
-    return double(d);
-  };
   const double q = 2 * p * (1 - p), sd_q = std::sqrt(double(n) * q * (1 - q));
-  EXPECT_LE(std::abs(differing(a, b) - n * q), 5 * sd_q + 1);
-  EXPECT_LE(std::abs(differing(a, c) - n * q), 5 * sd_q + 1);
+  EXPECT_LE(std::abs(double(differing_mask_bits(a, b)) - n * q), 5 * sd_q + 1);
+  EXPECT_LE(std::abs(double(differing_mask_bits(a, c)) - n * q), 5 * sd_q + 1);
   EXPECT_TRUE(same_bits(a, run_dropout(x, p, 99, 1)));
   // Neighbouring elements are independent too: P(both kept) = (1 - p)^2.
   std::size_t both = 0;
@@ -301,20 +305,15 @@ TEST(Dropout, MicroBatchesAndRanksDrawTheirOwnMasks) {
   const float p = 0.3f;
   const auto x = nonzero_vector(n, 44);
   const auto first = run_dropout(x, p, 7, 4), later = run_dropout(x, p, 7, 4, false, 64);
-  const auto differing_bits = [n](const auto& u, const auto& v) {
-    std::size_t d = 0;
-    for (std::size_t i = 0; i < n; ++i) d += (u[i] == 0) != (v[i] == 0);
-    return d;
-  };
   std::vector<double> want(n);
   ops::ref::dropout_forward<double>(to_double(x), want, p, 7, 4);
-  EXPECT_EQ(differing_bits(first, want), 0u) << "row 0 draws with the layer's seed";
+  EXPECT_EQ(differing_mask_bits(first, want), 0u) << "row 0 draws with the layer's seed";
   ops::StepInfo at64{4, 0.0f};
   at64.first_row = 64;
   ops::ref::dropout_forward<double>(to_double(x), want, p, ops::dropout_key(7, at64), 4);
-  EXPECT_EQ(differing_bits(later, want), 0u) << "row 64 draws with the reference's key";
+  EXPECT_EQ(differing_mask_bits(later, want), 0u) << "row 64 draws with the reference's key";
   EXPECT_TRUE(same_bits(run_dropout(x, p, 7, 4, true, 64), later)) << "the backward recomputes row 64's mask";
-  const std::size_t differing = differing_bits(first, later);
+  const std::size_t differing = differing_mask_bits(first, later);
   const double q = 2 * p * (1 - p), sd = std::sqrt(double(n) * q * (1 - q));
   EXPECT_LE(std::abs(double(differing) - n * q), 5 * sd + 1) << differing << " of " << n << " mask bits differ";
 }

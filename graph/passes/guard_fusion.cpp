@@ -54,18 +54,19 @@ void fuse_guard_checks(Graph& g) {
     }
   }
 
-  // For each check of the guard: the node that last wrote its gradient before it, if that node's
-  // row checks its outputs and the gradient is one of them, whole and f32.
+  // For each check of the guard: the node that last wrote its gradient before it (`writer_of`,
+  // when that is between the loss and the guard's init), and its producer, if that node's row checks
+  // its outputs and the gradient is one of them, whole and f32.
   std::vector<NodeId> last_write(t.size(), none);
-  std::vector<NodeId> producer_of_check(old.size(), none);
+  std::vector<NodeId> writer_of(old.size(), none), producer_of_check(old.size(), none);
   std::vector<std::uint32_t> checked_outputs(old.size(), 0);  // per producer: outputs whose checks go
   for (NodeId n = 0; n < old.size(); ++n) {
     const auto ins = old.inputs(n);
     if (old.op[n] == ops::builtin::overflow_guard_check && ins.size() == 2 && ins[0] == g.guard) {
       const TensorId grad = ins[1];
       const NodeId w = last_write[t.storage(grad)];
-      if (w != none && w < init && (loss_written == none || w > loss_written) && t.alias_of[grad] == no_tensor &&
-          t.dtype[grad] == DType::f32) {
+      if (w != none && w < init && (loss_written == none || w > loss_written)) writer_of[n] = w;
+      if (writer_of[n] != none && t.alias_of[grad] == no_tensor && t.dtype[grad] == DType::f32) {
         const auto outs = old.outputs(w);
         for (std::size_t i = 0; i < outs.size() && i < 32; ++i) {
           if (outs[i] == grad && (ops::op_info(old.op[w]).checks_outputs >> i & 1u)) {
@@ -94,18 +95,10 @@ void fuse_guard_checks(Graph& g) {
   // after its gradient's writer and checks into the flag.
   std::vector<std::vector<NodeId>> checks_after(old.size());
   std::vector<bool> moved(old.size(), false);
-  std::fill(last_write.begin(), last_write.end(), none);
   for (NodeId n = 0; n < old.size(); ++n) {
-    const auto ins = old.inputs(n);
-    if (old.op[n] == ops::builtin::overflow_guard_check && ins.size() == 2 && ins[0] == g.guard &&
-        !(producer_of_check[n] != none && fuse[producer_of_check[n]])) {
-      const NodeId w = last_write[t.storage(ins[1])];
-      if (w != none && w < init && (loss_written == none || w > loss_written)) {
-        checks_after[w].push_back(n);
-        moved[n] = true;
-      }
-    }
-    for (TensorId o : old.outputs(n)) last_write[t.storage(o)] = n;
+    if (writer_of[n] == none || (producer_of_check[n] != none && fuse[producer_of_check[n]])) continue;
+    checks_after[writer_of[n]].push_back(n);
+    moved[n] = true;
   }
 
   const std::string flag_name = fmt::format("{}.products", overflow_guard_name);
