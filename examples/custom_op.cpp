@@ -6,14 +6,17 @@
 //
 //   custom_op [--steps N] [--device INDEX_OR_NAME]
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "example_options.hpp"
 #include "ferry/ferry.hpp"
 #include "silu_op.hpp"
 
@@ -102,21 +105,30 @@ int run(std::uint32_t steps, const std::string& device) {
   return 0;
 }
 
+void usage() {
+  std::fputs("usage: custom_op [--steps N] [--device INDEX_OR_NAME]\n", stderr);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::uint32_t steps = 300;
   std::string device;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--steps" && i + 1 < argc) {
-      steps = static_cast<std::uint32_t>(std::strtoul(argv[++i], nullptr, 10));
-    } else if (a == "--device" && i + 1 < argc) {
-      device = argv[++i];
-    } else {
-      std::fprintf(stderr, "usage: custom_op [--steps N] [--device INDEX_OR_NAME]\n");
-      return 2;
-    }
+  try {
+    example::for_each_option(argc, argv, usage, [&](std::string_view name, std::string_view value) {
+      if (name == "--steps") {
+        steps = example::parse_count(name, value);
+      } else if (name == "--device") {
+        device = value;
+      } else {
+        return false;
+      }
+      return true;
+    });
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "custom_op: %s\n", e.what());
+    usage();
+    return 2;
   }
   try {
     return run(steps, device);

@@ -6,7 +6,6 @@
 //
 //   stream_gpt [--steps N] [--budget-mib N] [--width N] [--depth N] [--batch N]
 //              [--checkpoint FILE] [--device INDEX_OR_NAME] [--text DIR]
-#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "example_options.hpp"
 #include "ferry/ferry.hpp"
 
 namespace {
@@ -36,55 +36,31 @@ void usage() {
       stderr);
 }
 
-std::uint32_t parse_count(std::string_view flag, std::string_view text) {
-  std::uint32_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc{} || end != text.data() + text.size() || value == 0) {
-    throw std::invalid_argument(std::string(flag) + " expects a positive whole number, got '" + std::string(text) +
-                                "'");
-  }
-  return value;
-}
-
-// Accepts "--flag value" and "--flag=value".
 Args parse_args(int argc, char** argv) {
+  using example::parse_count;
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i], value;
-    bool has_value = false;
-    if (const auto eq = arg.find('='); eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    if (arg == "-h" || arg == "--help") {
-      usage();
-      std::exit(0);
-    }
-    if (!has_value) {
-      if (i + 1 >= argc) throw std::invalid_argument(std::string(arg) + " needs a value");
-      value = argv[++i];
-    }
-    if (arg == "--steps") {
-      a.steps = parse_count(arg, value);
-    } else if (arg == "--budget-mib") {
-      a.budget_mib = parse_count(arg, value);
-    } else if (arg == "--width") {
-      a.width = parse_count(arg, value);
-    } else if (arg == "--depth") {
-      a.depth = parse_count(arg, value);
-    } else if (arg == "--batch") {
-      a.batch = parse_count(arg, value);
-    } else if (arg == "--checkpoint") {
+  example::for_each_option(argc, argv, usage, [&](std::string_view name, std::string_view value) {
+    if (name == "--steps") {
+      a.steps = parse_count(name, value);
+    } else if (name == "--budget-mib") {
+      a.budget_mib = parse_count(name, value);
+    } else if (name == "--width") {
+      a.width = parse_count(name, value);
+    } else if (name == "--depth") {
+      a.depth = parse_count(name, value);
+    } else if (name == "--batch") {
+      a.batch = parse_count(name, value);
+    } else if (name == "--checkpoint") {
       a.checkpoint = value;
-    } else if (arg == "--device") {
+    } else if (name == "--device") {
       a.device = value;
-    } else if (arg == "--text") {
+    } else if (name == "--text") {
       a.text_dir = value;
     } else {
-      throw std::invalid_argument("unknown option '" + std::string(arg) + "'");
+      return false;
     }
-  }
+    return true;
+  });
   return a;
 }
 
@@ -154,14 +130,18 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args args;
   try {
-    return run(parse_args(argc, argv));
-  } catch (const std::invalid_argument& e) {
+    args = parse_args(argc, argv);
+  } catch (const std::invalid_argument& e) {  // the command line: say how to call it
     std::fprintf(stderr, "stream_gpt: %s\n", e.what());
     usage();
     return 2;
+  }
+  try {
+    return run(args);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "stream_gpt: %s\n", e.what());
+    std::fprintf(stderr, "stream_gpt: error: %s\n", e.what());
     return 1;
   }
 }

@@ -3,7 +3,6 @@
 //
 //   train_mlp [--model small|mlp] [--epochs N] [--batch N] [--lr X] [--train-limit N]
 //             [--device INDEX_OR_NAME] [--data DIR]
-#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "example_options.hpp"
 #include "ferry/ferry.hpp"
 
 namespace {
@@ -35,55 +35,29 @@ void usage() {
       stderr);
 }
 
-template <class T>
-T parse_number(std::string_view flag, std::string_view text) {
-  T value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc{} || end != text.data() + text.size()) {
-    throw std::invalid_argument(std::string(flag) + " expects a number, got '" + std::string(text) + "'");
-  }
-  return value;
-}
-
-// Accepts "--flag value" and "--flag=value".
 Args parse_args(int argc, char** argv) {
+  using example::parse_number;
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    std::string_view value;
-    bool has_value = false;
-    if (const auto eq = arg.find('='); eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    if (arg == "-h" || arg == "--help") {
-      usage();
-      std::exit(0);
-    }
-    if (!has_value) {
-      if (i + 1 >= argc) throw std::invalid_argument(std::string(arg) + " needs a value");
-      value = argv[++i];
-    }
-    if (arg == "--model") {
+  example::for_each_option(argc, argv, usage, [&](std::string_view name, std::string_view value) {
+    if (name == "--model") {
       a.model = value;
-    } else if (arg == "--epochs") {
-      a.epochs = parse_number<std::uint32_t>(arg, value);
-    } else if (arg == "--batch") {
-      a.batch = parse_number<std::uint32_t>(arg, value);
-    } else if (arg == "--lr") {
-      a.lr = parse_number<float>(arg, value);
-    } else if (arg == "--train-limit") {
-      a.train_limit = parse_number<std::size_t>(arg, value);
-    } else if (arg == "--device") {
+    } else if (name == "--epochs") {
+      a.epochs = example::parse_count(name, value);
+    } else if (name == "--batch") {
+      a.batch = example::parse_count(name, value);
+    } else if (name == "--lr") {
+      a.lr = parse_number<float>(name, value);
+    } else if (name == "--train-limit") {
+      a.train_limit = parse_number<std::size_t>(name, value);
+    } else if (name == "--device") {
       a.device = value;
-    } else if (arg == "--data") {
+    } else if (name == "--data") {
       a.data_dir = value;
     } else {
-      throw std::invalid_argument("unknown option '" + std::string(arg) + "'");
+      return false;
     }
-  }
-  if (a.epochs == 0 || a.batch == 0) throw std::invalid_argument("--epochs and --batch must be at least 1");
+    return true;
+  });
   return a;
 }
 
@@ -167,12 +141,16 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args args;
   try {
-    return run(parse_args(argc, argv));
-  } catch (const std::invalid_argument& e) {
+    args = parse_args(argc, argv);
+  } catch (const std::invalid_argument& e) {  // the command line: say how to call it
     std::fprintf(stderr, "train_mlp: %s\n", e.what());
     usage();
     return 2;
+  }
+  try {
+    return run(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_mlp: error: %s\n", e.what());
     return 1;

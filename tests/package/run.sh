@@ -167,6 +167,20 @@ if command -v ldd >/dev/null; then
   [[ $(realpath "$lib") == "$(realpath "$prefix")"/* ]] || fail "train_mlp loads libferry from $lib, not from $prefix"
 fi
 
+# A bad option stops each example before it touches a device: exit status 2, the option named.
+step="giving the examples bad options"
+for bad in "train_mlp --epochs 0" "train_mlp --lr 1e-3x" "stream_gpt --width" "stream_gpt --depth=-3" \
+  "custom_op --steps abc" "custom_op --colour blue"; do
+  read -r _ flag _ <<<"$bad"
+  status=0
+  # shellcheck disable=SC2086 # the case is split into the program and its options on purpose
+  "$examples_build"/$bad >"$work_dir/bad.out" 2>"$work_dir/bad.err" || status=$?
+  [[ $status == 2 ]] || fail "'$bad' exited $status, not 2"
+  head -1 "$work_dir/bad.err" | grep -q -- "${flag%%=*}" ||
+    fail "'$bad' did not name ${flag%%=*} first: $(head -2 "$work_dir/bad.err")"
+  grep -q '^usage: ' "$work_dir/bad.err" || fail "'$bad' printed no usage"
+done
+
 step="running train_mlp"
 say "running: train_mlp --epochs 1 --train-limit 2048"
 "$examples_build/train_mlp" --epochs 1 --train-limit 2048 | tee "$work_dir/train_mlp.log"
