@@ -160,6 +160,17 @@ cp "$work/good.ckpt" "$work/lost.ckpt"
 cp "$work/good.ckpt" "$work/lost.ckpt.rank2"
 row "ZeRO checkpoint missing a rank's file" "so a rank's file of this checkpoint is missing" error - \
   train "${quick[@]}" --resume "$work/lost.ckpt"
+# Options that change what the training computes, given other values on resume.
+row "checkpoint resumed with another --weight-decay" "resume with --weight-decay 0" error - \
+  train "${quick[@]}" --weight-decay 0.01 --resume "$work/good.ckpt"
+"$ferry" train "${quick[@]}" --optimizer sgd --checkpoint "$work/sgd.ckpt" >/dev/null 2>&1
+row "SGD checkpoint resumed with another --momentum" "resume with --momentum 0.9" error - \
+  train "${quick[@]}" --optimizer sgd --momentum 0.5 --resume "$work/sgd.ckpt"
+row "SGD checkpoint resumed without momentum" "use the SGD momentum it was written with" error - \
+  train "${quick[@]}" --optimizer sgd --momentum 0 --resume "$work/sgd.ckpt"
+"$ferry" train "${quick[@]}" --optimizer adamw8bit --checkpoint "$work/8bit.ckpt" >/dev/null 2>&1
+row "8-bit checkpoint resumed with another --optimizer-block" "(another block size)" error - \
+  train "${quick[@]}" --optimizer adamw8bit --optimizer-block 256 --resume "$work/8bit.ckpt"
 # GPT checkpoints: resumed on another text of the same alphabet, and past --steps.
 mkdir -p "$work/text" "$work/text2"
 for i in $(seq 1 40); do echo "the quick brown fox $i jumps over the lazy dog"; done >"$work/text/a"
@@ -170,6 +181,8 @@ row "GPT checkpoint resumed on another text" "resume with the same --text" error
   "${gpt[@]}" --text "$work/text2" --steps 4 --resume "$work/gpt.ckpt"
 row "GPT checkpoint resumed to fewer --steps than done" "give --steps 2 or more" error - \
   "${gpt[@]}" --text "$work/text" --steps 1 --resume "$work/gpt.ckpt"
+row "GPT checkpoint resumed with another --dropout" "resume with --dropout 0" error - \
+  "${gpt[@]}" --text "$work/text" --steps 4 --dropout 0.1 --resume "$work/gpt.ckpt"
 mkdir -p "$work/short-text" "$work/binary-text"
 echo "a few words of text, no more" >"$work/short-text/a"
 row "text too short for --context" "use --context 2 or less, or give --text a folder with more text" error - \
