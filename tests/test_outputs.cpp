@@ -276,6 +276,18 @@ TEST(Outputs, TrainJsonProfileAndTrace) {
   }
 }
 
+// Hybrid phases add their own fields (the predictor, Predict runs, the phases' steps).
+TEST(Outputs, HybridTrainJson) {
+  const Outcome r = run_program(FERRY_CLI,
+                                "train --model mlp --epochs 1 --train-limit 1024 --phases hybrid --warmup-steps 1 "
+                                "--min-full-steps 1 --confidence 0.01 --json --quiet");
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.lines.size(), 1u) << r.out;
+  EXPECT_EQ(r.lines[0].at("phases"), "hybrid");
+  EXPECT_TRUE(r.lines[0].contains("predictor_residual")) << r.out;
+  expect_documented(r.lines[0], "ferry train");
+}
+
 TEST(Outputs, OneStepRunAndTraceStepErrors) {
   const fs::path d = scratch();
   const Outcome r = run_program(FERRY_CLI, "train --model mlp --epochs 1 --train-limit 256 --json --quiet --trace '" +
@@ -349,6 +361,13 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
            (d / "overlap.json").string() + "'"},
       {"state", "state --width 64 --depth 2 --batch 8 --warmup 1 --steps 1 --device-budget 1MiB"},
       {"step", "step --batch 16 --warmup 1 --steps 2 --repeat 1 --python /nonexistent/python3"},
+      {"gpt",
+       "gpt --width 16 --depth 1 --heads 2 --context 16 --batch 2 --warmup 1 --steps 1 --repeat 1 --python "
+       "/nonexistent/python3"},
+      {"attention", "attention --contexts 32 --heads 2 --head-dim 16 --repeat 1 --peer --python /nonexistent/python3"},
+      {"conv", "conv --batch 2 --gemm-n 64 --repeat 1 --breakdown"},
+      {"compress", "compress --steps 2 --batch 16 --inner 5 --repeat 1"},
+      {"phases", "phases --epochs 1 --train-limit 512 --stream-steps 2 --repeat 1"},
   };
   for (const auto& [name, args] : benches) {
     const Outcome r = run_program(FERRY_BENCH, args);

@@ -54,7 +54,7 @@ struct TrainArgs {
   std::uint32_t epochs = 10, batch = 0;    // batch 0: the model's default
   std::uint32_t width = 0, depth = 0;      // 0: the model's default (deep: 1024 x 16; gpt: 192 x 4)
   std::uint32_t heads = 4, context = 128;  // gpt
-  std::uint32_t steps = 0;                 // gpt: optimizer steps (0: the default)
+  std::uint32_t steps = 0;                 // gpt: training steps, a batch each (0: the default)
   double max_minutes = 0;                  // gpt: stop training after this long (0: no limit)
   std::uint32_t eval_every = 0;            // gpt: steps between validation reports (0: the default)
   std::uint32_t val_windows = 256;         // gpt: held-out windows each validation report runs over
