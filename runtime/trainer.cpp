@@ -36,7 +36,10 @@ namespace detail {
 void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
   if (!model.forward) throw std::invalid_argument("model has no forward function");
   if (!(options.lr > 0) || !std::isfinite(options.lr)) {
-    throw std::invalid_argument(fmt::format("learning rate must be a positive number, got {}", options.lr));
+    throw std::invalid_argument(fmt::format(
+        "learning rate must be a finite number > 0 (TrainerOptions::lr; set_lr takes 0 later, as a schedule's end), "
+        "got {}",
+        options.lr));
   }
   ops::validate(options.optimizer);
   validate(options.phases);
@@ -953,10 +956,15 @@ void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
   settle_all();
   const auto& t = compiled_->train->graph().tensors;
   const TensorId id = persistent_tensor(name);
-  if (value.dtype != t.dtype[id] || !(value.shape == t.shape[id]) || value.bytes.size() != t.bytes(id)) {
-    throw std::invalid_argument(fmt::format("cannot write '{}': it is {} {}, the value is {} {} ({} bytes)", name,
-                                            graph::dtype_name(t.dtype[id]), t.shape[id].str(),
-                                            graph::dtype_name(value.dtype), value.shape.str(), value.bytes.size()));
+  if (value.dtype != t.dtype[id] || !(value.shape == t.shape[id])) {
+    throw std::invalid_argument(fmt::format("cannot write '{}': it is {} {}, the value is {} {}; nothing was written",
+                                            name, graph::dtype_name(t.dtype[id]), t.shape[id].str(),
+                                            graph::dtype_name(value.dtype), value.shape.str()));
+  }
+  if (value.bytes.size() != t.bytes(id)) {
+    throw std::invalid_argument(fmt::format(
+        "cannot write '{}': the value says {} {} but holds {} bytes, not the {} that takes; nothing was written", name,
+        graph::dtype_name(value.dtype), value.shape.str(), value.bytes.size(), t.bytes(id)));
   }
   if (value.dtype == graph::DType::f32) {
     const auto* f = reinterpret_cast<const float*>(value.bytes.data());

@@ -744,6 +744,14 @@ TEST(ResidencyHomes, PersistentTensorsAreReadAndWrittenByNameInEveryHome) {
     w.shape = graph::Shape{1};
     EXPECT_THROW(t.write_tensor(names[0], w), std::invalid_argument);
     EXPECT_THROW(t.write_tensor("no.such.tensor", w), std::invalid_argument);
+    Trainer::HostTensor half = t.read_tensor(names[0]);  // its dtype and shape, half its bytes
+    half.bytes.resize(half.bytes.size() / 2);
+    try {
+      t.write_tensor(names[0], half);
+      ADD_FAILURE() << "a value of half the tensor's bytes was written";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("but holds"), std::string::npos) << e.what();
+    }
     EXPECT_EQ(t.read_tensor(names[0]).bytes, before) << "a refused write changes nothing";
   }
 }
