@@ -45,7 +45,12 @@ struct Regression final : ferry::DataSource {
   }
 };
 
-int run(std::uint32_t steps, const std::string& device) {
+struct Args {
+  std::uint32_t steps = 300;
+  std::string device;  // empty: $FERRY_DEVICE, else the first GPU, else the first device
+};
+
+int run(const Args& a) {
   const ferry::ops::OpId silu = register_silu("example_silu");
   ferry::ModelSpec model;
   model.name = "silu-regression";
@@ -59,7 +64,7 @@ int run(std::uint32_t steps, const std::string& device) {
     return b.mse(p, t[0]);
   };
 
-  ferry::Runtime runtime({.device = device});
+  ferry::Runtime runtime({.device = a.device});
   ferry::TrainerOptions options;
   options.batch = 64;
   options.lr = 3e-3f;
@@ -67,7 +72,7 @@ int run(std::uint32_t steps, const std::string& device) {
   const Regression train(64 * 16, 1), test(500, 2);
   const double before = trainer.evaluate(test).loss;
   std::vector<float> x(64 * 4), y(64);
-  for (std::uint32_t s = 0; s < steps; ++s) {
+  for (std::uint32_t s = 0; s < a.steps; ++s) {
     const std::size_t first = (s % 16) * 64;
     train.read("x", first, 64, std::as_writable_bytes(std::span(x)));
     train.read("y", first, 64, std::as_writable_bytes(std::span(y)));
@@ -76,7 +81,7 @@ int run(std::uint32_t steps, const std::string& device) {
   }
   const double after = trainer.evaluate(test).loss;
   std::printf("%s on %s: test MSE %.4f before training, %.4f after %u steps\n", trainer.model().name.c_str(),
-              runtime.device().name.c_str(), before, after, steps);
+              runtime.device().name.c_str(), before, after, a.steps);
 
   // The device's predictions against a CPU forward pass with the trained weights.
   const auto prediction = trainer.predict(test);
@@ -109,31 +114,23 @@ void usage() {
   std::fputs("usage: custom_op [--steps N] [--device INDEX_OR_NAME]\n", stderr);
 }
 
+Args parse_args(int argc, char** argv) {
+  Args a;
+  example::for_each_option(argc, argv, usage, [&](std::string_view name, std::string_view value) {
+    if (name == "--steps") {
+      a.steps = example::parse_count(name, value);
+    } else if (name == "--device") {
+      a.device = value;
+    } else {
+      return false;
+    }
+    return true;
+  });
+  return a;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::uint32_t steps = 300;
-  std::string device;
-  try {
-    example::for_each_option(argc, argv, usage, [&](std::string_view name, std::string_view value) {
-      if (name == "--steps") {
-        steps = example::parse_count(name, value);
-      } else if (name == "--device") {
-        device = value;
-      } else {
-        return false;
-      }
-      return true;
-    });
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "custom_op: %s\n", e.what());
-    usage();
-    return 2;
-  }
-  try {
-    return run(steps, device);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "custom_op: error: %s\n", e.what());
-    return 1;
-  }
+  return example::main_of("custom_op", argc, argv, usage, parse_args, run);
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -52,6 +53,27 @@ inline std::uint32_t parse_count(std::string_view flag, std::string_view text) {
   const auto value = parse_number<std::uint32_t>(flag, text);
   if (value == 0) throw std::invalid_argument(std::string(flag) + " must be at least 1");
   return value;
+}
+
+// An example's main: the command line read by `parse` (a bad one: the error and the usage, exit
+// status 2), then `run` (an error: exit status 1).
+template <class Args>
+int main_of(const char* name, int argc, char** argv, void (*usage)(), Args (*parse)(int, char**),
+            int (*run)(const Args&)) {
+  Args args;
+  try {
+    args = parse(argc, argv);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "%s: %s\n", name, e.what());
+    usage();
+    return 2;
+  }
+  try {
+    return run(args);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", name, e.what());
+    return 1;
+  }
 }
 
 }  // namespace example

@@ -130,18 +130,5 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Args args;
-  try {
-    args = parse_args(argc, argv);
-  } catch (const std::invalid_argument& e) {  // the command line: say how to call it
-    std::fprintf(stderr, "stream_gpt: %s\n", e.what());
-    usage();
-    return 2;
-  }
-  try {
-    return run(args);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "stream_gpt: error: %s\n", e.what());
-    return 1;
-  }
+  return example::main_of("stream_gpt", argc, argv, usage, parse_args, run);
 }
