@@ -305,6 +305,14 @@ std::string leaner_settings(const TrainerOptions& o) {
     ways.emplace_back("8-bit optimizer state (--optimizer adamw8bit; OptimizerConfig::Kind::adamw8bit)");
   }
   const auto mode = o.residency.mode;
+  // Resident by request, or weights or state homed on the device: streaming them needs less.
+  const auto on_device = [](const std::optional<graph::Home>& h) { return h && *h == graph::Home::device; };
+  if (mode == graph::ResidencyMode::resident || on_device(o.residency.weights_home) ||
+      on_device(o.residency.state_home)) {
+    ways.emplace_back(
+        "weights and optimizer state streamed from host memory (--residency stream and no --weights-home or "
+        "--state-home device; ResidencyOptions::mode)");
+  }
   if (!o.residency.host_optimizer && mode != graph::ResidencyMode::resident && mode != graph::ResidencyMode::mapped) {
     ways.emplace_back("the optimizer on the host (--host-optimizer; ResidencyOptions::host_optimizer)");
   }

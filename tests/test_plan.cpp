@@ -573,6 +573,16 @@ TEST(Plan, TooSmallABudgetSuggestsOnlyWhatIsNotInUse) {
   for (const char* way : {"--precision bf16", "--optimizer adamw8bit", "--host-optimizer"}) {
     EXPECT_EQ(lean.find(way), std::string::npos) << way << " is in use but suggested: " << lean;
   }
+  EXPECT_EQ(plain.find("--residency stream"), std::string::npos) << "it streams already: " << plain;
+  // Resident by request, or state homed on the device: streaming is the way out.
+  TrainerOptions resident = o;
+  resident.residency.mode = graph::ResidencyMode::resident;
+  resident.residency.host_optimizer = false;
+  EXPECT_NE(message(resident).find("--residency stream"), std::string::npos) << message(resident);
+  TrainerOptions state_on_device = o;
+  state_on_device.residency.host_optimizer = false;
+  state_on_device.residency.state_home = graph::Home::device;
+  EXPECT_NE(message(state_on_device).find("--residency stream"), std::string::npos) << message(state_on_device);
 }
 
 // A minimum is printed rounded up, so that the figure an error names is a budget that fits.
