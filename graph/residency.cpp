@@ -632,13 +632,21 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
   if (options.host_optimizer) {
     // Updates on the host need the state in host memory and copies to and from the device.
     if (mode == ResidencyMode::resident || mode == ResidencyMode::mapped) {
-      throw std::invalid_argument(fmt::format("the host optimizer runs with residency 'stream' (or 'auto'), not '{}'",
-                                              residency_mode_name(mode)));
+      throw std::invalid_argument(
+          fmt::format("the host optimizer runs with residency 'stream' (or 'auto'), not '{}': stream the state "
+                      "(--residency stream; ResidencyOptions::mode) or run the optimizer on the device (no "
+                      "--host-optimizer; ResidencyOptions::host_optimizer)",
+                      residency_mode_name(mode)));
     }
     for (const auto* h : {&options.weights_home, &options.state_home}) {
       if (h->has_value() && **h != Home::host_pinned) {
-        throw std::invalid_argument(fmt::format(
-            "the host optimizer needs weights and optimizer state in host_pinned, not '{}'", offload::home_name(**h)));
+        throw std::invalid_argument(
+            fmt::format("the host optimizer needs weights and optimizer state in host_pinned, not '{}': leave the "
+                        "{} home to the residency mode (no --{}; ResidencyOptions::{}) or run the optimizer on the "
+                        "device (no --host-optimizer)",
+                        offload::home_name(**h), h == &options.weights_home ? "weights'" : "state's",
+                        h == &options.weights_home ? "weights-home" : "state-home",
+                        h == &options.weights_home ? "weights_home" : "state_home"));
       }
     }
     mode = ResidencyMode::stream;

@@ -169,8 +169,14 @@ struct UpdateAttrs {
   std::int32_t block8bit = 0;
   std::int32_t share_first = 0, share_count = 0;
   CastScale grad_scale = CastScale::none;
-  NodeAttrs pack() const { return {{block8bit, static_cast<std::int32_t>(grad_scale), share_first, share_count}, {}}; }
-  static UpdateAttrs of(const NodeAttrs& a) { return {a.i[0], a.i[2], a.i[3], static_cast<CastScale>(a.i[1])}; }
+  bool no_weight_decay = false;  // a weight OptimizerConfig::decay_on exempts (f[0] = 1)
+  NodeAttrs pack() const {
+    return {{block8bit, static_cast<std::int32_t>(grad_scale), share_first, share_count},
+            {no_weight_decay ? 1.0f : 0.0f, 0.0f}};
+  }
+  static UpdateAttrs of(const NodeAttrs& a) {
+    return {a.i[0], a.i[2], a.i[3], static_cast<CastScale>(a.i[1]), a.f[0] != 0.0f};
+  }
 };
 
 // predictor_fit, predictor_apply: the predictor's configuration.

@@ -28,6 +28,10 @@ const char* optimizer_name(OptimizerConfig::Kind k) {
   return "?";
 }
 
+const char* decay_on_name(OptimizerConfig::DecayOn d) {
+  return d == OptimizerConfig::DecayOn::matrices ? "matrices" : "all";
+}
+
 void validate(const OptimizerConfig& c) {
   auto fail = [&](const char* what, float v, const char* range) {
     throw std::invalid_argument(fmt::format("{} {} {} = {}: it must be {}", optimizer_name(c.kind),

@@ -353,8 +353,8 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
       fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
                   "needs {}{}; raise the budget to at least {}, or use {}",
                   format_bytes(budget), format_bytes_up(without),
-                  leanest_every ? fmt::format(", recomputing segments of {} layers (the leanest) {}", leanest_every,
-                                              format_bytes_up(leanest))
+                  leanest_every ? fmt::format(", recomputing segments of {} layer{} (the leanest) {}", leanest_every,
+                                              leanest_every == 1 ? "" : "s", format_bytes_up(leanest))
                                 : std::string(", and recomputation does not lower that"),
                   format_bytes_up(leanest), leaner_settings(o)),
       leanest);

@@ -3,12 +3,16 @@
 // taken from StepInfo at enqueue time, and Adam converging on a quadratic. The host optimizer's
 // updates (ops/optimizer_host.hpp, vectorised per instruction set) against the same reference,
 // in place and out of place.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
 
+#include "classifier.hpp"
+#include "ferry/ferry.hpp"
 #include "ferry/ops/optimizer.hpp"
 #include "ops/optimizer_host.hpp"
 #include "ops/quantize_host.hpp"
@@ -261,6 +265,64 @@ TEST(Optimizer, HostUpdatesReadNarrowGradientsAsTheirWidenedCopies) {
         {}, block, info, read,
         {w2.data(), q2.data(), r2.data(), scales2.data(), w2.data(), q2.data(), r2.data(), scales2.data()}, n);
     EXPECT_TRUE(same_bits(w1, w2) && q1 == q2 && r1 == r2 && same_bits(scales1, scales2)) << "adam8bit";
+  }
+}
+
+// OptimizerConfig::decay_on = matrices: after a step, each weight of rank 2 or more equals the
+// run's that decays every weight, and each bias, LayerNorm gain and shift the run's without weight
+// decay, bit for bit: on the device (Adam grouped into one launch, and not), on the host (the host
+// optimizer), with L2 (SGD) and decoupled decay (AdamW, 8-bit AdamW).
+TEST(Optimizer, WeightDecayOnMatricesLeavesRankOneWeightsOut) {
+  Runtime rt;
+  const ModelSpec m = models::deep(32, 2);
+  const std::size_t sample = sample_elems(m);
+  const auto images = random_vector(8 * sample, 3);
+  std::vector<std::int32_t> labels(8);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 10);
+  using Kind = ops::OptimizerConfig::Kind;
+  for (const Kind kind : {Kind::adamw, Kind::sgd, Kind::adamw8bit, Kind::adam}) {
+    for (const int where : {0, 1, 2}) {  // device, device unfused (no update groups), host optimizer
+      SCOPED_TRACE(fmt::format("{}, {}", ops::optimizer_name(kind),
+                               where == 0   ? "device"
+                               : where == 1 ? "unfused"
+                                            : "host"));
+      const auto one_step = [&](float wd, ops::OptimizerConfig::DecayOn on) {
+        TrainerOptions o;
+        o.batch = 8;
+        o.lr = 0.01f;
+        o.optimizer.kind = kind;
+        o.optimizer.block8bit = 256;
+        o.optimizer.adam.weight_decay = o.optimizer.sgd.weight_decay = wd;
+        o.optimizer.decay_on = on;
+        o.fuse = where != 1;
+        if (where == 2) {
+          o.residency.mode = graph::ResidencyMode::stream;
+          o.residency.host_optimizer = true;
+        }
+        auto t = std::make_unique<Trainer>(rt, m, o);
+        int seed = 40;
+        for (const auto& name : t->parameter_names()) {  // biases and shifts start at 0: no decay to see
+          Trainer::HostTensor v = t->read_tensor(name);
+          const auto values = random_vector(v.shape.elems(), ++seed);
+          std::memcpy(v.bytes.data(), values.data(), v.bytes.size());
+          t->write_tensor(name, v);
+        }
+        t->step(images, labels);
+        return t;
+      };
+      const auto all = one_step(0.1f, ops::OptimizerConfig::DecayOn::all);
+      const auto matrices = one_step(0.1f, ops::OptimizerConfig::DecayOn::matrices);
+      const auto none = one_step(0.0f, ops::OptimizerConfig::DecayOn::all);
+      std::size_t rank_one = 0;
+      for (const auto& name : matrices->parameter_names()) {
+        const bool matrix = matrices->read_tensor(name).shape.rank >= 2;
+        rank_one += !matrix;
+        const auto got = matrices->read_parameter(name);
+        EXPECT_EQ(got, (matrix ? all : none)->read_parameter(name)) << name;
+        EXPECT_NE(all->read_parameter(name), none->read_parameter(name)) << name << ": no decay to tell apart";
+      }
+      EXPECT_GT(rank_one, 3u) << "biases and LayerNorm gains and shifts";
+    }
   }
 }
 

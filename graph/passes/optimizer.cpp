@@ -45,6 +45,7 @@ void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding&
     }
     if (stats != no_tensor) ins.push_back(stats);
     ops::UpdateAttrs attrs = ops::UpdateAttrs::of(row.update_attrs ? row.update_attrs(spec) : NodeAttrs{});
+    attrs.no_weight_decay = spec.decay_on == OptimizerConfig::DecayOn::matrices && t.shape[w].rank < 2;
     if (zero.sharded()) {
       attrs.share_first = static_cast<std::int32_t>(share.first);
       attrs.share_count = static_cast<std::int32_t>(share.count);

@@ -29,10 +29,11 @@ bool groupable(const Graph& g, NodeId n) {
   return true;
 }
 
-// The same guard (or none) as node n: the group checks one.
-bool same_guard(const NodeTable& nodes, NodeId a, NodeId b) {
+// The same guard (or none) and weight decay as node a: the group checks one and applies one.
+bool same_group(const NodeTable& nodes, NodeId a, NodeId b) {
   const auto x = nodes.inputs(a), y = nodes.inputs(b);
-  return x.size() == y.size() && (x.size() == 4 || x.back() == y.back());
+  return x.size() == y.size() && (x.size() == 4 || x.back() == y.back()) &&
+         ops::UpdateAttrs::of(nodes.attrs[a]).no_weight_decay == ops::UpdateAttrs::of(nodes.attrs[b]).no_weight_decay;
 }
 
 }  // namespace
@@ -43,7 +44,7 @@ void group_updates(Graph& g) {
   bool changed = false;
   for (NodeId n = 0; n < old.size();) {
     NodeId end = n;
-    while (end < old.size() && groupable(g, end) && same_guard(old, n, end) && end - n < ops::adam_group_slots) ++end;
+    while (end < old.size() && groupable(g, end) && same_group(old, n, end) && end - n < ops::adam_group_slots) ++end;
     if (end - n < 2) {
       out.add_copy(old, n);
       ++n;
@@ -57,7 +58,9 @@ void group_updates(Graph& g) {
       outs.insert(outs.end(), o.begin(), o.end());
     }
     if (old.inputs(n).size() == 5) ins.push_back(old.inputs(n).back());
-    out.add(ops::builtin::adam_update_group, fmt::format("update_group.{}", old.name[n]), ins, outs, {}, Lane::compute);
+    const ops::UpdateAttrs group{.no_weight_decay = ops::UpdateAttrs::of(old.attrs[n]).no_weight_decay};
+    out.add(ops::builtin::adam_update_group, fmt::format("update_group.{}", old.name[n]), ins, outs, group.pack(),
+            Lane::compute);
     changed = true;
     n = end;
   }

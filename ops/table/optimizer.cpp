@@ -51,6 +51,17 @@ void check_device_gradient(const BindContext& c) {
                     c.name(), dtype_name(c.input(1).dtype)));
   }
 }
+// The optimizer's settings for this update: no weight decay for a weight the configuration
+// exempts (OptimizerConfig::decay_on, marked by the optimizer pass in UpdateAttrs).
+template <class Context>
+OptimizerConfig update_config(Context& c) {
+  OptimizerConfig o = c.optimizer();
+  if (UpdateAttrs::of(c.attrs()).no_weight_decay) {
+    o.sgd.weight_decay = 0.0f;
+    o.adam.weight_decay = 0.0f;
+  }
+  return o;
+}
 std::span<double> sliced(RefContext& c, TensorRef t, const ShapeView& v, const UpdateSlice& s) {
   auto all = c.real(t);
   return all.size() == in_elems(v, 0) ? all.subspan(s.first, s.count) : all;
@@ -79,12 +90,12 @@ OpInfo sgd_row() {  // in: w g v [loss]  out: w v
   r.bind = [](const BindContext& c) {
     check_device_gradient(c);
     const UpdateSlice s = update_slice(c);
-    return sgd_update(c.env(), c.optimizer().sgd, sliced(c, 0, s), sliced(c, 1, s), sliced(c, 2, s), s.count,
+    return sgd_update(c.env(), update_config(c).sgd, sliced(c, 0, s), sliced(c, 1, s), sliced(c, 2, s), s.count,
                       c.input_count() > 3 ? c.in(3) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
     const UpdateSlice s = update_slice(c);
-    if (!host_sgd_update(c.optimizer().sgd, c.step(), host_gradient(c, s),
+    if (!host_sgd_update(update_config(c).sgd, c.step(), host_gradient(c, s),
                          {sliced(c, 0, s), sliced(c, 2, s), sliced_out(c, 0, s), sliced_out(c, 1, s)}, s.count))
       c.report_non_finite_weight();
   };
@@ -92,7 +103,7 @@ OpInfo sgd_row() {  // in: w g v [loss]  out: w v
     const auto in = c.inputs();
     const UpdateSlice s = update_slice(c);
     std::vector<double> widened;
-    ref::sgd_update<double>(c.optimizer().sgd, c.step(), sliced(c, in[0], c, s), ref_gradient(c, s, widened),
+    ref::sgd_update<double>(update_config(c).sgd, c.step(), sliced(c, in[0], c, s), ref_gradient(c, s, widened),
                             sliced(c, in[2], c, s));
   };
   return r;
@@ -109,12 +120,12 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
   r.bind = [](const BindContext& c) {
     check_device_gradient(c);
     const UpdateSlice s = update_slice(c);
-    return adam_update(c.env(), c.optimizer().adam_config(), sliced(c, 0, s), sliced(c, 1, s), c.in(2), c.in(3),
+    return adam_update(c.env(), update_config(c).adam_config(), sliced(c, 0, s), sliced(c, 1, s), c.in(2), c.in(3),
                        s.count, c.input_count() > 4 ? c.in(4) : DeviceSpan{}, c.step_status());
   };
   r.host = [](const HostContext& c) {
     const UpdateSlice s = update_slice(c);
-    if (!host_adam_update(c.optimizer().adam_config(), c.step(), host_gradient(c, s),
+    if (!host_adam_update(update_config(c).adam_config(), c.step(), host_gradient(c, s),
                           {sliced(c, 0, s), floats(c.in(2)), floats(c.in(3)), sliced_out(c, 0, s), floats(c.out(1)),
                            floats(c.out(2))},
                           s.count))
@@ -124,8 +135,8 @@ OpInfo adam_row() {  // in: w g m v [loss]  out: w m v
     const auto in = c.inputs();
     const UpdateSlice s = update_slice(c);
     std::vector<double> widened;
-    ref::adam_update<double>(c.optimizer().adam_config(), c.step(), sliced(c, in[0], c, s), ref_gradient(c, s, widened),
-                             c.real(in[2]), c.real(in[3]));
+    ref::adam_update<double>(update_config(c).adam_config(), c.step(), sliced(c, in[0], c, s),
+                             ref_gradient(c, s, widened), c.real(in[2]), c.real(in[3]));
   };
   return r;
 }
@@ -151,7 +162,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
   r.bind = [](const BindContext& c) {
     check_device_gradient(c);
     const UpdateSlice s = update_slice(c);
-    return adam8bit_update(c.env(), c.optimizer().adam_config(),
+    return adam8bit_update(c.env(), update_config(c).adam_config(),
                            static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), sliced(c, 0, s),
                            sliced(c, 1, s), c.in(2), c.in(3), c.in(4), s.count,
                            c.input_count() > 5 ? c.in(5) : DeviceSpan{}, 0, c.step_status());
@@ -160,7 +171,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
     const UpdateSlice s = update_slice(c);
     const auto codes = [](const std::byte* p) { return reinterpret_cast<const std::uint8_t*>(p); };
     const auto codes_out = [](std::byte* p) { return reinterpret_cast<std::uint8_t*>(p); };
-    if (!host_adam8bit_update(c.optimizer().adam_config(),
+    if (!host_adam8bit_update(update_config(c).adam_config(),
                               static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), c.step(),
                               host_gradient(c, s),
                               {sliced(c, 0, s), codes(c.in(2)), codes(c.in(3)), floats(c.in(4)), sliced_out(c, 0, s),
@@ -173,7 +184,7 @@ OpInfo adam8bit_row() {  // in: w g m(u8) v(u8) scales(f32 [2, blocks]) [loss]  
     const UpdateSlice s = update_slice(c);
     std::vector<double> widened;
     ref::adam8bit_update<double>(
-        c.optimizer().adam_config(), static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), c.step(),
+        update_config(c).adam_config(), static_cast<std::uint32_t>(UpdateAttrs::of(c.attrs()).block8bit), c.step(),
         sliced(c, in[0], c, s), ref_gradient(c, s, widened), c.real(in[2]), c.real(in[3]), c.real(in[4]));
   };
   return r;
@@ -191,13 +202,13 @@ OpInfo adam_group_row() {
     for (std::size_t i = 0; i < k; ++i) {
       slots[i] = {c.in(4 * i), c.in(4 * i + 1), c.in(4 * i + 2), c.in(4 * i + 3), in_elems(c, 4 * i)};
     }
-    return adam_update_group(c.env(), c.optimizer().adam_config(), slots,
+    return adam_update_group(c.env(), update_config(c).adam_config(), slots,
                              c.input_count() % 4 == 1 ? c.in(c.input_count() - 1) : DeviceSpan{}, c.step_status());
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     for (std::size_t i = 0; i + 3 < in.size(); i += 4) {
-      ref::adam_update<double>(c.optimizer().adam_config(), c.step(), c.real(in[i]), c.real(in[i + 1]),
+      ref::adam_update<double>(update_config(c).adam_config(), c.step(), c.real(in[i]), c.real(in[i + 1]),
                                c.real(in[i + 2]), c.real(in[i + 3]));
     }
   };

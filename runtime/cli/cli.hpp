@@ -66,6 +66,7 @@ struct TrainArgs {
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
   bool lr_given = false;  // --lr on the command line (gpt's default peak is 2e-3)
   std::string optimizer = "adam", schedule = "cosine";
+  std::string weight_decay_on = "all";   // all or matrices (OptimizerConfig::decay_on)
   std::uint32_t optimizer_block = 2048;  // adamw8bit: elements per quantization block
   std::string device, data_dir, trace_path, profile_path;
   std::string device_budget, host_budget, residency = "auto", host_memory = "auto";
@@ -252,11 +253,11 @@ std::invalid_argument resume_error(const TrainArgs& a, const std::string& what);
 
 // The options that change what a run computes and that neither the trainer's fingerprint (model,
 // optimizer, batch, accumulation, precision, phases) nor a command's own checks (seed, data, lr,
-// schedule) cover: weight decay, SGD's momentum, the 8-bit state's block, the loss scale's
-// interval, the hybrid phases' settings, the GPT's dropout and attention. Each command records
-// them in its caller section (key "settings", by flag name) and check_training_settings refuses a
-// resume that gives another value, naming the flag and the value to give. A checkpoint written
-// before ferry recorded them has no "settings": nothing to compare.
+// schedule) cover: weight decay (and the weights it applies to), SGD's momentum, the 8-bit state's block, the loss
+// scale's interval, the hybrid phases' settings, the GPT's dropout and attention. Each command records them in its
+// caller section (key "settings", by flag name) and check_training_settings refuses a resume that gives another value,
+// naming the flag and the value to give. A checkpoint written before ferry recorded them has no "settings": nothing to
+// compare.
 nlohmann::json training_settings(const TrainArgs& a);
 void check_training_settings(const nlohmann::json& caller, const TrainArgs& a);
 

@@ -90,6 +90,8 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   } else {
     throw std::invalid_argument(fmt::format("unknown optimizer '{}': use adam, adamw, adamw8bit or sgd", a.optimizer));
   }
+  opt.optimizer.decay_on = a.weight_decay_on == "matrices" ? ferry::ops::OptimizerConfig::DecayOn::matrices
+                                                           : ferry::ops::OptimizerConfig::DecayOn::all;
   opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
   opt.residency.lookahead = a.lookahead;
   opt.residency.host_optimizer = a.host_optimizer;
@@ -326,6 +328,7 @@ std::invalid_argument resume_error(const TrainArgs& a, const std::string& what) 
 
 nlohmann::json training_settings(const TrainArgs& a) {
   nlohmann::json s = {{"--weight-decay", a.weight_decay}};
+  if (a.weight_decay > 0) s["--weight-decay-on"] = a.weight_decay_on;
   if (a.optimizer == "sgd") s["--momentum"] = a.momentum;
   if (a.optimizer == "adamw8bit") s["--optimizer-block"] = a.optimizer_block;
   if (a.loss_scaling == "on" || (a.loss_scaling == "auto" && a.precision == "fp16")) {

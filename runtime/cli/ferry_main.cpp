@@ -366,6 +366,11 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
       ->capture_default_str();
   app->add_option("--weight-decay", t.weight_decay, "L2 (adam, sgd) or decoupled (adamw, adamw8bit)")
       ->capture_default_str();
+  app->add_option("--weight-decay-on", t.weight_decay_on,
+                  "all (every weight) or matrices (weights of rank 2 or more: linear and convolution weights, "
+                  "embedding tables; not biases, LayerNorm gains and shifts, as transformers are usually trained)")
+      ->check(CLI::IsMember({"all", "matrices"}))
+      ->capture_default_str();
   app->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
   app->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(positive_number());
   app->add_option("--depth", t.depth, "deep: residual blocks (default 16); gpt: decoder blocks (default 4)")

@@ -36,6 +36,10 @@ struct OptimizerConfig {
   SgdConfig sgd;
   AdamConfig adam;
   std::uint32_t block8bit = 2048;
+  // Which weights the weight decay (sgd.weight_decay, adam.weight_decay) applies to: all, or
+  // matrices only (weights of rank 2 or more: linear and convolution weights, embedding tables;
+  // not biases, nor LayerNorm gains and shifts), as transformers are usually trained.
+  enum class DecayOn : std::uint8_t { all, matrices } decay_on = DecayOn::all;
   // The weight-update predictor of the hybrid phases: read only by the variants that fit or
   // apply it (graph::VariantKey).
   PredictorConfig predictor;
@@ -47,6 +51,7 @@ struct OptimizerConfig {
   }
 };
 const char* optimizer_name(OptimizerConfig::Kind k);
+const char* decay_on_name(OptimizerConfig::DecayOn d);  // "all", "matrices"
 // Throws std::invalid_argument naming the setting for a momentum or beta outside [0, 1), a
 // negative or non-finite weight decay, an eps that is not a positive number, or (adamw8bit) a
 // block the device kernels cannot run. NaN fails every check.
