@@ -19,8 +19,8 @@ const char* kernel_name(Activation a, bool backward) {
 }
 
 // The kernel for (a, direction), built for `dtype`, and how many work-items cover n elements.
-// GELU in f32 on a CPU device runs 16 elements per work-item (gelu_forward16 and gelu_backward16
-// in activation.cl: PoCL's vector exp is about ten times faster than 16 scalar ones). Throws for
+// GELU on a CPU device runs 16 elements per work-item (gelu_forward16 and gelu_backward16 in
+// activation.cl: PoCL's vector exp is about ten times faster than 16 scalar ones), in any dtype. Throws for
 // a dtype the kernels do not take.
 struct TypedKernel {
   cl::Kernel kernel;
@@ -35,7 +35,7 @@ TypedKernel typed_kernel(OpEnv& env, Activation a, bool backward, DType dtype, s
   if (n > std::numeric_limits<cl_uint>::max()) {
     throw std::invalid_argument(fmt::format("{}: {} elements, more than 2^32-1", name, n));
   }
-  if (a == Activation::gelu && dtype == DType::f32 && env.device().is_cpu()) {
+  if (a == Activation::gelu && env.device().is_cpu()) {
     return {env.kernels.kernel("activation", backward ? "gelu_backward16" : "gelu_forward16", dtype_define(dtype)),
             (n + 15) / 16};
   }

@@ -33,31 +33,30 @@ __kernel void gelu_backward(__global const T_STORAGE* x, ulong x_off, __global c
   STORE_T(LOAD_T(dy, dy_off + i) * gelu_slope(LOAD_T(x, x_off + i)), dx, dx_off + i);
 }
 
-#if defined(T_F32)
 // GELU on CPU devices: a work-item takes 16 consecutive elements as one float16 (normal_cdf16 in
-// gelu.clh); elements past the last whole chunk go one by one.
-__kernel void gelu_forward16(__global const float* x, ulong x_off, __global float* y, ulong y_off, uint n) {
+// gelu.clh); elements past the last whole chunk go one by one. Any storage type: narrow elements
+// are widened as they are read and rounded as they are stored, lane by lane as LOAD_T and STORE_T.
+__kernel void gelu_forward16(__global const T_STORAGE* x, ulong x_off, __global T_STORAGE* y, ulong y_off, uint n) {
   const uint i = get_global_id(0) * 16;
   if (i + 16 <= n) {
-    const float16 v = vload16(0, x + x_off + i);
-    vstore16(v * normal_cdf16(v), 0, y + y_off + i);
+    const float16 v = LOAD16_T(x, x_off + i);
+    STORE16_T(v * normal_cdf16(v), y, y_off + i);
     return;
   }
   for (uint j = i; j < n; ++j) {
-    const float v = x[x_off + j];
-    y[y_off + j] = v * normal_cdf(v);
+    const float v = LOAD_T(x, x_off + j);
+    STORE_T(v * normal_cdf(v), y, y_off + j);
   }
 }
 
-__kernel void gelu_backward16(__global const float* x, ulong x_off, __global const float* dy, ulong dy_off,
-                              __global float* dx, ulong dx_off, uint n) {
+__kernel void gelu_backward16(__global const T_STORAGE* x, ulong x_off, __global const T_STORAGE* dy, ulong dy_off,
+                              __global T_STORAGE* dx, ulong dx_off, uint n) {
   const uint i = get_global_id(0) * 16;
   if (i + 16 <= n) {
-    vstore16(vload16(0, dy + dy_off + i) * gelu_slope16(vload16(0, x + x_off + i)), 0, dx + dx_off + i);
+    STORE16_T(LOAD16_T(dy, dy_off + i) * gelu_slope16(LOAD16_T(x, x_off + i)), dx, dx_off + i);
     return;
   }
   for (uint j = i; j < n; ++j) {
-    dx[dx_off + j] = dy[dy_off + j] * gelu_slope(x[x_off + j]);
+    STORE_T(LOAD_T(dy, dy_off + j) * gelu_slope(LOAD_T(x, x_off + j)), dx, dx_off + j);
   }
 }
-#endif

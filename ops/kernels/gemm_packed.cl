@@ -250,9 +250,20 @@ inline bool store16(float16 acc, __global float* crow, uint col, uint N, float a
 }
 #else
 // A narrow C: `crow` is the element index of the row's first element in c.
+// Whole chunks 16 wide: each lane as the loop below computes it (ROUND16 is AS_STORED).
 inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint col, uint N, float alpha, float beta,
                     __global const float* bias, uint has_bias, __global const STORAGE(C_NAME)* zb, ulong zrow) {
   if (col >= N) return false;
+  if (col + 16 <= N) {
+    float16 out = alpha * acc;
+    if (beta != 0.0f) out = fma((float16)(beta), LOAD16(C_NAME, c, crow + col), out);
+    if (has_bias) out += vload16(0, bias + col);
+#if C_DACT
+    out = DACT16(ROUND16(C_NAME, out), LOAD16(C_NAME, zb, zrow + col));
+#endif
+    STORE16(C_NAME, RELU16(out), c, crow + col);
+    return false;  // no C_GUARD with a narrow C
+  }
   float tmp[16];
   vstore16(alpha * acc, 0, tmp);
   for (uint i = 0; i < 16 && col + i < N; ++i) {
