@@ -640,13 +640,13 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
     }
     for (const auto* h : {&options.weights_home, &options.state_home}) {
       if (h->has_value() && **h != Home::host_pinned) {
+        const bool weights = h == &options.weights_home;
         throw std::invalid_argument(
             fmt::format("the host optimizer needs weights and optimizer state in host_pinned, not '{}': leave the "
-                        "{} home to the residency mode (no --{}; ResidencyOptions::{}) or run the optimizer on the "
-                        "device (no --host-optimizer)",
-                        offload::home_name(**h), h == &options.weights_home ? "weights'" : "state's",
-                        h == &options.weights_home ? "weights-home" : "state-home",
-                        h == &options.weights_home ? "weights_home" : "state_home"));
+                        "{} home to the residency mode (no --{}-home; ResidencyOptions::{}_home) or run the "
+                        "optimizer on the device (no --host-optimizer)",
+                        offload::home_name(**h), weights ? "weights'" : "state's", weights ? "weights" : "state",
+                        weights ? "weights" : "state"));
       }
     }
     mode = ResidencyMode::stream;

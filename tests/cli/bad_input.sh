@@ -76,6 +76,10 @@ row "staging chunk without staged host memory" "chunked fetches are a way of sta
   train --staging-chunk 1MiB "${quick[@]}"
 row "staging chunk too small" "use 4.0 KiB to 256.0 MiB" error - \
   train --host-memory staged --staging-chunk 1KiB "${quick[@]}"
+row "host optimizer with resident residency" "or run the optimizer on the device (no --host-optimizer" error - \
+  train "${quick[@]}" --host-optimizer --residency resident
+row "host optimizer with compressed state" "leave the state's home to the residency mode" error - \
+  train "${quick[@]}" --host-optimizer --state-home compressed
 row "ferry plan --zero without --ranks" "plan it with --ranks N" error - plan --model mlp --zero 1
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
   train "${quick[@]}" --weights-home int8
