@@ -99,6 +99,13 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
       // The 8-bit state's scales, one pair per block: the same weights, another block size.
       const bool scales = a.name == b.name && a.name.ends_with(".adam8_scales") && a.shape.rank == 2 &&
                           b.shape.rank == 2 && a.shape[1] != b.shape[1];
+      // A velocity on one side only, followed by other state (accumulated gradients, the predictor's).
+      if (velocity(a) != velocity(b)) {
+        throw mismatch(
+            fmt::format("its tensor {} is {} here ({})", tensor_text(a), tensor_text(b),
+                        velocity(a) ? "this trainer's SGD has no momentum" : "it was written by SGD without momentum"),
+            same_momentum);
+      }
       throw mismatch(fmt::format("its tensor {} is {} here{}", tensor_text(a), tensor_text(b),
                                  scales ? fmt::format(": its 8-bit optimizer state has {} blocks of that weight, this "
                                                       "trainer's {} (another block size)",

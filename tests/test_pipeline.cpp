@@ -219,6 +219,30 @@ TEST(Pipeline, AdjacentAdamUpdatesBecomeGroups) {
   }
   graph::group_updates(shared);
   EXPECT_EQ(count_op(shared, graph::builtin::adam_update_group), 0u);
+
+  // Weight decay on matrices only: the builder interleaves a Linear's w and b, so each kind is
+  // grouped apart within the run, matrices first, as few launches as with one kind.
+  ops::OptimizerConfig matrices = adam;
+  matrices.decay_on = ops::OptimizerConfig::DecayOn::matrices;
+  graph::Graph two = graph::prepare_step_graph(forward_graph(deep, graph::VariantKey{4, true}), {4, true}, matrices);
+  std::size_t exempt = 0;
+  for (graph::NodeId n = 0; n < two.nodes.size(); ++n) {
+    if (two.nodes.op[n] == graph::builtin::adam_update)
+      exempt += ops::UpdateAttrs::of(two.nodes.attrs[n]).no_weight_decay;
+  }
+  ASSERT_GT(exempt, 8u);
+  graph::group_updates(two);
+  const std::size_t kinds = (updates - exempt + 7) / 8 + (exempt + 7) / 8;
+  EXPECT_EQ(count_op(two, graph::builtin::adam_update_group) + count_op(two, graph::builtin::adam_update), kinds);
+  for (graph::NodeId n = 0; n < two.nodes.size(); ++n) {
+    if (two.nodes.op[n] != graph::builtin::adam_update_group) continue;
+    const bool no_decay = ops::UpdateAttrs::of(two.nodes.attrs[n]).no_weight_decay;
+    const auto ins = two.nodes.inputs(n);
+    for (std::size_t i = 0; i + 1 < ins.size(); i += 4) {
+      EXPECT_EQ(two.tensors.shape[ins[i]].rank < 2, no_decay)
+          << two.tensors.name[ins[i]] << " in " << two.nodes.name[n];
+    }
+  }
 }
 
 // Each ReLU that only a max-pool reads joins that pool (MaxPool2dAttrs::relu, reading the ReLU's input);

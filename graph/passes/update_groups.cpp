@@ -7,6 +7,7 @@
 // parameters each: one launch, the same expression per parameter, the same bits.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ferry/ops/optimizer.hpp"
@@ -29,11 +30,14 @@ bool groupable(const Graph& g, NodeId n) {
   return true;
 }
 
-// The same guard (or none) and weight decay as node a: the group checks one and applies one.
-bool same_group(const NodeTable& nodes, NodeId a, NodeId b) {
+// The same guard (or none) as node a: the group checks one.
+bool same_guard(const NodeTable& nodes, NodeId a, NodeId b) {
   const auto x = nodes.inputs(a), y = nodes.inputs(b);
-  return x.size() == y.size() && (x.size() == 4 || x.back() == y.back()) &&
-         ops::UpdateAttrs::of(nodes.attrs[a]).no_weight_decay == ops::UpdateAttrs::of(nodes.attrs[b]).no_weight_decay;
+  return x.size() == y.size() && (x.size() == 4 || x.back() == y.back());
+}
+
+bool no_weight_decay(const NodeTable& nodes, NodeId n) {
+  return ops::UpdateAttrs::of(nodes.attrs[n]).no_weight_decay;
 }
 
 }  // namespace
@@ -42,26 +46,43 @@ void group_updates(Graph& g) {
   const NodeTable& old = g.nodes;
   NodeTable out;
   bool changed = false;
+  // Groups of up to adam_group_slots updates of one weight-decay kind, from `run`, in order.
+  const auto emit = [&](const std::vector<NodeId>& run) {
+    for (std::size_t first = 0; first < run.size(); first += ops::adam_group_slots) {
+      const std::size_t count = std::min<std::size_t>(ops::adam_group_slots, run.size() - first);
+      if (count == 1) {
+        out.add_copy(old, run[first]);
+        continue;
+      }
+      std::vector<TensorId> ins, outs;
+      for (std::size_t i = first; i < first + count; ++i) {
+        const auto in = old.inputs(run[i]);
+        ins.insert(ins.end(), in.begin(), in.begin() + 4);
+        const auto o = old.outputs(run[i]);
+        outs.insert(outs.end(), o.begin(), o.end());
+      }
+      if (old.inputs(run[first]).size() == 5) ins.push_back(old.inputs(run[first]).back());
+      const ops::UpdateAttrs group{.no_weight_decay = no_weight_decay(old, run[first])};
+      out.add(ops::builtin::adam_update_group, fmt::format("update_group.{}", old.name[run[first]]), ins, outs,
+              group.pack(), Lane::compute);
+      changed = true;
+    }
+  };
   for (NodeId n = 0; n < old.size();) {
     NodeId end = n;
-    while (end < old.size() && groupable(g, end) && same_group(old, n, end) && end - n < ops::adam_group_slots) ++end;
+    while (end < old.size() && groupable(g, end) && same_guard(old, n, end)) ++end;
     if (end - n < 2) {
       out.add_copy(old, n);
       ++n;
       continue;
     }
-    std::vector<TensorId> ins, outs;
-    for (NodeId u = n; u < end; ++u) {
-      const auto in = old.inputs(u);
-      ins.insert(ins.end(), in.begin(), in.begin() + 4);
-      const auto o = old.outputs(u);
-      outs.insert(outs.end(), o.begin(), o.end());
-    }
-    if (old.inputs(n).size() == 5) ins.push_back(old.inputs(n).back());
-    const ops::UpdateAttrs group{.no_weight_decay = ops::UpdateAttrs::of(old.attrs[n]).no_weight_decay};
-    out.add(ops::builtin::adam_update_group, fmt::format("update_group.{}", old.name[n]), ins, outs, group.pack(),
-            Lane::compute);
-    changed = true;
+    // Updates write only their own weight and state, so a run's order among them is free: the
+    // weights weight decay leaves out (biases, gains: OptimizerConfig::decay_on) are grouped apart
+    // from the rest, where the builder interleaves them (a Linear's w, then its b).
+    std::vector<NodeId> decayed, exempt;
+    for (NodeId u = n; u < end; ++u) (no_weight_decay(old, u) ? exempt : decayed).push_back(u);
+    emit(decayed);
+    emit(exempt);
     n = end;
   }
   if (changed) g.nodes = std::move(out);

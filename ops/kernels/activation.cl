@@ -37,13 +37,13 @@ __kernel void gelu_backward(__global const T_STORAGE* x, ulong x_off, __global c
 // gelu.clh); elements past the last whole chunk go one by one. Any storage type: narrow elements
 // are widened as they are read and rounded as they are stored, lane by lane as LOAD_T and STORE_T.
 __kernel void gelu_forward16(__global const T_STORAGE* x, ulong x_off, __global T_STORAGE* y, ulong y_off, uint n) {
-  const uint i = get_global_id(0) * 16;
+  const ulong i = (ulong)get_global_id(0) * 16;  // n may be near 2^32: no uint wraps
   if (i + 16 <= n) {
     const float16 v = LOAD16_T(x, x_off + i);
     STORE16_T(v * normal_cdf16(v), y, y_off + i);
     return;
   }
-  for (uint j = i; j < n; ++j) {
+  for (ulong j = i; j < n; ++j) {
     const float v = LOAD_T(x, x_off + j);
     STORE_T(v * normal_cdf(v), y, y_off + j);
   }
@@ -51,12 +51,12 @@ __kernel void gelu_forward16(__global const T_STORAGE* x, ulong x_off, __global 
 
 __kernel void gelu_backward16(__global const T_STORAGE* x, ulong x_off, __global const T_STORAGE* dy, ulong dy_off,
                               __global T_STORAGE* dx, ulong dx_off, uint n) {
-  const uint i = get_global_id(0) * 16;
+  const ulong i = (ulong)get_global_id(0) * 16;
   if (i + 16 <= n) {
     STORE16_T(LOAD16_T(dy, dy_off + i) * gelu_slope16(LOAD16_T(x, x_off + i)), dx, dx_off + i);
     return;
   }
-  for (uint j = i; j < n; ++j) {
+  for (ulong j = i; j < n; ++j) {
     STORE_T(LOAD_T(dy, dy_off + j) * gelu_slope(LOAD_T(x, x_off + j)), dx, dx_off + j);
   }
 }

@@ -47,11 +47,14 @@ std::uint64_t run_fingerprint(const graph::Graph& g, const TrainerOptions& o) {
   }
   const auto& opt = o.optimizer;
   const auto& dp = o.data_parallel;
+  // Which weights decay matters only where some weight decay is set.
+  const bool decays = opt.sgd.weight_decay > 0.0f || opt.adam.weight_decay > 0.0f;
+  const char* const decay_on = decays ? ops::decay_on_name(opt.decay_on) : "none";
   s += fmt::format(
       "lr {} seed {} accumulate {} precision {} optimizer {} {} {} {} {} {} {} {} {} {} {} global {} zero {}", o.lr,
       o.seed, o.accumulate, graph::dtype_name(o.precision.compute), ops::optimizer_name(opt.kind), opt.sgd.momentum,
       opt.sgd.weight_decay, opt.sgd.nesterov, opt.adam.beta1, opt.adam.beta2, opt.adam.eps, opt.adam.weight_decay,
-      ops::decay_on_name(opt.decay_on), opt.block8bit, dp.bucket_bytes, dp.global_batch, dp.zero_stage);
+      decay_on, opt.block8bit, dp.bucket_bytes, dp.global_batch, dp.zero_stage);
   // Hybrid phases and loss scaling: every rank's controller and scaler must make the same choices
   // from the same (reduced) losses and guards.
   const auto& ph = o.phases;
