@@ -1,6 +1,7 @@
 // Elementwise activations, forward and backward. Operands are (buffer, element offset) pairs
 // because tensors live at planned offsets inside a few large arena buffers. Built per storage type
 // (-DT_F32|-DT_F16|-DT_BF16, see dtype.clh): x, y, dy and dx are stored as T, arithmetic is fp32.
+#define FERRY_WIDE16 1  // LOAD16, STORE16, ROUND16 (dtype.clh)
 #include "dtype.clh"
 #include "gelu.clh"
 

@@ -20,6 +20,7 @@
 // packed, A when it is read, C rounded once when it is stored. The F32 paths are the original code
 // (pointer arithmetic, vector loads); the narrow ones index whole elements, since pointer
 // arithmetic on half* needs cl_khr_fp16.
+#define FERRY_WIDE16 1  // LOAD16, STORE16, ROUND16 (dtype.clh)
 #include "dtype.clh"
 #ifndef A_NAME
 #define A_NAME F32
