@@ -79,41 +79,29 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
         fmt::format("its phases are {}, this trainer's are {}", phases_name(file.hybrid), phases_name(here.hybrid)),
         fmt::format("use --phases {}", phases_name(file.hybrid)));
   }
+  // SGD keeps a velocity tensor only with momentum (without, the gradient buffer holds it): a
+  // velocity on one side only says which option differs, wherever in the list it shows.
+  const auto velocity = [](const Fingerprint::Tensor* t) { return t && t->name.ends_with(".momentum"); };
   for (std::size_t i = 0; i < std::max(file.tensors.size(), here.tensors.size()); ++i) {
-    // SGD keeps a velocity tensor only with momentum (without, the gradient buffer holds it).
-    const auto velocity = [](const Fingerprint::Tensor& t) { return t.name.ends_with(".momentum"); };
-    const char* const same_model = "load it into the model that wrote it (the same sizes and options)";
-    const char* const same_momentum = "use the SGD momentum it was written with (--momentum; OptimizerConfig::sgd)";
-    if (i >= file.tensors.size()) {
-      throw mismatch(fmt::format("it has no tensor {}{}", tensor_text(here.tensors[i]),
-                                 velocity(here.tensors[i]) ? " (it was written by SGD without momentum)" : ""),
-                     velocity(here.tensors[i]) ? same_momentum : same_model);
+    const Fingerprint::Tensor* a = i < file.tensors.size() ? &file.tensors[i] : nullptr;
+    const Fingerprint::Tensor* b = i < here.tensors.size() ? &here.tensors[i] : nullptr;
+    if (a && b && a->name == b->name && a->dtype == b->dtype && a->shape == b->shape && a->bytes == b->bytes) continue;
+    const std::string what = !a   ? fmt::format("it has no tensor {}", tensor_text(*b))
+                             : !b ? fmt::format("this trainer has no tensor {}", tensor_text(*a))
+                                  : fmt::format("its tensor {} is {} here", tensor_text(*a), tensor_text(*b));
+    if (velocity(a) != velocity(b)) {
+      throw mismatch(fmt::format("{} (it was written by SGD {} momentum)", what, velocity(a) ? "with" : "without"),
+                     "use the SGD momentum it was written with (--momentum; OptimizerConfig::sgd)");
     }
-    if (i >= here.tensors.size()) {
-      throw mismatch(fmt::format("this trainer has no tensor {}{}", tensor_text(file.tensors[i]),
-                                 velocity(file.tensors[i]) ? " (its SGD has no momentum)" : ""),
-                     velocity(file.tensors[i]) ? same_momentum : same_model);
+    // The 8-bit state's scales, one pair per block: the same weights, another block size.
+    if (a && b && a->name == b->name && a->name.ends_with(".adam8_scales") && a->shape.rank == 2 &&
+        b->shape.rank == 2 && a->shape[1] != b->shape[1]) {
+      throw mismatch(fmt::format("{}: its 8-bit optimizer state has {} blocks of that weight, this trainer's {} "
+                                 "(another block size)",
+                                 what, a->shape[1], b->shape[1]),
+                     "use the block size it was written with (--optimizer-block; OptimizerConfig::block8bit)");
     }
-    const auto &a = file.tensors[i], &b = here.tensors[i];
-    if (a.name != b.name || a.dtype != b.dtype || !(a.shape == b.shape) || a.bytes != b.bytes) {
-      // The 8-bit state's scales, one pair per block: the same weights, another block size.
-      const bool scales = a.name == b.name && a.name.ends_with(".adam8_scales") && a.shape.rank == 2 &&
-                          b.shape.rank == 2 && a.shape[1] != b.shape[1];
-      // A velocity on one side only, followed by other state (accumulated gradients, the predictor's).
-      if (velocity(a) != velocity(b)) {
-        throw mismatch(
-            fmt::format("its tensor {} is {} here ({})", tensor_text(a), tensor_text(b),
-                        velocity(a) ? "this trainer's SGD has no momentum" : "it was written by SGD without momentum"),
-            same_momentum);
-      }
-      throw mismatch(fmt::format("its tensor {} is {} here{}", tensor_text(a), tensor_text(b),
-                                 scales ? fmt::format(": its 8-bit optimizer state has {} blocks of that weight, this "
-                                                      "trainer's {} (another block size)",
-                                                      a.shape[1], b.shape[1])
-                                        : ""),
-                     scales ? "use the block size it was written with (--optimizer-block; OptimizerConfig::block8bit)"
-                            : same_model);
-    }
+    throw mismatch(what, "load it into the model that wrote it (the same sizes and options)");
   }
 }
 
