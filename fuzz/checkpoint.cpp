@@ -83,7 +83,8 @@ void check_every_bit_counts(const std::uint8_t* data, std::size_t size) {
   check(!parse(size));
 }
 
-// The seeds: small but complete checkpoints of each kind the writer makes.
+// The seeds: small but complete checkpoints of each kind the writer makes (the corpus keeps
+// format 1's too, as format1_*).
 void write_seeds(const std::string& folder) {
   ckpt::Fingerprint fp;
   fp.model = "mlp-4-3";
@@ -92,6 +93,7 @@ void write_seeds(const std::string& folder) {
   fp.tensors = {{"fc.w", 0, ops::Shape{}, 48}, {"fc.b", 0, ops::Shape{}, 12}, {"fc.w.m", 0, ops::Shape{}, 48}};
   fp.tensors[0].shape.rank = 2;
   fp.tensors[0].shape.dims = {3, 4, 0, 0};
+  fp.settings = {{"optimizer.adam.eps", "", "1e-08"}, {"gpt.dropout", "--dropout", "0.1"}};
   ckpt::TrainerRecord tr;
   tr.steps = 17;
   tr.lr = 1e-3f;

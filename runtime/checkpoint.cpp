@@ -41,9 +41,24 @@ std::string tensor_text(const Fingerprint::Tensor& t) {
   return fmt::format("'{}' ({} {})", t.name, graph::dtype_name(static_cast<graph::DType>(t.dtype)), t.shape.str());
 }
 
+// The first setting both lists hold with another value, for `mismatch` to throw. A setting on one
+// side only belongs to an option already compared (an optimizer kind, hybrid phases).
+template <class Mismatch>
+void compare_settings(const std::vector<TrainingSetting>& file, const std::vector<TrainingSetting>& here,
+                      const Mismatch& mismatch) {
+  for (const TrainingSetting& h : here) {
+    const auto f = std::find_if(file.begin(), file.end(), [&](const TrainingSetting& s) { return s.name == h.name; });
+    if (f == file.end() || f->value == h.value) continue;
+    throw mismatch(
+        fmt::format("it was trained with {}, this trainer has {}", setting_text(h, f->value), setting_text(h, h.value)),
+        fmt::format("use {} (a program may load it with LoadOptions::accept_other_settings to train on with its own)",
+                    setting_text(h, f->value)));
+  }
+}
+
 // Throws std::invalid_argument naming the first difference between the checkpoint's fingerprint
-// and this trainer's.
-void compare(const Fingerprint& file, const Fingerprint& here, const std::filesystem::path& path) {
+// and this trainer's; settings only where `check_settings`.
+void compare(const Fingerprint& file, const Fingerprint& here, const std::filesystem::path& path, bool check_settings) {
   const auto mismatch = [&](const std::string& what, const std::string& todo) {
     return std::invalid_argument(
         fmt::format("checkpoint '{}' was written for another training setup: {}; the trainer was not changed: {}",
@@ -79,6 +94,7 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
         fmt::format("its phases are {}, this trainer's are {}", phases_name(file.hybrid), phases_name(here.hybrid)),
         fmt::format("use --phases {}", phases_name(file.hybrid)));
   }
+  if (check_settings && file.settings && here.settings) compare_settings(*file.settings, *here.settings, mismatch);
   // SGD keeps a velocity tensor only with momentum (without, the gradient buffer holds it): a
   // velocity on one side only says which option differs, wherever in the list it shows.
   const auto velocity = [](const Fingerprint::Tensor* t) { return t && t->name.ends_with(".momentum"); };
@@ -122,13 +138,17 @@ Fingerprint fingerprint_of(const ModelSpec& model, const TrainerOptions& options
   for (const TensorId id : ids) {
     fp.tensors.push_back({t.name[id], static_cast<std::uint8_t>(t.dtype[id]), t.shape[id], t.bytes(id)});
   }
+  fp.settings.emplace();
+  for (TrainingSetting& s : training_settings(model, options)) {
+    if (s.resume) fp.settings->push_back(std::move(s));
+  }
   return fp;
 }
 
 // Files to cut anew (Trainer::load_resharded_checkpoint): each fits this trainer but for its
 // tensors' shapes, which differ with the cut; they are of one step (and micro-batch).
 void check_shards(std::span<const std::filesystem::path> paths, std::span<const ckpt::Contents> contents,
-                  const Fingerprint& here) {
+                  const Fingerprint& here, bool check_settings) {
   const std::filesystem::path& path = paths[0];
   const ckpt::Contents& file = contents[0];
   Fingerprint setup = here;
@@ -136,7 +156,7 @@ void check_shards(std::span<const std::filesystem::path> paths, std::span<const 
   for (std::size_t f = 0; f < paths.size(); ++f) {
     Fingerprint theirs = contents[f].fingerprint;
     theirs.tensors.clear();
-    compare(theirs, setup, paths[f]);
+    compare(theirs, setup, paths[f], check_settings);
     const ckpt::TrainerRecord& a = contents[f].trainer;
     if (a.steps != file.trainer.steps || a.micro != file.trainer.micro) {
       throw std::invalid_argument(fmt::format(
@@ -227,16 +247,18 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
       options.replace_foreign_file);
 }
 
-std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path) {
-  return load_checkpoint_files(std::span(&path, 1), false);
+std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path, LoadOptions options) {
+  return load_checkpoint_files(std::span(&path, 1), false, options);
 }
 
-std::vector<std::byte> Trainer::load_resharded_checkpoint(std::span<const std::filesystem::path> files) {
+std::vector<std::byte> Trainer::load_resharded_checkpoint(std::span<const std::filesystem::path> files,
+                                                          LoadOptions options) {
   if (files.empty()) throw std::invalid_argument("load_resharded_checkpoint: no checkpoint files given");
-  return load_checkpoint_files(files, true);
+  return load_checkpoint_files(files, true, options);
 }
 
-std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::filesystem::path> paths, bool reshard) {
+std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::filesystem::path> paths, bool reshard,
+                                                      LoadOptions options) {
   settle_all();
   // Pass 1: every section of every file read and verified, everything but the tensors decoded. A
   // damaged file is reported as damaged before it is compared: not as another model's.
@@ -256,11 +278,11 @@ std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::files
   const Fingerprint here = fingerprint_of(model_, options_, phases_ != nullptr, t, ids);
   std::optional<detail::ReshardedState> resharded;
   if (reshard) {
-    check_shards(paths, contents, here);
+    check_shards(paths, contents, here, !options.accept_other_settings);
     resharded.emplace(compiled_->train->graph(), compiled_->train_key, options_.optimizer, global_batch(), paths,
                       contents);
   } else {
-    compare(file.fingerprint, here, path);
+    compare(file.fingerprint, here, path, !options.accept_other_settings);
   }
   const ckpt::TrainerRecord& tr = file.trainer;
   if (tr.micro >= options_.accumulate)

@@ -246,7 +246,8 @@ void write_header(AtomicFile& f) {
   f.write(h, sizeof h);
 }
 
-void read_header(const Reader& r) {
+// Returns the file's format version.
+std::uint32_t read_header(const Reader& r) {
   unsigned char h[header_bytes] = {};
   const std::size_t have = std::min<std::uint64_t>(r.size(), header_bytes);
   r.read(0, h, have);
@@ -272,6 +273,7 @@ void read_header(const Reader& r) {
         r.path().string(), version, writer, ferry_version(), checkpoint_format_version, writer));
   }
   if (version == 0) throw r.corrupt("the header's format version is 0");
+  return version;
 }
 
 std::vector<std::byte> encode_trainer(const TrainerRecord& t) {
@@ -571,10 +573,38 @@ Fingerprint Fingerprint::decode(const std::vector<std::byte>& bytes, const Reade
   return f;
 }
 
+std::vector<std::byte> Fingerprint::encode_settings() const {
+  Payload p;
+  const std::vector<TrainingSetting> none;
+  const auto& list = settings ? *settings : none;
+  p.put(static_cast<std::uint32_t>(list.size()));
+  for (const auto& s : list) {
+    p.put_string(s.name);
+    p.put_string(s.flag);
+    p.put_string(s.value);
+  }
+  return p.bytes();
+}
+
+std::vector<TrainingSetting> Fingerprint::decode_settings(const std::vector<std::byte>& bytes, const Reader& r) {
+  Cursor c(bytes, r);
+  std::vector<TrainingSetting> out;
+  const auto n = c.get<std::uint32_t>();
+  for (std::uint32_t i = 0; i < n; ++i) {
+    TrainingSetting s;
+    s.name = c.get_string();
+    s.flag = c.get_string();
+    s.value = c.get_string();
+    out.push_back(std::move(s));
+  }
+  c.finish();
+  return out;
+}
+
 // ---- Whole files ----
 
 Contents read_contents(const Reader& r) {
-  read_header(r);
+  const std::uint32_t version = read_header(r);
   Contents c;
   std::uint64_t at = header_bytes, sections = 0;
   std::vector<std::byte> bytes;
@@ -585,6 +615,10 @@ Contents read_contents(const Reader& r) {
   };
   next(tag_model, "MODL (the model fingerprint)", &bytes);
   c.fingerprint = Fingerprint::decode(bytes, r);
+  if (version >= 2) {
+    next(tag_settings, "SETS (the training settings)", &bytes);
+    c.fingerprint.settings = Fingerprint::decode_settings(bytes, r);
+  }
   next(tag_trainer, "TRNR (the trainer's counters)", &bytes);
   c.trainer = decode_trainer(bytes, r);
   next(tag_phases, "PHAS (the phase controller)", &bytes);
@@ -658,10 +692,11 @@ void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fing
   std::uint64_t sections = 0;
   write_header(f);
   write_section(f, tag_model, fingerprint.encode());
+  write_section(f, tag_settings, fingerprint.encode_settings());
   write_section(f, tag_trainer, encode_trainer(trainer));
   write_section(f, tag_phases, encode_phases(phases));
   write_section(f, tag_caller, std::vector<std::byte>(caller.begin(), caller.end()));
-  sections += 4;
+  sections += 5;
 
   // One tensor at a time, through one buffer.
   const auto write_tensor_section = [&](std::uint32_t tg, const std::string& name, const void* data,

@@ -7,7 +7,8 @@
 // 16 NUL-padded bytes, the checksum of the 32 bytes before it), then sections, each
 //   tag (4 ASCII bytes) | reserved u32 | payload length u64 | payload | checksum u64
 // whose checksum covers the tag, the reserved word, the length and the payload. The sections, in
-// order: MODL (the model's fingerprint), TRNR (the trainer's counters, learning rate, loss scaler,
+// order: MODL (the model's fingerprint), SETS (from format version 2: the training settings a
+// resume keeps, ferry/runtime/training_setting.hpp), TRNR (the trainer's counters, learning rate, loss scaler,
 // predictor gains), PHAS (the phase controller), CALR (the caller's bytes), one TENS per
 // persistent tensor (its name, then its bytes), one RSTP per weight when saved inside a Predict
 // run (the weights to put back), and END! (the count of sections before it and its own offset).
@@ -27,6 +28,7 @@
 #include "ferry/ops/types.hpp"
 #include "ferry/runtime/checkpoint.hpp"
 #include "ferry/runtime/phases.hpp"
+#include "ferry/runtime/training_setting.hpp"
 
 namespace ferry::ckpt {
 
@@ -42,7 +44,7 @@ constexpr std::uint32_t tag(const char (&s)[5]) {
 }
 inline constexpr std::uint32_t tag_model = tag("MODL"), tag_trainer = tag("TRNR"), tag_phases = tag("PHAS"),
                                tag_caller = tag("CALR"), tag_tensor = tag("TENS"), tag_restore = tag("RSTP"),
-                               tag_end = tag("END!");
+                               tag_end = tag("END!"), tag_settings = tag("SETS");
 // The tag as text, '?' for bytes that are not printable.
 std::string tag_text(std::uint32_t t);
 
@@ -128,9 +130,14 @@ struct Fingerprint {
     std::uint64_t bytes = 0;
   };
   std::vector<Tensor> tensors;
+  // Section SETS: the settings a resume keeps (TrainingSetting::resume), by name, flag and value;
+  // none in a file of format version 1.
+  std::optional<std::vector<TrainingSetting>> settings;
 
-  std::vector<std::byte> encode() const;
+  std::vector<std::byte> encode() const;           // MODL
+  std::vector<std::byte> encode_settings() const;  // SETS
   static Fingerprint decode(const std::vector<std::byte>& bytes, const Reader& r);
+  static std::vector<TrainingSetting> decode_settings(const std::vector<std::byte>& bytes, const Reader& r);
 };
 
 // The trainer's own counters (section TRNR).

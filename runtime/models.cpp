@@ -133,6 +133,8 @@ ModelSpec gpt(const GptConfig& c) {
   m.name = fmt::format("gpt-v{}-w{}-d{}-h{}-t{}", c.vocab, c.width, c.depth, c.heads, c.context);
   m.inputs = {TensorSpec{"tokens", graph::Shape{c.context}, graph::DType::i32, c.vocab}};
   m.targets = {TensorSpec{"next", graph::Shape{c.context}, graph::DType::i32, c.vocab}};
+  m.settings = {{"gpt.dropout", "--dropout", fmt::format("{}", c.dropout)},
+                {"gpt.attention", "--attention", c.fused_attention ? "fused" : "unfused"}};
   m.forward = [c](graph::Builder& b, std::span<const TensorId> in) {
     TensorId x = b.embedding(in[0], c.vocab, c.width);
     x = b.add_parameter(x, graph::Shape{c.context, c.width}, 1.0f / std::sqrt(static_cast<float>(c.width)));

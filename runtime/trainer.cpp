@@ -125,7 +125,7 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   if (detail::data_parallel(options_)) {
     ranks_ = options_.data_parallel.communicator;
     control_ = ranks_->split();
-    detail::check_ranks_agree(*control_, build_graph(detail::training_key(options_)), options_);
+    detail::check_ranks_agree(*control_, build_graph(detail::training_key(options_)), model_, options_);
   }
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the

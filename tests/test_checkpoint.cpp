@@ -8,6 +8,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <set>
 
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
@@ -430,11 +433,11 @@ TEST(Checkpoint, ForeignMissingAndNewerFilesAreRefused) {
   expect_refused<std::runtime_error>(t, f.dir / "nowhere.ckpt", {"cannot open", "nowhere.ckpt"}, "a missing file");
   expect_refused<std::runtime_error>(t, f.dir.dir(), {"not a regular file"}, "a folder");
 
-  // Format version 2 with a valid header checksum (64-bit FNV-1a over the first 32 bytes, as
-  // 8-byte little-endian words).
+  // The next format version with a valid header checksum (64-bit FNV-1a over the first 32 bytes,
+  // as 8-byte little-endian words).
   auto newer = f.bytes;
-  const std::uint32_t v2 = 2;
-  std::memcpy(newer.data() + 8, &v2, 4);
+  const std::uint32_t next = checkpoint_format_version + 1;
+  std::memcpy(newer.data() + 8, &next, 4);
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (int w = 0; w < 4; ++w) {
     std::uint64_t word;
@@ -445,7 +448,8 @@ TEST(Checkpoint, ForeignMissingAndNewerFilesAreRefused) {
   std::memcpy(newer.data() + 32, &h, 8);
   const auto newer_path = f.dir / "newer.ckpt";
   write_file(newer_path, newer);
-  expect_refused<std::runtime_error>(t, newer_path, {"format version 2", "newer", "newer.ckpt"}, "a newer format");
+  expect_refused<std::runtime_error>(t, newer_path, {fmt::format("format version {}", next), "newer", "newer.ckpt"},
+                                     "a newer format");
 }
 
 TEST(Checkpoint, AnotherModelOptimizerOrBatchIsRefused) {
@@ -486,6 +490,193 @@ TEST(Checkpoint, AnotherModelOptimizerOrBatchIsRefused) {
     Trainer w(f.rt, wider(), f.o);
     expect_refused<std::invalid_argument>(w, f.path, {"tensor 'linear0.w'"}, "another width");
   }
+}
+
+// `bytes` (a checkpoint of format version 2) as version 1 wrote it: no SETS section after MODL,
+// the END! section's count and offset and every checksum made again.
+std::vector<std::byte> as_format_1(std::vector<std::byte> bytes) {
+  const auto u64_at = [&](std::size_t at) {
+    std::uint64_t v;
+    std::memcpy(&v, bytes.data() + at, 8);
+    return v;
+  };
+  const auto section_end = [&](std::size_t at) { return at + 16 + u64_at(at + 8) + 8; };
+  const std::size_t sets = section_end(40);
+  EXPECT_EQ(std::memcmp(bytes.data() + sets, "SETS", 4), 0);
+  const std::size_t sets_bytes = section_end(sets) - sets;
+  bytes.erase(bytes.begin() + static_cast<std::ptrdiff_t>(sets),
+              bytes.begin() + static_cast<std::ptrdiff_t>(sets + sets_bytes));
+  const std::uint32_t v1 = 1;
+  std::memcpy(bytes.data() + 8, &v1, 4);
+  const std::uint64_t head_sum = checkpoint_checksum(bytes.data(), 32);
+  std::memcpy(bytes.data() + 32, &head_sum, 8);
+  const std::size_t end = bytes.size() - 40;  // END!: 16 bytes of head, 16 of payload, 8 of checksum
+  EXPECT_EQ(std::memcmp(bytes.data() + end, "END!", 4), 0);
+  const std::uint64_t sections = u64_at(end + 16) - 1, offset = u64_at(end + 24) - sets_bytes;
+  std::memcpy(bytes.data() + end + 16, &sections, 8);
+  std::memcpy(bytes.data() + end + 24, &offset, 8);
+  const std::uint64_t end_sum = checkpoint_checksum(bytes.data() + end, 32);
+  std::memcpy(bytes.data() + end + 32, &end_sum, 8);
+  return bytes;
+}
+
+// The settings a resume keeps (ferry/runtime/training_setting.hpp): another value is refused,
+// naming the setting and its flag, unless the load accepts it; what a resume need not keep (the
+// learning rate: the checkpoint's is taken) loads. A file of format version 1 has none to compare.
+TEST(Checkpoint, OtherTrainingSettingsAreRefusedUnlessAccepted) {
+  Fixture f;
+  const auto with = [&](auto change) {
+    auto o = f.o;
+    change(o);
+    return o;
+  };
+  const auto other_decay = with([](TrainerOptions& o) { o.optimizer.adam.weight_decay = 0.01f; });
+  {
+    Trainer t(f.rt, small_mlp(), other_decay);
+    expect_refused<std::invalid_argument>(
+        t, f.path,
+        {"trained with --weight-decay 0,", "this trainer has --weight-decay 0.01", "use --weight-decay 0",
+         "a program may load it with LoadOptions::accept_other_settings", "good.ckpt"},
+        "another weight decay");
+    t.load_checkpoint(f.path, LoadOptions{.accept_other_settings = true});
+    expect_same_state(f.saved, state_of(t), "another weight decay, accepted");
+  }
+  {
+    Trainer t(f.rt, small_mlp(), with([](TrainerOptions& o) { o.optimizer.adam.eps = 1e-6f; }));
+    expect_refused<std::invalid_argument>(t, f.path, {"optimizer.adam.eps = 1e-08", "optimizer.adam.eps = 1e-06"},
+                                          "another eps (no flag)");
+  }
+  {
+    Trainer t(f.rt, small_mlp(), with([](TrainerOptions& o) { o.phases.predict_int8 = true; }));
+    expect_refused<std::invalid_argument>(t, f.path, {"trained with no --predict-int8", "has --predict-int8"},
+                                          "int8 Predict steps");
+  }
+  {
+    Trainer t(f.rt, small_mlp(), with([](TrainerOptions& o) { o.lr = 0.5f; }));
+    t.load_checkpoint(f.path);
+    expect_same_state(f.saved, state_of(t), "another first learning rate");
+  }
+  const fs::path old = f.dir / "format1.ckpt";
+  write_file(old, as_format_1(f.bytes));
+  {
+    Trainer t(f.rt, small_mlp(), f.o);
+    t.load_checkpoint(old);
+    expect_same_state(f.saved, state_of(t), "a file of format version 1");
+  }
+  {
+    Trainer t(f.rt, small_mlp(), other_decay);
+    t.load_checkpoint(old);
+    expect_same_state(f.saved, state_of(t), "a file of format version 1, another weight decay");
+  }
+}
+
+// The settings list names every option that changes what training computes, by the name the
+// check reports, and leaves out what is exact either way: a new option missing from the list
+// fails here rather than resuming silently with another value.
+TEST(TrainingSettings, EveryOptionThatChangesTheUpdateIsListed) {
+  const auto kept = [](const ModelSpec& m, const TrainerOptions& o) {
+    std::map<std::string, std::string> out;
+    for (const TrainingSetting& s : training_settings(m, o)) {
+      if (s.resume) out[s.name] = s.value;
+    }
+    return out;
+  };
+  // The names whose values differ between a and b (a name on one side only counts too).
+  const auto differ = [&](const ModelSpec& m, const TrainerOptions& a, const TrainerOptions& b) {
+    const auto x = kept(m, a), y = kept(m, b);
+    std::set<std::string> names;
+    for (const auto& [k, v] : x) {
+      if (!y.contains(k) || y.at(k) != v) names.insert(k);
+    }
+    for (const auto& [k, v] : y) {
+      if (!x.contains(k)) names.insert(k);
+    }
+    return names;
+  };
+  using Kind = ops::OptimizerConfig::Kind;
+  const ModelSpec mlp = small_mlp();
+  struct Case {
+    const char* what;
+    std::function<void(TrainerOptions&)> base, change;
+    std::string name;  // must be among the names that differ
+  };
+  const auto none = [](TrainerOptions&) {};
+  const auto sgd = [](TrainerOptions& o) { o.optimizer.kind = Kind::sgd; };
+  const auto decayed = [](TrainerOptions& o) { o.optimizer.adam.weight_decay = 0.1f; };
+  const auto hybrid = [](TrainerOptions& o) { o.phases.hybrid = true; };
+  const auto fp16 = [](TrainerOptions& o) { o.precision.compute = ops::DType::f16; };
+  const std::vector<Case> cases = {
+      {"beta1", none, [](TrainerOptions& o) { o.optimizer.adam.beta1 = 0.8f; }, "optimizer.adam.beta1"},
+      {"beta2", none, [](TrainerOptions& o) { o.optimizer.adam.beta2 = 0.99f; }, "optimizer.adam.beta2"},
+      {"eps", none, [](TrainerOptions& o) { o.optimizer.adam.eps = 1e-6f; }, "optimizer.adam.eps"},
+      {"adam decay", none, decayed, "optimizer.adam.weight_decay"},
+      {"decay on", decayed, [](TrainerOptions& o) { o.optimizer.decay_on = ops::OptimizerConfig::DecayOn::matrices; },
+       "optimizer.decay_on"},
+      {"momentum", sgd, [](TrainerOptions& o) { o.optimizer.sgd.momentum = 0.5f; }, "optimizer.sgd.momentum"},
+      {"nesterov", sgd, [](TrainerOptions& o) { o.optimizer.sgd.nesterov = true; }, "optimizer.sgd.nesterov"},
+      {"sgd decay", sgd, [](TrainerOptions& o) { o.optimizer.sgd.weight_decay = 0.1f; }, "optimizer.sgd.weight_decay"},
+      {"8-bit block", [](TrainerOptions& o) { o.optimizer.kind = Kind::adamw8bit; },
+       [](TrainerOptions& o) { o.optimizer.block8bit = 256; }, "optimizer.block8bit"},
+      {"optimizer", none, sgd, "optimizer.kind"},
+      {"accumulate", none, [](TrainerOptions& o) { o.accumulate = 2; }, "accumulate"},
+      {"precision", none, [](TrainerOptions& o) { o.precision.compute = ops::DType::bf16; }, "precision.compute"},
+      {"loss scaling", none, [](TrainerOptions& o) { o.precision.scaling = PrecisionConfig::Scaling::on; },
+       "precision.scaled"},
+      {"growth interval", fp16, [](TrainerOptions& o) { o.precision.growth_interval = 10; },
+       "precision.growth_interval"},
+      {"phases", none, hybrid, "phases.hybrid"},
+      {"predictor", hybrid,
+       [](TrainerOptions& o) { o.phases.predictor.kind = ops::PredictorConfig::Kind::least_squares; },
+       "phases.predictor.kind"},
+      {"predictor beta", hybrid, [](TrainerOptions& o) { o.phases.predictor.beta = 0.9f; }, "phases.predictor.beta"},
+      {"max gain", hybrid, [](TrainerOptions& o) { o.phases.predictor.max_gain = 2; }, "phases.predictor.max_gain"},
+      {"residual", hybrid, [](TrainerOptions& o) { o.phases.predictor.residual = true; }, "phases.predictor.residual"},
+      {"warmup", hybrid, [](TrainerOptions& o) { o.phases.warmup_steps = 3; }, "phases.warmup_steps"},
+      {"min full", hybrid, [](TrainerOptions& o) { o.phases.min_full_steps = 3; }, "phases.min_full_steps"},
+      {"max predict", hybrid, [](TrainerOptions& o) { o.phases.max_predict_steps = 3; }, "phases.max_predict_steps"},
+      {"confidence", hybrid, [](TrainerOptions& o) { o.phases.confidence = 0.5f; }, "phases.confidence"},
+      {"loss gap", hybrid, [](TrainerOptions& o) { o.phases.max_loss_gap = 0.5f; }, "phases.max_loss_gap"},
+      {"sigma", hybrid, [](TrainerOptions& o) { o.phases.sigma_limit = 3; }, "phases.sigma_limit"},
+      {"window", hybrid, [](TrainerOptions& o) { o.phases.loss_window = 8; }, "phases.loss_window"},
+      {"decay", hybrid, [](TrainerOptions& o) { o.phases.predict_decay = 0.5f; }, "phases.predict_decay"},
+      {"int8", hybrid, [](TrainerOptions& o) { o.phases.predict_int8 = true; }, "phases.predict_int8"},
+      {"fit every", hybrid, [](TrainerOptions& o) { o.phases.fit_every = 2; }, "phases.fit_every"},
+  };
+  for (const Case& c : cases) {
+    TrainerOptions a;
+    c.base(a);
+    TrainerOptions b = a;
+    c.change(b);
+    EXPECT_TRUE(differ(mlp, a, b).contains(c.name)) << c.what << ": " << c.name << " is not listed as changed";
+  }
+  // Exact either way, or taken from the checkpoint: nothing a resume keeps changes.
+  const std::vector<std::pair<const char*, std::function<void(TrainerOptions&)>>> free = {
+      {"residency", [](TrainerOptions& o) { o.residency.mode = graph::ResidencyMode::stream; }},
+      {"budget", [](TrainerOptions& o) { o.residency.budget_bytes = 1 << 30; }},
+      {"recompute", [](TrainerOptions& o) { o.recompute = 2; }},
+      {"fusion", [](TrainerOptions& o) { o.fuse = false; }},
+      {"weight checks", [](TrainerOptions& o) { o.check_weights_every = 5; }},
+      {"lr", [](TrainerOptions& o) { o.lr = 0.5f; }},
+      {"seed", [](TrainerOptions& o) { o.seed = 9; }},
+      {"zero stage", [](TrainerOptions& o) { o.data_parallel.zero_stage = 1; }},
+      {"decay on, no decay", [](TrainerOptions& o) { o.optimizer.decay_on = ops::OptimizerConfig::DecayOn::matrices; }},
+      {"momentum under Adam", [](TrainerOptions& o) { o.optimizer.sgd.momentum = 0.5f; }},
+      {"phase settings, no phases", [](TrainerOptions& o) { o.phases.confidence = 0.5f; }},
+  };
+  for (const auto& [what, change] : free) {
+    TrainerOptions b;
+    change(b);
+    EXPECT_TRUE(differ(mlp, TrainerOptions{}, b).empty()) << what << " changed a setting a resume keeps";
+  }
+  // The model's own: the GPT's dropout and attention path.
+  const auto gpt = [](float dropout, bool fused) {
+    return models::gpt(
+        {.vocab = 16, .width = 16, .depth = 1, .heads = 2, .context = 8, .dropout = dropout, .fused_attention = fused});
+  };
+  const TrainerOptions o;
+  EXPECT_NE(kept(gpt(0.0f, true), o), kept(gpt(0.1f, true), o));
+  EXPECT_EQ(kept(gpt(0.1f, true), o).at("gpt.dropout"), "0.1");
+  EXPECT_EQ(kept(gpt(0.0f, false), o).at("gpt.attention"), "unfused");
 }
 
 // A save replaces the file whole and leaves nothing else in its folder; a save that cannot be

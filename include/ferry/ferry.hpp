@@ -28,5 +28,6 @@
 #include "ferry/runtime/trace.hpp"
 #include "ferry/runtime/trainer.hpp"
 #include "ferry/runtime/training_loop.hpp"
+#include "ferry/runtime/training_setting.hpp"
 #include "ferry/runtime/units.hpp"
 #include "ferry/runtime/version.hpp"

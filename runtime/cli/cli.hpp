@@ -251,16 +251,6 @@ nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const Tr
 // "cannot resume from '<--resume path>': <what>"
 std::invalid_argument resume_error(const TrainArgs& a, const std::string& what);
 
-// The options that change what a run computes and that neither the trainer's fingerprint (model,
-// optimizer, batch, accumulation, precision, phases) nor a command's own checks (seed, data, lr,
-// schedule) cover: weight decay (and the weights it applies to), SGD's momentum, the 8-bit state's block, the loss
-// scale's interval, the hybrid phases' settings, the GPT's dropout and attention. Each command records them in its
-// caller section (key "settings", by flag name) and check_training_settings refuses a resume that gives another value,
-// naming the flag and the value to give. A checkpoint written before ferry recorded them has no "settings": nothing to
-// compare.
-nlohmann::json training_settings(const TrainArgs& a);
-void check_training_settings(const nlohmann::json& caller, const TrainArgs& a);
-
 // The command line that continues this run from `checkpoint`: the same arguments, any --resume
 // replaced.
 std::string resume_command(const TrainArgs& a, const std::string& checkpoint);

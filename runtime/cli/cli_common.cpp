@@ -326,60 +326,6 @@ std::invalid_argument resume_error(const TrainArgs& a, const std::string& what) 
   return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
 }
 
-nlohmann::json training_settings(const TrainArgs& a) {
-  nlohmann::json s = {{"--weight-decay", a.weight_decay}};
-  if (a.weight_decay > 0) s["--weight-decay-on"] = a.weight_decay_on;
-  if (a.optimizer == "sgd") s["--momentum"] = a.momentum;
-  if (a.optimizer == "adamw8bit") s["--optimizer-block"] = a.optimizer_block;
-  if (a.loss_scaling == "on" || (a.loss_scaling == "auto" && a.precision == "fp16")) {
-    s["--loss-scale-interval"] = a.loss_scale_interval;
-  }
-  if (a.phases == "hybrid") {
-    const ferry::PhaseConfig& pc = a.phase_config;
-    s.update({{"--predictor", a.predictor},
-              {"--predictor-beta", pc.predictor.beta},
-              {"--predictor-residual", pc.predictor.residual},
-              {"--warmup-steps", pc.warmup_steps},
-              {"--min-full-steps", pc.min_full_steps},
-              {"--max-predict", pc.max_predict_steps},
-              {"--confidence", pc.confidence},
-              {"--predict-int8", pc.predict_int8},
-              {"--fit-every", pc.fit_every},
-              {"--predict-decay", pc.predict_decay},
-              {"--max-loss-gap", pc.max_loss_gap}});
-  }
-  if (a.model == "gpt") s.update({{"--dropout", a.dropout}, {"--attention", a.attention}});
-  return s;
-}
-
-namespace {
-// A recorded setting as it is given on the command line: floats as the float they were.
-std::string setting_text(const nlohmann::json& v) {
-  if (v.is_number_float()) return fmt::format("{}", v.get<float>());
-  if (v.is_string()) return v.get<std::string>();
-  return v.dump();
-}
-}  // namespace
-
-void check_training_settings(const nlohmann::json& caller, const TrainArgs& a) {
-  const auto it = caller.find("settings");
-  if (it == caller.end()) return;
-  if (!it->is_object()) throw resume_error(a, "its recorded settings are not an object");
-  const nlohmann::json now = training_settings(a);
-  for (const auto& [flag, was] : it->items()) {
-    // A setting this run does not use was refused with its optimizer, phases or loss scaling (the
-    // trainer's fingerprint, checked first): only values of settings both use are compared.
-    const auto here = now.find(flag);
-    if (here == now.end() || *here == was) continue;
-    if (was.is_boolean()) {
-      throw resume_error(a, fmt::format("it was trained {} {}: resume {} it", was.get<bool>() ? "with" : "without",
-                                        flag, was.get<bool>() ? "with" : "without"));
-    }
-    throw resume_error(a, fmt::format("it was trained with {} {}, not {}: resume with {} {}", flag, setting_text(was),
-                                      setting_text(*here), flag, setting_text(was)));
-  }
-}
-
 nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind) {
   nlohmann::json j;
   try {

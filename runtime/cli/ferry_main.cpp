@@ -73,7 +73,6 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const ferry::LoopPosi
                             {"last_epoch_loss", p.last_epoch_loss},
                             {"schedule", a.schedule},
                             {"lr", a.lr},
-                            {"settings", training_settings(a)},
                             {"total_steps", total_steps},
                             {"rng", rng_state.str()},
                             {"order", nlohmann::json::binary(std::move(order_bytes))}};
@@ -100,7 +99,6 @@ ferry::LoopPosition decode_position(const std::vector<std::byte>& bytes, const T
     throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
                            j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
   }
-  check_training_settings(j, a);
   const auto epochs_done = j.at("epochs_done").get<std::uint32_t>();
   const auto step_in_epoch = j.at("step_in_epoch").get<std::size_t>();
   if (step_in_epoch >= steps_per_epoch) throw fail("its position in the epoch is past the epoch's end");

@@ -85,7 +85,6 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& cor
                             {"vocab", corpus.vocab_size()},
                             {"schedule", a.schedule},
                             {"lr", a.lr},
-                            {"settings", training_settings(a)},
                             {"steps", steps},
                             {"done", p.done},
                             {"windows", windows.state()},
@@ -121,7 +120,6 @@ LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArg
       throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
                              j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
     }
-    check_training_settings(j, a);
     p.done = j.at("done").get<std::uint32_t>();
     if (p.done > steps) {
       throw fail(

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,55 +35,76 @@ void validate_data_parallel(TrainerOptions& options) {
 
 namespace {
 
+std::uint64_t hash_of(const std::string& s) {
+  return checkpoint_checksum(s.data(), s.size());
+}
+
 // What every rank of a data-parallel run must agree on: the trained tensors (names, shapes,
-// types) and the options that decide the update. Not the batch (ranks' shares may differ by one)
-// nor where tensors live (ranks may have different devices).
-std::uint64_t run_fingerprint(const graph::Graph& g, const TrainerOptions& o) {
+// types) and every training setting (ferry/runtime/training_setting.hpp), each a hash. Not the
+// batch (ranks' shares may differ by one) nor where tensors live (ranks may have different
+// devices).
+struct RunPrint {
+  std::uint64_t weights = 0;
+  std::vector<TrainingSetting> settings;
+  std::vector<std::uint64_t> setting_hashes;
+  std::uint64_t whole = 0;
+};
+
+RunPrint run_print(const graph::Graph& g, const ModelSpec& model, const TrainerOptions& o) {
+  RunPrint p;
   std::string s;
   const auto& t = g.tensors;
   for (TensorId x = 0; x < t.size(); ++x) {
     if (t.role[x] != graph::Role::weight) continue;  // (sharded optimizer state differs by rank)
-    s += fmt::format("{}:{}:{}:{};", t.name[x], t.shape[x].str(), graph::dtype_name(t.dtype[x]),
-                     graph::role_name(t.role[x]));
+    s += fmt::format("{}:{}:{};", t.name[x], t.shape[x].str(), graph::dtype_name(t.dtype[x]));
   }
-  const auto& opt = o.optimizer;
-  const auto& dp = o.data_parallel;
-  // Which weights decay matters only where some weight decay is set.
-  const bool decays = opt.sgd.weight_decay > 0.0f || opt.adam.weight_decay > 0.0f;
-  const char* const decay_on = decays ? ops::decay_on_name(opt.decay_on) : "none";
-  s += fmt::format(
-      "lr {} seed {} accumulate {} precision {} optimizer {} {} {} {} {} {} {} {} {} {} {} global {} zero {}", o.lr,
-      o.seed, o.accumulate, graph::dtype_name(o.precision.compute), ops::optimizer_name(opt.kind), opt.sgd.momentum,
-      opt.sgd.weight_decay, opt.sgd.nesterov, opt.adam.beta1, opt.adam.beta2, opt.adam.eps, opt.adam.weight_decay,
-      decay_on, opt.block8bit, dp.bucket_bytes, dp.global_batch, dp.zero_stage);
-  // Hybrid phases and loss scaling: every rank's controller and scaler must make the same choices
-  // from the same (reduced) losses and guards.
-  const auto& ph = o.phases;
-  const auto& pr = o.precision;
-  s += fmt::format(" phases {} {} {} {} {} {} {} {} {} {} {} {} {} {} {} scaling {} {} {}", ph.hybrid,
-                   ops::predictor_name(ph.predictor.kind), ph.predictor.beta, ph.predictor.max_gain,
-                   ph.predictor.residual, ph.warmup_steps, ph.min_full_steps, ph.max_predict_steps, ph.confidence,
-                   ph.max_loss_gap, ph.sigma_limit, ph.loss_window, ph.predict_decay, ph.predict_int8, ph.fit_every,
-                   pr.scaled(), pr.initial_scale, pr.growth_interval);
-  return checkpoint_checksum(s.data(), s.size());
+  p.weights = hash_of(s);
+  p.settings = training_settings(model, o);
+  for (const TrainingSetting& ts : p.settings) {
+    p.setting_hashes.push_back(hash_of(ts.name + '=' + ts.value));
+    s += fmt::format("{}={};", ts.name, ts.value);
+  }
+  p.whole = hash_of(s);
+  return p;
+}
+
+// The ranks disagree: which of them, and on what (a collective: every rank calls it). A list of
+// another length is another set of options; the first setting whose hash differs is named.
+std::string disagreement(ops::Communicator& control, const RunPrint& p, const std::vector<std::uint64_t>& wholes) {
+  std::vector<int> differ;
+  for (std::size_t r = 0; r < wholes.size(); ++r) {
+    if (wholes[r] != wholes[0]) differ.push_back(static_cast<int>(r));
+  }
+  const auto of_all = [&](std::uint64_t v) {
+    const std::vector<std::uint64_t> all = control.allgather(v);
+    return std::any_of(all.begin(), all.end(), [&](std::uint64_t x) { return x != all[0]; });
+  };
+  std::string what = "their options";
+  if (of_all(p.weights)) {
+    what = "the model's weights (names, shapes or types)";
+  } else if (!of_all(p.settings.size())) {
+    for (std::size_t i = 0; i < p.settings.size(); ++i) {
+      if (!of_all(p.setting_hashes[i])) continue;
+      what = fmt::format("{}, which is {} on this rank", p.settings[i].name,
+                         setting_text(p.settings[i], p.settings[i].value));
+      break;
+    }
+  }
+  return fmt::format("rank(s) {} differ from rank 0 in {}", fmt::join(differ, ", "), what);
 }
 
 }  // namespace
 
-void check_ranks_agree(ops::Communicator& control, const graph::Graph& training, const TrainerOptions& o) {
-  const std::vector<std::uint64_t> prints = control.allgather(run_fingerprint(training, o));
+void check_ranks_agree(ops::Communicator& control, const graph::Graph& training, const ModelSpec& model,
+                       const TrainerOptions& o) {
+  const RunPrint p = run_print(training, model, o);
+  const std::vector<std::uint64_t> wholes = control.allgather(p.whole);
   const std::vector<std::uint64_t> batches = control.allgather(o.batch);
-  std::vector<int> differ;
-  for (std::size_t r = 0; r < prints.size(); ++r) {
-    if (prints[r] != prints[0]) differ.push_back(static_cast<int>(r));
-  }
-  if (!differ.empty()) {
-    throw std::invalid_argument(fmt::format(
-        "the {} ranks of this data-parallel run disagree on the model or the training options: rank(s) {} differ from "
-        "rank 0 (a hash of the weights' names and shapes, optimizer, learning rate, seed, accumulation, precision, "
-        "loss scaling, phases, global batch, bucket size and ZeRO stage): start every rank with the same command and "
-        "data",
-        prints.size(), fmt::join(differ, ", ")));
+  if (std::any_of(wholes.begin(), wholes.end(), [&](std::uint64_t w) { return w != wholes[0]; })) {
+    throw std::invalid_argument(
+        fmt::format("the {} ranks of this data-parallel run disagree on the model or the training options: {}: start "
+                    "every rank with the same command and data",
+                    wholes.size(), disagreement(control, p, wholes)));
   }
   std::uint64_t sum = 0;
   for (std::uint64_t b : batches) sum += b;

@@ -17,6 +17,7 @@ void validate_data_parallel(TrainerOptions& options);
 // names and shapes and the options that decide the update (a hash of them), and the ranks'
 // batches add up to the global batch; else every rank throws std::invalid_argument naming the
 // ranks that differ, before anything is allocated.
-void check_ranks_agree(ops::Communicator& control, const graph::Graph& training, const TrainerOptions& o);
+void check_ranks_agree(ops::Communicator& control, const graph::Graph& training, const ModelSpec& model,
+                       const TrainerOptions& o);
 
 }  // namespace ferry::detail

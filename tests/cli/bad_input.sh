@@ -165,15 +165,15 @@ cp "$work/good.ckpt" "$work/lost.ckpt.rank2"
 row "ZeRO checkpoint missing a rank's file" "so a rank's file of this checkpoint is missing" error - \
   train "${quick[@]}" --resume "$work/lost.ckpt"
 # Options that change what the training computes, given other values on resume.
-row "checkpoint resumed with another --weight-decay" "resume with --weight-decay 0" error - \
+row "checkpoint resumed with another --weight-decay" "use --weight-decay 0" error - \
   train "${quick[@]}" --weight-decay 0.01 --resume "$work/good.ckpt"
 "$ferry" train "${quick[@]}" --optimizer sgd --checkpoint "$work/sgd.ckpt" >/dev/null 2>&1
-row "SGD checkpoint resumed with another --momentum" "resume with --momentum 0.9" error - \
+row "SGD checkpoint resumed with another --momentum" "use --momentum 0.9" error - \
   train "${quick[@]}" --optimizer sgd --momentum 0.5 --resume "$work/sgd.ckpt"
-row "SGD checkpoint resumed without momentum" "use the SGD momentum it was written with" error - \
+row "SGD checkpoint resumed without momentum" "trained with --momentum 0.9, this trainer has --momentum 0" error - \
   train "${quick[@]}" --optimizer sgd --momentum 0 --resume "$work/sgd.ckpt"
 "$ferry" train "${quick[@]}" --optimizer adamw8bit --checkpoint "$work/8bit.ckpt" >/dev/null 2>&1
-row "8-bit checkpoint resumed with another --optimizer-block" "(another block size)" error - \
+row "8-bit checkpoint resumed with another --optimizer-block" "use --optimizer-block 2048" error - \
   train "${quick[@]}" --optimizer adamw8bit --optimizer-block 256 --resume "$work/8bit.ckpt"
 # GPT checkpoints: resumed on another text of the same alphabet, and past --steps.
 mkdir -p "$work/text" "$work/text2"
@@ -185,7 +185,7 @@ row "GPT checkpoint resumed on another text" "resume with the same --text" error
   "${gpt[@]}" --text "$work/text2" --steps 4 --resume "$work/gpt.ckpt"
 row "GPT checkpoint resumed to fewer --steps than done" "give --steps 2 or more" error - \
   "${gpt[@]}" --text "$work/text" --steps 1 --resume "$work/gpt.ckpt"
-row "GPT checkpoint resumed with another --dropout" "resume with --dropout 0" error - \
+row "GPT checkpoint resumed with another --dropout" "use --dropout 0" error - \
   "${gpt[@]}" --text "$work/text" --steps 4 --dropout 0.1 --resume "$work/gpt.ckpt"
 mkdir -p "$work/short-text" "$work/binary-text"
 echo "a few words of text, no more" >"$work/short-text/a"

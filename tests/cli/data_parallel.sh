@@ -129,13 +129,14 @@ ranks 1 "$ferry" train "${MLP[@]}" --lr 0.001 : -np 1 "$ferry" train "${MLP[@]}"
   >/dev/null 2>"$work/disagree.err"
 status=$?
 [ $status -ne 0 ] || fail "ranks with different --lr trained"
-grep -q "disagree on the model or the training options: rank(s) 1 differ" "$work/disagree.err" ||
+grep -q "disagree on the model or the training options: rank(s) 1 differ from rank 0 in lr, which is --lr 0.00" \
+  "$work/disagree.err" ||
   fail "no disagreement error: $(tail -5 "$work/disagree.err")"
 # The same for the weights weight decay applies to.
 ranks 1 "$ferry" train "${MLP[@]}" --weight-decay 0.1 : -np 1 "$ferry" train "${MLP[@]}" --weight-decay 0.1 \
   --weight-decay-on matrices >/dev/null 2>"$work/disagree_decay.err"
 [ $? -ne 0 ] || fail "ranks with different --weight-decay-on trained"
-grep -q "disagree on the model or the training options: rank(s) 1 differ" "$work/disagree_decay.err" ||
+grep -q "rank(s) 1 differ from rank 0 in optimizer.decay_on, which is --weight-decay-on" "$work/disagree_decay.err" ||
   fail "no disagreement error for --weight-decay-on: $(tail -5 "$work/disagree_decay.err")"
 
 # A ZeRO stage 0 checkpoint (rank 0's file) resumes alone: the same run, to f32 reassociation.

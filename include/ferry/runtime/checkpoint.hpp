@@ -16,7 +16,19 @@ namespace ferry {
 // "FERRYCKP": the first 8 bytes of every checkpoint.
 inline constexpr char checkpoint_magic[9] = "FERRYCKP";
 // The format this ferry writes, and the newest it reads.
-inline constexpr std::uint32_t checkpoint_format_version = 1;
+// Version 2 added the settings a resume must keep (ferry/runtime/training_setting.hpp); version 1
+// files still load, without that comparison.
+inline constexpr std::uint32_t checkpoint_format_version = 2;
+
+// How Trainer::load_checkpoint treats a checkpoint trained with other settings than the
+// trainer's (weight decay, momentum, betas, dropout...: TrainingSetting with `resume` set).
+struct LoadOptions {
+  // false: refuse it, naming the first setting that differs, so a resumed run is the run it
+  // continues. true: load it and train on with this trainer's settings (fine-tuning with another
+  // weight decay, say). The model, optimizer kind, batch, accumulation, precision and phases must
+  // match either way: the tensors and counters depend on them.
+  bool accept_other_settings = false;
+};
 
 // The ferry release this library is ("0.1.0").
 const char* ferry_version() noexcept;

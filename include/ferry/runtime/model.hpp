@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ferry/graph/builder.hpp"
+#include "ferry/runtime/training_setting.hpp"
 
 namespace ferry {
 
@@ -35,6 +36,10 @@ struct ModelSpec {
   // The loss of the prediction against the targets (in `targets` order): a Builder loss such as
   // softmax_xent or mse, or a user's loss row made the loss with Builder::set_loss.
   std::function<TensorId(graph::Builder&, TensorId prediction, std::span<const TensorId> targets)> loss;
+  // Options of the model that decide what it computes and do not show in its parameters' names
+  // and shapes (dropout, which attention path): ranks must agree on them and a checkpoint keeps
+  // them (ferry/runtime/training_setting.hpp).
+  std::vector<TrainingSetting> settings;
 };
 
 namespace models {
@@ -65,7 +70,8 @@ struct GptConfig {
   float dropout = 0.0f;
   // Attention as one fused op (Builder::attention: no [T, T] tensors, head dimension up to 128)
   // or as the unfused reference path (batched matmuls, causal softmax, dropout). The parameters
-  // are the same either way, so checkpoints move between the two.
+  // are the same either way, so a checkpoint moves between the two where the loader accepts
+  // another setting (LoadOptions::accept_other_settings): the results differ by f32 rounding.
   bool fused_attention = true;
 };
 ModelSpec gpt(const GptConfig& config);

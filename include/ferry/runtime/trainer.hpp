@@ -17,6 +17,7 @@
 #include "ferry/graph/residency.hpp"
 #include "ferry/graph/step_report.hpp"
 #include "ferry/ops/optimizer.hpp"
+#include "ferry/runtime/checkpoint.hpp"
 #include "ferry/runtime/data_source.hpp"
 #include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/loss_scale.hpp"
@@ -261,7 +262,9 @@ class Trainer {
   // newer, truncated or corrupt file and std::invalid_argument for one written for another
   // model, optimizer or batch; the message names the file, the problem and what to do, and the
   // trainer is unchanged.
-  std::vector<std::byte> load_checkpoint(const std::filesystem::path& path);
+  // A checkpoint trained with other settings (ferry/runtime/training_setting.hpp) is refused too
+  // (std::invalid_argument), unless `options` accepts them.
+  std::vector<std::byte> load_checkpoint(const std::filesystem::path& path, LoadOptions options = {});
   // The same for a checkpoint cut for other ranks: the files the ranks of a ZeRO stage 1 or 2 run
   // wrote (files[r]: rank r's, each with its shares of the optimizer state), or one whole-state
   // checkpoint, into this trainer whatever its number of ranks and ZeRO stage (alone included):
@@ -272,7 +275,8 @@ class Trainer {
   // writers would have made, to f32 rounding. Every file is verified first; they must be of one
   // step and micro-batch, and each must hold the share that many ranks had, else
   // std::invalid_argument naming the file, and the trainer is unchanged.
-  std::vector<std::byte> load_resharded_checkpoint(std::span<const std::filesystem::path> files);
+  std::vector<std::byte> load_resharded_checkpoint(std::span<const std::filesystem::path> files,
+                                                   LoadOptions options = {});
   // Why the training state is inconsistent (a step failed in its update phase and load_checkpoint
   // has not restored it since); empty when it is not.
   const std::string& inconsistent_state() const noexcept { return inconsistent_; }
@@ -285,7 +289,8 @@ class Trainer {
   TensorId persistent_tensor(const std::string& name) const;
   void initialise_parameters();
   // load_checkpoint (one file) and load_resharded_checkpoint (reshard).
-  std::vector<std::byte> load_checkpoint_files(std::span<const std::filesystem::path> files, bool reshard);
+  std::vector<std::byte> load_checkpoint_files(std::span<const std::filesystem::path> files, bool reshard,
+                                               LoadOptions options);
   // Samples of a global batch, and this rank's share of them (1 alone).
   std::uint32_t global_batch() const noexcept;
   double batch_share() const noexcept;
