@@ -76,6 +76,9 @@ void fuse_layers(Graph& g);
 // gradient makes joins that GEMM's epilogue (ops::GemmOptions::dact), which then reads z and writes
 // dx where it wrote dy. Exact (ops::GemmOptions::dact gives the activation kernel's bits).
 void fuse_activation_grads(Graph& g);
+// After mixed precision and autodiff: each LayerNorm whose output only a cast to f16 or bf16 reads
+// stores that narrow output itself (ops::LayerNormAttrs::y), the cast left out. Exact.
+void fuse_narrowing_casts(Graph& g);
 
 // Mixed precision, before autodiff: Linear, Conv2d, activation and max-pool nodes but the head
 // compute from and store `narrow` (f16 or bf16), reading narrow casts of their float inputs

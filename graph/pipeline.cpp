@@ -30,6 +30,10 @@ const std::vector<ModelPass>& model_passes() {
        [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
          if (key.training && key.fuse) fuse_activation_grads(g);
        }},
+      {"narrowing fusion",
+       [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
+         if (key.fuse && key.precision != DType::f32 && !key.int8_weights) fuse_narrowing_casts(g);
+       }},
       {"recompute",
        [](Graph& g, const VariantKey& key, const OptimizerConfig&) {
          if (key.training && key.recompute > 0) apply_recompute(g, key.recompute);

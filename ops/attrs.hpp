@@ -54,10 +54,13 @@ struct LinearGradInputAttrs {
 };
 
 // layernorm (and its fusions): the variance's epsilon.
+// layernorm, add_layernorm: y stored as `y` (graph::fuse_narrowing_casts sets f16 or bf16 where
+// only a cast to that type read an f32 y); x, the statistics and the gradients stay f32.
 struct LayerNormAttrs {
   float eps = 1e-5f;
-  NodeAttrs pack() const { return {{}, {eps, 0.0f}}; }
-  static LayerNormAttrs of(const NodeAttrs& a) { return {a.f[0]}; }
+  DType y = DType::f32;
+  NodeAttrs pack() const { return {{static_cast<std::int32_t>(y), 0, 0, 0}, {eps, 0.0f}}; }
+  static LayerNormAttrs of(const NodeAttrs& a) { return {a.f[0], static_cast<DType>(a.i[0])}; }
 };
 
 // conv2d: stride and zero padding of both spatial axes; a ReLU fused into the epilogue.

@@ -1,12 +1,16 @@
 // Binding of the LayerNorm kernels (ops/kernels/layernorm.cl).
 #include "ops/layernorm.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 #include "ferry/cl/error.hpp"
+#include "ferry/ops/types.hpp"
 
 namespace ferry::ops {
 namespace {
@@ -26,27 +30,32 @@ KernelLaunch per_row_launch(cl::Kernel k, std::size_t rows, std::size_t local) {
 }  // namespace
 
 LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan beta, DeviceSpan y, DeviceSpan mean,
-                             DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps, DeviceSpan a,
-                             DeviceSpan b) {
+                             DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps, DeviceSpan a, DeviceSpan b,
+                             DType y_dtype) {
   if ((a.buffer == nullptr) != (b.buffer == nullptr)) {
     throw std::invalid_argument("layernorm: a residual sum needs both of its operands");
+  }
+  if (!dtype_is_float(y_dtype)) {
+    throw std::invalid_argument(fmt::format("layernorm: y cannot be stored as {}", dtype_name(y_dtype)));
   }
   check_shape(rows, cols);
   LaunchList list;
   if (rows == 0) return list;
+  // f32's program is the one built without a define, shared with the backward kernels.
+  const std::string defines = y_dtype == DType::f32 ? "" : dtype_define(y_dtype, "D");
+  const std::uint64_t y_off = y.elem_offset(dtype_bytes(y_dtype));
   if (env.device().is_cpu()) {  // a work-item per row, in float16 chunks (layernorm_forward16)
-    cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward16");
+    cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward16", defines);
     cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
-                 y.buffer, y.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
-                 cl_uint(rows), cl_uint(cols), eps, a.buffer, a.elem_offset(), b.buffer, b.elem_offset());
+                 y.buffer, y_off, mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(), cl_uint(rows),
+                 cl_uint(cols), eps, a.buffer, a.elem_offset(), b.buffer, b.elem_offset());
     list.push_back(elementwise_launch(std::move(k), rows));
     return list;
   }
-  cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward");
+  cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward", defines);
   const std::size_t local = row_group_size(k, env.device(), cols);
   cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
-               y.buffer, y.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
-               cl_uint(cols), eps);
+               y.buffer, y_off, mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(), cl_uint(cols), eps);
   FERRY_CL(clSetKernelArg(k.get(), 14, local * sizeof(float), nullptr));
   set_nullable_arg(k, 15, a);
   set_nullable_arg(k, 17, b);

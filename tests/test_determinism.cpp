@@ -70,7 +70,8 @@ TEST_P(DeterminismTest, TwoFreshTrainersGiveTheSameLossesAndStateBitForBit) {
 // non-overlapping and overlapping (window 2, stride 1) pools, a ReLU in a convolution's epilogue
 // (the direct first-layer kernel and the GEMM's), and in bf16 mixed precision; so is taking a
 // residual add into the LayerNorm that reads its sum (add_layernorm; models::deep is a residual
-// stream with a LayerNorm after every add).
+// stream with a LayerNorm after every add), and under mixed precision a LayerNorm storing the narrow
+// copy its next layer reads (fuse_narrowing_casts; f16 with loss scaling too).
 TEST(Fusion, FusedReluIsBitIdenticalToTheUnfusedGraph) {
   Runtime rt;
   const ModelSpec conv_relu =
@@ -91,7 +92,9 @@ TEST(Fusion, FusedReluIsBitIdenticalToTheUnfusedGraph) {
                          Run{conv_relu, graph::ResidencyMode::resident, ops::DType::bf16},
                          Run{models::deep(48, 3), graph::ResidencyMode::resident, ops::DType::f32},
                          Run{models::deep(48, 3), graph::ResidencyMode::stream, ops::DType::f32},
-                         Run{models::deep(48, 3), graph::ResidencyMode::resident, ops::DType::bf16}}) {
+                         Run{models::deep(48, 3), graph::ResidencyMode::resident, ops::DType::bf16},
+                         Run{models::deep(48, 3), graph::ResidencyMode::stream, ops::DType::bf16},
+                         Run{models::deep(48, 3), graph::ResidencyMode::resident, ops::DType::f16}}) {
     SCOPED_TRACE(fmt::format("{} {}", run.model.name, ops::dtype_name(run.precision)));
     const ModelSpec& m = run.model;
     const auto mode = run.mode;

@@ -2,12 +2,15 @@
 // reference over shapes that are not multiples of the work-group size, determinism, stability
 // for rows with a large common offset, and the reference backward against double-precision
 // finite differences for x, gamma and beta.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
 
+#include "ferry/ops/cast.hpp"
 #include "ops/layernorm.hpp"
 #include "test_support.hpp"
 
@@ -76,6 +79,45 @@ TEST(LayerNorm, ResidualSumAndGradientMatchThePlainKernelsBitForBit) {
   DeviceTensor one(8);
   EXPECT_THROW(ops::layernorm_forward(dev.env, one.span(), one.span(), one.span(), one.span(), one.span(), one.span(),
                                       1, 8, 1e-5f, one.span(), {}),
+               std::invalid_argument);
+}
+
+// y stored in f16 or bf16 (a cast folded in: graph::fuse_narrowing_casts) holds the bits the cast
+// kernel makes of the f32 y, in the plain and the residual form, over rows of whole 16-column
+// chunks, of a partial one past them, and shorter than one.
+TEST(LayerNorm, NarrowOutputIsTheCastOfTheF32Output) {
+  auto& dev = TestDevice::get();
+  for (const ops::DType to : {ops::DType::f16, ops::DType::bf16}) {
+    for (const auto& [rows, cols] : {std::pair<std::size_t, std::size_t>{5, 40}, {3, 7}, {64, 128}, {9, 35}}) {
+      for (const bool residual : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} {} x {}{}", ops::dtype_name(to), rows, cols, residual ? " residual" : ""));
+        const Inputs in = make_inputs(rows, cols, 31);
+        const auto other = random_vector(rows * cols, 77, -1.0f, 1.0f);
+        const std::size_t n = rows * cols;
+        // x: the input, or with a residual the sum this run writes from a and b.
+        const auto run = [&](ops::DType y_dtype, DeviceTensor& y) {
+          DeviceTensor x(in.x, 3), a(in.x, 4), b(other, 5), g(in.gamma, 1), beta(in.beta, 2), mean(rows, 6),
+              rstd(rows, 8);
+          ops::run_blocking(
+              dev.context.compute(),
+              ops::layernorm_forward(dev.env, x.span(), g.span(), beta.span(), y.span(), mean.span(), rstd.span(), rows,
+                                     cols, 1e-5f, residual ? a.span() : ops::DeviceSpan{},
+                                     residual ? b.span() : ops::DeviceSpan{}, y_dtype));
+          return std::pair(mean.download(), rstd.download());
+        };
+        DeviceTensor wide(n, 9), cast(n, 10), narrow(n, 11);
+        const auto stats_wide = run(ops::DType::f32, wide);
+        ops::run_blocking(dev.context.compute(), ops::cast(dev.env, ops::DType::f32, to, wide.span(), cast.span(), n));
+        const auto stats_narrow = run(to, narrow);
+        const std::vector<float> want = cast.download(), got = narrow.download();
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), n * 2), 0) << "the narrow y differs from the cast";
+        EXPECT_EQ(stats_wide, stats_narrow);
+      }
+    }
+  }
+  DeviceTensor one(8);
+  EXPECT_THROW(ops::layernorm_forward(dev.env, one.span(), one.span(), one.span(), one.span(), one.span(), one.span(),
+                                      1, 8, 1e-5f, {}, {}, ops::DType::i32),
                std::invalid_argument);
 }
 

@@ -1,5 +1,6 @@
 // The compile pipeline: its model passes in order, each on its own, and the device passes a
 // compiled step reports.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,9 +39,9 @@ std::size_t count_op(const graph::Graph& g, graph::OpId op) {
 
 TEST(Pipeline, ModelPassesInOrder) {
   const auto& passes = graph::model_passes();
-  const char* const names[] = {"fusion",         "mixed precision", "autodiff",      "backward fusion", "recompute",
-                               "overflow guard", "accumulate",      "data parallel", "optimizer",       "zero gather",
-                               "predictor",      "int8 weights",    "download",      "guard fusion"};
+  const char* const names[] = {"fusion",      "mixed precision", "autodiff",     "backward fusion", "narrowing fusion",
+                               "recompute",   "overflow guard",  "accumulate",   "data parallel",   "optimizer",
+                               "zero gather", "predictor",       "int8 weights", "download",        "guard fusion"};
   ASSERT_EQ(passes.size(), std::size(names));
   for (std::size_t i = 0; i < passes.size(); ++i) EXPECT_STREQ(passes[i].name, names[i]) << "pass " << i;
 }
@@ -335,6 +336,52 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
                                 count_op(without, graph::builtin::layernorm_grad)));
   EXPECT_EQ(count_op(with, ops::builtin::overflow_guard_check), 0u);
   EXPECT_EQ(with.nodes.size() + 3 + 2 + 3 + folded_checks - 1, without.nodes.size());
+}
+
+// Under mixed precision each LayerNorm whose f32 output only a cast to the narrow type read stores
+// that narrow output itself: in models::deep, the four LayerNorms but the last (which the f32 head
+// reads), forward and in every variant; nothing else changes, and the f32 graph keeps its nodes.
+TEST(Pipeline, LayerNormsStoreTheNarrowCopyTheNextLayerReads) {
+  const ModelSpec deep = models::deep(32, 3);
+  ops::OptimizerConfig adam;
+  for (const ops::DType narrow : {ops::DType::bf16, ops::DType::f16}) {
+    for (const bool training : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} {}", ops::dtype_name(narrow), training ? "training" : "evaluation"));
+      graph::VariantKey on{4, training}, off{4, training};
+      on.precision = off.precision = narrow;
+      off.fuse = false;
+      const graph::Graph with = graph::prepare_step_graph(forward_graph(deep, on), on, adam);
+      const graph::Graph without = graph::prepare_step_graph(forward_graph(deep, off), off, adam);
+      std::size_t narrow_norms = 0, f32_norms = 0;
+      for (graph::NodeId n = 0; n < with.nodes.size(); ++n) {
+        const graph::OpId op = with.nodes.op[n];
+        if (op != graph::builtin::layernorm && op != ops::builtin::add_layernorm) continue;
+        const ops::DType y = ops::LayerNormAttrs::of(with.nodes.attrs[n]).y;
+        const graph::TensorId out = with.nodes.outputs(n)[op == graph::builtin::layernorm ? 0 : 1];
+        EXPECT_EQ(with.tensors.dtype[out], y) << with.nodes.name[n];
+        ++(y == narrow ? narrow_norms : f32_norms);
+      }
+      EXPECT_EQ(narrow_norms, 3u);
+      EXPECT_EQ(f32_norms, 1u);
+      // No cast reads a LayerNorm's output any more: three forward casts fewer.
+      const auto forward_casts = [](const graph::Graph& g) {
+        std::size_t n = 0;
+        for (graph::NodeId i = 0; i < g.nodes.size(); ++i) {
+          n += g.nodes.op[i] == graph::builtin::cast &&
+               ops::CastAttrs::of(g.nodes.attrs[i]).scale == ops::CastScale::none;
+        }
+        return n;
+      };
+      EXPECT_EQ(forward_casts(with) + 3, forward_casts(without));
+    }
+  }
+  graph::VariantKey f32{4, true};
+  const graph::Graph plain = graph::prepare_step_graph(forward_graph(deep, f32), f32, adam);
+  for (graph::NodeId n = 0; n < plain.nodes.size(); ++n) {
+    if (plain.nodes.op[n] == graph::builtin::layernorm || plain.nodes.op[n] == ops::builtin::add_layernorm) {
+      EXPECT_EQ(ops::LayerNormAttrs::of(plain.nodes.attrs[n]).y, ops::DType::f32);
+    }
+  }
 }
 
 // A ReLU a Linear makes joins its epilogue, as a convolution's does; after autodiff, each

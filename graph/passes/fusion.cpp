@@ -16,6 +16,12 @@
 // All are exact: values and gradients are bit-identical to the unfused graph (a sum of two
 // gradients is the same whichever kernel adds them).
 //
+// After mixed precision and autodiff, fuse_narrowing_casts: a LayerNorm (or add_layernorm) whose
+// f32 output only a cast to f16 or bf16 reads writes that narrow copy itself (LayerNormAttrs::y),
+// rounded as the cast rounds: one pass and one [rows, features] f32 tensor fewer per LayerNorm,
+// the same bits. The cast's gradient (the narrow gradient widened, the loss scale removed) stays:
+// LayerNorm's backward reads x and its statistics, never y.
+//
 // After autodiff, fuse_activation_grads: an activation's backward (activation_grad, dx = dy act'(z))
 // whose dy a Linear's input gradient alone makes (dy = dY w^T of the next layer) joins that GEMM's
 // epilogue (LinearGradInputAttrs): dx is written once, where the pair wrote dy, read it back with
@@ -216,6 +222,43 @@ void fuse_into_input_gradients(Graph& g) {
 
 void fuse_relu_maxpool(Graph& g) {
   fuse_into_pools(g);
+}
+
+void fuse_narrowing_casts(Graph& g) {
+  const NodeTable& old = g.nodes;
+  const Uses uses(g);
+  const NodeId none = Uses::no_node(g);
+  const auto& t = g.tensors;
+  std::vector<NodeId> cast_of(old.size(), none);  // LayerNorm node -> the cast it takes in
+  std::vector<bool> dropped(old.size(), false);
+  for (NodeId c = 0; c < old.size(); ++c) {
+    if (old.op[c] != builtin::cast || old.inputs(c).size() != 1) continue;
+    const ops::CastAttrs cast = ops::CastAttrs::of(old.attrs[c]);
+    if (cast.scale != ops::CastScale::none || (cast.to != DType::f16 && cast.to != DType::bf16)) continue;
+    const TensorId y = old.inputs(c)[0], narrow = old.outputs(c)[0];
+    const NodeId n = uses.producer[y];
+    if (n == none || cast_of[n] != none || !uses.read_once(g, y) || t.dtype[y] != DType::f32) continue;
+    // y is layernorm's output 0 or add_layernorm's output 1 (its sum is output 0).
+    const std::size_t y_out = old.op[n] == builtin::layernorm ? 0 : old.op[n] == builtin::add_layernorm ? 1 : 99;
+    if (y_out == 99 || old.outputs(n)[y_out] != y || t.alias_of[narrow] != no_tensor) continue;
+    cast_of[n] = c;
+    dropped[c] = true;
+  }
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (dropped[n]) continue;
+    const NodeId c = cast_of[n];
+    if (c == none) {
+      out.add_copy(old, n);
+      continue;
+    }
+    std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
+    outs[old.op[n] == builtin::layernorm ? 0 : 1] = old.outputs(c)[0];
+    ops::LayerNormAttrs attrs = ops::LayerNormAttrs::of(old.attrs[n]);
+    attrs.y = ops::CastAttrs::of(old.attrs[c]).to;
+    out.add(old.op[n], old.name[n], old.inputs(n), outs, attrs.pack(), old.lane[n]);
+  }
+  g.nodes = std::move(out);
 }
 
 void fuse_layers(Graph& g) {

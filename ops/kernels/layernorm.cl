@@ -9,20 +9,32 @@
 // usual. When the backward's `dres` is not null, dx = LayerNorm's gradient + dres: the gradient
 // the sum gets from its other readers, added in the same pass.
 
+//
+// y's storage is D (dtype.clh: f32 unless the program is built with -DD_F16 or -DD_BF16): under
+// mixed precision the LayerNorm computes in f32 and writes the narrow copy the next layer reads,
+// rounded as the cast kernel rounds, where a cast node would have read an f32 y back.
+
+#if defined(D_F16) || defined(D_BF16)
+#define Y_NARROW 1
+#define FERRY_WIDE16 1  // STORE16 (dtype.clh), for the CPU kernel's whole chunks
+#else
+#define Y_NARROW 0
+#endif
+#include "dtype.clh"
 #include "guard.clh"
 #include "reduce.clh"
 
 // One work-group per row. Two passes over the row (mean, then the centred variance), which is
 // stable where E[x^2] - E[x]^2 would cancel.
 __kernel void layernorm_forward(__global float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
-                                __global const float* beta, ulong beta_off, __global float* y, ulong y_off,
+                                __global const float* beta, ulong beta_off, __global D_STORAGE* y, ulong y_off,
                                 __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off, uint cols,
                                 float eps, __local float* scratch, __global const float* ra, ulong ra_off,
                                 __global const float* rb, ulong rb_off) {
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0), ls = get_local_size(0);
   __global float* xr = x + x_off + row * cols;
-  __global float* yr = y + y_off + row * cols;
+  const ulong yr = y_off + row * cols;  // element index: no pointer arithmetic on half*
   if (ra) {
     for (uint c = lid; c < cols; c += ls) xr[c] = ra[ra_off + row * cols + c] + rb[rb_off + row * cols + c];
   }
@@ -36,7 +48,7 @@ __kernel void layernorm_forward(__global float* x, ulong x_off, __global const f
   }
   const float var = group_sum(q, scratch) / (float)cols;
   const float rs = 1.0f / sqrt(var + eps);
-  for (uint c = lid; c < cols; c += ls) yr[c] = fma((xr[c] - mu) * rs, gamma[gamma_off + c], beta[beta_off + c]);
+  for (uint c = lid; c < cols; c += ls) STORE_D(fma((xr[c] - mu) * rs, gamma[gamma_off + c], beta[beta_off + c]), y, yr + c);
   if (lid == 0) {
     mean[mean_off + row] = mu;
     rstd[rstd_off + row] = rs;
@@ -133,7 +145,7 @@ __kernel void layernorm_backward_params(__global const float* x, ulong x_off, __
 // and fixed summation orders within a work-item (not the same bits as the kernels above: the
 // partial sums are grouped differently).
 __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const float* gamma, ulong gamma_off,
-                                  __global const float* beta, ulong beta_off, __global float* y, ulong y_off,
+                                  __global const float* beta, ulong beta_off, __global D_STORAGE* y, ulong y_off,
                                   __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off,
                                   uint rows, uint cols, float eps, __global const float* ra, ulong ra_off,
                                   __global const float* rb, ulong rb_off) {
@@ -147,7 +159,7 @@ __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const
     for (uint c = 0; c < vc; c += 16) vstore16(vload16(0, ar + c) + vload16(0, br + c), 0, xr + c);
     for (uint c = vc; c < cols; ++c) xr[c] = ar[c] + br[c];
   }
-  __global float* yr = y + y_off + (ulong)row * cols;
+  const ulong yr = y_off + (ulong)row * cols;  // element index: no pointer arithmetic on half*
   __global const float* g = gamma + gamma_off;
   __global const float* b = beta + beta_off;
   const uint vcols = cols / 16 * 16;
@@ -168,9 +180,14 @@ __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const
   }
   const float rs = 1.0f / sqrt(q / (float)cols + eps);
   for (uint c = 0; c < vcols; c += 16) {
-    vstore16(fma((vload16(0, xr + c) - mu) * rs, vload16(0, g + c), vload16(0, b + c)), 0, yr + c);
+    const float16 v = fma((vload16(0, xr + c) - mu) * rs, vload16(0, g + c), vload16(0, b + c));
+#if Y_NARROW
+    STORE16(D_NAME, v, y, yr + c);
+#else
+    vstore16(v, 0, y + yr + c);
+#endif
   }
-  for (uint c = vcols; c < cols; ++c) yr[c] = fma((xr[c] - mu) * rs, g[c], b[c]);
+  for (uint c = vcols; c < cols; ++c) STORE_D(fma((xr[c] - mu) * rs, g[c], b[c]), y, yr + c);
   mean[mean_off + row] = mu;
   rstd[rstd_off + row] = rs;
 }

@@ -31,10 +31,21 @@ std::vector<TensorDesc> normalised_outputs(const ShapeView& v, std::size_t gain,
       shape_error(v, fmt::format("gain/shift {} do not match {} features", v.input(i).shape.str(), features));
     }
   }
-  const DType t = v.input(0).dtype;
+  // LayerNorm computes in f32: mixed precision keeps it so (OpInfo::computes_narrow is not set);
+  // only y may be narrow, when its attributes say (a cast folded in).
+  for (std::size_t i = 0; i < v.input_count(); ++i) {
+    if (v.input(i).dtype != DType::f32) {
+      shape_error(v, fmt::format("LayerNorm computes in f32, and input {} is {}: cast it to f32 first", i,
+                                 dtype_name(v.input(i).dtype)));
+    }
+  }
+  const DType y = LayerNormAttrs::of(v.attrs()).y;
+  if (y != DType::f32 && y != DType::f16 && y != DType::bf16) {
+    shape_error(v, fmt::format("y cannot be stored as {}", dtype_name(y)));
+  }
   std::vector<TensorDesc> out;
-  if (with_sum) out.push_back({x, t});
-  out.insert(out.end(), {{x, t}, {Shape{rows}, DType::f32}, {Shape{rows}, DType::f32}});
+  if (with_sum) out.push_back({x, DType::f32});
+  out.insert(out.end(), {{x, y}, {Shape{rows}, DType::f32}, {Shape{rows}, DType::f32}});
   return out;
 }
 
@@ -42,12 +53,14 @@ OpInfo layernorm_row() {  // in: x gamma beta  out: y mean rstd
   OpInfo r;
   r.name = "layernorm";
   r.merge_with_producer = {"add", "add_layernorm"};
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};  // y only (normalised_outputs)
   r.infer = [](const ShapeView& v) { return normalised_outputs(v, 1, false); };
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
-    return layernorm_forward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), c.out(1), c.out(2), rows, cols,
-                             LayerNormAttrs::of(c.attrs()).eps);
+    const LayerNormAttrs attrs = LayerNormAttrs::of(c.attrs());
+    return layernorm_forward(c.env(), c.in(0), c.in(1), c.in(2), c.out(0), c.out(1), c.out(2), rows, cols, attrs.eps,
+                             {}, {}, attrs.y);
   };
   r.backward = [](GradContext& g) {
     const auto in = g.inputs();
@@ -112,6 +125,7 @@ OpInfo layernorm_grad_row() {
 OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
   OpInfo r;
   r.name = "add_layernorm";
+  r.float_dtypes = {DType::f32, DType::f16, DType::bf16};  // y only (normalised_outputs)
   r.infer = [](const ShapeView& v) {
     if (v.input_count() != 4)
       shape_error(v, fmt::format("add_layernorm takes a, b, gain and shift, got {} inputs", v.input_count()));
@@ -124,8 +138,9 @@ OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
   r.bind = [](const BindContext& c) {
     const Shape x = c.input(0).shape;
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
-    return layernorm_forward(c.env(), c.out(0), c.in(2), c.in(3), c.out(1), c.out(2), c.out(3), rows, cols,
-                             LayerNormAttrs::of(c.attrs()).eps, c.in(0), c.in(1));
+    const LayerNormAttrs attrs = LayerNormAttrs::of(c.attrs());
+    return layernorm_forward(c.env(), c.out(0), c.in(2), c.in(3), c.out(1), c.out(2), c.out(3), rows, cols, attrs.eps,
+                             c.in(0), c.in(1), attrs.y);
   };
   // The sum's gradient is LayerNorm's dx plus what the sum's other readers send back (dres, added
   // in the same kernel); both operands of the add get it.
