@@ -44,7 +44,7 @@ struct AttentionTuneProgress {
 
 struct AttentionTuneOptions {
   TuneMode mode = TuneMode::quick;
-  double budget_seconds = 60;  // the search stops starting candidates past this
+  double budget_seconds = 60;  // the search's time limit (ops/tune_deadline.hpp: what it bounds)
   std::function<void(const AttentionTuneProgress&)> progress;
   // For tests: these candidates and shapes instead of the device's (candidates given, a CPU device
   // may be searched too). Only the classes the shapes fall in are tuned.

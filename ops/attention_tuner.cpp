@@ -23,6 +23,7 @@
 #include "gemm_tune_cache.hpp"
 #include "gemm_tuning.hpp"
 #include "ops/attention_tune.hpp"
+#include "ops/tune_deadline.hpp"
 #include "tune_timer.hpp"
 
 namespace ferry::ops {
@@ -291,15 +292,17 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
   if (std::any_of(candidates.begin(), candidates.end(), [](const std::string& k) { return k.starts_with("gemm"); }))
     gemm_tuning_for(env);
   const BuildAhead ahead(device, !device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
+  TuneDeadline deadline(options.budget_seconds, t0);
   for (const std::string& kernel : candidates) {
     const bool every_class_won =
         std::all_of(r.classes.begin(), r.classes.end(), [](const auto& c) { return !c.best.empty(); });
-    if (seconds_since(t0) > options.budget_seconds && every_class_won) {
+    if (!deadline.next_fits() && every_class_won) {
       r.budget_ran_out = true;
       break;
     }
     AttentionTuneCandidate c;
     c.kernel = kernel;
+    deadline.begin();
     for (AttentionTuneClass& cls : r.classes) {
       std::vector<double> times;
       double score = 0;
@@ -321,6 +324,7 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
         cls.best_shape_ms = times;
       }
     }
+    deadline.end();
     r.candidates.push_back(std::move(c));
     std::map<std::size_t, std::string> so_far;
     for (const AttentionTuneClass& cls : r.classes) {

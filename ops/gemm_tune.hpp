@@ -53,8 +53,8 @@ struct GemmTuneProgress {
 };
 
 struct GemmTuneOptions {
-  TuneMode mode = TuneMode::quick;                        // quick: a short list of likely candidates; full: all of them
-  double budget_seconds = 60;                             // the search stops starting candidates past this
+  TuneMode mode = TuneMode::quick;  // quick: a short list of likely candidates; full: all of them
+  double budget_seconds = 60;       // the search's time limit (ops/tune_deadline.hpp: what it bounds)
   std::function<void(const GemmTuneProgress&)> progress;  // optional, after each candidate
   // Candidates build on other threads ahead of their timing on GPUs only; true does it on a CPU
   // device too, where those builds compete with the timing (for tests of that path).

@@ -24,6 +24,7 @@
 #include "gemm_tune_cache.hpp"
 #include "gemm_tuning.hpp"
 #include "ops/gemm_tune.hpp"
+#include "ops/tune_deadline.hpp"
 #include "tune_timer.hpp"
 
 namespace ferry::ops {
@@ -244,24 +245,26 @@ namespace {
 
 // Stage 1: every candidate on the probe shape, until the budget's share of stage 1 runs out.
 void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<std::string>& candidates,
-                      double budget_seconds, Clock::time_point t0, GemmTuneProgress& progress,
-                      const GemmTuneOptions& options, const cl::DeviceInfo& device, GemmTuneResult& r) {
+                      TuneDeadline deadline, GemmTuneProgress& progress, const GemmTuneOptions& options,
+                      const cl::DeviceInfo& device, GemmTuneResult& r) {
   progress.stage = "probe";
   std::vector<std::pair<GemmShape, std::string>> jobs;
   for (const std::string& kernel : candidates) jobs.emplace_back(probe, kernel);
   const BuildAhead ahead = build_ahead(timer, device, options, jobs);
   for (const std::string& kernel : candidates) {
-    if (seconds_since(t0) > budget_seconds && !r.candidates.empty()) {
+    if (!deadline.next_fits()) {
       r.budget_ran_out = true;
       break;
     }
     GemmTuneCandidate c;
     c.kernel = kernel;
+    deadline.begin();
     try {
       c.probe_gflops = timer.measure(probe, kernel);
     } catch (const std::exception& e) {
       c.error = e.what();  // a candidate this device cannot build or run: skipped, and said so
     }
+    deadline.end();
     if (c.error.empty() && c.probe_gflops > progress.best_gflops) {
       progress.best_gflops = c.probe_gflops;
       progress.best = kernel;
@@ -274,8 +277,8 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
 
 // Stage 2: the best `finalists` of stage 1, and their twins (gemm_tune_twins), on every scored shape;
 // the winner has the highest geometric mean.
-void score_finalists(Timer& timer, std::size_t finalists, const cl::DeviceInfo& device, GemmTuneProgress& progress,
-                     const GemmTuneOptions& options, GemmTuneResult& r) {
+void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline, const cl::DeviceInfo& device,
+                     GemmTuneProgress& progress, const GemmTuneOptions& options, GemmTuneResult& r) {
   std::vector<std::size_t> ranked;  // indices into r.candidates
   for (std::size_t i = 0; i < r.candidates.size(); ++i) {
     if (r.candidates[i].error.empty()) ranked.push_back(i);
@@ -312,9 +315,14 @@ void score_finalists(Timer& timer, std::size_t finalists, const cl::DeviceInfo& 
   }
   const BuildAhead ahead = build_ahead(timer, device, options, jobs);
   for (std::size_t i : scored) {
+    if (!deadline.next_fits()) {  // the best so far wins; the rest keep a score of 0
+      r.budget_ran_out = true;
+      break;
+    }
     GemmTuneCandidate& c = r.candidates[i];
     std::vector<double> rates;
     double log_sum = 0;
+    deadline.begin();
     try {
       for (const GemmShape& s : r.shapes) {
         rates.push_back(timer.measure(s, c.kernel));
@@ -324,6 +332,7 @@ void score_finalists(Timer& timer, std::size_t finalists, const cl::DeviceInfo& 
     } catch (const std::exception& e) {
       c.error = e.what();
     }
+    deadline.end();
     if (c.score_gflops > r.best_gflops) {
       r.best_gflops = c.score_gflops;
       r.best = c.kernel;
@@ -380,12 +389,16 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   all.push_back(probe);
   Timer timer(env, all);
 
-  // Stage 2 takes the best few; its share of the budget is held back from stage 1.
+  // Stage 2 takes the best few; its share of the budget is held back from stage 1. Its first
+  // finalist always runs (a winner needs a score on every shape), and takes several probes' time
+  // (each shape its own program to build): a budget below a probe and a finalist is exceeded by
+  // that finalist (cold caches on the 2-vCPU AVX-512 CPU: 13.9 s at 10 s; 43.7 s at 60 s).
   constexpr std::size_t finalists = 3;
   GemmTuneProgress progress;
   progress.total = candidates.size() + finalists;  // the finalists' twins are added in stage 2
-  probe_candidates(timer, probe, candidates, options.budget_seconds * 0.6, t0, progress, options, device, r);
-  score_finalists(timer, finalists, device, progress, options, r);
+  probe_candidates(timer, probe, candidates, TuneDeadline(options.budget_seconds * 0.6, t0), progress, options, device,
+                   r);
+  score_finalists(timer, finalists, TuneDeadline(options.budget_seconds, t0), device, progress, options, r);
   r.seconds = seconds_since(t0);
   record_winner(env, mode, r);
   forget_gemm_tuning();  // later plans read the new row

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -14,6 +15,7 @@
 
 #include "ops/gemm_tiled.hpp"
 #include "ops/gemm_tune.hpp"
+#include "ops/tune_deadline.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -341,6 +343,25 @@ TEST(GemmTune, FirstUseTunesCachesReloadsAndRetunesADamagedCache) {
   EXPECT_NE(ops::gemm_tuning_choice(env).find("naive (" + naming + ":1)"), std::string::npos);
   ops::forget_gemm_tuning();
   std::filesystem::remove_all(dir);
+}
+
+// The budget stops a search before a candidate that would end past it, judged by the last one's
+// time: one that took 30 ms does not fit in what is left of 50 ms after it; a quick one fits in
+// 10 s; the first always runs.
+TEST(GemmTune, DeadlineStopsBeforeACandidateThatWouldEndPastTheBudget) {
+  using Clock = ops::TuneDeadline::Clock;
+  ops::TuneDeadline tight(0.05, Clock::now());
+  EXPECT_TRUE(tight.next_fits());
+  tight.begin();
+  ::usleep(30'000);
+  tight.end();
+  EXPECT_FALSE(tight.next_fits()) << "30 ms spent, a 30 ms candidate does not end within 50 ms";
+  ops::TuneDeadline roomy(10.0, Clock::now());
+  roomy.begin();
+  roomy.end();
+  EXPECT_TRUE(roomy.next_fits());
+  ops::TuneDeadline spent(0.0, Clock::now() - std::chrono::seconds(1));
+  EXPECT_TRUE(spent.next_fits()) << "the first candidate always runs";
 }
 
 TEST(GemmTune, BadSettingsNameTheVariable) {

@@ -512,7 +512,8 @@ CLI::App* add_tune_command(CLI::App& app, TuneArgs& a) {
   tune->add_option("--mode", a.mode, "quick: the likeliest candidates; full: all of them")
       ->check(CLI::IsMember({"quick", "full"}))
       ->capture_default_str();
-  tune->add_option("--budget-seconds", a.budget_seconds, "Stop starting candidates after this long")
+  tune->add_option("--budget-seconds", a.budget_seconds,
+                   "The search's time limit: a candidate starts only if one as long as the last still ends within it")
       ->check(positive_number())
       ->capture_default_str();
   tune->add_option("--family", a.family,
