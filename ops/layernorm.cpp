@@ -31,24 +31,29 @@ KernelLaunch per_row_launch(cl::Kernel k, std::size_t rows, std::size_t local) {
 
 LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan beta, DeviceSpan y, DeviceSpan mean,
                              DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps, DeviceSpan a, DeviceSpan b,
-                             DType y_dtype) {
+                             DType y_dtype, DType b_dtype) {
   if ((a.buffer == nullptr) != (b.buffer == nullptr)) {
     throw std::invalid_argument("layernorm: a residual sum needs both of its operands");
   }
-  if (!dtype_is_float(y_dtype)) {
-    throw std::invalid_argument(fmt::format("layernorm: y cannot be stored as {}", dtype_name(y_dtype)));
+  for (const DType t : {y_dtype, b_dtype}) {
+    if (t != DType::f32 && t != DType::f16 && t != DType::bf16) {
+      throw std::invalid_argument(fmt::format("layernorm: y and b are f32, f16 or bf16, not {}", dtype_name(t)));
+    }
   }
   check_shape(rows, cols);
   LaunchList list;
   if (rows == 0) return list;
   // f32's program is the one built without a define, shared with the backward kernels.
-  const std::string defines = y_dtype == DType::f32 ? "" : dtype_define(y_dtype, "D");
-  const std::uint64_t y_off = y.elem_offset(dtype_bytes(y_dtype));
+  const std::string y_define = y_dtype == DType::f32 ? "" : dtype_define(y_dtype, "D");
+  const std::string b_define = b_dtype == DType::f32 ? "" : dtype_define(b_dtype, "S");
+  const std::string defines =
+      y_define.empty() || b_define.empty() ? y_define + b_define : fmt::format("{} {}", y_define, b_define);
+  const std::uint64_t y_off = y.elem_offset(dtype_bytes(y_dtype)), b_off = b.elem_offset(dtype_bytes(b_dtype));
   if (env.device().is_cpu()) {  // a work-item per row, in float16 chunks (layernorm_forward16)
     cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward16", defines);
     cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
                  y.buffer, y_off, mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(), cl_uint(rows),
-                 cl_uint(cols), eps, a.buffer, a.elem_offset(), b.buffer, b.elem_offset());
+                 cl_uint(cols), eps, a.buffer, a.elem_offset(), b.buffer, b_off);
     list.push_back(elementwise_launch(std::move(k), rows));
     return list;
   }
@@ -58,7 +63,9 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
                y.buffer, y_off, mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(), cl_uint(cols), eps);
   FERRY_CL(clSetKernelArg(k.get(), 14, local * sizeof(float), nullptr));
   set_nullable_arg(k, 15, a);
-  set_nullable_arg(k, 17, b);
+  const cl_ulong b_arg = b_off;  // in elements of b's dtype (set_nullable_arg counts floats)
+  FERRY_CL(clSetKernelArg(k.get(), 17, sizeof(cl_mem), &b.buffer));
+  FERRY_CL(clSetKernelArg(k.get(), 18, sizeof(cl_ulong), &b_arg));
   list.push_back(per_row_launch(std::move(k), rows, local));
   return list;
 }

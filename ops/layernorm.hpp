@@ -14,11 +14,11 @@ namespace ferry::ops {
 // is the biased one (divided by cols), computed in two passes (mean, then centred squares).
 // With a residual (a and b given, both or neither): x is an output, x = a + b, normalised in the
 // same pass (add_layernorm: a residual stream's add and the LayerNorm that reads it). y is stored
-// as `y_dtype` (f32, f16 or bf16; the rest f32): the f32 result rounded to nearest even, the bits
-// the cast kernel makes of an f32 y.
+// as `y_dtype` and b read as `b_dtype` (f32, f16 or bf16; the rest f32): y the f32 result rounded
+// to nearest even, the bits the cast kernel makes of an f32 y; b widened exactly.
 LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceSpan beta, DeviceSpan y, DeviceSpan mean,
                              DeviceSpan rstd, std::size_t rows, std::size_t cols, float eps = 1e-5f, DeviceSpan a = {},
-                             DeviceSpan b = {}, DType y_dtype = DType::f32);
+                             DeviceSpan b = {}, DType y_dtype = DType::f32, DType b_dtype = DType::f32);
 // Writes dx, dgamma, dbeta (all overwritten). All reductions are deterministic (fixed order).
 // dres, when given: added to dx (the gradient a residual sum gets from its other readers). guard,
 // when given (ops/overflow_guard.hpp): set to NaN when a dgamma or dbeta element is not finite.

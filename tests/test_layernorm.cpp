@@ -84,7 +84,7 @@ TEST(LayerNorm, ResidualSumAndGradientMatchThePlainKernelsBitForBit) {
 
 // y stored in f16 or bf16 (a cast folded in: graph::fuse_narrowing_casts) holds the bits the cast
 // kernel makes of the f32 y, in the plain and the residual form, over rows of whole 16-column
-// chunks, of a partial one past them, and shorter than one.
+// chunks, of a partial one past them, and shorter than one; so does a residual whose b is narrow.
 TEST(LayerNorm, NarrowOutputIsTheCastOfTheF32Output) {
   auto& dev = TestDevice::get();
   for (const ops::DType to : {ops::DType::f16, ops::DType::bf16}) {
@@ -112,12 +112,39 @@ TEST(LayerNorm, NarrowOutputIsTheCastOfTheF32Output) {
         const std::vector<float> want = cast.download(), got = narrow.download();
         EXPECT_EQ(std::memcmp(want.data(), got.data(), n * 2), 0) << "the narrow y differs from the cast";
         EXPECT_EQ(stats_wide, stats_narrow);
+        if (!residual) continue;
+        // b narrow, read by the sum (a residual branch's narrow output): the sum, y and the
+        // statistics of b widened by a cast first, bit for bit.
+        DeviceTensor b32(other, 5), b_narrow(n, 12), b_wide(n, 13);
+        ops::run_blocking(dev.context.compute(),
+                          ops::cast(dev.env, ops::DType::f32, to, b32.span(), b_narrow.span(), n));
+        ops::run_blocking(dev.context.compute(),
+                          ops::cast(dev.env, to, ops::DType::f32, b_narrow.span(), b_wide.span(), n));
+        const auto sum_run = [&](ops::DeviceSpan b, ops::DType b_dtype) {
+          DeviceTensor x(n, 3), a(in.x, 4), g(in.gamma, 1), beta(in.beta, 2), y(n, 9), mean(rows, 6), rstd(rows, 8);
+          ops::run_blocking(dev.context.compute(),
+                            ops::layernorm_forward(dev.env, x.span(), g.span(), beta.span(), y.span(), mean.span(),
+                                                   rstd.span(), rows, cols, 1e-5f, a.span(), b, to, b_dtype));
+          // y: n elements of 2 bytes, compared as bytes (the rest of the buffer is not written).
+          const std::vector<float> y_all = y.download();
+          std::vector<float> y_bytes(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            std::uint16_t e;
+            std::memcpy(&e, reinterpret_cast<const std::byte*>(y_all.data()) + 2 * i, 2);
+            y_bytes[i] = static_cast<float>(e);
+          }
+          return std::vector<std::vector<float>>{x.download(), y_bytes, mean.download(), rstd.download()};
+        };
+        EXPECT_EQ(sum_run(b_narrow.span(), to), sum_run(b_wide.span(), ops::DType::f32));
       }
     }
   }
   DeviceTensor one(8);
   EXPECT_THROW(ops::layernorm_forward(dev.env, one.span(), one.span(), one.span(), one.span(), one.span(), one.span(),
                                       1, 8, 1e-5f, {}, {}, ops::DType::i32),
+               std::invalid_argument);
+  EXPECT_THROW(ops::layernorm_forward(dev.env, one.span(), one.span(), one.span(), one.span(), one.span(), one.span(),
+                                      1, 8, 1e-5f, one.span(), one.span(), ops::DType::f32, ops::DType::i8),
                std::invalid_argument);
 }
 

@@ -340,7 +340,9 @@ TEST(Pipeline, FusionTakesResidualAddsIntoLayerNorms) {
 
 // Under mixed precision each LayerNorm whose f32 output only a cast to the narrow type read stores
 // that narrow output itself: in models::deep, the four LayerNorms but the last (which the f32 head
-// reads), forward and in every variant; nothing else changes, and the f32 graph keeps its nodes.
+// reads); and each add_layernorm reads the narrow output of its residual branch's last Linear
+// where an f32 cast of it was read: all three. In training and evaluation variants; the f32 graph
+// keeps its nodes.
 TEST(Pipeline, LayerNormsStoreTheNarrowCopyTheNextLayerReads) {
   const ModelSpec deep = models::deep(32, 3);
   ops::OptimizerConfig adam;
@@ -352,7 +354,7 @@ TEST(Pipeline, LayerNormsStoreTheNarrowCopyTheNextLayerReads) {
       off.fuse = false;
       const graph::Graph with = graph::prepare_step_graph(forward_graph(deep, on), on, adam);
       const graph::Graph without = graph::prepare_step_graph(forward_graph(deep, off), off, adam);
-      std::size_t narrow_norms = 0, f32_norms = 0;
+      std::size_t narrow_norms = 0, f32_norms = 0, narrow_sums = 0;
       for (graph::NodeId n = 0; n < with.nodes.size(); ++n) {
         const graph::OpId op = with.nodes.op[n];
         if (op != graph::builtin::layernorm && op != ops::builtin::add_layernorm) continue;
@@ -360,10 +362,15 @@ TEST(Pipeline, LayerNormsStoreTheNarrowCopyTheNextLayerReads) {
         const graph::TensorId out = with.nodes.outputs(n)[op == graph::builtin::layernorm ? 0 : 1];
         EXPECT_EQ(with.tensors.dtype[out], y) << with.nodes.name[n];
         ++(y == narrow ? narrow_norms : f32_norms);
+        if (op == ops::builtin::add_layernorm) {
+          EXPECT_EQ(with.tensors.dtype[with.nodes.inputs(n)[0]], ops::DType::f32) << with.nodes.name[n];
+          narrow_sums += with.tensors.dtype[with.nodes.inputs(n)[1]] == narrow;
+        }
       }
       EXPECT_EQ(narrow_norms, 3u);
       EXPECT_EQ(f32_norms, 1u);
-      // No cast reads a LayerNorm's output any more: three forward casts fewer.
+      EXPECT_EQ(narrow_sums, 3u);
+      // No cast reads a LayerNorm's output, nor makes an operand of a sum: six forward casts fewer.
       const auto forward_casts = [](const graph::Graph& g) {
         std::size_t n = 0;
         for (graph::NodeId i = 0; i < g.nodes.size(); ++i) {
@@ -372,7 +379,7 @@ TEST(Pipeline, LayerNormsStoreTheNarrowCopyTheNextLayerReads) {
         }
         return n;
       };
-      EXPECT_EQ(forward_casts(with) + 3, forward_casts(without));
+      EXPECT_EQ(forward_casts(with) + 6, forward_casts(without));
     }
   }
   graph::VariantKey f32{4, true};

@@ -18,9 +18,11 @@
 //
 // After mixed precision and autodiff, fuse_narrowing_casts: a LayerNorm (or add_layernorm) whose
 // f32 output only a cast to f16 or bf16 reads writes that narrow copy itself (LayerNormAttrs::y),
-// rounded as the cast rounds: one pass and one [rows, features] f32 tensor fewer per LayerNorm,
-// the same bits. The cast's gradient (the narrow gradient widened, the loss scale removed) stays:
-// LayerNorm's backward reads x and its statistics, never y.
+// rounded as the cast rounds; and an add_layernorm whose operand is an f32 cast of a narrow layer
+// output that nothing else reads (a residual branch's last Linear) reads the narrow tensor and
+// widens it as it adds. One pass and one [rows, features] f32 tensor fewer per cast, the same bits.
+// The casts' gradients (the narrow gradient widened with the loss scale removed, and back) stay:
+// LayerNorm's backward reads x and its statistics, never y, and the sum's backward no operand.
 //
 // After autodiff, fuse_activation_grads: an activation's backward (activation_grad, dx = dy act'(z))
 // whose dy a Linear's input gradient alone makes (dy = dY w^T of the next layer) joins that GEMM's
@@ -224,39 +226,70 @@ void fuse_relu_maxpool(Graph& g) {
   fuse_into_pools(g);
 }
 
+namespace {
+
+// A cast with no loss scale (a forward one) between f32 and a narrow type, `to` narrow or f32.
+bool plain_cast(const NodeTable& nodes, NodeId c, bool to_narrow) {
+  if (nodes.op[c] != builtin::cast || nodes.inputs(c).size() != 1) return false;
+  const ops::CastAttrs cast = ops::CastAttrs::of(nodes.attrs[c]);
+  const bool narrow = cast.to == DType::f16 || cast.to == DType::bf16;
+  return cast.scale == ops::CastScale::none && (to_narrow ? narrow : cast.to == DType::f32);
+}
+
+}  // namespace
+
 void fuse_narrowing_casts(Graph& g) {
   const NodeTable& old = g.nodes;
   const Uses uses(g);
   const NodeId none = Uses::no_node(g);
   const auto& t = g.tensors;
-  std::vector<NodeId> cast_of(old.size(), none);  // LayerNorm node -> the cast it takes in
+  std::vector<NodeId> narrowed(old.size(), none);  // LayerNorm node -> the cast of its y it takes in
+  std::vector<NodeId> widened(old.size(), none);   // add_layernorm node -> the cast of an operand it takes in
   std::vector<bool> dropped(old.size(), false);
   for (NodeId c = 0; c < old.size(); ++c) {
-    if (old.op[c] != builtin::cast || old.inputs(c).size() != 1) continue;
-    const ops::CastAttrs cast = ops::CastAttrs::of(old.attrs[c]);
-    if (cast.scale != ops::CastScale::none || (cast.to != DType::f16 && cast.to != DType::bf16)) continue;
+    if (!plain_cast(old, c, true)) continue;
     const TensorId y = old.inputs(c)[0], narrow = old.outputs(c)[0];
     const NodeId n = uses.producer[y];
-    if (n == none || cast_of[n] != none || !uses.read_once(g, y) || t.dtype[y] != DType::f32) continue;
+    if (n == none || narrowed[n] != none || !uses.read_once(g, y) || t.dtype[y] != DType::f32) continue;
     // y is layernorm's output 0 or add_layernorm's output 1 (its sum is output 0).
     const std::size_t y_out = old.op[n] == builtin::layernorm ? 0 : old.op[n] == builtin::add_layernorm ? 1 : 99;
     if (y_out == 99 || old.outputs(n)[y_out] != y || t.alias_of[narrow] != no_tensor) continue;
-    cast_of[n] = c;
+    narrowed[n] = c;
     dropped[c] = true;
+  }
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (old.op[n] != builtin::add_layernorm) continue;
+    for (std::size_t i = 0; i < 2 && widened[n] == none; ++i) {
+      const TensorId wide = old.inputs(n)[i], other = old.inputs(n)[1 - i];
+      const NodeId c = uses.producer[wide];
+      if (c == none || !plain_cast(old, c, false) || !uses.read_once(g, wide) || t.dtype[other] != DType::f32) continue;
+      if (t.alias_of[old.inputs(c)[0]] != no_tensor) continue;
+      widened[n] = c;
+      dropped[c] = true;
+    }
   }
   NodeTable out;
   for (NodeId n = 0; n < old.size(); ++n) {
     if (dropped[n]) continue;
-    const NodeId c = cast_of[n];
-    if (c == none) {
+    if (narrowed[n] == none && widened[n] == none) {
       out.add_copy(old, n);
       continue;
     }
+    std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
-    outs[old.op[n] == builtin::layernorm ? 0 : 1] = old.outputs(c)[0];
     ops::LayerNormAttrs attrs = ops::LayerNormAttrs::of(old.attrs[n]);
-    attrs.y = ops::CastAttrs::of(old.attrs[c]).to;
-    out.add(old.op[n], old.name[n], old.inputs(n), outs, attrs.pack(), old.lane[n]);
+    if (const NodeId c = narrowed[n]; c != none) {
+      outs[old.op[n] == builtin::layernorm ? 0 : 1] = old.outputs(c)[0];
+      attrs.y = ops::CastAttrs::of(old.attrs[c]).to;
+    }
+    if (const NodeId c = widened[n]; c != none) {
+      // The narrow operand goes second, where the kernels read it (a + b = b + a, bit for bit);
+      // the backward gives both operands the same gradient, so the order is free.
+      const TensorId other = ins[0] == old.outputs(c)[0] ? ins[1] : ins[0];
+      ins[0] = other;
+      ins[1] = old.inputs(c)[0];
+    }
+    out.add(old.op[n], old.name[n], ins, outs, attrs.pack(), old.lane[n]);
   }
   g.nodes = std::move(out);
 }

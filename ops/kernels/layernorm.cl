@@ -8,17 +8,25 @@
 // output, x = ra + rb written first (each work-item rereads only what it wrote), then normalised as
 // usual. When the backward's `dres` is not null, dx = LayerNorm's gradient + dres: the gradient
 // the sum gets from its other readers, added in the same pass.
-
 //
-// y's storage is D (dtype.clh: f32 unless the program is built with -DD_F16 or -DD_BF16): under
-// mixed precision the LayerNorm computes in f32 and writes the narrow copy the next layer reads,
-// rounded as the cast kernel rounds, where a cast node would have read an f32 y back.
+// Under mixed precision (graph::fuse_narrowing_casts) two operands may be narrow, each by its own
+// define (dtype.clh; f32 without one): y's storage is D (-DD_F16, -DD_BF16), the f32 result rounded
+// as the cast kernel rounds, the copy the next layer reads; rb's is S (-DS_F16, -DS_BF16), widened
+// exactly as it is read, the output of the layer whose result the residual adds. LayerNorm still
+// computes in f32 from f32 x, and a cast node no longer writes or reads an f32 copy.
 
 #if defined(D_F16) || defined(D_BF16)
 #define Y_NARROW 1
-#define FERRY_WIDE16 1  // STORE16 (dtype.clh), for the CPU kernel's whole chunks
 #else
 #define Y_NARROW 0
+#endif
+#if defined(S_F16) || defined(S_BF16)
+#define RB_NARROW 1
+#else
+#define RB_NARROW 0
+#endif
+#if Y_NARROW || RB_NARROW
+#define FERRY_WIDE16 1  // LOAD16, STORE16 (dtype.clh), for the CPU kernel's whole chunks
 #endif
 #include "dtype.clh"
 #include "guard.clh"
@@ -30,13 +38,13 @@ __kernel void layernorm_forward(__global float* x, ulong x_off, __global const f
                                 __global const float* beta, ulong beta_off, __global D_STORAGE* y, ulong y_off,
                                 __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off, uint cols,
                                 float eps, __local float* scratch, __global const float* ra, ulong ra_off,
-                                __global const float* rb, ulong rb_off) {
+                                __global const S_STORAGE* rb, ulong rb_off) {
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0), ls = get_local_size(0);
   __global float* xr = x + x_off + row * cols;
   const ulong yr = y_off + row * cols;  // element index: no pointer arithmetic on half*
   if (ra) {
-    for (uint c = lid; c < cols; c += ls) xr[c] = ra[ra_off + row * cols + c] + rb[rb_off + row * cols + c];
+    for (uint c = lid; c < cols; c += ls) xr[c] = ra[ra_off + row * cols + c] + LOAD_S(rb, rb_off + row * cols + c);
   }
   float s = 0.0f;
   for (uint c = lid; c < cols; c += ls) s += xr[c];
@@ -148,16 +156,23 @@ __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const
                                   __global const float* beta, ulong beta_off, __global D_STORAGE* y, ulong y_off,
                                   __global float* mean, ulong mean_off, __global float* rstd, ulong rstd_off,
                                   uint rows, uint cols, float eps, __global const float* ra, ulong ra_off,
-                                  __global const float* rb, ulong rb_off) {
+                                  __global const S_STORAGE* rb, ulong rb_off) {
   const uint row = get_global_id(0);
   if (row >= rows) return;
   __global float* xr = x + x_off + (ulong)row * cols;
   if (ra) {
     __global const float* ar = ra + ra_off + (ulong)row * cols;
-    __global const float* br = rb + rb_off + (ulong)row * cols;
+    const ulong br = rb_off + (ulong)row * cols;  // element index: no pointer arithmetic on half*
     const uint vc = cols / 16 * 16;
-    for (uint c = 0; c < vc; c += 16) vstore16(vload16(0, ar + c) + vload16(0, br + c), 0, xr + c);
-    for (uint c = vc; c < cols; ++c) xr[c] = ar[c] + br[c];
+    for (uint c = 0; c < vc; c += 16) {
+#if RB_NARROW
+      const float16 bv = LOAD16(S_NAME, rb, br + c);
+#else
+      const float16 bv = vload16(0, rb + br + c);
+#endif
+      vstore16(vload16(0, ar + c) + bv, 0, xr + c);
+    }
+    for (uint c = vc; c < cols; ++c) xr[c] = ar[c] + LOAD_S(rb, br + c);
   }
   const ulong yr = y_off + (ulong)row * cols;  // element index: no pointer arithmetic on half*
   __global const float* g = gamma + gamma_off;

@@ -6,7 +6,7 @@
 //   layernorm        in: x gamma beta             out: y mean rstd
 //   layernorm_grad   in: x gamma mean rstd dy [dres] [guard]   out: dx dgamma dbeta [guard]
 //                    (dx += dres when given; the overflow guard over dgamma and dbeta)
-//   add_layernorm    in: a b gamma beta           out: x = a + b, y, mean, rstd
+//   add_layernorm    in: a b gamma beta           out: x = a + b, y, mean, rstd   (b f32, f16 or bf16)
 #include "ops/layernorm.hpp"
 
 #include <fmt/format.h>
@@ -32,9 +32,11 @@ std::vector<TensorDesc> normalised_outputs(const ShapeView& v, std::size_t gain,
     }
   }
   // LayerNorm computes in f32: mixed precision keeps it so (OpInfo::computes_narrow is not set);
-  // only y may be narrow, when its attributes say (a cast folded in).
+  // only y may be narrow, when its attributes say, and add_layernorm's b (casts folded in:
+  // graph::fuse_narrowing_casts).
   for (std::size_t i = 0; i < v.input_count(); ++i) {
-    if (v.input(i).dtype != DType::f32) {
+    const bool narrow_b = with_sum && i == 1 && (v.input(i).dtype == DType::f16 || v.input(i).dtype == DType::bf16);
+    if (v.input(i).dtype != DType::f32 && !narrow_b) {
       shape_error(v, fmt::format("LayerNorm computes in f32, and input {} is {}: cast it to f32 first", i,
                                  dtype_name(v.input(i).dtype)));
     }
@@ -140,7 +142,7 @@ OpInfo add_layernorm_row() {  // in: a b gamma beta  out: x y mean rstd
     const std::size_t cols = x[x.rank - 1u], rows = x.elems() / cols;
     const LayerNormAttrs attrs = LayerNormAttrs::of(c.attrs());
     return layernorm_forward(c.env(), c.out(0), c.in(2), c.in(3), c.out(1), c.out(2), c.out(3), rows, cols, attrs.eps,
-                             c.in(0), c.in(1), attrs.y);
+                             c.in(0), c.in(1), attrs.y, c.input(1).dtype);
   };
   // The sum's gradient is LayerNorm's dx plus what the sum's other readers send back (dres, added
   // in the same kernel); both operands of the add get it.
