@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <tuple>
 #include <type_traits>
 
 #include "cl/fnv1a.hpp"
@@ -246,8 +247,8 @@ void write_header(AtomicFile& f) {
   f.write(h, sizeof h);
 }
 
-// Returns the file's format version.
-std::uint32_t read_header(const Reader& r) {
+// Returns the file's format version and the release that wrote it.
+std::pair<std::uint32_t, std::string> read_header(const Reader& r) {
   unsigned char h[header_bytes] = {};
   const std::size_t have = std::min<std::uint64_t>(r.size(), header_bytes);
   r.read(0, h, have);
@@ -273,7 +274,7 @@ std::uint32_t read_header(const Reader& r) {
         r.path().string(), version, writer, ferry_version(), checkpoint_format_version, writer));
   }
   if (version == 0) throw r.corrupt("the header's format version is 0");
-  return version;
+  return {version, std::string(writer)};
 }
 
 std::vector<std::byte> encode_trainer(const TrainerRecord& t) {
@@ -604,8 +605,9 @@ std::vector<TrainingSetting> Fingerprint::decode_settings(const std::vector<std:
 // ---- Whole files ----
 
 Contents read_contents(const Reader& r) {
-  const std::uint32_t version = read_header(r);
   Contents c;
+  std::tie(c.format_version, c.writer) = read_header(r);
+  const std::uint32_t version = c.format_version;
   std::uint64_t at = header_bytes, sections = 0;
   std::vector<std::byte> bytes;
   const auto next = [&](std::uint32_t tg, const char* what, std::vector<std::byte>* keep) {

@@ -157,6 +157,8 @@ struct TrainerRecord {
 // Everything of a checkpoint but its tensors' bytes: the header and every section verified
 // against its checksum, the small sections decoded, the tensor sections located.
 struct Contents {
+  std::uint32_t format_version = 0;
+  std::string writer;  // the ferry release that wrote it (the header's)
   Fingerprint fingerprint;
   TrainerRecord trainer;
   std::optional<PhaseController::State> phases;  // with hybrid phases

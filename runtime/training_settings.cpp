@@ -48,7 +48,11 @@ void add_optimizer(Settings& s, const ops::OptimizerConfig& o) {
 }
 
 void add_precision(Settings& s, const PrecisionConfig& p) {
-  s.add("precision.compute", "--precision", graph::dtype_name(p.compute));
+  // As --precision spells it.
+  s.add("precision.compute", "--precision",
+        p.compute == ops::DType::f16    ? "fp16"
+        : p.compute == ops::DType::bf16 ? "bf16"
+                                        : "fp32");
   s.add("precision.scaled", "--loss-scaling", p.scaled() ? "on" : "off");
   if (!p.scaled()) return;
   s.add("precision.growth_interval", "--loss-scale-interval", p.growth_interval);

@@ -75,7 +75,7 @@ Outcome run_program(const std::string& built, const std::string& args) {
   return r;
 }
 
-// docs/outputs.md: heading -> the names in its tables' first column.
+// docs/outputs.md: heading -> the names in its tables' first column (shorthands expanded).
 std::map<std::string, std::set<std::string>> documented() {
   std::map<std::string, std::set<std::string>> out;
   const std::string doc = located(FERRY_OUTPUTS_DOC, fs::path("docs") / "outputs.md");
@@ -90,7 +90,17 @@ std::map<std::string, std::set<std::string>> documented() {
     }
     if (line.rfind("| `", 0) != 0) continue;
     const std::string first = line.substr(1, line.find('|', 1) - 1);
-    for (std::sregex_iterator m(first.begin(), first.end(), code), end; m != end; ++m) out[heading].insert((*m)[1]);
+    // `a[].b`, `.c`: a name starting with a dot is a sibling of the full name before it (a[].c).
+    std::string full;
+    for (std::sregex_iterator m(first.begin(), first.end(), code), end; m != end; ++m) {
+      std::string name = (*m)[1];
+      if (name.starts_with('.') && full.find('.') != std::string::npos) {
+        name = full.substr(0, full.rfind('.')) + name;
+      } else {
+        full = name;
+      }
+      out[heading].insert(name);
+    }
   }
   return out;
 }
@@ -328,6 +338,38 @@ TEST(Outputs, GptJson) {
   EXPECT_EQ(r.lines[0].at("schema"), 1);
   EXPECT_NE(r.out.find("\"lr\":0.002,"), std::string::npos) << r.out;
   expect_documented(r.lines[0], "ferry train --model gpt");
+}
+
+// ferry checkpoint describes a file ferry train wrote: what it was trained with and how far.
+TEST(Outputs, CheckpointJson) {
+  const fs::path d = scratch();
+  const std::string file = (d / "run.ckpt").string();
+  const Outcome train = run_program(FERRY_CLI,
+                                    "train --model mlp --epochs 1 --train-limit 512 --quiet "
+                                    "--weight-decay 0.01 --checkpoint '" +
+                                        file + "'");
+  ASSERT_EQ(train.status, 0) << train.err;
+  const Outcome r = run_program(FERRY_CLI, "checkpoint '" + file + "' --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.lines.size(), 1u) << r.out;
+  const json& j = r.lines[0];
+  expect_documented(j, "ferry checkpoint");
+  EXPECT_GE(j.at("format_version").get<int>(), 2);
+  EXPECT_EQ(j.at("optimizer_updates"), 2);
+  EXPECT_EQ(j.at("caller_kind"), "ferry train");
+  std::map<std::string, std::string> settings;
+  for (const auto& s : j.at("settings")) settings[s.at("flag").get<std::string>()] = s.at("value").get<std::string>();
+  EXPECT_EQ(settings["--weight-decay"], "0.01");
+  EXPECT_EQ(settings["--precision"], "fp32");
+  std::uint64_t bytes = 0;
+  for (const auto& t : j.at("tensors")) bytes += t.at("bytes").get<std::uint64_t>();
+  EXPECT_EQ(bytes, j.at("tensor_bytes").get<std::uint64_t>());
+  const Outcome text = run_program(FERRY_CLI, "checkpoint '" + file + "'");
+  EXPECT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.out.find("--weight-decay 0.01"), std::string::npos) << text.out;
+  const Outcome missing = run_program(FERRY_CLI, "checkpoint '" + (d / "none.ckpt").string() + "'");
+  EXPECT_EQ(missing.status, 1);
+  EXPECT_NE(missing.err.find("cannot open checkpoint"), std::string::npos) << missing.err;
 }
 
 TEST(Outputs, PlanAndVersion) {

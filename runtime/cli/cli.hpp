@@ -210,6 +210,13 @@ int cmd_tune(const TuneArgs& a);
 
 int cmd_train_gpt(const TrainArgs& a);
 
+struct CheckpointArgs {
+  std::string path;
+  bool json = false;
+};
+// `ferry checkpoint FILE` (runtime/cli/checkpoint_info.cpp).
+int cmd_checkpoint(const CheckpointArgs& a);
+
 // Data-parallel runs (runtime/cli/ranks.cpp). Under mpirun: joins MPI's world (an error in a
 // ferry built without MPI) and, on ranks other than 0, turns off every output (progress, JSON,
 // trace, profiles; checkpoints are rank 0's). Alone: nothing.

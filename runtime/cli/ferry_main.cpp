@@ -652,6 +652,13 @@ int main(int argc, char** argv) {
   CLI::App* plan = add_plan_command(app, t);
   TuneArgs tune_args;
   CLI::App* tune = add_tune_command(app, tune_args);
+  CheckpointArgs checkpoint_args;
+  auto* checkpoint = app.add_subcommand(
+      "checkpoint",
+      "Describe a checkpoint: model, optimizer, batch, precision, phases, updates done, the training settings a "
+      "resume must keep and its tensors, after verifying every byte (no device needed)");
+  checkpoint->add_option("file", checkpoint_args.path, "The checkpoint (ferry train --checkpoint)")->required();
+  checkpoint->add_flag("--json", checkpoint_args.json, "One JSON line (docs/outputs.md)");
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;
   t.argv.assign(argv, argv + argc);
@@ -665,6 +672,7 @@ int main(int argc, char** argv) {
     if (train->parsed()) return t.model == "gpt" ? cmd_train_gpt(t) : cmd_train(t);
     if (plan->parsed()) return cmd_plan(t);
     if (tune->parsed()) return cmd_tune(tune_args);
+    if (checkpoint->parsed()) return cmd_checkpoint(checkpoint_args);
   } catch (const std::exception& e) {
     end_all_ranks_on_error(t, e);  // data parallel: does not return
     std::cerr << "ferry: error: " << e.what() << "\n";

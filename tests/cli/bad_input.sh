@@ -158,6 +158,7 @@ printf '\xff' | dd of="$work/flipped.ckpt" bs=1 seek=5000 conv=notrunc status=no
 row "corrupt checkpoint (one byte flipped)" "fails its checksum" error - train "${quick[@]}" --resume "$work/flipped.ckpt"
 head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
 row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
+row "truncated checkpoint described" "truncated" error - checkpoint "$work/cut.ckpt"
 row "checkpoint of another model" "its model is 'mlp-784-1024-1024-10'" error - \
   train --model cnn "${quick[@]}" --resume "$work/good.ckpt"
 cp "$work/good.ckpt" "$work/lost.ckpt"
