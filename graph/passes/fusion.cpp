@@ -263,7 +263,9 @@ void fuse_narrowing_casts(Graph& g) {
       const TensorId wide = old.inputs(n)[i], other = old.inputs(n)[1 - i];
       const NodeId c = uses.producer[wide];
       if (c == none || !plain_cast(old, c, false) || !uses.read_once(g, wide) || t.dtype[other] != DType::f32) continue;
-      if (t.alias_of[old.inputs(c)[0]] != no_tensor) continue;
+      const TensorId narrow = old.inputs(c)[0];
+      if (t.alias_of[narrow] != no_tensor || (t.dtype[narrow] != DType::f16 && t.dtype[narrow] != DType::bf16))
+        continue;
       widened[n] = c;
       dropped[c] = true;
     }
