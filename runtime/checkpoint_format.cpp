@@ -134,8 +134,8 @@ class Cursor {
   [[noreturn]] void fail() const {
     throw std::runtime_error(fmt::format(
         "checkpoint '{}' is corrupt: a section's contents do not parse although its checksum holds (written by "
-        "another ferry build?); the trainer was not changed: use another checkpoint",
-        r_.path().string()));
+        "another ferry build?); {}: use another checkpoint",
+        r_.path().string(), r_.unchanged()));
   }
   const std::vector<std::byte>& bytes_;
   const Reader& r_;
@@ -477,7 +477,8 @@ void AtomicFile::fail(const std::string& doing) const {
 
 // ---- Reader ----
 
-Reader::Reader(const std::filesystem::path& path) : path_(path) {
+Reader::Reader(const std::filesystem::path& path, std::string unchanged)
+    : path_(path), unchanged_(std::move(unchanged)) {
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) {
     throw std::runtime_error(
@@ -502,8 +503,8 @@ void Reader::read(std::uint64_t offset, void* dst, std::size_t n) const {
     const ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
-      throw std::runtime_error(fmt::format("cannot read checkpoint '{}' at byte {}: {}; the trainer was not changed",
-                                           path_.string(), offset, errno_text(errno)));
+      throw std::runtime_error(fmt::format("cannot read checkpoint '{}' at byte {}: {}; {}", path_.string(), offset,
+                                           errno_text(errno), unchanged_));
     }
     if (r == 0) throw truncated(offset, "the file");
     p += r;
@@ -513,18 +514,16 @@ void Reader::read(std::uint64_t offset, void* dst, std::size_t n) const {
 }
 
 std::runtime_error Reader::corrupt(const std::string& what) const {
-  return std::runtime_error(fmt::format(
-      "checkpoint '{}' is corrupt: {}; the trainer was not changed: use another checkpoint (an earlier one, or "
-      "retrain)",
-      path_.string(), what));
+  return std::runtime_error(
+      fmt::format("checkpoint '{}' is corrupt: {}; {}: use another checkpoint (an earlier one, or retrain)",
+                  path_.string(), what, unchanged_));
 }
 
 std::runtime_error Reader::truncated(std::uint64_t at, const std::string& where) const {
   return std::runtime_error(fmt::format(
       "checkpoint '{}' is truncated or corrupt: {} needs bytes past its end ({} bytes, needed at byte {}); the "
-      "writer may have been stopped, or the file damaged in a copy; the trainer was not changed: use another "
-      "checkpoint",
-      path_.string(), where, size_, at));
+      "writer may have been stopped, or the file damaged in a copy; {}: use another checkpoint",
+      path_.string(), where, size_, at, unchanged_));
 }
 
 // ---- Fingerprint ----

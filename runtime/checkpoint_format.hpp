@@ -91,12 +91,14 @@ class AtomicFile {
 // The file being read, by position; every failure names the file.
 class Reader {
  public:
-  explicit Reader(const std::filesystem::path& path);
+  // `unchanged`: what every error says was left as it was (a reader that loads nothing says so).
+  explicit Reader(const std::filesystem::path& path, std::string unchanged = "the trainer was not changed");
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
   ~Reader();
   std::uint64_t size() const { return size_; }
   const std::filesystem::path& path() const { return path_; }
+  const std::string& unchanged() const { return unchanged_; }
   void read(std::uint64_t offset, void* dst, std::size_t n) const;
   // "checkpoint '<path>' is corrupt: <what>; the trainer was not changed: ..."
   std::runtime_error corrupt(const std::string& what) const;
@@ -104,6 +106,7 @@ class Reader {
 
  private:
   std::filesystem::path path_;
+  std::string unchanged_;
   int fd_ = -1;
   std::uint64_t size_ = 0;
 };

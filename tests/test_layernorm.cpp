@@ -88,7 +88,8 @@ TEST(LayerNorm, ResidualSumAndGradientMatchThePlainKernelsBitForBit) {
 TEST(LayerNorm, NarrowOutputIsTheCastOfTheF32Output) {
   auto& dev = TestDevice::get();
   for (const ops::DType to : {ops::DType::f16, ops::DType::bf16}) {
-    for (const auto& [rows, cols] : {std::pair<std::size_t, std::size_t>{5, 40}, {3, 7}, {64, 128}, {9, 35}}) {
+    for (const auto& shape : {std::pair<std::size_t, std::size_t>{5, 40}, {3, 7}, {64, 128}, {9, 35}}) {
+      const std::size_t rows = shape.first, cols = shape.second;  // (lambdas below capture them)
       for (const bool residual : {false, true}) {
         SCOPED_TRACE(fmt::format("{} {} x {}{}", ops::dtype_name(to), rows, cols, residual ? " residual" : ""));
         const Inputs in = make_inputs(rows, cols, 31);

@@ -97,7 +97,7 @@ void print_info(const std::string& path, std::uint64_t file_bytes, const ckpt::C
 }  // namespace
 
 int cmd_checkpoint(const CheckpointArgs& a) {
-  const ckpt::Reader reader(a.path);
+  const ckpt::Reader reader(a.path, "nothing was loaded");
   const ckpt::Contents contents = ckpt::read_contents(reader);
   if (a.json) {
     std::cout << info_json(a.path, reader.size(), contents).dump() << std::endl;
