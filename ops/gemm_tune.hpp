@@ -78,8 +78,9 @@ struct GemmTuneResult {
   std::size_t planned = 0;                    // candidates the mode lists
   double seconds = 0;
   bool budget_ran_out = false;
-  std::string row;         // the tuning-file row for this device
-  std::string cache_path;  // where it was saved ("" when the program cache is off)
+  std::size_t measured = 0;  // candidates timed (or failed): twins past the budget are listed, not timed
+  std::string row;           // the tuning-file row for this device
+  std::string cache_path;    // where it was saved ("" when the program cache is off)
 };
 
 // Runs the search on env's device and saves the winner in the tuning cache (replacing any cached

@@ -252,13 +252,15 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
   for (const std::string& kernel : candidates) jobs.emplace_back(probe, kernel);
   const BuildAhead ahead = build_ahead(timer, device, options, jobs);
   for (const std::string& kernel : candidates) {
-    if (!deadline.next_fits()) {
+    // (Not before a candidate has run: a search whose first candidates fail goes on.)
+    if (progress.best_gflops > 0 && !deadline.next_fits()) {
       r.budget_ran_out = true;
       break;
     }
     GemmTuneCandidate c;
     c.kernel = kernel;
     deadline.begin();
+    ++r.measured;
     try {
       c.probe_gflops = timer.measure(probe, kernel);
     } catch (const std::exception& e) {
@@ -291,6 +293,7 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
   std::sort(ranked.begin(), ranked.end(),
             [&](std::size_t x, std::size_t y) { return r.candidates[x].probe_gflops > r.candidates[y].probe_gflops; });
   ranked.resize(std::min(ranked.size(), finalists));
+  const std::size_t probed = r.candidates.size();
   std::vector<std::size_t> scored;
   for (std::size_t i : ranked) {
     scored.push_back(i);
@@ -315,7 +318,7 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
   }
   const BuildAhead ahead = build_ahead(timer, device, options, jobs);
   for (std::size_t i : scored) {
-    if (!deadline.next_fits()) {  // the best so far wins; the rest keep a score of 0
+    if (!r.best.empty() && !deadline.next_fits()) {  // the best so far wins; the rest keep a score of 0
       r.budget_ran_out = true;
       break;
     }
@@ -323,6 +326,7 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
     std::vector<double> rates;
     double log_sum = 0;
     deadline.begin();
+    if (i >= probed) ++r.measured;  // a twin (its finalist was counted when probed)
     try {
       for (const GemmShape& s : r.shapes) {
         rates.push_back(timer.measure(s, c.kernel));
@@ -369,7 +373,7 @@ void record_winner(OpEnv& env, TuneMode mode, GemmTuneResult& r) {
   }
   const std::string comment =
       fmt::format("device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\nGFLOPS per shape: {}",
-                  device.name, device.driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds, shapes);
+                  device.name, device.driver, tune_mode_name(mode), r.measured, r.planned, r.seconds, shapes);
   if (!write_gemm_tune_cache(r.cache_path, r.row, comment)) r.cache_path.clear();
 }
 

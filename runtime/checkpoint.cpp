@@ -43,16 +43,23 @@ std::string tensor_text(const Fingerprint::Tensor& t) {
 
 // The first setting both lists hold with another value, for `mismatch` to throw. A setting on one
 // side only belongs to an option already compared (an optimizer kind, hybrid phases).
+// With `accept_other` only the settings the stored bytes depend on are compared: the 8-bit
+// state's block (another block can give as many blocks per weight, and the scales would be read
+// as the wrong blocks').
 template <class Mismatch>
 void compare_settings(const std::vector<TrainingSetting>& file, const std::vector<TrainingSetting>& here,
-                      const Mismatch& mismatch) {
+                      bool accept_other, const Mismatch& mismatch) {
   for (const TrainingSetting& h : here) {
+    if (accept_other && h.name != "optimizer.block8bit") continue;
     const auto f = std::find_if(file.begin(), file.end(), [&](const TrainingSetting& s) { return s.name == h.name; });
     if (f == file.end() || f->value == h.value) continue;
-    throw mismatch(
-        fmt::format("it was trained with {}, this trainer has {}", setting_text(h, f->value), setting_text(h, h.value)),
-        fmt::format("use {} (a program may load it with LoadOptions::accept_other_settings to train on with its own)",
-                    setting_text(h, f->value)));
+    // A flag that was off reads "without --flag", and is left out rather than given.
+    const auto off = [&](const std::string& v) { return v == "false" && !h.flag.empty(); };
+    throw mismatch(fmt::format("it was trained {}{}, this trainer {}{}", off(f->value) ? "" : "with ",
+                               setting_text(h, f->value), off(h.value) ? "runs " : "has ", setting_text(h, h.value)),
+                   fmt::format("{} (a program may load it with LoadOptions::accept_other_settings to train on with "
+                               "its own)",
+                               off(f->value) ? "leave out " + h.flag : "use " + setting_text(h, f->value)));
   }
 }
 
@@ -94,7 +101,7 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
         fmt::format("its phases are {}, this trainer's are {}", phases_name(file.hybrid), phases_name(here.hybrid)),
         fmt::format("use --phases {}", phases_name(file.hybrid)));
   }
-  if (check_settings && file.settings && here.settings) compare_settings(*file.settings, *here.settings, mismatch);
+  if (file.settings && here.settings) compare_settings(*file.settings, *here.settings, !check_settings, mismatch);
   // SGD keeps a velocity tensor only with momentum (without, the gradient buffer holds it): a
   // velocity on one side only says which option differs, wherever in the list it shows.
   const auto velocity = [](const Fingerprint::Tensor* t) { return t && t->name.ends_with(".momentum"); };

@@ -87,6 +87,11 @@ std::vector<TrainingSetting> training_settings(const ModelSpec& model, const Tra
   s.add("accumulate", "--accumulate", o.accumulate);
   add_precision(s, o.precision);
   add_phases(s, o.phases);
+  // Where state lives is exact either way, but for these two: state that is dropped is zeros at
+  // every update, and the host optimizer's arithmetic is not the device kernels' to the bit
+  // (ops/optimizer_host.hpp), which ranks must agree on; a resume may switch it.
+  if (o.residency.state_home == graph::Home::dropped) s.add("residency.state_home", "--state-home", "dropped");
+  s.add("residency.host_optimizer", "--host-optimizer", o.residency.host_optimizer, /*resume=*/false);
   s.add("lr", "--lr", o.lr, /*resume=*/false);        // a checkpoint carries the current rate
   s.add("seed", "--seed", o.seed, /*resume=*/false);  // the first weights only
   const DataParallelOptions& dp = o.data_parallel;
@@ -99,7 +104,7 @@ std::vector<TrainingSetting> training_settings(const ModelSpec& model, const Tra
 std::string setting_text(const TrainingSetting& s, const std::string& value) {
   if (s.flag.empty()) return fmt::format("{} = {}", s.name, value);
   if (value == "true") return s.flag;
-  if (value == "false") return "no " + s.flag;
+  if (value == "false") return "without " + s.flag;
   return fmt::format("{} {}", s.flag, value);
 }
 

@@ -548,13 +548,31 @@ TEST(Checkpoint, OtherTrainingSettingsAreRefusedUnlessAccepted) {
   }
   {
     Trainer t(f.rt, small_mlp(), with([](TrainerOptions& o) { o.phases.predict_int8 = true; }));
-    expect_refused<std::invalid_argument>(t, f.path, {"trained with no --predict-int8", "has --predict-int8"},
-                                          "int8 Predict steps");
+    expect_refused<std::invalid_argument>(
+        t, f.path, {"trained without --predict-int8", "this trainer has --predict-int8", "leave out --predict-int8"},
+        "int8 Predict steps");
   }
   {
     Trainer t(f.rt, small_mlp(), with([](TrainerOptions& o) { o.lr = 0.5f; }));
     t.load_checkpoint(f.path);
     expect_same_state(f.saved, state_of(t), "another first learning rate");
+  }
+  {
+    // The 8-bit state's block is compared even when other settings are accepted: these weights
+    // are one block at either size, and the scales would be read as the wrong blocks'.
+    auto o = with([](TrainerOptions& o) { o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit; });
+    const fs::path eight = f.dir / "eight.ckpt";
+    Trainer(f.rt, small_mlp(), o).save_checkpoint(eight);
+    o.optimizer.block8bit = 256;
+    Trainer t(f.rt, small_mlp(), o);
+    const State before = state_of(t);
+    try {
+      t.load_checkpoint(eight, LoadOptions{.accept_other_settings = true});
+      ADD_FAILURE() << "another 8-bit block loaded";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--optimizer-block 2048"), std::string::npos) << e.what();
+    }
+    expect_same_state(before, state_of(t), "another 8-bit block, refused");
   }
   const fs::path old = f.dir / "format1.ckpt";
   write_file(old, as_format_1(f.bytes));
@@ -641,6 +659,8 @@ TEST(TrainingSettings, EveryOptionThatChangesTheUpdateIsListed) {
       {"decay", hybrid, [](TrainerOptions& o) { o.phases.predict_decay = 0.5f; }, "phases.predict_decay"},
       {"int8", hybrid, [](TrainerOptions& o) { o.phases.predict_int8 = true; }, "phases.predict_int8"},
       {"fit every", hybrid, [](TrainerOptions& o) { o.phases.fit_every = 2; }, "phases.fit_every"},
+      {"dropped state", none, [](TrainerOptions& o) { o.residency.state_home = graph::Home::dropped; },
+       "residency.state_home"},
   };
   for (const Case& c : cases) {
     TrainerOptions a;
@@ -659,6 +679,8 @@ TEST(TrainingSettings, EveryOptionThatChangesTheUpdateIsListed) {
       {"lr", [](TrainerOptions& o) { o.lr = 0.5f; }},
       {"seed", [](TrainerOptions& o) { o.seed = 9; }},
       {"zero stage", [](TrainerOptions& o) { o.data_parallel.zero_stage = 1; }},
+      {"host optimizer", [](TrainerOptions& o) { o.residency.host_optimizer = true; }},
+      {"compressed state", [](TrainerOptions& o) { o.residency.state_home = graph::Home::host_compressed; }},
       {"decay on, no decay", [](TrainerOptions& o) { o.optimizer.decay_on = ops::OptimizerConfig::DecayOn::matrices; }},
       {"momentum under Adam", [](TrainerOptions& o) { o.optimizer.sgd.momentum = 0.5f; }},
       {"phase settings, no phases", [](TrainerOptions& o) { o.phases.confidence = 0.5f; }},

@@ -54,7 +54,7 @@ nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, cons
           {"optimizer", f.optimizer},
           {"batch", f.batch},
           {"accumulate", f.accumulate},
-          {"precision", graph::dtype_name(static_cast<graph::DType>(f.precision))},
+          {"precision", precision_name(static_cast<graph::DType>(f.precision))},
           {"loss_scaling", f.scaled != 0},
           {"phases", phases_name(f.hybrid != 0)},
           {"optimizer_updates", tr.steps},
@@ -76,8 +76,8 @@ void print_info(const std::string& path, std::uint64_t file_bytes, const ckpt::C
                            format_bytes(file_bytes), c.format_version, c.writer);
   std::cout << fmt::format("  model {}, {}, batch {}{}, {}{}, phases {}\n", f.model, f.optimizer, f.batch,
                            f.accumulate > 1 ? fmt::format(" x {} micro-batches", f.accumulate) : "",
-                           graph::dtype_name(static_cast<graph::DType>(f.precision)),
-                           f.scaled ? " with loss scaling" : "", phases_name(f.hybrid != 0));
+                           precision_name(static_cast<graph::DType>(f.precision)), f.scaled ? " with loss scaling" : "",
+                           phases_name(f.hybrid != 0));
   std::cout << fmt::format("  after {} optimizer updates{}; learning rate {:.6g}{}{}\n", tr.steps,
                            tr.micro ? fmt::format(" and {} micro-batches", tr.micro) : "", tr.lr,
                            f.scaled ? fmt::format(", loss scale {}", tr.loss_scale) : "",
@@ -100,7 +100,10 @@ int cmd_checkpoint(const CheckpointArgs& a) {
   const ckpt::Reader reader(a.path, "nothing was loaded");
   const ckpt::Contents contents = ckpt::read_contents(reader);
   if (a.json) {
-    std::cout << info_json(a.path, reader.size(), contents).dump() << std::endl;
+    // Names come from the file: bytes that are not UTF-8 print replaced, not as an exception.
+    std::cout
+        << info_json(a.path, reader.size(), contents).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+        << std::endl;
   } else {
     print_info(a.path, reader.size(), contents);
   }

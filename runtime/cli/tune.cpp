@@ -42,6 +42,8 @@ struct ProgressBar {
 // The fields every `ferry tune --json` line starts with, for one family's search.
 template <typename Result>
 nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char* family, const Result& r) {
+  std::size_t measured = r.candidates.size();                     // every listed candidate was timed ...
+  if constexpr (requires { r.measured; }) measured = r.measured;  // ... but the GEMM's unreached twins
   return {{"schema", 1},
           {"command", "tune"},
           {"family", family},
@@ -51,7 +53,7 @@ nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char*
           {"budget_seconds", a.budget_seconds},
           {"seconds", r.seconds},
           {"candidates_planned", r.planned},
-          {"candidates_measured", r.candidates.size()},
+          {"candidates_measured", measured},
           {"budget_ran_out", r.budget_ran_out},
           {"best", r.best},
           {"cache_path", r.cache_path}};
@@ -71,7 +73,7 @@ void tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& 
   const std::string choice = ops::gemm_tuning_choice(env);
   if (!a.quiet) {
     std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{}): {:.0f} GFLOPS geometric mean\n",
-                             ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.candidates.size(), r.planned,
+                             ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.measured, r.planned,
                              r.budget_ran_out ? ", budget spent" : "", r.best_gflops);
     for (std::size_t i = 0; i < r.shapes.size(); ++i) {
       const auto& s = r.shapes[i];

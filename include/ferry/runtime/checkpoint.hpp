@@ -25,8 +25,8 @@ inline constexpr std::uint32_t checkpoint_format_version = 2;
 struct LoadOptions {
   // false: refuse it, naming the first setting that differs, so a resumed run is the run it
   // continues. true: load it and train on with this trainer's settings (fine-tuning with another
-  // weight decay, say). The model, optimizer kind, batch, accumulation, precision and phases must
-  // match either way: the tensors and counters depend on them.
+  // weight decay, say). The model, optimizer kind, batch, accumulation, precision, phases and the
+  // 8-bit state's block must match either way: the tensors and counters depend on them.
   bool accept_other_settings = false;
 };
 

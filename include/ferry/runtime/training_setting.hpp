@@ -18,8 +18,9 @@ struct TrainingSetting {
   // As text, so settings of any type compare alike: numbers in their shortest exact form (a float
   // as the float it is), choices by name, flags as "true" / "false".
   std::string value;
-  // A resumed run must keep it. Not so for the learning rate (the checkpoint carries the current
-  // one), the seed of the first weights, or how data-parallel ranks cut and reduce their work.
+  // A resumed run must keep it. Not so for the learning rate and the initial loss scale (the
+  // checkpoint carries the current ones), the seed of the first weights, the host optimizer, or
+  // how data-parallel ranks cut and reduce their work.
   bool resume = true;
 };
 
@@ -27,8 +28,9 @@ struct TrainingSetting {
 // model's own (ModelSpec::settings), then the optimizer's, accumulation, precision and loss
 // scaling, hybrid phases and data parallelism. A setting an option makes irrelevant is left out
 // (SGD's momentum under Adam, the phases' settings without hybrid phases, what the weight decay
-// applies to without weight decay); so is anything exact either way (residency, recompute,
-// fusion). The order is fixed, so two lists of one configuration compare element by element.
+// applies to without weight decay); so is anything exact either way (residency but for dropped
+// optimizer state and the host optimizer, recompute, fusion). The order is fixed, so two lists of
+// one configuration compare element by element.
 std::vector<TrainingSetting> training_settings(const ModelSpec& model, const TrainerOptions& options);
 
 // "--momentum 0.9" where a flag sets it, else "optimizer.adam.eps = 1e-08".
