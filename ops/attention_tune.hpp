@@ -79,7 +79,8 @@ struct AttentionTuneResult {
   std::size_t planned = 0;
   double seconds = 0;
   bool budget_ran_out = false;
-  std::string cache_path;  // where it was saved ("" when the program cache is off)
+  std::size_t measured = 0;  // candidates timed (every listed one)
+  std::string cache_path;    // where it was saved ("" when the program cache is off)
 };
 
 // Runs the search on env's device (a CPU only with candidates given: std::invalid_argument) and saves the winner in the

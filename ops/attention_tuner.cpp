@@ -326,6 +326,7 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
     }
     deadline.end();
     r.candidates.push_back(std::move(c));
+    ++r.measured;
     std::map<std::size_t, std::string> so_far;
     for (const AttentionTuneClass& cls : r.classes) {
       if (!cls.best.empty()) so_far.emplace(cls.max_head_dim, fmt::format("{} ({:.3f} ms)", cls.best, cls.best_ms));

@@ -43,14 +43,12 @@ std::string tensor_text(const Fingerprint::Tensor& t) {
 
 // The first setting both lists hold with another value, for `mismatch` to throw. A setting on one
 // side only belongs to an option already compared (an optimizer kind, hybrid phases).
-// With `accept_other` only the settings the stored bytes depend on are compared: the 8-bit
-// state's block (another block can give as many blocks per weight, and the scales would be read
-// as the wrong blocks').
+// With `accept_other` only the settings the stored bytes depend on (TrainingSetting::stored).
 template <class Mismatch>
 void compare_settings(const std::vector<TrainingSetting>& file, const std::vector<TrainingSetting>& here,
                       bool accept_other, const Mismatch& mismatch) {
   for (const TrainingSetting& h : here) {
-    if (accept_other && h.name != "optimizer.block8bit") continue;
+    if (accept_other && !h.stored) continue;
     const auto f = std::find_if(file.begin(), file.end(), [&](const TrainingSetting& s) { return s.name == h.name; });
     if (f == file.end() || f->value == h.value) continue;
     // A flag that was off reads "without --flag", and is left out rather than given.

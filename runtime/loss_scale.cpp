@@ -20,6 +20,10 @@ bool power_of_two_in_range(float s) {
 
 }  // namespace
 
+const char* precision_name(ops::DType t) {
+  return t == ops::DType::f16 ? "fp16" : t == ops::DType::bf16 ? "bf16" : "fp32";
+}
+
 void validate(const PrecisionConfig& c) {
   if (c.compute != ops::DType::f32 && c.compute != ops::DType::f16 && c.compute != ops::DType::bf16) {
     throw std::invalid_argument(

@@ -13,14 +13,14 @@ class Settings {
   explicit Settings(std::vector<TrainingSetting>& out) : out_(out) {}
   // Floats print in their shortest exact form, so a value compares equal exactly when it is.
   template <class T>
-  void add(std::string name, std::string flag, const T& value, bool resume = true) {
+  void add(std::string name, std::string flag, const T& value, bool resume = true, bool stored = false) {
     std::string text;
     if constexpr (std::is_same_v<T, bool>) {
       text = value ? "true" : "false";
     } else {
       text = fmt::format("{}", value);
     }
-    out_.push_back({std::move(name), std::move(flag), std::move(text), resume});
+    out_.push_back({std::move(name), std::move(flag), std::move(text), resume, stored});
   }
 
  private:
@@ -44,15 +44,11 @@ void add_optimizer(Settings& s, const ops::OptimizerConfig& o) {
     s.add("optimizer.adam.weight_decay", "--weight-decay", decay);
   }
   if (decay > 0) s.add("optimizer.decay_on", "--weight-decay-on", ops::decay_on_name(o.decay_on));
-  if (o.kind == Kind::adamw8bit) s.add("optimizer.block8bit", "--optimizer-block", o.block8bit);
+  if (o.kind == Kind::adamw8bit) s.add("optimizer.block8bit", "--optimizer-block", o.block8bit, true, /*stored=*/true);
 }
 
 void add_precision(Settings& s, const PrecisionConfig& p) {
-  // As --precision spells it.
-  s.add("precision.compute", "--precision",
-        p.compute == ops::DType::f16    ? "fp16"
-        : p.compute == ops::DType::bf16 ? "bf16"
-                                        : "fp32");
+  s.add("precision.compute", "--precision", precision_name(p.compute));
   s.add("precision.scaled", "--loss-scaling", p.scaled() ? "on" : "off");
   if (!p.scaled()) return;
   s.add("precision.growth_interval", "--loss-scale-interval", p.growth_interval);

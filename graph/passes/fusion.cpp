@@ -236,6 +236,12 @@ bool plain_cast(const NodeTable& nodes, NodeId c, bool to_narrow) {
   return cast.scale == ops::CastScale::none && (to_narrow ? narrow : cast.to == DType::f32);
 }
 
+// Which output of a LayerNorm node is y: layernorm's first, add_layernorm's second (after the
+// sum); none (-1) for other ops.
+int normalised_output(OpId op) {
+  return op == builtin::layernorm ? 0 : op == builtin::add_layernorm ? 1 : -1;
+}
+
 }  // namespace
 
 void fuse_narrowing_casts(Graph& g) {
@@ -251,9 +257,8 @@ void fuse_narrowing_casts(Graph& g) {
     const TensorId y = old.inputs(c)[0], narrow = old.outputs(c)[0];
     const NodeId n = uses.producer[y];
     if (n == none || narrowed[n] != none || !uses.read_once(g, y) || t.dtype[y] != DType::f32) continue;
-    // y is layernorm's output 0 or add_layernorm's output 1 (its sum is output 0).
-    const std::size_t y_out = old.op[n] == builtin::layernorm ? 0 : old.op[n] == builtin::add_layernorm ? 1 : 99;
-    if (y_out == 99 || old.outputs(n)[y_out] != y || t.alias_of[narrow] != no_tensor) continue;
+    const int y_out = normalised_output(old.op[n]);
+    if (y_out < 0 || old.outputs(n)[y_out] != y || t.alias_of[narrow] != no_tensor) continue;
     narrowed[n] = c;
     dropped[c] = true;
   }
@@ -281,7 +286,7 @@ void fuse_narrowing_casts(Graph& g) {
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     ops::LayerNormAttrs attrs = ops::LayerNormAttrs::of(old.attrs[n]);
     if (const NodeId c = narrowed[n]; c != none) {
-      outs[old.op[n] == builtin::layernorm ? 0 : 1] = old.outputs(c)[0];
+      outs[normalised_output(old.op[n])] = old.outputs(c)[0];
       attrs.y = ops::CastAttrs::of(old.attrs[c]).to;
     }
     if (const NodeId c = widened[n]; c != none) {

@@ -37,10 +37,6 @@ ferry::ops::DType parse_precision(const std::string& s) {
   throw std::invalid_argument(fmt::format("unknown precision '{}': use fp32, fp16 or bf16", s));
 }
 
-std::string precision_name(ferry::ops::DType t) {
-  return t == ferry::ops::DType::f16 ? "fp16" : t == ferry::ops::DType::bf16 ? "bf16" : "fp32";
-}
-
 void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, const char* split,
                  const std::filesystem::path& folder) {
   if (model.inputs.empty()) return;

@@ -42,8 +42,6 @@ struct ProgressBar {
 // The fields every `ferry tune --json` line starts with, for one family's search.
 template <typename Result>
 nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char* family, const Result& r) {
-  std::size_t measured = r.candidates.size();                     // every listed candidate was timed ...
-  if constexpr (requires { r.measured; }) measured = r.measured;  // ... but the GEMM's unreached twins
   return {{"schema", 1},
           {"command", "tune"},
           {"family", family},
@@ -53,7 +51,7 @@ nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char*
           {"budget_seconds", a.budget_seconds},
           {"seconds", r.seconds},
           {"candidates_planned", r.planned},
-          {"candidates_measured", measured},
+          {"candidates_measured", r.measured},
           {"budget_ran_out", r.budget_ran_out},
           {"best", r.best},
           {"cache_path", r.cache_path}};
@@ -128,7 +126,7 @@ void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceI
   const ops::AttentionTuning now = ops::attention_tuning_for(env);
   if (!a.quiet) {
     std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{})\n",
-                             ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.candidates.size(), r.planned,
+                             ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.measured, r.planned,
                              r.budget_ran_out ? ", budget spent" : "");
     for (const ops::AttentionTuneClass& c : r.classes) {
       std::cerr << fmt::format("  head dims up to {}: {}, {:.3f} ms geometric mean\n", c.max_head_dim, c.best,

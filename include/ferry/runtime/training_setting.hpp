@@ -22,6 +22,9 @@ struct TrainingSetting {
   // checkpoint carries the current ones), the seed of the first weights, the host optimizer, or
   // how data-parallel ranks cut and reduce their work.
   bool resume = true;
+  // The checkpoint's bytes are laid out by it (the 8-bit state's block): compared even when a load
+  // accepts other settings (LoadOptions::accept_other_settings).
+  bool stored = false;
 };
 
 // Every setting of a trainer of `model` with `options` that decides what it computes: the
