@@ -16,6 +16,7 @@
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
+#include "ferry/ops/cast.hpp"
 #include "ops/gemm_tune.hpp"
 
 #ifdef FERRY_HAVE_OPENBLAS
@@ -32,7 +33,8 @@ struct GemmBenchOptions {
   std::vector<std::size_t> shape;  // M, N, K: one non-square shape instead of --sizes
   std::vector<std::string> impls{"ferry", "clblast", "openblas"};
   bool trans_a = false, trans_b = false;
-  std::string kernel;  // GemmOptions::kernel for ferry
+  std::string kernel;           // GemmOptions::kernel for ferry
+  std::string storage = "f32";  // ferry's A, B and C stored as f32, f16 or bf16 (products in f32)
   bool tune = false;
   bool breakdown = false;  // ferry's launches (packing, product, sum of splits) timed one by one
   std::string tune_mode = "quick";
@@ -51,16 +53,24 @@ bool wants(const GemmBenchOptions& o, std::string_view impl) {
   return std::find(o.impls.begin(), o.impls.end(), impl) != o.impls.end();
 }
 
-// Device operands for one shape, filled with random data.
+// `values` in storage type t (rounded to nearest even), as bytes.
+std::vector<std::byte> stored_as(ops::DType t, const std::vector<float>& values) {
+  std::vector<std::byte> out(values.size() * ops::dtype_bytes(t));
+  for (std::size_t i = 0; i < values.size(); ++i) ops::ref::store_float(t, values[i], out.data(), i);
+  return out;
+}
+
+// Device operands for one shape, filled with random data, stored as the shape's dtypes.
 struct DeviceOperands {
   cl::Mem a, b, c, scratch;
   DeviceOperands(const cl::Context& ctx, const ops::GemmShape& s, const std::vector<float>& ha,
                  const std::vector<float>& hb, std::size_t scratch_elems) {
-    a = ctx.create_buffer(ha.size() * sizeof(float), "gemm bench A");
-    b = ctx.create_buffer(hb.size() * sizeof(float), "gemm bench B");
-    c = ctx.create_buffer(s.M * s.N * sizeof(float), "gemm bench C");
-    ctx.write(a.get(), 0, ha.data(), ha.size() * sizeof(float));
-    ctx.write(b.get(), 0, hb.data(), hb.size() * sizeof(float));
+    const std::vector<std::byte> sa = stored_as(s.a, ha), sb = stored_as(s.b, hb);
+    a = ctx.create_buffer(sa.size(), "gemm bench A");
+    b = ctx.create_buffer(sb.size(), "gemm bench B");
+    c = ctx.create_buffer(s.M * s.N * ops::dtype_bytes(s.c), "gemm bench C");
+    ctx.write(a.get(), 0, sa.data(), sa.size());
+    ctx.write(b.get(), 0, sb.data(), sb.size());
     if (scratch_elems) scratch = ctx.create_buffer(scratch_elems * sizeof(float), "gemm bench scratch");
   }
 };
@@ -107,8 +117,10 @@ Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::Gemm
     m.launches.push_back({{"kernel", kernel_name(launches[i])}, {"ms", median(t)}});
   }
   if (keep_c) {
+    std::vector<std::byte> stored(s.M * s.N * ops::dtype_bytes(s.c));
+    ctx.read(d.c.get(), 0, stored.data(), stored.size());
     m.c.resize(s.M * s.N);
-    ctx.read(d.c.get(), 0, m.c.data(), m.c.size() * sizeof(float));
+    for (std::size_t i = 0; i < m.c.size(); ++i) m.c[i] = ops::ref::load_float(s.c, stored.data(), i);
   }
   return m;
 }
@@ -165,6 +177,10 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   if (wants(o, "clblast") && !ops::gemm_have_clblast()) fmt::print(stderr, "note: built without CLBlast; skipped\n");
   if (wants(o, "openblas") && !have_openblas) fmt::print(stderr, "note: built without OpenBLAS; skipped\n");
 
+  const ops::DType storage = ops::parse_dtype(o.storage);
+  if (storage != ops::DType::f32 && storage != ops::DType::f16 && storage != ops::DType::bf16) {
+    throw std::invalid_argument(fmt::format("--storage {}: the GEMM stores f32, f16 or bf16", o.storage));
+  }
   std::vector<ops::GemmShape> shapes;
   if (!o.shape.empty()) {
     if (o.shape.size() != 3) throw std::invalid_argument("--shape takes M,N,K");
@@ -179,7 +195,9 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
       ops::GemmOptions opt;
       opt.backend = ops::GemmBackend::ferry;
       opt.kernel = o.kernel;
-      ferry_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true, o.breakdown);
+      ops::GemmShape stored = s;
+      stored.a = stored.b = stored.c = storage;
+      ferry_m = measure_device(env, ctx, stored, ha, hb, opt, common.repeat, true, o.breakdown);
     }
     if (wants(o, "clblast") && ops::gemm_have_clblast()) {
       ops::GemmOptions opt;
@@ -196,6 +214,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
                        {"n", s.N},
                        {"k", s.K},
                        {"trans", fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N")},
+                       {"storage", std::string(impl) == "ferry" ? ops::dtype_name(storage) : "f32"},
                        {"gflops", gflops(s, m.ms)},
                        {"ms", m.ms},
                        {"gflops_best", gflops(s, m.ms_min)},
@@ -260,6 +279,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->check(CLI::IsMember({"ferry", "clblast", "openblas"}));
   sub.add_flag("--trans-a", o->trans_a, "A stored [K, M]");
   sub.add_flag("--trans-b", o->trans_b, "B stored [N, K]");
+  sub.add_option("--storage", o->storage,
+                 "ferry's A, B and C stored as f32, f16 or bf16 (products and sums in f32; the peers run f32)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   sub.add_option("--kernel", o->kernel,
                  "ferry kernel and parameters, e.g. \"packed RB=4 NV=4\" (default: tuning data)");
   sub.add_flag("--breakdown", o->breakdown,

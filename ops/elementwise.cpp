@@ -26,8 +26,8 @@ LaunchList add(OpEnv& env, DeviceSpan a, DeviceSpan b, DeviceSpan out, std::size
         fmt::format("add: dtype {} is not supported (add takes {})", dtype_name(dtype), add_dtypes.str()));
   }
   const std::size_t bytes = dtype_bytes(dtype);
-  // f32 on CPU devices: 16 elements per work-item (add16).
-  const bool wide = dtype == DType::f32 && env.device().is_cpu();
+  // On CPU devices 16 elements per work-item (add16).
+  const bool wide = env.device().is_cpu();
   cl::Kernel k = env.kernels.kernel("elementwise", wide ? "add16" : "add", dtype_define(dtype));
   cl::set_args(k.get(), a.buffer, a.elem_offset(bytes), b.buffer, b.elem_offset(bytes), out.buffer,
                out.elem_offset(bytes), checked_count(n));

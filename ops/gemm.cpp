@@ -78,13 +78,18 @@ void set_param(GemmKernelConfig& c, std::string_view key, int value) {
 // blocks, not 6 x 64 of which half are padding.
 GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOptions& o = {}) {
   if (c.kernel != GemmKernel::packed) return c;
-  if (!s.trans_a || s.a != DType::f32 || o.a_gather_rows.buffer != nullptr) {
-    // PA packs a transposed f32 A only, where it pays clearly: its RB values of a k step lie M
-    // floats apart, and the weight gradients Xᵀ dY ran 1.2-2.4x faster packed on the AVX2 EPYC
-    // (768 x 768 x 2048: 70-78 -> 112-130 GFLOPS). A row-major A read in place was within noise of
-    // packed, and the copy is scratch as large as A; a narrow A packed in f32 would take twice its
-    // own bytes, eating what bf16 activations save; a gathered A (a convolution's implicit im2col)
-    // is read where it lies.
+  if (s.a == DType::f16 && o.a_gather_rows.buffer == nullptr) {
+    // An f16 A is always packed, widened once: read in place, each of its values would be widened
+    // once per panel of B (N / NB times) with the integer sequence a device without fp16 needs,
+    // which made f16 products about 1.7x slower than bf16 ones (a shift) on the AVX-512 EPYC.
+    set_param(c, "PA", 1);
+  } else if (!s.trans_a || s.a != DType::f32 || o.a_gather_rows.buffer != nullptr) {
+    // Otherwise PA packs a transposed f32 A only, where it pays clearly: its RB values of a k step
+    // lie M floats apart, and the weight gradients Xᵀ dY ran 1.2-2.4x faster packed on the AVX2
+    // EPYC (768 x 768 x 2048: 70-78 -> 112-130 GFLOPS). A row-major A read in place was within
+    // noise of packed, and the copy is scratch as large as A; a bf16 A packed in f32 would take
+    // twice its own bytes, eating what bf16 activations save; a gathered A (a convolution's
+    // implicit im2col) is read where it lies.
     set_param(c, "PA", 0);
   }
   if (o.a_gather_run > 0) {

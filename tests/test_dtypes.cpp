@@ -876,6 +876,35 @@ INSTANTIATE_TEST_SUITE_P(F16AndBf16, TypedOpTest,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// Every f16 and bf16 pattern as a, added to a shuffled pattern b: on CPU devices `add` runs 16 lanes
+// a work-item (add16), so this reads every pattern through the 16-wide widening (subnormals, inf and
+// NaN included) and rounds sums of every magnitude (ties, overflow, subnormal results) through the
+// 16-wide narrowing, against the host's scalar reference.
+TEST(TypedOps, EveryPatternAddsThroughTheWideConversions) {
+  auto& dev = TestDevice::get();
+  const std::size_t n = 1u << 16;
+  for (DType t : {DType::f16, DType::bf16}) {
+    std::vector<std::uint16_t> a(n), b(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      a[i] = static_cast<std::uint16_t>(i);
+      b[i] = static_cast<std::uint16_t>((i * 40503u + 12345u) & 0xffffu);
+      // A bf16 subnormal is an f32 one, which a device may flush (not a device ask; f16 ones widen
+      // to normal floats): such operands become zeros, and a sum that would be one gets b = 0.
+      if (t == DType::bf16) {
+        if (std::fpclassify(decode(t, a[i])) == FP_SUBNORMAL) a[i] = 0;
+        if (std::fpclassify(decode(t, b[i])) == FP_SUBNORMAL) b[i] = 0;
+        if (std::fpclassify(decode(t, a[i]) + decode(t, b[i])) == FP_SUBNORMAL) b[i] = 0;
+      }
+    }
+    auto da = DeviceBytes::from(a), db = DeviceBytes::from(b);
+    DeviceBytes dout(n, 2);
+    run(ops::add(dev.env, da.span(), db.span(), dout.span(), n, t));
+    const auto want = map_reference(t, n, [&](std::size_t i) { return decode(t, a[i]) + decode(t, b[i]); });
+    expect_words<std::uint16_t>(dout.download<std::uint16_t>(), want, widen(a),
+                                t == DType::f16 ? half_nan_word : bf16_is_nan, "every pattern's sum");
+  }
+}
+
 TEST(TypedOps, F16OverflowAndNaN) {
   auto& dev = TestDevice::get();
   const std::vector<std::uint16_t> a = {encode(DType::f16, 60000.0f), encode(DType::f16, -60000.0f), 0x7e00,

@@ -167,6 +167,11 @@ const DtypeCase kDtypeCases[] = {
     {kPacked, DType::bf16, DType::f32, DType::f32, false, true, 0.0f},
     {kPacked, DType::f32, DType::f16, DType::bf16, true, false, 0.5f},
     {kPackedA, DType::f32, DType::bf16, DType::f16, true, false, 0.5f},  // f32 A packed, narrow B and C
+    // an f16 A is packed whatever the row says (ops/gemm.cpp, fit_packed), row-major and transposed;
+    // narrow B read 16 at a time, row-major and transposed
+    {kPacked, DType::f16, DType::bf16, DType::f16, false, false, 0.5f},
+    {kPacked, DType::f16, DType::f16, DType::f32, false, true, 0.0f},
+    {kPacked, DType::f16, DType::bf16, DType::bf16, true, false, 0.0f},
     {kTiled, DType::f32, DType::f16, DType::bf16, false, false, 0.5f},
     {kTiled, DType::bf16, DType::f32, DType::f16, true, true, 0.0f},
     // VG=4 with narrow A and B: the kernel is built with float loads for both (float4s are f32's)

@@ -1,8 +1,9 @@
 // Register-blocked GEMM for CPU devices (PoCL and the like), in up to three kernels:
 //   gemm_pack_b  copies op(B) into k-major panels NB = 16 * NV columns wide, zero-padded past N;
-//   gemm_pack_a  (PA = 1) copies a transposed A into row blocks of RB rows, k-major: the RB values
-//                of one k step are contiguous, so a block is one sequential stream instead of RB
-//                floats M apart per k step (the binding packs a transposed f32 A only: ops/gemm.cpp);
+//   gemm_pack_a  (PA = 1) copies A into row blocks of RB rows as f32, k-major: the RB values of
+//                one k step are contiguous, so a block is one sequential stream instead of RB
+//                floats M apart per k step, widened once (the binding packs a transposed f32 A and
+//                any f16 A: ops/gemm.cpp);
 //   gemm_packed  gives each work-item RB rows x NB columns of C, held in float16 accumulators:
 //                per k step NV vload16 of the B panel, RB scalar broadcasts of A and fma().
 // Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
@@ -117,23 +118,41 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   }
 }
 #elif !B_IS_F32
-  // A narrow B: one element at a time, widened (B is a weight or an output gradient, read once).
-  for (uint k = k0; k < k_end; ++k) {
+  // A narrow B (a weight or an output gradient, read once), widened 16 elements at a time where 16
+  // lie in a row (LOAD16: for f16 the widening is a dozen integer operations an element, done 16
+  // wide), element by element at the edges.
 #if TRANS_B
-    const uint j0 = get_global_id(1) * 16;
-    const uint j_end = min(j0 + 16u, n_pad);
-#else
-    const uint j0 = 0, j_end = n_pad;
-#endif
-    for (uint j = j0; j < j_end; ++j) {
-#if TRANS_B
-      const ulong at = b_off + (ulong)j * K + k;
-#else
-      const ulong at = b_off + (ulong)k * N + j;
-#endif
-      packed[((ulong)(j / NB) * K + k) * NB + j % NB] = j < N ? LOAD(B_NAME, b, at) : 0.0f;
+  // B stored [N, K]: as the f32 code below, a block of 16 columns j by PACK_ROWS k rows transposed
+  // in registers.
+  const uint j0 = get_global_id(1) * 16;
+  if (j0 >= n_pad) return;
+  __global float* dst = packed + ((ulong)(j0 / NB) * K) * NB + j0 % NB;  // op(B) row k at dst + k NB
+  if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
+    float rows[16][PACK_ROWS];
+    for (uint r = 0; r < 16; ++r) vstore16(LOAD16(B_NAME, b, b_off + (ulong)(j0 + r) * K + k0), 0, rows[r]);
+    for (uint i = 0; i < PACK_ROWS; ++i) {
+      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB);
+    }
+  } else {
+    for (uint k = k0; k < k_end; ++k) {
+      for (uint r = 0; r < 16; ++r) {
+        dst[(ulong)k * NB + r] = j0 + r < N ? LOAD(B_NAME, b, b_off + (ulong)(j0 + r) * K + k) : 0.0f;
+      }
     }
   }
+#else
+  for (uint k = k0; k < k_end; ++k) {
+    const ulong src = b_off + (ulong)k * N;
+    for (uint col = 0; col < n_pad; col += 16) {
+      __global float* dst = packed + ((ulong)(col / NB) * K + k) * NB + col % NB;
+      if (col + 16 <= N) {
+        vstore16(LOAD16(B_NAME, b, src + col), 0, dst);
+      } else {
+        for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? LOAD(B_NAME, b, src + col + i) : 0.0f;
+      }
+    }
+  }
+#endif
 }
 #else
   b += b_off;
@@ -176,9 +195,9 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
 
 // One work-item packs PACK_A_COLS k columns of row block get_global_id(0) of product
 // get_global_id(2): packed row k of the block holds op(A)(block RB + r, k) for r < RB, rows past M
-// repeating row M - 1 (their results are never stored). The binding packs a transposed f32 A
-// only (ops/gemm.cpp, fit_packed); the kernel still builds in every program of this file, narrow
-// A and row-major A included, where it is never launched.
+// repeating row M - 1 (their results are never stored). The binding packs a transposed f32 A and
+// any f16 A (ops/gemm.cpp, fit_packed); the kernel still builds in every program of this file,
+// where it may never be launched.
 __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulong a_off, __global float* packed,
                           ulong packed_off) {
   const uint block = get_global_id(0);
@@ -188,11 +207,37 @@ __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulo
   a_off += product * ((ulong)M * K);
   __global float* dst = packed + packed_off + (product * blocks + block) * ((ulong)K * RB);
 #if TRANS_A
-  // A stored [K, M]: the block's RB values of one k are contiguous.
+  // A stored [K, M]: the block's RB values of one k are contiguous. A narrow A's are widened 16 at
+  // once where 16 values from the block's first lie in the row (RB <= 16; the rest are not used).
   for (uint k = k0; k < k_end; ++k) {
+    const ulong at = a_off + (ulong)k * M + block * RB;
+#if !A_IS_F32
+    if (block * RB + 16 <= M) {
+      float t[16];
+      vstore16(LOAD16(A_NAME, a, at), 0, t);
+      for (uint r = 0; r < RB; ++r) dst[(ulong)k * RB + r] = t[r];
+      continue;
+    }
+#endif
     for (uint r = 0; r < RB; ++r) {
       dst[(ulong)k * RB + r] = LOAD(A_NAME, a, a_off + (ulong)k * M + min(block * RB + r, M - 1));
     }
+  }
+#else
+  // A stored [M, K]: 16 k of each of the block's rows read and widened at once, then written as one
+  // contiguous run of 16 RB floats (writing each row's 16 values RB apart was slower).
+  uint k = k0;
+  for (; k + 16 <= k_end; k += 16) {
+    float t[RB][16];
+    for (uint r = 0; r < RB; ++r) {
+      vstore16(LOAD16(A_NAME, a, a_off + (ulong)min(block * RB + r, M - 1) * K + k), 0, t[r]);
+    }
+    for (uint j = 0; j < 16; ++j) {
+      for (uint r = 0; r < RB; ++r) dst[(ulong)(k + j) * RB + r] = t[r][j];
+    }
+  }
+  for (; k < k_end; ++k) {
+    for (uint r = 0; r < RB; ++r) dst[(ulong)k * RB + r] = LOAD(A_NAME, a, a_off + (ulong)min(block * RB + r, M - 1) * K + k);
   }
 #endif
 }

@@ -13,9 +13,8 @@
 
 namespace ferry::ops {
 
-// Storage types. Arithmetic is fp32 in every kernel: f16 is loaded and stored with
-// vload_half/vstore_half (core OpenCL, no cl_khr_fp16 needed), bf16 is 16-bit storage converted
-// in the kernel, i8/u8 are quantized storage with fp32 scales kept beside them.
+// Storage types. Arithmetic is fp32 in every kernel: f16 and bf16 are 16-bit storage converted in
+// the kernel (no cl_khr_fp16 needed), i8/u8 are quantized storage with fp32 scales kept beside them.
 enum class DType : std::uint8_t { f32, f16, bf16, i8, u8, i32 };
 inline constexpr DType all_dtypes[] = {DType::f32, DType::f16, DType::bf16, DType::i8, DType::u8, DType::i32};
 
