@@ -76,6 +76,20 @@ struct Uses {
   }
 };
 
+// Rebuilds g's node table in order without the nodes `dropped` marks: `rewrite(out, n)` adds node
+// n's fused form to `out` and returns true, or returns false for a node it leaves as it is, which
+// is copied. The fusion passes mark what they fold, then rebuild once.
+template <class Rewrite>
+void rebuild_nodes(Graph& g, const std::vector<bool>& dropped, Rewrite rewrite) {
+  const NodeTable& old = g.nodes;
+  NodeTable out;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (dropped[n]) continue;
+    if (!rewrite(out, n)) out.add_copy(old, n);
+  }
+  g.nodes = std::move(out);
+}
+
 // Rebuilds the node table with each host node n that takes in the ReLU absorbed[n] marked fused
 // (ops::set_relu_fused) and given operands by `rewire(ins, outs, relu)`, and those ReLUs left out.
 template <class Rewire>
@@ -86,20 +100,15 @@ void absorb_relus(Graph& g, const std::vector<NodeId>& absorbed, Rewire rewire) 
   for (NodeId r : absorbed) {
     if (r != none) dropped[r] = true;
   }
-  NodeTable out;
-  for (NodeId n = 0; n < old.size(); ++n) {
-    if (dropped[n]) continue;
-    if (absorbed[n] == none) {
-      out.add_copy(old, n);
-      continue;
-    }
+  rebuild_nodes(g, dropped, [&](NodeTable& out, NodeId n) {
+    if (absorbed[n] == none) return false;
     std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     rewire(ins, outs, absorbed[n]);
     const NodeId m = out.add_copy(old, n, ins, outs, old.lane[n]);
     ops::set_relu_fused(out.attrs[m]);
-  }
-  g.nodes = std::move(out);
+    return true;
+  });
 }
 
 // relu -> maxpool2d: the pool reads the ReLU's input and applies it.
@@ -161,22 +170,17 @@ void merge_with_producers(Graph& g) {
     norm_of[a] = n;
     dropped[n] = true;
   }
-  NodeTable out;
-  for (NodeId n = 0; n < old.size(); ++n) {
-    if (dropped[n]) continue;
+  rebuild_nodes(g, dropped, [&](NodeTable& out, NodeId n) {
     const NodeId norm = norm_of[n];
-    if (norm == none) {
-      out.add_copy(old, n);
-      continue;
-    }
+    if (norm == none) return false;
     std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
     ins.insert(ins.end(), old.inputs(norm).begin() + 1, old.inputs(norm).end());
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     outs.insert(outs.end(), old.outputs(norm).begin(), old.outputs(norm).end());
     const ops::OpId fused = ops::find_op(ops::op_info(old.op[norm]).merge_with_producer.fused);
     out.add(fused, old.name[norm], ins, outs, old.attrs[norm], old.lane[norm]);
-  }
-  g.nodes = std::move(out);
+    return true;
+  });
 }
 
 }  // namespace
@@ -204,22 +208,17 @@ void fuse_into_input_gradients(Graph& g) {
     grad_of[p] = n;
     dropped[n] = true;
   }
-  NodeTable out;
-  for (NodeId n = 0; n < old.size(); ++n) {
-    if (dropped[n]) continue;
+  rebuild_nodes(g, dropped, [&](NodeTable& out, NodeId n) {
     const NodeId a = grad_of[n];
-    if (a == none) {
-      out.add_copy(old, n);
-      continue;
-    }
+    if (a == none) return false;
     std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
     ins.push_back(old.inputs(a)[0]);
     const TensorId outs[] = {old.outputs(a)[0]};
     NodeAttrs attrs = old.attrs[n];
     ops::LinearGradInputAttrs::set(attrs, ops::ActivationAttrs::of(old.attrs[a]).kind);
     out.add(old.op[n], old.name[n], ins, outs, attrs, old.lane[n]);
-  }
-  g.nodes = std::move(out);
+    return true;
+  });
 }
 
 void fuse_relu_maxpool(Graph& g) {
@@ -275,13 +274,8 @@ void fuse_narrowing_casts(Graph& g) {
       dropped[c] = true;
     }
   }
-  NodeTable out;
-  for (NodeId n = 0; n < old.size(); ++n) {
-    if (dropped[n]) continue;
-    if (narrowed[n] == none && widened[n] == none) {
-      out.add_copy(old, n);
-      continue;
-    }
+  rebuild_nodes(g, dropped, [&](NodeTable& out, NodeId n) {
+    if (narrowed[n] == none && widened[n] == none) return false;
     std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
     std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
     ops::LayerNormAttrs attrs = ops::LayerNormAttrs::of(old.attrs[n]);
@@ -297,8 +291,8 @@ void fuse_narrowing_casts(Graph& g) {
       ins[1] = old.inputs(c)[0];
     }
     out.add(old.op[n], old.name[n], ins, outs, attrs.pack(), old.lane[n]);
-  }
-  g.nodes = std::move(out);
+    return true;
+  });
 }
 
 void fuse_layers(Graph& g) {
