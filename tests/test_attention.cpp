@@ -234,56 +234,58 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // f16 and bf16 storage, f32 arithmetic: the device against the reference on the rounded inputs.
+// Head dimension 40 too: the CPU kernels read and write narrow rows 16 at a time, then the rest.
 TEST(AttentionDevice, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
   auto& dev = TestDevice::get();
-  const AttentionShape s{2, 21, 2, 16};
-  const Inputs in = random_inputs(s, 21);
-  const std::size_t n = in.q.size();
-  for (const graph::DType t : {graph::DType::f16, graph::DType::bf16}) {
-    for (const std::string kernel :
-         {"cpu RB=4 QB=8 PASS=1", "cpu RB=2 QB=4 PASS=2", "tiled BQ=16 BK=8", "blocked TQ=16 TK=8", "gemm"}) {
-      SCOPED_TRACE(std::string(ops::dtype_name(t)) + " " + kernel);
-      auto narrow = [&](const std::vector<float>& x) {
-        std::vector<std::uint16_t> y(x.size());
-        for (std::size_t i = 0; i < x.size(); ++i)
-          y[i] = t == graph::DType::f16 ? ops::ref::float_to_half(x[i]) : ops::ref::float_to_bf16(x[i]);
-        return y;
-      };
-      auto widen = [&](const std::vector<std::uint16_t>& x) {
-        std::vector<float> y(x.size());
-        for (std::size_t i = 0; i < x.size(); ++i)
-          y[i] = t == graph::DType::f16 ? ops::ref::half_to_float(x[i]) : ops::ref::bf16_to_float(x[i]);
-        return y;
-      };
-      const auto q16 = narrow(in.q), k16 = narrow(in.k), v16 = narrow(in.v), d16 = narrow(in.dout);
-      const Inputs rounded{widen(q16), widen(k16), widen(v16), widen(d16)};
-      const ops::AttentionOptions opt{kernel};
-      auto q = DeviceBytes::from(q16), k = DeviceBytes::from(k16), v = DeviceBytes::from(v16),
-           dout = DeviceBytes::from(d16);
-      DeviceBytes o(n, 2), dq(n, 2), dk(n, 2), dv(n, 2);
-      DeviceTensor lse(s.rows(), 4);
-      DeviceTensor fs(std::max<std::size_t>(ops::attention_forward_scratch_elems(dev.env, s, opt), 1), 64);
-      DeviceTensor bs(std::max<std::size_t>(ops::attention_backward_scratch_elems(dev.env, s, opt), 1), 128);
-      const float scale = default_scale(s);
-      ops::run_blocking(dev.context.compute(), ops::attention_forward(dev.env, s, t, scale, {}, q.span(), k.span(),
-                                                                      v.span(), o.span(), lse.span(), fs.span(), opt));
-      // The backward reads the stored (rounded) o, as a training step would.
-      ops::run_blocking(
-          dev.context.compute(),
-          ops::attention_backward(dev.env, s, t, scale, {}, q.span(), k.span(), v.span(), o.span(), lse.span(),
-                                  dout.span(), dq.span(), dk.span(), dv.span(), bs.span(), opt));
-      const Result want = reference(s, rounded, {}, 1);
-      const float tol = t == graph::DType::f16 ? 2e-3f : 1.6e-2f;  // one rounding of the outputs
-      expect_near(widen(o.download<std::uint16_t>()), want.o, tol, tol, "o");
-      expect_near(lse.download(), want.lse, 1e-4f, 1e-4f, "lse");
-      expect_near(widen(dq.download<std::uint16_t>()), want.dq, 2 * tol, 2 * tol, "dq");
-      expect_near(widen(dk.download<std::uint16_t>()), want.dk, 2 * tol, 2 * tol, "dk");
-      expect_near(widen(dv.download<std::uint16_t>()), want.dv, 2 * tol, 2 * tol, "dv");
-      for (const auto* d : {&o, &dq, &dk, &dv}) {
-        for (const unsigned char byte : d->tail()) ASSERT_EQ(byte, 0xA5) << "written past the end";
+  for (const AttentionShape s : {AttentionShape{2, 21, 2, 16}, AttentionShape{1, 19, 2, 40}})
+    for (const graph::DType t : {graph::DType::f16, graph::DType::bf16}) {
+      const Inputs in = random_inputs(s, 21);
+      const std::size_t n = in.q.size();
+      for (const std::string kernel :
+           {"cpu RB=4 QB=8 PASS=1", "cpu RB=2 QB=4 PASS=2", "tiled BQ=16 BK=8", "blocked TQ=16 TK=8", "gemm"}) {
+        SCOPED_TRACE(std::string(ops::dtype_name(t)) + " " + kernel + " head_dim " + std::to_string(s.head_dim));
+        auto narrow = [&](const std::vector<float>& x) {
+          std::vector<std::uint16_t> y(x.size());
+          for (std::size_t i = 0; i < x.size(); ++i)
+            y[i] = t == graph::DType::f16 ? ops::ref::float_to_half(x[i]) : ops::ref::float_to_bf16(x[i]);
+          return y;
+        };
+        auto widen = [&](const std::vector<std::uint16_t>& x) {
+          std::vector<float> y(x.size());
+          for (std::size_t i = 0; i < x.size(); ++i)
+            y[i] = t == graph::DType::f16 ? ops::ref::half_to_float(x[i]) : ops::ref::bf16_to_float(x[i]);
+          return y;
+        };
+        const auto q16 = narrow(in.q), k16 = narrow(in.k), v16 = narrow(in.v), d16 = narrow(in.dout);
+        const Inputs rounded{widen(q16), widen(k16), widen(v16), widen(d16)};
+        const ops::AttentionOptions opt{kernel};
+        auto q = DeviceBytes::from(q16), k = DeviceBytes::from(k16), v = DeviceBytes::from(v16),
+             dout = DeviceBytes::from(d16);
+        DeviceBytes o(n, 2), dq(n, 2), dk(n, 2), dv(n, 2);
+        DeviceTensor lse(s.rows(), 4);
+        DeviceTensor fs(std::max<std::size_t>(ops::attention_forward_scratch_elems(dev.env, s, opt), 1), 64);
+        DeviceTensor bs(std::max<std::size_t>(ops::attention_backward_scratch_elems(dev.env, s, opt), 1), 128);
+        const float scale = default_scale(s);
+        ops::run_blocking(dev.context.compute(),
+                          ops::attention_forward(dev.env, s, t, scale, {}, q.span(), k.span(), v.span(), o.span(),
+                                                 lse.span(), fs.span(), opt));
+        // The backward reads the stored (rounded) o, as a training step would.
+        ops::run_blocking(
+            dev.context.compute(),
+            ops::attention_backward(dev.env, s, t, scale, {}, q.span(), k.span(), v.span(), o.span(), lse.span(),
+                                    dout.span(), dq.span(), dk.span(), dv.span(), bs.span(), opt));
+        const Result want = reference(s, rounded, {}, 1);
+        const float tol = t == graph::DType::f16 ? 2e-3f : 1.6e-2f;  // one rounding of the outputs
+        expect_near(widen(o.download<std::uint16_t>()), want.o, tol, tol, "o");
+        expect_near(lse.download(), want.lse, 1e-4f, 1e-4f, "lse");
+        expect_near(widen(dq.download<std::uint16_t>()), want.dq, 2 * tol, 2 * tol, "dq");
+        expect_near(widen(dk.download<std::uint16_t>()), want.dk, 2 * tol, 2 * tol, "dk");
+        expect_near(widen(dv.download<std::uint16_t>()), want.dv, 2 * tol, 2 * tol, "dv");
+        for (const auto* d : {&o, &dq, &dk, &dv}) {
+          for (const unsigned char byte : d->tail()) ASSERT_EQ(byte, 0xA5) << "written past the end";
+        }
       }
     }
-  }
 }
 
 TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {

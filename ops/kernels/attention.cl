@@ -21,6 +21,9 @@
 // 1 / (1 - p); step_lo and step_hi are set per step. The fused op and the unfused softmax +
 // dropout therefore draw the same mask.
 
+#ifdef RB
+#define FERRY_WIDE16 1  // LOAD16_T, STORE16_T (dtype.clh) for the CPU kernels' whole rows
+#endif
 #include "attention.clh"
 #include "reduce.clh"
 
@@ -49,6 +52,14 @@ __kernel void attention_delta(__global const T_STORAGE* o, ulong o_off, __global
 
 #ifdef RB
 
+// x[at .. at + D) widened into dst[0 .. D), 16 elements at a time where 16 are left (a narrow
+// row's widening is then vector code: f16's is a dozen operations an element).
+inline void attention_load_row(__global const T_STORAGE* x, ulong at, float* dst) {
+  uint d = 0;
+  for (; d + 16 <= D; d += 16) vstore16(LOAD16_T(x, at + d), 0, dst + d);
+  for (; d < D; ++d) dst[d] = LOAD_T(x, at + d);
+}
+
 // Stages row t of head bh (of k, v, q or do) as f32 rows [BH, Tp, DP], zero past T and past D.
 // Work-item (t, bh) over Tp = T rounded up to 16.
 __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global float* rows, ulong rows_off, uint T,
@@ -57,7 +68,9 @@ __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global
   const uint b = bh / H, h = bh - b * H;
   const ulong src = x_off + attention_at(b, min(t, T - 1), h, T, H);
   __global float* dst = rows + rows_off + ((ulong)bh * Tp + t) * DP;
-  for (uint d = 0; d < DP; ++d) dst[d] = (t < T && d < D) ? LOAD_T(x, src + d) : 0.0f;
+  float row[DP];
+  attention_load_row(x, src, row);
+  for (uint d = 0; d < DP; ++d) dst[d] = (t < T && d < D) ? row[d] : 0.0f;
 }
 
 // Stages rows t0 .. t0 + 15 (t0 = 16 get_global_id(0)) of head bh = get_global_id(1) transposed,
@@ -70,7 +83,10 @@ __kernel void attention_stage_t(__global const T_STORAGE* x, ulong x_off, __glob
   float blk[16][D];
   for (uint c = 0; c < 16; ++c) {
     const ulong src = x_off + attention_at(b, min(t0 + c, T - 1), h, T, H);
-    for (uint d = 0; d < D; ++d) blk[c][d] = t0 + c < T ? LOAD_T(x, src + d) : 0.0f;
+    attention_load_row(x, src, blk[c]);
+    if (t0 + c >= T) {
+      for (uint d = 0; d < D; ++d) blk[c][d] = 0.0f;
+    }
   }
   __global float* dst = trans + trans_off + (ulong)bh * D * Tp + t0;
   for (uint d = 0; d < D; ++d) {
@@ -91,9 +107,13 @@ __kernel void attention_stage_t(__global const T_STORAGE* x, ulong x_off, __glob
 // A row of a float16 accumulator times `factor`, stored as D elements of the storage type at `at`.
 inline void attention_store_row(const float16* acc, float factor, __global T_STORAGE* out, ulong at) {
   for (uint j = 0; j < DV; ++j) {
+    if (16 * j + 16 <= D) {
+      STORE16_T(acc[j] * factor, out, at + 16 * j);
+      continue;
+    }
     float v[16];
     vstore16(acc[j] * factor, 0, v);
-    for (uint e = 0; e < 16 && 16 * j + e < D; ++e) STORE_T(v[e], out, at + 16 * j + e);
+    for (uint e = 0; 16 * j + e < D; ++e) STORE_T(v[e], out, at + 16 * j + e);
   }
 }
 
@@ -125,7 +145,8 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
   float m[QB], l[QB];
   for (uint r = 0; r < QB; ++r) {
     const ulong at = q_off + attention_at(b, min(i0 + r, T - 1), h, T, H);
-    for (uint d = 0; d < D; ++d) qs[r][d] = r < nr ? LOAD_T(q, at + d) * scale : 0.0f;
+    attention_load_row(q, at, qs[r]);
+    for (uint d = 0; d < D; ++d) qs[r][d] = r < nr ? qs[r][d] * scale : 0.0f;
     for (uint j = 0; j < DV; ++j) acc[r][j] = 0.0f;
     m[r] = -INFINITY;
     l[r] = 0.0f;
