@@ -80,8 +80,8 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
   if (c.kernel != GemmKernel::packed) return c;
   if (s.a == DType::f16 && o.a_gather_rows.buffer == nullptr) {
     // An f16 A is always packed, widened once: read in place, each of its values would be widened
-    // once per panel of B (N / NB times) with the integer sequence a device without fp16 needs,
-    // which made f16 products about 1.7x slower than bf16 ones (a shift) on the AVX-512 EPYC.
+    // once per panel of B (N / NB times) by dtype.clh's dozen integer and float operations, which
+    // made f16 products about 1.7x slower than bf16 ones (a shift) on the AVX-512 EPYC.
     set_param(c, "PA", 1);
   } else if (!s.trans_a || s.a != DType::f32 || o.a_gather_rows.buffer != nullptr) {
     // Otherwise PA packs a transposed f32 A only, where it pays clearly: its RB values of a k step

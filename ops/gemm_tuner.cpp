@@ -68,8 +68,9 @@ std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode
 // Candidates of the CPU kernel: RB rows x NV float16 accumulators within 32 vector registers
 // (NV = 1 for 256-bit units, where a float16 takes two of their 16 registers), likeliest first;
 // each block with the k loop unrolled by 4 (the AVX2 EPYC's best) and, in the full search, rolled.
-// Packing A (PA=1) changes only products with A transposed, which the probe square is not: the
-// finalists get their packed-A twins in stage 2 (gemm_tune_twins).
+// Packing A (PA=1) changes only products with an f32 A transposed (an f16 A is always packed),
+// which the probe square is not: the finalists get their packed-A twins in stage 2
+// (gemm_tune_twins).
 std::vector<std::string> packed_candidates(TuneMode mode) {
   std::vector<std::string> out;
   for (int nv : {4, 1, 2, 3}) {

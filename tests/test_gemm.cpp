@@ -578,11 +578,14 @@ TEST(Gemm, PackedScratchCoversPaddedPanels) {
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {7, 21, 8500}, o), 32u * 8500u + 5u * 7u * 21u);
   o.kernel = "packed RB=4 NV=2";
   // Packed A (PA=1): a transposed f32 A in blocks of RB = 4 rows after the panels, the last
-  // padded; never a narrow or a row-major A.
+  // padded; never a bf16 or a row-major f32 A. An f16 A is packed even where the row says PA=0.
   o.kernel = "packed RB=4 NV=2 PA=1";
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7, true, false}, o), 64u * 7u + 8u * 7u);
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7}, o), 64u * 7u);
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7, true, false, DType::bf16}, o), 64u * 7u);
+  o.kernel = "packed RB=4 NV=2";
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7, false, false, DType::f16}, o), 64u * 7u + 8u * 7u);
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {5, 33, 7, true, false, DType::f16}, o), 64u * 7u + 8u * 7u);
   o.kernel = "packed RB=4 NV=4";
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, {13, 64, 2200}, o), 5u * 13u * 64u);
   o.kernel = "tiled TSM=16 TSN=16 TSK=4 WPTM=2 WPTN=2";

@@ -4,8 +4,8 @@
 // int8 kernels.
 #include "dtype.clh"
 
-// out[i] = in[i] converted: exact widening, round-to-nearest-even narrowing (vstore_half_rte for
-// f16, float_to_bf16_rte for bf16).
+// out[i] = in[i] converted: exact widening, round-to-nearest-even narrowing (float_to_f16_rte for
+// f16, float_to_bf16_rte for bf16: dtype.clh).
 __kernel void cast(__global const S_STORAGE* in, ulong in_off, __global D_STORAGE* out, ulong out_off, uint n) {
   const size_t i = get_global_id(0);
   if (i >= n) return;

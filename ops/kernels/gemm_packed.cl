@@ -18,9 +18,9 @@
 // rest in registers (arrays indexed in loops ended up on the stack with PoCL's LLVM).
 // Storage types (dtype.clh): -DA_NAME / -DB_NAME / -DC_NAME = F32 | F16 | BF16 with
 // -DA_IS_F32 etc. saying whether it is F32. Products and sums are fp32; B is widened while it is
-// packed, A when it is read, C rounded once when it is stored. The F32 paths are the original code
-// (pointer arithmetic, vector loads); the narrow ones index whole elements, since pointer
-// arithmetic on half* needs cl_khr_fp16.
+// packed, A when it is packed (an f16 A always is) or else when it is read, C rounded once when it
+// is stored. The F32 paths are the original code (pointer arithmetic, vector loads); the narrow
+// ones index whole elements (16 at a time through LOAD16 / STORE16 where they can).
 #define FERRY_WIDE16 1  // LOAD16, STORE16, ROUND16 (dtype.clh)
 #include "dtype.clh"
 #ifndef A_NAME
@@ -225,7 +225,7 @@ __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulo
   }
 #else
   // A stored [M, K]: 16 k of each of the block's rows read and widened at once, then written as one
-  // contiguous run of 16 RB floats (writing each row's 16 values RB apart was slower).
+  // contiguous run of 16 RB floats.
   uint k = k0;
   for (; k + 16 <= k_end; k += 16) {
     float t[RB][16];

@@ -27,8 +27,7 @@
 // Parameters (-D): TSM, TSN, TSK, WPTM, WPTN, VW (1, 2 or 4, dividing WPTM and WPTN), VG (1 or 4), TRANS_A,
 // TRANS_B, and the storage types A_NAME / B_NAME / C_NAME = F32 | F16 | BF16 (dtype.clh; F32 when
 // not given): narrow operands are widened as they are staged in local memory and C is rounded as
-// it is stored, so mixed precision needs no f32 copies. Offsets and strides are whole elements (no
-// pointer arithmetic on half*). C_RELU and C_DACT select an epilogue (gemm_epilogue.clh) with
+// it is stored, so mixed precision needs no f32 copies. Offsets and strides are whole elements. C_RELU and C_DACT select an epilogue (gemm_epilogue.clh) with
 // A_IS_F32, B_IS_F32 and C_IS_F32 saying whether each is f32; C_GUARD the overflow guard over C.
 #include "dtype.clh"
 #ifndef A_NAME

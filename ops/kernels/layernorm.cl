@@ -42,7 +42,7 @@ __kernel void layernorm_forward(__global float* x, ulong x_off, __global const f
   const ulong row = get_group_id(0);
   const uint lid = get_local_id(0), ls = get_local_size(0);
   __global float* xr = x + x_off + row * cols;
-  const ulong yr = y_off + row * cols;  // element index: no pointer arithmetic on half*
+  const ulong yr = y_off + row * cols;  // element index
   if (ra) {
     for (uint c = lid; c < cols; c += ls) xr[c] = ra[ra_off + row * cols + c] + LOAD_S(rb, rb_off + row * cols + c);
   }
@@ -162,7 +162,7 @@ __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const
   __global float* xr = x + x_off + (ulong)row * cols;
   if (ra) {
     __global const float* ar = ra + ra_off + (ulong)row * cols;
-    const ulong br = rb_off + (ulong)row * cols;  // element index: no pointer arithmetic on half*
+    const ulong br = rb_off + (ulong)row * cols;  // element index
     const uint vc = cols / 16 * 16;
     for (uint c = 0; c < vc; c += 16) {
 #if RB_NARROW
@@ -174,7 +174,7 @@ __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const
     }
     for (uint c = vc; c < cols; ++c) xr[c] = ar[c] + LOAD_S(rb, br + c);
   }
-  const ulong yr = y_off + (ulong)row * cols;  // element index: no pointer arithmetic on half*
+  const ulong yr = y_off + (ulong)row * cols;  // element index
   __global const float* g = gamma + gamma_off;
   __global const float* b = beta + beta_off;
   const uint vcols = cols / 16 * 16;
