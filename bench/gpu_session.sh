@@ -39,6 +39,9 @@
 #   predict    does Predict pay where the link binds? The small GPT streamed at its minimum budget
 #              (bench/RESULTS.md, "Does Predict pay at scale?", measured on PoCL), 400 steps Full-only
 #              and with hybrid phases and int8 Predict weights: val loss every 50 steps and seconds
+#   narrow     16-bit storage on the GPU: `ferry-bench gemm --storage f32|f16|bf16` at n = 2048 and the
+#              85M GPT's step_ms in fp32, fp16 and bf16, then bf16 with --no-fuse (what the narrowing and
+#              the other fusions are worth there)
 #   ptx        after parts that built them: the driver's own PTX of the tiled GEMM and blocked attention
 #              kernels (NVIDIA's program binaries, in the program cache), each with bench/ptx_mix.sh's
 #              account of its hottest block, to set beside clang's (tests/gpu_kernels/loop_mix.sh); the
@@ -162,6 +165,18 @@ for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "m
           --depth 12 --heads 12 --context 256 --batch 8 --steps 1 --eval-every 1 --val-windows 4 --json --quiet
         grep -o '"compile_s":[0-9.]*' "$res/compile-cold-$threads.out"
         rm -rf "$cold"
+      done ;;
+    narrow)  # f16's branch-free conversions and the fusions, measured where the GPU's memory binds
+      for storage in f32 f16 bf16; do
+        part "narrow-gemm-$storage" 40 "$kit/bin/ferry-bench" --repeat 5 gemm --impls ferry --storage "$storage" \
+          --sizes 2048
+      done
+      for run in fp32 fp16 bf16 bf16-no-fuse; do
+        precision=${run%-no-fuse} fuse=()
+        [[ $run == *-no-fuse ]] && fuse=(--no-fuse)
+        part "narrow-gpt85m-$run" 60 "$kit/bin/ferry" train --model gpt --width 768 --depth 12 --heads 12 --context 256 \
+          --batch 8 --precision "$precision" "${fuse[@]}" --steps 6 --eval-every 6 --val-windows 4 --json --quiet
+        grep -o '"step_ms":[0-9.]*' "$res/narrow-gpt85m-$run.out"
       done ;;
     ptx)
       mkdir -p "$res/ptx"
