@@ -60,6 +60,14 @@ inline void attention_load_row(__global const T_STORAGE* x, ulong at, float* dst
   for (; d < D; ++d) dst[d] = LOAD_T(x, at + d);
 }
 
+// v[0 .. D) stored at out[at .. at + D), rounded to the storage type 16 elements at a time where 16
+// are left.
+inline void attention_store_values(const float* v, __global T_STORAGE* out, ulong at) {
+  uint d = 0;
+  for (; d + 16 <= D; d += 16) STORE16_T(vload16(0, v + d), out, at + d);
+  for (; d < D; ++d) STORE_T(v[d], out, at + d);
+}
+
 // Stages row t of head bh (of k, v, q or do) as f32 rows [BH, Tp, DP], zero past T and past D.
 // Work-item (t, bh) over Tp = T rounded up to 16.
 __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global float* rows, ulong rows_off, uint T,
@@ -334,17 +342,24 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
       }
     }
   }
+  // dk and dv are held transposed (a float16 of 16 keys per d): turned back into rows of D in
+  // private memory, each key's row then stored 16 elements at a time.
   for (uint g = 0; g < nblk; ++g) {
     const uint jg = j0 + 16 * g, kn = min(16u, T - jg);
+    float gk[D][16], gv[D][16];
     for (uint d = 0; d < D; ++d) {
-      float gk[16], gv[16];
-      vstore16(dkT[g][d] * scale, 0, gk);
-      vstore16(dvT[g][d], 0, gv);
-      for (uint c = 0; c < kn; ++c) {
-        const ulong at = attention_at(b, jg + c, h, T, H) + d;
-        STORE_T(gk[c], dk, dk_off + at);
-        STORE_T(gv[c], dv, dv_off + at);
+      vstore16(dkT[g][d] * scale, 0, gk[d]);
+      vstore16(dvT[g][d], 0, gv[d]);
+    }
+    for (uint c = 0; c < kn; ++c) {
+      float rk[D], rv[D];
+      for (uint d = 0; d < D; ++d) {
+        rk[d] = gk[d][c];
+        rv[d] = gv[d][c];
       }
+      const ulong at = attention_at(b, jg + c, h, T, H);
+      attention_store_values(rk, dk, dk_off + at);
+      attention_store_values(rv, dv, dv_off + at);
     }
   }
 }
