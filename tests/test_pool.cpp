@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "ferry/ops/cast.hpp"
 #include "ops/pool.hpp"
 #include "test_support.hpp"
 
@@ -78,6 +79,47 @@ TEST_P(MaxPoolTest, DeviceMatchesReference) {
   EXPECT_EQ(dyo.download(), y_ref);
   EXPECT_EQ(as_ints(darg.download()), arg_ref);
   EXPECT_EQ(ddx.download(), dx_ref);
+}
+
+// f16 and bf16 storage: the same windows on the rounded inputs. A maximum and a routed gradient are
+// stored values, so forward and the 2 x 2 backward are exact; overlapping windows sum in f32 and
+// round once, as the reference's sum rounded. The 2 x 2 kernels take eight windows at a time,
+// narrow rows widened and rounded 16 wide.
+TEST_P(MaxPoolTest, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
+  const PoolCase& tc = GetParam();
+  auto& dev = TestDevice::get();
+  for (const ops::DType t : {ops::DType::f16, ops::DType::bf16}) {
+    SCOPED_TRACE(ops::dtype_name(t));
+    ops::Pool2dShape s = tc.shape;
+    s.dtype = t;
+    auto narrow = [&](const std::vector<float>& v) {
+      std::vector<std::uint16_t> w(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) ops::ref::store_float(t, v[i], w.data(), i);
+      return w;
+    };
+    auto widen = [&](const std::vector<std::uint16_t>& w) {
+      std::vector<float> v(w.size());
+      for (std::size_t i = 0; i < w.size(); ++i) v[i] = ops::ref::load_float(t, w.data(), i);
+      return v;
+    };
+    const auto x16 = narrow(input(tc, 1)), dy16 = narrow(random_vector(y_elems(s), 2));
+    auto dx_in = DeviceBytes::from(x16, 7), ddy = DeviceBytes::from(dy16, 11);
+    DeviceBytes dyo(y_elems(s), 2, 3), ddx(x_elems(s), 2, 13);
+    DeviceTensor darg(y_elems(s), 5);
+    ops::run_blocking(dev.context.compute(), ops::maxpool2d_forward(dev.env, s, dx_in.span(), dyo.span(), darg.span()));
+    ops::run_blocking(dev.context.compute(), ops::maxpool2d_backward(dev.env, s, ddy.span(), darg.span(), ddx.span()));
+
+    std::vector<float> y_ref(y_elems(s)), dx_ref(x_elems(s));
+    std::vector<std::int32_t> arg_ref(y_elems(s));
+    ops::ref::maxpool2d_forward<float>(s, widen(x16), y_ref, arg_ref);
+    ops::ref::maxpool2d_backward<float>(s, widen(dy16), arg_ref, dx_ref);
+    EXPECT_EQ(dyo.download<std::uint16_t>(), narrow(y_ref));
+    EXPECT_EQ(as_ints(darg.download()), arg_ref);
+    EXPECT_EQ(ddx.download<std::uint16_t>(), narrow(dx_ref));
+    for (const auto* d : {&dyo, &ddx}) {
+      for (const unsigned char byte : d->tail()) ASSERT_EQ(byte, 0xA5) << "written past the end";
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -3,6 +3,7 @@
 // multiplies. argmax holds the index of each maximum within its (n, c) plane (-1 for none: with
 // -DPOOL_RELU=1, a fused ReLU, windows whose maximum is not positive). x, y, dx and dy are
 // stored as T (-DT_F16 / -DT_BF16, f32 without: dtype.clh).
+#define FERRY_WIDE16 1  // LOAD16_T, STORE16_T (dtype.clh) for the 2 x 2 rows' vector paths
 #include "dtype.clh"
 
 #define POOL_HW (POOL_H * POOL_W)
@@ -115,11 +116,12 @@ __kernel void maxpool2x2_forward_rows(__global const T_STORAGE* x, ulong x_off, 
   const ulong plane = x_off + (ulong)nc * POOL_HW;
   const ulong yo = y_off + (ulong)row * POOL_Q, ao = argmax_off + (ulong)row * POOL_Q;
   uint q = 0;
-#if T_IS_F32
+  // Eight windows at a time, every storage type (a narrow one widened 16 wide); the maxima are
+  // stored values, so storing them back narrow is exact.
   const int8 lanes = (int8)(0, 2, 4, 6, 8, 10, 12, 14);
   for (; q + 8 <= POOL_Q; q += 8) {
     const uint i00 = 2 * p * POOL_W + 2 * q;
-    const float16 r0 = vload16(0, x + plane + i00), r1 = vload16(0, x + plane + i00 + POOL_W);
+    const float16 r0 = LOAD16_T(x, plane + i00), r1 = LOAD16_T(x, plane + i00 + POOL_W);
     const int8 base = (int8)(i00) + lanes;
     float8 best = r0.even;
     int8 idx = base;
@@ -137,10 +139,15 @@ __kernel void maxpool2x2_forward_rows(__global const T_STORAGE* x, ulong x_off, 
     best = select((float8)(0.0f), best, positive);
     idx = select((int8)(-1), idx, positive);
 #endif
+#if T_IS_F32
     vstore8(best, 0, y + yo + q);
+#else
+    float out[8];
+    vstore8(best, 0, out);
+    for (uint l = 0; l < 8; ++l) STORE_T(out[l], y, yo + q + l);
+#endif
     vstore8(idx, 0, argmax + ao + q);
   }
-#endif
   for (; q < POOL_Q; ++q) pool2_one(x, plane, p, q, y, yo + q, argmax, ao + q);
 }
 
@@ -157,20 +164,25 @@ __kernel void maxpool2x2_backward_rows(__global const T_STORAGE* dy, ulong dy_of
   const ulong go = dy_off + (ulong)row * POOL_Q, ao = argmax_off + (ulong)row * POOL_Q;
   const uint h0 = 2 * p;
   uint q = 0;
-#if T_IS_F32
+  // Eight windows at a time, every storage type (the gradients routed unchanged: exact narrow).
   const int8 lanes = (int8)(0, 2, 4, 6, 8, 10, 12, 14);
   for (; q + 8 <= POOL_Q; q += 8) {
+#if T_IS_F32
     const float8 g = vload8(0, dy + go + q);
+#else
+    float in[8];
+    for (uint l = 0; l < 8; ++l) in[l] = LOAD_T(dy, go + q + l);
+    const float8 g = vload8(0, in);
+#endif
     const int8 a = vload8(0, argmax + ao + q);
     const int8 base = (int8)(h0 * POOL_W + 2 * q) + lanes;
     const float8 zero = (float8)(0.0f);
     const float8 v00 = select(zero, g, a == base), v01 = select(zero, g, a == base + 1);
     const float8 v10 = select(zero, g, a == base + POOL_W), v11 = select(zero, g, a == base + POOL_W + 1);
     const uint16 interleave = (uint16)(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    vstore16(shuffle2(v00, v01, interleave), 0, dx + plane + h0 * POOL_W + 2 * q);
-    vstore16(shuffle2(v10, v11, interleave), 0, dx + plane + (h0 + 1) * POOL_W + 2 * q);
+    STORE16_T(shuffle2(v00, v01, interleave), dx, plane + h0 * POOL_W + 2 * q);
+    STORE16_T(shuffle2(v10, v11, interleave), dx, plane + (h0 + 1) * POOL_W + 2 * q);
   }
-#endif
   for (; q < POOL_Q; ++q) {
     const float g = LOAD_T(dy, go + q);
     const int a = argmax[ao + q];
