@@ -56,7 +56,7 @@ bool wants(const GemmBenchOptions& o, std::string_view impl) {
 // `values` in storage type t (rounded to nearest even), as bytes.
 std::vector<std::byte> stored_as(ops::DType t, const std::vector<float>& values) {
   std::vector<std::byte> out(values.size() * ops::dtype_bytes(t));
-  for (std::size_t i = 0; i < values.size(); ++i) ops::ref::store_float(t, values[i], out.data(), i);
+  ops::ref::cast(ops::DType::f32, t, values.data(), out.data(), values.size());
   return out;
 }
 
@@ -120,7 +120,7 @@ Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::Gemm
     std::vector<std::byte> stored(s.M * s.N * ops::dtype_bytes(s.c));
     ctx.read(d.c.get(), 0, stored.data(), stored.size());
     m.c.resize(s.M * s.N);
-    for (std::size_t i = 0; i < m.c.size(); ++i) m.c[i] = ops::ref::load_float(s.c, stored.data(), i);
+    ops::ref::cast(s.c, ops::DType::f32, stored.data(), m.c.data(), m.c.size());
   }
   return m;
 }

@@ -94,12 +94,12 @@ TEST_P(MaxPoolTest, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
     s.dtype = t;
     auto narrow = [&](const std::vector<float>& v) {
       std::vector<std::uint16_t> w(v.size());
-      for (std::size_t i = 0; i < v.size(); ++i) ops::ref::store_float(t, v[i], w.data(), i);
+      ops::ref::cast(ops::DType::f32, t, v.data(), w.data(), v.size());
       return w;
     };
     auto widen = [&](const std::vector<std::uint16_t>& w) {
       std::vector<float> v(w.size());
-      for (std::size_t i = 0; i < w.size(); ++i) v[i] = ops::ref::load_float(t, w.data(), i);
+      ops::ref::cast(t, ops::DType::f32, w.data(), v.data(), w.size());
       return v;
     };
     const auto x16 = narrow(input(tc, 1)), dy16 = narrow(random_vector(y_elems(s), 2));
