@@ -134,11 +134,26 @@ void count_collective(const graph::Graph& g, graph::NodeId n, int ranks, PhasePl
   }
 }
 
+}  // namespace
+
+double predict_step_ms(const PhasePlan& p, bool shares_host_cores) {
+  if (shares_host_cores)
+    return p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms + p.network_ms;
+  // Host updates start once what they wait for is done, and the next step's forward waits for all
+  // of them (steps with host updates do not run ahead).
+  const double waited_for_ms = p.host_updates_after_backward ? p.compute_ms : p.forward_ms;
+  const double host_bound_ms = p.host_update_bytes ? waited_for_ms + p.host_update_ms : 0.0;
+  return std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, p.launch_ms,
+                   p.network_ms});
+}
+
+namespace {
+
 // The per-step figures of one planned variant (everything but the device breakdown). On a CPU
 // device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
 // the same cores, so their times add up instead of overlapping.
 void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates, bool shares_host_cores,
-                int ranks, PhasePlan& p) {
+                int ranks, std::uint32_t pinned_copies, PhasePlan& p) {
   p.nodes = g.nodes.size();
   p.host_step_bytes = planned.memory.host_transient_bytes;
   p.pinned_staging_bytes = planned.memory.host_staging_bytes;
@@ -160,6 +175,11 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       continue;
     }
     if (g.nodes.lane[n] == ops::Lane::host && row.op_class == ops::OpClass::update) {
+      for (TensorId x : g.nodes.outputs(n)) {
+        const TensorId s = g.tensors.storage(x);
+        if (graph::is_persistent(g.tensors.role[s]) && offload::changes_in_place(g.tensors.home[s], pinned_copies))
+          p.host_updates_after_backward = true;
+      }
       // The tensors it streams through (not the step's guard flag, read once).
       const auto add = [&](TensorId x) {
         if (g.tensors.role[g.tensors.storage(x)] == graph::Role::stats) return;
@@ -213,11 +233,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.network_ms = ms(static_cast<double>(p.network_bytes), rates.network_gbps * 1e6);
   p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
   p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
-  const double updates_after_forward_ms = p.host_update_bytes ? p.forward_ms + p.host_update_ms : 0.0;
-  p.predicted_step_ms = shares_host_cores
-                            ? p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms + p.network_ms
-                            : std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms,
-                                        updates_after_forward_ms, p.launch_ms, p.network_ms});
+  p.predicted_step_ms = predict_step_ms(p, shares_host_cores);
 }
 
 // plan_training for validated options with the recomputation fixed.
@@ -245,7 +261,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = options.phases.hybrid ? "warmup/full/correct" : "full";
     p.device = device_breakdown(training, train_plan.memory, training, persistent_device);
-    count_step(training, train_plan, rates, runtime.device().is_cpu(), ranks, p);
+    count_step(training, train_plan, rates, runtime.device().is_cpu(), ranks, residency.homes.pinned_copies, p);
     out.phases.push_back(std::move(p));
   }
   const auto arena = graph::planned_arena(training, train_plan.memory, train_plan.residency.mode);
@@ -255,7 +271,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = v.phase;
     p.device = device_breakdown(g, planned.memory, training, persistent_device);
-    count_step(g, planned, rates, runtime.device().is_cpu(), ranks, p);
+    count_step(g, planned, rates, runtime.device().is_cpu(), ranks, residency.homes.pinned_copies, p);
     out.phases.push_back(std::move(p));
   }
 
@@ -543,7 +559,8 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
   PlanOutcome out;
   try {
     out.plan = plan_training(runtime, model, options, rates);
-    check_host_budget(*out.plan, options.residency.host_budget_bytes);
+    // A budget given is the host's memory being planned for, which need not be this machine's.
+    check_host_budget(*out.plan, options.residency.host_budget_bytes, HostLimit::budget_if_given);
   } catch (const graph::BudgetError& e) {
     out.error = e.what();
   } catch (const HostBudgetError& e) {
@@ -552,8 +569,9 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
   return out;
 }
 
-void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes) {
-  const std::uint64_t physical = physical_memory_bytes();
+void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes, HostLimit limit_by) {
+  const std::uint64_t physical =
+      limit_by == HostLimit::budget_if_given && host_budget_bytes != 0 ? 0 : physical_memory_bytes();
   const std::uint64_t needed = plan.host_bytes + plan.host_compressed_bytes + plan.host_restore_bytes;
   const bool over_budget = host_budget_bytes != 0 && needed > host_budget_bytes;
   const bool over_memory = physical != 0 && needed > physical;

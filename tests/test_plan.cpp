@@ -258,9 +258,10 @@ TEST(Plan, RatesAreMeasuredOnTheDevice) {
 }
 
 // small_mlp's 413 parameters (20 x 13 + 13, 13 x 10 + 10) updated by Adam on the host: each reads
-// the weight, its gradient and two moments and writes three, 28 bytes a parameter. The updates
-// start in the backward and the next forward waits for them: the step is at least forward + host
-// (on a GPU; on a CPU device everything adds up on the same cores).
+// the weight, its gradient and two moments and writes three, 28 bytes a parameter. With one copy of
+// the state (the default) they change it in place, so they wait for the end of the backward and
+// the next forward waits for them: the step is at least compute + host (on a GPU; on a CPU device
+// everything adds up on the same cores).
 TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
   Runtime rt;
   TrainerOptions o;
@@ -277,10 +278,18 @@ TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
   EXPECT_GT(t.forward_memory_bytes, 0u);
   EXPECT_LT(t.forward_memory_bytes, t.memory_bytes);
   EXPECT_DOUBLE_EQ(t.forward_ms, static_cast<double>(t.forward_gemm_flops) / 1e6) << "no device memory rate given";
+  EXPECT_TRUE(t.host_updates_after_backward) << "one copy of the state: the updates change it in place";
   const double expected =
-      rt.device().is_cpu() ? t.compute_ms + t.transfer_ms + t.host_update_ms : t.forward_ms + t.host_update_ms;
+      rt.device().is_cpu() ? t.compute_ms + t.transfer_ms + t.host_update_ms : t.compute_ms + t.host_update_ms;
   EXPECT_DOUBLE_EQ(p.predicted_step_ms, expected) << "the host's updates are the slowest part at these rates";
+  EXPECT_DOUBLE_EQ(p.predicted_step_ms, predict_step_ms(t, rt.device().is_cpu()));
   EXPECT_EQ(t.codec_bytes, 0u);
+  // Two copies: the updates write the other copy, so they start as their gradients land.
+  TrainerOptions two = o;
+  two.residency.homes.pinned_copies = 2;
+  const PhasePlan& t2 = plan_training(rt, small_mlp(), two, rates).phases.front();
+  EXPECT_FALSE(t2.host_updates_after_backward);
+  EXPECT_EQ(t2.host_update_bytes, t.host_update_bytes);
 
   // 8-bit AdamW on the host: 16 bytes a parameter (u8 moments) and each tensor's two block scales
   // read and written (4 tensors of one block each), at the 8-bit rate.
@@ -437,6 +446,22 @@ TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
   EXPECT_LE(fits.host_state_bytes(), plan.host_bytes);
 }
 
+// The step from its parts: on a device of its own the largest of them, the host updates counted
+// after what they wait for; on a CPU device their sum.
+TEST(Plan, StepTimeCombinesItsParts) {
+  PhasePlan p;
+  p.compute_ms = 10, p.forward_ms = 3, p.transfer_ms = 4, p.launch_ms = 1, p.codec_ms = 0.5;
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 10) << "compute is the largest part";
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, true), 15.5) << "a CPU device adds them up";
+  p.host_update_bytes = 1, p.host_update_ms = 8;
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 11) << "updates start in the backward: forward + updates";
+  p.host_updates_after_backward = true;
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 18) << "updates in place wait for the backward: compute + updates";
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, true), 23.5);
+  p.transfer_ms = 30;
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 30) << "the link is the largest part";
+}
+
 TEST(Plan, StateLargerThanPhysicalMemoryIsAnError) {
   TrainingPlan plan;
   plan.host_store_bytes = physical_memory_bytes() + 1;
@@ -449,8 +474,17 @@ TEST(Plan, StateLargerThanPhysicalMemoryIsAnError) {
     EXPECT_EQ(e.budget_bytes(), physical_memory_bytes());
     EXPECT_NE(std::string(e.what()).find("physical memory"), std::string::npos) << e.what();
   }
-  // A budget above physical memory does not lift the machine's limit.
+  // A budget above physical memory does not lift the machine's limit for what runs here, but it is
+  // the limit of a plan for a larger host.
   EXPECT_THROW(check_host_budget(plan, plan.host_bytes * 2), HostBudgetError);
+  EXPECT_NO_THROW(check_host_budget(plan, plan.host_bytes * 2, HostLimit::budget_if_given));
+  EXPECT_THROW(check_host_budget(plan, plan.host_bytes - 1, HostLimit::budget_if_given), HostBudgetError);
+  try {
+    check_host_budget(plan, 0, HostLimit::budget_if_given);
+    FAIL() << "with no budget given, physical memory is the limit of a plan too";
+  } catch (const HostBudgetError& e) {
+    EXPECT_EQ(e.budget_bytes(), physical_memory_bytes());
+  }
 }
 
 }  // namespace

@@ -190,6 +190,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["transfer_ms"] = t.transfer_ms;
     j["host_update_bytes"] = t.host_update_bytes;
     j["host_update_ms"] = t.host_update_ms;
+    j["host_updates_after_backward"] = t.host_updates_after_backward;
     j["codec_bytes"] = t.codec_bytes;
     j["codec_ms"] = t.codec_ms;
     j["collective_bytes"] = t.collective_bytes;
@@ -221,6 +222,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "launch_ms",
                           "host_update_bytes",
                           "host_update_ms",
+                          "host_updates_after_backward",
                           "codec_bytes",
                           "codec_ms",
                           "collective_bytes",
@@ -357,13 +359,22 @@ void print_search(const PlanReport& r) {
   }
 }
 
+// How the host budget was set: this machine's memory, or a budget for a larger host than this one.
+std::string host_limit_note(const PlanReport& r) {
+  if (!r.host_budget) return " (physical memory)";
+  const std::uint64_t physical = ferry::physical_memory_bytes();
+  if (physical == 0 || r.host_budget <= physical) return "";
+  return fmt::format(" (more than this machine's {}: planned for a larger host; ferry train refuses it here)",
+                     ferry::format_bytes(physical));
+}
+
 void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const ferry::TrainerOptions& base,
                      const PlanReport& r) {
   std::cout << fmt::format(
       "ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {}, host budget {}{} on {}\n", model.name,
       base.batch, a.optimizer, precision_name(base.precision.compute), ferry::phases_name(base.phases.hybrid),
       base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(r.budget),
-      ferry::format_bytes(r.host_limit), r.host_budget ? "" : " (physical memory)", r.device);
+      ferry::format_bytes(r.host_limit), host_limit_note(r), r.device);
   std::string rates;
   for (std::size_t i = 0; i < rate_count; ++i) {
     rates += fmt::format(

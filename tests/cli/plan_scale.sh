@@ -43,5 +43,16 @@ done
 grep -q '"link_gbps_source":"measured"' <<<"$json" || fail "the link rate was not measured: $json"
 grep -q '"device_peak_bytes":[1-9]' <<<"$json" || fail "no device peak: $json"
 grep -q '"predicted_step_ms":[1-9]' <<<"$json" || fail "no predicted step time: $json"
+# A host budget larger than this machine's memory plans for that host: the same model streamed
+# fits 200 GiB of host memory (about 60 GiB of weights, 8-bit state and gradients), which this
+# machine, whose memory is smaller, would refuse to run.
+"$ferry" plan --model gpt --width 4096 --depth 32 --heads 32 --context 256 --batch 8 --device-budget 24GiB \
+  --optimizer adamw8bit --residency stream --host-budget 200GiB --link-gbps 50 --gemm-gflops 30000 \
+  --device-gbps 3000 --device-8bit-gbps 1000 --launch-us 10 --host-gbps 20 --host-8bit-gbps 20 --codec-gbps 5 \
+  --json >"$work/larger_host.json" 2>"$work/larger_host.txt"
+status=$?
+[ $status -eq 0 ] || fail "the plan for a 200 GiB host exited $status: $(tail -3 "$work/larger_host.txt")"
+grep -q '"fits":true' "$work/larger_host.json" || fail "the plan for a 200 GiB host does not fit: $(cat "$work/larger_host.json")"
+grep -q '"host_budget_bytes":214748364800' "$work/larger_host.json" || fail "the 200 GiB host budget is not the limit"
 [ $failures -eq 0 ] && echo "plan_scale: ok"
 exit $((failures > 0))

@@ -120,17 +120,21 @@ struct PhasePlan {
   // With the rates: GEMM flops at the GEMM rate plus the other nodes' memory bytes at the device's
   // memory rates (fp32 and 8-bit updates; compute_ms), the bytes moved at the link rate, the host
   // updates at the host rates (fp32 and 8-bit), the codec's bytes at its rate, the launches at the
-  // launch cost, and the step time predicted from them. Copies, launches and the host's work
-  // overlap compute (the host enqueues ahead of the device), so the step is the largest of
-  // compute, transfers, launches and the host's work (updates and codec). Host updates start as
-  // each gradient lands, in the backward, and the next step's forward waits for all of them (such
-  // steps do not run ahead), so they end no sooner than forward + host updates: the step is at
-  // least that too. On a CPU device all of it runs on the same cores: the step is the sum. 0 when
-  // a rate is unknown.
+  // launch cost, and the step time predicted from them (predict_step_ms). 0 when a rate is unknown.
   double compute_ms = 0, transfer_ms = 0, host_update_ms = 0, codec_ms = 0, predicted_step_ms = 0;
   double forward_ms = 0;  // the part of compute_ms before the backward
   double launch_ms = 0;   // launches at the launch cost
+  // The host updates change state in place (one copy: offload::changes_in_place), so they wait for
+  // the step's commit point, the end of the backward, rather than starting as gradients land.
+  bool host_updates_after_backward = false;
 };
+
+// A phase's step time from its parts (the terms above, computed): on a device of its own, the
+// largest of compute, transfers, launches, the host's work (updates and codec) and the host
+// updates after what they wait for (the forward, or the whole compute when they change state in
+// place: host_updates_after_backward), the next step's forward waiting for them; with
+// `shares_host_cores` (a CPU device: kernels, copies and host work on the same cores) their sum.
+double predict_step_ms(const PhasePlan& p, bool shares_host_cores);
 
 struct TrainingPlan {
   graph::ResidencyMode mode = graph::ResidencyMode::resident;  // the one the residency pass chose
@@ -184,7 +188,8 @@ struct PlanOutcome {
 
 // plan_training, then check_host_budget against options.residency.host_budget_bytes, the budget
 // errors (graph::BudgetError, HostBudgetError) caught into the outcome; bad options throw as in
-// plan_training.
+// plan_training. A host budget given is the limit even above this machine's physical memory (a
+// plan for a larger host: HostLimit::budget_if_given); a Trainer on this machine would refuse it.
 PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
                                 const PlanRates& rates = {});
 
@@ -232,10 +237,15 @@ class HostBudgetError : public std::runtime_error {
   std::uint64_t needed_, budget_;
 };
 
+// What check_host_budget holds a plan's host bytes to: the budget and this machine's physical
+// memory (what runs here: the Trainer), or the budget alone where one is given, else physical
+// memory (planning for a host the budget describes, which may be larger than this one).
+enum class HostLimit { budget_and_physical_memory, budget_if_given };
+
 // Throws HostBudgetError when `plan.host_bytes` plus `plan.host_compressed_bytes` and
-// `plan.host_restore_bytes` exceeds
-// `host_budget_bytes` (0: no budget) or the machine's physical memory, naming the figure, the
-// limit and what to change.
-void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes);
+// `plan.host_restore_bytes` exceeds `host_budget_bytes` (0: no budget) or, as `limit_by` says,
+// the machine's physical memory, naming the figure, the limit and what to change.
+void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes,
+                       HostLimit limit_by = HostLimit::budget_and_physical_memory);
 
 }  // namespace ferry
