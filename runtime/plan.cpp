@@ -143,8 +143,8 @@ double predict_step_ms(const PhasePlan& p, bool shares_host_cores) {
   // of them (steps with host updates do not run ahead).
   const double waited_for_ms = p.host_updates_after_backward ? p.compute_ms : p.forward_ms;
   const double host_bound_ms = p.host_update_bytes ? waited_for_ms + p.host_update_ms : 0.0;
-  return std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, p.launch_ms,
-                   p.network_ms});
+  return std::max(
+      {p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, p.launch_ms, p.network_ms});
 }
 
 namespace {
