@@ -287,7 +287,8 @@ TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
   // Two copies: the updates write the other copy, so they start as their gradients land.
   TrainerOptions two = o;
   two.residency.homes.pinned_copies = 2;
-  const PhasePlan& t2 = plan_training(rt, small_mlp(), two, rates).phases.front();
+  const TrainingPlan p2 = plan_training(rt, small_mlp(), two, rates);
+  const PhasePlan& t2 = p2.phases.front();
   EXPECT_FALSE(t2.host_updates_after_backward);
   EXPECT_EQ(t2.host_update_bytes, t.host_update_bytes);
 
