@@ -1,18 +1,21 @@
 // Quantizing to the dynamic 8-bit codes (include/ferry/ops/quant_map.hpp) by table lookup instead
 // of a binary search, for the host optimizer's 8-bit AdamW: the same code as dynamic_quantize for
-// every input, in a handful of loads that a vectorising compiler turns into gathers.
+// every input (every float in [0, 1], both signs, was checked once; the suite checks a sample), in
+// two independent loads that a vectorising compiler turns into gathers.
 //
 // A normalized value's magnitude m in [0, 1] is placed in a bucket by its float bits: the exponent
 // and the top seven mantissa bits (buckets of 1/128 of a binade; every magnitude below 2^-26 shares
-// bucket 0, below the smallest code but 0). Each bucket holds the largest magnitude index a whose
-// value is <= the bucket's lower bound. No bucket has more than one code value strictly inside it
-// (checked when the tables are built), so one compare finds the largest a with value(a) <= m, and
-// a second the nearer of a and a + 1.
+// bucket 0, below the smallest code but 0). Code values are at least a bucket apart, so inside one
+// bucket the nearest code changes at most once (checked when the tables are built): each bucket
+// holds the magnitude index nearest to its lower bound and the least magnitude at which the next
+// index is nearer. The tables are built at compile time from the search they replace (a bucket's
+// largest index a with value(a) <= its lower bound, then dynamic_quantize's own compare of the
+// distances to a and a + 1), which needed three loads in a chain.
 //
 // Both maps are symmetric in a magnitude index: the unsigned map's code is a (0..255); the signed
 // map's is 128 + a for a positive value and 128 - a for a negative one (a = 0..127). A tie between
 // two codes goes to the lower code, as in dynamic_quantize: the smaller magnitude for a positive
-// value, the larger for a negative one.
+// value, the larger for a negative one (so the signed map has a row of steps per sign).
 #pragma once
 
 #include <array>
@@ -44,19 +47,20 @@ constexpr float bucket_floor(std::uint32_t b) {
   return std::bit_cast<float>(((b - 1) + (first_exponent << mantissa_bits)) << (23 - mantissa_bits));
 }
 
-// One map's tables: the magnitudes by index (then +inf, so a + 1 is always readable and never
-// nearer) and each bucket's first index.
+// The search of the first tables (kept to build the step tables below, and as their check): one
+// map's magnitudes by index (then +inf, so a + 1 is always readable and never nearer) and each
+// bucket's first index.
 template <std::uint32_t Magnitudes>
-struct Tables {
+struct SearchTables {
   std::array<float, Magnitudes + 1> value{};
   std::array<std::int32_t, count> first{};
   std::uint32_t most_inside = 0;  // the most code values strictly inside one bucket (<= 1 required)
 };
 
 template <std::uint32_t Magnitudes>
-constexpr Tables<Magnitudes> make_tables() {
+constexpr SearchTables<Magnitudes> make_search_tables() {
   constexpr bool is_signed = Magnitudes == 128;
-  Tables<Magnitudes> t;
+  SearchTables<Magnitudes> t;
   for (std::uint32_t a = 0; a < Magnitudes; ++a) {
     t.value[a] = dynamic_value(static_cast<std::uint8_t>(is_signed ? 128 + a : a), is_signed);
   }
@@ -74,27 +78,91 @@ constexpr Tables<Magnitudes> make_tables() {
   return t;
 }
 
-inline constexpr Tables<128> signed_tables = make_tables<128>();
-inline constexpr Tables<256> unsigned_tables = make_tables<256>();
-static_assert(signed_tables.most_inside <= 1 && unsigned_tables.most_inside <= 1,
+// The magnitude index nearest to m (in [0, 1], in bucket b): the largest a with value(a) <= m, in
+// one compare since no bucket has two code values inside it, then the nearer of a and a + 1 as
+// dynamic_quantize decides it (the same float subtractions). A tie goes to the lower code: the
+// smaller magnitude for a positive value, the larger for a negative one.
+template <std::uint32_t Magnitudes>
+constexpr std::int32_t nearest_index(const SearchTables<Magnitudes>& t, std::uint32_t b, float m, bool negative) {
+  std::int32_t a = t.first[b];
+  a += static_cast<std::int32_t>(t.value[a + 1] <= m);
+  const float below = m - t.value[a], above = t.value[a + 1] - m;
+  return a + static_cast<std::int32_t>(above < below || (negative && above == below));
+}
+
+// The step tables: inside one bucket the nearest index rises at most once (checked when they are
+// built), so a value's index is its bucket's index at the floor plus one where it reaches the
+// bucket's step. Two independent loads a value, where the search needs three in a chain. The
+// signed map has a row per sign (negative values' after the positive ones'), since a tie goes the
+// other way for them; the unsigned map folds in its rule that a positive value never becomes 0.
+template <std::uint32_t Magnitudes>
+struct StepTables {
+  static constexpr std::uint32_t sides = Magnitudes == 128 ? 2 : 1;
+  std::array<std::int32_t, sides * count> base{};
+  std::array<float, sides * count> step{};  // +inf where the index does not rise in the bucket
+  std::uint32_t most_steps = 0;             // the most rises inside one bucket (<= 1 required)
+};
+
+template <std::uint32_t Magnitudes>
+constexpr StepTables<Magnitudes> make_step_tables() {
+  constexpr bool is_signed = Magnitudes == 128;
+  const SearchTables<Magnitudes> search = make_search_tables<Magnitudes>();
+  StepTables<Magnitudes> t;
+  for (std::uint32_t side = 0; side < t.sides; ++side) {
+    const bool negative = side == 1;
+    const auto index = [&](std::uint32_t b, std::uint32_t bits) {
+      const float m = std::bit_cast<float>(bits);
+      const std::int32_t a = nearest_index(search, b, m, negative);
+      return !is_signed && a == 0 && m > 0.0f ? 1 : a;  // a positive second moment is never 0
+    };
+    for (std::uint32_t b = 0; b < count; ++b) {
+      // The bucket's float bit patterns [lo, hi]; bucket 0 runs from 0 to just below bucket 1.
+      const std::uint32_t lo = std::bit_cast<std::uint32_t>(bucket_floor(b));
+      const std::uint32_t hi = b + 1 < count ? std::bit_cast<std::uint32_t>(bucket_floor(b + 1)) - 1
+                                             : std::bit_cast<std::uint32_t>(1.0f);
+      const std::int32_t base = index(b, lo), top = index(b, hi);
+      const std::uint32_t j = side * count + b;
+      t.base[j] = base;
+      t.step[j] = std::numeric_limits<float>::infinity();
+      if (top == base) continue;
+      // The first pattern with the higher index (the index never falls as m rises).
+      std::uint32_t first = lo + 1, last = hi;
+      while (first < last) {
+        const std::uint32_t mid = first + (last - first) / 2;
+        if (index(b, mid) > base) {
+          last = mid;
+        } else {
+          first = mid + 1;
+        }
+      }
+      t.step[j] = std::bit_cast<float>(first);
+      const std::uint32_t rises = static_cast<std::uint32_t>(top - base);
+      t.most_steps = rises > t.most_steps ? rises : t.most_steps;
+    }
+  }
+  return t;
+}
+
+inline constexpr StepTables<128> signed_tables = make_step_tables<128>();
+inline constexpr StepTables<256> unsigned_tables = make_step_tables<256>();
+static_assert(make_search_tables<128>().most_inside <= 1 && make_search_tables<256>().most_inside <= 1,
               "a bucket holds two codes: one compare cannot place a value; add mantissa bits");
+static_assert(signed_tables.most_steps <= 1 && unsigned_tables.most_steps <= 1,
+              "the nearest code rises twice inside a bucket: one step cannot place a value; add mantissa bits");
 
 // dynamic_quantize(r, Signed) for r normalized, clamped to [-1, 1] ([0, 1] unsigned) and not NaN.
+// (Arithmetic on the comparisons rather than branches: the loops calling this vectorise only
+// without them.)
 template <bool Signed>
 inline std::uint32_t quantize(float r) {
   const float m = std::fabs(r);  // -0.0 too
-  const float* value = Signed ? signed_tables.value.data() : unsigned_tables.value.data();
-  const std::int32_t* first = Signed ? signed_tables.first.data() : unsigned_tables.first.data();
-  std::int32_t a = first[bucket_of(m)];
-  a += static_cast<std::int32_t>(value[a + 1] <= m);
-  const float below = m - value[a], above = value[a + 1] - m;
-  // The lower code on a tie: the smaller magnitude unless the value is negative. (Arithmetic on
-  // the comparisons rather than branches: the loops calling this vectorise only without them.)
   const std::int32_t negative = Signed ? static_cast<std::int32_t>(r < 0.0f) : 0;
-  a += static_cast<std::int32_t>(above < below) | (negative & static_cast<std::int32_t>(above == below));
+  const std::int32_t j = bucket_of(m) + negative * static_cast<std::int32_t>(count);
+  const std::int32_t* base = Signed ? signed_tables.base.data() : unsigned_tables.base.data();
+  const float* step = Signed ? signed_tables.step.data() : unsigned_tables.step.data();
+  const std::int32_t a = base[j] + static_cast<std::int32_t>(m >= step[j]);
   if constexpr (Signed) return static_cast<std::uint32_t>(128 + a - 2 * negative * a);
-  // A positive value never becomes 0 (second moments: Adam divides by their square root).
-  return static_cast<std::uint32_t>(a | (static_cast<std::int32_t>(a == 0) & static_cast<std::int32_t>(m > 0.0f)));
+  return static_cast<std::uint32_t>(a);
 }
 
 }  // namespace ferry::ops::quant_buckets
