@@ -118,8 +118,8 @@ constexpr StepTables<Magnitudes> make_step_tables() {
     for (std::uint32_t b = 0; b < count; ++b) {
       // The bucket's float bit patterns [lo, hi]; bucket 0 runs from 0 to just below bucket 1.
       const std::uint32_t lo = std::bit_cast<std::uint32_t>(bucket_floor(b));
-      const std::uint32_t hi = b + 1 < count ? std::bit_cast<std::uint32_t>(bucket_floor(b + 1)) - 1
-                                             : std::bit_cast<std::uint32_t>(1.0f);
+      const std::uint32_t hi =
+          b + 1 < count ? std::bit_cast<std::uint32_t>(bucket_floor(b + 1)) - 1 : std::bit_cast<std::uint32_t>(1.0f);
       const std::int32_t base = index(b, lo), top = index(b, hi);
       const std::uint32_t j = side * count + b;
       t.base[j] = base;
