@@ -92,28 +92,30 @@ constexpr std::int32_t nearest_index(const SearchTables<Magnitudes>& t, std::uin
 
 // The step tables: inside one bucket the nearest index rises at most once (checked when they are
 // built), so a value's index is its bucket's index at the floor plus one where it reaches the
-// bucket's step. Two independent loads a value, where the search needs three in a chain. The
-// signed map has a row per sign (negative values' after the positive ones'), since a tie goes the
-// other way for them; the unsigned map folds in its rule that a positive value never becomes 0.
+// bucket's step. A bucket b >= 1 is the 2^16 float bit patterns that share their top 16 bits, so
+// its step is one of its low 16-bit halves; one 32-bit entry holds both, the index in its top
+// bits and the step (or 2^16: none) in its low 17. One load a value, where the search needs three
+// in a chain, from tables that fit a core's first-level cache (40 KiB; the search's 27). The signed
+// map has a row per sign (negative values' after the positive ones'), since a tie goes the other
+// way for them. Bucket 0 (magnitudes below 2^-26, a range of exponents) has no step: its values
+// are all nearest to 0.
+inline constexpr std::uint32_t step_bits = 17, no_step = 1u << 16, low_half = 0xffffu;
+
 template <std::uint32_t Magnitudes>
 struct StepTables {
   static constexpr std::uint32_t sides = Magnitudes == 128 ? 2 : 1;
-  std::array<std::int32_t, sides * count> base{};
-  std::array<float, sides * count> step{};  // +inf where the index does not rise in the bucket
-  std::uint32_t most_steps = 0;             // the most rises inside one bucket (<= 1 required)
+  std::array<std::uint32_t, sides * count> entry{};  // index << step_bits | step's low half (or no_step)
+  std::uint32_t most_steps = 0;                      // the most rises inside one bucket (<= 1 required)
 };
 
 template <std::uint32_t Magnitudes>
 constexpr StepTables<Magnitudes> make_step_tables() {
-  constexpr bool is_signed = Magnitudes == 128;
   const SearchTables<Magnitudes> search = make_search_tables<Magnitudes>();
   StepTables<Magnitudes> t;
   for (std::uint32_t side = 0; side < t.sides; ++side) {
     const bool negative = side == 1;
     const auto index = [&](std::uint32_t b, std::uint32_t bits) {
-      const float m = std::bit_cast<float>(bits);
-      const std::int32_t a = nearest_index(search, b, m, negative);
-      return !is_signed && a == 0 && m > 0.0f ? 1 : a;  // a positive second moment is never 0
+      return nearest_index(search, b, std::bit_cast<float>(bits), negative);
     };
     for (std::uint32_t b = 0; b < count; ++b) {
       // The bucket's float bit patterns [lo, hi]; bucket 0 runs from 0 to just below bucket 1.
@@ -121,23 +123,24 @@ constexpr StepTables<Magnitudes> make_step_tables() {
       const std::uint32_t hi =
           b + 1 < count ? std::bit_cast<std::uint32_t>(bucket_floor(b + 1)) - 1 : std::bit_cast<std::uint32_t>(1.0f);
       const std::int32_t base = index(b, lo), top = index(b, hi);
-      const std::uint32_t j = side * count + b;
-      t.base[j] = base;
-      t.step[j] = std::numeric_limits<float>::infinity();
-      if (top == base) continue;
-      // The first pattern with the higher index (the index never falls as m rises).
-      std::uint32_t first = lo + 1, last = hi;
-      while (first < last) {
-        const std::uint32_t mid = first + (last - first) / 2;
-        if (index(b, mid) > base) {
-          last = mid;
-        } else {
-          first = mid + 1;
+      std::uint32_t step = no_step;
+      if (top != base) {
+        // The first pattern with the higher index (the index never falls as m rises).
+        std::uint32_t first = lo + 1, last = hi;
+        while (first < last) {
+          const std::uint32_t mid = first + (last - first) / 2;
+          if (index(b, mid) > base) {
+            last = mid;
+          } else {
+            first = mid + 1;
+          }
         }
+        step = first & low_half;
+        // Bucket 0 spans exponents, so a low half cannot place a value there.
+        const std::uint32_t rises = b == 0 ? 2 : static_cast<std::uint32_t>(top - base);
+        t.most_steps = rises > t.most_steps ? rises : t.most_steps;
       }
-      t.step[j] = std::bit_cast<float>(first);
-      const std::uint32_t rises = static_cast<std::uint32_t>(top - base);
-      t.most_steps = rises > t.most_steps ? rises : t.most_steps;
+      t.entry[side * count + b] = static_cast<std::uint32_t>(base) << step_bits | step;
     }
   }
   return t;
@@ -148,7 +151,8 @@ inline constexpr StepTables<256> unsigned_tables = make_step_tables<256>();
 static_assert(make_search_tables<128>().most_inside <= 1 && make_search_tables<256>().most_inside <= 1,
               "a bucket holds two codes: one compare cannot place a value; add mantissa bits");
 static_assert(signed_tables.most_steps <= 1 && unsigned_tables.most_steps <= 1,
-              "the nearest code rises twice inside a bucket: one step cannot place a value; add mantissa bits");
+              "the nearest code rises twice inside a bucket (or in bucket 0): one step cannot place a value");
+static_assert(23 - mantissa_bits == 16, "a bucket must be the float bit patterns that share their top 16 bits");
 
 // dynamic_quantize(r, Signed) for r normalized, clamped to [-1, 1] ([0, 1] unsigned) and not NaN.
 // (Arithmetic on the comparisons rather than branches: the loops calling this vectorise only
@@ -156,13 +160,15 @@ static_assert(signed_tables.most_steps <= 1 && unsigned_tables.most_steps <= 1,
 template <bool Signed>
 inline std::uint32_t quantize(float r) {
   const float m = std::fabs(r);  // -0.0 too
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(m);
   const std::int32_t negative = Signed ? static_cast<std::int32_t>(r < 0.0f) : 0;
   const std::int32_t j = bucket_of(m) + negative * static_cast<std::int32_t>(count);
-  const std::int32_t* base = Signed ? signed_tables.base.data() : unsigned_tables.base.data();
-  const float* step = Signed ? signed_tables.step.data() : unsigned_tables.step.data();
-  const std::int32_t a = base[j] + static_cast<std::int32_t>(m >= step[j]);
+  const std::uint32_t e = (Signed ? signed_tables.entry.data() : unsigned_tables.entry.data())[j];
+  const std::int32_t a = static_cast<std::int32_t>(
+      (e >> step_bits) + static_cast<std::uint32_t>((bits & low_half) >= (e & (2 * no_step - 1))));
   if constexpr (Signed) return static_cast<std::uint32_t>(128 + a - 2 * negative * a);
-  return static_cast<std::uint32_t>(a);
+  // A positive value never becomes 0 (second moments: Adam divides by their square root).
+  return static_cast<std::uint32_t>(a | (static_cast<std::int32_t>(a == 0) & static_cast<std::int32_t>(m > 0.0f)));
 }
 
 }  // namespace ferry::ops::quant_buckets
