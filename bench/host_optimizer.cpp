@@ -9,7 +9,8 @@
 // with fp32 moments, 16 plus the scales with 8-bit ones), and the instruction set the host loops
 // were dispatched to on this CPU. With --peer, the same tensor updated by PyTorch's AdamW on the
 // CPU (bench/peers/torch_host_adam.py: foreach and, where PyTorch has it, fused) at the same
-// thread counts in the same run, and `speedup_vs_peer` against the faster of its variants.
+// thread counts in the same run, and for AdamW `speedup_vs_peer` against the faster of its
+// variants (PyTorch has no 8-bit AdamW on the CPU: the 8-bit lines carry no ratio).
 #include <fmt/format.h>
 #include <tbb/global_control.h>
 
@@ -115,11 +116,15 @@ std::vector<nlohmann::json> peer_results(const HostOptimizerOptions& o, const st
   return run_json_command(cmd);
 }
 
-// The fastest peer variant at `threads`, or null when the peer gave none.
-const nlohmann::json* fastest_peer(const std::vector<nlohmann::json>& peers, int threads) {
+// The fastest peer variant of `optimizer` at `threads`, or null when the peer gave none (it has
+// no 8-bit AdamW on the CPU).
+const nlohmann::json* fastest_peer(const std::vector<nlohmann::json>& peers, const std::string& optimizer,
+                                   int threads) {
   const nlohmann::json* best = nullptr;
   for (const nlohmann::json& p : peers) {
-    if (p.contains("error") || p.value("threads", 0) != threads || !p.contains("ms")) continue;
+    if (p.contains("error") || p.value("optimizer", "") != optimizer || p.value("threads", 0) != threads ||
+        !p.contains("ms"))
+      continue;
     if (!best || p["ms"].get<double>() < (*best)["ms"].get<double>()) best = &p;
   }
   return best;
@@ -153,7 +158,7 @@ int run_host_optimizer(const HostOptimizerOptions& o, const BenchCommon& common)
                           {"host_isa", host_isa()},
                           {"ms", ms},
                           {"gbps", bytes_per_step(optimizer, o.elements) / (ms * 1e6)}};
-      if (const nlohmann::json* p = fastest_peer(peers, t)) {
+      if (const nlohmann::json* p = fastest_peer(peers, optimizer, t)) {
         j["peer_impl"] = (*p)["impl"];
         j["peer_ms"] = (*p)["ms"];
         j["speedup_vs_peer"] = (*p)["ms"].get<double>() / ms;

@@ -5,8 +5,9 @@
 // In place (one host copy of streamed state, after the step's commit point) or out of place (two
 // copies: it reads one slot and writes the other, made current when the step commits): each
 // element is read before it is written, so the slots may be the same memory. Runs in
-// parallel over chunks on TBB workers; the same arithmetic as the device kernels, in fp32 (not
-// bit-identical to them: the order of rounding differs).
+// parallel over chunks on TBB workers; the same update as the device kernels, in fp32, with Adam's
+// bias corrections applied as factors (one division an element instead of three): not
+// bit-identical to the kernels, whose order of rounding differs.
 #pragma once
 
 #include <cstddef>
