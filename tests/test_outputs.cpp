@@ -410,6 +410,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       {"conv", "conv --batch 2 --gemm-n 64 --repeat 1 --breakdown"},
       {"compress", "compress --steps 2 --batch 16 --inner 5 --repeat 1"},
       {"phases", "phases --epochs 1 --train-limit 512 --stream-steps 2 --repeat 1"},
+      {"host-optimizer", "host-optimizer --elements 4097 --threads 1 --repeat 1 --peer --python /nonexistent/python3"},
   };
   for (const auto& [name, args] : benches) {
     const Outcome r = run_program(FERRY_BENCH, args);
