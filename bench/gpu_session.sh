@@ -24,6 +24,8 @@
 #              of narrow storage, on the GPU
 #   attention-tuned  `ferry tune --family attention` (40 s), then `ferry-bench attention` with the
 #              tuned kernel beside SDPA
+#   host-optimizer  `ferry-bench host-optimizer --peer`: the host optimizer's AdamW and 8-bit AdamW on
+#              one and on every core (the 6.4B run's largest term), beside PyTorch's CPU AdamW
 #   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
 #              through pinned chunks of 4, 16 and 64 MiB
 #   trace-staged, trace-pageable, trace-registered  the two 1B streamed runs with --host-memory staged
@@ -128,6 +130,9 @@ for p in "$@"; do
     attention-tuned)
       part attention-tune 90 "$kit/bin/ferry" tune --family attention --mode full --budget-seconds 40 --json
       part attention-tuned 90 "$kit/bin/ferry-bench" attention --contexts 1024,4096 --peer --peer-device cuda \
+        --python "$python_peer" ;;
+    host-optimizer)  # the host's AdamW and 8-bit AdamW on 1 and all cores, beside PyTorch's CPU AdamW
+      part host-optimizer 90 "$kit/bin/ferry-bench" --repeat 5 host-optimizer --threads 1 "$(nproc)" --peer \
         --python "$python_peer" ;;
     staging)
       part staging 120 "$kit/bin/ferry-bench" --repeat 3 staging --bytes 1GiB --chunks 4MiB,16MiB,64MiB ;;
