@@ -75,7 +75,8 @@ double measure_device_gbps(Runtime& runtime);
 double measure_device_8bit_gbps(Runtime& runtime);
 // The host optimizer's rate: the best of three Adam updates of 8M fp32 parameters on the TBB
 // workers, as host_adam_update runs them in a step (bytes read and written over the time); with
-// `eight_bit`, of 8-bit AdamW updates (host_adam8bit_update, blocks of 2048).
+// `eight_bit`, of 8-bit AdamW updates (host_adam8bit_update, blocks of 2048). The gradients are
+// spread over three decades, as a layer's are, so 8-bit codes spread over their tables.
 double measure_host_update_gbps(bool eight_bit = false);
 // The codec's rate: the best of three rounds compressing and decompressing 64 MiB of values like
 // Adam's second moments with the compressed home's default settings, on the TBB workers.
