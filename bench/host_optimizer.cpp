@@ -13,13 +13,15 @@
 // variants (PyTorch has no 8-bit AdamW on the CPU: the 8-bit lines carry no ratio).
 #include <fmt/format.h>
 #include <tbb/global_control.h>
+#include <tbb/info.h>
 
 #include <iostream>
 #include <random>
-#include <thread>
 
 #include "bench.hpp"
 #include "ferry/ops/optimizer.hpp"
+#include "ferry/runtime/plan.hpp"
+#include "ops/host_clones.hpp"
 #include "ops/optimizer_host.hpp"
 #include "peer.hpp"
 
@@ -43,13 +45,19 @@ double bytes_per_step(const std::string& optimizer, std::size_t n) {
   return 16.0 * static_cast<double>(n) + 16.0 * static_cast<double>(ops::adam8bit_blocks(n, block8bit));
 }
 
-// The clone the host loops run (ops/host_clones.hpp): the loader picks the widest this CPU has.
+// The clone the host loops run (ops/host_clones.hpp): the loader picks the widest this CPU has,
+// in builds that make clones (not sanitizer builds).
 std::string host_isa() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if FERRY_HOST_CLONES_ACTIVE
   if (__builtin_cpu_supports("avx512f")) return "avx512f";
   if (__builtin_cpu_supports("avx2")) return "avx2";
 #endif
   return "baseline";
+}
+
+// Host bytes one run holds: weights, gradient and moments (fp32 or u8 codes and scales).
+double state_bytes(const std::string& optimizer, std::size_t n) {
+  return static_cast<double>(n) * (optimizer == "adamw" ? 16.0 : 10.0);
 }
 
 // The state of one run: weights, a gradient of spread values, and the moments.
@@ -131,11 +139,28 @@ const nlohmann::json* fastest_peer(const std::vector<nlohmann::json>& peers, con
 }
 
 int run_host_optimizer(const HostOptimizerOptions& o, const BenchCommon& common) {
+  // TBB's workers, as the cores this process may run on allow (its affinity mask): more cannot be
+  // asked of it, and a figure for more would be one for fewer.
+  const int all = std::max(1, tbb::info::default_concurrency());
   std::vector<int> threads = o.threads;
   if (threads.empty()) {
     threads = {1};
-    const int all = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     if (all > 1) threads.push_back(all);
+  }
+  for (int t : threads) {
+    if (t > all) {
+      throw std::invalid_argument(fmt::format(
+          "--threads {}: this process may run {} threads (its CPU affinity); ask for 1 to {}", t, all, all));
+    }
+  }
+  const double memory = static_cast<double>(physical_memory_bytes());
+  for (const std::string& optimizer : o.optimizers) {
+    if (state_bytes(optimizer, o.elements) > memory / 2) {
+      throw std::invalid_argument(
+          fmt::format("--elements {}: {} needs {:.1f} GiB of host memory, more than half of this machine's {:.1f} GiB; "
+                      "ask for fewer",
+                      o.elements, optimizer, state_bytes(optimizer, o.elements) / 1073741824.0, memory / 1073741824.0));
+    }
   }
   std::vector<nlohmann::json> peers;
   if (o.peer) {

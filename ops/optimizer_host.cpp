@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 #include <algorithm>
 #include <array>
@@ -227,15 +228,36 @@ FERRY_HOST_CLONES bool adam8bit_blocks_update(const Adam8bitChunk& c, const floa
                           : adam8bit_loop<false>(c, grad, s, first, last, n, m_new, v_new);
 }
 
+// A gradient the updates can read (checked before any element changes, so a bad one leaves the
+// state as it was).
+void check_gradient(const HostGradient& g, const char* update) {
+  if (g.dtype != DType::f32 && g.dtype != DType::f16 && g.dtype != DType::bf16) {
+    throw std::invalid_argument(
+        fmt::format("{}: the gradient is {}; it reads f32, f16 or bf16", update, dtype_name(g.dtype)));
+  }
+}
+
 // Elements [begin, begin + count) of the gradient as f32: in place when it is f32, else widened
-// into this worker's buffer (kept between steps), as ops::cast_host widens a narrow copy.
+// into this worker's buffer (kept between steps, at most a piece long), as ops::cast_host widens
+// a narrow copy. The cast runs isolated: a worker waiting inside it must not take another piece
+// of the same update, whose widening would overwrite (or reallocate) this buffer.
 const float* gradient_range(const HostGradient& g, std::size_t begin, std::size_t count) {
   if (g.dtype == DType::f32 && g.factor == 1.0f) return static_cast<const float*>(g.data) + begin;
   thread_local std::vector<float> widened;
   if (widened.size() < count) widened.resize(count);
-  cast_host(g.dtype, DType::f32, static_cast<const std::byte*>(g.data) + begin * dtype_bytes(g.dtype), widened.data(),
-            count, g.factor);
+  tbb::this_task_arena::isolate([&] {
+    cast_host(g.dtype, DType::f32, static_cast<const std::byte*>(g.data) + begin * dtype_bytes(g.dtype), widened.data(),
+              count, g.factor);
+  });
   return widened.data();
+}
+
+// Runs f(piece_begin, piece_end) over [r.begin(), r.end()) in pieces of at most `piece`: a task
+// of the default partitioner may be far longer than its grain, and a piece keeps a worker's
+// buffers (and the second pass over what it wrote) within the caches.
+template <class F>
+void for_each_piece(const tbb::blocked_range<std::size_t>& r, std::size_t piece, F&& f) {
+  for (std::size_t b = r.begin(); b < r.end(); b += piece) f(b, std::min(r.end(), b + piece));
 }
 
 AdamSlots from(const AdamSlots& s, std::size_t k) {
@@ -255,20 +277,26 @@ AdamChunk adam_chunk_of(const AdamConfig& c, const StepInfo& step) {
 }  // namespace
 
 bool host_adam_update(const AdamConfig& c, const StepInfo& step, HostGradient grad, AdamSlots s, std::size_t n) {
+  check_gradient(grad, "host Adam update");
   const AdamChunk a = adam_chunk_of(c, step);
   std::atomic<bool> finite{true};
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, chunk), [&](const tbb::blocked_range<std::size_t>& r) {
-    if (!adam_chunk(a, gradient_range(grad, r.begin(), r.size()), from(s, r.begin()), 0, r.size())) finite = false;
+    for_each_piece(r, chunk, [&](std::size_t b, std::size_t e) {
+      if (!adam_chunk(a, gradient_range(grad, b, e - b), from(s, b), 0, e - b)) finite = false;
+    });
   });
   return finite;
 }
 
 bool host_sgd_update(const SgdConfig& c, const StepInfo& step, HostGradient grad, SgdSlots s, std::size_t n) {
+  check_gradient(grad, "host SGD update");
   const SgdChunk a{step.lr, c.momentum, c.weight_decay, c.nesterov};
   std::atomic<bool> finite{true};
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, chunk), [&](const tbb::blocked_range<std::size_t>& r) {
-    sgd_chunk(a, gradient_range(grad, r.begin(), r.size()), from(s, r.begin()), 0, r.size());
-    if (!all_finite(s.w_out + r.begin(), r.size())) finite = false;
+    for_each_piece(r, chunk, [&](std::size_t b, std::size_t e) {
+      sgd_chunk(a, gradient_range(grad, b, e - b), from(s, b), 0, e - b);
+      if (!all_finite(s.w_out + b, e - b)) finite = false;
+    });
   });
   return finite;
 }
@@ -279,21 +307,22 @@ bool host_adam8bit_update(const AdamConfig& c, std::uint32_t block, const StepIn
     throw std::invalid_argument(
         fmt::format("host 8-bit Adam update: block size {} is not in 1..{}", block, adam8bit_max_block));
   }
+  check_gradient(grad, "host 8-bit Adam update");
   const Adam8bitChunk a{adam_chunk_of(c, step), block, adam8bit_blocks(n, block)};
-  // Tasks of whole blocks, at least a chunk's elements each.
+  // Pieces of whole blocks, about a chunk's elements each.
   const std::size_t grain = std::max<std::size_t>(1, chunk / block);
   std::atomic<bool> finite{true};
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, a.blocks, grain), [&](const tbb::blocked_range<std::size_t>& r) {
-    // One block's new moments, per worker thread (kept between steps: no allocation per task).
-    thread_local std::vector<float> m_new, v_new;
-    if (m_new.size() < block) {
-      m_new.resize(block);
-      v_new.resize(block);
-    }
-    const std::size_t first = r.begin() * block, last = std::min(n, r.end() * block);
-    if (!adam8bit_blocks_update(a, gradient_range(grad, first, last - first), s, r.begin(), r.end(), n, m_new.data(),
-                                v_new.data()))
-      finite = false;
+    // One block's new moments, m then v, per worker thread (kept between steps: no allocation per
+    // task; one vector, so a failed allocation cannot leave one of two too short).
+    thread_local std::vector<float> moments;
+    if (moments.size() < 2 * std::size_t{block}) moments.resize(2 * std::size_t{block});
+    for_each_piece(r, grain, [&](std::size_t first_block, std::size_t end_block) {
+      const std::size_t first = first_block * block, last = std::min(n, end_block * block);
+      if (!adam8bit_blocks_update(a, gradient_range(grad, first, last - first), s, first_block, end_block, n,
+                                  moments.data(), moments.data() + block))
+        finite = false;
+    });
   });
   return finite;
 }

@@ -519,7 +519,9 @@ double measure_host_update_gbps(bool eight_bit) {
   std::vector<float> scales(2 * ops::adam8bit_blocks(n, block), 0.0f);
   // Read w, g, m, v and write w, m, v: 28 bytes a parameter (fp32 moments).
   const double bytes = eight_bit ? adam8bit_update_bytes(n, block) : 28.0 * n;
-  const ops::AdamConfig adam;
+  ops::AdamConfig adam;  // Adam for fp32 moments; 8-bit state is always AdamW's
+  adam.decoupled_weight_decay = eight_bit;
+  adam.weight_decay = eight_bit ? 0.01f : 0.0f;
   std::uint64_t steps = 0;
   return rate(
       bytes, best_seconds([&] {

@@ -217,6 +217,35 @@ TEST(Optimizer, HostUpdatesReportNonFiniteWeights) {
   }
 }
 
+// A gradient of a dtype the host updates cannot read is refused before any element changes.
+TEST(Optimizer, HostUpdatesRefuseAGradientTheyCannotReadBeforeChangingAnything) {
+  const std::size_t n = 16384 * 2 + 37;
+  const std::vector<std::int8_t> codes(n, 3);
+  const ops::HostGradient bad{codes.data(), ops::DType::i8, 1.0f};
+  std::vector<float> w = random_vector(n, 8), m(n, 0.0f), v(n, 0.0f), vel(n, 0.0f);
+  const std::vector<float> before = w;
+  std::vector<float> scales(2 * ops::adam8bit_blocks(n, 256), 0.0f);
+  std::vector<std::uint8_t> m8(n, 128), v8(n, 0);
+  const auto names_the_dtype = [](auto&& run) {
+    try {
+      run();
+      ADD_FAILURE() << "no error";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("i8"), std::string::npos) << e.what();
+    }
+  };
+  names_the_dtype([&] {
+    ops::host_adam_update({}, {1, 0.01f}, bad, {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n);
+  });
+  names_the_dtype([&] { ops::host_sgd_update({}, {1, 0.01f}, bad, {w.data(), vel.data(), w.data(), vel.data()}, n); });
+  names_the_dtype([&] {
+    ops::host_adam8bit_update(
+        {}, 256, {1, 0.01f}, bad,
+        {w.data(), m8.data(), v8.data(), scales.data(), w.data(), m8.data(), v8.data(), scales.data()}, n);
+  });
+  EXPECT_EQ(w, before);
+}
+
 // A host update reading the f16 or bf16 copy of a gradient widens it as it reads it: the same
 // bits as the update of its widened f32 copy (ops::cast_host, the host-lane cast it replaces), for
 // SGD, Adam and 8-bit AdamW, over several chunks and a tail, with the loss scale's inverse as the
