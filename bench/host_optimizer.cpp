@@ -38,11 +38,9 @@ struct HostOptimizerOptions {
 
 constexpr std::uint32_t block8bit = 2048;
 
-// Host AdamW's bytes a step: fp32 reads w, g, m, v and writes w, m, v; 8-bit reads w, g and the
-// codes and writes w and the codes, plus each block's two scales read and written.
+// Host AdamW's bytes a step (ops/optimizer_host.hpp, as `ferry plan` counts them).
 double bytes_per_step(const std::string& optimizer, std::size_t n) {
-  if (optimizer == "adamw") return 28.0 * static_cast<double>(n);
-  return 16.0 * static_cast<double>(n) + 16.0 * static_cast<double>(ops::adam8bit_blocks(n, block8bit));
+  return optimizer == "adamw" ? ops::adam_update_bytes(n) : ops::adam8bit_update_bytes(n, block8bit);
 }
 
 // The clone the host loops run (ops/host_clones.hpp): the loader picks the widest this CPU has,

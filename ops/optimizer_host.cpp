@@ -231,9 +231,9 @@ FERRY_HOST_CLONES bool adam8bit_blocks_update(const Adam8bitChunk& c, const floa
 // A gradient the updates can read (checked before any element changes, so a bad one leaves the
 // state as it was).
 void check_gradient(const HostGradient& g, const char* update) {
-  if (g.dtype != DType::f32 && g.dtype != DType::f16 && g.dtype != DType::bf16) {
-    throw std::invalid_argument(
-        fmt::format("{}: the gradient is {}; it reads f32, f16 or bf16", update, dtype_name(g.dtype)));
+  if (!cast_supported(g.dtype, DType::f32)) {
+    throw std::invalid_argument(fmt::format("{}: the gradient is {}, which does not widen to f32 (ops::cast_supported)",
+                                            update, dtype_name(g.dtype)));
   }
 }
 

@@ -58,6 +58,17 @@ struct HostGradient {
   float factor = 1.0f;
 };
 
+// What one update of n parameters reads and writes (its rate's numerator, host or device): Adam
+// with fp32 moments reads w, g, m, v and writes w, m, v (28 bytes a parameter); 8-bit AdamW in
+// blocks of `block` reads w, g and the two u8 moments and writes w and the moments (16 bytes a
+// parameter), and reads and writes the blocks' two scales.
+inline double adam_update_bytes(std::size_t n) {
+  return 28.0 * static_cast<double>(n);
+}
+inline double adam8bit_update_bytes(std::size_t n, std::uint32_t block) {
+  return 16.0 * static_cast<double>(n) + 2.0 * 2.0 * sizeof(float) * static_cast<double>(adam8bit_blocks(n, block));
+}
+
 // Each returns whether every weight it wrote is finite (the step's divergence guard).
 bool host_adam_update(const AdamConfig& c, const StepInfo& step, HostGradient grad, AdamSlots s, std::size_t n);
 bool host_sgd_update(const SgdConfig& c, const StepInfo& step, HostGradient grad, SgdSlots s, std::size_t n);

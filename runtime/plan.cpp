@@ -408,13 +408,17 @@ double rate(double amount, double seconds) {
   return seconds > 0 ? amount / seconds * 1e-9 : 0.0;
 }
 
-// What an 8-bit AdamW update of n parameters in blocks of `block` reads and writes: w, g and the
-// two u8 moments read, w and the moments written (16 bytes a parameter), the block scales read
-// and written.
-double adam8bit_update_bytes(std::size_t n, std::uint32_t block) {
-  return 16.0 * static_cast<double>(n) +
-         2.0 * 2.0 * sizeof(float) * static_cast<double>(ops::adam8bit_blocks(n, block));
-}
+// Values in [-0.5, 0.5) from a fixed generator, so every run of a measurement times the same data.
+class SpreadValues {
+ public:
+  float next() {
+    state_ = state_ * 1664525u + 1013904223u;
+    return static_cast<float>(state_ >> 8) / 16777216.0f - 0.5f;
+  }
+
+ private:
+  std::uint32_t state_ = 12345;
+};
 
 }  // namespace
 
@@ -497,7 +501,7 @@ double measure_device_8bit_gbps(Runtime& runtime) {
   ctx.write(scales.get(), 0, zero_scales.data(), zero_scales.size() * sizeof(float));
   const ops::LaunchList launches = ops::adam8bit_update(runtime.env(), ops::AdamConfig{}, block, {w.get(), 0},
                                                         {g.get(), 0}, {m.get(), 0}, {v.get(), 0}, {scales.get(), 0}, n);
-  const double bytes = adam8bit_update_bytes(n, block);
+  const double bytes = ops::adam8bit_update_bytes(n, block);
   return rate(bytes, best_seconds([&] { ops::run_blocking(ctx.compute(), launches); }));
 }
 
@@ -505,20 +509,18 @@ double measure_host_update_gbps(bool eight_bit) {
   constexpr std::size_t n = 8u << 20;  // 32 MiB an fp32 operand: beyond the caches
   constexpr std::uint32_t block = 2048;
   std::vector<float> w(n), g(n), m(eight_bit ? 0 : n, 0.0f), v(eight_bit ? 0 : n, 0.0f);
-  // Gradients spread over three decades, as a layer's are (a fixed generator: every run times the
-  // same values): 8-bit moments then spread over the code tables as in training. With one value
-  // everywhere every lookup hit the same table line, and the 8-bit rate read up to 1.5x high.
-  std::uint32_t state = 12345;
+  // Gradients spread over three decades, as a layer's are: 8-bit moments then spread over the code
+  // tables as in training. With one value everywhere every lookup hit the same table line, and
+  // the 8-bit rate read up to 1.5x high.
+  SpreadValues spread;
   for (std::size_t i = 0; i < n; ++i) {
-    state = state * 1664525u + 1013904223u;
-    const float u = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;  // [-0.5, 0.5)
+    const float u = spread.next();
     g[i] = u * std::exp2(-10.0f * static_cast<float>(i % 7) / 6.0f) * 2e-3f;
     w[i] = u * 0.1f;
   }
   std::vector<std::uint8_t> m8(eight_bit ? n : 0, 128), v8(eight_bit ? n : 0, 0);
   std::vector<float> scales(2 * ops::adam8bit_blocks(n, block), 0.0f);
-  // Read w, g, m, v and write w, m, v: 28 bytes a parameter (fp32 moments).
-  const double bytes = eight_bit ? adam8bit_update_bytes(n, block) : 28.0 * n;
+  const double bytes = eight_bit ? ops::adam8bit_update_bytes(n, block) : ops::adam_update_bytes(n);
   ops::AdamConfig adam;  // Adam for fp32 moments; 8-bit state is always AdamW's
   adam.decoupled_weight_decay = eight_bit;
   adam.weight_decay = eight_bit ? 0.01f : 0.0f;
@@ -541,10 +543,9 @@ double measure_codec_gbps() {
   // Second moments of small gradients: squares of a spread of values around 1e-3 (a fixed
   // generator, so every run times the same bytes).
   std::vector<float> values(n);
-  std::uint32_t state = 12345;
+  SpreadValues spread;
   for (float& v : values) {
-    state = state * 1664525u + 1013904223u;
-    const float g = (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 2e-3f;
+    const float g = spread.next() * 2e-3f;
     v = g * g;
   }
   std::vector<float> back(n);
