@@ -231,7 +231,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->check(CLI::IsMember(optimizer_names));
   sub.add_option("--level", o->level, "zstd level")->capture_default_str();
   sub.add_option("--chunk", o->chunk, "uncompressed bytes per chunk (e.g. 1MiB, 65536)")->capture_default_str();
-  sub.add_option("--inner", o->inner, "calls per timed block (at least 5)")->capture_default_str();
+  sub.add_option("--inner", o->inner, "calls per timed block (at least 5)")
+      ->capture_default_str()
+      ->check(CLI::Range(5, 1 << 20));
   sub.add_option("--seed", o->seed, "weight initialisation and sample order")->capture_default_str();
   return [&common, o] { return run_compress(common, *o); };
 }

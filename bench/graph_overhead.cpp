@@ -127,7 +127,10 @@ int run_graph(const BenchCommon& common, const GraphBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<GraphBenchOptions>();
-  sub.add_option("--sizes", o->sizes, "ReLU nodes in the chain")->delimiter(',')->capture_default_str();
+  sub.add_option("--sizes", o->sizes, "ReLU nodes in the chain")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   sub.add_option("--runs", o->runs, "steps per timed repetition")->capture_default_str()->check(CLI::PositiveNumber);
   return [o, &common] { return run_graph(common, *o); };
 }

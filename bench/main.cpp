@@ -8,6 +8,7 @@
 
 #include "bench.hpp"
 #include "ferry/runtime/version.hpp"
+#include "runtime/output_file.hpp"
 
 namespace ferry::bench {
 
@@ -24,7 +25,9 @@ void emit_json(const nlohmann::json& result) {
 
 }  // namespace ferry::bench
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_bench(int argc, char** argv) {
   using namespace ferry::bench;
   CLI::App app{"ferry-bench: ferry beside its baselines, one JSON line per result"};
   app.fallthrough();  // common options may follow the benchmark name
@@ -32,8 +35,14 @@ int main(int argc, char** argv) {
       "--version", [] { return ferry::version_text("ferry-bench"); },
       "Print the version, git commit and the OpenCL devices seen, and exit");
   BenchCommon common;
-  app.add_option("--device", common.device, "OpenCL device: index or name substring (default: FERRY_DEVICE, a GPU)");
-  app.add_option("--trace", common.trace, "write a Chrome trace to this file (benchmarks that trace)");
+  // "" (an unset shell variable, say) is refused rather than read as "not given".
+  const CLI::Validator not_empty(
+      [](std::string& text) { return text.empty() ? std::string("is empty: give a value, or leave it out") : ""; },
+      "TEXT");
+  app.add_option("--device", common.device, "OpenCL device: index or name substring (default: FERRY_DEVICE, a GPU)")
+      ->check(not_empty);
+  app.add_option("--trace", common.trace, "write a Chrome trace to this file (benchmarks that trace)")
+      ->check(not_empty);
   app.add_option("--repeat", common.repeat, "timed repetitions; results report the median")->check(CLI::PositiveNumber);
   auto& benches = registry();
   std::sort(benches.begin(), benches.end(), [](const BenchInfo& a, const BenchInfo& b) { return a.name < b.name; });
@@ -62,4 +71,16 @@ int main(int argc, char** argv) {
   fmt::print("benchmarks (ferry-bench <name> --help for options):\n");
   for (const BenchInfo& b : benches) fmt::print("  {:<12} {}\n", b.name, b.help);
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ferry::reserve_standard_streams();
+  const int status = run_bench(argc, argv);
+  if (const auto lost = ferry::standard_output_failure()) {
+    fmt::print(stderr, "ferry-bench: error: {}\n", *lost);
+    return status != 0 ? status : 1;
+  }
+  return status;
 }

@@ -332,7 +332,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<StepBenchOptions>();
   o->peer_script = peer_script_path("torch_step.py");
   sub.add_option("--model", o->model, "mlp (784-1024-1024-10) or cnn (models::cnn())")->capture_default_str();
-  sub.add_option("--batch", o->batch, "batch size (default: 256 for mlp, 128 for cnn)");
+  sub.add_option("--batch", o->batch, "batch size (default: 256 for mlp, 128 for cnn)")->check(CLI::PositiveNumber);
   sub.add_option("--peer-mode", o->peer_modes, "PyTorch modes to run: eager, compile; repeatable")
       ->capture_default_str();
   add_peer_device_option(sub, o->peer_device);

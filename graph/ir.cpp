@@ -66,6 +66,11 @@ const char* op_name(OpId op) {
 
 NodeId NodeTable::add(OpId k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a,
                       Lane l) {
+  if (op.size() >= max_nodes) {
+    throw std::length_error(fmt::format(
+        "the step graph would have more than {} nodes (at '{}'): the model is too large to build; use fewer layers",
+        max_nodes, n));
+  }
   const auto id = static_cast<NodeId>(op.size());
   op.push_back(k);
   name.push_back(std::move(n));

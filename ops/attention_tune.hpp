@@ -80,7 +80,8 @@ struct AttentionTuneResult {
   double seconds = 0;
   bool budget_ran_out = false;
   std::size_t measured = 0;  // candidates timed (every listed one)
-  std::string cache_path;    // where it was saved ("" when the program cache is off)
+  std::string cache_path;    // where it was saved ("" when the program cache is off or the save failed)
+  std::string save_error;    // why it could not be saved ("" when it was, or the program cache is off)
 };
 
 // Runs the search on env's device (a CPU only with candidates given: std::invalid_argument) and saves the winner in the

@@ -118,7 +118,9 @@ void record_winner(OpEnv& env, TuneMode mode, AttentionTuneResult& r) {
     body += fmt::format("# head dims up to {}, forward + backward: {}\nkernel {} {}\n", c.max_head_dim, shapes,
                         c.max_head_dim, c.best);
   }
-  if (!write_tune_cache_text(r.cache_path, body, cache_what)) r.cache_path.clear();
+  r.save_error = write_tune_cache_text(r.cache_path, body, cache_what);
+  if (!r.save_error.empty()) r.save_error = fmt::format("{}: {}", r.cache_path, r.save_error);
+  if (!r.save_error.empty()) r.cache_path.clear();
 }
 
 // "64: blocked TQ=64 TK=32; 128: tiled BQ=64 BK=32"

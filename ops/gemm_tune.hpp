@@ -80,7 +80,8 @@ struct GemmTuneResult {
   bool budget_ran_out = false;
   std::size_t measured = 0;  // candidates timed (or failed): twins past the budget are listed, not timed
   std::string row;           // the tuning-file row for this device
-  std::string cache_path;    // where it was saved ("" when the program cache is off)
+  std::string cache_path;    // where it was saved ("" when the program cache is off or the save failed)
+  std::string save_error;    // why it could not be saved ("" when it was, or the program cache is off)
 };
 
 // Runs the search on env's device and saves the winner in the tuning cache (replacing any cached

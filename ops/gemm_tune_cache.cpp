@@ -9,8 +9,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -65,29 +67,30 @@ std::optional<std::string> read_tune_cache_text(const std::string& path, const c
   return body;
 }
 
-bool write_tune_cache_text(const std::string& path, const std::string& body, const char* what) {
+std::string write_tune_cache_text(const std::string& path, const std::string& body, const char* what) {
   const std::string text = body + fmt::format("# checksum {:016x}\n", cl::fnv1a(body));
+  const std::string tmp = fmt::format("{}.tmp{}", path, ::getpid());
+  const auto fail = [&](std::string why) {
+    std::fprintf(stderr, "ferry: warning: cannot write the %s %s (%s); the tuned choice is used for this run only\n",
+                 what, path.c_str(), why.c_str());
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    return why;
+  };
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  const std::string tmp = fmt::format("{}.tmp{}", path, ::getpid());
+  if (ec) return fail(fmt::format("creating its folder: {}", ec.message()));
   {
+    errno = 0;
     std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return fail(fmt::format("creating a file there: {}", errno ? std::strerror(errno) : "refused"));
     out << text;
     out.flush();
-    if (!out) {
-      std::fprintf(stderr, "ferry: warning: cannot write the %s %s (%s); the tuned choice is used for this run only\n",
-                   what, path.c_str(), ec ? ec.message().c_str() : "write failed");
-      std::filesystem::remove(tmp, ec);
-      return false;
-    }
+    if (!out) return fail(fmt::format("writing: {}", errno ? std::strerror(errno) : "an I/O error"));
   }
   std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::fprintf(stderr, "ferry: warning: cannot write the %s %s (%s)\n", what, path.c_str(), ec.message().c_str());
-    std::filesystem::remove(tmp, ec);
-    return false;
-  }
-  return true;
+  if (ec) return fail(fmt::format("renaming it into place: {}", ec.message()));
+  return {};
 }
 
 std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device) {
@@ -107,7 +110,7 @@ std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const
   }
 }
 
-bool write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment) {
+std::string write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment) {
   std::string body = "# ferry GEMM tuning cache, written by the tuner (`ferry tune`); delete it to tune again.\n";
   std::istringstream lines(comment);
   for (std::string line; std::getline(lines, line);) body += "# " + line + "\n";

@@ -24,9 +24,10 @@ std::uint64_t tune_cache_key(const cl::DeviceInfo& device, std::initializer_list
 std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what);
 
 // Writes `body` and its checksum line to a temporary file beside `path` and renames it into place,
-// so a reader (or an interrupted tuner) never sees half a file. Returns false after printing a
-// warning when the folder cannot be written.
-bool write_tune_cache_text(const std::string& path, const std::string& body, const char* what);
+// so a reader (or an interrupted tuner) never sees half a file. Returns what failed and why (the
+// system's reason) when the file cannot be written, after printing a warning saying so; "" when
+// it was written.
+std::string write_tune_cache_text(const std::string& path, const std::string& body, const char* what);
 
 // The file for this device under `dir` (the program cache's folder).
 std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& device);
@@ -37,6 +38,6 @@ std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& d
 std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device);
 
 // Writes the row, with a comment saying what was measured (write_tune_cache_text).
-bool write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment);
+std::string write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment);
 
 }  // namespace ferry::ops

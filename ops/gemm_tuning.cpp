@@ -4,7 +4,10 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -36,8 +39,17 @@ const std::vector<GemmTuningRow>& rows_of(TuningState& st, const std::string& pa
     if (path.empty()) {
       rows = parse_gemm_tuning(embedded_gemm_tuning(), "ops/tuning/gemm.tsv (embedded)");
     } else {
+      std::error_code ec;
+      if (std::filesystem::is_directory(path, ec)) {
+        throw std::runtime_error(fmt::format(
+            "FERRY_GEMM_TUNING: '{}' is a folder: name a tuning file (rows as in ops/tuning/gemm.tsv)", path));
+      }
+      errno = 0;
       std::ifstream in(path);
-      if (!in) throw std::runtime_error(fmt::format("FERRY_GEMM_TUNING: cannot read '{}'", path));
+      if (!in) {
+        throw std::runtime_error(fmt::format("FERRY_GEMM_TUNING: cannot read '{}': {}: name a readable tuning file",
+                                             path, errno ? std::strerror(errno) : "refused"));
+      }
       std::stringstream ss;
       ss << in.rdbuf();
       rows = parse_gemm_tuning(ss.str(), path);

@@ -60,6 +60,12 @@ void check_checkpoint_path(const std::filesystem::path& path) {
         fmt::format("cannot write checkpoints to '{}': the folder '{}' does not exist: create it first (mkdir -p {})",
                     path.string(), folder.string(), folder.string()));
   }
+  if (const std::size_t longest = longest_file_name(path); path.filename().string().size() > longest) {
+    throw std::runtime_error(fmt::format(
+        "cannot write checkpoints to '{}': its file name is {} bytes long, longer than the {} the file system of '{}' "
+        "takes: give a shorter name",
+        path.string(), path.filename().string().size(), longest, folder.string()));
+  }
   ckpt::AtomicFile probe(path);  // created, then removed by its destructor: the folder is writable
   probe.put(std::uint64_t{0});
 }
@@ -398,12 +404,9 @@ void Checksum::add(const void* data, std::size_t n) {
 // ---- AtomicFile ----
 
 AtomicFile::AtomicFile(const std::filesystem::path& path) : path_(path) {
-  static std::atomic<std::uint64_t> counter{0};
   const auto folder = path_.parent_path().empty() ? std::filesystem::path(".") : path_.parent_path();
   for (int attempt = 0;; ++attempt) {
-    const auto stamp = std::chrono::steady_clock::now().time_since_epoch().count();
-    temp_ = folder / fmt::format(".{}.tmp-{}-{}-{:x}", path_.filename().string(), getpid(), counter++,
-                                 static_cast<std::uint64_t>(stamp) & 0xffffff);
+    temp_ = temporary_beside(path_, "tmp");  // a new name each attempt
     fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd_ >= 0) break;
     if (errno != EEXIST || attempt > 100) {

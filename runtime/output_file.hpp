@@ -4,7 +4,9 @@
 
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <ostream>
+#include <string>
 #include <string_view>
 
 #include "ferry/runtime/write_options.hpp"
@@ -25,5 +27,22 @@ void refuse_to_replace(const std::filesystem::path& path, std::string_view what,
 // untouched then. The text `write` produces must begin with `signature`.
 void write_output_file(const std::filesystem::path& path, const char* what, std::string_view signature,
                        WriteOptions options, const std::function<void(std::ostream&)>& write);
+
+// A temporary file's path beside `path` (same folder, so a rename moves it into place): a hidden
+// name made of `path`'s file name, `tag` and the process id, with the file name shortened where
+// the whole would be longer than the folder's file system allows (a legal name must not become an
+// illegal temporary one).
+std::filesystem::path temporary_beside(const std::filesystem::path& path, std::string_view tag);
+// The longest file name the folder of `path` takes (pathconf's _PC_NAME_MAX; 255 if it says none).
+std::size_t longest_file_name(const std::filesystem::path& path);
+
+// Standard output is where the programs print their results (JSON lines). At the start of main,
+// reserve_standard_streams() opens a closed descriptor 0, 1 or 2 again (stdout on /dev/full, so
+// that writing to it fails; the others on /dev/null), so no file opened later, a checkpoint say,
+// takes its number and receives what was meant for the terminal. After the last result,
+// standard_output_failure() flushes stdout and says why what was printed there was lost (closed,
+// a full disk, a closed pipe), or nothing when it was written.
+void reserve_standard_streams();
+std::optional<std::string> standard_output_failure();
 
 }  // namespace ferry

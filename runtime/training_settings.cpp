@@ -86,7 +86,9 @@ std::vector<TrainingSetting> training_settings(const ModelSpec& model, const Tra
   // Where state lives is exact either way, but for these two: state that is dropped is zeros at
   // every update, and the host optimizer's arithmetic is not the device kernels' to the bit
   // (ops/optimizer_host.hpp), which ranks must agree on; a resume may switch it.
-  if (o.residency.state_home == graph::Home::dropped) s.add("residency.state_home", "--state-home", "dropped");
+  // Recorded either way, so that a resume that drops kept state (or keeps dropped state) is seen.
+  // (Checkpoints written before it recorded "residency.state_home" only when dropped.)
+  s.add("residency.state_dropped", "--state-home dropped", o.residency.state_home == graph::Home::dropped);
   s.add("residency.host_optimizer", "--host-optimizer", o.residency.host_optimizer, /*resume=*/false);
   s.add("lr", "--lr", o.lr, /*resume=*/false);        // a checkpoint carries the current rate
   s.add("seed", "--seed", o.seed, /*resume=*/false);  // the first weights only

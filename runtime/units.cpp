@@ -46,7 +46,8 @@ std::uint64_t parse_bytes(std::string_view text) {
       // and converting a double at or above 2^64 to uint64_t is undefined (found by fuzz/units.cpp: "14444444444.5 G").
       const double bytes = std::round(value * u.factor);
       if (!(bytes >= 0) || !(bytes < 18446744073709551616.0)) {
-        throw std::invalid_argument(fmt::format("size '{}' is out of range", text));
+        throw std::invalid_argument(
+            fmt::format("size '{}' is out of range: give a size from 0 B up to 2^64 bytes (16 EiB)", text));
       }
       return static_cast<std::uint64_t>(bytes);
     }

@@ -527,7 +527,7 @@ TEST(AttentionTune, SearchesCachesAndRefusesADamagedCache) {
 
   // A cache of one winner for every head dimension (written before the classes): retuned.
   const std::string one_kernel = (dir / "one-kernel.txt").string();
-  ASSERT_TRUE(ops::write_tune_cache_text(one_kernel, "kernel blocked TQ=8 TK=8\n", "attention tuning cache"));
+  ASSERT_EQ(ops::write_tune_cache_text(one_kernel, "kernel blocked TQ=8 TK=8\n", "attention tuning cache"), "");
   testing::internal::CaptureStderr();
   EXPECT_EQ(ops::read_attention_tune_cache(env, one_kernel), std::nullopt);
   const std::string old = testing::internal::GetCapturedStderr();

@@ -553,6 +553,23 @@ TEST(Checkpoint, OtherTrainingSettingsAreRefusedUnlessAccepted) {
         "int8 Predict steps");
   }
   {
+    // Dropped optimizer state is zeros at every update: a resume may neither drop the state a run
+    // kept nor keep the state it dropped.
+    Trainer t(f.rt, small_mlp(), with([](TrainerOptions& o) { o.residency.state_home = graph::Home::dropped; }));
+    expect_refused<std::invalid_argument>(t, f.path,
+                                          {"trained without --state-home dropped",
+                                           "this trainer has --state-home dropped", "leave out --state-home dropped"},
+                                          "dropping kept state");
+    const fs::path dropped = f.dir / "dropped.ckpt";
+    t.save_checkpoint(dropped);
+    Trainer kept(f.rt, small_mlp(), f.o);
+    expect_refused<std::invalid_argument>(
+        kept, dropped,
+        {"trained with --state-home dropped", "this trainer runs without --state-home dropped",
+         "use --state-home dropped"},
+        "keeping dropped state");
+  }
+  {
     Trainer t(f.rt, small_mlp(), with([](TrainerOptions& o) { o.lr = 0.5f; }));
     t.load_checkpoint(f.path);
     expect_same_state(f.saved, state_of(t), "another first learning rate");
@@ -660,7 +677,7 @@ TEST(TrainingSettings, EveryOptionThatChangesTheUpdateIsListed) {
       {"int8", hybrid, [](TrainerOptions& o) { o.phases.predict_int8 = true; }, "phases.predict_int8"},
       {"fit every", hybrid, [](TrainerOptions& o) { o.phases.fit_every = 2; }, "phases.fit_every"},
       {"dropped state", none, [](TrainerOptions& o) { o.residency.state_home = graph::Home::dropped; },
-       "residency.state_home"},
+       "residency.state_dropped"},
   };
   for (const Case& c : cases) {
     TrainerOptions a;
@@ -740,6 +757,26 @@ TEST(Checkpoint, WritesAreAtomicAndBadPathsAreRefusedEarly) {
   files = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(f.dir.dir())) ++files;
   EXPECT_EQ(files, 1u) << "the probe left a file behind";
+
+  // A name as long as the file system takes: the temporary file beside it gets a shorter name (it
+  // once took the name and a suffix, and the save failed after the training it was to keep); one
+  // byte longer is refused before anything is written.
+  const long name_max = ::pathconf(f.dir.dir().c_str(), _PC_NAME_MAX);
+  ASSERT_GT(name_max, 16);
+  const fs::path longest = f.dir / std::string(static_cast<std::size_t>(name_max), 'n');
+  EXPECT_NO_THROW(check_checkpoint_path(longest));
+  t.save_checkpoint(longest);
+  EXPECT_TRUE(t.load_checkpoint(longest).empty());
+  fs::remove(longest);
+  try {
+    check_checkpoint_path(f.dir / std::string(static_cast<std::size_t>(name_max) + 1, 'n'));
+    ADD_FAILURE() << "a name longer than the file system takes";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("give a shorter name"), std::string::npos) << e.what();
+  }
+  files = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(f.dir.dir())) ++files;
+  EXPECT_EQ(files, 1u) << "a long name's save or probe left a file behind";
 }
 
 // The library, not only the CLI, leaves alone what a checkpoint must not replace: a foreign file

@@ -30,7 +30,9 @@ void append_optimizer(Graph& g, const OptimizerConfig& spec, const ZeroSharding&
     const std::size_t elems = t.shape[w].elems();
     if (share.first + share.count > 0x7fffffffu) {
       throw std::invalid_argument(
-          fmt::format("ZeRO sharding: weight '{}' has {} elements, more than 2^31 - 1", t.name[w], elems));
+          fmt::format("weight '{}' has {} elements, more than the 2^31 - 1 an optimizer update addresses (kernels "
+                      "index with 32-bit integers): make the layer smaller",
+                      t.name[w], elems));
     }
     const Shape state_shape = zero.sharded() ? Shape{static_cast<std::uint32_t>(share.count)} : t.shape[w];
     std::vector<TensorId> ins{w, grad}, outs{w};

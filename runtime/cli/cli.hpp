@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -30,9 +31,36 @@ inline CLI::Validator positive_number() {
         if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v <= 0) {
           return fmt::format("must be a finite number > 0, got {}", text);
         }
+        // Most of these options are floats: a value a float cannot hold would become inf or 0.
+        if (v > std::numeric_limits<float>::max() || v < std::numeric_limits<float>::min()) {
+          return fmt::format("must be between {:g} and {:g}, got {}", std::numeric_limits<float>::min(),
+                             std::numeric_limits<float>::max(), text);
+        }
         return {};
       },
       "> 0");
+}
+
+// A whole number >= 0 (a seed): "-1" would wrap around in an unsigned option.
+inline CLI::Validator whole_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
+          return fmt::format("must be a whole number >= 0, got {}", text);
+        }
+        return {};
+      },
+      "UINT");
+}
+
+// A path, device or other text option given as "" (an unset shell variable, say) is refused
+// rather than read as "not given".
+inline CLI::Validator not_empty() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        return text.empty() ? std::string("is empty: give a value, or leave the option out") : std::string();
+      },
+      "TEXT");
 }
 
 // The versions of the JSON lines' layouts (docs/outputs.md): each line carries its own as
@@ -128,6 +156,8 @@ void check_split(const ferry::ModelSpec& model, const ferry::Dataset& data, cons
 // The optimizer, learning rate, seed and residency options of `a` into `opt` (batch aside).
 // Throws std::invalid_argument for an unknown optimizer or home.
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt);
+// A size option's value (ferry::parse_bytes), an error naming `flag` when it is not one.
+std::uint64_t size_option(const char* flag, const std::string& text);
 // The sizes --staging-chunk takes, "4.0 KiB to 256.0 MiB" (ResidencyOptions' limits), for its help and its error.
 std::string staging_chunk_range();
 

@@ -66,6 +66,14 @@ std::string staging_chunk_range() {
                      ferry::format_bytes(ResidencyOptions::max_staging_chunk_bytes));
 }
 
+std::uint64_t size_option(const char* flag, const std::string& text) {
+  try {
+    return ferry::parse_bytes(text);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{}: {}", flag, e.what()));
+  }
+}
+
 void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.lr = a.lr;
   opt.seed = a.seed;
@@ -94,14 +102,14 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
   if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
   if (!a.device_budget.empty()) {
-    opt.residency.budget_bytes = ferry::parse_bytes(a.device_budget);
+    opt.residency.budget_bytes = size_option("--device-budget", a.device_budget);
     if (opt.residency.budget_bytes == 0) {
       throw std::invalid_argument(
           "--device-budget 0: a budget must be more than 0 bytes (leave --device-budget out to use what the device "
           "can spare)");
     }
   }
-  if (!a.host_budget.empty()) opt.residency.host_budget_bytes = ferry::parse_bytes(a.host_budget);
+  if (!a.host_budget.empty()) opt.residency.host_budget_bytes = size_option("--host-budget", a.host_budget);
   opt.residency.homes.host_memory = ferry::offload::parse_host_memory(a.host_memory);
   if (!a.staging_chunk.empty()) {
     if (opt.residency.homes.host_memory != ferry::offload::HostMemory::staged) {
@@ -109,7 +117,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
           fmt::format("--staging-chunk {}: chunked fetches are a way of staged host memory; add --host-memory staged",
                       a.staging_chunk));
     }
-    opt.residency.staging_chunk_bytes = ferry::parse_bytes(a.staging_chunk);
+    opt.residency.staging_chunk_bytes = size_option("--staging-chunk", a.staging_chunk);
     using ResidencyOptions = ferry::graph::ResidencyOptions;
     if (opt.residency.staging_chunk_bytes < ResidencyOptions::min_staging_chunk_bytes ||
         opt.residency.staging_chunk_bytes > ResidencyOptions::max_staging_chunk_bytes) {
@@ -117,7 +125,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
                                               a.staging_chunk, staging_chunk_range()));
     }
   }
-  opt.residency.homes.codec.chunk_bytes = ferry::parse_bytes(a.compress_chunk);
+  opt.residency.homes.codec.chunk_bytes = size_option("--compress-chunk", a.compress_chunk);
   opt.residency.homes.codec.level = a.compress_level;
   opt.residency.homes.codec.workers = a.compress_workers;
   ferry::offload::validate(opt.residency.homes.codec);

@@ -20,6 +20,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/lr_schedule.hpp"
 #include "ops/gemm_tune.hpp"
+#include "runtime/output_file.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace {
@@ -82,10 +83,9 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const ferry::LoopPosi
 // Reads the caller section `ferry train` wrote back into the loop's position and the batches'
 // engine, order and place in it, after checking it belongs to this command line; throws
 // std::invalid_argument naming what differs.
-ferry::LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
-                                    std::size_t steps_per_epoch, ferry::ShuffledBatches& batches) {
+ferry::LoopPosition decode_fields(const nlohmann::json& j, const TrainArgs& a, std::size_t samples,
+                                  std::size_t steps_per_epoch, ferry::ShuffledBatches& batches) {
   const auto fail = [&](const std::string& what) { return resume_error(a, what); };
-  const nlohmann::json j = read_caller_section(bytes, a, "ferry train");
   if (j.at("version").get<int>() != 1) throw fail("its ferry train section has another version");
   if (j.at("seed").get<std::uint64_t>() != a.seed) {
     throw fail(fmt::format("it was trained with --seed {}, not {}: resume with --seed {}",
@@ -138,6 +138,16 @@ ferry::LoopPosition decode_position(const std::vector<std::byte>& bytes, const T
   p.epoch_loss_sum = j.at("loss_sum").get<double>();
   p.last_epoch_loss = j.at("last_epoch_loss").get<double>();
   return p;
+}
+
+ferry::LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
+                                    std::size_t steps_per_epoch, ferry::ShuffledBatches& batches) {
+  const nlohmann::json j = read_caller_section(bytes, a, "ferry train");
+  try {
+    return decode_fields(j, a, samples, steps_per_epoch, batches);
+  } catch (const nlohmann::json::exception& e) {
+    throw resume_error(a, fmt::format("its ferry train section is incomplete ({})", e.what()));
+  }
 }
 
 // The banner line of where the state lives: the residency mode, the homes, the planned device
@@ -239,6 +249,13 @@ int cmd_train(const TrainArgs& a) {
   const ferry::LrSchedule::Kind schedule_kind = ferry::parse_schedule(a.schedule);
   if (train.count < batch) {
     throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", batch, train.count));
+  }
+  if (const std::uint64_t micro_batches = std::uint64_t{train.count / batch} * a.epochs; micro_batches < a.accumulate) {
+    throw std::invalid_argument(fmt::format(
+        "--accumulate {} makes one optimizer update of every {} batches, but this run has {} ({} of {} samples in "
+        "each of {} epochs): it would train nothing; give more --epochs or samples, a smaller --batch or a smaller "
+        "--accumulate",
+        a.accumulate, a.accumulate, micro_batches, train.count / batch, batch, a.epochs));
   }
 
   const auto compile_start = Clock::now();
@@ -372,7 +389,7 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str();
   app->add_option("--width", t.width, "deep, gpt: width (default: deep 1024, gpt 192)")->check(positive_number());
   app->add_option("--depth", t.depth, "deep: residual blocks (default 16); gpt: decoder blocks (default 4)")
-      ->check(positive_number());
+      ->check(CLI::Range(1u, 65536u));
   app->add_option("--heads", t.heads, "gpt: attention heads")->check(positive_number())->capture_default_str();
   app->add_option("--attention", t.attention,
                   "gpt: fused (one op per block, no context x context tensors; head dimension up to 128) or "
@@ -382,7 +399,8 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--context", t.context, "gpt: characters per window")
       ->check(positive_number())
       ->capture_default_str();
-  app->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
+  app->add_option("--device", t.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)")
+      ->check(not_empty());
   app->add_option("--device-budget", t.device_budget,
                   "Device bytes a step may use, e.g. 64MiB (default: device memory less headroom)");
   app->add_option("--host-budget", t.host_budget,
@@ -441,7 +459,9 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
 
 // Steps, accumulation, recomputation, precision and the hybrid phases.
 void add_phase_options(CLI::App* app, TrainArgs& t) {
-  app->add_option("--seed", t.seed, "Seed of initialisation and shuffling")->capture_default_str();
+  app->add_option("--seed", t.seed, "Seed of initialisation and shuffling")
+      ->check(whole_number())
+      ->capture_default_str();
   app->add_option("--accumulate", t.accumulate,
                   "Micro-batches of --batch samples whose mean gradient makes one optimizer update")
       ->capture_default_str();
@@ -508,7 +528,8 @@ CLI::App* add_tune_command(CLI::App& app, TuneArgs& a) {
       "Tune the GEMM kernel (and, on GPUs, the fused attention's) for a device ahead of first use (bounded "
       "searches; the winners are cached beside the program cache; a row of ops/tuning/gemm.tsv naming the device "
       "wins over the GEMM's)");
-  tune->add_option("--device", a.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)");
+  tune->add_option("--device", a.device, "Device index or name substring (default: $FERRY_DEVICE, else first GPU)")
+      ->check(not_empty());
   tune->add_option("--mode", a.mode, "quick: the likeliest candidates; full: all of them")
       ->check(CLI::IsMember({"quick", "full"}))
       ->capture_default_str();
@@ -545,6 +566,49 @@ void check_flags_apply(const CLI::App& train, const TrainArgs& t) {
   if (t.phase_config.predict_int8 && t.phases != "hybrid") {
     throw std::invalid_argument("--predict-int8 applies to Predict steps, which only --phases hybrid runs");
   }
+  // Each flag below changes nothing unless its condition holds: given without it, it is a mistake
+  // the run would hide.
+  const auto is_compressed = [](const std::string& home) {
+    return !home.empty() && cli_home(home) == ferry::graph::Home::host_compressed;
+  };
+  const bool compressed = is_compressed(t.weights_home) || is_compressed(t.state_home);
+  ferry::PrecisionConfig precision;
+  precision.compute = parse_precision(t.precision);
+  precision.scaling = t.loss_scaling == "on"    ? ferry::PrecisionConfig::Scaling::on
+                      : t.loss_scaling == "off" ? ferry::PrecisionConfig::Scaling::off
+                                                : ferry::PrecisionConfig::Scaling::automatic;
+  const bool scaled = precision.scaled();
+  const struct {
+    std::vector<const char*> flags;
+    bool applies;
+    const char* when;
+  } conditional[] = {
+      {{"--width", "--depth"}, t.model == "deep" || gpt, "to --model deep and gpt (mlp and cnn have fixed sizes)"},
+      {{"--heads", "--context", "--attention"}, gpt, "to --model gpt only"},
+      {{"--momentum"}, t.optimizer == "sgd", "to --optimizer sgd only"},
+      {{"--optimizer-block"}, t.optimizer == "adamw8bit", "to --optimizer adamw8bit only"},
+      {{"--compress-chunk", "--compress-level", "--compress-workers"},
+       compressed,
+       "to a compressed home only (--state-home compressed or --weights-home compressed)"},
+      {{"--predictor", "--predictor-beta", "--warmup-steps", "--min-full-steps", "--max-predict", "--confidence",
+        "--predictor-residual", "--fit-every", "--predict-decay", "--max-loss-gap"},
+       t.phases == "hybrid",
+       "to --phases hybrid only"},
+      {{"--initial-loss-scale", "--loss-scale-interval"},
+       scaled,
+       "with loss scaling only (--loss-scaling on, or --precision fp16 with --loss-scaling auto)"},
+      {{"--host-memory", "--staging-chunk", "--lookahead"},
+       t.residency != "resident",
+       "to state kept in host memory, which --residency resident has none of"},
+  };
+  for (const auto& c : conditional) {
+    for (const char* flag : c.flags) {
+      if (!c.applies && train.count(flag) > 0) {
+        throw std::invalid_argument(
+            fmt::format("{} applies {}: leave it out, or give what it applies to", flag, c.when));
+      }
+    }
+  }
 }
 
 // `ferry plan`: the model's options and the rates of the step-time prediction.
@@ -568,7 +632,9 @@ CLI::App* add_plan_command(CLI::App& app, TrainArgs& t) {
   return plan;
 }
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_ferry(int argc, char** argv) {
   CLI::App app{"ferry: train neural networks on any OpenCL device"};
   app.require_subcommand(1);
   app.set_version_flag(
@@ -606,12 +672,16 @@ int main(int argc, char** argv) {
   train->add_option("--temperature", t.temperature, "gpt: sampling temperature")
       ->check(positive_number())
       ->capture_default_str();
-  train->add_option("--text", t.text_dir, "gpt: folder of text files (default: $FERRY_TEXT_DIR or Debian's fortunes)");
-  train->add_option("--data", t.data_dir,
-                    "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)");
+  train->add_option("--text", t.text_dir, "gpt: folder of text files (default: $FERRY_TEXT_DIR or Debian's fortunes)")
+      ->check(not_empty());
+  train
+      ->add_option("--data", t.data_dir,
+                   "Folder with the Fashion-MNIST .gz files (default: $FERRY_DATA_DIR or Debian's)")
+      ->check(not_empty());
   train->add_option("--train-limit", t.train_limit, "Use only the first N training samples (quick runs)")
       ->check(positive_number());
-  train->add_option("--trace", t.trace_path, "Write a Chrome trace of the first steps' device timeline");
+  train->add_option("--trace", t.trace_path, "Write a Chrome trace of the first steps' device timeline")
+      ->check(not_empty());
   train->add_option("--trace-steps", t.trace_steps, "Steps to trace (and to profile), from the first (1 or more)")
       ->capture_default_str();
   train
@@ -620,17 +690,25 @@ int main(int argc, char** argv) {
                    "each update already checks the weights it writes on the device, and a non-finite loss always "
                    "reads them)")
       ->capture_default_str();
-  train->add_option("--profile", t.profile_path,
-                    "Write a CSV memory profile: device bytes per node, transfers and their device times");
+  train
+      ->add_option("--profile", t.profile_path,
+                   "Write a CSV memory profile: device bytes per node, transfers and their device times")
+      ->check(not_empty());
   train->add_flag("--quiet", t.quiet, "No progress output");
-  train->add_option("--profile-phases", t.profile_phases_path,
-                    "Write a CSV of device bytes per phase's step and section: peak (and where), mean, min, spikes");
-  train->add_option("--checkpoint", t.checkpoint_path,
-                    "Write the whole training state to this file after every epoch (gpt: after every validation), "
-                    "at the end, and when stopped by SIGINT or SIGTERM (atomically; docs/checkpoints.md)");
-  train->add_option("--resume", t.resume_path,
-                    "Continue the run a --checkpoint file holds, up to --epochs (gpt: --steps), exactly as if it had "
-                    "not stopped (give the same options)");
+  train
+      ->add_option("--profile-phases", t.profile_phases_path,
+                   "Write a CSV of device bytes per phase's step and section: peak (and where), mean, min, spikes")
+      ->check(not_empty());
+  train
+      ->add_option("--checkpoint", t.checkpoint_path,
+                   "Write the whole training state to this file after every epoch (gpt: after every validation), "
+                   "at the end, and when stopped by SIGINT or SIGTERM (atomically; docs/checkpoints.md)")
+      ->check(not_empty());
+  train
+      ->add_option("--resume", t.resume_path,
+                   "Continue the run a --checkpoint file holds, up to --epochs (gpt: --steps), exactly as if it had "
+                   "not stopped (give the same options)")
+      ->check(not_empty());
   train->add_flag("--force", t.force,
                   "Let --checkpoint, --trace and --profile* replace an existing file that ferry did not write (never "
                   "a device node, folder, link or one of the run's inputs)");
@@ -679,4 +757,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ferry::reserve_standard_streams();
+  const int status = run_ferry(argc, argv);
+  if (const auto lost = ferry::standard_output_failure()) {
+    std::cerr << "ferry: error: " << *lost << "\n";
+    return status != 0 ? status : 1;
+  }
+  return status;
 }

@@ -18,6 +18,7 @@
 #include "ferry/runtime/fashion_mnist.hpp"
 #include "ferry/runtime/memory_profile.hpp"
 #include "ferry/runtime/trace.hpp"
+#include "runtime/output_file.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -85,6 +86,11 @@ void check_one(const Output& o, bool force) {
   if (!fs::is_directory(folder, ec)) {
     throw refuse(o, fmt::format("the folder '{}' does not exist: create it first (mkdir -p {})", folder.string(),
                                 folder.string()));
+  }
+  if (const std::size_t longest = ferry::longest_file_name(p); p.filename().string().size() > longest) {
+    throw refuse(o, fmt::format("its file name is {} bytes long, longer than the {} the file system of '{}' takes: "
+                                "give a shorter name",
+                                p.filename().string().size(), longest, folder.string()));
   }
   if (fs::exists(link)) {
     if (access(p.c_str(), W_OK) != 0) {

@@ -129,7 +129,7 @@ void join_ranks(TrainArgs& a) {
 
 ferry::Shard configure_ranks(const TrainArgs& a, std::uint32_t global_batch, ferry::TrainerOptions& opt) {
   opt.data_parallel.zero_stage = a.zero;
-  opt.data_parallel.bucket_bytes = ferry::parse_bytes(a.bucket_size);
+  opt.data_parallel.bucket_bytes = size_option("--bucket-size", a.bucket_size);
   if (opt.data_parallel.bucket_bytes == 0) {
     throw std::invalid_argument("--bucket-size 0: gradient buckets need at least one byte (default 25MiB)");
   }

@@ -1,11 +1,15 @@
 // `ferry tune`: the GEMM and attention tuners ahead of time, with progress, a summary and the
 // cached winners.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "cli.hpp"
 #include "ops/attention_tune.hpp"
@@ -57,8 +61,16 @@ nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char*
           {"cache_path", r.cache_path}};
 }
 
-// The GEMM's search: progress, the winner per shape, and its JSON line.
-void tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
+// Where the winners went, for the progress output.
+std::string saved_text(const std::string& cache_path, const std::string& save_error) {
+  if (!save_error.empty()) return fmt::format("ferry tune: not saved ({})\n", save_error);
+  if (cache_path.empty()) return "ferry tune: the program cache is off, so nothing was saved\n";
+  return fmt::format("ferry tune: saved in {}\n", cache_path);
+}
+
+// The GEMM's search: progress, the winner per shape, and its JSON line. Returns why its winner
+// could not be saved ("" when it was, or the cache is off).
+std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
   ops::GemmTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
@@ -81,8 +93,7 @@ void tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& 
     for (const auto& c : r.candidates) {
       if (!c.error.empty()) std::cerr << fmt::format("  skipped {}: {}\n", c.kernel, c.error);
     }
-    std::cerr << (r.cache_path.empty() ? std::string("ferry tune: the program cache is off, so nothing was saved\n")
-                                       : fmt::format("ferry tune: saved in {}\n", r.cache_path));
+    std::cerr << saved_text(r.cache_path, r.save_error);
     std::cerr << fmt::format("ferry tune: gemm() now runs {}\n", choice);
   }
   if (a.json) {
@@ -110,10 +121,12 @@ void tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& 
     j["candidates"] = cands;
     std::cout << j.dump() << std::endl;
   }
+  return r.save_error;
 }
 
-// The attention's search (devices that are not CPUs): progress, the winner per shape, and its JSON line.
-void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
+// The attention's search (devices that are not CPUs): progress, the winner per shape, and its
+// JSON line. Returns why its winner could not be saved.
+std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
   ops::AttentionTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
@@ -140,8 +153,7 @@ void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceI
     for (const auto& c : r.candidates) {
       if (!c.error.empty()) std::cerr << fmt::format("  skipped {}: {}\n", c.kernel, c.error);
     }
-    std::cerr << (r.cache_path.empty() ? std::string("ferry tune: the program cache is off, so nothing was saved\n")
-                                       : fmt::format("ferry tune: saved in {}\n", r.cache_path));
+    std::cerr << saved_text(r.cache_path, r.save_error);
   }
   if (a.json) {
     nlohmann::json classes = nlohmann::json::array(), cands = nlohmann::json::array();
@@ -166,6 +178,7 @@ void tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceI
     j["candidates"] = cands;
     std::cout << j.dump() << std::endl;
   }
+  return r.save_error;
 }
 
 }  // namespace
@@ -180,10 +193,19 @@ int cmd_tune(const TuneArgs& a) {
         "tiles; the attention is tuned on GPUs and other devices",
         d.name));
   }
-  if (a.family != "attention") tune_gemm_family(a, env, d);
-  if (a.family == "attention" || (a.family == "all" && !d.is_cpu())) tune_attention_family(a, env, d);
+  std::vector<std::string> not_saved;
+  if (a.family != "attention") not_saved.push_back(tune_gemm_family(a, env, d));
+  if (a.family == "attention" || (a.family == "all" && !d.is_cpu()))
+    not_saved.push_back(tune_attention_family(a, env, d));
   if (a.family == "all" && d.is_cpu() && !a.quiet) {
     std::cerr << "ferry tune: attention not tuned: on CPU devices it runs the cpu family's measured tiles\n";
+  }
+  std::erase(not_saved, std::string());
+  if (!not_saved.empty()) {
+    throw std::runtime_error(fmt::format(
+        "ferry tune could not save what it found ({}), so later runs cannot use it: make the cache folder writable, "
+        "or name another with FERRY_CACHE_DIR",
+        fmt::join(not_saved, "; ")));
   }
   return 0;
 }

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -72,11 +73,14 @@ TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) 
   std::string text;
   for (const auto& f : files) {
     std::ifstream in(f, std::ios::binary);
-    if (!in) throw std::runtime_error(fmt::format("text corpus: cannot open {}", f.string()));
+    if (!in) throw std::runtime_error(fmt::format("text corpus: cannot open {}: {}", f.string(), std::strerror(errno)));
     const std::size_t before = text.size();
     text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     if (in.bad()) throw std::runtime_error(fmt::format("text corpus: error reading {}", f.string()));
-    if (text.size() == before) throw std::runtime_error(fmt::format("text corpus: {} is empty", f.string()));
+    if (text.size() == before) {
+      throw std::runtime_error(
+          fmt::format("text corpus: {} is empty: remove it from the folder, or train on another", f.string()));
+    }
     refuse_binary(f, std::string_view(text).substr(before));
   }
   TextCorpus c;

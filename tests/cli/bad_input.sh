@@ -84,6 +84,28 @@ row "ferry plan --zero without --ranks" "plan it with --ranks N" error - plan --
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
   train "${quick[@]}" --weights-home int8
 row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - train --trace-steps 0 "${quick[@]}"
+row "--accumulate over the run's batches" "it would train nothing" error - \
+  train --epochs 1 --train-limit 256 --quiet --accumulate 2
+row "--seed -1" "--seed: must be a whole number >= 0, got -1" error - train "${quick[@]}" --seed -1
+row "--lr past a float's range" "--lr: must be between" error - train "${quick[@]}" --lr 1e39
+row "a size option with a negative size" "--device-budget: size '-5MiB' is out of range" error - \
+  train "${quick[@]}" --device-budget -5MiB
+row "--depth past its range" "--depth: Value 100000 not in range" error - train "${quick[@]}" --model deep --depth 100000
+row "an empty --resume (an unset shell variable)" "--resume: is empty" error - train "${quick[@]}" --resume ""
+row "an empty --device" "--device: is empty" error - train "${quick[@]}" --device ""
+row "--width for the MLP (it has fixed sizes)" "--width applies to --model deep and gpt" error - \
+  train "${quick[@]}" --width 64
+row "--momentum with Adam" "--momentum applies to --optimizer sgd only" error - train "${quick[@]}" --momentum 0.5
+row "--optimizer-block without 8-bit state" "--optimizer-block applies to --optimizer adamw8bit only" error - \
+  train "${quick[@]}" --optimizer-block 256
+row "--compress-level without a compressed home" "--compress-level applies to a compressed home only" error - \
+  train "${quick[@]}" --compress-level 3
+row "--warmup-steps without hybrid phases" "--warmup-steps applies to --phases hybrid only" error - \
+  train "${quick[@]}" --warmup-steps 3
+row "--initial-loss-scale without loss scaling" "--initial-loss-scale applies with loss scaling only" error - \
+  train "${quick[@]}" --initial-loss-scale 1024
+row "--host-memory with resident residency" "--host-memory applies to state kept in host memory" error - \
+  train "${quick[@]}" --residency resident --host-memory staged
 
 # Output files, probed before any work.
 row "--trace in a missing folder" "--trace $work/no-such-folder/t.json: the folder" error - \
@@ -95,6 +117,9 @@ row "--profile-phases in a missing folder" "--profile-phases $work/none/p.csv: t
   train --profile-phases "$work/none/p.csv" "${quick[@]}"
 row "--checkpoint in a missing folder" "does not exist: create it first" error - \
   train --checkpoint "$work/none/run.ckpt" "${quick[@]}"
+long_name=$(printf 'n%.0s' $(seq 300))
+row "--checkpoint with a file name too long for the file system" "give a shorter name" error - \
+  train --checkpoint "$work/$long_name.ckpt" "${quick[@]}"
 
 # Data.
 data=/usr/share/datasets/fashion-mnist
@@ -197,6 +222,12 @@ row "--text folder holding a binary file" "looks binary, not text" error - \
   train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/binary-text"
 row "GPT head dimension past the fused attention's limit" "is past the fused kernels' limit of 128" error - \
   train --model gpt --width 512 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/text"
+row "GPT --accumulate over the run's steps" "it would train nothing" error - \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 3 --accumulate 4 --quiet \
+  --text "$work/text"
+row "GPT --prompt with a character the text lacks (before training)" "--prompt: character 0" error - \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --sample 5 --prompt "~~{}" \
+  --quiet --text "$work/text"
 # A cache of its own, filled by the same command, so the damaged entry is one the run loads (the
 # shared test cache holds entries of other tests, which other tests may rewrite meanwhile).
 rm -rf "$work/own-cache"
@@ -259,6 +290,28 @@ else
   printf '| trace that cannot be written (file size limit, as a full disk) | `ulimit -f 4; ferry train %s --trace $WORK/old-trace.json --json` | 3 | %s | `writing failed` |\n' \
     "${quick[*]}" "$(grep -m1 warning "$work/full.err" | sed "s|$work|\$WORK|g")"
 fi
+
+# Results printed to a standard output that cannot take them (a full disk; closed): an error and
+# a non-zero exit, never a silent exit 0.
+for where in full closed; do
+  if [ $where = full ]; then
+    out=$("$ferry" plan --model mlp --json 2>&1 >/dev/full)
+  else
+    out=$("$ferry" plan --model mlp --json 2>&1 >&-)
+  fi
+  status=$?
+  needle="standard output"
+  if [ -n "$markdown" ]; then
+    printf '| results printed to a %s standard output | `ferry plan --model mlp --json %s` | %s | %s | `%s` |\n' \
+      "$([ $where = full ] && echo full || echo closed)" "$([ $where = full ] && echo '>/dev/full' || echo '>&-')" \
+      "$status" "$(grep -m1 "$needle" <<<"$out")" "$needle"
+  elif [ "$status" -ne 0 ] && grep -q "ferry: error: .*$needle" <<<"$out"; then
+    echo "ok: results lost on a $where standard output are an error"
+  else
+    echo "FAILED: results printed to a $where standard output (exit $status): $out"
+    failures=$((failures + 1))
+  fi
+done
 
 # Training that diverges.
 row "learning rate 1e37 (the loss turns NaN)" "training diverged at step 2" error - \

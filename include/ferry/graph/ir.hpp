@@ -94,6 +94,10 @@ namespace builtin = ops::builtin;
 const char* op_name(OpId op);
 
 struct NodeTable {
+  // The most nodes a step graph may have: far beyond any model a device trains (a 4000-block
+  // residual MLP has 72,000), and low enough that a mistyped size is refused in a second rather
+  // than building until host memory runs out.
+  static constexpr std::size_t max_nodes = std::size_t{1} << 22;
   std::vector<OpId> op;
   std::vector<std::string> name;
   std::vector<std::uint32_t> in_begin, in_count, out_begin, out_count;  // ranges of `operands`
@@ -102,6 +106,7 @@ struct NodeTable {
   std::vector<Lane> lane;
   std::vector<TensorId> scratch;  // the op's temporary, set by the scratch pass (no_tensor if none)
 
+  // Throws std::length_error past max_nodes.
   NodeId add(OpId k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a = {},
              Lane l = Lane::compute);
   // Appends a copy of node n of `from` (kind, name, attributes, scratch; passes that rebuild the
