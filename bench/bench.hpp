@@ -18,7 +18,7 @@ namespace ferry::bench {
 
 struct BenchCommon {
   std::string device;  // index or name substring for ferry::cl::select_device; empty: default
-  std::string trace;   // Chrome trace file to write, for benchmarks that trace (others ignore it)
+  std::string trace;   // Chrome trace file to write (overlap and step; the others refuse --trace)
   int repeat = 5;      // timed repetitions after the warm-up; results report the median
 };
 

@@ -1,12 +1,17 @@
 // ferry-bench entry point: `ferry-bench <name> [options]`; with no name, lists the benchmarks.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "bench.hpp"
+#include "ferry/runtime/trace.hpp"
 #include "ferry/runtime/version.hpp"
 #include "runtime/output_file.hpp"
 
@@ -26,6 +31,25 @@ void emit_json(const nlohmann::json& result) {
 }  // namespace ferry::bench
 
 namespace {
+
+// --trace is checked before the benchmark runs: a benchmark that writes no trace, or a path the
+// trace could not be written to, is an error now rather than after minutes of measuring.
+void check_trace_output(const std::string& bench, const std::string& path) {
+  if (bench != "overlap" && bench != "step") {
+    throw std::invalid_argument(
+        fmt::format("--trace: ferry-bench {} writes no trace (overlap and step do): leave --trace out", bench));
+  }
+  ferry::refuse_to_replace(path, "trace file", ferry::trace_signature, false);
+  const std::filesystem::path p(path);
+  const std::filesystem::path folder = p.parent_path().empty() ? std::filesystem::path(".") : p.parent_path();
+  std::error_code ec;
+  if (!std::filesystem::is_directory(folder, ec) || ::access(folder.c_str(), W_OK) != 0) {
+    throw std::invalid_argument(
+        fmt::format("--trace {}: the folder '{}' does not exist or cannot be written: "
+                    "give a path in a writable folder",
+                    path, folder.string()));
+  }
+}
 
 int run_bench(int argc, char** argv) {
   using namespace ferry::bench;
@@ -62,6 +86,7 @@ int run_bench(int argc, char** argv) {
   for (std::size_t i = 0; i < subs.size(); ++i) {
     if (!subs[i]->parsed()) continue;
     try {
+      if (!common.trace.empty()) check_trace_output(benches[i].name, common.trace);
       return runs[i]();
     } catch (const std::exception& e) {
       fmt::print(stderr, "ferry-bench {}: {}\n", benches[i].name, e.what());
