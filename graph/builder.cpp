@@ -67,6 +67,16 @@ TensorId Builder::input(std::string name, Shape sample, DType dtype, Role role) 
   return device;
 }
 
+const Shape& Builder::shape(TensorId t) const {
+  if (t >= g_.tensors.size()) {
+    throw BuildError(
+        fmt::format("tensor id {} does not exist (this graph has {} tensors): pass an id a Builder call "
+                    "returned for this graph",
+                    t, g_.tensors.size()));
+  }
+  return g_.tensors.shape[t];
+}
+
 void Builder::output(TensorId t, std::string name) {
   if (t >= g_.tensors.size()) throw BuildError(fmt::format("output '{}': tensor id {} does not exist", name, t));
   const TensorId host = g_.tensors.add(name + "@host", g_.tensors.shape[t], g_.tensors.dtype[t], Role::output);
@@ -102,6 +112,12 @@ std::vector<TensorId> Builder::emit(ops::OpId op, const std::string& name, std::
   } catch (const std::exception& e) {
     // A user's shape rule that failed some other way: still an error naming the node.
     throw BuildError(fmt::format("{}: the shape rule of op '{}' failed: {}", name, row.name, e.what()));
+  }
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i].shape.elems() == 0) {
+      throw BuildError(fmt::format("{}: the shape rule of op '{}' made output {} of shape {}, which has no elements",
+                                   name, row.name, i, outs[i].shape.str()));
+    }
   }
   std::vector<TensorId> ids;
   for (std::size_t i = 0; i < outs.size(); ++i) {

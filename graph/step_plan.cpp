@@ -38,6 +38,13 @@ StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, cons
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
       auto e = shared->find(t.name[id]);
       if (!e) throw std::logic_error(fmt::format("variant uses weight '{}' that the model does not have", t.name[id]));
+      // A forward that makes other weights for another batch size would read past them.
+      if (e->bytes != t.bytes(id)) {
+        throw std::invalid_argument(fmt::format(
+            "a variant's '{}' has shape {} ({} bytes), the training step's has {} bytes: a model's forward must make "
+            "the same weights at every batch size",
+            t.name[id], t.shape[id].str(), t.bytes(id), e->bytes));
+      }
       t.placement[id] = e->place;
       t.home[id] = e->home;
     }

@@ -39,7 +39,14 @@ ModelSpec classifier(std::string name, graph::Shape sample_shape, std::uint32_t 
   m.inputs = {TensorSpec{"input", sample_shape, graph::DType::f32}};
   m.targets = {TensorSpec{"labels", graph::Shape{}, graph::DType::i32, classes}};
   m.forward = [forward = std::move(forward), classes](graph::Builder& b, std::span<const TensorId> in) {
+    if (in.size() != 1) {
+      throw graph::BuildError(fmt::format("classifier: its forward takes one input, given {}", in.size()));
+    }
     const TensorId logits = forward(b, in[0]);
+    if (logits >= b.graph().tensors.size()) {
+      throw graph::BuildError(
+          fmt::format("classifier: its forward returned tensor id {}, which does not exist", logits));
+    }
     const graph::Shape s = b.graph().tensors.shape[logits];
     if (s.rank != 2 || s[0] != b.batch() || s[1] != classes) {
       throw graph::BuildError(fmt::format("classifier: logits have shape {}, expected [{}, {}] (batch, classes)",
@@ -47,7 +54,11 @@ ModelSpec classifier(std::string name, graph::Shape sample_shape, std::uint32_t 
     }
     return logits;
   };
-  m.loss = [](graph::Builder& b, TensorId logits, std::span<const TensorId> t) { return b.softmax_xent(logits, t[0]); };
+  m.loss = [](graph::Builder& b, TensorId logits, std::span<const TensorId> t) {
+    if (t.size() != 1)
+      throw graph::BuildError(fmt::format("classifier: its loss takes one target, given {}", t.size()));
+    return b.softmax_xent(logits, t[0]);
+  };
   return m;
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "ferry/cl/error.hpp"
@@ -383,6 +384,19 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
                            const PlanRates& rates) {
   TrainerOptions options = given;
   detail::validate_trainer_options(model, options);
+  // A rate is a speed (0: left out of the prediction): a negative or non-finite one would make the
+  // prediction so too.
+  const std::pair<const char*, double> given_rates[] = {
+      {"link_gbps", rates.link_gbps},      {"gemm_gflops", rates.gemm_gflops},
+      {"device_gbps", rates.device_gbps},  {"device_8bit_gbps", rates.device_8bit_gbps},
+      {"host_gbps", rates.host_gbps},      {"host_8bit_gbps", rates.host_8bit_gbps},
+      {"codec_gbps", rates.codec_gbps},    {"launch_us", rates.launch_us},
+      {"network_gbps", rates.network_gbps}};
+  for (const auto& [name, value] : given_rates) {
+    if (!(value >= 0) || !std::isfinite(value)) {
+      throw std::invalid_argument(fmt::format("PlanRates::{} is {}: a rate is a finite number >= 0", name, value));
+    }
+  }
   return options.recompute_auto ? plan_choosing_recompute(runtime, model, options, rates)
                                 : plan_as_given(runtime, model, options, rates);
 }
@@ -586,7 +600,11 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes, HostLimit limit_by) {
   const std::uint64_t physical =
       limit_by == HostLimit::budget_if_given && host_budget_bytes != 0 ? 0 : physical_memory_bytes();
-  const std::uint64_t needed = plan.host_bytes + plan.host_compressed_bytes + plan.host_restore_bytes;
+  // Saturating: byte counts this large are refused, not wrapped around below the budget.
+  const auto add = [](std::uint64_t a, std::uint64_t b) {
+    return a > std::numeric_limits<std::uint64_t>::max() - b ? std::numeric_limits<std::uint64_t>::max() : a + b;
+  };
+  const std::uint64_t needed = add(add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
   const bool over_budget = host_budget_bytes != 0 && needed > host_budget_bytes;
   const bool over_memory = physical != 0 && needed > physical;
   if (!over_budget && !over_memory) return;

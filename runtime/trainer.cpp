@@ -555,6 +555,9 @@ StepResult Trainer::finish_training_step(Pending& p) {
     // That state is only worth keeping if its weights are finite: a loss turns non-finite also
     // because an earlier update (with a finite loss) broke the weights, unseen between checks.
     if (const std::string bad = non_finite_weight(); !bad.empty()) {
+      // Steps and saves are refused until a checkpoint is loaded: a save would replace the last
+      // good one with these weights.
+      inconsistent_ = fmt::format("weight {} is not finite (training diverged before step {})", bad, steps_ + 1);
       throw std::runtime_error(fmt::format(
           "training diverged before step {}: the loss is {} because weight {} was already not finite before this "
           "step ({}; learning rate {}): the update was skipped, but the weights are not usable: go back to a "
@@ -605,6 +608,7 @@ StepResult Trainer::finish_training_step(Pending& p) {
     std::string bad = non_finite_weight();
     if (bad.empty() && updates_broke_weights) bad = "(an update reported one; reading the weights back found none)";
     if (!bad.empty()) {
+      inconsistent_ = fmt::format("weight {} is not finite (training diverged at step {})", bad, steps_);
       throw std::runtime_error(fmt::format(
           "training diverged at step {}: the loss ({}) was finite, but this step's update made weight {} not finite "
           "(learning rate {}): the weights are NOT those from before this step and are not usable: go back to a "
@@ -730,6 +734,9 @@ const graph::CompiledStep* compiled_predict_step(const Trainer& t) {
 
 double Trainer::phase_step_ms(Phase p) const {
   const auto i = static_cast<int>(p);
+  if (i < 0 || static_cast<std::size_t>(i) >= std::size(phase_steps_)) {
+    throw std::invalid_argument(fmt::format("phase_step_ms: {} is not a phase", i));
+  }
   return phase_steps_[i] ? phase_ms_[i] / static_cast<double>(phase_steps_[i]) : 0.0;
 }
 

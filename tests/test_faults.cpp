@@ -387,6 +387,22 @@ TEST_P(DivergenceGuardTest, NonFiniteWeightsAfterAFiniteLossAreReportedHonestly)
       EXPECT_NE(what.find("NOT those from before this step"), std::string::npos) << what;
       std::printf("check_weights_every %u: %s\n", every, what.c_str());
     }
+    // Those weights are no state to go on from, nor to save over the last good checkpoint.
+    EXPECT_NE(trainer.inconsistent_state().find("is not finite"), std::string::npos) << trainer.inconsistent_state();
+    for (const char* refused : {"step", "save a checkpoint"}) {
+      try {
+        if (std::string(refused) == "step") {
+          trainer.step(images, labels);
+        } else {
+          trainer.save_checkpoint(std::filesystem::temp_directory_path() / "ferry-diverged.ckpt");
+        }
+        ADD_FAILURE() << refused << " after a divergence that left the weights not finite";
+      } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string("the trainer refuses to ") + refused), std::string::npos)
+            << e.what();
+      }
+    }
+    EXPECT_FALSE(std::filesystem::exists(std::filesystem::temp_directory_path() / "ferry-diverged.ckpt"));
   }
   // Updates that stay finite report nothing.
   o.lr = 1e-3f;

@@ -26,6 +26,11 @@
 namespace ferry::test {
 namespace {
 
+// The backward rule of an op whose output is its input: dy passes through as dx.
+void pass_gradient_through(ops::GradContext& c) {
+  c.contribute(c.inputs()[0], c.grad(c.outputs()[0]));
+}
+
 TEST(OpTable, EveryShippedRowCanRunAndHasAReference) {
   ASSERT_GE(ops::op_count(), static_cast<std::size_t>(ops::builtin::builtin_count));
   // Before any test registers a user row, every row is one ferry ships (built-in or named).
@@ -198,7 +203,7 @@ TEST(OpTable, BrokenUserOpsAreErrorsNamingTheNode) {
     c.env().kernels.program_from_source("user_broken", "__kernel void k(__global float* x) { x[0] = undeclared; }");
     return ops::LaunchList{};
   };
-  broken.backward = [](ops::GradContext&) {};
+  broken.backward = pass_gradient_through;
   broken.reference = [](ops::RefContext&) {};
   const ops::OpId broken_id = ops::register_op(broken);
   const ModelSpec m = models::classifier("broken", graph::Shape{4}, 2, [broken_id](graph::Builder& b, TensorId x) {
@@ -212,6 +217,94 @@ TEST(OpTable, BrokenUserOpsAreErrorsNamingTheNode) {
   } catch (const cl::Error& e) {
     EXPECT_NE(std::string(e.what()).find("user_broken_kernel1"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("undeclared"), std::string::npos) << "the build log: " << e.what();
+  }
+}
+
+// A user's row whose rules misbehave is an error naming the node, never a crash or a model that
+// trains less than it says: a backward rule that leaves out an input the loss depends on (its
+// weights would stay untrained), one that names a tensor that does not exist, a shape rule that
+// makes an empty tensor; and a Builder layer given a tensor id that does not exist.
+TEST(OpTable, UserRulesThatMisbehaveAreRefusedAtBuildTime) {
+  const auto identity_row = [](const char* name, std::function<void(ops::GradContext&)> backward) {
+    ops::OpInfo row;
+    row.name = name;
+    row.infer = [](const ops::ShapeView& v) { return std::vector<ops::TensorDesc>{v.input(0)}; };
+    row.bind = [](const ops::BindContext&) { return ops::LaunchList{}; };
+    row.backward = std::move(backward);
+    row.reference = [](ops::RefContext&) {};
+    return ops::register_op(row);
+  };
+  const auto model_with = [](ops::OpId op) {
+    return models::classifier("misbehaving", graph::Shape{4}, 2, [op](graph::Builder& b, TensorId x) {
+      const TensorId in[] = {b.linear(x, 2)};
+      return b.apply(op, in)[0];
+    });
+  };
+  const auto expect_refused = [](const ModelSpec& m, std::initializer_list<const char*> needles) {
+    Runtime rt;
+    try {
+      Trainer t(rt, m, TrainerOptions{});
+      ADD_FAILURE() << "trained a model whose op misbehaves";
+    } catch (const std::exception& e) {
+      for (const char* n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+  };
+  expect_refused(model_with(identity_row("user_forgets_dx", [](ops::GradContext&) {})),
+                 {"user_forgets_dx1", "gave no gradient for its input 0 ('linear0.y')"});
+  expect_refused(
+      model_with(identity_row("user_bogus_dx", [](ops::GradContext& c) { c.contribute(c.inputs()[0], 999999); })),
+      {"user_bogus_dx1", "tensor id 999999", "does not exist"});
+
+  ops::OpInfo empty;
+  empty.name = "user_empty_output";
+  empty.infer = [](const ops::ShapeView& v) {
+    return std::vector<ops::TensorDesc>{{graph::Shape{v.input(0).shape[0], 0}, graph::DType::f32}};
+  };
+  empty.bind = [](const ops::BindContext&) { return ops::LaunchList{}; };
+  empty.reference = [](ops::RefContext&) {};
+  const ops::OpId empty_id = ops::register_op(empty);
+  graph::Graph g;
+  ClassifierBuilder b(g, 2, graph::Shape{4}, 2);
+  const TensorId in[] = {b.input()};
+  try {
+    b.apply(empty_id, in);
+    ADD_FAILURE() << "an output without elements";
+  } catch (const graph::BuildError& e) {
+    EXPECT_NE(std::string(e.what()).find("which has no elements"), std::string::npos) << e.what();
+  }
+  for (const TensorId bogus : {TensorId(9999), TensorId(~0u)}) {
+    EXPECT_THROW(b.linear(bogus, 3), graph::BuildError);
+    EXPECT_THROW(b.layernorm(bogus), graph::BuildError);
+    EXPECT_THROW(b.flatten(bogus), graph::BuildError);
+    EXPECT_THROW(b.reshape(bogus, graph::Shape{4, 2}), graph::BuildError);
+  }
+  expect_refused(
+      models::classifier("bogus logits", graph::Shape{4}, 2, [](graph::Builder&, TensorId) { return TensorId(9999); }),
+      {"tensor id 9999"});
+
+  // A forward that makes other weights at another batch size: the evaluation variants (batches of
+  // 2 and 1 for 7 samples) would read past the training step's weights.
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 4;
+  Trainer t(rt,
+            models::classifier("batch-dependent", graph::Shape{4}, 2,
+                               [](graph::Builder& b, TensorId x) {
+                                 return b.linear(b.relu(b.linear(x, b.batch() == 4 ? 16 : 32)), 2);
+                               }),
+            o);
+  Dataset d;
+  d.count = 7;
+  d.rows = 1;
+  d.cols = 4;
+  d.images.assign(7 * 4, 0.5f);
+  d.labels.assign(7, 1);
+  try {
+    t.evaluate(d);
+    ADD_FAILURE() << "evaluated with weights of another shape";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("must make the same weights at every batch size"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -254,7 +347,7 @@ TEST(OpTable, ParallelBindReportsTheFirstFailingNode) {
     if (binds++ == 0) return {};  // the first node of the kind binds alone, before the others
     throw std::runtime_error(fmt::format("cannot bind {}", c.name()));
   };
-  picky.backward = [](ops::GradContext&) {};
+  picky.backward = pass_gradient_through;
   picky.reference = [](ops::RefContext&) {};
   const ops::OpId picky_id = ops::register_op(picky);
   ops::OpInfo never = picky;

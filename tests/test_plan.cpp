@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 
@@ -36,6 +37,28 @@ TEST(Plan, ResidentBreakdownMatchesTheTrainer) {
   EXPECT_EQ(b.total, t.device_peak_bytes());
   // What is live at the peak fits in the step buffers.
   EXPECT_LE(b.gradients + b.activations + b.scratch, b.step_arena);
+}
+
+// A rate is a speed and a byte count a size: a negative or non-finite rate, and byte counts whose
+// sum would wrap around, are refused rather than turned into a negative prediction or a plan that
+// fits any budget.
+TEST(Plan, RatesAndByteCountsOutOfRangeAreRefused) {
+  Runtime rt;
+  for (const double bad : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    PlanRates r;
+    r.link_gbps = 10;
+    r.host_gbps = bad;
+    try {
+      plan_training(rt, small_mlp(), TrainerOptions{}, r);
+      ADD_FAILURE() << "planned with a host rate of " << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("PlanRates::host_gbps"), std::string::npos) << e.what();
+    }
+  }
+  TrainingPlan p;
+  p.host_bytes = std::numeric_limits<std::uint64_t>::max();
+  p.host_compressed_bytes = 2;
+  EXPECT_THROW(check_host_budget(p, 100, HostLimit::budget_if_given), HostBudgetError);
 }
 
 TEST(Plan, PredictHoldsNoGradientsAndStreamingMovesWeightsOff) {

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -44,7 +45,9 @@ class Differentiator final : public ops::GradContext {
         }
         continue;
       }
+      contributed_.clear();
       row.backward(*this);
+      check_every_input_got_a_gradient(row);
     }
   }
 
@@ -58,15 +61,21 @@ class Differentiator final : public ops::GradContext {
     if (needs_[t]) return true;
     return t_.alias_of[t] != no_tensor && needs_grad(t_.alias_of[t]);
   }
-  ops::TensorRef grad(ops::TensorRef t) const override { return t == no_tensor ? no_tensor : t_.grad[t]; }
+  ops::TensorRef grad(ops::TensorRef t) const override {
+    return t == no_tensor ? no_tensor : t_.grad[check(t, "grad()")];
+  }
   float loss_weight(ops::TensorRef t) const override {
     if (t == g_.loss) return 1.0f;
     const auto it = loss_terms_.find(t);
     return it == loss_terms_.end() ? 0.0f : it->second;
   }
-  void add_loss_term(ops::TensorRef t, float weight) override { loss_terms_[t] += weight; }
-  ops::DType dtype(ops::TensorRef t) const override { return t_.dtype[t]; }
+  void add_loss_term(ops::TensorRef t, float weight) override {
+    contributed_.push_back(check(t, "add_loss_term()"));  // its gradient comes from the loss weight
+    loss_terms_[t] += weight;
+  }
+  ops::DType dtype(ops::TensorRef t) const override { return t_.dtype[check(t, "dtype()")]; }
   ops::TensorRef new_grad(ops::TensorRef of) override {
+    check(of, "new_grad()");
     TensorId g = t_.add("d" + t_.name[of], t_.shape[of], t_.dtype[of], Role::gradient);
     needs_.push_back(false);
     return g;
@@ -77,6 +86,9 @@ class Differentiator final : public ops::GradContext {
   }
   // Adds `g` to the gradient of `t` (summing when t is used more than once).
   void contribute(ops::TensorRef t, ops::TensorRef g) override {
+    check(t, "contribute()'s tensor");
+    check(g, "contribute()'s gradient");
+    contributed_.push_back(t);
     if (!needs_grad(t)) return;
     if (TensorId base = t_.alias_of[t]; base != no_tensor) {
       // The gradient of a view is a view of the base's gradient.
@@ -97,6 +109,30 @@ class Differentiator final : public ops::GradContext {
   }
 
  private:
+  // A rule's tensor id, checked: a rule (a user's row) naming a tensor that does not exist would
+  // read past the tables.
+  TensorId check(ops::TensorRef t, const char* where) const {
+    if (t >= t_.size()) {
+      throw std::invalid_argument(
+          fmt::format("autodiff: the backward rule of node '{}' passed tensor id {} to {}, "
+                      "which does not exist (the graph has {} tensors)",
+                      name_, t, where, t_.size()));
+    }
+    return t;
+  }
+
+  // A rule that leaves out an input the loss depends on would leave its weights untrained.
+  void check_every_input_got_a_gradient(const ops::OpInfo& row) const {
+    for (std::size_t i = 0; i < in_.size(); ++i) {
+      const TensorId x = in_[i];
+      if (!needs_grad(x) || std::find(contributed_.begin(), contributed_.end(), x) != contributed_.end()) continue;
+      throw std::invalid_argument(fmt::format(
+          "autodiff: the backward rule of node '{}' ({}) gave no gradient for its input {} ('{}'), which the loss "
+          "depends on through it: a backward rule must contribute() a gradient for every input that needs_grad()",
+          name_, row.name, i, t_.name[x]));
+    }
+  }
+
   void mark_needs_grad(std::size_t forward_count) {
     needs_.assign(t_.size(), false);
     for (TensorId t = 0; t < t_.size(); ++t) needs_[t] = t_.role[t] == Role::weight;
@@ -117,6 +153,7 @@ class Differentiator final : public ops::GradContext {
   std::vector<bool> needs_;
   std::unordered_map<TensorId, float> loss_terms_;  // terms of a loss_sum and their weights
   std::vector<TensorId> in_, out_;
+  std::vector<TensorId> contributed_;  // what the node being differentiated contributed to
   std::string name_;
   NodeAttrs attrs_;
 };

@@ -1,4 +1,8 @@
 // The scratch pass: a temporary per node whose row asks for one on this device.
+#include <fmt/format.h>
+
+#include <stdexcept>
+
 #include "graph/bind.hpp"
 #include "graph/node_view.hpp"
 
@@ -10,6 +14,13 @@ void assign_scratch(Graph& g, ops::OpEnv& env) {
     if (!row.scratch_bytes) continue;
     const std::size_t bytes = row.scratch_bytes(NodeView<ops::ShapeView>(g, n), env);
     if (bytes == 0) continue;
+    // A shape axis holds at most 2^32 - 1: a larger scratch would be cut to its low bits.
+    if (bytes > 0xffffffffu) {
+      throw std::invalid_argument(fmt::format(
+          "node '{}' ({}) asks for {} bytes of scratch, more than the 4 GiB - 1 a scratch buffer holds: its row's "
+          "scratch_bytes must stay below that (split the work)",
+          g.nodes.name[n], row.name, bytes));
+    }
     // Stored as bytes: the memory plan only needs the size.
     g.nodes.scratch[n] =
         g.tensors.add(g.nodes.name[n] + ".scratch", Shape{static_cast<std::uint32_t>(bytes)}, DType::u8, Role::scratch);

@@ -234,6 +234,17 @@ void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::T
             {"compile_s", compile_s}});
 }
 
+// --accumulate k makes an update of every k batches: a run with fewer would train nothing.
+void check_updates_happen(const TrainArgs& a, std::size_t samples, std::uint32_t batch) {
+  const std::uint64_t micro_batches = std::uint64_t{samples / batch} * a.epochs;
+  if (micro_batches >= a.accumulate) return;
+  throw std::invalid_argument(fmt::format(
+      "--accumulate {} makes one optimizer update of every {} batches, but this run has {} ({} of {} samples in "
+      "each of {} epochs): it would train nothing; give more --epochs or samples, a smaller --batch or a smaller "
+      "--accumulate",
+      a.accumulate, a.accumulate, micro_batches, samples / batch, batch, a.epochs));
+}
+
 int cmd_train(const TrainArgs& a) {
   Splits splits = load_splits(a);
   const ferry::Dataset& train = splits.train;
@@ -250,13 +261,7 @@ int cmd_train(const TrainArgs& a) {
   if (train.count < batch) {
     throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", batch, train.count));
   }
-  if (const std::uint64_t micro_batches = std::uint64_t{train.count / batch} * a.epochs; micro_batches < a.accumulate) {
-    throw std::invalid_argument(fmt::format(
-        "--accumulate {} makes one optimizer update of every {} batches, but this run has {} ({} of {} samples in "
-        "each of {} epochs): it would train nothing; give more --epochs or samples, a smaller --batch or a smaller "
-        "--accumulate",
-        a.accumulate, a.accumulate, micro_batches, train.count / batch, batch, a.epochs));
-  }
+  check_updates_happen(a, train.count, batch);
 
   const auto compile_start = Clock::now();
   ferry::Trainer trainer(runtime, make_model(a), opt);
@@ -634,14 +639,8 @@ CLI::App* add_plan_command(CLI::App& app, TrainArgs& t) {
 
 namespace {
 
-int run_ferry(int argc, char** argv) {
-  CLI::App app{"ferry: train neural networks on any OpenCL device"};
-  app.require_subcommand(1);
-  app.set_version_flag(
-      "--version", [] { return ferry::version_text("ferry"); },
-      "Print the version, git commit and the OpenCL devices seen, and exit");
-  auto* devices = app.add_subcommand("devices", "List OpenCL devices (index, platform, name)");
-  TrainArgs t;
+// `ferry train` and its options.
+CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
   auto* train = app.add_subcommand("train",
                                    "Train a model: an MLP, CNN or deep MLP on Fashion-MNIST (test accuracy at the "
                                    "end), or a GPT on English text (validation loss)");
@@ -727,6 +726,18 @@ int run_ferry(int argc, char** argv) {
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "
                   "(JSON: test_accuracy_int8)");
+  return train;
+}
+
+int run_ferry(int argc, char** argv) {
+  CLI::App app{"ferry: train neural networks on any OpenCL device"};
+  app.require_subcommand(1);
+  app.set_version_flag(
+      "--version", [] { return ferry::version_text("ferry"); },
+      "Print the version, git commit and the OpenCL devices seen, and exit");
+  auto* devices = app.add_subcommand("devices", "List OpenCL devices (index, platform, name)");
+  TrainArgs t;
+  CLI::App* train = add_train_command(app, t);
   CLI::App* plan = add_plan_command(app, t);
   TuneArgs tune_args;
   CLI::App* tune = add_tune_command(app, tune_args);

@@ -235,20 +235,29 @@ void add_attention_kernel(nlohmann::json& j, Runtime& runtime, const models::Gpt
 
 }  // namespace
 
+// Before any work: the run makes at least one update, and the prompt its sample continues is
+// made of the text's characters (not found out after the training it follows).
+void check_run_makes_sense(const TrainArgs& a, const TextCorpus& corpus, std::uint32_t steps) {
+  if (steps < a.accumulate) {
+    throw std::invalid_argument(fmt::format(
+        "--accumulate {} makes one optimizer update of every {} steps, but this run has {} (--steps): it would "
+        "train nothing; give --steps {} or more, or a smaller --accumulate",
+        a.accumulate, a.accumulate, steps, a.accumulate));
+  }
+  if (a.sample == 0) return;
+  try {
+    (void)corpus.encode(a.prompt);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(
+        fmt::format("--prompt: {}: give a prompt made of the text's characters (checked before training)", e.what()));
+  }
+}
+
 int cmd_train_gpt(const TrainArgs& args) {
   TrainArgs a = args;
   if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
   const TextCorpus corpus = load_text_corpus(fortune_files(a.text_dir), 0.1);
   const models::GptConfig c = gpt_config(a, corpus);
-  if (a.sample > 0) {
-    // Checked now, not after the training it would follow.
-    try {
-      (void)corpus.encode(a.prompt);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(
-          fmt::format("--prompt: {}: give a prompt made of the text's characters (checked before training)", e.what()));
-    }
-  }
 
   Runtime runtime({.device = a.device,
                    .local_rank = a.world ? ferry::local_rank() : 0,
@@ -258,12 +267,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   configure_trainer(a, opt);
   const Shard shard = configure_ranks(a, batch, opt);
   const std::uint32_t steps = a.steps ? a.steps : 2000;
-  if (steps < a.accumulate) {
-    throw std::invalid_argument(fmt::format(
-        "--accumulate {} makes one optimizer update of every {} steps, but this run has {} (--steps): it would "
-        "train nothing; give --steps {} or more, or a smaller --accumulate",
-        a.accumulate, a.accumulate, steps, a.accumulate));
-  }
+  check_run_makes_sense(a, corpus, steps);
   const LrSchedule schedule = gpt_schedule(a, steps);
 
   announce_setup(a, runtime, models::gpt(c), opt);

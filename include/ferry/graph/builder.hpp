@@ -122,7 +122,9 @@ class Builder {
   bool is_loss_stats(TensorId t) const;  // t is an f32 output of a loss-class row
   std::string loss_name();               // "loss", then "loss<n>"
   TensorId weight(std::string name, Shape s, WeightInit init);
-  const Shape& shape(TensorId t) const { return g_.tensors.shape[t]; }
+  // Throws BuildError when `t` is not a tensor of this builder's graph (every layer reads its
+  // inputs' shapes through it first).
+  const Shape& shape(TensorId t) const;
 
   Graph& g_;
   std::uint32_t batch_;

@@ -138,8 +138,9 @@ class Trainer {
   //   for (...) { auto next = trainer.submit(b1); use(trainer.result(h)); h = next; }
   // The device runs step k+1 right after step k when runs_ahead(); otherwise submit() first
   // completes the step before it (its result is kept for result()), which is step()'s timing.
-  // Methods that read or write the training state (evaluate, predict, checkpoints, tensors)
-  // complete every submitted step first.
+  // evaluate(), predict(), load_checkpoint() and write_tensor() complete every submitted step
+  // first (its result() stays to be read); saving a checkpoint and reading a tensor or parameter
+  // throw std::logic_error while a submitted step's result() has not been read.
   StepHandle submit(const Batch& batch);
   StepResult result(StepHandle handle);
   // Whether submit() enqueues while the step before it runs: the training step runs in one pass
