@@ -119,7 +119,6 @@ void record_winner(OpEnv& env, TuneMode mode, AttentionTuneResult& r) {
                         c.max_head_dim, c.best);
   }
   r.save_error = write_tune_cache_text(r.cache_path, body, cache_what);
-  if (!r.save_error.empty()) r.save_error = fmt::format("{}: {}", r.cache_path, r.save_error);
   if (!r.save_error.empty()) r.cache_path.clear();
 }
 

@@ -70,12 +70,12 @@ std::optional<std::string> read_tune_cache_text(const std::string& path, const c
 std::string write_tune_cache_text(const std::string& path, const std::string& body, const char* what) {
   const std::string text = body + fmt::format("# checksum {:016x}\n", cl::fnv1a(body));
   const std::string tmp = fmt::format("{}.tmp{}", path, ::getpid());
-  const auto fail = [&](std::string why) {
+  const auto fail = [&](const std::string& why) {
     std::fprintf(stderr, "ferry: warning: cannot write the %s %s (%s); the tuned choice is used for this run only\n",
                  what, path.c_str(), why.c_str());
     std::error_code ignored;
     std::filesystem::remove(tmp, ignored);
-    return why;
+    return fmt::format("{}: {}", path, why);
   };
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);

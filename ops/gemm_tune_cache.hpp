@@ -24,9 +24,9 @@ std::uint64_t tune_cache_key(const cl::DeviceInfo& device, std::initializer_list
 std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what);
 
 // Writes `body` and its checksum line to a temporary file beside `path` and renames it into place,
-// so a reader (or an interrupted tuner) never sees half a file. Returns what failed and why (the
-// system's reason) when the file cannot be written, after printing a warning saying so; "" when
-// it was written.
+// so a reader (or an interrupted tuner) never sees half a file. Returns "<path>: <what failed and
+// why>" (the system's reason) when the file cannot be written, after printing a warning saying
+// so; "" when it was written.
 std::string write_tune_cache_text(const std::string& path, const std::string& body, const char* what);
 
 // The file for this device under `dir` (the program cache's folder).

@@ -376,7 +376,6 @@ void record_winner(OpEnv& env, TuneMode mode, GemmTuneResult& r) {
       fmt::format("device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\nGFLOPS per shape: {}",
                   device.name, device.driver, tune_mode_name(mode), r.measured, r.planned, r.seconds, shapes);
   r.save_error = write_gemm_tune_cache(r.cache_path, r.row, comment);
-  if (!r.save_error.empty()) r.save_error = fmt::format("{}: {}", r.cache_path, r.save_error);
   if (!r.save_error.empty()) r.cache_path.clear();
 }
 

@@ -81,7 +81,8 @@ std::filesystem::path temporary_beside(const std::filesystem::path& path, std::s
   std::string name = path.filename().string();
   // "." + name + suffix within the limit; the name is cut at a byte, which is fine for a name no
   // one reads and which is removed or renamed away.
-  const std::size_t room = longest_file_name(path) - std::min(longest_file_name(path), suffix.size() + 1);
+  const std::size_t longest = longest_file_name(path);
+  const std::size_t room = longest - std::min(longest, suffix.size() + 1);
   if (name.size() > room) name.resize(room);
   return path.parent_path() / ("." + name + suffix);
 }

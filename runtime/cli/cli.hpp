@@ -171,6 +171,8 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
 // "fp32" / "fp16" / "bf16" (also "f32", "f16") and back; throws std::invalid_argument naming the
 // choices.
 ferry::ops::DType parse_precision(const std::string& s);
+// --loss-scaling on, off or auto (CLI11 checks the word).
+ferry::PrecisionConfig::Scaling parse_loss_scaling(const std::string& s);
 
 // Batches that train well and fit the models' usual budgets (deep: 64 MiB): mlp 256, cnn 128,
 // gpt 32, deep 64.

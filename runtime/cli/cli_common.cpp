@@ -30,6 +30,11 @@ ferry::graph::Home cli_home(const std::string& s) {
   throw std::invalid_argument(fmt::format("unknown home '{}': use device, host, mapped, compressed or dropped", s));
 }
 
+ferry::PrecisionConfig::Scaling parse_loss_scaling(const std::string& s) {
+  using Scaling = ferry::PrecisionConfig::Scaling;
+  return s == "on" ? Scaling::on : s == "off" ? Scaling::off : Scaling::automatic;
+}
+
 ferry::ops::DType parse_precision(const std::string& s) {
   if (s == "fp32" || s == "f32") return ferry::ops::DType::f32;
   if (s == "fp16" || s == "f16") return ferry::ops::DType::f16;
@@ -150,9 +155,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   }
   opt.fuse = !a.no_fuse;
   opt.precision.compute = parse_precision(a.precision);
-  opt.precision.scaling = a.loss_scaling == "on"    ? ferry::PrecisionConfig::Scaling::on
-                          : a.loss_scaling == "off" ? ferry::PrecisionConfig::Scaling::off
-                                                    : ferry::PrecisionConfig::Scaling::automatic;
+  opt.precision.scaling = parse_loss_scaling(a.loss_scaling);
   opt.precision.initial_scale = a.initial_loss_scale;
   opt.precision.growth_interval = a.loss_scale_interval;
   ferry::validate(opt.precision);

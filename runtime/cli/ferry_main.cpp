@@ -579,9 +579,7 @@ void check_flags_apply(const CLI::App& train, const TrainArgs& t) {
   const bool compressed = is_compressed(t.weights_home) || is_compressed(t.state_home);
   ferry::PrecisionConfig precision;
   precision.compute = parse_precision(t.precision);
-  precision.scaling = t.loss_scaling == "on"    ? ferry::PrecisionConfig::Scaling::on
-                      : t.loss_scaling == "off" ? ferry::PrecisionConfig::Scaling::off
-                                                : ferry::PrecisionConfig::Scaling::automatic;
+  precision.scaling = parse_loss_scaling(t.loss_scaling);
   const bool scaled = precision.scaled();
   const struct {
     std::vector<const char*> flags;
