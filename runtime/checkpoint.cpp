@@ -173,6 +173,34 @@ void check_shards(std::span<const std::filesystem::path> paths, std::span<const 
   }
 }
 
+// Refuses a value that is not a finite number where training cannot have put one: anywhere in a
+// weight, the predictor's state or the restore point, and a NaN in optimizer state (an infinity
+// there is what Adam's second moment becomes from a finite gradient whose square overflows, and a
+// run trains on with it). Gradient sums inside a group of micro-batches may hold either under
+// loss scaling, whose update then skips. Files are compared first, so a name found is this
+// trainer's tensor of that role; names it lacks are not loaded.
+void refuse_non_finite(const std::filesystem::path& path, const ckpt::Contents& file, const graph::TensorTable& t,
+                       const std::vector<TensorId>& ids) {
+  for (const ckpt::Contents::NonFinite& bad : file.non_finite) {
+    const std::string& name = file.fingerprint.tensors[bad.tensor].name;
+    const auto id = std::find_if(ids.begin(), ids.end(), [&](TensorId i) { return t.name[i] == name; });
+    if (id == ids.end()) continue;
+    const graph::Role role = t.role[*id];
+    if (role == graph::Role::gradient_sum || (role == graph::Role::optimizer_state && !bad.nan && !bad.restore)) {
+      continue;
+    }
+    const std::string what = bad.restore                   ? "the restore point (weights before a Predict run) of"
+                             : role == graph::Role::weight ? "weight"
+                             : role == graph::Role::optimizer_state ? "optimizer state"
+                                                                    : "predictor state";
+    throw std::invalid_argument(fmt::format(
+        "checkpoint '{}' holds a value that is not a finite number: element {} of {} '{}' is {}; the trainer was not "
+        "changed: the run that wrote it had diverged before it saved; resume from an earlier checkpoint, and train on "
+        "with a lower learning rate",
+        path.string(), bad.element, what, name, bad.value_text()));
+  }
+}
+
 }  // namespace
 
 std::uint32_t Trainer::global_batch() const noexcept {
@@ -259,6 +287,18 @@ std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& pat
 std::vector<std::byte> Trainer::load_resharded_checkpoint(std::span<const std::filesystem::path> files,
                                                           LoadOptions options) {
   if (files.empty()) throw std::invalid_argument("load_resharded_checkpoint: no checkpoint files given");
+  // File r is rank r's share: one file twice would load one rank's share as another's.
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      std::error_code ec;
+      if (files[i] == files[j] || std::filesystem::equivalent(files[i], files[j], ec)) {
+        throw std::invalid_argument(fmt::format(
+            "load_resharded_checkpoint: files {} and {} ('{}', '{}') are one file; the trainer was not changed: give "
+            "each rank's file once, rank 0's first",
+            j, i, files[j].string(), files[i].string()));
+      }
+    }
+  }
   return load_checkpoint_files(files, true, options);
 }
 
@@ -289,6 +329,7 @@ std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::files
   } else {
     compare(file.fingerprint, here, path, !options.accept_other_settings);
   }
+  for (std::size_t f = 0; f < paths.size(); ++f) refuse_non_finite(paths[f], contents[f], t, ids);
   const ckpt::TrainerRecord& tr = file.trainer;
   if (tr.micro >= options_.accumulate)
     throw r.corrupt(fmt::format("{} micro-batches done of {}", tr.micro, options_.accumulate));

@@ -192,10 +192,80 @@ void write_section(AtomicFile& f, std::uint32_t t, const std::vector<std::byte>&
   w.end();
 }
 
+// Finds the first value that is not finite in a tensor section's payload (its name, 4 + name
+// bytes, then the elements), fed in the chunks its checksum reads, which need not end on an element.
+class FirstNonFinite {
+ public:
+  FirstNonFinite(std::size_t name_bytes, ops::DType dtype)
+      : skip_(4 + name_bytes),
+        width_(dtype == ops::DType::f32 ? 4 : 2),
+        exponent_(dtype == ops::DType::f32   ? 0x7F800000u
+                  : dtype == ops::DType::f16 ? 0x7C00u
+                                             : 0x7F80u),
+        mantissa_(dtype == ops::DType::f32   ? 0x7FFFFFu
+                  : dtype == ops::DType::f16 ? 0x3FFu
+                                             : 0x7Fu) {}
+  static bool applies(ops::DType d) { return d == ops::DType::f32 || d == ops::DType::f16 || d == ops::DType::bf16; }
+  void feed(const std::byte* p, std::size_t n) {
+    if (found_) return;
+    if (skip_ > 0) {
+      const std::size_t s = std::min(skip_, n);
+      skip_ -= s, p += s, n -= s;
+    }
+    while (n > 0 && partial_ > 0) {  // an element begun in the last chunk
+      element_[partial_++] = *p++, --n;
+      if (partial_ == width_) {
+        partial_ = 0;
+        if (check(element_, 1)) return;
+      }
+    }
+    const std::size_t whole = n / width_;
+    if (check(p, whole)) return;
+    for (std::size_t i = whole * width_; i < n; ++i) element_[partial_++] = p[i];
+  }
+  const std::optional<Contents::NonFinite>& found() const { return found_; }
+
+ private:
+  // Checks `count` elements at `p`; true when one is not finite (found_ then says which).
+  bool check(const std::byte* p, std::size_t count) {
+    const auto bits = [&](std::size_t i) {
+      if (width_ == 4) {
+        std::uint32_t u = 0;
+        std::memcpy(&u, p + 4 * i, 4);
+        return u;
+      }
+      std::uint16_t h = 0;
+      std::memcpy(&h, p + 2 * i, 2);
+      return std::uint32_t{h};
+    };
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint32_t u = bits(i);
+      if ((u & exponent_) != exponent_) continue;
+      Contents::NonFinite f;
+      f.element = seen_ + i;
+      f.nan = (u & mantissa_) != 0;
+      f.negative = (u >> (8 * width_ - 1)) != 0;
+      found_ = f;
+      return true;
+    }
+    seen_ += count;
+    return false;
+  }
+  std::size_t skip_;
+  std::size_t width_;
+  std::uint32_t exponent_, mantissa_;  // the bits of an exponent of all ones, and of the mantissa
+  std::byte element_[4] = {};
+  std::size_t partial_ = 0;
+  std::uint64_t seen_ = 0;  // elements checked
+  std::optional<Contents::NonFinite> found_;
+};
+
 // Reads the section at `offset`, checks its tag is `expected` and (when given) its length, and
-// verifies its checksum by reading it through; small payloads are kept in `keep`.
+// verifies its checksum by reading it through; small payloads are kept in `keep`; a large one
+// is shown to `watch` chunk by chunk.
 Section read_section(const Reader& r, std::uint64_t offset, std::uint32_t expected, const std::string& what,
-                     std::optional<std::uint64_t> length = std::nullopt, std::vector<std::byte>* keep = nullptr) {
+                     std::optional<std::uint64_t> length = std::nullopt, std::vector<std::byte>* keep = nullptr,
+                     FirstNonFinite* watch = nullptr) {
   if (offset > r.size() || r.size() - offset < section_head_bytes + 8) {
     throw r.truncated(offset, fmt::format("section {}", what));
   }
@@ -231,6 +301,7 @@ Section read_section(const Reader& r, std::uint64_t offset, std::uint32_t expect
       const std::size_t n = std::min<std::uint64_t>(buf.size(), s.length - done);
       r.read(s.payload() + done, buf.data(), n);
       sum.add(buf.data(), n);
+      if (watch) watch->feed(buf.data(), n);
       done += n;
     }
   }
@@ -606,6 +677,10 @@ std::vector<TrainingSetting> Fingerprint::decode_settings(const std::vector<std:
 
 // ---- Whole files ----
 
+std::string Contents::NonFinite::value_text() const {
+  return nan ? "nan" : negative ? "-inf" : "inf";
+}
+
 Contents read_contents(const Reader& r) {
   Contents c;
   std::tie(c.format_version, c.writer) = read_header(r);
@@ -646,7 +721,17 @@ Contents read_contents(const Reader& r) {
       }
     }
     if (ft.bytes > r.size()) throw r.truncated(at, what);
-    const Section sec = read_section(r, at, tg, what, 4 + ft.name.size() + ft.bytes);
+    const auto dtype = static_cast<ops::DType>(ft.dtype);
+    std::optional<FirstNonFinite> watch;
+    if (FirstNonFinite::applies(dtype)) watch.emplace(ft.name.size(), dtype);
+    const Section sec =
+        read_section(r, at, tg, what, 4 + ft.name.size() + ft.bytes, nullptr, watch ? &*watch : nullptr);
+    if (watch && watch->found()) {
+      Contents::NonFinite f = *watch->found();
+      f.tensor = static_cast<std::size_t>(&ft - c.fingerprint.tensors.data());
+      f.restore = tg == tag_restore;
+      c.non_finite.push_back(f);
+    }
     at = sec.end();
     ++sections;
     return sec;

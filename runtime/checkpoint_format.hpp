@@ -168,6 +168,18 @@ struct Contents {
   std::vector<std::byte> caller;
   std::vector<Section> tensors;   // one per fingerprint tensor, in its order
   std::vector<Section> restores;  // inside a Predict run: one per weight (the first tensors)
+  // The first value that is not a finite number in each f32, f16 or bf16 tensor section holding
+  // one, found while its checksum is verified. What a tensor may hold is the loader's to decide
+  // (Trainer::load_checkpoint refuses them in weights: runtime/checkpoint.cpp).
+  struct NonFinite {
+    std::size_t tensor = 0;  // in fingerprint.tensors
+    bool restore = false;    // in the restore point (the weight before a Predict run)
+    std::uint64_t element = 0;
+    bool nan = false;  // else an infinity
+    bool negative = false;
+    std::string value_text() const;  // "nan", "inf" or "-inf"
+  };
+  std::vector<NonFinite> non_finite;
 };
 
 // Reads and verifies the whole file (every byte, through the checksums) without keeping the

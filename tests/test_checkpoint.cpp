@@ -9,9 +9,11 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 
+#include "../runtime/checkpoint_format.hpp"
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -405,6 +407,50 @@ TEST(Checkpoint, EveryFlippedByteIsDetected) {
   expect_same_state(before, state_of(t), "after every flip");
   EXPECT_EQ(t.load_checkpoint(f.path), std::vector<std::byte>(100, std::byte{7}));
   expect_same_state(f.saved, state_of(t), "the intact file");
+}
+
+// `bytes` (a checkpoint) with element 1 of tensor `name` (or of its restore point) set to `value`,
+// and that section's checksum made to hold again: a file whose every byte checks out.
+std::vector<std::byte> with_value(std::vector<std::byte> bytes, const fs::path& scratch, const std::string& name,
+                                  float value, bool restore = false) {
+  write_file(scratch, bytes);
+  const ckpt::Reader r(scratch);
+  const ckpt::Contents c = ckpt::read_contents(r);
+  const auto& tensors = c.fingerprint.tensors;
+  const auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& t) { return t.name == name; });
+  if (it == tensors.end()) throw std::logic_error("no tensor " + name);
+  const std::size_t i = static_cast<std::size_t>(it - tensors.begin());
+  const ckpt::Section& sec = restore ? c.restores.at(i) : c.tensors.at(i);
+  std::memcpy(bytes.data() + sec.payload() + 4 + name.size() + sizeof value, &value, sizeof value);
+  const std::uint64_t sum = checkpoint_checksum(bytes.data() + sec.offset, ckpt::section_head_bytes + sec.length);
+  std::memcpy(bytes.data() + sec.payload() + sec.length, &sum, sizeof sum);
+  return bytes;
+}
+
+// A value that is not a finite number where training cannot have put one is refused naming the
+// file, tensor, element and value, and the trainer keeps its state; an infinity in Adam's second
+// moment (a finite gradient whose square overflowed: the run trains on with it) loads.
+TEST(Checkpoint, NonFiniteValuesWhereTrainingCannotPutThemAreRefused) {
+  Fixture f;
+  Trainer t(f.rt, small_mlp(), f.o);
+  do_step(t, 77);
+  const auto bad = f.dir / "bad.ckpt";
+  const std::string w = t.parameter_names().at(0);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  write_file(bad, with_value(f.bytes, f.dir / "scratch.ckpt", w, nan));
+  expect_refused<std::invalid_argument>(
+      t, bad, {"bad.ckpt", "not a finite number", "element 1 of weight '" + w + "'", "is nan", "earlier checkpoint"},
+      "a NaN weight");
+  write_file(bad, with_value(f.bytes, f.dir / "scratch.ckpt", w, -inf, /*restore=*/true));
+  expect_refused<std::invalid_argument>(t, bad, {"restore point", w, "is -inf"}, "an infinite weight to restore");
+  write_file(bad, with_value(f.bytes, f.dir / "scratch.ckpt", w + ".adam_m", nan));
+  expect_refused<std::invalid_argument>(t, bad, {"optimizer state '" + w + ".adam_m'", "is nan"}, "a NaN moment");
+
+  write_file(bad, with_value(f.bytes, f.dir / "scratch.ckpt", w + ".adam_v", inf));
+  t.load_checkpoint(bad);
+  State want = f.saved;
+  std::memcpy(want.tensors.at(w + ".adam_v").data() + sizeof inf, &inf, sizeof inf);
+  expect_same_state(want, state_of(t), "an infinite second moment, loaded");
 }
 
 TEST(Checkpoint, TruncatedOrExtendedFilesAreRefused) {

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -131,6 +132,85 @@ TEST_F(CheckpointFormat, ReadsBackWhatWasWritten) {
     const auto v = ckpt::read_tensor(r, c.restores[i], fp_.tensors[i].name.size(), buf);
     ASSERT_TRUE(v.has_value());
     EXPECT_TRUE(std::equal(v->begin(), v->end(), restores_[i].begin(), restores_[i].end()));
+  }
+  EXPECT_TRUE(c.non_finite.empty());
+}
+
+// The first value that is not a finite number in each f32, f16 and bf16 tensor is found while the
+// checksums are read, wherever it lies against the 1 MiB chunks they are read in; 8-bit codes are
+// not numbers to check.
+TEST_F(CheckpointFormat, NonFiniteValuesAreFoundWhereTheyAre) {
+  // "abc": its payload starts with 4 + 3 bytes of name, so element 262142 spans the first chunk's
+  // end (payload bytes 1048575 to 1048578).
+  const std::size_t big = 300000, straddling = 262142;
+  const auto tensor = [](std::string name, ops::DType dtype, std::uint32_t elems) {
+    ckpt::Fingerprint::Tensor t{std::move(name), static_cast<std::uint8_t>(dtype), ops::Shape{}, 0};
+    t.shape.rank = 1;
+    t.shape.dims = {elems, 0, 0, 0};
+    t.bytes = std::uint64_t{elems} * ops::dtype_bytes(dtype);
+    return t;
+  };
+  fp_.tensors = {tensor("abc", ops::DType::f32, big),   tensor("half", ops::DType::f16, 64),
+                 tensor("brain", ops::DType::bf16, 64), tensor("codes", ops::DType::u8, 64),
+                 tensor("fine", ops::DType::f32, 64),   tensor("late", ops::DType::f32, big)};
+  tr_.gains = {1, 2};  // one restore: of "abc"
+  restores_ = {std::vector<std::byte>(big * 4)};
+  const auto put = [](std::vector<std::byte>& buf, std::size_t at, auto value) {
+    std::memcpy(buf.data() + at * sizeof value, &value, sizeof value);
+  };
+  {
+    std::vector<float> ones(big, 1.0f);
+    ones[3] = -std::numeric_limits<float>::infinity();
+    std::memcpy(restores_[0].data(), ones.data(), restores_[0].size());
+  }
+  const fs::path p = dir_ / "nf.ckpt";
+  const std::byte caller[] = {std::byte{1}};
+  ckpt::write_checkpoint(
+      p, fp_, tr_, ps_, caller,
+      [&](std::size_t i, std::vector<std::byte>& buf) {
+        std::fill(buf.begin(), buf.end(), std::byte{0});  // zeros: finite in every dtype
+        switch (i) {
+          case 0:
+            put(buf, straddling, std::numeric_limits<float>::quiet_NaN());
+            put(buf, straddling + 1, std::numeric_limits<float>::infinity());  // not the first
+            break;
+          case 1:
+            put(buf, 5, std::uint16_t{0x7C00});
+            break;  // f16 +inf
+          case 2:
+            put(buf, 0, std::uint16_t{0xFF80});
+            break;  // bf16 -inf
+          case 3:
+            std::fill(buf.begin(), buf.end(), std::byte{0xff});
+            break;
+          case 5:
+            put(buf, big - 1, -std::numeric_limits<float>::quiet_NaN());
+            break;  // the very last
+          default:
+            break;
+        }
+      },
+      restores_);
+  const ckpt::Reader r(p);
+  const ckpt::Contents c = ckpt::read_contents(r);
+  struct Want {
+    std::size_t tensor;
+    bool restore;
+    std::uint64_t element;
+    std::string value;
+  };
+  const std::vector<Want> want = {{0, false, straddling, "nan"},
+                                  {1, false, 5, "inf"},
+                                  {2, false, 0, "-inf"},
+                                  {5, false, big - 1, "nan"},
+                                  {0, true, 3, "-inf"}};
+  ASSERT_EQ(c.non_finite.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const auto& got = c.non_finite[i];
+    EXPECT_EQ(got.tensor, want[i].tensor) << i;
+    EXPECT_EQ(got.restore, want[i].restore) << i;
+    EXPECT_EQ(got.element, want[i].element) << i;
+    EXPECT_EQ(got.value_text(), want[i].value) << i;
   }
 }
 

@@ -668,6 +668,24 @@ TEST(ZeroCheckpoints, AreCutAnewForOtherRanksStagesOrOneRank) {
     }
     EXPECT_EQ(t->read_tensor(marked_shares(*t, 0, 1, 0)[0].state).bytes, before);
   }
+  // One file given twice, by its name or through a link: refused before anything is read as
+  // another rank's share.
+  {
+    auto t = zero_trainer(rt, 0, 1, 0);
+    const auto before = t->read_tensor(marked_shares(*t, 0, 1, 0)[0].state).bytes;
+    std::filesystem::create_symlink(files[1], dir / "link");
+    for (const auto& twice :
+         {std::vector{files[0], files[1], files[1]}, std::vector{files[0], files[1], dir / "link"}}) {
+      try {
+        t->load_resharded_checkpoint(twice);
+        ADD_FAILURE() << "one file given twice was loaded";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("files 1 and 2"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("are one file"), std::string::npos) << e.what();
+      }
+    }
+    EXPECT_EQ(t->read_tensor(marked_shares(*t, 0, 1, 0)[0].state).bytes, before);
+  }
   std::filesystem::remove_all(dir);
 }
 

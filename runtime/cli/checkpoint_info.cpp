@@ -44,6 +44,13 @@ nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, cons
                        {"shape", t.shape.str()},
                        {"bytes", t.bytes}});
   }
+  nlohmann::json non_finite = nlohmann::json::array();
+  for (const auto& n : c.non_finite) {
+    non_finite.push_back({{"tensor", f.tensors[n.tensor].name},
+                          {"restore_point", n.restore},
+                          {"element", n.element},
+                          {"value", n.value_text()}});
+  }
   const ckpt::TrainerRecord& tr = c.trainer;
   return {{"schema", 1},
           {"path", path},
@@ -65,6 +72,7 @@ nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, cons
           {"settings", settings},
           {"tensor_bytes", tensor_bytes(c)},
           {"tensors", tensors},
+          {"non_finite", non_finite},
           {"caller_bytes", c.caller.size()},
           {"caller_kind", caller_kind(c)}};
 }
@@ -92,6 +100,11 @@ void print_info(const std::string& path, std::uint64_t file_bytes, const ckpt::C
   std::cout << fmt::format("  {} tensors, {}; caller section {}{}\n", f.tensors.size(), format_bytes(tensor_bytes(c)),
                            format_bytes(c.caller.size()),
                            caller_kind(c).empty() ? "" : fmt::format(" ({})", caller_kind(c)));
+  // What a load refuses in weights (runtime/checkpoint.cpp): the first such value of each tensor.
+  for (const auto& n : c.non_finite) {
+    std::cout << fmt::format("  not finite: element {} of '{}'{} is {}\n", n.element, f.tensors[n.tensor].name,
+                             n.restore ? " (its restore point)" : "", n.value_text());
+  }
 }
 
 }  // namespace

@@ -553,17 +553,22 @@ CLI::App* add_tune_command(CLI::App& app, TuneArgs& a) {
 }
 
 // Flags given for another model or phase mode are refused, not ignored.
-void check_flags_apply(const CLI::App& train, const TrainArgs& t) {
+void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
+  // `ferry train` and `ferry plan` (which has the model's options only) share the checks.
+  const auto given = [&](const char* flag) {
+    const CLI::Option* o = command.get_option_no_throw(flag);
+    return o != nullptr && o->count() > 0;
+  };
   const bool gpt = t.model == "gpt";
   for (const char* flag : {"--steps", "--max-minutes", "--eval-every", "--val-windows", "--sample", "--prompt",
                            "--temperature", "--text", "--dropout"}) {
-    if (!gpt && train.count(flag) > 0) {
+    if (!gpt && given(flag)) {
       throw std::invalid_argument(fmt::format("{} applies to --model gpt only; --model {} trains for --epochs{}", flag,
                                               t.model, std::string(flag) == "--steps" ? " (and --train-limit)" : ""));
     }
   }
   for (const char* flag : {"--epochs", "--train-limit", "--data", "--eval-int8"}) {
-    if (gpt && train.count(flag) > 0) {
+    if (gpt && given(flag)) {
       throw std::invalid_argument(fmt::format(
           "{} applies to the Fashion-MNIST models (mlp, cnn, deep); --model gpt trains for --steps on --text", flag));
     }
@@ -606,7 +611,7 @@ void check_flags_apply(const CLI::App& train, const TrainArgs& t) {
   };
   for (const auto& c : conditional) {
     for (const char* flag : c.flags) {
-      if (!c.applies && train.count(flag) > 0) {
+      if (!c.applies && given(flag)) {
         throw std::invalid_argument(
             fmt::format("{} applies {}: leave it out, or give what it applies to", flag, c.when));
       }
@@ -752,6 +757,7 @@ int run_ferry(int argc, char** argv) {
   try {
     if (devices->parsed()) return cmd_devices();
     if (train->parsed()) check_flags_apply(*train, t);
+    if (plan->parsed()) check_flags_apply(*plan, t);
     if (train->parsed()) join_ranks(t);  // under mpirun: MPI's world
     // Before any data is loaded or step run: rank 0's outputs, and under ZeRO stage 1 each rank's
     // own checkpoint file ("<path>.rank<r>").

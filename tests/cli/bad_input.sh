@@ -81,6 +81,8 @@ row "host optimizer with resident residency" "or run the optimizer on the device
 row "host optimizer with compressed state" "leave the state's home to the residency mode" error - \
   train "${quick[@]}" --host-optimizer --state-home compressed
 row "ferry plan --zero without --ranks" "plan it with --ranks N" error - plan --model mlp --zero 1
+row "ferry plan with a flag that does not apply" "--momentum applies to --optimizer sgd only" error - \
+  plan --model mlp --momentum 0.9
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
   train "${quick[@]}" --weights-home int8
 row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - train --trace-steps 0 "${quick[@]}"
