@@ -732,7 +732,9 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
     const std::uint64_t excess = candidate.second.peak_bytes() - budget;
     if (cache == 0) {
       if (lookahead == 0) break;
-      --lookahead;  // prefetching further ahead costs memory: give some back
+      // Prefetching further ahead costs memory: give some back (halving a long lookahead, so that
+      // one far past what fits is brought down within the tries, not left for the plan of none).
+      lookahead = lookahead > 4 ? lookahead / 2 : lookahead - 1;
     } else {
       cache = cache > excess ? cache - excess : 0;
     }

@@ -579,6 +579,7 @@ std::uint64_t physical_memory_bytes() {
 std::uint32_t choose_recompute(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options) {
   TrainerOptions o = options;
   o.recompute_auto = true;
+  o.recompute = 0;  // what it chooses
   return plan_training(runtime, model, o).recompute;
 }
 

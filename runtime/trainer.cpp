@@ -47,6 +47,12 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
     throw std::invalid_argument("gradient accumulation over 0 micro-batches: use 1 (no accumulation) or more");
   }
   validate(options.precision);
+  if (options.recompute_auto && options.recompute > 0) {
+    throw std::invalid_argument(fmt::format(
+        "recompute_auto chooses the layers per recomputed segment, and TrainerOptions::recompute gives {}: set one "
+        "(recompute_auto with recompute 0, or recompute_auto false)",
+        options.recompute));
+  }
   if (options.phases.hybrid) options.optimizer.predictor = options.phases.predictor;
   validate_data_parallel(options);
 }

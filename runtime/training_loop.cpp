@@ -60,6 +60,13 @@ TrainingLoop::TrainingLoop(Trainer& trainer, BatchSource& batches, TrainingLoopO
     throw std::invalid_argument(fmt::format("training loop: {} steps are not whole epochs of {} steps", options_.steps,
                                             options_.steps_per_epoch));
   }
+  // Each step is one micro-batch: fewer than a group of them would update nothing.
+  if (const std::uint32_t group = trainer.options().accumulate; options_.steps < group) {
+    throw std::invalid_argument(fmt::format(
+        "training loop: {} steps with accumulation over {} micro-batches (TrainerOptions::accumulate) would update "
+        "nothing: each step is one micro-batch; run at least {} steps, or accumulate fewer",
+        options_.steps, group, group));
+  }
   if (options_.schedule) options_.schedule->validate();
   if (options_.units_per_step == 0) options_.units_per_step = trainer.options().batch;
 }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 
@@ -117,6 +118,39 @@ TEST(GradAccumulate, BadSettingsAreClearErrors) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("0 micro-batches"), std::string::npos) << e.what();
   }
+}
+
+// Options that contradict each other, or apply only with another, are refused rather than one
+// silently ignored.
+TEST(TrainerOptionsCheck, ContradictionsAreClearErrors) {
+  Runtime rt;
+  const auto refused = [&](const char* what, const std::function<void(TrainerOptions&)>& set, const char* needle) {
+    TrainerOptions o = options(4, 1, ops::OptimizerConfig::Kind::adam);
+    set(o);
+    try {
+      Trainer t(rt, small_mlp(), o);
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  refused(
+      "recompute_auto with recompute 2", [](TrainerOptions& o) { o.recompute_auto = true, o.recompute = 2; },
+      "recompute_auto chooses");
+  refused(
+      "int8 Predict steps without hybrid phases", [](TrainerOptions& o) { o.phases.predict_int8 = true; },
+      "PhaseConfig::predict_int8 applies to the Predict steps");
+  refused(
+      "residual correction without hybrid phases", [](TrainerOptions& o) { o.phases.predictor.residual = true; },
+      "PhaseConfig::predictor.residual applies");
+  refused(
+      "a global batch on one rank", [](TrainerOptions& o) { o.data_parallel.global_batch = 16; },
+      "a global batch of 16 with a batch of 4 on one rank");
+  // What may be given together is still taken.
+  TrainerOptions o = options(4, 1, ops::OptimizerConfig::Kind::adam);
+  o.data_parallel.global_batch = 4;
+  o.recompute_auto = true;
+  EXPECT_NO_THROW(Trainer(rt, small_mlp(), o));
 }
 
 }  // namespace

@@ -189,6 +189,20 @@ TEST_P(ResidencyTest, SmallBudgetStreamsMoreAndStaysWithinIt) {
             homes + tight.weight_bytes() + compiled_train_step(tight).plan().host_transient_bytes);
 }
 
+// A lookahead far past what the budget holds is brought down to one that fits (halved while long),
+// not dropped to none after the planner's tries.
+TEST(Residency, ALookaheadFarPastWhatFitsIsBroughtDownNotDropped) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  const std::uint64_t budget = min_stream_budget(rt, m) * 3 / 2;
+  Trainer near(rt, m, options(graph::ResidencyMode::stream, budget, 2));
+  ASSERT_EQ(near.residency().lookahead, 2u) << "the case needs a budget that holds a lookahead of 2";
+  Trainer far(rt, m, options(graph::ResidencyMode::stream, budget, 1000));
+  EXPECT_GE(far.residency().lookahead, 2u);
+  EXPECT_LT(far.residency().lookahead, 1000u) << "a lookahead of 1000 should not fit this budget";
+  EXPECT_LE(far.device_peak_bytes(), budget);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, ResidencyTest, ::testing::Values(&small_mlp, &small_cnn, &small_residual),
                          [](const auto& info) {
                            return info.index == 0 ? "mlp" : info.index == 1 ? "cnn" : "residual";

@@ -248,6 +248,19 @@ TEST_F(TrainingLoopTest, RefusesBadSettings) {
                std::invalid_argument);
   TrainingLoop loop(trainer, batches, {.steps = 12});
   EXPECT_THROW(loop.resume(LoopPosition{.done = 13}), std::invalid_argument);
+  // Fewer steps than a group of micro-batches would update nothing; a whole group is a run.
+  TrainerOptions o = options();
+  o.accumulate = 4;
+  Trainer accumulating(rt, model, o);
+  try {
+    (void)TrainingLoop(accumulating, batches, {.steps = 3});
+    ADD_FAILURE() << "3 steps of a group of 4 micro-batches were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("would update nothing"), std::string::npos) << e.what();
+  }
+  TrainingLoop whole(accumulating, batches, {.steps = 4, .progress = false});
+  whole.run();
+  EXPECT_EQ(accumulating.steps_done(), 1u);
 }
 
 }  // namespace

@@ -582,6 +582,11 @@ void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
     return !home.empty() && cli_home(home) == ferry::graph::Home::host_compressed;
   };
   const bool compressed = is_compressed(t.weights_home) || is_compressed(t.state_home);
+  const auto fetched = [](const std::string& home) {  // kept in host memory and fetched to the device
+    if (home.empty()) return false;
+    const ferry::graph::Home h = cli_home(home);
+    return h == ferry::graph::Home::host_pinned || h == ferry::graph::Home::host_compressed;
+  };
   ferry::PrecisionConfig precision;
   precision.compute = parse_precision(t.precision);
   precision.scaling = parse_loss_scaling(t.loss_scaling);
@@ -606,8 +611,9 @@ void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
        scaled,
        "with loss scaling only (--loss-scaling on, or --precision fp16 with --loss-scaling auto)"},
       {{"--host-memory", "--staging-chunk", "--lookahead"},
-       t.residency != "resident",
-       "to state kept in host memory, which --residency resident has none of"},
+       t.residency != "resident" || fetched(t.weights_home) || fetched(t.state_home),
+       "to tensors fetched from host memory, which --residency resident has none of unless --weights-home or "
+       "--state-home host or compressed puts them there"},
   };
   for (const auto& c : conditional) {
     for (const char* flag : c.flags) {

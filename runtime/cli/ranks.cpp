@@ -98,15 +98,23 @@ void remove_stale_shards(const TrainArgs& a) {
 }
 
 void join_ranks(TrainArgs& a) {
-  if (!ferry::launched_by_mpi()) {
+  // One rank keeps the whole optimizer state: a ZeRO stage asked for is said not to apply (the
+  // run is the one a script scaling its ranks down to one expects), and --json reports stage 0.
+  const auto alone = [&] {
+    if (a.zero > 0) {
+      std::cerr << fmt::format(
+          "ferry: warning: --zero {} shards the optimizer state over the ranks of a data-parallel run; this run has "
+          "one rank, which keeps all of it (ZeRO stage 0)\n",
+          a.zero);
+      a.zero = 0;
+    }
     plan_resume(a);
-    return;
-  }
+  };
+  if (!ferry::launched_by_mpi()) return alone();
   a.world = ferry::mpi_world();
   if (a.world->size() < 2) {
     a.world.reset();  // one rank: train as without mpirun
-    plan_resume(a);
-    return;
+    return alone();
   }
   a.control = a.world->split();
   a.primary = a.world->rank() == 0;

@@ -23,7 +23,16 @@ void validate_data_parallel(TrainerOptions& options) {
   if (dp.zero_stage < 0 || dp.zero_stage > 2) {
     throw std::invalid_argument(fmt::format("ZeRO stage {}: the stages are 0, 1 and 2", dp.zero_stage));
   }
-  if (!data_parallel(options)) return;
+  if (!data_parallel(options)) {
+    // One rank trains the whole batch: another global batch would be silently ignored.
+    if (dp.global_batch != 0 && dp.global_batch != options.batch) {
+      throw std::invalid_argument(fmt::format(
+          "a global batch of {} with a batch of {} on one rank (no communicator of 2 or more ranks): alone the batch "
+          "is the global batch; set DataParallelOptions::global_batch to 0 or {}",
+          dp.global_batch, options.batch, options.batch));
+    }
+    return;
+  }
   const int ranks = dp.communicator->size();
   if (dp.global_batch == 0) dp.global_batch = options.batch * static_cast<std::uint32_t>(ranks);
   if (dp.global_batch < static_cast<std::uint32_t>(ranks) || options.batch == 0 || options.batch > dp.global_batch) {

@@ -37,7 +37,16 @@ bool parse_phases(const std::string& s) {
 
 void validate(const PhaseConfig& c) {
   ops::check_predictor(c.predictor);
-  if (!c.hybrid) return;
+  if (!c.hybrid) {
+    // Settings of Predict steps, which only hybrid phases run: set without them, a mistake.
+    if (c.predict_int8 || c.predictor.residual) {
+      throw std::invalid_argument(fmt::format(
+          "PhaseConfig::{} applies to the Predict steps of hybrid phases, and PhaseConfig::hybrid is false: set "
+          "hybrid, or leave it out",
+          c.predict_int8 ? "predict_int8" : "predictor.residual"));
+    }
+    return;
+  }
   if (c.max_predict_steps == 0) {
     throw std::invalid_argument(
         "hybrid phases with a maximum predict length of 0 never predict: use a length of at least 1, or phases full");

@@ -106,7 +106,7 @@ row "--warmup-steps without hybrid phases" "--warmup-steps applies to --phases h
   train "${quick[@]}" --warmup-steps 3
 row "--initial-loss-scale without loss scaling" "--initial-loss-scale applies with loss scaling only" error - \
   train "${quick[@]}" --initial-loss-scale 1024
-row "--host-memory with resident residency" "--host-memory applies to state kept in host memory" error - \
+row "--host-memory with resident residency" "--host-memory applies to tensors fetched from host memory" error - \
   train "${quick[@]}" --residency resident --host-memory staged
 
 # Output files, probed before any work.

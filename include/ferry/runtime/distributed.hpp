@@ -22,7 +22,7 @@ struct DataParallelOptions {
   // The ranks; null (or one rank) trains alone.
   std::shared_ptr<ops::Communicator> communicator;
   // Samples of one global batch over all ranks; each rank's TrainerOptions::batch is its share
-  // (shard_of). 0: batch times the number of ranks.
+  // (shard_of). 0: batch times the number of ranks. Alone, 0 or the batch (another is refused).
   std::uint32_t global_batch = 0;
   // Gradient bytes reduced together: a bucket's reduction starts when backward has finished all
   // of its gradients, and overlaps the backward of the layers before them.

@@ -49,7 +49,8 @@ struct PhaseConfig {
   // update carried by momentum alone fades. In (0, 1].
   float predict_decay = 1.0f;
   // Predict's forward reads every Linear and Conv2d weight but the head's as int8 (per output
-  // channel); streamed weights then cross the link as int8.
+  // channel); streamed weights then cross the link as int8. With hybrid phases only (refused
+  // without them, as the predictor's residual correction is).
   bool predict_int8 = false;
   // Fit the predictor on every fit_every-th training step only (and always on Correct): the fit
   // costs a snapshot and a pass over every weight. d then smooths over fit_every / (1 - beta)

@@ -55,7 +55,8 @@ struct TrainerOptions {
   // bit-identical; the step costs about one more forward pass.
   std::uint32_t recompute = 0;
   // Choose `recompute` when the Trainer is made (ferry::choose_recompute): none if the step fits
-  // the device budget, else the longest segments that fit. `ferry train`'s default.
+  // the device budget, else the longest segments that fit. `ferry train`'s default. With
+  // `recompute` left at 0 (both set is refused).
   bool recompute_auto = false;
   // Fuse layer pairs the kernels take together (a ReLU into the max-pool that reads it or the
   // convolution or Linear that makes it, a residual add into the LayerNorm that reads its sum:
