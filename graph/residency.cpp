@@ -656,11 +656,20 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
 
 // Mapped homes without streaming: the mapped weights' gradients live on the host too (kernels
 // write them in place), so the device holds only activations and device-home tensors; updates
-// stay at the end of the step.
+// stay at the end of the step. A gradient a copy writes (data parallel: the ranks' sum, received
+// from pinned host memory) stays on the device: copied into the step's host pool, which also holds
+// the pinned buffer it is copied from, the sums were wrong on PoCL (the updates then differed from
+// one rank's: MirroredRanks/mapped in test_distributed).
 MemoryPlan plan_mapped(Graph& g, const MemoryPlanOptions& mopt, std::uint64_t budget, ResidencyReport& report) {
+  std::vector<char> copied(g.tensors.size(), 0);
+  for (NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (g.nodes.op[n] != builtin::grad_receive) continue;
+    for (const TensorId x : g.nodes.outputs(n)) copied[g.tensors.storage(x)] = 1;
+  }
   for (TensorId w = 0; w < g.tensors.size(); ++w) {
     if (g.tensors.role[w] == Role::weight && g.tensors.grad[w] != no_tensor && g.tensors.home[w] == Home::host_mapped) {
-      g.tensors.home[g.tensors.storage(g.tensors.grad[w])] = Home::host_mapped;
+      const TensorId grad = g.tensors.storage(g.tensors.grad[w]);
+      if (!copied[grad]) g.tensors.home[grad] = Home::host_mapped;
     }
   }
   MemoryPlan plan = plan_memory(g, mopt);

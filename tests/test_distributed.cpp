@@ -260,6 +260,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(MirrorCase{"resident", graph::ResidencyMode::resident, false, 1},
                       MirrorCase{"accumulate", graph::ResidencyMode::resident, false, 2},
                       MirrorCase{"streamed", graph::ResidencyMode::stream, false, 1},
+                      MirrorCase{"mapped", graph::ResidencyMode::mapped, false, 1},
+                      MirrorCase{"mapped_accumulate", graph::ResidencyMode::mapped, false, 2},
                       MirrorCase{"host_optimizer", graph::ResidencyMode::stream, true, 1},
                       MirrorCase{"hybrid", graph::ResidencyMode::resident, false, 1, true},
                       MirrorCase{"fp16_accumulate", graph::ResidencyMode::resident, false, 2, false, true},
