@@ -83,15 +83,15 @@ void prepare() {
   if (auto f = env("FERRY_CACHE_DIR")) candidates.push_back(fs::path(*f) / "pocl");
   const fs::path tmp = fs::temp_directory_path(ec);
   if (!ec) candidates.push_back(tmp / fmt::format("ferry-{}", geteuid()) / "pocl");
-  const std::string why = usual ? fmt::format("'{}' cannot be created", usual->string())
-                                : std::string("neither HOME nor XDG_CACHE_HOME is set");
+  // The note's subject and what is wrong with it, as one clause either way.
+  const std::string why = usual
+                              ? fmt::format("PoCL's kernel cache folder '{}' cannot be created", usual->string())
+                              : std::string("PoCL has no kernel cache folder (neither HOME nor XDG_CACHE_HOME is set)");
   for (const fs::path& dir : candidates) {
     if (!private_folder(dir)) continue;
     setenv("POCL_CACHE_DIR", dir.c_str(), 1);  // unset or empty, as checked above
     std::cerr << fmt::format(
-        "ferry: note: PoCL's kernel cache folder {}; using POCL_CACHE_DIR={} (set POCL_CACHE_DIR or HOME to "
-        "choose another)\n",
-        why, dir.string());
+        "ferry: note: {}; using POCL_CACHE_DIR={} (set POCL_CACHE_DIR or HOME to choose another)\n", why, dir.string());
     return;
   }
   // Nothing usable: PoCL will fail to load, and the device list's message says what to check.

@@ -15,12 +15,15 @@
 #include <functional>
 #include <iostream>
 #include <iterator>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
+#include <utility>
 
+#include "cl/env_whole_number.hpp"
 #include "cl/fnv1a.hpp"
 
 namespace ferry::cl {
@@ -137,6 +140,23 @@ struct UnusableFolders {
         dir.string(), why);
   }
 };
+
+// An entry replaced by a folder (or a link to one) can be neither read nor renamed over. That is
+// the entry's problem, not the cache folder's: its program is built from source and not cached,
+// said once per process, while the other entries are read and written as usual.
+bool entry_is_folder(const std::filesystem::path& entry) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(entry, ec)) return false;
+  static auto* reported = new std::pair<std::mutex, std::set<std::filesystem::path>>();  // leaked, as above
+  std::lock_guard lock(reported->first);
+  if (reported->second.insert(entry).second) {
+    std::cerr << fmt::format(
+        "ferry: program cache entry {} is a folder, not a file, so its program is built from source on every run "
+        "and not cached (the other entries are used as usual): remove it (rm -r '{}')\n",
+        entry.string(), entry.string());
+  }
+  return true;
+}
 
 void warn_bad_entry(const std::filesystem::path& entry, std::string_view problem) {
   std::cerr << fmt::format(
@@ -424,7 +444,9 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
     key = hash_parts({dev.name, dev.driver, dev.platform_version, source, options});
     cached = cache_.dir / fmt::format("{}-{:016x}.bin", file, key);
     std::string problem;
-    if (auto bytes = read_entry(cached, problem)) {
+    if (entry_is_folder(cached)) {
+      cached.clear();  // neither read nor stored
+    } else if (auto bytes = read_entry(cached, problem)) {
       // Only an entry whose header, size and checksum are right reaches the driver.
       CacheEntryView entry;
       if (problem.empty()) {
@@ -468,7 +490,7 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
   }
   count(&ProgramCacheStats::source_builds);
   if (report) report_build(p.get(), dev, file, options, false);
-  if (cache_.enabled) store(cached, key, p.get());
+  if (cache_.enabled && !cached.empty()) store(cached, key, p.get());
   return p;
 }
 
@@ -496,6 +518,7 @@ void KernelLibrary::store(const std::filesystem::path& entry, std::uint64_t key,
     count(&ProgramCacheStats::entries_written);
     return;
   }
+  if (entry_is_folder(entry)) return;  // made a folder meanwhile: this entry's problem alone
   // A folder-wide condition (read-only, no space, no permission) stops writing for the run.
   unusable.report(cache_.dir, failed);
 }
@@ -505,16 +528,8 @@ std::size_t build_threads() {
   // A compiler instance can hold hundreds of MB while it runs; eight at once give most of the gain
   // over a step's few dozen programs.
   if (v == nullptr || *v == '\0') return std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  if (*v == '-' || *end != '\0' || errno != 0 || n < 1 || n > 1024) {
-    throw std::invalid_argument(
-        fmt::format("FERRY_BUILD_THREADS='{}': expected a whole number from 1 to 1024 (threads that build "
-                    "kernels at once; 1 builds one at a time)",
-                    v));
-  }
-  return static_cast<std::size_t>(n);
+  return static_cast<std::size_t>(
+      *env_whole_number("FERRY_BUILD_THREADS", 1, 1024, "threads that build kernels at once; 1 builds one at a time"));
 }
 
 std::size_t build_threads(const DeviceInfo& device) {

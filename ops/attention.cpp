@@ -36,12 +36,21 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
   AttentionOptions o = given;
   // FERRY_ATTENTION_KERNEL names the kernel of every fused attention whose options name none (a
   // model's, in a compiled step): as if given there, so a bad one is an error.
-  if (const char* env_kernel = std::getenv("FERRY_ATTENTION_KERNEL"); o.kernel.empty() && env_kernel && *env_kernel) {
-    o.kernel = env_kernel;
-  }
+  const char* env_kernel = std::getenv("FERRY_ATTENTION_KERNEL");
+  const bool from_env = o.kernel.empty() && env_kernel && *env_kernel;
+  if (from_env) o.kernel = env_kernel;
   AttentionConfig c;
   if (!o.kernel.empty()) {
-    c = parse_attention_config(o.kernel);
+    try {
+      c = parse_attention_config(o.kernel);
+    } catch (const std::invalid_argument& e) {
+      if (!from_env) throw;
+      // The variable is set far from where the error shows (in a model's compile): name it.
+      throw std::invalid_argument(
+          fmt::format("FERRY_ATTENTION_KERNEL='{}': {}; set it to a kernel as AttentionOptions::kernel takes it "
+                      "(docs/building.md), or unset it for the device's default",
+                      env_kernel, e.what()));
+    }
   } else if (env.device().is_cpu()) {
     c.family = Family::cpu;
   } else {

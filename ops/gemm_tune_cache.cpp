@@ -5,7 +5,9 @@
 //   # checksum <16 hex digits: FNV-1a of every line above>
 #include "gemm_tune_cache.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <system_error>
 
 #include "cl/fnv1a.hpp"
 #include "ferry/cl/program.hpp"
@@ -28,7 +31,74 @@ void warn(const std::string& path, const char* what_cache, const std::string& wh
                what.c_str());
 }
 
+std::string errno_text(int e) {
+  return std::error_code(e, std::generic_category()).message();
+}
+
+// What a path that is not a regular file is, for a message; "" for a regular file.
+std::string not_regular(const std::filesystem::file_status& st) {
+  namespace fs = std::filesystem;
+  switch (st.type()) {
+    case fs::file_type::regular:
+      return "";
+    case fs::file_type::directory:
+      return "is a folder, not a file";
+    case fs::file_type::fifo:
+      return "is a FIFO (named pipe), not a regular file";
+    case fs::file_type::character:
+    case fs::file_type::block:
+      return "is a device, not a regular file";
+    case fs::file_type::socket:
+      return "is a socket, not a regular file";
+    default:
+      return "is not a regular file";
+  }
+}
+
 }  // namespace
+
+std::optional<std::string> read_tuning_file(const std::string& path, std::string& problem) {
+  problem.clear();
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (st.type() == std::filesystem::file_type::not_found) return std::nullopt;
+  if (ec) {
+    problem = fmt::format("cannot be read: {}", ec.message());
+    return std::nullopt;
+  }
+  // Checked before the open: opening a FIFO waits for a writer, and a device may never end.
+  if (problem = not_regular(st); !problem.empty()) return std::nullopt;
+  // O_NONBLOCK in case it became a FIFO since the check; read() of a regular file ignores it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    problem = fmt::format("cannot be read: {}", errno_text(errno));
+    return std::nullopt;
+  }
+  struct stat fst {};
+  std::string text;
+  if (::fstat(fd, &fst) != 0 || !S_ISREG(fst.st_mode)) {
+    problem = "is not a regular file";
+  } else if (static_cast<std::uintmax_t>(fst.st_size) > max_tuning_file_bytes) {
+    problem = fmt::format("is {} bytes, more than the {} bytes (1 MiB) a tuning file may hold", fst.st_size,
+                          max_tuning_file_bytes);
+  } else {
+    // Bounded even if the file grows meanwhile: one byte past the limit is enough to refuse it.
+    char buf[4096];
+    while (text.size() <= max_tuning_file_bytes) {
+      const ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) problem = fmt::format("cannot be read: {}", errno_text(errno));
+      if (n <= 0) break;
+      text.append(buf, static_cast<std::size_t>(n));
+    }
+    if (problem.empty() && text.size() > max_tuning_file_bytes)
+      problem =
+          fmt::format("grew past the {} bytes (1 MiB) a tuning file may hold while it was read", max_tuning_file_bytes);
+  }
+  ::close(fd);
+  if (!problem.empty()) return std::nullopt;
+  return text;
+}
 
 std::uint64_t tune_cache_key(const cl::DeviceInfo& d, std::initializer_list<std::string_view> kernel_files) {
   std::uint64_t h = cl::fnv1a(d.platform_name + '\n' + d.platform_version + '\n' + d.name + '\n' + d.vendor + '\n' +
@@ -46,11 +116,23 @@ std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& d
 }
 
 std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string text = ss.str();
+  std::string problem;
+  const std::optional<std::string> read = read_tuning_file(path, problem);
+  if (!read) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+      // The tuner's file cannot be renamed over a folder either: without this the device would be
+      // tuned again on every run, with a warning that does not say why.
+      std::fprintf(stderr,
+                   "ferry: warning: %s %s is a folder, not a file, so no tuned choice can be read from it or saved "
+                   "there and it is tuned again on every run: remove it (rm -r '%s')\n",
+                   what, path.c_str(), path.c_str());
+    } else if (!problem.empty()) {
+      warn(path, what, problem);
+    }
+    return std::nullopt;
+  }
+  const std::string& text = *read;
   const std::string tag = "# checksum ";
   const std::size_t at = text.rfind(tag);
   if (at == std::string::npos || (at > 0 && text[at - 1] != '\n')) {
@@ -80,6 +162,7 @@ std::string write_tune_cache_text(const std::string& path, const std::string& bo
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
   if (ec) return fail(fmt::format("creating its folder: {}", ec.message()));
+  if (std::filesystem::is_directory(path, ec)) return fail(fmt::format("it is a folder: remove it (rm -r '{}')", path));
   {
     errno = 0;
     std::ofstream out(tmp, std::ios::trunc);

@@ -18,9 +18,19 @@ namespace ferry::ops {
 // named in the embedded sources: "gemm_tiled.cl", "dtype.clh").
 std::uint64_t tune_cache_key(const cl::DeviceInfo& device, std::initializer_list<std::string_view> kernel_files);
 
+// Tuning files (caches and FERRY_GEMM_TUNING) are a few lines; anything larger is not one.
+inline constexpr std::uintmax_t max_tuning_file_bytes = std::uintmax_t{1} << 20;
+
+// The text of a tuning file, or nullopt: with `problem` empty when there is no such file, else
+// saying why it cannot be used ("is a folder, not a file", "is a FIFO (named pipe), not a regular
+// file", "is 2097152 bytes, more than ...", "cannot be read: Permission denied"). Anything but a
+// regular file is refused without being opened, and at most max_tuning_file_bytes are read.
+std::optional<std::string> read_tuning_file(const std::string& path, std::string& problem);
+
 // A tuning cache file's text without its last line, "# checksum <16 hex digits>" (FNV-1a of the
-// lines above it), or nullopt when there is no file. A file without that line or failing it prints
-// a warning naming the file and `what` ("GEMM tuning cache") and returns nullopt.
+// lines above it), or nullopt when there is no file. A file without that line or failing it, or one
+// that is not a regular file of at most max_tuning_file_bytes, prints a warning naming the file and
+// `what` ("GEMM tuning cache") and returns nullopt; a folder's warning says to remove it.
 std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what);
 
 // Writes `body` and its checksum line to a temporary file beside `path` and renames it into place,

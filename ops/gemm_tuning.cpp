@@ -4,15 +4,10 @@
 
 #include <fmt/format.h>
 
-#include <cerrno>
 #include <cstdlib>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 
 #include "gemm_tune_cache.hpp"
@@ -39,20 +34,16 @@ const std::vector<GemmTuningRow>& rows_of(TuningState& st, const std::string& pa
     if (path.empty()) {
       rows = parse_gemm_tuning(embedded_gemm_tuning(), "ops/tuning/gemm.tsv (embedded)");
     } else {
-      std::error_code ec;
-      if (std::filesystem::is_directory(path, ec)) {
+      // Read as the caches are: a FIFO or /dev/zero named here would otherwise hang the run.
+      std::string problem;
+      const std::optional<std::string> text = read_tuning_file(path, problem);
+      if (!text) {
         throw std::runtime_error(fmt::format(
-            "FERRY_GEMM_TUNING: '{}' is a folder: name a tuning file (rows as in ops/tuning/gemm.tsv)", path));
+            "FERRY_GEMM_TUNING: '{}' {}: name a readable tuning file (rows as in ops/tuning/gemm.tsv), or unset it "
+            "to use the embedded one",
+            path, problem.empty() ? "does not exist" : problem));
       }
-      errno = 0;
-      std::ifstream in(path);
-      if (!in) {
-        throw std::runtime_error(fmt::format("FERRY_GEMM_TUNING: cannot read '{}': {}: name a readable tuning file",
-                                             path, errno ? std::strerror(errno) : "refused"));
-      }
-      std::stringstream ss;
-      ss << in.rdbuf();
-      rows = parse_gemm_tuning(ss.str(), path);
+      rows = parse_gemm_tuning(*text, path);
     }
     it = st.parsed.emplace(path, std::move(rows)).first;
   }

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cl/env_whole_number.hpp"
 #include "ferry/cl/error.hpp"
 
 namespace ferry::ops {
@@ -93,21 +94,25 @@ std::pair<std::size_t, std::size_t> column_group_size(const cl::Kernel& k, const
 }
 
 namespace {
-// FERRY_ROW_GROUP_SIZE as it is set, or nullptr when unset or empty.
-const char* forced_row_group() {
-  const char* forced = std::getenv("FERRY_ROW_GROUP_SIZE");
-  return forced != nullptr && *forced != '\0' ? forced : nullptr;
+// FERRY_ROW_GROUP_SIZE, or 0 when unset or empty; any other value but a whole number from 1 to
+// 1024 (no device takes larger work-groups) is an error naming the variable.
+std::size_t forced_row_group() {
+  return static_cast<std::size_t>(
+      cl::env_whole_number("FERRY_ROW_GROUP_SIZE", 1, 1024,
+                           "work-items per row of the row reductions, rounded down to a power of two and to what "
+                           "the kernel allows; unset it to let ferry choose")
+          .value_or(0));
 }
 }  // namespace
 
 bool row_group_forced() {
-  return forced_row_group() != nullptr;
+  return forced_row_group() != 0;
 }
 
 std::size_t row_group_size(const cl::Kernel& k, const cl::DeviceInfo& device, std::size_t extent) {
   // The smallest power of two covering `want`, within `cap` and the kernel's limit.
   std::size_t want = device.is_cpu() ? 1 : extent, cap = 256;
-  if (const char* forced = forced_row_group()) want = cap = std::strtoull(forced, nullptr, 10);
+  if (const std::size_t forced = forced_row_group()) want = cap = forced;
   cap = std::min(cap, kernel_group_limit(k, device));
   std::size_t size = 1;
   while (size * 2 <= cap && size < want) size *= 2;

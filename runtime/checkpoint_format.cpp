@@ -553,7 +553,9 @@ void AtomicFile::fail(const std::string& doing) const {
 
 Reader::Reader(const std::filesystem::path& path, std::string unchanged)
     : path_(path), unchanged_(std::move(unchanged)) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever, before the
+  // check below could refuse it. Cleared once the file is known to be a regular one.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd_ < 0) {
     throw std::runtime_error(
         fmt::format("cannot open checkpoint '{}': {}: check the path", path.string(), errno_text(errno)));
@@ -564,6 +566,8 @@ Reader::Reader(const std::filesystem::path& path, std::string unchanged)
     throw std::runtime_error(
         fmt::format("checkpoint '{}' is not a regular file: pass the file --checkpoint wrote", path.string()));
   }
+  const int flags = ::fcntl(fd_, F_GETFL);
+  if (flags != -1) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
   size_ = static_cast<std::uint64_t>(st.st_size);
 }
 

@@ -1,7 +1,10 @@
 // Fashion-MNIST loader: gzipped IDX files (big-endian header, then unsigned bytes) read with zlib.
 #include "ferry/runtime/fashion_mnist.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -9,10 +12,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <vector>
 
 namespace ferry {
 namespace {
@@ -20,6 +24,7 @@ namespace {
 constexpr std::uint32_t kImagesMagic = 0x00000803;  // IDX, unsigned byte, 3 dimensions
 constexpr std::uint32_t kLabelsMagic = 0x00000801;  // IDX, unsigned byte, 1 dimension
 constexpr std::size_t kClasses = 10;
+constexpr std::uint32_t kSide = 28;  // every Fashion-MNIST image is 28x28
 // Sanity bounds on header fields, so a corrupt header cannot make us allocate gigabytes.
 constexpr std::uint32_t kMaxSide = 4096;
 constexpr std::uint64_t kMaxPayloadBytes = std::uint64_t{1} << 32;
@@ -46,26 +51,30 @@ std::string describe_magic(std::uint32_t magic) {
   }
 }
 
-// A gzip file opened for reading, with every zlib failure turned into an exception naming the file.
+// What to do about a data file that exists but cannot be reached (ec from its status): not a
+// reinstall, which would not help, but what the reason points at.
+std::string_view unreachable_hint(const std::error_code& ec) {
+  if (ec == std::errc::permission_denied) {
+    return "give this user search permission on the folders above it and read permission on the file (chmod a+rx "
+           "on the folders, a+r on the file), or copy the data set to a folder of your own and point FERRY_DATA_DIR "
+           "(or --data) at it";
+  }
+  if (ec == std::errc::too_many_symbolic_link_levels) {
+    return "a symbolic link on its path leads round in a loop (or through too many links): point the link at the "
+           "real file, or FERRY_DATA_DIR (or --data) at the folder that holds it";
+  }
+  return "check the path, or point FERRY_DATA_DIR (or --data) at a folder holding the four Fashion-MNIST .gz files";
+}
+
+// A gzip file read with zlib's inflate over the file's bytes, with every failure turned into an
+// exception naming the file. Not gzread: it ends quietly at bytes after the gzip stream that are
+// not another gzip member, and such a file is damaged as surely as one with data after its payload.
 class GzInput {
  public:
   explicit GzInput(std::filesystem::path path) : path_(std::move(path)) {
-    std::error_code ec;
-    const auto status = std::filesystem::status(path_, ec);
-    if (!std::filesystem::exists(status)) {
-      const auto dir = path_.parent_path();
-      if (!dir.empty() && std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
-        fail(path_, fmt::format("not found: {} is a file, not a folder", dir.string()),
-             "give --data (or FERRY_DATA_DIR) the folder holding the four Fashion-MNIST .gz files");
-      }
-      if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
-        fail(path_, fmt::format("not found (the folder {} does not exist)", dir.string()), kInstallHint);
-      }
-      fail(path_, "not found", kInstallHint);
-    }
-    if (!std::filesystem::is_regular_file(status)) fail(path_, "is not a regular file", kInstallHint);
-    file_.reset(gzopen(path_.c_str(), "rb"));
-    if (!file_) {
+    check_reachable();
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) {
       const int err = errno;
       // Unreadable is not missing: reinstalling would not help, the permissions would.
       fail(path_, fmt::format("cannot be opened ({})", std::generic_category().message(err)),
@@ -73,33 +82,52 @@ class GzInput {
                                             "folder of your own and point FERRY_DATA_DIR at it")
                          : kInstallHint);
     }
-    gzbuffer(file_.get(), 1u << 20);
+    if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK) {  // 16: a gzip wrapper, its CRC-32 and length checked
+      ::close(fd_);
+      throw std::bad_alloc();
+    }
+    buffer_.resize(std::size_t{1} << 20);
   }
+  ~GzInput() {
+    inflateEnd(&zs_);
+    ::close(fd_);
+  }
+  GzInput(const GzInput&) = delete;
+  GzInput& operator=(const GzInput&) = delete;
 
   // Reads up to n bytes; returns how many were read (fewer only at the end of the data).
   std::size_t read(void* dst, std::size_t n) {
     auto* out = static_cast<unsigned char*>(dst);
     std::size_t done = 0;
-    while (done < n) {
-      const auto chunk = static_cast<unsigned>(std::min<std::size_t>(n - done, 1u << 30));
-      const int got = gzread(file_.get(), out + done, chunk);
+    while (done < n && !finished_) {
+      if (zs_.avail_in < 2 && !refill() && zs_.avail_in == 0) {
+        if (!seen_bytes_) fail(path_, "is empty (0 bytes)", kReinstallHint);
+        if (in_member_) fail(path_, "is truncated (the gzip stream ends early)", kReinstallHint);
+        finished_ = true;
+        break;
+      }
+      seen_bytes_ = true;
+      const bool gzip_magic = zs_.avail_in >= 2 && zs_.next_in[0] == 0x1f && zs_.next_in[1] == 0x8b;
       if (!checked_gzip_) {
         checked_gzip_ = true;
-        // zlib reads a file without the gzip header "transparently"; we want the real .gz files.
-        if (gzdirect(file_.get())) {
-          fail(path_, "is not gzip-compressed (expected the .gz file as distributed)", kReinstallHint);
-        }
+        if (!gzip_magic) fail(path_, "is not gzip-compressed (expected the .gz file as distributed)", kReinstallHint);
       }
-      int err = Z_OK;
-      const char* message = gzerror(file_.get(), &err);
-      if (err == Z_BUF_ERROR) {
-        fail(path_, "is truncated (the gzip stream ends early)", kReinstallHint);
+      if (!in_member_) {
+        // After a gzip member only another one may follow (as `cat a.gz b.gz` makes).
+        if (!gzip_magic) fail(path_, trailing_bytes(), kReinstallHint);
+        inflateReset(&zs_);
+        in_member_ = true;
       }
-      if (got < 0 || (err != Z_OK && err != Z_STREAM_END)) {
-        fail(path_, fmt::format("is corrupt (zlib: {})", message ? message : "unknown error"), kReinstallHint);
+      const auto chunk = static_cast<uInt>(std::min<std::size_t>(n - done, 1u << 30));
+      zs_.next_out = out + done;
+      zs_.avail_out = chunk;
+      const int r = inflate(&zs_, Z_NO_FLUSH);
+      done += chunk - zs_.avail_out;
+      if (r == Z_STREAM_END) {
+        in_member_ = false;
+      } else if (r != Z_OK && r != Z_BUF_ERROR) {  // Z_BUF_ERROR: it needs more input, read above
+        fail(path_, fmt::format("is corrupt (zlib: {})", zs_.msg ? zs_.msg : "unknown error"), kReinstallHint);
       }
-      if (got == 0) break;
-      done += static_cast<std::size_t>(got);
     }
     return done;
   }
@@ -142,12 +170,59 @@ class GzInput {
   const std::filesystem::path& path() const { return path_; }
 
  private:
-  struct Closer {
-    void operator()(gzFile f) const { gzclose(f); }
-  };
+  void check_reachable() const {
+    std::error_code ec;
+    const auto status = std::filesystem::status(path_, ec);
+    if (ec && status.type() != std::filesystem::file_type::not_found) {
+      // There, but out of reach (no search permission, a link loop): "not found" would mislead.
+      fail(path_, fmt::format("cannot be reached ({})", ec.message()), unreachable_hint(ec));
+    }
+    if (!std::filesystem::exists(status)) {
+      const auto dir = path_.parent_path();
+      if (!dir.empty() && std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
+        fail(path_, fmt::format("not found: {} is a file, not a folder", dir.string()),
+             "give --data (or FERRY_DATA_DIR) the folder holding the four Fashion-MNIST .gz files");
+      }
+      if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
+        fail(path_, fmt::format("not found (the folder {} does not exist)", dir.string()), kInstallHint);
+      }
+      fail(path_, "not found", kInstallHint);
+    }
+    if (!std::filesystem::is_regular_file(status)) fail(path_, "is not a regular file", kInstallHint);
+  }
+
+  // Moves the unread input to the front of the buffer and reads more behind it; false at the end
+  // of the file.
+  bool refill() {
+    if (zs_.avail_in > 0) std::memmove(buffer_.data(), zs_.next_in, zs_.avail_in);
+    for (;;) {
+      const ssize_t got = ::read(fd_, buffer_.data() + zs_.avail_in, buffer_.size() - zs_.avail_in);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) {
+        fail(path_, fmt::format("cannot be read ({})", std::generic_category().message(errno)), kReinstallHint);
+      }
+      zs_.next_in = buffer_.data();
+      zs_.avail_in += static_cast<uInt>(got);
+      return got > 0;
+    }
+  }
+
+  std::string trailing_bytes() const {
+    struct stat st {};
+    const off_t at = ::lseek(fd_, 0, SEEK_CUR);
+    if (::fstat(fd_, &st) != 0 || at < 0 || st.st_size < at) {
+      return "has data after the end of its gzip stream (bytes that are not gzip data)";
+    }
+    const std::uint64_t n = static_cast<std::uint64_t>(st.st_size - at) + zs_.avail_in;
+    return fmt::format("has data after the end of its gzip stream ({} byte{} that {} not gzip data)", n,
+                       n == 1 ? "" : "s", n == 1 ? "is" : "are");
+  }
+
   std::filesystem::path path_;
-  std::unique_ptr<gzFile_s, Closer> file_;
-  bool checked_gzip_ = false;
+  int fd_ = -1;
+  z_stream zs_{};
+  std::vector<unsigned char> buffer_;
+  bool checked_gzip_ = false, seen_bytes_ = false, in_member_ = true, finished_ = false;
 };
 
 void expect_magic(GzInput& in, std::uint32_t expected) {
@@ -193,6 +268,14 @@ Dataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
   const std::uint64_t pixels = std::uint64_t{count} * rows * cols;
   if (pixels > kMaxPayloadBytes) {
     fail(images_path, fmt::format("declares {} images of {}x{}, which is implausibly large", count, rows, cols),
+         kReinstallHint);
+  }
+  // 14x56 holds 784 values too, so a model would train on it without a word, and the splits could
+  // then disagree: only Fashion-MNIST's own shape is taken.
+  if (rows != kSide || cols != kSide) {
+    fail(images_path,
+         fmt::format("holds {}x{} images, but Fashion-MNIST's are {}x{}: it is not a Fashion-MNIST image file", rows,
+                     cols, kSide, kSide),
          kReinstallHint);
   }
 

@@ -352,6 +352,29 @@ TEST(AttentionErrors, KernelTextParsesBackAndTyposAreRefused) {
   }
 }
 
+// FERRY_ATTENTION_KERNEL is read where a model's step is compiled, far from where it was set: a
+// value that does not parse names the variable, not only the kernel text.
+TEST(AttentionErrors, ABadKernelFromTheEnvironmentNamesTheVariable) {
+  auto& dev = TestDevice::get();
+  ops::OpEnv env{dev.kernels};
+  const ops::AttentionShape s{1, 16, 2, 8};
+  for (const char* bad : {"bogus", "blocked TQ=16x"}) {
+    ScopedEnv kernel("FERRY_ATTENTION_KERNEL", bad);
+    try {
+      ops::attention_kernel_description(env, s, {});
+      ADD_FAILURE() << "FERRY_ATTENTION_KERNEL='" << bad << "' was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("FERRY_ATTENTION_KERNEL='{}': attention: ", bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  ScopedEnv kernel("FERRY_ATTENTION_KERNEL", "bogus");
+  ops::AttentionOptions given;
+  given.kernel = "blocked";  // given in the options: the variable is not read
+  EXPECT_NO_THROW(ops::attention_kernel_description(env, s, given));
+}
+
 // The gemm family in chunks of heads (MIB=1: at context 300 the backward holds one head's two
 // score matrices at a time, the forward two heads' one), with dropout, against the reference; and
 // a context whose one head does not fit the bound asked for is an error naming MIB, while the

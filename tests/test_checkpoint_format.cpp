@@ -2,12 +2,18 @@
 // file reads back as written; any one flipped bit and any truncation is refused with
 // std::runtime_error; and the fuzzer's seed corpus (fuzz/corpus/checkpoint/) is still a set of
 // valid files of the current format.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <limits>
 #include <string>
@@ -284,6 +290,30 @@ std::pair<fs::path, std::vector<fs::path>> find_seeds() {
     if (fs::is_directory(looked.back(), ec)) return {looked.back(), looked};
   }
   return {fs::path{}, looked};
+}
+
+// A FIFO is refused as not a regular file at once: opening one for reading waits for a writer,
+// which none will ever be (ferry train --resume FIFO hung). If the open does wait, the test opens
+// the FIFO for writing to free it, so it fails instead of hanging.
+TEST_F(CheckpointFormat, AFifoIsRefusedWithoutWaitingForAWriter) {
+  const fs::path fifo = dir_ / "pipe.ckpt";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  auto opened = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      const ckpt::Reader r(fifo);
+    } catch (const std::runtime_error& e) {
+      return e.what();
+    }
+    return "";
+  });
+  if (opened.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "ckpt::Reader waited for a writer of the FIFO " << fifo;
+    const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (writer >= 0) ::close(writer);
+  }
+  const std::string message = opened.get();
+  EXPECT_NE(message.find("is not a regular file"), std::string::npos) << message;
+  EXPECT_NE(message.find(fifo.string()), std::string::npos) << message;
 }
 
 TEST(CheckpointFormatSeeds, TheFuzzerSeedsAreValidFiles) {

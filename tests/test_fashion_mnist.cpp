@@ -1,6 +1,9 @@
 // Fashion-MNIST loader: the real Debian files (shape, balance, pixel statistics, known samples) and
 // clear errors for every kind of bad input (written as small files into a temporary folder).
+#include <fmt/format.h>
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,10 +12,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/runtime/fashion_mnist.hpp"
@@ -196,8 +201,8 @@ class FashionMnistBadInput : public ::testing::Test {
     dir_ =
         fs::temp_directory_path() / ("ferry-fmnist-" + std::to_string(getpid()) + "-" + std::to_string(rd() % 1000000));
     fs::create_directories(dir_);
-    // A valid small test split: 3 images of 2x4 pixels.
-    write_raw("t10k-images-idx3-ubyte.gz", gzip_bytes(idx_images(0x803, 3, 2, 4)));
+    // A valid small test split: 3 images of 28x28 pixels (the only size Fashion-MNIST has).
+    write_raw("t10k-images-idx3-ubyte.gz", gzip_bytes(idx_images(0x803, 3, 28, 28)));
     write_raw("t10k-labels-idx1-ubyte.gz", gzip_bytes(idx_labels(0x801, {4, 9, 0})));
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -231,11 +236,11 @@ class FashionMnistBadInput : public ::testing::Test {
 TEST_F(FashionMnistBadInput, ValidSmallFilesLoad) {
   const Dataset ds = load_fashion_mnist(dir_, Split::test);
   EXPECT_EQ(ds.count, 3u);
-  EXPECT_EQ(ds.rows, 2u);
-  EXPECT_EQ(ds.cols, 4u);
+  EXPECT_EQ(ds.rows, 28u);
+  EXPECT_EQ(ds.cols, 28u);
   EXPECT_EQ(ds.labels, (std::vector<std::int32_t>{4, 9, 0}));
-  ASSERT_EQ(ds.images.size(), 24u);
-  for (std::size_t i = 0; i < 24; ++i) {
+  ASSERT_EQ(ds.images.size(), 3u * 784);
+  for (std::size_t i = 0; i < 3 * 784; ++i) {
     EXPECT_FLOAT_EQ(ds.images[i], static_cast<float>(static_cast<unsigned char>(i * 7)) / 255.0f);
   }
 }
@@ -258,14 +263,14 @@ TEST_F(FashionMnistBadInput, MissingFolder) {
 }
 
 TEST_F(FashionMnistBadInput, NotGzip) {
-  write_raw("t10k-images-idx3-ubyte.gz", idx_images(0x803, 3, 2, 4));  // the raw IDX bytes, uncompressed
+  write_raw("t10k-images-idx3-ubyte.gz", idx_images(0x803, 3, 28, 28));  // the raw IDX bytes, uncompressed
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "not gzip");
   write_raw("t10k-images-idx3-ubyte.gz", {'h', 'e', 'l', 'l', 'o', ' ', 'w', 'o', 'r', 'l', 'd', '\n'});
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "not gzip");
 }
 
 TEST_F(FashionMnistBadInput, CorruptGzip) {
-  const Bytes good = gzip_bytes(idx_images(0x803, 3, 2, 4));
+  const Bytes good = gzip_bytes(idx_images(0x803, 3, 28, 28));
   Bytes gz = good;
   gz[kGzipHeaderBytes + 5 + 20] ^= 0x5a;  // one pixel changed: the CRC-32 in the trailer no longer matches
   write_raw("t10k-images-idx3-ubyte.gz", gz);
@@ -280,15 +285,17 @@ TEST_F(FashionMnistBadInput, TruncatedGzipStream) {
   Bytes gz = gzip_bytes(idx_images(0x803, 200, 28, 28));
   gz.resize(gz.size() / 2);
   write_raw("t10k-images-idx3-ubyte.gz", gz);
+  // As many labels as the header promises images: the end of the stream is met reading the pixels.
+  write_raw("t10k-labels-idx1-ubyte.gz", gzip_bytes(idx_labels(0x801, Bytes(200, 1))));
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "truncated");
 }
 
 TEST_F(FashionMnistBadInput, TruncatedPayload) {
   // A complete gzip stream whose IDX content stops early: the header promises 3 images, 2 follow.
-  Bytes raw = idx_images(0x803, 3, 2, 4);
-  raw.resize(raw.size() - 8);
+  Bytes raw = idx_images(0x803, 3, 28, 28);
+  raw.resize(raw.size() - 784);
   write_raw("t10k-images-idx3-ubyte.gz", gzip_bytes(raw));
-  EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "truncated", "24", "16");
+  EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "truncated", "2352", "1568");
 }
 
 TEST_F(FashionMnistBadInput, TruncatedHeader) {
@@ -305,13 +312,86 @@ TEST_F(FashionMnistBadInput, TrailingData) {
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-labels-idx1-ubyte.gz", "data after");
 }
 
+// 14x56 holds 784 values per image as 28x28 does, so a model took it without a word (and the
+// splits could disagree): anything but 28x28 is refused, naming the file and its shape.
+TEST_F(FashionMnistBadInput, ImagesOfAnotherShapeAreRefused) {
+  for (const auto& [rows, cols] : {std::pair{14u, 56u}, std::pair{32u, 32u}, std::pair{2u, 4u}}) {
+    write_raw("t10k-images-idx3-ubyte.gz", gzip_bytes(idx_images(0x803, 3, rows, cols)));
+    const std::string shape = fmt::format("holds {}x{} images, but Fashion-MNIST's are 28x28", rows, cols);
+    EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", shape.c_str(), "reinstall");
+  }
+}
+
+// Bytes after the end of the gzip stream that are not another gzip member were skipped by gzread:
+// they are reported as data after the IDX payload is. A second member is gzip's own format.
+TEST_F(FashionMnistBadInput, DataAfterTheGzipStream) {
+  const Bytes labels = gzip_bytes(idx_labels(0x801, {4, 9, 0}));
+  for (const Bytes& tail : {Bytes{'x'}, Bytes{'j', 'u', 'n', 'k', '\n'}, Bytes{0x1f}, Bytes(70000, 0)}) {
+    Bytes gz = labels;
+    gz.insert(gz.end(), tail.begin(), tail.end());
+    write_raw("t10k-labels-idx1-ubyte.gz", gz);
+    const std::string after = fmt::format("has data after the end of its gzip stream ({} byte", tail.size());
+    EXPECT_ERROR_MENTIONS(load_error(), "t10k-labels-idx1-ubyte.gz", after.c_str(), "reinstall");
+  }
+  // The labels split over two gzip members, as `cat a.gz b.gz` makes: read as one stream.
+  const Bytes raw = idx_labels(0x801, {4, 9, 0});
+  Bytes two = gzip_bytes(Bytes(raw.begin(), raw.begin() + 5));
+  const Bytes second = gzip_bytes(Bytes(raw.begin() + 5, raw.end()));
+  two.insert(two.end(), second.begin(), second.end());
+  write_raw("t10k-labels-idx1-ubyte.gz", two);
+  EXPECT_EQ(load_error(), "");
+}
+
+// Runs `f` in a child process as the user nobody when the test runs as root (whom no permission
+// stops), else as it is; returns what `f` returned.
+std::string unprivileged(const std::function<std::string()>& f) {
+  if (::geteuid() != 0) return f();
+  int fds[2];
+  if (::pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    const std::string out =
+        ::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 && ::setuid(65534) == 0 ? f() : "setuid failed";
+    const ssize_t ignored = ::write(fds[1], out.data(), out.size());
+    static_cast<void>(ignored);
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  ::waitpid(pid, nullptr, 0);
+  return out;
+}
+
+// A file that is there but cannot be reached is not "not found; install it": the message gives
+// the system's reason and a fix that fits it.
+TEST_F(FashionMnistBadInput, AFileOutOfReachSaysWhy) {
+  fs::remove(dir_ / "t10k-labels-idx1-ubyte.gz");
+  fs::create_symlink("t10k-labels-idx1-ubyte.gz", dir_ / "t10k-labels-idx1-ubyte.gz");  // a link to itself
+  const std::string loop = load_error();
+  EXPECT_ERROR_MENTIONS(loop, "t10k-labels-idx1-ubyte.gz", "cannot be reached (Too many levels of symbolic links)",
+                        "point the link at the real file");
+  EXPECT_EQ(loop.find("not found"), std::string::npos) << loop;
+
+  // No search permission on the folder: for others (0700) when root runs the test as nobody, else
+  // for anyone (0000), restored for TearDown.
+  fs::permissions(dir_, ::geteuid() == 0 ? fs::perms::owner_all : fs::perms::none);
+  const std::string denied = unprivileged([&] { return load_error(); });
+  fs::permissions(dir_, fs::perms::owner_all);
+  EXPECT_ERROR_MENTIONS(denied, "t10k-images-idx3-ubyte.gz", "cannot be reached (Permission denied)",
+                        "search permission");
+}
+
 TEST_F(FashionMnistBadInput, WrongMagic) {
   write_raw("t10k-images-idx3-ubyte.gz", gzip_bytes(idx_images(0x12345678, 3, 2, 4)));
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "magic", "0x12345678", "0x00000803");
 }
 
 TEST_F(FashionMnistBadInput, SwappedFiles) {
-  write_raw("t10k-labels-idx1-ubyte.gz", gzip_bytes(idx_images(0x803, 3, 2, 4)));
+  write_raw("t10k-labels-idx1-ubyte.gz", gzip_bytes(idx_images(0x803, 3, 28, 28)));
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-labels-idx1-ubyte.gz", "magic", "0x00000801", "swapped");
 }
 

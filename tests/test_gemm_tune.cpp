@@ -1,20 +1,27 @@
 // The GEMM tuner: every candidate it may pick computes the right product (the GPU kernel's too,
 // forced on this device), and first-use tuning, its cache, a damaged cache and FERRY_TUNE behave as
 // gemm_tune.hpp says.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <map>
 #include <sstream>
 
 #include "ops/gemm_tiled.hpp"
 #include "ops/gemm_tune.hpp"
+#include "ops/gemm_tune_cache.hpp"
 #include "ops/tune_deadline.hpp"
 #include "test_support.hpp"
 
@@ -346,6 +353,90 @@ TEST(GemmTune, FirstUseTunesCachesReloadsAndRetunesADamagedCache) {
   EXPECT_NE(ops::gemm_tuning_choice(env).find("naive (" + naming + ":1)"), std::string::npos);
   ops::forget_gemm_tuning();
   std::filesystem::remove_all(dir);
+}
+
+// Runs `f` (which returns the error it met, or "") on another thread. Should it still be waiting
+// after 10 s, as an open of the FIFO `fifo` for reading waits for a writer, the test fails and
+// opens the FIFO for writing, so that `f` returns instead of hanging the test.
+std::string without_waiting_on(const std::string& fifo, const std::function<std::string()>& f) {
+  auto done = std::async(std::launch::async, f);
+  if (done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "waited for a writer of the FIFO " << fifo;
+    const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (writer >= 0) ::close(writer);
+  }
+  return done.get();
+}
+
+// The error gemm_tuning_choice throws with FERRY_GEMM_TUNING set to `path`, or "".
+std::string tuning_file_error(ops::OpEnv& env, const std::string& path) {
+  ScopedEnv tuning("FERRY_GEMM_TUNING", path);
+  ops::forget_gemm_tuning();
+  try {
+    ops::gemm_tuning_choice(env);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The warning read_tune_cache_text prints for `path`, or "" when it read a text.
+std::string tune_cache_warning(const std::string& path) {
+  testing::internal::CaptureStderr();
+  const bool read = ops::read_tune_cache_text(path, "GEMM tuning cache").has_value();
+  const std::string err = testing::internal::GetCapturedStderr();
+  return read ? "" : err;
+}
+
+// A FIFO, a folder or an oversized file named as a tuning file (FERRY_GEMM_TUNING) or found where
+// a tuning cache belongs is refused at once, saying what it is: the FIFO was opened and waited on
+// for ever, and a folder in the cache's place was tuned again on every run.
+TEST(GemmTune, TuningFilesThatAreNotSmallRegularFilesAreRefusedAtOnce) {
+  auto& dev = TestDevice::get();
+  const auto dir = temp_dir("gemm_tuning_files");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  const std::string fifo = (dir / "fifo.tsv").string(), folder = (dir / "folder.tsv").string(),
+                    big = (dir / "big.tsv").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  std::filesystem::create_directories(folder);
+  std::ofstream(big) << std::string(ops::max_tuning_file_bytes + 1, '#');
+
+  std::string err = without_waiting_on(fifo, [&] { return tuning_file_error(env, fifo); });
+  EXPECT_NE(err.find(fmt::format("FERRY_GEMM_TUNING: '{}' is a FIFO (named pipe)", fifo)), std::string::npos) << err;
+  err = tuning_file_error(env, folder);
+  EXPECT_NE(err.find(fmt::format("FERRY_GEMM_TUNING: '{}' is a folder", folder)), std::string::npos) << err;
+  err = tuning_file_error(env, big);
+  EXPECT_NE(err.find("more than the 1048576 bytes (1 MiB) a tuning file may hold"), std::string::npos) << err;
+
+  err = without_waiting_on(fifo, [&] { return tune_cache_warning(fifo); });
+  EXPECT_NE(err.find(fifo + " is a FIFO (named pipe), not a regular file"), std::string::npos) << err;
+  err = tune_cache_warning(big);
+  EXPECT_NE(err.find(big + " is 1048577 bytes"), std::string::npos) << err;
+  // A folder where the cache belongs cannot be replaced by the tuner's file: the warning says to
+  // remove it, and so does the failed write.
+  err = tune_cache_warning(folder);
+  EXPECT_NE(err.find(folder + " is a folder, not a file"), std::string::npos) << err;
+  EXPECT_NE(err.find("tuned again on every run: remove it (rm -r '" + folder + "')"), std::string::npos) << err;
+  testing::internal::CaptureStderr();
+  const std::string failed = ops::write_tune_cache_text(folder, "# a row\n", "GEMM tuning cache");
+  testing::internal::GetCapturedStderr();
+  EXPECT_NE(failed.find("it is a folder: remove it"), std::string::npos) << failed;
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
+}
+
+// A device that never ends (/dev/zero) is refused without reading it: reading it whole grew the
+// process's memory without bound.
+TEST(GemmTune, ADeviceNamedAsATuningFileIsRefusedWithoutReadingIt) {
+  auto& dev = TestDevice::get();
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{false, {}});
+  ops::OpEnv env{kernels};
+  std::string err = tuning_file_error(env, "/dev/zero");
+  EXPECT_NE(err.find("FERRY_GEMM_TUNING: '/dev/zero' is a device, not a regular file"), std::string::npos) << err;
+  err = tune_cache_warning("/dev/zero");
+  EXPECT_NE(err.find("/dev/zero is a device, not a regular file"), std::string::npos) << err;
+  ops::forget_gemm_tuning();
 }
 
 // The budget stops a search before a candidate that would end past it, judged by the last one's

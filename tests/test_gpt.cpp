@@ -2,12 +2,15 @@
 // reference executor, its gradients match finite differences, streamed training is bit-identical
 // to resident, prediction is causal, and bad input (token ids, shapes, corpora) is a clear error.
 #include <fmt/format.h>
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 
@@ -582,6 +585,83 @@ TEST(TextCorpus, MissingOrEmptyTextIsAClearError) {
   }
   EXPECT_THROW(load_text_corpus({d / "missing"}), std::runtime_error);
   EXPECT_THROW(load_text_corpus({d / "empty"}, 1.5), std::invalid_argument);
+  fs::remove_all(d);
+}
+
+// Runs `f` in a child process as the user nobody when the test runs as root (whom no permission
+// stops), else as it is; returns what `f` returned.
+std::string unprivileged(const std::function<std::string()>& f) {
+  if (::geteuid() != 0) return f();
+  int fds[2];
+  if (::pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    const std::string out =
+        ::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 && ::setuid(65534) == 0 ? f() : "setuid failed";
+    const ssize_t ignored = ::write(fds[1], out.data(), out.size());
+    static_cast<void>(ignored);
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  ::waitpid(pid, nullptr, 0);
+  return out;
+}
+
+// The error of reading the corpus in `dir`, or "".
+std::string corpus_error(const fs::path& dir) {
+  try {
+    load_text_corpus(fortune_files(dir));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A folder or a file of the corpus out of this user's reach names itself, the reason and a fix
+// (the folder gave a bare "filesystem error: directory iterator cannot open directory").
+TEST(TextCorpus, FoldersAndFilesOutOfReachSayWhatToDo) {
+  const fs::path d = temp_dir("reach");
+  fs::create_directories(d / "locked");
+  fs::create_directories(d / "open");
+  std::ofstream(d / "locked" / "a") << "some text\n";
+  std::ofstream(d / "open" / "a") << "some text\n";
+  // Out of reach of others when root runs this as nobody, else of anyone.
+  const fs::perms none = ::geteuid() == 0 ? fs::perms::owner_all : fs::perms::none;
+  fs::permissions(d / "locked", none);
+  fs::permissions(d / "open" / "a", none & ~fs::perms::owner_exec);
+  const std::string folder = unprivileged([&] { return corpus_error(d / "locked"); });
+  EXPECT_NE(
+      folder.find(fmt::format("text corpus: cannot list the folder {}: Permission denied", (d / "locked").string())),
+      std::string::npos)
+      << folder;
+  EXPECT_NE(folder.find("chmod a+rx"), std::string::npos) << folder;
+  const std::string file = unprivileged([&] { return corpus_error(d / "open"); });
+  EXPECT_NE(file.find("text corpus: cannot open "), std::string::npos) << file;
+  EXPECT_NE(file.find("Permission denied: give this user read permission on it (chmod a+r"), std::string::npos) << file;
+  fs::permissions(d / "locked", fs::perms::owner_all);
+  fs::remove_all(d);
+}
+
+// One character repeated is no text to learn from: the corpus is named with what to do (the model
+// builder said only "the vocabulary needs at least 2 tokens, got 1").
+TEST(TextCorpus, ASingleRepeatedCharacterIsRefusedNamingTheCorpus) {
+  const fs::path d = temp_dir("one");
+  std::ofstream(d / "a") << std::string(100, 'z');
+  std::ofstream(d / "b") << std::string(50, 'z');
+  const std::string err = corpus_error(d);
+  EXPECT_NE(
+      err.find(fmt::format("text corpus (the 2 files in {}): it holds a single distinct character ('z', 150 times)",
+                           fs::canonical(d).string())),
+      std::string::npos)
+      << err;
+  EXPECT_NE(err.find("give --text"), std::string::npos) << err;
+  std::ofstream(d / "b") << "zy";  // two characters: enough
+  EXPECT_EQ(corpus_error(d), "");
   fs::remove_all(d);
 }
 

@@ -233,6 +233,32 @@ TEST(ProgramCache, UncreatableFolderWarnsOnceAndRunsUncached) {
   fs::remove_all(base);
 }
 
+// One entry replaced by a folder is that entry's problem: it is named, with how to mend it, its
+// program is built from source, and the other programs are cached as usual (the whole cache used
+// to be turned off, since the rename over the folder failed).
+TEST(ProgramCache, AnEntryThatIsAFolderIsNamedAndTheOthersAreStillCached) {
+  Populated cache("entry-folder");
+  fs::remove(cache.entry);
+  fs::create_directory(cache.entry);
+  testing::internal::CaptureStderr();
+  {
+    cl::KernelLibrary lib(TestDevice::get().context, cache.options);
+    lib.kernel("activation", "relu_forward");
+    lib.kernel("activation", "relu_forward", "-DFERRY_TEST_OTHER=1");
+    EXPECT_EQ(lib.stats().source_builds, 2u);
+    EXPECT_EQ(lib.stats().entries_written, 1u) << "the other program was not cached";
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(err, "ferry:"), 1u) << err;
+  EXPECT_NE(err.find(fmt::format("program cache entry {} is a folder", cache.entry.string())), std::string::npos)
+      << err;
+  EXPECT_NE(err.find(fmt::format("remove it (rm -r '{}')", cache.entry.string())), std::string::npos) << err;
+  EXPECT_EQ(err.find("is not usable"), std::string::npos) << err;
+  EXPECT_TRUE(fs::is_directory(cache.entry));
+  EXPECT_EQ(files_ending(cache.options.dir, ".bin").size(), 2u);
+  EXPECT_TRUE(files_ending(cache.options.dir, ".tmp").empty()) << "a temporary file was left behind";
+}
+
 TEST(ProgramCache, ConcurrentWritersLeaveOneValidEntry) {
   const cl::ProgramCacheOptions options{true, fresh_dir("concurrent")};
   std::vector<std::thread> threads;

@@ -12,6 +12,7 @@
 
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
+#include "ferry/ops/launch.hpp"
 #include "ferry/ops/op_table.hpp"
 #include "ops/sequence.hpp"
 #include "ops/softmax.hpp"
@@ -211,6 +212,29 @@ TEST(SoftmaxRows, ShapeRuleKeepsTheShapeAndRejectsAnEmptyAxis) {
 
 // Attention's softmax: 32 sequences x 4 heads x 128 queries, rows of 128 keys. Disabled by
 // default: --gtest_also_run_disabled_tests --gtest_filter='*Bench*'.
+// FERRY_ROW_GROUP_SIZE is checked as the other FERRY_* numbers are: anything but a whole number
+// from 1 to 1024 is an error naming it (strtoull made "abc" 0, "-1" a huge size, "4x" 4).
+TEST(RowGroupSize, BadValuesAreRefusedNamingTheVariable) {
+  for (const char* bad : {"abc", "-1", "0", "4x", " 8", "+8", "1025", "99999999999999999999"}) {
+    ScopedEnv set("FERRY_ROW_GROUP_SIZE", bad);
+    try {
+      ops::row_group_forced();
+      ADD_FAILURE() << "FERRY_ROW_GROUP_SIZE='" << bad << "' was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("FERRY_ROW_GROUP_SIZE='") + bad +
+                                           "': expected a whole number from 1 to 1024"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  {
+    ScopedEnv set("FERRY_ROW_GROUP_SIZE", "64");
+    EXPECT_TRUE(ops::row_group_forced());
+  }
+  ScopedEnv empty("FERRY_ROW_GROUP_SIZE", "");
+  EXPECT_FALSE(ops::row_group_forced());
+}
+
 TEST(SoftmaxBench, DISABLED_AttentionRows) {
   auto& dev = TestDevice::get();
   const std::size_t rows = 128 * 128, cols = 128;

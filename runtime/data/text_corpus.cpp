@@ -12,9 +12,33 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 
 namespace ferry {
 namespace fs = std::filesystem;
+
+namespace {
+
+// What to do about a folder or file of the corpus that is there but out of this user's reach.
+std::string reach_fix(const std::error_code& ec, const fs::path& p, bool folder) {
+  if (ec == std::errc::permission_denied) {
+    return folder ? fmt::format(
+                        "give this user read and search permission on it (chmod a+rx '{}'), or give --text "
+                        "(FERRY_TEXT_DIR) a folder of text files this user can read",
+                        p.string())
+                  : fmt::format("give this user read permission on it (chmod a+r '{}'), or move it out of the folder",
+                                p.string());
+  }
+  return folder ? std::string("check the folder, or give --text (FERRY_TEXT_DIR) another folder of text files")
+                : std::string("check the file, or move it out of the folder");
+}
+
+[[noreturn]] void unreachable_folder(const fs::path& dir, const std::error_code& ec) {
+  throw std::runtime_error(fmt::format("text corpus: cannot list the folder {}: {}: {}", dir.string(), ec.message(),
+                                       reach_fix(ec, dir, true)));
+}
+
+}  // namespace
 
 std::vector<fs::path> fortune_files(fs::path dir) {
   if (dir.empty()) {
@@ -22,20 +46,28 @@ std::vector<fs::path> fortune_files(fs::path dir) {
     dir = env && *env ? fs::path(env) : fs::path("/usr/share/games/fortunes");
   }
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
+  const fs::file_status st = fs::status(dir, ec);
+  if (ec && st.type() != fs::file_type::not_found) unreachable_folder(dir, ec);
+  if (!fs::is_directory(st)) {
     throw std::runtime_error(
         fmt::format("no text corpus: {} is not a folder; install Debian's fortunes (apt-get install fortunes) or set "
                     "FERRY_TEXT_DIR to a folder of text files",
                     dir.string()));
   }
   std::set<fs::path> unique;  // resolved paths: several names link to one file
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
+  // The error_code forms: the throwing ones gave "filesystem error: directory iterator cannot open
+  // directory", naming neither the corpus nor a fix.
+  fs::directory_iterator it(dir, ec);
+  if (ec) unreachable_folder(dir, ec);
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     if (name.ends_with(".dat") || name.ends_with(".u8") || name.starts_with(".")) continue;
-    const fs::path real = fs::canonical(entry.path(), ec);
-    if (ec || !fs::is_regular_file(real, ec)) continue;
+    std::error_code skip;  // a dangling link or a special file: not text, skipped
+    const fs::path real = fs::canonical(it->path(), skip);
+    if (skip || !fs::is_regular_file(real, skip)) continue;
     unique.insert(real);
   }
+  if (ec) unreachable_folder(dir, ec);
   if (unique.empty()) {
     throw std::runtime_error(
         fmt::format("no text files in {}: install Debian's fortunes (apt-get install fortunes) or set FERRY_TEXT_DIR",
@@ -45,6 +77,28 @@ std::vector<fs::path> fortune_files(fs::path dir) {
 }
 
 namespace {
+
+// Where a corpus of `files` is, for a message: the file, or the folder holding them all.
+std::string corpus_place(const std::vector<fs::path>& files) {
+  const fs::path folder = files.front().parent_path();
+  const bool one_folder =
+      std::all_of(files.begin(), files.end(), [&](const fs::path& f) { return f.parent_path() == folder; });
+  if (files.size() == 1) return files.front().string();
+  if (one_folder) return fmt::format("the {} files in {}", files.size(), folder.string());
+  return fmt::format("{} and {} other files", files.front().string(), files.size() - 1);
+}
+
+// A model that predicts the next character learns nothing from one character repeated (and its
+// builder refuses a vocabulary of 1 without naming the text): refused here, naming the corpus.
+void refuse_one_character(const std::vector<fs::path>& files, const std::string& text) {
+  if (text.empty() || std::any_of(text.begin(), text.end(), [&](char ch) { return ch != text.front(); })) return;
+  const auto b = static_cast<unsigned char>(text.front());
+  const std::string shown = b >= 32 && b < 127 ? fmt::format("'{}'", static_cast<char>(b)) : fmt::format("0x{:02x}", b);
+  throw std::runtime_error(
+      fmt::format("text corpus ({}): it holds a single distinct character ({}, {} times), but a next-character "
+                  "model needs at least 2: give --text (FERRY_TEXT_DIR) a folder of ordinary text",
+                  corpus_place(files), shown, text.size()));
+}
 
 // A byte model trains on anything, so a folder of binaries would train without complaint: refuse
 // files with NUL bytes or more than 1% control characters (text has tabs, line ends and form
@@ -72,8 +126,13 @@ TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) 
   if (files.empty()) throw std::runtime_error("text corpus: no files given");
   std::string text;
   for (const auto& f : files) {
+    errno = 0;
     std::ifstream in(f, std::ios::binary);
-    if (!in) throw std::runtime_error(fmt::format("text corpus: cannot open {}: {}", f.string(), std::strerror(errno)));
+    if (!in) {
+      const std::error_code ec(errno ? errno : EIO, std::generic_category());
+      throw std::runtime_error(
+          fmt::format("text corpus: cannot open {}: {}: {}", f.string(), ec.message(), reach_fix(ec, f, false)));
+    }
     const std::size_t before = text.size();
     text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     if (in.bad()) throw std::runtime_error(fmt::format("text corpus: error reading {}", f.string()));
@@ -83,6 +142,7 @@ TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) 
     }
     refuse_binary(f, std::string_view(text).substr(before));
   }
+  refuse_one_character(files, text);
   TextCorpus c;
   c.files = files.size();
   std::array<bool, 256> present{};

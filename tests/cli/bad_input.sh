@@ -136,8 +136,26 @@ ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$w
 idx "$work/data32/t10k-images-idx3-ubyte" 3 4 32 32 && head -c $((4 * 32 * 32)) /dev/zero >>"$work/data32/t10k-images-idx3-ubyte"
 idx "$work/data32/t10k-labels-idx1-ubyte" 1 4 && printf '\x01\x02\x03\x04' >>"$work/data32/t10k-labels-idx1-ubyte"
 gzip -f "$work/data32/t10k-images-idx3-ubyte" "$work/data32/t10k-labels-idx1-ubyte"
-row "test split of another image size" "the test split in '$work/data32' has 32x32 images" error - \
+row "test split of another image size" "holds 32x32 images, but Fashion-MNIST's are 28x28" error - \
   train --data "$work/data32" "${quick[@]}"
+# 14x56 holds 784 values per image, as 28x28 does: refused all the same.
+mkdir -p "$work/data14"
+ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$data/t10k-labels-idx1-ubyte.gz" \
+  "$work/data14/"
+idx "$work/data14/t10k-images-idx3-ubyte" 3 10000 14 56 && head -c $((10000 * 784)) /dev/zero >>"$work/data14/t10k-images-idx3-ubyte"
+gzip -f "$work/data14/t10k-images-idx3-ubyte"
+row "test split of 14x56 images (784 values each)" "holds 14x56 images, but Fashion-MNIST's are 28x28" error - \
+  train --data "$work/data14" "${quick[@]}"
+# Bytes after the gzip stream that are not gzip, and a file out of reach (a link to itself).
+mkdir -p "$work/gz-tail" "$work/link-loop"
+ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$data/t10k-images-idx3-ubyte.gz" \
+  "$work/gz-tail/"
+{ cat "$data/t10k-labels-idx1-ubyte.gz" && printf 'junk'; } >"$work/gz-tail/t10k-labels-idx1-ubyte.gz"
+row "data after the gzip stream" "has data after the end of its gzip stream (4 bytes" error - \
+  train --data "$work/gz-tail" "${quick[@]}"
+ln -sf train-images-idx3-ubyte.gz "$work/link-loop/train-images-idx3-ubyte.gz"
+row "data file that is a link loop" "cannot be reached (Too many levels of symbolic links)" error - \
+  train --data "$work/link-loop" "${quick[@]}"
 mkdir -p "$work/labels"
 ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$work/labels/"
 idx "$work/labels/t10k-images-idx3-ubyte" 3 1 28 28 && head -c 784 /dev/zero >>"$work/labels/t10k-images-idx3-ubyte"
@@ -157,6 +175,9 @@ row "no OpenCL device" "no OpenCL device" error "OCL_ICD_VENDORS=$work/no-icd OC
 printf 'not a folder\n' >"$work/home-file"
 row "HOME where PoCL cannot keep its kernel cache (a note; runs)" "PoCL's kernel cache folder" warning \
   "HOME=$work/home-file XDG_CACHE_HOME= POCL_CACHE_DIR=" devices
+row "neither HOME nor XDG_CACHE_HOME (a note; runs)" \
+  "PoCL has no kernel cache folder (neither HOME nor XDG_CACHE_HOME is set)" warning \
+  "HOME= XDG_CACHE_HOME= POCL_CACHE_DIR=" devices
 row "wrong FERRY_DEVICE" "no OpenCL device matches 'no-such-gpu'" error "FERRY_DEVICE=no-such-gpu" train "${quick[@]}"
 row "--lr 0" "--lr: must be a finite number > 0, got 0" error - train "${quick[@]}" --lr 0
 row "--device-budget 0" "a budget must be more than 0 bytes" error - train "${quick[@]}" --device-budget 0
@@ -174,8 +195,13 @@ row "FERRY_TUNE_BUDGET_S not a positive number" "FERRY_TUNE_BUDGET_S='-5'" error
   train "${quick[@]}"
 row "FERRY_BUILD_THREADS not a whole number from 1" "FERRY_BUILD_THREADS='0': expected a whole number from 1 to 1024" \
   error "FERRY_BUILD_THREADS=0" train "${quick[@]}"
-row "unknown FERRY_ATTENTION_KERNEL" "attention: unknown kernel 'flash'" error "FERRY_ATTENTION_KERNEL=flash" \
+row "unknown FERRY_ATTENTION_KERNEL" "FERRY_ATTENTION_KERNEL='flash': attention: unknown kernel 'flash'" error \
+  "FERRY_ATTENTION_KERNEL=flash" \
   train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet
+row "FERRY_ROW_GROUP_SIZE not a whole number" "FERRY_ROW_GROUP_SIZE='abc': expected a whole number from 1 to 1024" \
+  error "FERRY_ROW_GROUP_SIZE=abc" train "${quick[@]}"
+row "FERRY_GEMM_TUNING naming a device" "FERRY_GEMM_TUNING: '/dev/zero' is a device, not a regular file" error \
+  "FERRY_GEMM_TUNING=/dev/zero" train "${quick[@]}"
 row "unknown ferry tune --mode" "--mode: slow not in {quick,full}" error - tune --mode slow
 
 # Checkpoints and the program cache.
@@ -186,6 +212,11 @@ row "corrupt checkpoint (one byte flipped)" "fails its checksum" error - train "
 head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
 row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
 row "truncated checkpoint described" "truncated" error - checkpoint "$work/cut.ckpt"
+mkfifo "$work/pipe.ckpt"
+row "--resume from a FIFO" "checkpoint '$work/pipe.ckpt' is not a regular file" error - \
+  train "${quick[@]}" --resume "$work/pipe.ckpt"
+row "a FIFO described as a checkpoint" "checkpoint '$work/pipe.ckpt' is not a regular file" error - \
+  checkpoint "$work/pipe.ckpt"
 row "checkpoint of another model" "its model is 'mlp-784-1024-1024-10'" error - \
   train --model cnn "${quick[@]}" --resume "$work/good.ckpt"
 cp "$work/good.ckpt" "$work/lost.ckpt"
@@ -222,6 +253,10 @@ row "text too short for --context" "use --context 2 or less, or give --text a fo
 head -c 4096 /dev/urandom >"$work/binary-text/blob.bin"
 row "--text folder holding a binary file" "looks binary, not text" error - \
   train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/binary-text"
+mkdir -p "$work/one-char-text"
+head -c 4096 /dev/zero | tr '\0' z >"$work/one-char-text/a"
+row "--text folder holding one character repeated" "it holds a single distinct character ('z', 4096 times)" error - \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/one-char-text"
 row "GPT head dimension past the fused attention's limit" "is past the fused kernels' limit of 128" error - \
   train --model gpt --width 512 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/text"
 row "GPT --accumulate over the run's steps" "it would train nothing" error - \
@@ -240,6 +275,12 @@ if [ -n "$entry" ]; then
 fi
 row "corrupt program cache entry (a warning; rebuilt)" "is invalid" warning "FERRY_CACHE_DIR=$work/own-cache" \
   train "${quick[@]}"
+# An entry that is a folder: that entry alone is given up, the cache stays on for the others.
+if [ -n "$entry" ]; then
+  rm -f "$entry" && mkdir "$entry"
+fi
+row "program cache entry that is a folder (a warning; runs)" "is a folder, not a file, so its program is built" \
+  warning "FERRY_CACHE_DIR=$work/own-cache" train "${quick[@]}"
 
 # Output paths: refused before any work, and what they name is left as it was.
 cp -r "$data" "$work/data-copy"

@@ -31,12 +31,14 @@ struct TextCorpus {
 // The fortune files of Debian's `fortunes` packages: every regular file directly in `dir`
 // ($FERRY_TEXT_DIR if set, else /usr/share/games/fortunes), symlinks followed and duplicates
 // dropped, except the .dat indexes and .u8 copies, sorted by resolved path. Throws
-// std::runtime_error saying to install `fortunes` when there are none.
+// std::runtime_error saying to install `fortunes` when there are none, and naming the folder, the
+// system's reason and a fix when it cannot be listed (no read or search permission).
 std::vector<std::filesystem::path> fortune_files(std::filesystem::path dir = {});
 
 // Reads and concatenates `files` in order; the last `holdout` fraction (by integer arithmetic:
 // floor(n * 9 / 10) bytes train for 0.1) is held out. Throws std::runtime_error naming a file that
-// is missing, unreadable or empty, and std::invalid_argument for a holdout outside (0, 1).
+// is missing, unreadable (with the reason and a fix), empty or binary, or the corpus when it holds
+// a single distinct character; std::invalid_argument for a holdout outside (0, 1).
 TextCorpus load_text_corpus(const std::vector<std::filesystem::path>& files, double holdout = 0.1);
 
 // Windows of `context` + 1 tokens of a corpus: sample i is the window starting at starts[i];
