@@ -21,6 +21,7 @@
 
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -177,7 +178,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--bucket-size", o->bucket, "gradient bytes reduced together")->capture_default_str();
   sub.add_option("--link-gbps", o->link_gbps, "link rate of the model for larger N, GB/s")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
   sub.add_option("--max-ranks", o->max_ranks, "largest N of the model (powers of two)")
       ->capture_default_str()
       ->check(CLI::Range(1, 4096));

@@ -13,6 +13,7 @@
 #include "bench.hpp"
 #include "ferry/runtime/trace.hpp"
 #include "ferry/runtime/version.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/output_file.hpp"
 
 namespace ferry::bench {
@@ -59,14 +60,11 @@ int run_bench(int argc, char** argv) {
       "--version", [] { return ferry::version_text("ferry-bench"); },
       "Print the version, git commit and the OpenCL devices seen, and exit");
   BenchCommon common;
-  // "" (an unset shell variable, say) is refused rather than read as "not given".
-  const CLI::Validator not_empty(
-      [](std::string& text) { return text.empty() ? std::string("is empty: give a value, or leave it out") : ""; },
-      "TEXT");
+  using ferry::cli::not_empty;  // "" (an unset shell variable, say) is refused, not read as "not given"
   app.add_option("--device", common.device, "OpenCL device: index or name substring (default: FERRY_DEVICE, a GPU)")
-      ->check(not_empty);
+      ->check(not_empty());
   app.add_option("--trace", common.trace, "write a Chrome trace to this file (benchmarks that trace)")
-      ->check(not_empty);
+      ->check(not_empty());
   app.add_option("--repeat", common.repeat, "timed repetitions; results report the median")->check(CLI::PositiveNumber);
   auto& benches = registry();
   std::sort(benches.begin(), benches.end(), [](const BenchInfo& a, const BenchInfo& b) { return a.name < b.name; });

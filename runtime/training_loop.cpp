@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <bit>
 #include <iostream>
 #include <numeric>
 #include <stdexcept>
@@ -85,6 +87,45 @@ bool TrainingLoop::on_any_rank(bool here) const {
   return any > 0;
 }
 
+void TrainingLoop::check_ranks_agree() const {
+  if (!options_.control) return;
+  const auto bits = [](double d) { return std::bit_cast<std::uint64_t>(d); };
+  const LrSchedule schedule = options_.schedule.value_or(LrSchedule{});
+  struct Field {
+    const char* what;
+    std::uint64_t value;
+    bool real = false;  // `value` holds a double's bits
+  };
+  // Every rank gathers every field, in this order, whatever its values: the same collectives.
+  const Field fields[] = {
+      {"the run's steps (ferry train --steps; --epochs, --train-limit and --batch)", options_.steps},
+      {"the steps of an epoch (--train-limit, --batch)", options_.steps_per_epoch},
+      {"the steps between boundaries (--eval-every)", options_.boundary_every},
+      {"the time limit in seconds (--max-minutes)", bits(options_.max_seconds), true},
+      {"whether a learning-rate schedule is set", options_.schedule.has_value()},
+      {"the schedule's kind (--schedule; 0 constant, 1 cosine)", static_cast<std::uint64_t>(schedule.kind)},
+      {"the schedule's peak learning rate (--lr)", bits(schedule.peak), true},
+      {"the schedule's length in steps", schedule.total_steps},
+      {"the schedule's warm-up steps", schedule.warmup_steps},
+      {"the schedule's floor", bits(schedule.min_lr), true},
+      {"whether checkpoints are written (--checkpoint)", !options_.checkpoint.empty()},
+      {"the step the run starts from (--resume)", position_.done},
+      {"the training data (--data, --text: a hash of what each rank read)", options_.data_fingerprint},
+  };
+  for (const Field& f : fields) {
+    const std::vector<std::uint64_t> all = options_.control->allgather(f.value);
+    const auto other = std::find_if(all.begin(), all.end(), [&](std::uint64_t v) { return v != all[0]; });
+    if (other == all.end()) continue;
+    const auto text = [&](std::uint64_t v) {
+      return f.real ? fmt::format("{}", std::bit_cast<double>(v)) : fmt::format("{}", v);
+    };
+    throw std::invalid_argument(fmt::format(
+        "the {} ranks of this data-parallel run disagree on {}: rank {} has {}, rank 0 {}; nothing was trained: start "
+        "every rank with the same command and data (the ranks would wait for each other forever, or drift apart)",
+        all.size(), f.what, other - all.begin(), text(*other), text(all[0])));
+  }
+}
+
 bool TrainingLoop::stop_requested() const {
   return on_any_rank(options_.catch_signals && StopSignals::received() != 0);
 }
@@ -106,6 +147,7 @@ bool TrainingLoop::boundary_after(std::uint64_t done) {
 }
 
 LoopSummary TrainingLoop::run() {
+  check_ranks_agree();
   std::optional<StopSignals> signals;
   if (options_.catch_signals) signals.emplace();
   summary_ = LoopSummary{};

@@ -8,7 +8,10 @@
 #include <csignal>
 #include <filesystem>
 #include <map>
+#include <memory>
+#include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -261,6 +264,72 @@ TEST_F(TrainingLoopTest, RefusesBadSettings) {
   TrainingLoop whole(accumulating, batches, {.steps = 4, .progress = false});
   whole.run();
   EXPECT_EQ(accumulating.steps_done(), 1u);
+}
+
+// The loop's control for two ranks whose loops differ in the `field`-th thing run() compares (rank
+// 1's value one more); the stop and time agreements are answered as every rank agreeing.
+class OneFieldDiffers final : public ops::Communicator {
+ public:
+  explicit OneFieldDiffers(int field) : field_(field) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "one field differs"; }
+  void allreduce_sum(std::span<const std::span<float>>) override { refuse(); }
+  void allreduce_sum(std::span<double> values) override {
+    for (double& v : values) v *= 2;
+  }
+  void reduce_scatter_sum(std::span<const ops::ScatterBuffer>) override { refuse(); }
+  void allgather(std::span<ops::GatherBuffer>) override { refuse(); }
+  std::vector<std::uint64_t> allgather(std::uint64_t value) override {
+    return {value, value + (calls_++ == field_ ? 1 : 0)};
+  }
+  std::unique_ptr<ops::Communicator> split() const override { return std::make_unique<OneFieldDiffers>(field_); }
+  [[noreturn]] void abort(int) const override { std::abort(); }
+
+ private:
+  [[noreturn]] static void refuse() { throw std::logic_error("not a collective of the loop"); }
+  int field_, calls_ = 0;
+};
+
+// Data-parallel ranks whose loops would take other collectives at other steps (and wait for each
+// other forever) or set other learning rates are refused before any step, on every rank alike,
+// naming what differs; loops that agree run.
+TEST_F(TrainingLoopTest, DataParallelRanksMustRunTheSameLoop) {
+  const char* named[] = {"the run's steps",
+                         "the steps of an epoch",
+                         "the steps between boundaries",
+                         "the time limit",
+                         "whether a learning-rate schedule is set",
+                         "the schedule's kind",
+                         "the schedule's peak",
+                         "the schedule's length",
+                         "the schedule's warm-up",
+                         "the schedule's floor",
+                         "whether checkpoints are written",
+                         "the step the run starts from",
+                         "the training data"};
+  const auto loop_options = [](int field) {
+    return TrainingLoopOptions{
+        .steps = 4, .schedule = cosine(4), .progress = false, .control = std::make_shared<OneFieldDiffers>(field)};
+  };
+  for (int k = 0; k < static_cast<int>(std::size(named)); ++k) {
+    Trainer trainer(rt, model, options());
+    ShuffledBatches batches(data, trainer.model(), 8, 1);
+    TrainingLoop loop(trainer, batches, loop_options(k));
+    try {
+      loop.run();
+      ADD_FAILURE() << "ranks differing in " << named[k] << " ran";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("disagree on ") + named[k]), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1 has"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(trainer.steps_done(), 0u) << named[k];
+  }
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 1);
+  TrainingLoop agreeing(trainer, batches, loop_options(-1));
+  EXPECT_EQ(agreeing.run().end, LoopSummary::End::finished);
+  EXPECT_EQ(trainer.steps_done(), 4u);
 }
 
 }  // namespace

@@ -18,50 +18,9 @@
 #include <vector>
 
 #include "ferry/ferry.hpp"
+#include "validators.hpp"
 
 namespace ferry::cli {
-
-// A number option that must be finite and > 0: "--lr: must be a finite number > 0, got 0" (CLI11's
-// own range check prints the largest double, 309 digits).
-inline CLI::Validator positive_number() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(text.c_str(), &end);
-        if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v <= 0) {
-          return fmt::format("must be a finite number > 0, got {}", text);
-        }
-        // Most of these options are floats: a value a float cannot hold would become inf or 0.
-        if (v > std::numeric_limits<float>::max() || v < std::numeric_limits<float>::min()) {
-          return fmt::format("must be between {:g} and {:g}, got {}", std::numeric_limits<float>::min(),
-                             std::numeric_limits<float>::max(), text);
-        }
-        return {};
-      },
-      "> 0");
-}
-
-// A whole number >= 0 (a seed): "-1" would wrap around in an unsigned option.
-inline CLI::Validator whole_number() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
-          return fmt::format("must be a whole number >= 0, got {}", text);
-        }
-        return {};
-      },
-      "UINT");
-}
-
-// A path, device or other text option given as "" (an unset shell variable, say) is refused
-// rather than read as "not given".
-inline CLI::Validator not_empty() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        return text.empty() ? std::string("is empty: give a value, or leave the option out") : std::string();
-      },
-      "TEXT");
-}
 
 // The versions of the JSON lines' layouts (docs/outputs.md): each line carries its own as
 // "schema"; a field removed or changed in meaning raises it, a field added does not.
@@ -255,6 +214,8 @@ int cmd_checkpoint(const CheckpointArgs& a);
 // "<path>.rank<r>"): --resume of one on another number of ranks or stage, or of a whole-state
 // checkpoint at stage 1 or 2 over several ranks, cuts the optimizer state anew (resume_files).
 void join_ranks(TrainArgs& a);
+// Rank r > 0's file of a checkpoint at `path` written at ZeRO stage 1 or 2.
+std::string shard_file(const std::string& path, int rank);
 // --resume: the checkpoint loaded as join_ranks planned; its caller's bytes.
 std::vector<std::byte> load_resume(ferry::Trainer& trainer, const TrainArgs& a);
 // " (written by N ranks ..., cut anew for ...)" when the resume was resharded, else empty.
@@ -270,7 +231,7 @@ ferry::Shard configure_ranks(const TrainArgs& a, std::uint32_t global_batch, fer
 // The banner line of a data-parallel run (nothing alone): ranks, transport, shares, buckets.
 void announce_ranks(const TrainArgs& a, const ferry::Trainer& trainer, std::uint32_t global_batch);
 // After resuming: every rank's checkpoint (file or share) is at the same step, else an error.
-void check_ranks_resumed_together(const TrainArgs& a, std::uint64_t steps_done);
+void check_ranks_resumed_together(const TrainArgs& a, bool resumed, std::uint64_t steps_done);
 // An error on one rank of a data-parallel run: says which rank and ends every rank (MPI_Abort),
 // since the others would wait for it in their next reduction. Alone: returns.
 void end_all_ranks_on_error(const TrainArgs& a, const std::exception& e);

@@ -319,7 +319,9 @@ std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {
     if (arg.rfind("--resume=", 0) == 0) continue;
     cmd += (cmd.empty() ? "" : " ") + shell_quote(arg);
   }
-  return cmd + " --resume " + shell_quote(checkpoint);
+  // Data parallel: the same ranks again (its own argv is one rank's; mpirun's options are not known).
+  const std::string ranks = a.world ? fmt::format("mpirun -np {} ", a.world->size()) : std::string();
+  return ranks + cmd + " --resume " + shell_quote(checkpoint);
 }
 
 std::vector<std::byte> caller_section(const nlohmann::json& j) {

@@ -235,6 +235,13 @@ void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::T
 }
 
 // --accumulate k makes an update of every k batches: a run with fewer would train nothing.
+// Data parallel: a hash of the training samples each rank read, which the ranks compare
+// (TrainingLoopOptions::data_fingerprint).
+std::uint64_t dataset_fingerprint(const ferry::Dataset& d) {
+  const std::uint64_t images = ferry::checkpoint_checksum(d.images.data(), d.count * d.sample_elems() * sizeof(float));
+  return ferry::checkpoint_checksum(d.labels.data(), d.count * sizeof(std::int32_t), images);
+}
+
 void check_updates_happen(const TrainArgs& a, std::size_t samples, std::uint32_t batch) {
   const std::uint64_t micro_batches = std::uint64_t{samples / batch} * a.epochs;
   if (micro_batches >= a.accumulate) return;
@@ -302,13 +309,13 @@ int cmd_train(const TrainArgs& a) {
                             // its own share of the optimizer state (ZeRO stage 1: each writes its file).
                             .write_checkpoints = a.primary || a.sharded_checkpoint,
                             .after_checkpoint = [&a] { remove_stale_shards(a); },
-                            .control = a.control});
+                            .control = a.control,
+                            .data_fingerprint = a.control ? dataset_fingerprint(train) : 0});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
     const auto caller = load_resume(trainer, a);
     const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
     const ferry::LoopPosition start = decode_position(caller, a, train.count, steps_per_epoch, batches);
-    check_ranks_resumed_together(a, trainer.steps_done());
     loop.resume(start);
     if (!a.quiet) {
       std::cerr << fmt::format(
@@ -317,6 +324,8 @@ int cmd_train(const TrainArgs& a) {
           trainer.steps_done(), load_ms);
     }
   }
+  // Every rank, resumed or not (one that was not would otherwise miss the agreement).
+  check_ranks_resumed_together(a, !a.resume_path.empty(), trainer.steps_done());
   loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const ferry::StepResult&) {
     if (run_index >= a.trace_steps) return;  // the first --trace-steps steps of this run
     if (!a.trace_path.empty()) trace.add_step(trainer, step);

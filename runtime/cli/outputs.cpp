@@ -143,6 +143,20 @@ void check_outputs(const TrainArgs& a) {
       }
     }
   }
+  // ZeRO stages 1 and 2: the other ranks write their checkpoint files beside rank 0's, which rank
+  // 0's other outputs must not name.
+  if (a.sharded_checkpoint && a.world && a.primary && !a.checkpoint_path.empty()) {
+    for (int r = 1; r < a.world->size(); ++r) {
+      const std::string shard = shard_file(a.checkpoint_path, r);
+      for (const Output& o : outputs) {
+        if (std::string(o.flag) != "--checkpoint" && resolved(o.path) == resolved(shard)) {
+          throw refuse(o, fmt::format("rank {} writes its checkpoint file '{}' there (--zero {}): give the output "
+                                      "another path",
+                                      r, shard, a.zero));
+        }
+      }
+    }
+  }
   // The run's inputs are never written: the file --resume reads (unless --checkpoint continues it),
   // the data set's files, and the text folder (a new file there would become training text).
   std::vector<std::pair<std::string, fs::path>> inputs;

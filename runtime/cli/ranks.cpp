@@ -12,12 +12,11 @@
 
 namespace ferry::cli {
 
-namespace {
-
-// Rank r > 0's file of a checkpoint at `path` written at ZeRO stage 1 or 2.
 std::string shard_file(const std::string& path, int rank) {
   return fmt::format("{}.rank{}", path, rank);
 }
+
+namespace {
 
 // A ZeRO stage 1 or 2 checkpoint of N ranks is FILE and FILE.rank1 .. FILE.rank<N-1>: the files
 // there (one: a whole-state checkpoint). A gap in the ranks' files is an error naming it.
@@ -164,13 +163,25 @@ void announce_ranks(const TrainArgs& a, const ferry::Trainer& trainer, std::uint
       ferry::format_bytes(trainer.allreduce_bytes_per_step()), a.bucket_size);
 }
 
-void check_ranks_resumed_together(const TrainArgs& a, std::uint64_t steps_done) {
+void check_ranks_resumed_together(const TrainArgs& a, bool resumed, std::uint64_t steps_done) {
   if (!a.control) return;
+  const std::vector<std::uint64_t> given = a.control->allgather(resumed ? 1 : 0);
   const std::vector<std::uint64_t> steps = a.control->allgather(steps_done);
+  if (std::adjacent_find(given.begin(), given.end(), std::not_equal_to<>()) != given.end()) {
+    std::vector<std::size_t> with;
+    for (std::size_t r = 0; r < given.size(); ++r) {
+      if (given[r] != 0) with.push_back(r);
+    }
+    throw std::invalid_argument(fmt::format(
+        "rank(s) {} of this data-parallel run resume from --resume and the others do not: give every rank the same "
+        "--resume, or none",
+        fmt::join(with, ", ")));
+  }
   if (std::adjacent_find(steps.begin(), steps.end(), std::not_equal_to<>()) != steps.end()) {
     throw std::invalid_argument(fmt::format(
-        "the ranks resumed from checkpoints of different steps ({} optimizer updates on ranks 0..{}): a run stopped "
-        "while its ranks were writing their files; resume from an older complete checkpoint",
+        "the ranks resumed from checkpoints of different steps ({} optimizer updates on ranks 0..{}): they were given "
+        "different --resume files, or a run stopped while its ranks were writing their files; give every rank the "
+        "same --resume, or resume from an older complete checkpoint",
         fmt::join(steps, ", "), steps.size() - 1));
   }
 }

@@ -304,18 +304,21 @@ int cmd_train_gpt(const TrainArgs& args) {
        // own share of the optimizer state (ZeRO stage 1: each writes its file).
        .write_checkpoints = a.primary || a.sharded_checkpoint,
        .after_checkpoint = [&a] { remove_stale_shards(a); },
-       .control = a.control});
+       .control = a.control,
+       // Data parallel: every rank must read the same text (the ranks compare it).
+       .data_fingerprint = a.control ? ferry::checkpoint_checksum(corpus.ids.data(), corpus.ids.size() * 4) : 0});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
     const auto caller = load_resume(trainer, a);
     const LoopPosition start = decode_position(caller, a, corpus, steps, windows, validation);
-    check_ranks_resumed_together(a, trainer.steps_done());
     loop.resume(start);
     if (!a.quiet) {
       std::cerr << fmt::format("ferry: resumed from {}{} at step {} of {} (loaded in {:.0f} ms)\n", a.resume_path,
                                resume_note(a), start.done, steps, 1e3 * seconds_since(load_start));
     }
   }
+  // Every rank, resumed or not (one that was not would otherwise miss the agreement).
+  check_ranks_resumed_together(a, !a.resume_path.empty(), trainer.steps_done());
   const auto run_start = Clock::now();
   loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const StepResult&) {
     if (run_index >= a.trace_steps) return;  // the first --trace-steps steps of this run

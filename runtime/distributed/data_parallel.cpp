@@ -91,12 +91,23 @@ std::string disagreement(ops::Communicator& control, const RunPrint& p, const st
   std::string what = "their options";
   if (of_all(p.weights)) {
     what = "the model's weights (names, shapes or types)";
-  } else if (!of_all(p.settings.size())) {
-    for (std::size_t i = 0; i < p.settings.size(); ++i) {
+  } else {
+    // The lists may differ in length (a setting such as hybrid phases brings others): the first
+    // difference among the settings every rank has, else the length.
+    const std::vector<std::uint64_t> sizes = control.allgather(p.settings.size());
+    const std::size_t common = *std::min_element(sizes.begin(), sizes.end());
+    bool named = false;
+    for (std::size_t i = 0; i < common && !named; ++i) {
       if (!of_all(p.setting_hashes[i])) continue;
       what = fmt::format("{}, which is {} on this rank", p.settings[i].name,
                          setting_text(p.settings[i], p.settings[i].value));
-      break;
+      named = true;
+    }
+    if (!named && common < p.settings.size()) {
+      what = fmt::format("the settings they have: this rank has {} that another lacks, from {}",
+                         p.settings.size() - common, p.settings[common].name);
+    } else if (!named) {
+      what = fmt::format("the settings they have: this rank has {}, another more", p.settings.size());
     }
   }
   return fmt::format("rank(s) {} differ from rank 0 in {}", fmt::join(differ, ", "), what);

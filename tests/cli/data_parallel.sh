@@ -139,6 +139,20 @@ ranks 1 "$ferry" train "${MLP[@]}" --weight-decay 0.1 : -np 1 "$ferry" train "${
 grep -q "rank(s) 1 differ from rank 0 in optimizer.decay_on, which is --weight-decay-on" "$work/disagree_decay.err" ||
   fail "no disagreement error for --weight-decay-on: $(tail -5 "$work/disagree_decay.err")"
 
+# Ranks whose loops would take their collectives at other steps (and wait for each other forever)
+# or that read other data: every rank says so before the first step.
+SHORT=(--model mlp --epochs 1 --batch 256)
+ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 : -np 1 "$ferry" train "${SHORT[@]}" --train-limit 768 \
+  >/dev/null 2>"$work/disagree_steps.err"
+[ $? -ne 0 ] || fail "ranks with different --train-limit trained"
+grep -q "disagree on the run's steps" "$work/disagree_steps.err" ||
+  fail "no disagreement error for --train-limit: $(tail -5 "$work/disagree_steps.err")"
+ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 --checkpoint "$work/one_rank.ckpt" : -np 1 "$ferry" train \
+  "${SHORT[@]}" --train-limit 512 >/dev/null 2>"$work/disagree_checkpoint.err"
+[ $? -ne 0 ] || fail "ranks with --checkpoint on one rank only trained"
+grep -q "disagree on whether checkpoints are written" "$work/disagree_checkpoint.err" ||
+  fail "no disagreement error for --checkpoint: $(tail -5 "$work/disagree_checkpoint.err")"
+
 # A ZeRO stage 0 checkpoint (rank 0's file) resumes alone: the same run, to f32 reassociation.
 Z0=(--model mlp --train-limit 1536 --batch 256 --schedule constant --json)
 ranks 2 "$ferry" train "${Z0[@]}" --epochs 2 >"$work/z0_straight.json" 2>"$work/z0_straight.err" ||

@@ -88,8 +88,14 @@ struct TrainingLoopOptions {
   // left at the same path).
   std::function<void()> after_checkpoint;
   // Data parallel: the ranks agree, through it, on stops and on the time limit, so that every rank
-  // stops after the same step (null: one rank).
+  // stops after the same step (null: one rank). Before the first step run() checks that every
+  // rank's loop takes the same steps, boundaries, time limit, schedule, checkpoints, start and
+  // data (a rank that differed would wait for the others forever, or drift apart), and throws
+  // std::invalid_argument naming the first difference on every rank.
   std::shared_ptr<ops::Communicator> control;
+  // A hash of the training data (e.g. ferry::checkpoint_checksum of it): data parallel, the ranks
+  // must agree on it. 0: not compared.
+  std::uint64_t data_fingerprint = 0;
 };
 
 struct LoopSummary {
@@ -134,6 +140,8 @@ class TrainingLoop {
   };
   // Whether `here` holds on this rank or any other (one agreement over `control`; alone: `here`).
   bool on_any_rank(bool here) const;
+  // Data parallel: throws when the ranks' loops differ (TrainingLoopOptions::control).
+  void check_ranks_agree() const;
   bool stop_requested() const;
   bool time_up() const;
   // Whether `done` steps end at a boundary: the last step, an epoch's end, every boundary_every.

@@ -1,0 +1,57 @@
+// Checks of option values that CLI11's own do not make, shared by `ferry` and `ferry-bench`:
+// finite positive numbers within a float's range, whole numbers, and text that is not empty.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+namespace ferry::cli {
+
+// A number option that must be finite and > 0: "--lr: must be a finite number > 0, got 0" (CLI11's
+// own range check prints the largest double, 309 digits).
+inline CLI::Validator positive_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v <= 0) {
+          return fmt::format("must be a finite number > 0, got {}", text);
+        }
+        // Most of these options are floats: a value a float cannot hold would become inf or 0.
+        if (v > std::numeric_limits<float>::max() || v < std::numeric_limits<float>::min()) {
+          return fmt::format("must be between {:g} and {:g}, got {}", std::numeric_limits<float>::min(),
+                             std::numeric_limits<float>::max(), text);
+        }
+        return {};
+      },
+      "> 0");
+}
+
+// A whole number >= 0 (a seed): "-1" would wrap around in an unsigned option.
+inline CLI::Validator whole_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
+          return fmt::format("must be a whole number >= 0, got {}", text);
+        }
+        return {};
+      },
+      "UINT");
+}
+
+// A path, device or other text option given as "" (an unset shell variable, say) is refused
+// rather than read as "not given".
+inline CLI::Validator not_empty() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        return text.empty() ? std::string("is empty: give a value, or leave the option out") : std::string();
+      },
+      "TEXT");
+}
+
+}  // namespace ferry::cli
