@@ -1,9 +1,7 @@
 // Fashion-MNIST loader: the real Debian files (shape, balance, pixel statistics, known samples) and
 // clear errors for every kind of bad input (written as small files into a temporary folder).
 #include <fmt/format.h>
-#include <grp.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +19,7 @@
 #include <vector>
 
 #include "ferry/runtime/fashion_mnist.hpp"
+#include "unprivileged.hpp"
 
 namespace ferry::test {
 namespace {
@@ -340,30 +339,6 @@ TEST_F(FashionMnistBadInput, DataAfterTheGzipStream) {
   two.insert(two.end(), second.begin(), second.end());
   write_raw("t10k-labels-idx1-ubyte.gz", two);
   EXPECT_EQ(load_error(), "");
-}
-
-// Runs `f` in a child process as the user nobody when the test runs as root (whom no permission
-// stops), else as it is; returns what `f` returned.
-std::string unprivileged(const std::function<std::string()>& f) {
-  if (::geteuid() != 0) return f();
-  int fds[2];
-  if (::pipe(fds) != 0) return "pipe failed";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
-    const std::string out =
-        ::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 && ::setuid(65534) == 0 ? f() : "setuid failed";
-    const ssize_t ignored = ::write(fds[1], out.data(), out.size());
-    static_cast<void>(ignored);
-    ::_exit(0);
-  }
-  ::close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-  ::close(fds[0]);
-  ::waitpid(pid, nullptr, 0);
-  return out;
 }
 
 // A file that is there but cannot be reached is not "not found; install it": the message gives

@@ -2,9 +2,7 @@
 // reference executor, its gradients match finite differences, streamed training is bit-identical
 // to resident, prediction is causal, and bad input (token ids, shapes, corpora) is a clear error.
 #include <fmt/format.h>
-#include <grp.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -21,6 +19,7 @@
 #include "runtime/trainer_internals.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
+#include "unprivileged.hpp"
 
 namespace ferry::test {
 namespace {
@@ -586,30 +585,6 @@ TEST(TextCorpus, MissingOrEmptyTextIsAClearError) {
   EXPECT_THROW(load_text_corpus({d / "missing"}), std::runtime_error);
   EXPECT_THROW(load_text_corpus({d / "empty"}, 1.5), std::invalid_argument);
   fs::remove_all(d);
-}
-
-// Runs `f` in a child process as the user nobody when the test runs as root (whom no permission
-// stops), else as it is; returns what `f` returned.
-std::string unprivileged(const std::function<std::string()>& f) {
-  if (::geteuid() != 0) return f();
-  int fds[2];
-  if (::pipe(fds) != 0) return "pipe failed";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
-    const std::string out =
-        ::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 && ::setuid(65534) == 0 ? f() : "setuid failed";
-    const ssize_t ignored = ::write(fds[1], out.data(), out.size());
-    static_cast<void>(ignored);
-    ::_exit(0);
-  }
-  ::close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-  ::close(fds[0]);
-  ::waitpid(pid, nullptr, 0);
-  return out;
 }
 
 // The error of reading the corpus in `dir`, or "".
