@@ -114,7 +114,15 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
           "can spare)");
     }
   }
-  if (!a.host_budget.empty()) opt.residency.host_budget_bytes = size_option("--host-budget", a.host_budget);
+  if (!a.host_budget.empty()) {
+    opt.residency.host_budget_bytes = size_option("--host-budget", a.host_budget);
+    // 0 is the library's "not given": taken here it would plan for the machine's memory instead.
+    if (opt.residency.host_budget_bytes == 0) {
+      throw std::invalid_argument(
+          "--host-budget 0: a budget must be more than 0 bytes (leave --host-budget out to plan for this machine's "
+          "memory)");
+    }
+  }
   opt.residency.homes.host_memory = ferry::offload::parse_host_memory(a.host_memory);
   if (!a.staging_chunk.empty()) {
     if (opt.residency.homes.host_memory != ferry::offload::HostMemory::staged) {

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -192,6 +193,21 @@ int cmd_tune(const TuneArgs& a) {
         "ferry tune --family attention: '{}' is a CPU device, whose fused attention runs the cpu family's measured "
         "tiles; the attention is tuned on GPUs and other devices",
         d.name));
+  }
+  // A cache folder that cannot be one is known now: refused before the search, not after it.
+  if (const std::string path = ops::gemm_tune_cache_path(env); !path.empty()) {
+    // The nearest existing folder on the way to it (the cache folder may not be made yet).
+    std::filesystem::path folder = std::filesystem::path(path).parent_path();
+    std::error_code ec;
+    while (!folder.empty() && folder != folder.root_path() && !std::filesystem::exists(folder, ec)) {
+      folder = folder.parent_path();
+    }
+    if (!folder.empty() && std::filesystem::exists(folder, ec) && !std::filesystem::is_directory(folder, ec)) {
+      throw std::runtime_error(fmt::format(
+          "ferry tune: the cache folder '{}' is not a folder, so what the search finds could not be saved: name a "
+          "folder with FERRY_CACHE_DIR (nothing was searched)",
+          folder.string()));
+    }
   }
   std::vector<std::string> not_saved;
   if (a.family != "attention") not_saved.push_back(tune_gemm_family(a, env, d));

@@ -81,6 +81,10 @@ row "host optimizer with resident residency" "or run the optimizer on the device
 row "host optimizer with compressed state" "leave the state's home to the residency mode" error - \
   train "${quick[@]}" --host-optimizer --state-home compressed
 row "ferry plan --zero without --ranks" "plan it with --ranks N" error - plan --model mlp --zero 1
+row "--host-budget 0" "--host-budget 0: a budget must be more than 0 bytes" error - train "${quick[@]}" --host-budget 0
+: >"$work/not_a_folder"
+row "ferry tune with a cache folder that is a file" "is not a folder, so what the search finds could not be saved" \
+  error "FERRY_CACHE_DIR=$work/not_a_folder" tune --budget-seconds 5 --quiet
 row "ferry plan with a flag that does not apply" "--momentum applies to --optimizer sgd only" error - \
   plan --model mlp --momentum 0.9
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
