@@ -7,6 +7,7 @@
 #include <functional>
 #include <iostream>
 #include <string_view>
+#include <utility>
 
 #include "cli.hpp"
 
@@ -96,6 +97,32 @@ void remove_stale_shards(const TrainArgs& a) {
   }
 }
 
+namespace {
+
+// Rank 0 writes the run's outputs and the other ranks none: an output flag given to another rank
+// alone would be dropped without a word, so every rank must be given the same.
+void check_outputs_agree(const TrainArgs& a) {
+  const std::pair<const char*, bool> flags[] = {{"--json", a.json},
+                                                {"--trace", !a.trace_path.empty()},
+                                                {"--profile", !a.profile_path.empty()},
+                                                {"--profile-phases", !a.profile_phases_path.empty()}};
+  std::uint64_t given = 0;
+  for (std::size_t i = 0; i < std::size(flags); ++i) given |= std::uint64_t{flags[i].second} << i;
+  const std::vector<std::uint64_t> all = a.control->allgather(given);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    for (std::size_t i = 0; i < std::size(flags); ++i) {
+      const bool theirs = (all[r] >> i) & 1, rank0 = (all[0] >> i) & 1;
+      if (theirs == rank0) continue;
+      throw std::invalid_argument(fmt::format(
+          "rank {} of this data-parallel run was {} {} and rank 0 was {}: rank 0 writes the run's outputs for every "
+          "rank; start every rank with the same command",
+          r, theirs ? "given" : "not given", flags[i].first, rank0 ? "given it" : "not"));
+    }
+  }
+}
+
+}  // namespace
+
 void join_ranks(TrainArgs& a) {
   // One rank keeps the whole optimizer state: a ZeRO stage asked for is said not to apply (the
   // run is the one a script scaling its ranks down to one expects), and --json reports stage 0.
@@ -117,6 +144,7 @@ void join_ranks(TrainArgs& a) {
   }
   a.control = a.world->split();
   a.primary = a.world->rank() == 0;
+  check_outputs_agree(a);
   // ZeRO stages 1 and 2: each rank holds other optimizer state (the same shares at either stage),
   // so each writes (and resumes from) its own file; rank 0's is the path given.
   a.sharded_checkpoint = a.zero >= 1;

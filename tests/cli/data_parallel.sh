@@ -152,6 +152,12 @@ ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 --checkpoint "$work/one_r
 [ $? -ne 0 ] || fail "ranks with --checkpoint on one rank only trained"
 grep -q "disagree on whether checkpoints are written" "$work/disagree_checkpoint.err" ||
   fail "no disagreement error for --checkpoint: $(tail -5 "$work/disagree_checkpoint.err")"
+# Rank 0 writes the outputs: one given to another rank alone would be dropped.
+ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 : -np 1 "$ferry" train "${SHORT[@]}" --train-limit 512 \
+  --trace "$work/one_rank.trace.json" >/dev/null 2>"$work/disagree_trace.err"
+[ $? -ne 0 ] || fail "ranks with --trace on one rank only trained"
+grep -q "rank 1 of this data-parallel run was given --trace and rank 0 was not" "$work/disagree_trace.err" ||
+  fail "no disagreement error for --trace: $(tail -5 "$work/disagree_trace.err")"
 
 # A ZeRO stage 0 checkpoint (rank 0's file) resumes alone: the same run, to f32 reassociation.
 Z0=(--model mlp --train-limit 1536 --batch 256 --schedule constant --json)
