@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -59,6 +60,29 @@ void compare_settings(const std::vector<TrainingSetting>& file, const std::vecto
                                "its own)",
                                off(f->value) ? "leave out " + h.flag : "use " + setting_text(h, f->value)));
   }
+}
+
+// Whether `file` holds less optimizer state than `here` of the same weights: a state tensor
+// smaller than this trainer's, or fewer of them, as one rank's file of a ZeRO stage 1 or 2
+// checkpoint does (the other ranks hold the rest).
+bool zero_share(const Fingerprint& file, const Fingerprint& here) {
+  const auto state = [](const std::string& n) {
+    for (const char* s : {".adam_m", ".adam_v", ".momentum", ".adam8_m", ".adam8_v", ".adam8_scales"}) {
+      if (n.ends_with(s)) return true;
+    }
+    return false;
+  };
+  std::map<std::string, std::uint64_t, std::less<>> mine;
+  std::size_t states_here = 0, states_there = 0;
+  for (const auto& t : here.tensors) {
+    if (state(t.name)) mine[t.name] = t.bytes, ++states_here;
+  }
+  for (const auto& t : file.tensors) {
+    if (!state(t.name)) continue;
+    ++states_there;
+    if (const auto it = mine.find(t.name); it != mine.end() && t.bytes < it->second) return true;
+  }
+  return states_there > 0 && states_there < states_here;
 }
 
 // Throws std::invalid_argument naming the first difference between the checkpoint's fingerprint
@@ -121,6 +145,13 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
                                  "(another block size)",
                                  what, a->shape[1], b->shape[1]),
                      "use the block size it was written with (--optimizer-block; OptimizerConfig::block8bit)");
+    }
+    if (zero_share(file, here)) {
+      throw mismatch(fmt::format("{}: it holds a share of the optimizer state, as one rank's file of a checkpoint "
+                                 "written by several ranks at ZeRO stage 1 or 2 does",
+                                 what),
+                     "load every rank's file of it together (ferry train --resume FILE reads FILE.rank1, "
+                     "FILE.rank2, ... beside it: restore any that is missing; Trainer::load_resharded_checkpoint)");
     }
     throw mismatch(what, "load it into the model that wrote it (the same sizes and options)");
   }

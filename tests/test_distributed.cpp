@@ -670,6 +670,18 @@ TEST(ZeroCheckpoints, AreCutAnewForOtherRanksStagesOrOneRank) {
     }
     EXPECT_EQ(t->read_tensor(marked_shares(*t, 0, 1, 0)[0].state).bytes, before);
   }
+  // One rank's file loaded alone as a whole checkpoint: named as a share, with what to do.
+  {
+    auto t = zero_trainer(rt, 0, 1, 0);
+    try {
+      t->load_checkpoint(files[0]);
+      ADD_FAILURE() << "one rank's file of a ZeRO checkpoint loaded as a whole one";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("as one rank's file of a checkpoint written by several ranks"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // One file given twice, by its name or through a link: refused before anything is read as
   // another rank's share.
   {
