@@ -11,8 +11,10 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "checkpoint_format.hpp"
@@ -64,30 +66,27 @@ void compare_settings(const std::vector<TrainingSetting>& file, const std::vecto
 
 // Whether `file` holds less optimizer state than `here` of the same weights: a state tensor
 // smaller than this trainer's, or fewer of them, as one rank's file of a ZeRO stage 1 or 2
-// checkpoint does (the other ranks hold the rest).
-bool zero_share(const Fingerprint& file, const Fingerprint& here) {
-  const auto state = [](const std::string& n) {
-    for (const char* s : {".adam_m", ".adam_v", ".momentum", ".adam8_m", ".adam8_v", ".adam8_scales"}) {
-      if (n.ends_with(s)) return true;
-    }
-    return false;
-  };
-  std::map<std::string, std::uint64_t, std::less<>> mine;
-  std::size_t states_here = 0, states_there = 0;
+// checkpoint does (the other ranks hold the rest). `states`: this trainer's optimizer-state names.
+bool zero_share(const Fingerprint& file, const Fingerprint& here, const std::set<std::string, std::less<>>& states) {
+  std::map<std::string_view, std::uint64_t> mine;
   for (const auto& t : here.tensors) {
-    if (state(t.name)) mine[t.name] = t.bytes, ++states_here;
+    if (states.contains(t.name)) mine[t.name] = t.bytes;
   }
+  std::size_t there = 0;
   for (const auto& t : file.tensors) {
-    if (!state(t.name)) continue;
-    ++states_there;
-    if (const auto it = mine.find(t.name); it != mine.end() && t.bytes < it->second) return true;
+    const auto it = mine.find(t.name);
+    if (it == mine.end()) continue;
+    ++there;
+    if (t.bytes < it->second) return true;
   }
-  return states_there > 0 && states_there < states_here;
+  return there > 0 && there < mine.size();
 }
 
 // Throws std::invalid_argument naming the first difference between the checkpoint's fingerprint
-// and this trainer's; settings only where `check_settings`.
-void compare(const Fingerprint& file, const Fingerprint& here, const std::filesystem::path& path, bool check_settings) {
+// and this trainer's; settings only where `check_settings`. `states`: this trainer's optimizer-state
+// names (zero_share).
+void compare(const Fingerprint& file, const Fingerprint& here, const std::filesystem::path& path, bool check_settings,
+             const std::set<std::string, std::less<>>& states = {}) {
   const auto mismatch = [&](const std::string& what, const std::string& todo) {
     return std::invalid_argument(
         fmt::format("checkpoint '{}' was written for another training setup: {}; the trainer was not changed: {}",
@@ -146,7 +145,7 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
                                  what, a->shape[1], b->shape[1]),
                      "use the block size it was written with (--optimizer-block; OptimizerConfig::block8bit)");
     }
-    if (zero_share(file, here)) {
+    if (zero_share(file, here, states)) {
       throw mismatch(fmt::format("{}: it holds a share of the optimizer state, as one rank's file of a checkpoint "
                                  "written by several ranks at ZeRO stage 1 or 2 does",
                                  what),
@@ -358,7 +357,11 @@ std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::files
     resharded.emplace(compiled_->train->graph(), compiled_->train_key, options_.optimizer, global_batch(), paths,
                       contents);
   } else {
-    compare(file.fingerprint, here, path, !options.accept_other_settings);
+    std::set<std::string, std::less<>> states;
+    for (const TensorId id : ids) {
+      if (t.role[id] == graph::Role::optimizer_state) states.insert(t.name[id]);
+    }
+    compare(file.fingerprint, here, path, !options.accept_other_settings, states);
   }
   for (std::size_t f = 0; f < paths.size(); ++f) refuse_non_finite(paths[f], contents[f], t, ids);
   const ckpt::TrainerRecord& tr = file.trainer;

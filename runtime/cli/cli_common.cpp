@@ -106,22 +106,20 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.host_optimizer = a.host_optimizer;
   if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
   if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
-  if (!a.device_budget.empty()) {
-    opt.residency.budget_bytes = size_option("--device-budget", a.device_budget);
-    if (opt.residency.budget_bytes == 0) {
+  // 0 is the library's "not given" for either budget: given here, it is refused, not read as that.
+  const auto budget = [](const char* flag, const std::string& text, const char* left_out) {
+    const std::uint64_t bytes = size_option(flag, text);
+    if (bytes == 0) {
       throw std::invalid_argument(
-          "--device-budget 0: a budget must be more than 0 bytes (leave --device-budget out to use what the device "
-          "can spare)");
+          fmt::format("{} 0: a budget must be more than 0 bytes (leave {} out to {})", flag, flag, left_out));
     }
+    return bytes;
+  };
+  if (!a.device_budget.empty()) {
+    opt.residency.budget_bytes = budget("--device-budget", a.device_budget, "use what the device can spare");
   }
   if (!a.host_budget.empty()) {
-    opt.residency.host_budget_bytes = size_option("--host-budget", a.host_budget);
-    // 0 is the library's "not given": taken here it would plan for the machine's memory instead.
-    if (opt.residency.host_budget_bytes == 0) {
-      throw std::invalid_argument(
-          "--host-budget 0: a budget must be more than 0 bytes (leave --host-budget out to plan for this machine's "
-          "memory)");
-    }
+    opt.residency.host_budget_bytes = budget("--host-budget", a.host_budget, "plan for this machine's memory");
   }
   opt.residency.homes.host_memory = ferry::offload::parse_host_memory(a.host_memory);
   if (!a.staging_chunk.empty()) {
