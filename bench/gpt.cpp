@@ -5,8 +5,9 @@
 // trains), batches of random windows, Adam, fp32. PyTorch: bench/peers/torch_gpt.py, the same
 // model, data, batch and optimizer, run through the shell for each mode. ferry is measured before
 // and after the peers and its figure is the median over both sets of blocks, so the ratio is
-// taken under the same machine load. Results are tokens per second of training steps (evaluation
-// excluded); ratios are ferry / peer (> 1: ferry is faster).
+// taken under the same machine load. Both sides run --repeat blocks of --steps steps and report
+// the median of the block means (the peer waits for its device once per block, at its end);
+// tokens per second are of that step time; ratios are ferry / peer (> 1: ferry is faster).
 #include <fmt/format.h>
 
 #include "bench.hpp"
@@ -121,16 +122,21 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     }
     const std::string cmd = fmt::format(
         "{} {} --mode {} --width {} --depth {} --heads {} --context {} --batch {} --lr {} --warmup {} --steps {} "
-        "--device {}",
+        "--block-steps {} --device {}",
         shell_quote(python), shell_quote(o.peer_script), shell_quote(mode), o.width, o.depth, o.heads, o.context,
-        o.batch, o.lr, o.warmup, o.steps * common.repeat, shell_quote(o.peer_device));
+        o.batch, o.lr, o.warmup, o.steps * common.repeat, o.steps, shell_quote(o.peer_device));
     const nlohmann::json r = run_json_command(cmd).back();
-    for (const char* key : {"error", "torch_version", "threads", "parameters", "steps", "seconds", "tokens_per_s",
-                            "train_loss", "compile_s", "device_name", "tf32"}) {
+    for (const char* key : {"error", "torch_version", "threads", "parameters", "seconds", "train_loss", "compile_s",
+                            "device_name", "tf32", "block_ms"}) {
       if (r.contains(key)) j[key] = r[key];
     }
     j["peer_device"] = r.value("device", o.peer_device);
-    if (j.contains("tokens_per_s")) j["step_ms"] = 1e3 * o.batch * o.context / j["tokens_per_s"].get<double>();
+    if (r.contains("warmup_steps")) j["warmup"] = r["warmup_steps"];  // compile mode runs at least 3
+    // The peer's --repeat blocks of --steps steps, reduced as ferry's are: the median block mean.
+    if (r.value("step_ms", 0.0) > 0) {
+      j["step_ms"] = r["step_ms"];
+      j["tokens_per_s"] = 1e3 * o.batch * o.context / r["step_ms"].get<double>();
+    }
     peers.push_back(j);
   }
   double ferry_tokens_per_s = 0;

@@ -289,6 +289,7 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
       j["threads"] = r.value("threads", 0);
       j["torch_file"] = r.value("torch_file", std::string());
       j["loss"] = r.value("loss", 0.0);
+      j["warmup"] = r.value("warmup_steps", o.warmup);  // compile mode runs at least 3
       for (const char* key : {"device_name", "tf32"}) {
         if (r.contains(key)) j[key] = r[key];
       }

@@ -20,11 +20,15 @@ the validation split starting at 0, context, 2*context, ... (start + context + 1
 
 Modes: eager, compile (torch.compile of the model, default backend; at least 3 warm-up steps first, timed
 apart and reported as compile_s; --warmup untimed steps in either mode), or both (eager then compile, each from the same seed). Train for --seconds of
-wall time or --steps steps; tokens_per_s counts the timed steps only (evaluation time excluded).
+wall time or --steps steps, in blocks of --block-steps steps (the last one shorter when --steps is not a
+multiple) timed with one synchronisation each, at the block's end, where its losses are read (they stay on
+the device until then; --seconds and --eval-every are checked at block ends). tokens_per_s counts the timed
+steps only, over their total time (evaluation excluded); step_ms is the median over the blocks of the
+block's mean step time, the statistic ferry-bench gpt reports for ferry, and block_ms every block's mean.
 --device cpu (the default) or cuda (cuda:N for another GPU): the model, the token ids and the optimizer state
 live there (the random window offsets are still drawn on the CPU from the seeded generator, so both devices
-train on the same batches); on cuda every timed region (a training step, an evaluation, the compile warm-up)
-starts and ends with torch.cuda.synchronize(), and TF32 matmuls are turned off (fp32 as ferry). Each JSON line
+train on the same batches); on cuda every timed region (a block of training steps, an evaluation, the compile
+warm-up) starts and ends with torch.cuda.synchronize(), and TF32 matmuls are turned off (fp32 as ferry). Each JSON line
 names the device ("device", plus "device_name" on cuda).
 Prints one JSON line per mode on stdout; on failure to import torch, or --device cuda where torch has no usable
 CUDA device, one JSON line with "error" and exit 1.
@@ -34,6 +38,7 @@ import hashlib
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -153,14 +158,15 @@ def run_mode(torch, nn, F, args, mode: str, data: dict, device) -> dict:
     if mode == "compile":
         fwd = torch.compile(model)
 
-    def step() -> float:
+    def step():
+        """One step; its loss stays on the device (reading it would wait for the step)."""
         x, y = batch()
         opt.zero_grad(set_to_none=True)
         logits = fwd(x)
         loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         loss.backward()
         opt.step()
-        return loss.item()
+        return loss.detach()
 
     starts = val_window_starts(val_ids.numel(), ctx, args.val_windows)
     val_windows = torch.stack([val_ids[s : s + ctx + 1] for s in starts]) if starts else None
@@ -198,6 +204,7 @@ def run_mode(torch, nn, F, args, mode: str, data: dict, device) -> dict:
 
     curve = []
     losses = []
+    block_ms = []
     train_s = 0.0
     eval_s = 0.0
     steps = 0
@@ -213,13 +220,18 @@ def run_mode(torch, nn, F, args, mode: str, data: dict, device) -> dict:
             break
         if args.steps is None and train_s >= args.seconds:
             break
+        # A block of steps with one wait, at its end, where its losses are read.
+        n = args.block_steps if args.steps is None else min(args.block_steps, args.steps - steps)
         sync()
         t0 = time.perf_counter()
-        losses.append(step())
+        block = [step() for _ in range(n)]
         sync()
-        train_s += time.perf_counter() - t0
-        steps += 1
-        updates += 1
+        elapsed = time.perf_counter() - t0
+        losses += torch.stack(block).tolist()
+        train_s += elapsed
+        block_ms.append(elapsed * 1e3 / n)
+        steps += n
+        updates += n
         if next_eval and train_s >= next_eval:
             sync()
             t0 = time.perf_counter()
@@ -258,8 +270,11 @@ def run_mode(torch, nn, F, args, mode: str, data: dict, device) -> dict:
             "val_bytes": val_ids.numel(),
             "val_windows": len(starts),
             "steps": steps,
+            "block_steps": args.block_steps,
             "seconds": train_s,
             "eval_s": eval_s,
+            "block_ms": block_ms,
+            "step_ms": statistics.median(block_ms) if block_ms else 0.0,
             "tokens_per_s": args.batch * ctx * steps / train_s if train_s > 0 else 0.0,
             "train_loss": sum(tail) / len(tail) if tail else float("nan"),
             "val_loss": val_loss,
@@ -282,6 +297,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=0, help="untimed steps first (compile mode: at least 3)")
     ap.add_argument("--seconds", type=float, default=None, help="train for this many seconds of wall time")
     ap.add_argument("--steps", type=int, default=None, help="train for this many (timed) steps")
+    ap.add_argument("--block-steps", type=int, default=10,
+                    help="timed steps per block: one synchronisation at each block's end (--seconds, --eval-every "
+                         "and the clock are checked there)")
     ap.add_argument("--eval-every", type=float, default=None, help="also evaluate every this many training seconds")
     ap.add_argument("--val-windows", type=int, default=256, help="cap on validation windows (0: all)")
     ap.add_argument("--corpus-dir", default=os.environ.get("FERRY_TEXT_DIR") or CORPUS_DIR,
@@ -291,6 +309,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.seconds is None and args.steps is None:
         args.seconds = 60.0
+    if args.block_steps < 1:
+        ap.error("--block-steps must be at least 1")
     if args.width % args.heads:
         ap.error("--width must be a multiple of --heads")
     try:

@@ -5,12 +5,15 @@
 conv5x5(32)-ReLU-maxpool2-conv5x5(64)-ReLU-maxpool2-fc256-ReLU-fc10 on 1x28x28 (padding 2).
 CrossEntropyLoss, Adam (fused=True where this torch has it), fp32, random standardized data.
 --mode eager runs the module as is; --mode compile wraps the forward and loss in torch.compile.
-Warm-up steps first, then --repeat blocks of --steps steps; the step time reported is the median
-over the blocks of the block's mean step time (the same statistic ferry-bench reports for ferry).
+Warm-up steps first (--warmup; compile mode at least 3, so torch.compile's compilation is never
+timed as a step; the JSON's "warmup_steps" says how many ran), then --repeat blocks of --steps
+steps; the step time reported is the median over the blocks of the block's mean step time (the
+same statistic ferry-bench reports for ferry). Within a block nothing waits for the device: each
+step's loss stays on the device and the block's losses are read once, at its end.
 --device cpu (the default) or cuda (cuda:N for another GPU): the model, the data and the optimizer
-state live there; on cuda each timed block starts and ends with torch.cuda.synchronize(), and
-TF32 is turned off (matmuls and cuDNN convolutions), so the step stays fp32 as ferry's is. The
-JSON line names the device ("device", plus "device_name" on cuda).
+state live there; on cuda each timed block starts and ends with torch.cuda.synchronize() (the
+only waits), and TF32 is turned off (matmuls and cuDNN convolutions), so the step stays fp32 as
+ferry's is. The JSON line names the device ("device", plus "device_name" on cuda).
 Prints one JSON line on stdout; on failure (no torch, or --device cuda where torch has no usable
 CUDA device), one JSON line with "error" and exit 1.
 
@@ -26,6 +29,7 @@ import time
 
 from peer_device import device_arg, open_device, strict_fp32
 
+COMPILE_WARMUP_STEPS = 3  # torch.compile compiles in the first calls: never timed as steps
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
             "CUDA_VISIBLE_DEVICES")
 
@@ -108,15 +112,17 @@ def main() -> int:
     batches = [(torch.randn(args.batch, *sample).to(device), torch.randint(0, 10, (args.batch,)).to(device))
                for _ in range(4)]
 
-    def step(i: int) -> float:
+    def step(i: int):
+        """One step; its loss stays on the device (reading it would wait for the step)."""
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
         loss = forward_loss(x, y)
         loss.backward()
         opt.step()
-        return loss.item()
+        return loss.detach()
 
-    for i in range(args.warmup):
+    warmup = max(args.warmup, COMPILE_WARMUP_STEPS) if args.mode == "compile" else args.warmup
+    for i in range(warmup):
         step(i)
     block_ms = []
     last_loss = 0.0
@@ -124,9 +130,10 @@ def main() -> int:
         sync()
         t0 = time.perf_counter()
         for i in range(args.steps):
-            last_loss = step(i)
+            loss = step(i)
         sync()
         block_ms.append((time.perf_counter() - t0) * 1e3 / args.steps)
+        last_loss = loss.item()  # after the block's clock stopped
     step_ms = statistics.median(block_ms)
     print(
         json.dumps(
@@ -141,6 +148,7 @@ def main() -> int:
                 "step_ms": step_ms,
                 "samples_per_s": args.batch * 1e3 / step_ms,
                 "block_ms": block_ms,
+                "warmup_steps": warmup,
                 "threads": torch.get_num_threads(),
                 "loss": last_loss,
                 "env": env,
