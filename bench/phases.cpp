@@ -13,6 +13,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/lr_schedule.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -108,6 +109,18 @@ nlohmann::json or_null(std::optional<double> v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
 
+// A step time with no step behind it is null, not 0, with a warning saying what to raise.
+nlohmann::json step_ms_or_null(std::optional<double> ms, const std::string& field, const std::string& why) {
+  if (ms) return *ms;
+  std::cerr << fmt::format("ferry-bench phases: warning: {} is null: {}\n", field, why);
+  return nullptr;
+}
+
+// Trainer::phase_step_ms is 0 where no step of the phase ran.
+std::optional<double> ran(double phase_ms) {
+  return phase_ms > 0 ? std::optional<double>(phase_ms) : std::nullopt;
+}
+
 // The link bytes of a streamed Full and Predict step, and their median times.
 nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& po) {
   TrainerOptions o = trainer_options(po, true);
@@ -138,13 +151,22 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
     if (s < 5) continue;  // one-off costs
     (r.phase == Phase::predict ? predict_ms : full_ms).push_back(r.step_ms);
   }
+  const auto timed = [&](const std::vector<double>& v) {
+    return v.empty() ? std::nullopt : std::optional<double>(median(v));
+  };
+  const std::string why = fmt::format(
+      "no such step among the streamed part's {} timed steps (--stream-steps {}, of which the first 5 are "
+      "untimed): raise --stream-steps",
+      full_ms.size() + predict_ms.size(), po.stream_steps);
+  const auto full_step = timed(full_ms), predict_step = timed(predict_ms);
   return {{"device_budget_bytes", o.residency.budget_bytes},
           {"full_link_bytes", link(full)},
           {"predict_link_bytes", link(predict)},
           {"predict_over_full_link_bytes", double(link(predict)) / double(link(full))},
-          {"full_step_ms", median(full_ms)},
-          {"predict_step_ms", median(predict_ms)},
-          {"predict_over_full_step_time", predict_ms.empty() ? 0.0 : median(predict_ms) / median(full_ms)}};
+          {"full_step_ms", step_ms_or_null(full_step, "streamed.full_step_ms", why)},
+          {"predict_step_ms", step_ms_or_null(predict_step, "streamed.predict_step_ms", why)},
+          {"predict_over_full_step_time",
+           full_step && predict_step ? nlohmann::json(*predict_step / *full_step) : nlohmann::json(nullptr)}};
 }
 
 int run_phases(const BenchCommon& common, const PhasesOptions& po) {
@@ -184,8 +206,10 @@ int run_phases(const BenchCommon& common, const PhasesOptions& po) {
       {"full_updates", full.updates},
       {"hybrid_updates", hybrid.updates},
       {"full_only_step_ms", full.full_step_ms},
-      {"hybrid_full_step_ms", hybrid.full_step_ms},
-      {"hybrid_predict_step_ms", hybrid.predict_step_ms},
+      {"hybrid_full_step_ms", step_ms_or_null(ran(hybrid.full_step_ms), "hybrid_full_step_ms",
+                                              "the hybrid run had no Full-phase step: raise --epochs")},
+      {"hybrid_predict_step_ms", step_ms_or_null(ran(hybrid.predict_step_ms), "hybrid_predict_step_ms",
+                                                 "the hybrid run predicted no step: raise --epochs")},
       {"target_accuracy", target},
       {"full_time_to_target_s", or_null(full_time)},
       {"hybrid_time_to_target_s", or_null(hybrid_time)},
@@ -207,14 +231,17 @@ int run_phases(const BenchCommon& common, const PhasesOptions& po) {
 BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
   auto po = std::make_shared<PhasesOptions>();
   sub.add_option("--model", po->model, "mlp, cnn or deep")->capture_default_str();
-  sub.add_option("--epochs", po->epochs, "epochs of each training run")->capture_default_str();
+  sub.add_option("--epochs", po->epochs, "epochs of each training run")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
   sub.add_option("--batch", po->batch, "samples per step (default: the model's, as ferry train)");
   sub.add_option("--predictor", po->predictor, "linear or lsq")->capture_default_str();
   sub.add_option("--seed", po->seed, "initialisation and data order")->capture_default_str();
   sub.add_option("--train-limit", po->train_limit, "use only the first N training samples");
   sub.add_option("--device-budget", po->budget,
                  "device budget of the streamed part (default: 1.25x the smallest streamed budget)");
-  sub.add_option("--stream-steps", po->stream_steps, "steps of the streamed part")->capture_default_str();
+  sub.add_option("--stream-steps", po->stream_steps, "steps of the streamed part (the first 5 untimed)")
+      ->capture_default_str();
   sub.add_option("--fit-every", po->fit_every, "fit the predictor on every K-th training step")->capture_default_str();
   sub.add_flag("--predict-int8", po->predict_int8, "Predict's forward reads int8 weights (all layers but the head)");
   return [&common, po] { return run_phases(common, *po); };
