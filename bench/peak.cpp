@@ -1,9 +1,12 @@
 // ferry-bench peak: the device's fp32 multiply-add peak, the ceiling every GEMM and training-step
 // figure is read against.
 //
-// A kernel of independent fma() chains: each work-item keeps `accumulators` vectors of
-// `vector_width` floats and updates each `iters` times (acc = fma(acc, b, c)). Enough independent
-// chains hide the FMA latency, so the time is the FMA units' throughput and nothing else: no
+// A kernel of fma() chains: each work-item keeps `accumulators` vectors of `vector_width` floats,
+// in pairs (x, y), and updates each `iters` times, both from the pair's values of the iteration
+// before: x = fma(y, m, x), y = fma(x, -m, y), a rotation by about m radians per iteration (its
+// radius grows by sqrt(1 + m²) each time). The accumulators' fma()s of one iteration are
+// independent of each other, one per accumulator as in a chain acc = fma(acc, b, c); enough of
+// them hide the FMA latency, so the time is the FMA units' throughput and nothing else: no
 // memory traffic beyond one store per lane at the end. Every (width, accumulators) pair of the
 // candidate lists is built and timed; the best is the peak. CPU devices run one work-item per
 // work-group (as ferry's CPU kernels do, vectorised by its explicit vector types); other devices
@@ -12,7 +15,11 @@
 //
 // The result is checked: lane values are compared with the same chain of fmaf() on the host (one
 // correctly rounded fma per step on both sides), so a compiler that dropped or shortened the loop
-// fails the run instead of reporting an impossible peak.
+// fails the run instead of reporting an impossible peak. The rotation never settles: one
+// iteration more or less turns the pairs by 2^-12 radians, and over the most iterations a launch
+// runs (2e9) the radius grows by e^60 at most, far from overflow. (A contracting chain such as
+// acc = fma(acc, 0.9999, 1e-4) reaches its fp32 fixed point within ~80k iterations, after which
+// any count gives the same values and the check sees nothing.)
 #include <fmt/format.h>
 
 #include <cmath>
@@ -32,20 +39,25 @@ struct PeakBenchOptions {
   double run_ms = 100;  // each timed launch runs about this long (the iterations are sized to it)
 };
 
-constexpr float kMul = 0.9999f, kAdd = 1e-4f;  // acc -> acc * kMul + kAdd converges to 1, no overflow
+constexpr float kTurn = 1.0f / 4096;  // the pairs' rotation per iteration, radians (about)
+constexpr std::uint32_t kMaxIters = 2000000000;
 
 // The kernel source for `width`-float vectors and `accs` accumulators, unrolled in the text so the
 // accumulators are separate registers whatever the compiler's unrolling does.
 std::string peak_source(int width, int accs) {
   const std::string vt = width == 1 ? "float" : fmt::format("float{}", width);
   std::ostringstream s;
-  s << "kernel void fma_peak(global float* out, float mul, float add, uint iters) {\n"
+  s << "kernel void fma_peak(global float* out, float turn, uint iters) {\n"
     << "  const size_t gid = get_global_id(0);\n"
-    << "  const " << vt << " m = (" << vt << ")(mul), c = (" << vt << ")(add);\n";
+    << "  const " << vt << " m = (" << vt << ")(turn), n = -m;\n";
   for (int i = 0; i < accs; ++i)
     s << "  " << vt << " a" << i << " = (" << vt << ")(" << i << ".0f / " << accs << ");\n";
   s << "  for (uint it = 0; it < iters; ++it) {\n";
-  for (int i = 0; i < accs; ++i) s << "    a" << i << " = fma(a" << i << ", m, c);\n";
+  for (int i = 0; i < accs; i += 2) {
+    s << "    const " << vt << " x" << i << " = a" << i << ";\n"
+      << "    a" << i << " = fma(a" << i + 1 << ", m, a" << i << ");\n"
+      << "    a" << i + 1 << " = fma(x" << i << ", n, a" << i + 1 << ");\n";
+  }
   s << "  }\n  " << vt << " sum = a0";
   for (int i = 1; i < accs; ++i) s << " + a" << i;
   s << ";\n";
@@ -58,15 +70,21 @@ std::string peak_source(int width, int accs) {
   return s.str();
 }
 
-// What the host computes for any lane: the sum over accumulators of the fma chain from i / accs.
-float expected_lane(int accs, std::uint32_t iters) {
-  float sum = 0;
-  for (int i = 0; i < accs; ++i) {
-    float a = float(i) / float(accs);
-    for (std::uint32_t it = 0; it < iters; ++it) a = std::fmaf(a, kMul, kAdd);
-    sum = i == 0 ? a : sum + a;
+// What the host computes for any lane: the sum over accumulators of the pairs' fma chains, each
+// started from i / accs, and the sum of their magnitudes (the scale of the comparison's rounding).
+std::pair<float, float> expected_lane(int accs, std::uint32_t iters) {
+  float sum = 0, scale = 0;
+  for (int i = 0; i < accs; i += 2) {
+    float x = float(i) / float(accs), y = float(i + 1) / float(accs);
+    for (std::uint32_t it = 0; it < iters; ++it) {
+      const float x0 = x;
+      x = std::fmaf(y, kTurn, x);
+      y = std::fmaf(x0, -kTurn, y);
+    }
+    sum = i == 0 ? x + y : sum + x + y;
+    scale += std::fabs(x) + std::fabs(y);
   }
-  return sum;
+  return {sum, scale};
 }
 
 struct Measured {
@@ -89,7 +107,7 @@ Measured measure(Runtime& runtime, int width, int accs, std::size_t groups, std:
   cl::Mem out = ctx.create_buffer(global * std::size_t(width) * sizeof(float), "peak bench output");
 
   auto launch = [&](std::uint32_t iters) {
-    cl::set_args(kernel.get(), out, kMul, kAdd, cl_uint(iters));
+    cl::set_args(kernel.get(), out, kTurn, cl_uint(iters));
     FERRY_CL(clEnqueueNDRangeKernel(q, kernel.get(), 1, nullptr, &global, &local, 0, nullptr, nullptr));
     FERRY_CL(clFinish(q));
   };
@@ -100,7 +118,8 @@ Measured measure(Runtime& runtime, int width, int accs, std::size_t groups, std:
   for (;;) {
     const double ms = time_ms([&] { launch(iters); });
     if (ms >= o.run_ms / 4 || iters >= (1u << 30)) {
-      iters = static_cast<std::uint32_t>(std::clamp(double(iters) * o.run_ms / std::max(ms, 1e-3), 1024.0, 2e9));
+      iters = static_cast<std::uint32_t>(
+          std::clamp(double(iters) * o.run_ms / std::max(ms, 1e-3), 1024.0, double(kMaxIters)));
       break;
     }
     iters *= 4;
@@ -112,9 +131,9 @@ Measured measure(Runtime& runtime, int width, int accs, std::size_t groups, std:
 
   std::vector<float> got(global * std::size_t(width));
   ctx.read(out.get(), 0, got.data(), got.size() * sizeof(float));
-  const float want = expected_lane(accs, iters);
+  const auto [want, scale] = expected_lane(accs, iters);
   for (std::size_t i = 0; i < got.size(); ++i) {
-    if (!(std::fabs(got[i] - want) <= 1e-5f * std::fabs(want))) {
+    if (!(std::fabs(got[i] - want) <= 1e-5f * scale)) {
       throw std::runtime_error(fmt::format(
           "peak: the fma kernel (width {}, {} accumulators, {} iterations) computed {} in lane {}, the host {}: the "
           "device did not run the loop as written, so its time is no measure of the peak",
@@ -165,9 +184,13 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--widths", o->widths, "vector widths to try (1, 2, 4, 8, 16)")
       ->capture_default_str()
       ->check(CLI::IsMember({1, 2, 4, 8, 16}));
-  sub.add_option("--accumulators", o->accumulators, "independent accumulators per work-item to try")
+  sub.add_option("--accumulators", o->accumulators,
+                 "accumulators per work-item to try (even: they turn in pairs; one independent fma each per iteration)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 32));
+      ->check(CLI::Range(2, 32))
+      ->check(CLI::Validator(
+          [](const std::string& v) { return std::stoi(v) % 2 == 0 ? std::string() : std::string("must be even"); },
+          "EVEN", "even"));
   sub.add_option("--run-ms", o->run_ms, "milliseconds each timed launch runs (iterations sized to it)")
       ->capture_default_str()
       ->check(CLI::Range(1.0, 10000.0));
