@@ -19,7 +19,7 @@ struct StateOptions {
   std::uint32_t width = 1024, depth = 16, batch = 64;
   std::string budget = "64MiB";
   std::uint32_t warmup = 20, steps = 10;
-  std::string optimizers = "adam,adamw8bit";
+  std::vector<std::string> optimizers{"adam", "adamw8bit"};  // whole names, each run once
   std::string chunk = "1MiB";
   int level = 1;
 };
@@ -88,26 +88,31 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
 int run_state(const BenchCommon& common, const StateOptions& so) {
   Runtime rt({.device = common.device});
   const Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
+  // fp32 Adam first (the baseline of the ratios), whatever the order given; each name once.
   std::vector<ops::OptimizerConfig::Kind> kinds;
-  for (const char* name : {"adam", "adamw8bit"}) {
-    if (so.optimizers.find(name) == std::string::npos) continue;
-    for (auto k :
-         {ops::OptimizerConfig::Kind::adam, ops::OptimizerConfig::Kind::adamw, ops::OptimizerConfig::Kind::adamw8bit}) {
-      if (std::string(ops::optimizer_name(k)) == name) kinds.push_back(k);
-    }
+  for (auto k : {ops::OptimizerConfig::Kind::adam, ops::OptimizerConfig::Kind::adamw8bit}) {
+    if (std::find(so.optimizers.begin(), so.optimizers.end(), ops::optimizer_name(k)) != so.optimizers.end())
+      kinds.push_back(k);
   }
   if (kinds.empty()) throw std::invalid_argument("--optimizers: name adam and/or adamw8bit");
   Measured baseline;
-  bool have_baseline = false;
+  bool have_baseline = false;  // fp32 Adam uncompressed ran: the ratios have their baseline
   for (auto kind : kinds) {
     for (auto home : {graph::Home::host_pinned, graph::Home::host_compressed}) {
       std::cerr << fmt::format("ferry-bench state: {} state in {} ({} + {} steps)...\n", ops::optimizer_name(kind),
                                offload::home_name(home), so.warmup, so.steps);
       const Measured m = measure(rt, data, so, {kind, home});
-      if (!have_baseline) {
+      if (!have_baseline && kind == ops::OptimizerConfig::Kind::adam) {
         baseline = m;  // fp32 Adam, uncompressed: the first configuration
         have_baseline = true;
       }
+      // Without fp32 Adam in --optimizers there is nothing to divide by: the ratios are null.
+      const auto ratio = [&](double x, double over) {
+        return have_baseline ? nlohmann::json(x / over) : nlohmann::json(nullptr);
+      };
+      const nlohmann::json host_ratio = ratio(double(m.state_host_bytes), double(baseline.state_host_bytes)),
+                           logical_ratio = ratio(double(m.state_host_bytes), double(baseline.state_bytes)),
+                           time_ratio = ratio(m.step_ms, baseline.step_ms);
       emit_json({{"name", "state"},
                  {"device", rt.device().name},
                  {"model", fmt::format("deep width {} depth {}", so.width, so.depth)},
@@ -125,9 +130,9 @@ int run_state(const BenchCommon& common, const StateOptions& so) {
                  {"device_peak_bytes", m.device_peak},
                  {"step_ms", m.step_ms},
                  {"loss", m.loss},
-                 {"host_bytes_vs_fp32_uncompressed", double(m.state_host_bytes) / double(baseline.state_host_bytes)},
-                 {"host_bytes_vs_fp32_logical", double(m.state_host_bytes) / double(baseline.state_bytes)},
-                 {"step_time_vs_fp32_uncompressed", m.step_ms / baseline.step_ms}});
+                 {"host_bytes_vs_fp32_uncompressed", host_ratio},
+                 {"host_bytes_vs_fp32_logical", logical_ratio},
+                 {"step_time_vs_fp32_uncompressed", time_ratio}});
     }
   }
   return 0;
@@ -141,7 +146,10 @@ BenchRun setup_state(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--device-budget", so->budget, "device budget (streams the layers)")->capture_default_str();
   sub.add_option("--warmup", so->warmup, "steps before timing (the moments fill in)")->capture_default_str();
   sub.add_option("--steps", so->steps, "timed steps (median reported)")->capture_default_str();
-  sub.add_option("--optimizers", so->optimizers, "adam and/or adamw8bit")->capture_default_str();
+  sub.add_option("--optimizers", so->optimizers, "adam and/or adamw8bit, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::IsMember({"adam", "adamw8bit"}));
   sub.add_option("--chunk", so->chunk, "compressed home: bytes per chunk")->capture_default_str();
   sub.add_option("--level", so->level, "compressed home: zstd level")->capture_default_str();
   return [&common, so] { return run_state(common, *so); };
