@@ -16,6 +16,7 @@
 #include "ferry/cl/program.hpp"
 #include "ops/conv2d.hpp"
 #include "ops/gemm.hpp"
+#include "runtime/cli/validators.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -153,7 +154,9 @@ int run(const BenchCommon& common, const ConvBenchOptions& o) {
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<ConvBenchOptions>();
   sub.add_option("--batch", o->batch, "images per convolution")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--gemm-n", o->gemm_n, "size of the square GEMM measured as the peak")->capture_default_str();
+  sub.add_option("--gemm-n", o->gemm_n, "size of the square GEMM measured as the peak")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
   sub.add_flag("--breakdown", o->breakdown,
                "also time each launch of a pass alone and print the milliseconds per kernel (what=launch_breakdown)");
   return [o, &common] { return run(common, *o); };

@@ -1,13 +1,17 @@
 // ferry-bench gemm: is ferry's GEMM as fast as the best alternatives on this device?
 // ferry's kernel (as the tuning data picks it, packing included), CLBlast on the same device and
 // OpenBLAS's cblas_sgemm on the host, in one run, square sizes; GFLOPS of the median repeat.
+// Every result is checked on a sample of its elements against dot products in double on the host;
+// one beyond the tolerance fails the run instead of reporting its GFLOPS.
 // --tune runs the library's tuner and prints every candidate and the best as a tuning row.
 #include "ops/gemm.hpp"
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <optional>
 #include <random>
 #include <thread>
@@ -57,6 +61,14 @@ bool wants(const GemmBenchOptions& o, std::string_view impl) {
 std::vector<std::byte> stored_as(ops::DType t, const std::vector<float>& values) {
   std::vector<std::byte> out(values.size() * ops::dtype_bytes(t));
   ops::ref::cast(ops::DType::f32, t, values.data(), out.data(), values.size());
+  return out;
+}
+
+// `values` as a kernel reads them back from storage type t.
+std::vector<float> rounded_to(ops::DType t, const std::vector<float>& values) {
+  const std::vector<std::byte> stored = stored_as(t, values);
+  std::vector<float> out(values.size());
+  ops::ref::cast(t, ops::DType::f32, stored.data(), out.data(), out.size());
   return out;
 }
 
@@ -154,6 +166,45 @@ double max_rel_diff(const std::vector<float>& x, const std::vector<float>& ref) 
   return worst;
 }
 
+// The sampled check of one result: its largest error, each element's |c - ref| over the
+// magnitude of its products (sum over k of |a_ik b_kj|, ref their sum in double), and where.
+struct Check {
+  double max_err = 0, tolerance = 0, want = 0;
+  std::size_t i = 0, j = 0, samples = 0;
+  float got = 0;
+  bool passed() const { return max_err <= tolerance; }
+};
+
+// Elements of C checked per result: the four corners and this many at random (i, j).
+constexpr std::size_t check_samples = 256;
+
+// Checks `c` (row-major [M, N]) against A and B as the implementation read them (`a`, `b`: the
+// values after rounding to its storage). Tolerance: C's storage rounding (unit roundoff 2^-24
+// f32, 2^-11 f16, 2^-8 bf16) plus the f32 sums' worst case over K terms, K 2^-24, both relative to
+// the products' magnitude: a sum in any order stays within it, a wrong element does not.
+Check check_result(const ops::GemmShape& s, ops::DType c_storage, const std::vector<float>& a,
+                   const std::vector<float>& b, const std::vector<float>& c) {
+  const double unit = c_storage == ops::DType::f32 ? 0x1p-24 : c_storage == ops::DType::f16 ? 0x1p-11 : 0x1p-8;
+  Check out;
+  out.tolerance = unit + double(s.K) * 0x1p-24;
+  std::vector<std::pair<std::size_t, std::size_t>> at{{0, 0}, {0, s.N - 1}, {s.M - 1, 0}, {s.M - 1, s.N - 1}};
+  std::mt19937_64 rng(3);
+  for (std::size_t n = 0; n < check_samples; ++n) at.emplace_back(rng() % s.M, rng() % s.N);
+  for (const auto& [i, j] : at) {
+    double sum = 0, magnitude = 0;
+    for (std::size_t k = 0; k < s.K; ++k) {
+      const double p = double(a[s.trans_a ? k * s.M + i : i * s.K + k]) * b[s.trans_b ? j * s.K + k : k * s.N + j];
+      sum += p;
+      magnitude += std::abs(p);
+    }
+    const float got = c[i * s.N + j];
+    const double err = std::isfinite(got) ? std::abs(double(got) - sum) / std::max(magnitude, 1e-30) : INFINITY;
+    if (err >= out.max_err) out = {err, out.tolerance, sum, i, j, 0, got};
+  }
+  out.samples = at.size();
+  return out;
+}
+
 double gflops(const ops::GemmShape& s, double ms) {
   return 2.0 * double(s.M) * s.N * s.K / (ms * 1e6);
 }
@@ -188,6 +239,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   } else {
     for (std::size_t n : o.sizes) shapes.push_back({n, n, n, o.trans_a, o.trans_b});
   }
+  bool failed = false;
   for (const ops::GemmShape& s : shapes) {
     const auto ha = random_matrix(s.M * s.K, 1), hb = random_matrix(s.K * s.N, 2);
     std::optional<Measured> ferry_m, clblast_m, openblas_m;
@@ -202,12 +254,31 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
     if (wants(o, "clblast") && ops::gemm_have_clblast()) {
       ops::GemmOptions opt;
       opt.backend = ops::GemmBackend::clblast;
-      clblast_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, false);
+      clblast_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true);
     }
 #ifdef FERRY_HAVE_OPENBLAS
     if (wants(o, "openblas")) openblas_m = measure_openblas(s, ha, hb, common.repeat);
 #endif
+    // Each result against the host's dot products; ferry's from its inputs rounded as it stored them.
+    std::map<std::string, Check> checks;
+    if (ferry_m)
+      checks["ferry"] = check_result(s, storage, rounded_to(storage, ha), rounded_to(storage, hb), ferry_m->c);
+    if (clblast_m) checks["clblast"] = check_result(s, ops::DType::f32, ha, hb, clblast_m->c);
+    if (openblas_m) checks["openblas"] = check_result(s, ops::DType::f32, ha, hb, openblas_m->c);
+    const auto valid = [&](const char* impl) { return checks.contains(impl) && checks[impl].passed(); };
     auto line = [&](const char* impl, const Measured& m) {
+      const Check& check = checks[impl];
+      if (!check.passed()) {
+        fmt::print(stderr,
+                   "ferry-bench gemm: error: {} computed a wrong product for M={} N={} K={} {}{} ({}): C[{}, {}] = {}, "
+                   "the host's dot product in double {} (error {:.3g} of the products' magnitude, tolerance {:.3g}); "
+                   "its time is not reported\n",
+                   impl, s.M, s.N, s.K, s.trans_a ? "T" : "N", s.trans_b ? "T" : "N",
+                   std::string(impl) == "ferry" ? ops::dtype_name(storage) : "f32", check.i, check.j, check.got,
+                   check.want, check.max_err, check.tolerance);
+        failed = true;
+        return;
+      }
       nlohmann::json j{{"bench", "gemm"},
                        {"impl", impl},
                        {"m", s.M},
@@ -221,11 +292,14 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
                        {"repeat", common.repeat},
                        {"device", std::string(impl) == "openblas" ? "host CPU" : device.name},
                        {"kernel", m.kernel}};
-      if (openblas_m) {
+      j["max_rel_err"] = check.max_err;
+      j["check_tolerance"] = check.tolerance;
+      j["check_samples"] = check.samples;
+      if (openblas_m && valid("openblas")) {
         j["ratio_vs_openblas"] = openblas_m->ms / m.ms;
         j["openblas_coretype"] = coretype ? nlohmann::json(coretype) : nlohmann::json(nullptr);
       }
-      if (clblast_m) j["ratio_vs_clblast"] = clblast_m->ms / m.ms;
+      if (clblast_m && valid("clblast")) j["ratio_vs_clblast"] = clblast_m->ms / m.ms;
       if (std::string(impl) == "ferry" && openblas_m) j["max_rel_diff_vs_openblas"] = max_rel_diff(m.c, openblas_m->c);
       if (!m.launches.empty()) j["launches"] = m.launches;
       emit_json(j);
@@ -234,7 +308,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
     if (clblast_m) line("clblast", *clblast_m);
     if (openblas_m) line("openblas", *openblas_m);
   }
-  return 0;
+  return failed ? 1 : 0;
 }
 
 // The library's tuner (ops/gemm_tune.hpp, as `ferry tune` runs it): every candidate as a JSON
@@ -269,11 +343,13 @@ int run_tune(const BenchCommon& common, const GemmBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<GemmBenchOptions>();
-  sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',')->check(CLI::Range(1, 1 << 20));
-  sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes")
+  CLI::Option* sizes =
+      sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',')->check(CLI::Range(1, 1 << 20));
+  sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes (not with --sizes)")
       ->delimiter(',')
       ->check(CLI::Range(1, 1 << 24))
-      ->expected(3);
+      ->expected(3)
+      ->excludes(sizes);
   sub.add_option("--impls", o->impls, "implementations to run: ferry, clblast, openblas")
       ->delimiter(',')
       ->check(CLI::IsMember({"ferry", "clblast", "openblas"}));
