@@ -10,6 +10,8 @@
 //   mapped_ms    the same step with residency `mapped` (zero-copy), on host-unified devices.
 // and reports
 //   overlap_efficiency = (serial - streamed) / min(compute, transfer)   1: the shorter side is hidden
+//                      (negative: streaming was slower than serial; above 1 only through noise;
+//                      null when min(compute, transfer) is under 5% of serial: see below)
 //   streamed_over_max  = streamed / max(compute, transfer)              1: perfect overlap
 //   link_gbps          bytes of the streamed step's fetch and write-back nodes over the sum of
 //                      their device durations (profiling timeline): the rate the copies achieved
@@ -45,6 +47,9 @@
 
 namespace ferry::bench {
 namespace {
+
+// overlap_efficiency is null when min(compute, transfer) is below this share of serial_ms.
+constexpr double overlap_efficiency_min_share = 0.05;
 
 struct OverlapConfig {
   std::string name;
@@ -383,7 +388,12 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   j["serial_ms"] = serial_ms;
   j["streamed_ms"] = streamed_ms;
   j["bound"] = compute_ms >= transfer_ms ? "compute" : "transfer";
-  j["overlap_efficiency"] = (serial_ms - streamed_ms) / std::min(compute_ms, transfer_ms);
+  // A smaller side under 5% of the serial step leaves less to hide than the run-to-run noise of
+  // the step times (a few percent): the ratio would be that noise over a small number.
+  const double hideable_ms = std::min(compute_ms, transfer_ms);
+  j["overlap_efficiency"] = hideable_ms >= overlap_efficiency_min_share * serial_ms
+                                ? nlohmann::json((serial_ms - streamed_ms) / hideable_ms)
+                                : nlohmann::json(nullptr);
   j["streamed_over_max"] = streamed_ms / std::max(compute_ms, transfer_ms);
   j["streamed_over_sum"] = streamed_ms / (compute_ms + transfer_ms);
   j["serial_over_sum"] = serial_ms / (compute_ms + transfer_ms);
