@@ -4,7 +4,9 @@
 #              to the row; default: K split where its work-groups leave the last wave short (SK=1), that
 #              with float4 loads (VG=4), and that with registers capped at 128 (RR=128, NVIDIA)), on the
 #              tuner's scored products (squares, the MLP's linear0, the 85M GPT's up and down
-#              projections and weight gradient); each variant's first build report (FERRY_BUILD_REPORT:
+#              projections and weight gradient), as gflops_best (the fastest round: the statistic
+#              bench/peers/torch_gemm.py reports for cuBLAS) and gflops (the median round); each
+#              variant's first build report (FERRY_BUILD_REPORT:
 #              registers and spills from ptxas on NVIDIA, private memory elsewhere) is printed
 #   tune       `ferry tune --mode full`: the GEMM's search (each tiled finalist scored with its twins:
 #              SK=1, SK=1 VG=4, and on NVIDIA SK=1 VG=4 RR=128) and the fused attention's (tiled
@@ -80,7 +82,9 @@ part gemm && for variant in "${variant_list[@]}"; do
     # shellcheck disable=SC2086  # the shape's transpose flag is a separate word
     if FERRY_TUNE=off FERRY_GEMM_TUNING="$out/row_$v.tsv" FERRY_BUILD_REPORT=1 FERRY_PROGRAM_CACHE=0 CUDA_CACHE_DISABLE=1 timeout 120 \
       "$bin/ferry-bench" --repeat 9 gemm --impls ferry --shape $shape >"$f" 2>"$f.err"; then
-      echo "  $shape: $(field "$f" gflops kernel)"
+      # gflops_best (the fastest of the --repeat rounds) is what to set beside torch_gemm.py's cuBLAS
+      # figure, the best of its rounds; gflops is the median round.
+      echo "  $shape: $(field "$f" gflops_best gflops kernel)"
     else
       echo "  $shape: failed (see $f.err)"
       status=1

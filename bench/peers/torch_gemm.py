@@ -5,7 +5,8 @@ Usage: torch_gemm.py --device cuda --shapes 256,1024,784,nt 2048,3072,768,nt 768
 Each shape is M,N,K[,OP] with OP one of nn (default), nt, tn, tt: C[M,N] = op(A) op(B), A stored
 [M,K] or [K,M] (t), B stored [K,N] or [N,K] (t), as ferry's GemmShape. fp32 with TF32 off. Each
 figure is the best of 5 rounds of back-to-back products between two synchronisations (device
-throughput, as ferry's tuner measures), after a warm-up. Prints one JSON line per shape:
+throughput, as ferry's tuner measures), after a warm-up: set it beside `ferry-bench gemm`'s
+gflops_best (its fastest round), not its gflops (the median round). Prints one JSON line per shape:
 {"bench": "gemm-peer", "impl": "torch-<device>", "m", "n", "k", "op", "ms", "gflops"}.
 """
 import argparse
