@@ -154,7 +154,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("-n,--launches", o->launches, "dependent launches per run")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  sub.add_option("--elems", o->elems, "floats per kernel (up to 2^28: three buffers of 1 GiB)")
+  sub.add_option("--elems", o->elems,
+                 "floats per kernel (up to 2^28: two device buffers of 1 GiB, filled from 1 GiB on the host)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 28));
   return [o, &common] { return run_launch(common, *o); };
