@@ -38,6 +38,10 @@ void LrSchedule::validate() const {
   }
 }
 
+std::uint64_t updates_in(std::uint64_t steps, std::uint32_t accumulate) {
+  return std::max<std::uint64_t>(1, steps / std::max<std::uint32_t>(1, accumulate));
+}
+
 const char* schedule_name(LrSchedule::Kind k) {
   return k == LrSchedule::Kind::constant ? "constant" : "cosine";
 }

@@ -186,7 +186,9 @@ LoopSummary TrainingLoop::run() {
         }
         continue;
       }
-      if (options_.schedule) trainer_.set_lr(options_.schedule->at(submitted));
+      // The schedule counts optimizer updates: a group of `accumulate` micro-batches is one, so
+      // k micro-batches of B train with the rates one batch of k * B would.
+      if (options_.schedule) trainer_.set_lr(options_.schedule->at(submitted / trainer_.options().accumulate));
       const StepHandle handle = trainer_.submit(batches_.next());  // staged: the source's views are free again
       const std::optional<InFlight> previous = std::exchange(in_flight, InFlight{handle, submitted++});
       if (previous) read(*previous, false);

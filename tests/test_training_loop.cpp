@@ -111,6 +111,34 @@ TEST_F(TrainingLoopTest, GivesWhatAHandWrittenLoopGivesBitForBit) {
   EXPECT_TRUE(tensors_of(looped) == tensors_of(by_hand)) << "the training state differs";
 }
 
+// A schedule counts optimizer updates: k micro-batches of b through the loop train what a loop of
+// batches of k * b trains over the same samples, with the same rate for each update (to float
+// rounding: the sums are taken in another order). It counted micro-batches, so the cosine ran
+// about an update ahead and the weights differed by far more than rounding.
+TEST_F(TrainingLoopTest, ItsScheduleCountsUpdatesUnderAccumulation) {
+  TrainerOptions micro_options = options();
+  micro_options.accumulate = 2;
+  Trainer micro(rt, model, micro_options);
+  TrainerOptions large_options = options();
+  large_options.batch = 16;
+  Trainer large(rt, model, large_options);
+  // One epoch: 6 batches of 16 read the shuffled order's first 96 samples, as 12 batches of 8 do.
+  ShuffledBatches micro_batches(data, micro.model(), 8, 5), large_batches(data, large.model(), 16, 5);
+  const std::uint64_t updates = large_batches.steps_per_epoch();
+  ASSERT_EQ(micro_batches.steps_per_epoch(), 2 * updates);
+  EXPECT_EQ(updates_in(2 * updates, 2), updates);
+  const auto run = [&](Trainer& t, BatchSource& b, std::uint64_t steps) {
+    TrainingLoop(t, b, {.steps = steps, .schedule = cosine(updates), .progress = false}).run();
+  };
+  run(micro, micro_batches, 2 * updates);
+  run(large, large_batches, updates);
+  EXPECT_EQ(micro.steps_done(), large.steps_done());
+  for (const auto& name : large.parameter_names()) {
+    const auto a = micro.read_parameter(name), b = large.read_parameter(name);
+    for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << name << "[" << i << "]";
+  }
+}
+
 // SIGINT mid-epoch: the loop finishes the step in flight, writes a checkpoint, and says so; a new
 // trainer that loads it and resumes from the position ends where an uninterrupted run ends.
 TEST_F(TrainingLoopTest, StopsOnASignalWithACheckpointTheRunResumesFromExactly) {

@@ -288,7 +288,7 @@ int cmd_train(const TrainArgs& a) {
   ferry::LrSchedule schedule;
   schedule.kind = schedule_kind;
   schedule.peak = a.lr;
-  schedule.total_steps = total_steps;
+  schedule.total_steps = ferry::updates_in(total_steps, trainer.options().accumulate);  // the schedule counts updates
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
   profiler.add_training_step(trainer);

@@ -213,14 +213,15 @@ void add_gpt_fields(nlohmann::json& j, const TrainArgs& a, const models::GptConf
             {"curve", validation.curve}});
 }
 
-// The GPT's learning rates: a warmup of a tenth of the steps (at most 100), then --schedule down
-// to a tenth of --lr.
-LrSchedule gpt_schedule(const TrainArgs& a, std::uint32_t steps) {
+// The GPT's learning rates: a warmup of a tenth of the updates (at most 100), then --schedule down
+// to a tenth of --lr. The schedule counts optimizer updates: `steps` micro-batches over
+// `accumulate`.
+LrSchedule gpt_schedule(const TrainArgs& a, std::uint32_t steps, std::uint32_t accumulate) {
   LrSchedule schedule;
   schedule.kind = parse_schedule(a.schedule);
   schedule.peak = a.lr;
-  schedule.total_steps = steps;
-  schedule.warmup_steps = std::min<std::uint64_t>(100, steps / 10);
+  schedule.total_steps = updates_in(steps, accumulate);
+  schedule.warmup_steps = std::min<std::uint64_t>(100, schedule.total_steps / 10);
   schedule.min_lr = a.lr / 10;
   schedule.validate();
   return schedule;
@@ -268,7 +269,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   const Shard shard = configure_ranks(a, batch, opt);
   const std::uint32_t steps = a.steps ? a.steps : 2000;
   check_run_makes_sense(a, corpus, steps);
-  const LrSchedule schedule = gpt_schedule(a, steps);
+  const LrSchedule schedule = gpt_schedule(a, steps, opt.accumulate);
 
   announce_setup(a, runtime, models::gpt(c), opt);
   const auto compile_start = Clock::now();

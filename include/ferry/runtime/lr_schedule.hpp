@@ -20,6 +20,9 @@ struct LrSchedule {
   // above the peak, a cosine schedule without total_steps, or a warm-up longer than the schedule.
   void validate() const;
 };
+// The optimizer updates of `steps` micro-batches taken `accumulate` at a time (at least 1): a
+// schedule's total_steps for a run of `steps` (an unfinished last group updates nothing).
+std::uint64_t updates_in(std::uint64_t steps, std::uint32_t accumulate);
 const char* schedule_name(LrSchedule::Kind k);
 LrSchedule::Kind parse_schedule(const std::string& s);  // throws std::invalid_argument
 

@@ -66,11 +66,14 @@ struct LoopPosition {
 };
 
 struct TrainingLoopOptions {
-  std::uint64_t steps = 0;             // the run's steps, counted from 0 (a resumed run's include those done)
-  std::uint64_t steps_per_epoch = 0;   // > 0: the run is in epochs, each ending at a boundary
-  std::uint64_t boundary_every = 0;    // > 0: a boundary every this many steps as well
-  double max_seconds = 0;              // > 0: end at a boundary once this much wall time has passed
-  std::optional<LrSchedule> schedule;  // the learning rate of each step (none: the trainer's, unchanged)
+  std::uint64_t steps = 0;            // the run's steps, counted from 0 (a resumed run's include those done)
+  std::uint64_t steps_per_epoch = 0;  // > 0: the run is in epochs, each ending at a boundary
+  std::uint64_t boundary_every = 0;   // > 0: a boundary every this many steps as well
+  double max_seconds = 0;             // > 0: end at a boundary once this much wall time has passed
+  // The learning rate of each optimizer update (none: the trainer's, unchanged). Its steps are
+  // updates: with TrainerOptions::accumulate k, micro-batch s runs at schedule->at(s / k), so its
+  // total_steps is the run's steps / k.
+  std::optional<LrSchedule> schedule;
   // What a step trains on, for rates: `units_per_step` `unit`s (0: the trainer's batch of samples).
   std::uint64_t units_per_step = 0;
   std::string unit = "samples";
