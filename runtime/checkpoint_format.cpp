@@ -476,6 +476,7 @@ void Checksum::add(const void* data, std::size_t n) {
 
 AtomicFile::AtomicFile(const std::filesystem::path& path) : path_(path) {
   const auto folder = path_.parent_path().empty() ? std::filesystem::path(".") : path_.parent_path();
+  remove_stale_temporaries(path_, "tmp");  // a killed write's leftovers, as large as the checkpoint
   for (int attempt = 0;; ++attempt) {
     temp_ = temporary_beside(path_, "tmp");  // a new name each attempt
     fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);

@@ -3,17 +3,22 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ferry {
 
@@ -49,6 +54,7 @@ void refuse_to_replace(const std::filesystem::path& path, std::string_view what,
 void write_output_file(const std::filesystem::path& path, const char* what, std::string_view signature,
                        WriteOptions options, const std::function<void(std::ostream&)>& write) {
   refuse_to_replace(path, what, signature, options.replace_foreign_file);
+  remove_stale_temporaries(path, "tmp");
   const std::filesystem::path tmp = temporary_beside(path, "tmp");
   auto fail = [&](const char* doing, int err) {
     std::error_code ec;
@@ -75,16 +81,86 @@ std::size_t longest_file_name(const std::filesystem::path& path) {
   return limit > 0 ? static_cast<std::size_t>(limit) : 255;
 }
 
+namespace {
+
+// This machine's name as a temporary file's name carries it: letters, digits, '.' and '_' only
+// (a '-' would be read as the next field's start), at most 32 characters.
+const std::string& host_tag() {
+  static const std::string tag = [] {
+    char buf[256] = {};
+    std::string t = ::gethostname(buf, sizeof buf - 1) == 0 ? std::string(buf) : std::string("host");
+    for (char& c : t) {
+      if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_') c = '_';
+    }
+    t.resize(std::min<std::size_t>(t.size(), 32));
+    return t.empty() ? std::string("host") : t;
+  }();
+  return tag;
+}
+
+// The hidden prefix of `path`'s temporaries: "." + its file name, cut so that the whole name with
+// a suffix of `suffix_size` characters fits the folder's limit (the name is cut at a byte, which
+// is fine for a name no one reads and which is removed or renamed away).
+std::string hidden_prefix(const std::filesystem::path& path, std::size_t suffix_size) {
+  std::string name = path.filename().string();
+  const std::size_t longest = longest_file_name(path);
+  const std::size_t room = longest - std::min(longest, suffix_size + 1);
+  if (name.size() > room) name.resize(room);
+  return name.insert(0, 1, '.');
+}
+
+// The process id in a temporary's name "<prefix>.<tag>-<host>-<pid>-<n>" written on this host, or
+// nothing if `file` is not one of `path`'s.
+std::optional<long> temporary_writer(const std::string& file, const std::filesystem::path& path, std::string_view tag) {
+  const std::string marker = fmt::format(".{}-{}-", tag, host_tag());
+  const std::size_t at = file.rfind(marker);
+  if (at == std::string::npos) return std::nullopt;
+  const std::string whole = path.filename().string().insert(0, 1, '.');
+  // The part before the marker is "." + the file name, or that name cut so the whole fills the
+  // folder's longest name (hidden_prefix); anything else is another file's temporary.
+  const bool cut = at < whole.size() && file.size() == longest_file_name(path);
+  if (at == 0 || (at != whole.size() && !cut) || whole.compare(0, at, file, 0, at) != 0) return std::nullopt;
+  const std::string rest = file.substr(at + marker.size());  // "<pid>-<n>"
+  const std::size_t dash = rest.find('-');
+  if (dash == 0 || dash == std::string::npos) return std::nullopt;
+  const auto digits = [](std::string_view s) {
+    return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!digits(rest.substr(0, dash)) || !digits(rest.substr(dash + 1)) || dash > 9) return std::nullopt;
+  return std::stol(rest.substr(0, dash));
+}
+
+}  // namespace
+
 std::filesystem::path temporary_beside(const std::filesystem::path& path, std::string_view tag) {
   static std::atomic<unsigned> counter{0};
-  const std::string suffix = fmt::format(".{}-{}-{}", tag, ::getpid(), counter++);
-  std::string name = path.filename().string();
-  // "." + name + suffix within the limit; the name is cut at a byte, which is fine for a name no
-  // one reads and which is removed or renamed away.
-  const std::size_t longest = longest_file_name(path);
-  const std::size_t room = longest - std::min(longest, suffix.size() + 1);
-  if (name.size() > room) name.resize(room);
-  return path.parent_path() / ("." + name + suffix);
+  const std::string suffix = fmt::format(".{}-{}-{}-{}", tag, host_tag(), ::getpid(), counter++);
+  return path.parent_path() / (hidden_prefix(path, suffix.size()) + suffix);
+}
+
+std::vector<std::filesystem::path> remove_stale_temporaries(const std::filesystem::path& path, std::string_view tag,
+                                                            std::chrono::seconds min_age) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> removed;
+  std::error_code ec;
+  const fs::path folder = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+  fs::directory_iterator it(folder, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::optional<long> pid = temporary_writer(it->path().filename().string(), path, tag);
+    // Only a writer on this host can be asked whether it still runs; one that does (or that we
+    // may not signal: EPERM) keeps its file.
+    if (!pid || *pid == ::getpid() || ::kill(static_cast<pid_t>(*pid), 0) == 0 || errno != ESRCH) continue;
+    std::error_code fe;
+    if (!it->is_regular_file(fe) || it->is_symlink(fe)) continue;
+    const auto age = fs::file_time_type::clock::now() - fs::last_write_time(it->path(), fe);
+    if (fe || age < min_age) continue;  // written lately: perhaps a pid reused here, or a shared clock's skew
+    if (fs::remove(it->path(), fe)) {
+      std::cerr << fmt::format("ferry: removed '{}', left by an interrupted write of '{}' (process {} has ended)\n",
+                               it->path().string(), path.string(), *pid);
+      removed.push_back(it->path());
+    }
+  }
+  return removed;
 }
 
 namespace {

@@ -2,12 +2,14 @@
 // runtime/.
 #pragma once
 
+#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ferry/runtime/write_options.hpp"
 
@@ -29,10 +31,16 @@ void write_output_file(const std::filesystem::path& path, const char* what, std:
                        WriteOptions options, const std::function<void(std::ostream&)>& write);
 
 // A temporary file's path beside `path` (same folder, so a rename moves it into place): a hidden
-// name made of `path`'s file name, `tag` and the process id, with the file name shortened where
-// the whole would be longer than the folder's file system allows (a legal name must not become an
-// illegal temporary one).
+// name made of `path`'s file name, `tag`, this host's name and the process id, with the file name
+// shortened where the whole would be longer than the folder's file system allows (a legal name
+// must not become an illegal temporary one).
 std::filesystem::path temporary_beside(const std::filesystem::path& path, std::string_view tag);
+// Removes `path`'s temporaries (temporary_beside, same `tag`) that a process of this host left
+// when it was killed mid-write: its process no longer runs and the file is at least `min_age` old.
+// A temporary of another host is kept (its writer cannot be asked), as is one that cannot be
+// removed. Says each removal on stderr; returns the paths removed.
+std::vector<std::filesystem::path> remove_stale_temporaries(const std::filesystem::path& path, std::string_view tag,
+                                                            std::chrono::seconds min_age = std::chrono::seconds(60));
 // The longest file name the folder of `path` takes (pathconf's _PC_NAME_MAX; 255 if it says none).
 std::size_t longest_file_name(const std::filesystem::path& path);
 

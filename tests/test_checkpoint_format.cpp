@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "../runtime/checkpoint_format.hpp"
+#include "../runtime/output_file.hpp"
 
 namespace ferry {
 namespace {
@@ -314,6 +316,43 @@ TEST_F(CheckpointFormat, AFifoIsRefusedWithoutWaitingForAWriter) {
   const std::string message = opened.get();
   EXPECT_NE(message.find("is not a regular file"), std::string::npos) << message;
   EXPECT_NE(message.find(fifo.string()), std::string::npos) << message;
+}
+
+// A write killed before its rename leaves its temporary file, as large as the checkpoint. The next
+// write of the same checkpoint removes it when its process has ended on this host and the file is
+// not recent; a live writer's, a recent one's and another file's temporaries are kept.
+TEST_F(CheckpointFormat, AKilledWritesTemporaryIsRemovedByTheNextWrite) {
+  const fs::path p = dir_ / "run.ckpt";
+  // A process that has ended: a child's, waited for.
+  const pid_t ended = ::fork();
+  if (ended == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(ended, &status, 0), ended);
+  // `of`'s temporary as the process `pid` would name it on this host (temporary_beside's name,
+  // this process's id replaced).
+  const auto temporary_of = [](const fs::path& of, pid_t pid) {
+    std::string name = temporary_beside(of, "tmp").filename().string();
+    const std::string mine = "-" + std::to_string(::getpid()) + "-";
+    name.replace(name.rfind(mine), mine.size(), "-" + std::to_string(pid) + "-");
+    return of.parent_path() / name;
+  };
+  const auto leave = [](const fs::path& t, bool old) {
+    std::ofstream(t) << "half a checkpoint";
+    if (old) fs::last_write_time(t, fs::file_time_type::clock::now() - std::chrono::minutes(5));
+    return t;
+  };
+  const fs::path stale = leave(temporary_of(p, ended), true);
+  const fs::path recent = leave(temporary_of(p, ended), false);
+  const fs::path other = leave(temporary_of(dir_ / "other.ckpt", ended), true);
+  const fs::path live = leave(temporary_of(p, ::getpid()), true);  // as a concurrent write's
+  const fs::path foreign = leave(dir_ / (".run.ckpt.tmp-elsewhere-" + std::to_string(ended) + "-0"), true);
+  write("run.ckpt");
+  EXPECT_FALSE(fs::exists(stale)) << stale << ": its process ended minutes ago";
+  EXPECT_TRUE(fs::exists(recent)) << recent << ": written within the last minute";
+  EXPECT_TRUE(fs::exists(other)) << other << ": another checkpoint's";
+  EXPECT_TRUE(fs::exists(live)) << live << ": a running process's";
+  EXPECT_TRUE(fs::exists(foreign)) << foreign << ": another host's";
+  EXPECT_EQ(ckpt::read_contents(ckpt::Reader(p)).fingerprint.tensors.size(), 3u);  // and the checkpoint was written
 }
 
 TEST(CheckpointFormatSeeds, TheFuzzerSeedsAreValidFiles) {
