@@ -654,6 +654,27 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
   return mode;
 }
 
+// Settings that an explicitly chosen mode and the roles' homes leave nothing to act on are
+// refused rather than ignored: the user asked for something the step would not do. (Under
+// 'auto' they apply only if the step ends up streamed, so they are kept for that case.)
+void refuse_unused_settings(const ResidencyOptions& options, bool any_streamed, bool any_mapped) {
+  if ((options.mode == ResidencyMode::stream || options.mode == ResidencyMode::mapped) && !any_streamed &&
+      !any_mapped) {
+    throw std::invalid_argument(fmt::format(
+        "residency '{}' with the weights and the optimizer state both homed on the device moves nothing: use "
+        "residency 'resident' (--residency resident; ResidencyOptions::mode), or leave a role's home to the mode "
+        "(no --weights-home / --state-home device)",
+        residency_mode_name(options.mode)));
+  }
+  if (options.staging_chunk_bytes != 0 && !any_streamed) {
+    throw std::invalid_argument(fmt::format(
+        "a staging chunk of {} bytes with residency '{}' and no role homed in host memory: nothing is fetched, so "
+        "no chunk would be used; leave staging_chunk_bytes at 0 (no --staging-chunk), or stream a role "
+        "(--residency stream, or --weights-home / --state-home host)",
+        options.staging_chunk_bytes, residency_mode_name(options.mode)));
+  }
+}
+
 // Mapped homes without streaming: the mapped weights' gradients live on the host too (kernels
 // write them in place), so the device holds only activations and device-home tensors; updates
 // stay at the end of the step. A gradient a copy writes (data parallel: the ranks' sum, received
@@ -789,6 +810,7 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     any_streamed = any_streamed || traits.needs_transfers;
     any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Home::device);
   }
+  if (options.mode != ResidencyMode::automatic) refuse_unused_settings(options, any_streamed, any_mapped);
   report.mode = mode;
   if (any_streamed) return plan_streamed(g, options, host_unified, mopt, budget, report);
   if (any_mapped) return plan_mapped(g, mopt, budget, report);

@@ -29,6 +29,13 @@ void validate(const PrecisionConfig& c) {
     throw std::invalid_argument(
         fmt::format("precision {}: the choices are fp32, fp16 and bf16", ops::dtype_name(c.compute)));
   }
+  if (c.scaling == PrecisionConfig::Scaling::on && c.compute == ops::DType::f32) {
+    // The scale is applied where gradients cross into and out of narrow layers (ops::CastScale):
+    // with f32 layers there is no such crossing, so a scale would be reported but never applied.
+    throw std::invalid_argument(
+        "loss scaling on with fp32 layers: no layer is narrow, so there is nothing to scale; give --precision fp16 "
+        "or bf16 (PrecisionConfig::compute), or leave --loss-scaling at auto or off (PrecisionConfig::scaling)");
+  }
   if (!power_of_two_in_range(c.initial_scale)) {
     throw std::invalid_argument(
         fmt::format("initial loss scale {}: it must be a power of two from 1 to 2^24 (e.g. 65536)", c.initial_scale));

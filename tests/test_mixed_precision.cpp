@@ -131,6 +131,12 @@ TEST(MixedPrecision, InvalidSettingsAreRefused) {
   o = options(DType::f16);
   o.precision.growth_interval = 0;
   expect_refused(o, "growth interval 0");
+  // Scaling on with f32 layers: no cast would apply the scale, yet the step would report one.
+  o = options(DType::f32);
+  o.precision.scaling = PrecisionConfig::Scaling::on;
+  expect_refused(o, "loss scaling on with f32 layers");
+  o.precision.compute = DType::bf16;  // where it may be turned on
+  EXPECT_NO_THROW(Trainer(rt, small_mlp(), o));
 }
 
 // Three steps of `trainer` and of the CPU reference running its compiled step graph, on random

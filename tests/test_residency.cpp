@@ -716,6 +716,18 @@ TEST(ResidencyHomes, HomesWithoutAStoreOrThatConflictAreClearErrors) {
       EXPECT_NE(std::string(e.what()).find(offload::home_name(home)), std::string::npos) << e.what();
     }
   }
+  // An explicit mode or setting the homes leave nothing to do: refused, not ignored.
+  TrainerOptions still = options(graph::ResidencyMode::stream, 0);
+  still.residency.weights_home = still.residency.state_home = graph::Home::device;
+  EXPECT_THROW(Trainer(rt, m, still), std::invalid_argument) << "stream mode that streams nothing";
+  still.residency.state_home = graph::Home::host_pinned;
+  EXPECT_NO_THROW(Trainer(rt, m, still)) << "stream mode with the state streamed";
+  TrainerOptions unused_chunk = options(graph::ResidencyMode::resident, 0);
+  unused_chunk.residency.homes.host_memory = offload::HostMemory::staged;
+  unused_chunk.residency.staging_chunk_bytes = 64 << 10;
+  EXPECT_THROW(Trainer(rt, m, unused_chunk), std::invalid_argument) << "a staging chunk nothing fetches through";
+  unused_chunk.residency.state_home = graph::Home::host_pinned;
+  EXPECT_NO_THROW(Trainer(rt, m, unused_chunk)) << "a staging chunk for the state's fetches";
   TrainerOptions host_opt = options(graph::ResidencyMode::stream, 0);
   host_opt.residency.host_optimizer = true;
   host_opt.residency.weights_home = graph::Home::device;

@@ -618,7 +618,7 @@ void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
        "to --phases hybrid only"},
       {{"--initial-loss-scale", "--loss-scale-interval"},
        scaled,
-       "with loss scaling only (--loss-scaling on, or --precision fp16 with --loss-scaling auto)"},
+       "with loss scaling only (--precision fp16, or bf16 with --loss-scaling on)"},
       {{"--host-memory", "--staging-chunk", "--lookahead"},
        t.residency != "resident" || fetched(t.weights_home) || fetched(t.state_home),
        "to tensors fetched from host memory, which --residency resident has none of unless --weights-home or "

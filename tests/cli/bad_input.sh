@@ -108,6 +108,10 @@ row "--compress-level without a compressed home" "--compress-level applies to a 
   train "${quick[@]}" --compress-level 3
 row "--warmup-steps without hybrid phases" "--warmup-steps applies to --phases hybrid only" error - \
   train "${quick[@]}" --warmup-steps 3
+row "--loss-scaling on with fp32 layers (nothing to scale)" "loss scaling on with fp32 layers" error - \
+  train "${quick[@]}" --loss-scaling on
+row "--residency stream with both homes on the device (streams nothing)" "moves nothing" error - \
+  train "${quick[@]}" --residency stream --weights-home device --state-home device
 row "--initial-loss-scale without loss scaling" "--initial-loss-scale applies with loss scaling only" error - \
   train "${quick[@]}" --initial-loss-scale 1024
 row "--host-memory with resident residency" "--host-memory applies to tensors fetched from host memory" error - \

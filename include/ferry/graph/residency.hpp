@@ -28,6 +28,8 @@ const char* residency_mode_name(ResidencyMode m);
 ResidencyMode parse_residency_mode(const std::string& s);  // throws std::invalid_argument
 
 struct ResidencyOptions {
+  // An explicit stream or mapped mode with both roles' homes on the device (nothing would move)
+  // is refused at planning.
   ResidencyMode mode = ResidencyMode::automatic;
   std::uint64_t budget_bytes = 0;  // device bytes a step may use; 0: no limit
   // Pinned host bytes the weights, optimizer state and step host buffers may take (0: no limit
@@ -58,8 +60,9 @@ struct ResidencyOptions {
   // each staged fetch of what the step did not write copies itself through a ring of four pinned
   // chunks of this many bytes (rounded up to KiB), host copy and link in a pipeline, when it is
   // enqueued (graph/passes/staging.cpp). Write-backs stay staged through pack nodes. Within
-  // [min_staging_chunk_bytes, max_staging_chunk_bytes], and only with staged host memory: else
-  // planning throws std::invalid_argument.
+  // [min_staging_chunk_bytes, max_staging_chunk_bytes], and only with staged host memory and,
+  // under an explicit mode, a role homed in host memory: else planning throws
+  // std::invalid_argument.
   std::uint64_t staging_chunk_bytes = 0;
   // A resident step's adjacent Adam updates as one launch per up to 8 parameters
   // (adam_update_group; the same bits). TrainerOptions::fuse sets it.

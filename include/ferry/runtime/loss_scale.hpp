@@ -27,8 +27,9 @@ struct PrecisionConfig {
   }
 };
 
-// Throws std::invalid_argument naming the setting for an unsupported dtype, a scale that is not a
-// power of two in [1, 2^24], or a growth interval of 0.
+// Throws std::invalid_argument naming the setting for an unsupported dtype, scaling turned on with
+// f32 layers (nothing would be scaled), a scale that is not a power of two in [1, 2^24], or a
+// growth interval of 0.
 void validate(const PrecisionConfig& c);
 // The compute dtype as `ferry train --precision` spells it: "fp32", "fp16" or "bf16".
 const char* precision_name(ops::DType t);
