@@ -35,6 +35,20 @@ GemmBackend backend_from_env() {
   throw std::runtime_error(fmt::format("FERRY_GEMM_BACKEND='{}': expected ferry, clblast or automatic", s));
 }
 
+}  // namespace
+
+GemmBackend gemm_backend_for(const GemmTuningRow& row) {
+  GemmBackend b = backend_from_env();
+  if (b == GemmBackend::automatic) {
+    b = row.backend;
+    // The tuning data may prefer CLBlast for a device; without it, ferry's kernel runs.
+    if (b == GemmBackend::clblast && !gemm_have_clblast()) b = GemmBackend::ferry;
+  }
+  return b;
+}
+
+namespace {
+
 GemmPlan plan(OpEnv& env, const GemmOptions& options) {
   GemmPlan p;
   if (!options.kernel.empty()) {
@@ -45,13 +59,7 @@ GemmPlan plan(OpEnv& env, const GemmOptions& options) {
     GemmTuningRow row = gemm_tuning_for(env);
     p.config = std::move(row.config);
     p.origin = fmt::format("{}:{}", row.source, row.line);
-    p.backend = options.backend;
-    if (p.backend == GemmBackend::automatic) p.backend = backend_from_env();
-    if (p.backend == GemmBackend::automatic) {
-      p.backend = row.backend;
-      // The tuning data may prefer CLBlast for a device; without it, ferry's kernel runs.
-      if (p.backend == GemmBackend::clblast && !gemm_have_clblast()) p.backend = GemmBackend::ferry;
-    }
+    p.backend = options.backend == GemmBackend::automatic ? gemm_backend_for(row) : options.backend;
   }
   if (p.backend == GemmBackend::clblast && !gemm_have_clblast()) {
     throw std::runtime_error(

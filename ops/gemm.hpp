@@ -106,6 +106,11 @@ std::string gemm_kernel_description(OpEnv& env, const GemmShape& shape, const Ge
 
 // Whether this build can run GemmBackend::clblast.
 bool gemm_have_clblast();
+struct GemmTuningRow;
+// The backend a gemm() without GemmOptions::backend runs on a device whose tuning row is `row`:
+// FERRY_GEMM_BACKEND's when set (throws std::runtime_error for another value), else the row's
+// (CLBlast only where this build has it).
+GemmBackend gemm_backend_for(const GemmTuningRow& row);
 
 namespace ref {
 

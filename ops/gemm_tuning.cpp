@@ -89,7 +89,12 @@ GemmTuningRow tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
 
 std::string gemm_tuning_choice(OpEnv& env) {
   const GemmTuningRow row = gemm_tuning_for(env);
-  return fmt::format("{} ({}:{})", row.config.text(), row.source, row.line);
+  const std::string choice = fmt::format("{} ({}:{})", row.config.text(), row.source, row.line);
+  if (gemm_backend_for(row) != GemmBackend::clblast) return choice;
+  // CLBlast's own kernels run: the row's parameters are not what runs.
+  const char* asked = std::getenv("FERRY_GEMM_BACKEND");
+  return fmt::format("clblast ({}; ferry's row would be {})",
+                     asked && *asked ? "FERRY_GEMM_BACKEND=clblast" : "the row's backend", choice);
 }
 
 void forget_gemm_tuning() {

@@ -22,6 +22,7 @@
 
 #include "ferry/ops/cast.hpp"
 #include "ops/gemm.hpp"
+#include "ops/gemm_tune.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -762,6 +763,20 @@ TEST(GemmBackend, EnvironmentOverridesAutomatic) {
     o.backend = ops::GemmBackend::clblast;
     EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}, o), std::runtime_error);
   }
+}
+
+// What --json's gemm_tuning names is what runs: with FERRY_GEMM_BACKEND=clblast, CLBlast, not the
+// row ferry's kernel would have followed (it named that row while CLBlast ran).
+TEST(GemmBackend, TheChoiceNamesTheBackendThatRuns) {
+  if (!ops::gemm_have_clblast()) GTEST_SKIP() << "built without CLBlast";
+  auto& dev = TestDevice::get();
+  {
+    ScopedEnv env("FERRY_GEMM_BACKEND", "clblast");
+    EXPECT_EQ(ops::gemm_tuning_choice(dev.env).rfind("clblast (FERRY_GEMM_BACKEND=clblast", 0), 0u)
+        << ops::gemm_tuning_choice(dev.env);
+  }
+  ScopedEnv env("FERRY_GEMM_BACKEND", "ferry");
+  EXPECT_EQ(ops::gemm_tuning_choice(dev.env).find("clblast"), std::string::npos) << ops::gemm_tuning_choice(dev.env);
 }
 
 TEST(GemmBackend, ClblastMatchesReference) {
