@@ -58,9 +58,11 @@ void compare_settings(const std::vector<TrainingSetting>& file, const std::vecto
     const auto off = [&](const std::string& v) { return v == "false" && !h.flag.empty(); };
     throw mismatch(fmt::format("it was trained {}{}, this trainer {}{}", off(f->value) ? "" : "with ",
                                setting_text(h, f->value), off(h.value) ? "runs " : "has ", setting_text(h, h.value)),
-                   fmt::format("{} (a program may load it with LoadOptions::accept_other_settings to train on with "
-                               "its own)",
-                               off(f->value) ? "leave out " + h.flag : "use " + setting_text(h, f->value)));
+                   fmt::format("{}{}", off(f->value) ? "leave out " + h.flag : "use " + setting_text(h, f->value),
+                               // A stored setting shapes the file's bytes: no option loads it otherwise.
+                               h.stored ? ""
+                                        : " (a program may load it with LoadOptions::accept_other_settings to train "
+                                          "on with its own)"));
   }
 }
 

@@ -634,6 +634,8 @@ TEST(Checkpoint, OtherTrainingSettingsAreRefusedUnlessAccepted) {
       ADD_FAILURE() << "another 8-bit block loaded";
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find("--optimizer-block 2048"), std::string::npos) << e.what();
+      // and the message does not offer the option that just failed
+      EXPECT_EQ(std::string(e.what()).find("accept_other_settings"), std::string::npos) << e.what();
     }
     expect_same_state(before, state_of(t), "another 8-bit block, refused");
   }
