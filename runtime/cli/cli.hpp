@@ -51,7 +51,8 @@ struct TrainArgs {
   std::string attention = "fused";  // gpt: fused or unfused
   std::string text_dir;             // gpt: folder of text files (default: the fortunes)
   float lr = 1e-3f, weight_decay = 0.0f, momentum = 0.9f;
-  bool lr_given = false;  // --lr on the command line (gpt's default peak is 2e-3)
+  bool lr_given = false;           // --lr on the command line (gpt's default peak is 2e-3)
+  bool bucket_size_given = false;  // --bucket-size on the command line (one rank: warned, unused)
   std::string optimizer = "adam", schedule = "cosine";
   std::string weight_decay_on = "all";   // all or matrices (OptimizerConfig::decay_on)
   std::uint32_t optimizer_block = 2048;  // adamw8bit: elements per quantization block

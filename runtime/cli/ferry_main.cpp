@@ -616,6 +616,11 @@ void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
         "--predictor-residual", "--fit-every", "--predict-decay", "--max-loss-gap"},
        t.phases == "hybrid",
        "to --phases hybrid only"},
+      {{"--trace-steps"},
+       !t.trace_path.empty() || !t.profile_path.empty(),
+       "to --trace and --profile only (the steps they record)"},
+      {{"--prompt", "--temperature"}, t.sample > 0, "with --sample only (the text generated after training)"},
+      {{"--weight-decay-on"}, t.weight_decay > 0, "with a --weight-decay above 0 only"},
       {{"--initial-loss-scale", "--loss-scale-interval"},
        scaled,
        "with loss scaling only (--precision fp16, or bf16 with --loss-scaling on)"},
@@ -768,6 +773,7 @@ int run_ferry(int argc, char** argv) {
   checkpoint->add_flag("--json", checkpoint_args.json, "One JSON line (docs/outputs.md)");
   CLI11_PARSE(app, argc, argv);
   t.lr_given = train->count("--lr") > 0;
+  t.bucket_size_given = train->count("--bucket-size") > 0;
   t.argv.assign(argv, argv + argc);
   try {
     if (devices->parsed()) return cmd_devices();

@@ -364,8 +364,10 @@ std::string host_limit_note(const PlanReport& r) {
   if (!r.host_budget) return " (physical memory)";
   const std::uint64_t physical = ferry::physical_memory_bytes();
   if (physical == 0 || r.host_budget <= physical) return "";
-  return fmt::format(" (more than this machine's {}: planned for a larger host; ferry train refuses it here)",
-                     ferry::format_bytes(physical));
+  return fmt::format(
+      " (more than this machine's {}: planned for a larger host; ferry train here refuses a configuration needing more "
+      "than it)",
+      ferry::format_bytes(physical));
 }
 
 void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const ferry::TrainerOptions& base,

@@ -134,6 +134,12 @@ void join_ranks(TrainArgs& a) {
           a.zero);
       a.zero = 0;
     }
+    if (a.bucket_size_given) {
+      std::cerr << fmt::format(
+          "ferry: warning: --bucket-size {} sets how many gradient bytes the ranks of a data-parallel run sum "
+          "together; this run has one rank, which sums nothing\n",
+          a.bucket_size);
+    }
     plan_resume(a);
   };
   if (!ferry::launched_by_mpi()) return alone();

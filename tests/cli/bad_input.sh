@@ -89,7 +89,18 @@ row "ferry plan with a flag that does not apply" "--momentum applies to --optimi
   plan --model mlp --momentum 0.9
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
   train "${quick[@]}" --weights-home int8
-row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - train --trace-steps 0 "${quick[@]}"
+row "--trace-steps 0" "--trace-steps 0 traces and profiles no step" error - \
+  train --trace-steps 0 --trace "$work/no-steps.json" "${quick[@]}"
+row "--trace-steps without --trace or --profile" "--trace-steps applies to --trace and --profile only" error - \
+  train "${quick[@]}" --trace-steps 2
+row "--prompt without --sample" "--prompt applies with --sample only" error - \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --prompt "The"
+row "--weight-decay-on without weight decay" "--weight-decay-on applies with a --weight-decay above 0 only" error - \
+  train "${quick[@]}" --weight-decay-on matrices
+row "--zero on one rank (a warning; stage 0 is run)" "one rank, which keeps all of it" warning - \
+  train "${quick[@]}" --zero 1
+row "--bucket-size on one rank (a warning)" "this run has one rank, which sums nothing" warning - \
+  train "${quick[@]}" --bucket-size 1MiB
 row "--accumulate over the run's batches" "it would train nothing" error - \
   train --epochs 1 --train-limit 256 --quiet --accumulate 2
 row "--seed -1" "--seed: must be a whole number >= 0, got -1" error - train "${quick[@]}" --seed -1
@@ -338,7 +349,7 @@ if [ -z "$markdown" ]; then
     failures=$((failures + 1))
   fi
 else
-  printf '| trace that cannot be written (file size limit, as a full disk) | `ulimit -f 4; ferry train %s --trace $WORK/old-trace.json --json` | 3 | %s | `writing failed` |\n' \
+  printf '| trace that cannot be written (file size limit, as a full disk) | `ulimit -f 4; trap "" XFSZ; ferry train %s --trace $WORK/old-trace.json --json` | 3 | %s | `writing failed` |\n' \
     "${quick[*]}" "$(grep -m1 warning "$work/full.err" | sed "s|$work|\$WORK|g")"
 fi
 
