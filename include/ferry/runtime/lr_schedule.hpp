@@ -17,7 +17,7 @@ struct LrSchedule {
   // The learning rate of 0-based step `step` (steps past total_steps keep the last value).
   float at(std::uint64_t step) const;
   // Throws std::invalid_argument naming the setting for a non-finite or negative rate, a floor
-  // above the peak, a cosine schedule without total_steps, or a warm-up longer than the schedule.
+  // above the peak, a cosine schedule without total_steps, or a warm-up not shorter than the schedule.
   void validate() const;
 };
 // The optimizer updates of `steps` micro-batches taken `accumulate` at a time (at least 1): a
