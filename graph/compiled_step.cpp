@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <set>
 #include <stdexcept>
 
 #include "compiled_step_impl.hpp"
@@ -132,7 +133,7 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
     persistent_->step_buffers = impl_->transient;
     persistent_->step_buffer_bytes = plan_.transient_buffers;
   }
-  const offload::HostMemory pool_memory = host_pool_memory(context, homes.host_memory);
+  const offload::HostMemory pool_memory = host_pool_memory(graph_, plan_, homes.host_memory, context.device());
   for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
     const bool staging = b >= plan_.host_staging_from;  // what the link copies from: pinned always
     impl_->host_transient.push_back(offload::allocate_host(
@@ -444,22 +445,81 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
   return {impl_->transient.at(p.buffer).get(), p.offset_bytes};
 }
 
-// The host pool's memory: as the homes' (pageable where pinned buffers take device memory too),
-// except that a pool some kernel addresses in place (mapped mode's weight gradients, zero-copy
-// staging) must be pinned.
-offload::HostMemory CompiledStep::host_pool_memory(const cl::Context& context, offload::HostMemory wanted) const {
-  const offload::HostMemory m = offload::resolve_host_memory(wanted, context.device());
+offload::HostMemory host_pool_memory(const Graph& g, const MemoryPlan& plan, offload::HostMemory wanted,
+                                     const cl::DeviceInfo& device) {
+  const offload::HostMemory m = offload::resolve_host_memory(wanted, device);
   if (offload::is_pinned(m)) return m;
-  const auto& n = graph_.nodes;
+  const auto& n = g.nodes;
   for (NodeId id = 0; id < n.size(); ++id) {
     if (n.lane[id] != Lane::compute) continue;
     for (const auto& list : {n.inputs(id), n.outputs(id)}) {
       for (const TensorId x : list) {
-        if (plan_.pool[graph_.tensors.storage(x)] == Pool::host_transient) return offload::HostMemory::pinned;
+        if (plan.pool[g.tensors.storage(x)] == Pool::host_transient) return offload::HostMemory::pinned;
       }
     }
   }
   return m;
+}
+
+// A step whose fetches read pageable memory does not run ahead: NVIDIA's driver read a pageable
+// source when the copy was enqueued, which for the next step would be before this one's
+// write-backs had landed (graph/passes/staging.cpp stages such fetches within a step).
+bool step_runs_ahead(const Graph& g, const MemoryPlan& plan, const offload::HomeStoreOptions& homes,
+                     const cl::DeviceInfo& device) {
+  const auto& n = g.nodes;
+  const auto& t = g.tensors;
+  const bool homes_pageable = !offload::is_pinned(offload::resolve_host_memory(homes.host_memory, device));
+  const bool pool_pageable = !offload::is_pinned(host_pool_memory(g, plan, homes.host_memory, device));
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (is_host_lane(n.lane[id])) return false;  // not the one-pass form
+    if (n.op[id] == builtin::fetch) {
+      const TensorId source = t.storage(n.inputs(id)[0]);
+      const bool pageable =
+          t.role[source] != Role::staged && (plan.pool[source] == Pool::persistent ? homes_pageable : pool_pageable);
+      if (pageable) return false;
+    }
+    if (n.op[id] == builtin::write_back) {
+      const TensorId home = t.storage(n.outputs(id)[0]);
+      // State written on the host into the other copy, current only once the step succeeded.
+      if (plan.pool[home] == Pool::persistent && !offload::changes_in_place(t.home[home], homes.pinned_copies)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+namespace {
+
+// The batch mirrors: the host tensors batch transfers read (uploads) or write (downloads), once
+// each.
+std::set<TensorId> batch_mirrors(const Graph& g) {
+  std::set<TensorId> mirrors;
+  const auto& n = g.nodes;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (ops::op_info(n.op[id]).op_class != ops::OpClass::batch_transfer) continue;
+    for (TensorId host : n.lane[id] == Lane::h2d ? n.inputs(id) : n.outputs(id))
+      mirrors.insert(g.tensors.storage(host));
+  }
+  return mirrors;
+}
+
+}  // namespace
+
+std::uint64_t run_ahead_mirror_bytes(const Graph& g, const MemoryPlan& plan, const offload::HomeStoreOptions& homes,
+                                     const cl::DeviceInfo& device) {
+  if (!step_runs_ahead(g, plan, homes, device)) return 0;
+  std::uint64_t bytes = 0;
+  for (const TensorId x : batch_mirrors(g)) bytes += std::max<std::uint64_t>(g.tensors.bytes(x), 1);
+  return (CompiledStep::max_in_flight - 1) * bytes;
+}
+
+std::uint64_t CompiledStep::host_bytes() const noexcept {
+  std::uint64_t bytes = plan_.host_transient_bytes;
+  for (const auto& slot : impl_->extra_mirrors) {
+    for (const auto& b : slot) bytes += b.bytes();
+  }
+  return bytes;
 }
 
 namespace {

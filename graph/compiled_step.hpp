@@ -91,6 +91,22 @@ enum class RunMode : std::uint8_t {
 };
 
 // How a step is compiled.
+// The memory of a step's host pool: as `wanted` resolves on `device` (pageable where pinned
+// buffers take device memory too), except that a pool some kernel addresses in place (mapped
+// mode's weight gradients, zero-copy staging) must be pinned.
+offload::HostMemory host_pool_memory(const Graph& g, const MemoryPlan& plan, offload::HostMemory wanted,
+                                     const cl::DeviceInfo& device);
+// Whether a step of `g` planned as `plan` may be submitted while the one before it still runs
+// (CompiledStep::can_run_ahead, known before anything is allocated): every device command
+// enqueued by one pass (no host-lane node), no fetch from pageable memory, and no state written on
+// the host that becomes current only at commit.
+bool step_runs_ahead(const Graph& g, const MemoryPlan& plan, const offload::HomeStoreOptions& homes,
+                     const cl::DeviceInfo& device);
+// The host bytes such a step adds for the other slots' batch mirrors (0 when it does not run
+// ahead): what ferry plan and the host budget count beside the plan's host pool.
+std::uint64_t run_ahead_mirror_bytes(const Graph& g, const MemoryPlan& plan, const offload::HomeStoreOptions& homes,
+                                     const cl::DeviceInfo& device);
+
 struct StepOptions {
   // Where weights and optimizer state live and the device budget (see residency.hpp); a budget
   // the step cannot fit in throws BudgetError naming the minimum.
@@ -186,6 +202,9 @@ class CompiledStep {
   // Host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients; the
   // host optimizer's gradients; staging).
   std::uint64_t host_step_bytes() const noexcept { return plan_.host_transient_bytes; }
+  // All host memory the step holds: its host pool and, when it runs ahead, the other slots'
+  // batch mirrors (run_ahead_mirror_bytes).
+  std::uint64_t host_bytes() const noexcept;
   // After a run that succeeded: whether an optimizer update (on the device or the host) made a
   // weight not finite. Read from one status word the step downloads with its last command, so
   // no weight is read back to check it.
@@ -226,7 +245,6 @@ class CompiledStep {
   // The device passes after the planning ones (graph/step_plan.hpp), in order.
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
                 const offload::HomeStoreOptions& homes);
-  offload::HostMemory host_pool_memory(const cl::Context& context, offload::HostMemory wanted) const;
   void bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool bind_kernels);
   void bind_nodes(const struct TensorLocator& at, ops::OpEnv& env, const OptimizerConfig& optimizer);
   void lower(const cl::Context& context, bool serial);

@@ -154,10 +154,14 @@ namespace {
 // The per-step figures of one planned variant (everything but the device breakdown). On a CPU
 // device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
 // the same cores, so their times add up instead of overlapping.
-void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates, bool shares_host_cores,
-                int ranks, std::uint32_t pinned_copies, PhasePlan& p) {
+void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates,
+                const cl::DeviceInfo& device, int ranks, const offload::HomeStoreOptions& homes, PhasePlan& p) {
+  const bool shares_host_cores = device.is_cpu();
+  const std::uint32_t pinned_copies = homes.pinned_copies;
   p.nodes = g.nodes.size();
-  p.host_step_bytes = planned.memory.host_transient_bytes;
+  // The step's host pool, and the other slot's batch mirrors where it runs ahead.
+  p.host_step_bytes =
+      planned.memory.host_transient_bytes + graph::run_ahead_mirror_bytes(g, planned.memory, homes, device);
   p.pinned_staging_bytes = planned.memory.host_staging_bytes;
   p.fetch_bytes = planned.residency.fetch_bytes;
   p.write_back_bytes = planned.residency.write_back_bytes;
@@ -263,7 +267,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = options.phases.hybrid ? "warmup/full/correct" : "full";
     p.device = device_breakdown(training, train_plan.memory, training, persistent_device);
-    count_step(training, train_plan, rates, runtime.device().is_cpu(), ranks, residency.homes.pinned_copies, p);
+    count_step(training, train_plan, rates, runtime.device(), ranks, residency.homes, p);
     out.phases.push_back(std::move(p));
   }
   const auto arena = graph::planned_arena(training, train_plan.memory, train_plan.residency.mode);
@@ -273,7 +277,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = v.phase;
     p.device = device_breakdown(g, planned.memory, training, persistent_device);
-    count_step(g, planned, rates, runtime.device().is_cpu(), ranks, residency.homes.pinned_copies, p);
+    count_step(g, planned, rates, runtime.device(), ranks, residency.homes, p);
     out.phases.push_back(std::move(p));
   }
 

@@ -234,7 +234,11 @@ std::uint64_t Trainer::device_peak_bytes() const {
 }
 
 std::uint64_t Trainer::host_state_bytes() const {
-  return compiled_->train->persistent()->host_bytes() + compiled_->train->plan().host_transient_bytes;
+  // Every compiled variant keeps its own host pool (the device arena is shared, host pools are
+  // not): the micro-batch and Predict steps', and each evaluation step's once one has run.
+  std::uint64_t bytes = compiled_->train->persistent()->host_bytes() + compiled_->train->host_bytes();
+  for (const auto& [key, step] : compiled_->variants) bytes += step->host_bytes();
+  return bytes;
 }
 
 const graph::ResidencyReport& Trainer::residency() const {
