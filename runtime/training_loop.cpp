@@ -157,6 +157,7 @@ LoopSummary TrainingLoop::run() {
   run_start_ = mark_ = Clock::now();
   std::optional<InFlight> in_flight;
   std::uint64_t submitted = position_.done;
+  const std::uint64_t first = submitted;
   const auto take = [&] { return *std::exchange(in_flight, std::nullopt); };
   try {
     while (true) {
@@ -164,11 +165,14 @@ LoopSummary TrainingLoop::run() {
         // The step in flight finishes; when it ends an epoch (or another scheduled boundary), that
         // boundary's report and checkpoint come first, and the checkpoint is not written twice.
         const bool boundary = in_flight && scheduled_boundary(submitted);
+        // No step in flight after this run's first: the loop has just read one at a boundary,
+        // which wrote its checkpoint (a stop during evaluation or that write lands here).
+        const bool boundary_just_written = !in_flight && submitted != first;
         if (in_flight) read(take(), boundary);
         summary_.end = LoopSummary::End::stopped;
         summary_.signal = StopSignals::received() != 0 ? StopSignals::received() : SIGTERM;  // else another rank's
         if (!options_.checkpoint.empty()) {
-          if (!boundary) checkpoint_here();
+          if (!boundary && !boundary_just_written) checkpoint_here();
           summary_.checkpoint_written = options_.write_checkpoints;
         }
         break;
@@ -201,8 +205,10 @@ LoopSummary TrainingLoop::run() {
       } catch (const std::exception&) {
       }
     }
+    end_progress_line();
     throw;
   }
+  end_progress_line();  // the caller's reports come next
   summary_.position = position_;
   const std::uint64_t run = summary_.steps_run;
   summary_.mean_step_ms = run > 1 ? step_ms_sum_ / static_cast<double>(run - 1) : summary_.first_step_ms;
@@ -238,8 +244,15 @@ void TrainingLoop::read(InFlight f, bool boundary) {
   if (boundary) at_boundary();
 }
 
+void TrainingLoop::end_progress_line() {
+  if (!progress_line_open_) return;
+  std::cerr << "\n";  // what follows (a report, a checkpoint's line) starts a line of its own
+  progress_line_open_ = false;
+}
+
 void TrainingLoop::at_boundary() {
   const auto start = Clock::now();
+  end_progress_line();
   if (on_boundary) on_boundary(position_);
   position_.boundary_seconds += seconds_since(start);
   if (!options_.checkpoint.empty()) checkpoint_here();
@@ -263,6 +276,7 @@ void TrainingLoop::save_checkpoint() {
   const double seconds = seconds_since(start);
   summary_.checkpoint_seconds += seconds;
   if (options_.progress) {
+    end_progress_line();
     std::cerr << fmt::format("ferry: checkpoint {} ({}, {:.0f} ms)\n", options_.checkpoint.string(),
                              format_bytes(std::filesystem::file_size(options_.checkpoint)), seconds * 1e3);
   }
@@ -292,14 +306,17 @@ void TrainingLoop::show_progress() {
   const double train_s = summary_.run_train_seconds;
   const double run_steps = static_cast<double>(summary_.steps_run);
   const double rate = train_s > 0 ? run_steps * static_cast<double>(options_.units_per_step) / train_s : 0;
-  const double eta = train_s / run_steps * static_cast<double>(options_.steps - done);
+  // The time left at this run's pace so far, evaluation and checkpoints included (training time
+  // alone promised 0:00:00 for most of a run that spends it on reports).
+  const double eta = seconds_since(run_start_) / run_steps * static_cast<double>(options_.steps - done);
   constexpr int width = 24;
   const int filled = static_cast<int>(frac * width);
   const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
   std::cerr << fmt::format("{}{} [{}] {:3.0f}%  loss {:.4f}  {:.0f} {}/s  ETA {}{}", progress_tty_ ? "\r" : "", what,
                            bar, frac * 100, loss, rate, options_.unit, format_duration(eta),
                            progress_tty_ ? "\033[K" : "\n");
-  if (progress_tty_ && part_done == part_total) std::cerr << "\n";
+  progress_line_open_ = progress_tty_;
+  if (part_done == part_total) end_progress_line();
 }
 
 }  // namespace ferry

@@ -218,6 +218,28 @@ TEST_F(TrainingLoopTest, AStopAtAnEpochsEndKeepsThatBoundary) {
   std::filesystem::remove(path);
 }
 
+// A stop that arrives during a boundary's evaluation (or its checkpoint's write) ends the run there
+// with that boundary's checkpoint, written once: it was written a second time.
+TEST_F(TrainingLoopTest, AStopDuringABoundaryWritesItsCheckpointOnce) {
+  const auto path =
+      std::filesystem::temp_directory_path() / ("ferry_loop_eval_" + std::to_string(::getpid()) + ".ckpt");
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  int written = 0;
+  TrainingLoop loop(
+      trainer, batches,
+      {.steps = 24, .steps_per_epoch = 12, .progress = false, .checkpoint = path, .after_checkpoint = [&] {
+         ++written;
+       }});
+  loop.on_boundary = [&](const LoopPosition&) { std::raise(SIGINT); };  // as a user's Ctrl-C mid-evaluation
+  const LoopSummary s = loop.run();
+  EXPECT_EQ(s.end, LoopSummary::End::stopped);
+  EXPECT_EQ(s.position.done, 12u);
+  EXPECT_TRUE(s.checkpoint_written);
+  EXPECT_EQ(written, 1) << "the boundary's checkpoint was written again at the stop";
+  std::filesystem::remove(path);
+}
+
 // A time limit already spent ends the run at the first boundary it can take, after one step, with
 // that boundary's evaluation; boundary_every adds boundaries between epochs.
 TEST_F(TrainingLoopTest, EndsAtABoundaryWhenTheTimeIsUp) {

@@ -157,6 +157,7 @@ class TrainingLoop {
   // At a checkpoint: save_checkpoint, or contribute to another rank's.
   void checkpoint_here();
   void show_progress();
+  void end_progress_line();  // ends an open progress line, so other output starts a line of its own
 
   Trainer& trainer_;
   BatchSource& batches_;
@@ -167,7 +168,8 @@ class TrainingLoop {
   bool out_of_time_ = false;
   std::chrono::steady_clock::time_point run_start_, mark_;  // mark_: where training time was last counted to
   bool progress_tty_ = false;
-  int progress_decile_ = -1;  // a progress line not on a terminal: one per tenth of the epoch or run
+  bool progress_line_open_ = false;  // on a terminal: a progress line drawn without its newline yet
+  int progress_decile_ = -1;         // a progress line not on a terminal: one per tenth of the epoch or run
 };
 
 }  // namespace ferry
