@@ -22,6 +22,25 @@
 
 namespace ferry::graph {
 
+namespace {
+
+// Whether a fetch of the step copies from pageable memory (its home's, or the host pool's) rather
+// than from pinned staging: such a step does not run ahead (CompiledStep, step_runs_ahead).
+bool fetches_from_pageable(const Graph& g, const MemoryPlan& plan, bool homes_pageable, bool pool_pageable) {
+  const auto& n = g.nodes;
+  const auto& t = g.tensors;
+  for (NodeId id = 0; id < n.size(); ++id) {
+    if (n.op[id] != builtin::fetch) continue;
+    const TensorId source = t.storage(n.inputs(id)[0]);
+    if (t.role[source] != Role::staged && (plan.pool[source] == Pool::persistent ? homes_pageable : pool_pageable)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 std::optional<PersistentArena::Entry> PersistentArena::find(const std::string& name) const {
   if (auto it = placements.find(name); it != placements.end()) return it->second;
   return std::nullopt;
@@ -171,14 +190,9 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   // write-backs had landed (graph/passes/staging.cpp stages such fetches within a step).
   const bool homes_pageable = !offload::is_pinned(offload::resolve_host_memory(homes.host_memory, context.device()));
   const bool pool_pageable = !offload::is_pinned(pool_memory);
+  impl_->fetches_pageable = fetches_from_pageable(graph_, plan_, homes_pageable, pool_pageable);
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) impl_->one_pass = false;
-    if (n.op[id] == builtin::fetch) {
-      const TensorId source = t.storage(n.inputs(id)[0]);
-      const bool pageable =
-          t.role[source] != Role::staged && (plan_.pool[source] == Pool::persistent ? homes_pageable : pool_pageable);
-      impl_->fetches_pageable = impl_->fetches_pageable || pageable;
-    }
     const bool writes_state_on_host =
         n.lane[id] == Lane::host ||
         (n.op[id] == builtin::write_back && plan_.pool[t.storage(n.outputs(id)[0])] == Pool::persistent &&
@@ -470,14 +484,9 @@ bool step_runs_ahead(const Graph& g, const MemoryPlan& plan, const offload::Home
   const auto& t = g.tensors;
   const bool homes_pageable = !offload::is_pinned(offload::resolve_host_memory(homes.host_memory, device));
   const bool pool_pageable = !offload::is_pinned(host_pool_memory(g, plan, homes.host_memory, device));
+  if (fetches_from_pageable(g, plan, homes_pageable, pool_pageable)) return false;
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) return false;  // not the one-pass form
-    if (n.op[id] == builtin::fetch) {
-      const TensorId source = t.storage(n.inputs(id)[0]);
-      const bool pageable =
-          t.role[source] != Role::staged && (plan.pool[source] == Pool::persistent ? homes_pageable : pool_pageable);
-      if (pageable) return false;
-    }
     if (n.op[id] == builtin::write_back) {
       const TensorId home = t.storage(n.outputs(id)[0]);
       // State written on the host into the other copy, current only once the step succeeded.
