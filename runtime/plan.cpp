@@ -24,6 +24,7 @@
 #include "ops/elementwise.hpp"
 #include "ops/gemm.hpp"
 #include "ops/optimizer_host.hpp"
+#include "runtime/plan_search.hpp"
 #include "trainer_internals.hpp"
 #include "trainer_variants.hpp"
 
@@ -602,22 +603,35 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
   return out;
 }
 
-void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes, HostLimit limit_by) {
+namespace detail {
+
+std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_by) {
   const std::uint64_t physical =
       limit_by == HostLimit::budget_if_given && host_budget_bytes != 0 ? 0 : physical_memory_bytes();
-  // Saturating: byte counts this large are refused, not wrapped around below the budget.
-  const auto add = [](std::uint64_t a, std::uint64_t b) {
-    return a > std::numeric_limits<std::uint64_t>::max() - b ? std::numeric_limits<std::uint64_t>::max() : a + b;
-  };
-  const std::uint64_t needed = add(add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
-  const bool over_budget = host_budget_bytes != 0 && needed > host_budget_bytes;
-  const bool over_memory = physical != 0 && needed > physical;
-  if (!over_budget && !over_memory) return;
-  const std::uint64_t limit =
-      over_budget && (!over_memory || host_budget_bytes < physical) ? host_budget_bytes : physical;
+  if (host_budget_bytes == 0) return physical;
+  return physical == 0 ? host_budget_bytes : std::min(host_budget_bytes, physical);
+}
+
+// Saturating: byte counts this large are refused, not wrapped around below the budget.
+std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b) {
+  return a > std::numeric_limits<std::uint64_t>::max() - b ? std::numeric_limits<std::uint64_t>::max() : a + b;
+}
+
+std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan) {
+  return saturating_add(saturating_add(plan.host_store_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
+}
+
+}  // namespace detail
+
+void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes, HostLimit limit_by) {
+  // The smaller of the budget and physical memory, where each applies: a plan over it is over that one.
+  const std::uint64_t limit = detail::host_limit_bytes(host_budget_bytes, limit_by);
+  const std::uint64_t needed = detail::saturating_add(
+      detail::saturating_add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
+  if (limit == 0 || needed <= limit) return;
   const std::string what = limit == host_budget_bytes
                                ? fmt::format("the host budget of {}", format_bytes(host_budget_bytes))
-                               : fmt::format("this machine's physical memory ({})", format_bytes(physical));
+                               : fmt::format("this machine's physical memory ({})", format_bytes(limit));
   throw HostBudgetError(
       fmt::format("the training state needs {} of host memory ({} for the weights and optimizer state, {} for "
                   "the steps' host buffers{}), more than {}: {}use {}compressed state (--state-home compressed, about "

@@ -7,9 +7,13 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
+#include <string>
+#include <utility>
 
 #include "ferry/graph/residency.hpp"
 #include "ferry/runtime/plan.hpp"
+#include "ferry/runtime/units.hpp"
 
 namespace ferry {
 namespace {
@@ -137,7 +141,12 @@ ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& mod
   // device memory; what they cost is network time, which a plan predicts only when given a rate).
   const auto& dp = options.data_parallel;
   const int last_stage = dp.communicator && dp.communicator->size() > 1 ? 2 : dp.zero_stage;
+  const std::uint64_t host_limit = host_limit_bytes(options.residency.host_budget_bytes, HostLimit::budget_if_given);
   for (int zero = dp.zero_stage; zero <= last_stage; ++zero) {
+    // Per lean (and bf16 or not) at this stage: why no smaller micro-batch can fit the host, once
+    // one did not for bytes a split does not lower. Those are not planned again (at 7B, most of
+    // what `ferry plan` would spend on a machine whose memory cannot hold the state).
+    std::map<std::pair<Lean, bool>, std::string> host_bound;
     // Smaller micro-batches only when nothing fits at this size: they run slower kernels.
     for (const std::uint32_t split : {1u, 2u, 4u, 8u, 16u, 32u}) {
       if (options.batch % split != 0 || (split > 1 && options.phases.hybrid)) continue;
@@ -147,7 +156,17 @@ ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& mod
           if (narrow && options.precision.compute != ops::DType::f32) continue;
           std::optional<Configuration> c = candidate(options, split, lean, narrow, host_unified_memory, zero);
           if (!c) continue;
-          plan_candidate(runtime, model, rates, *c);
+          if (const auto bound = host_bound.find({lean, narrow}); bound != host_bound.end()) {
+            c->error = bound->second;
+          } else {
+            plan_candidate(runtime, model, rates, *c);
+            if (c->plan && !c->fits() && host_limit != 0 && host_bytes_at_any_batch(*c->plan) > host_limit) {
+              host_bound[{lean, narrow}] = fmt::format(
+                  "not planned: at --batch {} its weights and optimizer state alone needed {} of host memory, more "
+                  "than {}, and a smaller micro-batch does not lower them",
+                  c->options.batch, format_bytes(host_bytes_at_any_batch(*c->plan)), format_bytes(host_limit));
+            }
+          }
           out.tried.push_back(std::move(*c));
         }
       }

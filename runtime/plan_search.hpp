@@ -9,4 +9,16 @@ namespace ferry::detail {
 ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
                                           const PlanRates& rates, bool host_unified_memory);
 
+// The host memory a plan is held to (check_host_budget): the smaller of the budget and this
+// machine's physical memory where each applies; 0 for no limit.
+std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_by);
+
+// a + b, or the largest value where that would wrap around.
+std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b);
+
+// The host bytes of a plan that no micro-batch split lowers: the persistent tensors' stores, the
+// compressed chunks' bound and the Predict runs' restore point (a split only shrinks the step pools,
+// and adds gradient sums).
+std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan);
+
 }  // namespace ferry::detail

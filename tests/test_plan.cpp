@@ -445,6 +445,62 @@ TEST(Plan, TheSearchChoosesTheFastestPredictedConfiguration) {
   EXPECT_EQ(chosen(search({.link_gbps = 1e-3, .gemm_gflops = 1e3, .host_gbps = 1e3})).flags, "--residency resident");
 }
 
+// A split into micro-batches can shrink the step's buffers, never the weights' and optimizer
+// state's host stores (gradient sums join them): once those alone are over the host limit at one
+// batch, the search does not plan the same configuration at smaller micro-batches (it says why);
+// where the step buffers are what is over, it still plans them.
+TEST(Plan, TheSearchSkipsSplitsThatCannotFitTheHost) {
+  Runtime rt;
+  // Weights larger than the activations of one sample: a device budget below everything resident
+  // at a batch of one leaves no resident candidate at any split, and the streamed ones fit it.
+  const ModelSpec model = models::classifier("wide-mlp", graph::Shape{64}, 10, [](graph::Builder& b, TensorId x) {
+    return b.linear(b.relu(b.linear(b.relu(b.linear(x, 256)), 256)), 10);
+  });
+  TrainerOptions o;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;  // no candidate with leaner state than given
+  o.batch = 1;
+  o.residency.mode = graph::ResidencyMode::resident;
+  o.residency.budget_bytes = plan_training(rt, model, o).device_peak_bytes - 1;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  const TrainingPlan whole = plan_training(rt, model, o);
+  TrainerOptions halves = o;
+  halves.batch = 8;
+  halves.accumulate = 2;
+  const TrainingPlan half = plan_training(rt, model, halves);
+  ASSERT_GE(detail::host_bytes_at_any_batch(half), detail::host_bytes_at_any_batch(whole)) << "a split lowered them";
+  ASSERT_GT(whole.host_step_bytes, 0u);
+  const auto split = [](const Configuration& c) { return c.flags.find("--accumulate") != std::string::npos; };
+
+  o.residency.host_budget_bytes = detail::host_bytes_at_any_batch(whole) - 1;
+  const ConfigurationSearch none = detail::search_configurations(rt, model, o, {}, false);
+  EXPECT_FALSE(none.chosen);
+  std::size_t skipped = 0;
+  for (const Configuration& c : none.tried) {
+    EXPECT_FALSE(c.fits()) << c.flags;
+    if (!split(c) || c.flags.find("resident") != std::string::npos) continue;  // resident: over the device budget
+    EXPECT_FALSE(c.plan) << c.flags << " was planned";
+    EXPECT_NE(c.error.find("not planned: at --batch 16"), std::string::npos) << c.flags << ": " << c.error;
+    ++skipped;
+  }
+  EXPECT_GT(skipped, 0u);
+
+  // Streamed as given, the stores fit and the step buffers do not: its splits are still planned.
+  // (The host limit is below every unsplit candidate's host bytes, so that the search splits.)
+  o.residency.host_budget_bytes = 0;
+  std::uint64_t least = std::numeric_limits<std::uint64_t>::max();
+  for (const Configuration& c : detail::search_configurations(rt, model, o, {}, false).tried)
+    if (c.plan) least = std::min(least, c.plan->host_bytes + c.plan->host_compressed_bytes);
+  ASSERT_LT(detail::host_bytes_at_any_batch(whole), least);
+  o.residency.host_budget_bytes = least - 1;
+  const ConfigurationSearch planned = detail::search_configurations(rt, model, o, {}, false);
+  const auto halved = std::find_if(planned.tried.begin(), planned.tried.end(), [](const Configuration& c) {
+    return c.flags == "--batch 8 --accumulate 2 --residency stream";
+  });
+  ASSERT_NE(halved, planned.tried.end());
+  EXPECT_TRUE(halved->plan) << halved->error;
+}
+
 TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
   Runtime rt;
   TrainerOptions o;

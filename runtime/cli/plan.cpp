@@ -330,6 +330,21 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
 }
 
+// The host bytes check_host_budget holds a plan to.
+std::uint64_t host_needed(const ferry::TrainingPlan& p) {
+  return p.host_bytes + p.host_compressed_bytes + p.host_restore_bytes;
+}
+
+// Of the configurations planned within the device budget (a host limit refused them), the one
+// needing the least host memory; none where no configuration fit the device budget.
+const ferry::Configuration* leanest_in_host_memory(const std::vector<ferry::Configuration>& tried) {
+  const ferry::Configuration* lean = nullptr;
+  for (const ferry::Configuration& c : tried) {
+    if (c.plan && (!lean || host_needed(*c.plan) < host_needed(*lean->plan))) lean = &c;
+  }
+  return lean;
+}
+
 // The configurations that fit, in the order tried, with their predictions, then the one to use.
 void print_search(const PlanReport& r) {
   const auto& tried = r.search.tried;
@@ -351,6 +366,13 @@ void print_search(const PlanReport& r) {
         ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), c->flags,
         ferry::format_bytes(c->plan->device_peak_bytes), ferry::format_bytes(c->plan->host_bytes),
         c->plan->predicted_step_ms);
+  } else if (const ferry::Configuration* lean = leanest_in_host_memory(tried)) {
+    // Some fit the device budget: host memory is what none fits.
+    std::cout << fmt::format(
+        "for a budget of {} and {} of host memory: no configuration fits the host memory; of those that fit the "
+        "device budget, the leanest in host memory ({}) needs {}\n",
+        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), lean->flags,
+        ferry::format_bytes(host_needed(*lean->plan)));
   } else {
     std::cout << fmt::format(
         "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
