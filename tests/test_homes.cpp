@@ -310,6 +310,24 @@ TEST(Homes, PinnedCommitFlipsOnlyTheTensorsTheStepWrote) {
   EXPECT_EQ(out, b1);
 }
 
+// Two places answer whether a step changes a home's tensors where they are: the store built for it
+// (what the compiled step commits by) and offload::changes_in_place (what the residency pass and the
+// planner decide by, before any store exists). They must agree for every home and copy count.
+TEST(Homes, TheStoreAndThePlannerAgreeOnWhatChangesInPlace) {
+  auto& dev = TestDevice::get();
+  const std::array<std::uint64_t, 1> sizes{4096};
+  const std::vector<offload::HomeTensor> tensors = {{{0, 0}, 64, 4, "a.adam_m"}};
+  for (const Home home : {Home::device, Home::host_pinned, Home::host_mapped, Home::host_compressed, Home::dropped}) {
+    for (const std::uint32_t copies : {1u, 2u}) {
+      offload::HomeStoreOptions options;
+      options.pinned_copies = copies;
+      const auto store = offload::make_home_store(home, dev.context, sizes, tensors, options, "test tensors");
+      EXPECT_EQ(store->updates_in_place(), offload::changes_in_place(home, copies))
+          << offload::home_name(home) << " with " << copies << " copies";
+    }
+  }
+}
+
 TEST(Homes, DeviceStoreRoundTripsThroughTheDevice) {
   auto& dev = TestDevice::get();
   const std::array<std::uint64_t, 1> sizes{4096};
