@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "ops/attrs.hpp"
 
@@ -315,6 +316,12 @@ TensorId Builder::softmax_xent(TensorId logits, TensorId labels) {
   }
   // Rows of classes: the op takes [rows, classes] and [rows]; views, not copies.
   const std::uint32_t classes = ls[ls.rank - 1u];
+  if (ls.elems() / classes > std::numeric_limits<std::uint32_t>::max()) {
+    throw BuildError(fmt::format(
+        "loss: logits {} ('{}') have {} rows of classes, more than the {} a shape axis "
+        "holds: use a smaller batch (or sequence)",
+        ls.str(), g_.tensors.name[logits], ls.elems() / classes, std::numeric_limits<std::uint32_t>::max()));
+  }
   const auto rows = static_cast<std::uint32_t>(ls.elems() / classes);
   const TensorId logits2 = ls.rank == 2 ? logits : reshape(logits, Shape{rows, classes});
   const TensorId labels1 = ys.rank == 1 ? labels : reshape(labels, Shape{rows});

@@ -99,6 +99,15 @@ namespace {
 // Causal multi-head self-attention over x [B, T, W]: separate q, k, v projections, then either the
 // fused op on [B, T, W] (heads side by side) or the unfused path: heads split as [B, H, T, D] by a
 // view and a permute, scores scaled by 1/sqrt(D), causal softmax, dropout, the value product.
+// The counter RNG's stream of one of block i's dropouts (0: the attention probabilities, 1: the
+// attention's output, 2: the MLP's output). The first 500 blocks keep the streams they always had
+// (2i, 2i + 1 and 1000 + i, and with them the masks models trained with); those streams meet from
+// block 500 on, so later blocks take three each from 1500.
+std::uint32_t dropout_stream(std::uint32_t block, std::uint32_t which) {
+  if (block < 500) return which == 2 ? 1000 + block : 2 * block + which;
+  return 1500 + 3 * (block - 500) + which;
+}
+
 TensorId attention(graph::Builder& b, TensorId x, const GptConfig& c, std::uint32_t seed) {
   const std::uint32_t batch = b.batch(), t = c.context, w = c.width, h = c.heads, d = w / h;
   auto split = [&](TensorId y) { return b.permute(b.reshape(y, graph::Shape{batch, t, h, d}), {0, 2, 1, 3}); };
@@ -150,9 +159,9 @@ ModelSpec gpt(const GptConfig& c) {
     TensorId x = b.embedding(in[0], c.vocab, c.width);
     x = b.add_parameter(x, graph::Shape{c.context, c.width}, 1.0f / std::sqrt(static_cast<float>(c.width)));
     for (std::uint32_t i = 0; i < c.depth; ++i) {
-      x = b.add(x, b.dropout(attention(b, b.layernorm(x), c, 2 * i), c.dropout, 2 * i + 1));
+      x = b.add(x, b.dropout(attention(b, b.layernorm(x), c, dropout_stream(i, 0)), c.dropout, dropout_stream(i, 1)));
       const TensorId mlp = b.linear(b.gelu(b.linear(b.layernorm(x), 4 * c.width)), c.width);
-      x = b.add(x, b.dropout(mlp, c.dropout, 1000 + i));
+      x = b.add(x, b.dropout(mlp, c.dropout, dropout_stream(i, 2)));
     }
     return b.linear(b.layernorm(x), c.vocab);
   };

@@ -15,8 +15,10 @@
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
 #include "ops/attention.hpp"
+#include "ops/attrs.hpp"
 #include "reference_executor.hpp"
 #include "runtime/trainer_internals.hpp"
+#include "runtime/trainer_variants.hpp"
 #include "test_support.hpp"
 #include "train_check.hpp"
 #include "unprivileged.hpp"
@@ -237,6 +239,34 @@ TEST(Gpt, EveryAttentionFamilyTrainsLikeTheUnfusedPath) {
 }
 
 // Streamed under the smallest budget it fits: bit-identical weights and losses to resident.
+// Every dropout of the model draws its own stream of the counter RNG (two that shared one would
+// drop the same elements), at any depth: block 500's MLP once took block 0's attention stream.
+TEST(Gpt, EveryDropoutDrawsItsOwnStream) {
+  models::GptConfig c = tiny_config();
+  c.depth = 1200;
+  c.dropout = 0.1f;
+  for (const bool fused : {false, true}) {
+    c.fused_attention = fused;
+    graph::VariantKey key;
+    key.batch = 1;
+    const graph::Graph g = forward_graph(models::gpt(c), key);
+    std::map<std::uint32_t, std::string> streams;
+    for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+      std::uint32_t stream = 0;
+      if (g.nodes.op[n] == ops::builtin::dropout) {
+        stream = ops::DropoutAttrs::of(g.nodes.attrs[n]).seed;
+      } else if (g.nodes.op[n] == ops::builtin::attention) {
+        stream = ops::AttentionAttrs::of(g.nodes.attrs[n]).seed;
+      } else {
+        continue;
+      }
+      const auto [at, fresh] = streams.emplace(stream, g.nodes.name[n]);
+      EXPECT_TRUE(fresh) << g.nodes.name[n] << " draws stream " << stream << " as " << at->second << " does";
+    }
+    EXPECT_EQ(streams.size(), 3u * c.depth) << "the attention probabilities', its output's and the MLP's";
+  }
+}
+
 TEST(Gpt, StreamedTrainingIsBitIdenticalToResident) {
   Runtime rt;
   const auto c = tiny_config();
@@ -573,8 +603,22 @@ TEST(TextCorpus, MissingOrEmptyTextIsAClearError) {
     ADD_FAILURE();
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("apt-get install fortunes"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("give --text"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(fortune_files(d), std::runtime_error);  // a folder without text
+  // A folder without text (what is in it is skipped): the message says what is skipped.
+  fs::create_directories(d / "sub");
+  std::ofstream(d / ".hidden") << "text";
+  std::ofstream(d / "x.dat") << "text";
+  try {
+    fortune_files(d);
+    ADD_FAILURE();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("hidden files, subfolders"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("give --text"), std::string::npos) << e.what();
+  }
+  fs::remove_all(d / "sub");
+  fs::remove(d / ".hidden");
+  fs::remove(d / "x.dat");
   std::ofstream(d / "empty");
   try {
     load_text_corpus({d / "empty"});

@@ -230,6 +230,20 @@ TEST(Builder, ShapeErrorsNameTheLayer) {
   EXPECT_EQ(g.tensors.shape[b.linear(b.input(), 10)], (graph::Shape{4, 1, 28, 10}));
   TensorId x = b.linear(b.flatten(b.input()), 7);
   EXPECT_THROW(b.softmax_xent(b.linear(b.input(), 10)), graph::BuildError);  // [4, 1, 28, 10]: one label per row
+  {
+    // Rows of a sequence loss past what a shape axis holds (batch x sequence >= 2^32): refused,
+    // not cut to their low bits by the views the loss takes.
+    graph::Graph big;
+    graph::Builder bb(big, 1u << 16);
+    const TensorId logits = bb.input("logits", graph::Shape{1u << 16, 3});
+    const TensorId labels = bb.input("labels", graph::Shape{1u << 16}, graph::DType::i32, graph::Role::label);
+    try {
+      bb.softmax_xent(logits, labels);
+      ADD_FAILURE() << "2^32 rows of classes were accepted";
+    } catch (const graph::BuildError& e) {
+      EXPECT_NE(std::string(e.what()).find("4294967296 rows of classes"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_THROW(b.add(x, b.linear(x, 8)), graph::BuildError);
   EXPECT_THROW(b.conv2d(x, 4, 3), graph::BuildError);
   // Convolutions: a kernel larger than the padded input, a padding past half the kernel.

@@ -409,7 +409,8 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--heads", t.heads, "gpt: attention heads")->check(positive_number())->capture_default_str();
   app->add_option("--attention", t.attention,
                   "gpt: fused (one op per block, no context x context tensors; head dimension up to 128) or "
-                  "unfused (batched matmuls, causal softmax, dropout: the reference path)")
+                  "unfused (batched matmuls, a causal softmax and a dropout op: the reference path; both take "
+                  "--dropout, with the same masks)")
       ->check(CLI::IsMember({"fused", "unfused"}))
       ->capture_default_str();
   app->add_option("--context", t.context, "gpt: characters per window")
@@ -692,7 +693,11 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
       ->check(positive_number())
       ->capture_default_str();
   train->add_option("--sample", t.sample, "gpt: characters of text to generate after training");
-  train->add_option("--prompt", t.prompt, "gpt: text the sample continues (default: a newline)");
+  train
+      ->add_option("--prompt", t.prompt,
+                   "gpt: text the sample continues (default: a newline); of a prompt longer than --context, the "
+                   "model sees the last --context characters")
+      ->check(not_empty());
   train->add_option("--temperature", t.temperature, "gpt: sampling temperature")
       ->check(positive_number())
       ->capture_default_str();

@@ -22,6 +22,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr std::uint32_t default_eval_every = 250;  // --eval-every not given
+
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -50,7 +52,7 @@ class PromptWindow final : public DataSource {
 // `count` characters continuing `prompt`, each drawn from softmax(logits / temperature).
 std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_t context, const std::string& prompt,
                         std::uint32_t count, float temperature, std::uint64_t seed) {
-  std::vector<std::int32_t> text = corpus.encode(prompt.empty() ? std::string("\n") : prompt);
+  std::vector<std::int32_t> text = corpus.encode(prompt);
   const std::size_t prompt_len = text.size();
   const std::uint32_t vocab = corpus.vocab_size();
   std::mt19937_64 rng(seed);
@@ -129,6 +131,13 @@ LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArg
     p.recent = j.at("recent").get<std::vector<float>>();
     if (p.recent.size() > LoopPosition::recent_losses) throw fail("its recent losses are too many");
     v.curve = j.at("curve");
+    // A run that ended off the --eval-every grid reported once more at its end; the run resumed
+    // past that step would not have, so its point goes (the curve then is the straight run's).
+    const std::uint32_t every = a.eval_every ? a.eval_every : default_eval_every;
+    if (p.done < steps && p.done % every != 0 && !v.curve.empty() &&
+        v.curve.back().at("step").get<std::uint64_t>() == p.done) {
+      v.curve.erase(v.curve.end() - 1);
+    }
     p.train_seconds = j.at("train_seconds").get<double>();
     p.boundary_seconds = j.at("eval_seconds").get<double>();
     v.val_loss = j.at("val_loss").get<double>();
@@ -157,7 +166,7 @@ models::GptConfig gpt_config(const TrainArgs& a, const TextCorpus& corpus) {
   c.dropout = a.dropout;
   const std::size_t held_out = corpus.ids.size() - corpus.train_end;
   const std::size_t shorter_part = std::min<std::size_t>(corpus.train_end, held_out);
-  if (shorter_part < c.context + 1u) {
+  if (shorter_part < std::uint64_t{c.context} + 1) {
     throw std::invalid_argument(fmt::format(
         "the text has {} characters ({} to train on, {} held out for validation), too few for one window of "
         "--context {} + 1 in each part: {}",
@@ -213,15 +222,17 @@ void add_gpt_fields(nlohmann::json& j, const TrainArgs& a, const models::GptConf
             {"curve", validation.curve}});
 }
 
-// The GPT's learning rates: a warmup of a tenth of the updates (at most 100), then --schedule down
-// to a tenth of --lr. The schedule counts optimizer updates: `steps` micro-batches over
-// `accumulate`.
+// The GPT's learning rates: cosine, a warm-up of a tenth of the updates (at most 100), then down
+// to a tenth of --lr; constant, --lr at every update (no warm-up, whose length would depend on
+// --steps: a resume to more steps would then train other numbers than the straight run). The
+// schedule counts optimizer updates: `steps` micro-batches over `accumulate`.
 LrSchedule gpt_schedule(const TrainArgs& a, std::uint32_t steps, std::uint32_t accumulate) {
   LrSchedule schedule;
   schedule.kind = parse_schedule(a.schedule);
   schedule.peak = a.lr;
   schedule.total_steps = updates_in(steps, accumulate);
-  schedule.warmup_steps = std::min<std::uint64_t>(100, schedule.total_steps / 10);
+  if (schedule.kind == LrSchedule::Kind::cosine)
+    schedule.warmup_steps = std::min<std::uint64_t>(100, schedule.total_steps / 10);
   schedule.min_lr = a.lr / 10;
   schedule.validate();
   return schedule;
@@ -249,6 +260,12 @@ void check_run_makes_sense(const TrainArgs& a, const TextCorpus& corpus, std::ui
   try {
     (void)corpus.encode(a.prompt);
   } catch (const std::invalid_argument& e) {
+    if (a.prompt == "\n") {  // the default, or given as it
+      throw std::invalid_argument(fmt::format(
+          "--prompt is a newline (its default) and this text has none ({}): give --prompt with characters of the "
+          "text (checked before training)",
+          e.what()));
+    }
     throw std::invalid_argument(
         fmt::format("--prompt: {}: give a prompt made of the text's characters (checked before training)", e.what()));
   }
@@ -291,7 +308,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   TrainingLoop loop(
       trainer, windows,
       {.steps = steps,
-       .boundary_every = a.eval_every ? a.eval_every : 250,
+       .boundary_every = a.eval_every ? a.eval_every : default_eval_every,
        .max_seconds = a.max_minutes * 60,
        .schedule = schedule,
        .units_per_step = std::uint64_t{batch} * t,

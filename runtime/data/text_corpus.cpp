@@ -50,8 +50,8 @@ std::vector<fs::path> fortune_files(fs::path dir) {
   if (ec && st.type() != fs::file_type::not_found) unreachable_folder(dir, ec);
   if (!fs::is_directory(st)) {
     throw std::runtime_error(
-        fmt::format("no text corpus: {} is not a folder; install Debian's fortunes (apt-get install fortunes) or set "
-                    "FERRY_TEXT_DIR to a folder of text files",
+        fmt::format("no text corpus: {} is not a folder; give --text (FERRY_TEXT_DIR) a folder of text files, or "
+                    "install Debian's fortunes (apt-get install fortunes), the default",
                     dir.string()));
   }
   std::set<fs::path> unique;  // resolved paths: several names link to one file
@@ -70,7 +70,9 @@ std::vector<fs::path> fortune_files(fs::path dir) {
   if (ec) unreachable_folder(dir, ec);
   if (unique.empty()) {
     throw std::runtime_error(
-        fmt::format("no text files in {}: install Debian's fortunes (apt-get install fortunes) or set FERRY_TEXT_DIR",
+        fmt::format("no text files in {} (files named *.dat or *.u8, hidden files, subfolders and special files "
+                    "are skipped): give --text (FERRY_TEXT_DIR) a folder of text files, or install Debian's fortunes "
+                    "(apt-get install fortunes), the default",
                     dir.string()));
   }
   return {unique.begin(), unique.end()};

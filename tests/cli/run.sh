@@ -181,6 +181,13 @@ expect_error "width not a multiple of heads" "multiple of heads" \
 expect_error "a sample prompt outside the vocabulary" "not in the corpus's vocabulary" \
   train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 \
   --sample 5 --prompt "Zebra!"
+expect_error "an empty sample prompt" "--prompt: is empty" \
+  train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 \
+  --sample 5 --prompt ""
+mkdir -p "$work/one-line" && printf 'abcab%.0s' $(seq 200) >"$work/one-line/a"
+expect_error "no --prompt and a text without newlines (checked before training)" \
+  "--prompt is a newline (its default) and this text has none" \
+  train --model gpt --text "$work/one-line" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --sample 5
 
 # GPT checkpoints: 3 steps + --resume to 6 gives the 6-step run's results bit for bit (losses and
 # validation curve), SIGINT writes a checkpoint and the printed command finishes the run.
@@ -194,6 +201,20 @@ check "GPT: --checkpoint writes a checkpoint" test -s "$work/g3.ckpt"
 check "GPT: 3 steps + --resume to 6 gives the 6-step results" test "$(gresults "$gpt36")" = "$(gresults "$gpt6")"
 check "GPT: ... which differ from 3 steps'" test "$(gresults "$gpt3")" != "$(gresults "$gpt6")"
 check "GPT: the resumed curve holds both reports" test "$(grep -o '"step":[0-9]*' <<<"$gpt36" | tr '\n' ' ')" = '"step":3 "step":6 '
+# A run that ends off the --eval-every grid reports at its end; resumed to more steps, that report
+# goes, and losses and curve are the straight run's (the constant schedule has no warm-up, whose
+# length --steps would set: 10 steps once warmed up over 1 update, 20 over 2).
+g4=(train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --eval-every 4
+  --schedule constant --quiet --json)
+gcurve() { grep -o '"step":[0-9]*,"val_loss":[^}]*' <<<"$1" | tr '\n' ' '; }
+gpt20=$("$ferry" "${g4[@]}" --steps 20)
+"$ferry" "${g4[@]}" --steps 10 --checkpoint "$work/g10.ckpt" >/dev/null
+gpt1020=$("$ferry" "${g4[@]}" --steps 20 --resume "$work/g10.ckpt")
+check "GPT: 10 steps (off the report grid) + --resume to 20 gives the 20-step results" \
+  test "$(gresults "$gpt1020")" = "$(gresults "$gpt20")"
+check "GPT: ... and the 20-step curve" test "$(gcurve "$gpt1020")" = "$(gcurve "$gpt20")"
+check "GPT: ... which reports at 4, 8, 12, 16, 20" test "$(grep -o '"step":[0-9]*' <<<"$gpt1020" | tr '\n' ' ')" = \
+  '"step":4 "step":8 "step":12 "step":16 "step":20 '
 expect_error "GPT: resuming with another seed" "resume with --seed 1" "${g[@]}" --steps 6 --seed 2 --resume "$work/g3.ckpt"
 expect_error "GPT: resuming to fewer steps than done" "give --steps 6 or more" "${g[@]}" --steps 4 --resume "$work/g6.ckpt"
 expect_error "GPT: resuming a classifier's checkpoint" "its model is 'mlp-784-1024-1024-10'" \
