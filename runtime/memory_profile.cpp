@@ -251,8 +251,12 @@ void MemoryProfiler::write_phase_csv(const std::filesystem::path& path, WriteOpt
 
 std::string MemoryProfiler::summary() const {
   std::string s;
-  for (const auto& p : phases()) {
-    s += fmt::format("  {:<5} {:<8} device peak {:>10} (at {}), mean {:>10}\n", p.variant, p.section,
+  const std::vector<MemoryPhaseSummary> rows = phases();
+  // One column for every variant's name ("train", "eval16", "micro-batch", ...).
+  std::size_t name_width = 5;
+  for (const auto& p : rows) name_width = std::max(name_width, p.variant.size());
+  for (const auto& p : rows) {
+    s += fmt::format("  {:<{}} {:<8} device peak {:>10} (at {}), mean {:>10}\n", p.variant, name_width, p.section,
                      format_bytes(p.peak_bytes), p.peak_node, format_bytes(p.mean_bytes));
   }
   for (const auto& sp : spikes(3)) {

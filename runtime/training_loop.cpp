@@ -283,9 +283,14 @@ void TrainingLoop::save_checkpoint() {
 }
 
 // "epoch 2/10 [#########...............]  38%  loss 0.4120  5301 samples/s  ETA 0:00:41", redrawn
-// in place on a terminal, one line per tenth otherwise.
+// in place on a terminal, one line per tenth otherwise; "-- samples/s  ETA -:--:--" after the
+// run's first step.
 void TrainingLoop::show_progress() {
   if (!options_.progress) return;
+  if (summary_.steps_run == 1) {
+    paced_from_ = Clock::now();
+    paced_train_seconds_ = summary_.run_train_seconds;
+  }
   const std::uint64_t done = position_.done;
   const std::uint64_t per_epoch = options_.steps_per_epoch;
   std::string what;
@@ -303,18 +308,23 @@ void TrainingLoop::show_progress() {
   const int decile = static_cast<int>(frac * 10);
   if (!progress_tty_ && decile == progress_decile_ && part_done != part_total) return;
   progress_decile_ = decile;
-  const double train_s = summary_.run_train_seconds;
-  const double run_steps = static_cast<double>(summary_.steps_run);
-  const double rate = train_s > 0 ? run_steps * static_cast<double>(options_.units_per_step) / train_s : 0;
-  // The time left at this run's pace so far, evaluation and checkpoints included (training time
-  // alone promised 0:00:00 for most of a run that spends it on reports).
-  const double eta = seconds_since(run_start_) / run_steps * static_cast<double>(options_.steps - done);
+  // The pace of the steps after this run's first (whose kernel builds and first touches made the
+  // quick start's first line say 6 samples/s and 2:37:05 left of a 4-minute run), and the time
+  // left at it, evaluation and checkpoints included (training time alone promised 0:00:00 for
+  // most of a run that spends its time on reports). Unknown after one step.
+  std::string pace = fmt::format("-- {}/s  ETA -:--:--", options_.unit);
+  if (const std::uint64_t paced = summary_.steps_run - 1; paced > 0) {
+    const double train_s = summary_.run_train_seconds - paced_train_seconds_;
+    const double rate = train_s > 0 ? static_cast<double>(paced * options_.units_per_step) / train_s : 0;
+    const double eta =
+        seconds_since(paced_from_) / static_cast<double>(paced) * static_cast<double>(options_.steps - done);
+    pace = fmt::format("{:.0f} {}/s  ETA {}", rate, options_.unit, format_duration(eta));
+  }
   constexpr int width = 24;
   const int filled = static_cast<int>(frac * width);
   const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
-  std::cerr << fmt::format("{}{} [{}] {:3.0f}%  loss {:.4f}  {:.0f} {}/s  ETA {}{}", progress_tty_ ? "\r" : "", what,
-                           bar, frac * 100, loss, rate, options_.unit, format_duration(eta),
-                           progress_tty_ ? "\033[K" : "\n");
+  std::cerr << fmt::format("{}{} [{}] {:3.0f}%  loss {:.4f}  {}{}", progress_tty_ ? "\r" : "", what, bar, frac * 100,
+                           loss, pace, progress_tty_ ? "\033[K" : "\n");
   progress_line_open_ = progress_tty_;
   if (part_done == part_total) end_progress_line();
 }

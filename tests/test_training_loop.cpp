@@ -7,6 +7,7 @@
 #include <cmath>
 #include <csignal>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <span>
@@ -258,6 +259,33 @@ TEST_F(TrainingLoopTest, EndsAtABoundaryWhenTheTimeIsUp) {
   every.on_boundary = [&](const LoopPosition& p) { at.push_back(p.done); };
   EXPECT_EQ(every.run().end, LoopSummary::End::finished);
   EXPECT_EQ(at, (std::vector<std::uint64_t>{4, 8, 10}));
+}
+
+// The progress line (one per tenth off a terminal) gives no pace after the run's first step, whose
+// kernel builds and first touches once made it promise hours for a run of minutes, and the pace of
+// the steps after it from then on.
+TEST_F(TrainingLoopTest, TheProgressLinesPaceLeavesOutTheFirstStep) {
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 1);
+  std::ostringstream err;
+  std::streambuf* const was = std::cerr.rdbuf(err.rdbuf());
+  try {
+    TrainingLoop(trainer, batches, {.steps = 10, .progress = true}).run();
+  } catch (...) {
+    std::cerr.rdbuf(was);
+    throw;
+  }
+  std::cerr.rdbuf(was);
+  std::vector<std::string> lines;
+  std::istringstream in(err.str());
+  for (std::string line; std::getline(in, line);)
+    if (line.starts_with("step ")) lines.push_back(line);
+  ASSERT_GE(lines.size(), 2u) << err.str();
+  EXPECT_TRUE(lines.front().starts_with("step 1/10 ")) << lines.front();
+  EXPECT_TRUE(lines.front().ends_with("-- samples/s  ETA -:--:--")) << lines.front();
+  EXPECT_TRUE(lines.back().starts_with("step 10/10 ")) << lines.back();
+  EXPECT_EQ(lines.back().find("--"), std::string::npos) << lines.back();
+  EXPECT_NE(lines.back().find(" samples/s  ETA 0:00:00"), std::string::npos) << lines.back();
 }
 
 // A batch the trainer refuses ends the loop with its error; the step in flight is settled, so the

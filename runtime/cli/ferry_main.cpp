@@ -154,23 +154,25 @@ ferry::LoopPosition decode_position(const std::vector<std::byte>& bytes, const T
 // peak, and what streaming, mapping or staging moves per step.
 std::string residency_banner(const ferry::Trainer& trainer) {
   const auto& rr = trainer.residency();
+  // The state's homes apart from the steps' host pools (host_state_bytes counts both).
+  const std::uint64_t state_bytes = compiled_train_step(trainer).persistent()->host_bytes();
+  const std::uint64_t step_bytes = trainer.host_state_bytes() - state_bytes;
   std::string where;
   switch (rr.mode) {
     case ferry::graph::ResidencyMode::stream:
       where = fmt::format(
-          "; weights and optimizer state in {} of {} host memory; per step {} fetches ({}) and {} "
-          "write-backs ({}), issued {} compute nodes ahead{}",
-          ferry::format_bytes(trainer.host_state_bytes()), ferry::offload::host_memory_name(trainer.host_memory()),
-          rr.fetches, ferry::format_bytes(rr.fetch_bytes), rr.write_backs, ferry::format_bytes(rr.write_back_bytes),
-          rr.lookahead,
+          "; weights and optimizer state in {} of {} host memory, step tensors in {} more; per step {} fetches ({}) "
+          "and {} write-backs ({}), issued {} compute nodes ahead{}",
+          ferry::format_bytes(state_bytes), ferry::offload::host_memory_name(trainer.host_memory()),
+          ferry::format_bytes(step_bytes), rr.fetches, ferry::format_bytes(rr.fetch_bytes), rr.write_backs,
+          ferry::format_bytes(rr.write_back_bytes), rr.lookahead,
           rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
       break;
     case ferry::graph::ResidencyMode::mapped:
       where = fmt::format(
           "; weights and optimizer state in {} of host memory, the mapped ones used by kernels in place "
           "(zero-copy); {} of step tensors (their gradients, staging) in pinned host memory",
-          ferry::format_bytes(trainer.host_state_bytes()),
-          ferry::format_bytes(compiled_train_step(trainer).host_step_bytes()));
+          ferry::format_bytes(state_bytes), ferry::format_bytes(step_bytes));
       break;
     default:
       break;

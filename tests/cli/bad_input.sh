@@ -269,6 +269,15 @@ mkdir -p "$work/short-text" "$work/binary-text"
 echo "a few words of text, no more" >"$work/short-text/a"
 row "text too short for --context" "use --context 2 or less, or give --text a folder with more text" error - \
   train --model gpt --width 16 --depth 1 --heads 2 --context 64 --batch 4 --steps 1 --quiet --text "$work/short-text"
+mkdir -p "$work/no-newline" && printf 'abcab%.0s' $(seq 200) >"$work/no-newline/a"
+row "--sample with no --prompt on a text without newlines" "--prompt is a newline (its default) and this text has none" \
+  error - train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --sample 5 \
+  --text "$work/no-newline"
+row "--prompt empty" "--prompt: is empty: give a value, or leave the option out" error - \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --sample 5 --prompt ""
+mkdir -p "$work/hidden-only/sub" && echo text >"$work/hidden-only/.notes" && echo text >"$work/hidden-only/sub/a"
+row "--text folder with nothing read as text" "hidden files, subfolders and special files are skipped" error - \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/hidden-only"
 head -c 4096 /dev/urandom >"$work/binary-text/blob.bin"
 row "--text folder holding a binary file" "looks binary, not text" error - \
   train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/binary-text"

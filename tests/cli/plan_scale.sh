@@ -13,6 +13,12 @@ max_rss_kib=$((1024 * 1024))
 # what the plan says, not how fast or lean it is: Debug code runs several times slower and
 # AddressSanitizer's shadow memory counts in the resident set.
 bounds=${FERRY_PLAN_SCALE_BOUNDS:-1}
+# GNU time measures the maximum resident set; a minimal Debian has no /usr/bin/time (bash's
+# `time` keyword reports no memory).
+if [ ! -x /usr/bin/time ]; then
+  echo "FAIL: plan_scale needs /usr/bin/time (Debian package 'time': apt-get install time; .ci/quickstart installs it)"
+  exit 1
+fi
 /usr/bin/time -v -o "$work/time.txt" "$ferry" plan --model gpt --width 4096 --depth 32 --heads 32 --context 256 \
   --batch 8 --device-budget 24GiB --optimizer adamw8bit --json >"$work/plan.json" 2>"$work/stderr.txt"
 status=$?

@@ -170,6 +170,10 @@ class TrainingLoop {
   bool progress_tty_ = false;
   bool progress_line_open_ = false;  // on a terminal: a progress line drawn without its newline yet
   int progress_decile_ = -1;         // a progress line not on a terminal: one per tenth of the epoch or run
+  // The progress line's pace counts from the end of this run's first step (which builds kernels
+  // and first touches memory): when it ended, and its training seconds.
+  std::chrono::steady_clock::time_point paced_from_;
+  double paced_train_seconds_ = 0;
 };
 
 }  // namespace ferry
