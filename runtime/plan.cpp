@@ -617,6 +617,10 @@ std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b) {
   return a > std::numeric_limits<std::uint64_t>::max() - b ? std::numeric_limits<std::uint64_t>::max() : a + b;
 }
 
+std::uint64_t host_bytes_needed(const TrainingPlan& plan) {
+  return saturating_add(saturating_add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
+}
+
 std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan) {
   return saturating_add(saturating_add(plan.host_store_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
 }
@@ -626,8 +630,7 @@ std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan) {
 void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes, HostLimit limit_by) {
   // The smaller of the budget and physical memory, where each applies: a plan over it is over that one.
   const std::uint64_t limit = detail::host_limit_bytes(host_budget_bytes, limit_by);
-  const std::uint64_t needed = detail::saturating_add(
-      detail::saturating_add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
+  const std::uint64_t needed = detail::host_bytes_needed(plan);
   if (limit == 0 || needed <= limit) return;
   const std::string what = limit == host_budget_bytes
                                ? fmt::format("the host budget of {}", format_bytes(host_budget_bytes))

@@ -16,6 +16,10 @@ std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_
 // a + b, or the largest value where that would wrap around.
 std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b);
 
+// The host bytes check_host_budget holds a plan to: its host bytes, the compressed chunks' bound
+// and the Predict runs' restore point (saturating).
+std::uint64_t host_bytes_needed(const TrainingPlan& plan);
+
 // The host bytes of a plan that no micro-batch split lowers: the persistent tensors' stores, the
 // compressed chunks' bound and the Predict runs' restore point (a split only shrinks the step pools,
 // and adds gradient sums).

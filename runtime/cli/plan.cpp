@@ -15,6 +15,7 @@
 #include <stdexcept>
 
 #include "cli.hpp"
+#include "runtime/plan_search.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -330,17 +331,13 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
 }
 
-// The host bytes check_host_budget holds a plan to.
-std::uint64_t host_needed(const ferry::TrainingPlan& p) {
-  return p.host_bytes + p.host_compressed_bytes + p.host_restore_bytes;
-}
-
 // Of the configurations planned within the device budget (a host limit refused them), the one
 // needing the least host memory; none where no configuration fit the device budget.
 const ferry::Configuration* leanest_in_host_memory(const std::vector<ferry::Configuration>& tried) {
   const ferry::Configuration* lean = nullptr;
   for (const ferry::Configuration& c : tried) {
-    if (c.plan && (!lean || host_needed(*c.plan) < host_needed(*lean->plan))) lean = &c;
+    if (c.plan && (!lean || ferry::detail::host_bytes_needed(*c.plan) < ferry::detail::host_bytes_needed(*lean->plan)))
+      lean = &c;
   }
   return lean;
 }
@@ -372,7 +369,7 @@ void print_search(const PlanReport& r) {
         "for a budget of {} and {} of host memory: no configuration fits the host memory; of those that fit the "
         "device budget, the leanest in host memory ({}) needs {}\n",
         ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), lean->flags,
-        ferry::format_bytes(host_needed(*lean->plan)));
+        ferry::format_bytes(ferry::detail::host_bytes_needed(*lean->plan)));
   } else {
     std::cout << fmt::format(
         "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
