@@ -96,9 +96,6 @@ ModelSpec deep(std::uint32_t width, std::uint32_t depth) {
 
 namespace {
 
-// Causal multi-head self-attention over x [B, T, W]: separate q, k, v projections, then either the
-// fused op on [B, T, W] (heads side by side) or the unfused path: heads split as [B, H, T, D] by a
-// view and a permute, scores scaled by 1/sqrt(D), causal softmax, dropout, the value product.
 // The counter RNG's stream of one of block i's dropouts (0: the attention probabilities, 1: the
 // attention's output, 2: the MLP's output). The first 500 blocks keep the streams they always had
 // (2i, 2i + 1 and 1000 + i, and with them the masks models trained with); those streams meet from
@@ -108,6 +105,9 @@ std::uint32_t dropout_stream(std::uint32_t block, std::uint32_t which) {
   return 1500 + 3 * (block - 500) + which;
 }
 
+// Causal multi-head self-attention over x [B, T, W]: separate q, k, v projections, then either the
+// fused op on [B, T, W] (heads side by side) or the unfused path: heads split as [B, H, T, D] by a
+// view and a permute, scores scaled by 1/sqrt(D), causal softmax, dropout, the value product.
 TensorId attention(graph::Builder& b, TensorId x, const GptConfig& c, std::uint32_t seed) {
   const std::uint32_t batch = b.batch(), t = c.context, w = c.width, h = c.heads, d = w / h;
   auto split = [&](TensorId y) { return b.permute(b.reshape(y, graph::Shape{batch, t, h, d}), {0, 2, 1, 3}); };
