@@ -458,6 +458,9 @@ TEST(AttentionTune, BuildingAheadMeasuresTheSameCandidates) {
     o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8", "blocked TQ=9", "blocked TQ=16 TK=8", "gemm"};
     o.shapes = {{1, 40, 2, 16}, {1, 24, 1, 80}};
     o.build_ahead_on_cpus = ahead;
+    // No time limit to speak of: with cold kernel caches (a fresh machine, PoCL compiling every
+    // program) the default 60 s stopped the first search after 4 of the 5 candidates.
+    o.budget_seconds = 3600;
     r = ops::tune_attention(env, o);
     const cl::ProgramCacheStats stats = kernels.stats();
     std::filesystem::remove_all(dir);
@@ -509,6 +512,7 @@ TEST(AttentionTune, SearchesCachesAndRefusesADamagedCache) {
   ops::AttentionTuneOptions o;
   o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8", "blocked TQ=9"};  // the last one cannot run
   o.shapes = {{1, 40, 2, 16}, {2, 24, 1, 32}, {1, 24, 1, 80}};               // two in the class up to 64, one up to 128
+  o.budget_seconds = 3600;  // every candidate measured, however cold the kernel caches
   std::size_t reports = 0;
   o.progress = [&](const ops::AttentionTuneProgress& p) {
     ++reports;
