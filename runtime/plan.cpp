@@ -603,6 +603,16 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
   return out;
 }
 
+namespace {
+
+// a + b, or the largest value where that would wrap around: byte counts this large are refused,
+// not wrapped around below the budget.
+std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b) {
+  return a > std::numeric_limits<std::uint64_t>::max() - b ? std::numeric_limits<std::uint64_t>::max() : a + b;
+}
+
+}  // namespace
+
 namespace detail {
 
 std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_by) {
@@ -610,11 +620,6 @@ std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_
       limit_by == HostLimit::budget_if_given && host_budget_bytes != 0 ? 0 : physical_memory_bytes();
   if (host_budget_bytes == 0) return physical;
   return physical == 0 ? host_budget_bytes : std::min(host_budget_bytes, physical);
-}
-
-// Saturating: byte counts this large are refused, not wrapped around below the budget.
-std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b) {
-  return a > std::numeric_limits<std::uint64_t>::max() - b ? std::numeric_limits<std::uint64_t>::max() : a + b;
 }
 
 std::uint64_t host_bytes_needed(const TrainingPlan& plan) {

@@ -13,9 +13,6 @@ ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& mod
 // machine's physical memory where each applies; 0 for no limit.
 std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_by);
 
-// a + b, or the largest value where that would wrap around.
-std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b);
-
 // The host bytes check_host_budget holds a plan to: its host bytes, the compressed chunks' bound
 // and the Predict runs' restore point (saturating).
 std::uint64_t host_bytes_needed(const TrainingPlan& plan);

@@ -228,7 +228,9 @@ void TrainingLoop::read(InFlight f, bool boundary) {
   ++position_.done;
   const std::uint64_t run_index = summary_.steps_run++;
   if (run_index == 0) {
-    summary_.first_step_ms = r.step_ms;  // one-off costs: left out of the mean
+    summary_.first_step_ms = r.step_ms;  // one-off costs: left out of the mean and the progress line's pace
+    paced_from_ = now;
+    paced_train_seconds_ = summary_.run_train_seconds;
   } else {
     step_ms_sum_ += r.step_ms;
   }
@@ -287,10 +289,6 @@ void TrainingLoop::save_checkpoint() {
 // run's first step.
 void TrainingLoop::show_progress() {
   if (!options_.progress) return;
-  if (summary_.steps_run == 1) {
-    paced_from_ = Clock::now();
-    paced_train_seconds_ = summary_.run_train_seconds;
-  }
   const std::uint64_t done = position_.done;
   const std::uint64_t per_epoch = options_.steps_per_epoch;
   std::string what;
