@@ -50,8 +50,12 @@ class PromptWindow final : public DataSource {
 };
 
 // `count` characters continuing `prompt`, each drawn from softmax(logits / temperature).
+// Stops between characters on SIGINT / SIGTERM (a second one ends the process): `stopped_by` is
+// then the signal, and the text is what was sampled so far.
 std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_t context, const std::string& prompt,
-                        std::uint32_t count, float temperature, std::uint64_t seed) {
+                        std::uint32_t count, float temperature, std::uint64_t seed, int& stopped_by) {
+  const StopSignals signals;
+  stopped_by = 0;
   std::vector<std::int32_t> text = corpus.encode(prompt);
   const std::size_t prompt_len = text.size();
   const std::uint32_t vocab = corpus.vocab_size();
@@ -59,6 +63,7 @@ std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_
   PromptWindow window(context);
   std::vector<double> p(vocab);
   for (std::uint32_t i = 0; i < count; ++i) {
+    if ((stopped_by = StopSignals::received()) != 0) break;
     const std::size_t n = window.set(text);
     const Trainer::HostTensor logits = trainer.predict(window);
     const auto* row = reinterpret_cast<const float*>(logits.bytes.data()) + (n - 1) * vocab;
@@ -180,13 +185,18 @@ models::GptConfig gpt_config(const TrainArgs& a, const TextCorpus& corpus) {
 
 // The set-up lines: the model, its device, the text and where the state lives.
 void announce_gpt(const Runtime& runtime, const Trainer& trainer, double compile_s, const TextCorpus& corpus,
-                  const TextWindows& val, std::uint32_t context) {
+                  const TextWindows& val, std::uint32_t context, std::uint32_t val_windows_asked) {
+  // Fewer windows than --val-windows asked for: said here and in --json's `val_windows`.
+  const std::string fewer =
+      val.size() < val_windows_asked
+          ? fmt::format("; --val-windows {} asked for more than the held-out text holds", val_windows_asked)
+          : std::string();
   std::cerr << fmt::format(
       "ferry: {} on {} ({}); {} parameters; training state {}; compiled in {:.1f} s\n"
-      "ferry: text: {} files, {} characters ({} distinct), {} held out ({} validation windows of {})\n",
+      "ferry: text: {} files, {} characters ({} distinct), {} held out ({} validation windows of {}{})\n",
       trainer.model().name, runtime.device().name, runtime.device().type_name(), trainer.parameter_count(),
       format_bytes(trainer.training_state_bytes()), compile_s, corpus.files, corpus.ids.size(), corpus.vocab_size(),
-      corpus.ids.size() - corpus.train_end, val.size(), context);
+      corpus.ids.size() - corpus.train_end, val.size(), context, fewer);
 }
 
 void announce_residency(const Trainer& trainer) {
@@ -201,7 +211,7 @@ void announce_residency(const Trainer& trainer) {
 
 // The GPT's own fields of the --json line: its shape, losses, rates and validation curve.
 void add_gpt_fields(nlohmann::json& j, const TrainArgs& a, const models::GptConfig& c, const LoopSummary& run,
-                    const Validation& validation, double tokens_per_s, double compile_s) {
+                    const Validation& validation, std::size_t val_windows, double tokens_per_s, double compile_s) {
   const std::uint64_t done = run.position.done;
   const double train_seconds = run.position.train_seconds;
   j.update({{"vocab", c.vocab},
@@ -213,6 +223,7 @@ void add_gpt_fields(nlohmann::json& j, const TrainArgs& a, const models::GptConf
             {"steps", done},
             {"train_loss", run.position.recent_loss()},
             {"val_loss", validation.val_loss},
+            {"val_windows", val_windows},  // what val_loss ran over: at most --val-windows
             {"tokens_per_s", tokens_per_s},
             {"step_ms", 1e3 * train_seconds / static_cast<double>(done)},
             {"train_seconds", train_seconds},
@@ -294,7 +305,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   const double compile_s = seconds_since(compile_start);
   const TextWindows val = TextWindows::held_out(corpus, c.context, a.val_windows);
   if (!a.quiet) {
-    announce_gpt(runtime, trainer, compile_s, corpus, val, c.context);
+    announce_gpt(runtime, trainer, compile_s, corpus, val, c.context, a.val_windows);
     announce_ranks(a, trainer, batch);
     announce_residency(trainer);
   }
@@ -371,10 +382,17 @@ int cmd_train_gpt(const TrainArgs& args) {
   write_memory_profiles(a, trainer, profiler, output_errors);
   const double tokens_per_s = static_cast<double>(done) * batch * t / train_seconds;
   std::string sample;
+  int sample_stopped_by = 0;
   if (a.sample) {
-    sample = sample_text(trainer, corpus, t, a.prompt, a.sample, a.temperature, a.seed);
+    if (!a.quiet) std::cerr << fmt::format("ferry: sampling {} characters (SIGINT stops it)\n", a.sample);
+    sample = sample_text(trainer, corpus, t, a.prompt, a.sample, a.temperature, a.seed, sample_stopped_by);
     // Asked for, so printed also with --quiet (which silences progress, not results).
     std::cerr << "ferry: sample:\n" << a.prompt << sample << "\n";
+    if (sample_stopped_by != 0) {  // training is done (and checkpointed): the results still follow
+      std::cerr << fmt::format("ferry: sampling stopped by {} after {} of {} characters; training had finished{}\n",
+                               sample_stopped_by == SIGINT ? "SIGINT" : "SIGTERM", sample.size(), a.sample,
+                               a.checkpoint_path.empty() ? "" : fmt::format(" (checkpoint {})", a.checkpoint_path));
+    }
   }
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: val loss {:.4f} nats/char after {} steps, {:.0f} tokens/s, {:.1f} ms/step\n",
@@ -382,12 +400,14 @@ int cmd_train_gpt(const TrainArgs& args) {
   }
   if (a.json) {
     nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
-    add_gpt_fields(j, a, c, run, validation, tokens_per_s, compile_s);
+    add_gpt_fields(j, a, c, run, validation, val.size(), tokens_per_s, compile_s);
     add_attention_kernel(j, runtime, c, batch);
     if (a.sample) j["sample"] = sample;
+    if (sample_stopped_by != 0) j["sample_stopped"] = true;
     // Sampled text may hold bytes that are not UTF-8 (the corpus is bytes): replaced in the JSON.
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   }
+  if (sample_stopped_by != 0) return 128 + sample_stopped_by;
   return train_exit_status(output_errors);
 }
 

@@ -173,6 +173,13 @@ check "the GPT curve has a point per validation (steps 3 and 6)" test "$(grep -o
 few=$("$ferry" train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 \
   --steps 2 --val-windows 2 2>&1 >/dev/null)
 check "--val-windows 2 validates on 2 held-out windows" grep -q "(2 validation windows of 16)" <<<"$few"
+many_err="$work/many-windows.err"
+many=$("$ferry" train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 \
+  --steps 2 --val-windows 100000 --json 2>"$many_err")
+check "--val-windows above what the held-out text holds is said on the set-up line" \
+  grep -q "; --val-windows 100000 asked for more than the held-out text holds)" "$many_err"
+check "--json's val_windows names the windows validated on (fewer than asked)" \
+  python3 -c 'import json,sys; n=json.loads(sys.argv[1])["val_windows"]; sys.exit(not 0 < n < 100000)' "$many"
 expect_error "a missing text folder" "apt-get install fortunes" train --model gpt --text "$work/no-text" --steps 1
 mkdir -p "$work/empty-text" && : >"$work/empty-text/a"
 expect_error "an empty text file" "is empty" train --model gpt --text "$work/empty-text" --steps 1
@@ -236,6 +243,21 @@ check "GPT: SIGINT prints a resume command" grep -q -- "--resume $work/gsig.ckpt
 gafter=$(bash -c "$cmd --quiet")
 check "GPT: the printed command finishes the run as if uninterrupted" \
   test "$(gresults "$gafter")" = "$(gresults "$guninterrupted")"
+
+# SIGINT while sampling (training done): the sample so far and the results are printed, exit 130.
+rm -f "$work/ssig.err"
+"$ferry" train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 2 \
+  --sample 1000000 --json >"$work/ssig.json" 2>"$work/ssig.err" &
+pid=$!
+for _ in $(seq 1 1200); do grep -qs -- '^ferry: sampling 1000000 characters' "$work/ssig.err" && break; sleep 0.05; done
+kill -INT "$pid"
+wait "$pid"
+status=$?
+check "GPT: SIGINT while sampling exits 130" test "$status" -eq 130
+check "GPT: SIGINT while sampling says how far it came" \
+  grep -q "sampling stopped by SIGINT after [0-9]* of 1000000 characters; training had finished" "$work/ssig.err"
+check "GPT: SIGINT while sampling still prints the JSON line, sample_stopped in it" \
+  python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); sys.exit(not (j["sample_stopped"] and len(j["sample"]) < 1000000))' "$work/ssig.json"
 
 echo "$failures failed"
 [ "$failures" -eq 0 ]
