@@ -245,11 +245,13 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<AllreduceOptions>();
   sub.add_option("--hidden", o->hidden, "hidden widths of the MLP (784-...-10), comma-separated")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber);
-  sub.add_option("--batch", o->batch, "global batch over all ranks")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
+  sub.add_option("--batch", o->batch, "global batch over all ranks")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
   sub.add_option("--steps", o->steps, "timed steps (after one untimed)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
   sub.add_option("--zero", o->zero, "ZeRO stage (0, 1 or 2)")->capture_default_str()->check(CLI::Range(0, 2));
   sub.add_option("--bucket-size", o->bucket, "gradient bytes reduced together")->capture_default_str();
   sub.add_option("--link-gbps", o->link_gbps, "link rate of the model for larger N, GB/s")

@@ -25,6 +25,7 @@
 #include "ops/matmul.hpp"
 #include "ops/softmax.hpp"
 #include "peer.hpp"
+#include "runtime/cli/validators.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -92,11 +93,35 @@ double attention_useful_flops(std::size_t bh, std::size_t t, std::size_t head_di
          static_cast<double>(head_dim) * 3.5 / 2.0;
 }
 
+// Refuses a context whose buffers the device cannot hold, before anything is allocated (a context
+// of a million would otherwise allocate until the host runs out of memory). The inputs, outputs
+// and their gradients: nine tensors of B x T x H x D floats for the fused op, eight and two
+// B x H x T x T score tensors for the unfused ops; scratch is left out.
+void check_fits_device(const cl::DeviceInfo& device, const AttentionBenchOptions& o, std::size_t t) {
+  const double n = static_cast<double>(o.batch) * t * o.heads * o.head_dim, bh = static_cast<double>(o.batch) * o.heads;
+  const double fused = 4 * 9 * n, scores = 4 * bh * t * t, unfused = 4 * 8 * n + 2 * scores;
+  const double largest = o.unfused ? std::max(4 * n, scores) : 4 * n,
+               total = o.unfused ? std::max(fused, unfused) : fused;
+  if (total <= static_cast<double>(device.global_mem_bytes) && largest <= static_cast<double>(device.max_alloc_bytes)) {
+    return;
+  }
+  throw std::invalid_argument(fmt::format(
+      "context {}: the fused op needs {:.1f} GiB of device memory{}, more than {} has ({:.1f} GiB, buffers of at most "
+      "{:.1f} GiB): give shorter --contexts, fewer --heads or a smaller --batch{}",
+      t, fused / (1u << 30),
+      o.unfused ? fmt::format(" and the unfused ops {:.1f} GiB (scores of {:.1f} GiB)", unfused / (1u << 30),
+                              scores / (1u << 30))
+                : std::string(),
+      device.name, static_cast<double>(device.global_mem_bytes) / (1u << 30),
+      static_cast<double>(device.max_alloc_bytes) / (1u << 30), o.unfused ? ", or --no-unfused" : ""));
+}
+
 int run_attention(const BenchCommon& common, const AttentionBenchOptions& o) {
   Runtime runtime({.device = common.device});
   const cl::Context& ctx = runtime.context();
   ops::OpEnv& env = runtime.env();
   const cl_command_queue q = ctx.compute();
+  for (const std::size_t t : o.contexts) check_fits_device(runtime.device(), o, t);
   for (const std::size_t t : o.contexts) {
     const ops::AttentionShape s{o.batch, t, o.heads, o.head_dim};
     const float scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
@@ -192,9 +217,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--contexts", o->contexts, "context lengths, one JSON line each")
       ->delimiter(',')
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub.add_option("--batch", o->batch, "sequences")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--heads", o->heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
+  sub.add_option("--batch", o->batch, "sequences")->capture_default_str()->check(ferry::cli::positive_number());
+  sub.add_option("--heads", o->heads, "attention heads")->capture_default_str()->check(ferry::cli::positive_number());
   sub.add_option("--head-dim", o->head_dim, "features per head")
       ->capture_default_str()
       ->check(CLI::Range(std::size_t{1}, ops::attention_max_head_dim));
@@ -202,10 +227,11 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
                  "fused kernel instead of the device's default: \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\", "
                  "\"blocked TQ=n TK=n\"");
   sub.add_flag("!--no-unfused", o->unfused, "skip the unfused ops");
-  sub.add_flag("--peer", o->peer, "also time PyTorch's scaled_dot_product_attention (is_causal) forward + backward");
-  sub.add_option("--python", o->python, "Python interpreter with torch for --peer")->capture_default_str();
-  sub.add_option("--peer-script", o->peer_script, "the PyTorch peer script")->capture_default_str();
-  add_peer_device_option(sub, o->peer_device);
+  CLI::Option* peer = sub.add_flag("--peer", o->peer,
+                                   "also time PyTorch's scaled_dot_product_attention (is_causal) forward + backward");
+  sub.add_option("--python", o->python, "Python interpreter with torch for --peer")->capture_default_str()->needs(peer);
+  sub.add_option("--peer-script", o->peer_script, "the PyTorch peer script")->capture_default_str()->needs(peer);
+  add_peer_device_option(sub, o->peer_device)->needs(peer);
   return [o, &common] { return run_attention(common, *o); };
 }
 

@@ -27,6 +27,7 @@
 #include "ferry/ferry.hpp"
 #include "graph/pipeline.hpp"
 #include "graph/step_plan.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -199,11 +200,15 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->check(CLI::IsMember({"deep", "gpt"}));
   sub.add_option("--depth", o->depths,
                  "residual blocks of the deep model (decoder blocks of gpt), repeatable (default 100 ... 4000)")
-      ->check(CLI::PositiveNumber);
-  sub.add_option("--width", o->width, "model width")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--heads", o->heads, "gpt: attention heads")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--context", o->context, "gpt: tokens per window")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--batch", o->batch, "samples per step")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
+  sub.add_option("--width", o->width, "model width")->capture_default_str()->check(ferry::cli::positive_number());
+  sub.add_option("--heads", o->heads, "gpt: attention heads")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
+  sub.add_option("--context", o->context, "gpt: tokens per window")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
+  sub.add_option("--batch", o->batch, "samples per step")->capture_default_str()->check(ferry::cli::positive_number());
   sub.add_option("--residency", o->residency, "where weights and optimizer state live")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "resident", "stream", "mapped"}));

@@ -20,6 +20,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/offload/chunk_codec.hpp"
+#include "runtime/cli/validators.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -225,8 +226,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<CompressBenchOptions>();
   sub.add_option("--steps", o->steps, "training steps before the moments are read")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub.add_option("--batch", o->batch, "samples per step")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
+  sub.add_option("--batch", o->batch, "samples per step")->capture_default_str()->check(ferry::cli::positive_number());
   sub.add_option("--optimizer", o->optimizer, "adam or adamw8bit (default: both)")
       ->check(CLI::IsMember(optimizer_names));
   sub.add_option("--level", o->level, "zstd level")->capture_default_str();

@@ -153,7 +153,9 @@ int run(const BenchCommon& common, const ConvBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<ConvBenchOptions>();
-  sub.add_option("--batch", o->batch, "images per convolution")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--batch", o->batch, "images per convolution")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
   sub.add_option("--gemm-n", o->gemm_n, "size of the square GEMM measured as the peak")
       ->capture_default_str()
       ->check(ferry::cli::positive_number());

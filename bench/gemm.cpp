@@ -7,6 +7,7 @@
 #include "ops/gemm.hpp"
 
 #include <fmt/format.h>
+#include <strings.h>
 
 #include <cmath>
 #include <cstdio>
@@ -22,6 +23,8 @@
 #include "ferry/cl/program.hpp"
 #include "ferry/ops/cast.hpp"
 #include "ops/gemm_tune.hpp"
+#include "peer.hpp"
+#include "runtime/cli/validators.hpp"
 
 #ifdef FERRY_HAVE_OPENBLAS
 #include <cblas.h>
@@ -217,14 +220,19 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
 #ifdef FERRY_HAVE_OPENBLAS
   const bool have_openblas = true;
-  if (wants(o, "openblas") && !coretype) {
+  // Only where its choice differs from what the flags suggest (a misdetected CPU).
+  if (wants(o, "openblas") && !coretype && strcasecmp(openblas_get_corename(), openblas_coretype().c_str()) != 0) {
     fmt::print(stderr,
-               "warning: OPENBLAS_CORETYPE is not set; Debian's OpenBLAS misdetects some CPUs and runs ~4x slower "
-               "(on this machine run with OPENBLAS_CORETYPE=Cooperlake)\n");
+               "warning: OPENBLAS_CORETYPE is not set and OpenBLAS chose core {}; Debian's OpenBLAS misdetects some "
+               "CPUs and runs ~4x slower: this CPU's flags suggest OPENBLAS_CORETYPE={}\n",
+               openblas_get_corename(), openblas_coretype());
   }
 #else
   const bool have_openblas = false;
 #endif
+  if (o.breakdown && !wants(o, "ferry")) {
+    throw std::invalid_argument("--breakdown times ferry's launches: add ferry to --impls");
+  }
   if (wants(o, "clblast") && !ops::gemm_have_clblast()) fmt::print(stderr, "note: built without CLBlast; skipped\n");
   if (wants(o, "openblas") && !have_openblas) fmt::print(stderr, "note: built without OpenBLAS; skipped\n");
 
@@ -345,11 +353,11 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<GemmBenchOptions>();
   CLI::Option* sizes =
       sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',')->check(CLI::Range(1, 1 << 20));
-  sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes (not with --sizes)")
-      ->delimiter(',')
-      ->check(CLI::Range(1, 1 << 24))
-      ->expected(3)
-      ->excludes(sizes);
+  CLI::Option* shape = sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes (not with --sizes)")
+                           ->delimiter(',')
+                           ->check(CLI::Range(1, 1 << 24))
+                           ->expected(3)
+                           ->excludes(sizes);
   sub.add_option("--impls", o->impls, "implementations to run: ferry, clblast, openblas")
       ->delimiter(',')
       ->check(CLI::IsMember({"ferry", "clblast", "openblas"}));
@@ -363,14 +371,19 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_flag("--breakdown", o->breakdown,
                "also time each of ferry's launches alone (B and A packing, the product, the sum of K splits): "
                "`launches` in its JSON line");
-  sub.add_flag("--tune", o->tune,
-               "run the GEMM tuner (as `ferry tune` does): every candidate measured, the best as a tuning row");
+  CLI::Option* tune =
+      sub.add_flag("--tune", o->tune,
+                   "run the GEMM tuner (as `ferry tune` does): every candidate measured, the best as a tuning row")
+          ->excludes(sizes)
+          ->excludes(shape);  // the tuner measures its own shapes
   sub.add_option("--tune-mode", o->tune_mode, "with --tune: quick or full")
       ->check(CLI::IsMember({"quick", "full"}))
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(tune);
   sub.add_option("--tune-budget-seconds", o->tune_budget_seconds, "with --tune: the search's budget")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+      ->check(ferry::cli::positive_number())
+      ->capture_default_str()
+      ->needs(tune);
   return [o, &common] { return o->tune ? run_tune(common, *o) : run_compare(common, *o); };
 }
 

@@ -14,6 +14,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/text_corpus.hpp"
 #include "peer.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -173,24 +174,31 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<GptBenchOptions>();
   o->peer_script = peer_script_path("torch_gpt.py");
-  sub.add_option("--width", o->width, "model width")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--depth", o->depth, "decoder blocks")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--heads", o->heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
-  sub.add_option("--context", o->context, "characters per window")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--width", o->width, "model width")->capture_default_str()->check(ferry::cli::positive_number());
+  sub.add_option("--depth", o->depth, "decoder blocks")->capture_default_str()->check(ferry::cli::positive_number());
+  sub.add_option("--heads", o->heads, "attention heads")->capture_default_str()->check(ferry::cli::positive_number());
+  sub.add_option("--context", o->context, "characters per window")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
   sub.add_option("--attention", o->attention, "ferry's attention: fused or unfused")
       ->check(CLI::IsMember({"fused", "unfused"}))
       ->capture_default_str();
-  sub.add_option("--batch", o->batch, "windows per step")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--batch", o->batch, "windows per step")->capture_default_str()->check(ferry::cli::positive_number());
   sub.add_option("--lr", o->lr, "Adam learning rate")->capture_default_str();
   sub.add_option("--warmup", o->warmup, "untimed steps first (each side)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(ferry::cli::non_negative_number());
   sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
   sub.add_option("--python", o->python, "Python interpreter with torch for the peers")->capture_default_str();
   sub.add_option("--peer-script", o->peer_script, "the PyTorch peer script")->capture_default_str();
-  sub.add_option("--modes", o->modes, "peer modes: eager, compile (none: --modes '')")->delimiter(',');
+  sub.add_option("--modes", o->modes, "peer modes: eager, compile (none: --modes '')")
+      ->delimiter(',')
+      ->check([](const std::string& m) {  // refused here, not after ferry's run by the peer's own parser
+        return m.empty() || m == "eager" || m == "compile" ? std::string()
+                                                           : "must be eager or compile (none: --modes ''), got " + m;
+      });
   add_peer_device_option(sub, o->peer_device);
   sub.add_flag("!--no-ferry", o->ferry, "run only the peers");
   return [o, &common] { return run_gpt(common, *o); };

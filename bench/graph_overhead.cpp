@@ -19,6 +19,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/ops/activation.hpp"
 #include "ops/softmax_xent.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -131,7 +132,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->delimiter(',')
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
-  sub.add_option("--runs", o->runs, "steps per timed repetition")->capture_default_str()->check(CLI::PositiveNumber);
+  sub.add_option("--runs", o->runs, "steps per timed repetition")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());
   return [o, &common] { return run_graph(common, *o); };
 }
 

@@ -24,6 +24,7 @@
 #include "ops/host_clones.hpp"
 #include "ops/optimizer_host.hpp"
 #include "peer.hpp"
+#include "runtime/cli/validators.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -204,7 +205,7 @@ BenchRun setup_host_optimizer(CLI::App& sub, const BenchCommon& common) {
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 32));
   sub.add_option("--optimizers", o->optimizers, "which updates to time")->check(CLI::IsMember({"adamw", "adamw8bit"}));
   sub.add_option("--threads", o->threads, "thread counts (default: 1 and every hardware thread)")
-      ->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
   sub.add_flag("--peer", o->peer, "also time PyTorch's AdamW on the CPU in the same run");
   sub.add_option("--python", o->python, "Python interpreter with PyTorch, for --peer");
   return [o, &common] { return run_host_optimizer(*o, common); };

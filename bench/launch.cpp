@@ -22,6 +22,7 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/ops/activation.hpp"
 #include "ferry/runtime/runtime.hpp"
+#include "runtime/cli/validators.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -153,7 +154,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<LaunchBenchOptions>();
   sub.add_option("-n,--launches", o->launches, "dependent launches per run")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
   sub.add_option("--elems", o->elems,
                  "floats per kernel (up to 2^28: two device buffers of 1 GiB, filled from 1 GiB on the host)")
       ->capture_default_str()

@@ -65,7 +65,8 @@ int run_bench(int argc, char** argv) {
       ->check(not_empty());
   app.add_option("--trace", common.trace, "write a Chrome trace to this file (benchmarks that trace)")
       ->check(not_empty());
-  app.add_option("--repeat", common.repeat, "timed repetitions; results report the median")->check(CLI::PositiveNumber);
+  app.add_option("--repeat", common.repeat, "timed repetitions; results report the median")
+      ->check(ferry::cli::positive_number());
   auto& benches = registry();
   std::sort(benches.begin(), benches.end(), [](const BenchInfo& a, const BenchInfo& b) { return a.name < b.name; });
   std::vector<BenchRun> runs(benches.size());

@@ -38,6 +38,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "bench.hpp"
@@ -88,10 +89,14 @@ std::vector<OverlapConfig> default_configs() {
 OverlapConfig parse_config(const std::string& text) {
   OverlapConfig c;
   std::istringstream parts(text);
+  std::set<std::string> given;
   for (std::string kv; std::getline(parts, kv, ',');) {
     const std::size_t eq = kv.find('=');
     if (eq == std::string::npos) throw std::invalid_argument(fmt::format("--config: '{}' is not key=value", kv));
     const std::string key = kv.substr(0, eq), value = kv.substr(eq + 1);
+    if (!given.insert(key).second) {
+      throw std::invalid_argument(fmt::format("--config: {} is given twice in '{}': give each key once", key, text));
+    }
     auto number = [&]() -> std::uint32_t {
       std::size_t pos = 0;
       unsigned long v = 0;
@@ -463,12 +468,15 @@ int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
   std::vector<OverlapConfig> configs;
   for (const std::string& s : o.configs) configs.push_back(parse_config(s));
   if (configs.empty()) configs = default_configs();
+  const std::uint64_t link_bytes = parse_bytes(o.link_bytes);
+  if (link_bytes == 0)
+    throw std::invalid_argument("--link-bytes must be above 0 (the link peak is timed copying them)");
 
   Runtime runtime({.device = common.device, .profiling = true});
   const cl::DeviceInfo& dev = runtime.device();
   const offload::HostMemory memory =
       offload::resolve_host_memory(offload::parse_host_memory(o.host_memory), runtime.device());
-  LinkProbe peak(runtime.context(), parse_bytes(o.link_bytes), offload::link_source_memory(memory));
+  LinkProbe peak(runtime.context(), link_bytes, offload::link_source_memory(memory));
   for (int r = 0; r < std::max(common.repeat, 5); ++r) peak.sample();
   emit_json({{"bench", "overlap"},
              {"result", "link_peak"},

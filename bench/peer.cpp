@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <sstream>
 
 namespace ferry::bench {
@@ -72,14 +74,31 @@ std::string peer_script_path(const std::string& file) {
   return "bench/peers/" + file;
 }
 
-void add_peer_device_option(CLI::App& sub, std::string& device) {
-  sub.add_option("--peer-device", device, "where the PyTorch peer runs: cpu, cuda or cuda:N")
+CLI::Option* add_peer_device_option(CLI::App& sub, std::string& device) {
+  return sub.add_option("--peer-device", device, "where the PyTorch peer runs: cpu, cuda or cuda:N")
       ->capture_default_str()
       ->check([](const std::string& d) {
         return d == "cpu" || d == "cuda" || d.starts_with("cuda:")
                    ? std::string()
                    : std::string("cpu, cuda or cuda:N, not '" + d + "'");
       });
+}
+
+// OPENBLAS_CORETYPE for this CPU: Debian's OpenBLAS (0.3.21) falls back to a slow kernel set on
+// CPUs it does not know, so name the closest one it does from the CPU's flags.
+std::string openblas_coretype() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    std::set<std::string> flags;
+    for (std::string w; words >> w;) flags.insert(w);
+    if (flags.count("avx512_bf16")) return "Cooperlake";
+    if (flags.count("avx512f")) return "SkylakeX";
+    return "Haswell";
+  }
+  return "Haswell";
 }
 
 }  // namespace ferry::bench

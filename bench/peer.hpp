@@ -28,6 +28,11 @@ std::string peer_script_path(const std::string& file);
 
 // --peer-device into `device`: where the PyTorch peer runs (cpu, cuda or cuda:N), passed on as
 // the peer script's --device.
-void add_peer_device_option(CLI::App& sub, std::string& device);
+CLI::Option* add_peer_device_option(CLI::App& sub, std::string& device);
+
+// OPENBLAS_CORETYPE for this CPU, from its flags: Debian's OpenBLAS (0.3.21) misdetects CPUs it
+// does not know and falls back to a slow kernel set (PyTorch's CPU peers and ferry-bench gemm's
+// OpenBLAS baseline).
+std::string openblas_coretype();
 
 }  // namespace ferry::bench

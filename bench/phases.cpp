@@ -237,12 +237,15 @@ BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--batch", po->batch, "samples per step (default: the model's, as ferry train)");
   sub.add_option("--predictor", po->predictor, "linear or lsq")->capture_default_str();
   sub.add_option("--seed", po->seed, "initialisation and data order")->capture_default_str();
-  sub.add_option("--train-limit", po->train_limit, "use only the first N training samples");
+  sub.add_option("--train-limit", po->train_limit, "use only the first N training samples")
+      ->check(ferry::cli::positive_number());  // as ferry train's: 0 is refused, not read as "all"
   sub.add_option("--device-budget", po->budget,
                  "device budget of the streamed part (default: 1.25x the smallest streamed budget)");
   sub.add_option("--stream-steps", po->stream_steps, "steps of the streamed part (the first 5 untimed)")
       ->capture_default_str();
-  sub.add_option("--fit-every", po->fit_every, "fit the predictor on every K-th training step")->capture_default_str();
+  sub.add_option("--fit-every", po->fit_every, "fit the predictor on every K-th training step")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 4294967295u));  // checked here, not after the Full-only run
   sub.add_flag("--predict-int8", po->predict_int8, "Predict's forward reads int8 weights (all layers but the head)");
   return [&common, po] { return run_phases(common, *po); };
 }

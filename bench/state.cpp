@@ -140,12 +140,16 @@ int run_state(const BenchCommon& common, const StateOptions& so) {
 
 BenchRun setup_state(CLI::App& sub, const BenchCommon& common) {
   auto so = std::make_shared<StateOptions>();
-  sub.add_option("--width", so->width, "deep model width")->capture_default_str();
-  sub.add_option("--depth", so->depth, "deep model residual blocks")->capture_default_str();
-  sub.add_option("--batch", so->batch, "samples per step")->capture_default_str();
+  sub.add_option("--width", so->width, "deep model width")->capture_default_str()->check(CLI::Range(1u, 65536u));
+  sub.add_option("--depth", so->depth, "deep model residual blocks")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 65536u));
+  sub.add_option("--batch", so->batch, "samples per step")->capture_default_str()->check(CLI::Range(1u, 65536u));
   sub.add_option("--device-budget", so->budget, "device budget (streams the layers)")->capture_default_str();
   sub.add_option("--warmup", so->warmup, "steps before timing (the moments fill in)")->capture_default_str();
-  sub.add_option("--steps", so->steps, "timed steps (median reported)")->capture_default_str();
+  sub.add_option("--steps", so->steps, "timed steps (median reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1000000u));  // 0 would report a median of no steps
   sub.add_option("--optimizers", so->optimizers, "adam and/or adamw8bit, comma-separated")
       ->delimiter(',')
       ->capture_default_str()

@@ -35,6 +35,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "peer.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -54,23 +55,6 @@ struct StepBenchOptions {
   std::string peer_device = "cpu";                          // where the peer runs: cpu, cuda, cuda:N
   bool ferry = true;
 };
-
-// OPENBLAS_CORETYPE for this CPU: Debian's OpenBLAS (0.3.21) falls back to a slow kernel set on
-// CPUs it does not know, so name the closest one it does from the CPU's flags.
-std::string openblas_coretype() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("flags", 0) != 0) continue;
-    std::istringstream words(line.substr(line.find(':') + 1));
-    std::set<std::string> flags;
-    for (std::string w; words >> w;) flags.insert(w);
-    if (flags.count("avx512_bf16")) return "Cooperlake";
-    if (flags.count("avx512f")) return "SkylakeX";
-    return "Haswell";
-  }
-  return "Haswell";
-}
 
 // Per-op-kind device time of one traced step, largest first, on stderr (what the step is made of).
 // A node's event is that of its last command, so a node of several kernels (packing, GEMM, bias)
@@ -333,14 +317,18 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<StepBenchOptions>();
   o->peer_script = peer_script_path("torch_step.py");
   sub.add_option("--model", o->model, "mlp (784-1024-1024-10) or cnn (models::cnn())")->capture_default_str();
-  sub.add_option("--batch", o->batch, "batch size (default: 256 for mlp, 128 for cnn)")->check(CLI::PositiveNumber);
+  sub.add_option("--batch", o->batch, "batch size (default: 256 for mlp, 128 for cnn)")
+      ->check(ferry::cli::positive_number());
   sub.add_option("--peer-mode", o->peer_modes, "PyTorch modes to run: eager, compile; repeatable")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::IsMember({"eager", "compile"}));
   add_peer_device_option(sub, o->peer_device);
-  sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
+  sub.add_option("--warmup", o->warmup, "untimed steps first")
+      ->capture_default_str()
+      ->check(ferry::cli::non_negative_number());
   sub.add_option("--steps", o->steps, "steps per timed block (--repeat blocks)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(ferry::cli::positive_number());
   sub.add_option("--python", o->pythons,
                  "Python interpreter running the PyTorch peer; repeatable (default: python3 on PATH and "
                  "/usr/bin/python3)");

@@ -451,11 +451,15 @@ void move_weight_narrowing_to_host(Graph& g) {
   g.nodes = std::move(out);
 }
 
+// Bytes in MiB to a tenth; sizes below a tenth of a MiB (a budget of 1KiB, say) in bytes, which
+// "0.0 MiB" would hide.
 std::string mib(std::uint64_t b) {
+  if (b < 1048576 / 10) return fmt::format("{} B", b);
   return fmt::format("{:.1f} MiB", b / 1048576.0);
 }
 // Rounded up at the digit shown: a minimum that, given back as the budget, is enough.
 std::string mib_up(std::uint64_t b) {
+  if (b < 1048576 / 10) return fmt::format("{} B", b);
   return fmt::format("{:.1f} MiB", std::ceil(b / 1048576.0 * 10 - 1e-9) / 10);
 }
 

@@ -76,6 +76,22 @@ std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_
   return corpus.decode(std::span(text).subspan(prompt_len));
 }
 
+// --sample after training: the text, printed also with --quiet (which silences progress, not
+// results). A signal stops it early: said here, `stopped_by` set, the results still follow.
+std::string print_sample(const TrainArgs& a, Trainer& trainer, const TextCorpus& corpus, std::uint32_t context,
+                         int& stopped_by) {
+  if (!a.quiet) std::cerr << fmt::format("ferry: sampling {} characters (SIGINT stops it)\n", a.sample);
+  const std::string sample =
+      sample_text(trainer, corpus, context, a.prompt, a.sample, a.temperature, a.seed, stopped_by);
+  std::cerr << "ferry: sample:\n" << a.prompt << sample << "\n";
+  if (stopped_by != 0) {  // training is done (and checkpointed)
+    std::cerr << fmt::format("ferry: sampling stopped by {} after {} of {} characters; training had finished{}\n",
+                             stopped_by == SIGINT ? "SIGINT" : "SIGTERM", sample.size(), a.sample,
+                             a.checkpoint_path.empty() ? "" : fmt::format(" (checkpoint {})", a.checkpoint_path));
+  }
+  return sample;
+}
+
 // What `ferry train --model gpt` keeps in a checkpoint's caller section besides the trainer's
 // state and the loop's position: where the draw of windows stands, and the validation reports.
 struct Validation {
@@ -381,19 +397,8 @@ int cmd_train_gpt(const TrainArgs& args) {
   write_trace(a, trace, output_errors);
   write_memory_profiles(a, trainer, profiler, output_errors);
   const double tokens_per_s = static_cast<double>(done) * batch * t / train_seconds;
-  std::string sample;
   int sample_stopped_by = 0;
-  if (a.sample) {
-    if (!a.quiet) std::cerr << fmt::format("ferry: sampling {} characters (SIGINT stops it)\n", a.sample);
-    sample = sample_text(trainer, corpus, t, a.prompt, a.sample, a.temperature, a.seed, sample_stopped_by);
-    // Asked for, so printed also with --quiet (which silences progress, not results).
-    std::cerr << "ferry: sample:\n" << a.prompt << sample << "\n";
-    if (sample_stopped_by != 0) {  // training is done (and checkpointed): the results still follow
-      std::cerr << fmt::format("ferry: sampling stopped by {} after {} of {} characters; training had finished{}\n",
-                               sample_stopped_by == SIGINT ? "SIGINT" : "SIGTERM", sample.size(), a.sample,
-                               a.checkpoint_path.empty() ? "" : fmt::format(" (checkpoint {})", a.checkpoint_path));
-    }
-  }
+  const std::string sample = a.sample ? print_sample(a, trainer, corpus, t, sample_stopped_by) : std::string();
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: val loss {:.4f} nats/char after {} steps, {:.0f} tokens/s, {:.1f} ms/step\n",
                              validation.val_loss, done, tokens_per_s, 1e3 * train_seconds / done);

@@ -32,6 +32,23 @@ inline CLI::Validator positive_number() {
       "> 0");
 }
 
+// A number option that must be finite and >= 0: "--warmup: must be a finite number >= 0, got -1".
+inline CLI::Validator non_negative_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v < 0) {
+          return fmt::format("must be a finite number >= 0, got {}", text);
+        }
+        if (v > std::numeric_limits<float>::max()) {
+          return fmt::format("must be at most {:g}, got {}", std::numeric_limits<float>::max(), text);
+        }
+        return {};
+      },
+      ">= 0");
+}
+
 // A whole number >= 0 (a seed): "-1" would wrap around in an unsigned option.
 inline CLI::Validator whole_number() {
   return CLI::Validator(
