@@ -140,8 +140,11 @@ std::optional<std::string> read_tune_cache_text(const std::string& path, const c
     return std::nullopt;
   }
   std::string body = text.substr(0, at);
+  // The checksum line is the file's last, exactly as written: a row or text after it is an edit too.
+  const std::string digits = text.substr(at + tag.size());
+  const bool exact = digits.size() == 17 && digits.back() == '\n' && digits.find_first_not_of("0123456789abcdef") == 16;
   std::uint64_t want = 0;
-  if (std::sscanf(text.c_str() + at + tag.size(), "%16llx", reinterpret_cast<unsigned long long*>(&want)) != 1 ||
+  if (!exact || std::sscanf(digits.c_str(), "%16llx", reinterpret_cast<unsigned long long*>(&want)) != 1 ||
       want != cl::fnv1a(body)) {
     warn(path, what, "fails its checksum (damaged or edited)");
     return std::nullopt;

@@ -66,13 +66,25 @@ void compare_settings(const std::vector<TrainingSetting>& file, const std::vecto
   }
 }
 
-// Whether `file` holds less optimizer state than `here` of the same weights: a state tensor
-// smaller than this trainer's, or fewer of them, as one rank's file of a ZeRO stage 1 or 2
-// checkpoint does (the other ranks hold the rest). `states`: this trainer's optimizer-state names.
+// Whether `file` holds less optimizer state than `here` of the same weights: every other tensor
+// alike, and a state tensor smaller than this trainer's, or fewer of them, as one rank's file of a
+// ZeRO stage 1 or 2 checkpoint does (the other ranks hold the rest). A file of other weights
+// (another width of a model whose name does not say it) is not a share. `states`: this trainer's
+// optimizer-state names.
 bool zero_share(const Fingerprint& file, const Fingerprint& here, const std::set<std::string, std::less<>>& states) {
   std::map<std::string_view, std::uint64_t> mine;
+  std::map<std::string_view, const Fingerprint::Tensor*> others;
   for (const auto& t : here.tensors) {
-    if (states.contains(t.name)) mine[t.name] = t.bytes;
+    if (states.contains(t.name)) {
+      mine[t.name] = t.bytes;
+    } else {
+      others[t.name] = &t;
+    }
+  }
+  for (const auto& t : file.tensors) {
+    const auto it = others.find(t.name);
+    if (it == others.end()) continue;
+    if (t.dtype != it->second->dtype || !(t.shape == it->second->shape) || t.bytes != it->second->bytes) return false;
   }
   std::size_t there = 0;
   for (const auto& t : file.tensors) {

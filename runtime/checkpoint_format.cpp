@@ -48,6 +48,7 @@ std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes, std::uint
 }
 
 void check_checkpoint_path(const std::filesystem::path& path) {
+  ckpt::check_names_a_file(path);
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     throw std::runtime_error(
@@ -279,9 +280,15 @@ Section read_section(const Reader& r, std::uint64_t offset, std::uint32_t expect
   std::memcpy(&s.length, head + 8, 8);
   Checksum sum;
   sum.add(head, sizeof head);
-  if (s.tag != expected || reserved != 0) {
+  if (s.tag != expected) {
     throw r.corrupt(fmt::format("at byte {} the file has a section '{}' where section {} ('{}') belongs", offset,
                                 tag_text(s.tag), what, tag_text(expected)));
+  }
+  if (reserved != 0) {
+    throw r.corrupt(
+        fmt::format("section {} at byte {} has {:#x} in its reserved word (bytes {} to {}), which a "
+                    "writer leaves 0",
+                    what, offset, reserved, offset + 4, offset + 7));
   }
   if (s.length > r.size() - offset - section_head_bytes - 8) {
     throw r.truncated(offset, fmt::format("section {} (at byte {}, {} bytes long)", what, offset, s.length));
@@ -329,6 +336,12 @@ std::pair<std::uint32_t, std::string> read_header(const Reader& r) {
   unsigned char h[header_bytes] = {};
   const std::size_t have = std::min<std::uint64_t>(r.size(), header_bytes);
   r.read(0, h, have);
+  if (have == 0) {
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' is empty (0 bytes): its writer may have been stopped before writing anything; {}: use "
+        "another checkpoint",
+        r.path().string(), r.unchanged()));
+  }
   if (have < 8 || std::memcmp(h, checkpoint_magic, 8) != 0) {
     if (have < 8 && std::memcmp(h, checkpoint_magic, have) == 0) throw r.truncated(0, "the header");
     throw std::runtime_error(
@@ -342,8 +355,13 @@ std::pair<std::uint32_t, std::string> read_header(const Reader& r) {
   if (checkpoint_checksum(h, 32) != sum) throw r.corrupt("the header (bytes 0 to 40) fails its checksum");
   std::uint32_t version = 0;
   std::memcpy(&version, h + 8, 4);
+  // The writer's version as text: printable ASCII kept, anything else (a damaged or crafted header
+  // whose checksum holds) shown as '?', never sent to a terminal as it is.
   char writer[16] = {};
   std::memcpy(writer, h + 16, 15);
+  for (char* c = writer; *c; ++c) {
+    if (*c < 0x20 || *c > 0x7e) *c = '?';
+  }
   if (version > checkpoint_format_version) {
     throw std::runtime_error(fmt::format(
         "checkpoint '{}' has format version {} (written by ferry {}), newer than this ferry {} reads (up to version "
@@ -474,7 +492,15 @@ void Checksum::add(const void* data, std::size_t n) {
 
 // ---- AtomicFile ----
 
+void check_names_a_file(const std::filesystem::path& path) {
+  if (path.empty() || path.filename().empty() || path.filename() == "." || path.filename() == "..") {
+    throw std::runtime_error(fmt::format(
+        "cannot write checkpoints to '{}': it names no file; give a file name, e.g. 'run.ckpt'", path.string()));
+  }
+}
+
 AtomicFile::AtomicFile(const std::filesystem::path& path) : path_(path) {
+  check_names_a_file(path_);
   const auto folder = path_.parent_path().empty() ? std::filesystem::path(".") : path_.parent_path();
   remove_stale_temporaries(path_, "tmp");  // a killed write's leftovers, as large as the checkpoint
   for (int attempt = 0;; ++attempt) {

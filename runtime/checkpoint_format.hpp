@@ -60,6 +60,9 @@ class Checksum {
   std::size_t pending_n_ = 0;
 };
 
+// Throws std::runtime_error unless `path` names a file ("", "dir/" and "." do not).
+void check_names_a_file(const std::filesystem::path& path);
+
 // The file being written: a new file with a unique name beside `path`, buffered, synced and
 // renamed over `path` by commit(); removed if commit() is never reached.
 class AtomicFile {

@@ -47,7 +47,9 @@ std::uint64_t parse_bytes(std::string_view text) {
       const double bytes = std::round(value * u.factor);
       if (!(bytes >= 0) || !(bytes < 18446744073709551616.0)) {
         throw std::invalid_argument(
-            fmt::format("size '{}' is out of range: give a size from 0 B up to 2^64 bytes (16 EiB)", text));
+            fmt::format("size '{}' is out of range: a size is not negative and is below 2^64 bytes (about 16.8 million "
+                        "TiB), e.g. 64MiB",
+                        text));
       }
       return static_cast<std::uint64_t>(bytes);
     }

@@ -534,7 +534,9 @@ TEST(Checkpoint, AnotherModelOptimizerOrBatchIsRefused) {
       });
     };
     Trainer w(f.rt, wider(), f.o);
-    expect_refused<std::invalid_argument>(w, f.path, {"tensor 'linear0.w'"}, "another width");
+    // Its smaller optimizer state is not taken for one rank's share of a ZeRO checkpoint.
+    expect_refused<std::invalid_argument>(w, f.path, {"tensor 'linear0.w'", "load it into the model that wrote it"},
+                                          "another width");
   }
 }
 
@@ -780,6 +782,15 @@ TEST(Checkpoint, WritesAreAtomicAndBadPathsAreRefusedEarly) {
   }
   EXPECT_EQ(files, 1u);
   EXPECT_TRUE(t.load_checkpoint(f.path).empty());
+
+  for (const bool save : {false, true}) {  // an empty path names no file
+    try {
+      save ? t.save_checkpoint(fs::path()) : check_checkpoint_path(fs::path());
+      ADD_FAILURE() << "an empty path taken as a checkpoint path";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("it names no file"), std::string::npos) << e.what();
+    }
+  }
 
   const auto missing = f.dir / "no-such-folder" / "x.ckpt";
   try {

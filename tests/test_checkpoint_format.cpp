@@ -247,6 +247,31 @@ TEST_F(CheckpointFormat, EveryTruncationIsRefused) {
   }
 }
 
+// What is wrong is said as what it is: an empty file as empty, a damaged reserved word of a
+// section head as that (not as another section where one belongs).
+TEST_F(CheckpointFormat, AnEmptyFileAndADamagedReservedWordAreNamed) {
+  const auto message = [](const fs::path& path) {
+    try {
+      const ckpt::Reader r(path);
+      ckpt::read_contents(r);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(read without an error)");
+  };
+  const fs::path empty = dir_ / "empty.ckpt";
+  spit(empty, {});
+  EXPECT_NE(message(empty).find("is empty (0 bytes)"), std::string::npos) << message(empty);
+
+  std::vector<char> b = slurp(write("a.ckpt"));
+  ASSERT_GT(b.size(), 48u);
+  b[45] = static_cast<char>(b[45] ^ 0x10);  // the first section's head starts after the 40-byte header
+  const fs::path bad = dir_ / "reserved.ckpt";
+  spit(bad, b);
+  const std::string m = message(bad);
+  EXPECT_NE(m.find("at byte 40 has 0x1000 in its reserved word (bytes 44 to 47)"), std::string::npos) << m;
+}
+
 TEST_F(CheckpointFormat, ATensorChangedAfterTheFirstPassIsNoticed) {
   const fs::path p = write("a.ckpt");
   const ckpt::Reader r(p);

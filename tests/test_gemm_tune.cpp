@@ -338,6 +338,15 @@ TEST(GemmTune, FirstUseTunesCachesReloadsAndRetunesADamagedCache) {
   EXPECT_NE(err.find("tuning the GEMM kernel"), std::string::npos) << err;
   EXPECT_NE(read_file(cache).find("\tferry\t"), std::string::npos);
 
+  // A row added after the checksum line is an edit too (the checksum covers the lines above it).
+  std::ofstream(cache, std::ios::app) << "*\t*\t*\tferry\tnaive\t-\n";
+  ops::forget_gemm_tuning();
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ops::gemm_tuning_choice(env).find("naive"), std::string::npos);
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(cache + " fails its checksum"), std::string::npos) << err;
+  EXPECT_EQ(read_file(cache).find("naive"), std::string::npos) << "tuned again and rewritten whole";
+
   // FERRY_TUNE=off: the tuning data alone (its generic row), cache or not.
   {
     ScopedEnv off("FERRY_TUNE", "off");

@@ -17,8 +17,9 @@ void assign_scratch(Graph& g, ops::OpEnv& env) {
     // A shape axis holds at most 2^32 - 1: a larger scratch would be cut to its low bits.
     if (bytes > 0xffffffffu) {
       throw std::invalid_argument(fmt::format(
-          "node '{}' ({}) asks for {} bytes of scratch, more than the 4 GiB - 1 a scratch buffer holds: its row's "
-          "scratch_bytes must stay below that (split the work)",
+          "node '{}' ({}) needs {} bytes of scratch for these shapes, more than the 4 GiB - 1 one scratch buffer "
+          "holds: lower the batch (--batch, TrainerOptions::batch; --accumulate splits it into micro-batches) or "
+          "the layer sizes (an op's author: keep its row's scratch_bytes below that by splitting the work)",
           g.nodes.name[n], row.name, bytes));
     }
     // Stored as bytes: the memory plan only needs the size.

@@ -629,6 +629,10 @@ void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
       {{"--initial-loss-scale", "--loss-scale-interval"},
        scaled,
        "with loss scaling only (--precision fp16, or bf16 with --loss-scaling on)"},
+      // (ferry train's rank count is known only under mpirun, where one rank warns of --bucket-size.)
+      {{"--bucket-size", "--network-gbps"},
+       command.get_name() != "plan" || t.plan_ranks >= 2,
+       "to a plan of several ranks only (--ranks N, N >= 2): one rank sums and sends nothing"},
       {{"--host-memory", "--staging-chunk", "--lookahead"},
        t.residency != "resident" || fetched(t.weights_home) || fetched(t.state_home),
        "to tensors fetched from host memory, which --residency resident has none of unless --weights-home or "

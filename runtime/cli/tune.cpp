@@ -76,12 +76,15 @@ std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::Devic
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
   if (!a.quiet) {
-    std::cerr << fmt::format("ferry tune: GEMM on '{}' ({}), {} search, budget {:.0f} s\n", d.name, d.driver, a.mode,
+    std::cerr << fmt::format("ferry tune: GEMM on '{}' ({}), {} search, budget {:g} s\n", d.name, d.driver, a.mode,
                              a.budget_seconds);
     o.progress = ProgressBar{};
   }
   const ops::GemmTuneResult r = ops::tune_gemm(env, o);
-  const std::string choice = ops::gemm_tuning_choice(env);
+  // Read back from the cache; a row that could not be saved is not there, and reading would start
+  // a first-use search of its own.
+  const std::string choice =
+      r.save_error.empty() ? ops::gemm_tuning_choice(env) : std::string("what it ran before (nothing was saved)");
   if (!a.quiet) {
     std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{}): {:.0f} GFLOPS geometric mean\n",
                              ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.measured, r.planned,
@@ -132,8 +135,8 @@ std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
   if (!a.quiet) {
-    std::cerr << fmt::format("ferry tune: attention on '{}' ({}), {} search, budget {:.0f} s\n", d.name, d.driver,
-                             a.mode, a.budget_seconds);
+    std::cerr << fmt::format("ferry tune: attention on '{}' ({}), {} search, budget {:g} s\n", d.name, d.driver, a.mode,
+                             a.budget_seconds);
     o.progress = ProgressBar{};
   }
   const ops::AttentionTuneResult r = ops::tune_attention(env, o);
@@ -182,6 +185,40 @@ std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::
   return r.save_error;
 }
 
+// What would keep the search's winners from being saved is known before searching: the program
+// cache off (or its folder unusable), a cache folder that is a file, a cache file that is a
+// folder. Refused then, not after the search (which a later run would repeat).
+void check_cache_usable(ops::OpEnv& env, const TuneArgs& a) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> paths;
+  if (a.family != "attention") paths.push_back(ops::gemm_tune_cache_path(env));
+  if (a.family != "gemm" && !env.device().is_cpu()) paths.push_back(ops::attention_tune_cache_path(env));
+  for (const std::string& path : paths) {
+    if (path.empty()) {
+      throw std::runtime_error(
+          "ferry tune: the program cache is off (FERRY_PROGRAM_CACHE=0, or its folder is not usable: see the note "
+          "above), and the tuned rows are kept beside it, so what the search finds could not be saved: turn the cache "
+          "on or name a writable folder with FERRY_CACHE_DIR (nothing was searched)");
+    }
+    std::error_code ec;
+    if (fs::is_directory(path, ec)) {
+      throw std::runtime_error(fmt::format(
+          "ferry tune: '{}', where the tuned row is saved, is a folder: remove it (rm -r) or name another cache "
+          "folder with FERRY_CACHE_DIR (nothing was searched)",
+          path));
+    }
+    // The nearest existing folder on the way to it (the cache folder may not be made yet).
+    fs::path folder = fs::path(path).parent_path();
+    while (!folder.empty() && folder != folder.root_path() && !fs::exists(folder, ec)) folder = folder.parent_path();
+    if (!folder.empty() && fs::exists(folder, ec) && !fs::is_directory(folder, ec)) {
+      throw std::runtime_error(fmt::format(
+          "ferry tune: the cache folder '{}' is not a folder, so what the search finds could not be saved: name a "
+          "folder with FERRY_CACHE_DIR (nothing was searched)",
+          folder.string()));
+    }
+  }
+}
+
 }  // namespace
 
 int cmd_tune(const TuneArgs& a) {
@@ -194,21 +231,7 @@ int cmd_tune(const TuneArgs& a) {
         "tiles; the attention is tuned on GPUs and other devices",
         d.name));
   }
-  // A cache folder that cannot be one is known now: refused before the search, not after it.
-  if (const std::string path = ops::gemm_tune_cache_path(env); !path.empty()) {
-    // The nearest existing folder on the way to it (the cache folder may not be made yet).
-    std::filesystem::path folder = std::filesystem::path(path).parent_path();
-    std::error_code ec;
-    while (!folder.empty() && folder != folder.root_path() && !std::filesystem::exists(folder, ec)) {
-      folder = folder.parent_path();
-    }
-    if (!folder.empty() && std::filesystem::exists(folder, ec) && !std::filesystem::is_directory(folder, ec)) {
-      throw std::runtime_error(fmt::format(
-          "ferry tune: the cache folder '{}' is not a folder, so what the search finds could not be saved: name a "
-          "folder with FERRY_CACHE_DIR (nothing was searched)",
-          folder.string()));
-    }
-  }
+  check_cache_usable(env, a);
   std::vector<std::string> not_saved;
   if (a.family != "attention") not_saved.push_back(tune_gemm_family(a, env, d));
   if (a.family == "attention" || (a.family == "all" && !d.is_cpu()))

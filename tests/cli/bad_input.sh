@@ -85,6 +85,10 @@ row "--host-budget 0" "--host-budget 0: a budget must be more than 0 bytes" erro
 : >"$work/not_a_folder"
 row "ferry tune with a cache folder that is a file" "is not a folder, so what the search finds could not be saved" \
   error "FERRY_CACHE_DIR=$work/not_a_folder" tune --budget-seconds 5 --quiet
+row "ferry tune with the program cache off" "the program cache is off" error "FERRY_PROGRAM_CACHE=0" \
+  tune --budget-seconds 5 --quiet
+row "ferry plan --network-gbps without --ranks" "--network-gbps applies to a plan of several ranks only" error - \
+  plan --model mlp --network-gbps 10
 row "ferry plan with a flag that does not apply" "--momentum applies to --optimizer sgd only" error - \
   plan --model mlp --momentum 0.9
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
