@@ -12,6 +12,12 @@ namespace ferry {
 graph::Graph forward_graph(const ModelSpec& model, const graph::VariantKey& key) {
   if (!model.forward) throw graph::BuildError(fmt::format("model '{}' has no forward function", model.name));
   if (!key.predict && !model.loss) throw graph::BuildError(fmt::format("model '{}' has no loss function", model.name));
+  if (model.inputs.empty()) {
+    throw graph::BuildError(
+        fmt::format("model '{}' has no inputs (ModelSpec::inputs is empty): list what its forward reads, e.g. "
+                    "{{\"image\", Shape{{28, 28}}}}",
+                    model.name));
+  }
   graph::Graph g;
   graph::Builder b(g, key.batch);
   b.set_training(key.training);

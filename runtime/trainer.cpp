@@ -121,7 +121,7 @@ std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options) {
 }  // namespace detail
 
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
-    : runtime_(runtime),
+    : runtime_(runtime.shared()),
       model_(std::move(model)),
       options_(options),
       lr_(options.lr),
@@ -136,22 +136,22 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
   // host budget and the machine's memory here, before any of them is allocated.
-  const TrainingPlan plan = plan_training(runtime_, model_, options_, {});
+  const TrainingPlan plan = plan_training(runtime, model_, options_, {});
   options_.recompute = plan.recompute;
   options_.recompute_auto = false;  // chosen: options() says what this trainer runs
   check_host_budget(plan, options_.residency.host_budget_bytes);
   compiled_->train_key = detail::training_key(options_);
   if (options_.phases.hybrid) phases_ = std::make_unique<PhaseController>(options_.phases);
   // Training needs the budget to exist (planning does not: `ferry plan` plans for other devices).
-  if (const std::uint64_t mem = runtime_.device().global_mem_bytes; options_.residency.budget_bytes > mem) {
-    throw std::invalid_argument(
-        fmt::format("device budget {} is more than the device '{}' has ({}): give at most that, or no budget to use "
-                    "what the device can spare",
-                    format_bytes(options_.residency.budget_bytes), runtime_.device().name, format_bytes(mem)));
+  if (const std::uint64_t mem = runtime_->context->device().global_mem_bytes; options_.residency.budget_bytes > mem) {
+    throw std::invalid_argument(fmt::format(
+        "device budget {} is more than the device '{}' has ({}): give at most that, or no budget to use "
+        "what the device can spare",
+        format_bytes(options_.residency.budget_bytes), runtime_->context->device().name, format_bytes(mem)));
   }
-  budget_ = detail::resolve_device_budget(options_, runtime_.device());
+  budget_ = detail::resolve_device_budget(options_, runtime_->context->device());
   compiled_->train = std::make_unique<graph::CompiledStep>(
-      build_graph(compiled_->train_key), options_.optimizer, runtime_.env(), runtime_.context(), nullptr,
+      build_graph(compiled_->train_key), options_.optimizer, runtime_->env, *runtime_->context, nullptr,
       graph::StepOptions{residency_options(), options_.serial_schedule});
   initialise_parameters();
   for (const auto& v : detail::upfront_variants(options_)) variant(v.key);
@@ -403,7 +403,7 @@ void Trainer::stage_batch(graph::CompiledStep& step, const Batch& batch) const {
 }
 
 offload::HostMemory Trainer::host_memory() const {
-  return offload::resolve_host_memory(options_.residency.homes.host_memory, runtime_.device());
+  return offload::resolve_host_memory(options_.residency.homes.host_memory, runtime_->context->device());
 }
 
 StepResult Trainer::step(const Batch& batch) {
@@ -579,7 +579,9 @@ StepResult Trainer::finish_training_step(Pending& p) {
     }
     throw std::runtime_error(fmt::format(
         "training diverged at step {}: the loss is {} (learning rate {}); the update was skipped, so the weights and "
-        "optimizer state are those from before this step: lower the learning rate or check the data",
+        "optimizer state are those from before this step: lower the learning rate or check the data (a loss that "
+        "stays non-finite on every batch means an earlier update left the weights finite but huge: go back to a "
+        "checkpoint from before it)",
         steps_ + 1, r.loss, lr_));
   }
   if (options_.precision.scaled()) {
@@ -762,7 +764,7 @@ graph::CompiledStep& Trainer::variant(const graph::VariantKey& key) {
   auto it = compiled_->variants.find(key);
   if (it == compiled_->variants.end()) {
     auto step =
-        std::make_unique<graph::CompiledStep>(build_graph(key), options_.optimizer, runtime_.env(), runtime_.context(),
+        std::make_unique<graph::CompiledStep>(build_graph(key), options_.optimizer, runtime_->env, *runtime_->context,
                                               compiled_->train->persistent(), graph::StepOptions{residency_options()});
     it = compiled_->variants.emplace(key, std::move(step)).first;
   }
@@ -814,6 +816,11 @@ EvalResult Trainer::evaluate(const DataSource& data, bool int8_weights) {
 }
 
 Trainer::HostTensor Trainer::predict(const DataSource& inputs) {
+  if (inputs.size() == 0) {
+    throw std::invalid_argument(
+        "Trainer::predict: the inputs hold no samples, so there is nothing to predict: give "
+        "at least one");
+  }
   settle_all();  // prediction variants share the training step's device buffers
   HostTensor out;
   for_each_chunk(inputs, true, false, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {

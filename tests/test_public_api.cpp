@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -55,6 +57,54 @@ TEST(PublicApi, ProfilesAndTracesATrainerFromTheUmbrellaHeader) {
   EXPECT_TRUE(has_variant(phases, "eval8"));
   EXPECT_TRUE(has_variant(phases, "eval4"));
   EXPECT_NE(profiler.summary().find("train"), std::string::npos);
+}
+
+// A trainer outlives the runtime it was made on: it steps, compiles evaluation variants and is
+// destroyed on the device context it keeps (ASan's CI stage sees any use after free).
+TEST(PublicApi, ATrainerOutlivesItsRuntime) {
+  auto rt = std::make_unique<Runtime>();
+  TrainerOptions o;
+  o.batch = 8;
+  auto t = std::make_unique<Trainer>(*rt, models::mlp({16}), o);
+  const std::vector<float> images = random_vector(8 * 784, 3, 0.0f, 1.0f);
+  const std::vector<std::int32_t> labels = labels_for(8, 5);
+  const double first = t->step(images, labels).loss;
+  rt.reset();
+  const double second = t->step(images, labels).loss;
+  EXPECT_TRUE(std::isfinite(second));
+  EXPECT_LT(second, first) << "the same batch again, after an update";
+  Dataset d;
+  d.rows = d.cols = 28;
+  d.count = 12;
+  d.images = random_vector(d.count * 784, 7, 0.0f, 1.0f);
+  d.labels = labels_for(d.count, 9);
+  EXPECT_EQ(t->evaluate(d).samples, 12u);  // variants compiled after the runtime is gone
+  t.reset();
+}
+
+// A model that reads no inputs is refused when the trainer builds it (its forward would index an
+// empty list), and predicting nothing is refused rather than answered with a shapeless tensor.
+TEST(PublicApi, AModelWithoutInputsAndAnEmptyPredictionAreRefused) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 8;
+  ModelSpec none = models::mlp({16});
+  none.inputs.clear();
+  try {
+    Trainer t(rt, none, o);
+    ADD_FAILURE() << "a model without inputs was built";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("has no inputs (ModelSpec::inputs is empty)"), std::string::npos) << e.what();
+  }
+  Trainer t(rt, models::mlp({16}), o);
+  Dataset empty;
+  empty.rows = empty.cols = 28;
+  try {
+    t.predict(empty);
+    ADD_FAILURE() << "predicted for no samples";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("hold no samples"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

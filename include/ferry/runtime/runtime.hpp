@@ -26,20 +26,29 @@ class Runtime {
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
-  const cl::DeviceInfo& device() const noexcept { return context_->device(); }
-  const cl::Context& context() const noexcept { return *context_; }
-  cl::KernelLibrary& kernels() noexcept { return *kernels_; }
-  ops::OpEnv& env() noexcept { return env_; }
+  const cl::DeviceInfo& device() const noexcept { return shared_->context->device(); }
+  const cl::Context& context() const noexcept { return *shared_->context; }
+  cl::KernelLibrary& kernels() noexcept { return *shared_->kernels; }
+  ops::OpEnv& env() noexcept { return shared_->env; }
   const RuntimeOptions& options() const noexcept { return options_; }
+
+  // The objects every compiled step uses: the context and its queues, the kernel library and the
+  // ops' environment. Each Trainer made on this runtime holds them too, so a runtime destroyed
+  // before its trainers leaves them working (their last commands finish on the same context).
+  struct Shared {
+    explicit Shared(const RuntimeOptions& options);
+    std::unique_ptr<cl::Context> context;
+    std::unique_ptr<cl::KernelLibrary> kernels;
+    ops::OpEnv env;
+    // On Oclgrind only: a oneTBB global_control limiting the flow graphs to one thread (its OpenCL
+    // runtime is not thread-safe; see runtime.cpp). Opaque here so that this header needs no oneTBB.
+    std::shared_ptr<void> one_thread;
+  };
+  const std::shared_ptr<Shared>& shared() const noexcept { return shared_; }
 
  private:
   RuntimeOptions options_;
-  std::unique_ptr<cl::Context> context_;
-  std::unique_ptr<cl::KernelLibrary> kernels_;
-  ops::OpEnv env_;
-  // On Oclgrind only: a oneTBB global_control limiting the flow graphs to one thread (its OpenCL
-  // runtime is not thread-safe; see runtime.cpp). Opaque here so that this header needs no oneTBB.
-  std::shared_ptr<void> one_thread_;
+  std::shared_ptr<Shared> shared_;
 };
 
 }  // namespace ferry

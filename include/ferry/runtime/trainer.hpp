@@ -111,6 +111,8 @@ struct EvalResult {
 
 class Trainer {
  public:
+  // The trainer keeps the device context and kernels of `runtime` alive (Runtime::Shared): the
+  // runtime may be destroyed before it.
   Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options = {});
   ~Trainer();
 
@@ -134,7 +136,9 @@ class Trainer {
   // device still runs this one: submit() checks and stages the batch and enqueues the step, and
   // result() waits for it and returns (or throws) what step() would have. Every failure step()
   // reports is reported by result() of the step it belongs to; a bad batch is thrown by submit().
-  // A step fails the step submitted after it too (result() of that one says so).
+  // A step that fails on the device or in a host node fails the step submitted after it too
+  // (result() of that one says so); a diverged step (a non-finite loss or gradient, its update
+  // skipped) fails alone, and the steps after it run on the weights from before it.
   //   auto h = trainer.submit(b0);
   //   for (...) { auto next = trainer.submit(b1); use(trainer.result(h)); h = next; }
   // The device runs step k+1 right after step k when runs_ahead(); otherwise submit() first
@@ -163,6 +167,7 @@ class Trainer {
 
   // The model's prediction (its forward's result, e.g. logits) for every sample of `inputs`
   // (only the model's inputs are read), as [samples, ...] f32 on the host. No weight change.
+  // Throws std::invalid_argument when `inputs` holds no samples.
   struct HostTensor;
   HostTensor predict(const DataSource& inputs);
 
@@ -350,7 +355,9 @@ class Trainer {
   template <class After>
   void for_each_chunk(const DataSource& data, bool predict, bool int8_weights, After after);
 
-  Runtime& runtime_;
+  // Destroyed last: what every compiled step below uses, kept alive even when the Runtime the
+  // trainer was made on is destroyed first.
+  std::shared_ptr<Runtime::Shared> runtime_;
   ModelSpec model_;
   TrainerOptions options_;
   float lr_;
