@@ -135,6 +135,9 @@ BackwardWindow backward_window(const graph::Graph& g, const std::vector<graph::T
 }
 
 int run_allreduce(const BenchCommon& common, const AllreduceOptions& o) {
+  if (parse_bytes(o.bucket) == 0) {
+    throw std::invalid_argument("--bucket-size 0: gradient buckets need at least one byte (default 25MiB)");
+  }
   std::shared_ptr<ops::Communicator> world;
   if (launched_by_mpi()) world = mpi_world();
   const int n = world ? world->size() : 1, rank = world ? world->rank() : 0;

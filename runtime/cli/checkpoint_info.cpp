@@ -66,7 +66,7 @@ nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, cons
           {"phases", phases_name(f.hybrid != 0)},
           {"optimizer_updates", tr.steps},
           {"micro_batches", tr.micro},
-          {"lr", tr.lr},
+          {"lr", shortest(tr.lr)},  // the learning rate of the next update, as a float prints it
           {"loss_scale", tr.loss_scale},
           {"in_predict_run", tr.in_predict_run},
           {"settings", settings},

@@ -31,7 +31,9 @@ struct ResidencyOptions {
   // An explicit stream or mapped mode with both roles' homes on the device (nothing would move)
   // is refused at planning.
   ResidencyMode mode = ResidencyMode::automatic;
-  std::uint64_t budget_bytes = 0;  // device bytes a step may use; 0: no limit
+  // Device bytes a step may use; 0: no limit here (a Trainer resolves 0 to the device's memory
+  // less headroom first: TrainerOptions).
+  std::uint64_t budget_bytes = 0;
   // Pinned host bytes the weights, optimizer state and step host buffers may take (0: no limit
   // beyond the machine's physical memory). The trainer checks the planned figure against it, and
   // against physical memory, before it allocates anything (ferry::check_host_budget).
