@@ -83,12 +83,14 @@ template <bool Decoupled>
     v_out[i] = v;
     const float w_new = Decoupled ? w - lr * (update + wd * w) : w - lr * update;  // AdamW decays the weight
     w_out[i] = w_new;
-    most = std::max(most, std::bit_cast<std::uint32_t>(w_new) & 0x7fffffffu);
+    // v >= 0: an infinite second moment (a gradient whose square overflows) counts as a weight
+    // made not finite, since that weight would never move again.
+    most = std::max({most, std::bit_cast<std::uint32_t>(w_new) & 0x7fffffffu, std::bit_cast<std::uint32_t>(v)});
   }
   return most < 0x7f800000u;
 }
 
-// Whether every weight written is finite.
+// Whether every weight written is finite (and every second moment).
 FERRY_HOST_CLONES bool adam_chunk(const AdamChunk& c, const float* grad, const AdamSlots& s, std::size_t begin,
                                   std::size_t end) {
   return c.decoupled ? adam_loop<true>(c, grad, s, begin, end) : adam_loop<false>(c, grad, s, begin, end);
@@ -213,6 +215,7 @@ template <bool Decoupled>
       most = std::max(most, std::bit_cast<std::uint32_t>(w_new) & 0x7fffffffu);
     }
     const float m_max = block_absmax<true>(m_new, len), v_max = block_absmax<false>(v_new, len);
+    most = std::max(most, std::bit_cast<std::uint32_t>(v_max) & 0x7fffffffu);  // as adam_loop's v
     quantize_block<true>(m_new, m_max, s.m_out + start, len);
     quantize_block<false>(v_new, v_max, s.v_out + start, len);
     s.scales_out[b] = m_max;

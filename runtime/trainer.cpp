@@ -618,7 +618,7 @@ StepResult Trainer::finish_training_step(Pending& p) {
   const bool updates_broke_weights = step.wrote_non_finite_weight();
   if (updates_broke_weights || (options_.check_weights_every > 0 && steps_ % options_.check_weights_every == 0)) {
     std::string bad = non_finite_weight();
-    if (bad.empty() && updates_broke_weights) bad = "(an update reported one; reading the weights back found none)";
+    if (bad.empty() && updates_broke_weights) throw_non_finite_state(r.loss);
     if (!bad.empty()) {
       inconsistent_ = fmt::format("weight {} is not finite (training diverged at step {})", bad, steps_);
       throw std::runtime_error(fmt::format(
@@ -630,6 +630,32 @@ StepResult Trainer::finish_training_step(Pending& p) {
   }
   weights_checked_at_ = steps_;  // every update checked what it wrote
   return r;
+}
+
+// An update reported a value it wrote not finite and every weight is: an Adam second moment made
+// infinite by a gradient whose square overflows f32 (above about 1.8e19), with which its weight
+// would never move again. The state is changed in place, so the trainer is inconsistent.
+void Trainer::throw_non_finite_state(double loss) {
+  std::string bad = "(an update reported one; reading the weights and optimizer state back found none)";
+  const auto& t = compiled_->train->graph().tensors;
+  std::vector<float> values;
+  for (TensorId id = 0; id < t.size() && bad.front() == '('; ++id) {
+    if (t.role[id] != graph::Role::optimizer_state || t.alias_of[id] != graph::no_tensor ||
+        t.dtype[id] != graph::DType::f32) {
+      continue;
+    }
+    values.resize(t.shape[id].elems());
+    compiled_->train->persistent()->read(t.home[id], t.placement[id], values.data(), t.bytes(id));
+    const auto it = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
+    if (it != values.end()) bad = fmt::format("'{}' (element {} is {})", t.name[id], it - values.begin(), *it);
+  }
+  inconsistent_ = fmt::format("optimizer state {} is not finite (training diverged at step {})", bad, steps_);
+  throw std::runtime_error(fmt::format(
+      "training diverged at step {}: the loss ({}) and the weights are finite, but this step's update made optimizer "
+      "state {} not finite: a gradient so large that its square overflows (above about 1.8e19), after which its "
+      "weight would never change again; the state is not usable: go back to a checkpoint from before this step and "
+      "check the data (inputs this large) or lower the learning rate",
+      steps_, loss, bad));
 }
 
 std::string Trainer::non_finite_weight() const {

@@ -412,6 +412,38 @@ TEST_P(DivergenceGuardTest, NonFiniteWeightsAfterAFiniteLossAreReportedHonestly)
   EXPECT_FALSE(compiled_train_step(fine).wrote_non_finite_weight());
 }
 
+// Finite inputs so large that a gradient's square overflows f32: the loss, the gradients and the
+// weights stay finite, but Adam's second moment turns inf, after which that weight would never
+// move again. The update reports it like a weight made not finite (f32 and 8-bit state, device
+// and host updates), naming the state where it is f32.
+TEST_P(DivergenceGuardTest, AnInfiniteSecondMomentIsReportedNotLeftToFreezeItsWeight) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  const std::size_t sample = sample_elems(m);
+  const auto images = random_vector(8 * sample, 63, 1e22f, 2e22f);
+  const auto labels = labels_for(8, 64);
+  for (const auto kind : {ops::OptimizerConfig::Kind::adam, ops::OptimizerConfig::Kind::adamw8bit}) {
+    TrainerOptions o = options_for(rt, m, GetParam());
+    o.optimizer.kind = kind;
+    Trainer trainer(rt, m, o);
+    try {
+      const StepResult r = trainer.step(images, labels);
+      FAIL() << ops::optimizer_name(kind) << ": the step passed with loss " << r.loss;
+    } catch (const std::runtime_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("the loss ("), std::string::npos) << what;
+      EXPECT_NE(what.find("and the weights are finite, but this step's update made optimizer state "),
+                std::string::npos)
+          << what;
+      if (kind == ops::OptimizerConfig::Kind::adam) {
+        EXPECT_NE(what.find(".adam_v' (element "), std::string::npos) << what;
+      }
+      std::printf("%s: %s\n", ops::optimizer_name(kind), what.c_str());
+    }
+    EXPECT_NE(trainer.inconsistent_state().find("optimizer state"), std::string::npos) << trainer.inconsistent_state();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Homes, DivergenceGuardTest,
                          ::testing::Values(FaultCase::resident, FaultCase::stream, FaultCase::host_optimizer),
                          [](const auto& info) {

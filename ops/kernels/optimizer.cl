@@ -3,7 +3,9 @@
 // With has_guard, the update is skipped when guard[0] (the step's loss) is not finite, so a
 // diverged step leaves weights and state as they were.
 // With has_status, a weight this update makes not finite sets status[0] to 1 (atomically: every
-// writer stores the same bit), so that the step reports it without reading the weights back.
+// writer stores the same bit), so that the step reports it without reading the weights back; so
+// does an Adam second moment made infinite by a gradient whose square overflows (its weight would
+// never move again).
 
 #include "optimizer_group.clh"
 
@@ -51,7 +53,7 @@ inline void adam_sixteen(ADAM_ARGS, size_t i) {
   vstore16(mi, 0, m + m_off + i);
   vstore16(vi, 0, v + v_off + i);
   vstore16(wn, 0, w + w_off + i);
-  if (has_status && !all(isfinite(wn))) atomic_or(status + status_off, 1u);
+  if (has_status && !(all(isfinite(wn)) && all(isfinite(vi)))) atomic_or(status + status_off, 1u);
 }
 
 inline void adam_one(ADAM_ARGS, size_t i) {
@@ -60,7 +62,7 @@ inline void adam_one(ADAM_ARGS, size_t i) {
   m[m_off + i] = mi;
   v[v_off + i] = vi;
   w[w_off + i] = wn;
-  if (has_status && !isfinite(wn)) atomic_or(status + status_off, 1u);
+  if (has_status && !(isfinite(wn) && isfinite(vi))) atomic_or(status + status_off, 1u);
 }
 
 #define SGD_PASS w, w_off, g, g_off, velocity, velocity_off, n, momentum, weight_decay, nesterov, lr, guard, guard_off, has_guard, status, status_off, has_status

@@ -101,7 +101,7 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void adam8bit_update(
     const float update = (mi * inv_bc1) / (sqrt(vi * inv_bc2) + eps);
     const float wn = wi - lr * fma(decoupled, wi, update);
     w[w_off + i] = wn;
-    if (has_status && !isfinite(wn)) atomic_or(status + status_off, 1u);  // as adam_update
+    if (has_status && !(isfinite(wn) && isfinite(vi))) atomic_or(status + status_off, 1u);  // as adam_update
     m_new[k] = mi;
     v_new[k] = vi;
     m_max = fmax(m_max, fabs(mi));

@@ -70,9 +70,10 @@ struct TrainerOptions {
   // with dynamic loss scaling for f16. Training, evaluation and Predict steps all run in it.
   PrecisionConfig precision;
   // Divergence guard beyond the loss. Every optimizer update checks each weight it writes (on the
-  // device, in the update kernel; on the host, in the host update) and the step reads one status
-  // word back, so an update that made a weight inf or NaN while its loss was finite fails that
-  // step, always, at no measurable cost. In addition, after every this many updates the trainer
+  // device, in the update kernel; on the host, in the host update), and Adam's second moment, and
+  // the step reads one status word back, so an update that made a weight inf or NaN (or a second
+  // moment infinite, which would freeze its weight) while its loss was finite fails that step,
+  // always, at no measurable cost. In addition, after every this many updates the trainer
   // reads every weight back and checks it (0: never, the default): one read of every weight, a
   // device-to-host copy when they live on the device. A step whose loss is not finite always
   // reads them, so its message never claims non-finite weights are good ones.
@@ -342,6 +343,7 @@ class Trainer {
   void require_settled(const char* what) const;
   // The first weight with a non-finite element, as "'name' (element i is v)"; empty if none.
   std::string non_finite_weight() const;
+  [[noreturn]] void throw_non_finite_state(double loss);
   // The fits of the last training step, summed over weights with the gains they predicted with.
   FitStats read_fit();
   graph::CompiledStep& variant(const graph::VariantKey& key);
