@@ -109,20 +109,31 @@ void MemoryProfiler::add_training_step(const Trainer& trainer) {
   add_variant("train", compiled_train_step(trainer));
 }
 
+namespace {
+
+// A variant's name in the profiles, by the phase it serves (docs/phases.md): the Predict step, the
+// micro-batch step and the training step without a fit have their own.
+std::string variant_name(const graph::VariantKey& key) {
+  if (key.apply_predictor) return "predict";
+  if (key.micro) return "micro";
+  if (key.training && !key.fit_predictor) return "train-nofit";
+  return fmt::format("{}{}", key.training ? "train" : "eval", key.batch);
+}
+
+}  // namespace
+
 void MemoryProfiler::add_last_step(const Trainer& trainer, std::uint64_t index) {
-  add_step("train", compiled_train_step(trainer), index);
+  // The step it ran: the training step, or a micro-batch, Predict or no-fit step.
+  const graph::CompiledStep& ran = compiled_last_run_step(trainer);
+  std::string name = "train";
+  for (const auto& [key, step] : compiled_variants(trainer)) {
+    if (step.get() == &ran) name = variant_name(key);
+  }
+  add_step(name, ran, index);
 }
 
 void MemoryProfiler::add_variants(const Trainer& trainer) {
-  for (const auto& [key, step] : compiled_variants(trainer)) {
-    // Named by the phase they serve (docs/phases.md): the Predict step, the micro-batch step and
-    // the training step without a fit have their own profiles.
-    std::string name = fmt::format("{}{}", key.training ? "train" : "eval", key.batch);
-    if (key.apply_predictor) name = "predict";
-    if (key.micro) name = "micro";
-    if (key.training && !key.micro && !key.fit_predictor) name = "train-nofit";
-    add_variant(name, *step);
-  }
+  for (const auto& [key, step] : compiled_variants(trainer)) add_variant(variant_name(key), *step);
 }
 
 void MemoryProfiler::add_variant(const std::string& variant, const graph::CompiledStep& step) {

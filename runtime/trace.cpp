@@ -43,7 +43,7 @@ std::string json_strings(const std::vector<std::string>& v) {
 }  // namespace
 
 void ChromeTrace::add_step(const Trainer& trainer, std::uint64_t step) {
-  const graph::CompiledStep& s = compiled_train_step(trainer);
+  const graph::CompiledStep& s = compiled_last_run_step(trainer);  // the micro-batch or Predict step too
   add_step(s.timeline(), step, s.host_activity());
 }
 

@@ -520,6 +520,7 @@ void Trainer::settle_all() {
 StepResult Trainer::finish_training_step(Pending& p) {
   graph::CompiledStep& step = *p.step;
   p.step = nullptr;
+  compiled_->last_run = &step;
   const bool micro = p.micro, fit = p.fit;
   const Phase phase = p.phase;
   wait_step(step);
@@ -718,6 +719,7 @@ StepResult Trainer::predict_step(const Batch& batch) {
   }
   StepResult r;
   try {
+    compiled_->last_run = &step;
     r = run_step(step, ops::StepInfo{steps_ + 1, lr_, phases_->predict_scale()});
   } catch (const graph::PartialUpdateError& e) {
     put_back_weights_after_failed_predict(e);

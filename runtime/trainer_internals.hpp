@@ -25,10 +25,17 @@ struct Trainer::Compiled {
   graph::VariantKey train_key;
   // Resolved once: where each weight's predictor statistics and each weight live.
   std::vector<graph::PersistentArena::Entry> fit_stats, weights;
+  // The step the newest settled training step ran: the training step, or with accumulation the
+  // micro-batch step, with hybrid phases the Predict step or the one without a fit (what traces
+  // and memory profiles of that step read).
+  const graph::CompiledStep* last_run = nullptr;
 };
 
 struct TrainerInternals {
   static graph::CompiledStep& train_step(Trainer& t) noexcept { return *t.compiled_->train; }
+  static const graph::CompiledStep& last_run_step(const Trainer& t) noexcept {
+    return t.compiled_->last_run ? *t.compiled_->last_run : *t.compiled_->train;
+  }
   static const graph::CompiledStep& train_step(const Trainer& t) noexcept { return *t.compiled_->train; }
   static const std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>>& variants(const Trainer& t) noexcept {
     return t.compiled_->variants;
@@ -41,6 +48,10 @@ inline graph::CompiledStep& compiled_train_step(Trainer& t) noexcept {
 }
 inline const graph::CompiledStep& compiled_train_step(const Trainer& t) noexcept {
   return TrainerInternals::train_step(t);
+}
+// The step the newest settled training step ran (the training step before any ran).
+inline const graph::CompiledStep& compiled_last_run_step(const Trainer& t) noexcept {
+  return TrainerInternals::last_run_step(t);
 }
 // The variants compiled besides the training step so far.
 inline const std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>>& compiled_variants(

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +59,41 @@ TEST(PublicApi, ProfilesAndTracesATrainerFromTheUmbrellaHeader) {
   EXPECT_TRUE(has_variant(phases, "eval8"));
   EXPECT_TRUE(has_variant(phases, "eval4"));
   EXPECT_NE(profiler.summary().find("train"), std::string::npos);
+}
+
+// With accumulation a micro-batch runs its own step (no update): the trace and the memory profile of
+// that step record the nodes it ran, under "micro", not the training step's.
+TEST(PublicApi, TracesAndProfilesRecordTheStepThatRan) {
+  Runtime rt({.profiling = true});
+  TrainerOptions o;
+  o.batch = 8;
+  o.accumulate = 2;
+  Trainer t(rt, models::mlp({16}), o);
+  const std::vector<float> images = random_vector(8 * 784, 3, 0.0f, 1.0f);
+  const std::vector<std::int32_t> labels = labels_for(8, 5);
+  MemoryProfiler profiler;
+  ChromeTrace trace;
+  std::vector<std::size_t> sizes;
+  for (std::uint64_t step = 0; step < 2; ++step) {
+    t.step(images, labels);
+    profiler.add_last_step(t, step);
+    const std::size_t before = trace.size();
+    trace.add_step(t, step);
+    sizes.push_back(trace.size() - before);
+  }
+  EXPECT_GT(sizes[0], 0u) << "step 0 (a micro-batch) traced";
+  EXPECT_LT(sizes[0], sizes[1]) << "the micro-batch's step has no update nodes";
+  const auto csv = std::filesystem::temp_directory_path() / "ferry-test-ran-step.csv";
+  profiler.write_csv(csv);
+  std::ifstream in(csv);
+  std::size_t micro = 0, train = 0;
+  for (std::string line; std::getline(in, line);) {
+    micro += line.starts_with("micro,0,");
+    train += line.starts_with("train,1,");
+  }
+  std::filesystem::remove(csv);
+  EXPECT_GT(micro, 0u) << "step 0 ran the micro-batch step";
+  EXPECT_GT(train, 0u) << "step 1 ran the training step";
 }
 
 // A trainer outlives the runtime it was made on: it steps, compiles evaluation variants and is
