@@ -637,10 +637,10 @@ StepResult Trainer::finish_training_step(Pending& p) {
 // infinite by a gradient whose square overflows f32 (above about 1.8e19), with which its weight
 // would never move again. The state is changed in place, so the trainer is inconsistent.
 void Trainer::throw_non_finite_state(double loss) {
-  std::string bad = "(an update reported one; reading the weights and optimizer state back found none)";
   const auto& t = compiled_->train->graph().tensors;
+  std::string bad;
   std::vector<float> values;
-  for (TensorId id = 0; id < t.size() && bad.front() == '('; ++id) {
+  for (TensorId id = 0; id < t.size() && bad.empty(); ++id) {
     if (t.role[id] != graph::Role::optimizer_state || t.alias_of[id] != graph::no_tensor ||
         t.dtype[id] != graph::DType::f32) {
       continue;
@@ -649,6 +649,14 @@ void Trainer::throw_non_finite_state(double loss) {
     compiled_->train->persistent()->read(t.home[id], t.placement[id], values.data(), t.bytes(id));
     const auto it = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
     if (it != values.end()) bad = fmt::format("'{}' (element {} is {})", t.name[id], it - values.begin(), *it);
+  }
+  if (bad.empty()) {  // (an update said so, yet what it wrote reads back finite: not explained as above)
+    inconsistent_ = fmt::format("an update of step {} reported a value it wrote not finite", steps_);
+    throw std::runtime_error(fmt::format(
+        "training diverged at step {}: the loss ({}) was finite, but an update reported a weight or optimizer state "
+        "it wrote not finite, and reading them back found none: the training state is not trusted: go back to a "
+        "checkpoint from before this step",
+        steps_, loss));
   }
   inconsistent_ = fmt::format("optimizer state {} is not finite (training diverged at step {})", bad, steps_);
   throw std::runtime_error(fmt::format(
