@@ -74,6 +74,11 @@ void unshuffle_fixed(const std::byte* src, std::byte* dst, std::size_t n) {
   }
 }
 
+// The frame header descriptor follows the 4-byte magic number; its bit 2 says the frame ends in a
+// content checksum (RFC 8878, 3.1.1.1.1). Read directly: the header parser is zstd's static-only API.
+constexpr std::size_t frame_descriptor_offset = 4;
+constexpr std::byte content_checksum_flag{0x04};
+
 // Per worker thread: zstd contexts and scratch, kept for the thread's life.
 struct Scratch {
   ZSTD_CCtx* cctx = nullptr;
@@ -240,6 +245,15 @@ void ChunkCodec::decompress(const CompressedTensor& t, std::span<std::byte> dst,
     }
     if (declared != raw)
       throw fail(fmt::format("its frame header says {} bytes, the chunk should hold {}", declared, raw));
+    // Every chunk was written as one frame with a content checksum. The flag that asks zstd to
+    // verify it lies in the chunk's own bytes: a damage that clears it and cuts the checksum off
+    // would let damaged content decode unchecked, so a frame without it is corrupt.
+    if ((chunk.data[frame_descriptor_offset] & content_checksum_flag) == std::byte{0})
+      throw fail("its zstd frame header lost the content checksum every chunk is written with");
+    const std::size_t frame = ZSTD_findFrameCompressedSize(chunk.data.get(), chunk.size);
+    if (ZSTD_isError(frame)) throw fail(fmt::format("zstd: {}", ZSTD_getErrorName(frame)));
+    if (frame != chunk.size)
+      throw fail(fmt::format("it holds {} bytes, its zstd frame {}", chunk.size, frame));
     Scratch& s = scratch();
     if (!s.dctx) {
       s.dctx = ZSTD_createDCtx();

@@ -167,6 +167,19 @@ TEST(ChunkCodec, CorruptChunksAreErrorsNamingTensorAndChunk) {
     expect_error(t, 0);
   }
   {
+    // The fuzzer's finding: the frame's checksum flag cleared, the checksum cut off and a content
+    // byte changed decoded as a valid frame of other bytes. Incompressible bytes are stored as a
+    // raw block, where a changed byte is nothing zstd's decoder itself could notice.
+    const auto noise = data_of(raw.size(), 1, 7);
+    auto t = codec.compress(noise, 4, "x");
+    auto b = t.chunk_data(3);
+    ASSERT_NE(b[4] & std::byte{0x04}, std::byte{0}) << "chunks are written with a content checksum";
+    b[4] ^= std::byte{0x04};
+    b[b.size() / 2] ^= std::byte{0x11};
+    t.truncate_chunk(3, b.size() - 4);
+    expect_error(t, 3);
+  }
+  {
     auto t = codec.compress(raw, 4, "x");
     t.truncate_chunk(4, 3);  // not even a frame header
     expect_error(t, 4);
