@@ -252,8 +252,7 @@ void ChunkCodec::decompress(const CompressedTensor& t, std::span<std::byte> dst,
       throw fail("its zstd frame header lost the content checksum every chunk is written with");
     const std::size_t frame = ZSTD_findFrameCompressedSize(chunk.data.get(), chunk.size);
     if (ZSTD_isError(frame)) throw fail(fmt::format("zstd: {}", ZSTD_getErrorName(frame)));
-    if (frame != chunk.size)
-      throw fail(fmt::format("it holds {} bytes, its zstd frame {}", chunk.size, frame));
+    if (frame != chunk.size) throw fail(fmt::format("it holds {} bytes, its zstd frame {}", chunk.size, frame));
     Scratch& s = scratch();
     if (!s.dctx) {
       s.dctx = ZSTD_createDCtx();
