@@ -23,13 +23,23 @@ namespace {
 
 using ferry::fuzz::check;
 
-const std::filesystem::path& folder() {
-  static const std::filesystem::path dir = [] {
+// The folder the inputs are written to as Fashion-MNIST files, removed when the fuzzer exits.
+struct InputFolder {
+  std::filesystem::path dir;
+  InputFolder() {
     std::string tmpl = (std::filesystem::temp_directory_path() / "ferry-fuzz-idx-XXXXXX").string();
     check(::mkdtemp(tmpl.data()) != nullptr);
-    return std::filesystem::path(tmpl);
-  }();
-  return dir;
+    dir = tmpl;
+  }
+  ~InputFolder() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+};
+
+const std::filesystem::path& folder() {
+  static const InputFolder input;
+  return input.dir;
 }
 
 void write(const std::filesystem::path& file, const std::uint8_t* data, std::size_t size, bool raw) {

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -171,9 +170,8 @@ INSTANTIATE_TEST_SUITE_P(
 // The path GPUs take (local-memory tiled GEMM, with the permutes to and from the GEMM layout),
 // forced on this device through the tuning override.
 TEST(Conv2dTiledPath, MatchesReference) {
-  const std::string path = ::testing::TempDir() + "ferry_conv_tiled.tsv";
-  std::ofstream(path) << "*\t*\t*\tferry\ttiled\tTSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2\n";
-  ScopedEnv tuning("FERRY_GEMM_TUNING", path);
+  const ScopedTempFile row("conv_tiled.tsv", "*\t*\t*\tferry\ttiled\tTSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2\n");
+  ScopedEnv tuning("FERRY_GEMM_TUNING", row.path());
   for (const ConvCase& tc : {ConvCase{"tiled_k3_pad1_stride2", shape(3, 2, 7, 7, 5, 3, 3, 1, 2)},
                              ConvCase{"tiled_k7_pad3", shape(2, 3, 11, 10, 9, 7, 7, 3, 1), false},
                              ConvCase{"tiled_relu_k3", with_relu(shape(2, 3, 8, 9, 9, 3, 3, 1, 1))},
@@ -184,11 +182,9 @@ TEST(Conv2dTiledPath, MatchesReference) {
   }
 }
 
-// A GEMM tuning file of one row that matches every device.
-std::string tuning_file(const std::string& stem, const std::string& params) {
-  const std::string path = ::testing::TempDir() + "ferry_conv_" + stem + ".tsv";
-  std::ofstream(path) << "*\t*\t*\tferry\tpacked\t" << params << "\n";
-  return path;
+// A GEMM tuning row of ferry's packed kernel that matches every device.
+std::string packed_row(const std::string& params) {
+  return "*\t*\t*\tferry\tpacked\t" + params + "\n";
 }
 
 // What gemm() runs on this device for a product wide enough (N = 256) that the packed block is
@@ -269,7 +265,8 @@ TEST(Conv2dWinograd, AlgorithmAndGemmPathWhenTurnedOff) {
       int width;  // NV
     };
     for (const ForcedRow row : {ForcedRow{"avx2", "RB=6 NV=1", 1}, ForcedRow{"avx512", "RB=6 NV=4", 4}}) {
-      ScopedEnv tuning("FERRY_GEMM_TUNING", tuning_file(row.stem, row.params));
+      const ScopedTempFile file(std::string("conv_") + row.stem + ".tsv", packed_row(row.params));
+      ScopedEnv tuning("FERRY_GEMM_TUNING", file.path());
       SCOPED_TRACE(std::string("forced row packed ") + row.params);
       const int width = packed_block_width(wide_gemm_kernel(env));
       ASSERT_EQ(width, row.width) << wide_gemm_kernel(env);

@@ -2,7 +2,6 @@
 // the CPU reference over awkward shapes, both transposes, alpha/beta/bias and operand offsets;
 // the tuning data's error reporting; and the reference's gradients against finite differences.
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <bit>
 #include <chrono>
@@ -10,8 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <future>
 #include <map>
 #include <stdexcept>
@@ -627,16 +624,10 @@ TEST(Gemm, RegisterCapNeedsNvidiasCompilerOptions) {
   }
 }
 
-// Writes `text` to a file of the system's temporary folder named by `stem`; returns its path.
-std::string write_temp(const std::string& stem, const std::string& text) {
-  const auto path = std::filesystem::temp_directory_path() / fmt::format("ferry_{}_{}.tsv", stem, ::getpid());
-  std::ofstream(path) << text;
-  return path.string();
-}
-
 TEST(GemmTuning, OverrideFileSelectsKernel) {
   auto& dev = TestDevice::get();
-  const std::string path = write_temp("tuning_ok", "# a comment\n\n*\t*\t*\t\tferry\tnaive\t-\n");
+  const ScopedTempFile file("tuning_ok.tsv", "# a comment\n\n*\t*\t*\t\tferry\tnaive\t-\n");
+  const std::string& path = file.path();
   ScopedEnv env("FERRY_GEMM_TUNING", path);
   const ops::GemmShape s{9, 70, 3, true, false};
   const std::string desc = ops::gemm_kernel_description(dev.env, s);
@@ -645,7 +636,6 @@ TEST(GemmTuning, OverrideFileSelectsKernel) {
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, s), 0u);
   check_gemm(s, {}, 2.0f, 0.0f, true, "override naive TN");
   check_gemm({37, 100, 29, false, true}, {}, 0.5f, 2.0f, true, "override naive NT");
-  std::filesystem::remove(path);
 }
 
 // A tiled row from the tuning data shrinks its tile for small products: first along a side of the
@@ -655,7 +645,8 @@ TEST(GemmTuning, OverrideFileSelectsKernel) {
 // Results checked at each size.
 TEST(GemmTuning, TiledTileShrinksForSmallProducts) {
   auto& dev = TestDevice::get();
-  const std::string path = write_temp("tuning_tiled", "*\t*\t*\t\tferry\ttiled\tTSM=64 TSN=64 TSK=8 WPTM=8 WPTN=8\n");
+  const ScopedTempFile file("tuning_tiled.tsv", "*\t*\t*\t\tferry\ttiled\tTSM=64 TSN=64 TSK=8 WPTM=8 WPTN=8\n");
+  const std::string& path = file.path();
   ScopedEnv env("FERRY_GEMM_TUNING", path);
   const std::uint32_t units = dev.context.device().compute_units;
   for (const ops::GemmShape s : {ops::GemmShape{7, 9, 5}, ops::GemmShape{70, 33, 16}, ops::GemmShape{200, 150, 9},
@@ -677,28 +668,26 @@ TEST(GemmTuning, TiledTileShrinksForSmallProducts) {
   ops::GemmOptions named;
   named.kernel = "tiled TSM=64 TSN=64 TSK=8 WPTM=8 WPTN=8";
   EXPECT_NE(ops::gemm_kernel_description(dev.env, {7, 9, 5}, named).find(named.kernel), std::string::npos);
-  std::filesystem::remove(path);
 }
 
 // With float4 loads (VG=4) the fit never halves a tile to a side that is not a multiple of 4: a
 // 12 x 12 tile of 3 x 3 work-items stays as it is (6 x 6 would not build).
 TEST(GemmTuning, TiledTileKeepsWholeFloat4s) {
   auto& dev = TestDevice::get();
-  const std::string path =
-      write_temp("tuning_tiled_vg", "*\t*\t*\t\tferry\ttiled\tTSM=12 TSN=12 TSK=8 WPTM=4 WPTN=4 VG=4\n");
+  const ScopedTempFile file("tuning_tiled_vg.tsv", "*\t*\t*\t\tferry\ttiled\tTSM=12 TSN=12 TSK=8 WPTM=4 WPTN=4 VG=4\n");
+  const std::string& path = file.path();
   ScopedEnv env("FERRY_GEMM_TUNING", path);
   const ops::GemmShape s{7, 9, 8};  // one tile: the fit would halve it where it could
   const std::string desc = ops::gemm_kernel_description(dev.env, s);
   EXPECT_NE(desc.find("tiled TSM=12 TSN=12 TSK=8 WPTM=4 WPTN=4 VG=4"), std::string::npos) << desc;
   check_gemm(s, {}, 1.0f, 0.5f, true, desc + " (aligned)", true);
-  std::filesystem::remove(path);
 }
 
 // The fit never halves the results per work-item below the vector width the kernel reads with.
 TEST(GemmTuning, TiledTileKeepsItsVectorWidth) {
   auto& dev = TestDevice::get();
-  const std::string path =
-      write_temp("tuning_tiled_vw", "*\t*\t*\t\tferry\ttiled\tTSM=64 TSN=64 TSK=8 WPTM=8 WPTN=8 VW=4\n");
+  const ScopedTempFile file("tuning_tiled_vw.tsv", "*\t*\t*\t\tferry\ttiled\tTSM=64 TSN=64 TSK=8 WPTM=8 WPTN=8 VW=4\n");
+  const std::string& path = file.path();
   ScopedEnv env("FERRY_GEMM_TUNING", path);
   const ops::GemmShape s{7, 9, 5};  // one tile at any size: halving stops at 4 x 4 per work-item
   const std::string desc = ops::gemm_kernel_description(dev.env, s);
@@ -706,7 +695,6 @@ TEST(GemmTuning, TiledTileKeepsItsVectorWidth) {
     EXPECT_NE(desc.find("tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=4 VW=4"), std::string::npos) << desc;
   }
   check_gemm(s, {}, 1.0f, 0.5f, true, desc.c_str());
-  std::filesystem::remove(path);
 }
 
 TEST(GemmTuning, BadRowsNameFileAndLine) {
@@ -726,7 +714,8 @@ TEST(GemmTuning, BadRowsNameFileAndLine) {
   };
   int i = 0;
   for (const auto& b : bad) {
-    const std::string path = write_temp(fmt::format("tuning_bad{}", i++), b.text);
+    const ScopedTempFile file(fmt::format("tuning_bad{}.tsv", i++), b.text);
+    const std::string& path = file.path();
     ScopedEnv env("FERRY_GEMM_TUNING", path);
     // (Only on a device that is a CPU and not a GPU: Oclgrind says it is both, and all three types.)
     if (std::string(b.expect) == "has no row for device" &&
@@ -740,7 +729,6 @@ TEST(GemmTuning, BadRowsNameFileAndLine) {
       EXPECT_NE(msg.find(path), std::string::npos) << msg;
       EXPECT_NE(msg.find(b.expect), std::string::npos) << msg;
     }
-    std::filesystem::remove(path);
   }
   ScopedEnv env("FERRY_GEMM_TUNING", "/nonexistent/ferry_gemm.tsv");
   EXPECT_THROW(ops::gemm_kernel_description(dev.env, {4, 4, 4}), std::runtime_error);

@@ -37,8 +37,24 @@ std::string slurp(const fs::path& p) {
   return s.str();
 }
 
+fs::path scratch_path() {
+  return fs::temp_directory_path() / ("ferry-test-outputs-" + std::to_string(::getpid()));
+}
+
+// Removes this process's scratch folder (checkpoints, traces, profiles: tens of MB) once every test
+// of the binary has run, passed or not.
+class RemoveScratch : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(scratch_path(), ec);
+  }
+};
+[[maybe_unused]] const ::testing::Environment* const remove_scratch =
+    ::testing::AddGlobalTestEnvironment(new RemoveScratch);
+
 fs::path scratch() {
-  const fs::path d = fs::temp_directory_path() / ("ferry-test-outputs-" + std::to_string(::getpid()));
+  const fs::path d = scratch_path();
   fs::create_directories(d);
   return d;
 }

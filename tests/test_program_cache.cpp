@@ -177,6 +177,13 @@ TEST(ProgramCache, EntryTheDriverRefusesIsRebuilt) {
   EXPECT_EQ(build_relu(cache.options).first.disk_hits, 1u);
 }
 
+// Removes a folder made read-only by read_only_dir().
+void remove_read_only(const fs::path& dir) {
+  std::error_code ec;
+  fs::permissions(dir, fs::perms::owner_all, ec);
+  fs::remove_all(dir, ec);
+}
+
 // A folder this process cannot write to (chmod when not root; root writes anywhere, so a
 // sysfs folder then), or an empty path if there is none here.
 fs::path read_only_dir() {
@@ -190,8 +197,10 @@ fs::path read_only_dir() {
       fs::remove(probe, ec);
       continue;
     }
+    if (candidate != dir) remove_read_only(dir);
     return candidate;
   }
+  remove_read_only(dir);
   return {};
 }
 
@@ -210,10 +219,7 @@ TEST(ProgramCache, ReadOnlyFolderWarnsOnceAndRunsUncached) {
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_EQ(count(err, "ferry:"), 1u) << err;
   EXPECT_NE(err.find(fmt::format("program cache folder {} is not usable", dir.string())), std::string::npos) << err;
-  if (dir.filename().string().starts_with("ferry-test-")) {
-    fs::permissions(dir, fs::perms::owner_all);
-    fs::remove_all(dir);
-  }
+  if (dir.filename().string().starts_with("ferry-test-")) remove_read_only(dir);
 }
 
 TEST(ProgramCache, UncreatableFolderWarnsOnceAndRunsUncached) {

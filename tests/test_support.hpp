@@ -3,12 +3,15 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -62,6 +65,27 @@ class ScopedEnv {
  private:
   const char* name_;
   std::optional<std::string> old_;
+};
+
+// A file of the given text in the temporary folder ("ferry-test-<pid>-<name>"), removed when the
+// scope ends: a test that fails, skips or continues part way leaves nothing behind.
+class ScopedTempFile {
+ public:
+  ScopedTempFile(const std::string& name, const std::string& text)
+      : path_((std::filesystem::temp_directory_path() / ("ferry-test-" + std::to_string(::getpid()) + "-" + name))
+                  .string()) {
+    std::ofstream(path_) << text;
+  }
+  ~ScopedTempFile() {
+    std::error_code ec;
+    std::filesystem::remove(path_, ec);
+  }
+  ScopedTempFile(const ScopedTempFile&) = delete;
+  ScopedTempFile& operator=(const ScopedTempFile&) = delete;
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  std::string path_;
 };
 
 // Small shapes only: tests/oclgrind/run_test.sh sets FERRY_TEST_SMALL=1, since Oclgrind simulates
