@@ -315,7 +315,7 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       "device peak {}; host {} of {} memory ({} weights and state, {} step buffers){}; per step {} fetched, {} "
       "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms, {} "
       "launches {:.1f} ms{}{})\n",
-      ferry::format_bytes(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
+      ferry::format_bytes_up(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
       ferry::format_bytes(p.host_step_bytes),
       fmt::format("{}{}",
@@ -354,14 +354,14 @@ void print_search(const PlanReport& r) {
     if (!c.fits()) continue;
     std::cout << fmt::format("  {}{} {:>10.1f} ms  device {:>10}  host {:>10}  {}\n", r.search.chosen == i ? '*' : ' ',
                              c.same_numerics ? ' ' : '~', c.plan->predicted_step_ms,
-                             ferry::format_bytes(c.plan->device_peak_bytes), ferry::format_bytes(c.plan->host_bytes),
+                             ferry::format_bytes_up(c.plan->device_peak_bytes), ferry::format_bytes(c.plan->host_bytes),
                              c.flags);
   }
   if (const ferry::Configuration* c = r.chosen()) {
     std::cout << fmt::format(
         "for a budget of {} and {} of host memory: {} (device peak {}, host {}, predicted step {:.1f} ms)\n",
         ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), c->flags,
-        ferry::format_bytes(c->plan->device_peak_bytes), ferry::format_bytes(c->plan->host_bytes),
+        ferry::format_bytes_up(c->plan->device_peak_bytes), ferry::format_bytes(c->plan->host_bytes),
         c->plan->predicted_step_ms);
   } else if (const ferry::Configuration* lean = leanest_in_host_memory(tried)) {
     // Some fit the device budget: host memory is what none fits.
@@ -369,12 +369,12 @@ void print_search(const PlanReport& r) {
         "for a budget of {} and {} of host memory: no configuration fits the host memory; of those that fit the "
         "device budget, the leanest in host memory ({}) needs {}\n",
         ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), lean->flags,
-        ferry::format_bytes(ferry::detail::host_bytes_needed(*lean->plan)));
+        ferry::format_bytes_up(ferry::detail::host_bytes_needed(*lean->plan)));
   } else {
     std::cout << fmt::format(
         "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
         ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit),
-        r.min_streamed ? ferry::format_bytes(*r.min_streamed) : ferry::format_bytes(r.min_resident));
+        r.min_streamed ? ferry::format_bytes_up(*r.min_streamed) : ferry::format_bytes_up(r.min_resident));
   }
 }
 
@@ -422,9 +422,9 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
   if (r.configured.plan) print_configured_table(*r.configured.plan);
   if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
   const std::string min_streamed =
-      r.min_streamed ? ferry::format_bytes(*r.min_streamed) : std::string("(nothing to stream)");
+      r.min_streamed ? ferry::format_bytes_up(*r.min_streamed) : std::string("(nothing to stream)");
   std::cout << fmt::format("minimum budget: {} with everything resident, {} streamed\n",
-                           ferry::format_bytes(r.min_resident), min_streamed);
+                           ferry::format_bytes_up(r.min_resident), min_streamed);
   print_search(r);
 }
 
