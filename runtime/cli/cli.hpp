@@ -250,6 +250,11 @@ std::vector<std::byte> caller_section(const nlohmann::json& j);
 nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind);
 // "cannot resume from '<--resume path>': <what>"
 std::invalid_argument resume_error(const TrainArgs& a, const std::string& what);
+// Refuses a caller section whose "data_checksum" (the checksum of the training data the run read)
+// is not `here`: resumed on other data of the same size, a run would go on silently as another
+// run. `give` says what to pass again (e.g. "--data and --train-limit"). Sections written before
+// the field existed are taken as they are.
+void check_same_data(const nlohmann::json& j, std::uint64_t here, const TrainArgs& a, const std::string& give);
 
 // The command line that continues this run from `checkpoint`: the same arguments, any --resume
 // replaced.

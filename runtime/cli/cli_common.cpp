@@ -341,6 +341,16 @@ std::invalid_argument resume_error(const TrainArgs& a, const std::string& what) 
   return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
 }
 
+void check_same_data(const nlohmann::json& j, std::uint64_t here, const TrainArgs& a, const std::string& give) {
+  const auto it = j.find("data_checksum");
+  if (it == j.end()) return;
+  const auto was = it->get<std::uint64_t>();
+  if (was == here) return;
+  throw resume_error(a, fmt::format("it was trained on other data of the same size (checksum {:016x} of the training "
+                                    "data, this run's {:016x}): resume with the same {}",
+                                    was, here, give));
+}
+
 nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind) {
   nlohmann::json j;
   try {

@@ -52,8 +52,8 @@ int cmd_devices() {
 // loop is in which epoch, the data order and its RNG, the schedule, and the sums its output needs.
 // (Its layout, version 1, counts epochs done and steps into the next rather than steps done.)
 std::vector<std::byte> encode_position(const TrainArgs& a, const ferry::LoopPosition& p, std::size_t steps_per_epoch,
-                                       std::size_t samples, const ferry::ShuffledBatches& batches,
-                                       std::size_t total_steps) {
+                                       std::size_t samples, std::uint64_t data_checksum,
+                                       const ferry::ShuffledBatches& batches, std::size_t total_steps) {
   std::ostringstream rng_state;
   rng_state << batches.engine();
   const auto order = batches.order();
@@ -67,6 +67,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const ferry::LoopPosi
                             {"model", a.model},
                             {"seed", a.seed},
                             {"train_samples", samples},
+                            {"data_checksum", data_checksum},
                             {"epochs", a.epochs},
                             {"epochs_done", p.done / steps_per_epoch},
                             {"step_in_epoch", p.done % steps_per_epoch},
@@ -84,7 +85,8 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const ferry::LoopPosi
 // engine, order and place in it, after checking it belongs to this command line; throws
 // std::invalid_argument naming what differs.
 ferry::LoopPosition decode_fields(const nlohmann::json& j, const TrainArgs& a, std::size_t samples,
-                                  std::size_t steps_per_epoch, ferry::ShuffledBatches& batches) {
+                                  std::uint64_t data_checksum, std::size_t steps_per_epoch,
+                                  ferry::ShuffledBatches& batches) {
   const auto fail = [&](const std::string& what) { return resume_error(a, what); };
   if (j.at("version").get<int>() != 1) throw fail("its ferry train section has another version");
   if (j.at("seed").get<std::uint64_t>() != a.seed) {
@@ -95,6 +97,7 @@ ferry::LoopPosition decode_fields(const nlohmann::json& j, const TrainArgs& a, s
     throw fail(fmt::format("it was trained on {} samples, this run has {}: resume with the same --train-limit and data",
                            j.at("train_samples").get<std::size_t>(), samples));
   }
+  check_same_data(j, data_checksum, a, "--data and --train-limit");
   if (j.at("schedule").get<std::string>() != a.schedule || j.at("lr").get<float>() != a.lr) {
     throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
                            j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
@@ -141,10 +144,11 @@ ferry::LoopPosition decode_fields(const nlohmann::json& j, const TrainArgs& a, s
 }
 
 ferry::LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, std::size_t samples,
-                                    std::size_t steps_per_epoch, ferry::ShuffledBatches& batches) {
+                                    std::uint64_t data_checksum, std::size_t steps_per_epoch,
+                                    ferry::ShuffledBatches& batches) {
   const nlohmann::json j = read_caller_section(bytes, a, "ferry train");
   try {
-    return decode_fields(j, a, samples, steps_per_epoch, batches);
+    return decode_fields(j, a, samples, data_checksum, steps_per_epoch, batches);
   } catch (const nlohmann::json::exception& e) {
     throw resume_error(a, fmt::format("its ferry train section is incomplete ({})", e.what()));
   }
@@ -238,14 +242,15 @@ void add_classifier_fields(nlohmann::json& j, const TrainArgs& a, const ferry::T
        {"compile_s", compile_s}});
 }
 
-// --accumulate k makes an update of every k batches: a run with fewer would train nothing.
-// Data parallel: a hash of the training samples each rank read, which the ranks compare
-// (TrainingLoopOptions::data_fingerprint).
+// A checksum of the training samples: data-parallel ranks compare theirs
+// (TrainingLoopOptions::data_fingerprint), and a checkpoint keeps it so that a resume on other
+// data of the same size is refused.
 std::uint64_t dataset_fingerprint(const ferry::Dataset& d) {
   const std::uint64_t images = ferry::checkpoint_checksum(d.images.data(), d.count * d.sample_elems() * sizeof(float));
   return ferry::checkpoint_checksum(d.labels.data(), d.count * sizeof(std::int32_t), images);
 }
 
+// --accumulate k makes an update of every k batches: a run with fewer would train nothing.
 void check_updates_happen(const TrainArgs& a, std::size_t samples, std::uint32_t batch) {
   const std::uint64_t micro_batches = std::uint64_t{samples / batch} * a.epochs;
   if (micro_batches >= a.accumulate) return;
@@ -296,6 +301,9 @@ int cmd_train(const TrainArgs& a) {
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
   profiler.add_training_step(trainer);
+  // Read only where it is used: by the ranks, and by checkpoints (written and resumed from).
+  const bool keeps_checksum = a.control || !a.checkpoint_path.empty() || !a.resume_path.empty();
+  const std::uint64_t data_checksum = keeps_checksum ? dataset_fingerprint(train) : 0;
 
   ferry::TrainingLoop loop(trainer, batches,
                            {.steps = total_steps,
@@ -306,7 +314,8 @@ int cmd_train(const TrainArgs& a) {
                             .checkpoint = a.checkpoint_path,
                             .caller_section =
                                 [&](const ferry::LoopPosition& p) {
-                                  return encode_position(a, p, steps_per_epoch, train.count, batches, total_steps);
+                                  return encode_position(a, p, steps_per_epoch, train.count, data_checksum, batches,
+                                                         total_steps);
                                 },
                             .checkpoint_options = {.replace_foreign_file = a.force},
                             // Data parallel: every rank holds the same state and rank 0 writes it, unless each holds
@@ -314,12 +323,12 @@ int cmd_train(const TrainArgs& a) {
                             .write_checkpoints = a.primary || a.sharded_checkpoint,
                             .after_checkpoint = [&a] { remove_stale_shards(a); },
                             .control = a.control,
-                            .data_fingerprint = a.control ? dataset_fingerprint(train) : 0});
+                            .data_fingerprint = a.control ? data_checksum : 0});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
     const auto caller = load_resume(trainer, a);
     const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
-    const ferry::LoopPosition start = decode_position(caller, a, train.count, steps_per_epoch, batches);
+    const ferry::LoopPosition start = decode_position(caller, a, train.count, data_checksum, steps_per_epoch, batches);
     loop.resume(start);
     if (!a.quiet) {
       std::cerr << fmt::format(

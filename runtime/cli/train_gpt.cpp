@@ -99,6 +99,12 @@ struct Validation {
   double val_loss = 0;                             // the newest report's
 };
 
+// A checksum of the text (its character ids, training and held-out part): data-parallel ranks
+// compare theirs, and a checkpoint keeps it so that a resume on another text is refused.
+std::uint64_t corpus_checksum(const TextCorpus& corpus) {
+  return ferry::checkpoint_checksum(corpus.ids.data(), corpus.ids.size() * sizeof(corpus.ids[0]));
+}
+
 std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& corpus, const RandomWindows& windows,
                                        std::uint32_t steps, const LoopPosition& p, const Validation& v) {
   const nlohmann::json j = {{"kind", "ferry train --model gpt"},
@@ -106,6 +112,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& cor
                             {"seed", a.seed},
                             {"train_characters", corpus.train_end},
                             {"vocab", corpus.vocab_size()},
+                            {"data_checksum", corpus_checksum(corpus)},
                             {"schedule", a.schedule},
                             {"lr", a.lr},
                             {"steps", steps},
@@ -139,6 +146,7 @@ LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArg
           j.at("train_characters").get<std::size_t>(), j.at("vocab").get<std::uint32_t>(), corpus.train_end,
           corpus.vocab_size()));
     }
+    check_same_data(j, corpus_checksum(corpus), a, "--text");
     if (j.at("schedule").get<std::string>() != a.schedule || j.at("lr").get<float>() != a.lr) {
       throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
                              j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
@@ -351,7 +359,7 @@ int cmd_train_gpt(const TrainArgs& args) {
        .after_checkpoint = [&a] { remove_stale_shards(a); },
        .control = a.control,
        // Data parallel: every rank must read the same text (the ranks compare it).
-       .data_fingerprint = a.control ? ferry::checkpoint_checksum(corpus.ids.data(), corpus.ids.size() * 4) : 0});
+       .data_fingerprint = a.control ? corpus_checksum(corpus) : 0});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
     const auto caller = load_resume(trainer, a);

@@ -246,6 +246,14 @@ cp "$work/good.ckpt" "$work/lost.ckpt"
 cp "$work/good.ckpt" "$work/lost.ckpt.rank2"
 row "ZeRO checkpoint missing a rank's file" "so a rank's file of this checkpoint is missing" error - \
   train "${quick[@]}" --resume "$work/lost.ckpt"
+# The test split's first 512 images as the training set: as many samples, other data.
+mkdir -p "$work/other-data"
+for split in train t10k; do
+  ln -sf "$data/t10k-images-idx3-ubyte.gz" "$work/other-data/$split-images-idx3-ubyte.gz"
+  ln -sf "$data/t10k-labels-idx1-ubyte.gz" "$work/other-data/$split-labels-idx1-ubyte.gz"
+done
+row "checkpoint resumed on other data of as many samples" "resume with the same --data and --train-limit" error - \
+  train "${quick[@]}" --data "$work/other-data" --resume "$work/good.ckpt"
 # Options that change what the training computes, given other values on resume.
 row "checkpoint resumed with another --weight-decay" "use --weight-decay 0" error - \
   train "${quick[@]}" --weight-decay 0.01 --resume "$work/good.ckpt"
@@ -265,6 +273,10 @@ gpt=(train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --e
 "$ferry" "${gpt[@]}" --text "$work/text" --steps 2 --checkpoint "$work/gpt.ckpt" >/dev/null 2>&1
 row "GPT checkpoint resumed on another text" "resume with the same --text" error - \
   "${gpt[@]}" --text "$work/text2" --steps 4 --resume "$work/gpt.ckpt"
+# As many characters of the same alphabet, in another order.
+mkdir -p "$work/text3" && sed 's/quick/kciuq/' "$work/text/a" >"$work/text3/a"
+row "GPT checkpoint resumed on a text of the same length and letters" "resume with the same --text" error - \
+  "${gpt[@]}" --text "$work/text3" --steps 4 --resume "$work/gpt.ckpt"
 row "GPT checkpoint resumed to fewer --steps than done" "give --steps 2 or more" error - \
   "${gpt[@]}" --text "$work/text" --steps 1 --resume "$work/gpt.ckpt"
 row "GPT checkpoint resumed with another --dropout" "use --dropout 0" error - \
