@@ -299,6 +299,14 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
         offload::changes_in_place(offload::Home::host_compressed, residency.homes.pinned_copies) ? bytes + largest
                                                                                                  : 2 * bytes;
   }
+  // Evaluation's variants (Trainer::evaluate): the batch, and for a data set's tail the batch
+  // halved (rounded down) until one sample, each compiled once at its first use.
+  for (std::uint32_t count = options.batch; count > 0; count /= 2) {
+    graph::Graph g = build(detail::evaluation_key(options, count));
+    const graph::StepPlan planned = graph::plan_step(g, runtime.env(), runtime.device(), arena.get(), residency);
+    out.host_eval_bytes += planned.memory.host_transient_bytes +
+                           graph::run_ahead_mirror_bytes(g, planned.memory, residency.homes, runtime.device());
+  }
   if (options.phases.hybrid) {
     for (TensorId x = 0; x < training.tensors.size(); ++x) {
       if (training.tensors.storage(x) == x && training.tensors.role[x] == graph::Role::weight) {
@@ -623,7 +631,9 @@ std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_
 }
 
 std::uint64_t host_bytes_needed(const TrainingPlan& plan) {
-  return saturating_add(saturating_add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes);
+  return saturating_add(
+      saturating_add(saturating_add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes),
+      plan.host_eval_bytes);
 }
 
 std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan) {
@@ -641,20 +651,24 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
                                ? fmt::format("the host budget of {}", format_bytes(host_budget_bytes))
                                : fmt::format("this machine's physical memory ({})", format_bytes(limit));
   throw HostBudgetError(
-      fmt::format("the training state needs {} of host memory ({} for the weights and optimizer state, {} for "
-                  "the steps' host buffers{}), more than {}: {}use {}compressed state (--state-home compressed, about "
-                  "0.84 of fp32 Adam's), a smaller batch or model, or keep more on the device (a larger "
-                  "--device-budget); `ferry plan` shows what each needs",
-                  format_bytes(needed), format_bytes(plan.host_store_bytes), format_bytes(plan.host_step_bytes),
-                  fmt::format("{}{}",
-                              plan.host_compressed_bytes ? fmt::format(", up to {} for compressed chunks",
-                                                                       format_bytes(plan.host_compressed_bytes))
-                                                         : std::string(),
-                              plan.host_restore_bytes ? fmt::format(", {} for the Predict runs' restore point",
-                                                                    format_bytes(plan.host_restore_bytes))
-                                                      : std::string()),
-                  what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
-                  plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),
+      fmt::format(
+          "the training state needs {} of host memory ({} for the weights and optimizer state, {} for "
+          "the training steps' host buffers{}), more than {}: {}use {}compressed state (--state-home compressed, about "
+          "0.84 of fp32 Adam's), a smaller batch or model, or keep more on the device (a larger "
+          "--device-budget); `ferry plan` shows what each needs",
+          format_bytes(needed), format_bytes(plan.host_store_bytes), format_bytes(plan.host_step_bytes),
+          fmt::format(
+              "{}{}{}",
+              plan.host_compressed_bytes
+                  ? fmt::format(", up to {} for compressed chunks", format_bytes(plan.host_compressed_bytes))
+                  : std::string(),
+              plan.host_restore_bytes
+                  ? fmt::format(", {} for the Predict runs' restore point", format_bytes(plan.host_restore_bytes))
+                  : std::string(),
+              plan.host_eval_bytes ? fmt::format(", {} for evaluation batches", format_bytes(plan.host_eval_bytes))
+                                   : std::string()),
+          what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
+          plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),
       needed, limit);
 }
 

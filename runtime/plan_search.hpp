@@ -13,8 +13,8 @@ ConfigurationSearch search_configurations(Runtime& runtime, const ModelSpec& mod
 // machine's physical memory where each applies; 0 for no limit.
 std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_by);
 
-// The host bytes check_host_budget holds a plan to: its host bytes, the compressed chunks' bound
-// and the Predict runs' restore point (saturating).
+// The host bytes check_host_budget holds a plan to: its host bytes, the compressed chunks' bound,
+// the Predict runs' restore point and evaluation's host pools (saturating).
 std::uint64_t host_bytes_needed(const TrainingPlan& plan);
 
 // The host bytes of a plan that no micro-batch split lowers: the persistent tensors' stores, the

@@ -91,6 +91,14 @@ graph::VariantKey predict_key(const TrainerOptions& options) {
   return key;
 }
 
+graph::VariantKey evaluation_key(const TrainerOptions& options, std::uint32_t count, bool predict, bool int8_weights) {
+  graph::VariantKey key{count, false, predict};
+  key.precision = options.precision.compute;
+  key.fuse = options.fuse;
+  key.int8_weights = int8_weights;
+  return key;
+}
+
 std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device) {
   if (options.residency.budget_bytes != 0) return options.residency.budget_bytes;
   const std::uint64_t mem = device.global_mem_bytes;
@@ -814,11 +822,7 @@ void Trainer::for_each_chunk(const DataSource& data, bool predict, bool int8_wei
     // A full batch, or the largest power of two that fits in what is left.
     std::uint32_t count = options_.batch;
     while (count > n - first) count /= 2;
-    graph::VariantKey key{count, false, predict};
-    key.precision = options_.precision.compute;
-    key.fuse = options_.fuse;
-    key.int8_weights = int8_weights;
-    graph::CompiledStep& step = variant(key);
+    graph::CompiledStep& step = variant(detail::evaluation_key(options_, count, predict, int8_weights));
     for (const auto* specs : {&model_.inputs, &model_.targets}) {
       if (predict && specs == &model_.targets) break;
       for (const TensorSpec& spec : *specs) data.read(spec.name, first, count, step.host_input(spec.name));

@@ -27,6 +27,10 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options);
 graph::VariantKey training_key(const TrainerOptions& options);
 graph::VariantKey training_variant_key(const TrainerOptions& options, bool micro, bool fit);
 graph::VariantKey predict_key(const TrainerOptions& options);
+// An evaluation (Trainer::evaluate) or inference (Trainer::predict: `predict`) variant of `count`
+// samples: the batch, or a smaller power of two for a data set's tail.
+graph::VariantKey evaluation_key(const TrainerOptions& options, std::uint32_t count, bool predict = false,
+                                 bool int8_weights = false);
 // The device budget a Trainer plans in: the options', or the device's memory less headroom
 // (10%, at least 256 MiB, at most half).
 std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device);

@@ -501,6 +501,10 @@ TEST(Plan, TheSearchSkipsSplitsThatCannotFitTheHost) {
   EXPECT_TRUE(halved->plan) << halved->error;
 }
 
+// The host budget holds the training steps' buffers and evaluation's, compiled at its first use:
+// one byte short is refused before anything is allocated; exactly enough holds after an
+// evaluation whose tail takes smaller batches (before evaluation counted, such a run ended at
+// nearly twice its budget).
 TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
   Runtime rt;
   TrainerOptions o;
@@ -508,24 +512,37 @@ TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
   o.residency.mode = graph::ResidencyMode::stream;
   o.residency.budget_bytes = 64ull << 20;
   const TrainingPlan plan = plan_training(rt, small_mlp(), o);
-  o.residency.host_budget_bytes = plan.host_bytes - 1;
+  ASSERT_GT(plan.host_eval_bytes, 0u);
+  const std::uint64_t needed = detail::host_bytes_needed(plan);
+  EXPECT_EQ(needed, plan.host_bytes + plan.host_eval_bytes);
+  o.residency.host_budget_bytes = needed - 1;
   try {
     Trainer t(rt, small_mlp(), o);
     FAIL() << "a host budget one byte short was accepted";
   } catch (const HostBudgetError& e) {
-    EXPECT_EQ(e.needed_bytes(), plan.host_bytes);
-    EXPECT_EQ(e.budget_bytes(), plan.host_bytes - 1);
+    EXPECT_EQ(e.needed_bytes(), needed);
+    EXPECT_EQ(e.budget_bytes(), needed - 1);
     const std::string m = e.what();
-    EXPECT_NE(m.find(format_bytes(plan.host_bytes)), std::string::npos) << m;
+    EXPECT_NE(m.find(format_bytes(needed)), std::string::npos) << m;
+    EXPECT_NE(m.find("for evaluation batches"), std::string::npos) << m;
     EXPECT_NE(m.find("--host-budget"), std::string::npos) << m;
     EXPECT_NE(m.find("--optimizer adamw8bit"), std::string::npos) << m;
     EXPECT_NE(m.find("--device-budget"), std::string::npos) << m;
     EXPECT_NE(m.find("--state-home compressed"), std::string::npos) << m;
   }
-  o.residency.host_budget_bytes = plan.host_bytes;  // exactly enough
+  o.residency.host_budget_bytes = needed;  // exactly enough
   Trainer fits(rt, small_mlp(), o);
   EXPECT_EQ(compiled_train_step(fits).persistent()->host_bytes(), plan.host_store_bytes);
   EXPECT_LE(fits.host_state_bytes(), plan.host_bytes);
+  Dataset d;
+  d.rows = 4;
+  d.cols = 5;
+  d.count = 16 + 8 + 4 + 2 + 1;  // the batch, then every smaller power of two
+  d.images = random_vector(d.count * 20, 7, 0.0f, 1.0f);
+  d.labels = labels_for(d.count, 9);
+  EXPECT_EQ(fits.evaluate(d).samples, d.count);
+  EXPECT_GT(fits.host_state_bytes(), plan.host_bytes) << "evaluation's variants hold host buffers";
+  EXPECT_LE(fits.host_state_bytes(), needed);
 }
 
 // The step from its parts: on a device of its own the largest of them, the host updates counted

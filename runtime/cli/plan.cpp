@@ -175,6 +175,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["host_store_bytes"] = p->host_store_bytes;
     j["host_compressed_bytes"] = p->host_compressed_bytes;
     j["host_restore_bytes"] = p->host_restore_bytes;
+    j["host_eval_bytes"] = p->host_eval_bytes;
     j["host_step_bytes"] = p->host_step_bytes;
     j["pinned_staging_bytes"] = t.pinned_staging_bytes;
     j["fetch_bytes"] = t.fetch_bytes;
@@ -207,6 +208,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "host_store_bytes",
                           "host_compressed_bytes",
                           "host_restore_bytes",
+                          "host_eval_bytes",
                           "host_step_bytes",
                           "pinned_staging_bytes",
                           "fetch_bytes",
@@ -318,13 +320,16 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       ferry::format_bytes_up(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
       ferry::format_bytes(p.host_step_bytes),
-      fmt::format("{}{}",
+      fmt::format("{}{}{}",
                   p.host_compressed_bytes
                       ? fmt::format(", and up to {} of compressed chunks", ferry::format_bytes(p.host_compressed_bytes))
                       : std::string(),
                   p.host_restore_bytes ? fmt::format(", and {} for the Predict runs' restore point",
                                                      ferry::format_bytes(p.host_restore_bytes))
-                                       : std::string()),
+                                       : std::string(),
+                  p.host_eval_bytes
+                      ? fmt::format(", and up to {} for evaluation batches", ferry::format_bytes(p.host_eval_bytes))
+                      : std::string()),
       ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
       t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),

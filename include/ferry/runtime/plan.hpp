@@ -156,6 +156,10 @@ struct TrainingPlan {
   // reads at the start of each Predict run and puts back when the run diverges or a step of it
   // fails). 0 otherwise.
   std::uint64_t host_restore_bytes = 0;
+  // The host pools of evaluation (Trainer::evaluate, each variant compiled at its first use): its
+  // variant at the batch and those a data set's tail may take, the batch halved until one sample.
+  // Not in host_bytes (the training steps'); check_host_budget counts it.
+  std::uint64_t host_eval_bytes = 0;
   // The memory of the streamed homes and the step pools on this device (pinned, pageable, staged).
   offload::HostMemory host_memory = offload::HostMemory::pinned;
   PlanRates rates;
