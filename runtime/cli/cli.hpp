@@ -248,6 +248,9 @@ void report_stop(const TrainArgs& a, const ferry::LoopSummary& run, const ferry:
 // "it was not written by <kind>".
 std::vector<std::byte> caller_section(const nlohmann::json& j);
 nlohmann::json read_caller_section(const std::vector<std::byte>& bytes, const TrainArgs& a, const std::string& kind);
+// With --accumulate k over a run of `micro_batches` not a multiple of k: a note (rank 0, without
+// --quiet) that the last micro-batches make no update, and what to give (`give`) so that k divides.
+void note_micro_batches_left_over(const TrainArgs& a, std::uint64_t micro_batches, const std::string& give);
 // "cannot resume from '<--resume path>': <what>"
 std::invalid_argument resume_error(const TrainArgs& a, const std::string& what);
 // Refuses a caller section whose "data_checksum" (the checksum of the training data the run read)

@@ -341,6 +341,15 @@ std::invalid_argument resume_error(const TrainArgs& a, const std::string& what) 
   return std::invalid_argument(fmt::format("cannot resume from '{}': {}", a.resume_path, what));
 }
 
+void note_micro_batches_left_over(const TrainArgs& a, std::uint64_t micro_batches, const std::string& give) {
+  const std::uint64_t left = micro_batches % a.accumulate;
+  if (left == 0 || !a.primary || a.quiet) return;
+  std::cerr << fmt::format(
+      "ferry: note: --accumulate {} makes {} updates of this run's {} micro-batches; the last {} make none (their "
+      "gradients are computed and dropped): give {} so that {} divides the micro-batches\n",
+      a.accumulate, micro_batches / a.accumulate, micro_batches, left, give, a.accumulate);
+}
+
 void check_same_data(const nlohmann::json& j, std::uint64_t here, const TrainArgs& a, const std::string& give) {
   const auto it = j.find("data_checksum");
   if (it == j.end()) return;

@@ -204,6 +204,11 @@ Splits load_splits(const TrainArgs& a) {
   const ferry::ModelSpec model = make_model(a);
   check_split(model, s.train, "train", data_dir);
   check_split(model, s.test, "test", data_dir);
+  if (a.train_limit > s.train.count && a.primary && !a.quiet) {
+    std::cerr << fmt::format(
+        "ferry: note: --train-limit {} is more than the {} training samples in {}: all {} are used\n", a.train_limit,
+        s.train.count, data_dir.string(), s.train.count);
+  }
   if (a.train_limit && a.train_limit < s.train.count) {
     s.train.count = a.train_limit;
     s.train.images.resize(s.train.count * s.train.sample_elems());
@@ -250,10 +255,14 @@ std::uint64_t dataset_fingerprint(const ferry::Dataset& d) {
   return ferry::checkpoint_checksum(d.labels.data(), d.count * sizeof(std::int32_t), images);
 }
 
-// --accumulate k makes an update of every k batches: a run with fewer would train nothing.
+// --accumulate k makes an update of every k batches: a run with fewer would train nothing, and a
+// run whose batches k does not divide is told that its last ones make no update.
 void check_updates_happen(const TrainArgs& a, std::size_t samples, std::uint32_t batch) {
   const std::uint64_t micro_batches = std::uint64_t{samples / batch} * a.epochs;
-  if (micro_batches >= a.accumulate) return;
+  if (micro_batches >= a.accumulate) {
+    note_micro_batches_left_over(a, micro_batches, "--epochs, --train-limit or --batch");
+    return;
+  }
   throw std::invalid_argument(fmt::format(
       "--accumulate {} makes one optimizer update of every {} batches, but this run has {} ({} of {} samples in "
       "each of {} epochs): it would train nothing; give more --epochs or samples, a smaller --batch or a smaller "
@@ -586,8 +595,15 @@ void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
   for (const char* flag : {"--steps", "--max-minutes", "--eval-every", "--val-windows", "--sample", "--prompt",
                            "--temperature", "--text", "--dropout"}) {
     if (!gpt && given(flag)) {
-      throw std::invalid_argument(fmt::format("{} applies to --model gpt only; --model {} trains for --epochs{}", flag,
-                                              t.model, std::string(flag) == "--steps" ? " (and --train-limit)" : ""));
+      // Of the GPT's length settings, say what bounds this model's run instead; of the others, only
+      // which model they serve.
+      const std::string f = flag;
+      const bool length = f == "--steps" || f == "--max-minutes" || f == "--eval-every";
+      throw std::invalid_argument(fmt::format(
+          "{} applies to --model gpt only{}", flag,
+          length
+              ? fmt::format("; --model {} trains for --epochs{}", t.model, f == "--steps" ? " (and --train-limit)" : "")
+              : fmt::format(" (the character-level GPT); --model {} has no such setting", t.model)));
     }
   }
   for (const char* flag : {"--epochs", "--train-limit", "--data", "--eval-int8"}) {

@@ -291,6 +291,7 @@ void check_run_makes_sense(const TrainArgs& a, const TextCorpus& corpus, std::ui
         "train nothing; give --steps {} or more, or a smaller --accumulate",
         a.accumulate, a.accumulate, steps, a.accumulate));
   }
+  note_micro_batches_left_over(a, steps, "--steps");
   if (a.sample == 0) return;
   try {
     (void)corpus.encode(a.prompt);
