@@ -21,6 +21,24 @@
 namespace ferry {
 namespace {
 
+// What a path that is not a regular file is, for the error that says so.
+const char* file_type_name(std::filesystem::file_type t) {
+  switch (t) {
+    case std::filesystem::file_type::directory:
+      return "a folder";
+    case std::filesystem::file_type::fifo:
+      return "a FIFO (named pipe)";
+    case std::filesystem::file_type::character:
+      return "a character device";
+    case std::filesystem::file_type::block:
+      return "a block device";
+    case std::filesystem::file_type::socket:
+      return "a socket";
+    default:
+      return "something other than a file";
+  }
+}
+
 constexpr std::uint32_t kImagesMagic = 0x00000803;  // IDX, unsigned byte, 3 dimensions
 constexpr std::uint32_t kLabelsMagic = 0x00000801;  // IDX, unsigned byte, 1 dimension
 constexpr std::size_t kClasses = 10;
@@ -186,9 +204,18 @@ class GzInput {
       if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
         fail(path_, fmt::format("not found (the folder {} does not exist)", dir.string()), kInstallHint);
       }
+      if (std::filesystem::is_symlink(std::filesystem::symlink_status(path_, ec))) {
+        fail(path_,
+             fmt::format("is a symbolic link to {}, which does not exist",
+                         std::filesystem::read_symlink(path_, ec).string()),
+             "point the link at the file, or give --data (or FERRY_DATA_DIR) the folder holding the files");
+      }
       fail(path_, "not found", kInstallHint);
     }
-    if (!std::filesystem::is_regular_file(status)) fail(path_, "is not a regular file", kInstallHint);
+    if (!std::filesystem::is_regular_file(status)) {
+      fail(path_, fmt::format("is {}, not a regular file", file_type_name(status.type())),
+           "give --data (or FERRY_DATA_DIR) a folder whose four Fashion-MNIST files are .gz files");
+    }
   }
 
   // Moves the unread input to the front of the buffer and reads more behind it; false at the end
@@ -279,6 +306,10 @@ Dataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
          kReinstallHint);
   }
 
+  // The pixels before the labels: an image file cut short is said to be, rather than blamed on a
+  // label file whose count differs from the one its header declares.
+  const auto raw_pixels = images.read_payload(static_cast<std::size_t>(pixels), "pixels");
+
   expect_magic(labels, kLabelsMagic);
   const std::uint32_t label_count = labels.read_be32("label count");
   if (label_count != count) {
@@ -304,7 +335,6 @@ Dataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
     ds.labels[i] = raw_labels[i];
   }
 
-  const auto raw_pixels = images.read_payload(static_cast<std::size_t>(pixels), "pixels");
   std::array<float, 256> scale{};
   for (std::size_t v = 0; v < scale.size(); ++v) scale[v] = static_cast<float>(v) / 255.0f;
   ds.images.resize(raw_pixels.size());

@@ -387,6 +387,26 @@ TEST_F(FashionMnistBadInput, CountMismatch) {
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-labels-idx1-ubyte.gz", "2 labels", "t10k-images-idx3-ubyte.gz", "3 images");
 }
 
+// An image file cut short, whose header still declares more images than the intact label file has
+// labels: the image file is said to be truncated, not the label file blamed for the counts.
+TEST_F(FashionMnistBadInput, ImagesCutShortAreTruncatedNotACountMismatch) {
+  Bytes raw = idx_images(0x803, 5, 28, 28);
+  raw.resize(raw.size() - 2 * 784);  // 3 of the 5 images, as many as the labels
+  write_raw("t10k-images-idx3-ubyte.gz", gzip_bytes(raw));
+  EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "truncated");
+}
+
+// A path that is not a file says what it is, and a link to nothing says where it points.
+TEST_F(FashionMnistBadInput, NotAFileSaysWhatItIs) {
+  fs::remove(dir_ / "t10k-images-idx3-ubyte.gz");
+  fs::create_directory(dir_ / "t10k-images-idx3-ubyte.gz");
+  EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "is a folder, not a regular file", "--data");
+  fs::remove(dir_ / "t10k-images-idx3-ubyte.gz");
+  fs::create_symlink(dir_ / "nowhere.gz", dir_ / "t10k-images-idx3-ubyte.gz");
+  EXPECT_ERROR_MENTIONS(load_error(), "t10k-images-idx3-ubyte.gz", "is a symbolic link to", "nowhere.gz",
+                        "which does not exist");
+}
+
 TEST_F(FashionMnistBadInput, LabelOutOfRange) {
   write_raw("t10k-labels-idx1-ubyte.gz", gzip_bytes(idx_labels(0x801, {4, 10, 0})));
   EXPECT_ERROR_MENTIONS(load_error(), "t10k-labels-idx1-ubyte.gz", "label 10", "sample 1", "out of range");
