@@ -100,6 +100,12 @@ AttentionConfig parse_attention_config(const std::string& spec) {
         "attention: '{}': RB (rows per register tile) is at most 8, QB a multiple of it and KB a multiple of 16",
         spec));
   }
+  // The tiled forward takes a tile's keys 8 at a time: another BK read past the tile in local
+  // memory and counted keys of the next tile twice (wrong attention, no error).
+  if (c.family == AttentionFamily::tiled && c.bk % 8 != 0) {
+    throw std::invalid_argument(fmt::format(
+        "attention: '{}': BK (keys per tile) is a multiple of 8 (the forward reads a tile's keys 8 at a time)", spec));
+  }
   auto tile = [](std::size_t t) { return t >= 4 && t <= 64 && (t & (t - 1)) == 0; };
   if (c.family == AttentionFamily::blocked && (!tile(c.tq) || !tile(c.tk))) {
     throw std::invalid_argument(

@@ -305,10 +305,17 @@ TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
   EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 8, 1, 16}, {"flash"}),
                std::invalid_argument);
   for (const char* bad : {"cpu RB=9 QB=18", "cpu RB=4 QB=8 KB=24", "cpu RB=4 QB=6", "blocked TQ=12", "blocked TK=128",
-                          "blocked BQ=16", "tiled TQ=16"}) {
+                          "blocked BQ=16", "tiled TQ=16", "tiled BQ=16 BK=12", "tiled BQ=3 BK=5", "tiled BK=4"}) {
     EXPECT_THROW(ops::attention_forward_scratch_elems(dev.env, AttentionShape{1, 8, 1, 16}, {bad}),
                  std::invalid_argument)
         << bad;
+  }
+
+  try {
+    ops::parse_attention_config("tiled BQ=64 BK=12");
+    ADD_FAILURE() << "a tiled BK that is not a multiple of 8 computed a wrong attention and must be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("BK (keys per tile) is a multiple of 8"), std::string::npos) << e.what();
   }
 
   // The op's shape rule, through the builder: mismatched operands, heads that do not divide the width.
