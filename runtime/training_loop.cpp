@@ -39,15 +39,30 @@ StopSignals::StopSignals() {
   sa.sa_flags = SA_RESTART | SA_RESETHAND;  // a second signal: the default action, at once
   sigaction(SIGINT, &sa, &old_int_);
   sigaction(SIGTERM, &sa, &old_term_);
+  sigaction(SIGHUP, &sa, &old_hup_);
 }
 
 StopSignals::~StopSignals() {
   sigaction(SIGINT, &old_int_, nullptr);
   sigaction(SIGTERM, &old_term_, nullptr);
+  sigaction(SIGHUP, &old_hup_, nullptr);
 }
 
 int StopSignals::received() noexcept {
   return received_signal;
+}
+
+std::string StopSignals::name(int signal) {
+  switch (signal) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return fmt::format("signal {}", signal);
+  }
 }
 
 double LoopPosition::recent_loss() const {

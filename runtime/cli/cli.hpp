@@ -83,7 +83,7 @@ struct TrainArgs {
   bool eval_int8 = false;  // also evaluate the final model with int8 weights
   std::string profile_phases_path;
   ferry::PhaseConfig phase_config;
-  // Checkpoints (docs/checkpoints.md): written after every epoch and on SIGINT/SIGTERM; resumed from.
+  // Checkpoints (docs/checkpoints.md): written after every epoch and on SIGINT/SIGTERM/SIGHUP; resumed from.
   std::string checkpoint_path, resume_path;
   std::vector<std::string> argv;  // the command line, for the resume command printed on a signal
   bool force = false;             // outputs may replace files ferry did not write

@@ -288,7 +288,7 @@ void report_stop(const TrainArgs& a, const ferry::LoopSummary& run, const ferry:
     write_trace(a, trace, ignored);
   }
   if (!a.primary) return;  // rank 0 says it (and writes the checkpoint, unless each rank writes its own)
-  const char* name = run.signal == SIGINT ? "SIGINT" : "SIGTERM";
+  const std::string name = ferry::StopSignals::name(run.signal);
   if (run.checkpoint_written) {
     std::cerr << fmt::format("ferry: stopped by {} at {}; wrote checkpoint {}\nferry: resume with: {}\n", name, where,
                              a.checkpoint_path, resume_command(a, a.checkpoint_path));

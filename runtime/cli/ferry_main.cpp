@@ -762,7 +762,7 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
   train
       ->add_option("--checkpoint", t.checkpoint_path,
                    "Write the whole training state to this file after every epoch (gpt: after every validation), "
-                   "at the end, and when stopped by SIGINT or SIGTERM (atomically; docs/checkpoints.md)")
+                   "at the end, and when stopped by SIGINT, SIGTERM or SIGHUP (atomically; docs/checkpoints.md)")
       ->check(not_empty());
   train
       ->add_option("--resume", t.resume_path,

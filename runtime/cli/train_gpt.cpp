@@ -50,7 +50,7 @@ class PromptWindow final : public DataSource {
 };
 
 // `count` characters continuing `prompt`, each drawn from softmax(logits / temperature).
-// Stops between characters on SIGINT / SIGTERM (a second one ends the process): `stopped_by` is
+// Stops between characters on SIGINT / SIGTERM / SIGHUP (a second one ends the process): `stopped_by` is
 // then the signal, and the text is what was sampled so far.
 std::string sample_text(Trainer& trainer, const TextCorpus& corpus, std::uint32_t context, const std::string& prompt,
                         std::uint32_t count, float temperature, std::uint64_t seed, int& stopped_by) {
@@ -86,7 +86,7 @@ std::string print_sample(const TrainArgs& a, Trainer& trainer, const TextCorpus&
   std::cerr << "ferry: sample:\n" << a.prompt << sample << "\n";
   if (stopped_by != 0) {  // training is done (and checkpointed)
     std::cerr << fmt::format("ferry: sampling stopped by {} after {} of {} characters; training had finished{}\n",
-                             stopped_by == SIGINT ? "SIGINT" : "SIGTERM", sample.size(), a.sample,
+                             StopSignals::name(stopped_by), sample.size(), a.sample,
                              a.checkpoint_path.empty() ? "" : fmt::format(" (checkpoint {})", a.checkpoint_path));
   }
   return sample;

@@ -108,7 +108,8 @@ interrupt() {
   status=$?
 }
 
-# SIGINT and SIGTERM stop between steps, write a checkpoint and print the command that resumes.
+# SIGINT, SIGTERM and SIGHUP (a closed terminal or session) stop between steps, write a checkpoint
+# and print the command that resumes.
 results() {  # the fields of a JSON line that must not depend on timing
   grep -o '"\(test_accuracy\|test_loss\|train_loss\|optimizer_updates\)":[^,}]*' <<<"$1" | tr '\n' ' '
 }
@@ -127,11 +128,11 @@ check "resuming a finished run reports it without training" test "$(results "$ag
 # SIGINT after the first progress line (mid-epoch, cosine schedule), then the printed command.
 sig=(train --model mlp --epochs 2 --train-limit 8192 --json --checkpoint "$work/sig.ckpt")
 uninterrupted=$("$ferry" "${sig[@]}" --quiet)
-for signal in INT TERM; do
+for signal in INT TERM HUP; do
   err="$work/sig-$signal.err"  # a log of its own per signal (see interrupt)
   rm -f "$work/sig.ckpt" "$err"
   interrupt "$signal" "$err" 'epoch 1/2 \[' "${sig[@]}"
-  want=$([ "$signal" = INT ] && echo 130 || echo 143)
+  want=$(case $signal in INT) echo 130 ;; TERM) echo 143 ;; HUP) echo 129 ;; esac)
   before=$failures
   check "SIG$signal during training exits $want" test "$status" -eq "$want"
   check "SIG$signal says where training stopped" grep -q "stopped by SIG$signal at epoch 1/2, step [0-9]*/32" "$err"

@@ -42,12 +42,15 @@ class StopSignals {
   ~StopSignals();
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
-  // The signal received since the newest StopSignals was made (SIGINT or SIGTERM), or 0.
+  // The signal received since the newest StopSignals was made (SIGINT, SIGTERM or SIGHUP: a closed
+  // terminal or session), or 0.
   static int received() noexcept;
+  // "SIGINT", "SIGTERM" or "SIGHUP" (another signal: "signal N").
+  static std::string name(int signal);
 
  private:
   struct sigaction old_int_ {
-  }, old_term_{};
+  }, old_term_{}, old_hup_{};
 };
 
 // How far a loop has come, and the running sums its reports use: with the trainer's state and the
@@ -103,7 +106,7 @@ struct TrainingLoopOptions {
 
 struct LoopSummary {
   enum class End : std::uint8_t { finished, out_of_time, stopped } end = End::finished;
-  int signal = 0;                   // stopped: SIGINT or SIGTERM (another rank's: SIGTERM)
+  int signal = 0;                   // stopped: SIGINT, SIGTERM or SIGHUP (another rank's: SIGTERM)
   bool checkpoint_written = false;  // stopped: a checkpoint of the position was written
   LoopPosition position;
   std::uint64_t steps_run = 0;    // steps of this run (a resumed run's steps before it left out)
