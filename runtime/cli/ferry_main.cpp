@@ -840,7 +840,9 @@ int main(int argc, char** argv) {
   const int status = run_ferry(argc, argv);
   if (const auto lost = ferry::standard_output_failure()) {
     std::cerr << "ferry: error: " << *lost << "\n";
-    return status != 0 ? status : 1;
+    // Lost results outrank a missing trace or profile (3 says the results are there); a signal's
+    // status stays, the run having stopped before it finished.
+    return status == 0 || status == ferry::cli::exit_side_output_failed ? 1 : status;
   }
   return status;
 }
