@@ -237,11 +237,11 @@ void check_ranks_resumed_together(const TrainArgs& a, bool resumed, std::uint64_
 // since the others would wait for it in their next reduction. Alone: returns.
 void end_all_ranks_on_error(const TrainArgs& a, const std::exception& e);
 
-// After a training loop stopped by a signal: the steps traced so far written (a failure only
-// said), and on rank 0 where it stopped (`where`), the checkpoint written and the command that
+// After a training loop stopped by a signal: the steps traced so far and the memory profiles
+// written (a failure only said), and on rank 0 where it stopped (`where`), the checkpoint written and the command that
 // resumes from it, or that none was written.
 void report_stop(const TrainArgs& a, const ferry::LoopSummary& run, const ferry::ChromeTrace& trace,
-                 const std::string& where);
+                 const ferry::Trainer& trainer, ferry::MemoryProfiler& profiler, const std::string& where);
 
 // A command's own section of a checkpoint (the caller section) as CBOR, and back. The reader
 // returns the JSON object whose "kind" is `kind`; anything else throws resume_error's

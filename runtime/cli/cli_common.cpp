@@ -282,11 +282,11 @@ ferry::ModelSpec make_model(const TrainArgs& a) {
 }
 
 void report_stop(const TrainArgs& a, const ferry::LoopSummary& run, const ferry::ChromeTrace& trace,
-                 const std::string& where) {
-  if (trace.steps() > 0) {  // the steps traced so far are kept too
-    std::vector<std::string> ignored;
-    write_trace(a, trace, ignored);
-  }
+                 const ferry::Trainer& trainer, ferry::MemoryProfiler& profiler, const std::string& where) {
+  std::vector<std::string> ignored;                       // each failure is a warning already
+  if (trace.steps() > 0) write_trace(a, trace, ignored);  // the steps traced so far are kept too
+  // And the memory profiles of the steps profiled so far (and of every variant compiled).
+  if (!a.profile_path.empty() || !a.profile_phases_path.empty()) write_memory_profiles(a, trainer, profiler, ignored);
   if (!a.primary) return;  // rank 0 says it (and writes the checkpoint, unless each rank writes its own)
   const std::string name = ferry::StopSignals::name(run.signal);
   if (run.checkpoint_written) {

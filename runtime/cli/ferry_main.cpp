@@ -368,7 +368,7 @@ int cmd_train(const TrainArgs& a) {
   const ferry::LoopSummary run = loop.run();
   if (run.end == ferry::LoopSummary::End::stopped) {
     const ferry::LoopPosition& p = run.position;
-    report_stop(a, run, trace,
+    report_stop(a, run, trace, trainer, profiler,
                 fmt::format("epoch {}/{}, step {}/{} ({} optimizer updates done)", p.done / steps_per_epoch + 1,
                             a.epochs, p.done % steps_per_epoch, steps_per_epoch, trainer.steps_done()));
     return 128 + run.signal;

@@ -394,7 +394,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   };
   const LoopSummary run = loop.run();
   if (run.end == LoopSummary::End::stopped) {
-    report_stop(a, run, trace, fmt::format("step {}/{}", run.position.done, steps));
+    report_stop(a, run, trace, trainer, profiler, fmt::format("step {}/{}", run.position.done, steps));
     return 128 + run.signal;
   }
   if (run.end == LoopSummary::End::out_of_time && !a.quiet) {

@@ -145,14 +145,18 @@ for signal in INT TERM HUP; do
     test "$(results "$after")" = "$(results "$uninterrupted")"
 done
 
-# A signal keeps what was traced: the first steps' trace is written before the run stops.
+# A signal keeps what was traced and profiled: the first steps' trace and the memory profiles are
+# written before the run stops.
 err="$work/sig-trace.err"
 rm -f "$work/sig-trace.json" "$err"
+rm -f "$work/sig-profile.csv" "$work/sig-phases.csv"
 interrupt INT "$err" 'epoch 1/2 \[' train --model mlp --epochs 2 --train-limit 8192 --trace "$work/sig-trace.json" \
-  --trace-steps 2
+  --trace-steps 2 --profile "$work/sig-profile.csv" --profile-phases "$work/sig-phases.csv"
 check "SIGINT with --trace exits 130" test "$status" -eq 130
 check "SIGINT with --trace writes the steps traced so far" grep -q '"traceEvents"' "$work/sig-trace.json"
 check "... whole (it ends with the closing object)" grep -q '"otherData":{"schema":1' "$work/sig-trace.json"
+check "SIGINT with --profile and --profile-phases writes both profiles" bash -c \
+  "grep -q '^train,0,' '$work/sig-profile.csv' && grep -q '^train,all,[1-9]' '$work/sig-phases.csv'"
 
 expect_error "a checkpoint folder that does not exist (before training)" "does not exist" \
   train --epochs 1 --checkpoint "$work/no-such-folder/x.ckpt"
