@@ -255,9 +255,13 @@ std::uint64_t dataset_fingerprint(const ferry::Dataset& d) {
   return ferry::checkpoint_checksum(d.labels.data(), d.count * sizeof(std::int32_t), images);
 }
 
-// --accumulate k makes an update of every k batches: a run with fewer would train nothing, and a
-// run whose batches k does not divide is told that its last ones make no update.
+// One batch needs that many samples; --accumulate k makes an update of every k batches: a run with
+// fewer would train nothing, and a run whose batches k does not divide is told that its last ones
+// make no update.
 void check_updates_happen(const TrainArgs& a, std::size_t samples, std::uint32_t batch) {
+  if (samples < batch) {
+    throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", batch, samples));
+  }
   const std::uint64_t micro_batches = std::uint64_t{samples / batch} * a.epochs;
   if (micro_batches >= a.accumulate) {
     note_micro_batches_left_over(a, micro_batches, "--epochs, --train-limit or --batch");
@@ -283,9 +287,6 @@ int cmd_train(const TrainArgs& a) {
   configure_trainer(a, opt);
   const ferry::Shard shard = configure_ranks(a, batch, opt);
   const ferry::LrSchedule::Kind schedule_kind = ferry::parse_schedule(a.schedule);
-  if (train.count < batch) {
-    throw std::invalid_argument(fmt::format("batch {} is larger than the {} training samples", batch, train.count));
-  }
   check_updates_happen(a, train.count, batch);
 
   const auto compile_start = Clock::now();
@@ -311,8 +312,8 @@ int cmd_train(const TrainArgs& a) {
   ferry::MemoryProfiler profiler;
   profiler.add_training_step(trainer);
   // Read only where it is used: by the ranks, and by checkpoints (written and resumed from).
-  const bool keeps_checksum = a.control || !a.checkpoint_path.empty() || !a.resume_path.empty();
-  const std::uint64_t data_checksum = keeps_checksum ? dataset_fingerprint(train) : 0;
+  const bool used = a.control || !a.checkpoint_path.empty() || !a.resume_path.empty();
+  const std::uint64_t data_checksum = used ? dataset_fingerprint(train) : 0;
 
   ferry::TrainingLoop loop(trainer, batches,
                            {.steps = total_steps,
