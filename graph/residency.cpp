@@ -814,7 +814,11 @@ MemoryPlan plan_residency(Graph& g, const ResidencyOptions& options, bool host_u
     any_streamed = any_streamed || traits.needs_transfers;
     any_mapped = any_mapped || (traits.addressed_in_place && g.tensors.home[id] != Home::device);
   }
-  if (options.mode != ResidencyMode::automatic) refuse_unused_settings(options, any_streamed, any_mapped);
+  // Judged on the step that places the persistent tensors: a variant planned against its arena
+  // (evaluation: no optimizer state) may move nothing where the training step moves its state.
+  if (options.mode != ResidencyMode::automatic && mopt.plan_persistent) {
+    refuse_unused_settings(options, any_streamed, any_mapped);
+  }
   report.mode = mode;
   if (any_streamed) return plan_streamed(g, options, host_unified, mopt, budget, report);
   if (any_mapped) return plan_mapped(g, mopt, budget, report);
