@@ -53,6 +53,11 @@ check "streaming under a budget reports fetches" bash -c "grep -q '\"residency\"
 state=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --state-home host)
 check "--state-home host streams only the optimizer state" bash -c "grep -q '\"state_home\":\"host_pinned\"' <<<'$state' && grep -q '\"weights_home\":\"device\"' <<<'$state' && ! grep -q '\"fetch_bytes_per_step\":0,' <<<'$state'"
 
+# An explicit 'stream' that moves only the state: evaluation (no optimizer state) moves nothing and
+# is planned all the same (it was refused as "moves nothing" at the first evaluation).
+state_only=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --residency stream --weights-home device)
+check "--residency stream --weights-home device trains and evaluates" bash -c \
+  "grep -q '\"weights_home\":\"device\"' <<<'$state_only' && grep -q '\"test_accuracy\":0\.[1-9]' <<<'$state_only'"
 small=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --optimizer adamw8bit --state-home compressed)
 check "adamw8bit with compressed state reports its state home and unpacks" bash -c "grep -q '\"state_home\":\"host_compressed\"' <<<'$small' && grep -q '\"optimizer\":\"adamw8bit\"' <<<'$small' && ! grep -q '\"unpacks_per_step\":0,' <<<'$small'"
 
