@@ -18,26 +18,10 @@
 #include <system_error>
 #include <vector>
 
+#include "output_file.hpp"
+
 namespace ferry {
 namespace {
-
-// What a path that is not a regular file is, for the error that says so.
-const char* file_type_name(std::filesystem::file_type t) {
-  switch (t) {
-    case std::filesystem::file_type::directory:
-      return "a folder";
-    case std::filesystem::file_type::fifo:
-      return "a FIFO (named pipe)";
-    case std::filesystem::file_type::character:
-      return "a character device";
-    case std::filesystem::file_type::block:
-      return "a block device";
-    case std::filesystem::file_type::socket:
-      return "a socket";
-    default:
-      return "something other than a file";
-  }
-}
 
 constexpr std::uint32_t kImagesMagic = 0x00000803;  // IDX, unsigned byte, 3 dimensions
 constexpr std::uint32_t kLabelsMagic = 0x00000801;  // IDX, unsigned byte, 1 dimension

@@ -22,6 +22,23 @@
 
 namespace ferry {
 
+const char* file_type_name(std::filesystem::file_type type) {
+  switch (type) {
+    case std::filesystem::file_type::directory:
+      return "a folder";
+    case std::filesystem::file_type::fifo:
+      return "a FIFO (named pipe)";
+    case std::filesystem::file_type::character:
+      return "a character device";
+    case std::filesystem::file_type::block:
+      return "a block device";
+    case std::filesystem::file_type::socket:
+      return "a socket";
+    default:
+      return "a special file";
+  }
+}
+
 void refuse_to_replace(const std::filesystem::path& path, std::string_view what, std::string_view signature,
                        bool replace_foreign_file) {
   namespace fs = std::filesystem;
@@ -36,8 +53,7 @@ void refuse_to_replace(const std::filesystem::path& path, std::string_view what,
   }
   if (!fs::is_regular_file(st)) {
     throw std::runtime_error(fmt::format("cannot write the {} to '{}': it is {}, not a regular file: give a file path",
-                                         what, path.string(),
-                                         fs::is_directory(st) ? "a folder" : "a device, pipe or socket"));
+                                         what, path.string(), file_type_name(st.type())));
   }
   if (replace_foreign_file || fs::file_size(path, ec) == 0) return;  // an empty file: a name made for it
   std::ifstream in(path, std::ios::binary);

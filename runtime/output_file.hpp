@@ -44,6 +44,10 @@ std::vector<std::filesystem::path> remove_stale_temporaries(const std::filesyste
 // The longest file name the folder of `path` takes (pathconf's _PC_NAME_MAX; 255 if it says none).
 std::size_t longest_file_name(const std::filesystem::path& path);
 
+// What a path that is not a regular file is, for the messages that refuse it: "a folder", "a FIFO
+// (named pipe)", "a character device", "a block device", "a socket", else "a special file".
+const char* file_type_name(std::filesystem::file_type type);
+
 // Standard output is where the programs print their results (JSON lines). At the start of main,
 // reserve_standard_streams() opens a closed descriptor 0, 1 or 2 again (stdout on /dev/full, so
 // that writing to it fails; the others on /dev/null), so no file opened later, a checkpoint say,

@@ -44,23 +44,6 @@ std::string printable(std::string s) {
   return s;
 }
 
-const char* file_type_name(fs::file_type t) {
-  switch (t) {
-    case fs::file_type::directory:
-      return "a folder";
-    case fs::file_type::character:
-      return "a character device";
-    case fs::file_type::block:
-      return "a block device";
-    case fs::file_type::fifo:
-      return "a named pipe";
-    case fs::file_type::socket:
-      return "a socket";
-    default:
-      return "not a regular file";
-  }
-}
-
 // The path as it would be reached, for comparing outputs with each other and with inputs.
 fs::path resolved(const std::string& path) {
   std::error_code ec;
@@ -79,7 +62,7 @@ void check_one(const Output& o, bool force) {
   }
   if (fs::exists(link) && !fs::is_regular_file(link)) {
     throw refuse(o, fmt::format("it is {}; ferry writes its {} only to a regular file: give a file path{}",
-                                file_type_name(link.type()), o.kind,
+                                ferry::file_type_name(link.type()), o.kind,
                                 fs::is_directory(link) ? fmt::format(", e.g. '{}'", (p / "out").string()) : ""));
   }
   const fs::path folder = p.parent_path().empty() ? fs::path(".") : p.parent_path();
