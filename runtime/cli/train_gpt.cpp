@@ -105,14 +105,15 @@ std::uint64_t corpus_checksum(const TextCorpus& corpus) {
   return ferry::checkpoint_checksum(corpus.ids.data(), corpus.ids.size() * sizeof(corpus.ids[0]));
 }
 
-std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& corpus, const RandomWindows& windows,
-                                       std::uint32_t steps, const LoopPosition& p, const Validation& v) {
+std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& corpus, std::uint64_t text_checksum,
+                                       const RandomWindows& windows, std::uint32_t steps, const LoopPosition& p,
+                                       const Validation& v) {
   const nlohmann::json j = {{"kind", "ferry train --model gpt"},
                             {"version", 1},
                             {"seed", a.seed},
                             {"train_characters", corpus.train_end},
                             {"vocab", corpus.vocab_size()},
-                            {"data_checksum", corpus_checksum(corpus)},
+                            {"data_checksum", text_checksum},
                             {"schedule", a.schedule},
                             {"lr", a.lr},
                             {"steps", steps},
@@ -129,7 +130,7 @@ std::vector<std::byte> encode_position(const TrainArgs& a, const TextCorpus& cor
 // Reads back what encode_position wrote into `windows`, the loop's position and `v`, after checking
 // it belongs to this command line; throws std::invalid_argument naming what differs.
 LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArgs& a, const TextCorpus& corpus,
-                             std::uint32_t steps, RandomWindows& windows, Validation& v) {
+                             std::uint64_t text_checksum, std::uint32_t steps, RandomWindows& windows, Validation& v) {
   const auto fail = [&](const std::string& what) { return resume_error(a, what); };
   const nlohmann::json j = read_caller_section(bytes, a, "ferry train --model gpt");
   LoopPosition p;
@@ -146,7 +147,7 @@ LoopPosition decode_position(const std::vector<std::byte>& bytes, const TrainArg
           j.at("train_characters").get<std::size_t>(), j.at("vocab").get<std::uint32_t>(), corpus.train_end,
           corpus.vocab_size()));
     }
-    check_same_data(j, corpus_checksum(corpus), a, "--text");
+    check_same_data(j, text_checksum, a, "--text");
     if (j.at("schedule").get<std::string>() != a.schedule || j.at("lr").get<float>() != a.lr) {
       throw fail(fmt::format("it was trained with --schedule {} --lr {}, not --schedule {} --lr {}: resume with those",
                              j.at("schedule").get<std::string>(), j.at("lr").get<float>(), a.schedule, a.lr));
@@ -341,30 +342,32 @@ int cmd_train_gpt(const TrainArgs& args) {
   MemoryProfiler profiler;
   profiler.add_training_step(trainer);
   Validation validation;
-  TrainingLoop loop(
-      trainer, windows,
-      {.steps = steps,
-       .boundary_every = a.eval_every ? a.eval_every : default_eval_every,
-       .max_seconds = a.max_minutes * 60,
-       .schedule = schedule,
-       .units_per_step = std::uint64_t{batch} * t,
-       .unit = "tokens",
-       .progress = !a.quiet,
-       .checkpoint = a.checkpoint_path,
-       .caller_section =
-           [&](const LoopPosition& p) { return encode_position(a, corpus, windows, steps, p, validation); },
-       .checkpoint_options = {.replace_foreign_file = a.force},
-       // Data parallel: rank 0 writes the state all ranks hold, unless each holds its
-       // own share of the optimizer state (ZeRO stage 1: each writes its file).
-       .write_checkpoints = a.primary || a.sharded_checkpoint,
-       .after_checkpoint = [&a] { remove_stale_shards(a); },
-       .control = a.control,
-       // Data parallel: every rank must read the same text (the ranks compare it).
-       .data_fingerprint = a.control ? corpus_checksum(corpus) : 0});
+  const std::uint64_t text_checksum = corpus_checksum(corpus);  // read once: checkpoints and ranks compare it
+  TrainingLoop loop(trainer, windows,
+                    {.steps = steps,
+                     .boundary_every = a.eval_every ? a.eval_every : default_eval_every,
+                     .max_seconds = a.max_minutes * 60,
+                     .schedule = schedule,
+                     .units_per_step = std::uint64_t{batch} * t,
+                     .unit = "tokens",
+                     .progress = !a.quiet,
+                     .checkpoint = a.checkpoint_path,
+                     .caller_section =
+                         [&](const LoopPosition& p) {
+                           return encode_position(a, corpus, text_checksum, windows, steps, p, validation);
+                         },
+                     .checkpoint_options = {.replace_foreign_file = a.force},
+                     // Data parallel: rank 0 writes the state all ranks hold, unless each holds its
+                     // own share of the optimizer state (ZeRO stage 1: each writes its file).
+                     .write_checkpoints = a.primary || a.sharded_checkpoint,
+                     .after_checkpoint = [&a] { remove_stale_shards(a); },
+                     .control = a.control,
+                     // Data parallel: every rank must read the same text (the ranks compare it).
+                     .data_fingerprint = a.control ? text_checksum : 0});
   if (!a.resume_path.empty()) {
     const auto load_start = Clock::now();
     const auto caller = load_resume(trainer, a);
-    const LoopPosition start = decode_position(caller, a, corpus, steps, windows, validation);
+    const LoopPosition start = decode_position(caller, a, corpus, text_checksum, steps, windows, validation);
     loop.resume(start);
     if (!a.quiet) {
       std::cerr << fmt::format("ferry: resumed from {}{} at step {} of {} (loaded in {:.0f} ms)\n", a.resume_path,
