@@ -23,6 +23,7 @@
 #include <thread>
 #include <utility>
 
+#include "cl/env_switch.hpp"
 #include "cl/env_whole_number.hpp"
 #include "cl/fnv1a.hpp"
 
@@ -44,12 +45,19 @@ std::string errno_text(int e) {
 }
 
 // The whole file, nullopt if it does not exist (a cache miss); `problem` says why an existing
-// file could not be read.
-std::optional<std::vector<unsigned char>> read_entry(const std::filesystem::path& path, std::string& problem) {
+// file could not be read. `folder_denied` is set, and nullopt returned, when the path cannot be
+// looked up for want of permission on a folder above it: the folder's problem, not the entry's.
+std::optional<std::vector<unsigned char>> read_entry(const std::filesystem::path& path, std::string& problem,
+                                                     bool& folder_denied) {
   std::error_code ec;
   const auto size = std::filesystem::file_size(path, ec);
   if (ec) {
     if (ec == std::errc::no_such_file_or_directory || ec == std::errc::not_a_directory) return std::nullopt;
+    if (ec == std::errc::permission_denied) {
+      folder_denied = true;
+      problem = ec.message();
+      return std::nullopt;
+    }
     problem = fmt::format("cannot be read: {}", ec.message());
     return std::vector<unsigned char>{};
   }
@@ -119,10 +127,13 @@ std::string write_entry_atomically(const std::filesystem::path& entry, std::span
   return {};
 }
 
-// Cache folders this process found unusable: each is reported once, then no longer written.
+// Cache folders this process found unusable: each is reported once, then no longer written, and
+// one it may not even look into (no search permission) no longer read either: every entry would
+// fail alike, and each is not to be reported as a bad entry.
 struct UnusableFolders {
   std::mutex mutex;
   std::set<std::filesystem::path> folders;
+  std::set<std::filesystem::path> unreadable;
   static UnusableFolders& get() {
     static auto* f = new UnusableFolders();  // leaked: used by libraries that outlive statics
     return *f;
@@ -130,6 +141,17 @@ struct UnusableFolders {
   bool contains(const std::filesystem::path& dir) {
     std::lock_guard lock(mutex);
     return folders.count(dir) != 0;
+  }
+  bool cannot_read(const std::filesystem::path& dir) {
+    std::lock_guard lock(mutex);
+    return unreadable.count(dir) != 0;
+  }
+  void report_unreadable(const std::filesystem::path& dir, std::string_view why) {
+    {
+      std::lock_guard lock(mutex);
+      unreadable.insert(dir);
+    }
+    report(dir, fmt::format("cannot look into it: {}", why));
   }
   void report(const std::filesystem::path& dir, std::string_view why) {
     std::lock_guard lock(mutex);
@@ -284,7 +306,7 @@ std::string expand_kernel_includes(std::string_view file, std::string_view sourc
 
 ProgramCacheOptions ProgramCacheOptions::from_env() {
   ProgramCacheOptions o;
-  if (const char* v = std::getenv("FERRY_PROGRAM_CACHE"); v && std::string_view(v) == "0") o.enabled = false;
+  if (!env_switch("FERRY_PROGRAM_CACHE", "0 turns the on-disk program cache off").value_or(true)) o.enabled = false;
   if (const char* d = std::getenv("FERRY_CACHE_DIR"); d && *d) {
     o.dir = d;
   } else if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) {
@@ -388,11 +410,6 @@ Kernel KernelLibrary::kernel(std::string_view file, std::string_view kernel_name
 
 namespace {
 
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v && std::string_view(v) != "0";
-}
-
 // FERRY_BUILD_REPORT: what each build gave, on stderr: the driver's log (with NVIDIA's compiler
 // options, ptxas's registers, spills and shared memory per kernel: -cl-nv-verbose is added) and,
 // for every kernel of the program, the resources the driver reports for it. A register-blocked
@@ -434,8 +451,11 @@ void report_build(cl_program program, const DeviceInfo& dev, std::string_view fi
 // A failed build still throws with the whole log, errors included.
 Program KernelLibrary::build(std::string_view file, std::string_view source, const std::string& given_options) {
   const DeviceInfo& dev = context_.device();
-  const bool report = env_flag("FERRY_BUILD_REPORT");
-  std::string options = env_flag("FERRY_VERBOSE") ? given_options : given_options + " -w";
+  const bool report =
+      env_switch("FERRY_BUILD_REPORT", "1 prints each program build's options, log and kernel resources")
+          .value_or(false);
+  const bool verbose = env_switch("FERRY_VERBOSE", "1 builds kernels with the compiler's warnings on").value_or(false);
+  std::string options = verbose ? given_options : given_options + " -w";
   if (report && dev.has_extension("cl_nv_compiler_options")) options += " -cl-nv-verbose";
   cl_device_id device = dev.id;
   std::filesystem::path cached;
@@ -444,9 +464,11 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
     key = hash_parts({dev.name, dev.driver, dev.platform_version, source, options});
     cached = cache_.dir / fmt::format("{}-{:016x}.bin", file, key);
     std::string problem;
-    if (entry_is_folder(cached)) {
+    bool folder_denied = false;
+    auto& unusable = UnusableFolders::get();
+    if (unusable.cannot_read(cache_.dir) || entry_is_folder(cached)) {
       cached.clear();  // neither read nor stored
-    } else if (auto bytes = read_entry(cached, problem)) {
+    } else if (auto bytes = read_entry(cached, problem, folder_denied)) {
       // Only an entry whose header, size and checksum are right reaches the driver.
       CacheEntryView entry;
       if (problem.empty()) {
@@ -475,6 +497,9 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
       }
       count(&ProgramCacheStats::corrupt_entries);
       warn_bad_entry(cached, problem);
+    } else if (folder_denied) {
+      unusable.report_unreadable(cache_.dir, problem);
+      cached.clear();
     }
   }
   cl_int status = CL_SUCCESS;

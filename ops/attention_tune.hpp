@@ -46,6 +46,9 @@ struct AttentionTuneOptions {
   TuneMode mode = TuneMode::quick;
   double budget_seconds = 60;  // the search's time limit (ops/tune_deadline.hpp: what it bounds)
   std::function<void(const AttentionTuneProgress&)> progress;
+  // Optional, asked between candidates: true ends the search as a spent budget does (each class's
+  // best so far wins and is saved; AttentionTuneResult::stopped), as GemmTuneOptions::stop.
+  std::function<bool()> stop;
   // For tests: these candidates and shapes instead of the device's (candidates given, a CPU device
   // may be searched too). Only the classes the shapes fall in are tuned.
   std::vector<std::string> candidates;
@@ -79,6 +82,7 @@ struct AttentionTuneResult {
   std::size_t planned = 0;
   double seconds = 0;
   bool budget_ran_out = false;
+  bool stopped = false;      // AttentionTuneOptions::stop ended the search early
   std::size_t measured = 0;  // candidates timed (every listed one)
   std::string cache_path;    // where it was saved ("" when the program cache is off or the save failed)
   std::string save_error;    // why it could not be saved ("" when it was, or the program cache is off)

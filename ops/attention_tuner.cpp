@@ -293,12 +293,12 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
   if (std::any_of(candidates.begin(), candidates.end(), [](const std::string& k) { return k.starts_with("gemm"); }))
     gemm_tuning_for(env);
   const BuildAhead ahead(device, !device.is_cpu() || options.build_ahead_on_cpus, std::move(builds));
-  TuneDeadline deadline(options.budget_seconds, t0);
+  TuneDeadline deadline(options.budget_seconds, t0, options.stop);
   for (const std::string& kernel : candidates) {
     const bool every_class_won =
         std::all_of(r.classes.begin(), r.classes.end(), [](const auto& c) { return !c.best.empty(); });
     if (!deadline.next_fits() && every_class_won) {
-      r.budget_ran_out = true;
+      (deadline.stopped() ? r.stopped : r.budget_ran_out) = true;
       break;
     }
     AttentionTuneCandidate c;

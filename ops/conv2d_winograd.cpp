@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string_view>
 
+#include "cl/env_switch.hpp"
 #include "conv2d_internal.hpp"
 #include "gemm_tuning.hpp"
 #include "ops/gemm.hpp"
@@ -277,14 +278,12 @@ DeviceSpan at(DeviceSpan span, std::size_t elems) {
   return span.advanced(elems * sizeof(float));
 }
 
-// FERRY_CONV_WINOGRAD: unset, "auto" or "1" lets applies() decide; "0" turns Winograd off.
+// FERRY_CONV_WINOGRAD: unset, "auto" or on ("1") lets applies() decide; off ("0") turns Winograd off.
 bool enabled_by_env() {
   const char* v = std::getenv("FERRY_CONV_WINOGRAD");
-  if (v == nullptr || *v == '\0') return true;
-  const std::string_view s(v);
-  if (s == "0") return false;
-  if (s == "1" || s == "auto") return true;
-  throw std::runtime_error(fmt::format("FERRY_CONV_WINOGRAD='{}': expected 0 (off), 1 or auto", s));
+  if (v != nullptr && std::string_view(v) == "auto") return true;
+  return cl::env_switch("FERRY_CONV_WINOGRAD", "0 turns the Winograd convolutions off; 1 or auto: where they apply")
+      .value_or(true);
 }
 
 }  // namespace

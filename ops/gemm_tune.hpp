@@ -56,6 +56,9 @@ struct GemmTuneOptions {
   TuneMode mode = TuneMode::quick;  // quick: a short list of likely candidates; full: all of them
   double budget_seconds = 60;       // the search's time limit (ops/tune_deadline.hpp: what it bounds)
   std::function<void(const GemmTuneProgress&)> progress;  // optional, after each candidate
+  // Optional, asked between candidates: true ends the search as a spent budget does (the best so
+  // far wins and is saved; GemmTuneResult::stopped). ferry tune passes "a stop signal arrived".
+  std::function<bool()> stop;
   // Candidates build on other threads ahead of their timing on GPUs only; true does it on a CPU
   // device too, where those builds compete with the timing (for tests of that path).
   bool build_ahead_on_cpus = false;
@@ -78,6 +81,7 @@ struct GemmTuneResult {
   std::size_t planned = 0;                    // candidates the mode lists
   double seconds = 0;
   bool budget_ran_out = false;
+  bool stopped = false;      // GemmTuneOptions::stop ended the search early
   std::size_t measured = 0;  // candidates timed (or failed): twins past the budget are listed, not timed
   std::string row;           // the tuning-file row for this device
   std::string cache_path;    // where it was saved ("" when the program cache is off or the save failed)

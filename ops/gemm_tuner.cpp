@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <random>
 #include <stdexcept>
+#include <string_view>
 #include <utility>
 
 #include "ferry/cl/context.hpp"
@@ -204,12 +205,20 @@ const char* tune_mode_name(TuneMode mode) {
 double tune_budget_from_env() {
   const char* v = std::getenv("FERRY_TUNE_BUDGET_S");
   if (!v || !*v) return 60;
-  char* end = nullptr;
-  const double s = std::strtod(v, &end);
-  if (end == v || *end != '\0' || !(s > 0) || !std::isfinite(s)) {
-    throw std::invalid_argument(fmt::format("FERRY_TUNE_BUDGET_S='{}': expected a positive number of seconds", v));
+  // Digits with at most one '.', and some digit: strtod alone takes hexadecimal, exponents, "inf"
+  // and leading blanks, none of which a person means by a number of seconds.
+  const std::string_view s(v);
+  const bool decimal = s.find_first_not_of("0123456789.") == std::string_view::npos &&
+                       s.find_first_of("0123456789") != std::string_view::npos &&
+                       std::count(s.begin(), s.end(), '.') <= 1 && s.back() != '.';
+  const double seconds = decimal ? std::strtod(v, nullptr) : 0;
+  if (!decimal || seconds < 0.001 || seconds > 604800) {
+    throw std::invalid_argument(fmt::format(
+        "FERRY_TUNE_BUDGET_S='{}': expected a decimal number of seconds from 0.001 to 604800 (a week), the time "
+        "first-use tuning may take",
+        v));
   }
-  return s;
+  return seconds;
 }
 
 std::vector<std::string> gemm_tune_candidates(const cl::DeviceInfo& device, TuneMode mode) {
@@ -255,7 +264,7 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
   for (const std::string& kernel : candidates) {
     // (Not before a candidate has run: a search whose first candidates fail goes on.)
     if (progress.best_gflops > 0 && !deadline.next_fits()) {
-      r.budget_ran_out = true;
+      (deadline.stopped() ? r.stopped : r.budget_ran_out) = true;
       break;
     }
     GemmTuneCandidate c;
@@ -320,7 +329,7 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
   const BuildAhead ahead = build_ahead(timer, device, options, jobs);
   for (std::size_t i : scored) {
     if (!r.best.empty() && !deadline.next_fits()) {  // the best so far wins; the rest keep a score of 0
-      r.budget_ran_out = true;
+      (deadline.stopped() ? r.stopped : r.budget_ran_out) = true;
       break;
     }
     GemmTuneCandidate& c = r.candidates[i];
@@ -402,9 +411,10 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   constexpr std::size_t finalists = 3;
   GemmTuneProgress progress;
   progress.total = candidates.size() + finalists;  // the finalists' twins are added in stage 2
-  probe_candidates(timer, probe, candidates, TuneDeadline(options.budget_seconds * 0.6, t0), progress, options, device,
-                   r);
-  score_finalists(timer, finalists, TuneDeadline(options.budget_seconds, t0), device, progress, options, r);
+  probe_candidates(timer, probe, candidates, TuneDeadline(options.budget_seconds * 0.6, t0, options.stop), progress,
+                   options, device, r);
+  score_finalists(timer, finalists, TuneDeadline(options.budget_seconds, t0, options.stop), device, progress, options,
+                  r);
   r.seconds = seconds_since(t0);
   record_winner(env, mode, r);
   forget_gemm_tuning();  // later plans read the new row

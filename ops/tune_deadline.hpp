@@ -5,16 +5,23 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
+#include <utility>
 
 namespace ferry::ops {
 
 class TuneDeadline {
  public:
   using Clock = std::chrono::steady_clock;
-  TuneDeadline(double budget_seconds, Clock::time_point start) : budget_(budget_seconds), start_(start) {}
+  // `stop` (optional) is asked between candidates: true ends the search as a spent budget does
+  // (ferry tune passes "a stop signal arrived"), so that what was found so far is kept.
+  TuneDeadline(double budget_seconds, Clock::time_point start, std::function<bool()> stop = {})
+      : budget_(budget_seconds), start_(start), stop_(std::move(stop)) {}
 
   // Whether another candidate fits: always before the first.
-  bool next_fits() const { return last_ < 0 || elapsed() + last_ <= budget_; }
+  bool next_fits() const { return last_ < 0 || (elapsed() + last_ <= budget_ && !stopped()); }
+  // Whether the search was asked to stop (then next_fits() is false after the first candidate).
+  bool stopped() const { return stop_ && stop_(); }
   // Around each candidate's timing.
   void begin() { begun_ = Clock::now(); }
   void end() { last_ = seconds(Clock::now() - begun_); }
@@ -24,6 +31,7 @@ class TuneDeadline {
   static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
   double budget_;
   Clock::time_point start_, begun_{};
+  std::function<bool()> stop_;
   double last_ = -1;  // seconds the last candidate took; -1 before the first
 };
 

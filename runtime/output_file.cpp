@@ -39,6 +39,18 @@ const char* file_type_name(std::filesystem::file_type type) {
   }
 }
 
+std::optional<std::string> cannot_create_in(const std::filesystem::path& folder) {
+  static std::atomic<unsigned> counter{0};
+  const std::filesystem::path probe =
+      folder / fmt::format(".ferry-probe-{}-{}", ::getpid(), counter.fetch_add(1, std::memory_order_relaxed));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return std::string(std::strerror(errno));
+  ::close(fd);
+  std::error_code ec;
+  std::filesystem::remove(probe, ec);
+  return std::nullopt;
+}
+
 void refuse_to_replace(const std::filesystem::path& path, std::string_view what, std::string_view signature,
                        bool replace_foreign_file) {
   namespace fs = std::filesystem;

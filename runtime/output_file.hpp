@@ -44,6 +44,11 @@ std::vector<std::filesystem::path> remove_stale_temporaries(const std::filesyste
 // The longest file name the folder of `path` takes (pathconf's _PC_NAME_MAX; 255 if it says none).
 std::size_t longest_file_name(const std::filesystem::path& path);
 
+// Why no file can be created in `folder` (the OS's reason), or nullopt when one can: a probe file
+// of a name nobody uses is created and removed. Permission bits alone do not say it (root, a
+// read-only mount, a full inode table).
+std::optional<std::string> cannot_create_in(const std::filesystem::path& folder);
+
 // What a path that is not a regular file is, for the messages that refuse it: "a folder", "a FIFO
 // (named pipe)", "a character device", "a block device", "a socket", else "a special file".
 const char* file_type_name(std::filesystem::file_type type);

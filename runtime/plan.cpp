@@ -243,9 +243,10 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.predicted_step_ms = predict_step_ms(p, shares_host_cores);
 }
 
-// plan_training for validated options with the recomputation fixed.
+// plan_training for validated options with the recomputation fixed; `training_step_only`: the
+// training step's plan alone (whether it fits, and its minimum), the other variants left out.
 TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
-                           const PlanRates& rates) {
+                           const PlanRates& rates, bool training_step_only = false) {
   TrainingPlan out;
   out.recompute = options.recompute;
   out.eight_bit_state = options.optimizer.kind == ops::OptimizerConfig::Kind::adamw8bit;
@@ -271,6 +272,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     count_step(training, train_plan, rates, runtime.device(), ranks, residency.homes, p);
     out.phases.push_back(std::move(p));
   }
+  if (training_step_only) return out;
   const auto arena = graph::planned_arena(training, train_plan.memory, train_plan.residency.mode);
   for (const auto& v : detail::upfront_variants(options)) {
     graph::Graph g = build(v.key);
@@ -324,31 +326,69 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
   return out;
 }
 
-// What else lowers a step's device bytes, of what `o` does not use yet: "a smaller batch, bf16
-// layers (...) or ..." (the CLI flag and the library setting of each).
-std::string leaner_settings(const TrainerOptions& o) {
-  std::vector<std::string> ways{"a smaller batch"};
+// What else lowers a step's device bytes, of what `o` does not use yet, each planned at the
+// recomputation `o` has: "a smaller batch (half: needs at least 3.1 MiB), 8-bit optimizer state
+// (...) (fits)". A setting is listed only when its plan needs less than `leanest` (8-bit state or
+// streaming do nothing for a step whose activations set the minimum, and were suggested all the
+// same); "" when none does.
+std::string leaner_settings(Runtime& runtime, const ModelSpec& model, const TrainerOptions& o, const PlanRates& rates,
+                            std::uint64_t leanest) {
+  struct Way {
+    std::string what;
+    TrainerOptions options;
+  };
+  std::vector<Way> ways;
+  if (o.batch > 1) {
+    ways.push_back({"a smaller batch (--batch; TrainerOptions::batch), half of it", o});
+    ways.back().options.batch = o.batch / 2;
+  }
   if (o.precision.compute == graph::DType::f32) {
-    ways.emplace_back("bf16 layers (--precision bf16; PrecisionConfig::compute)");
+    ways.push_back({"bf16 layers (--precision bf16; PrecisionConfig::compute)", o});
+    ways.back().options.precision.compute = graph::DType::bf16;
+    ways.back().options.precision.scaling = PrecisionConfig::Scaling::automatic;
   }
   const auto kind = o.optimizer.kind;
   if (kind == ops::OptimizerConfig::Kind::adam || kind == ops::OptimizerConfig::Kind::adamw) {
-    ways.emplace_back("8-bit optimizer state (--optimizer adamw8bit; OptimizerConfig::Kind::adamw8bit)");
+    ways.push_back({"8-bit optimizer state (--optimizer adamw8bit; OptimizerConfig::Kind::adamw8bit)", o});
+    ways.back().options.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
   }
   const auto mode = o.residency.mode;
   // Resident by request, or weights or state homed on the device: streaming them needs less.
   const auto on_device = [](const std::optional<graph::Home>& h) { return h && *h == graph::Home::device; };
   if (mode == graph::ResidencyMode::resident || on_device(o.residency.weights_home) ||
       on_device(o.residency.state_home)) {
-    ways.emplace_back(
-        "weights and optimizer state streamed from host memory (--residency stream and no --weights-home or "
-        "--state-home device; ResidencyOptions::mode)");
+    ways.push_back(
+        {"weights and optimizer state streamed from host memory (--residency stream and no "
+         "--weights-home or --state-home device; ResidencyOptions::mode)",
+         o});
+    TrainerOptions& t = ways.back().options;
+    t.residency.mode = graph::ResidencyMode::stream;
+    if (on_device(t.residency.weights_home)) t.residency.weights_home.reset();
+    if (on_device(t.residency.state_home)) t.residency.state_home.reset();
   }
   if (!o.residency.host_optimizer && mode != graph::ResidencyMode::resident && mode != graph::ResidencyMode::mapped) {
-    ways.emplace_back("the optimizer on the host (--host-optimizer; ResidencyOptions::host_optimizer)");
+    ways.push_back({"the optimizer on the host (--host-optimizer; ResidencyOptions::host_optimizer)", o});
+    ways.back().options.residency.host_optimizer = true;
   }
-  std::string text = ways.front();
-  for (std::size_t i = 1; i < ways.size(); ++i) text += (i + 1 == ways.size() ? " or " : ", ") + ways[i];
+  std::vector<std::string> lower;
+  for (const Way& w : ways) {
+    std::string needs;
+    try {
+      TrainerOptions t = w.options;
+      detail::validate_trainer_options(model, t);
+      (void)plan_as_given(runtime, model, t, rates, true);
+      needs = "fits";
+    } catch (const graph::BudgetError& e) {
+      if (e.min_budget() >= leanest) continue;
+      needs = fmt::format("needs at least {}", format_bytes_up(e.min_budget()));
+    } catch (const std::invalid_argument&) {
+      continue;  // not a setting this run can take (say, a model whose shapes the batch fixes)
+    }
+    lower.push_back(fmt::format("{} ({})", w.what, needs));
+  }
+  std::string text;
+  for (std::size_t i = 0; i < lower.size(); ++i)
+    text += (i == 0 ? "" : i + 1 == lower.size() ? " or " : ", ") + lower[i];
   return text;
 }
 
@@ -380,14 +420,18 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
     }
   }
   const std::uint64_t budget = detail::resolve_device_budget(o, runtime.device());
+  o.recompute = leanest_every;
+  const std::string leaner = leaner_settings(runtime, model, o, rates, leanest);
   throw graph::BudgetError(
       fmt::format("a device budget of {} is too small for this step even with recomputation: without it the step "
-                  "needs {}{}; raise the budget to at least {}, or use {}",
+                  "needs {}{}; raise the budget to at least {}{}",
                   format_bytes(budget), format_bytes_up(without),
                   leanest_every ? fmt::format(", recomputing segments of {} layer{} (the leanest) {}", leanest_every,
                                               leanest_every == 1 ? "" : "s", format_bytes_up(leanest))
                                 : std::string(", and recomputation does not lower that"),
-                  format_bytes_up(leanest), leaner_settings(o)),
+                  format_bytes_up(leanest),
+                  leaner.empty() ? std::string(" (no other setting of this run lowers it)")
+                                 : fmt::format(", or use {}", leaner)),
       leanest);
 }
 

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
+#include <cerrno>
 #include <iostream>
 #include <numeric>
 #include <stdexcept>
@@ -25,14 +27,41 @@ double seconds_since(Clock::time_point t) {
 
 volatile std::sig_atomic_t received_signal = 0;
 
+// The acknowledgement of each stop signal, composed before the handler is installed: the handler
+// may only write() it (async-signal-safe), not format it. Empty: none.
+struct Acknowledgement {
+  int signal = 0;
+  char text[512] = {};
+  std::size_t size = 0;
+};
+std::array<Acknowledgement, 3> acknowledgements;
+
 extern "C" void record_stop_signal(int sig) {
   received_signal = sig;
+  for (const Acknowledgement& a : acknowledgements) {
+    if (a.signal == sig && a.size > 0) {
+      const int saved = errno;  // write() may change it under the interrupted code
+      [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, a.text, a.size);
+      errno = saved;
+    }
+  }
 }
 
 }  // namespace
 
-StopSignals::StopSignals() {
+StopSignals::StopSignals(std::string_view acknowledgement, std::string_view program) {
   received_signal = 0;
+  const std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
+  for (std::size_t i = 0; i < signals.size(); ++i) {
+    Acknowledgement& a = acknowledgements[i];
+    a.signal = signals[i];
+    a.size = 0;
+    if (acknowledgement.empty()) continue;
+    // Starts on a line of its own: the progress line may be half written.
+    const std::string text = fmt::format("\n{}: {} received: {}\n", program, name(signals[i]), acknowledgement);
+    a.size = std::min(text.size(), sizeof a.text);
+    std::copy_n(text.data(), a.size, a.text);
+  }
   struct sigaction sa {};
   sa.sa_handler = record_stop_signal;
   sigemptyset(&sa.sa_mask);
@@ -46,6 +75,7 @@ StopSignals::~StopSignals() {
   sigaction(SIGINT, &old_int_, nullptr);
   sigaction(SIGTERM, &old_term_, nullptr);
   sigaction(SIGHUP, &old_hup_, nullptr);
+  for (Acknowledgement& a : acknowledgements) a.size = 0;
 }
 
 int StopSignals::received() noexcept {
@@ -145,6 +175,16 @@ bool TrainingLoop::stop_requested() const {
   return on_any_rank(options_.catch_signals && StopSignals::received() != 0);
 }
 
+std::string TrainingLoop::stop_acknowledgement() const {
+  std::string then = "no checkpoint is written";
+  if (!options_.checkpoint.empty()) {
+    then = options_.write_checkpoints ? fmt::format("then checkpoint {} is written", options_.checkpoint.string())
+                                      : std::string("then the checkpoint is written");
+  }
+  return fmt::format(
+      "stopping once the step (or evaluation) in flight ends, {}; a second signal stops at once, saving nothing", then);
+}
+
 bool TrainingLoop::time_up() const {
   return on_any_rank(seconds_since(run_start_) > options_.max_seconds);
 }
@@ -164,7 +204,7 @@ bool TrainingLoop::boundary_after(std::uint64_t done) {
 LoopSummary TrainingLoop::run() {
   check_ranks_agree();
   std::optional<StopSignals> signals;
-  if (options_.catch_signals) signals.emplace();
+  if (options_.catch_signals) signals.emplace(options_.acknowledge_stop ? stop_acknowledgement() : std::string());
   summary_ = LoopSummary{};
   step_ms_sum_ = 0;
   out_of_time_ = false;
@@ -288,7 +328,13 @@ void TrainingLoop::save_checkpoint() {
   const auto start = Clock::now();
   const std::vector<std::byte> caller =
       options_.caller_section ? options_.caller_section(position_) : std::vector<std::byte>{};
-  trainer_.save_checkpoint(options_.checkpoint, caller, options_.checkpoint_options);
+  try {
+    trainer_.save_checkpoint(options_.checkpoint, caller, options_.checkpoint_options);
+  } catch (const std::exception& e) {
+    // What the file at the path holds now, for the caller's way back (the CLI's resume command).
+    throw CheckpointWriteError(e.what(), checkpoint_done_);
+  }
+  checkpoint_done_ = position_.done;
   if (options_.after_checkpoint) options_.after_checkpoint();
   const double seconds = seconds_since(start);
   summary_.checkpoint_seconds += seconds;

@@ -408,5 +408,44 @@ TEST(ProgramBuild, BuildThreadsComeFromTheEnvironment) {
   }
 }
 
+// The switches read one way: the words for on and off, and a refusal for anything else (a misspelt
+// "off" used to leave the program cache on, and FERRY_VERBOSE=off turned the warnings on).
+TEST(ProgramBuild, SwitchVariablesTakeTheSameWordsAndRefuseOthers) {
+  ScopedEnv dir("FERRY_CACHE_DIR", "/nonexistent/ferry-switch-test");  // from_env creates nothing
+  for (const char* off : {"0", "off", "false", "no"}) {
+    ScopedEnv set("FERRY_PROGRAM_CACHE", off);
+    EXPECT_FALSE(cl::ProgramCacheOptions::from_env().enabled) << off;
+  }
+  for (const char* on : {"1", "on", "true", "yes", ""}) {
+    ScopedEnv set("FERRY_PROGRAM_CACHE", on);
+    EXPECT_TRUE(cl::ProgramCacheOptions::from_env().enabled) << "'" << on << "'";
+  }
+  for (const char* bad : {"of", "OFF", "2", " 0", "disabled"}) {
+    ScopedEnv set("FERRY_PROGRAM_CACHE", bad);
+    try {
+      (void)cl::ProgramCacheOptions::from_env();
+      ADD_FAILURE() << "FERRY_PROGRAM_CACHE=" << bad << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("FERRY_PROGRAM_CACHE='{}'", bad)), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("off/on"), std::string::npos) << e.what();
+    }
+  }
+  // FERRY_VERBOSE is read where a program is built: a bad word fails the build, naming it.
+  cl::KernelLibrary lib(TestDevice::get().context, cl::ProgramCacheOptions{false, {}});
+  const std::string source = "__kernel void switch_test(__global float* x) { x[0] = 1.0f; }\n";
+  {
+    ScopedEnv set("FERRY_VERBOSE", "off");
+    EXPECT_NO_THROW(lib.program_from_source("switch_test_off", source));
+  }
+  ScopedEnv set("FERRY_VERBOSE", "loud");
+  try {
+    lib.program_from_source("switch_test_loud", source);
+    ADD_FAILURE() << "FERRY_VERBOSE=loud was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("FERRY_VERBOSE='loud'"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace ferry::test

@@ -236,6 +236,36 @@ TEST(GemmTune, PackedFinalistsGetPackedATwinsWithinTheBudget) {
   std::filesystem::remove_all(dir);
 }
 
+// A stop (ferry tune's: a signal arrived) ends the search as a spent budget does: the candidate
+// being timed finishes, the best so far is scored on every shape, and that row is saved. ferry tune
+// used to die on SIGINT with everything it had measured lost.
+TEST(GemmTune, AStopEndsTheSearchWithTheBestSoFarSaved) {
+  auto& dev = TestDevice::get();
+  const auto dir = temp_dir("gemm_stop");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  ops::GemmTuneOptions options;
+  options.budget_seconds = 3600;  // only the stop ends it
+  int asked = 0;
+  options.stop = [&] {
+    ++asked;
+    return true;  // from the first question on: as a signal during the first candidate
+  };
+  const ops::GemmTuneResult r = ops::tune_gemm(env, options);
+  EXPECT_TRUE(r.stopped);
+  EXPECT_FALSE(r.budget_ran_out);
+  EXPECT_GE(asked, 2) << "asked between the probes and between the finalists";
+  EXPECT_EQ(r.measured, 1u) << "one candidate probed; it is the finalist scored";
+  ASSERT_FALSE(r.candidates.empty());
+  EXPECT_EQ(r.best, r.candidates.front().kernel);
+  EXPECT_GT(r.best_gflops, 0.0);
+  EXPECT_TRUE(r.save_error.empty()) << r.save_error;
+  ASSERT_FALSE(r.cache_path.empty());
+  EXPECT_TRUE(std::filesystem::is_regular_file(r.cache_path));
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
+}
+
 // Candidates built on other threads ahead of their timing (what GPUs do) are the same candidates,
 // measured in the same order, none failing: a measurement that reaches a candidate being built
 // waits for that build and uses its program.
@@ -481,12 +511,23 @@ TEST(GemmTune, BadSettingsNameTheVariable) {
         },
         std::invalid_argument);
   }
-  for (const char* v : {"0", "-3", "abc", "5s"}) {
+  // Decimal seconds only: strtod alone took hexadecimal ("0x10": 16 s), exponents and 1e-300.
+  for (const char* v :
+       {"0", "-3", "abc", "5s", "0x10", "1e-300", "1e3", "inf", "nan", " 5", "5.", ".5.", "0.0001", "604801"}) {
     ScopedEnv bad("FERRY_TUNE_BUDGET_S", v);
-    EXPECT_THROW(ops::tune_budget_from_env(), std::invalid_argument) << v;
+    try {
+      ops::tune_budget_from_env();
+      ADD_FAILURE() << "FERRY_TUNE_BUDGET_S=" << v << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("FERRY_TUNE_BUDGET_S='{}': expected", v)), std::string::npos)
+          << e.what();
+    }
   }
-  ScopedEnv ok("FERRY_TUNE_BUDGET_S", "2.5");
-  EXPECT_EQ(ops::tune_budget_from_env(), 2.5);
+  for (auto [text, seconds] :
+       {std::pair{"2.5", 2.5}, {"0.01", 0.01}, {"60", 60.0}, {"604800", 604800.0}, {".5", 0.5}}) {
+    ScopedEnv ok("FERRY_TUNE_BUDGET_S", text);
+    EXPECT_EQ(ops::tune_budget_from_env(), seconds) << text;
+  }
 }
 
 }  // namespace

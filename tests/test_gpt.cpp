@@ -631,6 +631,46 @@ TEST(TextCorpus, MissingOrEmptyTextIsAClearError) {
   fs::remove_all(d);
 }
 
+// A binary file is refused at the first megabyte holding a NUL, not after all of it is read (a 3 GB
+// one took 40 s); control characters are judged over the whole file; text longer than a read's
+// chunk arrives whole.
+TEST(TextCorpus, BinaryFilesAreRefusedWhereTheirFirstNulIs) {
+  const fs::path d = temp_dir("binary");
+  const std::size_t mib = std::size_t{1} << 20;
+  {
+    std::ofstream out(d / "blob", std::ios::binary);
+    const std::string text_part(mib + 10, 'a');
+    out << text_part << std::string(1, '\0') << std::string(4 * mib, 'b');  // the NUL in the second megabyte
+  }
+  try {
+    load_text_corpus({d / "blob"});
+    ADD_FAILURE() << "a file with a NUL was read as text";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format("looks binary, not text (1 NUL bytes, 0.0% control characters in "
+                                                     "the first {} bytes)",
+                                                     2 * mib)),
+              std::string::npos)
+        << e.what();
+  }
+  std::string escapes;
+  for (int i = 0; i < 3000; ++i) escapes += std::string(48, 'x') + "\x1b\n";  // 2% escape characters
+  std::ofstream(d / "escapes", std::ios::binary) << escapes;
+  try {
+    load_text_corpus({d / "escapes"});
+    ADD_FAILURE() << "a file of 2% control characters was read as text";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format("2.0% control characters in {} bytes", escapes.size())),
+              std::string::npos)
+        << e.what();
+  }
+  std::string long_text;
+  for (std::size_t i = 0; long_text.size() < 2 * mib + 7; ++i) long_text += "line " + std::to_string(i) + "\n";
+  std::ofstream(d / "long", std::ios::binary) << long_text;
+  const TextCorpus c = load_text_corpus({d / "long"}, 0.5);
+  EXPECT_EQ(c.decode(c.ids), long_text);
+  fs::remove_all(d);
+}
+
 // The error of reading the corpus in `dir`, or "".
 std::string corpus_error(const fs::path& dir) {
   try {

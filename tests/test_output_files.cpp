@@ -11,6 +11,7 @@
 
 #include "ferry/runtime/memory_profile.hpp"
 #include "ferry/runtime/trace.hpp"
+#include "runtime/output_file.hpp"
 
 namespace ferry::test {
 namespace {
@@ -91,6 +92,23 @@ TEST_F(OutputFiles, ReplaceOnlyWhatFerryWrote) {
   const fs::path empty = file("empty.csv", "");
   profiler_.write_csv(empty);
   EXPECT_EQ(read_text(empty).rfind(profile_signature, 0), 0u);
+}
+
+// Whether a file can be created is asked by creating one (ferry train's outputs and ferry-bench
+// --trace, before any work): permission bits do not say it for root or on a read-only mount.
+TEST_F(OutputFiles, CreatingAFileIsTriedAndTheReasonGiven) {
+  EXPECT_EQ(cannot_create_in(dir_), std::nullopt);
+  EXPECT_TRUE(fs::is_empty(dir_)) << "the probe file was left behind";
+  const auto missing = cannot_create_in(dir_ / "no-such-folder");
+  ASSERT_TRUE(missing.has_value());
+  EXPECT_NE(missing->find("No such file or directory"), std::string::npos) << *missing;
+  const auto not_folder = cannot_create_in(file("plain", "x"));
+  ASSERT_TRUE(not_folder.has_value());
+  EXPECT_NE(not_folder->find("Not a directory"), std::string::npos) << *not_folder;
+  // /proc takes no new files, whoever asks (root included).
+  if (fs::is_directory("/proc/self")) {
+    EXPECT_TRUE(cannot_create_in("/proc").has_value());
+  }
 }
 
 }  // namespace

@@ -676,7 +676,10 @@ TEST(Plan, RecomputeAutoChoosesTheSegmentsTheBudgetNeeds) {
 }
 
 // A budget no plan meets: the error lists what else lowers the step's bytes, leaving out what the
-// run already uses (it once told a bf16 run with 8-bit state on the host to use both).
+// run already uses (it once told a bf16 run with 8-bit state on the host to use both), and what
+// does not lower this step's minimum (each setting is planned; a step whose minimum the layer's
+// weights, gradients and state set was told to take a smaller batch and bf16 layers, and a CNN
+// whose activations set it 8-bit state and streaming).
 TEST(Plan, TooSmallABudgetSuggestsOnlyWhatIsNotInUse) {
   Runtime rt;
   const ModelSpec m = models::deep(64, 4);
@@ -695,14 +698,31 @@ TEST(Plan, TooSmallABudgetSuggestsOnlyWhatIsNotInUse) {
   o.recompute_auto = true;
   o.residency.budget_bytes = 4096;
   const std::string plain = message(o);
-  for (const char* way : {"a smaller batch", "--precision bf16", "--optimizer adamw8bit", "--host-optimizer"}) {
+  // The streamed minimum of 64 x 64 layers at batch 64 is the layer's weights, gradients and state:
+  // less state lowers it, a smaller batch or narrower activations do not.
+  for (const char* way : {"--optimizer adamw8bit; OptimizerConfig::Kind::adamw8bit) (needs at least",
+                          "--host-optimizer; ResidencyOptions::host_optimizer) (needs at least"}) {
     EXPECT_NE(plain.find(way), std::string::npos) << way << " is not suggested: " << plain;
   }
+  for (const char* way : {"a smaller batch", "--precision bf16"}) {
+    EXPECT_EQ(plain.find(way), std::string::npos) << way << " does not lower this minimum: " << plain;
+  }
+  TrainerOptions half = o;
+  half.batch = 32;
+  const std::string half_batch = message(half);
+  const auto minimum = [](const std::string& m) { return m.substr(0, m.find("; raise")); };
+  EXPECT_EQ(minimum(half_batch), minimum(plain)) << "half the batch changed the minimum, and was not suggested";
+  // Wide activations (a large batch) set the minimum: a smaller batch lowers it.
+  TrainerOptions large = o;
+  large.batch = 4096;
+  const std::string large_batch = message(large);
+  EXPECT_NE(large_batch.find("a smaller batch (--batch; TrainerOptions::batch), half of it (needs at least"),
+            std::string::npos)
+      << large_batch;
   o.precision.compute = graph::DType::bf16;
   o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
   o.residency.host_optimizer = true;
   const std::string lean = message(o);
-  EXPECT_NE(lean.find("or use a smaller batch"), std::string::npos) << lean;
   for (const char* way : {"--precision bf16", "--optimizer adamw8bit", "--host-optimizer"}) {
     EXPECT_EQ(lean.find(way), std::string::npos) << way << " is in use but suggested: " << lean;
   }

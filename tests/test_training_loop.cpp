@@ -1,15 +1,20 @@
 // TrainingLoop: the same steps as a hand-written loop bit for bit, boundaries with no step in
 // flight, a stop on a signal that writes a checkpoint the run resumes from exactly, the time limit,
 // a failing step that leaves the trainer usable, and bad settings refused.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <stdexcept>
@@ -232,12 +237,82 @@ TEST_F(TrainingLoopTest, AStopDuringABoundaryWritesItsCheckpointOnce) {
       {.steps = 24, .steps_per_epoch = 12, .progress = false, .checkpoint = path, .after_checkpoint = [&] {
          ++written;
        }});
-  loop.on_boundary = [&](const LoopPosition&) { std::raise(SIGINT); };  // as a user's Ctrl-C mid-evaluation
+  // As a user's Ctrl-C mid-evaluation. The handler acknowledges it at once: an evaluation can take
+  // minutes, and silence until it ends invited a second Ctrl-C, which saves nothing.
+  std::string said_during_evaluation;
+  loop.on_boundary = [&](const LoopPosition&) {
+    testing::internal::CaptureStderr();
+    std::raise(SIGINT);
+    said_during_evaluation = testing::internal::GetCapturedStderr();
+  };
   const LoopSummary s = loop.run();
   EXPECT_EQ(s.end, LoopSummary::End::stopped);
   EXPECT_EQ(s.position.done, 12u);
   EXPECT_TRUE(s.checkpoint_written);
   EXPECT_EQ(written, 1) << "the boundary's checkpoint was written again at the stop";
+  EXPECT_EQ(said_during_evaluation,
+            fmt::format("\nferry: SIGINT received: stopping once the step (or evaluation) in flight ends, then "
+                        "checkpoint {} is written; a second signal stops at once, saving nothing\n",
+                        path.string()));
+  std::filesystem::remove(path);
+
+  // Unasked (acknowledge_stop false) the handler writes nothing; with no checkpoint it says none.
+  for (const bool acknowledge : {false, true}) {
+    TrainingLoop quiet(trainer, batches,
+                       {.steps = 4, .boundary_every = 2, .progress = false, .acknowledge_stop = acknowledge});
+    std::string said;
+    quiet.on_boundary = [&](const LoopPosition&) {
+      testing::internal::CaptureStderr();
+      std::raise(SIGTERM);
+      said = testing::internal::GetCapturedStderr();
+    };
+    EXPECT_EQ(quiet.run().end, LoopSummary::End::stopped);
+    EXPECT_EQ(said, acknowledge ? "\nferry: SIGTERM received: stopping once the step (or evaluation) in flight ends, "
+                                  "no checkpoint is written; a second signal stops at once, saving nothing\n"
+                                : "");
+  }
+}
+
+// A checkpoint that cannot be written (a file size limit: EFBIG, as on a full disk) ends the run with
+// CheckpointWriteError, and the file at the path is still the last one this loop wrote, whose
+// steps the error gives (the CLI's resume command goes on from it).
+TEST_F(TrainingLoopTest, ACheckpointThatCannotBeWrittenLeavesTheLastOneAndSaysWhichItIs) {
+  const auto path =
+      std::filesystem::temp_directory_path() / ("ferry_loop_full_" + std::to_string(::getpid()) + ".ckpt");
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  TrainingLoop loop(trainer, batches, {.steps = 36, .steps_per_epoch = 12, .progress = false, .checkpoint = path});
+  struct rlimit before {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  const auto ignored_before = std::signal(SIGXFSZ, SIG_IGN);  // the write fails with EFBIG instead
+  std::string first_bytes;
+  loop.on_boundary = [&](const LoopPosition& p) {
+    if (p.done != 24) return;
+    // The first checkpoint (after 12 steps) was written: the second cannot be.
+    std::ifstream in(path, std::ios::binary);
+    first_bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    struct rlimit small = before;
+    small.rlim_cur = first_bytes.size() / 2;
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  };
+  std::optional<std::uint64_t> intact;
+  std::string what;
+  try {
+    loop.run();
+  } catch (const CheckpointWriteError& e) {
+    intact = e.intact_done;
+    what = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, ignored_before);
+  ASSERT_TRUE(intact.has_value()) << "the second checkpoint's failure was not a CheckpointWriteError: " << what;
+  EXPECT_EQ(*intact, 12u);
+  EXPECT_NE(what.find("any earlier checkpoint at that path is unchanged"), std::string::npos) << what;
+  std::ifstream in(path, std::ios::binary);
+  const std::string now((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_FALSE(first_bytes.empty());
+  EXPECT_TRUE(now == first_bytes) << "the checkpoint at the path changed";
+  EXPECT_EQ(trainer.pending(), 0u);
   std::filesystem::remove(path);
 }
 

@@ -263,4 +263,9 @@ void check_same_data(const nlohmann::json& j, std::uint64_t here, const TrainArg
 // replaced.
 std::string resume_command(const TrainArgs& a, const std::string& checkpoint);
 
+// loop.run(). A checkpoint that cannot be written (a full disk) ends the run with an error that
+// also says what the file at --checkpoint still holds and the command that goes on from it (or
+// from --resume's checkpoint, when this run had written none yet).
+ferry::LoopSummary run_loop(ferry::TrainingLoop& loop, const TrainArgs& a);
+
 }  // namespace ferry::cli

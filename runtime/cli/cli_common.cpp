@@ -312,6 +312,24 @@ std::string shell_quote(const std::string& s) {
 }
 }  // namespace
 
+ferry::LoopSummary run_loop(ferry::TrainingLoop& loop, const TrainArgs& a) {
+  try {
+    return loop.run();
+  } catch (const ferry::CheckpointWriteError& e) {
+    std::string way_back;
+    if (e.intact_done) {
+      way_back = fmt::format(
+          "\nferry: {} still holds this run's state after {} steps; once it can be written, go on from there "
+          "with: {}",
+          a.checkpoint_path, *e.intact_done, resume_command(a, a.checkpoint_path));
+    } else if (!a.resume_path.empty()) {
+      way_back = fmt::format("\nferry: this run saved nothing; go on from where it started with: {}",
+                             resume_command(a, a.resume_path));
+    }
+    throw std::runtime_error(e.what() + way_back);
+  }
+}
+
 // The command line that continues this run from `checkpoint`: the same arguments, any --resume
 // replaced.
 std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {

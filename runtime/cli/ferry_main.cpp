@@ -366,7 +366,7 @@ int cmd_train(const TrainArgs& a) {
     std::cerr << fmt::format("epoch {}/{}: train loss {:.4f}, test accuracy {:.4f}{}\n", p.done / steps_per_epoch,
                              a.epochs, p.last_epoch_loss, eval.accuracy, phase_note);
   };
-  const ferry::LoopSummary run = loop.run();
+  const ferry::LoopSummary run = run_loop(loop, a);
   if (run.end == ferry::LoopSummary::End::stopped) {
     const ferry::LoopPosition& p = run.position;
     report_stop(a, run, trace, trainer, profiler,

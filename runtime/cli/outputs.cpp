@@ -1,7 +1,6 @@
 // `ferry train`'s output paths, checked before any work: an output is created, or replaces a file
 // of the same kind that ferry wrote; it never replaces a device node, a folder, a symbolic link, a
 // foreign file (unless --force), one of the run's inputs, or another output of the same run.
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -9,7 +8,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <stdexcept>
 #include <vector>
 
@@ -86,12 +84,10 @@ void check_one(const Output& o, bool force) {
                                   o.kind, printable(head_of(p, 24))));
     }
   }
-  // Creating a file there must work: create and remove a probe of a name nobody uses.
-  const fs::path probe = folder / fmt::format(".ferry-probe-{}-{:x}", getpid(), std::random_device{}());
-  const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) throw refuse(o, fmt::format("cannot create a file in '{}': {}", folder.string(), std::strerror(errno)));
-  close(fd);
-  fs::remove(probe, ec);
+  // Creating a file there must work.
+  if (const auto why = ferry::cannot_create_in(folder)) {
+    throw refuse(o, fmt::format("cannot create a file in '{}': {}", folder.string(), *why));
+  }
 }
 
 }  // namespace

@@ -395,7 +395,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                                format_duration(seconds_since(run_start)));
     }
   };
-  const LoopSummary run = loop.run();
+  const LoopSummary run = run_loop(loop, a);
   if (run.end == LoopSummary::End::stopped) {
     report_stop(a, run, trace, trainer, profiler, fmt::format("step {}/{}", run.position.done, steps));
     return 128 + run.signal;

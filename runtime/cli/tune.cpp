@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "ferry/runtime/training_loop.hpp"
 #include "ops/attention_tune.hpp"
 #include "ops/gemm_tune.hpp"
 
@@ -58,8 +59,20 @@ nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char*
           {"candidates_planned", r.planned},
           {"candidates_measured", r.measured},
           {"budget_ran_out", r.budget_ran_out},
+          {"stopped", r.stopped},
           {"best", r.best},
           {"cache_path", r.cache_path}};
+}
+
+bool stop_signal_arrived() {
+  return StopSignals::received() != 0;
+}
+
+// Why a search ended before every candidate ran ("" when none ended it), for the summary line.
+template <typename Result>
+std::string ended_early(const Result& r) {
+  if (r.stopped) return fmt::format(", stopped by {}", StopSignals::name(StopSignals::received()));
+  return r.budget_ran_out ? ", budget spent" : "";
 }
 
 // Where the winners went, for the progress output.
@@ -75,6 +88,7 @@ std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::Devic
   ops::GemmTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
+  o.stop = stop_signal_arrived;
   if (!a.quiet) {
     std::cerr << fmt::format("ferry tune: GEMM on '{}' ({}), {} search, budget {:g} s\n", d.name, d.driver, a.mode,
                              a.budget_seconds);
@@ -88,7 +102,7 @@ std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::Devic
   if (!a.quiet) {
     std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{}): {:.0f} GFLOPS geometric mean\n",
                              ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.measured, r.planned,
-                             r.budget_ran_out ? ", budget spent" : "", r.best_gflops);
+                             ended_early(r), r.best_gflops);
     for (std::size_t i = 0; i < r.shapes.size(); ++i) {
       const auto& s = r.shapes[i];
       std::cerr << fmt::format("  {:>5} x {:>5} x {:>5} {}{}  {:8.0f} GFLOPS\n", s.M, s.N, s.K, s.trans_a ? "T" : "N",
@@ -134,6 +148,7 @@ std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::
   ops::AttentionTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
+  o.stop = stop_signal_arrived;
   if (!a.quiet) {
     std::cerr << fmt::format("ferry tune: attention on '{}' ({}), {} search, budget {:g} s\n", d.name, d.driver, a.mode,
                              a.budget_seconds);
@@ -144,7 +159,7 @@ std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::
   if (!a.quiet) {
     std::cerr << fmt::format("{}ferry tune: {} in {:.1f} s ({} of {} candidates{})\n",
                              ::isatty(STDERR_FILENO) ? "\n" : "", r.best, r.seconds, r.measured, r.planned,
-                             r.budget_ran_out ? ", budget spent" : "");
+                             ended_early(r));
     for (const ops::AttentionTuneClass& c : r.classes) {
       std::cerr << fmt::format("  head dims up to {}: {}, {:.3f} ms geometric mean\n", c.max_head_dim, c.best,
                                c.best_ms);
@@ -232,10 +247,19 @@ int cmd_tune(const TuneArgs& a) {
         d.name));
   }
   check_cache_usable(env, a);
+  // A search can take many minutes: a stop signal ends it as a spent budget does, and what it found
+  // is saved (the row is written whole or not at all); a second signal ends the process at once.
+  const StopSignals signals(
+      "the search stops after the candidate being timed, and what it found is saved; a second signal stops at once, "
+      "saving nothing",
+      "ferry tune");
   std::vector<std::string> not_saved;
   if (a.family != "attention") not_saved.push_back(tune_gemm_family(a, env, d));
-  if (a.family == "attention" || (a.family == "all" && !d.is_cpu()))
-    not_saved.push_back(tune_attention_family(a, env, d));
+  bool attention_skipped = false;
+  if (a.family == "attention" || (a.family == "all" && !d.is_cpu())) {
+    attention_skipped = stop_signal_arrived();
+    if (!attention_skipped) not_saved.push_back(tune_attention_family(a, env, d));
+  }
   if (a.family == "all" && d.is_cpu() && !a.quiet) {
     std::cerr << "ferry tune: attention not tuned: on CPU devices it runs the cpu family's measured tiles\n";
   }
@@ -245,6 +269,14 @@ int cmd_tune(const TuneArgs& a) {
         "ferry tune could not save what it found ({}), so later runs cannot use it: make the cache folder writable, "
         "or name another with FERRY_CACHE_DIR",
         fmt::join(not_saved, "; ")));
+  }
+  if (const int signal = StopSignals::received(); signal != 0) {
+    std::cerr << fmt::format(
+        "ferry tune: stopped by {}; the best found before it is saved and used from now on (run ferry tune again "
+        "to search further){}\n",
+        StopSignals::name(signal),
+        attention_skipped ? "; the attention was not tuned: ferry tune --family attention tunes it" : "");
+    return 128 + signal;
   }
   return 0;
 }

@@ -104,20 +104,37 @@ void refuse_one_character(const std::vector<fs::path>& files, const std::string&
 
 // A byte model trains on anything, so a folder of binaries would train without complaint: refuse
 // files with NUL bytes or more than 1% control characters (text has tabs, line ends and form
-// feeds; the fortunes have under 0.2% of others, terminal escapes and backspaces).
-void refuse_binary(const fs::path& file, std::string_view bytes) {
-  std::size_t nul = 0, control = 0;
-  for (const char ch : bytes) {
-    const auto b = static_cast<unsigned char>(ch);
-    nul += b == 0;
-    control += (b < 32 && b != '\t' && b != '\n' && b != '\r' && b != '\f') || b == 127;
+// feeds; the fortunes have under 0.2% of others, terminal escapes and backspaces). Counted as the
+// file is read, so that a binary file is refused at its first NUL rather than after all of it
+// (a 3 GB one took 40 s to be refused).
+class BinaryCheck {
+ public:
+  explicit BinaryCheck(const fs::path& file) : file_(file) {}
+  // The next bytes read: refused at once when they hold a NUL.
+  void add(std::string_view bytes) {
+    for (const char ch : bytes) {
+      const auto b = static_cast<unsigned char>(ch);
+      nul_ += b == 0;
+      control_ += (b < 32 && b != '\t' && b != '\n' && b != '\r' && b != '\f') || b == 127;
+    }
+    seen_ += bytes.size();
+    if (nul_ != 0) refuse(" in the first");
   }
-  if (nul == 0 && control * 100 <= bytes.size()) return;
-  throw std::runtime_error(fmt::format(
-      "text corpus: {} looks binary, not text ({} NUL bytes, {:.1f}% control characters in {} bytes): train on a "
-      "folder of text files, or move this file out of it",
-      file.string(), nul, 100.0 * static_cast<double>(control) / static_cast<double>(bytes.size()), bytes.size()));
-}
+  // The whole file read: refused when control characters are more than 1% of it.
+  void finish() const {
+    if (control_ * 100 > seen_) refuse(" in");
+  }
+
+ private:
+  [[noreturn]] void refuse(const char* in) const {
+    throw std::runtime_error(fmt::format(
+        "text corpus: {} looks binary, not text ({} NUL bytes, {:.1f}% control characters{} {} bytes): train on a "
+        "folder of text files, or move this file out of it",
+        file_.string(), nul_, 100.0 * static_cast<double>(control_) / static_cast<double>(seen_), in, seen_));
+  }
+  const fs::path& file_;
+  std::size_t nul_ = 0, control_ = 0, seen_ = 0;
+};
 
 }  // namespace
 
@@ -136,13 +153,21 @@ TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) 
           fmt::format("text corpus: cannot open {}: {}: {}", f.string(), ec.message(), reach_fix(ec, f, false)));
     }
     const std::size_t before = text.size();
-    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    BinaryCheck binary(f);
+    constexpr std::size_t chunk = std::size_t{1} << 20;
+    while (in) {
+      const std::size_t at = text.size();
+      text.resize(at + chunk);
+      in.read(text.data() + at, static_cast<std::streamsize>(chunk));
+      text.resize(at + static_cast<std::size_t>(in.gcount()));
+      binary.add(std::string_view(text).substr(at));
+    }
     if (in.bad()) throw std::runtime_error(fmt::format("text corpus: error reading {}", f.string()));
     if (text.size() == before) {
       throw std::runtime_error(
           fmt::format("text corpus: {} is empty: remove it from the folder, or train on another", f.string()));
     }
-    refuse_binary(f, std::string_view(text).substr(before));
+    binary.finish();
   }
   refuse_one_character(files, text);
   TextCorpus c;

@@ -214,8 +214,10 @@ row "--epochs for the GPT" "--epochs applies to the Fashion-MNIST models" error 
 row "--predict-int8 without hybrid phases" "--predict-int8 applies to Predict steps" error - \
   train "${quick[@]}" --predict-int8
 row "unknown FERRY_TUNE" "FERRY_TUNE='fast': expected off, quick or full" error "FERRY_TUNE=fast" train "${quick[@]}"
-row "FERRY_TUNE_BUDGET_S not a positive number" "FERRY_TUNE_BUDGET_S='-5'" error "FERRY_TUNE_BUDGET_S=-5" \
-  train "${quick[@]}"
+row "FERRY_TUNE_BUDGET_S not a decimal number of seconds" "FERRY_TUNE_BUDGET_S='0x10': expected a decimal number" \
+  error "FERRY_TUNE_BUDGET_S=0x10" train "${quick[@]}"
+row "FERRY_PROGRAM_CACHE neither on nor off" "FERRY_PROGRAM_CACHE='of': expected 0 or 1 (also off/on" error \
+  "FERRY_PROGRAM_CACHE=of" train "${quick[@]}"
 row "FERRY_BUILD_THREADS not a whole number from 1" "FERRY_BUILD_THREADS='0': expected a whole number from 1 to 1024" \
   error "FERRY_BUILD_THREADS=0" train "${quick[@]}"
 row "unknown FERRY_ATTENTION_KERNEL" "FERRY_ATTENTION_KERNEL='flash': attention: unknown kernel 'flash'" error \

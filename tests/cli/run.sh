@@ -142,6 +142,8 @@ for signal in INT TERM HUP; do
   check "SIG$signal during training exits $want" test "$status" -eq "$want"
   check "SIG$signal says where training stopped" grep -q "stopped by SIG$signal at epoch 1/2, step [0-9]*/32" "$err"
   check "SIG$signal writes the checkpoint" test -s "$work/sig.ckpt"
+  check "SIG$signal is acknowledged when it arrives" \
+    grep -q "^ferry: SIG$signal received: stopping once the step (or evaluation) in flight ends, then checkpoint $work/sig.ckpt is written" "$err"
   [ "$failures" -eq "$before" ] || tail -5 "$err"  # what the run printed, when one of these failed
   cmd=$(sed -n 's/^ferry: resume with: //p' "$err")
   check "SIG$signal prints a resume command" grep -q -- "--resume $work/sig.ckpt" <<<"$cmd"
@@ -273,6 +275,48 @@ check "GPT: SIGINT while sampling says how far it came" \
   grep -q "sampling stopped by SIGINT after [0-9]* of 1000000 characters; training had finished" "$work/ssig.err"
 check "GPT: SIGINT while sampling still prints the JSON line, sample_stopped in it" \
   python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); sys.exit(not (j["sample_stopped"] and len(j["sample"]) < 1000000))' "$work/ssig.json"
+
+# ferry tune stopped by SIGINT: the search ends as a spent budget ends it, the best so far is saved
+# and used, exit 130 (it died with everything measured lost).
+tune_cache="$work/tune-cache"
+rm -rf "$tune_cache" "$work/tune.err"
+FERRY_CACHE_DIR="$tune_cache" "$ferry" tune --family gemm --budget-seconds 600 --json >"$work/tune.json" \
+  2>"$work/tune.err" &
+pid=$!
+for _ in $(seq 1 1200); do grep -qs -- '\] *[1-9][0-9]*/' "$work/tune.err" && break; sleep 0.05; done
+kill -INT "$pid"
+wait "$pid"
+status=$?
+check "ferry tune: SIGINT exits 130" test "$status" -eq 130
+check "ferry tune: SIGINT is acknowledged and said" bash -c \
+  "grep -q '^ferry tune: SIGINT received: the search stops after the candidate being timed' '$work/tune.err' &&
+   grep -q '^ferry tune: stopped by SIGINT; the best found before it is saved' '$work/tune.err'"
+check "ferry tune: SIGINT still saves the best so far" bash -c \
+  "python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); sys.exit(not (j[\"stopped\"] and j[\"cache_path\"]))' '$work/tune.json' &&
+   ls '$tune_cache' | grep -q ."
+
+# A program cache folder this user may not look into: one note for the folder, not a line per
+# program ("entry ... is invalid (cannot be read: Permission denied)" for each). Root looks into
+# any folder, so the run is made as nobody.
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
+  locked="$work/locked-cache"
+  ferry_path=$(realpath "$ferry")
+  nobody_home="$work/nobody-home"
+  mkdir -p "$locked" "$nobody_home"
+  chown 65534 "$nobody_home"
+  chmod a+rx "$work"
+  FERRY_CACHE_DIR="$locked" "$ferry" train --model mlp --epochs 1 --train-limit 256 --quiet >/dev/null 2>&1
+  chmod 000 "$locked"
+  out=$(cd "$nobody_home" && HOME="$nobody_home" FERRY_CACHE_DIR="$locked" setpriv --reuid=65534 --regid=65534 \
+    --clear-groups "$ferry_path" train --model mlp --epochs 1 --train-limit 256 --quiet 2>&1 >/dev/null)
+  status=$?
+  chmod 755 "$locked"
+  check "a cache folder out of reach: the run goes on" test "$status" -eq 0
+  check "a cache folder out of reach: one note naming it, no line per entry" bash -c \
+    "[ \$(grep -c '^ferry: program cache' <<<'$out') -eq 1 ] &&
+     grep -q 'program cache folder $locked is not usable (cannot look into it: Permission denied)' <<<'$out'"
+  [ "$status" -eq 0 ] || echo "$out" | tail -5
+fi
 
 echo "$failures failed"
 [ "$failures" -eq 0 ]

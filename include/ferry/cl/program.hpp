@@ -36,7 +36,7 @@ std::string expand_kernel_includes(std::string_view file, std::string_view sourc
 struct ProgramCacheOptions {
   bool enabled = true;
   std::filesystem::path dir;
-  // FERRY_PROGRAM_CACHE=0 disables the cache (for drivers that cache themselves);
+  // FERRY_PROGRAM_CACHE=0 (or off, false, no) disables the cache (for drivers that cache themselves);
   // FERRY_CACHE_DIR sets the folder, else $XDG_CACHE_HOME/ferry, else ~/.cache/ferry.
   static ProgramCacheOptions from_env();
 };

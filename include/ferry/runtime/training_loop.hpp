@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,9 +37,13 @@ namespace ferry {
 // SIGINT / SIGTERM while a StopSignals lives: the handler only records the signal (received()), so
 // a loop can stop between steps with the step in flight finished; a second signal ends the process
 // at once (the handler resets to the default). The previous handlers come back with the object.
+// A step or an evaluation can take minutes: given an `acknowledgement`, the handler writes
+// "<program>: SIGINT received: <acknowledgement>" to stderr the moment the signal arrives, so that
+// a person does not take the silence for a hang and press again (which would save nothing).
 class StopSignals {
  public:
-  StopSignals();
+  StopSignals() : StopSignals(std::string_view{}) {}
+  explicit StopSignals(std::string_view acknowledgement, std::string_view program = "ferry");
   ~StopSignals();
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
@@ -82,6 +87,9 @@ struct TrainingLoopOptions {
   std::string unit = "samples";
   bool progress = true;       // a progress line on stderr, and a line per checkpoint written
   bool catch_signals = true;  // SIGINT / SIGTERM stop the loop between steps (StopSignals)
+  // A stop signal is acknowledged on stderr when it arrives (what the loop will do, and that a
+  // second signal stops at once), not only once the step or evaluation in flight has ended.
+  bool acknowledge_stop = true;
   // A checkpoint at every boundary and when stopped by a signal (none: no path). `caller_section`
   // gives the caller's bytes of it (Trainer::save_checkpoint's `caller`); `write_checkpoints` false
   // on ranks that leave the writing to another (they contribute to it where it is written:
@@ -102,6 +110,15 @@ struct TrainingLoopOptions {
   // A hash of the training data (e.g. ferry::checkpoint_checksum of it): data parallel, the ranks
   // must agree on it. 0: not compared.
   std::uint64_t data_fingerprint = 0;
+};
+
+// A checkpoint TrainingLoop::run could not write (a full disk, a folder gone). The file at the
+// path is unchanged (checkpoints are written whole or not at all): `intact_done` is the steps done
+// (LoopPosition::done) when this loop last wrote it, nullopt when this loop had not written it yet.
+struct CheckpointWriteError : std::runtime_error {
+  CheckpointWriteError(const std::string& what, std::optional<std::uint64_t> intact)
+      : std::runtime_error(what), intact_done(intact) {}
+  std::optional<std::uint64_t> intact_done;
 };
 
 struct LoopSummary {
@@ -149,6 +166,8 @@ class TrainingLoop {
   // Data parallel: throws when the ranks' loops differ (TrainingLoopOptions::control).
   void check_ranks_agree() const;
   bool stop_requested() const;
+  // What a stop signal makes this loop do, said when it arrives (TrainingLoopOptions::acknowledge_stop).
+  std::string stop_acknowledgement() const;
   bool time_up() const;
   // Whether `done` steps end at a boundary: the last step, an epoch's end, every boundary_every.
   bool scheduled_boundary(std::uint64_t done) const;
@@ -169,6 +188,7 @@ class TrainingLoop {
   LoopSummary summary_;
   double step_ms_sum_ = 0;
   bool out_of_time_ = false;
+  std::optional<std::uint64_t> checkpoint_done_;            // position_.done when this loop last wrote its checkpoint
   std::chrono::steady_clock::time_point run_start_, mark_;  // mark_: where training time was last counted to
   bool progress_tty_ = false;
   bool progress_line_open_ = false;  // on a terminal: a progress line drawn without its newline yet
