@@ -272,8 +272,7 @@ int cmd_tune(const TuneArgs& a) {
   }
   if (const int signal = StopSignals::received(); signal != 0) {
     std::cerr << fmt::format(
-        "ferry tune: stopped by {}; the best found before it is saved and used from now on (run ferry tune again "
-        "to search further){}\n",
+        "ferry tune: stopped by {}; the best found before it is saved (run ferry tune again to search further){}\n",
         StopSignals::name(signal),
         attention_skipped ? "; the attention was not tuned: ferry tune --family attention tunes it" : "");
     return 128 + signal;
