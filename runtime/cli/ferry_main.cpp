@@ -321,6 +321,8 @@ int cmd_train(const TrainArgs& a) {
                             .schedule = schedule,
                             .units_per_step = batch,
                             .progress = !a.quiet,
+                            // One acknowledgement of a signal mpirun sends every rank: rank 0 (or alone) says it.
+                            .acknowledge_stop = a.primary,
                             .checkpoint = a.checkpoint_path,
                             .caller_section =
                                 [&](const ferry::LoopPosition& p) {
