@@ -304,10 +304,9 @@ int cmd_train(const TrainArgs& a) {
   ferry::ShuffledBatches batches(train, trainer.model(), batch, a.seed, shard);
   const std::size_t steps_per_epoch = batches.steps_per_epoch();
   const std::size_t total_steps = steps_per_epoch * a.epochs;
-  ferry::LrSchedule schedule;
-  schedule.kind = schedule_kind;
-  schedule.peak = a.lr;
-  schedule.total_steps = ferry::updates_in(total_steps, trainer.options().accumulate);  // the schedule counts updates
+  // The schedule counts optimizer updates.
+  const ferry::LrSchedule schedule{
+      .kind = schedule_kind, .peak = a.lr, .total_steps = ferry::updates_in(total_steps, trainer.options().accumulate)};
   ferry::ChromeTrace trace;
   ferry::MemoryProfiler profiler;
   profiler.add_training_step(trainer);
@@ -321,8 +320,7 @@ int cmd_train(const TrainArgs& a) {
                             .schedule = schedule,
                             .units_per_step = batch,
                             .progress = !a.quiet,
-                            // One acknowledgement of a signal mpirun sends every rank: rank 0 (or alone) says it.
-                            .acknowledge_stop = a.primary,
+                            .acknowledge_stop = a.primary,  // mpirun signals every rank: rank 0 says it
                             .checkpoint = a.checkpoint_path,
                             .caller_section =
                                 [&](const ferry::LoopPosition& p) {

@@ -351,8 +351,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                      .units_per_step = std::uint64_t{batch} * t,
                      .unit = "tokens",
                      .progress = !a.quiet,
-                     // One acknowledgement of a signal mpirun sends every rank: rank 0 (or alone) says it.
-                     .acknowledge_stop = a.primary,
+                     .acknowledge_stop = a.primary,  // mpirun signals every rank: rank 0 says it
                      .checkpoint = a.checkpoint_path,
                      .caller_section =
                          [&](const LoopPosition& p) {
