@@ -127,6 +127,11 @@ std::string staging_chunk_range();
 // it chose (--recompute auto) goes into `opt`, so the Trainer does not search for it again.
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                     ferry::TrainerOptions& opt);
+// A --recompute N given (not auto) runs each segment's forward again in the backward; where the
+// step's device peak without it is no higher, that costs compute and buys nothing. Then a note
+// saying so, with both peaks and the flops it adds ("" otherwise, or when either plan fails).
+std::string recompute_cost_note(ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                                const ferry::TrainerOptions& opt);
 
 // "fp32" / "fp16" / "bf16" (also "f32", "f16") and back; throws std::invalid_argument naming the
 // choices.

@@ -191,6 +191,30 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
       plan.recompute ? fmt::format(", recomputing segments of {} layers", plan.recompute) : std::string());
 }
 
+std::string recompute_cost_note(ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                                const ferry::TrainerOptions& opt) {
+  if (opt.recompute_auto || opt.recompute == 0) return "";
+  ferry::TrainerOptions without = opt;
+  without.recompute = 0;
+  ferry::TrainingPlan with_plan, without_plan;
+  try {
+    with_plan = ferry::plan_training(runtime, model, opt);
+    without_plan = ferry::plan_training(runtime, model, without);
+  } catch (const std::exception&) {
+    return "";  // the step needs recomputing to fit (or does not fit at all: the Trainer says so)
+  }
+  if (without_plan.device_peak_bytes > with_plan.device_peak_bytes) return "";
+  const double flops = static_cast<double>(with_plan.phases.front().flops);
+  const double flops_without = static_cast<double>(without_plan.phases.front().flops);
+  return fmt::format(
+      "ferry: note: --recompute {} does not lower this step's device peak ({} with it, {} without) and adds {:.3g} "
+      "GFLOP a step ({:+.0f}%); --recompute 0 keeps the activations, and auto recomputes only what a "
+      "--device-budget needs\n",
+      opt.recompute, ferry::format_bytes(with_plan.device_peak_bytes),
+      ferry::format_bytes(without_plan.device_peak_bytes), (flops - flops_without) * 1e-9,
+      flops_without > 0 ? 100.0 * (flops - flops_without) / flops_without : 0.0);
+}
+
 void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {
   const auto& opt = trainer.options();
   j["phases"] = ferry::phases_name(opt.phases.hybrid);

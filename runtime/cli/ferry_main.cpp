@@ -297,7 +297,7 @@ int cmd_train(const TrainArgs& a) {
                              trainer.model().name, runtime.device().name, runtime.device().type_name(),
                              trainer.parameter_count(), ferry::format_bytes(trainer.training_state_bytes()), compile_s);
     announce_ranks(a, trainer, batch);
-    std::cerr << residency_banner(trainer);
+    std::cerr << residency_banner(trainer) << recompute_cost_note(runtime, trainer.model(), opt);
   }
 
   // This rank's rows of every global batch, in a new shuffled order each epoch.

@@ -103,6 +103,7 @@ struct PlanReport {
   std::optional<std::uint64_t> min_streamed;
   std::uint64_t budget = 0, host_budget = 0, host_limit = 0;  // host_budget 0: not given (the limit is physical memory)
   std::string host_memory;
+  std::string recompute_note;  // an explicit --recompute that buys nothing (recompute_cost_note)
   ferry::ConfigurationSearch search;
   const ferry::Configuration* chosen() const { return search.chosen ? &search.tried[*search.chosen] : nullptr; }
   bool any_fits() const { return configured.fits() || search.chosen.has_value(); }
@@ -122,6 +123,7 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
   r.configured = ferry::plan_within_budgets(runtime, model, base, r.rates);
+  r.recompute_note = recompute_cost_note(runtime, model, base);
   // Minimum budgets: everything resident, and streamed.
   ferry::TrainerOptions resident = base;
   resident.residency = {};
@@ -425,6 +427,7 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
     std::cout << "\n";
   }
   if (r.configured.plan) print_configured_table(*r.configured.plan);
+  std::cout << r.recompute_note;
   if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
   const std::string min_streamed =
       r.min_streamed ? ferry::format_bytes_up(*r.min_streamed) : std::string("(nothing to stream)");

@@ -224,7 +224,8 @@ void announce_gpt(const Runtime& runtime, const Trainer& trainer, double compile
       corpus.ids.size() - corpus.train_end, val.size(), context, fewer);
 }
 
-void announce_residency(const Trainer& trainer) {
+// Where the state lives, and what an explicit --recompute costs where it buys nothing.
+void announce_residency(Runtime& runtime, const Trainer& trainer, const TrainerOptions& opt) {
   const bool on_host = trainer.residency().mode != graph::ResidencyMode::resident;
   std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned){}\n",
                            graph::residency_mode_name(trainer.residency().mode),
@@ -232,6 +233,7 @@ void announce_residency(const Trainer& trainer) {
                            on_host ? fmt::format("; {} in {} host memory", format_bytes(trainer.host_state_bytes()),
                                                  offload::host_memory_name(trainer.host_memory()))
                                    : std::string());
+  std::cerr << recompute_cost_note(runtime, trainer.model(), opt);
 }
 
 // The GPT's own fields of the --json line: its shape, losses, rates and validation curve.
@@ -333,7 +335,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   if (!a.quiet) {
     announce_gpt(runtime, trainer, compile_s, corpus, val, c.context, a.val_windows);
     announce_ranks(a, trainer, batch);
-    announce_residency(trainer);
+    announce_residency(runtime, trainer, opt);
   }
 
   const std::uint32_t t = c.context;

@@ -69,6 +69,12 @@ check "--accumulate 4 makes one update per 4 micro-batches" bash -c "grep -q '\"
 plan=$("$ferry" plan --model mlp --phases hybrid --device-budget 24MiB --json)
 check "ferry plan --json has each phase's bytes and a recommendation" bash -c "grep -q '\"predict\":{' <<<'$plan' && grep -q '\"min_budget_streamed_bytes\":[1-9]' <<<'$plan' && grep -q '\"recommended\":{\"device_bytes\":[1-9][0-9]*,\"flags\":\"--' <<<'$plan'"
 check "ferry plan prints a table" bash -c "'$ferry' plan --model cnn | grep -q 'minimum budget'"
+# An explicit --recompute that keeps the CNN's peak where it is only adds compute: said, with the
+# figures; a GPT whose activations set its peak recomputes to lower it, and nothing is said.
+check "ferry plan says an explicit --recompute that does not lower the peak costs compute" bash -c \
+  "'$ferry' plan --model cnn --recompute 1 | grep -q 'recompute 1 does not lower this step.s device peak (.* with it, .* without) and adds [0-9.]* GFLOP'"
+check "ferry plan is silent on a --recompute that lowers the peak" bash -c \
+  "! '$ferry' plan --model gpt --width 768 --depth 12 --heads 12 --recompute 2 | grep -q 'does not lower'"
 # The minimum it prints is rounded up: given back as the budget, the step fits (rounded to the
 # nearest tenth of a MiB it was 0.1 MiB short and ferry train refused it).
 min_streamed=$("$ferry" plan --model cnn | sed -n 's/^minimum budget: .* with everything resident, \(.*\) streamed$/\1/p' | tr -d ' ')
