@@ -671,6 +671,36 @@ TEST(TextCorpus, BinaryFilesAreRefusedWhereTheirFirstNulIs) {
   fs::remove_all(d);
 }
 
+// Bytes above 127 are characters like any other (no sign extension in the widening), and a corpus
+// that would not fit this machine's memory as 4-byte ids is refused by its size, before a byte is
+// read (a sparse file: no disk is used).
+TEST(TextCorpus, WideBytesReadAndTextBeyondMemoryRefusedUnread) {
+  const fs::path d = temp_dir("wide");
+  std::ofstream(d / "utf8", std::ios::binary) << "caf\xc3\xa9 \xff\n";
+  const TextCorpus c = load_text_corpus({d / "utf8"}, 0.5);
+  EXPECT_EQ(c.decode(c.ids), "caf\xc3\xa9 \xff\n");
+  EXPECT_EQ(c.vocab.back(), 0xff);
+  EXPECT_EQ(c.id_of[0xc3], 6);  // after \n, space, a, c, f and 0xa9
+
+  const std::uint64_t physical = physical_memory_bytes();
+  ASSERT_GT(physical, 0u);
+  std::ofstream(d / "huge").close();
+  fs::resize_file(d / "huge", physical / 4 + 1);
+  try {
+    load_text_corpus({d / "utf8", d / "huge"});
+    ADD_FAILURE() << "a corpus larger than memory as ids was read";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(fmt::format("of host memory as token ids (4 bytes a character), more than this machine's {}",
+                                    format_bytes(physical))),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find(fmt::format("a folder with at most {} of text", format_bytes(physical / 4))), std::string::npos)
+        << what;
+  }
+  fs::remove_all(d);
+}
+
 // The error of reading the corpus in `dir`, or "".
 std::string corpus_error(const fs::path& dir) {
   try {

@@ -14,6 +14,9 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "ferry/runtime/plan.hpp"
+#include "ferry/runtime/units.hpp"
+
 namespace ferry {
 namespace fs = std::filesystem;
 
@@ -92,14 +95,34 @@ std::string corpus_place(const std::vector<fs::path>& files) {
 
 // A model that predicts the next character learns nothing from one character repeated (and its
 // builder refuses a vocabulary of 1 without naming the text): refused here, naming the corpus.
-void refuse_one_character(const std::vector<fs::path>& files, const std::string& text) {
-  if (text.empty() || std::any_of(text.begin(), text.end(), [&](char ch) { return ch != text.front(); })) return;
-  const auto b = static_cast<unsigned char>(text.front());
+void refuse_one_character(const std::vector<fs::path>& files, const std::vector<std::int32_t>& bytes) {
+  if (bytes.empty() || std::any_of(bytes.begin(), bytes.end(), [&](std::int32_t b) { return b != bytes.front(); }))
+    return;
+  const auto b = static_cast<unsigned char>(bytes.front());
   const std::string shown = b >= 32 && b < 127 ? fmt::format("'{}'", static_cast<char>(b)) : fmt::format("0x{:02x}", b);
   throw std::runtime_error(
       fmt::format("text corpus ({}): it holds a single distinct character ({}, {} times), but a next-character "
                   "model needs at least 2: give --text (FERRY_TEXT_DIR) a folder of ordinary text",
-                  corpus_place(files), shown, text.size()));
+                  corpus_place(files), shown, bytes.size()));
+}
+
+// A character is a 4-byte token id in memory: a corpus that cannot fit this machine's memory as
+// ids is refused before it is read (one larger than memory was killed by the kernel mid-read,
+// saying nothing). Files whose size is unknown (pipes) are not counted. Returns the bytes counted.
+std::uint64_t text_bytes_within_memory(const std::vector<fs::path>& files) {
+  std::uint64_t bytes = 0;
+  for (const auto& f : files) {
+    std::error_code ec;
+    const std::uintmax_t size = fs::file_size(f, ec);
+    if (!ec) bytes += size;
+  }
+  const std::uint64_t needed = bytes * sizeof(std::int32_t), physical = physical_memory_bytes();
+  if (physical == 0 || needed <= physical) return bytes;
+  throw std::runtime_error(fmt::format(
+      "text corpus ({}): {} of text takes {} of host memory as token ids (4 bytes a character), more than this "
+      "machine's {}: give --text (FERRY_TEXT_DIR) a folder with at most {} of text",
+      corpus_place(files), format_bytes(bytes), format_bytes(needed), format_bytes(physical),
+      format_bytes(physical / sizeof(std::int32_t))));
 }
 
 // A byte model trains on anything, so a folder of binaries would train without complaint: refuse
@@ -143,7 +166,12 @@ TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) 
     throw std::invalid_argument(fmt::format("held-out fraction must be in (0, 1), got {}", holdout));
   }
   if (files.empty()) throw std::runtime_error("text corpus: no files given");
-  std::string text;
+  TextCorpus c;
+  c.files = files.size();
+  c.ids.reserve(text_bytes_within_memory(files));  // no doubling growth: that would be 8 bytes a character
+  // Bytes go straight into `ids`, widened, and are mapped to token ids in place once the
+  // vocabulary is known: no second copy of the text (4 bytes a character at the peak, not 5).
+  std::vector<char> chunk(std::size_t{1} << 20);
   for (const auto& f : files) {
     errno = 0;
     std::ifstream in(f, std::ios::binary);
@@ -152,41 +180,38 @@ TextCorpus load_text_corpus(const std::vector<fs::path>& files, double holdout) 
       throw std::runtime_error(
           fmt::format("text corpus: cannot open {}: {}: {}", f.string(), ec.message(), reach_fix(ec, f, false)));
     }
-    const std::size_t before = text.size();
+    const std::size_t before = c.ids.size();
     BinaryCheck binary(f);
-    constexpr std::size_t chunk = std::size_t{1} << 20;
     while (in) {
-      const std::size_t at = text.size();
-      text.resize(at + chunk);
-      in.read(text.data() + at, static_cast<std::streamsize>(chunk));
-      text.resize(at + static_cast<std::size_t>(in.gcount()));
-      binary.add(std::string_view(text).substr(at));
+      in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+      const auto got = static_cast<std::size_t>(in.gcount());
+      binary.add(std::string_view(chunk.data(), got));
+      const auto* bytes = reinterpret_cast<const unsigned char*>(chunk.data());
+      c.ids.insert(c.ids.end(), bytes, bytes + got);
     }
     if (in.bad()) throw std::runtime_error(fmt::format("text corpus: error reading {}", f.string()));
-    if (text.size() == before) {
+    if (c.ids.size() == before) {
       throw std::runtime_error(
           fmt::format("text corpus: {} is empty: remove it from the folder, or train on another", f.string()));
     }
     binary.finish();
   }
-  refuse_one_character(files, text);
-  TextCorpus c;
-  c.files = files.size();
+  refuse_one_character(files, c.ids);
   std::array<bool, 256> present{};
-  for (unsigned char ch : text) present[ch] = true;
+  for (const std::int32_t b : c.ids) present[b] = true;
   c.id_of.fill(-1);
   for (int b = 0; b < 256; ++b) {
     if (!present[b]) continue;
     c.id_of[b] = static_cast<std::int16_t>(c.vocab.size());
     c.vocab.push_back(static_cast<std::uint8_t>(b));
   }
-  c.ids.resize(text.size());
-  for (std::size_t i = 0; i < text.size(); ++i) c.ids[i] = c.id_of[static_cast<unsigned char>(text[i])];
+  for (std::int32_t& id : c.ids) id = c.id_of[id];
+  const std::size_t n = c.ids.size();
   // Integer arithmetic for the usual tenths, so the split does not depend on rounding.
   const auto tenths = static_cast<std::size_t>(holdout * 10.0 + 0.5);
   c.train_end = std::abs(holdout * 10.0 - static_cast<double>(tenths)) < 1e-9
-                    ? text.size() * (10 - tenths) / 10
-                    : static_cast<std::size_t>(static_cast<double>(text.size()) * (1.0 - holdout));
+                    ? n * (10 - tenths) / 10
+                    : static_cast<std::size_t>(static_cast<double>(n) * (1.0 - holdout));
   return c;
 }
 

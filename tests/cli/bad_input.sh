@@ -303,6 +303,12 @@ mkdir -p "$work/one-char-text"
 head -c 4096 /dev/zero | tr '\0' z >"$work/one-char-text/a"
 row "--text folder holding one character repeated" "it holds a single distinct character ('z', 4096 times)" error - \
   train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/one-char-text"
+# A sparse file: its size says it would not fit in memory as 4-byte token ids, and no byte is read.
+mkdir -p "$work/huge-text" && echo "some text" >"$work/huge-text/a"
+truncate -s "$(($(getconf _PHYS_PAGES) * $(getconf PAGESIZE) / 3))" "$work/huge-text/b"
+row "--text folder larger than memory as token ids" "as token ids (4 bytes a character), more than this machine's" \
+  error - train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet \
+  --text "$work/huge-text"
 row "GPT head dimension past the fused attention's limit" "is past the fused kernels' limit of 128" error - \
   train --model gpt --width 512 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/text"
 row "GPT --accumulate over the run's steps" "it would train nothing" error - \
