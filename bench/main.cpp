@@ -59,6 +59,7 @@ void check_trace_output(const std::string& bench, const std::string& path) {
 int run_bench(int argc, char** argv) {
   using namespace ferry::bench;
   CLI::App app{"ferry-bench: ferry beside its baselines, one JSON line per result"};
+  app.failure_message(ferry::cli::failure_message);
   app.fallthrough();  // common options may follow the benchmark name
   app.set_version_flag(
       "--version", [] { return ferry::version_text("ferry-bench"); },

@@ -34,8 +34,8 @@ const char* decay_on_name(OptimizerConfig::DecayOn d) {
 
 void validate(const OptimizerConfig& c) {
   auto fail = [&](const char* what, float v, const char* range) {
-    throw std::invalid_argument(fmt::format("{} {} {} = {}: it must be {}", optimizer_name(c.kind),
-                                            c.kind == OptimizerConfig::Kind::sgd ? "SGD" : "Adam", what, v, range));
+    throw std::invalid_argument(
+        fmt::format("optimizer {}: {} = {}: it must be {}", optimizer_name(c.kind), what, v, range));
   };
   if (c.kind == OptimizerConfig::Kind::sgd) {
     if (!(c.sgd.momentum >= 0.0f && c.sgd.momentum < 1.0f)) fail("momentum", c.sgd.momentum, "in [0, 1)");

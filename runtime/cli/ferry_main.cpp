@@ -793,6 +793,7 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
 
 int run_ferry(int argc, char** argv) {
   CLI::App app{"ferry: train neural networks on any OpenCL device"};
+  app.failure_message(failure_message);
   app.require_subcommand(1);
   app.set_version_flag(
       "--version", [] { return ferry::version_text("ferry"); },

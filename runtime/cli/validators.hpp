@@ -1,5 +1,6 @@
 // Checks of option values that CLI11's own do not make, shared by `ferry` and `ferry-bench`:
-// finite positive numbers within a float's range, whole numbers, and text that is not empty.
+// finite positive numbers within a float's range, whole numbers, text that is not empty, and the
+// message of a value an option cannot hold.
 #pragma once
 
 #include <fmt/format.h>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <string_view>
 
 namespace ferry::cli {
 
@@ -69,6 +71,32 @@ inline CLI::Validator not_empty() {
         return text.empty() ? std::string("is empty: give a value, or leave the option out") : std::string();
       },
       "TEXT");
+}
+
+// CLI11's failure message, except for a value a whole-number option could not take ("Could not
+// convert: --steps = 1.5" said neither what was wrong nor what to give): "--steps: 1.5 is not a
+// whole number ..." or "--steps: 99999999999 is more than this option can hold ...". Set with
+// app.failure_message(failure_message).
+inline std::string failure_message(const CLI::App* app, const CLI::Error& e) {
+  const std::string what = e.what(), prefix = "Could not convert: ";
+  const std::size_t eq = what.find(" = ");
+  if (dynamic_cast<const CLI::ConversionError*>(&e) == nullptr || !what.starts_with(prefix) ||
+      eq == std::string::npos) {
+    return CLI::FailureMessage::simple(app, e);
+  }
+  const std::string name = what.substr(prefix.size(), eq - prefix.size()), value = what.substr(eq + 3);
+  const auto all_digits = [](std::string_view t) {
+    return !t.empty() && t.find_first_not_of("0123456789") == std::string_view::npos;
+  };
+  std::string why;
+  if (all_digits(value)) {
+    why = fmt::format("{}: {} is more than this option can hold: give a smaller whole number", name, value);
+  } else if (value.starts_with('-') && all_digits(std::string_view(value).substr(1))) {
+    why = fmt::format("{}: {} is less than this option can hold: give a larger whole number", name, value);
+  } else {
+    why = fmt::format("{}: {} is not a whole number: give one in digits (no fraction or exponent)", name, value);
+  }
+  return CLI::FailureMessage::simple(app, CLI::ConversionError(why));
 }
 
 }  // namespace ferry::cli

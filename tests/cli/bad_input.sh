@@ -60,9 +60,12 @@ quick=(--epochs 1 --train-limit 512 --quiet)
 # Flags and values.
 row "learning rate NaN" "--lr: must be a finite number > 0, got nan" error - train --lr nan "${quick[@]}"
 row "learning rate negative" "--lr: must be a finite number > 0, got -1" error - train --lr -1 "${quick[@]}"
-row "momentum 1" "SGD momentum = 1: it must be in [0, 1)" error - train --optimizer sgd --momentum 1 "${quick[@]}"
+row "momentum 1" "optimizer sgd: momentum = 1: it must be in [0, 1)" error - train --optimizer sgd --momentum 1 "${quick[@]}"
 row "weight decay NaN" "weight decay = nan: it must be a finite number >= 0" error - train --weight-decay nan "${quick[@]}"
 row "batch 0" "--batch: must be a finite number > 0, got 0" error - train --batch 0 "${quick[@]}"
+row "batch 1.5" "--batch: 1.5 is not a whole number" error - train --batch 1.5 "${quick[@]}"
+row "epochs beyond what the option holds" "--epochs: 99999999999 is more than this option can hold" error - \
+  train --epochs 99999999999 --train-limit 512 --quiet
 row "batch above the training samples" "batch 1024 is larger than the 512 training samples" error - \
   train --batch 1024 "${quick[@]}"
 row "unknown optimizer" "unknown optimizer 'rmsprop'" error - train --optimizer rmsprop "${quick[@]}"
