@@ -46,9 +46,12 @@ std::vector<std::string> gemm_tune_twins(const std::string& kernel, const cl::De
 void forget_gemm_tuning();
 
 struct GemmTuneProgress {
-  std::size_t done = 0, total = 0;  // candidates measured (or skipped), candidates planned
-  std::string stage;                // "probe" (every candidate, one shape) or "shapes" (the best few, all shapes)
-  std::string best;                 // best kernel so far, "" before the first
+  // Measurements done (or skipped) and planned: each candidate on the probe shape, then each
+  // finalist and its twins on every scored shape (the total grows when the twins join); not
+  // GemmTuneResult::planned, which counts candidates.
+  std::size_t done = 0, total = 0;
+  std::string stage;  // "probe" (every candidate, one shape) or "shapes" (the best few, all shapes)
+  std::string best;   // best kernel so far, "" before the first
   double best_gflops = 0;
 };
 

@@ -34,7 +34,8 @@ struct ProgressBar {
     const int width = 24;
     const int filled = total ? static_cast<int>(width * done / total) : 0;
     const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
-    const std::string line = fmt::format("ferry tune: [{}] {:>3}/{} {:<6} {}", bar, done, total, stage, best);
+    const std::string line =
+        fmt::format("ferry tune: [{}] {:>3}/{} measurements, {:<6} {}", bar, done, total, stage, best);
     if (tty) {
       std::fprintf(stderr, "\r%-140s", line.c_str());
     } else if (stage != last_stage || done == total) {
