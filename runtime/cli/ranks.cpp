@@ -99,6 +99,36 @@ void remove_stale_shards(const TrainArgs& a) {
 
 namespace {
 
+// FNV-1a of a path as given: the same text on every rank hashes the same.
+std::uint64_t path_hash(std::string_view path) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const char c : path) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h | 1;  // 0 stays "not given"
+}
+
+// Paths given to every rank must be the same paths: another --checkpoint on rank r > 0 was
+// dropped at ZeRO stage 0 and, at stages 1 and 2, put that rank's share beside another file than
+// rank 0's, a checkpoint found incomplete only when resumed; another --resume read other state.
+// (Given on some ranks only: the checks of what is given say so.)
+void check_paths_agree(const TrainArgs& a) {
+  const std::pair<const char*, const std::string*> paths[] = {{"--checkpoint", &a.checkpoint_path},
+                                                              {"--resume", &a.resume_path},
+                                                              {"--trace", &a.trace_path},
+                                                              {"--profile", &a.profile_path},
+                                                              {"--profile-phases", &a.profile_phases_path}};
+  for (const auto& [flag, path] : paths) {
+    const std::vector<std::uint64_t> all = a.control->allgather(path->empty() ? 0 : path_hash(*path));
+    for (std::size_t r = 1; r < all.size(); ++r) {
+      if (all[r] == 0 || all[0] == 0 || all[r] == all[0]) continue;
+      throw std::invalid_argument(fmt::format(
+          "rank {} of this data-parallel run was given another {} than rank 0 (this is rank {}, given '{}'): every "
+          "rank must name the same file (rank 0 writes the outputs, and at --zero 1 or 2 each rank its share of the "
+          "checkpoint beside rank 0's file, which it reads back); start every rank with the same command",
+          r, flag, a.world->rank(), *path));
+    }
+  }
+}
+
 // Rank 0 writes the run's outputs and the other ranks none: an output flag given to another rank
 // alone would be dropped without a word, so every rank must be given the same.
 void check_outputs_agree(const TrainArgs& a) {
@@ -119,6 +149,7 @@ void check_outputs_agree(const TrainArgs& a) {
           r, theirs ? "given" : "not given", flags[i].first, rank0 ? "given it" : "not"));
     }
   }
+  check_paths_agree(a);
 }
 
 }  // namespace

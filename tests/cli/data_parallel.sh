@@ -159,6 +159,15 @@ ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 : -np 1 "$ferry" train "$
 grep -q "rank 1 of this data-parallel run was given --trace and rank 0 was not" "$work/disagree_trace.err" ||
   fail "no disagreement error for --trace: $(tail -5 "$work/disagree_trace.err")"
 
+# Another --checkpoint on rank 1: at stage 1 its share went beside another file than rank 0's (a
+# checkpoint found incomplete only on resume); refused before anything is written.
+ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 --zero 1 --checkpoint "$work/rank0.ckpt" : -np 1 "$ferry" \
+  train "${SHORT[@]}" --train-limit 512 --zero 1 --checkpoint "$work/rank1.ckpt" >/dev/null 2>"$work/disagree_path.err"
+[ $? -ne 0 ] || fail "ranks with other --checkpoint paths trained"
+grep -q "rank 1 of this data-parallel run was given another --checkpoint than rank 0" "$work/disagree_path.err" ||
+  fail "no disagreement error for --checkpoint paths: $(tail -5 "$work/disagree_path.err")"
+[ ! -e "$work/rank0.ckpt" ] && [ ! -e "$work/rank1.ckpt.rank1" ] || fail "ranks with other --checkpoint paths wrote"
+
 # A ZeRO stage 0 checkpoint (rank 0's file) resumes alone: the same run, to f32 reassociation.
 Z0=(--model mlp --train-limit 1536 --batch 256 --schedule constant --json)
 ranks 2 "$ferry" train "${Z0[@]}" --epochs 2 >"$work/z0_straight.json" 2>"$work/z0_straight.err" ||
