@@ -278,6 +278,34 @@ std::map<TensorId, std::vector<std::byte>> Trainer::group_sums_over_ranks(bool k
   return out;
 }
 
+ckpt::TrainerRecord Trainer::checkpoint_record() const {
+  ckpt::TrainerRecord tr;
+  tr.steps = steps_;
+  tr.micro = micro_;
+  tr.lr = lr_;
+  for (std::size_t i = 0; i < phase_count; ++i) {
+    tr.phase_ms[i] = phase_ms_[i];
+    tr.phase_steps[i] = phase_steps_[i];
+  }
+  tr.loss_scale = scaler_.scale();
+  tr.clean_steps = scaler_.clean_steps();
+  tr.overflows = scaler_.overflows();
+  tr.in_predict_run = in_predict_run_;
+  tr.gains = gains_;
+  return tr;
+}
+
+std::uint64_t Trainer::checkpoint_bytes() const {
+  const auto ids = checkpoint_tensors();
+  std::optional<PhaseController::State> phases;
+  if (phases_) phases = phases_->state();
+  // A Predict run's checkpoint holds the weights before it too: they are the first tensors.
+  const std::size_t restored = phases_ ? compiled_->weights.size() : 0;
+  return ckpt::checkpoint_file_bytes(fingerprint_of(model_, options_, phases_ != nullptr,
+                                                    compiled_->train->graph().tensors, ids),
+                                     checkpoint_record(), phases, 0, restored);
+}
+
 void Trainer::contribute_to_checkpoint() const {
   require_settled("contribute to a checkpoint");
   refuse_if_inconsistent("contribute to a checkpoint");
@@ -294,24 +322,11 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
   // Every collective first: a write that fails part-way leaves no rank waiting in one.
   const std::map<TensorId, std::vector<std::byte>> group_sums = group_sums_over_ranks(true);
 
-  ckpt::TrainerRecord tr;
-  tr.steps = steps_;
-  tr.micro = micro_;
-  tr.lr = lr_;
-  for (std::size_t i = 0; i < phase_count; ++i) {
-    tr.phase_ms[i] = phase_ms_[i];
-    tr.phase_steps[i] = phase_steps_[i];
-  }
-  tr.loss_scale = scaler_.scale();
-  tr.clean_steps = scaler_.clean_steps();
-  tr.overflows = scaler_.overflows();
-  tr.in_predict_run = in_predict_run_;
-  tr.gains = gains_;
   std::optional<PhaseController::State> phases;
   if (phases_) phases = phases_->state();
 
   ckpt::write_checkpoint(
-      path, fingerprint_of(model_, options_, phases_ != nullptr, t, ids), tr, phases, caller,
+      path, fingerprint_of(model_, options_, phases_ != nullptr, t, ids), checkpoint_record(), phases, caller,
       [&](std::size_t i, std::vector<std::byte>& buf) {
         if (const auto sum = group_sums.find(ids[i]); sum != group_sums.end()) {
           std::memcpy(buf.data(), sum->second.data(), buf.size());

@@ -845,5 +845,20 @@ void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fing
   f.commit();
 }
 
+std::uint64_t checkpoint_file_bytes(const Fingerprint& fingerprint, const TrainerRecord& trainer,
+                                    const std::optional<PhaseController::State>& phases, std::size_t caller_bytes,
+                                    std::size_t restored) {
+  const auto section = [](std::uint64_t payload) { return section_head_bytes + payload + sizeof(std::uint64_t); };
+  std::uint64_t bytes = header_bytes + section(fingerprint.encode().size()) +
+                        section(fingerprint.encode_settings().size()) + section(encode_trainer(trainer).size()) +
+                        section(encode_phases(phases).size()) + section(caller_bytes);
+  for (std::size_t i = 0; i < fingerprint.tensors.size(); ++i) {
+    const Fingerprint::Tensor& t = fingerprint.tensors[i];
+    const std::uint64_t tensor = section(4 + t.name.size() + t.bytes);
+    bytes += i < restored ? 2 * tensor : tensor;
+  }
+  return bytes + section(2 * sizeof(std::uint64_t));  // END!: the count of sections and its offset
+}
+
 }  // namespace ckpt
 }  // namespace ferry

@@ -205,4 +205,10 @@ void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fing
                       const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
                       std::span<const std::vector<std::byte>> restores, bool replace_foreign_file = false);
 
+// The bytes write_checkpoint writes for these arguments: `caller_bytes` of the caller's section,
+// and the first `restored` tensors' bytes again as the weights to put back.
+std::uint64_t checkpoint_file_bytes(const Fingerprint& fingerprint, const TrainerRecord& trainer,
+                                    const std::optional<PhaseController::State>& phases, std::size_t caller_bytes,
+                                    std::size_t restored);
+
 }  // namespace ferry::ckpt

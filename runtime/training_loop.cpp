@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "checkpoint_space.hpp"
 #include "ferry/runtime/units.hpp"
 
 namespace ferry {
@@ -201,8 +202,19 @@ bool TrainingLoop::boundary_after(std::uint64_t done) {
   return due;
 }
 
+void TrainingLoop::check_checkpoint_space() const {
+  if (options_.checkpoint.empty()) return;  // (the ranks agree on that)
+  std::uint64_t need = 0;
+  if (options_.write_checkpoints) {
+    need = trainer_.checkpoint_bytes();
+    if (options_.caller_section) need += options_.caller_section(position_).size();
+  }
+  ferry::check_checkpoint_space(options_.checkpoint, need, options_.control.get());
+}
+
 LoopSummary TrainingLoop::run() {
   check_ranks_agree();
+  check_checkpoint_space();
   std::optional<StopSignals> signals;
   if (options_.catch_signals) signals.emplace(options_.acknowledge_stop ? stop_acknowledgement() : std::string());
   summary_ = LoopSummary{};

@@ -14,6 +14,7 @@
 #include <set>
 
 #include "../runtime/checkpoint_format.hpp"
+#include "../runtime/checkpoint_space.hpp"
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -884,6 +885,86 @@ TEST(Checkpoint, HeaderLayout) {
   std::memcpy(&sum, f.bytes.data() + 32, 8);
   EXPECT_EQ(sum, checkpoint_checksum(f.bytes.data(), 32));
   EXPECT_EQ(std::memcmp(f.bytes.data() + 40, "MODL", 4), 0);
+}
+
+// checkpoint_bytes() is the file's size, known before it is written (the training loop checks
+// the folder's free space with it): exactly, the caller's section added, for a plain trainer and
+// inside a Predict run; outside one, a hybrid trainer's figure counts the weights a Predict run adds.
+TEST(Checkpoint, ItsSizeIsKnownBeforeItIsWritten) {
+  Runtime rt;
+  Scratch dir;
+  const std::vector<std::byte> caller(100, std::byte{7});
+  {
+    Trainer t(rt, small_mlp(), base());
+    do_step(t, 0);
+    const std::uint64_t before = t.checkpoint_bytes();
+    t.save_checkpoint(dir / "plain.ckpt", caller);
+    EXPECT_EQ(fs::file_size(dir / "plain.ckpt"), before + caller.size());
+  }
+  TrainerOptions o = base();
+  o.phases = hybrid_config();
+  o.phases.max_predict_steps = 8;
+  Trainer t(rt, small_mlp(), o);
+  const std::uint64_t at_start = t.checkpoint_bytes();
+  t.save_checkpoint(dir / "full.ckpt", caller);
+  std::uint64_t weights = 0;
+  for (const auto& name : t.parameter_names()) weights += t.read_tensor(name).bytes.size();
+  EXPECT_GT(at_start + caller.size(), fs::file_size(dir / "full.ckpt") + weights)
+      << "outside a Predict run the figure counts the weights one would add";
+  bool inside = false;
+  for (int s = 0; s < 30 && !inside; ++s) {
+    const auto r = do_step(t, s);
+    inside = r.phase == Phase::predict && t.phases()->next() == Phase::predict;
+  }
+  ASSERT_TRUE(inside) << "the hybrid trainer should reach a Predict run";
+  const std::uint64_t in_run = t.checkpoint_bytes();
+  t.save_checkpoint(dir / "predict.ckpt", caller);
+  EXPECT_EQ(fs::file_size(dir / "predict.ckpt"), in_run + caller.size());
+}
+
+// Ranks that write to one file system share its free space; ranks that write nothing need none.
+TEST(CheckpointSpace, RanksOnOneFileSystemShareItsFreeSpace) {
+  constexpr std::uint64_t MiB = 1 << 20;
+  const CheckpointSpace alone_fits[] = {{5 * MiB, 5 * MiB, 1}};
+  EXPECT_EQ(checkpoint_space_shortage(alone_fits), std::nullopt);
+  const CheckpointSpace alone_short[] = {{5 * MiB, 5 * MiB - 1, 1}};
+  const auto a = checkpoint_space_shortage(alone_short);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_NE(a->find("takes 5.0 MiB"), std::string::npos) << *a;
+  EXPECT_NE(a->find("has 5.0 MiB free"), std::string::npos) << *a;
+  // Each fits alone, not the two together on file system 7; rank 1 writes elsewhere.
+  const CheckpointSpace shared[] = {{3 * MiB, 5 * MiB, 7}, {4 * MiB, 100 * MiB, 8}, {3 * MiB, 5 * MiB, 7}};
+  const auto s = checkpoint_space_shortage(shared);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_NE(s->find("ranks 0 and 2 take 6.0 MiB"), std::string::npos) << *s;
+  const CheckpointSpace apart[] = {{3 * MiB, 5 * MiB, 7}, {3 * MiB, 5 * MiB, 9}, {0, 0, 7}};
+  EXPECT_EQ(checkpoint_space_shortage(apart), std::nullopt);
+  const CheckpointSpace second_short[] = {{1 * MiB, 5 * MiB, 7}, {3 * MiB, 2 * MiB, 9}};
+  const auto r = checkpoint_space_shortage(second_short);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_NE(r->find("checkpoint of rank 1 takes 3.0 MiB on a file system with 2.0 MiB free"), std::string::npos) << *r;
+}
+
+// The folder's own figures: the space the file system reports free, and a folder that cannot be
+// asked gives nothing (the write reports it); a run into a folder with room trains.
+TEST(CheckpointSpace, TheFolderIsAskedAndAFolderWithRoomPasses) {
+  Scratch dir;
+  const auto here = checkpoint_space_at(dir / "x.ckpt", 123);
+  ASSERT_TRUE(here.has_value());
+  EXPECT_EQ(here->need, 123u);
+  EXPECT_GT(here->free, 0u);
+  EXPECT_NE(here->file_system, 0u);
+  EXPECT_EQ(checkpoint_space_at(dir / "missing" / "x.ckpt", 1), std::nullopt);
+  EXPECT_NO_THROW(check_checkpoint_space(dir / "x.ckpt", 123, nullptr));
+  EXPECT_NO_THROW(check_checkpoint_space(dir / "missing" / "x.ckpt", 123, nullptr));
+  try {
+    check_checkpoint_space(dir / "x.ckpt", here->free + (std::uint64_t{1} << 40), nullptr);
+    ADD_FAILURE() << "a checkpoint larger than the free space should be refused";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find((dir / "x.ckpt").string()), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Nothing was trained"), std::string::npos) << msg;
+  }
 }
 
 }  // namespace

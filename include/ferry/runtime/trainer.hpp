@@ -31,6 +31,10 @@ class CompiledStep;
 struct VariantKey;
 }  // namespace ferry::graph
 
+namespace ferry::ckpt {
+struct TrainerRecord;
+}  // namespace ferry::ckpt
+
 namespace ferry {
 
 struct TrainerOptions {
@@ -260,6 +264,11 @@ class Trainer {
   // stages 1 and 2 every rank writes a file of its own (its shares and its own sums).
   void save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller = {},
                        WriteOptions options = {}) const;
+  // The most bytes save_checkpoint's file takes in this run, `caller`'s section left out: every
+  // tensor it holds with the sections around them, and in a hybrid run the weights saved within a
+  // Predict run too. The file is written beside the one it replaces and renamed over it, so its
+  // folder needs this much free space whether or not a checkpoint is there already.
+  std::uint64_t checkpoint_bytes() const;
   // A rank's part in another rank's save_checkpoint at ZeRO stage 0 (above): its gradient sums,
   // inside a group of micro-batches; nothing to do otherwise. Writes nothing.
   void contribute_to_checkpoint() const;
@@ -349,6 +358,8 @@ class Trainer {
   graph::CompiledStep& variant(const graph::VariantKey& key);
   // Every persistent tensor a checkpoint holds: tensor_names(), then the gradient sums.
   std::vector<TensorId> checkpoint_tensors() const;
+  // The counters, learning rate, loss scaler and gains a checkpoint's TRNR section holds.
+  ckpt::TrainerRecord checkpoint_record() const;
   // Checks the host mirrors `step` will upload (dtype ranges, finiteness) for `count` samples
   // starting at sample `first` of the caller's data (for messages).
   void validate_staged(const graph::CompiledStep& step, std::span<const TensorSpec> specs, std::size_t first) const;

@@ -165,6 +165,9 @@ class TrainingLoop {
   bool on_any_rank(bool here) const;
   // Data parallel: throws when the ranks' loops differ (TrainingLoopOptions::control).
   void check_ranks_agree() const;
+  // Throws, before any step, when a checkpoint of this run would not fit in its folder's free
+  // space (every rank's, on file systems they share: runtime/checkpoint_space.hpp).
+  void check_checkpoint_space() const;
   bool stop_requested() const;
   // What a stop signal makes this loop do, said when it arrives (TrainingLoopOptions::acknowledge_stop).
   std::string stop_acknowledgement() const;
