@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -324,6 +325,16 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
 
   std::optional<PhaseController::State> phases;
   if (phases_) phases = phases_->state();
+  // At ZeRO stages 1 and 2 a checkpoint is one file per rank: none replaces its rank's earlier file
+  // before every rank has written its own, so a failed write (or a stop while one rank still
+  // evaluates) never leaves files of two steps behind.
+  std::function<bool(bool)> agree;
+  if (world_size() > 1 && compiled_->train_key.zero_stage != 0) {
+    agree = [this](bool written) {
+      const std::vector<std::uint64_t> all = control_->allgather(std::uint64_t{written});
+      return std::all_of(all.begin(), all.end(), [](std::uint64_t w) { return w != 0; });
+    };
+  }
 
   ckpt::write_checkpoint(
       path, fingerprint_of(model_, options_, phases_ != nullptr, t, ids), checkpoint_record(), phases, caller,
@@ -336,7 +347,7 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
       },
       in_predict_run_ ? std::span<const std::vector<std::byte>>(restore_point_)
                       : std::span<const std::vector<std::byte>>(),
-      options.replace_foreign_file);
+      options.replace_foreign_file, agree);
 }
 
 std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path, LoadOptions options) {

@@ -532,7 +532,8 @@ void AtomicFile::write(const void* data, std::size_t n) {
   offset_ += n;
 }
 
-void AtomicFile::commit() {
+void AtomicFile::finish() {
+  if (fd_ < 0) return;
   flush();
   if (::fsync(fd_) != 0) fail("syncing");
   if (::close(fd_) != 0) {
@@ -540,6 +541,10 @@ void AtomicFile::commit() {
     fail("closing");
   }
   fd_ = -1;
+}
+
+void AtomicFile::commit() {
+  finish();
   if (::rename(temp_.c_str(), path_.c_str()) != 0) fail(fmt::format("renaming it to '{}'", path_.string()));
   committed_ = true;
   // The rename is durable once the folder is synced.
@@ -803,12 +808,13 @@ std::optional<std::span<const std::byte>> read_tensor(const Reader& r, const Sec
   return std::span<const std::byte>(buf).subspan(4 + name_bytes);
 }
 
-void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
-                      const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
-                      const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
-                      std::span<const std::vector<std::byte>> restores, bool replace_foreign_file) {
-  refuse_to_replace(path, "checkpoint", std::string_view(checkpoint_magic, 8), replace_foreign_file);
-  AtomicFile f(path);
+namespace {
+
+// The sections of a checkpoint, in order, into `f` (write_checkpoint).
+void write_sections(AtomicFile& f, const Fingerprint& fingerprint, const TrainerRecord& trainer,
+                    const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
+                    const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
+                    std::span<const std::vector<std::byte>> restores) {
   std::uint64_t sections = 0;
   write_header(f);
   write_section(f, tag_model, fingerprint.encode());
@@ -842,7 +848,32 @@ void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fing
   end.put(sections);
   end.put(f.offset());
   write_section(f, tag_end, end.bytes());
-  f.commit();
+}
+
+}  // namespace
+
+void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
+                      const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
+                      const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
+                      std::span<const std::vector<std::byte>> restores, bool replace_foreign_file,
+                      const std::function<bool(bool)>& agree) {
+  std::optional<AtomicFile> file;
+  try {
+    refuse_to_replace(path, "checkpoint", std::string_view(checkpoint_magic, 8), replace_foreign_file);
+    file.emplace(path);
+    write_sections(*file, fingerprint, trainer, phases, caller, tensor, restores);
+    file->finish();
+  } catch (...) {
+    if (agree) agree(false);  // the other ranks learn of it, and keep their files
+    throw;
+  }
+  if (agree && !agree(true)) {
+    throw std::runtime_error(fmt::format(
+        "cannot write checkpoint '{}': another rank could not write its file of this checkpoint (its error says "
+        "why), so no rank replaced its file: the earlier checkpoint is unchanged",
+        path.string()));
+  }
+  file->commit();
 }
 
 std::uint64_t checkpoint_file_bytes(const Fingerprint& fingerprint, const TrainerRecord& trainer,

@@ -77,6 +77,9 @@ class AtomicFile {
     write(&v, sizeof v);
   }
   std::uint64_t offset() const { return offset_; }
+  // Writes what is buffered and syncs the temporary file; then only commit's rename is left.
+  void finish();
+  // finish(), then renames the temporary file over the path and syncs the folder.
   void commit();
 
  private:
@@ -199,11 +202,15 @@ std::optional<std::span<const std::byte>> read_tensor(const Reader& r, const Sec
 // Writes a whole checkpoint atomically at `path`: the tensors' bytes come one at a time from
 // `tensor(i, buf)` (buf resized to fingerprint.tensors[i].bytes), then `restores[i]` as the
 // weights to put back (named after the first tensors). What `path` names now is checked first
-// (refuse_to_replace, output_file.hpp).
+// (refuse_to_replace, output_file.hpp). `agree`, where given, is called once whatever happens:
+// with whether the whole file is written and synced, before it replaces `path`; it returns whether
+// the file may replace it (the ranks' files of one checkpoint replace theirs only when every rank
+// wrote its own), else the temporary file is removed and the write throws.
 void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
                       const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
                       const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
-                      std::span<const std::vector<std::byte>> restores, bool replace_foreign_file = false);
+                      std::span<const std::vector<std::byte>> restores, bool replace_foreign_file = false,
+                      const std::function<bool(bool written)>& agree = {});
 
 // The bytes write_checkpoint writes for these arguments: `caller_bytes` of the caller's section,
 // and the first `restored` tensors' bytes again as the weights to put back.

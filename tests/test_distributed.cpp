@@ -629,6 +629,42 @@ void expect_marked(const Trainer& t, int rank, int ranks, int stage, const std::
   EXPECT_GT(checked, 0) << what;
 }
 
+std::string read_bytes(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// At ZeRO stage 1 the ranks' files of a checkpoint replace their earlier ones only when every rank
+// wrote its own: when another rank's write failed, this rank's earlier file stays as it was, and no
+// temporary file is left beside it.
+TEST(ZeroCheckpoints, NoRankReplacesItsFileWhenAnotherRanksWriteFailed) {
+  Runtime rt;
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry-test-zero-commit-{}", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto ranks = std::make_shared<IdleRanks>(0, 2);
+  TrainerOptions o;
+  o.batch = 6;
+  o.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
+  o.data_parallel = {.communicator = ranks, .global_batch = 12, .zero_stage = 1};
+  Trainer t(rt, wide_mlp(), o);
+  const auto path = dir / "z.ckpt";
+  t.save_checkpoint(path, std::vector<std::byte>(3, std::byte{1}));  // every rank wrote its own
+  const auto before = read_bytes(path);
+  ranks->fail_rank(1);
+  try {
+    t.save_checkpoint(path, std::vector<std::byte>(3, std::byte{2}));
+    ADD_FAILURE() << "the save went on although rank 1's write failed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("another rank could not write its file"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(read_bytes(path), before) << "rank 0 replaced its file of the earlier checkpoint";
+  int files = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir)) ++files;
+  EXPECT_EQ(files, 1) << "a temporary file was left beside the checkpoint";
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ZeroCheckpoints, AreCutAnewForOtherRanksStagesOrOneRank) {
   Runtime rt;
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("ferry-test-reshard-{}", getpid());

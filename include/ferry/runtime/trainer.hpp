@@ -261,7 +261,9 @@ class Trainer {
   // (inside a group of --accumulate micro-batches) are the group's, every rank's weighted by its
   // share of the batch; the ranks add them up here, so then every rank calls this, or
   // contribute_to_checkpoint if it leaves the file to another (rank 0), at the same point. At
-  // stages 1 and 2 every rank writes a file of its own (its shares and its own sums).
+  // stages 1 and 2 every rank writes a file of its own (its shares and its own sums), and the call
+  // is a collective too: no rank's file replaces its earlier one until every rank has written its
+  // own, and when one rank's write fails every rank throws and keeps its earlier file.
   void save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller = {},
                        WriteOptions options = {}) const;
   // The most bytes save_checkpoint's file takes in this run, `caller`'s section left out: every
