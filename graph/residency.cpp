@@ -363,7 +363,7 @@ Graph stream_graph(const Graph& base, std::uint64_t cache_limit, std::uint32_t l
   return g;
 }
 
-// Fetch / write-back counts and bytes of a graph, and its host updates.
+// Fetch / write-back counts and bytes of a graph, and its optimizer updates on the host.
 void count_transfers(const Graph& g, ResidencyReport& r) {
   r.fetches = r.write_backs = r.host_updates = r.unpacks = r.packs = 0;
   r.fetch_bytes = r.write_back_bytes = 0;
@@ -378,8 +378,8 @@ void count_transfers(const Graph& g, ResidencyReport& r) {
       ++r.unpacks;
     } else if (g.nodes.op[n] == builtin::pack) {
       ++r.packs;
-    } else if (g.nodes.lane[n] == Lane::host) {
-      ++r.host_updates;
+    } else if (g.nodes.lane[n] == Lane::host && is_update(g.nodes.op[n])) {
+      ++r.host_updates;  // (not the host lane's casts, narrowings and guard checks)
     }
   }
 }
