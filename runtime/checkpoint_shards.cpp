@@ -146,12 +146,35 @@ ReshardedState::ReshardedState(const graph::Graph& training, const graph::Varian
         const std::size_t units = units_of(r.count, layout.per);
         const auto& ft = contents[f].fingerprint.tensors[i];
         if (ft.shape.elems() != layout.rows * units) {
+          // One file that holds rank 0's share of k ranks: the others' files are missing.
+          std::string hint;
+          for (std::uint32_t k = 2; n == 1 && hint.empty() && k <= 1024; ++k) {
+            graph::VariantKey guess = written;
+            guess.rank = 0;
+            guess.ranks = k;
+            guess.zero_stage = 1;
+            const graph::ZeroSharding z = graph::zero_sharding(guess, optimizer);
+            const ops::ShardRange r0 = ops::zero_shard(elems, ordinal, 0, k, z.granule);
+            if (r0.count != 0 && layout.rows * units_of(r0.count, layout.per) == ft.shape.elems()) {
+              const std::string others =
+                  k == 2 ? fmt::format("file '{}.rank1' is", files[f].string())
+                         : fmt::format("files '{0}.rank1' to '{0}.rank{1}' are", files[f].string(), k - 1);
+              hint = fmt::format(
+                  ": it holds rank 0's share of a checkpoint {} ranks wrote at ZeRO stage 1 or 2, whose other {} "
+                  "missing: restore {}",
+                  k, others, k == 2 ? "it" : "them");
+            }
+          }
+          if (hint.empty()) {
+            hint = fmt::format(": the files given are not the {} of one checkpoint (a file missing, or one left from "
+                               "another run?)",
+                               n > 1 ? fmt::format("{} shares", n) : std::string("whole state"));
+          }
           throw std::invalid_argument(fmt::format(
-              "checkpoint file '{}' holds {} elements of '{}', where {} would hold {}: the files given are not the "
-              "{} of one checkpoint (a file missing, or one left from another run?); the trainer was not changed",
+              "checkpoint file '{}' holds {} elements of '{}', where {} would hold {}{}; the trainer was not changed",
               files[f].string(), ft.shape.elems(), name,
               n > 1 ? fmt::format("rank {} of {}", f, n) : std::string("a whole-state checkpoint"), layout.rows * units,
-              n > 1 ? fmt::format("{} shares", n) : std::string("whole state")));
+              hint));
         }
         s.pieces.push_back({f, i, r.first / layout.per, units});
       }

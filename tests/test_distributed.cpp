@@ -685,6 +685,16 @@ TEST(ZeroCheckpoints, AreCutAnewForOtherRanksStagesOrOneRank) {
     t->save_checkpoint(files.back(), std::vector<std::byte>(3, std::byte{9}));
   }
   ASSERT_GT(marked_shares(*zero_trainer(rt, 0, 3, 1), 0, 3, 1).size(), 0u);
+  // Rank 0's file alone is known for what it is: the other ranks' files are named.
+  try {
+    zero_trainer(rt, 0, 2, 1)->load_resharded_checkpoint(std::vector<std::filesystem::path>{files[0]});
+    ADD_FAILURE() << "rank 0's file of three loaded as a whole-state checkpoint";
+  } catch (const std::invalid_argument& e) {
+    const std::string want = fmt::format("rank 0's share of a checkpoint 3 ranks wrote at ZeRO stage 1 or 2, whose "
+                                         "other files '{0}.rank1' to '{0}.rank2' are missing",
+                                         files[0].string());
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+  }
   for (const auto& [rank, ranks, stage] : {std::tuple{1, 2, 2}, {0, 2, 1}, {0, 1, 0}, {1, 4, 1}, {1, 2, 0}}) {
     const std::string what = fmt::format("rank {} of {} at stage {}", rank, ranks, stage);
     auto t = zero_trainer(rt, rank, ranks, stage);
