@@ -6,9 +6,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <functional>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -302,9 +302,9 @@ std::uint64_t Trainer::checkpoint_bytes() const {
   if (phases_) phases = phases_->state();
   // A Predict run's checkpoint holds the weights before it too: they are the first tensors.
   const std::size_t restored = phases_ ? compiled_->weights.size() : 0;
-  return ckpt::checkpoint_file_bytes(fingerprint_of(model_, options_, phases_ != nullptr,
-                                                    compiled_->train->graph().tensors, ids),
-                                     checkpoint_record(), phases, 0, restored);
+  return ckpt::checkpoint_file_bytes(
+      fingerprint_of(model_, options_, phases_ != nullptr, compiled_->train->graph().tensors, ids), checkpoint_record(),
+      phases, 0, restored);
 }
 
 void Trainer::contribute_to_checkpoint() const {

@@ -166,9 +166,10 @@ ReshardedState::ReshardedState(const graph::Graph& training, const graph::Varian
             }
           }
           if (hint.empty()) {
-            hint = fmt::format(": the files given are not the {} of one checkpoint (a file missing, or one left from "
-                               "another run?)",
-                               n > 1 ? fmt::format("{} shares", n) : std::string("whole state"));
+            hint = fmt::format(
+                ": the files given are not the {} of one checkpoint (a file missing, or one left from "
+                "another run?)",
+                n > 1 ? fmt::format("{} shares", n) : std::string("whole state"));
           }
           throw std::invalid_argument(fmt::format(
               "checkpoint file '{}' holds {} elements of '{}', where {} would hold {}{}; the trainer was not changed",

@@ -55,7 +55,8 @@ std::optional<std::string> checkpoint_space_shortage(std::span<const CheckpointS
     if (ranks[r].need == 0) continue;
     // The first rank of each file system speaks for it.
     bool seen = false;
-    for (std::size_t e = 0; e < r && !seen; ++e) seen = ranks[e].need != 0 && ranks[e].file_system == ranks[r].file_system;
+    for (std::size_t e = 0; e < r && !seen; ++e)
+      seen = ranks[e].need != 0 && ranks[e].file_system == ranks[r].file_system;
     if (seen) continue;
     std::vector<std::size_t> sharing;
     std::uint64_t need = 0;

@@ -690,9 +690,10 @@ TEST(ZeroCheckpoints, AreCutAnewForOtherRanksStagesOrOneRank) {
     zero_trainer(rt, 0, 2, 1)->load_resharded_checkpoint(std::vector<std::filesystem::path>{files[0]});
     ADD_FAILURE() << "rank 0's file of three loaded as a whole-state checkpoint";
   } catch (const std::invalid_argument& e) {
-    const std::string want = fmt::format("rank 0's share of a checkpoint 3 ranks wrote at ZeRO stage 1 or 2, whose "
-                                         "other files '{0}.rank1' to '{0}.rank2' are missing",
-                                         files[0].string());
+    const std::string want = fmt::format(
+        "rank 0's share of a checkpoint 3 ranks wrote at ZeRO stage 1 or 2, whose "
+        "other files '{0}.rank1' to '{0}.rank2' are missing",
+        files[0].string());
     EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
   }
   for (const auto& [rank, ranks, stage] : {std::tuple{1, 2, 2}, {0, 2, 1}, {0, 1, 0}, {1, 4, 1}, {1, 2, 0}}) {
