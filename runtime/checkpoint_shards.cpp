@@ -42,6 +42,30 @@ Layout layout_of(const ops::OpInfo& row, const ops::OptimizerConfig& optimizer, 
   return {d.shape->elems() / last, granule / last};
 }
 
+// Why file `file` holds `found` elements of a state where it should hold another count: a lone
+// file may be rank 0's share of a checkpoint k ranks wrote, whose other files are missing.
+std::string wrong_share_hint(graph::VariantKey written, const ops::OptimizerConfig& optimizer, const Layout& layout,
+                             std::size_t elems, std::size_t ordinal, std::size_t found,
+                             const std::filesystem::path& file, std::size_t files) {
+  for (std::uint32_t k = 2; files == 1 && k <= 1024; ++k) {
+    written.rank = 0;
+    written.ranks = k;
+    written.zero_stage = 1;
+    const graph::ZeroSharding z = graph::zero_sharding(written, optimizer);
+    const ops::ShardRange r0 = ops::zero_shard(elems, ordinal, 0, k, z.granule);
+    if (r0.count == 0 || layout.rows * units_of(r0.count, layout.per) != found) continue;
+    const std::string others = k == 2 ? fmt::format("file '{}.rank1' is", file.string())
+                                      : fmt::format("files '{0}.rank1' to '{0}.rank{1}' are", file.string(), k - 1);
+    return fmt::format(
+        ": it holds rank 0's share of a checkpoint {} ranks wrote at ZeRO stage 1 or 2, whose other {} missing: "
+        "restore {}",
+        k, others, k == 2 ? "it" : "them");
+  }
+  return fmt::format(
+      ": the files given are not the {} of one checkpoint (a file missing, or one left from another run?)",
+      files > 1 ? fmt::format("{} shares", files) : std::string("whole state"));
+}
+
 }  // namespace
 
 ReshardedState::ReshardedState(const graph::Graph& training, const graph::VariantKey& key,
@@ -146,31 +170,8 @@ ReshardedState::ReshardedState(const graph::Graph& training, const graph::Varian
         const std::size_t units = units_of(r.count, layout.per);
         const auto& ft = contents[f].fingerprint.tensors[i];
         if (ft.shape.elems() != layout.rows * units) {
-          // One file that holds rank 0's share of k ranks: the others' files are missing.
-          std::string hint;
-          for (std::uint32_t k = 2; n == 1 && hint.empty() && k <= 1024; ++k) {
-            graph::VariantKey guess = written;
-            guess.rank = 0;
-            guess.ranks = k;
-            guess.zero_stage = 1;
-            const graph::ZeroSharding z = graph::zero_sharding(guess, optimizer);
-            const ops::ShardRange r0 = ops::zero_shard(elems, ordinal, 0, k, z.granule);
-            if (r0.count != 0 && layout.rows * units_of(r0.count, layout.per) == ft.shape.elems()) {
-              const std::string others =
-                  k == 2 ? fmt::format("file '{}.rank1' is", files[f].string())
-                         : fmt::format("files '{0}.rank1' to '{0}.rank{1}' are", files[f].string(), k - 1);
-              hint = fmt::format(
-                  ": it holds rank 0's share of a checkpoint {} ranks wrote at ZeRO stage 1 or 2, whose other {} "
-                  "missing: restore {}",
-                  k, others, k == 2 ? "it" : "them");
-            }
-          }
-          if (hint.empty()) {
-            hint = fmt::format(
-                ": the files given are not the {} of one checkpoint (a file missing, or one left from "
-                "another run?)",
-                n > 1 ? fmt::format("{} shares", n) : std::string("whole state"));
-          }
+          const std::string hint =
+              wrong_share_hint(written, optimizer, layout, elems, ordinal, ft.shape.elems(), files[f], n);
           throw std::invalid_argument(fmt::format(
               "checkpoint file '{}' holds {} elements of '{}', where {} would hold {}{}; the trainer was not changed",
               files[f].string(), ft.shape.elems(), name,
