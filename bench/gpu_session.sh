@@ -17,8 +17,9 @@
 #              reads of VW=2; K split, and with float4 loads)
 #   attention  bench/kernels_gpu.sh's attention part, beside SDPA on CUDA
 #   tune       bench/kernels_gpu.sh's tuner part (KERNELS_GPU_TUNE_S, 60 here)
-#   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-stream: its two streamed ones; scale7b: its
-#              7B host-optimizer run
+#   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-pair: resident and streamed under 8 GiB;
+#              scale1b-stream: its two streamed ones; scale7b: its 7B host-optimizer run (its training
+#              bounded by GPU_SESSION_7B_S, 600)
 #   attention-check  test_attention's cases of the blocked family (default tiles, and tiles wider than
 #              the head dimension's float4s), of the gemm family (one chunk and chunks of heads) and
 #              of narrow storage, on the GPU
@@ -121,6 +122,8 @@ for p in "$@"; do
     tune)
       part tune 150 env KERNELS_GPU_ONLY=tune KERNELS_GPU_TUNE_S=60 bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
     scale1b) part scale1b 330 env SCALE_GPU_ONLY=1b SCALE_GPU_LIMIT_S=110 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
+    scale1b-pair)
+      part scale1b-pair 240 env SCALE_GPU_ONLY=1b-pair SCALE_GPU_LIMIT_S=110 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     scale1b-stream)
       part scale1b-stream 240 env SCALE_GPU_ONLY=1b-stream SCALE_GPU_LIMIT_S=110 bash bench/scale_gpu.sh "$kit/bin/ferry" \
         "$res/scale" ;;
@@ -192,7 +195,10 @@ for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "m
         gzip -c "$f" >"$res/ptx/$(basename "$f").gz"
       done
       tail -n 40 "$res/ptx.out" 2>/dev/null ;;
-    scale7b) part scale7b 600 env SCALE_GPU_ONLY=7b SCALE_GPU_LIMIT_S=$(($(left) - 40)) bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
+    scale7b)
+      limit7b=$(($(left) - 40))
+      ((limit7b > ${GPU_SESSION_7B_S:-600})) && limit7b=${GPU_SESSION_7B_S:-600}
+      part scale7b 600 env SCALE_GPU_ONLY=7b SCALE_GPU_LIMIT_S=$limit7b bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     *) echo "gpu_session.sh: unknown part '$p'" >&2 ;;
   esac
 done

@@ -19,7 +19,7 @@
 #                    and gradients cross the link)
 # Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
 # sample, the planner's predicted step time with its rates, and the configuration it recommends.
-# SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY
+# SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-pair the resident and the streamed one, 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY
 # adds --host-memory to them, SCALE_GPU_STAGING_CHUNK --staging-chunk), SCALE_GPU_ONLY=7b gpt7b_stream_host alone
 # (SCALE_GPU_LIMIT_S bounds each); SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
 # of the script itself, on any device). SCALE_GPU_TRACE=1: each run also writes a trace of its first
@@ -100,6 +100,11 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b ]]; then
   run gpt1b_stream "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
   run gpt1b_stream_host "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
     --host-optimizer
+  exit
+fi
+if [[ ${SCALE_GPU_ONLY:-} == 1b-pair ]]; then
+  run gpt1b_resident "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency resident
+  run gpt1b_stream "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
   exit
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 1b-stream ]]; then
