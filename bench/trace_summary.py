@@ -8,7 +8,9 @@ host thread): the step's span, the lane's busy time and share of the span, its n
 three longest spans (an enqueue that blocked in the driver shows on `host thread`), and
 for lanes that move bytes the rate they moved them at while busy (bytes of the nodes' tensors over
 their durations: for copies and unpack/pack, what was copied); for the compute lane, its time per
-kind of node (by_kind: the name without its numbers, e.g. linear.grad_input). Then the longest idle stretches of
+kind of node (by_kind: the name without its numbers, e.g. linear.grad_input); for host lanes, their
+nodes' waits (waits: waited_ms from ready to start, dispatch_ms from the driver's report that the
+commands a node waits for were done to its start). Then the longest idle stretches of
 the compute lane, each with what the other lanes were doing just before it ended (the node on
 each lane whose end is the latest before the compute lane resumed): the waits a streamed step
 pays. Standard library only; reads the layout docs/outputs.md describes.
@@ -56,12 +58,34 @@ def summarize(lanes, spans, step):
         lane["longest"] = [f'{s["name"]} {s["dur"] / 1e3:.2f} ms' for s in longest]
         if name == "compute":
             lane["by_kind"] = by_kind(ss)
+        waits = host_waits(ss)
+        if waits:
+            lane["waits"] = waits
         if moved:
             # A copy node's bytes count its input and its output: half of them crossed.
             lane["copied_gb"] = moved / 2 / 1e9
             lane["gbps_while_busy"] = moved / 2 / max(busy, 1e-9) / 1e3
         out["lanes"][name] = lane
     out["compute_gaps"] = compute_gaps(by_lane, t0, t1)
+    return out
+
+
+def host_waits(spans):
+    """A host lane's waits (traces since 2026-12-04): `waited_ms`, from when every node before a node
+    had been enqueued to its start; `dispatch_ms`, from the driver's report that the device commands
+    it waits for were done to its start. Long waits with short dispatches: the device commands or
+    the lane's order held it; long dispatches: the report reached a busy or slow host."""
+    out = {}
+    for key in ("waited_ms", "dispatch_ms"):
+        values = sorted(s["args"][key] for s in spans if key in s.get("args", {}))
+        if not values:
+            continue
+        out[key] = {"median": values[len(values) // 2], "p90": values[int(0.9 * (len(values) - 1))],
+                    "max": values[-1], "total": sum(values)}
+    if out.get("dispatch_ms"):
+        slowest = sorted((s for s in spans if "dispatch_ms" in s.get("args", {})),
+                         key=lambda s: s["args"]["dispatch_ms"], reverse=True)[:3]
+        out["slowest_dispatch"] = [f'{s["name"]} {s["args"]["dispatch_ms"]:.2f} ms' for s in slowest]
     return out
 
 

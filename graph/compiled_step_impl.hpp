@@ -78,6 +78,8 @@ struct CompiledStep::Submission {
   // Profiling only, host steady clock in ns: when each device node's enqueue began and ended, when
   // each host-lane node's work ran, and the host thread's waits for this step.
   std::vector<std::uint64_t> enqueue_begin_ns, enqueue_end_ns, host_start_ns, host_end_ns;
+    // Host-lane nodes: when the gate began waiting, and when it opened (steady_ns).
+    std::vector<std::uint64_t> host_ready_ns, host_gate_ns;
   struct Wait {
     std::uint64_t begin_ns, end_ns;
   };
@@ -100,6 +102,8 @@ struct EventGate {
   std::atomic<cl_int> status{CL_COMPLETE};
   std::atomic<int> pending{0};                   // callbacks still to come, plus one while open() registers them
   std::atomic<std::uint64_t>* opened = nullptr;  // counts the host's waits
+  bool timed = false;                            // profiling: note when the gateway opened
+  std::atomic<std::uint64_t> opened_ns{0};       // steady_ns() then, if timed
 
   // The async_node's body: hand the wait over to the driver and return.
   void open(DoneNode::gateway_type& gw);

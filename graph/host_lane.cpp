@@ -102,7 +102,11 @@ void CompiledStep::add_host_work(const cl::Context& context) {
     EventGate* g = gate.get();
     impl_->gates[id] = std::move(gate);
     impl_->gate_nodes[id] = std::make_unique<DoneNode>(
-        impl_->flow, tbb::flow::unlimited, [g](const continue_msg&, DoneNode::gateway_type& gw) { g->open(gw); });
+        impl_->flow, tbb::flow::unlimited, [im, g, id](const continue_msg&, DoneNode::gateway_type& gw) {
+          g->timed = im->ctx.profiling();
+          if (g->timed) im->running->host_ready_ns[id] = steady_ns();
+          g->open(gw);
+        });
     impl_->host_work[id] =
         std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, g, id](const continue_msg&) {
           const auto& nodes = graph_.nodes;
@@ -115,7 +119,10 @@ void CompiledStep::add_host_work(const cl::Context& context) {
           // After the commit point, a step whose gradients are not finite changes no state.
           if (im->in_place[id] && s.skip_host_updates) return;
           if (im->in_place[id]) s.started[id] = 1;
-          if (im->ctx.profiling()) s.host_start_ns[id] = steady_ns();
+          if (im->ctx.profiling()) {
+            s.host_gate_ns[id] = g->opened_ns.load();
+            s.host_start_ns[id] = steady_ns();
+          }
           run_host_node(id, s);
           if (im->ctx.profiling()) s.host_end_ns[id] = steady_ns();
         });
@@ -347,6 +354,7 @@ void CompiledStep::run_flow_graph(Submission& s) {
 
 void EventGate::open(DoneNode::gateway_type& gw) {
   if (wait.empty()) {
+    if (timed) opened_ns = steady_ns();
     gw.try_put(continue_msg{});
     return;
   }
@@ -384,6 +392,7 @@ void CL_CALLBACK EventGate::on_complete(cl_event, cl_int status, void* user) {
 
 void EventGate::arrive() {
   if (pending.fetch_sub(1) != 1) return;
+  if (timed) opened_ns = steady_ns();
   gateway->try_put(continue_msg{});
   gateway->release_wait();
 }

@@ -22,6 +22,8 @@ void CompiledStep::Submission::reset(std::size_t nodes, bool profiling) {
     enqueue_end_ns.assign(nodes, 0);
     host_start_ns.assign(nodes, 0);
     host_end_ns.assign(nodes, 0);
+    host_ready_ns.assign(nodes, 0);
+    host_gate_ns.assign(nodes, 0);
   }
   waits.clear();
   done = false;
@@ -377,8 +379,11 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
   const auto& nodes = graph_.nodes;
   for (NodeId id = 0; id < nodes.size(); ++id) {
     if (is_host_lane(nodes.lane[id])) {
-      if (s.host_end_ns[id] != 0)
-        out.push_back(host_span(describe(graph_, id), s.host_start_ns[id], s.host_end_ns[id], offset));
+      if (s.host_end_ns[id] == 0) continue;
+      TimelineEntry e = host_span(describe(graph_, id), s.host_start_ns[id], s.host_end_ns[id], offset);
+      if (s.host_ready_ns[id] != 0) e.ready_ns = shifted(s.host_ready_ns[id], offset);
+      if (s.host_gate_ns[id] != 0) e.events_done_ns = shifted(s.host_gate_ns[id], offset);
+      out.push_back(std::move(e));
       continue;
     }
     const cl::Event& ev = s.events[id];

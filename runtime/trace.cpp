@@ -56,9 +56,16 @@ void ChromeTrace::add_step(const std::vector<graph::TimelineEntry>& timeline, st
   }
   std::uint64_t first = UINT64_MAX, last = 0;
   for (const auto& e : timeline) {
+    std::string args = fmt::format(R"("step":{},"op":"{}","bytes":{},"inputs":{},"outputs":{})", step,
+                                   json_escape(e.op), e.bytes, json_strings(e.inputs), json_strings(e.outputs));
+    // A host-lane node's wait: since it was ready, and since the driver reported its commands done.
+    const auto ms_before_start = [&](std::uint64_t ns) {
+      return e.start_ns > ns ? static_cast<double>(e.start_ns - ns) / 1e6 : 0.0;
+    };
+    if (e.ready_ns != 0) args += fmt::format(R"(,"waited_ms":{:.3f})", ms_before_start(e.ready_ns));
+    if (e.events_done_ns != 0) args += fmt::format(R"(,"dispatch_ms":{:.3f})", ms_before_start(e.events_done_ns));
     events_.push_back({fmt::format("{} #{}", e.name, step), static_cast<int>(e.lane), e.start_ns, e.end_ns,
-                       fmt::format(R"("step":{},"op":"{}","bytes":{},"inputs":{},"outputs":{})", step,
-                                   json_escape(e.op), e.bytes, json_strings(e.inputs), json_strings(e.outputs))});
+                       std::move(args)});
     first = std::min(first, e.start_ns);
     last = std::max(last, e.end_ns);
   }

@@ -545,6 +545,31 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
                                            ops::OptimizerConfig::Kind::sgd),
                          [](const auto& info) { return std::string(ops::optimizer_name(info.param)); });
 
+// A traced step's host-lane nodes say how long each waited, and how long the host took to begin
+// after the driver reported the device commands it waited for done (the two figures
+// bench/trace_summary.py reads to tell a slow report or a busy host from the lane's order).
+TEST(HostOptimizer, TimelineGivesEachHostNodesWait) {
+  Runtime rt({.profiling = true});
+  const ModelSpec m = small_residual();
+  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, ops::OptimizerConfig::Kind::adam));
+  const std::size_t sample = sample_elems(m);
+  trainer.step(random_vector(8 * sample, 31), labels_for(8, 32));
+  int host = 0;
+  for (const auto& e : compiled_train_step(trainer).timeline()) {
+    if (!graph::is_host_lane(e.lane)) {
+      EXPECT_EQ(e.ready_ns, 0u) << e.name;
+      EXPECT_EQ(e.events_done_ns, 0u) << e.name;
+      continue;
+    }
+    ++host;
+    EXPECT_NE(e.ready_ns, 0u) << e.name;
+    EXPECT_NE(e.events_done_ns, 0u) << e.name;
+    EXPECT_LE(e.ready_ns, e.events_done_ns) << e.name << ": its commands were reported done before it waited";
+    EXPECT_LE(e.events_done_ns, e.start_ns) << e.name << ": it began before its commands were reported done";
+  }
+  EXPECT_GT(host, 2) << "the host optimizer's updates run on the host lane";
+}
+
 // The host optimizer updates the one host copy in place after the commit point: a failing host
 // update is a partial update naming exactly the tensors that may have changed (the host updates
 // that ran before it, on other workers), or, if none had, a plain error with the state as it was.

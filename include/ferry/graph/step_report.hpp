@@ -26,6 +26,11 @@ struct TimelineEntry {
   std::string op;                             // the op kind (ops/op_table)
   std::uint64_t bytes = 0;                    // bytes of the tensors it reads and writes
   std::vector<std::string> inputs, outputs;   // the names of those tensors
+  // Host-lane nodes only (0 elsewhere), device clock: when every node before it had been enqueued
+  // and it began waiting for their commands, and when the driver reported the last of those
+  // done. start_ns - ready_ns is the node's wait; start_ns - events_done_ns what the host took to
+  // begin its work after the driver's report.
+  std::uint64_t ready_ns = 0, events_done_ns = 0;
 };
 
 // Thrown by a compiled step when a step failed after it had enqueued nodes that change
