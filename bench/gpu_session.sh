@@ -49,7 +49,8 @@
 #              kernels (NVIDIA's program binaries, in the program cache), each with bench/ptx_mix.sh's
 #              account of its hottest block, to set beside clang's (tests/gpu_kernels/loop_mix.sh); the
 #              entries come back gzipped in ptx/
-# GPU_SESSION_BUDGET_S: seconds for the whole call (540).
+# GPU_SESSION_BUDGET_S: seconds for the whole call (540); GPU_SESSION_TEST_BUDGET_S: for the kit's test
+# binaries together (100; the GEMM tests alone took more than that on the H200, 2026-12-04).
 set -uo pipefail
 
 deadline=$((SECONDS + ${GPU_SESSION_BUDGET_S:-540}))
@@ -85,7 +86,7 @@ part() {
 
 steps=${GPU_SESSION_KIT_STEPS:-none}
 # The kit first: it unpacks bin/ and lib/ and writes the ICD file the other parts use.
-FERRY_GPU_KEEP=1 FERRY_GPU_ONLY=$steps FERRY_GPU_BUDGET_S=$(($(left) - 20)) FERRY_GPU_TEST_BUDGET_S=100 \
+FERRY_GPU_KEEP=1 FERRY_GPU_ONLY=$steps FERRY_GPU_BUDGET_S=$(($(left) - 20)) FERRY_GPU_TEST_BUDGET_S=${GPU_SESSION_TEST_BUDGET_S:-100} \
   OUT=$res/kit timeout -k 5 $(($(left) - 10)) bash "$kit/run.sh" quick >"$res/kit.out" 2>&1
 kit_rc=$?
 echo "== kit: rc=$kit_rc after ${SECONDS}s"

@@ -19,9 +19,10 @@
 #                    and gradients cross the link)
 # Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
 # sample, the planner's predicted step time with its rates, and the configuration it recommends.
-# SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-pair the resident and the streamed one, 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY
-# adds --host-memory to them, SCALE_GPU_STAGING_CHUNK --staging-chunk), SCALE_GPU_ONLY=7b gpt7b_stream_host alone
-# (SCALE_GPU_LIMIT_S bounds each); SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
+# SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-pair the resident and the streamed one,
+# 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY adds --host-memory to them,
+# SCALE_GPU_STAGING_CHUNK --staging-chunk), 7b gpt7b_stream_host alone (with the same two), each
+# bounded by SCALE_GPU_LIMIT_S; SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
 # of the script itself, on any device). SCALE_GPU_TRACE=1: each run also writes a trace of its first
 # two steps (NAME.trace.json) and prints bench/trace_summary.py's summary of the second.
 set -uo pipefail
@@ -119,8 +120,12 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b-stream ]]; then
   exit
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 7b ]]; then
-  run gpt7b_stream_host "${SCALE_GPU_LIMIT_S:-1800}" 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB \
-    --host-optimizer
+  memory=()
+  [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
+  [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
+  tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
+  run "gpt7b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-1800}" 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB \
+    --host-optimizer "${memory[@]}"
   exit
 fi
 [[ ${SCALE_GPU_ONLY:-} == tiny ]] && { run tiny_stream 300 3 --model gpt --width 64 --depth 2 --heads 4 --context 32 --batch 8 --residency stream; exit; }
