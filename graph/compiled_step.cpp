@@ -162,7 +162,8 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   }
   if (plan_.fetch_ring_chunk_bytes > 0) {
     impl_->fetch_ring = std::make_unique<offload::FetchRing>(
-        static_cast<std::byte*>(impl_->host_transient.back().data()), plan_.fetch_ring_chunk_bytes);
+        static_cast<std::byte*>(impl_->host_transient.back().data()), plan_.fetch_ring_chunk_bytes,
+        offload::FetchRing::default_slots, offload::FetchRing::filling_for(context.device().facts()));
   }
 
   // 3. The batch and the results cross the link through host mirrors (pinned, from the plan's

@@ -78,8 +78,8 @@ struct CompiledStep::Submission {
   // Profiling only, host steady clock in ns: when each device node's enqueue began and ended, when
   // each host-lane node's work ran, and the host thread's waits for this step.
   std::vector<std::uint64_t> enqueue_begin_ns, enqueue_end_ns, host_start_ns, host_end_ns;
-    // Host-lane nodes: when the gate began waiting, and when it opened (steady_ns).
-    std::vector<std::uint64_t> host_ready_ns, host_gate_ns;
+  // Host-lane nodes: when the gate began waiting, and when it opened (steady_ns).
+  std::vector<std::uint64_t> host_ready_ns, host_gate_ns;
   struct Wait {
     std::uint64_t begin_ns, end_ns;
   };

@@ -101,12 +101,12 @@ void CompiledStep::add_host_work(const cl::Context& context) {
     gate->opened = &impl_->host_waits;
     EventGate* g = gate.get();
     impl_->gates[id] = std::move(gate);
-    impl_->gate_nodes[id] = std::make_unique<DoneNode>(
-        impl_->flow, tbb::flow::unlimited, [im, g, id](const continue_msg&, DoneNode::gateway_type& gw) {
-          g->timed = im->ctx.profiling();
-          if (g->timed) im->running->host_ready_ns[id] = steady_ns();
-          g->open(gw);
-        });
+    impl_->gate_nodes[id] = std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
+                                                       [im, g, id](const continue_msg&, DoneNode::gateway_type& gw) {
+                                                         g->timed = im->ctx.profiling();
+                                                         if (g->timed) im->running->host_ready_ns[id] = steady_ns();
+                                                         g->open(gw);
+                                                       });
     impl_->host_work[id] =
         std::make_unique<tbb::flow::continue_node<continue_msg>>(impl_->flow, [this, im, g, id](const continue_msg&) {
           const auto& nodes = graph_.nodes;

@@ -50,21 +50,6 @@ bool is_pocl(const Runtime& rt) {
   return rt.device().platform_name.find("Portable") != std::string::npos;
 }
 
-// Runs `f` on another thread and gives it 60 s: a fault must never hang the caller. A hang ends
-// the test binary at once (the thread cannot be cancelled), naming what hung. The bound is far
-// above a step's time here (milliseconds) so that a sanitizer build on a loaded 2-core CI machine,
-// which may also compile kernels inside `f`, cannot trip it; a hang never ends, so it still does.
-template <class F>
-auto within_deadline(const char* what, F f) {
-  auto result = std::async(std::launch::async, std::move(f));
-  if (result.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
-    std::fprintf(stderr, "FAILED: %s did not return within 60 s\n", what);
-    std::fflush(stderr);
-    std::_Exit(1);
-  }
-  return result.get();
-}
-
 TrainerOptions base_options() {
   TrainerOptions o;
   o.batch = 8;
@@ -95,6 +80,7 @@ struct FaultCase {
   // unpack of compressed state, a chunked fetch (the middle one before the commit point).
   enum Victim { kernel, fetch, write_back, host_update, unpack, chunked_fetch } victim;
   graph::Fault fault;
+  bool fetch_filler = false;  // chunked fetches filled by the ring's own thread (FERRY_FETCH_FILLER)
 };
 
 TrainerOptions options_for(Runtime& rt, const ModelSpec& m, FaultCase::Config c) {
@@ -182,8 +168,12 @@ TEST_P(FaultTest, StepFailsNamingTheNodeInBoundedTimeAndTheNextStepsAreAsIfItNev
     // Invalid argument") and ends the process when a command waits on a user event set to an error.
     GTEST_SKIP() << "PoCL aborts on a user event set to an error status";
   }
+  if (c.fetch_filler && cl::is_simulator(rt.device().facts())) {
+    GTEST_SKIP() << "a simulator fills chunked fetches inline only (offload::FetchRing::filling_for)";
+  }
   const ModelSpec m = small_residual();
   TrainerOptions o = options_for(rt, m, c.config);
+  const ScopedFetchFiller filler(c.fetch_filler);
   // An unpack's failure before the commit point: with every gradient's check at the end of the
   // backward (no guard fusion), the first updates' unpacks are prefetched before the last check.
   // With the checks in the products, they come after it, where a failure is the update phase's
@@ -248,6 +238,12 @@ INSTANTIATE_TEST_SUITE_P(
         FaultCase{"chunked_fetch_throws", FaultCase::stream_chunked, FaultCase::chunked_fetch, graph::Fault::exception},
         FaultCase{"chunked_fetch_fails_on_device", FaultCase::stream_chunked, FaultCase::chunked_fetch,
                   graph::Fault::device_error},
+        FaultCase{"chunked_fetch_refused_filler", FaultCase::stream_chunked, FaultCase::chunked_fetch,
+                  graph::Fault::enqueue_error, true},
+        FaultCase{"chunked_fetch_throws_filler", FaultCase::stream_chunked, FaultCase::chunked_fetch,
+                  graph::Fault::exception, true},
+        FaultCase{"chunked_fetch_fails_on_device_filler", FaultCase::stream_chunked, FaultCase::chunked_fetch,
+                  graph::Fault::device_error, true},
         // (A host update failing is after the commit point now that the host optimizer updates
         // the one host copy in place: test_residency's HostOptimizer test checks that partial update.)
         FaultCase{"compressed_unpack_throws", FaultCase::streamed_compressed_state, FaultCase::unpack,

@@ -369,15 +369,18 @@ TEST(Homes, HomesWithoutAStoreAndHomesTheDeviceCannotServeAreClearErrors) {
   }
 }
 
-// The chunked fetches' ring: a copy of several chunks goes through the slots in turn (more chunks
-// than slots, so they are reused within the copy) and arrives whole; it reports its first chunk's
-// event beside the last one's (a trace spans the node from it), and a copy of one chunk reports none.
-TEST(FetchRing, CopiesThroughItsSlotsAndReportsTheFirstChunk) {
+// The chunked fetches' ring, filled inline and by its filler thread: a copy of several chunks goes
+// through the slots in turn (more chunks than slots, so they are reused within the copy) and
+// arrives whole; it reports its first chunk's event beside the last one's (a trace spans the node
+// from it), and a copy of one chunk reports none.
+class FetchRingTest : public ::testing::TestWithParam<offload::FetchRing::Filling> {};
+
+TEST_P(FetchRingTest, CopiesThroughItsSlotsAndReportsTheFirstChunk) {
   auto& dev = TestDevice::get();
   constexpr std::size_t chunk = 4096, slots = 4, bytes = 11 * chunk + 100;
   const offload::HostBuffer ring_memory =
       offload::allocate_host(dev.context, chunk * slots, offload::HostMemory::pinned, "a test ring");
-  offload::FetchRing ring(static_cast<std::byte*>(ring_memory.data()), chunk, slots);
+  offload::FetchRing ring(static_cast<std::byte*>(ring_memory.data()), chunk, slots, GetParam());
   std::vector<std::uint8_t> src(bytes);
   for (std::size_t i = 0; i < bytes; ++i) src[i] = static_cast<std::uint8_t>(i * 7 + i / 4096);
   cl::Mem device = dev.context.create_buffer(bytes + 64, "the ring's destination");
@@ -398,6 +401,76 @@ TEST(FetchRing, CopiesThroughItsSlotsAndReportsTheFirstChunk) {
   FERRY_CL(clFinish(q));
   EXPECT_EQ(single_first.get(), nullptr) << "one chunk: its event is the copy's only one";
   EXPECT_NE(single.get(), nullptr);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fillings, FetchRingTest,
+                         ::testing::Values(offload::FetchRing::Filling::enqueuing_thread,
+                                           offload::FetchRing::Filling::filler_thread),
+                         [](const auto& info) {
+                           return std::string(info.param == offload::FetchRing::Filling::filler_thread ? "filler"
+                                                                                                       : "inline");
+                         });
+
+// With a filler, a fetch that has to wait for the device (its first chunk's wait list) and has
+// more chunks than slots returns at once: the thread that enqueues a step's nodes goes on while
+// the link and the filler work. Inline, the same copy would block that thread until the wait ended.
+// Two fetches back to back then arrive whole, in order, once the device lets the first begin.
+TEST(FetchRing, AFillerLetsTheEnqueuingThreadGoOnWhileTheFetchWaits) {
+  auto& dev = TestDevice::get();
+  constexpr std::size_t chunk = 4096, slots = 4, bytes = 9 * chunk + 10;
+  const offload::HostBuffer ring_memory =
+      offload::allocate_host(dev.context, chunk * slots, offload::HostMemory::pinned, "a test ring");
+  offload::FetchRing ring(static_cast<std::byte*>(ring_memory.data()), chunk, slots,
+                          offload::FetchRing::Filling::filler_thread);
+  std::vector<std::uint8_t> a(bytes), b(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) {
+    a[i] = static_cast<std::uint8_t>(i * 13 + 1);
+    b[i] = static_cast<std::uint8_t>(i * 5 + 3);
+  }
+  cl::Mem device = dev.context.create_buffer(2 * bytes, "the ring's destination");
+  const cl_command_queue q = dev.context.queue(cl::QueueKind::h2d);
+  cl_int rc = CL_SUCCESS;
+  cl::Event gate(clCreateUserEvent(dev.context.get(), &rc));
+  FERRY_CL(rc);
+  const cl_event waits[] = {gate.get()};
+  const auto returned = within_deadline("a chunked fetch waiting for the device", [&] {
+    cl::Event first_fetch = ring.copy(q, reinterpret_cast<const std::byte*>(a.data()), device.get(), 0, bytes, waits);
+    cl::Event second_fetch = ring.copy(q, reinterpret_cast<const std::byte*>(b.data()), device.get(), bytes, bytes, {});
+    return std::make_pair(std::move(first_fetch), std::move(second_fetch));
+  });
+  cl_int status = CL_COMPLETE;
+  FERRY_CL(clGetEventInfo(returned.first.get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof status, &status, nullptr));
+  EXPECT_GT(status, CL_COMPLETE) << "the copy ran before the device let it";
+  FERRY_CL(clSetUserEventStatus(gate.get(), CL_COMPLETE));
+  const cl_event both[] = {returned.first.get(), returned.second.get()};
+  FERRY_CL(clWaitForEvents(2, both));
+  std::vector<std::uint8_t> back(2 * bytes);
+  dev.context.read(device.get(), 0, back.data(), back.size());
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), back.begin()));
+  EXPECT_TRUE(std::equal(b.begin(), b.end(), back.begin() + bytes));
+}
+
+// FERRY_FETCH_FILLER chooses the filling of a compiled step's ring: inline unless it is 1, never
+// a filler thread on a simulator (Oclgrind runs queues inside clFlush), and a misspelt value is
+// an error rather than the default.
+TEST(FetchRing, TheFillingComesFromTheEnvironmentAndIsRefusedOnASimulator) {
+  const cl::DeviceFacts gpu{"NVIDIA CUDA", "NVIDIA Corporation", "NVIDIA H200", "NVIDIA Corporation",
+                            CL_DEVICE_TYPE_GPU};
+  const cl::DeviceFacts simulator{"Oclgrind", "University of Bristol", "Oclgrind Simulator", "University of Bristol",
+                                  CL_DEVICE_TYPE_CPU | CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR};
+  {
+    const ScopedFetchFiller off(false);
+    EXPECT_EQ(offload::FetchRing::filling_for(gpu), offload::FetchRing::Filling::enqueuing_thread);
+    EXPECT_EQ(offload::FetchRing::filling_for(simulator), offload::FetchRing::Filling::enqueuing_thread);
+  }
+  {
+    const ScopedFetchFiller on(true);
+    EXPECT_EQ(offload::FetchRing::filling_for(gpu), offload::FetchRing::Filling::filler_thread);
+    EXPECT_THROW(offload::FetchRing::filling_for(simulator), std::invalid_argument);
+  }
+  setenv("FERRY_FETCH_FILLER", "yes please", 1);
+  EXPECT_THROW(offload::FetchRing::filling_for(gpu), std::invalid_argument);
+  unsetenv("FERRY_FETCH_FILLER");
 }
 
 }  // namespace

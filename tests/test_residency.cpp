@@ -78,6 +78,7 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
   struct Case {
     const char* what;
     TrainerOptions opt;
+    bool fetch_filler = false;  // chunked fetches filled by the ring's own thread
   };
   std::vector<Case> cases = {
       {"stream at the minimum budget, no lookahead", options(graph::ResidencyMode::stream, min_budget, 0)},
@@ -132,6 +133,10 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
                    chunked(options(graph::ResidencyMode::stream, min_budget, 0))});
   cases.push_back({"stream at 1.5x the minimum, lookahead 2, staged host memory, chunked fetches",
                    chunked(options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2))});
+  cases.push_back({"stream at the minimum budget, staged host memory, chunked fetches, a filler thread",
+                   chunked(options(graph::ResidencyMode::stream, min_budget, 0)), true});
+  cases.push_back({"stream at 1.5x the minimum, lookahead 2, staged host memory, chunked fetches, a filler thread",
+                   chunked(options(graph::ResidencyMode::stream, min_budget * 3 / 2, 2)), true});
   // Two host copies (HomeStoreOptions::pinned_copies = 2, an option no default uses): updates run
   // before the commit point into the next copy, made current at commit.
   auto two_copies = [](TrainerOptions o) {
@@ -152,6 +157,7 @@ TEST_P(ResidencyTest, StreamedAndMappedTrainingAreBitIdenticalToResident) {
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
+    const ScopedFetchFiller filler(c.fetch_filler);
     Trainer probe(rt, m, c.opt);
     EXPECT_LE(probe.device_peak_bytes(), probe.device_budget_bytes());
     const RunResult r = train(rt, m, c.opt, steps);

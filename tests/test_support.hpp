@@ -7,12 +7,15 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <memory>
 #include <optional>
 #include <random>
@@ -269,11 +272,38 @@ class ScopedRowGroupSize {
   ScopedRowGroupSize& operator=(const ScopedRowGroupSize&) = delete;
 };
 
+// Gives staged host memory's chunked fetches a filler thread while alive (FERRY_FETCH_FILLER=1,
+// read when a step is compiled; offload::FetchRing::Filling), or leaves them inline.
+class ScopedFetchFiller {
+ public:
+  explicit ScopedFetchFiller(bool on) {
+    if (on) setenv("FERRY_FETCH_FILLER", "1", 1);
+  }
+  ~ScopedFetchFiller() { unsetenv("FERRY_FETCH_FILLER"); }
+  ScopedFetchFiller(const ScopedFetchFiller&) = delete;
+  ScopedFetchFiller& operator=(const ScopedFetchFiller&) = delete;
+};
+
 // sum_i r_i * y_i: a scalar loss whose gradient with respect to y is r.
 inline double weighted_sum(const std::vector<double>& y, const std::vector<double>& r) {
   double s = 0;
   for (std::size_t i = 0; i < y.size(); ++i) s += y[i] * r[i];
   return s;
+}
+
+// Runs `f` on another thread and gives it 60 s: what is tested must never hang the caller. A hang ends
+// the test binary at once (the thread cannot be cancelled), naming what hung. The bound is far
+// above a step's time here (milliseconds) so that a sanitizer build on a loaded 2-core CI machine,
+// which may also compile kernels inside `f`, cannot trip it; a hang never ends, so it still does.
+template <class F>
+auto within_deadline(const char* what, F f) {
+  auto result = std::async(std::launch::async, std::move(f));
+  if (result.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "FAILED: %s did not return within 60 s\n", what);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  return result.get();
 }
 
 }  // namespace ferry::test
