@@ -132,7 +132,15 @@ cl::Event FetchRing::copy_through_filler(cl_command_queue queue, const std::byte
       FERRY_CL(rc);
     }
     next_ = (next_ + 1) % busy_.size();
-    give_filler({slot, src + off, len, std::exchange(busy_[s], e), std::move(ready), queue});
+    const cl::Event ready_ref = ready;  // a reference of its own, should the chunk not reach the filler
+    try {
+      give_filler({slot, src + off, len, std::exchange(busy_[s], e), std::move(ready), queue});
+    } catch (...) {
+      // The filler will never see this chunk: let its copy run (on whatever the slot holds; the
+      // fetch fails with this exception, and its step with it) rather than wait for ever.
+      clSetUserEventStatus(ready_ref.get(), CL_COMPLETE);
+      throw;
+    }
     if (first && first_chunk && len < bytes) *first_chunk = e;
     last = std::move(e);
   }
