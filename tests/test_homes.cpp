@@ -377,6 +377,9 @@ class FetchRingTest : public ::testing::TestWithParam<offload::FetchRing::Fillin
 
 TEST_P(FetchRingTest, CopiesThroughItsSlotsAndReportsTheFirstChunk) {
   auto& dev = TestDevice::get();
+  if (GetParam() == offload::FetchRing::Filling::filler_thread && cl::is_simulator(dev.context.device().facts())) {
+    GTEST_SKIP() << "a simulator runs queues inside clFlush, which a filler thread would race (FetchRing::filling_for)";
+  }
   constexpr std::size_t chunk = 4096, slots = 4, bytes = 11 * chunk + 100;
   const offload::HostBuffer ring_memory =
       offload::allocate_host(dev.context, chunk * slots, offload::HostMemory::pinned, "a test ring");
@@ -417,6 +420,9 @@ INSTANTIATE_TEST_SUITE_P(Fillings, FetchRingTest,
 // Two fetches back to back then arrive whole, in order, once the device lets the first begin.
 TEST(FetchRing, AFillerLetsTheEnqueuingThreadGoOnWhileTheFetchWaits) {
   auto& dev = TestDevice::get();
+  if (cl::is_simulator(dev.context.device().facts())) {
+    GTEST_SKIP() << "a simulator runs queues inside clFlush, which a filler thread would race (FetchRing::filling_for)";
+  }
   constexpr std::size_t chunk = 4096, slots = 4, bytes = 9 * chunk + 10;
   const offload::HostBuffer ring_memory =
       offload::allocate_host(dev.context, chunk * slots, offload::HostMemory::pinned, "a test ring");
