@@ -102,7 +102,7 @@ struct EventGate {
   std::atomic<cl_int> status{CL_COMPLETE};
   std::atomic<int> pending{0};                   // callbacks still to come, plus one while open() registers them
   std::atomic<std::uint64_t>* opened = nullptr;  // counts the host's waits
-  bool timed = false;                            // profiling: note when the gateway opened
+  bool timed = false;                            // the context profiles: note when the gateway opened
   std::atomic<std::uint64_t> opened_ns{0};       // steady_ns() then, if timed
 
   // The async_node's body: hand the wait over to the driver and return.

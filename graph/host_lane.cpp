@@ -99,11 +99,11 @@ void CompiledStep::add_host_work(const cl::Context& context) {
     auto gate = std::make_unique<EventGate>();
     gate->queue = context.queue(cl::QueueKind::d2h);
     gate->opened = &impl_->host_waits;
+    gate->timed = impl_->ctx.profiling();
     EventGate* g = gate.get();
     impl_->gates[id] = std::move(gate);
     impl_->gate_nodes[id] = std::make_unique<DoneNode>(impl_->flow, tbb::flow::unlimited,
                                                        [im, g, id](const continue_msg&, DoneNode::gateway_type& gw) {
-                                                         g->timed = im->ctx.profiling();
                                                          if (g->timed) im->running->host_ready_ns[id] = steady_ns();
                                                          g->open(gw);
                                                        });

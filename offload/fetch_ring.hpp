@@ -61,7 +61,6 @@ class FetchRing final : public ops::StagedCopier {
   cl::Event copy(cl_command_queue queue, const std::byte* src, cl_mem dst, std::size_t offset, std::size_t bytes,
                  std::span<const cl_event> wait, cl::Event* first = nullptr) override;
   std::size_t chunk_bytes() const noexcept { return chunk_; }
-  Filling filling() const noexcept { return filling_; }
 
  private:
   // One chunk for the filler: into `slot` once `slot_free` (the copy that last read the slot, if
