@@ -33,6 +33,8 @@
 #              (pageable, registered), each with a trace of two steps and bench/trace_summary.py's
 #              account of the second, and the driver's memory in use sampled;
 #              trace-chunked: the same with --host-memory staged --staging-chunk 16MiB
+#   overlap-chunked  the 1B host-optimizer run with --host-memory staged --staging-chunk 64MiB (the
+#              fastest within the budget so far), without and with --overlap-host-updates, traced
 #   trace-gpt85m  the 85M GPT (width 768, 12 blocks, context 256, batch 8) trained 4 steps with a trace
 #              of 3, with fused attention and with unfused: bench/trace_summary.py's account of the
 #              third (the compute lane's busy share and its time per kind of node)
@@ -140,6 +142,9 @@ for p in "$@"; do
         --python "$python_peer" ;;
     staging)
       part staging 120 "$kit/bin/ferry-bench" --repeat 3 staging --bytes 1GiB --chunks 4MiB,16MiB,64MiB ;;
+    overlap-chunked)  # the in-budget 1B configuration's host updates after the backward, then overlapped
+      part "$p" 300 env SCALE_GPU_ONLY=1b-overlap SCALE_GPU_HOST_MEMORY=staged SCALE_GPU_STAGING_CHUNK=64MiB \
+        SCALE_GPU_TRACE=1 SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
     trace-staged | trace-pageable | trace-registered | trace-chunked)
       memory=${p#trace-} chunk=
       [[ $memory == chunked ]] && memory=staged chunk=16MiB

@@ -21,7 +21,9 @@
 # sample, the planner's predicted step time with its rates, and the configuration it recommends.
 # SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-pair the resident and the streamed one,
 # 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY adds --host-memory to them,
-# SCALE_GPU_STAGING_CHUNK --staging-chunk), 7b gpt7b_stream_host alone (with the same two), each
+# SCALE_GPU_STAGING_CHUNK --staging-chunk), 1b-overlap the host-optimizer run without and with
+# --overlap-host-updates (with the same two), 7b gpt7b_stream_host alone (with the same two, and
+# --overlap-host-updates with SCALE_GPU_OVERLAP=1), each
 # bounded by SCALE_GPU_LIMIT_S; SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
 # of the script itself, on any device). SCALE_GPU_TRACE=1: each run also writes a trace of its first
 # two steps (NAME.trace.json) and prints bench/trace_summary.py's summary of the second.
@@ -119,11 +121,24 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b-stream ]]; then
     --host-optimizer "${memory[@]}"
   exit
 fi
+if [[ ${SCALE_GPU_ONLY:-} == 1b-overlap ]]; then
+  # The host optimizer's updates after the backward, then deferred into the next step's forward.
+  memory=()
+  [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
+  [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
+  tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
+  run "gpt1b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
+    --host-optimizer "${memory[@]}"
+  run "gpt1b_stream_host_overlap$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream \
+    --device-budget 8GiB --host-optimizer --overlap-host-updates "${memory[@]}"
+  exit
+fi
 if [[ ${SCALE_GPU_ONLY:-} == 7b ]]; then
   memory=()
   [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
   [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
   tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
+  [[ ${SCALE_GPU_OVERLAP:-0} == 1 ]] && memory+=(--overlap-host-updates) && tag+=_overlap
   run "gpt7b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-1800}" 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB \
     --host-optimizer "${memory[@]}"
   exit

@@ -65,10 +65,12 @@ void PersistentArena::abort() {
 }
 
 void PersistentArena::write(Home home, const Placement& p, const void* src, std::size_t n) {
+  settle_deferred();  // (else the pending update would land on the value written here)
   store(home).write({p.buffer, p.offset_bytes}, src, n);
 }
 
 void PersistentArena::read(Home home, const Placement& p, void* dst, std::size_t n) const {
+  settle_deferred();
   store(home).read({p.buffer, p.offset_bytes}, dst, n);
 }
 
@@ -106,6 +108,7 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerConfig& optimizer, ops::O
   bind(env, optimizer, options.bind_kernels);
   done("bind");
   lower(context, options.serial);
+  register_deferred_updates();
   done("lower");
 }
 
@@ -344,6 +347,7 @@ void CompiledStep::find_commit_point() {
   NodeId first_in_place = Impl::no_node;
   bool host_in_place = false;
   for (NodeId id = 0; id < n.size(); ++id) {
+    if (n.deferred[id]) continue;  // it applies the step before's update, which committed
     for (TensorId x : n.outputs(id)) {
       if (!changes_in_place(x)) continue;
       impl_->in_place[id] = 1;

@@ -29,6 +29,7 @@
 #include <array>
 #include <atomic>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -78,8 +79,18 @@ struct PersistentArena {
   // The step failed: next values written into homes that keep them apart are discarded.
   void abort();
   // Set-up and inspection, outside any step: write sets every copy, read reads the current one.
+  // Both apply a deferred update first (below).
   void write(Home home, const Placement& p, const void* src, std::size_t bytes);
   void read(Home home, const Placement& p, void* dst, std::size_t bytes) const;
+  // A compiled step whose host updates run in the step after (ResidencyOptions::
+  // overlap_host_updates) leaves its last step's update pending until then. It registers here
+  // how to apply it (CompiledStep::apply_deferred_updates), so that whatever reads or writes the
+  // state outside it (read, write, a step of another variant) sees the state the steps made.
+  std::function<void()> apply_deferred;
+  const void* deferred_owner = nullptr;  // the compiled step that registered it
+  void settle_deferred() const {
+    if (apply_deferred) apply_deferred();
+  }
   std::uint64_t host_bytes() const;    // pinned host bytes of every home (both copies when streamed)
   std::uint64_t device_bytes() const;  // device bytes of the device home
 };
@@ -190,6 +201,15 @@ class CompiledStep {
   bool can_run_ahead() const noexcept;
   // Times the host has blocked on the device so far (waits for a step's end, event gates).
   std::uint64_t host_waits() const noexcept;
+  // Deferred host updates (ResidencyOptions::overlap_host_updates): the update of the last step
+  // that succeeded with a finite guard is applied by the next step, each weight's just before its
+  // fetch. This applies what is still pending now, on the calling thread (with TBB workers), and
+  // returns whether an update made a weight not finite; nothing pending: false at once. The
+  // arena's read and write and other variants' steps call it (PersistentArena::apply_deferred).
+  // std::logic_error while a step is in flight; PartialUpdateError if an update failed part-way.
+  bool apply_deferred_updates();
+  // Whether an update is pending (always false without deferred updates).
+  bool has_deferred_updates() const noexcept;
 
   const Graph& graph() const noexcept { return graph_; }
   const MemoryPlan& plan() const noexcept { return plan_; }
@@ -282,8 +302,13 @@ class CompiledStep {
   // Host memory of a host-resident tensor: its current value, or where its next value goes. A
   // batch mirror is the one of host mirror slot `slot`.
   std::byte* host_address(TensorId id, bool next, int slot = 0) const;
-  // Runs a host-lane node (an optimizer update on the host) on the calling TBB worker.
+  // Runs a host-lane node (an optimizer update on the host) on the calling TBB worker; a deferred
+  // one with the step info of the step whose update it applies.
   void run_host_node(NodeId id, Submission& s);
+  // Deferred updates (graph/deferred_updates.cpp): the nodes and the arena's hook, set up once;
+  // after a step that succeeded, its update becomes pending if its guard is finite.
+  void register_deferred_updates();
+  void defer_update_of(const Submission& s);
   Graph graph_;
   MemoryPlan plan_;
   ResidencyReport residency_;

@@ -1,6 +1,7 @@
-// The private state of a CompiledStep, shared by its four files: compiled_step.cpp (compiling),
-// step_run.cpp (submit and wait, failures, results), enqueue.cpp (the one-pass form) and
-// host_lane.cpp (the flow-graph form for steps with host-lane nodes).
+// The private state of a CompiledStep, shared by its five files: compiled_step.cpp (compiling),
+// step_run.cpp (submit and wait, failures, results), enqueue.cpp (the one-pass form),
+// host_lane.cpp (the flow-graph form for steps with host-lane nodes) and deferred_updates.cpp (host
+// updates deferred into the next step).
 #pragma once
 
 #include <tbb/flow_graph.h>
@@ -166,6 +167,14 @@ struct CompiledStep::Impl {
   // point (the host optimizer with one copy of streamed state): the commit gate reads it.
   ops::DeviceSpan guard_span{};
   std::array<NodeId, lane_count> last_on_lane;
+  // Deferred host updates (graph::defer_host_updates), in static order, and per node whether it
+  // still has to apply the update of the step `deferred_step` describes (the last one that
+  // succeeded with a finite guard). A node clears its flag once its update is done, so a step
+  // that fails leaves the updates it did not reach pending, and one that failed part-way is known.
+  std::vector<NodeId> deferred;
+  std::vector<char> deferred_pending;
+  ops::StepInfo deferred_step;
+  bool applying_deferred = false;  // apply_deferred_updates is running (the arena calls back into it)
 
   // The flow-graph form (steps with host-lane nodes).
   tbb::flow::graph flow;

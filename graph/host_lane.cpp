@@ -118,12 +118,16 @@ void CompiledStep::add_host_work(const cl::Context& context) {
           if (s.mode == RunMode::transfers_only) return;
           // After the commit point, a step whose gradients are not finite changes no state.
           if (im->in_place[id] && s.skip_host_updates) return;
-          if (im->in_place[id]) s.started[id] = 1;
+          // A deferred update applies the step before's, if that one left it pending.
+          const bool deferred = nodes.deferred[id] != 0;
+          if (deferred && !im->deferred_pending[id]) return;
+          if (im->in_place[id] || deferred) s.started[id] = 1;
           if (im->ctx.profiling()) {
             s.host_gate_ns[id] = g->opened_ns.load();
             s.host_start_ns[id] = steady_ns();
           }
           run_host_node(id, s);
+          if (deferred) im->deferred_pending[id] = 0;
           if (im->ctx.profiling()) s.host_end_ns[id] = steady_ns();
         });
     tbb::flow::make_edge(*impl_->nodes[id], *impl_->gate_nodes[id]);
@@ -322,7 +326,8 @@ void CompiledStep::run_host_node(NodeId id, Submission& s) {
     throw std::logic_error(fmt::format("node '{}' ({}) cannot run on the host", nodes.name[id], row.name));
   }
   auto at = [this](TensorId x, bool write) { return host_address(x, write); };
-  HostNode node(graph_, id, *persistent_, at, s.step, impl_->optimizer, s.host_non_finite,
+  const ops::StepInfo& step = nodes.deferred[id] ? impl_->deferred_step : s.step;
+  HostNode node(graph_, id, *persistent_, at, step, impl_->optimizer, s.host_non_finite,
                 nodes.lane[id] == Lane::comm ? &s.requests[id] : nullptr);
   if (fault) node.fail();
   try {

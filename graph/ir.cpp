@@ -83,6 +83,7 @@ NodeId NodeTable::add(OpId k, std::string n, std::span<const TensorId> in, std::
   attrs.push_back(a);
   lane.push_back(l);
   scratch.push_back(no_tensor);
+  deferred.push_back(0);
   return id;
 }
 
@@ -94,6 +95,7 @@ NodeId NodeTable::add_copy(const NodeTable& from, NodeId n, std::span<const Tens
                            Lane l) {
   const NodeId id = add(from.op[n], from.name[n], in, out, from.attrs[n], l);
   scratch[id] = from.scratch[n];
+  deferred[id] = from.deferred[n];
   return id;
 }
 

@@ -361,13 +361,21 @@ Lifetimes lifetimes(const Graph& g) {
     touch(n.scratch[node], node);
   }
   // The caller fills the batch's host mirrors before the step and reads the results' after it:
-  // they are live for the whole step, wherever their upload or download node sits.
+  // they are live for the whole step, wherever their upload or download node sits. A deferred
+  // update reads, early in a step, what the step before wrote late in it (its gradient): the step
+  // tensors it touches are live for the whole step too.
+  const auto whole_step = [&](TensorId id) {
+    touch(id, 0);
+    touch(id, static_cast<NodeId>(n.size() - 1));
+  };
+  for (NodeId node = 0; node < n.size(); ++node) {
+    if (!n.deferred[node]) continue;
+    for (TensorId id : n.inputs(node)) whole_step(id);
+    for (TensorId id : n.outputs(node)) whole_step(id);
+  }
   for (NodeId node = 0; node < n.size(); ++node) {
     if (ops::op_info(n.op[node]).op_class != ops::OpClass::batch_transfer) continue;
-    for (TensorId id : n.lane[node] == Lane::h2d ? n.inputs(node) : n.outputs(node)) {
-      touch(id, 0);
-      touch(id, static_cast<NodeId>(n.size() - 1));
-    }
+    for (TensorId id : n.lane[node] == Lane::h2d ? n.inputs(node) : n.outputs(node)) whole_step(id);
   }
   return l;
 }

@@ -655,6 +655,14 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
     }
     mode = ResidencyMode::stream;
   }
+  if (options.overlap_host_updates && (!options.host_optimizer || options.homes.pinned_copies != 1)) {
+    throw std::invalid_argument(
+        options.host_optimizer
+            ? "host updates overlapped with the next step's forward change the one host copy of the state in place: "
+              "they need one pinned copy (HomeStoreOptions::pinned_copies 1), not two"
+            : "host updates overlapped with the next step's forward (--overlap-host-updates; "
+              "ResidencyOptions::overlap_host_updates) need the optimizer on the host: add --host-optimizer");
+  }
   return mode;
 }
 
@@ -732,6 +740,7 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
     Graph s = stream_graph(base, cache, lookahead);
     stage_home_transfers(s, host_unified && options.zero_copy_staging, host_copies_for(options.homes.host_memory),
                          options.staging_min_bytes, options.staging_chunk_bytes);
+    if (options.overlap_host_updates) defer_host_updates(s);
     count_transfers(s, r);
     MemoryPlan p = plan_memory(s, mopt);
     r.cache_limit_bytes = cache;

@@ -41,6 +41,13 @@ void check_reduced_gradients_on_host(Graph& g);
 // on their pinned host homes, where the host updates left this rank's shares.
 void gather_weights_in_host_homes(Graph& g);
 
+// Host updates deferred into the next step (ResidencyOptions::overlap_host_updates; the last pass
+// before the memory plan, graph/passes/defer_updates.cpp): each host update, marked
+// NodeTable::deferred and without its loss or guard input, goes just before the first other node
+// that touches its weight or state, so that it applies the previous step's gradient as the forward
+// reaches its weight. Throws std::invalid_argument for a step with collectives (data parallel).
+void defer_host_updates(Graph& g);
+
 // Routes the fetches and write-backs of tensors in staged homes (compressed, dropped) through
 // pinned staging with unpack and pack nodes on the host lanes (graph/passes/staging.cpp). With
 // `host_unified`, the device copies themselves are the staging. Host copies of pageable memory:

@@ -48,6 +48,17 @@ CompiledStep::~CompiledStep() {
       // Destructors must not throw; the queues are being torn down anyway.
     }
   }
+  if (persistent_ && persistent_->deferred_owner == this) {
+    // Other variants may go on with the arena: the last step's update goes into it now (unless a
+    // step is still in flight: then the state is that step's business, and it was abandoned).
+    try {
+      if (impl_->count == 0) apply_deferred_updates();
+    } catch (...) {
+      // A destructor cannot report it; the update is lost, as the step in flight would be.
+    }
+    persistent_->apply_deferred = nullptr;
+    persistent_->deferred_owner = nullptr;
+  }
 }
 
 const ops::LaunchList& CompiledStep::launches(NodeId n) const {
@@ -118,7 +129,9 @@ std::vector<std::string> CompiledStep::changed_in_place(const Submission& s) con
   }
   std::vector<char> seen(t.size(), 0);
   for (NodeId id = 0; id < n.size(); ++id) {
-    if (!impl_->in_place[id] || !s.started[id]) continue;
+    // A deferred update that started and is still pending failed part-way.
+    const bool partial_deferred = n.deferred[id] && impl_->deferred_pending[id];
+    if (!(impl_->in_place[id] || partial_deferred) || !s.started[id]) continue;
     for (TensorId x : n.outputs(id)) {
       const TensorId st = t.storage(x);
       if (!changes_in_place(st) || seen[st]) continue;
@@ -198,6 +211,8 @@ void CompiledStep::submit(const ops::StepInfo& step, RunMode mode) {
         "this step cannot be submitted while the one before it runs (it has host-lane nodes, or its state commits on "
         "the host when it succeeds): wait() for that one first");
   }
+  // Another variant's update deferred into its next step goes into the state before this step reads it.
+  if (persistent_->deferred_owner != this) persistent_->settle_deferred();
   const std::size_t index = im.next;
   Submission& s = im.subs[index];
   const Submission* previous = im.count > 0 ? &im.subs[(index + max_in_flight - 1) % max_in_flight] : nullptr;
@@ -289,6 +304,7 @@ void CompiledStep::wait() {
                     what, fmt::join(also, ", ")),
         also, failure);
   }
+  defer_update_of(s);
   // Every updated tensor now sits in the other slot: it becomes the current state.
   // (A transfers-only run computed nothing: its write-backs are not a new state.)
   // A step whose overflow guard is not finite skipped its updates on the device; streamed

@@ -144,7 +144,9 @@ double predict_step_ms(const PhasePlan& p, bool shares_host_cores) {
     return p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms + p.network_ms;
   // Host updates start once what they wait for is done, and the next step's forward waits for all
   // of them (steps with host updates do not run ahead).
-  const double waited_for_ms = p.host_updates_after_backward ? p.compute_ms : p.forward_ms;
+  const double waited_for_ms = p.host_updates_deferred         ? 0.0
+                               : p.host_updates_after_backward ? p.compute_ms
+                                                               : p.forward_ms;
   const double host_bound_ms = p.host_update_bytes ? waited_for_ms + p.host_update_ms : 0.0;
   return std::max(
       {p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, p.launch_ms, p.network_ms});
@@ -182,7 +184,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       continue;
     }
     if (g.nodes.lane[n] == ops::Lane::host && row.op_class == ops::OpClass::update) {
+      p.host_updates_deferred = p.host_updates_deferred || g.nodes.deferred[n];
       for (TensorId x : g.nodes.outputs(n)) {
+        if (g.nodes.deferred[n]) break;
         const TensorId s = g.tensors.storage(x);
         if (graph::is_persistent(g.tensors.role[s]) && offload::changes_in_place(g.tensors.home[s], pinned_copies))
           p.host_updates_after_backward = true;

@@ -29,6 +29,23 @@ bool counts_hits(const graph::CompiledStep& step) {
   return step.graph().tensors.shape[step.graph().loss].elems() > 1;
 }
 
+// Host updates deferred into the next step belong to the one training variant that updates:
+// configurations with a second one (hybrid phases' fitting steps, accumulation's micro-batches)
+// or with collectives are refused rather than run without the overlap.
+void validate_overlapped_updates(const TrainerOptions& options) {
+  if (!options.residency.overlap_host_updates) return;
+  const char* other = options.phases.hybrid               ? "hybrid phases (--phases hybrid)"
+                      : options.accumulate > 1            ? "gradient accumulation (--accumulate above 1)"
+                      : detail::data_parallel(options)    ? "data-parallel training (more than one rank)"
+                      : !options.residency.host_optimizer ? "updates on the device (no --host-optimizer)"
+                                                          : nullptr;
+  if (other == nullptr) return;
+  throw std::invalid_argument(
+      fmt::format("host updates overlapped with the next step's forward (--overlap-host-updates; "
+                  "ResidencyOptions::overlap_host_updates) do not combine with {}: leave one of the two out",
+                  other));
+}
+
 }  // namespace
 
 namespace detail {
@@ -55,6 +72,7 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
   }
   if (options.phases.hybrid) options.optimizer.predictor = options.phases.predictor;
   validate_data_parallel(options);
+  validate_overlapped_updates(options);
 }
 
 graph::VariantKey training_key(const TrainerOptions& options) {

@@ -66,6 +66,7 @@ struct TrainArgs {
   unsigned compress_workers = 0;
   std::uint32_t lookahead = 2;
   bool host_optimizer = false;
+  bool overlap_host_updates = false;  // ResidencyOptions::overlap_host_updates
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
   std::uint32_t trace_steps = 4;

@@ -104,6 +104,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
   opt.residency.lookahead = a.lookahead;
   opt.residency.host_optimizer = a.host_optimizer;
+  opt.residency.overlap_host_updates = a.overlap_host_updates;
   if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
   if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
   // 0 is the library's "not given" for either budget: given here, it is refused, not read as that.

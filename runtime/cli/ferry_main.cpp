@@ -472,6 +472,9 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
   app->add_flag("--host-optimizer", t.host_optimizer,
                 "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
                 "come back");
+  app->add_flag("--overlap-host-updates", t.overlap_host_updates,
+                "With --host-optimizer: apply each step's host updates during the next step's forward, each weight's "
+                "just before its fetch, instead of after the backward with the device idle (the same results)");
   // The library's names of the homes are taken as well, as its messages use them.
   const auto homes = CLI::IsMember(
       {"device", "host", "mapped", "compressed", "dropped", "host_pinned", "host_mapped", "host_compressed"});

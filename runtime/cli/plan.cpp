@@ -195,6 +195,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["host_update_bytes"] = t.host_update_bytes;
     j["host_update_ms"] = t.host_update_ms;
     j["host_updates_after_backward"] = t.host_updates_after_backward;
+    j["host_updates_deferred"] = t.host_updates_deferred;
     j["codec_bytes"] = t.codec_bytes;
     j["codec_ms"] = t.codec_ms;
     j["collective_bytes"] = t.collective_bytes;
@@ -228,6 +229,7 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "host_update_bytes",
                           "host_update_ms",
                           "host_updates_after_backward",
+                          "host_updates_deferred",
                           "codec_bytes",
                           "codec_ms",
                           "collective_bytes",

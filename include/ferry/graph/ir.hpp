@@ -105,6 +105,9 @@ struct NodeTable {
   std::vector<NodeAttrs> attrs;
   std::vector<Lane> lane;
   std::vector<TensorId> scratch;  // the op's temporary, set by the scratch pass (no_tensor if none)
+  // Per node, 1: it applies the step before's optimizer update (a host update deferred into the next
+  // step, graph::defer_host_updates), reading that step's gradient and step number; add_copy keeps it.
+  std::vector<std::uint8_t> deferred;
 
   // Throws std::length_error past max_nodes.
   NodeId add(OpId k, std::string n, std::span<const TensorId> in, std::span<const TensorId> out, NodeAttrs a = {},

@@ -43,6 +43,12 @@ struct ResidencyOptions {
   // step's commit point, on the one host copy. Only the weights are fetched and only their
   // gradients written back; optimizer state stays on the host.
   bool host_optimizer = false;
+  // With host_optimizer and one host copy of the state (HomeStoreOptions::pinned_copies 1): each
+  // step's host updates run in the next step, each just before its weight's fetch, so that they
+  // overlap the forward instead of following the backward with the device idle. The same bits as
+  // updates after the commit point; the last step's updates run when the state is next read or
+  // written (PersistentArena::read, write) or another variant runs. One rank only.
+  bool overlap_host_updates = false;
   // Per role, a home replacing the mode's preset (resident: device, stream: host_pinned,
   // mapped: host_mapped), e.g. weights on the device with their optimizer state streamed from
   // pinned host memory, or compressed state. Homes without a store (host_int8), weights

@@ -128,12 +128,16 @@ struct PhasePlan {
   // The host updates change state in place (one copy: offload::changes_in_place), so they wait for
   // the step's commit point, the end of the backward, rather than starting as gradients land.
   bool host_updates_after_backward = false;
+  // The host updates run in the next step from its start, each before its weight's fetch
+  // (ResidencyOptions::overlap_host_updates): they wait for nothing and the forward waits for them.
+  bool host_updates_deferred = false;
 };
 
 // A phase's step time from its parts (the terms above, computed): on a device of its own, the
 // largest of compute, transfers, launches, the host's work (updates and codec) and the host
 // updates after what they wait for (the forward, or the whole compute when they change state in
-// place: host_updates_after_backward), the next step's forward waiting for them; with
+// place: host_updates_after_backward; nothing when deferred into the next step), the next step's
+// forward waiting for them; with
 // `shares_host_cores` (a CPU device: kernels, copies and host work on the same cores) their sum.
 double predict_step_ms(const PhasePlan& p, bool shares_host_cores);
 
