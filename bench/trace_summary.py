@@ -10,7 +10,8 @@ for lanes that move bytes the rate they moved them at while busy (bytes of the n
 their durations: for copies and unpack/pack, what was copied); for the compute lane, its time per
 kind of node (by_kind: the name without its numbers, e.g. linear.grad_input); for host lanes, their
 nodes' waits (waits: waited_ms from ready to start, dispatch_ms from the driver's report that the
-commands a node waits for were done to its start). Then the longest idle stretches of
+commands a node waits for were done to its start) and the time they were busy while the compute lane
+was too (busy_with_compute_ms: host updates overlapped with the forward). Then the longest idle stretches of
 the compute lane, each with what the other lanes were doing just before it ended (the node on
 each lane whose end is the latest before the compute lane resumed): the waits a streamed step
 pays. Standard library only; reads the layout docs/outputs.md describes.
@@ -61,6 +62,11 @@ def summarize(lanes, spans, step):
         waits = host_waits(ss)
         if waits:
             lane["waits"] = waits
+        if name.startswith("host") and name != "host thread" and by_lane.get("compute"):
+            # Host work while the compute lane was busy too (host updates overlapped with the forward).
+            lane["busy_with_compute_ms"] = intersection_length(
+                [(s["ts"], s["ts"] + s["dur"]) for s in ss],
+                [(s["ts"], s["ts"] + s["dur"]) for s in by_lane["compute"]]) / 1e3
         if moved:
             # A copy node's bytes count its input and its output: half of them crossed.
             lane["copied_gb"] = moved / 2 / 1e9
@@ -111,6 +117,31 @@ def union_length(intervals):
         elif b > end:
             total += b - end
             end = b
+    return total
+
+
+def merged(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def intersection_length(xs, ys):
+    """The time covered by both sets of intervals."""
+    xs, ys = merged(xs), merged(ys)
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if b > a:
+            total += b - a
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 

@@ -49,10 +49,11 @@ CompiledStep::~CompiledStep() {
     }
   }
   if (persistent_ && persistent_->deferred_owner == this) {
-    // Other variants may go on with the arena: the last step's update goes into it now (unless a
-    // step is still in flight: then the state is that step's business, and it was abandoned).
+    // Other variants holding the arena may go on with it: the last step's update goes into it now
+    // (unless a step is still in flight: then the state is that step's business, and it was
+    // abandoned). Alone with it, the state goes with this step.
     try {
-      if (impl_->count == 0) apply_deferred_updates();
+      if (impl_->count == 0 && persistent_.use_count() > 1) apply_deferred_updates();
     } catch (...) {
       // A destructor cannot report it; the update is lost, as the step in flight would be.
     }

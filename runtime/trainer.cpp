@@ -34,15 +34,20 @@ bool counts_hits(const graph::CompiledStep& step) {
 // or with collectives are refused rather than run without the overlap.
 void validate_overlapped_updates(const TrainerOptions& options) {
   if (!options.residency.overlap_host_updates) return;
-  const char* other = options.phases.hybrid               ? "hybrid phases (--phases hybrid)"
-                      : options.accumulate > 1            ? "gradient accumulation (--accumulate above 1)"
-                      : detail::data_parallel(options)    ? "data-parallel training (more than one rank)"
-                      : !options.residency.host_optimizer ? "updates on the device (no --host-optimizer)"
-                                                          : nullptr;
+  if (!options.residency.host_optimizer) {
+    throw std::invalid_argument(
+        "host updates overlapped with the next step's forward (--overlap-host-updates; "
+        "ResidencyOptions::overlap_host_updates) are the host optimizer's: add --host-optimizer "
+        "(ResidencyOptions::host_optimizer), or leave --overlap-host-updates out");
+  }
+  const char* other = options.phases.hybrid            ? "hybrid phases (--phases hybrid)"
+                      : options.accumulate > 1         ? "gradient accumulation (--accumulate above 1)"
+                      : detail::data_parallel(options) ? "data-parallel training (more than one rank)"
+                                                       : nullptr;
   if (other == nullptr) return;
   throw std::invalid_argument(
       fmt::format("host updates overlapped with the next step's forward (--overlap-host-updates; "
-                  "ResidencyOptions::overlap_host_updates) do not combine with {}: leave one of the two out",
+                  "ResidencyOptions::overlap_host_updates) do not combine with {} yet: leave one of the two out",
                   other));
 }
 

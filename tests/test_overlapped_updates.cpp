@@ -267,7 +267,7 @@ TEST(OverlappedUpdates, ConfigurationsWithoutOneUpdatingVariantAreRefused) {
       EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
     }
   };
-  refused([](TrainerOptions& o) { o.residency.host_optimizer = false; }, "--host-optimizer");
+  refused([](TrainerOptions& o) { o.residency.host_optimizer = false; }, "add --host-optimizer");
   refused([](TrainerOptions& o) { o.accumulate = 2; }, "accumulation");
   refused([](TrainerOptions& o) { o.phases.hybrid = true; }, "hybrid phases");
   refused([](TrainerOptions& o) { o.residency.homes.pinned_copies = 2; }, "one pinned copy");

@@ -316,6 +316,19 @@ TEST(Plan, HostUpdatesArePredictedFromTheHostRate) {
   const PhasePlan& t2 = p2.phases.front();
   EXPECT_FALSE(t2.host_updates_after_backward);
   EXPECT_EQ(t2.host_update_bytes, t.host_update_bytes);
+  // Deferred into the next step's forward: they wait for nothing, and the same bytes move.
+  TrainerOptions overlapped = o;
+  overlapped.residency.overlap_host_updates = true;
+  const TrainingPlan po = plan_training(rt, small_mlp(), overlapped, rates);
+  const PhasePlan& to = po.phases.front();
+  EXPECT_TRUE(to.host_updates_deferred);
+  EXPECT_FALSE(to.host_updates_after_backward);
+  EXPECT_FALSE(t.host_updates_deferred);
+  EXPECT_EQ(to.host_update_bytes, t.host_update_bytes);
+  EXPECT_DOUBLE_EQ(po.predicted_step_ms, predict_step_ms(to, rt.device().is_cpu()));
+  if (!rt.device().is_cpu()) {
+    EXPECT_LT(po.predicted_step_ms, p.predicted_step_ms);
+  }
 
   // 8-bit AdamW on the host: 16 bytes a parameter (u8 moments) and each tensor's two block scales
   // read and written (4 tensors of one block each), at the 8-bit rate.
@@ -557,6 +570,12 @@ TEST(Plan, StepTimeCombinesItsParts) {
   p.host_updates_after_backward = true;
   EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 18) << "updates in place wait for the backward: compute + updates";
   EXPECT_DOUBLE_EQ(predict_step_ms(p, true), 23.5);
+  p.host_updates_deferred = true;  // (after_backward stays as it was: deferral overrides it)
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 10) << "deferred into the next forward: beside the compute";
+  p.host_update_ms = 12;
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 12.5) << "deferred: the host's work alone when it is the longest";
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, true), 27.5) << "a CPU device still adds them up";
+  p.host_updates_deferred = false, p.host_update_ms = 8;
   p.transfer_ms = 30;
   EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 30) << "the link is the largest part";
 }
