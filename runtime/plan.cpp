@@ -144,10 +144,13 @@ double predict_step_ms(const PhasePlan& p, bool shares_host_cores) {
     return p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms + p.network_ms;
   // Host updates start once what they wait for is done, and the next step's forward waits for all
   // of them (steps with host updates do not run ahead).
+  // Deferred into the next step, they wait for nothing, but that step's forward ends only after the
+  // last of them, and its backward follows.
   const double waited_for_ms = p.host_updates_deferred         ? 0.0
                                : p.host_updates_after_backward ? p.compute_ms
                                                                : p.forward_ms;
-  const double host_bound_ms = p.host_update_bytes ? waited_for_ms + p.host_update_ms : 0.0;
+  const double followed_by_ms = p.host_updates_deferred ? p.compute_ms - p.forward_ms : 0.0;
+  const double host_bound_ms = p.host_update_bytes ? waited_for_ms + p.host_update_ms + followed_by_ms : 0.0;
   return std::max(
       {p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, p.launch_ms, p.network_ms});
 }

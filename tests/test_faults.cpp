@@ -30,14 +30,6 @@
 namespace ferry::test {
 namespace {
 
-using Parameters = std::map<std::string, std::vector<float>>;
-
-Parameters parameters_of(const Trainer& t) {
-  Parameters p;
-  for (const auto& name : t.parameter_names()) p[name] = t.read_parameter(name);
-  return p;
-}
-
 // Bit for bit the same tensors; a difference names the tensor (not its bytes).
 void expect_same_state(const TensorBytes& actual, const TensorBytes& expected, const char* what) {
   ASSERT_EQ(actual.size(), expected.size()) << what;

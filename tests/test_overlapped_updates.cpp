@@ -17,17 +17,10 @@
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "trainer_state.hpp"
 
 namespace ferry::test {
 namespace {
-
-using Parameters = std::map<std::string, std::vector<float>>;
-
-Parameters parameters_of(const Trainer& t) {
-  Parameters p;
-  for (const auto& name : t.parameter_names()) p[name] = t.read_parameter(name);
-  return p;
-}
 
 struct Case {
   const char* name;
@@ -59,7 +52,7 @@ TrainerOptions host_options(Runtime& rt, const ModelSpec& m, const Case& c, bool
 }
 
 struct Trained {
-  Parameters params;
+  TensorBytes state;  // weights and optimizer state
   std::vector<float> losses;
 };
 
@@ -69,7 +62,7 @@ Trained train(Trainer& trainer, const ModelSpec& m, int steps) {
   for (int s = 0; s < steps; ++s) {
     r.losses.push_back(trainer.step(random_vector(8 * sample, 50 + s), labels_for(8, 70 + s)).loss);
   }
-  r.params = parameters_of(trainer);
+  r.state = tensors_of(trainer);
   return r;
 }
 
@@ -84,7 +77,8 @@ TEST_P(OverlappedUpdatesTest, AreBitIdenticalToUpdatesAfterTheCommitPoint) {
   const Trained reference = train(after_commit, m, 4);
   const Trained run = train(overlapped, m, 4);
   EXPECT_EQ(run.losses, reference.losses);
-  for (const auto& [name, values] : reference.params) EXPECT_EQ(run.params.at(name), values) << name;
+  ASSERT_EQ(run.state.size(), reference.state.size());
+  for (const auto& [name, bytes] : reference.state) EXPECT_EQ(run.state.at(name), bytes) << name;
 
   // The graph: every host update deferred, before each fetch of its weight; no commit point left to
   // wait for; the step tensors the updates read (the previous step's gradients) share no bytes with
@@ -168,8 +162,7 @@ TEST(OverlappedUpdates, TheLastUpdateReachesWhatReadsTheState) {
   Trainer loaded(rt, m, host_options(rt, m, c, false));
   loaded.load_checkpoint(saved);
   std::filesystem::remove(saved);
-  const Parameters expected = parameters_of(reference);
-  EXPECT_EQ(parameters_of(loaded), expected);
+  EXPECT_EQ(tensors_of(loaded), tensors_of(reference));
   // One more step each: its update pending again, evaluation applies it.
   reference.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
   overlapped.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
@@ -177,7 +170,7 @@ TEST(OverlappedUpdates, TheLastUpdateReachesWhatReadsTheState) {
   const auto a = overlapped.evaluate(d), b = reference.evaluate(d);
   EXPECT_FALSE(compiled_train_step(overlapped).has_deferred_updates());
   EXPECT_EQ(a.loss, b.loss);
-  EXPECT_EQ(parameters_of(overlapped), parameters_of(reference));
+  EXPECT_EQ(tensors_of(overlapped), tensors_of(reference));
 }
 
 // A step that fails after some of the deferred updates ran (a compute node in the middle of the
@@ -214,7 +207,7 @@ TEST(OverlappedUpdates, AFailedStepLeavesTheUpdatesItDidNotReachPending) {
     EXPECT_NE(std::string(e.what()).find(nodes.name[compute.front()]), std::string::npos) << e.what();
   }
   for (int s = 0; s < 2; ++s) EXPECT_EQ(overlapped.step(images, labels).loss, reference.step(images, labels).loss);
-  EXPECT_EQ(parameters_of(overlapped), parameters_of(reference));
+  EXPECT_EQ(tensors_of(overlapped), tensors_of(reference));
 }
 
 // A deferred update that throws from inside its host work has changed part of its weight: a
@@ -231,7 +224,7 @@ TEST(OverlappedUpdates, AFailingDeferredUpdateIsAPartialUpdateNamingItsTensors) 
   trainer.step(images, labels);
   const auto saved = testing::TempDir() + "/overlapped_updates_partial.ferry";
   trainer.save_checkpoint(saved);
-  const Parameters before = parameters_of(trainer);
+  const TensorBytes before = tensors_of(trainer);
   trainer.step(images, labels);  // its update pending
   const auto& g = compiled_train_step(trainer).graph();
   graph::NodeId victim = 0;
@@ -249,7 +242,7 @@ TEST(OverlappedUpdates, AFailingDeferredUpdateIsAPartialUpdateNamingItsTensors) 
   EXPECT_THROW(trainer.step(images, labels), std::runtime_error);
   trainer.load_checkpoint(saved);
   std::filesystem::remove(saved);
-  EXPECT_EQ(parameters_of(trainer), before);
+  EXPECT_EQ(tensors_of(trainer), before);
   EXPECT_TRUE(std::isfinite(trainer.step(images, labels).loss));
 }
 

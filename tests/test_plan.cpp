@@ -571,10 +571,10 @@ TEST(Plan, StepTimeCombinesItsParts) {
   EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 18) << "updates in place wait for the backward: compute + updates";
   EXPECT_DOUBLE_EQ(predict_step_ms(p, true), 23.5);
   p.host_updates_deferred = true;  // (after_backward stays as it was: deferral overrides it)
-  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 10) << "deferred into the next forward: beside the compute";
-  p.host_update_ms = 12;
-  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 12.5) << "deferred: the host's work alone when it is the longest";
-  EXPECT_DOUBLE_EQ(predict_step_ms(p, true), 27.5) << "a CPU device still adds them up";
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 15) << "deferred into the next forward: updates + backward";
+  p.host_update_ms = 2;
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 10) << "deferred updates shorter than the forward: the compute";
+  EXPECT_DOUBLE_EQ(predict_step_ms(p, true), 17.5) << "a CPU device still adds them up";
   p.host_updates_deferred = false, p.host_update_ms = 8;
   p.transfer_ms = 30;
   EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 30) << "the link is the largest part";

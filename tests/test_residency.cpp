@@ -13,6 +13,7 @@
 #include "runtime/trainer_internals.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
+#include "trainer_state.hpp"
 
 namespace ferry::test {
 namespace {
@@ -27,19 +28,11 @@ TrainerOptions options(graph::ResidencyMode mode, std::uint64_t budget, std::uin
   return o;
 }
 
-using Parameters = std::map<std::string, std::vector<float>>;
-
 // Trains `steps` steps on fixed random batches and returns every parameter and the losses.
 struct RunResult {
   Parameters params;
   std::vector<float> losses;
 };
-
-Parameters parameters_of(const Trainer& t) {
-  Parameters p;
-  for (const auto& name : t.parameter_names()) p[name] = t.read_parameter(name);
-  return p;
-}
 
 // Every parameter of `t` equals `expected` bit for bit.
 void expect_parameters(const Trainer& t, const Parameters& expected) {

@@ -18,4 +18,12 @@ inline TensorBytes tensors_of(const Trainer& t) {
   return s;
 }
 
+// Every trained parameter by name, as floats.
+using Parameters = std::map<std::string, std::vector<float>>;
+inline Parameters parameters_of(const Trainer& t) {
+  Parameters p;
+  for (const auto& name : t.parameter_names()) p[name] = t.read_parameter(name);
+  return p;
+}
+
 }  // namespace ferry::test

@@ -136,8 +136,8 @@ struct PhasePlan {
 // A phase's step time from its parts (the terms above, computed): on a device of its own, the
 // largest of compute, transfers, launches, the host's work (updates and codec) and the host
 // updates after what they wait for (the forward, or the whole compute when they change state in
-// place: host_updates_after_backward; nothing when deferred into the next step), the next step's
-// forward waiting for them; with
+// place: host_updates_after_backward; nothing when deferred into the next step, whose backward
+// then follows them), the next step's forward waiting for them; with
 // `shares_host_cores` (a CPU device: kernels, copies and host work on the same cores) their sum.
 double predict_step_ms(const PhasePlan& p, bool shares_host_cores);
 
