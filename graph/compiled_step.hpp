@@ -210,6 +210,9 @@ class CompiledStep {
   bool apply_deferred_updates();
   // Whether an update is pending (always false without deferred updates).
   bool has_deferred_updates() const noexcept;
+  // The state is about to be written whole (a checkpoint's load): what is pending no longer
+  // applies, and a step refused after a deferred update failed part-way may run again.
+  void discard_deferred_updates() noexcept;
 
   const Graph& graph() const noexcept { return graph_; }
   const MemoryPlan& plan() const noexcept { return plan_; }
@@ -309,6 +312,10 @@ class CompiledStep {
   // after a step that succeeded, its update becomes pending if its guard is finite.
   void register_deferred_updates();
   void defer_update_of(const Submission& s);
+  // A deferred update failed part-way (`what`): nothing stays pending, and steps refuse to run
+  // (refuse_after_deferred_failure) until discard_deferred_updates.
+  void abandon_deferred_updates(const std::string& what);
+  void refuse_after_deferred_failure() const;
   Graph graph_;
   MemoryPlan plan_;
   ResidencyReport residency_;

@@ -3,6 +3,7 @@
 // through which reads, writes and other variants' steps apply it first.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -24,6 +25,24 @@ void CompiledStep::register_deferred_updates() {
   }
   persistent_->deferred_owner = this;
   persistent_->apply_deferred = [this] { apply_deferred_updates(); };
+}
+
+void CompiledStep::discard_deferred_updates() noexcept {
+  std::fill(impl_->deferred_pending.begin(), impl_->deferred_pending.end(), 0);
+  impl_->deferred_failure.clear();
+}
+
+void CompiledStep::abandon_deferred_updates(const std::string& what) {
+  std::fill(impl_->deferred_pending.begin(), impl_->deferred_pending.end(), 0);
+  impl_->deferred_failure = what;
+}
+
+void CompiledStep::refuse_after_deferred_failure() const {
+  if (impl_->deferred_failure.empty()) return;
+  throw std::runtime_error(fmt::format(
+      "this step refuses to run: the optimizer update deferred into it failed part-way ({}), so the weights and "
+      "optimizer state are inconsistent; write them whole again (a checkpoint's load) first",
+      impl_->deferred_failure));
 }
 
 bool CompiledStep::has_deferred_updates() const noexcept {
@@ -68,6 +87,7 @@ bool CompiledStep::apply_deferred_updates() {
       for (TensorId x : n.outputs(id)) {
         if (is_persistent(graph_.tensors.role[graph_.tensors.storage(x)])) changed.push_back(graph_.tensors.name[x]);
       }
+      abandon_deferred_updates(e.what());
       throw PartialUpdateError(
           fmt::format("{}; it was applying the update deferred from step {}, so {} may hold part of it", e.what(),
                       im.deferred_step.step, fmt::join(changed, ", ")),

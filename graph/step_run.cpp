@@ -212,6 +212,7 @@ void CompiledStep::submit(const ops::StepInfo& step, RunMode mode) {
         "this step cannot be submitted while the one before it runs (it has host-lane nodes, or its state commits on "
         "the host when it succeeds): wait() for that one first");
   }
+  refuse_after_deferred_failure();
   // Another variant's update deferred into its next step goes into the state before this step reads it.
   if (persistent_->deferred_owner != this) persistent_->settle_deferred();
   const std::size_t index = im.next;
@@ -291,7 +292,19 @@ void CompiledStep::wait() {
     } else {
       im.next = im.oldest;
     }
+    // A deferred update that began and did not finish has changed part of its weight.
+    bool deferred_partial = false;
+    for (NodeId id : im.deferred) deferred_partial = deferred_partial || (s.started[id] && im.deferred_pending[id]);
     std::exception_ptr thrown = fail_step(s, failure, s.cancelled);
+    if (deferred_partial) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (const std::exception& e) {
+        abandon_deferred_updates(e.what());
+      } catch (...) {
+        abandon_deferred_updates("an unknown failure");
+      }
+    }
     if (also.empty()) std::rethrow_exception(thrown);
     std::string what;
     try {

@@ -453,6 +453,9 @@ std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::files
     restore_point[i].assign(v.begin(), v.end());
   }
   auto& arena = *compiled_->train->persistent();
+  // Every tensor is written below: an update still pending (host updates deferred into the next
+  // step) no longer applies, and one that failed part-way is overwritten.
+  compiled_->train->discard_deferred_updates();
   // Gradient sums come as the group's (detail::group_sums_for_rank), but from this rank's own file
   // of a ZeRO checkpoint cut as this trainer cuts, which holds its own sums.
   const bool group_sums = resharded || compiled_->train_key.zero_stage == 0 || world_size() == 1;

@@ -239,7 +239,27 @@ TEST(OverlappedUpdates, AFailingDeferredUpdateIsAPartialUpdateNamingItsTensors) 
     const std::string weight = g.tensors.name[g.tensors.storage(g.nodes.outputs(victim)[0])];
     EXPECT_NE(std::find(e.tensors().begin(), e.tensors().end(), weight), e.tensors().end()) << e.what();
   }
+  EXPECT_FALSE(compiled_train_step(trainer).has_deferred_updates()) << "the update was abandoned";
   EXPECT_THROW(trainer.step(images, labels), std::runtime_error);
+  trainer.load_checkpoint(saved);
+  EXPECT_EQ(tensors_of(trainer), before);
+  EXPECT_TRUE(std::isfinite(trainer.step(images, labels).loss));
+
+  // Failing where the pending update is applied outside a step (a read of the state): the same
+  // partial update, and the next step refuses to run until a checkpoint is loaded.
+  compiled_train_step(trainer).inject_failure(victim, graph::Fault::host_throw);
+  try {
+    (void)trainer.read_parameter(trainer.parameter_names().front());
+    FAIL() << "the read should apply the pending update, and fail";
+  } catch (const graph::PartialUpdateError& e) {
+    EXPECT_NE(std::string(e.what()).find("deferred from step"), std::string::npos) << e.what();
+  }
+  try {
+    trainer.step(images, labels);
+    FAIL() << "a step after a failed deferred update should be refused";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("failed part-way"), std::string::npos) << e.what();
+  }
   trainer.load_checkpoint(saved);
   std::filesystem::remove(saved);
   EXPECT_EQ(tensors_of(trainer), before);
