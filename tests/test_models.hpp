@@ -1,7 +1,9 @@
 // Small models that exercise every layer kind, shared by the graph and residency tests.
 #pragma once
 
+#include "ferry/runtime/fashion_mnist.hpp"
 #include "ferry/runtime/model.hpp"
+#include "test_support.hpp"
 
 namespace ferry::test {
 
@@ -13,6 +15,18 @@ inline ModelSpec small_mlp() {
     x = b.relu(b.linear(x, 13));
     return b.linear(x, 10);
   });
+}
+
+// `count` random samples of small_mlp's 4 x 5 input with random labels (images from `seed`,
+// labels from `seed` + 1): a data source for evaluation.
+inline Dataset small_mlp_samples(std::size_t count, std::uint32_t seed) {
+  Dataset d;
+  d.count = count;
+  d.rows = 4;
+  d.cols = 5;
+  d.images = random_vector(count * 20, seed);
+  d.labels = labels_for(count, seed + 1);
+  return d;
 }
 
 inline ModelSpec small_cnn() {

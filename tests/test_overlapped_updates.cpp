@@ -145,12 +145,7 @@ TEST(OverlappedUpdates, TheLastUpdateReachesWhatReadsTheState) {
   const Case c{"adam", ops::OptimizerConfig::Kind::adam};
   Trainer reference(rt, m, host_options(rt, m, c, false));
   Trainer overlapped(rt, m, host_options(rt, m, c, true));
-  Dataset d;
-  d.count = 19;
-  d.rows = 4;
-  d.cols = 5;
-  d.images = random_vector(d.count * 20, 8);
-  d.labels = labels_for(d.count, 9);
+  const Dataset d = small_mlp_samples(19, 8);
   for (int s = 0; s < 3; ++s) {
     reference.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
     overlapped.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));

@@ -381,12 +381,7 @@ TEST(Residency, EvaluationOfAStreamedModelSeesTheTrainedWeights) {
   const ModelSpec m = small_mlp();
   Trainer streamed(rt, m, options(graph::ResidencyMode::stream, min_stream_budget(rt, m)));
   Trainer resident(rt, m, options(graph::ResidencyMode::resident, 0));
-  Dataset d;
-  d.count = 19;
-  d.rows = 4;
-  d.cols = 5;
-  d.images = random_vector(d.count * 20, 8);
-  d.labels = labels_for(d.count, 9);
+  const Dataset d = small_mlp_samples(19, 8);
   for (int s = 0; s < 5; ++s) {
     streamed.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
     resident.step(std::span(d.images).first(8 * 20), std::span(d.labels).first(8));
