@@ -372,6 +372,23 @@ std::vector<std::byte> Trainer::load_resharded_checkpoint(std::span<const std::f
   return load_checkpoint_files(files, true, options);
 }
 
+namespace {
+
+// The trainer's record of a checkpoint against this trainer: counts in range, a usable rate, and
+// the predictor's gains and phase section exactly where hybrid phases are on.
+void check_trainer_record(const ckpt::Reader& r, const ckpt::Contents& file, std::uint32_t accumulate, bool phases,
+                          std::size_t weights) {
+  const ckpt::TrainerRecord& tr = file.trainer;
+  if (tr.micro >= accumulate) throw r.corrupt(fmt::format("{} micro-batches done of {}", tr.micro, accumulate));
+  if (!std::isfinite(tr.lr) || tr.lr < 0) throw r.corrupt(fmt::format("the learning rate is {}", tr.lr));
+  if (phases ? tr.gains.size() != 2 * weights : !tr.gains.empty()) {
+    throw r.corrupt(fmt::format("{} predictor gains for {} weights (two each)", tr.gains.size(), weights));
+  }
+  if (file.phases.has_value() != phases) throw r.corrupt("the phase section disagrees with the fingerprint");
+}
+
+}  // namespace
+
 std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::filesystem::path> paths, bool reshard,
                                                       LoadOptions options) {
   settle_all();
@@ -405,15 +422,7 @@ std::vector<std::byte> Trainer::load_checkpoint_files(std::span<const std::files
   }
   for (std::size_t f = 0; f < paths.size(); ++f) refuse_non_finite(paths[f], contents[f], t, ids);
   const ckpt::TrainerRecord& tr = file.trainer;
-  if (tr.micro >= options_.accumulate)
-    throw r.corrupt(fmt::format("{} micro-batches done of {}", tr.micro, options_.accumulate));
-  if (!std::isfinite(tr.lr) || tr.lr < 0) throw r.corrupt(fmt::format("the learning rate is {}", tr.lr));
-  if (phases_ ? tr.gains.size() != 2 * compiled_->weights.size() : !tr.gains.empty()) {
-    throw r.corrupt(
-        fmt::format("{} predictor gains for {} weights (two each)", tr.gains.size(), compiled_->weights.size()));
-  }
-  if (file.phases.has_value() != (phases_ != nullptr))
-    throw r.corrupt("the phase section disagrees with the fingerprint");
+  check_trainer_record(r, file, options_.accumulate, phases_ != nullptr, compiled_->weights.size());
   LossScaler scaler = scaler_;
   std::optional<PhaseController> controller;
   try {
