@@ -187,6 +187,19 @@ std::exception_ptr CompiledStep::fail_step(Submission& s, std::exception_ptr fai
   for (std::size_t i = 0; i < changed.size() && i < shown; ++i)
     list += fmt::format("{}'{}'", i ? ", " : "", changed[i]);
   if (changed.size() > shown) list += fmt::format(" and {} more", changed.size() - shown);
+  // A deferred update that began and did not finish: the step before's update, abandoned now.
+  bool deferred_partial = false;
+  for (NodeId id : impl_->deferred)
+    deferred_partial = deferred_partial || (s.started[id] && impl_->deferred_pending[id]);
+  if (deferred_partial) {
+    const std::uint64_t of = impl_->deferred_step.step;
+    abandon_deferred_updates(what);
+    return std::make_exception_ptr(PartialUpdateError(
+        fmt::format("{}; this step had begun applying the update of step {} deferred into it: {} may hold part of "
+                    "that update, which is abandoned (other weights hold it whole or not at all)",
+                    what, of, list),
+        std::move(changed), failure));
+  }
   return std::make_exception_ptr(
       PartialUpdateError(fmt::format("{}; this step had begun changing state kept in place (on the device, or streamed "
                                      "state in host memory): {} may hold this step's "
@@ -292,19 +305,7 @@ void CompiledStep::wait() {
     } else {
       im.next = im.oldest;
     }
-    // A deferred update that began and did not finish has changed part of its weight.
-    bool deferred_partial = false;
-    for (NodeId id : im.deferred) deferred_partial = deferred_partial || (s.started[id] && im.deferred_pending[id]);
     std::exception_ptr thrown = fail_step(s, failure, s.cancelled);
-    if (deferred_partial) {
-      try {
-        std::rethrow_exception(failure);
-      } catch (const std::exception& e) {
-        abandon_deferred_updates(e.what());
-      } catch (...) {
-        abandon_deferred_updates("an unknown failure");
-      }
-    }
     if (also.empty()) std::rethrow_exception(thrown);
     std::string what;
     try {

@@ -213,12 +213,14 @@ namespace {
 
 // A failure after the step had begun changing state in place: the trainer is inconsistent until
 // a checkpoint restores it.
-[[noreturn]] void throw_inconsistent(const graph::PartialUpdateError& e, std::uint64_t step,
+// With host updates deferred into the next step (`deferred`), the state changes in place while
+// that step applies the update of the step before.
+[[noreturn]] void throw_inconsistent(const graph::PartialUpdateError& e, std::uint64_t step, bool deferred,
                                      std::string& inconsistent) {
-  inconsistent = fmt::format(
-      "step {} failed in its update phase, after its forward and backward had succeeded: {}. The training state "
-      "is therefore inconsistent",
-      step, e.what());
+  inconsistent = fmt::format("step {} failed {}: {}. The training state is therefore inconsistent", step,
+                             deferred ? "while applying the update of the step before it, deferred into it"
+                                      : "in its update phase, after its forward and backward had succeeded",
+                             e.what());
   throw graph::PartialUpdateError(
       fmt::format("{}: restore it from a checkpoint (Trainer::load_checkpoint; ferry train --resume) before "
                   "training on; until then the trainer refuses to step or to save a checkpoint",
@@ -232,7 +234,7 @@ void Trainer::wait_step(graph::CompiledStep& step) {
   try {
     step.wait();
   } catch (const graph::PartialUpdateError& e) {
-    throw_inconsistent(e, steps_ + 1, inconsistent_);
+    throw_inconsistent(e, steps_ + 1, options_.residency.overlap_host_updates, inconsistent_);
   }
 }
 
@@ -252,7 +254,7 @@ StepResult Trainer::run_step(graph::CompiledStep& step, const ops::StepInfo& inf
   try {
     step.submit(info);
   } catch (const graph::PartialUpdateError& e) {
-    throw_inconsistent(e, steps_ + 1, inconsistent_);
+    throw_inconsistent(e, steps_ + 1, options_.residency.overlap_host_updates, inconsistent_);
   }
   wait_step(step);
   return after_wait(step, t0);
@@ -498,7 +500,7 @@ StepHandle Trainer::submit(const Batch& batch) {
   try {
     step.submit(info);
   } catch (const graph::PartialUpdateError& e) {
-    throw_inconsistent(e, steps_ + 1, inconsistent_);
+    throw_inconsistent(e, steps_ + 1, options_.residency.overlap_host_updates, inconsistent_);
   }
   p.step = &step;
   pending_.push_back(std::move(p));
