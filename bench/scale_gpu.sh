@@ -98,6 +98,13 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
 EOF
 }
 
+# The host memory flags of the streamed runs that take them (1b-stream, 1b-overlap, 7b), and the
+# tag their names carry.
+memory=()
+[[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
+[[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
+tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
+
 if [[ ${SCALE_GPU_ONLY:-} == 1b ]]; then
   run gpt1b_resident "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency resident
   run gpt1b_stream "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
@@ -111,10 +118,6 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b-pair ]]; then
   exit
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 1b-stream ]]; then
-  memory=()
-  [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
-  [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
-  tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
   run "gpt1b_stream$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
     "${memory[@]}"
   run "gpt1b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
@@ -123,10 +126,6 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b-stream ]]; then
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 1b-overlap ]]; then
   # The host optimizer's updates after the backward, then deferred into the next step's forward.
-  memory=()
-  [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
-  [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
-  tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
   run "gpt1b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
     --host-optimizer "${memory[@]}"
   run "gpt1b_stream_host_overlap$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream \
@@ -134,10 +133,6 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b-overlap ]]; then
   exit
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 7b ]]; then
-  memory=()
-  [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
-  [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
-  tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
   [[ ${SCALE_GPU_OVERLAP:-0} == 1 ]] && memory+=(--overlap-host-updates) && tag+=_overlap
   run "gpt7b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-1800}" 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB \
     --host-optimizer "${memory[@]}"

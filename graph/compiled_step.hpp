@@ -309,9 +309,11 @@ class CompiledStep {
   // one with the step info of the step whose update it applies.
   void run_host_node(NodeId id, Submission& s);
   // Deferred updates (graph/deferred_updates.cpp): the nodes and the arena's hook, set up once;
-  // after a step that succeeded, its update becomes pending if its guard is finite.
+  // the update of a step whose updates hold (it succeeded, its guard finite) becomes pending; a
+  // deferred node that began in `s` and did not finish has changed part of its weight.
   void register_deferred_updates();
-  void defer_update_of(const Submission& s);
+  void defer_update_of(const ops::StepInfo& step);
+  bool deferred_failed_part_way(const Submission& s, NodeId id) const;
   // A deferred update failed part-way (`what`): nothing stays pending, and steps refuse to run
   // (refuse_after_deferred_failure) until discard_deferred_updates.
   void abandon_deferred_updates(const std::string& what);

@@ -174,7 +174,6 @@ struct CompiledStep::Impl {
   std::vector<NodeId> deferred;
   std::vector<char> deferred_pending;
   ops::StepInfo deferred_step;
-  bool applying_deferred = false;  // apply_deferred_updates is running (the arena calls back into it)
   // A deferred update failed part-way: the update was abandoned (nothing pending) and the step
   // refuses to run until the state is written whole (discard_deferred_updates). What failed.
   std::string deferred_failure;

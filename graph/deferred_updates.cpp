@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <stdexcept>
 
 #include "compiled_step_impl.hpp"
@@ -52,28 +51,25 @@ bool CompiledStep::has_deferred_updates() const noexcept {
   return false;
 }
 
-void CompiledStep::defer_update_of(const Submission& s) {
+void CompiledStep::defer_update_of(const ops::StepInfo& step) {
   Impl& im = *impl_;
-  if (im.deferred.empty() || s.mode != RunMode::normal) return;
-  // As the undeferred updates do after the commit point: none where the guard is not finite.
-  const TensorId guard = im.guard != no_tensor ? im.guard : im.stats;
-  const float* checked =
-      guard == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(guard, false, s.slot));
-  if (checked != nullptr && !std::isfinite(checked[0])) return;
   // The step ran every update pending before it (it succeeded), so nothing older is overwritten.
   for (NodeId id : im.deferred) im.deferred_pending[id] = 1;
-  im.deferred_step = s.step;
+  im.deferred_step = step;
+}
+
+bool CompiledStep::deferred_failed_part_way(const Submission& s, NodeId id) const {
+  return graph_.nodes.deferred[id] && s.started[id] && impl_->deferred_pending[id];
 }
 
 bool CompiledStep::apply_deferred_updates() {
   Impl& im = *impl_;
-  if (im.applying_deferred || !has_deferred_updates()) return false;
+  if (!has_deferred_updates()) return false;
   if (im.count > 0) {
     throw std::logic_error(
         "the host updates a step deferred cannot be applied while a step of the same variant is in flight: wait() for "
         "it first");
   }
-  im.applying_deferred = true;
   Submission run;  // host_non_finite only: a deferred node reads its step info from deferred_step
   const auto& n = graph_.nodes;
   for (NodeId id : im.deferred) {
@@ -81,7 +77,6 @@ bool CompiledStep::apply_deferred_updates() {
     try {
       run_host_node(id, run);
     } catch (const std::exception& e) {
-      im.applying_deferred = false;
       if (ops::op_info(n.op[id]).op_class != ops::OpClass::update) throw;  // it changed no state: still pending
       std::vector<std::string> changed;
       for (TensorId x : n.outputs(id)) {
@@ -95,7 +90,6 @@ bool CompiledStep::apply_deferred_updates() {
     }
     im.deferred_pending[id] = 0;
   }
-  im.applying_deferred = false;
   return run.host_non_finite;
 }
 

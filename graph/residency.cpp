@@ -661,7 +661,8 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
             ? "host updates overlapped with the next step's forward change the one host copy of the state in place: "
               "they need one pinned copy (HomeStoreOptions::pinned_copies 1), not two"
             : "host updates overlapped with the next step's forward (--overlap-host-updates; "
-              "ResidencyOptions::overlap_host_updates) need the optimizer on the host: add --host-optimizer");
+              "ResidencyOptions::overlap_host_updates) are the host optimizer's: add --host-optimizer "
+              "(ResidencyOptions::host_optimizer), or leave --overlap-host-updates out");
   }
   return mode;
 }

@@ -130,9 +130,7 @@ std::vector<std::string> CompiledStep::changed_in_place(const Submission& s) con
   }
   std::vector<char> seen(t.size(), 0);
   for (NodeId id = 0; id < n.size(); ++id) {
-    // A deferred update that started and is still pending failed part-way.
-    const bool partial_deferred = n.deferred[id] && impl_->deferred_pending[id];
-    if (!(impl_->in_place[id] || partial_deferred) || !s.started[id]) continue;
+    if (!(impl_->in_place[id] && s.started[id]) && !deferred_failed_part_way(s, id)) continue;
     for (TensorId x : n.outputs(id)) {
       const TensorId st = t.storage(x);
       if (!changes_in_place(st) || seen[st]) continue;
@@ -188,10 +186,8 @@ std::exception_ptr CompiledStep::fail_step(Submission& s, std::exception_ptr fai
     list += fmt::format("{}'{}'", i ? ", " : "", changed[i]);
   if (changed.size() > shown) list += fmt::format(" and {} more", changed.size() - shown);
   // A deferred update that began and did not finish: the step before's update, abandoned now.
-  bool deferred_partial = false;
-  for (NodeId id : impl_->deferred)
-    deferred_partial = deferred_partial || (s.started[id] && impl_->deferred_pending[id]);
-  if (deferred_partial) {
+  const auto& deferred = impl_->deferred;
+  if (std::any_of(deferred.begin(), deferred.end(), [&](NodeId id) { return deferred_failed_part_way(s, id); })) {
     const std::uint64_t of = impl_->deferred_step.step;
     abandon_deferred_updates(what);
     return std::make_exception_ptr(PartialUpdateError(
@@ -319,16 +315,19 @@ void CompiledStep::wait() {
                     what, fmt::join(also, ", ")),
         also, failure);
   }
-  defer_update_of(s);
-  // Every updated tensor now sits in the other slot: it becomes the current state.
-  // (A transfers-only run computed nothing: its write-backs are not a new state.)
-  // A step whose overflow guard is not finite skipped its updates on the device; streamed
-  // updates, which check only the loss, and host updates are undone by not committing their slot.
+  // The step's updates hold when it computed (a transfers-only run did not: its write-backs are not
+  // a new state) and what they check (the overflow guard, else the loss) is finite.
+  const TensorId guard = im.guard != no_tensor ? im.guard : im.stats;
+  const float* checked =
+      guard == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(guard, false, s.slot));
+  const bool updates_hold = s.mode == RunMode::normal && (checked == nullptr || std::isfinite(checked[0]));
+  // Host updates deferred into the next step: this step's become pending there.
+  if (updates_hold) defer_update_of(s.step);
+  // Every updated tensor now sits in the other slot: it becomes the current state. A step whose
+  // overflow guard is not finite skipped its updates on the device; streamed updates, which check
+  // only the loss, and host updates are undone by not committing their slot.
   if (im.commits_other_slot) {
-    const TensorId guard = im.guard != no_tensor ? im.guard : im.stats;
-    const float* checked =
-        guard == no_tensor ? nullptr : reinterpret_cast<const float*>(host_address(guard, false, s.slot));
-    if (s.mode == RunMode::normal && (checked == nullptr || std::isfinite(checked[0]))) {
+    if (updates_hold) {
       persistent_->commit();
     } else {
       persistent_->abort();

@@ -187,9 +187,10 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       continue;
     }
     if (g.nodes.lane[n] == ops::Lane::host && row.op_class == ops::OpClass::update) {
-      p.host_updates_deferred = p.host_updates_deferred || g.nodes.deferred[n];
-      for (TensorId x : g.nodes.outputs(n)) {
-        if (g.nodes.deferred[n]) break;
+      // A deferred update waits for no commit point (it applies the step before's update).
+      const bool deferred = g.nodes.deferred[n] != 0;
+      p.host_updates_deferred = p.host_updates_deferred || deferred;
+      for (TensorId x : deferred ? std::span<const TensorId>{} : g.nodes.outputs(n)) {
         const TensorId s = g.tensors.storage(x);
         if (graph::is_persistent(g.tensors.role[s]) && offload::changes_in_place(g.tensors.home[s], pinned_copies))
           p.host_updates_after_backward = true;

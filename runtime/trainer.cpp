@@ -33,13 +33,8 @@ bool counts_hits(const graph::CompiledStep& step) {
 // configurations with a second one (hybrid phases' fitting steps, accumulation's micro-batches)
 // or with collectives are refused rather than run without the overlap.
 void validate_overlapped_updates(const TrainerOptions& options) {
+  // (Without the host optimizer, or with two copies of the state, the residency pass refuses it.)
   if (!options.residency.overlap_host_updates) return;
-  if (!options.residency.host_optimizer) {
-    throw std::invalid_argument(
-        "host updates overlapped with the next step's forward (--overlap-host-updates; "
-        "ResidencyOptions::overlap_host_updates) are the host optimizer's: add --host-optimizer "
-        "(ResidencyOptions::host_optimizer), or leave --overlap-host-updates out");
-  }
   const char* other = options.phases.hybrid            ? "hybrid phases (--phases hybrid)"
                       : options.accumulate > 1         ? "gradient accumulation (--accumulate above 1)"
                       : detail::data_parallel(options) ? "data-parallel training (more than one rank)"
