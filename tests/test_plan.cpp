@@ -282,6 +282,60 @@ TEST(Plan, RatesAreMeasuredOnTheDevice) {
   EXPECT_GT(measure_codec_gbps(), 0.0);
 }
 
+// The GEMM rate of a prediction is measured at the step's own products: small_mlp's step has five
+// kinds (each layer's forward and weight gradient, and the second layer's input gradient: the
+// first layer's input is the batch), each probed on buffers of its own; the rate is their FLOPs
+// over their time.
+TEST(Plan, GemmRateIsMeasuredAtTheStepsOwnProducts) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  const StepGemmRate r = measure_step_gemm_gflops(rt, small_mlp(), o, {.budget_seconds = 60});
+  EXPECT_EQ(r.batch, 16u);
+  EXPECT_EQ(r.distinct, 5u);
+  ASSERT_EQ(r.products, 5u);
+  ASSERT_EQ(r.probes.size(), 5u);
+  EXPECT_DOUBLE_EQ(r.probed_share, 1.0);
+  std::vector<std::string> ops;
+  double flops = 0, seconds = 0;
+  for (std::size_t i = 0; i < r.probes.size(); ++i) {
+    const auto& p = r.probes[i];
+    ops.push_back(p.op);
+    EXPECT_EQ(p.nodes, 1u) << p.node;
+    ASSERT_GT(p.gflops, 0.0) << p.node;
+    if (i > 0) {
+      EXPECT_LE(p.flops * p.nodes, r.probes[i - 1].flops * r.probes[i - 1].nodes) << "largest first";
+    }
+    flops += static_cast<double>(p.flops * p.nodes);
+    seconds += static_cast<double>(p.flops * p.nodes) / (p.gflops * 1e9);
+  }
+  std::ranges::sort(ops);
+  EXPECT_EQ(ops, (std::vector<std::string>{"linear", "linear", "linear_grad_input", "linear_grad_param",
+                                           "linear_grad_param"}));
+  // 16 x 20 x 13: the first layer's forward and weight gradient, 2 * 4,160 flops each.
+  EXPECT_EQ(r.probes.front().flops, 2u * 16u * 20u * 13u);
+  EXPECT_NEAR(r.gflops, flops / seconds * 1e-9, 1e-9 * r.gflops);
+}
+
+// Without time left, the largest product alone is probed (and stands for the rest); a step whose
+// products take longer than a probe may is probed at a smaller batch, down to one sample.
+TEST(Plan, GemmProbeKeepsToItsBudget) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  const StepGemmRate largest = measure_step_gemm_gflops(rt, small_mlp(), o, {.budget_seconds = 0});
+  ASSERT_EQ(largest.products, 1u);
+  EXPECT_EQ(largest.probes.front().flops, 2u * 16u * 20u * 13u);
+  EXPECT_LT(largest.probed_share, 1.0);
+  EXPECT_GT(largest.probed_share, 0.2);
+  EXPECT_GT(largest.gflops, 0.0);
+  const StepGemmRate halved =
+      measure_step_gemm_gflops(rt, small_mlp(), o, {.budget_seconds = 60, .product_seconds = 0});
+  EXPECT_EQ(halved.batch, 1u);
+  EXPECT_EQ(halved.products, 5u);
+  EXPECT_EQ(halved.probes.front().flops, 2u * 20u * 13u);
+}
+
 // small_mlp's 413 parameters (20 x 13 + 13, 13 x 10 + 10) updated by Adam on the host: each reads
 // the weight, its gradient and two moments and writes three, 28 bytes a parameter. With one copy of
 // the state (the default) they change it in place, so they wait for the end of the backward and

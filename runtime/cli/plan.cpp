@@ -46,6 +46,11 @@ nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
           {"total_bytes", b.total}};
 }
 
+// What a rate's measurement found beside the rate: where the GEMM rate was measured.
+struct RateNotes {
+  std::optional<ferry::StepGemmRate> gemm;
+};
+
 // The rates of the step-time prediction (ferry::PlanRates): each given by its flag or measured.
 struct RateSpec {
   const char* key;    // the JSON field (and its `_source`)
@@ -54,37 +59,53 @@ struct RateSpec {
   const char* help;
   bool on_host;  // measured on this machine's cores, not on the device
   double ferry::PlanRates::*rate;
-  double (*measure)(ferry::Runtime&, const ferry::TrainerOptions&);  // null: not measured here
+  // Null: not measured here. A measurement that says more than its rate notes it in `notes`.
+  double (*measure)(ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes& notes);
 };
 constexpr RateSpec rate_specs[] = {
     {"link_gbps", "link {:.2f} GB/s", "--link-gbps", "Host-device copy rate in GB/s", false,
      &ferry::PlanRates::link_gbps,
-     [](ferry::Runtime& rt, const ferry::TrainerOptions& o) {
+     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions& o, RateNotes&) {
        return ferry::measure_link_gbps(rt, o.residency.homes.host_memory);
      }},
     {"gemm_gflops", "GEMM {:.1f} GFLOP/s", "--gemm-gflops", "GEMM rate in GFLOP/s", false,
      &ferry::PlanRates::gemm_gflops,
-     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_gemm_gflops(rt); }},
+     [](ferry::Runtime& rt, const ferry::ModelSpec& model, const ferry::TrainerOptions& o, RateNotes& notes) {
+       notes.gemm = ferry::measure_step_gemm_gflops(rt, model, o);
+       return notes.gemm->gflops;
+     }},
     {"device_gbps", "device memory {:.2f} GB/s", "--device-gbps",
      "Device memory rate in GB/s of the nodes that are not GEMMs", false, &ferry::PlanRates::device_gbps,
-     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_device_gbps(rt); }},
+     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
+       return ferry::measure_device_gbps(rt);
+     }},
     {"device_8bit_gbps", "8-bit updates {:.2f} GB/s", "--device-8bit-gbps",
      "The same for 8-bit AdamW's updates on the device, bound by requantizing", false,
      &ferry::PlanRates::device_8bit_gbps,
-     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_device_8bit_gbps(rt); }},
+     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
+       return ferry::measure_device_8bit_gbps(rt);
+     }},
     {"launch_us", "launch {:.1f} us", "--launch-us", "The cost of one kernel launch in microseconds", false,
      &ferry::PlanRates::launch_us,
-     [](ferry::Runtime& rt, const ferry::TrainerOptions&) { return ferry::measure_launch_us(rt); }},
+     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
+       return ferry::measure_launch_us(rt);
+     }},
     {"host_gbps", "host optimizer {:.2f} GB/s", "--host-gbps",
      "The host optimizer's rate: bytes its updates read and write, GB/s", true, &ferry::PlanRates::host_gbps,
-     [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_host_update_gbps(); }},
+     [](ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
+       return ferry::measure_host_update_gbps();
+     }},
     {"host_8bit_gbps", "8-bit {:.2f} GB/s", "--host-8bit-gbps", "The same for the host optimizer's 8-bit AdamW updates",
      true, &ferry::PlanRates::host_8bit_gbps,
-     [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_host_update_gbps(true); }},
+     [](ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
+       return ferry::measure_host_update_gbps(true);
+     }},
     {"codec_gbps", "codec {:.2f} GB/s", "--codec-gbps",
      "The compressed home's codec rate: uncompressed bytes packed and unpacked, GB/s", true,
      &ferry::PlanRates::codec_gbps,
-     [](ferry::Runtime&, const ferry::TrainerOptions&) { return ferry::measure_codec_gbps(); }},
+     [](ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
+       return ferry::measure_codec_gbps();
+     }},
     {"network_gbps", "network {:.2f} GB/s", "--network-gbps",
      "With --ranks: what a rank sends over the network per second, GB/s (not measured: without it the network's time "
      "is left out of the prediction)",
@@ -98,6 +119,7 @@ struct PlanReport {
   std::string device;
   ferry::PlanRates rates;
   std::array<bool, rate_count> rate_given{};  // by rate_specs: given on the command line, else measured
+  RateNotes rate_notes;
   ferry::PlanOutcome configured;
   std::uint64_t min_resident = 0;
   std::optional<std::uint64_t> min_streamed;
@@ -118,7 +140,9 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
     const RateSpec& spec = rate_specs[i];
     const double given = a.plan_rates.*spec.rate;
     r.rate_given[i] = given > 0;
-    r.rates.*spec.rate = r.rate_given[i] ? given : spec.measure ? spec.measure(runtime, base) : 0.0;
+    r.rates.*spec.rate = r.rate_given[i] ? given
+                         : spec.measure  ? spec.measure(runtime, model, base, r.rate_notes)
+                                         : 0.0;
   }
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
@@ -295,6 +319,18 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
     j[rate_specs[i].key] = r.rates.*rate_specs[i].rate;
     j[std::string(rate_specs[i].key) + "_source"] = rate_source(r.rate_given[i], rate_specs[i]);
   }
+  if (const auto& probe = r.rate_notes.gemm) {
+    j["gemm_products_probed"] = probe->products;
+    j["gemm_products"] = probe->distinct;
+    j["gemm_probed_flops_share"] = probe->probed_share;
+    j["gemm_probe_s"] = probe->seconds;
+    j["gemm_probe_batch"] = probe->batch;
+    nlohmann::json probes = nlohmann::json::array();
+    for (const auto& p : probe->probes) {
+      probes.push_back({{"node", p.node}, {"op", p.op}, {"nodes", p.nodes}, {"flops", p.flops}, {"gflops", p.gflops}});
+    }
+    j["gemm_probes"] = probes;
+  }
   add_configured_fields(j, r.configured);
   std::cout << j.dump() << std::endl;
 }
@@ -410,6 +446,13 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
     rates += fmt::format(
         "{}{} ({})", i ? ", " : "rates: ", fmt::format(fmt::runtime(rate_specs[i].label), r.rates.*rate_specs[i].rate),
         rate_source(r.rate_given[i], rate_specs[i]));
+    if (rate_specs[i].rate == &ferry::PlanRates::gemm_gflops && r.rate_notes.gemm) {
+      // Where: "(measured at 6 of the step's 9 products, 97% of its GEMM FLOPs)".
+      const ferry::StepGemmRate& probe = *r.rate_notes.gemm;
+      rates.pop_back();
+      rates += fmt::format(" at {} of the step's {} products, {:.0f}% of its GEMM FLOPs)", probe.products,
+                           probe.distinct, 100.0 * probe.probed_share);
+    }
   }
   std::cout << rates << "\n";
   if (a.plan_ranks > 1) {

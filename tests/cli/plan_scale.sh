@@ -43,10 +43,13 @@ fi
 json=$(cat "$work/plan.json")
 for field in device_peak_bytes host_bytes host_store_bytes fetch_bytes write_back_bytes moved_bytes flops \
   predicted_step_ms link_gbps gemm_gflops link_gbps_source gemm_gflops_source min_budget_resident_bytes \
-  min_budget_streamed_bytes recommended phases fits; do
+  min_budget_streamed_bytes recommended phases fits gemm_products_probed gemm_products gemm_probed_flops_share \
+  gemm_probe_batch gemm_probes; do
   grep -q "\"$field\":" <<<"$json" || fail "the JSON has no '$field': $json"
 done
 grep -q '"link_gbps_source":"measured"' <<<"$json" || fail "the link rate was not measured: $json"
+# The GEMM rate is measured at the step's own products: at least the largest one was probed.
+grep -q '"gemm_products_probed":[1-9]' <<<"$json" || fail "no product of the step was probed: $json"
 grep -q '"device_peak_bytes":[1-9]' <<<"$json" || fail "no device peak: $json"
 grep -q '"predicted_step_ms":[1-9]' <<<"$json" || fail "no predicted step time: $json"
 # A host budget larger than this machine's memory plans for that host: the same model streamed

@@ -66,6 +66,39 @@ struct PlanRates {
 // 1024 x 1024 x 1024 f32 products of ops::gemm (after one that builds it).
 double measure_link_gbps(Runtime& runtime, offload::HostMemory memory = offload::HostMemory::automatic);
 double measure_gemm_gflops(Runtime& runtime);
+// The GEMM rate at the training step's own products (runtime/plan_gemm_probe.cpp): the step graph
+// `options` configure is built (nothing of the model is allocated), its product nodes (rows with a
+// FLOP count: linear and its gradients, matmul, attention, convolution) grouped by kernel and
+// sizes, and each group's node bound as a compiled step binds it (same dtypes, epilogues, K
+// splits) and run on zeroed buffers of its own, largest group first, until `budget_seconds` are
+// spent (the largest always). The rate is the probed groups' FLOPs over their time; the groups not
+// probed are taken to run at it. A step whose largest product would take longer than
+// `product_seconds` at measure_gemm_gflops's rate (a 7B GPT on a CPU) is probed at a smaller batch,
+// halved until it would not or one sample is left. What `ferry plan` measures unless --gemm-gflops
+// is given; the plan search's other candidates (smaller batches, 16-bit layers) are predicted at
+// the same rate.
+struct StepGemmRate {
+  double gflops = 0;
+  std::uint32_t batch = 0;   // the batch probed (the options' unless the products were too long)
+  std::size_t products = 0;  // groups probed
+  std::size_t distinct = 0;  // groups in the step (the same node kind and sizes: one group)
+  double probed_share = 0;   // of the step's product FLOPs, the part probed at its own sizes
+  double seconds = 0;        // the probe's wall time, kernel builds included
+  struct Product {
+    std::string node;  // one node of the group, e.g. "linear2.grad_param"
+    std::string op;    // its row's name
+    std::size_t nodes = 0;
+    std::uint64_t flops = 0;  // of one node
+    double gflops = 0;
+  };
+  std::vector<Product> probes;  // the groups probed, largest first
+};
+struct StepGemmProbe {
+  double budget_seconds = 2.0;
+  double product_seconds = 0.1;
+};
+StepGemmRate measure_step_gemm_gflops(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
+                                      const StepGemmProbe& probe = {});
 // The device's memory rate: the best of three element-wise additions of 16M f32 values (ops::add:
 // two operands read, one written, 192 MiB) after one that builds it.
 double measure_device_gbps(Runtime& runtime);
