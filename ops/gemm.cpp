@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
@@ -211,9 +210,21 @@ constexpr std::size_t direct_batched_b_max_elems = 64 * 1024;
 // with N = 1024 every line falls in the same cache set, and 1024 x 1024 x 4096 ran at 73 GFLOPS in
 // place against 131 packed on the AVX2 EPYC (1024 x 1000 x 4096, packed as N is no multiple of 16).
 constexpr std::size_t direct_b_min_panel = 64;
+// And only while a split's sub-panel (its rows of one panel) stays in a core's L2: read in place,
+// its rows lie N floats apart, and with N a multiple of 1024 every row falls in the same cache sets,
+// so a longer sub-panel is read from memory again by every row block. Splits grow past the
+// minimum when their partial products would be too many or too large (max_splits,
+// max_split_bytes): 256 x 4096 x 16384 (a 7B GPT's second MLP product at batch 1, 4 splits of 4096
+// rows, 1 MiB sub-panels) ran at 118 GFLOPS in place against 180 packed on the AVX-512 EPYC,
+// 2048 x 1024 x 8192 TN at 109 against 161; 1024 x 1024 x 4096 TN (1024-row splits, 256 KiB) at 179
+// both ways (bench/RESULTS.md, "The GEMM rate at the step's own products").
+constexpr std::size_t direct_b_max_subpanel_bytes = std::size_t{256} << 10;
 bool direct_b(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o) {
   if (s.b != DType::f32 || s.trans_b || o.b_planes != 0) return false;
-  if (s.N % panel_width(c) == 0 && panel_width(c) >= direct_b_min_panel && k_splits(s, c) > 1) return true;
+  if (s.N % panel_width(c) == 0 && panel_width(c) >= direct_b_min_panel && k_splits(s, c) > 1 &&
+      split_rows(s, c) * panel_width(c) * sizeof(float) <= direct_b_max_subpanel_bytes) {
+    return true;
+  }
   return s.batch > 1 && s.K * s.N <= direct_batched_b_max_elems;
 }
 
