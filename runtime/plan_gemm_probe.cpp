@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -84,65 +85,95 @@ struct ProductGroup {
   std::uint64_t flops_each = 0, flops = 0;
 };
 
-// Whether a node's operands fit the device for a probe: each within the largest buffer, all within
-// a quarter of its memory (the probe must not fail where the step it plans would stream).
-bool fits_a_probe(const graph::Graph& g, NodeId n, const cl::DeviceInfo& device) {
+// The bytes a probe of node n allocates: its operands and its scratch.
+std::uint64_t probe_bytes(const graph::Graph& g, NodeId n, ops::OpEnv& env) {
   std::uint64_t total = 0;
+  for (const auto ids : {g.nodes.inputs(n), g.nodes.outputs(n)}) {
+    for (TensorId x : ids) total += g.tensors.bytes(x);
+  }
+  const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
+  if (row.scratch_bytes) total += row.scratch_bytes(graph::NodeView<ops::ShapeView>(g, n), env);
+  return total;
+}
+
+// Whether a node's probe fits the device: each operand within the largest buffer, all within a
+// quarter of its memory (the probe must not fail where the step it plans would stream).
+bool fits_a_probe(const graph::Graph& g, NodeId n, Runtime& runtime) {
+  const cl::DeviceInfo& device = runtime.device();
   for (const auto ids : {g.nodes.inputs(n), g.nodes.outputs(n)}) {
     for (TensorId x : ids) {
       if (g.tensors.bytes(x) > device.max_alloc_bytes) return false;
-      total += g.tensors.bytes(x);
     }
   }
-  return total <= device.global_mem_bytes / 4;
+  return probe_bytes(g, n, runtime.env()) <= device.global_mem_bytes / 4;
 }
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// One product node's time, in seconds: a run that warms up, then the best of three rounds of about
-// 20 ms (one run for a longer product), while a quarter of what is left of the budget allows.
-double time_product(Runtime& runtime, const graph::Graph& g, NodeId n, double seconds_left) {
-  const cl::Context& ctx = runtime.context();
-  std::vector<cl::Mem> buffers;
-  const auto zeroed = [&](std::uint64_t bytes, std::string_view what) {
-    buffers.push_back(ctx.create_buffer(std::max<std::uint64_t>(bytes, 4), what));
-    const cl_uint zero = 0;
-    FERRY_CL(clEnqueueFillBuffer(ctx.compute(), buffers.back().get(), &zero, sizeof zero, 0,
-                                 std::max<std::uint64_t>(bytes, 4) / 4 * 4, 0, nullptr, nullptr));
-    return ops::DeviceSpan{buffers.back().get(), 0};
-  };
-  const std::string what = fmt::format("the GEMM probe of '{}'", g.nodes.name[n]);
-  std::vector<ops::DeviceSpan> ins, outs;
-  for (TensorId x : g.nodes.inputs(n)) ins.push_back(zeroed(g.tensors.bytes(x), what));
-  for (TensorId x : g.nodes.outputs(n)) outs.push_back(zeroed(g.tensors.bytes(x), what));
-  const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
-  ops::DeviceSpan scratch{};
-  if (row.scratch_bytes) {
-    const std::size_t bytes = row.scratch_bytes(graph::NodeView<ops::ShapeView>(g, n), runtime.env());
-    if (bytes) scratch = zeroed(bytes, what);
+// A product node bound onto zeroed buffers of its own, ready to run.
+class BoundProduct {
+ public:
+  BoundProduct(Runtime& runtime, const graph::Graph& g, NodeId n) : ctx_(runtime.context()) {
+    const std::string what = fmt::format("the GEMM probe of '{}'", g.nodes.name[n]);
+    std::vector<ops::DeviceSpan> ins, outs;
+    for (TensorId x : g.nodes.inputs(n)) ins.push_back(zeroed(g.tensors.bytes(x), what));
+    for (TensorId x : g.nodes.outputs(n)) outs.push_back(zeroed(g.tensors.bytes(x), what));
+    const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
+    ops::DeviceSpan scratch{};
+    if (row.scratch_bytes) {
+      const std::size_t bytes = row.scratch_bytes(graph::NodeView<ops::ShapeView>(g, n), runtime.env());
+      if (bytes) scratch = zeroed(bytes, what);
+    }
+    FERRY_CL(clFinish(ctx_.compute()));
+    const cl::OpScope scope(g.nodes.name[n]);
+    launches_ = row.bind(ProbeBinding(g, n, runtime.env(), std::move(ins), std::move(outs), scratch));
   }
-  FERRY_CL(clFinish(ctx.compute()));
-  const cl::OpScope scope(g.nodes.name[n]);
-  const ops::LaunchList launches =
-      row.bind(ProbeBinding(g, n, runtime.env(), std::move(ins), std::move(outs), scratch));
-  // Runs back to back, as a step enqueues its nodes: a lone run would count the queue's round trip
-  // (tenths of a millisecond on PoCL) into every product, and the plan counts launches apart.
-  const auto run = [&](std::size_t times) {
+
+  // Seconds a run, over `times` runs back to back, as a step enqueues its nodes: a lone run would
+  // count the queue's round trip (tenths of a millisecond on PoCL) into every product, and the plan
+  // counts launches apart.
+  double run(std::size_t times) const {
     ops::LaunchList repeated;
-    for (std::size_t i = 0; i < times; ++i) repeated.insert(repeated.end(), launches.begin(), launches.end());
+    for (std::size_t i = 0; i < times; ++i) repeated.insert(repeated.end(), launches_.begin(), launches_.end());
     const auto t0 = Clock::now();
-    ops::run_blocking(ctx.compute(), repeated);
+    ops::run_blocking(ctx_.compute(), repeated);
     return seconds_since(t0) / static_cast<double>(times);
-  };
-  const double first = run(1);  // warms up, and says how long the product takes
-  // Rounds of about 20 ms (at most 64 runs); a product longer than that, one more run.
-  const std::size_t times = std::clamp<std::size_t>(static_cast<std::size_t>(0.02 / std::max(first, 1e-6)), 1, 64);
-  const int rounds = times > 1 ? 3 : 1;
-  double best = first;
-  for (int i = 0; i < rounds && first * static_cast<double>(times) < seconds_left / 4; ++i) {
-    best = std::min(best, run(times));
+  }
+
+ private:
+  ops::DeviceSpan zeroed(std::uint64_t bytes, std::string_view what) {
+    const std::uint64_t size = std::max<std::uint64_t>(bytes, 4) / 4 * 4;
+    buffers_.push_back(ctx_.create_buffer(size, what));
+    const cl_uint zero = 0;
+    FERRY_CL(
+        clEnqueueFillBuffer(ctx_.compute(), buffers_.back().get(), &zero, sizeof zero, 0, size, 0, nullptr, nullptr));
+    return {buffers_.back().get(), 0};
+  }
+
+  const cl::Context& ctx_;
+  std::vector<cl::Mem> buffers_;
+  ops::LaunchList launches_;
+};
+
+// Groups bound together and timed in turns: three rounds of about 20 ms each (at most 64 runs; a
+// longer product runs once a round), every group once a round, so that a burst of other load on
+// the device (a shared machine's neighbours) slows one round of each rather than all of one. A
+// round after the first starts only while the budget lasts. Returns each group's best seconds a run.
+std::vector<double> time_in_turns(Runtime& runtime, const graph::Graph& g, std::span<const ProductGroup> set,
+                                  Clock::time_point t0, double budget_seconds) {
+  std::vector<BoundProduct> bound;
+  std::vector<double> best;
+  std::vector<std::size_t> times;
+  for (const ProductGroup& group : set) {
+    bound.emplace_back(runtime, g, group.node);
+    best.push_back(bound.back().run(1));  // warms up, and says how long the product takes
+    times.push_back(std::clamp<std::size_t>(static_cast<std::size_t>(0.02 / std::max(best.back(), 1e-6)), 1, 64));
+  }
+  for (int round = 0; round < 3; ++round) {
+    if (round > 0 && seconds_since(t0) >= budget_seconds) break;
+    for (std::size_t i = 0; i < bound.size(); ++i) best[i] = std::min(best[i], bound[i].run(times[i]));
   }
   return best;
 }
@@ -188,8 +219,7 @@ StepGemmRate measure_step_gemm_gflops(Runtime& runtime, const ModelSpec& model, 
   StepProducts step = step_products(model, options);
   const auto too_large = [&](const StepProducts& p) {
     const ProductGroup& largest = p.groups.front();
-    return static_cast<double>(largest.flops_each) > most_flops ||
-           !fits_a_probe(p.graph, largest.node, runtime.device());
+    return static_cast<double>(largest.flops_each) > most_flops || !fits_a_probe(p.graph, largest.node, runtime);
   };
   while (!step.groups.empty() && options.batch > 1 && too_large(step)) {
     TrainerOptions smaller = options;
@@ -209,19 +239,34 @@ StepGemmRate measure_step_gemm_gflops(Runtime& runtime, const ModelSpec& model, 
     out.seconds = seconds_since(t0);
     return out;
   }
+  // Sets of at most 8 groups and 256 MiB of buffers (a larger group alone) are timed in turns.
+  const std::uint64_t set_bytes =
+      std::min<std::uint64_t>(std::uint64_t{256} << 20, runtime.device().global_mem_bytes / 8);
   double probed = 0, probed_seconds = 0;
-  for (const ProductGroup& group : step.groups) {
-    const double left = probe.budget_seconds - seconds_since(t0);
-    if (out.products > 0 && left <= 0) break;  // at least the largest is probed
-    if (!fits_a_probe(step.graph, group.node, runtime.device())) continue;
-    const double seconds = time_product(runtime, step.graph, group.node, left);
-    if (!(seconds > 0)) continue;  // too short to read: it adds nothing to the weighted rate
-    probed += static_cast<double>(group.flops);
-    probed_seconds += static_cast<double>(group.flops) / static_cast<double>(group.flops_each) * seconds;
-    ++out.products;
-    out.probes.push_back({step.graph.nodes.name[group.node], ops::op_info(step.graph.nodes.op[group.node]).name,
-                          static_cast<std::size_t>(group.flops / group.flops_each), group.flops_each,
-                          static_cast<double>(group.flops_each) / seconds * 1e-9});
+  std::size_t next = 0;
+  while (next < step.groups.size()) {
+    if (out.products > 0 && seconds_since(t0) >= probe.budget_seconds) break;  // at least the largest is probed
+    std::vector<ProductGroup> set;
+    std::uint64_t bytes = 0;
+    for (; next < step.groups.size() && set.size() < 8; ++next) {
+      const ProductGroup& group = step.groups[next];
+      if (!fits_a_probe(step.graph, group.node, runtime)) continue;
+      const std::uint64_t b = probe_bytes(step.graph, group.node, runtime.env());
+      if (!set.empty() && (bytes + b > set_bytes || seconds_since(t0) >= probe.budget_seconds)) break;
+      set.push_back(group);
+      bytes += b;
+    }
+    const std::vector<double> seconds = time_in_turns(runtime, step.graph, set, t0, probe.budget_seconds);
+    for (std::size_t i = 0; i < set.size(); ++i) {
+      if (!(seconds[i] > 0)) continue;  // too short to read: it adds nothing to the weighted rate
+      const ProductGroup& group = set[i];
+      probed += static_cast<double>(group.flops);
+      probed_seconds += static_cast<double>(group.flops) / static_cast<double>(group.flops_each) * seconds[i];
+      ++out.products;
+      out.probes.push_back({step.graph.nodes.name[group.node], ops::op_info(step.graph.nodes.op[group.node]).name,
+                            static_cast<std::size_t>(group.flops / group.flops_each), group.flops_each,
+                            static_cast<double>(group.flops_each) / seconds[i] * 1e-9});
+    }
   }
   if (out.products == 0) {
     throw std::runtime_error(
