@@ -33,6 +33,9 @@
 #              (pageable, registered), each with a trace of two steps and bench/trace_summary.py's
 #              account of the second, and the driver's memory in use sampled;
 #              trace-chunked: the same with --host-memory staged --staging-chunk 16MiB
+#   plan-accuracy  bench/plan_accuracy.sh: `ferry plan`'s predicted step against `ferry train`'s for the
+#              MLP, CNN, GPTs and the quick start's deep MLP, with the GEMM rate at the step's own
+#              products and with a 1024^3 product's
 #   overlap-chunked  the 1B host-optimizer run with --host-memory staged --staging-chunk 64MiB (the
 #              fastest within the budget so far), without and with --overlap-host-updates, traced
 #   trace-gpt85m  the 85M GPT (width 768, 12 blocks, context 256, batch 8) trained 4 steps with a trace
@@ -142,6 +145,8 @@ for p in "$@"; do
         --python "$python_peer" ;;
     staging)
       part staging 120 "$kit/bin/ferry-bench" --repeat 3 staging --bytes 1GiB --chunks 4MiB,16MiB,64MiB ;;
+    plan-accuracy)  # ferry plan's predicted step beside the measured one, the GEMM rate at the step's products
+      part "$p" 240 bash bench/plan_accuracy.sh "$kit/bin/ferry" "$kit/bin/ferry-bench" ;;
     overlap-chunked)  # the in-budget 1B configuration's host updates after the backward, then overlapped
       part "$p" 300 env SCALE_GPU_ONLY=1b-overlap SCALE_GPU_HOST_MEMORY=staged SCALE_GPU_STAGING_CHUNK=64MiB \
         SCALE_GPU_TRACE=1 SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
