@@ -34,6 +34,9 @@ class HomeStore {
  public:
   virtual ~HomeStore() = default;
   virtual Home home() const = 0;
+  // The kind of host memory it keeps its tensors in (host_memory_name: "pinned", "pageable",
+  // "staged", "registered"); "" when it keeps none (the device home, dropped state).
+  virtual const char* host_memory() const { return ""; }
   // Kernels reach the tensors in place (device, mapped): no fetch or write-back nodes.
   virtual bool kernels_address_directly() const = 0;
   // The buffer kernels address, for homes they address directly.

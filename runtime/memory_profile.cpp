@@ -100,8 +100,8 @@ void MemoryProfiler::record_homes(const graph::CompiledStep& step) {
   for (int h = 0; h < offload::home_count; ++h) {
     const auto& store = step.persistent()->homes[h];
     if (!store) continue;
-    homes_.push_back(
-        {offload::home_name(static_cast<offload::Home>(h)), logical[h], store->device_bytes(), store->host_bytes()});
+    homes_.push_back({offload::home_name(static_cast<offload::Home>(h)), store->host_memory(), logical[h],
+                      store->device_bytes(), store->host_bytes()});
   }
 }
 
@@ -275,8 +275,9 @@ std::string MemoryProfiler::summary() const {
                      sp.over_mean);
   }
   for (const auto& h : homes_) {
-    s += fmt::format("  home {:<15} holds {:>10} of tensors in {:>10} of device and {:>10} of host memory\n", h.home,
-                     format_bytes(h.tensor_bytes), format_bytes(h.device_bytes), format_bytes(h.host_bytes));
+    s += fmt::format("  home {:<15} holds {:>10} of tensors in {:>10} of device and {:>10} of host memory{}\n", h.home,
+                     format_bytes(h.tensor_bytes), format_bytes(h.device_bytes), format_bytes(h.host_bytes),
+                     h.host_memory.empty() ? "" : fmt::format(" ({})", h.host_memory));
   }
   if (transfers_.steps > 0) {
     s += fmt::format(

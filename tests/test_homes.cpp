@@ -191,6 +191,24 @@ TEST(HostMemory, AutomaticIsPageableOnlyWherePinnedBuffersTakeDeviceMemory) {
   EXPECT_FALSE(offload::is_pinned(HostMemory::staged));
 }
 
+// Each store says what kind of host memory it keeps (the memory profile prints it beside the
+// home's name, which for host_pinned says nothing of whether its memory is pinned).
+TEST(Homes, StoresNameTheirHostMemory) {
+  auto& dev = TestDevice::get();
+  const std::vector<std::uint64_t> sizes{4096};
+  const std::vector<offload::HomeTensor> tensors{{{0, 0}, 4096, 4, "t"}};
+  using offload::HostMemory;
+  for (const HostMemory m : {HostMemory::pinned, HostMemory::pageable, HostMemory::staged}) {
+    offload::HomeStoreOptions options;
+    options.host_memory = m;
+    auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, tensors, options, "test tensors");
+    EXPECT_STREQ(store->host_memory(), offload::host_memory_name(m));
+  }
+  EXPECT_STREQ(offload::make_home_store(Home::host_compressed, dev.context, sizes, tensors, {}, "t")->host_memory(),
+               "pageable");
+  EXPECT_STREQ(offload::make_home_store(Home::device, dev.context, sizes, tensors, {}, "t")->host_memory(), "");
+}
+
 // Registered blocks: ferry's zeroed pages with an OpenCL buffer over them (CL_MEM_USE_HOST_PTR);
 // copies to the device from their pointer and back into them carry every byte.
 TEST(HostMemory, RegisteredBlocksAreTheProcesssPagesWithABuffer) {

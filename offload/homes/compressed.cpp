@@ -27,6 +27,7 @@ class CompressedStore final : public HomeStore {
               [](const Entry& a, const Entry& b) { return key(a.t.place) < key(b.t.place); });
   }
   Home home() const override { return Home::host_compressed; }
+  const char* host_memory() const override { return "pageable"; }  // chunks in ordinary memory
   bool kernels_address_directly() const override { return false; }
   bool updates_in_place() const override { return in_place_; }
   cl_mem device_buffer(std::uint32_t) const override {

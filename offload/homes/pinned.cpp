@@ -28,7 +28,7 @@ class HostStore final : public HomeStore {
  public:
   HostStore(Home home, int copies, HostMemory memory, const cl::Context& context, std::span<const std::uint64_t> sizes,
             std::string_view what)
-      : home_(home), copies_in_use_(copies) {
+      : home_(home), memory_(memory), copies_in_use_(copies) {
     for (int c = 0; c < copies; ++c) {
       for (std::size_t b = 0; b < sizes.size(); ++b) {
         copies_[c].push_back(allocate_host(context, sizes[b], memory,
@@ -39,6 +39,7 @@ class HostStore final : public HomeStore {
     }
   }
   Home home() const override { return home_; }
+  const char* host_memory() const override { return host_memory_name(memory_); }
   bool kernels_address_directly() const override { return home_ == Home::host_mapped; }
   bool updates_in_place() const override { return !two(); }
   cl_mem device_buffer(std::uint32_t b) const override {
@@ -96,6 +97,7 @@ class HostStore final : public HomeStore {
     return static_cast<std::byte*>(copies_[copy].at(p.buffer).data()) + p.offset_bytes;
   }
   Home home_;
+  HostMemory memory_;  // resolved for the device
   int copies_in_use_;
   std::vector<HostBuffer> copies_[2];
   mutable std::mutex mutex_;

@@ -54,6 +54,7 @@ struct TransferSummary {
 // for them (compressed chunks, two slots when streamed, nothing when dropped).
 struct HomeSummary {
   std::string home;
+  std::string host_memory;  // the kind its host bytes are (offload::host_memory_name), "" without any
   std::uint64_t tensor_bytes = 0, device_bytes = 0, host_bytes = 0;
 };
 
