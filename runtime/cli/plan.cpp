@@ -447,11 +447,12 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
         "{}{} ({})", i ? ", " : "rates: ", fmt::format(fmt::runtime(rate_specs[i].label), r.rates.*rate_specs[i].rate),
         rate_source(r.rate_given[i], rate_specs[i]));
     if (rate_specs[i].rate == &ferry::PlanRates::gemm_gflops && r.rate_notes.gemm) {
-      // Where: "(measured at 6 of the step's 9 products, 97% of its GEMM FLOPs)".
+      // Where: "(measured at 6 of the step's 9 kinds of product, 97% of its GEMM FLOPs)".
       const ferry::StepGemmRate& probe = *r.rate_notes.gemm;
       rates.pop_back();
-      rates += fmt::format(" at {} of the step's {} products, {:.0f}% of its GEMM FLOPs)", probe.products,
-                           probe.distinct, 100.0 * probe.probed_share);
+      rates += fmt::format(" at {} of the step's {} kinds of product, {:.0f}% of its GEMM FLOPs{})", probe.products,
+                           probe.distinct, 100.0 * probe.probed_share,
+                           probe.batch != base.batch ? fmt::format(", probed at batch {}", probe.batch) : "");
     }
   }
   std::cout << rates << "\n";
