@@ -85,17 +85,20 @@ std::size_t gather_run(const Conv2dShape& s) {
   return 0;
 }
 
-// The first layer of an image model (few input channels, stride 1, f32 weight) runs forward as
-// a direct convolution (conv2d_direct.cl): with K = C*R*S a few dozen, the implicit GEMM's time
-// went to its scattered NCHW stores.
+// The first layer of an image model (few input channels, stride 1, the weight in the activations'
+// dtype: f32, or both narrow under mixed precision) runs forward as a direct convolution
+// (conv2d_direct.cl): with K = C*R*S a few dozen, the implicit GEMM's time went to its scattered
+// NCHW stores. In bf16 the implicit GEMM took 4.9 ms for the CNN's first layer where the direct
+// kernel takes 1.9 in f32 (batch 128, 1 -> 32 channels of 28 x 28; bench/RESULTS.md).
 bool direct_forward(OpEnv& env, const Conv2dShape& s) {
-  return gemm_takes_planes(env) && s.C <= 4 && s.stride == 1 && s.weight == DType::f32;
+  return gemm_takes_planes(env) && s.C <= 4 && s.stride == 1 && s.weight == s.act;
 }
 
-// The weight gradient of the same layers, direct too (conv2d_direct_weights) when the activations
-// are f32 and the kernel at most 7 wide: there the implicit GEMM packed the whole output gradient.
+// The weight gradient of the same layers, direct too (conv2d_direct_weights) when the kernel is at
+// most 7 wide: there the implicit GEMM packed the whole output gradient (6.3 ms in bf16 for the
+// CNN's first layer against 1.8 direct in f32).
 bool direct_weights(OpEnv& env, const Conv2dShape& s) {
-  return direct_forward(env, s) && s.act == DType::f32 && s.S <= 7;
+  return direct_forward(env, s) && s.S <= 7;
 }
 // Image chunks of the direct weight gradient: partial sums per chunk, added in order after.
 std::size_t direct_chunks(const Conv2dShape& s) {
@@ -404,7 +407,8 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
     cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_forward", conv2d_defines(s));
     const DeviceSpan xp = at(scratch, lay.xpad);
     const std::size_t rows = s.N * s.P();
-    cl::set_args(k.get(), xp.buffer, xp.elem_offset(), w.buffer, w.elem_offset(), has_bias ? bias.buffer : w.buffer,
+    cl::set_args(k.get(), xp.buffer, xp.elem_offset(), w.buffer, w.elem_offset(dtype_bytes(s.weight)),
+                 has_bias ? bias.buffer : w.buffer,
                  bias.elem_offset(), has_bias, y.buffer, y.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(rows));
     KernelLaunch l;
     l.kernel = std::move(k);
@@ -500,7 +504,8 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
     const DeviceSpan xp = at(scratch, lay.xpad), part = at(scratch, lay.direct_part);
     pad_input(env, s, lay, x, scratch, list);
     cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights", conv2d_defines(s));
-    cl::set_args(k.get(), xp.buffer, xp.elem_offset(), dy.buffer, dy.elem_offset(), part.buffer, part.elem_offset(),
+    cl::set_args(k.get(), xp.buffer, xp.elem_offset(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), part.buffer,
+                 part.elem_offset(),
                  static_cast<cl_uint>(s.N), static_cast<cl_uint>(per_chunk));
     KernelLaunch l;
     l.kernel = std::move(k);
@@ -511,7 +516,8 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
     const cl_uint has_bias = dbias.buffer != nullptr;
     cl::Kernel sum = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights_sum", conv2d_defines(s));
     cl::set_args(sum.get(), part.buffer, part.elem_offset(), static_cast<cl_uint>(l.global[2]), dw.buffer,
-                 dw.elem_offset(), has_bias ? dbias.buffer : dw.buffer, dbias.elem_offset(), has_bias);
+                 dw.elem_offset(dtype_bytes(s.weight)), has_bias ? dbias.buffer : dw.buffer, dbias.elem_offset(),
+                 has_bias);
     list.push_back(launch_1d(env, std::move(sum), s.K * s.C * s.R * s.S + s.K));
     return list;
   }

@@ -2,6 +2,8 @@
 // forward and both backward launches over odd, strided, 1x1 and the CNN's real shapes (including
 // batches split into several GEMM groups), the Winograd transforms against the direct sum, and the
 // reference backward against double finite differences.
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include "ops/conv2d.hpp"
 #include "ops/elementwise.hpp"
 #include "ops/gemm.hpp"
+#include "ops/quantize_host.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -169,6 +172,76 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The path GPUs take (local-memory tiled GEMM, with the permutes to and from the GEMM layout),
 // forced on this device through the tuning override.
+// A device operand of dtype t (f32, f16, bf16) holding `values` rounded to t; `stored` gets the
+// values as stored.
+DeviceBytes conv_operand(ops::DType t, const std::vector<float>& values, std::vector<float>& stored) {
+  std::vector<std::uint16_t> narrow(values.size());
+  ops::cast_host(ops::DType::f32, t, values.data(), narrow.data(), values.size());
+  stored.resize(values.size());
+  ops::cast_host(t, ops::DType::f32, narrow.data(), stored.data(), values.size());
+  return DeviceBytes::from(narrow, 5);
+}
+
+std::vector<float> widened(ops::DType t, const DeviceBytes& d, std::size_t n) {
+  const std::vector<std::uint16_t> narrow = d.download<std::uint16_t>();
+  std::vector<float> out(n);
+  ops::cast_host(t, ops::DType::f32, narrow.data(), out.data(), n);
+  return out;
+}
+
+// The first layers' direct kernels (few input channels, stride 1) in mixed precision's storage: x,
+// w, y, dy and dw f16 or bf16 (the bias and its gradient f32), against the reference on the values
+// as stored; y and dw within their rounding. On CPU devices these shapes take the direct kernels.
+TEST(Conv2dDtypes, DirectFirstLayersReadAndWriteNarrowStorage) {
+  auto& dev = TestDevice::get();
+  const ConvCase cases[] = {{"relu_c1_5x5", with_relu(shape(3, 1, 13, 12, 19, 5, 5, 2, 1))},
+                            {"c3_nobias", shape(2, 3, 10, 11, 6, 3, 3, 1, 1), false},
+                            {"c2_wide_rows_q40", shape(2, 2, 9, 40, 13, 3, 3, 1, 1)}};
+  for (const ops::DType t : {ops::DType::bf16, ops::DType::f16}) {
+    for (const ConvCase& tc : cases) {
+      ops::Conv2dShape s = tc.shape;
+      s.act = s.weight = t;
+      const std::string what = fmt::format("{} {}", tc.name, ops::dtype_name(t));
+      if (ops::gemm_takes_planes(dev.env)) {
+        EXPECT_EQ(ops::conv2d_algorithms(dev.env, s).forward, "direct") << what;
+        EXPECT_EQ(ops::conv2d_algorithms(dev.env, s).weight_grad, "direct") << what;
+      }
+      std::vector<float> x, w, dy;
+      const DeviceBytes dx_in = conv_operand(t, random_vector(x_elems(s), 41), x);
+      const DeviceBytes dw_in = conv_operand(t, random_vector(w_elems(s), 42), w);
+      const DeviceBytes ddy = conv_operand(t, random_vector(y_elems(s), 43), dy);
+      const auto b = random_vector(s.K, 44);
+      DeviceTensor db_in(b, 5), ddb(s.K, 2);
+      DeviceBytes dyo(y_elems(s), 2), ddw(w_elems(s), 2);
+      DeviceTensor scratch(ops::conv2d_scratch_elems(dev.env, s), 17);
+      const ops::DeviceSpan bias = tc.bias ? db_in.span() : ops::DeviceSpan{};
+      ops::run_blocking(dev.context.compute(),
+                        ops::conv2d_forward(dev.env, s, dx_in.span(), dw_in.span(), bias, dyo.span(), scratch.span()));
+      ops::run_blocking(dev.context.compute(),
+                        ops::conv2d_backward_weights(dev.env, s, dx_in.span(), ddy.span(), ddw.span(),
+                                                     tc.bias ? ddb.span() : ops::DeviceSpan{}, scratch.span()));
+      std::vector<double> y_ref(y_elems(s)), dw_ref(w_elems(s)), db_ref(s.K);
+      const auto bd = to_double(b);
+      ops::ref::conv2d_forward<double>(s, to_double(x), to_double(w),
+                                       tc.bias ? std::span<const double>(bd) : std::span<const double>{}, y_ref);
+      if (s.relu) {
+        for (double& v : y_ref) v = v > 0.0 ? v : 0.0;
+      }
+      ops::ref::conv2d_backward_weights<double>(s, to_double(x), to_double(dy), dw_ref, db_ref);
+      const float rounding = t == ops::DType::bf16 ? 1.0f / 256 : 1.0f / 2048;  // half an ulp, relative
+      const std::size_t npq = s.N * s.P() * s.Q();
+      expect_near(widened(t, dyo, y_elems(s)), to_float(y_ref), 5e-7f * float(s.C * s.R * s.S) + 1e-5f,
+                  rounding + 1e-4f, (what + " y").c_str());
+      expect_near(widened(t, ddw, w_elems(s)), to_float(dw_ref), 5e-7f * float(npq) + 1e-5f, rounding + 1e-4f,
+                  (what + " dw").c_str());
+      if (tc.bias)
+        expect_near(ddb.download(), to_float(db_ref), 5e-7f * float(npq) + 1e-5f, 1e-5f, (what + " db").c_str());
+      for (unsigned char byte : dyo.tail()) ASSERT_EQ(byte, 0xA5) << what << ": written past y";
+      for (unsigned char byte : ddw.tail()) ASSERT_EQ(byte, 0xA5) << what << ": written past dw";
+    }
+  }
+}
+
 TEST(Conv2dTiledPath, MatchesReference) {
   const ScopedTempFile row("conv_tiled.tsv", "*\t*\t*\tferry\ttiled\tTSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2\n");
   ScopedEnv tuning("FERRY_GEMM_TUNING", row.path());

@@ -5,10 +5,12 @@
 // float16 accumulators: per tap, two vector loads of the padded input row and DIRECT_KB scalar
 // weights broadcast into fma(), and the results are stored as contiguous runs of the NCHW row.
 //
-// Geometry from conv2d.cl's defines (-D CONV_C ... CONV_PAD, T storage type for y); xp is the
-// padded f32 input written by conv2d_pad, with at least 32 floats of slack after it (the second
+// Geometry from conv2d.cl's defines (-D CONV_C ... CONV_PAD, T storage type for y and the weight:
+// under mixed precision both are narrow, else both f32); xp is the padded f32 input written by
+// conv2d_pad, with at least 32 floats of slack after it (the second
 // vector load of the last row reaches past it; those lanes are never stored).
 // Global: (N*P, ceil(K / DIRECT_KB), ceil(Q / 32)); any local size.
+#define FERRY_WIDE16 1  // LOAD16_T, STORE16_T (dtype.clh): whole runs of 16 in any storage type
 #include "dtype.clh"
 
 #define CONV_HP (CONV_H + 2 * CONV_PAD)
@@ -19,10 +21,11 @@
 #define FOR_KB(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #define ACC_DECL(j) float16 lo##j = 0.0f, hi##j = 0.0f;
 // Channels past K read channel K-1's weights (valid memory) and are never stored.
-#define W_ROW(j) __global const float* w##j = w + w_off + (ulong)min(k0 + j, (uint)CONV_K - 1) * CONV_C * CONV_RS;
+#define W_ROW(j) \
+  __global const T_STORAGE* w##j = w + w_off + (ulong)min(k0 + j, (uint)CONV_K - 1) * CONV_C * CONV_RS;
 #define ACC_STEP(j)                 \
   {                                 \
-    const float16 b = (float16)(w##j[tap]); \
+    const float16 b = (float16)(LOAD_T(w##j, tap)); \
     lo##j = fma(b, x_lo, lo##j);    \
     hi##j = fma(b, x_hi, hi##j);    \
   }
@@ -33,12 +36,10 @@ inline void store_run(float16 v, float bias, __global T_STORAGE* y, ulong at, ui
 #if CONV_RELU
   v = select((float16)(0.0f), v, isgreater(v, (float16)(0.0f)));  // NaN -> 0, as the ReLU
 #endif
-#if T_IS_F32
   if (count == 16) {
-    vstore16(v, 0, y + at);
+    STORE16_T(v, y, at);
     return;
   }
-#endif
   float tmp[16];
   vstore16(v, 0, tmp);
   for (uint i = 0; i < count; ++i) STORE_T(tmp[i], y, at + i);
@@ -52,7 +53,7 @@ inline void store_run(float16 v, float bias, __global T_STORAGE* y, ulong at, ui
     if (q0 + 16 < CONV_Q) store_run(hi##j, bj, y, row + 16, min(16u, (uint)CONV_Q - q0 - 16)); \
   }
 
-__kernel void conv2d_direct_forward(__global const float* xp, ulong xp_off, __global const float* w, ulong w_off,
+__kernel void conv2d_direct_forward(__global const float* xp, ulong xp_off, __global const T_STORAGE* w, ulong w_off,
                                     __global const float* bias, ulong bias_off, uint has_bias,
                                     __global T_STORAGE* y, ulong y_off, uint rows) {
   const uint np = get_global_id(0);
@@ -78,7 +79,7 @@ __kernel void conv2d_direct_forward(__global const float* xp, ulong xp_off, __gl
 
 // ---- Weight gradient -------------------------------------------------------------------------
 // dw[k, c, r, s] = sum over n, p, q of dy[n, k, p, q] xp[n, c, p + r, q + s], for the same layers
-// (few input channels, stride 1, f32): the implicit GEMM's K is the batch's pixels and its packed
+// (few input channels, stride 1; dy and dw in T, f32 or the narrow type of mixed precision): the implicit GEMM's K is the batch's pixels and its packed
 // output gradient cost more than the product. Each work-item owns 4 output channels x one kernel
 // row (c, r) x all S taps of it, for one chunk of images, in 4*S float16 accumulators over 16
 // outputs of a row: per 16 outputs, 4 loads of dy, S of the padded input and 4*S fma(). It writes
@@ -103,11 +104,12 @@ inline float sum16(float16 v) {
   return (f.x + f.y) + (f.z + f.w);
 }
 
-// dy[at .. at + 16) with the lanes from `valid` on zero (the tail of a row: no reads past it).
-inline float16 load_dy(__global const float* dy, ulong at, uint valid) {
-  if (valid >= 16) return vload16(0, dy + at);
+// dy[at .. at + 16) widened to f32, with the lanes from `valid` on zero (the tail of a row: no
+// reads past it).
+inline float16 load_dy(__global const T_STORAGE* dy, ulong at, uint valid) {
+  if (valid >= 16) return LOAD16_T(dy, at);
   float tmp[16];
-  for (uint i = 0; i < 16; ++i) tmp[i] = i < valid ? dy[at + i] : 0.0f;
+  for (uint i = 0; i < 16; ++i) tmp[i] = i < valid ? LOAD_T(dy, at + i) : 0.0f;
   return vload16(0, tmp);
 }
 
@@ -121,7 +123,7 @@ inline float16 load_dy(__global const float* dy, ulong at, uint valid) {
   FOR_DW_S(DW_STORE_S, j)                                              \
   if (cr == 0 && k0 + j < CONV_K) part[part_base + (ulong)CONV_K * CONV_C * CONV_RS + k0 + j] = sum16(b##j);
 
-__kernel void conv2d_direct_weights(__global const float* xp, ulong xp_off, __global const float* dy, ulong dy_off,
+__kernel void conv2d_direct_weights(__global const float* xp, ulong xp_off, __global const T_STORAGE* dy, ulong dy_off,
                                     __global float* part, ulong part_off, uint batch, uint images_per_chunk) {
   const uint k0 = get_global_id(0) * DW_KB;
   const uint cr = get_global_id(1);  // c * R + r
@@ -145,10 +147,11 @@ __kernel void conv2d_direct_weights(__global const float* xp, ulong xp_off, __gl
   FOR_DW_K(DW_STORE)
 }
 
-// dw (and dbias) = the chunks' partial sums added in chunk order. One work-item per element of dw
-// then of dbias. Global: K*C*R*S + K rounded up.
+// dw (and dbias) = the chunks' partial sums added in chunk order, dw stored in T (rounded to nearest
+// even from the f32 sum, as a cast after an f32 product would) and dbias in f32. One work-item per
+// element of dw then of dbias. Global: K*C*R*S + K rounded up.
 __kernel void conv2d_direct_weights_sum(__global const float* part, ulong part_off, uint chunks,
-                                        __global float* dw, ulong dw_off, __global float* dbias, ulong dbias_off,
+                                        __global T_STORAGE* dw, ulong dw_off, __global float* dbias, ulong dbias_off,
                                         uint has_bias) {
   const uint i = get_global_id(0);
   const uint weights = CONV_K * CONV_C * CONV_RS;
@@ -156,7 +159,7 @@ __kernel void conv2d_direct_weights_sum(__global const float* part, ulong part_o
   float acc = 0.0f;
   for (uint ch = 0; ch < chunks; ++ch) acc += part[part_off + (ulong)ch * (weights + CONV_K) + i];
   if (i < weights) {
-    dw[dw_off + i] = acc;
+    STORE_T(acc, dw, dw_off + i);
   } else {
     dbias[dbias_off + i - weights] = acc;
   }
