@@ -3,7 +3,7 @@
 // multiplies. argmax holds the index of each maximum within its (n, c) plane (-1 for none: with
 // -DPOOL_RELU=1, a fused ReLU, windows whose maximum is not positive). x, y, dx and dy are
 // stored as T (-DT_F16 / -DT_BF16, f32 without: dtype.clh).
-#define FERRY_WIDE16 1  // LOAD16_T, STORE16_T (dtype.clh) for the 2 x 2 rows' vector paths
+#define FERRY_WIDE16 1  // LOAD16_T, STORE16_T, LOAD8_T, STORE8_T (dtype.clh) for the 2 x 2 rows' vector paths
 #include "dtype.clh"
 
 #define POOL_HW (POOL_H * POOL_W)
@@ -139,13 +139,7 @@ __kernel void maxpool2x2_forward_rows(__global const T_STORAGE* x, ulong x_off, 
     best = select((float8)(0.0f), best, positive);
     idx = select((int8)(-1), idx, positive);
 #endif
-#if T_IS_F32
-    vstore8(best, 0, y + yo + q);
-#else
-    float out[8];
-    vstore8(best, 0, out);
-    for (uint l = 0; l < 8; ++l) STORE_T(out[l], y, yo + q + l);
-#endif
+    STORE8_T(best, y, yo + q);
     vstore8(idx, 0, argmax + ao + q);
   }
   for (; q < POOL_Q; ++q) pool2_one(x, plane, p, q, y, yo + q, argmax, ao + q);
@@ -167,13 +161,7 @@ __kernel void maxpool2x2_backward_rows(__global const T_STORAGE* dy, ulong dy_of
   // Eight windows at a time, every storage type (the gradients routed unchanged: exact narrow).
   const int8 lanes = (int8)(0, 2, 4, 6, 8, 10, 12, 14);
   for (; q + 8 <= POOL_Q; q += 8) {
-#if T_IS_F32
-    const float8 g = vload8(0, dy + go + q);
-#else
-    float in[8];
-    for (uint l = 0; l < 8; ++l) in[l] = LOAD_T(dy, go + q + l);
-    const float8 g = vload8(0, in);
-#endif
+    const float8 g = LOAD8_T(dy, go + q);
     const int8 a = vload8(0, argmax + ao + q);
     const int8 base = (int8)(h0 * POOL_W + 2 * q) + lanes;
     const float8 zero = (float8)(0.0f);
