@@ -408,8 +408,8 @@ LaunchList conv2d_forward(OpEnv& env, const Conv2dShape& s, DeviceSpan x, Device
     const DeviceSpan xp = at(scratch, lay.xpad);
     const std::size_t rows = s.N * s.P();
     cl::set_args(k.get(), xp.buffer, xp.elem_offset(), w.buffer, w.elem_offset(dtype_bytes(s.weight)),
-                 has_bias ? bias.buffer : w.buffer,
-                 bias.elem_offset(), has_bias, y.buffer, y.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(rows));
+                 has_bias ? bias.buffer : w.buffer, bias.elem_offset(), has_bias, y.buffer,
+                 y.elem_offset(dtype_bytes(s.act)), static_cast<cl_uint>(rows));
     KernelLaunch l;
     l.kernel = std::move(k);
     l.dims = 3;
@@ -505,8 +505,7 @@ LaunchList conv2d_backward_weights(OpEnv& env, const Conv2dShape& s, DeviceSpan 
     pad_input(env, s, lay, x, scratch, list);
     cl::Kernel k = env.kernels.kernel("conv2d_direct", "conv2d_direct_weights", conv2d_defines(s));
     cl::set_args(k.get(), xp.buffer, xp.elem_offset(), dy.buffer, dy.elem_offset(dtype_bytes(s.act)), part.buffer,
-                 part.elem_offset(),
-                 static_cast<cl_uint>(s.N), static_cast<cl_uint>(per_chunk));
+                 part.elem_offset(), static_cast<cl_uint>(s.N), static_cast<cl_uint>(per_chunk));
     KernelLaunch l;
     l.kernel = std::move(k);
     l.dims = 3;
