@@ -68,7 +68,7 @@ constexpr RateSpec rate_specs[] = {
      [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions& o, RateNotes&) {
        return ferry::measure_link_gbps(rt, o.residency.homes.host_memory);
      }},
-    {"gemm_gflops", "GEMM {:.1f} GFLOP/s", "--gemm-gflops", "GEMM rate in GFLOP/s", false,
+    {"gemm_gflops", "GEMM {:.1f} GFLOP/s", "--gemm-gflops", "GEMM rate in GFLOP/s at the step's own products", false,
      &ferry::PlanRates::gemm_gflops,
      [](ferry::Runtime& rt, const ferry::ModelSpec& model, const ferry::TrainerOptions& o, RateNotes& notes) {
        notes.gemm = ferry::measure_step_gemm_gflops(rt, model, o);
