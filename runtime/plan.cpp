@@ -32,6 +32,13 @@ namespace ferry {
 
 using graph::TensorId;
 
+bool detail::at_gemm_rate(const graph::Graph& g, graph::NodeId n) {
+  const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
+  return row.flops && !graph::is_host_lane(g.nodes.lane[n]) && row.op_class != ops::OpClass::update &&
+         row.op_class != ops::OpClass::communication && row.op_class != ops::OpClass::state_transfer &&
+         row.op_class != ops::OpClass::batch_transfer;
+}
+
 DeviceBreakdown device_breakdown(const graph::Graph& g, const graph::MemoryPlan& plan, const graph::Graph& training,
                                  std::uint64_t persistent_device_bytes) {
   DeviceBreakdown b;
@@ -213,7 +220,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
     // GEMM-like nodes at the GEMM rate; every other node is bound by the bytes it reads and writes.
     ++p.launches;
     const bool forward = row.op_class == ops::OpClass::forward || row.op_class == ops::OpClass::loss;
-    if (row.flops) {
+    if (detail::at_gemm_rate(g, n)) {
       const std::uint64_t f = row.flops(graph::NodeView<ops::ShapeView>(g, n));
       p.flops += f;
       p.gemm_flops += f;

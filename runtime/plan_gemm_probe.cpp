@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -21,6 +22,7 @@
 #include "ferry/cl/error.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "graph/node_view.hpp"
+#include "runtime/plan_search.hpp"
 #include "trainer_variants.hpp"
 
 namespace ferry {
@@ -57,14 +59,6 @@ class ProbeBinding final : public graph::NodeView<ops::BindContext> {
   ops::DeviceSpan scratch_;
 };
 
-// The nodes the planner counts at the GEMM rate (count_step in plan.cpp): device rows with a
-// FLOP count.
-bool is_product(const graph::Graph& g, NodeId n) {
-  const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
-  return row.flops && !graph::is_host_lane(g.nodes.lane[n]) && row.op_class != ops::OpClass::update &&
-         row.op_class != ops::OpClass::communication && row.op_class != ops::OpClass::state_transfer;
-}
-
 // Nodes that run the same kernel on the same sizes: op, operands' shapes and dtypes, attrs.
 std::string signature(const graph::Graph& g, NodeId n) {
   std::string key = fmt::format("{}", static_cast<int>(g.nodes.op[n]));
@@ -85,27 +79,22 @@ struct ProductGroup {
   std::uint64_t flops_each = 0, flops = 0;
 };
 
-// The bytes a probe of node n allocates: its operands and its scratch.
-std::uint64_t probe_bytes(const graph::Graph& g, NodeId n, ops::OpEnv& env) {
+// The bytes a probe of node n allocates (its operands and its scratch), or nothing when the probe
+// does not fit the device: an operand over the largest buffer, or all of them over a quarter of its
+// memory (the probe must not fail where the step it plans would stream).
+std::optional<std::uint64_t> probe_bytes(const graph::Graph& g, NodeId n, Runtime& runtime) {
+  const cl::DeviceInfo& device = runtime.device();
   std::uint64_t total = 0;
   for (const auto ids : {g.nodes.inputs(n), g.nodes.outputs(n)}) {
-    for (TensorId x : ids) total += g.tensors.bytes(x);
-  }
-  const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
-  if (row.scratch_bytes) total += row.scratch_bytes(graph::NodeView<ops::ShapeView>(g, n), env);
-  return total;
-}
-
-// Whether a node's probe fits the device: each operand within the largest buffer, all within a
-// quarter of its memory (the probe must not fail where the step it plans would stream).
-bool fits_a_probe(const graph::Graph& g, NodeId n, Runtime& runtime) {
-  const cl::DeviceInfo& device = runtime.device();
-  for (const auto ids : {g.nodes.inputs(n), g.nodes.outputs(n)}) {
     for (TensorId x : ids) {
-      if (g.tensors.bytes(x) > device.max_alloc_bytes) return false;
+      if (g.tensors.bytes(x) > device.max_alloc_bytes) return std::nullopt;
+      total += g.tensors.bytes(x);
     }
   }
-  return probe_bytes(g, n, runtime.env()) <= device.global_mem_bytes / 4;
+  const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
+  if (row.scratch_bytes) total += row.scratch_bytes(graph::NodeView<ops::ShapeView>(g, n), runtime.env());
+  if (total > device.global_mem_bytes / 4) return std::nullopt;
+  return total;
 }
 
 double seconds_since(Clock::time_point t0) {
@@ -190,7 +179,7 @@ StepProducts step_products(const ModelSpec& model, const TrainerOptions& options
   const graph::Graph& g = out.graph;
   std::map<std::string, ProductGroup> by_signature;
   for (NodeId n = 0; n < g.nodes.size(); ++n) {
-    if (!is_product(g, n)) continue;
+    if (!detail::at_gemm_rate(g, n)) continue;
     const std::uint64_t f = ops::op_info(g.nodes.op[n]).flops(graph::NodeView<ops::ShapeView>(g, n));
     if (f == 0) continue;
     ProductGroup& group = by_signature[signature(g, n)];
@@ -219,7 +208,7 @@ StepGemmRate measure_step_gemm_gflops(Runtime& runtime, const ModelSpec& model, 
   StepProducts step = step_products(model, options);
   const auto too_large = [&](const StepProducts& p) {
     const ProductGroup& largest = p.groups.front();
-    return static_cast<double>(largest.flops_each) > most_flops || !fits_a_probe(p.graph, largest.node, runtime);
+    return static_cast<double>(largest.flops_each) > most_flops || !probe_bytes(p.graph, largest.node, runtime);
   };
   while (!step.groups.empty() && options.batch > 1 && too_large(step)) {
     TrainerOptions smaller = options;
@@ -245,16 +234,16 @@ StepGemmRate measure_step_gemm_gflops(Runtime& runtime, const ModelSpec& model, 
   double probed = 0, probed_seconds = 0;
   std::size_t next = 0;
   while (next < step.groups.size()) {
-    if (out.products > 0 && seconds_since(t0) >= probe.budget_seconds) break;  // at least the largest is probed
+    if (!out.probes.empty() && seconds_since(t0) >= probe.budget_seconds) break;  // at least the largest is probed
     std::vector<ProductGroup> set;
     std::uint64_t bytes = 0;
     for (; next < step.groups.size() && set.size() < 8; ++next) {
       const ProductGroup& group = step.groups[next];
-      if (!fits_a_probe(step.graph, group.node, runtime)) continue;
-      const std::uint64_t b = probe_bytes(step.graph, group.node, runtime.env());
-      if (!set.empty() && (bytes + b > set_bytes || seconds_since(t0) >= probe.budget_seconds)) break;
+      const std::optional<std::uint64_t> b = probe_bytes(step.graph, group.node, runtime);
+      if (!b) continue;
+      if (!set.empty() && (bytes + *b > set_bytes || seconds_since(t0) >= probe.budget_seconds)) break;
       set.push_back(group);
-      bytes += b;
+      bytes += *b;
     }
     const std::vector<double> seconds = time_in_turns(runtime, step.graph, set, t0, probe.budget_seconds);
     for (std::size_t i = 0; i < set.size(); ++i) {
@@ -262,13 +251,12 @@ StepGemmRate measure_step_gemm_gflops(Runtime& runtime, const ModelSpec& model, 
       const ProductGroup& group = set[i];
       probed += static_cast<double>(group.flops);
       probed_seconds += static_cast<double>(group.flops) / static_cast<double>(group.flops_each) * seconds[i];
-      ++out.products;
       out.probes.push_back({step.graph.nodes.name[group.node], ops::op_info(step.graph.nodes.op[group.node]).name,
                             static_cast<std::size_t>(group.flops / group.flops_each), group.flops_each,
                             static_cast<double>(group.flops_each) / seconds[i] * 1e-9});
     }
   }
-  if (out.products == 0) {
+  if (out.probes.empty()) {
     throw std::runtime_error(
         fmt::format("measuring the GEMM rate at the step's products: none of its {} kinds of "
                     "product could be probed on {} (operands larger than a quarter of its "

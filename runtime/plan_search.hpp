@@ -22,4 +22,9 @@ std::uint64_t host_bytes_needed(const TrainingPlan& plan);
 // and adds gradient sums).
 std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan);
 
+// Whether the prediction counts node n at the GEMM rate: a device compute row with a FLOP count
+// (linear and its gradients, matmul, attention, convolution). count_step counts them;
+// measure_step_gemm_gflops probes them.
+bool at_gemm_rate(const graph::Graph& g, graph::NodeId n);
+
 }  // namespace ferry::detail

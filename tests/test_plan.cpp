@@ -286,14 +286,18 @@ TEST(Plan, RatesAreMeasuredOnTheDevice) {
 // kinds (each layer's forward and weight gradient, and the second layer's input gradient: the
 // first layer's input is the batch), each probed on buffers of its own; the rate is their FLOPs
 // over their time.
-TEST(Plan, GemmRateIsMeasuredAtTheStepsOwnProducts) {
+StepGemmRate probe_small_mlp(const StepGemmProbe& probe) {
   Runtime rt;
   TrainerOptions o;
   o.batch = 16;
-  const StepGemmRate r = measure_step_gemm_gflops(rt, small_mlp(), o, {.budget_seconds = 60});
+  return measure_step_gemm_gflops(rt, small_mlp(), o, probe);
+}
+
+TEST(Plan, GemmRateIsMeasuredAtTheStepsOwnProducts) {
+  const StepGemmRate r = probe_small_mlp({.budget_seconds = 60});
   EXPECT_EQ(r.batch, 16u);
   EXPECT_EQ(r.distinct, 5u);
-  ASSERT_EQ(r.products, 5u);
+  ASSERT_EQ(r.products(), 5u);
   ASSERT_EQ(r.probes.size(), 5u);
   EXPECT_DOUBLE_EQ(r.probed_share, 1.0);
   std::vector<std::string> ops;
@@ -320,19 +324,15 @@ TEST(Plan, GemmRateIsMeasuredAtTheStepsOwnProducts) {
 // Without time left, the largest product alone is probed (and stands for the rest); a step whose
 // products take longer than a probe may is probed at a smaller batch, down to one sample.
 TEST(Plan, GemmProbeKeepsToItsBudget) {
-  Runtime rt;
-  TrainerOptions o;
-  o.batch = 16;
-  const StepGemmRate largest = measure_step_gemm_gflops(rt, small_mlp(), o, {.budget_seconds = 0});
-  ASSERT_EQ(largest.products, 1u);
+  const StepGemmRate largest = probe_small_mlp({.budget_seconds = 0});
+  ASSERT_EQ(largest.products(), 1u);
   EXPECT_EQ(largest.probes.front().flops, 2u * 16u * 20u * 13u);
   EXPECT_LT(largest.probed_share, 1.0);
   EXPECT_GT(largest.probed_share, 0.2);
   EXPECT_GT(largest.gflops, 0.0);
-  const StepGemmRate halved =
-      measure_step_gemm_gflops(rt, small_mlp(), o, {.budget_seconds = 60, .product_seconds = 0});
+  const StepGemmRate halved = probe_small_mlp({.budget_seconds = 60, .product_seconds = 0});
   EXPECT_EQ(halved.batch, 1u);
-  EXPECT_EQ(halved.products, 5u);
+  EXPECT_EQ(halved.products(), 5u);
   EXPECT_EQ(halved.probes.front().flops, 2u * 20u * 13u);
 }
 

@@ -320,7 +320,7 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
     j[std::string(rate_specs[i].key) + "_source"] = rate_source(r.rate_given[i], rate_specs[i]);
   }
   if (const auto& probe = r.rate_notes.gemm) {
-    j["gemm_products_probed"] = probe->products;
+    j["gemm_products_probed"] = probe->products();
     j["gemm_products"] = probe->distinct;
     j["gemm_probed_flops_share"] = probe->probed_share;
     j["gemm_probe_s"] = probe->seconds;
@@ -443,17 +443,16 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
       ferry::format_bytes(r.host_limit), host_limit_note(r), r.device);
   std::string rates;
   for (std::size_t i = 0; i < rate_count; ++i) {
-    rates += fmt::format(
-        "{}{} ({})", i ? ", " : "rates: ", fmt::format(fmt::runtime(rate_specs[i].label), r.rates.*rate_specs[i].rate),
-        rate_source(r.rate_given[i], rate_specs[i]));
+    std::string source = rate_source(r.rate_given[i], rate_specs[i]);
     if (rate_specs[i].rate == &ferry::PlanRates::gemm_gflops && r.rate_notes.gemm) {
-      // Where: "(measured at 6 of the step's 9 kinds of product, 97% of its GEMM FLOPs)".
+      // Where: "measured at 6 of the step's 9 kinds of product, 97% of its GEMM FLOPs".
       const ferry::StepGemmRate& probe = *r.rate_notes.gemm;
-      rates.pop_back();
-      rates += fmt::format(" at {} of the step's {} kinds of product, {:.0f}% of its GEMM FLOPs{})", probe.products,
-                           probe.distinct, 100.0 * probe.probed_share,
-                           probe.batch != base.batch ? fmt::format(", probed at batch {}", probe.batch) : "");
+      source += fmt::format(" at {} of the step's {} kinds of product, {:.0f}% of its GEMM FLOPs{}", probe.products(),
+                            probe.distinct, 100.0 * probe.probed_share,
+                            probe.batch != base.batch ? fmt::format(", probed at batch {}", probe.batch) : "");
     }
+    rates += fmt::format("{}{} ({})", i ? ", " : "rates: ",
+                         fmt::format(fmt::runtime(rate_specs[i].label), r.rates.*rate_specs[i].rate), source);
   }
   std::cout << rates << "\n";
   if (a.plan_ranks > 1) {

@@ -80,7 +80,6 @@ double measure_gemm_gflops(Runtime& runtime);
 struct StepGemmRate {
   double gflops = 0;
   std::uint32_t batch = 0;   // the batch probed (the options' unless the products were too long)
-  std::size_t products = 0;  // groups probed
   std::size_t distinct = 0;  // groups in the step (the same node kind and sizes: one group)
   double probed_share = 0;   // of the step's product FLOPs, the part probed at its own sizes
   double seconds = 0;        // the probe's wall time, kernel builds included
@@ -91,7 +90,8 @@ struct StepGemmRate {
     std::uint64_t flops = 0;  // of one node
     double gflops = 0;
   };
-  std::vector<Product> probes;  // the groups probed, largest first
+  std::vector<Product> probes;                            // the groups probed, largest first
+  std::size_t products() const { return probes.size(); }  // groups probed
 };
 struct StepGemmProbe {
   double budget_seconds = 2.0;
