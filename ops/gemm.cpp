@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
@@ -79,11 +80,26 @@ void set_param(GemmKernelConfig& c, std::string_view key, int value) {
   }
 }
 
+// A transposed f32 A whose rows are a power of two of at least 512 floats apart, in a product with
+// K of 2048 or more: read in place, a row block's RB values of successive k steps fall in the same
+// few cache sets, so its long strip comes again from L2 or memory for every panel of B. Packed it
+// is contiguous, for one pass over A, which N of 256 or more pays for. On the AVX-512 EPYC (row
+// `RB=6 NV=4`, PA=0) packing took 2048^3 TN from 155-194 to 199-216 GFLOPS, 8192 x 2048 x 2048 TN
+// from 155-180 to 197-209 and 2048 x 512 x 4096 TN from 130-148 to 187-191; it left M = 256, 768,
+// 1000, 1536 and 3072 and K = 256 or 1024 level or slower, and N = 10 or 16 2-2.5x slower
+// (bench/RESULTS.md, fifty-second session).
+constexpr std::size_t a_alias_min_rows = 512, a_alias_min_k = 2048, a_alias_min_n = 256;
+bool a_rows_alias(const GemmShape& s) {
+  return s.trans_a && s.M >= a_alias_min_rows && std::has_single_bit(s.M) && s.K >= a_alias_min_k &&
+         s.N >= a_alias_min_n;
+}
+
 // The packed parameters for this shape: PA only where A is packed (below); a panel no wider than N
 // needs (rounded up to 16), with the register block's rows raised by as much as the panel
 // narrowed (at most 16). N = 32 (the output channels of a small convolution) then runs 12 x 32
-// blocks, not 6 x 64 of which half are padding.
-GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOptions& o = {}) {
+// blocks, not 6 x 64 of which half are padding. A row from the tuning data (`from_tuning_data`)
+// also packs a transposed A whose rows alias (a_rows_alias); a kernel asked for by name keeps its PA.
+GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOptions& o, bool from_tuning_data) {
   if (c.kernel != GemmKernel::packed) return c;
   if (s.a == DType::f16 && o.a_gather_rows.buffer == nullptr) {
     // An f16 A is always packed, widened once: read in place, each of its values would be widened
@@ -98,6 +114,8 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
     // twice its own bytes, eating what bf16 activations save; a gathered A (a convolution's
     // implicit im2col) is read where it lies.
     set_param(c, "PA", 0);
+  } else if (from_tuning_data && a_rows_alias(s)) {
+    set_param(c, "PA", 1);
   }
   if (o.a_gather_run > 0) {
     set_param(c, "NV", static_cast<int>(std::clamp<std::size_t>((s.N + 15) / 16, 1, 4)));
@@ -151,7 +169,8 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
 
 // The plan's kernel parameters fitted to this shape (both fits leave the other kernel's alone).
 GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
-  return fit_tiled(s, fit_packed(s, p.config, o), env.device().compute_units, o.kernel.empty() || o.kernel_as_row);
+  const bool from_tuning_data = o.kernel.empty() || o.kernel_as_row;
+  return fit_tiled(s, fit_packed(s, p.config, o, from_tuning_data), env.device().compute_units, from_tuning_data);
 }
 
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): at least a B sub-panel
@@ -490,7 +509,7 @@ std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions
   check_batch(s, options);
   if (s.batch == 0) return 0;
   const GemmPlan p = plan(env, options);
-  if (packed_features(p)) return packed_elems(s, fit_packed(s, p.config, options), options);
+  if (packed_features(p)) return packed_elems(s, fitted(env, s, p, options), options);
   if (p.backend == GemmBackend::ferry && p.config.kernel == GemmKernel::tiled) {
     return tiled_scratch_elems(s, fitted(env, s, p, options), env.device().compute_units);
   }

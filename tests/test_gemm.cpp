@@ -697,6 +697,38 @@ TEST(GemmTuning, TiledTileKeepsItsVectorWidth) {
   check_gemm(s, {}, 1.0f, 0.5f, true, desc.c_str());
 }
 
+// A packed row from the tuning data that reads a transposed A in place (PA=0) packs it where its
+// rows are a power of two of at least 512 floats apart in a product with K >= 2048 and N >= 256
+// (values of successive k steps would share a few cache sets; packing costs a pass over A); other
+// transposed or row-major A, and a kernel asked for by name, keep the row's PA. Scratch: B's
+// panels (N = 256, K = 2048 rows, unsplit) and, packed, A's 512 x 2048.
+TEST(GemmTuning, PackedRowPacksATransposedAWhoseRowsAlias) {
+  auto& dev = TestDevice::get();
+  const ScopedTempFile file("tuning_packed.tsv", "*\t*\t*\t\tferry\tpacked\tRB=4 NV=1\n");
+  ScopedEnv env("FERRY_GEMM_TUNING", file.path());
+  const ops::GemmShape aliased{512, 256, 2048, true, false};
+  const std::size_t panels = 256u * 2048u;
+  std::string desc = ops::gemm_kernel_description(dev.env, aliased);
+  EXPECT_NE(desc.find("PA=1"), std::string::npos) << desc;
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, aliased), panels + 512u * 2048u);
+  // Results where large shapes run: a simulator (Oclgrind) would take minutes over these products.
+  const bool check_results = !too_large_for_this_run(aliased.M * aliased.N * aliased.K);
+  if (check_results) check_gemm(aliased, {}, 1.0f, 0.5f, true, desc);
+  for (const ops::GemmShape s :
+       {ops::GemmShape{768, 256, 2048, true, false}, ops::GemmShape{256, 256, 2048, true, false},
+        ops::GemmShape{512, 256, 2048, false, false}, ops::GemmShape{512, 256, 1024, true, false},
+        ops::GemmShape{512, 240, 2048, true, false}}) {
+    desc = ops::gemm_kernel_description(dev.env, s);
+    EXPECT_NE(desc.find("PA=0"), std::string::npos) << s.M << "x" << s.N << "x" << s.K << " " << desc;
+  }
+  if (check_results) check_gemm({768, 256, 2048, true, false}, {}, 1.0f, 0.5f, true, "768 TN, A read in place");
+  ops::GemmOptions named;
+  named.kernel = "packed RB=4 NV=1";
+  desc = ops::gemm_kernel_description(dev.env, aliased, named);
+  EXPECT_NE(desc.find("PA=0"), std::string::npos) << desc;
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, aliased, named), panels);
+}
+
 TEST(GemmTuning, BadRowsNameFileAndLine) {
   auto& dev = TestDevice::get();
   const struct {
