@@ -459,20 +459,24 @@ bool native_dtypes(const GemmPlan& p) {
 // Whether the kernel's epilogue applies the activation's derivative: where it gives the bits the
 // activation's backward kernel would (graph::fuse_activation_grads promises the unfused graph's
 // results) and, for GELU on the packed kernel, where it pays. Always for ReLU's mask and, but for
-// GELU on wide packed blocks, a narrow C (element by element either way; the product rounded to
+// GELU beside many accumulators (below), a narrow C (element by element either way; the product rounded to
 // C's type first). GELU over an f32 C: on a CPU device the activation kernel takes 16 consecutive
 // elements as one vector (PoCL's vector exp differs from its scalar one in the last bit), which
 // the packed kernel matches only unsplit with rows of whole vectors (N a multiple of 16); elsewhere
 // it runs element by element, as the tiled kernel's epilogue does.
-// GELU's derivative beside a packed block of more than one float16 per row (the AVX-512 row's 6 x
-// 64) made the default GPT's fc2 input gradient (4096 x 768 x 192) take 12-13 ms on the AVX-512
+// GELU's derivative beside a packed block of more than 8 float16 accumulators (the AVX-512 row's
+// 6 x 64: 24) made the default GPT's fc2 input gradient (4096 x 768 x 192) take 12-13 ms on the AVX-512
 // EPYC, against 7.3-8.7 ms for the product and then the activation kernel, and 10 ms evaluated
 // in a pass of its own after the block was stored (bench/RESULTS.md, fifty-second session); with
 // the AVX2 row's 6 x 16 it was a gain there (fourteenth session).
+constexpr int gelu_epilogue_max_accumulators = 8;
 bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const GemmOptions& o) {
   if (o.dact == Activation::relu) return true;
   const bool packed = p.config.kernel == GemmKernel::packed;
-  if (packed && fitted(env, s, p, o).param("NV") > 1) return false;
+  if (packed) {
+    const GemmKernelConfig f = fitted(env, s, p, o);
+    if (f.param("RB") * f.param("NV") > gelu_epilogue_max_accumulators) return false;
+  }
   if (s.c != DType::f32) return true;
   if (!env.device().is_cpu()) return p.config.kernel == GemmKernel::tiled;
   return packed && s.N % 16 == 0 && k_splits(s, fitted(env, s, p, o)) == 1;
