@@ -473,13 +473,11 @@ constexpr int gelu_epilogue_max_accumulators = 8;
 bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const GemmOptions& o) {
   if (o.dact == Activation::relu) return true;
   const bool packed = p.config.kernel == GemmKernel::packed;
-  if (packed) {
-    const GemmKernelConfig f = fitted(env, s, p, o);
-    if (f.param("RB") * f.param("NV") > gelu_epilogue_max_accumulators) return false;
-  }
+  const GemmKernelConfig f = fitted(env, s, p, o);
+  if (packed && f.param("RB") * f.param("NV") > gelu_epilogue_max_accumulators) return false;
   if (s.c != DType::f32) return true;
   if (!env.device().is_cpu()) return p.config.kernel == GemmKernel::tiled;
-  return packed && s.N % 16 == 0 && k_splits(s, fitted(env, s, p, o)) == 1;
+  return packed && s.N % 16 == 0 && k_splits(s, f) == 1;
 }
 
 }  // namespace
