@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
+#include <numeric>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
@@ -200,15 +201,17 @@ void stage(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, c
   const std::string defines = kernel_defines(s, dtype, c);
   const std::uint64_t x_off = x.elem_offset(elem_bytes(dtype));
   const cl_uint T = cl_uint(s.context), Tp = cl_uint(padded_context(s)), H = cl_uint(s.heads);
+  // Work-groups of up to 16 rows (of 16-row blocks): PoCL pays a fixed cost per work-group, which
+  // one row each made a large share of these short kernels at short contexts.
   if (rows.buffer) {
     cl::Kernel k = env.kernels.kernel("attention", "attention_stage", defines);
     cl::set_args(k.get(), x.buffer, x_off, rows.buffer, rows.elem_offset(), T, Tp, H);
-    list.push_back(grid(std::move(k), padded_context(s), s.batch * s.heads, 1));
+    list.push_back(grid(std::move(k), Tp, s.batch * s.heads, 16));
   }
   if (trans.buffer) {
     cl::Kernel k = env.kernels.kernel("attention", "attention_stage_t", defines);
     cl::set_args(k.get(), x.buffer, x_off, trans.buffer, trans.elem_offset(), T, Tp, H);
-    list.push_back(grid(std::move(k), padded_context(s) / 16, s.batch * s.heads, 1));
+    list.push_back(grid(std::move(k), Tp / 16, s.batch * s.heads, std::gcd<std::size_t>(Tp / 16, 16)));
   }
 }
 
@@ -330,8 +333,12 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     cl::Kernel kn = env.kernels.kernel("attention", "attention_delta", defines);
     cl::set_args(kn.get(), o.buffer, o.elem_offset(eb), dout.buffer, dout.elem_offset(eb), delta.buffer,
                  delta.elem_offset(), cl_uint(s.context), cl_uint(s.heads));
-    list.push_back(grid(std::move(kn), s.context, heads, 0));
-    list.back().local = {0, 0, 0};
+    if (c.cpu()) {
+      list.push_back(grid(std::move(kn), round_up(s.context, 16), heads, 16));  // as the staging above
+    } else {
+      list.push_back(grid(std::move(kn), s.context, heads, 0));
+      list.back().local = {0, 0, 0};
+    }
   }
   if (c.cpu()) {
     const std::size_t t_elems = heads * tp * s.head_dim;
