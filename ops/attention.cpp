@@ -333,12 +333,8 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
     cl::Kernel kn = env.kernels.kernel("attention", "attention_delta", defines);
     cl::set_args(kn.get(), o.buffer, o.elem_offset(eb), dout.buffer, dout.elem_offset(eb), delta.buffer,
                  delta.elem_offset(), cl_uint(s.context), cl_uint(s.heads));
-    if (c.cpu()) {
-      list.push_back(grid(std::move(kn), round_up(s.context, 16), heads, 16));  // as the staging above
-    } else {
-      list.push_back(grid(std::move(kn), s.context, heads, 0));
-      list.back().local = {0, 0, 0};
-    }
+    // Rows in work-groups of 64, as elementwise_launch takes elements (the kernel skips rows past T).
+    list.push_back(grid(std::move(kn), round_up(s.context, 64), heads, 64));
   }
   if (c.cpu()) {
     const std::size_t t_elems = heads * tp * s.head_dim;
