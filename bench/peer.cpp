@@ -45,13 +45,23 @@ std::vector<nlohmann::json> run_json_command(const std::string& command) {
   while (std::size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
   const int status = ::pclose(pipe);
   std::vector<nlohmann::json> results;
+  std::string unparsed;  // the first line that looks like an object but is not JSON (NaN, say)
   std::istringstream lines(out);
   for (std::string line; std::getline(lines, line);) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.is_object()) results.push_back(std::move(j));
+    if (!j.is_discarded() && j.is_object()) {
+      results.push_back(std::move(j));
+    } else if (unparsed.empty() && line.starts_with('{')) {
+      unparsed = line.size() > 240 ? line.substr(0, 240) + "..." : line;
+    }
   }
   if (results.empty()) {
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (!unparsed.empty()) {
+      return {{{"error", fmt::format("peer printed a result that is not valid JSON (a NaN or Infinity is not JSON; "
+                                     "exit status {}): {}",
+                                     code, unparsed)}}};
+    }
     return {{{"error", fmt::format("peer printed no JSON result (exit status {})", code)}}};
   }
   if (!results.back().contains("error") && status != 0) {

@@ -73,8 +73,23 @@ bool pocl_registered() {
   return false;
 }
 
+// A POCL_CACHE_DIR the user set that this process cannot create or write: PoCL then loads no
+// device (or fails every kernel build), and the only message would be "no OpenCL device found".
+// The user's folder is not replaced; ferry says what is wrong with it.
+void check_users_folder(const std::string& dir) {
+  if (could_hold(dir) || !pocl_registered()) return;
+  std::cerr << fmt::format(
+      "ferry: warning: POCL_CACHE_DIR='{}' cannot be created or written by this user; without its kernel cache "
+      "folder PoCL loads no device or fails to build kernels (point POCL_CACHE_DIR at a writable folder, or unset "
+      "it)\n",
+      dir);
+}
+
 void prepare() {
-  if (env("POCL_CACHE_DIR")) return;  // the user's choice
+  if (auto users = env("POCL_CACHE_DIR")) {  // the user's choice
+    check_users_folder(*users);
+    return;
+  }
   const std::optional<fs::path> usual = pocl_default_folder();
   if (usual && could_hold(*usual)) return;
   if (!pocl_registered()) return;

@@ -22,6 +22,7 @@ script starts (they must be set before torch is imported); this script only repo
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -135,9 +136,14 @@ def main() -> int:
         block_ms.append((time.perf_counter() - t0) * 1e3 / args.steps)
         last_loss = loss.item()  # after the block's clock stopped
     step_ms = statistics.median(block_ms)
+    # A diverged peer (seen with torch.compile under ATEN_CPU_CAPABILITY=avx2) is no timing to
+    # compare against; its loss is also not JSON.
+    diverged = not math.isfinite(last_loss)
     print(
         json.dumps(
             {
+                **({"error": f"the peer's loss is {last_loss} after its timed steps: a diverged run is not "
+                             "compared"} if diverged else {}),
                 "impl": f"pytorch-{torch.__version__}",
                 "model": args.model,
                 "mode": args.mode,
@@ -150,7 +156,7 @@ def main() -> int:
                 "block_ms": block_ms,
                 "warmup_steps": warmup,
                 "threads": torch.get_num_threads(),
-                "loss": last_loss,
+                "loss": None if diverged else last_loss,
                 "env": env,
                 "device": str(device),
                 **({"device_name": torch.cuda.get_device_name(device), "tf32": False} if cuda else {}),

@@ -16,7 +16,7 @@ mkdir -p "$work/cache"
 export FERRY_CACHE_DIR=$work/cache
 failures=0
 
-# row <what> <key phrase> <expected: error|warning> <env assignments or -> <ferry args...>
+# row <what> <key phrase> <expected: error|warning|any (a warning whose exit status depends on the machine)> <env assignments or -> <ferry args...>
 row() {
   local what=$1 needle=$2 kind=$3 envs=$4
   shift 4
@@ -206,6 +206,12 @@ row "HOME where PoCL cannot keep its kernel cache (a note; runs)" "PoCL's kernel
 row "neither HOME nor XDG_CACHE_HOME (a note; runs)" \
   "PoCL has no kernel cache folder (neither HOME nor XDG_CACHE_HOME is set)" warning \
   "HOME= XDG_CACHE_HOME= POCL_CACHE_DIR=" devices
+# POCL_CACHE_DIR naming a folder that cannot be created: PoCL loads no device, and "no OpenCL
+# device found" alone would send the user to install a driver they have. ferry keeps the user's
+# folder and says what is wrong with it.
+row "POCL_CACHE_DIR that cannot be created (a warning; PoCL then loads no device)" \
+  "POCL_CACHE_DIR='$work/home-file/pocl' cannot be created or written by this user" any \
+  "POCL_CACHE_DIR=$work/home-file/pocl" devices
 row "wrong FERRY_DEVICE" "no OpenCL device matches 'no-such-gpu'" error "FERRY_DEVICE=no-such-gpu" train "${quick[@]}"
 row "--lr 0" "--lr: must be a finite number > 0, got 0" error - train "${quick[@]}" --lr 0
 row "--device-budget 0" "a budget must be more than 0 bytes" error - train "${quick[@]}" --device-budget 0
