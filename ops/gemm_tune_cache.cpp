@@ -111,7 +111,7 @@ std::uint64_t tune_cache_key(const cl::DeviceInfo& d, std::initializer_list<std:
 }
 
 std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& device) {
-  const std::uint64_t key = tune_cache_key(device, {"gemm_tiled.cl", "gemm_packed.cl", "dtype.clh"});
+  const std::uint64_t key = tune_cache_key(device, {"gemm_tiled.cl", "gemm_packed.cl", "dtype.clh", "store16.clh"});
   return (std::filesystem::path(dir) / fmt::format("gemm-tuning-{:016x}.tsv", key)).string();
 }
 

@@ -1,6 +1,7 @@
 // A bias broadcast over the leading axes, out of place: x viewed as a row-major [rows, cols]
 // matrix, b as [cols]. Operands are (buffer, element offset) pairs. The gradient of b is the
 // column sum of bias.cl (bias_backward).
+#include "store16.clh"
 
 // y[r, c] = x[r, c] + b[c], one work-item per element: neighbouring work-items read neighbouring
 // elements of x and of b.
@@ -22,7 +23,7 @@ __kernel void add_bias16(__global const float* x, ulong x_off, __global const fl
   const ulong at = (ulong)r * cols + c0;
   if (at >= n) return;
   if (c0 + 16 <= cols) {
-    vstore16(vload16(0, x + x_off + at) + vload16(0, b + b_off + c0), 0, y + y_off + at);
+    VSTORE16_GLOBAL(vload16(0, x + x_off + at) + vload16(0, b + b_off + c0), y + y_off + at);
     return;
   }
   for (uint c = c0; c < cols; ++c) y[y_off + (ulong)r * cols + c] = x[x_off + (ulong)r * cols + c] + b[b_off + c];

@@ -26,6 +26,7 @@
 #endif
 #include "attention.clh"
 #include "reduce.clh"
+#include "store16.clh"
 
 #define DV (DP / 16)
 
@@ -101,7 +102,7 @@ __kernel void attention_stage_t(__global const T_STORAGE* x, ulong x_off, __glob
     const float16 v = (float16)(blk[0][d], blk[1][d], blk[2][d], blk[3][d], blk[4][d], blk[5][d], blk[6][d],
                                 blk[7][d], blk[8][d], blk[9][d], blk[10][d], blk[11][d], blk[12][d], blk[13][d],
                                 blk[14][d], blk[15][d]);
-    vstore16(v, 0, dst + (ulong)d * Tp);
+    VSTORE16_GLOBAL(v, dst + (ulong)d * Tp);
   }
 }
 
@@ -329,7 +330,7 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
 #define DQ_STEP(r) \
   if (r < RB) t##r = fma((float16)dsa[r][c], kv, t##r);
 #define DQ_STORE(r) \
-  if (r < RB && i0 + r < T) vstore16(t##r, j, dq_acc + (ulong)(i0 + r) * DP);
+  if (r < RB && i0 + r < T) VSTORE16_GLOBAL(t##r, dq_acc + (ulong)(i0 + r) * DP + 16 * j);
         ROWS8(DS_SAVE)
         for (uint j = 0; j < DV; ++j) {
           ROWS8(DQ_LOAD)
@@ -398,7 +399,7 @@ __kernel void attention_backward_head_cpu(__global const float* qr, ulong qr_off
   const uint bh = get_global_id(0);
   const uint b = bh / H, h = bh - b * H;
   dq_acc += dq_acc_off + (ulong)bh * Tp * DP;
-  for (uint i = 0; i < Tp * DV; ++i) vstore16((float16)0.0f, i, dq_acc);
+  for (uint i = 0; i < Tp * DV; ++i) VSTORE16_GLOBAL((float16)0.0f, dq_acc + 16 * (ulong)i);
   for (uint j0 = 0; j0 < T; j0 += 16 * KV_GROUP) {
     attention_kv_block(qr + qr_off + (ulong)bh * Tp * DP, dr + dr_off + (ulong)bh * Tp * DP,
                        kt + kt_off + (ulong)bh * D * Tp, vt + vt_off + (ulong)bh * D * Tp,

@@ -2,6 +2,7 @@
 // the backward kernels is stored as T (-DT_F16 / -DT_BF16, see dtype.clh; f32 without).
 #include "dtype.clh"
 #include "guard.clh"
+#include "store16.clh"
 
 // y[r, c] += b[c], one work-item per element.
 __kernel void bias_forward(__global float* y, ulong y_off, __global const float* b, ulong b_off, uint rows, uint cols) {
@@ -69,8 +70,8 @@ __kernel void bias_backward16(__global const T_STORAGE* dy, ulong dy_off, __glob
   if (c0 + 16 <= cols) {
     float16 s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += vload16(0, dy + dy_off + (ulong)r * cols + c0);
-    vstore16(s, 0, db + db_off + c0);
-    guard_set_if(guard, guard_off, any(~isfinite(s)));
+    VSTORE16_GLOBAL(s, db + db_off + c0);
+    guard_set_if(guard, guard_off, !all_finite16(s));
     return;
   }
   for (uint c = c0; c < cols; ++c) {

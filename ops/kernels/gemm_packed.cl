@@ -275,7 +275,7 @@ inline bool store16(float16 acc, __global float* crow, uint col, uint N, float a
     out = DACT16(out, vload16(0, zb + zrow + col));
 #endif
     out = RELU16(out);
-    vstore16(out, 0, crow + col);
+    VSTORE16_GLOBAL(out, crow + col);
     return GUARD_BAD16(out);
   }
   float tmp[16];

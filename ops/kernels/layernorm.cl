@@ -31,6 +31,7 @@
 #include "dtype.clh"
 #include "guard.clh"
 #include "reduce.clh"
+#include "store16.clh"
 
 // One work-group per row. Two passes over the row (mean, then the centred variance), which is
 // stable where E[x^2] - E[x]^2 would cancel.
@@ -170,7 +171,7 @@ __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const
 #else
       const float16 bv = vload16(0, rb + br + c);
 #endif
-      vstore16(vload16(0, ar + c) + bv, 0, xr + c);
+      VSTORE16_GLOBAL(vload16(0, ar + c) + bv, xr + c);
     }
     for (uint c = vc; c < cols; ++c) xr[c] = ar[c] + LOAD_S(rb, br + c);
   }
@@ -199,7 +200,7 @@ __kernel void layernorm_forward16(__global float* x, ulong x_off, __global const
 #if Y_NARROW
     STORE16(D_NAME, v, y, yr + c);
 #else
-    vstore16(v, 0, y + yr + c);
+    VSTORE16_GLOBAL(v, y + yr + c);
 #endif
   }
   for (uint c = vcols; c < cols; ++c) STORE_D(fma((xr[c] - mu) * rs, g[c], b[c]), y, yr + c);
@@ -238,7 +239,7 @@ __kernel void layernorm_backward_dx16(__global const float* x, ulong x_off, __gl
     const float16 xhat = (vload16(0, xr + c) - mu) * rs;
     const float16 g = vload16(0, dyr + c) * vload16(0, gm + c);
     const float16 v = rs * (g - mean_g - xhat * mean_gx);
-    vstore16(rr ? v + vload16(0, rr + c) : v, 0, dxr + c);
+    VSTORE16_GLOBAL(rr ? v + vload16(0, rr + c) : v, dxr + c);
   }
   for (uint c = vcols; c < cols; ++c) {
     const float xhat = (xr[c] - mu) * rs;
@@ -264,9 +265,9 @@ __kernel void layernorm_backward_params16(__global const float* x, ulong x_off, 
       sg = fma(d, (vload16(0, x + x_off + i) - mean[mean_off + r]) * rstd[rstd_off + r], sg);
       sb += d;
     }
-    vstore16(sg, 0, dgamma + dgamma_off + c0);
-    vstore16(sb, 0, dbeta + dbeta_off + c0);
-    guard_set_if(guard, guard_off, any(~isfinite(sg)) || any(~isfinite(sb)));
+    VSTORE16_GLOBAL(sg, dgamma + dgamma_off + c0);
+    VSTORE16_GLOBAL(sb, dbeta + dbeta_off + c0);
+    guard_set_if(guard, guard_off, !(all_finite16(sg) && all_finite16(sb)));
     return;
   }
   bool bad = false;

@@ -8,6 +8,8 @@
 // never move again).
 
 #include "optimizer_group.clh"
+#include "guard.clh"
+#include "store16.clh"
 
 // The update of one parameter (T = float) or of 16 consecutive ones (T = float16, the CPU
 // kernels'): one expression for both, so the two kernels give the same bits.
@@ -50,10 +52,10 @@ inline void adam_sixteen(ADAM_ARGS, size_t i) {
   const float16 wi = vload16(0, w + w_off + i), g_in = vload16(0, g + g_off + i), m_in = vload16(0, m + m_off + i),
                 v_in = vload16(0, v + v_off + i);
   ADAM_STEP(float16)
-  vstore16(mi, 0, m + m_off + i);
-  vstore16(vi, 0, v + v_off + i);
-  vstore16(wn, 0, w + w_off + i);
-  if (has_status && !(all(isfinite(wn)) && all(isfinite(vi)))) atomic_or(status + status_off, 1u);
+  VSTORE16_GLOBAL(mi, m + m_off + i);
+  VSTORE16_GLOBAL(vi, v + v_off + i);
+  VSTORE16_GLOBAL(wn, w + w_off + i);
+  if (has_status && !(all_finite16(wn) && all_finite16(vi))) atomic_or(status + status_off, 1u);
 }
 
 inline void adam_one(ADAM_ARGS, size_t i) {
@@ -97,9 +99,9 @@ __kernel void sgd_update16(SGD_ARGS) {
   const float16 wi = vload16(0, w + w_off + i), g_in = vload16(0, g + g_off + i),
                 velocity_in = vload16(0, velocity + velocity_off + i);
   SGD_STEP(float16)
-  vstore16(vi, 0, velocity + velocity_off + i);
-  vstore16(wn, 0, w + w_off + i);
-  if (has_status && !all(isfinite(wn))) atomic_or(status + status_off, 1u);
+  VSTORE16_GLOBAL(vi, velocity + velocity_off + i);
+  VSTORE16_GLOBAL(wn, w + w_off + i);
+  if (has_status && !all_finite16(wn)) atomic_or(status + status_off, 1u);
 }
 
 __kernel void adam_update16(ADAM_ARGS) {

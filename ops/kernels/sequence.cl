@@ -2,6 +2,7 @@
 // (buffer, element offset) pairs. No atomics: every output element is written by one work-item.
 
 #include "philox.clh"
+#include "store16.clh"
 
 // y[n, d] = table[ids[n], d]; zeros for an id outside [0, vocab) (the host validates ids).
 __kernel void embedding_forward(__global const int* ids, ulong ids_off, __global const float* table, ulong table_off,
@@ -27,7 +28,7 @@ __kernel void embedding_forward16(__global const int* ids, ulong ids_off, __glob
   __global const float* src = table + table_off + (ulong)(inside ? id : 0) * dim;
   __global float* dst = y + y_off + (ulong)n * dim;
   if (d0 + 16 <= dim) {
-    vstore16(inside ? vload16(0, src + d0) : (float16)(0.0f), 0, dst + d0);
+    VSTORE16_GLOBAL(inside ? vload16(0, src + d0) : (float16)(0.0f), dst + d0);
     return;
   }
   for (uint d = d0; d < dim; ++d) dst[d] = inside ? src[d] : 0.0f;
@@ -63,12 +64,12 @@ __kernel void embedding_backward16(__global const int* ids, ulong ids_off, __glo
   __global float* out = dtable + dtable_off + d0;
   const uint width = min(16u, dim - d0);
   if (width == 16) {
-    for (uint v = 0; v < vocab; ++v) vstore16((float16)(0.0f), 0, out + (ulong)v * dim);
+    for (uint v = 0; v < vocab; ++v) VSTORE16_GLOBAL((float16)(0.0f), out + (ulong)v * dim);
     for (uint n = 0; n < positions; ++n) {
       const int v = id[n];
       if (v < 0 || (uint)v >= vocab) continue;
       __global float* row = out + (ulong)v * dim;
-      vstore16(vload16(0, row) + vload16(0, g + (ulong)n * dim), 0, row);
+      VSTORE16_GLOBAL(vload16(0, row) + vload16(0, g + (ulong)n * dim), row);
     }
     return;
   }

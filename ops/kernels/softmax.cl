@@ -11,6 +11,7 @@
 // atomics, so every run gives the same bits.
 
 #include "reduce.clh"
+#include "store16.clh"
 
 #if VW == 16
 #define VCOLS(cols) ((cols) / 16 * 16)  // columns taken in float16 chunks
@@ -41,7 +42,7 @@ __kernel void softmax_forward(__global const float* x, ulong x_off, __global flo
   float16 sv = 0.0f;
   for (uint c = lid * 16; c < vcols; c += ls * 16) {
     const float16 e = exp(vload16(0, xr + c) - m);
-    vstore16(e, 0, yr + c);
+    VSTORE16_GLOBAL(e, yr + c);
     sv += e;
   }
   float s = fold_sum16(sv);
@@ -53,7 +54,7 @@ __kernel void softmax_forward(__global const float* x, ulong x_off, __global flo
   s = group_sum(s, scratch);
 
   const float inv = 1.0f / s;
-  for (uint c = lid * 16; c < vcols; c += ls * 16) vstore16(vload16(0, yr + c) * inv, 0, yr + c);
+  for (uint c = lid * 16; c < vcols; c += ls * 16) VSTORE16_GLOBAL(vload16(0, yr + c) * inv, yr + c);
   for (uint c = vcols + lid; c < cols; c += ls) yr[c] *= inv;
   for (uint c = cols + lid; c < all_cols; c += ls) yr[c] = 0.0f;
 }
@@ -77,7 +78,7 @@ __kernel void softmax_backward(__global const float* y, ulong y_off, __global co
 
   for (uint c = lid * 16; c < vcols; c += ls * 16) {
     const float16 yv = vload16(0, yr + c);
-    vstore16(yv * (vload16(0, dyr + c) - s), 0, dxr + c);
+    VSTORE16_GLOBAL(yv * (vload16(0, dyr + c) - s), dxr + c);
   }
   for (uint c = vcols + lid; c < cols; c += ls) dxr[c] = yr[c] * (dyr[c] - s);
 }

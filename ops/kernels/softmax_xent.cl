@@ -5,6 +5,7 @@
 // the work-group combines the partial results (reduce.clh).
 
 #include "reduce.clh"
+#include "store16.clh"
 
 // lse[r] = log sum_c exp(logits[r, c]), max-subtracted, one work-group per row. Nothing of size
 // [rows, classes] is written: the backward recomputes the probabilities from the logits and lse.
@@ -107,7 +108,7 @@ __kernel void softmax_xent_backward16(__global const float* logits, ulong logits
     const int16 lane = (int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) + (int)c0;
     float16 g = exp(vload16(0, logits + logits_off + at) - l) - select((float16)(0.0f), (float16)(1.0f), lane == label);
     if (bad) g = NAN;
-    vstore16(coef * g, 0, dlogits + dlogits_off + at);
+    VSTORE16_GLOBAL(coef * g, dlogits + dlogits_off + at);
     return;
   }
   for (uint c = c0; c < classes; ++c) {
