@@ -216,8 +216,7 @@ std::vector<std::string> attention_tune_candidates(const cl::DeviceInfo& device,
 std::string attention_tune_cache_path(OpEnv& env) {
   const cl::ProgramCacheOptions& cache = env.kernels.cache_options();
   if (!cache.enabled || cache.dir.empty()) return "";
-  const std::uint64_t key = tune_cache_key(env.device(), {"attention.cl", "attention_blocked.cl", "attention_gemm.cl",
-                                                          "attention.clh", "dtype.clh", "store16.clh"});
+  const std::uint64_t key = tune_cache_key(env.device(), {"attention", "attention_blocked", "attention_gemm"});
   return (cache.dir / fmt::format("attention-tuning-{:016x}.txt", key)).string();
 }
 

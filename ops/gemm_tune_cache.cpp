@@ -103,15 +103,15 @@ std::optional<std::string> read_tuning_file(const std::string& path, std::string
 std::uint64_t tune_cache_key(const cl::DeviceInfo& d, std::initializer_list<std::string_view> kernel_files) {
   std::uint64_t h = cl::fnv1a(d.platform_name + '\n' + d.platform_version + '\n' + d.name + '\n' + d.vendor + '\n' +
                               d.version + '\n' + d.driver + '\n');
-  for (const auto& [name, text] : cl::embedded_kernel_sources()) {
-    if (std::find(kernel_files.begin(), kernel_files.end(), name) != kernel_files.end())
-      h = cl::fnv1a(text, cl::fnv1a(name, h));
+  for (const std::string_view file : kernel_files) {
+    const std::string name = fmt::format("{}.cl", file);
+    h = cl::fnv1a(cl::expand_kernel_includes(name, cl::kernel_source(file)), cl::fnv1a(name, h));
   }
   return h;
 }
 
 std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& device) {
-  const std::uint64_t key = tune_cache_key(device, {"gemm_tiled.cl", "gemm_packed.cl", "dtype.clh", "store16.clh"});
+  const std::uint64_t key = tune_cache_key(device, {"gemm_tiled", "gemm_packed"});
   return (std::filesystem::path(dir) / fmt::format("gemm-tuning-{:016x}.tsv", key)).string();
 }
 

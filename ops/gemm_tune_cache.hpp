@@ -14,8 +14,9 @@
 
 namespace ferry::ops {
 
-// What a cached winner depends on: the device, its driver and the kernel files being tuned (as
-// named in the embedded sources: "gemm_tiled.cl", "dtype.clh").
+// What a cached winner depends on: the device, its driver and the kernel files being tuned, by file
+// stem ("gemm_tiled"), each with the headers it includes inlined (the text that is built). An
+// unknown stem throws std::invalid_argument.
 std::uint64_t tune_cache_key(const cl::DeviceInfo& device, std::initializer_list<std::string_view> kernel_files);
 
 // Tuning files (caches and FERRY_GEMM_TUNING) are a few lines; anything larger is not one.

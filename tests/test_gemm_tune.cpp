@@ -322,6 +322,25 @@ TEST(GemmTune, TiledFinalistsGetSplitVectorAndRegisterTwins) {
   EXPECT_FALSE(gpu.has_extension("cl_nv_compiler_options"));
 }
 
+// A cached winner's key covers each kernel file it names, with the headers that file includes
+// (until 2026-12-04 the names carried ".cl" and matched no embedded file, so only the headers
+// counted), and a name that is not an embedded kernel file is an error, not a key of nothing.
+TEST(GemmTune, CacheKeyCoversEachKernelFileNamed) {
+  cl::DeviceInfo d;
+  d.name = "some device";
+  const std::uint64_t none = ops::tune_cache_key(d, {});
+  const std::uint64_t tiled = ops::tune_cache_key(d, {"gemm_tiled"});
+  const std::uint64_t both = ops::tune_cache_key(d, {"gemm_tiled", "gemm_packed"});
+  EXPECT_NE(none, tiled);
+  EXPECT_NE(tiled, both);
+  EXPECT_NE(ops::tune_cache_key(d, {"gemm_packed"}), tiled);
+  EXPECT_EQ(both, ops::tune_cache_key(d, {"gemm_tiled", "gemm_packed"}));
+  cl::DeviceInfo other = d;
+  other.driver = "2";
+  EXPECT_NE(ops::tune_cache_key(other, {"gemm_tiled"}), tiled);
+  EXPECT_THROW((void)ops::tune_cache_key(d, {"gemm_tiled.cl"}), std::invalid_argument);
+}
+
 TEST(GemmTune, FirstUseTunesCachesReloadsAndRetunesADamagedCache) {
   auto& dev = TestDevice::get();
   const auto dir = temp_dir("gemm_tune");
