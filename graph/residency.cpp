@@ -679,7 +679,7 @@ void refuse_unused_settings(const ResidencyOptions& options, bool any_streamed, 
         "(no --weights-home / --state-home device)",
         residency_mode_name(options.mode)));
   }
-  if (options.staging_chunk_bytes != 0 && !any_streamed) {
+  if (options.staging_chunk_bytes != 0 && !any_streamed && options.mode != ResidencyMode::automatic) {
     throw std::invalid_argument(fmt::format(
         "a staging chunk of {} bytes with residency '{}' and no role homed in host memory: nothing is fetched, so "
         "no chunk would be used; leave staging_chunk_bytes at 0 (no --staging-chunk), or stream a role "

@@ -337,6 +337,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
   }
   out.host_bytes = out.host_store_bytes + out.host_step_bytes;
   out.host_memory = offload::resolve_host_memory(options.residency.homes.host_memory, runtime.device());
+  out.staging_chunk_bytes = options.residency.staging_chunk_bytes;
   out.predicted_step_ms = out.phases.front().predicted_step_ms;
   return out;
 }
@@ -469,8 +470,10 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
       throw std::invalid_argument(fmt::format("PlanRates::{} is {}: a rate is a finite number >= 0", name, value));
     }
   }
-  return options.recompute_auto ? plan_choosing_recompute(runtime, model, options, rates)
-                                : plan_as_given(runtime, model, options, rates);
+  return detail::plan_with_host_transfers(options, runtime.device(), [&](const TrainerOptions& o) {
+    return o.recompute_auto ? plan_choosing_recompute(runtime, model, o, rates)
+                            : plan_as_given(runtime, model, o, rates);
+  });
 }
 
 namespace {

@@ -165,6 +165,9 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   const TrainingPlan plan = plan_training(runtime, model_, options_, {});
   options_.recompute = plan.recompute;
   options_.recompute_auto = false;  // chosen: options() says what this trainer runs
+  // Host memory `automatic` as the plan made it concrete (resolve_host_transfers), chunk and all.
+  options_.residency.homes.host_memory = plan.host_memory;
+  options_.residency.staging_chunk_bytes = plan.staging_chunk_bytes;
   check_host_budget(plan, options_.residency.host_budget_bytes);
   compiled_->train_key = detail::training_key(options_);
   if (options_.phases.hybrid) phases_ = std::make_unique<PhaseController>(options_.phases);

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/trainer.hpp"
 #include "graph/pipeline.hpp"
 
@@ -44,5 +45,36 @@ struct UpfrontVariant {
   graph::VariantKey key;
 };
 std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options);
+
+// plan(options) with host memory `automatic` made concrete for `device` (resolve_host_transfers).
+// Where that chose staged memory, whose pinned buffers count in the device budget there, pageable
+// memory (automatic's other choice, no chunk) is planned too when the staged plan does not fit
+// (graph::BudgetError; pageable's error is then the one thrown) or fits only by recomputing what
+// pageable does not: the plan taken is pageable's in those cases.
+template <class Plan>
+TrainingPlan plan_with_host_transfers(TrainerOptions options, const cl::DeviceInfo& device, Plan&& plan) {
+  const graph::ResidencyOptions resolved = resolve_host_transfers(options.residency, device);
+  const bool chose_staged = options.residency.homes.host_memory == offload::HostMemory::automatic &&
+                            resolved.homes.host_memory == offload::HostMemory::staged;
+  options.residency = resolved;
+  if (!chose_staged) return plan(options);
+  TrainerOptions pageable = options;
+  pageable.residency.homes.host_memory = offload::HostMemory::pageable;
+  pageable.residency.staging_chunk_bytes = 0;
+  TrainingPlan staged;
+  try {
+    staged = plan(options);
+  } catch (const graph::BudgetError&) {
+    return plan(pageable);
+  }
+  if (!options.recompute_auto || staged.recompute == 0) return staged;
+  try {
+    TrainingPlan without_staging = plan(pageable);
+    if (without_staging.recompute == 0) return without_staging;
+  } catch (const graph::BudgetError&) {
+    // Pageable memory does not fit either: staged with recomputation it is.
+  }
+  return staged;
+}
 
 }  // namespace ferry::detail

@@ -16,6 +16,7 @@
 #include "idle_ranks.hpp"
 #include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
+#include "runtime/trainer_variants.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 
@@ -809,6 +810,101 @@ TEST(Plan, TooSmallABudgetSuggestsOnlyWhatIsNotInUse) {
   state_on_device.residency.host_optimizer = false;
   state_on_device.residency.state_home = graph::Home::device;
   EXPECT_NE(message(state_on_device).find("--residency stream"), std::string::npos) << message(state_on_device);
+}
+
+// Host memory `automatic`: pinned where pinned buffers are host memory alone; on a driver whose
+// pinned buffers take device memory too (NVIDIA's), staged in chunks of the budget / 128 (a power
+// of two, 16 to 64 MiB) and pageable below a 2 GiB budget. Given kinds and chunks are kept.
+TEST(Plan, AutomaticHostMemoryStagesInChunksWherePinnedBuffersTakeDeviceMemory) {
+  using offload::HostMemory;
+  constexpr std::uint64_t mib = 1ull << 20, gib = 1ull << 30;
+  EXPECT_EQ(auto_staging_chunk_bytes(8 * gib), 64 * mib);
+  EXPECT_EQ(auto_staging_chunk_bytes(24 * gib), 64 * mib);
+  EXPECT_EQ(auto_staging_chunk_bytes(4 * gib), 32 * mib);
+  EXPECT_EQ(auto_staging_chunk_bytes(3 * gib), 16 * mib);  // 24 MiB rounded down
+  EXPECT_EQ(auto_staging_chunk_bytes(2 * gib), 16 * mib);
+  EXPECT_EQ(auto_staging_chunk_bytes(2 * gib - 1), 0u);
+  EXPECT_EQ(auto_staging_chunk_bytes(0), 0u);
+
+  cl::DeviceInfo nvidia;
+  nvidia.platform_name = "NVIDIA CUDA";
+  nvidia.platform_vendor = nvidia.vendor = "NVIDIA Corporation";
+  nvidia.name = "NVIDIA H200";
+  nvidia.type = CL_DEVICE_TYPE_GPU;
+  nvidia.global_mem_bytes = 140 * gib;
+  cl::DeviceInfo amd = nvidia;
+  amd.platform_name = "AMD Accelerated Parallel Processing";
+  amd.platform_vendor = amd.vendor = "Advanced Micro Devices, Inc.";
+  amd.name = "gfx90a";
+  graph::ResidencyOptions r;
+  const auto resolved = [&](const cl::DeviceInfo& d) { return resolve_host_transfers(r, d); };
+  r.budget_bytes = 8 * gib;
+  EXPECT_EQ(resolved(nvidia).homes.host_memory, HostMemory::staged);
+  EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 64 * mib);
+  EXPECT_EQ(resolved(amd).homes.host_memory, HostMemory::pinned);
+  EXPECT_EQ(resolved(amd).staging_chunk_bytes, 0u);
+  r.budget_bytes = 1 * gib;
+  EXPECT_EQ(resolved(nvidia).homes.host_memory, HostMemory::pageable);
+  EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 0u);
+  r.budget_bytes = 0;  // the device's memory less headroom
+  EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 64 * mib);
+  r.staging_chunk_bytes = 4 * mib;  // a chunk given is kept
+  EXPECT_EQ(resolved(nvidia).homes.host_memory, HostMemory::staged);
+  EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 4 * mib);
+  r.staging_chunk_bytes = 0;
+  for (const HostMemory m : {HostMemory::pinned, HostMemory::pageable, HostMemory::staged, HostMemory::registered}) {
+    r.homes.host_memory = m;
+    EXPECT_EQ(resolved(nvidia).homes.host_memory, m);
+    EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 0u);
+  }
+  nvidia.host_unified_memory = true;  // an integrated one: its pinned buffers are host memory
+  r.homes.host_memory = HostMemory::automatic;
+  EXPECT_EQ(resolved(nvidia).homes.host_memory, HostMemory::pinned);
+
+  // Planning takes pageable memory where staging's buffers do not fit the budget, or fit only
+  // with recomputation that pageable memory does not need.
+  nvidia.host_unified_memory = false;
+  TrainerOptions o;
+  o.residency.budget_bytes = 8 * gib;
+  std::vector<HostMemory> planned;
+  const auto plan_needing = [&](std::optional<std::uint32_t> staged_recompute, std::uint32_t pageable_recompute) {
+    planned.clear();
+    return detail::plan_with_host_transfers(o, nvidia, [&](const TrainerOptions& t) {
+      planned.push_back(t.residency.homes.host_memory);
+      const bool staged = t.residency.homes.host_memory == HostMemory::staged;
+      if (o.residency.homes.host_memory == HostMemory::automatic) {
+        EXPECT_EQ(t.residency.staging_chunk_bytes, staged ? 64 * mib : 0u);
+      }
+      if (staged && !staged_recompute) throw graph::BudgetError("staging does not fit", 9 * gib);
+      TrainingPlan p;
+      p.host_memory = t.residency.homes.host_memory;
+      p.staging_chunk_bytes = t.residency.staging_chunk_bytes;
+      p.recompute = staged ? *staged_recompute : pageable_recompute;
+      return p;
+    });
+  };
+  o.recompute_auto = true;
+  EXPECT_EQ(plan_needing(0, 0).host_memory, HostMemory::staged);
+  EXPECT_EQ(planned, std::vector<HostMemory>{HostMemory::staged});
+  EXPECT_EQ(plan_needing(std::nullopt, 0).host_memory, HostMemory::pageable);
+  EXPECT_EQ(planned, (std::vector<HostMemory>{HostMemory::staged, HostMemory::pageable}));
+  EXPECT_EQ(plan_needing(4, 0).host_memory, HostMemory::pageable);
+  EXPECT_EQ(plan_needing(4, 8).host_memory, HostMemory::staged);  // both recompute: staged's transfers
+  o.recompute_auto = false;
+  EXPECT_EQ(plan_needing(4, 0).host_memory, HostMemory::staged);  // the recomputation was asked for
+  EXPECT_EQ(planned.size(), 1u);
+  o.residency.homes.host_memory = HostMemory::staged;  // staged by request: no second plan
+  EXPECT_THROW(plan_needing(std::nullopt, 0), graph::BudgetError);
+  EXPECT_EQ(planned.size(), 1u);
+  o.residency.homes.host_memory = HostMemory::automatic;
+  EXPECT_EQ(detail::plan_with_host_transfers(o, amd,
+                                             [](const TrainerOptions& t) {
+                                               TrainingPlan p;
+                                               p.host_memory = t.residency.homes.host_memory;
+                                               return p;
+                                             })
+                .host_memory,
+            HostMemory::pinned);
 }
 
 // A minimum is printed rounded up, so that the figure an error names is a budget that fits.

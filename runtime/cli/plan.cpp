@@ -66,7 +66,7 @@ constexpr RateSpec rate_specs[] = {
     {"link_gbps", "link {:.2f} GB/s", "--link-gbps", "Host-device copy rate in GB/s", false,
      &ferry::PlanRates::link_gbps,
      [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions& o, RateNotes&) {
-       return ferry::measure_link_gbps(rt, o.residency.homes.host_memory);
+       return ferry::measure_link_gbps(rt, ferry::resolve_host_transfers(o.residency, rt.device()).homes.host_memory);
      }},
     {"gemm_gflops", "GEMM {:.1f} GFLOP/s", "--gemm-gflops", "GEMM rate in GFLOP/s at the step's own products", false,
      &ferry::PlanRates::gemm_gflops,
@@ -161,7 +161,8 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   r.host_budget = base.residency.host_budget_bytes;
   r.host_limit = r.host_budget ? r.host_budget : ferry::physical_memory_bytes();
   r.host_memory = ferry::offload::host_memory_name(
-      ferry::offload::resolve_host_memory(base.residency.homes.host_memory, runtime.device()));
+      r.configured.plan ? r.configured.plan->host_memory
+                        : ferry::resolve_host_transfers(base.residency, runtime.device()).homes.host_memory);
 
   // The configuration to use for these budgets: the fastest predicted that fits.
   ferry::TrainerOptions searched = base;

@@ -75,7 +75,9 @@ struct HomeStoreOptions {
   std::uint32_t pinned_copies = 1;
   // The memory of the host_pinned home (and of a step's host buffers): pinned, pageable, or
   // staged (pageable, copies through pinned staging; `automatic` is pageable where the driver's
-  // pinned buffers would take device memory too; host_memory.hpp). host_mapped is always pinned: kernels address it.
+  // pinned buffers would take device memory too, and a Trainer stages it in chunks there under a
+  // budget that affords them: ferry::resolve_host_transfers; host_memory.hpp). host_mapped is always pinned: kernels
+  // address it.
   HostMemory host_memory = HostMemory::automatic;
 };
 

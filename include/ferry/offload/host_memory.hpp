@@ -33,7 +33,8 @@
 namespace ferry::offload {
 
 enum class HostMemory : std::uint8_t {
-  automatic,  // pageable where pinned buffers take device memory too, else pinned
+  automatic,  // pageable where pinned buffers take device memory too, else pinned (a Trainer:
+              // ferry::resolve_host_transfers)
   pinned,
   pageable,
   staged,      // pageable, with copies through pinned staging

@@ -197,13 +197,30 @@ struct TrainingPlan {
   // variant at the batch and those a data set's tail may take, the batch halved until one sample.
   // Not in host_bytes (the training steps'); check_host_budget counts it.
   std::uint64_t host_eval_bytes = 0;
-  // The memory of the streamed homes and the step pools on this device (pinned, pageable, staged).
+  // The memory of the streamed homes and the step pools on this device (pinned, pageable, staged),
+  // and staged memory's chunk (ResidencyOptions::staging_chunk_bytes; 0: fetches unchunked): as
+  // given, or what `automatic` chose (resolve_host_transfers).
   offload::HostMemory host_memory = offload::HostMemory::pinned;
+  std::uint64_t staging_chunk_bytes = 0;
   PlanRates rates;
   double predicted_step_ms = 0;  // the training step's (phases[0])
   std::uint32_t recompute = 0;   // layers per recomputed segment planned (chosen when recompute_auto)
   bool eight_bit_state = false;  // the optimizer keeps 8-bit state already (adamw8bit)
 };
+
+// What a Trainer and ferry plan make of host memory `automatic` (ResidencyOptions::homes.host_memory)
+// on `device` (runtime/host_transfers.cpp has the measurements behind it): pinned where pinned
+// buffers are host memory alone; where the driver backs each pinned buffer with device memory too
+// (NVIDIA's), staged memory with chunked fetches of auto_staging_chunk_bytes(the device budget)
+// when that is not 0 (a chunk already in the options is kept), else pageable. Other kinds come
+// back as given. plan_training plans the staged choice first and takes pageable memory (no chunk)
+// where that one does not fit the device budget; a CompiledStep given `automatic` directly takes
+// offload::resolve_host_memory's (pageable there).
+graph::ResidencyOptions resolve_host_transfers(graph::ResidencyOptions options, const cl::DeviceInfo& device);
+// The staging chunk `automatic` host memory takes under a device budget where it stages: the
+// budget / 128 rounded down to a power of two, at most 64 MiB; 0 below 16 MiB (a 2 GiB budget),
+// where chunks are too small to beat the driver's own staging.
+std::uint64_t auto_staging_chunk_bytes(std::uint64_t device_budget_bytes);
 
 // Plans the step variants a Trainer(runtime, model, options) would compile up front (the same
 // graphs, model passes and planning passes: graph::plan_step), allocating nothing: no weights,

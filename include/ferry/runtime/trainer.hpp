@@ -222,9 +222,10 @@ class Trainer {
   // What the residency pass chose for the training step: the mode, the copies per step.
   const graph::ResidencyReport& residency() const;
   // The kind of memory of the host_pinned home and the step's host pool on this device: pinned,
-  // pageable (the default where the driver's pinned buffers take device memory too), or staged
-  // (pageable, copies through pinned staging; ResidencyOptions::homes.host_memory,
-  // ferry/offload/host_memory.hpp).
+  // pageable, or staged (pageable, copies through pinned staging; ResidencyOptions::homes.host_memory,
+  // ferry/offload/host_memory.hpp). Where the driver's pinned buffers take device memory too,
+  // `automatic` is staged in chunks under a budget that affords them, else pageable
+  // (ferry::resolve_host_transfers; options() gives the chunk).
   offload::HostMemory host_memory() const;
   // Where the weights, and the optimizer state, live between steps (each role has one home:
   // device, host_pinned, host_mapped, host_compressed, ...; ferry/offload/home.hpp).
