@@ -404,6 +404,41 @@ TEST(Adam8bit, GuardSkipsNonFiniteLoss) {
   EXPECT_NE(d.m.download(), m1);
 }
 
+// On CPU devices a work-item per block (optimizer8bit_rows.cl, the bucket tables' codes) runs
+// where the work-group kernel would: the same weights, codes and scales, bit for bit, step after
+// step, with blocks whose tails are not whole vectors; and a weight made not finite is reported.
+TEST(Adam8bit, RowsKernelMatchesTheWorkGroupKernel) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the rows kernel runs on CPU devices";
+  const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, 0.01f, true};
+  for (const auto& [n, block] : {std::pair<std::size_t, std::uint32_t>{1000, 256}, {5000, 2048}, {37, 256}}) {
+    SCOPED_TRACE(fmt::format("n {} block {}", n, block));
+    Device8bit rows(random_vector(n, 2), block), groups(random_vector(n, 2), block);
+    const ops::LaunchList rows_update = rows.bind(c), group_update = groups.bind(c, {}, 32);
+    for (std::uint64_t s = 1; s <= 3; ++s) {
+      const auto g = spread_gradient(n, 40 + static_cast<std::uint32_t>(s));
+      rows.g.upload(g);
+      groups.g.upload(g);
+      ops::run_blocking(dev.context.compute(), rows_update, {s, 0.01f});
+      ops::run_blocking(dev.context.compute(), group_update, {s, 0.01f});
+      ASSERT_EQ(rows.w.download(), groups.w.download()) << "step " << s;
+      ASSERT_EQ(rows.scales.download(), groups.scales.download()) << "step " << s;
+      ASSERT_EQ(rows.m.download(), groups.m.download()) << "step " << s;
+      ASSERT_EQ(rows.v.download(), groups.v.download()) << "step " << s;
+    }
+  }
+  // A weight made infinite sets the status word.
+  Device8bit d(random_vector(100, 3), 256);
+  DeviceTensor status(std::vector<float>{0.0f}, 1);
+  const ops::LaunchList update = ops::adam8bit_update(dev.env, c, 256, d.w.span(), d.g.span(), d.m.span(), d.v.span(),
+                                                      d.scales.span(), 100, {}, 0, status.span());
+  std::vector<float> g(100, 0.0f);
+  g[77] = std::numeric_limits<float>::infinity();
+  d.g.upload(g);
+  ops::run_blocking(dev.context.compute(), update, {1, 0.01f});
+  EXPECT_NE(status.download()[0], 0.0f) << "the infinite weight should be reported";
+}
+
 TEST(Adam8bit, StepZeroThrows) {
   auto& dev = TestDevice::get();
   Device8bit d(random_vector(300, 1), 256);
