@@ -18,12 +18,9 @@
 #endif
 
 // table[index] for each lane.
-inline float16 q8_gather(__constant const float* table, uint16 index) {
-  uint i[16];
-  float v[16];
-  vstore16(index, 0, i);
-  for (int l = 0; l < 16; ++l) v[l] = table[i[l]];
-  return vload16(0, v);
+inline float16 q8_gather(__constant const float* t, uint16 i) {
+  return (float16)(t[i.s0], t[i.s1], t[i.s2], t[i.s3], t[i.s4], t[i.s5], t[i.s6], t[i.s7], t[i.s8], t[i.s9], t[i.sa],
+                   t[i.sb], t[i.sc], t[i.sd], t[i.se], t[i.sf]);
 }
 
 // The code of each normalized value r (clamped to [-1, 1], or [0, 1] unsigned; not NaN), as
@@ -37,10 +34,9 @@ inline uint16 q8_codes_of(float16 r, int is_signed) {
   const int16 zero = 0, one = 1;
   const int16 negative = is_signed ? select(zero, one, r < 0.0f) : zero;
   const uint16 row = convert_uint16(bucket + negative * (int)Q8_COUNT) + (is_signed ? 0u : 2u * Q8_COUNT);
-  uint j[16], e[16];
-  vstore16(row, 0, j);
-  for (int l = 0; l < 16; ++l) e[l] = q8_steps[j[l]];
-  const uint16 entry = vload16(0, e);
+  __constant const uint* t = q8_steps;
+  const uint16 entry = (uint16)(t[row.s0], t[row.s1], t[row.s2], t[row.s3], t[row.s4], t[row.s5], t[row.s6], t[row.s7],
+                                t[row.s8], t[row.s9], t[row.sa], t[row.sb], t[row.sc], t[row.sd], t[row.se], t[row.sf]);
   const int16 a = convert_int16(entry >> 17) + select(zero, one, (bits & 0xffffu) >= (entry & 0x1ffffu));
   if (is_signed) return convert_uint16(128 + a - 2 * negative * a);
   // A positive v never becomes 0: Adam divides by its square root.
