@@ -42,9 +42,7 @@ graph::ResidencyOptions resolve_host_transfers(graph::ResidencyOptions options, 
     return options;
   }
   if (options.staging_chunk_bytes == 0) {
-    TrainerOptions budget_of;
-    budget_of.residency.budget_bytes = options.budget_bytes;
-    options.staging_chunk_bytes = auto_staging_chunk_bytes(detail::resolve_device_budget(budget_of, device));
+    options.staging_chunk_bytes = auto_staging_chunk_bytes(detail::resolve_device_budget(options.budget_bytes, device));
   }
   memory = options.staging_chunk_bytes > 0 ? offload::HostMemory::staged : offload::HostMemory::pageable;
   return options;

@@ -117,8 +117,8 @@ graph::VariantKey evaluation_key(const TrainerOptions& options, std::uint32_t co
   return key;
 }
 
-std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device) {
-  if (options.residency.budget_bytes != 0) return options.residency.budget_bytes;
+std::uint64_t resolve_device_budget(std::uint64_t budget_bytes, const cl::DeviceInfo& device) {
+  if (budget_bytes != 0) return budget_bytes;
   const std::uint64_t mem = device.global_mem_bytes;
   return mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
 }

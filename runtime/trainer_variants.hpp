@@ -34,7 +34,10 @@ graph::VariantKey evaluation_key(const TrainerOptions& options, std::uint32_t co
                                  bool int8_weights = false);
 // The device budget a Trainer plans in: the options', or the device's memory less headroom
 // (10%, at least 256 MiB, at most half).
-std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device);
+std::uint64_t resolve_device_budget(std::uint64_t budget_bytes, const cl::DeviceInfo& device);
+inline std::uint64_t resolve_device_budget(const TrainerOptions& options, const cl::DeviceInfo& device) {
+  return resolve_device_budget(options.residency.budget_bytes, device);
+}
 // The residency options a Trainer compiles with: the options', the budget resolved and updates grouped
 // when the graph fuses (TrainerOptions::fuse).
 graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget);
