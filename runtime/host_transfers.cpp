@@ -16,10 +16,11 @@
 //   budget plus 421-679 MiB as with pageable homes.
 // So staged with chunks wherever the budget affords chunks of at least 16 MiB: a chunk of the
 // budget / 128 (the four count in the budget there: 3% of it), a power of two, at most 64 MiB;
-// below a 2 GiB budget, pageable. Staged memory also stages write-backs in pinned buffers as large
-// as the two largest in flight, counted in the budget: plan_training plans pageable where the
-// staged plan does not fit.
+// below a 2 GiB budget, and for a step resident by request, pageable. Staged memory also stages write-backs in pinned
+// buffers as large as the two largest in flight, counted in the budget: plan_training plans pageable where the staged
+// plan does not fit.
 #include <bit>
+#include <optional>
 
 #include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/plan.hpp"
@@ -41,7 +42,12 @@ graph::ResidencyOptions resolve_host_transfers(graph::ResidencyOptions options, 
     memory = offload::HostMemory::pinned;
     return options;
   }
-  if (options.staging_chunk_bytes == 0) {
+  // Resident by request with no role homed in host memory: nothing is fetched, and a chunk would be
+  // refused as unused (graph/residency.cpp).
+  const auto homed_on_host = [](const std::optional<graph::Home>& h) { return h && *h == graph::Home::host_pinned; };
+  const bool may_stream = options.mode != graph::ResidencyMode::resident || homed_on_host(options.weights_home) ||
+                          homed_on_host(options.state_home);
+  if (options.staging_chunk_bytes == 0 && may_stream) {
     options.staging_chunk_bytes = auto_staging_chunk_bytes(detail::resolve_device_budget(options.budget_bytes, device));
   }
   memory = options.staging_chunk_bytes > 0 ? offload::HostMemory::staged : offload::HostMemory::pageable;

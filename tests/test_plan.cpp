@@ -848,6 +848,13 @@ TEST(Plan, AutomaticHostMemoryStagesInChunksWherePinnedBuffersTakeDeviceMemory) 
   EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 0u);
   r.budget_bytes = 0;  // the device's memory less headroom
   EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 64 * mib);
+  r.mode = graph::ResidencyMode::resident;  // nothing fetched: no chunk (it would be refused as unused)
+  EXPECT_EQ(resolved(nvidia).homes.host_memory, HostMemory::pageable);
+  EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 0u);
+  r.state_home = graph::Home::host_pinned;  // resident weights, streamed state
+  EXPECT_EQ(resolved(nvidia).homes.host_memory, HostMemory::staged);
+  r.state_home.reset();
+  r.mode = graph::ResidencyMode::automatic;
   r.staging_chunk_bytes = 4 * mib;  // a chunk given is kept
   EXPECT_EQ(resolved(nvidia).homes.host_memory, HostMemory::staged);
   EXPECT_EQ(resolved(nvidia).staging_chunk_bytes, 4 * mib);

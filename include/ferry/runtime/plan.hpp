@@ -212,7 +212,8 @@ struct TrainingPlan {
 // on `device` (runtime/host_transfers.cpp has the measurements behind it): pinned where pinned
 // buffers are host memory alone; where the driver backs each pinned buffer with device memory too
 // (NVIDIA's), staged memory with chunked fetches of auto_staging_chunk_bytes(the device budget)
-// when that is not 0 (a chunk already in the options is kept), else pageable. Other kinds come
+// when that is not 0 and something may stream (not resident by request with no role homed in
+// host memory; a chunk already in the options is kept), else pageable. Other kinds come
 // back as given. plan_training plans the staged choice first and takes pageable memory (no chunk)
 // where that one does not fit the device budget; a CompiledStep given `automatic` directly takes
 // offload::resolve_host_memory's (pageable there).
