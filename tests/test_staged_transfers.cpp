@@ -90,6 +90,14 @@ void expect_same(const Trained& want, const Trained& got) {
   for (const auto& [name, values] : want.tensors) EXPECT_EQ(got.tensors.at(name), values) << name;
 }
 
+// Streamed with `kind`, its updates on the host or on the device.
+TrainerOptions optimizer(ops::OptimizerConfig::Kind kind, bool on_host) {
+  TrainerOptions o = streamed();
+  o.optimizer.kind = kind;
+  o.residency.host_optimizer = on_host;
+  return o;
+}
+
 struct Case {
   const char* name;
   std::function<TrainerOptions()> options;
@@ -98,26 +106,9 @@ struct Case {
 
 const Case cases[] = {
     {"adam_on_the_device", [] { return streamed(); }},
-    {"adamw_on_the_host",
-     [] {
-       TrainerOptions o = streamed();
-       o.optimizer.kind = ops::OptimizerConfig::Kind::adamw;
-       o.residency.host_optimizer = true;
-       return o;
-     }},
-    {"adamw8bit_on_the_device",
-     [] {
-       TrainerOptions o = streamed();
-       o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
-       return o;
-     }},
-    {"adamw8bit_on_the_host",
-     [] {
-       TrainerOptions o = streamed();
-       o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
-       o.residency.host_optimizer = true;
-       return o;
-     }},
+    {"adamw_on_the_host", [] { return optimizer(ops::OptimizerConfig::Kind::adamw, true); }},
+    {"adamw8bit_on_the_device", [] { return optimizer(ops::OptimizerConfig::Kind::adamw8bit, false); }},
+    {"adamw8bit_on_the_host", [] { return optimizer(ops::OptimizerConfig::Kind::adamw8bit, true); }},
     // Narrow gradients cross the link and are widened on the host.
     {"bf16_host_optimizer",
      [] {
