@@ -158,11 +158,31 @@ double predict_step_ms(const PhasePlan& p, bool shares_host_cores) {
                                                                : p.forward_ms;
   const double followed_by_ms = p.host_updates_deferred ? p.compute_ms - p.forward_ms : 0.0;
   const double host_bound_ms = p.host_update_bytes ? waited_for_ms + p.host_update_ms + followed_by_ms : 0.0;
-  return std::max(
-      {p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, p.launch_ms, p.network_ms});
+  // The device's updates of streamed state after the verdict: the forward and backward with what overlaps them,
+  // then the updates' kernels with their fetches and write-backs. (Without transfers of their own, resident, they
+  // end the compute, which the batch's transfers overlap from the step before.)
+  const double tail_bound_ms = p.tail_transfer_ms > 0
+                                   ? std::max(p.compute_ms - p.tail_compute_ms, p.transfer_ms - p.tail_transfer_ms) +
+                                         std::max(p.tail_compute_ms, p.tail_transfer_ms)
+                                   : 0.0;
+  return std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, tail_bound_ms,
+                   p.launch_ms, p.network_ms});
 }
 
 namespace {
+
+// The first of the device's updates when it follows the backward's last node (the updates wait for the step's
+// verdict there), else g.nodes.size(): no tail.
+graph::NodeId device_update_tail(const graph::Graph& g) {
+  graph::NodeId first_update = g.nodes.size(), last_backward = 0;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    const ops::OpClass c = ops::op_info(g.nodes.op[n]).op_class;
+    if (c == ops::OpClass::backward) last_backward = n;
+    if (c == ops::OpClass::update && g.nodes.lane[n] == ops::Lane::compute && first_update == g.nodes.size())
+      first_update = n;
+  }
+  return first_update > last_backward ? first_update : g.nodes.size();
+}
 
 // The per-step figures of one planned variant (everything but the device breakdown). On a CPU
 // device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
@@ -172,6 +192,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   const bool shares_host_cores = device.is_cpu();
   const std::uint32_t pinned_copies = homes.pinned_copies;
   p.nodes = g.nodes.size();
+  // The device's updates wait for the step's verdict when the first comes after the backward's last node: from
+  // there on, what they fetch and write back and their kernels follow the backward instead of overlapping it.
+  const graph::NodeId tail_start = device_update_tail(g);
   // The step's host pool, and the other slot's batch mirrors where it runs ahead.
   p.host_step_bytes =
       planned.memory.host_transient_bytes + graph::run_ahead_mirror_bytes(g, planned.memory, homes, device);
@@ -216,6 +239,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       count_collective(g, n, ranks, p);
       continue;
     }
+    const bool in_tail = n >= tail_start;
+    if (in_tail && (g.nodes.op[n] == graph::builtin::fetch || g.nodes.op[n] == graph::builtin::write_back))
+      p.tail_transfer_bytes += g.tensors.bytes(g.nodes.inputs(n)[0]);
     if (row.op_class == ops::OpClass::state_transfer || graph::is_host_lane(g.nodes.lane[n])) continue;
     // GEMM-like nodes at the GEMM rate; every other node is bound by the bytes it reads and writes.
     ++p.launches;
@@ -225,6 +251,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       p.flops += f;
       p.gemm_flops += f;
       if (forward) p.forward_gemm_flops += f;
+      if (in_tail) p.tail_gemm_flops += f;
     } else {
       std::uint64_t bytes = 0;
       for (TensorId x : g.nodes.inputs(n)) bytes += g.tensors.bytes(x);
@@ -232,9 +259,11 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
         bytes += g.tensors.bytes(x);
         p.flops += g.tensors.shape[x].elems();
       }
+      const bool quantization = row.update_bound == ops::UpdateBound::quantization;
       p.memory_bytes += bytes;
-      if (row.update_bound == ops::UpdateBound::quantization) p.memory_8bit_bytes += bytes;
+      if (quantization) p.memory_8bit_bytes += bytes;
       if (forward) p.forward_memory_bytes += bytes;
+      if (in_tail) (quantization ? p.tail_memory_8bit_bytes : p.tail_memory_bytes) += bytes;
     }
   }
   const auto ms = [](double amount, double per_ms) { return per_ms > 0 ? amount / per_ms : 0.0; };
@@ -254,6 +283,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
   p.network_ms = ms(static_cast<double>(p.network_bytes), rates.network_gbps * 1e6);
   p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
+  p.tail_compute_ms =
+      device_ms(p.tail_gemm_flops, p.tail_memory_bytes + p.tail_memory_8bit_bytes, p.tail_memory_8bit_bytes);
+  p.tail_transfer_ms = ms(static_cast<double>(p.tail_transfer_bytes), rates.link_gbps * 1e6);
   p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
   p.predicted_step_ms = predict_step_ms(p, shares_host_cores);
 }
@@ -338,6 +370,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
   out.host_bytes = out.host_store_bytes + out.host_step_bytes;
   out.host_memory = offload::resolve_host_memory(options.residency.homes.host_memory, runtime.device());
   out.staging_chunk_bytes = options.residency.staging_chunk_bytes;
+  out.host_optimizer = options.residency.host_optimizer;
   out.predicted_step_ms = out.phases.front().predicted_step_ms;
   return out;
 }
@@ -470,9 +503,11 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
       throw std::invalid_argument(fmt::format("PlanRates::{} is {}: a rate is a finite number >= 0", name, value));
     }
   }
-  return detail::plan_with_host_transfers(options, runtime.device(), [&](const TrainerOptions& o) {
-    return o.recompute_auto ? plan_choosing_recompute(runtime, model, o, rates)
-                            : plan_as_given(runtime, model, o, rates);
+  return detail::plan_with_host_optimizer(options, runtime.device(), [&](const TrainerOptions& placed) {
+    return detail::plan_with_host_transfers(placed, runtime.device(), [&](const TrainerOptions& o) {
+      return o.recompute_auto ? plan_choosing_recompute(runtime, model, o, rates)
+                              : plan_as_given(runtime, model, o, rates);
+    });
   });
 }
 

@@ -54,6 +54,7 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
   Configuration c;
   TrainerOptions& o = c.options;
   o = base;
+  o.host_optimizer_auto = false;  // each lean says where the optimizer runs
   std::string flags;
   if (narrow) {
     o.precision.compute = ops::DType::bf16;

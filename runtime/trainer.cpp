@@ -70,6 +70,11 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
         "(recompute_auto with recompute 0, or recompute_auto false)",
         options.recompute));
   }
+  if (options.host_optimizer_auto && options.residency.host_optimizer) {
+    throw std::invalid_argument(
+        "host_optimizer_auto chooses where the optimizer runs, and ResidencyOptions::host_optimizer asks for the "
+        "host: set one (host_optimizer_auto with host_optimizer false, or host_optimizer_auto false)");
+  }
   if (options.phases.hybrid) options.optimizer.predictor = options.phases.predictor;
   validate_data_parallel(options);
   validate_overlapped_updates(options);
@@ -168,6 +173,9 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   // Host memory `automatic` as the plan made it concrete (resolve_host_transfers), chunk and all.
   options_.residency.homes.host_memory = plan.host_memory;
   options_.residency.staging_chunk_bytes = plan.staging_chunk_bytes;
+  // The optimizer's place as host_optimizer_auto chose it (plan_training).
+  options_.residency.host_optimizer = plan.host_optimizer;
+  options_.host_optimizer_auto = false;
   check_host_budget(plan, options_.residency.host_budget_bytes);
   compiled_->train_key = detail::training_key(options_);
   if (options_.phases.hybrid) phases_ = std::make_unique<PhaseController>(options_.phases);

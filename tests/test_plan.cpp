@@ -633,6 +633,55 @@ TEST(Plan, StepTimeCombinesItsParts) {
   p.host_updates_deferred = false, p.host_update_ms = 8;
   p.transfer_ms = 30;
   EXPECT_DOUBLE_EQ(predict_step_ms(p, false), 30) << "the link is the largest part";
+
+  // The device's updates after the verdict: what overlaps before them, then their kernels or their transfers.
+  PhasePlan d;
+  d.compute_ms = 10, d.transfer_ms = 12;
+  d.tail_compute_ms = 1, d.tail_transfer_ms = 8;
+  EXPECT_DOUBLE_EQ(predict_step_ms(d, false), 9 + 8) << "the forward and backward, then the updates' transfers";
+  d.tail_transfer_ms = 0.5;
+  EXPECT_DOUBLE_EQ(predict_step_ms(d, false), 11.5 + 1) << "the transfers before them, then the updates' kernels";
+  d.tail_transfer_ms = 0;
+  EXPECT_DOUBLE_EQ(predict_step_ms(d, false), 12) << "resident: the updates' kernels end the compute";
+  d.tail_transfer_ms = 8, d.transfer_ms = 12;
+  EXPECT_DOUBLE_EQ(predict_step_ms(d, true), 22) << "a CPU device adds up compute and transfers as before";
+}
+
+// Streamed state updated on the device: its moments and weights cross the link after the backward,
+// when the updates may run (one host copy, changed in place). Resident, the updates' kernels are
+// the tail and nothing crosses.
+TEST(Plan, DeviceUpdatesOfStreamedStateFollowTheBackward) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  // Products slow and the memory fast: the forward and backward outlast their transfers, and the
+  // updates' transfers outlast their kernels.
+  const PlanRates rates{.link_gbps = 1.0, .gemm_gflops = 1e-3, .device_gbps = 1e6};
+  const PhasePlan t = plan_training(rt, small_mlp(), o, rates).phases.front();
+  // At least the weights and both moments written back (413 parameters of 4 bytes, three times).
+  EXPECT_GE(t.tail_transfer_bytes, 3u * 413u * 4u);
+  EXPECT_LE(t.tail_transfer_bytes, t.fetch_bytes + t.write_back_bytes);
+  EXPECT_DOUBLE_EQ(t.tail_transfer_ms, static_cast<double>(t.tail_transfer_bytes) / 1e6);
+  EXPECT_GT(t.tail_memory_bytes, 0u) << "the updates' kernels";
+  EXPECT_LT(t.tail_compute_ms, t.compute_ms);
+  EXPECT_LT(t.tail_compute_ms, t.tail_transfer_ms);
+  EXPECT_EQ(t.tail_gemm_flops, 0u) << "no product follows the updates";
+  EXPECT_GT(t.compute_ms, t.transfer_ms);
+  EXPECT_DOUBLE_EQ(predict_step_ms(t, false), t.compute_ms - t.tail_compute_ms + t.tail_transfer_ms)
+      << "the tail does not overlap the backward";
+
+  o.residency.mode = graph::ResidencyMode::resident;
+  const PhasePlan r = plan_training(rt, small_mlp(), o, rates).phases.front();
+  EXPECT_EQ(r.tail_transfer_bytes, 0u);
+  EXPECT_GT(r.tail_memory_bytes, 0u);
+  EXPECT_DOUBLE_EQ(predict_step_ms(r, false), std::max(r.compute_ms, r.transfer_ms));
+
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.host_optimizer = true;  // no updates on the device: no tail
+  const PhasePlan h = plan_training(rt, small_mlp(), o, rates).phases.front();
+  EXPECT_EQ(h.tail_transfer_bytes, 0u);
+  EXPECT_EQ(h.tail_memory_bytes, 0u);
 }
 
 TEST(Plan, StateLargerThanPhysicalMemoryIsAnError) {
@@ -912,6 +961,112 @@ TEST(Plan, AutomaticHostMemoryStagesInChunksWherePinnedBuffersTakeDeviceMemory) 
                                              })
                 .host_memory,
             HostMemory::pinned);
+}
+
+// host_optimizer_auto: on a device with memory of its own whose step streams, the host's updates
+// where they move fewer bytes over the link without recomputing more, or where the device's do not
+// fit; the device's where nothing streams, on a unified-memory device, or where the host optimizer
+// cannot run with the other settings.
+TEST(Plan, AutomaticHostOptimizerWhereItMovesFewerBytes) {
+  constexpr std::uint64_t gib = 1ull << 30;
+  cl::DeviceInfo gpu;
+  gpu.type = CL_DEVICE_TYPE_GPU;
+  gpu.global_mem_bytes = 24 * gib;
+  struct Place {
+    std::uint64_t moved = 0;
+    std::uint32_t recompute = 0;
+    bool fits = true, refused = false;
+    std::uint64_t min_budget = 9 * gib;
+  };
+  Place device, host;
+  graph::ResidencyMode mode = graph::ResidencyMode::stream;
+  std::vector<bool> planned;  // host_optimizer of each plan made
+  TrainerOptions o;
+  o.host_optimizer_auto = true;
+  const auto choose = [&] {
+    planned.clear();
+    return detail::plan_with_host_optimizer(o, gpu, [&](const TrainerOptions& t) {
+      EXPECT_FALSE(t.host_optimizer_auto) << "each plan is of one place";
+      planned.push_back(t.residency.host_optimizer);
+      const Place& at = t.residency.host_optimizer ? host : device;
+      if (at.refused) throw std::invalid_argument("the host optimizer does not take compressed state");
+      if (!at.fits) throw graph::BudgetError("does not fit", at.min_budget);
+      TrainingPlan p;
+      p.mode = mode;
+      p.host_optimizer = t.residency.host_optimizer;
+      p.recompute = at.recompute;
+      p.phases.resize(1);
+      p.phases.front().fetch_bytes = at.moved / 2;
+      p.phases.front().write_back_bytes = at.moved - at.moved / 2;
+      return p;
+    });
+  };
+  device.moved = 32 * gib, host.moved = 9 * gib;  // the 1.0B GPT on the H200
+  TrainingPlan p = choose();
+  EXPECT_TRUE(p.host_optimizer);
+  EXPECT_TRUE(p.host_optimizer_chosen);
+  EXPECT_EQ(p.other_place_moved_bytes, 32 * gib);
+  EXPECT_EQ(planned, (std::vector<bool>{false, true}));
+  host.recompute = 4;  // fewer bytes, but it would recompute where the device's plan does not
+  p = choose();
+  EXPECT_FALSE(p.host_optimizer);
+  EXPECT_TRUE(p.host_optimizer_chosen);
+  EXPECT_EQ(p.other_place_moved_bytes, 9 * gib);
+  host.recompute = 0, host.moved = 40 * gib;  // a model nearly resident: the device's caches keep its state
+  EXPECT_FALSE(choose().host_optimizer);
+  host.moved = 9 * gib, device.fits = false;  // only the host's updates fit the budget
+  p = choose();
+  EXPECT_TRUE(p.host_optimizer);
+  EXPECT_EQ(p.other_place_moved_bytes, 0u);
+  host.fits = false, host.min_budget = 6 * gib;  // neither: the error of the smaller minimum
+  try {
+    choose();
+    ADD_FAILURE() << "nothing fits";
+  } catch (const graph::BudgetError& e) {
+    EXPECT_EQ(e.min_budget(), 6 * gib);
+  }
+  host.min_budget = 12 * gib;
+  try {
+    choose();
+    ADD_FAILURE() << "nothing fits";
+  } catch (const graph::BudgetError& e) {
+    EXPECT_EQ(e.min_budget(), 9 * gib);
+  }
+  host.fits = true, host.refused = true, device.fits = true;  // a setting the host optimizer refuses
+  p = choose();
+  EXPECT_FALSE(p.host_optimizer);
+  EXPECT_FALSE(p.host_optimizer_chosen);
+  host.refused = false;
+  mode = graph::ResidencyMode::resident;  // nothing streams: one plan, the device's
+  EXPECT_FALSE(choose().host_optimizer);
+  EXPECT_EQ(planned, std::vector<bool>{false});
+  mode = graph::ResidencyMode::stream;
+  gpu.host_unified_memory = true;  // no link to spare
+  EXPECT_FALSE(choose().host_optimizer);
+  EXPECT_EQ(planned, std::vector<bool>{false});
+  o.residency.overlap_host_updates = true;  // the host optimizer's, asked for
+  EXPECT_TRUE(choose().host_optimizer);
+  EXPECT_EQ(planned, std::vector<bool>{true});
+  o.residency.overlap_host_updates = false;
+  o.host_optimizer_auto = false;  // not asked to choose: as given
+  EXPECT_FALSE(choose().host_optimizer);
+  EXPECT_EQ(planned, std::vector<bool>{false});
+}
+
+// The Trainer takes the choice (options() says where the optimizer runs), and refuses both asked for.
+TEST(Plan, TrainerRunsTheOptimizerWhereHostOptimizerAutoChose) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.host_optimizer_auto = true;
+  Trainer t(rt, small_mlp(), o);
+  EXPECT_FALSE(t.options().host_optimizer_auto);
+  // Where the device's memory is the host's (PoCL), the updates stay on the device.
+  EXPECT_EQ(t.options().residency.host_optimizer, !rt.device().host_unified_memory);
+  EXPECT_EQ(t.residency().host_updates > 0, t.options().residency.host_optimizer);
+  o.residency.host_optimizer = true;
+  EXPECT_THROW(Trainer(rt, small_mlp(), o), std::invalid_argument);
 }
 
 // A minimum is printed rounded up, so that the figure an error names is a budget that fits.

@@ -65,7 +65,9 @@ struct TrainArgs {
   int compress_level = 1;
   unsigned compress_workers = 0;
   std::uint32_t lookahead = 2;
-  bool host_optimizer = false;
+  // --host-optimizer (on the host) and --no-host-optimizer (on the device); neither: chosen by the plan
+  // (TrainerOptions::host_optimizer_auto).
+  bool host_optimizer = false, no_host_optimizer = false;
   bool overlap_host_updates = false;  // ResidencyOptions::overlap_host_updates
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
@@ -125,9 +127,13 @@ std::string staging_chunk_range();
 // Before a large model is allocated: what the plan says it will take (device peak, pinned host
 // bytes, recomputation), on stderr unless --quiet, so a long set-up says what it is doing. Plans
 // only (milliseconds); errors are left to the Trainer, which plans the same way. The recomputation
-// it chose (--recompute auto) goes into `opt`, so the Trainer does not search for it again.
+// it chose (--recompute auto) and the optimizer's place (TrainerOptions::host_optimizer_auto) go into
+// `opt`, so the Trainer does not search for them again.
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                     ferry::TrainerOptions& opt);
+// The line saying where TrainerOptions::host_optimizer_auto put the optimizer, and why (a plan that
+// made that choice: TrainingPlan::host_optimizer_chosen).
+std::string host_optimizer_choice(const ferry::TrainingPlan& plan);
 // A --recompute N given (not auto) runs each segment's forward again in the backward; where the
 // step's device peak without it is no higher, that costs compute and buys nothing. Then a note
 // saying so, with both peaks and the flops it adds ("" otherwise, or when either plan fails).

@@ -104,6 +104,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
   opt.residency.lookahead = a.lookahead;
   opt.residency.host_optimizer = a.host_optimizer;
+  opt.host_optimizer_auto = !a.host_optimizer && !a.no_host_optimizer;
   opt.residency.overlap_host_updates = a.overlap_host_updates;
   if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
   if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
@@ -183,6 +184,8 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
   }
   opt.recompute = plan.recompute;
   opt.recompute_auto = false;
+  opt.residency.host_optimizer = plan.host_optimizer;
+  opt.host_optimizer_auto = false;
   std::cerr << fmt::format(
       "ferry: setting up {}: residency {}, device peak {} (planned), host {} of {} memory ({} weights and state, {} "
       "step buffers){}\n",
@@ -190,6 +193,22 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
       ferry::format_bytes(plan.host_bytes), ferry::offload::host_memory_name(plan.host_memory),
       ferry::format_bytes(plan.host_store_bytes), ferry::format_bytes(plan.host_step_bytes),
       plan.recompute ? fmt::format(", recomputing segments of {} layers", plan.recompute) : std::string());
+  if (plan.host_optimizer_chosen) std::cerr << host_optimizer_choice(plan);
+}
+
+std::string host_optimizer_choice(const ferry::TrainingPlan& plan) {
+  const auto& step = plan.phases.front();
+  const std::string moved = ferry::format_bytes(step.fetch_bytes + step.write_back_bytes);
+  const std::string other =
+      plan.other_place_moved_bytes
+          ? fmt::format("{} with them on the {}", ferry::format_bytes(plan.other_place_moved_bytes),
+                        plan.host_optimizer ? "device" : "host")
+          : fmt::format("with them on the {} the step does not fit the device budget",
+                        plan.host_optimizer ? "device" : "host");
+  return fmt::format(
+      "ferry: optimizer updates on the {}: the step moves {} over the link, {} ({})\n",
+      plan.host_optimizer ? "host" : "device", moved, other,
+      plan.host_optimizer ? "--no-host-optimizer keeps them on the device" : "--host-optimizer runs them on the host");
 }
 
 std::string recompute_cost_note(ferry::Runtime& runtime, const ferry::ModelSpec& model,
@@ -290,7 +309,8 @@ nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime,
                       {"device_budget_bytes", trainer.device_budget_bytes()},
                       {"host_state_bytes", trainer.host_state_bytes()},
                       {"host_memory", ferry::offload::host_memory_name(trainer.host_memory())},
-                      {"staging_chunk_bytes", trainer.options().residency.staging_chunk_bytes}};
+                      {"staging_chunk_bytes", trainer.options().residency.staging_chunk_bytes},
+                      {"host_optimizer", trainer.options().residency.host_optimizer}};
   add_phase_fields(j, trainer);
   return j;
 }

@@ -469,9 +469,15 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
                   "(zero-copy, unified-memory devices)")
       ->check(CLI::IsMember({"auto", "resident", "stream", "mapped"}))
       ->capture_default_str();
-  app->add_flag("--host-optimizer", t.host_optimizer,
-                "Streaming: run optimizer updates on the host; only weights go to the device and only gradients "
-                "come back");
+  auto* host_optimizer = app->add_flag(
+      "--host-optimizer", t.host_optimizer,
+      "Streaming: run optimizer updates on the host; only weights go to the device and only gradients come back. "
+      "Without this or --no-host-optimizer: on the host where the device has memory of its own, the step streams "
+      "and the host's updates move fewer bytes over the link");
+  app->add_flag("--no-host-optimizer", t.no_host_optimizer,
+                "Run optimizer updates on the device, streamed state and all (their weights and moments fetched and "
+                "written back after the backward)")
+      ->excludes(host_optimizer);
   app->add_flag("--overlap-host-updates", t.overlap_host_updates,
                 "With --host-optimizer: apply each step's host updates during the next step's forward, each weight's "
                 "just before its fetch, instead of after the backward with the device idle (the same results)");

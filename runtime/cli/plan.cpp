@@ -221,6 +221,9 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["host_update_ms"] = t.host_update_ms;
     j["host_updates_after_backward"] = t.host_updates_after_backward;
     j["host_updates_deferred"] = t.host_updates_deferred;
+    j["tail_transfer_bytes"] = t.tail_transfer_bytes;
+    j["tail_compute_ms"] = t.tail_compute_ms;
+    j["tail_transfer_ms"] = t.tail_transfer_ms;
     j["codec_bytes"] = t.codec_bytes;
     j["codec_ms"] = t.codec_ms;
     j["collective_bytes"] = t.collective_bytes;
@@ -255,6 +258,9 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "host_update_ms",
                           "host_updates_after_backward",
                           "host_updates_deferred",
+                          "tail_transfer_bytes",
+                          "tail_compute_ms",
+                          "tail_transfer_ms",
                           "codec_bytes",
                           "codec_ms",
                           "collective_bytes",
@@ -307,6 +313,7 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"host_budget_bytes", r.host_limit},
                       {"host_budget_given", r.host_budget != 0},
                       {"host_memory", r.host_memory},
+                      {"host_optimizer", plan ? nlohmann::json(plan->host_optimizer) : nullptr},
                       {"fits", r.configured.fits()},
                       {"min_budget_resident_bytes", r.min_resident},
                       {"min_budget_streamed_bytes", r.min_streamed ? nlohmann::json(*r.min_streamed) : nullptr},
@@ -375,6 +382,7 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
+  if (p.host_optimizer_chosen) std::cout << host_optimizer_choice(p).substr(std::string_view("ferry: ").size());
 }
 
 // Of the configurations planned within the device budget (a host limit refused them), the one

@@ -83,8 +83,10 @@ row "host optimizer with resident residency" "or run the optimizer on the device
   train "${quick[@]}" --host-optimizer --residency resident
 row "host optimizer with compressed state" "leave the state's home to the residency mode" error - \
   train "${quick[@]}" --host-optimizer --state-home compressed
-row "overlapped host updates without the host optimizer" "are the host optimizer's: add --host-optimizer" error - \
-  train "${quick[@]}" --residency stream --overlap-host-updates
+row "overlapped host updates with the optimizer on the device" "are the host optimizer's: add --host-optimizer" \
+  error - train "${quick[@]}" --residency stream --no-host-optimizer --overlap-host-updates
+row "the optimizer on the host and on the device" "--host-optimizer excludes --no-host-optimizer" error - \
+  train "${quick[@]}" --host-optimizer --no-host-optimizer
 row "ferry plan --zero without --ranks" "plan it with --ranks N" error - plan --model mlp --zero 1
 row "--host-budget 0" "--host-budget 0: a budget must be more than 0 bytes" error - train "${quick[@]}" --host-budget 0
 : >"$work/not_a_folder"

@@ -157,7 +157,12 @@ struct PhasePlan {
   // launch cost, and the step time predicted from them (predict_step_ms). 0 when a rate is unknown.
   double compute_ms = 0, transfer_ms = 0, host_update_ms = 0, codec_ms = 0, predicted_step_ms = 0;
   double forward_ms = 0;  // the part of compute_ms before the backward
-  double launch_ms = 0;   // launches at the launch cost
+  // The device's updates when they wait for the step's verdict (the first after the backward's last node): the GEMM
+  // flops and memory bytes (fp32 and 8-bit) of the nodes from the first update on, the bytes fetched and written back
+  // from there, and their times. Streamed state's updates move their weights and moments over the link only then.
+  std::uint64_t tail_gemm_flops = 0, tail_memory_bytes = 0, tail_memory_8bit_bytes = 0, tail_transfer_bytes = 0;
+  double tail_compute_ms = 0, tail_transfer_ms = 0;
+  double launch_ms = 0;  // launches at the launch cost
   // The host updates change state in place (one copy: offload::changes_in_place), so they wait for
   // the step's commit point, the end of the backward, rather than starting as gradients land.
   bool host_updates_after_backward = false;
@@ -170,7 +175,8 @@ struct PhasePlan {
 // largest of compute, transfers, launches, the host's work (updates and codec) and the host
 // updates after what they wait for (the forward, or the whole compute when they change state in
 // place: host_updates_after_backward; nothing when deferred into the next step, whose backward
-// then follows them), the next step's forward waiting for them; with
+// then follows them), the next step's forward waiting for them, and the device's updates after
+// the verdict (their kernels or their transfers, whichever is longer) after the rest; with
 // `shares_host_cores` (a CPU device: kernels, copies and host work on the same cores) their sum.
 double predict_step_ms(const PhasePlan& p, bool shares_host_cores);
 
@@ -205,6 +211,12 @@ struct TrainingPlan {
   PlanRates rates;
   double predicted_step_ms = 0;  // the training step's (phases[0])
   std::uint32_t recompute = 0;   // layers per recomputed segment planned (chosen when recompute_auto)
+  // The optimizer on the host (ResidencyOptions::host_optimizer), as given or chosen by
+  // TrainerOptions::host_optimizer_auto; with the choice, what the other place's plan would move
+  // over the link a step (fetches and write-backs; 0 when it was not planned or did not fit).
+  bool host_optimizer = false;
+  bool host_optimizer_chosen = false;
+  std::uint64_t other_place_moved_bytes = 0;
   bool eight_bit_state = false;  // the optimizer keeps 8-bit state already (adamw8bit)
 };
 

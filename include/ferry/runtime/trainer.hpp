@@ -62,6 +62,14 @@ struct TrainerOptions {
   // the device budget, else the longest segments that fit. `ferry train`'s default. With
   // `recompute` left at 0 (both set is refused).
   bool recompute_auto = false;
+  // Choose residency.host_optimizer when the Trainer is made (plan_training): on a device with
+  // memory of its own (not CL_DEVICE_HOST_UNIFIED_MEMORY) whose step streams, the optimizer runs on
+  // the host where its plan moves fewer bytes over the link than the device's updates do (which
+  // fetch and write back every moment they update, after the backward) without recomputing more,
+  // or where the device's updates do not fit the budget at all; elsewhere on the device. With
+  // overlap_host_updates, on the host. `ferry train`'s default. With residency.host_optimizer
+  // false (both set is refused).
+  bool host_optimizer_auto = false;
   // Fuse layer pairs the kernels take together (a ReLU into the max-pool that reads it or the
   // convolution or Linear that makes it, a residual add into the LayerNorm that reads its sum:
   // graph::fuse_layers; an activation's backward into the GEMM that makes its output gradient:
