@@ -173,7 +173,7 @@ for k in c["by_kind"]: print("   ", k["kind"], k["nodes"], round(k["ms"], 2), "m
         [[ $phases == hybrid ]] && int8=(--predict-int8)
         part "predict-$phases" 120 "$kit/bin/ferry" train --model gpt --width 256 --depth 4 --heads 4 --context 64 \
           --batch 8 --steps 400 --eval-every 50 --phases "$phases" "${int8[@]}" --residency stream \
-          --device-budget 39MiB --json
+          --no-host-optimizer --device-budget 39MiB --json
       done ;;
     compile-cold)  # parallel kernel builds: does NVIDIA's compiler run them at once?
       for threads in 1 default; do

@@ -8,18 +8,19 @@
 #   OUT_DIR  where each run's JSON, stderr and memory samples go (default scale-gpu)
 # Runs, each under `timeout`:
 #   gpt1b_resident   width 2048, 20 blocks, context 256, batch 8, 4 steps, resident
-#   gpt1b_stream     the same streamed under --device-budget 8GiB (target: >= 0.9x resident tokens/s,
-#                    the driver's memory in use <= 8 GiB plus a fixed overhead)
+#   gpt1b_stream     the same streamed under --device-budget 8GiB with the updates on the device
+#                    (--no-host-optimizer; without it `ferry train` puts them on the host there)
 #   gpt1b_stream_host  the same with --host-optimizer (weights in, gradients out: 8.5 GiB over the
-#                    link a step instead of 30.7), the configuration `ferry plan` recommends for
-#                    this budget when the link is what binds
+#                    link a step instead of 30.7), what `ferry train` takes by itself there (target:
+#                    >= 0.9x resident tokens/s, the driver's memory in use <= 8 GiB plus a fixed overhead)
 #   gpt7b_stream     width 4096, 32 blocks, 32 heads, --device-budget 24GiB --optimizer adamw8bit,
-#                    3 steps (target: trains; needs >= 100 GB of host memory)
+#                    3 steps, the updates on the device (target: trains; needs >= 100 GB of host memory)
 #   gpt7b_stream_host  the same with --host-optimizer (8-bit AdamW on the host's cores: only weights
 #                    and gradients cross the link)
 # Prints one line per run: tokens/s, host_state_bytes, ferry's device peak, the driver's largest
 # sample, the planner's predicted step time with its rates, and the configuration it recommends.
-# SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-pair the resident and the streamed one,
+# SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-pair the resident and the streamed one as
+# `ferry train` chooses its optimizer's place,
 # 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY adds --host-memory to them,
 # SCALE_GPU_STAGING_CHUNK --staging-chunk), 1b-overlap the host-optimizer run without and with
 # --overlap-host-updates (with the same two), 7b gpt7b_stream_host alone (with the same two, and
@@ -107,7 +108,8 @@ tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+
 
 if [[ ${SCALE_GPU_ONLY:-} == 1b ]]; then
   run gpt1b_resident "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency resident
-  run gpt1b_stream "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
+  run gpt1b_stream "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
+    --no-host-optimizer
   run gpt1b_stream_host "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
     --host-optimizer
   exit
@@ -119,7 +121,7 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b-pair ]]; then
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 1b-stream ]]; then
   run "gpt1b_stream$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
-    "${memory[@]}"
+    --no-host-optimizer "${memory[@]}"
   run "gpt1b_stream_host$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB \
     --host-optimizer "${memory[@]}"
   exit
@@ -140,7 +142,7 @@ if [[ ${SCALE_GPU_ONLY:-} == 7b ]]; then
 fi
 [[ ${SCALE_GPU_ONLY:-} == tiny ]] && { run tiny_stream 300 3 --model gpt --width 64 --depth 2 --heads 4 --context 32 --batch 8 --residency stream; exit; }
 run gpt1b_resident 900 4 "${gpt1b[@]}" --residency resident
-run gpt1b_stream 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB
+run gpt1b_stream 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB --no-host-optimizer
 run gpt1b_stream_host 900 4 "${gpt1b[@]}" --residency stream --device-budget 8GiB --host-optimizer
-run gpt7b_stream 1800 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB
+run gpt7b_stream 1800 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB --no-host-optimizer
 run gpt7b_stream_host 1800 3 "${gpt7b[@]}" --residency stream --device-budget 24GiB --host-optimizer

@@ -1067,6 +1067,25 @@ TEST(Plan, TrainerRunsTheOptimizerWhereHostOptimizerAutoChose) {
   EXPECT_EQ(t.residency().host_updates > 0, t.options().residency.host_optimizer);
   o.residency.host_optimizer = true;
   EXPECT_THROW(Trainer(rt, small_mlp(), o), std::invalid_argument);
+
+  // This device's real plans of both places, chosen between as on a GPU: streamed Adam state
+  // updated on the device crosses the link both ways; on the host only weights and gradients do.
+  o.residency.host_optimizer = false;
+  cl::DeviceInfo gpu = rt.device();
+  gpu.host_unified_memory = false;
+  const auto plan = [&](const TrainerOptions& t) { return plan_training(rt, small_mlp(), t); };
+  const TrainingPlan chosen = detail::plan_with_host_optimizer(o, gpu, plan);
+  EXPECT_TRUE(chosen.host_optimizer);
+  EXPECT_TRUE(chosen.host_optimizer_chosen);
+  TrainerOptions on_device = o;
+  on_device.host_optimizer_auto = false;
+  const PhasePlan device_step = plan_training(rt, small_mlp(), on_device).phases.front();
+  EXPECT_EQ(chosen.other_place_moved_bytes, device_step.fetch_bytes + device_step.write_back_bytes);
+  const PhasePlan& host_step = chosen.phases.front();
+  // 413 parameters of 4 bytes: on the device the weight and both moments in and out; on the host the
+  // weight in and its gradient out.
+  EXPECT_EQ(chosen.other_place_moved_bytes, 6u * 413u * 4u);
+  EXPECT_EQ(host_step.fetch_bytes + host_step.write_back_bytes, 2u * 413u * 4u);
 }
 
 // A minimum is printed rounded up, so that the figure an error names is a budget that fits.
