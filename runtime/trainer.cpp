@@ -173,7 +173,10 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   // Host memory `automatic` as the plan made it concrete (resolve_host_transfers), chunk and all.
   options_.residency.homes.host_memory = plan.host_memory;
   options_.residency.staging_chunk_bytes = plan.staging_chunk_bytes;
-  // The optimizer's place as host_optimizer_auto chose it (plan_training).
+  // The optimizer's place as host_optimizer_auto chose it (plan_training), the same on every rank: the host's
+  // arithmetic is not the device kernels' to the bit, and the ranks' replicas must stay equal.
+  if (options_.host_optimizer_auto && control_)
+    detail::check_ranks_place_optimizer_alike(*control_, plan.host_optimizer);
   options_.residency.host_optimizer = plan.host_optimizer;
   options_.host_optimizer_auto = false;
   check_host_budget(plan, options_.residency.host_budget_bytes);

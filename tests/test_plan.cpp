@@ -14,6 +14,7 @@
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "idle_ranks.hpp"
+#include "runtime/distributed/data_parallel.hpp"
 #include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
 #include "runtime/trainer_variants.hpp"
@@ -1086,6 +1087,24 @@ TEST(Plan, TrainerRunsTheOptimizerWhereHostOptimizerAutoChose) {
   // weight in and its gradient out.
   EXPECT_EQ(chosen.other_place_moved_bytes, 6u * 413u * 4u);
   EXPECT_EQ(host_step.fetch_bytes + host_step.write_back_bytes, 2u * 413u * 4u);
+}
+
+// Data-parallel ranks must put the optimizer in one place: the host's arithmetic differs from the
+// device kernels' in the last bits, and the replicas would drift apart.
+TEST(Plan, RanksThatPlaceTheOptimizerApartAreRefused) {
+  IdleRanks ranks(0, 3);
+  EXPECT_NO_THROW(detail::check_ranks_place_optimizer_alike(ranks, true));
+  EXPECT_NO_THROW(detail::check_ranks_place_optimizer_alike(ranks, false));
+  ranks.fail_rank(2);  // rank 2 answers 0: its plan kept the device's updates
+  EXPECT_NO_THROW(detail::check_ranks_place_optimizer_alike(ranks, false));
+  try {
+    detail::check_ranks_place_optimizer_alike(ranks, true);
+    ADD_FAILURE() << "ranks 0 and 1 on the host, rank 2 on the device";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank(s) 0, 1 on the host"), std::string::npos) << what;
+    EXPECT_NE(what.find("--host-optimizer or --no-host-optimizer"), std::string::npos) << what;
+  }
 }
 
 // A minimum is printed rounded up, so that the figure an error names is a budget that fits.

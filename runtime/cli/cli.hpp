@@ -126,11 +126,17 @@ std::string staging_chunk_range();
 
 // Before a large model is allocated: what the plan says it will take (device peak, pinned host
 // bytes, recomputation), on stderr unless --quiet, so a long set-up says what it is doing. Plans
-// only (milliseconds); errors are left to the Trainer, which plans the same way. The recomputation
-// it chose (--recompute auto) and the optimizer's place (TrainerOptions::host_optimizer_auto) go into
-// `opt`, so the Trainer does not search for them again.
+// only (milliseconds), also when quiet; errors are left to the Trainer, which plans the same way. The
+// recomputation it chose (--recompute auto) and the optimizer's place (TrainerOptions::
+// host_optimizer_auto) go into `opt`, so the Trainer does not search for them again and every rank
+// of a data-parallel run states its choice to the ranks' agreement check.
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                     ferry::TrainerOptions& opt);
+// TrainerOptions::host_optimizer_auto made concrete in `opt` from the plan, on every rank (as
+// announce_setup does, for runs that do not announce their set-up), with the line saying where the
+// optimizer runs unless quiet; nothing when the plan fails (the Trainer reports it).
+void choose_optimizer_place(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                            ferry::TrainerOptions& opt);
 // The line saying where TrainerOptions::host_optimizer_auto put the optimizer, and why (a plan that
 // made that choice: TrainingPlan::host_optimizer_chosen).
 std::string host_optimizer_choice(const ferry::TrainingPlan& plan);

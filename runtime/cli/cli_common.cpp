@@ -175,7 +175,8 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
 
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                     ferry::TrainerOptions& opt) {
-  if (a.quiet) return;
+  // Quiet runs (every rank but the first) plan too: each rank pins the same choices, which the ranks' agreement
+  // check then compares.
   ferry::TrainingPlan plan;
   try {
     plan = ferry::plan_training(runtime, model, opt);
@@ -186,6 +187,7 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
   opt.recompute_auto = false;
   opt.residency.host_optimizer = plan.host_optimizer;
   opt.host_optimizer_auto = false;
+  if (a.quiet) return;
   std::cerr << fmt::format(
       "ferry: setting up {}: residency {}, device peak {} (planned), host {} of {} memory ({} weights and state, {} "
       "step buffers){}\n",
@@ -194,6 +196,20 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
       ferry::format_bytes(plan.host_store_bytes), ferry::format_bytes(plan.host_step_bytes),
       plan.recompute ? fmt::format(", recomputing segments of {} layers", plan.recompute) : std::string());
   if (plan.host_optimizer_chosen) std::cerr << host_optimizer_choice(plan);
+}
+
+void choose_optimizer_place(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                            ferry::TrainerOptions& opt) {
+  if (!opt.host_optimizer_auto) return;
+  ferry::TrainingPlan plan;
+  try {
+    plan = ferry::plan_training(runtime, model, opt);
+  } catch (const std::exception&) {
+    return;  // the Trainer reports it, with the same words
+  }
+  opt.residency.host_optimizer = plan.host_optimizer;
+  opt.host_optimizer_auto = false;
+  if (!a.quiet && plan.host_optimizer_chosen) std::cerr << host_optimizer_choice(plan);
 }
 
 std::string host_optimizer_choice(const ferry::TrainingPlan& plan) {

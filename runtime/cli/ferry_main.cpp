@@ -288,6 +288,7 @@ int cmd_train(const TrainArgs& a) {
   const ferry::Shard shard = configure_ranks(a, batch, opt);
   const ferry::LrSchedule::Kind schedule_kind = ferry::parse_schedule(a.schedule);
   check_updates_happen(a, train.count, batch);
+  choose_optimizer_place(a, runtime, make_model(a), opt);
 
   const auto compile_start = Clock::now();
   ferry::Trainer trainer(runtime, make_model(a), opt);

@@ -136,4 +136,19 @@ void check_ranks_agree(ops::Communicator& control, const graph::Graph& training,
   }
 }
 
+void check_ranks_place_optimizer_alike(ops::Communicator& control, bool on_host) {
+  const std::vector<std::uint64_t> places = control.allgather(on_host ? 1 : 0);
+  if (std::all_of(places.begin(), places.end(), [&](std::uint64_t p) { return p == places[0]; })) return;
+  std::vector<std::size_t> host;
+  for (std::size_t r = 0; r < places.size(); ++r) {
+    if (places[r] != 0) host.push_back(r);
+  }
+  throw std::invalid_argument(fmt::format(
+      "the {} ranks of this data-parallel run chose different places for the optimizer (host_optimizer_auto): rank(s) "
+      "{} on the host, the others on the device, whose arithmetic differs in the last bits, so the replicas would "
+      "drift apart; their devices differ in kind or memory. Give every rank the same place: --host-optimizer or "
+      "--no-host-optimizer (ResidencyOptions::host_optimizer with host_optimizer_auto false)",
+      places.size(), fmt::join(host, ", ")));
+}
+
 }  // namespace ferry::detail

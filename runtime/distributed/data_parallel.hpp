@@ -19,5 +19,9 @@ void validate_data_parallel(TrainerOptions& options);
 // ranks that differ, before anything is allocated.
 void check_ranks_agree(ops::Communicator& control, const graph::Graph& training, const ModelSpec& model,
                        const TrainerOptions& o);
+// After planning with TrainerOptions::host_optimizer_auto, on `control`: every rank put the optimizer
+// in the same place (`on_host`); else every rank throws std::invalid_argument naming the ranks
+// whose plans chose the host (their devices differ in kind), before anything is allocated.
+void check_ranks_place_optimizer_alike(ops::Communicator& control, bool on_host);
 
 }  // namespace ferry::detail
