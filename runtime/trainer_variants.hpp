@@ -11,6 +11,7 @@
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/trainer.hpp"
 #include "graph/pipeline.hpp"
+#include "runtime/plan_search.hpp"
 
 namespace ferry {
 
@@ -85,7 +86,8 @@ TrainingPlan plan_with_host_transfers(TrainerOptions options, const cl::DeviceIn
 // plan(options) with TrainerOptions::host_optimizer_auto made concrete for `device`. On a device with memory of its
 // own, a step that streams is planned with the updates on the device and on the host, and the host's plan is taken
 // where the device's does not fit the budget, or where the host's moves fewer bytes over the link (its fetches and
-// write-backs) and recomputes no more. Measured on an H200 (bench/RESULTS.md, "Fourth GPU run"), a 1.0B GPT under
+// write-backs), recomputes no more and is within the host's memory (the host budget, else this machine's) wherever
+// the device's is. Measured on an H200 (bench/RESULTS.md, "Fourth GPU run"), a 1.0B GPT under
 // an 8 GiB budget: 689 ms a step with the host's updates against 3,323 ms with the device's (staged memory), 571
 // against 800 ms (registered), 2,062 against 3,526 ms (pageable); the device's moved 32.9 GB a step, the host's 9.1.
 // Where the device's memory is the host's, nothing crosses a link: the updates stay on the device.
@@ -127,7 +129,12 @@ TrainingPlan plan_with_host_optimizer(TrainerOptions options, const cl::DeviceIn
   }
   host_plan.host_optimizer_chosen = true;
   if (!device_plan) return host_plan;
-  if (host_plan.recompute <= device_plan->recompute && moved(host_plan) < moved(*device_plan)) {
+  // The host's updates keep their gradients in host memory: where that is over the host's limit and the
+  // device's plan is not, the device's it is.
+  const std::uint64_t host_limit = host_limit_bytes(options.residency.host_budget_bytes, HostLimit::budget_if_given);
+  const auto fits_host = [&](const TrainingPlan& p) { return host_limit == 0 || host_bytes_needed(p) <= host_limit; };
+  const bool host_over = !fits_host(host_plan) && fits_host(*device_plan);
+  if (!host_over && host_plan.recompute <= device_plan->recompute && moved(host_plan) < moved(*device_plan)) {
     host_plan.other_place_moved_bytes = moved(*device_plan);
     return host_plan;
   }

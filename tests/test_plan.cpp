@@ -978,6 +978,7 @@ TEST(Plan, AutomaticHostOptimizerWhereItMovesFewerBytes) {
     std::uint32_t recompute = 0;
     bool fits = true, refused = false;
     std::uint64_t min_budget = 9 * gib;
+    std::uint64_t host_bytes = 16 * gib;
   };
   Place device, host;
   graph::ResidencyMode mode = graph::ResidencyMode::stream;
@@ -996,6 +997,7 @@ TEST(Plan, AutomaticHostOptimizerWhereItMovesFewerBytes) {
       p.mode = mode;
       p.host_optimizer = t.residency.host_optimizer;
       p.recompute = at.recompute;
+      p.host_bytes = at.host_bytes;
       p.phases.resize(1);
       p.phases.front().fetch_bytes = at.moved / 2;
       p.phases.front().write_back_bytes = at.moved - at.moved / 2;
@@ -1015,6 +1017,13 @@ TEST(Plan, AutomaticHostOptimizerWhereItMovesFewerBytes) {
   EXPECT_EQ(p.other_place_moved_bytes, 9 * gib);
   host.recompute = 0, host.moved = 40 * gib;  // a model nearly resident: the device's caches keep its state
   EXPECT_FALSE(choose().host_optimizer);
+  host.moved = 9 * gib;
+  o.residency.host_budget_bytes = 17 * gib;  // the host's gradients over the host budget, the device's plan within
+  host.host_bytes = 18 * gib;
+  EXPECT_FALSE(choose().host_optimizer);
+  device.host_bytes = 18 * gib;  // both over it: the bytes over the link decide (the Trainer then says what is over)
+  EXPECT_TRUE(choose().host_optimizer);
+  o.residency.host_budget_bytes = 0, host.host_bytes = device.host_bytes = 16 * gib;
   host.moved = 9 * gib, device.fits = false;  // only the host's updates fit the budget
   p = choose();
   EXPECT_TRUE(p.host_optimizer);

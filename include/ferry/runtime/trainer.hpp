@@ -65,8 +65,9 @@ struct TrainerOptions {
   // Choose residency.host_optimizer when the Trainer is made (plan_training): on a device with
   // memory of its own (not CL_DEVICE_HOST_UNIFIED_MEMORY) whose step streams, the optimizer runs on
   // the host where its plan moves fewer bytes over the link than the device's updates do (which
-  // fetch and write back every moment they update, after the backward) without recomputing more,
-  // or where the device's updates do not fit the budget at all; elsewhere on the device. With
+  // fetch and write back every moment they update, after the backward) without recomputing more
+  // or going over the host's memory where the device's plan does not, or where the device's
+  // updates do not fit the budget at all; elsewhere on the device. With
   // overlap_host_updates, on the host. `ferry train`'s default. With residency.host_optimizer
   // false (both set is refused).
   bool host_optimizer_auto = false;
