@@ -214,13 +214,15 @@ void choose_optimizer_place(const TrainArgs& a, ferry::Runtime& runtime, const f
 
 std::string host_optimizer_choice(const ferry::TrainingPlan& plan) {
   const auto& step = plan.phases.front();
-  const std::string moved = ferry::format_bytes(step.fetch_bytes + step.write_back_bytes);
-  const std::string other =
-      plan.other_place_moved_bytes
-          ? fmt::format("{} with them on the {}", ferry::format_bytes(plan.other_place_moved_bytes),
-                        plan.host_optimizer ? "device" : "host")
-          : fmt::format("with them on the {} the step does not fit the device budget",
-                        plan.host_optimizer ? "device" : "host");
+  const std::uint64_t moved_bytes = step.fetch_bytes + step.write_back_bytes;
+  const std::string moved = ferry::format_bytes(moved_bytes);
+  std::string other = plan.other_place_moved_bytes
+                          ? fmt::format("{} with them on the {}", ferry::format_bytes(plan.other_place_moved_bytes),
+                                        plan.host_optimizer ? "device" : "host")
+                          : fmt::format("with them on the {} the step does not fit the device budget",
+                                        plan.host_optimizer ? "device" : "host");
+  if (!plan.host_optimizer && plan.other_place_moved_bytes < moved_bytes)
+    other += ", whose plan recomputes more or needs more host memory than there is";
   return fmt::format(
       "ferry: optimizer updates on the {}: the step moves {} over the link, {} ({})\n",
       plan.host_optimizer ? "host" : "device", moved, other,
