@@ -274,6 +274,23 @@ void check_updates_happen(const TrainArgs& a, std::size_t samples, std::uint32_t
       a.accumulate, a.accumulate, micro_batches, samples / batch, batch, a.epochs));
 }
 
+// --resume of a classifier's run: the trainer's state and the loop's position from the checkpoint.
+void resume_classifier_run(const TrainArgs& a, ferry::Trainer& trainer, ferry::TrainingLoop& loop,
+                           std::size_t train_count, std::uint64_t data_checksum, ferry::ShuffledBatches& batches) {
+  const std::size_t steps_per_epoch = batches.steps_per_epoch();
+  const auto load_start = Clock::now();
+  const auto caller = load_resume(trainer, a);
+  const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
+  const ferry::LoopPosition start = decode_position(caller, a, train_count, data_checksum, steps_per_epoch, batches);
+  loop.resume(start);
+  if (!a.quiet) {
+    std::cerr << fmt::format(
+        "ferry: resumed from {}{} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
+        resume_note(a), start.done / steps_per_epoch + 1, start.done % steps_per_epoch, steps_per_epoch,
+        trainer.steps_done(), load_ms);
+  }
+}
+
 int cmd_train(const TrainArgs& a) {
   Splits splits = load_splits(a);
   const ferry::Dataset& train = splits.train;
@@ -335,19 +352,7 @@ int cmd_train(const TrainArgs& a) {
                             .after_checkpoint = [&a] { remove_stale_shards(a); },
                             .control = a.control,
                             .data_fingerprint = a.control ? data_checksum : 0});
-  if (!a.resume_path.empty()) {
-    const auto load_start = Clock::now();
-    const auto caller = load_resume(trainer, a);
-    const double load_ms = std::chrono::duration<double, std::milli>(Clock::now() - load_start).count();
-    const ferry::LoopPosition start = decode_position(caller, a, train.count, data_checksum, steps_per_epoch, batches);
-    loop.resume(start);
-    if (!a.quiet) {
-      std::cerr << fmt::format(
-          "ferry: resumed from {}{} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
-          resume_note(a), start.done / steps_per_epoch + 1, start.done % steps_per_epoch, steps_per_epoch,
-          trainer.steps_done(), load_ms);
-    }
-  }
+  if (!a.resume_path.empty()) resume_classifier_run(a, trainer, loop, train.count, data_checksum, batches);
   // Every rank, resumed or not (one that was not would otherwise miss the agreement).
   check_ranks_resumed_together(a, !a.resume_path.empty(), trainer.steps_done());
   loop.on_step = [&](std::uint64_t step, std::uint64_t run_index, const ferry::StepResult&) {
