@@ -89,6 +89,10 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
     // Updates on the host (ZeRO-Offload's way): no optimizer state on the device or the link.
     o.residency.host_optimizer = true;
     flags += " --host-optimizer";
+  } else if (base.host_optimizer_auto && !unified && o.residency.mode == ResidencyMode::stream) {
+    // Planned with the device's updates: said, since ferry train would otherwise choose the place
+    // again (and may take the host, which this candidate's prediction is not).
+    flags += " --no-host-optimizer";
   }
   if (eight_bit) {
     o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;

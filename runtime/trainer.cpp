@@ -174,9 +174,10 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   options_.residency.homes.host_memory = plan.host_memory;
   options_.residency.staging_chunk_bytes = plan.staging_chunk_bytes;
   // The optimizer's place as host_optimizer_auto chose it (plan_training), the same on every rank: the host's
-  // arithmetic is not the device kernels' to the bit, and the ranks' replicas must stay equal.
-  if (options_.host_optimizer_auto && control_)
-    detail::check_ranks_place_optimizer_alike(*control_, plan.host_optimizer);
+  // arithmetic is not the device kernels' to the bit, and the ranks' replicas must stay equal. On every rank of
+  // a data-parallel run, whether or not it chose (host_optimizer_auto is not among the settings the ranks'
+  // agreement compares): a collective some ranks skip would hang the others.
+  if (control_) detail::check_ranks_place_optimizer_alike(*control_, plan.host_optimizer);
   options_.residency.host_optimizer = plan.host_optimizer;
   options_.host_optimizer_auto = false;
   check_host_budget(plan, options_.residency.host_budget_bytes);

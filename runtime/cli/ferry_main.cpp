@@ -485,8 +485,9 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
                 "written back after the backward)")
       ->excludes(host_optimizer);
   app->add_flag("--overlap-host-updates", t.overlap_host_updates,
-                "With --host-optimizer: apply each step's host updates during the next step's forward, each weight's "
-                "just before its fetch, instead of after the backward with the device idle (the same results)");
+                "Run the optimizer on the host (as --host-optimizer, which it implies) and apply each step's host "
+                "updates during the next step's forward, each weight's just before its fetch, instead of after the "
+                "backward with the device idle (the same results)");
   // The library's names of the homes are taken as well, as its messages use them.
   const auto homes = CLI::IsMember(
       {"device", "host", "mapped", "compressed", "dropped", "host_pinned", "host_mapped", "host_compressed"});

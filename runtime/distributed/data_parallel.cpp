@@ -144,9 +144,10 @@ void check_ranks_place_optimizer_alike(ops::Communicator& control, bool on_host)
     if (places[r] != 0) host.push_back(r);
   }
   throw std::invalid_argument(fmt::format(
-      "the {} ranks of this data-parallel run chose different places for the optimizer (host_optimizer_auto): rank(s) "
-      "{} on the host, the others on the device, whose arithmetic differs in the last bits, so the replicas would "
-      "drift apart; their devices differ in kind or memory. Give every rank the same place: --host-optimizer or "
+      "the {} ranks of this data-parallel run would run the optimizer in different places: rank(s) {} on the host, "
+      "the others on the device, whose arithmetic differs in the last bits, so the replicas would drift apart (where "
+      "ranks chose the place, host_optimizer_auto, their devices differ in kind or memory). Give every rank the same "
+      "place: --host-optimizer or "
       "--no-host-optimizer (ResidencyOptions::host_optimizer with host_optimizer_auto false)",
       places.size(), fmt::join(host, ", ")));
 }
