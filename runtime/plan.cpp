@@ -487,7 +487,7 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
 }  // namespace
 
 TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const TrainerOptions& given,
-                           const PlanRates& rates) {
+                           const PlanRates& rates, HostLimit host_limit) {
   TrainerOptions options = given;
   detail::validate_trainer_options(model, options);
   // A rate is a speed (0: left out of the prediction): a negative or non-finite one would make the
@@ -503,7 +503,7 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
       throw std::invalid_argument(fmt::format("PlanRates::{} is {}: a rate is a finite number >= 0", name, value));
     }
   }
-  return detail::plan_with_host_optimizer(options, runtime.device(), [&](const TrainerOptions& placed) {
+  return detail::plan_with_host_optimizer(options, runtime.device(), host_limit, [&](const TrainerOptions& placed) {
     return detail::plan_with_host_transfers(placed, runtime.device(), [&](const TrainerOptions& o) {
       return o.recompute_auto ? plan_choosing_recompute(runtime, model, o, rates)
                               : plan_as_given(runtime, model, o, rates);
@@ -697,8 +697,8 @@ PlanOutcome plan_within_budgets(Runtime& runtime, const ModelSpec& model, const 
                                 const PlanRates& rates) {
   PlanOutcome out;
   try {
-    out.plan = plan_training(runtime, model, options, rates);
     // A budget given is the host's memory being planned for, which need not be this machine's.
+    out.plan = plan_training(runtime, model, options, rates, HostLimit::budget_if_given);
     check_host_budget(*out.plan, options.residency.host_budget_bytes, HostLimit::budget_if_given);
   } catch (const graph::BudgetError& e) {
     out.error = e.what();
@@ -767,6 +767,27 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
           what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
           plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),
       needed, limit);
+}
+
+std::uint64_t link_bytes_per_step(const TrainingPlan& plan) {
+  if (plan.phases.empty()) return 0;
+  return plan.phases.front().fetch_bytes + plan.phases.front().write_back_bytes;
+}
+
+std::string optimizer_place_reason(const TrainingPlan& plan) {
+  const char* here = plan.host_optimizer ? "host" : "device";
+  const char* there = plan.host_optimizer ? "device" : "host";
+  const std::uint64_t moved = link_bytes_per_step(plan);
+  std::string other = plan.other_place_moved_bytes
+                          ? fmt::format("{} with them on the {}", format_bytes(plan.other_place_moved_bytes), there)
+                          : fmt::format("with them on the {} the step does not fit the device budget", there);
+  // The device's updates kept although the host's would move fewer bytes: plan_with_host_optimizer's other tests.
+  if (!plan.host_optimizer && plan.other_place_moved_bytes != 0 && plan.other_place_moved_bytes < moved) {
+    other += ", whose plan recomputes more or needs more host memory than there is";
+  }
+  return fmt::format(
+      "optimizer updates on the {}: the step moves {} over the link, {} ({})", here, format_bytes(moved), other,
+      plan.host_optimizer ? "--no-host-optimizer keeps them on the device" : "--host-optimizer runs them on the host");
 }
 
 }  // namespace ferry

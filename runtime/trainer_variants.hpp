@@ -86,13 +86,14 @@ TrainingPlan plan_with_host_transfers(TrainerOptions options, const cl::DeviceIn
 // plan(options) with TrainerOptions::host_optimizer_auto made concrete for `device`. On a device with memory of its
 // own, a step that streams is planned with the updates on the device and on the host, and the host's plan is taken
 // where the device's does not fit the budget, or where the host's moves fewer bytes over the link (its fetches and
-// write-backs), recomputes no more and is within the host's memory (the host budget, else this machine's) wherever
-// the device's is. Measured on an H200 (bench/RESULTS.md, "Fourth GPU run"), a 1.0B GPT under
-// an 8 GiB budget: 689 ms a step with the host's updates against 3,323 ms with the device's (staged memory), 571
-// against 800 ms (registered), 2,062 against 3,526 ms (pageable); the device's moved 32.9 GB a step, the host's 9.1.
-// Where the device's memory is the host's, nothing crosses a link: the updates stay on the device.
+// write-backs), recomputes no more and is within the host's memory (host_limit_by: the host budget, physical memory or
+// both) wherever the device's is. Measured on an H200 (bench/RESULTS.md, "Fourth GPU run"), a 1.0B GPT under an 8 GiB
+// budget: 689 ms a step with the host's updates against 3,323 ms with the device's (staged memory), 571 against 800 ms
+// (registered), 2,062 against 3,526 ms (pageable); the device's moved 32.9 GB a step, the host's 9.1. Where the
+// device's memory is the host's, nothing crosses a link: the updates stay on the device.
 template <class Plan>
-TrainingPlan plan_with_host_optimizer(TrainerOptions options, const cl::DeviceInfo& device, Plan&& plan) {
+TrainingPlan plan_with_host_optimizer(TrainerOptions options, const cl::DeviceInfo& device, HostLimit host_limit_by,
+                                      Plan&& plan) {
   if (!options.host_optimizer_auto) return plan(options);
   options.host_optimizer_auto = false;
   TrainerOptions on_host = options;
@@ -100,9 +101,6 @@ TrainingPlan plan_with_host_optimizer(TrainerOptions options, const cl::DeviceIn
   // Overlapped host updates are the host optimizer's: asked for, they are the answer.
   if (options.residency.overlap_host_updates) return plan(on_host);
   if (device.host_unified_memory) return plan(options);
-  const auto moved = [](const TrainingPlan& p) {
-    return p.phases.front().fetch_bytes + p.phases.front().write_back_bytes;
-  };
   std::optional<TrainingPlan> device_plan;
   std::exception_ptr device_error;
   try {
@@ -131,15 +129,16 @@ TrainingPlan plan_with_host_optimizer(TrainerOptions options, const cl::DeviceIn
   if (!device_plan) return host_plan;
   // The host's updates keep their gradients in host memory: where that is over the host's limit and the
   // device's plan is not, the device's it is.
-  const std::uint64_t host_limit = host_limit_bytes(options.residency.host_budget_bytes, HostLimit::budget_if_given);
+  const std::uint64_t host_limit = host_limit_bytes(options.residency.host_budget_bytes, host_limit_by);
   const auto fits_host = [&](const TrainingPlan& p) { return host_limit == 0 || host_bytes_needed(p) <= host_limit; };
   const bool host_over = !fits_host(host_plan) && fits_host(*device_plan);
-  if (!host_over && host_plan.recompute <= device_plan->recompute && moved(host_plan) < moved(*device_plan)) {
-    host_plan.other_place_moved_bytes = moved(*device_plan);
+  if (!host_over && host_plan.recompute <= device_plan->recompute &&
+      link_bytes_per_step(host_plan) < link_bytes_per_step(*device_plan)) {
+    host_plan.other_place_moved_bytes = link_bytes_per_step(*device_plan);
     return host_plan;
   }
   device_plan->host_optimizer_chosen = true;
-  device_plan->other_place_moved_bytes = moved(host_plan);
+  device_plan->other_place_moved_bytes = link_bytes_per_step(host_plan);
   return *device_plan;
 }
 

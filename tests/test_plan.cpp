@@ -985,9 +985,10 @@ TEST(Plan, AutomaticHostOptimizerWhereItMovesFewerBytes) {
   std::vector<bool> planned;  // host_optimizer of each plan made
   TrainerOptions o;
   o.host_optimizer_auto = true;
+  HostLimit limit_by = HostLimit::budget_and_physical_memory;
   const auto choose = [&] {
     planned.clear();
-    return detail::plan_with_host_optimizer(o, gpu, [&](const TrainerOptions& t) {
+    return detail::plan_with_host_optimizer(o, gpu, limit_by, [&](const TrainerOptions& t) {
       EXPECT_FALSE(t.host_optimizer_auto) << "each plan is of one place";
       planned.push_back(t.residency.host_optimizer);
       const Place& at = t.residency.host_optimizer ? host : device;
@@ -1015,6 +1016,10 @@ TEST(Plan, AutomaticHostOptimizerWhereItMovesFewerBytes) {
   EXPECT_FALSE(p.host_optimizer);
   EXPECT_TRUE(p.host_optimizer_chosen);
   EXPECT_EQ(p.other_place_moved_bytes, 9 * gib);
+  EXPECT_EQ(optimizer_place_reason(p),
+            "optimizer updates on the device: the step moves 32.0 GiB over the link, 9.0 GiB with them on the host, "
+            "whose plan recomputes more or needs more host memory than there is (--host-optimizer runs them on the "
+            "host)");
   host.recompute = 0, host.moved = 40 * gib;  // a model nearly resident: the device's caches keep its state
   EXPECT_FALSE(choose().host_optimizer);
   host.moved = 9 * gib;
@@ -1023,11 +1028,24 @@ TEST(Plan, AutomaticHostOptimizerWhereItMovesFewerBytes) {
   EXPECT_FALSE(choose().host_optimizer);
   device.host_bytes = 18 * gib;  // both over it: the bytes over the link decide (the Trainer then says what is over)
   EXPECT_TRUE(choose().host_optimizer);
+  // A host budget above this machine's memory: the Trainer holds plans to the machine's memory too, so the
+  // host's plan over it is not chosen here; planning for the host the budget describes (ferry plan) takes it.
+  const std::uint64_t physical = physical_memory_bytes();
+  ASSERT_GT(physical, 2 * gib);
+  o.residency.host_budget_bytes = 4 * physical;
+  host.host_bytes = 2 * physical, device.host_bytes = physical / 2;
+  EXPECT_FALSE(choose().host_optimizer);
+  limit_by = HostLimit::budget_if_given;
+  EXPECT_TRUE(choose().host_optimizer);
+  limit_by = HostLimit::budget_and_physical_memory;
   o.residency.host_budget_bytes = 0, host.host_bytes = device.host_bytes = 16 * gib;
   host.moved = 9 * gib, device.fits = false;  // only the host's updates fit the budget
   p = choose();
   EXPECT_TRUE(p.host_optimizer);
   EXPECT_EQ(p.other_place_moved_bytes, 0u);
+  EXPECT_EQ(optimizer_place_reason(p),
+            "optimizer updates on the host: the step moves 9.0 GiB over the link, with them on the device the step "
+            "does not fit the device budget (--no-host-optimizer keeps them on the device)");
   host.fits = false, host.min_budget = 6 * gib;  // neither: the error of the smaller minimum
   try {
     choose();
@@ -1084,7 +1102,7 @@ TEST(Plan, TrainerRunsTheOptimizerWhereHostOptimizerAutoChose) {
   cl::DeviceInfo gpu = rt.device();
   gpu.host_unified_memory = false;
   const auto plan = [&](const TrainerOptions& t) { return plan_training(rt, small_mlp(), t); };
-  const TrainingPlan chosen = detail::plan_with_host_optimizer(o, gpu, plan);
+  const TrainingPlan chosen = detail::plan_with_host_optimizer(o, gpu, HostLimit::budget_and_physical_memory, plan);
   EXPECT_TRUE(chosen.host_optimizer);
   EXPECT_TRUE(chosen.host_optimizer_chosen);
   TrainerOptions on_device = o;
@@ -1096,6 +1114,11 @@ TEST(Plan, TrainerRunsTheOptimizerWhereHostOptimizerAutoChose) {
   // weight in and its gradient out.
   EXPECT_EQ(chosen.other_place_moved_bytes, 6u * 413u * 4u);
   EXPECT_EQ(host_step.fetch_bytes + host_step.write_back_bytes, 2u * 413u * 4u);
+  EXPECT_EQ(link_bytes_per_step(chosen), 2u * 413u * 4u);
+  EXPECT_EQ(optimizer_place_reason(chosen),
+            fmt::format("optimizer updates on the host: the step moves {} over the link, {} with them on the device "
+                        "(--no-host-optimizer keeps them on the device)",
+                        format_bytes(2u * 413u * 4u), format_bytes(6u * 413u * 4u)));
 }
 
 // Data-parallel ranks must put the optimizer in one place: the host's arithmetic differs from the

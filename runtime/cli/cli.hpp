@@ -137,9 +137,6 @@ void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Mo
 // optimizer runs unless quiet; nothing when the plan fails (the Trainer reports it).
 void choose_optimizer_place(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                             ferry::TrainerOptions& opt);
-// The line saying where TrainerOptions::host_optimizer_auto put the optimizer, and why (a plan that
-// made that choice: TrainingPlan::host_optimizer_chosen).
-std::string host_optimizer_choice(const ferry::TrainingPlan& plan);
 // A --recompute N given (not auto) runs each segment's forward again in the backward; where the
 // step's device peak without it is no higher, that costs compute and buys nothing. Then a note
 // saying so, with both peaks and the flops it adds ("" otherwise, or when either plan fails).

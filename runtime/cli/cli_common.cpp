@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <stdexcept>
 
@@ -173,60 +174,53 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   ferry::validate(opt.phases);
 }
 
+namespace {
+
+// The plan ferry train's Trainer will make, planned here to pin its choices (none when it fails:
+// the Trainer reports that, with the same words).
+std::optional<ferry::TrainingPlan> plan_ahead(ferry::Runtime& runtime, const ferry::ModelSpec& model,
+                                              const ferry::TrainerOptions& opt) {
+  try {
+    return ferry::plan_training(runtime, model, opt);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// The optimizer's place the plan chose, pinned in `opt`, and said unless quiet.
+void pin_optimizer_place(const TrainArgs& a, const ferry::TrainingPlan& plan, ferry::TrainerOptions& opt) {
+  opt.residency.host_optimizer = plan.host_optimizer;
+  opt.host_optimizer_auto = false;
+  if (!a.quiet && plan.host_optimizer_chosen) std::cerr << "ferry: " << ferry::optimizer_place_reason(plan) << "\n";
+}
+
+}  // namespace
+
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                     ferry::TrainerOptions& opt) {
   // Quiet runs (every rank but the first) plan too: each rank pins the same choices, which the ranks' agreement
   // check then compares.
-  ferry::TrainingPlan plan;
-  try {
-    plan = ferry::plan_training(runtime, model, opt);
-  } catch (const std::exception&) {
-    return;  // the Trainer reports it, with the same words
-  }
-  opt.recompute = plan.recompute;
+  const std::optional<ferry::TrainingPlan> plan = plan_ahead(runtime, model, opt);
+  if (!plan) return;
+  opt.recompute = plan->recompute;
   opt.recompute_auto = false;
-  opt.residency.host_optimizer = plan.host_optimizer;
-  opt.host_optimizer_auto = false;
-  if (a.quiet) return;
-  std::cerr << fmt::format(
-      "ferry: setting up {}: residency {}, device peak {} (planned), host {} of {} memory ({} weights and state, {} "
-      "step buffers){}\n",
-      model.name, ferry::graph::residency_mode_name(plan.mode), ferry::format_bytes(plan.device_peak_bytes),
-      ferry::format_bytes(plan.host_bytes), ferry::offload::host_memory_name(plan.host_memory),
-      ferry::format_bytes(plan.host_store_bytes), ferry::format_bytes(plan.host_step_bytes),
-      plan.recompute ? fmt::format(", recomputing segments of {} layers", plan.recompute) : std::string());
-  if (plan.host_optimizer_chosen) std::cerr << host_optimizer_choice(plan);
+  if (!a.quiet) {
+    std::cerr << fmt::format(
+        "ferry: setting up {}: residency {}, device peak {} (planned), host {} of {} memory ({} weights and state, "
+        "{} step buffers){}\n",
+        model.name, ferry::graph::residency_mode_name(plan->mode), ferry::format_bytes(plan->device_peak_bytes),
+        ferry::format_bytes(plan->host_bytes), ferry::offload::host_memory_name(plan->host_memory),
+        ferry::format_bytes(plan->host_store_bytes), ferry::format_bytes(plan->host_step_bytes),
+        plan->recompute ? fmt::format(", recomputing segments of {} layers", plan->recompute) : std::string());
+  }
+  pin_optimizer_place(a, *plan, opt);
 }
 
 void choose_optimizer_place(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                             ferry::TrainerOptions& opt) {
   if (!opt.host_optimizer_auto) return;
-  ferry::TrainingPlan plan;
-  try {
-    plan = ferry::plan_training(runtime, model, opt);
-  } catch (const std::exception&) {
-    return;  // the Trainer reports it, with the same words
-  }
-  opt.residency.host_optimizer = plan.host_optimizer;
-  opt.host_optimizer_auto = false;
-  if (!a.quiet && plan.host_optimizer_chosen) std::cerr << host_optimizer_choice(plan);
-}
-
-std::string host_optimizer_choice(const ferry::TrainingPlan& plan) {
-  const auto& step = plan.phases.front();
-  const std::uint64_t moved_bytes = step.fetch_bytes + step.write_back_bytes;
-  const std::string moved = ferry::format_bytes(moved_bytes);
-  std::string other = plan.other_place_moved_bytes
-                          ? fmt::format("{} with them on the {}", ferry::format_bytes(plan.other_place_moved_bytes),
-                                        plan.host_optimizer ? "device" : "host")
-                          : fmt::format("with them on the {} the step does not fit the device budget",
-                                        plan.host_optimizer ? "device" : "host");
-  if (!plan.host_optimizer && plan.other_place_moved_bytes < moved_bytes)
-    other += ", whose plan recomputes more or needs more host memory than there is";
-  return fmt::format(
-      "ferry: optimizer updates on the {}: the step moves {} over the link, {} ({})\n",
-      plan.host_optimizer ? "host" : "device", moved, other,
-      plan.host_optimizer ? "--no-host-optimizer keeps them on the device" : "--host-optimizer runs them on the host");
+  if (const std::optional<ferry::TrainingPlan> plan = plan_ahead(runtime, model, opt))
+    pin_optimizer_place(a, *plan, opt);
 }
 
 std::string recompute_cost_note(ferry::Runtime& runtime, const ferry::ModelSpec& model,

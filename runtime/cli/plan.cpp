@@ -382,7 +382,7 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
-  if (p.host_optimizer_chosen) std::cout << host_optimizer_choice(p).substr(std::string_view("ferry: ").size());
+  if (p.host_optimizer_chosen) std::cout << ferry::optimizer_place_reason(p) << "\n";
 }
 
 // Of the configurations planned within the device budget (a host limit refused them), the one

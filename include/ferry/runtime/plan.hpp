@@ -235,13 +235,29 @@ graph::ResidencyOptions resolve_host_transfers(graph::ResidencyOptions options, 
 // where chunks are too small to beat the driver's own staging.
 std::uint64_t auto_staging_chunk_bytes(std::uint64_t device_budget_bytes);
 
+// What check_host_budget holds a plan's host bytes to: the budget and this machine's physical
+// memory (what runs here: the Trainer), or the budget alone where one is given, else physical
+// memory (planning for a host the budget describes, which may be larger than this one).
+enum class HostLimit { budget_and_physical_memory, budget_if_given };
+
 // Plans the step variants a Trainer(runtime, model, options) would compile up front (the same
 // graphs, model passes and planning passes: graph::plan_step), allocating nothing: no weights,
 // optimizer state, step arena or kernels. Throws what the Trainer would for bad options, and
 // graph::BudgetError when the device budget cannot hold the step; it does not check the host
-// budget (check_host_budget does).
+// budget (check_host_budget does). With TrainerOptions::host_optimizer_auto, the host's updates
+// are not chosen where their plan is over `host_limit` and the device's is not: the Trainer's
+// limit by default, the budget alone for a plan of another host (plan_within_budgets).
 TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
-                           const PlanRates& rates = {});
+                           const PlanRates& rates = {}, HostLimit host_limit = HostLimit::budget_and_physical_memory);
+
+// The bytes a plan's training step moves over the link between host and device: its fetches and
+// write-backs (phases[0]).
+std::uint64_t link_bytes_per_step(const TrainingPlan& plan);
+
+// Where the optimizer's updates run and why, in ferry train's words, for a plan whose place
+// TrainerOptions::host_optimizer_auto chose (TrainingPlan::host_optimizer_chosen): the link bytes
+// of the step with the updates where they are and where they are not, and the flag that moves them.
+std::string optimizer_place_reason(const TrainingPlan& plan);
 
 // TrainerOptions::recompute_auto: the recomputation the step needs to fit its device budget. 0
 // when it fits without; else the longest segment (in layers, of 64, 48, 32, 24, 16, 12, 8, 6, 4,
@@ -308,11 +324,6 @@ class HostBudgetError : public std::runtime_error {
  private:
   std::uint64_t needed_, budget_;
 };
-
-// What check_host_budget holds a plan's host bytes to: the budget and this machine's physical
-// memory (what runs here: the Trainer), or the budget alone where one is given, else physical
-// memory (planning for a host the budget describes, which may be larger than this one).
-enum class HostLimit { budget_and_physical_memory, budget_if_given };
 
 // Throws HostBudgetError when `plan.host_bytes` plus `plan.host_compressed_bytes` and
 // `plan.host_restore_bytes` exceeds `host_budget_bytes` (0: no budget) or, as `limit_by` says,
