@@ -127,14 +127,14 @@ std::string staging_chunk_range();
 // Before a large model is allocated: what the plan says it will take (device peak, pinned host
 // bytes, recomputation), on stderr unless --quiet, so a long set-up says what it is doing. Plans
 // only (milliseconds), also when quiet; errors are left to the Trainer, which plans the same way. The
-// recomputation it chose (--recompute auto) and the optimizer's place (TrainerOptions::
-// host_optimizer_auto) go into `opt`, so the Trainer does not search for them again and every rank
-// of a data-parallel run states its choice to the ranks' agreement check.
+// recomputation it chose (--recompute auto) goes into `opt` on every rank, so the Trainer does not
+// search for it again and every rank of a data-parallel run states it to the ranks' agreement
+// check; the optimizer's place (TrainerOptions::host_optimizer_auto) as choose_optimizer_place says.
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                     ferry::TrainerOptions& opt);
-// TrainerOptions::host_optimizer_auto made concrete in `opt` from the plan, on every rank (as
-// announce_setup does, for runs that do not announce their set-up), with the line saying where the
-// optimizer runs unless quiet; nothing when the plan fails (the Trainer reports it).
+// TrainerOptions::host_optimizer_auto's choice, with the line saying where the optimizer runs and why
+// unless quiet, made concrete in `opt` (but for data-parallel runs, whose Trainer chooses on every
+// rank and checks that the ranks chose alike); nothing when the plan fails (the Trainer reports it).
 void choose_optimizer_place(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                             ferry::TrainerOptions& opt);
 // A --recompute N given (not auto) runs each segment's forward again in the backward; where the

@@ -16,6 +16,7 @@
 #include "cli.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "ops/gemm_tune.hpp"
+#include "runtime/distributed/data_parallel.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::cli {
@@ -187,19 +188,23 @@ std::optional<ferry::TrainingPlan> plan_ahead(ferry::Runtime& runtime, const fer
   }
 }
 
-// The optimizer's place the plan chose, pinned in `opt`, and said unless quiet.
+// The optimizer's place the plan chose, said unless quiet, and pinned in `opt` so that the Trainer does not plan
+// both places again. Not on the ranks of a data-parallel run: there the Trainer chooses on every rank and checks
+// that the ranks chose alike (detail::check_ranks_place_optimizer_alike), which names the ranks where the places
+// differ (devices of different kinds); pinned, they would differ at the ranks' agreement check as settings given.
 void pin_optimizer_place(const TrainArgs& a, const ferry::TrainingPlan& plan, ferry::TrainerOptions& opt) {
+  if (!a.quiet && plan.host_optimizer_chosen) std::cerr << "ferry: " << ferry::optimizer_place_reason(plan) << "\n";
+  if (ferry::detail::data_parallel(opt)) return;
   opt.residency.host_optimizer = plan.host_optimizer;
   opt.host_optimizer_auto = false;
-  if (!a.quiet && plan.host_optimizer_chosen) std::cerr << "ferry: " << ferry::optimizer_place_reason(plan) << "\n";
 }
 
 }  // namespace
 
 void announce_setup(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
                     ferry::TrainerOptions& opt) {
-  // Quiet runs (every rank but the first) plan too: each rank pins the same choices, which the ranks' agreement
-  // check then compares.
+  // Quiet runs (every rank but the first) plan too: each rank pins the same recomputation, which the ranks'
+  // agreement check then compares.
   const std::optional<ferry::TrainingPlan> plan = plan_ahead(runtime, model, opt);
   if (!plan) return;
   opt.recompute = plan->recompute;
