@@ -512,6 +512,26 @@ TEST(Plan, TheSearchChoosesTheFastestPredictedConfiguration) {
 
   o.residency.budget_bytes = all_resident;
   EXPECT_EQ(chosen(search({.link_gbps = 1e-3, .gemm_gflops = 1e3, .host_gbps = 1e3})).flags, "--residency resident");
+
+  // Options that leave the place to the plan (ferry plan's default): each candidate is planned with the place its
+  // flags give, and a streamed one planned with the device's updates says --no-host-optimizer on a discrete device,
+  // where ferry train given its other flags alone would choose the place again; on a unified one nothing changes.
+  o.residency.budget_bytes = all_resident - 1;
+  o.host_optimizer_auto = true;
+  std::size_t said = 0;
+  for (const Configuration& c : search({}).tried) {
+    EXPECT_FALSE(c.options.host_optimizer_auto) << c.flags;
+    const bool streamed = c.options.residency.mode == graph::ResidencyMode::stream;
+    const bool device_updates = streamed && !c.options.residency.host_optimizer;
+    EXPECT_EQ(c.flags.find("--no-host-optimizer") != std::string::npos, device_updates) << c.flags;
+    if (c.plan) {
+      EXPECT_EQ(c.plan->host_optimizer, c.options.residency.host_optimizer) << c.flags;
+    }
+    said += device_updates;
+  }
+  EXPECT_GT(said, 0u);
+  for (const Configuration& c : detail::search_configurations(rt, model, o, {}, true).tried)
+    EXPECT_EQ(c.flags.find("--no-host-optimizer"), std::string::npos) << c.flags;
 }
 
 // A split into micro-batches can shrink the step's buffers, never the weights' and optimizer
