@@ -15,6 +15,10 @@
 #              loads): the tuner's candidate with the most results per work-item
 #   gemm-vw4   the same part on the H200 row read from the tiles as float4s (VW=4, half the local
 #              reads of VW=2; K split, and with float4 loads)
+#   gemm-small the same part on 64 x 64 tiles (4 x 4 results per work-item, float2 reads), with K split
+#              (SK=1) and with the tile halved instead (SK=0): the MLP's linear0 (256 x 1024 x 784) is 16
+#              tiles of 128 x 128 on the H200's 132 compute units, split six ways along K by the H200 row
+#              (0.60x cuBLAS, 2026-12-04); 64 x 64 tiles make 64 of them
 #   attention  bench/kernels_gpu.sh's attention part, beside SDPA on CUDA
 #   tune       bench/kernels_gpu.sh's tuner part (KERNELS_GPU_TUNE_S, 60 here)
 #   scale1b    bench/scale_gpu.sh's three 1B runs; scale1b-pair: resident and streamed under 8 GiB;
@@ -122,6 +126,9 @@ for p in "$@"; do
     gemm-vw4)
       part gemm-vw4 90 env KERNELS_GPU_ONLY=gemm KERNELS_GPU_ROW="tiled TSM=128 TSN=128 TSK=16 WPTM=8 WPTN=8 VW=4" \
         KERNELS_GPU_GEMM_VARIANTS="SK=1,SK=1 VG=4" bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels-vw4" ;;
+    gemm-small)
+      part gemm-small 90 env KERNELS_GPU_ONLY=gemm KERNELS_GPU_ROW="tiled TSM=64 TSN=64 TSK=16 WPTM=4 WPTN=4 VW=2" \
+        KERNELS_GPU_GEMM_VARIANTS="SK=1,SK=0" bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels-small" ;;
     attention)
       part attention 210 env KERNELS_GPU_ONLY=attention KERNELS_GPU_PYTHON="$python_peer" \
         bash bench/kernels_gpu.sh "$kit/bin" "$res/kernels" ;;
