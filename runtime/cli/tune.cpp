@@ -16,6 +16,7 @@
 #include "ferry/runtime/training_loop.hpp"
 #include "ops/attention_tune.hpp"
 #include "ops/gemm_tune.hpp"
+#include "ops/gemm_tuning.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -113,7 +114,16 @@ std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::Devic
       if (!c.error.empty()) std::cerr << fmt::format("  skipped {}: {}\n", c.kernel, c.error);
     }
     std::cerr << saved_text(r.cache_path, r.save_error);
-    std::cerr << fmt::format("ferry tune: gemm() now runs {}\n", choice);
+    // A row of the tuning data naming the device wins over the tuner's (ops/tuning/gemm.tsv's header): said, so
+    // that a faster winner that does not run is not a surprise.
+    if (r.save_error.empty() && !r.cache_path.empty() && ops::gemm_tuning_for(env).names_device()) {
+      std::cerr << fmt::format(
+          "ferry tune: gemm() still runs {}: a row of the tuning data names this device and wins over the tuned "
+          "one (FERRY_GEMM_TUNING=FILE replaces the tuning data)\n",
+          choice);
+    } else {
+      std::cerr << fmt::format("ferry tune: gemm() now runs {}\n", choice);
+    }
   }
   if (a.json) {
     nlohmann::json shapes = nlohmann::json::array(), cands = nlohmann::json::array();
