@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <optional>
 #include <stdexcept>
 
 #include "ferry/cl/error.hpp"
@@ -261,6 +262,32 @@ std::size_t packed_elems(const GemmShape& s, const GemmKernelConfig& c, const Ge
          (splits > 1 ? s.batch * splits * s.M * s.N : 0);
 }
 
+// The block of a launch of its own for the last panel, where N leaves most of it empty: as many
+// vectors as its columns need, with the rows raised by as much as the panel narrowed (as fit_packed
+// does for a narrow N), reading the panel as packed (NB_LAYOUT in gemm_packed.cl). With panels of 64,
+// N = 784 (the MLP's input, its first layer's dX and dW) ran its last 16 columns as 64, 6% of the
+// product computing zeros: 256 x 784 x 1024 took as long as 256 x 832 x 1024 (bench/RESULTS.md, "The
+// last panel at its own width"). None where B is read in place (its last panel reads column by
+// column), where A is packed in blocks of RB rows or gathered (the block's rows are fixed), or
+// where the last panel needs every vector anyway, and none where the zeros it would compute take less
+// than a launch: the last 16 columns of 256 x 784 x 1024 took 0.041 ms in a launch of their own (RB
+// = 16, NV = 1), against 0.068 ms for their panel of 64, and a launch costs about 0.010 ms.
+constexpr std::size_t min_tail_saving_flops = std::size_t{1} << 24;
+std::optional<GemmKernelConfig> tail_panel(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o,
+                                           bool direct) {
+  const std::size_t nb = panel_width(c), rest = s.N % nb;
+  const int nv = c.param("NV"), need = static_cast<int>((rest + 15) / 16);
+  if (direct || rest == 0 || s.N < nb || need >= nv || c.param("PA") != 0 || o.a_gather_rows.buffer != nullptr) {
+    return std::nullopt;
+  }
+  const std::size_t zeros = nb - 16 * static_cast<std::size_t>(need);  // columns the full panel would waste
+  if (2 * s.batch * s.M * s.K * zeros < min_tail_saving_flops) return std::nullopt;
+  GemmKernelConfig t = c;
+  set_param(t, "NV", need);
+  set_param(t, "RB", std::min(16, c.param("RB") * nv / need));
+  return t;
+}
+
 std::string transpose_defines(const GemmShape& s) {
   return fmt::format("-DTRANS_A={} -DTRANS_B={}", int(s.trans_a), int(s.trans_b));
 }
@@ -323,10 +350,42 @@ StagedLayout staged_layout(const GemmShape& s) {
   return l;
 }
 
+// The launch that packs op(B) into panels (gemm_pack_b).
+KernelLaunch pack_b_launch(OpEnv& env, const GemmShape& s, std::size_t padded_columns, const std::string& defines,
+                           DeviceSpan b, DeviceSpan scratch, const GemmOptions& options) {
+  cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
+  const std::size_t pack_rows = options.b_planes ? 128 : 16;  // PACK_ROWS in gemm_packed.cl
+  cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b.elem_offset(dtype_bytes(s.b)), scratch.buffer,
+               scratch.elem_offset());
+  KernelLaunch l;
+  l.kernel = std::move(pack);
+  l.dims = s.batch > 1 ? 3 : 2;
+  // pack_rows k rows per work-item; transposed or NCHW B also splits the padded columns into
+  // blocks of 16, one per work-item; the products of a batch on dimension 2.
+  l.global = {(s.K + pack_rows - 1) / pack_rows, s.trans_b || options.b_planes ? padded_columns / 16 : 1, s.batch};
+  l.local = {1, 1, 1};
+  return l;
+}
+
+// The launch that packs A in blocks of RB rows (gemm_pack_a, PA = 1) at element a_panels_off of
+// the scratch.
+KernelLaunch pack_a_launch(OpEnv& env, const GemmShape& s, std::size_t rb, const std::string& defines, DeviceSpan a,
+                           DeviceSpan scratch, std::uint64_t a_panels_off) {
+  cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_a", defines);
+  const std::size_t pack_cols = 128;  // PACK_A_COLS in gemm_packed.cl
+  cl::set_args(pack.get(), cl_uint(s.M), cl_uint(s.K), a.buffer, a.elem_offset(dtype_bytes(s.a)), scratch.buffer,
+               a_panels_off);
+  KernelLaunch l;
+  l.kernel = std::move(pack);
+  l.dims = s.batch > 1 ? 3 : 2;
+  l.global = {(s.M + rb - 1) / rb, (s.K + pack_cols - 1) / pack_cols, s.batch};
+  l.local = {1, 1, 1};
+  return l;
+}
+
 LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cfg, float alpha, DeviceSpan a,
                        DeviceSpan b, float beta, DeviceSpan c, DeviceSpan scratch, const GemmOptions& options) {
   const std::size_t nb = panel_width(cfg);
-  const std::size_t rb = static_cast<std::size_t>(cfg.param("RB"));
   const std::size_t panels = (s.N + nb - 1) / nb;
   const bool direct = direct_b(s, cfg, options);
   const std::size_t splits = k_splits(s, cfg);
@@ -341,23 +400,24 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
                     "multiple of the run",
                     s.M, s.N, s.K, options.a_gather_run, options.a_gather_step));
   }
-  const std::string base =
-      fmt::format("{} {} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={}",
-                  cfg.defines(), transpose_defines(s), int(direct), int(direct && s.N % nb != 0), options.b_planes,
-                  int(gather), runs ? options.a_gather_step : 0);
+  // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
+  // layout). `block` is the register block of the program (the last panel's may differ).
+  auto program_defines = [&](const GemmKernelConfig& block) {
+    return fmt::format(
+        "{} {} -DNB_LAYOUT={} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={} {} {}",
+        block.defines(), transpose_defines(s), nb, int(direct), int(direct && s.N % nb != 0), options.b_planes,
+        int(gather), runs ? options.a_gather_step : 0, gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+        splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0"
+                   : gemm_epilogue_defines(options, options.c_planes));
+  };
+  const std::string defines = program_defines(cfg);
   const cl_mem rows = gather ? options.a_gather_rows.buffer : a.buffer,
                cols = gather ? options.a_gather_cols.buffer : a.buffer;
   const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
-  // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
-  // layout).
   const bool dact = options.dact_input.buffer != nullptr;
-  const std::string defines = fmt::format(
-      "{} {} {}", base, gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
-      splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0" : gemm_epilogue_defines(options, options.c_planes));
   const cl_mem dz = dact ? options.dact_input.buffer : c.buffer;  // not read without C_DACT
   const std::uint64_t dz_off = dact ? options.dact_input.elem_offset(dtype_bytes(s.c)) : 0;
-  const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), b_off = b.elem_offset(dtype_bytes(s.b)),
-                      c_off = c.elem_offset(dtype_bytes(s.c));
+  const std::uint64_t a_off = a.elem_offset(dtype_bytes(s.a)), c_off = c.elem_offset(dtype_bytes(s.c));
   const std::uint64_t panels_elems = direct ? 0 : packed_panel_elems(s, cfg);
   const std::uint64_t a_panels_off = scratch.elem_offset() + panels_elems;  // packed A, when PA = 1
   const std::uint64_t parts_off = a_panels_off + packed_a_elems(s, cfg);    // partial products of splits
@@ -366,35 +426,12 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch, got none", s.M, s.N, s.K,
                                             cfg.text(), packed_elems(s, cfg, options)));
   }
-  if (s.K > 0 && !direct) {
-    cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
-    const std::size_t pack_rows = options.b_planes ? 128 : 16;  // PACK_ROWS in gemm_packed.cl
-    cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b_off, scratch.buffer, scratch.elem_offset());
-    KernelLaunch l;
-    l.kernel = std::move(pack);
-    l.dims = s.batch > 1 ? 3 : 2;
-    // pack_rows k rows per work-item; transposed or NCHW B also splits the padded columns into
-    // blocks of 16, one per work-item; the products of a batch on dimension 2.
-    l.global = {(s.K + pack_rows - 1) / pack_rows, s.trans_b || options.b_planes ? panels * nb / 16 : 1, s.batch};
-    l.local = {1, 1, 1};
-    list.push_back(std::move(l));
-  }
+  if (s.K > 0 && !direct) list.push_back(pack_b_launch(env, s, panels * nb, defines, b, scratch, options));
   const bool pack_a = s.K > 0 && packed_a_elems(s, cfg) > 0;
-  if (pack_a) {
-    cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_a", defines);
-    const std::size_t pack_cols = 128;  // PACK_A_COLS in gemm_packed.cl
-    cl::set_args(pack.get(), cl_uint(s.M), cl_uint(s.K), a.buffer, a_off, scratch.buffer, a_panels_off);
-    KernelLaunch l;
-    l.kernel = std::move(pack);
-    l.dims = s.batch > 1 ? 3 : 2;
-    l.global = {(s.M + rb - 1) / rb, (s.K + pack_cols - 1) / pack_cols, s.batch};
-    l.local = {1, 1, 1};
-    list.push_back(std::move(l));
-  }
+  if (pack_a)
+    list.push_back(pack_a_launch(env, s, static_cast<std::size_t>(cfg.param("RB")), defines, a, scratch, a_panels_off));
   const cl_mem apacked = pack_a ? scratch.buffer : a.buffer;  // not read without PA
   const std::uint64_t apacked_off = pack_a ? a_panels_off : 0;
-  const cl_uint group_blocks = gemm_traversal_group_blocks(env, s, rb);
-  cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", defines);
   const cl_uint has_bias = options.bias.buffer != nullptr;
   cl_mem packed = s.K > 0 ? scratch.buffer : c.buffer;  // with K = 0 the panels are never read
   std::uint64_t packed_off = scratch.elem_offset();
@@ -402,25 +439,35 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     packed = b.buffer;
     packed_off = b.elem_offset();
   }
-  if (splits == 1) {
-    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
-                 c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
-                 cl_uint(s.K), cl_uint(1), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, dz,
-                 dz_off, guard_buffer(options, c), options.guard.elem_offset());
-  } else {
-    // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
-    cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
-                 scratch.buffer, parts_off, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s, cfg)),
-                 cl_uint(splits), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, scratch.buffer,
-                 std::uint64_t{0}, scratch.buffer, std::uint64_t{0});
-  }
-  KernelLaunch l;
-  l.kernel = std::move(k);
-  l.dims = s.batch * splits == 1 ? 2 : 3;
-  // Row blocks on dimension 0: neighbours share a B panel. Products times splits on dimension 2.
-  l.global = {(s.M + rb - 1) / rb, panels, s.batch * splits};
-  l.local = {1, 1, 1};
-  list.push_back(std::move(l));
+  // The product over `count` panels from panel `first`, in register blocks of `block`.
+  auto product = [&](const GemmKernelConfig& block, const std::string& block_defines, std::size_t first,
+                     std::size_t count) {
+    const std::size_t rb = static_cast<std::size_t>(block.param("RB"));
+    const cl_uint group_blocks = gemm_traversal_group_blocks(env, s, rb);
+    cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", block_defines);
+    if (splits == 1) {
+      cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
+                   c.buffer, c_off, has_bias ? options.bias.buffer : c.buffer, options.bias.elem_offset(), has_bias,
+                   cl_uint(s.K), cl_uint(1), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, dz,
+                   dz_off, guard_buffer(options, c), options.guard.elem_offset(), cl_uint(first));
+    } else {
+      // Raw partial products after the panels, then one pass applies alpha, beta and the bias.
+      cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), 1.0f, a.buffer, a_off, packed, packed_off, 0.0f,
+                   scratch.buffer, parts_off, scratch.buffer, std::uint64_t{0}, cl_uint(0), cl_uint(split_rows(s, cfg)),
+                   cl_uint(splits), rows, rows_off, cols, cols_off, apacked, apacked_off, group_blocks, scratch.buffer,
+                   std::uint64_t{0}, scratch.buffer, std::uint64_t{0}, cl_uint(first));
+    }
+    KernelLaunch l;
+    l.kernel = std::move(k);
+    l.dims = s.batch * splits == 1 ? 2 : 3;
+    // Row blocks on dimension 0: neighbours share a B panel. Products times splits on dimension 2.
+    l.global = {(s.M + rb - 1) / rb, count, s.batch * splits};
+    l.local = {1, 1, 1};
+    return l;
+  };
+  const std::optional<GemmKernelConfig> tail = tail_panel(s, cfg, options, direct);
+  list.push_back(product(cfg, defines, 0, tail ? panels - 1 : panels));
+  if (tail) list.push_back(product(*tail, program_defines(*tail), panels - 1, 1));
   if (splits > 1) {
     list.push_back(sum_splits_launch(env, s, splits, {scratch.buffer, parts_off * sizeof(float)}, alpha, beta, c,
                                      options, options.c_planes));

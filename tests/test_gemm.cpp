@@ -513,6 +513,37 @@ TEST(GemmTraversal, GroupedRowBlocksMatchReference) {
   }
 }
 
+// Where N leaves the last panel mostly empty, that panel runs in a launch of its own with as many
+// vectors as it needs (ops/gemm.cpp, tail_panel): 784 = 12 x 64 + 16 (the MLP's input width), and
+// 100 = 64 + 36 with K split into 16 partial products. Every transpose, alpha, beta and a bias.
+TEST(GemmLayouts, NarrowLastPanelMatchesReference) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  struct Tail {
+    ops::GemmShape shape;
+    std::size_t launches;  // B's pack, the full panels, the last one (then the splits' sum)
+  };
+  for (const Tail& t : {Tail{{512, 784, 512}, 3}, Tail{{128, 100, 8192}, 4}}) {
+    if (too_large_for_this_run(t.shape.M * t.shape.N * t.shape.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+    for (const bool ta : {false, true}) {
+      for (const bool tb : {false, true}) {
+        ops::GemmShape s = t.shape;
+        s.trans_a = ta;
+        s.trans_b = tb;
+        ops::GemmOptions options;
+        options.backend = ops::GemmBackend::ferry;
+        options.kernel = kPacked;
+        DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
+        EXPECT_EQ(ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options).size(),
+                  t.launches)
+            << s.M << "x" << s.N << "x" << s.K;
+        check_gemm(s, options, 0.75f, -0.5f, true,
+                   fmt::format("last panel alone {}x{}x{} {}{}", s.M, s.N, s.K, ta ? "T" : "N", tb ? "T" : "N"));
+      }
+    }
+  }
+}
+
 TEST(GemmBatch, OneProductViewsAreRefusedForABatch) {
   auto& dev = TestDevice::get();
   ops::GemmShape s{4, 4, 4};

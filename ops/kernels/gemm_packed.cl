@@ -39,6 +39,11 @@
 #include "gemm_epilogue.clh"  // C_RELU, C_DACT: after C's type is known
 
 #define NB (16 * NV)
+// Width of the packed panels in memory: NB, except in the launch of a narrower last panel
+// (ops/gemm.cpp, `tail_panel`), which reads the first NB of its NB_LAYOUT columns.
+#ifndef NB_LAYOUT
+#define NB_LAYOUT NB
+#endif
 #ifndef PA
 #define PA 0
 #endif
@@ -76,7 +81,7 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
                           ulong packed_off) {
   const uint k0 = get_global_id(0) * PACK_ROWS;
   const uint k_end = min(k0 + PACK_ROWS, K);
-  const uint n_pad = (N + NB - 1) / NB * NB;
+  const uint n_pad = (N + NB_LAYOUT - 1) / NB_LAYOUT * NB_LAYOUT;
   const ulong product = get_global_id(2);
   b_off += product * ((ulong)K * N);
   packed += packed_off + product * ((ulong)n_pad * K);
@@ -97,17 +102,17 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
       float blk[16][16];
       const ulong base = b_off + (ulong)(k / B_PLANES) * rows * B_PLANES + k % B_PLANES;
       for (uint r = 0; r < 16; ++r) vstore16(vload16(0, b + base + (ulong)(j0 + r) * B_PLANES), 0, blk[r]);
-      __global float* dst = packed + ((ulong)(j0 / NB) * K + k) * NB + j0 % NB;
+      __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K + k) * NB_LAYOUT + j0 % NB_LAYOUT;
       for (uint i = 0; i < 16; ++i) {
         vstore16((float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i], blk[7][i],
                            blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i], blk[14][i], blk[15][i]),
-                 0, dst + (ulong)i * NB);
+                 0, dst + (ulong)i * NB_LAYOUT);
       }
       k += 16;
       continue;
     }
 #endif
-    __global float* dst = packed + ((ulong)(j0 / NB) * K + k) * NB + j0 % NB;
+    __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K + k) * NB_LAYOUT + j0 % NB_LAYOUT;
     for (uint r = 0; r < 16; ++r) {
       const uint j = j0 + r;
       const uint si = TRANS_B ? j : k, sj = TRANS_B ? k : j;  // stored row and column
@@ -126,17 +131,17 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   // in registers.
   const uint j0 = get_global_id(1) * 16;
   if (j0 >= n_pad) return;
-  __global float* dst = packed + ((ulong)(j0 / NB) * K) * NB + j0 % NB;  // op(B) row k at dst + k NB
+  __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT;  // op(B) row k at dst + k NB_LAYOUT
   if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
     float rows[16][PACK_ROWS];
     for (uint r = 0; r < 16; ++r) vstore16(LOAD16(B_NAME, b, b_off + (ulong)(j0 + r) * K + k0), 0, rows[r]);
     for (uint i = 0; i < PACK_ROWS; ++i) {
-      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB);
+      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB_LAYOUT);
     }
   } else {
     for (uint k = k0; k < k_end; ++k) {
       for (uint r = 0; r < 16; ++r) {
-        dst[(ulong)k * NB + r] = j0 + r < N ? LOAD(B_NAME, b, b_off + (ulong)(j0 + r) * K + k) : 0.0f;
+        dst[(ulong)k * NB_LAYOUT + r] = j0 + r < N ? LOAD(B_NAME, b, b_off + (ulong)(j0 + r) * K + k) : 0.0f;
       }
     }
   }
@@ -144,7 +149,7 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   for (uint k = k0; k < k_end; ++k) {
     const ulong src = b_off + (ulong)k * N;
     for (uint col = 0; col < n_pad; col += 16) {
-      __global float* dst = packed + ((ulong)(col / NB) * K + k) * NB + col % NB;
+      __global float* dst = packed + ((ulong)(col / NB_LAYOUT) * K + k) * NB_LAYOUT + col % NB_LAYOUT;
       if (col + 16 <= N) {
         vstore16(LOAD16(B_NAME, b, src + col), 0, dst);
       } else {
@@ -162,23 +167,23 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   // runs of the panel (scattering single floats with a stride of NB was 2x slower end to end).
   const uint j0 = get_global_id(1) * 16;
   if (j0 >= n_pad) return;
-  __global float* dst = packed + ((ulong)(j0 / NB) * K) * NB + j0 % NB;  // op(B) row k at dst + k NB
+  __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT;  // op(B) row k at dst + k NB_LAYOUT
   if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
     float rows[16][PACK_ROWS];
     for (uint r = 0; r < 16; ++r) vstore16(vload16(0, b + (ulong)(j0 + r) * K + k0), 0, rows[r]);
     for (uint i = 0; i < PACK_ROWS; ++i) {
-      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB);
+      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB_LAYOUT);
     }
   } else {
     for (uint k = k0; k < k_end; ++k) {
-      for (uint r = 0; r < 16; ++r) dst[(ulong)k * NB + r] = j0 + r < N ? b[(ulong)(j0 + r) * K + k] : 0.0f;
+      for (uint r = 0; r < 16; ++r) dst[(ulong)k * NB_LAYOUT + r] = j0 + r < N ? b[(ulong)(j0 + r) * K + k] : 0.0f;
     }
   }
 #else
   for (uint k = k0; k < k_end; ++k) {
     __global const float* src = b + (ulong)k * N;
     for (uint col = 0; col < n_pad; col += 16) {
-      __global float* dst = packed + ((ulong)(col / NB) * K + k) * NB + col % NB;
+      __global float* dst = packed + ((ulong)(col / NB_LAYOUT) * K + k) * NB_LAYOUT + col % NB_LAYOUT;
       if (col + 16 <= N) {
         vstore16(vload16(0, src + col), 0, dst);
       } else {
@@ -428,7 +433,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
                           uint splits, __global const int* arows, ulong arows_off, __global const int* acols,
                           ulong acols_off, __global const float* apacked, ulong apacked_off, uint group_blocks,
                           __global const STORAGE(C_NAME)* dz, ulong dz_off, __global float* guard,
-                          ulong guard_off) {
+                          ulong guard_off, uint panel0) {
   // Work-groups run in the order of their linear index (row blocks fastest). With group_blocks
   // > 0 that index walks groups of group_blocks row blocks: every panel for one group, then the
   // next group, so a group's rows of A stay in cache while all of B streams past them (row blocks
@@ -448,16 +453,18 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   const uint z = get_global_id(2);
   const ulong product = z / splits;
   const uint k_begin = (z % splits) * k_chunk, k_end = min(K, k_begin + k_chunk);
-  const uint col0 = panel * NB;
+  panel += panel0;  // panel0: the launch's first panel (a narrower last one runs alone)
+  const uint col0 = panel * NB_LAYOUT;
   a_off += product * ((ulong)M * K);
 #if DIRECT_B
   // B in place: panel row k is B's row k from column panel NB on (contiguous), rows N apart.
   __global const float* bp = packed + packed_off + product * ((ulong)K * N) + (ulong)k_begin * N + col0;
   const uint b_step = N;
 #else
-  const uint n_pad = (N + NB - 1) / NB * NB;
-  __global const float* bp = packed + packed_off + product * ((ulong)n_pad * K) + ((ulong)panel * K + k_begin) * NB;
-  const uint b_step = NB;
+  const uint n_pad = (N + NB_LAYOUT - 1) / NB_LAYOUT * NB_LAYOUT;
+  __global const float* bp =
+      packed + packed_off + product * ((ulong)n_pad * K) + ((ulong)panel * K + k_begin) * NB_LAYOUT;
+  const uint b_step = NB_LAYOUT;
 #endif
 #if PA
   // This block's packed rows (gemm_pack_a); a and a_off are not read.
