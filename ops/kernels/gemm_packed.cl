@@ -75,6 +75,68 @@
 
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
+// A 16 x 16 block transposed in 16 float16 registers r0..r15 (row i becomes column i) by four
+// stages of 16 two-vector shuffles: stage b swaps bit b of the row with bit b of the column, rows
+// i and i + 2^b trading the halves of their blocks of 2^(b+1). Built from float16 constructors of
+// 16 scalars, the block took one scalar move per element. Where the compiler has no
+// __builtin_shufflevector, the packs build vectors element by element as before.
+#ifndef SHUFFLE_TRANSPOSE
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define SHUFFLE_TRANSPOSE 1
+#endif
+#endif
+#endif
+#ifndef SHUFFLE_TRANSPOSE
+#define SHUFFLE_TRANSPOSE 0
+#endif
+#define TRANSPOSE_LO0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define TRANSPOSE_HI0 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define TRANSPOSE_LO1 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define TRANSPOSE_HI1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define TRANSPOSE_LO2 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define TRANSPOSE_HI2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define TRANSPOSE_LO3 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define TRANSPOSE_HI3 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define TRANSPOSE_PAIR(b, i, j)                                          \
+  {                                                                      \
+    const float16 lo = __builtin_shufflevector(r##i, r##j, TRANSPOSE_LO##b); \
+    r##j = __builtin_shufflevector(r##i, r##j, TRANSPOSE_HI##b);         \
+    r##i = lo;                                                           \
+  }
+#define TRANSPOSE16                                                                                      \
+  TRANSPOSE_PAIR(0, 0, 1) TRANSPOSE_PAIR(0, 2, 3) TRANSPOSE_PAIR(0, 4, 5) TRANSPOSE_PAIR(0, 6, 7)         \
+  TRANSPOSE_PAIR(0, 8, 9) TRANSPOSE_PAIR(0, 10, 11) TRANSPOSE_PAIR(0, 12, 13) TRANSPOSE_PAIR(0, 14, 15)   \
+  TRANSPOSE_PAIR(1, 0, 2) TRANSPOSE_PAIR(1, 1, 3) TRANSPOSE_PAIR(1, 4, 6) TRANSPOSE_PAIR(1, 5, 7)         \
+  TRANSPOSE_PAIR(1, 8, 10) TRANSPOSE_PAIR(1, 9, 11) TRANSPOSE_PAIR(1, 12, 14) TRANSPOSE_PAIR(1, 13, 15)   \
+  TRANSPOSE_PAIR(2, 0, 4) TRANSPOSE_PAIR(2, 1, 5) TRANSPOSE_PAIR(2, 2, 6) TRANSPOSE_PAIR(2, 3, 7)         \
+  TRANSPOSE_PAIR(2, 8, 12) TRANSPOSE_PAIR(2, 9, 13) TRANSPOSE_PAIR(2, 10, 14) TRANSPOSE_PAIR(2, 11, 15)   \
+  TRANSPOSE_PAIR(3, 0, 8) TRANSPOSE_PAIR(3, 1, 9) TRANSPOSE_PAIR(3, 2, 10) TRANSPOSE_PAIR(3, 3, 11)       \
+  TRANSPOSE_PAIR(3, 4, 12) TRANSPOSE_PAIR(3, 5, 13) TRANSPOSE_PAIR(3, 6, 14) TRANSPOSE_PAIR(3, 7, 15)
+// PACK_BLOCK16 packs one block: row r read as the float16 LOAD_ROW(r), row i of its transpose
+// stored at STORE_AT(i) (both defined where it is used).
+#if SHUFFLE_TRANSPOSE
+#define BLOCK_LOAD(n) float16 r##n = LOAD_ROW(n);
+#define BLOCK_STORE(n) vstore16(r##n, 0, STORE_AT(n));
+#define PACK_BLOCK16          \
+  {                           \
+    FOR_ROWS(BLOCK_LOAD)      \
+    TRANSPOSE16               \
+    FOR_ROWS(BLOCK_STORE)     \
+  }
+#else
+#define PACK_BLOCK16                                                                                               \
+  {                                                                                                                \
+    float blk[16][16];                                                                                             \
+    for (uint r = 0; r < 16; ++r) vstore16(LOAD_ROW(r), 0, blk[r]);                                                \
+    for (uint i = 0; i < 16; ++i) {                                                                                \
+      vstore16((float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i], blk[7][i],   \
+                         blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i], blk[14][i], blk[15][i]), \
+               0, STORE_AT(i));                                                                                    \
+    }                                                                                                              \
+  }
+#endif
+
 // One work-item packs PACK_ROWS k rows of op(B) of product get_global_id(2): all columns, padding
 // included (transposed B: a block of 16 columns, see below).
 __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* packed,
@@ -99,15 +161,13 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   for (uint k = k0; k < k_end;) {
 #if TRANS_B && B_IS_F32
     if (j0 + 16 <= N && k + 16 <= k_end && k / B_PLANES == (k + 15) / B_PLANES) {
-      float blk[16][16];
       const ulong base = b_off + (ulong)(k / B_PLANES) * rows * B_PLANES + k % B_PLANES;
-      for (uint r = 0; r < 16; ++r) vstore16(vload16(0, b + base + (ulong)(j0 + r) * B_PLANES), 0, blk[r]);
       __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K + k) * NB_LAYOUT + j0 % NB_LAYOUT;
-      for (uint i = 0; i < 16; ++i) {
-        vstore16((float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i], blk[7][i],
-                           blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i], blk[14][i], blk[15][i]),
-                 0, dst + (ulong)i * NB_LAYOUT);
-      }
+#define LOAD_ROW(r) vload16(0, b + base + (ulong)(j0 + r) * B_PLANES)
+#define STORE_AT(i) dst + (ulong)(i) * NB_LAYOUT
+      PACK_BLOCK16
+#undef LOAD_ROW
+#undef STORE_AT
       k += 16;
       continue;
     }
@@ -133,11 +193,11 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   if (j0 >= n_pad) return;
   __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT;  // op(B) row k at dst + k NB_LAYOUT
   if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
-    float rows[16][PACK_ROWS];
-    for (uint r = 0; r < 16; ++r) vstore16(LOAD16(B_NAME, b, b_off + (ulong)(j0 + r) * K + k0), 0, rows[r]);
-    for (uint i = 0; i < PACK_ROWS; ++i) {
-      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB_LAYOUT);
-    }
+#define LOAD_ROW(r) LOAD16(B_NAME, b, b_off + (ulong)(j0 + r) * K + k0)
+#define STORE_AT(i) dst + (ulong)(k0 + i) * NB_LAYOUT
+    PACK_BLOCK16  // PACK_ROWS is 16 here
+#undef LOAD_ROW
+#undef STORE_AT
   } else {
     for (uint k = k0; k < k_end; ++k) {
       for (uint r = 0; r < 16; ++r) {
@@ -163,17 +223,17 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   b += b_off;
 #if TRANS_B
   // B stored [N, K]: op(B)[k][j] = B[j][k]. A work-item transposes one block of 16 columns j by
-  // PACK_ROWS k rows in registers, so it reads 16 contiguous runs of B and writes 16 contiguous
+  // PACK_ROWS (16) k rows in registers, so it reads 16 contiguous runs of B and writes 16 contiguous
   // runs of the panel (scattering single floats with a stride of NB was 2x slower end to end).
   const uint j0 = get_global_id(1) * 16;
   if (j0 >= n_pad) return;
   __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT;  // op(B) row k at dst + k NB_LAYOUT
   if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
-    float rows[16][PACK_ROWS];
-    for (uint r = 0; r < 16; ++r) vstore16(vload16(0, b + (ulong)(j0 + r) * K + k0), 0, rows[r]);
-    for (uint i = 0; i < PACK_ROWS; ++i) {
-      vstore16((float16)(rows[0][i], rows[1][i], rows[2][i], rows[3][i], rows[4][i], rows[5][i], rows[6][i], rows[7][i], rows[8][i], rows[9][i], rows[10][i], rows[11][i], rows[12][i], rows[13][i], rows[14][i], rows[15][i]), 0, dst + (ulong)(k0 + i) * NB_LAYOUT);
-    }
+#define LOAD_ROW(r) vload16(0, b + (ulong)(j0 + r) * K + k0)
+#define STORE_AT(i) dst + (ulong)(k0 + i) * NB_LAYOUT
+    PACK_BLOCK16  // PACK_ROWS is 16 here
+#undef LOAD_ROW
+#undef STORE_AT
   } else {
     for (uint k = k0; k < k_end; ++k) {
       for (uint r = 0; r < 16; ++r) dst[(ulong)k * NB_LAYOUT + r] = j0 + r < N ? b[(ulong)(j0 + r) * K + k] : 0.0f;
