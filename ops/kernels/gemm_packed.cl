@@ -8,7 +8,9 @@
 //                per k step NV vload16 of the B panel, RB scalar broadcasts of A and fma().
 // Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
 // consecutive work-groups share one B panel. Parameters (-D): RB (1..16), NV (1..4), PA (0, 1),
-// KU (k steps the main loop is unrolled by), TRANS_A, TRANS_B.
+// KU (k steps the main loop is unrolled by), TRANS_A, TRANS_B, NB_LAYOUT (the packed panels'
+// width). A last panel that N leaves mostly empty runs in a launch of its own, built with fewer
+// vectors and reading the panels as packed (NB_LAYOUT), from panel `panel0`.
 // A strided batch (GemmShape::batch) runs in the same launches: product z of the batch reads A, B
 // and writes C z matrices past their offsets (M K, K N and M N elements), its packed panels follow
 // the previous product's; dimension 2 of both kernels counts the products (times the K splits).
