@@ -3,6 +3,7 @@
 // the tuning data's error reporting; and the reference's gradients against finite differences.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -542,6 +543,38 @@ TEST(GemmLayouts, NarrowLastPanelMatchesReference) {
       }
     }
   }
+}
+
+// The last panel alone computes every result as the padded panel did (the same products summed in
+// the same order): 256 x 784 x 1024 gives the bits of the first 784 columns of 256 x 832 x 1024
+// whose B has 48 more columns.
+TEST(GemmLayouts, NarrowLastPanelGivesThePaddedPanelsBits) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  const std::size_t M = 256, N = 784, wide = 832, K = 1024;
+  if (too_large_for_this_run(M * wide * K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+  const std::vector<float> a = random_vector(M * K, 31), b = random_vector(K * N, 32);
+  std::vector<float> b_wide(K * wide, 0.0f);
+  for (std::size_t k = 0; k < K; ++k) std::copy_n(b.begin() + k * N, N, b_wide.begin() + k * wide);
+  ops::GemmOptions options;
+  options.backend = ops::GemmBackend::ferry;
+  options.kernel = kPacked;
+  auto run = [&](const std::vector<float>& bm, std::size_t n, std::size_t want_launches) {
+    const ops::GemmShape s{M, n, K};
+    DeviceTensor da(a), db(bm), dc(M * n), scratch(ops::gemm_scratch_elems(dev.env, s, options));
+    const auto launches = ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, dc.span(), scratch.span(), options);
+    EXPECT_EQ(launches.size(), want_launches) << "N = " << n;  // B's pack, the products
+    ops::run_blocking(dev.context.compute(), launches);
+    return dc.download();
+  };
+  const std::vector<float> narrow = run(b, N, 3), padded = run(b_wide, wide, 2);
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < M; ++i) {
+    differ += !std::equal(
+        narrow.begin() + i * N, narrow.begin() + (i + 1) * N, padded.begin() + i * wide,
+        [](float x, float y) { return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y); });
+  }
+  EXPECT_EQ(differ, 0u) << "rows whose bits differ";
 }
 
 TEST(GemmBatch, OneProductViewsAreRefusedForABatch) {
