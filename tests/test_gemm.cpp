@@ -211,7 +211,8 @@ float half_ulp(DType t) {
 
 TEST(GemmDtypes, NarrowOperandsMatchReference) {
   auto& dev = TestDevice::get();
-  const Case shapes[] = {{7, 13, 5}, {65, 63, 17}, {7, 21, 2200}, {13, 64, 2200}};
+  // 9 x 4200 x 40: 66 panels, packed by the product's own work-items where B is transposed.
+  const Case shapes[] = {{7, 13, 5}, {65, 63, 17}, {7, 21, 2200}, {13, 64, 2200}, {9, 4200, 40}};
   for (const DtypeCase& d : kDtypeCases) {
     for (const Case& shape : shapes) {
       if (too_large_for_this_run(shape.M * shape.N * shape.K)) continue;
@@ -514,33 +515,69 @@ TEST(GemmTraversal, GroupedRowBlocksMatchReference) {
   }
 }
 
+// The kernel of each launch, by name.
+std::vector<std::string> kernel_names(const ops::LaunchList& launches) {
+  std::vector<std::string> names;
+  for (const ops::KernelLaunch& l : launches) {
+    std::size_t size = 0;
+    cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size), "clGetKernelInfo");
+    std::string name(size, '\0');
+    cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, size, name.data(), nullptr), "clGetKernelInfo");
+    names.push_back(name.c_str());
+  }
+  return names;
+}
+
 // Where N leaves the last panel mostly empty, that panel runs in a launch of its own with as many
 // vectors as it needs (ops/gemm.cpp, tail_panel): 784 = 12 x 64 + 16 (the MLP's input width), and
 // 100 = 64 + 36 with K split into 16 partial products. Every transpose, alpha, beta and a bias.
 TEST(GemmLayouts, NarrowLastPanelMatchesReference) {
   auto& dev = TestDevice::get();
   if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
-  struct Tail {
-    ops::GemmShape shape;
-    std::size_t launches;  // B's pack, the full panels, the last one (then the splits' sum)
-  };
-  for (const Tail& t : {Tail{{512, 784, 512}, 3}, Tail{{128, 100, 8192}, 4}}) {
-    if (too_large_for_this_run(t.shape.M * t.shape.N * t.shape.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+  for (const ops::GemmShape& shape : {ops::GemmShape{512, 784, 512}, ops::GemmShape{128, 100, 8192}}) {
+    if (too_large_for_this_run(shape.M * shape.N * shape.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
     for (const bool ta : {false, true}) {
       for (const bool tb : {false, true}) {
-        ops::GemmShape s = t.shape;
+        ops::GemmShape s = shape;
         s.trans_a = ta;
         s.trans_b = tb;
         ops::GemmOptions options;
         options.backend = ops::GemmBackend::ferry;
         options.kernel = kPacked;
         DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
-        EXPECT_EQ(ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options).size(),
-                  t.launches)
-            << s.M << "x" << s.N << "x" << s.K;
+        const auto names =
+            kernel_names(ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options));
+        EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_packed"), 2) << s.M << "x" << s.N << "x" << s.K;
         check_gemm(s, options, 0.75f, -0.5f, true,
                    fmt::format("last panel alone {}x{}x{} {}{}", s.M, s.N, s.K, ta ? "T" : "N", tb ? "T" : "N"));
       }
+    }
+  }
+}
+
+// A transposed B with panels enough for every compute unit is packed by the product's work-items,
+// each its own panel (ops/gemm.cpp, own_panel; no gemm_pack_b launch): 4200 columns are 66 panels;
+// 32 x 1100 x 8192 has 18 panels (the last alone) times 16 K splits.
+TEST(GemmLayouts, OwnPanelsMatchReference) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  if (dev.context.device().compute_units > 16) {
+    GTEST_SKIP() << "these shapes have 66 and 288 work-items, fewer than 4 per compute unit here";
+  }
+  for (const ops::GemmShape& shape : {ops::GemmShape{37, 4200, 129}, ops::GemmShape{32, 1100, 8192}}) {
+    if (too_large_for_this_run(shape.M * shape.N * shape.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+    for (const bool ta : {false, true}) {
+      ops::GemmShape s = shape;
+      s.trans_a = ta;
+      s.trans_b = true;
+      ops::GemmOptions options;
+      options.backend = ops::GemmBackend::ferry;
+      options.kernel = kPacked;
+      DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
+      const auto names =
+          kernel_names(ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options));
+      EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), 0) << s.M << "x" << s.N << "x" << s.K;
+      check_gemm(s, options, 0.75f, -0.5f, true, fmt::format("own panels {}x{}x{} {}T", s.M, s.N, s.K, ta ? "T" : "N"));
     }
   }
 }

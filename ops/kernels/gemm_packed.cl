@@ -9,8 +9,11 @@
 // Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
 // consecutive work-groups share one B panel. Parameters (-D): RB (1..16), NV (1..4), PA (0, 1),
 // KU (k steps the main loop is unrolled by), TRANS_A, TRANS_B, NB_LAYOUT (the packed panels'
-// width). A last panel that N leaves mostly empty runs in a launch of its own, built with fewer
-// vectors and reading the panels as packed (NB_LAYOUT), from panel `panel0`.
+// width), OWN_PANEL. A last panel that N leaves mostly empty runs in a launch of its own, built
+// with fewer vectors and reading the panels as packed (NB_LAYOUT), from panel `panel0`. With
+// OWN_PANEL (a transposed B, ops/gemm.cpp `own_panel`) there is no gemm_pack_b launch: gemm_packed
+// runs one work-item per panel (dimension 0 is 1), which packs its panel from `b` into the usual
+// place and then computes every row block against it.
 // A strided batch (GemmShape::batch) runs in the same launches: product z of the batch reads A, B
 // and writes C z matrices past their offsets (M K, K N and M N elements), its packed panels follow
 // the previous product's; dimension 2 of both kernels counts the products (times the K splits).
@@ -51,6 +54,12 @@
 #endif
 #ifndef KU
 #define KU 1
+#endif
+#ifndef OWN_PANEL
+#define OWN_PANEL 0  // 1: each gemm_packed work-item packs its own panel of a transposed B (no gemm_pack_b)
+#endif
+#if OWN_PANEL && (!TRANS_B || B_PLANES || DIRECT_B)
+#error "OWN_PANEL packs a transposed B in rows (not planes, not read in place)"
 #endif
 #ifndef DIRECT_B
 #define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] (not packed)
@@ -139,6 +148,32 @@
   }
 #endif
 
+#if TRANS_B && !B_PLANES
+// 16 columns j0.. of op(B), B stored [N, K] (op(B)[k][j] = B[j][k]), for k in [k0, k_end), into
+// `dst` (op(B) row k at dst + k NB_LAYOUT): 16 k at a time transposed in registers, so that 16
+// contiguous runs of B are read and 16 contiguous runs of the panel written (scattering single
+// floats with a stride of NB was 2x slower end to end); the last k and the columns past N (zeros)
+// element by element. A narrow B is widened 16 elements at a time (LOAD16).
+inline void pack_b_columns16(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* dst,
+                             uint j0, uint k0, uint k_end) {
+  uint k = k0;
+  if (j0 + 16 <= N) {
+    for (; k + 16 <= k_end; k += 16) {
+#define LOAD_ROW(r) LOAD16(B_NAME, b, b_off + (ulong)(j0 + r) * K + k)
+#define STORE_AT(i) dst + (ulong)(k + i) * NB_LAYOUT
+      PACK_BLOCK16
+#undef LOAD_ROW
+#undef STORE_AT
+    }
+  }
+  for (; k < k_end; ++k) {
+    for (uint r = 0; r < 16; ++r) {
+      dst[(ulong)k * NB_LAYOUT + r] = j0 + r < N ? LOAD(B_NAME, b, b_off + (ulong)(j0 + r) * K + k) : 0.0f;
+    }
+  }
+}
+#endif
+
 // One work-item packs PACK_ROWS k rows of op(B) of product get_global_id(2): all columns, padding
 // included (transposed B: a block of 16 columns, see below).
 __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* packed,
@@ -184,30 +219,16 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
     ++k;
   }
 }
+#elif TRANS_B
+  // B stored [N, K]: a block of 16 columns j by PACK_ROWS (16) k rows.
+  const uint j0 = get_global_id(1) * 16;
+  if (j0 >= n_pad) return;
+  pack_b_columns16(N, K, b, b_off, packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT, j0, k0, k_end);
+}
 #elif !B_IS_F32
   // A narrow B (a weight or an output gradient, read once), widened 16 elements at a time where 16
   // lie in a row (LOAD16: for f16 the widening is a dozen integer operations an element, done 16
   // wide), element by element at the edges.
-#if TRANS_B
-  // B stored [N, K]: as the f32 code below, a block of 16 columns j by PACK_ROWS k rows transposed
-  // in registers.
-  const uint j0 = get_global_id(1) * 16;
-  if (j0 >= n_pad) return;
-  __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT;  // op(B) row k at dst + k NB_LAYOUT
-  if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
-#define LOAD_ROW(r) LOAD16(B_NAME, b, b_off + (ulong)(j0 + r) * K + k0)
-#define STORE_AT(i) dst + (ulong)(k0 + i) * NB_LAYOUT
-    PACK_BLOCK16  // PACK_ROWS is 16 here
-#undef LOAD_ROW
-#undef STORE_AT
-  } else {
-    for (uint k = k0; k < k_end; ++k) {
-      for (uint r = 0; r < 16; ++r) {
-        dst[(ulong)k * NB_LAYOUT + r] = j0 + r < N ? LOAD(B_NAME, b, b_off + (ulong)(j0 + r) * K + k) : 0.0f;
-      }
-    }
-  }
-#else
   for (uint k = k0; k < k_end; ++k) {
     const ulong src = b_off + (ulong)k * N;
     for (uint col = 0; col < n_pad; col += 16) {
@@ -219,29 +240,9 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
       }
     }
   }
-#endif
 }
 #else
   b += b_off;
-#if TRANS_B
-  // B stored [N, K]: op(B)[k][j] = B[j][k]. A work-item transposes one block of 16 columns j by
-  // PACK_ROWS (16) k rows in registers, so it reads 16 contiguous runs of B and writes 16 contiguous
-  // runs of the panel (scattering single floats with a stride of NB was 2x slower end to end).
-  const uint j0 = get_global_id(1) * 16;
-  if (j0 >= n_pad) return;
-  __global float* dst = packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT;  // op(B) row k at dst + k NB_LAYOUT
-  if (k_end - k0 == PACK_ROWS && j0 + 16 <= N) {
-#define LOAD_ROW(r) vload16(0, b + (ulong)(j0 + r) * K + k0)
-#define STORE_AT(i) dst + (ulong)(k0 + i) * NB_LAYOUT
-    PACK_BLOCK16  // PACK_ROWS is 16 here
-#undef LOAD_ROW
-#undef STORE_AT
-  } else {
-    for (uint k = k0; k < k_end; ++k) {
-      for (uint r = 0; r < 16; ++r) dst[(ulong)k * NB_LAYOUT + r] = j0 + r < N ? b[(ulong)(j0 + r) * K + k] : 0.0f;
-    }
-  }
-#else
   for (uint k = k0; k < k_end; ++k) {
     __global const float* src = b + (ulong)k * N;
     for (uint col = 0; col < n_pad; col += 16) {
@@ -253,9 +254,8 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
       }
     }
   }
-#endif
 }
-#endif  // B_PLANES, B_IS_F32
+#endif  // B_PLANES, TRANS_B, B_IS_F32
 
 // k columns of op(A) one gemm_pack_a work-item copies.
 #define PACK_A_COLS 128
@@ -495,7 +495,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
                           uint splits, __global const int* arows, ulong arows_off, __global const int* acols,
                           ulong acols_off, __global const float* apacked, ulong apacked_off, uint group_blocks,
                           __global const STORAGE(C_NAME)* dz, ulong dz_off, __global float* guard,
-                          ulong guard_off, uint panel0) {
+                          ulong guard_off, uint panel0, __global const STORAGE(B_NAME)* b, ulong b_off) {
   // Work-groups run in the order of their linear index (row blocks fastest). With group_blocks
   // > 0 that index walks groups of group_blocks row blocks: every panel for one group, then the
   // next group, so a group's rows of A stay in cache while all of B streams past them (row blocks
@@ -511,7 +511,9 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     panel = within / rows_in;
     block = first + within % rows_in;
   }
+#if !OWN_PANEL
   const uint row0 = block * RB;
+#endif
   const uint z = get_global_id(2);
   const ulong product = z / splits;
   const uint k_begin = (z % splits) * k_chunk, k_end = min(K, k_begin + k_chunk);
@@ -528,11 +530,11 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
       packed + packed_off + product * ((ulong)n_pad * K) + ((ulong)panel * K + k_begin) * NB_LAYOUT;
   const uint b_step = NB_LAYOUT;
 #endif
-#if PA
+#if PA && !OWN_PANEL
   // This block's packed rows (gemm_pack_a); a and a_off are not read.
   __global const float* ap =
       apacked + apacked_off + (product * ((M + RB - 1) / RB) + block) * ((ulong)K * RB);
-#elif A_IS_F32
+#elif A_IS_F32 && !PA
   a += a_off;
 #endif
 #if C_IS_F32 && !C_PLANES
@@ -545,6 +547,26 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   arows += arows_off;
   acols += acols_off;
 
+#if OWN_PANEL
+  // One work-item per panel (and split and product): it packs its rows of op(B) into the panel's
+  // place itself, then runs every row block against them while they are in its core's cache.
+  {
+    __global float* rows_of_panel = (__global float*)bp - (ulong)k_begin * NB_LAYOUT;
+    for (uint j = 0; j < NB; j += 16) {
+      pack_b_columns16(N, K, b, b_off + product * ((ulong)K * N), rows_of_panel + j, col0 + j, k_begin, k_end);
+    }
+  }
+  for (block = 0; block < (M + RB - 1) / RB; ++block) {
+    const uint row0 = block * RB;
+#if PA
+    __global const float* ap =
+        apacked + apacked_off + (product * ((M + RB - 1) / RB) + block) * ((ulong)K * RB);
+#endif
+    __global const float* bk = bp;  // panel row k
+#else
+#define bk bp
+#endif
+
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
 #if A_GATHER && A_GATHER_STEP
   int ar0 = 0;
@@ -555,9 +577,9 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if DIRECT_B && DIRECT_B_TAIL
   if (col0 + NB > N) {
     // The last panel of a B read in place: its columns one by one, zeros past N.
-    for (uint k = k_begin; k < k_end; ++k, bp += b_step) {
+    for (uint k = k_begin; k < k_end; ++k, bk += b_step) {
       float row[NB];
-      for (uint j = 0; j < NB; ++j) row[j] = col0 + j < N ? bp[j] : 0.0f;
+      for (uint j = 0; j < NB; ++j) row[j] = col0 + j < N ? bk[j] : 0.0f;
       K_STEP(row)
     }
   } else
@@ -568,10 +590,15 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if KU > 1
 #pragma unroll KU
 #endif
-    for (uint k = k_begin; k < k_end; ++k, bp += b_step) K_STEP(bp)
+    for (uint k = k_begin; k < k_end; ++k, bk += b_step) K_STEP(bk)
   }
 
   bool guard_bad = false;  // C_GUARD: a stored value was not finite
   FOR_ROWS(ACC_STORE)
   GUARD_SET(guard_bad, guard, guard_off);
+#if OWN_PANEL
+  }
+#else
+#undef bk
+#endif
 }
