@@ -511,6 +511,9 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     panel = within / rows_in;
     block = first + within % rows_in;
   }
+  // Without OWN_PANEL the block's row0 (and PA's rows) are computed here, before the rest, as they
+  // always were: computed after the pointers below, the same code ran 768 x 192 x 4096 TN's
+  // product in 3.83 ms instead of 3.07 on PoCL (its LLVM placed the k loop's values otherwise).
 #if !OWN_PANEL
   const uint row0 = block * RB;
 #endif
