@@ -515,10 +515,23 @@ TEST(GemmTraversal, GroupedRowBlocksMatchReference) {
   }
 }
 
-// The kernel of each launch, by name.
-std::vector<std::string> kernel_names(const ops::LaunchList& launches) {
+// kPacked's options by name.
+ops::GemmOptions packed_options() {
+  ops::GemmOptions options;
+  options.backend = ops::GemmBackend::ferry;
+  options.kernel = kPacked;
+  return options;
+}
+
+// The kernels, by name, of kPacked's launches for shape `s` (operands uninitialised: the binding
+// is what is looked at).
+std::vector<std::string> packed_kernel_names(const ops::GemmShape& s) {
+  auto& dev = TestDevice::get();
+  const ops::GemmOptions options = packed_options();
+  DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
   std::vector<std::string> names;
-  for (const ops::KernelLaunch& l : launches) {
+  for (const ops::KernelLaunch& l :
+       ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options)) {
     std::size_t size = 0;
     cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size), "clGetKernelInfo");
     std::string name(size, '\0');
@@ -541,14 +554,9 @@ TEST(GemmLayouts, NarrowLastPanelMatchesReference) {
         ops::GemmShape s = shape;
         s.trans_a = ta;
         s.trans_b = tb;
-        ops::GemmOptions options;
-        options.backend = ops::GemmBackend::ferry;
-        options.kernel = kPacked;
-        DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
-        const auto names =
-            kernel_names(ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options));
+        const auto names = packed_kernel_names(s);
         EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_packed"), 2) << s.M << "x" << s.N << "x" << s.K;
-        check_gemm(s, options, 0.75f, -0.5f, true,
+        check_gemm(s, packed_options(), 0.75f, -0.5f, true,
                    fmt::format("last panel alone {}x{}x{} {}{}", s.M, s.N, s.K, ta ? "T" : "N", tb ? "T" : "N"));
       }
     }
@@ -570,14 +578,10 @@ TEST(GemmLayouts, OwnPanelsMatchReference) {
       ops::GemmShape s = shape;
       s.trans_a = ta;
       s.trans_b = true;
-      ops::GemmOptions options;
-      options.backend = ops::GemmBackend::ferry;
-      options.kernel = kPacked;
-      DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
-      const auto names =
-          kernel_names(ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options));
+      const auto names = packed_kernel_names(s);
       EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), 0) << s.M << "x" << s.N << "x" << s.K;
-      check_gemm(s, options, 0.75f, -0.5f, true, fmt::format("own panels {}x{}x{} {}T", s.M, s.N, s.K, ta ? "T" : "N"));
+      check_gemm(s, packed_options(), 0.75f, -0.5f, true,
+                 fmt::format("own panels {}x{}x{} {}T", s.M, s.N, s.K, ta ? "T" : "N"));
     }
   }
 }
@@ -593,9 +597,7 @@ TEST(GemmLayouts, NarrowLastPanelGivesThePaddedPanelsBits) {
   const std::vector<float> a = random_vector(M * K, 31), b = random_vector(K * N, 32);
   std::vector<float> b_wide(K * wide, 0.0f);
   for (std::size_t k = 0; k < K; ++k) std::copy_n(b.begin() + k * N, N, b_wide.begin() + k * wide);
-  ops::GemmOptions options;
-  options.backend = ops::GemmBackend::ferry;
-  options.kernel = kPacked;
+  const ops::GemmOptions options = packed_options();
   auto run = [&](const std::vector<float>& bm, std::size_t n, std::size_t want_launches) {
     const ops::GemmShape s{M, n, K};
     DeviceTensor da(a), db(bm), dc(M * n), scratch(ops::gemm_scratch_elems(dev.env, s, options));
