@@ -453,8 +453,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   }
   if (s.K > 0 && !direct && !own) list.push_back(pack_b_launch(env, s, panels * nb, defines, b, scratch, options));
   const bool pack_a = s.K > 0 && packed_a_elems(s, cfg) > 0;
-  if (pack_a)
+  if (pack_a) {
     list.push_back(pack_a_launch(env, s, static_cast<std::size_t>(cfg.param("RB")), defines, a, scratch, a_panels_off));
+  }
   const cl_mem apacked = pack_a ? scratch.buffer : a.buffer;  // not read without PA
   const std::uint64_t apacked_off = pack_a ? a_panels_off : 0;
   const cl_uint has_bias = options.bias.buffer != nullptr;
@@ -464,12 +465,12 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     packed = b.buffer;
     packed_off = b.elem_offset();
   }
+  const std::uint64_t b_off = b.elem_offset(dtype_bytes(s.b));  // B itself, read with OWN_PANEL only
   // The product over `count` panels from panel `first`, in register blocks of `block`.
   auto product = [&](const GemmKernelConfig& block, const std::string& block_defines, std::size_t first,
                      std::size_t count) {
     const std::size_t rb = static_cast<std::size_t>(block.param("RB"));
     const cl_uint group_blocks = own ? 0 : gemm_traversal_group_blocks(env, s, rb);
-    const std::uint64_t b_off = b.elem_offset(dtype_bytes(s.b));  // read with OWN_PANEL only
     cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", block_defines);
     if (splits == 1) {
       cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,

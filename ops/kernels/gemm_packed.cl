@@ -533,10 +533,10 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
       packed + packed_off + product * ((ulong)n_pad * K) + ((ulong)panel * K + k_begin) * NB_LAYOUT;
   const uint b_step = NB_LAYOUT;
 #endif
+// Row block `blk`'s packed rows (gemm_pack_a); a and a_off are not read.
+#define PACKED_A_ROWS(blk) (apacked + apacked_off + (product * ((M + RB - 1) / RB) + (blk)) * ((ulong)K * RB))
 #if PA && !OWN_PANEL
-  // This block's packed rows (gemm_pack_a); a and a_off are not read.
-  __global const float* ap =
-      apacked + apacked_off + (product * ((M + RB - 1) / RB) + block) * ((ulong)K * RB);
+  __global const float* ap = PACKED_A_ROWS(block);
 #elif A_IS_F32 && !PA
   a += a_off;
 #endif
@@ -553,21 +553,17 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if OWN_PANEL
   // One work-item per panel (and split and product): it packs its rows of op(B) into the panel's
   // place itself, then runs every row block against them while they are in its core's cache.
-  {
-    __global float* rows_of_panel = (__global float*)bp - (ulong)k_begin * NB_LAYOUT;
-    for (uint j = 0; j < NB; j += 16) {
-      pack_b_columns16(N, K, b, b_off + product * ((ulong)K * N), rows_of_panel + j, col0 + j, k_begin, k_end);
-    }
+  __global const float* const panel_rows = bp;
+  for (uint j = 0; j < NB; j += 16) {
+    pack_b_columns16(N, K, b, b_off + product * ((ulong)K * N),
+                     (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j, k_begin, k_end);
   }
   for (block = 0; block < (M + RB - 1) / RB; ++block) {
     const uint row0 = block * RB;
 #if PA
-    __global const float* ap =
-        apacked + apacked_off + (product * ((M + RB - 1) / RB) + block) * ((ulong)K * RB);
+    __global const float* ap = PACKED_A_ROWS(block);
 #endif
-    __global const float* bk = bp;  // panel row k
-#else
-#define bk bp
+    __global const float* bp = panel_rows;  // the k loop below advances it, per block
 #endif
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
@@ -580,9 +576,9 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if DIRECT_B && DIRECT_B_TAIL
   if (col0 + NB > N) {
     // The last panel of a B read in place: its columns one by one, zeros past N.
-    for (uint k = k_begin; k < k_end; ++k, bk += b_step) {
+    for (uint k = k_begin; k < k_end; ++k, bp += b_step) {
       float row[NB];
-      for (uint j = 0; j < NB; ++j) row[j] = col0 + j < N ? bk[j] : 0.0f;
+      for (uint j = 0; j < NB; ++j) row[j] = col0 + j < N ? bp[j] : 0.0f;
       K_STEP(row)
     }
   } else
@@ -593,7 +589,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if KU > 1
 #pragma unroll KU
 #endif
-    for (uint k = k_begin; k < k_end; ++k, bk += b_step) K_STEP(bk)
+    for (uint k = k_begin; k < k_end; ++k, bp += b_step) K_STEP(bp)
   }
 
   bool guard_bad = false;  // C_GUARD: a stored value was not finite
@@ -601,7 +597,5 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   GUARD_SET(guard_bad, guard, guard_off);
 #if OWN_PANEL
   }
-#else
-#undef bk
 #endif
 }
