@@ -81,17 +81,20 @@ void set_param(GemmKernelConfig& c, std::string_view key, int value) {
   }
 }
 
-// A transposed f32 A whose rows are a power of two of at least 512 floats apart, in a product with
-// K of 2048 or more: read in place, a row block's RB values of successive k steps fall in the same
-// few cache sets, so its long strip comes again from L2 or memory for every panel of B. Packed it
-// is contiguous, for one pass over A, which N of 256 or more pays for. On the AVX-512 EPYC (row
-// `RB=6 NV=4`, PA=0) packing took 2048^3 TN from 155-194 to 199-216 GFLOPS, 8192 x 2048 x 2048 TN
-// from 155-180 to 197-209 and 2048 x 512 x 4096 TN from 130-148 to 187-191; it left M = 256, 768,
-// 1000, 1536 and 3072 and K = 256 or 1024 level or slower, and N = 10 or 16 2-2.5x slower
-// (bench/RESULTS.md, fifty-second session).
-constexpr std::size_t a_alias_min_rows = 512, a_alias_min_k = 2048, a_alias_min_n = 256;
+// A transposed f32 A whose rows are a multiple of 256 floats apart (at least 512), in a product
+// with K of 768 or more: read in place, a row block's RB values of successive k steps fall in the
+// same few L1 sets (a power of two: one set), so its long strip comes again from L2 or memory for
+// every panel of B. Packed it is contiguous, for one pass over A, which N of 256 or more pays for.
+// On the AVX-512 EPYC (row `RB=6 NV=4`, PA=0) packing took 2048^3 TN from 155-194 to 199-216
+// GFLOPS and 2048 x 512 x 4096 TN from 130-148 to 187-191, where it was limited to powers of two
+// and K >= 2048 (fifty-second session). With the transposed pack running along rows (gemm_packed.cl
+// gemm_pack_a, twice as fast), the Zen 5 EPYC also gained at K = 768 and 1024 and for M = 768,
+// 1536, 1792 and 3072: 4096 x 1024 x 1024 TN 251-273 -> 462-477 GFLOPS, 3072 x 768 x 2048 294-297
+// -> 448-465, 1024 x 1024 x 768 401-418 -> 458-477; M = 1000 or 1152 and K = 512 stayed level, and
+// N = 10 or 16 was 2-2.5x slower (bench/RESULTS.md, sixtieth session).
+constexpr std::size_t a_alias_min_rows = 512, a_alias_row_multiple = 256, a_alias_min_k = 768, a_alias_min_n = 256;
 bool a_rows_alias(const GemmShape& s) {
-  return s.trans_a && s.M >= a_alias_min_rows && std::has_single_bit(s.M) && s.K >= a_alias_min_k &&
+  return s.trans_a && s.M >= a_alias_min_rows && s.M % a_alias_row_multiple == 0 && s.K >= a_alias_min_k &&
          s.N >= a_alias_min_n;
 }
 
@@ -394,13 +397,16 @@ KernelLaunch pack_b_launch(OpEnv& env, const GemmShape& s, std::size_t padded_co
 KernelLaunch pack_a_launch(OpEnv& env, const GemmShape& s, std::size_t rb, const std::string& defines, DeviceSpan a,
                            DeviceSpan scratch, std::uint64_t a_panels_off) {
   cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_a", defines);
-  const std::size_t pack_cols = 128;  // PACK_A_COLS in gemm_packed.cl
+  // Work-items: a row-major A's PACK_A_COLS k columns of one row block; a transposed A's PACK_A_TK
+  // k rows of PACK_A_GROUP row blocks (gemm_packed.cl).
+  const std::size_t blocks = (s.M + rb - 1) / rb;
+  const std::size_t pack_blocks = s.trans_a ? 128 / rb : 1, pack_k = s.trans_a ? 8 : 128;
   cl::set_args(pack.get(), cl_uint(s.M), cl_uint(s.K), a.buffer, a.elem_offset(dtype_bytes(s.a)), scratch.buffer,
                a_panels_off);
   KernelLaunch l;
   l.kernel = std::move(pack);
   l.dims = s.batch > 1 ? 3 : 2;
-  l.global = {(s.M + rb - 1) / rb, (s.K + pack_cols - 1) / pack_cols, s.batch};
+  l.global = {(blocks + pack_blocks - 1) / pack_blocks, (s.K + pack_k - 1) / pack_k, s.batch};
   l.local = {1, 1, 1};
   return l;
 }
@@ -425,17 +431,21 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
   // layout). `block` is the register block of the program (the last panel's may differ).
   const bool own = own_panel(s, cfg, options, env.device().compute_units);
-  auto program_defines = [&](const GemmKernelConfig& block) {
+  // A last panel in a launch of its own (tail_panel) reads it packed: with OWN_PANEL the first
+  // launch's work-items pack it (OWN_TAIL), and the tail's own launch runs one work-item per row
+  // block as without OWN_PANEL (a single work-item for all of M left every other core idle).
+  const std::optional<GemmKernelConfig> tail = tail_panel(s, cfg, options, direct);
+  auto program_defines = [&](const GemmKernelConfig& block, bool own_launch) {
     return fmt::format(
-        "{} {} -DNB_LAYOUT={} -DOWN_PANEL={} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} -DA_GATHER={} "
-        "-DA_GATHER_STEP={} {} {}",
-        block.defines(), transpose_defines(s), nb, int(own), int(direct), int(direct && s.N % nb != 0),
-        options.b_planes, int(gather), runs ? options.a_gather_step : 0,
+        "{} {} -DNB_LAYOUT={} -DOWN_PANEL={} -DOWN_TAIL={} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} "
+        "-DA_GATHER={} -DA_GATHER_STEP={} {} {}",
+        block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail), int(direct),
+        int(direct && s.N % nb != 0), options.b_planes, int(gather), runs ? options.a_gather_step : 0,
         gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
         splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0"
                    : gemm_epilogue_defines(options, options.c_planes));
   };
-  const std::string defines = program_defines(cfg);
+  const std::string defines = program_defines(cfg, own);
   const cl_mem rows = gather ? options.a_gather_rows.buffer : a.buffer,
                cols = gather ? options.a_gather_cols.buffer : a.buffer;
   const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
@@ -467,10 +477,10 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   }
   const std::uint64_t b_off = b.elem_offset(dtype_bytes(s.b));  // B itself, read with OWN_PANEL only
   // The product over `count` panels from panel `first`, in register blocks of `block`.
-  auto product = [&](const GemmKernelConfig& block, const std::string& block_defines, std::size_t first,
-                     std::size_t count) {
+  auto product = [&](const GemmKernelConfig& block, const std::string& block_defines, bool own_launch,
+                     std::size_t first, std::size_t count) {
     const std::size_t rb = static_cast<std::size_t>(block.param("RB"));
-    const cl_uint group_blocks = own ? 0 : gemm_traversal_group_blocks(env, s, rb);
+    const cl_uint group_blocks = own_launch ? 0 : gemm_traversal_group_blocks(env, s, rb);
     cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", block_defines);
     if (splits == 1) {
       cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
@@ -489,13 +499,12 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     l.dims = s.batch * splits == 1 ? 2 : 3;
     // Row blocks on dimension 0 (one work-item for all of them with OWN_PANEL): neighbours share a
     // B panel. Products times splits on dimension 2.
-    l.global = {own ? 1 : (s.M + rb - 1) / rb, count, s.batch * splits};
+    l.global = {own_launch ? 1 : (s.M + rb - 1) / rb, count, s.batch * splits};
     l.local = {1, 1, 1};
     return l;
   };
-  const std::optional<GemmKernelConfig> tail = tail_panel(s, cfg, options, direct);
-  list.push_back(product(cfg, defines, 0, tail ? panels - 1 : panels));
-  if (tail) list.push_back(product(*tail, program_defines(*tail), panels - 1, 1));
+  list.push_back(product(cfg, defines, own, 0, tail ? panels - 1 : panels));
+  if (tail) list.push_back(product(*tail, program_defines(*tail, false), false, panels - 1, 1));
   if (splits > 1) {
     list.push_back(sum_splits_launch(env, s, splits, {scratch.buffer, parts_off * sizeof(float)}, alpha, beta, c,
                                      options, options.c_planes));

@@ -525,9 +525,9 @@ ops::GemmOptions packed_options() {
 
 // The kernels, by name, of kPacked's launches for shape `s` (operands uninitialised: the binding
 // is what is looked at).
-std::vector<std::string> packed_kernel_names(const ops::GemmShape& s) {
+std::vector<std::string> packed_kernel_names(const ops::GemmShape& s,
+                                             const ops::GemmOptions& options = packed_options()) {
   auto& dev = TestDevice::get();
-  const ops::GemmOptions options = packed_options();
   DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
   std::vector<std::string> names;
   for (const ops::KernelLaunch& l :
@@ -565,14 +565,17 @@ TEST(GemmLayouts, NarrowLastPanelMatchesReference) {
 
 // A transposed B with panels enough for every compute unit is packed by the product's work-items,
 // each its own panel (ops/gemm.cpp, own_panel; no gemm_pack_b launch): 4200 columns are 66 panels;
-// 32 x 1100 x 8192 has 18 panels (the last alone) times 16 K splits.
+// 32 x 1100 x 8192 has 18 panels times 16 K splits, and 256 x 784 x 1024 13 panels unsplit, whose
+// last runs in a launch of its own (one work-item per row block), packed by the first launch's
+// work-items, each a share of its k rows (OWN_TAIL).
 TEST(GemmLayouts, OwnPanelsMatchReference) {
   auto& dev = TestDevice::get();
   if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
   if (dev.context.device().compute_units > 16) {
     GTEST_SKIP() << "these shapes have 66 and 288 work-items, fewer than 4 per compute unit here";
   }
-  for (const ops::GemmShape& shape : {ops::GemmShape{37, 4200, 129}, ops::GemmShape{32, 1100, 8192}}) {
+  for (const ops::GemmShape& shape :
+       {ops::GemmShape{37, 4200, 129}, ops::GemmShape{32, 1100, 8192}, ops::GemmShape{256, 784, 1024}}) {
     if (too_large_for_this_run(shape.M * shape.N * shape.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
     for (const bool ta : {false, true}) {
       ops::GemmShape s = shape;
@@ -580,10 +583,42 @@ TEST(GemmLayouts, OwnPanelsMatchReference) {
       s.trans_b = true;
       const auto names = packed_kernel_names(s);
       EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), 0) << s.M << "x" << s.N << "x" << s.K;
+      EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_packed"), s.N == 4200 ? 1 : 2)
+          << s.M << "x" << s.N << "x" << s.K;
       check_gemm(s, packed_options(), 0.75f, -0.5f, true,
                  fmt::format("own panels {}x{}x{} {}T", s.M, s.N, s.K, ta ? "T" : "N"));
     }
   }
+}
+
+// A transposed A packed (PA=1) by gemm_pack_a's work-items of PACK_A_TK = 8 k rows and 128 / RB
+// row blocks, copying each block's RB values of a k row in vector moves for RB = 4, 6, 8, 12 and 16
+// and one by one otherwise (7): M spans two groups of blocks and a last block that repeats row M - 1,
+// K is no multiple of 8, and a batch of two runs in the same launches.
+TEST(GemmLayouts, TransposedAPacksMatchReference) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  for (const int rb : {4, 6, 7, 8, 12, 16}) {
+    const std::size_t m = 2 * static_cast<std::size_t>(128 / rb * rb) + 5;
+    ops::GemmOptions o = packed_options();
+    o.kernel = fmt::format("packed RB={} NV=1 PA=1", rb);
+    const ops::GemmShape s{m, 19, 37, true, false};
+    const auto names = packed_kernel_names(s, o);
+    EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_a"), 1) << o.kernel;
+    check_gemm(s, o, 0.75f, -0.5f, true, fmt::format("{}: {}x19x37 TN", o.kernel, m));
+  }
+  // The batch: both products' blocks packed, each from its own A.
+  const ops::GemmShape s{133, 21, 45, true, false, DType::f32, DType::f32, DType::f32, 2};
+  std::vector<float> a = random_vector(s.batch * s.M * s.K, 51), b = random_vector(s.batch * s.K * s.N, 52);
+  std::vector<float> c0(s.batch * s.M * s.N, 0.0f);
+  DeviceTensor da(a, 3), db(b, 5), dc(c0, 9);
+  ops::GemmOptions o = packed_options();
+  o.kernel = "packed RB=6 NV=2 PA=1";
+  DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, o), 4);
+  ops::run_blocking(dev.context.compute(),
+                    ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, dc.span(), scratch.span(), o));
+  expect_near(dc.download(), reference(s, 1.0f, a, b, 0.0f, c0, {}), 2e-6f * s.K + 1e-5f, 1e-4f,
+              "a batch of two 133x21x45 TN, A packed");
 }
 
 // The last panel alone computes every result as the padded panel did (the same products summed in
@@ -817,14 +852,23 @@ TEST(GemmTuning, PackedRowPacksATransposedAWhoseRowsAlias) {
   // Results where large shapes run: a simulator (Oclgrind) would take minutes over these products.
   const bool check_results = !too_large_for_this_run(aliased.M * aliased.N * aliased.K);
   if (check_results) check_gemm(aliased, {}, 1.0f, 0.5f, true, desc);
+  // Rows a multiple of 256 floats apart alias too, from K = 768 on.
   for (const ops::GemmShape s :
-       {ops::GemmShape{768, 256, 2048, true, false}, ops::GemmShape{256, 256, 2048, true, false},
-        ops::GemmShape{512, 256, 2048, false, false}, ops::GemmShape{512, 256, 1024, true, false},
-        ops::GemmShape{512, 240, 2048, true, false}}) {
+       {ops::GemmShape{768, 256, 1024, true, false}, ops::GemmShape{1536, 256, 768, true, false}}) {
+    desc = ops::gemm_kernel_description(dev.env, s);
+    EXPECT_NE(desc.find("PA=1"), std::string::npos) << s.M << "x" << s.N << "x" << s.K << " " << desc;
+  }
+  for (const ops::GemmShape s :
+       {ops::GemmShape{1000, 256, 2048, true, false}, ops::GemmShape{256, 256, 2048, true, false},
+        ops::GemmShape{512, 256, 2048, false, false}, ops::GemmShape{512, 256, 512, true, false},
+        ops::GemmShape{512, 240, 2048, true, false}, ops::GemmShape{640, 256, 2048, true, false}}) {
     desc = ops::gemm_kernel_description(dev.env, s);
     EXPECT_NE(desc.find("PA=0"), std::string::npos) << s.M << "x" << s.N << "x" << s.K << " " << desc;
   }
-  if (check_results) check_gemm({768, 256, 2048, true, false}, {}, 1.0f, 0.5f, true, "768 TN, A read in place");
+  if (check_results) {
+    check_gemm({768, 256, 1024, true, false}, {}, 1.0f, 0.5f, true, "768 TN, A packed");
+    check_gemm({1000, 256, 2048, true, false}, {}, 1.0f, 0.5f, true, "1000 TN, A read in place");
+  }
   ops::GemmOptions named;
   named.kernel = "packed RB=4 NV=1";
   desc = ops::gemm_kernel_description(dev.env, aliased, named);

@@ -13,7 +13,8 @@
 // with fewer vectors and reading the panels as packed (NB_LAYOUT), from panel `panel0`. With
 // OWN_PANEL (a transposed B, ops/gemm.cpp `own_panel`) there is no gemm_pack_b launch: gemm_packed
 // runs one work-item per panel (dimension 0 is 1), which packs its panel from `b` into the usual
-// place and then computes every row block against it.
+// place and then computes every row block against it; with OWN_TAIL its work-items also pack the
+// panel that the narrower launch after it reads.
 // A strided batch (GemmShape::batch) runs in the same launches: product z of the batch reads A, B
 // and writes C z matrices past their offsets (M K, K N and M N elements), its packed panels follow
 // the previous product's; dimension 2 of both kernels counts the products (times the K splits).
@@ -60,6 +61,9 @@
 #endif
 #if OWN_PANEL && (!TRANS_B || B_PLANES || DIRECT_B)
 #error "OWN_PANEL packs a transposed B in rows (not planes, not read in place)"
+#endif
+#ifndef OWN_TAIL
+#define OWN_TAIL 0  // 1 (with OWN_PANEL): a launch of the last panel alone follows, whose panel this one packs
 #endif
 #ifndef DIRECT_B
 #define DIRECT_B 0  // 1: `packed` is B itself, row-major [K, N] (not packed)
@@ -174,6 +178,18 @@ inline void pack_b_columns16(uint N, uint K, __global const STORAGE(B_NAME)* b, 
 }
 #endif
 
+#if !TRANS_B && !B_PLANES
+// Columns col.. col + 15 of row-major B's row that starts at element `row`, widened where B is
+// narrow (16 at a time where 16 lie in the row), into the 16 floats at dst: zeros past N.
+inline void pack_b_row16(uint N, __global const STORAGE(B_NAME)* b, ulong row, __global float* dst, uint col) {
+  if (col + 16 <= N) {
+    vstore16(LOAD16(B_NAME, b, row + col), 0, dst);
+  } else {
+    for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? LOAD(B_NAME, b, row + col + i) : 0.0f;
+  }
+}
+#endif
+
 // One work-item packs PACK_ROWS k rows of op(B) of product get_global_id(2): all columns, padding
 // included (transposed B: a block of 16 columns, see below).
 __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* packed,
@@ -225,74 +241,92 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
   if (j0 >= n_pad) return;
   pack_b_columns16(N, K, b, b_off, packed + ((ulong)(j0 / NB_LAYOUT) * K) * NB_LAYOUT + j0 % NB_LAYOUT, j0, k0, k_end);
 }
-#elif !B_IS_F32
-  // A narrow B (a weight or an output gradient, read once), widened 16 elements at a time where 16
-  // lie in a row (LOAD16: for f16 the widening is a dozen integer operations an element, done 16
-  // wide), element by element at the edges.
-  for (uint k = k0; k < k_end; ++k) {
-    const ulong src = b_off + (ulong)k * N;
-    for (uint col = 0; col < n_pad; col += 16) {
-      __global float* dst = packed + ((ulong)(col / NB_LAYOUT) * K + k) * NB_LAYOUT + col % NB_LAYOUT;
-      if (col + 16 <= N) {
-        vstore16(LOAD16(B_NAME, b, src + col), 0, dst);
-      } else {
-        for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? LOAD(B_NAME, b, src + col + i) : 0.0f;
-      }
-    }
-  }
-}
 #else
-  b += b_off;
   for (uint k = k0; k < k_end; ++k) {
-    __global const float* src = b + (ulong)k * N;
     for (uint col = 0; col < n_pad; col += 16) {
-      __global float* dst = packed + ((ulong)(col / NB_LAYOUT) * K + k) * NB_LAYOUT + col % NB_LAYOUT;
-      if (col + 16 <= N) {
-        vstore16(vload16(0, src + col), 0, dst);
-      } else {
-        for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? src[col + i] : 0.0f;
-      }
+      pack_b_row16(N, b, b_off + (ulong)k * N, packed + ((ulong)(col / NB_LAYOUT) * K + k) * NB_LAYOUT + col % NB_LAYOUT,
+                   col);
     }
   }
 }
 #endif  // B_PLANES, TRANS_B, B_IS_F32
 
-// k columns of op(A) one gemm_pack_a work-item copies.
+// k columns of op(A) one gemm_pack_a work-item copies of a row-major A.
 #define PACK_A_COLS 128
+// A transposed A ([K, M]): a work-item copies PACK_A_TK k rows of PACK_A_GROUP row blocks (about
+// 128 values of each row). ops/gemm.cpp's pack_a_launch sizes its launch by both.
+#define PACK_A_TK 8
+#define PACK_A_GROUP (128 / RB)
 
-// One work-item packs PACK_A_COLS k columns of row block get_global_id(0) of product
-// get_global_id(2): packed row k of the block holds op(A)(block RB + r, k) for r < RB, rows past M
-// repeating row M - 1 (their results are never stored). The binding packs a transposed f32 A and
-// any f16 A (ops/gemm.cpp, fit_packed); the kernel still builds in every program of this file,
-// where it may never be launched.
+// RB floats from src to dst in vector moves where RB is a sum of a few vector widths (element by
+// element the transposed pack ran at 1.5 floats a cycle).
+#if RB == 16
+#define COPY_RB(dst, src) vstore16(vload16(0, src), 0, dst)
+#elif RB == 12
+#define COPY_RB(dst, src) (vstore8(vload8(0, src), 0, dst), vstore4(vload4(0, (src) + 8), 0, (dst) + 8))
+#elif RB == 8
+#define COPY_RB(dst, src) vstore8(vload8(0, src), 0, dst)
+#elif RB == 6
+#define COPY_RB(dst, src) (vstore4(vload4(0, src), 0, dst), vstore2(vload2(0, (src) + 4), 0, (dst) + 4))
+#elif RB == 4
+#define COPY_RB(dst, src) vstore4(vload4(0, src), 0, dst)
+#else
+#define COPY_RB(dst, src)                              \
+  {                                                    \
+    for (uint r_ = 0; r_ < RB; ++r_) (dst)[r_] = (src)[r_]; \
+  }
+#endif
+
+// Packed row k of a row block holds op(A)(block RB + r, k) for r < RB, rows past M repeating row
+// M - 1 (their results are never stored). The binding packs a transposed f32 A and any f16 A
+// (ops/gemm.cpp, fit_packed); the kernel still builds in every program of this file, where it may
+// never be launched. Dimension 2 counts the products of a batch.
 __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulong a_off, __global float* packed,
                           ulong packed_off) {
-  const uint block = get_global_id(0);
-  const uint k0 = get_global_id(1) * PACK_A_COLS, k_end = min(k0 + PACK_A_COLS, K);
   const ulong product = get_global_id(2);
   const uint blocks = (M + RB - 1) / RB;
   a_off += product * ((ulong)M * K);
-  __global float* dst = packed + packed_off + (product * blocks + block) * ((ulong)K * RB);
+  packed += packed_off + product * blocks * ((ulong)K * RB);
 #if TRANS_A
-  // A stored [K, M]: the block's RB values of one k are contiguous. A narrow A's are widened 16 at
-  // once where 16 values from the block's first lie in the row (RB <= 16; the rest are not used).
-  for (uint k = k0; k < k_end; ++k) {
-    const ulong at = a_off + (ulong)k * M + block * RB;
+  // A stored [K, M]: the block's RB values of one k are contiguous, so the work-item's k rows are
+  // read along their length, block after block. One block by 128 k rows a work-item instead read
+  // 128 lines M floats apart, which for M a power of two all fall in one cache set and came again
+  // from memory for the next block: 16 GB/s on the Zen 5 EPYC. PACK_A_TK rows stay within a set's
+  // ways. A narrow A's values are widened 16 at once where 16 from the block's first lie in the row
+  // (RB <= 16; the rest are not used).
+  const uint k0 = get_global_id(1) * PACK_A_TK, k_end = min(k0 + PACK_A_TK, K);
+  const uint first = get_global_id(0) * PACK_A_GROUP, last = min(first + PACK_A_GROUP, blocks);
+  for (uint block = first; block < last; ++block) {
+    __global float* dst = packed + block * ((ulong)K * RB);
+    for (uint k = k0; k < k_end; ++k) {
+      const ulong at = a_off + (ulong)k * M + block * RB;
 #if !A_IS_F32
-    if (block * RB + 16 <= M) {
-      float t[16];
-      vstore16(LOAD16(A_NAME, a, at), 0, t);
-      for (uint r = 0; r < RB; ++r) dst[(ulong)k * RB + r] = t[r];
-      continue;
-    }
+      if (block * RB + 16 <= M) {
+        float t[16];
+        vstore16(LOAD16(A_NAME, a, at), 0, t);
+        for (uint r = 0; r < RB; ++r) dst[(ulong)k * RB + r] = t[r];
+        continue;
+      }
 #endif
-    for (uint r = 0; r < RB; ++r) {
-      dst[(ulong)k * RB + r] = LOAD(A_NAME, a, a_off + (ulong)k * M + min(block * RB + r, M - 1));
+      if (block * RB + RB <= M) {
+#if A_IS_F32
+        COPY_RB(dst + (ulong)k * RB, a + at);
+#else
+        for (uint r = 0; r < RB; ++r) dst[(ulong)k * RB + r] = LOAD(A_NAME, a, at + r);
+#endif
+      } else {
+        for (uint r = 0; r < RB; ++r) {
+          dst[(ulong)k * RB + r] = LOAD(A_NAME, a, a_off + (ulong)k * M + min(block * RB + r, M - 1));
+        }
+      }
     }
   }
 #else
-  // A stored [M, K]: 16 k of each of the block's rows read and widened at once, then written as one
-  // contiguous run of 16 RB floats.
+  // A stored [M, K], a work-item PACK_A_COLS k of one block: 16 k of each of the block's rows read
+  // and widened at once, then written as one contiguous run of 16 RB floats.
+  const uint block = get_global_id(0);
+  const uint k0 = get_global_id(1) * PACK_A_COLS, k_end = min(k0 + PACK_A_COLS, K);
+  __global float* dst = packed + block * ((ulong)K * RB);
   uint k = k0;
   for (; k + 16 <= k_end; k += 16) {
     float t[RB][16];
@@ -558,6 +592,19 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     pack_b_columns16(N, K, b, b_off + product * ((ulong)K * N),
                      (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j, k_begin, k_end);
   }
+#if OWN_TAIL
+  {
+    // The panel after this launch's, which the next launch (built narrower) reads packed: every
+    // work-item of the split packs an equal share of its k rows.
+    const uint items = get_global_size(1), tail = panel0 + items;
+    const uint share = (k_end - k_begin + items - 1) / items;
+    const uint k_lo = min(k_end, k_begin + (panel - panel0) * share), k_hi = min(k_end, k_lo + share);
+    __global float* tail_panel = (__global float*)panel_rows + ((ulong)(tail - panel) * K - k_begin) * NB_LAYOUT;
+    for (uint j = 0; tail * NB_LAYOUT + j < N; j += 16) {
+      pack_b_columns16(N, K, b, b_off + product * ((ulong)K * N), tail_panel + j, tail * NB_LAYOUT + j, k_lo, k_hi);
+    }
+  }
+#endif
   for (block = 0; block < (M + RB - 1) / RB; ++block) {
     const uint row0 = block * RB;
 #if PA
