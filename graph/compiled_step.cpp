@@ -112,16 +112,51 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerConfig& optimizer, ops::O
   done("lower");
 }
 
+void CompiledStep::allocate_host_pool(const cl::Context& context, const offload::HomeStoreOptions& homes, bool first) {
+  const offload::HostMemory pool_memory = host_pool_memory(graph_, plan_, homes.host_memory, context.device());
+  // Variants never run at the same time (graph/compiled_step.hpp, PersistentArena): a later one
+  // packs its pool into the first's buffers (MemoryPlan::shared_host_buffers), as large as it needs
+  // by plan, unless its pool must be of another kind (pinned where the first's is pageable).
+  PersistentArena& arena = *persistent_;
+  const bool share =
+      !first && arena.host_step_memory == pool_memory && plan_.shared_host_buffers <= arena.host_step_buffers.size();
+  for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
+    if (share && b < plan_.shared_host_buffers) {
+      if (arena.host_step_buffers[b]->bytes() < plan_.host_transient_buffers[b]) {
+        throw std::logic_error(fmt::format("a variant's host buffer {} needs {} bytes, the model's first has {}", b,
+                                           plan_.host_transient_buffers[b], arena.host_step_buffers[b]->bytes()));
+      }
+      impl_->host_transient.push_back(arena.host_step_buffers[b]);
+      continue;
+    }
+    const bool staging = b >= plan_.host_staging_from;  // what the link copies from: pinned always
+    impl_->host_transient.push_back(std::make_shared<offload::HostBuffer>(offload::allocate_host(
+        context, plan_.host_transient_buffers[b], staging ? offload::HostMemory::pinned : pool_memory,
+        staging ? fmt::format("pinned staging buffer {} of the step's transfers", b)
+                : fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b))));
+    impl_->host_own_bytes += plan_.host_transient_buffers[b];
+  }
+  if (first) {
+    arena.host_step_buffers.assign(impl_->host_transient.begin(),
+                                   impl_->host_transient.begin() + plan_.host_staging_from);
+    arena.host_step_buffer_bytes.assign(plan_.host_transient_buffers.begin(),
+                                        plan_.host_transient_buffers.begin() + plan_.host_staging_from);
+    arena.host_step_memory = pool_memory;
+  }
+}
+
 // The persistent arena (a store per home in use, unless a variant shares its model's), the step
 // buffers, and the host buffers of step tensors whose home is the host.
 void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
                             const offload::HomeStoreOptions& homes) {
   auto& t = graph_.tensors;
+  const bool first_variant = shared == nullptr;
   // 2. Arena buffers.
   if (shared) {
     persistent_ = std::move(shared);
   } else {
-    persistent_ = planned_arena(graph_, plan_, residency_.mode);
+    persistent_ = planned_arena(graph_, plan_, residency_.mode,
+                                host_pool_memory(graph_, plan_, homes.host_memory, context.device()));
     // A store per home in use, with the buffers the memory plan packed that home's tensors into;
     // every tensor of each home, for stores that keep tensors apart (compressed, dropped), and the
     // first one, for errors.
@@ -155,17 +190,10 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
     persistent_->step_buffers = impl_->transient;
     persistent_->step_buffer_bytes = plan_.transient_buffers;
   }
-  const offload::HostMemory pool_memory = host_pool_memory(graph_, plan_, homes.host_memory, context.device());
-  for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
-    const bool staging = b >= plan_.host_staging_from;  // what the link copies from: pinned always
-    impl_->host_transient.push_back(offload::allocate_host(
-        context, plan_.host_transient_buffers[b], staging ? offload::HostMemory::pinned : pool_memory,
-        staging ? fmt::format("pinned staging buffer {} of the step's transfers", b)
-                : fmt::format("host buffer {} of step tensors (batch mirrors, weight gradients)", b)));
-  }
+  allocate_host_pool(context, homes, first_variant);
   if (plan_.fetch_ring_chunk_bytes > 0) {
     impl_->fetch_ring = std::make_unique<offload::FetchRing>(
-        static_cast<std::byte*>(impl_->host_transient.back().data()), plan_.fetch_ring_chunk_bytes,
+        static_cast<std::byte*>(impl_->host_transient.back()->data()), plan_.fetch_ring_chunk_bytes,
         offload::FetchRing::default_slots, offload::FetchRing::filling_for(context.device().facts()));
   }
 
@@ -193,7 +221,7 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   // source when the copy was enqueued, which for the next step would be before this one's
   // write-backs had landed (graph/passes/staging.cpp stages such fetches within a step).
   const bool homes_pageable = !offload::is_pinned(offload::resolve_host_memory(homes.host_memory, context.device()));
-  const bool pool_pageable = !offload::is_pinned(pool_memory);
+  const bool pool_pageable = !offload::is_pinned(host_pool_memory(graph_, plan_, homes.host_memory, context.device()));
   impl_->fetches_pageable = fetches_from_pageable(graph_, plan_, homes_pageable, pool_pageable);
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) impl_->one_pass = false;
@@ -442,7 +470,7 @@ std::byte* CompiledStep::host_address(TensorId id, bool next, int slot) const {
     return next ? store.next({p.buffer, p.offset_bytes}) : store.current({p.buffer, p.offset_bytes});
   }
   if (plan_.pool[s] == Pool::host_transient) {
-    return static_cast<std::byte*>(impl_->host_transient.at(p.buffer).data()) + p.offset_bytes;
+    return static_cast<std::byte*>(impl_->host_transient.at(p.buffer)->data()) + p.offset_bytes;
   }
   throw std::logic_error(fmt::format("tensor '{}' has no host memory", graph_.tensors.name[id]));
 }
@@ -454,7 +482,7 @@ ops::DeviceSpan CompiledStep::span(TensorId id) const {
     return {persistent_->store(graph_.tensors.home[s]).device_buffer(p.buffer), p.offset_bytes};
   }
   if (plan_.pool[s] == Pool::host_transient) {
-    const offload::HostBuffer& b = impl_->host_transient.at(p.buffer);
+    const offload::HostBuffer& b = *impl_->host_transient.at(p.buffer);
     if (!b.pinned()) {  // host_pool_memory keeps the pool pinned when a kernel addresses it
       throw std::logic_error(
           fmt::format("tensor '{}' is in pageable host memory, which kernels cannot address", graph_.tensors.name[id]));
@@ -529,7 +557,7 @@ std::uint64_t run_ahead_mirror_bytes(const Graph& g, const MemoryPlan& plan, con
 }
 
 std::uint64_t CompiledStep::host_bytes() const noexcept {
-  std::uint64_t bytes = plan_.host_transient_bytes;
+  std::uint64_t bytes = impl_->host_own_bytes;
   for (const auto& slot : impl_->extra_mirrors) {
     for (const auto& b : slot) bytes += b.bytes();
   }
@@ -550,6 +578,7 @@ std::span<std::byte> CompiledStep::host_input(std::string_view name) const {
     throw std::invalid_argument(
         fmt::format("this step has no batch tensor '{}'; it uploads: {}", name, names_of(impl_->uploads)));
   }
+  if (plan_.shared_host_buffers > 0 && persistent_->deferred_owner != this) persistent_->settle_deferred();
   return {host_address(it->second, false, static_cast<int>(impl_->next)), graph_.tensors.bytes(it->second)};
 }
 

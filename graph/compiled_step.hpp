@@ -43,6 +43,7 @@
 #include "ferry/graph/ir.hpp"
 #include "ferry/graph/residency.hpp"
 #include "ferry/graph/step_report.hpp"
+#include "ferry/offload/host_memory.hpp"
 #include "ferry/ops/launch.hpp"
 #include "graph/autodiff.hpp"
 #include "graph/memory_plan.hpp"
@@ -70,6 +71,13 @@ struct PersistentArena {
   // time, so they share device memory instead of adding to it.
   std::vector<cl::Mem> step_buffers;
   std::vector<std::uint64_t> step_buffer_bytes;
+  // The same for the host pool of its step tensors (batch mirrors, weight gradients; not the
+  // pinned staging): later variants whose pool is of the same kind pack theirs into these first.
+  // With gradient accumulation the micro-batch step and the update step each held a pool as large
+  // as the weight gradients: host memory 1.4-1.5x the training state instead of 1.0-1.25x.
+  std::vector<std::shared_ptr<offload::HostBuffer>> host_step_buffers;
+  std::vector<std::uint64_t> host_step_buffer_bytes;
+  offload::HostMemory host_step_memory = offload::HostMemory::pinned;
 
   std::optional<Entry> find(const std::string& name) const;
   // The store of `home`; throws std::logic_error if no tensor lives there.
@@ -160,6 +168,8 @@ class CompiledStep {
   // The host staging of batch tensor `name` (Builder::input) that its upload node copies from:
   // fill it before run() or submit() (with a step in flight, this is the other slot's mirror: the
   // in-flight step's batch is not touched). Throws std::invalid_argument naming the batch tensors there are.
+  // In a variant that shares the first's host pool (PersistentArena::host_step_buffers), the
+  // first's deferred host updates are applied before: they read gradients the batch would overwrite.
   std::span<std::byte> host_input(std::string_view name) const;
   template <class T>
   std::span<T> host_input_as(std::string_view name) const {
@@ -168,7 +178,8 @@ class CompiledStep {
   }
   std::vector<std::string> host_input_names() const;
   // A result filled by its download node when run() or wait() returns (the step last waited for): an output
-  // (Builder::output) or a loss's stats ("loss.stats"). Throws std::invalid_argument naming the results there are.
+  // (Builder::output) or a loss's stats ("loss.stats"), until another variant of the model runs a
+  // step (it may share the host pool). Throws std::invalid_argument naming the results there are.
   std::span<const std::byte> host_output(std::string_view name) const;
   // The loss's stats (element 0: the loss; softmax_xent adds the argmax-hit count); nullptr in
   // a graph without a loss (prediction).
@@ -223,10 +234,12 @@ class CompiledStep {
   }
   const ResidencyReport& residency() const noexcept { return residency_; }
   // Host bytes of step-lifetime tensors kept on the host (mapped mode: weight gradients; the
-  // host optimizer's gradients; staging).
+  // host optimizer's gradients; staging), the buffers it shares with the model's first variant
+  // included.
   std::uint64_t host_step_bytes() const noexcept { return plan_.host_transient_bytes; }
-  // All host memory the step holds: its host pool and, when it runs ahead, the other slots'
-  // batch mirrors (run_ahead_mirror_bytes).
+  // All host memory the step holds itself: its host pool but the buffers it shares with the
+  // model's first variant (PersistentArena::host_step_buffers) and, when it runs ahead, the other
+  // slots' batch mirrors (run_ahead_mirror_bytes).
   std::uint64_t host_bytes() const noexcept;
   // After a run that succeeded: whether an optimizer update (on the device or the host) made a
   // weight not finite. Read from one status word the step downloads with its last command, so
@@ -268,6 +281,10 @@ class CompiledStep {
   // The device passes after the planning ones (graph/step_plan.hpp), in order.
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,
                 const offload::HomeStoreOptions& homes);
+  // The host pool of step tensors: the model's first variant's buffers where the plan packed into
+  // them and the kinds agree, the rest (and the pinned staging) allocated here.
+  // `first`: this step made the arena (the model's first variant), whose host buffers it records.
+  void allocate_host_pool(const cl::Context& context, const offload::HomeStoreOptions& homes, bool first);
   void bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool bind_kernels);
   void bind_nodes(const struct TensorLocator& at, ops::OpEnv& env, const OptimizerConfig& optimizer);
   void lower(const cl::Context& context, bool serial);

@@ -118,7 +118,10 @@ struct CompiledStep::Impl {
   std::vector<cl::Mem> transient;
   // The plan's host pool: batch mirrors, spilled weight gradients, staging; in mapped mode weight
   // gradients that kernels address (then always pinned).
-  std::vector<offload::HostBuffer> host_transient;
+  // Shared with the model's other variants where the plan packed into theirs
+  // (PersistentArena::host_step_buffers); host_own_bytes: the bytes of the ones this step allocated.
+  std::vector<std::shared_ptr<offload::HostBuffer>> host_transient;
+  std::uint64_t host_own_bytes = 0;
   // Chunked fetches' ring, over the plan's last pinned staging buffer (MemoryPlan::fetch_ring_chunk_bytes).
   std::unique_ptr<offload::FetchRing> fetch_ring;
   // The batch mirrors of host mirror slots 1.. (slot 0's live in host_transient, from the plan):

@@ -408,7 +408,15 @@ void add_buffer_totals(MemoryPlan& plan, const std::vector<BumpPacker>& persiste
   plan.host_transient_buffers = host.sizes;
   plan.host_staging_from = host.sizes.size();
   plan.host_transient_buffers.insert(plan.host_transient_buffers.end(), staging.sizes.begin(), staging.sizes.end());
-  for (auto b : plan.host_transient_buffers) plan.host_transient_bytes += b;
+  plan.shared_host_buffers = std::min(options.existing_host_buffers.size(), host.sizes.size());
+  for (std::size_t b = 0; b < plan.host_transient_buffers.size(); ++b) {
+    if (b < plan.shared_host_buffers) {
+      plan.host_transient_buffers[b] = std::max(plan.host_transient_buffers[b], options.existing_host_buffers[b]);
+    } else {
+      plan.new_host_transient_bytes += plan.host_transient_buffers[b];
+    }
+    plan.host_transient_bytes += plan.host_transient_buffers[b];
+  }
   for (auto b : staging.sizes) plan.host_staging_bytes += b;
   plan.staging_on_device = options.staging_on_device;
   for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {
@@ -471,7 +479,8 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   }
   const PoolResult transient_plan =
       plan_pool(transient, n.size(), options.max_buffer_bytes, options.existing_transient_buffers);
-  const PoolResult host_plan = plan_pool(host_transient, n.size(), options.max_buffer_bytes, {});
+  const PoolResult host_plan =
+      plan_pool(host_transient, n.size(), options.max_buffer_bytes, options.existing_host_buffers);
   PoolResult staging_plan = plan_pool(staging, n.size(), options.max_buffer_bytes, {});
   // The chunked fetches' ring: a pinned buffer of its own after the staging tensors' (one fetch at
   // a time uses it, whatever the node order, so it is not packed by liveness).

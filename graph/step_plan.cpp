@@ -34,6 +34,7 @@ StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, cons
   mopt.plan_persistent = shared == nullptr;
   if (shared) {
     mopt.existing_transient_buffers = shared->step_buffer_bytes;
+    mopt.existing_host_buffers = shared->host_step_buffer_bytes;
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
       auto e = shared->find(t.name[id]);
@@ -59,7 +60,8 @@ StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, cons
   return out;
 }
 
-std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan& plan, ResidencyMode mode) {
+std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan& plan, ResidencyMode mode,
+                                               offload::HostMemory host_pool) {
   auto arena = std::make_shared<PersistentArena>();
   arena->mode = mode;
   const auto& t = g.tensors;
@@ -68,6 +70,9 @@ std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan&
     arena->placements.emplace(t.name[id], PersistentArena::Entry{t.home[id], t.placement[id], t.bytes(id)});
   }
   arena->step_buffer_bytes = plan.transient_buffers;
+  arena->host_step_buffer_bytes.assign(plan.host_transient_buffers.begin(),
+                                       plan.host_transient_buffers.begin() + plan.host_staging_from);
+  arena->host_step_memory = host_pool;
   return arena;
 }
 

@@ -28,9 +28,11 @@ StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, cons
                    const ResidencyOptions& residency);
 
 // What a CompiledStep of the planned graph `g` records in its persistent arena (the mode, every
-// persistent tensor's home and placement, the step buffer sizes), without any home store: nothing
-// is allocated. The `shared` argument of plan_step for the model's other variants, and what
-// CompiledStep adds its stores and buffers to.
-std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan& plan, ResidencyMode mode);
+// persistent tensor's home and placement, the device and host step buffer sizes and the host
+// pool's kind `host_pool`, host_pool_memory), without any home store: nothing is allocated. The
+// `shared` argument of plan_step for the model's other variants, and what CompiledStep adds its
+// stores and buffers to.
+std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan& plan, ResidencyMode mode,
+                                               offload::HostMemory host_pool);
 
 }  // namespace ferry::graph

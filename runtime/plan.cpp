@@ -184,20 +184,34 @@ graph::NodeId device_update_tail(const graph::Graph& g) {
   return first_update > last_backward ? first_update : g.nodes.size();
 }
 
+// The host bytes a variant's pool of step tensors adds (graph::CompiledStep::allocate_host_pool):
+// what it needs beyond the training step's buffers (`arena`'s), which it packs first, or all of it
+// where its pool is of another kind (or it is the training step: no arena).
+std::uint64_t new_host_pool_bytes(const graph::Graph& g, const graph::MemoryPlan& m,
+                                  const graph::PersistentArena* arena, const offload::HomeStoreOptions& homes,
+                                  const cl::DeviceInfo& device) {
+  if (arena == nullptr || graph::host_pool_memory(g, m, homes.host_memory, device) != arena->host_step_memory) {
+    return m.host_transient_bytes;
+  }
+  return m.new_host_transient_bytes;
+}
+
 // The per-step figures of one planned variant (everything but the device breakdown). On a CPU
 // device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
 // the same cores, so their times add up instead of overlapping.
 void count_step(const graph::Graph& g, const graph::StepPlan& planned, const PlanRates& rates,
-                const cl::DeviceInfo& device, int ranks, const offload::HomeStoreOptions& homes, PhasePlan& p) {
+                const cl::DeviceInfo& device, int ranks, const offload::HomeStoreOptions& homes,
+                const graph::PersistentArena* arena, PhasePlan& p) {
   const bool shares_host_cores = device.is_cpu();
   const std::uint32_t pinned_copies = homes.pinned_copies;
   p.nodes = g.nodes.size();
   // The device's updates wait for the step's verdict when the first comes after the backward's last node: from
   // there on, what they fetch and write back and their kernels follow the backward instead of overlapping it.
   const graph::NodeId tail_start = device_update_tail(g);
-  // The step's host pool, and the other slot's batch mirrors where it runs ahead.
-  p.host_step_bytes =
-      planned.memory.host_transient_bytes + graph::run_ahead_mirror_bytes(g, planned.memory, homes, device);
+  // The step's host pool (what it adds to the training step's), and the other slot's batch mirrors
+  // where it runs ahead.
+  p.host_step_bytes = new_host_pool_bytes(g, planned.memory, arena, homes, device) +
+                      graph::run_ahead_mirror_bytes(g, planned.memory, homes, device);
   p.pinned_staging_bytes = planned.memory.host_staging_bytes;
   p.fetch_bytes = planned.residency.fetch_bytes;
   p.write_back_bytes = planned.residency.write_back_bytes;
@@ -316,18 +330,20 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     PhasePlan p;
     p.name = options.phases.hybrid ? "warmup/full/correct" : "full";
     p.device = device_breakdown(training, train_plan.memory, training, persistent_device);
-    count_step(training, train_plan, rates, runtime.device(), ranks, residency.homes, p);
+    count_step(training, train_plan, rates, runtime.device(), ranks, residency.homes, nullptr, p);
     out.phases.push_back(std::move(p));
   }
   if (training_step_only) return out;
-  const auto arena = graph::planned_arena(training, train_plan.memory, train_plan.residency.mode);
+  const auto arena = graph::planned_arena(
+      training, train_plan.memory, train_plan.residency.mode,
+      graph::host_pool_memory(training, train_plan.memory, residency.homes.host_memory, runtime.device()));
   for (const auto& v : detail::upfront_variants(options)) {
     graph::Graph g = build(v.key);
     const graph::StepPlan planned = graph::plan_step(g, runtime.env(), runtime.device(), arena.get(), residency);
     PhasePlan p;
     p.name = v.phase;
     p.device = device_breakdown(g, planned.memory, training, persistent_device);
-    count_step(g, planned, rates, runtime.device(), ranks, residency.homes, p);
+    count_step(g, planned, rates, runtime.device(), ranks, residency.homes, arena.get(), p);
     out.phases.push_back(std::move(p));
   }
 
@@ -353,7 +369,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
   for (std::uint32_t count = options.batch; count > 0; count /= 2) {
     graph::Graph g = build(detail::evaluation_key(options, count));
     const graph::StepPlan planned = graph::plan_step(g, runtime.env(), runtime.device(), arena.get(), residency);
-    out.host_eval_bytes += planned.memory.host_transient_bytes +
+    out.host_eval_bytes += new_host_pool_bytes(g, planned.memory, arena.get(), residency.homes, runtime.device()) +
                            graph::run_ahead_mirror_bytes(g, planned.memory, residency.homes, runtime.device());
   }
   if (options.phases.hybrid) {
