@@ -116,20 +116,34 @@ void CompiledStep::allocate_host_pool(const cl::Context& context, const offload:
   const offload::HostMemory pool_memory = host_pool_memory(graph_, plan_, homes.host_memory, context.device());
   // Variants never run at the same time (graph/compiled_step.hpp, PersistentArena): a later one
   // packs its pool into the first's buffers (MemoryPlan::shared_host_buffers), as large as it needs
-  // by plan, unless its pool must be of another kind (pinned where the first's is pageable).
+  // by plan, unless its pool must be of another kind (pinned where the first's is pageable); its
+  // staging and fetch ring likewise (pinned always).
   PersistentArena& arena = *persistent_;
-  const bool share =
-      !first && arena.host_step_memory == pool_memory && plan_.shared_host_buffers <= arena.host_step_buffers.size();
-  for (std::size_t b = 0; b < plan_.host_transient_buffers.size(); ++b) {
-    if (share && b < plan_.shared_host_buffers) {
-      if (arena.host_step_buffers[b]->bytes() < plan_.host_transient_buffers[b]) {
+  const bool share_pool = !first && arena.host_step_memory == pool_memory;
+  const std::size_t count = plan_.host_transient_buffers.size(), from = plan_.host_staging_from;
+  const bool ring = plan_.fetch_ring_chunk_bytes > 0;
+  const auto existing = [&](std::size_t b) -> std::shared_ptr<offload::HostBuffer> {
+    if (first) return nullptr;
+    if (b < from) {
+      return share_pool && b < plan_.shared_host_buffers && b < arena.host_step_buffers.size()
+                 ? arena.host_step_buffers[b]
+                 : nullptr;
+    }
+    if (ring && b + 1 == count) return plan_.shared_fetch_ring ? arena.fetch_ring : nullptr;
+    const std::size_t s = b - from;
+    return s < plan_.shared_staging_buffers && s < arena.host_staging_buffers.size() ? arena.host_staging_buffers[s]
+                                                                                     : nullptr;
+  };
+  for (std::size_t b = 0; b < count; ++b) {
+    if (std::shared_ptr<offload::HostBuffer> shared = existing(b)) {
+      if (shared->bytes() < plan_.host_transient_buffers[b]) {
         throw std::logic_error(fmt::format("a variant's host buffer {} needs {} bytes, the model's first has {}", b,
-                                           plan_.host_transient_buffers[b], arena.host_step_buffers[b]->bytes()));
+                                           plan_.host_transient_buffers[b], shared->bytes()));
       }
-      impl_->host_transient.push_back(arena.host_step_buffers[b]);
+      impl_->host_transient.push_back(std::move(shared));
       continue;
     }
-    const bool staging = b >= plan_.host_staging_from;  // what the link copies from: pinned always
+    const bool staging = b >= from;  // what the link copies from: pinned always
     impl_->host_transient.push_back(std::make_shared<offload::HostBuffer>(offload::allocate_host(
         context, plan_.host_transient_buffers[b], staging ? offload::HostMemory::pinned : pool_memory,
         staging ? fmt::format("pinned staging buffer {} of the step's transfers", b)
@@ -137,11 +151,16 @@ void CompiledStep::allocate_host_pool(const cl::Context& context, const offload:
     impl_->host_own_bytes += plan_.host_transient_buffers[b];
   }
   if (first) {
-    arena.host_step_buffers.assign(impl_->host_transient.begin(),
-                                   impl_->host_transient.begin() + plan_.host_staging_from);
-    arena.host_step_buffer_bytes.assign(plan_.host_transient_buffers.begin(),
-                                        plan_.host_transient_buffers.begin() + plan_.host_staging_from);
+    const auto& bufs = impl_->host_transient;
+    const auto& sizes = plan_.host_transient_buffers;
+    const std::size_t staging_end = count - (ring ? 1 : 0);
+    arena.host_step_buffers.assign(bufs.begin(), bufs.begin() + from);
+    arena.host_step_buffer_bytes.assign(sizes.begin(), sizes.begin() + from);
     arena.host_step_memory = pool_memory;
+    arena.host_staging_buffers.assign(bufs.begin() + from, bufs.begin() + staging_end);
+    arena.host_staging_buffer_bytes.assign(sizes.begin() + from, sizes.begin() + staging_end);
+    arena.fetch_ring = ring ? bufs.back() : nullptr;
+    arena.fetch_ring_bytes = ring ? sizes.back() : 0;
   }
 }
 
@@ -578,7 +597,7 @@ std::span<std::byte> CompiledStep::host_input(std::string_view name) const {
     throw std::invalid_argument(
         fmt::format("this step has no batch tensor '{}'; it uploads: {}", name, names_of(impl_->uploads)));
   }
-  if (plan_.shared_host_buffers > 0 && persistent_->deferred_owner != this) persistent_->settle_deferred();
+  if (persistent_->deferred_owner != this) persistent_->settle_deferred();
   return {host_address(it->second, false, static_cast<int>(impl_->next)), graph_.tensors.bytes(it->second)};
 }
 

@@ -78,6 +78,13 @@ struct PersistentArena {
   std::vector<std::shared_ptr<offload::HostBuffer>> host_step_buffers;
   std::vector<std::uint64_t> host_step_buffer_bytes;
   offload::HostMemory host_step_memory = offload::HostMemory::pinned;
+  // Its pinned staging buffers and chunked fetches' ring, shared the same way (pinned always):
+  // where the driver backs pinned memory with device memory (NVIDIA), each variant's own ring of
+  // four chunks counted on the device beside the planned peak.
+  std::vector<std::shared_ptr<offload::HostBuffer>> host_staging_buffers;
+  std::vector<std::uint64_t> host_staging_buffer_bytes;
+  std::shared_ptr<offload::HostBuffer> fetch_ring;
+  std::uint64_t fetch_ring_bytes = 0;
 
   std::optional<Entry> find(const std::string& name) const;
   // The store of `home`; throws std::logic_error if no tensor lives there.

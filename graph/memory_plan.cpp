@@ -409,15 +409,28 @@ void add_buffer_totals(MemoryPlan& plan, const std::vector<BumpPacker>& persiste
   plan.host_staging_from = host.sizes.size();
   plan.host_transient_buffers.insert(plan.host_transient_buffers.end(), staging.sizes.begin(), staging.sizes.end());
   plan.shared_host_buffers = std::min(options.existing_host_buffers.size(), host.sizes.size());
+  const std::size_t staging_count = staging.sizes.size() - (plan.fetch_ring_chunk_bytes > 0 ? 1 : 0);
+  plan.shared_staging_buffers = std::min(options.existing_staging_buffers.size(), staging_count);
   for (std::size_t b = 0; b < plan.host_transient_buffers.size(); ++b) {
-    if (b < plan.shared_host_buffers) {
-      plan.host_transient_buffers[b] = std::max(plan.host_transient_buffers[b], options.existing_host_buffers[b]);
-    } else {
-      plan.new_host_transient_bytes += plan.host_transient_buffers[b];
+    std::uint64_t& size = plan.host_transient_buffers[b];
+    const bool in_staging = b >= plan.host_staging_from;
+    const std::size_t s = b - plan.host_staging_from;  // index among the staging buffers
+    bool shared = false;
+    if (!in_staging && b < plan.shared_host_buffers) {
+      size = std::max(size, options.existing_host_buffers[b]);
+      shared = true;
+    } else if (in_staging && s < plan.shared_staging_buffers) {
+      size = std::max(size, options.existing_staging_buffers[s]);
+      shared = true;
+    } else if (in_staging && s == staging_count) {
+      shared = plan.shared_fetch_ring;  // the ring, sized above
     }
-    plan.host_transient_bytes += plan.host_transient_buffers[b];
+    plan.host_transient_bytes += size;
+    if (in_staging) plan.host_staging_bytes += size;
+    if (shared) continue;
+    plan.new_host_transient_bytes += size;
+    if (in_staging) plan.new_host_staging_bytes += size;
   }
-  for (auto b : staging.sizes) plan.host_staging_bytes += b;
   plan.staging_on_device = options.staging_on_device;
   for (std::size_t b = 0; b < plan.transient_buffers.size(); ++b) {
     const bool existing = b < options.existing_transient_buffers.size();
@@ -481,7 +494,7 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
       plan_pool(transient, n.size(), options.max_buffer_bytes, options.existing_transient_buffers);
   const PoolResult host_plan =
       plan_pool(host_transient, n.size(), options.max_buffer_bytes, options.existing_host_buffers);
-  PoolResult staging_plan = plan_pool(staging, n.size(), options.max_buffer_bytes, {});
+  PoolResult staging_plan = plan_pool(staging, n.size(), options.max_buffer_bytes, options.existing_staging_buffers);
   // The chunked fetches' ring: a pinned buffer of its own after the staging tensors' (one fetch at
   // a time uses it, whatever the node order, so it is not packed by liveness).
   for (NodeId id = 0; id < n.size(); ++id) {
@@ -490,8 +503,12 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
     plan.fetch_ring_chunk_bytes = std::max(plan.fetch_ring_chunk_bytes, chunk);
   }
   if (plan.fetch_ring_chunk_bytes > 0) {
-    staging_plan.sizes.push_back(
-        align_up(offload::FetchRing::default_slots * plan.fetch_ring_chunk_bytes, options.alignment));
+    // Another variant's ring serves this one too where it is as large (chunked fetches fill a
+    // ring within one step, and variants never run at the same time).
+    const std::uint64_t ring =
+        align_up(offload::FetchRing::default_slots * plan.fetch_ring_chunk_bytes, options.alignment);
+    plan.shared_fetch_ring = options.existing_fetch_ring_bytes > 0;
+    staging_plan.sizes.push_back(std::max(ring, options.existing_fetch_ring_bytes));
   }
   for (std::size_t i = 0; i < transient.ids.size(); ++i) t.placement[transient.ids[i]] = transient_plan.placement[i];
   for (std::size_t i = 0; i < host_transient.ids.size(); ++i) {

@@ -31,8 +31,10 @@ struct MemoryPlanOptions {
   // Step buffers that already exist (another variant's, which never runs at the same time): the
   // transient pool is packed into them first, up to their sizes, before any new buffer.
   std::vector<std::uint64_t> existing_transient_buffers;
-  // The same for the host pool of step tensors (not staging): another variant's host buffers.
-  std::vector<std::uint64_t> existing_host_buffers;
+  // The same for the host pool of step tensors (not staging): another variant's host buffers;
+  // for its pinned staging buffers (not the fetch ring); and its fetch ring's bytes (0: none).
+  std::vector<std::uint64_t> existing_host_buffers, existing_staging_buffers;
+  std::uint64_t existing_fetch_ring_bytes = 0;
   // Pinned staging takes device memory as well (NVIDIA's OpenCL): peak_bytes() counts it.
   bool staging_on_device = false;
 };
@@ -56,11 +58,14 @@ struct MemoryPlan {
   bool staging_on_device = false;  // MemoryPlanOptions::staging_on_device
   // Transient bytes in buffers beyond the existing ones (what this variant adds to the device).
   std::uint64_t new_transient_bytes = 0;
-  // host_transient_buffers[0..shared_host_buffers) are MemoryPlanOptions::existing_host_buffers
-  // (at their sizes or larger); host bytes in the others, staging included (what this variant adds
-  // to the host where it shares the existing ones).
-  std::size_t shared_host_buffers = 0;
-  std::uint64_t new_host_transient_bytes = 0;
+  // host_transient_buffers[0..shared_host_buffers) are MemoryPlanOptions::existing_host_buffers,
+  // [host_staging_from..+shared_staging_buffers) its existing_staging_buffers and, with
+  // shared_fetch_ring, the last its fetch ring (each at the existing size or larger). Host bytes in
+  // the others (what this variant adds to the host where it shares the existing ones), and of
+  // those, the staging's and the ring's.
+  std::size_t shared_host_buffers = 0, shared_staging_buffers = 0;
+  bool shared_fetch_ring = false;
+  std::uint64_t new_host_transient_bytes = 0, new_host_staging_bytes = 0;
   // Sum of the transient tensors' sizes: what the step would need without reuse.
   std::uint64_t transient_unshared_bytes = 0;
   // Bytes of transient tensors live while each node runs (what the memory profiler reports;

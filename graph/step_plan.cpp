@@ -35,6 +35,8 @@ StepPlan plan_step(Graph& g, ops::OpEnv& env, const cl::DeviceInfo& device, cons
   if (shared) {
     mopt.existing_transient_buffers = shared->step_buffer_bytes;
     mopt.existing_host_buffers = shared->host_step_buffer_bytes;
+    mopt.existing_staging_buffers = shared->host_staging_buffer_bytes;
+    mopt.existing_fetch_ring_bytes = shared->fetch_ring_bytes;
     for (TensorId id = 0; id < t.size(); ++id) {
       if (!is_persistent(t.role[id]) || t.alias_of[id] != no_tensor) continue;
       auto e = shared->find(t.name[id]);
@@ -73,6 +75,10 @@ std::shared_ptr<PersistentArena> planned_arena(const Graph& g, const MemoryPlan&
   arena->host_step_buffer_bytes.assign(plan.host_transient_buffers.begin(),
                                        plan.host_transient_buffers.begin() + plan.host_staging_from);
   arena->host_step_memory = host_pool;
+  const bool ring = plan.fetch_ring_chunk_bytes > 0;
+  arena->host_staging_buffer_bytes.assign(plan.host_transient_buffers.begin() + plan.host_staging_from,
+                                          plan.host_transient_buffers.end() - (ring ? 1 : 0));
+  arena->fetch_ring_bytes = ring ? plan.host_transient_buffers.back() : 0;
   return arena;
 }
 

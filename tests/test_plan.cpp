@@ -181,27 +181,42 @@ TEST(Plan, PlannerAgreesWithTheTrainerAccumulatedCompressedState) {
 
 // The micro-batch step packs its host pool of step tensors into the update step's buffers (they
 // never run at the same time): a streamed GPT with accumulation held two pools, each as large as
-// the weight gradients, host memory 1.41x its training state instead of 1.21x. The planner counts
-// what each variant adds.
+// the weight gradients, host memory 1.41x its training state instead of 1.21x. Staged host memory
+// shares the pinned staging and the chunked fetches' ring the same way (on NVIDIA each variant's
+// ring took device memory). The planner counts what each variant adds.
 TEST(Plan, VariantsShareTheTrainingStepsHostPool) {
   Runtime rt;
-  TrainerOptions o;
-  o.batch = 8;
-  o.accumulate = 2;
-  o.residency.mode = graph::ResidencyMode::stream;
-  o.residency.budget_bytes = 64ull << 20;
-  o.residency.host_optimizer = true;  // the weight gradients in the host pool
-  expect_plan_matches_trainer(rt, small_residual(), o);
-  const TrainingPlan plan = plan_training(rt, small_residual(), o);
-  Trainer t(rt, small_residual(), o);
-  const graph::CompiledStep& update = compiled_train_step(t);
-  ASSERT_EQ(compiled_variants(t).size(), 1u);
-  const graph::CompiledStep& micro = *compiled_variants(t).begin()->second;
-  ASSERT_GT(update.host_step_bytes(), 0u);
-  ASSERT_GT(micro.host_step_bytes(), 0u);
-  EXPECT_LT(micro.host_bytes(), micro.host_step_bytes()) << "the micro-batch step's pool is in the update step's";
-  EXPECT_EQ(plan.phases.at(1).host_step_bytes, micro.host_bytes());
-  EXPECT_EQ(t.host_state_bytes(), update.persistent()->host_bytes() + update.host_bytes() + micro.host_bytes());
+  for (const bool staged : {false, true}) {
+    SCOPED_TRACE(staged ? "staged host memory, fetched in chunks" : "pinned host memory");
+    TrainerOptions o;
+    o.batch = 8;
+    o.accumulate = 2;
+    o.residency.mode = graph::ResidencyMode::stream;
+    o.residency.budget_bytes = 64ull << 20;
+    o.residency.host_optimizer = true;  // the weight gradients in the host pool
+    if (staged) {
+      o.residency.homes.host_memory = offload::HostMemory::staged;
+      o.residency.staging_chunk_bytes = 4096;
+      o.residency.staging_min_bytes = 0;
+    }
+    expect_plan_matches_trainer(rt, small_residual(), o);
+    const TrainingPlan plan = plan_training(rt, small_residual(), o);
+    Trainer t(rt, small_residual(), o);
+    const graph::CompiledStep& update = compiled_train_step(t);
+    ASSERT_EQ(compiled_variants(t).size(), 1u);
+    const graph::CompiledStep& micro = *compiled_variants(t).begin()->second;
+    ASSERT_GT(update.host_step_bytes(), 0u);
+    ASSERT_GT(micro.host_step_bytes(), 0u);
+    EXPECT_LT(micro.host_bytes(), micro.host_step_bytes()) << "the micro-batch step's pool is in the update step's";
+    if (staged) {
+      ASSERT_GT(micro.plan().fetch_ring_chunk_bytes, 0u);
+      EXPECT_TRUE(micro.plan().shared_fetch_ring);
+      EXPECT_LE(micro.host_bytes(), micro.host_step_bytes() - micro.plan().host_staging_bytes)
+          << "its staging and fetch ring are the update step's";
+    }
+    EXPECT_EQ(plan.phases.at(1).host_step_bytes, micro.host_bytes());
+    EXPECT_EQ(t.host_state_bytes(), update.persistent()->host_bytes() + update.host_bytes() + micro.host_bytes());
+  }
 }
 
 // `ferry plan --ranks 4 --zero S`: rank 0's step as its trainer builds it, its shares of the
