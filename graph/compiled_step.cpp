@@ -112,14 +112,26 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerConfig& optimizer, ops::O
   done("lower");
 }
 
-void CompiledStep::allocate_host_pool(const cl::Context& context, const offload::HomeStoreOptions& homes, bool first) {
-  const offload::HostMemory pool_memory = host_pool_memory(graph_, plan_, homes.host_memory, context.device());
-  // Variants never run at the same time (graph/compiled_step.hpp, PersistentArena): a later one
-  // packs its pool into the first's buffers (MemoryPlan::shared_host_buffers), as large as it needs
-  // by plan, unless its pool must be of another kind (pinned where the first's is pageable); its
-  // staging and fetch ring likewise (pinned always).
+bool shares_host_pool(const PersistentArena* arena, offload::HostMemory pool_memory) {
+  return arena != nullptr && arena->host_step_memory == pool_memory;
+}
+
+std::uint64_t host_pool_bytes_added(const MemoryPlan& plan, const PersistentArena* arena,
+                                    offload::HostMemory pool_memory) {
+  if (arena == nullptr) return plan.host_transient_bytes;
+  if (!shares_host_pool(arena, pool_memory)) {
+    return plan.host_transient_bytes - plan.host_staging_bytes + plan.new_host_staging_bytes;
+  }
+  return plan.new_host_transient_bytes;
+}
+
+void CompiledStep::allocate_host_pool(const cl::Context& context, offload::HostMemory pool_memory, bool first) {
+  // Variants never run at the same time (PersistentArena): a later one packs its pool into the
+  // first's buffers (MemoryPlan::shared_host_buffers), as large as it needs by plan, where
+  // shares_host_pool says so; its staging and fetch ring likewise (pinned always). The first
+  // variant's arena came from planned_arena, which recorded the sizes and the kind.
   PersistentArena& arena = *persistent_;
-  const bool share_pool = !first && arena.host_step_memory == pool_memory;
+  const bool share_pool = !first && shares_host_pool(&arena, pool_memory);
   const std::size_t count = plan_.host_transient_buffers.size(), from = plan_.host_staging_from;
   const bool ring = plan_.fetch_ring_chunk_bytes > 0;
   const auto existing = [&](std::size_t b) -> std::shared_ptr<offload::HostBuffer> {
@@ -152,15 +164,9 @@ void CompiledStep::allocate_host_pool(const cl::Context& context, const offload:
   }
   if (first) {
     const auto& bufs = impl_->host_transient;
-    const auto& sizes = plan_.host_transient_buffers;
-    const std::size_t staging_end = count - (ring ? 1 : 0);
     arena.host_step_buffers.assign(bufs.begin(), bufs.begin() + from);
-    arena.host_step_buffer_bytes.assign(sizes.begin(), sizes.begin() + from);
-    arena.host_step_memory = pool_memory;
-    arena.host_staging_buffers.assign(bufs.begin() + from, bufs.begin() + staging_end);
-    arena.host_staging_buffer_bytes.assign(sizes.begin() + from, sizes.begin() + staging_end);
+    arena.host_staging_buffers.assign(bufs.begin() + from, bufs.end() - (ring ? 1 : 0));
     arena.fetch_ring = ring ? bufs.back() : nullptr;
-    arena.fetch_ring_bytes = ring ? sizes.back() : 0;
   }
 }
 
@@ -170,12 +176,12 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
                             const offload::HomeStoreOptions& homes) {
   auto& t = graph_.tensors;
   const bool first_variant = shared == nullptr;
+  const offload::HostMemory pool_memory = host_pool_memory(graph_, plan_, homes.host_memory, context.device());
   // 2. Arena buffers.
   if (shared) {
     persistent_ = std::move(shared);
   } else {
-    persistent_ = planned_arena(graph_, plan_, residency_.mode,
-                                host_pool_memory(graph_, plan_, homes.host_memory, context.device()));
+    persistent_ = planned_arena(graph_, plan_, residency_.mode, pool_memory);
     // A store per home in use, with the buffers the memory plan packed that home's tensors into;
     // every tensor of each home, for stores that keep tensors apart (compressed, dropped), and the
     // first one, for errors.
@@ -209,7 +215,7 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
     persistent_->step_buffers = impl_->transient;
     persistent_->step_buffer_bytes = plan_.transient_buffers;
   }
-  allocate_host_pool(context, homes, first_variant);
+  allocate_host_pool(context, pool_memory, first_variant);
   if (plan_.fetch_ring_chunk_bytes > 0) {
     impl_->fetch_ring = std::make_unique<offload::FetchRing>(
         static_cast<std::byte*>(impl_->host_transient.back()->data()), plan_.fetch_ring_chunk_bytes,
@@ -240,7 +246,7 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   // source when the copy was enqueued, which for the next step would be before this one's
   // write-backs had landed (graph/passes/staging.cpp stages such fetches within a step).
   const bool homes_pageable = !offload::is_pinned(offload::resolve_host_memory(homes.host_memory, context.device()));
-  const bool pool_pageable = !offload::is_pinned(host_pool_memory(graph_, plan_, homes.host_memory, context.device()));
+  const bool pool_pageable = !offload::is_pinned(pool_memory);
   impl_->fetches_pageable = fetches_from_pageable(graph_, plan_, homes_pageable, pool_pageable);
   for (NodeId id = 0; id < n.size(); ++id) {
     if (is_host_lane(n.lane[id])) impl_->one_pass = false;

@@ -132,6 +132,15 @@ bool step_runs_ahead(const Graph& g, const MemoryPlan& plan, const offload::Home
 // ahead): what ferry plan and the host budget count beside the plan's host pool.
 std::uint64_t run_ahead_mirror_bytes(const Graph& g, const MemoryPlan& plan, const offload::HomeStoreOptions& homes,
                                      const cl::DeviceInfo& device);
+// Whether a variant whose host pool is of kind `pool_memory` packs it into the buffers of the
+// model's first variant (`arena`'s; nullptr: it is the first): where the kinds agree.
+// CompiledStep::allocate_host_pool shares by this; its staging and fetch ring are shared always.
+bool shares_host_pool(const PersistentArena* arena, offload::HostMemory pool_memory);
+// The host bytes of its plan's host pool a variant allocates itself (CompiledStep::host_bytes but
+// the run-ahead mirrors): all of them for the first variant (no `arena`), else what it needs beyond
+// the first's buffers, its pool in full where it does not share it.
+std::uint64_t host_pool_bytes_added(const MemoryPlan& plan, const PersistentArena* arena,
+                                    offload::HostMemory pool_memory);
 
 struct StepOptions {
   // Where weights and optimizer state live and the device budget (see residency.hpp); a budget
@@ -290,8 +299,9 @@ class CompiledStep {
                 const offload::HomeStoreOptions& homes);
   // The host pool of step tensors: the model's first variant's buffers where the plan packed into
   // them and the kinds agree, the rest (and the pinned staging) allocated here.
-  // `first`: this step made the arena (the model's first variant), whose host buffers it records.
-  void allocate_host_pool(const cl::Context& context, const offload::HomeStoreOptions& homes, bool first);
+  // `first`: this step made the arena (the model's first variant), whose host buffers it records;
+  // `pool_memory`: host_pool_memory of this step.
+  void allocate_host_pool(const cl::Context& context, offload::HostMemory pool_memory, bool first);
   void bind(ops::OpEnv& env, const OptimizerConfig& optimizer, bool bind_kernels);
   void bind_nodes(const struct TensorLocator& at, ops::OpEnv& env, const OptimizerConfig& optimizer);
   void lower(const cl::Context& context, bool serial);

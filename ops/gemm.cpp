@@ -397,10 +397,12 @@ KernelLaunch pack_b_launch(OpEnv& env, const GemmShape& s, std::size_t padded_co
 KernelLaunch pack_a_launch(OpEnv& env, const GemmShape& s, std::size_t rb, const std::string& defines, DeviceSpan a,
                            DeviceSpan scratch, std::uint64_t a_panels_off) {
   cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_a", defines);
-  // Work-items: a row-major A's PACK_A_COLS k columns of one row block; a transposed A's PACK_A_TK
-  // k rows of PACK_A_GROUP row blocks (gemm_packed.cl).
+  // Work-items, as gemm_packed.cl sizes them: a row-major A's PACK_A_COLS k columns of one row
+  // block; a transposed A's PACK_A_TK k rows of PACK_A_GROUP = PACK_A_GROUP_VALUES / RB row blocks.
+  constexpr std::size_t pack_a_cols = 128, pack_a_tk = 8, pack_a_group_values = 128;
   const std::size_t blocks = (s.M + rb - 1) / rb;
-  const std::size_t pack_blocks = s.trans_a ? 128 / rb : 1, pack_k = s.trans_a ? 8 : 128;
+  const std::size_t pack_blocks = s.trans_a ? pack_a_group_values / rb : 1,
+                    pack_k = s.trans_a ? pack_a_tk : pack_a_cols;
   cl::set_args(pack.get(), cl_uint(s.M), cl_uint(s.K), a.buffer, a.elem_offset(dtype_bytes(s.a)), scratch.buffer,
                a_panels_off);
   KernelLaunch l;

@@ -184,18 +184,12 @@ graph::NodeId device_update_tail(const graph::Graph& g) {
   return first_update > last_backward ? first_update : g.nodes.size();
 }
 
-// The host bytes a variant's pool of step tensors adds (graph::CompiledStep::allocate_host_pool):
-// what it needs beyond the training step's buffers (`arena`'s), which it packs first, its pool all
-// of it where that is of another kind, and all of everything for the training step (no arena).
+// The host bytes a variant's pool of step tensors adds (graph::host_pool_bytes_added), its pool's
+// kind from its plan.
 std::uint64_t new_host_pool_bytes(const graph::Graph& g, const graph::MemoryPlan& m,
                                   const graph::PersistentArena* arena, const offload::HomeStoreOptions& homes,
                                   const cl::DeviceInfo& device) {
-  if (arena == nullptr) return m.host_transient_bytes;
-  if (graph::host_pool_memory(g, m, homes.host_memory, device) != arena->host_step_memory) {
-    // The pool is this variant's own; its staging and ring are shared all the same.
-    return m.host_transient_bytes - m.host_staging_bytes + m.new_host_staging_bytes;
-  }
-  return m.new_host_transient_bytes;
+  return graph::host_pool_bytes_added(m, arena, graph::host_pool_memory(g, m, homes.host_memory, device));
 }
 
 // The per-step figures of one planned variant (everything but the device breakdown). On a CPU

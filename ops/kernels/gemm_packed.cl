@@ -254,9 +254,11 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
 // k columns of op(A) one gemm_pack_a work-item copies of a row-major A.
 #define PACK_A_COLS 128
 // A transposed A ([K, M]): a work-item copies PACK_A_TK k rows of PACK_A_GROUP row blocks (about
-// 128 values of each row). ops/gemm.cpp's pack_a_launch sizes its launch by both.
+// PACK_A_GROUP_VALUES values of each row). ops/gemm.cpp's pack_a_launch sizes its launch by the
+// same three numbers.
 #define PACK_A_TK 8
-#define PACK_A_GROUP (128 / RB)
+#define PACK_A_GROUP_VALUES 128
+#define PACK_A_GROUP (PACK_A_GROUP_VALUES / RB)
 
 // RB floats from src to dst in vector moves where RB is a sum of a few vector widths (element by
 // element the transposed pack ran at 1.5 floats a cycle).
@@ -588,9 +590,10 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   // One work-item per panel (and split and product): it packs its rows of op(B) into the panel's
   // place itself, then runs every row block against them while they are in its core's cache.
   __global const float* const panel_rows = bp;
+  const ulong b_product = b_off + product * ((ulong)K * N);  // this product's B
   for (uint j = 0; j < NB; j += 16) {
-    pack_b_columns16(N, K, b, b_off + product * ((ulong)K * N),
-                     (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j, k_begin, k_end);
+    pack_b_columns16(N, K, b, b_product, (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j,
+                     k_begin, k_end);
   }
 #if OWN_TAIL
   {
@@ -601,7 +604,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     const uint k_lo = min(k_end, k_begin + (panel - panel0) * share), k_hi = min(k_end, k_lo + share);
     __global float* tail_panel = (__global float*)panel_rows + ((ulong)(tail - panel) * K - k_begin) * NB_LAYOUT;
     for (uint j = 0; tail * NB_LAYOUT + j < N; j += 16) {
-      pack_b_columns16(N, K, b, b_off + product * ((ulong)K * N), tail_panel + j, tail * NB_LAYOUT + j, k_lo, k_hi);
+      pack_b_columns16(N, K, b, b_product, tail_panel + j, tail * NB_LAYOUT + j, k_lo, k_hi);
     }
   }
 #endif
