@@ -28,11 +28,11 @@ std::size_t padded_context(const AttentionShape& s) {
 }
 
 // Defaults: on CPU devices register tiles of 6 query rows (the most whose scores fit AVX2's sixteen
-// vector registers: 8 spilled), 48 rows per work-item and softmax blocks of 64 keys (measured on
-// PoCL's pthread device against RB 2, 4 and 8, QB 30 and 48, KB 16 and 128: bench/RESULTS.md,
-// "Attention's CPU kernels fitted to AVX2"); elsewhere the tuned kernel. A tiled kernel's
-// BQ and BK shrink to the device's work-group limit and local memory when they are defaults;
-// the blocked kernels' tiles are fitted per kernel (blocked_tiles).
+// vector registers: 8 spilled; 8 where vectors are 16 floats wide), 48 rows per work-item and softmax blocks of 64 keys
+// (measured on PoCL's pthread device against RB 2, 4 and 8, QB 30 and 48, KB 16 and 128: bench/RESULTS.md, "Attention's
+// CPU kernels fitted to AVX2"); elsewhere the tuned kernel. A tiled kernel's BQ and BK shrink to the device's
+// work-group limit and local memory when they are defaults; the blocked kernels' tiles are fitted per kernel
+// (blocked_tiles).
 AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const AttentionOptions& given) {
   AttentionOptions o = given;
   // FERRY_ATTENTION_KERNEL names the kernel of every fused attention whose options name none (a
@@ -54,6 +54,11 @@ AttentionConfig choose_config(OpEnv& env, const AttentionShape& s, const Attenti
     }
   } else if (env.device().is_cpu()) {
     c.family = Family::cpu;
+    // Eight rows a register tile where vectors are 16 floats wide: AVX-512's 32 registers hold
+    // eight rows of scores (one register each) beside the key vectors, and the default GPT's
+    // attention ran 4-8% faster than with six, forward and backward, at contexts 128-2048
+    // (bench/RESULTS.md, "Attention staged per head in local memory").
+    if (env.device().native_float_width >= 16) c.rb = 8;
   } else {
     // Other devices: the tuner's winner for this device (ops/attention_tune.hpp), else the blocked
     // family's default tiles.
@@ -127,6 +132,24 @@ std::pair<std::size_t, std::size_t> blocked_tiles(OpEnv& env, const AttentionSha
     }
   }
   return {tq, tk};
+}
+
+// Floats of local memory a work-item's staged head takes in the STAGE_LOCAL kernels
+// (attention.cl): the forward's kᵀ and v rows; the one-pass backward's kᵀ, vᵀ, rows of k, q, do and
+// dq, and delta.
+std::size_t local_forward_floats(const AttentionShape& s) {
+  return padded_context(s) * (s.head_dim + padded_dim(s));
+}
+std::size_t local_backward_floats(const AttentionShape& s) {
+  return padded_context(s) * (2 * s.head_dim + 4 * padded_dim(s) + 1);
+}
+
+// Whether the CPU kernels stage each head in local memory, a work-item per head in both passes:
+// where the one-pass backward runs (heads enough to fill the cores), at contexts up to LT whose
+// staged head (the backward's, the larger) fits the device's local memory.
+bool stages_locally(OpEnv& env, const AttentionShape& s, const AttentionConfig& c) {
+  return c.cpu() && c.pass == 1 && s.context <= c.lt &&
+         local_backward_floats(s) * sizeof(float) <= env.device().local_mem_bytes;
 }
 
 std::string kernel_defines(const AttentionShape& s, DType dtype, const AttentionConfig& c) {
@@ -255,7 +278,7 @@ std::size_t attention_forward_scratch_elems(OpEnv& env, const AttentionShape& s,
   check_attention_shape(s);
   const AttentionConfig c = choose_config(env, s, o);
   if (c.family == Family::gemm) return attention_gemm_forward_scratch(env, s, c.mib);
-  if (!c.cpu()) return 0;
+  if (!c.cpu() || stages_locally(env, s, c)) return 0;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
   return heads * tp * s.head_dim + heads * tp * padded_dim(s);  // kᵀ, v rows
 }
@@ -264,6 +287,7 @@ std::size_t attention_backward_scratch_elems(OpEnv& env, const AttentionShape& s
   check_attention_shape(s);
   const std::size_t delta = round_up(s.rows(), 64);
   const AttentionConfig c = choose_config(env, s, o);
+  if (stages_locally(env, s, c)) return 0;  // all of it in local memory
   if (c.family == Family::gemm) return delta + attention_gemm_backward_scratch(env, s, c.mib);
   if (!c.cpu()) return delta;
   const std::size_t heads = s.batch * s.heads, tp = padded_context(s);
@@ -280,6 +304,17 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
   const std::size_t eb = elem_bytes(dtype), heads = s.batch * s.heads, tp = padded_context(s);
   const std::string defines = kernel_defines(s, dtype, c);
   LaunchList list;
+  if (c.cpu() && stages_locally(env, s, c)) {
+    cl::Kernel kn = env.kernels.kernel("attention", "attention_forward_local_cpu", defines + " -DSTAGE_LOCAL");
+    cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
+                 o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(),
+                 cl::LocalBytes{local_forward_floats(s) * sizeof(float)}, cl_uint(s.context), cl_uint(tp),
+                 cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
+    KernelLaunch l = grid(std::move(kn), heads, 1, 1);
+    attention_step_args(l, 18, dr);
+    list.push_back(std::move(l));
+    return list;
+  }
   if (c.cpu()) {
     const DeviceSpan kt = scratch, vr = scratch.advanced(heads * tp * s.head_dim * sizeof(float));
     stage(list, env, s, dtype, c, k, {}, kt);
@@ -327,8 +362,20 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
   const AttentionKernelDropout dr = attention_kernel_dropout(dropout);
   const std::size_t eb = elem_bytes(dtype), heads = s.batch * s.heads, tp = padded_context(s);
   const std::string defines = kernel_defines(s, dtype, c);
-  const DeviceSpan delta = scratch;
   LaunchList list;
+  if (stages_locally(env, s, c)) {
+    cl::Kernel kh = env.kernels.kernel("attention", "attention_backward_head_local_cpu", defines + " -DSTAGE_LOCAL");
+    cl::set_args(kh.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
+                 o.buffer, o.elem_offset(eb), dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(),
+                 dq.buffer, dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb),
+                 cl::LocalBytes{local_backward_floats(s) * sizeof(float)}, cl_uint(s.context), cl_uint(tp),
+                 cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
+    KernelLaunch l = grid(std::move(kh), heads, 1, 1);
+    attention_step_args(l, 26, dr);
+    list.push_back(std::move(l));
+    return list;
+  }
+  const DeviceSpan delta = scratch;
   {
     cl::Kernel kn = env.kernels.kernel("attention", "attention_delta", defines);
     cl::set_args(kn.get(), o.buffer, o.elem_offset(eb), dout.buffer, dout.elem_offset(eb), delta.buffer,

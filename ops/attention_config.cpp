@@ -14,7 +14,7 @@ namespace ferry::ops {
 std::string AttentionConfig::text() const {
   switch (family) {
     case AttentionFamily::cpu:
-      return fmt::format("cpu RB={} QB={} KB={} PASS={}", rb, qb, kb, pass);
+      return fmt::format("cpu RB={} QB={} KB={} PASS={} LT={}", rb, qb, kb, pass, lt);
     case AttentionFamily::tiled:
       return fmt::format("tiled BQ={} BK={}", bq, bk);
     case AttentionFamily::gemm:
@@ -39,10 +39,10 @@ AttentionConfig parse_attention_config(const std::string& spec) {
   } else if (family == "gemm") {
     c.family = AttentionFamily::gemm;
   } else {
-    throw std::invalid_argument(
-        fmt::format("attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=0|1|2\", \"tiled BQ=n BK=n\", "
-                    "\"blocked TQ=n TK=n [RR=n]\" or \"gemm [MIB=n]\")",
-                    spec));
+    throw std::invalid_argument(fmt::format(
+        "attention: unknown kernel '{}' (expected \"cpu RB=n QB=n KB=n PASS=0|1|2 LT=n\", \"tiled BQ=n BK=n\", "
+        "\"blocked TQ=n TK=n [RR=n]\" or \"gemm [MIB=n]\")",
+        spec));
   }
   std::set<std::string> given;
   for (std::string kv; in >> kv;) {
@@ -54,9 +54,13 @@ AttentionConfig parse_attention_config(const std::string& spec) {
     const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
     const bool number = !digits.empty() && ec == std::errc() && end == digits.data() + digits.size();
     const bool pass = c.family == AttentionFamily::cpu && key == "PASS";
-    if (!number || value > 256 || (value == 0 && !pass)) {
+    const bool lt = c.family == AttentionFamily::cpu && key == "LT";  // a context: 0 (never) and up
+    if (!number || value > (lt ? 65536 : 256) || (value == 0 && !pass && !lt)) {
       throw std::invalid_argument(fmt::format("attention: kernel parameter '{}' in '{}' needs a whole number in {}", kv,
-                                              spec, pass ? "0..2" : "1..256"));
+                                              spec,
+                                              pass ? "0..2"
+                                              : lt ? "0..65536"
+                                                   : "1..256"));
     }
     if (!given.insert(key).second) {
       throw std::invalid_argument(fmt::format("attention: parameter {} is given twice in '{}'", key, spec));
@@ -75,6 +79,8 @@ AttentionConfig parse_attention_config(const std::string& spec) {
             "attention: '{}' in '{}': PASS is 1 (a work-item per head), 2 (dk dv, then dq) or 0 (by heads)", kv, spec));
       }
       c.pass = value;
+    } else if (lt) {
+      c.lt = value;
     } else if (tiled && key == "BQ") {
       c.bq = value;
     } else if (tiled && key == "BK") {
@@ -92,7 +98,8 @@ AttentionConfig parse_attention_config(const std::string& spec) {
       }
       c.rr = value;
     } else {
-      throw std::invalid_argument(fmt::format("attention: '{}' is not a parameter of the {} kernel", key, family));
+      throw std::invalid_argument(
+          fmt::format("attention: '{}' is not a parameter of the {} kernel (in '{}')", key, family, spec));
     }
   }
   if (c.cpu() && (c.rb > 8 || c.qb % c.rb != 0 || c.kb % 16 != 0)) {

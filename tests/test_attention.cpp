@@ -197,6 +197,53 @@ TEST_P(AttentionDevice, IsDeterministic) {
     EXPECT_EQ(std::memcmp(x->data(), y->data(), x->size() * sizeof(float)), 0);
 }
 
+// The CPU kernels that stage each head in the work-item's local memory run the same arithmetic as
+// the ones reading the staging kernels' global scratch: the same bits, forward and backward, with
+// contexts past a block of 16, head dimensions past a vector (24, 40), dropout; they take no
+// scratch and one launch per pass. Where a head's staged rows (kᵀ, vᵀ, rows of k, q, do and dq,
+// delta) outgrow the device's local memory (Oclgrind's is small), or past LT, the staging
+// kernels run.
+TEST(AttentionDevice, HeadsStagedInLocalMemoryGiveTheBitsOfTheStagingKernels) {
+  auto& dev = TestDevice::get();
+  auto fits = [&](const AttentionShape& s) {
+    const std::size_t tp = (s.context + 15) / 16 * 16, dp = (s.head_dim + 15) / 16 * 16;
+    return tp * (2 * s.head_dim + 4 * dp + 1) * sizeof(float) <= dev.env.device().local_mem_bytes;
+  };
+  const std::string local = "cpu RB=3 QB=6 KB=32 PASS=1", global = local + " LT=0";
+  for (const AttentionShape s : {AttentionShape{2, 17, 3, 8}, AttentionShape{1, 13, 2, 40},
+                                 AttentionShape{1, 30, 2, 24}, AttentionShape{2, 64, 2, 64}})
+    for (const float p : {0.0f, 0.2f}) {
+      SCOPED_TRACE(fmt::format("b{} t{} h{} d{} p{}", s.batch, s.context, s.heads, s.head_dim, p));
+      const ops::AttentionOptions lo{local};
+      const std::size_t staged = fits(s) ? 1 : 0;
+      EXPECT_EQ(ops::attention_forward_scratch_elems(dev.env, s, lo) == 0, staged == 1);
+      EXPECT_EQ(ops::attention_backward_scratch_elems(dev.env, s, lo) == 0, staged == 1);
+      EXPECT_GT(ops::attention_backward_scratch_elems(dev.env, s, {global}), 0u);
+      if (staged) {
+        DeviceTensor x(s.batch * s.context * s.width()), lse(s.rows()), none(1);
+        const float scale = default_scale(s);
+        EXPECT_EQ(ops::attention_forward(dev.env, s, graph::DType::f32, scale, {p, 5}, x.span(), x.span(), x.span(),
+                                         x.span(), lse.span(), none.span(), lo)
+                      .size(),
+                  1u);
+        EXPECT_EQ(ops::attention_backward(dev.env, s, graph::DType::f32, scale, {p, 5}, x.span(), x.span(), x.span(),
+                                          x.span(), lse.span(), x.span(), x.span(), x.span(), x.span(), none.span(), lo)
+                      .size(),
+                  1u);
+      }
+      const Inputs in = random_inputs(s, 31);
+      const Result a = run_device(s, in, {p, 5}, {3, 0.0f}, local), b = run_device(s, in, {p, 5}, {3, 0.0f}, global);
+      for (auto [x, y, name] :
+           {std::tuple{&a.o, &b.o, "o"}, std::tuple{&a.lse, &b.lse, "lse"}, std::tuple{&a.dq, &b.dq, "dq"},
+            std::tuple{&a.dk, &b.dk, "dk"}, std::tuple{&a.dv, &b.dv, "dv"}})
+        EXPECT_EQ(std::memcmp(x->data(), y->data(), x->size() * sizeof(float)), 0) << name;
+    }
+  // Past LT the staging kernels' scratch is asked for again; and at any LT for a head whose staged
+  // rows need more than any device's local memory (12 MiB at context 4096, head dimension 128).
+  EXPECT_GT(ops::attention_backward_scratch_elems(dev.env, {1, 20, 4, 16}, {"cpu PASS=1 LT=16"}), 0u);
+  EXPECT_GT(ops::attention_backward_scratch_elems(dev.env, {1, 4096, 4, 128}, {"cpu PASS=1 LT=4096"}), 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, AttentionDevice,
     ::testing::Combine(::testing::Values(AttentionShape{1, 1, 1, 16}, AttentionShape{2, 17, 3, 8},
@@ -206,8 +253,12 @@ INSTANTIATE_TEST_SUITE_P(
                        // leave rows of a register tile before a block's first key. Context 100 (and
                        // 50 at head dimension 128) gives the one-pass backward two groups of key
                        // blocks, the last one short.
+                       // The one-pass CPU kernels stage each head in local memory at these
+                       // contexts by default (LT); LT=0 keeps them on the staging kernels.
                        ::testing::Values(std::string{}, std::string{"cpu RB=6 QB=12 KB=16 PASS=2"},
-                                         std::string{"cpu RB=3 QB=6 KB=32 PASS=1"}, std::string{"tiled BQ=16 BK=8"},
+                                         std::string{"cpu RB=3 QB=6 KB=32 PASS=1"},
+                                         std::string{"cpu RB=3 QB=6 KB=32 PASS=1 LT=0"},
+                                         std::string{"tiled BQ=16 BK=8"},
                                          // the GPU family with its default tiles (fitted per kernel) and
                                          // with tiles smaller than these contexts, keys wider than queries;
                                          // then more work-items across a tile than the head dimension has
@@ -241,8 +292,8 @@ TEST(AttentionDevice, NarrowStorageMatchesTheReferenceOfTheRoundedInputs) {
     for (const graph::DType t : {graph::DType::f16, graph::DType::bf16}) {
       const Inputs in = random_inputs(s, 21);
       const std::size_t n = in.q.size();
-      for (const std::string kernel :
-           {"cpu RB=4 QB=8 PASS=1", "cpu RB=2 QB=4 PASS=2", "tiled BQ=16 BK=8", "blocked TQ=16 TK=8", "gemm"}) {
+      for (const std::string kernel : {"cpu RB=4 QB=8 PASS=1", "cpu RB=4 QB=8 PASS=1 LT=0", "cpu RB=2 QB=4 PASS=2",
+                                       "tiled BQ=16 BK=8", "blocked TQ=16 TK=8", "gemm"}) {
         SCOPED_TRACE(std::string(ops::dtype_name(t)) + " " + kernel + " head_dim " + std::to_string(s.head_dim));
         auto narrow = [&](const std::vector<float>& x) {
           std::vector<std::uint16_t> y(x.size());
@@ -341,15 +392,16 @@ TEST(AttentionErrors, ShapesWithoutTilesAndBadOperandsAreClearErrors) {
 // prints that text, and a user copies it into FERRY_ATTENTION_KERNEL); a value with anything after
 // its number, or a parameter given twice, is refused rather than half read.
 TEST(AttentionErrors, KernelTextParsesBackAndTyposAreRefused) {
-  for (const char* spec : {"cpu", "cpu RB=4 QB=8 KB=32 PASS=0", "cpu PASS=2", "tiled BQ=32 BK=16", "blocked",
-                           "blocked TQ=16 TK=64 RR=168", "gemm", "gemm MIB=1"}) {
+  for (const char* spec : {"cpu", "cpu RB=4 QB=8 KB=32 PASS=0", "cpu PASS=2", "cpu LT=0", "cpu LT=4096",
+                           "tiled BQ=32 BK=16", "blocked", "blocked TQ=16 TK=64 RR=168", "gemm", "gemm MIB=1"}) {
     const ops::AttentionConfig c = ops::parse_attention_config(spec);
     EXPECT_EQ(ops::parse_attention_config(c.text()), c) << spec << " -> " << c.text();
   }
   EXPECT_EQ(ops::parse_attention_config("blocked TK=16 TQ=32").text(), "blocked TQ=32 TK=16");
   EXPECT_EQ(ops::parse_attention_config("cpu PASS=0").pass, 0u);
-  for (const char* bad : {"blocked TQ=16x", "blocked TQ=16 TQ=32", "cpu RB=6=7", "gemm MIB=", "gemm MIB", "tiled BQ=-5",
-                          "tiled BQ=+5", "cpu PASS=3", "blocked RR=8", "blocked TQ=0", "gemm MIB=257", "tiled BQ= 8"}) {
+  for (const char* bad :
+       {"blocked TQ=16x", "blocked TQ=16 TQ=32", "cpu RB=6=7", "gemm MIB=", "gemm MIB", "tiled BQ=-5", "tiled BQ=+5",
+        "cpu PASS=3", "blocked RR=8", "blocked TQ=0", "gemm MIB=257", "tiled BQ= 8", "cpu LT=65537", "tiled LT=16"}) {
     try {
       ops::parse_attention_config(bad);
       ADD_FAILURE() << "'" << bad << "' should be refused";

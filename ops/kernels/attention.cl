@@ -27,6 +27,7 @@
 #include "attention.clh"
 #include "reduce.clh"
 #include "store16.clh"
+#include "transpose16.clh"
 
 #define DV (DP / 16)
 
@@ -39,19 +40,38 @@ inline float16 attention_keep16(uint bh, uint T, uint i, uint j0, uint seed, uin
   return vload16(0, f);
 }
 
-// delta[bh, i] = sum_d do[b, i, h, d] o[b, i, h, d]. Work-item (i, bh).
+
+// delta[bh, i] = sum_d do[b, i, h, d] o[b, i, h, d], summed as 16 lanes of d (d, d + 16, ...) and
+// then across the lanes (attention_backward_head_local_cpu takes the same sums, so both CPU paths
+// give the same bits). Work-item (i, bh).
 __kernel void attention_delta(__global const T_STORAGE* o, ulong o_off, __global const T_STORAGE* dout, ulong do_off,
                               __global float* delta, ulong delta_off, uint T, uint H) {
   const uint i = get_global_id(0), bh = get_global_id(1);
   if (i >= T) return;
   const uint b = bh / H, h = bh - b * H;
   const ulong at = attention_at(b, i, h, T, H);
-  float acc = 0.0f;
-  for (uint d = 0; d < D; ++d) acc = fma(LOAD_T(dout, do_off + at + d), LOAD_T(o, o_off + at + d), acc);
-  delta[delta_off + (ulong)bh * T + i] = acc;
+  float acc[16];
+  for (uint e = 0; e < 16; ++e) acc[e] = 0.0f;
+  for (uint d = 0; d < D; ++d) acc[d % 16] = fma(LOAD_T(dout, do_off + at + d), LOAD_T(o, o_off + at + d), acc[d % 16]);
+  delta[delta_off + (ulong)bh * T + i] = fold_sum16(vload16(0, acc));
 }
 
 #ifdef RB
+
+// Where the CPU kernels' staged f32 operands live. By default in global scratch, which the staging
+// kernels below fill for all heads before the products run. Built with -DSTAGE_LOCAL (contexts
+// whose staged head fits the device's local memory: ops/attention.cpp), each work-item stages its
+// own head into its work-group's local memory and runs the same products on it: no staging kernels,
+// and the staged rows never leave the core's caches (PoCL's CPU devices keep a local memory region
+// per worker thread). At context 128 the six staging kernels of the backward moved more bytes
+// than its products' working set.
+#ifdef STAGE_LOCAL
+#define SCRATCH __local
+#define VSTORE16_SCRATCH(v, p) VSTORE16_LOCAL(v, p)
+#else
+#define SCRATCH __global
+#define VSTORE16_SCRATCH(v, p) VSTORE16_GLOBAL(v, p)
+#endif
 
 // x[at .. at + D) widened into dst[0 .. D), 16 elements at a time where 16 are left (a narrow
 // row's widening is then vector code: f16's is a dozen operations an element).
@@ -69,6 +89,57 @@ inline void attention_store_values(const float* v, __global T_STORAGE* out, ulon
   for (; d < D; ++d) STORE_T(v[d], out, at + d);
 }
 
+// Values d0 .. d0 + 15 of row t of head (b, h) of x as f32: zero past D, and the whole row zero
+// past T.
+inline float16 attention_row16(__global const T_STORAGE* x, ulong x_off, uint b, uint t, uint h, uint T, uint H,
+                               uint d0) {
+  if (t >= T) return (float16)0.0f;
+  const ulong at = x_off + attention_at(b, t, h, T, H) + d0;
+  if (d0 + 16 <= D) return LOAD16_T(x, at);
+  float v[16];
+  for (uint e = 0; e < 16; ++e) v[e] = d0 + e < D ? LOAD_T(x, at + e) : 0.0f;
+  return vload16(0, v);
+}
+
+// Rows t0 .. t0 + 15 of head (b, h) of x staged transposed at trans (row t0 of a [D, Tp] head):
+// each 16 x 16 block transposed in registers, each d then stored as 16 contiguous floats (a row
+// at a time wrote single floats Tp apart: 3x slower at T = 4096); zero past T.
+inline void attention_stage_trans16(__global const T_STORAGE* x, ulong x_off, uint b, uint t0, uint h, uint T,
+                                    uint H, SCRATCH float* trans, uint Tp) {
+  for (uint d0 = 0; d0 < D; d0 += 16) {
+#if SHUFFLE_TRANSPOSE
+#define TR_LOAD(n) float16 r##n = attention_row16(x, x_off, b, t0 + n, h, T, H, d0);
+#define TR_STORE(n) \
+  if (d0 + n < D) VSTORE16_SCRATCH(r##n, trans + (ulong)(d0 + n) * Tp);
+    FOR_16(TR_LOAD)
+    TRANSPOSE16
+    FOR_16(TR_STORE)
+#else
+    float blk[16][16];
+    for (uint c = 0; c < 16; ++c) vstore16(attention_row16(x, x_off, b, t0 + c, h, T, H, d0), 0, blk[c]);
+    for (uint i = 0; i < 16 && d0 + i < D; ++i) {
+      const float16 v = (float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i],
+                                  blk[7][i], blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i],
+                                  blk[14][i], blk[15][i]);
+      VSTORE16_SCRATCH(v, trans + (ulong)(d0 + i) * Tp);
+    }
+#endif
+  }
+}
+
+// Rows t0 .. t0 + 15 of head (b, h) of x staged as f32 rows of DP floats at rows (row t0 of a
+// [Tp, DP] head), zero past T and past D.
+inline void attention_stage_rows16(__global const T_STORAGE* x, ulong x_off, uint b, uint t0, uint h, uint T, uint H,
+                                   SCRATCH float* rows) {
+  for (uint c = 0; c < 16; ++c) {
+    for (uint d0 = 0; d0 < DP; d0 += 16) {
+      VSTORE16_SCRATCH(attention_row16(x, x_off, b, t0 + c, h, T, H, d0), rows + c * DP + d0);
+    }
+  }
+}
+
+#ifndef STAGE_LOCAL
+
 // Stages row t of head bh (of k, v, q or do) as f32 rows [BH, Tp, DP], zero past T and past D.
 // Work-item (t, bh) over Tp = T rounded up to 16.
 __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global float* rows, ulong rows_off, uint T,
@@ -83,28 +154,15 @@ __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global
 }
 
 // Stages rows t0 .. t0 + 15 (t0 = 16 get_global_id(0)) of head bh = get_global_id(1) transposed,
-// [BH, D, Tp], zero past T: the 16 rows read whole into registers and memory, each d written as 16
-// contiguous floats (a work-item per row wrote single floats Tp apart: 3x slower at T = 4096).
+// [BH, D, Tp], zero past T.
 __kernel void attention_stage_t(__global const T_STORAGE* x, ulong x_off, __global float* trans, ulong trans_off,
                                 uint T, uint Tp, uint H) {
   const uint t0 = get_global_id(0) * 16, bh = get_global_id(1);
   const uint b = bh / H, h = bh - b * H;
-  float blk[16][D];
-  for (uint c = 0; c < 16; ++c) {
-    const ulong src = x_off + attention_at(b, min(t0 + c, T - 1), h, T, H);
-    attention_load_row(x, src, blk[c]);
-    if (t0 + c >= T) {
-      for (uint d = 0; d < D; ++d) blk[c][d] = 0.0f;
-    }
-  }
-  __global float* dst = trans + trans_off + (ulong)bh * D * Tp + t0;
-  for (uint d = 0; d < D; ++d) {
-    const float16 v = (float16)(blk[0][d], blk[1][d], blk[2][d], blk[3][d], blk[4][d], blk[5][d], blk[6][d],
-                                blk[7][d], blk[8][d], blk[9][d], blk[10][d], blk[11][d], blk[12][d], blk[13][d],
-                                blk[14][d], blk[15][d]);
-    VSTORE16_GLOBAL(v, dst + (ulong)d * Tp);
-  }
+  attention_stage_trans16(x, x_off, b, t0, h, T, H, trans + trans_off + (ulong)bh * D * Tp + t0, Tp);
 }
+
+#endif  // !STAGE_LOCAL
 
 #define KEY_LANES ((int16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
 
@@ -134,20 +192,16 @@ inline void attention_store_row(const float16* acc, float factor, __global T_STO
 #define KB 64
 #endif
 
-// Forward, QB = RB NSUB query rows from i0 = QB get_global_id(0) of head bh = get_global_id(1),
-// with an online softmax over blocks of KB keys: running maximum m and sum l per row, the
-// accumulated output rescaled whenever the maximum grows. Each key block is taken by the
-// work-item's NSUB sub-blocks of RB rows in turn, so its kᵀ and v stay in the L1 cache.
-__kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __global const float* kt, ulong kt_off,
-                                    __global const float* vr, ulong vr_off, __global T_STORAGE* o, ulong o_off,
-                                    __global float* lse, ulong lse_off, uint T, uint Tp, uint H, float scale,
-                                    uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
-  const uint i0 = get_global_id(0) * QB, bh = get_global_id(1);
-  if (i0 >= T) return;
+// Forward, QB = RB NSUB query rows from i0 of head bh, with an online softmax over blocks of KB
+// keys: running maximum m and sum l per row, the accumulated output rescaled whenever the maximum
+// grows. Each key block is taken by the work-item's NSUB sub-blocks of RB rows in turn, so its kᵀ
+// and v stay in the L1 cache. kt and vr are the head's staged kᵀ [D, Tp] and v rows [Tp, DP].
+inline void attention_forward_rows(__global const T_STORAGE* q, ulong q_off, SCRATCH const float* kt,
+                                   SCRATCH const float* vr, __global T_STORAGE* o, ulong o_off, __global float* lse,
+                                   ulong lse_off, uint i0, uint bh, uint T, uint Tp, uint H, float scale, uint seed,
+                                   uint threshold, float inv_keep, uint step_lo, uint step_hi) {
   const uint b = bh / H, h = bh - b * H;
   const uint nr = min((uint)QB, T - i0);
-  kt += kt_off + (ulong)bh * D * Tp;
-  vr += vr_off + (ulong)bh * Tp * DP;
 
   float qs[QB][D];  // scaled queries
   float16 acc[QB][DV];
@@ -232,6 +286,45 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
   }
 }
 
+#ifndef STAGE_LOCAL
+
+// The forward of QB query rows i0 = QB get_global_id(0) of head bh = get_global_id(1), kᵀ and v
+// staged in global scratch.
+__kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __global const float* kt, ulong kt_off,
+                                    __global const float* vr, ulong vr_off, __global T_STORAGE* o, ulong o_off,
+                                    __global float* lse, ulong lse_off, uint T, uint Tp, uint H, float scale,
+                                    uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
+  const uint i0 = get_global_id(0) * QB, bh = get_global_id(1);
+  if (i0 >= T) return;
+  attention_forward_rows(q, q_off, kt + kt_off + (ulong)bh * D * Tp, vr + vr_off + (ulong)bh * Tp * DP, o, o_off, lse,
+                         lse_off, i0, bh, T, Tp, H, scale, seed, threshold, inv_keep, step_lo, step_hi);
+}
+
+#else
+
+// The forward of head bh = get_global_id(0), its kᵀ and v rows staged by the work-item into the
+// work-group's local memory (scratch: D Tp + Tp DP floats), then its query blocks in turn.
+__kernel void attention_forward_local_cpu(__global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k,
+                                          ulong k_off, __global const T_STORAGE* v, ulong v_off,
+                                          __global T_STORAGE* o, ulong o_off, __global float* lse, ulong lse_off,
+                                          __local float* scratch, uint T, uint Tp, uint H, float scale, uint seed,
+                                          uint threshold, float inv_keep, uint step_lo, uint step_hi) {
+  const uint bh = get_global_id(0);
+  const uint b = bh / H, h = bh - b * H;
+  __local float* kt = scratch;
+  __local float* vr = scratch + D * Tp;
+  for (uint t0 = 0; t0 < Tp; t0 += 16) {
+    attention_stage_trans16(k, k_off, b, t0, h, T, H, kt + t0, Tp);
+    attention_stage_rows16(v, v_off, b, t0, h, T, H, vr + t0 * DP);
+  }
+  for (uint i0 = 0; i0 < T; i0 += QB) {
+    attention_forward_rows(q, q_off, kt, vr, o, o_off, lse, lse_off, i0, bh, T, Tp, H, scale, seed, threshold,
+                           inv_keep, step_lo, step_hi);
+  }
+}
+
+#endif  // STAGE_LOCAL
+
 // Key blocks of 16 the one-pass backward takes per walk over the queries: each query's q, do and
 // dq rows are read once per group instead of once per block (at long contexts a head's rows
 // outgrow L2). Their kᵀ, vᵀ and gradients are private: 16 KiB a block at head dimension 64.
@@ -246,9 +339,9 @@ __kernel void attention_forward_cpu(__global const T_STORAGE* q, ulong q_off, __
 // RB rows (rows past T get p = 0). qr and dr (q and do staged as f32 rows [Tp, DP]: read in
 // place, once per key block, contiguous), kt, vt, kr, lse and delta point at head bh's. With dq_acc
 // (head bh's f32 rows [Tp, DP]), also dq += ds k for those queries (unscaled).
-inline void attention_kv_block(__global const float* qr, __global const float* dr, __global const float* kt,
-                               __global const float* vt, __global const float* kr,
-                               __global const float* lse, __global const float* delta, __global float* dq_acc,
+inline void attention_kv_block(SCRATCH const float* qr, SCRATCH const float* dr, SCRATCH const float* kt,
+                               SCRATCH const float* vt, SCRATCH const float* kr,
+                               __global const float* lse, SCRATCH const float* delta, SCRATCH float* dq_acc,
                                __global T_STORAGE* dk, ulong dk_off, __global T_STORAGE* dv, ulong dv_off, uint j0,
                                uint nblk, uint bh, uint T, uint Tp, uint H, float scale, uint seed, uint threshold,
                                float inv_keep, uint step_lo, uint step_hi) {
@@ -265,8 +358,8 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
   for (uint i0 = j0; i0 < T; i0 += RB) {
     // Row r of the group (rows past T read row T - 1 and get p = 0).
 #define KV_ROW(r)                                                     \
-  __global const float* qi##r = qr + (ulong)min(i0 + r, T - 1) * DP;  \
-  __global const float* doi##r = dr + (ulong)min(i0 + r, T - 1) * DP;
+  SCRATCH const float* qi##r = qr + (ulong)min(i0 + r, T - 1) * DP;  \
+  SCRATCH const float* doi##r = dr + (ulong)min(i0 + r, T - 1) * DP;
 #define KV_DECL(r) float16 s##r = 0.0f, dp##r = 0.0f, pd##r, ds##r;
 #define KV_SCORE(r) \
   if (r < RB) s##r = fma((float16)qi##r[d], kd, s##r);
@@ -330,7 +423,7 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
 #define DQ_STEP(r) \
   if (r < RB) t##r = fma((float16)dsa[r][c], kv, t##r);
 #define DQ_STORE(r) \
-  if (r < RB && i0 + r < T) VSTORE16_GLOBAL(t##r, dq_acc + (ulong)(i0 + r) * DP + 16 * j);
+  if (r < RB && i0 + r < T) VSTORE16_SCRATCH(t##r, dq_acc + (ulong)(i0 + r) * DP + 16 * j);
         ROWS8(DS_SAVE)
         for (uint j = 0; j < DV; ++j) {
           ROWS8(DQ_LOAD)
@@ -364,6 +457,8 @@ inline void attention_kv_block(__global const float* qr, __global const float* d
     }
   }
 }
+
+#ifndef STAGE_LOCAL
 
 // dk and dv of 16 keys j0 = 16 get_global_id(0) of head bh = get_global_id(1) (the two-pass
 // backward: dq follows in attention_backward_q_cpu).
@@ -492,6 +587,58 @@ __kernel void attention_backward_q_cpu(__global const float* qr, ulong qr_off, _
 
   for (uint r = 0; r < nr; ++r) attention_store_row(acc[r], scale, dq, dq_off + attention_at(b, i0 + r, h, T, H));
 }
+
+#endif  // !STAGE_LOCAL
+
+#ifdef STAGE_LOCAL
+
+// The one-pass backward of head bh = get_global_id(0) (as attention_backward_head_cpu), its
+// operands staged by the work-item into the work-group's local memory (scratch: kᵀ and vᵀ [D, Tp],
+// rows of k, q, do and the f32 dq [Tp, DP], delta [Tp]), delta = rowsum(do o) taken as do is
+// staged (the same sums, in the same order, as attention_delta).
+__kernel void attention_backward_head_local_cpu(
+    __global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k, ulong k_off, __global const T_STORAGE* v,
+    ulong v_off, __global const T_STORAGE* o, ulong o_off, __global const T_STORAGE* dout, ulong do_off,
+    __global const float* lse, ulong lse_off, __global T_STORAGE* dq, ulong dq_off, __global T_STORAGE* dk,
+    ulong dk_off, __global T_STORAGE* dv, ulong dv_off, __local float* scratch, uint T, uint Tp, uint H, float scale,
+    uint seed, uint threshold, float inv_keep, uint step_lo, uint step_hi) {
+  const uint bh = get_global_id(0);
+  const uint b = bh / H, h = bh - b * H;
+  __local float* kt = scratch;
+  __local float* vt = kt + D * Tp;
+  __local float* kr = vt + D * Tp;
+  __local float* qr = kr + Tp * DP;
+  __local float* dr = qr + Tp * DP;
+  __local float* dq_acc = dr + Tp * DP;
+  __local float* delta = dq_acc + Tp * DP;
+  for (uint t0 = 0; t0 < Tp; t0 += 16) {
+    attention_stage_trans16(k, k_off, b, t0, h, T, H, kt + t0, Tp);
+    attention_stage_rows16(k, k_off, b, t0, h, T, H, kr + t0 * DP);
+    attention_stage_trans16(v, v_off, b, t0, h, T, H, vt + t0, Tp);
+    attention_stage_rows16(q, q_off, b, t0, h, T, H, qr + t0 * DP);
+    attention_stage_rows16(dout, do_off, b, t0, h, T, H, dr + t0 * DP);
+  }
+  for (uint i = 0; i < T; ++i) {
+    float16 acc = 0.0f;
+    for (uint d0 = 0; d0 < DP; d0 += 16) {
+      acc = fma(vload16(0, dr + i * DP + d0), attention_row16(o, o_off, b, i, h, T, H, d0), acc);
+    }
+    delta[i] = fold_sum16(acc);
+  }
+  for (uint i = 0; i < Tp * DV; ++i) VSTORE16_LOCAL((float16)0.0f, dq_acc + 16 * i);
+  for (uint j0 = 0; j0 < T; j0 += 16 * KV_GROUP) {
+    attention_kv_block(qr, dr, kt, vt, kr, lse + lse_off + (ulong)bh * T, delta, dq_acc, dk, dk_off, dv, dv_off, j0,
+                       min((uint)KV_GROUP, (T - j0 + 15) / 16), bh, T, Tp, H, scale, seed, threshold, inv_keep,
+                       step_lo, step_hi);
+  }
+  for (uint i = 0; i < T; ++i) {
+    float16 row[DV];
+    for (uint j = 0; j < DV; ++j) row[j] = vload16(j, dq_acc + i * DP);
+    attention_store_row(row, scale, dq, dq_off + attention_at(b, i, h, T, H));
+  }
+}
+
+#endif  // STAGE_LOCAL
 
 #endif  // RB
 

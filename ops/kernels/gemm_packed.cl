@@ -29,6 +29,7 @@
 // ones index whole elements (16 at a time through LOAD16 / STORE16 where they can).
 #define FERRY_WIDE16 1  // LOAD16, STORE16, ROUND16 (dtype.clh)
 #include "dtype.clh"
+#include "transpose16.clh"
 #ifndef A_NAME
 #define A_NAME F32
 #define A_IS_F32 1
@@ -88,46 +89,8 @@
 #define C_PLANES 0  // > 0: C element (m, n) at ((m / C_PLANES) * N + n) * C_PLANES + m % C_PLANES
 #endif
 
-#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define FOR_ROWS(X) FOR_16(X)
 
-// A 16 x 16 block transposed in 16 float16 registers r0..r15 (row i becomes column i) by four
-// stages of 16 two-vector shuffles: stage b swaps bit b of the row with bit b of the column, rows
-// i and i + 2^b trading the halves of their blocks of 2^(b+1). Built from float16 constructors of
-// 16 scalars, the block took one scalar move per element. Where the compiler has no
-// __builtin_shufflevector, the packs build vectors element by element as before.
-#ifndef SHUFFLE_TRANSPOSE
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define SHUFFLE_TRANSPOSE 1
-#endif
-#endif
-#endif
-#ifndef SHUFFLE_TRANSPOSE
-#define SHUFFLE_TRANSPOSE 0
-#endif
-#define TRANSPOSE_LO0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define TRANSPOSE_HI0 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
-#define TRANSPOSE_LO1 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define TRANSPOSE_HI1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define TRANSPOSE_LO2 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define TRANSPOSE_HI2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define TRANSPOSE_LO3 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define TRANSPOSE_HI3 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define TRANSPOSE_PAIR(b, i, j)                                          \
-  {                                                                      \
-    const float16 lo = __builtin_shufflevector(r##i, r##j, TRANSPOSE_LO##b); \
-    r##j = __builtin_shufflevector(r##i, r##j, TRANSPOSE_HI##b);         \
-    r##i = lo;                                                           \
-  }
-#define TRANSPOSE16                                                                                      \
-  TRANSPOSE_PAIR(0, 0, 1) TRANSPOSE_PAIR(0, 2, 3) TRANSPOSE_PAIR(0, 4, 5) TRANSPOSE_PAIR(0, 6, 7)         \
-  TRANSPOSE_PAIR(0, 8, 9) TRANSPOSE_PAIR(0, 10, 11) TRANSPOSE_PAIR(0, 12, 13) TRANSPOSE_PAIR(0, 14, 15)   \
-  TRANSPOSE_PAIR(1, 0, 2) TRANSPOSE_PAIR(1, 1, 3) TRANSPOSE_PAIR(1, 4, 6) TRANSPOSE_PAIR(1, 5, 7)         \
-  TRANSPOSE_PAIR(1, 8, 10) TRANSPOSE_PAIR(1, 9, 11) TRANSPOSE_PAIR(1, 12, 14) TRANSPOSE_PAIR(1, 13, 15)   \
-  TRANSPOSE_PAIR(2, 0, 4) TRANSPOSE_PAIR(2, 1, 5) TRANSPOSE_PAIR(2, 2, 6) TRANSPOSE_PAIR(2, 3, 7)         \
-  TRANSPOSE_PAIR(2, 8, 12) TRANSPOSE_PAIR(2, 9, 13) TRANSPOSE_PAIR(2, 10, 14) TRANSPOSE_PAIR(2, 11, 15)   \
-  TRANSPOSE_PAIR(3, 0, 8) TRANSPOSE_PAIR(3, 1, 9) TRANSPOSE_PAIR(3, 2, 10) TRANSPOSE_PAIR(3, 3, 11)       \
-  TRANSPOSE_PAIR(3, 4, 12) TRANSPOSE_PAIR(3, 5, 13) TRANSPOSE_PAIR(3, 6, 14) TRANSPOSE_PAIR(3, 7, 15)
 // PACK_BLOCK16 packs one block: row r read as the float16 LOAD_ROW(r), row i of its transpose
 // stored at STORE_AT(i) (both defined where it is used).
 #if SHUFFLE_TRANSPOSE

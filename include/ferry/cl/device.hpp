@@ -31,6 +31,7 @@ struct DeviceInfo {
   std::uint64_t local_mem_bytes = 0;
   std::uint64_t global_mem_cache_bytes = 0;  // CL_DEVICE_GLOBAL_MEM_CACHE_SIZE (a CPU's last-level cache)
   std::uint32_t compute_units = 0;
+  std::uint32_t native_float_width = 0;  // CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT: a CPU's lanes (AVX-512 16, AVX2 8)
   std::size_t max_work_group_size = 0;
   std::uint32_t base_align_bytes = 0;  // sub-buffer origin alignment
   bool host_unified_memory = false;    // device memory is the host's (CPU devices, iGPUs)

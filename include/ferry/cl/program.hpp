@@ -118,8 +118,17 @@ std::size_t build_threads();
 // 1 there is said once on stderr.
 std::size_t build_threads(const DeviceInfo& device);
 
-// Sets kernel arguments in order: cl_mem handles, Mem handles and trivially copyable scalars.
+// A __local pointer argument: the bytes of local memory each work-group gets there.
+struct LocalBytes {
+  std::size_t bytes = 0;
+};
+
+// Sets kernel arguments in order: cl_mem handles, Mem handles, LocalBytes and trivially copyable
+// scalars.
 namespace detail {
+inline void set_arg(cl_kernel k, cl_uint i, const LocalBytes& l) {
+  FERRY_CL(clSetKernelArg(k, i, l.bytes, nullptr));
+}
 inline void set_arg(cl_kernel k, cl_uint i, const Mem& m) {
   cl_mem raw = m.get();
   FERRY_CL(clSetKernelArg(k, i, sizeof(cl_mem), &raw));
