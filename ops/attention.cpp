@@ -238,6 +238,22 @@ void stage(LaunchList& list, OpEnv& env, const AttentionShape& s, DType dtype, c
   }
 }
 
+// A STAGE_LOCAL kernel's launch (attention.cl): a work-item per head, its arguments the operands
+// given, then its local memory (`local_floats`), T, Tp, H, the scale and the dropout's five.
+template <class... Operands>
+KernelLaunch local_head_launch(OpEnv& env, const AttentionShape& s, const std::string& defines, const char* name,
+                               std::size_t local_floats, float scale, const AttentionKernelDropout& dr,
+                               const Operands&... operands) {
+  cl::Kernel k = env.kernels.kernel("attention", name, defines + " -DSTAGE_LOCAL");
+  cl::set_args(k.get(), operands..., cl::LocalBytes{local_floats * sizeof(float)}, cl_uint(s.context),
+               cl_uint(padded_context(s)), cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0),
+               cl_uint(0));
+  KernelLaunch l = grid(std::move(k), s.batch * s.heads, 1, 1);
+  // step_lo follows the local memory, T, Tp, H, the scale, the seed, the threshold and inv_keep.
+  attention_step_args(l, cl_uint(sizeof...(operands) + 8), dr);
+  return l;
+}
+
 }  // namespace
 
 void check_attention_shape(const AttentionShape& s) {
@@ -305,14 +321,9 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
   const std::string defines = kernel_defines(s, dtype, c);
   LaunchList list;
   if (c.cpu() && stages_locally(env, s, c)) {
-    cl::Kernel kn = env.kernels.kernel("attention", "attention_forward_local_cpu", defines + " -DSTAGE_LOCAL");
-    cl::set_args(kn.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
-                 o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset(),
-                 cl::LocalBytes{local_forward_floats(s) * sizeof(float)}, cl_uint(s.context), cl_uint(tp),
-                 cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
-    KernelLaunch l = grid(std::move(kn), heads, 1, 1);
-    attention_step_args(l, 18, dr);
-    list.push_back(std::move(l));
+    list.push_back(local_head_launch(env, s, defines, "attention_forward_local_cpu", local_forward_floats(s), scale, dr,
+                                     q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer,
+                                     v.elem_offset(eb), o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset()));
     return list;
   }
   if (c.cpu()) {
@@ -364,15 +375,11 @@ LaunchList attention_backward(OpEnv& env, const AttentionShape& s, DType dtype, 
   const std::string defines = kernel_defines(s, dtype, c);
   LaunchList list;
   if (stages_locally(env, s, c)) {
-    cl::Kernel kh = env.kernels.kernel("attention", "attention_backward_head_local_cpu", defines + " -DSTAGE_LOCAL");
-    cl::set_args(kh.get(), q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer, v.elem_offset(eb),
-                 o.buffer, o.elem_offset(eb), dout.buffer, dout.elem_offset(eb), lse.buffer, lse.elem_offset(),
-                 dq.buffer, dq.elem_offset(eb), dk.buffer, dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb),
-                 cl::LocalBytes{local_backward_floats(s) * sizeof(float)}, cl_uint(s.context), cl_uint(tp),
-                 cl_uint(s.heads), scale, dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
-    KernelLaunch l = grid(std::move(kh), heads, 1, 1);
-    attention_step_args(l, 26, dr);
-    list.push_back(std::move(l));
+    list.push_back(local_head_launch(env, s, defines, "attention_backward_head_local_cpu", local_backward_floats(s),
+                                     scale, dr, q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer,
+                                     v.elem_offset(eb), o.buffer, o.elem_offset(eb), dout.buffer, dout.elem_offset(eb),
+                                     lse.buffer, lse.elem_offset(), dq.buffer, dq.elem_offset(eb), dk.buffer,
+                                     dk.elem_offset(eb), dv.buffer, dv.elem_offset(eb)));
     return list;
   }
   const DeviceSpan delta = scratch;
