@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <random>
@@ -44,6 +45,7 @@ struct GemmBenchOptions {
   std::string storage = "f32";  // ferry's A, B and C stored as f32, f16 or bf16 (products in f32)
   bool tune = false;
   bool breakdown = false;  // ferry's launches (packing, product, sum of splits) timed one by one
+  bool cold = false;       // each run after its operands were pushed out of the caches
   std::string tune_mode = "quick";
   double tune_budget_seconds = 60;
 };
@@ -108,18 +110,58 @@ std::string kernel_name(const ops::KernelLaunch& l) {
   return name;
 }
 
+// Bytes that push a product's operands out of the caches: four times the largest cache the device
+// reports, at least 64 MiB.
+std::size_t eviction_bytes(const cl::DeviceInfo& device) {
+  return std::max<std::size_t>(std::size_t(64) << 20, 4 * device.global_mem_cache_bytes);
+}
+
+// --cold: `repeat` runs, each alone and after evict() (untimed) wrote more than the caches hold,
+// so that the product reads its operands from memory as a training step's backward does (its
+// operands were made long before, or evicted by the nodes between); the first run untimed.
+template <class Run, class Evict>
+std::vector<double> cold_times(Run&& run, Evict&& evict, int repeat) {
+  run();
+  std::vector<double> times;
+  for (int r = 0; r < repeat; ++r) {
+    evict();
+    times.push_back(time_ms(run));
+  }
+  return times;
+}
+
 // Binds once, then times `repeat` rounds of back-to-back runs after a warm-up (time_rounds; its
-// first run takes the program builds and CLBlast's compile).
+// first run takes the program builds and CLBlast's compile), or with `cold` each run alone from
+// memory (cold_times).
 Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::GemmShape& s, const std::vector<float>& ha,
                         const std::vector<float>& hb, const ops::GemmOptions& options, int repeat, bool keep_c,
-                        bool breakdown = false) {
+                        bool breakdown = false, bool cold = false) {
   DeviceOperands d(ctx, s, ha, hb, ops::gemm_scratch_elems(env, s, options));
   Measured m;
   m.kernel = ops::gemm_kernel_description(env, s, options);
   auto launches =
       ops::gemm(env, s, 1.0f, {d.a.get(), 0}, {d.b.get(), 0}, 0.0f, {d.c.get(), 0}, {d.scratch.get(), 0}, options);
-  const std::vector<double> times = time_rounds([&] { ops::enqueue(ctx.compute(), launches, {}); },
-                                                [&] { cl::check(clFinish(ctx.compute()), "clFinish"); }, repeat);
+  const auto run = [&] { ops::enqueue(ctx.compute(), launches, {}); };
+  const auto finish = [&] { cl::check(clFinish(ctx.compute()), "clFinish"); };
+  std::vector<double> times;
+  if (cold) {
+    const std::size_t bytes = eviction_bytes(env.device());
+    const cl::Mem sweep = ctx.create_buffer(bytes, "cache eviction");
+    const float zero = 0.0f;
+    times = cold_times(
+        [&] {
+          run();
+          finish();
+        },
+        [&] {
+          cl::check(clEnqueueFillBuffer(ctx.compute(), sweep.get(), &zero, sizeof zero, 0, bytes, 0, nullptr, nullptr),
+                    "clEnqueueFillBuffer");
+          finish();
+        },
+        repeat);
+  } else {
+    times = time_rounds(run, finish, repeat);
+  }
   m.ms = median(times);
   m.ms_min = *std::min_element(times.begin(), times.end());
   // Each launch alone, after the whole list ran (its inputs are in place): where the time goes
@@ -142,7 +184,7 @@ Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::Gemm
 
 #ifdef FERRY_HAVE_OPENBLAS
 Measured measure_openblas(const ops::GemmShape& s, const std::vector<float>& ha, const std::vector<float>& hb,
-                          int repeat) {
+                          int repeat, std::size_t cold_bytes) {
   Measured m;
   m.c.assign(s.M * s.N, 0.0f);
   const int M = static_cast<int>(s.M), N = static_cast<int>(s.N), K = static_cast<int>(s.K);
@@ -150,8 +192,16 @@ Measured measure_openblas(const ops::GemmShape& s, const std::vector<float>& ha,
     cblas_sgemm(CblasRowMajor, s.trans_a ? CblasTrans : CblasNoTrans, s.trans_b ? CblasTrans : CblasNoTrans, M, N, K,
                 1.0f, ha.data(), s.trans_a ? M : K, hb.data(), s.trans_b ? K : N, 0.0f, m.c.data(), N);
   };
-  const std::vector<double> times = time_rounds(
-      run, [] {}, repeat);  // as the device side is timed
+  std::vector<double> times;
+  if (cold_bytes) {
+    std::vector<unsigned char> sweep(cold_bytes);
+    unsigned char fill = 0;
+    times = cold_times(
+        run, [&] { std::memset(sweep.data(), ++fill, sweep.size()); }, repeat);
+  } else {
+    times = time_rounds(
+        run, [] {}, repeat);  // as the device side is timed
+  }
   m.ms = median(times);
   m.ms_min = *std::min_element(times.begin(), times.end());
   m.kernel = fmt::format("cblas_sgemm, core {}, {} threads", openblas_get_corename(), openblas_get_num_threads());
@@ -257,15 +307,16 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
       opt.kernel = o.kernel;
       ops::GemmShape stored = s;
       stored.a = stored.b = stored.c = storage;
-      ferry_m = measure_device(env, ctx, stored, ha, hb, opt, common.repeat, true, o.breakdown);
+      ferry_m = measure_device(env, ctx, stored, ha, hb, opt, common.repeat, true, o.breakdown, o.cold);
     }
     if (wants(o, "clblast") && ops::gemm_have_clblast()) {
       ops::GemmOptions opt;
       opt.backend = ops::GemmBackend::clblast;
-      clblast_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true);
+      clblast_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true, false, o.cold);
     }
 #ifdef FERRY_HAVE_OPENBLAS
-    if (wants(o, "openblas")) openblas_m = measure_openblas(s, ha, hb, common.repeat);
+    if (wants(o, "openblas"))
+      openblas_m = measure_openblas(s, ha, hb, common.repeat, o.cold ? eviction_bytes(env.device()) : 0);
 #endif
     // Each result against the host's dot products; ferry's from its inputs rounded as it stored them.
     std::map<std::string, Check> checks;
@@ -298,6 +349,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
                        {"ms", m.ms},
                        {"gflops_best", gflops(s, m.ms_min)},
                        {"repeat", common.repeat},
+                       {"cold", o.cold},
                        {"device", std::string(impl) == "openblas" ? "host CPU" : device.name},
                        {"kernel", m.kernel}};
       j["max_rel_err"] = check.max_err;
@@ -368,9 +420,14 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   sub.add_option("--kernel", o->kernel,
                  "ferry kernel and parameters, e.g. \"packed RB=4 NV=4\" (default: tuning data)");
+  CLI::Option* cold =
+      sub.add_flag("--cold", o->cold,
+                   "time each run alone after writing more than the caches hold (64 MiB, or four times the device's "
+                   "largest cache): operands read from memory, as a training step's backward reads them");
   sub.add_flag("--breakdown", o->breakdown,
                "also time each of ferry's launches alone (B and A packing, the product, the sum of K splits): "
-               "`launches` in its JSON line");
+               "`launches` in its JSON line")
+      ->excludes(cold);
   CLI::Option* tune =
       sub.add_flag("--tune", o->tune,
                    "run the GEMM tuner (as `ferry tune` does): every candidate measured, the best as a tuning row")

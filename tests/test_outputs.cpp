@@ -413,6 +413,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       {"hostpath", "hostpath --layers 4 --width 8 --steps 3 --warmup 1 --repeat 1"},
       {"compile", "compile --depth 2 --depth 4 --width 16 --repeat 1"},
       {"gemm", "gemm --sizes 64 --repeat 1 --breakdown"},
+      {"gemm", "gemm --sizes 64 --repeat 2 --cold --impls ferry openblas"},
       {"overlap",
        "overlap --repeat 1 --link-bytes 1MiB --config name=small,model=mlp,width=256,depth=1,batch=8,"
        "budget=4MiB --config name=toosmall,model=mlp,width=256,depth=1,batch=8,budget=4KiB --trace '" +
