@@ -31,13 +31,17 @@
 
 #define DV (DP / 16)
 
-// The dropout factors of keys j0 .. j0 + 15 of row i of head bh.
+// The dropout factors of keys j0 .. j0 + 15 of row i of head bh: attention_keep's draws for
+// flat indices base .. base + 15, made as one vector (the 64-bit index's low word per lane, a
+// carry into the high word where it wraps).
 inline float16 attention_keep16(uint bh, uint T, uint i, uint j0, uint seed, uint threshold, float inv_keep,
                                 uint step_lo, uint step_hi) {
-  float f[16];
   const ulong base = ((ulong)bh * T + i) * T + j0;
-  for (uint c = 0; c < 16; ++c) f[c] = attention_keep(base + c, seed, threshold, inv_keep, step_lo, step_hi);
-  return vload16(0, f);
+  const uint lo = (uint)base, hi = (uint)(base >> 32);
+  const uint16 x = (uint16)lo + (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint16 y = (uint16)hi + select((uint16)0u, (uint16)1u, x < (uint16)lo);
+  const uint16 r = philox_first16(x, y, step_lo, step_hi, (uint2)(seed, 0u));
+  return select((float16)0.0f, (float16)inv_keep, r >= (uint16)threshold);
 }
 
 

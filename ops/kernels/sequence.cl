@@ -100,3 +100,21 @@ __kernel void dropout(__global const float* x, ulong x_off, __global float* y, u
   const uint r = philox_first((uint4)(k, 0u, step_lo, step_hi), (uint2)(seed, 0u));
   y[y_off + k] = r >= threshold ? x[x_off + k] * scale : 0.0f;
 }
+
+// The same on CPU devices, 16 elements a work-item (k0 = 16 get_global_id(0)), the draws as one
+// vector: the same draws, so the same mask.
+__kernel void dropout16(__global const float* x, ulong x_off, __global float* y, ulong y_off, uint n, uint seed,
+                        uint threshold, float scale, uint step_lo, uint step_hi) {
+  const uint k0 = get_global_id(0) * 16;
+  if (k0 >= n) return;
+  const uint16 r = philox_first16((uint16)k0 + (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  (uint16)0u, step_lo, step_hi, (uint2)(seed, 0u));
+  if (k0 + 16 <= n) {
+    const float16 v = vload16(0, x + x_off + k0) * scale;
+    vstore16(select((float16)0.0f, v, r >= (uint16)threshold), 0, y + y_off + k0);
+    return;
+  }
+  uint rs[16];
+  vstore16(r, 0, rs);
+  for (uint i = 0; k0 + i < n; ++i) y[y_off + k0 + i] = rs[i] >= threshold ? x[x_off + k0 + i] * scale : 0.0f;
+}
