@@ -44,7 +44,6 @@ inline float16 attention_keep16(uint bh, uint T, uint i, uint j0, uint seed, uin
   return select((float16)0.0f, (float16)inv_keep, r >= (uint16)threshold);
 }
 
-
 // delta[bh, i] = sum_d do[b, i, h, d] o[b, i, h, d], summed as 16 lanes of d (d, d + 16, ...) and
 // then across the lanes (attention_backward_head_local_cpu takes the same sums, so both CPU paths
 // give the same bits). Work-item (i, bh).
@@ -67,8 +66,8 @@ __kernel void attention_delta(__global const T_STORAGE* o, ulong o_off, __global
 // whose staged head fits the device's local memory: ops/attention.cpp), each work-item stages its
 // own head into its work-group's local memory and runs the same products on it: no staging kernels,
 // and the staged rows never leave the core's caches (PoCL's CPU devices keep a local memory region
-// per worker thread). At context 128 the six staging kernels of the backward moved more bytes
-// than its products' working set.
+// per worker thread). At context 128 the staging kernels and the gaps between the ten launches took
+// a third of the op's time (bench/RESULTS.md, "Attention staged per head in local memory").
 #ifdef STAGE_LOCAL
 #define SCRATCH __local
 #define VSTORE16_SCRATCH(v, p) VSTORE16_LOCAL(v, p)
@@ -598,8 +597,8 @@ __kernel void attention_backward_q_cpu(__global const float* qr, ulong qr_off, _
 
 // The one-pass backward of head bh = get_global_id(0) (as attention_backward_head_cpu), its
 // operands staged by the work-item into the work-group's local memory (scratch: kᵀ and vᵀ [D, Tp],
-// rows of k, q, do and the f32 dq [Tp, DP], delta [Tp]), delta = rowsum(do o) taken as do is
-// staged (the same sums, in the same order, as attention_delta).
+// rows of k, q, do and the f32 dq [Tp, DP], delta [Tp]); delta = rowsum(do o) from the staged do
+// rows and o (the same sums, in the same order, as attention_delta).
 __kernel void attention_backward_head_local_cpu(
     __global const T_STORAGE* q, ulong q_off, __global const T_STORAGE* k, ulong k_off, __global const T_STORAGE* v,
     ulong v_off, __global const T_STORAGE* o, ulong o_off, __global const T_STORAGE* dout, ulong do_off,
