@@ -375,11 +375,27 @@ StagedLayout staged_layout(const GemmShape& s) {
   return l;
 }
 
+// The packs' work-item sizes, given to gemm_packed.cl as defines (pack_defines) and used here to
+// size their launches. gemm_pack_b: k rows of op(B) per work-item, more for NCHW planes, whose packs
+// are long (an output gradient over a whole batch) and whose work-items are cheap next to PoCL's
+// per-group cost. gemm_pack_a: k columns of a row-major A per work-item; k rows of a transposed A
+// across about `a_group_values` values (group_values / RB row blocks) per work-item.
+struct PackSizes {
+  static constexpr std::size_t b_rows = 16, b_rows_planes = 128;
+  static constexpr std::size_t a_cols = 128, a_tk = 8, a_group_values = 128;
+};
+
+std::string pack_defines(bool b_planes) {
+  return fmt::format("-DPACK_ROWS={} -DPACK_A_COLS={} -DPACK_A_TK={} -DPACK_A_GROUP_VALUES={}",
+                     b_planes ? PackSizes::b_rows_planes : PackSizes::b_rows, PackSizes::a_cols, PackSizes::a_tk,
+                     PackSizes::a_group_values);
+}
+
 // The launch that packs op(B) into panels (gemm_pack_b).
 KernelLaunch pack_b_launch(OpEnv& env, const GemmShape& s, std::size_t padded_columns, const std::string& defines,
                            DeviceSpan b, DeviceSpan scratch, const GemmOptions& options) {
   cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_b", defines);
-  const std::size_t pack_rows = options.b_planes ? 128 : 16;  // PACK_ROWS in gemm_packed.cl
+  const std::size_t pack_rows = options.b_planes ? PackSizes::b_rows_planes : PackSizes::b_rows;
   cl::set_args(pack.get(), cl_uint(s.N), cl_uint(s.K), b.buffer, b.elem_offset(dtype_bytes(s.b)), scratch.buffer,
                scratch.elem_offset());
   KernelLaunch l;
@@ -397,12 +413,11 @@ KernelLaunch pack_b_launch(OpEnv& env, const GemmShape& s, std::size_t padded_co
 KernelLaunch pack_a_launch(OpEnv& env, const GemmShape& s, std::size_t rb, const std::string& defines, DeviceSpan a,
                            DeviceSpan scratch, std::uint64_t a_panels_off) {
   cl::Kernel pack = env.kernels.kernel("gemm_packed", "gemm_pack_a", defines);
-  // Work-items, as gemm_packed.cl sizes them: a row-major A's PACK_A_COLS k columns of one row
-  // block; a transposed A's PACK_A_TK k rows of PACK_A_GROUP = PACK_A_GROUP_VALUES / RB row blocks.
-  constexpr std::size_t pack_a_cols = 128, pack_a_tk = 8, pack_a_group_values = 128;
+  // Work-items: a row-major A's a_cols k columns of one row block; a transposed A's a_tk k rows of
+  // a_group_values / RB row blocks (PackSizes).
   const std::size_t blocks = (s.M + rb - 1) / rb;
-  const std::size_t pack_blocks = s.trans_a ? pack_a_group_values / rb : 1,
-                    pack_k = s.trans_a ? pack_a_tk : pack_a_cols;
+  const std::size_t pack_blocks = s.trans_a ? PackSizes::a_group_values / rb : 1,
+                    pack_k = s.trans_a ? PackSizes::a_tk : PackSizes::a_cols;
   cl::set_args(pack.get(), cl_uint(s.M), cl_uint(s.K), a.buffer, a.elem_offset(dtype_bytes(s.a)), scratch.buffer,
                a_panels_off);
   KernelLaunch l;
@@ -440,10 +455,10 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   auto program_defines = [&](const GemmKernelConfig& block, bool own_launch) {
     return fmt::format(
         "{} {} -DNB_LAYOUT={} -DOWN_PANEL={} -DOWN_TAIL={} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} "
-        "-DA_GATHER={} -DA_GATHER_STEP={} {} {}",
+        "-DA_GATHER={} -DA_GATHER_STEP={} {} {} {}",
         block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail), int(direct),
         int(direct && s.N % nb != 0), options.b_planes, int(gather), runs ? options.a_gather_step : 0,
-        gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+        pack_defines(options.b_planes > 0), gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
         splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0"
                    : gemm_epilogue_defines(options, options.c_planes));
   };

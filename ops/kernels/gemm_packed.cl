@@ -75,12 +75,12 @@
 #ifndef DIRECT_B_TAIL
 #define DIRECT_B_TAIL 0
 #endif
-// k rows of op(B) one pack work-item copies: more for NCHW planes, whose packs are long (an output
-// gradient over a whole batch) and whose work-items are cheap next to PoCL's per-group cost.
-#if B_PLANES
-#define PACK_ROWS 128
-#else
-#define PACK_ROWS 16
+// The packs' work-item sizes come from ops/gemm.cpp (PackSizes), which sizes their launches by
+// them: PACK_ROWS k rows of op(B) per gemm_pack_b work-item; PACK_A_COLS k columns of a row-major
+// A, or PACK_A_TK k rows of PACK_A_GROUP_VALUES / RB row blocks of a transposed A, per gemm_pack_a
+// work-item.
+#if !defined(PACK_ROWS) || !defined(PACK_A_COLS) || !defined(PACK_A_TK) || !defined(PACK_A_GROUP_VALUES)
+#error "gemm_packed.cl is built by ops/gemm.cpp, which defines the packs' work-item sizes (PackSizes)"
 #endif
 #ifndef B_PLANES
 #define B_PLANES 0  // > 0: B's stored matrix is NCHW planes of B_PLANES columns (GemmOptions::b_planes)
@@ -214,13 +214,8 @@ __kernel void gemm_pack_b(uint N, uint K, __global const STORAGE(B_NAME)* b, ulo
 }
 #endif  // B_PLANES, TRANS_B, B_IS_F32
 
-// k columns of op(A) one gemm_pack_a work-item copies of a row-major A.
-#define PACK_A_COLS 128
 // A transposed A ([K, M]): a work-item copies PACK_A_TK k rows of PACK_A_GROUP row blocks (about
-// PACK_A_GROUP_VALUES values of each row). ops/gemm.cpp's pack_a_launch sizes its launch by the
-// same three numbers.
-#define PACK_A_TK 8
-#define PACK_A_GROUP_VALUES 128
+// PACK_A_GROUP_VALUES values of each row).
 #define PACK_A_GROUP (PACK_A_GROUP_VALUES / RB)
 
 // RB floats from src to dst in vector moves where RB is a sum of a few vector widths (element by
