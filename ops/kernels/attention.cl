@@ -110,23 +110,12 @@ inline float16 attention_row16(__global const T_STORAGE* x, ulong x_off, uint b,
 inline void attention_stage_trans16(__global const T_STORAGE* x, ulong x_off, uint b, uint t0, uint h, uint T,
                                     uint H, SCRATCH float* trans, uint Tp) {
   for (uint d0 = 0; d0 < D; d0 += 16) {
-#if SHUFFLE_TRANSPOSE
 #define TR_LOAD(n) float16 r##n = attention_row16(x, x_off, b, t0 + n, h, T, H, d0);
 #define TR_STORE(n) \
   if (d0 + n < D) VSTORE16_SCRATCH(r##n, trans + (ulong)(d0 + n) * Tp);
     FOR_16(TR_LOAD)
     TRANSPOSE16
     FOR_16(TR_STORE)
-#else
-    float blk[16][16];
-    for (uint c = 0; c < 16; ++c) vstore16(attention_row16(x, x_off, b, t0 + c, h, T, H, d0), 0, blk[c]);
-    for (uint i = 0; i < 16 && d0 + i < D; ++i) {
-      const float16 v = (float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i],
-                                  blk[7][i], blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i],
-                                  blk[14][i], blk[15][i]);
-      VSTORE16_SCRATCH(v, trans + (ulong)(d0 + i) * Tp);
-    }
-#endif
   }
 }
 

@@ -93,27 +93,14 @@
 
 // PACK_BLOCK16 packs one block: row r read as the float16 LOAD_ROW(r), row i of its transpose
 // stored at STORE_AT(i) (both defined where it is used).
-#if SHUFFLE_TRANSPOSE
 #define BLOCK_LOAD(n) float16 r##n = LOAD_ROW(n);
 #define BLOCK_STORE(n) vstore16(r##n, 0, STORE_AT(n));
-#define PACK_BLOCK16          \
-  {                           \
-    FOR_ROWS(BLOCK_LOAD)      \
-    TRANSPOSE16               \
-    FOR_ROWS(BLOCK_STORE)     \
+#define PACK_BLOCK16      \
+  {                       \
+    FOR_ROWS(BLOCK_LOAD)  \
+    TRANSPOSE16           \
+    FOR_ROWS(BLOCK_STORE) \
   }
-#else
-#define PACK_BLOCK16                                                                                               \
-  {                                                                                                                \
-    float blk[16][16];                                                                                             \
-    for (uint r = 0; r < 16; ++r) vstore16(LOAD_ROW(r), 0, blk[r]);                                                \
-    for (uint i = 0; i < 16; ++i) {                                                                                \
-      vstore16((float16)(blk[0][i], blk[1][i], blk[2][i], blk[3][i], blk[4][i], blk[5][i], blk[6][i], blk[7][i],   \
-                         blk[8][i], blk[9][i], blk[10][i], blk[11][i], blk[12][i], blk[13][i], blk[14][i], blk[15][i]), \
-               0, STORE_AT(i));                                                                                    \
-    }                                                                                                              \
-  }
-#endif
 
 #if TRANS_B && !B_PLANES
 // 16 columns j0.. of op(B), B stored [N, K] (op(B)[k][j] = B[j][k]), for k in [k0, k_end), into
