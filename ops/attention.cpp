@@ -320,7 +320,7 @@ LaunchList attention_forward(OpEnv& env, const AttentionShape& s, DType dtype, f
   const std::size_t eb = elem_bytes(dtype), heads = s.batch * s.heads, tp = padded_context(s);
   const std::string defines = kernel_defines(s, dtype, c);
   LaunchList list;
-  if (c.cpu() && stages_locally(env, s, c)) {
+  if (stages_locally(env, s, c)) {
     list.push_back(local_head_launch(env, s, defines, "attention_forward_local_cpu", local_forward_floats(s), scale, dr,
                                      q.buffer, q.elem_offset(eb), k.buffer, k.elem_offset(eb), v.buffer,
                                      v.elem_offset(eb), o.buffer, o.elem_offset(eb), lse.buffer, lse.elem_offset()));

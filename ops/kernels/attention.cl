@@ -31,16 +31,11 @@
 
 #define DV (DP / 16)
 
-// The dropout factors of keys j0 .. j0 + 15 of row i of head bh: attention_keep's draws for
-// flat indices base .. base + 15, made as one vector (the 64-bit index's low word per lane, a
-// carry into the high word where it wraps).
+// The dropout factors of keys j0 .. j0 + 15 of row i of head bh: attention_keep's draws for 16
+// consecutive flat indices, made as one vector.
 inline float16 attention_keep16(uint bh, uint T, uint i, uint j0, uint seed, uint threshold, float inv_keep,
                                 uint step_lo, uint step_hi) {
-  const ulong base = ((ulong)bh * T + i) * T + j0;
-  const uint lo = (uint)base, hi = (uint)(base >> 32);
-  const uint16 x = (uint16)lo + (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const uint16 y = (uint16)hi + select((uint16)0u, (uint16)1u, x < (uint16)lo);
-  const uint16 r = philox_first16(x, y, step_lo, step_hi, (uint2)(seed, 0u));
+  const uint16 r = philox_draws16(((ulong)bh * T + i) * T + j0, step_lo, step_hi, seed);
   return select((float16)0.0f, (float16)inv_keep, r >= (uint16)threshold);
 }
 
@@ -138,11 +133,8 @@ __kernel void attention_stage(__global const T_STORAGE* x, ulong x_off, __global
                               uint Tp, uint H) {
   const uint t = get_global_id(0), bh = get_global_id(1);
   const uint b = bh / H, h = bh - b * H;
-  const ulong src = x_off + attention_at(b, min(t, T - 1), h, T, H);
   __global float* dst = rows + rows_off + ((ulong)bh * Tp + t) * DP;
-  float row[DP];
-  attention_load_row(x, src, row);
-  for (uint d = 0; d < DP; ++d) dst[d] = (t < T && d < D) ? row[d] : 0.0f;
+  for (uint d0 = 0; d0 < DP; d0 += 16) VSTORE16_GLOBAL(attention_row16(x, x_off, b, t, h, T, H, d0), dst + d0);
 }
 
 // Stages rows t0 .. t0 + 15 (t0 = 16 get_global_id(0)) of head bh = get_global_id(1) transposed,

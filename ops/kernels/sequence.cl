@@ -107,8 +107,7 @@ __kernel void dropout16(__global const float* x, ulong x_off, __global float* y,
                         uint threshold, float scale, uint step_lo, uint step_hi) {
   const uint k0 = get_global_id(0) * 16;
   if (k0 >= n) return;
-  const uint16 r = philox_first16((uint16)k0 + (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                  (uint16)0u, step_lo, step_hi, (uint2)(seed, 0u));
+  const uint16 r = philox_draws16(k0, step_lo, step_hi, seed);
   if (k0 + 16 <= n) {
     const float16 v = vload16(0, x + x_off + k0) * scale;
     vstore16(select((float16)0.0f, v, r >= (uint16)threshold), 0, y + y_off + k0);
