@@ -69,6 +69,12 @@ void PersistentArena::write(Home home, const Placement& p, const void* src, std:
   store(home).write({p.buffer, p.offset_bytes}, src, n);
 }
 
+bool PersistentArena::fill_in_place(Home home, const Placement& p, std::size_t n,
+                                    const std::function<void(std::byte*)>& fill) {
+  settle_deferred();
+  return store(home).fill_in_place({p.buffer, p.offset_bytes}, n, fill);
+}
+
 void PersistentArena::read(Home home, const Placement& p, void* dst, std::size_t n) const {
   settle_deferred();
   store(home).read({p.buffer, p.offset_bytes}, dst, n);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -63,6 +64,12 @@ class HomeStore {
   // Set-up and inspection outside any step: write sets every copy, read reads the current one.
   virtual void write(const HomePlace& p, const void* src, std::size_t bytes) = 0;
   virtual void read(const HomePlace& p, void* dst, std::size_t bytes) const = 0;
+  // Set-up, like write: where the home keeps the tensor in host memory, `fill` writes its value
+  // there in place (then copied into a second copy, if any) and this returns true; elsewhere it
+  // returns false without calling `fill`, for the caller to write() a value it made. A model's
+  // initial values made in a separate image and copied over touched every byte of host memory
+  // twice, most of the set-up of a large streamed model (bench/RESULTS.md, "Set-up ...").
+  virtual bool fill_in_place(const HomePlace&, std::size_t, const std::function<void(std::byte*)>&) { return false; }
   // The compressed home's chunks of the tensor at `p` (inspection, tests); nullptr in other
   // homes and for a tensor never written.
   virtual CompressedTensor* chunks(const HomePlace&) { return nullptr; }

@@ -341,15 +341,16 @@ void Trainer::initialise_parameters() {
     }
   };
   graph::PersistentArena& arena = *compiled_->train->persistent();
-  // Host memory homes (pinned, mapped): each tensor written where it lives, tensors in parallel, so
-  // set-up never holds a second image of the model (a 7B model's would be tens of GB) and the first
-  // touch of its pinned pages is spread over the cores.
+  // Host memory homes (pinned, mapped): each tensor made where it lives (fill_in_place), tensors in
+  // parallel, so set-up never holds a second image of the model (a 7B model's would be tens of GB),
+  // touches its host memory once, and spreads the first touch of its pinned pages over the cores.
   const auto plain_host = [&](TensorId id) {
     return t.home[id] == graph::Home::host_pinned || t.home[id] == graph::Home::host_mapped;
   };
   tbb::parallel_for(std::size_t{0}, tensors.size(), [&](std::size_t i) {
     const TensorId id = tensors[i];
     if (!plain_host(id)) return;
+    if (arena.fill_in_place(t.home[id], t.placement[id], t.bytes(id), [&](std::byte* dst) { fill(id, dst); })) return;
     std::vector<std::byte> values(t.bytes(id));
     fill(id, values.data());
     arena.write(t.home[id], t.placement[id], values.data(), values.size());

@@ -363,6 +363,45 @@ TEST(Homes, DeviceStoreRoundTripsThroughTheDevice) {
   EXPECT_THROW(store->current({0, 0}), std::logic_error);
 }
 
+// Set-up's fill in place: host homes hand their memory to the filler, every copy of it; homes
+// without host memory of the tensor's value say no and leave the filler uncalled.
+TEST(Homes, HostHomesFillTensorsInPlaceAndOtherHomesDecline) {
+  auto& dev = TestDevice::get();
+  const std::array<std::uint64_t, 2> sizes{1024, 512};
+  const offload::HomePlace p{1, 256};
+  const float values[4] = {1, 2, 3, 4};
+  const auto filler = [&](int& calls) {
+    return [&](std::byte* dst) {
+      ++calls;
+      std::memcpy(dst, values, sizeof(values));
+    };
+  };
+  for (const int copies : {1, 2}) {
+    offload::HomeStoreOptions o;
+    o.pinned_copies = static_cast<std::uint32_t>(copies);
+    auto store = offload::make_home_store(Home::host_pinned, dev.context, sizes, {}, o, "test tensors");
+    int calls = 0;
+    ASSERT_TRUE(store->fill_in_place(p, sizeof(values), filler(calls)));
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(std::memcmp(store->current(p), values, sizeof(values)), 0) << copies << " copies";
+    EXPECT_EQ(std::memcmp(store->next(p), values, sizeof(values)), 0) << copies << " copies: every copy is set";
+    store->abort();
+  }
+  auto mapped = offload::make_home_store(Home::host_mapped, dev.context, sizes, {}, {}, "test tensors");
+  int calls = 0;
+  ASSERT_TRUE(mapped->fill_in_place(p, sizeof(values), filler(calls)));
+  float out[4];
+  mapped->read(p, out, sizeof(out));
+  EXPECT_EQ(std::memcmp(out, values, sizeof(out)), 0);
+  const std::vector<offload::HomeTensor> tensors = {{p, sizeof(values), 4, "a.adam_m"}};
+  for (const Home h : {Home::device, Home::host_compressed, Home::dropped}) {
+    auto store = offload::make_home_store(h, dev.context, sizes, tensors, {}, "test tensors");
+    calls = 0;
+    EXPECT_FALSE(store->fill_in_place(p, sizeof(values), filler(calls))) << offload::home_name(h);
+    EXPECT_EQ(calls, 0) << offload::home_name(h);
+  }
+}
+
 TEST(Homes, HomesWithoutAStoreAndHomesTheDeviceCannotServeAreClearErrors) {
   auto& dev = TestDevice::get();
   const std::array<std::uint64_t, 1> sizes{256};

@@ -82,6 +82,11 @@ class HostStore final : public HomeStore {
     for (int c = 0; c < (two() ? 2 : 1); ++c) std::memcpy(at(c, p), src, n);
   }
   void read(const HomePlace& p, void* dst, std::size_t n) const override { std::memcpy(dst, current(p), n); }
+  bool fill_in_place(const HomePlace& p, std::size_t n, const std::function<void(std::byte*)>& fill) override {
+    fill(at(0, p));
+    if (two()) std::memcpy(at(1, p), at(0, p), n);
+    return true;
+  }
   std::uint64_t device_bytes() const override { return 0; }
   std::uint64_t host_bytes() const override { return bytes_; }
 
