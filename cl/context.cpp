@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <array>
+
 #include "ferry/cl/error.hpp"
 
 namespace ferry::cl {
@@ -78,6 +80,17 @@ void Context::write(cl_mem dst, std::size_t offset_bytes, const void* src, std::
 void Context::read(cl_mem src, std::size_t offset_bytes, void* dst, std::size_t bytes) const {
   if (bytes == 0) return;
   FERRY_CL(clEnqueueReadBuffer(compute(), src, CL_TRUE, offset_bytes, bytes, dst, 0, nullptr, nullptr));
+}
+
+void Context::zero(cl_mem dst, std::size_t offset_bytes, std::size_t bytes) const {
+  if (bytes == 0) return;
+  // The widest pattern OpenCL allows (128 bytes) that divides the offset and the size: PoCL fills
+  // a pattern at a time, so a one-byte pattern filled byte by byte.
+  std::size_t pattern = 128;
+  while (offset_bytes % pattern != 0 || bytes % pattern != 0) pattern /= 2;
+  static constexpr std::array<unsigned char, 128> zeros{};
+  FERRY_CL(clEnqueueFillBuffer(compute(), dst, zeros.data(), pattern, offset_bytes, bytes, 0, nullptr, nullptr));
+  FERRY_CL(clFinish(compute()));
 }
 
 void Context::finish_all() const {

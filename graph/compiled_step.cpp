@@ -75,6 +75,11 @@ bool PersistentArena::fill_in_place(Home home, const Placement& p, std::size_t n
   return store(home).fill_in_place({p.buffer, p.offset_bytes}, n, fill);
 }
 
+void PersistentArena::write_zeros(Home home, const Placement& p, std::size_t n) {
+  settle_deferred();
+  store(home).write_zeros({p.buffer, p.offset_bytes}, n);
+}
+
 void PersistentArena::read(Home home, const Placement& p, void* dst, std::size_t n) const {
   settle_deferred();
   store(home).read({p.buffer, p.offset_bytes}, dst, n);

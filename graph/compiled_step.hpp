@@ -100,6 +100,7 @@ struct PersistentArena {
   // Set-up: the tensor's value made by `fill` where its home keeps it in host memory (HomeStore::
   // fill_in_place); false (nothing called) for homes that do not.
   bool fill_in_place(Home home, const Placement& p, std::size_t bytes, const std::function<void(std::byte*)>& fill);
+  void write_zeros(Home home, const Placement& p, std::size_t bytes);  // HomeStore::write_zeros
   // A compiled step whose host updates run in the step after (ResidencyOptions::
   // overlap_host_updates) leaves its last step's update pending until then. It registers here
   // how to apply it (CompiledStep::apply_deferred_updates), so that whatever reads or writes the

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "homes/stores.hpp"
 #include "offload/home_store.hpp"
@@ -70,6 +71,11 @@ void HomeStore::unpack(const HomePlace& p, void* dst, std::size_t bytes) const {
 
 void HomeStore::pack(const HomePlace& p, const void* src, std::size_t bytes) {
   std::memcpy(next(p), src, bytes);
+}
+
+void HomeStore::write_zeros(const HomePlace& p, std::size_t bytes) {
+  const std::vector<std::byte> zeros(bytes);
+  write(p, zeros.data(), bytes);
 }
 
 std::unique_ptr<HomeStore> make_home_store(Home home, const cl::Context& context,

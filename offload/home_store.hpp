@@ -69,6 +69,9 @@ class HomeStore {
   // returns false without calling `fill`, for the caller to write() a value it made. A model's
   // initial values made in a separate image and copied over touched every byte of host memory
   // twice, most of the set-up of a large streamed model (bench/RESULTS.md, "Set-up ...").
+  // Set-up, like write: zeros over the tensor at p (the device home fills them on the device;
+  // others write them like any value).
+  virtual void write_zeros(const HomePlace& p, std::size_t bytes);
   virtual bool fill_in_place(const HomePlace&, std::size_t, const std::function<void(std::byte*)>&) { return false; }
   // The compressed home's chunks of the tensor at `p` (inspection, tests); nullptr in other
   // homes and for a tensor never written.

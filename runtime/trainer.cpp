@@ -9,8 +9,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <map>
-#include <random>
 #include <stdexcept>
 
 #include "cl/fnv1a.hpp"
@@ -18,6 +16,7 @@
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/units.hpp"
 #include "graph/pipeline.hpp"
+#include "initial_values.hpp"
 #include "trainer_internals.hpp"
 #include "trainer_variants.hpp"
 
@@ -310,72 +309,12 @@ graph::Graph Trainer::build_graph(const graph::VariantKey& key) const {
 }
 
 void Trainer::initialise_parameters() {
-  const auto& g = compiled_->train->graph();
-  const auto& t = g.tensors;
+  const auto& t = compiled_->train->graph().tensors;
   std::vector<TensorId> tensors;
   for (TensorId id = 0; id < t.size(); ++id) {
-    if (!graph::is_persistent(t.role[id]) || t.alias_of[id] != graph::no_tensor) continue;
-    if (t.dtype[id] != graph::DType::f32 && t.init[id].kind != graph::WeightInit::Kind::zeros) {
-      throw std::logic_error(fmt::format("cannot initialise '{}': only zeros are defined for {} tensors", t.name[id],
-                                         graph::dtype_name(t.dtype[id])));
-    }
-    tensors.push_back(id);
+    if (graph::is_persistent(t.role[id]) && t.alias_of[id] == graph::no_tensor) tensors.push_back(id);
   }
-  // A tensor's initial values, seeded by its name, so they do not depend on the order tensors are
-  // created or filled in.
-  const auto fill = [&](TensorId id, std::byte* base) {
-    float* values = reinterpret_cast<float*>(base);
-    const std::size_t n = t.shape[id].elems();
-    switch (t.init[id].kind) {
-      case graph::WeightInit::Kind::ones:
-        std::fill(values, values + n, 1.0f);
-        break;
-      case graph::WeightInit::Kind::uniform: {
-        std::mt19937_64 rng(options_.seed ^ cl::fnv1a(t.name[id]));
-        std::uniform_real_distribution<float> dist(-t.init[id].bound, t.init[id].bound);
-        for (std::size_t i = 0; i < n; ++i) values[i] = dist(rng);
-        break;
-      }
-      default:
-        std::fill(base, base + t.bytes(id), std::byte{0});  // zeros, in any dtype
-    }
-  };
-  graph::PersistentArena& arena = *compiled_->train->persistent();
-  // Host memory homes (pinned, mapped): each tensor made where it lives (fill_in_place), tensors in
-  // parallel, so set-up never holds a second image of the model (a 7B model's would be tens of GB),
-  // touches its host memory once, and spreads the first touch of its pinned pages over the cores.
-  const auto plain_host = [&](TensorId id) {
-    return t.home[id] == graph::Home::host_pinned || t.home[id] == graph::Home::host_mapped;
-  };
-  tbb::parallel_for(std::size_t{0}, tensors.size(), [&](std::size_t i) {
-    const TensorId id = tensors[i];
-    if (!plain_host(id)) return;
-    if (arena.fill_in_place(t.home[id], t.placement[id], t.bytes(id), [&](std::byte* dst) { fill(id, dst); })) return;
-    std::vector<std::byte> values(t.bytes(id));
-    fill(id, values.data());
-    arena.write(t.home[id], t.placement[id], values.data(), values.size());
-  });
-  // Device buffers: one host image per buffer, written with one copy and freed before the next (a
-  // blocking write per tensor dominated set-up for thousands of small tensors). Staged homes
-  // (compressed, dropped) keep tensors apart: each is written on its own.
-  std::map<std::pair<graph::Home, std::uint32_t>, std::vector<TensorId>> by_buffer;
-  for (const TensorId id : tensors) {
-    if (plain_host(id)) continue;
-    if (offload::home_traits(t.home[id]).staged) {
-      std::vector<std::byte> values(t.bytes(id));
-      fill(id, values.data());
-      arena.write(t.home[id], t.placement[id], values.data(), values.size());
-      continue;
-    }
-    by_buffer[{t.home[id], t.placement[id].buffer}].push_back(id);
-  }
-  for (const auto& [where, ids] : by_buffer) {
-    std::uint64_t end = 0;
-    for (const TensorId id : ids) end = std::max<std::uint64_t>(end, t.placement[id].offset_bytes + t.bytes(id));
-    std::vector<std::byte> image(end);
-    for (const TensorId id : ids) fill(id, image.data() + t.placement[id].offset_bytes);
-    arena.write(where.first, graph::Placement{where.second, 0}, image.data(), image.size());
-  }
+  write_initial_values(*compiled_->train->persistent(), t, tensors, options_.seed);
 }
 
 void Trainer::validate_staged(const graph::CompiledStep& step, std::span<const TensorSpec> specs,

@@ -28,6 +28,9 @@ class DeviceStore final : public HomeStore {
   void read(const HomePlace& p, void* dst, std::size_t n) const override {
     context_.read(buffers_.at(p.buffer).get(), p.offset_bytes, dst, n);
   }
+  void write_zeros(const HomePlace& p, std::size_t n) override {
+    context_.zero(buffers_.at(p.buffer).get(), p.offset_bytes, n);
+  }
   std::uint64_t device_bytes() const override { return bytes_; }
   std::uint64_t host_bytes() const override { return 0; }
 

@@ -92,7 +92,12 @@ same_run mlp_zero2_stream 2 "${MLP[@]}" --zero 2 --residency stream --host-optim
 HYBRID=(--model mlp --epochs 2 --train-limit 3072 --batch 128 --phases hybrid --warmup-steps 4)
 LOSSES=(train_loss test_loss phase_steps.predict phase_steps.full predict_runs)
 same_run mlp_hybrid 2 "${HYBRID[@]}"
-same_run mlp_hybrid_zero1 3 "${HYBRID[@]}" --zero 1
+# On 3 ranks (an uneven split) with SGD and its momentum: with Adam, whose update divides a
+# gradient by its own magnitude, the reassociation of a near-zero gradient's sum can turn its
+# update around, and the predictor carries that on for a whole Predict run: one rank and three then
+# differ by 1e-4 for some seeds and not others (2.4e-4 at seed 1 with this release's initial values,
+# 1.6e-4 at seed 2 with the ones before; 1e-7 at the others tried), where SGD agrees to 1e-8.
+same_run mlp_hybrid_zero1 3 "${HYBRID[@]}" --zero 1 --optimizer sgd --lr 0.05
 # ... and with the updates on the host, where ZeRO's gather works in the weights' homes: the fit
 # reads each weight fetched after the gather, not after its update alone.
 same_run mlp_hybrid_zero2_host 2 "${HYBRID[@]}" --zero 2 --residency stream --host-optimizer --optimizer adamw
