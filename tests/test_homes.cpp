@@ -387,12 +387,14 @@ TEST(Homes, HostHomesFillTensorsInPlaceAndOtherHomesDecline) {
     EXPECT_EQ(std::memcmp(store->next(p), values, sizeof(values)), 0) << copies << " copies: every copy is set";
     store->abort();
   }
-  auto mapped = offload::make_home_store(Home::host_mapped, dev.context, sizes, {}, {}, "test tensors");
   int calls = 0;
-  ASSERT_TRUE(mapped->fill_in_place(p, sizeof(values), filler(calls)));
-  float out[4];
-  mapped->read(p, out, sizeof(out));
-  EXPECT_EQ(std::memcmp(out, values, sizeof(out)), 0);
+  if (dev.context.device().host_unified_memory) {  // (mapped homes need the host's memory)
+    auto mapped = offload::make_home_store(Home::host_mapped, dev.context, sizes, {}, {}, "test tensors");
+    ASSERT_TRUE(mapped->fill_in_place(p, sizeof(values), filler(calls)));
+    float out[4];
+    mapped->read(p, out, sizeof(out));
+    EXPECT_EQ(std::memcmp(out, values, sizeof(out)), 0);
+  }
   const std::vector<offload::HomeTensor> tensors = {{p, sizeof(values), 4, "a.adam_m"}};
   for (const Home h : {Home::device, Home::host_compressed, Home::dropped}) {
     auto store = offload::make_home_store(h, dev.context, sizes, tensors, {}, "test tensors");
