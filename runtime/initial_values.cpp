@@ -27,6 +27,10 @@ constexpr std::uint64_t golden_gamma = 0x9E3779B97F4A7C15ull;
 // small enough that a 4 MiB tensor already spreads over cores.
 constexpr std::uint64_t parallel_grain = std::uint64_t{1} << 18;
 
+bool all_zeros(const graph::WeightInit& init) {
+  return init.kind == graph::WeightInit::Kind::zeros || init.kind == graph::WeightInit::Kind::none;
+}
+
 }  // namespace
 
 std::uint64_t initial_values_key(std::uint64_t seed, std::string_view tensor_name) noexcept {
@@ -56,7 +60,7 @@ void initial_values(const graph::WeightInit& init, std::uint64_t key, std::uint6
 
 void initial_values_parallel(const graph::WeightInit& init, std::uint64_t key, std::uint64_t first, std::uint64_t count,
                              std::uint32_t elem_bytes, std::byte* dst, std::string_view what) {
-  const bool zeros = init.kind == graph::WeightInit::Kind::zeros || init.kind == graph::WeightInit::Kind::none;
+  const bool zeros = all_zeros(init);
   if (!zeros && elem_bytes != sizeof(float)) {
     throw std::invalid_argument(fmt::format(
         "cannot initialise '{}': only zeros are defined for tensors of {}-byte elements", what, elem_bytes));
@@ -72,10 +76,6 @@ void initial_values_parallel(const graph::WeightInit& init, std::uint64_t key, s
 }
 
 namespace {
-
-bool all_zeros(const graph::WeightInit& init) {
-  return init.kind == graph::WeightInit::Kind::zeros || init.kind == graph::WeightInit::Kind::none;
-}
 
 // Elements [first, first + count) of tensor `id`'s initial value at dst, on all cores.
 struct ValueMaker {
@@ -154,7 +154,7 @@ void write_device_buffer(graph::PersistentArena& arena, const graph::TensorTable
 void write_initial_values(graph::PersistentArena& arena, const graph::TensorTable& t,
                           std::span<const graph::TensorId> ids, std::uint64_t seed) {
   for (const graph::TensorId id : ids) {
-    if (t.dtype[id] != graph::DType::f32 && !all_zeros(t.init[id])) {
+    if (t.dtype[id] != graph::DType::f32 && t.init[id].kind != graph::WeightInit::Kind::zeros) {
       throw std::logic_error(fmt::format("cannot initialise '{}': only zeros are defined for {} tensors", t.name[id],
                                          graph::dtype_name(t.dtype[id])));
     }

@@ -73,8 +73,8 @@ class Context {
   // Blocking helpers for set-up, tests and tools; never used inside a compiled step.
   void write(cl_mem dst, std::size_t offset_bytes, const void* src, std::size_t bytes) const;
   void read(cl_mem src, std::size_t offset_bytes, void* dst, std::size_t bytes) const;
-  // Zeros over the range (clEnqueueFillBuffer with the widest pattern the range's offset and size
-  // allow): nothing made or copied on the host.
+  // Zeros over the range, filled by the device (clEnqueueFillBuffer): nothing made or copied on
+  // the host.
   void zero(cl_mem dst, std::size_t offset_bytes, std::size_t bytes) const;
   void finish_all() const;
 
