@@ -137,8 +137,8 @@ void attention_gemm_forward(LaunchList& list, OpEnv& env, const AttentionShape& 
     cl::Kernel sm = env.kernels.kernel("attention_gemm", "attention_gemm_softmax", d);
     const std::size_t group = row_group_size(sm, env.device(), z.tp);
     cl::set_args(sm.get(), sc.buffer, sc.elem_offset(), lse.buffer, lse.elem_offset(), cl_uint(s.context),
-                 cl_uint(z.tp), cl_uint(h0), dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0));
-    FERRY_CL(clSetKernelArg(sm.get(), 12, group * sizeof(float), nullptr));
+                 cl_uint(z.tp), cl_uint(h0), dr.seed, dr.threshold, dr.inv_keep, cl_uint(0), cl_uint(0),
+                 cl::LocalBytes{group * sizeof(float)});
     KernelLaunch l;
     l.kernel = std::move(sm);
     l.global[0] = n * z.tp * group;

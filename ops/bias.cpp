@@ -51,8 +51,8 @@ LaunchList bias_backward(OpEnv& env, DeviceSpan dy, DeviceSpan db, std::size_t r
   }
   cl::Kernel k = env.kernels.kernel("bias", "bias_backward", defines);
   const auto [tc, tr] = column_group_size(k, env.device());
-  cl::set_args(k.get(), dy.buffer, dy_off, db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols));
-  FERRY_CL(clSetKernelArg(k.get(), 6, tc * tr * sizeof(float), nullptr));
+  cl::set_args(k.get(), dy.buffer, dy_off, db.buffer, db.elem_offset(), cl_uint(rows), cl_uint(cols),
+               cl::LocalBytes{tc * tr * sizeof(float)});
   set_nullable_arg(k, 7, guard);
   KernelLaunch l;
   l.kernel = std::move(k);

@@ -60,8 +60,8 @@ LaunchList layernorm_forward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, DeviceS
   cl::Kernel k = env.kernels.kernel("layernorm", "layernorm_forward", defines);
   const std::size_t local = row_group_size(k, env.device(), cols);
   cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), beta.buffer, beta.elem_offset(),
-               y.buffer, y_off, mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(), cl_uint(cols), eps);
-  FERRY_CL(clSetKernelArg(k.get(), 14, local * sizeof(float), nullptr));
+               y.buffer, y_off, mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(), cl_uint(cols), eps,
+               cl::LocalBytes{local * sizeof(float)});
   set_nullable_arg(k, 15, a);
   const cl_ulong b_arg = b_off;  // in elements of b's dtype (set_nullable_arg counts floats)
   FERRY_CL(clSetKernelArg(k.get(), 17, sizeof(cl_mem), &b.buffer));
@@ -96,8 +96,7 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
     const std::size_t local = row_group_size(k, env.device(), cols);
     cl::set_args(k.get(), x.buffer, x.elem_offset(), gamma.buffer, gamma.elem_offset(), mean.buffer, mean.elem_offset(),
                  rstd.buffer, rstd.elem_offset(), dy.buffer, dy.elem_offset(), dx.buffer, dx.elem_offset(),
-                 cl_uint(cols));
-    FERRY_CL(clSetKernelArg(k.get(), 13, local * sizeof(float), nullptr));
+                 cl_uint(cols), cl::LocalBytes{local * sizeof(float)});
     set_nullable_arg(k, 14, dres);
     list.push_back(per_row_launch(std::move(k), rows, local));
   }
@@ -110,9 +109,8 @@ LaunchList layernorm_backward(OpEnv& env, DeviceSpan x, DeviceSpan gamma, Device
   while (tc * tr > limit && tc > 1) tc /= 2;
   cl::set_args(kp.get(), x.buffer, x.elem_offset(), mean.buffer, mean.elem_offset(), rstd.buffer, rstd.elem_offset(),
                dy.buffer, dy.elem_offset(), dgamma.buffer, dgamma.elem_offset(), dbeta.buffer, dbeta.elem_offset(),
-               cl_uint(rows), cl_uint(cols));
-  FERRY_CL(clSetKernelArg(kp.get(), 14, tc * tr * sizeof(float), nullptr));
-  FERRY_CL(clSetKernelArg(kp.get(), 15, tc * tr * sizeof(float), nullptr));
+               cl_uint(rows), cl_uint(cols), cl::LocalBytes{tc * tr * sizeof(float)},
+               cl::LocalBytes{tc * tr * sizeof(float)});
   set_nullable_arg(kp, 16, guard);
   KernelLaunch l;
   l.kernel = std::move(kp);

@@ -20,8 +20,7 @@ LaunchList mse_forward(OpEnv& env, DeviceSpan p, DeviceSpan t, DeviceSpan stats,
   cl::Kernel k = env.kernels.kernel("mse", "mse_forward");
   const std::size_t local = row_group_size(k, env.device(), n);
   cl::set_args(k.get(), p.buffer, p.elem_offset(), t.buffer, t.elem_offset(), stats.buffer, stats.elem_offset(),
-               cl_uint(n));
-  FERRY_CL(clSetKernelArg(k.get(), 7, local * sizeof(float), nullptr));
+               cl_uint(n), cl::LocalBytes{local * sizeof(float)});
   KernelLaunch l;
   l.kernel = std::move(k);
   l.global[0] = local;

@@ -48,9 +48,8 @@ LaunchList softmax_forward(OpEnv& env, DeviceSpan x, DeviceSpan y, std::size_t r
   LaunchList list;
   if (rows == 0) return list;
   auto [k, local] = row_kernel(env, "softmax_forward", cols);
-  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), cl_uint(cols),
-               cl_uint(causal ? cols : 0));
-  FERRY_CL(clSetKernelArg(k.get(), 6, local * sizeof(float), nullptr));
+  cl::set_args(k.get(), x.buffer, x.elem_offset(), y.buffer, y.elem_offset(), cl_uint(cols), cl_uint(causal ? cols : 0),
+               cl::LocalBytes{local * sizeof(float)});
   list.push_back(per_row_launch(std::move(k), rows, local));
   return list;
 }
@@ -63,8 +62,7 @@ LaunchList softmax_backward(OpEnv& env, DeviceSpan y, DeviceSpan dy, DeviceSpan 
   if (rows == 0) return list;
   auto [k, local] = row_kernel(env, "softmax_backward", cols);
   cl::set_args(k.get(), y.buffer, y.elem_offset(), dy.buffer, dy.elem_offset(), dx.buffer, dx.elem_offset(),
-               cl_uint(cols));
-  FERRY_CL(clSetKernelArg(k.get(), 7, local * sizeof(float), nullptr));
+               cl_uint(cols), cl::LocalBytes{local * sizeof(float)});
   list.push_back(per_row_launch(std::move(k), rows, local));
   return list;
 }

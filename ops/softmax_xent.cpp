@@ -32,8 +32,8 @@ LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels
   } else {
     cl::Kernel kl = env.kernels.kernel("softmax_xent", "softmax_xent_lse");
     const std::size_t ll = row_group_size(kl, env.device(), classes);
-    cl::set_args(kl.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), cl_uint(classes));
-    FERRY_CL(clSetKernelArg(kl.get(), 5, ll * sizeof(float), nullptr));
+    cl::set_args(kl.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), cl_uint(classes),
+                 cl::LocalBytes{ll * sizeof(float)});
     KernelLaunch lse_launch;
     lse_launch.kernel = std::move(kl);
     lse_launch.global[0] = rows * ll;
@@ -44,8 +44,8 @@ LaunchList softmax_xent_forward(OpEnv& env, DeviceSpan logits, DeviceSpan labels
   cl::Kernel ks = env.kernels.kernel("softmax_xent", "softmax_xent_stats");
   const std::size_t ls = row_group_size(ks, env.device(), rows);
   cl::set_args(ks.get(), logits.buffer, logits.elem_offset(), lse.buffer, lse.elem_offset(), labels.buffer,
-               labels.elem_offset(), stats.buffer, stats.elem_offset(), cl_uint(rows), cl_uint(classes));
-  FERRY_CL(clSetKernelArg(ks.get(), 10, ls * sizeof(float), nullptr));
+               labels.elem_offset(), stats.buffer, stats.elem_offset(), cl_uint(rows), cl_uint(classes),
+               cl::LocalBytes{ls * sizeof(float)});
   KernelLaunch stats_launch;
   stats_launch.kernel = std::move(ks);
   stats_launch.global[0] = ls;
