@@ -171,6 +171,10 @@ void write_initial_values(graph::PersistentArena& arena, const graph::TensorTabl
     if (arena.fill_in_place(home, t.placement[id], t.bytes(id), [&](std::byte* dst) { make(id, 0, n, dst); })) {
       continue;
     }
+    if (all_zeros(t.init[id])) {  // (the dropped home keeps nothing: no value is made for it)
+      arena.write_zeros(home, t.placement[id], t.bytes(id));
+      continue;
+    }
     std::vector<std::byte> value(t.bytes(id));
     make(id, 0, n, value.data());
     arena.write(home, t.placement[id], value.data(), value.size());

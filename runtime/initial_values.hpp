@@ -33,7 +33,7 @@ void initial_values_parallel(const graph::WeightInit& init, std::uint64_t key, s
 
 // Writes the initial value of each tensor of `ids` (persistent tensors of `tensors`, not views)
 // into its home in `arena` under the run's `seed`. Host homes (pinned, mapped) make each value
-// where it lives; homes without a host copy of it (compressed, dropped) take it whole; device
+// where it lives; the compressed home takes it whole, the dropped home nothing for zeros; device
 // buffers are written from their start to their last tensor's end, padding as zeros, through
 // one reused host image of at most 64 MiB, with large zero ranges filled on the device.
 // Throws std::logic_error for a kind other than zeros on a tensor that is not f32.

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "ferry/ferry.hpp"
@@ -92,18 +93,29 @@ TEST(InitialValues, ZerosOfAnyWidthAndOtherKindsOnlyForF32) {
 }
 
 // A linear layer of 4100 x 4200 weights (68.9 MB, more than the device path's 64 MiB host image),
-// LayerNorm's ones and zeros, Adam's zero moments: resident (device buffers) and streamed (pinned
-// host memory) trainers hold exactly what initial_values makes for each tensor.
+// LayerNorm's ones and zeros, Adam's zero moments: resident (device buffers), streamed (pinned
+// host memory) and compressed-weight, dropped-state trainers hold exactly what initial_values
+// makes for each tensor.
 TEST(InitialValues, EveryHomeHoldsWhatItsTensorsWereMadeWith) {
   Runtime rt;
   const ModelSpec model = models::classifier("wide", graph::Shape{4200}, 10, [](graph::Builder& b, graph::TensorId x) {
     return b.linear(b.relu(b.layernorm(b.linear(x, 4100))), 10);
   });
-  for (const auto mode : {graph::ResidencyMode::resident, graph::ResidencyMode::stream}) {
+  struct Homes {
+    graph::ResidencyMode mode;
+    std::optional<graph::Home> weights, state;
+  };
+  const Homes configs[] = {{graph::ResidencyMode::resident, {}, {}},
+                           {graph::ResidencyMode::stream, {}, {}},
+                           {graph::ResidencyMode::stream, graph::Home::host_compressed, graph::Home::dropped}};
+  for (const Homes& homes : configs) {
+    const graph::ResidencyMode mode = homes.mode;
     TrainerOptions o;
     o.batch = 2;
     o.seed = 11;
     o.residency.mode = mode;
+    if (homes.weights) o.residency.weights_home = *homes.weights;
+    if (homes.state) o.residency.state_home = *homes.state;
     Trainer trainer(rt, model, o);
     const auto& t = TrainerInternals::train_step(trainer).graph().tensors;
     std::size_t checked = 0, large = 0;

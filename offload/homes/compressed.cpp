@@ -139,6 +139,7 @@ class DroppedStore final : public HomeStore {
   std::byte* current(const HomePlace&) const override { throw std::logic_error("dropped tensors have no memory"); }
   std::byte* next(const HomePlace&) const override { throw std::logic_error("dropped tensors have no memory"); }
   void write(const HomePlace&, const void*, std::size_t) override {}
+  void write_zeros(const HomePlace&, std::size_t) override {}
   void read(const HomePlace&, void* dst, std::size_t n) const override { std::memset(dst, 0, n); }
   void pack(const HomePlace&, const void*, std::size_t) override {}
   std::uint64_t device_bytes() const override { return 0; }
