@@ -147,18 +147,12 @@ Measured measure_device(ops::OpEnv& env, const cl::Context& ctx, const ops::Gemm
   if (cold) {
     const std::size_t bytes = eviction_bytes(env.device());
     const cl::Mem sweep = ctx.create_buffer(bytes, "cache eviction");
-    const float zero = 0.0f;
     times = cold_times(
         [&] {
           run();
           finish();
         },
-        [&] {
-          cl::check(clEnqueueFillBuffer(ctx.compute(), sweep.get(), &zero, sizeof zero, 0, bytes, 0, nullptr, nullptr),
-                    "clEnqueueFillBuffer");
-          finish();
-        },
-        repeat);
+        [&] { ctx.zero(sweep.get(), 0, bytes); }, repeat);
   } else {
     times = time_rounds(run, finish, repeat);
   }

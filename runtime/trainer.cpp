@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,7 +10,6 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "cl/fnv1a.hpp"
 #include "distributed/data_parallel.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/units.hpp"
