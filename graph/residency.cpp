@@ -634,23 +634,27 @@ ResidencyMode checked_mode(const ResidencyOptions& options, bool host_unified) {
     }
   }
   if (options.host_optimizer) {
-    // Updates on the host need the state in host memory and copies to and from the device.
+    // Updates on the host need the state in host memory and copies to and from the device. The
+    // errors name the flag the user gave: --overlap-host-updates implies the host optimizer.
+    const bool overlap = options.overlap_host_updates;
+    const char* implied_by = overlap ? " (which --overlap-host-updates implies)" : "";
+    const char* without = overlap ? "no --host-optimizer or --overlap-host-updates" : "no --host-optimizer";
     if (mode == ResidencyMode::resident || mode == ResidencyMode::mapped) {
       throw std::invalid_argument(
-          fmt::format("the host optimizer runs with residency 'stream' (or 'auto'), not '{}': stream the state "
-                      "(--residency stream; ResidencyOptions::mode) or run the optimizer on the device (no "
-                      "--host-optimizer; ResidencyOptions::host_optimizer)",
-                      residency_mode_name(mode)));
+          fmt::format("the host optimizer{} runs with residency 'stream' (or 'auto'), not '{}': stream the state "
+                      "(--residency stream; ResidencyOptions::mode) or run the optimizer on the device ({}; "
+                      "ResidencyOptions::host_optimizer)",
+                      implied_by, residency_mode_name(mode), without));
     }
     for (const auto* h : {&options.weights_home, &options.state_home}) {
       if (h->has_value() && **h != Home::host_pinned) {
         const bool weights = h == &options.weights_home;
         throw std::invalid_argument(
-            fmt::format("the host optimizer needs weights and optimizer state in host_pinned, not '{}': leave the "
+            fmt::format("the host optimizer{} needs weights and optimizer state in host_pinned, not '{}': leave the "
                         "{} home to the residency mode (no --{}-home; ResidencyOptions::{}_home) or run the "
-                        "optimizer on the device (no --host-optimizer)",
-                        offload::home_name(**h), weights ? "weights'" : "state's", weights ? "weights" : "state",
-                        weights ? "weights" : "state"));
+                        "optimizer on the device ({})",
+                        implied_by, offload::home_name(**h), weights ? "weights'" : "state's",
+                        weights ? "weights" : "state", weights ? "weights" : "state", without));
       }
     }
     mode = ResidencyMode::stream;

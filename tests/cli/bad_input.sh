@@ -81,6 +81,8 @@ row "staging chunk too small" "use 4.0 KiB to 256.0 MiB" error - \
   train --host-memory staged --staging-chunk 1KiB "${quick[@]}"
 row "host optimizer with resident residency" "or run the optimizer on the device (no --host-optimizer" error - \
   train "${quick[@]}" --host-optimizer --residency resident
+row "overlapped host updates with mapped residency" "(which --overlap-host-updates implies)" error - \
+  train "${quick[@]}" --overlap-host-updates --residency mapped
 row "host optimizer with compressed state" "leave the state's home to the residency mode" error - \
   train "${quick[@]}" --host-optimizer --state-home compressed
 row "overlapped host updates with the optimizer on the device" "are the host optimizer's: add --host-optimizer" \
