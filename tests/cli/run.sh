@@ -47,6 +47,16 @@ check "bench/trace_summary.py gives the compute lane's time per kind of node" ba
   "python3 '$summary_py' '$work/trace.json' --step 1 | grep -q '\"by_kind\": \[{\"kind\": \"[a-z]'"
 check "the profile is CSV with per-node device bytes" bash -c "head -1 '$work/profile.csv' | grep -q '^variant,step,node,kind,lane,section,live_device_bytes' && [ \$(wc -l < '$work/profile.csv') -gt 20 ]"
 
+# Without --quiet every epoch ends with an evaluation, and the final report takes the last one's
+# figures rather than evaluating the same weights again: they must be those a quiet run computes.
+loud=$("$ferry" train --model mlp --epochs 2 --train-limit 512 --json 2>/dev/null)
+quiet=$("$ferry" train --model mlp --epochs 2 --train-limit 512 --json --quiet)
+for key in test_loss test_accuracy; do
+  loud_value=$(grep -o "\"$key\":[0-9.e-]*" <<<"$loud")
+  check "the final $key with per-epoch evaluations is a quiet run's ($loud_value)" \
+    test -n "$loud_value" -a "$loud_value" = "$(grep -o "\"$key\":[0-9.e-]*" <<<"$quiet")"
+done
+
 streamed=$("$ferry" train --model mlp --epochs 1 --train-limit 512 --quiet --json --residency stream --device-budget 24MiB)
 check "streaming under a budget reports fetches" bash -c "grep -q '\"residency\":\"stream\"' <<<'$streamed' && ! grep -q '\"fetch_bytes_per_step\":0,' <<<'$streamed'"
 
