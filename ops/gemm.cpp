@@ -172,9 +172,28 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
 }
 
 // The plan's kernel parameters fitted to this shape (both fits leave the other kernel's alone).
+std::size_t k_splits(const GemmShape& s, const GemmKernelConfig& c);
+
+// Row blocks per gemm_packed work-item (WB): the row's, lowered until the launch has at least
+// row_block_items_per_unit work-items per compute unit (a shape with few row blocks and panels
+// would leave cores idle), 1 at least.
+constexpr std::size_t row_block_items_per_unit = 4;
+GemmKernelConfig fit_row_blocks(const GemmShape& s, GemmKernelConfig c, std::uint32_t compute_units) {
+  if (c.kernel != GemmKernel::packed || c.param("WB") <= 1) return c;
+  const std::size_t blocks = (s.M + c.param("RB") - 1) / c.param("RB");
+  const std::size_t others =
+      (s.N + panel_width(c) - 1) / panel_width(c) * s.batch * std::max<std::size_t>(1, k_splits(s, c));
+  const std::size_t wanted = row_block_items_per_unit * std::max<std::uint32_t>(1, compute_units);
+  std::size_t wb = static_cast<std::size_t>(c.param("WB"));
+  while (wb > 1 && (blocks + wb - 1) / wb * others < wanted) --wb;
+  set_param(c, "WB", static_cast<int>(wb));
+  return c;
+}
+
 GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
   const bool from_tuning_data = o.kernel.empty() || o.kernel_as_row;
-  return fit_tiled(s, fit_packed(s, p.config, o, from_tuning_data), env.device().compute_units, from_tuning_data);
+  const std::uint32_t units = env.device().compute_units;
+  return fit_tiled(s, fit_row_blocks(s, fit_packed(s, p.config, o, from_tuning_data), units), units, from_tuning_data);
 }
 
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): at least a B sub-panel
@@ -292,20 +311,31 @@ std::optional<GemmKernelConfig> tail_panel(const GemmShape& s, const GemmKernelC
   return t;
 }
 
-// Whether each gemm_packed work-item packs its own panel of a transposed B (OWN_PANEL in
-// gemm_packed.cl) and runs every row block against it, instead of a gemm_pack_b launch over the
-// whole of B before the product: the panel's rows are then in the core's cache when the row blocks
-// read them, and the pack is not a launch of its own. For a batch-sized M the pack of the forward's
-// transposed weight was 6-14% of the call (256 x 1024 x 784: 0.06-0.18 ms of 0.9-1.1). Only with
-// enough panels to keep every compute unit busy (each work-item now runs all of M), at most
-// own_panel_max_rows rows (past them the pack is a small part of the product and A is better
-// walked in cached groups, gemm_traversal_group_blocks) and a split's rows of a panel small enough
-// for a core's L2.
+// Whether each gemm_packed work-item packs its own panel of B (OWN_PANEL in gemm_packed.cl) and
+// runs every row block against it, instead of a gemm_pack_b launch over the whole of B before the
+// product: the panel's rows are then in the core's cache when the row blocks read them, and the
+// pack is not a launch of its own. For a batch-sized M the pack of the forward's transposed weight
+// was 6-14% of the call (256 x 1024 x 784: 0.06-0.18 ms of 0.9-1.1). Only with enough panels to
+// keep every compute unit busy (each work-item now runs all of M), at most own_panel_max_rows rows
+// (past them the pack is a small part of the product and A is better walked in cached groups,
+// gemm_traversal_group_blocks) and a split's rows of a panel small enough for a core's L2.
+//
+// A row-major B too, with panels 16 wide (the AVX2 row; measured there only), while A, which every
+// work-item then reads whole, fits a quarter of the last-level cache: the pack of B was otherwise a
+// pass over all of it, 192 x 768 x 4096 TN (a GPT weight gradient) ran 104-127 -> 144-147 GFLOPS on
+// the AVX2 EPYC and 256 x 784 x 1024 NN 168 -> 187, where 768 x 192 x 4096 TN, 12 MiB of A, fell
+// from 130 to 110 (bench/RESULTS.md, "Row blocks per work-item; a row-major B packed by the product").
 constexpr std::size_t own_panel_max_rows = 1024;
 constexpr std::size_t own_panel_items_per_unit = 4;
 constexpr std::size_t own_panel_max_bytes = std::size_t{256} << 10;
-bool own_panel(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o, std::uint32_t compute_units) {
-  if (!s.trans_b || o.b_planes != 0 || s.K == 0 || s.M > own_panel_max_rows) return false;
+constexpr std::size_t own_panel_row_major_width = 16, own_panel_row_major_a_share = 4;
+bool own_panel(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o, const cl::DeviceInfo& device) {
+  if (o.b_planes != 0 || s.K == 0 || s.M > own_panel_max_rows) return false;
+  if (!s.trans_b && (direct_b(s, c, o) || panel_width(c) != own_panel_row_major_width ||
+                     s.M * s.K * sizeof(float) > device.global_mem_cache_bytes / own_panel_row_major_a_share)) {
+    return false;
+  }
+  const std::uint32_t compute_units = device.compute_units;
   const std::size_t nb = panel_width(c), splits = k_splits(s, c);
   const std::size_t rows = splits > 1 ? split_rows(s, c) : s.K;
   const std::size_t items = (s.N + nb - 1) / nb * s.batch * splits;
@@ -447,7 +477,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   }
   // With K split, gemm_packed writes fp32 partial products and gemm_sum_splits stores C (in its
   // layout). `block` is the register block of the program (the last panel's may differ).
-  const bool own = own_panel(s, cfg, options, env.device().compute_units);
+  const bool own = own_panel(s, cfg, options, env.device());
   // A last panel in a launch of its own (tail_panel) reads it packed: with OWN_PANEL the first
   // launch's work-items pack it (OWN_TAIL), and the tail's own launch runs one work-item per row
   // block as without OWN_PANEL (a single work-item for all of M left every other core idle).
@@ -497,7 +527,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   auto product = [&](const GemmKernelConfig& block, const std::string& block_defines, bool own_launch,
                      std::size_t first, std::size_t count) {
     const std::size_t rb = static_cast<std::size_t>(block.param("RB"));
-    const cl_uint group_blocks = own_launch ? 0 : gemm_traversal_group_blocks(env, s, rb);
+    const std::size_t wb = static_cast<std::size_t>(block.param("WB"));
+    const cl_uint group_blocks =
+        own_launch ? 0 : static_cast<cl_uint>((gemm_traversal_group_blocks(env, s, rb) + wb - 1) / wb);
     cl::Kernel k = env.kernels.kernel("gemm_packed", "gemm_packed", block_defines);
     if (splits == 1) {
       cl::set_args(k.get(), cl_uint(s.M), cl_uint(s.N), cl_uint(s.K), alpha, a.buffer, a_off, packed, packed_off, beta,
@@ -516,7 +548,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     l.dims = s.batch * splits == 1 ? 2 : 3;
     // Row blocks on dimension 0 (one work-item for all of them with OWN_PANEL): neighbours share a
     // B panel. Products times splits on dimension 2.
-    l.global = {own_launch ? 1 : (s.M + rb - 1) / rb, count, s.batch * splits};
+    l.global = {own_launch ? 1 : ((s.M + rb - 1) / rb + wb - 1) / wb, count, s.batch * splits};
     l.local = {1, 1, 1};
     return l;
   };

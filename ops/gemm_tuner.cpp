@@ -71,7 +71,8 @@ std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode
 // each block with the k loop unrolled by 4 (the AVX2 EPYC's best) and, in the full search, rolled.
 // Packing A (PA=1) changes only products with an f32 A transposed (an f16 A is always packed),
 // which the probe square is not: the finalists get their packed-A twins in stage 2
-// (gemm_tune_twins).
+// (gemm_tune_twins), and twins with 8 row blocks per work-item (WB), which the shapes of the
+// scored products tell apart better than the probe.
 std::vector<std::string> packed_candidates(TuneMode mode) {
   std::vector<std::string> out;
   for (int nv : {4, 1, 2, 3}) {
@@ -232,7 +233,15 @@ std::vector<std::string> gemm_tune_twins(const std::string& kernel, const cl::De
   const GemmKernelConfig c = parse_gemm_kernel_spec(kernel, "gemm tuner");
   auto given = [&](const char* key) { return kernel.find(fmt::format(" {}=", key)) != std::string::npos; };
   std::vector<std::string> twins;
-  if (c.kernel == GemmKernel::packed && !given("PA")) twins.push_back(kernel + " PA=1");
+  if (c.kernel == GemmKernel::packed) {
+    if (!given("PA")) twins.push_back(kernel + " PA=1");
+    // Row blocks one after another against a panel: fewer work-items and their set-up, and the
+    // panel from one core's cache (bench/RESULTS.md, "Row blocks per work-item").
+    if (!given("WB")) {
+      twins.push_back(kernel + " WB=8");
+      if (!given("PA")) twins.push_back(kernel + " PA=1 WB=8");
+    }
+  }
   if (c.kernel != GemmKernel::tiled || given("SK") || given("VG") || given("RR")) return twins;
   twins.push_back(kernel + " SK=1");
   if (c.param("TSM") % 4 || c.param("TSN") % 4 || c.param("TSK") % 4) return twins;
@@ -311,8 +320,8 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
       GemmTuneCandidate t;
       t.kernel = std::move(twin);
       // The probe square is not split, needs no packed A, and twins are not probed: 0 says so
-      // for float4 loads and register caps, which would change it.
-      const bool same_on_probe = t.kernel.find("VG=") == std::string::npos;
+      // for float4 loads, register caps and row blocks per work-item, which would change it.
+      const bool same_on_probe = t.kernel.find("VG=") == std::string::npos && t.kernel.find("WB=") == std::string::npos;
       t.probe_gflops = same_on_probe ? r.candidates[i].probe_gflops : 0.0;
       r.candidates.push_back(std::move(t));
       scored.push_back(r.candidates.size() - 1);

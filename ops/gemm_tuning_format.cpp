@@ -53,7 +53,8 @@ struct ParamRule {
 
 // The parameters each kernel takes and their sane ranges.
 const std::vector<ParamRule>& rules(GemmKernel k) {
-  static const std::vector<ParamRule> packed{{"RB", 1, 16}, {"NV", 1, 4}, {"PA", 0, 1, 0}, {"KU", 1, 8, 1}};
+  static const std::vector<ParamRule> packed{
+      {"RB", 1, 16}, {"NV", 1, 4}, {"PA", 0, 1, 0}, {"KU", 1, 8, 1}, {"WB", 1, 64, 1}};
   static const std::vector<ParamRule> tiled{{"TSM", 1, 256}, {"TSN", 1, 256}, {"TSK", 1, 64},
                                             {"WPTM", 1, 16}, {"WPTN", 1, 16}, {"VW", 1, 4, 1},
                                             {"SK", 0, 1, 0}, {"VG", 1, 4, 1}, {"RR", 0, 255, 0}};

@@ -40,16 +40,18 @@ const Case kShapes[] = {{1, 1, 1},        {7, 13, 5},      {37, 1000, 129}, {64,
                         {7, 21, 2200},    {13, 64, 2200},  {7, 21, 8500}};
 
 // The configurations the tests force: ferry's CPU kernel in three block shapes (the AVX-512 and
-// AVX2 rows of the tuning data, the latter with A packed and the k loop unrolled by 4, and an odd
-// one unrolled by 3, so a remainder of k steps runs after the unrolled ones), the GPU kernel in two tile shapes, one
+// AVX2 rows of the tuning data, the latter with A packed, the k loop unrolled by 4 and 8 row blocks
+// per work-item, and an odd one unrolled by 3 with 5 row blocks per work-item, so a remainder of k
+// steps runs after the unrolled ones and a work-item's last row blocks may lie past M, fewer where the
+// launch would be short of work-items), the GPU kernel in two tile shapes, one
 // reading its local tiles as float2 and loading float4s from global memory (VG=4: whole tiles where offsets and
 // leading dimensions allow it, floats at the edges, in a last partial k step and elsewhere), also on PoCL, where it
 // is slow but must be correct. The naive fallback is checked
 // through a tuning override below (each configuration costs PoCL compiles per transpose). On a device that is not a
 // CPU, the packed kernel runs in its first configuration only (see GemmKernelTest).
 constexpr const char* kPacked = "packed RB=6 NV=4";
-constexpr const char* kPackedA = "packed RB=6 NV=1 PA=1 KU=4";
-const char* const kKernels[] = {kPacked, kPackedA, "packed RB=3 NV=2 KU=3",
+constexpr const char* kPackedA = "packed RB=6 NV=1 PA=1 KU=4 WB=8";
+const char* const kKernels[] = {kPacked, kPackedA, "packed RB=3 NV=2 KU=3 WB=5",
                                 "tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2 VW=2 VG=4",
                                 "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1"};
 
@@ -588,6 +590,40 @@ TEST(GemmLayouts, OwnPanelsMatchReference) {
       check_gemm(s, packed_options(), 0.75f, -0.5f, true,
                  fmt::format("own panels {}x{}x{} {}T", s.M, s.N, s.K, ta ? "T" : "N"));
     }
+  }
+}
+
+// A row-major B with panels 16 wide (the AVX2 row) is packed by the product's work-items too, while
+// A fits a quarter of the device's last-level cache (ops/gemm.cpp, own_panel): 263 panels of
+// an odd width, 69 panels times 4 K splits, and the MLP's input gradient; A transposed or not.
+// With 8 row blocks per work-item where the launch is not an own panel's (WB, ignored there).
+TEST(GemmLayouts, OwnPanelsOfRowMajorBMatchReference) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  if (dev.context.device().compute_units > 16) {
+    GTEST_SKIP() << "the first shapes have 263 and 276 work-items, fewer than 4 per compute unit would skip own panels";
+  }
+  ops::GemmOptions o = packed_options();
+  o.kernel = kPackedA;
+  for (const ops::GemmShape& shape :
+       {ops::GemmShape{37, 4200, 129}, ops::GemmShape{32, 1100, 8192}, ops::GemmShape{256, 784, 1024}}) {
+    if (too_large_for_this_run(shape.M * shape.N * shape.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+    const bool a_fits = shape.M * shape.K * sizeof(float) <= dev.context.device().global_mem_cache_bytes / 4;
+    for (const bool ta : {false, true}) {
+      ops::GemmShape s = shape;
+      s.trans_a = ta;
+      const auto names = packed_kernel_names(s, o);
+      EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), a_fits ? 0 : 1)
+          << s.M << "x" << s.N << "x" << s.K;
+      check_gemm(s, o, 0.75f, -0.5f, true, fmt::format("own panels {}x{}x{} {}N", s.M, s.N, s.K, ta ? "T" : "N"));
+    }
+  }
+  // A larger than a quarter of the cache: B packed by its own launch, as before.
+  const std::size_t cache = dev.context.device().global_mem_cache_bytes;
+  if (cache > 0 && cache / 4 / sizeof(float) / 1024 <= 8192) {
+    const ops::GemmShape big{1024, 64, cache / 4 / sizeof(float) / 1024 + 1};
+    const auto names = packed_kernel_names(big, o);
+    EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), 1) << big.K;
   }
 }
 

@@ -209,8 +209,9 @@ TEST(GemmTune, CandidateListsAreValidAndQuickIsShorter) {
 }
 
 // On a CPU every packed finalist is to be scored once more with A packed (PA=1, which the probe
-// square cannot tell apart), and either may win. With a budget of 0.01 s one candidate is probed
-// and scored; its twin is listed, not reached (the budget bounds the whole search).
+// square cannot tell apart), with 8 row blocks per work-item (WB=8, not probed) and with both, and
+// any may win. With a budget of 0.01 s one candidate is probed and scored; its twins are listed,
+// not reached (the budget bounds the whole search).
 TEST(GemmTune, PackedFinalistsGetPackedATwinsWithinTheBudget) {
   auto& dev = TestDevice::get();
   if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel's search runs on CPU devices";
@@ -221,17 +222,20 @@ TEST(GemmTune, PackedFinalistsGetPackedATwinsWithinTheBudget) {
   options.mode = ops::TuneMode::quick;
   options.budget_seconds = 0.01;  // one candidate probed, then it on the shapes
   const ops::GemmTuneResult r = ops::tune_gemm(env, options);
-  ASSERT_GE(r.candidates.size(), 2u);
+  ASSERT_EQ(r.candidates.size(), 4u);
   const ops::GemmTuneCandidate& base = r.candidates.front();
-  const ops::GemmTuneCandidate& twin = r.candidates.back();
-  EXPECT_EQ(twin.kernel, base.kernel + " PA=1");
-  EXPECT_EQ(twin.probe_gflops, base.probe_gflops);
+  const std::string twins[] = {base.kernel + " PA=1", base.kernel + " WB=8", base.kernel + " PA=1 WB=8"};
+  for (std::size_t i = 0; i < 3; ++i) {
+    const ops::GemmTuneCandidate& twin = r.candidates[i + 1];
+    EXPECT_EQ(twin.kernel, twins[i]);
+    EXPECT_EQ(twin.probe_gflops, i == 0 ? base.probe_gflops : 0.0) << twin.kernel;
+    EXPECT_EQ(twin.score_gflops, 0.0) << twin.kernel << ": scored past the budget";
+    EXPECT_TRUE(twin.error.empty()) << twin.error;
+  }
   EXPECT_GT(base.score_gflops, 0.0) << base.error;
-  EXPECT_EQ(twin.score_gflops, 0.0) << "the twin was scored past the budget";
-  EXPECT_TRUE(twin.error.empty()) << twin.error;
   EXPECT_TRUE(r.budget_ran_out);
   EXPECT_EQ(r.best, base.kernel);
-  EXPECT_EQ(r.planned, ops::gemm_tune_candidates(dev.context.device(), ops::TuneMode::quick).size() + 1);
+  EXPECT_EQ(r.planned, ops::gemm_tune_candidates(dev.context.device(), ops::TuneMode::quick).size() + 3);
   ops::forget_gemm_tuning();
   std::filesystem::remove_all(dir);
 }
@@ -300,7 +304,8 @@ TEST(GemmTune, BuildingAheadMeasuresTheSameCandidates) {
 }
 
 // The GPU kernel's finalists are scored with K split, with float4 loads where the tile allows, and
-// on NVIDIA with a register cap for 8 x 8 blocks; a finalist that already names them gets none.
+// on NVIDIA with a register cap for 8 x 8 blocks; the CPU kernel's with A packed and with 8 row
+// blocks per work-item; a finalist that already names them gets none.
 TEST(GemmTune, TiledFinalistsGetSplitVectorAndRegisterTwins) {
   cl::DeviceInfo gpu;
   gpu.type = CL_DEVICE_TYPE_GPU;
@@ -316,8 +321,11 @@ TEST(GemmTune, TiledFinalistsGetSplitVectorAndRegisterTwins) {
   const std::string odd = "tiled TSM=16 TSN=8 TSK=5 WPTM=1 WPTN=1";  // k steps of 5: no float4s
   EXPECT_EQ(ops::gemm_tune_twins(odd, gpu), (std::vector<std::string>{odd + " SK=1"}));
   EXPECT_TRUE(ops::gemm_tune_twins(big + " SK=1", gpu).empty());
-  EXPECT_TRUE(ops::gemm_tune_twins("packed RB=6 NV=4 PA=1", gpu).empty());
-  EXPECT_EQ(ops::gemm_tune_twins("packed RB=6 NV=4", gpu), (std::vector<std::string>{"packed RB=6 NV=4 PA=1"}));
+  EXPECT_TRUE(ops::gemm_tune_twins("packed RB=6 NV=4 PA=1 WB=8", gpu).empty());
+  EXPECT_EQ(ops::gemm_tune_twins("packed RB=6 NV=4 PA=1", gpu),
+            (std::vector<std::string>{"packed RB=6 NV=4 PA=1 WB=8"}));
+  EXPECT_EQ(ops::gemm_tune_twins("packed RB=6 NV=4", gpu),
+            (std::vector<std::string>{"packed RB=6 NV=4 PA=1", "packed RB=6 NV=4 WB=8", "packed RB=6 NV=4 PA=1 WB=8"}));
   gpu.extensions = "cl_nv_compiler_optionsX";  // a whole word only
   EXPECT_FALSE(gpu.has_extension("cl_nv_compiler_options"));
 }

@@ -8,10 +8,12 @@
 //                per k step NV vload16 of the B panel, RB scalar broadcasts of A and fma().
 // Launch gemm_packed with local size 1 and the row-block index on dimension 0, so that
 // consecutive work-groups share one B panel. Parameters (-D): RB (1..16), NV (1..4), PA (0, 1),
-// KU (k steps the main loop is unrolled by), TRANS_A, TRANS_B, NB_LAYOUT (the packed panels'
-// width), OWN_PANEL. A last panel that N leaves mostly empty runs in a launch of its own, built
+// KU (k steps the main loop is unrolled by), WB (row blocks a work-item runs one after another
+// against its panel: fewer work-groups, whose set-up PoCL pays each time, and the panel read from
+// the core's caches after the first), TRANS_A, TRANS_B, NB_LAYOUT (the packed panels' width),
+// OWN_PANEL. A last panel that N leaves mostly empty runs in a launch of its own, built
 // with fewer vectors and reading the panels as packed (NB_LAYOUT), from panel `panel0`. With
-// OWN_PANEL (a transposed B, ops/gemm.cpp `own_panel`) there is no gemm_pack_b launch: gemm_packed
+// OWN_PANEL (ops/gemm.cpp `own_panel`) there is no gemm_pack_b launch: gemm_packed
 // runs one work-item per panel (dimension 0 is 1), which packs its panel from `b` into the usual
 // place and then computes every row block against it; with OWN_TAIL its work-items also pack the
 // panel that the narrower launch after it reads.
@@ -57,11 +59,14 @@
 #ifndef KU
 #define KU 1
 #endif
-#ifndef OWN_PANEL
-#define OWN_PANEL 0  // 1: each gemm_packed work-item packs its own panel of a transposed B (no gemm_pack_b)
+#ifndef WB
+#define WB 1  // row blocks per work-item (without OWN_PANEL, which runs all of them)
 #endif
-#if OWN_PANEL && (!TRANS_B || B_PLANES || DIRECT_B)
-#error "OWN_PANEL packs a transposed B in rows (not planes, not read in place)"
+#ifndef OWN_PANEL
+#define OWN_PANEL 0  // 1: each gemm_packed work-item packs its own panel of B (no gemm_pack_b)
+#endif
+#if OWN_PANEL && (B_PLANES || DIRECT_B)
+#error "OWN_PANEL packs B from rows (not planes, not read in place)"
 #endif
 #ifndef OWN_TAIL
 #define OWN_TAIL 0  // 1 (with OWN_PANEL): a launch of the last panel alone follows, whose panel this one packs
@@ -138,6 +143,18 @@ inline void pack_b_row16(uint N, __global const STORAGE(B_NAME)* b, ulong row, _
     for (uint i = 0; i < 16; ++i) dst[i] = col + i < N ? LOAD(B_NAME, b, row + col + i) : 0.0f;
   }
 }
+#endif
+
+#if !TRANS_B && !B_PLANES
+// Columns j0.. j0 + 15 of a row-major B for k in [k0, k_end) into `dst` (op(B) row k at dst + k
+// NB_LAYOUT), as pack_b_columns16 does for a transposed B.
+inline void pack_b_rows16(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* dst,
+                          uint j0, uint k0, uint k_end) {
+  for (uint k = k0; k < k_end; ++k) pack_b_row16(N, b, b_off + (ulong)k * N, dst + (ulong)k * NB_LAYOUT, j0);
+}
+#define PACK_OWN_COLUMNS16 pack_b_rows16
+#else
+#define PACK_OWN_COLUMNS16 pack_b_columns16
 #endif
 
 // One work-item packs PACK_ROWS k rows of op(B) of product get_global_id(2): all columns, padding
@@ -541,8 +558,8 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   __global const float* const panel_rows = bp;
   const ulong b_product = b_off + product * ((ulong)K * N);  // this product's B
   for (uint j = 0; j < NB; j += 16) {
-    pack_b_columns16(N, K, b, b_product, (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j,
-                     k_begin, k_end);
+    PACK_OWN_COLUMNS16(N, K, b, b_product, (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j,
+                       k_begin, k_end);
   }
 #if OWN_TAIL
   {
@@ -553,7 +570,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     const uint k_lo = min(k_end, k_begin + (panel - panel0) * share), k_hi = min(k_end, k_lo + share);
     __global float* tail_panel = (__global float*)panel_rows + ((ulong)(tail - panel) * K - k_begin) * NB_LAYOUT;
     for (uint j = 0; tail * NB_LAYOUT + j < N; j += 16) {
-      pack_b_columns16(N, K, b, b_product, tail_panel + j, tail * NB_LAYOUT + j, k_lo, k_hi);
+      PACK_OWN_COLUMNS16(N, K, b, b_product, tail_panel + j, tail * NB_LAYOUT + j, k_lo, k_hi);
     }
   }
 #endif
@@ -563,6 +580,17 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     __global const float* ap = PACKED_A_ROWS(block);
 #endif
     __global const float* bp = panel_rows;  // the k loop below advances it, per block
+#elif WB > 1
+  // WB row blocks one after another against this panel: the panel's rows come from this core's
+  // caches for all but the first.
+  __global const float* const panel_rows = bp;
+  const uint wb_last = min((block + 1) * WB, (M + RB - 1) / RB);
+  for (block = block * WB; block < wb_last; ++block) {
+    const uint row0 = block * RB;
+#if PA
+    __global const float* ap = PACKED_A_ROWS(block);
+#endif
+    __global const float* bp = panel_rows;
 #endif
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
@@ -594,7 +622,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   bool guard_bad = false;  // C_GUARD: a stored value was not finite
   FOR_ROWS(ACC_STORE)
   GUARD_SET(guard_bad, guard, guard_off);
-#if OWN_PANEL
+#if OWN_PANEL || WB > 1
   }
 #endif
 }
