@@ -171,7 +171,6 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
   return c;
 }
 
-// The plan's kernel parameters fitted to this shape (both fits leave the other kernel's alone).
 std::size_t k_splits(const GemmShape& s, const GemmKernelConfig& c);
 
 // Row blocks per gemm_packed work-item (WB): the row's, lowered until the launch has at least
@@ -190,6 +189,7 @@ GemmKernelConfig fit_row_blocks(const GemmShape& s, GemmKernelConfig c, std::uin
   return c;
 }
 
+// The plan's kernel parameters fitted to this shape (the fits leave the other kernel's alone).
 GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
   const bool from_tuning_data = o.kernel.empty() || o.kernel_as_row;
   const std::uint32_t units = env.device().compute_units;

@@ -627,6 +627,37 @@ TEST(GemmLayouts, OwnPanelsOfRowMajorBMatchReference) {
   }
 }
 
+// WB row blocks per work-item, the most up to the kernel's that leave the launch at least four
+// work-items per compute unit: 10 row blocks by 2 panels lower it (to 1 where even one block per
+// work-item is too few), 1000 row blocks keep it; the description names the WB that runs.
+TEST(GemmLayouts, RowBlocksPerWorkItemLeaveEveryComputeUnitWork) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  ops::GemmOptions o = packed_options();
+  o.kernel = "packed RB=6 NV=1 KU=4 WB=8";
+  const std::size_t wanted = 4 * std::max<std::size_t>(1, dev.context.device().compute_units);
+  auto wb_of = [&](const ops::GemmShape& s) {
+    const std::string desc = ops::gemm_kernel_description(dev.env, s, o);
+    const std::size_t at = desc.find("WB=");
+    EXPECT_NE(at, std::string::npos) << desc;
+    return at == std::string::npos ? 0 : std::stoul(desc.substr(at + 3));
+  };
+  const std::size_t small = wb_of({60, 32, 512});
+  auto items = [](std::size_t wb) { return (10 + wb - 1) / wb * 2; };
+  EXPECT_GE(small, 1u);
+  EXPECT_LE(small, 8u);
+  if (small > 1) {
+    EXPECT_GE(items(small), wanted) << small;
+  }
+  if (small < 8) {
+    EXPECT_LT(items(small + 1), wanted) << small;
+  }
+  if (wanted <= 125) {
+    EXPECT_EQ(wb_of({6000, 32, 64}), 8u);
+  }
+  check_gemm({60, 32, 512}, o, 0.75f, -0.5f, true, fmt::format("WB={} of 8: 60x32x512", small));
+}
+
 // A transposed A packed (PA=1) by gemm_pack_a's work-items of PACK_A_TK = 8 k rows and 128 / RB
 // row blocks, copying each block's RB values of a k row in vector moves for RB = 4, 6, 8, 12 and 16
 // and one by one otherwise (7): M spans two groups of blocks and a last block that repeats row M - 1,
