@@ -173,16 +173,23 @@ GemmKernelConfig fit_tiled(const GemmShape& s, GemmKernelConfig c, std::uint32_t
 
 std::size_t k_splits(const GemmShape& s, const GemmKernelConfig& c);
 
-// Row blocks per gemm_packed work-item (WB): the row's, lowered until the launch has at least
-// row_block_items_per_unit work-items per compute unit (a shape with few row blocks and panels
-// would leave cores idle), 1 at least.
-constexpr std::size_t row_block_items_per_unit = 4;
+// gemm_packed's work-items for one row of work-items per panel: panels times products times K
+// splits. A launch is given at least packed_items_per_unit work-items per compute unit where it
+// can (own_panel, fit_row_blocks), so that no core sits idle while another finishes.
+constexpr std::size_t packed_items_per_unit = 4;
+std::size_t panel_items(const GemmShape& s, const GemmKernelConfig& c) {
+  return (s.N + panel_width(c) - 1) / panel_width(c) * s.batch * k_splits(s, c);
+}
+std::size_t wanted_items(std::uint32_t compute_units) {
+  return packed_items_per_unit * std::max<std::uint32_t>(1, compute_units);
+}
+
+// Row blocks per gemm_packed work-item (WB): the row's, lowered until the launch has the work-items
+// it wants (wanted_items), 1 at least.
 GemmKernelConfig fit_row_blocks(const GemmShape& s, GemmKernelConfig c, std::uint32_t compute_units) {
   if (c.kernel != GemmKernel::packed || c.param("WB") <= 1) return c;
   const std::size_t blocks = (s.M + c.param("RB") - 1) / c.param("RB");
-  const std::size_t others =
-      (s.N + panel_width(c) - 1) / panel_width(c) * s.batch * std::max<std::size_t>(1, k_splits(s, c));
-  const std::size_t wanted = row_block_items_per_unit * std::max<std::uint32_t>(1, compute_units);
+  const std::size_t others = panel_items(s, c), wanted = wanted_items(compute_units);
   std::size_t wb = static_cast<std::size_t>(c.param("WB"));
   while (wb > 1 && (blocks + wb - 1) / wb * others < wanted) --wb;
   set_param(c, "WB", static_cast<int>(wb));
@@ -326,7 +333,6 @@ std::optional<GemmKernelConfig> tail_panel(const GemmShape& s, const GemmKernelC
 // the AVX2 EPYC and 256 x 784 x 1024 NN 168 -> 187, where 768 x 192 x 4096 TN, 12 MiB of A, fell
 // from 130 to 110 (bench/RESULTS.md, "Row blocks per work-item; a row-major B packed by the product").
 constexpr std::size_t own_panel_max_rows = 1024;
-constexpr std::size_t own_panel_items_per_unit = 4;
 constexpr std::size_t own_panel_max_bytes = std::size_t{256} << 10;
 constexpr std::size_t own_panel_row_major_width = 16, own_panel_row_major_a_share = 4;
 bool own_panel(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o, const cl::DeviceInfo& device) {
@@ -335,12 +341,9 @@ bool own_panel(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions&
                      s.M * s.K * sizeof(float) > device.global_mem_cache_bytes / own_panel_row_major_a_share)) {
     return false;
   }
-  const std::uint32_t compute_units = device.compute_units;
-  const std::size_t nb = panel_width(c), splits = k_splits(s, c);
-  const std::size_t rows = splits > 1 ? split_rows(s, c) : s.K;
-  const std::size_t items = (s.N + nb - 1) / nb * s.batch * splits;
-  return items >= own_panel_items_per_unit * std::max<std::uint32_t>(1, compute_units) &&
-         rows * nb * sizeof(float) <= own_panel_max_bytes;
+  const std::size_t rows = k_splits(s, c) > 1 ? split_rows(s, c) : s.K;
+  return panel_items(s, c) >= wanted_items(device.compute_units) &&
+         rows * panel_width(c) * sizeof(float) <= own_panel_max_bytes;
 }
 
 std::string transpose_defines(const GemmShape& s) {

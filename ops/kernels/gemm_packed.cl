@@ -148,6 +148,7 @@ inline void pack_b_row16(uint N, __global const STORAGE(B_NAME)* b, ulong row, _
 #if !TRANS_B && !B_PLANES
 // Columns j0.. j0 + 15 of a row-major B for k in [k0, k_end) into `dst` (op(B) row k at dst + k
 // NB_LAYOUT), as pack_b_columns16 does for a transposed B.
+// (K is not read: the parameters are pack_b_columns16's, so OWN_PANEL calls either alike.)
 inline void pack_b_rows16(uint N, uint K, __global const STORAGE(B_NAME)* b, ulong b_off, __global float* dst,
                           uint j0, uint k0, uint k_end) {
   for (uint k = k0; k < k_end; ++k) pack_b_row16(N, b, b_off + (ulong)k * N, dst + (ulong)k * NB_LAYOUT, j0);
@@ -552,10 +553,14 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   arows += arows_off;
   acols += acols_off;
 
+#if OWN_PANEL || WB > 1
+  // Row blocks [block_first, block_last) one after another against this panel, from its first row
+  // each time: the panel's rows come from this core's caches for all but the first.
+  __global const float* const panel_rows = bp;
+#endif
 #if OWN_PANEL
   // One work-item per panel (and split and product): it packs its rows of op(B) into the panel's
   // place itself, then runs every row block against them while they are in its core's cache.
-  __global const float* const panel_rows = bp;
   const ulong b_product = b_off + product * ((ulong)K * N);  // this product's B
   for (uint j = 0; j < NB; j += 16) {
     PACK_OWN_COLUMNS16(N, K, b, b_product, (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j,
@@ -574,23 +579,17 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     }
   }
 #endif
-  for (block = 0; block < (M + RB - 1) / RB; ++block) {
+  const uint block_first = 0, block_last = (M + RB - 1) / RB;  // every row block
+#elif WB > 1
+  const uint block_first = block * WB, block_last = min(block_first + WB, (M + RB - 1) / RB);
+#endif
+#if OWN_PANEL || WB > 1
+  for (block = block_first; block < block_last; ++block) {
     const uint row0 = block * RB;
 #if PA
     __global const float* ap = PACKED_A_ROWS(block);
 #endif
     __global const float* bp = panel_rows;  // the k loop below advances it, per block
-#elif WB > 1
-  // WB row blocks one after another against this panel: the panel's rows come from this core's
-  // caches for all but the first.
-  __global const float* const panel_rows = bp;
-  const uint wb_last = min((block + 1) * WB, (M + RB - 1) / RB);
-  for (block = block * WB; block < wb_last; ++block) {
-    const uint row0 = block * RB;
-#if PA
-    __global const float* ap = PACKED_A_ROWS(block);
-#endif
-    __global const float* bp = panel_rows;
 #endif
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
