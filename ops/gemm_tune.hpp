@@ -35,7 +35,9 @@ double tune_budget_from_env();
 std::vector<std::string> gemm_tune_candidates(const cl::DeviceInfo& device, TuneMode mode);
 
 // A finalist's twins: the same block or tile with options that the probe square does not decide,
-// scored beside it on every shape. The CPU kernel: A packed (PA=1; only transposed A differs). The
+// scored after the finalists on every shape (on CPUs the best finalist's only, on GPUs every
+// finalist's). The CPU kernel: A packed (PA=1; only transposed A differs), 8 row blocks per
+// work-item (WB=8) and both. The
 // GPU kernel: K split where the last wave is short (SK=1), that with float4 loads (VG=4, where the
 // tile allows), and on NVIDIA, for 8 x 8 blocks, that with registers capped at 128 (RR=128, two
 // 256-item work-groups per compute unit).
@@ -47,7 +49,7 @@ void forget_gemm_tuning();
 
 struct GemmTuneProgress {
   // Measurements done (or skipped) and planned: each candidate on the probe shape, then each
-  // finalist and its twins on every scored shape (the total grows when the twins join); not
+  // finalist on every scored shape, then the twins (the total grows when they join); not
   // GemmTuneResult::planned, which counts candidates.
   std::size_t done = 0, total = 0;
   std::string stage;  // "probe" (every candidate, one shape) or "shapes" (the best few, all shapes)

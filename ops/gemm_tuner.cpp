@@ -12,7 +12,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string_view>
 #include <utility>
@@ -69,16 +71,25 @@ std::vector<std::string> tiled_candidates(const cl::DeviceInfo& d, TuneMode mode
 // Candidates of the CPU kernel: RB rows x NV float16 accumulators within 32 vector registers
 // (NV = 1 for 256-bit units, where a float16 takes two of their 16 registers), likeliest first;
 // each block with the k loop unrolled by 4 (the AVX2 EPYC's best) and, in the full search, rolled.
+// The quick search lists only the blocks whose accumulators, B vectors and broadcast fit the
+// device's registers (`lanes`, its native float width: 16 lanes and 32 registers with AVX-512,
+// else 16 registers): on the AVX2 EPYC the others spilled (RB=6 NV=4 at 46 GFLOPS, RB=8 NV=1 at
+// 95, against 152 for RB=6 NV=1), and each probe costs a build of 2-3 s there.
 // Packing A (PA=1) changes only products with an f32 A transposed (an f16 A is always packed),
-// which the probe square is not: the finalists get their packed-A twins in stage 2
+// which the probe square is not: the best finalist gets its packed-A twin in stage 2
 // (gemm_tune_twins), and twins with 8 row blocks per work-item (WB), which the shapes of the
 // scored products tell apart better than the probe.
-std::vector<std::string> packed_candidates(TuneMode mode) {
+std::vector<std::string> packed_candidates(TuneMode mode, std::uint32_t lanes) {
+  const std::size_t float16_registers = lanes >= 16 || lanes == 0 ? 1 : 16 / lanes;
+  const std::size_t registers = lanes >= 16 || lanes == 0 ? 32 : 16;
   std::vector<std::string> out;
   for (int nv : {4, 1, 2, 3}) {
     for (int rb : {6, 4, 8, 5, 3, 7, 10, 12, 2, 9, 11}) {
       if (rb * nv + nv + 1 > 32 || (nv == 2 && rb % 2)) continue;
-      if (mode == TuneMode::quick && (nv == 3 || rb > 8 || rb < 4 || rb == 5 || rb == 7)) continue;
+      if (mode == TuneMode::quick) {
+        if (nv == 3 || rb > 8 || rb < 4 || rb == 5 || rb == 7) continue;
+        if (std::size_t(rb * nv + nv) * float16_registers + 1 > registers) continue;
+      }
       out.push_back(fmt::format("packed RB={} NV={} KU=4", rb, nv));
       if (mode == TuneMode::full) out.push_back(fmt::format("packed RB={} NV={}", rb, nv));
     }
@@ -103,6 +114,21 @@ std::vector<GemmShape> scored_shapes(const cl::DeviceInfo& d) {
           {2048, 3072, 768, false, true},
           {2048, 768, 3072},
           {768, 3072, 2048, true, false}};
+}
+
+// The words of `text` in order: a fitted kernel's parameters come in the order the row gave them
+// ("KU=4 WB=8 PA=0" for one twin, "KU=4 PA=0 WB=8" for another), which says nothing of its launches.
+std::string sorted_words(const std::string& text) {
+  std::vector<std::string> words;
+  for (std::size_t at = 0; at < text.size();) {
+    const std::size_t end = std::min(text.find(' ', at), text.size());
+    if (end > at) words.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  std::sort(words.begin(), words.end());
+  std::string out;
+  for (const std::string& w : words) out += w + ' ';
+  return out;
 }
 
 double gflops(const GemmShape& s, double seconds) {
@@ -132,9 +158,16 @@ class Timer {
   }
 
   // GFLOPS of `kernel` fitted to `s`: the best of a few rounds of back-to-back runs, each round long
-  // enough (about 20 ms) that launch overhead and timer resolution do not decide.
-  double measure(const GemmShape& s, const std::string& kernel) {
+  // enough (about 20 ms) that launch overhead and timer resolution do not decide. A kernel fitted to
+  // `s` as one measured before (a twin whose parameter this shape does not use: PA=1 where A is not
+  // transposed) gets that one's rate: the same launches, and no ranking by noise between them.
+  // `again` times it once more and keeps the better rate (score_finalists' second pass).
+  double measure(const GemmShape& s, const std::string& kernel, bool again = false) {
     const GemmOptions o = options(kernel);
+    const std::string key = fmt::format("{}x{}x{}{}{} {}", s.M, s.N, s.K, s.trans_a ? " ta" : "",
+                                        s.trans_b ? " tb" : "", sorted_words(gemm_kernel_description(env_, s, o)));
+    const auto it = measured_.find(key);
+    if (it != measured_.end() && !again) return it->second;
     const std::size_t need = gemm_scratch_elems(env_, s, o);
     if (need > ops_.scratch_elems) {
       ops_.scratch = ctx_.create_buffer(need * sizeof(float), "gemm tuner scratch");
@@ -142,8 +175,10 @@ class Timer {
     }
     const LaunchList launches =
         gemm(env_, s, 1.0f, {ops_.a.get(), 0}, {ops_.b.get(), 0}, 0.0f, {ops_.c.get(), 0}, {ops_.scratch.get(), 0}, o);
-    const double best = best_seconds_per_run(ctx_.compute(), launches, 200, "gemm tuner");
-    return gflops(s, best);
+    const double rate = gflops(s, best_seconds_per_run(ctx_.compute(), launches, 200, "gemm tuner"));
+    double& kept = measured_[key];
+    kept = std::max(kept, rate);
+    return kept;
   }
 
   // Builds the programs `kernel` fitted to `s` runs, without running it: safe on other threads
@@ -165,6 +200,7 @@ class Timer {
   OpEnv& env_;
   const cl::Context& ctx_;
   Operands ops_;
+  std::map<std::string, double> measured_;  // GFLOPS by shape and fitted kernel (measure())
 };
 
 // The (shape, kernel) pairs to be timed, as builds for a BuildAhead: on GPUs only, unless a test asks.
@@ -224,7 +260,7 @@ double tune_budget_from_env() {
 
 std::vector<std::string> gemm_tune_candidates(const cl::DeviceInfo& device, TuneMode mode) {
   if (mode == TuneMode::off) mode = TuneMode::quick;
-  return device.is_cpu() ? packed_candidates(mode) : tiled_candidates(device, mode);
+  return device.is_cpu() ? packed_candidates(mode, device.native_float_width) : tiled_candidates(device, mode);
 }
 
 // PA=1 matters to the weight gradient's transposed A; SK=1 (instead of halving the tile) to the
@@ -296,8 +332,30 @@ void probe_candidates(Timer& timer, const GemmShape& probe, const std::vector<st
   }
 }
 
-// Stage 2: the best `finalists` of stage 1, and their twins (gemm_tune_twins), on every scored shape;
-// the winner has the highest geometric mean.
+// The geometric mean of `kernel`'s rates on `shapes` (Timer::measure, `again` as there), the rates
+// in `rates`.
+double score_on_shapes(Timer& timer, const std::vector<GemmShape>& shapes, const std::string& kernel, bool again,
+                       std::vector<double>& rates) {
+  rates.clear();
+  double log_sum = 0;
+  for (const GemmShape& s : shapes) {
+    rates.push_back(timer.measure(s, kernel, again));
+    log_sum += std::log(rates.back());
+  }
+  return std::exp(log_sum / double(rates.size()));
+}
+
+// Twins (gemm_tune_twins) of how many finalists stage 2 scores. On CPU devices a twin's programs are
+// built in turn with the timing (1-2 s each on PoCL, most of first use), so only the best finalist's
+// twins run: their parameters (PA, WB) tune the kernel the register block has already won, and with
+// every finalist twinned a first-use search took about the whole 60 s default budget on the AVX2
+// EPYC. GPUs build ahead on other threads, and a tile's twins there (SK, VG, RR) change it more.
+std::size_t twinned_finalists(const cl::DeviceInfo& device, std::size_t finalists) {
+  return device.is_cpu() ? 1 : finalists;
+}
+
+// Stage 2: the best `finalists` of stage 1 on every scored shape, then the twins of the best
+// scored ones (twinned_finalists); the winner has the highest geometric mean.
 void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline, const cl::DeviceInfo& device,
                      GemmTuneProgress& progress, const GemmTuneOptions& options, GemmTuneResult& r) {
   std::vector<std::size_t> ranked;  // indices into r.candidates
@@ -313,45 +371,28 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
             [&](std::size_t x, std::size_t y) { return r.candidates[x].probe_gflops > r.candidates[y].probe_gflops; });
   ranked.resize(std::min(ranked.size(), finalists));
   const std::size_t probed = r.candidates.size();
-  std::vector<std::size_t> scored;
-  for (std::size_t i : ranked) {
-    scored.push_back(i);
-    for (std::string& twin : gemm_tune_twins(r.candidates[i].kernel, device)) {
-      GemmTuneCandidate t;
-      t.kernel = std::move(twin);
-      // The probe square is not split, needs no packed A, and twins are not probed: 0 says so
-      // for float4 loads, register caps and row blocks per work-item, which would change it.
-      const bool same_on_probe = t.kernel.find("VG=") == std::string::npos && t.kernel.find("WB=") == std::string::npos;
-      t.probe_gflops = same_on_probe ? r.candidates[i].probe_gflops : 0.0;
-      r.candidates.push_back(std::move(t));
-      scored.push_back(r.candidates.size() - 1);
-      ++r.planned;
-    }
-  }
   progress.stage = "shapes";
-  progress.total = progress.done + scored.size();
+  progress.total = progress.done + ranked.size();
   progress.best_gflops = 0;
-  std::vector<std::pair<GemmShape, std::string>> jobs;
-  for (std::size_t i : scored) {
-    for (const GemmShape& s : r.shapes) jobs.emplace_back(s, r.candidates[i].kernel);
-  }
-  const BuildAhead ahead = build_ahead(timer, device, options, jobs);
-  for (std::size_t i : scored) {
-    if (!r.best.empty() && !deadline.next_fits()) {  // the best so far wins; the rest keep a score of 0
-      (deadline.stopped() ? r.stopped : r.budget_ran_out) = true;
-      break;
+
+  // Times candidate i on every shape (`again`: once more, each shape keeping its better rate). Once
+  // the budget (or a stop) ends the search, i and the rest keep their scores (0 if never scored).
+  // The first always runs: a winner needs a score on every shape.
+  bool ended = false;
+  std::set<std::size_t> scored;  // candidates with a score
+  auto score = [&](std::size_t i, bool again) {
+    if (ended || (!r.best.empty() && !deadline.next_fits())) {
+      if (!ended) (deadline.stopped() ? r.stopped : r.budget_ran_out) = true;
+      ended = true;
+      return;
     }
     GemmTuneCandidate& c = r.candidates[i];
     std::vector<double> rates;
-    double log_sum = 0;
     deadline.begin();
-    if (i >= probed) ++r.measured;  // a twin (its finalist was counted when probed)
+    if (i >= probed && !again) ++r.measured;  // a twin (its finalist was counted when probed)
     try {
-      for (const GemmShape& s : r.shapes) {
-        rates.push_back(timer.measure(s, c.kernel));
-        log_sum += std::log(rates.back());
-      }
-      c.score_gflops = std::exp(log_sum / double(rates.size()));
+      c.score_gflops = score_on_shapes(timer, r.shapes, c.kernel, again, rates);
+      scored.insert(i);
     } catch (const std::exception& e) {
       c.error = e.what();
     }
@@ -359,16 +400,75 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
     if (c.score_gflops > r.best_gflops) {
       r.best_gflops = c.score_gflops;
       r.best = c.kernel;
-      r.best_shape_gflops = rates;
       progress.best_gflops = r.best_gflops;
       progress.best = r.best;
     }
     ++progress.done;
     if (options.progress) options.progress(progress);
+  };
+  auto build_all = [&](const std::vector<std::size_t>& indices) {
+    std::vector<std::pair<GemmShape, std::string>> jobs;
+    for (std::size_t i : indices) {
+      for (const GemmShape& s : r.shapes) jobs.emplace_back(s, r.candidates[i].kernel);
+    }
+    return build_ahead(timer, device, options, jobs);
+  };
+
+  {
+    const BuildAhead ahead = build_all(ranked);
+    for (std::size_t i : ranked) score(i, false);
+  }
+  // The finalists by score (failed ones last), and the twins of the best few: listed even where the
+  // budget leaves them unmeasured.
+  std::vector<std::size_t> by_score = ranked;
+  std::stable_sort(by_score.begin(), by_score.end(), [&](std::size_t x, std::size_t y) {
+    return r.candidates[x].score_gflops > r.candidates[y].score_gflops;
+  });
+  by_score.resize(std::min(by_score.size(), twinned_finalists(device, finalists)));
+  std::vector<std::size_t> twins;
+  for (std::size_t i : by_score) {
+    for (std::string& kernel : gemm_tune_twins(r.candidates[i].kernel, device)) {
+      GemmTuneCandidate t;
+      t.kernel = std::move(kernel);
+      // The probe square is not split, needs no packed A, and twins are not probed: 0 says so
+      // for float4 loads, register caps and row blocks per work-item, which would change it.
+      const bool same_on_probe = t.kernel.find("VG=") == std::string::npos && t.kernel.find("WB=") == std::string::npos;
+      t.probe_gflops = same_on_probe ? r.candidates[i].probe_gflops : 0.0;
+      r.candidates.push_back(std::move(t));
+      twins.push_back(r.candidates.size() - 1);
+      ++r.planned;
+    }
+  }
+  progress.total += twins.size();
+  if (options.progress && !twins.empty()) options.progress(progress);
+  {
+    const BuildAhead ahead = build_all(twins);
+    for (std::size_t i : twins) score(i, false);
   }
   if (r.best.empty()) {
     throw std::runtime_error(fmt::format("GEMM tuning on '{}': every finalist failed on the scored shapes: {}",
                                          device.name, r.candidates[ranked[0]].error));
+  }
+  // A second pass over every scored candidate, last first, its programs built: on the 2-vCPU AVX2
+  // EPYC a kernel's timings of one shape varied by up to 30% from one moment to the next (best of
+  // five rounds each), more than the candidates differ, so one pass ranked them by the machine's
+  // moments. Each shape keeps the better of its two rates.
+  const std::vector<std::size_t> again(scored.rbegin(), scored.rend());
+  progress.total += again.size();
+  for (std::size_t i : again) score(i, true);
+  // The scores from the rates kept (a shape one candidate timed again serves every candidate
+  // fitted to it alike).
+  r.best_gflops = 0;
+  for (std::size_t i : scored) {
+    GemmTuneCandidate& c = r.candidates[i];
+    if (!c.error.empty()) continue;
+    std::vector<double> kept;
+    c.score_gflops = score_on_shapes(timer, r.shapes, c.kernel, false, kept);
+    if (c.score_gflops > r.best_gflops) {
+      r.best_gflops = c.score_gflops;
+      r.best = c.kernel;
+      r.best_shape_gflops = std::move(kept);
+    }
   }
 }
 
@@ -419,7 +519,7 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   // that finalist (cold caches on the 2-vCPU AVX-512 CPU: 13.9 s at 10 s; 43.7 s at 60 s).
   constexpr std::size_t finalists = 3;
   GemmTuneProgress progress;
-  progress.total = candidates.size() + finalists;  // the finalists' twins are added in stage 2
+  progress.total = candidates.size() + finalists;  // the twins are added in stage 2
   probe_candidates(timer, probe, candidates, TuneDeadline(options.budget_seconds * 0.6, t0, options.stop), progress,
                    options, device, r);
   score_finalists(timer, finalists, TuneDeadline(options.budget_seconds, t0, options.stop), device, progress, options,

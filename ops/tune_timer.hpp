@@ -17,7 +17,7 @@
 namespace ferry::ops {
 
 // Seconds per run of `launches`: one run to build the programs and warm caches and clocks, one
-// timed alone, then the best of three rounds of back-to-back runs (as many as fill about 20 ms, at
+// timed alone, then the best of five rounds of back-to-back runs (as many as fill about 20 ms, at
 // most max_runs), each round ended by one clFinish. `what` names the tuner in a failed clFinish.
 double best_seconds_per_run(cl_command_queue queue, const LaunchList& launches, int max_runs, const char* what);
 

@@ -208,7 +208,28 @@ TEST(GemmTune, CandidateListsAreValidAndQuickIsShorter) {
   }
 }
 
-// On a CPU every packed finalist is to be scored once more with A packed (PA=1, which the probe
+// The quick search on a CPU probes only register blocks that fit the device's vector registers: with
+// 8 lanes (AVX2: 16 registers, a float16 in two) one float16 per row and at most 6 rows; with 16
+// lanes (AVX-512: 32 registers) the wider blocks, the likeliest (RB=6 NV=4) first. The full search
+// lists every block either way.
+TEST(GemmTune, QuickCpuCandidatesFitTheVectorRegisters) {
+  auto& dev = TestDevice::get();
+  cl::DeviceInfo d = dev.context.device();
+  d.type = CL_DEVICE_TYPE_CPU;
+  d.native_float_width = 8;
+  const auto avx2 = ops::gemm_tune_candidates(d, ops::TuneMode::quick);
+  EXPECT_EQ(avx2, (std::vector<std::string>{"packed RB=6 NV=1 KU=4", "packed RB=4 NV=1 KU=4"}));
+  const auto avx2_full = ops::gemm_tune_candidates(d, ops::TuneMode::full);
+  d.native_float_width = 16;
+  const auto avx512 = ops::gemm_tune_candidates(d, ops::TuneMode::quick);
+  ASSERT_FALSE(avx512.empty());
+  EXPECT_EQ(avx512.front(), "packed RB=6 NV=4 KU=4");
+  EXPECT_NE(std::find(avx512.begin(), avx512.end(), "packed RB=8 NV=2 KU=4"), avx512.end());
+  EXPECT_GT(avx512.size(), avx2.size());
+  EXPECT_EQ(avx2_full, ops::gemm_tune_candidates(d, ops::TuneMode::full)) << "the full search is the same list";
+}
+
+// On a CPU the best packed finalist is to be scored once more with A packed (PA=1, which the probe
 // square cannot tell apart), with 8 row blocks per work-item (WB=8, not probed) and with both, and
 // any may win. With a budget of 0.01 s one candidate is probed and scored; its twins are listed,
 // not reached (the budget bounds the whole search).
@@ -235,6 +256,11 @@ TEST(GemmTune, PackedFinalistsGetPackedATwinsWithinTheBudget) {
   EXPECT_GT(base.score_gflops, 0.0) << base.error;
   EXPECT_TRUE(r.budget_ran_out);
   EXPECT_EQ(r.best, base.kernel);
+  // The probe square is the first scored shape on CPUs, fitted alike: its rate is the probe's, not
+  // a second timing (which would differ in the last digits).
+  ASSERT_EQ(r.shapes.front().M, 1024u);
+  ASSERT_EQ(r.best_shape_gflops.size(), r.shapes.size());
+  EXPECT_EQ(r.best_shape_gflops.front(), base.probe_gflops);
   EXPECT_EQ(r.planned, ops::gemm_tune_candidates(dev.context.device(), ops::TuneMode::quick).size() + 3);
   ops::forget_gemm_tuning();
   std::filesystem::remove_all(dir);
