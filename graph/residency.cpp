@@ -194,12 +194,23 @@ std::vector<char> spilled_gradients(const Graph& g) {
 // With updates after the commit point (one-copy pinned state), every gradient would otherwise
 // stay on the device from its backward node to the update phase: the gradients of streamed
 // weights get a home in pinned host memory (the plan's host step pool) to spill to.
-void spill_gradients(Graph& g) {
+// `unless_read_on_host` (the host optimizer, whose updates write their gradients back themselves,
+// move_updates_to_host): only gradients that no host-lane node reads, those a micro-batch step sums
+// into their persistent sums on the device after its overflow check (a deep MLP's 1.6 GiB of
+// gradients were otherwise all on the device at once, where the device optimizer's spilled).
+void spill_gradients(Graph& g, bool unless_read_on_host) {
   auto& t = g.tensors;
+  std::vector<char> read_on_host(t.size(), 0);
+  if (unless_read_on_host) {
+    for (NodeId n = 0; n < g.nodes.size(); ++n) {
+      if (!is_host_lane(g.nodes.lane[n])) continue;
+      for (TensorId x : g.nodes.inputs(n)) read_on_host[t.storage(x)] = 1;
+    }
+  }
   for (TensorId w = 0; w < t.size(); ++w) {
     if (t.role[w] != Role::weight || t.grad[w] == no_tensor || t.home[w] != Home::host_pinned) continue;
     const TensorId s = t.storage(t.grad[w]);
-    if (!is_persistent(t.role[s])) t.home[s] = Home::host_pinned;
+    if (!is_persistent(t.role[s]) && !read_on_host[s]) t.home[s] = Home::host_pinned;
   }
 }
 
@@ -735,9 +746,12 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
     move_updates_to_host(base, pinned_in_place, options.narrow_gradient_copies);
     if (options.narrow_gradient_copies) check_narrow_gradients(base);
     check_reduced_gradients_on_host(base);
-    if (pinned_in_place) gather_weights_in_host_homes(base);
+    if (pinned_in_place) {
+      gather_weights_in_host_homes(base);
+      spill_gradients(base, true);
+    }
   } else if (pinned_in_place) {
-    spill_gradients(base);
+    spill_gradients(base, false);
   }
   move_state_updates_to_host(base);
   move_weight_narrowing_to_host(base);

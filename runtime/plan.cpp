@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -301,69 +300,10 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.predicted_step_ms = predict_step_ms(p, shares_host_cores);
 }
 
-// Where the training step does not fit the budget: its variants (micro-batch and Predict steps)
-// planned at the training step's own minimum, and the error of whichever needs the most. A step's
-// minimum budget is the largest of its variants'; the training step's alone understated it (a deep
-// MLP with --host-optimizer --accumulate 8, whose micro-batch step keeps 1.6 GiB of gradient sums
-// on the device, was said to need 28.2 MiB, and at 29 MiB 1.6 GiB). Only for that case, the one
-// where a variant is known to need more than the training step: for every failing step, it made
-// `ferry plan`'s search at 7B (whose smaller micro-batches fail by the dozen) 20% slower.
-bool variants_may_need_more(const TrainerOptions& options) {
-  return options.accumulate > 1 && options.residency.host_optimizer;
-}
-
-template <class Build>
-[[noreturn]] void throw_largest_minimum(Runtime& runtime, const TrainerOptions& options,
-                                        const graph::ResidencyOptions& residency, const Build& build,
-                                        const graph::BudgetError& training_error) {
-  if (!variants_may_need_more(options)) throw training_error;
-  const std::vector<detail::UpfrontVariant> variants = detail::upfront_variants(options);
-  if (variants.empty()) throw training_error;
-  graph::ResidencyOptions at_minimum = residency;
-  at_minimum.budget_bytes = training_error.min_budget();
-  graph::Graph training = build(detail::training_key(options));
-  std::optional<graph::StepPlan> planned;
-  try {
-    planned = graph::plan_step(training, runtime.env(), runtime.device(), nullptr, at_minimum);
-  } catch (const graph::BudgetError&) {
-    throw training_error;  // (its minimal plan fits its minimum: not expected)
-  }
-  const auto arena = graph::planned_arena(
-      training, planned->memory, planned->residency.mode,
-      graph::host_pool_memory(training, planned->memory, residency.homes.host_memory, runtime.device()));
-  std::uint64_t most = training_error.min_budget();
-  std::string most_phase;
-  for (const auto& v : variants) {
-    graph::Graph g = build(v.key);
-    try {
-      (void)graph::plan_step(g, runtime.env(), runtime.device(), arena.get(), at_minimum);
-    } catch (const graph::BudgetError& e) {
-      if (e.min_budget() > most) {
-        most = e.min_budget();
-        most_phase = v.phase;
-      }
-    }
-  }
-  if (most_phase.empty()) throw training_error;
-  throw graph::BudgetError(
-      fmt::format("a device budget of {} is too small for this step: its {} step needs at least {} (the training "
-                  "step {}{}); raise the budget to at least {}",
-                  format_bytes(residency.budget_bytes), most_phase, format_bytes_up(most),
-                  format_bytes_up(training_error.min_budget()),
-                  most_phase == "micro-batch" && options.residency.host_optimizer
-                      ? "; with the optimizer on the host the micro-batches' gradient sums stay on the device, "
-                        "where with the optimizer on the device (no --host-optimizer) they are streamed"
-                      : "",
-                  format_bytes_up(most)),
-      most);
-}
-
 // plan_training for validated options with the recomputation fixed; `training_step_only`: the
-// training step's plan alone (whether it fits, and its minimum), the other variants left out;
-// `exact_minimum` false: where the training step does not fit, its own minimum in the error, not
-// its variants' (throw_largest_minimum), for callers that plan many and report few.
+// training step's plan alone (whether it fits, and its minimum), the other variants left out.
 TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options,
-                           const PlanRates& rates, bool training_step_only = false, bool exact_minimum = true) {
+                           const PlanRates& rates, bool training_step_only = false) {
   TrainingPlan out;
   out.recompute = options.recompute;
   out.eight_bit_state = options.optimizer.kind == ops::OptimizerConfig::Kind::adamw8bit;
@@ -378,14 +318,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
   const graph::VariantKey train_key = detail::training_key(options);
   const int ranks = static_cast<int>(train_key.ranks);
   graph::Graph training = build(train_key);
-  const graph::StepPlan train_plan = [&] {
-    try {
-      return graph::plan_step(training, runtime.env(), runtime.device(), nullptr, residency);
-    } catch (const graph::BudgetError& e) {
-      if (training_step_only || !exact_minimum) throw;
-      throw_largest_minimum(runtime, options, residency, build, e);
-    }
-  }();
+  const graph::StepPlan train_plan = graph::plan_step(training, runtime.env(), runtime.device(), nullptr, residency);
   out.mode = train_plan.residency.mode;
   out.min_budget_bytes = train_plan.residency.min_budget_bytes;
   const std::uint64_t persistent_device = train_plan.memory.persistent_device_bytes;
@@ -498,20 +431,13 @@ std::string leaner_settings(Runtime& runtime, const ModelSpec& model, const Trai
     ways.push_back({"the optimizer on the host (--host-optimizer; ResidencyOptions::host_optimizer)", o});
     ways.back().options.residency.host_optimizer = true;
   }
-  if (o.residency.host_optimizer) {
-    // With accumulation the host optimizer keeps the micro-batches' gradient sums on the device.
-    ways.push_back({"the optimizer on the device (no --host-optimizer; ResidencyOptions::host_optimizer)", o});
-    ways.back().options.residency.host_optimizer = false;
-    ways.back().options.residency.overlap_host_updates = false;
-  }
   std::vector<std::string> lower;
   for (const Way& w : ways) {
     std::string needs;
     try {
       TrainerOptions t = w.options;
       detail::validate_trainer_options(model, t);
-      // The training step alone, but for a step whose variants may need more (see above).
-      (void)plan_as_given(runtime, model, t, rates, !variants_may_need_more(t));
+      (void)plan_as_given(runtime, model, t, rates, true);
       needs = "fits";
     } catch (const graph::BudgetError& e) {
       if (e.min_budget() >= leanest) continue;
@@ -533,13 +459,9 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
                                      const PlanRates& rates) {
   o.recompute_auto = false;
   o.recompute = 0;
-  // The plans that fail name the training step's minimum (throw_largest_minimum for each of the
-  // thirteen made `ferry plan` of a 200-block deep MLP 13 -> 28 s); the two figures reported are
-  // planned whole below.
-  constexpr bool training_step_only = false, exact_minimum = false;
   std::uint64_t without = 0;
   try {
-    return plan_as_given(runtime, model, o, rates, training_step_only, exact_minimum);
+    return plan_as_given(runtime, model, o, rates);
   } catch (const graph::BudgetError& e) {
     without = e.min_budget();
   }
@@ -548,7 +470,7 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
   for (const std::uint32_t every : {64u, 48u, 32u, 24u, 16u, 12u, 8u, 6u, 4u, 3u, 2u, 1u}) {
     o.recompute = every;
     try {
-      return plan_as_given(runtime, model, o, rates, training_step_only, exact_minimum);
+      return plan_as_given(runtime, model, o, rates);
     } catch (const graph::BudgetError& e) {
       if (e.min_budget() < leanest) {
         leanest = e.min_budget();
@@ -556,23 +478,6 @@ TrainingPlan plan_choosing_recompute(Runtime& runtime, const ModelSpec& model, T
       }
     } catch (const std::invalid_argument&) {
       // Segments longer than the model: nothing to recompute at this length.
-    }
-  }
-  if (variants_may_need_more(o)) {
-    const auto exact = [&](std::uint32_t every) {
-      o.recompute = every;
-      try {
-        (void)plan_as_given(runtime, model, o, rates);
-      } catch (const graph::BudgetError& e) {
-        return e.min_budget();
-      }
-      return std::uint64_t{0};  // (it failed above at the same budget)
-    };
-    without = exact(0);
-    leanest = leanest_every ? exact(leanest_every) : without;
-    if (leanest >= without) {
-      leanest = without;
-      leanest_every = 0;
     }
   }
   const std::uint64_t budget = detail::resolve_device_budget(o, runtime.device());
