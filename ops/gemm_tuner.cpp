@@ -377,12 +377,13 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
 
   // Times candidate i on every shape (`again`: once more, each shape keeping its better rate). Once
   // the budget (or a stop) ends the search, i and the rest keep their scores (0 if never scored).
-  // The first always runs: a winner needs a score on every shape.
+  // The first always runs: a winner needs a score on every shape. A second timing the budget leaves
+  // out is no candidate left unmeasured: only a stop is reported then.
   bool ended = false;
   std::set<std::size_t> scored;  // candidates with a score
   auto score = [&](std::size_t i, bool again) {
     if (ended || (!r.best.empty() && !deadline.next_fits())) {
-      if (!ended) (deadline.stopped() ? r.stopped : r.budget_ran_out) = true;
+      if (!ended && (deadline.stopped() || !again)) (deadline.stopped() ? r.stopped : r.budget_ran_out) = true;
       ended = true;
       return;
     }
