@@ -194,16 +194,17 @@ std::vector<char> spilled_gradients(const Graph& g) {
 // With updates after the commit point (one-copy pinned state), every gradient would otherwise
 // stay on the device from its backward node to the update phase: the gradients of streamed
 // weights get a home in pinned host memory (the plan's host step pool) to spill to.
-// `unless_read_on_host` (the host optimizer, whose updates write their gradients back themselves,
-// move_updates_to_host): only gradients that no host-lane node reads, those a micro-batch step sums
-// into their persistent sums on the device after its overflow check (a deep MLP's 1.6 GiB of
-// gradients were otherwise all on the device at once, where the device optimizer's spilled).
+// `unless_read_on_host` (the host optimizer, whose updates and gradient sums get their gradients
+// written back right after their last use: move_updates_to_host, move_accumulation_to_host): only
+// gradients that no host-lane node reads and no write-back copies, those a data-parallel
+// micro-batch step sums into their persistent sums on the device after its overflow check (before
+// host accumulation, a deep MLP's 1.6 GiB of gradients were all on the device at once there).
 void spill_gradients(Graph& g, bool unless_read_on_host) {
   auto& t = g.tensors;
-  std::vector<char> read_on_host(t.size(), 0);
+  std::vector<char> read_on_host(t.size(), 0);  // or copied there for the host (a write-back)
   if (unless_read_on_host) {
     for (NodeId n = 0; n < g.nodes.size(); ++n) {
-      if (!is_host_lane(g.nodes.lane[n])) continue;
+      if (!is_host_lane(g.nodes.lane[n]) && g.nodes.op[n] != builtin::write_back) continue;
       for (TensorId x : g.nodes.inputs(n)) read_on_host[t.storage(x)] = 1;
     }
   }
@@ -747,6 +748,7 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
     if (options.narrow_gradient_copies) check_narrow_gradients(base);
     check_reduced_gradients_on_host(base);
     if (pinned_in_place) {
+      move_accumulation_to_host(base);
       gather_weights_in_host_homes(base);
       spill_gradients(base, true);
     }

@@ -2,6 +2,8 @@
 #include "ops/accumulate.hpp"
 
 #include <fmt/format.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
 
 #include <limits>
 #include <stdexcept>
@@ -30,6 +32,35 @@ LaunchList grad_mean(OpEnv& env, DeviceSpan acc, DeviceSpan g, std::size_t n, fl
   LaunchList list;
   list.push_back(elementwise_launch(std::move(k), n));
   return list;
+}
+
+namespace {
+
+// Ranges of 64 Ki elements: a 1B model's largest gradients split over every core, a small one's
+// run where it is.
+template <class Body>
+void over_ranges(std::size_t n, const Body& body) {
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, std::size_t{1} << 16),
+                    [&](const tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end()); });
+}
+
+}  // namespace
+
+void grad_accumulate_host(const float* acc, const float* g, float* acc_out, std::size_t n, float keep) {
+  over_ranges(n, [&](std::size_t begin, std::size_t end) {
+    // keep == 0 must not turn a stale NaN or Inf in acc into NaN: select, not multiply (as the kernel).
+    if (keep != 0.0f) {
+      for (std::size_t i = begin; i < end; ++i) acc_out[i] = acc[i] + g[i];
+    } else {
+      for (std::size_t i = begin; i < end; ++i) acc_out[i] = 0.0f + g[i];
+    }
+  });
+}
+
+void grad_mean_host(const float* acc, const float* g, float* g_out, std::size_t n, float inv_k) {
+  over_ranges(n, [&](std::size_t begin, std::size_t end) {
+    for (std::size_t i = begin; i < end; ++i) g_out[i] = (acc[i] + g[i]) * inv_k;
+  });
 }
 
 }  // namespace ferry::ops

@@ -19,6 +19,13 @@ namespace ferry::ops {
 LaunchList grad_accumulate(OpEnv& env, DeviceSpan acc, DeviceSpan g, std::size_t n, DeviceSpan guard = {});
 LaunchList grad_mean(OpEnv& env, DeviceSpan acc, DeviceSpan g, std::size_t n, float inv_k);
 
+// The host lane's versions, for sums in pinned host memory (the host optimizer's; graph::
+// move_accumulation_to_host): acc_out = (keep != 0 ? acc : 0) + g and g_out = (acc + g) inv_k in
+// f32, the kernels' bits, over all cores. No guard: host nodes that change state wait for the
+// step's commit point.
+void grad_accumulate_host(const float* acc, const float* g, float* acc_out, std::size_t n, float keep);
+void grad_mean_host(const float* acc, const float* g, float* g_out, std::size_t n, float inv_k);
+
 namespace ref {
 
 template <class T>

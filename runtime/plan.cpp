@@ -226,7 +226,9 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       for (TensorId x : unpack ? g.nodes.outputs(n) : g.nodes.inputs(n)) p.codec_bytes += g.tensors.bytes(x);
       continue;
     }
-    if (g.nodes.lane[n] == ops::Lane::host && row.op_class == ops::OpClass::update) {
+    // Updates on the host, and the gradient sums summed there with them (memory-bound alike).
+    if (g.nodes.lane[n] == ops::Lane::host &&
+        (row.op_class == ops::OpClass::update || row.op_class == ops::OpClass::state_update)) {
       // A deferred update waits for no commit point (it applies the step before's update).
       const bool deferred = g.nodes.deferred[n] != 0;
       p.host_updates_deferred = p.host_updates_deferred || deferred;

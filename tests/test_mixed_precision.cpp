@@ -440,48 +440,56 @@ INSTANTIATE_TEST_SUITE_P(Residency, OverflowTest, ::testing::Values(false, true)
 // the scale halves and the group waits for another micro-batch; the update comes after the
 // group's second clean one. The scale doubles after every clean update here, and some second
 // micro-batches are far larger, so overflows come at either place in a group.
+// The same with the optimizer on the host, whose sums are summed on the host lane.
 TEST(MixedPrecision, AccumulatedOverflowsDropTheMicroBatch) {
   Runtime rt;
-  auto o = options(DType::f16);
-  o.precision.initial_scale = 16777216.0f;  // 2^24
-  o.precision.growth_interval = 1;
-  o.accumulate = 2;
-  Trainer trainer(rt, small_mlp(), o);
-  const std::size_t sample = sample_elems(small_mlp());
-  const auto labels = labels_for(o.batch, 901);
-  std::uint32_t clean_in_group = 0, overflows = 0, updates = 0, second_overflows = 0;
-  for (int s = 0; s < 48; ++s) {
-    // Every third group's second micro-batch comes 25x larger, so that its gradients overflow.
-    const float range = clean_in_group == 1 && updates % 3 == 1 ? 100.0f : 4.0f;
-    const auto images = random_vector(o.batch * sample, 900 + s, -range, range);
-    const auto weight = trainer.read_parameter("linear0.w");
-    const auto sum = trainer.read_tensor("linear0.w.grad_sum").bytes;
-    const float scale = trainer.loss_scale();
-    const auto r = trainer.step(images, labels);
-    ASSERT_TRUE(std::isfinite(r.loss)) << "step " << s;
-    ASSERT_FALSE(r.updated && r.overflow);
-    if (r.overflow) {
-      ++overflows;
-      second_overflows += clean_in_group == 1;
-      EXPECT_EQ(trainer.loss_scale(), scale / 2) << "step " << s;
-      EXPECT_EQ(trainer.read_parameter("linear0.w"), weight) << "step " << s;
-      if (clean_in_group == 1) {
-        EXPECT_EQ(trainer.read_tensor("linear0.w.grad_sum").bytes, sum) << "step " << s << " added to the sum";
+  for (const bool host_optimizer : {false, true}) {
+    SCOPED_TRACE(host_optimizer ? "host optimizer" : "device optimizer");
+    auto o = options(DType::f16);
+    o.precision.initial_scale = 16777216.0f;  // 2^24
+    o.precision.growth_interval = 1;
+    o.accumulate = 2;
+    if (host_optimizer) {
+      o.residency.mode = graph::ResidencyMode::stream;
+      o.residency.host_optimizer = true;
+    }
+    Trainer trainer(rt, small_mlp(), o);
+    const std::size_t sample = sample_elems(small_mlp());
+    const auto labels = labels_for(o.batch, 901);
+    std::uint32_t clean_in_group = 0, overflows = 0, updates = 0, second_overflows = 0;
+    for (int s = 0; s < 48; ++s) {
+      // Every third group's second micro-batch comes 25x larger, so that its gradients overflow.
+      const float range = clean_in_group == 1 && updates % 3 == 1 ? 100.0f : 4.0f;
+      const auto images = random_vector(o.batch * sample, 900 + s, -range, range);
+      const auto weight = trainer.read_parameter("linear0.w");
+      const auto sum = trainer.read_tensor("linear0.w.grad_sum").bytes;
+      const float scale = trainer.loss_scale();
+      const auto r = trainer.step(images, labels);
+      ASSERT_TRUE(std::isfinite(r.loss)) << "step " << s;
+      ASSERT_FALSE(r.updated && r.overflow);
+      if (r.overflow) {
+        ++overflows;
+        second_overflows += clean_in_group == 1;
+        EXPECT_EQ(trainer.loss_scale(), scale / 2) << "step " << s;
+        EXPECT_EQ(trainer.read_parameter("linear0.w"), weight) << "step " << s;
+        if (clean_in_group == 1) {
+          EXPECT_EQ(trainer.read_tensor("linear0.w.grad_sum").bytes, sum) << "step " << s << " added to the sum";
+        }
+        continue;
       }
-      continue;
+      EXPECT_EQ(r.updated, ++clean_in_group == 2) << "step " << s;
+      if (r.updated) {
+        clean_in_group = 0;
+        ++updates;
+        EXPECT_NE(trainer.read_parameter("linear0.w"), weight) << "step " << s;
+      }
     }
-    EXPECT_EQ(r.updated, ++clean_in_group == 2) << "step " << s;
-    if (r.updated) {
-      clean_in_group = 0;
-      ++updates;
-      EXPECT_NE(trainer.read_parameter("linear0.w"), weight) << "step " << s;
-    }
+    EXPECT_GT(overflows, 0u);
+    EXPECT_GT(second_overflows, 0u) << "no group's second micro-batch overflowed";
+    EXPECT_GT(updates, 5u);
+    EXPECT_EQ(trainer.steps_done(), updates);
+    EXPECT_EQ(trainer.overflow_steps(), overflows);
   }
-  EXPECT_GT(overflows, 0u);
-  EXPECT_GT(second_overflows, 0u) << "no group's second micro-batch overflowed";
-  EXPECT_GT(updates, 5u);
-  EXPECT_EQ(trainer.steps_done(), updates);
-  EXPECT_EQ(trainer.overflow_steps(), overflows);
 }
 
 TEST(LossScaler, HalvesOnOverflowAndGrowsAfterTheInterval) {

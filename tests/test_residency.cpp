@@ -536,6 +536,74 @@ TEST_P(HostOptimizerTest, MatchesDeviceUpdatesAndMovesOnlyWeightsAndGradients) {
             (device_updates.residency().fetch_bytes + device_updates.residency().write_back_bytes) / 2);
 }
 
+// With accumulation the host optimizer's gradient sums are summed on the host lane: a micro-batch
+// step writes each gradient back once and fetches only weights (on the device its sums were fetched
+// and written back beside the gradients), and the sums are the device's bit for bit (the same f32
+// additions: two micro-batches of a group of three, before any update, against the device
+// optimizer's), the weights after the update equal to float precision.
+TEST(HostOptimizer, AccumulatesOnTheHostAsTheDeviceDid) {
+  Runtime rt;
+  const ModelSpec m = small_residual();
+  TrainerOptions device_opt = options(graph::ResidencyMode::stream, min_stream_budget(rt, m) * 2);
+  device_opt.accumulate = 3;
+  TrainerOptions host_opt = device_opt;
+  host_opt.residency.host_optimizer = true;
+  Trainer host(rt, m, host_opt), device(rt, m, device_opt);
+  const std::size_t sample = sample_elems(m);
+  auto step = [&](Trainer& t, int s) {
+    return t.step(random_vector(8 * sample, 50 + s), labels_for(8, 70 + s));
+  };
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(step(host, s).loss, step(device, s).loss) << "micro-batch " << s;
+    for (const auto& name : host.parameter_names()) {
+      EXPECT_EQ(host.read_tensor(name + ".grad_sum").bytes, device.read_tensor(name + ".grad_sum").bytes)
+          << name << ", micro-batch " << s;
+    }
+  }
+  // A micro-batch whose loss is not finite adds nothing to the sums (the host nodes after the commit
+  // point skip, as the kernel skipped its sum).
+  const auto sums_before = host.read_tensor(host.parameter_names().front() + ".grad_sum").bytes;
+  const std::vector<float> bad(8 * sample, 3e38f);  // finite inputs whose products overflow
+  EXPECT_THROW(host.step(bad, labels_for(8, 80)), std::runtime_error);  // "training diverged at step ..."
+  EXPECT_EQ(host.read_tensor(host.parameter_names().front() + ".grad_sum").bytes, sums_before);
+  EXPECT_NEAR(step(host, 2).loss, step(device, 2).loss, 1e-6f);
+  for (const auto& name : host.parameter_names()) {
+    expect_near(host.read_parameter(name), device.read_parameter(name), 1e-5f, 1e-4f, name.c_str());
+  }
+
+  const std::size_t weights = host.parameter_names().size();
+  std::size_t micro_steps = 0;
+  for (const auto& [key, step_of] : compiled_variants(host)) {
+    const graph::Graph& g = step_of->graph();
+    std::size_t on_host = 0;
+    for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+      if (g.nodes.op[n] == graph::builtin::grad_accumulate) {
+        EXPECT_EQ(g.nodes.lane[n], graph::Lane::host) << g.nodes.name[n];
+        ++on_host;
+      }
+      if (g.nodes.op[n] == graph::builtin::fetch) {
+        EXPECT_EQ(g.tensors.role[g.nodes.inputs(n)[0]], graph::Role::weight) << g.nodes.name[n];
+      }
+    }
+    if (on_host == 0) continue;
+    ++micro_steps;
+    EXPECT_EQ(on_host, weights);
+    EXPECT_EQ(step_of->residency().write_backs, weights) << "each gradient once, no sum";
+    EXPECT_EQ(step_of->residency().write_back_bytes, host.weight_bytes());
+  }
+  EXPECT_EQ(micro_steps, 1u);
+  const graph::Graph& train = compiled_train_step(host).graph();
+  std::size_t means = 0;
+  for (graph::NodeId n = 0; n < train.nodes.size(); ++n) {
+    if (train.nodes.op[n] != graph::builtin::grad_mean) continue;
+    EXPECT_EQ(train.nodes.lane[n], graph::Lane::host) << train.nodes.name[n];
+    ++means;
+  }
+  EXPECT_EQ(means, weights);
+  EXPECT_EQ(host.residency().write_back_bytes, host.weight_bytes());
+  EXPECT_EQ(host.residency().fetch_bytes, host.weight_bytes()) << "weights only: no sum fetched";
+}
+
 INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
                          ::testing::Values(ops::OptimizerConfig::Kind::adam, ops::OptimizerConfig::Kind::adamw,
                                            ops::OptimizerConfig::Kind::sgd),

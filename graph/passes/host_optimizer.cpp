@@ -137,6 +137,89 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
   g.nodes = std::move(out);
 }
 
+void move_accumulation_to_host(Graph& g) {
+  auto& t = g.tensors;
+  const NodeTable old = g.nodes;
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (ops::op_info(old.op[n]).op_class == ops::OpClass::communication) return;  // data parallel: not here
+  }
+  const auto moves = [&](NodeId n) {
+    if ((old.op[n] != builtin::grad_accumulate && old.op[n] != builtin::grad_mean) || is_host_lane(old.lane[n])) {
+      return false;
+    }
+    const TensorId sum = t.storage(old.inputs(n)[0]);
+    return is_persistent(t.role[sum]) && t.home[sum] == Home::host_pinned && t.dtype[old.inputs(n)[1]] == DType::f32;
+  };
+  // Per moving node: the write-back of its gradient that the host update's pass placed after it
+  // (grad_mean's; it goes earlier now); per node, the moving nodes whose gradient's write-back
+  // follows it (its last device use but theirs).
+  std::vector<char> moving(old.size(), 0);
+  std::vector<NodeId> copy_of(old.size(), never), last_use(t.size(), never);
+  std::vector<char> replaced(old.size(), 0);  // write-backs re-emitted earlier
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (!moves(n)) continue;
+    moving[n] = 1;
+    if (old.op[n] != builtin::grad_mean) continue;
+    const TensorId grad = t.storage(old.inputs(n)[1]);
+    for (NodeId w = n + 1; w < old.size() && copy_of[n] == never; ++w) {
+      if (old.op[w] == builtin::write_back && t.storage(old.inputs(w)[0]) == grad) copy_of[n] = w;
+    }
+    if (copy_of[n] == never) {
+      moving[n] = 0;  // no host update reads its mean: it stays on the device
+    } else {
+      replaced[copy_of[n]] = 1;
+    }
+  }
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (moving[n] || replaced[n] || is_host_lane(old.lane[n])) continue;
+    for (TensorId x : old.inputs(n)) last_use[t.storage(x)] = n;
+    for (TensorId x : old.outputs(n)) last_use[t.storage(x)] = n;
+  }
+  std::vector<std::vector<NodeId>> after(old.size());
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (!moving[n]) continue;
+    const NodeId m = last_use[t.storage(old.inputs(n)[1])];
+    if (m == never || m > n) {  // (not expected: the gradient is made and checked before its sum)
+      moving[n] = 0;
+      if (copy_of[n] != never) replaced[copy_of[n]] = 0;
+      continue;
+    }
+    after[m].push_back(n);
+  }
+  NodeTable out;
+  std::vector<TensorId> host_grad(old.size(), no_tensor);
+  for (NodeId n = 0; n < old.size(); ++n) {
+    if (replaced[n]) continue;
+    if (!moving[n]) {
+      out.add_copy(old, n);
+    } else if (old.op[n] == builtin::grad_accumulate) {
+      // After the commit point, where it was (it changes the sum in place; a step whose guard is not
+      // finite skips it, as the kernel skipped its sum).
+      const TensorId ins[] = {old.inputs(n)[0], host_grad[n]};
+      out.add(old.op[n], old.name[n], ins, std::span(&old.inputs(n)[0], 1), old.attrs[n], Lane::host);
+    }
+    for (NodeId a : after[n]) {
+      const TensorId grad = old.inputs(a)[1];
+      TensorId copy = no_tensor;
+      if (copy_of[a] != never) {
+        copy = old.outputs(copy_of[a])[0];
+        out.add_copy(old, copy_of[a]);
+      } else {
+        copy = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
+        t.home[copy] = Home::host_pinned;
+        out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&copy, 1), {},
+                Lane::d2h);
+      }
+      host_grad[a] = copy;
+      if (old.op[a] == builtin::grad_mean) {  // the mean where the host update reads it
+        const TensorId ins[] = {old.inputs(a)[0], copy};
+        out.add(old.op[a], old.name[a], ins, std::span(&copy, 1), old.attrs[a], Lane::host);
+      }
+    }
+  }
+  g.nodes = std::move(out);
+}
+
 void check_narrow_gradients(Graph& g) {
   const auto& t = g.tensors;
   const NodeTable old = g.nodes;

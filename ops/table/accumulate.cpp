@@ -19,6 +19,10 @@ OpInfo accumulate_row() {
   r.bind = [](const BindContext& c) {
     return grad_accumulate(c.env(), c.in(0), c.in(1), in_elems(c, 0), c.input_count() > 2 ? c.in(2) : DeviceSpan{});
   };
+  r.host = [](const HostContext& c) {  // the host optimizer's sums (graph::move_accumulation_to_host)
+    grad_accumulate_host(reinterpret_cast<const float*>(c.in(0)), reinterpret_cast<const float*>(c.in(1)),
+                         reinterpret_cast<float*>(c.out(0)), c.input(0).shape.elems(), c.step().accumulate_keep);
+  };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
     if (in.size() > 2 && !std::isfinite(c.real(in[2])[0])) return;
@@ -35,6 +39,10 @@ OpInfo mean_row() {
   r.op_class = OpClass::state_update;
   r.bind = [](const BindContext& c) {
     return grad_mean(c.env(), c.in(0), c.in(1), in_elems(c, 0), FactorAttrs::of(c.attrs()).factor);
+  };
+  r.host = [](const HostContext& c) {
+    grad_mean_host(reinterpret_cast<const float*>(c.in(0)), reinterpret_cast<const float*>(c.in(1)),
+                   reinterpret_cast<float*>(c.out(0)), c.input(0).shape.elems(), FactorAttrs::of(c.attrs()).factor);
   };
   r.reference = [](RefContext& c) {
     const auto in = c.inputs();
