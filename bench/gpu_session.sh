@@ -40,6 +40,9 @@
 #   plan-accuracy  bench/plan_accuracy.sh: `ferry plan`'s predicted step against `ferry train`'s for the
 #              MLP, CNN, GPTs and the quick start's deep MLP, with the GEMM rate at the step's own
 #              products and with a 1024^3 product's
+#   accumulate the 1B GPT streamed under 8 GiB as 4 micro-batches of 2 per update (bench/scale_gpu.sh
+#              1b-accumulate): with the host optimizer, whose gradient sums are summed on the host lane
+#              (each gradient crosses the link once per micro-batch), and with the device's
 #   overlap-chunked  the 1B host-optimizer run with --host-memory staged --staging-chunk 64MiB (the
 #              fastest within the budget so far), without and with --overlap-host-updates, traced
 #   trace-gpt85m  the 85M GPT (width 768, 12 blocks, context 256, batch 8) trained 4 steps with a trace
@@ -157,6 +160,9 @@ for p in "$@"; do
     overlap-chunked)  # the in-budget 1B configuration's host updates after the backward, then overlapped
       part "$p" 300 env SCALE_GPU_ONLY=1b-overlap SCALE_GPU_HOST_MEMORY=staged SCALE_GPU_STAGING_CHUNK=64MiB \
         SCALE_GPU_TRACE=1 SCALE_GPU_LIMIT_S=130 bash bench/scale_gpu.sh "$kit/bin/ferry" "$res/scale" ;;
+    accumulate)  # 4 micro-batches of 2 per update: the host optimizer's sums on the host lane, the device's streamed
+      part accumulate 300 env SCALE_GPU_ONLY=1b-accumulate SCALE_GPU_LIMIT_S=140 bash bench/scale_gpu.sh "$kit/bin/ferry" \
+        "$res/scale" ;;
     trace-staged | trace-pageable | trace-registered | trace-chunked)
       memory=${p#trace-} chunk=
       [[ $memory == chunked ]] && memory=staged chunk=16MiB

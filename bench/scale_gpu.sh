@@ -23,7 +23,9 @@
 # `ferry train` chooses its optimizer's place,
 # 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY adds --host-memory to them,
 # SCALE_GPU_STAGING_CHUNK --staging-chunk), 1b-overlap the host-optimizer run without and with
-# --overlap-host-updates (with the same two), 7b gpt7b_stream_host alone (with the same two, and
+# --overlap-host-updates (with the same two), 1b-accumulate the streamed run as 4 micro-batches of
+# 2 per update with the host optimizer (its gradient sums on the host lane) and with the device's
+# (with the same two), 7b gpt7b_stream_host alone (with the same two, and
 # --overlap-host-updates with SCALE_GPU_OVERLAP=1), each
 # bounded by SCALE_GPU_LIMIT_S; SCALE_GPU_ONLY=tiny runs one small streamed GPT instead (a check
 # of the script itself, on any device). SCALE_GPU_TRACE=1: each run also writes a trace of its first
@@ -132,6 +134,16 @@ if [[ ${SCALE_GPU_ONLY:-} == 1b-overlap ]]; then
     --host-optimizer "${memory[@]}"
   run "gpt1b_stream_host_overlap$tag" "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency stream \
     --device-budget 8GiB --host-optimizer --overlap-host-updates "${memory[@]}"
+  exit
+fi
+if [[ ${SCALE_GPU_ONLY:-} == 1b-accumulate ]]; then
+  # The same 8 windows per update as 4 micro-batches of 2 (8 steps: 2 updates), the gradient sums
+  # summed on the host lane with the host optimizer, streamed through the device with the device's.
+  accumulated=(--model gpt --width 2048 --depth 20 --heads 16 --context 256 --batch 2 --accumulate 4)
+  run "gpt1b_accumulate_host$tag" "${SCALE_GPU_LIMIT_S:-900}" 8 "${accumulated[@]}" --residency stream \
+    --device-budget 8GiB --host-optimizer "${memory[@]}"
+  run "gpt1b_accumulate_device$tag" "${SCALE_GPU_LIMIT_S:-900}" 8 "${accumulated[@]}" --residency stream \
+    --device-budget 8GiB --no-host-optimizer "${memory[@]}"
   exit
 fi
 if [[ ${SCALE_GPU_ONLY:-} == 7b ]]; then
