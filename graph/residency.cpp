@@ -745,10 +745,10 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
   place_updates_early(base, pinned_in_place);
   if (options.host_optimizer) {
     move_updates_to_host(base, pinned_in_place, options.narrow_gradient_copies);
+    if (pinned_in_place) move_accumulation_to_host(base, options.narrow_gradient_copies);
     if (options.narrow_gradient_copies) check_narrow_gradients(base);
     check_reduced_gradients_on_host(base);
     if (pinned_in_place) {
-      move_accumulation_to_host(base);
       gather_weights_in_host_homes(base);
       spill_gradients(base, true);
     }

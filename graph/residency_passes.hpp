@@ -34,9 +34,11 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies);
 // after the gradient's last other use on the device (and runs after the commit point, skipped with
 // the updates when the guard is not finite); the last micro-batch's grad_mean runs on the copy the
 // host update reads, written back as early. Per micro-batch each gradient crosses the link once,
-// where on the device its sum was fetched and written back beside it. Not with collectives (data
-// parallel: the sums stay on the device).
-void move_accumulation_to_host(Graph& g);
+// where on the device its sum was fetched and written back beside it. With `narrow_copies`, a
+// gradient the device widened from f16 or bf16 crosses narrow, right after that cast, and a cast on
+// the host lane widens it (the same bits). Not with collectives (data parallel: the sums stay on
+// the device).
+void move_accumulation_to_host(Graph& g, bool narrow_copies);
 // Then: a device cast widening an f16 or bf16 gradient whose only reader is the overflow guard's
 // check goes, and the check reads the narrow gradient times the cast's factor instead (the same
 // finite test on the same f32 values): no f32 copy on the device, one pass over half the bytes.

@@ -340,6 +340,71 @@ TEST(MixedPrecision, HostUpdatesWriteBackNarrowGradients) {
   }
 }
 
+// With accumulation the gradient sums are summed on the host lane: a micro-batch's narrow
+// gradients cross narrow and a host cast widens them, as the updates' do; the same training to the
+// bit as f32 copies.
+TEST(MixedPrecision, HostSumsOfAccumulationReadNarrowGradients) {
+  Runtime rt;
+  const auto mlp = models::mlp();
+  const std::size_t sample = sample_elems(mlp);
+  for (const DType compute : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(ops::dtype_name(compute));
+    auto wide = options(compute, 64);
+    wide.accumulate = 3;
+    wide.residency.mode = graph::ResidencyMode::stream;
+    wide.residency.host_optimizer = true;
+    wide.residency.budget_bytes = stream_budget(rt, mlp, wide);
+    wide.residency.narrow_gradient_copies = false;
+    if (compute == DType::f16) wide.precision.initial_scale = 16777216.0f;  // 2^24: the first steps overflow
+    auto narrow = wide;
+    narrow.residency.narrow_gradient_copies = true;
+    Trainer a(rt, mlp, wide), b(rt, mlp, narrow);
+    for (std::uint32_t s = 0; s < 9; ++s) {
+      const auto images = random_vector(64 * sample, 900 + s, 0.0f, 1.0f);
+      const auto labels = labels_for(64, 950 + s);
+      const StepResult ra = a.step(images, labels), rb = b.step(images, labels);
+      EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
+      EXPECT_EQ(ra.updated, rb.updated) << "step " << s;
+    }
+    EXPECT_GT(b.steps_done(), 0u);
+    for (const auto& name : a.parameter_names()) {
+      EXPECT_EQ(a.read_parameter(name), b.read_parameter(name)) << name;
+      EXPECT_EQ(a.read_tensor(name + ".grad_sum").bytes, b.read_tensor(name + ".grad_sum").bytes) << name;
+    }
+    // The micro-batch step: narrow write-backs, no widening on the device, sums on the host lane.
+    const auto micro = [](const Trainer& t) -> const graph::CompiledStep* {
+      for (const auto& [key, step] : compiled_variants(t)) {
+        const auto& ops = step->graph().nodes.op;
+        if (std::find(ops.begin(), ops.end(), graph::builtin::grad_accumulate) != ops.end()) return step.get();
+      }
+      return nullptr;
+    };
+    ASSERT_NE(micro(a), nullptr);
+    ASSERT_NE(micro(b), nullptr);
+    EXPECT_LT(micro(b)->residency().write_back_bytes, micro(a)->residency().write_back_bytes * 6 / 10)
+        << "narrow " << micro(b)->residency().write_back_bytes << " bytes, f32 "
+        << micro(a)->residency().write_back_bytes;
+    const graph::Graph& g = micro(b)->graph();
+    std::size_t narrow_write_backs = 0;
+    for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+      if (g.nodes.op[n] == graph::builtin::write_back) {
+        narrow_write_backs += g.tensors.dtype[g.nodes.inputs(n)[0]] == compute;
+      }
+      if (g.nodes.op[n] == graph::builtin::grad_accumulate) {
+        EXPECT_TRUE(ops::is_host_lane(g.nodes.lane[n])) << g.nodes.name[n];
+      }
+      if (g.nodes.op[n] != graph::builtin::cast || ops::is_host_lane(g.nodes.lane[n])) continue;
+      const TensorId out = g.nodes.outputs(n)[0];
+      EXPECT_FALSE(g.tensors.role[g.tensors.storage(out)] == Role::gradient && g.tensors.dtype[out] == DType::f32 &&
+                   g.tensors.dtype[g.nodes.inputs(n)[0]] == compute)
+          << g.nodes.name[n] << " widens a gradient on the device";
+    }
+    EXPECT_EQ(narrow_write_backs, 2u) << "the two hidden layers' weight gradients";
+    // The update step's means read narrow copies too.
+    EXPECT_LT(b.residency().write_back_bytes, a.residency().write_back_bytes * 6 / 10);
+  }
+}
+
 // Narrow activations halve what backward keeps: the planned step peak drops. Compared without
 // the persistent tensors (f32 master weights and optimizer state, the same in both), whose share
 // of the peak depends on the GEMM kernel's scratch: measured 0.43 (tiled, NVIDIA) to 0.69

@@ -137,7 +137,7 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
   g.nodes = std::move(out);
 }
 
-void move_accumulation_to_host(Graph& g) {
+void move_accumulation_to_host(Graph& g, bool narrow_copies) {
   auto& t = g.tensors;
   const NodeTable old = g.nodes;
   for (NodeId n = 0; n < old.size(); ++n) {
@@ -151,25 +151,37 @@ void move_accumulation_to_host(Graph& g) {
     return is_persistent(t.role[sum]) && t.home[sum] == Home::host_pinned && t.dtype[old.inputs(n)[1]] == DType::f32;
   };
   // Per moving node: the write-back of its gradient that the host update's pass placed after it
-  // (grad_mean's; it goes earlier now); per node, the moving nodes whose gradient's write-back
-  // follows it (its last device use but theirs).
+  // (grad_mean's; it goes earlier now), and with `narrow_copies` the device cast that widened its
+  // gradient from f16 or bf16 (the narrow gradient crosses instead, widened on the host).
   std::vector<char> moving(old.size(), 0);
-  std::vector<NodeId> copy_of(old.size(), never), last_use(t.size(), never);
+  std::vector<NodeId> copy_of(old.size(), never), widened_by(old.size(), never), writer(t.size(), never);
   std::vector<char> replaced(old.size(), 0);  // write-backs re-emitted earlier
   for (NodeId n = 0; n < old.size(); ++n) {
-    if (!moves(n)) continue;
-    moving[n] = 1;
-    if (old.op[n] != builtin::grad_mean) continue;
-    const TensorId grad = t.storage(old.inputs(n)[1]);
-    for (NodeId w = n + 1; w < old.size() && copy_of[n] == never; ++w) {
-      if (old.op[w] == builtin::write_back && t.storage(old.inputs(w)[0]) == grad) copy_of[n] = w;
+    if (moves(n)) {
+      moving[n] = 1;
+      const TensorId grad = t.storage(old.inputs(n)[1]);
+      const NodeId w = writer[grad];
+      if (narrow_copies && w != never && widened_narrow_tensor(t, old, w, old.inputs(n)[1]) != no_tensor) {
+        widened_by[n] = w;
+      }
+      if (old.op[n] != builtin::grad_mean) continue;
+      for (NodeId b = n + 1; b < old.size() && copy_of[n] == never; ++b) {
+        if (old.op[b] == builtin::write_back && t.storage(old.inputs(b)[0]) == grad) copy_of[n] = b;
+      }
+      if (copy_of[n] == never) {
+        moving[n] = 0;  // no host update reads its mean: it stays on the device
+      } else {
+        replaced[copy_of[n]] = 1;
+      }
+      continue;
     }
-    if (copy_of[n] == never) {
-      moving[n] = 0;  // no host update reads its mean: it stays on the device
-    } else {
-      replaced[copy_of[n]] = 1;
+    if (!is_host_lane(old.lane[n])) {
+      for (TensorId x : old.outputs(n)) writer[t.storage(x)] = n;
     }
   }
+  // Per node, the moving nodes whose gradient's write-back follows it: the widening cast, or else
+  // the gradient's last use on the device but theirs.
+  std::vector<NodeId> last_use(t.size(), never);
   for (NodeId n = 0; n < old.size(); ++n) {
     if (moving[n] || replaced[n] || is_host_lane(old.lane[n])) continue;
     for (TensorId x : old.inputs(n)) last_use[t.storage(x)] = n;
@@ -184,8 +196,13 @@ void move_accumulation_to_host(Graph& g) {
       if (copy_of[n] != never) replaced[copy_of[n]] = 0;
       continue;
     }
-    after[m].push_back(n);
+    after[widened_by[n] != never ? widened_by[n] : m].push_back(n);
   }
+  const auto host_tensor = [&](TensorId like, DType dtype, const std::string& name) {
+    const TensorId h = t.add(name, t.shape[like], dtype, Role::gradient);
+    t.home[h] = Home::host_pinned;
+    return h;
+  };
   NodeTable out;
   std::vector<TensorId> host_grad(old.size(), no_tensor);
   for (NodeId n = 0; n < old.size(); ++n) {
@@ -200,13 +217,20 @@ void move_accumulation_to_host(Graph& g) {
     }
     for (NodeId a : after[n]) {
       const TensorId grad = old.inputs(a)[1];
-      TensorId copy = no_tensor;
-      if (copy_of[a] != never) {
-        copy = old.outputs(copy_of[a])[0];
+      const TensorId copy =
+          copy_of[a] != never ? old.outputs(copy_of[a])[0] : host_tensor(grad, DType::f32, t.name[grad] + "@host");
+      if (widened_by[a] != never) {
+        // The narrow gradient, widened on the host as the device's cast widened it (its bits).
+        const NodeId cast = widened_by[a];
+        const TensorId narrow = old.inputs(cast)[0];
+        const TensorId narrow_copy = host_tensor(narrow, t.dtype[narrow], t.name[narrow] + "@host");
+        out.add(builtin::write_back, "write_back." + t.name[narrow], std::span(&narrow, 1), std::span(&narrow_copy, 1),
+                {}, Lane::d2h);
+        out.add(builtin::cast, old.name[cast] + "@host", std::span(&narrow_copy, 1), std::span(&copy, 1),
+                old.attrs[cast], Lane::host);
+      } else if (copy_of[a] != never) {
         out.add_copy(old, copy_of[a]);
       } else {
-        copy = t.add(t.name[grad] + "@host", t.shape[grad], t.dtype[grad], Role::gradient);
-        t.home[copy] = Home::host_pinned;
         out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&copy, 1), {},
                 Lane::d2h);
       }
