@@ -550,9 +550,7 @@ TEST(HostOptimizer, AccumulatesOnTheHostAsTheDeviceDid) {
   host_opt.residency.host_optimizer = true;
   Trainer host(rt, m, host_opt), device(rt, m, device_opt);
   const std::size_t sample = sample_elems(m);
-  auto step = [&](Trainer& t, int s) {
-    return t.step(random_vector(8 * sample, 50 + s), labels_for(8, 70 + s));
-  };
+  auto step = [&](Trainer& t, int s) { return t.step(random_vector(8 * sample, 50 + s), labels_for(8, 70 + s)); };
   for (int s = 0; s < 2; ++s) {
     EXPECT_EQ(step(host, s).loss, step(device, s).loss) << "micro-batch " << s;
     for (const auto& name : host.parameter_names()) {
@@ -563,7 +561,7 @@ TEST(HostOptimizer, AccumulatesOnTheHostAsTheDeviceDid) {
   // A micro-batch whose loss is not finite adds nothing to the sums (the host nodes after the commit
   // point skip, as the kernel skipped its sum).
   const auto sums_before = host.read_tensor(host.parameter_names().front() + ".grad_sum").bytes;
-  const std::vector<float> bad(8 * sample, 3e38f);  // finite inputs whose products overflow
+  const std::vector<float> bad(8 * sample, 3e38f);                      // finite inputs whose products overflow
   EXPECT_THROW(host.step(bad, labels_for(8, 80)), std::runtime_error);  // "training diverged at step ..."
   EXPECT_EQ(host.read_tensor(host.parameter_names().front() + ".grad_sum").bytes, sums_before);
   EXPECT_NEAR(step(host, 2).loss, step(device, 2).loss, 1e-6f);
