@@ -286,6 +286,33 @@ TEST(MixedPrecision, BiasGradientsAreUnscaled) {
   EXPECT_LT(differ, 0.05 * moved) << "the f16 bias moved by " << differ << " from where f32's moved by " << moved;
 }
 
+// The host optimizer, streamed, with f32 copies of the narrow layers' gradients (first) and with
+// narrow ones (second); fp16 starts at a loss scale of 2^24, so that its first steps overflow.
+std::pair<TrainerOptions, TrainerOptions> gradient_copy_options(Runtime& rt, const ModelSpec& m, DType compute,
+                                                                std::uint32_t accumulate) {
+  auto wide = options(compute, 64);
+  wide.accumulate = accumulate;
+  wide.residency.mode = graph::ResidencyMode::stream;
+  wide.residency.host_optimizer = true;
+  wide.residency.budget_bytes = stream_budget(rt, m, wide);
+  wide.residency.narrow_gradient_copies = false;
+  if (compute == DType::f16) wide.precision.initial_scale = 16777216.0f;
+  auto narrow = wide;
+  narrow.residency.narrow_gradient_copies = true;
+  return {wide, narrow};
+}
+
+// `steps` steps of both on the same batches: the same loss, and an update in both or neither.
+void expect_the_same_steps(Trainer& a, Trainer& b, std::size_t sample, std::uint32_t steps) {
+  for (std::uint32_t s = 0; s < steps; ++s) {
+    const auto images = random_vector(64 * sample, 900 + s, 0.0f, 1.0f);
+    const auto labels = labels_for(64, 950 + s);
+    const StepResult ra = a.step(images, labels), rb = b.step(images, labels);
+    EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
+    EXPECT_EQ(ra.updated, rb.updated) << "step " << s;
+  }
+}
+
 // With the updates on the host, a narrow layer's weight gradient crosses the link as f16 or bf16
 // and a cast on the host widens it: half the bytes of those write-backs, and the same training to
 // the bit as the f32 copies (fp16's loss scale included, which the host cast divides out as the
@@ -296,14 +323,7 @@ TEST(MixedPrecision, HostUpdatesWriteBackNarrowGradients) {
   const std::size_t sample = sample_elems(mlp);
   for (const DType compute : {DType::bf16, DType::f16}) {
     SCOPED_TRACE(ops::dtype_name(compute));
-    auto wide = options(compute, 64);
-    wide.residency.mode = graph::ResidencyMode::stream;
-    wide.residency.host_optimizer = true;
-    wide.residency.budget_bytes = stream_budget(rt, mlp, wide);
-    wide.residency.narrow_gradient_copies = false;
-    if (compute == DType::f16) wide.precision.initial_scale = 16777216.0f;  // 2^24: the first steps overflow
-    auto narrow = wide;
-    narrow.residency.narrow_gradient_copies = true;
+    const auto [wide, narrow] = gradient_copy_options(rt, mlp, compute, 1);
     Trainer a(rt, mlp, wide), b(rt, mlp, narrow);
     // The two hidden layers' weights are narrow (the head and the biases stay f32).
     EXPECT_LT(b.residency().write_back_bytes, a.residency().write_back_bytes * 6 / 10)
@@ -326,13 +346,7 @@ TEST(MixedPrecision, HostUpdatesWriteBackNarrowGradients) {
     const auto host_step_bytes = [](const Trainer& t) { return compiled_train_step(t).host_step_bytes(); };
     EXPECT_LT(host_step_bytes(b), host_step_bytes(a) * 6 / 10)
         << "narrow " << host_step_bytes(b) << " bytes, f32 " << host_step_bytes(a);
-    for (std::uint32_t s = 0; s < 3; ++s) {
-      const auto images = random_vector(64 * sample, 900 + s, 0.0f, 1.0f);
-      const auto labels = labels_for(64, 950 + s);
-      const StepResult ra = a.step(images, labels), rb = b.step(images, labels);
-      EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
-      EXPECT_EQ(ra.updated, rb.updated) << "step " << s;
-    }
+    expect_the_same_steps(a, b, sample, 3);
     if (compute == DType::f16) {
       EXPECT_GT(b.overflow_steps(), 0u) << "the loss scale never overflowed";
     }
@@ -349,23 +363,9 @@ TEST(MixedPrecision, HostSumsOfAccumulationReadNarrowGradients) {
   const std::size_t sample = sample_elems(mlp);
   for (const DType compute : {DType::bf16, DType::f16}) {
     SCOPED_TRACE(ops::dtype_name(compute));
-    auto wide = options(compute, 64);
-    wide.accumulate = 3;
-    wide.residency.mode = graph::ResidencyMode::stream;
-    wide.residency.host_optimizer = true;
-    wide.residency.budget_bytes = stream_budget(rt, mlp, wide);
-    wide.residency.narrow_gradient_copies = false;
-    if (compute == DType::f16) wide.precision.initial_scale = 16777216.0f;  // 2^24: the first steps overflow
-    auto narrow = wide;
-    narrow.residency.narrow_gradient_copies = true;
+    const auto [wide, narrow] = gradient_copy_options(rt, mlp, compute, 3);
     Trainer a(rt, mlp, wide), b(rt, mlp, narrow);
-    for (std::uint32_t s = 0; s < 9; ++s) {
-      const auto images = random_vector(64 * sample, 900 + s, 0.0f, 1.0f);
-      const auto labels = labels_for(64, 950 + s);
-      const StepResult ra = a.step(images, labels), rb = b.step(images, labels);
-      EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
-      EXPECT_EQ(ra.updated, rb.updated) << "step " << s;
-    }
+    expect_the_same_steps(a, b, sample, 9);
     EXPECT_GT(b.steps_done(), 0u);
     for (const auto& name : a.parameter_names()) {
       EXPECT_EQ(a.read_parameter(name), b.read_parameter(name)) << name;
