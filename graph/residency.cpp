@@ -744,8 +744,8 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
   const bool pinned_in_place = options.homes.pinned_copies == 1;
   place_updates_early(base, pinned_in_place);
   if (options.host_optimizer) {
-    move_updates_to_host(base, pinned_in_place, options.narrow_gradient_copies);
     if (pinned_in_place) move_accumulation_to_host(base, options.narrow_gradient_copies);
+    move_updates_to_host(base, pinned_in_place, options.narrow_gradient_copies);
     if (options.narrow_gradient_copies) check_narrow_gradients(base);
     check_reduced_gradients_on_host(base);
     if (pinned_in_place) {

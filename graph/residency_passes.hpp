@@ -22,23 +22,24 @@ void check_updates_against_the_loss(Graph& g, bool pinned_in_place);
 void place_updates_early(Graph& g, bool pinned_in_place);
 
 // The host optimizer's passes (graph/passes/host_optimizer.cpp), in this order:
-// Every optimizer update on the host lane, reading and writing the host-resident weight and state;
-// its gradient written back into pinned host memory just before it, or with `write_back_early`
-// (one-copy state) right after its last use on the device; a data-parallel sum in pinned host
-// memory read where it is; with `narrow_copies`, a gradient the device widened from f16 or bf16
-// written back narrow and read by the update, which widens it as it reads it (or, for an update
-// that writes its gradient, widened by a cast on the host lane).
-void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies);
-// Then, with one copy of the state and accumulation: the gradient sums, in pinned host memory,
-// summed on the host lane too. A micro-batch's grad_accumulate reads its gradient written back right
-// after the gradient's last other use on the device (and runs after the commit point, skipped with
-// the updates when the guard is not finite); the last micro-batch's grad_mean runs on the copy the
-// host update reads, written back as early. Per micro-batch each gradient crosses the link once,
-// where on the device its sum was fetched and written back beside it. With `narrow_copies`, a
-// gradient the device widened from f16 or bf16 crosses narrow, right after that cast, and a cast on
-// the host lane widens it (the same bits). Not with collectives (data parallel: the sums stay on
-// the device).
+// With one copy of the state and accumulation, the gradient sums, in pinned host memory, summed on
+// the host lane. A micro-batch's grad_accumulate reads its gradient written back right after the
+// gradient's last other use on the device (and runs after the commit point, skipped with the
+// updates when the guard is not finite); the last micro-batch's grad_mean runs on a host copy
+// written back as early, which the update then reads (and SGD without momentum writes). Per
+// micro-batch each gradient crosses the link once, where on the device its sum was fetched and
+// written back beside it. With `narrow_copies`, a gradient the device widened from f16 or bf16
+// crosses narrow, right after that cast, and a cast on the host lane widens it (the same bits).
+// Not with collectives (data parallel: the sums stay on the device).
 void move_accumulation_to_host(Graph& g, bool narrow_copies);
+// Then every optimizer update on the host lane, reading and writing the host-resident weight and
+// state; its gradient written back into pinned host memory just before it, or with
+// `write_back_early` (one-copy state) right after its last use on the device; a data-parallel sum
+// in pinned host memory, or a gradient a host-lane node made there (the mean above), read where it
+// is; with `narrow_copies`, a gradient the device widened from f16 or bf16 written back narrow and
+// read by the update, which widens it as it reads it (or, for an update that writes its gradient,
+// widened by a cast on the host lane).
+void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies);
 // Then: a device cast widening an f16 or bf16 gradient whose only reader is the overflow guard's
 // check goes, and the check reads the narrow gradient times the cast's factor instead (the same
 // finite test on the same f32 values): no f32 copy on the device, one pass over half the bytes.

@@ -54,7 +54,9 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
   constexpr NodeId none = never;
   std::vector<NodeId> last_use(t.size(), none), last_writer(t.size(), none), write_back_after(old.size(), none);
   // Per update: the pinned host tensor its gradient was copied from, when a data-parallel
-  // reduction left the sum there (the update reads it rather than a copy of it written back).
+  // reduction left the sum there, or the gradient itself where a host-lane node made it in pinned
+  // host memory (the mean of accumulated gradients: move_accumulation_to_host): the update reads
+  // it rather than a copy of it written back.
   std::vector<TensorId> grad_host(old.size(), no_tensor);
   // Per update: the device cast that widened its gradient from f16 or bf16, if one did.
   std::vector<NodeId> widened_by(old.size(), none);
@@ -65,6 +67,10 @@ void move_updates_to_host(Graph& g, bool write_back_early, bool narrow_copies) {
       if (writer != none && old.op[writer] == builtin::grad_receive &&
           t.home[t.storage(old.inputs(writer)[0])] == Home::host_pinned) {
         grad_host[n] = old.inputs(writer)[0];
+        continue;
+      }
+      if (writer != none && is_host_lane(old.lane[writer]) && t.home[grad] == Home::host_pinned) {
+        grad_host[n] = old.inputs(n)[1];
         continue;
       }
       if (narrow_copies && writer != none && widened_narrow_tensor(t, old, writer, grad) != no_tensor) {
@@ -150,50 +156,34 @@ void move_accumulation_to_host(Graph& g, bool narrow_copies) {
     const TensorId sum = t.storage(old.inputs(n)[0]);
     return is_persistent(t.role[sum]) && t.home[sum] == Home::host_pinned && t.dtype[old.inputs(n)[1]] == DType::f32;
   };
-  // Per moving node: the write-back of its gradient that the host update's pass placed after it
-  // (grad_mean's; it goes earlier now), and with `narrow_copies` the device cast that widened its
-  // gradient from f16 or bf16 (the narrow gradient crosses instead, widened on the host).
+  // Per moving node, with `narrow_copies`: the device cast that widened its gradient from f16 or
+  // bf16 (the narrow gradient crosses instead, widened on the host). Per gradient: its last use on
+  // the device but by moving nodes and the updates (which read a mean's copy instead).
   std::vector<char> moving(old.size(), 0);
-  std::vector<NodeId> copy_of(old.size(), never), widened_by(old.size(), never), writer(t.size(), never);
-  std::vector<char> replaced(old.size(), 0);  // write-backs re-emitted earlier
+  std::vector<NodeId> widened_by(old.size(), never), writer(t.size(), never), last_use(t.size(), never);
   for (NodeId n = 0; n < old.size(); ++n) {
     if (moves(n)) {
       moving[n] = 1;
-      const TensorId grad = t.storage(old.inputs(n)[1]);
-      const NodeId w = writer[grad];
+      const NodeId w = writer[t.storage(old.inputs(n)[1])];
       if (narrow_copies && w != never && widened_narrow_tensor(t, old, w, old.inputs(n)[1]) != no_tensor) {
         widened_by[n] = w;
       }
-      if (old.op[n] != builtin::grad_mean) continue;
-      for (NodeId b = n + 1; b < old.size() && copy_of[n] == never; ++b) {
-        if (old.op[b] == builtin::write_back && t.storage(old.inputs(b)[0]) == grad) copy_of[n] = b;
-      }
-      if (copy_of[n] == never) {
-        moving[n] = 0;  // no host update reads its mean: it stays on the device
-      } else {
-        replaced[copy_of[n]] = 1;
-      }
       continue;
     }
-    if (!is_host_lane(old.lane[n])) {
-      for (TensorId x : old.outputs(n)) writer[t.storage(x)] = n;
-    }
+    if (is_host_lane(old.lane[n]) || is_update(old.op[n])) continue;
+    for (TensorId x : old.inputs(n)) last_use[t.storage(x)] = n;
+    for (TensorId x : old.outputs(n)) last_use[t.storage(x)] = writer[t.storage(x)] = n;
   }
   // Per node, the moving nodes whose gradient's write-back follows it: the widening cast, or else
-  // the gradient's last use on the device but theirs.
-  std::vector<NodeId> last_use(t.size(), never);
-  for (NodeId n = 0; n < old.size(); ++n) {
-    if (moving[n] || replaced[n] || is_host_lane(old.lane[n])) continue;
-    for (TensorId x : old.inputs(n)) last_use[t.storage(x)] = n;
-    for (TensorId x : old.outputs(n)) last_use[t.storage(x)] = n;
-  }
+  // the gradient's last use. A node after the moving one that reads its gradient keeps it on the
+  // device (not expected: the gradient is made and checked before its sum, and after a mean only
+  // the update reads it).
   std::vector<std::vector<NodeId>> after(old.size());
   for (NodeId n = 0; n < old.size(); ++n) {
     if (!moving[n]) continue;
     const NodeId m = last_use[t.storage(old.inputs(n)[1])];
-    if (m == never || m > n) {  // (not expected: the gradient is made and checked before its sum)
+    if (m == never || m > n) {
       moving[n] = 0;
-      if (copy_of[n] != never) replaced[copy_of[n]] = 0;
       continue;
     }
     after[widened_by[n] != never ? widened_by[n] : m].push_back(n);
@@ -205,9 +195,17 @@ void move_accumulation_to_host(Graph& g, bool narrow_copies) {
   };
   NodeTable out;
   std::vector<TensorId> host_grad(old.size(), no_tensor);
+  std::vector<TensorId> mean_of(t.size(), no_tensor);  // per gradient storage: its mean's host copy
   for (NodeId n = 0; n < old.size(); ++n) {
-    if (replaced[n]) continue;
-    if (!moving[n]) {
+    if (!moving[n] && is_update(old.op[n]) && mean_of[t.storage(old.inputs(n)[1])] != no_tensor) {
+      // The update reads (and SGD without momentum writes) the mean in host memory.
+      const TensorId grad = old.inputs(n)[1], mean = mean_of[t.storage(grad)];
+      std::vector<TensorId> ins(old.inputs(n).begin(), old.inputs(n).end());
+      std::vector<TensorId> outs(old.outputs(n).begin(), old.outputs(n).end());
+      std::replace(ins.begin(), ins.end(), grad, mean);
+      std::replace(outs.begin(), outs.end(), grad, mean);
+      out.add_copy(old, n, ins, outs, old.lane[n]);
+    } else if (!moving[n]) {
       out.add_copy(old, n);
     } else if (old.op[n] == builtin::grad_accumulate) {
       // After the commit point, where it was (it changes the sum in place; a step whose guard is not
@@ -217,8 +215,7 @@ void move_accumulation_to_host(Graph& g, bool narrow_copies) {
     }
     for (NodeId a : after[n]) {
       const TensorId grad = old.inputs(a)[1];
-      const TensorId copy =
-          copy_of[a] != never ? old.outputs(copy_of[a])[0] : host_tensor(grad, DType::f32, t.name[grad] + "@host");
+      const TensorId copy = host_tensor(grad, DType::f32, t.name[grad] + "@host");
       if (widened_by[a] != never) {
         // The narrow gradient, widened on the host as the device's cast widened it (its bits).
         const NodeId cast = widened_by[a];
@@ -228,16 +225,15 @@ void move_accumulation_to_host(Graph& g, bool narrow_copies) {
                 {}, Lane::d2h);
         out.add(builtin::cast, old.name[cast] + "@host", std::span(&narrow_copy, 1), std::span(&copy, 1),
                 old.attrs[cast], Lane::host);
-      } else if (copy_of[a] != never) {
-        out.add_copy(old, copy_of[a]);
       } else {
         out.add(builtin::write_back, "write_back." + t.name[grad], std::span(&grad, 1), std::span(&copy, 1), {},
                 Lane::d2h);
       }
       host_grad[a] = copy;
-      if (old.op[a] == builtin::grad_mean) {  // the mean where the host update reads it
+      if (old.op[a] == builtin::grad_mean) {  // the mean, in the copy the host update reads
         const TensorId ins[] = {old.inputs(a)[0], copy};
         out.add(old.op[a], old.name[a], ins, std::span(&copy, 1), old.attrs[a], Lane::host);
+        mean_of[t.storage(grad)] = copy;
       }
     }
   }
