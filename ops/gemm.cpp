@@ -98,6 +98,19 @@ bool a_rows_alias(const GemmShape& s) {
          s.N >= a_alias_min_n;
 }
 
+// A transposed f32 A of few rows read in place, K in chunks (K_CHUNK in gemm_packed.cl, chosen at
+// binding by k_chunk_rows), instead of packed: a chunk of its rows (K_CHUNK x M floats) stays in a
+// core's L2 while every row block runs against it, and the pack's copy of A and its traffic go.
+// The weight gradients of the default GPT (M = 192 or its vocabulary's 114, K = 4096 tokens) ran
+// 1.25-1.4x faster so on the AVX2 EPYC with 16-wide panels, 192 x 768 x 4096 1.05x; with M = 256
+// and more (rows 1 KiB apart and more) it lost (bench/RESULTS.md, "Weight gradients of few rows
+// with K in chunks"). Measured with 16-wide panels only: wider ones keep their pack.
+constexpr std::size_t direct_a_max_rows = 192, direct_a_panel_width = 16, k_chunk = 256;
+bool direct_transposed_a(const GemmShape& s, const GemmKernelConfig& c) {
+  return s.trans_a && s.a == DType::f32 && s.M <= direct_a_max_rows && s.K > k_chunk &&
+         c.param("NV") * 16 == direct_a_panel_width;
+}
+
 // The packed parameters for this shape: PA only where A is packed (below); a panel no wider than N
 // needs (rounded up to 16), with the register block's rows raised by as much as the panel
 // narrowed (at most 16). N = 32 (the output channels of a small convolution) then runs 12 x 32
@@ -120,6 +133,8 @@ GemmKernelConfig fit_packed(const GemmShape& s, GemmKernelConfig c, const GemmOp
     set_param(c, "PA", 0);
   } else if (from_tuning_data && a_rows_alias(s)) {
     set_param(c, "PA", 1);
+  } else if (from_tuning_data && direct_transposed_a(s, c)) {
+    set_param(c, "PA", 0);
   }
   if (o.a_gather_run > 0) {
     set_param(c, "NV", static_cast<int>(std::clamp<std::size_t>((s.N + 15) / 16, 1, 4)));
@@ -346,6 +361,34 @@ bool own_panel(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions&
          rows * panel_width(c) * sizeof(float) <= own_panel_max_bytes;
 }
 
+// C stored by non-temporal stores (C_STREAM in gemm_packed.cl) where it is at least half the
+// last-level cache: so large a C is not kept there for its reader anyway, and an ordinary store
+// first reads each line of it from memory. Short-K products are where that read shows: 4096 x 768 x
+// 192 (the GPT's first MLP product and its second's input gradient, 12 MiB of C) ran 1.3x faster
+// on the AVX2 EPYC (bench/RESULTS.md, "C written past the caches"); squares with K = 1024 and
+// more, and 2048 x 3072 x 768, level: only short-K products stream C (the fewer the k steps, the
+// larger a share of the time goes to storing C). An f32 C in rows, unsplit (splits write partial
+// products to scratch), on a CPU.
+constexpr std::size_t stream_c_min_cache_share = 2, stream_c_max_k = 512;
+bool stream_c(const GemmShape& s, const GemmOptions& o, std::size_t splits, const cl::DeviceInfo& device) {
+  return device.is_cpu() && s.c == DType::f32 && o.c_planes == 0 && splits == 1 && device.global_mem_cache_bytes > 0 &&
+         s.K <= stream_c_max_k &&
+         s.batch * s.M * s.N * sizeof(float) >= device.global_mem_cache_bytes / stream_c_min_cache_share;
+}
+
+// K_CHUNK for a product with a transposed A read in place (direct_transposed_a): its sums wait in
+// C between chunks, so C must be f32 in rows, written whole by one split with beta = 0 (C is not
+// read), in whole panels (a last panel past N would park sums in the next row's columns), by
+// work-items that run their row blocks in turn. Elsewhere 0: the k loop unchunked, the same bits.
+std::size_t k_chunk_rows(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions& o, float beta,
+                         bool own_launch) {
+  const bool in_turn = own_launch || c.param("WB") > 1;
+  const bool fits = c.param("PA") == 0 && o.a_gather_rows.buffer == nullptr && direct_transposed_a(s, c) &&
+                    s.c == DType::f32 && o.c_planes == 0 && beta == 0.0f && k_splits(s, c) == 1 &&
+                    s.N % panel_width(c) == 0 && in_turn;
+  return fits ? k_chunk : 0;
+}
+
 std::string transpose_defines(const GemmShape& s) {
   return fmt::format("-DTRANS_A={} -DTRANS_B={}", int(s.trans_a), int(s.trans_b));
 }
@@ -485,13 +528,15 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   // launch's work-items pack it (OWN_TAIL), and the tail's own launch runs one work-item per row
   // block as without OWN_PANEL (a single work-item for all of M left every other core idle).
   const std::optional<GemmKernelConfig> tail = tail_panel(s, cfg, options, direct);
+  const bool stream = stream_c(s, options, splits, env.device());
   auto program_defines = [&](const GemmKernelConfig& block, bool own_launch) {
     return fmt::format(
         "{} {} -DNB_LAYOUT={} -DOWN_PANEL={} -DOWN_TAIL={} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} "
-        "-DA_GATHER={} -DA_GATHER_STEP={} {} {} {}",
+        "-DA_GATHER={} -DA_GATHER_STEP={} -DC_STREAM={} -DK_CHUNK={} {} {} {}",
         block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail), int(direct),
-        int(direct && s.N % nb != 0), options.b_planes, int(gather), runs ? options.a_gather_step : 0,
-        pack_defines(options.b_planes > 0), gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+        int(direct && s.N % nb != 0), options.b_planes, int(gather), runs ? options.a_gather_step : 0, int(stream),
+        k_chunk_rows(s, block, options, beta, own_launch), pack_defines(options.b_planes > 0),
+        gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
         splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0"
                    : gemm_epilogue_defines(options, options.c_planes));
   };

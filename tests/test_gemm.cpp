@@ -438,8 +438,9 @@ TEST(GemmGuard, NotFiniteElementOfCSetsTheGuard) {
   const GuardCase cases[] = {
       {kPacked, {37, 45, 29, false, false}, false},
       {kPackedA, {45, 37, 29, true, false}, false},
-      {kPacked, {40, 24, 4096, true, false}, false},  // K split: the sum checks
-      {kPacked, {21, 33, 17, false, true}, true},     // the ReLU in the epilogue, then the check
+      {kPacked, {40, 24, 4096, true, false}, false},                       // K split: the sum checks
+      {"packed RB=6 NV=1 KU=4 WB=8", {45, 512, 600, true, false}, false},  // K in chunks: the last checks
+      {kPacked, {21, 33, 17, false, true}, true},                          // the ReLU in the epilogue, then the check
       {"tiled TSM=32 TSN=32 TSK=8 WPTM=4 WPTN=2 VW=2 VG=4", {37, 45, 29, false, true}, false},
       {"tiled TSM=32 TSN=32 TSK=8 WPTM=2 WPTN=2 SK=1", {96, 32, 300, true, false}, false},  // split on 2 units
       {"naive", {13, 7, 5, false, false}, true},
@@ -541,6 +542,110 @@ std::vector<std::string> packed_kernel_names(const ops::GemmShape& s,
     names.push_back(name.c_str());
   }
   return names;
+}
+
+// The build options of each gemm_packed launch of `s` (operands uninitialised), where the binding
+// states what it chose that the description does not name (K_CHUNK, C_STREAM).
+std::vector<std::string> packed_build_options(const ops::GemmShape& s, const ops::GemmOptions& options,
+                                              float beta = 0.0f) {
+  auto& dev = TestDevice::get();
+  DeviceTensor scratch(std::max<std::size_t>(ops::gemm_scratch_elems(dev.env, s, options), 1)), a(s.batch * s.M * s.K),
+      b(s.batch * s.K * s.N), c(s.batch * s.M * s.N);
+  std::vector<std::string> out;
+  for (const ops::KernelLaunch& l :
+       ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), beta, c.span(), scratch.span(), options)) {
+    char name[64] = {};
+    cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, nullptr),
+              "clGetKernelInfo");
+    if (std::string_view(name) != "gemm_packed") continue;
+    cl_program program = nullptr;
+    cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_PROGRAM, sizeof program, &program, nullptr), "clGetKernelInfo");
+    std::size_t size = 0;
+    const cl_device_id device = dev.context.device().id;
+    cl::check(clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_OPTIONS, 0, nullptr, &size),
+              "clGetProgramBuildInfo");
+    std::string text(size, '\0');
+    cl::check(clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_OPTIONS, size, text.data(), nullptr),
+              "clGetProgramBuildInfo");
+    out.push_back(text.c_str());
+  }
+  return out;
+}
+
+bool all_contain(const std::vector<std::string>& texts, std::string_view word) {
+  return !texts.empty() && std::all_of(texts.begin(), texts.end(),
+                                       [&](const std::string& t) { return t.find(word) != std::string::npos; });
+}
+
+// A transposed f32 A of at most 192 rows, read in place (PA=0) with 16-wide panels and row blocks
+// in turn, runs K in chunks of 256 rows whose sums wait in C (ops/gemm.cpp, k_chunk_rows): a K
+// that is no multiple of the chunk, a last row block past M, a batch of two (each product parks in
+// its own C). The same bits as the unchunked product with A packed (PA=1), which sums each element
+// in the same order. Unchunked where C is read (beta != 0), which also matches the reference.
+TEST(GemmLayouts, TransposedAInKChunksMatchesReference) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  const std::size_t units = dev.context.device().compute_units;
+  if (units > 64) GTEST_SKIP() << "the shapes below leave fewer than four panels per compute unit";
+  // Four panels per compute unit: each runs all its row blocks in turn (OWN_PANEL).
+  const std::size_t n = 64 * std::max<std::size_t>(1, units);
+  ops::GemmOptions chunked = packed_options();
+  chunked.kernel = "packed RB=6 NV=1 KU=4 WB=8";
+  ops::GemmOptions packed = chunked;
+  packed.kernel = "packed RB=6 NV=1 PA=1 KU=4 WB=8";
+  for (const ops::GemmShape s : {ops::GemmShape{192, n, 1000, true, false}, ops::GemmShape{43, n, 600, true, false},
+                                 ops::GemmShape{114, n, 513, true, true},
+                                 ops::GemmShape{31, n, 300, true, false, DType::f32, DType::f32, DType::f32, 2}}) {
+    if (too_large_for_this_run(s.batch * s.M * s.N * s.K * 3)) continue;
+    const std::string what = fmt::format("{}x{}x{} T{} batch {}", s.M, s.N, s.K, s.trans_b ? "T" : "N", s.batch);
+    EXPECT_TRUE(all_contain(packed_build_options(s, chunked), "-DK_CHUNK=256")) << what;
+    EXPECT_TRUE(all_contain(packed_build_options(s, packed), "-DK_CHUNK=0")) << what;
+    EXPECT_TRUE(all_contain(packed_build_options(s, chunked, 0.5f), "-DK_CHUNK=0")) << what << ", beta 0.5";
+    const auto a = random_vector(s.batch * s.M * s.K, 71), b = random_vector(s.batch * s.K * s.N, 72);
+    auto run = [&](const ops::GemmOptions& o) {
+      DeviceTensor da(a, 3), db(b, 5), dc(std::vector<float>(s.batch * s.M * s.N, std::nanf("")), 9),
+          scratch(std::max<std::size_t>(ops::gemm_scratch_elems(dev.env, s, o), 1), 4);
+      ops::run_blocking(dev.context.compute(),
+                        ops::gemm(dev.env, s, 0.75f, da.span(), db.span(), 0.0f, dc.span(), scratch.span(), o));
+      return dc.download();
+    };
+    const std::vector<float> in_chunks = run(chunked), whole = run(packed);
+    ASSERT_EQ(in_chunks.size(), whole.size());
+    EXPECT_EQ(std::memcmp(in_chunks.data(), whole.data(), whole.size() * sizeof(float)), 0) << what << ": bits";
+    if (s.batch == 1) {
+      check_gemm(s, chunked, 0.75f, 0.0f, true, what + ", chunked, bias");
+      check_gemm(s, chunked, 0.75f, -0.5f, true, what + ", beta -0.5: unchunked");
+    } else {
+      expect_near(in_chunks, reference(s, 0.75f, a, b, 0.0f, std::vector<float>(s.batch * s.M * s.N, 0.0f), {}),
+                  2e-6f * s.K + 1e-5f, 1e-4f, what.c_str());
+    }
+  }
+  // More than 192 rows, a last panel past N, or a K within one chunk: unchunked.
+  for (const ops::GemmShape s :
+       {ops::GemmShape{193, n, 1000, true, false}, ops::GemmShape{192, n + 8, 1000, true, false},
+        ops::GemmShape{192, n, 256, true, false}}) {
+    EXPECT_TRUE(all_contain(packed_build_options(s, chunked), "-DK_CHUNK=0")) << s.M << "x" << s.N << "x" << s.K;
+  }
+}
+
+// An f32 C of at least half the last-level cache, from K of at most 512 rows, is stored past the
+// caches (ops/gemm.cpp, stream_c; C_STREAM in gemm_packed.cl): N = 1000 leaves rows whose starts
+// are not 64-byte aligned, which take the ordinary store; alpha, beta and a bias.
+TEST(GemmLayouts, CStoredPastTheCachesMatchesReference) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  const std::size_t cache = dev.context.device().global_mem_cache_bytes;
+  if (cache == 0 || cache > (std::size_t{128} << 20)) GTEST_SKIP() << "last-level cache of " << cache << " bytes";
+  const std::size_t n = 1000, m = (cache / 2 / sizeof(float) + n - 1) / n;
+  const ops::GemmShape s{m, n, 40};
+  if (too_large_for_this_run(s.M * s.N * s.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
+  ops::GemmOptions o = packed_options();
+  o.kernel = "packed RB=6 NV=1 KU=4 WB=8";
+  EXPECT_TRUE(all_contain(packed_build_options(s, o), "-DC_STREAM=1"));
+  EXPECT_TRUE(all_contain(packed_build_options({m / 2, n, 40}, o), "-DC_STREAM=0"));
+  EXPECT_TRUE(all_contain(packed_build_options({m, n, 513}, o), "-DC_STREAM=0"));
+  check_gemm(s, o, 0.75f, -0.5f, true, fmt::format("{}x{}x40, C streamed", m, n));
+  check_gemm(s, o, 1.0f, 0.0f, false, fmt::format("{}x{}x40, C streamed, beta 0", m, n));
 }
 
 // Where N leaves the last panel mostly empty, that panel runs in a launch of its own with as many
@@ -941,6 +1046,33 @@ TEST(GemmTuning, PackedRowPacksATransposedAWhoseRowsAlias) {
   desc = ops::gemm_kernel_description(dev.env, aliased, named);
   EXPECT_NE(desc.find("PA=0"), std::string::npos) << desc;
   EXPECT_EQ(ops::gemm_scratch_elems(dev.env, aliased, named), panels);
+}
+
+// A packed row from the tuning data that packs a transposed A (PA=1) reads it in place instead,
+// K in chunks, where it has at most 192 rows and the panels are 16 wide (ops/gemm.cpp,
+// direct_transposed_a): the default GPT's weight gradients. More rows, wider panels, a K of one
+// chunk or a row-major A keep the row's PA; so does a kernel asked for by name. Scratch: no A.
+TEST(GemmTuning, PackedRowReadsATransposedAOfFewRowsInPlace) {
+  auto& dev = TestDevice::get();
+  const ScopedTempFile file("tuning_direct_a.tsv", "*\t*\t*\t\tferry\tpacked\tRB=6 NV=1 PA=1 KU=4 WB=8\n");
+  ScopedEnv env("FERRY_GEMM_TUNING", file.path());
+  const ops::GemmShape few{192, 192, 4096, true, false};
+  std::string desc = ops::gemm_kernel_description(dev.env, few);
+  EXPECT_NE(desc.find("PA=0"), std::string::npos) << desc;
+  EXPECT_EQ(ops::gemm_scratch_elems(dev.env, few), 192u * 4096u);  // B's panels only
+  for (const ops::GemmShape s :
+       {ops::GemmShape{193, 192, 4096, true, false}, ops::GemmShape{192, 192, 256, true, false}}) {
+    desc = ops::gemm_kernel_description(dev.env, s);
+    EXPECT_NE(desc.find("PA=1"), std::string::npos) << s.M << "x" << s.N << "x" << s.K << " " << desc;
+  }
+  ops::GemmOptions named;
+  named.kernel = "packed RB=6 NV=1 PA=1 KU=4 WB=8";
+  desc = ops::gemm_kernel_description(dev.env, few, named);
+  EXPECT_NE(desc.find("PA=1"), std::string::npos) << desc;
+  const ScopedTempFile wide("tuning_direct_a_wide.tsv", "*\t*\t*\t\tferry\tpacked\tRB=6 NV=4 PA=1\n");
+  ScopedEnv wide_env("FERRY_GEMM_TUNING", wide.path());
+  desc = ops::gemm_kernel_description(dev.env, few);
+  EXPECT_NE(desc.find("PA=1"), std::string::npos) << desc;
 }
 
 TEST(GemmTuning, BadRowsNameFileAndLine) {

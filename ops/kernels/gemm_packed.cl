@@ -11,7 +11,7 @@
 // KU (k steps the main loop is unrolled by), WB (row blocks a work-item runs one after another
 // against its panel: fewer work-groups, whose set-up PoCL pays each time, and the panel read from
 // the core's caches after the first), TRANS_A, TRANS_B, NB_LAYOUT (the packed panels' width),
-// OWN_PANEL. A last panel that N leaves mostly empty runs in a launch of its own, built
+// OWN_PANEL, K_CHUNK. A last panel that N leaves mostly empty runs in a launch of its own, built
 // with fewer vectors and reading the panels as packed (NB_LAYOUT), from panel `panel0`. With
 // OWN_PANEL (ops/gemm.cpp `own_panel`) there is no gemm_pack_b launch: gemm_packed
 // runs one work-item per panel (dimension 0 is 1), which packs its panel from `b` into the usual
@@ -312,6 +312,31 @@ __kernel void gemm_pack_a(uint M, uint K, __global const STORAGE(A_NAME)* a, ulo
 #endif
 }
 
+// C_STREAM = 1 (ops/gemm.cpp `stream_c`): an f32 C larger than the caches keep is written past
+// them, a whole 64-byte line by non-temporal stores where the 16 values are one line, so that
+// storing C does not first read every line of it from memory (a write-allocate) and evict what the
+// product reads; an sfence after a work-item's stores orders them before its completion is seen.
+// Only on x86 CPU devices (elsewhere, and where the compiler lacks the builtins, the usual store).
+#ifndef C_STREAM
+#define C_STREAM 0
+#endif
+#if C_STREAM && defined(__x86_64__) && defined(__has_builtin)
+#if __has_builtin(__builtin_nontemporal_store) && __has_builtin(__builtin_ia32_sfence)
+#define FERRY_STREAM_C 1
+#endif
+#endif
+#ifdef FERRY_STREAM_C
+#define STORE16_C(v, p)                                                   \
+  if (((ulong)(p) & 63) == 0) {                                           \
+    __builtin_nontemporal_store((v).lo, (__global float8*)(p));           \
+    __builtin_nontemporal_store((v).hi, (__global float8*)(p) + 1);       \
+  } else {                                                                \
+    VSTORE16_GLOBAL(v, p);                                                \
+  }
+#else
+#define STORE16_C(v, p) VSTORE16_GLOBAL(v, p)
+#endif
+
 // out = alpha * acc + beta * C + bias for 16 columns starting at `col` of one row of C (then the
 // ReLU or the activation's derivative at z, whose row starts at element zrow of zb).
 #if C_PLANES
@@ -345,7 +370,7 @@ inline bool store16(float16 acc, __global float* crow, uint col, uint N, float a
     out = DACT16(out, vload16(0, zb + zrow + col));
 #endif
     out = RELU16(out);
-    VSTORE16_GLOBAL(out, crow + col);
+    STORE16_C(out, crow + col);
     return GUARD_BAD16(out);
   }
   float tmp[16];
@@ -487,6 +512,32 @@ inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
     if (NV > 3) guard_bad |= store16(c##r##_3, C_AT, col0 + 48, N, alpha, beta, bias, has_bias, dz, zrow); \
   }
 
+// K_CHUNK > 0 (ops/gemm.cpp `k_chunk_rows`): the k loop in chunks, below. Between chunks a block's
+// sums are parked in C as they are and resumed from it: an f32 C in rows, beta = 0, one split, and
+// the row blocks of a work-item run one after another (OWN_PANEL or WB > 1), as the binding chooses.
+#ifndef K_CHUNK
+#define K_CHUNK 0
+#endif
+#if K_CHUNK && (!C_IS_F32 || C_PLANES || !(OWN_PANEL || WB > 1))
+#error "K_CHUNK parks sums in an f32 C in rows, for a work-item's row blocks in turn"
+#endif
+#define ACC_PARK(r)                                                    \
+  if (r < RB && row0 + r < M) {                                        \
+    __global float* parked = c + (ulong)(row0 + r) * N + col0;         \
+    vstore16(c##r##_0, 0, parked);                                     \
+    if (NV > 1) vstore16(c##r##_1, 1, parked);                         \
+    if (NV > 2) vstore16(c##r##_2, 2, parked);                         \
+    if (NV > 3) vstore16(c##r##_3, 3, parked);                         \
+  }
+#define ACC_RESUME(r)                                                  \
+  if (r < RB && row0 + r < M) {                                        \
+    __global const float* parked = c + (ulong)(row0 + r) * N + col0;   \
+    c##r##_0 = vload16(0, parked);                                     \
+    if (NV > 1) c##r##_1 = vload16(1, parked);                         \
+    if (NV > 2) c##r##_2 = vload16(2, parked);                         \
+    if (NV > 3) c##r##_3 = vload16(3, parked);                         \
+  }
+
 // Dimension 2 counts the products of the batch times `splits`, the splits of K (k_chunk rows each;
 // one split: k_chunk = K): split s sums k in [s k_chunk, (s + 1) k_chunk) into its own M x N block
 // of c, gemm_sum_splits adds the blocks. Neighbouring work-items then share a B sub-panel that
@@ -583,13 +634,25 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #elif WB > 1
   const uint block_first = block * WB, block_last = min(block_first + WB, (M + RB - 1) / RB);
 #endif
+#if K_CHUNK
+  // K in chunks of K_CHUNK rows, every row block against one chunk before the next: the chunk of a
+  // transposed A read in place (its K_CHUNK rows of M floats) stays in the core's L2 and the
+  // panel's chunk in L1 across the row blocks. The sums so far wait in C between chunks (f32, raw)
+  // and are read back into the accumulators, so each sum takes its k steps in the same order as
+  // unchunked: the same bits.
+  for (uint chunk_begin = k_begin; chunk_begin < k_end; chunk_begin += K_CHUNK) {
+    const uint chunk_end = min(k_end, chunk_begin + K_CHUNK);
+#else
+  const uint chunk_begin = k_begin, chunk_end = k_end;
+#endif
 #if OWN_PANEL || WB > 1
   for (block = block_first; block < block_last; ++block) {
     const uint row0 = block * RB;
 #if PA
     __global const float* ap = PACKED_A_ROWS(block);
 #endif
-    __global const float* bp = panel_rows;  // the k loop below advances it, per block
+    // The k loop below advances it, per block.
+    __global const float* bp = panel_rows + (ulong)(chunk_begin - k_begin) * b_step;
 #endif
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
@@ -598,6 +661,11 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #endif
   FOR_ROWS(A_ROW_DECL)
   FOR_ROWS(ACC_DECL)
+#if K_CHUNK
+  if (chunk_begin != k_begin) {
+    FOR_ROWS(ACC_RESUME)
+  }
+#endif
 
 #if DIRECT_B && DIRECT_B_TAIL
   if (col0 + NB > N) {
@@ -615,13 +683,26 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #if KU > 1
 #pragma unroll KU
 #endif
-    for (uint k = k_begin; k < k_end; ++k, bp += b_step) K_STEP(bp)
+    for (uint k = chunk_begin; k < chunk_end; ++k, bp += b_step) K_STEP(bp)
   }
 
-  bool guard_bad = false;  // C_GUARD: a stored value was not finite
-  FOR_ROWS(ACC_STORE)
-  GUARD_SET(guard_bad, guard, guard_off);
+#if K_CHUNK
+  if (chunk_end != k_end) {
+    FOR_ROWS(ACC_PARK)
+  } else
+#endif
+  {
+    bool guard_bad = false;  // C_GUARD: a stored value was not finite
+    FOR_ROWS(ACC_STORE)
+    GUARD_SET(guard_bad, guard, guard_off);
+  }
 #if OWN_PANEL || WB > 1
   }
+#endif
+#if K_CHUNK
+  }
+#endif
+#ifdef FERRY_STREAM_C
+  __builtin_ia32_sfence();
 #endif
 }
