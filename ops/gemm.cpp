@@ -15,6 +15,7 @@
 #include "gemm_clblast.hpp"
 #include "gemm_tiled.hpp"
 #include "gemm_tuning.hpp"
+#include "ops/layout.hpp"
 #include "ops/overflow_guard.hpp"
 
 namespace ferry::ops {
@@ -661,6 +662,32 @@ bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const G
   return packed && s.N % 16 == 0 && k_splits(s, f) == 1;
 }
 
+// A weight gradient Xᵀ dY with many rows and few columns (M > direct_a_max_rows >= N, K long) as its
+// transpose: Cᵀ = dYᵀ X, a product of N rows whose transposed A (dY) is read in place in K chunks
+// (direct_transposed_a), into scratch, then permuted into C. The default GPT's second MLP weight
+// gradient (768 x 192 x 4096 TN) packed its 12 MiB A and ran at 128-133 GFLOPS; its transpose,
+// 192 x 768 x 4096 TN, at 146-150 (bench/RESULTS.md, "Weight gradients of few rows with K in chunks").
+// Each element sums the same products in the same order (x y = y x exactly), so the bits are C's.
+// Only where C is nothing but the product (beta = 0, no bias, activation or layout option), in f32,
+// one product, for a row from the tuning data that packs such an A (a kernel asked for by name runs
+// as given; with A read in place the transpose's scratch would be new).
+std::optional<GemmShape> transposed_product(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
+  const bool from_tuning_data = o.kernel.empty() || o.kernel_as_row;
+  const bool plain = o.bias.buffer == nullptr && !o.relu && o.dact_input.buffer == nullptr && o.b_planes == 0 &&
+                     o.c_planes == 0 && o.a_gather_rows.buffer == nullptr;
+  if (!packed_features(p) || !from_tuning_data || !plain || !s.trans_a || s.trans_b || !s.all_f32() || s.batch != 1 ||
+      s.M <= direct_a_max_rows || s.M % 16 != 0) {
+    return std::nullopt;
+  }
+  // Only in place of packing A: the transpose's panels (of A, as its B) take as much scratch.
+  if (fitted(env, s, p, o).param("PA") == 0) return std::nullopt;
+  GemmShape t = s;
+  t.M = s.N;
+  t.N = s.M;
+  if (!direct_transposed_a(t, fitted(env, t, p, o))) return std::nullopt;
+  return t;
+}
+
 }  // namespace
 
 KernelLaunch sum_splits_launch(OpEnv& env, const GemmShape& s, std::size_t splits, DeviceSpan parts, float alpha,
@@ -701,7 +728,12 @@ std::size_t gemm_scratch_elems(OpEnv& env, const GemmShape& s, const GemmOptions
   check_batch(s, options);
   if (s.batch == 0) return 0;
   const GemmPlan p = plan(env, options);
-  if (packed_features(p)) return packed_elems(s, fitted(env, s, p, options), options);
+  if (packed_features(p)) {
+    const std::size_t own = packed_elems(s, fitted(env, s, p, options), options);
+    // The transposed product's result and scratch, where gemm() may take it (beta = 0).
+    const std::optional<GemmShape> t = transposed_product(env, s, p, options);
+    return t ? std::max(own, s.M * s.N + packed_elems(*t, fitted(env, *t, p, options), options)) : own;
+  }
   if (p.backend == GemmBackend::ferry && p.config.kernel == GemmKernel::tiled) {
     return tiled_scratch_elems(s, fitted(env, s, p, options), env.device().compute_units);
   }
@@ -717,6 +749,9 @@ std::string gemm_kernel_description(OpEnv& env, const GemmShape& s, const GemmOp
   const GemmPlan p = plan(env, options);
   const std::string trans = fmt::format("{}{}", s.trans_a ? "T" : "N", s.trans_b ? "T" : "N");
   if (p.backend == GemmBackend::clblast) return fmt::format("clblast {}", trans);
+  if (const std::optional<GemmShape> t = transposed_product(env, s, p, options)) {
+    return fmt::format("ferry {} {} ({}) as its transpose", fitted(env, *t, p, options).text(), trans, p.origin);
+  }
   return fmt::format("ferry {} {} ({})", fitted(env, s, p, options).text(), trans, p.origin);
 }
 
@@ -796,6 +831,17 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
     return bind_clblast_gemm(env, s, alpha, a, b, beta, c, options.bias);
   switch (p.config.kernel) {
     case GemmKernel::packed:
+      if (const std::optional<GemmShape> t = transposed_product(env, s, p, options); t && beta == 0.0f) {
+        // Cᵀ = op(B)ᵀ op(A) into scratch (B stored [K, N] is the transposed A of the product of N
+        // rows, A stored [K, M] its row-major B), then C = (Cᵀ)ᵀ.
+        const DeviceSpan ct = scratch;
+        LaunchList list = gemm(env, *t, alpha, b, a, 0.0f, ct, scratch.advanced(s.M * s.N * sizeof(float)), options);
+        const std::int32_t swap_axes[2] = {1, 0};
+        for (auto& l :
+             permute(env, ct, c, Shape{static_cast<std::uint32_t>(s.N), static_cast<std::uint32_t>(s.M)}, swap_axes))
+          list.push_back(std::move(l));
+        return list;
+      }
       return bind_packed(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, scratch, options);
     case GemmKernel::tiled:
       return bind_tiled(env, s, fitted(env, s, p, options), alpha, a, b, beta, c, scratch, options);

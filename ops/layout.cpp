@@ -73,6 +73,21 @@ LaunchList permute(OpEnv& env, DeviceSpan x, DeviceSpan y, const Shape& x_shape,
     st[4 - r + k] = xstride[static_cast<std::size_t>(perm[k])];
   }
   const std::size_t bytes = dtype_bytes(dtype);
+  if (r == 2 && perm[0] == 1 && dtype == DType::f32 && env.device().is_cpu() && x_shape[0] % 16 == 0 &&
+      x_shape[1] % 16 == 0 && n > 0) {
+    // A matrix transposed 16 x 16 blocks at a time (transpose16 in layout.cl).
+    cl::Kernel k = env.kernels.kernel("layout", "transpose16", dtype_define(dtype));
+    cl::set_args(k.get(), x.buffer, x.elem_offset(bytes), y.buffer, y.elem_offset(bytes), cl_uint(x_shape[0]),
+                 cl_uint(x_shape[1]));
+    KernelLaunch l;
+    l.kernel = std::move(k);
+    l.dims = 2;
+    l.global = {x_shape[0] / 16, x_shape[1] / 16, 1};
+    l.local = {1, 1, 1};
+    LaunchList list;
+    list.push_back(std::move(l));
+    return list;
+  }
   if (st[3] == 1 && d[3] > 1 && n > 0) {
     // The last axis stays last: copy whole rows.
     const cl_uint rows = n / d[3];

@@ -1075,6 +1075,61 @@ TEST(GemmTuning, PackedRowReadsATransposedAOfFewRowsInPlace) {
   EXPECT_NE(desc.find("PA=1"), std::string::npos) << desc;
 }
 
+// A weight gradient of many rows and few columns (M > 192 >= N, a multiple of 16) from a packed row
+// of the tuning data that packs its transposed A (PA=1) runs as its transpose (ops/gemm.cpp, transposed_product): Cᵀ =
+// op(B)ᵀ op(A), a product of few rows whose transposed A is read in place in K chunks, then transposed into C. The same
+// bits as the product itself (a kernel asked for by name, which runs as given), the reference, and the overflow guard
+// over the result; with beta != 0 or a bias C is computed as it is.
+TEST(GemmTuning, PackedRowRunsAWeightGradientOfManyRowsAsItsTranspose) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
+  const ScopedTempFile file("tuning_transposed.tsv", "*\t*\t*\t\tferry\tpacked\tRB=6 NV=1 PA=1 KU=4 WB=8\n");
+  ScopedEnv env("FERRY_GEMM_TUNING", file.path());
+  const ops::GemmShape s{208, 64, 600, true, false};
+  std::string desc = ops::gemm_kernel_description(dev.env, s);
+  EXPECT_NE(desc.find("as its transpose"), std::string::npos) << desc;
+  EXPECT_NE(desc.find("PA=0"), std::string::npos) << desc;
+  for (const ops::GemmShape other :
+       {ops::GemmShape{208, 208, 600, true, false}, ops::GemmShape{200, 64, 600, true, false},
+        ops::GemmShape{208, 64, 256, true, false}, ops::GemmShape{208, 64, 600, false, false},
+        ops::GemmShape{208, 64, 600, true, true}}) {
+    desc = ops::gemm_kernel_description(dev.env, other);
+    EXPECT_EQ(desc.find("as its transpose"), std::string::npos)
+        << other.M << "x" << other.N << "x" << other.K << (other.trans_a ? " T" : " N") << (other.trans_b ? "T " : "N ")
+        << desc;
+  }
+  auto a = random_vector(s.M * s.K, 81), b = random_vector(s.K * s.N, 82);
+  auto run = [&](const ops::GemmOptions& o, DeviceTensor* guard) {
+    DeviceTensor da(a, 3), db(b, 5), dc(std::vector<float>(s.M * s.N, std::nanf("")), 9),
+        scratch(ops::gemm_scratch_elems(dev.env, s, o), 4);
+    ops::GemmOptions with = o;
+    if (guard) with.guard = guard->span();
+    const auto launches = ops::gemm(dev.env, s, 0.75f, da.span(), db.span(), 0.0f, dc.span(), scratch.span(), with);
+    ops::run_blocking(dev.context.compute(), launches);
+    return dc.download();
+  };
+  ops::GemmOptions as_given;
+  as_given.kernel = "packed RB=6 NV=1 PA=1 KU=4 WB=8";
+  const std::vector<float> transposed = run({}, nullptr), direct = run(as_given, nullptr);
+  EXPECT_EQ(std::memcmp(transposed.data(), direct.data(), direct.size() * sizeof(float)), 0) << "bits";
+  expect_near(transposed, reference(s, 0.75f, a, b, 0.0f, std::vector<float>(s.M * s.N, 0.0f), {}), 2e-6f * s.K + 1e-5f,
+              1e-4f, "208x64x600 TN as its transpose");
+  check_gemm(s, {}, 0.75f, -0.5f, true, "208x64x600 TN, beta and a bias: as it is");
+  DeviceTensor guard(std::vector<float>{2.5f});
+  run({}, &guard);
+  EXPECT_EQ(guard.download()[0], 2.5f);
+  a[s.M - 1] = 1e30f;  // A(M - 1, 0): A is stored [K, M]
+  b[s.N - 1] = 1e30f;  // B(0, N - 1)
+  const std::vector<float> overflowed = run({}, &guard);
+  EXPECT_TRUE(std::isinf(overflowed.back()));
+  EXPECT_TRUE(std::isnan(guard.download()[0]));
+  // A row that reads such an A in place (no pack whose scratch the transpose would take over).
+  const ScopedTempFile in_place("tuning_transposed_in_place.tsv", "*\t*\t*\t\tferry\tpacked\tRB=6 NV=1 KU=4 WB=8\n");
+  ScopedEnv in_place_env("FERRY_GEMM_TUNING", in_place.path());
+  desc = ops::gemm_kernel_description(dev.env, s);
+  EXPECT_EQ(desc.find("as its transpose"), std::string::npos) << desc;
+}
+
 TEST(GemmTuning, BadRowsNameFileAndLine) {
   auto& dev = TestDevice::get();
   const struct {

@@ -99,7 +99,9 @@ INSTANTIATE_TEST_SUITE_P(
                       PermuteCase{{5, 7, 11}, {1, 2, 0}}, PermuteCase{{5, 7, 11}, {2, 0, 1}},
                       PermuteCase{{5, 7, 11}, {2, 1, 0}}, PermuteCase{{3, 5, 7, 9}, {0, 2, 1, 3}},
                       PermuteCase{{3, 5, 7, 9}, {0, 2, 3, 1}}, PermuteCase{{3, 5, 7, 9}, {3, 2, 1, 0}},
-                      PermuteCase{{3, 5, 7, 9}, {1, 3, 0, 2}}, PermuteCase{{2, 1, 13, 3}, {2, 0, 3, 1}}));
+                      PermuteCase{{3, 5, 7, 9}, {1, 3, 0, 2}}, PermuteCase{{2, 1, 13, 3}, {2, 0, 3, 1}},
+                      // Matrices of whole 16 x 16 blocks: transposed block by block on CPU devices.
+                      PermuteCase{{48, 32}, {1, 0}}, PermuteCase{{16, 80}, {1, 0}}));
 
 // f16 and bf16 are copied bit for bit (NaN payloads included).
 TEST(Permute, SixteenBitTypesAreCopiedBitForBit) {
