@@ -834,6 +834,11 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
       if (const std::optional<GemmShape> t = transposed_product(env, s, p, options); t && beta == 0.0f) {
         // Cᵀ = op(B)ᵀ op(A) into scratch (B stored [K, N] is the transposed A of the product of N
         // rows, A stored [K, M] its row-major B), then C = (Cᵀ)ᵀ.
+        if (scratch.buffer == nullptr) {
+          throw std::invalid_argument(
+              fmt::format("gemm {}x{}x{} as its transpose: needs {} floats of scratch, got none", s.M, s.N, s.K,
+                          gemm_scratch_elems(env, s, options)));
+        }
         const DeviceSpan ct = scratch;
         LaunchList list = gemm(env, *t, alpha, b, a, 0.0f, ct, scratch.advanced(s.M * s.N * sizeof(float)), options);
         const std::int32_t swap_axes[2] = {1, 0};

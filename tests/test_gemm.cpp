@@ -1115,6 +1115,10 @@ TEST(GemmTuning, PackedRowRunsAWeightGradientOfManyRowsAsItsTranspose) {
   expect_near(transposed, reference(s, 0.75f, a, b, 0.0f, std::vector<float>(s.M * s.N, 0.0f), {}), 2e-6f * s.K + 1e-5f,
               1e-4f, "208x64x600 TN as its transpose");
   check_gemm(s, {}, 0.75f, -0.5f, true, "208x64x600 TN, beta and a bias: as it is");
+  {
+    DeviceTensor da(a), db(b), dc(s.M * s.N);  // the transpose's result lives in scratch
+    EXPECT_THROW(ops::gemm(dev.env, s, 1.0f, da.span(), db.span(), 0.0f, dc.span(), {}), std::invalid_argument);
+  }
   DeviceTensor guard(std::vector<float>{2.5f});
   run({}, &guard);
   EXPECT_EQ(guard.download()[0], 2.5f);
