@@ -109,7 +109,7 @@ bool a_rows_alias(const GemmShape& s) {
 constexpr std::size_t direct_a_max_rows = 192, direct_a_panel_width = 16, k_chunk = 256;
 bool direct_transposed_a(const GemmShape& s, const GemmKernelConfig& c) {
   return s.trans_a && s.a == DType::f32 && s.M <= direct_a_max_rows && s.K > k_chunk &&
-         c.param("NV") * 16 == direct_a_panel_width;
+         panel_width(c) == direct_a_panel_width;
 }
 
 // The packed parameters for this shape: PA only where A is packed (below); a panel no wider than N
@@ -213,10 +213,16 @@ GemmKernelConfig fit_row_blocks(const GemmShape& s, GemmKernelConfig c, std::uin
 }
 
 // The plan's kernel parameters fitted to this shape (the fits leave the other kernel's alone).
+// Whether the kernel comes from the tuning data (or is asked for as a row of it), and is fitted to
+// each shape; a kernel asked for by name runs as given.
+bool from_tuning_data(const GemmOptions& o) {
+  return o.kernel.empty() || o.kernel_as_row;
+}
+
 GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
-  const bool from_tuning_data = o.kernel.empty() || o.kernel_as_row;
+  const bool as_row = from_tuning_data(o);
   const std::uint32_t units = env.device().compute_units;
-  return fit_tiled(s, fit_row_blocks(s, fit_packed(s, p.config, o, from_tuning_data), units), units, from_tuning_data);
+  return fit_tiled(s, fit_row_blocks(s, fit_packed(s, p.config, o, as_row), units), units, as_row);
 }
 
 // K rows per split of a long-K product (see gemm_packed in gemm_packed.cl): at least a B sub-panel
@@ -672,11 +678,10 @@ bool dact_in_epilogue(OpEnv& env, const GemmPlan& p, const GemmShape& s, const G
 // one product, for a row from the tuning data that packs such an A (a kernel asked for by name runs
 // as given; with A read in place the transpose's scratch would be new).
 std::optional<GemmShape> transposed_product(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
-  const bool from_tuning_data = o.kernel.empty() || o.kernel_as_row;
   const bool plain = o.bias.buffer == nullptr && !o.relu && o.dact_input.buffer == nullptr && o.b_planes == 0 &&
                      o.c_planes == 0 && o.a_gather_rows.buffer == nullptr;
-  if (!packed_features(p) || !from_tuning_data || !plain || !s.trans_a || s.trans_b || !s.all_f32() || s.batch != 1 ||
-      s.M <= direct_a_max_rows || s.M % 16 != 0) {
+  if (!packed_features(p) || !from_tuning_data(o) || !plain || !s.trans_a || s.trans_b || !s.all_f32() ||
+      s.batch != 1 || s.M <= direct_a_max_rows || s.M % 16 != 0) {
     return std::nullopt;
   }
   // Only in place of packing A: the transpose's panels (of A, as its B) take as much scratch.

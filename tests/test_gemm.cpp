@@ -526,48 +526,54 @@ ops::GemmOptions packed_options() {
   return options;
 }
 
-// The kernels, by name, of kPacked's launches for shape `s` (operands uninitialised: the binding
-// is what is looked at).
-std::vector<std::string> packed_kernel_names(const ops::GemmShape& s,
-                                             const ops::GemmOptions& options = packed_options()) {
-  auto& dev = TestDevice::get();
-  DeviceTensor scratch(ops::gemm_scratch_elems(dev.env, s, options)), a(s.M * s.K), b(s.K * s.N), c(s.M * s.N);
-  std::vector<std::string> names;
-  for (const ops::KernelLaunch& l :
-       ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), 0.0f, c.span(), scratch.span(), options)) {
-    std::size_t size = 0;
-    cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size), "clGetKernelInfo");
-    std::string name(size, '\0');
-    cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, size, name.data(), nullptr), "clGetKernelInfo");
-    names.push_back(name.c_str());
-  }
-  return names;
-}
-
-// The build options of each gemm_packed launch of `s` (operands uninitialised), where the binding
-// states what it chose that the description does not name (K_CHUNK, C_STREAM).
-std::vector<std::string> packed_build_options(const ops::GemmShape& s, const ops::GemmOptions& options,
-                                              float beta = 0.0f) {
+// What gemm() binds for shape `s` (operands uninitialised: the binding is what is looked at): each
+// launch's kernel name and its program's build options, where the binding states what it chose
+// that the description does not name (K_CHUNK, C_STREAM).
+struct BoundLaunch {
+  std::string kernel, build_options;
+};
+std::vector<BoundLaunch> bound_launches(const ops::GemmShape& s, const ops::GemmOptions& options, float beta = 0.0f) {
   auto& dev = TestDevice::get();
   DeviceTensor scratch(std::max<std::size_t>(ops::gemm_scratch_elems(dev.env, s, options), 1)), a(s.batch * s.M * s.K),
       b(s.batch * s.K * s.N), c(s.batch * s.M * s.N);
-  std::vector<std::string> out;
+  auto text = [](auto query, const char* what) {
+    std::size_t size = 0;
+    cl::check(query(0, nullptr, &size), what);
+    std::string out(size, '\0');
+    cl::check(query(size, out.data(), nullptr), what);
+    return std::string(out.c_str());
+  };
+  std::vector<BoundLaunch> out;
   for (const ops::KernelLaunch& l :
        ops::gemm(dev.env, s, 1.0f, a.span(), b.span(), beta, c.span(), scratch.span(), options)) {
-    char name[64] = {};
-    cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, nullptr),
-              "clGetKernelInfo");
-    if (std::string_view(name) != "gemm_packed") continue;
     cl_program program = nullptr;
     cl::check(clGetKernelInfo(l.kernel.get(), CL_KERNEL_PROGRAM, sizeof program, &program, nullptr), "clGetKernelInfo");
-    std::size_t size = 0;
     const cl_device_id device = dev.context.device().id;
-    cl::check(clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_OPTIONS, 0, nullptr, &size),
-              "clGetProgramBuildInfo");
-    std::string text(size, '\0');
-    cl::check(clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_OPTIONS, size, text.data(), nullptr),
-              "clGetProgramBuildInfo");
-    out.push_back(text.c_str());
+    out.push_back(
+        {text([&](std::size_t n, char* p,
+                  std::size_t* r) { return clGetKernelInfo(l.kernel.get(), CL_KERNEL_FUNCTION_NAME, n, p, r); },
+              "clGetKernelInfo"),
+         text([&](std::size_t n, char* p,
+                  std::size_t* r) { return clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_OPTIONS, n, p, r); },
+              "clGetProgramBuildInfo")});
+  }
+  return out;
+}
+
+// The kernels, by name, of the launches for shape `s` (kPacked's unless told).
+std::vector<std::string> packed_kernel_names(const ops::GemmShape& s,
+                                             const ops::GemmOptions& options = packed_options()) {
+  std::vector<std::string> names;
+  for (const BoundLaunch& l : bound_launches(s, options)) names.push_back(l.kernel);
+  return names;
+}
+
+// The build options of each gemm_packed launch of `s`.
+std::vector<std::string> packed_build_options(const ops::GemmShape& s, const ops::GemmOptions& options,
+                                              float beta = 0.0f) {
+  std::vector<std::string> out;
+  for (const BoundLaunch& l : bound_launches(s, options, beta)) {
+    if (l.kernel == "gemm_packed") out.push_back(l.build_options);
   }
   return out;
 }
