@@ -396,6 +396,32 @@ std::size_t k_chunk_rows(const GemmShape& s, const GemmKernelConfig& c, const Ge
   return fits ? k_chunk : 0;
 }
 
+// Panels per work-item of a launch that packs its own panels chunk by chunk (OWN_PANELS in
+// gemm_packed.cl): as many as leave the launch the work-items it wants (wanted_items), at most
+// own_panels_max. A row-major B's rows are then read several panels wide (192 x 768 x 4096 TN, whose
+// B rows lie 3 KiB apart, waited for a page walk per row and panel) and each chunk of A serves them
+// all from L2.
+constexpr std::size_t own_panels_max = 4;
+std::size_t own_panels(const GemmShape& s, const GemmKernelConfig& c, std::size_t k_chunk, bool own_launch,
+                       std::uint32_t compute_units) {
+  if (!own_launch || k_chunk == 0) return 1;
+  const std::size_t panels = (s.N + panel_width(c) - 1) / panel_width(c), wanted = wanted_items(compute_units);
+  std::size_t p = own_panels_max;
+  while (p > 1 && (panels + p - 1) / p * s.batch < wanted) --p;
+  return p;
+}
+
+// PREFETCH_B in gemm_packed.cl: a launch packing its own panels of a row-major B in K chunks
+// prefetches the next chunk's rows where they lie at least prefetch_b_min_row_bytes apart, beyond
+// the hardware prefetcher's reach (a stride across pages). 192 x 768 x 4096 TN (3 KiB rows) ran
+// 146-148 -> 157-163 GFLOPS so on the AVX2 EPYC; with 768-byte rows, which the hardware prefetcher
+// follows, 114 x 192 x 4096 TN fell from 146-149 to 124-138 (bench/RESULTS.md, "Weight gradients'
+// panels packed chunk by chunk").
+constexpr std::size_t prefetch_b_min_row_bytes = 2048;
+bool prefetch_b_rows(const GemmShape& s, std::size_t k_chunk, bool own_launch) {
+  return own_launch && k_chunk > 0 && !s.trans_b && s.N * dtype_bytes(s.b) >= prefetch_b_min_row_bytes;
+}
+
 std::string transpose_defines(const GemmShape& s) {
   return fmt::format("-DTRANS_A={} -DTRANS_B={}", int(s.trans_a), int(s.trans_b));
 }
@@ -536,14 +562,19 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   // block as without OWN_PANEL (a single work-item for all of M left every other core idle).
   const std::optional<GemmKernelConfig> tail = tail_panel(s, cfg, options, direct);
   const bool stream = stream_c(s, options, splits, env.device());
+  auto panels_per_item = [&](const GemmKernelConfig& block, bool own_launch) {
+    return own_panels(s, block, k_chunk_rows(s, block, options, beta, own_launch), own_launch,
+                      env.device().compute_units);
+  };
   auto program_defines = [&](const GemmKernelConfig& block, bool own_launch) {
     return fmt::format(
-        "{} {} -DNB_LAYOUT={} -DOWN_PANEL={} -DOWN_TAIL={} -DDIRECT_B={} -DDIRECT_B_TAIL={} -DB_PLANES={} "
-        "-DA_GATHER={} -DA_GATHER_STEP={} -DC_STREAM={} -DK_CHUNK={} {} {} {}",
-        block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail), int(direct),
-        int(direct && s.N % nb != 0), options.b_planes, int(gather), runs ? options.a_gather_step : 0, int(stream),
-        k_chunk_rows(s, block, options, beta, own_launch), pack_defines(options.b_planes > 0),
-        gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+        "{} {} -DNB_LAYOUT={} -DOWN_PANEL={} -DOWN_TAIL={} -DOWN_PANELS={} -DDIRECT_B={} -DDIRECT_B_TAIL={} "
+        "-DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={} -DC_STREAM={} -DK_CHUNK={} -DPREFETCH_B={} {} {} {}",
+        block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail),
+        panels_per_item(block, own_launch), int(direct), int(direct && s.N % nb != 0), options.b_planes, int(gather),
+        runs ? options.a_gather_step : 0, int(stream), k_chunk_rows(s, block, options, beta, own_launch),
+        int(prefetch_b_rows(s, k_chunk_rows(s, block, options, beta, own_launch), own_launch)),
+        pack_defines(options.b_planes > 0), gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
         splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0"
                    : gemm_epilogue_defines(options, options.c_planes));
   };
@@ -603,7 +634,9 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     l.dims = s.batch * splits == 1 ? 2 : 3;
     // Row blocks on dimension 0 (one work-item for all of them with OWN_PANEL): neighbours share a
     // B panel. Products times splits on dimension 2.
-    l.global = {own_launch ? 1 : ((s.M + rb - 1) / rb + wb - 1) / wb, count, s.batch * splits};
+    const std::size_t per_item = panels_per_item(block, own_launch);
+    l.global = {own_launch ? 1 : ((s.M + rb - 1) / rb + wb - 1) / wb, (count + per_item - 1) / per_item,
+                s.batch * splits};
     l.local = {1, 1, 1};
     return l;
   };

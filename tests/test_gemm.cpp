@@ -586,8 +586,9 @@ bool all_contain(const std::vector<std::string>& texts, std::string_view word) {
 // A transposed f32 A of at most 192 rows, read in place (PA=0) with 16-wide panels and row blocks
 // in turn, runs K in chunks of 256 rows whose sums wait in C (ops/gemm.cpp, k_chunk_rows): a K
 // that is no multiple of the chunk, a last row block past M, a batch of two (each product parks in
-// its own C). The same bits as the unchunked product with A packed (PA=1), which sums each element
-// in the same order. Unchunked where C is read (beta != 0), which also matches the reference.
+// its own C), B's rows far apart (prefetched, several panels per work-item, a last work-item with
+// fewer). The same bits as the unchunked product with A packed (PA=1), which sums each element in
+// the same order. Unchunked where C is read (beta != 0), which also matches the reference.
 TEST(GemmLayouts, TransposedAInKChunksMatchesReference) {
   auto& dev = TestDevice::get();
   if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
@@ -599,12 +600,21 @@ TEST(GemmLayouts, TransposedAInKChunksMatchesReference) {
   chunked.kernel = "packed RB=6 NV=1 KU=4 WB=8";
   ops::GemmOptions packed = chunked;
   packed.kernel = "packed RB=6 NV=1 PA=1 KU=4 WB=8";
+  // Rows of B 2 KiB apart and more are prefetched a chunk ahead, four panels to a work-item where
+  // that leaves four work-items per compute unit: 4 x 4 units + 1 panels leave the last one alone.
+  const std::size_t wide = std::max<std::size_t>(512, 256 * units) + 16;
   for (const ops::GemmShape s : {ops::GemmShape{192, n, 1000, true, false}, ops::GemmShape{43, n, 600, true, false},
                                  ops::GemmShape{114, n, 513, true, true},
-                                 ops::GemmShape{31, n, 300, true, false, DType::f32, DType::f32, DType::f32, 2}}) {
+                                 ops::GemmShape{31, n, 300, true, false, DType::f32, DType::f32, DType::f32, 2},
+                                 ops::GemmShape{131, wide, 700, true, false}}) {
     if (too_large_for_this_run(s.batch * s.M * s.N * s.K * 3)) continue;
     const std::string what = fmt::format("{}x{}x{} T{} batch {}", s.M, s.N, s.K, s.trans_b ? "T" : "N", s.batch);
     EXPECT_TRUE(all_contain(packed_build_options(s, chunked), "-DK_CHUNK=256")) << what;
+    const bool far_rows = s.N == wide;
+    EXPECT_TRUE(all_contain(packed_build_options(s, chunked), far_rows ? "-DPREFETCH_B=1" : "-DPREFETCH_B=0")) << what;
+    if (far_rows) {
+      EXPECT_TRUE(all_contain(packed_build_options(s, chunked), "-DOWN_PANELS=4")) << what;
+    }
     EXPECT_TRUE(all_contain(packed_build_options(s, packed), "-DK_CHUNK=0")) << what;
     EXPECT_TRUE(all_contain(packed_build_options(s, chunked, 0.5f), "-DK_CHUNK=0")) << what << ", beta 0.5";
     const auto a = random_vector(s.batch * s.M * s.K, 71), b = random_vector(s.batch * s.K * s.N, 72);

@@ -518,6 +518,32 @@ inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 #ifndef K_CHUNK
 #define K_CHUNK 0
 #endif
+// With OWN_PANEL, K_CHUNK packs the panels a chunk at a time, each just before its row blocks read
+// it. PREFETCH_B = 1 (ops/gemm.cpp `prefetch_b_rows`; a row-major B whose rows lie a page or more
+// apart): each row block of a chunk also prefetches its share of the next chunk's rows of B, one
+// row every few k steps. The hardware prefetcher does not follow such a stride, and each row waited
+// for memory when packed (15% of 192 x 768 x 4096 TN's time in perf on the AVX2 EPYC).
+#ifndef PREFETCH_B
+#define PREFETCH_B 0
+#endif
+#if PREFETCH_B && !(K_CHUNK && OWN_PANEL && !TRANS_B)
+#error "PREFETCH_B prefetches the next chunk of a row-major B packed by OWN_PANEL in K_CHUNK chunks"
+#endif
+#if PREFETCH_B && defined(__has_builtin)
+#if __has_builtin(__builtin_prefetch)
+#define FERRY_PREFETCH_NEXT_CHUNK 1
+#endif
+#endif
+// OWN_PANELS > 1 (ops/gemm.cpp `own_panels`, with K_CHUNK and OWN_PANEL): a work-item runs that
+// many neighbouring panels, each chunk of them packed together and then run panel after panel: a
+// row of B is then read OWN_PANELS x 64 bytes at a time (one page walk where it was one per panel),
+// and the chunk of A, in L2, serves every panel of the work-item.
+#ifndef OWN_PANELS
+#define OWN_PANELS 1
+#endif
+#if OWN_PANELS > 1 && !(K_CHUNK && OWN_PANEL)
+#error "OWN_PANELS runs several panels of OWN_PANEL chunk by chunk (K_CHUNK)"
+#endif
 #if K_CHUNK && (!C_IS_F32 || C_PLANES || !(OWN_PANEL || WB > 1))
 #error "K_CHUNK parks sums in an f32 C in rows, for a work-item's row blocks in turn"
 #endif
@@ -555,7 +581,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   // next group, so a group's rows of A stay in cache while all of B streams past them (row blocks
   // fastest over the whole of M re-reads all of A from memory for every panel once A outgrows the
   // caches).
-  uint block = get_global_id(0), panel = get_global_id(1);
+  uint block = get_global_id(0), panel = get_global_id(1) * OWN_PANELS;
   if (group_blocks > 0) {
     const uint blocks = get_global_size(0), panels = get_global_size(1);
     const uint linear = block + panel * blocks;
@@ -613,10 +639,18 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   // One work-item per panel (and split and product): it packs its rows of op(B) into the panel's
   // place itself, then runs every row block against them while they are in its core's cache.
   const ulong b_product = b_off + product * ((ulong)K * N);  // this product's B
-  for (uint j = 0; j < NB; j += 16) {
-    PACK_OWN_COLUMNS16(N, K, b, b_product, (__global float*)panel_rows - (ulong)k_begin * NB_LAYOUT + j, col0 + j,
-                       k_begin, k_end);
+#define PACK_OWN_PANEL(rows, first_col, k_lo, k_hi)                                                        \
+  for (uint j = 0; j < NB; j += 16) {                                                                      \
+    PACK_OWN_COLUMNS16(N, K, b, b_product, (__global float*)(rows) - (ulong)k_begin * NB_LAYOUT + j, (first_col) + j, \
+                       k_lo, k_hi);                                                                        \
   }
+#if !K_CHUNK
+  PACK_OWN_PANEL(panel_rows, col0, k_begin, k_end)  // (with K_CHUNK a chunk at a time, below)
+#endif
+#if K_CHUNK
+  // This work-item's panels (OWN_PANELS of them but past N; K_CHUNK runs whole panels of N only).
+  const uint own_panels = min((uint)OWN_PANELS, N / NB_LAYOUT - panel);
+#endif
 #if OWN_TAIL
   {
     // The panel after this launch's, which the next launch (built narrower) reads packed: every
@@ -642,8 +676,30 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   // unchunked: the same bits.
   for (uint chunk_begin = k_begin; chunk_begin < k_end; chunk_begin += K_CHUNK) {
     const uint chunk_end = min(k_end, chunk_begin + K_CHUNK);
+#if OWN_PANEL && OWN_PANELS > 1 && !TRANS_B
+    // A row of B at a time across all the work-item's panels (one page, one walk).
+    for (uint k = chunk_begin; k < chunk_end; ++k) {
+      for (uint q = 0; q < own_panels; ++q) {
+        pack_b_row16(N, b, b_product + (ulong)k * N,
+                     (__global float*)panel_rows + ((ulong)q * K + k - k_begin) * NB_LAYOUT, col0 + q * NB_LAYOUT);
+      }
+    }
+#elif OWN_PANEL
+    for (uint q = 0; q < own_panels; ++q) {
+      PACK_OWN_PANEL(panel_rows + (ulong)q * K * NB_LAYOUT, col0 + q * NB_LAYOUT, chunk_begin, chunk_end)
+    }
+#endif
 #else
   const uint chunk_begin = k_begin, chunk_end = k_end;
+#endif
+#if OWN_PANELS > 1
+  // The chunk against each panel in turn: col0 and panel_rows name the panel below.
+  for (uint q = 0; q < own_panels; ++q) {
+    const uint col0_q = col0 + q * NB_LAYOUT;
+    __global const float* const panel_rows_q = panel_rows + (ulong)q * K * NB_LAYOUT;
+    {
+      const uint col0 = col0_q;
+      __global const float* const panel_rows = panel_rows_q;
 #endif
 #if OWN_PANEL || WB > 1
   for (block = block_first; block < block_last; ++block) {
@@ -653,6 +709,13 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #endif
     // The k loop below advances it, per block.
     __global const float* bp = panel_rows + (ulong)(chunk_begin - k_begin) * b_step;
+#ifdef FERRY_PREFETCH_NEXT_CHUNK
+    // An equal share of the next chunk's rows of B for each row block (see above), one row every
+    // prefetch_every k steps of its k loop, a multiple of KU so that the unrolled loop takes them all.
+    const uint share = (K_CHUNK + block_last - block_first - 1) / (block_last - block_first);
+    const uint prefetch_lo = chunk_end + (block - block_first) * share, prefetch_hi = min(k_end, prefetch_lo + share);
+    const uint prefetch_every = max((uint)KU, K_CHUNK / share / KU * KU);
+#endif
 #endif
 
   // Rows past M read row M-1 (valid memory) and are never stored, keeping the k loop branch-free.
@@ -680,10 +743,23 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   {
     // Unrolled KU k steps at a time: PoCL's LLVM leaves the loop rolled, and its counter and
     // pointer updates then take issue slots from the fma.
+    uint k = chunk_begin;
+#ifdef FERRY_PREFETCH_NEXT_CHUNK
+    for (uint p = prefetch_lo; p < prefetch_hi; ++p) {
+      __global const STORAGE(B_NAME)* row = b + b_product + (ulong)p * N + col0;
+      __builtin_prefetch(row, 0, 2);
+      __builtin_prefetch(row + NB - 1, 0, 2);
+      const uint k_stop = min(chunk_end, k + prefetch_every);
 #if KU > 1
 #pragma unroll KU
 #endif
-    for (uint k = chunk_begin; k < chunk_end; ++k, bp += b_step) K_STEP(bp)
+      for (; k < k_stop; ++k, bp += b_step) K_STEP(bp)
+    }
+#endif
+#if KU > 1
+#pragma unroll KU
+#endif
+    for (; k < chunk_end; ++k, bp += b_step) K_STEP(bp)
   }
 
 #if K_CHUNK
@@ -697,6 +773,10 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     GUARD_SET(guard_bad, guard, guard_off);
   }
 #if OWN_PANEL || WB > 1
+  }
+#endif
+#if OWN_PANELS > 1
+    }
   }
 #endif
 #if K_CHUNK
