@@ -541,8 +541,8 @@ inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 #ifndef OWN_PANELS
 #define OWN_PANELS 1
 #endif
-#if OWN_PANELS > 1 && !(K_CHUNK && OWN_PANEL)
-#error "OWN_PANELS runs several panels of OWN_PANEL chunk by chunk (K_CHUNK)"
+#if OWN_PANELS > 1 && !(K_CHUNK && OWN_PANEL && NB == 16)
+#error "OWN_PANELS runs several 16-wide panels of OWN_PANEL chunk by chunk (K_CHUNK)"
 #endif
 #if K_CHUNK && (!C_IS_F32 || C_PLANES || !(OWN_PANEL || WB > 1))
 #error "K_CHUNK parks sums in an f32 C in rows, for a work-item's row blocks in turn"
@@ -639,10 +639,11 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   // One work-item per panel (and split and product): it packs its rows of op(B) into the panel's
   // place itself, then runs every row block against them while they are in its core's cache.
   const ulong b_product = b_off + product * ((ulong)K * N);  // this product's B
-#define PACK_OWN_PANEL(rows, first_col, k_lo, k_hi)                                                        \
-  for (uint j = 0; j < NB; j += 16) {                                                                      \
-    PACK_OWN_COLUMNS16(N, K, b, b_product, (__global float*)(rows) - (ulong)k_begin * NB_LAYOUT + j, (first_col) + j, \
-                       k_lo, k_hi);                                                                        \
+// Rows [k_lo, k_hi) of the panel whose k_begin-th row is at `rows` and whose columns start at first_col.
+#define PACK_OWN_PANEL(rows, first_col, k_lo, k_hi)                                                 \
+  for (uint j = 0; j < NB; j += 16) {                                                               \
+    PACK_OWN_COLUMNS16(N, K, b, b_product, (__global float*)(rows) - (ulong)k_begin * NB_LAYOUT + j, \
+                       (first_col) + j, k_lo, k_hi);                                                \
   }
 #if !K_CHUNK
   PACK_OWN_PANEL(panel_rows, col0, k_begin, k_end)  // (with K_CHUNK a chunk at a time, below)
