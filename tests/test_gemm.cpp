@@ -645,7 +645,7 @@ TEST(GemmLayouts, TransposedAInKChunksMatchesReference) {
 }
 
 // An f32 C of at least half the last-level cache, from K of at most 512 rows, or of an eighth of
-// it from K of at most 128, is stored past the caches (ops/gemm.cpp, stream_c; C_STREAM in
+// it from K of at most 256, is stored past the caches (ops/gemm.cpp, stream_c; C_STREAM in
 // gemm_packed.cl): N = 1000 leaves rows whose starts are not 64-byte aligned, which take the
 // ordinary store; alpha, beta and a bias.
 TEST(GemmLayouts, CStoredPastTheCachesMatchesReference) {
@@ -654,18 +654,19 @@ TEST(GemmLayouts, CStoredPastTheCachesMatchesReference) {
   const std::size_t cache = dev.context.device().global_mem_cache_bytes;
   if (cache == 0 || cache > (std::size_t{128} << 20)) GTEST_SKIP() << "last-level cache of " << cache << " bytes";
   const std::size_t n = 1000, m = (cache / 2 / sizeof(float) + n - 1) / n;
-  const ops::GemmShape s{m, n, 200}, short_k{m / 2, n, 40};
+  const ops::GemmShape s{m, n, 300}, short_k{m / 2, n, 40};
   if (too_large_for_this_run(s.M * s.N * s.K)) GTEST_SKIP() << "FERRY_TEST_SMALL: a large shape";
   ops::GemmOptions o = packed_options();
   o.kernel = "packed RB=6 NV=1 KU=4 WB=8";
   EXPECT_TRUE(all_contain(packed_build_options(s, o), "-DC_STREAM=1"));
-  EXPECT_TRUE(all_contain(packed_build_options({m / 2, n, 200}, o), "-DC_STREAM=0"));
+  EXPECT_TRUE(all_contain(packed_build_options({m / 2, n, 300}, o), "-DC_STREAM=0"));
   EXPECT_TRUE(all_contain(packed_build_options(short_k, o), "-DC_STREAM=1"));
-  EXPECT_TRUE(all_contain(packed_build_options({m / 2, n, 129}, o), "-DC_STREAM=0"));
+  EXPECT_TRUE(all_contain(packed_build_options({m / 2, n, 256}, o), "-DC_STREAM=1"));
+  EXPECT_TRUE(all_contain(packed_build_options({m / 2, n, 257}, o), "-DC_STREAM=0"));
   EXPECT_TRUE(all_contain(packed_build_options({m / 16, n, 40}, o), "-DC_STREAM=0"));
   EXPECT_TRUE(all_contain(packed_build_options({m, n, 513}, o), "-DC_STREAM=0"));
-  check_gemm(s, o, 0.75f, -0.5f, true, fmt::format("{}x{}x200, C streamed", m, n));
-  check_gemm(s, o, 1.0f, 0.0f, false, fmt::format("{}x{}x200, C streamed, beta 0", m, n));
+  check_gemm(s, o, 0.75f, -0.5f, true, fmt::format("{}x{}x300, C streamed", m, n));
+  check_gemm(s, o, 1.0f, 0.0f, false, fmt::format("{}x{}x300, C streamed, beta 0", m, n));
   check_gemm(short_k, o, 0.75f, -0.5f, true, fmt::format("{}x{}x40, C streamed from an eighth", m / 2, n));
 }
 
