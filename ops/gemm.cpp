@@ -379,10 +379,11 @@ bool own_panel(const GemmShape& s, const GemmKernelConfig& c, const GemmOptions&
 //
 // With K <= 256 (weight gradients over a batch: the quick start's deep MLP, batch 64; the MLP at
 // 256) storing C is a large part of the product, and C is streamed from an eighth of the cache: the
-// deep MLP's 33 weight gradients of 1024 x 1024 x 64 (4 MiB each, read next by the optimizer's pass
-// over all of them, which no cache holds) went from 45-48 to 29 ms a step on the AVX2 EPYC, the
-// MLP's two large ones at batch 256 from 6.2-6.5 to 5.6-5.9 ms, the GPT's step (its 4096 x 192 x 192
-// products) level or faster (bench/RESULTS.md, "Short-K weight gradients stream their C").
+// deep MLP's weight gradients, most of them 1024 x 1024 x 64 (4 MiB each, read next by the
+// optimizer's pass over all of them, which no cache holds), went from 45-48 to 29 ms a step on the
+// AVX2 EPYC, the MLP's two large ones at batch 256 from 6.2-6.6 to 5.5-5.9 ms, the GPT's step (its
+// 4096 x 192 x 192 products) level or faster (bench/RESULTS.md, "Short-K weight gradients stream
+// their C").
 constexpr std::size_t stream_c_min_cache_share = 2, stream_c_max_k = 512;
 constexpr std::size_t stream_c_short_k = 256, stream_c_short_k_cache_share = 8;
 bool stream_c(const GemmShape& s, const GemmOptions& o, std::size_t splits, const cl::DeviceInfo& device) {
