@@ -212,13 +212,13 @@ GemmKernelConfig fit_row_blocks(const GemmShape& s, GemmKernelConfig c, std::uin
   return c;
 }
 
-// The plan's kernel parameters fitted to this shape (the fits leave the other kernel's alone).
 // Whether the kernel comes from the tuning data (or is asked for as a row of it), and is fitted to
 // each shape; a kernel asked for by name runs as given.
 bool from_tuning_data(const GemmOptions& o) {
   return o.kernel.empty() || o.kernel_as_row;
 }
 
+// The plan's kernel parameters fitted to this shape (the fits leave the other kernel's alone).
 GemmKernelConfig fitted(OpEnv& env, const GemmShape& s, const GemmPlan& p, const GemmOptions& o) {
   const bool as_row = from_tuning_data(o);
   const std::uint32_t units = env.device().compute_units;
@@ -448,6 +448,13 @@ std::string gemm_storage_defines(DType a, DType b, DType c) {
   return fmt::format("{} {} {}", one('A', a), one('B', b), one('C', c));
 }
 
+void require_scratch(DeviceSpan scratch, const GemmShape& s, std::string_view what, std::size_t need) {
+  if (need > 0 && scratch.buffer == nullptr) {
+    throw std::invalid_argument(
+        fmt::format("gemm {}x{}x{} {}: needs {} floats of scratch, got none", s.M, s.N, s.K, what, need));
+  }
+}
+
 std::string gemm_epilogue_defines(const GemmOptions& o, std::size_t c_planes) {
   const bool dact = o.dact_input.buffer != nullptr;
   return fmt::format("-DC_PLANES={} -DC_RELU={} -DC_DACT={} -DC_GUARD={}", c_planes, int(o.relu),
@@ -571,23 +578,29 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   // block as without OWN_PANEL (a single work-item for all of M left every other core idle).
   const std::optional<GemmKernelConfig> tail = tail_panel(s, cfg, options, direct);
   const bool stream = stream_c(s, options, splits, env.device());
-  auto panels_per_item = [&](const GemmKernelConfig& block, bool own_launch) {
-    return own_panels(s, block, k_chunk_rows(s, block, options, beta, own_launch), own_launch,
-                      env.device().compute_units);
+  // How a program of register block `block` walks K and B: K_CHUNK, OWN_PANELS and PREFETCH_B.
+  struct Chunking {
+    std::size_t k_chunk, panels_per_item;
+    bool prefetch_b;
   };
-  auto program_defines = [&](const GemmKernelConfig& block, bool own_launch) {
+  auto chunking = [&](const GemmKernelConfig& block, bool own_launch) {
+    const std::size_t k = k_chunk_rows(s, block, options, beta, own_launch);
+    return Chunking{k, own_panels(s, block, k, own_launch, env.device().compute_units),
+                    prefetch_b_rows(s, k, own_launch)};
+  };
+  auto program_defines = [&](const GemmKernelConfig& block, bool own_launch, const Chunking& chunks) {
     return fmt::format(
         "{} {} -DNB_LAYOUT={} -DOWN_PANEL={} -DOWN_TAIL={} -DOWN_PANELS={} -DDIRECT_B={} -DDIRECT_B_TAIL={} "
         "-DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={} -DC_STREAM={} -DK_CHUNK={} -DPREFETCH_B={} {} {} {}",
-        block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail),
-        panels_per_item(block, own_launch), int(direct), int(direct && s.N % nb != 0), options.b_planes, int(gather),
-        runs ? options.a_gather_step : 0, int(stream), k_chunk_rows(s, block, options, beta, own_launch),
-        int(prefetch_b_rows(s, k_chunk_rows(s, block, options, beta, own_launch), own_launch)),
-        pack_defines(options.b_planes > 0), gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
+        block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail), chunks.panels_per_item,
+        int(direct), int(direct && s.N % nb != 0), options.b_planes, int(gather), runs ? options.a_gather_step : 0,
+        int(stream), chunks.k_chunk, int(chunks.prefetch_b), pack_defines(options.b_planes > 0),
+        gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
         splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0"
                    : gemm_epilogue_defines(options, options.c_planes));
   };
-  const std::string defines = program_defines(cfg, own);
+  const Chunking chunks = chunking(cfg, own);
+  const std::string defines = program_defines(cfg, own, chunks);
   const cl_mem rows = gather ? options.a_gather_rows.buffer : a.buffer,
                cols = gather ? options.a_gather_cols.buffer : a.buffer;
   const std::uint64_t rows_off = options.a_gather_rows.elem_offset(4), cols_off = options.a_gather_cols.elem_offset(4);
@@ -599,10 +612,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::uint64_t a_panels_off = scratch.elem_offset() + panels_elems;  // packed A, when PA = 1
   const std::uint64_t parts_off = a_panels_off + packed_a_elems(s, cfg);    // partial products of splits
   LaunchList list;
-  if (s.K > 0 && scratch.buffer == nullptr && packed_elems(s, cfg, options) > 0) {
-    throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch, got none", s.M, s.N, s.K,
-                                            cfg.text(), packed_elems(s, cfg, options)));
-  }
+  if (s.K > 0) require_scratch(scratch, s, fmt::format("({})", cfg.text()), packed_elems(s, cfg, options));
   if (s.K > 0 && !direct && !own) list.push_back(pack_b_launch(env, s, panels * nb, defines, b, scratch, options));
   const bool pack_a = s.K > 0 && packed_a_elems(s, cfg) > 0;
   if (pack_a) {
@@ -620,7 +630,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   const std::uint64_t b_off = b.elem_offset(dtype_bytes(s.b));  // B itself, read with OWN_PANEL only
   // The product over `count` panels from panel `first`, in register blocks of `block`.
   auto product = [&](const GemmKernelConfig& block, const std::string& block_defines, bool own_launch,
-                     std::size_t first, std::size_t count) {
+                     const Chunking& block_chunks, std::size_t first, std::size_t count) {
     const std::size_t rb = static_cast<std::size_t>(block.param("RB"));
     const std::size_t wb = static_cast<std::size_t>(block.param("WB"));
     const cl_uint group_blocks =
@@ -643,14 +653,18 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
     l.dims = s.batch * splits == 1 ? 2 : 3;
     // Row blocks on dimension 0 (one work-item for all of them with OWN_PANEL): neighbours share a
     // B panel. Products times splits on dimension 2.
-    const std::size_t per_item = panels_per_item(block, own_launch);
+    // Panels on dimension 1, panels_per_item to a work-item.
+    const std::size_t per_item = block_chunks.panels_per_item;
     l.global = {own_launch ? 1 : ((s.M + rb - 1) / rb + wb - 1) / wb, (count + per_item - 1) / per_item,
                 s.batch * splits};
     l.local = {1, 1, 1};
     return l;
   };
-  list.push_back(product(cfg, defines, own, 0, tail ? panels - 1 : panels));
-  if (tail) list.push_back(product(*tail, program_defines(*tail, false), false, panels - 1, 1));
+  list.push_back(product(cfg, defines, own, chunks, 0, tail ? panels - 1 : panels));
+  if (tail) {
+    const Chunking tail_chunks = chunking(*tail, false);
+    list.push_back(product(*tail, program_defines(*tail, false, tail_chunks), false, tail_chunks, panels - 1, 1));
+  }
   if (splits > 1) {
     list.push_back(sum_splits_launch(env, s, splits, {scratch.buffer, parts_off * sizeof(float)}, alpha, beta, c,
                                      options, options.c_planes));
@@ -852,11 +866,8 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
   if (!s.all_f32() && !native_dtypes(p)) {
     // Widen A and B into scratch, multiply in f32, round C back.
     const StagedLayout l = staged_layout(s);
-    if (l.total > 0 && scratch.buffer == nullptr) {
-      throw std::invalid_argument(fmt::format("gemm {}x{}x{} with {} x {} -> {}: needs {} floats of scratch, got none",
-                                              s.M, s.N, s.K, dtype_name(s.a), dtype_name(s.b), dtype_name(s.c),
-                                              l.total));
-    }
+    require_scratch(scratch, s, fmt::format("with {} x {} -> {}", dtype_name(s.a), dtype_name(s.b), dtype_name(s.c)),
+                    l.total);
     auto at = [&](std::size_t elems) { return scratch.advanced(elems * sizeof(float)); };
     GemmShape f = s;
     f.a = f.b = f.c = DType::f32;
@@ -881,11 +892,7 @@ LaunchList gemm(OpEnv& env, const GemmShape& s, float alpha, DeviceSpan a, Devic
       if (const std::optional<GemmShape> t = transposed_product(env, s, p, options); t && beta == 0.0f) {
         // Cᵀ = op(B)ᵀ op(A) into scratch (B stored [K, N] is the transposed A of the product of N
         // rows, A stored [K, M] its row-major B), then C = (Cᵀ)ᵀ.
-        if (scratch.buffer == nullptr) {
-          throw std::invalid_argument(
-              fmt::format("gemm {}x{}x{} as its transpose: needs {} floats of scratch, got none", s.M, s.N, s.K,
-                          gemm_scratch_elems(env, s, options)));
-        }
+        require_scratch(scratch, s, "as its transpose", gemm_scratch_elems(env, s, options));
         const DeviceSpan ct = scratch;
         LaunchList list = gemm(env, *t, alpha, b, a, 0.0f, ct, scratch.advanced(s.M * s.N * sizeof(float)), options);
         const std::int32_t swap_axes[2] = {1, 0};

@@ -102,10 +102,8 @@ LaunchList bind_tiled(OpEnv& env, const GemmShape& s, const GemmKernelConfig& cf
                       DeviceSpan b, float beta, DeviceSpan c, DeviceSpan scratch, const GemmOptions& options) {
   const std::size_t splits = tiled_splits(s, cfg, env.device().compute_units);
   if (splits > 1) {
-    if (scratch.buffer == nullptr) {
-      throw std::invalid_argument(fmt::format("gemm {}x{}x{} ({}): needs {} floats of scratch, got none", s.M, s.N, s.K,
-                                              cfg.text(), tiled_scratch_elems(s, cfg, env.device().compute_units)));
-    }
+    require_scratch(scratch, s, fmt::format("({})", cfg.text()),
+                    tiled_scratch_elems(s, cfg, env.device().compute_units));
     // The splits' raw f32 products into scratch, then one pass adds them with alpha, beta, the bias
     // and the epilogue.
     GemmShape parts = s;

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <string>
+#include <string_view>
 
 #include "gemm_tuning.hpp"
 #include "ops/gemm.hpp"
@@ -25,6 +26,9 @@ std::size_t tiled_splits(const GemmShape& s, const GemmKernelConfig& c, std::uin
 // kernels that store C: gemm_packed, gemm_tiled, gemm_sum_splits.
 std::string gemm_storage_defines(DType a, DType b, DType c);
 std::string gemm_epilogue_defines(const GemmOptions& o, std::size_t c_planes);
+// Throws std::invalid_argument "gemm MxNxK <what>: needs <need> floats of scratch, got none" where a
+// product needs scratch (need > 0) and `scratch` has no buffer; the bindings' one check of it.
+void require_scratch(DeviceSpan scratch, const GemmShape& s, std::string_view what, std::size_t need);
 // Those kernels' guard argument: o.guard's buffer, or C's (never written without C_GUARD).
 inline cl_mem guard_buffer(const GemmOptions& o, DeviceSpan c) {
   return o.guard.buffer ? o.guard.buffer : c.buffer;
