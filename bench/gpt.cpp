@@ -67,6 +67,8 @@ class GptSession {
   const Trainer& trainer() const { return trainer_; }
   const Runtime& runtime() const { return runtime_; }
   float loss() const { return loss_; }
+  // The step's work: its GEMM-like products and attention as its plan counts them (step_gflop).
+  double gflop() { return step_gflop(runtime_, trainer_.model(), options(o_)); }
 
  private:
   static models::GptConfig config(const GptBenchOptions& o, const TextCorpus& c) {
@@ -141,6 +143,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     peers.push_back(j);
   }
   double ferry_tokens_per_s = 0;
+  const double gflop = ferry ? ferry->gflop() : 0.0;
   if (ferry) {
     after = ferry->measure();
     std::vector<double> all = before;
@@ -152,6 +155,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     j["attention"] = o.attention;
     j["step_ms"] = ms;
     j["tokens_per_s"] = ferry_tokens_per_s;
+    add_step_rate(j, gflop);
     j["step_ms_before_peers"] = median(before);
     j["step_ms_after_peers"] = median(after);
     j["block_ms"] = all;
@@ -165,7 +169,10 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
   }
   for (nlohmann::json& j : peers) {
     const double peer = j.value("tokens_per_s", 0.0);
-    if (ferry && peer > 0) j["ratio_ferry_over_peer"] = ferry_tokens_per_s / peer;
+    if (ferry && peer > 0) {
+      j["ratio_ferry_over_peer"] = ferry_tokens_per_s / peer;
+      add_step_rate(j, gflop);
+    }
     emit_json(j);
   }
   return 0;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "ferry/ferry.hpp"
+
 namespace ferry::bench {
 
 // `name` as the shell would find it on PATH (names with a slash are returned as they are if
@@ -34,5 +36,15 @@ CLI::Option* add_peer_device_option(CLI::App& sub, std::string& device);
 // does not know and falls back to a slow kernel set (PyTorch's CPU peers and ferry-bench gemm's
 // OpenBLAS baseline).
 std::string openblas_coretype();
+
+// The work of one training step of `model` under `options`, in GFLOP: 2 M N K for every GEMM-like
+// product (linear, matmul, convolution, attention's products; forward and backward) as the plan
+// counts them (PhasePlan::gemm_flops of plan_training, which allocates nothing). A step and its
+// peer run the same model, so this work over each side's step time is a rate both can be read by,
+// against `ferry-bench peak`.
+double step_gflop(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options);
+
+// `step_gflop` and `gflops` (that work over the line's `step_ms`) on a step or gpt line.
+void add_step_rate(nlohmann::json& line, double step_gflop);
 
 }  // namespace ferry::bench

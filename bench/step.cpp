@@ -140,6 +140,8 @@ class FerrySession {
   float loss() const { return loss_; }
   const Trainer& trainer() const { return trainer_; }
   const Runtime& runtime() const { return runtime_; }
+  // The step's work: its GEMM-like products as its plan counts them (step_gflop).
+  double gflop() { return step_gflop(runtime_, trainer_.model(), trainer_options(o_)); }
 
   // With --trace: three more steps into a Chrome trace, and the op breakdown of the last on stderr.
   void trace() {
@@ -284,6 +286,7 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
 
   // ferry again after the peers; its figure is the median over the blocks on both sides.
   double ferry_ms = 0;
+  const double gflop = ferry ? ferry->gflop() : 0.0;
   if (ferry) {
     after = ferry->measure();
     std::vector<double> all = before;
@@ -293,6 +296,7 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
     j["impl"] = "ferry";
     j["step_ms"] = ferry_ms;
     j["samples_per_s"] = o.batch * 1e3 / ferry_ms;
+    add_step_rate(j, gflop);
     j["step_ms_before_peers"] = median(before);
     j["step_ms_after_peers"] = median(after);
     j["run_ms"] = ferry->run_ms();  // CompiledStep::run alone (no batch validation or staging copy)
@@ -306,7 +310,10 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
   }
   for (nlohmann::json& j : peer_lines) {
     const double peer_ms = j.value("step_ms", 0.0);
-    if (ferry && peer_ms > 0) j["ratio_ferry_over_peer"] = peer_ms / ferry_ms;
+    if (ferry && peer_ms > 0) {
+      j["ratio_ferry_over_peer"] = peer_ms / ferry_ms;
+      add_step_rate(j, gflop);
+    }
     emit_json(j);
   }
   if (ferry) ferry->trace();

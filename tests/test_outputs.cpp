@@ -402,6 +402,19 @@ TEST(Outputs, PlanAndVersion) {
   }
 }
 
+// The step bench's work figure for the MLP (784-1024-1024-10) at `batch`: every layer's forward
+// product and weight gradient, and the input gradients of all but the first layer, 2 M N K each.
+void expect_mlp_step_work(const std::vector<json>& lines, std::uint64_t batch) {
+  const std::uint64_t forward = 2 * batch * (784 * 1024 + 1024 * 1024 + 1024 * 10);
+  const std::uint64_t input_gradients = 2 * batch * (1024 * 1024 + 1024 * 10);
+  const double want = static_cast<double>(2 * forward + input_gradients) / 1e9;
+  const auto ferry =
+      std::find_if(lines.begin(), lines.end(), [](const json& j) { return j.value("impl", "") == "ferry"; });
+  ASSERT_NE(ferry, lines.end());
+  EXPECT_DOUBLE_EQ(ferry->value("step_gflop", 0.0), want) << ferry->dump();
+  EXPECT_DOUBLE_EQ(ferry->value("gflops", 0.0), want * 1e3 / ferry->value("step_ms", 0.0)) << ferry->dump();
+}
+
 TEST(Outputs, BenchmarksDocumentEveryKey) {
   const fs::path d = scratch();
   const std::vector<std::pair<std::string, std::string>> benches = {
@@ -440,6 +453,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       EXPECT_NE(r.err.find("wrote a trace of 3 streamed steps (1 of 2 configurations)"), std::string::npos) << r.err;
       EXPECT_FALSE(json::parse(slurp(d / "overlap.json"), nullptr, false).is_discarded());
     }
+    if (name == "step") expect_mlp_step_work(r.lines, 16);
   }
 }
 
