@@ -31,6 +31,8 @@
 #              tuned kernel beside SDPA
 #   host-optimizer  `ferry-bench host-optimizer --peer`: the host optimizer's AdamW and 8-bit AdamW on
 #              one and on every core (the 6.4B run's largest term), beside PyTorch's CPU AdamW
+#   peak       `ferry-bench peak`: the GPU's fp32 FMA peak, that the GEMM's and the steps' figures read
+#              against (in-place fma chains since 2026-12-06; no GPU figure of it is recorded yet)
 #   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
 #              through pinned chunks of 4, 16 and 64 MiB
 #   trace-staged, trace-pageable, trace-registered  the two 1B streamed runs with --host-memory staged
@@ -153,6 +155,8 @@ for p in "$@"; do
     host-optimizer)  # the host's AdamW and 8-bit AdamW on 1 and all cores, beside PyTorch's CPU AdamW
       part host-optimizer 90 "$kit/bin/ferry-bench" --repeat 5 host-optimizer --threads 1 "$(nproc)" --peer \
         --python "$python_peer" ;;
+    peak)
+      part peak 60 "$kit/bin/ferry-bench" --repeat 3 peak --widths 1 2 4 --accumulators 4 8 16 ;;
     staging)
       part staging 120 "$kit/bin/ferry-bench" --repeat 3 staging --bytes 1GiB --chunks 4MiB,16MiB,64MiB ;;
     plan-accuracy)  # ferry plan's predicted step beside the measured one, the GEMM rate at the step's products
