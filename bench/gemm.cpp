@@ -118,10 +118,17 @@ std::size_t eviction_bytes(const cl::DeviceInfo& device) {
 
 // --cold: `repeat` runs, each alone and after evict() (untimed) wrote more than the caches hold,
 // so that the product reads its operands from memory as a training step's backward does (its
-// operands were made long before, or evicted by the nodes between); the first run untimed.
+// operands were made long before, or evicted by the nodes between). Untimed runs for cold_warm_ms
+// first, as time_rounds warms up: OpenBLAS's worker threads spin (sched_yield) for about 0.1 s
+// after the library loads and after each call, and on a 2-core machine they took a core from the
+// first cold runs of the product timed next (256 x 1024 x 784: 5.0 ms runs among 2.4 ms ones).
+constexpr double cold_warm_ms = 300.0;
 template <class Run, class Evict>
 std::vector<double> cold_times(Run&& run, Evict&& evict, int repeat) {
-  run();
+  const auto start = std::chrono::steady_clock::now();
+  do {
+    run();
+  } while (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() < cold_warm_ms);
   std::vector<double> times;
   for (int r = 0; r < repeat; ++r) {
     evict();
