@@ -120,8 +120,8 @@ std::size_t eviction_bytes(const cl::DeviceInfo& device) {
 // so that the product reads its operands from memory as a training step's backward does (its
 // operands were made long before, or evicted by the nodes between). Untimed runs for cold_warm_ms
 // first, as time_rounds warms up: OpenBLAS's worker threads spin (sched_yield) for about 0.1 s
-// after the library loads and after each call, and on a 2-core machine they took a core from the
-// first cold runs of the product timed next (256 x 1024 x 784: 5.0 ms runs among 2.4 ms ones).
+// after the library loads (and a while after each call), and on a 2-core machine they took a core
+// from the first cold runs timed next (single runs of 256 x 1024 x 784: 5.0 ms among 2.4 ms ones).
 constexpr double cold_warm_ms = 300.0;
 template <class Run, class Evict>
 std::vector<double> cold_times(Run&& run, Evict&& evict, int repeat) {
