@@ -15,6 +15,7 @@
 #include "ferry/runtime/text_corpus.hpp"
 #include "peer.hpp"
 #include "runtime/cli/validators.hpp"
+#include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -67,8 +68,10 @@ class GptSession {
   const Trainer& trainer() const { return trainer_; }
   const Runtime& runtime() const { return runtime_; }
   float loss() const { return loss_; }
-  // The step's work: its GEMM-like products and attention as its plan counts them (step_gflop).
-  double gflop() { return step_gflop(runtime_, trainer_.model(), options(o_)); }
+  // The trained step's GEMM-like work, in GFLOP (add_step_rate).
+  double gflop() const {
+    return static_cast<double>(detail::gemm_rate_flops(compiled_train_step(trainer_).graph())) / 1e9;
+  }
 
  private:
   static models::GptConfig config(const GptBenchOptions& o, const TextCorpus& c) {

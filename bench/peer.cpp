@@ -111,10 +111,6 @@ std::string openblas_coretype() {
   return "Haswell";
 }
 
-double step_gflop(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options) {
-  return static_cast<double>(plan_training(runtime, model, options).phases.at(0).gemm_flops) / 1e9;
-}
-
 void add_step_rate(nlohmann::json& line, double step_gflop) {
   const double ms = line.value("step_ms", 0.0);
   if (step_gflop <= 0 || ms <= 0) return;

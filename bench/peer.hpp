@@ -7,8 +7,6 @@
 #include <string>
 #include <vector>
 
-#include "ferry/ferry.hpp"
-
 namespace ferry::bench {
 
 // `name` as the shell would find it on PATH (names with a slash are returned as they are if
@@ -37,14 +35,10 @@ CLI::Option* add_peer_device_option(CLI::App& sub, std::string& device);
 // OpenBLAS baseline).
 std::string openblas_coretype();
 
-// The work of one training step of `model` under `options`, in GFLOP: 2 M N K for every GEMM-like
-// product (linear, matmul, convolution, attention's products; forward and backward) as the plan
-// counts them (PhasePlan::gemm_flops of plan_training, which allocates nothing). A step and its
-// peer run the same model, so this work over each side's step time is a rate both can be read by,
-// against `ferry-bench peak`.
-double step_gflop(Runtime& runtime, const ModelSpec& model, const TrainerOptions& options);
-
-// `step_gflop` and `gflops` (that work over the line's `step_ms`) on a step or gpt line.
+// `step_gflop`, the work of the step a peer is set beside (GFLOP: 2 M N K for every GEMM-like
+// product of ferry's trained step, as its plan counts them: detail::gemm_rate_flops), and `gflops`,
+// that work over the line's `step_ms`, on a step or gpt line: a step and its peer run the same
+// model, so each side's rate can be read against `ferry-bench peak`.
 void add_step_rate(nlohmann::json& line, double step_gflop);
 
 }  // namespace ferry::bench

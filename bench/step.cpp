@@ -36,6 +36,7 @@
 #include "ferry/ferry.hpp"
 #include "peer.hpp"
 #include "runtime/cli/validators.hpp"
+#include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -140,8 +141,10 @@ class FerrySession {
   float loss() const { return loss_; }
   const Trainer& trainer() const { return trainer_; }
   const Runtime& runtime() const { return runtime_; }
-  // The step's work: its GEMM-like products as its plan counts them (step_gflop).
-  double gflop() { return step_gflop(runtime_, trainer_.model(), trainer_options(o_)); }
+  // The trained step's GEMM-like work, in GFLOP (add_step_rate).
+  double gflop() const {
+    return static_cast<double>(detail::gemm_rate_flops(compiled_train_step(trainer_).graph())) / 1e9;
+  }
 
   // With --trace: three more steps into a Chrome trace, and the op breakdown of the last on stderr.
   void trace() {

@@ -39,6 +39,14 @@ bool detail::at_gemm_rate(const graph::Graph& g, graph::NodeId n) {
          row.op_class != ops::OpClass::batch_transfer;
 }
 
+std::uint64_t detail::gemm_rate_flops(const graph::Graph& g) {
+  std::uint64_t flops = 0;
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
+    if (at_gemm_rate(g, n)) flops += ops::op_info(g.nodes.op[n]).flops(graph::NodeView<ops::ShapeView>(g, n));
+  }
+  return flops;
+}
+
 DeviceBreakdown device_breakdown(const graph::Graph& g, const graph::MemoryPlan& plan, const graph::Graph& training,
                                  std::uint64_t persistent_device_bytes) {
   DeviceBreakdown b;

@@ -26,5 +26,7 @@ std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan);
 // (linear and its gradients, matmul, attention, convolution). count_step counts them;
 // measure_step_gemm_gflops probes them.
 bool at_gemm_rate(const graph::Graph& g, graph::NodeId n);
+// The FLOPs of g's nodes at the GEMM rate: what a plan of g counts as PhasePlan::gemm_flops.
+std::uint64_t gemm_rate_flops(const graph::Graph& g);
 
 }  // namespace ferry::detail
