@@ -420,15 +420,25 @@ std::size_t own_panels(const GemmShape& s, const GemmKernelConfig& c, std::size_
   return p;
 }
 
-// PREFETCH_B in gemm_packed.cl: a launch packing its own panels of a row-major B in K chunks
+// PREFETCH_B in gemm_packed.cl. 1: a launch packing its own panels of a row-major B in K chunks
 // prefetches the next chunk's rows where they lie at least prefetch_b_min_row_bytes apart, beyond
 // the hardware prefetcher's reach (a stride across pages). 192 x 768 x 4096 TN (3 KiB rows) ran
 // 146-148 -> 157-163 GFLOPS so on the AVX2 EPYC; with 768-byte rows, which the hardware prefetcher
 // follows, 114 x 192 x 4096 TN fell from 146-149 to 124-138 (bench/RESULTS.md, "Weight gradients'
 // panels packed chunk by chunk").
-constexpr std::size_t prefetch_b_min_row_bytes = 2048;
-bool prefetch_b_rows(const GemmShape& s, std::size_t k_chunk, bool own_launch) {
-  return own_launch && k_chunk > 0 && !s.trans_b && s.N * dtype_bytes(s.b) >= prefetch_b_min_row_bytes;
+// 2: a launch packing its own panels a whole one at a time, of at most prefetch_panel_max_rows rows,
+// prefetches the next panel's part of B while it runs its row blocks. A weight read right after
+// the optimizer's pass over all of them is in no cache, and each work-item's pack waited for
+// memory with the FMA units idle, a share of the product that grows as M shrinks: the quick
+// start's deep model (64 x 1024 x 1024 forward and input-gradient products) ran 130-133 -> 127-128
+// ms a step on the AVX2 EPYC, its forward products 1.14 -> 1.00 ms in a trace; warm products of
+// 64-512 rows level or faster, 1000^3 and 1024^3 (past the bound) within -2% to +2% (bench/RESULTS.md,
+// "The next panel prefetched").
+constexpr std::size_t prefetch_b_min_row_bytes = 2048, prefetch_panel_max_rows = 512;
+int prefetch_b_rows(const GemmShape& s, std::size_t k_chunk, std::size_t panels_per_item, bool own_launch) {
+  if (!own_launch) return 0;
+  if (k_chunk > 0) return !s.trans_b && s.N * dtype_bytes(s.b) >= prefetch_b_min_row_bytes ? 1 : 0;
+  return panels_per_item == 1 && s.M <= prefetch_panel_max_rows ? 2 : 0;
 }
 
 std::string transpose_defines(const GemmShape& s) {
@@ -581,12 +591,12 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
   // How a program of register block `block` walks K and B: K_CHUNK, OWN_PANELS and PREFETCH_B.
   struct Chunking {
     std::size_t k_chunk, panels_per_item;
-    bool prefetch_b;
+    int prefetch_b;
   };
   auto chunking = [&](const GemmKernelConfig& block, bool own_launch) {
     const std::size_t k = k_chunk_rows(s, block, options, beta, own_launch);
-    return Chunking{k, own_panels(s, block, k, own_launch, env.device().compute_units),
-                    prefetch_b_rows(s, k, own_launch)};
+    const std::size_t per_item = own_panels(s, block, k, own_launch, env.device().compute_units);
+    return Chunking{k, per_item, prefetch_b_rows(s, k, per_item, own_launch)};
   };
   auto program_defines = [&](const GemmKernelConfig& block, bool own_launch, const Chunking& chunks) {
     return fmt::format(
@@ -594,7 +604,7 @@ LaunchList bind_packed(OpEnv& env, const GemmShape& s, const GemmKernelConfig& c
         "-DB_PLANES={} -DA_GATHER={} -DA_GATHER_STEP={} -DC_STREAM={} -DK_CHUNK={} -DPREFETCH_B={} {} {} {}",
         block.defines(), transpose_defines(s), nb, int(own_launch), int(own_launch && tail), chunks.panels_per_item,
         int(direct), int(direct && s.N % nb != 0), options.b_planes, int(gather), runs ? options.a_gather_step : 0,
-        int(stream), chunks.k_chunk, int(chunks.prefetch_b), pack_defines(options.b_planes > 0),
+        int(stream), chunks.k_chunk, chunks.prefetch_b, pack_defines(options.b_planes > 0),
         gemm_storage_defines(s.a, s.b, splits > 1 ? DType::f32 : s.c),
         splits > 1 ? "-DC_PLANES=0 -DC_RELU=0 -DC_DACT=0 -DC_GUARD=0"
                    : gemm_epilogue_defines(options, options.c_planes));

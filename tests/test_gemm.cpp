@@ -696,7 +696,8 @@ TEST(GemmLayouts, NarrowLastPanelMatchesReference) {
 // each its own panel (ops/gemm.cpp, own_panel; no gemm_pack_b launch): 4200 columns are 66 panels;
 // 32 x 1100 x 8192 has 18 panels times 16 K splits, and 256 x 784 x 1024 13 panels unsplit, whose
 // last runs in a launch of its own (one work-item per row block), packed by the first launch's
-// work-items, each a share of its k rows (OWN_TAIL).
+// work-items, each a share of its k rows (OWN_TAIL). With at most 512 rows each work-item's row
+// blocks prefetch the next panel's part of B (PREFETCH_B=2), which changes no bits.
 TEST(GemmLayouts, OwnPanelsMatchReference) {
   auto& dev = TestDevice::get();
   if (!dev.context.device().is_cpu()) GTEST_SKIP() << "the packed kernel is a CPU kernel";
@@ -714,10 +715,18 @@ TEST(GemmLayouts, OwnPanelsMatchReference) {
       EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), 0) << s.M << "x" << s.N << "x" << s.K;
       EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_packed"), s.N == 4200 ? 1 : 2)
           << s.M << "x" << s.N << "x" << s.K;
+      // Few rows: the next panel's part of B is prefetched (not by the last panel's own launch).
+      EXPECT_NE(packed_build_options(s, packed_options()).front().find("-DPREFETCH_B=2"), std::string::npos)
+          << s.M << "x" << s.N << "x" << s.K;
       check_gemm(s, packed_options(), 0.75f, -0.5f, true,
                  fmt::format("own panels {}x{}x{} {}T", s.M, s.N, s.K, ta ? "T" : "N"));
     }
   }
+  // More rows: the pack is a small part of each work-item's time, and nothing is prefetched.
+  const ops::GemmShape many_rows{600, 4200, 129, false, true};
+  const auto names = packed_kernel_names(many_rows);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), 0);
+  EXPECT_TRUE(all_contain(packed_build_options(many_rows, packed_options()), "-DPREFETCH_B=0"));
 }
 
 // A row-major B with panels 16 wide (the AVX2 row) is packed by the product's work-items too, while
@@ -741,6 +750,8 @@ TEST(GemmLayouts, OwnPanelsOfRowMajorBMatchReference) {
       s.trans_a = ta;
       const auto names = packed_kernel_names(s, o);
       EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), a_fits ? 0 : 1)
+          << s.M << "x" << s.N << "x" << s.K;
+      EXPECT_EQ(packed_build_options(s, o).front().find("-DPREFETCH_B=2") != std::string::npos, a_fits)
           << s.M << "x" << s.N << "x" << s.K;
       check_gemm(s, o, 0.75f, -0.5f, true, fmt::format("own panels {}x{}x{} {}N", s.M, s.N, s.K, ta ? "T" : "N"));
     }

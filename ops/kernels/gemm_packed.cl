@@ -523,17 +523,27 @@ inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 // apart): each row block of a chunk also prefetches its share of the next chunk's rows of B, one
 // row every few k steps. The hardware prefetcher does not follow such a stride, and each row waited
 // for memory when packed (15% of 192 x 768 x 4096 TN's time in perf on the AVX2 EPYC).
+// PREFETCH_B = 2 (ops/gemm.cpp `prefetch_b_rows`; OWN_PANEL with K unchunked, few rows): the row
+// blocks prefetch, share by share in the same way, what the next panel is packed from (its columns
+// of each row of a row-major B, or its rows of a transposed one) for the work-item that packs it,
+// where a device that hands its threads runs of consecutive work-groups runs it next on this core.
+// Each pack of a weight that is in no cache otherwise waits for memory with the FMA units idle.
 #ifndef PREFETCH_B
 #define PREFETCH_B 0
 #endif
-#if PREFETCH_B && !(K_CHUNK && OWN_PANEL && !TRANS_B)
-#error "PREFETCH_B prefetches the next chunk of a row-major B packed by OWN_PANEL in K_CHUNK chunks"
+#if PREFETCH_B == 1 && !(K_CHUNK && OWN_PANEL && !TRANS_B)
+#error "PREFETCH_B=1 prefetches the next chunk of a row-major B packed by OWN_PANEL in K_CHUNK chunks"
+#endif
+#if PREFETCH_B == 2 && !(OWN_PANEL && !K_CHUNK && OWN_PANELS == 1)
+#error "PREFETCH_B=2 prefetches the next panel of a B packed by OWN_PANEL a panel at a time"
 #endif
 #if PREFETCH_B && defined(__has_builtin)
 #if __has_builtin(__builtin_prefetch)
-#define FERRY_PREFETCH_NEXT_CHUNK 1
+#define FERRY_PREFETCH_B PREFETCH_B
 #endif
 #endif
+// Cache lines are taken as 64 bytes: elements of B per line.
+#define B_LINE_ELEMS (64 / (uint)sizeof(STORAGE(B_NAME)))
 // OWN_PANELS > 1 (ops/gemm.cpp `own_panels`, with K_CHUNK and OWN_PANEL): a work-item runs that
 // many neighbouring panels, each chunk of them packed together and then run panel after panel: a
 // row of B is then read OWN_PANELS x 64 bytes at a time (one page walk where it was one per panel),
@@ -710,12 +720,21 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
 #endif
     // The k loop below advances it, per block.
     __global const float* bp = panel_rows + (ulong)(chunk_begin - k_begin) * b_step;
-#ifdef FERRY_PREFETCH_NEXT_CHUNK
+#if FERRY_PREFETCH_B == 1
     // An equal share of the next chunk's rows of B for each row block (see above), one row every
     // prefetch_every k steps of its k loop, a multiple of KU so that the unrolled loop takes them all.
     const uint share = (K_CHUNK + block_last - block_first - 1) / (block_last - block_first);
     const uint prefetch_lo = chunk_end + (block - block_first) * share, prefetch_hi = min(k_end, prefetch_lo + share);
     const uint prefetch_every = max((uint)KU, K_CHUNK / share / KU * KU);
+#elif FERRY_PREFETCH_B == 2
+    // The next panel's source in units of one line: a row k of a row-major B (its NB columns from
+    // next_col0), or a line of one of the NB rows of a transposed B (none past N); an equal share of
+    // them for each row block, as above.
+    const uint next_col0 = col0 + NB_LAYOUT, k_lines = (k_end - k_begin + B_LINE_ELEMS - 1) / B_LINE_ELEMS;
+    const uint units = next_col0 >= N ? 0 : TRANS_B ? min((uint)NB, N - next_col0) * k_lines : k_end - k_begin;
+    const uint share = (units + block_last - block_first - 1) / (block_last - block_first);
+    const uint prefetch_lo = min(units, (block - block_first) * share), prefetch_hi = min(units, prefetch_lo + share);
+    const uint prefetch_every = max((uint)KU, share == 0 ? 0u : (k_end - k_begin) / share / KU * KU);
 #endif
 #endif
 
@@ -745,11 +764,19 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
     // Unrolled KU k steps at a time: PoCL's LLVM leaves the loop rolled, and its counter and
     // pointer updates then take issue slots from the fma.
     uint k = chunk_begin;
-#ifdef FERRY_PREFETCH_NEXT_CHUNK
+#ifdef FERRY_PREFETCH_B
     for (uint p = prefetch_lo; p < prefetch_hi; ++p) {
+#if FERRY_PREFETCH_B == 1
       __global const STORAGE(B_NAME)* row = b + b_product + (ulong)p * N + col0;
       __builtin_prefetch(row, 0, 2);
       __builtin_prefetch(row + NB - 1, 0, 2);
+#elif TRANS_B
+      __builtin_prefetch(b + b_product + (ulong)(next_col0 + p / k_lines) * K + k_begin + p % k_lines * B_LINE_ELEMS, 0, 2);
+#else
+      __global const STORAGE(B_NAME)* row = b + b_product + (ulong)(k_begin + p) * N + next_col0;
+      __builtin_prefetch(row, 0, 2);
+      __builtin_prefetch(row + NB - 1, 0, 2);
+#endif
       const uint k_stop = min(chunk_end, k + prefetch_every);
 #if KU > 1
 #pragma unroll KU
