@@ -426,14 +426,14 @@ std::size_t own_panels(const GemmShape& s, const GemmKernelConfig& c, std::size_
 // 146-148 -> 157-163 GFLOPS so on the AVX2 EPYC; with 768-byte rows, which the hardware prefetcher
 // follows, 114 x 192 x 4096 TN fell from 146-149 to 124-138 (bench/RESULTS.md, "Weight gradients'
 // panels packed chunk by chunk").
-// 2: a launch packing its own panels a whole one at a time, of at most prefetch_panel_max_rows rows,
-// prefetches the next panel's part of B while it runs its row blocks. A weight read right after
-// the optimizer's pass over all of them is in no cache, and each work-item's pack waited for
+// 2: a launch packing its own panels a whole one at a time, of at most prefetch_panel_max_rows
+// rows, prefetches the next panel's part of B while it runs its row blocks. A weight read right
+// after the optimizer's pass over all of them is in no cache, and each work-item's pack waited for
 // memory with the FMA units idle, a share of the product that grows as M shrinks: the quick
-// start's deep model (64 x 1024 x 1024 forward and input-gradient products) ran 130-133 -> 127-128
-// ms a step on the AVX2 EPYC, its forward products 1.14 -> 1.00 ms in a trace; warm products of
-// 64-512 rows level or faster, 1000^3 and 1024^3 (past the bound) within -2% to +2% (bench/RESULTS.md,
-// "The next panel prefetched").
+// start's deep model (64 x 1024 x 1024 forward and input-gradient products) ran 129.6-131.3 ->
+// 126.8-129.1 ms a step on the AVX2 EPYC, its forward products 1.14 -> 1.00 ms in a trace; warm
+// products of 64-512 rows level or faster, 1000^3 and 1024^3 (past the bound) within -2% to +2%
+// (bench/RESULTS.md, "The next panel prefetched").
 constexpr std::size_t prefetch_b_min_row_bytes = 2048, prefetch_panel_max_rows = 512;
 int prefetch_b_rows(const GemmShape& s, std::size_t k_chunk, std::size_t panels_per_item, bool own_launch) {
   if (!own_launch) return 0;

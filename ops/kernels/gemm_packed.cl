@@ -537,7 +537,8 @@ inline bool store16(float16 acc, __global STORAGE(C_NAME)* c, ulong crow, uint c
 #if PREFETCH_B == 2 && !(OWN_PANEL && !K_CHUNK && OWN_PANELS == 1)
 #error "PREFETCH_B=2 prefetches the next panel of a B packed by OWN_PANEL a panel at a time"
 #endif
-#if PREFETCH_B && defined(__has_builtin)
+// x86 only, as C_STREAM: Oclgrind's interpreter has no llvm.prefetch and cannot create the kernel.
+#if PREFETCH_B && defined(__x86_64__) && defined(__has_builtin)
 #if __has_builtin(__builtin_prefetch)
 #define FERRY_PREFETCH_B PREFETCH_B
 #endif
@@ -771,7 +772,8 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
       __builtin_prefetch(row, 0, 2);
       __builtin_prefetch(row + NB - 1, 0, 2);
 #elif TRANS_B
-      __builtin_prefetch(b + b_product + (ulong)(next_col0 + p / k_lines) * K + k_begin + p % k_lines * B_LINE_ELEMS, 0, 2);
+      const ulong line = (ulong)(next_col0 + p / k_lines) * K + k_begin + p % k_lines * B_LINE_ELEMS;
+      __builtin_prefetch(b + b_product + line, 0, 2);
 #else
       __global const STORAGE(B_NAME)* row = b + b_product + (ulong)(k_begin + p) * N + next_col0;
       __builtin_prefetch(row, 0, 2);
