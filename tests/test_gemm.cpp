@@ -716,8 +716,9 @@ TEST(GemmLayouts, OwnPanelsMatchReference) {
       EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_packed"), s.N == 4200 ? 1 : 2)
           << s.M << "x" << s.N << "x" << s.K;
       // Few rows: the next panel's part of B is prefetched (not by the last panel's own launch).
-      EXPECT_NE(packed_build_options(s, packed_options()).front().find("-DPREFETCH_B=2"), std::string::npos)
-          << s.M << "x" << s.N << "x" << s.K;
+      const auto built = packed_build_options(s, packed_options());
+      ASSERT_FALSE(built.empty());
+      EXPECT_NE(built.front().find("-DPREFETCH_B=2"), std::string::npos) << s.M << "x" << s.N << "x" << s.K;
       check_gemm(s, packed_options(), 0.75f, -0.5f, true,
                  fmt::format("own panels {}x{}x{} {}T", s.M, s.N, s.K, ta ? "T" : "N"));
     }
@@ -751,8 +752,9 @@ TEST(GemmLayouts, OwnPanelsOfRowMajorBMatchReference) {
       const auto names = packed_kernel_names(s, o);
       EXPECT_EQ(std::count(names.begin(), names.end(), "gemm_pack_b"), a_fits ? 0 : 1)
           << s.M << "x" << s.N << "x" << s.K;
-      EXPECT_EQ(packed_build_options(s, o).front().find("-DPREFETCH_B=2") != std::string::npos, a_fits)
-          << s.M << "x" << s.N << "x" << s.K;
+      const auto built = packed_build_options(s, o);
+      ASSERT_FALSE(built.empty());
+      EXPECT_EQ(built.front().find("-DPREFETCH_B=2") != std::string::npos, a_fits) << s.M << "x" << s.N << "x" << s.K;
       check_gemm(s, o, 0.75f, -0.5f, true, fmt::format("own panels {}x{}x{} {}N", s.M, s.N, s.K, ta ? "T" : "N"));
     }
   }
