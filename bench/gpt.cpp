@@ -15,7 +15,6 @@
 #include "ferry/runtime/text_corpus.hpp"
 #include "peer.hpp"
 #include "runtime/cli/validators.hpp"
-#include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -68,10 +67,6 @@ class GptSession {
   const Trainer& trainer() const { return trainer_; }
   const Runtime& runtime() const { return runtime_; }
   float loss() const { return loss_; }
-  // The trained step's GEMM-like work, in GFLOP (add_step_rate).
-  double gflop() const {
-    return static_cast<double>(detail::gemm_rate_flops(compiled_train_step(trainer_).graph())) / 1e9;
-  }
 
  private:
   static models::GptConfig config(const GptBenchOptions& o, const TextCorpus& c) {
@@ -146,7 +141,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     peers.push_back(j);
   }
   double ferry_tokens_per_s = 0;
-  const double gflop = ferry ? ferry->gflop() : 0.0;
+  const double gflop = ferry ? step_gflop(ferry->trainer()) : 0.0;
   if (ferry) {
     after = ferry->measure();
     std::vector<double> all = before;

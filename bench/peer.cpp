@@ -14,6 +14,10 @@
 #include <set>
 #include <sstream>
 
+#include "ferry/runtime/trainer.hpp"
+#include "runtime/plan_search.hpp"
+#include "runtime/trainer_internals.hpp"
+
 namespace ferry::bench {
 
 namespace fs = std::filesystem;
@@ -109,6 +113,10 @@ std::string openblas_coretype() {
     return "Haswell";
   }
   return "Haswell";
+}
+
+double step_gflop(const Trainer& trainer) {
+  return static_cast<double>(detail::gemm_rate_flops(compiled_train_step(trainer).graph())) / 1e9;
 }
 
 void add_step_rate(nlohmann::json& line, double step_gflop) {

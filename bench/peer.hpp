@@ -7,6 +7,10 @@
 #include <string>
 #include <vector>
 
+namespace ferry {
+class Trainer;
+}
+
 namespace ferry::bench {
 
 // `name` as the shell would find it on PATH (names with a slash are returned as they are if
@@ -40,5 +44,7 @@ std::string openblas_coretype();
 // that work over the line's `step_ms`, on a step or gpt line: a step and its peer run the same
 // model, so each side's rate can be read against `ferry-bench peak`.
 void add_step_rate(nlohmann::json& line, double step_gflop);
+// That work for `trainer`'s compiled training step, in GFLOP.
+double step_gflop(const Trainer& trainer);
 
 }  // namespace ferry::bench

@@ -36,7 +36,6 @@
 #include "ferry/ferry.hpp"
 #include "peer.hpp"
 #include "runtime/cli/validators.hpp"
-#include "runtime/plan_search.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -141,10 +140,6 @@ class FerrySession {
   float loss() const { return loss_; }
   const Trainer& trainer() const { return trainer_; }
   const Runtime& runtime() const { return runtime_; }
-  // The trained step's GEMM-like work, in GFLOP (add_step_rate).
-  double gflop() const {
-    return static_cast<double>(detail::gemm_rate_flops(compiled_train_step(trainer_).graph())) / 1e9;
-  }
 
   // With --trace: three more steps into a Chrome trace, and the op breakdown of the last on stderr.
   void trace() {
@@ -289,7 +284,7 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
 
   // ferry again after the peers; its figure is the median over the blocks on both sides.
   double ferry_ms = 0;
-  const double gflop = ferry ? ferry->gflop() : 0.0;
+  const double gflop = ferry ? step_gflop(ferry->trainer()) : 0.0;
   if (ferry) {
     after = ferry->measure();
     std::vector<double> all = before;
