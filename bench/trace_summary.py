@@ -13,8 +13,9 @@ nodes' waits (waits: waited_ms from ready to start, dispatch_ms from the driver'
 commands a node waits for were done to its start) and the time they were busy while the compute lane
 was too (busy_with_compute_ms: host updates overlapped with the forward). Then the longest idle stretches of
 the compute lane, each with what the other lanes were doing just before it ended (the node on
-each lane whose end is the latest before the compute lane resumed): the waits a streamed step
-pays. Standard library only; reads the layout docs/outputs.md describes.
+each lane whose end is the latest before the compute lane resumed) and, in traces that name each
+node's last dependency (`after`), the chain of nodes that held it (`held_by`): the waits a
+streamed step pays. Standard library only; reads the layout docs/outputs.md describes.
 """
 import argparse
 import collections
@@ -92,6 +93,11 @@ def host_waits(spans):
         slowest = sorted((s for s in spans if "dispatch_ms" in s.get("args", {})),
                          key=lambda s: s["args"]["dispatch_ms"], reverse=True)[:3]
         out["slowest_dispatch"] = [f'{s["name"]} {s["args"]["dispatch_ms"]:.2f} ms' for s in slowest]
+    if out.get("waited_ms"):
+        longest = sorted((s for s in spans if "waited_ms" in s.get("args", {})),
+                         key=lambda s: s["args"]["waited_ms"], reverse=True)[:3]
+        out["longest_waits"] = [f'{s["name"]} {s["args"]["waited_ms"]:.2f} ms'
+                                + (f' after {s["args"]["after"]}' if "after" in s["args"] else "") for s in longest]
     return out
 
 
@@ -145,19 +151,39 @@ def intersection_length(xs, ys):
     return total
 
 
+def held_by(span, by_name, lanes_of, since, links=8):
+    """The chain of nodes a span waited for (traces since 2026-12-07 name, in `after`, the node each
+    one waited for that ended last), followed back while each ended after `since`: the work, lane
+    by lane, that held a lane idle from `since` on."""
+    chain = []
+    while len(chain) < links:
+        name = span.get("args", {}).get("after")
+        prev = by_name.get(name)
+        if prev is None or prev["ts"] + prev["dur"] <= since:
+            break
+        chain.append(f'{name} ({lanes_of[name]}, {prev["dur"] / 1e3:.2f} ms)')
+        span = prev
+    return chain
+
+
 def compute_gaps(by_lane, t0, t1, keep=8):
     compute = sorted(by_lane.get("compute", []), key=lambda s: s["ts"])
+    by_name, lanes_of = {}, {}
+    for lane, ss in by_lane.items():
+        for x in ss:
+            by_name[x["name"]] = x
+            lanes_of[x["name"]] = lane
     gaps = []
     last_end = t0
     for s in compute:
         if s["ts"] - last_end > 0:
-            gaps.append((s["ts"] - last_end, last_end, s["ts"], s["name"]))
+            gaps.append((s["ts"] - last_end, last_end, s["ts"], s["name"], s))
         last_end = max(last_end, s["ts"] + s["dur"])
     if t1 - last_end > 0:
-        gaps.append((t1 - last_end, last_end, t1, "(end of step)"))
-    gaps.sort(reverse=True)
+        gaps.append((t1 - last_end, last_end, t1, "(end of step)", None))
+    gaps.sort(reverse=True, key=lambda g: g[:4])
     out = []
-    for length, a, b, resumed in gaps[:keep]:
+    for length, a, b, resumed, span in gaps[:keep]:
         before = {}
         for lane, ss in by_lane.items():
             if lane == "compute":
@@ -167,8 +193,12 @@ def compute_gaps(by_lane, t0, t1, keep=8):
                 x = max(ended, key=lambda x: x["ts"] + x["dur"])
                 if x["ts"] + x["dur"] >= a:
                     before[lane] = f'{x["name"]} ({x["dur"] / 1e3:.2f} ms)'
-        out.append({"idle_ms": length / 1e3, "from_ms": (a - t0) / 1e3, "resumed_with": resumed,
-                    "last_before_on_other_lanes": before})
+        gap = {"idle_ms": length / 1e3, "from_ms": (a - t0) / 1e3, "resumed_with": resumed,
+               "last_before_on_other_lanes": before}
+        chain = held_by(span, by_name, lanes_of, a) if span else []
+        if chain:
+            gap["held_by"] = chain
+        out.append(gap)
     return out
 
 

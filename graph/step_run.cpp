@@ -4,9 +4,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <exception>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "compiled_step_impl.hpp"
 
@@ -399,6 +401,30 @@ TimelineEntry host_span(TimelineEntry e, std::uint64_t begin_ns, std::uint64_t e
   return e;
 }
 
+// Names, in each entry, the node it waited for that ended last: the one before it on its lane or
+// the latest of its cross-lane dependencies (`waits`, by node), among the entries listed. Where
+// a lane sat idle, the entry after the gap names what it was waiting for.
+void name_last_dependencies(std::vector<TimelineEntry>& entries, const std::vector<NodeId>& ids,
+                            const std::vector<std::vector<NodeId>>& waits) {
+  constexpr std::size_t none = static_cast<std::size_t>(-1);
+  std::unordered_map<NodeId, std::size_t> entry_of;
+  entry_of.reserve(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) entry_of.emplace(ids[i], i);
+  std::array<std::size_t, lane_count> previous;
+  previous.fill(none);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    std::size_t last = previous[static_cast<std::size_t>(entries[i].lane)];
+    for (NodeId m : waits[ids[i]]) {
+      const auto it = entry_of.find(m);
+      if (it != entry_of.end() && (last == none || entries[it->second].end_ns > entries[last].end_ns)) {
+        last = it->second;
+      }
+    }
+    if (last != none) entries[i].after = entries[last].name;
+    previous[static_cast<std::size_t>(entries[i].lane)] = i;
+  }
+}
+
 }  // namespace
 
 std::vector<TimelineEntry> CompiledStep::timeline() const {
@@ -407,6 +433,7 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
   const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
   const std::int64_t offset = host_to_device_offset(graph_, s);
   const auto& nodes = graph_.nodes;
+  std::vector<NodeId> ids;  // the node of each entry
   for (NodeId id = 0; id < nodes.size(); ++id) {
     if (is_host_lane(nodes.lane[id])) {
       if (s.host_end_ns[id] == 0) continue;
@@ -414,6 +441,7 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
       if (s.host_ready_ns[id] != 0) e.ready_ns = shifted(s.host_ready_ns[id], offset);
       if (s.host_gate_ns[id] != 0) e.events_done_ns = shifted(s.host_gate_ns[id], offset);
       out.push_back(std::move(e));
+      ids.push_back(id);
       continue;
     }
     const cl::Event& ev = s.events[id];
@@ -427,7 +455,9 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
     e.start_ns = profiling_info(first, CL_PROFILING_COMMAND_START);
     e.end_ns = profiling_info(ev, CL_PROFILING_COMMAND_END);
     out.push_back(std::move(e));
+    ids.push_back(id);
   }
+  name_last_dependencies(out, ids, impl_->waits);
   return out;
 }
 

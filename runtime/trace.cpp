@@ -64,6 +64,7 @@ void ChromeTrace::add_step(const std::vector<graph::TimelineEntry>& timeline, st
     };
     if (e.ready_ns != 0) args += fmt::format(R"(,"waited_ms":{:.3f})", ms_before_start(e.ready_ns));
     if (e.events_done_ns != 0) args += fmt::format(R"(,"dispatch_ms":{:.3f})", ms_before_start(e.events_done_ns));
+    if (!e.after.empty()) args += fmt::format(R"(,"after":"{} #{}")", json_escape(e.after), step);
     events_.push_back(
         {fmt::format("{} #{}", e.name, step), static_cast<int>(e.lane), e.start_ns, e.end_ns, std::move(args)});
     first = std::min(first, e.start_ns);

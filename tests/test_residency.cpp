@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include "classifier.hpp"
@@ -630,6 +631,39 @@ TEST(HostOptimizer, TimelineGivesEachHostNodesWait) {
     EXPECT_LE(e.events_done_ns, e.start_ns) << e.name << ": it began before its commands were reported done";
   }
   EXPECT_GT(host, 2) << "the host optimizer's updates run on the host lane";
+}
+
+// Each entry of a traced step names the node it waited for that ended last (`after`, which
+// bench/trace_summary.py follows back through a lane's idle stretch): a node listed before it, on
+// its own lane or another, that ended before it started where both run on the device's clock.
+TEST(HostOptimizer, TimelineNamesWhatEachNodeWaitedFor) {
+  Runtime rt({.profiling = true});
+  const ModelSpec m = small_residual();
+  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, ops::OptimizerConfig::Kind::adam));
+  const std::size_t sample = sample_elems(m);
+  trainer.step(random_vector(8 * sample, 31), labels_for(8, 32));
+  const auto timeline = compiled_train_step(trainer).timeline();
+  ASSERT_FALSE(timeline.empty());
+  std::map<std::string, std::size_t> index;
+  std::set<graph::Lane> lanes_seen;
+  int cross_lane = 0;
+  for (std::size_t i = 0; i < timeline.size(); ++i) {
+    const auto& e = timeline[i];
+    const bool first_on_lane = lanes_seen.insert(e.lane).second;
+    if (e.after.empty()) {
+      EXPECT_TRUE(first_on_lane) << e.name << " names nothing, though a node ran before it on its lane";
+    } else {
+      const auto it = index.find(e.after);
+      ASSERT_NE(it, index.end()) << e.name << " names " << e.after << ", not listed before it";
+      const auto& before = timeline[it->second];
+      if (before.lane != e.lane) ++cross_lane;
+      if (!graph::is_host_lane(before.lane) && !graph::is_host_lane(e.lane)) {
+        EXPECT_LE(before.end_ns, e.start_ns) << e.name << " started before " << e.after << " ended";
+      }
+    }
+    index.emplace(e.name, i);
+  }
+  EXPECT_GT(cross_lane, 0) << "fetches, updates and write-backs wait for other lanes' nodes";
 }
 
 // The host optimizer updates the one host copy in place after the commit point: a failing host

@@ -45,6 +45,7 @@ check "bench/trace_summary.py accounts for the traced step's compute lane" bash 
   "python3 '$summary_py' '$work/trace.json' --step 1 | grep -q '\"compute\": {\"nodes\": [1-9]'"
 check "bench/trace_summary.py gives the compute lane's time per kind of node" bash -c \
   "python3 '$summary_py' '$work/trace.json' --step 1 | grep -q '\"by_kind\": \[{\"kind\": \"[a-z]'"
+check "the trace names what each node waited for" bash -c "grep -q '\"after\":\"[a-z]' '$work/trace.json'"
 check "the profile is CSV with per-node device bytes" bash -c "head -1 '$work/profile.csv' | grep -q '^variant,step,node,kind,lane,section,live_device_bytes' && [ \$(wc -l < '$work/profile.csv') -gt 20 ]"
 
 # Without --quiet every epoch ends with an evaluation, and the final report takes the last one's

@@ -31,6 +31,9 @@ struct TimelineEntry {
   // done. start_ns - ready_ns is the node's wait; start_ns - events_done_ns what the host took to
   // begin its work after the driver's report.
   std::uint64_t ready_ns = 0, events_done_ns = 0;
+  // The name of the listed node it waited for that ended last (the one before it on its lane, or
+  // another lane's it depends on); empty for a lane's first node with no dependency listed.
+  std::string after;
 };
 
 // Thrown by a compiled step when a step failed after it had enqueued nodes that change
