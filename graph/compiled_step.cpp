@@ -454,24 +454,8 @@ std::optional<NodeId> CompiledStep::commit_node() const noexcept {
 // the latest conflicting node of every other lane (also its OpenCL wait list), and with `serial`
 // the node before it in the static order.
 std::vector<std::vector<NodeId>> CompiledStep::order_nodes(bool serial) {
-  auto& t = graph_.tensors;
   auto& n = graph_.nodes;
-  std::vector<std::vector<ByteAccess>> accesses(n.size());
-  for (NodeId id = 0; id < n.size(); ++id) {
-    auto add = [&](TensorId tid, bool write) {
-      if (tid == no_tensor) return;
-      const TensorId s = t.storage(tid);
-      const Placement& p = t.placement[s];
-      // One space per (pool, home, buffer): persistent tensors of different homes never share bytes.
-      const std::uint32_t home = plan_.pool[s] == Pool::persistent ? static_cast<std::uint32_t>(t.home[s]) : 0;
-      const std::uint32_t space =
-          (p.buffer * 4u + static_cast<std::uint32_t>(plan_.pool[s])) * offload::home_count + home;
-      accesses[id].push_back({space, p.offset_bytes, p.offset_bytes + t.bytes(tid), write});
-    };
-    for (TensorId tid : n.inputs(id)) add(tid, false);
-    for (TensorId tid : n.outputs(id)) add(tid, true);
-    add(n.scratch[id], true);
-  }
+  const auto accesses = node_byte_accesses(graph_, plan_.pool);
   // Per other lane, the latest conflicting node suffices: its lane runs in order.
   impl_->waits = cross_lane_dependencies(n.lane, accesses);
   std::array<NodeId, lane_count> last_on_lane;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ferry/graph/ir.hpp"
+#include "graph/memory_plan.hpp"
 
 namespace ferry::graph {
 
@@ -33,5 +34,9 @@ struct ByteAccess {
 // latest writer and latest accessor).
 std::vector<std::vector<NodeId>> cross_lane_dependencies(std::span<const Lane> lanes,
                                                          const std::vector<std::vector<ByteAccess>>& accesses);
+
+// Each node's operands (inputs, outputs, scratch) as byte ranges of a planned step: its tensors'
+// placements, one space per (pool, home, buffer) as `pools` (MemoryPlan::pool) and the homes say.
+std::vector<std::vector<ByteAccess>> node_byte_accesses(const Graph& g, const std::vector<Pool>& pools);
 
 }  // namespace ferry::graph

@@ -174,7 +174,7 @@ double predict_step_ms(const PhasePlan& p, bool shares_host_cores) {
                                          std::max(p.tail_compute_ms, p.tail_transfer_ms)
                                    : 0.0;
   return std::max({p.compute_ms, p.transfer_ms, p.host_update_ms + p.codec_ms, host_bound_ms, tail_bound_ms,
-                   p.launch_ms, p.network_ms});
+                   p.launch_ms, p.network_ms, p.scheduled_step_ms});
 }
 
 namespace {
@@ -307,6 +307,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       device_ms(p.tail_gemm_flops, p.tail_memory_bytes + p.tail_memory_8bit_bytes, p.tail_memory_8bit_bytes);
   p.tail_transfer_ms = ms(static_cast<double>(p.tail_transfer_bytes), rates.link_gbps * 1e6);
   p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
+  detail::schedule_step(g, planned.memory, rates, pinned_copies, p);
   p.predicted_step_ms = predict_step_ms(p, shares_host_cores);
 }
 

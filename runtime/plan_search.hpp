@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ferry/runtime/plan.hpp"
+#include "graph/memory_plan.hpp"
 
 namespace ferry::detail {
 
@@ -28,5 +29,11 @@ std::uint64_t host_bytes_at_any_batch(const TrainingPlan& plan);
 bool at_gemm_rate(const graph::Graph& g, graph::NodeId n);
 // The FLOPs of g's nodes at the GEMM rate: what a plan of g counts as PhasePlan::gemm_flops.
 std::uint64_t gemm_rate_flops(const graph::Graph& g);
+
+// The schedule of a planned step g at `rates` (runtime/plan_schedule.cpp, graph::estimate_schedule):
+// each node's duration as count_step counts its work, the step's nodes in their order on their
+// lanes; sets p's scheduled_* figures.
+void schedule_step(const graph::Graph& g, const graph::MemoryPlan& memory, const PlanRates& rates,
+                   std::uint32_t pinned_copies, PhasePlan& p);
 
 }  // namespace ferry::detail

@@ -13,6 +13,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/plan.hpp"
+#include "graph/schedule_estimate.hpp"
 #include "idle_ranks.hpp"
 #include "runtime/distributed/data_parallel.hpp"
 #include "runtime/plan_search.hpp"
@@ -729,20 +730,104 @@ TEST(Plan, DeviceUpdatesOfStreamedStateFollowTheBackward) {
   EXPECT_LT(t.tail_compute_ms, t.tail_transfer_ms);
   EXPECT_EQ(t.tail_gemm_flops, 0u) << "no product follows the updates";
   EXPECT_GT(t.compute_ms, t.transfer_ms);
-  EXPECT_DOUBLE_EQ(predict_step_ms(t, false), t.compute_ms - t.tail_compute_ms + t.tail_transfer_ms)
+  const double tail_bound = t.compute_ms - t.tail_compute_ms + t.tail_transfer_ms;
+  EXPECT_DOUBLE_EQ(predict_step_ms(t, false), std::max(tail_bound, t.scheduled_step_ms))
       << "the tail does not overlap the backward";
+  // The nodes in their order say the same, give or take the batch's upload before the first node.
+  EXPECT_NEAR(t.scheduled_step_ms, tail_bound, 0.01 * tail_bound);
 
   o.residency.mode = graph::ResidencyMode::resident;
   const PhasePlan r = plan_training(rt, small_mlp(), o, rates).phases.front();
   EXPECT_EQ(r.tail_transfer_bytes, 0u);
   EXPECT_GT(r.tail_memory_bytes, 0u);
-  EXPECT_DOUBLE_EQ(predict_step_ms(r, false), std::max(r.compute_ms, r.transfer_ms));
+  EXPECT_DOUBLE_EQ(predict_step_ms(r, false), std::max({r.compute_ms, r.transfer_ms, r.scheduled_step_ms}));
+  EXPECT_NEAR(r.scheduled_step_ms, r.compute_ms, 0.01 * r.compute_ms);
 
   o.residency.mode = graph::ResidencyMode::stream;
   o.residency.host_optimizer = true;  // no updates on the device: no tail
   const PhasePlan h = plan_training(rt, small_mlp(), o, rates).phases.front();
   EXPECT_EQ(h.tail_transfer_bytes, 0u);
   EXPECT_EQ(h.tail_memory_bytes, 0u);
+}
+
+// A step of hand-placed tensors (1 KiB each, in one transient buffer at `slots`): the estimate
+// follows each lane's order, the bytes a node shares with another lane, the commit point and the
+// host's issuing.
+struct TinyStep {
+  graph::Graph g;
+  std::vector<graph::Pool> pools;
+  graph::TensorId tensor(int slot) {
+    const graph::TensorId x =
+        g.tensors.add(fmt::format("t{}", slot), graph::Shape{256}, graph::DType::f32, graph::Role::activation);
+    g.tensors.placement.resize(g.tensors.size());
+    g.tensors.placement[x] = {0, static_cast<std::uint64_t>(slot) * 1024};
+    pools.push_back(graph::Pool::transient);
+    return x;
+  }
+  void node(const char* name, std::vector<graph::TensorId> in, std::vector<graph::TensorId> out, graph::Lane lane) {
+    g.nodes.add(graph::builtin::fetch, name, in, out, {}, lane);
+  }
+};
+
+TEST(ScheduleEstimate, NodesWaitForTheirLaneAndTheBytesOtherLanesWrite) {
+  TinyStep s;
+  const auto a = s.tensor(0), b = s.tensor(1), c = s.tensor(2), d = s.tensor(3);
+  s.node("fetch a", {}, {a}, graph::Lane::h2d);        // 5 ms
+  s.node("other", {}, {c}, graph::Lane::compute);      // 2 ms, needs nothing fetched
+  s.node("use a", {a}, {b}, graph::Lane::compute);     // 1 ms, after the fetch
+  s.node("write back b", {b}, {d}, graph::Lane::d2h);  // 3 ms, after its use
+  const std::vector<double> ms{5, 2, 1, 3};
+  const std::vector<char> in_place(4, 0);
+  const auto e = graph::estimate_schedule(s.g, s.pools, ms, in_place, 0.0);
+  EXPECT_DOUBLE_EQ(e.step_ms, 5 + 1 + 3);
+  EXPECT_DOUBLE_EQ(e.busy_ms[static_cast<std::size_t>(graph::Lane::compute)], 3);
+  EXPECT_DOUBLE_EQ(e.compute_idle_ms, 9 - 3);
+  EXPECT_DOUBLE_EQ(e.longest_compute_wait_ms, 5 - 2) << "the use waited for the fetch after the other node";
+  EXPECT_EQ(e.resumed_with, 2u);
+  // Issued 4 ms apart, the device's nodes start no sooner: the fetch at 4, the other node at 8.
+  const auto issued = graph::estimate_schedule(s.g, s.pools, ms, in_place, 4.0);
+  EXPECT_DOUBLE_EQ(issued.step_ms, 16 + 3) << "the write-back issued at 16";
+  EXPECT_THROW(graph::estimate_schedule(s.g, s.pools, std::vector<double>{1, 2}, in_place, 0.0), std::invalid_argument);
+}
+
+TEST(ScheduleEstimate, InPlaceNodesWaitForTheCommitPoint) {
+  TinyStep s;
+  const auto a = s.tensor(0), guard = s.tensor(1), w = s.tensor(2), x = s.tensor(3);
+  s.g.guard = guard;
+  s.node("slow copy", {}, {a}, graph::Lane::h2d);      // 6 ms, before the commit point
+  s.node("guard", {}, {guard}, graph::Lane::compute);  // 1 ms: the commit point
+  s.node("update", {}, {w}, graph::Lane::host);        // 2 ms, in place
+  s.node("not in place", {}, {x}, graph::Lane::host);  // 2 ms
+  const std::vector<double> ms{6, 1, 2, 2};
+  const auto free = graph::estimate_schedule(s.g, s.pools, ms, std::vector<char>{0, 0, 0, 0}, 0.0);
+  EXPECT_DOUBLE_EQ(free.step_ms, 6) << "the host lane's nodes run from the start";
+  const auto held = graph::estimate_schedule(s.g, s.pools, ms, std::vector<char>{0, 0, 1, 0}, 0.0);
+  EXPECT_DOUBLE_EQ(held.step_ms, 6 + 2 + 2) << "the update after everything up to the commit point, then its lane";
+}
+
+// The planned step's schedule at given rates: no shorter than any lane's work or the aggregate
+// bounds it orders, no longer than all its work end to end.
+TEST(Plan, ScheduledStepLiesBetweenItsLanesAndTheirSum) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  const PlanRates rates{.link_gbps = 1.0, .gemm_gflops = 1.0, .device_gbps = 1.0, .host_gbps = 1.0, .launch_us = 1};
+  for (bool host_optimizer : {false, true}) {
+    o.residency.host_optimizer = host_optimizer;
+    const PhasePlan t = plan_training(rt, small_mlp(), o, rates).phases.front();
+    EXPECT_GE(t.scheduled_step_ms, t.compute_ms) << host_optimizer;
+    EXPECT_GE(t.scheduled_step_ms, t.transfer_ms) << host_optimizer;
+    EXPECT_GE(t.scheduled_step_ms, t.launch_ms) << host_optimizer;
+    EXPECT_LE(t.scheduled_step_ms, t.compute_ms + t.transfer_ms + t.host_update_ms + t.launch_ms + 1e-9)
+        << host_optimizer;
+    EXPECT_NEAR(t.scheduled_compute_idle_ms, t.scheduled_step_ms - t.compute_ms, 1e-9) << host_optimizer;
+    EXPECT_GE(t.scheduled_compute_idle_ms, t.scheduled_longest_wait_ms) << host_optimizer;
+    EXPECT_FALSE(t.scheduled_longest_wait_before.empty()) << "streamed: the first product waits for its weight";
+    if (host_optimizer) {
+      EXPECT_GT(t.scheduled_step_ms, t.compute_ms) << "the updates follow the backward";
+    }
+  }
 }
 
 TEST(Plan, StateLargerThanPhysicalMemoryIsAnError) {

@@ -230,6 +230,10 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["collective_link_bytes"] = t.collective_link_bytes;
     j["network_bytes"] = t.network_bytes;
     j["network_ms"] = t.network_ms;
+    j["scheduled_step_ms"] = t.scheduled_step_ms;
+    j["scheduled_compute_idle_ms"] = t.scheduled_compute_idle_ms;
+    j["scheduled_longest_wait_ms"] = t.scheduled_longest_wait_ms;
+    j["scheduled_longest_wait_before"] = t.scheduled_longest_wait_before;
     j["predicted_step_ms"] = p->predicted_step_ms;
     if (!configured.error.empty()) j["error"] = configured.error;
   } else {
@@ -267,6 +271,10 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "collective_link_bytes",
                           "network_bytes",
                           "network_ms",
+                          "scheduled_step_ms",
+                          "scheduled_compute_idle_ms",
+                          "scheduled_longest_wait_ms",
+                          "scheduled_longest_wait_before",
                           "predicted_step_ms"}) {
       j[k] = nullptr;
     }
@@ -364,7 +372,7 @@ void print_configured_table(const ferry::TrainingPlan& p) {
   std::cout << fmt::format(
       "device peak {}; host {} of {} memory ({} weights and state, {} step buffers){}; per step {} fetched, {} "
       "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms, {} "
-      "launches {:.1f} ms{}{})\n",
+      "launches {:.1f} ms{}{}; in its nodes' order {:.1f} ms, the compute lane idle {:.1f} ms{})\n",
       ferry::format_bytes_up(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
       ferry::format_bytes(p.host_step_bytes),
@@ -381,7 +389,12 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
       t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
-      t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string());
+      t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string(), t.scheduled_step_ms,
+      t.scheduled_compute_idle_ms,
+      t.scheduled_longest_wait_before.empty()
+          ? std::string()
+          : fmt::format(", longest wait {:.1f} ms before {}", t.scheduled_longest_wait_ms,
+                        t.scheduled_longest_wait_before));
   if (p.host_optimizer_chosen) std::cout << ferry::optimizer_place_reason(p) << "\n";
 }
 

@@ -163,6 +163,15 @@ struct PhasePlan {
   std::uint64_t tail_gemm_flops = 0, tail_memory_bytes = 0, tail_memory_8bit_bytes = 0, tail_transfer_bytes = 0;
   double tail_compute_ms = 0, tail_transfer_ms = 0;
   double launch_ms = 0;  // launches at the launch cost
+  // The step's nodes in their order at these rates (graph::estimate_schedule): each lane runs its
+  // nodes one after another, each node after the other lanes' nodes whose bytes it depends on and,
+  // where it changes state in place, after the commit point; the device's nodes no faster than the
+  // host issues them at the launch cost. The step's length, the compute lane's idle time in it, and
+  // its longest wait with the node that ended it. On a device of its own the prediction is at least
+  // scheduled_step_ms; on a CPU device, whose lanes share its cores, these say what the order alone
+  // would cost if each lane had an engine of its own.
+  double scheduled_step_ms = 0, scheduled_compute_idle_ms = 0, scheduled_longest_wait_ms = 0;
+  std::string scheduled_longest_wait_before;
   // The host updates change state in place (one copy: offload::changes_in_place), so they wait for
   // the step's commit point, the end of the backward, rather than starting as gradients land.
   bool host_updates_after_backward = false;
@@ -176,8 +185,9 @@ struct PhasePlan {
 // updates after what they wait for (the forward, or the whole compute when they change state in
 // place: host_updates_after_backward; nothing when deferred into the next step, whose backward
 // then follows them), the next step's forward waiting for them, and the device's updates after
-// the verdict (their kernels or their transfers, whichever is longer) after the rest; with
-// `shares_host_cores` (a CPU device: kernels, copies and host work on the same cores) their sum.
+// the verdict (their kernels or their transfers, whichever is longer) after the rest, and the
+// step's nodes in their order (scheduled_step_ms); with `shares_host_cores` (a CPU device: kernels, copies and host
+// work on the same cores) their sum.
 double predict_step_ms(const PhasePlan& p, bool shares_host_cores);
 
 struct TrainingPlan {
