@@ -8,7 +8,9 @@
 # PLAN_ACCURACY_MODELS: the runs to make, by name (default: all of them below, in order).
 # Prints the square's rate, then per run one line: the prediction with the square's rate, the
 # prediction with the step's (its rate, groups probed of the step's, the FLOP share probed, the batch
-# probed), the measured step_ms, and each prediction over the measurement.
+# probed), the step's nodes in their order at those rates (scheduled_step_ms, with the compute lane's
+# idle time: on a GPU the prediction is at least that), the measured step_ms, and each prediction
+# over the measurement.
 set -uo pipefail
 ferry=${1:-build/release/ferry}
 bench=${2:-build/release/ferry-bench}
@@ -50,6 +52,8 @@ actual = trained["step_ms"]
 print(f'{name}: square {square["predicted_step_ms"]:.1f} ms ({square["predicted_step_ms"] / actual:.2f}x) | '
       f'step products {step["predicted_step_ms"]:.1f} ms ({step["predicted_step_ms"] / actual:.2f}x; '
       f'{step["gemm_gflops"]:.1f} GFLOPS, {step["gemm_products_probed"]} of {step["gemm_products"]} kinds, '
-      f'{100 * step["gemm_probed_flops_share"]:.0f}% of FLOPs, batch {step["gemm_probe_batch"]}) | measured {actual:.1f} ms')
+      f'{100 * step["gemm_probed_flops_share"]:.0f}% of FLOPs, batch {step["gemm_probe_batch"]}) | '
+      f'in order {step["scheduled_step_ms"]:.1f} ms, compute idle {step["scheduled_compute_idle_ms"]:.1f} | '
+      f'measured {actual:.1f} ms')
 EOF
 done
