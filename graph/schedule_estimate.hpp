@@ -17,8 +17,8 @@ struct ScheduleEstimate {
   double step_ms = 0;                        // from the first node's start to the last one's end
   std::array<double, lane_count> busy_ms{};  // per lane: its nodes' durations summed
   double compute_idle_ms = 0;                // step_ms less the compute lane's busy time
-  // The compute lane's longest idle stretch before its last node, and the node that ended it
-  // (NodeId(-1): none).
+  // The compute lane's longest idle stretch between two of its nodes, and the node that ended it
+  // (NodeId(-1): none; the wait before its first node is in compute_idle_ms alone).
   double longest_compute_wait_ms = 0;
   NodeId resumed_with = static_cast<NodeId>(-1);
 };
