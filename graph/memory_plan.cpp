@@ -345,7 +345,38 @@ constexpr auto unused = std::numeric_limits<std::uint32_t>::max();
 struct Lifetimes {
   std::vector<std::uint32_t> first, last;
 };
-Lifetimes lifetimes(const Graph& g) {
+// MemoryPlanOptions::transfer_slack: a device copy a fetch writes is live from `slack` compute
+// nodes before the fetch, a device tensor a write-back reads last until `slack` after it.
+void add_transfer_slack(const Graph& g, std::uint32_t slack, Lifetimes& l) {
+  const auto& t = g.tensors;
+  const auto& n = g.nodes;
+  std::vector<NodeId> compute;
+  for (NodeId node = 0; node < n.size(); ++node) {
+    if (n.lane[node] == Lane::compute) compute.push_back(node);
+  }
+  const auto on_device = [&](TensorId s) { return t.home[s] == Home::device && !is_persistent(t.role[s]); };
+  for (NodeId node = 0; node < n.size(); ++node) {
+    if (n.op[node] == builtin::fetch) {
+      const auto before =
+          static_cast<std::size_t>(std::lower_bound(compute.begin(), compute.end(), node) - compute.begin());
+      const std::size_t back = std::min<std::size_t>(slack, before);
+      for (TensorId id : n.outputs(node)) {
+        const TensorId s = t.storage(id);
+        if (on_device(s) && l.first[s] == node && back > 0) l.first[s] = compute[before - back];
+      }
+    } else if (n.op[node] == builtin::write_back) {
+      const auto after =
+          static_cast<std::size_t>(std::upper_bound(compute.begin(), compute.end(), node) - compute.begin());
+      const std::size_t ahead = std::min<std::size_t>(slack, compute.size() - after);
+      for (TensorId id : n.inputs(node)) {
+        const TensorId s = t.storage(id);
+        if (on_device(s) && l.last[s] == node && ahead > 0) l.last[s] = compute[after + ahead - 1];
+      }
+    }
+  }
+}
+
+Lifetimes lifetimes(const Graph& g, std::uint32_t transfer_slack) {
   const auto& t = g.tensors;
   const auto& n = g.nodes;
   Lifetimes l{std::vector<std::uint32_t>(t.size(), unused), std::vector<std::uint32_t>(t.size(), 0)};
@@ -377,6 +408,7 @@ Lifetimes lifetimes(const Graph& g) {
     if (ops::op_info(n.op[node]).op_class != ops::OpClass::batch_transfer) continue;
     for (TensorId id : n.lane[node] == Lane::h2d ? n.inputs(node) : n.outputs(node)) whole_step(id);
   }
+  if (transfer_slack > 0) add_transfer_slack(g, transfer_slack, l);
   return l;
 }
 
@@ -447,7 +479,7 @@ void add_buffer_totals(MemoryPlan& plan, const std::vector<BumpPacker>& persiste
 MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   auto& t = g.tensors;
   const auto& n = g.nodes;
-  const Lifetimes life = lifetimes(g);
+  const Lifetimes life = lifetimes(g, options.transfer_slack);
   const std::vector<std::uint32_t>& first = life.first;
   const std::vector<std::uint32_t>& last = life.last;
 

@@ -37,6 +37,12 @@ struct MemoryPlanOptions {
   std::uint64_t existing_fetch_ring_bytes = 0;
   // Pinned staging takes device memory as well (NVIDIA's OpenCL): peak_bytes() counts it.
   bool staging_on_device = false;
+  // Device copies a fetch writes hold their bytes from this many compute nodes before the fetch,
+  // and tensors a write-back reads until this many compute nodes after it, so that neither shares
+  // bytes with the compute nodes around the copy: a copy into bytes a node before it used waits
+  // for that node to end, and a node after a write-back that reuses its source's bytes waits for
+  // the copy (ResidencyOptions::transfer_slack; 0: lifetimes as the nodes touch them).
+  std::uint32_t transfer_slack = 0;
 };
 
 struct MemoryPlan {

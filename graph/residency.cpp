@@ -734,8 +734,8 @@ MemoryPlan plan_mapped(Graph& g, const MemoryPlanOptions& mopt, std::uint64_t bu
   return plan;
 }
 
-// Streams the tensors whose home is pinned host memory: the largest cache limit (and lookahead)
-// whose plan, with the device-home tensors (plan.peak_bytes() counts them), fits the budget; with
+// Streams the tensors whose home is pinned host memory: the largest cache limit (and transfer
+// slack, and lookahead) whose plan, with the device-home tensors (plan.peak_bytes() counts them), fits the budget; with
 // none, every layer fetched just in time, or a BudgetError naming the minimum.
 MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_unified, const MemoryPlanOptions& mopt,
                          std::uint64_t budget, ResidencyReport& report) {
@@ -757,19 +757,22 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
   }
   move_state_updates_to_host(base);
   move_weight_narrowing_to_host(base);
-  auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, ResidencyReport& r) {
+  auto attempt = [&](std::uint64_t cache, std::uint32_t lookahead, std::uint32_t slack, ResidencyReport& r) {
     Graph s = stream_graph(base, cache, lookahead);
     stage_home_transfers(s, host_unified && options.zero_copy_staging, host_copies_for(options.homes.host_memory),
                          options.staging_min_bytes, options.staging_chunk_bytes);
     if (options.overlap_host_updates) defer_host_updates(s);
     count_transfers(s, r);
-    MemoryPlan p = plan_memory(s, mopt);
+    MemoryPlanOptions with_slack = mopt;
+    with_slack.transfer_slack = slack;
+    MemoryPlan p = plan_memory(s, with_slack);
     r.cache_limit_bytes = cache;
     r.lookahead = lookahead;
+    r.transfer_slack = slack;
     return std::make_pair(std::move(s), std::move(p));
   };
   ResidencyReport minimal_report;
-  auto minimal = attempt(0, 0, minimal_report);
+  auto minimal = attempt(0, 0, 0, minimal_report);
   const std::uint64_t min_budget = minimal.second.peak_bytes();
   if (min_budget > budget) {
     throw BudgetError(
@@ -788,13 +791,15 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
     return std::move(chosen.second);
   };
   std::uint64_t cache = budget - min_budget;
-  std::uint32_t lookahead = options.lookahead;
-  for (int tries = 0; tries < 24; ++tries) {
+  std::uint32_t lookahead = options.lookahead, slack = options.transfer_slack;
+  for (int tries = 0; tries < 32; ++tries) {
     ResidencyReport r;
-    auto candidate = attempt(cache, lookahead, r);
+    auto candidate = attempt(cache, lookahead, slack, r);
     if (candidate.second.peak_bytes() <= budget) return take(candidate, r);
     const std::uint64_t excess = candidate.second.peak_bytes() - budget;
-    if (cache == 0) {
+    if (cache == 0 && slack > 0) {
+      slack /= 2;  // copies nearer the compute around them
+    } else if (cache == 0) {
       if (lookahead == 0) break;
       // Prefetching further ahead costs memory: give some back (halving a long lookahead, so that
       // one far past what fits is brought down within the tries, not left for the plan of none).

@@ -8,6 +8,7 @@
 #include "classifier.hpp"
 #include "ferry/ferry.hpp"
 #include "graph/bind.hpp"
+#include "graph/dependencies.hpp"
 #include "graph/memory_plan.hpp"
 #include "reference_executor.hpp"
 #include "runtime/trainer_internals.hpp"
@@ -79,6 +80,58 @@ TEST_P(ModelTest, MemoryPlanNeverOverlapsLiveTensors) {
   EXPECT_GT(plan.transient_buffers.size(), 1u);
   // Reuse must make the step smaller than keeping every transient tensor apart.
   EXPECT_LT(plan.transient_bytes, plan.transient_unshared_bytes);
+}
+
+// A fetch's device copy and a write-back's source keep their bytes apart from the compute nodes
+// around the copy (MemoryPlanOptions::transfer_slack), so the copy waits for none of them and
+// none of them for the copy; without the slack the plan packs them into bytes just freed.
+TEST(MemoryPlan, CopiesKeepTheirBytesApartFromTheComputeAroundThem) {
+  graph::Graph g;
+  auto tensor = [&](const char* name, graph::Role role = graph::Role::activation) {
+    return g.tensors.add(name, graph::Shape{256}, graph::DType::f32, role);
+  };
+  const TensorId a = tensor("a"), b = tensor("b"), c = tensor("c"), w = tensor("w@dev", graph::Role::staged),
+                 d = tensor("d"), f = tensor("f"), h = tensor("h"), host_w = tensor("w", graph::Role::weight),
+                 host_d = tensor("d.host", graph::Role::gradient);
+  g.tensors.home[host_w] = graph::Home::host_pinned;
+  g.tensors.home[host_d] = graph::Home::host_pinned;
+  auto node = [&](const char* name, std::vector<TensorId> in, std::vector<TensorId> out,
+                  graph::Lane lane = graph::Lane::compute) {
+    const graph::OpId op = lane == graph::Lane::h2d   ? graph::builtin::fetch
+                           : lane == graph::Lane::d2h ? graph::builtin::write_back
+                                                      : graph::builtin::scale;
+    return g.nodes.add(op, name, in, out, {}, lane);
+  };
+  node("make a", {}, {a});
+  node("a to b", {a}, {b});
+  node("b to c", {b}, {c});
+  const graph::NodeId fetch = node("fetch w", {host_w}, {w}, graph::Lane::h2d);
+  node("use w", {w, c}, {d});
+  node("write back d", {d}, {host_d}, graph::Lane::d2h);
+  const graph::NodeId after = node("make f", {}, {f});
+  node("f to h", {f}, {h});
+  const auto overlaps = [&](TensorId x, TensorId y) {
+    const auto& px = g.tensors.placement[x];
+    const auto& py = g.tensors.placement[y];
+    return px.buffer == py.buffer && px.offset_bytes < py.offset_bytes + g.tensors.bytes(y) &&
+           py.offset_bytes < px.offset_bytes + g.tensors.bytes(x);
+  };
+  const auto waits_for = [&](const graph::MemoryPlan& plan, graph::NodeId n) {
+    const auto waits = graph::cross_lane_dependencies(g.nodes.lane, graph::node_byte_accesses(g, plan.pool));
+    return waits[n];
+  };
+  graph::MemoryPlanOptions packed;
+  const graph::MemoryPlan tight = graph::plan_memory(g, packed);
+  EXPECT_TRUE(overlaps(w, a) || overlaps(w, b)) << "packed, the copy takes bytes the nodes before it freed";
+  EXPECT_FALSE(waits_for(tight, fetch).empty());
+  graph::MemoryPlanOptions apart;
+  apart.transfer_slack = 2;
+  const graph::MemoryPlan loose = graph::plan_memory(g, apart);
+  for (TensorId x : {a, b, c}) EXPECT_FALSE(overlaps(w, x)) << g.tensors.name[x];
+  for (TensorId x : {f, h}) EXPECT_FALSE(overlaps(d, x)) << g.tensors.name[x];
+  EXPECT_TRUE(waits_for(loose, fetch).empty()) << "the fetch waits for no compute node";
+  EXPECT_TRUE(waits_for(loose, after).empty()) << "the node after the write-back waits for no copy";
+  EXPECT_GE(loose.transient_bytes, tight.transient_bytes);
 }
 
 TEST(MemoryPlan, TensorLargerThanAnyBufferIsAnError) {

@@ -4,7 +4,8 @@
 //   resident  every persistent tensor lives on the device (the budget must hold them all);
 //   stream    persistent tensors live in pinned host memory; the pass inserts fetch nodes
 //             (copy-in lane) before their uses and write-back nodes (copy-out lane) after their
-//             last write, issued `lookahead` compute nodes ahead so copies overlap compute.
+//             last write, issued `lookahead` compute nodes ahead so copies overlap compute, their
+//             device bytes kept apart from the compute nodes around them (transfer_slack).
 //             Which uses share one fetch follows the furthest-next-use rule over the static
 //             step order (Belady), computed here at compile time.
 //   mapped    persistent tensors live in pinned host memory that kernels read directly
@@ -39,6 +40,11 @@ struct ResidencyOptions {
   // against physical memory, before it allocates anything (ferry::check_host_budget).
   std::uint64_t host_budget_bytes = 0;
   std::uint32_t lookahead = 2;  // compute nodes between a fetch and its first use
+  // Compute nodes around each copy whose bytes the memory plan keeps apart from the copy's
+  // (MemoryPlanOptions::transfer_slack): a fetch then waits for no node just before it, nor a node
+  // just after a write-back for the copy. The budget search gives it up (halving it) before the
+  // lookahead, once no persistent copy is cached between uses.
+  std::uint32_t transfer_slack = 4;
   // Stream mode: run optimizer updates on the host (TBB workers) instead of the device, after the
   // step's commit point, on the one host copy. Only the weights are fetched and only their
   // gradients written back; optimizer state stays on the host.
@@ -91,6 +97,7 @@ struct ResidencyReport {
   std::uint32_t unpacks = 0, packs = 0;  // staged homes' host-lane nodes (stage_home_transfers)
   std::uint64_t cache_limit_bytes = 0;   // device bytes the eviction rule was allowed for persistent copies
   std::uint32_t lookahead = 0;
+  std::uint32_t transfer_slack = 0;    // as the budget search left it
   std::uint64_t min_budget_bytes = 0;  // the smallest budget this graph can run in (stream mode)
 };
 
