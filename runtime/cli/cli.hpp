@@ -65,6 +65,7 @@ struct TrainArgs {
   int compress_level = 1;
   unsigned compress_workers = 0;
   std::uint32_t lookahead = 2;
+  std::uint32_t transfer_slack = 4;
   // --host-optimizer (on the host) and --no-host-optimizer (on the device); neither: chosen by the plan
   // (TrainerOptions::host_optimizer_auto).
   bool host_optimizer = false, no_host_optimizer = false;

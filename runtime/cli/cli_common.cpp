@@ -105,6 +105,7 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
                                                            : ferry::ops::OptimizerConfig::DecayOn::all;
   opt.residency.mode = ferry::graph::parse_residency_mode(a.residency);
   opt.residency.lookahead = a.lookahead;
+  opt.residency.transfer_slack = a.transfer_slack;
   opt.residency.host_optimizer = a.host_optimizer;
   opt.host_optimizer_auto = !a.host_optimizer && !a.no_host_optimizer;
   opt.residency.overlap_host_updates = a.overlap_host_updates;

@@ -166,10 +166,10 @@ std::string residency_banner(const ferry::Trainer& trainer) {
     case ferry::graph::ResidencyMode::stream:
       where = fmt::format(
           "; weights and optimizer state in {} of {} host memory, step tensors in {} more; per step {} fetches ({}) "
-          "and {} write-backs ({}), issued {} compute nodes ahead{}",
+          "and {} write-backs ({}), issued {} compute nodes ahead, kept apart from {} compute nodes around them{}",
           ferry::format_bytes(state_bytes), ferry::offload::host_memory_name(trainer.host_memory()),
           ferry::format_bytes(step_bytes), rr.fetches, ferry::format_bytes(rr.fetch_bytes), rr.write_backs,
-          ferry::format_bytes(rr.write_back_bytes), rr.lookahead,
+          ferry::format_bytes(rr.write_back_bytes), rr.lookahead, rr.transfer_slack,
           rr.host_updates ? fmt::format("; {} optimizer updates on the host", rr.host_updates) : std::string());
       break;
     case ferry::graph::ResidencyMode::mapped:
@@ -517,6 +517,11 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
       ->capture_default_str();
   app->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
       ->capture_default_str();
+  app->add_option("--transfer-slack", t.transfer_slack,
+                  "Streaming: compute nodes around each fetch and write-back whose device bytes the copy's are kept "
+                  "apart from, so that neither waits for the other (given up under a tight budget before the "
+                  "lookahead)")
+      ->capture_default_str();
 }
 
 // Steps, accumulation, recomputation, precision and the hybrid phases.
@@ -683,7 +688,7 @@ void check_flags_apply(const CLI::App& command, const TrainArgs& t) {
       {{"--bucket-size", "--network-gbps"},
        command.get_name() != "plan" || t.plan_ranks >= 2,
        "to a plan of several ranks only (--ranks N, N >= 2): one rank sums and sends nothing"},
-      {{"--host-memory", "--staging-chunk", "--lookahead"},
+      {{"--host-memory", "--staging-chunk", "--lookahead", "--transfer-slack"},
        t.residency != "resident" || fetched(t.weights_home) || fetched(t.state_home),
        "to tensors fetched from host memory, which --residency resident has none of unless --weights-home or "
        "--state-home host or compressed puts them there"},

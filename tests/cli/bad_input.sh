@@ -79,6 +79,8 @@ row "staging chunk without staged host memory" "chunked fetches are a way of sta
   train --staging-chunk 1MiB "${quick[@]}"
 row "staging chunk too small" "use 4.0 KiB to 256.0 MiB" error - \
   train --host-memory staged --staging-chunk 1KiB "${quick[@]}"
+row "transfer slack with resident residency" "--transfer-slack applies to tensors fetched from host memory" error - \
+  train "${quick[@]}" --transfer-slack 2 --residency resident
 row "host optimizer with resident residency" "or run the optimizer on the device (no --host-optimizer" error - \
   train "${quick[@]}" --host-optimizer --residency resident
 row "overlapped host updates with mapped residency" "(which --overlap-host-updates implies)" error - \
