@@ -22,7 +22,7 @@
 # SCALE_GPU_ONLY=1b runs the three 1B runs alone, 1b-pair the resident and the streamed one as
 # `ferry train` chooses its optimizer's place,
 # 1b-stream the two streamed ones (SCALE_GPU_HOST_MEMORY adds --host-memory to them,
-# SCALE_GPU_STAGING_CHUNK --staging-chunk), 1b-overlap the host-optimizer run without and with
+# SCALE_GPU_STAGING_CHUNK --staging-chunk, SCALE_GPU_SLACK --transfer-slack), 1b-overlap the host-optimizer run without and with
 # --overlap-host-updates (with the same two), 1b-accumulate the streamed run as 4 micro-batches of
 # 2 per update with the host optimizer (its gradient sums on the host lane) and with the device's
 # (with the same two), 7b gpt7b_stream_host alone (with the same two, and
@@ -94,7 +94,9 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
                   "driver_memory_used_mib_max": smi,
                   "predicted_step_ms": plan.get("predicted_step_ms"),
                   "predicted_terms_ms": {k: plan.get(k) for k in ("compute_ms", "forward_ms", "transfer_ms",
-                                                                  "host_update_ms", "codec_ms")},
+                                                                  "host_update_ms", "codec_ms", "scheduled_step_ms",
+                                                                  "scheduled_compute_idle_ms")},
+                  "scheduled_longest_wait_before": plan.get("scheduled_longest_wait_before"),
                   "plan_rates": {k: plan.get(k) for k in ("link_gbps", "gemm_gflops", "device_gbps", "device_8bit_gbps", "launch_us", "host_gbps", "host_8bit_gbps", "codec_gbps")},
                   "recommended": rec.get("flags"),
                   "recommended_predicted_step_ms": rec.get("predicted_step_ms")}))
@@ -106,7 +108,8 @@ EOF
 memory=()
 [[ -n ${SCALE_GPU_HOST_MEMORY:-} ]] && memory=(--host-memory "$SCALE_GPU_HOST_MEMORY")
 [[ -n ${SCALE_GPU_STAGING_CHUNK:-} ]] && memory+=(--staging-chunk "$SCALE_GPU_STAGING_CHUNK")
-tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}
+[[ -n ${SCALE_GPU_SLACK:-} ]] && memory+=(--transfer-slack "$SCALE_GPU_SLACK")
+tag=${SCALE_GPU_HOST_MEMORY:+_$SCALE_GPU_HOST_MEMORY}${SCALE_GPU_STAGING_CHUNK:+_chunked}${SCALE_GPU_SLACK:+_slack$SCALE_GPU_SLACK}
 
 if [[ ${SCALE_GPU_ONLY:-} == 1b ]]; then
   run gpt1b_resident "${SCALE_GPU_LIMIT_S:-900}" 4 "${gpt1b[@]}" --residency resident
