@@ -611,14 +611,19 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, HostOptimizerTest,
 // A traced step's host-lane nodes say how long each waited, and how long the host took to begin
 // after the driver reported the device commands it waited for done (the two figures
 // bench/trace_summary.py reads to tell a slow report or a busy host from the lane's order).
-TEST(HostOptimizer, TimelineGivesEachHostNodesWait) {
+// The timeline of one step of the small residual model with Adam on the host, traced.
+std::vector<graph::TimelineEntry> traced_host_optimizer_step() {
   Runtime rt({.profiling = true});
   const ModelSpec m = small_residual();
   Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, ops::OptimizerConfig::Kind::adam));
   const std::size_t sample = sample_elems(m);
   trainer.step(random_vector(8 * sample, 31), labels_for(8, 32));
+  return compiled_train_step(trainer).timeline();
+}
+
+TEST(HostOptimizer, TimelineGivesEachHostNodesWait) {
   int host = 0;
-  for (const auto& e : compiled_train_step(trainer).timeline()) {
+  for (const auto& e : traced_host_optimizer_step()) {
     if (!graph::is_host_lane(e.lane)) {
       EXPECT_EQ(e.ready_ns, 0u) << e.name;
       EXPECT_EQ(e.events_done_ns, 0u) << e.name;
@@ -637,12 +642,7 @@ TEST(HostOptimizer, TimelineGivesEachHostNodesWait) {
 // bench/trace_summary.py follows back through a lane's idle stretch): a node listed before it, on
 // its own lane or another, that ended before it started where both run on the device's clock.
 TEST(HostOptimizer, TimelineNamesWhatEachNodeWaitedFor) {
-  Runtime rt({.profiling = true});
-  const ModelSpec m = small_residual();
-  Trainer trainer(rt, m, host_optimizer_options(min_stream_budget(rt, m) * 2, ops::OptimizerConfig::Kind::adam));
-  const std::size_t sample = sample_elems(m);
-  trainer.step(random_vector(8 * sample, 31), labels_for(8, 32));
-  const auto timeline = compiled_train_step(trainer).timeline();
+  const auto timeline = traced_host_optimizer_step();
   ASSERT_FALSE(timeline.empty());
   std::map<std::string, std::size_t> index;
   std::set<graph::Lane> lanes_seen;
