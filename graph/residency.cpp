@@ -734,9 +734,9 @@ MemoryPlan plan_mapped(Graph& g, const MemoryPlanOptions& mopt, std::uint64_t bu
   return plan;
 }
 
-// Streams the tensors whose home is pinned host memory: the largest cache limit (and transfer
-// slack, and lookahead) whose plan, with the device-home tensors (plan.peak_bytes() counts them), fits the budget; with
-// none, every layer fetched just in time, or a BudgetError naming the minimum.
+// Streams the tensors whose home is pinned host memory: the largest cache limit (then transfer
+// slack, then lookahead) whose plan, with the device-home tensors (plan.peak_bytes() counts them),
+// fits the budget; with none, every layer fetched just in time, or a BudgetError naming the minimum.
 MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_unified, const MemoryPlanOptions& mopt,
                          std::uint64_t budget, ResidencyReport& report) {
   const ResidencyMode mode = report.mode;
