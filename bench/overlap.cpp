@@ -58,6 +58,7 @@ struct OverlapConfig {
   std::uint32_t width = 1024, depth = 8, batch = 256;
   std::string budget = "64MiB";  // device budget of the streamed step
   std::uint32_t lookahead = 2;
+  std::uint32_t slack = 4;         // ResidencyOptions::transfer_slack
   std::string optimizer = "adam";  // adam or sgd (plain, no momentum: the least state to stream)
 };
 
@@ -124,11 +125,13 @@ OverlapConfig parse_config(const std::string& text) {
       c.budget = value;
     else if (key == "lookahead")
       c.lookahead = number();
+    else if (key == "slack")
+      c.slack = number();
     else if (key == "optimizer")
       c.optimizer = value;
     else
       throw std::invalid_argument(fmt::format(
-          "--config: unknown key '{}' (name, model, width, depth, batch, budget, lookahead, optimizer)", key));
+          "--config: unknown key '{}' (name, model, width, depth, batch, budget, lookahead, slack, optimizer)", key));
   }
   if (c.model != "deep" && c.model != "mlp") {
     throw std::invalid_argument(fmt::format("--config: model must be deep or mlp, not '{}'", c.model));
@@ -310,6 +313,7 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
                    {"depth", c.depth},
                    {"batch", c.batch},
                    {"lookahead", c.lookahead},
+                   {"slack", c.slack},
                    {"optimizer", c.optimizer},
                    {"repeat", common.repeat},
                    {"device", dev.name},
@@ -326,6 +330,7 @@ nlohmann::json run_config(Runtime& runtime, const BenchCommon& common, const Ove
   base.batch = c.batch;
   base.seed = 1;
   base.residency.lookahead = c.lookahead;
+  base.residency.transfer_slack = c.slack;
   base.residency.homes.host_memory = offload::parse_host_memory(o.host_memory);
   if (c.optimizer == "sgd") {
     base.optimizer.kind = ops::OptimizerConfig::Kind::sgd;
@@ -522,7 +527,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<OverlapOptions>();
   sub.add_option("--config", o->configs,
                  "a configuration, repeatable: name=..,model=deep|mlp,width=..,depth=..,batch=..,budget=64MiB,"
-                 "lookahead=2,optimizer=adam|sgd (default: compute-bound deep 1024x8 batch 256 budget "
+                 "lookahead=2,slack=4,optimizer=adam|sgd (default: compute-bound deep 1024x8 batch 256 budget "
                  "192MiB; transfer-bound mlp 8192x1 batch 8 budget 128MiB; deep-small-batch deep 1024x8 batch 8 "
                  "budget 40MiB)");
   sub.add_option("--link-bytes", o->link_bytes, "size of the link-peak copies")->capture_default_str();
