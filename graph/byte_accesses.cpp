@@ -1,4 +1,5 @@
-// The byte ranges each node of a planned step reads and writes (graph/dependencies.hpp).
+// The byte ranges each node of a planned step reads and writes, and its commit point
+// (graph/dependencies.hpp).
 #include "graph/dependencies.hpp"
 
 namespace ferry::graph {
@@ -22,6 +23,18 @@ std::vector<std::vector<ByteAccess>> node_byte_accesses(const Graph& g, const st
     add(n.scratch[id], true);
   }
   return accesses;
+}
+
+NodeId commit_point(const Graph& g) {
+  NodeId commit = static_cast<NodeId>(-1);
+  if (g.guard == no_tensor) return commit;
+  const TensorId guard = g.tensors.storage(g.guard);
+  for (NodeId id = 0; id < g.nodes.size(); ++id) {
+    for (TensorId x : g.nodes.outputs(id)) {
+      if (g.tensors.storage(x) == guard) commit = id;
+    }
+  }
+  return commit;
 }
 
 }  // namespace ferry::graph

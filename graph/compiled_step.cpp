@@ -405,7 +405,6 @@ void CompiledStep::lower(const cl::Context& context, bool serial) {
 }
 
 void CompiledStep::find_commit_point() {
-  const auto& t = graph_.tensors;
   const auto& n = graph_.nodes;
   impl_->in_place.assign(n.size(), 0);
   NodeId first_in_place = Impl::no_node;
@@ -420,12 +419,7 @@ void CompiledStep::find_commit_point() {
     if (impl_->in_place[id] && first_in_place == Impl::no_node) first_in_place = id;
   }
   if (first_in_place == Impl::no_node || graph_.guard == no_tensor) return;
-  NodeId commit = Impl::no_node;
-  for (NodeId id = 0; id < n.size(); ++id) {
-    for (TensorId x : n.outputs(id)) {
-      if (t.storage(x) == t.storage(graph_.guard)) commit = id;
-    }
-  }
+  const NodeId commit = commit_point(graph_);
   if (commit == Impl::no_node || commit > first_in_place || is_host_lane(n.lane[commit])) {
     throw std::logic_error(fmt::format(
         "step node '{}' changes state kept in place before the step's commit point (the overflow guard's last node)",

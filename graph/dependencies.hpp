@@ -35,6 +35,11 @@ struct ByteAccess {
 std::vector<std::vector<NodeId>> cross_lane_dependencies(std::span<const Lane> lanes,
                                                          const std::vector<std::vector<ByteAccess>>& accesses);
 
+// The step's commit point: the last node that writes the overflow guard's storage (g.guard), after
+// which updates of state kept in place may run; NodeId(-1) where the step has no guard or no node
+// writes it.
+NodeId commit_point(const Graph& g);
+
 // Each node's operands (inputs, outputs, scratch) as byte ranges of a planned step: its tensors'
 // placements, one space per (pool, home, buffer) as `pools` (MemoryPlan::pool) and the homes say.
 std::vector<std::vector<ByteAccess>> node_byte_accesses(const Graph& g, const std::vector<Pool>& pools);

@@ -18,16 +18,7 @@ ScheduleEstimate estimate_schedule(const Graph& g, const std::vector<Pool>& pool
                                             n.size(), node_ms.size(), in_place.size()));
   }
   const auto waits = cross_lane_dependencies(n.lane, node_byte_accesses(g, pools));
-  // The commit point: the last node writing the guard (CompiledStep::find_commit_point).
-  NodeId commit = static_cast<NodeId>(-1);
-  if (g.guard != no_tensor) {
-    const TensorId guard = g.tensors.storage(g.guard);
-    for (NodeId id = 0; id < n.size(); ++id) {
-      for (TensorId x : n.outputs(id)) {
-        if (g.tensors.storage(x) == guard) commit = id;
-      }
-    }
-  }
+  const NodeId commit = commit_point(g);
   ScheduleEstimate out;
   std::vector<double> end(n.size(), 0.0);
   std::array<double, lane_count> lane_end{};

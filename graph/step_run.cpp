@@ -8,7 +8,6 @@
 #include <cmath>
 #include <exception>
 #include <stdexcept>
-#include <unordered_map>
 
 #include "compiled_step_impl.hpp"
 
@@ -407,18 +406,15 @@ TimelineEntry host_span(TimelineEntry e, std::uint64_t begin_ns, std::uint64_t e
 void name_last_dependencies(std::vector<TimelineEntry>& entries, const std::vector<NodeId>& ids,
                             const std::vector<std::vector<NodeId>>& waits) {
   constexpr std::size_t none = static_cast<std::size_t>(-1);
-  std::unordered_map<NodeId, std::size_t> entry_of;
-  entry_of.reserve(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) entry_of.emplace(ids[i], i);
+  std::vector<std::size_t> entry_of(waits.size(), none);  // by node: its entry, or none
+  for (std::size_t i = 0; i < ids.size(); ++i) entry_of[ids[i]] = i;
   std::array<std::size_t, lane_count> previous;
   previous.fill(none);
   for (std::size_t i = 0; i < entries.size(); ++i) {
     std::size_t last = previous[static_cast<std::size_t>(entries[i].lane)];
     for (NodeId m : waits[ids[i]]) {
-      const auto it = entry_of.find(m);
-      if (it != entry_of.end() && (last == none || entries[it->second].end_ns > entries[last].end_ns)) {
-        last = it->second;
-      }
+      const std::size_t k = entry_of[m];
+      if (k != none && (last == none || entries[k].end_ns > entries[last].end_ns)) last = k;
     }
     if (last != none) entries[i].after = entries[last].name;
     previous[static_cast<std::size_t>(entries[i].lane)] = i;

@@ -64,9 +64,15 @@ void schedule_step(const graph::Graph& g, const graph::MemoryPlan& memory, const
                    std::uint32_t pinned_copies, PhasePlan& p) {
   const auto& t = g.tensors;
   std::vector<double> durations(g.nodes.size());
-  std::vector<char> in_place(g.nodes.size(), 0);
+  bool timed = false;
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
     durations[n] = node_duration_ms(g, n, rates);
+    timed = timed || durations[n] > 0;
+  }
+  // Without rates (a Trainer checking its plan's bytes) every node takes no time: no schedule to find.
+  if (!timed) return;
+  std::vector<char> in_place(g.nodes.size(), 0);
+  for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
     if (g.nodes.deferred[n]) continue;  // it applies the step before's update, which committed
     for (graph::TensorId x : g.nodes.outputs(n)) {
       const graph::TensorId s = t.storage(x);

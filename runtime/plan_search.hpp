@@ -32,7 +32,7 @@ std::uint64_t gemm_rate_flops(const graph::Graph& g);
 
 // The schedule of a planned step g at `rates` (runtime/plan_schedule.cpp, graph::estimate_schedule):
 // each node's duration as count_step counts its work, the step's nodes in their order on their
-// lanes; sets p's scheduled_* figures.
+// lanes; sets p's scheduled_* figures (left 0 where no rate is known: nothing would take time).
 void schedule_step(const graph::Graph& g, const graph::MemoryPlan& memory, const PlanRates& rates,
                    std::uint32_t pinned_copies, PhasePlan& p);
 

@@ -186,8 +186,8 @@ struct PhasePlan {
 // place: host_updates_after_backward; nothing when deferred into the next step, whose backward
 // then follows them), the next step's forward waiting for them, and the device's updates after
 // the verdict (their kernels or their transfers, whichever is longer) after the rest, and the
-// step's nodes in their order (scheduled_step_ms); with `shares_host_cores` (a CPU device: kernels, copies and host
-// work on the same cores) their sum.
+// step's nodes in their order (scheduled_step_ms); with `shares_host_cores` (a CPU device:
+// kernels, copies and host work on the same cores) their sum.
 double predict_step_ms(const PhasePlan& p, bool shares_host_cores);
 
 struct TrainingPlan {
