@@ -391,7 +391,7 @@ void print_configured_table(const ferry::TrainingPlan& p) {
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string(), t.scheduled_step_ms,
       t.scheduled_compute_idle_ms,
-      t.scheduled_longest_wait_before.empty()
+      t.scheduled_longest_wait_before.empty() || t.scheduled_longest_wait_ms < 0.05  // none, or none shown
           ? std::string()
           : fmt::format(", longest wait {:.1f} ms before {}", t.scheduled_longest_wait_ms,
                         t.scheduled_longest_wait_before));
