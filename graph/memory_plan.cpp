@@ -376,7 +376,30 @@ void add_transfer_slack(const Graph& g, std::uint32_t slack, Lifetimes& l) {
   }
 }
 
-Lifetimes lifetimes(const Graph& g, std::uint32_t transfer_slack) {
+// MemoryPlanOptions::staging_slack: a staging tensor (the bytes a staged
+// fetch's unpack fills, or a staged write-back's copy lands in) lives until the `slack`-th staging
+// tensor after it (in order of first use) is first touched. Packed by liveness alone, each staging
+// tensor takes the bytes the one before it has just freed, so the host's copy into it waits for
+// the link's copy out of the one before, and the two take turns where they could overlap: the
+// device-update tail of a staged step was a chain of such hand-offs, a tensor at a time.
+void add_staging_slack(const Graph& g, std::uint32_t slack, Lifetimes& l) {
+  const auto& t = g.tensors;
+  std::vector<TensorId> staging;
+  for (TensorId id = 0; id < t.size(); ++id) {
+    if (t.alias_of[id] == no_tensor && t.role[id] == Role::staged && t.home[id] != Home::device &&
+        l.first[id] != unused) {
+      staging.push_back(id);
+    }
+  }
+  std::sort(staging.begin(), staging.end(),
+            [&](TensorId a, TensorId b) { return l.first[a] != l.first[b] ? l.first[a] < l.first[b] : a < b; });
+  for (std::size_t i = 0; i + 1 < staging.size(); ++i) {
+    const TensorId later = staging[std::min<std::size_t>(i + slack, staging.size() - 1)];
+    l.last[staging[i]] = std::max(l.last[staging[i]], l.first[later]);
+  }
+}
+
+Lifetimes lifetimes(const Graph& g, std::uint32_t transfer_slack, std::uint32_t staging_slack) {
   const auto& t = g.tensors;
   const auto& n = g.nodes;
   Lifetimes l{std::vector<std::uint32_t>(t.size(), unused), std::vector<std::uint32_t>(t.size(), 0)};
@@ -409,6 +432,7 @@ Lifetimes lifetimes(const Graph& g, std::uint32_t transfer_slack) {
     for (TensorId id : n.lane[node] == Lane::h2d ? n.inputs(node) : n.outputs(node)) whole_step(id);
   }
   if (transfer_slack > 0) add_transfer_slack(g, transfer_slack, l);
+  if (staging_slack > 0) add_staging_slack(g, staging_slack, l);
   return l;
 }
 
@@ -479,7 +503,7 @@ void add_buffer_totals(MemoryPlan& plan, const std::vector<BumpPacker>& persiste
 MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
   auto& t = g.tensors;
   const auto& n = g.nodes;
-  const Lifetimes life = lifetimes(g, options.transfer_slack);
+  const Lifetimes life = lifetimes(g, options.transfer_slack, options.staging_slack);
   const std::vector<std::uint32_t>& first = life.first;
   const std::vector<std::uint32_t>& last = life.last;
 

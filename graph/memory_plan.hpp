@@ -43,6 +43,12 @@ struct MemoryPlanOptions {
   // for that node to end, and a node after a write-back that reuses its source's bytes waits for
   // the copy (ResidencyOptions::transfer_slack; 0: lifetimes as the nodes touch them).
   std::uint32_t transfer_slack = 0;
+  // Pinned staging tensors hold their bytes until this many staging tensors after them are in use,
+  // so that this many staged copies and one more can be in flight at once: the host filling one
+  // while the link empties another, where packed they would take turns (ResidencyOptions::
+  // transfer_slack; the budget search gives it up with the device copies' slack only where
+  // staging takes device memory).
+  std::uint32_t staging_slack = 0;
 };
 
 struct MemoryPlan {

@@ -765,6 +765,8 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
     count_transfers(s, r);
     MemoryPlanOptions with_slack = mopt;
     with_slack.transfer_slack = slack;
+    // Pinned staging in flight costs device bytes only where the driver backs it with them.
+    with_slack.staging_slack = mopt.staging_on_device ? slack : options.transfer_slack;
     MemoryPlan p = plan_memory(s, with_slack);
     r.cache_limit_bytes = cache;
     r.lookahead = lookahead;

@@ -134,6 +134,65 @@ TEST(MemoryPlan, CopiesKeepTheirBytesApartFromTheComputeAroundThem) {
   EXPECT_GE(loose.transient_bytes, tight.transient_bytes);
 }
 
+// Pinned staging tensors keep their bytes apart from the next `staging_slack` ones, so the host
+// fills the next tensor's staging while the link still copies out of this one; packed by liveness
+// alone, each staging tensor reuses the bytes of the one before and its unpack waits for that
+// one's fetch.
+TEST(MemoryPlan, StagedCopiesKeepTheirStagingApartFromTheNextOnes) {
+  graph::Graph g;
+  constexpr int copies = 4;
+  std::vector<TensorId> staging;
+  std::vector<graph::NodeId> unpacks, fetches;
+  for (int i = 0; i < copies; ++i) {
+    auto tensor = [&](const char* what, graph::Role role, graph::Home home) {
+      const TensorId x = g.tensors.add(fmt::format("w{}{}", i, what), graph::Shape{256}, graph::DType::f32, role);
+      g.tensors.home[x] = home;
+      return x;
+    };
+    const TensorId host = tensor("", graph::Role::weight, graph::Home::host_pinned);
+    const TensorId pinned = tensor("@staging", graph::Role::staged, graph::Home::host_pinned);
+    const TensorId device = tensor("@device", graph::Role::staged, graph::Home::device);
+    const TensorId used = tensor(".used", graph::Role::activation, graph::Home::device);
+    staging.push_back(pinned);
+    unpacks.push_back(g.nodes.add(graph::builtin::unpack, fmt::format("unpack w{}", i), std::vector{host},
+                                  std::vector{pinned}, {}, graph::Lane::unpack));
+    fetches.push_back(g.nodes.add(graph::builtin::fetch, fmt::format("fetch w{}", i), std::vector{pinned},
+                                  std::vector{device}, {}, graph::Lane::h2d));
+    g.nodes.add(graph::builtin::scale, fmt::format("use w{}", i), std::vector{device}, std::vector{used}, {},
+                graph::Lane::compute);
+  }
+  const auto overlaps = [&](TensorId x, TensorId y) {
+    const auto& px = g.tensors.placement[x];
+    const auto& py = g.tensors.placement[y];
+    return px.buffer == py.buffer && px.offset_bytes < py.offset_bytes + g.tensors.bytes(y) &&
+           py.offset_bytes < px.offset_bytes + g.tensors.bytes(x);
+  };
+  const auto waits_for = [&](const graph::MemoryPlan& plan, graph::NodeId n) {
+    return graph::cross_lane_dependencies(g.nodes.lane, graph::node_byte_accesses(g, plan.pool))[n];
+  };
+  const graph::MemoryPlan packed = graph::plan_memory(g, {});
+  EXPECT_TRUE(overlaps(staging[1], staging[0])) << "packed, each staging tensor takes the bytes just freed";
+  const auto waited = waits_for(packed, unpacks[1]);
+  EXPECT_NE(std::find(waited.begin(), waited.end(), fetches[0]), waited.end())
+      << "packed, the next unpack waits for the fetch before it";
+  graph::MemoryPlanOptions apart;
+  apart.staging_slack = 2;
+  const graph::MemoryPlan ring = graph::plan_memory(g, apart);
+  for (int i = 0; i < copies; ++i) {
+    for (int j = i + 1; j < std::min(copies, i + 3); ++j) {
+      EXPECT_FALSE(overlaps(staging[i], staging[j])) << g.tensors.name[staging[i]] << " " << g.tensors.name[staging[j]];
+    }
+  }
+  for (int i = 1; i < copies; ++i) {
+    for (graph::NodeId m : waits_for(ring, unpacks[i])) {  // at most for the fetch three before it
+      for (int j = std::max(0, i - 2); j < i; ++j) {
+        EXPECT_NE(m, fetches[j]) << "unpack w" << i << " waits for " << g.nodes.name[m];
+      }
+    }
+  }
+  EXPECT_EQ(ring.host_staging_bytes, 3 * packed.host_staging_bytes) << "three staged copies in flight, not one";
+}
+
 TEST(MemoryPlan, TensorLargerThanAnyBufferIsAnError) {
   graph::Graph g = training_graph(small_mlp(), 6, {});
   graph::MemoryPlanOptions mopt;

@@ -519,8 +519,8 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
       ->capture_default_str();
   app->add_option("--transfer-slack", t.transfer_slack,
                   "Streaming: compute nodes around each fetch and write-back whose device bytes the copy's are kept "
-                  "apart from, so that neither waits for the other (given up under a tight budget before the "
-                  "lookahead)")
+                  "apart from, so that neither waits for the other, and staged copies after each staged one whose "
+                  "pinned staging is kept apart from its own (given up under a tight budget before the lookahead)")
       ->capture_default_str();
 }
 
