@@ -31,29 +31,44 @@ enum class Lean {
   eight_bit,
   eight_bit_compressed,
   host_optimizer,
+  overlapped_host_updates,  // the host's updates during the next step's forward
   eight_bit_host_optimizer,
 };
-constexpr Lean leans[] = {Lean::resident,       Lean::mapped,
-                          Lean::stream,         Lean::compressed_state,
-                          Lean::eight_bit,      Lean::eight_bit_compressed,
-                          Lean::host_optimizer, Lean::eight_bit_host_optimizer};
+constexpr Lean leans[] = {Lean::resident,
+                          Lean::mapped,
+                          Lean::stream,
+                          Lean::compressed_state,
+                          Lean::eight_bit,
+                          Lean::eight_bit_compressed,
+                          Lean::host_optimizer,
+                          Lean::overlapped_host_updates,
+                          Lean::eight_bit_host_optimizer};
+
+// Overlapped host updates belong to a step with one training variant and no collectives
+// (validate_trainer_options refuses the others): no candidate where they could not run.
+bool overlap_allowed(const TrainerOptions& o) {
+  const auto& dp = o.data_parallel;
+  return o.accumulate == 1 && !o.phases.hybrid && !(dp.communicator && dp.communicator->size() > 1);
+}
 
 // The candidate `lean` (narrow: with bf16 layers) at `split` micro-batches, or nothing where it
 // is not one (mapped on a discrete device, 8-bit state without Adam or asked for already, the host optimizer asked for
-// already).
+// already, overlapped host updates where the step cannot run them).
 std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t split, Lean lean, bool narrow,
                                        bool unified, int zero_stage) {
   const bool adam = base.optimizer.kind != ops::OptimizerConfig::Kind::sgd;
   if (lean == Lean::mapped && !unified) return std::nullopt;
   const bool eight_bit =
       lean == Lean::eight_bit || lean == Lean::eight_bit_compressed || lean == Lean::eight_bit_host_optimizer;
-  const bool host = lean == Lean::host_optimizer || lean == Lean::eight_bit_host_optimizer;
+  const bool overlapped = lean == Lean::overlapped_host_updates;
+  const bool host = lean == Lean::host_optimizer || overlapped || lean == Lean::eight_bit_host_optimizer;
   const bool eight_bit_given = base.optimizer.kind == ops::OptimizerConfig::Kind::adamw8bit;
   if (eight_bit && (!adam || eight_bit_given)) return std::nullopt;  // the plain leans have it already
   if (host && base.residency.host_optimizer) return std::nullopt;    // so from stream on
   Configuration c;
   TrainerOptions& o = c.options;
   o = base;
+  if (overlapped && (!overlap_allowed(o) || split > 1)) return std::nullopt;
   o.host_optimizer_auto = false;  // each lean says where the optimizer runs
   std::string flags;
   if (narrow) {
@@ -85,7 +100,13 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
     o.residency.state_home = Home::host_compressed;
     flags += " --state-home compressed";
   }
-  if (host) {
+  if (overlapped) {
+    // The host's updates applied during the next step's forward, each before its weight's fetch,
+    // instead of after the backward with the device idle (the same results as the host optimizer's).
+    o.residency.host_optimizer = true;
+    o.residency.overlap_host_updates = true;
+    flags += " --overlap-host-updates";
+  } else if (host) {
     // Updates on the host (ZeRO-Offload's way): no optimizer state on the device or the link.
     o.residency.host_optimizer = true;
     flags += " --host-optimizer";

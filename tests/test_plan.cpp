@@ -532,6 +532,26 @@ TEST(Plan, TheSearchChoosesTheFastestPredictedConfiguration) {
   const ConfigurationSearch unknown = search({});
   EXPECT_EQ(chosen(unknown).flags, "--residency stream") << "no rates: the leanest change that fits";
 
+  // Overlapped host updates are a candidate of their own, planned deferred into the next step; on
+  // this CPU device, whose lanes share its cores, they cost what the host optimizer's do, so the
+  // leaner of the two is chosen. A step that cannot defer them (accumulation) has no such candidate.
+  const auto overlapped = [](const ConfigurationSearch& s) {
+    return std::find_if(s.tried.begin(), s.tried.end(),
+                        [](const Configuration& c) { return c.flags == "--residency stream --overlap-host-updates"; });
+  };
+  const auto deferred = overlapped(slow_link);
+  ASSERT_NE(deferred, slow_link.tried.end());
+  ASSERT_TRUE(deferred->fits()) << deferred->error;
+  EXPECT_TRUE(deferred->options.residency.overlap_host_updates && deferred->options.residency.host_optimizer);
+  EXPECT_TRUE(deferred->plan->phases[0].host_updates_deferred);
+  EXPECT_TRUE(deferred->same_numerics);
+  EXPECT_DOUBLE_EQ(deferred->plan->predicted_step_ms, chosen(slow_link).plan->predicted_step_ms);
+  o.accumulate = 2;
+  const ConfigurationSearch accumulating = search({.link_gbps = 1e-3, .gemm_gflops = 1e3, .host_gbps = 1e3});
+  EXPECT_EQ(overlapped(accumulating), accumulating.tried.end());
+  for (const Configuration& c : accumulating.tried) EXPECT_EQ(c.flags.find("overlap"), std::string::npos) << c.flags;
+  o.accumulate = 1;
+
   // 8-bit state asked for: a device slow at requantizing sends the updates to the host, a fast one
   // keeps them; no candidate repeats the 8-bit state already asked for.
   o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
