@@ -46,8 +46,8 @@ struct MemoryPlanOptions {
   // Pinned staging tensors hold their bytes until this many staging tensors after them are in use,
   // so that this many staged copies and one more can be in flight at once: the host filling one
   // while the link empties another, where packed they would take turns (ResidencyOptions::
-  // transfer_slack; the budget search gives it up with the device copies' slack only where
-  // staging takes device memory).
+  // transfer_slack on a device with memory of its own; the budget search gives it up with the
+  // device copies' slack only where staging takes device memory).
   std::uint32_t staging_slack = 0;
 };
 

@@ -765,8 +765,10 @@ MemoryPlan plan_streamed(Graph& g, const ResidencyOptions& options, bool host_un
     count_transfers(s, r);
     MemoryPlanOptions with_slack = mopt;
     with_slack.transfer_slack = slack;
-    // Pinned staging in flight costs device bytes only where the driver backs it with them.
-    with_slack.staging_slack = mopt.staging_on_device ? slack : options.transfer_slack;
+    // Staged copies in flight overlap the link's only on a device with engines of its own: where the
+    // device's memory is the host's (a CPU device) its lanes share the cores, and the ring would only
+    // take memory. Where the driver backs pinned staging with device memory, it follows the search.
+    with_slack.staging_slack = host_unified ? 0 : mopt.staging_on_device ? slack : options.transfer_slack;
     MemoryPlan p = plan_memory(s, with_slack);
     r.cache_limit_bytes = cache;
     r.lookahead = lookahead;

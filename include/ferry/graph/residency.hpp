@@ -44,9 +44,9 @@ struct ResidencyOptions {
   // (MemoryPlanOptions::transfer_slack): a fetch then waits for no node just before it, nor a node
   // just after a write-back for the copy. Staged copies' pinned staging is kept apart from that of
   // the next this many (MemoryPlanOptions::staging_slack), so the host fills one while the link
-  // empties another. The budget search gives it up (halving it) before the lookahead, once no
-  // persistent copy is cached between uses (the staging's part only where staging takes device
-  // memory).
+  // empties another (on devices with memory of their own). The budget search gives it up (halving
+  // it) before the lookahead, once no persistent copy is cached between uses (the staging's part
+  // only where staging takes device memory).
   std::uint32_t transfer_slack = 4;
   // Stream mode: run optimizer updates on the host (TBB workers) instead of the device, after the
   // step's commit point, on the one host copy. Only the weights are fetched and only their
