@@ -82,6 +82,19 @@ TEST_P(ModelTest, MemoryPlanNeverOverlapsLiveTensors) {
   EXPECT_LT(plan.transient_bytes, plan.transient_unshared_bytes);
 }
 
+// Whether x's and y's planned bytes overlap (the same buffer, intersecting ranges).
+bool placements_overlap(const graph::Graph& g, TensorId x, TensorId y) {
+  const auto& px = g.tensors.placement[x];
+  const auto& py = g.tensors.placement[y];
+  return px.buffer == py.buffer && px.offset_bytes < py.offset_bytes + g.tensors.bytes(y) &&
+         py.offset_bytes < px.offset_bytes + g.tensors.bytes(x);
+}
+
+// The nodes of other lanes that node n waits for under `plan`'s placements.
+std::vector<graph::NodeId> cross_lane_waits(const graph::Graph& g, const graph::MemoryPlan& plan, graph::NodeId n) {
+  return graph::cross_lane_dependencies(g.nodes.lane, graph::node_byte_accesses(g, plan.pool))[n];
+}
+
 // A fetch's device copy and a write-back's source keep their bytes apart from the compute nodes
 // around the copy (MemoryPlanOptions::transfer_slack), so the copy waits for none of them and
 // none of them for the copy; without the slack the plan packs them into bytes just freed.
@@ -110,16 +123,8 @@ TEST(MemoryPlan, CopiesKeepTheirBytesApartFromTheComputeAroundThem) {
   node("write back d", {d}, {host_d}, graph::Lane::d2h);
   const graph::NodeId after = node("make f", {}, {f});
   node("f to h", {f}, {h});
-  const auto overlaps = [&](TensorId x, TensorId y) {
-    const auto& px = g.tensors.placement[x];
-    const auto& py = g.tensors.placement[y];
-    return px.buffer == py.buffer && px.offset_bytes < py.offset_bytes + g.tensors.bytes(y) &&
-           py.offset_bytes < px.offset_bytes + g.tensors.bytes(x);
-  };
-  const auto waits_for = [&](const graph::MemoryPlan& plan, graph::NodeId n) {
-    const auto waits = graph::cross_lane_dependencies(g.nodes.lane, graph::node_byte_accesses(g, plan.pool));
-    return waits[n];
-  };
+  const auto overlaps = [&](TensorId x, TensorId y) { return placements_overlap(g, x, y); };
+  const auto waits_for = [&](const graph::MemoryPlan& plan, graph::NodeId n) { return cross_lane_waits(g, plan, n); };
   graph::MemoryPlanOptions packed;
   const graph::MemoryPlan tight = graph::plan_memory(g, packed);
   EXPECT_TRUE(overlaps(w, a) || overlaps(w, b)) << "packed, the copy takes bytes the nodes before it freed";
@@ -161,15 +166,8 @@ TEST(MemoryPlan, StagedCopiesKeepTheirStagingApartFromTheNextOnes) {
     g.nodes.add(graph::builtin::scale, fmt::format("use w{}", i), std::vector{device}, std::vector{used}, {},
                 graph::Lane::compute);
   }
-  const auto overlaps = [&](TensorId x, TensorId y) {
-    const auto& px = g.tensors.placement[x];
-    const auto& py = g.tensors.placement[y];
-    return px.buffer == py.buffer && px.offset_bytes < py.offset_bytes + g.tensors.bytes(y) &&
-           py.offset_bytes < px.offset_bytes + g.tensors.bytes(x);
-  };
-  const auto waits_for = [&](const graph::MemoryPlan& plan, graph::NodeId n) {
-    return graph::cross_lane_dependencies(g.nodes.lane, graph::node_byte_accesses(g, plan.pool))[n];
-  };
+  const auto overlaps = [&](TensorId x, TensorId y) { return placements_overlap(g, x, y); };
+  const auto waits_for = [&](const graph::MemoryPlan& plan, graph::NodeId n) { return cross_lane_waits(g, plan, n); };
   const graph::MemoryPlan packed = graph::plan_memory(g, {});
   EXPECT_TRUE(overlaps(staging[1], staging[0])) << "packed, each staging tensor takes the bytes just freed";
   const auto waited = waits_for(packed, unpacks[1]);
