@@ -14,6 +14,7 @@
 #include "ferry/graph/residency.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/units.hpp"
+#include "runtime/distributed/data_parallel.hpp"
 
 namespace ferry {
 namespace {
@@ -47,8 +48,7 @@ constexpr Lean leans[] = {Lean::resident,
 // Overlapped host updates belong to a step with one training variant and no collectives
 // (validate_trainer_options refuses the others): no candidate where they could not run.
 bool overlap_allowed(const TrainerOptions& o) {
-  const auto& dp = o.data_parallel;
-  return o.accumulate == 1 && !o.phases.hybrid && !(dp.communicator && dp.communicator->size() > 1);
+  return o.accumulate == 1 && !o.phases.hybrid && !detail::data_parallel(o);
 }
 
 // The candidate `lean` (narrow: with bf16 layers) at `split` micro-batches, or nothing where it
