@@ -14,7 +14,7 @@
 #include "ferry/graph/residency.hpp"
 #include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/units.hpp"
-#include "runtime/distributed/data_parallel.hpp"
+#include "runtime/trainer_variants.hpp"
 
 namespace ferry {
 namespace {
@@ -45,12 +45,6 @@ constexpr Lean leans[] = {Lean::resident,
                           Lean::overlapped_host_updates,
                           Lean::eight_bit_host_optimizer};
 
-// Overlapped host updates belong to a step with one training variant and no collectives
-// (validate_trainer_options refuses the others): no candidate where they could not run.
-bool overlap_allowed(const TrainerOptions& o) {
-  return o.accumulate == 1 && !o.phases.hybrid && !detail::data_parallel(o);
-}
-
 // The candidate `lean` (narrow: with bf16 layers) at `split` micro-batches, or nothing where it
 // is not one (mapped on a discrete device, 8-bit state without Adam or asked for already, the host optimizer asked for
 // already, overlapped host updates where the step cannot run them).
@@ -68,7 +62,6 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
   Configuration c;
   TrainerOptions& o = c.options;
   o = base;
-  if (overlapped && (!overlap_allowed(o) || split > 1)) return std::nullopt;
   o.host_optimizer_auto = false;  // each lean says where the optimizer runs
   std::string flags;
   if (narrow) {
@@ -82,6 +75,8 @@ std::optional<Configuration> candidate(const TrainerOptions& base, std::uint32_t
   }
   o.batch = base.batch / split;
   o.accumulate = base.accumulate * split;
+  // Overlapped updates where the trainer would refuse them (accumulation included): no candidate.
+  if (overlapped && detail::overlapped_updates_conflict(o) != nullptr) return std::nullopt;
   if (split > 1) flags += fmt::format(" --batch {} --accumulate {}", o.batch, o.accumulate);
   switch (lean) {
     case Lean::resident:

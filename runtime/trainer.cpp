@@ -32,10 +32,7 @@ bool counts_hits(const graph::CompiledStep& step) {
 void validate_overlapped_updates(const TrainerOptions& options) {
   // (Without the host optimizer, or with two copies of the state, the residency pass refuses it.)
   if (!options.residency.overlap_host_updates) return;
-  const char* other = options.phases.hybrid            ? "hybrid phases (--phases hybrid)"
-                      : options.accumulate > 1         ? "gradient accumulation (--accumulate above 1)"
-                      : detail::data_parallel(options) ? "data-parallel training (more than one rank)"
-                                                       : nullptr;
+  const char* other = detail::overlapped_updates_conflict(options);
   if (other == nullptr) return;
   throw std::invalid_argument(
       fmt::format("host updates overlapped with the next step's forward (--overlap-host-updates; "
@@ -46,6 +43,13 @@ void validate_overlapped_updates(const TrainerOptions& options) {
 }  // namespace
 
 namespace detail {
+
+const char* overlapped_updates_conflict(const TrainerOptions& options) {
+  return options.phases.hybrid            ? "hybrid phases (--phases hybrid)"
+         : options.accumulate > 1         ? "gradient accumulation (--accumulate above 1)"
+         : detail::data_parallel(options) ? "data-parallel training (more than one rank)"
+                                          : nullptr;
+}
 
 void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
   if (!model.forward) throw std::invalid_argument("model has no forward function");

@@ -27,6 +27,10 @@ namespace ferry::detail {
 // Checks the options as the Trainer does (std::invalid_argument saying what to change) and sets
 // what follows from them: with hybrid phases, the optimizer's predictor.
 void validate_trainer_options(const ModelSpec& model, TrainerOptions& options);
+// What keeps host updates from being overlapped with the next step's forward in these options (a
+// second training variant: hybrid phases' fitting steps, accumulation's micro-batches; or
+// collectives), named as a user would change it, or nullptr where nothing does.
+const char* overlapped_updates_conflict(const TrainerOptions& options);
 // The training step's key; a training variant's (micro-batch, predictor fit); the Predict step's.
 graph::VariantKey training_key(const TrainerOptions& options);
 graph::VariantKey training_variant_key(const TrainerOptions& options, bool micro, bool fit);
