@@ -376,6 +376,11 @@ void add_transfer_slack(const Graph& g, std::uint32_t slack, Lifetimes& l) {
   }
 }
 
+// Pinned staging: a staged tensor outside device memory (the memory plan's staging pool).
+bool is_pinned_staging(const TensorTable& t, TensorId id) {
+  return t.role[id] == Role::staged && t.home[id] != Home::device;
+}
+
 // MemoryPlanOptions::staging_slack: a staging tensor (the bytes a staged
 // fetch's unpack fills, or a staged write-back's copy lands in) lives until the `slack`-th staging
 // tensor after it (in order of first use) is first touched. Packed by liveness alone, each staging
@@ -386,8 +391,7 @@ void add_staging_slack(const Graph& g, std::uint32_t slack, Lifetimes& l) {
   const auto& t = g.tensors;
   std::vector<TensorId> staging;
   for (TensorId id = 0; id < t.size(); ++id) {
-    if (t.alias_of[id] == no_tensor && t.role[id] == Role::staged && t.home[id] != Home::device &&
-        l.first[id] != unused) {
+    if (t.alias_of[id] == no_tensor && is_pinned_staging(t, id) && l.first[id] != unused) {
       staging.push_back(id);
     }
   }
@@ -537,9 +541,7 @@ MemoryPlan plan_memory(Graph& g, const MemoryPlanOptions& options) {
       if (options.plan_persistent) t.placement[id] = persistent[static_cast<int>(t.home[id])].place(bytes[id]);
       continue;
     }
-    PoolTensors& p = plan.pool[id] == Pool::transient ? transient
-                     : t.role[id] == Role::staged     ? staging
-                                                      : host_transient;
+    PoolTensors& p = plan.pool[id] == Pool::transient ? transient : is_pinned_staging(t, id) ? staging : host_transient;
     p.ids.push_back(id);
     p.first.push_back(first[id]);
     p.last.push_back(last[id]);
