@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include "cl/env_switch.hpp"
+#include "cl/huge_pages.hpp"
 #include "ferry/cl/error.hpp"
 
 namespace ferry::cl {
@@ -20,6 +22,8 @@ const char* queue_name(QueueKind q) {
 }
 
 Context::Context(const DeviceInfo& device, ContextOptions options) : device_(device), options_(options) {
+  if (auto on = env_switch("FERRY_HUGE_PAGES", "a CPU device's buffers in 2 MiB pages")) options_.huge_pages = *on;
+  huge_page_buffers_ = options_.huge_pages && device_.is_cpu() && huge_pages_advisable();
   cl_int status = CL_SUCCESS;
   cl_context_properties props[] = {CL_CONTEXT_PLATFORM, reinterpret_cast<cl_context_properties>(device.platform), 0};
   context_ = ContextHandle(clCreateContext(props, 1, &device_.id, nullptr, nullptr, &status));
@@ -43,11 +47,35 @@ Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flag
   // inject_allocation_failure(): count down to the allocation that fails.
   if (int n = fail_allocation_in_.load(); n >= 0 && fail_allocation_in_.compare_exchange_strong(n, n - 1) && n == 0) {
     status = CL_MEM_OBJECT_ALLOCATION_FAILURE;
+  } else if (huge_page_buffers_ && flags == CL_MEM_READ_WRITE && host == nullptr && bytes >= kHugePageBytes) {
+    mem = create_in_huge_pages(bytes, what);
   } else {
     mem = Mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, host, &status));
   }
   if (status != CL_SUCCESS) {
     throw Error(fmt::format("clCreateBuffer({} bytes for '{}')", bytes, what), status, std::string(OpScope::current()));
+  }
+  return mem;
+}
+
+Mem Context::create_in_huge_pages(std::size_t bytes, std::string_view what) const {
+  void* block = map_huge_page_block(bytes);
+  if (block == nullptr) {
+    throw std::runtime_error(
+        fmt::format("could not map {} bytes of host memory for buffer '{}' of {}: is there "
+                    "enough free memory (and is ulimit -v high enough)?",
+                    bytes, what, device_.name));
+  }
+  cl_int status = CL_SUCCESS;
+  Mem mem(clCreateBuffer(context_.get(), CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, block, &status));
+  if (status == CL_SUCCESS) status = unmap_with_buffer(mem.get(), block, bytes);
+  if (status != CL_SUCCESS) {
+    mem = Mem();  // the driver lets go of the block before it is unmapped
+    unmap_huge_page_block(block, bytes);
+    throw Error(fmt::format("clCreateBuffer({} bytes in huge pages for '{}'; FERRY_HUGE_PAGES=off leaves the "
+                            "driver's own allocation)",
+                            bytes, what),
+                status, std::string(OpScope::current()));
   }
   return mem;
 }

@@ -1,13 +1,14 @@
 // cl/ contracts: device selection (names, aliases, the default choice, the error when the ICD
 // loader finds nothing), OpenCL errors that name the call, the error and the op,
 // the on-disk program cache (hits, disabling, corrupt entries), build failures with their log, and
-// the object handles' reference counts.
+// the object handles' reference counts, and a CPU device's large buffers in huge pages.
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "ferry/cl/context.hpp"
 #include "ferry/cl/device.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/cl/program.hpp"
@@ -263,6 +265,86 @@ TEST(Errors, NameTheCallTheErrorAndTheOp) {
     EXPECT_NE(std::string(e.what()).find("the huge one"), std::string::npos) << e.what();
   }
   EXPECT_STREQ(cl::error_name(CL_OUT_OF_RESOURCES), "CL_OUT_OF_RESOURCES");
+}
+
+// The mapping of this process that holds `p`, as /proc/self/smaps lists it: its header line and
+// fields ("THPeligible:  1", "VmFlags: rd wr ...", ...); empty where no mapping holds `p`.
+std::string smaps_entry_holding(const void* p) {
+  std::ifstream in("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  std::string line, entry;
+  bool holding = false;
+  while (std::getline(in, line)) {
+    std::uintptr_t lo = 0, hi = 0;
+    // A header starts "lo-hi perms ...": hex digits then a dash; field lines start "Name:".
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < line.find(' ')) {
+      if (holding) return entry;
+      holding = lo <= at && at < hi;
+      entry.clear();
+    }
+    if (holding) entry += line + "\n";
+  }
+  return holding ? entry : std::string();
+}
+
+bool thp_enabled_is_never() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  return !std::getline(in, line) || line.find("[never]") != std::string::npos;
+}
+
+template <class T>
+T mem_info(cl_mem m, cl_mem_info what) {
+  T v{};
+  EXPECT_EQ(clGetMemObjectInfo(m, what, sizeof v, &v, nullptr), CL_SUCCESS);
+  return v;
+}
+
+TEST(Buffers, LargeOnesOfACpuDeviceLiveInHugePagesTheyOwn) {
+  auto& dev = TestDevice::get();
+  if (!dev.context.device().is_cpu()) GTEST_SKIP() << "huge-page buffers are a CPU device's";
+  if (thp_enabled_is_never()) {
+    EXPECT_FALSE(dev.context.huge_page_buffers());
+    GTEST_SKIP() << "this kernel's transparent huge pages are off";
+  }
+  ASSERT_TRUE(dev.context.huge_page_buffers()) << "FERRY_HUGE_PAGES=off in the environment?";
+  const std::size_t bytes = (std::size_t{5} << 20) + 100;  // a tail that is no whole page
+  const void* block = nullptr;
+  {
+    cl::Mem big = dev.context.create_buffer(bytes, "a large buffer");
+    ASSERT_TRUE(mem_info<cl_mem_flags>(big.get(), CL_MEM_FLAGS) & CL_MEM_USE_HOST_PTR);
+    block = mem_info<void*>(big.get(), CL_MEM_HOST_PTR);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(block) % (std::size_t{2} << 20), 0u);
+    // Advised (VmFlags "hg") and eligible as the kernel reads it.
+    const std::string entry = smaps_entry_holding(block);
+    const std::size_t flags = entry.find("VmFlags:");
+    ASSERT_NE(flags, std::string::npos) << entry;
+    EXPECT_NE(entry.find(" hg", flags), std::string::npos) << entry;
+    const std::size_t eligible = entry.find("THPeligible:");
+    ASSERT_NE(eligible, std::string::npos) << entry;
+    EXPECT_EQ(std::atoi(entry.c_str() + eligible + 12), 1) << entry;
+    // The buffer works as any other, to its last byte.
+    std::vector<unsigned char> in(bytes), out(bytes);
+    for (std::size_t i = 0; i < bytes; ++i) in[i] = static_cast<unsigned char>(i * 7 + 3);
+    dev.context.write(big.get(), 0, in.data(), bytes);
+    dev.context.read(big.get(), 0, out.data(), bytes);
+    EXPECT_EQ(in, out);
+    // A small one keeps the driver's own memory.
+    cl::Mem small = dev.context.create_buffer(std::size_t{1} << 20, "a small buffer");
+    EXPECT_FALSE(mem_info<cl_mem_flags>(small.get(), CL_MEM_FLAGS) & CL_MEM_USE_HOST_PTR);
+  }
+  // Released with its buffer: the mapping is gone (the driver may release a moment later).
+  std::string entry = smaps_entry_holding(block);
+  for (int i = 0; i < 100 && !entry.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    entry = smaps_entry_holding(block);
+  }
+  EXPECT_EQ(entry, "") << "the huge-page block outlived its buffer";
+  // Turned off, large buffers are the driver's too.
+  cl::Context plain(dev.context.device(), cl::ContextOptions{.huge_pages = false});
+  EXPECT_FALSE(plain.huge_page_buffers());
+  cl::Mem big = plain.create_buffer(bytes, "a large buffer");
+  EXPECT_FALSE(mem_info<cl_mem_flags>(big.get(), CL_MEM_FLAGS) & CL_MEM_USE_HOST_PTR);
 }
 
 TEST(ProgramCache, SecondLibraryLoadsBinariesFromDisk) {

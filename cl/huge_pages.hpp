@@ -1,0 +1,34 @@
+// Memory for a CPU device's buffers, advised into 2 MiB pages. Private to the cl layer.
+//
+// On a CPU device a buffer's memory is the host's, and PoCL allocates it in 4 KiB pages unless
+// the kernel's transparent huge pages are `always` (installed default: `madvise`). A product of
+// 2048-square operands then walks 48 MiB through a TLB that reaches a few MiB: in 2 MiB pages
+// ferry's products ran about 3% faster on an AVX2 instance (bench/RESULTS.md). So ferry maps
+// such buffers itself, 2 MiB-aligned and advised MADV_HUGEPAGE, and hands them to the driver
+// with CL_MEM_USE_HOST_PTR, which a CPU driver uses in place.
+#pragma once
+
+#include <CL/cl.h>
+
+#include <cstddef>
+
+namespace ferry::cl {
+
+// Buffers smaller than this keep the driver's own memory: no whole huge page fits them.
+inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
+
+// `bytes` of zeroed, 2 MiB-aligned anonymous memory advised into huge pages (the advice is a
+// hint; where the kernel declines it the memory is still good). nullptr where mmap fails.
+void* map_huge_page_block(std::size_t bytes) noexcept;
+void unmap_huge_page_block(void* p, std::size_t bytes) noexcept;
+
+// Whether the kernel gives advised memory huge pages (transparent_hugepage/enabled is `always`
+// or `madvise`); false where it says `never` or the file is missing.
+bool huge_pages_advisable();
+
+// Gives the block back when the driver releases `mem` (clSetMemObjectDestructorCallback), so the
+// buffer owns its memory as a driver-allocated one does. Returns the driver's error where the
+// callback cannot be set: the caller then releases `mem` and unmaps the block itself.
+cl_int unmap_with_buffer(cl_mem mem, void* p, std::size_t bytes) noexcept;
+
+}  // namespace ferry::cl
