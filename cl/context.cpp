@@ -22,7 +22,8 @@ const char* queue_name(QueueKind q) {
 }
 
 Context::Context(const DeviceInfo& device, ContextOptions options) : device_(device), options_(options) {
-  if (auto on = env_switch("FERRY_HUGE_PAGES", "a CPU device's buffers in 2 MiB pages")) options_.huge_pages = *on;
+  if (auto on = env_switch("FERRY_HUGE_PAGES", "0 leaves a CPU device's buffers in the driver's own pages"))
+    options_.huge_pages = *on;
   huge_page_buffers_ = options_.huge_pages && device_.is_cpu() && huge_pages_advisable();
   cl_int status = CL_SUCCESS;
   cl_context_properties props[] = {CL_CONTEXT_PLATFORM, reinterpret_cast<cl_context_properties>(device.platform), 0};
