@@ -1,9 +1,11 @@
-// Memory for a CPU device's buffers, advised into 2 MiB pages. Private to the cl layer.
+// Memory advised into 2 MiB pages: a CPU device's buffers, and ferry's pageable host blocks
+// (offload/host_memory.cpp). Private to the library (the cl layer and those above it).
 //
 // On a CPU device a buffer's memory is the host's, and PoCL allocates it in 4 KiB pages unless
 // the kernel's transparent huge pages are `always` (installed default: `madvise`). A product of
-// 2048-square operands then walks 48 MiB through a TLB that reaches a few MiB: in 2 MiB pages
-// ferry's products ran about 3% faster on an AVX2 instance (bench/RESULTS.md). So ferry maps
+// 2048-square operands then walks 48 MiB through a TLB that reaches a few MiB: with huge pages
+// for all memory ferry's products ran about 3% faster on an AVX2 EPYC, and with these blocks the
+// 2048 square 2% on an AVX-512 one (bench/RESULTS.md, seventy-second session). So ferry maps
 // such buffers itself, 2 MiB-aligned and advised MADV_HUGEPAGE, and hands them to the driver
 // with CL_MEM_USE_HOST_PTR, which a CPU driver uses in place.
 #pragma once

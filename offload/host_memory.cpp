@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cl/huge_pages.hpp"
 #include "ferry/cl/error.hpp"
 
 namespace ferry::offload {
@@ -147,16 +148,18 @@ void detail::Unmap::operator()(void* p) const noexcept {
 
 HostBuffer HostBuffer::pageable(std::size_t bytes, std::string_view what) {
   const std::size_t length = std::max<std::size_t>(bytes, 1);
-  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
+  // Large blocks 2 MiB-aligned and advised into 2 MiB pages where the kernel allows (advice only):
+  // fewer faults when first written, fewer TLB misses for the driver's staging copies and the host
+  // lane's updates.
+  void* p = length >= cl::kHugePageBytes
+                ? cl::map_huge_page_block(length)
+                : mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED || p == nullptr) {
     throw std::runtime_error(
         fmt::format("could not allocate {} bytes of host memory for {}: {} (is there enough free "
                     "host memory, and is the address-space limit, ulimit -v, high enough?)",
                     bytes, what, std::strerror(errno)));
   }
-  // Large blocks in 2 MiB pages where the kernel allows: fewer faults when first written, fewer
-  // TLB misses for the driver's staging copies. Advice only; its failure changes nothing.
-  if (length >= (2u << 20)) madvise(p, length, MADV_HUGEPAGE);
   HostBuffer b;
   b.pages_ = std::unique_ptr<void, detail::Unmap>(p, detail::Unmap{bytes});
   return b;

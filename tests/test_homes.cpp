@@ -221,6 +221,8 @@ TEST(HostMemory, RegisteredBlocksAreTheProcesssPagesWithABuffer) {
   ASSERT_EQ(block.bytes(), bytes);
   auto* host = static_cast<float*>(block.data());
   EXPECT_EQ(host[0] + host[bytes / 4 - 1], 0.0f);
+  // 2 MiB-aligned, as every pageable block of 2 MiB and more (advised into huge pages).
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(block.data()) % (std::size_t{2} << 20), 0u);
   for (std::size_t i = 0; i < bytes / 4; ++i) host[i] = static_cast<float>(i % 1000) - 3.5f;
   cl::Mem device = dev.context.create_buffer(bytes, "a device copy");
   dev.context.write(device.get(), 0, block.data(), bytes);
