@@ -48,7 +48,9 @@ Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flag
   // inject_allocation_failure(): count down to the allocation that fails.
   if (int n = fail_allocation_in_.load(); n >= 0 && fail_allocation_in_.compare_exchange_strong(n, n - 1) && n == 0) {
     status = CL_MEM_OBJECT_ALLOCATION_FAILURE;
-  } else if (huge_page_buffers_ && flags == CL_MEM_READ_WRITE && host == nullptr && bytes >= kHugePageBytes) {
+  } else if (huge_page_buffers_ && host == nullptr && bytes >= kHugePageBytes &&
+             // pinned memory (CL_MEM_ALLOC_HOST_PTR) is the host's on a CPU device as every buffer is
+             (flags == CL_MEM_READ_WRITE || flags == (CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR))) {
     mem = create_in_huge_pages(bytes, what);
   } else {
     mem = Mem(clCreateBuffer(context_.get(), flags, bytes == 0 ? 4 : bytes, host, &status));
