@@ -1,4 +1,4 @@
-// Memory advised into 2 MiB pages: a CPU device's buffers, and ferry's pageable host blocks
+// Memory advised into 2 MiB pages: a CPU device's buffers (pinned ones too), and ferry's pageable host blocks
 // (offload/host_memory.cpp). Private to the library (the cl layer and those above it).
 //
 // On a CPU device a buffer's memory is the host's, and PoCL allocates it in 4 KiB pages unless

@@ -18,8 +18,9 @@ const char* queue_name(QueueKind q);
 
 struct ContextOptions {
   bool profiling = false;  // CL_QUEUE_PROFILING_ENABLE on all queues (needed for traces)
-  // On a CPU device, buffers of 2 MiB and more in memory ferry maps 2 MiB-aligned and advises into
-  // huge pages (handed to the driver with CL_MEM_USE_HOST_PTR): fewer TLB misses in the products.
+  // On a CPU device, buffers of 2 MiB and more (pinned ones too) in memory ferry maps 2 MiB-aligned
+  // and advises into huge pages (handed to the driver with CL_MEM_USE_HOST_PTR): fewer TLB misses
+  // in the products.
   // Where the kernel's transparent huge pages are `never` nothing changes. FERRY_HUGE_PAGES=off
   // (or on) overrides it.
   bool huge_pages = true;
