@@ -62,7 +62,7 @@ Mem Context::create_buffer(std::size_t bytes, std::string_view what, cl_mem_flag
 }
 
 Mem Context::create_in_huge_pages(std::size_t bytes, std::string_view what) const {
-  void* block = map_huge_page_block(bytes);
+  void* block = map_anonymous_pages(bytes);
   if (block == nullptr) {
     throw std::runtime_error(
         fmt::format("could not map {} bytes of host memory for buffer '{}' of {}: is there "
@@ -74,7 +74,7 @@ Mem Context::create_in_huge_pages(std::size_t bytes, std::string_view what) cons
   if (status == CL_SUCCESS) status = unmap_with_buffer(mem.get(), block, bytes);
   if (status != CL_SUCCESS) {
     mem = Mem();  // the driver lets go of the block before it is unmapped
-    unmap_huge_page_block(block, bytes);
+    unmap_anonymous_pages(block, bytes);
     throw Error(fmt::format("clCreateBuffer({} bytes in huge pages for '{}'; FERRY_HUGE_PAGES=off leaves the "
                             "driver's own allocation)",
                             bytes, what),

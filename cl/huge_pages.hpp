@@ -19,10 +19,11 @@ namespace ferry::cl {
 // Buffers smaller than this keep the driver's own memory: no whole huge page fits them.
 inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 
-// `bytes` of zeroed, 2 MiB-aligned anonymous memory advised into huge pages (the advice is a
-// hint; where the kernel declines it the memory is still good). nullptr where mmap fails.
-void* map_huge_page_block(std::size_t bytes) noexcept;
-void unmap_huge_page_block(void* p, std::size_t bytes) noexcept;
+// `bytes` (more than 0) of zeroed anonymous memory; from kHugePageBytes on 2 MiB-aligned and
+// advised into huge pages (a hint: where the kernel declines it the memory is still good).
+// nullptr where mmap fails (errno says why).
+void* map_anonymous_pages(std::size_t bytes) noexcept;
+void unmap_anonymous_pages(void* p, std::size_t bytes) noexcept;
 
 // Whether the kernel gives advised memory huge pages (transparent_hugepage/enabled is `always`
 // or `madvise`); false where it says `never` or the file is missing.

@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 #include <hwloc.h>
 #include <hwloc/opencl.h>
-#include <sys/mman.h>
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -143,7 +142,7 @@ void copy_in_parallel(void* dst, const void* src, std::size_t bytes) {
 }
 
 void detail::Unmap::operator()(void* p) const noexcept {
-  if (p) munmap(p, std::max<std::size_t>(bytes, 1));
+  cl::unmap_anonymous_pages(p, std::max<std::size_t>(bytes, 1));
 }
 
 HostBuffer HostBuffer::pageable(std::size_t bytes, std::string_view what) {
@@ -151,10 +150,8 @@ HostBuffer HostBuffer::pageable(std::size_t bytes, std::string_view what) {
   // Large blocks 2 MiB-aligned and advised into 2 MiB pages where the kernel allows (advice only):
   // fewer faults when first written, fewer TLB misses for the driver's staging copies and the host
   // lane's updates.
-  void* p = length >= cl::kHugePageBytes
-                ? cl::map_huge_page_block(length)
-                : mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED || p == nullptr) {
+  void* p = cl::map_anonymous_pages(length);
+  if (p == nullptr) {
     throw std::runtime_error(
         fmt::format("could not allocate {} bytes of host memory for {}: {} (is there enough free "
                     "host memory, and is the address-space limit, ulimit -v, high enough?)",
