@@ -93,11 +93,11 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
                   "device_peak_bytes": train.get("device_peak_bytes"),
                   "driver_memory_used_mib_max": smi,
                   "predicted_step_ms": plan.get("predicted_step_ms"),
-                  "predicted_terms_ms": {k: plan.get(k) for k in ("compute_ms", "forward_ms", "transfer_ms",
+                  "predicted_terms_ms": {k: plan.get(k) for k in ("compute_ms", "forward_ms", "transfer_ms", "to_device_ms", "to_host_ms",
                                                                   "host_update_ms", "codec_ms", "scheduled_step_ms",
                                                                   "scheduled_compute_idle_ms")},
                   "scheduled_longest_wait_before": plan.get("scheduled_longest_wait_before"),
-                  "plan_rates": {k: plan.get(k) for k in ("link_gbps", "gemm_gflops", "device_gbps", "device_8bit_gbps", "launch_us", "host_gbps", "host_8bit_gbps", "codec_gbps")},
+                  "plan_rates": {k: plan.get(k) for k in ("link_gbps", "link_d2h_gbps", "link_both_gbps", "gemm_gflops", "device_gbps", "device_8bit_gbps", "launch_us", "host_gbps", "host_8bit_gbps", "codec_gbps")},
                   "recommended": rec.get("flags"),
                   "recommended_predicted_step_ms": rec.get("predicted_step_ms")}))
 EOF

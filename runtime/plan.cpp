@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <span>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -154,6 +156,23 @@ void count_collective(const graph::Graph& g, graph::NodeId n, int ranks, PhasePl
 
 }  // namespace
 
+double link_ms(const PlanRates& rates, std::uint64_t to_device, std::uint64_t to_host) {
+  if (!(rates.link_gbps > 0)) return 0.0;
+  // Bytes per ms each way alone, and while both run (each its share of the link, by its own rate).
+  const double up = rates.link_gbps * 1e6,
+               down = (rates.link_d2h_gbps > 0 ? rates.link_d2h_gbps : rates.link_gbps) * 1e6;
+  const double up_ms = static_cast<double>(to_device) / up, down_ms = static_cast<double>(to_host) / down;
+  if (!(rates.link_both_gbps > 0) || up_ms == 0 || down_ms == 0) return up_ms + down_ms;
+  const double both = rates.link_both_gbps * 1e6;
+  const double up_shared = both * up / (up + down), down_shared = both * down / (up + down);
+  // Together until the shorter is through; the longer's rest alone.
+  const double together_ms =
+      std::min(static_cast<double>(to_device) / up_shared, static_cast<double>(to_host) / down_shared);
+  const double up_left = std::max(0.0, static_cast<double>(to_device) - together_ms * up_shared);
+  const double down_left = std::max(0.0, static_cast<double>(to_host) - together_ms * down_shared);
+  return together_ms + up_left / up + down_left / down;
+}
+
 double predict_step_ms(const PhasePlan& p, bool shares_host_cores) {
   if (shares_host_cores)
     return p.compute_ms + p.transfer_ms + p.host_update_ms + p.codec_ms + p.launch_ms + p.network_ms;
@@ -200,6 +219,37 @@ std::uint64_t new_host_pool_bytes(const graph::Graph& g, const graph::MemoryPlan
   return graph::host_pool_bytes_added(m, arena, graph::host_pool_memory(g, m, homes.host_memory, device));
 }
 
+// The bytes a step moves each way over the link, all and the tail's (count_step).
+struct LinkBytes {
+  std::uint64_t to_device = 0, to_host = 0, tail_to_device = 0, tail_to_host = 0;
+};
+
+// The times of a counted step's work at `rates` (PhasePlan's *_ms but the schedule's).
+void time_step(const PlanRates& rates, const LinkBytes& link, PhasePlan& p) {
+  const auto ms = [](double amount, double per_ms) { return per_ms > 0 ? amount / per_ms : 0.0; };
+  // Updates bound by quantization at their own rate, else (not known) at the memory rate.
+  const double device_8bit_gbps = rates.device_8bit_gbps > 0 ? rates.device_8bit_gbps : rates.device_gbps;
+  const double host_8bit_gbps = rates.host_8bit_gbps > 0 ? rates.host_8bit_gbps : rates.host_gbps;
+  const auto device_ms = [&](std::uint64_t gemm_flops, std::uint64_t memory_bytes, std::uint64_t memory_8bit_bytes) {
+    return ms(static_cast<double>(gemm_flops), rates.gemm_gflops * 1e6) +
+           ms(static_cast<double>(memory_bytes - memory_8bit_bytes), rates.device_gbps * 1e6) +
+           ms(static_cast<double>(memory_8bit_bytes), device_8bit_gbps * 1e6);
+  };
+  p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes, p.memory_8bit_bytes);
+  p.to_device_ms = link_ms(rates, link.to_device, 0);
+  p.to_host_ms = link_ms(rates, 0, link.to_host);
+  p.transfer_ms = link_ms(rates, link.to_device, link.to_host);
+  p.host_update_ms = ms(static_cast<double>(p.host_update_bytes - p.host_update_8bit_bytes), rates.host_gbps * 1e6) +
+                     ms(static_cast<double>(p.host_update_8bit_bytes), host_8bit_gbps * 1e6);
+  p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
+  p.network_ms = ms(static_cast<double>(p.network_bytes), rates.network_gbps * 1e6);
+  p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
+  p.tail_compute_ms =
+      device_ms(p.tail_gemm_flops, p.tail_memory_bytes + p.tail_memory_8bit_bytes, p.tail_memory_8bit_bytes);
+  p.tail_transfer_ms = link_ms(rates, link.tail_to_device, link.tail_to_host);
+  p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
+}
+
 // The per-step figures of one planned variant (everything but the device breakdown). On a CPU
 // device (`shares_host_cores`) kernels, copies (memcpys), host updates and the codec all run on
 // the same cores, so their times add up instead of overlapping.
@@ -219,10 +269,18 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
   p.pinned_staging_bytes = planned.memory.host_staging_bytes;
   p.fetch_bytes = planned.residency.fetch_bytes;
   p.write_back_bytes = planned.residency.write_back_bytes;
+  // Each direction's bytes over the link (the copy lanes'), and those of the tail's.
+  LinkBytes link{.to_device = p.fetch_bytes, .to_host = p.write_back_bytes};
+  const auto direction = [&](graph::NodeId n) -> std::uint64_t& {
+    return g.nodes.lane[n] == ops::Lane::d2h ? link.to_host : link.to_device;
+  };
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
     const ops::OpInfo& row = ops::op_info(g.nodes.op[n]);
     if (row.op_class == ops::OpClass::batch_transfer) {
-      for (TensorId x : g.nodes.outputs(n)) p.batch_bytes += g.tensors.bytes(x);
+      for (TensorId x : g.nodes.outputs(n)) {
+        p.batch_bytes += g.tensors.bytes(x);
+        direction(n) += g.tensors.bytes(x);
+      }
       continue;
     }
     if (g.nodes.op[n] == graph::builtin::unpack || g.nodes.op[n] == graph::builtin::pack) {
@@ -256,12 +314,17 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       continue;
     }
     if (row.op_class == ops::OpClass::communication) {
+      const std::uint64_t link_before = p.collective_link_bytes;
       count_collective(g, n, ranks, p);
+      direction(n) += p.collective_link_bytes - link_before;
       continue;
     }
     const bool in_tail = n >= tail_start;
-    if (in_tail && (g.nodes.op[n] == graph::builtin::fetch || g.nodes.op[n] == graph::builtin::write_back))
-      p.tail_transfer_bytes += g.tensors.bytes(g.nodes.inputs(n)[0]);
+    if (in_tail && (g.nodes.op[n] == graph::builtin::fetch || g.nodes.op[n] == graph::builtin::write_back)) {
+      const std::uint64_t bytes = g.tensors.bytes(g.nodes.inputs(n)[0]);
+      p.tail_transfer_bytes += bytes;
+      (g.nodes.op[n] == graph::builtin::fetch ? link.tail_to_device : link.tail_to_host) += bytes;
+    }
     if (row.op_class == ops::OpClass::state_transfer || graph::is_host_lane(g.nodes.lane[n])) continue;
     // GEMM-like nodes at the GEMM rate; every other node is bound by the bytes it reads and writes.
     ++p.launches;
@@ -286,27 +349,7 @@ void count_step(const graph::Graph& g, const graph::StepPlan& planned, const Pla
       if (in_tail) (quantization ? p.tail_memory_8bit_bytes : p.tail_memory_bytes) += bytes;
     }
   }
-  const auto ms = [](double amount, double per_ms) { return per_ms > 0 ? amount / per_ms : 0.0; };
-  // Updates bound by quantization at their own rate, else (not known) at the memory rate.
-  const double device_8bit_gbps = rates.device_8bit_gbps > 0 ? rates.device_8bit_gbps : rates.device_gbps;
-  const double host_8bit_gbps = rates.host_8bit_gbps > 0 ? rates.host_8bit_gbps : rates.host_gbps;
-  const auto device_ms = [&](std::uint64_t gemm_flops, std::uint64_t memory_bytes, std::uint64_t memory_8bit_bytes) {
-    return ms(static_cast<double>(gemm_flops), rates.gemm_gflops * 1e6) +
-           ms(static_cast<double>(memory_bytes - memory_8bit_bytes), rates.device_gbps * 1e6) +
-           ms(static_cast<double>(memory_8bit_bytes), device_8bit_gbps * 1e6);
-  };
-  p.compute_ms = device_ms(p.gemm_flops, p.memory_bytes, p.memory_8bit_bytes);
-  p.transfer_ms = ms(static_cast<double>(p.fetch_bytes + p.write_back_bytes + p.batch_bytes + p.collective_link_bytes),
-                     rates.link_gbps * 1e6);
-  p.host_update_ms = ms(static_cast<double>(p.host_update_bytes - p.host_update_8bit_bytes), rates.host_gbps * 1e6) +
-                     ms(static_cast<double>(p.host_update_8bit_bytes), host_8bit_gbps * 1e6);
-  p.codec_ms = ms(static_cast<double>(p.codec_bytes), rates.codec_gbps * 1e6);
-  p.network_ms = ms(static_cast<double>(p.network_bytes), rates.network_gbps * 1e6);
-  p.forward_ms = device_ms(p.forward_gemm_flops, p.forward_memory_bytes, 0);
-  p.tail_compute_ms =
-      device_ms(p.tail_gemm_flops, p.tail_memory_bytes + p.tail_memory_8bit_bytes, p.tail_memory_8bit_bytes);
-  p.tail_transfer_ms = ms(static_cast<double>(p.tail_transfer_bytes), rates.link_gbps * 1e6);
-  p.launch_ms = static_cast<double>(p.launches) * rates.launch_us * 1e-3;
+  time_step(rates, link, p);
   detail::schedule_step(g, planned.memory, rates, pinned_copies, p);
   p.predicted_step_ms = predict_step_ms(p, shares_host_cores);
 }
@@ -516,10 +559,11 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
   // A rate is a speed (0: left out of the prediction): a negative or non-finite one would make the
   // prediction so too.
   const std::pair<const char*, double> given_rates[] = {
-      {"link_gbps", rates.link_gbps},      {"gemm_gflops", rates.gemm_gflops},
-      {"device_gbps", rates.device_gbps},  {"device_8bit_gbps", rates.device_8bit_gbps},
-      {"host_gbps", rates.host_gbps},      {"host_8bit_gbps", rates.host_8bit_gbps},
-      {"codec_gbps", rates.codec_gbps},    {"launch_us", rates.launch_us},
+      {"link_gbps", rates.link_gbps},           {"link_d2h_gbps", rates.link_d2h_gbps},
+      {"link_both_gbps", rates.link_both_gbps}, {"gemm_gflops", rates.gemm_gflops},
+      {"device_gbps", rates.device_gbps},       {"device_8bit_gbps", rates.device_8bit_gbps},
+      {"host_gbps", rates.host_gbps},           {"host_8bit_gbps", rates.host_8bit_gbps},
+      {"codec_gbps", rates.codec_gbps},         {"launch_us", rates.launch_us},
       {"network_gbps", rates.network_gbps}};
   for (const auto& [name, value] : given_rates) {
     if (!(value >= 0) || !std::isfinite(value)) {
@@ -569,20 +613,49 @@ class SpreadValues {
 
 }  // namespace
 
-double measure_link_gbps(Runtime& runtime, offload::HostMemory memory) {
+LinkRates measure_link(Runtime& runtime, offload::HostMemory memory) {
   constexpr std::size_t bytes = 64ull << 20;
   const cl::Context& ctx = runtime.context();
-  const offload::HostBuffer host = offload::allocate_host(
-      ctx, bytes, offload::link_source_memory(offload::resolve_host_memory(memory, ctx.device())),
-      "the link measurement's host buffer");
-  std::memset(host.data(), 1, bytes);
-  const cl::Mem device = ctx.create_buffer(bytes, "the link measurement's device buffer");
-  const cl_command_queue queue = ctx.queue(cl::QueueKind::h2d);
-  return rate(static_cast<double>(bytes), best_seconds([&] {
-                cl::check(
-                    clEnqueueWriteBuffer(queue, device.get(), CL_TRUE, 0, bytes, host.data(), 0, nullptr, nullptr),
-                    "clEnqueueWriteBuffer (link measurement)");
-              }));
+  const offload::HostMemory source = offload::link_source_memory(offload::resolve_host_memory(memory, ctx.device()));
+  const offload::HostBuffer up_host = offload::allocate_host(ctx, bytes, source, "the link measurement's host buffer");
+  const offload::HostBuffer down_host =
+      offload::allocate_host(ctx, bytes, source, "the link measurement's second host buffer");
+  std::memset(up_host.data(), 1, bytes);
+  std::memset(down_host.data(), 2, bytes);
+  const cl::Mem up_device = ctx.create_buffer(bytes, "the link measurement's device buffer");
+  const cl::Mem down_device = ctx.create_buffer(bytes, "the link measurement's second device buffer");
+  ctx.write(down_device.get(), 0, down_host.data(), bytes);
+  const auto to_device = [&] {
+    cl::check(clEnqueueWriteBuffer(ctx.queue(cl::QueueKind::h2d), up_device.get(), CL_TRUE, 0, bytes, up_host.data(), 0,
+                                   nullptr, nullptr),
+              "clEnqueueWriteBuffer (link measurement)");
+  };
+  const auto to_host = [&] {
+    cl::check(clEnqueueReadBuffer(ctx.queue(cl::QueueKind::d2h), down_device.get(), CL_TRUE, 0, bytes, down_host.data(),
+                                  0, nullptr, nullptr),
+              "clEnqueueReadBuffer (link measurement)");
+  };
+  LinkRates r;
+  r.h2d_gbps = rate(static_cast<double>(bytes), best_seconds(to_device));
+  r.d2h_gbps = rate(static_cast<double>(bytes), best_seconds(to_host));
+  // Both at once, each from a thread of its own (a blocking copy of pageable memory may hold its
+  // thread while the driver stages it); an error on the second thread is rethrown here.
+  const double both_seconds = best_seconds([&] {
+    std::exception_ptr failed;
+    std::thread down([&] {
+      try {
+        to_host();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    to_device();
+    down.join();
+    if (failed) std::rethrow_exception(failed);
+  });
+  // Never above the two alone: more would be the clock's noise.
+  r.both_gbps = std::min(rate(2.0 * static_cast<double>(bytes), both_seconds), r.h2d_gbps + r.d2h_gbps);
+  return r;
 }
 
 double measure_gemm_gflops(Runtime& runtime) {

@@ -26,10 +26,10 @@ std::uint64_t bytes_of(const graph::Graph& g, std::span<const graph::TensorId> x
 }
 
 // Node n's duration at `rates`, as count_step counts the work (0 where its rate is unknown): copies
-// over the link at its rate; the codec's unpacks and packs at its rate, a staging copy of pageable
-// memory as a read and a write at the host's memory rate; host-lane work (updates, sums) at that
-// rate too; the device's GEMM-like nodes at the GEMM rate, the others by the bytes they read and
-// write; collectives left to the network's bound (count_step).
+// over the link at their direction's rate; the codec's unpacks and packs at its rate, a staging
+// copy of pageable memory as a read and a write at the host's memory rate; host-lane work
+// (updates, sums) at that rate too; the device's GEMM-like nodes at the GEMM rate, the others by the bytes they read
+// and write; collectives left to the network's bound (count_step).
 double node_duration_ms(const graph::Graph& g, graph::NodeId n, const PlanRates& rates) {
   const ops::OpId op = g.nodes.op[n];
   const ops::OpInfo& row = ops::op_info(op);
@@ -42,10 +42,13 @@ double node_duration_ms(const graph::Graph& g, graph::NodeId n, const PlanRates&
       return ms_at(static_cast<double>(bytes), rates.codec_gbps * 1e9);
     return ms_at(2.0 * static_cast<double>(bytes), rates.host_gbps * 1e9);
   }
+  // A copy at its direction's rate alone: the two copy lanes run at once here, and where the link
+  // cannot carry both at full rate, count_step's transfer_ms (link_ms) bounds the step instead.
+  const double link_gbps =
+      g.nodes.lane[n] == ops::Lane::d2h && rates.link_d2h_gbps > 0 ? rates.link_d2h_gbps : rates.link_gbps;
   if (row.op_class == ops::OpClass::batch_transfer)
-    return ms_at(static_cast<double>(bytes_of(g, out)), rates.link_gbps * 1e9);
-  if (row.op_class == ops::OpClass::state_transfer)
-    return ms_at(static_cast<double>(bytes_of(g, in)), rates.link_gbps * 1e9);
+    return ms_at(static_cast<double>(bytes_of(g, out)), link_gbps * 1e9);
+  if (row.op_class == ops::OpClass::state_transfer) return ms_at(static_cast<double>(bytes_of(g, in)), link_gbps * 1e9);
   if (row.op_class == ops::OpClass::communication) return 0.0;
   if (graph::is_host_lane(g.nodes.lane[n])) {
     const double gbps = eight_bit && rates.host_8bit_gbps > 0 ? rates.host_8bit_gbps : rates.host_gbps;

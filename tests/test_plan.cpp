@@ -47,15 +47,19 @@ TEST(Plan, ResidentBreakdownMatchesTheTrainer) {
 // fits any budget.
 TEST(Plan, RatesAndByteCountsOutOfRangeAreRefused) {
   Runtime rt;
-  for (const double bad : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
-    PlanRates r;
-    r.link_gbps = 10;
-    r.host_gbps = bad;
-    try {
-      plan_training(rt, small_mlp(), TrainerOptions{}, r);
-      ADD_FAILURE() << "planned with a host rate of " << bad;
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("PlanRates::host_gbps"), std::string::npos) << e.what();
+  const std::pair<double PlanRates::*, const char*> fields[] = {
+      {&PlanRates::host_gbps, "PlanRates::host_gbps"}, {&PlanRates::link_both_gbps, "PlanRates::link_both_gbps"}};
+  for (const auto& [field, name] : fields) {
+    for (const double bad : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+      PlanRates r;
+      r.link_gbps = 10;
+      r.*field = bad;
+      try {
+        plan_training(rt, small_mlp(), TrainerOptions{}, r);
+        ADD_FAILURE() << "planned with " << name << " " << bad;
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      }
     }
   }
   TrainingPlan p;
@@ -313,9 +317,60 @@ TEST(Plan, FlopsCountEveryGemmAndTheStepTimeIsTheSlowerOfComputeAndTransfers) {
   EXPECT_EQ(unknown.predicted_step_ms, 0.0) << "no rates, no prediction";
 }
 
+// link_ms: each direction at its own rate; both at once at their shares of the rate both reach together.
+TEST(Plan, TheLinkCarriesTheTwoDirectionsAsItsRateBothWaysSays) {
+  EXPECT_DOUBLE_EQ(link_ms({}, 4'000'000, 2'000'000), 0.0) << "no link rate, no time";
+  EXPECT_DOUBLE_EQ(link_ms({.link_gbps = 2}, 4'000'000, 2'000'000), 3.0) << "one direction at a time, both at 2 GB/s";
+  EXPECT_DOUBLE_EQ(link_ms({.link_gbps = 2, .link_d2h_gbps = 4}, 4'000'000, 2'000'000), 2.5)
+      << "the way back at its own rate";
+  EXPECT_DOUBLE_EQ(link_ms({.link_gbps = 2, .link_d2h_gbps = 4, .link_both_gbps = 6}, 4'000'000, 2'000'000), 2.0)
+      << "full duplex: the longer direction's time";
+  EXPECT_DOUBLE_EQ(link_ms({.link_gbps = 2, .link_both_gbps = 2}, 4'000'000, 2'000'000), 3.0)
+      << "both ways at once no faster than one: the sum";
+  // Between: 3 GB/s both ways, 1.5 each; the 2 MB down are through after 4/3 ms, with 2 MB up,
+  // whose other 2 MB take 1 ms alone.
+  EXPECT_NEAR(link_ms({.link_gbps = 2, .link_both_gbps = 3}, 4'000'000, 2'000'000), 4.0 / 3.0 + 1.0, 1e-12);
+  EXPECT_DOUBLE_EQ(link_ms({.link_gbps = 2, .link_d2h_gbps = 4, .link_both_gbps = 6}, 4'000'000, 0), 2.0)
+      << "one direction alone at its own rate";
+  EXPECT_DOUBLE_EQ(link_ms({.link_gbps = 2, .link_d2h_gbps = 4, .link_both_gbps = 6}, 0, 2'000'000), 0.5);
+}
+
+// A streamed step with its updates on the device moves bytes both ways: its transfer time is their
+// sum on a half-duplex link and the longer direction on a full-duplex one.
+TEST(Plan, StreamedStepsTransferTimeFollowsTheLinksDuplex) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::stream;
+  o.residency.host_optimizer = false;
+  PlanRates rates{.link_gbps = 2.0, .link_d2h_gbps = 1.0, .gemm_gflops = 1.0, .device_gbps = 4.0};
+  const PhasePlan half = plan_training(rt, small_mlp(), o, rates).phases.front();
+  ASSERT_GT(half.fetch_bytes, 0u);
+  ASSERT_GT(half.write_back_bytes, 0u);
+  EXPECT_NEAR(half.to_host_ms, static_cast<double>(half.write_back_bytes) / 1e6, 1e-3)
+      << "written back at the way back's rate (and the loss's few bytes)";
+  EXPECT_GT(half.to_device_ms, static_cast<double>(half.fetch_bytes + 16u * 20u * 4u) / 2e6)
+      << "the fetches and the batch at the way there's rate";
+  EXPECT_DOUBLE_EQ(half.transfer_ms, half.to_device_ms + half.to_host_ms);
+  rates.link_both_gbps = 3.0;
+  const PhasePlan full = plan_training(rt, small_mlp(), o, rates).phases.front();
+  EXPECT_DOUBLE_EQ(full.to_device_ms, half.to_device_ms);
+  EXPECT_DOUBLE_EQ(full.to_host_ms, half.to_host_ms);
+  EXPECT_NEAR(full.transfer_ms, std::max(full.to_device_ms, full.to_host_ms), 1e-9);
+  EXPECT_GT(full.tail_transfer_ms, 0.0);
+  EXPECT_LT(full.tail_transfer_ms, half.tail_transfer_ms) << "the updates' fetches and write-backs overlap too";
+  if (!rt.device().is_cpu()) {
+    EXPECT_LT(full.predicted_step_ms, half.predicted_step_ms);
+  }
+}
+
 TEST(Plan, RatesAreMeasuredOnTheDevice) {
   Runtime rt;
-  EXPECT_GT(measure_link_gbps(rt), 0.0);
+  const LinkRates link = measure_link(rt);
+  EXPECT_GT(link.h2d_gbps, 0.0);
+  EXPECT_GT(link.d2h_gbps, 0.0);
+  EXPECT_GT(link.both_gbps, 0.0);
+  EXPECT_LE(link.both_gbps, link.h2d_gbps + link.d2h_gbps);
   EXPECT_GT(measure_gemm_gflops(rt), 0.0);
   EXPECT_GT(measure_device_gbps(rt), 0.0);
   EXPECT_GT(measure_device_8bit_gbps(rt), 0.0);

@@ -49,7 +49,16 @@ nlohmann::json to_json(const ferry::DeviceBreakdown& b) {
 // What a rate's measurement found beside the rate: where the GEMM rate was measured.
 struct RateNotes {
   std::optional<ferry::StepGemmRate> gemm;
+  std::optional<ferry::LinkRates> link;  // the link's three rates, measured together
 };
+
+// The link's rates for the host memory `options` stream from, measured once.
+const ferry::LinkRates& measured_link(ferry::Runtime& rt, const ferry::TrainerOptions& options, RateNotes& notes) {
+  if (!notes.link)
+    notes.link =
+        ferry::measure_link(rt, ferry::resolve_host_transfers(options.residency, rt.device()).homes.host_memory);
+  return *notes.link;
+}
 
 // The rates of the step-time prediction (ferry::PlanRates): each given by its flag or measured.
 struct RateSpec {
@@ -58,50 +67,67 @@ struct RateSpec {
   const char* flag;
   const char* help;
   bool on_host;  // measured on this machine's cores, not on the device
+  // Null, or where --link-gbps is given and this is not, its value from that rate: a link given by
+  // its rate alone carries both directions at it, one at a time.
+  double (*from_link)(double link_gbps);
   double ferry::PlanRates::*rate;
   // Null: not measured here. A measurement that says more than its rate notes it in `notes`.
   double (*measure)(ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes& notes);
 };
 constexpr RateSpec rate_specs[] = {
-    {"link_gbps", "link {:.2f} GB/s", "--link-gbps", "Host-device copy rate in GB/s", false,
-     &ferry::PlanRates::link_gbps,
-     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions& o, RateNotes&) {
-       return ferry::measure_link_gbps(rt, ferry::resolve_host_transfers(o.residency, rt.device()).homes.host_memory);
+    {"link_gbps", "link {:.2f} GB/s", "--link-gbps",
+     "Host-to-device copy rate in GB/s (and the other way and both at once too, unless --link-d2h-gbps and "
+     "--link-both-gbps say otherwise)",
+     false, nullptr, &ferry::PlanRates::link_gbps,
+     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions& o, RateNotes& notes) {
+       return measured_link(rt, o, notes).h2d_gbps;
+     }},
+    {"link_d2h_gbps", "{:.2f} GB/s back", "--link-d2h-gbps", "Device-to-host copy rate in GB/s", false,
+     [](double link_gbps) { return link_gbps; }, &ferry::PlanRates::link_d2h_gbps,
+     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions& o, RateNotes& notes) {
+       return measured_link(rt, o, notes).d2h_gbps;
+     }},
+    {"link_both_gbps", "{:.2f} GB/s both ways at once", "--link-both-gbps",
+     "Both directions' bytes per second while copies run each way at once, GB/s: about the two rates' sum on a "
+     "full-duplex link, about one of them where one direction waits for the other",
+     false, [](double) { return 0.0; }, &ferry::PlanRates::link_both_gbps,
+     [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions& o, RateNotes& notes) {
+       return measured_link(rt, o, notes).both_gbps;
      }},
     {"gemm_gflops", "GEMM {:.1f} GFLOP/s", "--gemm-gflops", "GEMM rate in GFLOP/s at the step's own products", false,
-     &ferry::PlanRates::gemm_gflops,
+     nullptr, &ferry::PlanRates::gemm_gflops,
      [](ferry::Runtime& rt, const ferry::ModelSpec& model, const ferry::TrainerOptions& o, RateNotes& notes) {
        notes.gemm = ferry::measure_step_gemm_gflops(rt, model, o);
        return notes.gemm->gflops;
      }},
     {"device_gbps", "device memory {:.2f} GB/s", "--device-gbps",
-     "Device memory rate in GB/s of the nodes that are not GEMMs", false, &ferry::PlanRates::device_gbps,
+     "Device memory rate in GB/s of the nodes that are not GEMMs", false, nullptr, &ferry::PlanRates::device_gbps,
      [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
        return ferry::measure_device_gbps(rt);
      }},
     {"device_8bit_gbps", "8-bit updates {:.2f} GB/s", "--device-8bit-gbps",
-     "The same for 8-bit AdamW's updates on the device, bound by requantizing", false,
+     "The same for 8-bit AdamW's updates on the device, bound by requantizing", false, nullptr,
      &ferry::PlanRates::device_8bit_gbps,
      [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
        return ferry::measure_device_8bit_gbps(rt);
      }},
-    {"launch_us", "launch {:.1f} us", "--launch-us", "The cost of one kernel launch in microseconds", false,
+    {"launch_us", "launch {:.1f} us", "--launch-us", "The cost of one kernel launch in microseconds", false, nullptr,
      &ferry::PlanRates::launch_us,
      [](ferry::Runtime& rt, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
        return ferry::measure_launch_us(rt);
      }},
     {"host_gbps", "host optimizer {:.2f} GB/s", "--host-gbps",
-     "The host optimizer's rate: bytes its updates read and write, GB/s", true, &ferry::PlanRates::host_gbps,
+     "The host optimizer's rate: bytes its updates read and write, GB/s", true, nullptr, &ferry::PlanRates::host_gbps,
      [](ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
        return ferry::measure_host_update_gbps();
      }},
     {"host_8bit_gbps", "8-bit {:.2f} GB/s", "--host-8bit-gbps", "The same for the host optimizer's 8-bit AdamW updates",
-     true, &ferry::PlanRates::host_8bit_gbps,
+     true, nullptr, &ferry::PlanRates::host_8bit_gbps,
      [](ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
        return ferry::measure_host_update_gbps(true);
      }},
     {"codec_gbps", "codec {:.2f} GB/s", "--codec-gbps",
-     "The compressed home's codec rate: uncompressed bytes packed and unpacked, GB/s", true,
+     "The compressed home's codec rate: uncompressed bytes packed and unpacked, GB/s", true, nullptr,
      &ferry::PlanRates::codec_gbps,
      [](ferry::Runtime&, const ferry::ModelSpec&, const ferry::TrainerOptions&, RateNotes&) {
        return ferry::measure_codec_gbps();
@@ -109,7 +135,7 @@ constexpr RateSpec rate_specs[] = {
     {"network_gbps", "network {:.2f} GB/s", "--network-gbps",
      "With --ranks: what a rank sends over the network per second, GB/s (not measured: without it the network's time "
      "is left out of the prediction)",
-     true, &ferry::PlanRates::network_gbps, nullptr},
+     true, nullptr, &ferry::PlanRates::network_gbps, nullptr},
 };
 constexpr std::size_t rate_count = std::size(rate_specs);
 
@@ -118,7 +144,8 @@ constexpr std::size_t rate_count = std::size(rate_specs);
 struct PlanReport {
   std::string device;
   ferry::PlanRates rates;
-  std::array<bool, rate_count> rate_given{};  // by rate_specs: given on the command line, else measured
+  // By rate_specs: where each rate came from: given, from --link-gbps, measured or not given.
+  std::array<const char*, rate_count> rate_sources{};
   RateNotes rate_notes;
   ferry::PlanOutcome configured;
   std::uint64_t min_resident = 0;
@@ -138,11 +165,17 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   // The rates of the step-time prediction: given, or measured here.
   for (std::size_t i = 0; i < rate_count; ++i) {
     const RateSpec& spec = rate_specs[i];
-    const double given = a.plan_rates.*spec.rate;
-    r.rate_given[i] = given > 0;
-    r.rates.*spec.rate = r.rate_given[i] ? given
-                         : spec.measure  ? spec.measure(runtime, model, base, r.rate_notes)
-                                         : 0.0;
+    const double given = a.plan_rates.*spec.rate, link_given = a.plan_rates.link_gbps;
+    double& rate = r.rates.*spec.rate;
+    if (given > 0) {
+      rate = given, r.rate_sources[i] = "given";
+    } else if (spec.from_link && link_given > 0) {
+      rate = spec.from_link(link_given), r.rate_sources[i] = "from --link-gbps";
+    } else if (spec.measure) {
+      rate = spec.measure(runtime, model, base, r.rate_notes), r.rate_sources[i] = "measured";
+    } else {
+      rate = 0.0, r.rate_sources[i] = "not given";
+    }
   }
 
   // As configured: every phase's bytes (with a budget too small, the error says so).
@@ -169,11 +202,6 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   searched.residency.budget_bytes = r.budget;
   r.search = ferry::search_configurations(runtime, model, searched, r.rates);
   return r;
-}
-
-// Given on the command line, measured here, or neither (a rate nothing here can measure).
-const char* rate_source(bool given, const RateSpec& spec) {
-  return given ? "given" : spec.measure ? "measured" : "not given";
 }
 
 // The JSON fields of the plan as configured: the totals, and each phase's bytes.
@@ -217,6 +245,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
     j["launches"] = t.launches;
     j["launch_ms"] = t.launch_ms;
     j["transfer_ms"] = t.transfer_ms;
+    j["to_device_ms"] = t.to_device_ms;
+    j["to_host_ms"] = t.to_host_ms;
     j["host_update_bytes"] = t.host_update_bytes;
     j["host_update_ms"] = t.host_update_ms;
     j["host_updates_after_backward"] = t.host_updates_after_backward;
@@ -256,6 +286,8 @@ void add_configured_fields(nlohmann::json& j, const ferry::PlanOutcome& configur
                           "compute_ms",
                           "forward_ms",
                           "transfer_ms",
+                          "to_device_ms",
+                          "to_host_ms",
                           "launches",
                           "launch_ms",
                           "host_update_bytes",
@@ -333,7 +365,7 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"candidates", candidates_json(r.search)}};
   for (std::size_t i = 0; i < rate_count; ++i) {
     j[rate_specs[i].key] = r.rates.*rate_specs[i].rate;
-    j[std::string(rate_specs[i].key) + "_source"] = rate_source(r.rate_given[i], rate_specs[i]);
+    j[std::string(rate_specs[i].key) + "_source"] = r.rate_sources[i];
   }
   if (const auto& probe = r.rate_notes.gemm) {
     j["gemm_products_probed"] = probe->products();
@@ -465,7 +497,7 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
       ferry::format_bytes(r.host_limit), host_limit_note(r), r.device);
   std::string rates;
   for (std::size_t i = 0; i < rate_count; ++i) {
-    std::string source = rate_source(r.rate_given[i], rate_specs[i]);
+    std::string source = r.rate_sources[i];
     if (rate_specs[i].rate == &ferry::PlanRates::gemm_gflops && r.rate_notes.gemm) {
       // Where: "measured at 6 of the step's 9 kinds of product, 97% of its GEMM FLOPs".
       const ferry::StepGemmRate& probe = *r.rate_notes.gemm;

@@ -47,7 +47,11 @@ for field in device_peak_bytes host_bytes host_store_bytes fetch_bytes write_bac
   gemm_probe_batch gemm_probes; do
   grep -q "\"$field\":" <<<"$json" || fail "the JSON has no '$field': $json"
 done
-grep -q '"link_gbps_source":"measured"' <<<"$json" || fail "the link rate was not measured: $json"
+for rate in link_gbps link_d2h_gbps link_both_gbps; do
+  grep -q "\"${rate}_source\":\"measured\"" <<<"$json" || fail "$rate was not measured: $json"
+  grep -q "\"${rate}\":[0-9]*\.[0-9]*[1-9]" <<<"$json" || fail "$rate is not a positive number: $json"
+done
+grep -q '"to_device_ms":' <<<"$json" && grep -q '"to_host_ms":' <<<"$json" || fail "no per-direction link times: $json"
 # The GEMM rate is measured at the step's own products: at least the largest one was probed.
 grep -q '"gemm_products_probed":[1-9]' <<<"$json" || fail "no product of the step was probed: $json"
 grep -q '"device_peak_bytes":[1-9]' <<<"$json" || fail "no device peak: $json"
@@ -65,5 +69,10 @@ status=$?
 # alone; a candidate's follows its "error" or "device_bytes").
 grep -q '"fetch_bytes":[0-9]*,"fits":true' "$work/larger_host.json" || fail "the plan for a 200 GiB host does not fit: $(cat "$work/larger_host.json")"
 grep -q '"host_budget_bytes":214748364800' "$work/larger_host.json" || fail "the 200 GiB host budget is not the limit"
+# A link given by its rate alone carries both directions at it, one at a time.
+grep -q '"link_d2h_gbps":50.0,"link_d2h_gbps_source":"from --link-gbps"' "$work/larger_host.json" ||
+  fail "the way back did not take --link-gbps: $(cat "$work/larger_host.json")"
+grep -q '"link_both_gbps":0.0,"link_both_gbps_source":"from --link-gbps"' "$work/larger_host.json" ||
+  fail "both ways at once was not left at one direction at a time: $(cat "$work/larger_host.json")"
 [ $failures -eq 0 ] && echo "plan_scale: ok"
 exit $((failures > 0))

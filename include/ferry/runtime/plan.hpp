@@ -32,7 +32,12 @@ struct DeviceBreakdown {
 
 // The rates a step-time prediction uses. 0: unknown (that term is left out).
 struct PlanRates {
-  double link_gbps = 0;    // host <-> device copies, GB/s (1e9 bytes per second)
+  double link_gbps = 0;      // host -> device copies, GB/s (1e9 bytes per second)
+  double link_d2h_gbps = 0;  // device -> host copies, GB/s; 0: at link_gbps
+  // Both directions' bytes per second while copies run each way at once, GB/s: how far the link is
+  // duplex. About link_gbps + link_d2h_gbps where each direction keeps its rate (PCIe's copy
+  // engines), about either alone where one waits for the other. 0: one direction at a time.
+  double link_both_gbps = 0;
   double gemm_gflops = 0;  // the device's GEMM rate, GFLOP/s
   // The device's memory rate for the nodes that are not GEMM-like (element-wise, normalisation,
   // device optimizer updates): bytes they read and write per second, GB/s.
@@ -62,9 +67,19 @@ struct PlanRates {
 // a GEMM kernel build aside, which the program cache keeps): the link as the best of three
 // 64 MiB copies to the device from host memory of the kind streamed homes will use (`memory`,
 // resolved for the device; pinned for staged memory, whose copies leave from pinned staging), after
-// one that warms up; the GEMM rate as the best of three
+// one that warms up, the same back to the host, and both at once from two host threads (each
+// direction on its own queue, as a step's copy lanes); the GEMM rate as the best of three
 // 1024 x 1024 x 1024 f32 products of ops::gemm (after one that builds it).
-double measure_link_gbps(Runtime& runtime, offload::HostMemory memory = offload::HostMemory::automatic);
+struct LinkRates {
+  double h2d_gbps = 0, d2h_gbps = 0;
+  double both_gbps = 0;  // both directions' bytes over the time both took at once (<= h2d + d2h)
+};
+LinkRates measure_link(Runtime& runtime, offload::HostMemory memory = offload::HostMemory::automatic);
+// The time of `to_device` and `to_host` bytes over a link of `rates` (link_gbps, link_d2h_gbps,
+// link_both_gbps), ms: both directions at once at their shares of link_both_gbps (in proportion to
+// their own rates) until the shorter is done, then the rest at its own rate. A full-duplex link gives
+// the longer direction's time, a half-duplex one (or link_both_gbps 0) the sum. 0 without link_gbps.
+double link_ms(const PlanRates& rates, std::uint64_t to_device, std::uint64_t to_host);
 double measure_gemm_gflops(Runtime& runtime);
 // The GEMM rate at the training step's own products (runtime/plan_gemm_probe.cpp): the step graph
 // `options` configure is built (nothing of the model is allocated), its product nodes (rows with a
@@ -156,6 +171,9 @@ struct PhasePlan {
   // updates at the host rates (fp32 and 8-bit), the codec's bytes at its rate, the launches at the
   // launch cost, and the step time predicted from them (predict_step_ms). 0 when a rate is unknown.
   double compute_ms = 0, transfer_ms = 0, host_update_ms = 0, codec_ms = 0, predicted_step_ms = 0;
+  // transfer_ms's two directions alone, each at its own rate; transfer_ms is them over the link
+  // together (link_ms: their sum on a half-duplex link, the longer on a full-duplex one).
+  double to_device_ms = 0, to_host_ms = 0;
   double forward_ms = 0;  // the part of compute_ms before the backward
   // The device's updates when they wait for the step's verdict (the first after the backward's last node): the GEMM
   // flops and memory bytes (fp32 and 8-bit) of the nodes from the first update on, the bytes fetched and written back
