@@ -8,6 +8,12 @@
 //   pageable_h2d_gbps / pageable_d2h_gbps   a blocking copy of --bytes from / to pageable memory
 //   pinned_h2d_gbps / pinned_d2h_gbps       the same from / to a pinned buffer (mapped
 //                                           CL_MEM_ALLOC_HOST_PTR, as ferry allocates it)
+//   pageable_both_gbps / pinned_both_gbps   half of --bytes each way at once (to the device on
+//                                           its queue from this thread, back on the other queue
+//                                           from a second thread, as a step's copy lanes run), both
+//                                           directions' bytes over the time: near h2d + d2h on a
+//                                           full-duplex link, near either where one direction
+//                                           waits for the other (ferry plan's link_both_gbps)
 //   host_in_gbps, host_in_1t_gbps           pageable -> pinned on the host, all cores (TBB, as
 //                                           ferry's unpack) and one thread (memcpy)
 //   host_out_gbps, host_out_1t_gbps         pinned -> pageable (a slow one means the driver maps
@@ -36,6 +42,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -103,6 +110,8 @@ class StagingBench {
     j["pageable_d2h_gbps"] = gbps(bytes_, median_ms(repeat, [&] { read(pg2, 0, bytes_, true); }));
     j["pinned_h2d_gbps"] = gbps(bytes_, median_ms(repeat, [&] { write(pn, 0, bytes_, true); }));
     j["pinned_d2h_gbps"] = gbps(bytes_, median_ms(repeat, [&] { read(pn, 0, bytes_, true); }));
+    j["pageable_both_gbps"] = gbps(bytes_, median_ms(repeat, [&] { both_ways(pg, pg2); }));
+    j["pinned_both_gbps"] = gbps(bytes_, median_ms(repeat, [&] { both_ways(pn, pn); }));
     j["host_in_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pn, pg, bytes_); }));
     j["host_in_1t_gbps"] = gbps(bytes_, median_ms(repeat, [&] { std::memcpy(pn, pg, bytes_); }));
     j["host_out_gbps"] = gbps(bytes_, median_ms(repeat, [&] { offload::copy_in_parallel(pg2, pn, bytes_); }));
@@ -248,6 +257,28 @@ class StagingBench {
   void read(std::byte* host, std::size_t off, std::size_t len, bool blocking) {
     FERRY_CL(
         clEnqueueReadBuffer(d2h_, device_.get(), blocking ? CL_TRUE : CL_FALSE, off, len, host, 0, nullptr, nullptr));
+  }
+  // The first half of `up` to the device's first half on this thread while the device's second half
+  // comes back into `down`'s second half on another (blocking copies: a driver may stage pageable
+  // memory on the calling thread). An error on the other thread is rethrown here.
+  void both_ways(const std::byte* up, std::byte* down) {
+    const std::size_t half = bytes_ / 2;
+    std::exception_ptr failed;
+    std::thread back([&] {
+      try {
+        read(down + half, half, bytes_ - half, true);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    try {
+      write(up, 0, half, true);
+    } catch (...) {
+      back.join();
+      throw;
+    }
+    back.join();
+    if (failed) std::rethrow_exception(failed);
   }
 
   const cl::Context& ctx_;
