@@ -570,6 +570,14 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
       throw std::invalid_argument(fmt::format("PlanRates::{} is {}: a rate is a finite number >= 0", name, value));
     }
   }
+  // Copies each way at once cannot outrun each direction alone at its own rate.
+  const double each_alone = rates.link_gbps + (rates.link_d2h_gbps > 0 ? rates.link_d2h_gbps : rates.link_gbps);
+  if (rates.link_both_gbps > each_alone) {
+    throw std::invalid_argument(fmt::format(
+        "PlanRates::link_both_gbps is {:g} (--link-both-gbps), above the two directions' rates together ({:g} GB/s "
+        "to the device and back): both ways at once carry at most their sum; give a rate up to {:g}",
+        rates.link_both_gbps, each_alone, each_alone));
+  }
   return detail::plan_with_host_optimizer(options, runtime.device(), host_limit, [&](const TrainerOptions& placed) {
     return detail::plan_with_host_transfers(placed, runtime.device(), [&](const TrainerOptions& o) {
       return o.recompute_auto ? plan_choosing_recompute(runtime, model, o, rates)

@@ -62,6 +62,15 @@ TEST(Plan, RatesAndByteCountsOutOfRangeAreRefused) {
       }
     }
   }
+  try {
+    plan_training(rt, small_mlp(), TrainerOptions{}, {.link_gbps = 2, .link_d2h_gbps = 3, .link_both_gbps = 5.5});
+    ADD_FAILURE() << "planned with both ways at once faster than each alone";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("PlanRates::link_both_gbps is 5.5"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("up to 5"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(
+      plan_training(rt, small_mlp(), TrainerOptions{}, {.link_gbps = 2, .link_d2h_gbps = 3, .link_both_gbps = 5}));
   TrainingPlan p;
   p.host_bytes = std::numeric_limits<std::uint64_t>::max();
   p.host_compressed_bytes = 2;

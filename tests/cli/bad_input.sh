@@ -100,6 +100,8 @@ row "ferry tune with the program cache off" "the program cache is off" error "FE
   tune --budget-seconds 5 --quiet
 row "ferry plan --network-gbps without --ranks" "--network-gbps applies to a plan of several ranks only" error - \
   plan --model mlp --network-gbps 10
+row "ferry plan, both ways at once faster than each alone" "both ways at once carry at most their sum" error - \
+  plan --model mlp --link-gbps 5 --link-both-gbps 50
 row "ferry plan with a flag that does not apply" "--momentum applies to --optimizer sgd only" error - \
   plan --model mlp --momentum 0.9
 row "--weights-home int8 (the library names it; it has no store)" "--weights-home: int8 not in" error - \
