@@ -10,7 +10,8 @@
 # prediction with the step's (its rate, groups probed of the step's, the FLOP share probed, the batch
 # probed), the step's nodes in their order at those rates (scheduled_step_ms, with the compute lane's
 # idle time: on a GPU the prediction is at least that), the measured step_ms, and each prediction
-# over the measurement.
+# over the measurement; where the step moves bytes over the link, the link's rates (to the device,
+# back, both at once) and each direction's transfer time alone and both together (link_ms).
 set -uo pipefail
 ferry=${1:-build/release/ferry}
 bench=${2:-build/release/ferry-bench}
@@ -54,6 +55,9 @@ print(f'{name}: square {square["predicted_step_ms"]:.1f} ms ({square["predicted_
       f'{step["gemm_gflops"]:.1f} GFLOPS, {step["gemm_products_probed"]} of {step["gemm_products"]} kinds, '
       f'{100 * step["gemm_probed_flops_share"]:.0f}% of FLOPs, batch {step["gemm_probe_batch"]}) | '
       f'in order {step["scheduled_step_ms"]:.1f} ms, compute idle {step["scheduled_compute_idle_ms"]:.1f} | '
-      f'measured {actual:.1f} ms')
+      f'measured {actual:.1f} ms' +
+      (f' | link {step["link_gbps"]:.1f} GB/s there, {step["link_d2h_gbps"]:.1f} back, {step["link_both_gbps"]:.1f} '
+       f'both at once: transfers {step["to_device_ms"]:.1f} + {step["to_host_ms"]:.1f} ms alone, '
+       f'{step["transfer_ms"]:.1f} together' if step["transfer_ms"] else ''))
 EOF
 done
