@@ -1,6 +1,7 @@
 // ferry-bench gemm: is ferry's GEMM as fast as the best alternatives on this device?
 // ferry's kernel (as the tuning data picks it, packing included), CLBlast on the same device and
-// OpenBLAS's cblas_sgemm on the host, in one run, square sizes; GFLOPS of the median repeat.
+// OpenBLAS's cblas_sgemm on the host, in one run, square sizes; GFLOPS of the median repeat (of the
+// median round with --rounds, whose ratios are taken round by round).
 // Every result is checked on a sample of its elements against dot products in double on the host;
 // one beyond the tolerance fails the run instead of reporting its GFLOPS.
 // --tune runs the library's tuner and prints every candidate and the best as a tuning row.
@@ -9,6 +10,7 @@
 #include <fmt/format.h>
 #include <strings.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +50,10 @@ struct GemmBenchOptions {
   bool cold = false;       // each run after its operands were pushed out of the caches
   std::string tune_mode = "quick";
   double tune_budget_seconds = 60;
+  // Rounds of every implementation in turn (the order reversed every other round); each figure is
+  // the median over rounds, each ratio the median of the rounds' own ratios: on a shared machine
+  // whose speed drifts, ratios taken round by round hold where one long run of each would not.
+  int rounds = 1;
 };
 
 std::vector<float> random_matrix(std::size_t n, unsigned seed) {
@@ -212,6 +218,19 @@ Measured measure_openblas(const ops::GemmShape& s, const std::vector<float>& ha,
 }
 #endif
 
+// One implementation's rounds as one measurement: the median of the rounds' medians, the fastest
+// run of any round, the last round's result, kernel and launches.
+Measured over_rounds(const std::vector<Measured>& rounds) {
+  Measured m = rounds.back();
+  std::vector<double> medians;
+  for (const Measured& r : rounds) {
+    medians.push_back(r.ms);
+    m.ms_min = std::min(m.ms_min, r.ms_min);
+  }
+  m.ms = median(medians);
+  return m;
+}
+
 double max_rel_diff(const std::vector<float>& x, const std::vector<float>& ref) {
   double worst = 0;
   for (std::size_t i = 0; i < x.size(); ++i) {
@@ -301,24 +320,42 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   bool failed = false;
   for (const ops::GemmShape& s : shapes) {
     const auto ha = random_matrix(s.M * s.K, 1), hb = random_matrix(s.K * s.N, 2);
-    std::optional<Measured> ferry_m, clblast_m, openblas_m;
-    if (wants(o, "ferry")) {
-      ops::GemmOptions opt;
-      opt.backend = ops::GemmBackend::ferry;
-      opt.kernel = o.kernel;
-      ops::GemmShape stored = s;
-      stored.a = stored.b = stored.c = storage;
-      ferry_m = measure_device(env, ctx, stored, ha, hb, opt, common.repeat, true, o.breakdown, o.cold);
-    }
-    if (wants(o, "clblast") && ops::gemm_have_clblast()) {
-      ops::GemmOptions opt;
-      opt.backend = ops::GemmBackend::clblast;
-      clblast_m = measure_device(env, ctx, s, ha, hb, opt, common.repeat, true, false, o.cold);
-    }
+    // Each implementation's measurement, every round; a round's measurements come one after another.
+    std::map<std::string, std::vector<Measured>> rounds;
+    const auto measure = [&](const std::string& impl) {
+      if (impl == "ferry" && wants(o, "ferry")) {
+        ops::GemmOptions opt;
+        opt.backend = ops::GemmBackend::ferry;
+        opt.kernel = o.kernel;
+        ops::GemmShape stored = s;
+        stored.a = stored.b = stored.c = storage;
+        rounds[impl].push_back(measure_device(env, ctx, stored, ha, hb, opt, common.repeat, true, o.breakdown, o.cold));
+      } else if (impl == "clblast" && wants(o, "clblast") && ops::gemm_have_clblast()) {
+        ops::GemmOptions opt;
+        opt.backend = ops::GemmBackend::clblast;
+        rounds[impl].push_back(measure_device(env, ctx, s, ha, hb, opt, common.repeat, true, false, o.cold));
+      }
 #ifdef FERRY_HAVE_OPENBLAS
-    if (wants(o, "openblas"))
-      openblas_m = measure_openblas(s, ha, hb, common.repeat, o.cold ? eviction_bytes(env.device()) : 0);
+      if (impl == "openblas" && wants(o, "openblas"))
+        rounds[impl].push_back(measure_openblas(s, ha, hb, common.repeat, o.cold ? eviction_bytes(env.device()) : 0));
 #endif
+    };
+    std::vector<std::string> order{"ferry", "clblast", "openblas"};
+    for (int r = 0; r < o.rounds; ++r) {
+      for (const std::string& impl : order) measure(impl);
+      std::reverse(order.begin(), order.end());
+    }
+    std::optional<Measured> ferry_m, clblast_m, openblas_m;
+    if (rounds.contains("ferry")) ferry_m = over_rounds(rounds["ferry"]);
+    if (rounds.contains("clblast")) clblast_m = over_rounds(rounds["clblast"]);
+    if (rounds.contains("openblas")) openblas_m = over_rounds(rounds["openblas"]);
+    // A peer's time over ferry's, round by round, and their median.
+    const auto ratios = [&](const std::string& peer) {
+      std::vector<double> each;
+      for (std::size_t r = 0; r < rounds[peer].size() && r < rounds["ferry"].size(); ++r)
+        each.push_back(rounds[peer][r].ms / rounds["ferry"][r].ms);
+      return each;
+    };
     // Each result against the host's dot products; ferry's from its inputs rounded as it stored them.
     std::map<std::string, Check> checks;
     if (ferry_m)
@@ -356,11 +393,20 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
       j["max_rel_err"] = check.max_err;
       j["check_tolerance"] = check.tolerance;
       j["check_samples"] = check.samples;
+      j["rounds"] = o.rounds;
+      // A peer's ratio: its time over this implementation's, the median of the rounds' (ferry's
+      // line), or of one long run each where this is a peer itself.
+      const auto ratio = [&](const char* peer, const Measured& p) {
+        if (std::string(impl) != "ferry") return nlohmann::json(p.ms / m.ms);
+        const std::vector<double> each = ratios(peer);
+        j[fmt::format("ratio_vs_{}_rounds", peer)] = each;
+        return nlohmann::json(median(each));
+      };
       if (openblas_m && valid("openblas")) {
-        j["ratio_vs_openblas"] = openblas_m->ms / m.ms;
+        j["ratio_vs_openblas"] = ratio("openblas", *openblas_m);
         j["openblas_coretype"] = coretype ? nlohmann::json(coretype) : nlohmann::json(nullptr);
       }
-      if (clblast_m && valid("clblast")) j["ratio_vs_clblast"] = clblast_m->ms / m.ms;
+      if (clblast_m && valid("clblast")) j["ratio_vs_clblast"] = ratio("clblast", *clblast_m);
       if (std::string(impl) == "ferry" && openblas_m) j["max_rel_diff_vs_openblas"] = max_rel_diff(m.c, openblas_m->c);
       if (!m.launches.empty()) j["launches"] = m.launches;
       emit_json(j);
@@ -421,6 +467,12 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   sub.add_option("--kernel", o->kernel,
                  "ferry kernel and parameters, e.g. \"packed RB=4 NV=4\" (default: tuning data)");
+  sub.add_option("--rounds", o->rounds,
+                 "rounds of every implementation in turn, --repeat runs each (the order reversed every other "
+                 "round): GFLOPS from the median round, ratios the median of the rounds' own (ratio_vs_*_rounds), "
+                 "which hold on a machine whose speed drifts")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   CLI::Option* cold =
       sub.add_flag("--cold", o->cold,
                    "time each run alone after writing more than the caches hold (64 MiB, or four times the device's "

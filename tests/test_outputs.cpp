@@ -427,6 +427,7 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       {"compile", "compile --depth 2 --depth 4 --width 16 --repeat 1"},
       {"gemm", "gemm --sizes 64 --repeat 1 --breakdown"},
       {"gemm", "gemm --sizes 64 --repeat 2 --cold --impls ferry openblas"},
+      {"gemm", "gemm --sizes 64 --repeat 1 --rounds 3 --impls ferry openblas"},
       {"overlap",
        "overlap --repeat 1 --link-bytes 1MiB --config name=small,model=mlp,width=256,depth=1,batch=8,"
        "budget=4MiB --config name=toosmall,model=mlp,width=256,depth=1,batch=8,budget=4KiB --trace '" +
@@ -454,6 +455,19 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       EXPECT_FALSE(json::parse(slurp(d / "overlap.json"), nullptr, false).is_discarded());
     }
     if (name == "step") expect_mlp_step_work(r.lines, 16);
+    // Ratios round by round: one a round, their median the line's ratio (where OpenBLAS is built in:
+    // it has a line of its own).
+    const bool openblas =
+        std::any_of(r.lines.begin(), r.lines.end(), [](const json& j) { return j.value("impl", "") == "openblas"; });
+    for (const json& j : r.lines) {
+      if (args.find("--rounds 3") == std::string::npos || !openblas || j.value("impl", "") != "ferry") continue;
+      ASSERT_TRUE(j.contains("ratio_vs_openblas_rounds")) << j.dump();
+      std::vector<double> each = j["ratio_vs_openblas_rounds"].get<std::vector<double>>();
+      ASSERT_EQ(each.size(), 3u) << j.dump();
+      std::sort(each.begin(), each.end());
+      EXPECT_DOUBLE_EQ(j.value("ratio_vs_openblas", 0.0), each[1]) << j.dump();
+      EXPECT_EQ(j.value("rounds", 0), 3) << j.dump();
+    }
   }
 }
 
