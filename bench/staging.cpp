@@ -264,20 +264,16 @@ class StagingBench {
   void both_ways(const std::byte* up, std::byte* down) {
     const std::size_t half = bytes_ / 2;
     std::exception_ptr failed;
-    std::thread back([&] {
-      try {
-        read(down + half, half, bytes_ - half, true);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    });
-    try {
-      write(up, 0, half, true);
-    } catch (...) {
-      back.join();
-      throw;
+    {
+      const std::jthread back([&] {
+        try {
+          read(down + half, half, bytes_ - half, true);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      });
+      write(up, 0, half, true);  // an error here leaves once `back` is joined
     }
-    back.join();
     if (failed) std::rethrow_exception(failed);
   }
 

@@ -647,18 +647,20 @@ LinkRates measure_link(Runtime& runtime, offload::HostMemory memory) {
   r.h2d_gbps = rate(static_cast<double>(bytes), best_seconds(to_device));
   r.d2h_gbps = rate(static_cast<double>(bytes), best_seconds(to_host));
   // Both at once, each from a thread of its own (a blocking copy of pageable memory may hold its
-  // thread while the driver stages it); an error on the second thread is rethrown here.
+  // thread while the driver stages it); an error on the second thread is rethrown here, and one on
+  // this thread leaves after the second has been joined.
   const double both_seconds = best_seconds([&] {
     std::exception_ptr failed;
-    std::thread down([&] {
-      try {
-        to_host();
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    });
-    to_device();
-    down.join();
+    {
+      const std::jthread down([&] {
+        try {
+          to_host();
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      });
+      to_device();
+    }
     if (failed) std::rethrow_exception(failed);
   });
   // Never above the two alone: more would be the clock's noise.
