@@ -403,7 +403,7 @@ void print_configured_table(const ferry::TrainingPlan& p) {
   const auto& t = p.phases.front();
   std::cout << fmt::format(
       "device peak {}; host {} of {} memory ({} weights and state, {} step buffers){}; per step {} fetched, {} "
-      "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms, {} "
+      "written back, {} batch; {:.3g} GFLOP; predicted step {:.1f} ms (compute {:.1f} ms, transfers {:.1f} ms{}, {} "
       "launches {:.1f} ms{}{}; in its nodes' order {:.1f} ms, the compute lane idle {:.1f} ms{})\n",
       ferry::format_bytes_up(p.device_peak_bytes), ferry::format_bytes(p.host_bytes),
       ferry::offload::host_memory_name(p.host_memory), ferry::format_bytes(p.host_store_bytes),
@@ -419,7 +419,11 @@ void print_configured_table(const ferry::TrainingPlan& p) {
                       ? fmt::format(", and up to {} for evaluation batches", ferry::format_bytes(p.host_eval_bytes))
                       : std::string()),
       ferry::format_bytes(t.fetch_bytes), ferry::format_bytes(t.write_back_bytes), ferry::format_bytes(t.batch_bytes),
-      t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms, t.launches, t.launch_ms,
+      t.flops * 1e-9, p.predicted_step_ms, t.compute_ms, t.transfer_ms,
+      t.to_device_ms > 0 && t.to_host_ms > 0
+          ? fmt::format(" ({:.1f} there and {:.1f} back alone)", t.to_device_ms, t.to_host_ms)
+          : std::string(),
+      t.launches, t.launch_ms,
       t.host_update_bytes ? fmt::format(", host updates {:.1f} ms", t.host_update_ms) : std::string(),
       t.codec_bytes ? fmt::format(", codec {:.1f} ms", t.codec_ms) : std::string(), t.scheduled_step_ms,
       t.scheduled_compute_idle_ms,
