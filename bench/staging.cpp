@@ -42,7 +42,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -52,6 +51,7 @@
 #include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/runtime.hpp"
 #include "ferry/runtime/units.hpp"
+#include "offload/both_ways.hpp"
 #include "offload/fetch_ring.hpp"
 
 namespace ferry::bench {
@@ -258,23 +258,11 @@ class StagingBench {
     FERRY_CL(
         clEnqueueReadBuffer(d2h_, device_.get(), blocking ? CL_TRUE : CL_FALSE, off, len, host, 0, nullptr, nullptr));
   }
-  // The first half of `up` to the device's first half on this thread while the device's second half
-  // comes back into `down`'s second half on another (blocking copies: a driver may stage pageable
-  // memory on the calling thread). An error on the other thread is rethrown here.
+  // The first half of `up` to the device's first half while the device's second half comes back
+  // into `down`'s second half, each on a thread of its own.
   void both_ways(const std::byte* up, std::byte* down) {
     const std::size_t half = bytes_ / 2;
-    std::exception_ptr failed;
-    {
-      const std::jthread back([&] {
-        try {
-          read(down + half, half, bytes_ - half, true);
-        } catch (...) {
-          failed = std::current_exception();
-        }
-      });
-      write(up, 0, half, true);  // an error here leaves once `back` is joined
-    }
-    if (failed) std::rethrow_exception(failed);
+    offload::copy_both_ways([&] { write(up, 0, half, true); }, [&] { read(down + half, half, bytes_ - half, true); });
   }
 
   const cl::Context& ctx_;

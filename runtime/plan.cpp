@@ -150,8 +150,7 @@ void count_collective(const graph::Graph& g, graph::NodeId n, int ranks, PhasePl
 double link_ms(const PlanRates& rates, std::uint64_t to_device, std::uint64_t to_host) {
   if (!(rates.link_gbps > 0)) return 0.0;
   // Bytes per ms each way alone, and while both run (each its share of the link, by its own rate).
-  const double up = rates.link_gbps * 1e6,
-               down = (rates.link_d2h_gbps > 0 ? rates.link_d2h_gbps : rates.link_gbps) * 1e6;
+  const double up = rates.link_gbps * 1e6, down = rates.to_host_gbps() * 1e6;
   const double up_ms = static_cast<double>(to_device) / up, down_ms = static_cast<double>(to_host) / down;
   if (!(rates.link_both_gbps > 0) || up_ms == 0 || down_ms == 0) return up_ms + down_ms;
   const double both = rates.link_both_gbps * 1e6;
@@ -562,7 +561,7 @@ TrainingPlan plan_training(Runtime& runtime, const ModelSpec& model, const Train
     }
   }
   // Copies each way at once cannot outrun each direction alone at its own rate.
-  const double each_alone = rates.link_gbps + (rates.link_d2h_gbps > 0 ? rates.link_d2h_gbps : rates.link_gbps);
+  const double each_alone = rates.link_gbps + rates.to_host_gbps();
   if (rates.link_both_gbps > each_alone) {
     throw std::invalid_argument(fmt::format(
         "PlanRates::link_both_gbps is {:g} (--link-both-gbps), above the two directions' rates together ({:g} GB/s "

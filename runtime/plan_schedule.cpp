@@ -28,8 +28,8 @@ std::uint64_t bytes_of(const graph::Graph& g, std::span<const graph::TensorId> x
 // Node n's duration at `rates`, as count_step counts the work (0 where its rate is unknown): copies
 // over the link at their direction's rate; the codec's unpacks and packs at its rate, a staging
 // copy of pageable memory as a read and a write at the host's memory rate; host-lane work
-// (updates, sums) at that rate too; the device's GEMM-like nodes at the GEMM rate, the others by the bytes they read
-// and write; collectives left to the network's bound (count_step).
+// (updates, sums) at that rate too; the device's GEMM-like nodes at the GEMM rate, the others by
+// the bytes they read and write; collectives left to the network's bound (count_step).
 double node_duration_ms(const graph::Graph& g, graph::NodeId n, const PlanRates& rates) {
   const ops::OpId op = g.nodes.op[n];
   const ops::OpInfo& row = ops::op_info(op);
@@ -44,8 +44,7 @@ double node_duration_ms(const graph::Graph& g, graph::NodeId n, const PlanRates&
   }
   // A copy at its direction's rate alone: the two copy lanes run at once here, and where the link
   // cannot carry both at full rate, count_step's transfer_ms (link_ms) bounds the step instead.
-  const double link_gbps =
-      g.nodes.lane[n] == ops::Lane::d2h && rates.link_d2h_gbps > 0 ? rates.link_d2h_gbps : rates.link_gbps;
+  const double link_gbps = g.nodes.lane[n] == ops::Lane::d2h ? rates.to_host_gbps() : rates.link_gbps;
   if (row.op_class == ops::OpClass::batch_transfer)
     return ms_at(static_cast<double>(bytes_of(g, out)), link_gbps * 1e9);
   if (row.op_class == ops::OpClass::state_transfer) return ms_at(static_cast<double>(bytes_of(g, in)), link_gbps * 1e9);

@@ -61,6 +61,9 @@ struct PlanRates {
   // Data parallel: what a rank sends over the network per second, GB/s. Not measured (a plan runs
   // no rank): 0 leaves the network's time out of the prediction.
   double network_gbps = 0;
+
+  // Copies back to the host: link_d2h_gbps, or link_gbps where that is not known.
+  double to_host_gbps() const { return link_d2h_gbps > 0 ? link_d2h_gbps : link_gbps; }
 };
 
 // The rates measured on the runtime's device, quickly (well under a second each on a CPU device,
