@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scale_gpu.sh: the scale runs of bench/RESULTS.md's "Host memory equals the state" section on a GPU
 # machine: for each model, the planner's prediction, then training, with the device memory the
-# driver reports (nvidia-smi, sampled every 0.5 s) beside ferry's own device peak.
+# driver reports (nvidia-smi, sampled every 0.5 s) beside ferry's own device peak and ferry's own
+# reading of the driver's count (the JSON's driver_* fields: NVML every 100 ms).
 #
 # usage: bash bench/scale_gpu.sh [FERRY] [OUT_DIR]
 #   FERRY    the ferry binary (default build/release/ferry; the GPU kit's is .gpu/.../bin/ferry)
@@ -92,6 +93,11 @@ print(json.dumps({"run": name, "rc": rc, "tokens_per_s": train.get("tokens_per_s
                   "training_state_bytes": train.get("training_state_bytes"),
                   "device_peak_bytes": train.get("device_peak_bytes"),
                   "driver_memory_used_mib_max": smi,
+                  "ferry_driver_count": {k: train.get(k) for k in ("driver_memory_source", "driver_memory_unavailable",
+                                                                   "driver_device_used_before_bytes",
+                                                                   "driver_device_used_after_context_bytes",
+                                                                   "driver_device_used_peak_bytes",
+                                                                   "driver_device_bytes_beyond_plan")},
                   "predicted_step_ms": plan.get("predicted_step_ms"),
                   "predicted_terms_ms": {k: plan.get(k) for k in ("compute_ms", "forward_ms", "transfer_ms", "to_device_ms", "to_host_ms",
                                                                   "host_update_ms", "codec_ms", "scheduled_step_ms",

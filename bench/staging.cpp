@@ -19,6 +19,12 @@
 //   host_out_gbps, host_out_1t_gbps         pinned -> pageable (a slow one means the driver maps
 //                                           pinned memory uncached or write-combined)
 //   host_pageable_gbps                      pageable -> pageable, all cores: the host's copy rate
+//   device_buffer_driver_bytes_per_byte, pinned_driver_bytes_per_byte, registered_driver_bytes_per_byte
+//                                           how much the driver's count of device memory in use
+//                                           (driver_memory_source: NVML, AMD's query; null on a CPU)
+//                                           rose per byte of a device buffer, a pinned buffer and
+//                                           registered pages of --bytes, each alone: whether this
+//                                           driver backs host buffers with device memory too
 //   registered_h2d_gbps, registered_d2h_gbps, host_in_registered_gbps, host_out_registered_gbps
 //                                           the same with the process's own pages handed to the
 //                                           driver (CL_MEM_USE_HOST_PTR, mapped): where a driver
@@ -74,6 +80,68 @@ double median_ms(int repeat, F&& fn) {
   std::vector<double> t;
   for (int r = 0; r < repeat; ++r) t.push_back(time_ms(fn));
   return median(t);
+}
+
+// The process's own pages, written once, handed to the driver (CL_MEM_USE_HOST_PTR).
+offload::HostBuffer register_pages(const cl::Context& ctx, std::size_t bytes) {
+  offload::HostBuffer pages = offload::HostBuffer::pageable(bytes, "staging bench registered pages");
+  std::memset(pages.data(), 5, bytes);
+  return offload::HostBuffer::registered(ctx, std::move(pages), "staging bench registered pages");
+}
+
+// How much the device memory the driver counts in use rises per byte of a device buffer, a pinned
+// host buffer and registered pages, each made alone, written and copied from once (a driver may
+// back a buffer at its first use), then freed: near 1 for the device buffer; above 0 for host
+// memory the driver also backs with device memory (NVIDIA's pinned buffers, measured so far only
+// through nvidia-smi). Null where the driver keeps no count (cl::DriverMemory); the count is the
+// whole device's, so another process's allocations meanwhile would show here too.
+nlohmann::json driver_bytes_per_byte(const Runtime& runtime, std::size_t bytes) {
+  const cl::DriverMemory& count = runtime.driver_memory().source();
+  nlohmann::json j = {{"driver_memory_source", count.available() ? nlohmann::json(count.source()) : nullptr},
+                      {"device_buffer_driver_bytes_per_byte", nullptr},
+                      {"pinned_driver_bytes_per_byte", nullptr},
+                      {"registered_driver_bytes_per_byte", nullptr}};
+  if (!count.available()) return j;
+  const cl::Context& ctx = runtime.context();
+  const std::size_t probe = std::min<std::size_t>(bytes, 4096);
+  cl::Mem target = ctx.create_buffer(probe, "staging bench driver-count target");
+  cl_command_queue q = ctx.queue(cl::QueueKind::h2d);
+  // The rise of the count while `make` holds what it made (it writes and copies from it itself).
+  const auto rise = [&](const char* key, auto make) {
+    const auto before = count.read();
+    const auto held = make();
+    const auto after = count.read();
+    if (before && after) {
+      j[key] = (static_cast<double>(after->used_bytes) - static_cast<double>(before->used_bytes)) /
+               static_cast<double>(bytes);
+    }
+  };
+  const auto copy_from_host = [&](const void* host) {
+    FERRY_CL(clEnqueueWriteBuffer(q, target.get(), CL_TRUE, 0, probe, host, 0, nullptr, nullptr));
+  };
+  rise("device_buffer_driver_bytes_per_byte", [&] {
+    cl::Mem m = ctx.create_buffer(bytes, "staging bench driver-count device buffer");
+    const cl_uchar zero = 0;
+    FERRY_CL(clEnqueueFillBuffer(q, m.get(), &zero, 1, 0, bytes, 0, nullptr, nullptr));
+    FERRY_CL(clFinish(q));
+    return m;
+  });
+  rise("pinned_driver_bytes_per_byte", [&] {
+    cl::PinnedBuffer p = offload::allocate_pinned_host(ctx, bytes, "staging bench driver-count pinned buffer");
+    std::memset(p.data(), 6, bytes);
+    copy_from_host(p.data());
+    return p;
+  });
+  try {
+    rise("registered_driver_bytes_per_byte", [&] {
+      offload::HostBuffer r = register_pages(ctx, bytes);
+      copy_from_host(r.data());
+      return r;
+    });
+  } catch (const std::exception&) {
+    // A driver that refuses registered pages: registered_error on the same line says so.
+  }
+  return j;
 }
 
 class StagingBench {
@@ -238,11 +306,6 @@ class StagingBench {
 
  private:
   // Pageable pages (written once) registered with the driver, as --host-memory registered's homes.
-  static offload::HostBuffer register_pages(const cl::Context& ctx, std::size_t bytes) {
-    offload::HostBuffer pages = offload::HostBuffer::pageable(bytes, "staging bench registered pages");
-    std::memset(pages.data(), 5, bytes);
-    return offload::HostBuffer::registered(ctx, std::move(pages), "staging bench registered pages");
-  }
   static void wait(const cl::Event& e) {
     cl_event raw = e.get();
     FERRY_CL(clWaitForEvents(1, &raw));
@@ -295,11 +358,14 @@ int run_staging(const BenchCommon& common, const StagingOptions& o) {
   const cl::DeviceInfo& dev = ctx.device();
   std::fprintf(stderr, "staging: %s through %d pinned chunks on %s\n", format_bytes(bytes).c_str(), o.slots,
                dev.name.c_str());
+  // Before the bench's own buffers exist, so the count rises by what each probe makes alone.
+  const nlohmann::json driver_counts = driver_bytes_per_byte(runtime, bytes);
   StagingBench bench(ctx, bytes, largest, o.slots);
   nlohmann::json base = {{"bench", "staging"}, {"device", dev.name},      {"device_type", dev.type_name()},
                          {"bytes", bytes},     {"repeat", common.repeat}, {"slots", o.slots}};
   nlohmann::json legs = base;
   legs.update(bench.legs(common.repeat));
+  legs.update(driver_counts);
   legs["chunk_bytes"] = nullptr;
   emit_json(legs);
   for (std::uint64_t chunk : chunks) {

@@ -5,9 +5,24 @@
 
 namespace ferry {
 
+namespace {
+
+// The device, with the driver's count read before its context exists (what other processes hold).
+std::unique_ptr<cl::Context> make_context(const RuntimeOptions& options,
+                                          std::unique_ptr<cl::DriverMemoryWatch>& driver_memory) {
+  const cl::DeviceInfo device = cl::select_device(options.device, options.local_rank);
+  driver_memory = std::make_unique<cl::DriverMemoryWatch>(
+      options.watch_driver_memory ? cl::DriverMemory::for_device(device)
+                                  : cl::DriverMemory("not watched (RuntimeOptions::watch_driver_memory is off)"));
+  auto context = std::make_unique<cl::Context>(device, cl::ContextOptions{.profiling = options.profiling});
+  driver_memory->context_made();
+  return context;
+}
+
+}  // namespace
+
 Runtime::Shared::Shared(const RuntimeOptions& options)
-    : context(std::make_unique<cl::Context>(cl::select_device(options.device, options.local_rank),
-                                            cl::ContextOptions{.profiling = options.profiling})),
+    : context(make_context(options, driver_memory)),
       kernels(std::make_unique<cl::KernelLibrary>(*context)),
       env{*kernels} {
   // Oclgrind's OpenCL runtime is not thread-safe (jrprice/Oclgrind#28, open): enqueues from

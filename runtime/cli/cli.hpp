@@ -175,6 +175,16 @@ void write_memory_profiles(const TrainArgs& a, const ferry::Trainer& trainer, fe
 nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Trainer& trainer,
                                     std::uint32_t batch, const std::vector<std::string>& output_errors);
 
+// The device memory the driver counted in use (ferry::Runtime::driver_memory) beside the plan's
+// peak. The fields of the `--json` line: driver_memory_source, driver_memory_unavailable,
+// driver_device_used_before_bytes, driver_device_used_after_context_bytes,
+// driver_device_used_peak_bytes, driver_device_bytes_beyond_plan (docs/outputs.md).
+void add_driver_memory_fields(nlohmann::json& j, const ferry::Trainer& trainer);
+// After a run (write_memory_profiles calls it): a line saying the driver's count (unless quiet,
+// and only where there is one), and a warning (even when quiet) where the driver counted more
+// than the plan's peak and the context together explain.
+void report_driver_memory(const TrainArgs& a, const ferry::Trainer& trainer);
+
 // `ferry train`'s exit status when training finished and its results were printed, but a side
 // output it was asked for (trace, profile) could not be written: scripts see the loss, a person
 // reads the warning.

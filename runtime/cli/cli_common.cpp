@@ -302,6 +302,7 @@ void write_memory_profiles(const TrainArgs& a, const ferry::Trainer& trainer, fe
                       [&] { profiler.write_csv(a.profile_path, {.replace_foreign_file = a.force}); });
   }
   if (!a.quiet) std::cerr << "ferry: memory profile (device bytes from the plan)\n" << profiler.summary();
+  report_driver_memory(a, trainer);  // and what the driver counted beside it
 }
 
 nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime, const ferry::Trainer& trainer,
@@ -330,6 +331,7 @@ nlohmann::json common_train_summary(const TrainArgs& a, ferry::Runtime& runtime,
                       {"staging_chunk_bytes", trainer.options().residency.staging_chunk_bytes},
                       {"host_optimizer", trainer.options().residency.host_optimizer}};
   add_phase_fields(j, trainer);
+  add_driver_memory_fields(j, trainer);
   return j;
 }
 

@@ -38,6 +38,25 @@ for key in test_accuracy train_loss samples_per_s step_ms device_peak_bytes trai
   state_home; do
   check "JSON has $key" grep -q "\"$key\":" <<<"$json"
 done
+check "on a device without a driver count the JSON says why" bash -c "grep -q '\"driver_memory_source\":null' <<<'$json' && grep -q '\"driver_memory_unavailable\":\"[a-z]' <<<'$json' && grep -q '\"driver_device_used_peak_bytes\":null' <<<'$json'"
+
+# The driver's count read through NVML (a stand-in library, tests/stand_ins/fake_nvml.cpp, whose
+# reads return FAKE_NVML_USED's values in turn: its own first check, before the context, after it,
+# then every later read): a run the plan explains, then one whose driver counts 8 GiB more.
+if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
+  nvml_run() {
+    FERRY_NVML_LIBRARY=$FERRY_TEST_FAKE_NVML FERRY_NVML_GPU=00000000:3b:00.0 FAKE_NVML_USED=$1 \
+      "$ferry" train --model mlp --epochs 1 --train-limit 512 --json "${@:2}" 2>"$work/nvml.err"
+  }
+  counted=$(nvml_run 1073741824,1073741824,2147483648)
+  check "the JSON has the driver's counts before and after the context and at the peak" bash -c \
+    "grep -q '\"driver_memory_source\":\"nvml\"' <<<'$counted' && grep -q '\"driver_device_used_before_bytes\":1073741824,' <<<'$counted' && grep -q '\"driver_device_used_after_context_bytes\":2147483648,' <<<'$counted' && grep -q '\"driver_device_used_peak_bytes\":2147483648,' <<<'$counted' && grep -q '\"driver_device_bytes_beyond_plan\":-[1-9]' <<<'$counted'"
+  check "ferry train prints the driver's count, and no warning where the plan explains it" bash -c \
+    "grep -q 'device memory as the driver counts it (nvml): 2.0 GiB in use at the peak' '$work/nvml.err' && ! grep -q 'warning: the driver' '$work/nvml.err'"
+  counted=$(nvml_run 1073741824,1073741824,2147483648,10737418240 --device-budget 64MiB)
+  check "a driver count beyond the plan and the context is a warning that places it against the budget" bash -c \
+    "grep -q 'warning: the driver (nvml) counted 10.0 GiB of device memory in use, 8.0 GiB more than' '$work/nvml.err' && grep -q 'over the device budget (64.0 MiB)' '$work/nvml.err' && grep -q '\"driver_device_used_peak_bytes\":10737418240,' <<<'$counted'"
+fi
 check "the JSON is one line" test "$(wc -l <<<"$json")" -eq 1
 check "the trace is a Chrome trace with lanes" bash -c "head -c 40 '$work/trace.json' | grep -q traceEvents && grep -q '\"compute\"' '$work/trace.json'"
 summary_py="$(dirname "${BASH_SOURCE[0]}")/../../bench/trace_summary.py"

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "ferry/cl/context.hpp"
+#include "ferry/cl/driver_memory.hpp"
 #include "ferry/cl/program.hpp"
 #include "ferry/ops/launch.hpp"
 
@@ -18,6 +19,10 @@ struct RuntimeOptions {
   int local_rank = 0;
   // Record device timestamps of every command (for traces and the timeline); costs a little.
   bool profiling = false;
+  // Read the device memory the driver counts in use (cl::DriverMemory: NVML on NVIDIA, AMD's
+  // free-memory query) before the context is made, after, and every 100 ms on a thread of its own:
+  // driver_memory() below. Nothing is read on devices whose driver has no count (CPUs, PoCL).
+  bool watch_driver_memory = true;
 };
 
 class Runtime {
@@ -31,12 +36,16 @@ class Runtime {
   cl::KernelLibrary& kernels() noexcept { return *shared_->kernels; }
   ops::OpEnv& env() noexcept { return shared_->env; }
   const RuntimeOptions& options() const noexcept { return options_; }
+  // The driver's count of device memory in use, before this runtime's context, after it, and
+  // the largest since (cl::DriverMemoryWatch); its source() says why nothing is read where not.
+  const cl::DriverMemoryWatch& driver_memory() const noexcept { return *shared_->driver_memory; }
 
   // The objects every compiled step uses: the context and its queues, the kernel library and the
   // ops' environment. Each Trainer made on this runtime holds them too, so a runtime destroyed
   // before its trainers leaves them working (their last commands finish on the same context).
   struct Shared {
     explicit Shared(const RuntimeOptions& options);
+    std::unique_ptr<cl::DriverMemoryWatch> driver_memory;  // made around the context
     std::unique_ptr<cl::Context> context;
     std::unique_ptr<cl::KernelLibrary> kernels;
     ops::OpEnv env;

@@ -223,6 +223,10 @@ class Trainer {
   std::uint64_t allreduce_bytes_per_step() const;
   // Peak device bytes of the training step, known from the memory plan before it runs.
   std::uint64_t device_peak_bytes() const;
+  // The device memory the driver counts in use, as the runtime this trainer was made on reads it
+  // (Runtime::driver_memory): beside device_peak_bytes(), whether the budget holds as the driver
+  // counts it.
+  const cl::DriverMemoryWatch& driver_memory() const noexcept { return *runtime_->driver_memory; }
   // Device budget the step was planned for, and the host bytes the training step holds: the
   // homes of weights and state, plus the step's pinned host pool (batch mirrors, gradients
   // spilled to the host or written back for the host optimizer, staging of compressed homes).

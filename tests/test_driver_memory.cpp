@@ -1,0 +1,138 @@
+// cl::DriverMemory and cl::DriverMemoryWatch (ferry/cl/driver_memory.hpp): the device memory a
+// driver counts in use, read through NVML from a stand-in library (tests/stand_ins/fake_nvml.cpp,
+// loaded as the real one is), the reasons given where nothing can be read, and the runtime's watch
+// on a device without a count (PoCL).
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "ferry/cl/driver_memory.hpp"
+#include "ferry/runtime/runtime.hpp"
+
+namespace ferry::test {
+namespace {
+
+constexpr const char* gpu_address = "00000000:3b:00.0";
+constexpr std::uint64_t gib = std::uint64_t{1} << 30;
+
+// The stand-in's own controls, from the copy of it the process has loaded.
+struct FakeNvml {
+  FakeNvml() {
+    handle = dlopen(FAKE_NVML, RTLD_NOW | RTLD_LOCAL);
+    EXPECT_NE(handle, nullptr) << dlerror();
+    set_used = reinterpret_cast<void (*)(unsigned long long)>(dlsym(handle, "fake_nvml_set_used"));
+    initialised = reinterpret_cast<int (*)()>(dlsym(handle, "fake_nvml_initialised"));
+  }
+  ~FakeNvml() { dlclose(handle); }
+  void* handle = nullptr;
+  void (*set_used)(unsigned long long) = nullptr;
+  int (*initialised)() = nullptr;
+};
+
+TEST(DriverMemory, ReadsNvmlsCountForTheGpuAtItsAddress) {
+  FakeNvml fake;
+  fake.set_used(3 * gib);
+  {
+    const cl::DriverMemory m = cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address);
+    ASSERT_TRUE(m.available()) << m.unavailable_reason();
+    EXPECT_EQ(m.source(), "nvml");
+    EXPECT_EQ(m.unavailable_reason(), "");
+    EXPECT_EQ(fake.initialised(), 1);
+    const auto r = m.read();
+    ASSERT_TRUE(r.has_value());
+    // nvidia-smi's figure (nvmlDeviceGetMemoryInfo_v2), not v1's, which adds the driver's reserve.
+    EXPECT_EQ(r->used_bytes, 3 * gib);
+    EXPECT_EQ(r->total_bytes, 80 * gib);
+    fake.set_used(5 * gib);
+    EXPECT_EQ(m.read()->used_bytes, 5 * gib);
+  }
+  EXPECT_EQ(fake.initialised(), 0) << "NVML is shut down with the last copy of the source";
+}
+
+TEST(DriverMemory, SaysWhyNothingIsRead) {
+  const cl::DriverMemory missing = cl::DriverMemory::from_nvml("/nonexistent/libnvidia-ml.so.1", gpu_address);
+  EXPECT_FALSE(missing.available());
+  EXPECT_FALSE(missing.read().has_value());
+  EXPECT_EQ(missing.source(), "");
+  EXPECT_NE(missing.unavailable_reason().find("cannot load /nonexistent/libnvidia-ml.so.1"), std::string::npos)
+      << missing.unavailable_reason();
+
+  const cl::DriverMemory not_nvml = cl::DriverMemory::from_nvml("libm.so.6", gpu_address);
+  EXPECT_FALSE(not_nvml.available());
+  EXPECT_NE(not_nvml.unavailable_reason().find("has no nvmlInit_v2"), std::string::npos)
+      << not_nvml.unavailable_reason();
+
+  FakeNvml fake;
+  const cl::DriverMemory elsewhere = cl::DriverMemory::from_nvml(FAKE_NVML, "00000000:65:00.0");
+  EXPECT_FALSE(elsewhere.available());
+  EXPECT_NE(elsewhere.unavailable_reason().find("nvmlDeviceGetHandleByPciBusId_v2(\"00000000:65:00.0\") returned 6 "
+                                                "(Not Found)"),
+            std::string::npos)
+      << elsewhere.unavailable_reason();
+  EXPECT_EQ(fake.initialised(), 0) << "a failed search shuts NVML down again";
+
+  ::setenv("FAKE_NVML_INIT_FAILS", "1", 1);
+  const cl::DriverMemory no_driver = cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address);
+  ::unsetenv("FAKE_NVML_INIT_FAILS");
+  EXPECT_FALSE(no_driver.available());
+  EXPECT_NE(no_driver.unavailable_reason().find("nvmlInit_v2 returned 9 (Driver Not Loaded)"), std::string::npos)
+      << no_driver.unavailable_reason();
+}
+
+TEST(DriverMemoryWatch, KeepsTheCountsBeforeAndAfterTheContextAndTheLargestSince) {
+  FakeNvml fake;
+  fake.set_used(1 * gib);
+  cl::DriverMemoryWatch watch(cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address), std::chrono::milliseconds(5));
+  EXPECT_EQ(watch.used_before_context_bytes(), 1 * gib);
+  EXPECT_FALSE(watch.used_after_context_bytes().has_value()) << "no context made yet";
+  EXPECT_FALSE(watch.peak_used_bytes().has_value()) << "nothing sampled before the context";
+  fake.set_used(2 * gib);  // the context's own memory
+  watch.context_made();
+  EXPECT_EQ(watch.used_after_context_bytes(), 2 * gib);
+  EXPECT_EQ(watch.peak_used_bytes(), 2 * gib);
+  fake.set_used(6 * gib);  // for a while, then freed: only the sampling thread sees it
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  fake.set_used(3 * gib);
+  EXPECT_EQ(watch.peak_used_bytes(), 6 * gib);
+  fake.set_used(7 * gib);  // read by the call itself
+  EXPECT_EQ(watch.peak_used_bytes(), 7 * gib);
+  EXPECT_EQ(watch.used_before_context_bytes(), 1 * gib);
+}
+
+TEST(DriverMemoryWatch, ReadsNothingFromASourceWithoutACount) {
+  cl::DriverMemoryWatch watch(cl::DriverMemory("a test's reason"));
+  watch.context_made();
+  EXPECT_FALSE(watch.used_before_context_bytes().has_value());
+  EXPECT_FALSE(watch.used_after_context_bytes().has_value());
+  EXPECT_FALSE(watch.peak_used_bytes().has_value());
+  EXPECT_EQ(watch.source().unavailable_reason(), "a test's reason");
+}
+
+TEST(DriverMemory, TheRuntimesDeviceSaysWhetherItsDriverCounts) {
+  Runtime runtime;
+  const cl::DriverMemoryWatch& watch = runtime.driver_memory();
+  const cl::DeviceInfo& d = runtime.device();
+  if (d.is_cpu() || d.host_unified_memory || d.is_simulator()) {
+    // PoCL and Oclgrind: the memory is the host's, and the reason says so.
+    EXPECT_FALSE(watch.source().available());
+    EXPECT_FALSE(watch.peak_used_bytes().has_value());
+    EXPECT_NE(watch.source().unavailable_reason(), "");
+  } else if (watch.source().available()) {
+    // A GPU whose driver counts (the GPU session's kit): the context took some memory.
+    EXPECT_GE(*watch.peak_used_bytes(), *watch.used_after_context_bytes());
+    EXPECT_GE(*watch.used_after_context_bytes(), watch.used_before_context_bytes().value_or(0));
+  } else {
+    EXPECT_NE(watch.source().unavailable_reason(), "");
+  }
+  Runtime unwatched(RuntimeOptions{.watch_driver_memory = false});
+  EXPECT_FALSE(unwatched.driver_memory().source().available());
+  EXPECT_NE(unwatched.driver_memory().source().unavailable_reason().find("watch_driver_memory is off"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace ferry::test
