@@ -123,10 +123,41 @@ graph::VariantKey evaluation_key(const TrainerOptions& options, std::uint32_t co
   return key;
 }
 
-std::uint64_t resolve_device_budget(std::uint64_t budget_bytes, const cl::DeviceInfo& device) {
-  if (budget_bytes != 0) return budget_bytes;
-  const std::uint64_t mem = device.global_mem_bytes;
+namespace {
+// `mem` less headroom for the driver and others: 10%, at least 256 MiB, at most half.
+std::uint64_t less_headroom(std::uint64_t mem) {
   return mem - std::min(mem / 2, std::max<std::uint64_t>(mem / 10, 256ull << 20));
+}
+}  // namespace
+
+std::uint64_t resolve_device_budget(std::uint64_t budget_bytes, const cl::DeviceInfo& device) {
+  return budget_bytes != 0 ? budget_bytes : less_headroom(device.global_mem_bytes);
+}
+
+std::uint64_t budget_within_free_memory(std::uint64_t budget_bytes, const cl::DriverMemoryWatch& count,
+                                        const cl::DeviceInfo& device, bool data_parallel) {
+  const auto free = count.free_after_context_bytes();
+  const auto used = count.used_after_context_bytes();
+  if (!free || !used) return budget_bytes;
+  const std::string counted = fmt::format(
+      "the driver ({}) counts {} free on '{}' ({} of its {} in use once this process's context was made, "
+      "by the context and other processes)",
+      count.source().source(), format_bytes(*free), device.name, format_bytes(*used), format_bytes(*free + *used));
+  if (budget_bytes > *free) {
+    throw std::invalid_argument(
+        fmt::format("device budget {} is more than {}: give at most {}, or no budget to use "
+                    "what is free",
+                    format_bytes(budget_bytes), counted, format_bytes(*free)));
+  }
+  if (budget_bytes != 0 || resolve_device_budget(0, device) <= *free) return budget_bytes;
+  // No budget, and the device's memory less headroom is more than is free.
+  if (data_parallel) {
+    throw std::invalid_argument(
+        fmt::format("no device budget given, and {}: give every rank a device budget of at "
+                    "most {} (the ranks plan alike, so none may take its own)",
+                    counted, format_bytes(*free)));
+  }
+  return less_headroom(*free);
 }
 
 graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget) {
@@ -165,6 +196,9 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     control_ = ranks_->split();
     detail::check_ranks_agree(*control_, build_graph(detail::training_key(options_)), model_, options_);
   }
+  // The budget as the driver's count of free device memory allows, before anything is planned.
+  options_.residency.budget_bytes = detail::budget_within_free_memory(
+      options_.residency.budget_bytes, runtime.driver_memory(), runtime.device(), detail::data_parallel(options_));
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
   // host budget and the machine's memory here, before any of them is allocated.

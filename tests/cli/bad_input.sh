@@ -239,6 +239,15 @@ row "FERRY_PROGRAM_CACHE neither on nor off" "FERRY_PROGRAM_CACHE='of': expected
   "FERRY_PROGRAM_CACHE=of" train "${quick[@]}"
 row "FERRY_HUGE_PAGES neither on nor off" "FERRY_HUGE_PAGES='maybe': expected 0 or 1 (also off/on" error \
   "FERRY_HUGE_PAGES=maybe" train "${quick[@]}"
+# A budget above the device memory the driver counts free: NVML read from a stand-in
+# (tests/stand_ins/fake_nvml.cpp, copied here so the row names no build folder) whose GPU has
+# all but 100 MiB of its 80 GiB in use once the context is made.
+if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
+  cp "$FERRY_TEST_FAKE_NVML" "$work/libnvidia-ml-stand-in.so"
+  row "--device-budget above what the driver counts free" "is more than the driver (nvml) counts 100.0 MiB free" \
+    error "FERRY_NVML_LIBRARY=$work/libnvidia-ml-stand-in.so FERRY_NVML_GPU=00000000:3b:00.0 FAKE_NVML_USED=1073741824,1073741824,85794488320" \
+    train "${quick[@]}" --device-budget 1GiB
+fi
 row "FERRY_BUILD_THREADS not a whole number from 1" "FERRY_BUILD_THREADS='0': expected a whole number from 1 to 1024" \
   error "FERRY_BUILD_THREADS=0" train "${quick[@]}"
 row "unknown FERRY_ATTENTION_KERNEL" "FERRY_ATTENTION_KERNEL='flash': attention: unknown kernel 'flash'" error \

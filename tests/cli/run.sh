@@ -56,6 +56,15 @@ if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
   counted=$(nvml_run 1073741824,1073741824,2147483648,10737418240 --device-budget 64MiB)
   check "a driver count beyond the plan and the context is a warning that places it against the budget" bash -c \
     "grep -q 'warning: the driver (nvml) counted 10.0 GiB of device memory in use, 8.0 GiB more than' '$work/nvml.err' && grep -q 'over the device budget (64.0 MiB)' '$work/nvml.err' && grep -q '\"driver_device_used_peak_bytes\":10737418240,' <<<'$counted'"
+  # Others hold all but 100 MiB of the stand-in's 80 GiB once the context is made.
+  crowded=1073741824,1073741824,85794488320
+  counted=$(nvml_run $crowded)
+  check "with no budget, a crowded device's budget is what the driver counts free less headroom" \
+    grep -q '"device_budget_bytes":52428800,' <<<"$counted"
+  nvml_run $crowded --device-budget 1GiB >/dev/null
+  status=$?
+  check "a budget above what the driver counts free is refused, naming both" bash -c \
+    "[ $status -eq 1 ] && grep -q 'error: device budget 1.0 GiB is more than the driver (nvml) counts 100.0 MiB free' '$work/nvml.err'"
 fi
 check "the JSON is one line" test "$(wc -l <<<"$json")" -eq 1
 check "the trace is a Chrome trace with lanes" bash -c "head -c 40 '$work/trace.json' | grep -q traceEvents && grep -q '\"compute\"' '$work/trace.json'"
