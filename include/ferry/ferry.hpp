@@ -3,6 +3,7 @@
 
 #include "ferry/cl/context.hpp"
 #include "ferry/cl/device.hpp"
+#include "ferry/cl/driver_memory.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/graph/builder.hpp"
 #include "ferry/graph/residency.hpp"

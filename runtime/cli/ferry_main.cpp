@@ -40,10 +40,15 @@ int cmd_devices() {
     return 1;
   }
   for (const auto& d : devices) {
-    std::cout << fmt::format("[{}] {} / {}  ({}, {} compute units, {} memory, largest buffer {}, {}{})\n", d.index,
+    // The driver's count of memory in use, where it keeps one (NVML, AMD's query): what others hold.
+    std::string in_use;
+    if (const auto count = ferry::cl::DriverMemory::for_device(d).read()) {
+      in_use = fmt::format(", {} in use as the driver counts it", ferry::format_bytes(count->used_bytes));
+    }
+    std::cout << fmt::format("[{}] {} / {}  ({}, {} compute units, {} memory{}, largest buffer {}, {}{})\n", d.index,
                              d.platform_name, d.name, d.type_name(), d.compute_units,
-                             ferry::format_bytes(d.global_mem_bytes), ferry::format_bytes(d.max_alloc_bytes), d.version,
-                             d.host_unified_memory ? ", unified host memory" : "");
+                             ferry::format_bytes(d.global_mem_bytes), in_use, ferry::format_bytes(d.max_alloc_bytes),
+                             d.version, d.host_unified_memory ? ", unified host memory" : "");
   }
   return 0;
 }
