@@ -197,10 +197,7 @@ DriverMemoryWatch::DriverMemoryWatch(DriverMemory source, std::chrono::milliseco
 
 void DriverMemoryWatch::context_made() {
   if (!source_.available() || sampler_) return;
-  if (const auto now = source_.read()) {
-    after_ = now->used_bytes;
-    free_after_ = now->total_bytes > now->used_bytes ? now->total_bytes - now->used_bytes : 0;
-  }
+  if (const auto now = source_.read()) after_ = now->used_bytes;
   sampler_ = std::make_unique<Sampler>();
   sampler_->peak = after_.value_or(0);
   sampler_->thread = std::thread([this] {

@@ -134,30 +134,29 @@ std::uint64_t resolve_device_budget(std::uint64_t budget_bytes, const cl::Device
   return budget_bytes != 0 ? budget_bytes : less_headroom(device.global_mem_bytes);
 }
 
-std::uint64_t budget_within_free_memory(std::uint64_t budget_bytes, const cl::DriverMemoryWatch& count,
+std::uint64_t budget_within_free_memory(std::uint64_t budget_bytes, const cl::DriverMemory& count,
                                         const cl::DeviceInfo& device, bool data_parallel) {
-  const auto free = count.free_after_context_bytes();
-  const auto used = count.used_after_context_bytes();
-  if (!free || !used) return budget_bytes;
+  const auto now = count.read();
+  if (!now) return budget_bytes;
+  const std::uint64_t free = now->total_bytes > now->used_bytes ? now->total_bytes - now->used_bytes : 0;
   const std::string counted = fmt::format(
-      "the driver ({}) counts {} free on '{}' ({} of its {} in use once this process's context was made, "
-      "by the context and other processes)",
-      count.source().source(), format_bytes(*free), device.name, format_bytes(*used), format_bytes(*free + *used));
-  if (budget_bytes > *free) {
+      "the driver ({}) counts {} free on '{}' ({} of its {} in use, by this process and others)", count.source(),
+      format_bytes(free), device.name, format_bytes(now->used_bytes), format_bytes(now->total_bytes));
+  if (budget_bytes > free) {
     throw std::invalid_argument(
         fmt::format("device budget {} is more than {}: give at most {}, or no budget to use "
                     "what is free",
-                    format_bytes(budget_bytes), counted, format_bytes(*free)));
+                    format_bytes(budget_bytes), counted, format_bytes(free)));
   }
-  if (budget_bytes != 0 || resolve_device_budget(0, device) <= *free) return budget_bytes;
+  if (budget_bytes != 0 || resolve_device_budget(0, device) <= free) return budget_bytes;
   // No budget, and the device's memory less headroom is more than is free.
   if (data_parallel) {
     throw std::invalid_argument(
         fmt::format("no device budget given, and {}: give every rank a device budget of at "
                     "most {} (the ranks plan alike, so none may take its own)",
-                    counted, format_bytes(*free)));
+                    counted, format_bytes(free)));
   }
-  return less_headroom(*free);
+  return less_headroom(free);
 }
 
 graph::ResidencyOptions residency_options(const TrainerOptions& options, std::uint64_t device_budget) {
@@ -196,9 +195,10 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     control_ = ranks_->split();
     detail::check_ranks_agree(*control_, build_graph(detail::training_key(options_)), model_, options_);
   }
-  // The budget as the driver's count of free device memory allows, before anything is planned.
-  options_.residency.budget_bytes = detail::budget_within_free_memory(
-      options_.residency.budget_bytes, runtime.driver_memory(), runtime.device(), detail::data_parallel(options_));
+  // The budget as the driver's count of free device memory allows now, before anything is planned.
+  options_.residency.budget_bytes =
+      detail::budget_within_free_memory(options_.residency.budget_bytes, runtime.driver_memory().source(),
+                                        runtime.device(), detail::data_parallel(options_));
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
   // host budget and the machine's memory here, before any of them is allocated.

@@ -46,12 +46,12 @@ inline std::uint64_t resolve_device_budget(const TrainerOptions& options, const 
   return resolve_device_budget(options.residency.budget_bytes, device);
 }
 // The budget a Trainer takes where the driver counts device memory in use (`count`: the runtime's
-// watch; the budget returned unchanged without a count): a budget above what the driver counted free
-// once the context existed throws std::invalid_argument naming both; with no budget (0), where the
-// device's memory less headroom is more than is free (other processes hold some), the free memory
-// less the same headroom, or on a rank of a data-parallel run (whose ranks must plan alike) an
-// error asking for a budget; otherwise the budget as given.
-std::uint64_t budget_within_free_memory(std::uint64_t budget_bytes, const cl::DriverMemoryWatch& count,
+// source, read now; the budget returned unchanged without a count): a budget above what the driver
+// counts free throws std::invalid_argument naming both; with no budget (0), where the device's
+// memory less headroom is more than is free (other processes, or this one's other trainers, hold
+// some), the free memory less the same headroom, or on a rank of a data-parallel run (whose ranks
+// must plan alike) an error asking for a budget; otherwise the budget as given.
+std::uint64_t budget_within_free_memory(std::uint64_t budget_bytes, const cl::DriverMemory& count,
                                         const cl::DeviceInfo& device, bool data_parallel);
 // The residency options a Trainer compiles with: the options', the budget resolved and updates grouped
 // when the graph fuses (TrainerOptions::fuse).

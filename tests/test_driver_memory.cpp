@@ -114,39 +114,33 @@ TEST(DriverMemoryWatch, ReadsNothingFromASourceWithoutACount) {
 }
 
 // A Trainer's budget against what the driver counts free (detail::budget_within_free_memory).
-TEST(DriverMemoryWatch, ABudgetMustFitWhatTheDriverCountsFree) {
+TEST(DriverMemory, ABudgetMustFitWhatTheDriverCountsFree) {
   FakeNvml fake;
   const cl::DeviceInfo device = Runtime(RuntimeOptions{.watch_driver_memory = false}).device();
   const std::uint64_t mib = std::uint64_t{1} << 20, free = 100 * mib;
-  fake.set_used(1 * gib);
-  cl::DriverMemoryWatch crowded(cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address));
+  const cl::DriverMemory count = cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address);
   fake.set_used(80 * gib - free);  // others hold all but 100 MiB of the stand-in's 80 GiB
-  crowded.context_made();
-  ASSERT_EQ(crowded.free_after_context_bytes(), free);
   try {
-    detail::budget_within_free_memory(gib, crowded, device, false);
+    detail::budget_within_free_memory(gib, count, device, false);
     ADD_FAILURE() << "a budget above the free memory was taken";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("device budget 1.0 GiB is more than the driver (nvml) counts 100.0 MiB free"),
               std::string::npos)
         << e.what();
   }
-  EXPECT_EQ(detail::budget_within_free_memory(64 * mib, crowded, device, false), 64 * mib);
+  EXPECT_EQ(detail::budget_within_free_memory(64 * mib, count, device, false), 64 * mib);
   // No budget: the free memory less its headroom (half of it, below 512 MiB), where the device's
   // own less headroom would not fit.
   ASSERT_GT(detail::resolve_device_budget(0, device), free);
-  EXPECT_EQ(detail::budget_within_free_memory(0, crowded, device, false), free / 2);
-  EXPECT_THROW(detail::budget_within_free_memory(0, crowded, device, true), std::invalid_argument)
+  EXPECT_EQ(detail::budget_within_free_memory(0, count, device, false), free / 2);
+  EXPECT_THROW(detail::budget_within_free_memory(0, count, device, true), std::invalid_argument)
       << "a rank of a data-parallel run may not choose its own budget";
 
-  fake.set_used(1 * gib);
-  cl::DriverMemoryWatch roomy(cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address));
-  roomy.context_made();
-  ASSERT_GT(*roomy.free_after_context_bytes(), detail::resolve_device_budget(0, device));
-  EXPECT_EQ(detail::budget_within_free_memory(0, roomy, device, true), 0u) << "the device's own default stands";
-  cl::DriverMemoryWatch uncounted(cl::DriverMemory("no count"));
-  uncounted.context_made();
-  EXPECT_EQ(detail::budget_within_free_memory(100 * gib, uncounted, device, false), 100 * gib)
+  fake.set_used(1 * gib);  // read again: the count now, not an earlier one
+  ASSERT_GT(79 * gib, detail::resolve_device_budget(0, device));
+  EXPECT_EQ(detail::budget_within_free_memory(0, count, device, true), 0u) << "the device's own default stands";
+  EXPECT_EQ(detail::budget_within_free_memory(0, cl::DriverMemory("no count"), device, false), 0u);
+  EXPECT_EQ(detail::budget_within_free_memory(100 * gib, cl::DriverMemory("no count"), device, false), 100 * gib)
       << "without a count the budget is as given (the device's own size is checked elsewhere)";
 }
 

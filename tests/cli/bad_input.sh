@@ -241,7 +241,7 @@ row "FERRY_HUGE_PAGES neither on nor off" "FERRY_HUGE_PAGES='maybe': expected 0 
   "FERRY_HUGE_PAGES=maybe" train "${quick[@]}"
 # A budget above the device memory the driver counts free: NVML read from a stand-in
 # (tests/stand_ins/fake_nvml.cpp, copied here so the row names no build folder) whose GPU has
-# all but 100 MiB of its 80 GiB in use once the context is made.
+# all but 100 MiB of its 80 GiB in use from the context on.
 if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
   cp "$FERRY_TEST_FAKE_NVML" "$work/libnvidia-ml-stand-in.so"
   row "--device-budget above what the driver counts free" "is more than the driver (nvml) counts 100.0 MiB free" \

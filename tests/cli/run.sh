@@ -58,7 +58,7 @@ if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
     "grep -q 'warning: the driver (nvml) counted 10.0 GiB of device memory in use, 8.0 GiB more than' '$work/nvml.err' && grep -q 'over the device budget (64.0 MiB)' '$work/nvml.err' && grep -q '\"driver_device_used_peak_bytes\":10737418240,' <<<'$counted'"
   check "ferry devices says what the driver counts in use" bash -c \
     "FERRY_NVML_LIBRARY='$FERRY_TEST_FAKE_NVML' FERRY_NVML_GPU=00000000:3b:00.0 '$ferry' devices | grep -q ', 1.0 GiB in use as the driver counts it,'"
-  # Others hold all but 100 MiB of the stand-in's 80 GiB once the context is made.
+  # Others hold all but 100 MiB of the stand-in's 80 GiB from the context on.
   crowded=1073741824,1073741824,85794488320
   counted=$(nvml_run $crowded)
   check "with no budget, a crowded device's budget is what the driver counts free less headroom" \

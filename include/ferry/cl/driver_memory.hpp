@@ -78,16 +78,13 @@ class DriverMemoryWatch {
   const DriverMemory& source() const noexcept { return source_; }
   std::optional<std::uint64_t> used_before_context_bytes() const noexcept { return before_; }
   std::optional<std::uint64_t> used_after_context_bytes() const noexcept { return after_; }
-  // The device's memory the driver counted free once the context existed (its total less the
-  // count then): what this process may still allocate while others hold what they hold.
-  std::optional<std::uint64_t> free_after_context_bytes() const noexcept { return free_after_; }
   // The largest count read so far, a reading taken now included; nullopt where nothing is read.
   std::optional<std::uint64_t> peak_used_bytes() const;
 
  private:
   struct Sampler;
   DriverMemory source_;
-  std::optional<std::uint64_t> before_, after_, free_after_;
+  std::optional<std::uint64_t> before_, after_;
   std::chrono::milliseconds period_;
   std::unique_ptr<Sampler> sampler_;
 };
