@@ -31,6 +31,8 @@
 #              tuned kernel beside SDPA
 #   host-optimizer  `ferry-bench host-optimizer --peer`: the host optimizer's AdamW and 8-bit AdamW on
 #              one and on every core (the 6.4B run's largest term), beside PyTorch's CPU AdamW
+#   driver-count  `ferry devices` (each device's memory in use as the driver counts it) and
+#              test_driver_memory: whether ferry reads NVML on this driver (its stand-in's cases skip)
 #   peak       `ferry-bench peak`: the GPU's fp32 FMA peak, that the GEMM's and the steps' figures read
 #              against (in-place fma chains since 2026-12-06; no GPU figure of it is recorded yet)
 #   staging    `ferry-bench staging` over 1 GiB: each leg of a pageable <-> device copy and a pipeline
@@ -155,6 +157,8 @@ for p in "$@"; do
     host-optimizer)  # the host's AdamW and 8-bit AdamW on 1 and all cores, beside PyTorch's CPU AdamW
       part host-optimizer 90 "$kit/bin/ferry-bench" --repeat 5 host-optimizer --threads 1 "$(nproc)" --peer \
         --python "$python_peer" ;;
+    driver-count)  # ferry's own reading of the driver's count (NVML): ferry devices, then its test binary
+      part "$p" 60 bash -c "'$kit/bin/ferry' devices && FERRY_TUNE=off '$kit/bin/test_driver_memory'" ;;
     peak)
       part peak 60 "$kit/bin/ferry-bench" --repeat 3 peak --widths 1 2 4 --accumulators 4 8 16 ;;
     staging)
