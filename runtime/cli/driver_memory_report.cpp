@@ -29,7 +29,8 @@ std::optional<DriverCount> driver_count(const ferry::Trainer& trainer) {
   return c;
 }
 
-// Beyond the plan by more than the driver's rounding of buffers: 256 MiB or 5% of the plan's peak.
+// Beyond the plan by more than the driver's rounding of buffers: the larger of 256 MiB and 5% of
+// the plan's peak.
 bool beyond_what_the_plan_explains(const DriverCount& c, std::uint64_t planned) {
   const std::int64_t slack = std::max<std::int64_t>(std::int64_t{256} << 20, static_cast<std::int64_t>(planned / 20));
   return c.beyond_plan > slack;

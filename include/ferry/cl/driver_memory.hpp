@@ -1,5 +1,5 @@
-// The device memory a GPU's driver counts as in use, where the driver says: a check of
-// --device-budget as the driver sees it, beside the plan's own peak. A driver may take device
+// The device memory a GPU's driver counts as in use, where the driver says: a check of a device
+// budget as the driver sees it, beside the plan's own peak. A driver may take device
 // memory that no buffer of ferry's names (NVIDIA backs pinned host buffers with device memory too),
 // and only its own count shows that.
 //
