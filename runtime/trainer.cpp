@@ -196,9 +196,11 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     detail::check_ranks_agree(*control_, build_graph(detail::training_key(options_)), model_, options_);
   }
   // The budget as the driver's count of free device memory allows now, before anything is planned.
+  const std::uint64_t budget_asked = options_.residency.budget_bytes;
   options_.residency.budget_bytes =
       detail::budget_within_free_memory(options_.residency.budget_bytes, runtime.driver_memory().source(),
                                         runtime.device(), detail::data_parallel(options_));
+  budget_from_free_memory_ = budget_asked == 0 && options_.residency.budget_bytes != 0;
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
   // host budget and the machine's memory here, before any of them is allocated.

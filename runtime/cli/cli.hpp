@@ -184,6 +184,9 @@ void add_driver_memory_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 // and only where there is one), and a warning (even when quiet) where the driver counted more
 // than the plan's peak and the context together explain.
 void report_driver_memory(const TrainArgs& a, const ferry::Trainer& trainer);
+// For the residency line: where the trainer took its budget from what the driver counts free
+// (Trainer::budget_from_free_memory), "; ..." saying so; else "".
+std::string budget_from_free_memory_note(const ferry::Trainer& trainer);
 
 // `ferry train`'s exit status when training finished and its results were printed, but a side
 // output it was asked for (trace, profile) could not be written: scripts see the loss, a person

@@ -78,4 +78,15 @@ void report_driver_memory(const TrainArgs& a, const ferry::Trainer& trainer) {
   }
 }
 
+std::string budget_from_free_memory_note(const ferry::Trainer& trainer) {
+  if (!trainer.budget_from_free_memory()) return "";
+  const auto count = trainer.driver_memory().source().read();
+  return fmt::format(
+      "; no --device-budget given, so the budget is the free memory as the driver ({}) counts it{}, "
+      "less headroom: other processes hold part of the device",
+      trainer.driver_memory().source().source(),
+      count ? fmt::format(" ({} of {} in use)", format_bytes(count->used_bytes), format_bytes(count->total_bytes))
+            : std::string());
+}
+
 }  // namespace ferry::cli

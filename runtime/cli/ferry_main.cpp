@@ -191,10 +191,10 @@ std::string residency_banner(const ferry::Trainer& trainer) {
                          rr.unpacks, rr.packs, ferry::format_bytes(compiled_train_step(trainer).host_step_bytes()));
   }
   return fmt::format(
-      "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}\n",
+      "ferry: residency {} (weights: {}, optimizer state: {}): device peak {} of a {} budget (planned){}{}\n",
       ferry::graph::residency_mode_name(rr.mode), ferry::offload::home_name(trainer.weights_home()),
       ferry::offload::home_name(trainer.state_home()), ferry::format_bytes(trainer.device_peak_bytes()),
-      ferry::format_bytes(trainer.device_budget_bytes()), where);
+      ferry::format_bytes(trainer.device_budget_bytes()), budget_from_free_memory_note(trainer), where);
 }
 
 // Fashion-MNIST's two splits as `a` asks: checked against the model before any step, the training

@@ -227,9 +227,10 @@ void announce_gpt(const Runtime& runtime, const Trainer& trainer, double compile
 // Where the state lives, and what an explicit --recompute costs where it buys nothing.
 void announce_residency(Runtime& runtime, const Trainer& trainer, const TrainerOptions& opt) {
   const bool on_host = trainer.residency().mode != graph::ResidencyMode::resident;
-  std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned){}\n",
+  std::cerr << fmt::format("ferry: residency {}: device peak {} of a {} budget (planned){}{}\n",
                            graph::residency_mode_name(trainer.residency().mode),
                            format_bytes(trainer.device_peak_bytes()), format_bytes(trainer.device_budget_bytes()),
+                           budget_from_free_memory_note(trainer),
                            on_host ? fmt::format("; {} in {} host memory", format_bytes(trainer.host_state_bytes()),
                                                  offload::host_memory_name(trainer.host_memory()))
                                    : std::string());

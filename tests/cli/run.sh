@@ -61,8 +61,8 @@ if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
   # Others hold all but 100 MiB of the stand-in's 80 GiB from the context on.
   crowded=1073741824,1073741824,85794488320
   counted=$(nvml_run $crowded)
-  check "with no budget, a crowded device's budget is what the driver counts free less headroom" \
-    grep -q '"device_budget_bytes":52428800,' <<<"$counted"
+  check "with no budget, a crowded device's budget is what the driver counts free less headroom, and ferry says so" \
+    bash -c "grep -q '\"device_budget_bytes\":52428800,' <<<'$counted' && grep -q 'budget (planned); no --device-budget given, so the budget is the free memory as the driver (nvml) counts it (79.9 GiB of 80.0 GiB in use), less headroom' '$work/nvml.err'"
   nvml_run $crowded --device-budget 1GiB >/dev/null
   status=$?
   check "a budget above what the driver counts free is refused, naming both" bash -c \

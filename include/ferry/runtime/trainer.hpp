@@ -231,6 +231,9 @@ class Trainer {
   // homes of weights and state, plus the step's pinned host pool (batch mirrors, gradients
   // spilled to the host or written back for the host optimizer, staging of compressed homes).
   std::uint64_t device_budget_bytes() const noexcept { return budget_; }
+  // Whether that budget was taken from what the driver counts free (no budget given, and the
+  // device's memory less headroom would have been more: other processes hold part of the device).
+  bool budget_from_free_memory() const noexcept { return budget_from_free_memory_; }
   std::uint64_t host_state_bytes() const;
   // What the residency pass chose for the training step: the mode, the copies per step.
   const graph::ResidencyReport& residency() const;
@@ -391,6 +394,7 @@ class Trainer {
   TrainerOptions options_;
   float lr_;
   std::uint64_t budget_ = 0;
+  bool budget_from_free_memory_ = false;
   std::uint64_t steps_ = 0;
   std::uint64_t weights_checked_at_ = 0;  // the last update after which the weights were checked finite
   // The compiled steps (the training step and the variants compiled so far) and where the
