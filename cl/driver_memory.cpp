@@ -19,13 +19,17 @@ namespace {
 // cl_nv_device_attribute_query's PCI address, which the headers do not declare.
 constexpr cl_device_info pci_bus_id_nv = 0x4008, pci_slot_id_nv = 0x4009, pci_domain_id_nv = 0x400A;
 
+// A PCI address as NVML spells it: domain:bus:device.function, hexadecimal.
+std::string nvml_address(cl_uint domain, cl_uint bus, cl_uint device, cl_uint function) {
+  return fmt::format("{:08x}:{:02x}:{:02x}.{:x}", domain, bus, device, function);
+}
+
 // The device's PCI address as NVML spells it, or "" where the driver does not say.
 std::string pci_bus_id(const DeviceInfo& device) {
   if (device.has_extension("cl_khr_pci_bus_info")) {
     cl_device_pci_bus_info_khr info{};
     if (clGetDeviceInfo(device.id, CL_DEVICE_PCI_BUS_INFO_KHR, sizeof info, &info, nullptr) == CL_SUCCESS) {
-      return fmt::format("{:08x}:{:02x}:{:02x}.{:x}", info.pci_domain, info.pci_bus, info.pci_device,
-                         info.pci_function);
+      return nvml_address(info.pci_domain, info.pci_bus, info.pci_device, info.pci_function);
     }
   }
   if (device.has_extension("cl_nv_device_attribute_query")) {
@@ -37,7 +41,7 @@ std::string pci_bus_id(const DeviceInfo& device) {
     // Older drivers lack the domain query: domain 0 then, as on most machines.
     if (clGetDeviceInfo(device.id, pci_domain_id_nv, sizeof domain, &domain, nullptr) != CL_SUCCESS) domain = 0;
     // The slot holds the device number above three bits of function.
-    return fmt::format("{:08x}:{:02x}:{:02x}.{:x}", domain, bus, slot >> 3, slot & 7);
+    return nvml_address(domain, bus, slot >> 3, slot & 7);
   }
   return "";
 }

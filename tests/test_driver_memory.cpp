@@ -128,7 +128,7 @@ TEST(DriverMemoryWatch, ReadsNothingFromASourceWithoutACount) {
 // A Trainer's budget against what the driver counts free (detail::budget_within_free_memory).
 TEST_F(StandInNvml, ABudgetMustFitWhatTheDriverCountsFree) {
   FakeNvml fake;
-  const cl::DeviceInfo device = Runtime(RuntimeOptions{.watch_driver_memory = false}).device();
+  const cl::DeviceInfo device = cl::select_device();  // its size for the default budget; no context needed
   const std::uint64_t mib = std::uint64_t{1} << 20, free = 100 * mib;
   const cl::DriverMemory count = cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address);
   fake.set_used(80 * gib - free);  // others hold all but 100 MiB of the stand-in's 80 GiB

@@ -44,10 +44,13 @@ void add_driver_memory_fields(nlohmann::json& j, const ferry::Trainer& trainer) 
   j["driver_memory_source"] = source.available() ? nlohmann::json(source.source()) : nlohmann::json(nullptr);
   j["driver_memory_unavailable"] =
       source.available() ? nlohmann::json(nullptr) : nlohmann::json(source.unavailable_reason());
-  j["driver_device_used_before_bytes"] = c ? nlohmann::json(c->before) : nlohmann::json(nullptr);
-  j["driver_device_used_after_context_bytes"] = c ? nlohmann::json(c->after_context) : nlohmann::json(nullptr);
-  j["driver_device_used_peak_bytes"] = c ? nlohmann::json(c->peak) : nlohmann::json(nullptr);
-  j["driver_device_bytes_beyond_plan"] = c ? nlohmann::json(c->beyond_plan) : nlohmann::json(nullptr);
+  const auto or_null = [&](auto DriverCount::*field) {
+    return c ? nlohmann::json((*c).*field) : nlohmann::json(nullptr);
+  };
+  j["driver_device_used_before_bytes"] = or_null(&DriverCount::before);
+  j["driver_device_used_after_context_bytes"] = or_null(&DriverCount::after_context);
+  j["driver_device_used_peak_bytes"] = or_null(&DriverCount::peak);
+  j["driver_device_bytes_beyond_plan"] = or_null(&DriverCount::beyond_plan);
 }
 
 void report_driver_memory(const TrainArgs& a, const ferry::Trainer& trainer) {

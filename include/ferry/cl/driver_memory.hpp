@@ -33,7 +33,7 @@ struct DriverMemoryReading {
 class DriverMemory {
  public:
   // A source that reads nothing: `reason` says why.
-  explicit DriverMemory(std::string reason = "no driver source asked for");
+  explicit DriverMemory(std::string reason);
 
   // The source for `device` (see above), or one that reads nothing and says why. Never throws:
   // the count is a report, and a driver without it must not stop a run.
