@@ -182,6 +182,13 @@ std::vector<UpfrontVariant> upfront_variants(const TrainerOptions& options) {
 
 }  // namespace detail
 
+TrainerBudget trainer_budget_now(Runtime& runtime, const TrainerOptions& options) {
+  const std::uint64_t given = options.residency.budget_bytes;
+  const std::uint64_t budget = detail::budget_within_free_memory(given, runtime.driver_memory().source(),
+                                                                 runtime.device(), detail::data_parallel(options));
+  return {budget, given == 0 && budget != 0};
+}
+
 Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     : runtime_(runtime.shared()),
       model_(std::move(model)),
@@ -196,11 +203,9 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
     detail::check_ranks_agree(*control_, build_graph(detail::training_key(options_)), model_, options_);
   }
   // The budget as the driver's count of free device memory allows now, before anything is planned.
-  const std::uint64_t budget_asked = options_.residency.budget_bytes;
-  options_.residency.budget_bytes =
-      detail::budget_within_free_memory(options_.residency.budget_bytes, runtime.driver_memory().source(),
-                                        runtime.device(), detail::data_parallel(options_));
-  budget_from_free_memory_ = budget_asked == 0 && options_.residency.budget_bytes != 0;
+  const TrainerBudget budget = trainer_budget_now(runtime, options_);
+  options_.residency.budget_bytes = budget.budget_bytes;
+  budget_from_free_memory_ = budget.from_free_memory;
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
   // host budget and the machine's memory here, before any of them is allocated.

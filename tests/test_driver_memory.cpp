@@ -12,8 +12,10 @@
 #include <thread>
 
 #include "ferry/cl/driver_memory.hpp"
+#include "ferry/runtime/plan.hpp"
 #include "ferry/runtime/runtime.hpp"
 #include "runtime/trainer_variants.hpp"
+#include "test_support.hpp"
 
 namespace ferry::test {
 namespace {
@@ -154,6 +156,34 @@ TEST_F(StandInNvml, ABudgetMustFitWhatTheDriverCountsFree) {
   EXPECT_EQ(detail::budget_within_free_memory(0, cl::DriverMemory("no count"), device, false), 0u);
   EXPECT_EQ(detail::budget_within_free_memory(100 * gib, cl::DriverMemory("no count"), device, false), 100 * gib)
       << "without a count the budget is as given (the device's own size is checked elsewhere)";
+}
+
+// The budget a Trainer made now would plan in, through a Runtime whose driver counts (the stand-in
+// named as a user names a library and a GPU): ferry::trainer_budget_now, which ferry plan reports.
+TEST_F(StandInNvml, TheTrainersBudgetIsTheRuntimesCountNow) {
+  FakeNvml fake;
+  const ScopedEnv library("FERRY_NVML_LIBRARY", FAKE_NVML);
+  const ScopedEnv gpu("FERRY_NVML_GPU", gpu_address);
+  const std::uint64_t mib = std::uint64_t{1} << 20;
+  fake.set_used(1 * gib);
+  Runtime runtime;
+  ASSERT_TRUE(runtime.driver_memory().source().available()) << runtime.driver_memory().source().unavailable_reason();
+  TrainerOptions options;
+  fake.set_used(80 * gib - 100 * mib);  // others took all but 100 MiB after the runtime was made
+  TrainerBudget taken = trainer_budget_now(runtime, options);
+  EXPECT_EQ(taken.budget_bytes, 50 * mib) << "the free memory less its headroom";
+  EXPECT_TRUE(taken.from_free_memory);
+  options.residency.budget_bytes = 64 * mib;
+  taken = trainer_budget_now(runtime, options);
+  EXPECT_EQ(taken.budget_bytes, 64 * mib);
+  EXPECT_FALSE(taken.from_free_memory);
+  options.residency.budget_bytes = gib;
+  EXPECT_THROW(trainer_budget_now(runtime, options), std::invalid_argument);
+  fake.set_used(1 * gib);  // freed again: the device's own default stands
+  options.residency.budget_bytes = 0;
+  taken = trainer_budget_now(runtime, options);
+  EXPECT_EQ(taken.budget_bytes, 0u);
+  EXPECT_FALSE(taken.from_free_memory);
 }
 
 TEST(DriverMemory, TheRuntimesDeviceSaysWhetherItsDriverCounts) {

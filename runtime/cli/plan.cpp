@@ -13,9 +13,11 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
+#include <string_view>
 
 #include "cli.hpp"
 #include "runtime/plan_search.hpp"
+#include "runtime/trainer_variants.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -153,15 +155,31 @@ struct PlanReport {
   std::uint64_t budget = 0, host_budget = 0, host_limit = 0;  // host_budget 0: not given (the limit is physical memory)
   std::string host_memory;
   std::string recompute_note;  // an explicit --recompute that buys nothing (recompute_cost_note)
+  // Where the device budget came from, as ferry train here would take it now (trainer_budget_now):
+  // "given", "device" (its memory less headroom) or "driver_free_memory"; and, where ferry train would
+  // refuse the budget given (above what the driver counts free), why.
+  const char* budget_source = "given";
+  std::string budget_refused;
   ferry::ConfigurationSearch search;
   const ferry::Configuration* chosen() const { return search.chosen ? &search.tried[*search.chosen] : nullptr; }
   bool any_fits() const { return configured.fits() || search.chosen.has_value(); }
 };
 
 PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry::ModelSpec& model,
-                       const ferry::TrainerOptions& base) {
+                       ferry::TrainerOptions base) {
   PlanReport r;
   r.device = runtime.device().name;
+  // The budget ferry train would plan in on this device now: on a GPU other processes share, what
+  // the driver counts free bounds it. A budget it would refuse is still planned as given (a plan for
+  // when the device is free), with the refusal said.
+  try {
+    const ferry::TrainerBudget taken = ferry::trainer_budget_now(runtime, base);
+    r.budget_source = taken.from_free_memory ? "driver_free_memory" : base.residency.budget_bytes ? "given" : "device";
+    base.residency.budget_bytes = taken.budget_bytes;
+  } catch (const std::invalid_argument& e) {
+    r.budget_refused = e.what();
+    r.budget_source = base.residency.budget_bytes ? "given" : "device";
+  }
   // The rates of the step-time prediction: given, or measured here.
   for (std::size_t i = 0; i < rate_count; ++i) {
     const RateSpec& spec = rate_specs[i];
@@ -188,9 +206,8 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   resident.residency.budget_bytes = ~std::uint64_t{0} >> 1;
   r.min_resident = ferry::plan_training(runtime, model, resident).device_peak_bytes;
   r.min_streamed = ferry::min_stream_budget(runtime, model, base);
-  r.budget = r.configured.plan
-                 ? r.configured.plan->device_budget_bytes
-                 : (base.residency.budget_bytes ? base.residency.budget_bytes : runtime.device().global_mem_bytes);
+  r.budget = r.configured.plan ? r.configured.plan->device_budget_bytes
+                               : ferry::detail::resolve_device_budget(base, runtime.device());
   r.host_budget = base.residency.host_budget_bytes;
   r.host_limit = r.host_budget ? r.host_budget : ferry::physical_memory_bytes();
   r.host_memory = ferry::offload::host_memory_name(
@@ -339,6 +356,7 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                      const PlanReport& r) {
   const auto& plan = r.configured.plan;
   const ferry::Configuration* chosen = r.chosen();
+  const nlohmann::json refused = r.budget_refused.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.budget_refused);
   nlohmann::json j = {{"schema", plan_json_schema},
                       {"model", model.name},
                       {"batch", base.batch},
@@ -349,6 +367,8 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"accumulate", base.accumulate},
                       {"precision", precision_name(base.precision.compute)},
                       {"device_budget_bytes", r.budget},
+                      {"device_budget_source", r.budget_source},
+                      {"device_budget_refused", refused},
                       {"recompute", plan ? nlohmann::json(plan->recompute) : nullptr},
                       {"host_budget_bytes", r.host_limit},
                       {"host_budget_given", r.host_budget != 0},
@@ -492,13 +512,26 @@ std::string host_limit_note(const PlanReport& r) {
       ferry::format_bytes(physical));
 }
 
+std::string device_budget_note(const PlanReport& r) {
+  const std::string_view source = r.budget_source;
+  if (source == "device") return " (the device's memory less headroom)";
+  if (source == "driver_free_memory") {
+    return " (what the driver counts free less headroom: other processes hold part of the device; ferry train here "
+           "takes the same)";
+  }
+  return "";
+}
+
 void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const ferry::TrainerOptions& base,
                      const PlanReport& r) {
   std::cout << fmt::format(
-      "ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {}, host budget {}{} on {}\n", model.name,
+      "ferry plan: {}, batch {}, {}, {}, phases {}{}, device budget {}{}, host budget {}{} on {}\n", model.name,
       base.batch, a.optimizer, precision_name(base.precision.compute), ferry::phases_name(base.phases.hybrid),
       base.accumulate > 1 ? fmt::format(", accumulate {}", base.accumulate) : "", ferry::format_bytes(r.budget),
-      ferry::format_bytes(r.host_limit), host_limit_note(r), r.device);
+      device_budget_note(r), ferry::format_bytes(r.host_limit), host_limit_note(r), r.device);
+  if (!r.budget_refused.empty()) {
+    std::cout << fmt::format("ferry train here would refuse this budget now: {}\n", r.budget_refused);
+  }
   std::string rates;
   for (std::size_t i = 0; i < rate_count; ++i) {
     std::string source = r.rate_sources[i];

@@ -67,6 +67,17 @@ if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
   status=$?
   check "a budget above what the driver counts free is refused, naming both" bash -c \
     "[ $status -eq 1 ] && grep -q 'error: device budget 1.0 GiB is more than the driver (nvml) counts 100.0 MiB free' '$work/nvml.err'"
+  # ferry plan plans in the budget ferry train would take there, and says when it would refuse one.
+  nvml_plan() {
+    FERRY_NVML_LIBRARY=$FERRY_TEST_FAKE_NVML FERRY_NVML_GPU=00000000:3b:00.0 FAKE_NVML_USED=$crowded \
+      "$ferry" plan --model mlp "$@"
+  }
+  planned=$(nvml_plan --json)
+  check "ferry plan on a crowded device plans in what ferry train would take, and says where it came from" bash -c \
+    "grep -q '\"device_budget_bytes\":52428800,' <<<'$planned' && grep -q '\"device_budget_source\":\"driver_free_memory\"' <<<'$planned' && grep -q '\"device_budget_refused\":null' <<<'$planned'"
+  nvml_plan --device-budget 1GiB >"$work/nvml-plan.txt"  # (the device's name in it is quoted)
+  check "ferry plan of a budget above what the driver counts free plans it and says ferry train would refuse it" \
+    bash -c "grep -q 'device budget 1.0 GiB, host budget' '$work/nvml-plan.txt' && grep -q 'ferry train here would refuse this budget now: device budget 1.0 GiB is more than the driver (nvml) counts 100.0 MiB free' '$work/nvml-plan.txt'"
 fi
 check "the JSON is one line" test "$(wc -l <<<"$json")" -eq 1
 check "the trace is a Chrome trace with lanes" bash -c "head -c 40 '$work/trace.json' | grep -q traceEvents && grep -q '\"compute\"' '$work/trace.json'"

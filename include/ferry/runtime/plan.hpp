@@ -266,6 +266,21 @@ graph::ResidencyOptions resolve_host_transfers(graph::ResidencyOptions options, 
 // where chunks are too small to beat the driver's own staging.
 std::uint64_t auto_staging_chunk_bytes(std::uint64_t device_budget_bytes);
 
+// The device budget a Trainer made now on `runtime` with `options` plans in, as the driver's count
+// of free device memory allows (cl::DriverMemory; the count is read when this is called).
+// `budget_bytes` is what the Trainer keeps in its options: the budget given, or 0 for the device's
+// memory less headroom, or, with no budget given where other processes hold so much of the device
+// that less is free, the free memory less the same headroom (`from_free_memory`). Throws
+// std::invalid_argument, naming both figures, where a budget given is above what the driver counts
+// free, and where a rank of a data-parallel run is given none on such a device (the ranks must plan
+// alike). Without a count (PoCL, a driver that keeps none) the budget as given. `ferry plan` plans
+// in it, so that its plan is the one `ferry train` would run.
+struct TrainerBudget {
+  std::uint64_t budget_bytes = 0;
+  bool from_free_memory = false;
+};
+TrainerBudget trainer_budget_now(Runtime& runtime, const TrainerOptions& options);
+
 // What check_host_budget holds a plan's host bytes to: the budget and this machine's physical
 // memory (what runs here: the Trainer), or the budget alone where one is given, else physical
 // memory (planning for a host the budget describes, which may be larger than this one).
