@@ -124,7 +124,13 @@ CompiledStep::CompiledStep(Graph graph, const OptimizerConfig& optimizer, ops::O
 }
 
 bool shares_host_pool(const PersistentArena* arena, offload::HostMemory pool_memory) {
-  return arena != nullptr && arena->host_step_memory == pool_memory;
+  if (arena == nullptr) return false;
+  // A pinned pool serves a variant that wants pageable (or staged) memory too: its copies read the
+  // pool's host addresses either way. Evaluation, whose kernels address no host tensor, wants the
+  // homes' kind where the training step's pool had to be pinned (mapped homes), and had allocated
+  // a pool of its own for every batch size. Not the reverse: a kernel addresses a pinned pool.
+  return arena->host_step_memory == pool_memory ||
+         (offload::is_pinned(arena->host_step_memory) && !offload::is_pinned(pool_memory));
 }
 
 std::uint64_t host_pool_bytes_added(const MemoryPlan& plan, const PersistentArena* arena,

@@ -72,7 +72,8 @@ struct PersistentArena {
   std::vector<cl::Mem> step_buffers;
   std::vector<std::uint64_t> step_buffer_bytes;
   // The same for the host pool of its step tensors (batch mirrors, weight gradients; not the
-  // pinned staging): later variants whose pool is of the same kind pack theirs into these first.
+  // pinned staging): later variants whose pool is of the same kind (or any, where this one is pinned)
+  // pack theirs into these first.
   // With gradient accumulation the micro-batch step and the update step each held a pool as large
   // as the weight gradients: host memory 1.4-1.5x the training state instead of 1.0-1.25x.
   std::vector<std::shared_ptr<offload::HostBuffer>> host_step_buffers;
@@ -137,7 +138,8 @@ bool step_runs_ahead(const Graph& g, const MemoryPlan& plan, const offload::Home
 std::uint64_t run_ahead_mirror_bytes(const Graph& g, const MemoryPlan& plan, const offload::HomeStoreOptions& homes,
                                      const cl::DeviceInfo& device);
 // Whether a variant whose host pool is of kind `pool_memory` packs it into the buffers of the
-// model's first variant (`arena`'s; nullptr: it is the first): where the kinds agree.
+// model's first variant (`arena`'s; nullptr: it is the first): where the kinds agree, or the first's
+// is pinned and this one's is not.
 // CompiledStep::allocate_host_pool shares by this; its staging and fetch ring are shared always.
 bool shares_host_pool(const PersistentArena* arena, offload::HostMemory pool_memory);
 // The host bytes of its plan's host pool a variant allocates itself (CompiledStep::host_bytes but

@@ -759,6 +759,42 @@ TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
   EXPECT_LE(fits.host_state_bytes(), needed);
 }
 
+// Evaluation packs its pool of step tensors into the training step's where that one is pinned and
+// evaluation's kind is another: with mapped homes in pageable memory the training step's pool is
+// pinned (its kernels address it), and evaluation's variants, whose kernels address no host tensor,
+// had each held a pageable pool of their own, one per batch size (the deep model's host memory 1.5x
+// what pinned homes took, and --host-budget refusing runs that fit).
+TEST(Plan, EvaluationPacksIntoATrainingPoolOfAnotherKind) {
+  Runtime rt;
+  if (!rt.device().host_unified_memory) GTEST_SKIP() << "mapped homes need a device whose memory is the host's";
+  TrainerOptions o;
+  o.batch = 16;
+  o.residency.mode = graph::ResidencyMode::mapped;
+  Dataset d;
+  d.rows = 4;
+  d.cols = 5;
+  d.count = 16 + 8 + 4 + 2 + 1;  // the batch, then every smaller power of two
+  d.images = random_vector(d.count * 20, 7, 0.0f, 1.0f);
+  d.labels = labels_for(d.count, 9);
+  std::uint64_t pinned_eval = 0, pinned_held = 0;
+  for (const auto memory : {offload::HostMemory::pinned, offload::HostMemory::pageable}) {
+    SCOPED_TRACE(offload::host_memory_name(memory));
+    o.residency.homes.host_memory = memory;
+    const TrainingPlan plan = plan_training(rt, small_mlp(), o);
+    ASSERT_GT(plan.host_eval_bytes, 0u) << "the tail's smaller batches need more than the training step's pool";
+    Trainer t(rt, small_mlp(), o);
+    EXPECT_EQ(t.evaluate(d).samples, d.count);
+    EXPECT_LE(t.host_state_bytes(), plan.host_bytes + plan.host_eval_bytes);
+    if (memory == offload::HostMemory::pinned) {
+      pinned_eval = plan.host_eval_bytes;
+      pinned_held = t.host_state_bytes();
+    } else {
+      EXPECT_EQ(plan.host_eval_bytes, pinned_eval) << "planned as with pinned homes";
+      EXPECT_EQ(t.host_state_bytes(), pinned_held) << "held as with pinned homes";
+    }
+  }
+}
+
 // The step from its parts: on a device of its own the largest of them, the host updates counted
 // after what they wait for; on a CPU device their sum.
 TEST(Plan, StepTimeCombinesItsParts) {
