@@ -88,11 +88,11 @@ class NvmlReader final : public DriverMemory::Reader {
     if (memory_v2_ != nullptr) {
       MemoryV2 m{};
       m.version = static_cast<unsigned int>(sizeof(MemoryV2) | (2u << 24));
-      if (memory_v2_(device_, &m) == 0) return DriverMemoryReading{m.used, m.total};
+      if (memory_v2_(device_, &m) == 0) return DriverMemoryReading{m.used, m.total, m.free};
     }
     Memory m{};
     if (memory_(device_, &m) != 0) return std::nullopt;
-    return DriverMemoryReading{m.used, m.total};
+    return DriverMemoryReading{m.used, m.total, m.free};
   }
 
  private:
@@ -135,7 +135,7 @@ class AmdReader final : public DriverMemory::Reader {
     if (clGetDeviceInfo(id_, CL_DEVICE_GLOBAL_FREE_MEMORY_AMD, sizeof free_kib, free_kib.data(), nullptr) != CL_SUCCESS)
       return std::nullopt;
     const std::uint64_t free = std::uint64_t{free_kib[0]} * 1024;
-    return DriverMemoryReading{total_ > free ? total_ - free : 0, total_};
+    return DriverMemoryReading{total_ > free ? total_ - free : 0, total_, free};
   }
 
  private:
@@ -158,8 +158,18 @@ DriverMemory DriverMemory::from_nvml(const std::string& library, const std::stri
   try {
     return DriverMemory("nvml", std::make_shared<const NvmlReader>(library, bus_id));
   } catch (const std::exception& e) {
-    return DriverMemory(fmt::format("NVML: {}", e.what()));
+    return DriverMemory(fmt::format("NVML ({}): {}", library, e.what()));
   }
+}
+
+std::string DriverMemory::named_by_environment() {
+  std::string named;
+  for (const char* name : {"FERRY_NVML_LIBRARY", "FERRY_NVML_GPU"}) {
+    if (const char* value = std::getenv(name); value != nullptr && *value != '\0') {
+      named += fmt::format("{}{}={}", named.empty() ? "" : " ", name, value);
+    }
+  }
+  return named;
 }
 
 DriverMemory DriverMemory::for_device(const DeviceInfo& device) {

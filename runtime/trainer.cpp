@@ -138,10 +138,13 @@ std::uint64_t budget_within_free_memory(std::uint64_t budget_bytes, const cl::Dr
                                         const cl::DeviceInfo& device, bool data_parallel) {
   const auto now = count.read();
   if (!now) return budget_bytes;
-  const std::uint64_t free = now->total_bytes > now->used_bytes ? now->total_bytes - now->used_bytes : 0;
+  // The driver's own free figure: total - used leaves in what it reserves for itself (NVML).
+  const std::uint64_t free = now->free_bytes;
+  const std::uint64_t reserved = now->total_bytes - std::min(now->total_bytes, now->used_bytes + free);
   const std::string counted = fmt::format(
-      "the driver ({}) counts {} free on '{}' ({} of its {} in use, by this process and others)", count.source(),
-      format_bytes(free), device.name, format_bytes(now->used_bytes), format_bytes(now->total_bytes));
+      "the driver ({}) counts {} free on '{}' ({} of its {} in use, by this process and others{})", count.source(),
+      format_bytes(free), device.name, format_bytes(now->used_bytes), format_bytes(now->total_bytes),
+      reserved ? fmt::format("; {} reserved by the driver", format_bytes(reserved)) : std::string());
   if (budget_bytes > free) {
     throw std::invalid_argument(
         fmt::format("device budget {} is more than {}: give at most {}, or no budget to use "

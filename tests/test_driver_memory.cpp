@@ -78,8 +78,8 @@ TEST_F(StandInNvml, SaysWhyNothingIsRead) {
 
   const cl::DriverMemory not_nvml = cl::DriverMemory::from_nvml("libm.so.6", gpu_address);
   EXPECT_FALSE(not_nvml.available());
-  EXPECT_NE(not_nvml.unavailable_reason().find("has no nvmlInit_v2"), std::string::npos)
-      << not_nvml.unavailable_reason();
+  EXPECT_NE(not_nvml.unavailable_reason().find("NVML (libm.so.6): it has no nvmlInit_v2"), std::string::npos)
+      << "the reason names the library: " << not_nvml.unavailable_reason();
 
   FakeNvml fake;
   const cl::DriverMemory elsewhere = cl::DriverMemory::from_nvml(FAKE_NVML, "00000000:65:00.0");
@@ -133,14 +133,19 @@ TEST_F(StandInNvml, ABudgetMustFitWhatTheDriverCountsFree) {
   const cl::DeviceInfo device = cl::select_device();  // its size for the default budget; no context needed
   const std::uint64_t mib = std::uint64_t{1} << 20, free = 100 * mib;
   const cl::DriverMemory count = cl::DriverMemory::from_nvml(FAKE_NVML, gpu_address);
-  fake.set_used(80 * gib - free);  // others hold all but 100 MiB of the stand-in's 80 GiB
+  // Others hold all but 100 MiB of the stand-in's 80 GiB, less the 512 MiB its driver reserves
+  // (NVML's free figure, not total - used: that would take the reserve for free memory).
+  fake.set_used(80 * gib - 512 * mib - free);
   try {
     detail::budget_within_free_memory(gib, count, device, false);
     ADD_FAILURE() << "a budget above the free memory was taken";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("device budget 1.0 GiB is more than the driver (nvml) counts 100.0 MiB free"),
+    const std::string m = e.what();
+    EXPECT_NE(m.find("device budget 1.0 GiB is more than the driver (nvml) counts 100.0 MiB free"), std::string::npos)
+        << m;
+    EXPECT_NE(m.find("(79.4 GiB of its 80.0 GiB in use, by this process and others; 512.0 MiB reserved by the driver)"),
               std::string::npos)
-        << e.what();
+        << m;
   }
   EXPECT_EQ(detail::budget_within_free_memory(64 * mib, count, device, false), 64 * mib);
   // No budget: the free memory less its headroom (half of it, below 512 MiB), where the device's
@@ -169,7 +174,7 @@ TEST_F(StandInNvml, TheTrainersBudgetIsTheRuntimesCountNow) {
   Runtime runtime;
   ASSERT_TRUE(runtime.driver_memory().source().available()) << runtime.driver_memory().source().unavailable_reason();
   TrainerOptions options;
-  fake.set_used(80 * gib - 100 * mib);  // others took all but 100 MiB after the runtime was made
+  fake.set_used(80 * gib - 612 * mib);  // others took all but 100 MiB (and the reserve) after the runtime was made
   TrainerBudget taken = trainer_budget_now(runtime, options);
   EXPECT_EQ(taken.budget_bytes, 50 * mib) << "the free memory less its headroom";
   EXPECT_TRUE(taken.from_free_memory);

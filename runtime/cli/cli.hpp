@@ -187,6 +187,9 @@ void report_driver_memory(const TrainArgs& a, const ferry::Trainer& trainer);
 // For the residency line: where the trainer took its budget from what the driver counts free
 // (Trainer::budget_from_free_memory), "; ..." saying so; else "".
 std::string budget_from_free_memory_note(const ferry::Trainer& trainer);
+// Where FERRY_NVML_LIBRARY or FERRY_NVML_GPU is set and `source` reads nothing: a warning line
+// naming them and the reason; else "".
+std::string unread_driver_memory_warning(const ferry::cl::DriverMemory& source);
 
 // `ferry train`'s exit status when training finished and its results were printed, but a side
 // output it was asked for (trace, profile) could not be written: scripts see the loss, a person

@@ -53,8 +53,16 @@ void add_driver_memory_fields(nlohmann::json& j, const ferry::Trainer& trainer) 
   j["driver_device_bytes_beyond_plan"] = or_null(&DriverCount::beyond_plan);
 }
 
+std::string unread_driver_memory_warning(const cl::DriverMemory& source) {
+  const std::string named = cl::DriverMemory::named_by_environment();
+  if (source.available() || named.empty()) return "";
+  return fmt::format("ferry: warning: {} is set, but no device memory count is read: {}\n", named,
+                     source.unavailable_reason());
+}
+
 void report_driver_memory(const TrainArgs& a, const ferry::Trainer& trainer) {
   if (!a.primary) return;
+  std::cerr << unread_driver_memory_warning(trainer.driver_memory().source());
   const auto c = driver_count(trainer);
   if (!c) return;
   const std::string source = trainer.driver_memory().source().source();

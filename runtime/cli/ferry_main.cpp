@@ -42,9 +42,11 @@ int cmd_devices() {
   for (const auto& d : devices) {
     // The driver's count of memory in use, where it keeps one (NVML, AMD's query): what others hold.
     std::string in_use;
-    if (const auto count = ferry::cl::DriverMemory::for_device(d).read()) {
+    const ferry::cl::DriverMemory source = ferry::cl::DriverMemory::for_device(d);
+    if (const auto count = source.read()) {
       in_use = fmt::format(", {} in use as the driver counts it", ferry::format_bytes(count->used_bytes));
     }
+    std::cerr << unread_driver_memory_warning(source);
     std::cout << fmt::format("[{}] {} / {}  ({}, {} compute units, {} memory{}, largest buffer {}, {}{})\n", d.index,
                              d.platform_name, d.name, d.type_name(), d.compute_units,
                              ferry::format_bytes(d.global_mem_bytes), in_use, ferry::format_bytes(d.max_alloc_bytes),

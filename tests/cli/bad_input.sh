@@ -241,11 +241,11 @@ row "FERRY_HUGE_PAGES neither on nor off" "FERRY_HUGE_PAGES='maybe': expected 0 
   "FERRY_HUGE_PAGES=maybe" train "${quick[@]}"
 # A budget above the device memory the driver counts free: NVML read from a stand-in
 # (tests/stand_ins/fake_nvml.cpp, copied here so the row names no build folder) whose GPU has
-# all but 100 MiB of its 80 GiB in use from the context on.
+# all but 100 MiB of its 80 GiB in use or reserved by its driver from the context on.
 if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
   cp "$FERRY_TEST_FAKE_NVML" "$work/libnvidia-ml-stand-in.so"
   row "--device-budget above what the driver counts free" "is more than the driver (nvml) counts 100.0 MiB free" \
-    error "FERRY_NVML_LIBRARY=$work/libnvidia-ml-stand-in.so FERRY_NVML_GPU=00000000:3b:00.0 FAKE_NVML_USED=1073741824,1073741824,85794488320" \
+    error "FERRY_NVML_LIBRARY=$work/libnvidia-ml-stand-in.so FERRY_NVML_GPU=00000000:3b:00.0 FAKE_NVML_USED=1073741824,1073741824,85257617408" \
     train "${quick[@]}" --device-budget 1GiB
 fi
 row "FERRY_BUILD_THREADS not a whole number from 1" "FERRY_BUILD_THREADS='0': expected a whole number from 1 to 1024" \

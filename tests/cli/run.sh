@@ -56,13 +56,16 @@ if [ -n "${FERRY_TEST_FAKE_NVML:-}" ]; then
   counted=$(nvml_run 1073741824,1073741824,2147483648,10737418240 --device-budget 64MiB)
   check "a driver count beyond the plan and the context is a warning that places it against the budget" bash -c \
     "grep -q 'warning: the driver (nvml) counted 10.0 GiB of device memory in use, 8.0 GiB more than' '$work/nvml.err' && grep -q 'over the device budget (64.0 MiB)' '$work/nvml.err' && grep -q '\"driver_device_used_peak_bytes\":10737418240,' <<<'$counted'"
+  check "FERRY_NVML_GPU naming no GPU is a warning that names it and says why nothing is read" bash -c \
+    "FERRY_NVML_LIBRARY='$FERRY_TEST_FAKE_NVML' FERRY_NVML_GPU=garbage '$ferry' devices 2>&1 >/dev/null | grep -q 'warning: FERRY_NVML_LIBRARY=.* FERRY_NVML_GPU=garbage is set, but no device memory count is read: NVML (.*): nvmlDeviceGetHandleByPciBusId_v2(\"garbage\") returned 6'"
   check "ferry devices says what the driver counts in use" bash -c \
     "FERRY_NVML_LIBRARY='$FERRY_TEST_FAKE_NVML' FERRY_NVML_GPU=00000000:3b:00.0 '$ferry' devices | grep -q ', 1.0 GiB in use as the driver counts it,'"
-  # Others hold all but 100 MiB of the stand-in's 80 GiB from the context on.
-  crowded=1073741824,1073741824,85794488320
+  # Others hold all but 100 MiB of the stand-in's 80 GiB (less the 512 MiB its driver reserves) from the
+  # context on.
+  crowded=1073741824,1073741824,85257617408
   counted=$(nvml_run $crowded)
   check "with no budget, a crowded device's budget is what the driver counts free less headroom, and ferry says so" \
-    bash -c "grep -q '\"device_budget_bytes\":52428800,' <<<'$counted' && grep -q 'budget (planned); no --device-budget given, so the budget is the free memory as the driver (nvml) counts it (79.9 GiB of 80.0 GiB in use), less headroom' '$work/nvml.err'"
+    bash -c "grep -q '\"device_budget_bytes\":52428800,' <<<'$counted' && grep -q 'budget (planned); no --device-budget given, so the budget is the free memory as the driver (nvml) counts it (79.4 GiB of 80.0 GiB in use), less headroom' '$work/nvml.err'"
   nvml_run $crowded --device-budget 1GiB >/dev/null
   status=$?
   check "a budget above what the driver counts free is refused, naming both" bash -c \

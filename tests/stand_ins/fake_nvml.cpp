@@ -89,7 +89,7 @@ __attribute__((visibility("default"))) int nvmlDeviceGetMemoryInfo(void* device,
   auto* m = static_cast<Memory*>(out);
   m->used = used_now() + reserved_bytes;
   m->total = total_bytes;
-  m->free = total_bytes - m->used;
+  m->free = total_bytes > m->used ? total_bytes - m->used : 0;
   return 0;
 }
 
@@ -100,7 +100,7 @@ __attribute__((visibility("default"))) int nvmlDeviceGetMemoryInfo_v2(void* devi
   m->used = used_now();
   m->reserved = reserved_bytes;
   m->total = total_bytes;
-  m->free = total_bytes - m->used - reserved_bytes;
+  m->free = total_bytes > m->used + reserved_bytes ? total_bytes - m->used - reserved_bytes : 0;
   return 0;
 }
 

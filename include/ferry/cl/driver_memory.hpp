@@ -28,6 +28,9 @@ namespace ferry::cl {
 struct DriverMemoryReading {
   std::uint64_t used_bytes = 0;   // device memory in use, all processes together
   std::uint64_t total_bytes = 0;  // the device's memory as the driver counts it
+  // What the driver says is free: less than total - used where it reserves memory of its own
+  // (NVML's v2 count leaves the reserve out of `used`, as nvidia-smi does, and out of `free`).
+  std::uint64_t free_bytes = 0;
 };
 
 class DriverMemory {
@@ -50,6 +53,9 @@ class DriverMemory {
   const std::string& unavailable_reason() const noexcept { return reason_; }
   // The count now; nullopt where nothing is read or the driver refuses this once. Thread-safe.
   std::optional<DriverMemoryReading> read() const;
+  // FERRY_NVML_LIBRARY and FERRY_NVML_GPU as set ("NAME=value", space-separated; "" where neither
+  // is): a user who names them asked for a count, and is told where none is read.
+  static std::string named_by_environment();
 
   struct Reader {
     virtual ~Reader() = default;
