@@ -246,6 +246,14 @@ LoopSummary TrainingLoop::run() {
       }
       if (submitted == options_.steps) {
         if (in_flight) read(take(), true);
+        // A signal during the last boundary (its evaluation, its checkpoint) ends the run as
+        // stopped all the same: the caller exits as a signal asks, with nothing left to resume.
+        if (stop_requested()) {
+          summary_.end = LoopSummary::End::stopped;
+          summary_.signal = StopSignals::received() != 0 ? StopSignals::received() : SIGTERM;
+          summary_.checkpoint_written = !options_.checkpoint.empty() && options_.write_checkpoints;
+          summary_.every_step_done = true;
+        }
         break;
       }
       // Never a step in flight across a boundary: it sees the state of exactly `done` steps.

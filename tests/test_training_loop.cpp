@@ -273,6 +273,36 @@ TEST_F(TrainingLoopTest, AStopDuringABoundaryWritesItsCheckpointOnce) {
   }
 }
 
+// A signal during the last step's boundary (the final evaluation, the last checkpoint): every step is
+// done and the checkpoint holds them, and the run still ends as stopped, so that the caller exits as
+// the signal asks (it had finished as though no signal came: exit status 0).
+TEST_F(TrainingLoopTest, ASignalDuringTheLastBoundaryEndsTheRunStoppedWithEveryStepDone) {
+  const auto path =
+      std::filesystem::temp_directory_path() / ("ferry_loop_last_" + std::to_string(::getpid()) + ".ckpt");
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  int written = 0;
+  TrainingLoop loop(trainer, batches,
+                    {.steps = 8, .steps_per_epoch = 4, .progress = false, .checkpoint = path, .after_checkpoint = [&] {
+                       ++written;
+                     }});
+  loop.on_boundary = [&](const LoopPosition& p) {
+    if (p.done != 8) return;
+    testing::internal::CaptureStderr();
+    std::raise(SIGINT);
+    testing::internal::GetCapturedStderr();
+  };
+  const LoopSummary s = loop.run();
+  EXPECT_EQ(s.end, LoopSummary::End::stopped);
+  EXPECT_EQ(s.signal, SIGINT);
+  EXPECT_TRUE(s.every_step_done);
+  EXPECT_EQ(s.position.done, 8u);
+  EXPECT_TRUE(s.checkpoint_written);
+  EXPECT_EQ(written, 2) << "each epoch's checkpoint once, the last not again at the stop";
+  EXPECT_EQ(trainer.steps_done(), 8u);
+  std::filesystem::remove(path);
+}
+
 // A checkpoint that cannot be written (a file size limit: EFBIG, as on a full disk) ends the run with
 // CheckpointWriteError, and the file at the path is still the last one this loop wrote, whose
 // steps the error gives (the CLI's resume command goes on from it).

@@ -354,7 +354,11 @@ void report_stop(const TrainArgs& a, const ferry::LoopSummary& run, const ferry:
   if (!a.profile_path.empty() || !a.profile_phases_path.empty()) write_memory_profiles(a, trainer, profiler, ignored);
   if (!a.primary) return;  // rank 0 says it (and writes the checkpoint, unless each rank writes its own)
   const std::string name = ferry::StopSignals::name(run.signal);
-  if (run.checkpoint_written) {
+  if (run.every_step_done) {
+    std::cerr << fmt::format(
+        "ferry: stopped by {} after the last step: every step was trained{}; the final report was left out\n", name,
+        run.checkpoint_written ? fmt::format(" and checkpoint {} holds them", a.checkpoint_path) : std::string());
+  } else if (run.checkpoint_written) {
     std::cerr << fmt::format("ferry: stopped by {} at {}; wrote checkpoint {}\nferry: resume with: {}\n", name, where,
                              a.checkpoint_path, resume_command(a, a.checkpoint_path));
   } else {

@@ -125,6 +125,9 @@ struct LoopSummary {
   enum class End : std::uint8_t { finished, out_of_time, stopped } end = End::finished;
   int signal = 0;                   // stopped: SIGINT, SIGTERM or SIGHUP (another rank's: SIGTERM)
   bool checkpoint_written = false;  // stopped: a checkpoint of the position was written
+  // stopped: the signal came during the last step's boundary (its evaluation, its checkpoint), with
+  // every step done: nothing is left to resume.
+  bool every_step_done = false;
   LoopPosition position;
   std::uint64_t steps_run = 0;    // steps of this run (a resumed run's steps before it left out)
   double run_train_seconds = 0;   // this run's share of position.train_seconds
