@@ -320,20 +320,43 @@ TEST(Residency, StagedHostMemoryCopiesThroughASmallPinnedArea) {
   // Chunked fetches: each fetch copies itself through the ring (no unpack node); the write-backs
   // still go through staging and pack nodes, and the ring is one more pinned staging buffer of
   // four chunks.
+  // (A model with fetches larger than the chunk: 128 KiB weights.)
+  const ModelSpec wide = models::classifier("wide", graph::Shape{64}, 10, [](graph::Builder& b, TensorId x) {
+    return b.linear(b.gelu(b.linear(x, 512)), 10);
+  });
   o.residency.staging_chunk_bytes = 64 << 10;
-  Trainer chunked(rt, m, o);
+  Trainer chunked(rt, wide, o);
   EXPECT_EQ(chunked.residency().unpacks, 0u);
   EXPECT_EQ(chunked.residency().packs, chunked.residency().write_backs);
   const graph::MemoryPlan& cplan = compiled_train_step(chunked).plan();
   EXPECT_EQ(cplan.fetch_ring_chunk_bytes, 64u << 10);
   EXPECT_EQ(cplan.host_transient_buffers.back(), 4u * (64u << 10));
   EXPECT_GE(cplan.host_staging_bytes, 4u * (64u << 10));
-  std::size_t marked = 0;
-  for (graph::NodeId id = 0; id < compiled_train_step(chunked).graph().nodes.size(); ++id) {
-    const auto& n = compiled_train_step(chunked).graph().nodes;
-    if (n.op[id] == graph::builtin::fetch && ops::FetchAttrs::of(n.attrs[id]).chunk_kib == 64) ++marked;
-  }
-  EXPECT_EQ(marked, chunked.residency().fetches);
+  // Every fetch is marked with the chunk, or its own size where that is smaller.
+  const auto marked_fetches = [](const graph::CompiledStep& step, std::uint64_t chunk) {
+    std::size_t marked = 0;
+    const graph::Graph& g = step.graph();
+    for (graph::NodeId id = 0; id < g.nodes.size(); ++id) {
+      if (g.nodes.op[id] != graph::builtin::fetch) continue;
+      const std::uint64_t bytes = g.tensors.bytes(g.tensors.storage(g.nodes.inputs(id)[0]));
+      if (std::uint64_t(ops::FetchAttrs::of(g.nodes.attrs[id]).chunk_kib) == (std::min(chunk, bytes) + 1023) / 1024)
+        ++marked;
+    }
+    return marked;
+  };
+  EXPECT_EQ(marked_fetches(compiled_train_step(chunked), 64 << 10), chunked.residency().fetches);
+  // A chunk beyond the largest fetch: the ring's four slots are the largest fetch's size, not the
+  // chunk's (a 256 MiB chunk for 4 MiB layers had held 1 GiB of pinned memory).
+  o.residency.staging_chunk_bytes = 64 << 20;
+  Trainer beyond(rt, wide, o);
+  const std::uint64_t widest = 64 * 512 * sizeof(float);
+  EXPECT_EQ(compiled_train_step(beyond).plan().fetch_ring_chunk_bytes, widest);
+  EXPECT_EQ(compiled_train_step(beyond).plan().host_transient_buffers.back(), 4 * widest);
+  EXPECT_EQ(marked_fetches(compiled_train_step(beyond), 64 << 20), beyond.residency().fetches);
+  const auto images = random_vector(8 * sample_elems(wide), 5);
+  const auto labels = labels_for(8, 6);
+  EXPECT_EQ(beyond.step(images, labels).loss, chunked.step(images, labels).loss)
+      << "the same numbers whatever the chunk";
   // A chunk out of range, or chunks without staged memory: an error before anything is allocated.
   o.residency.staging_chunk_bytes = 1024;
   EXPECT_THROW(Trainer(rt, m, o), std::invalid_argument);

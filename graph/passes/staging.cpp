@@ -28,6 +28,7 @@
 // ring in a pinned buffer of its own (graph/memory_plan.cpp).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "graph/residency_passes.hpp"
@@ -83,7 +84,10 @@ class Stager {
       }
       if (kind == Staging::chunked) {
         ops::FetchAttrs a = ops::FetchAttrs::of(old_.attrs[n]);
-        a.chunk_kib = static_cast<std::int32_t>((chunk_bytes_ + 1023) / 1024);
+        // No larger than the tensor: the ring's slots are the step's largest chunk, and a chunk
+        // beyond every fetch (a 256 MiB chunk for 4 MiB layers) only held pinned memory.
+        const std::uint64_t chunk = std::min<std::uint64_t>(chunk_bytes_, t_.bytes(t_.storage(old_.inputs(n)[0])));
+        a.chunk_kib = static_cast<std::int32_t>((chunk + 1023) / 1024);
         out_.add(builtin::fetch, old_.name[n], old_.inputs(n), old_.outputs(n), a.pack(), Lane::h2d);
         continue;
       }
