@@ -255,13 +255,17 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--steps", o->steps, "timed steps (after one untimed)")
       ->capture_default_str()
       ->check(ferry::cli::positive_number());
-  sub.add_option("--zero", o->zero, "ZeRO stage (0, 1 or 2)")->capture_default_str()->check(CLI::Range(0, 2));
+  sub.add_option("--zero", o->zero, "ZeRO stage (0, 1 or 2)")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number())
+      ->check(CLI::Range(0, 2));
   sub.add_option("--bucket-size", o->bucket, "gradient bytes reduced together")->capture_default_str();
   sub.add_option("--link-gbps", o->link_gbps, "link rate of the model for larger N, GB/s")
       ->capture_default_str()
       ->check(ferry::cli::positive_number());
   sub.add_option("--max-ranks", o->max_ranks, "largest N of the model (powers of two)")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1, 4096));
   return [o, &common] { return run_allreduce(common, *o); };
 }

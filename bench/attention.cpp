@@ -188,7 +188,7 @@ int run_attention(const BenchCommon& common, const AttentionBenchOptions& o) {
     if (o.peer) {
       const std::string python = find_on_path(o.python);
       if (python.empty()) {
-        j["peer_error"] = "interpreter not found (give one with torch: --python)";
+        j["peer_error"] = interpreter_not_found(o.python);
       } else {
         const std::string cmd = fmt::format(
             "{} {} --batch {} --heads {} --context {} --head-dim {} --repeat {} --device {}", shell_quote(python),
@@ -222,6 +222,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--heads", o->heads, "attention heads")->capture_default_str()->check(ferry::cli::positive_number());
   sub.add_option("--head-dim", o->head_dim, "features per head")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(std::size_t{1}, ops::attention_max_head_dim));
   sub.add_option("--kernel", o->kernel,
                  "fused kernel instead of the device's default: \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\", "

@@ -61,10 +61,13 @@ graph::Graph build_deep(const ModelSpec& model, std::uint32_t batch, const ops::
 
 int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
   if (o.depths.empty()) throw std::invalid_argument("--depth: give at least one depth");
-  Runtime runtime({.device = common.device});
   graph::ResidencyOptions residency;
+  if (!o.budget.empty()) {
+    residency.budget_bytes =
+        budget_bytes(fmt::format("--device-budget {}", o.budget), o.budget, "leave --device-budget out for no limit");
+  }
+  Runtime runtime({.device = common.device});
   residency.mode = graph::parse_residency_mode(o.residency);
-  if (!o.budget.empty()) residency.budget_bytes = parse_bytes(o.budget);
   ops::OptimizerConfig optimizer;
   optimizer.kind = ops::OptimizerConfig::Kind::adam;
   const graph::StepOptions step_options{residency, false, o.bind_kernels};

@@ -234,8 +234,11 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--chunk", o->chunk, "uncompressed bytes per chunk (e.g. 1MiB, 65536)")->capture_default_str();
   sub.add_option("--inner", o->inner, "calls per timed block (at least 5)")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(5, 1 << 20));
-  sub.add_option("--seed", o->seed, "weight initialisation and sample order")->capture_default_str();
+  sub.add_option("--seed", o->seed, "weight initialisation and sample order")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number());  // "-1" would wrap around
   return [&common, o] { return run_compress(common, *o); };
 }
 

@@ -282,7 +282,36 @@ double gflops(const ops::GemmShape& s, double ms) {
   return 2.0 * double(s.M) * s.N * s.K / (ms * 1e6);
 }
 
+// Host bytes one shape takes: A and B in f32, their copies as stored and as the check reads them,
+// and each implementation's C of every round (kept to compare them) with one more being read back.
+double host_bytes(const ops::GemmShape& s, int impls, int rounds) {
+  const double ab = double(s.M) * double(s.K) + double(s.K) * double(s.N), c = double(s.M) * double(s.N);
+  return sizeof(float) * (2 * ab + c * (impls * rounds + 1));
+}
+
+// Every shape's host memory, before any is allocated: a size the host cannot hold failed with
+// std::bad_alloc, or the kernel's OOM killer ended the process.
+void check_shapes_fit(const GemmBenchOptions& o, const std::vector<ops::GemmShape>& shapes) {
+  const int impls = int(wants(o, "ferry")) + int(wants(o, "clblast")) + int(wants(o, "openblas"));
+  for (const ops::GemmShape& s : shapes) {
+    const std::string what =
+        o.shape.empty() ? fmt::format("--sizes {}: M = N = K = {}", s.M, s.M)
+                        : fmt::format("--shape {},{},{}: M = {}, N = {}, K = {}", s.M, s.N, s.K, s.M, s.N, s.K);
+    check_host_memory(fmt::format("{} (A, B and the C of {} implementation(s) x {} round(s), f32 on the host)", what,
+                                  impls, o.rounds),
+                      host_bytes(s, impls, o.rounds), o.shape.empty() ? "give smaller sizes" : "give a smaller shape");
+  }
+}
+
 int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
+  std::vector<ops::GemmShape> shapes;
+  if (!o.shape.empty()) {
+    if (o.shape.size() != 3) throw std::invalid_argument("--shape takes M,N,K");
+    shapes.push_back({o.shape[0], o.shape[1], o.shape[2], o.trans_a, o.trans_b});
+  } else {
+    for (std::size_t n : o.sizes) shapes.push_back({n, n, n, o.trans_a, o.trans_b});
+  }
+  check_shapes_fit(o, shapes);
   const cl::DeviceInfo device = cl::select_device(common.device);
   cl::Context ctx(device);
   cl::KernelLibrary lib(ctx);
@@ -309,13 +338,6 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
   const ops::DType storage = ops::parse_dtype(o.storage);
   if (storage != ops::DType::f32 && storage != ops::DType::f16 && storage != ops::DType::bf16) {
     throw std::invalid_argument(fmt::format("--storage {}: the GEMM stores f32, f16 or bf16", o.storage));
-  }
-  std::vector<ops::GemmShape> shapes;
-  if (!o.shape.empty()) {
-    if (o.shape.size() != 3) throw std::invalid_argument("--shape takes M,N,K");
-    shapes.push_back({o.shape[0], o.shape[1], o.shape[2], o.trans_a, o.trans_b});
-  } else {
-    for (std::size_t n : o.sizes) shapes.push_back({n, n, n, o.trans_a, o.trans_b});
   }
   bool failed = false;
   for (const ops::GemmShape& s : shapes) {
@@ -451,9 +473,13 @@ int run_tune(const BenchCommon& common, const GemmBenchOptions& o) {
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<GemmBenchOptions>();
   CLI::Option* sizes =
-      sub.add_option("--sizes", o->sizes, "square sizes M = N = K")->delimiter(',')->check(CLI::Range(1, 1 << 20));
+      sub.add_option("--sizes", o->sizes, "square sizes M = N = K")
+          ->delimiter(',')
+          ->check(ferry::cli::whole_number())  // before the range, whose message for "abc" was "not in range"
+          ->check(CLI::Range(1, 1 << 20));
   CLI::Option* shape = sub.add_option("--shape", o->shape, "one shape M,N,K instead of square sizes (not with --sizes)")
                            ->delimiter(',')
+                           ->check(ferry::cli::whole_number())
                            ->check(CLI::Range(1, 1 << 24))
                            ->expected(3)
                            ->excludes(sizes);
@@ -471,6 +497,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
                  "rounds of every implementation in turn, --repeat runs each (the order reversed every other "
                  "round): GFLOPS from the median round, ratios the median of the rounds' own (ratio_vs_*_rounds), "
                  "which hold on a machine whose speed drifts")
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
   CLI::Option* cold =

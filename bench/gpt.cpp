@@ -117,7 +117,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     j["impl"] = "torch-" + mode;
     j["python"] = o.python;
     if (python.empty()) {
-      j["error"] = "interpreter not found (give one with torch: --python)";
+      j["error"] = interpreter_not_found(o.python);
       peers.push_back(j);
       continue;
     }
@@ -151,6 +151,7 @@ int run_gpt(const BenchCommon& common, const GptBenchOptions& o) {
     nlohmann::json j = base;
     j["impl"] = "ferry";
     j["attention"] = o.attention;
+    j["warmup"] = o.warmup;
     j["step_ms"] = ms;
     j["tokens_per_s"] = ferry_tokens_per_s;
     add_step_rate(j, gflop);
@@ -189,7 +190,9 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->check(CLI::IsMember({"fused", "unfused"}))
       ->capture_default_str();
   sub.add_option("--batch", o->batch, "windows per step")->capture_default_str()->check(ferry::cli::positive_number());
-  sub.add_option("--lr", o->lr, "Adam learning rate")->capture_default_str();
+  sub.add_option("--lr", o->lr, "Adam learning rate (e.g. 0.001 or 1e-3)")
+      ->capture_default_str()
+      ->check(ferry::cli::positive_number());  // as ferry train's --lr: "" and "abc" refused, not read as 0
   sub.add_option("--warmup", o->warmup, "untimed steps first (each side)")
       ->capture_default_str()
       ->check(ferry::cli::non_negative_number());

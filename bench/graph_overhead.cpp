@@ -131,6 +131,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--sizes", o->sizes, "ReLU nodes in the chain")
       ->delimiter(',')
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1, 1 << 20));
   sub.add_option("--runs", o->runs, "steps per timed repetition")
       ->capture_default_str()

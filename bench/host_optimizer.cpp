@@ -20,7 +20,6 @@
 
 #include "bench.hpp"
 #include "ferry/ops/optimizer.hpp"
-#include "ferry/runtime/plan.hpp"
 #include "ops/host_clones.hpp"
 #include "ops/optimizer_host.hpp"
 #include "peer.hpp"
@@ -116,9 +115,11 @@ double ferry_step_ms(const std::string& optimizer, HostState& s, int threads, in
 
 // PyTorch's AdamW on the CPU at each thread count: one JSON line per (variant, threads).
 std::vector<nlohmann::json> peer_results(const HostOptimizerOptions& o, const std::vector<int>& threads, int repeat) {
+  const std::string python = find_on_path(o.python);
+  if (python.empty()) return {{{"error", interpreter_not_found(o.python)}}};
   std::string list;
   for (int t : threads) list += fmt::format("{}{}", list.empty() ? "" : ",", t);
-  const std::string cmd = fmt::format("{} {} --elements {} --threads {} --repeat {}", shell_quote(o.python),
+  const std::string cmd = fmt::format("{} {} --elements {} --threads {} --repeat {}", shell_quote(python),
                                       shell_quote(o.peer_script), o.elements, list, repeat);
   return run_json_command(cmd);
 }
@@ -152,14 +153,9 @@ int run_host_optimizer(const HostOptimizerOptions& o, const BenchCommon& common)
           "--threads {}: this process may run {} threads (its CPU affinity); ask for 1 to {}", t, all, all));
     }
   }
-  const double memory = static_cast<double>(physical_memory_bytes());
   for (const std::string& optimizer : o.optimizers) {
-    if (state_bytes(optimizer, o.elements) > memory / 2) {
-      throw std::invalid_argument(
-          fmt::format("--elements {}: {} needs {:.1f} GiB of host memory, more than half of this machine's {:.1f} GiB; "
-                      "ask for fewer",
-                      o.elements, optimizer, state_bytes(optimizer, o.elements) / 1073741824.0, memory / 1073741824.0));
-    }
+    check_host_memory(fmt::format("--elements {}: {}", o.elements, optimizer), state_bytes(optimizer, o.elements),
+                      "ask for fewer");
   }
   std::vector<nlohmann::json> peers;
   if (o.peer) {
@@ -202,6 +198,7 @@ BenchRun setup_host_optimizer(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<HostOptimizerOptions>();
   o->peer_script = peer_script_path("torch_host_adam.py");
   sub.add_option("--elements", o->elements, "parameters in the updated tensor")
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 32));
   sub.add_option("--optimizers", o->optimizers, "which updates to time")->check(CLI::IsMember({"adamw", "adamw8bit"}));
   sub.add_option("--threads", o->threads, "thread counts (default: 1 and every hardware thread)")

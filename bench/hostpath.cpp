@@ -19,6 +19,7 @@
 #include "bench.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/ferry.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -114,15 +115,26 @@ int run_hostpath(const BenchCommon& common, const HostpathOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<HostpathOptions>();
-  sub.add_option("--layers", o->layers, "hidden layers")->capture_default_str()->check(CLI::Range(1u, 100000u));
+  sub.add_option("--layers", o->layers, "hidden layers")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number())
+      ->check(CLI::Range(1u, 100000u));
   sub.add_option("--width", o->width, "width of each hidden layer")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1u, 65536u));
-  sub.add_option("--batch", o->batch, "samples per step")->capture_default_str()->check(CLI::Range(1u, 65536u));
+  sub.add_option("--batch", o->batch, "samples per step")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number())
+      ->check(CLI::Range(1u, 65536u));
   sub.add_option("--steps", o->steps, "steps per timed repetition")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1, 1000000));
-  sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str()->check(CLI::Range(1, 1000000));
+  sub.add_option("--warmup", o->warmup, "untimed steps first")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number())
+      ->check(CLI::Range(1, 1000000));
   return [o, &common] { return run_hostpath(common, *o); };
 }
 

@@ -118,10 +118,18 @@ int run_launch(const BenchCommon& common, const LaunchBenchOptions& o) {
     t_callback.push_back(time_ms(callback) * 1e3 / o.launches);
     t_wait.push_back(time_ms(wait) * 1e3 / o.launches);
   }
+  // The buffer the last launch wrote: launch i writes b when i is even (relu(a) -> b), a when odd;
+  // with -n 1 only b was ever written.
+  const bool last_wrote_a = (o.launches - 1) % 2 != 0;
   std::vector<float> out(o.elems);
-  ctx.read(a.get(), 0, out.data(), out.size() * sizeof(float));
+  ctx.read((last_wrote_a ? a : b).get(), 0, out.data(), out.size() * sizeof(float));
   for (std::size_t i = 0; i < o.elems; ++i) {
-    if (out[i] != std::max(init[i], 0.0f)) throw std::runtime_error("relu chain produced a wrong value");
+    if (out[i] != std::max(init[i], 0.0f)) {
+      throw std::runtime_error(fmt::format(
+          "the relu chain produced a wrong value: element {} of buffer {} (written by launch {}) is {}, relu({}) is "
+          "{}: the device ran the kernel wrongly, so its launch times are not reported",
+          i, last_wrote_a ? "a" : "b", o.launches, out[i], init[i], std::max(init[i], 0.0f)));
+    }
   }
 
   const double pipe = median(t_pipe), syn = median(t_sync), noev = median(t_noevent), cb = median(t_callback),
@@ -158,6 +166,7 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--elems", o->elems,
                  "floats per kernel (up to 2^28: two device buffers of 1 GiB, filled from 1 GiB on the host)")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1, 1 << 28));
   return [o, &common] { return run_launch(common, *o); };
 }

@@ -32,6 +32,7 @@
 // units. --trace FILE writes a Chrome trace of three streamed steps per configuration.
 #include <fmt/format.h>
 
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -85,6 +86,11 @@ std::vector<OverlapConfig> default_configs() {
   };
 }
 
+// The largest width, depth and batch a configuration takes (as ferry-bench state's), and the largest
+// lookahead and slack (compute nodes).
+constexpr std::uint32_t max_size = 65536;
+constexpr std::uint32_t max_nodes = 65536;
+
 // "name=x,model=deep,width=1024,depth=8,batch=64,budget=64MiB,lookahead=2"; keys left out keep
 // their defaults.
 OverlapConfig parse_config(const std::string& text) {
@@ -98,16 +104,16 @@ OverlapConfig parse_config(const std::string& text) {
     if (!given.insert(key).second) {
       throw std::invalid_argument(fmt::format("--config: {} is given twice in '{}': give each key once", key, text));
     }
-    auto number = [&]() -> std::uint32_t {
-      std::size_t pos = 0;
-      unsigned long v = 0;
-      try {
-        v = std::stoul(value, &pos);
-      } catch (const std::exception&) {
-        pos = 0;
-      }
-      if (pos == 0 || pos != value.size() || v == 0) {
-        throw std::invalid_argument(fmt::format("--config: {} must be a positive integer, not '{}'", key, value));
+    // A whole number in [1, most], digits only: no sign (stoul took "-1" as 4294967295), no
+    // fraction, nothing past `most` (a value that wrapped, or a model of absurd size).
+    auto number = [&](std::uint32_t most) -> std::uint32_t {
+      std::uint64_t v = 0;
+      const char* end = value.data() + value.size();
+      const auto [ptr, ec] = std::from_chars(value.data(), end, v);
+      const bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+      if (!digits || ec != std::errc() || ptr != end || v < 1 || v > most) {
+        throw std::invalid_argument(
+            fmt::format("--config: {}={}: {} must be a whole number from 1 to {}", key, value, key, most));
       }
       return static_cast<std::uint32_t>(v);
     };
@@ -116,17 +122,17 @@ OverlapConfig parse_config(const std::string& text) {
     else if (key == "model")
       c.model = value;
     else if (key == "width")
-      c.width = number();
+      c.width = number(max_size);
     else if (key == "depth")
-      c.depth = number();
+      c.depth = number(max_size);
     else if (key == "batch")
-      c.batch = number();
+      c.batch = number(max_size);
     else if (key == "budget")
       c.budget = value;
     else if (key == "lookahead")
-      c.lookahead = number();
+      c.lookahead = number(max_nodes);
     else if (key == "slack")
-      c.slack = number();
+      c.slack = number(max_nodes);
     else if (key == "optimizer")
       c.optimizer = value;
     else
@@ -139,6 +145,9 @@ OverlapConfig parse_config(const std::string& text) {
   if (c.optimizer != "adam" && c.optimizer != "sgd") {
     throw std::invalid_argument(fmt::format("--config: optimizer must be adam or sgd, not '{}'", c.optimizer));
   }
+  // Checked now, not when the configuration's turn comes after the link peak and those before it.
+  budget_bytes(fmt::format("--config budget={}", c.budget), c.budget,
+               fmt::format("leave budget out for the default, {}", OverlapConfig{}.budget));
   if (c.name.empty()) c.name = fmt::format("{}-{}x{}-b{}", c.model, c.width, c.depth, c.batch);
   return c;
 }

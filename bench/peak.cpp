@@ -32,6 +32,7 @@
 #include "bench.hpp"
 #include "ferry/cl/error.hpp"
 #include "ferry/runtime/runtime.hpp"
+#include "runtime/cli/validators.hpp"
 
 namespace ferry::bench {
 namespace {
@@ -144,7 +145,18 @@ Measured measure(Runtime& runtime, int width, int accs, std::size_t groups, std:
   return m;
 }
 
+// A value given twice would build and time the same candidates again: refused.
+void refuse_repeats(const char* flag, const std::vector<int>& values, const char* what) {
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (std::find(values.begin(), values.begin() + i, values[i]) != values.begin() + i) {
+      throw std::invalid_argument(fmt::format("{}: {} is given twice: give each {} once", flag, values[i], what));
+    }
+  }
+}
+
 int run_peak(const BenchCommon& common, const PeakBenchOptions& o) {
+  refuse_repeats("--widths", o.widths, "width");
+  refuse_repeats("--accumulators", o.accumulators, "accumulator count");
   Runtime runtime({.device = common.device});
   const cl::DeviceInfo& dev = runtime.device();
   const std::size_t units = std::max<std::uint32_t>(dev.compute_units, 1);
@@ -182,15 +194,22 @@ int run_peak(const BenchCommon& common, const PeakBenchOptions& o) {
 
 BenchRun setup(CLI::App& sub, const BenchCommon& common) {
   auto o = std::make_shared<PeakBenchOptions>();
-  sub.add_option("--widths", o->widths, "vector widths to try (1, 2, 4, 8, 16)")
+  sub.add_option("--widths", o->widths, "vector widths to try (1, 2, 4, 8, 16), each once")
       ->capture_default_str()
+      ->delimiter(',')
+      ->check(ferry::cli::whole_number())
       ->check(CLI::IsMember({1, 2, 4, 8, 16}));
   sub.add_option("--accumulators", o->accumulators,
-                 "accumulators per work-item to try (1 to 32; each an independent fma chain, one fma per iteration)")
+                 "accumulators per work-item to try (1 to 32, each once; each an independent fma chain, one fma per "
+                 "iteration)")
       ->capture_default_str()
+      ->delimiter(',')
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1, 32));
+  // positive_number first: CLI::Range lets NaN through (every comparison with it is false).
   sub.add_option("--run-ms", o->run_ms, "milliseconds each timed launch runs (iterations sized to it)")
       ->capture_default_str()
+      ->check(ferry::cli::positive_number())
       ->check(CLI::Range(1.0, 10000.0));
   return [o, &common] { return run_peak(common, *o); };
 }

@@ -23,15 +23,30 @@ namespace ferry::bench {
 namespace fs = std::filesystem;
 
 std::string find_on_path(const std::string& name) {
-  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0 ? name : std::string();
+  // An executable file: a directory is "executable" (searchable) too, but runs nothing.
+  const auto runnable = [](const fs::path& p) {
+    std::error_code ec;
+    return ::access(p.c_str(), X_OK) == 0 && !fs::is_directory(p, ec);
+  };
+  if (name.find('/') != std::string::npos) return runnable(name) ? name : std::string();
   const char* path = std::getenv("PATH");
   if (!path) return {};
   std::istringstream dirs(path);
   for (std::string dir; std::getline(dirs, dir, ':');) {
     const fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
-    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+    if (runnable(candidate)) return candidate.string();
   }
   return {};
+}
+
+std::string interpreter_not_found(const std::string& name) {
+  constexpr const char* give = "(give one with torch: --python)";
+  if (name.find('/') == std::string::npos) return fmt::format("interpreter not found: no {} on PATH {}", name, give);
+  std::error_code ec;
+  const fs::file_status st = fs::status(name, ec);
+  if (!fs::exists(st)) return fmt::format("interpreter not found: no file {} {}", name, give);
+  if (fs::is_directory(st)) return fmt::format("interpreter not usable: {} is a directory {}", name, give);
+  return fmt::format("interpreter not usable: {} is not executable {}", name, give);
 }
 
 std::string shell_quote(const std::string& s) {

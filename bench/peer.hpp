@@ -17,6 +17,11 @@ namespace ferry::bench {
 // executable); empty if not found.
 std::string find_on_path(const std::string& name);
 
+// Why find_on_path(name) found no interpreter, as a peer line's error: "interpreter not found: no
+// file /x (give one with torch: --python)", or "interpreter not usable: /etc/passwd is not
+// executable (...)" for a file that exists but cannot be run.
+std::string interpreter_not_found(const std::string& name);
+
 // `s` quoted for /bin/sh.
 std::string shell_quote(const std::string& s);
 

@@ -121,6 +121,12 @@ std::optional<double> ran(double phase_ms) {
   return phase_ms > 0 ? std::optional<double>(phase_ms) : std::nullopt;
 }
 
+// --device-budget as given, and what leaving it out does, for budget_bytes' errors.
+std::string phases_budget_given(const PhasesOptions& po) {
+  return fmt::format("--device-budget {}", po.budget);
+}
+constexpr const char* phases_budget_left_out = "leave --device-budget out for 1.25x the smallest streamed budget";
+
 // The link bytes of a streamed Full and Predict step, and their median times.
 nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& po) {
   TrainerOptions o = trainer_options(po, true);
@@ -130,7 +136,7 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
     if (!smallest) throw std::runtime_error("nothing of this model streams: there is no streamed step to measure");
     o.residency.budget_bytes = *smallest + *smallest / 4;
   } else {
-    o.residency.budget_bytes = parse_bytes(po.budget);
+    o.residency.budget_bytes = budget_bytes(phases_budget_given(po), po.budget, phases_budget_left_out);
   }
   Trainer t(rt, make_model(po.model), o);
   const graph::ResidencyReport& full = t.residency();
@@ -170,6 +176,8 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
 }
 
 int run_phases(const BenchCommon& common, const PhasesOptions& po) {
+  // Checked now, not after the two training runs that come before the streamed part.
+  if (!po.budget.empty()) budget_bytes(phases_budget_given(po), po.budget, phases_budget_left_out);
   Runtime rt({.device = common.device});
   Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
   Dataset test = load_fashion_mnist(default_fashion_mnist_dir(), Split::test);
@@ -234,9 +242,12 @@ BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
   sub.add_option("--epochs", po->epochs, "epochs of each training run")
       ->capture_default_str()
       ->check(ferry::cli::positive_number());
-  sub.add_option("--batch", po->batch, "samples per step (default: the model's, as ferry train)");
+  sub.add_option("--batch", po->batch, "samples per step (default: the model's, as ferry train)")
+      ->check(ferry::cli::positive_number());  // 0 is refused, not read as "the model's"
   sub.add_option("--predictor", po->predictor, "linear or lsq")->capture_default_str();
-  sub.add_option("--seed", po->seed, "initialisation and data order")->capture_default_str();
+  sub.add_option("--seed", po->seed, "initialisation and data order")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number());  // "-1" would wrap around
   sub.add_option("--train-limit", po->train_limit, "use only the first N training samples")
       ->check(ferry::cli::positive_number());  // as ferry train's: 0 is refused, not read as "all"
   sub.add_option("--device-budget", po->budget,
@@ -245,6 +256,7 @@ BenchRun setup_phases(CLI::App& sub, const BenchCommon& common) {
       ->capture_default_str();
   sub.add_option("--fit-every", po->fit_every, "fit the predictor on every K-th training step")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1u, 4294967295u));  // checked here, not after the Full-only run
   sub.add_flag("--predict-int8", po->predict_int8, "Predict's forward reads int8 weights (all layers but the head)");
   return [&common, po] { return run_phases(common, *po); };

@@ -54,6 +54,7 @@
 
 #include "bench.hpp"
 #include "ferry/cl/error.hpp"
+#include "ferry/graph/residency.hpp"
 #include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/runtime.hpp"
 #include "ferry/runtime/units.hpp"
@@ -345,11 +346,16 @@ int run_staging(const BenchCommon& common, const StagingOptions& o) {
   for (const std::string& c : o.chunks) chunks.push_back(parse_bytes(c));
   if (bytes == 0) throw std::invalid_argument("--bytes must be above 0");
   if (o.slots < 1 || o.slots > 64) throw std::invalid_argument(fmt::format("--slots {}: use 1 to 64", o.slots));
+  // The smallest chunk is ferry train's (--staging-chunk): below it the per-chunk hand-offs, not
+  // the copies, are what is timed, and 1-byte chunks of the default --bytes take minutes.
+  const std::uint64_t smallest = graph::ResidencyOptions::min_staging_chunk_bytes;
   std::uint64_t largest = 0;
   for (std::uint64_t c : chunks) {
-    if (c == 0 || c > bytes) {
-      throw std::invalid_argument(
-          fmt::format("--chunks: {} is not between 1 byte and --bytes ({})", format_bytes(c), format_bytes(bytes)));
+    if (c < smallest || c > bytes) {
+      throw std::invalid_argument(fmt::format(
+          "--chunks: {} is not between the smallest staging chunk, {} (as ferry train's --staging-chunk), and "
+          "--bytes ({}): give chunk sizes in that range",
+          format_bytes(c), format_bytes(smallest), format_bytes(bytes)));
     }
     largest = std::max(largest, c);
   }

@@ -10,6 +10,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/runtime/memory_profile.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -86,6 +87,8 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
 }
 
 int run_state(const BenchCommon& common, const StateOptions& so) {
+  budget_bytes(fmt::format("--device-budget {}", so.budget), so.budget,
+               fmt::format("leave --device-budget out for {}", StateOptions{}.budget));
   Runtime rt({.device = common.device});
   const Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
   // fp32 Adam first (the baseline of the ratios), whatever the order given; each name once.
@@ -140,15 +143,23 @@ int run_state(const BenchCommon& common, const StateOptions& so) {
 
 BenchRun setup_state(CLI::App& sub, const BenchCommon& common) {
   auto so = std::make_shared<StateOptions>();
-  sub.add_option("--width", so->width, "deep model width")->capture_default_str()->check(CLI::Range(1u, 65536u));
+  sub.add_option("--width", so->width, "deep model width")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number())
+      ->check(CLI::Range(1u, 65536u));
   sub.add_option("--depth", so->depth, "deep model residual blocks")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1u, 65536u));
-  sub.add_option("--batch", so->batch, "samples per step")->capture_default_str()->check(CLI::Range(1u, 65536u));
+  sub.add_option("--batch", so->batch, "samples per step")
+      ->capture_default_str()
+      ->check(ferry::cli::whole_number())
+      ->check(CLI::Range(1u, 65536u));
   sub.add_option("--device-budget", so->budget, "device budget (streams the layers)")->capture_default_str();
   sub.add_option("--warmup", so->warmup, "steps before timing (the moments fill in)")->capture_default_str();
   sub.add_option("--steps", so->steps, "timed steps (median reported)")
       ->capture_default_str()
+      ->check(ferry::cli::whole_number())
       ->check(CLI::Range(1u, 1000000u));  // 0 would report a median of no steps
   sub.add_option("--optimizers", so->optimizers, "adam and/or adamw8bit, comma-separated")
       ->delimiter(',')

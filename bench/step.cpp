@@ -233,7 +233,7 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
     const std::string path = find_on_path(name);
     if (path.empty()) {
       peer_lines.push_back(
-          {{"bench", "step"}, {"impl", "pytorch"}, {"python", name}, {"error", "interpreter not found"}});
+          {{"bench", "step"}, {"impl", "pytorch"}, {"python", name}, {"error", interpreter_not_found(name)}});
       continue;
     }
     const std::string norm = fs::path(path).lexically_normal().string();
@@ -301,6 +301,7 @@ int run_step(const BenchCommon& common, StepBenchOptions o) {
     j["block_ms"] = all;
     j["device"] = ferry->runtime().device().name;
     j["model"] = ferry->trainer().model().name;
+    j["parameters"] = ferry->trainer().parameter_count();
     j["nodes"] = compiled_train_step(ferry->trainer()).node_count();
     j["device_peak_bytes"] = ferry->trainer().device_peak_bytes();
     j["loss"] = ferry->loss();

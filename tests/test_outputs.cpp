@@ -471,6 +471,44 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
   }
 }
 
+// ferry-bench refuses values that a run would misread (NaN, a wrapped negative, 0 read as "no
+// limit"), before any measuring, saying which option and what to give.
+TEST(Outputs, BenchRefusesBadArguments) {
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"peak --run-ms nan", "--run-ms: must be a finite number > 0, got nan"},
+      {"peak --widths 4,4", "--widths: 4 is given twice"},
+      {"overlap --config slack=-1", "slack=-1: slack must be a whole number from 1 to 65536"},
+      {"overlap --config slack=99999999999", "slack must be a whole number from 1 to 65536"},
+      {"overlap --config width=-128", "width must be a whole number from 1 to 65536"},
+      {"overlap --config budget=0", "--config budget=0: a budget must be more than 0 bytes"},
+      {"compile --device-budget 0", "--device-budget 0: a budget must be more than 0 bytes"},
+      {"state --device-budget 0", "--device-budget 0: a budget must be more than 0 bytes"},
+      {"phases --device-budget 0", "--device-budget 0: a budget must be more than 0 bytes"},
+      {"phases --batch 0", "--batch: must be a finite number > 0, got 0"},
+      {"compress --seed -1", "--seed: must be a whole number >= 0, got -1"},
+      {"staging --chunks 1", "--chunks: 1.0 B is not between the smallest staging chunk, 4.0 KiB"},
+      {"gemm --shape 16777216,16777216,1 --impls ferry", "more than half of this machine's"},
+      {"gemm --sizes abc", "--sizes: must be a whole number >= 0, got abc"},
+      {"gpt --lr abc", "--lr: must be a finite number > 0, got abc"},
+      {"gpt --lr ''", "--lr: must be a finite number > 0, got"},
+  };
+  for (const auto& [args, message] : refused) {
+    const Outcome r = run_program(FERRY_BENCH, args);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_TRUE(r.lines.empty()) << args << ": " << r.out;
+    EXPECT_NE(r.err.find(message), std::string::npos) << args << ": " << r.err;
+  }
+  // One launch writes buffer b only: its check reads b.
+  const Outcome one = run_program(FERRY_BENCH, "launch -n 1 --repeat 1");
+  EXPECT_EQ(one.status, 0) << one.err;
+  // A --python that exists but cannot be run is not called missing.
+  const Outcome passwd = run_program(
+      FERRY_BENCH, "attention --contexts 32 --heads 2 --head-dim 16 --repeat 1 --peer --python /etc/passwd");
+  ASSERT_FALSE(passwd.lines.empty()) << passwd.err;
+  EXPECT_EQ(passwd.lines[0].value("peer_error", ""),
+            "interpreter not usable: /etc/passwd is not executable (give one with torch: --python)");
+}
+
 #else
 TEST(Outputs, NeedsTheProgramsBuilt) {
   GTEST_SKIP() << "ferry and ferry-bench are not part of this build";
