@@ -125,12 +125,13 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
         fmt::format("use --accumulate {}", file.accumulate));
   }
   if (file.precision != here.precision || file.scaled != here.scaled) {
-    const auto name = [](const Fingerprint& f) {
-      return fmt::format("{}{}", graph::dtype_name(static_cast<graph::DType>(f.precision)),
-                         f.scaled ? " with loss scaling" : "");
+    // In --precision's own words (fp32, not the dtype's f32).
+    const auto precision = [](const Fingerprint& f) { return precision_name(static_cast<ops::DType>(f.precision)); };
+    const auto name = [&](const Fingerprint& f) {
+      return fmt::format("{}{}", precision(f), f.scaled ? " with loss scaling" : "");
     };
     throw mismatch(fmt::format("its precision is {}, this trainer's is {}", name(file), name(here)),
-                   "use the --precision and --loss-scaling it was written with");
+                   fmt::format("use --precision {} and the --loss-scaling it was written with", precision(file)));
   }
   if (file.hybrid != here.hybrid) {
     throw mismatch(

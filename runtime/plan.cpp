@@ -433,7 +433,7 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
 
 // What else lowers a step's device bytes, of what `o` does not use yet, each planned at the
 // recomputation `o` has: "a smaller batch (half: needs at least 3.1 MiB), 8-bit optimizer state
-// (...) (fits)". A setting is listed only when its plan needs less than `leanest` (8-bit state or
+// (...) (fits the device budget)". A setting is listed only when its plan needs less than `leanest` (8-bit state or
 // streaming do nothing for a step whose activations set the minimum, and were suggested all the
 // same); "" when none does.
 std::string leaner_settings(Runtime& runtime, const ModelSpec& model, const TrainerOptions& o, const PlanRates& rates,
@@ -482,7 +482,7 @@ std::string leaner_settings(Runtime& runtime, const ModelSpec& model, const Trai
       TrainerOptions t = w.options;
       detail::validate_trainer_options(model, t);
       (void)plan_as_given(runtime, model, t, rates, true);
-      needs = "fits";
+      needs = "fits the device budget";  // the host's memory is not checked here: ferry plan's search does
     } catch (const graph::BudgetError& e) {
       if (e.min_budget() >= leanest) continue;
       needs = fmt::format("needs at least {}", format_bytes_up(e.min_budget()));
@@ -622,6 +622,26 @@ std::uint64_t host_limit_bytes(std::uint64_t host_budget_bytes, HostLimit limit_
   return physical == 0 ? host_budget_bytes : std::min(host_budget_bytes, physical);
 }
 
+graph::BudgetError with_recompute_hint(const graph::BudgetError& error, Runtime& runtime, const ModelSpec& model,
+                                       const TrainerOptions& options) {
+  if (options.recompute_auto) return error;
+  TrainerOptions chosen = options;
+  chosen.recompute_auto = true;
+  std::uint32_t every = 0;
+  try {
+    every = plan_training(runtime, model, chosen).recompute;
+  } catch (const std::exception&) {
+    return error;  // no recomputation fits either (or the step fails otherwise): the error says enough
+  }
+  if (every == options.recompute) return error;
+  return graph::BudgetError(
+      fmt::format("{}; {} fits it: --recompute {}, or auto", error.what(),
+                  every ? fmt::format("recomputing segments of {} layer{}", every, every == 1 ? "" : "s")
+                        : std::string("no recomputation"),
+                  every),
+      error.min_budget());
+}
+
 std::uint64_t host_bytes_needed(const TrainingPlan& plan) {
   return saturating_add(
       saturating_add(saturating_add(plan.host_bytes, plan.host_compressed_bytes), plan.host_restore_bytes),
@@ -639,16 +659,22 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
   const std::uint64_t limit = detail::host_limit_bytes(host_budget_bytes, limit_by);
   const std::uint64_t needed = detail::host_bytes_needed(plan);
   if (limit == 0 || needed <= limit) return;
-  const std::string what = limit == host_budget_bytes
-                               ? fmt::format("the host budget of {}", format_bytes(host_budget_bytes))
-                               : fmt::format("this machine's physical memory ({})", format_bytes(limit));
+  // The need rounded up and the limit down; in bytes where both would read alike (a budget a few bytes short).
+  std::string needed_text = format_bytes_up(needed), limit_text = format_bytes(limit);
+  if (needed_text == limit_text)
+    needed_text = fmt::format("{} bytes", needed), limit_text = fmt::format("{} bytes", limit);
+  const std::string what = limit == host_budget_bytes ? fmt::format("the host budget of {}", limit_text)
+                                                      : fmt::format("this machine's physical memory ({})", limit_text);
+  // What lowers the need, but what the plan already does.
+  const std::string lower = fmt::format(
+      "{}{}", plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), ",
+      plan.host_compressed_bytes ? "" : "compressed state (--state-home compressed, about 0.84 of fp32 Adam's), ");
   throw HostBudgetError(
       fmt::format(
           "the training state needs {} of host memory ({} for the weights and optimizer state, {} for "
-          "the training steps' host buffers{}), more than {}: {}use {}compressed state (--state-home compressed, about "
-          "0.84 of fp32 Adam's), a smaller batch or model, or keep more on the device (a larger "
-          "--device-budget); `ferry plan` shows what each needs",
-          format_bytes(needed), format_bytes(plan.host_store_bytes), format_bytes(plan.host_step_bytes),
+          "the training steps' host buffers{}), more than {}: {}use {}a smaller batch or model, or keep more on the "
+          "device (a larger --device-budget); `ferry plan` shows what each needs",
+          needed_text, format_bytes(plan.host_store_bytes), format_bytes(plan.host_step_bytes),
           fmt::format(
               "{}{}{}",
               plan.host_compressed_bytes
@@ -659,8 +685,7 @@ void check_host_budget(const TrainingPlan& plan, std::uint64_t host_budget_bytes
                   : std::string(),
               plan.host_eval_bytes ? fmt::format(", {} for evaluation batches", format_bytes(plan.host_eval_bytes))
                                    : std::string()),
-          what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "",
-          plan.eight_bit_state ? "" : "8-bit optimizer state (--optimizer adamw8bit), "),
+          what, limit == host_budget_bytes ? "raise --host-budget if the machine has the memory, or " : "", lower),
       needed, limit);
 }
 

@@ -36,4 +36,11 @@ std::uint64_t gemm_rate_flops(const graph::Graph& g);
 void schedule_step(const graph::Graph& g, const graph::MemoryPlan& memory, const PlanRates& rates,
                    std::uint32_t pinned_copies, PhasePlan& p);
 
+// A step whose device budget cannot hold it at the recomputation given (TrainerOptions::recompute,
+// not recompute_auto): `error` with what --recompute auto would choose where that fits ("; recomputing
+// segments of 12 layers fits it: --recompute 12, or auto"), else `error` as it is. Plans again, so
+// only on the way to an error.
+graph::BudgetError with_recompute_hint(const graph::BudgetError& error, Runtime& runtime, const ModelSpec& model,
+                                       const TrainerOptions& options);
+
 }  // namespace ferry::detail

@@ -15,6 +15,7 @@
 #include "ferry/runtime/units.hpp"
 #include "graph/pipeline.hpp"
 #include "initial_values.hpp"
+#include "plan_search.hpp"
 #include "trainer_internals.hpp"
 #include "trainer_variants.hpp"
 
@@ -212,7 +213,13 @@ Trainer::Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options)
   // Every step variant compiled below, planned first without allocating anything (choosing the
   // recomputation with recompute_auto): the pinned host bytes they need are checked against the
   // host budget and the machine's memory here, before any of them is allocated.
-  const TrainingPlan plan = plan_training(runtime, model_, options_, {});
+  const TrainingPlan plan = [&] {
+    try {
+      return plan_training(runtime, model_, options_, {});
+    } catch (const graph::BudgetError& e) {
+      throw detail::with_recompute_hint(e, runtime, model_, options_);
+    }
+  }();
   options_.recompute = plan.recompute;
   options_.recompute_auto = false;  // chosen: options() says what this trainer runs
   // Host memory `automatic` as the plan made it concrete (resolve_host_transfers), chunk and all.

@@ -737,12 +737,39 @@ TEST(Plan, HostBudgetTooSmallIsAnErrorBeforeAnythingIsAllocated) {
     EXPECT_EQ(e.needed_bytes(), needed);
     EXPECT_EQ(e.budget_bytes(), needed - 1);
     const std::string m = e.what();
-    EXPECT_NE(m.find(format_bytes(needed)), std::string::npos) << m;
+    EXPECT_NE(m.find(fmt::format("needs {} of host memory", format_bytes_up(needed))), std::string::npos) << m;
     EXPECT_NE(m.find("for evaluation batches"), std::string::npos) << m;
     EXPECT_NE(m.find("--host-budget"), std::string::npos) << m;
     EXPECT_NE(m.find("--optimizer adamw8bit"), std::string::npos) << m;
     EXPECT_NE(m.find("--device-budget"), std::string::npos) << m;
     EXPECT_NE(m.find("--state-home compressed"), std::string::npos) << m;
+  }
+  {  // A budget a byte short of a need that rounds alike: both figures in bytes.
+    TrainingPlan p;
+    p.host_bytes = p.host_store_bytes = 10ull << 20;
+    try {
+      check_host_budget(p, (10ull << 20) - 1);
+      ADD_FAILURE() << "a host budget one byte short was accepted";
+    } catch (const HostBudgetError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("needs 10485760 bytes of host memory"), std::string::npos) << m;
+      EXPECT_NE(m.find("more than the host budget of 10485759 bytes"), std::string::npos) << m;
+    }
+  }
+  {  // What the run already does is not offered again.
+    TrainerOptions compressed = o;
+    compressed.residency.state_home = graph::Home::host_compressed;
+    compressed.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+    const TrainingPlan p = plan_training(rt, small_mlp(), compressed);
+    try {
+      check_host_budget(p, detail::host_bytes_needed(p) - 1);
+      ADD_FAILURE() << "a host budget one byte short was accepted";
+    } catch (const HostBudgetError& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.find("--state-home compressed"), std::string::npos) << m;
+      EXPECT_EQ(m.find("--optimizer adamw8bit"), std::string::npos) << m;
+      EXPECT_NE(m.find("--device-budget"), std::string::npos) << m;
+    }
   }
   o.residency.host_budget_bytes = needed;  // exactly enough
   Trainer fits(rt, small_mlp(), o);
@@ -1050,6 +1077,19 @@ TEST(Plan, RecomputeAutoChoosesTheSegmentsTheBudgetNeeds) {
   EXPECT_EQ(chosen.options().recompute, every);
   EXPECT_LE(chosen.device_peak_bytes(), without - 1);
   EXPECT_EQ(plan_training(rt, m, o).recompute, every);
+
+  // Asked for no recomputation under that budget, the Trainer's error names the segments that fit.
+  TrainerOptions none_asked = o;
+  none_asked.recompute_auto = false;
+  none_asked.recompute = 0;
+  try {
+    Trainer refused(rt, m, none_asked);
+    ADD_FAILURE() << "the step fitted without recomputation";
+  } catch (const graph::BudgetError& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format("fits it: --recompute {}, or auto", every)), std::string::npos)
+        << e.what();
+    EXPECT_EQ(e.min_budget(), without);
+  }
 
   // Recomputation changes no result: the same steps as a trainer keeping every activation.
   keep.residency.budget_bytes = 1ull << 30;

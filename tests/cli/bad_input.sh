@@ -289,6 +289,8 @@ row "checkpoint resumed on other data of as many samples" "resume with the same 
 # Options that change what the training computes, given other values on resume.
 row "checkpoint resumed with another --weight-decay" "use --weight-decay 0" error - \
   train "${quick[@]}" --weight-decay 0.01 --resume "$work/good.ckpt"
+row "checkpoint resumed with another --precision" "its precision is fp32, this trainer's is bf16" error - \
+  train "${quick[@]}" --precision bf16 --resume "$work/good.ckpt"
 "$ferry" train "${quick[@]}" --optimizer sgd --checkpoint "$work/sgd.ckpt" >/dev/null 2>&1
 row "SGD checkpoint resumed with another --momentum" "use --momentum 0.9" error - \
   train "${quick[@]}" --optimizer sgd --momentum 0.5 --resume "$work/sgd.ckpt"
