@@ -89,6 +89,11 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
 int run_state(const BenchCommon& common, const StateOptions& so) {
   budget_bytes(fmt::format("--device-budget {}", so.budget), so.budget,
                fmt::format("leave --device-budget out for {}", StateOptions{}.budget));
+  // The compressed home's codec settings before the first (uncompressed) run, not after it.
+  offload::CodecOptions codec;
+  codec.chunk_bytes = parse_bytes(so.chunk);
+  codec.level = so.level;
+  offload::validate(codec);
   Runtime rt({.device = common.device});
   const Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
   // fp32 Adam first (the baseline of the ratios), whatever the order given; each name once.

@@ -486,6 +486,7 @@ TEST(Outputs, BenchRefusesBadArguments) {
       {"phases --device-budget 0", "--device-budget 0: a budget must be more than 0 bytes"},
       {"phases --batch 0", "--batch: must be a finite number > 0, got 0"},
       {"compress --seed -1", "--seed: must be a whole number >= 0, got -1"},
+      {"state --level 50", "zstd level 50 is outside"},  // before the first, uncompressed, run
       {"staging --chunks 1", "--chunks: 1.0 B is not between the smallest staging chunk, 4.0 KiB"},
       {"gemm --shape 16777216,16777216,1 --impls ferry", "more than half of this machine's"},
       {"gemm --sizes abc", "--sizes: must be a whole number >= 0, got abc"},
