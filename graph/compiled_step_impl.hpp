@@ -114,6 +114,14 @@ struct EventGate {
 };
 
 struct CompiledStep::Impl {
+  // The bound kernels released newest first: PoCL keeps a program's kernels in a list it prepends
+  // to and searches from its head on release, so releasing them in the order they were made took
+  // time quadratic in the nodes (a 65,536-node step: 5.6 s at exit, a 262,144-node one minutes).
+  ~Impl() {
+    for (; !launches.empty(); launches.pop_back()) {
+      for (ops::LaunchList& list = launches.back(); !list.empty();) list.pop_back();
+    }
+  }
   const cl::Context& ctx;
   std::vector<cl::Mem> transient;
   // The plan's host pool: batch mirrors, spilled weight gradients, staging; in mapped mode weight
