@@ -56,6 +56,9 @@ struct AttentionTuneOptions {
   // Candidates build on other threads ahead of their timing on GPUs only; true does it on a CPU
   // device too, where those builds compete with the timing (for tests of that path).
   bool build_ahead_on_cpus = false;
+  // Save the winners even over cached ones whose search measured more candidates (ferry tune
+  // --force); false keeps those (AttentionTuneResult::kept), as GemmTuneOptions::replace_cached.
+  bool replace_cached = false;
 };
 
 struct AttentionTuneCandidate {
@@ -86,15 +89,21 @@ struct AttentionTuneResult {
   std::size_t measured = 0;  // candidates timed (every listed one)
   std::string cache_path;    // where it was saved ("" when the program cache is off or the save failed)
   std::string save_error;    // why it could not be saved ("" when it was, or the program cache is off)
+  // Set when the cache held winners from a search that measured more candidates: those were kept
+  // (in cache_path) and these not saved; what that search covered.
+  std::optional<TuneCoverage> kept;
 };
 
-// Runs the search on env's device (a CPU only with candidates given: std::invalid_argument) and saves the winner in the
-// cache. Throws std::runtime_error when no candidate could run.
+// Runs the search on env's device (a CPU only with candidates given: std::invalid_argument) and saves the winners in
+// the cache under the GEMM cache's rule (ops/gemm_tune.hpp: not over winners of a search that measured more
+// candidates). Throws std::runtime_error when no candidate could run.
 AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& options = {});
 
 // The kernels the fused attention runs on env's device when none is named, and where they come
 // from: none for the family's defaults (CPU devices, FERRY_TUNE=off, no cache folder), else the
-// cached winners or, on first use, the winners of a search run now (progress on stderr).
+// cached winners or, on first use (or where the cached ones come from a search a signal stopped),
+// the winners of a search run now (progress on stderr unless OpEnv::tune_progress is false; a stop
+// signal during it throws TuneStopped, as gemm_tuning_for's search does).
 struct AttentionTuning {
   std::map<std::size_t, std::string> kernels;  // by class bound (attention_tune_classes)
   std::string source;                          // "defaults (...)", the cache file, or "tuned now"
@@ -111,7 +120,9 @@ void forget_attention_tuning();
 // The cache file for env's device ("" when the program cache is off), and the kernels it holds by
 // class bound: nullopt when there is none, or after a warning naming the file when it is damaged
 // or holds a line that is no class's valid kernel (it is then tuned again and replaced).
+// `coverage`, when given, receives what its search covered ({} where its comment does not say).
 std::string attention_tune_cache_path(OpEnv& env);
-std::optional<std::map<std::size_t, std::string>> read_attention_tune_cache(OpEnv& env, const std::string& path);
+std::optional<std::map<std::size_t, std::string>> read_attention_tune_cache(OpEnv& env, const std::string& path,
+                                                                            TuneCoverage* coverage = nullptr);
 
 }  // namespace ferry::ops

@@ -14,7 +14,9 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -24,6 +26,7 @@
 #include "gemm_tuning.hpp"
 #include "ops/attention_tune.hpp"
 #include "ops/tune_deadline.hpp"
+#include "tune_signals.hpp"
 #include "tune_timer.hpp"
 
 namespace ferry::ops {
@@ -101,13 +104,49 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-void record_winner(OpEnv& env, TuneMode mode, AttentionTuneResult& r) {
+// The kernels of a cache's body by class bound; throws std::invalid_argument on a line that is no
+// class's valid kernel, or none.
+std::map<std::size_t, std::string> parse_cache_kernels(OpEnv& env, const std::string& body) {
+  std::istringstream lines(body);
+  std::map<std::size_t, std::string> kernels;
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.starts_with("kernel ")) continue;
+    // "kernel <class bound> <kernel>"
+    const std::string rest = line.substr(7);
+    const std::size_t used = rest.find(' ');
+    const std::string head = rest.substr(0, used);
+    const bool digits = !head.empty() && head.size() < 6 && head.find_first_not_of("0123456789") == std::string::npos;
+    const std::size_t bound = digits ? std::stoul(head) : 0;
+    if (!digits || attention_tune_class(bound) != bound || used == std::string::npos)
+      throw std::invalid_argument(fmt::format("'{}' names no head-dimension class", line));
+    const std::string kernel = rest.substr(used + 1);
+    attention_kernel_description(env, {1, 64, 1, bound}, {kernel});  // parses it
+    kernels[bound] = kernel;
+  }
+  if (kernels.empty()) throw std::invalid_argument("no kernel line");
+  return kernels;
+}
+
+// The winners written to the cache, unless it holds winners from a search that measured more
+// candidates (options.replace_cached aside): those are kept (r.kept).
+void record_winner(OpEnv& env, TuneMode mode, const AttentionTuneOptions& options, AttentionTuneResult& r) {
   r.cache_path = attention_tune_cache_path(env);
   if (r.cache_path.empty()) return;
+  if (!options.replace_cached) {
+    std::optional<std::string> cached = read_tune_cache_text(r.cache_path, cache_what, false);
+    try {
+      if (cached) parse_cache_kernels(env, *cached);
+    } catch (const std::exception&) {
+      cached.reset();  // not valid: replaced
+    }
+    r.kept = tune_cache_to_keep(cached, r.measured);
+    if (r.kept) return;
+  }
   std::string body = fmt::format(
       "# ferry attention tuning cache, written by the tuner (`ferry tune`); delete it to tune again.\n"
-      "# device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\n",
-      env.device().name, env.device().driver, tune_mode_name(mode), r.candidates.size(), r.planned, r.seconds);
+      "# device '{}', driver {}, {} search, {}\n",
+      env.device().name, env.device().driver, tune_mode_name(mode),
+      tune_coverage_comment(r.measured, r.planned, r.seconds, r.budget_ran_out, r.stopped && r.measured < r.planned));
   for (const AttentionTuneClass& c : r.classes) {
     std::string shapes;
     for (std::size_t i = 0; i < c.shapes.size(); ++i) {
@@ -132,6 +171,12 @@ std::string summarize(const std::map<std::size_t, std::string>& kernels) {
 struct TuningState {
   std::recursive_mutex mutex;
   std::map<cl_device_id, AttentionTuning> chosen;
+  // Cache files a search of this process has settled since the last forget_attention_tuning(): a
+  // stopped search's winners there are not searched again (ferry tune reads back what it decided).
+  std::set<std::string> searched;
+  // A first-use search a signal stopped: thrown again by every later choice until
+  // forget_attention_tuning() (as the GEMM's: no caller may let the run go on past it).
+  std::optional<TuneStopped> stopped;
 };
 
 TuningState& state() {
@@ -139,22 +184,61 @@ TuningState& state() {
   return s;
 }
 
-// First use on a device without a cached winner: the search, with a line of progress on stderr.
+// First use on a device without a cached winner: the search, with a line of progress on stderr
+// unless env.tune_progress is false. A stop signal ends the search as a spent budget does;
+// TuneStopped follows.
 AttentionTuning tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
-  std::fprintf(stderr,
-               "ferry: tuning the attention kernels for '%s' (first use on this device and driver, about %.0f s at "
-               "most; `ferry tune` does it ahead of time, FERRY_TUNE=off skips it)\n",
-               env.device().name.c_str(), budget_seconds + 5);
+  const bool show = env.tune_progress;
+  if (show) {
+    std::fprintf(stderr,
+                 "ferry: tuning the attention kernels for '%s' (first use on this device and driver, about %.0f s at "
+                 "most; `ferry tune` does it ahead of time, FERRY_TUNE=off skips it)\n",
+                 env.device().name.c_str(), budget_seconds + 5);
+  }
   AttentionTuneOptions o;
   o.mode = mode;
   o.budget_seconds = budget_seconds;
-  o.progress = [](const AttentionTuneProgress& p) {
-    std::fprintf(stderr, "\rferry: tuning attention %zu/%zu, best %s   ", p.done, p.total, p.best.c_str());
-    std::fflush(stderr);
-  };
+  if (show) {
+    o.progress = [](const AttentionTuneProgress& p) {
+      std::fprintf(stderr, "\rferry: tuning attention %zu/%zu, best %s   ", p.done, p.total, p.best.c_str());
+      std::fflush(stderr);
+    };
+  }
+  std::optional<TuneStopSignals> signals;
+  if (env.tune_stop_signals)
+    signals.emplace(
+        "the attention tuning stops after the candidate being timed, keeps its best so far where no more complete "
+        "search's winners are cached, and the run ends; a second signal stops at once, saving nothing");
+  if (signals) o.stop = [] { return TuneStopSignals::received() != 0; };
   const AttentionTuneResult r = tune_attention(env, o);
-  std::fprintf(stderr, "\rferry: tuned attention in %.1f s: %s%s%s\n", r.seconds, r.best.c_str(),
-               r.cache_path.empty() ? "" : ", saved in ", r.cache_path.c_str());
+  if (const int signal = signals ? TuneStopSignals::received() : 0; signal != 0) {
+    if (show) std::fputc('\n', stderr);  // ends the progress line
+    std::string note;
+    if (r.kept) {
+      note = fmt::format("the cached winners in {}, from a search that measured {} of {} candidates, are kept",
+                         r.cache_path, r.kept->measured, r.kept->planned);
+    } else if (r.cache_path.empty()) {
+      note = fmt::format("its best so far could not be saved ({})", r.save_error.empty() ? "no cache" : r.save_error);
+    } else {
+      note = fmt::format(
+          "its best so far, {}, is saved in {}{}", r.best, r.cache_path,
+          r.stopped && r.measured < r.planned ? " as a stopped search's, which the next run searches again" : "");
+    }
+    throw TuneStopped(
+        signal, fmt::format("attention tuning for '{}' stopped by {} after {} of {} candidates; {}", env.device().name,
+                            TuneStopSignals::name(signal), r.measured, r.planned, note));
+  }
+  if (show) {
+    std::fprintf(stderr, "\rferry: tuned attention in %.1f s: %s%s%s%s\n", r.seconds, r.best.c_str(),
+                 r.kept ? "; kept the cached winners of a more complete search" : "",
+                 r.cache_path.empty() ? ""
+                 : r.kept             ? " in "
+                                      : ", saved in ",
+                 r.cache_path.c_str());
+  }
+  if (r.kept) {
+    if (auto cached = read_attention_tune_cache(env, r.cache_path)) return {std::move(*cached), r.cache_path};
+  }
   AttentionTuning t;
   for (const AttentionTuneClass& c : r.classes) t.kernels.emplace(c.max_head_dim, c.best);
   t.source = r.cache_path.empty() ? std::string("tuned now (not cached)") : r.cache_path;
@@ -220,32 +304,19 @@ std::string attention_tune_cache_path(OpEnv& env) {
   return (cache.dir / fmt::format("attention-tuning-{:016x}.txt", key)).string();
 }
 
-std::optional<std::map<std::size_t, std::string>> read_attention_tune_cache(OpEnv& env, const std::string& path) {
+std::optional<std::map<std::size_t, std::string>> read_attention_tune_cache(OpEnv& env, const std::string& path,
+                                                                            TuneCoverage* coverage) {
   const std::optional<std::string> body = read_tune_cache_text(path, cache_what);
   if (!body) return std::nullopt;
-  std::istringstream lines(*body);
   std::map<std::size_t, std::string> kernels;
   try {
-    for (std::string line; std::getline(lines, line);) {
-      if (!line.starts_with("kernel ")) continue;
-      // "kernel <class bound> <kernel>"
-      const std::string rest = line.substr(7);
-      const std::size_t used = rest.find(' ');
-      const std::string head = rest.substr(0, used);
-      const bool digits = !head.empty() && head.size() < 6 && head.find_first_not_of("0123456789") == std::string::npos;
-      const std::size_t bound = digits ? std::stoul(head) : 0;
-      if (!digits || attention_tune_class(bound) != bound || used == std::string::npos)
-        throw std::invalid_argument(fmt::format("'{}' names no head-dimension class", line));
-      const std::string kernel = rest.substr(used + 1);
-      attention_kernel_description(env, {1, 64, 1, bound}, {kernel});  // parses it
-      kernels[bound] = kernel;
-    }
-    if (kernels.empty()) throw std::invalid_argument("no kernel line");
+    kernels = parse_cache_kernels(env, *body);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ferry: warning: %s %s holds no valid kernel (%s); it will be tuned again and replaced\n",
                  cache_what, path.c_str(), e.what());
     return std::nullopt;
   }
+  if (coverage) *coverage = tune_cache_coverage(*body).value_or(TuneCoverage{});
   return kernels;
 }
 
@@ -346,8 +417,13 @@ AttentionTuneResult tune_attention(OpEnv& env, const AttentionTuneOptions& optio
   }
   r.best = summarize(winners);
   r.seconds = seconds_since(t0);
-  record_winner(env, mode, r);
+  record_winner(env, mode, options, r);
   forget_attention_tuning();  // later attention ops read the new winner
+  if (!r.cache_path.empty()) {
+    TuningState& st = state();
+    std::lock_guard lock(st.mutex);
+    st.searched.insert(r.cache_path);
+  }
   return r;
 }
 
@@ -357,6 +433,7 @@ AttentionTuning attention_tuning_for(OpEnv& env) {
   TuningState& st = state();
   std::lock_guard lock(st.mutex);
   if (auto it = st.chosen.find(device.id); it != st.chosen.end()) return it->second;
+  if (st.stopped) throw *st.stopped;
   const TuneMode mode = tune_mode_from_env();
   const double budget = tune_budget_from_env();
   AttentionTuning t{{}, fmt::format("defaults (FERRY_TUNE=off: {})", untuned_default)};
@@ -368,10 +445,24 @@ AttentionTuning attention_tuning_for(OpEnv& env) {
                    "could not be kept (set FERRY_CACHE_DIR to a writable folder); %s runs\n",
                    device.name.c_str(), untuned_default);
       t.source = fmt::format("defaults (no program cache: {})", untuned_default);
-    } else if (auto cached = read_attention_tune_cache(env, cache)) {
-      t = {std::move(*cached), cache};
     } else {
-      t = tune_now(env, mode, budget);
+      TuneCoverage coverage;
+      auto cached = read_attention_tune_cache(env, cache, &coverage);
+      // Winners from a search a signal stopped are searched again, unless a search of this process
+      // has just settled them.
+      const bool again = cached && coverage.stopped && !st.searched.contains(cache);
+      if (again && env.tune_progress) {
+        std::fprintf(stderr,
+                     "ferry: the cached attention kernels in %s are from a search stopped after %zu of %zu "
+                     "candidates; searching again\n",
+                     cache.c_str(), coverage.measured, coverage.planned);
+      }
+      try {
+        t = cached && !again ? AttentionTuning{std::move(*cached), cache} : tune_now(env, mode, budget);
+      } catch (const TuneStopped& e) {
+        st.stopped = e;
+        throw;
+      }
     }
   }
   st.chosen.emplace(device.id, t);
@@ -382,6 +473,8 @@ void forget_attention_tuning() {
   TuningState& st = state();
   std::lock_guard lock(st.mutex);
   st.chosen.clear();
+  st.searched.clear();
+  st.stopped.reset();
 }
 
 }  // namespace ferry::ops

@@ -9,10 +9,21 @@
 // device and driver), or ahead of time with `ferry tune`. FERRY_TUNE=off neither tunes nor reads
 // the cache (the tuning data's generic row runs); FERRY_TUNE=full searches every candidate on first use.
 // FERRY_GEMM_TUNING=path replaces the shipped tuning data under the same rules.
+//
+// A cached row records how much of its search it covered (its comment: "N of M candidates", and
+// whether a signal stopped it). A new winner replaces a cached row only when its search measured
+// at least as many candidates (or GemmTuneOptions::replace_cached: ferry tune --force), so a
+// shorter or interrupted search never replaces a more complete one; a row from a search a signal
+// stopped is searched again on first use. First use says what it does on stderr unless
+// OpEnv::tune_progress is false (ferry train --quiet), and a signal during it (SIGINT, SIGTERM,
+// SIGHUP: their handlers are replaced while it runs) ends the search as a spent budget does, then
+// throws TuneStopped.
 #pragma once
 
 #include <cstddef>
 #include <functional>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -22,6 +33,23 @@
 namespace ferry::ops {
 
 enum class TuneMode { off, quick, full };
+
+// What a cached winner's search covered, as its cache file's comment records it.
+struct TuneCoverage {
+  std::size_t measured = 0, planned = 0;  // candidates timed, candidates listed
+  bool stopped = false;                   // a signal ended the search (first use searches again)
+};
+
+// A first-use search (gemm_tuning_for, attention_tuning_for) ended by SIGINT, SIGTERM or SIGHUP:
+// thrown once the search has ended as a spent budget ends it and its best so far was saved under
+// the cache's rule (above); what() says how far it came and what was kept. `signal` is the
+// signal's number: ferry's commands exit with 128 + it, as a training run stopped by one does.
+// Every later first-use choice throws it again (a planner that takes any failure for "this option
+// does not fit" cannot go on past it) until forget_gemm_tuning() / forget_attention_tuning().
+struct TuneStopped : std::runtime_error {
+  TuneStopped(int signal_number, const std::string& what) : std::runtime_error(what), signal(signal_number) {}
+  int signal;
+};
 
 // FERRY_TUNE: off | quick | full (quick when unset); throws std::invalid_argument on anything else.
 TuneMode tune_mode_from_env();
@@ -62,11 +90,15 @@ struct GemmTuneOptions {
   double budget_seconds = 60;       // the search's time limit (ops/tune_deadline.hpp: what it bounds)
   std::function<void(const GemmTuneProgress&)> progress;  // optional, after each candidate
   // Optional, asked between candidates: true ends the search as a spent budget does (the best so
-  // far wins and is saved; GemmTuneResult::stopped). ferry tune passes "a stop signal arrived".
+  // far wins and is saved as the cache's rule allows; GemmTuneResult::stopped). ferry tune passes
+  // "a stop signal arrived".
   std::function<bool()> stop;
   // Candidates build on other threads ahead of their timing on GPUs only; true does it on a CPU
   // device too, where those builds compete with the timing (for tests of that path).
   bool build_ahead_on_cpus = false;
+  // Save the winner even over a cached row whose search measured more candidates (ferry tune
+  // --force); false keeps that row (GemmTuneResult::kept).
+  bool replace_cached = false;
 };
 
 struct GemmTuneCandidate {
@@ -91,10 +123,14 @@ struct GemmTuneResult {
   std::string row;           // the tuning-file row for this device
   std::string cache_path;    // where it was saved ("" when the program cache is off or the save failed)
   std::string save_error;    // why it could not be saved ("" when it was, or the program cache is off)
+  // Set when the cache held a row from a search that measured more candidates: that row was kept
+  // (in cache_path) and this winner not saved; what that search covered.
+  std::optional<TuneCoverage> kept;
 };
 
-// Runs the search on env's device and saves the winner in the tuning cache (replacing any cached
-// row). Throws std::runtime_error when no candidate could run at all.
+// Runs the search on env's device and saves the winner in the tuning cache, replacing a cached
+// row whose search measured no more candidates (GemmTuneOptions::replace_cached: any). Throws
+// std::runtime_error when no candidate could run at all.
 GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options = {});
 
 // The row gemm() follows on env's device and where it comes from, e.g. "tiled TSM=128 ... VW=4
@@ -105,5 +141,11 @@ std::string gemm_tuning_choice(OpEnv& env);
 // The cache file for env's device ("" when the program cache is off: FERRY_PROGRAM_CACHE=0 or no
 // cache folder).
 std::string gemm_tune_cache_path(OpEnv& env);
+
+// Why a tuning cache file could not be written in the folder `dir` ("" when it can): the folder
+// (and those above it) is made where missing, and a temporary file is created there, written and
+// removed. E.g. "cannot create it: Read-only file system", "cannot write a file there:
+// Permission denied". ferry tune asks before it measures anything.
+std::string tune_cache_folder_problem(const std::string& dir);
 
 }  // namespace ferry::ops

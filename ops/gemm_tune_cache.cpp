@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <system_error>
 
@@ -115,12 +116,15 @@ std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& d
   return (std::filesystem::path(dir) / fmt::format("gemm-tuning-{:016x}.tsv", key)).string();
 }
 
-std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what) {
+std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what, bool loud) {
+  const auto complain = [&](const std::string& why) {
+    if (loud) warn(path, what, why);
+  };
   std::string problem;
   const std::optional<std::string> read = read_tuning_file(path, problem);
   if (!read) {
     std::error_code ec;
-    if (std::filesystem::is_directory(path, ec)) {
+    if (loud && std::filesystem::is_directory(path, ec)) {
       // The tuner's file cannot be renamed over a folder either: without this the device would be
       // tuned again on every run, with a warning that does not say why.
       std::fprintf(stderr,
@@ -128,7 +132,7 @@ std::optional<std::string> read_tune_cache_text(const std::string& path, const c
                    "there and it is tuned again on every run: remove it (rm -r '%s')\n",
                    what, path.c_str(), path.c_str());
     } else if (!problem.empty()) {
-      warn(path, what, problem);
+      complain(problem);
     }
     return std::nullopt;
   }
@@ -136,7 +140,7 @@ std::optional<std::string> read_tune_cache_text(const std::string& path, const c
   const std::string tag = "# checksum ";
   const std::size_t at = text.rfind(tag);
   if (at == std::string::npos || (at > 0 && text[at - 1] != '\n')) {
-    warn(path, what, "has no checksum line");
+    complain("has no checksum line");
     return std::nullopt;
   }
   std::string body = text.substr(0, at);
@@ -146,10 +150,60 @@ std::optional<std::string> read_tune_cache_text(const std::string& path, const c
   std::uint64_t want = 0;
   if (!exact || std::sscanf(digits.c_str(), "%16llx", reinterpret_cast<unsigned long long*>(&want)) != 1 ||
       want != cl::fnv1a(body)) {
-    warn(path, what, "fails its checksum (damaged or edited)");
+    complain("fails its checksum (damaged or edited)");
     return std::nullopt;
   }
   return body;
+}
+
+std::string tune_coverage_comment(std::size_t measured, std::size_t planned, double seconds, bool budget_ran_out,
+                                  bool stopped) {
+  return fmt::format("{} of {} candidates in {:.1f} s{}", measured, planned, seconds,
+                     stopped          ? ", stopped by a signal"
+                     : budget_ran_out ? ", budget spent"
+                                      : "");
+}
+
+std::optional<TuneCoverage> tune_cache_coverage(std::string_view text) {
+  // In a comment line: "... <mode> search, N of M candidates in S s[, budget spent | , stopped by a signal]".
+  static const std::regex line(R"(^# .* search, ([0-9]{1,9}) of ([0-9]{1,9}) candidates in [0-9.]+ s(, [a-z ]+)?$)");
+  std::istringstream lines{std::string(text)};
+  for (std::string l; std::getline(lines, l);) {
+    std::smatch m;
+    if (!l.starts_with("# ") || !std::regex_match(l, m, line)) continue;
+    TuneCoverage c;
+    c.measured = std::stoul(m[1].str());
+    c.planned = std::stoul(m[2].str());
+    c.stopped = m[3].str() == ", stopped by a signal";
+    return c;
+  }
+  return std::nullopt;
+}
+
+std::optional<TuneCoverage> tune_cache_to_keep(const std::optional<std::string>& cached, std::size_t measured) {
+  if (!cached) return std::nullopt;
+  const std::optional<TuneCoverage> c = tune_cache_coverage(*cached);
+  if (!c || c->measured <= measured) return std::nullopt;
+  return c;
+}
+
+std::string tune_cache_folder_problem(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return fmt::format("cannot create it: {}", ec.message());
+  if (!fs::is_directory(dir, ec)) return "it is not a folder";
+  const std::string probe = (fs::path(dir) / fmt::format(".ferry-tune-probe-{}", ::getpid())).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return fmt::format("cannot write a file there: {}", errno_text(errno));
+  const ssize_t n = ::write(fd, "\n", 1);
+  const int write_errno = errno;
+  const int closed = ::close(fd);
+  const int close_errno = errno;
+  ::unlink(probe.c_str());
+  if (n != 1) return fmt::format("cannot write a file there: {}", errno_text(n < 0 ? write_errno : ENOSPC));
+  if (closed != 0) return fmt::format("cannot write a file there: {}", errno_text(close_errno));
+  return {};
 }
 
 std::string write_tune_cache_text(const std::string& path, const std::string& body, const char* what) {
@@ -179,21 +233,46 @@ std::string write_tune_cache_text(const std::string& path, const std::string& bo
   return {};
 }
 
-std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device) {
-  constexpr const char* what = "GEMM tuning cache";
-  const std::optional<std::string> body = read_tune_cache_text(path, what);
-  if (!body) return std::nullopt;
+namespace {
+
+// The one row of a GEMM cache's body for `device`, or why it is not one.
+std::optional<GemmTuningRow> gemm_cache_row(const std::string& body, const std::string& path,
+                                            const cl::DeviceInfo& device, std::string& problem) {
   try {
-    std::vector<GemmTuningRow> rows = parse_gemm_tuning(*body, path);
+    std::vector<GemmTuningRow> rows = parse_gemm_tuning(body, path);
     if (rows.size() != 1 || !rows[0].matches(device)) {
-      warn(path, what, fmt::format("holds {} row(s), not one for device '{}'", rows.size(), device.name));
+      problem = fmt::format("holds {} row(s), not one for device '{}'", rows.size(), device.name);
       return std::nullopt;
     }
     return rows[0];
   } catch (const std::exception& e) {
-    warn(path, what, fmt::format("is not valid tuning data ({})", e.what()));
+    problem = fmt::format("is not valid tuning data ({})", e.what());
     return std::nullopt;
   }
+}
+
+}  // namespace
+
+std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device,
+                                                  TuneCoverage* coverage) {
+  constexpr const char* what = "GEMM tuning cache";
+  const std::optional<std::string> body = read_tune_cache_text(path, what);
+  if (!body) return std::nullopt;
+  std::string problem;
+  std::optional<GemmTuningRow> row = gemm_cache_row(*body, path, device, problem);
+  if (!row) {
+    warn(path, what, problem);
+    return std::nullopt;
+  }
+  if (coverage) *coverage = tune_cache_coverage(*body).value_or(TuneCoverage{});
+  return row;
+}
+
+std::optional<std::string> valid_gemm_tune_cache_body(const std::string& path, const cl::DeviceInfo& device) {
+  std::optional<std::string> body = read_tune_cache_text(path, "GEMM tuning cache", false);
+  std::string problem;
+  if (!body || !gemm_cache_row(*body, path, device, problem)) return std::nullopt;
+  return body;
 }
 
 std::string write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment) {

@@ -11,6 +11,7 @@
 
 #include "ferry/cl/device.hpp"
 #include "gemm_tuning.hpp"
+#include "ops/gemm_tune.hpp"
 
 namespace ferry::ops {
 
@@ -31,8 +32,23 @@ std::optional<std::string> read_tuning_file(const std::string& path, std::string
 // A tuning cache file's text without its last line, "# checksum <16 hex digits>" (FNV-1a of the
 // lines above it), or nullopt when there is no file. A file without that line or failing it, or one
 // that is not a regular file of at most max_tuning_file_bytes, prints a warning naming the file and
-// `what` ("GEMM tuning cache") and returns nullopt; a folder's warning says to remove it.
-std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what);
+// `what` ("GEMM tuning cache") and returns nullopt; a folder's warning says to remove it. With
+// `warn` false nothing is printed (a tuner checking what it is about to replace).
+std::optional<std::string> read_tune_cache_text(const std::string& path, const char* what, bool warn = true);
+
+// What a search covered, as a cache's comment says it: "N of M candidates in S s", then ", budget
+// spent" or ", stopped by a signal" where either ended it.
+std::string tune_coverage_comment(std::size_t measured, std::size_t planned, double seconds, bool budget_ran_out,
+                                  bool stopped);
+// What a cache file's text (or body) records of its search ("<mode> search, N of M candidates in
+// S s[, stopped by a signal]" in a comment line): nullopt when it records nothing (such a row is
+// replaced by any search's). Every cache written since the tuner exists has that line.
+std::optional<TuneCoverage> tune_cache_coverage(std::string_view text);
+// Whether a new winner whose search measured `measured` candidates may be saved over what a cache
+// holds: nullopt when it may (no cached result, or one from a search that measured no more
+// candidates), else what the cached one's search covered. `cached` is the cache's valid body, or
+// nullopt when there is none (or it is damaged, foreign or not valid: it is replaced).
+std::optional<TuneCoverage> tune_cache_to_keep(const std::optional<std::string>& cached, std::size_t measured);
 
 // Writes `body` and its checksum line to a temporary file beside `path` and renames it into place,
 // so a reader (or an interrupted tuner) never sees half a file. Returns "<path>: <what failed and
@@ -45,8 +61,12 @@ std::string gemm_tune_cache_file(const std::string& dir, const cl::DeviceInfo& d
 
 // The cached row, or nullopt when there is no file. A file that is damaged, foreign (another
 // device) or fails its checksum prints a warning naming it and returns nullopt (it is retuned and
-// overwritten).
-std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device);
+// overwritten). `coverage`, when given, receives what its search covered ({} where its comment
+// does not say).
+std::optional<GemmTuningRow> read_gemm_tune_cache(const std::string& path, const cl::DeviceInfo& device,
+                                                  TuneCoverage* coverage = nullptr);
+// The cached file's body when it holds a valid row for `device`, read without warnings; else nullopt.
+std::optional<std::string> valid_gemm_tune_cache_body(const std::string& path, const cl::DeviceInfo& device);
 
 // Writes the row, with a comment saying what was measured (write_tune_cache_text).
 std::string write_gemm_tune_cache(const std::string& path, const std::string& row, const std::string& comment);

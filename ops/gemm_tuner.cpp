@@ -474,8 +474,9 @@ void score_finalists(Timer& timer, std::size_t finalists, TuneDeadline deadline,
 }
 
 // The winner as a tuning row, written to the cache beside the program cache (when there is one)
-// with what was measured as its comment.
-void record_winner(OpEnv& env, TuneMode mode, GemmTuneResult& r) {
+// with what was measured as its comment, unless the cache holds a row from a search that measured
+// more candidates (options.replace_cached aside): that row is kept (r.kept).
+void record_winner(OpEnv& env, TuneMode mode, const GemmTuneOptions& options, GemmTuneResult& r) {
   const cl::DeviceInfo& device = env.device();
   const std::size_t space = r.best.find(' ');
   r.row = fmt::format("{}\t*\t{}\tferry\t{}\t{}",
@@ -485,15 +486,22 @@ void record_winner(OpEnv& env, TuneMode mode, GemmTuneResult& r) {
                       device.platform_name + " " + device.name, r.best.substr(0, space), r.best.substr(space + 1));
   r.cache_path = gemm_tune_cache_path(env);
   if (r.cache_path.empty()) return;
+  if (!options.replace_cached) {
+    r.kept = tune_cache_to_keep(valid_gemm_tune_cache_body(r.cache_path, device), r.measured);
+    if (r.kept) return;
+  }
   std::string shapes;
   for (std::size_t i = 0; i < r.shapes.size(); ++i) {
     const GemmShape& s = r.shapes[i];
     shapes += fmt::format("{}{}x{}x{}{}{}: {:.0f}", i ? ", " : "", s.M, s.N, s.K, s.trans_a ? " ta" : "",
                           s.trans_b ? " tb" : "", r.best_shape_gflops[i]);
   }
-  const std::string comment =
-      fmt::format("device '{}', driver {}, {} search, {} of {} candidates in {:.1f} s\nGFLOPS per shape: {}",
-                  device.name, device.driver, tune_mode_name(mode), r.measured, r.planned, r.seconds, shapes);
+  // Marked as stopped (first use searches again) only where the signal left candidates unmeasured,
+  // not where it cut the second timings short.
+  const bool cut_short = r.stopped && r.measured < r.planned;
+  const std::string comment = fmt::format(
+      "device '{}', driver {}, {} search, {}\nGFLOPS per shape: {}", device.name, device.driver, tune_mode_name(mode),
+      tune_coverage_comment(r.measured, r.planned, r.seconds, r.budget_ran_out, cut_short), shapes);
   r.save_error = write_gemm_tune_cache(r.cache_path, r.row, comment);
   if (!r.save_error.empty()) r.cache_path.clear();
 }
@@ -526,8 +534,9 @@ GemmTuneResult tune_gemm(OpEnv& env, const GemmTuneOptions& options) {
   score_finalists(timer, finalists, TuneDeadline(options.budget_seconds, t0, options.stop), device, progress, options,
                   r);
   r.seconds = seconds_since(t0);
-  record_winner(env, mode, r);
+  record_winner(env, mode, options, r);
   forget_gemm_tuning();  // later plans read the new row
+  if (!r.cache_path.empty()) gemm_cache_settled(r.cache_path);
   return r;
 }
 

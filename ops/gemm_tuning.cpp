@@ -8,10 +8,12 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <stdexcept>
 
 #include "gemm_tune_cache.hpp"
 #include "ops/gemm_tune.hpp"
+#include "tune_signals.hpp"
 
 namespace ferry::ops {
 namespace {
@@ -20,6 +22,13 @@ struct TuningState {
   std::recursive_mutex mutex;                                // the tuner, run under it, clears `chosen` when it is done
   std::map<std::string, std::vector<GemmTuningRow>> parsed;  // by file path; "" = embedded
   std::map<std::pair<std::string, cl_device_id>, GemmTuningRow> chosen;  // per tuning file and device
+  // Cache files a search of this process has settled since the last forget_gemm_tuning(): a
+  // stopped search's row there is not searched again (ferry tune reads back what it just decided).
+  std::set<std::string> searched;
+  // A first-use search a signal stopped (TuneStopped): thrown again by every later choice until
+  // forget_gemm_tuning(), so that a caller which takes any failure for "no plan" (a planner trying
+  // options) cannot let the run go on past the signal.
+  std::optional<TuneStopped> stopped;
 };
 
 TuningState& state() {
@@ -59,26 +68,67 @@ const GemmTuningRow& first_match(const std::vector<GemmTuningRow>& rows, const s
                                        device.name, device.type_name(), device.vendor));
 }
 
+// What a stopped search's winner became, for the message that ends the run.
+std::string stopped_note(const GemmTuneResult& r) {
+  if (r.kept) {
+    return fmt::format("the cached row in {}, from a search that measured {} of {} candidates, is kept", r.cache_path,
+                       r.kept->measured, r.kept->planned);
+  }
+  if (!r.save_error.empty()) return fmt::format("its best so far could not be saved ({})", r.save_error);
+  if (r.cache_path.empty()) return "its best so far was not saved (the program cache is off)";
+  if (r.stopped && r.measured < r.planned) {
+    return fmt::format("its best so far, {}, is saved in {} as a stopped search's, which the next run searches again",
+                       r.best, r.cache_path);
+  }
+  return fmt::format("its winner, {}, is saved in {}", r.best, r.cache_path);
+}
+
 // First use on a device without a row of its own: the tuner's bounded search, with a line of
-// progress on stderr (it can take up to a minute, once per device and driver).
+// progress on stderr unless env.tune_progress is false (it can take up to a minute, once per
+// device and driver). A stop signal ends the search as a spent budget does; TuneStopped follows.
 GemmTuningRow tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
   const cl::DeviceInfo& device = env.device();
-  std::fprintf(stderr,
-               "ferry: tuning the GEMM kernel for '%s' (first use on this device and driver, about %.0f s at most; "
-               "`ferry tune` does it ahead of time, FERRY_TUNE=off skips it)\n",
-               device.name.c_str(), budget_seconds + 5);
+  const bool show = env.tune_progress;
+  if (show) {
+    std::fprintf(stderr,
+                 "ferry: tuning the GEMM kernel for '%s' (first use on this device and driver, about %.0f s at most; "
+                 "`ferry tune` does it ahead of time, FERRY_TUNE=off skips it)\n",
+                 device.name.c_str(), budget_seconds + 5);
+  }
   GemmTuneOptions o;
   o.mode = mode;
   o.budget_seconds = budget_seconds;
-  o.progress = [](const GemmTuneProgress& p) {
-    std::fprintf(stderr, "\rferry: tuning GEMM %s %zu/%zu, best %.0f GFLOPS   ", p.stage.c_str(), p.done, p.total,
-                 p.best_gflops);
-    std::fflush(stderr);
-  };
+  if (show) {
+    o.progress = [](const GemmTuneProgress& p) {
+      std::fprintf(stderr, "\rferry: tuning GEMM %s %zu/%zu, best %.0f GFLOPS   ", p.stage.c_str(), p.done, p.total,
+                   p.best_gflops);
+      std::fflush(stderr);
+    };
+  }
+  std::optional<TuneStopSignals> signals;
+  if (env.tune_stop_signals)
+    signals.emplace(
+        "the GEMM tuning stops after the candidate being timed, keeps its best so far where no more complete search's "
+        "row is cached, and the run ends; a second signal stops at once, saving nothing");
+  if (signals) o.stop = [] { return TuneStopSignals::received() != 0; };
   const GemmTuneResult r = tune_gemm(env, o);
-  std::fprintf(stderr, "\rferry: tuned GEMM in %.1f s: %s (%.0f GFLOPS over %zu shapes)%s%s\n", r.seconds,
-               r.best.c_str(), r.best_gflops, r.shapes.size(), r.cache_path.empty() ? "" : ", saved in ",
-               r.cache_path.c_str());
+  if (const int signal = signals ? TuneStopSignals::received() : 0; signal != 0) {
+    if (show) std::fputc('\n', stderr);  // ends the progress line
+    throw TuneStopped(signal,
+                      fmt::format("GEMM tuning for '{}' stopped by {} after {} of {} candidates; {}", device.name,
+                                  TuneStopSignals::name(signal), r.measured, r.planned, stopped_note(r)));
+  }
+  if (show && r.kept) {
+    std::fprintf(stderr,
+                 "\rferry: tuned GEMM in %.1f s: %s (%.0f GFLOPS over %zu shapes); kept the cached row in %s, which "
+                 "measured %zu of %zu candidates (this search measured %zu)\n",
+                 r.seconds, r.best.c_str(), r.best_gflops, r.shapes.size(), r.cache_path.c_str(), r.kept->measured,
+                 r.kept->planned, r.measured);
+  } else if (show) {
+    std::fprintf(stderr, "\rferry: tuned GEMM in %.1f s: %s (%.0f GFLOPS over %zu shapes)%s%s\n", r.seconds,
+                 r.best.c_str(), r.best_gflops, r.shapes.size(), r.cache_path.empty() ? "" : ", saved in ",
+                 r.cache_path.c_str());
+  }
   if (!r.cache_path.empty()) {
     if (auto saved = read_gemm_tune_cache(r.cache_path, device)) return *saved;  // names the file and line
   }
@@ -101,6 +151,14 @@ void forget_gemm_tuning() {
   TuningState& st = state();
   std::lock_guard lock(st.mutex);
   st.chosen.clear();
+  st.searched.clear();
+  st.stopped.reset();
+}
+
+void gemm_cache_settled(const std::string& cache_path) {
+  TuningState& st = state();
+  std::lock_guard lock(st.mutex);
+  st.searched.insert(cache_path);
 }
 
 GemmTuningRow gemm_tuning_for(OpEnv& env) {
@@ -111,6 +169,7 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
   std::lock_guard lock(st.mutex);
   const auto key = std::make_pair(path, device.id);
   if (auto it = st.chosen.find(key); it != st.chosen.end()) return it->second;
+  if (st.stopped) throw *st.stopped;
   // Checked whether or not this device needs them, so a mistyped setting is never silently ignored.
   const TuneMode mode = tune_mode_from_env();
   const double budget = tune_budget_from_env();
@@ -129,8 +188,23 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
                      "be kept (set FERRY_CACHE_DIR to a writable folder); the generic row of the tuning data runs\n",
                      device.name.c_str());
       } else {
-        std::optional<GemmTuningRow> cached = read_gemm_tune_cache(cache, device);
-        row = cached ? std::move(*cached) : tune_now(env, mode, budget);
+        TuneCoverage coverage;
+        std::optional<GemmTuningRow> cached = read_gemm_tune_cache(cache, device, &coverage);
+        // A row from a search a signal stopped is searched again (its winner replaces it where it
+        // measured as many candidates), unless a search of this process has just settled it.
+        const bool again = cached && coverage.stopped && !st.searched.contains(cache);
+        if (again && env.tune_progress) {
+          std::fprintf(stderr,
+                       "ferry: the cached GEMM row in %s is from a search stopped after %zu of %zu candidates; "
+                       "searching again\n",
+                       cache.c_str(), coverage.measured, coverage.planned);
+        }
+        try {
+          row = cached && !again ? std::move(*cached) : tune_now(env, mode, budget);
+        } catch (const TuneStopped& e) {
+          st.stopped = e;
+          throw;
+        }
       }
     }
   }

@@ -53,9 +53,17 @@ GemmKernelConfig parse_gemm_kernel_spec(std::string_view spec, const std::string
 //     replaces it) when it names the device;
 //  2. else, unless FERRY_TUNE=off, the tuner's cached winner for this device and driver
 //     (gemm_tune.hpp), or a bounded search now whose winner is cached (not when the program cache
-//     is off: a note says so, and the generic row runs);
+//     is off: a note says so, and the generic row runs); a cached row from a search a signal
+//     stopped is searched again (not one a search of this process settled: gemm_cache_settled).
+//     A signal during the search throws TuneStopped once it has ended, and so does every later
+//     call until forget_gemm_tuning();
 //  3. else (FERRY_TUNE=off) that first matching, generic row.
 // Throws if no row matches, or when a tuning file is malformed.
 GemmTuningRow gemm_tuning_for(OpEnv& env);
+
+// Records that a search of this process has just decided what `cache_path` holds (tune_gemm, after
+// its forget_gemm_tuning()), so gemm_tuning_for does not search again for a stopped search's row
+// there until the next forget_gemm_tuning().
+void gemm_cache_settled(const std::string& cache_path);
 
 }  // namespace ferry::ops

@@ -24,7 +24,7 @@ std::unique_ptr<cl::Context> make_context(const RuntimeOptions& options,
 Runtime::Shared::Shared(const RuntimeOptions& options)
     : context(make_context(options, driver_memory)),
       kernels(std::make_unique<cl::KernelLibrary>(*context)),
-      env{*kernels} {
+      env{*kernels, options.tune_progress, options.tune_stop_signals} {
   // Oclgrind's OpenCL runtime is not thread-safe (jrprice/Oclgrind#28, open): enqueues from
   // several flow-graph workers at once corrupt its command bookkeeping and crash it now and then
   // (seen in asyncQueueRetain). It runs commands inside clFlush and clFinish on the calling

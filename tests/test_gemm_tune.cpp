@@ -7,9 +7,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -17,12 +19,17 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <sstream>
+#include <thread>
+#include <tuple>
 
+#include "ops/attention_tune.hpp"
 #include "ops/gemm_tiled.hpp"
 #include "ops/gemm_tune.hpp"
 #include "ops/gemm_tune_cache.hpp"
 #include "ops/tune_deadline.hpp"
+#include "ops/tune_signals.hpp"
 #include "test_support.hpp"
 
 namespace ferry::test {
@@ -548,6 +555,338 @@ TEST(GemmTune, DeadlineStopsBeforeACandidateThatWouldEndPastTheBudget) {
   EXPECT_TRUE(roomy.next_fits());
   ops::TuneDeadline spent(0.0, Clock::now() - std::chrono::seconds(1));
   EXPECT_TRUE(spent.next_fits()) << "the first candidate always runs";
+}
+
+// A cached result records how much of its search it covered, in the comment line every cache has
+// had since the tuner exists ("<mode> search, N of M candidates in S s"), now with ", budget
+// spent" or ", stopped by a signal" after it; a new result replaces it only when its search
+// measured at least as many candidates. A `ferry tune --budget-seconds 0.001` (1 of 11) had
+// replaced a complete search's row (11 of 11).
+TEST(GemmTune, CachesSayWhatTheirSearchCoveredAndTheMoreCompleteIsKept) {
+  const std::string head = "# ferry GEMM tuning cache, written by the tuner (`ferry tune`); delete it to tune again.\n";
+  const std::string old_file = head +
+                               "# device 'pthread-haswell-AMD EPYC 7B13 64-Core Processor', driver 5.0, quick search, "
+                               "11 of 11 candidates in 44.1 s\n# GFLOPS per shape: 1024x1024x1024: 150\nrow\n";
+  const std::optional<ops::TuneCoverage> old = ops::tune_cache_coverage(old_file);
+  ASSERT_TRUE(old);
+  EXPECT_EQ(old->measured, 11u);
+  EXPECT_EQ(old->planned, 11u);
+  EXPECT_FALSE(old->stopped);
+  for (const auto& [measured, planned, budget, stopped] :
+       {std::tuple{1, 14, true, false}, {3, 14, false, true}, {14, 14, false, false}}) {
+    const std::string comment = ops::tune_coverage_comment(measured, planned, 2.25, budget, stopped);
+    const std::optional<ops::TuneCoverage> c =
+        ops::tune_cache_coverage(head + "# device 'd', driver 1, full search, " + comment + "\nrow\n");
+    ASSERT_TRUE(c) << comment;
+    EXPECT_EQ(c->measured, std::size_t(measured)) << comment;
+    EXPECT_EQ(c->planned, std::size_t(planned)) << comment;
+    EXPECT_EQ(c->stopped, stopped) << comment;
+  }
+  EXPECT_EQ(ops::tune_coverage_comment(1, 14, 0.54, true, false), "1 of 14 candidates in 0.5 s, budget spent");
+  EXPECT_FALSE(ops::tune_cache_coverage(head + "row\n")) << "a file that records nothing: any search replaces it";
+
+  EXPECT_FALSE(ops::tune_cache_to_keep(std::nullopt, 1)) << "nothing cached";
+  const std::optional<ops::TuneCoverage> keep = ops::tune_cache_to_keep(old_file, 1);
+  ASSERT_TRUE(keep);
+  EXPECT_EQ(keep->measured, 11u);
+  EXPECT_FALSE(ops::tune_cache_to_keep(old_file, 11)) << "as many candidates: the newer replaces it";
+  EXPECT_FALSE(ops::tune_cache_to_keep(old_file, 12));
+  EXPECT_FALSE(ops::tune_cache_to_keep(head + "row\n", 0));
+}
+
+// The tuning row for this device as the tuner writes it, with the naive kernel (which any device runs).
+std::string naive_row_for(const cl::DeviceInfo& d) {
+  return fmt::format("{}\t*\t{} {}\tferry\tnaive\t-",
+                     d.is_cpu()   ? "cpu"
+                     : d.is_gpu() ? "gpu"
+                                  : "*",
+                     d.platform_name, d.name);
+}
+
+// A shorter search than the cached row's (one candidate of the quick list) keeps that row and says
+// so (GemmTuneResult::kept), leaving the file as it was; forced (ferry tune --force), it replaces
+// it. A row for another device is no row to keep.
+TEST(GemmTune, AShorterSearchKeepsTheMoreCompleteCachedRowUnlessForced) {
+  auto& dev = TestDevice::get();
+  const cl::DeviceInfo& d = dev.context.device();
+  const auto dir = temp_dir("gemm_keep");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  const std::string cache = ops::gemm_tune_cache_path(env);
+  ASSERT_EQ(ops::write_gemm_tune_cache(
+                cache, naive_row_for(d),
+                fmt::format("device '{}', driver {}, quick search, 11 of 11 candidates in 44.1 s", d.name, d.driver)),
+            "");
+  ASSERT_TRUE(ops::valid_gemm_tune_cache_body(cache, d));
+  const std::string before = read_file(cache);
+
+  ops::GemmTuneOptions o;
+  o.budget_seconds = 0.01;  // one candidate probed, then it on the shapes
+  const ops::GemmTuneResult shorter = ops::tune_gemm(env, o);
+  EXPECT_EQ(shorter.measured, 1u);
+  ASSERT_TRUE(shorter.kept);
+  EXPECT_EQ(shorter.kept->measured, 11u);
+  EXPECT_EQ(shorter.kept->planned, 11u);
+  EXPECT_EQ(shorter.cache_path, cache);
+  EXPECT_TRUE(shorter.save_error.empty()) << shorter.save_error;
+  EXPECT_EQ(read_file(cache), before) << "the more complete row stays as it was";
+
+  o.replace_cached = true;
+  const ops::GemmTuneResult forced = ops::tune_gemm(env, o);
+  EXPECT_FALSE(forced.kept);
+  EXPECT_EQ(forced.cache_path, cache);
+  ops::TuneCoverage coverage;
+  const std::optional<ops::GemmTuningRow> saved = ops::read_gemm_tune_cache(cache, d, &coverage);
+  ASSERT_TRUE(saved);
+  EXPECT_TRUE(saved->config.text().starts_with(forced.best)) << saved->config.text();
+  EXPECT_EQ(coverage.measured, 1u);
+  EXPECT_EQ(coverage.planned, forced.planned);
+  EXPECT_FALSE(coverage.stopped);
+  EXPECT_NE(read_file(cache).find(" candidates in "), std::string::npos);
+
+  // Another device's row (a copied file) is not kept, however many candidates it claims.
+  cl::DeviceInfo other = d;
+  other.name = "another device";
+  const std::string foreign = (dir / "foreign.tsv").string();
+  ASSERT_EQ(ops::write_gemm_tune_cache(foreign, naive_row_for(other),
+                                       "device 'another device', driver 1, quick search, 99 of 99 candidates in 1.0 s"),
+            "");
+  EXPECT_FALSE(ops::valid_gemm_tune_cache_body(foreign, d));
+  EXPECT_TRUE(ops::valid_gemm_tune_cache_body(foreign, other));
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
+}
+
+// The attention's cache follows the same rule: fewer candidates keep the cached winners, forced
+// they are replaced.
+TEST(GemmTune, TheAttentionCacheKeepsTheMoreCompleteSearchesWinnersToo) {
+  auto& dev = TestDevice::get();
+  const auto dir = temp_dir("attention_keep");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  ops::AttentionTuneOptions o;
+  o.candidates = {"blocked TQ=8 TK=8", "tiled BQ=16 BK=8"};
+  o.shapes = {{1, 40, 2, 16}};
+  o.budget_seconds = 3600;
+  const ops::AttentionTuneResult both = ops::tune_attention(env, o);
+  EXPECT_FALSE(both.kept);
+  ASSERT_FALSE(both.cache_path.empty()) << both.save_error;
+  const std::string before = read_file(both.cache_path);
+  EXPECT_NE(before.find(", 2 of 2 candidates in "), std::string::npos) << before;
+
+  o.candidates = {"tiled BQ=16 BK=8"};
+  const ops::AttentionTuneResult one = ops::tune_attention(env, o);
+  ASSERT_TRUE(one.kept);
+  EXPECT_EQ(one.kept->measured, 2u);
+  EXPECT_EQ(one.cache_path, both.cache_path);
+  EXPECT_EQ(read_file(both.cache_path), before);
+
+  o.replace_cached = true;
+  const ops::AttentionTuneResult forced = ops::tune_attention(env, o);
+  EXPECT_FALSE(forced.kept);
+  ops::TuneCoverage coverage;
+  const auto kernels_now = ops::read_attention_tune_cache(env, both.cache_path, &coverage);
+  ASSERT_TRUE(kernels_now);
+  EXPECT_EQ(kernels_now->at(64), "tiled BQ=16 BK=8");
+  EXPECT_EQ(coverage.measured, 1u);
+  ops::forget_attention_tuning();
+  std::filesystem::remove_all(dir);
+}
+
+// ferry tune asks before it measures: a folder it can make and write a file in (and the file is
+// gone after), or why not. `FERRY_CACHE_DIR=/proc/nope ferry tune` searched for its whole budget,
+// then could not save.
+TEST(GemmTune, ACacheFolderIsTriedBeforeTheSearch) {
+  const auto dir = temp_dir("tune_folder");
+  const std::string fresh = (dir / "new" / "cache").string();
+  EXPECT_EQ(ops::tune_cache_folder_problem(fresh), "");
+  EXPECT_TRUE(std::filesystem::is_directory(fresh));
+  EXPECT_TRUE(std::filesystem::is_empty(fresh)) << "the trial file is removed";
+  const std::string file = (dir / "file").string();
+  std::ofstream(file) << "x";
+  EXPECT_NE(ops::tune_cache_folder_problem(file), "");
+  EXPECT_TRUE(ops::tune_cache_folder_problem("/proc/ferry-no-such-cache").starts_with("cannot create it: "))
+      << ops::tune_cache_folder_problem("/proc/ferry-no-such-cache");
+  std::filesystem::remove_all(dir);
+}
+
+// First use with OpEnv::tune_progress false (ferry train --quiet) says nothing; a cached row from
+// a search a signal stopped is searched again, and the new one replaces it.
+TEST(GemmTune, FirstUseIsQuietWhenAskedAndSearchesAStoppedRowAgain) {
+  auto& dev = TestDevice::get();
+  const cl::DeviceInfo& d = dev.context.device();
+  const auto dir = temp_dir("gemm_quiet");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels, false};
+  const std::string table = (dir / "table.tsv").string();
+  std::ofstream(table) << "*\t*\t*\tferry\tnaive\t-\n";
+  ScopedEnv tuning("FERRY_GEMM_TUNING", table);
+  ScopedEnv mode("FERRY_TUNE", "quick");
+  ScopedEnv budget("FERRY_TUNE_BUDGET_S", "0.01");
+  const std::string cache = ops::gemm_tune_cache_path(env);
+  ASSERT_EQ(ops::write_gemm_tune_cache(cache, naive_row_for(d),
+                                       fmt::format("device '{}', driver {}, quick search, {}", d.name, d.driver,
+                                                   ops::tune_coverage_comment(1, 14, 3.0, false, true))),
+            "");
+  ops::forget_gemm_tuning();
+  testing::internal::CaptureStderr();
+  const std::string choice = ops::gemm_tuning_choice(env);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("tun"), std::string::npos) << err;
+  EXPECT_EQ(err.find("search"), std::string::npos) << err;
+  EXPECT_EQ(choice.find("naive"), std::string::npos) << "searched again and replaced: " << choice;
+  ops::TuneCoverage coverage;
+  ASSERT_TRUE(ops::read_gemm_tune_cache(cache, d, &coverage));
+  EXPECT_EQ(coverage.measured, 1u);
+  EXPECT_FALSE(coverage.stopped);
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
+}
+
+// While a TuneStopSignals lives, SIGINT is recorded (and acknowledged) whatever handled it before
+// (PoCL's LLVM has a handler that ends the process), an inner one shares the outer one's, and the
+// handler from before comes back with the outer one.
+TEST(GemmTune, TuneStopSignalsRecordTheSignalWhileTheyLive) {
+  static volatile std::sig_atomic_t own = 0;
+  struct sigaction mine {
+  }, before{};
+  mine.sa_handler = [](int) { own = 1; };
+  sigemptyset(&mine.sa_mask);
+  ASSERT_EQ(sigaction(SIGINT, &mine, &before), 0);
+  testing::internal::CaptureStderr();
+  {
+    const ops::TuneStopSignals outer("the search stops");
+    EXPECT_EQ(ops::TuneStopSignals::received(), 0);
+    {
+      const ops::TuneStopSignals inner("inner");
+      std::raise(SIGINT);
+      EXPECT_EQ(ops::TuneStopSignals::received(), SIGINT);
+    }
+    EXPECT_EQ(ops::TuneStopSignals::received(), SIGINT);
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err, "\nferry: SIGINT received: the search stops\n");
+  EXPECT_EQ(own, 0) << "the handler from before does not run while the search does";
+  struct sigaction now {};
+  sigaction(SIGINT, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, mine.sa_handler) << "it is back after";
+  std::raise(SIGINT);
+  EXPECT_EQ(own, 1);
+  ASSERT_EQ(sigaction(SIGINT, &before, nullptr), 0);
+}
+
+// SIGINT during first use (inside ferry train) ended the process by the signal: no message, the
+// progress line unended, the search lost. Now the search ends as a spent budget does, its best so
+// far is saved (nothing better being cached) marked as a stopped search's, the progress line is
+// ended, and TuneStopped says so (ferry exits 130). The next first use searches again.
+TEST(GemmTune, ASignalDuringFirstUseEndsTheSearchAndThrowsTuneStopped) {
+  auto& dev = TestDevice::get();
+  const cl::DeviceInfo& d = dev.context.device();
+  const auto dir = temp_dir("gemm_sigint");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels};
+  const std::string table = (dir / "table.tsv").string();
+  std::ofstream(table) << "*\t*\t*\tferry\tnaive\t-\n";
+  ScopedEnv tuning("FERRY_GEMM_TUNING", table);
+  ScopedEnv mode("FERRY_TUNE", "quick");
+  ScopedEnv budget("FERRY_TUNE_BUDGET_S", "600");  // only the signal ends it early
+  ops::forget_gemm_tuning();
+  struct sigaction now {};
+  sigaction(SIGINT, nullptr, &now);
+  const auto original = now.sa_handler;  // the default, or the driver's (PoCL's LLVM has one)
+  std::atomic<bool> done{false};
+  // As a person's Ctrl-C once the search is under way (its handler in place).
+  std::thread sender([&] {
+    for (int i = 0; i < 120000 && !done; ++i) {
+      struct sigaction h {};
+      sigaction(SIGINT, nullptr, &h);
+      if (h.sa_handler != original) {
+        ::kill(::getpid(), SIGINT);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  testing::internal::CaptureStderr();
+  int signal = 0;
+  std::string what;
+  try {
+    ops::gemm_tuning_choice(env);
+  } catch (const ops::TuneStopped& e) {
+    signal = e.signal;
+    what = e.what();
+  }
+  done = true;
+  sender.join();
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(signal, SIGINT) << what;
+  EXPECT_NE(what.find("GEMM tuning for '" + d.name + "' stopped by SIGINT after 1 of "), std::string::npos) << what;
+  EXPECT_NE(what.find("as a stopped search's, which the next run searches again"), std::string::npos) << what;
+  EXPECT_NE(err.find("\nferry: SIGINT received: the GEMM tuning stops after the candidate being timed"),
+            std::string::npos)
+      << err;
+  ASSERT_FALSE(err.empty());
+  EXPECT_EQ(err.back(), '\n') << "the progress line is ended";
+  sigaction(SIGINT, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, original) << "the handler from before is back";
+  const std::string cache = ops::gemm_tune_cache_path(env);
+  ops::TuneCoverage coverage;
+  ASSERT_TRUE(ops::read_gemm_tune_cache(cache, d, &coverage));
+  EXPECT_EQ(coverage.measured, 1u);
+  EXPECT_TRUE(coverage.stopped);
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    EXPECT_FALSE(name.starts_with("gemm-tuning") && name.find(".tmp") != std::string::npos) << name;
+  }
+
+  // The next first use searches again, says why, and its search (as many candidates) replaces it.
+  ScopedEnv shorter("FERRY_TUNE_BUDGET_S", "0.01");
+  ops::forget_gemm_tuning();
+  testing::internal::CaptureStderr();
+  ops::gemm_tuning_choice(env);
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(fmt::format("cached GEMM row in {} is from a search stopped after 1 of ", cache)),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("tuning the GEMM kernel"), std::string::npos) << err;
+  ASSERT_TRUE(ops::read_gemm_tune_cache(cache, d, &coverage));
+  EXPECT_FALSE(coverage.stopped);
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
+}
+
+// OpEnv::tune_stop_signals false (RuntimeOptions::tune_stop_signals: a program that handles the
+// signals itself): first use leaves the program's handlers in place while it searches.
+TEST(GemmTune, FirstUseLeavesTheProgramsHandlersWhenAsked) {
+  auto& dev = TestDevice::get();
+  const auto dir = temp_dir("gemm_own_handlers");
+  cl::KernelLibrary kernels(dev.context, cl::ProgramCacheOptions{true, dir});
+  ops::OpEnv env{kernels, false, false};
+  const std::string table = (dir / "table.tsv").string();
+  std::ofstream(table) << "*\t*\t*\tferry\tnaive\t-\n";
+  ScopedEnv tuning("FERRY_GEMM_TUNING", table);
+  ScopedEnv mode("FERRY_TUNE", "quick");
+  ScopedEnv budget("FERRY_TUNE_BUDGET_S", "0.5");
+  ops::forget_gemm_tuning();
+  struct sigaction now {};
+  sigaction(SIGINT, nullptr, &now);
+  const auto original = now.sa_handler;
+  std::atomic<bool> done{false}, replaced{false};
+  std::thread watcher([&] {
+    while (!done) {
+      struct sigaction h {};
+      sigaction(SIGINT, nullptr, &h);
+      if (h.sa_handler != original) replaced = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  const std::string choice = ops::gemm_tuning_choice(env);
+  done = true;
+  watcher.join();
+  EXPECT_FALSE(replaced) << "a handler of the search's replaced the program's";
+  EXPECT_EQ(choice.find("naive"), std::string::npos) << "it searched: " << choice;
+  ops::forget_gemm_tuning();
+  std::filesystem::remove_all(dir);
 }
 
 TEST(GemmTune, BadSettingsNameTheVariable) {

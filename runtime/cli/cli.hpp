@@ -227,6 +227,7 @@ struct TuneArgs {
   std::string device, mode = "quick", family = "all";
   double budget_seconds = 60;
   bool json = false, quiet = false;
+  bool force = false;  // save over cached results of searches that measured more candidates
 };
 // `ferry tune` (runtime/cli/tune.cpp).
 int cmd_tune(const TuneArgs& a);

@@ -305,7 +305,8 @@ int cmd_train(const TrainArgs& a) {
 
   ferry::Runtime runtime({.device = a.device,
                           .local_rank = a.world ? ferry::local_rank() : 0,
-                          .profiling = !a.trace_path.empty() || !a.profile_path.empty()});
+                          .profiling = !a.trace_path.empty() || !a.profile_path.empty(),
+                          .tune_progress = !a.quiet});
   ferry::TrainerOptions opt;
   const std::uint32_t batch = a.batch ? a.batch : default_batch(a.model);  // the global batch, over all ranks
   configure_trainer(a, opt);
@@ -476,8 +477,9 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
                   "Memory of the streamed homes and the step's host buffers: pinned (DMA copies), pageable (no "
                   "device memory; the driver stages copies), staged (pageable, copies through a small pinned "
                   "staging area filled on all cores), registered (ferry's pages handed to the driver, "
-                  "CL_MEM_USE_HOST_PTR, which may pin them in place; otherwise as pinned), or auto: pageable on "
-                  "NVIDIA, whose pinned buffers take device memory too, pinned elsewhere")
+                  "CL_MEM_USE_HOST_PTR, which may pin them in place; otherwise as pinned), or auto: on NVIDIA, "
+                  "whose pinned buffers take device memory too, staged in chunks under a budget of 2 GiB or more "
+                  "and pageable below it; pinned elsewhere")
       ->check(CLI::IsMember(ferry::offload::host_memory_names()))
       ->capture_default_str();
   app->add_option("--staging-chunk", t.staging_chunk,
@@ -618,6 +620,8 @@ CLI::App* add_tune_command(CLI::App& app, TuneArgs& a) {
       ->capture_default_str();
   tune->add_flag("--json", a.json, "End with one JSON line of results per family tuned on stdout");
   tune->add_flag("--quiet", a.quiet, "No progress output");
+  tune->add_flag("--force", a.force,
+                 "Save the winners even over cached ones from searches that measured more candidates");
   return tune;
 }
 
@@ -863,6 +867,9 @@ int run_ferry(int argc, char** argv) {
     if (plan->parsed()) return cmd_plan(t);
     if (tune->parsed()) return cmd_tune(tune_args);
     if (checkpoint->parsed()) return cmd_checkpoint(checkpoint_args);
+  } catch (const ferry::ops::TuneStopped& e) {  // a signal during first-use tuning: as a stopped run
+    std::cerr << "ferry: " << e.what() << "\n";
+    return 128 + e.signal;
   } catch (const std::exception& e) {
     end_all_ranks_on_error(t, e);  // data parallel: does not return
     std::cerr << "ferry: error: " << e.what() << "\n";

@@ -311,15 +311,22 @@ void check_run_makes_sense(const TrainArgs& a, const TextCorpus& corpus, std::ui
   }
 }
 
+// The runtime a run trains on: its rank's device, profiling where a trace or profile is written, and
+// first-use tuning without progress output under --quiet.
+RuntimeOptions runtime_options(const TrainArgs& a) {
+  return {.device = a.device,
+          .local_rank = a.world ? ferry::local_rank() : 0,
+          .profiling = !a.trace_path.empty() || !a.profile_path.empty(),
+          .tune_progress = !a.quiet};
+}
+
 int cmd_train_gpt(const TrainArgs& args) {
   TrainArgs a = args;
   if (!a.lr_given) a.lr = 2e-3f;  // the small decoder trains faster at 2e-3 than at the classifiers' 1e-3
   const TextCorpus corpus = load_text_corpus(fortune_files(a.text_dir), 0.1);
   const models::GptConfig c = gpt_config(a, corpus);
 
-  Runtime runtime({.device = a.device,
-                   .local_rank = a.world ? ferry::local_rank() : 0,
-                   .profiling = !a.trace_path.empty() || !a.profile_path.empty()});
+  Runtime runtime(runtime_options(a));
   TrainerOptions opt;
   const std::uint32_t batch = a.batch ? a.batch : 32;  // the global batch, over all ranks
   configure_trainer(a, opt);

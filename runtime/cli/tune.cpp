@@ -63,7 +63,8 @@ nlohmann::json json_head(const TuneArgs& a, const cl::DeviceInfo& d, const char*
           {"budget_ran_out", r.budget_ran_out},
           {"stopped", r.stopped},
           {"best", r.best},
-          {"cache_path", r.cache_path}};
+          {"cache_path", r.cache_path},
+          {"kept_cached", r.kept.has_value()}};
 }
 
 bool stop_signal_arrived() {
@@ -78,19 +79,33 @@ std::string ended_early(const Result& r) {
 }
 
 // Where the winners went, for the progress output.
-std::string saved_text(const std::string& cache_path, const std::string& save_error) {
-  if (!save_error.empty()) return fmt::format("ferry tune: not saved ({})\n", save_error);
-  if (cache_path.empty()) return "ferry tune: the program cache is off, so nothing was saved\n";
-  return fmt::format("ferry tune: saved in {}\n", cache_path);
+template <typename Result>
+std::string saved_text(const Result& r, const char* what) {
+  if (!r.save_error.empty()) return fmt::format("ferry tune: not saved ({})\n", r.save_error);
+  if (r.cache_path.empty()) return "ferry tune: the program cache is off, so nothing was saved\n";
+  if (r.kept) {
+    return fmt::format(
+        "ferry tune: kept the cached {} in {}, which measured {} of {} candidates (this run measured {}); "
+        "--force replaces it\n",
+        what, r.cache_path, r.kept->measured, r.kept->planned, r.measured);
+  }
+  return fmt::format("ferry tune: saved in {}\n", r.cache_path);
 }
 
-// The GEMM's search: progress, the winner per shape, and its JSON line. Returns why its winner
-// could not be saved ("" when it was, or the cache is off).
-std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
+// What a family's search left: why its winner could not be saved ("" when it was, or the cache is
+// off), and whether a more complete search's cached result was kept instead.
+struct FamilyOutcome {
+  std::string save_error;
+  bool kept = false;
+};
+
+// The GEMM's search: progress, the winner per shape, and its JSON line.
+FamilyOutcome tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
   ops::GemmTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
   o.stop = stop_signal_arrived;
+  o.replace_cached = a.force;
   if (!a.quiet) {
     std::cerr << fmt::format("ferry tune: GEMM on '{}' ({}), {} search, budget {:g} s\n", d.name, d.driver, a.mode,
                              a.budget_seconds);
@@ -113,7 +128,7 @@ std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::Devic
     for (const auto& c : r.candidates) {
       if (!c.error.empty()) std::cerr << fmt::format("  skipped {}: {}\n", c.kernel, c.error);
     }
-    std::cerr << saved_text(r.cache_path, r.save_error);
+    std::cerr << saved_text(r, "row");
     // A row of the tuning data naming the device wins over the tuner's (ops/tuning/gemm.tsv's header): said, so
     // that a faster winner that does not run is not a surprise.
     if (r.save_error.empty() && !r.cache_path.empty() && ops::gemm_tuning_for(env).names_device()) {
@@ -150,16 +165,17 @@ std::string tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::Devic
     j["candidates"] = cands;
     std::cout << j.dump() << std::endl;
   }
-  return r.save_error;
+  return {r.save_error, r.kept.has_value()};
 }
 
 // The attention's search (devices that are not CPUs): progress, the winner per shape, and its
-// JSON line. Returns why its winner could not be saved.
-std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
+// JSON line.
+FamilyOutcome tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::DeviceInfo& d) {
   ops::AttentionTuneOptions o;
   o.mode = a.mode == "full" ? ops::TuneMode::full : ops::TuneMode::quick;
   o.budget_seconds = a.budget_seconds;
   o.stop = stop_signal_arrived;
+  o.replace_cached = a.force;
   if (!a.quiet) {
     std::cerr << fmt::format("ferry tune: attention on '{}' ({}), {} search, budget {:g} s\n", d.name, d.driver, a.mode,
                              a.budget_seconds);
@@ -183,7 +199,7 @@ std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::
     for (const auto& c : r.candidates) {
       if (!c.error.empty()) std::cerr << fmt::format("  skipped {}: {}\n", c.kernel, c.error);
     }
-    std::cerr << saved_text(r.cache_path, r.save_error);
+    std::cerr << saved_text(r, "winners");
   }
   if (a.json) {
     nlohmann::json classes = nlohmann::json::array(), cands = nlohmann::json::array();
@@ -208,12 +224,13 @@ std::string tune_attention_family(const TuneArgs& a, ops::OpEnv& env, const cl::
     j["candidates"] = cands;
     std::cout << j.dump() << std::endl;
   }
-  return r.save_error;
+  return {r.save_error, r.kept.has_value()};
 }
 
 // What would keep the search's winners from being saved is known before searching: the program
-// cache off (or its folder unusable), a cache folder that is a file, a cache file that is a
-// folder. Refused then, not after the search (which a later run would repeat).
+// cache off (or its folder unusable), a cache folder that is a file or cannot be made or written
+// (a temporary file is created there and removed), a cache file that is a folder. Refused then,
+// not after the search (which a later run would repeat).
 void check_cache_usable(ops::OpEnv& env, const TuneArgs& a) {
   namespace fs = std::filesystem;
   std::vector<std::string> paths;
@@ -242,6 +259,13 @@ void check_cache_usable(ops::OpEnv& env, const TuneArgs& a) {
           "folder with FERRY_CACHE_DIR (nothing was searched)",
           folder.string()));
     }
+    const std::string dir = fs::path(path).parent_path().string();
+    if (const std::string problem = ops::tune_cache_folder_problem(dir); !problem.empty()) {
+      throw std::runtime_error(fmt::format(
+          "ferry tune: the cache folder '{}' is not usable ({}), so what the search finds could not be saved: make "
+          "it writable or name another folder with FERRY_CACHE_DIR (nothing was searched)",
+          dir, problem));
+    }
   }
 }
 
@@ -261,15 +285,21 @@ int cmd_tune(const TuneArgs& a) {
   // A search can take many minutes: a stop signal ends it as a spent budget does, and what it found
   // is saved (the row is written whole or not at all); a second signal ends the process at once.
   const StopSignals signals(
-      "the search stops after the candidate being timed, and what it found is saved; a second signal stops at once, "
-      "saving nothing",
+      "the search stops after the candidate being timed, and what it found is saved unless a more complete search's "
+      "is cached; a second signal stops at once, saving nothing",
       "ferry tune");
-  std::vector<std::string> not_saved;
-  if (a.family != "attention") not_saved.push_back(tune_gemm_family(a, env, d));
+  std::vector<FamilyOutcome> outcomes;
+  if (a.family != "attention") outcomes.push_back(tune_gemm_family(a, env, d));
   bool attention_skipped = false;
   if (a.family == "attention" || (a.family == "all" && !d.is_cpu())) {
     attention_skipped = stop_signal_arrived();
-    if (!attention_skipped) not_saved.push_back(tune_attention_family(a, env, d));
+    if (!attention_skipped) outcomes.push_back(tune_attention_family(a, env, d));
+  }
+  std::vector<std::string> not_saved;
+  bool kept = false;
+  for (const FamilyOutcome& o : outcomes) {
+    not_saved.push_back(o.save_error);
+    kept = kept || o.kept;
   }
   if (a.family == "all" && d.is_cpu() && !a.quiet) {
     std::cerr << "ferry tune: attention not tuned: on CPU devices it runs the cpu family's measured tiles\n";
@@ -283,8 +313,9 @@ int cmd_tune(const TuneArgs& a) {
   }
   if (const int signal = StopSignals::received(); signal != 0) {
     std::cerr << fmt::format(
-        "ferry tune: stopped by {}; the best found before it is saved (run ferry tune again to search further){}\n",
-        StopSignals::name(signal),
+        "ferry tune: stopped by {}; {} (run ferry tune again to search further){}\n", StopSignals::name(signal),
+        kept ? "the cached result of a more complete search is kept (above), not the best found before it"
+             : "the best found before it is saved",
         attention_skipped ? "; the attention was not tuned: ferry tune --family attention tunes it" : "");
     return 128 + signal;
   }

@@ -98,6 +98,8 @@ row "ferry tune with a cache folder that is a file" "is not a folder, so what th
   error "FERRY_CACHE_DIR=$work/not_a_folder" tune --budget-seconds 5 --quiet
 row "ferry tune with the program cache off" "the program cache is off" error "FERRY_PROGRAM_CACHE=0" \
   tune --budget-seconds 5 --quiet
+row "ferry tune with a cache folder that cannot be made" "is not usable (cannot create it:" error \
+  "FERRY_CACHE_DIR=/proc/ferry-no-cache" tune --budget-seconds 5 --quiet
 row "ferry plan --network-gbps without --ranks" "--network-gbps applies to a plan of several ranks only" error - \
   plan --model mlp --network-gbps 10
 row "ferry plan, both ways at once faster than each alone" "both ways at once carry at most their sum" error - \

@@ -356,6 +356,64 @@ check "ferry tune: SIGINT still saves the best so far" bash -c \
   "python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); sys.exit(not (j[\"stopped\"] and j[\"cache_path\"]))' '$work/tune.json' &&
    ls '$tune_cache' | grep -q ."
 
+# A shorter ferry tune keeps the cached row of a search that measured more candidates (a 0.001 s
+# search, 1 candidate, had replaced a complete one) and says so; --force replaces it. The cached
+# row's comment is made to claim 11 candidates more, its checksum (64-bit FNV-1a) redone.
+keep_cache="$work/tune-keep"
+rm -rf "$keep_cache"
+FERRY_CACHE_DIR="$keep_cache" "$ferry" tune --family gemm --budget-seconds 0.001 --quiet
+row_file=$(ls "$keep_cache"/gemm-tuning-*.tsv)
+python3 - "$row_file" <<'PY'
+import re, sys
+path = sys.argv[1]
+text = open(path).read()
+body = re.sub(r"search, (\d+) of (\d+) candidates",
+              lambda m: f"search, {int(m[1]) + 11} of {int(m[2]) + 11} candidates", text[:text.rindex("# checksum ")])
+h = 0xCBF29CE484222325
+for b in body.encode():
+    h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+open(path, "w").write(body + f"# checksum {h:016x}\n")
+PY
+cp "$row_file" "$work/kept-row.tsv"
+FERRY_CACHE_DIR="$keep_cache" "$ferry" tune --family gemm --budget-seconds 0.001 2>"$work/keep.err"
+status=$?
+check "ferry tune: a shorter search keeps the more complete cached row, and says so" bash -c \
+  "[ $status -eq 0 ] && cmp -s '$row_file' '$work/kept-row.tsv' &&
+   grep -q '^ferry tune: kept the cached row in $row_file, which measured 1[2-9] of [0-9]* candidates (this run measured 1); --force replaces it' '$work/keep.err'"
+FERRY_CACHE_DIR="$keep_cache" "$ferry" tune --family gemm --budget-seconds 0.001 --force 2>"$work/keep.err"
+check "ferry tune --force replaces a more complete cached row" bash -c \
+  "grep -q '^ferry tune: saved in $row_file' '$work/keep.err' && grep -q 'search, 1 of ' '$row_file'"
+
+# First-use tuning inside ferry train (FERRY_TUNE=quick, tuning data whose only row is generic, a
+# cache folder without a tuned row): SIGINT ends the search with a message on a line of its own and
+# exit 130, its best so far saved whole and marked as a stopped search's (it died by the signal,
+# the search lost); the next run searches again, and with --quiet prints none of its progress.
+first_cache="$work/first-use-cache"
+rm -rf "$first_cache" && mkdir -p "$first_cache"
+[ -n "${FERRY_CACHE_DIR:-}" ] && [ -d "$FERRY_CACHE_DIR" ] && cp -r "$FERRY_CACHE_DIR/." "$first_cache/" 2>/dev/null
+rm -f "$first_cache"/gemm-tuning-* "$first_cache"/attention-tuning-*
+printf '*\t*\t*\tferry\tnaive\t-\n' >"$work/generic.tsv"
+first_use=(env FERRY_TUNE=quick "FERRY_GEMM_TUNING=$work/generic.tsv" "FERRY_CACHE_DIR=$first_cache")
+"${first_use[@]}" FERRY_TUNE_BUDGET_S=600 "$ferry" train --model mlp --epochs 1 --train-limit 256 \
+  >/dev/null 2>"$work/first-use.err" &
+pid=$!
+for _ in $(seq 1 1200); do grep -qs -- 'tuning GEMM probe [1-9]' "$work/first-use.err" && break; sleep 0.05; done
+kill -INT "$pid"
+wait "$pid"
+status=$?
+check "first-use tuning in ferry train: SIGINT exits 130" test "$status" -eq 130
+check "first-use tuning in ferry train: SIGINT is acknowledged and said on lines of their own" bash -c \
+  "grep -q '^ferry: SIGINT received: the GEMM tuning stops after the candidate being timed' '$work/first-use.err' &&
+   grep -q \"^ferry: GEMM tuning for '.*' stopped by SIGINT after [0-9]* of [0-9]* candidates; its best so far, .*, is saved in $first_cache/gemm-tuning-.* as a stopped search's\" '$work/first-use.err'"
+check "first-use tuning in ferry train: SIGINT leaves a whole cache file, marked, and no temporary one" bash -c \
+  "grep -q 'candidates in .* s, stopped by a signal' '$first_cache'/gemm-tuning-*.tsv && ! ls -a '$first_cache' | grep -q 'gemm-tuning.*\.tmp'"
+"${first_use[@]}" FERRY_TUNE_BUDGET_S=0.01 "$ferry" train --model mlp --epochs 1 --train-limit 256 --quiet \
+  >/dev/null 2>"$work/first-use-quiet.err"
+status=$?
+check "first-use tuning in ferry train --quiet prints no progress" bash -c \
+  "[ $status -eq 0 ] && ! grep -qi 'tun\|search' '$work/first-use-quiet.err'"
+[ "$status" -eq 0 ] || tail -5 "$work/first-use-quiet.err"
+
 # A program cache folder this user may not look into: one note for the folder, not a line per
 # program ("entry ... is invalid (cannot be read: Permission denied)" for each). Root looks into
 # any folder, so the run is made as nobody.

@@ -88,6 +88,15 @@ void run_blocking(cl_command_queue queue, const LaunchList& launches, const Step
 // What an op needs to bind its kernels.
 struct OpEnv {
   cl::KernelLibrary& kernels;
+  // First-use tuning (the GEMM's row, the attention's kernels: ops/gemm_tune.hpp) says on stderr
+  // that it searches, how far it has come and what won; false keeps it quiet (warnings, errors
+  // and a stop signal's acknowledgement still print). RuntimeOptions::tune_progress sets it.
+  bool tune_progress = true;
+  // SIGINT, SIGTERM and SIGHUP during a first-use search stop it after the candidate being timed
+  // (ops/tune_signals.hpp replaces their handlers while it runs, as TrainingLoop's catch_signals
+  // does while it trains) and end it with TuneStopped; false leaves the program's handlers alone.
+  // RuntimeOptions::tune_stop_signals sets it.
+  bool tune_stop_signals = true;
   const cl::DeviceInfo& device() const { return kernels.context().device(); }
 };
 

@@ -23,6 +23,12 @@ struct RuntimeOptions {
   // free-memory query) before the context is made, after, and every 100 ms on a thread of its own:
   // driver_memory() below. Nothing is read on devices whose driver has no count (CPUs, PoCL).
   bool watch_driver_memory = true;
+  // First-use tuning's progress on stderr (ops::OpEnv::tune_progress): false for a quiet program
+  // (ferry train --quiet).
+  bool tune_progress = true;
+  // A stop signal during first-use tuning ends the search and throws ops::TuneStopped
+  // (ops::OpEnv::tune_stop_signals); false leaves a program's own signal handlers in place.
+  bool tune_stop_signals = true;
 };
 
 class Runtime {
