@@ -1,5 +1,5 @@
 // The stop signals of a first-use tuning search (ops/gemm_tuning.cpp, ops/attention_tuner.cpp).
-// Private to ops/.
+// Private to the library (ops/; the training loop names the signals by it too).
 #pragma once
 
 #include <csignal>

@@ -16,6 +16,7 @@
 
 #include "checkpoint_space.hpp"
 #include "ferry/runtime/units.hpp"
+#include "ops/tune_signals.hpp"
 
 namespace ferry {
 namespace {
@@ -84,16 +85,9 @@ int StopSignals::received() noexcept {
 }
 
 std::string StopSignals::name(int signal) {
-  switch (signal) {
-    case SIGINT:
-      return "SIGINT";
-    case SIGTERM:
-      return "SIGTERM";
-    case SIGHUP:
-      return "SIGHUP";
-    default:
-      return fmt::format("signal {}", signal);
-  }
+  // The three stop signals by the names the first-use tuner gives them too; another by number.
+  if (signal == SIGINT || signal == SIGTERM || signal == SIGHUP) return ops::TuneStopSignals::name(signal);
+  return fmt::format("signal {}", signal);
 }
 
 double LoopPosition::recent_loss() const {
