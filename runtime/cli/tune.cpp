@@ -131,7 +131,10 @@ FamilyOutcome tune_gemm_family(const TuneArgs& a, ops::OpEnv& env, const cl::Dev
     std::cerr << saved_text(r, "row");
     // A row of the tuning data naming the device wins over the tuner's (ops/tuning/gemm.tsv's header): said, so
     // that a faster winner that does not run is not a surprise.
-    if (r.save_error.empty() && !r.cache_path.empty() && ops::gemm_tuning_for(env).names_device()) {
+    // (The row in use is the tuning data's only where it is not the cache's own, which names the device too.)
+    const ops::GemmTuningRow& in_use = ops::gemm_tuning_for(env);
+    if (r.save_error.empty() && !r.cache_path.empty() && in_use.names_device() &&
+        !in_use.source.starts_with(r.cache_path)) {
       std::cerr << fmt::format(
           "ferry tune: gemm() still runs {}: a row of the tuning data names this device and wins over the tuned "
           "one (FERRY_GEMM_TUNING=FILE replaces the tuning data)\n",

@@ -383,6 +383,15 @@ check "ferry tune: a shorter search keeps the more complete cached row, and says
 FERRY_CACHE_DIR="$keep_cache" "$ferry" tune --family gemm --budget-seconds 0.001 --force 2>"$work/keep.err"
 check "ferry tune --force replaces a more complete cached row" bash -c \
   "grep -q '^ferry tune: saved in $row_file' '$work/keep.err' && grep -q 'search, 1 of ' '$row_file'"
+# With tuning data whose only row is generic, the tuned row (the cache's, which names the device)
+# is the one gemm() runs: said so, not that a row of the tuning data wins over it.
+printf '*\t*\t*\tferry\tnaive\t-\n' >"$work/generic-only.tsv"
+rm -rf "$work/tune-generic"
+env -u FERRY_TUNE FERRY_CACHE_DIR="$work/tune-generic" FERRY_GEMM_TUNING="$work/generic-only.tsv" "$ferry" tune \
+  --family gemm --budget-seconds 0.001 2>"$work/generic.err"  # (FERRY_TUNE=off would run the generic row)
+check "ferry tune over generic tuning data says gemm() now runs the tuned row" bash -c \
+  "grep -q '^ferry tune: gemm() now runs .*(.*/tune-generic/gemm-tuning-' '$work/generic.err' &&
+   ! grep -q 'names this device' '$work/generic.err'"
 
 # First-use tuning inside ferry train (FERRY_TUNE=quick, tuning data whose only row is generic, a
 # cache folder without a tuned row): SIGINT ends the search with a message on a line of its own and
