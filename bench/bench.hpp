@@ -53,12 +53,6 @@ inline constexpr int bench_json_schema = 1;
 // flushes.
 void emit_json(const nlohmann::json& result);
 
-// A device budget given as text (`--device-budget`, overlap's `budget=`), in bytes. `given` is how
-// it was written ("--device-budget 0", "--config budget=0"), for the errors: text that is no size,
-// and 0, which the library reads as "no limit" and ferry train refuses; `left_out` says what leaving
-// the option out does ("leave --device-budget out for no limit").
-std::uint64_t budget_bytes(const std::string& given, const std::string& value, const std::string& left_out);
-
 // Refuses a run whose host memory, `bytes`, is more than half of this machine's physical memory
 // (ferry::physical_memory_bytes), before anything is allocated: "<what> needs 53.6 GiB of host
 // memory, more than half of this machine's 7.7 GiB; <remedy>".

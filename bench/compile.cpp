@@ -64,7 +64,7 @@ int run_compile(const BenchCommon& common, const CompileBenchOptions& o) {
   graph::ResidencyOptions residency;
   if (!o.budget.empty()) {
     residency.budget_bytes =
-        budget_bytes(fmt::format("--device-budget {}", o.budget), o.budget, "leave --device-budget out for no limit");
+        cli::budget_option("--device-budget", o.budget, ' ', "leave --device-budget out for no limit");
   }
   Runtime runtime({.device = common.device});
   residency.mode = graph::parse_residency_mode(o.residency);

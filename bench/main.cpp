@@ -31,19 +31,6 @@ void emit_json(const nlohmann::json& result) {
   std::cout << line.dump() << std::endl;
 }
 
-std::uint64_t budget_bytes(const std::string& given, const std::string& value, const std::string& left_out) {
-  std::uint64_t bytes = 0;
-  try {
-    bytes = ferry::parse_bytes(value);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format("{}: {}", given, e.what()));
-  }
-  // As ferry train words it (runtime/cli/cli_common.cpp): 0 is the library's "no limit", never meant.
-  if (bytes == 0)
-    throw std::invalid_argument(fmt::format("{}: a budget must be more than 0 bytes ({})", given, left_out));
-  return bytes;
-}
-
 void check_host_memory(const std::string& what, double bytes, const std::string& remedy) {
   const std::uint64_t memory = ferry::physical_memory_bytes();
   if (bytes > static_cast<double>(memory) / 2) {

@@ -45,6 +45,7 @@
 #include "bench.hpp"
 #include "ferry/ferry.hpp"
 #include "ferry/offload/pinned_host.hpp"
+#include "runtime/cli/validators.hpp"
 #include "runtime/trainer_internals.hpp"
 
 namespace ferry::bench {
@@ -146,8 +147,8 @@ OverlapConfig parse_config(const std::string& text) {
     throw std::invalid_argument(fmt::format("--config: optimizer must be adam or sgd, not '{}'", c.optimizer));
   }
   // Checked now, not when the configuration's turn comes after the link peak and those before it.
-  budget_bytes(fmt::format("--config budget={}", c.budget), c.budget,
-               fmt::format("leave budget out for the default, {}", OverlapConfig{}.budget));
+  cli::budget_option("--config budget", c.budget, '=',
+                     fmt::format("leave budget out for the default, {}", OverlapConfig{}.budget));
   if (c.name.empty()) c.name = fmt::format("{}-{}x{}-b{}", c.model, c.width, c.depth, c.batch);
   return c;
 }

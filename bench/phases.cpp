@@ -122,9 +122,6 @@ std::optional<double> ran(double phase_ms) {
 }
 
 // --device-budget as given, and what leaving it out does, for budget_bytes' errors.
-std::string phases_budget_given(const PhasesOptions& po) {
-  return fmt::format("--device-budget {}", po.budget);
-}
 constexpr const char* phases_budget_left_out = "leave --device-budget out for 1.25x the smallest streamed budget";
 
 // The link bytes of a streamed Full and Predict step, and their median times.
@@ -136,7 +133,7 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
     if (!smallest) throw std::runtime_error("nothing of this model streams: there is no streamed step to measure");
     o.residency.budget_bytes = *smallest + *smallest / 4;
   } else {
-    o.residency.budget_bytes = budget_bytes(phases_budget_given(po), po.budget, phases_budget_left_out);
+    o.residency.budget_bytes = cli::budget_option("--device-budget", po.budget, ' ', phases_budget_left_out);
   }
   Trainer t(rt, make_model(po.model), o);
   const graph::ResidencyReport& full = t.residency();
@@ -177,7 +174,7 @@ nlohmann::json streamed(Runtime& rt, const Dataset& data, const PhasesOptions& p
 
 int run_phases(const BenchCommon& common, const PhasesOptions& po) {
   // Checked now, not after the two training runs that come before the streamed part.
-  if (!po.budget.empty()) budget_bytes(phases_budget_given(po), po.budget, phases_budget_left_out);
+  if (!po.budget.empty()) cli::budget_option("--device-budget", po.budget, ' ', phases_budget_left_out);
   Runtime rt({.device = common.device});
   Dataset data = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
   Dataset test = load_fashion_mnist(default_fashion_mnist_dir(), Split::test);

@@ -87,8 +87,8 @@ Measured measure(Runtime& rt, const Dataset& data, const StateOptions& so, const
 }
 
 int run_state(const BenchCommon& common, const StateOptions& so) {
-  budget_bytes(fmt::format("--device-budget {}", so.budget), so.budget,
-               fmt::format("leave --device-budget out for {}", StateOptions{}.budget));
+  cli::budget_option("--device-budget", so.budget, ' ',
+                     fmt::format("leave --device-budget out for {}", StateOptions{}.budget));
   // The compressed home's codec settings before the first (uncompressed) run, not after it.
   offload::CodecOptions codec;
   codec.chunk_bytes = parse_bytes(so.chunk);

@@ -204,15 +204,10 @@ AttentionTuning tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
       std::fflush(stderr);
     };
   }
-  std::optional<TuneStopSignals> signals;
-  if (env.tune_stop_signals)
-    signals.emplace(
-        "the attention tuning stops after the candidate being timed, keeps its best so far where no more complete "
-        "search's winners are cached, and the run ends; a second signal stops at once, saving nothing");
-  if (signals) o.stop = [] { return TuneStopSignals::received() != 0; };
-  const AttentionTuneResult r = tune_attention(env, o);
-  if (const int signal = signals ? TuneStopSignals::received() : 0; signal != 0) {
-    if (show) std::fputc('\n', stderr);  // ends the progress line
+  const auto [r, signal] =
+      search_until_signal(env.tune_stop_signals, show, "attention", "winners are", o,
+                          [&](const AttentionTuneOptions& options) { return tune_attention(env, options); });
+  if (signal != 0) {
     std::string note;
     if (r.kept) {
       note = fmt::format("the cached winners in {}, from a search that measured {} of {} candidates, are kept",

@@ -105,15 +105,9 @@ GemmTuningRow tune_now(OpEnv& env, TuneMode mode, double budget_seconds) {
       std::fflush(stderr);
     };
   }
-  std::optional<TuneStopSignals> signals;
-  if (env.tune_stop_signals)
-    signals.emplace(
-        "the GEMM tuning stops after the candidate being timed, keeps its best so far where no more complete search's "
-        "row is cached, and the run ends; a second signal stops at once, saving nothing");
-  if (signals) o.stop = [] { return TuneStopSignals::received() != 0; };
-  const GemmTuneResult r = tune_gemm(env, o);
-  if (const int signal = signals ? TuneStopSignals::received() : 0; signal != 0) {
-    if (show) std::fputc('\n', stderr);  // ends the progress line
+  const auto [r, signal] = search_until_signal(env.tune_stop_signals, show, "GEMM", "row is", o,
+                                               [&](const GemmTuneOptions& options) { return tune_gemm(env, options); });
+  if (signal != 0) {
     throw TuneStopped(signal,
                       fmt::format("GEMM tuning for '{}' stopped by {} after {} of {} candidates; {}", device.name,
                                   TuneStopSignals::name(signal), r.measured, r.planned, stopped_note(r)));

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <csignal>
+#include <cstdio>
+#include <optional>
 #include <string>
+#include <utility>
 
 namespace ferry::ops {
 
@@ -29,5 +32,26 @@ class TuneStopSignals {
   struct sigaction old_[3]{};
   bool installed_[3] = {};
 };
+
+// Runs `search(options)`, a first-use tuner's search, under TuneStopSignals where `install`
+// (OpEnv::tune_stop_signals): a signal ends it after the candidate being timed, as a spent budget
+// does. Returns the search's result and the signal that stopped it (0 where none came); where one
+// came and `progress_open`, the progress line is ended. `family` ("GEMM") and `cached_best` ("row
+// is") word the acknowledgement.
+template <class Options, class Search>
+auto search_until_signal(bool install, bool progress_open, const std::string& family, const std::string& cached_best,
+                         Options& options, Search&& search) {
+  std::optional<TuneStopSignals> signals;
+  if (install) {
+    signals.emplace("the " + family + " tuning stops after the candidate being timed, keeps its best so far where no " +
+                    "more complete search's " + cached_best + " cached, and the run ends; a second signal stops at " +
+                    "once, saving nothing");
+    options.stop = [] { return TuneStopSignals::received() != 0; };
+  }
+  auto result = search(options);
+  const int signal = signals ? TuneStopSignals::received() : 0;  // read while the handlers are ours
+  if (signal != 0 && progress_open) std::fputc('\n', stderr);
+  return std::pair{std::move(result), signal};
+}
 
 }  // namespace ferry::ops

@@ -111,14 +111,8 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
   opt.residency.overlap_host_updates = a.overlap_host_updates;
   if (!a.weights_home.empty()) opt.residency.weights_home = cli_home(a.weights_home);
   if (!a.state_home.empty()) opt.residency.state_home = cli_home(a.state_home);
-  // 0 is the library's "not given" for either budget: given here, it is refused, not read as that.
   const auto budget = [](const char* flag, const std::string& text, const char* left_out) {
-    const std::uint64_t bytes = size_option(flag, text);
-    if (bytes == 0) {
-      throw std::invalid_argument(
-          fmt::format("{} 0: a budget must be more than 0 bytes (leave {} out to {})", flag, flag, left_out));
-    }
-    return bytes;
+    return ferry::cli::budget_option(flag, text, ' ', fmt::format("leave {} out to {}", flag, left_out));
   };
   if (!a.device_budget.empty()) {
     opt.residency.budget_bytes = budget("--device-budget", a.device_budget, "use what the device can spare");

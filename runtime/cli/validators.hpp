@@ -7,12 +7,34 @@
 
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <string>
 #include <string_view>
 
+#include "ferry/runtime/units.hpp"
+
 namespace ferry::cli {
+
+// A budget option's bytes: "--device-budget: size 'x' ..." where the size does not parse, and 0,
+// the library's "no limit" (or "not given"), refused rather than read as that: "--device-budget 0:
+// a budget must be more than 0 bytes (leave --device-budget out to ...)". `separator` joins the
+// option and its value as the user wrote them (' ', or '=' in a --config list).
+inline std::uint64_t budget_option(std::string_view option, std::string_view value, char separator,
+                                   std::string_view left_out) {
+  std::uint64_t bytes = 0;
+  try {
+    bytes = ferry::parse_bytes(value);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{}: {}", option, e.what()));
+  }
+  if (bytes == 0) {
+    throw std::invalid_argument(
+        fmt::format("{}{}{}: a budget must be more than 0 bytes ({})", option, separator, value, left_out));
+  }
+  return bytes;
+}
 
 // A number option that must be finite and > 0: "--lr: must be a finite number > 0, got 0" (CLI11's
 // own range check prints the largest double, 309 digits).
