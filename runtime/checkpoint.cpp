@@ -309,6 +309,7 @@ std::uint64_t Trainer::checkpoint_bytes() const {
 }
 
 void Trainer::contribute_to_checkpoint() const {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::contribute_to_checkpoint");
   require_settled("contribute to a checkpoint");
   refuse_if_inconsistent("contribute to a checkpoint");
   group_sums_over_ranks(false);
@@ -316,6 +317,7 @@ void Trainer::contribute_to_checkpoint() const {
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller,
                               WriteOptions options) const {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::save_checkpoint");
   require_settled("save a checkpoint");
   refuse_if_inconsistent("save a checkpoint");
   const auto& t = compiled_->train->graph().tensors;
@@ -352,6 +354,7 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
 }
 
 std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path, LoadOptions options) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::load_checkpoint");
   return load_checkpoint_files(std::span(&path, 1), false, options);
 }
 

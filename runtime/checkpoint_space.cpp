@@ -67,12 +67,12 @@ std::optional<std::string> checkpoint_space_shortage(std::span<const CheckpointS
     }
     if (need <= ranks[r].free) continue;
     if (ranks.size() == 1) {
-      return fmt::format("a checkpoint of this run takes {}, and its folder has {} free", format_bytes_up(need),
+      return fmt::format("this run's checkpoints need {}, and its folder has {} free", format_bytes_up(need),
                          format_bytes(ranks[r].free));
     }
-    return fmt::format("the checkpoint{} of rank{} {} take{} {} on a file system with {} free",
-                       sharing.size() > 1 ? "s" : "", sharing.size() > 1 ? "s" : "", rank_list(sharing),
-                       sharing.size() > 1 ? "" : "s", format_bytes_up(need), format_bytes(ranks[r].free));
+    return fmt::format("the checkpoints of rank{} {} need {} on a file system with {} free",
+                       sharing.size() > 1 ? "s" : "", rank_list(sharing), format_bytes_up(need),
+                       format_bytes(ranks[r].free));
   }
   return std::nullopt;
 }
@@ -98,9 +98,9 @@ void check_checkpoint_space(const std::filesystem::path& path, std::uint64_t nee
   const std::optional<std::string> shortage = checkpoint_space_shortage(ranks);
   if (!shortage) return;
   throw std::runtime_error(fmt::format(
-      "checkpoint '{}': {}; a checkpoint is written whole beside the one it replaces, so the space an earlier one "
-      "takes does not count. Nothing was trained: free space there, or write the checkpoint to another folder "
-      "(ferry train --checkpoint)",
+      "checkpoint '{}': {}; a checkpoint is written whole beside the one it replaces, so a run that writes more than "
+      "one needs room for two, less a checkpoint already at the path. Nothing was trained: free space there, or "
+      "write the checkpoint to another folder (ferry train --checkpoint)",
       path.string(), *shortage));
 }
 

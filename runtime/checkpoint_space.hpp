@@ -20,6 +20,13 @@ struct CheckpointSpace {
   std::uint64_t file_system = 0;  // this host and the file system's id, hashed
 };
 
+// The free space a run that writes more than one checkpoint of `each` bytes needs: the second is
+// written whole beside the first before it replaces it, and the first replaces the `there` bytes
+// of a file at the path now (a resumed run's checkpoint): 2 * each - min(there, each).
+constexpr std::uint64_t checkpoints_need(std::uint64_t each, std::uint64_t there) {
+  return each + (each - (there < each ? there : each));
+}
+
 // The free space and file system of the folder `path` would be written in; nullopt when the
 // folder cannot be asked (a missing folder: the write itself reports that).
 std::optional<CheckpointSpace> checkpoint_space_at(const std::filesystem::path& path, std::uint64_t need);

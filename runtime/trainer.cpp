@@ -443,6 +443,7 @@ offload::HostMemory Trainer::host_memory() const {
 }
 
 StepResult Trainer::step(const Batch& batch) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::step");
   return result(submit(batch));
 }
 
@@ -452,6 +453,7 @@ bool Trainer::runs_ahead() const {
 }
 
 StepHandle Trainer::submit(const Batch& batch) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::submit");
   refuse_if_inconsistent("step");
   const auto unsettled = [this] {
     return static_cast<std::size_t>(
@@ -511,6 +513,7 @@ StepHandle Trainer::submit(const Batch& batch) {
 }
 
 StepResult Trainer::result(StepHandle handle) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::result");
   const auto it = std::find_if(pending_.begin(), pending_.end(), [&](const Pending& p) { return p.id == handle.id; });
   if (it == pending_.end()) {
     throw std::invalid_argument(
@@ -829,6 +832,7 @@ std::uint64_t Trainer::predictor_state_bytes() const {
 }
 
 StepResult Trainer::step(std::span<const float> images, std::span<const std::int32_t> labels) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::step");
   return step(Batch{{"input", HostView(images)}, {"labels", HostView(labels)}});
 }
 
@@ -863,6 +867,13 @@ void Trainer::for_each_chunk(const DataSource& data, bool predict, bool int8_wei
 }
 
 EvalResult Trainer::evaluate(const DataSource& data, bool int8_weights) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::evaluate");
+  if (data.size() == 0) {
+    // A loss of 0 over nothing would read as a perfect model.
+    throw std::invalid_argument("Trainer::evaluate: the data hold no samples, so there is nothing to evaluate: give "
+                                "at least one");
+  }
+  refuse_if_inconsistent("evaluate");
   settle_all();  // evaluation variants share the training step's device buffers
   EvalResult r;
   double loss_sum = 0, correct = 0;
@@ -884,11 +895,13 @@ EvalResult Trainer::evaluate(const DataSource& data, bool int8_weights) {
 }
 
 Trainer::HostTensor Trainer::predict(const DataSource& inputs) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::predict");
   if (inputs.size() == 0) {
     throw std::invalid_argument(
         "Trainer::predict: the inputs hold no samples, so there is nothing to predict: give "
         "at least one");
   }
+  refuse_if_inconsistent("predict");
   settle_all();  // prediction variants share the training step's device buffers
   HostTensor out;
   for_each_chunk(inputs, true, false, [&](const graph::CompiledStep& step, std::size_t, std::uint32_t count) {
@@ -987,6 +1000,7 @@ std::vector<std::string> Trainer::parameter_names() const {
 }
 
 void Trainer::set_lr(float lr) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::set_lr");
   if (!std::isfinite(lr) || lr < 0.0f) {
     throw std::invalid_argument(fmt::format(
         "learning rate must be a finite number >= 0, got {}: the trainer keeps {} (step {})", lr, lr_, steps_ + 1));
@@ -1024,6 +1038,7 @@ TensorId Trainer::persistent_tensor(const std::string& name) const {
 }
 
 Trainer::HostTensor Trainer::read_tensor(const std::string& name) const {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::read_tensor");
   require_settled("read a tensor");
   const auto& t = compiled_->train->graph().tensors;
   const TensorId id = persistent_tensor(name);
@@ -1045,6 +1060,7 @@ std::vector<std::string> Trainer::tensor_names() const {
 }
 
 void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::write_tensor");
   settle_all();
   const auto& t = compiled_->train->graph().tensors;
   const TensorId id = persistent_tensor(name);
@@ -1071,6 +1087,7 @@ void Trainer::write_tensor(const std::string& name, const HostTensor& value) {
 }
 
 std::vector<float> Trainer::read_parameter(const std::string& name) const {
+  const OneThreadAtATime::Call call(one_thread_, "Trainer::read_parameter");
   require_settled("read a parameter");
   const HostTensor v = read_tensor(name);
   if (v.dtype != graph::DType::f32) {

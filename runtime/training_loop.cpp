@@ -17,6 +17,7 @@
 #include "checkpoint_space.hpp"
 #include "ferry/runtime/units.hpp"
 #include "ops/tune_signals.hpp"
+#include "output_file.hpp"
 
 namespace ferry {
 namespace {
@@ -196,18 +197,51 @@ bool TrainingLoop::boundary_after(std::uint64_t done) {
   return due;
 }
 
+void TrainingLoop::check_checkpoint_path() const {
+  if (options_.checkpoint.empty() || !options_.write_checkpoints) return;
+  std::string problem;
+  try {
+    ferry::check_checkpoint_path(options_.checkpoint);  // a folder that exists, a name it takes, a file it can hold
+    refuse_to_replace(options_.checkpoint, "checkpoint", std::string_view(checkpoint_magic, 8),
+                      options_.checkpoint_options.replace_foreign_file);
+  } catch (const std::exception& e) {
+    problem = e.what();
+  }
+  if (options_.control && options_.control->size() > 1) {
+    // On every rank alike: a rank that refused alone would leave the others waiting in a collective.
+    const std::vector<std::uint64_t> refused = options_.control->allgather(std::uint64_t{!problem.empty()});
+    const auto first = std::find(refused.begin(), refused.end(), 1u);
+    if (problem.empty() && first != refused.end()) {
+      problem = fmt::format("rank {} cannot write its checkpoint (its error says why)", first - refused.begin());
+    }
+  }
+  if (!problem.empty()) throw std::runtime_error(problem + " (checked before the first step: nothing was trained)");
+}
+
 void TrainingLoop::check_checkpoint_space() const {
   if (options_.checkpoint.empty()) return;  // (the ranks agree on that)
   std::uint64_t need = 0;
   if (options_.write_checkpoints) {
     need = trainer_.checkpoint_bytes();
     if (options_.caller_section) need += options_.caller_section(position_).size();
+    // A boundary before the run's last: more than one checkpoint is written (checkpoints_need).
+    const auto boundary_before_end = [&](std::uint64_t every) {
+      return every != 0 && (position_.done / every + 1) * every < options_.steps;
+    };
+    if (boundary_before_end(options_.steps_per_epoch) || boundary_before_end(options_.boundary_every)) {
+      std::error_code ec;
+      const std::uint64_t there = std::filesystem::is_regular_file(options_.checkpoint, ec)
+                                      ? std::filesystem::file_size(options_.checkpoint, ec)
+                                      : 0;
+      need = checkpoints_need(need, ec ? 0 : there);
+    }
   }
   ferry::check_checkpoint_space(options_.checkpoint, need, options_.control.get());
 }
 
 LoopSummary TrainingLoop::run() {
   check_ranks_agree();
+  check_checkpoint_path();
   check_checkpoint_space();
   std::optional<StopSignals> signals;
   if (options_.catch_signals) signals.emplace(options_.acknowledge_stop ? stop_acknowledgement() : std::string());

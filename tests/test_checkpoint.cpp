@@ -922,6 +922,15 @@ TEST(Checkpoint, ItsSizeIsKnownBeforeItIsWritten) {
   EXPECT_EQ(fs::file_size(dir / "predict.ckpt"), in_run + caller.size());
 }
 
+// A run that writes more than one checkpoint needs room for two (the second is written beside the
+// first), less what a checkpoint at the path now takes, which the first write replaces.
+TEST(CheckpointSpace, ARunThatWritesTwiceNeedsRoomForTwoLessTheFileItReplaces) {
+  EXPECT_EQ(checkpoints_need(100, 0), 200u) << "nothing there yet";
+  EXPECT_EQ(checkpoints_need(100, 40), 160u) << "a smaller file there";
+  EXPECT_EQ(checkpoints_need(100, 100), 100u) << "a resumed run's checkpoint of the same size";
+  EXPECT_EQ(checkpoints_need(100, 500), 100u) << "a larger file there frees more than one needs";
+}
+
 // Ranks that write to one file system share its free space; ranks that write nothing need none.
 TEST(CheckpointSpace, RanksOnOneFileSystemShareItsFreeSpace) {
   constexpr std::uint64_t MiB = 1 << 20;
@@ -930,19 +939,19 @@ TEST(CheckpointSpace, RanksOnOneFileSystemShareItsFreeSpace) {
   const CheckpointSpace alone_short[] = {{5 * MiB, 5 * MiB - 1, 1}};
   const auto a = checkpoint_space_shortage(alone_short);
   ASSERT_TRUE(a.has_value());
-  EXPECT_NE(a->find("takes 5.0 MiB"), std::string::npos) << *a;
+  EXPECT_NE(a->find("checkpoints need 5.0 MiB"), std::string::npos) << *a;
   EXPECT_NE(a->find("has 5.0 MiB free"), std::string::npos) << *a;
   // Each fits alone, not the two together on file system 7; rank 1 writes elsewhere.
   const CheckpointSpace shared[] = {{3 * MiB, 5 * MiB, 7}, {4 * MiB, 100 * MiB, 8}, {3 * MiB, 5 * MiB, 7}};
   const auto s = checkpoint_space_shortage(shared);
   ASSERT_TRUE(s.has_value());
-  EXPECT_NE(s->find("ranks 0 and 2 take 6.0 MiB"), std::string::npos) << *s;
+  EXPECT_NE(s->find("ranks 0 and 2 need 6.0 MiB"), std::string::npos) << *s;
   const CheckpointSpace apart[] = {{3 * MiB, 5 * MiB, 7}, {3 * MiB, 5 * MiB, 9}, {0, 0, 7}};
   EXPECT_EQ(checkpoint_space_shortage(apart), std::nullopt);
   const CheckpointSpace second_short[] = {{1 * MiB, 5 * MiB, 7}, {3 * MiB, 2 * MiB, 9}};
   const auto r = checkpoint_space_shortage(second_short);
   ASSERT_TRUE(r.has_value());
-  EXPECT_NE(r->find("checkpoint of rank 1 takes 3.0 MiB on a file system with 2.0 MiB free"), std::string::npos) << *r;
+  EXPECT_NE(r->find("checkpoints of rank 1 need 3.0 MiB on a file system with 2.0 MiB free"), std::string::npos) << *r;
 }
 
 // The folder's own figures: the space the file system reports free, and a folder that cannot be

@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/ferry.hpp"
@@ -142,6 +145,69 @@ TEST(PublicApi, AModelWithoutInputsAndAnEmptyPredictionAreRefused) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("hold no samples"), std::string::npos) << e.what();
   }
+}
+
+// A call from a second thread while the first is in a call is refused, naming both; calls nested
+// on the holding thread pass, and once released another thread may take the object.
+TEST(PublicApi, OneThreadAtATimeRefusesASecondThreadAndAllowsNesting) {
+  OneThreadAtATime use;
+  std::string refused;
+  {
+    const OneThreadAtATime::Call outer(use, "Trainer::step");
+    const OneThreadAtATime::Call nested(use, "Trainer::result");
+    std::thread other([&] {
+      try {
+        const OneThreadAtATime::Call call(use, "Trainer::evaluate");
+      } catch (const std::logic_error& e) {
+        refused = e.what();
+      }
+    });
+    other.join();
+  }
+  EXPECT_NE(refused.find("Trainer::evaluate was called while another thread is in Trainer::step: a Trainer serves "
+                         "one thread at a time"),
+            std::string::npos)
+      << refused;
+  bool taken = false;
+  std::thread later([&] {
+    const OneThreadAtATime::Call call(use, "Trainer::evaluate");
+    taken = true;
+  });
+  later.join();
+  EXPECT_TRUE(taken) << "released once the holder's outermost call returned";
+}
+
+// One Trainer stepped from two threads at once crashed inside the OpenCL driver; a colliding call
+// is now refused with std::logic_error and every step that ran is whole.
+TEST(PublicApi, ATrainerSteppedFromTwoThreadsRefusesTheColliderAndStaysUsable) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 8;
+  Trainer t(rt, models::mlp({16}), o);
+  const std::vector<float> images = random_vector(8 * 784, 3, 0.0f, 1.0f);
+  const std::vector<std::int32_t> labels = labels_for(8, 5);
+  std::atomic<int> done{0}, refused{0};
+  std::atomic<bool> other_error{false};
+  auto work = [&] {
+    for (int i = 0; i < 40; ++i) {
+      try {
+        t.step(images, labels);
+        ++done;
+      } catch (const std::logic_error& e) {
+        if (std::string(e.what()).find("serves one thread at a time") == std::string::npos) other_error = true;
+        ++refused;
+      } catch (...) {
+        other_error = true;
+      }
+    }
+  };
+  std::thread a(work), b(work);
+  a.join();
+  b.join();
+  EXPECT_FALSE(other_error);
+  EXPECT_EQ(done + refused, 80);
+  EXPECT_GT(done, 0);
+  EXPECT_TRUE(std::isfinite(t.step(images, labels).loss)) << "usable after the collisions";
 }
 
 }  // namespace

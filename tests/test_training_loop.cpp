@@ -346,6 +346,42 @@ TEST_F(TrainingLoopTest, ACheckpointThatCannotBeWrittenLeavesTheLastOneAndSaysWh
   std::filesystem::remove(path);
 }
 
+// A checkpoint path the loop cannot write was found only when the first checkpoint was written,
+// after an epoch of training; now before the first step, and a file ferry did not write is left
+// as it is unless WriteOptions::replace_foreign_file.
+TEST_F(TrainingLoopTest, ACheckpointPathThatCannotBeWrittenIsRefusedBeforeTheFirstStep) {
+  const auto folder = std::filesystem::temp_directory_path() / ("ferry_loop_path_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(folder);
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  const auto refusal = [&](const std::filesystem::path& path) {
+    TrainingLoop loop(trainer, batches, {.steps = 12, .progress = false, .checkpoint = path});
+    try {
+      loop.run();
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(not refused)");
+  };
+  std::string what = refusal(folder / "run.ckpt");
+  EXPECT_NE(what.find("does not exist: create it first"), std::string::npos) << what;
+  EXPECT_NE(what.find("checked before the first step: nothing was trained"), std::string::npos) << what;
+  EXPECT_EQ(trainer.steps_done(), 0u);
+  std::filesystem::create_directories(folder);
+  const auto notes = folder / "notes.txt";
+  std::ofstream(notes) << "a user's notes";
+  what = refusal(notes);
+  EXPECT_NE(what.find("is not a checkpoint ferry wrote"), std::string::npos) << what;
+  EXPECT_EQ(trainer.steps_done(), 0u);
+  std::ifstream in(notes);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()), "a user's notes");
+  TrainingLoopOptions replace{.steps = 12, .progress = false, .checkpoint = notes};
+  replace.checkpoint_options.replace_foreign_file = true;
+  TrainingLoop(trainer, batches, replace).run();
+  EXPECT_EQ(trainer.steps_done(), 12u);
+  std::filesystem::remove_all(folder);
+}
+
 // A time limit already spent ends the run at the first boundary it can take, after one step, with
 // that boundary's evaluation; boundary_every adds boundaries between epochs.
 TEST_F(TrainingLoopTest, EndsAtABoundaryWhenTheTimeIsUp) {

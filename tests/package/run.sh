@@ -119,6 +119,12 @@ while IFS= read -r header; do
   sources+=("$src")
 done < <(find "$prefix/include/ferry" -name '*.hpp' | sort)
 ((${#sources[@]} > 0)) || fail "no headers under $prefix/include/ferry"
+# The README's example, as a user compiles it, with the same warnings.
+readme_example=$headers_project/src/readme_example.cpp
+awk '/^## Using the library/ {inside = 1} inside && /^```cpp/ {copy = 1; next} copy && /^```/ {exit} copy' \
+  "$source_dir/README.md" >"$readme_example"
+grep -q 'int main' "$readme_example" || fail "README.md's 'Using the library' has no C++ example with a main()"
+sources+=("$readme_example")
 {
   echo 'cmake_minimum_required(VERSION 3.25)'
   echo 'project(ferry_header_check LANGUAGES CXX)'
@@ -139,13 +145,15 @@ done < <(find "$prefix/include/ferry" -name '*.hpp' | sort)
   cat "$work_dir/headers-build.log" >&2
   false
 }
-say "${#sources[@]} headers compile on their own"
+say "$((${#sources[@]} - 1)) headers compile on their own, and README.md's example with them"
 
 # 3. The examples, as a user's project.
 step="configuring examples/ against $prefix"
 say "$step"
 examples_build=$work_dir/examples
-"$cmake_bin" -S "$source_dir/examples" -B "$examples_build" "${configure_args[@]}" >"$work_dir/examples-configure.log" ||
+# -Werror as many users' projects build: a public struct designated-initialised in part must not warn.
+"$cmake_bin" -S "$source_dir/examples" -B "$examples_build" "${configure_args[@]}" "-DCMAKE_CXX_FLAGS=${cxx_flags:+$cxx_flags }-Werror" \
+  >"$work_dir/examples-configure.log" ||
   {
     cat "$work_dir/examples-configure.log" >&2
     false

@@ -22,6 +22,7 @@
 #include "ferry/runtime/distributed.hpp"
 #include "ferry/runtime/loss_scale.hpp"
 #include "ferry/runtime/model.hpp"
+#include "ferry/runtime/one_thread_at_a_time.hpp"
 #include "ferry/runtime/phases.hpp"
 #include "ferry/runtime/runtime.hpp"
 #include "ferry/runtime/write_options.hpp"
@@ -123,12 +124,17 @@ struct EvalResult {
   std::size_t samples = 0;
 };
 
+// A Trainer serves one thread at a time: a call while another thread is in one of its calls throws
+// std::logic_error (hold a mutex around its calls to share one). Trainers made on one Runtime may
+// run on threads of their own. Neither copied nor moved (hold one in a std::unique_ptr to pass it).
 class Trainer {
  public:
   // The trainer keeps the device context and kernels of `runtime` alive (Runtime::Shared): the
   // runtime may be destroyed before it.
   Trainer(Runtime& runtime, ModelSpec model, TrainerOptions options = {});
   ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
 
   // One step on a batch of exactly options().batch samples: an optimizer step, or with hybrid
   // phases whatever phase the controller chose (StepResult::phase). Details of the training step:
@@ -140,11 +146,10 @@ class Trainer {
   // then those from before the step and the trainer stays usable. The one exception: a failure
   // after the step had begun updating state kept on the device in place (its update phase; the
   // forward and backward all succeeded) throws graph::PartialUpdateError naming the tensors that
-  // may hold this step's update. The state is then inconsistent, and step() and save_checkpoint()
-  // refuse to run (saying why) until load_checkpoint() has restored it. A Predict step moves the
-  // weights before its loss is known: when it fails after that, the weights are put back to those
-  // from before its Predict run (the last training step's) and the trainer stays usable.
-  // step() is result(submit(batch)).
+  // may hold this step's update. The state is then inconsistent, and step(), save_checkpoint(),
+  // evaluate() and predict() refuse to run (saying why) until load_checkpoint() has restored it. A Predict step moves
+  // the weights before its loss is known: when it fails after that, the weights are put back to those from before its
+  // Predict run (the last training step's) and the trainer stays usable. step() is result(submit(batch)).
   StepResult step(const Batch& batch);
   // The same step in two halves, so that the host stages and enqueues the next step while the
   // device still runs this one: submit() checks and stages the batch and enqueues the step, and
@@ -172,7 +177,7 @@ class Trainer {
   // A classifier's step (models::classifier): "input" and "labels".
   StepResult step(std::span<const float> images, std::span<const std::int32_t> labels);
 
-  // Forward and loss over every sample of `data` (any count), batched, no weight change. The last
+  // Forward and loss over every sample of `data` (at least one), batched, no weight change. The last
   // partial batch runs through variants of power-of-two batch sizes, so any number of dataset
   // sizes compiles at most log2(batch) + 1 evaluation variants.
   // With int8_weights, every Linear and Conv2d layer but the head reads its weight quantized to
@@ -313,8 +318,9 @@ class Trainer {
   // std::invalid_argument naming the file, and the trainer is unchanged.
   std::vector<std::byte> load_resharded_checkpoint(std::span<const std::filesystem::path> files,
                                                    LoadOptions options = {});
-  // Why the training state is inconsistent (a step failed in its update phase and load_checkpoint
-  // has not restored it since); empty when it is not.
+  // Why the training state is inconsistent (a step failed in its update phase, or left a weight or
+  // optimizer state not finite, and load_checkpoint has not restored it since); empty when it is
+  // not.
   const std::string& inconsistent_state() const noexcept { return inconsistent_; }
 
  private:
@@ -422,6 +428,7 @@ class Trainer {
   void reduce_over_ranks(StepResult& r);
   double phase_ms_[phase_count] = {};
   std::uint64_t phase_steps_[phase_count] = {};
+  OneThreadAtATime one_thread_;  // held by each public call that runs or reads the device
 };
 
 // The smallest device budget `options` trains in when streamed (residency stream, every layer

@@ -81,7 +81,7 @@ struct TrainingLoopOptions {
   // The learning rate of each optimizer update (none: the trainer's, unchanged). Its steps are
   // updates: with TrainerOptions::accumulate k, micro-batch s runs at schedule->at(s / k), so its
   // total_steps is the run's steps / k.
-  std::optional<LrSchedule> schedule;
+  std::optional<LrSchedule> schedule{};
   // What a step trains on, for rates: `units_per_step` `unit`s (0: the trainer's batch of samples).
   std::uint64_t units_per_step = 0;
   std::string unit = "samples";
@@ -94,19 +94,19 @@ struct TrainingLoopOptions {
   // gives the caller's bytes of it (Trainer::save_checkpoint's `caller`); `write_checkpoints` false
   // on ranks that leave the writing to another (they contribute to it where it is written:
   // Trainer::contribute_to_checkpoint).
-  std::filesystem::path checkpoint;
-  std::function<std::vector<std::byte>(const LoopPosition&)> caller_section;
-  WriteOptions checkpoint_options;
+  std::filesystem::path checkpoint{};
+  std::function<std::vector<std::byte>(const LoopPosition&)> caller_section{};
+  WriteOptions checkpoint_options{};
   bool write_checkpoints = true;
   // Called after each checkpoint this loop wrote (the CLI removes shard files a run on more ranks
   // left at the same path).
-  std::function<void()> after_checkpoint;
+  std::function<void()> after_checkpoint{};
   // Data parallel: the ranks agree, through it, on stops and on the time limit, so that every rank
   // stops after the same step (null: one rank). Before the first step run() checks that every
   // rank's loop takes the same steps, boundaries, time limit, schedule, checkpoints, start and
   // data (a rank that differed would wait for the others forever, or drift apart), and throws
   // std::invalid_argument naming the first difference on every rank.
-  std::shared_ptr<ops::Communicator> control;
+  std::shared_ptr<ops::Communicator> control{};
   // A hash of the training data (e.g. ferry::checkpoint_checksum of it): data parallel, the ranks
   // must agree on it. 0: not compared.
   std::uint64_t data_fingerprint = 0;
@@ -168,8 +168,11 @@ class TrainingLoop {
   bool on_any_rank(bool here) const;
   // Data parallel: throws when the ranks' loops differ (TrainingLoopOptions::control).
   void check_ranks_agree() const;
-  // Throws, before any step, when a checkpoint of this run would not fit in its folder's free
-  // space (every rank's, on file systems they share: runtime/checkpoint_space.hpp).
+  // Throw, before any step, on every rank alike: when a checkpoint cannot be written at its path
+  // (no folder, a folder in its place, a file ferry did not write unless
+  // WriteOptions::replace_foreign_file), and when the run's checkpoints would not fit in their
+  // folder's free space (every rank's, on file systems they share).
+  void check_checkpoint_path() const;
   void check_checkpoint_space() const;
   bool stop_requested() const;
   // What a stop signal makes this loop do, said when it arrives (TrainingLoopOptions::acknowledge_stop).
