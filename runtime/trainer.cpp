@@ -870,8 +870,9 @@ EvalResult Trainer::evaluate(const DataSource& data, bool int8_weights) {
   const OneThreadAtATime::Call call(one_thread_, "Trainer::evaluate");
   if (data.size() == 0) {
     // A loss of 0 over nothing would read as a perfect model.
-    throw std::invalid_argument("Trainer::evaluate: the data hold no samples, so there is nothing to evaluate: give "
-                                "at least one");
+    throw std::invalid_argument(
+        "Trainer::evaluate: the data hold no samples, so there is nothing to evaluate: give "
+        "at least one");
   }
   refuse_if_inconsistent("evaluate");
   settle_all();  // evaluation variants share the training step's device buffers
