@@ -54,11 +54,7 @@ void check_trace_output(const std::string& bench, const std::string& path) {
   ferry::refuse_to_replace(path, "trace file", ferry::trace_signature, false);
   const std::filesystem::path p(path);
   const std::filesystem::path folder = p.parent_path().empty() ? std::filesystem::path(".") : p.parent_path();
-  std::error_code ec;
-  if (!std::filesystem::is_directory(folder, ec)) {
-    throw std::invalid_argument(fmt::format("--trace {}: the folder '{}' does not exist: create it first (mkdir -p {})",
-                                            path, folder.string(), folder.string()));
-  }
+  if (const auto why = ferry::missing_folder(p)) throw std::invalid_argument(fmt::format("--trace {}: {}", path, *why));
   if (const auto why = ferry::cannot_create_in(folder)) {
     throw std::invalid_argument(
         fmt::format("--trace {}: cannot create a file in '{}': {}: give a path in a writable "

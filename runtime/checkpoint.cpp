@@ -97,6 +97,26 @@ bool zero_share(const Fingerprint& file, const Fingerprint& here, const std::set
   return there > 0 && there < mine.size();
 }
 
+// What to do where the model differs: a GPT of another vocabulary ("gpt-v114-..." against
+// "gpt-v93-...", the same sizes) was trained on another text, which the model's name alone hid.
+std::string model_remedy(const std::string& file, const std::string& here) {
+  const auto vocabulary = [](const std::string& name) -> std::pair<std::string, std::string> {
+    if (!name.starts_with("gpt-v")) return {};
+    const std::size_t dash = name.find('-', 5);
+    if (dash == std::string::npos) return {};
+    return {name.substr(5, dash - 5), name.substr(dash)};
+  };
+  const auto [file_vocab, file_sizes] = vocabulary(file);
+  const auto [here_vocab, here_sizes] = vocabulary(here);
+  if (!file_vocab.empty() && !here_vocab.empty() && file_sizes == here_sizes) {
+    return fmt::format(
+        "its text had {} distinct characters and this one has {}: train on the text it was trained "
+        "on (ferry train --text DIR)",
+        file_vocab, here_vocab);
+  }
+  return "load it into the model that wrote it (ferry train: the same --model and sizes; ModelSpec)";
+}
+
 // Throws std::invalid_argument naming the first difference between the checkpoint's fingerprint
 // and this trainer's; settings only where `check_settings`. `states`: this trainer's optimizer-state
 // names (zero_share).
@@ -109,20 +129,23 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
   };
   if (file.model != here.model) {
     throw mismatch(fmt::format("its model is '{}', this trainer's is '{}'", file.model, here.model),
-                   "load it into the model that wrote it (the same --model and sizes)");
+                   model_remedy(file.model, here.model));
   }
   if (file.optimizer != here.optimizer) {
     throw mismatch(fmt::format("its optimizer is {}, this trainer's is {}", file.optimizer, here.optimizer),
-                   fmt::format("use --optimizer {}", file.optimizer));
+                   fmt::format("use optimizer {} (ferry train --optimizer {}; OptimizerConfig::kind)", file.optimizer,
+                               file.optimizer));
   }
   if (file.batch != here.batch) {
-    throw mismatch(fmt::format("its batch is {}, this trainer's is {}", file.batch, here.batch),
-                   fmt::format("use --batch {}", file.batch));
+    throw mismatch(
+        fmt::format("its batch is {}, this trainer's is {}", file.batch, here.batch),
+        fmt::format("use a batch of {} (ferry train --batch {}; TrainerOptions::batch)", file.batch, file.batch));
   }
   if (file.accumulate != here.accumulate) {
     throw mismatch(
         fmt::format("it accumulates {} micro-batches per update, this trainer {}", file.accumulate, here.accumulate),
-        fmt::format("use --accumulate {}", file.accumulate));
+        fmt::format("use {} micro-batches per update (ferry train --accumulate {}; TrainerOptions::accumulate)",
+                    file.accumulate, file.accumulate));
   }
   if (file.precision != here.precision || file.scaled != here.scaled) {
     // In --precision's own words (fp32, not the dtype's f32).
@@ -130,13 +153,17 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
     const auto name = [&](const Fingerprint& f) {
       return fmt::format("{}{}", precision(f), f.scaled ? " with loss scaling" : "");
     };
-    throw mismatch(fmt::format("its precision is {}, this trainer's is {}", name(file), name(here)),
-                   fmt::format("use --precision {} and the --loss-scaling it was written with", precision(file)));
+    throw mismatch(
+        fmt::format("its precision is {}, this trainer's is {}", name(file), name(here)),
+        fmt::format("use precision {} with loss scaling {} (ferry train --precision {} --loss-scaling {}; "
+                    "TrainerOptions::precision)",
+                    precision(file), file.scaled ? "on" : "off", precision(file), file.scaled ? "on" : "off"));
   }
   if (file.hybrid != here.hybrid) {
     throw mismatch(
         fmt::format("its phases are {}, this trainer's are {}", phases_name(file.hybrid), phases_name(here.hybrid)),
-        fmt::format("use --phases {}", phases_name(file.hybrid)));
+        fmt::format("use {} phases (ferry train --phases {}; PhaseConfig::hybrid)", phases_name(file.hybrid),
+                    phases_name(file.hybrid)));
   }
   if (file.settings && here.settings) compare_settings(*file.settings, *here.settings, !check_settings, mismatch);
   // SGD keeps a velocity tensor only with momentum (without, the gradient buffer holds it): a

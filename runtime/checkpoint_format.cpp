@@ -56,10 +56,8 @@ void check_checkpoint_path(const std::filesystem::path& path) {
                     path.string(), (path / "run.ckpt").string()));
   }
   const auto folder = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
-  if (!std::filesystem::is_directory(folder, ec)) {
-    throw std::runtime_error(
-        fmt::format("cannot write checkpoints to '{}': the folder '{}' does not exist: create it first (mkdir -p {})",
-                    path.string(), folder.string(), folder.string()));
+  if (const auto why = missing_folder(path)) {
+    throw std::runtime_error(fmt::format("cannot write checkpoints to '{}': {}", path.string(), *why));
   }
   if (const std::size_t longest = longest_file_name(path); path.filename().string().size() > longest) {
     throw std::runtime_error(fmt::format(
@@ -545,6 +543,7 @@ void AtomicFile::finish() {
 
 void AtomicFile::commit() {
   finish();
+  keep_mode_of(path_, temp_);
   if (::rename(temp_.c_str(), path_.c_str()) != 0) fail(fmt::format("renaming it to '{}'", path_.string()));
   committed_ = true;
   // The rename is durable once the folder is synced.
@@ -595,8 +594,11 @@ Reader::Reader(const std::filesystem::path& path, std::string unchanged)
   struct stat st {};
   if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd_);
+    std::error_code ec;
     throw std::runtime_error(
-        fmt::format("checkpoint '{}' is not a regular file: pass the file --checkpoint wrote", path.string()));
+        fmt::format("checkpoint '{}' is {}, not a regular file: pass the checkpoint file itself (what "
+                    "Trainer::save_checkpoint or ferry train --checkpoint wrote)",
+                    path.string(), file_type_name(std::filesystem::status(path, ec).type())));
   }
   const int flags = ::fcntl(fd_, F_GETFL);
   if (flags != -1) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);

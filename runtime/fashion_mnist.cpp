@@ -350,9 +350,10 @@ void Dataset::read(std::string_view name, std::size_t first, std::size_t n, std:
         "a Fashion-MNIST dataset provides 'input' and 'labels', not '{}' (is the model a classifier?)", name));
   }
   if (out.size() != src.size()) {
-    throw std::invalid_argument(fmt::format("dataset: '{}' samples are {} bytes each, the model's are {}", name,
-                                            src.size() / std::max<std::size_t>(n, 1),
-                                            out.size() / std::max<std::size_t>(n, 1)));
+    throw std::invalid_argument(fmt::format(
+        "dataset: '{}' samples are {} bytes each, the model's are {}: give the model the data set's sample shape "
+        "(Fashion-MNIST's input is [1, 28, 28] f32, its labels one i32 each)",
+        name, src.size() / std::max<std::size_t>(n, 1), out.size() / std::max<std::size_t>(n, 1)));
   }
   std::memcpy(out.data(), src.data(), src.size());
 }

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,8 @@ namespace ferry {
 
 const char* file_type_name(std::filesystem::file_type type) {
   switch (type) {
+    case std::filesystem::file_type::regular:
+      return "a file";
     case std::filesystem::file_type::directory:
       return "a folder";
     case std::filesystem::file_type::fifo:
@@ -100,7 +103,26 @@ void write_output_file(const std::filesystem::path& path, const char* what, std:
     out.close();
     if (!out) throw fail("closing", errno ? errno : EIO);
   }
+  keep_mode_of(path, tmp);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw fail("renaming the finished file into place", errno);
+}
+
+std::optional<std::string> missing_folder(const std::filesystem::path& path) {
+  const std::filesystem::path folder = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(folder, ec);
+  if (std::filesystem::is_directory(st)) return std::nullopt;
+  if (std::filesystem::exists(st)) {
+    return fmt::format("'{}' is {}, not a folder: give a path in a folder", folder.string(), file_type_name(st.type()));
+  }
+  return fmt::format("the folder '{}' does not exist: create it first (mkdir -p {})", folder.string(), folder.string());
+}
+
+void keep_mode_of(const std::filesystem::path& replaced, const std::filesystem::path& temporary) {
+  struct stat st {};
+  if (::lstat(replaced.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  [[maybe_unused]] const int owner = ::chown(temporary.c_str(), st.st_uid, st.st_gid);  // root alone, mostly
+  [[maybe_unused]] const int mode = ::chmod(temporary.c_str(), st.st_mode & 07777);
 }
 
 std::size_t longest_file_name(const std::filesystem::path& path) {

@@ -30,6 +30,17 @@ void refuse_to_replace(const std::filesystem::path& path, std::string_view what,
 void write_output_file(const std::filesystem::path& path, const char* what, std::string_view signature,
                        WriteOptions options, const std::function<void(std::ostream&)>& write);
 
+// Why a file cannot be made in the folder `path` names (its parent; "." for a bare name), or
+// nothing where that folder exists: "the folder 'D' does not exist: create it first (mkdir -p D)",
+// or where a file has that name, "'D' is a file, not a folder: give a path in a folder".
+std::optional<std::string> missing_folder(const std::filesystem::path& path);
+
+// Gives `temporary`, about to be renamed over `replaced`, the permission bits (and, where this
+// process may, the owner and group) of the file at `replaced`: a private checkpoint stays private
+// when it is rewritten. Nothing where no regular file is there; a failure leaves the new file's
+// own (the replacement goes on: the file's contents matter more than its mode).
+void keep_mode_of(const std::filesystem::path& replaced, const std::filesystem::path& temporary);
+
 // A temporary file's path beside `path` (same folder, so a rename moves it into place): a hidden
 // name made of `path`'s file name, `tag`, this host's name and the process id, with the file name
 // shortened where the whole would be longer than the folder's file system allows (a legal name

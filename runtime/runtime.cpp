@@ -1,7 +1,10 @@
 // Runtime: device selection and the objects every compiled step shares.
 #include "ferry/runtime/runtime.hpp"
 
+#include <fmt/format.h>
 #include <tbb/global_control.h>
+
+#include <stdexcept>
 
 namespace ferry {
 
@@ -10,6 +13,12 @@ namespace {
 // The device, with the driver's count read before its context exists (what other processes hold).
 std::unique_ptr<cl::Context> make_context(const RuntimeOptions& options,
                                           std::unique_ptr<cl::DriverMemoryWatch>& driver_memory) {
+  if (options.local_rank < 0) {
+    throw std::invalid_argument(
+        fmt::format("RuntimeOptions::local_rank is {}: a rank's place among the ranks of its node is 0 or more "
+                    "(ferry::local_rank() reads it from the launcher)",
+                    options.local_rank));
+  }
   const cl::DeviceInfo device = cl::select_device(options.device, options.local_rank);
   driver_memory = std::make_unique<cl::DriverMemoryWatch>(
       options.watch_driver_memory ? cl::DriverMemory::for_device(device)

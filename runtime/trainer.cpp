@@ -60,10 +60,14 @@ void validate_trainer_options(const ModelSpec& model, TrainerOptions& options) {
         "got {}",
         options.lr));
   }
+  if (options.batch == 0) {
+    throw std::invalid_argument("TrainerOptions::batch is 0: a step trains on at least 1 sample (ferry train --batch)");
+  }
   ops::validate(options.optimizer);
   validate(options.phases);
   if (options.accumulate == 0) {
-    throw std::invalid_argument("gradient accumulation over 0 micro-batches: use 1 (no accumulation) or more");
+    throw std::invalid_argument(
+        "gradient accumulation over 0 micro-batches (TrainerOptions::accumulate): use 1 (no accumulation) or more");
   }
   validate(options.precision);
   if (options.recompute_auto && options.recompute > 0) {

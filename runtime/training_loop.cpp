@@ -9,6 +9,8 @@
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <numeric>
 #include <stdexcept>
@@ -18,6 +20,7 @@
 #include "ferry/runtime/units.hpp"
 #include "ops/tune_signals.hpp"
 #include "output_file.hpp"
+#include "rank_watchdog.hpp"
 
 namespace ferry {
 namespace {
@@ -110,6 +113,16 @@ TrainingLoop::TrainingLoop(Trainer& trainer, BatchSource& batches, TrainingLoopO
         "nothing: each step is one micro-batch; run at least {} steps, or accumulate fewer",
         options_.steps, group, group));
   }
+  if (!std::isfinite(options_.rank_timeout_seconds) || options_.rank_timeout_seconds < 0) {
+    throw std::invalid_argument(fmt::format(
+        "training loop: rank_timeout_seconds is {}: give a finite number of seconds > 0, or 0 to wait forever",
+        options_.rank_timeout_seconds));
+  }
+  if (!std::isfinite(options_.max_seconds) || options_.max_seconds < 0) {
+    throw std::invalid_argument(
+        fmt::format("training loop: max_seconds is {}: give a finite number of seconds > 0, or 0 for no time limit",
+                    options_.max_seconds));
+  }
   if (options_.schedule) options_.schedule->validate();
   if (options_.units_per_step == 0) options_.units_per_step = trainer.options().batch;
 }
@@ -198,12 +211,14 @@ bool TrainingLoop::boundary_after(std::uint64_t done) {
 }
 
 void TrainingLoop::check_checkpoint_path() const {
-  if (options_.checkpoint.empty() || !options_.write_checkpoints) return;
+  if (options_.checkpoint.empty()) return;  // (the ranks agree on that; on which write, not)
   std::string problem;
   try {
-    ferry::check_checkpoint_path(options_.checkpoint);  // a folder that exists, a name it takes, a file it can hold
-    refuse_to_replace(options_.checkpoint, "checkpoint", std::string_view(checkpoint_magic, 8),
-                      options_.checkpoint_options.replace_foreign_file);
+    if (options_.write_checkpoints) {
+      ferry::check_checkpoint_path(options_.checkpoint);  // a folder that exists, a name it takes, a file it can hold
+      refuse_to_replace(options_.checkpoint, "checkpoint", std::string_view(checkpoint_magic, 8),
+                        options_.checkpoint_options.replace_foreign_file);
+    }
   } catch (const std::exception& e) {
     problem = e.what();
   }
@@ -240,6 +255,18 @@ void TrainingLoop::check_checkpoint_space() const {
 }
 
 LoopSummary TrainingLoop::run() {
+  // First: the agreements below are collectives a stopped rank would hold up too.
+  std::optional<RankWatchdog> watchdog;
+  if (options_.control && options_.control->size() > 1 && options_.rank_timeout_seconds > 0) {
+    watchdog.emplace(std::chrono::duration<double>(options_.rank_timeout_seconds),
+                     [this](double idle, std::uint64_t done) { ranks_timed_out(idle, done); });
+    watchdog->beat(position_.done);
+  }
+  watchdog_ = watchdog ? &*watchdog : nullptr;
+  const struct Unwatch {
+    RankWatchdog*& watchdog;
+    ~Unwatch() { watchdog = nullptr; }
+  } unwatch{watchdog_};
   check_ranks_agree();
   check_checkpoint_path();
   check_checkpoint_space();
@@ -321,8 +348,20 @@ LoopSummary TrainingLoop::run() {
   return summary_;
 }
 
+void TrainingLoop::ranks_timed_out(double idle_seconds, std::uint64_t steps_done) const {
+  std::cerr << fmt::format(
+      "\nferry: rank {}: no step has finished for {:.0f} s ({} of the run's {} steps done): another rank has likely "
+      "stopped or hung (a stopped process, a lost host), leaving this one waiting in a collective; ending every rank "
+      "of the run with status 124. The last checkpoint written is intact. (The limit: "
+      "TrainingLoopOptions::rank_timeout_seconds, ferry train --rank-timeout-minutes; 0 waits forever.)\n",
+      options_.control->rank(), idle_seconds, steps_done, options_.steps);
+  options_.control->abort(124);
+  std::abort();  // (abort does not return)
+}
+
 void TrainingLoop::read(InFlight f, bool boundary) {
   const StepResult r = trainer_.result(f.handle);
+  if (watchdog_) watchdog_->beat(position_.done + 1);
   const auto now = Clock::now();
   const double seconds = std::chrono::duration<double>(now - mark_).count();
   mark_ = now;
@@ -360,7 +399,9 @@ void TrainingLoop::at_boundary() {
   end_progress_line();
   if (on_boundary) on_boundary(position_);
   position_.boundary_seconds += seconds_since(start);
+  if (watchdog_) watchdog_->beat(position_.done);  // each part of a boundary has the whole limit
   if (!options_.checkpoint.empty()) checkpoint_here();
+  if (watchdog_) watchdog_->beat(position_.done);
   mark_ = Clock::now();  // evaluation and checkpoints are not training time
 }
 

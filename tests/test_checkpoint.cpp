@@ -478,7 +478,7 @@ TEST(Checkpoint, ForeignMissingAndNewerFilesAreRefused) {
   write_file(foreign, std::as_bytes(std::span(text)));
   expect_refused<std::runtime_error>(t, foreign, {"not a ferry checkpoint", "notes.txt"}, "a text file");
   expect_refused<std::runtime_error>(t, f.dir / "nowhere.ckpt", {"cannot open", "nowhere.ckpt"}, "a missing file");
-  expect_refused<std::runtime_error>(t, f.dir.dir(), {"not a regular file"}, "a folder");
+  expect_refused<std::runtime_error>(t, f.dir.dir(), {"is a folder, not a regular file"}, "a folder");
 
   // The next format version with a valid header checksum (64-bit FNV-1a over the first 32 bytes,
   // as 8-byte little-endian words).
@@ -517,7 +517,22 @@ TEST(Checkpoint, AnotherModelOptimizerOrBatchIsRefused) {
     auto o = f.o;
     o.batch = 16;
     Trainer b16(f.rt, small_mlp(), o);
-    expect_refused<std::invalid_argument>(b16, f.path, {"batch is 8", "--batch 8"}, "another batch");
+    expect_refused<std::invalid_argument>(b16, f.path, {"batch is 8", "--batch 8", "TrainerOptions::batch"},
+                                          "another batch");
+  }
+  {
+    // A GPT of the same sizes over another text: its vocabulary, not its sizes, differs.
+    const auto gpt = [](std::uint32_t vocab) {
+      return models::gpt({.vocab = vocab, .width = 16, .depth = 1, .heads = 2, .context = 8});
+    };
+    TrainerOptions o;
+    o.batch = 2;
+    Trainer written(f.rt, gpt(16), o);
+    const fs::path path = f.path.parent_path() / "gpt.ckpt";
+    written.save_checkpoint(path);
+    Trainer other_text(f.rt, gpt(12), o);
+    expect_refused<std::invalid_argument>(
+        other_text, path, {"its text had 16 distinct characters and this one has 12", "--text"}, "another text");
   }
   {
     auto o = f.o;

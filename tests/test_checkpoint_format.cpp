@@ -339,7 +339,7 @@ TEST_F(CheckpointFormat, AFifoIsRefusedWithoutWaitingForAWriter) {
     if (writer >= 0) ::close(writer);
   }
   const std::string message = opened.get();
-  EXPECT_NE(message.find("is not a regular file"), std::string::npos) << message;
+  EXPECT_NE(message.find("is a FIFO (named pipe), not a regular file"), std::string::npos) << message;
   EXPECT_NE(message.find(fifo.string()), std::string::npos) << message;
 }
 

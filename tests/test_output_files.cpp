@@ -2,6 +2,7 @@
 // written whole, and never over a link, a folder, a device or a file ferry did not write, unless
 // WriteOptions says to replace a foreign file.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -11,6 +12,7 @@
 
 #include "ferry/runtime/memory_profile.hpp"
 #include "ferry/runtime/trace.hpp"
+#include "runtime/checkpoint_format.hpp"
 #include "runtime/output_file.hpp"
 
 namespace ferry::test {
@@ -92,6 +94,31 @@ TEST_F(OutputFiles, ReplaceOnlyWhatFerryWrote) {
   const fs::path empty = file("empty.csv", "");
   profiler_.write_csv(empty);
   EXPECT_EQ(read_text(empty).rfind(profile_signature, 0), 0u);
+}
+
+// A file replaced whole (a new file renamed over it) kept the new file's mode: a checkpoint or
+// trace made private (0600) became readable by everyone (0644) at its next write.
+TEST_F(OutputFiles, ARewrittenFileKeepsItsMode) {
+  const auto mode = [](const fs::path& p) {
+    struct stat st {};
+    EXPECT_EQ(::stat(p.c_str(), &st), 0) << p;
+    return st.st_mode & 07777;
+  };
+  const fs::path t = dir_ / "run.json";
+  trace_.write(t);
+  ASSERT_EQ(::chmod(t.c_str(), 0600), 0);
+  trace_.write(t);
+  EXPECT_EQ(mode(t), 0600u) << "the trace";
+  const fs::path c = dir_ / "run.ckpt";
+  const auto write_checkpoint_file = [&] {
+    ckpt::AtomicFile f(c);
+    f.put(std::uint64_t{42});
+    f.commit();
+  };
+  write_checkpoint_file();
+  ASSERT_EQ(::chmod(c.c_str(), 0640), 0);
+  write_checkpoint_file();
+  EXPECT_EQ(mode(c), 0640u) << "the checkpoint";
 }
 
 // Whether a file can be created is asked by creating one (ferry train's outputs and ferry-bench

@@ -210,5 +210,24 @@ TEST(PublicApi, ATrainerSteppedFromTwoThreadsRefusesTheColliderAndStaysUsable) {
   EXPECT_TRUE(std::isfinite(t.step(images, labels).loss)) << "usable after the collisions";
 }
 
+// Options a program sets wrong are named as the program names them.
+TEST(PublicApi, AZeroBatchAndANegativeLocalRankAreRefusedByName) {
+  Runtime rt;
+  TrainerOptions o;
+  o.batch = 0;
+  try {
+    Trainer t(rt, models::mlp({16}), o);
+    ADD_FAILURE() << "a batch of 0 was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("TrainerOptions::batch is 0"), std::string::npos) << e.what();
+  }
+  try {
+    Runtime negative({.local_rank = -5});
+    ADD_FAILURE() << "local rank -5 was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("RuntimeOptions::local_rank is -5"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace ferry::test

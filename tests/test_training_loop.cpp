@@ -6,6 +6,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <filesystem>
@@ -19,9 +21,11 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/ferry.hpp"
+#include "runtime/rank_watchdog.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
 #include "trainer_state.hpp"
@@ -466,6 +470,9 @@ TEST_F(TrainingLoopTest, RefusesBadSettings) {
   ShuffledBatches batches(data, trainer.model(), 8, 1);
   EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 0}), std::invalid_argument);
   EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 13, .steps_per_epoch = 12}), std::invalid_argument);
+  EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 12, .max_seconds = std::nan("")}), std::invalid_argument)
+      << "a NaN time limit had read as no limit";
+  EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 12, .max_seconds = -1}), std::invalid_argument);
   EXPECT_THROW((void)TrainingLoop(trainer, batches, {.steps = 12, .schedule = LrSchedule{.total_steps = 0}}),
                std::invalid_argument);
   TrainingLoop loop(trainer, batches, {.steps = 12});
@@ -549,6 +556,34 @@ TEST_F(TrainingLoopTest, DataParallelRanksMustRunTheSameLoop) {
   TrainingLoop agreeing(trainer, batches, loop_options(-1));
   EXPECT_EQ(agreeing.run().end, LoopSummary::End::finished);
   EXPECT_EQ(trainer.steps_done(), 4u);
+}
+
+// A data-parallel rank waiting on a stopped one waited forever; the watchdog ends the run once no
+// beat came for its limit, once, naming the steps done, and never while beats come.
+TEST(RankWatchdog, ExpiresOnceWhenBeatsStopAndNeverWhileTheyCome) {
+  std::atomic<int> expired{0};
+  std::atomic<std::uint64_t> reported{0};
+  std::atomic<double> idle_reported{0};
+  {
+    RankWatchdog watchdog(std::chrono::milliseconds(300), [&](double idle, std::uint64_t done) {
+      idle_reported = idle;
+      reported = done;
+      ++expired;
+    });
+    for (std::uint64_t step = 1; step <= 12; ++step) {  // 600 ms of beats, each well within the limit
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      watchdog.beat(step);
+    }
+    EXPECT_EQ(expired, 0) << "expired while beats came";
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (expired == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));  // a second expiry would come by now
+  }
+  EXPECT_EQ(expired, 1);
+  EXPECT_EQ(reported, 12u);
+  EXPECT_GE(idle_reported, 0.3);
 }
 
 }  // namespace

@@ -92,9 +92,10 @@ struct TrainArgs {
   std::vector<std::string> argv;  // the command line, for the resume command printed on a signal
   bool force = false;             // outputs may replace files ferry did not write
   // Data parallel (`mpirun -np N ferry train ...`; docs/distributed.md, runtime/cli/ranks.cpp).
-  int zero = 0;                                              // ZeRO stage
-  int plan_ranks = 1;                                        // ferry plan --ranks: rank 0 of this many
-  std::string bucket_size = "25MiB";                         // gradient bytes reduced together
+  int zero = 0;                       // ZeRO stage
+  int plan_ranks = 1;                 // ferry plan --ranks: rank 0 of this many
+  std::string bucket_size = "25MiB";  // gradient bytes reduced together
+  double rank_timeout_minutes = 30;   // data parallel: no progress this long ends every rank (0: never)
   std::shared_ptr<ferry::ops::Communicator> world, control;  // null: one rank
   bool primary = true;                                       // rank 0: progress, JSON, checkpoints, traces, profiles
   bool sharded_checkpoint = false;  // ZeRO stage 1 over several ranks: each rank writes its own file
@@ -250,6 +251,9 @@ int cmd_checkpoint(const CheckpointArgs& a);
 void join_ranks(TrainArgs& a);
 // Rank r > 0's file of a checkpoint at `path` written at ZeRO stage 1 or 2.
 std::string shard_file(const std::string& path, int rank);
+// The path as the user gave it, where `path` is this rank's own file of a ZeRO stage 1 or 2
+// checkpoint (shard_file of it on a rank other than 0): what every rank's messages name.
+std::string given_file(const TrainArgs& a, const std::string& path);
 // --resume: the checkpoint loaded as join_ranks planned; its caller's bytes.
 std::vector<std::byte> load_resume(ferry::Trainer& trainer, const TrainArgs& a);
 // " (written by N ranks ..., cut anew for ...)" when the resume was resharded, else empty.

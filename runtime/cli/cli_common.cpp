@@ -380,14 +380,24 @@ ferry::LoopSummary run_loop(ferry::TrainingLoop& loop, const TrainArgs& a) {
     return loop.run();
   } catch (const ferry::CheckpointWriteError& e) {
     std::string way_back;
-    if (e.intact_done) {
+    std::error_code ec;
+    if (e.intact_done && std::filesystem::is_regular_file(a.checkpoint_path, ec)) {
       way_back = fmt::format(
           "\nferry: {} still holds this run's state after {} steps; once it can be written, go on from there "
           "with: {}",
           a.checkpoint_path, *e.intact_done, resume_command(a, a.checkpoint_path));
-    } else if (!a.resume_path.empty()) {
-      way_back = fmt::format("\nferry: this run saved nothing; go on from where it started with: {}",
-                             resume_command(a, a.resume_path));
+    } else {
+      // The checkpoint that held the run's state may have gone with its folder: not offered then.
+      if (e.intact_done) {
+        way_back =
+            fmt::format("\nferry: {} held this run's state after {} steps, but it is gone (removed during the run)",
+                        a.checkpoint_path, *e.intact_done);
+      } else if (!a.resume_path.empty()) {
+        way_back = "\nferry: this run saved nothing";
+      }
+      if (!a.resume_path.empty() && std::filesystem::is_regular_file(a.resume_path, ec)) {
+        way_back += fmt::format("; go on from where it started with: {}", resume_command(a, a.resume_path));
+      }
     }
     throw std::runtime_error(e.what() + way_back);
   }
@@ -406,9 +416,10 @@ std::string resume_command(const TrainArgs& a, const std::string& checkpoint) {
     if (arg.rfind("--resume=", 0) == 0) continue;
     cmd += (cmd.empty() ? "" : " ") + shell_quote(arg);
   }
-  // Data parallel: the same ranks again (its own argv is one rank's; mpirun's options are not known).
+  // Data parallel: the same ranks again (its own argv is one rank's; mpirun's options are not known),
+  // and rank 0's file, the path given, on every rank (the others find theirs beside it).
   const std::string ranks = a.world ? fmt::format("mpirun -np {} ", a.world->size()) : std::string();
-  return ranks + cmd + " --resume " + shell_quote(checkpoint);
+  return ranks + cmd + " --resume " + shell_quote(given_file(a, checkpoint));
 }
 
 std::vector<std::byte> caller_section(const nlohmann::json& j) {

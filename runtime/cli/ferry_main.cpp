@@ -359,6 +359,7 @@ int cmd_train(const TrainArgs& a) {
                             .write_checkpoints = a.primary || a.sharded_checkpoint,
                             .after_checkpoint = [&a] { remove_stale_shards(a); },
                             .control = a.control,
+                            .rank_timeout_seconds = a.rank_timeout_minutes * 60,
                             .data_fingerprint = a.control ? data_checksum : 0});
   if (!a.resume_path.empty()) resume_classifier_run(a, trainer, loop, train.count, data_checksum, batches);
   // Every rank, resumed or not (one that was not would otherwise miss the agreement).
@@ -824,6 +825,12 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
       ->add_option("--bucket-size", t.bucket_size,
                    "Data parallel: gradient bytes summed over the ranks together, each bucket as soon as backward "
                    "has finished it (e.g. 25MiB)")
+      ->capture_default_str();
+  train
+      ->add_option("--rank-timeout-minutes", t.rank_timeout_minutes,
+                   "Data parallel: end every rank (exit status 124) when no step, evaluation or checkpoint has "
+                   "finished for this long: another rank stopped, hung or was lost (0: wait forever)")
+      ->check(non_negative_number())
       ->capture_default_str();
   train->add_flag("--eval-int8", t.eval_int8,
                   "Also evaluate the final model with every layer's weight but the head's read as int8 "

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -64,10 +65,7 @@ void check_one(const Output& o, bool force) {
                                 fs::is_directory(link) ? fmt::format(", e.g. '{}'", (p / "out").string()) : ""));
   }
   const fs::path folder = p.parent_path().empty() ? fs::path(".") : p.parent_path();
-  if (!fs::is_directory(folder, ec)) {
-    throw refuse(o, fmt::format("the folder '{}' does not exist: create it first (mkdir -p {})", folder.string(),
-                                folder.string()));
-  }
+  if (const auto why = ferry::missing_folder(p)) throw refuse(o, *why);
   if (const std::size_t longest = ferry::longest_file_name(p); p.filename().string().size() > longest) {
     throw refuse(o, fmt::format("its file name is {} bytes long, longer than the {} the file system of '{}' takes: "
                                 "give a shorter name",
@@ -113,6 +111,22 @@ void check_outputs(const TrainArgs& a) {
   add("--profile", a.profile_path, "memory profile", std::string(ferry::profile_signature));
   add("--profile-phases", a.profile_phases_path, "phase memory profile", std::string(ferry::phase_profile_signature));
   for (const Output& o : outputs) check_one(o, a.force);
+  // A checkpoint ferry wrote, but not the one this run resumes: another run's, or an earlier start
+  // of this one, which the first checkpoint of this run would replace.
+  const auto resumed = [&](const std::string& path) {  // one of the files this run goes on from
+    const fs::path p = resolved(path);
+    if (!a.resume_path.empty() && resolved(a.resume_path) == p) return true;
+    return std::any_of(a.resume_files.begin(), a.resume_files.end(),
+                       [&](const std::string& f) { return resolved(f) == p; });
+  };
+  if (!a.checkpoint_path.empty() && !a.force &&
+      head_of(a.checkpoint_path, 8) == std::string_view(ferry::checkpoint_magic, 8) && !resumed(a.checkpoint_path)) {
+    throw refuse(outputs.front(),
+                 fmt::format("the file holds a checkpoint, of another run or of an earlier start of this one, which "
+                             "this run's first checkpoint would replace: add --resume {} to go on from it, give "
+                             "another path, or add --force to start over and replace it",
+                             given_file(a, a.checkpoint_path)));
+  }
 
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     for (std::size_t j = i + 1; j < outputs.size(); ++j) {

@@ -17,6 +17,12 @@ std::string shard_file(const std::string& path, int rank) {
   return fmt::format("{}.rank{}", path, rank);
 }
 
+std::string given_file(const TrainArgs& a, const std::string& path) {
+  if (!a.sharded_checkpoint || !a.world || a.primary) return path;
+  const std::string suffix = shard_file("", a.world->rank());
+  return path.ends_with(suffix) ? path.substr(0, path.size() - suffix.size()) : path;
+}
+
 namespace {
 
 // A ZeRO stage 1 or 2 checkpoint of N ranks is FILE and FILE.rank1 .. FILE.rank<N-1>: the files
@@ -99,8 +105,10 @@ void remove_stale_shards(const TrainArgs& a) {
 
 namespace {
 
-// FNV-1a of a path as given: the same text on every rank hashes the same.
-std::uint64_t path_hash(std::string_view path) {
+// FNV-1a of a path as given, in its lexically normal form ("./x.ckpt" and "x.ckpt" hash alike);
+// not resolved against the file system: ranks on other hosts may start in other folders.
+std::uint64_t path_hash(std::string_view given) {
+  const std::string path = std::filesystem::path(given).lexically_normal().string();
   std::uint64_t h = 14695981039346656037ull;
   for (const char c : path) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
   return h | 1;  // 0 stays "not given"

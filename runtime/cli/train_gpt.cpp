@@ -373,6 +373,7 @@ int cmd_train_gpt(const TrainArgs& args) {
                      .write_checkpoints = a.primary || a.sharded_checkpoint,
                      .after_checkpoint = [&a] { remove_stale_shards(a); },
                      .control = a.control,
+                     .rank_timeout_seconds = a.rank_timeout_minutes * 60,
                      // Data parallel: every rank must read the same text (the ranks compare it).
                      .data_fingerprint = a.control ? text_checksum : 0});
   if (!a.resume_path.empty()) {

@@ -53,9 +53,9 @@ std::vector<fs::path> fortune_files(fs::path dir) {
   if (ec && st.type() != fs::file_type::not_found) unreachable_folder(dir, ec);
   if (!fs::is_directory(st)) {
     throw std::runtime_error(
-        fmt::format("no text corpus: {} is not a folder; give --text (FERRY_TEXT_DIR) a folder of text files, or "
-                    "install Debian's fortunes (apt-get install fortunes), the default",
-                    dir.string()));
+        fmt::format("no text corpus: {} {}; give --text (FERRY_TEXT_DIR) a folder of text files, or install Debian's "
+                    "fortunes (apt-get install fortunes), the default",
+                    dir.string(), fs::exists(st) ? "is not a folder" : "does not exist"));
   }
   std::set<fs::path> unique;  // resolved paths: several names link to one file
   // The error_code forms: the throwing ones gave "filesystem error: directory iterator cannot open

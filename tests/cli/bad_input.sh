@@ -265,14 +265,16 @@ row "unknown ferry tune --mode" "--mode: slow not in {quick,full}" error - tune 
 "$ferry" train "${quick[@]}" --checkpoint "$work/good.ckpt" >/dev/null 2>&1
 cp "$work/good.ckpt" "$work/flipped.ckpt"
 printf '\xff' | dd of="$work/flipped.ckpt" bs=1 seek=5000 conv=notrunc status=none
+row "--checkpoint over another run's checkpoint" "add --resume $work/good.ckpt to go on from it" error - \
+  train "${quick[@]}" --checkpoint "$work/good.ckpt"
 row "corrupt checkpoint (one byte flipped)" "fails its checksum" error - train "${quick[@]}" --resume "$work/flipped.ckpt"
 head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
 row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
 row "truncated checkpoint described" "truncated" error - checkpoint "$work/cut.ckpt"
 mkfifo "$work/pipe.ckpt"
-row "--resume from a FIFO" "checkpoint '$work/pipe.ckpt' is not a regular file" error - \
+row "--resume from a FIFO" "checkpoint '$work/pipe.ckpt' is a FIFO (named pipe), not a regular file" error - \
   train "${quick[@]}" --resume "$work/pipe.ckpt"
-row "a FIFO described as a checkpoint" "checkpoint '$work/pipe.ckpt' is not a regular file" error - \
+row "a FIFO described as a checkpoint" "checkpoint '$work/pipe.ckpt' is a FIFO (named pipe), not a regular file" error - \
   checkpoint "$work/pipe.ckpt"
 row "checkpoint of another model" "its model is 'mlp-784-1024-1024-10'" error - \
   train --model cnn "${quick[@]}" --resume "$work/good.ckpt"

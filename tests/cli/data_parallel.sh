@@ -172,6 +172,11 @@ ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 --zero 1 --checkpoint "$w
 grep -q "rank 1 of this data-parallel run was given another --checkpoint than rank 0" "$work/disagree_path.err" ||
   fail "no disagreement error for --checkpoint paths: $(tail -5 "$work/disagree_path.err")"
 [ ! -e "$work/rank0.ckpt" ] && [ ! -e "$work/rank1.ckpt.rank1" ] || fail "ranks with other --checkpoint paths wrote"
+# One file named two ways ("F" and "F" with a "./" or "//" inside) is the same path on every rank.
+ranks 1 "$ferry" train "${SHORT[@]}" --train-limit 512 --zero 1 --checkpoint "$work/same.ckpt" : -np 1 "$ferry" \
+  train "${SHORT[@]}" --train-limit 512 --zero 1 --checkpoint "$work/./same.ckpt" >/dev/null 2>"$work/same_path.err" ||
+  fail "one checkpoint path written two ways was refused: $(tail -3 "$work/same_path.err")"
+[ -s "$work/same.ckpt" ] && [ -s "$work/same.ckpt.rank1" ] || fail "the ranks' checkpoint files of one path are missing"
 
 # A ZeRO stage 0 checkpoint (rank 0's file) resumes alone: the same run, to f32 reassociation.
 Z0=(--model mlp --train-limit 1536 --batch 256 --schedule constant --json)
@@ -316,6 +321,39 @@ elapsed=$(($(date +%s) - start))
 [ $status -ne 0 ] || fail "a failed rank left the run succeeding"
 [ $elapsed -lt 120 ] || fail "the run took ${elapsed} s to end after a rank failed"
 grep -q "error on rank 1 of 2" "$work/failed.err" || fail "the failing rank is not named: $(tail -5 "$work/failed.err")"
+
+# A rank stopped mid-run (SIGSTOP: a frozen process, a lost host) left the other spinning in a
+# collective forever, printing nothing; --rank-timeout-minutes ends every rank, saying why.
+ranks 2 "$ferry" train --model mlp --epochs 50 --train-limit 4096 --rank-timeout-minutes 0.1 \
+  >/dev/null 2>"$work/stopped_rank.err" &
+run=$!
+rank1=""
+for _ in $(seq 1 600); do
+  for pid in $(pgrep -f "ferry train --model mlp --epochs 50" || true); do
+    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1' &&
+      grep -qs '^ferry: residency' "$work/stopped_rank.err"; then
+      rank1=$pid
+    fi
+  done
+  [ -n "$rank1" ] && break
+  sleep 0.1
+done
+if [ -z "$rank1" ]; then
+  fail "rank 1 of the run to stop was not found"
+  kill "$run"
+else
+  sleep 1 # training
+  kill -STOP "$rank1"
+  start=$(date +%s)
+  wait "$run"
+  status=$?
+  elapsed=$(($(date +%s) - start))
+  kill -KILL "$rank1" 2>/dev/null
+  [ $status -ne 0 ] || fail "a run with a stopped rank succeeded"
+  [ $elapsed -lt 120 ] || fail "a run with a stopped rank took ${elapsed} s to end under a 6 s limit"
+  grep -q "rank 0: no step has finished for [0-9]* s" "$work/stopped_rank.err" ||
+    fail "no message for a stopped rank: $(tail -3 "$work/stopped_rank.err")"
+fi
 
 [ $failures -eq 0 ] && echo "data_parallel: ok"
 exit $((failures > 0))

@@ -312,7 +312,7 @@ check "GPT: --profile-phases writes the per-phase profile" grep -q '^variant' "$
 gsig=(train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 300
   --eval-every 100 --json --checkpoint "$work/gsig.ckpt")
 guninterrupted=$("$ferry" "${gsig[@]}" --quiet)
-rm -f "$work/gsig.err"
+rm -f "$work/gsig.err" "$work/gsig.ckpt" # a new run over another run's checkpoint is refused without --force
 interrupt INT "$work/gsig.err" '^step [0-9]*/300 \[' "${gsig[@]}"
 check "GPT: SIGINT during training exits 130" test "$status" -eq 130
 check "GPT: SIGINT says where training stopped" grep -q "stopped by SIGINT at step [0-9]*/300" "$work/gsig.err"

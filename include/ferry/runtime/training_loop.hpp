@@ -34,6 +34,8 @@
 
 namespace ferry {
 
+class RankWatchdog;
+
 // SIGINT / SIGTERM while a StopSignals lives: the handler only records the signal (received()), so
 // a loop can stop between steps with the step in flight finished; a second signal ends the process
 // at once (the handler resets to the default). The previous handlers come back with the object.
@@ -107,6 +109,11 @@ struct TrainingLoopOptions {
   // data (a rank that differed would wait for the others forever, or drift apart), and throws
   // std::invalid_argument naming the first difference on every rank.
   std::shared_ptr<ops::Communicator> control{};
+  // Data parallel (control over more than one rank): the longest a step, or a boundary's work, may
+  // go without finishing before the run is ended on every rank (Communicator::abort, exit status
+  // 124), saying so: a rank stopped, hung or lost leaves the others waiting in a collective, which
+  // has no time limit of its own. The last checkpoint written is intact. 0: wait forever.
+  double rank_timeout_seconds = 30 * 60;
   // A hash of the training data (e.g. ferry::checkpoint_checksum of it): data parallel, the ranks
   // must agree on it. 0: not compared.
   std::uint64_t data_fingerprint = 0;
@@ -140,9 +147,12 @@ struct LoopSummary {
 
 class TrainingLoop {
  public:
-  // Throws std::invalid_argument for steps 0 or an invalid schedule. `trainer` and `batches` must
-  // outlive the loop.
+  // Throws std::invalid_argument for steps 0, a time limit that is no finite number >= 0 or an
+  // invalid schedule. `trainer` and `batches` must outlive the loop; it is not copied (a copy
+  // would share them and their position).
   TrainingLoop(Trainer& trainer, BatchSource& batches, TrainingLoopOptions options);
+  TrainingLoop(const TrainingLoop&) = delete;
+  TrainingLoop& operator=(const TrainingLoop&) = delete;
 
   // Every step's result, in order: `step` is the run's step index (from 0), `run_index` its index
   // in this run. Time spent here counts as training time.
@@ -189,6 +199,8 @@ class TrainingLoop {
   void checkpoint_here();
   void show_progress();
   void end_progress_line();  // ends an open progress line, so other output starts a line of its own
+  // The rank watchdog's end of the run (rank_timeout_seconds): says why, then ends every rank.
+  [[noreturn]] void ranks_timed_out(double idle_seconds, std::uint64_t steps_done) const;
 
   Trainer& trainer_;
   BatchSource& batches_;
@@ -206,6 +218,7 @@ class TrainingLoop {
   // and first touches memory): when it ended, and its training seconds.
   std::chrono::steady_clock::time_point paced_from_;
   double paced_train_seconds_ = 0;
+  RankWatchdog* watchdog_ = nullptr;  // while run() runs a data-parallel loop with a time limit
 };
 
 }  // namespace ferry
