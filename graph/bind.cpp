@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <stdexcept>
+#include <typeinfo>
 
 #include "ferry/cl/error.hpp"
 #include "graph/node_view.hpp"
@@ -52,7 +53,17 @@ ops::LaunchList bind_node(const Graph& g, NodeId n, const TensorLocator& at, ops
   }
   // OpenCL errors while binding (a kernel that does not build, with its build log) name the node.
   const cl::OpScope scope(g.nodes.name[n]);
-  return row.bind(NodeBinding(g, n, at, env, optimizer));
+  try {
+    return row.bind(NodeBinding(g, n, at, env, optimizer));
+  } catch (const std::exception& e) {
+    // A plain standard error (a user's row's own message) gains the node; derived ones keep their
+    // type for their catchers (cl::Error names the node already, a stopped tuning search ends the run).
+    const std::string what = fmt::format("node '{}' ({}): {}", g.nodes.name[n], row.name, e.what());
+    if (typeid(e) == typeid(std::invalid_argument)) throw std::invalid_argument(what);
+    if (typeid(e) == typeid(std::logic_error)) throw std::logic_error(what);
+    if (typeid(e) == typeid(std::runtime_error)) throw std::runtime_error(what);
+    throw;
+  }
 }
 
 }  // namespace ferry::graph

@@ -218,6 +218,24 @@ TEST(OpTable, BrokenUserOpsAreErrorsNamingTheNode) {
     EXPECT_NE(std::string(e.what()).find("user_broken_kernel1"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("undeclared"), std::string::npos) << "the build log: " << e.what();
   }
+
+  // A user's bind that throws a plain error of its own: passed on with the node named.
+  ops::OpInfo refusing = broken;
+  refusing.name = "user_refusing_bind";
+  refusing.bind = [](const ops::BindContext&) -> ops::LaunchList { throw std::runtime_error("my bind failed"); };
+  const ops::OpId refusing_id = ops::register_op(refusing);
+  const ModelSpec r = models::classifier("refusing", graph::Shape{4}, 2, [refusing_id](graph::Builder& b, TensorId x) {
+    const TensorId in[] = {b.linear(x, 2)};
+    return b.apply(refusing_id, in)[0];
+  });
+  try {
+    Trainer t(rt, r, TrainerOptions{});
+    FAIL() << "a bind that throws must fail the compile";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("node 'user_refusing_bind1' (user_refusing_bind): my bind failed"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // A user's row whose rules misbehave is an error naming the node, never a crash or a model that
