@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -240,6 +241,54 @@ std::optional<std::string> standard_output_failure() {
     return "standard output is closed, so the results printed there were lost: run it with stdout open";
   return "writing the results to standard output failed (a full disk, a closed pipe or another I/O error), so they "
          "were lost: check where stdout goes";
+}
+
+OutputLock::OutputLock(const std::filesystem::path& path, std::string_view what) {
+  lock_path_ = path.parent_path() / (hidden_prefix(path, 5) + ".lock");
+  // The file a holder unlinks on release may be opened by another before it goes: a lock taken on
+  // a file no longer at the path is dropped and taken again on the one there now.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    fd_ = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      throw std::runtime_error(fmt::format("cannot lock the {} '{}': creating '{}' failed ({})", what, path.string(),
+                                           lock_path_.string(), std::strerror(errno)));
+    }
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      char holder[256] = {};
+      [[maybe_unused]] const ssize_t n = ::pread(fd_, holder, sizeof holder - 1, 0);
+      ::close(fd_);
+      fd_ = -1;
+      if (err != EWOULDBLOCK) {
+        throw std::runtime_error(fmt::format("cannot lock the {} '{}': flock on '{}' failed ({})", what, path.string(),
+                                             lock_path_.string(), std::strerror(err)));
+      }
+      std::string who(holder);
+      while (!who.empty() && (who.back() == '\n' || who.back() == '\0')) who.pop_back();
+      throw std::runtime_error(fmt::format(
+          "the {} '{}' is being written by another run ({}): give this run another path, or wait for that one to end",
+          what, path.string(), who.empty() ? "a process that holds its lock" : who));
+    }
+    struct stat held {
+    }, there{};
+    if (::fstat(fd_, &held) == 0 && ::stat(lock_path_.c_str(), &there) == 0 && held.st_ino == there.st_ino &&
+        held.st_dev == there.st_dev) {
+      const std::string me = fmt::format("process {} on host {}", ::getpid(), host_tag());
+      [[maybe_unused]] const int cut = ::ftruncate(fd_, 0);
+      [[maybe_unused]] const ssize_t wrote = ::pwrite(fd_, me.data(), me.size(), 0);
+      return;
+    }
+    ::close(fd_);
+    fd_ = -1;
+  }
+  throw std::runtime_error(
+      fmt::format("cannot lock the {} '{}': '{}' kept being replaced", what, path.string(), lock_path_.string()));
+}
+
+OutputLock::~OutputLock() {
+  if (fd_ < 0) return;
+  ::unlink(lock_path_.c_str());  // while still held: a process that opened it meanwhile takes it again
+  ::close(fd_);
 }
 
 }  // namespace ferry

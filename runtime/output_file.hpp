@@ -35,6 +35,25 @@ void write_output_file(const std::filesystem::path& path, const char* what, std:
 // or where a file has that name, "'D' is a file, not a folder: give a path in a folder".
 std::optional<std::string> missing_folder(const std::filesystem::path& path);
 
+// The advisory lock of the output at `path` (a checkpoint a run writes again and again): held by
+// one process at a time, through flock(2) on a hidden file beside it (".<name>.lock", holding the
+// holder's process and host for the message), released when the object goes (or the process
+// ends, however it ends). Two runs given one checkpoint at once had both written it, each
+// replacing the other's.
+class OutputLock {
+ public:
+  // Throws std::runtime_error when another process holds it, naming that process, its host and
+  // what to do; or when the lock file cannot be made (naming the reason).
+  OutputLock(const std::filesystem::path& path, std::string_view what);
+  ~OutputLock();
+  OutputLock(const OutputLock&) = delete;
+  OutputLock& operator=(const OutputLock&) = delete;
+
+ private:
+  std::filesystem::path lock_path_;
+  int fd_ = -1;
+};
+
 // Gives `temporary`, about to be renamed over `replaced`, the permission bits (and, where this
 // process may, the owner and group) of the file at `replaced`: a private checkpoint stays private
 // when it is rewritten. Nothing where no regular file is there; a failure leaves the new file's

@@ -210,7 +210,7 @@ bool TrainingLoop::boundary_after(std::uint64_t done) {
   return due;
 }
 
-void TrainingLoop::check_checkpoint_path() const {
+void TrainingLoop::check_checkpoint_path(std::unique_ptr<OutputLock>& lock) const {
   if (options_.checkpoint.empty()) return;  // (the ranks agree on that; on which write, not)
   std::string problem;
   try {
@@ -218,6 +218,7 @@ void TrainingLoop::check_checkpoint_path() const {
       ferry::check_checkpoint_path(options_.checkpoint);  // a folder that exists, a name it takes, a file it can hold
       refuse_to_replace(options_.checkpoint, "checkpoint", std::string_view(checkpoint_magic, 8),
                         options_.checkpoint_options.replace_foreign_file);
+      lock = std::make_unique<OutputLock>(options_.checkpoint, "checkpoint");  // held while this run writes it
     }
   } catch (const std::exception& e) {
     problem = e.what();
@@ -268,7 +269,8 @@ LoopSummary TrainingLoop::run() {
     ~Unwatch() { watchdog = nullptr; }
   } unwatch{watchdog_};
   check_ranks_agree();
-  check_checkpoint_path();
+  std::unique_ptr<OutputLock> checkpoint_lock;
+  check_checkpoint_path(checkpoint_lock);
   check_checkpoint_space();
   std::optional<StopSignals> signals;
   if (options_.catch_signals) signals.emplace(options_.acknowledge_stop ? stop_acknowledgement() : std::string());

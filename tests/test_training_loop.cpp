@@ -386,6 +386,45 @@ TEST_F(TrainingLoopTest, ACheckpointPathThatCannotBeWrittenIsRefusedBeforeTheFir
   std::filesystem::remove_all(folder);
 }
 
+// Two runs given one checkpoint path at once both wrote it, each replacing the other's; the
+// second is now refused before its first step, naming the first, and the lock goes with the run.
+TEST_F(TrainingLoopTest, ACheckpointAnotherRunIsWritingIsRefused) {
+  const auto path =
+      std::filesystem::temp_directory_path() / ("ferry_loop_lock_" + std::to_string(::getpid()) + ".ckpt");
+  std::filesystem::remove(path);
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  TrainingLoop first(trainer, batches, {.steps = 24, .steps_per_epoch = 12, .progress = false, .checkpoint = path});
+  std::string refused;
+  first.on_boundary = [&](const LoopPosition& p) {
+    if (p.done != 12) return;
+    Trainer other(rt, model, options());
+    ShuffledBatches other_batches(data, other.model(), 8, 3);
+    TrainingLoop second(other, other_batches, {.steps = 12, .progress = false, .checkpoint = path});
+    try {
+      second.run();
+    } catch (const std::runtime_error& e) {
+      refused = e.what();
+    }
+    EXPECT_EQ(other.steps_done(), 0u);
+  };
+  first.run();
+  EXPECT_NE(refused.find("is being written by another run (process " + std::to_string(::getpid()) + " on host"),
+            std::string::npos)
+      << refused;
+  EXPECT_EQ(trainer.steps_done(), 24u);
+  // Released: another run takes the path (its checkpoint, the first's, goes on).
+  TrainingLoop later(trainer, batches, {.steps = 36, .steps_per_epoch = 12, .progress = false, .checkpoint = path});
+  later.resume(LoopPosition{.done = 24});
+  later.run();
+  EXPECT_EQ(trainer.steps_done(), 36u);
+  for (const auto& e : std::filesystem::directory_iterator(path.parent_path())) {
+    EXPECT_EQ(e.path().filename().string().find(path.filename().string() + ".lock"), std::string::npos)
+        << "left behind: " << e.path();
+  }
+  std::filesystem::remove(path);
+}
+
 // A time limit already spent ends the run at the first boundary it can take, after one step, with
 // that boundary's evaluation; boundary_every adds boundaries between epochs.
 TEST_F(TrainingLoopTest, EndsAtABoundaryWhenTheTimeIsUp) {

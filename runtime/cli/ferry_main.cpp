@@ -113,8 +113,10 @@ ferry::LoopPosition decode_fields(const nlohmann::json& j, const TrainArgs& a, s
   const auto step_in_epoch = j.at("step_in_epoch").get<std::size_t>();
   if (step_in_epoch >= steps_per_epoch) throw fail("its position in the epoch is past the epoch's end");
   if (epochs_done > a.epochs || (epochs_done == a.epochs && step_in_epoch > 0)) {
-    throw fail(fmt::format("it is past epoch {} already (at epoch {}, step {}): give --epochs {} or more", a.epochs,
-                           epochs_done + (step_in_epoch > 0), step_in_epoch, epochs_done + (step_in_epoch > 0)));
+    throw fail(fmt::format("it is past epoch {} already ({} epochs{} done): give --epochs {} or more", a.epochs,
+                           epochs_done,
+                           step_in_epoch > 0 ? fmt::format(" and {} steps of the next", step_in_epoch) : std::string(),
+                           epochs_done + (step_in_epoch > 0)));
   }
   std::istringstream rng_state(j.at("rng").get<std::string>());
   std::mt19937_64 rng;
@@ -292,9 +294,12 @@ void resume_classifier_run(const TrainArgs& a, ferry::Trainer& trainer, ferry::T
   loop.resume(start);
   if (!a.quiet) {
     std::cerr << fmt::format(
-        "ferry: resumed from {}{} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms)\n", a.resume_path,
+        "ferry: resumed from {}{} at epoch {}, step {} of {} ({} updates done; loaded in {:.0f} ms){}\n", a.resume_path,
         resume_note(a), start.done / steps_per_epoch + 1, start.done % steps_per_epoch, steps_per_epoch,
-        trainer.steps_done(), load_ms);
+        trainer.steps_done(), load_ms,
+        start.done == std::uint64_t{a.epochs} * steps_per_epoch
+            ? fmt::format("; every epoch --epochs {} asks for is done, so none is trained", a.epochs)
+            : std::string());
   }
 }
 

@@ -190,6 +190,8 @@ check "... which differ from 1 epoch's" test "$(results "$one")" != "$(results "
 check "the results to compare are there" grep -q '"test_loss":' <<<"$two"
 again=$("$ferry" train "${ck[@]}" --epochs 2 --resume "$work/two.ckpt")
 check "resuming a finished run reports it without training" test "$(results "$again")" = "$(results "$two")"
+said=$("$ferry" train --model mlp --train-limit 2048 --schedule constant --epochs 2 --resume "$work/two.ckpt" 2>&1 >/dev/null)
+check "... and says so" grep -q "every epoch --epochs 2 asks for is done, so none is trained" <<<"$said"
 
 # SIGINT after the first progress line (mid-epoch, cosine schedule), then the printed command.
 sig=(train --model mlp --epochs 2 --train-limit 8192 --json --checkpoint "$work/sig.ckpt")
