@@ -443,15 +443,9 @@ AttentionTuning attention_tuning_for(OpEnv& env) {
     } else {
       TuneCoverage coverage;
       auto cached = read_attention_tune_cache(env, cache, &coverage);
-      // Winners from a search a signal stopped are searched again, unless a search of this process
-      // has just settled them.
-      const bool again = cached && coverage.stopped && !st.searched.contains(cache);
-      if (again && env.tune_progress) {
-        std::fprintf(stderr,
-                     "ferry: the cached attention kernels in %s are from a search stopped after %zu of %zu "
-                     "candidates; searching again\n",
-                     cache.c_str(), coverage.measured, coverage.planned);
-      }
+      const bool again =
+          search_stopped_winner_again(cached ? std::optional(coverage) : std::nullopt, st.searched.contains(cache),
+                                      env.tune_progress, cache, "attention kernels");
       try {
         t = cached && !again ? AttentionTuning{std::move(*cached), cache} : tune_now(env, mode, budget);
       } catch (const TuneStopped& e) {

@@ -283,4 +283,17 @@ std::string write_gemm_tune_cache(const std::string& path, const std::string& ro
   return write_tune_cache_text(path, body, "GEMM tuning cache");
 }
 
+bool search_stopped_winner_again(const std::optional<TuneCoverage>& coverage, bool settled, bool tell,
+                                 const std::string& cache, std::string_view what) {
+  const bool again = coverage && coverage->stopped && !settled;
+  if (again && tell) {
+    std::fprintf(stderr,
+                 "ferry: the cached %.*s in %s %s from a search stopped after %zu of %zu candidates; "
+                 "searching again\n",
+                 static_cast<int>(what.size()), what.data(), cache.c_str(), what.ends_with('s') ? "are" : "is",
+                 coverage->measured, coverage->planned);
+  }
+  return again;
+}
+
 }  // namespace ferry::ops

@@ -44,6 +44,11 @@ std::string tune_coverage_comment(std::size_t measured, std::size_t planned, dou
 // S s[, stopped by a signal]" in a comment line): nullopt when it records nothing (such a row is
 // replaced by any search's). Every cache written since the tuner exists has that line.
 std::optional<TuneCoverage> tune_cache_coverage(std::string_view text);
+// Whether first use searches again over a cached winner: where a signal stopped the search that
+// found it (`coverage`), unless a search of this process has just settled it (`settled`); said on
+// stderr where `tell` ("the cached <what> in <cache> are from a search stopped after ...").
+bool search_stopped_winner_again(const std::optional<TuneCoverage>& coverage, bool settled, bool tell,
+                                 const std::string& cache, std::string_view what);
 // Whether a new winner whose search measured `measured` candidates may be saved over what a cache
 // holds: nullopt when it may (no cached result, or one from a search that measured no more
 // candidates), else what the cached one's search covered. `cached` is the cache's valid body, or

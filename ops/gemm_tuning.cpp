@@ -184,15 +184,10 @@ GemmTuningRow gemm_tuning_for(OpEnv& env) {
       } else {
         TuneCoverage coverage;
         std::optional<GemmTuningRow> cached = read_gemm_tune_cache(cache, device, &coverage);
-        // A row from a search a signal stopped is searched again (its winner replaces it where it
-        // measured as many candidates), unless a search of this process has just settled it.
-        const bool again = cached && coverage.stopped && !st.searched.contains(cache);
-        if (again && env.tune_progress) {
-          std::fprintf(stderr,
-                       "ferry: the cached GEMM row in %s is from a search stopped after %zu of %zu candidates; "
-                       "searching again\n",
-                       cache.c_str(), coverage.measured, coverage.planned);
-        }
+        // (The new search's winner replaces the stopped one's where it measured as many candidates.)
+        const bool again =
+            search_stopped_winner_again(cached ? std::optional(coverage) : std::nullopt, st.searched.contains(cache),
+                                        env.tune_progress, cache, "GEMM row");
         try {
           row = cached && !again ? std::move(*cached) : tune_now(env, mode, budget);
         } catch (const TuneStopped& e) {

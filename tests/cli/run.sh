@@ -159,14 +159,19 @@ expect_error "a recompute interval beyond the depth" "nothing to recompute" \
 expect_error "an unknown predictor" "unknown predictor 'cubic'" train --phases hybrid --predictor cubic --epochs 1
 
 # Checkpoints (docs/checkpoints.md): 1 epoch then --resume to 2 gives the 2-epoch run's results;
-# interrupt <signal> <stderr file> <progress pattern> <ferry args...>: runs ferry in the background
-# with stderr to the file, sends the signal once the file shows the pattern, and sets `status` to
-# the exit status. The file must not exist before (the shell truncates a redirect in the forked
-# child, so polling a reused name could see the previous run's line and signal too early).
+# interrupt <signal> <stderr file> <progress pattern> [--stdout FILE] <ferry args...>: runs ferry in
+# the background with stderr to the file (stdout to FILE, else nowhere), sends the signal once the
+# file shows the pattern, and sets `status` to the exit status. The file must not exist before (the
+# shell truncates a redirect in the forked child, so polling a reused name could see the previous
+# run's line and signal too early). Variables set before the call (VAR=x interrupt ...) reach ferry.
 interrupt() {
-  local signal=$1 err=$2 pattern=$3 pid
+  local signal=$1 err=$2 pattern=$3 out=/dev/null pid
   shift 3
-  "$ferry" "$@" >/dev/null 2>"$err" &
+  if [ "$1" = --stdout ]; then
+    out=$2
+    shift 2
+  fi
+  "$ferry" "$@" >"$out" 2>"$err" &
   pid=$!
   for _ in $(seq 1 1200); do grep -qs -- "$pattern" "$err" && break; sleep 0.05; done
   kill -"$signal" "$pid"
@@ -343,13 +348,8 @@ check "GPT: SIGINT while sampling still prints the JSON line, sample_stopped in 
 # and used, exit 130 (it died with everything measured lost).
 tune_cache="$work/tune-cache"
 rm -rf "$tune_cache" "$work/tune.err"
-FERRY_CACHE_DIR="$tune_cache" "$ferry" tune --family gemm --budget-seconds 600 --json >"$work/tune.json" \
-  2>"$work/tune.err" &
-pid=$!
-for _ in $(seq 1 1200); do grep -qs -- '\] *[1-9][0-9]*/' "$work/tune.err" && break; sleep 0.05; done
-kill -INT "$pid"
-wait "$pid"
-status=$?
+FERRY_CACHE_DIR="$tune_cache" interrupt INT "$work/tune.err" '\] *[1-9][0-9]*/' --stdout "$work/tune.json" \
+  tune --family gemm --budget-seconds 600 --json
 check "ferry tune: SIGINT exits 130" test "$status" -eq 130
 check "ferry tune: SIGINT is acknowledged and said" bash -c \
   "grep -q '^ferry tune: SIGINT received: the search stops after the candidate being timed' '$work/tune.err' &&
@@ -405,13 +405,8 @@ rm -rf "$first_cache" && mkdir -p "$first_cache"
 rm -f "$first_cache"/gemm-tuning-* "$first_cache"/attention-tuning-*
 printf '*\t*\t*\tferry\tnaive\t-\n' >"$work/generic.tsv"
 first_use=(env FERRY_TUNE=quick "FERRY_GEMM_TUNING=$work/generic.tsv" "FERRY_CACHE_DIR=$first_cache")
-"${first_use[@]}" FERRY_TUNE_BUDGET_S=600 "$ferry" train --model mlp --epochs 1 --train-limit 256 \
-  >/dev/null 2>"$work/first-use.err" &
-pid=$!
-for _ in $(seq 1 1200); do grep -qs -- 'tuning GEMM probe [1-9]' "$work/first-use.err" && break; sleep 0.05; done
-kill -INT "$pid"
-wait "$pid"
-status=$?
+FERRY_TUNE=quick FERRY_GEMM_TUNING="$work/generic.tsv" FERRY_CACHE_DIR="$first_cache" FERRY_TUNE_BUDGET_S=600 \
+  interrupt INT "$work/first-use.err" 'tuning GEMM probe [1-9]' train --model mlp --epochs 1 --train-limit 256
 check "first-use tuning in ferry train: SIGINT exits 130" test "$status" -eq 130
 check "first-use tuning in ferry train: SIGINT is acknowledged and said on lines of their own" bash -c \
   "grep -q '^ferry: SIGINT received: the GEMM tuning stops after the candidate being timed' '$work/first-use.err' &&
