@@ -57,16 +57,17 @@ LaunchList overflow_guard_check_scaled(OpEnv& env, DType dtype, DeviceSpan gradi
   return list;
 }
 
-bool all_finite_host(std::span<const float> values) {
+bool all_usable_host(std::span<const float> values) {
   // Blocks of 64K floats (256 KiB) on the TBB workers; within a block no branch per element, so the
-  // compiler vectorises the test on the exponent bits (all ones: inf or NaN).
+  // compiler vectorises the test on the magnitude's bits (NaN's and inf's lie above the limit's).
   constexpr std::size_t block = std::size_t{1} << 16;
+  constexpr std::uint32_t limit_bits = std::bit_cast<std::uint32_t>(gradient_limit);
   return !tbb::parallel_reduce(
       tbb::blocked_range<std::size_t>(0, values.size(), block), false,
       [values](const tbb::blocked_range<std::size_t>& r, bool bad) {
         std::uint32_t any = 0;
         for (std::size_t i = r.begin(); i < r.end(); ++i) {
-          any |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(values[i]) & 0x7f800000u) == 0x7f800000u);
+          any |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(values[i]) & 0x7fffffffu) >= limit_bits);
         }
         return bad || any != 0;
       },

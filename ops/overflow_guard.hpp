@@ -1,6 +1,7 @@
 // The overflow guard: one scalar that a training step's state updates (optimizer, gradient
 // accumulation, predictor fits) check in place of the loss, non-finite when the loss is or when
-// any weight gradient has a non-finite element.
+// any weight gradient has an element the updates cannot take: not finite, or finite but of
+// gradient_limit (2^64) or more in magnitude, whose square (Adam's second moment) would be inf.
 //
 // With fp16 gradients scaled by StepInfo::loss_scale, a scale too large for this step makes some
 // of them inf or NaN; in any precision a gradient can overflow. Every update of the step must then
@@ -11,7 +12,7 @@
 // gradient product checks it in its epilogue: GemmOptions::guard, graph::fuse_guard_checks).
 //
 //   init:   guard = loss (stats[0])
-//   check:  guard = NaN  if an element of the gradient is not finite, else unchanged
+//   check:  guard = NaN  if an element of the gradient is not usable_gradient, else unchanged
 #pragma once
 
 #include <cmath>
@@ -24,10 +25,22 @@
 
 namespace ferry::ops {
 
+// The gradient magnitude the updates take, exclusive (GUARD_LIMIT in ops/kernels/guard.clh): a
+// finite gradient of 2^64 or more squares past the largest float, so Adam's second moment would
+// turn inf and its weight never move again. The guard stops such a step's updates as it stops an
+// overflowed one, and the state stays as it was.
+inline constexpr float gradient_limit = 0x1p64f;
+
+// Whether the updates take gradient value `v` (NaN compares false).
+template <class T>
+bool usable_gradient(T v) {
+  return std::fabs(v) < static_cast<T>(gradient_limit);
+}
+
 // `stats` holds the loss at element 0.
 LaunchList overflow_guard_init(OpEnv& env, DeviceSpan stats, DeviceSpan guard);
-// `gradient` is an f32 span of `elems` elements. Sets the guard to NaN on a non-finite element
-// (an atomic exchange: every writer writes the same NaN).
+// `gradient` is an f32 span of `elems` elements. Sets the guard to NaN on an element that is not
+// usable_gradient (an atomic exchange: every writer writes the same NaN).
 LaunchList overflow_guard_check(OpEnv& env, DeviceSpan gradient, std::size_t elems, DeviceSpan guard);
 
 // `gradient` is an f16 or bf16 span (`dtype`) of `elems` elements, checked as the f32 values the
@@ -37,15 +50,15 @@ LaunchList overflow_guard_check_scaled(OpEnv& env, DType dtype, DeviceSpan gradi
                                        DeviceSpan guard);
 
 // On the host (a sum a data-parallel reduction left in pinned host memory, checked there): whether
-// every element is finite, on all cores.
-bool all_finite_host(std::span<const float> values);
+// every element is usable_gradient, on all cores.
+bool all_usable_host(std::span<const float> values);
 
 namespace ref {
 
 template <class T>
 T overflow_guard_check(T guard, std::span<const T> gradient) {
   for (T v : gradient) {
-    if (!std::isfinite(v)) return std::numeric_limits<T>::quiet_NaN();
+    if (!usable_gradient(v)) return std::numeric_limits<T>::quiet_NaN();
   }
   return guard;
 }
@@ -55,7 +68,7 @@ T overflow_guard_check(T guard, std::span<const T> gradient) {
 template <class T>
 T overflow_guard_check_scaled(T guard, std::span<const T> gradient, float factor) {
   for (T v : gradient) {
-    if (!std::isfinite(static_cast<float>(v) * factor)) return std::numeric_limits<T>::quiet_NaN();
+    if (!usable_gradient(static_cast<float>(v) * factor)) return std::numeric_limits<T>::quiet_NaN();
   }
   return guard;
 }

@@ -22,6 +22,10 @@
 namespace ferry {
 namespace {
 
+// What the overflow guard refuses in a gradient (ops/overflow_guard.hpp), as the errors name it.
+constexpr const char* unusable_gradient_text =
+    "inf or NaN, or 2^64 or more in magnitude, whose square would make Adam's second moment inf";
+
 // The loss's stats carry an argmax-hit count after the loss (softmax cross-entropy's [loss, hits]).
 bool counts_hits(const graph::CompiledStep& step) {
   return step.graph().tensors.shape[step.graph().loss].elems() > 1;
@@ -594,9 +598,9 @@ StepResult Trainer::finish_training_step(Pending& p) {
           fmt::format("training diverged at micro-batch {} of {} (update {}): {}; its gradient was not added, so the "
                       "accumulated sum is as it was: lower the learning rate or check the data",
                       micro_ + 1, options_.accumulate, steps_ + 1,
-                      std::isfinite(r.loss)
-                          ? fmt::format("the loss ({}) is finite, but a weight gradient is not (inf or NaN)", r.loss)
-                          : fmt::format("the loss is {}", r.loss)));
+                      std::isfinite(r.loss) ? fmt::format("the loss ({}) is finite, but a weight gradient is not ({})",
+                                                          r.loss, unusable_gradient_text)
+                                            : fmt::format("the loss is {}", r.loss)));
     }
     ++micro_;
     r.updated = false;
@@ -640,10 +644,10 @@ StepResult Trainer::finish_training_step(Pending& p) {
     }
   } else if (!std::isfinite(guard)) {
     throw std::runtime_error(fmt::format(
-        "training diverged at step {}: the loss ({}) is finite, but a weight gradient is not (inf or NaN; learning "
-        "rate {}); the update was skipped, so the weights and optimizer state are those from before this step: lower "
-        "the learning rate or check the data",
-        steps_ + 1, r.loss, lr_));
+        "training diverged at step {}: the loss ({}) is finite, but a weight gradient is not ({}; learning rate {}); "
+        "the update was skipped, so the weights and optimizer state are those from before this step: lower the "
+        "learning rate or check the data",
+        steps_ + 1, r.loss, unusable_gradient_text, lr_));
   }
   ++steps_;
   micro_ = 0;  // (after a diverged last micro-batch the group waits for another one)
@@ -704,9 +708,10 @@ void Trainer::throw_non_finite_state(double loss) {
   inconsistent_ = fmt::format("optimizer state {} is not finite (training diverged at step {})", bad, steps_);
   throw std::runtime_error(fmt::format(
       "training diverged at step {}: the loss ({}) and the weights are finite, but this step's update made optimizer "
-      "state {} not finite: a gradient so large that its square overflows (above about 1.8e19), after which its "
-      "weight would never change again; the state is not usable: go back to a checkpoint from before this step and "
-      "check the data (inputs this large) or lower the learning rate",
+      "state {} not finite: the gradient the update squares (the weight gradient the overflow guard took, plus the "
+      "L2 weight decay times the weight) overflowed, after which its weight would never change again; the state is not "
+      "usable: go back to a checkpoint from before this step and check the "
+      "weights' magnitudes and the weight decay, or lower the learning rate",
       steps_, loss, bad));
 }
 

@@ -1,6 +1,7 @@
 // Overflow guard: the init and per-gradient check kernels against the CPU reference, with finite
 // gradients, gradients with one or many non-finite elements (every writer racing to store the
-// same NaN), a non-finite loss, and lengths that are not multiples of the work-group size.
+// same NaN), finite elements at the limit (2^64) and just below it, a non-finite loss, and lengths
+// that are not multiples of the work-group size.
 #include <cmath>
 #include <limits>
 
@@ -56,7 +57,8 @@ TEST(OverflowGuard, OneBadElementAnywhereIsFound) {
   auto& dev = TestDevice::get();
   const std::size_t n = 1000;  // three chunks of 256 and 232 elements after them
   for (const std::size_t at : {std::size_t{0}, std::size_t{300}, std::size_t{511}, std::size_t{768}, n - 1}) {
-    for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                            ops::gradient_limit, -ops::gradient_limit}) {
       SCOPED_TRACE(testing::Message() << "element " << at << " = " << bad);
       auto g = random_vector(n, 4);
       g[at] = bad;
@@ -65,8 +67,28 @@ TEST(OverflowGuard, OneBadElementAnywhereIsFound) {
       for (auto& l : ops::overflow_guard_check(dev.env, dg.span(), n, dguard.span())) list.push_back(std::move(l));
       ops::run_blocking(dev.context.compute(), list);
       EXPECT_TRUE(std::isnan(dguard.download()[0]));
+      EXPECT_FALSE(ops::all_usable_host(g));
     }
   }
+}
+
+// Finite gradients just below the limit pass, wherever they lie (their squares are finite floats:
+// Adam's second moment can hold them); the device, the reference and the host check agree.
+TEST(OverflowGuard, GradientsJustBelowTheLimitPass) {
+  auto& dev = TestDevice::get();
+  const std::size_t n = 1000;
+  const float below = std::nextafter(ops::gradient_limit, 0.0f);
+  ASSERT_TRUE(std::isfinite(below * below));
+  auto g = random_vector(n, 8);
+  for (const std::size_t at : {std::size_t{0}, std::size_t{300}, std::size_t{511}, n - 1})
+    g[at] = at % 2 ? -below : below;
+  DeviceTensor dstats(std::vector<float>{1.5f}), dg(g, 3), dguard(1, 5);
+  ops::LaunchList list = ops::overflow_guard_init(dev.env, dstats.span(), dguard.span());
+  for (auto& l : ops::overflow_guard_check(dev.env, dg.span(), n, dguard.span())) list.push_back(std::move(l));
+  ops::run_blocking(dev.context.compute(), list);
+  EXPECT_EQ(dguard.download()[0], 1.5f);
+  EXPECT_EQ(ops::ref::overflow_guard_check<float>(1.5f, g), 1.5f);
+  EXPECT_TRUE(ops::all_usable_host(g));
 }
 
 // A narrow gradient checked as its widening cast would make it (overflow_guard_check_scaled): the
@@ -88,8 +110,9 @@ TEST(OverflowGuard, NarrowGradientsAreCheckedAsTheirWidenedValues) {
               nan = std::numeric_limits<float>::quiet_NaN();
   const Case cases[] = {
       {ops::DType::bf16, 300, 2.5f, 1024.0f, ops::CastScale::inverse_loss_scale, true},
-      {ops::DType::bf16, 511, big, 0.5f, ops::CastScale::inverse_loss_scale, false},  // the factor 2 overflows it
-      {ops::DType::bf16, 511, big, 2.0f, ops::CastScale::inverse_loss_scale, true},
+      {ops::DType::bf16, 511, big, 0.5f, ops::CastScale::inverse_loss_scale, false},    // the factor 2 overflows it
+      {ops::DType::bf16, 511, 3e19f, 0.5f, ops::CastScale::inverse_loss_scale, false},  // past 2^64 by the factor 2
+      {ops::DType::bf16, 511, 3e19f, 2.0f, ops::CastScale::inverse_loss_scale, true},   // below it by the factor 0.5
       {ops::DType::bf16, 999, nan, 1.0f, ops::CastScale::none, false},
       {ops::DType::f16, 0, inf, 65536.0f, ops::CastScale::inverse_loss_scale, false},
       {ops::DType::f16, 768, 60000.0f, 65536.0f, ops::CastScale::inverse_loss_scale, true},

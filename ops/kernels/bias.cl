@@ -47,7 +47,7 @@ __kernel void bias_backward(__global const T_STORAGE* dy, ulong dy_off, __global
   if (lr == 0 && c < cols) {
     const float sum = partial[lc];
     db[db_off + c] = sum;
-    guard_set_if(guard, guard_off, !isfinite(sum));
+    guard_set_if(guard, guard_off, unusable_gradient(sum));
   }
 }
 
@@ -64,21 +64,21 @@ __kernel void bias_backward16(__global const T_STORAGE* dy, ulong dy_off, __glob
     float s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += LOAD_T(dy, dy_off + (ulong)r * cols + c);
     db[db_off + c] = s;
-    bad = bad || !isfinite(s);
+    bad = bad || unusable_gradient(s);
   }
 #else
   if (c0 + 16 <= cols) {
     float16 s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += vload16(0, dy + dy_off + (ulong)r * cols + c0);
     VSTORE16_GLOBAL(s, db + db_off + c0);
-    guard_set_if(guard, guard_off, !all_finite16(s));
+    guard_set_if(guard, guard_off, !all_usable16(s));
     return;
   }
   for (uint c = c0; c < cols; ++c) {
     float s = 0.0f;
     for (uint r = 0; r < rows; ++r) s += dy[dy_off + (ulong)r * cols + c];
     db[db_off + c] = s;
-    bad = bad || !isfinite(s);
+    bad = bad || unusable_gradient(s);
   }
 #endif
   guard_set_if(guard, guard_off, bad);

@@ -798,7 +798,7 @@ __kernel void gemm_packed(uint M, uint N, uint K, float alpha, __global const ST
   } else
 #endif
   {
-    bool guard_bad = false;  // C_GUARD: a stored value was not finite
+    bool guard_bad = false;  // C_GUARD: a stored value was not a usable gradient (guard.clh)
     FOR_ROWS(ACC_STORE)
     GUARD_SET(guard_bad, guard, guard_off);
   }

@@ -390,7 +390,7 @@ __kernel __attribute__((reqd_work_group_size(RTSN, RTSM, 1))) void gemm_tiled(
   }
 
   // Result (i, j) is row (i / VW * RTSM + tm) * VW + i % VW of the tile, and likewise for columns.
-  bool guard_bad = false;  // C_GUARD: a stored value was not finite
+  bool guard_bad = false;  // C_GUARD: a stored value was not a usable gradient (guard.clh)
 #pragma unroll
   for (uint i = 0; i < WPTM; ++i) {
     const uint row = row0 + ((i / VW) * RTSM + tm) * VW + i % VW;

@@ -144,7 +144,7 @@ __kernel void layernorm_backward_params(__global const float* x, ulong x_off, __
     const float g = partial_gamma[lc], b = partial_beta[lc];
     dgamma[dgamma_off + c] = g;
     dbeta[dbeta_off + c] = b;
-    guard_set_if(guard, guard_off, !isfinite(g) || !isfinite(b));
+    guard_set_if(guard, guard_off, unusable_gradient(g) || unusable_gradient(b));
   }
 }
 
@@ -267,7 +267,7 @@ __kernel void layernorm_backward_params16(__global const float* x, ulong x_off, 
     }
     VSTORE16_GLOBAL(sg, dgamma + dgamma_off + c0);
     VSTORE16_GLOBAL(sb, dbeta + dbeta_off + c0);
-    guard_set_if(guard, guard_off, !(all_finite16(sg) && all_finite16(sb)));
+    guard_set_if(guard, guard_off, !(all_usable16(sg) && all_usable16(sb)));
     return;
   }
   bool bad = false;
@@ -281,7 +281,7 @@ __kernel void layernorm_backward_params16(__global const float* x, ulong x_off, 
     }
     dgamma[dgamma_off + c] = sg;
     dbeta[dbeta_off + c] = sb;
-    bad = bad || !isfinite(sg) || !isfinite(sb);
+    bad = bad || unusable_gradient(sg) || unusable_gradient(sb);
   }
   guard_set_if(guard, guard_off, bad);
 }

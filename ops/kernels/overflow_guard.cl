@@ -1,5 +1,5 @@
 // The overflow guard (ops/overflow_guard.hpp): guard = the loss, or NaN when a gradient element
-// is not finite.
+// is not one the updates take (guard.clh unusable_gradient: not finite, or 2^64 or more in magnitude).
 #include "dtype.clh"
 #include "guard.clh"
 
@@ -14,7 +14,7 @@ __kernel void overflow_guard_check(__global const float* g, ulong g_off, uint n,
                                    ulong guard_off) {
   const size_t i = get_global_id(0);
   if (i >= n) return;
-  guard_set_if(guard, guard_off, !isfinite(g[g_off + i]));
+  guard_set_if(guard, guard_off, unusable_gradient(g[g_off + i]));
 }
 
 // CPU devices: GUARD_CHUNK consecutive elements per work-item read as float16 (elements past the
@@ -28,10 +28,10 @@ __kernel void overflow_guard_check16(__global const float* g, ulong g_off, uint 
   bool bad = false;
   if (i + GUARD_CHUNK <= n) {
     int16 flags = 0;
-    for (uint j = 0; j < GUARD_CHUNK / 16; ++j) flags |= ~isfinite(vload16(j, g + g_off + i));
+    for (uint j = 0; j < GUARD_CHUNK / 16; ++j) flags |= ~isless(fabs(vload16(j, g + g_off + i)), (float16)(GUARD_LIMIT));
     bad = any(flags);
   } else {
-    for (size_t j = i; j < n; ++j) bad = bad || !isfinite(g[g_off + j]);
+    for (size_t j = i; j < n; ++j) bad = bad || unusable_gradient(g[g_off + j]);
   }
   guard_set_if(guard, guard_off, bad);
 }
@@ -46,6 +46,6 @@ __kernel void overflow_guard_check_scaled(__global const T_STORAGE* g, ulong g_o
   if (first >= n) return;
   const size_t last = min((size_t)n, first + chunk);
   int bad = 0;  // no branch per element: the loop vectorises on CPU devices
-  for (size_t i = first; i < last; ++i) bad |= !isfinite(LOAD_T(g, g_off + i) * factor);
+  for (size_t i = first; i < last; ++i) bad |= unusable_gradient(LOAD_T(g, g_off + i) * factor);
   guard_set_if(guard, guard_off, bad != 0);
 }

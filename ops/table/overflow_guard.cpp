@@ -56,7 +56,7 @@ OpInfo check_row() {
     }
     float guard = 0.0f;
     std::memcpy(&guard, c.in(0), sizeof guard);
-    if (!all_finite_host({reinterpret_cast<const float*>(c.in(1)), in_elems(c, 1)})) {
+    if (!all_usable_host({reinterpret_cast<const float*>(c.in(1)), in_elems(c, 1)})) {
       guard = std::numeric_limits<float>::quiet_NaN();
     }
     std::memcpy(c.out(0), &guard, sizeof guard);
