@@ -320,7 +320,7 @@ int run_compare(const BenchCommon& common, const GemmBenchOptions& o) {
 #ifdef FERRY_HAVE_OPENBLAS
   const bool have_openblas = true;
   // Only where its choice differs from what the flags suggest (a misdetected CPU).
-  if (wants(o, "openblas") && !coretype && strcasecmp(openblas_get_corename(), openblas_coretype().c_str()) != 0) {
+  if (wants(o, "openblas") && !coretype && !openblas_core_fits(openblas_get_corename())) {
     fmt::print(stderr,
                "warning: OPENBLAS_CORETYPE is not set and OpenBLAS chose core {}; Debian's OpenBLAS misdetects some "
                "CPUs and runs ~4x slower: this CPU's flags suggest OPENBLAS_CORETYPE={}\n",

@@ -2,6 +2,7 @@
 #include "peer.hpp"
 
 #include <fmt/format.h>
+#include <strings.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -128,6 +129,16 @@ std::string openblas_coretype() {
     return "Haswell";
   }
   return "Haswell";
+}
+
+bool openblas_core_fits(std::string_view chosen) {
+  const std::string suggested = openblas_coretype();
+  const auto same = [](std::string_view a, std::string_view b) {
+    return a.size() == b.size() && strncasecmp(a.data(), b.data(), a.size()) == 0;
+  };
+  if (same(chosen, suggested)) return true;
+  return (same(suggested, "Haswell") && same(chosen, "Zen")) ||
+         (same(suggested, "Cooperlake") && same(chosen, "SkylakeX"));
 }
 
 double step_gflop(const Trainer& trainer) {
