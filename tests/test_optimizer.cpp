@@ -217,6 +217,33 @@ TEST(Optimizer, HostUpdatesReportNonFiniteWeights) {
   }
 }
 
+// A finite gradient whose square overflows (the trainer's overflow guard stops such gradients
+// before the updates; an L2 term can still make one inside the update): Adam's second moment turns
+// inf with the weight finite, and the update reports it, on the device (its status word) and on
+// the host, in a vector's middle and in a tail element.
+TEST(Optimizer, AdamReportsASecondMomentItMadeInfinite) {
+  auto& dev = TestDevice::get();
+  const std::size_t n = 16384 * 2 + 37;
+  for (const std::size_t bad : {n / 2, n - 1}) {
+    SCOPED_TRACE(testing::Message() << "element " << bad);
+    auto g = random_vector(n, 9);
+    g[bad] = 1e25f;
+    const auto w0 = random_vector(n, 10);
+    DeviceTensor dw(w0, 1), dg(g, 2), dm(std::vector<float>(n, 0.0f), 3), dv(std::vector<float>(n, 0.0f), 4),
+        status(std::vector<float>{0.0f}, 5);  // a u32 word: its bits read as a float, 0 until set
+    ops::run_blocking(dev.context.compute(),
+                      ops::adam_update(dev.env, {}, dw.span(), dg.span(), dm.span(), dv.span(), n, {}, status.span()),
+                      {1, 0.01f});
+    EXPECT_TRUE(std::isinf(dv.download()[bad]));
+    EXPECT_TRUE(std::isfinite(dw.download()[bad]));
+    EXPECT_NE(status.download()[0], 0.0f) << "the device update should report the infinite moment";
+    std::vector<float> w = w0, m(n, 0.0f), v(n, 0.0f);
+    EXPECT_FALSE(ops::host_adam_update({}, {1, 0.01f}, g.data(),
+                                       {w.data(), m.data(), v.data(), w.data(), m.data(), v.data()}, n));
+    EXPECT_TRUE(std::isinf(v[bad]));
+  }
+}
+
 // A gradient of a dtype the host updates cannot read is refused before any element changes.
 TEST(Optimizer, HostUpdatesRefuseAGradientTheyCannotReadBeforeChangingAnything) {
   const std::size_t n = 16384 * 2 + 37;

@@ -439,6 +439,23 @@ TEST(Adam8bit, RowsKernelMatchesTheWorkGroupKernel) {
   EXPECT_NE(status.download()[0], 0.0f) << "the infinite weight should be reported";
 }
 
+// A finite gradient whose square overflows makes the second moment's block scale inf with the
+// weight finite: the update reports it as it reports a weight made not finite (the trainer's
+// overflow guard keeps such gradients from the updates; this is the update's own check).
+TEST(Adam8bit, ASecondMomentMadeInfiniteIsReported) {
+  auto& dev = TestDevice::get();
+  const ops::AdamConfig c{0.9f, 0.999f, 1e-8f, 0.01f, true};
+  Device8bit d(random_vector(100, 4), 256);
+  DeviceTensor status(std::vector<float>{0.0f}, 1);
+  const ops::LaunchList update = ops::adam8bit_update(dev.env, c, 256, d.w.span(), d.g.span(), d.m.span(), d.v.span(),
+                                                      d.scales.span(), 100, {}, 0, status.span());
+  std::vector<float> g = random_vector(100, 5);
+  g[41] = 1e25f;
+  d.g.upload(g);
+  ops::run_blocking(dev.context.compute(), update, {1, 0.01f});
+  EXPECT_NE(status.download()[0], 0.0f) << "the infinite second moment should be reported";
+}
+
 TEST(Adam8bit, StepZeroThrows) {
   auto& dev = TestDevice::get();
   Device8bit d(random_vector(300, 1), 256);
