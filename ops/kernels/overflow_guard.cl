@@ -1,5 +1,6 @@
 // The overflow guard (ops/overflow_guard.hpp): guard = the loss, or NaN when a gradient element
-// is not one the updates take (guard.clh unusable_gradient: not finite, or 2^64 or more in magnitude).
+// is not one the updates take (guard.clh unusable_gradient: not finite, or 2^64 or more in
+// magnitude).
 #include "dtype.clh"
 #include "guard.clh"
 
@@ -28,7 +29,9 @@ __kernel void overflow_guard_check16(__global const float* g, ulong g_off, uint 
   bool bad = false;
   if (i + GUARD_CHUNK <= n) {
     int16 flags = 0;
-    for (uint j = 0; j < GUARD_CHUNK / 16; ++j) flags |= ~isless(fabs(vload16(j, g + g_off + i)), (float16)(GUARD_LIMIT));
+    for (uint j = 0; j < GUARD_CHUNK / 16; ++j) {
+      flags |= ~isless(fabs(vload16(j, g + g_off + i)), (float16)(GUARD_LIMIT));  // -1 in a lane not taken
+    }
     bad = any(flags);
   } else {
     for (size_t j = i; j < n; ++j) bad = bad || unusable_gradient(g[g_off + j]);
