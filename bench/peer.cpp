@@ -131,14 +131,10 @@ std::string openblas_coretype() {
   return "Haswell";
 }
 
-bool openblas_core_fits(std::string_view chosen) {
-  const std::string suggested = openblas_coretype();
-  const auto same = [](std::string_view a, std::string_view b) {
-    return a.size() == b.size() && strncasecmp(a.data(), b.data(), a.size()) == 0;
-  };
-  if (same(chosen, suggested)) return true;
-  return (same(suggested, "Haswell") && same(chosen, "Zen")) ||
-         (same(suggested, "Cooperlake") && same(chosen, "SkylakeX"));
+bool openblas_core_fits(const char* chosen) {
+  const std::string suggested = openblas_coretype();  // (spelled as OpenBLAS names its cores)
+  return strcasecmp(chosen, suggested.c_str()) == 0 || (suggested == "Haswell" && strcasecmp(chosen, "Zen") == 0) ||
+         (suggested == "Cooperlake" && strcasecmp(chosen, "SkylakeX") == 0);
 }
 
 double step_gflop(const Trainer& trainer) {

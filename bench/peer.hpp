@@ -5,7 +5,6 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace ferry {
@@ -47,7 +46,7 @@ std::string openblas_coretype();
 // Whether OpenBLAS's own choice of core (openblas_get_corename()) runs the single-precision kernels
 // openblas_coretype() names: the same core, or one that shares its SGEMM kernels (Zen runs
 // Haswell's, SkylakeX Cooperlake's), so that no warning is printed on a CPU OpenBLAS knows.
-bool openblas_core_fits(std::string_view chosen);
+bool openblas_core_fits(const char* chosen);
 
 // `step_gflop`, the work of the step a peer is set beside (GFLOP: 2 M N K for every GEMM-like
 // product of ferry's trained step, as its plan counts them: detail::gemm_rate_flops), and `gflops`,

@@ -210,8 +210,9 @@ bool TrainingLoop::boundary_after(std::uint64_t done) {
   return due;
 }
 
-void TrainingLoop::check_checkpoint_path(std::unique_ptr<OutputLock>& lock) const {
-  if (options_.checkpoint.empty()) return;  // (the ranks agree on that; on which write, not)
+std::unique_ptr<OutputLock> TrainingLoop::check_checkpoint_path() const {
+  if (options_.checkpoint.empty()) return nullptr;  // (the ranks agree on that; on which write, not)
+  std::unique_ptr<OutputLock> lock;
   std::string problem;
   try {
     if (options_.write_checkpoints) {
@@ -232,6 +233,7 @@ void TrainingLoop::check_checkpoint_path(std::unique_ptr<OutputLock>& lock) cons
     }
   }
   if (!problem.empty()) throw std::runtime_error(problem + " (checked before the first step: nothing was trained)");
+  return lock;
 }
 
 void TrainingLoop::check_checkpoint_space() const {
@@ -269,8 +271,7 @@ LoopSummary TrainingLoop::run() {
     ~Unwatch() { watchdog = nullptr; }
   } unwatch{watchdog_};
   check_ranks_agree();
-  std::unique_ptr<OutputLock> checkpoint_lock;
-  check_checkpoint_path(checkpoint_lock);
+  const std::unique_ptr<OutputLock> checkpoint_lock = check_checkpoint_path();
   check_checkpoint_space();
   std::optional<StopSignals> signals;
   if (options_.catch_signals) signals.emplace(options_.acknowledge_stop ? stop_acknowledgement() : std::string());

@@ -181,10 +181,10 @@ class TrainingLoop {
   void check_ranks_agree() const;
   // Throw, before any step, on every rank alike: when a checkpoint cannot be written at its path
   // (no folder, a folder in its place, a file ferry did not write unless
-  // WriteOptions::replace_foreign_file, a path another run holds the lock of: `lock` takes it for
-  // this run), and when the run's checkpoints would not fit in their folder's free space (every
-  // rank's, on file systems they share).
-  void check_checkpoint_path(std::unique_ptr<OutputLock>& lock) const;
+  // WriteOptions::replace_foreign_file, a path another run holds the lock of), and when the run's
+  // checkpoints would not fit in their folder's free space (every rank's, on file systems they
+  // share). check_checkpoint_path returns the path's lock, taken for this run where it writes.
+  std::unique_ptr<OutputLock> check_checkpoint_path() const;
   void check_checkpoint_space() const;
   bool stop_requested() const;
   // What a stop signal makes this loop do, said when it arrives (TrainingLoopOptions::acknowledge_stop).
