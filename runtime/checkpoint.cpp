@@ -344,6 +344,11 @@ void Trainer::contribute_to_checkpoint() const {
 
 void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const std::byte> caller,
                               WriteOptions options) const {
+  write_checkpoint_file(path, caller, options, true);
+}
+
+void Trainer::write_checkpoint_file(const std::filesystem::path& path, std::span<const std::byte> caller,
+                                    WriteOptions options, bool lock) const {
   const OneThreadAtATime::Call call(one_thread_, "Trainer::save_checkpoint");
   require_settled("save a checkpoint");
   refuse_if_inconsistent("save a checkpoint");
@@ -377,7 +382,7 @@ void Trainer::save_checkpoint(const std::filesystem::path& path, std::span<const
       },
       in_predict_run_ ? std::span<const std::vector<std::byte>>(restore_point_)
                       : std::span<const std::vector<std::byte>>(),
-      options.replace_foreign_file, agree);
+      options.replace_foreign_file, agree, lock);
 }
 
 std::vector<std::byte> Trainer::load_checkpoint(const std::filesystem::path& path, LoadOptions options) {

@@ -858,10 +858,12 @@ void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fing
                       const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
                       const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
                       std::span<const std::vector<std::byte>> restores, bool replace_foreign_file,
-                      const std::function<bool(bool)>& agree) {
+                      const std::function<bool(bool)>& agree, bool lock) {
+  std::optional<OutputLock> held;  // until the file is in place
   std::optional<AtomicFile> file;
   try {
     refuse_to_replace(path, "checkpoint", std::string_view(checkpoint_magic, 8), replace_foreign_file);
+    if (lock) held.emplace(path, "checkpoint");
     file.emplace(path);
     write_sections(*file, fingerprint, trainer, phases, caller, tensor, restores);
     file->finish();

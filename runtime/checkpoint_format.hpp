@@ -205,12 +205,14 @@ std::optional<std::span<const std::byte>> read_tensor(const Reader& r, const Sec
 // (refuse_to_replace, output_file.hpp). `agree`, where given, is called once whatever happens:
 // with whether the whole file is written and synced, before it replaces `path`; it returns whether
 // the file may replace it (the ranks' files of one checkpoint replace theirs only when every rank
-// wrote its own), else the temporary file is removed and the write throws.
+// wrote its own), else the temporary file is removed and the write throws. `lock`: take the path's
+// OutputLock (output_file.hpp) for the write, so that a write never replaces the checkpoint another
+// run is writing there; false where the caller holds it already (a TrainingLoop, for its run).
 void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
                       const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
                       const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,
                       std::span<const std::vector<std::byte>> restores, bool replace_foreign_file = false,
-                      const std::function<bool(bool written)>& agree = {});
+                      const std::function<bool(bool written)>& agree = {}, bool lock = true);
 
 // The bytes write_checkpoint writes for these arguments: `caller_bytes` of the caller's section,
 // and the first `restored` tensors' bytes again as the weights to put back.

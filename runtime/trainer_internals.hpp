@@ -40,6 +40,11 @@ struct TrainerInternals {
   static const std::map<graph::VariantKey, std::unique_ptr<graph::CompiledStep>>& variants(const Trainer& t) noexcept {
     return t.compiled_->variants;
   }
+  // Trainer::save_checkpoint for a caller that holds the path's OutputLock (output_file.hpp).
+  static void save_checkpoint_locked_by_caller(const Trainer& t, const std::filesystem::path& path,
+                                               std::span<const std::byte> caller, WriteOptions options) {
+    t.write_checkpoint_file(path, caller, options, false);
+  }
 };
 
 // The trainer's training step.

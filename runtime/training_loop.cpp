@@ -21,6 +21,7 @@
 #include "ops/tune_signals.hpp"
 #include "output_file.hpp"
 #include "rank_watchdog.hpp"
+#include "trainer_internals.hpp"
 
 namespace ferry {
 namespace {
@@ -421,7 +422,9 @@ void TrainingLoop::save_checkpoint() {
   const std::vector<std::byte> caller =
       options_.caller_section ? options_.caller_section(position_) : std::vector<std::byte>{};
   try {
-    trainer_.save_checkpoint(options_.checkpoint, caller, options_.checkpoint_options);
+    // This run holds the path's lock (check_checkpoint_path) for as long as it runs.
+    TrainerInternals::save_checkpoint_locked_by_caller(trainer_, options_.checkpoint, caller,
+                                                       options_.checkpoint_options);
   } catch (const std::exception& e) {
     // What the file at the path holds now, for the caller's way back (the CLI's resume command).
     throw CheckpointWriteError(e.what(), checkpoint_done_);

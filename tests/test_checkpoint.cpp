@@ -15,6 +15,7 @@
 
 #include "../runtime/checkpoint_format.hpp"
 #include "../runtime/checkpoint_space.hpp"
+#include "../runtime/output_file.hpp"
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -885,6 +886,31 @@ TEST(Checkpoint, SaveNeverReplacesWhatIsNotACheckpoint) {
   { std::ofstream{empty}; }
   t.save_checkpoint(empty);
   EXPECT_TRUE(t.load_checkpoint(empty).empty());
+}
+
+// A run writing its checkpoints at a path holds the path's lock while it runs (TrainingLoop,
+// `ferry train --checkpoint`); save_checkpoint called alone had not asked for it and replaced that
+// run's checkpoint. It takes the lock for its write now, and is refused while another holds it.
+TEST(Checkpoint, SaveLeavesTheCheckpointOfARunWritingThereAlone) {
+  Fixture f;
+  Trainer t(f.rt, small_mlp(), f.o);
+  {
+    const OutputLock other_run(f.path, "checkpoint");
+    try {
+      t.save_checkpoint(f.path);
+      ADD_FAILURE() << "saved over the checkpoint of a run that holds its lock";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("is being written by another run (process " + std::to_string(::getpid())),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(read_file(f.path), f.bytes);
+  }
+  t.save_checkpoint(f.path);  // the lock released
+  EXPECT_NE(read_file(f.path), f.bytes);
+  for (const auto& e : fs::directory_iterator(f.dir.dir())) {
+    EXPECT_EQ(e.path().filename().string().find(".lock"), std::string::npos) << "left behind: " << e.path();
+  }
 }
 
 // The header names the format and the ferry version; the checksum is the documented one.
