@@ -280,9 +280,14 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
         impl_->mirror_index.emplace(t.storage(entry.second), index);
       }
     }
+    // Buffer `index` of a slot is the mirror of that index (by name, as numbered above; walking the
+    // map goes by id, and gave a mirror the buffer of another, of another size, where the two
+    // orders differ: an input "x" with a target "a").
+    std::vector<TensorId> mirror_of(impl_->mirror_index.size());
+    for (const auto& [id, index] : impl_->mirror_index) mirror_of[index] = id;
     impl_->extra_mirrors.resize(max_in_flight - 1);
     for (std::size_t slot = 1; slot < max_in_flight; ++slot) {
-      for (const auto& [id, index] : impl_->mirror_index) {
+      for (const TensorId id : mirror_of) {
         impl_->extra_mirrors[slot - 1].push_back(offload::allocate_pinned_host(
             context, std::max<std::uint64_t>(t.bytes(id), 1),
             fmt::format("host mirror '{}' of batch slot {} (a step staged while the one before it runs)", t.name[id],
@@ -482,7 +487,12 @@ std::byte* CompiledStep::host_address(TensorId id, bool next, int slot) const {
   const Placement& p = graph_.tensors.placement[s];
   if (slot > 0) {
     if (const auto it = impl_->mirror_index.find(s); it != impl_->mirror_index.end()) {
-      return static_cast<std::byte*>(impl_->extra_mirrors.at(slot - 1).at(it->second).data());
+      const cl::PinnedBuffer& mirror = impl_->extra_mirrors.at(slot - 1).at(it->second);
+      if (mirror.bytes() < graph_.tensors.bytes(s)) {  // the caller writes or reads all of it
+        throw std::logic_error(fmt::format("host mirror '{}' of batch slot {} holds {} bytes of its {}",
+                                           graph_.tensors.name[s], slot, mirror.bytes(), graph_.tensors.bytes(s)));
+      }
+      return static_cast<std::byte*>(mirror.data());
     }
   }
   if (plan_.pool[s] == Pool::persistent) {

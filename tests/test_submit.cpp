@@ -113,6 +113,43 @@ TEST(SubmitAhead, RunsAheadWhereTheStateChangesInPlace) {
   EXPECT_TRUE(std::isfinite(host.result(s0).loss));
 }
 
+// The host mirrors of the second batch slot (a step staged while the one before runs) were
+// numbered by the batch tensors' names and allocated by their ids: where the orders differ (an
+// input "x" made before a target "a") a mirror got another's buffer, and staging a larger tensor
+// into a smaller one wrote past it (a heap overflow that crashed later, far from it).
+TEST(SubmitAhead, BatchTensorsNamedOutOfTheirOrderKeepTheirOwnMirrors) {
+  Runtime rt;
+  const auto regression = [](const std::string& target) {
+    ModelSpec m;
+    m.name = "regression-" + target;
+    m.inputs = {TensorSpec{"x", graph::Shape{3, 4}}};
+    m.targets = {TensorSpec{target, graph::Shape{3, 1}}};
+    m.forward = [](graph::Builder& b, std::span<const TensorId> in) { return b.linear(in[0], 1); };
+    m.loss = [](graph::Builder& b, TensorId p, std::span<const TensorId> t) { return b.mse(p, t[0]); };
+    return m;
+  };
+  const int steps = 6;
+  std::vector<std::vector<float>> x, y;
+  for (int i = 0; i < steps; ++i) {
+    x.push_back(random_vector(8 * 12, 300 + i));
+    y.push_back(random_vector(8 * 3, 400 + i));
+  }
+  std::map<std::string, std::vector<float>> losses;
+  for (const std::string target : {"y", "a"}) {
+    SCOPED_TRACE("target " + target);
+    Trainer t(rt, regression(target), options(graph::ResidencyMode::resident));
+    ASSERT_TRUE(t.runs_ahead());
+    std::optional<StepHandle> previous;
+    for (int i = 0; i < steps; ++i) {
+      const StepHandle h = t.submit(Batch{{"x", HostView(x[i])}, {target, HostView(y[i])}});
+      if (previous) losses[target].push_back(t.result(*previous).loss);
+      previous = h;
+    }
+    losses[target].push_back(t.result(*previous).loss);
+  }
+  EXPECT_EQ(losses["a"], losses["y"]);
+}
+
 TEST(SubmitAhead, MisuseIsAClearError) {
   Runtime rt;
   const ModelSpec m = small_residual();
