@@ -5,9 +5,17 @@
 
 namespace ferry {
 
+namespace {
+
+// A limit past a few decades is as good as none, and a larger one (ferry train takes up to the
+// largest float of minutes) would overflow the clock's integer ticks.
+constexpr std::chrono::duration<double> longest_limit{1e9};
+
+}  // namespace
+
 RankWatchdog::RankWatchdog(std::chrono::duration<double> limit,
                            std::function<void(double idle_seconds, std::uint64_t steps_done)> expire)
-    : limit_(std::chrono::duration_cast<Clock::duration>(limit)),
+    : limit_(std::chrono::duration_cast<Clock::duration>(std::min(limit, longest_limit))),
       expire_(std::move(expire)),
       last_beat_(Clock::now().time_since_epoch().count()),
       thread_([this] { watch(); }) {}

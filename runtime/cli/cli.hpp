@@ -249,6 +249,11 @@ int cmd_checkpoint(const CheckpointArgs& a);
 // "<path>.rank<r>"): --resume of one on another number of ranks or stage, or of a whole-state
 // checkpoint at stage 1 or 2 over several ranks, cuts the optimizer state anew (resume_files).
 void join_ranks(TrainArgs& a);
+// Under mpirun, join_ranks also starts a watch over set-up (MPI's start, the data, compiling the
+// step, a resume): not over within --rank-timeout-minutes, it ends every rank with status 124,
+// where a rank stopped or hung there had left the others waiting in a collective for ever. It ends
+// here, where the training loop, which watches the steps itself, begins.
+void end_setup_watch();
 // Rank r > 0's file of a checkpoint at `path` written at ZeRO stage 1 or 2.
 std::string shard_file(const std::string& path, int rank);
 // The path as the user gave it, where `path` is this rank's own file of a ZeRO stage 1 or 2

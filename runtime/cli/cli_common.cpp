@@ -376,6 +376,7 @@ std::string shell_quote(const std::string& s) {
 }  // namespace
 
 ferry::LoopSummary run_loop(ferry::TrainingLoop& loop, const TrainArgs& a) {
+  end_setup_watch();  // the loop watches the ranks' steps itself
   try {
     return loop.run();
   } catch (const ferry::CheckpointWriteError& e) {

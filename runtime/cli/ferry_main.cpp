@@ -833,8 +833,9 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
       ->capture_default_str();
   train
       ->add_option("--rank-timeout-minutes", t.rank_timeout_minutes,
-                   "Data parallel: end every rank (exit status 124) when no step, evaluation or checkpoint has "
-                   "finished for this long: another rank stopped, hung or was lost (0: wait forever)")
+                   "Data parallel: end every rank (exit status 124) when set-up, or a step, evaluation or "
+                   "checkpoint, has not finished for this long: another rank stopped, hung or was lost (0: wait "
+                   "forever)")
       ->check(non_negative_number())
       ->capture_default_str();
   train->add_flag("--eval-int8", t.eval_int8,

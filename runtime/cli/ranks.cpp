@@ -3,6 +3,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -10,6 +13,7 @@
 #include <utility>
 
 #include "cli.hpp"
+#include "runtime/rank_watchdog.hpp"
 
 namespace ferry::cli {
 
@@ -162,6 +166,33 @@ void check_outputs_agree(const TrainArgs& a) {
 
 }  // namespace
 
+namespace {
+
+// The watch over set-up (end_setup_watch), and the communicator it ends the run through once MPI's
+// world is made (read on the watchdog's thread).
+std::unique_ptr<ferry::RankWatchdog> setup_watchdog;
+std::atomic<ferry::ops::Communicator*> setup_world{nullptr};
+
+// Ends every rank: through MPI where its world is made, else by this process's exit, which mpirun
+// answers by ending the others.
+[[noreturn]] void setup_timed_out(double idle_seconds, double limit_minutes) {
+  ferry::ops::Communicator* world = setup_world.load();
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  std::cerr << fmt::format(
+      "\nferry: rank {}: set-up (starting MPI, loading the data, compiling the step, a resume) has not finished in "
+      "{:.0f} s (--rank-timeout-minutes {}): another rank has likely stopped or hung, leaving this one waiting for it; "
+      "ending every rank of the run with status 124, before any step (0 waits forever)\n",
+      world ? std::to_string(world->rank()) : rank ? rank : "?", idle_seconds, limit_minutes);
+  if (world) world->abort(124);
+  std::_Exit(124);
+}
+
+}  // namespace
+
+void end_setup_watch() {
+  setup_watchdog.reset();
+}
+
 void join_ranks(TrainArgs& a) {
   // One rank keeps the whole optimizer state: a ZeRO stage asked for is said not to apply (the
   // run is the one a script scaling its ranks down to one expects), and --json reports stage 0.
@@ -182,11 +213,19 @@ void join_ranks(TrainArgs& a) {
     plan_resume(a);
   };
   if (!ferry::launched_by_mpi()) return alone();
+  if (a.rank_timeout_minutes > 0) {
+    // From before MPI's start: its initialisation waits for every rank too.
+    setup_watchdog = std::make_unique<ferry::RankWatchdog>(
+        std::chrono::duration<double>(a.rank_timeout_minutes * 60),
+        [limit = a.rank_timeout_minutes](double idle, std::uint64_t) { setup_timed_out(idle, limit); });
+  }
   a.world = ferry::mpi_world();
   if (a.world->size() < 2) {
     a.world.reset();  // one rank: train as without mpirun
+    end_setup_watch();
     return alone();
   }
+  setup_world = a.world.get();
   a.control = a.world->split();
   a.primary = a.world->rank() == 0;
   check_outputs_agree(a);

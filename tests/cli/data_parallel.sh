@@ -355,5 +355,37 @@ else
     fail "no message for a stopped rank: $(tail -3 "$work/stopped_rank.err")"
 fi
 
+# A rank stopped during set-up (MPI's start, the agreement on options, compiling, the trainer's
+# agreements), before the loop's own watch, left the others waiting there for ever: a watch over
+# set-up ends every rank too.
+ranks 2 "$ferry" train --model mlp --epochs 1 --train-limit 4096 --rank-timeout-minutes 0.1 \
+  >/dev/null 2>"$work/stopped_setup.err" &
+run=$!
+rank1=""
+for _ in $(seq 1 600); do
+  for pid in $(pgrep -f "ferry train --model mlp --epochs 1 --train-limit 4096 --rank-timeout" || true); do
+    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then
+      rank1=$pid
+    fi
+  done
+  [ -n "$rank1" ] && break
+  sleep 0.05
+done
+if [ -z "$rank1" ]; then
+  fail "rank 1 of the run to stop in set-up was not found"
+  kill "$run"
+else
+  kill -STOP "$rank1"
+  start=$(date +%s)
+  wait "$run"
+  status=$?
+  elapsed=$(($(date +%s) - start))
+  kill -KILL "$rank1" 2>/dev/null
+  [ $status -ne 0 ] || fail "a run with a rank stopped in set-up succeeded"
+  [ $elapsed -lt 120 ] || fail "a run with a rank stopped in set-up took ${elapsed} s to end under a 6 s limit"
+  grep -q "rank 0: set-up (starting MPI, loading the data, compiling the step, a resume) has not finished in [0-9]* s" \
+    "$work/stopped_setup.err" || fail "no message for a rank stopped in set-up: $(tail -3 "$work/stopped_setup.err")"
+fi
+
 [ $failures -eq 0 ] && echo "data_parallel: ok"
 exit $((failures > 0))
