@@ -102,6 +102,13 @@ std::vector<TensorId> Builder::emit(ops::OpId op, const std::string& name, std::
   const ops::OpInfo& row = ops::op_info(op);
   if (!row.infer)
     throw BuildError(fmt::format("{}: op '{}' has no shape rule, so it cannot be applied", name, row.name));
+  if (ops::is_host_lane(row.lane)) {
+    // The plan gives activations no host memory: such a node failed at every step instead.
+    throw BuildError(fmt::format(
+        "{}: op '{}' runs on the {} lane (OpInfo::lane); the ops a model applies run on the device: give its row "
+        "Lane::compute and a bind (host-lane rows are for the state updates and transfers ferry places itself)",
+        name, row.name, ops::lane_name(row.lane)));
+  }
   for (TensorId t : inputs) {
     if (t >= g_.tensors.size()) throw BuildError(fmt::format("{}: input tensor id {} does not exist", name, t));
   }
@@ -115,6 +122,20 @@ std::vector<TensorId> Builder::emit(ops::OpId op, const std::string& name, std::
     throw BuildError(fmt::format("{}: the shape rule of op '{}' failed: {}", name, row.name, e.what()));
   }
   for (std::size_t i = 0; i < outs.size(); ++i) {
+    // A user's rule may fill a Shape by hand: a rank past its four dimensions, or a dtype no
+    // kernel stores, would otherwise be read past their ends further on.
+    if (outs[i].shape.rank > outs[i].shape.dims.size()) {
+      throw BuildError(
+          fmt::format("{}: the shape rule of op '{}' made output {} of rank {}; shapes have at most {} "
+                      "dimensions: fold the others into one",
+                      name, row.name, i, outs[i].shape.rank, outs[i].shape.dims.size()));
+    }
+    if (std::find(std::begin(ops::all_dtypes), std::end(ops::all_dtypes), outs[i].dtype) == std::end(ops::all_dtypes)) {
+      throw BuildError(
+          fmt::format("{}: the shape rule of op '{}' made output {} of dtype {}, which is none of f32, "
+                      "f16, bf16, i8, u8 and i32",
+                      name, row.name, i, static_cast<int>(outs[i].dtype)));
+    }
     if (outs[i].shape.elems() == 0) {
       throw BuildError(fmt::format("{}: the shape rule of op '{}' made output {} of shape {}, which has no elements",
                                    name, row.name, i, outs[i].shape.str()));

@@ -73,12 +73,14 @@ Shape::Shape(std::initializer_list<std::uint32_t> d) {
 }
 
 std::size_t Shape::elems() const {
+  if (rank > dims.size()) return 0;  // not a shape (a user's shape rule can make one): no elements
   std::size_t n = 1;
   for (std::size_t i = 0; i < rank; ++i) n *= dims[i];
   return n;
 }
 
 std::string Shape::str() const {
+  if (rank > dims.size()) return fmt::format("[rank {}: more than {} dimensions]", rank, dims.size());
   std::string s = "[";
   for (std::size_t i = 0; i < rank; ++i) s += fmt::format("{}{}", i ? ", " : "", dims[i]);
   return s + "]";

@@ -250,8 +250,12 @@ OutputLock::OutputLock(const std::filesystem::path& path, std::string_view what)
   for (int attempt = 0; attempt < 100; ++attempt) {
     fd_ = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd_ < 0) {
+      const int err = errno;
+      if (const std::optional<std::string> folder = missing_folder(path)) {  // what to do, not the lock's name
+        throw std::runtime_error(fmt::format("cannot write the {} '{}': {}", what, path.string(), *folder));
+      }
       throw std::runtime_error(fmt::format("cannot lock the {} '{}': creating '{}' failed ({})", what, path.string(),
-                                           lock_path_.string(), std::strerror(errno)));
+                                           lock_path_.string(), std::strerror(err)));
     }
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;

@@ -906,6 +906,13 @@ TEST(Checkpoint, SaveLeavesTheCheckpointOfARunWritingThereAlone) {
     }
     EXPECT_EQ(read_file(f.path), f.bytes);
   }
+  // A folder that is not there is named as such (not as the lock file that could not be made).
+  try {
+    t.save_checkpoint(f.dir / "nope" / "x.ckpt");
+    ADD_FAILURE() << "saved into a folder that does not exist";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not exist: create it first"), std::string::npos) << e.what();
+  }
   t.save_checkpoint(f.path);  // the lock released
   EXPECT_NE(read_file(f.path), f.bytes);
   for (const auto& e : fs::directory_iterator(f.dir.dir())) {

@@ -290,6 +290,53 @@ TEST(OpTable, UserRulesThatMisbehaveAreRefusedAtBuildTime) {
   } catch (const graph::BuildError& e) {
     EXPECT_NE(std::string(e.what()).find("which has no elements"), std::string::npos) << e.what();
   }
+  // A shape filled by hand past its four dimensions (it had gone on, and messages printed what lay
+  // past the array), or a dtype that is none.
+  ops::OpInfo deep = empty;
+  deep.name = "user_rank5_output";
+  deep.infer = [](const ops::ShapeView& v) {
+    graph::Shape s = v.input(0).shape;
+    s.rank = 7;
+    return std::vector<ops::TensorDesc>{{s, graph::DType::f32}};
+  };
+  ops::OpInfo odd = empty;
+  odd.name = "user_odd_dtype_output";
+  odd.infer = [](const ops::ShapeView& v) {
+    return std::vector<ops::TensorDesc>{{v.input(0).shape, static_cast<graph::DType>(42)}};
+  };
+  for (const auto& [row, needle] : {std::pair{deep, "of rank 7; shapes have at most 4 dimensions"},
+                                    std::pair{odd, "of dtype 42, which is none of f32"}}) {
+    const ops::OpId id = ops::register_op(row);
+    try {
+      b.apply(id, in);
+      ADD_FAILURE() << row.name;
+    } catch (const graph::BuildError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+  // A row on a host lane (OpInfo::lane) in the forward: every step failed with "tensor '...' has
+  // no host memory"; it is refused where it is applied.
+  ops::OpInfo on_host = empty;
+  on_host.name = "user_host_lane_forward";
+  on_host.lane = ops::Lane::host;
+  on_host.infer = [](const ops::ShapeView& v) {
+    return std::vector<ops::TensorDesc>{{v.input(0).shape, graph::DType::f32}};
+  };
+  on_host.bind = nullptr;
+  on_host.host = [](const ops::HostContext&) {};
+  try {
+    b.apply(ops::register_op(on_host), in);
+    ADD_FAILURE() << "applied a host-lane op in the forward";
+  } catch (const graph::BuildError& e) {
+    EXPECT_NE(std::string(e.what()).find("runs on the host lane (OpInfo::lane); the ops a model applies run on the "
+                                         "device"),
+              std::string::npos)
+        << e.what();
+  }
+  graph::Shape past;
+  past.rank = 5;
+  EXPECT_EQ(past.elems(), 0u);
+  EXPECT_EQ(past.str(), "[rank 5: more than 4 dimensions]");
   for (const TensorId bogus : {TensorId(9999), TensorId(~0u)}) {
     EXPECT_THROW(b.linear(bogus, 3), graph::BuildError);
     EXPECT_THROW(b.layernorm(bogus), graph::BuildError);

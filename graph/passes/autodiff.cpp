@@ -82,7 +82,14 @@ class Differentiator final : public ops::GradContext {
   }
   void emit(ops::OpId op, std::string_view suffix, std::span<const ops::TensorRef> in,
             std::span<const ops::TensorRef> out, const NodeAttrs& attrs) override {
-    n_.add(op, name_ + std::string(suffix), in, out, attrs, ops::op_info(op).lane);
+    const ops::OpInfo& row = ops::op_info(op);
+    if (ops::is_host_lane(row.lane)) {  // as Builder::emit refuses them in the forward
+      throw std::invalid_argument(fmt::format(
+          "autodiff: the gradient of node '{}' emits op '{}', which runs on the {} lane (OpInfo::lane); a gradient's "
+          "ops run on the device: give its row Lane::compute and a bind",
+          name_, row.name, ops::lane_name(row.lane)));
+    }
+    n_.add(op, name_ + std::string(suffix), in, out, attrs, row.lane);
   }
   // Adds `g` to the gradient of `t` (summing when t is used more than once).
   void contribute(ops::TensorRef t, ops::TensorRef g) override {

@@ -152,6 +152,8 @@ struct PlanReport {
   ferry::PlanOutcome configured;
   std::uint64_t min_resident = 0;
   std::optional<std::uint64_t> min_streamed;
+  // Mapped (a unified-memory device reads the state in host memory where it lies): none elsewhere.
+  std::optional<std::uint64_t> min_mapped;
   std::uint64_t budget = 0, host_budget = 0, host_limit = 0;  // host_budget 0: not given (the limit is physical memory)
   std::string host_memory;
   std::string recompute_note;  // an explicit --recompute that buys nothing (recompute_cost_note)
@@ -206,6 +208,11 @@ PlanReport make_report(const TrainArgs& a, ferry::Runtime& runtime, const ferry:
   resident.residency.budget_bytes = ~std::uint64_t{0} >> 1;
   r.min_resident = ferry::plan_training(runtime, model, resident).device_peak_bytes;
   r.min_streamed = ferry::min_stream_budget(runtime, model, base);
+  if (runtime.device().host_unified_memory) {
+    ferry::TrainerOptions mapped = resident;
+    mapped.residency.mode = ferry::graph::ResidencyMode::mapped;
+    r.min_mapped = ferry::plan_training(runtime, model, mapped).device_peak_bytes;
+  }
   r.budget = r.configured.plan ? r.configured.plan->device_budget_bytes
                                : ferry::detail::resolve_device_budget(base, runtime.device());
   r.host_budget = base.residency.host_budget_bytes;
@@ -377,6 +384,7 @@ void print_plan_json(const TrainArgs& a, const ferry::ModelSpec& model, const fe
                       {"fits", r.configured.fits()},
                       {"min_budget_resident_bytes", r.min_resident},
                       {"min_budget_streamed_bytes", r.min_streamed ? nlohmann::json(*r.min_streamed) : nullptr},
+                      {"min_budget_mapped_bytes", r.min_mapped ? nlohmann::json(*r.min_mapped) : nullptr},
                       {"recommended", chosen ? nlohmann::json{{"flags", chosen->flags},
                                                               {"device_bytes", chosen->plan->device_peak_bytes},
                                                               {"host_bytes", chosen->plan->host_bytes},
@@ -494,10 +502,15 @@ void print_search(const PlanReport& r) {
         ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), lean->flags,
         ferry::format_bytes_up(ferry::detail::host_bytes_needed(*lean->plan)));
   } else {
+    // The least of the three ways to hold the state (a mapped step reads it where it lies in host
+    // memory and can need less than a streamed one, which fetches layers into device buffers).
+    std::uint64_t least = r.min_resident;
+    const char* how = "--residency resident";
+    if (r.min_streamed && *r.min_streamed < least) least = *r.min_streamed, how = "--residency stream";
+    if (r.min_mapped && *r.min_mapped < least) least = *r.min_mapped, how = "--residency mapped";
     std::cout << fmt::format(
-        "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {}\n",
-        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit),
-        r.min_streamed ? ferry::format_bytes_up(*r.min_streamed) : ferry::format_bytes_up(r.min_resident));
+        "for a budget of {} and {} of host memory: no configuration fits; the smallest device budget is {} ({})\n",
+        ferry::format_bytes(r.budget), ferry::format_bytes(r.host_limit), ferry::format_bytes_up(least), how);
   }
 }
 
@@ -567,8 +580,9 @@ void print_plan_text(const TrainArgs& a, const ferry::ModelSpec& model, const fe
   if (!r.configured.fits()) std::cout << "as configured it does not fit: " << r.configured.error << "\n";
   const std::string min_streamed =
       r.min_streamed ? ferry::format_bytes_up(*r.min_streamed) : std::string("(nothing to stream)");
-  std::cout << fmt::format("minimum budget: {} with everything resident, {} streamed\n",
-                           ferry::format_bytes_up(r.min_resident), min_streamed);
+  std::cout << fmt::format(
+      "minimum budget: {} with everything resident, {}{} streamed\n", ferry::format_bytes_up(r.min_resident),
+      r.min_mapped ? ferry::format_bytes_up(*r.min_mapped) + " mapped, " : std::string(), min_streamed);
   print_search(r);
 }
 

@@ -182,7 +182,10 @@ std::atomic<ferry::ops::Communicator*> setup_world{nullptr};
       "\nferry: rank {}: set-up (starting MPI, loading the data, compiling the step, a resume) has not finished in "
       "{:.0f} s (--rank-timeout-minutes {}): another rank has likely stopped or hung, leaving this one waiting for it; "
       "ending every rank of the run with status 124, before any step (0 waits forever)\n",
-      world ? std::to_string(world->rank()) : rank ? rank : "?", idle_seconds, limit_minutes);
+      world  ? std::to_string(world->rank())
+      : rank ? rank
+             : "?",
+      idle_seconds, limit_minutes);
   if (world) world->abort(124);
   std::_Exit(124);
 }

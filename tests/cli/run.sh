@@ -132,9 +132,14 @@ check "ferry plan is silent on a --recompute that lowers the peak" bash -c \
   "! '$ferry' plan --model gpt --width 768 --depth 12 --heads 12 --recompute 2 | grep -q 'does not lower'"
 # The minimum it prints is rounded up: given back as the budget, the step fits (rounded to the
 # nearest tenth of a MiB it was 0.1 MiB short and ferry train refused it).
-min_streamed=$("$ferry" plan --model cnn | sed -n 's/^minimum budget: .* with everything resident, \(.*\) streamed$/\1/p' | tr -d ' ')
+min_streamed=$("$ferry" plan --model cnn | sed -n 's/^minimum budget: .* with everything resident, \(.* mapped, \)\{0,1\}\([^,]*\) streamed$/\2/p' | tr -d ' ')
 check "ferry plan's streamed minimum ($min_streamed) is a budget ferry train takes" "$ferry" train --model cnn --epochs 1 \
   --train-limit 128 --quiet --residency stream --device-budget "${min_streamed:-none}"
+# Where nothing fits, the smallest budget it names is the least of the ways to hold the state (on a
+# unified-memory device the mapped one, which it had left out), and ferry train takes it.
+smallest=$("$ferry" plan --model mlp --device-budget 64KiB | sed -n 's/.*no configuration fits; the smallest device budget is \(.*\) (\(--residency [a-z]*\))$/\1|\2/p')
+check "ferry plan's smallest budget where nothing fits ($smallest) is one ferry train takes" bash -c \
+  "[ -n '$smallest' ] && '$ferry' train --model mlp --epochs 1 --train-limit 512 --quiet --device-budget '$(tr -d ' ' <<<"${smallest%%|*}")' ${smallest#*|}"
 # Over 4 ranks, with too little device memory for the state at ZeRO stage 0 and too little host
 # memory to stream it, the plan is rank 0's and recommends a higher ZeRO stage.
 check "ferry plan --ranks 4 recommends a ZeRO stage when nothing fits without" bash -c "'$ferry' plan --model gpt --width 768 --depth 12 --heads 12 --context 256 --batch 32 --ranks 4 --device-budget 1000MiB --host-budget 300MiB --link-gbps 25 --gemm-gflops 40000 --device-gbps 3000 --device-8bit-gbps 1000 --launch-us 8 --host-gbps 20 --host-8bit-gbps 5 --codec-gbps 1 --json | grep -q '\"recommended\":{\"device_bytes\":[1-9][0-9]*,\"flags\":\"--zero [12]'"

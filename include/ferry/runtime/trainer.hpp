@@ -388,8 +388,8 @@ class Trainer {
   // save_checkpoint's work. `lock`: take the path's lock for the write (a file another process is
   // writing its checkpoints into is refused); false where the caller holds it (TrainingLoop, for
   // its whole run, through TrainerInternals).
-  void write_checkpoint_file(const std::filesystem::path& path, std::span<const std::byte> caller,
-                             WriteOptions options, bool lock) const;
+  void write_checkpoint_file(const std::filesystem::path& path, std::span<const std::byte> caller, WriteOptions options,
+                             bool lock) const;
   // Checks the host mirrors `step` will upload (dtype ranges, finiteness) for `count` samples
   // starting at sample `first` of the caller's data (for messages).
   void validate_staged(const graph::CompiledStep& step, std::span<const TensorSpec> specs, std::size_t first) const;
