@@ -332,10 +332,13 @@ LoopSummary TrainingLoop::run() {
       if (previous) read(*previous, false);
     }
   } catch (...) {
-    // The step after a failed one fails too: settle it so that the trainer has none pending.
+    // Settle the step in flight, so that the trainer has none pending. After a failed step it fails
+    // too; after a callback that threw (on_step, on_boundary, caller_section) it trained, and the
+    // position counts it (no callback sees it): a run() after this goes on from the trainer's steps,
+    // where it had trained one more than it counted.
     if (in_flight) {
       try {
-        trainer_.result(in_flight->handle);
+        count_step(trainer_.result(in_flight->handle));
       } catch (const std::exception&) {
       }
     }
@@ -365,6 +368,13 @@ void TrainingLoop::ranks_timed_out(double idle_seconds, std::uint64_t steps_done
 
 void TrainingLoop::read(InFlight f, bool boundary) {
   const StepResult r = trainer_.result(f.handle);
+  const std::uint64_t run_index = count_step(r);
+  if (on_step) on_step(f.step, run_index, r);
+  show_progress();
+  if (boundary) at_boundary();
+}
+
+std::uint64_t TrainingLoop::count_step(const StepResult& r) {
   if (watchdog_) watchdog_->beat(position_.done + 1);
   const auto now = Clock::now();
   const double seconds = std::chrono::duration<double>(now - mark_).count();
@@ -383,13 +393,11 @@ void TrainingLoop::read(InFlight f, bool boundary) {
   position_.epoch_loss_sum += r.loss;
   position_.recent.push_back(r.loss);
   if (position_.recent.size() > LoopPosition::recent_losses) position_.recent.erase(position_.recent.begin());
-  if (on_step) on_step(f.step, run_index, r);
-  show_progress();
   if (const std::uint64_t per_epoch = options_.steps_per_epoch; per_epoch != 0 && position_.done % per_epoch == 0) {
     position_.last_epoch_loss = position_.epoch_loss_sum / static_cast<double>(per_epoch);
     position_.epoch_loss_sum = 0;
   }
-  if (boundary) at_boundary();
+  return run_index;
 }
 
 void TrainingLoop::end_progress_line() {

@@ -425,6 +425,32 @@ TEST_F(TrainingLoopTest, ACheckpointAnotherRunIsWritingIsRefused) {
   std::filesystem::remove(path);
 }
 
+// A callback that throws ends run() with its exception; the step in flight then has trained, and the
+// loop counts it: a run() after that goes on from the trainer's steps (it had counted one fewer,
+// trained one step more than asked and reported one fewer than it trained).
+TEST_F(TrainingLoopTest, AStepInFlightWhenACallbackThrowsIsCounted) {
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  TrainingLoop loop(trainer, batches, {.steps = 8, .progress = false});
+  std::vector<std::uint64_t> seen;
+  bool thrown = false;
+  loop.on_step = [&](std::uint64_t step, std::uint64_t, const StepResult&) {
+    seen.push_back(step);
+    if (step == 2 && !thrown) {
+      thrown = true;
+      throw std::runtime_error("the caller's own failure");
+    }
+  };
+  EXPECT_THROW(loop.run(), std::runtime_error);
+  EXPECT_EQ(trainer.pending(), 0u);
+  EXPECT_EQ(trainer.steps_done(), 4u);  // steps 0-2 read, step 3 in flight
+  const LoopSummary rest = loop.run();
+  EXPECT_EQ(rest.position.done, 8u);
+  EXPECT_EQ(rest.steps_run, 4u);
+  EXPECT_EQ(trainer.steps_done(), 8u);
+  EXPECT_EQ(seen, (std::vector<std::uint64_t>{0, 1, 2, 4, 5, 6, 7}));  // step 3's result was not read
+}
+
 // A time limit already spent ends the run at the first boundary it can take, after one step, with
 // that boundary's evaluation; boundary_every adds boundaries between epochs.
 TEST_F(TrainingLoopTest, EndsAtABoundaryWhenTheTimeIsUp) {

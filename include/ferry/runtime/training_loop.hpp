@@ -166,8 +166,10 @@ class TrainingLoop {
   // running sums and times. The batch source must be where it was then. Throws
   // std::invalid_argument for a position past the run's steps.
   void resume(const LoopPosition& position);
-  // Trains up to the run's steps, the time limit or a signal. A step's error propagates (the step
-  // in flight after it is settled first, its error dropped).
+  // Trains up to the run's steps, the time limit or a signal. A step's error, or one a callback
+  // throws, propagates; the step in flight then is settled first: after a failed step its error is
+  // dropped, after a callback's it trained and counts among the steps done (a later run() goes on
+  // after it), though no callback sees its result.
   LoopSummary run();
 
  private:
@@ -195,6 +197,9 @@ class TrainingLoop {
   // The same, or the time limit (out_of_time_), agreed over the ranks.
   bool boundary_after(std::uint64_t done);
   void read(InFlight f, bool boundary);
+  // A step's result into the position and the run's figures (read's part that no callback runs
+  // in); returns its index in this run.
+  std::uint64_t count_step(const StepResult& r);
   void at_boundary();
   void save_checkpoint();
   // At a checkpoint: save_checkpoint, or contribute to another rank's.
