@@ -225,8 +225,8 @@ BenchRun setup(CLI::App& sub, const BenchCommon& common) {
       ->check(ferry::cli::whole_number())
       ->check(CLI::Range(std::size_t{1}, ops::attention_max_head_dim));
   sub.add_option("--kernel", o->kernel,
-                 "fused kernel instead of the device's default: \"cpu RB=n QB=n KB=n PASS=1|2\", \"tiled BQ=n BK=n\", "
-                 "\"blocked TQ=n TK=n\"");
+                 "fused kernel instead of the device's default: \"cpu RB=n QB=n KB=n PASS=0|1|2 LT=n\", \"tiled BQ=n "
+                 "BK=n\", \"blocked TQ=n TK=n [RR=n]\" or \"gemm [MIB=n]\" (ops/attention.hpp)");
   sub.add_flag("!--no-unfused", o->unfused, "skip the unfused ops");
   CLI::Option* peer = sub.add_flag("--peer", o->peer,
                                    "also time PyTorch's scaled_dot_product_attention (is_causal) forward + backward");

@@ -43,7 +43,8 @@ struct AttentionOptions {
   // them at a time in registers, keys in 16-key float16 blocks, the forward's online softmax per KB
   // keys (a multiple of 16); PASS=1 runs the backward as one work-item
   // per head, PASS=2 as dk dv per key block then dq per query block, PASS=0 (the default) by the
-  // heads: 1 when there are four per compute unit (grammar: ops/attention_config.hpp).
+  // heads: 1 when there are four per compute unit; contexts up to LT (default 4096, 0: never) stage
+  // each head in local memory where it fits (grammar: ops/attention_config.hpp).
   // "tiled BQ=64 BK=32": a work-group per BQ queries (or keys),
   // tiles of BK keys (or queries) in local memory, a work-item per query (or key). "blocked TQ=64
   // TK=32" (GPUs): a work-group per TQ queries (or TK keys), every work-item a 4 x 4 block of the

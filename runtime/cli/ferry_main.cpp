@@ -436,7 +436,7 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
                   "character-level GPT on the fortune files")
       ->check(CLI::IsMember({"mlp", "cnn", "deep", "gpt"}))
       ->capture_default_str();
-  app->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64)")
+  app->add_option("--batch", t.batch, "Samples per step (default: mlp 256, cnn 128, deep 64, gpt 32)")
       ->check(positive_number());
   app->add_option("--optimizer", t.optimizer,
                   "adam, adamw, adamw8bit (AdamW with 8-bit block-wise quantized moments) or sgd")
@@ -470,8 +470,8 @@ void add_model_options(CLI::App* app, TrainArgs& t) {
   app->add_option("--device-budget", t.device_budget,
                   "Device bytes a step may use, e.g. 64MiB (default: device memory less headroom)");
   app->add_option("--host-budget", t.host_budget,
-                  "Pinned host bytes the weights, optimizer state and step buffers may take, e.g. 16GiB, checked "
-                  "before anything is allocated (default: the machine's physical memory)");
+                  "Pinned host bytes the weights, optimizer state and step buffers (evaluation's too) may take, e.g. "
+                  "16GiB, checked before anything is allocated (default: the machine's physical memory)");
   add_residency_options(app, t);
   add_phase_options(app, t);
   app->add_flag("--json", t.json, "End with one JSON line of results on stdout");
@@ -817,8 +817,9 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
                    "not stopped (give the same options)")
       ->check(not_empty());
   train->add_flag("--force", t.force,
-                  "Let --checkpoint, --trace and --profile* replace an existing file that ferry did not write (never "
-                  "a device node, folder, link or one of the run's inputs)");
+                  "Let --checkpoint, --trace and --profile* replace an existing file that ferry did not write, and "
+                  "--checkpoint another run's checkpoint (starting over instead of resuming it); never a device "
+                  "node, folder, link or one of the run's inputs");
   train
       ->add_option("--zero", t.zero,
                    "Data parallel (mpirun -np N ferry train ...): the ZeRO stage; 0 keeps all optimizer state on every "

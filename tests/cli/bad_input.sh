@@ -31,7 +31,17 @@ row() {
   msg=$(grep -m1 -F -- "$needle" <<<"$out" || grep -m1 . <<<"$out")
   [ ${#msg} -gt 330 ] && msg="${msg:0:330}..."
   if [ -n "$markdown" ]; then
-    local cmd="ferry $*"
+    # Each argument as a shell reads it back: an empty one as '' (bare, it had shown as nothing,
+    # and the row's command failed otherwise when copied), one with blanks or shell characters quoted.
+    local cmd="ferry" arg
+    for arg in "$@"; do
+      if [ -z "$arg" ]; then
+        arg="''"
+      elif [[ "$arg" =~ [][[:space:]\"\'\$\`\\\|\&\;\<\>\(\)\*\?] ]]; then
+        arg="'${arg//\'/\'\\\'\'}'"
+      fi
+      cmd+=" $arg"
+    done
     cmd=${cmd//$work/\$WORK}
     [ "$envs" != - ] && cmd="${envs//$work/\$WORK} $cmd"
     msg=${msg//$work/\$WORK}
