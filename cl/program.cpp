@@ -333,7 +333,8 @@ struct KernelLibrary::Entry {
   std::condition_variable ready;
   bool done = false;
   Program program;
-  std::exception_ptr error;  // the build's failure, rethrown to every thread that waited for it
+  std::exception_ptr error;           // the build's failure, rethrown to every thread that waited for it
+  std::filesystem::path loaded_from;  // the disk cache's entry it came from; empty: built from source
 };
 
 void KernelLibrary::count(std::uint64_t ProgramCacheStats::*field) {
@@ -364,9 +365,11 @@ cl_program KernelLibrary::get_or_build(std::string key, std::string_view file, c
     return entry->program.get();
   }
   try {
-    Program built = build(file, make_source(), options);
+    std::filesystem::path loaded_from;
+    Program built = build(file, make_source(), options, loaded_from);
     std::lock_guard lock(entry->mutex);
     entry->program = std::move(built);
+    entry->loaded_from = std::move(loaded_from);
     entry->done = true;
   } catch (...) {
     {
@@ -401,11 +404,37 @@ Kernel KernelLibrary::kernel(std::string_view file, std::string_view kernel_name
   cl_int status = CL_SUCCESS;
   std::string name(kernel_name);
   Kernel k(clCreateKernel(p, name.c_str(), &status));
+  // A cached binary of another program (a well-formed entry under this key) loads and builds, and
+  // fails here, in every run, where it should have been replaced as a damaged entry is.
+  if (status == CL_INVALID_KERNEL_NAME && drop_cached_program(fmt::format("{}|{}", file, options), p, kernel_name)) {
+    p = program(file, options);
+    k = Kernel(clCreateKernel(p, name.c_str(), &status));
+  }
   if (status != CL_SUCCESS) {
     throw Error(fmt::format("clCreateKernel('{}' from {}.cl)", kernel_name, file), status,
                 std::string(OpScope::current()));
   }
   return k;
+}
+
+bool KernelLibrary::drop_cached_program(const std::string& key, cl_program used, std::string_view kernel_name) {
+  std::filesystem::path entry_file;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = programs_.find(key);
+    if (it == programs_.end()) return true;  // dropped by another thread, not yet asked again
+    std::lock_guard entry_lock(it->second->mutex);
+    if (!it->second->done || it->second->program.get() != used) return true;  // replaced meanwhile
+    if (it->second->loaded_from.empty()) return false;
+    entry_file = it->second->loaded_from;
+    dropped_.push_back(it->second);
+    programs_.erase(it);
+    ++stats_.corrupt_entries;
+  }
+  warn_bad_entry(entry_file, fmt::format("its program has no kernel '{}': a binary of another program", kernel_name));
+  std::error_code ec;
+  std::filesystem::remove(entry_file, ec);  // the next build stores a good one in its place
+  return true;
 }
 
 namespace {
@@ -449,7 +478,8 @@ void report_build(cl_program program, const DeviceInfo& dev, std::string_view fi
 // time). The compiler's warnings are turned off (-w) unless FERRY_VERBOSE is set:
 // some drivers (PoCL) print "N warnings generated." on stderr for every build, also under --quiet.
 // A failed build still throws with the whole log, errors included.
-Program KernelLibrary::build(std::string_view file, std::string_view source, const std::string& given_options) {
+Program KernelLibrary::build(std::string_view file, std::string_view source, const std::string& given_options,
+                             std::filesystem::path& loaded_from) {
   const DeviceInfo& dev = context_.device();
   const bool report =
       env_switch("FERRY_BUILD_REPORT", "1 prints each program build's options, log and kernel resources")
@@ -486,6 +516,7 @@ Program KernelLibrary::build(std::string_view file, std::string_view source, con
           if (status == CL_SUCCESS) {
             count(&ProgramCacheStats::disk_hits);
             if (report) report_build(p.get(), dev, file, options, true);
+            loaded_from = cached;
             return p;
           }
           problem = fmt::format("the OpenCL driver refused it: clBuildProgram returned {}", error_name(status));

@@ -177,6 +177,31 @@ TEST(ProgramCache, EntryTheDriverRefusesIsRebuilt) {
   EXPECT_EQ(build_relu(cache.options).first.disk_hits, 1u);
 }
 
+// A well-formed entry under relu's key around another program's binary loads and builds, and had
+// failed every run after at clCreateKernel (CL_INVALID_KERNEL_NAME); it is replaced as a damaged
+// entry is.
+TEST(ProgramCache, EntryHoldingAnotherProgramIsRebuilt) {
+  Populated cache("another");
+  const fs::path other_dir = fresh_dir("another-source");
+  cl::KernelLibrary(TestDevice::get().context, {true, other_dir}).kernel("loss_sum", "loss_sum");
+  const cl::CacheEntryView other_view = cl::decode_cache_entry(read_bytes(only_entry(other_dir)));
+  const Bytes other(other_view.binary.begin(), other_view.binary.end());
+  ASSERT_FALSE(other.empty());
+  const std::string stem = cache.entry.stem().string();
+  const std::uint64_t key = std::stoull(stem.substr(stem.rfind('-') + 1), nullptr, 16);
+  write_bytes(cache.entry, cl::encode_cache_entry(key, other));
+  const auto [stats, err] = build_relu(cache.options);
+  EXPECT_EQ(stats.disk_hits, 1u);
+  EXPECT_EQ(stats.corrupt_entries, 1u);
+  EXPECT_EQ(stats.source_builds, 1u);
+  EXPECT_NE(err.find("has no kernel 'relu_forward': a binary of another program"), std::string::npos) << err;
+  EXPECT_EQ(count(err, "program cache entry"), 1u) << err;
+  EXPECT_EQ(cl::decode_cache_entry(read_bytes(cache.entry), key).problem, "");
+  EXPECT_NE(read_bytes(cache.entry), cl::encode_cache_entry(key, other)) << "not replaced";
+  EXPECT_EQ(build_relu(cache.options).first.disk_hits, 1u);
+  fs::remove_all(other_dir);
+}
+
 // Removes a folder made read-only by read_only_dir().
 void remove_read_only(const fs::path& dir) {
   std::error_code ec;

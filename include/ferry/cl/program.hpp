@@ -68,7 +68,8 @@ CacheEntryView decode_cache_entry(std::span<const unsigned char> entry,
 // Builds and memoises programs per (file, options). A program binary is cached on disk under a
 // key of device name, driver version, platform version, source (with its headers inlined) and
 // options, so a new driver, an edited kernel or an edited header never loads a stale binary.
-// An entry that is truncated, damaged, from another format or refused by the driver prints one
+// An entry that is truncated, damaged, from another format or refused by the driver, or whose
+// program lacks a kernel asked of it (another program's binary in a well-formed entry), prints one
 // warning naming its file and is rebuilt from source and replaced. Entries are written to a
 // unique temporary file, synced and renamed into place, so concurrent writers (threads or
 // processes) never see each other's partial files. A cache folder that cannot be created or
@@ -98,13 +99,21 @@ class KernelLibrary {
   // has built it or is building it.
   template <class MakeSource>
   cl_program get_or_build(std::string key, std::string_view file, const std::string& options, MakeSource make_source);
-  Program build(std::string_view file, std::string_view source, const std::string& options);
+  // `loaded_from`: set to the cache entry's path when the program came from the disk cache.
+  Program build(std::string_view file, std::string_view source, const std::string& options,
+                std::filesystem::path& loaded_from);
+  // Where the program `used` of `key` came from the disk cache and lacks a kernel asked of it:
+  // warns, removes its entry (memory and disk; the program itself lives on for whoever holds it)
+  // and returns true, so that the caller builds it again from source; true too where another
+  // thread has done so already. False where it was built from source here.
+  bool drop_cached_program(const std::string& key, cl_program used, std::string_view kernel_name);
   void store(const std::filesystem::path& entry, std::uint64_t key, cl_program program);
   void count(std::uint64_t ProgramCacheStats::*field);
   const Context& context_;
   ProgramCacheOptions cache_;
   mutable std::mutex mutex_;  // programs_ and stats_; never held while a program builds
   std::map<std::string, std::shared_ptr<Entry>, std::less<>> programs_;
+  std::vector<std::shared_ptr<Entry>> dropped_;  // programs others may still use (drop_cached_program)
   ProgramCacheStats stats_;
 };
 
