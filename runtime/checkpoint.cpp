@@ -246,31 +246,20 @@ void check_shards(std::span<const std::filesystem::path> paths, std::span<const 
   }
 }
 
-// Refuses a value that is not a finite number where training cannot have put one: anywhere in a
-// weight, the predictor's state or the restore point, and a NaN in optimizer state (an infinity
-// there is what Adam's second moment becomes from a finite gradient whose square overflows, and a
-// run trains on with it). Gradient sums inside a group of micro-batches may hold either under
-// loss scaling, whose update then skips. Files are compared first, so a name found is this
-// trainer's tensor of that role; names it lacks are not loaded.
+// Refuses a value that is not a finite number where training cannot have put one
+// (ckpt::load_refuses). Files are compared first, so a name found is this trainer's tensor of that
+// role; names it lacks are not loaded.
 void refuse_non_finite(const std::filesystem::path& path, const ckpt::Contents& file, const graph::TensorTable& t,
                        const std::vector<TensorId>& ids) {
   for (const ckpt::Contents::NonFinite& bad : file.non_finite) {
     const std::string& name = file.fingerprint.tensors[bad.tensor].name;
     const auto id = std::find_if(ids.begin(), ids.end(), [&](TensorId i) { return t.name[i] == name; });
-    if (id == ids.end()) continue;
-    const graph::Role role = t.role[*id];
-    if (role == graph::Role::gradient_sum || (role == graph::Role::optimizer_state && !bad.nan && !bad.restore)) {
-      continue;
-    }
-    const std::string what = bad.restore                   ? "the restore point (weights before a Predict run) of"
-                             : role == graph::Role::weight ? "weight"
-                             : role == graph::Role::optimizer_state ? "optimizer state"
-                                                                    : "predictor state";
+    if (id == ids.end() || !ckpt::load_refuses(t.role[*id], bad)) continue;
     throw std::invalid_argument(fmt::format(
         "checkpoint '{}' holds a value that is not a finite number: element {} of {} '{}' is {}; the trainer was not "
         "changed: the run that wrote it had diverged before it saved; resume from an earlier checkpoint, and train on "
         "with a lower learning rate",
-        path.string(), bad.element, what, name, bad.value_text()));
+        path.string(), bad.element, ckpt::role_text(t.role[*id], bad), name, bad.value_text()));
   }
 }
 

@@ -854,6 +854,43 @@ void write_sections(AtomicFile& f, const Fingerprint& fingerprint, const Trainer
 
 }  // namespace
 
+bool load_refuses(graph::Role role, const Contents::NonFinite& bad) {
+  if (bad.restore) return true;
+  if (role == graph::Role::gradient_sum) return false;
+  return role != graph::Role::optimizer_state || bad.nan;
+}
+
+std::string role_text(graph::Role role, const Contents::NonFinite& bad) {
+  return bad.restore                            ? "the restore point (weights before a Predict run) of"
+         : role == graph::Role::weight          ? "weight"
+         : role == graph::Role::optimizer_state ? "optimizer state"
+         : role == graph::Role::gradient_sum    ? "gradient sum"
+                                                : "predictor state";
+}
+
+graph::Role role_by_name(const Fingerprint& f, std::size_t i) {
+  const std::string& name = f.tensors.at(i).name;
+  for (const Fingerprint::Tensor& other : f.tensors) {
+    const std::string& base = other.name;
+    if (base.size() + 1 >= name.size() || name.compare(0, base.size(), base) != 0 || name[base.size()] != '.') continue;
+    const std::string_view suffix = std::string_view(name).substr(base.size() + 1);
+    if (suffix == "grad_sum") return graph::Role::gradient_sum;
+    if (suffix.starts_with("pred_")) return graph::Role::predictor_state;
+    return graph::Role::optimizer_state;
+  }
+  return graph::Role::weight;
+}
+
+std::optional<std::string> resume_refusal(const Contents& c) {
+  for (const Contents::NonFinite& n : c.non_finite) {
+    const graph::Role role = role_by_name(c.fingerprint, n.tensor);
+    if (!load_refuses(role, n)) continue;
+    return fmt::format("element {} of {} '{}' is {}", n.element, role_text(role, n),
+                       c.fingerprint.tensors[n.tensor].name, n.value_text());
+  }
+  return std::nullopt;
+}
+
 void write_checkpoint(const std::filesystem::path& path, const Fingerprint& fingerprint, const TrainerRecord& trainer,
                       const std::optional<PhaseController::State>& phases, std::span<const std::byte> caller,
                       const std::function<void(std::size_t, std::vector<std::byte>&)>& tensor,

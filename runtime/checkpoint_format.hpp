@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/graph/ir.hpp"
 #include "ferry/ops/types.hpp"
 #include "ferry/runtime/checkpoint.hpp"
 #include "ferry/runtime/phases.hpp"
@@ -187,6 +188,23 @@ struct Contents {
   };
   std::vector<NonFinite> non_finite;
 };
+
+// Trainer::load_checkpoint's rule for a value that is not a finite number (runtime/checkpoint.cpp):
+// refused in a weight, its restore point and the predictor's state, and as NaN in optimizer state
+// (an infinity there is what Adam's second moment becomes from a finite gradient whose square
+// overflows, and a run trains on with it); taken in gradient sums, which may hold either under
+// loss scaling inside a group of micro-batches (the update then skips).
+bool load_refuses(graph::Role role, const Contents::NonFinite& bad);
+// "weight", "optimizer state"...: how load errors name a tensor of `role` holding `bad`.
+std::string role_text(graph::Role role, const Contents::NonFinite& bad);
+// The role of tensor `i` judged by the names alone, for ferry checkpoint, which has no trainer:
+// "<another tensor's name>.grad_sum" is a gradient sum, "<another's>.pred_..." predictor state,
+// any other "<another's>.<suffix>" optimizer state, the rest weights. A load uses the trainer's
+// own roles; test_checkpoint checks that these agree with them for ferry's models.
+graph::Role role_by_name(const Fingerprint& f, std::size_t i);
+// The first value of `c` a resume refuses, the roles judged by role_by_name, said as "element E of
+// weight 'W' is nan"; none where a resume takes every value (ferry checkpoint's exit status).
+std::optional<std::string> resume_refusal(const Contents& c);
 
 // Reads and verifies the whole file (every byte, through the checksums) without keeping the
 // tensors. Throws std::runtime_error naming the file, the section and the byte for a file that is

@@ -339,6 +339,7 @@ LoopSummary TrainingLoop::run() {
     if (in_flight) {
       try {
         count_step(trainer_.result(in_flight->handle));
+        close_epoch();
       } catch (const std::exception&) {
       }
     }
@@ -370,8 +371,16 @@ void TrainingLoop::read(InFlight f, bool boundary) {
   const StepResult r = trainer_.result(f.handle);
   const std::uint64_t run_index = count_step(r);
   if (on_step) on_step(f.step, run_index, r);
-  show_progress();
+  show_progress();  // (before close_epoch: its line shows the epoch's mean loss so far)
+  close_epoch();
   if (boundary) at_boundary();
+}
+
+void TrainingLoop::close_epoch() {
+  if (const std::uint64_t per_epoch = options_.steps_per_epoch; per_epoch != 0 && position_.done % per_epoch == 0) {
+    position_.last_epoch_loss = position_.epoch_loss_sum / static_cast<double>(per_epoch);
+    position_.epoch_loss_sum = 0;
+  }
 }
 
 std::uint64_t TrainingLoop::count_step(const StepResult& r) {
@@ -393,10 +402,6 @@ std::uint64_t TrainingLoop::count_step(const StepResult& r) {
   position_.epoch_loss_sum += r.loss;
   position_.recent.push_back(r.loss);
   if (position_.recent.size() > LoopPosition::recent_losses) position_.recent.erase(position_.recent.begin());
-  if (const std::uint64_t per_epoch = options_.steps_per_epoch; per_epoch != 0 && position_.done % per_epoch == 0) {
-    position_.last_epoch_loss = position_.epoch_loss_sum / static_cast<double>(per_epoch);
-    position_.epoch_loss_sum = 0;
-  }
   return run_index;
 }
 

@@ -16,6 +16,7 @@
 #include "../runtime/checkpoint_format.hpp"
 #include "../runtime/checkpoint_space.hpp"
 #include "../runtime/output_file.hpp"
+#include "../runtime/trainer_internals.hpp"
 #include "ferry/ferry.hpp"
 #include "test_models.hpp"
 #include "test_support.hpp"
@@ -453,6 +454,66 @@ TEST(Checkpoint, NonFiniteValuesWhereTrainingCannotPutThemAreRefused) {
   State want = f.saved;
   std::memcpy(want.tensors.at(w + ".adam_v").data() + sizeof inf, &inf, sizeof inf);
   expect_same_state(want, state_of(t), "an infinite second moment, loaded");
+}
+
+// ferry checkpoint has no trainer: it judges the tensors' roles by their names (ckpt::role_by_name)
+// to say whether a resume refuses a value, and must judge as the trainer's roles do, for every
+// configuration of the resume cases and a GPT with 8-bit state and hybrid phases.
+TEST(Checkpoint, RolesJudgedByNamesAreTheTrainersRoles) {
+  Runtime rt;
+  const Scratch dir;
+  std::vector<std::pair<std::string, std::function<std::unique_ptr<Trainer>()>>> trainers;
+  for (const Case& c : cases) {
+    trainers.emplace_back(c.name, [&rt, &c] {
+      const ModelSpec m = c.model();
+      return std::make_unique<Trainer>(rt, m, c.options(rt, m));
+    });
+  }
+  trainers.emplace_back("gpt_adamw8bit_hybrid_accumulate", [&rt] {
+    TrainerOptions o = base();
+    o.optimizer.kind = ops::OptimizerConfig::Kind::adamw8bit;
+    o.phases = hybrid_config();
+    o.accumulate = 2;
+    return std::make_unique<Trainer>(rt, models::gpt({.vocab = 16, .width = 16, .depth = 1, .heads = 2, .context = 8}),
+                                     o);
+  });
+  for (const auto& [name, make] : trainers) {
+    SCOPED_TRACE(name);
+    const std::unique_ptr<Trainer> t = make();
+    const auto path = dir / (name + ".ckpt");
+    t->save_checkpoint(path);
+    const ckpt::Reader reader(path);
+    const ckpt::Contents c = ckpt::read_contents(reader);
+    const graph::TensorTable& tensors = compiled_train_step(*t).graph().tensors;
+    for (std::size_t i = 0; i < c.fingerprint.tensors.size(); ++i) {
+      const std::string& tensor = c.fingerprint.tensors[i].name;
+      const auto at = std::find(tensors.name.begin(), tensors.name.end(), tensor);
+      ASSERT_NE(at, tensors.name.end()) << tensor;
+      EXPECT_EQ(ckpt::role_by_name(c.fingerprint, i), tensors.role[at - tensors.name.begin()]) << tensor;
+    }
+  }
+}
+
+// What ferry checkpoint says of a file it read whole (ckpt::resume_refusal): the first value a
+// resume refuses, judged by names; none for an infinite second moment, which a resume takes.
+TEST(Checkpoint, ResumeRefusalIsSaidWithoutATrainer) {
+  Fixture f;
+  Trainer t(f.rt, small_mlp(), f.o);
+  const auto bad = f.dir / "bad.ckpt";
+  const std::string w = t.parameter_names().at(0);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const auto refusal = [&](const std::vector<std::byte>& bytes) {
+    write_file(bad, bytes);
+    const ckpt::Reader reader(bad);
+    return ckpt::resume_refusal(ckpt::read_contents(reader));
+  };
+  EXPECT_EQ(refusal(f.bytes), std::nullopt);
+  EXPECT_EQ(refusal(with_value(f.bytes, f.dir / "scratch.ckpt", w, nan)), "element 1 of weight '" + w + "' is nan");
+  EXPECT_EQ(refusal(with_value(f.bytes, f.dir / "scratch.ckpt", w, -inf, /*restore=*/true)),
+            "element 1 of the restore point (weights before a Predict run) of '" + w + "' is -inf");
+  EXPECT_EQ(refusal(with_value(f.bytes, f.dir / "scratch.ckpt", w + ".adam_m", nan)),
+            "element 1 of optimizer state '" + w + ".adam_m' is nan");
+  EXPECT_EQ(refusal(with_value(f.bytes, f.dir / "scratch.ckpt", w + ".adam_v", inf)), std::nullopt);
 }
 
 TEST(Checkpoint, TruncatedOrExtendedFilesAreRefused) {

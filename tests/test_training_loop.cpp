@@ -425,6 +425,26 @@ TEST_F(TrainingLoopTest, ACheckpointAnotherRunIsWritingIsRefused) {
   std::filesystem::remove(path);
 }
 
+// An epoch's last progress line (100%) shows the epoch's mean loss, which the epoch's summary
+// gives too: counted before its line was drawn, the epoch had been closed and its line said 0.0000.
+TEST_F(TrainingLoopTest, AnEpochsLastProgressLineShowsItsMeanLoss) {
+  Trainer trainer(rt, model, options());
+  ShuffledBatches batches(data, trainer.model(), 8, 3);
+  TrainingLoop loop(trainer, batches, {.steps = 8, .steps_per_epoch = 4, .progress = true});
+  std::vector<double> epoch_losses;
+  loop.on_boundary = [&](const LoopPosition& p) { epoch_losses.push_back(p.last_epoch_loss); };
+  testing::internal::CaptureStderr();
+  loop.run();
+  const std::string err = testing::internal::GetCapturedStderr();
+  ASSERT_EQ(epoch_losses.size(), 2u);
+  for (int epoch = 1; epoch <= 2; ++epoch) {
+    const std::string head = fmt::format("epoch {}/2 [########################] 100%  loss ", epoch);
+    const auto at = err.find(head);
+    ASSERT_NE(at, std::string::npos) << err;
+    EXPECT_EQ(err.substr(at + head.size(), 6), fmt::format("{:.4f}", epoch_losses[epoch - 1])) << err;
+  }
+}
+
 // A callback that throws ends run() with its exception; the step in flight then has trained, and the
 // loop counts it: a run() after that goes on from the trainer's steps (it had counted one fewer,
 // trained one step more than asked and reported one fewer than it trained).

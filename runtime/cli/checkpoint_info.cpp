@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "cli.hpp"
@@ -73,6 +74,7 @@ nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, cons
           {"tensor_bytes", tensor_bytes(c)},
           {"tensors", tensors},
           {"non_finite", non_finite},
+          {"resumable", !ckpt::resume_refusal(c).has_value()},
           {"caller_bytes", c.caller.size()},
           {"caller_kind", caller_kind(c)}};
 }
@@ -119,6 +121,16 @@ int cmd_checkpoint(const CheckpointArgs& a) {
         << std::endl;
   } else {
     print_info(a.path, reader.size(), contents);
+  }
+  // A file read whole that a resume still refuses fails the check: a script that checks a file
+  // before a long job starts reads the exit status.
+  if (const std::optional<std::string> refused = ckpt::resume_refusal(contents)) {
+    std::cout.flush();
+    std::cerr << fmt::format(
+        "ferry: error: checkpoint '{}' holds a value that is not a finite number where a resume refuses one: {}; the "
+        "run that wrote it had diverged before it saved: resume from an earlier checkpoint\n",
+        a.path, *refused);
+    return 1;
   }
   return 0;
 }

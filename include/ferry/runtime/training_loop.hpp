@@ -200,6 +200,9 @@ class TrainingLoop {
   // A step's result into the position and the run's figures (read's part that no callback runs
   // in); returns its index in this run.
   std::uint64_t count_step(const StepResult& r);
+  // At an epoch's end (done a multiple of steps_per_epoch): its mean loss into the position, and
+  // the next epoch's sum from 0.
+  void close_epoch();
   void at_boundary();
   void save_checkpoint();
   // At a checkpoint: save_checkpoint, or contribute to another rank's.
