@@ -194,6 +194,16 @@ class GzInput {
                          std::filesystem::read_symlink(path_, ec).string()),
              "point the link at the file, or give --data (or FERRY_DATA_DIR) the folder holding the files");
       }
+      if (path_.extension() == ".gz") {
+        // Unpacked (gunzip, or a download of the plain files): said, not taken for a missing file.
+        std::filesystem::path plain = path_;
+        plain.replace_extension();
+        if (std::filesystem::is_regular_file(plain, ec)) {
+          fail(path_, fmt::format("not found, but {} is there uncompressed", plain.string()),
+               fmt::format("compress it (gzip -k {}): ferry reads the four Fashion-MNIST files as .gz files",
+                           plain.string()));
+        }
+      }
       fail(path_, "not found", kInstallHint);
     }
     if (!std::filesystem::is_regular_file(status)) {

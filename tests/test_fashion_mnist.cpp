@@ -250,6 +250,14 @@ TEST_F(FashionMnistBadInput, MissingFile) {
                         "FERRY_DATA_DIR");
 }
 
+// The files unpacked (gunzip, or a download of the plain files) were reported as missing, with
+// advice to install the package; they are named, with what to do.
+TEST_F(FashionMnistBadInput, UncompressedFileIsNamed) {
+  fs::remove(dir_ / "t10k-labels-idx1-ubyte.gz");
+  write_raw("t10k-labels-idx1-ubyte", idx_labels(0x801, {4, 9, 0}));
+  EXPECT_ERROR_MENTIONS(load_error(), "t10k-labels-idx1-ubyte.gz", "is there uncompressed", "gzip -k");
+}
+
 TEST_F(FashionMnistBadInput, MissingFolder) {
   std::string message;
   try {

@@ -663,6 +663,33 @@ TEST(TextCorpus, BinaryFilesAreRefusedWhereTheirFirstNulIs) {
               std::string::npos)
         << e.what();
   }
+  // A short text file with a few control characters (a fortune with two backspaces, 2.5% of its
+  // 79 bytes, alone in a file) is text: the share is judged per file from 4 KiB on, and over the
+  // whole corpus, where it is small; a corpus of such files is refused, naming the worst.
+  const std::string fortune = "*__\b\bUN*lucky, but it is a line of text all the same, and more of it here.\n";
+  std::ofstream(d / "fortune", std::ios::binary) << fortune;
+  std::ofstream(d / "long", std::ios::binary) << std::string(8000, 'x') << "\n";
+  EXPECT_EQ(load_text_corpus({d / "fortune", d / "long"}, 0.5).ids.size(), fortune.size() + 8001);
+  std::ofstream(d / "more", std::ios::binary) << "\x1b[1m\b\b\b x\n";
+  try {
+    load_text_corpus({d / "fortune", d / "more"}, 0.5);
+    ADD_FAILURE() << "a corpus of 6% control characters was read as text";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("are control characters, more than text has (the most in"), std::string::npos)
+        << e.what();
+  }
+  // Compressed and UTF-16 files are named as such, with what to do.
+  std::ofstream(d / "gz", std::ios::binary) << "\x1f\x8b\x08 compressed";
+  std::ofstream(d / "utf16", std::ios::binary) << std::string("\xff\xfeh\0i\0", 6);
+  for (const auto& [file, needle] : {std::pair{"gz", "is gzip-compressed: gunzip it"},
+                                     std::pair{"utf16", "is UTF-16 text: convert it to UTF-8 (iconv"}}) {
+    try {
+      load_text_corpus({d / file}, 0.5);
+      ADD_FAILURE() << file;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
   std::string long_text;
   for (std::size_t i = 0; long_text.size() < 2 * mib + 7; ++i) long_text += "line " + std::to_string(i) + "\n";
   std::ofstream(d / "long", std::ios::binary) << long_text;

@@ -776,7 +776,10 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
                    "gpt: text the sample continues (default: a newline); of a prompt longer than --context, the "
                    "model sees the last --context characters")
       ->check(not_empty());
-  train->add_option("--temperature", t.temperature, "gpt: sampling temperature")
+  train
+      ->add_option("--temperature", t.temperature,
+                   "gpt: sampling temperature (below 0.001 it samples as 0.001: all but always the likeliest "
+                   "character)")
       ->check(positive_number())
       ->capture_default_str();
   train->add_option("--text", t.text_dir, "gpt: folder of text files (default: $FERRY_TEXT_DIR or Debian's fortunes)")

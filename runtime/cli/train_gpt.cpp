@@ -214,7 +214,7 @@ void announce_gpt(const Runtime& runtime, const Trainer& trainer, double compile
   // Fewer windows than --val-windows asked for: said here and in --json's `val_windows`.
   const std::string fewer =
       val.size() < val_windows_asked
-          ? fmt::format("; --val-windows {} asked for more than the held-out text holds", val_windows_asked)
+          ? fmt::format("; fewer than --val-windows {}: the held-out text holds no more", val_windows_asked)
           : std::string();
   std::cerr << fmt::format(
       "ferry: {} on {} ({}); {} parameters; training state {}; compiled in {:.1f} s\n"

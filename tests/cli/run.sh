@@ -267,7 +267,7 @@ many_err="$work/many-windows.err"
 many=$("$ferry" train --model gpt --text "$work/text" --width 16 --depth 1 --heads 2 --context 16 --batch 4 \
   --steps 2 --val-windows 100000 --json 2>"$many_err")
 check "--val-windows above what the held-out text holds is said on the set-up line" \
-  grep -q "; --val-windows 100000 asked for more than the held-out text holds)" "$many_err"
+  grep -q "; fewer than --val-windows 100000: the held-out text holds no more)" "$many_err"
 check "--json's val_windows names the windows validated on (fewer than asked)" \
   python3 -c 'import json,sys; n=json.loads(sys.argv[1])["val_windows"]; sys.exit(not 0 < n < 100000)' "$many"
 expect_error "a missing text folder" "apt-get install fortunes" train --model gpt --text "$work/no-text" --steps 1
