@@ -211,6 +211,12 @@ idx "$work/labels/t10k-labels-idx1-ubyte" 1 1 && printf '\x0c' >>"$work/labels/t
 gzip -f "$work/labels/t10k-images-idx3-ubyte" "$work/labels/t10k-labels-idx1-ubyte"
 row "test split with a label outside the classes" "label 12 of sample 0 is out of range" error - \
   train --data "$work/labels" "${quick[@]}"
+# Unpacked (gunzip, or a download of the plain files): named as such, not reported missing.
+mkdir -p "$work/unpacked"
+ln -sf "$data/train-images-idx3-ubyte.gz" "$data/train-labels-idx1-ubyte.gz" "$data/t10k-images-idx3-ubyte.gz" \
+  "$work/unpacked/"
+zcat "$data/t10k-labels-idx1-ubyte.gz" >"$work/unpacked/t10k-labels-idx1-ubyte"
+row "data file unpacked" "is there uncompressed; compress it (gzip -k" error - train --data "$work/unpacked" "${quick[@]}"
 row "missing data set" "$work/nowhere" error - train --data "$work/nowhere" "${quick[@]}"
 row "--data naming a file" "is a file, not a folder" error - train --data "$data/train-images-idx3-ubyte.gz" "${quick[@]}"
 
@@ -345,6 +351,9 @@ row "--text folder with nothing read as text" "hidden files, subfolders and spec
 head -c 4096 /dev/urandom >"$work/binary-text/blob.bin"
 row "--text folder holding a binary file" "looks binary, not text" error - \
   train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/binary-text"
+mkdir -p "$work/gzip-text" && gzip -c "$work/text/a" >"$work/gzip-text/a.gz"
+row "--text folder holding a gzip-compressed file" "is gzip-compressed: gunzip it" error - \
+  train --model gpt --width 16 --depth 1 --heads 2 --context 16 --batch 4 --steps 1 --quiet --text "$work/gzip-text"
 mkdir -p "$work/one-char-text"
 head -c 4096 /dev/zero | tr '\0' z >"$work/one-char-text/a"
 row "--text folder holding one character repeated" "it holds a single distinct character ('z', 4096 times)" error - \
