@@ -322,70 +322,51 @@ elapsed=$(($(date +%s) - start))
 [ $elapsed -lt 120 ] || fail "the run took ${elapsed} s to end after a rank failed"
 grep -q "error on rank 1 of 2" "$work/failed.err" || fail "the failing rank is not named: $(tail -5 "$work/failed.err")"
 
-# A rank stopped mid-run (SIGSTOP: a frozen process, a lost host) left the other spinning in a
-# collective forever, printing nothing; --rank-timeout-minutes ends every rank, saying why.
-ranks 2 "$ferry" train --model mlp --epochs 50 --train-limit 4096 --rank-timeout-minutes 0.1 \
-  >/dev/null 2>"$work/stopped_rank.err" &
-run=$!
-rank1=""
-for _ in $(seq 1 600); do
-  for pid in $(pgrep -f "ferry train --model mlp --epochs 50" || true); do
-    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1' &&
-      grep -qs '^ferry: residency' "$work/stopped_rank.err"; then
+# stopped_rank NAME WHEN MESSAGE ARGS...: ferry ARGS on 2 ranks, rank 1 stopped by SIGSTOP (a frozen
+# process, a lost host) as soon as it is found (WHEN setup) or a second after its set-up line
+# (training); every rank must end within 120 s, under ARGS's 6 s limit, with MESSAGE on stderr.
+stopped_rank() {
+  local name=$1 when=$2 message=$3
+  shift 3
+  local err="$work/$name.err" run rank1="" pid status start elapsed
+  ranks 2 "$ferry" "$@" >/dev/null 2>"$err" &
+  run=$!
+  for _ in $(seq 1 1200); do
+    for pid in $(pgrep -f "ferry $*" || true); do
+      tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1' || continue
+      [ "$when" = setup ] || grep -qs '^ferry: residency' "$err" || continue
       rank1=$pid
-    fi
+    done
+    [ -n "$rank1" ] && break
+    sleep 0.05
   done
-  [ -n "$rank1" ] && break
-  sleep 0.1
-done
-if [ -z "$rank1" ]; then
-  fail "rank 1 of the run to stop was not found"
-  kill "$run"
-else
-  sleep 1 # training
+  if [ -z "$rank1" ]; then
+    fail "$name: rank 1 was not found"
+    kill "$run"
+    return
+  fi
+  [ "$when" = setup ] || sleep 1 # training
   kill -STOP "$rank1"
   start=$(date +%s)
   wait "$run"
   status=$?
   elapsed=$(($(date +%s) - start))
   kill -KILL "$rank1" 2>/dev/null
-  [ $status -ne 0 ] || fail "a run with a stopped rank succeeded"
-  [ $elapsed -lt 120 ] || fail "a run with a stopped rank took ${elapsed} s to end under a 6 s limit"
-  grep -q "rank 0: no step has finished for [0-9]* s" "$work/stopped_rank.err" ||
-    fail "no message for a stopped rank: $(tail -3 "$work/stopped_rank.err")"
-fi
+  [ $status -ne 0 ] || fail "$name: the run succeeded"
+  [ $elapsed -lt 120 ] || fail "$name: it took ${elapsed} s to end under a 6 s limit"
+  grep -q "$message" "$err" || fail "$name: no message: $(tail -3 "$err")"
+}
 
+# A rank stopped mid-run left the other spinning in a collective forever, printing nothing;
+# --rank-timeout-minutes ends every rank, saying why.
+stopped_rank stopped_rank training "rank 0: no step has finished for [0-9]* s" \
+  train --model mlp --epochs 50 --train-limit 4096 --rank-timeout-minutes 0.1
 # A rank stopped during set-up (MPI's start, the agreement on options, compiling, the trainer's
 # agreements), before the loop's own watch, left the others waiting there for ever: a watch over
 # set-up ends every rank too.
-ranks 2 "$ferry" train --model mlp --epochs 1 --train-limit 4096 --rank-timeout-minutes 0.1 \
-  >/dev/null 2>"$work/stopped_setup.err" &
-run=$!
-rank1=""
-for _ in $(seq 1 600); do
-  for pid in $(pgrep -f "ferry train --model mlp --epochs 1 --train-limit 4096 --rank-timeout" || true); do
-    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then
-      rank1=$pid
-    fi
-  done
-  [ -n "$rank1" ] && break
-  sleep 0.05
-done
-if [ -z "$rank1" ]; then
-  fail "rank 1 of the run to stop in set-up was not found"
-  kill "$run"
-else
-  kill -STOP "$rank1"
-  start=$(date +%s)
-  wait "$run"
-  status=$?
-  elapsed=$(($(date +%s) - start))
-  kill -KILL "$rank1" 2>/dev/null
-  [ $status -ne 0 ] || fail "a run with a rank stopped in set-up succeeded"
-  [ $elapsed -lt 120 ] || fail "a run with a rank stopped in set-up took ${elapsed} s to end under a 6 s limit"
-  grep -q "rank 0: set-up (starting MPI, loading the data, compiling the step, a resume) has not finished in [0-9]* s" \
-    "$work/stopped_setup.err" || fail "no message for a rank stopped in set-up: $(tail -3 "$work/stopped_setup.err")"
-fi
+stopped_rank stopped_setup setup \
+  "rank 0: set-up (starting MPI, loading the data, compiling the step, a resume) has not finished in [0-9]* s" \
+  train --model mlp --epochs 1 --train-limit 4096 --rank-timeout-minutes 0.1
 
 [ $failures -eq 0 ] && echo "data_parallel: ok"
 exit $((failures > 0))
