@@ -248,6 +248,7 @@ TEST(Outputs, TrainJsonProfileAndTrace) {
   expect_documented(j, "ferry train");
   EXPECT_NE(r.out.find("\"lr\":0.001,"), std::string::npos) << r.out;
   EXPECT_EQ(j.at("steps"), 3);
+  EXPECT_EQ(j.at("train_samples"), 768);
   EXPECT_GT(j.at("step_ms").get<double>(), 0);
   EXPECT_GE(j.at("eval_seconds").get<double>(), 0);
   EXPECT_NE(r.err.find("wrote a trace of 2 steps"), std::string::npos) << r.err;

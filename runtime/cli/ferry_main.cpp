@@ -417,6 +417,7 @@ int cmd_train(const TrainArgs& a) {
   if (a.json) {
     nlohmann::json j = common_train_summary(a, runtime, trainer, batch, output_errors);
     add_classifier_fields(j, a, trainer, run, final_eval, eval_seconds, compile_s);
+    j["train_samples"] = train.count;  // after --train-limit (whose note --quiet leaves out)
     if (a.eval_int8) j["test_accuracy_int8"] = trainer.evaluate(test, true).accuracy;
     std::cout << j.dump() << std::endl;
   }
