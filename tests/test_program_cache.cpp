@@ -184,7 +184,8 @@ TEST(ProgramCache, EntryHoldingAnotherProgramIsRebuilt) {
   Populated cache("another");
   const fs::path other_dir = fresh_dir("another-source");
   cl::KernelLibrary(TestDevice::get().context, {true, other_dir}).kernel("loss_sum", "loss_sum");
-  const cl::CacheEntryView other_view = cl::decode_cache_entry(read_bytes(only_entry(other_dir)));
+  const Bytes other_entry = read_bytes(only_entry(other_dir));  // the view below points into it
+  const cl::CacheEntryView other_view = cl::decode_cache_entry(other_entry);
   const Bytes other(other_view.binary.begin(), other_view.binary.end());
   ASSERT_FALSE(other.empty());
   const std::string stem = cache.entry.stem().string();
