@@ -275,19 +275,16 @@ void CompiledStep::allocate(const cl::Context& context, std::shared_ptr<Persiste
   }
   if (can_run_ahead()) {
     for (const auto* mirrors : {&impl_->uploads, &impl_->downloads}) {
-      for (const auto& entry : *mirrors) {
-        const std::size_t index = impl_->mirror_index.size();
-        impl_->mirror_index.emplace(t.storage(entry.second), index);
-      }
+      for (const auto& entry : *mirrors) impl_->mirror_index.emplace(t.storage(entry.second), 0);
     }
-    // Buffer `index` of a slot is the mirror of that index (by name, as numbered above; walking the
-    // map goes by id, and gave a mirror the buffer of another, of another size, where the two
-    // orders differ: an input "x" with a target "a").
-    std::vector<TensorId> mirror_of(impl_->mirror_index.size());
-    for (const auto& [id, index] : impl_->mirror_index) mirror_of[index] = id;
+    // Numbered in the map's order, the order the buffers are made in below. (Numbered by name as
+    // they were found, a mirror got the buffer of another, of another size, where names and ids
+    // are in other orders: an input "x" with a target "a".)
+    std::size_t next = 0;
+    for (auto& [id, index] : impl_->mirror_index) index = next++;
     impl_->extra_mirrors.resize(max_in_flight - 1);
     for (std::size_t slot = 1; slot < max_in_flight; ++slot) {
-      for (const TensorId id : mirror_of) {
+      for (const auto& [id, index] : impl_->mirror_index) {
         impl_->extra_mirrors[slot - 1].push_back(offload::allocate_pinned_host(
             context, std::max<std::uint64_t>(t.bytes(id), 1),
             fmt::format("host mirror '{}' of batch slot {} (a step staged while the one before it runs)", t.name[id],

@@ -30,7 +30,9 @@ std::string caller_kind(const ckpt::Contents& c) {
   return kind != j.end() && kind->is_string() ? kind->get<std::string>() : "";
 }
 
-nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, const ckpt::Contents& c) {
+// `refusal`: ckpt::resume_refusal of `c`.
+nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, const ckpt::Contents& c,
+                         const std::optional<std::string>& refusal) {
   const ckpt::Fingerprint& f = c.fingerprint;
   nlohmann::json settings = nullptr;  // a file of format 1 records none
   if (f.settings) {
@@ -74,7 +76,7 @@ nlohmann::json info_json(const std::string& path, std::uint64_t file_bytes, cons
           {"tensor_bytes", tensor_bytes(c)},
           {"tensors", tensors},
           {"non_finite", non_finite},
-          {"resumable", !ckpt::resume_refusal(c).has_value()},
+          {"resumable", !refusal.has_value()},
           {"caller_bytes", c.caller.size()},
           {"caller_kind", caller_kind(c)}};
 }
@@ -114,17 +116,18 @@ void print_info(const std::string& path, std::uint64_t file_bytes, const ckpt::C
 int cmd_checkpoint(const CheckpointArgs& a) {
   const ckpt::Reader reader(a.path, "nothing was loaded");
   const ckpt::Contents contents = ckpt::read_contents(reader);
+  const std::optional<std::string> refused = ckpt::resume_refusal(contents);
   if (a.json) {
     // Names come from the file: bytes that are not UTF-8 print replaced, not as an exception.
-    std::cout
-        << info_json(a.path, reader.size(), contents).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
-        << std::endl;
+    std::cout << info_json(a.path, reader.size(), contents, refused)
+                     .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+              << std::endl;
   } else {
     print_info(a.path, reader.size(), contents);
   }
   // A file read whole that a resume still refuses fails the check: a script that checks a file
   // before a long job starts reads the exit status.
-  if (const std::optional<std::string> refused = ckpt::resume_refusal(contents)) {
+  if (refused) {
     std::cout.flush();
     std::cerr << fmt::format(
         "ferry: error: checkpoint '{}' holds a value that is not a finite number where a resume refuses one: {}; the "
