@@ -299,6 +299,7 @@ class CompiledStep {
 
  private:
   struct Impl;
+  struct StepRecord;
   struct Submission;
   // The device passes after the planning ones (graph/step_plan.hpp), in order.
   void allocate(const cl::Context& context, std::shared_ptr<PersistentArena> shared,

@@ -44,15 +44,29 @@ inline cl_command_queue queue_of(const cl::Context& ctx, Lane lane) {
   }
 }
 
-// One submitted step: what its commands left behind until wait() has read it. There are
-// max_in_flight of these, used in turn; a step's batch mirrors are those of its slot.
-struct CompiledStep::Submission {
-  int slot = 0;
-  ops::StepInfo step;
+// What timeline() and host_activity() read of a step: its commands' events and, when profiling,
+// the host's clock at its enqueues, host-lane work and waits.
+struct CompiledStep::StepRecord {
   RunMode mode = RunMode::normal;
   std::vector<cl::Event> events;        // per node: its last command (host-lane nodes: none)
   std::vector<cl::Event> first_events;  // per node: its first command (profiling only)
-  std::vector<char> started;            // per node that changes state in place: it was enqueued
+  // Profiling only, host steady clock in ns: when each device node's enqueue began and ended, when
+  // each host-lane node's work ran, and the host thread's waits for this step.
+  std::vector<std::uint64_t> enqueue_begin_ns, enqueue_end_ns, host_start_ns, host_end_ns;
+  // Host-lane nodes: when the gate began waiting, and when it opened (steady_ns).
+  std::vector<std::uint64_t> host_ready_ns, host_gate_ns;
+  struct Wait {
+    std::uint64_t begin_ns, end_ns;
+  };
+  std::vector<Wait> waits;
+};
+
+// One submitted step: what its commands left behind until wait() has read it. There are
+// max_in_flight of these, used in turn; a step's batch mirrors are those of its slot.
+struct CompiledStep::Submission : StepRecord {
+  int slot = 0;
+  ops::StepInfo step;
+  std::vector<char> started;  // per node that changes state in place: it was enqueued
   // The marker after the commit node that every in-place node waits for (one-pass form).
   cl::Event commit_marker;
   std::vector<cl::Event> commit_groups;  // the markers it waits for (enqueue_commit_markers)
@@ -76,15 +90,6 @@ struct CompiledStep::Submission {
   std::exception_ptr failure;
   bool cancelled = false;
   cl_int finish_status = CL_COMPLETE;
-  // Profiling only, host steady clock in ns: when each device node's enqueue began and ended, when
-  // each host-lane node's work ran, and the host thread's waits for this step.
-  std::vector<std::uint64_t> enqueue_begin_ns, enqueue_end_ns, host_start_ns, host_end_ns;
-  // Host-lane nodes: when the gate began waiting, and when it opened (steady_ns).
-  std::vector<std::uint64_t> host_ready_ns, host_gate_ns;
-  struct Wait {
-    std::uint64_t begin_ns, end_ns;
-  };
-  std::vector<Wait> waits;
 
   void reset(std::size_t nodes, bool profiling);
 };
@@ -157,6 +162,10 @@ struct CompiledStep::Impl {
   std::array<Submission, max_in_flight> subs;
   std::size_t oldest = 0, next = 0, count = 0;
   int result = 0;
+  // When profiling, the record of the step wait() read last, copied out of its submission there:
+  // a step that does not run ahead (the flow-graph form) runs the next one in the same submission
+  // before its caller has read the timeline of this one.
+  StepRecord waited;
   std::atomic<int> enqueue_slot{0};
   Submission* running = nullptr;  // the submission the flow graph is running
   std::atomic<std::uint64_t> host_waits{0};

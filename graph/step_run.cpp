@@ -277,6 +277,7 @@ void CompiledStep::wait() {
         CL_SUCCESS)
       finish_status = CL_COMPLETE;
   }
+  if (im.ctx.profiling()) im.waited = s;  // (the record alone: a copy of its events and clocks)
   if (!failure) {
     // A command failed on the device: its node is the first whose event says so.
     try {
@@ -426,7 +427,8 @@ void name_last_dependencies(std::vector<TimelineEntry>& entries, const std::vect
 std::vector<TimelineEntry> CompiledStep::timeline() const {
   std::vector<TimelineEntry> out;
   if (!impl_->ctx.profiling()) return out;
-  const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
+  const StepRecord& s = impl_->waited;
+  if (s.events.empty()) return out;  // no step waited for yet
   const std::int64_t offset = host_to_device_offset(graph_, s);
   const auto& nodes = graph_.nodes;
   std::vector<NodeId> ids;  // the node of each entry
@@ -460,7 +462,8 @@ std::vector<TimelineEntry> CompiledStep::timeline() const {
 std::vector<TimelineEntry> CompiledStep::host_activity() const {
   std::vector<TimelineEntry> out;
   if (!impl_->ctx.profiling()) return out;
-  const Submission& s = impl_->subs[static_cast<std::size_t>(impl_->result)];
+  const StepRecord& s = impl_->waited;
+  if (s.events.empty()) return out;  // no step waited for yet
   const std::int64_t offset = host_to_device_offset(graph_, s);
   const auto& nodes = graph_.nodes;
   for (NodeId id = 0; id < nodes.size(); ++id) {

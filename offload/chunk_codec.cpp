@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 #include <tbb/blocked_range.h>
+#include <tbb/info.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 #include <zstd.h>
@@ -142,7 +143,20 @@ struct ChunkCodec::Arena {
 
 ChunkCodec::ChunkCodec(CodecOptions o) : options_(o) {
   validate(options_);
+  const auto threads = static_cast<unsigned>(std::max(1, tbb::info::default_concurrency()));
+  options_.workers = std::min(options_.workers, threads);
   if (options_.workers > 0) arena_ = std::make_unique<Arena>(options_.workers);
+}
+
+std::uint64_t ChunkCodec::max_compressed_bytes(std::uint64_t raw_bytes, std::size_t elem_bytes, const CodecOptions& o) {
+  // A chunk's record and the allocator's header of its exact-size allocation (glibc: 16 bytes).
+  constexpr std::uint64_t bookkeeping = sizeof(CompressedTensor::Chunk) + 16;
+  const std::uint64_t elem = std::max<std::size_t>(1, elem_bytes);
+  const std::uint64_t chunk = std::max<std::uint64_t>(1, o.chunk_bytes / elem) * elem;
+  const std::uint64_t whole = raw_bytes / chunk, rest = raw_bytes % chunk;
+  std::uint64_t bytes = whole * (ZSTD_compressBound(chunk) + bookkeeping);
+  if (rest != 0) bytes += ZSTD_compressBound(rest) + bookkeeping;
+  return bytes;
 }
 
 ChunkCodec::~ChunkCodec() = default;

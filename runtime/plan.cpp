@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/offload/chunk_codec.hpp"
 #include "ferry/offload/host_memory.hpp"
 #include "ferry/runtime/units.hpp"
 #include "graph/autodiff.hpp"
@@ -392,17 +393,21 @@ TrainingPlan plan_as_given(Runtime& runtime, const ModelSpec& model, const Train
     for (const std::uint64_t b : train_plan.memory.persistent_buffers[h]) bytes += b;
     out.host_store_bytes += bytes * offload::host_copies(static_cast<offload::Home>(h), residency.homes);
     if (static_cast<offload::Home>(h) != offload::Home::host_compressed) continue;
-    // Chunks at most the uncompressed size: one set, and a tensor's new chunks while they are
-    // made (in place), or two sets until the step commits.
-    std::uint64_t largest = 0;
+    // Each tensor's chunks at most at the codec's bound (about its uncompressed size with chunks of
+    // kilobytes and more): one set, and a tensor's new chunks while they are made (in place), or two
+    // sets until the step commits.
+    std::uint64_t chunks = 0, largest = 0;
     for (TensorId x = 0; x < training.tensors.size(); ++x) {
       if (training.tensors.storage(x) == x && training.tensors.home[x] == graph::Home::host_compressed) {
-        largest = std::max(largest, training.tensors.bytes(x));
+        const std::uint64_t most = offload::ChunkCodec::max_compressed_bytes(
+            training.tensors.bytes(x), graph::dtype_bytes(training.tensors.dtype[x]), residency.homes.codec);
+        chunks += most;
+        largest = std::max(largest, most);
       }
     }
     out.host_compressed_bytes +=
-        offload::changes_in_place(offload::Home::host_compressed, residency.homes.pinned_copies) ? bytes + largest
-                                                                                                 : 2 * bytes;
+        offload::changes_in_place(offload::Home::host_compressed, residency.homes.pinned_copies) ? chunks + largest
+                                                                                                 : 2 * chunks;
   }
   // Evaluation's variants (Trainer::evaluate): the batch, and for a data set's tail the batch
   // halved (rounded down) until one sample, each compiled once at its first use.

@@ -4,9 +4,11 @@
 // re-checksummed and truncated chunks are errors naming the tensor and the chunk.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "ferry/offload/chunk_codec.hpp"
 
@@ -187,6 +189,32 @@ TEST(ChunkCodec, CorruptChunksAreErrorsNamingTensorAndChunk) {
   auto t = codec.compress(raw, 4, "x");
   codec.decompress(t, out, "x");
   EXPECT_EQ(out, raw) << "an intact tensor still decodes";
+}
+
+// max_compressed_bytes bounds what incompressible data takes at any chunk size, and stays near the
+// data's size for chunks of kilobytes and more; more workers than the machine's threads run as that many
+// (an arena of 70,000 crashed TBB when the codec was destroyed).
+TEST(ChunkCodec, TheBoundHoldsAndWorkersAreTheMachinesAtMost) {
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  for (const std::size_t chunk : {std::size_t{1}, std::size_t{16}, std::size_t{5000}, std::size_t{1} << 20}) {
+    SCOPED_TRACE(::testing::Message() << "chunk " << chunk);
+    const ChunkCodec codec(options(chunk, 70000));
+    EXPECT_GT(codec.options().workers, 0u);
+    EXPECT_LE(codec.options().workers, threads);
+    const auto raw = data_of(chunk < 64 ? 4000 : 3'000'004, 1, 11);
+    const auto t = codec.compress(raw, 4, "x");
+    const std::uint64_t bound = ChunkCodec::max_compressed_bytes(raw.size(), 4, codec.options());
+    EXPECT_LE(t.compressed_bytes(), bound);
+    if (chunk >= 4096) {  // zstd's margin of a few dozen bytes a chunk, 1/256 of the data
+      EXPECT_LE(bound, raw.size() + raw.size() / (chunk >= (1 << 20) ? 200 : 30))
+          << "within 0.5% of the data (1 MiB chunks), 3.3% (5000-byte chunks)";
+    } else {
+      EXPECT_GT(t.compressed_bytes(), raw.size()) << "tiny chunks are larger than their data";
+    }
+    std::vector<std::byte> out(raw.size());
+    codec.decompress(t, out, "x");
+    EXPECT_EQ(out, raw);
+  }
 }
 
 TEST(ChunkCodec, BadSettingsAndSizesAreClearErrors) {

@@ -157,6 +157,37 @@ TEST(Plan, PlannerAgreesWithTheTrainerResident) {
   expect_plan_matches_trainer(rt, small_cnn(), o);
 }
 
+// The compressed home's chunks as planned hold what a run stores in them, whatever the chunk size:
+// the plan had counted each tensor at its uncompressed size, which chunks of a few bytes exceed
+// (each is a zstd frame with its header and checksum), so `--compress-chunk 1` held 4.25x the state
+// under a host budget planned at 1x.
+TEST(Plan, CompressedChunksAsPlannedHoldWhatTheRunStores) {
+  Runtime rt;
+  const ModelSpec m = small_mlp();
+  const std::size_t sample = m.inputs[0].sample.elems();
+  const std::vector<float> images = random_vector(8 * sample, 3, 0.0f, 1.0f);
+  const std::vector<std::int32_t> labels = labels_for(8, 5);
+  for (const std::size_t chunk : {std::size_t{16}, std::size_t{1} << 20}) {
+    SCOPED_TRACE(fmt::format("{}-byte chunks", chunk));
+    TrainerOptions o;
+    o.batch = 8;
+    o.optimizer.kind = ops::OptimizerConfig::Kind::adam;
+    o.residency.state_home = graph::Home::host_compressed;
+    o.residency.weights_home = graph::Home::host_compressed;  // random values: they hardly compress
+    o.residency.homes.codec.chunk_bytes = chunk;
+    const TrainingPlan plan = plan_training(rt, m, o);
+    Trainer t(rt, m, o);
+    for (int i = 0; i < 2; ++i) t.step(images, labels);
+    const auto& store = compiled_train_step(t).persistent()->homes[static_cast<int>(graph::Home::host_compressed)];
+    ASSERT_TRUE(store);
+    EXPECT_GT(store->host_bytes(), 0u);
+    EXPECT_LE(store->host_bytes(), plan.host_compressed_bytes);
+    if (chunk == 16) {
+      EXPECT_GT(store->host_bytes(), t.weight_bytes()) << "tiny chunks take more than the weights";
+    }
+  }
+}
+
 TEST(Plan, PlannerAgreesWithTheTrainerStreamedHybrid) {
   Runtime rt;
   TrainerOptions o;

@@ -3,10 +3,12 @@
 // belong to.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/ferry.hpp"
@@ -111,6 +113,42 @@ TEST(SubmitAhead, RunsAheadWhereTheStateChangesInPlace) {
   EXPECT_LE(compiled_train_step(host).in_flight(), 1u);
   EXPECT_TRUE(std::isfinite(host.result(s1).loss));  // out of order: the earlier one is kept
   EXPECT_TRUE(std::isfinite(host.result(s0).loss));
+}
+
+// The timeline of a step read after a later one was submitted is its own. A step that does not run
+// ahead (a compressed state home: the flow-graph form, which runs the whole step in submit) ran the
+// next one in the same submission before its caller read it, so a trace or profile recorded the
+// step after it in its place: `ferry train --state-home compressed --trace` repeated a step's
+// predecessor's timeline before every evaluation and at the end.
+TEST(SubmitAhead, AStepsTimelineIsItsOwnAfterTheNextIsSubmitted) {
+  Runtime rt({.profiling = true});
+  const ModelSpec m = small_residual();
+  const Batches b(m, 2);
+  TrainerOptions compressed = options(graph::ResidencyMode::resident);
+  compressed.residency.state_home = graph::Home::host_compressed;
+  for (const TrainerOptions& o : {options(graph::ResidencyMode::resident), compressed}) {
+    Trainer t(rt, m, o);
+    SCOPED_TRACE(t.runs_ahead() ? "runs ahead" : "does not run ahead");
+    const auto compute_span = [&] {
+      std::uint64_t first = UINT64_MAX, last = 0;
+      for (const graph::TimelineEntry& e : compiled_last_run_step(t).timeline()) {
+        if (e.lane != graph::Lane::compute) continue;
+        first = std::min(first, e.start_ns);
+        last = std::max(last, e.end_ns);
+      }
+      return std::pair{first, last};
+    };
+    const StepHandle h0 = t.submit(b.at(0));
+    const StepHandle h1 = t.submit(b.at(1));
+    t.result(h0);
+    const auto [first0, last0] = compute_span();
+    t.result(h1);
+    const auto [first1, last1] = compute_span();
+    ASSERT_LT(first0, last0) << "step 0 has a timeline";
+    ASSERT_LT(first1, last1) << "step 1 has a timeline";
+    // One compute queue, in order: step 0's kernels all end before step 1's begin.
+    EXPECT_LE(last0, first1) << "step 0's timeline, read after step 1 was submitted, is not its own";
+  }
 }
 
 // The host mirrors of the second batch slot (a step staged while the one before runs) were

@@ -136,6 +136,13 @@ void configure_trainer(const TrainArgs& a, ferry::TrainerOptions& opt) {
     }
   }
   opt.residency.homes.codec.chunk_bytes = size_option("--compress-chunk", a.compress_chunk);
+  if (opt.residency.homes.codec.chunk_bytes < ferry::offload::min_useful_chunk_bytes) {
+    throw std::invalid_argument(fmt::format(
+        "--compress-chunk {}: chunks below {} hold more than they save (a zstd frame and an allocation each); use {} "
+        "or more (default 1MiB)",
+        a.compress_chunk, ferry::format_bytes(ferry::offload::min_useful_chunk_bytes),
+        ferry::format_bytes(ferry::offload::min_useful_chunk_bytes)));
+  }
   opt.residency.homes.codec.level = a.compress_level;
   opt.residency.homes.codec.workers = a.compress_workers;
   ferry::offload::validate(opt.residency.homes.codec);

@@ -525,11 +525,12 @@ void add_residency_options(CLI::App* app, TrainArgs& t) {
                   "(not kept: re-initialised to zeros before every update)")
       ->check(homes);
   app->add_option("--compress-chunk", t.compress_chunk,
-                  "Compressed home: uncompressed bytes per chunk (e.g. 256KiB, 1MiB)")
+                  "Compressed home: uncompressed bytes per chunk (e.g. 256KiB, 1MiB; at least 4KiB)")
       ->capture_default_str();
   app->add_option("--compress-level", t.compress_level, "Compressed home: zstd level")->capture_default_str();
   app->add_option("--compress-workers", t.compress_workers,
-                  "Compressed home: TBB workers (de)compressing one tensor's chunks (0: all)")
+                  "Compressed home: TBB workers (de)compressing one tensor's chunks (0: all; more than the machine's "
+                  "hardware threads run as that many)")
       ->capture_default_str();
   app->add_option("--lookahead", t.lookahead, "Streaming: compute nodes a fetch is issued ahead of its use")
       ->capture_default_str();

@@ -146,6 +146,8 @@ row "--optimizer-block without 8-bit state" "--optimizer-block applies to --opti
   train "${quick[@]}" --optimizer-block 256
 row "--compress-level without a compressed home" "--compress-level applies to a compressed home only" error - \
   train "${quick[@]}" --compress-level 3
+row "compressed chunks of a few bytes" "chunks below 4.0 KiB hold more than they save" error - \
+  train "${quick[@]}" --state-home compressed --compress-chunk 1
 row "--warmup-steps without hybrid phases" "--warmup-steps applies to --phases hybrid only" error - \
   train "${quick[@]}" --warmup-steps 3
 row "--loss-scaling on with fp32 layers (nothing to scale)" "loss scaling on with fp32 layers" error - \

@@ -17,10 +17,18 @@ namespace ferry::offload {
 struct CodecOptions {
   std::size_t chunk_bytes = 1 << 20;  // uncompressed bytes per chunk (rounded down to whole elements, at least one)
   int level = 1;                      // zstd compression level
-  unsigned workers = 0;               // TBB workers that (de)compress one tensor's chunks at once; 0: all
+  // TBB workers that (de)compress one tensor's chunks at once; 0: all. More than the machine's
+  // hardware threads run as that many (TBB ignores the rest, and an arena of tens of thousands
+  // crashed it at exit).
+  unsigned workers = 0;
 };
 // Throws std::invalid_argument saying what is wrong and what to use.
 void validate(const CodecOptions& o);
+// The smallest chunk `ferry train --compress-chunk` takes. Each chunk carries a zstd frame (header,
+// block header, checksum: about 13 bytes) and an allocation of its own, so chunks of a few bytes
+// held 4.25x the state they compress (1-byte chunks) and ran steps 14x slower. The codec itself
+// takes any size (its tests use tiny chunks to reach every path).
+inline constexpr std::size_t min_useful_chunk_bytes = 4096;
 
 // A corrupt, truncated or undecodable chunk, or a zstd failure: names the tensor and the chunk.
 class ChunkError : public std::runtime_error {
@@ -71,6 +79,11 @@ class ChunkCodec {
   // dst.size() must equal t.raw_bytes(). Throws ChunkError for a bad chunk (dst is then
   // unspecified; `t` is unchanged).
   void decompress(const CompressedTensor& t, std::span<std::byte> dst, std::string_view what) const;
+  // The most host memory a tensor of `raw_bytes` (elements of `elem_bytes`) can take compressed with
+  // `o`: each chunk at zstd's bound for its size (data that does not compress is stored with a frame
+  // header, block headers and a checksum) plus its allocation's bookkeeping. With chunks of a few
+  // bytes that is many times the data.
+  static std::uint64_t max_compressed_bytes(std::uint64_t raw_bytes, std::size_t elem_bytes, const CodecOptions& o);
 
  private:
   struct Arena;
