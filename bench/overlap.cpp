@@ -252,6 +252,10 @@ TimelineStats timeline_stats(const graph::CompiledStep& step) {
   std::map<std::string, std::uint64_t> copy_bytes;  // fetch / write-back node name -> bytes
   for (graph::NodeId n = 0; n < g.nodes.size(); ++n) {
     if (ops::op_info(g.nodes.op[n]).op_class != ops::OpClass::state_transfer) continue;
+    // The link's copies only: staged and pageable host memory add host-lane unpack / pack nodes
+    // (a host copy into or out of the pinned staging), which are state transfers too but neither
+    // cross the link nor count in the plan's fetch and write-back bytes.
+    if (g.nodes.lane[n] != graph::Lane::h2d && g.nodes.lane[n] != graph::Lane::d2h) continue;
     copy_bytes[g.nodes.name[n]] = g.tensors.bytes(g.nodes.inputs(n)[0]);
   }
   TimelineStats s;
@@ -489,6 +493,12 @@ int run_overlap(const BenchCommon& common, const OverlapOptions& o) {
 
   Runtime runtime({.device = common.device, .profiling = true});
   const cl::DeviceInfo& dev = runtime.device();
+  if (link_bytes > dev.max_alloc_bytes) {
+    throw std::invalid_argument(
+        fmt::format("--link-bytes {}: the link-peak copies go to one device buffer, and {} "
+                    "takes at most {} in one: give {} or less",
+                    o.link_bytes, dev.name, format_bytes(dev.max_alloc_bytes), format_bytes(dev.max_alloc_bytes)));
+  }
   const offload::HostMemory memory =
       offload::resolve_host_memory(offload::parse_host_memory(o.host_memory), runtime.device());
   LinkProbe peak(runtime.context(), link_bytes, offload::link_source_memory(memory));

@@ -349,6 +349,12 @@ int run_staging(const BenchCommon& common, const StagingOptions& o) {
   // The smallest chunk is ferry train's (--staging-chunk): below it the per-chunk hand-offs, not
   // the copies, are what is timed, and 1-byte chunks of the default --bytes take minutes.
   const std::uint64_t smallest = graph::ResidencyOptions::min_staging_chunk_bytes;
+  if (bytes < smallest) {
+    throw std::invalid_argument(
+        fmt::format("--bytes {}: the copies go through chunks of at least {} (as ferry "
+                    "train's --staging-chunk): give --bytes {} or more",
+                    format_bytes(bytes), format_bytes(smallest), format_bytes(smallest)));
+  }
   std::uint64_t largest = 0;
   for (std::uint64_t c : chunks) {
     if (c < smallest || c > bytes) {

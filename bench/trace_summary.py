@@ -210,6 +210,10 @@ def main():
     lanes, spans = load(a.trace)
     steps = sorted({s.get("args", {}).get("step") for s in spans if "step" in s.get("args", {})})
     if a.step is not None:
+        if a.step not in steps:
+            have = f"steps {steps[0]} to {steps[-1]}" if steps else "no steps"
+            print(f"trace_summary.py: {a.trace} has no step {a.step} (it holds {have})", file=sys.stderr)
+            return 1
         steps = [a.step]
     if not steps:
         print(f"trace_summary.py: no steps in {a.trace}", file=sys.stderr)

@@ -143,15 +143,21 @@ void compare(const Fingerprint& file, const Fingerprint& here, const std::filesy
   }
   if (file.accumulate != here.accumulate) {
     throw mismatch(
-        fmt::format("it accumulates {} micro-batches per update, this trainer {}", file.accumulate, here.accumulate),
-        fmt::format("use {} micro-batches per update (ferry train --accumulate {}; TrainerOptions::accumulate)",
-                    file.accumulate, file.accumulate));
+        fmt::format("it accumulates {} micro-batch{} per update, this trainer {}", file.accumulate,
+                    file.accumulate == 1 ? "" : "es", here.accumulate),
+        fmt::format("use {} micro-batch{} per update (ferry train --accumulate {}; TrainerOptions::accumulate)",
+                    file.accumulate, file.accumulate == 1 ? "" : "es", file.accumulate));
   }
   if (file.precision != here.precision || file.scaled != here.scaled) {
     // In --precision's own words (fp32, not the dtype's f32).
     const auto precision = [](const Fingerprint& f) { return precision_name(static_cast<ops::DType>(f.precision)); };
     const auto name = [&](const Fingerprint& f) {
-      return fmt::format("{}{}", precision(f), f.scaled ? " with loss scaling" : "");
+      // (Said either way where the precision could scale: "fp16" alone would read as the same.)
+      const bool could_scale = static_cast<ops::DType>(f.precision) != ops::DType::f32;
+      return fmt::format("{}{}", precision(f),
+                         f.scaled      ? " with loss scaling"
+                         : could_scale ? " without loss scaling"
+                                       : "");
     };
     throw mismatch(
         fmt::format("its precision is {}, this trainer's is {}", name(file), name(here)),

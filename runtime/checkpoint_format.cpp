@@ -266,7 +266,7 @@ Section read_section(const Reader& r, std::uint64_t offset, std::uint32_t expect
                      std::optional<std::uint64_t> length = std::nullopt, std::vector<std::byte>* keep = nullptr,
                      FirstNonFinite* watch = nullptr) {
   if (offset > r.size() || r.size() - offset < section_head_bytes + 8) {
-    throw r.truncated(offset, fmt::format("section {}", what));
+    throw r.truncated(offset + section_head_bytes + 8, fmt::format("section {} (at byte {})", what, offset));
   }
   unsigned char head[section_head_bytes];
   r.read(offset, head, sizeof head);
@@ -289,7 +289,9 @@ Section read_section(const Reader& r, std::uint64_t offset, std::uint32_t expect
                     what, offset, reserved, offset + 4, offset + 7));
   }
   if (s.length > r.size() - offset - section_head_bytes - 8) {
-    throw r.truncated(offset, fmt::format("section {} (at byte {}, {} bytes long)", what, offset, s.length));
+    throw r.truncated(
+        offset + section_head_bytes + 8 + s.length,
+        fmt::format("section {} (at byte {}, {} bytes long by its length field)", what, offset, s.length));
   }
   if (length && s.length != *length) {
     throw r.corrupt(fmt::format("section {} at byte {} is {} bytes long, not {}", what, offset, s.length, *length));
@@ -341,13 +343,13 @@ std::pair<std::uint32_t, std::string> read_header(const Reader& r) {
         r.path().string(), r.unchanged()));
   }
   if (have < 8 || std::memcmp(h, checkpoint_magic, 8) != 0) {
-    if (have < 8 && std::memcmp(h, checkpoint_magic, have) == 0) throw r.truncated(0, "the header");
+    if (have < 8 && std::memcmp(h, checkpoint_magic, have) == 0) throw r.truncated(header_bytes, "the header");
     throw std::runtime_error(
         fmt::format("'{}' is not a ferry checkpoint (it does not start with {}): pass a file written by ferry train "
                     "--checkpoint or Trainer::save_checkpoint",
                     r.path().string(), checkpoint_magic));
   }
-  if (have < header_bytes) throw r.truncated(have, "the header");
+  if (have < header_bytes) throw r.truncated(header_bytes, "the header");
   std::uint64_t sum = 0;
   std::memcpy(&sum, h + 32, 8);
   if (checkpoint_checksum(h, 32) != sum) throw r.corrupt("the header (bytes 0 to 40) fails its checksum");
@@ -618,7 +620,7 @@ void Reader::read(std::uint64_t offset, void* dst, std::size_t n) const {
       throw std::runtime_error(fmt::format("cannot read checkpoint '{}' at byte {}: {}; {}", path_.string(), offset,
                                            errno_text(errno), unchanged_));
     }
-    if (r == 0) throw truncated(offset, "the file");
+    if (r == 0) throw truncated(offset + n, "the file");
     p += r;
     offset += static_cast<std::uint64_t>(r);
     n -= static_cast<std::size_t>(r);
@@ -631,11 +633,11 @@ std::runtime_error Reader::corrupt(const std::string& what) const {
                   path_.string(), what, unchanged_));
 }
 
-std::runtime_error Reader::truncated(std::uint64_t at, const std::string& where) const {
+std::runtime_error Reader::truncated(std::uint64_t end, const std::string& where) const {
   return std::runtime_error(fmt::format(
-      "checkpoint '{}' is truncated or corrupt: {} needs bytes past its end ({} bytes, needed at byte {}); the "
+      "checkpoint '{}' is truncated or corrupt: {} needs the file to reach byte {}, and it has {} bytes; the "
       "writer may have been stopped, or the file damaged in a copy; {}: use another checkpoint",
-      path_.string(), where, size_, at, unchanged_));
+      path_.string(), where, end, size_, unchanged_));
 }
 
 // ---- Fingerprint ----
@@ -758,7 +760,7 @@ Contents read_contents(const Reader& r) {
             fmt::format("at byte {} the file holds another tensor than '{}', which belongs there", at, ft.name));
       }
     }
-    if (ft.bytes > r.size()) throw r.truncated(at, what);
+    if (ft.bytes > r.size()) throw r.truncated(at + ft.bytes, what);
     const auto dtype = static_cast<ops::DType>(ft.dtype);
     std::optional<FirstNonFinite> watch;
     if (FirstNonFinite::applies(dtype)) watch.emplace(ft.name.size(), dtype);

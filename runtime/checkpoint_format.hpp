@@ -109,7 +109,8 @@ class Reader {
   void read(std::uint64_t offset, void* dst, std::size_t n) const;
   // "checkpoint '<path>' is corrupt: <what>; the trainer was not changed: ..."
   std::runtime_error corrupt(const std::string& what) const;
-  std::runtime_error truncated(std::uint64_t at, const std::string& where) const;
+  // The file ends before byte `end`, which `where` needs.
+  std::runtime_error truncated(std::uint64_t end, const std::string& where) const;
 
  private:
   std::filesystem::path path_;

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "ferry/runtime/checkpoint.hpp"
+
 namespace ferry {
 
 const char* file_type_name(std::filesystem::file_type type) {
@@ -71,12 +73,22 @@ void refuse_to_replace(const std::filesystem::path& path, std::string_view what,
     throw std::runtime_error(fmt::format("cannot write the {} to '{}': it is {}, not a regular file: give a file path",
                                          what, path.string(), file_type_name(st.type())));
   }
-  if (replace_foreign_file || fs::file_size(path, ec) == 0) return;  // an empty file: a name made for it
+  if (fs::file_size(path, ec) == 0) return;  // an empty file: a name made for it
   std::ifstream in(path, std::ios::binary);
-  std::string head(signature.size(), '\0');
+  const std::string_view checkpoint(checkpoint_magic, 8);
+  std::string head(std::max(signature.size(), checkpoint.size()), '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));
   head.resize(static_cast<std::size_t>(in.gcount()));
-  if (head == signature) return;  // (an unreadable file reads as nothing, and is refused)
+  if (signature != checkpoint && head.starts_with(checkpoint)) {
+    // A checkpoint holds a run's state: no other output replaces it, --force or not (that is for
+    // files ferry did not write).
+    throw std::runtime_error(fmt::format(
+        "cannot write the {} to '{}': the file holds a ferry checkpoint (a run's training state), which the {} "
+        "would replace: give the {} another path",
+        what, path.string(), what, what));
+  }
+  if (replace_foreign_file) return;
+  if (head.starts_with(signature)) return;  // (an unreadable file reads as nothing, and is refused)
   throw std::runtime_error(fmt::format(
       "cannot write the {} to '{}': the file exists and is not a {} ferry wrote, so it is left as it is: give "
       "another path, or replace it on purpose (WriteOptions::replace_foreign_file; ferry train --force)",
@@ -91,8 +103,12 @@ void write_output_file(const std::filesystem::path& path, const char* what, std:
   auto fail = [&](const char* doing, int err) {
     std::error_code ec;
     std::filesystem::remove(tmp, ec);
-    return std::runtime_error(
-        fmt::format("{} '{}': {} failed: {}", what, path.string(), doing, err ? std::strerror(err) : "unknown error"));
+    const bool full = err == ENOSPC || err == EDQUOT;
+    return std::runtime_error(fmt::format("{} '{}': {} failed: {}{}", what, path.string(), doing,
+                                          err ? std::strerror(err) : "unknown error",
+                                          full ? " (the previous file, if any, is kept): free space on its file "
+                                                 "system, or give a path on another"
+                                               : ""));
   };
   {
     errno = 0;
@@ -254,8 +270,13 @@ OutputLock::OutputLock(const std::filesystem::path& path, std::string_view what)
       if (const std::optional<std::string> folder = missing_folder(path)) {  // what to do, not the lock's name
         throw std::runtime_error(fmt::format("cannot write the {} '{}': {}", what, path.string(), *folder));
       }
-      throw std::runtime_error(fmt::format("cannot lock the {} '{}': creating '{}' failed ({})", what, path.string(),
-                                           lock_path_.string(), std::strerror(err)));
+      // The lock file is ferry's own (a run's, removed when it ends): a folder or unwritable file
+      // in its place is in the way of every run writing this path.
+      throw std::runtime_error(fmt::format(
+          "cannot lock the {} '{}': creating its lock file '{}' failed ({}): {}", what, path.string(),
+          lock_path_.string(), std::strerror(err),
+          err == EISDIR ? "a folder has its name: remove it (ferry makes the lock file itself)"
+                        : "make the folder writable, remove what has the lock file's name, or give another path"));
     }
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;

@@ -615,9 +615,11 @@ StepResult Trainer::finish_training_step(Pending& p) {
     if (const std::string bad = non_finite_weight(); !bad.empty()) {
       // Steps and saves are refused until a checkpoint is loaded: a save would replace the last
       // good one with these weights.
-      inconsistent_ = fmt::format("weight {} is not finite (training diverged before step {})", bad, steps_ + 1);
+      inconsistent_ =
+          fmt::format("weight {} is not finite (training diverged before optimizer update {})", bad, steps_ + 1);
       throw std::runtime_error(fmt::format(
-          "training diverged before step {}: the loss is {} because weight {} was already not finite before this "
+          "training diverged before optimizer update {}: the loss is {} because weight {} was already not finite "
+          "before this "
           "step ({}; learning rate {}): the update was skipped, but the weights are not usable: go back to a "
           "checkpoint from before the divergence and lower the learning rate",
           steps_ + 1, r.loss, bad,
@@ -626,7 +628,8 @@ StepResult Trainer::finish_training_step(Pending& p) {
           lr_));
     }
     throw std::runtime_error(fmt::format(
-        "training diverged at step {}: the loss is {} (learning rate {}); the update was skipped, so the weights and "
+        "training diverged at optimizer update {}: the loss is {} (learning rate {}); the update was skipped, so the "
+        "weights and "
         "optimizer state are those from before this step: lower the learning rate or check the data (a loss that "
         "stays non-finite on every batch means an earlier update left the weights finite but huge: go back to a "
         "checkpoint from before it)",
@@ -644,7 +647,8 @@ StepResult Trainer::finish_training_step(Pending& p) {
     }
   } else if (!std::isfinite(guard)) {
     throw std::runtime_error(fmt::format(
-        "training diverged at step {}: the loss ({}) is finite, but a weight gradient is not ({}; learning rate {}); "
+        "training diverged at optimizer update {}: the loss ({}) is finite, but a weight gradient is not ({}; learning "
+        "rate {}); "
         "the update was skipped, so the weights and optimizer state are those from before this step: lower the "
         "learning rate or check the data",
         steps_ + 1, r.loss, unusable_gradient_text, lr_));
@@ -668,9 +672,10 @@ StepResult Trainer::finish_training_step(Pending& p) {
     std::string bad = non_finite_weight();
     if (bad.empty() && updates_broke_weights) throw_non_finite_state(r.loss);
     if (!bad.empty()) {
-      inconsistent_ = fmt::format("weight {} is not finite (training diverged at step {})", bad, steps_);
+      inconsistent_ = fmt::format("weight {} is not finite (training diverged at optimizer update {})", bad, steps_);
       throw std::runtime_error(fmt::format(
-          "training diverged at step {}: the loss ({}) was finite, but this step's update made weight {} not finite "
+          "training diverged at optimizer update {}: the loss ({}) was finite, but this step's update made weight {} "
+          "not finite "
           "(learning rate {}): the weights are NOT those from before this step and are not usable: go back to a "
           "checkpoint from before this step and lower the learning rate",
           steps_, r.loss, bad, lr_));
@@ -700,14 +705,17 @@ void Trainer::throw_non_finite_state(double loss) {
   if (bad.empty()) {  // (an update said so, yet what it wrote reads back finite: not explained as above)
     inconsistent_ = fmt::format("an update of step {} reported a value it wrote not finite", steps_);
     throw std::runtime_error(fmt::format(
-        "training diverged at step {}: the loss ({}) was finite, but an update reported a weight or optimizer state "
+        "training diverged at optimizer update {}: the loss ({}) was finite, but an update reported a weight or "
+        "optimizer state "
         "it wrote not finite, and reading them back found none: the training state is not trusted: go back to a "
         "checkpoint from before this step",
         steps_, loss));
   }
-  inconsistent_ = fmt::format("optimizer state {} is not finite (training diverged at step {})", bad, steps_);
+  inconsistent_ =
+      fmt::format("optimizer state {} is not finite (training diverged at optimizer update {})", bad, steps_);
   throw std::runtime_error(fmt::format(
-      "training diverged at step {}: the loss ({}) and the weights are finite, but this step's update made optimizer "
+      "training diverged at optimizer update {}: the loss ({}) and the weights are finite, but this step's update made "
+      "optimizer "
       "state {} not finite: the gradient the update squares (the weight gradient the overflow guard took, plus the "
       "L2 weight decay times the weight) overflowed, after which its weight would never change again; the state is not "
       "usable: go back to a checkpoint from before this step and check the "

@@ -104,8 +104,11 @@ TrainingLoop::TrainingLoop(Trainer& trainer, BatchSource& batches, TrainingLoopO
     : trainer_(trainer), batches_(batches), options_(std::move(options)), progress_tty_(isatty(STDERR_FILENO) != 0) {
   if (options_.steps == 0) throw std::invalid_argument("training loop: the run needs at least one step");
   if (options_.steps_per_epoch != 0 && options_.steps % options_.steps_per_epoch != 0) {
-    throw std::invalid_argument(fmt::format("training loop: {} steps are not whole epochs of {} steps", options_.steps,
-                                            options_.steps_per_epoch));
+    throw std::invalid_argument(fmt::format(
+        "training loop: {} steps are not whole epochs of {} steps: give steps as epochs times steps_per_epoch (e.g. "
+        "{}), or steps_per_epoch 0 for a run without epochs",
+        options_.steps, options_.steps_per_epoch,
+        std::max<std::uint64_t>(1, options_.steps / options_.steps_per_epoch) * options_.steps_per_epoch));
   }
   // Each step is one micro-batch: fewer than a group of them would update nothing.
   if (const std::uint32_t group = trainer.options().accumulate; options_.steps < group) {

@@ -94,6 +94,15 @@ TEST_F(OutputFiles, ReplaceOnlyWhatFerryWrote) {
   const fs::path empty = file("empty.csv", "");
   profiler_.write_csv(empty);
   EXPECT_EQ(read_text(empty).rfind(profile_signature, 0), 0u);
+
+  // Never over a checkpoint, on purpose or not: it is a file ferry wrote, a run's training state
+  // (`ferry train --trace run.ckpt --force` had replaced it with a trace).
+  const fs::path ckpt = file("run.ckpt", "FERRYCKP and the rest of a checkpoint");
+  for (const bool replace : {false, true}) {
+    expect_refused([&] { trace_.write(ckpt, {.replace_foreign_file = replace}); }, "holds a ferry checkpoint");
+    expect_refused([&] { profiler_.write_csv(ckpt, {.replace_foreign_file = replace}); }, "holds a ferry checkpoint");
+  }
+  EXPECT_EQ(read_text(ckpt), "FERRYCKP and the rest of a checkpoint");
 }
 
 // A file replaced whole (a new file renamed over it) kept the new file's mode: a checkpoint or

@@ -433,6 +433,10 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
        "overlap --repeat 1 --link-bytes 1MiB --config name=small,model=mlp,width=256,depth=1,batch=8,"
        "budget=4MiB --config name=toosmall,model=mlp,width=256,depth=1,batch=8,budget=4KiB --trace '" +
            (d / "overlap.json").string() + "'"},
+      // Staged host memory adds host-lane unpack / pack nodes, which are not the link's bytes.
+      {"overlap",
+       "overlap --repeat 1 --host-memory staged --no-mapped --link-bytes 1MiB --config "
+       "name=staged,model=mlp,width=256,depth=1,batch=8,budget=4MiB"},
       {"state", "state --width 64 --depth 2 --batch 8 --warmup 1 --steps 1 --device-budget 1MiB"},
       {"step", "step --batch 16 --warmup 1 --steps 2 --repeat 1 --python /nonexistent/python3"},
       {"gpt",
@@ -451,7 +455,12 @@ TEST(Outputs, BenchmarksDocumentEveryKey) {
       EXPECT_EQ(j.value("schema", 0), 1) << name << ": " << j.dump();
       expect_documented(j, "ferry-bench " + name);
     }
-    if (name == "overlap") {
+    for (const json& j : r.lines) {
+      if (j.contains("timeline_bytes_match_plan")) {
+        EXPECT_TRUE(j["timeline_bytes_match_plan"].get<bool>()) << "the timeline's link bytes: " << j.dump();
+      }
+    }
+    if (name == "overlap" && args.find("--trace") != std::string::npos) {
       EXPECT_NE(r.err.find("wrote a trace of 3 streamed steps (1 of 2 configurations)"), std::string::npos) << r.err;
       EXPECT_FALSE(json::parse(slurp(d / "overlap.json"), nullptr, false).is_discarded());
     }

@@ -94,8 +94,15 @@ TEST(PhaseController, WarmupFullPredictCorrectCycleWithAdaptiveLength) {
   }
   EXPECT_EQ(c.counts().runs, 2u);
   EXPECT_EQ(c.counts().steps[static_cast<int>(Phase::predict)], 6u);
+  // A run decided on and never stepped (the training ended there) is not counted.
+  int good = 0;
+  for (; good < 4 && c.next() == Phase::full; ++good) c.record_full(full_loss(i++), fit_of(0.9));
+  ASSERT_EQ(c.next(), Phase::predict);
+  EXPECT_EQ(c.counts().runs, 2u);
+  EXPECT_EQ(c.record_predict(1.0f), Verdict::go_on);
+  EXPECT_EQ(c.counts().runs, 3u);
   EXPECT_EQ(c.counts().steps[static_cast<int>(Phase::correct)], 2u);
-  EXPECT_NEAR(c.predict_fraction(), 6.0 / (3 + 2 + 2 + 10 + 6 + 2), 1e-12);
+  EXPECT_NEAR(c.predict_fraction(), 7.0 / (3 + 2 + 2 + 10 + good + 7 + 2), 1e-12);
 }
 
 // Drives a controller into its first Predict step.

@@ -586,7 +586,7 @@ TEST(HostOptimizer, AccumulatesOnTheHostAsTheDeviceDid) {
   // point skip, as the kernel skipped its sum).
   const auto sums_before = host.read_tensor(host.parameter_names().front() + ".grad_sum").bytes;
   const std::vector<float> bad(8 * sample, 3e38f);                      // finite inputs whose products overflow
-  EXPECT_THROW(host.step(bad, labels_for(8, 80)), std::runtime_error);  // "training diverged at step ..."
+  EXPECT_THROW(host.step(bad, labels_for(8, 80)), std::runtime_error);  // "training diverged at optimizer update ..."
   EXPECT_EQ(host.read_tensor(host.parameter_names().front() + ".grad_sum").bytes, sums_before);
   EXPECT_NEAR(step(host, 2).loss, step(device, 2).loss, 1e-6f);
   for (const auto& name : host.parameter_names()) {

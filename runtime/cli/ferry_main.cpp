@@ -407,8 +407,7 @@ int cmd_train(const TrainArgs& a) {
   const double eval_seconds =
       run.position.boundary_seconds + std::chrono::duration<double>(Clock::now() - final_eval_start).count();
   std::vector<std::string> output_errors;
-  write_trace(a, trace, output_errors);
-  write_memory_profiles(a, trainer, profiler, output_errors);
+  write_run_outputs(a, trainer, trace, profiler, run.steps_run, output_errors);
   if (!a.quiet) {
     std::cerr << fmt::format("ferry: test accuracy {:.4f}, {:.0f} samples/s, {:.2f} ms/step, device peak {}\n",
                              final_eval.accuracy, run.units_per_second, run.mean_step_ms,
@@ -824,7 +823,7 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& t) {
   train->add_flag("--force", t.force,
                   "Let --checkpoint, --trace and --profile* replace an existing file that ferry did not write, and "
                   "--checkpoint another run's checkpoint (starting over instead of resuming it); never a device "
-                  "node, folder, link or one of the run's inputs");
+                  "node, folder, link or one of the run's inputs, and --trace or --profile* never a checkpoint");
   train
       ->add_option("--zero", t.zero,
                    "Data parallel (mpirun -np N ferry train ...): the ZeRO stage; 0 keeps all optimizer state on every "

@@ -76,6 +76,13 @@ void check_one(const Output& o, bool force) {
       throw refuse(o, fmt::format("the file exists and cannot be written: {}", std::strerror(errno)));
     }
     const std::string head = head_of(p, o.signature.size());
+    const std::string_view checkpoint(ferry::checkpoint_magic, 8);
+    if (o.signature != checkpoint && head_of(p, checkpoint.size()) == checkpoint) {
+      throw refuse(o, fmt::format("the file holds a ferry checkpoint (a run's training state), which the {} would "
+                                  "replace: give the {} another path (--force never replaces a checkpoint with "
+                                  "another output)",
+                                  o.kind, o.kind));
+    }
     if (!force && !head.empty() && head != o.signature) {
       throw refuse(o, fmt::format("the file exists and is not a {} ferry wrote (it begins with '{}'): give another "
                                   "path, or --force to replace it",

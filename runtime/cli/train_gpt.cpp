@@ -418,8 +418,7 @@ int cmd_train_gpt(const TrainArgs& args) {
   const std::uint64_t done = run.position.done;
   const double train_seconds = run.position.train_seconds;
   std::vector<std::string> output_errors;
-  write_trace(a, trace, output_errors);
-  write_memory_profiles(a, trainer, profiler, output_errors);
+  write_run_outputs(a, trainer, trace, profiler, run.steps_run, output_errors);
   const double tokens_per_s = static_cast<double>(done) * batch * t / train_seconds;
   int sample_stopped_by = 0;
   const std::string sample = a.sample ? print_sample(a, trainer, corpus, t, sample_stopped_by) : std::string();

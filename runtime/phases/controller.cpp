@@ -213,12 +213,13 @@ void PhaseController::record_full(float loss, const FitStats* fit) {
     in_phase_ = 0;
     cut_short_ = false;
     predict_losses_.clear();
-    ++counts_.runs;
   }
 }
 
 PhaseController::Verdict PhaseController::record_predict(float loss) {
   ++counts_.steps[static_cast<int>(Phase::predict)];
+  // A run counts at its first step: one decided on at a run's last update never ran.
+  if (in_phase_ == 0) ++counts_.runs;
   ++in_phase_;
   const double mean = loss_mean(), sd = loss_sd();
   if (!std::isfinite(loss) || loss - mean > config_.max_loss_gap) {

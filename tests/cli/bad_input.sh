@@ -287,8 +287,8 @@ row "--checkpoint over another run's checkpoint" "add --resume $work/good.ckpt t
   train "${quick[@]}" --checkpoint "$work/good.ckpt"
 row "corrupt checkpoint (one byte flipped)" "fails its checksum" error - train "${quick[@]}" --resume "$work/flipped.ckpt"
 head -c 1000 "$work/good.ckpt" >"$work/cut.ckpt"
-row "truncated checkpoint" "truncated" error - train "${quick[@]}" --resume "$work/cut.ckpt"
-row "truncated checkpoint described" "truncated" error - checkpoint "$work/cut.ckpt"
+row "truncated checkpoint" "and it has 1000 bytes" error - train "${quick[@]}" --resume "$work/cut.ckpt"
+row "truncated checkpoint described" "and it has 1000 bytes" error - checkpoint "$work/cut.ckpt"
 mkfifo "$work/pipe.ckpt"
 row "--resume from a FIFO" "checkpoint '$work/pipe.ckpt' is a FIFO (named pipe), not a regular file" error - \
   train "${quick[@]}" --resume "$work/pipe.ckpt"
@@ -403,7 +403,7 @@ row "--checkpoint onto a data file, even with --force" "is a file of the data se
 row "--checkpoint onto a symbolic link" "it is a symbolic link" error - train "${quick[@]}" --checkpoint "$work/link.ckpt"
 row "two outputs with one path" "--checkpoint and --trace name the same file" error - \
   train "${quick[@]}" --checkpoint "$work/run.out" --trace "$work/run.out"
-row "--profile onto the --resume file" "is not a memory profile ferry wrote" error - \
+row "--profile onto the --resume file" "holds a ferry checkpoint" error - \
   train "${quick[@]}" --resume "$work/good.ckpt" --profile "$work/good.ckpt"
 survived=1
 [ -c /dev/null ] || survived=0
@@ -466,7 +466,7 @@ for where in full closed; do
 done
 
 # Training that diverges.
-row "learning rate 1e37 (the loss turns NaN)" "training diverged at step 2" error - \
+row "learning rate 1e37 (the loss turns NaN)" "training diverged at optimizer update 2" error - \
   train --optimizer sgd --momentum 0 --lr 1e37 "${quick[@]}"
 
 [ -n "$markdown" ] && exit 0

@@ -121,6 +121,9 @@ check "the per-phase memory CSV has 7 fields on every line and a predict row" ba
 check "hybrid phases report the predicted fraction and the steps per phase" bash -c "grep -q '\"phases\":\"hybrid\"' <<<'$hybrid' && grep -q '\"predict_fraction\":0\.[0-9]*[1-9]' <<<'$hybrid' && grep -q '\"phase_steps\":{\"correct\"' <<<'$hybrid'"
 accumulated=$("$ferry" train --model mlp --epochs 1 --train-limit 1024 --batch 64 --accumulate 4 --quiet --json)
 check "--accumulate 4 makes one update per 4 micro-batches" bash -c "grep -q '\"optimizer_updates\":4,' <<<'$accumulated' && grep -q '\"accumulate\":4' <<<'$accumulated'"
+# A loss-scaled run whose steps mostly overflow (fp16 at a learning rate of 1000: 9 of 10) says so.
+"$ferry" train --model mlp --epochs 1 --train-limit 640 --batch 64 --precision fp16 --lr 1000 --quiet >/dev/null 2>"$work/overflowed.txt"
+check "an fp16 run whose steps mostly overflowed ends with a warning" grep -q "steps overflowed under fp16 loss scaling" "$work/overflowed.txt"
 plan=$("$ferry" plan --model mlp --phases hybrid --device-budget 24MiB --json)
 check "ferry plan --json has each phase's bytes and a recommendation" bash -c "grep -q '\"predict\":{' <<<'$plan' && grep -q '\"min_budget_streamed_bytes\":[1-9]' <<<'$plan' && grep -q '\"recommended\":{\"device_bytes\":[1-9][0-9]*,\"flags\":\"--' <<<'$plan'"
 check "ferry plan prints a table" bash -c "'$ferry' plan --model cnn | grep -q 'minimum budget'"
@@ -202,6 +205,9 @@ again=$("$ferry" train "${ck[@]}" --epochs 2 --resume "$work/two.ckpt")
 check "resuming a finished run reports it without training" test "$(results "$again")" = "$(results "$two")"
 said=$("$ferry" train --model mlp --train-limit 2048 --schedule constant --epochs 2 --resume "$work/two.ckpt" 2>&1 >/dev/null)
 check "... and says so" grep -q "every epoch --epochs 2 asks for is done, so none is trained" <<<"$said"
+expect_error "--trace never replaces a checkpoint, --force or not" "holds a ferry checkpoint" \
+  train "${ck[@]}" --epochs 1 --trace "$work/two.ckpt" --force
+check "... which is left as it was" bash -c "head -c 8 '$work/two.ckpt' | grep -q FERRYCKP"
 
 # SIGINT after the first progress line (mid-epoch, cosine schedule), then the printed command.
 sig=(train --model mlp --epochs 2 --train-limit 8192 --json --checkpoint "$work/sig.ckpt")

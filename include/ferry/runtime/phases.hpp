@@ -95,7 +95,7 @@ class PhaseController {
 
   struct Counts {
     std::uint64_t steps[phase_count] = {};
-    std::uint64_t runs = 0;      // Predict runs started
+    std::uint64_t runs = 0;      // Predict runs that ran (counted at their first step)
     std::uint64_t ended = 0;     // runs cut short by the divergence monitor
     std::uint64_t restores = 0;  // runs whose weights were put back
   };

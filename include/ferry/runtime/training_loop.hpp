@@ -148,7 +148,8 @@ struct LoopSummary {
 
 class TrainingLoop {
  public:
-  // Throws std::invalid_argument for steps 0, a time limit that is no finite number >= 0 or an
+  // Throws std::invalid_argument for steps 0, steps that are not whole epochs (a multiple of
+  // steps_per_epoch where that is not 0), a time limit that is no finite number >= 0 or an
   // invalid schedule. `trainer` and `batches` must outlive the loop; it is not copied (a copy
   // would share them and their position).
   TrainingLoop(Trainer& trainer, BatchSource& batches, TrainingLoopOptions options);
