@@ -73,26 +73,34 @@ void refuse_to_replace(const std::filesystem::path& path, std::string_view what,
     throw std::runtime_error(fmt::format("cannot write the {} to '{}': it is {}, not a regular file: give a file path",
                                          what, path.string(), file_type_name(st.type())));
   }
-  if (fs::file_size(path, ec) == 0) return;  // an empty file: a name made for it
+  if (const std::optional<std::string> why = content_refusal(path, what, signature, replace_foreign_file)) {
+    throw std::runtime_error(fmt::format("cannot write the {} to '{}': {}", what, path.string(), *why));
+  }
+}
+
+std::optional<std::string> content_refusal(const std::filesystem::path& path, std::string_view what,
+                                           std::string_view signature, bool replace_foreign_file) {
+  std::error_code ec;
+  if (std::filesystem::file_size(path, ec) == 0) return std::nullopt;  // an empty file: a name made for it
   std::ifstream in(path, std::ios::binary);
   const std::string_view checkpoint(checkpoint_magic, 8);
-  std::string head(std::max(signature.size(), checkpoint.size()), '\0');
+  std::string head(std::max<std::size_t>({signature.size(), checkpoint.size(), 24}), '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));
   head.resize(static_cast<std::size_t>(in.gcount()));
   if (signature != checkpoint && head.starts_with(checkpoint)) {
-    // A checkpoint holds a run's state: no other output replaces it, --force or not (that is for
-    // files ferry did not write).
-    throw std::runtime_error(fmt::format(
-        "cannot write the {} to '{}': the file holds a ferry checkpoint (a run's training state), which the {} "
-        "would replace: give the {} another path",
-        what, path.string(), what, what));
+    return fmt::format(
+        "the file holds a ferry checkpoint (a run's training state), which the {} would replace: give "
+        "the {} another path (replacing a file on purpose never replaces a checkpoint)",
+        what, what);
   }
-  if (replace_foreign_file) return;
-  if (head.starts_with(signature)) return;  // (an unreadable file reads as nothing, and is refused)
-  throw std::runtime_error(fmt::format(
-      "cannot write the {} to '{}': the file exists and is not a {} ferry wrote, so it is left as it is: give "
-      "another path, or replace it on purpose (WriteOptions::replace_foreign_file; ferry train --force)",
-      what, path.string(), what));
+  if (replace_foreign_file || head.starts_with(signature)) return std::nullopt;  // (unreadable: refused)
+  for (char& c : head) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '.';
+  }
+  return fmt::format(
+      "the file exists and is not a {} ferry wrote, so it is left as it is (it begins with '{}'): give another path, "
+      "or replace it on purpose (ferry train --force; WriteOptions::replace_foreign_file)",
+      what, head.substr(0, 24));
 }
 
 void write_output_file(const std::filesystem::path& path, const char* what, std::string_view signature,

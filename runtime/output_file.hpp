@@ -15,10 +15,16 @@
 
 namespace ferry {
 
-// Throws std::runtime_error, before anything is written, when `path` names what an output (`what`:
-// "checkpoint", "trace file"...) must not replace: a symbolic link, anything but a regular file,
-// or, unless `replace_foreign_file`, a non-empty file that does not begin with `signature` (how
-// such a file ferry wrote begins).
+// Why the existing regular file at `path` must not be replaced by an output (`what`: "checkpoint",
+// "trace file"...) whose files begin with `signature`, or nothing where it may: a ferry checkpoint
+// is replaced only by a checkpoint, whatever the caller allows (it is a run's training state), and,
+// unless `replace_foreign_file`, a non-empty file that does not begin with `signature` is not one
+// ferry wrote. (ferry train checks its outputs by this rule before training, as writes do.)
+std::optional<std::string> content_refusal(const std::filesystem::path& path, std::string_view what,
+                                           std::string_view signature, bool replace_foreign_file);
+
+// Throws std::runtime_error, before anything is written, when `path` names what an output must not
+// replace: a symbolic link, anything but a regular file, or a file content_refusal refuses.
 void refuse_to_replace(const std::filesystem::path& path, std::string_view what, std::string_view signature,
                        bool replace_foreign_file);
 

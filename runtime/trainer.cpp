@@ -619,9 +619,8 @@ StepResult Trainer::finish_training_step(Pending& p) {
           fmt::format("weight {} is not finite (training diverged before optimizer update {})", bad, steps_ + 1);
       throw std::runtime_error(fmt::format(
           "training diverged before optimizer update {}: the loss is {} because weight {} was already not finite "
-          "before this "
-          "step ({}; learning rate {}): the update was skipped, but the weights are not usable: go back to a "
-          "checkpoint from before the divergence and lower the learning rate",
+          "before this step ({}; learning rate {}): the update was skipped, but the weights are not usable: go back "
+          "to a checkpoint from before the divergence and lower the learning rate",
           steps_ + 1, r.loss, bad,
           weights_checked_at_ > 0 ? fmt::format("they were last checked finite after update {}", weights_checked_at_)
                                   : std::string("they were not checked finite after any update"),
@@ -629,10 +628,9 @@ StepResult Trainer::finish_training_step(Pending& p) {
     }
     throw std::runtime_error(fmt::format(
         "training diverged at optimizer update {}: the loss is {} (learning rate {}); the update was skipped, so the "
-        "weights and "
-        "optimizer state are those from before this step: lower the learning rate or check the data (a loss that "
-        "stays non-finite on every batch means an earlier update left the weights finite but huge: go back to a "
-        "checkpoint from before it)",
+        "weights and optimizer state are those from before this step: lower the learning rate or check the data (a "
+        "loss that stays non-finite on every batch means an earlier update left the weights finite but huge: go back "
+        "to a checkpoint from before it)",
         steps_ + 1, r.loss, lr_));
   }
   if (options_.precision.scaled()) {
@@ -646,12 +644,11 @@ StepResult Trainer::finish_training_step(Pending& p) {
       return r;
     }
   } else if (!std::isfinite(guard)) {
-    throw std::runtime_error(fmt::format(
-        "training diverged at optimizer update {}: the loss ({}) is finite, but a weight gradient is not ({}; learning "
-        "rate {}); "
-        "the update was skipped, so the weights and optimizer state are those from before this step: lower the "
-        "learning rate or check the data",
-        steps_ + 1, r.loss, unusable_gradient_text, lr_));
+    throw std::runtime_error(
+        fmt::format("training diverged at optimizer update {}: the loss ({}) is finite, but a weight gradient is not "
+                    "({}; learning rate {}); the update was skipped, so the weights and optimizer state are those "
+                    "from before this step: lower the learning rate or check the data",
+                    steps_ + 1, r.loss, unusable_gradient_text, lr_));
   }
   ++steps_;
   micro_ = 0;  // (after a diverged last micro-batch the group waits for another one)
@@ -673,12 +670,11 @@ StepResult Trainer::finish_training_step(Pending& p) {
     if (bad.empty() && updates_broke_weights) throw_non_finite_state(r.loss);
     if (!bad.empty()) {
       inconsistent_ = fmt::format("weight {} is not finite (training diverged at optimizer update {})", bad, steps_);
-      throw std::runtime_error(fmt::format(
-          "training diverged at optimizer update {}: the loss ({}) was finite, but this step's update made weight {} "
-          "not finite "
-          "(learning rate {}): the weights are NOT those from before this step and are not usable: go back to a "
-          "checkpoint from before this step and lower the learning rate",
-          steps_, r.loss, bad, lr_));
+      throw std::runtime_error(
+          fmt::format("training diverged at optimizer update {}: the loss ({}) was finite, but this step's update "
+                      "made weight {} not finite (learning rate {}): the weights are NOT those from before this step "
+                      "and are not usable: go back to a checkpoint from before this step and lower the learning rate",
+                      steps_, r.loss, bad, lr_));
     }
   }
   weights_checked_at_ = steps_;  // every update checked what it wrote
@@ -703,23 +699,21 @@ void Trainer::throw_non_finite_state(double loss) {
     if (it != values.end()) bad = fmt::format("'{}' (element {} is {})", t.name[id], it - values.begin(), *it);
   }
   if (bad.empty()) {  // (an update said so, yet what it wrote reads back finite: not explained as above)
-    inconsistent_ = fmt::format("an update of step {} reported a value it wrote not finite", steps_);
-    throw std::runtime_error(fmt::format(
-        "training diverged at optimizer update {}: the loss ({}) was finite, but an update reported a weight or "
-        "optimizer state "
-        "it wrote not finite, and reading them back found none: the training state is not trusted: go back to a "
-        "checkpoint from before this step",
-        steps_, loss));
+    inconsistent_ = fmt::format("update {} reported a value it wrote not finite", steps_);
+    throw std::runtime_error(
+        fmt::format("training diverged at optimizer update {}: the loss ({}) was finite, but an update reported a "
+                    "weight or optimizer state it wrote not finite, and reading them back found none: the training "
+                    "state is not trusted: go back to a checkpoint from before this step",
+                    steps_, loss));
   }
   inconsistent_ =
       fmt::format("optimizer state {} is not finite (training diverged at optimizer update {})", bad, steps_);
   throw std::runtime_error(fmt::format(
-      "training diverged at optimizer update {}: the loss ({}) and the weights are finite, but this step's update made "
-      "optimizer "
-      "state {} not finite: the gradient the update squares (the weight gradient the overflow guard took, plus the "
-      "L2 weight decay times the weight) overflowed, after which its weight would never change again; the state is not "
-      "usable: go back to a checkpoint from before this step and check the "
-      "weights' magnitudes and the weight decay, or lower the learning rate",
+      "training diverged at optimizer update {}: the loss ({}) and the weights are finite, but this step's update "
+      "made optimizer state {} not finite: the gradient the update squares (the weight gradient the overflow guard "
+      "took, plus the L2 weight decay times the weight) overflowed, after which its weight would never change again; "
+      "the state is not usable: go back to a checkpoint from before this step and check the weights' magnitudes and "
+      "the weight decay, or lower the learning rate",
       steps_, loss, bad));
 }
 

@@ -161,12 +161,9 @@ ferry::ModelSpec make_model(const TrainArgs& a);
 // The JSON fields of phases, accumulation, recomputation and precision (docs/phases.md) into `j`.
 void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer);
 
-// Warns (even with --quiet) where most of the `steps_run` steps of a loss-scaled run overflowed and
-// updated nothing: such a run ends with exit 0 and a model that barely trained.
-void warn_if_mostly_overflowed(const ferry::Trainer& trainer, std::uint64_t steps_run);
-
-// At the end of a run of `steps_run` steps: warn_if_mostly_overflowed, write_trace and
-// write_memory_profiles (declared below).
+// At the end of a run of `steps_run` steps: a warning (even with --quiet) where most of them
+// overflowed under loss scaling and updated nothing (such a run ends with exit 0 and a model that
+// barely trained), then write_trace and write_memory_profiles (declared below).
 void write_run_outputs(const TrainArgs& a, const ferry::Trainer& trainer, const ferry::ChromeTrace& trace,
                        ferry::MemoryProfiler& profiler, std::uint64_t steps_run, std::vector<std::string>& errors);
 

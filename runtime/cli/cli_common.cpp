@@ -285,20 +285,17 @@ void add_phase_fields(nlohmann::json& j, const ferry::Trainer& trainer) {
   j["predict_write_back_bytes_per_step"] = compiled_predict_step(trainer)->residency().write_back_bytes;
 }
 
-void warn_if_mostly_overflowed(const ferry::Trainer& trainer, std::uint64_t steps_run) {
-  // (A resumed trainer's count includes the steps before the resume: at most this run's are its.)
-  const std::uint64_t overflowed = std::min<std::uint64_t>(trainer.overflow_steps(), steps_run);
-  if (!trainer.options().precision.scaled() || steps_run < 4 || 2 * overflowed <= steps_run) return;
-  std::cerr << fmt::format(
-      "ferry: warning: {} of this run's {} steps overflowed under {} loss scaling and updated nothing (the loss scale "
-      "is now {}): the gradients overflow even scaled down, so the model barely trained; lower the learning rate "
-      "(--lr), or train in bf16 (--precision bf16), whose range is fp32's\n",
-      overflowed, steps_run, precision_name(trainer.options().precision.compute), trainer.loss_scale());
-}
-
 void write_run_outputs(const TrainArgs& a, const ferry::Trainer& trainer, const ferry::ChromeTrace& trace,
                        ferry::MemoryProfiler& profiler, std::uint64_t steps_run, std::vector<std::string>& errors) {
-  warn_if_mostly_overflowed(trainer, steps_run);
+  // (A resumed trainer's count includes the steps before the resume: at most this run's are its.)
+  const std::uint64_t overflowed = std::min<std::uint64_t>(trainer.overflow_steps(), steps_run);
+  if (trainer.options().precision.scaled() && steps_run >= 4 && 2 * overflowed > steps_run) {
+    std::cerr << fmt::format(
+        "ferry: warning: {} of this run's {} steps overflowed under {} loss scaling and updated nothing (the loss "
+        "scale is now {}): the gradients overflow even scaled down, so the model barely trained; lower the learning "
+        "rate (--lr), or train in bf16 (--precision bf16), whose range is fp32's\n",
+        overflowed, steps_run, precision_name(trainer.options().precision.compute), trainer.loss_scale());
+  }
   write_trace(a, trace, errors);
   write_memory_profiles(a, trainer, profiler, errors);
 }

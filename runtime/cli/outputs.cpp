@@ -36,13 +36,6 @@ std::invalid_argument refuse(const Output& o, const std::string& why) {
       fmt::format("{} {}: {} (checked before training, so nothing is lost)", o.flag, o.path, why));
 }
 
-std::string printable(std::string s) {
-  for (char& c : s) {
-    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '.';
-  }
-  return s;
-}
-
 // The path as it would be reached, for comparing outputs with each other and with inputs.
 fs::path resolved(const std::string& path) {
   std::error_code ec;
@@ -75,19 +68,7 @@ void check_one(const Output& o, bool force) {
     if (access(p.c_str(), W_OK) != 0) {
       throw refuse(o, fmt::format("the file exists and cannot be written: {}", std::strerror(errno)));
     }
-    const std::string head = head_of(p, o.signature.size());
-    const std::string_view checkpoint(ferry::checkpoint_magic, 8);
-    if (o.signature != checkpoint && head_of(p, checkpoint.size()) == checkpoint) {
-      throw refuse(o, fmt::format("the file holds a ferry checkpoint (a run's training state), which the {} would "
-                                  "replace: give the {} another path (--force never replaces a checkpoint with "
-                                  "another output)",
-                                  o.kind, o.kind));
-    }
-    if (!force && !head.empty() && head != o.signature) {
-      throw refuse(o, fmt::format("the file exists and is not a {} ferry wrote (it begins with '{}'): give another "
-                                  "path, or --force to replace it",
-                                  o.kind, printable(head_of(p, 24))));
-    }
+    if (const auto why = ferry::content_refusal(p, o.kind, o.signature, force)) throw refuse(o, *why);
   }
   // Creating a file there must work.
   if (const auto why = ferry::cannot_create_in(folder)) {
